@@ -1,0 +1,99 @@
+"""The inference client contract the runner drives, and the result of one call.
+
+Clients never raise for a failed call: a failure is a :class:`CallResult` whose
+``status`` is a gRPC status name (``"RESOURCE_EXHAUSTED"``, ``"UNAVAILABLE"``,
+...), so the runner counts failures instead of hiding them. Cancellation
+(``asyncio.CancelledError``) does propagate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+TIERS = ("device", "host", "spill_ram", "spill_disk")
+OK = "ok"
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """What one ``generate`` call produced, as the client saw it.
+
+    Attributes:
+        status: ``"ok"`` or a gRPC status name.
+        text: the generated text (what streamed before a failure, if any).
+        prompt_tokens / completion_tokens: as reported by the server.
+        cached_<tier>_tokens: prompt tokens whose KV was reused from that tier.
+        ttft_ms: client-observed, from sending the request to the first output
+            token (the server's figure when no token was streamed); None if unknown.
+        tpot_ms: client-observed mean gap between output tokens after the first
+            (the server's figure when the client cannot tell); None if < 2 tokens.
+        server_ttft_ms / server_tpot_ms / queue_ms: the server's own figures.
+        start_s / end_s: ``time.monotonic()`` when the request was sent / finished.
+        preempted: the server preempted the request at least once.
+        finish_reason: ``stop``, ``length`` or ``abort`` (empty on failure).
+        node_id: the cache node that served it.
+        error: the failure's details (empty when ok).
+    """
+
+    status: str
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_device_tokens: int = 0
+    cached_host_tokens: int = 0
+    cached_spill_ram_tokens: int = 0
+    cached_spill_disk_tokens: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    server_ttft_ms: float | None = None
+    server_tpot_ms: float | None = None
+    queue_ms: float | None = None
+    start_s: float = 0.0
+    end_s: float = 0.0
+    preempted: bool = False
+    finish_reason: str = ""
+    node_id: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def cached_tokens(self, tier: str) -> int:
+        """Cached prompt tokens from ``tier`` (one of ``TIERS``)."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; known: {TIERS}")
+        return int(getattr(self, f"cached_{tier}_tokens"))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class InferenceClient(Protocol):
+    """What the runner needs from a serving endpoint."""
+
+    async def generate(
+        self,
+        *,
+        api_key: str,
+        session_id: str,
+        messages: list[dict[str, str]],
+        max_tokens: int,
+        temperature: float,
+        request_id: str,
+    ) -> CallResult:
+        """Send ``messages`` (appended to ``session_id``'s history), stream the reply.
+
+        Never raises for a failed call; returns a non-ok :class:`CallResult`.
+        """
+        ...
+
+    async def close_session(self, *, api_key: str, session_id: str) -> str:
+        """Free the session's server-side state; returns ``"ok"`` or a status name."""
+        ...
+
+
+StatsProbe = Callable[[], Awaitable[dict[str, float]]]
+"""Samples server stats (e.g. ``device_bytes_used``) for the run's time series."""

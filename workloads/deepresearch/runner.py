@@ -1,0 +1,247 @@
+"""Runs a :class:`WorkloadPlan` against an :class:`InferenceClient`, in real time.
+
+Every research session is an asyncio task that sleeps until its arrival; the
+lead's plan call goes first, then all sub-agents run concurrently (each waits
+its tool pauses between turns), then the lead's report call gets their last
+outputs as findings. Times are multiplied by ``RunOptions.time_scale``.
+
+A failed call stops its agent: the agent's remaining calls are recorded as
+``SKIPPED`` (a failed lead plan skips the whole session), so every planned call
+appears in the records exactly once. Each agent's session is closed when the
+agent is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from workloads.deepresearch.client import InferenceClient, StatsProbe
+from workloads.deepresearch.plan import AgentScript, PlannedCall, ResearchSession, WorkloadPlan
+from workloads.deepresearch.records import call_record, skipped_record
+from workloads.text import first_words
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a plan.
+
+    Attributes:
+        time_scale: multiplies arrival times and tool pauses (0.1 = ten times faster).
+        temperature: sampling temperature sent with every call.
+        resend_history: send the agent's whole conversation each turn (for servers
+            that do not keep history by session id) instead of only the new messages.
+        session_prefix: prepended to session and request ids on the wire, so two
+            runs against one server never share a session.
+        probe_interval_s: seconds between stats samples (wall clock, not scaled).
+        show_progress: draw a rich progress bar per tenant.
+        findings_words: words of each sub-agent's answer passed to the lead.
+    """
+
+    time_scale: float = 1.0
+    temperature: float = 0.0
+    resend_history: bool = False
+    session_prefix: str = ""
+    probe_interval_s: float = 1.0
+    show_progress: bool = True
+    findings_words: int = 40
+
+    def __post_init__(self) -> None:
+        if self.time_scale < 0 or self.probe_interval_s <= 0 or self.findings_words <= 0:
+            raise ValueError(
+                "need time_scale >= 0, probe_interval_s > 0 and findings_words > 0, got "
+                f"{self.time_scale}, {self.probe_interval_s}, {self.findings_words}"
+            )
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Records in completion order, stats samples in time order, and totals."""
+
+    records: tuple[dict[str, Any], ...]
+    timeseries: tuple[dict[str, Any], ...]
+    wall_s: float
+    close_failures: int
+
+
+class _Run:
+    """Shared state of one run: clock, client, keys, records, progress."""
+
+    def __init__(self, client: InferenceClient, api_keys: Mapping[str, str], options: RunOptions,
+                 progress: Progress, tasks: dict[str, Any]) -> None:  # fmt: skip
+        self.client, self.api_keys, self.options = client, api_keys, options
+        self.progress, self.tasks = progress, tasks
+        self.t0_s = time.monotonic()
+        self.records: list[dict[str, Any]] = []
+        self.close_failures = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self.progress.advance(self.tasks[record["tenant"]])
+
+    def skip(self, calls: tuple[PlannedCall, ...], reason: str) -> None:
+        for call in calls:
+            self.add(skipped_record(call, reason, time.monotonic(), self.t0_s))
+
+    async def sleep_until(self, at_s: float) -> None:
+        await asyncio.sleep(max(0.0, self.t0_s + at_s * self.options.time_scale - time.monotonic()))
+
+
+class _Agent:
+    """One agent's conversation: sends its calls in order, keeps the transcript."""
+
+    def __init__(self, run: _Run, script: AgentScript) -> None:
+        self.run, self.script = run, script
+        self.history: list[dict[str, str]] = []
+        self.last: dict[str, Any] | None = None
+        self.sent = False
+
+    async def call(self, call: PlannedCall, findings: str = "") -> bool:
+        """Wait the call's pause, send it, record it; True when it succeeded."""
+        run, prefix = self.run, self.run.options.session_prefix
+        await asyncio.sleep(call.pause_s * run.options.time_scale)
+        messages = call.render_messages(findings)
+        send = self.history + messages if run.options.resend_history else messages
+        self.sent = True
+        result = await run.client.generate(
+            api_key=run.api_keys[call.tenant], session_id=prefix + call.session_id,
+            messages=send, max_tokens=call.max_tokens, temperature=run.options.temperature,
+            request_id=prefix + call.call_id,
+        )  # fmt: skip
+        self.last = call_record(call, result, run.t0_s)
+        run.add(self.last)
+        if result.ok:
+            self.history += [*messages, {"role": "assistant", "content": result.text}]
+        return result.ok
+
+    async def run_calls(self, calls: tuple[PlannedCall, ...]) -> None:
+        """Send ``calls`` in order; after a failure, record the rest as skipped."""
+        for i, call in enumerate(calls):
+            if not await self.call(call):
+                self.run.skip(calls[i + 1 :], f"not sent: {call.call_id} ended {self.last_status}")
+                return
+
+    @property
+    def last_status(self) -> str:
+        return self.last["status"] if self.last else "not run"
+
+    async def close(self) -> None:
+        if not self.sent:
+            return
+        status = await self.run.client.close_session(
+            api_key=self.run.api_keys[self.script.calls[0].tenant],
+            session_id=self.run.options.session_prefix + self.script.session_id,
+        )
+        self.run.close_failures += status != "ok"
+
+
+def _findings(subs: list[_Agent], words: int) -> str:
+    lines = []
+    for sub in subs:
+        if sub.last is not None and sub.last["status"] == "ok":
+            lines.append(f"- {sub.script.agent}: {first_words(sub.last['text'], words)}")
+        else:
+            lines.append(f"- {sub.script.agent}: (no answer: {sub.last_status})")
+    return "\n".join(lines)
+
+
+async def _run_session(run: _Run, session: ResearchSession) -> None:
+    await run.sleep_until(session.arrival_s)
+    lead = _Agent(run, session.lead)
+    plan_call, report_call = session.lead.calls
+    subs = [_Agent(run, script) for script in session.subagents]
+    if not await lead.call(plan_call):
+        reason = f"not sent: lead plan {plan_call.call_id} ended {lead.last_status}"
+        for script in session.subagents:
+            run.skip(script.calls, reason)
+        run.skip((report_call,), reason)
+    else:
+        await asyncio.gather(*(_run_agent(sub) for sub in subs))
+        await lead.call(report_call, _findings(subs, run.options.findings_words))
+    await lead.close()
+
+
+async def _run_agent(agent: _Agent) -> None:
+    await agent.run_calls(agent.script.calls)
+    await agent.close()
+
+
+async def _sample(run: _Run, probe: StatsProbe, out: list[dict[str, Any]]) -> None:
+    """Append one sample (or an error sample: a failed probe is recorded, not fatal)."""
+    t_s = time.monotonic() - run.t0_s
+    try:
+        out.append({"t_s": t_s, **await probe()})
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        out.append({"t_s": t_s, "error": f"{type(exc).__name__}: {exc}"})
+
+
+async def _probe_loop(run: _Run, probe: StatsProbe, out: list[dict[str, Any]]) -> None:
+    """Sample ``probe`` every ``probe_interval_s`` until cancelled."""
+    while True:
+        await _sample(run, probe, out)
+        await asyncio.sleep(run.options.probe_interval_s)
+
+
+def _progress(plan: WorkloadPlan, options: RunOptions, console: Console | None) -> tuple:
+    progress = Progress(
+        TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, disable=not options.show_progress,
+    )  # fmt: skip
+    totals: dict[str, int] = {}
+    for _, call in plan.calls():
+        totals[call.tenant] = totals.get(call.tenant, 0) + 1
+    return progress, {t: progress.add_task(t, total=n) for t, n in sorted(totals.items())}
+
+
+async def run_workload(
+    plan: WorkloadPlan,
+    client: InferenceClient,
+    api_keys: Mapping[str, str],
+    *,
+    options: RunOptions | None = None,
+    stats_probe: StatsProbe | None = None,
+    console: Console | None = None,
+) -> RunResult:
+    """Run every session of ``plan``; returns all records and stats samples.
+
+    Args:
+        plan: from :func:`workloads.deepresearch.generator.generate_plan`.
+        client: any :class:`InferenceClient` (the gRPC one in production).
+        api_keys: tenant name -> API key; every tenant in the plan needs one.
+        options: timing and wire options (defaults: real time, greedy).
+        stats_probe: sampled every ``options.probe_interval_s`` while running,
+            once more at the end.
+        console: where the progress bar draws (default: stdout).
+
+    Raises:
+        ValueError: a tenant of the plan has no API key.
+    """
+    options = options or RunOptions()
+    missing = sorted({s.tenant for s in plan.sessions} - set(api_keys))
+    if missing:
+        raise ValueError(f"no API key for tenants {missing}")
+    progress, tasks = _progress(plan, options, console)
+    run = _Run(client, api_keys, options, progress, tasks)
+    samples: list[dict[str, Any]] = []
+    with progress:
+        prober = (
+            asyncio.create_task(_probe_loop(run, stats_probe, samples)) if stats_probe else None
+        )
+        try:
+            await asyncio.gather(*(_run_session(run, s) for s in plan.sessions))
+        finally:
+            if prober is not None:
+                prober.cancel()
+                await asyncio.gather(prober, return_exceptions=True)
+    if stats_probe is not None:
+        await _sample(run, stats_probe, samples)
+    wall_s = time.monotonic() - run.t0_s
+    return RunResult(tuple(run.records), tuple(samples), wall_s, run.close_failures)
