@@ -1,0 +1,299 @@
+"""On-disk format of the spill tier: group files of many KV blocks, checksummed.
+
+A group file holds one demotion batch (up to the store's ``max_blocks_per_file``),
+so a 2k-token prefix with ``block_size`` 16 (128 blocks) is a few files. Layout::
+
+    offset 0   magic  b"KVSP"                       4 bytes
+    offset 4   header_len (uint32)                   4 bytes
+    offset 8   xxh3_128 digest of the header bytes  16 bytes
+    offset 24  header: msgpack map                   header_len bytes
+    then       payload: raw block bytes, C order    num_blocks * block_nbytes bytes
+
+Header keys: ``version``, ``block_hashes`` (32-byte each), ``namespace``,
+``shape`` (one block's), ``dtype`` (numpy ``dtype.str``, e.g. ``"<f2"``),
+``kv_format``, ``payload_bytes``, ``checksum`` (algorithm) and
+``block_checksums`` (one xxh3_128 digest per block, so a subset of blocks is
+read and verified without reading the whole payload). Writes go to a temp file
+in the same directory, fsync, then ``os.replace``. Every read verifies the
+header digest, the file length and each returned block's checksum; any fault
+raises ``SpillCorruptError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+FILE_SUFFIX = ".kvs"
+TEMP_PREFIX = ".tmp-"
+HASH_BYTES = 32
+CHECKSUM_ALGO = "xxh3_128"
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+_BIG_ENDIAN_HOST = sys.byteorder == "big"
+_MAGIC = b"KVSP"
+_PREFIX = struct.Struct("<4sI16s")
+
+
+class SpillCorruptError(Exception):
+    """A spill file is truncated, has a bad header, or fails its checksum."""
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """The fixed payload format of every block in one spill store.
+
+    ``shape``: one block's, e.g. ``(num_layers, 2, block_size, num_kv_heads, head_dim)``;
+    ``dtype``: numpy name (``"float16"``, ``"int8"``, ...); ``kv_format``: label of
+    the KV encoding (``"fp16"``, ``"int8-per-block-scale"``), kept in file headers.
+    Raises ValueError for a non-positive shape, non-numeric dtype, empty kv_format.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    kv_format: str
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.shape)
+        if not shape or any(d <= 0 for d in shape):
+            raise ValueError(f"BlockFormat.shape must be non-empty and positive, got {shape}")
+        try:
+            np_dtype = np.dtype(self.dtype)
+        except TypeError as exc:
+            raise ValueError(f"BlockFormat.dtype {self.dtype!r} is not a numpy dtype") from exc
+        if np_dtype.kind not in "iuf":
+            raise ValueError(f"BlockFormat.dtype must be int/uint/float, got {np_dtype}")
+        if not self.kv_format:
+            raise ValueError("BlockFormat.kv_format must be a non-empty string")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", np_dtype.name)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype of a block, native byte order."""
+        return np.dtype(self.dtype)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's payload."""
+        return int(np.prod(self.shape)) * self.np_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class GroupHeader:
+    """A verified group file header; the payload starts at byte ``payload_offset``."""
+
+    version: int
+    block_hashes: tuple[bytes, ...]
+    namespace: str
+    shape: tuple[int, ...]
+    dtype: str
+    kv_format: str
+    payload_bytes: int
+    block_checksums: tuple[bytes, ...]
+    payload_offset: int
+
+    @property
+    def file_bytes(self) -> int:
+        """The exact file length this header implies."""
+        return self.payload_offset + self.payload_bytes
+
+    def matches(self, block_format: BlockFormat) -> bool:
+        """True when the file's blocks have ``block_format``'s shape, dtype and kv_format."""
+        return (
+            self.shape == block_format.shape
+            and self.dtype == block_format.np_dtype.newbyteorder("<").str
+            and self.kv_format == block_format.kv_format
+        )
+
+
+def write_group(
+    path: Path,
+    block_hashes: Sequence[bytes],
+    blocks: np.ndarray,
+    namespace: str,
+    block_format: BlockFormat,
+) -> int:
+    """Atomically write ``blocks`` as one group file at ``path``; returns its size in bytes.
+
+    ``blocks``: ``(len(block_hashes), *block_format.shape)`` of ``block_format.dtype``;
+    ``namespace`` is recorded in the header. Raises ValueError when blocks do not
+    match, OSError when the write, fsync or rename fails (no partial file is left).
+    """
+    expected = (len(block_hashes), *block_format.shape)
+    if blocks.shape != expected or blocks.dtype != block_format.np_dtype:
+        raise ValueError(f"blocks {blocks.shape}/{blocks.dtype} do not match {expected}")
+    payload = np.ascontiguousarray(blocks, dtype=block_format.np_dtype.newbyteorder("<"))
+    header = _pack_header(block_hashes, payload, namespace, block_format)
+    prefix = _PREFIX.pack(_MAGIC, len(header), xxhash.xxh3_128_digest(header))
+    _atomic_write(path, [prefix, header, memoryview(payload).cast("B")])
+    return len(prefix) + len(header) + payload.nbytes
+
+
+def read_header(path: Path) -> GroupHeader:
+    """Read and verify a group file's header: magic, digest, fields, exact file length.
+
+    Raises SpillCorruptError for a truncated file or a bad/malformed header, and
+    OSError when the file cannot be opened or read (e.g. it is missing).
+    """
+    with open(path, "rb") as f:
+        return _read_header(f, path)
+
+
+def read_blocks(path: Path, block_format: BlockFormat, block_hashes: Sequence[bytes]) -> np.ndarray:
+    """Read and verify the blocks ``block_hashes`` of one group file.
+
+    Returns ``(len(block_hashes), *block_format.shape)``, row i = ``block_hashes[i]``.
+    Raises SpillCorruptError for a bad header, truncation, another block format, a
+    hash not in the file or a checksum mismatch; OSError when it cannot be read.
+    """
+    out = np.empty((len(block_hashes), *block_format.shape), dtype=block_format.np_dtype)
+    with open(path, "rb") as f:
+        header = _read_header(f, path)
+        if not header.matches(block_format):
+            raise SpillCorruptError(f"{path}: format {header.shape}/{header.dtype} != store's")
+        position = {h: i for i, h in enumerate(header.block_hashes)}
+        for row, block_hash in enumerate(block_hashes):
+            if block_hash not in position:
+                raise SpillCorruptError(f"{path}: block {block_hash.hex()} not in file")
+            _read_block(f, path, header, position[block_hash], out[row], block_format)
+    return out
+
+
+def _read_block(
+    f: Any, path: Path, header: GroupHeader, index: int, out: np.ndarray, fmt: BlockFormat
+) -> None:
+    f.seek(header.payload_offset + index * fmt.block_nbytes)
+    view = memoryview(out.view(np.uint8).reshape(-1))
+    if f.readinto(view) != fmt.block_nbytes:
+        raise SpillCorruptError(f"{path}: truncated in block {index}")
+    if xxhash.xxh3_128_digest(view) != header.block_checksums[index]:
+        raise SpillCorruptError(f"{path}: checksum mismatch in block {index}")
+    if _BIG_ENDIAN_HOST:
+        out.byteswap(inplace=True)  # the payload is little-endian on every host
+
+
+def _pack_header(
+    block_hashes: Sequence[bytes], payload: np.ndarray, namespace: str, fmt: BlockFormat
+) -> bytes:
+    rows = payload.reshape(len(block_hashes), -1).view(np.uint8)
+    return msgpack.packb(
+        {
+            "version": FORMAT_VERSION,
+            "block_hashes": [bytes(h) for h in block_hashes],
+            "namespace": namespace,
+            "shape": list(fmt.shape),
+            "dtype": payload.dtype.str,
+            "kv_format": fmt.kv_format,
+            "payload_bytes": payload.nbytes,
+            "checksum": CHECKSUM_ALGO,
+            "block_checksums": [xxhash.xxh3_128_digest(row) for row in rows],
+        },
+        use_bin_type=True,
+    )
+
+
+def _read_header(f: Any, path: Path) -> GroupHeader:
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) != _PREFIX.size:
+        raise SpillCorruptError(f"{path}: truncated before the header")
+    magic, header_len, digest = _PREFIX.unpack(prefix)
+    if magic != _MAGIC or header_len > MAX_HEADER_BYTES:
+        raise SpillCorruptError(f"{path}: bad magic or header length {header_len}")
+    raw = f.read(header_len)
+    if len(raw) != header_len or xxhash.xxh3_128_digest(raw) != digest:
+        raise SpillCorruptError(f"{path}: header truncated or digest mismatch")
+    header = _decode_header(raw, _PREFIX.size + header_len, path)
+    size_bytes = os.fstat(f.fileno()).st_size
+    if size_bytes != header.file_bytes:
+        raise SpillCorruptError(f"{path}: {size_bytes} bytes, header says {header.file_bytes}")
+    return header
+
+
+def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
+    try:
+        fields = msgpack.unpackb(raw, raw=False)
+        header = GroupHeader(
+            version=int(fields["version"]),
+            block_hashes=tuple(fields["block_hashes"]),
+            namespace=str(fields["namespace"]),
+            shape=tuple(int(d) for d in fields["shape"]),
+            dtype=str(fields["dtype"]),
+            kv_format=str(fields["kv_format"]),
+            payload_bytes=int(fields["payload_bytes"]),
+            block_checksums=tuple(fields["block_checksums"]),
+            payload_offset=payload_offset,
+        )
+        _check_header(header, fields["checksum"], path)
+    except SpillCorruptError:
+        raise
+    except Exception as exc:  # any decode/type fault of untrusted bytes is corruption
+        raise SpillCorruptError(f"{path}: malformed header ({exc})") from exc
+    return header
+
+
+def _check_header(header: GroupHeader, algo: object, path: Path) -> None:
+    if header.version != FORMAT_VERSION or algo != CHECKSUM_ALGO:
+        raise SpillCorruptError(f"{path}: version {header.version}/{algo} not supported")
+    n = len(header.block_hashes)
+    kinds = {(type(h), len(h)) for h in header.block_hashes}
+    if len(header.block_checksums) != n or kinds - {(bytes, HASH_BYTES)}:
+        raise SpillCorruptError(f"{path}: block hash/checksum lists are malformed")
+    block_bytes = int(np.prod(header.shape)) * np.dtype(header.dtype).itemsize
+    if header.payload_bytes != n * block_bytes:
+        raise SpillCorruptError(f"{path}: payload_bytes does not match shape and dtype")
+
+
+def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
+    fd, temp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def list_group_files(root_dir: Path) -> list[Path]:
+    """Group files in ``root_dir``, oldest mtime first; deletes temp files of unfinished writes."""
+    for path in root_dir.glob(TEMP_PREFIX + "*"):
+        remove_file(path)
+    return sorted(root_dir.glob("*" + FILE_SUFFIX), key=_age_key)
+
+
+def remove_file(path: Path) -> None:
+    """Delete ``path`` if it exists; a file that cannot be deleted is left (no error)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _age_key(path: Path) -> tuple[int, str]:
+    try:
+        return (path.stat().st_mtime_ns, path.name)
+    except OSError:  # vanished while listing: sorts first, fails on read
+        return (0, path.name)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

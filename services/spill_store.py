@@ -1,0 +1,330 @@
+"""SpillStore: a content-addressed KV block store in RAM, then on disk.
+
+``put`` fills the RAM tier (LRU, byte budget); past the budget, LRU blocks are
+demoted in batches to disk group files (``spill_format``). The disk tier evicts
+whole files in LRU order (a file's recency is the last touch of any of its
+blocks; evicting single blocks of a partly live file would free no bytes).
+Disk hits are not promoted to RAM: the caller keeps what it reads. On
+construction the index is rebuilt from file headers, so a restart keeps disk hits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from services import spill_format as fmt
+from services.spill_format import BlockFormat, SpillCorruptError
+
+logger = logging.getLogger(__name__)
+
+TIER_RAM = "spill_ram"
+TIER_DISK = "spill_disk"
+EVENT_STORED = "stored"
+EVENT_REMOVED = "removed"
+STAT_COUNTERS = ("hits_spill_ram", "hits_spill_disk", "misses", "corrupt_reads", "io_errors")
+STAT_COUNTERS += ("evicted_files", "events_dropped")
+
+
+class SpillEvent(NamedTuple):
+    """``event`` "stored"|"removed" in ``tier``; a demotion is removed/ram then stored/disk."""
+
+    event: str
+    block_hash: bytes
+    tier: str
+
+
+class SpillHits(NamedTuple):
+    """Hits in request order; ``blocks``: ``(len(hashes), *shape)``, row i from ``tiers[i]``."""
+
+    hashes: list[bytes]
+    blocks: np.ndarray
+    tiers: list[str]
+
+
+@dataclass
+class _RamEntry:
+    block: np.ndarray  # (*block_format.shape,)
+    namespace: str
+
+
+_Victims = list[tuple[bytes, _RamEntry]]
+
+
+@dataclass
+class _SpillFile:
+    path: Path
+    size_bytes: int
+    live: set[bytes]  # hashes of this file that the index still points at
+
+
+class SpillStore:
+    """Content-addressed block store: RAM tier, then disk tier.
+
+    Args:
+        root_dir: directory of the group files (created if missing).
+        block_format: shape, dtype and kv_format of every block.
+        ram_bytes / disk_bytes: tier budgets in bytes (disk: bytes of files; a disk
+            budget of 0 drops demoted blocks).
+        max_blocks_per_file: most blocks per group file.
+        demote_low_watermark: past the RAM budget, demote down to this fraction of it.
+        max_events: events kept for ``take_events``; older ones count as ``events_dropped``.
+
+    Raises ValueError for a negative budget or an option out of its range.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | Path,
+        block_format: BlockFormat,
+        ram_bytes: int,
+        disk_bytes: int,
+        *,
+        max_blocks_per_file: int = 64,
+        demote_low_watermark: float = 0.75,
+        max_events: int = 1_000_000,
+    ) -> None:
+        if min(ram_bytes, disk_bytes) < 0 or min(max_blocks_per_file, max_events) < 1:
+            raise ValueError("budgets must be >= 0, max_blocks_per_file and max_events >= 1")
+        if not 0.0 <= demote_low_watermark <= 1.0:
+            raise ValueError(f"demote_low_watermark must be in [0, 1], got {demote_low_watermark}")
+        self.root_dir = Path(root_dir)
+        self.block_format = block_format
+        self.ram_budget_bytes = ram_bytes
+        self.disk_budget_bytes = disk_bytes
+        self.max_blocks_per_file = max_blocks_per_file
+        self._demote_target_bytes = int(ram_bytes * demote_low_watermark)
+        self._lock = threading.RLock()
+        self._ram: OrderedDict[bytes, _RamEntry] = OrderedDict()
+        self._disk: dict[bytes, str] = {}  # block_hash -> file name
+        self._files: OrderedDict[str, _SpillFile] = OrderedDict()  # LRU first
+        self._disk_bytes = 0
+        self._events: deque[SpillEvent] = deque(maxlen=max_events)
+        self._counters: Counter[str] = Counter()
+        with self._lock:
+            self._rebuild()
+
+    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
+        """Store ``blocks[i]`` under ``hashes[i]`` in RAM; returns how many were new.
+
+        ``blocks``: ``(len(hashes), *block_format.shape)`` of the store's dtype;
+        ``namespace`` is recorded in file headers. A hash already held (either
+        tier) is touched, not rewritten. May demote to disk and evict files.
+        Raises ValueError for a hash that is not 32 bytes or a wrong shape/dtype.
+        """
+        self._check_hashes(hashes)
+        want = ((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
+        if (blocks.shape, blocks.dtype) != want:
+            raise ValueError(f"blocks must be {want}, got {(blocks.shape, blocks.dtype)}")
+        with self._lock:
+            stored = 0
+            for i, block_hash in enumerate(hashes):
+                if self._touch(block_hash):
+                    continue
+                self._ram[block_hash] = _RamEntry(np.array(blocks[i], copy=True), namespace)
+                self._emit(EVENT_STORED, block_hash, TIER_RAM)
+                stored += 1
+            self._demote_if_over_budget()
+            return stored
+
+    def get(self, hashes: Sequence[bytes]) -> SpillHits:
+        """Return the held blocks among ``hashes`` (batched), touching them.
+
+        Blocks of a missing, truncated, unreadable or corrupt file are misses:
+        never raises for data faults, never returns other bytes than were put.
+        Raises ValueError for a hash that is not 32 bytes.
+        """
+        self._check_hashes(hashes)
+        with self._lock:
+            out = np.empty((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
+            tiers: list[str | None] = [None] * len(hashes)
+            by_file: dict[str, list[int]] = {}
+            for i, block_hash in enumerate(hashes):
+                if block_hash in self._ram:
+                    self._ram.move_to_end(block_hash)
+                    out[i] = self._ram[block_hash].block
+                    tiers[i] = TIER_RAM
+                elif block_hash in self._disk:
+                    by_file.setdefault(self._disk[block_hash], []).append(i)
+            for name, rows in by_file.items():
+                if self._read_file(name, [hashes[i] for i in rows], out, rows):
+                    for row in rows:
+                        tiers[row] = TIER_DISK
+            return self._hits(hashes, out, tiers)
+
+    def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
+        """Tier holding each hash (``"spill_ram"``, ``"spill_disk"`` or None); no touch."""
+        with self._lock:
+            return [self._tier_of(h) for h in hashes]
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading ``hashes`` held in either tier (a prefix hit length); no touch."""
+        with self._lock:
+            for count, block_hash in enumerate(hashes):
+                if self._tier_of(block_hash) is None:
+                    return count
+            return len(hashes)
+
+    def flush(self) -> int:
+        """Clear RAM, delete every group file in ``root_dir``; returns blocks dropped."""
+        with self._lock:
+            dropped = len(self._ram) + len(self._disk)
+            for block_hash in self._ram:
+                self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
+            self._ram.clear()
+            for name in list(self._files):
+                self._drop_file(name)
+            for path in fmt.list_group_files(self.root_dir):
+                fmt.remove_file(path)
+            return dropped
+
+    def stats(self) -> dict[str, int]:
+        """Sizes, block counts per tier, files, hits per tier, misses and fault counters."""
+        with self._lock:
+            sizes = {
+                "ram_bytes": self._ram_bytes(),
+                "disk_bytes": self._disk_bytes,
+                "ram_budget_bytes": self.ram_budget_bytes,
+                "disk_budget_bytes": self.disk_budget_bytes,
+                "blocks_spill_ram": len(self._ram),
+                "blocks_spill_disk": len(self._disk),
+                "files": len(self._files),
+            }
+            return sizes | {name: self._counters[name] for name in STAT_COUNTERS}
+
+    def take_events(self) -> list[SpillEvent]:
+        """Return and clear the changes since the last call, oldest first."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    def _ram_bytes(self) -> int:
+        return len(self._ram) * self.block_format.block_nbytes
+
+    def _demote_if_over_budget(self) -> None:
+        if self._ram_bytes() <= self.ram_budget_bytes:
+            return
+        victims: _Victims = []
+        while self._ram and self._ram_bytes() > self._demote_target_bytes:
+            victims.append(self._ram.popitem(last=False))
+        by_namespace: dict[str, _Victims] = {}
+        for block_hash, entry in victims:
+            self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
+            by_namespace.setdefault(entry.namespace, []).append((block_hash, entry))
+        step = self.max_blocks_per_file
+        for namespace, group in by_namespace.items():
+            for start in range(0, len(group), step):
+                self._write_file(namespace, group[start : start + step])
+                self._evict_disk_over_budget()
+
+    def _write_file(self, namespace: str, group: _Victims) -> None:
+        if self.disk_budget_bytes == 0:
+            return
+        hashes, blocks = [h for h, _ in group], np.stack([entry.block for _, entry in group])
+        name = uuid.uuid4().hex + fmt.FILE_SUFFIX
+        path = self.root_dir / name
+        try:
+            size_bytes = fmt.write_group(path, hashes, blocks, namespace, self.block_format)
+        except OSError as exc:
+            logger.warning("spill write %s failed, %d blocks dropped: %s", path, len(hashes), exc)
+            self._counters["io_errors"] += 1
+            return
+        self._add_file(name, path, size_bytes, hashes)
+
+    def _add_file(self, name: str, path: Path, size_bytes: int, hashes: list[bytes]) -> None:
+        self._files[name] = _SpillFile(path, size_bytes, set(hashes))
+        self._disk_bytes += size_bytes
+        for block_hash in hashes:
+            self._disk[block_hash] = name
+            self._emit(EVENT_STORED, block_hash, TIER_DISK)
+
+    def _evict_disk_over_budget(self) -> None:
+        while self._files and self._disk_bytes > self.disk_budget_bytes:
+            self._drop_file(next(iter(self._files)))
+            self._counters["evicted_files"] += 1
+
+    def _drop_file(self, name: str) -> None:
+        spill_file = self._files.pop(name)
+        self._disk_bytes -= spill_file.size_bytes
+        for block_hash in spill_file.live:
+            del self._disk[block_hash]
+            self._emit(EVENT_REMOVED, block_hash, TIER_DISK)
+        fmt.remove_file(spill_file.path)  # a no-op when already gone
+
+    def _read_file(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> bool:
+        try:
+            out[rows] = fmt.read_blocks(self._files[name].path, self.block_format, hashes)
+            self._files.move_to_end(name)
+            return True
+        except (SpillCorruptError, OSError) as exc:
+            self._count_fault(exc, self._files[name].path)
+            self._drop_file(name)
+            return False
+
+    def _rebuild(self) -> None:
+        self.root_dir.mkdir(parents=True, exist_ok=True)
+        for path in fmt.list_group_files(self.root_dir):
+            self._index_file(path)
+        self._evict_disk_over_budget()
+
+    def _index_file(self, path: Path) -> None:
+        try:
+            header = fmt.read_header(path)
+        except (SpillCorruptError, OSError) as exc:
+            self._count_fault(exc, path)
+            return
+        if not header.matches(self.block_format):
+            logger.warning("skipping spill file %s of another block format", path)
+            return
+        live = [h for h in dict.fromkeys(header.block_hashes) if h not in self._disk]
+        if not live:
+            fmt.remove_file(path)  # every block is held by an older file
+            return
+        self._add_file(path.name, path, header.file_bytes, live)
+
+    def _touch(self, block_hash: bytes) -> bool:
+        if block_hash in self._ram:
+            self._ram.move_to_end(block_hash)
+        elif block_hash in self._disk:
+            self._files.move_to_end(self._disk[block_hash])
+        return self._tier_of(block_hash) is not None
+
+    def _tier_of(self, block_hash: bytes) -> str | None:
+        if block_hash in self._ram:
+            return TIER_RAM
+        return TIER_DISK if block_hash in self._disk else None
+
+    def _hits(self, hashes: Sequence[bytes], out: np.ndarray, tiers: list[str | None]) -> SpillHits:
+        found = [i for i, tier in enumerate(tiers) if tier is not None]
+        found_tiers = [str(tiers[i]) for i in found]
+        for tier in found_tiers:
+            self._counters["hits_" + tier] += 1
+        self._counters["misses"] += len(hashes) - len(found)
+        return SpillHits([hashes[i] for i in found], out[found], found_tiers)
+
+    def _count_fault(self, exc: Exception, path: Path) -> None:
+        """Count a read fault and delete the file: its blocks are lost either way."""
+        fault = "corrupt_reads" if isinstance(exc, SpillCorruptError) else "io_errors"
+        logger.warning("spill file %s dropped (%s): %s", path, fault, exc)
+        self._counters[fault] += 1
+        fmt.remove_file(path)
+
+    def _emit(self, event: str, block_hash: bytes, tier: str) -> None:
+        if len(self._events) == self._events.maxlen:
+            self._counters["events_dropped"] += 1
+        self._events.append(SpillEvent(event, block_hash, tier))
+
+    @staticmethod
+    def _check_hashes(hashes: Sequence[bytes]) -> None:
+        for block_hash in hashes:
+            if not isinstance(block_hash, bytes) or len(block_hash) != fmt.HASH_BYTES:
+                raise ValueError(f"block_hash must be {fmt.HASH_BYTES} bytes, got {block_hash!r}")
