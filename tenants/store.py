@@ -91,7 +91,7 @@ class TenantStore:
                 )
             except sqlite3.IntegrityError:
                 raise TenantExistsError(spec.name) from None
-            self._insert_key(key_hash, "tenant", tenant.tenant_id)
+            self._insert_key(key_hash, "tenant", tenant.tenant_id, tenant.created_at_s)
         return tenant, api_key
 
     def update(self, name: str, spec: TenantSpec) -> Tenant:
@@ -177,7 +177,7 @@ class TenantStore:
             if row is None:
                 raise TenantNotFoundError(name)
             self._conn.execute("DELETE FROM api_keys WHERE tenant_id = ?", row)
-            self._insert_key(key_hash, "tenant", row[0])
+            self._insert_key(key_hash, "tenant", row[0], self._clock())
         return api_key
 
     def ensure_admin_key(self) -> str | None:
@@ -190,7 +190,7 @@ class TenantStore:
         with self._lock, self._conn:
             if self._conn.execute("SELECT 1 FROM api_keys WHERE role = 'admin'").fetchone():
                 return None
-            self._insert_key(key_hash, "admin", None)
+            self._insert_key(key_hash, "admin", None, self._clock())
         return api_key
 
     def rotate_admin_key(self) -> str:
@@ -198,7 +198,7 @@ class TenantStore:
         api_key, key_hash = generate_api_key()
         with self._lock, self._conn:
             self._conn.execute("DELETE FROM api_keys WHERE role = 'admin'")
-            self._insert_key(key_hash, "admin", None)
+            self._insert_key(key_hash, "admin", None, self._clock())
         return api_key
 
     def verify_admin_key(self, api_key: str) -> bool:
@@ -228,7 +228,9 @@ class TenantStore:
         self._verified[stored.key_id] = fingerprint(api_key)
         return True
 
-    def _insert_key(self, key_hash: KeyHash, role: str, tenant_id: str | None) -> None:
+    def _insert_key(
+        self, key_hash: KeyHash, role: str, tenant_id: str | None, created_at_s: float
+    ) -> None:
         self._conn.execute(
             "INSERT INTO api_keys "
             "(key_id, role, tenant_id, salt, iterations, digest, created_at_s) "
@@ -240,7 +242,7 @@ class TenantStore:
                 key_hash.salt,
                 key_hash.iterations,
                 key_hash.digest,
-                self._clock(),
+                created_at_s,
             ),
         )
 
