@@ -31,35 +31,9 @@ _NAME = re.compile(r"(?<![\w-])[A-Z][a-zà-öø-ÿ]+(?: [A-Z][a-zà-öø-ÿ]+)+(
 _CONNECTOR = re.compile(r"(?:[A-Z]\w*\s+(?:and|of|de|von|van|da|del|la|du)\s+$)")
 _CONNECTED = re.compile(r"^\s+(?:and|of|de|von|van|da|del|la|du)\s+[A-Z]")
 _FUNCTION_WORDS = frozenset(
-    [
-        "The",
-        "A",
-        "An",
-        "In",
-        "On",
-        "At",
-        "Of",
-        "For",
-        "From",
-        "By",
-        "With",
-        "Its",
-        "His",
-        "Her",
-        "Their",
-        "This",
-        "That",
-        "These",
-        "It",
-        "As",
-        "After",
-        "Before",
-        "During",
-        "Since",
-        "Under",
-        "Over",
-        "Between",
-    ]
+    {"The", "A", "An", "In", "On", "At", "Of", "For", "From", "By", "With", "Its", "His", "Her"}
+    | {"Their", "This", "That", "These", "It", "As", "After", "Before", "During", "Since"}
+    | {"Under", "Over", "Between"}
 )
 
 

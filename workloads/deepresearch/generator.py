@@ -16,6 +16,7 @@ the lead then writes the report from the findings.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class _Samplers:
         self.documents = ZipfSampler([a.title for a in load_corpus()], config.zipf_exponent, rng)
 
 
-def _call(session_id: str, research_id: str, tenant: str, agent: str, **fields) -> PlannedCall:
+def _call(session_id: str, research_id: str, tenant: str, agent: str, **fields: Any) -> PlannedCall:
     turn = fields["turn"]
     return PlannedCall(
         call_id=f"{session_id}#{turn}",
@@ -63,6 +64,43 @@ def _call(session_id: str, research_id: str, tenant: str, agent: str, **fields) 
     )
 
 
+class _Step(NamedTuple):
+    kind: str
+    pause_s: float
+    doc_ids: tuple[str, ...]
+    text: str
+    expected_answer: str | None = None
+
+
+def _subagent_steps(
+    config: WorkloadConfig, target: str, samplers: _Samplers, rng: np.random.Generator
+) -> list[_Step]:
+    """Search for ``target``, read it and 0..max_reads-1 other articles, answer."""
+    questions = samplers.questions[target]
+    question = questions[int(rng.integers(len(questions)))]
+    n_extra = int(rng.integers(1, config.max_reads + 1)) - 1
+    extras = samplers.documents.draw_distinct(n_extra, rng, exclude={target})
+    reads = [[target, *extras][i] for i in rng.permutation(1 + n_extra)]
+    hits = search(target, k=config.search_top_k)
+    search_step = _Step(
+        "search",
+        tool_pause_s(config.tool_pause, rng),
+        tuple(h.title for h in hits),
+        prompts.search_prompt(question.question, target, hits),
+    )
+    read_steps = [
+        _Step(
+            "read",
+            tool_pause_s(config.tool_pause, rng),
+            (title,),
+            prompts.read_prompt(title, _article_text(title, config.max_article_words)),
+        )
+        for title in reads
+    ]
+    answer = _Step("answer", 0.0, (), prompts.answer_prompt(question.question), question.answer)
+    return [search_step, *read_steps, answer]
+
+
 def _subagent(
     config: WorkloadConfig,
     ids: tuple[str, str, str],
@@ -70,34 +108,19 @@ def _subagent(
     samplers: _Samplers,
     rng: np.random.Generator,
 ) -> AgentScript:
-    """One sub-agent: search, read 1..max_reads articles (target among them), answer."""
+    """One sub-agent in its own session ``<research_id>/<agent>``."""
     research_id, tenant, agent = ids
     session_id = f"{research_id}/{agent}"
-    questions = samplers.questions[target]
-    question = questions[int(rng.integers(len(questions)))]
-    extras = samplers.documents.draw_distinct(
-        int(rng.integers(1, config.max_reads + 1)) - 1, rng, exclude={target}
-    )
-    reads = [[target, *extras][i] for i in rng.permutation(1 + len(extras))]
-    hits = search(target, k=config.search_top_k)
-    tokens = config.max_tokens
-    steps = [
-        ("search", tool_pause_s(config.tool_pause, rng), tuple(h.title for h in hits),
-         prompts.search_prompt(question.question, target, hits), None),
-    ] + [
-        ("read", tool_pause_s(config.tool_pause, rng), (title,),
-         prompts.read_prompt(title, _article_text(title, config.max_article_words)), None)
-        for title in reads
-    ] + [("answer", 0.0, (), prompts.answer_prompt(question.question), question.answer)]  # fmt: skip
     calls = []
-    for turn, (kind, pause_s, doc_ids, text, expected) in enumerate(steps):
-        messages = (ChatMessage("user", text),)
+    for turn, step in enumerate(_subagent_steps(config, target, samplers, rng)):
+        messages: tuple[ChatMessage, ...] = (ChatMessage("user", step.text),)
         if turn == 0:
             messages = (ChatMessage("system", prompts.SUBAGENT_SYSTEM), *messages)
         calls.append(
-            _call(session_id, research_id, tenant, agent, kind=kind, turn=turn,
-                  pause_s=pause_s, messages=messages, max_tokens=tokens.for_kind(kind),
-                  doc_ids=doc_ids, expected_answer=expected)
+            _call(session_id, research_id, tenant, agent, kind=step.kind, turn=turn,
+                  pause_s=step.pause_s, messages=messages,
+                  max_tokens=config.max_tokens.for_kind(step.kind), doc_ids=step.doc_ids,
+                  expected_answer=step.expected_answer)
         )  # fmt: skip
     return AgentScript(session_id, agent, tuple(calls))
 

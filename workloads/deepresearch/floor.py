@@ -1,0 +1,75 @@
+"""Token-rate floor attainment, computed from per-call records.
+
+Definition (times are seconds since the run started; ``W = window_s``):
+
+1. The run is cut into windows ``[k*W, (k+1)*W)`` for ``k = 0 .. ceil(horizon_s / W) - 1``.
+2. A tenant is **busy** during ``[start_s, end_s)`` of every call it sent
+   (any status except ``SKIPPED``): queued, prefilling or decoding.
+3. A window is **backlogged** for the tenant when the union of its busy
+   intervals covers the whole window.
+4. The tenant's **delivered tokens** are the ``completion_tokens`` of its ok
+   calls, spread uniformly over ``[start_s + ttft_ms / 1000, end_s]`` (all at
+   ``end_s`` when that interval is empty; ``ttft_ms`` None counts as 0).
+5. A backlogged window is **met** when delivered tokens in it divided by ``W``
+   is at least the tenant's ``min_tokens_per_s``.
+6. **Floor attainment** = met windows / backlogged windows (None when none is backlogged).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from workloads.deepresearch.records import SKIPPED
+
+_COVER_TOLERANCE = 1e-9
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def _tokens_in(record: Mapping[str, Any], w0: float, w1: float) -> float:
+    first_s = record["start_s"] + (record.get("ttft_ms") or 0.0) / 1000.0
+    end_s = record["end_s"]
+    n = record["completion_tokens"]
+    if end_s <= first_s:
+        return float(n) if w0 <= end_s < w1 else 0.0
+    return n * _overlap(first_s, end_s, w0, w1) / (end_s - first_s)
+
+
+def floor_windows(
+    records: Sequence[Mapping[str, Any]], min_tokens_per_s: float, horizon_s: float,
+    window_s: float,
+) -> tuple[int, int]:  # fmt: skip
+    """``(backlogged_windows, met_windows)`` of one tenant's records.
+
+    Raises:
+        ValueError: ``window_s`` is not positive.
+    """
+    if window_s <= 0:
+        raise ValueError(f"window_s must be positive, got {window_s}")
+    sent = [r for r in records if r["status"] != SKIPPED]
+    busy = _merged([(r["start_s"], r["end_s"]) for r in sent if r["end_s"] > r["start_s"]])
+    ok = [r for r in sent if r["status"] == "ok" and r["completion_tokens"] > 0]
+    backlogged = met = 0
+    for k in range(math.ceil(horizon_s / window_s)):
+        w0, w1 = k * window_s, (k + 1) * window_s
+        covered = sum(_overlap(b0, b1, w0, w1) for b0, b1 in busy)
+        if covered < window_s * (1.0 - _COVER_TOLERANCE):
+            continue
+        backlogged += 1
+        delivered = sum(_tokens_in(r, w0, w1) for r in ok)
+        met += delivered / window_s >= min_tokens_per_s
+    return backlogged, met

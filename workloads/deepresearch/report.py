@@ -1,0 +1,108 @@
+"""Writes a run's report folder: ``reports/deepresearch/<timestamp>/`` and ``reports/latest``.
+
+Contents: ``calls.jsonl`` (one record per planned call), ``timeseries.jsonl``
+(stats samples), ``report.json`` (exactly :func:`compute_report` of those two
+files), ``report.md``, PNG plots, and, when given, ``trace.jsonl`` (the plan)
+and ``run.json`` (the config and run totals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from workloads.deepresearch.config import TenantProfile, WorkloadConfig
+from workloads.deepresearch.metrics import compute_report, exit_code
+from workloads.deepresearch.plan import WorkloadPlan, write_trace
+from workloads.deepresearch.plots import plot_memory, plot_throughput, plot_ttft_cdf
+from workloads.deepresearch.summary import report_markdown
+
+__all__ = ["exit_code", "load_jsonl", "write_jsonl", "write_report"]
+
+
+def write_jsonl(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
+    """One JSON object per line (keys sorted, UTF-8)."""
+    with path.open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in rows)
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file (blank lines ignored)."""
+    with Path(path).open(encoding="utf-8") as rows:
+        return [json.loads(line) for line in rows if line.strip()]
+
+
+def _new_run_dir(root: Path, now: datetime) -> Path:
+    base = root / "deepresearch" / now.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 0
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def _point_latest(root: Path, run_dir: Path) -> None:
+    """Atomically make ``root/latest`` a relative symlink to ``run_dir``."""
+    tmp = root / f".latest-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_dir.relative_to(root))
+    os.replace(tmp, root / "latest")
+
+
+def write_report(
+    records: Sequence[Mapping[str, Any]],
+    timeseries: Sequence[Mapping[str, Any]],
+    tenants: Sequence[TenantProfile],
+    *,
+    root: str | Path = "reports",
+    config: WorkloadConfig | None = None,
+    plan: WorkloadPlan | None = None,
+    run_info: Mapping[str, Any] | None = None,
+    window_s: float = 1.0,
+    now: datetime | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Write the report folder and return ``(run_dir, report)``.
+
+    Args:
+        records / timeseries: from :class:`workloads.deepresearch.runner.RunResult`.
+        tenants: the run's tenant profiles (SLO targets).
+        root: the reports root; ``root/latest`` is repointed to the new folder.
+        config / plan / run_info: optional; written to ``run.json`` and ``trace.jsonl``.
+        window_s: floor-attainment window.
+        now: the folder's timestamp (default: local time now).
+    """
+    root = Path(root)
+    run_dir = _new_run_dir(root, now or datetime.now())
+    write_jsonl(records, run_dir / "calls.jsonl")
+    write_jsonl(timeseries, run_dir / "timeseries.jsonl")
+    # Recompute from the files just written, so report.json is what a reader gets from them.
+    report = compute_report(
+        load_jsonl(run_dir / "calls.jsonl"),
+        load_jsonl(run_dir / "timeseries.jsonl"),
+        tenants,
+        window_s=window_s,
+    )
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    plots = (
+        plot_ttft_cdf(records, tenants, run_dir / "ttft_cdf.png"),
+        plot_memory(timeseries, run_dir / "memory.png"),
+        plot_throughput(records, tenants, run_dir / "throughput.png"),
+    )
+    markdown = report_markdown(report, tuple(p.name for p in plots))
+    (run_dir / "report.md").write_text(markdown, encoding="utf-8")
+    if plan is not None:
+        write_trace(plan, run_dir / "trace.jsonl")
+    info: dict[str, Any] = {"tenants": [dataclasses.asdict(t) for t in tenants]}
+    if config is not None:
+        info["config"] = dataclasses.asdict(config)
+    info.update(run_info or {})
+    (run_dir / "run.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    _point_latest(root, run_dir)
+    return run_dir, report
