@@ -161,3 +161,22 @@ def test_tenant_record() -> None:
         Tenant("", TenantSpec("lead"), 0.0)
     with pytest.raises(ValueError, match="^created_at_s must be a finite number >= 0, got -1.0$"):
         Tenant("t1", TenantSpec("lead"), -1.0)
+
+
+def test_tenants_package_is_plain_python() -> None:
+    """Guards against protobuf/gRPC/Ray leaking into the core (STYLE.md habit 8)."""
+    import ast
+    from pathlib import Path
+
+    forbidden = ("ray", "grpc", "google", "kvstrata")
+    offenders = []
+    for path in sorted(Path(__file__).resolve().parent.parent.joinpath("tenants").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in forbidden]
+    assert offenders == []

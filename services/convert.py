@@ -1,0 +1,275 @@
+"""The only protobuf <-> domain mapping in kvstrata (STYLE.md habit 8).
+
+Every other module works with domain types (``tenants.model``, ``tenants.usage``,
+``cache_node.sampling_params``); only this module and gRPC clients import the generated
+``kvstrata.v1`` code. ``*_from_pb`` functions validate what arrives from the wire and
+raise ``ValueError`` whose message starts with the request field path (``spec.weight
+must be ...``, ``sampling.max_tokens must be ...``); the gateway maps ``ValueError`` to
+``INVALID_ARGUMENT``.
+
+proto3 zero values mean "unset": a ``TenantSpec`` field left at 0/"" takes the SLO class
+default (``min_tokens_per_s`` has explicit presence, so 0 means "no floor"), and a
+``SamplingParams.top_p`` of 0 means 1.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from cache_node.sampling_params import SamplingParams
+from kvstrata.v1 import common_pb2, inference_pb2, tenant_pb2
+from tenants.model import SloClass, Tenant, TenantSpec
+from tenants.usage import TenantUsage, TierTokens
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+FLOAT32_DIGITS = 6  # decimal digits a float32 always round-trips (FLT_DIG)
+
+_SLO_CLASS_TO_PB: dict[SloClass, common_pb2.SloClass] = {
+    SloClass.INTERACTIVE: common_pb2.SLO_CLASS_INTERACTIVE,
+    SloClass.STANDARD: common_pb2.SLO_CLASS_STANDARD,
+    SloClass.BATCH: common_pb2.SLO_CLASS_BATCH,
+}
+_SLO_CLASS_FROM_PB: dict[int, SloClass] = {int(n): slo for slo, n in _SLO_CLASS_TO_PB.items()}
+
+
+@contextmanager
+def _field_path(prefix: str) -> Iterator[None]:
+    """Re-raise a domain ``ValueError`` ("weight must ...") as "<prefix>.weight must ..."."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"{prefix}.{exc}") from None
+
+
+# ---------------------------------------------------------------- SLO class
+
+
+def slo_class_to_pb(slo_class: SloClass) -> common_pb2.SloClass:
+    """``SloClass`` -> ``kvstrata.v1.SloClass`` enum number."""
+    return _SLO_CLASS_TO_PB[slo_class]
+
+
+def slo_class_from_pb(number: int) -> SloClass | None:
+    """Enum number -> ``SloClass``; ``None`` for ``SLO_CLASS_UNSPECIFIED``.
+
+    Raises:
+        ValueError: a number this server does not know.
+    """
+    if number == common_pb2.SLO_CLASS_UNSPECIFIED:
+        return None
+    if number not in _SLO_CLASS_FROM_PB:
+        raise ValueError(f"slo_class {number} is not a known SloClass value")
+    return _SLO_CLASS_FROM_PB[number]
+
+
+# ---------------------------------------------------------------- tenants
+
+
+def tenant_spec_from_pb(msg: tenant_pb2.TenantSpec, prefix: str = "spec") -> TenantSpec:
+    """Wire spec -> validated ``TenantSpec``; zero/empty fields take the class defaults.
+
+    Raises:
+        ValueError: an invalid field, e.g. ``"spec.weight must be a positive finite number"``.
+    """
+    with _field_path(prefix):
+        slo_class = slo_class_from_pb(msg.slo_class) or SloClass.STANDARD
+        optional: dict[str, Any] = {
+            "ttft_slo_ms": msg.ttft_slo_ms or None,
+            "tpot_slo_ms": msg.tpot_slo_ms or None,
+            "weight": msg.weight or None,
+            "cache_namespace": msg.cache_namespace or None,
+        }
+        if msg.HasField("min_tokens_per_s"):
+            optional["min_tokens_per_s"] = msg.min_tokens_per_s
+        if msg.max_context_tokens:
+            optional["max_context_tokens"] = msg.max_context_tokens
+        return TenantSpec(
+            msg.name,
+            slo_class,
+            kv_quota_bytes=msg.kv_quota_bytes,
+            policy=msg.policy,
+            **optional,
+        )
+
+
+def tenant_spec_to_pb(spec: TenantSpec) -> tenant_pb2.TenantSpec:
+    """``TenantSpec`` -> wire spec with every field set explicitly."""
+    return tenant_pb2.TenantSpec(
+        name=spec.name,
+        slo_class=slo_class_to_pb(spec.slo_class),
+        ttft_slo_ms=spec.ttft_slo_ms,
+        tpot_slo_ms=spec.tpot_slo_ms,
+        min_tokens_per_s=spec.min_tokens_per_s,
+        weight=spec.weight,
+        kv_quota_bytes=spec.kv_quota_bytes,
+        max_context_tokens=spec.max_context_tokens,
+        cache_namespace=spec.cache_namespace,
+        policy=spec.policy,
+    )
+
+
+def tenant_to_pb(tenant: Tenant) -> tenant_pb2.Tenant:
+    return tenant_pb2.Tenant(
+        tenant_id=tenant.tenant_id,
+        spec=tenant_spec_to_pb(tenant.spec),
+        created_at_s=tenant.created_at_s,
+    )
+
+
+def tenant_from_pb(msg: tenant_pb2.Tenant) -> Tenant:
+    """Wire tenant -> ``Tenant`` (clients). Raises ``ValueError`` for an invalid record."""
+    with _field_path("tenant"):
+        return Tenant(msg.tenant_id, tenant_spec_from_pb(msg.spec), msg.created_at_s)
+
+
+# ---------------------------------------------------------------- usage
+
+
+def tier_tokens_to_pb(counts: TierTokens | Mapping[str, int]) -> common_pb2.TierTokens:
+    """``TierTokens`` or ``{tier: tokens}`` (absent tiers 0) -> wire ``TierTokens``.
+
+    Raises:
+        ValueError: unknown tier name (the known ones are listed) or a negative count.
+    """
+    tiers = counts if isinstance(counts, TierTokens) else TierTokens.from_dict(counts)
+    return common_pb2.TierTokens(**tiers.as_dict())
+
+
+def tier_tokens_from_pb(msg: common_pb2.TierTokens) -> TierTokens:
+    return TierTokens(
+        device=msg.device, host=msg.host, spill_ram=msg.spill_ram, spill_disk=msg.spill_disk
+    )
+
+
+def usage_to_pb(usage: TenantUsage) -> tenant_pb2.Usage:
+    return tenant_pb2.Usage(
+        tenant_id=usage.tenant_id,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=tier_tokens_to_pb(usage.cached_tokens),
+        blocks_held=usage.blocks_held,
+        requests=usage.requests,
+        rejected=usage.rejected,
+        preempted=usage.preempted,
+    )
+
+
+def usage_from_pb(msg: tenant_pb2.Usage) -> TenantUsage:
+    """Wire usage -> ``TenantUsage`` (clients). Raises ``ValueError`` for an empty id."""
+    with _field_path("usage"):
+        return TenantUsage(
+            tenant_id=msg.tenant_id,
+            prompt_tokens=msg.prompt_tokens,
+            completion_tokens=msg.completion_tokens,
+            cached_tokens=tier_tokens_from_pb(msg.cached_tokens),
+            blocks_held=msg.blocks_held,
+            requests=msg.requests,
+            rejected=msg.rejected,
+            preempted=msg.preempted,
+        )
+
+
+# ---------------------------------------------------------------- generate requests
+
+
+def sampling_params_from_pb(
+    msg: inference_pb2.SamplingParams, prefix: str = "sampling"
+) -> SamplingParams:
+    """Wire sampling -> validated ``SamplingParams``.
+
+    ``top_p`` 0 means 1.0; an unset ``seed`` means None. ``temperature`` and ``top_p``
+    travel as float32 and are rounded to 6 significant digits, so 0.7 arrives as 0.7.
+
+    Raises:
+        ValueError: ``max_tokens`` is 0 (unset) or another field is out of range, e.g.
+            ``"sampling.top_p must be in (0, 1], got 1.5"``.
+    """
+    if msg.max_tokens == 0:
+        raise ValueError(f"{prefix}.max_tokens must be > 0 (it is required), got 0")
+    with _field_path(prefix):
+        return SamplingParams(
+            max_tokens=msg.max_tokens,
+            temperature=_from_float32(msg.temperature),
+            top_p=_from_float32(msg.top_p) if msg.top_p != 0 else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+        )
+
+
+def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
+    msg = inference_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def chat_messages_from_pb(
+    msg: inference_pb2.ChatMessages, prefix: str = "chat"
+) -> list[dict[str, str]]:
+    """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` for the chat template.
+
+    Raises:
+        ValueError: no messages, or a role outside ``CHAT_ROLES`` (named by index).
+    """
+    if not msg.messages:
+        raise ValueError(f"{prefix}.messages must hold at least one message")
+    for index, message in enumerate(msg.messages):
+        if message.role not in CHAT_ROLES:
+            raise ValueError(
+                f"{prefix}.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {message.role!r}"
+            )
+    return [{"role": m.role, "content": m.content} for m in msg.messages]
+
+
+def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> inference_pb2.ChatMessages:
+    """``[{"role", "content"}, ...]`` -> wire chat (clients); validated like the server does.
+
+    Raises:
+        ValueError: a message lacks ``role``/``content`` or has an unknown role.
+    """
+    msg = inference_pb2.ChatMessages()
+    for index, message in enumerate(messages):
+        if set(message) != {"role", "content"}:
+            raise ValueError(
+                f"chat.messages[{index}] must have exactly the keys role and content, "
+                f"got {sorted(message)}"
+            )
+        msg.messages.add(role=message["role"], content=message["content"])
+    chat_messages_from_pb(msg)
+    return msg
+
+
+def prompt_from_pb(request: inference_pb2.GenerateRequest) -> list[dict[str, str]] | list[int]:
+    """The request's ``input`` oneof: chat messages, or raw prompt token ids.
+
+    Raises:
+        ValueError: neither ``chat`` nor ``tokens`` is set, a chat is invalid, or the
+            token list is empty.
+    """
+    which = request.WhichOneof("input")
+    if which == "chat":
+        return chat_messages_from_pb(request.chat)
+    if which == "tokens":
+        if not request.tokens.ids:
+            raise ValueError("tokens.ids must hold at least one token id")
+        return list(request.tokens.ids)
+    raise ValueError("input must be set: either chat or tokens")
+
+
+def _from_float32(value: float) -> float:
+    return float(f"{value:.{FLOAT32_DIGITS}g}")
+
+
+# ================================================================ generation events
+# GenerateResponse (started / delta / finished) <-> engine output conversions go below
+# this line; they are owned by the engineer who writes the streaming path.
