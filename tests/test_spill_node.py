@@ -1,0 +1,75 @@
+"""SpillNode actor on a real local Ray: batched put/get and restart from disk."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray
+
+from services.spill_node import create_spill_node
+from services.spill_store import SpillEvent
+from tests.test_spill_store import BLOCK, DISK, FMT, hashes_of, make_blocks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray.init(
+        address="local",
+        num_cpus=2,
+        resources={"spill_node": 1},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def test_put_get_through_actor_is_byte_exact(tmp_path: Path) -> None:
+    node = create_spill_node("spill-exact", tmp_path, FMT, ram_bytes=16 * BLOCK, disk_bytes=DISK)
+    assert ray.get(node.put.remote(hashes_of(range(128)), make_blocks(range(128)), "ns")) == 128
+    hits = ray.get(node.get.remote(hashes_of(range(130))))
+    assert hits.hashes == hashes_of(range(128))
+    assert hits.blocks.tobytes() == make_blocks(range(128)).tobytes()
+    assert hits.tiers.count("spill_ram") == ray.get(node.stats.remote())["blocks_spill_ram"]
+    assert ray.get(node.match_prefix.remote(hashes_of([0, 1, 999]))) == 2
+    assert ray.get(node.contains.remote(hashes_of([999]))) == [None]
+    assert ray.get(node.flush.remote()) == 128
+    ray.kill(node, no_restart=True)
+
+
+def test_restarted_actor_serves_disk_hits(tmp_path: Path) -> None:
+    """Fault: an actor crash loses its memory; the restart must rebuild the index from disk."""
+    node = create_spill_node("spill-restart", tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    ray.get(node.put.remote(hashes_of(range(128)), make_blocks(range(128)), "ns"))
+    ray.get(node.take_events.remote())
+    ray.kill(node, no_restart=False)
+    hits = ray.get(node.get.remote(hashes_of(range(128))), timeout=120)
+    assert hits.tiers == ["spill_disk"] * 128
+    assert hits.blocks.tobytes() == make_blocks(range(128)).tobytes()
+    stats = ray.get(node.stats.remote())
+    assert (stats["hits_spill_disk"], stats["blocks_spill_disk"]) == (128, 128)
+    events = ray.get(node.take_events.remote())  # the rebuild announces what it holds
+    assert sorted(events) == sorted(
+        SpillEvent("stored", h, "spill_disk") for h in hashes_of(range(128))
+    )
+    ray.kill(node, no_restart=True)
+
+
+def test_node_is_placed_by_the_spill_node_resource(tmp_path: Path) -> None:
+    node = create_spill_node("spill-placed", tmp_path, FMT, ram_bytes=BLOCK, disk_bytes=DISK)
+    assert ray.get(node.ready.remote(), timeout=60) is True
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("spill_node", 0) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("spill_node", 0) == 0
+    ray.kill(node, no_restart=True)
