@@ -1,0 +1,131 @@
+"""Paged attention through the KV pool, registered with transformers' attention interface.
+
+Each decoder layer calls ``paged_attention_forward`` with its post-RoPE query/key/value for the
+flattened batch. The function writes the new K/V into the pool through ``slot_mapping`` and
+attends over every sequence's blocks: decodes as one padded, masked SDPA call; prefill chunks
+one SDPA call each with a causal mask offset by the cached context. GQA uses SDPA's
+``enable_gqa``. Idea: vLLM's paged attention (Kwon et al., SOSP'23), on CPU with gather + SDPA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from cache_node.kv_pool import KVPool
+
+ATTN_IMPLEMENTATION = "kvstrata_paged"
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk: tokens [start, start + num_tokens) of the flat batch.
+
+    ``context_slots``: (context_len,) slots of every token the chunk attends to (cached + new).
+    ``mask``: (num_tokens, context_len) bool, True where attention is allowed; None = plain causal.
+    """
+
+    start: int
+    num_tokens: int
+    context_slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flattened batch for one layer (shared by layers by default).
+
+    ``slot_mapping``: (num_tokens,) destination slot of every new token.
+    ``decode_token_idx``: (num_decodes,) flat index of each decode's query token.
+    ``decode_slots``: (num_decodes, max_context_len) context slots, padded.
+    ``decode_mask``: (num_decodes, 1, 1, max_context_len) bool, False on padding.
+    """
+
+    slot_mapping: torch.Tensor
+    decode_token_idx: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+@dataclass
+class ForwardContext:
+    pool: KVPool
+    metadata: AttentionMetadata
+    layer_metadata: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        return self.layer_metadata.get(layer_idx, self.metadata)
+
+
+_FORWARD_CONTEXT: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    """Make ``ctx`` visible to the attention function for one model forward."""
+    global _FORWARD_CONTEXT
+    previous, _FORWARD_CONTEXT = _FORWARD_CONTEXT, ctx
+    try:
+        yield
+    finally:
+        _FORWARD_CONTEXT = previous
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function.
+
+    Args:
+        query: (1, num_heads, num_tokens, head_dim), after RoPE.
+        key, value: (1, num_kv_heads, num_tokens, head_dim), after RoPE.
+
+    Returns:
+        ((1, num_tokens, num_heads, head_dim), None).
+
+    Raises:
+        RuntimeError: called outside ``forward_context`` (the model was run without the engine).
+    """
+    ctx = _FORWARD_CONTEXT
+    if ctx is None:
+        raise RuntimeError("paged attention called outside an engine forward_context")
+    layer_idx = module.layer_idx
+    md = ctx.for_layer(layer_idx)
+    q = query[0].transpose(0, 1)  # (T, H, d)
+    ctx.pool.write(layer_idx, md.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k_cache, v_cache = ctx.pool.kv[layer_idx, 0], ctx.pool.kv[layer_idx, 1]
+    out = torch.empty_like(q)
+    if md.decode_token_idx is not None:
+        qd = q.index_select(0, md.decode_token_idx).unsqueeze(2)  # (B, H, 1, d)
+        kd = k_cache[md.decode_slots].transpose(1, 2).to(q.dtype)  # (B, H_kv, S, d)
+        vd = v_cache[md.decode_slots].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=md.decode_mask, scale=scaling, enable_gqa=True
+        )
+        out.index_copy_(0, md.decode_token_idx, o.squeeze(2))
+    for chunk in md.prefills:
+        qp = q[chunk.start : chunk.start + chunk.num_tokens].transpose(0, 1).unsqueeze(0)
+        kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scaling,
+            enable_gqa=True,
+        )
+        out[chunk.start : chunk.start + chunk.num_tokens] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,248 @@
+"""The cache node engine: add requests, step, stream outputs, abort."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence as Seq
+
+import torch
+from transformers import PreTrainedModel
+
+from cache_node.config import EngineConfig
+from cache_node.hashing import HashFn, blake2b_256
+from cache_node.kv_cache_manager import KVCacheManager
+from cache_node.kv_pool import KVPool
+from cache_node.model_runner import ModelRunner
+from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.sampler import sample
+from cache_node.sampling_params import SamplingParams
+from cache_node.scheduler import Scheduler
+from cache_node.sequence import Sequence
+from cache_node.sessions import SessionTable
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    """A model replica over a paged KV pool it owns, with continuous batching.
+
+    Thread-safe for one stepping thread plus callers of ``add_request``/``abort_request``.
+
+    Args:
+        model: transformers causal LM (weights on ``device``).
+        config: pool and step sizing.
+        model_id: identity of the weights, part of every block hash's extra keys.
+        eos_token_ids: tokens that end a request unless ``ignore_eos``.
+        hash_fn: block-hash digest (tests inject weak ones).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: EngineConfig = EngineConfig(),
+        model_id: str = "model",
+        eos_token_ids: Seq[int] = (),
+        hash_fn: HashFn = blake2b_256,
+    ) -> None:
+        mc = model.config
+        self.config = config
+        self.model_id = model_id
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        dtype = _DTYPES[config.dtype]
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        per_block = config.block_size * KVPool.bytes_per_token(
+            mc.num_hidden_layers, mc.num_key_value_heads, head_dim, dtype
+        )
+        num_blocks = config.kv_pool_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_pool_bytes={config.kv_pool_bytes} holds fewer than 2 blocks")
+        device = next(model.parameters()).device
+        self.pool = KVPool(
+            mc.num_hidden_layers, mc.num_key_value_heads, head_dim, config.block_size,
+            num_blocks, dtype, device,
+        )
+        self.kv_format = f"{config.dtype}/L{mc.num_hidden_layers}/H{mc.num_key_value_heads}/d{head_dim}"
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, hash_fn)
+        self.scheduler = Scheduler(config, self.kv_manager)
+        self.runner = ModelRunner(model.to(dtype), self.pool)
+        self.sessions = SessionTable(self.kv_manager)
+        self.requests: dict[str, Sequence] = {}
+        self._lock = threading.RLock()
+        self._aborted: list[Sequence] = []
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_namespace: str | None = None,
+        session_id: str | None = None,
+        tenant: str = "",
+        policy: str = "",
+    ) -> str:
+        """Queue a request. Returns its id.
+
+        Raises:
+            InvalidRequestError: empty prompt, token id out of vocabulary, prompt longer than
+                the model context or the whole pool, unknown stop token, duplicate id.
+            PermissionError: ``session_id`` belongs to another tenant.
+        """
+        params = sampling_params or SamplingParams()
+        tokens = [int(t) for t in prompt_token_ids]
+        self._validate(tokens, params, request_id)
+        seq = Sequence(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=tokens,
+            sampling_params=params,
+            extra_keys=(cache_namespace or self.config.cache_namespace_default, self.model_id, self.kv_format),
+            session_id=session_id or None,
+            tenant=tenant,
+            policy=policy,
+        )
+        if not params.greedy:
+            seq.generator = torch.Generator().manual_seed(
+                params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
+            )
+        with self._lock:
+            if seq.session_id:
+                self.sessions.attach(seq)
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return seq.request_id
+
+    def _validate(self, tokens: list[int], params: SamplingParams, request_id: str | None) -> None:
+        if not tokens:
+            raise InvalidRequestError("prompt is empty")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt has token ids outside [0, {self.vocab_size})")
+        if len(tokens) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(tokens)} tokens; the model context is {self.max_model_len}"
+            )
+        pool_tokens = self.pool.num_blocks * self.pool.block_size
+        if len(tokens) + 1 > pool_tokens:
+            raise InvalidRequestError(f"prompt has {len(tokens)} tokens; the KV pool holds {pool_tokens}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"unknown stop token ids {bad}")
+        if request_id is not None and request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request at the next step boundary and free its blocks. False if unknown."""
+        with self._lock:
+            seq = self.requests.get(request_id)
+            if seq is None or seq.is_finished:
+                return False
+            self._finish(seq, "abort")
+            self._aborted.append(seq)
+            return True
+
+    def close_session(self, session_id: str) -> int:
+        with self._lock:
+            return self.sessions.close(session_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    # ---- the step loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, forward, sample, stream increments."""
+        with self._lock:
+            outputs = [self._output(s, ()) for s in self._aborted]
+            self._aborted = []
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            logits = self.runner.execute(batch)
+            now = time.monotonic()
+            sampling = []
+            for seq, n in batch:
+                seq.num_computed_tokens += n
+                self.kv_manager.cache_full_blocks(seq)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    sampling.append(seq)
+            for seq, token in zip(sampling, sample(logits, sampling)):
+                seq.output_token_ids.append(token)
+                seq.first_token_time_s = seq.first_token_time_s or now
+                seq.last_token_time_s = now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    self._finish(seq, reason)
+                outputs.append(self._output(seq, (token,)))
+            self.num_steps += 1
+            return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=reason == "abort")
+        if not kept:
+            self.kv_manager.free(seq)
+        self.requests.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new: tuple[int, ...]) -> RequestOutput:
+        ttft = None if seq.first_token_time_s is None else seq.first_token_time_s - seq.arrival_time_s
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            ttft_s=ttft,
+            output_token_ids=tuple(seq.output_token_ids) if seq.is_finished else (),
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None, **kw: str
+    ) -> list[RequestOutput]:
+        """Run prompts to completion as one continuous batch; final outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, **kw) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # ---- introspection --------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise RuntimeError when pool bookkeeping is inconsistent (see BlockPool)."""
+        with self._lock:
+            self.kv_manager.check_integrity()
+
+    def stats(self) -> dict[str, int]:
+        pool = self.kv_manager.pool
+        with self._lock:
+            used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+            free = pool.num_free_blocks()
+            cached_free = sum(1 for b in pool.free_queue if b.block_hash is not None)
+            return {
+                "num_blocks": pool.num_blocks,
+                "used_blocks": used,
+                "free_blocks": free - cached_free,
+                "cached_blocks": cached_free,
+                "block_size": self.pool.block_size,
+                "device_bytes_used": used * self.pool.bytes_per_block,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "sessions": len(self.sessions.sessions),
+            }

@@ -1,0 +1,111 @@
+"""The scheduler-facing cache manager: prefix lookup, slot allocation, freeing.
+
+Narrow API (vLLM v1 ``KVCacheManager`` / nano-vllm ``BlockManager`` shape):
+``get_computed_blocks``, ``allocate_slots`` (None when it cannot), ``cache_full_blocks``, ``free``.
+"""
+
+from __future__ import annotations
+
+from cache_node.block import KVBlock
+from cache_node.block_pool import BlockPool
+from cache_node.hashing import HashFn, blake2b_256, hash_block_tokens
+from cache_node.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps sequences to pool blocks.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        hash_fn: digest used for block hashes (tests inject a weak one to force collisions).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = blake2b_256) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.hash_fn = hash_fn
+
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        """Chained hashes of the sequence's first ``num_full_blocks`` blocks (memoized on seq)."""
+        tokens = seq.all_token_ids
+        bs = self.block_size
+        while len(seq.block_hashes) < num_full_blocks:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            keys = seq.extra_keys if i == 0 else ()
+            seq.block_hashes.append(
+                hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], keys, self.hash_fn)
+            )
+        return seq.block_hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of ``seq`` (does not modify the cache).
+
+        At most ``num_tokens - 1`` tokens are reported, so a fully cached prompt still
+        recomputes its last token (its logits are needed to sample).
+
+        Returns:
+            (blocks, num_computed_tokens) with ``num_computed_tokens == len(blocks) * block_size``.
+        """
+        bs = self.block_size
+        tokens = seq.all_token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(self._extend_hashes(seq, max_blocks)):
+            block = self.pool.lookup(block_hash, tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[KVBlock] | None:
+        """Reserve pool slots for ``num_new_tokens`` more tokens of ``seq``.
+
+        Args:
+            seq: the sequence; its ``block_table`` grows in place.
+            num_new_tokens: tokens to be computed this step (beyond num_computed_tokens and
+                the computed prefix blocks).
+            computed_blocks: prefix-hit blocks from ``get_computed_blocks`` (new sequences).
+
+        Returns:
+            The newly allocated blocks, or None (nothing changed) when the pool cannot fit them.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(seq.block_table) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + revived > self.pool.num_free_blocks():
+            return None
+        self.pool.touch(computed_blocks)
+        seq.block_table.extend(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0)) or []
+        seq.block_table.extend(new_blocks)
+        return new_blocks
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Make every full block whose KV is computed matchable by later prompts."""
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        hashes = self._extend_hashes(seq, num_full)
+        tokens = seq.all_token_ids
+        for i in range(num_full):
+            block = seq.block_table[i]
+            if block.block_hash is None:
+                self.pool.cache_block(block, hashes[i], tokens[i * bs : (i + 1) * bs])
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first (so a chain's end is evicted first)."""
+        self.pool.free(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.layer_block_tables = None
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()

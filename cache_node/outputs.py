@@ -1,0 +1,32 @@
+"""What the engine streams back per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's increment from one step.
+
+    Attributes:
+        new_token_ids: tokens sampled this step (empty for a mid-prefill step or an abort).
+        finish_reason: "stop" (EOS/stop token), "length" (max_tokens or context), "abort".
+        num_cached_tokens: prompt tokens whose KV was reused (prefix cache or session).
+        ttft_s: seconds from arrival to the first token (None until it exists).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    ttft_s: float | None
+    output_token_ids: tuple[int, ...] = ()
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (bad prompt, sampling or limits); nothing was allocated."""

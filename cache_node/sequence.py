@@ -1,0 +1,82 @@
+"""A request as the engine tracks it: tokens, progress, blocks, timing."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache_node.block import KVBlock
+from cache_node.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request/sequence.
+
+    Token range diagram (``num_computed_tokens`` = tokens whose KV is in the pool)::
+
+        | prompt_token_ids ............ | output_token_ids ... |
+        |<- num_computed_tokens ->|<-- to compute -->|
+
+    Attributes:
+        block_table: blocks holding the sequence's KV, in token order (shared by all layers).
+        layer_block_tables: optional per-layer override (a layer-aware policy may keep a
+            different token set in some layers); None means every layer uses ``block_table``.
+        num_cached_tokens: prompt tokens reused from the prefix cache (or a session).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    extra_keys: tuple[str, ...] = ()
+    session_id: str | None = None
+    tenant: str = ""
+    policy: str = ""
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[KVBlock] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    layer_block_tables: list[list[KVBlock]] | None = None
+    finish_reason: str | None = None
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    first_token_time_s: float | None = None
+    last_token_time_s: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the whole prompt's KV is computed."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def layer_blocks(self, layer_idx: int) -> list[KVBlock]:
+        if self.layer_block_tables is None:
+            return self.block_table
+        return self.layer_block_tables[layer_idx]
