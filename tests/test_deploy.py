@@ -1,0 +1,183 @@
+"""deploy/: cluster YAMLs pass Ray's own config validation; resources are where we expect.
+
+The cluster-launcher configs go through ``prepare_config`` (defaults, legacy rewrite,
+per-type worker bounds; what ``ray up`` does before talking to a cloud) and then
+``validate_config`` (Ray's JSON schema plus its consistency checks). The KubeRay manifest
+goes through the function the KubeRay autoscaler uses to read a RayCluster, which also
+validates the result.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from ray.autoscaler._private.kuberay.autoscaling_config import (
+    _derive_autoscaling_config_from_ray_cr,
+)
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def _load(name: str) -> dict[str, Any]:
+    data = yaml.safe_load((DEPLOY / name).read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _prepared(config: dict[str, Any]) -> dict[str, Any]:
+    prepared = prepare_config(config)
+    validate_config(prepared)
+    return prepared
+
+
+def _resources_flag(command: str) -> dict[str, int]:
+    flags = [arg for arg in shlex.split(command) if arg.startswith("--resources=")]
+    assert len(flags) == 1, command
+    return json.loads(flags[0].removeprefix("--resources="))
+
+
+def _write_script(path: Path, body: str) -> None:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+# ---------------------------------------------------------------- local provider
+
+
+def test_local_cluster_validates_with_ray() -> None:
+    prepared = _prepared(_load("cluster.yaml"))
+
+    assert prepared["provider"] == {
+        "type": "local",
+        "head_ip": "10.0.0.10",
+        "worker_ips": ["10.0.0.11", "10.0.0.12"],
+    }
+    assert prepared["head_node_type"] == "local.cluster.node"
+    assert prepared["available_node_types"] == {
+        "local.cluster.node": {
+            "node_config": {},
+            "resources": {},
+            "min_workers": 2,
+            "max_workers": 2,
+        }
+    }
+    assert prepared["file_mounts"] == {"~/kvstrata": "."}
+    assert "~/kvstrata-venv/bin/pip install -q -e ~/kvstrata" in prepared["worker_setup_commands"]
+
+
+def test_local_head_offers_one_spill_node() -> None:
+    head_start = _load("cluster.yaml")["head_start_ray_commands"]
+    assert head_start[0] == "ray stop"
+    assert _resources_flag(head_start[-1]) == {"spill_node": 1}
+
+
+@pytest.mark.parametrize(("gpu_lines", "cache_nodes"), [(0, 1), (1, 1), (4, 4)])
+def test_local_worker_offers_one_cache_node_per_gpu(
+    tmp_path: Path, gpu_lines: int, cache_nodes: int
+) -> None:
+    """Runs the worker start command with stub `nvidia-smi` and `ray` executables."""
+    listing = "".join(f"GPU {i}: NVIDIA A10G\\n" for i in range(gpu_lines))
+    _write_script(tmp_path / "nvidia-smi", f"printf '{listing}'" if gpu_lines else "exit 9")
+    _write_script(tmp_path / "ray", "printf '%s\\n' \"$@\"")
+    command = _load("cluster.yaml")["worker_start_ray_commands"][-1]
+
+    result = subprocess.run(
+        ["bash", "-c", command],
+        env={"PATH": f"{tmp_path}:{os.environ['PATH']}", "RAY_HEAD_IP": "10.0.0.10"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+    assert result.stdout.splitlines() == [
+        "start",
+        "--address=10.0.0.10:6379",
+        f'--resources={{"cache_node": {cache_nodes}}}',
+    ]
+
+
+# ---------------------------------------------------------------- AWS
+
+
+def test_aws_cluster_validates_with_ray() -> None:
+    prepared = _prepared(_load("cluster-aws.yaml"))
+
+    node_types = prepared["available_node_types"]
+    assert prepared["head_node_type"] == "head"
+    assert {name: t["resources"] for name, t in node_types.items()} == {
+        "head": {"CPU": 8},
+        "gpu_cache": {"CPU": 8, "GPU": 1, "cache_node": 1},
+        "cpu_spill": {"CPU": 8, "spill_node": 1},
+    }
+    assert {name: (t["min_workers"], t["max_workers"]) for name, t in node_types.items()} == {
+        "head": (0, 0),
+        "gpu_cache": (1, 4),
+        "cpu_spill": (1, 4),
+    }
+    assert node_types["gpu_cache"]["node_config"]["InstanceType"] == "g5.2xlarge"
+    assert prepared["max_workers"] == 8
+    assert prepared["head_setup_commands"][-1].startswith("~/kvstrata-venv/bin/pip install")
+
+
+def test_ray_validation_rejects_a_broken_config() -> None:
+    """The validation above can fail: a node type without `resources` is refused."""
+    config = copy.deepcopy(_load("cluster-aws.yaml"))
+    del config["available_node_types"]["gpu_cache"]["resources"]
+
+    with pytest.raises(jsonschema.ValidationError, match="'resources' is a required property"):
+        _prepared(config)
+
+
+# ---------------------------------------------------------------- KubeRay
+
+
+def test_kuberay_manifest_carries_the_resources() -> None:
+    manifest = _load("kuberay-raycluster.yaml")
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayCluster")
+
+    autoscaling = _derive_autoscaling_config_from_ray_cr(manifest)
+
+    gib = 1 << 30
+    assert {
+        name: (t["resources"], t["min_workers"], t["max_workers"])
+        for name, t in autoscaling["available_node_types"].items()
+    } == {
+        "headgroup": ({"CPU": 4, "memory": 16 * gib}, 0, 0),
+        "gpu-cache": ({"CPU": 8, "GPU": 1, "memory": 32 * gib, "cache_node": 1}, 1, 4),
+        "cpu-spill": ({"CPU": 4, "memory": 64 * gib, "spill_node": 1}, 1, 4),
+    }
+    assert autoscaling["max_workers"] == 8
+    assert manifest["spec"]["rayVersion"] == "2.60.0"
+
+
+def test_kuberay_containers_set_the_ray_auth_mode() -> None:
+    """Every process must agree on RAY_AUTH_MODE (DESIGN.md section 9)."""
+    spec = _load("kuberay-raycluster.yaml")["spec"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        env = {item["name"]: item["value"] for item in container["env"]}
+        assert env["RAY_AUTH_MODE"] == "disabled", group.get("groupName", "head")
+
+
+def test_readme_walks_through_a_real_cluster() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    for step in (
+        "ray up deploy/cluster.yaml",
+        "kvstrata up --address auto",
+        "kvstrata tenant add",
+        "kvstrata generate",
+        "kubectl apply -f deploy/kuberay-raycluster.yaml",
+    ):
+        assert step in readme, step
