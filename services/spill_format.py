@@ -138,7 +138,7 @@ def write_group(
     payload = np.ascontiguousarray(blocks, dtype=block_format.np_dtype.newbyteorder("<"))
     header = _pack_header(block_hashes, payload, namespace, block_format)
     prefix = _PREFIX.pack(_MAGIC, len(header), xxhash.xxh3_128_digest(header))
-    _atomic_write(path, [prefix, header, memoryview(payload).cast("B")])
+    _atomic_write(path, [prefix, header, payload.reshape(-1).view(np.uint8).data])
     return len(prefix) + len(header) + payload.nbytes
 
 
@@ -176,7 +176,7 @@ def _read_block(
     f: Any, path: Path, header: GroupHeader, index: int, out: np.ndarray, fmt: BlockFormat
 ) -> None:
     f.seek(header.payload_offset + index * fmt.block_nbytes)
-    view = memoryview(out.view(np.uint8).reshape(-1))
+    view = out.view(np.uint8).reshape(-1).data
     if f.readinto(view) != fmt.block_nbytes:
         raise SpillCorruptError(f"{path}: truncated in block {index}")
     if xxhash.xxh3_128_digest(view) != header.block_checksums[index]:
@@ -199,7 +199,7 @@ def _pack_header(
             "kv_format": fmt.kv_format,
             "payload_bytes": payload.nbytes,
             "checksum": CHECKSUM_ALGO,
-            "block_checksums": [xxhash.xxh3_128_digest(row) for row in rows],
+            "block_checksums": [xxhash.xxh3_128_digest(row.data) for row in rows],
         },
         use_bin_type=True,
     )

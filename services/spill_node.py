@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
+from ray.actor import ActorHandle
 
 from services.spill_format import BlockFormat
 from services.spill_store import SpillEvent, SpillHits, SpillStore
@@ -86,7 +87,7 @@ def create_spill_node(
     max_task_retries: int = 3,
     num_cpus: float = 0,
     **store_options: Any,
-) -> ray.actor.ActorHandle:
+) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
 
     Args:
@@ -110,4 +111,5 @@ def create_spill_node(
         max_task_retries=max_task_retries,
         num_cpus=num_cpus,
     )
-    return options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, **store_options)
+    handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, **store_options)
+    return cast("ActorHandle[SpillNode]", handle)

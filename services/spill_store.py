@@ -30,8 +30,8 @@ TIER_RAM = "spill_ram"
 TIER_DISK = "spill_disk"
 EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
-STAT_COUNTERS = ("hits_spill_ram", "hits_spill_disk", "misses", "corrupt_reads", "io_errors")
-STAT_COUNTERS += ("evicted_files", "events_dropped")
+_HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
+STAT_COUNTERS = _HITS + ("corrupt_reads", "io_errors", "evicted_files", "events_dropped")
 
 
 class SpillEvent(NamedTuple):
@@ -68,6 +68,10 @@ class _SpillFile:
 
 class SpillStore:
     """Content-addressed block store: RAM tier, then disk tier.
+
+    Reads never raise for data faults (missing, truncated, unreadable or corrupt
+    files are misses and are dropped). One lock guards all state, so a threaded
+    actor may call it concurrently; disk I/O happens under that lock.
 
     Args:
         root_dir: directory of the group files (created if missing).
