@@ -1,0 +1,170 @@
+"""compute_report on hand-made records with hand-computed values; the report folder."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from workloads.deepresearch.config import TenantProfile
+from workloads.deepresearch.floor import floor_windows
+from workloads.deepresearch.metrics import compute_report, exit_code
+from workloads.deepresearch.report import load_jsonl, write_report
+from workloads.deepresearch.summary import print_summary
+
+TENANTS = (
+    TenantProfile("A", "interactive", ttft_slo_ms=100.0, tpot_slo_ms=10.0, min_tokens_per_s=2.5),
+    TenantProfile("B", "batch", ttft_slo_ms=1000.0, tpot_slo_ms=50.0, min_tokens_per_s=0.5,
+                  noisy=True),
+)  # fmt: skip
+
+
+def _rec(tenant: str, status: str, start_s: float, end_s: float, **fields: Any) -> dict[str, Any]:
+    record = {
+        "call_id": f"{tenant}-{start_s}-{status}", "tenant": tenant, "status": status,
+        "start_s": start_s, "end_s": end_s, "ttft_ms": None, "tpot_ms": None,
+        "prompt_tokens": 0, "completion_tokens": 0, "cached_device_tokens": 0,
+        "cached_host_tokens": 0, "cached_spill_ram_tokens": 0, "cached_spill_disk_tokens": 0,
+        "correct": None, "preempted": False, "text": "", "error": "",
+    }  # fmt: skip
+    record.update(fields)
+    return record
+
+
+RECORDS = [
+    _rec("A", "ok", 0.0, 2.0, ttft_ms=50.0, tpot_ms=5.0, prompt_tokens=100, completion_tokens=10,
+         cached_device_tokens=40, cached_host_tokens=10),
+    _rec("A", "ok", 1.0, 3.0, ttft_ms=150.0, tpot_ms=20.0, prompt_tokens=100, completion_tokens=4,
+         cached_spill_ram_tokens=20, correct=True),
+    _rec("A", "RESOURCE_EXHAUSTED", 3.0, 3.0, error="retry in 2 s"),
+    _rec("A", "SKIPPED", 3.0, 3.0),
+    _rec("B", "ok", 0.5, 4.0, ttft_ms=500.0, prompt_tokens=50, completion_tokens=1,
+         correct=False, preempted=True),
+    _rec("B", "UNAVAILABLE", 4.0, 4.5),
+]  # fmt: skip
+
+TIMESERIES = [
+    {"t_s": 0.0, "device_bytes_used": 100.0, "device_used_fraction": 0.5},
+    {"t_s": 1.0, "error": "ConnectionError: down"},
+    {"t_s": 2.0, "device_bytes_used": 300.0, "device_used_fraction": 0.25},
+]
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    return compute_report(RECORDS, TIMESERIES, TENANTS)
+
+
+def test_tenant_a_every_number(report: dict[str, Any]) -> None:
+    a = report["tenants"]["A"]
+    assert (a["calls"], a["sent"], a["ok"]) == (4, 3, 2)
+    assert a["ttft_ms"] == {"p50": 100.0, "p95": pytest.approx(145.0), "p99": pytest.approx(149.0)}
+    assert a["tpot_ms"] == {"p50": 12.5, "p95": pytest.approx(19.25), "p99": pytest.approx(19.85)}
+    assert (a["ttft_slo_attainment"], a["tpot_slo_attainment"]) == (0.5, 0.5)
+    assert a["floor"] == {"backlogged_windows": 3, "met_windows": 2, "attainment": 2 / 3}
+    assert (a["prompt_tokens"], a["output_tokens"]) == (200, 14)
+    assert a["output_tokens_per_s"] == pytest.approx(14 / 4.5)
+    assert a["accuracy"] == {"graded": 1, "correct": 1, "accuracy": 1.0}
+    assert a["cache_hit_rate"] == {
+        "device": 0.2, "host": 0.05, "spill_ram": 0.1, "spill_disk": 0.0, "total": 0.35,
+    }  # fmt: skip
+    assert a["rejections"] == 1
+    assert a["failures_by_status"] == {"RESOURCE_EXHAUSTED": 1, "SKIPPED": 1}
+    assert a["preemptions"] == 0
+    assert (a["slo_class"], a["ttft_slo_ms"], a["noisy"]) == ("interactive", 100.0, False)
+
+
+def test_tenant_b_and_overall(report: dict[str, Any]) -> None:
+    b, overall = report["tenants"]["B"], report["overall"]
+    assert b["ttft_ms"] == {"p50": 500.0, "p95": 500.0, "p99": 500.0}
+    assert b["tpot_ms"] == {"p50": None, "p95": None, "p99": None}
+    assert (b["ttft_slo_attainment"], b["tpot_slo_attainment"]) == (1.0, None)
+    assert b["floor"] == {"backlogged_windows": 3, "met_windows": 0, "attainment": 0.0}
+    assert b["accuracy"] == {"graded": 1, "correct": 0, "accuracy": 0.0}
+    assert (b["failures_by_status"], b["preemptions"], b["noisy"]) == ({"UNAVAILABLE": 1}, 1, True)
+    assert (overall["calls"], overall["sent"], overall["ok"]) == (6, 5, 3)
+    assert overall["ttft_ms"]["p50"] == 150.0
+    assert overall["ttft_ms"]["p95"] == pytest.approx(465.0)
+    assert overall["ttft_slo_attainment"] == 2 / 3  # each call against its own tenant's target
+    assert overall["floor"] == {"backlogged_windows": 6, "met_windows": 2, "attainment": 2 / 6}
+    assert overall["cache_hit_rate"]["device"] == 0.16
+    assert overall["cache_hit_rate"]["total"] == 0.28
+    assert overall["failures_by_status"] == {
+        "RESOURCE_EXHAUSTED": 1,
+        "SKIPPED": 1,
+        "UNAVAILABLE": 1,
+    }
+    assert report["span_s"] == 4.5
+    assert report["timeseries"] == {
+        "samples": 3, "errors": 1, "device_bytes_used_max": 300.0,
+        "device_bytes_used_mean": 200.0, "host_bytes_used_max": None,
+        "host_bytes_used_mean": None, "device_used_fraction_max": 0.5,
+        "device_used_fraction_mean": 0.375,
+    }  # fmt: skip
+
+
+def test_floor_windows_by_hand() -> None:
+    """A: busy [0, 3) -> windows 0, 1, 2; tokens 4.87, 6.97, 2.16 per s vs floor 2.5."""
+    a_records = [r for r in RECORDS if r["tenant"] == "A"]
+    assert floor_windows(a_records, 2.5, horizon_s=4.5, window_s=1.0) == (3, 2)
+    assert floor_windows(a_records, 2.0, horizon_s=4.5, window_s=1.0) == (3, 3)
+    assert floor_windows(a_records, 0.0, horizon_s=4.5, window_s=0.5) == (6, 6)
+    with pytest.raises(ValueError, match="window_s must be positive"):
+        floor_windows(a_records, 1.0, horizon_s=4.5, window_s=0.0)
+
+
+def test_report_json_is_recomputed_from_calls_jsonl(tmp_path: Path) -> None:
+    now = datetime(2026, 1, 2, 3, 4, 5)
+    run_dir, report = write_report(RECORDS, TIMESERIES, TENANTS, root=tmp_path, now=now)
+    assert run_dir == tmp_path / "deepresearch" / "20260102-030405"
+    on_disk = json.loads((run_dir / "report.json").read_text())
+    again = compute_report(
+        load_jsonl(run_dir / "calls.jsonl"), load_jsonl(run_dir / "timeseries.jsonl"), TENANTS
+    )
+    assert on_disk == again == json.loads(json.dumps(report))
+    assert len(load_jsonl(run_dir / "calls.jsonl")) == len(RECORDS)
+    for name in ("ttft_cdf.png", "memory.png", "throughput.png"):
+        assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (run_dir / "report.md").read_text()
+    assert "| A | interactive | 2/3 | 100/145/149 | 12.5 | 50% | 67% |" in markdown
+    assert "- overall: RESOURCE_EXHAUSTED 1, SKIPPED 1, UNAVAILABLE 1" in markdown
+    assert (tmp_path / "latest").resolve() == run_dir.resolve()
+    second, _ = write_report(RECORDS, TIMESERIES, TENANTS, root=tmp_path, now=now)
+    assert second.name == "20260102-030405-1"
+    assert (tmp_path / "latest").resolve() == second.resolve()
+
+
+def test_failures_are_counted_not_hidden() -> None:
+    failed = [_rec("A", "INTERNAL", 0.0, 1.0), _rec("A", "SKIPPED", 1.0, 1.0)]
+    report = compute_report([*RECORDS, *failed], [], TENANTS)
+    assert report["overall"]["calls"] == 8
+    assert report["tenants"]["A"]["failures_by_status"] == {
+        "INTERNAL": 1, "RESOURCE_EXHAUSTED": 1, "SKIPPED": 2,
+    }  # fmt: skip
+
+
+def test_zero_successful_calls_make_a_non_zero_exit_code(report: dict[str, Any]) -> None:
+    assert exit_code(report) == 0
+    failed_only = compute_report([r for r in RECORDS if r["status"] != "ok"], [], TENANTS)
+    assert failed_only["overall"]["ok"] == 0
+    assert exit_code(failed_only) == 1
+    empty = compute_report([], [], TENANTS)
+    assert (empty["span_s"], empty["overall"]["calls"], exit_code(empty)) == (0.0, 0, 1)
+
+
+def test_unknown_tenant_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"records name tenants \['C'\]"):
+        compute_report([_rec("C", "ok", 0.0, 1.0)], [], TENANTS)
+
+
+def test_summary_table_prints_every_group(report: dict[str, Any]) -> None:
+    out = io.StringIO()
+    print_summary(report, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "B (noisy)" in text and "overall" in text
+    assert "failures overall: RESOURCE_EXHAUSTED 1, SKIPPED 1, UNAVAILABLE 1" in text
