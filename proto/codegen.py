@@ -22,7 +22,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from grpc_tools import protoc
+from grpc_tools import protoc  # type: ignore[import-untyped]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_PACKAGE = Path("kvstrata/v1")

@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 );
 """
 _TENANT_COLUMNS = "t.tenant_id, t.spec_json, t.created_at_s"
+_HAS_ADMIN_KEY = "SELECT 1 FROM api_keys WHERE role = 'admin'"
 
 
 class TenantStore:
@@ -186,9 +187,11 @@ class TenantStore:
         Returns:
             The plaintext admin key when it was created now; ``None`` when one exists.
         """
+        if self._has_admin_key():
+            return None
         api_key, key_hash = generate_api_key()
         with self._lock, self._conn:
-            if self._conn.execute("SELECT 1 FROM api_keys WHERE role = 'admin'").fetchone():
+            if self._conn.execute(_HAS_ADMIN_KEY).fetchone():  # created meanwhile
                 return None
             self._insert_key(key_hash, "admin", None, self._clock())
         return api_key
@@ -214,6 +217,10 @@ class TenantStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    def _has_admin_key(self) -> bool:
+        with self._lock:
+            return self._conn.execute(_HAS_ADMIN_KEY).fetchone() is not None
 
     def _verify(self, api_key: str, stored: KeyHash) -> bool:
         """Check ``api_key`` against its stored row, outside the lock (PBKDF2 is slow).

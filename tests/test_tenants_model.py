@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,9 +167,6 @@ def test_tenant_record() -> None:
 
 def test_tenants_package_is_plain_python() -> None:
     """Guards against protobuf/gRPC/Ray leaking into the core (STYLE.md habit 8)."""
-    import ast
-    from pathlib import Path
-
     forbidden = ("ray", "grpc", "google", "kvstrata")
     offenders = []
     for path in sorted(Path(__file__).resolve().parent.parent.joinpath("tenants").glob("*.py")):
