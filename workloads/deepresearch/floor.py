@@ -41,11 +41,11 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
 
 
 def _tokens_in(record: Mapping[str, Any], w0: float, w1: float) -> float:
-    first_s = record["start_s"] + (record.get("ttft_ms") or 0.0) / 1000.0
-    end_s = record["end_s"]
-    n = record["completion_tokens"]
+    first_s = float(record["start_s"]) + float(record.get("ttft_ms") or 0.0) / 1000.0
+    end_s = float(record["end_s"])
+    n = float(record["completion_tokens"])
     if end_s <= first_s:
-        return float(n) if w0 <= end_s < w1 else 0.0
+        return n if w0 <= end_s < w1 else 0.0
     return n * _overlap(first_s, end_s, w0, w1) / (end_s - first_s)
 
 

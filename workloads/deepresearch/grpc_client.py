@@ -152,7 +152,7 @@ class GrpcInferenceClient:
                 timeout=self._timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
-            return exc.code().name
+            return str(exc.code().name)
         except Exception:  # noqa: BLE001
             return "UNKNOWN"
         return OK

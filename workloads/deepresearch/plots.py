@@ -28,6 +28,14 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
+def _legend_or_note(ax: Any, loc: str, note: str) -> None:
+    """A legend when something was drawn, else ``note`` in the middle of the axes."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc=loc, fontsize="small")
+    else:
+        ax.text(0.5, 0.5, note, ha="center", transform=ax.transAxes)
+
+
 def plot_ttft_cdf(records: Sequence[Record], tenants: Sequence[TenantProfile], path: Path) -> Path:
     """TTFT CDF per tenant (ok calls), dashed line at each tenant's ``ttft_slo_ms``."""
     figure = Figure(figsize=(7, 4.5))
@@ -47,7 +55,7 @@ def plot_ttft_cdf(records: Sequence[Record], tenants: Sequence[TenantProfile], p
     ax.set_xlabel("TTFT (ms, log scale); dashed: target")
     ax.set_ylabel("fraction of ok calls")
     ax.set_title("Time to first token per tenant")
-    ax.legend(loc="lower right", fontsize="small")
+    _legend_or_note(ax, "lower right", "no successful calls")
     return _save(figure, path)
 
 
@@ -69,10 +77,7 @@ def plot_memory(timeseries: Sequence[Mapping[str, Any]], path: Path) -> Path:
     bottom.set_xlabel("time since start (s)")
     bottom.set_ylim(0.0, 1.05)
     for ax in (top, bottom):
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper left", fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "no stats samples", ha="center", transform=ax.transAxes)
+        _legend_or_note(ax, "upper left", "no stats samples")
     return _save(figure, path)
 
 
@@ -100,5 +105,5 @@ def plot_throughput(
     ax.set_xlabel(f"time since start (s), {window_s:g} s windows")
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput per tenant")
-    ax.legend(loc="upper right", fontsize="small")
+    _legend_or_note(ax, "upper right", "no calls")
     return _save(figure, path)

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from workloads.deepresearch.client import InferenceClient, StatsProbe
 from workloads.deepresearch.plan import AgentScript, PlannedCall, ResearchSession, WorkloadPlan
@@ -74,7 +81,7 @@ class _Run:
     """Shared state of one run: clock, client, keys, records, progress."""
 
     def __init__(self, client: InferenceClient, api_keys: Mapping[str, str], options: RunOptions,
-                 progress: Progress, tasks: dict[str, Any]) -> None:  # fmt: skip
+                 progress: Progress, tasks: dict[str, TaskID]) -> None:  # fmt: skip
         self.client, self.api_keys, self.options = client, api_keys, options
         self.progress, self.tasks = progress, tasks
         self.t0_s = time.monotonic()
@@ -190,7 +197,9 @@ async def _probe_loop(run: _Run, probe: StatsProbe, out: list[dict[str, Any]]) -
         await asyncio.sleep(run.options.probe_interval_s)
 
 
-def _progress(plan: WorkloadPlan, options: RunOptions, console: Console | None) -> tuple:
+def _progress(
+    plan: WorkloadPlan, options: RunOptions, console: Console | None
+) -> tuple[Progress, dict[str, TaskID]]:
     progress = Progress(
         TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), console=console, disable=not options.show_progress,

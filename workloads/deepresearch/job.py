@@ -1,0 +1,102 @@
+"""One DeepResearch job end to end: plan, run, report, summary, exit code.
+
+The entry points ``make demo`` and ``kvstrata run deepresearch`` call
+:func:`run_deepresearch_grpc` (or :func:`run_deepresearch` with their own client)
+and exit with ``outcome.exit_code``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rich.console import Console
+
+from workloads.deepresearch.client import InferenceClient, StatsProbe
+from workloads.deepresearch.config import WorkloadConfig
+from workloads.deepresearch.generator import generate_plan
+from workloads.deepresearch.grpc_client import GrpcInferenceClient
+from workloads.deepresearch.metrics import exit_code
+from workloads.deepresearch.report import write_report
+from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
+from workloads.deepresearch.stats_probe import grpc_stats_probe
+from workloads.deepresearch.summary import print_summary
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """Where the report went, what it says, and the process exit code (1: nothing succeeded)."""
+
+    run_dir: Path
+    report: dict[str, Any]
+    exit_code: int
+    result: RunResult
+
+
+async def run_deepresearch(
+    config: WorkloadConfig,
+    client: InferenceClient,
+    api_keys: Mapping[str, str],
+    *,
+    options: RunOptions | None = None,
+    stats_probe: StatsProbe | None = None,
+    root: str | Path = "reports",
+    console: Console | None = None,
+) -> JobOutcome:
+    """Generate the plan for ``config``, run it with ``client``, write and print the report.
+
+    Args:
+        config: the workload (tenants, seed, duration, ...).
+        client: any :class:`InferenceClient`.
+        api_keys: tenant name -> API key, for every tenant of ``config``.
+        options: runner options (time scale, progress, ...).
+        stats_probe: optional server-stats sampler for the time series.
+        root: reports root; the run goes to ``root/deepresearch/<timestamp>``.
+        console: where progress and the summary print.
+
+    Raises:
+        ValueError: a tenant has no API key.
+    """
+    options = options or RunOptions()
+    console = console or Console()
+    plan = generate_plan(config)
+    console.print(f"DeepResearch plan: {len(plan.sessions)} sessions, {plan.num_calls()} calls")
+    result = await run_workload(
+        plan, client, api_keys, options=options, stats_probe=stats_probe, console=console
+    )
+    run_info = {
+        "wall_s": result.wall_s,
+        "close_failures": result.close_failures,
+        "options": dataclasses.asdict(options),
+    }
+    run_dir, report = write_report(result.records, result.timeseries, config.tenants, root=root,
+                                   config=config, plan=plan, run_info=run_info)  # fmt: skip
+    print_summary(report, console)
+    console.print(f"report: {run_dir}")
+    return JobOutcome(run_dir, report, exit_code(report), result)
+
+
+async def run_deepresearch_grpc(
+    config: WorkloadConfig,
+    target: str,
+    api_keys: Mapping[str, str],
+    *,
+    admin_key: str | None = None,
+    timeout_s: float | None = 600.0,
+    options: RunOptions | None = None,
+    root: str | Path = "reports",
+    console: Console | None = None,
+) -> JobOutcome:
+    """:func:`run_deepresearch` against the gateway at ``target`` (``host:port``).
+
+    With ``admin_key``, ``AdminService.Stats`` is sampled for the time series.
+    """
+    async with grpc.aio.insecure_channel(target) as channel:
+        client = GrpcInferenceClient(channel=channel, timeout_s=timeout_s)
+        probe = grpc_stats_probe(channel, admin_key) if admin_key else None
+        return await run_deepresearch(config, client, api_keys, options=options,
+                                      stats_probe=probe, root=root, console=console)  # fmt: skip
