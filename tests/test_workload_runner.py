@@ -174,3 +174,22 @@ def test_missing_api_key_is_refused_before_anything_is_sent() -> None:
     with pytest.raises(ValueError, match=r"no API key for tenants \['t'\]"):
         asyncio.run(run_workload(_plan(), client, {}, options=RunOptions(show_progress=False)))
     assert client.sent == []
+
+
+class RaisingClient(FakeClient):
+    """Breaks the contract: raises instead of returning a failed result."""
+
+    async def generate(self, **kwargs: Any) -> CallResult:
+        if kwargs["request_id"].endswith("sub1#0"):
+            raise RuntimeError("socket closed")
+        return await super().generate(**kwargs)
+
+
+def test_a_client_that_raises_is_recorded_as_a_failure_not_a_crash() -> None:
+    result = _run(RaisingClient(REPLIES))
+    by_id = {r["call_id"]: r for r in result.records}
+    assert len(by_id) == 7
+    assert by_id["t-0000/sub1#0"]["status"] == "UNKNOWN"
+    assert by_id["t-0000/sub1#0"]["error"] == "client raised RuntimeError: socket closed"
+    assert by_id["t-0000/sub1#1"]["status"] == "SKIPPED"
+    assert by_id["t-0000/lead#1"]["status"] == "ok"

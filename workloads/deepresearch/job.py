@@ -8,6 +8,7 @@ and exit with ``outcome.exit_code``.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,8 @@ async def run_deepresearch(
         config: the workload (tenants, seed, duration, ...).
         client: any :class:`InferenceClient`.
         api_keys: tenant name -> API key, for every tenant of ``config``.
-        options: runner options (time scale, progress, ...).
+        options: runner options (time scale, progress, ...); by default real time with
+            session ids prefixed ``run<unix time>:`` so runs never share a session.
         stats_probe: optional server-stats sampler for the time series.
         root: reports root; the run goes to ``root/deepresearch/<timestamp>``.
         console: where progress and the summary print.
@@ -61,7 +63,7 @@ async def run_deepresearch(
     Raises:
         ValueError: a tenant has no API key.
     """
-    options = options or RunOptions()
+    options = options or RunOptions(session_prefix=f"run{int(time.time())}:")
     console = console or Console()
     plan = generate_plan(config)
     console.print(f"DeepResearch plan: {len(plan.sessions)} sessions, {plan.num_calls()} calls")

@@ -29,7 +29,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from workloads.deepresearch.client import InferenceClient, StatsProbe
+from workloads.deepresearch.client import CallResult, InferenceClient, StatsProbe
 from workloads.deepresearch.plan import AgentScript, PlannedCall, ResearchSession, WorkloadPlan
 from workloads.deepresearch.records import call_record, skipped_record
 from workloads.text import first_words
@@ -116,11 +116,16 @@ class _Agent:
         messages = call.render_messages(findings)
         send = self.history + messages if run.options.resend_history else messages
         self.sent = True
-        result = await run.client.generate(
-            api_key=run.api_keys[call.tenant], session_id=prefix + call.session_id,
-            messages=send, max_tokens=call.max_tokens, temperature=run.options.temperature,
-            request_id=prefix + call.call_id,
-        )  # fmt: skip
+        start_s = time.monotonic()
+        try:
+            result = await run.client.generate(
+                api_key=run.api_keys[call.tenant], session_id=prefix + call.session_id,
+                messages=send, max_tokens=call.max_tokens, temperature=run.options.temperature,
+                request_id=prefix + call.call_id,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a client that breaks its contract is a failure
+            error = f"client raised {type(exc).__name__}: {exc}"
+            result = CallResult("UNKNOWN", start_s=start_s, end_s=time.monotonic(), error=error)
         self.last = call_record(call, result, run.t0_s)
         run.add(self.last)
         if result.ok:
