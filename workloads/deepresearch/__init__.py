@@ -4,4 +4,24 @@ A research session is one lead agent and 2-6 sub-agents, each in its own
 server-side session. The lead plans (turn 0); each sub-agent searches (tool
 pause), reads 1-3 shared articles, and answers a fact question cut from what it
 read; the lead then reads the findings and writes the report (turn 1).
+
+Module map:
+
+- ``config``       TenantProfile, ToolPauseConfig, CallMaxTokens, WorkloadConfig
+- ``demo_config``  demo_tenants(), demo_config(): 4 tenants, one noisy at 4x
+- ``sampling``     Gamma arrivals, heavy-tailed tool pauses, Zipf popularity
+- ``prompts``      the text of every prompt
+- ``plan``         PlannedCall / AgentScript / ResearchSession / WorkloadPlan, write_trace
+- ``generator``    generate_plan(config) -> WorkloadPlan (deterministic under the seed)
+- ``client``       CallResult, the InferenceClient protocol, StatsProbe
+- ``grpc_client``  GrpcInferenceClient (kvstrata.v1 over grpc.aio)
+- ``stats_probe``  grpc_stats_probe(channel, admin_key): AdminService.Stats samples
+- ``records``      one calls.jsonl row per planned call
+- ``runner``       run_workload(plan, client, api_keys, options=RunOptions(...))
+- ``floor``        token-rate floor attainment from records
+- ``metrics``      compute_report(records, timeseries, tenants) (pure), exit_code
+- ``plots``        TTFT CDF, memory/occupancy over time, throughput (PNG)
+- ``summary``      report.md text and the rich summary table
+- ``report``       write_report(...): reports/deepresearch/<timestamp>/ + reports/latest
+- ``job``          run_deepresearch / run_deepresearch_grpc: all of the above, one call
 """
