@@ -146,10 +146,13 @@ class _Agent:
     async def close(self) -> None:
         if not self.sent:
             return
-        status = await self.run.client.close_session(
-            api_key=self.run.api_keys[self.script.calls[0].tenant],
-            session_id=self.run.options.session_prefix + self.script.session_id,
-        )
+        try:
+            status = await self.run.client.close_session(
+                api_key=self.run.api_keys[self.script.calls[0].tenant],
+                session_id=self.run.options.session_prefix + self.script.session_id,
+            )
+        except Exception:  # noqa: BLE001 - counted in RunResult.close_failures
+            status = "UNKNOWN"
         self.run.close_failures += status != "ok"
 
 
