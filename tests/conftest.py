@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random Llama for unit tests, the real SmolLM2 for equivalence."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest
+import torch
+
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import LoadedModel, load_model, tiny_llama
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_model() -> LoadedModel:
+    return load_model()
+
+
+def make_engine(lm: LoadedModel, **overrides: int) -> LLMEngine:
+    cfg = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 64, "max_num_seqs": 8}
+    cfg.update(overrides)
+    return LLMEngine(lm.model, EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)

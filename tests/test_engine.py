@@ -1,0 +1,180 @@
+"""Engine on a tiny random Llama: batching equivalence, prefix cache, sessions, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_node.hashing import HashFn
+from cache_node.model_loader import tiny_llama
+from cache_node.outputs import InvalidRequestError
+from cache_node.sampling_params import SamplingParams
+from tests.conftest import make_engine
+
+
+def hf_greedy(prompt: list[int], max_new: int) -> list[int]:
+    ref = tiny_llama(seed=0).model
+    ref.config._attn_implementation = "sdpa"
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % 500 + 1 for i in range(n)]
+
+
+def test_batch_equals_hf_generate_with_chunked_prefill(tiny) -> None:
+    """Different lengths in one flattened batch, prefill chunked by a 64-token budget."""
+    eng = make_engine(tiny, max_num_batched_tokens=64)
+    prompts = [prompt_of(n, n) for n in (1, 5, 16, 33, 90, 150)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.output_token_ids) == hf_greedy(p, 12)
+    eng.check_integrity()
+
+
+def test_repeated_prompt_hits_prefix_cache_with_identical_output(tiny) -> None:
+    eng = make_engine(tiny)
+    p = prompt_of(70)
+    first = eng.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    second = eng.generate([p], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64 >= len(p) - 16
+    assert second.output_token_ids == first.output_token_ids
+
+
+@pytest.mark.parametrize("n", [1, 16, 32, 48])
+def test_block_aligned_and_one_token_prompts(tiny, n) -> None:
+    """A fully cached block-aligned prompt still recomputes its last token."""
+    eng = make_engine(tiny)
+    p = prompt_of(n, 3)
+    a = eng.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    b = eng.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert b.num_cached_tokens == ((n - 1) // 16) * 16
+    assert a.output_token_ids == b.output_token_ids == tuple(hf_greedy(p, 4))
+
+
+def test_prompt_plus_completion_resend_reuses_everything_computed(tiny) -> None:
+    eng = make_engine(tiny)
+    p = prompt_of(40)
+    a = eng.generate([p], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    full = p + list(a.output_token_ids)
+    b = eng.generate([full], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert b.num_cached_tokens == ((len(full) - 1) // 16) * 16 == 64
+    assert list(b.output_token_ids) == hf_greedy(full, 5)
+
+
+def test_namespaces_isolate_and_share(tiny) -> None:
+    eng = make_engine(tiny)
+    p = prompt_of(50)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    eng.generate([p], params, cache_namespace="tenant-a")
+    other = eng.generate([p], params, cache_namespace="tenant-b")[0]
+    same = eng.generate([p], params, cache_namespace="tenant-a")[0]
+    assert other.num_cached_tokens == 0
+    assert same.num_cached_tokens == 48
+
+
+def test_forced_hash_collision_is_a_miss(tiny) -> None:
+    """Regression: a weak hash mapping every block to one value must not serve wrong KV."""
+    weak: HashFn = lambda data: b"\x00" * 32  # noqa: E731
+    from cache_node.config import EngineConfig
+    from cache_node.engine import LLMEngine
+
+    eng = LLMEngine(tiny.model, EngineConfig(block_size=16, kv_pool_bytes=1 << 20), "t", [], weak)
+    a, b = prompt_of(40, 1), prompt_of(40, 2)
+    eng.generate([a], SamplingParams(max_tokens=3, ignore_eos=True))
+    out = eng.generate([b], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.num_cached_tokens == 0
+    assert list(out.output_token_ids) == hf_greedy(b, 3)
+
+
+def test_session_turn_prefills_only_new_tokens(tiny) -> None:
+    eng = make_engine(tiny)
+    p1 = prompt_of(37)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=6, ignore_eos=True), session_id="s", tenant="a")[0]
+    history = p1 + list(t1.output_token_ids)
+    p2 = history + prompt_of(9, 5)
+    t2 = eng.generate([p2], SamplingParams(max_tokens=4, ignore_eos=True), session_id="s", tenant="a")[0]
+    assert t2.num_cached_tokens == len(history) - 1
+    assert list(t2.output_token_ids) == hf_greedy(p2, 4)
+    assert eng.close_session("s") == len(p2) + 4
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0
+
+
+def test_aborted_session_turn_leaves_no_trace(tiny) -> None:
+    eng = make_engine(tiny)
+    p1 = prompt_of(20)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a")[0]
+    history = p1 + list(t1.output_token_ids)
+    rid = eng.add_request(history + [9, 9, 9], SamplingParams(max_tokens=50), session_id="s", tenant="a")
+    eng.step()
+    assert eng.abort_request(rid)
+    eng.step()
+    assert eng.sessions.sessions["s"].token_ids == history
+    p3 = history + [4, 5]
+    t3 = eng.generate([p3], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a")[0]
+    assert list(t3.output_token_ids) == hf_greedy(p3, 3)
+
+
+def test_session_of_another_tenant_is_refused(tiny) -> None:
+    eng = make_engine(tiny)
+    eng.generate([prompt_of(5)], SamplingParams(max_tokens=1), session_id="s", tenant="a")
+    with pytest.raises(PermissionError):
+        eng.add_request(prompt_of(9), SamplingParams(max_tokens=1), session_id="s", tenant="b")
+
+
+def test_seeded_sampling_is_deterministic(tiny) -> None:
+    eng = make_engine(tiny)
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=42, ignore_eos=True)
+    a, b = eng.generate([prompt_of(12), prompt_of(12)], sp)
+    assert a.output_token_ids == b.output_token_ids
+    c = eng.generate([prompt_of(12)], SamplingParams(max_tokens=10, temperature=0.9, seed=7, ignore_eos=True))[0]
+    assert c.output_token_ids != a.output_token_ids
+
+
+def test_stop_token_and_max_tokens(tiny) -> None:
+    eng = make_engine(tiny)
+    p = prompt_of(10)
+    ref = hf_greedy(p, 6)
+    out = eng.generate([p], SamplingParams(max_tokens=6, stop_token_ids=(ref[2],)))[0]
+    assert out.finish_reason == "stop" and list(out.output_token_ids) == ref[: ref.index(ref[2]) + 1]
+    out = eng.generate([p], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 6
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], {}, "empty"),
+        ([1] * 3000, {}, "model context"),
+        ([1, 2, 600], {}, "outside"),
+        ([1, 2], {"stop_token_ids": (99999,)}, "unknown stop"),
+    ],
+)
+def test_bad_input_is_rejected_and_others_finish(tiny, prompt, params, match) -> None:
+    eng = make_engine(tiny)
+    good = eng.add_request(prompt_of(20), SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match=match):
+        eng.add_request(prompt, SamplingParams(max_tokens=2, **params))
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[good].num_output_tokens == 3
+    eng.check_integrity()
+
+
+def test_prompt_larger_than_pool_is_rejected(tiny) -> None:
+    eng = make_engine(tiny, kv_pool_bytes=16 * 1024 * 16)  # 32 blocks of 16 tokens
+    with pytest.raises(InvalidRequestError, match="KV pool holds"):
+        eng.add_request(prompt_of(600), SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_tokens": 0}, {"max_tokens": -1}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}]
+)
+def test_invalid_sampling_params(kwargs) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
