@@ -148,6 +148,26 @@ class LLMEngine:
         with self._lock:
             return self.sessions.close(session_id)
 
+    def session_history(self, session_id: str) -> list[int] | None:
+        """Token ids of an idle session's history, or None when the session is unknown."""
+        with self._lock:
+            sess = self.sessions.sessions.get(session_id)
+            return None if sess is None else list(sess.token_ids)
+
+    def expire_sessions(self, ttl_s: float) -> list[str]:
+        with self._lock:
+            return self.sessions.expire(ttl_s)
+
+    def flush(self) -> int:
+        """Drop every cached (unreferenced) block hash so nothing is matchable. Returns the count."""
+        with self._lock:
+            return self.kv_manager.pool.evict_cached()
+
+    def take_events(self) -> list[tuple[str, bytes]]:
+        """Block stored/removed events since the last call (for the global block index)."""
+        with self._lock:
+            return self.kv_manager.pool.take_events()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 

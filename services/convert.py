@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
-from kvstrata.v1 import common_pb2, inference_pb2, tenant_pb2
+from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
 from tenants.model import SloClass, Tenant, TenantSpec
 from tenants.usage import TenantUsage, TierTokens
 
@@ -273,3 +273,58 @@ def _from_float32(value: float) -> float:
 # ================================================================ generation events
 # GenerateResponse (started / delta / finished) <-> engine output conversions go below
 # this line; they are owned by the engineer who writes the streaming path.
+
+
+def generate_event_to_pb(event: Mapping[str, Any]) -> inference_pb2.GenerateResponse:
+    """Map a cache node's event dict (services.node_request) to a GenerateResponse.
+
+    Raises:
+        ValueError: unknown event type (error events are turned into statuses by the gateway).
+    """
+    kind = event.get("type")
+    if kind == "started":
+        return inference_pb2.GenerateResponse(
+            started=inference_pb2.GenerateStarted(
+                request_id=event["request_id"],
+                node_id=event["node_id"],
+                prompt_tokens=event["prompt_tokens"],
+                cached_tokens=tier_tokens_to_pb(event.get("cached_tokens", {})),
+                queue_ms=event.get("queue_ms", 0.0),
+            )
+        )
+    if kind == "delta":
+        return inference_pb2.GenerateResponse(
+            delta=inference_pb2.GenerateDelta(token_ids=event["token_ids"], text=event["text"])
+        )
+    if kind == "finished":
+        return inference_pb2.GenerateResponse(
+            finished=inference_pb2.GenerateFinished(
+                finish_reason=event["finish_reason"] or "",
+                prompt_tokens=event["prompt_tokens"],
+                completion_tokens=event["completion_tokens"],
+                cached_tokens=tier_tokens_to_pb(event.get("cached_tokens", {})),
+                ttft_ms=event.get("ttft_ms", 0.0),
+                tpot_ms=event.get("tpot_ms", 0.0),
+                preempted=bool(event.get("preempted", False)),
+            )
+        )
+    raise ValueError(f"unknown generate event type {kind!r}")
+
+
+def node_stats_to_pb(stats: Mapping[str, Any]) -> admin_pb2.NodeStats:
+    """A cache node's ``stats()`` dict as NodeStats (unknown keys are ignored)."""
+    return admin_pb2.NodeStats(
+        node_id=stats["node_id"],
+        num_blocks=stats.get("num_blocks", 0),
+        free_blocks=stats.get("free_blocks", 0),
+        cached_blocks=stats.get("cached_blocks", 0),
+        used_blocks=stats.get("used_blocks", 0),
+        block_size=stats.get("block_size", 0),
+        device_bytes_used=stats.get("device_bytes_used", 0),
+        host_bytes_used=stats.get("host_bytes_used", 0),
+        running=stats.get("running", 0),
+        waiting=stats.get("waiting", 0),
+        integrity_ok=stats.get("integrity_ok", False),
+        integrity_error=stats.get("integrity_error", ""),
+        hit_tokens=tier_tokens_to_pb(stats.get("hit_tokens", {})),
+    )

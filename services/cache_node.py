@@ -1,0 +1,268 @@
+"""The cache node service: one engine, its step loop thread, and per-request token streams.
+
+A plain class (testable without Ray); ``CacheNodeActor`` is the thin Ray wrapper. Tokens go
+from the step thread to each request's asyncio queue; ``generate`` is an async generator, so
+through Ray it is a streaming generator whose cancellation aborts the request in the engine
+within one step and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import load_model
+from cache_node.outputs import RequestOutput
+from services.chat import ChatTemplater
+from services.config import NodeConfig
+from services.node_request import NodeRequest
+
+Event = dict[str, Any]
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event]
+    request: NodeRequest
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    started: bool = False
+
+
+class CacheNode:
+    """Owns one model replica and its KV pool; streams generations.
+
+    Args:
+        node_id: stable name of the node (also its Ray actor name).
+        config: model and pool sizing.
+        num_threads: torch CPU threads for this node (0 = all cores).
+        event_sink: optional callable receiving ``(node_id, events)`` block events
+            (the global scheduler's ``report_events``), called from the step thread.
+    """
+
+    def __init__(
+        self, node_id: str, config: NodeConfig, num_threads: int = 0, event_sink: Any = None,
+        session_ttl_s: float = 900.0,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.node_id = node_id
+        self.config = config
+        lm = load_model(config.model_path, getattr(torch, config.dtype))
+        self.engine = LLMEngine(
+            lm.model,
+            EngineConfig(
+                block_size=config.block_size,
+                kv_pool_bytes=config.kv_pool_bytes,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                dtype=config.dtype,
+            ),
+            lm.model_id,
+            lm.eos_token_ids,
+        )
+        self.tokenizer = lm.tokenizer
+        self.templater = ChatTemplater(lm.tokenizer) if lm.tokenizer is not None else None
+        self.event_sink = event_sink
+        self.session_ttl_s = session_ttl_s
+        self._streams: dict[str, _Stream] = {}
+        self._session_messages: dict[str, list[dict[str, str]]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{node_id}-steps", daemon=True)
+        self._thread.start()
+
+    # ---- description ----------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Identity needed to compute block hashes outside the node."""
+        return {
+            "node_id": self.node_id,
+            "model_id": self.engine.model_id,
+            "kv_format": self.engine.kv_format,
+            "block_size": self.engine.pool.block_size,
+            "max_num_seqs": self.engine.config.max_num_seqs,
+            "max_model_len": self.engine.max_model_len,
+            "pool_tokens": self.engine.pool.num_blocks * self.engine.pool.block_size,
+            "pid": os.getpid(),
+        }
+
+    # ---- streaming generation -------------------------------------------------------------
+    async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
+        """Run one request; yields event dicts (see services.node_request)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            prompt = self._prompt(req)
+            if req.max_context_tokens and len(prompt) + req.sampling.max_tokens > req.max_context_tokens:
+                raise ValueError(
+                    f"prompt ({len(prompt)}) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+                    f"tenant's max_context_tokens ({req.max_context_tokens})"
+                )
+            self._streams[req.request_id] = _Stream(loop, queue, req, len(prompt))
+            self.engine.add_request(
+                prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
+                session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
+            )
+        except PermissionError as exc:
+            self._streams.pop(req.request_id, None)
+            yield {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
+            return
+        except ValueError as exc:
+            self._streams.pop(req.request_id, None)
+            yield {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
+            return
+        self._wake.set()
+        done = False
+        try:
+            while not done:
+                event = await queue.get()
+                done = event["type"] in ("finished", "error")
+                yield event
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not done:
+                self.engine.abort_request(req.request_id)
+
+    def _prompt(self, req: NodeRequest) -> list[int]:
+        history = self.engine.session_history(req.session_id) if req.session_id else None
+        if req.token_ids:
+            return (history or []) + list(req.token_ids)
+        if self.templater is None:
+            raise ValueError("this node's model has no tokenizer; send token ids")
+        if history:
+            past = self._session_messages.get(req.session_id, [])
+            return self.templater.continuation(past, history, req.messages)
+        return self.templater.first_turn(req.messages)
+
+    # ---- the step thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        last_expiry = time.monotonic()
+        while not self._stopped:
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(self.config.step_idle_wait_s)
+                self._wake.clear()
+            else:
+                for out in self.engine.step():
+                    self._dispatch(out)
+            self._flush_events()
+            if time.monotonic() - last_expiry > 5.0:
+                for sid in self.engine.expire_sessions(self.session_ttl_s):
+                    self._session_messages.pop(sid, None)
+                last_expiry = time.monotonic()
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        events: list[Event] = []
+        if out.new_token_ids and not stream.started:
+            stream.started = True
+            events.append({
+                "type": "started", "request_id": out.request_id, "node_id": self.node_id,
+                "prompt_tokens": out.num_prompt_tokens,
+                "cached_tokens": {"device": out.num_cached_tokens},
+                "queue_ms": 0.0,
+            })
+        if out.new_token_ids:
+            stream.token_ids.extend(out.new_token_ids)
+            text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            delta, stream.text = text[len(stream.text):], text
+            events.append({"type": "delta", "token_ids": list(out.new_token_ids), "text": delta})
+        if out.finished:
+            self._end_session_turn(stream, out)
+            events.append(self._finished_event(out, stream))
+        for event in events:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+
+    def _end_session_turn(self, stream: _Stream, out: RequestOutput) -> None:
+        req = stream.request
+        if not req.session_id or out.finish_reason == "abort" or not req.messages:
+            return
+        history = self._session_messages.setdefault(req.session_id, [])
+        history.extend(req.messages)
+        history.append({"role": "assistant", "content": stream.text})
+
+    def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
+        now = time.monotonic()
+        ttft_ms = (out.ttft_s or 0.0) * 1000.0
+        n = out.num_output_tokens
+        total_ms = (now - stream.request.arrival_time_s) * 1000.0 if stream.request.arrival_time_s else 0.0
+        tpot = (total_ms - ttft_ms) / (n - 1) if n > 1 and total_ms else 0.0
+        return {
+            "type": "finished", "finish_reason": out.finish_reason,
+            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
+            "cached_tokens": {"device": out.num_cached_tokens},
+            "ttft_ms": ttft_ms, "tpot_ms": tpot, "preempted": out.num_preemptions > 0,
+        }
+
+    def _flush_events(self) -> None:
+        if self.event_sink is None:
+            return
+        events = self.engine.take_events()
+        if events:
+            self.event_sink(self.node_id, events)
+
+    # ---- admin ----------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort_request(request_id)
+
+    def close_session(self, session_id: str, tenant: str) -> int:
+        owner = self.engine.sessions.sessions.get(session_id)
+        if owner is None or owner.tenant != tenant:
+            return -1
+        self._session_messages.pop(session_id, None)
+        return self.engine.close_session(session_id)
+
+    def stats(self, check_integrity: bool = False) -> dict[str, Any]:
+        stats: dict[str, Any] = {"node_id": self.node_id, **self.engine.stats()}
+        if check_integrity:
+            try:
+                self.engine.check_integrity()
+                stats["integrity_ok"], stats["integrity_error"] = True, ""
+            except RuntimeError as exc:
+                stats["integrity_ok"], stats["integrity_error"] = False, str(exc)
+        return stats
+
+    def flush(self) -> int:
+        return self.engine.flush()
+
+    def drain(self) -> int:
+        ids = list(self._streams)
+        return sum(self.engine.abort_request(rid) for rid in ids)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+
+def _event_sink(scheduler: Any) -> Any:
+    def sink(node_id: str, events: list[tuple[str, bytes]]) -> None:
+        scheduler.report_events.remote(node_id, events)
+
+    return sink
+
+
+class CacheNodeActor(CacheNode):
+    """Ray actor: a CacheNode whose block events flow to the named GlobalScheduler."""
+
+    def __init__(
+        self, node_id: str, config: NodeConfig, num_threads: int = 0, scheduler: Any = None,
+        session_ttl_s: float = 900.0,
+    ) -> None:
+        sink = _event_sink(scheduler) if scheduler else None
+        super().__init__(node_id, config, num_threads, sink, session_ttl_s)
+
+
+CacheNodeRemote = ray.remote(CacheNodeActor)

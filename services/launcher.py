@@ -1,0 +1,96 @@
+"""Start and stop the kvstrata services on a Ray cluster (embedded local one by default)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from services.cache_node import CacheNodeRemote
+from services.config import ServiceConfig
+from services.gateway_server import GatewayActor
+from services.global_scheduler import GlobalSchedulerActor
+
+SCHEDULER_NAME = "global_scheduler"
+GATEWAY_NAME = "gateway"
+
+
+@dataclass
+class Services:
+    """Handles of a running deployment."""
+
+    scheduler: Any
+    nodes: dict[str, Any]
+    gateway: Any
+    port: int
+    admin_key: str
+    config: ServiceConfig
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.gateway_host}:{self.port}"
+
+
+def admin_key_path(config: ServiceConfig) -> Path:
+    return config.state_path / "admin_key"
+
+
+def _admin_key(config: ServiceConfig, scheduler: Any) -> str:
+    """The admin key: created on first start (written 0600 to the state dir), read later."""
+    fresh = ray.get(scheduler.ensure_admin_key.remote())
+    path = admin_key_path(config)
+    if fresh:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(fresh)
+        return fresh
+    if not path.exists():
+        raise FileNotFoundError(f"admin key file {path} is missing; delete the tenant database to reset")
+    return path.read_text().strip()
+
+
+def start_services(config: ServiceConfig, address: str | None = None) -> Services:
+    """Place the scheduler, cache nodes and gateway as Ray actors and open the gRPC port.
+
+    Args:
+        config: service configuration.
+        address: Ray cluster to join ("auto", "ray://..."); None starts/uses a local cluster.
+    """
+    if not ray.is_initialized():
+        ray.init(address=address or "local", namespace=config.namespace, include_dashboard=False,
+                 log_to_driver=False)
+    life = {"lifetime": "detached"} if config.detached else {}
+    n = config.num_cache_nodes
+    node_ids = [f"cache_node_{i}" for i in range(n)]
+    state_dir = str(config.state_path)
+    scheduler = GlobalSchedulerActor.options(
+        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life
+    ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit)
+    threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
+    nodes = {
+        nid: CacheNodeRemote.options(
+            name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
+            resources={config.cache_node_resource: 1}, **life,
+        ).remote(nid, config.node, threads, scheduler, config.session_ttl_s)
+        for nid in node_ids
+    }
+    ray.get([node.describe.remote() for node in nodes.values()])  # wait until models are loaded
+    gateway = GatewayActor.options(name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life).remote(
+        scheduler, nodes, config.node.model_path
+    )
+    port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
+    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config)
+
+
+def stop_services(services: Services) -> None:
+    """Stop the gateway and kill every actor of the deployment."""
+    try:
+        ray.get(services.gateway.stop.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
+        pass
+    for handle in [services.gateway, *services.nodes.values(), services.scheduler]:
+        ray.kill(handle)

@@ -1,0 +1,36 @@
+"""What the gateway hands a cache node (plain data; protobuf stays at the gateway)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cache_node.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """One generation request routed to a cache node.
+
+    Exactly one of ``messages`` (chat, rendered by the node's chat template) and ``token_ids``
+    is set. With a ``session_id`` the prompt is appended to that session's history.
+    """
+
+    request_id: str
+    tenant: str
+    cache_namespace: str
+    sampling: SamplingParams
+    messages: tuple[dict[str, str], ...] = ()
+    token_ids: tuple[int, ...] = ()
+    session_id: str = ""
+    policy: str = ""
+    max_context_tokens: int = 0
+    arrival_time_s: float = 0.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):
+#   {"type": "started", "request_id", "node_id", "prompt_tokens", "cached_tokens": {tier: n}, "queue_ms"}
+#   {"type": "delta", "token_ids": [...], "text": str}
+#   {"type": "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+#    "ttft_ms", "tpot_ms", "preempted"}
+#   {"type": "error", "code": grpc status name, "message": str}

@@ -1,0 +1,91 @@
+"""A real two-node Ray cluster with the kvstrata services and a real gRPC channel."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import ray
+from ray.cluster_utils import Cluster
+
+from kvstrata.v1 import admin_pb2_grpc, inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
+from services.config import NodeConfig, ServiceConfig
+from services.launcher import Services, start_services, stop_services
+
+
+@dataclass
+class Stack:
+    cluster: Cluster
+    services: Services
+    channel: grpc.Channel
+    config: ServiceConfig
+
+    @property
+    def tenants(self) -> tenant_pb2_grpc.TenantServiceStub:
+        return tenant_pb2_grpc.TenantServiceStub(self.channel)
+
+    @property
+    def inference(self) -> inference_pb2_grpc.InferenceServiceStub:
+        return inference_pb2_grpc.InferenceServiceStub(self.channel)
+
+    @property
+    def admin(self) -> admin_pb2_grpc.AdminServiceStub:
+        return admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    def admin_md(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.services.admin_key}"),)
+
+    def register(self, name: str, namespace: str = "", **spec: object) -> str:
+        resp = self.tenants.RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name=name, cache_namespace=namespace, **spec)),
+            metadata=self.admin_md(),
+        )
+        return resp.api_key
+
+
+def start_stack(state_dir: str | None = None, **overrides: object) -> Iterator[Stack]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"cache_node": 1, "spill_node": 1}},
+    )
+    cluster.add_node(num_cpus=1, resources={"cache_node": 1})
+    ray.init(address=cluster.address, namespace="kvstrata-test", log_to_driver=False)
+    cfg = ServiceConfig(
+        num_cache_nodes=2,
+        node=NodeConfig(kv_pool_bytes=64 << 20, max_num_seqs=16, torch_threads=1),
+        gateway_port=0,
+        state_dir=state_dir or tempfile.mkdtemp(prefix="kvstrata-state-"),
+        **overrides,
+    )
+    services = start_services(cfg)
+    channel = grpc.insecure_channel(services.address)
+    try:
+        yield Stack(cluster, services, channel, cfg)
+    finally:
+        channel.close()
+        stop_services(services)
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def chat(text: str, max_tokens: int = 8, session_id: str = "", **kw: object) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=text)]),
+        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens),
+        session_id=session_id,
+        **kw,
+    )
+
+
+def collect(stream) -> dict:
+    out = {"text": "", "tokens": [], "started": None, "finished": None}
+    for msg in stream:
+        kind = msg.WhichOneof("event")
+        if kind == "delta":
+            out["text"] += msg.delta.text
+            out["tokens"].extend(msg.delta.token_ids)
+        else:
+            out[kind] = getattr(msg, kind)
+    return out
