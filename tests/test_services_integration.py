@@ -1,0 +1,178 @@
+"""Real Ray (two-node Cluster, custom resources) + real gRPC on port 0 + the real model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvstrata.v1 import admin_pb2, inference_pb2, tenant_pb2
+from tests.service_fixtures import Stack, chat, collect, start_stack
+from workloads.corpus import load_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Stack:
+    state = str(tmp_path_factory.mktemp("state"))
+    gen = start_stack(state_dir=state, queue_limit=4)
+    yield next(gen)
+    gen.close()
+
+
+def md(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture(scope="module")
+def keys(stack) -> dict[str, str]:
+    return {
+        "alice": stack.register("alice", namespace="shared"),
+        "bob": stack.register("bob", namespace="shared"),
+        "carol": stack.register("carol"),  # own namespace
+    }
+
+
+def long_doc(i: int = 0) -> str:
+    arts = load_corpus()
+    return " ".join(a.extract for a in arts[100 + i : 103 + i])
+
+
+def node_stats(stack: Stack) -> list:
+    return list(stack.admin.Stats(admin_pb2.StatsRequest(check_integrity=True), metadata=stack.admin_md()).nodes)
+
+
+def test_two_tenants_stream_real_text(stack, keys) -> None:
+    a = collect(stack.inference.Generate(chat("What is the capital of France?", 12), metadata=md(keys["alice"])))
+    c = collect(stack.inference.Generate(chat("Name a large planet.", 12), metadata=md(keys["carol"])))
+    for r in (a, c):
+        assert r["started"] is not None and r["finished"].completion_tokens == len(r["tokens"]) > 0
+        assert r["text"].strip()
+    assert "Paris" in a["text"]
+
+
+def test_session_second_turn_prefills_only_new_tokens(stack, keys) -> None:
+    k = md(keys["alice"])
+    t1 = collect(stack.inference.Generate(chat(long_doc() + "\nSummarize.", 10, session_id="sess-1"), metadata=k))
+    t2 = collect(stack.inference.Generate(chat("Give one date from it.", 6, session_id="sess-1"), metadata=k))
+    history = t1["finished"].prompt_tokens + t1["finished"].completion_tokens
+    assert t2["started"].node_id == t1["started"].node_id  # session turns stick to their node
+    assert t2["started"].cached_tokens.device == history - 1
+    assert t2["finished"].prompt_tokens > history
+    resp = stack.inference.CloseSession(inference_pb2.CloseSessionRequest(session_id="sess-1"), metadata=k)
+    assert resp.freed_tokens == t2["finished"].prompt_tokens + t2["finished"].completion_tokens
+
+
+def test_namespaces_isolate_and_share_prefixes(stack, keys) -> None:
+    prompt = long_doc(7) + "\nWhat is this about?"
+    first = collect(stack.inference.Generate(chat(prompt, 4), metadata=md(keys["alice"])))
+    time.sleep(0.3)  # block events reach the global index
+    same_ns = collect(stack.inference.Generate(chat(prompt, 4), metadata=md(keys["bob"])))
+    other_ns = collect(stack.inference.Generate(chat(prompt, 4), metadata=md(keys["carol"])))
+    n = first["finished"].prompt_tokens
+    # at most the chat template's system-prompt block, cached by earlier calls in each namespace
+    assert first["started"].cached_tokens.device <= 16
+    assert same_ns["started"].node_id == first["started"].node_id  # prefix affinity routing
+    assert same_ns["started"].cached_tokens.device == ((n - 1) // 16) * 16
+    assert other_ns["started"].cached_tokens.device <= 16
+    assert same_ns["tokens"] == first["tokens"] == other_ns["tokens"]
+
+
+def _code(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
+    k = md(keys["alice"])
+    results: dict[str, dict] = {}
+    bg = threading.Thread(
+        target=lambda: results.update(ok=collect(stack.inference.Generate(chat("Count to ten.", 24), metadata=k)))
+    )
+    bg.start()
+    gen = stack.inference.Generate
+    assert _code(lambda: collect(gen(chat("hi"), metadata=md("kvs_nope_nope")))) == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(lambda: collect(gen(chat("hi")))) == grpc.StatusCode.UNAUTHENTICATED
+    empty = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(max_tokens=4))
+    assert _code(lambda: collect(gen(empty, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: collect(gen(chat("x " * 9000, 4), metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
+    bad = chat("hi", 4)
+    bad.sampling.temperature = -1
+    assert _code(lambda: collect(gen(bad, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
+    zero = chat("hi", 0)
+    assert _code(lambda: collect(gen(zero, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: collect(gen(chat("hi", 2, policy="no-such-policy"), metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
+    collect(gen(chat("hi", 2, session_id="alice-s"), metadata=k))
+    other = md(keys["carol"])
+    assert _code(lambda: collect(gen(chat("hi", 2, session_id="alice-s"), metadata=other))) == grpc.StatusCode.PERMISSION_DENIED
+    close = inference_pb2.CloseSessionRequest(session_id="alice-s")
+    assert _code(lambda: stack.inference.CloseSession(close, metadata=other)) == grpc.StatusCode.NOT_FOUND
+    dup = tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="alice"))
+    assert _code(lambda: stack.tenants.RegisterTenant(dup, metadata=stack.admin_md())) == grpc.StatusCode.ALREADY_EXISTS
+    assert _code(lambda: stack.tenants.RegisterTenant(dup, metadata=k)) == grpc.StatusCode.UNAUTHENTICATED
+    bg.join()
+    assert results["ok"]["finished"].completion_tokens == 24 or results["ok"]["finished"].finish_reason == "stop"
+    stack.inference.CloseSession(close, metadata=k)
+
+
+def test_queue_full_is_resource_exhausted_with_retry_hint(stack, keys) -> None:
+    """2 nodes x 16 running slots + queue_limit 4: a burst of 48 long requests overflows."""
+    k = md(keys["carol"])
+    calls = [stack.inference.Generate(chat(f"Write a long story number {i}.", 48), metadata=k) for i in range(48)]
+    codes, hints = [], []
+    for call in calls:
+        try:
+            collect(call)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+            hints += [v for key, v in (err.trailing_metadata() or ()) if key == "retry-after-ms"]
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) > 0
+    assert codes.count(grpc.StatusCode.OK) >= 32
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert hints and all(int(h) > 0 for h in hints)
+
+
+def test_cancel_streams_frees_every_block(stack, keys) -> None:
+    k = md(keys["bob"])
+    base = [s.used_blocks for s in node_stats(stack)]
+    for i in range(100):  # mid-generation
+        call = stack.inference.Generate(chat(f"Tell me about topic {i}.", 64), metadata=k)
+        for msg in call:
+            if msg.WhichOneof("event") == "delta":
+                break
+        call.cancel()
+    doc = long_doc(20)
+    for i in range(20):  # during prefill: cancel before the first token
+        call = stack.inference.Generate(chat(f"{i} {doc}", 32), metadata=k)
+        time.sleep(0.02)
+        call.cancel()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stats = node_stats(stack)
+        if [s.used_blocks for s in stats] == base and all(s.running == 0 for s in stats):
+            break
+        time.sleep(0.2)
+    assert [s.used_blocks for s in stats] == base
+    assert all(s.integrity_ok and s.running == 0 and s.waiting == 0 for s in stats)
+    t0 = time.time()
+    r = collect(stack.inference.Generate(chat("Say hello.", 2), metadata=k))
+    assert r["finished"] is not None and time.time() - t0 < 5.0
+
+
+def test_deadline_aborts_request(stack, keys) -> None:
+    k = md(keys["bob"])
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stack.inference.Generate(chat("Write a very long essay.", 200), metadata=k, timeout=0.5))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)
+    assert all(s.running == 0 for s in node_stats(stack))
+
+
+def test_usage_is_accounted(stack, keys) -> None:
+    usage = stack.tenants.GetUsage(tenant_pb2.GetUsageRequest(name="alice"), metadata=stack.admin_md()).usage
+    assert usage.requests >= 4 and usage.completion_tokens > 0
