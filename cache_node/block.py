@@ -17,18 +17,21 @@ class KVBlock:
         ref_cnt: number of running sequences (or pinned sessions) using the block.
         block_hash: chained hash, set once the block is full and its KV computed; None otherwise.
         token_ids: the block's tokens, kept with the hash so every hit is token-checked.
+        namespace: cache namespace of the sequence that computed it (recorded when demoted).
     """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()
+    namespace: str = ""
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
     def reset_hash(self) -> None:
         self.block_hash = None
         self.token_ids = ()
+        self.namespace = ""
 
 
 class FreeBlockQueue:
@@ -79,6 +82,19 @@ class FreeBlockQueue:
         else:
             self._head = block
         self._tail = block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Put ``block`` at the head (handed out next): used for blocks whose hash was dropped."""
+        if block.prev_free is not None or self._head is block:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        block.prev_free = None
+        block.next_free = self._head
+        if self._head is not None:
+            self._head.prev_free = block
+        else:
+            self._tail = block
+        self._head = block
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[KVBlock]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cache_node.block import FreeBlockQueue, KVBlock
 from cache_node.hashing import BlockHash
 
 BlockEvent = tuple[str, BlockHash]  # ("stored" | "removed", block_hash)
+EvictHook = Callable[[list[KVBlock]], None]
 
 
 class BlockPool:
@@ -19,6 +20,9 @@ class BlockPool:
 
     Args:
         num_blocks: number of blocks in the pool tensor.
+
+    ``evict_hook`` (set by the tier mover) is called with the cached blocks an allocation is
+    about to take, before their hashes drop, so their KV can be copied to a lower tier.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -28,6 +32,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self._events: list[BlockEvent] = []
+        self.evict_hook: EvictHook | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -44,6 +49,10 @@ class BlockPool:
         """Take ``n`` blocks from the free-queue head (evicting their cached hashes). None if short."""
         if not self.can_allocate(n):
             return None
+        if self.evict_hook is not None:
+            victims = self.peek_cached(n)
+            if victims:
+                self.evict_hook(victims)
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
@@ -82,12 +91,25 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+    def peek_cached(self, n: int) -> list[KVBlock]:
+        """Cached blocks among the first ``n`` of the free queue (the next evictions); no change."""
+        out = []
+        for i, block in enumerate(self.free_queue):
+            if i == n:
+                break
+            if block.block_hash is not None:
+                out.append(block)
+        return out
+
+    def cache_block(
+        self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int], namespace: str = ""
+    ) -> None:
         """Make a computed full block matchable. A hash already cached keeps its first block."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.namespace = namespace
         self.cached[block_hash] = block
         self._events.append(("stored", block_hash))
 
@@ -99,6 +121,18 @@ class BlockPool:
                 self._drop_hash(block)
                 dropped += 1
         return dropped
+
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the hashes of free cached blocks (their KV moved below) and queue them first.
+
+        Raises ValueError for a block that is in use (ref_cnt > 0).
+        """
+        for block in blocks:
+            if block.ref_cnt > 0:
+                raise ValueError(f"block {block.block_id} is in use; only free blocks are uncached")
+            self._drop_hash(block)
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
 
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is None:

@@ -11,21 +11,24 @@ import torch
 from transformers import PreTrainedModel
 
 from cache_node.config import EngineConfig
+from cache_node.engine_tiers import EngineTiersMixin
 from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
-from cache_node.model_runner import ModelRunner
+from cache_node.model_runner import ModelRunner, ScheduledBatch
 from cache_node.outputs import InvalidRequestError, RequestOutput
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence
 from cache_node.sessions import SessionTable
+from cache_node.spill_api import SpillClient
+from cache_node.tiering import TierConfig, TierManager
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LLMEngine:
+class LLMEngine(EngineTiersMixin):
     """A model replica over a paged KV pool it owns, with continuous batching.
 
     Thread-safe for one stepping thread plus callers of ``add_request``/``abort_request``.
@@ -36,6 +39,8 @@ class LLMEngine:
         model_id: identity of the weights, part of every block hash's extra keys.
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
         hash_fn: block-hash digest (tests inject weak ones).
+        tier_config: host tier and movement settings (None: no host tier).
+        spill: spill-tier client (None: no spill tier); see ``engine_tiers`` for tier calls.
     """
 
     def __init__(
@@ -45,6 +50,8 @@ class LLMEngine:
         model_id: str = "model",
         eos_token_ids: Seq[int] = (),
         hash_fn: HashFn = blake2b_256,
+        tier_config: TierConfig | None = None,
+        spill: SpillClient | None = None,
     ) -> None:
         mc = model.config
         self.config = config
@@ -72,6 +79,7 @@ class LLMEngine:
         self.sessions = SessionTable(self.kv_manager)
         self.requests: dict[str, Sequence] = {}
         self._lock = threading.RLock()
+        self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
         self._aborted: list[Sequence] = []
         self.num_steps = 0
 
@@ -114,6 +122,8 @@ class LLMEngine:
                 self.sessions.attach(seq)
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
+            if self.tiers.config.auto_prefetch:
+                self.tiers.prefetch(seq, time.monotonic())
         return seq.request_id
 
     def _validate(self, tokens: list[int], params: SamplingParams, request_id: str | None) -> None:
@@ -158,16 +168,6 @@ class LLMEngine:
         with self._lock:
             return self.sessions.expire(ttl_s)
 
-    def flush(self) -> int:
-        """Drop every cached (unreferenced) block hash so nothing is matchable. Returns the count."""
-        with self._lock:
-            return self.kv_manager.pool.evict_cached()
-
-    def take_events(self) -> list[tuple[str, bytes]]:
-        """Block stored/removed events since the last call (for the global block index)."""
-        with self._lock:
-            return self.kv_manager.pool.take_events()
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 
@@ -177,27 +177,34 @@ class LLMEngine:
         with self._lock:
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
+            self.tiers.maybe_demote()
             batch = self.scheduler.schedule()
-            if not batch:
+            if batch:
+                self._execute(batch, outputs)
                 return outputs
-            logits = self.runner.execute(batch)
-            now = time.monotonic()
-            sampling = []
-            for seq, n in batch:
-                seq.num_computed_tokens += n
-                self.kv_manager.cache_full_blocks(seq)
-                if seq.num_computed_tokens == seq.num_tokens:
-                    sampling.append(seq)
-            for seq, token in zip(sampling, sample(logits, sampling)):
-                seq.output_token_ids.append(token)
-                seq.first_token_time_s = seq.first_token_time_s or now
-                seq.last_token_time_s = now
-                reason = self._stop_reason(seq, token)
-                if reason:
-                    self._finish(seq, reason)
-                outputs.append(self._output(seq, (token,)))
-            self.num_steps += 1
-            return outputs
+            waiting = bool(self.scheduler.waiting)
+        if waiting:  # e.g. every queued request waits on a prefetch: let it land
+            time.sleep(0.0005)
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        logits = self.runner.execute(batch)
+        now = time.monotonic()
+        sampling = []
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.kv_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        for seq, token in zip(sampling, sample(logits, sampling)):
+            seq.output_token_ids.append(token)
+            seq.first_token_time_s = seq.first_token_time_s or now
+            seq.last_token_time_s = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, (token,)))
+        self.num_steps += 1
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling_params
@@ -228,6 +235,7 @@ class LLMEngine:
             num_preemptions=seq.num_preemptions,
             ttft_s=ttft,
             output_token_ids=tuple(seq.output_token_ids) if seq.is_finished else (),
+            num_cached_tokens_by_tier=self.tiers.cached_tokens_by_tier(seq),
         )
 
     def generate(
@@ -265,4 +273,4 @@ class LLMEngine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
-            }
+            } | self.tiers.stats()

@@ -6,6 +6,8 @@ Narrow API (vLLM v1 ``KVCacheManager`` / nano-vllm ``BlockManager`` shape):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cache_node.block import KVBlock
 from cache_node.block_pool import BlockPool
 from cache_node.hashing import HashFn, blake2b_256, hash_block_tokens
@@ -29,6 +31,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.hash_fn = hash_fn
+        self.promote_hook: Callable[[Sequence, list[KVBlock]], list[KVBlock]] | None = None
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """Chained hashes of the sequence's first ``num_full_blocks`` blocks (memoized on seq)."""
@@ -42,6 +45,10 @@ class KVCacheManager:
                 hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], keys, self.hash_fn)
             )
         return seq.block_hashes[:num_full_blocks]
+
+    def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        """Chained hashes of the first ``num_full_blocks`` blocks of ``seq`` (memoized on seq)."""
+        return self._extend_hashes(seq, num_full_blocks)
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of ``seq`` (does not modify the cache).
@@ -63,6 +70,16 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def promote_blocks(self, seq: Sequence, hits: list[KVBlock]) -> list[KVBlock]:
+        """Blocks that extend the device hit ``hits`` from lower tiers (the tier mover's hook).
+
+        Promoted blocks arrive as cached free device blocks, ready for ``allocate_slots``;
+        [] without tiers. Unlike ``get_computed_blocks`` this may allocate and evict.
+        """
+        if self.promote_hook is None:
+            return []
+        return self.promote_hook(seq, hits)
+
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
     ) -> list[KVBlock] | None:
@@ -78,7 +95,6 @@ class KVCacheManager:
             The newly allocated blocks, or None (nothing changed) when the pool cannot fit them.
         """
         computed_blocks = computed_blocks or []
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(seq.block_table) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -96,10 +112,11 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         hashes = self._extend_hashes(seq, num_full)
         tokens = seq.all_token_ids
+        namespace = seq.extra_keys[0] if seq.extra_keys else ""
         for i in range(num_full):
             block = seq.block_table[i]
             if block.block_hash is None:
-                self.pool.cache_block(block, hashes[i], tokens[i * bs : (i + 1) * bs])
+                self.pool.cache_block(block, hashes[i], tokens[i * bs : (i + 1) * bs], namespace)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first (so a chain's end is evicted first)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,8 @@ class RequestOutput:
         new_token_ids: tokens sampled this step (empty for a mid-prefill step or an abort).
         finish_reason: "stop" (EOS/stop token), "length" (max_tokens or context), "abort".
         num_cached_tokens: prompt tokens whose KV was reused (prefix cache or session).
+        num_cached_tokens_by_tier: the same tokens split by the tier they came from
+            ("device", "host", "spill_ram", "spill_disk"); sums to ``num_cached_tokens``.
         ttft_s: seconds from arrival to the first token (None until it exists).
     """
 
@@ -26,6 +28,7 @@ class RequestOutput:
     num_preemptions: int
     ttft_s: float | None
     output_token_ids: tuple[int, ...] = ()
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class InvalidRequestError(ValueError):

@@ -1,7 +1,8 @@
 """Step scheduler: continuous batching with chunked prefill under a per-step token budget.
 
 Each step: running sequences first (decodes take 1 token, unfinished prefills take a chunk),
-then waiting sequences in queue order while budget, sequence slots and blocks allow. When a
+then waiting sequences in queue order while budget, sequence slots and blocks allow (a
+sequence whose prefetch is in flight is passed over until it lands). When a
 running sequence cannot get a block, the newest running sequence is preempted (its blocks are
 freed and it re-queues at the front; the prefix cache usually recovers its KV). Ordering of the
 waiting queue is the engine's FCFS default; the SLO scheduler reorders it from outside.
@@ -11,6 +12,7 @@ al., OSDI'24), vLLM v1 scheduler.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from cache_node.config import EngineConfig
@@ -46,12 +48,16 @@ class Scheduler:
                 continue
             batch.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        now = time.monotonic()
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.prefetch_until_s > now:  # its blocks are on their way up; others go first
+                continue
             n = self._admit(seq, budget)
             if n is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, n))
@@ -74,6 +80,8 @@ class Scheduler:
         computed, num_cached = ([], 0)
         if not seq.block_table:  # a session turn arrives with its blocks attached
             computed, num_cached = self.kv_manager.get_computed_blocks(seq)
+            computed = computed + self.kv_manager.promote_blocks(seq, computed)
+            num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
         n = min(seq.num_tokens - start, budget)
         if self.kv_manager.allocate_slots(seq, n, computed) is None:

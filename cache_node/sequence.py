@@ -32,6 +32,10 @@ class Sequence:
         layer_block_tables: optional per-layer override (a layer-aware policy may keep a
             different token set in some layers); None means every layer uses ``block_table``.
         num_cached_tokens: prompt tokens reused from the prefix cache (or a session).
+        promoted_from: block hash -> tier ("host", "spill_ram", "spill_disk") of the blocks
+            restored from below the device tier for this sequence (per-tier hit counts).
+        prefetch_until_s: monotonic time until which the scheduler leaves the sequence queued
+            while a prefetch brings its blocks up; 0.0 when none is in flight.
     """
 
     request_id: str
@@ -54,6 +58,8 @@ class Sequence:
     last_token_time_s: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    promoted_from: dict[bytes, str] = field(default_factory=dict)
+    prefetch_until_s: float = 0.0
 
     @property
     def all_token_ids(self) -> list[int]:

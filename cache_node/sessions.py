@@ -87,6 +87,19 @@ class SessionTable:
         self._release(sess)
         return len(sess.token_ids)
 
+    def unpin(self, session_id: str) -> list[KVBlock]:
+        """Release an idle session's blocks (kept matchable as cached blocks) and return them.
+
+        The history stays: the next turn finds its KV through the prefix cache and the tiers
+        below. Returns [] for an unknown session or one with a turn running.
+        """
+        sess = self.sessions.get(session_id)
+        if sess is None or sess.active_request is not None:
+            return []
+        blocks = sess.blocks
+        self._release(sess)
+        return blocks
+
     def expire(self, ttl_s: float) -> list[str]:
         """Close idle sessions not used for ``ttl_s`` seconds; returns their ids."""
         now = time.monotonic()

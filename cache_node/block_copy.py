@@ -1,0 +1,58 @@
+"""Batched copies of whole KV blocks between block-major views and stacked block tensors.
+
+Two layouts appear in the tiers:
+
+- a *pool view* ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``
+  (``KVPool.blocks_view()`` and the host tier's tensor), addressed by block id / slot;
+- a *stack* ``(n, num_layers, 2, block_size, num_kv_heads, head_dim)`` (what the spill tier
+  stores, one row per block).
+
+Consecutive ids are coalesced into one strided ``copy_`` per run, so a batch of blocks costs
+one copy of its bytes (no gather into a temporary), which is what keeps restore throughput
+close to ``memcpy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Coalesce paired ids into ``(src_start, dst_start, length)`` runs where both advance by 1."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            s0, d0, n = out[-1]
+            out[-1] = (s0, d0, n + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
+def copy_view_to_view(
+    dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]
+) -> None:
+    """``dst[:, :, dst_ids[i]] = src[:, :, src_ids[i]]`` for pool views of equal block shape."""
+    if len(dst_ids) != len(src_ids):
+        raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
+    for s, d, n in runs(src_ids, dst_ids):
+        dst[:, :, d : d + n].copy_(src[:, :, s : s + n])
+
+
+def copy_stack_to_view(dst: torch.Tensor, dst_ids: Sequence[int], stack: torch.Tensor) -> None:
+    """``dst[:, :, dst_ids[i]] = stack[i]``; ``stack``: (n, L, 2, block_size, H_kv, d)."""
+    if stack.shape[0] != len(dst_ids):
+        raise ValueError(f"{stack.shape[0]} stacked blocks but {len(dst_ids)} destination ids")
+    for s, d, n in runs(range(len(dst_ids)), dst_ids):
+        dst[:, :, d : d + n].copy_(stack[s : s + n].permute(1, 2, 0, 3, 4, 5))
+
+
+def view_to_stack(src: torch.Tensor, src_ids: Sequence[int]) -> torch.Tensor:
+    """New contiguous CPU stack ``(n, L, 2, block_size, H_kv, d)`` of ``src[:, :, src_ids]``."""
+    L, two, _, bs, h, d = src.shape
+    out = torch.empty((len(src_ids), L, two, bs, h, d), dtype=src.dtype)
+    for s, i, n in runs(src_ids, range(len(src_ids))):
+        out[i : i + n].copy_(src[:, :, s : s + n].permute(2, 0, 1, 3, 4, 5))
+    return out

@@ -1,0 +1,91 @@
+"""The engine's tier-facing API (mixed into ``LLMEngine``): prefetch, demotion, flush, events.
+
+These are the calls the Ray layer makes on a cache node besides requests and steps. Every
+method takes the engine lock; none waits on a spill transfer except ``flush`` (which waits
+for a spill call in progress) and ``wait_for_transfers``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from cache_node.host_tier import TIER_DEVICE, TierEvent
+from cache_node.kv_pool import KVPool
+from cache_node.sequence import Sequence
+from cache_node.sessions import SessionTable
+from cache_node.spill_api import SpillBlockSpec, numpy_dtype_of
+from cache_node.tiering import TierManager
+
+
+class EngineTiersMixin:
+    """Tier operations of ``LLMEngine`` (which provides these attributes)."""
+
+    _lock: threading.RLock
+    tiers: TierManager
+    pool: KVPool
+    kv_format: str
+    requests: dict[str, Sequence]
+    sessions: SessionTable
+
+    def prefetch(self, request_id: str) -> bool:
+        """Start copying a queued request's blocks from spill into device blocks, overlapping
+        with running steps; the request stays queued until the copy lands or fails
+        (``TierConfig.prefetch_wait_s`` at most). New requests are prefetched automatically
+        when ``TierConfig.auto_prefetch``. Returns False when there is nothing to start
+        (unknown or running request, no spill client, or one already in flight).
+        """
+        with self._lock:
+            seq = self.requests.get(request_id)
+            if seq is None or seq.num_computed_tokens or seq.is_finished:
+                return False
+            return self.tiers.prefetch(seq, time.monotonic())
+
+    def demote_session(self, session_id: str, to_spill: bool = False) -> int:
+        """Move an idle session's pinned KV below the device tier (host, or spill with
+        ``to_spill``); its next turn promotes it back through the prefix cache. Blocks shared
+        with running requests stay on the device. Returns blocks moved (0 when the session is
+        unknown or has a turn running).
+        """
+        with self._lock:
+            blocks = self.sessions.unpin(session_id)
+            return self.tiers.demote_free_blocks(blocks, to_spill) if self.tiers.enabled else 0
+
+    def demote_all(self, to_spill: bool = False) -> int:
+        """Move every unreferenced cached device block below (host; or spill, host included).
+
+        Returns device blocks moved. For tests, benchmarks and operators draining a node.
+        """
+        with self._lock:
+            return self.tiers.demote_all(to_spill) if self.tiers.enabled else 0
+
+    def flush(self) -> int:
+        """Drop every cached block in every tier (device, host, spill) and any queued transfer.
+
+        Blocks in use by running requests or pinned by sessions are kept. Returns blocks dropped.
+        """
+        return self.tiers.flush()
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """(event, block_hash, tier) changes of the device and host tiers since the last call.
+
+        ``event`` is "stored" or "removed"; ``tier`` "device" or "host". A demotion reads
+        removed/device then stored/host. Spill nodes report their own tiers' events.
+        """
+        with self._lock:
+            return self.tiers.take_events()
+
+    def take_events(self) -> list[tuple[str, bytes]]:
+        """Device-tier (event, block_hash) changes since the last call (drains host events too;
+        prefer ``take_tier_events``)."""
+        return [(e.event, e.block_hash) for e in self.take_tier_events() if e.tier == TIER_DEVICE]
+
+    def wait_for_transfers(self, timeout_s: float = 30.0) -> bool:
+        """Block until queued spill puts and prefetches are done. False on timeout."""
+        worker = self.tiers.worker
+        return True if worker is None else worker.wait_idle(timeout_s)
+
+    def spill_block_spec(self) -> SpillBlockSpec:
+        """Shape, numpy dtype and kv_format of this node's blocks in the spill tier."""
+        return SpillBlockSpec(self.tiers.block_shape, numpy_dtype_of(self.pool.kv.dtype).name,
+                              self.kv_format)

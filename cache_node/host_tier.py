@@ -1,0 +1,180 @@
+"""The host tier: whole KV blocks in (pinned) host RAM, keyed by block hash, LRU.
+
+One tensor is allocated once, in the device pool's block-major layout, so a demotion or a
+promotion is one strided copy per run of blocks (``block_copy``)::
+
+    data: (num_layers, 2, num_slots, block_size, num_kv_heads, head_dim)
+    num_slots = budget_bytes // bytes_per_block
+
+It is pinned (page-locked) only when CUDA exists, so device<->host copies can run at PCIe
+speed. Entries keep their tokens (every hit is token-checked, as on the device) and their
+cache namespace (recorded in spill file headers).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from cache_node.block_copy import copy_view_to_view, view_to_stack
+from cache_node.hashing import BlockHash
+
+TIER_DEVICE = "device"
+TIER_HOST = "host"
+
+
+class TierEvent(NamedTuple):
+    """``event`` "stored"|"removed" of ``block_hash`` in ``tier`` (feeds the global index)."""
+
+    event: str
+    block_hash: BlockHash
+    tier: str
+
+
+@dataclass
+class HostEntry:
+    slot: int
+    token_ids: tuple[int, ...]
+    namespace: str
+
+
+class BlockMeta(NamedTuple):
+    """What a block carries besides its bytes when it moves between tiers."""
+
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    namespace: str
+
+
+class Victims(NamedTuple):
+    """Blocks pushed out of the host tier: ``blocks`` (n, L, 2, block_size, H_kv, d), CPU."""
+
+    metas: list[BlockMeta]
+    blocks: torch.Tensor
+
+
+class HostTier:
+    """LRU block store in host RAM.
+
+    Args:
+        pool_shape: the device pool view's shape ``(L, 2, num_blocks, block_size, H_kv, d)``
+            (only ``num_blocks`` is replaced by the slot count).
+        dtype: KV dtype (same as the device pool).
+        budget_bytes: host RAM budget; 0 disables the tier (every put becomes a victim).
+        pin: page-lock the tensor; None = only when CUDA is available.
+    """
+
+    def __init__(
+        self, pool_shape: Sequence[int], dtype: torch.dtype, budget_bytes: int, pin: bool | None = None
+    ) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"host budget_bytes must be >= 0, got {budget_bytes}")
+        L, two, _, bs, h, d = pool_shape
+        self.block_nbytes = L * two * bs * h * d * torch.empty((), dtype=dtype).element_size()
+        self.num_slots = budget_bytes // self.block_nbytes
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.data = torch.zeros((L, two, self.num_slots, bs, h, d), dtype=dtype, pin_memory=pin)
+        self.entries: OrderedDict[BlockHash, HostEntry] = OrderedDict()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._events: list[TierEvent] = []
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> HostEntry | None:
+        """Entry of ``block_hash`` whose tokens equal ``token_ids``; None on miss. No touch."""
+        entry = self.entries.get(block_hash)
+        if entry is None or entry.token_ids != tuple(token_ids):
+            return None
+        return entry
+
+    def put(self, metas: Sequence[BlockMeta], src: torch.Tensor, src_ids: Sequence[int]) -> Victims:
+        """Copy blocks ``src[:, :, src_ids[i]]`` (a pool view) in under ``metas[i]``.
+
+        A hash already held is touched (moved to MRU), not copied. LRU entries are evicted to
+        make room and returned, with their bytes, for the spill tier; when the batch is larger
+        than the tier, its oldest blocks are returned as victims straight from ``src``.
+        """
+        seen: set[BlockHash] = set()
+        new = []
+        for m, s in zip(metas, src_ids):
+            if m.block_hash not in self.entries and m.block_hash not in seen:
+                seen.add(m.block_hash)
+                new.append((m, s))
+        for m in metas:
+            if m.block_hash in self.entries:
+                self.entries.move_to_end(m.block_hash)
+        overflow = new[: max(len(new) - self.num_slots, 0)]
+        new = new[len(overflow) :]
+        victims = self._evict(len(new) - len(self._free_slots))
+        slots = [self._free_slots.pop() for _ in new]
+        copy_view_to_view(self.data, slots, src, [s for _, s in new])
+        for (m, _), slot in zip(new, slots):
+            self.entries[m.block_hash] = HostEntry(slot, m.token_ids, m.namespace)
+            self._events.append(TierEvent("stored", m.block_hash, TIER_HOST))
+        if overflow:
+            extra = Victims([m for m, _ in overflow], view_to_stack(src, [s for _, s in overflow]))
+            victims = _concat(extra, victims)
+        return victims
+
+    def take(self, hashes: Sequence[BlockHash]) -> list[HostEntry]:
+        """Remove entries from the index (their slots stay reserved until ``release``)."""
+        out = []
+        for block_hash in hashes:
+            out.append(self.entries.pop(block_hash))
+            self._events.append(TierEvent("removed", block_hash, TIER_HOST))
+        return out
+
+    def release(self, entries: Sequence[HostEntry]) -> None:
+        """Return the slots of entries handed out by ``take``."""
+        self._free_slots.extend(e.slot for e in entries)
+
+    def untake(self, hashes: Sequence[BlockHash], entries: Sequence[HostEntry]) -> None:
+        """Put entries from ``take`` back (a promotion that could not get device blocks)."""
+        for block_hash, entry in zip(hashes, entries):
+            self.entries[block_hash] = entry
+            self.entries.move_to_end(block_hash, last=False)
+            self._events.append(TierEvent("stored", block_hash, TIER_HOST))
+
+    def evict_all(self) -> Victims:
+        """Push every entry out (LRU first), returning them with their bytes."""
+        return self._evict(len(self.entries))
+
+    def clear(self) -> int:
+        """Drop every entry (Flush). Returns how many were dropped."""
+        n = len(self.entries)
+        self.release(self.take(list(self.entries)))
+        return n
+
+    def take_events(self) -> list[TierEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "host_blocks": len(self.entries),
+            "host_slots": self.num_slots,
+            "host_bytes_used": len(self.entries) * self.block_nbytes,
+            "host_budget_bytes": self.num_slots * self.block_nbytes,
+        }
+
+    def _evict(self, n: int) -> Victims:
+        hashes = list(self.entries)[: max(n, 0)]
+        entries = self.take(hashes)
+        metas = [BlockMeta(h, e.token_ids, e.namespace) for h, e in zip(hashes, entries)]
+        blocks = view_to_stack(self.data, [e.slot for e in entries])
+        self.release(entries)
+        return Victims(metas, blocks)
+
+
+def _concat(a: Victims, b: Victims) -> Victims:
+    if not b.metas:
+        return a
+    return Victims(a.metas + b.metas, torch.cat([a.blocks, b.blocks]))

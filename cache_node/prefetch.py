@@ -1,0 +1,160 @@
+"""The transfer worker: spill puts and prefetch gets on one background thread.
+
+The step loop never waits on the spill tier. Host victims are queued here and written with
+one ``put`` per namespace and batch; a prefetch reads a queued request's blocks with one
+``get`` while steps run, then installs them into device blocks under the engine lock.
+Prefetches run before puts (priority queue), each kind in submission order.
+
+Faults: any exception from the client, or a reply that fails validation, is a miss (get) or
+a dropped write (put), counted in ``TierManager.counters``. Timeouts are the client's (the
+Ray client turns a timeout or a dead actor into an empty reply). ``flush`` bumps an epoch:
+jobs submitted before it are dropped, and the spill flush waits for a call in progress.
+No device block is held while a transfer is in flight, so cancelling a request mid-prefetch
+leaves nothing to release: its rows are discarded when the copy ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cache_node.host_tier import Victims
+from cache_node.spill_api import SPILL_HASH_BYTES, SpillClient, from_numpy, leading_hits, to_numpy
+
+if TYPE_CHECKING:
+    from cache_node.sequence import Sequence
+    from cache_node.tiering import TierManager
+
+logger = logging.getLogger(__name__)
+
+_PREFETCH, _PUT = 0, 1
+
+
+class TransferWorker:
+    """Runs spill transfers for one ``TierManager`` on a daemon thread (started lazily)."""
+
+    def __init__(self, tiers: TierManager, spill: SpillClient) -> None:
+        self.tiers = tiers
+        self.spill = spill
+        self.epoch = 0
+        self._jobs: queue.PriorityQueue[tuple[int, int, str, Any, int]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._io_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit_put(self, victims: Victims) -> None:
+        self._submit(_PUT, "put", victims)
+
+    def submit_prefetch(self, seq: Sequence) -> None:
+        self._submit(_PREFETCH, "prefetch", seq)
+
+    def _submit(self, priority: int, kind: str, payload: Any) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
+            self._thread.start()
+        self._jobs.put((priority, next(self._order), kind, payload, self.epoch))
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Block until every submitted job has finished. False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._jobs.all_tasks_done:
+            while self._jobs.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._jobs.all_tasks_done.wait(left)
+        return True
+
+    def new_epoch(self) -> None:
+        """Invalidate every queued or running job (call under the engine lock)."""
+        self.epoch += 1
+
+    def flush_spill(self) -> int:
+        """Flush the spill client after any call in progress. Returns blocks dropped (0 on error)."""
+        with self._io_lock:
+            try:
+                return int(self.spill.flush())
+            except Exception as exc:  # a dead spill node has nothing left to flush here
+                logger.warning("spill flush failed: %s", exc)
+                self._count("spill_flush_errors", 1)
+                return 0
+
+    def _run(self) -> None:
+        while True:
+            _, _, kind, payload, epoch = self._jobs.get()
+            try:
+                if kind == "put":
+                    self._put(payload, epoch)
+                else:
+                    self._prefetch(payload, epoch)
+            except Exception:  # the worker must outlive any fault
+                logger.exception("transfer job %s failed", kind)
+            finally:
+                self._jobs.task_done()
+
+    def _put(self, victims: Victims, epoch: int) -> None:
+        by_namespace: dict[str, list[int]] = {}
+        for i, meta in enumerate(victims.metas):
+            if len(meta.block_hash) == SPILL_HASH_BYTES:
+                by_namespace.setdefault(meta.namespace, []).append(i)
+        step = self.tiers.config.spill_put_batch_blocks
+        for namespace, rows in by_namespace.items():
+            for k in range(0, len(rows), step):
+                chunk = rows[k : k + step]
+                hashes = [victims.metas[i].block_hash for i in chunk]
+                self._put_chunk(hashes, to_numpy(victims.blocks[chunk]), namespace, epoch)
+
+    def _put_chunk(self, hashes: list[bytes], rows: np.ndarray, namespace: str, epoch: int) -> None:
+        with self._io_lock:
+            if epoch != self.epoch:
+                return
+            try:
+                self.spill.put(hashes, rows, namespace)
+            except Exception as exc:
+                logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)
+                self._count("spill_put_errors", len(hashes))
+                return
+        self._count("spill_put_blocks", len(hashes))
+
+    def _prefetch(self, seq: Sequence, epoch: int) -> None:
+        try:
+            with self.tiers.lock:
+                if seq.is_finished or epoch != self.epoch:
+                    return
+                start, hashes = self.tiers.spill_candidates(seq)
+            if not hashes:
+                return
+            rows, tiers = self._get(hashes, epoch)
+            if not tiers:
+                return
+            with self.tiers.lock:
+                if not seq.is_finished and epoch == self.epoch:
+                    self.tiers.install(seq, start, from_numpy(rows, self.tiers.pool.kv.dtype), tiers)
+        finally:
+            seq.prefetch_until_s = 0.0
+
+    def _get(self, hashes: list[bytes], epoch: int) -> tuple[np.ndarray, list[str]]:
+        shape, dtype = self.tiers.block_shape, self.tiers.spill_np_dtype
+        with self._io_lock:
+            if epoch != self.epoch:
+                return np.empty((0, *shape), dtype), []
+            try:
+                reply = self.spill.get(hashes)
+            except Exception as exc:
+                logger.warning("spill get of %d blocks failed (a miss): %s", len(hashes), exc)
+                self._count("spill_get_errors", 1)
+                return np.empty((0, *shape), dtype), []
+        rows, tiers = leading_hits(reply, hashes, shape, dtype)
+        if len(reply.hashes) and not tiers and reply.hashes[0] == hashes[0]:
+            self._count("spill_bad_replies", 1)
+        return rows, tiers
+
+    def _count(self, name: str, n: int) -> None:
+        with self.tiers.lock:
+            self.tiers.counters[name] += n

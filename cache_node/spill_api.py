@@ -1,0 +1,102 @@
+"""The engine's narrow view of the spill tier, and the checks applied to what comes back.
+
+The cache node never imports Ray: it talks to a ``SpillClient``, implemented in-process by
+``services.spill_store.SpillStore`` and, across actors, by ``services.spill_client``. A
+spill block is one row ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` keyed by its
+32-byte chained block hash (which carries namespace, model and KV format).
+
+Whatever a client returns is untrusted: a reply that does not answer the question asked
+(other hashes, another shape or dtype) is a miss as a whole, never KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+SPILL_HASH_BYTES = 32
+
+
+class SpillReply(Protocol):
+    """What ``get`` returns: hits in request order with their rows and tiers."""
+
+    @property
+    def hashes(self) -> list[bytes]: ...
+
+    @property
+    def blocks(self) -> np.ndarray: ...
+
+    @property
+    def tiers(self) -> list[str]: ...
+
+
+class SpillClient(Protocol):
+    """Batched, content-addressed block store (see ``SpillStore`` for the full contract).
+
+    Faults are the client's to absorb or raise: the engine turns any exception from a call
+    into a miss (``get``) or a dropped write (``put``).
+    """
+
+    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int: ...
+
+    def get(self, hashes: Sequence[bytes]) -> SpillReply: ...
+
+    def contains(self, hashes: Sequence[bytes]) -> list[str | None]: ...
+
+    def flush(self) -> int: ...
+
+
+class SpillBlockSpec(NamedTuple):
+    """How a node's blocks look in the spill tier (build the store's ``BlockFormat`` from it)."""
+
+    shape: tuple[int, ...]  # (num_layers, 2, block_size, num_kv_heads, head_dim)
+    dtype: str  # numpy dtype name; bfloat16 travels as its bits ("int16")
+    kv_format: str
+
+
+def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
+    """Numpy dtype a torch KV dtype travels as (bfloat16 has none: its bits as int16)."""
+    if dtype == torch.bfloat16:
+        return np.dtype(np.int16)
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def to_numpy(stack: torch.Tensor) -> np.ndarray:
+    """CPU stack ``(n, *block_shape)`` as a numpy array sharing its memory."""
+    stack = stack.detach().cpu().contiguous()
+    if stack.dtype == torch.bfloat16:
+        stack = stack.view(torch.int16)
+    return stack.numpy()
+
+
+def from_numpy(rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Rows from the spill tier as a torch tensor of the pool's ``dtype`` (no copy when it can)."""
+    if not rows.flags.writeable:  # Ray hands out read-only zero-copy views
+        rows = rows.copy()
+    tensor = torch.from_numpy(rows)
+    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
+
+
+def leading_hits(
+    reply: SpillReply, asked: Sequence[bytes], shape: Sequence[int], dtype: np.dtype
+) -> tuple[np.ndarray, list[str]]:
+    """The run of hits at the start of ``asked`` from a ``get`` reply.
+
+    Returns ``(rows, tiers)`` with ``rows``: (k, *shape) for ``asked[:k]``; k is 0 when the
+    first asked hash missed or the reply is malformed (wrong hashes, shape or dtype).
+    """
+    empty = np.empty((0, *shape), dtype=dtype)
+    hashes, blocks, tiers = list(reply.hashes), reply.blocks, list(reply.tiers)
+    if not isinstance(blocks, np.ndarray) or blocks.shape != (len(hashes), *shape):
+        return empty, []
+    if blocks.dtype != dtype or len(tiers) != len(hashes):
+        return empty, []
+    k = 0
+    while k < len(hashes) and k < len(asked) and hashes[k] == asked[k]:
+        k += 1
+    if set(hashes[k:]) - set(asked[k:]):  # answered something not asked: distrust it all
+        return empty, []
+    return blocks[:k], tiers[:k]

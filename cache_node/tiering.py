@@ -1,0 +1,293 @@
+"""The tier mover: demotes device blocks to host and spill, promotes them back on a prefix hit.
+
+Tiers (DESIGN.md §6): device (the ``KVPool``), host (``HostTier``), spill RAM and disk (a
+``SpillClient``). Every move is a copy followed by dropping the source's hash, so a block is
+matchable in one node tier at a time (spill keeps its copy: it is shared by all nodes).
+
+- **Demotion**: when free un-cached device blocks fall below ``demote_low_watermark`` of the
+  pool, the LRU cached blocks (free-queue head) are copied to host in one batch and their
+  device hash dropped, up to ``demote_high_watermark``; an allocation that still reaches a
+  cached block copies it down first (``BlockPool.evict_hook``), so no computed KV is lost
+  silently. Host LRU victims are pushed to spill by the transfer worker (batched, async).
+- **Promotion**: at admission, past the device hits, host hits are copied into fresh device
+  blocks (synchronous memcpy). Spill hits are never read on the step path: ``prefetch``
+  copies them into device blocks in the background while the request waits in the queue.
+- **Sessions**: ``demote_blocks`` moves an idle session's blocks below; the next turn finds
+  them through promotion.
+
+Every hit is exact or a miss: host hits are token-checked, spill replies are validated
+(``spill_api.leading_hits``) and any exception from the spill client is a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from itertools import islice
+
+from cache_node.block import KVBlock
+from cache_node.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
+from cache_node.host_tier import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
+from cache_node.kv_cache_manager import KVCacheManager
+from cache_node.kv_pool import KVPool
+from cache_node.prefetch import TransferWorker
+from cache_node.sequence import Sequence
+from cache_node.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
+
+TIERS = (TIER_DEVICE, TIER_HOST, "spill_ram", "spill_disk")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Sizing and thresholds of the tiers below the device.
+
+    Attributes:
+        host_bytes: host-tier RAM budget (0: no host tier; demotions go straight to spill).
+        demote_low_watermark / demote_high_watermark: fractions of the pool; demotion starts
+            when free un-cached blocks drop below the low mark and stops at the high mark.
+        demote_batch_blocks: most blocks demoted per step by the watermark.
+        prefetch_wait_s: longest a queued request waits for its prefetch before it recomputes.
+        auto_prefetch: start a prefetch for every new request (when a spill client exists).
+        spill_put_batch_blocks: most blocks per spill ``put`` call.
+    """
+
+    host_bytes: int = 0
+    demote_low_watermark: float = 0.05
+    demote_high_watermark: float = 0.10
+    demote_batch_blocks: int = 64
+    prefetch_wait_s: float = 10.0
+    auto_prefetch: bool = True
+    spill_put_batch_blocks: int = 256
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 0:
+            raise ValueError(f"host_bytes must be >= 0, got {self.host_bytes}")
+        if not 0 <= self.demote_low_watermark <= self.demote_high_watermark <= 1:
+            raise ValueError("need 0 <= demote_low_watermark <= demote_high_watermark <= 1")
+        if min(self.demote_batch_blocks, self.spill_put_batch_blocks) < 1:
+            raise ValueError("demote_batch_blocks and spill_put_batch_blocks must be >= 1")
+        if self.prefetch_wait_s < 0:
+            raise ValueError("prefetch_wait_s must be >= 0")
+
+
+class TierManager:
+    """Moves blocks between the device pool, the host tier and a spill client.
+
+    Every public method expects the engine lock (``lock``) held, except ``flush`` and the
+    worker's entry points, which take it themselves.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        kv_manager: KVCacheManager,
+        config: TierConfig,
+        spill: SpillClient | None,
+        lock: threading.RLock,
+    ) -> None:
+        self.pool, self.kv, self.config, self.lock = pool, kv_manager, config, lock
+        self.blocks = kv_manager.pool
+        self.host = HostTier(pool.blocks_view().shape, pool.kv.dtype, config.host_bytes)
+        self.spill = spill
+        self.counters: Counter[str] = Counter()
+        self.worker = TransferWorker(self, spill) if spill is not None else None
+        self.enabled = self.host.num_slots > 0 or spill is not None
+        if self.enabled:
+            self.blocks.evict_hook = self.demote_blocks
+            kv_manager.promote_hook = self.promote
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        L, two, _, bs, h, d = self.pool.blocks_view().shape
+        return (L, two, bs, h, d)
+
+    @property
+    def spill_np_dtype(self):  # noqa: ANN201 - numpy dtype
+        return numpy_dtype_of(self.pool.kv.dtype)
+
+    # ---- demotion ---------------------------------------------------------------------------
+    def demote_blocks(self, blocks: Seq[KVBlock]) -> None:
+        """Copy free cached device blocks below (host, else spill); their hashes stay on device.
+
+        The caller drops the device hashes (``BlockPool.allocate`` or ``uncache``).
+        """
+        todo = [b for b in blocks if b.block_hash is not None and b.block_hash not in self.host]
+        if not todo:
+            return
+        metas = [BlockMeta(b.block_hash, b.token_ids, b.namespace) for b in todo]  # type: ignore[arg-type]
+        victims = self.host.put(metas, self.pool.blocks_view(), [b.block_id for b in todo])
+        self.counters["demoted_blocks"] += len(todo)
+        self.push_to_spill(victims)
+
+    def push_to_spill(self, victims: Victims) -> None:
+        """Hand host victims to the transfer worker (a later, batched spill put)."""
+        if victims.metas and self.worker is not None:
+            self.worker.submit_put(victims)
+        elif victims.metas:
+            self.counters["dropped_blocks"] += len(victims.metas)
+
+    def maybe_demote(self) -> int:
+        """Watermark demotion (call once per step). Returns blocks demoted."""
+        if not self.enabled:
+            return 0
+        n = self.blocks.num_blocks
+        free_cached = sum(1 for b in self.blocks.cached.values() if b.ref_cnt == 0)
+        free_plain = self.blocks.num_free_blocks() - free_cached
+        if free_plain >= self.config.demote_low_watermark * n or free_cached == 0:
+            return 0
+        want = int(self.config.demote_high_watermark * n + 0.999) - free_plain
+        want = min(want, self.config.demote_batch_blocks)
+        cached = (b for b in self.blocks.free_queue if b.block_hash is not None)
+        victims = list(islice(cached, max(want, 0)))
+        self.demote_blocks(victims)
+        self.blocks.uncache(victims)
+        return len(victims)
+
+    def demote_free_blocks(self, blocks: Seq[KVBlock], to_spill: bool = False) -> int:
+        """Move free cached device blocks below now (idle sessions, tests, ``demote_all``)."""
+        blocks = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        if to_spill:
+            self.push_to_spill(self._stack(blocks))
+        else:
+            self.demote_blocks(blocks)
+        self.blocks.uncache(blocks)
+        return len(blocks)
+
+    def demote_all(self, to_spill: bool = False) -> int:
+        """Move every free cached device block below; with ``to_spill`` the host tier too."""
+        n = self.demote_free_blocks([b for b in self.blocks.free_queue], to_spill)
+        if to_spill:
+            self.push_to_spill(self.host.evict_all())
+        return n
+
+    def _stack(self, blocks: Seq[KVBlock]) -> Victims:
+        metas = [BlockMeta(b.block_hash, b.token_ids, b.namespace) for b in blocks]  # type: ignore[arg-type]
+        return Victims(metas, view_to_stack(self.pool.blocks_view(), [b.block_id for b in blocks]))
+
+    # ---- promotion --------------------------------------------------------------------------
+    def promote(self, seq: Sequence, hits: list[KVBlock]) -> list[KVBlock]:
+        """Extend a device prefix hit through device and host blocks (admission time).
+
+        Host blocks are copied into new device blocks, which become cached free blocks (the
+        caller's ``allocate_slots`` takes them). Returns the blocks that follow ``hits``.
+        """
+        bs, tokens = self.kv.block_size, seq.all_token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        hashes = self.kv.block_hashes(seq, max_blocks)
+        found: list[KVBlock | None] = []
+        from_host: list[bytes] = []
+        for i in range(len(hits), max_blocks):
+            span = tokens[i * bs : (i + 1) * bs]
+            block = self.blocks.lookup(hashes[i], span)
+            if block is None and self.host.lookup(hashes[i], span) is None:
+                break
+            found.append(block)
+            if block is None:
+                from_host.append(hashes[i])
+        if from_host:
+            new = self._promote_host(from_host, hits + [b for b in found if b is not None])
+            if new is None:
+                return []
+            it = iter(new)
+            found = [b if b is not None else next(it) for b in found]
+            for block in new:
+                seq.promoted_from.setdefault(block.block_hash, TIER_HOST)  # type: ignore[arg-type]
+        return [b for b in found if b is not None]
+
+    def _promote_host(self, hashes: list[bytes], keep: list[KVBlock]) -> list[KVBlock] | None:
+        entries = self.host.take(hashes)
+        self.blocks.touch(keep)  # our own prefix must not be evicted by the allocation below
+        new = self.blocks.allocate(len(hashes))
+        self.blocks.free(list(reversed(keep)))
+        if new is None:
+            self.host.untake(hashes, entries)
+            return None
+        copy_view_to_view(self.pool.blocks_view(), [b.block_id for b in new], self.host.data,
+                          [e.slot for e in entries])
+        self.host.release(entries)
+        for block, h, e in zip(new, hashes, entries):
+            self.blocks.cache_block(block, h, e.token_ids, e.namespace)
+        self.blocks.free(list(reversed(new)))
+        self.counters["promoted_host_blocks"] += len(new)
+        return new
+
+    def install(self, seq: Sequence, start: int, rows: object, tiers: list[str]) -> int:
+        """Write prefetched spill rows for blocks ``start..`` of ``seq`` into cached device blocks.
+
+        ``rows``: torch (k, L, 2, block_size, H_kv, d). Blocks already on device are skipped;
+        stops where the pool has no free block. Returns blocks installed.
+        """
+        bs, tokens = self.kv.block_size, seq.all_token_ids
+        hashes = self.kv.block_hashes(seq, start + len(tiers))
+        todo = [i for i in range(len(tiers)) if hashes[start + i] not in self.blocks.cached]
+        todo = todo[: self.blocks.num_free_blocks()]
+        new = self.blocks.allocate(len(todo)) or []
+        copy_stack_to_view(self.pool.blocks_view(), [b.block_id for b in new], rows[todo])  # type: ignore[index]
+        namespace = seq.extra_keys[0] if seq.extra_keys else ""
+        for block, i in zip(new, todo):
+            j = start + i
+            if hashes[j] in self.host:
+                self.host.release(self.host.take([hashes[j]]))
+            self.blocks.cache_block(block, hashes[j], tokens[j * bs : (j + 1) * bs], namespace)
+            seq.promoted_from.setdefault(hashes[j], tiers[i])
+        self.blocks.free(list(reversed(new)))
+        self.counters["installed_spill_blocks"] += len(new)
+        return len(new)
+
+    def spill_candidates(self, seq: Sequence) -> tuple[int, list[bytes]]:
+        """(start, hashes): the blocks of ``seq``'s prompt past its device/host prefix."""
+        bs, tokens = self.kv.block_size, seq.all_token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        hashes = self.kv.block_hashes(seq, max_blocks)
+        start = 0
+        while start < max_blocks:
+            span = tokens[start * bs : (start + 1) * bs]
+            if self.blocks.lookup(hashes[start], span) is None and self.host.lookup(
+                hashes[start], span
+            ) is None:
+                break
+            start += 1
+        rest = hashes[start:]
+        if any(len(h) != SPILL_HASH_BYTES for h in rest):
+            return start, []
+        return start, rest
+
+    # ---- prefetch, accounting, events, flush ------------------------------------------------
+    def prefetch(self, seq: Sequence, now_s: float) -> bool:
+        """Start a background spill -> device copy for a queued ``seq``. False if none needed."""
+        if self.worker is None or seq.block_table or seq.prefetch_until_s:
+            return False
+        seq.prefetch_until_s = now_s + self.config.prefetch_wait_s
+        self.worker.submit_prefetch(seq)
+        return True
+
+    def cached_tokens_by_tier(self, seq: Sequence) -> dict[str, int]:
+        """Reused prompt tokens of ``seq`` per tier it was restored from (device/host/spill_*)."""
+        out = dict.fromkeys(TIERS, 0)
+        bs = self.kv.block_size
+        for h in seq.block_hashes[: seq.num_cached_tokens // bs]:
+            tier = seq.promoted_from.get(h)
+            if tier is not None:
+                out[tier] += bs
+        out[TIER_DEVICE] = seq.num_cached_tokens - sum(out.values())
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        """Device and host stored/removed events since the last call (spill nodes keep theirs)."""
+        device = [TierEvent(e, h, TIER_DEVICE) for e, h in self.blocks.take_events()]
+        return device + self.host.take_events()
+
+    def flush(self) -> int:
+        """Drop every cached block on device, host and spill; in-flight transfers are dropped."""
+        with self.lock:
+            n = self.blocks.evict_cached() + self.host.clear()
+            if self.worker is not None:
+                self.worker.new_epoch()
+        if self.worker is not None:
+            n += self.worker.flush_spill()
+        return n
+
+    def stats(self) -> dict[str, int]:
+        return self.host.stats() | dict(self.counters)

@@ -1,0 +1,139 @@
+"""RaySpillClient: the engine's ``SpillClient`` over SpillNode actors (DESIGN.md §3, §9).
+
+Hashes are sharded over the nodes by their first 8 bytes, so every cache node sends a block
+to the same spill node; one call per node per batch (each Ray message costs ~1 ms). Blocks
+travel as numpy arrays through the object store.
+
+Faults never raise into the engine's transfer worker as wrong data: a call that times out,
+or whose actor is dead or restarting, is a miss for every hash of that node (``get``,
+``contains``) or a dropped write (``put``), counted in ``stats()``. This is a synchronous
+client for the engine's transfer thread; do not call it from an async method.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+from ray.actor import ActorHandle
+
+from services.spill_store import SpillEvent, SpillHits
+
+logger = logging.getLogger(__name__)
+
+
+class RaySpillClient:
+    """Batched put/get over one or more SpillNode actor handles, with per-call timeouts.
+
+    Args:
+        nodes: SpillNode actor handles (``services.spill_node.create_spill_node``).
+        block_shape: one block's shape ``(num_layers, 2, block_size, num_kv_heads, head_dim)``.
+        dtype: numpy dtype name of the blocks.
+        get_timeout_s: longest wait for ``get``/``contains``/``flush`` replies (seconds).
+        put_timeout_s: longest wait for a ``put`` (seconds).
+
+    Raises ValueError for no nodes or a non-positive timeout.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[ActorHandle],
+        block_shape: Sequence[int],
+        dtype: str,
+        get_timeout_s: float = 5.0,
+        put_timeout_s: float = 30.0,
+    ) -> None:
+        if not nodes:
+            raise ValueError("RaySpillClient needs at least one spill node")
+        if min(get_timeout_s, put_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive")
+        self.nodes = list(nodes)
+        self.block_shape = tuple(int(d) for d in block_shape)
+        self.dtype = np.dtype(dtype)
+        self.get_timeout_s = get_timeout_s
+        self.put_timeout_s = put_timeout_s
+        self.counters: Counter[str] = Counter()
+
+    def shard_of(self, block_hash: bytes) -> int:
+        """Index of the node that holds ``block_hash``."""
+        return int.from_bytes(block_hash[:8], "little") % len(self.nodes)
+
+    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
+        """Store ``blocks[i]`` under ``hashes[i]``; returns blocks newly stored (failures: 0)."""
+        shards = self._split(hashes)
+        refs = {i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace)
+                for i, rows in shards.items()}
+        replies = self._gather(refs, self.put_timeout_s, "put")
+        return sum(int(v) for v in replies.values())
+
+    def get(self, hashes: Sequence[bytes]) -> SpillHits:
+        """Hits among ``hashes`` in request order; a failed node's hashes are misses."""
+        shards = self._split(hashes)
+        refs = {i: self.nodes[i].get.remote([hashes[r] for r in rows]) for i, rows in shards.items()}
+        rows_of: dict[bytes, tuple[np.ndarray, str]] = {}
+        for reply in self._gather(refs, self.get_timeout_s, "get").values():
+            for j, (block_hash, tier) in enumerate(zip(reply.hashes, reply.tiers)):
+                rows_of[block_hash] = (reply.blocks[j], tier)
+        found = [h for h in hashes if h in rows_of]
+        out = np.empty((len(found), *self.block_shape), dtype=self.dtype)
+        for k, block_hash in enumerate(found):
+            out[k] = rows_of[block_hash][0]
+        return SpillHits(found, out, [rows_of[h][1] for h in found])
+
+    def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
+        """Tier of each hash on its node; None for a miss or a failed node."""
+        shards = self._split(hashes)
+        refs = {i: self.nodes[i].contains.remote([hashes[r] for r in rows])
+                for i, rows in shards.items()}
+        replies = self._gather(refs, self.get_timeout_s, "contains")
+        out: list[str | None] = [None] * len(hashes)
+        for i, tiers in replies.items():
+            for r, tier in zip(shards[i], tiers):
+                out[r] = tier
+        return out
+
+    def flush(self) -> int:
+        """Flush every node; returns blocks dropped by the nodes that answered."""
+        refs = {i: node.flush.remote() for i, node in enumerate(self.nodes)}
+        return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "flush").values())
+
+    def take_events(self) -> list[SpillEvent]:
+        """Every node's events since the last call (a failed node contributes none)."""
+        refs = {i: node.take_events.remote() for i, node in enumerate(self.nodes)}
+        replies = self._gather(refs, self.get_timeout_s, "take_events")
+        return [event for i in sorted(replies) for event in replies[i]]
+
+    def stats(self) -> dict[str, int]:
+        """Failed calls per kind (``<kind>_failures``)."""
+        return dict(self.counters)
+
+    def _split(self, hashes: Sequence[bytes]) -> dict[int, list[int]]:
+        shards: dict[int, list[int]] = {}
+        for r, block_hash in enumerate(hashes):
+            shards.setdefault(self.shard_of(block_hash), []).append(r)
+        return shards
+
+    def _gather(self, refs: dict[int, Any], timeout_s: float, kind: str) -> dict[int, Any]:
+        """Replies of the calls that finished in time; the others are logged and counted."""
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
+        out: dict[int, Any] = {}
+        for i, ref in refs.items():
+            if ref not in done:
+                self._fail(kind, i, "timed out")
+                continue
+            try:
+                out[i] = ray.get(ref)
+            except Exception as exc:  # dead actor, crash mid-call, task error: a miss
+                self._fail(kind, i, repr(exc))
+        return out
+
+    def _fail(self, kind: str, node: int, why: str) -> None:
+        logger.warning("spill %s on node %d failed (%s): treated as a miss", kind, node, why)
+        self.counters[f"{kind}_failures"] += 1
