@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +29,15 @@ class PrefillChunk:
 
     ``context_slots``: (context_len,) slots of every token the chunk attends to (cached + new).
     ``mask``: (num_tokens, context_len) bool, True where attention is allowed; None = plain causal.
+    ``kv``: the sequence's policy-managed layout (``SequenceKV``); when set, it attends itself
+    (per-layer holes, merged entries, quantized extra KV, statistics) and ``mask`` is unused.
     """
 
     start: int
     num_tokens: int
     context_slots: torch.Tensor
     mask: torch.Tensor | None
+    kv: Any = None
 
 
 @dataclass
@@ -117,6 +121,10 @@ def paged_attention_forward(
         )
         out.index_copy_(0, md.decode_token_idx, o.squeeze(2))
     for chunk in md.prefills:
+        if chunk.kv is not None:
+            rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            out[rows] = chunk.kv.attend(layer_idx, q[rows], k_cache, v_cache, chunk.context_slots)
+            continue
         qp = q[chunk.start : chunk.start + chunk.num_tokens].transpose(0, 1).unsqueeze(0)
         kp = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
         vp = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)

@@ -17,6 +17,7 @@ from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
 from cache_node.model_runner import ModelRunner, ScheduledBatch
 from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
@@ -76,6 +77,7 @@ class LLMEngine(EngineTiersMixin):
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, hash_fn)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(model.to(dtype), self.pool)
+        self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager)
         self.requests: dict[str, Sequence] = {}
         self._lock = threading.RLock()
@@ -113,6 +115,10 @@ class LLMEngine(EngineTiersMixin):
             tenant=tenant,
             policy=policy,
         )
+        try:
+            attach_policy(seq, self.pool, self.kv_manager.pool, self.policy_env)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
         if not params.greedy:
             seq.generator = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
@@ -193,7 +199,10 @@ class LLMEngine(EngineTiersMixin):
         sampling = []
         for seq, n in batch:
             seq.num_computed_tokens += n
-            self.kv_manager.cache_full_blocks(seq)
+            if seq.kv is None or not seq.kv.compacted:  # compacted blocks are never cached
+                self.kv_manager.cache_full_blocks(seq)
+            if seq.kv is not None:
+                seq.kv.after_step()
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
         for seq, token in zip(sampling, sample(logits, sampling)):
@@ -217,7 +226,9 @@ class LLMEngine(EngineTiersMixin):
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
-        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=reason == "abort")
+        # a compacted layout cannot serve the next turn's prefix: the session keeps its history
+        dropped = reason == "abort" or (seq.kv is not None and seq.kv.compacted)
+        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
         if not kept:
             self.kv_manager.free(seq)
         self.requests.pop(seq.request_id, None)

@@ -95,6 +95,9 @@ class KVCacheManager:
             The newly allocated blocks, or None (nothing changed) when the pool cannot fit them.
         """
         computed_blocks = computed_blocks or []
+        # physical slots in use: a compressing policy may have evicted some computed tokens
+        num_computed = seq.num_computed_tokens - seq.num_evicted_tokens
+        num_computed += len(computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(seq.block_table) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -123,6 +126,8 @@ class KVCacheManager:
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.layer_block_tables = None
+        if seq.kv is not None:  # a policy's compacted layout is gone with the blocks
+            seq.kv.reset()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

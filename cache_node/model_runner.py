@@ -51,10 +51,13 @@ class ModelRunner:
         flat = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
+            phys = start - seq.num_evicted_tokens  # physical slots in use (policies compact)
             table = self._layer_table(seq, layer_idx)
-            ctx_slots = block_slots(table, bs, start + n)
-            slot_mapping.append(block_slots(self._layer_table(seq, None), bs, start + n)[start:])
-            if n == 1 and start > 0:
+            ctx_slots = block_slots(table, bs, phys + n)
+            slot_mapping.append(block_slots(self._layer_table(seq, None), bs, phys + n)[phys:])
+            if seq.kv is not None:  # policy-managed layout: per-layer masks, stats, extra KV
+                prefills.append(PrefillChunk(flat, n, torch.from_numpy(ctx_slots), None, seq.kv))
+            elif n == 1 and start > 0:
                 decode_idx.append(flat)
                 decode_slots.append(ctx_slots)
             else:
@@ -96,6 +99,9 @@ class ModelRunner:
             flat += n
             if start + n == seq.num_tokens:
                 sample_idx.append(flat - 1)
+        for seq, n in batch:
+            if seq.kv is not None:
+                seq.kv.begin_step(seq.num_computed_tokens, n)
         md = self._metadata(batch, None)
         layer_md = {}
         if any(seq.layer_block_tables is not None for seq, _ in batch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,10 @@ class Sequence:
         layer_block_tables: optional per-layer override (a layer-aware policy may keep a
             different token set in some layers); None means every layer uses ``block_table``.
         num_cached_tokens: prompt tokens reused from the prefix cache (or a session).
+        policy: KV policy spec (``cache_node.policies``); "" = the full cache.
+        kv: the policy-managed KV layout (``cache_node.kv_state.SequenceKV``), None when plain.
+        num_evicted_tokens: computed tokens no longer occupying a physical slot (compressed
+            away); physical slots in use = ``num_computed_tokens - num_evicted_tokens``.
         promoted_from: block hash -> tier ("host", "spill_ram", "spill_disk") of the blocks
             restored from below the device tier for this sequence (per-tier hit counts).
         prefetch_until_s: monotonic time until which the scheduler leaves the sequence queued
@@ -58,6 +63,8 @@ class Sequence:
     last_token_time_s: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    kv: Any = None
+    num_evicted_tokens: int = 0
     promoted_from: dict[bytes, str] = field(default_factory=dict)
     prefetch_until_s: float = 0.0
 

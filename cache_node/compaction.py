@@ -1,0 +1,96 @@
+"""Rewrite a sequence's KV in place of its blocks: the pool-side half of every compressing policy.
+
+A compressed sequence keeps, per layer, a chosen set of token KV compacted into the front of
+its own blocks (all layers share one block table, so bytes held = blocks x bytes_per_block and
+the layer with the most tokens sets the block count). Blocks shared with the prefix cache or
+another sequence are copied on write; blocks past the new end are freed tail first.
+Compressed blocks are never prefix-cached (their contents no longer match a token prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache_node.block_pool import BlockPool
+from cache_node.kv_pool import KVPool
+from cache_node.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sequence_slots(seq: Sequence, block_size: int, num_slots: int) -> torch.Tensor:
+    """(num_slots,) pool slots of the sequence's first ``num_slots`` physical slots."""
+    ids = torch.tensor([b.block_id for b in seq.block_table], dtype=torch.long)
+    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:num_slots]
+
+
+def gather_kv(pool: KVPool, seq: Sequence, src: torch.Tensor) -> torch.Tensor:
+    """Copy out KV by physical slot index per layer.
+
+    Args:
+        src: (L, m) int64 physical slot indices of the sequence (-1 = padding, returns zeros).
+
+    Returns:
+        (L, m, 2, H_kv, d) KV in the pool's dtype.
+    """
+    num_slots = int(src.max()) + 1 if src.numel() else 0
+    slots = sequence_slots(seq, pool.block_size, max(num_slots, 1))
+    pool_slots = slots[src.clamp(min=0)]
+    layers = torch.arange(pool.num_layers).unsqueeze(1)
+    data = pool.kv[layers, :, pool_slots]  # (L, m, 2, H, d)
+    return data.masked_fill((src < 0).view(*src.shape, 1, 1, 1), 0.0)
+
+
+def can_rewrite(block_pool: BlockPool, seq: Sequence, num_slots: int, block_size: int) -> bool:
+    """True when the pool has the blocks copy-on-write needs for the first ``num_slots`` slots."""
+    need = cdiv(num_slots, block_size)
+    shared = sum(1 for b in seq.block_table[:need] if _shared(b))
+    freed = sum(1 for b in seq.block_table[need:] if b.ref_cnt == 1)
+    return shared <= block_pool.num_free_blocks() + freed
+
+
+def _shared(block: object) -> bool:
+    return block.ref_cnt > 1 or block.block_hash is not None  # type: ignore[attr-defined]
+
+
+def rewrite_kv(pool: KVPool, block_pool: BlockPool, seq: Sequence, data: torch.Tensor) -> None:
+    """Lay ``data`` (L, m, 2, H_kv, d) out from the sequence's physical slot 0.
+
+    Blocks past ``ceil(m / block_size)`` are released (tail first); kept blocks that are shared
+    or prefix-cached are replaced by fresh exclusive blocks first (copy on write), so no cached
+    block ever holds compacted KV. Call ``can_rewrite`` first: raises RuntimeError otherwise.
+    """
+    bs = pool.block_size
+    need = cdiv(data.shape[1], bs)
+    tail = seq.block_table[need:]
+    del seq.block_table[need:]
+    block_pool.free(list(reversed(tail)))
+    for i, block in enumerate(seq.block_table):
+        if _shared(block):
+            fresh = block_pool.allocate(1)
+            if fresh is None:
+                raise RuntimeError("copy-on-write found no free block: call can_rewrite first")
+            block_pool.free([block])
+            seq.block_table[i] = fresh[0]
+    dest = sequence_slots(seq, bs, data.shape[1])
+    layers = torch.arange(pool.num_layers).unsqueeze(1)
+    pool.kv[layers, :, dest.unsqueeze(0).expand(pool.num_layers, -1)] = data.to(pool.kv.dtype)
+
+
+def merge_kv(
+    data: torch.Tensor, support: torch.Tensor, dst: torch.Tensor, src_data: torch.Tensor,
+    src_support: torch.Tensor,
+) -> None:
+    """Fold entries into kept ones as support-weighted means, in place (one layer).
+
+    Args:
+        data: (m, 2, H, d) kept KV; support: (m,) their support counts.
+        src_data: (k, 2, H, d) merged-away KV with support ``src_support`` (k,), going to
+            kept index ``dst`` (k,).
+    """
+    total = support.clone().index_add_(0, dst, src_support)
+    acc = (data * support.view(-1, 1, 1, 1)).index_add_(0, dst, src_data * src_support.view(-1, 1, 1, 1))
+    data.copy_(acc / total.view(-1, 1, 1, 1))
+    support.copy_(total)

@@ -1,0 +1,196 @@
+"""Per-sequence KV layout under a policy: which token each physical slot holds, per layer.
+
+Physical slot ``i`` of a sequence (its ``i``-th slot through the block table) holds, in layer
+``l``, the token at absolute position ``positions[l, i]`` (-1 = a hole, masked out). Token
+range diagram after a compaction::
+
+    logical:  | 0 ............................ num_computed_tokens |
+    physical: | kept (per layer, <= budget) | new tokens ... |
+              |<------ frontier = num_computed_tokens - num_evicted_tokens ------>|
+
+Keys are post-RoPE, so attention needs no positions beyond the causal mask; new tokens keep
+their true absolute positions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cache_node.attention_stats import AttentionStats
+from cache_node.block_pool import BlockPool
+from cache_node.compaction import can_rewrite, gather_kv, merge_kv, rewrite_kv, sequence_slots
+from cache_node.kv_pool import KVPool
+from cache_node.sequence import Sequence
+
+if TYPE_CHECKING:
+    from cache_node.policies.base import LayerPlan, LayerView, Policy, PolicyEnv
+
+
+class SequenceKV:
+    """The policy-managed KV state of one sequence (``seq.kv``).
+
+    Attributes:
+        positions: (L, frontier) int64 absolute position per physical slot and layer; -1 = hole.
+        support: (L, frontier) float32 original tokens an entry stands for (merging policies).
+        stats: attention statistics when the policy needs them.
+        budget: tokens per layer, fixed at the first compression.
+        extra: policy-owned state (host-tier sentences, quantized segments).
+    """
+
+    def __init__(self, seq: Sequence, policy: Policy, pool: KVPool, block_pool: BlockPool,
+                 env: PolicyEnv | None = None) -> None:
+        from cache_node.policies.base import PolicyEnv
+
+        self.seq, self.policy, self.pool, self.block_pool = seq, policy, pool, block_pool
+        self.env = env or PolicyEnv()
+        self.scaling = pool.head_dim**-0.5
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the sequence's blocks were freed: preemption, finish)."""
+        L = self.pool.num_layers
+        self.positions = torch.zeros((L, 0), dtype=torch.long)
+        self.support = torch.zeros((L, 0))
+        needs = self.policy.needs
+        self.stats = AttentionStats(needs, L, self.pool.num_kv_heads, self.policy.decay) if needs.any else None
+        self.budget: int | None = None
+        self.num_compactions = 0
+        self.extra: dict[str, Any] = {}
+        self.seq.num_evicted_tokens = 0
+
+    # ---- the step ---------------------------------------------------------------------------
+    @property
+    def frontier(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def compacted(self) -> bool:
+        return self.num_compactions > 0
+
+    def begin_step(self, start: int, num_new: int) -> None:
+        """Lay out ``num_new`` tokens at absolute positions [start, start + num_new)."""
+        phys = start - self.seq.num_evicted_tokens
+        if self.frontier < phys:  # prefix-cache hit or session: uncompressed tokens
+            fill = torch.arange(self.frontier, phys).expand(self.pool.num_layers, -1)
+            self.positions = torch.cat([self.positions, fill], 1)
+            self.support = torch.cat([self.support, torch.ones(fill.shape)], 1)
+        new = torch.arange(start, start + num_new).expand(self.pool.num_layers, -1)
+        self.positions = torch.cat([self.positions[:, :phys], new], 1)
+        self.support = torch.cat([self.support[:, :phys], torch.ones(new.shape)], 1)
+        if self.stats is not None:
+            self.stats.begin_step(self.frontier)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ctx_slots: torch.Tensor) -> torch.Tensor:
+        """Attention of this step's queries over the layer's valid slots (+ extra KV).
+
+        Args:
+            q: (n, H, d) queries of the new tokens (the last n physical slots).
+            k_cache, v_cache: (pool_slots, H_kv, d) the layer's pool.
+            ctx_slots: (S,) pool slots of physical slots [0, S).
+
+        Returns:
+            (n, H, d).
+        """
+        n, h, d = q.shape
+        s = ctx_slots.shape[0]
+        q_pos = self.positions[layer_idx, s - n : s]
+        self.policy.before_attend(self, layer_idx, q, q_pos)
+        pos = self.positions[layer_idx, :s]
+        k, v = k_cache[ctx_slots].to(q.dtype), v_cache[ctx_slots].to(q.dtype)
+        h_kv = k.shape[1]
+        qh = q.view(n, h_kv, h // h_kv, d).permute(1, 2, 0, 3)  # (H_kv, g, n, d)
+        logits = qh @ k.permute(1, 2, 0).unsqueeze(1) * self.scaling  # (H_kv, g, n, S)
+        allowed = (pos.view(1, -1) >= 0) & (pos.view(1, -1) <= q_pos.view(-1, 1))  # (n, S)
+        logits = logits + self.support[layer_idx, :s].clamp(min=1e-6).log().to(q.dtype)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        extra = self.policy.extra_kv(self, layer_idx)
+        if extra is not None:
+            logits = torch.cat([logits, extra.logits(qh, self.scaling).to(q.dtype)], -1)
+        probs = torch.softmax(logits, dim=-1)
+        out = probs[..., :s] @ v.permute(1, 0, 2).unsqueeze(1)  # (H_kv, g, n, d)
+        if extra is not None:
+            out = out + extra.output(probs[..., s:]).to(q.dtype)
+        if self.stats is not None:
+            self.stats.record(layer_idx, probs[..., :s].float(), q.float(), q_pos)
+        return out.permute(2, 0, 1, 3).reshape(n, h, d)
+
+    def after_step(self) -> bool:
+        """Compress when the prompt is done and a layer is over budget; True if compacted."""
+        seq = self.seq
+        if not self.policy.compresses or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return False
+        if self.budget is None:
+            self.budget = self.policy.budget_tokens(seq.num_prompt_tokens)
+        return self.policy.compress(self)
+
+    # ---- compaction -------------------------------------------------------------------------
+    def view(self, layer_idx: int) -> LayerView:
+        """The layer's valid entries as a ``LayerView`` (copies; safe to keep)."""
+        from cache_node.policies.base import LayerView
+
+        slots = (self.positions[layer_idx] >= 0).nonzero().squeeze(1)
+        pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier)[slots]
+        k, v = self.pool.kv[layer_idx, 0, pool_slots].float(), self.pool.kv[layer_idx, 1, pool_slots].float()
+        return LayerView(
+            layer_idx, self.pool.num_layers, k, v, self.positions[layer_idx, slots],
+            slots, self.support[layer_idx, slots], self.stats, self.scaling,
+        )
+
+    def over_budget(self) -> bool:
+        assert self.budget is not None
+        budgets = self.policy.layer_budgets(self.budget, self.pool.num_layers)
+        counts = (self.positions >= 0).sum(1).tolist()
+        slack = self.policy.evict_every
+        return any(c > b + slack for c, b in zip(counts, budgets))
+
+    def compress_by_plans(self, policy: Policy) -> bool:
+        """Plan every layer with ``policy.plan`` and apply the plans (if any layer is over)."""
+        if not self.over_budget():
+            return False
+        assert self.budget is not None
+        budgets = policy.layer_budgets(self.budget, self.pool.num_layers)
+        plans = [policy.plan(self.view(layer), b) for layer, b in enumerate(budgets)]
+        return self.apply_plans(plans)
+
+    def apply_plans(self, plans: list[LayerPlan]) -> bool:
+        """Move each layer's kept (and merged) entries to the front. False when the pool is
+        too full for copy-on-write (nothing changes)."""
+        L = self.pool.num_layers
+        m = max(len(p.keep) for p in plans)
+        if not can_rewrite(self.block_pool, self.seq, m, self.pool.block_size):
+            return False
+        valid = [(self.positions[layer] >= 0).nonzero().squeeze(1) for layer in range(L)]
+        src = torch.full((L, m), -1, dtype=torch.long)
+        for layer, p in enumerate(plans):
+            src[layer, : len(p.keep)] = valid[layer][p.keep]
+        data = gather_kv(self.pool, self.seq, src).float()
+        positions = torch.full((L, m), -1, dtype=torch.long)
+        support = torch.zeros((L, m))
+        for layer, p in enumerate(plans):
+            k = len(p.keep)
+            positions[layer, :k] = self.positions[layer, src[layer, :k]]
+            support[layer, :k] = self.support[layer, src[layer, :k]]
+            if p.merge_src is not None and len(p.merge_src):
+                msrc = valid[layer][p.merge_src]
+                mdata = gather_kv(self.pool, self.seq, msrc.unsqueeze(0).expand(L, -1))[layer].float()
+                merge_kv(data[layer, :k], support[layer, :k], p.merge_dst, mdata, self.support[layer, msrc])
+        rewrite_kv(self.pool, self.block_pool, self.seq, data)
+        if self.stats is not None:
+            self.stats.compact([src[layer, : len(p.keep)] for layer, p in enumerate(plans)])
+        self.seq.num_evicted_tokens = self.seq.num_computed_tokens - m
+        self.positions, self.support = positions, support
+        self.num_compactions += 1
+        return True
+
+    # ---- accounting and forking -------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Device-tier bytes this sequence holds: its blocks plus policy extras."""
+        blocks = len(self.seq.block_table) * self.pool.bytes_per_block
+        return blocks + self.policy.extra_device_bytes(self)
+
+    def kept_counts(self) -> list[int]:
+        """Valid (non-hole) entries per layer."""
+        return (self.positions >= 0).sum(1).tolist()

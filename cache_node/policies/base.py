@@ -1,0 +1,206 @@
+"""The policy contract: one small class per policy, one scoring method, plumbing in the base.
+
+A policy decides, per layer, which of a sequence's tokens keep their KV on the device tier.
+The base class turns scores into a keep set (protecting sinks and the recent window); the
+pool-side moving (compaction, copy-on-write) lives in ``cache_node.compaction``. Transforming
+policies (merging, quantizing, host recall) override the ``plan``/hook methods instead.
+Idea: NVIDIA kvpress presses (one method per press, plumbing once in a base class).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from cache_node.attention_stats import AttentionStats, StatsNeeds
+
+if TYPE_CHECKING:
+    from cache_node.kv_state import SequenceKV
+
+
+@dataclass
+class LayerView:
+    """What a policy sees of one layer of one sequence (read-only; do not modify).
+
+    Attributes:
+        keys, values: (n, H_kv, d) post-RoPE KV of the layer's valid slots, in slot order.
+        positions: (n,) int64 absolute positions of those tokens.
+        slots: (n,) int64 physical slot indices (into the sequence's block table) of those tokens.
+        support: (n,) float32 how many original tokens each entry stands for (1 unless merged).
+        stats: the sequence's attention statistics (None when the policy needs none).
+        scaling: the attention softmax scale.
+    """
+
+    layer_idx: int
+    num_layers: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    support: torch.Tensor
+    stats: AttentionStats | None
+    scaling: float
+
+    def window_attention(self) -> torch.Tensor:
+        """(H_kv, w, n) softmax attention of the last w recorded queries over these keys.
+
+        Causal by position (a query never sees later tokens); averaged over each KV head's
+        group of query heads. Raises RuntimeError when no queries were recorded.
+        """
+        if self.stats is None or self.stats.queries[self.layer_idx] is None:
+            raise RuntimeError("window_attention needs StatsNeeds(window_queries>0)")
+        q = self.stats.queries[self.layer_idx]
+        q_pos = self.stats.query_pos[self.layer_idx]
+        h_kv = self.keys.shape[1]
+        qh = q.view(q.shape[0], h_kv, -1, q.shape[-1]).permute(1, 2, 0, 3)  # (H_kv, g, w, d)
+        logits = qh @ self.keys.permute(1, 2, 0).unsqueeze(1) * self.scaling  # (H_kv, g, w, n)
+        logits = logits + self.support.log().view(1, 1, 1, -1)
+        causal = self.positions.view(1, -1) <= q_pos.view(-1, 1)  # (w, n)
+        logits = logits.masked_fill(~causal, float("-inf"))
+        return torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(1)
+
+    def recent_attention(self) -> torch.Tensor:
+        """(H_kv, n) max attention received over the last T steps."""
+        assert self.stats is not None
+        return self.stats.recent_max(self.layer_idx, int(self.slots.max()) + 1)[:, self.slots]
+
+    def cumulative_attention(self) -> torch.Tensor:
+        """(H_kv, n) (decayed) cumulative attention received."""
+        assert self.stats is not None
+        return self.stats.cum[self.layer_idx][:, self.slots]
+
+
+@dataclass
+class LayerPlan:
+    """How one layer's slots are rewritten by a compaction.
+
+    ``keep``: (m,) indices into the view's entries to keep, in their new order.
+    ``merge_src``/``merge_dst``: optional (k,) view indices merged into kept entry number
+    ``merge_dst`` (an index into ``keep``): K/V become support-weighted means.
+    """
+
+    keep: torch.Tensor
+    merge_src: torch.Tensor | None = None
+    merge_dst: torch.Tensor | None = None
+
+
+class ExtraKV(Protocol):
+    """KV a layer attends to outside the pool (e.g. quantized codes), joined into one softmax."""
+
+    def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(H_kv, g, n, m) scaled scores for grouped queries ``qh`` (H_kv, g, n, d)."""
+        ...
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        """(H_kv, g, n, d) weighted values for ``probs`` (H_kv, g, n, m)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PolicyEnv:
+    """Tokenizer-derived facts a policy may need (set by whoever owns the tokenizer).
+
+    ``sentence_end_token_ids``: tokens whose text ends a sentence (SentenceKV segmentation).
+    """
+
+    sentence_end_token_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> PolicyEnv:
+        ends = set()
+        for tid in range(len(tokenizer)):
+            text = tokenizer.decode([tid]).rstrip(" ")
+            if text and (text[-1] in ".!?\n" or text.endswith(".\"")):
+                ends.add(tid)
+        return cls(frozenset(ends))
+
+
+@dataclass
+class Policy:
+    """Base of every policy.
+
+    Args:
+        budget: device-tier KV per layer, as a fraction (0, 1] of the prompt's tokens (fixed
+            when the prompt is first compressed) or, when > 1, a number of tokens.
+        sink_tokens: first tokens always kept (attention sinks, StreamingLLM §3).
+        window_tokens: most recent tokens always kept.
+        evict_every: tokens a layer may grow past its budget before the next compaction
+            (0 = compact every step it is over budget).
+    """
+
+    name: ClassVar[str] = ""
+    needs: ClassVar[StatsNeeds] = StatsNeeds()
+    compresses: ClassVar[bool] = True
+    decay: ClassVar[float] = 1.0
+
+    budget: float = 0.25
+    sink_tokens: int = 4
+    window_tokens: int = 16
+    evict_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.budget > 0:
+            raise ValueError(f"budget must be > 0 (a fraction <= 1 or a token count), got {self.budget}")
+        if self.budget > 1 and self.budget != int(self.budget):
+            raise ValueError(f"a token budget must be an integer, got {self.budget}")
+        for name in ("sink_tokens", "window_tokens", "evict_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    # ---- the one method a scoring policy implements ----------------------------------------
+    def score(self, view: LayerView) -> torch.Tensor:
+        """(n,) importance of each entry of ``view``; the highest are kept. Must not modify."""
+        raise NotImplementedError
+
+    # ---- plumbing shared by all policies ---------------------------------------------------
+    def budget_tokens(self, num_prompt_tokens: int) -> int:
+        """Tokens per layer this sequence may hold (at least sinks + window + 1)."""
+        floor = self.sink_tokens + self.window_tokens + 1
+        if self.budget <= 1:
+            return max(floor, math.floor(self.budget * num_prompt_tokens))
+        return max(floor, int(self.budget))
+
+    def layer_budgets(self, budget_tokens: int, num_layers: int) -> list[int]:
+        """Per-layer budgets (uniform by default; bytes held follow the largest)."""
+        return [budget_tokens] * num_layers
+
+    def protected(self, view: LayerView) -> torch.Tensor:
+        """(n,) bool: sinks and the most recent ``window_tokens`` tokens."""
+        pos = view.positions
+        recent = torch.zeros_like(pos, dtype=torch.bool)
+        if self.window_tokens:
+            recent[pos.argsort()[-self.window_tokens :]] = True
+        return (pos < self.sink_tokens) | recent
+
+    def plan(self, view: LayerView, budget: int) -> LayerPlan:
+        """Keep the top ``budget`` entries by score (protected first), in slot order."""
+        n = view.positions.shape[0]
+        if n <= budget:
+            return LayerPlan(torch.arange(n))
+        score = self.score(view).float().clone()
+        score[self.protected(view)] = float("inf")
+        keep = torch.topk(score, budget, sorted=False).indices
+        return LayerPlan(keep.sort().values)
+
+    # ---- hooks for transforming policies (no-ops by default) -------------------------------
+    def before_attend(self, state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """Called before layer ``layer_idx`` attends with queries ``q`` (n, H, d); may recall KV."""
+
+    def extra_kv(self, state: SequenceKV, layer_idx: int) -> ExtraKV | None:
+        """KV outside the pool that layer ``layer_idx`` also attends to (None = none)."""
+        return None
+
+    def compress(self, state: SequenceKV) -> bool:
+        """Bring every layer within budget. Returns True when the KV layout changed."""
+        return state.compress_by_plans(self)
+
+    def extra_device_bytes(self, state: SequenceKV) -> int:
+        """Device-tier bytes held outside the pool blocks (quantized codes, mean keys)."""
+        return 0
+
+    def clone_state(self, state: SequenceKV) -> dict[str, Any]:
+        """Copy of the policy-owned per-sequence state (``state.extra``) for forking."""
+        return dict(state.extra)

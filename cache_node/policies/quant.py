@@ -1,0 +1,171 @@
+"""Quantized tier: older tokens' KV as int8/int4 codes with per-group scales, attended on codes.
+
+Sinks and the recent window stay in full precision in the pool blocks; every other token is
+quantized once (asymmetric min/max per token, KV head and channel group of ``group_size``) into
+a per-sequence segment on the device tier. Attention never dequantizes a tensor: with
+``k ~ s * c + z`` per group, ``q . k = sum_g s_g (q_g . c_g) + z_g sum(q_g)`` and
+``sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t``, so the matmuls run on the integer
+codes and the scales/zero points are applied to partial sums.
+
+Source: Zhang et al., "HACK: Homomorphic Acceleration via Compression of the Key-Value Cache
+for Disaggregated LLM Inference" (arXiv 2502.03589), §4 (homomorphic quantization: attention
+on quantized K/V with the dequantization folded into the partial sums); sink/recent tokens in
+full precision follow KIVI (arXiv 2402.02750) §3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache_node.compaction import gather_kv
+from cache_node.policies.base import LayerPlan, Policy
+from cache_node.policies.registry import register
+
+if TYPE_CHECKING:
+    from cache_node.kv_state import SequenceKV
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per-group quantization along the last dim.
+
+    Args:
+        x: (..., d) float.
+
+    Returns:
+        codes (..., d) uint8 in [0, 2**bits - 1]; scale and zero (..., d // group_size) float16.
+    """
+    g = x.float().unflatten(-1, (-1, group_size))
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=1e-6).half()
+    zero = lo.half()
+    codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round().clamp(0, 2**bits - 1)
+    return codes.flatten(-2).to(torch.uint8), scale, zero
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(..., d) uint8 codes < 16 -> (..., d // 2) uint8, two codes per byte."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``."""
+    return torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
+
+
+class QuantSegment:
+    """A sequence's quantized tokens: codes (L, 2, N, H_kv, d * bits / 8) uint8, scale and zero
+    (L, 2, N, H_kv, d / group_size) float16, positions (N,)."""
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    def append(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """Quantize ``kv`` (L, n, 2, H_kv, d) and add it."""
+        codes, scale, zero = quantize(kv.transpose(1, 2), self.bits, self.group_size)
+        if self.bits == 4:
+            codes = pack_int4(codes)
+        if self.codes is None:
+            self.codes, self.scale, self.zero = codes, scale, zero
+        else:
+            self.codes = torch.cat([self.codes, codes], 2)
+            self.scale = torch.cat([self.scale, scale], 2)  # type: ignore[list-item]
+            self.zero = torch.cat([self.zero, zero], 2)  # type: ignore[list-item]
+        self.positions = torch.cat([self.positions, positions])
+
+    @property
+    def nbytes(self) -> int:
+        if self.codes is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))  # type: ignore[union-attr]
+
+    def layer(self, layer_idx: int) -> QuantLayerKV:
+        return QuantLayerKV(self, layer_idx)
+
+
+class QuantLayerKV:
+    """One layer's quantized KV as ``ExtraKV``: scores and outputs computed on the codes."""
+
+    def __init__(self, seg: QuantSegment, layer_idx: int) -> None:
+        codes = seg.codes[layer_idx]  # type: ignore[index]
+        if seg.bits == 4:
+            codes = unpack_int4(codes)
+        gs = seg.group_size
+        self.codes = codes.float().unflatten(-1, (-1, gs))  # (2, N, H, k, G): integer values
+        self.scale = seg.scale[layer_idx].float()  # type: ignore[index]  # (2, N, H, k)
+        self.zero = seg.zero[layer_idx].float()  # type: ignore[index]
+
+    def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
+        qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)
+        dots = torch.einsum("hgnkc,Nhkc->hgnNk", qg, self.codes[0])
+        scale, zero = self.scale[0].permute(1, 0, 2), self.zero[0].permute(1, 0, 2)  # (h, N, k)
+        out = (dots * scale[:, None, None]).sum(-1)
+        out = out + torch.einsum("hgnk,hNk->hgnN", qg.sum(-1), zero)
+        return out * scaling
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        scale, zero = self.scale[1].permute(1, 0, 2), self.zero[1].permute(1, 0, 2)  # (h, N, k)
+        ps = probs.unsqueeze(-1) * scale[:, None, None]  # (h, g, n, N, k)
+        out = torch.einsum("hgnNk,Nhkc->hgnkc", ps, self.codes[1])
+        out = out + torch.einsum("hgnN,hNk->hgnk", probs, zero).unsqueeze(-1)
+        return out.flatten(-2)
+
+
+@register
+@dataclass
+class QuantizedTier(Policy):
+    """Everything but sinks and the recent window becomes int8 (``bits=8``) or int4 codes.
+
+    ``budget`` does not apply: the pool holds ``sink_tokens + window_tokens`` (+ up to
+    ``evict_every``) tokens per layer, the quantized segment the rest; both count as device
+    bytes. Tokens move to the codes a block at a time (``evict_every``).
+    """
+
+    name = "quant"
+    bits: int = 8
+    group_size: int = 32
+    window_tokens: int = 32
+    evict_every: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+
+    def budget_tokens(self, num_prompt_tokens: int) -> int:
+        return self.sink_tokens + self.window_tokens
+
+    def compress(self, state: SequenceKV) -> bool:
+        if not state.over_budget():
+            return False
+        pos = state.positions[0]  # every layer holds the same tokens under this policy
+        view_pos = pos[pos >= 0]
+        n = len(view_pos)
+        recent = torch.zeros(n, dtype=torch.bool)
+        recent[-self.window_tokens :] = True
+        keep_mask = (view_pos < self.sink_tokens) | recent
+        old = (~keep_mask).nonzero().squeeze(1)
+        slots = (pos >= 0).nonzero().squeeze(1)[old]
+        data = gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(state.pool.num_layers, -1))
+        seg = state.extra.setdefault("quant", QuantSegment(self.bits, self._group(state)))
+        if not state.apply_plans([LayerPlan(keep_mask.nonzero().squeeze(1))] * state.pool.num_layers):
+            return False
+        seg.append(data.float(), view_pos[old])
+        return True
+
+    def _group(self, state: SequenceKV) -> int:
+        return min(self.group_size, state.pool.head_dim)
+
+    def extra_kv(self, state: SequenceKV, layer_idx: int) -> QuantLayerKV | None:
+        seg = state.extra.get("quant")
+        return None if seg is None or seg.codes is None else seg.layer(layer_idx)
+
+    def extra_device_bytes(self, state: SequenceKV) -> int:
+        seg = state.extra.get("quant")
+        return 0 if seg is None else seg.nbytes

@@ -1,0 +1,33 @@
+"""SnapKV: keep what the last prompt tokens (the observation window) attend to, pooled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cache_node.attention_stats import StatsNeeds
+from cache_node.policies.base import LayerView, Policy
+from cache_node.policies.registry import register
+
+
+@register
+@dataclass
+class SnapKV(Policy):
+    """Score = observation-window attention summed over the window, max-pooled along the
+    sequence (``kernel_size``) so kept tokens come with their neighbours; summed over KV heads.
+
+    Source: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation"
+    (NeurIPS'24, arXiv 2404.14469), §4.2 Algorithm 1 (window 32, pooling kernel 7).
+    """
+
+    name = "snapkv"
+    needs = StatsNeeds(window_queries=32)
+    window_tokens: int = 32
+    kernel_size: int = 7
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        votes = view.window_attention().sum(1)  # (H_kv, n)
+        pooled = F.max_pool1d(votes.unsqueeze(0), self.kernel_size, 1, self.kernel_size // 2)
+        return pooled[0].sum(0)
