@@ -80,7 +80,7 @@ class TransferWorker:
         with self._io_lock:
             try:
                 return int(self.spill.flush())
-            except Exception as exc:  # a dead spill node has nothing left to flush here
+            except Exception as exc:  # noqa: BLE001 - a dead spill node has nothing to flush
                 logger.warning("spill flush failed: %s", exc)
                 self._count("spill_flush_errors", 1)
                 return 0
@@ -93,7 +93,7 @@ class TransferWorker:
                     self._put(payload, epoch)
                 else:
                     self._prefetch(payload, epoch)
-            except Exception:  # the worker must outlive any fault
+            except Exception:
                 logger.exception("transfer job %s failed", kind)
             finally:
                 self._jobs.task_done()
@@ -116,7 +116,7 @@ class TransferWorker:
                 return
             try:
                 self.spill.put(hashes, rows, namespace)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any client fault drops the write
                 logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)
                 self._count("spill_put_errors", len(hashes))
                 return
@@ -146,7 +146,7 @@ class TransferWorker:
                 return np.empty((0, *shape), dtype), []
             try:
                 reply = self.spill.get(hashes)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any client fault is a miss
                 logger.warning("spill get of %d blocks failed (a miss): %s", len(hashes), exc)
                 self._count("spill_get_errors", 1)
                 return np.empty((0, *shape), dtype), []

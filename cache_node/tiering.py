@@ -27,6 +27,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import islice
 
+import numpy as np
+
 from cache_node.block import KVBlock
 from cache_node.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
 from cache_node.host_tier import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
@@ -104,7 +106,7 @@ class TierManager:
         return (L, two, bs, h, d)
 
     @property
-    def spill_np_dtype(self):  # noqa: ANN201 - numpy dtype
+    def spill_np_dtype(self) -> np.dtype:
         return numpy_dtype_of(self.pool.kv.dtype)
 
     # ---- demotion ---------------------------------------------------------------------------

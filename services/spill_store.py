@@ -1,18 +1,15 @@
 """SpillStore: a content-addressed KV block store in RAM, then on disk.
 
 ``put`` fills the RAM tier (LRU, byte budget); past the budget, LRU blocks are
-demoted in batches to disk group files (``spill_format``). The disk tier evicts
-whole files in LRU order (a file's recency is the last touch of any of its
-blocks; evicting single blocks of a partly live file would free no bytes).
-Disk hits are not promoted to RAM: the caller keeps what it reads. On
-construction the index is rebuilt from file headers, so a restart keeps disk hits.
+demoted in batches to disk group files (``spill_format``), kept by ``DiskTier``
+(``spill_disk``: whole files evicted LRU, index rebuilt from file headers on
+construction, so a restart keeps disk hits). Disk hits are not promoted to RAM:
+the caller keeps what it reads.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,12 +19,10 @@ from typing import NamedTuple
 import numpy as np
 
 from services import spill_format as fmt
-from services.spill_format import BlockFormat, SpillCorruptError
-
-logger = logging.getLogger(__name__)
+from services.spill_disk import TIER_DISK, DiskTier
+from services.spill_format import BlockFormat
 
 TIER_RAM = "spill_ram"
-TIER_DISK = "spill_disk"
 EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
 _HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
@@ -57,13 +52,6 @@ class _RamEntry:
 
 
 _Victims = list[tuple[bytes, _RamEntry]]
-
-
-@dataclass
-class _SpillFile:
-    path: Path
-    size_bytes: int
-    live: set[bytes]  # hashes of this file that the index still points at
 
 
 class SpillStore:
@@ -108,13 +96,12 @@ class SpillStore:
         self._demote_target_bytes = int(ram_bytes * demote_low_watermark)
         self._lock = threading.RLock()
         self._ram: OrderedDict[bytes, _RamEntry] = OrderedDict()
-        self._disk: dict[bytes, str] = {}  # block_hash -> file name
-        self._files: OrderedDict[str, _SpillFile] = OrderedDict()  # LRU first
-        self._disk_bytes = 0
         self._events: deque[SpillEvent] = deque(maxlen=max_events)
         self._counters: Counter[str] = Counter()
         with self._lock:
-            self._rebuild()
+            self._disk = DiskTier(
+                self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters
+            )
 
     def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
         """Store ``blocks[i]`` under ``hashes[i]`` in RAM; returns how many were new.
@@ -150,18 +137,16 @@ class SpillStore:
         with self._lock:
             out = np.empty((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
             tiers: list[str | None] = [None] * len(hashes)
-            by_file: dict[str, list[int]] = {}
+            on_disk: list[int] = []
             for i, block_hash in enumerate(hashes):
                 if block_hash in self._ram:
                     self._ram.move_to_end(block_hash)
                     out[i] = self._ram[block_hash].block
                     tiers[i] = TIER_RAM
                 elif block_hash in self._disk:
-                    by_file.setdefault(self._disk[block_hash], []).append(i)
-            for name, rows in by_file.items():
-                if self._read_file(name, [hashes[i] for i in rows], out, rows):
-                    for row in rows:
-                        tiers[row] = TIER_DISK
+                    on_disk.append(i)
+            for row in self._disk.read([hashes[i] for i in on_disk], out, on_disk):
+                tiers[row] = TIER_DISK
             return self._hits(hashes, out, tiers)
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
@@ -184,10 +169,7 @@ class SpillStore:
             for block_hash in self._ram:
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             self._ram.clear()
-            for name in list(self._files):
-                self._drop_file(name)
-            for path in fmt.list_group_files(self.root_dir):
-                fmt.remove_file(path)
+            self._disk.flush()
             return dropped
 
     def stats(self) -> dict[str, int]:
@@ -195,12 +177,12 @@ class SpillStore:
         with self._lock:
             sizes = {
                 "ram_bytes": self._ram_bytes(),
-                "disk_bytes": self._disk_bytes,
+                "disk_bytes": self._disk.bytes_used,
                 "ram_budget_bytes": self.ram_budget_bytes,
                 "disk_budget_bytes": self.disk_budget_bytes,
                 "blocks_spill_ram": len(self._ram),
                 "blocks_spill_disk": len(self._disk),
-                "files": len(self._files),
+                "files": self._disk.num_files,
             }
             return sizes | {name: self._counters[name] for name in STAT_COUNTERS}
 
@@ -214,92 +196,34 @@ class SpillStore:
     def _ram_bytes(self) -> int:
         return len(self._ram) * self.block_format.block_nbytes
 
+    def demote_to_disk(self) -> int:
+        """Write every RAM block to disk now (drain before maintenance; tests). Returns how many."""
+        with self._lock:
+            n = len(self._ram)
+            self._demote(0)
+            return n
+
     def _demote_if_over_budget(self) -> None:
-        if self._ram_bytes() <= self.ram_budget_bytes:
-            return
+        if self._ram_bytes() > self.ram_budget_bytes:
+            self._demote(self._demote_target_bytes)
+
+    def _demote(self, target_bytes: int) -> None:
         victims: _Victims = []
-        while self._ram and self._ram_bytes() > self._demote_target_bytes:
+        while self._ram and self._ram_bytes() > target_bytes:
             victims.append(self._ram.popitem(last=False))
         by_namespace: dict[str, _Victims] = {}
         for block_hash, entry in victims:
             self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             by_namespace.setdefault(entry.namespace, []).append((block_hash, entry))
-        step = self.max_blocks_per_file
         for namespace, group in by_namespace.items():
-            for start in range(0, len(group), step):
-                self._write_file(namespace, group[start : start + step])
-                self._evict_disk_over_budget()
-
-    def _write_file(self, namespace: str, group: _Victims) -> None:
-        if self.disk_budget_bytes == 0:
-            return
-        hashes, blocks = [h for h, _ in group], np.stack([entry.block for _, entry in group])
-        name = uuid.uuid4().hex + fmt.FILE_SUFFIX
-        path = self.root_dir / name
-        try:
-            size_bytes = fmt.write_group(path, hashes, blocks, namespace, self.block_format)
-        except OSError as exc:
-            logger.warning("spill write %s failed, %d blocks dropped: %s", path, len(hashes), exc)
-            self._counters["io_errors"] += 1
-            return
-        self._add_file(name, path, size_bytes, hashes)
-
-    def _add_file(self, name: str, path: Path, size_bytes: int, hashes: list[bytes]) -> None:
-        self._files[name] = _SpillFile(path, size_bytes, set(hashes))
-        self._disk_bytes += size_bytes
-        for block_hash in hashes:
-            self._disk[block_hash] = name
-            self._emit(EVENT_STORED, block_hash, TIER_DISK)
-
-    def _evict_disk_over_budget(self) -> None:
-        while self._files and self._disk_bytes > self.disk_budget_bytes:
-            self._drop_file(next(iter(self._files)))
-            self._counters["evicted_files"] += 1
-
-    def _drop_file(self, name: str) -> None:
-        spill_file = self._files.pop(name)
-        self._disk_bytes -= spill_file.size_bytes
-        for block_hash in spill_file.live:
-            del self._disk[block_hash]
-            self._emit(EVENT_REMOVED, block_hash, TIER_DISK)
-        fmt.remove_file(spill_file.path)  # a no-op when already gone
-
-    def _read_file(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> bool:
-        try:
-            out[rows] = fmt.read_blocks(self._files[name].path, self.block_format, hashes)
-            self._files.move_to_end(name)
-            return True
-        except (SpillCorruptError, OSError) as exc:
-            self._count_fault(exc, self._files[name].path)
-            self._drop_file(name)
-            return False
-
-    def _rebuild(self) -> None:
-        self.root_dir.mkdir(parents=True, exist_ok=True)
-        for path in fmt.list_group_files(self.root_dir):
-            self._index_file(path)
-        self._evict_disk_over_budget()
-
-    def _index_file(self, path: Path) -> None:
-        try:
-            header = fmt.read_header(path)
-        except (SpillCorruptError, OSError) as exc:
-            self._count_fault(exc, path)
-            return
-        if not header.matches(self.block_format):
-            logger.warning("skipping spill file %s of another block format", path)
-            return
-        live = [h for h in dict.fromkeys(header.block_hashes) if h not in self._disk]
-        if not live:
-            fmt.remove_file(path)  # every block is held by an older file
-            return
-        self._add_file(path.name, path, header.file_bytes, live)
+            hashes, blocks = [h for h, _ in group], np.stack([entry.block for _, entry in group])
+            self._disk.write(namespace, hashes, blocks)
 
     def _touch(self, block_hash: bytes) -> bool:
         if block_hash in self._ram:
             self._ram.move_to_end(block_hash)
         elif block_hash in self._disk:
-            self._files.move_to_end(self._disk[block_hash])
+            self._disk.touch(block_hash)
         return self._tier_of(block_hash) is not None
 
     def _tier_of(self, block_hash: bytes) -> str | None:
@@ -314,13 +238,6 @@ class SpillStore:
             self._counters["hits_" + tier] += 1
         self._counters["misses"] += len(hashes) - len(found)
         return SpillHits([hashes[i] for i in found], out[found], found_tiers)
-
-    def _count_fault(self, exc: Exception, path: Path) -> None:
-        """Count a read fault and delete the file: its blocks are lost either way."""
-        fault = "corrupt_reads" if isinstance(exc, SpillCorruptError) else "io_errors"
-        logger.warning("spill file %s dropped (%s): %s", path, fault, exc)
-        self._counters[fault] += 1
-        fmt.remove_file(path)
 
     def _emit(self, event: str, block_hash: bytes, tier: str) -> None:
         if len(self._events) == self._events.maxlen:
