@@ -1,0 +1,205 @@
+"""Tier fault matrix: every spill fault is a miss (recompute), never wrong KV or a counted hit."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cache_node.hashing import hash_prompt_blocks
+from services.spill_format import BlockFormat, read_header
+from services.spill_store import SpillHits, SpillStore
+from tests.test_tier_engine import BLOCK_BYTES, PARAMS, by_tier, prompt_of, run, tiered
+
+P = prompt_of(200, 11)  # 12 reusable blocks
+
+
+def disk_engine(tiny, root: Path, store_cls: type[SpillStore] = SpillStore):
+    """(engine, store, cold output) with P's 12 blocks in spill disk files only."""
+    probe = tiered(tiny)
+    store = store_cls(root, BlockFormat(*probe.spill_block_spec()), 0, 1 << 30, max_blocks_per_file=4)
+    eng = tiered(tiny, spill=store)
+    cold = run(eng, P)
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    assert store.stats()["blocks_spill_disk"] == 12 and len(files(root)) == 3
+    return eng, store, cold
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(root.glob("*.kvs"))
+
+
+def file_of_block(eng, root: Path, index: int) -> Path:
+    """The group file holding block ``index`` of P (files group 4 blocks each)."""
+    hashes = hash_prompt_blocks(P, 16, ("default", eng.model_id, eng.kv_format))
+    (path,) = [f for f in files(root) if hashes[index] in read_header(f).block_hashes]
+    return path
+
+
+def assert_recomputed(eng, cold, spill_disk_tokens: int) -> None:
+    out = run(eng, P)
+    assert out.output_token_ids == cold.output_token_ids
+    assert out.num_cached_tokens_by_tier == by_tier(spill_disk=spill_disk_tokens)
+
+
+def test_deleted_spill_file_is_a_miss(tiny, tmp_path) -> None:
+    """Fault: one group file deleted; the blocks before it still hit, the rest recompute."""
+    eng, _, cold = disk_engine(tiny, tmp_path)
+    file_of_block(eng, tmp_path, 4).unlink()  # blocks 4..7
+    assert_recomputed(eng, cold, 4 * 16)
+
+
+def test_truncated_spill_file_is_a_miss(tiny, tmp_path) -> None:
+    """Fault: the first group file cut short; nothing past it is contiguous, all recompute."""
+    eng, store, cold = disk_engine(tiny, tmp_path)
+    path = file_of_block(eng, tmp_path, 0)
+    os.truncate(path, path.stat().st_size - 100)
+    assert_recomputed(eng, cold, 0)
+    assert store.stats()["corrupt_reads"] == 1
+
+
+def test_flipped_bytes_in_spill_file_are_a_miss(tiny, tmp_path) -> None:
+    """Fault: bit rot in the last file's payload; its checksum turns it into a miss."""
+    eng, store, cold = disk_engine(tiny, tmp_path)
+    path = file_of_block(eng, tmp_path, 8)
+    data = bytearray(path.read_bytes())
+    data[-50:-40] = bytes(b ^ 0xFF for b in data[-50:-40])
+    path.write_bytes(bytes(data))
+    assert_recomputed(eng, cold, 8 * 16)
+    assert store.stats()["corrupt_reads"] == 1
+
+
+def test_spill_reader_that_raises_is_a_miss(tiny, tmp_path) -> None:
+    """Fault: the client's get raises (I/O error, dead node); the node keeps serving."""
+
+    class Raising(SpillStore):
+        def get(self, hashes):  # type: ignore[no-untyped-def]
+            raise OSError("disk on fire")
+
+    eng, _, cold = disk_engine(tiny, tmp_path, Raising)
+    assert_recomputed(eng, cold, 0)
+    assert eng.stats()["spill_get_errors"] == 2  # the cold run's prefetch and the resend's
+
+
+def test_spill_reply_of_wrong_dtype_is_a_miss(tiny, tmp_path) -> None:
+    """Fault: a reply whose rows are not the asked format is not trusted as KV."""
+
+    class Wrong(SpillStore):
+        def get(self, hashes):  # type: ignore[no-untyped-def]
+            hits = super().get(hashes)
+            return SpillHits(hits.hashes, hits.blocks.astype(np.float64), hits.tiers)
+
+    eng, _, cold = disk_engine(tiny, tmp_path, Wrong)
+    assert_recomputed(eng, cold, 0)
+
+
+def test_spill_get_slower_than_prefetch_wait_recomputes(tiny, tmp_path) -> None:
+    """Fault: a hung transfer; the request stops waiting after prefetch_wait_s and recomputes."""
+    release = threading.Event()
+
+    class Hung(SpillStore):
+        def get(self, hashes):  # type: ignore[no-untyped-def]
+            release.wait(10)
+            return super().get(hashes)
+
+    probe = tiered(tiny)
+    store = Hung(tmp_path, BlockFormat(*probe.spill_block_spec()), 0, 1 << 30)
+    eng = tiered(tiny, spill=store, prefetch_wait_s=0.2)
+    t0 = time.monotonic()
+    out = eng.generate([P], PARAMS)[0]
+    assert time.monotonic() - t0 < 5 and out.num_cached_tokens == 0
+    release.set()
+    eng.wait_for_transfers()
+    eng.check_integrity()
+
+
+def test_cancel_during_prefetch_releases_everything(tiny, tmp_path) -> None:
+    """Fault: abort while blocks are in flight, x200; integrity holds, free blocks at baseline."""
+
+    class Slowish(SpillStore):
+        def get(self, hashes):  # type: ignore[no-untyped-def]
+            time.sleep(0.001)
+            return super().get(hashes)
+
+    eng, _, cold = disk_engine(tiny, tmp_path, Slowish)
+    baseline = eng.stats()["free_blocks"] + eng.stats()["cached_blocks"]
+    for i in range(200):
+        rid = eng.add_request(P, PARAMS)
+        if i % 2:
+            eng.step()
+        eng.abort_request(rid)
+        eng.step()
+    eng.wait_for_transfers()
+    eng.check_integrity()
+    stats = eng.stats()
+    assert stats["used_blocks"] == 0 and stats["free_blocks"] + stats["cached_blocks"] == baseline
+    assert run(eng, P).output_token_ids == cold.output_token_ids
+
+
+def test_identical_prompts_while_first_is_being_written_equal_cold(tiny, tmp_path) -> None:
+    """Fault: two identical long prompts 0-50 ms apart while the first's KV is still being
+    written to spill; both must equal the cold output."""
+    gate = threading.Event()
+
+    class SlowPut(SpillStore):
+        def put(self, hashes, blocks, namespace):  # type: ignore[no-untyped-def]
+            gate.wait(5)
+            return super().put(hashes, blocks, namespace)
+
+    probe = tiered(tiny)
+    store = SlowPut(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 20, 1 << 30)
+    long_p = prompt_of(400, 12)
+    eng = tiered(tiny, spill=store, host_bytes=0)
+    cold = tiered(tiny).generate([long_p], PARAMS)[0]
+    for gap_s in (0.0, 0.02, 0.05):
+        gate.clear()
+        first = eng.add_request(long_p, PARAMS)
+        t0, second, outs = time.monotonic(), None, {}
+        while len(outs) < 2:
+            if second is None and time.monotonic() - t0 >= gap_s:
+                second = eng.add_request(long_p, PARAMS)
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+            if second is not None and len(outs) == 1:
+                eng.demote_all(to_spill=True)  # first's blocks head to a spill put that waits
+        gate.set()
+        eng.wait_for_transfers()
+        assert outs[first].output_token_ids == outs[second].output_token_ids == cold.output_token_ids
+        eng.check_integrity()
+
+
+def test_restarted_spill_store_serves_disk_hits_without_rewriting(tiny, tmp_path) -> None:
+    """Fault: the spill node restarts (RAM lost); disk hits survive, files are not rewritten."""
+    eng, store, cold = disk_engine(tiny, tmp_path)
+    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in files(tmp_path)}
+    restarted = SpillStore(tmp_path, store.block_format, 0, 1 << 30, max_blocks_per_file=4)
+    eng.tiers.spill = eng.tiers.worker.spill = restarted  # type: ignore[union-attr]
+    assert_recomputed(eng, cold, 192)
+    eng.demote_all(to_spill=True)  # the same blocks go down again: a touch, not a write
+    eng.wait_for_transfers()
+    after = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in files(tmp_path)}
+    assert after == before
+
+
+def test_flush_then_resend_has_no_cached_tokens_in_any_tier(tiny, tmp_path) -> None:
+    """Fault: stale KV after Flush; every tier must be empty and the resend fully cold."""
+    probe = tiered(tiny)
+    store = SpillStore(tmp_path, BlockFormat(*probe.spill_block_spec()), 8 * BLOCK_BYTES, 1 << 30)
+    eng = tiered(tiny, spill=store, host_bytes=4 * BLOCK_BYTES)
+    for k in range(3):  # spread blocks over device, host, spill RAM and disk
+        run(eng, prompt_of(200, 20 + k))
+        eng.demote_all()
+    eng.demote_all(to_spill=True)
+    run(eng, prompt_of(200, 20))
+    assert eng.flush() > 0
+    eng.wait_for_transfers()
+    stats, spill = eng.stats(), store.stats()
+    assert (stats["cached_blocks"], stats["host_blocks"]) == (0, 0)
+    assert (spill["blocks_spill_ram"], spill["blocks_spill_disk"], spill["files"]) == (0, 0, 0)
+    for k in range(3):
+        out = run(eng, prompt_of(200, 20 + k))
+        assert out.num_cached_tokens_by_tier == by_tier()
+        eng.flush()
