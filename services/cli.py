@@ -1,0 +1,281 @@
+"""`kvstrata` command line: start/stop the services, manage tenants, generate, run workloads.
+
+Everything but ``up``/``down`` talks gRPC to the gateway. The gateway address and the admin
+key come from flags, the environment (KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY) or the state dir
+that ``kvstrata up`` writes (~/.kvstrata).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc, tenant_pb2
+from kvstrata.v1 import tenant_pb2_grpc
+from services.config import ServiceConfig, load_config
+
+app = typer.Typer(help="kvstrata: multi-tenant tiered KV-cache serving on Ray", no_args_is_help=True)
+tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
+run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(run_app, name="run")
+console = Console()
+STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
+ConfigOpt = typer.Option(None, "--config", "-c", help="service YAML config")
+
+
+def _state() -> dict:
+    path = STATE_DIR / "gateway.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _gateway(address: Optional[str]) -> str:
+    addr = address or os.environ.get("KVSTRATA_GATEWAY") or _state().get("address")
+    if not addr:
+        console.print("[red]no gateway address: run `kvstrata up` or pass --gateway[/red]")
+        raise typer.Exit(2)
+    return addr
+
+
+def _admin_md() -> tuple[tuple[str, str], ...]:
+    key = os.environ.get("KVSTRATA_ADMIN_KEY")
+    path = Path(_state().get("state_dir", STATE_DIR)) / "admin_key"
+    if not key and path.exists():
+        key = path.read_text().strip()
+    if not key:
+        console.print("[red]no admin key: set KVSTRATA_ADMIN_KEY[/red]")
+        raise typer.Exit(2)
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _fail(err: grpc.RpcError) -> None:
+    console.print(f"[red]{err.code().name}[/red]: {err.details()}")
+    raise typer.Exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@app.command()
+def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
+        None, help="join this Ray cluster (e.g. auto); default: start a local one")) -> None:
+    """Start the global scheduler, cache nodes and gateway; print the gateway address."""
+    import ray
+
+    from services.launcher import start_services
+
+    cfg = load_config(config).model_copy(update={"detached": True})
+    started_ray = address is None
+    if started_ray:
+        ray_port = _free_port()
+        resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes, "spill_node": 1})
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
+                        f"--resources={resources}", "--include-dashboard=false", "--disable-usage-stats"],
+                       check=True, capture_output=True)
+        address = f"127.0.0.1:{ray_port}"
+    ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+    with console.status("loading the model on every cache node ..."):
+        services = start_services(cfg)
+    cfg.state_path.mkdir(parents=True, exist_ok=True)
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    (STATE_DIR / "gateway.json").write_text(json.dumps({
+        "address": services.address, "ray_address": address, "started_ray": started_ray,
+        "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
+    }))
+    console.print(f"gateway: [bold]{services.address}[/bold]")
+    console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
+
+
+@app.command()
+def down() -> None:
+    """Stop the services started by `kvstrata up` (and the local Ray cluster it started)."""
+    import ray
+
+    from services.launcher import GATEWAY_NAME, SCHEDULER_NAME
+
+    state = _state()
+    if not state:
+        console.print("nothing to stop")
+        return
+    try:
+        ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
+        for name in [GATEWAY_NAME, SCHEDULER_NAME, *[f"cache_node_{i}" for i in range(64)]]:
+            try:
+                ray.kill(ray.get_actor(name))
+            except ValueError:
+                pass
+        ray.shutdown()
+    finally:
+        if state.get("started_ray"):
+            subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], capture_output=True)
+        (STATE_DIR / "gateway.json").unlink(missing_ok=True)
+    console.print("stopped")
+
+
+@app.command()
+def status(gateway: Optional[str] = None, integrity: bool = True) -> None:
+    """Per-node pool usage, queue and session counts."""
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        try:
+            resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
+                admin_pb2.StatsRequest(check_integrity=integrity), metadata=_admin_md(), timeout=30)
+        except grpc.RpcError as err:
+            _fail(err)
+    table = Table("node", "blocks", "used", "cached", "free", "running", "waiting", "integrity")
+    for n in resp.nodes:
+        table.add_row(n.node_id, str(n.num_blocks), str(n.used_blocks), str(n.cached_blocks),
+                      str(n.free_blocks), str(n.running), str(n.waiting),
+                      "ok" if n.integrity_ok else f"[red]{n.integrity_error}[/red]")
+    console.print(table)
+    console.print(f"queued: {resp.queued}  sessions: {resp.sessions}")
+
+
+@tenant_app.command("add")
+def tenant_add(
+    name: str,
+    slo_class: str = typer.Option("standard", help="interactive | standard | batch"),
+    ttft_slo_ms: float = 0.0, tpot_slo_ms: float = 0.0, min_tokens_per_s: Optional[float] = None,
+    weight: float = 0.0, kv_quota_bytes: int = 0, max_context_tokens: int = 0,
+    namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
+    policy: str = "", gateway: Optional[str] = None,
+) -> None:
+    """Register a tenant; prints its API key once."""
+    classes = {"interactive": 1, "standard": 2, "batch": 3}
+    if slo_class not in classes:
+        console.print(f"[red]unknown SLO class {slo_class!r}; known: {', '.join(classes)}[/red]")
+        raise typer.Exit(2)
+    spec = tenant_pb2.TenantSpec(
+        name=name, slo_class=classes[slo_class], ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+        weight=weight, kv_quota_bytes=kv_quota_bytes, max_context_tokens=max_context_tokens,
+        cache_namespace=namespace, policy=policy,
+    )
+    if min_tokens_per_s is not None:
+        spec.min_tokens_per_s = min_tokens_per_s
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        try:
+            resp = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
+                tenant_pb2.RegisterTenantRequest(spec=spec), metadata=_admin_md())
+        except grpc.RpcError as err:
+            _fail(err)
+    console.print(f"tenant {resp.tenant.spec.name} ({resp.tenant.tenant_id})")
+    console.print(f"API key (shown once): [bold]{resp.api_key}[/bold]")
+
+
+@tenant_app.command("list")
+def tenant_list(gateway: Optional[str] = None) -> None:
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        try:
+            resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=_admin_md())
+        except grpc.RpcError as err:
+            _fail(err)
+    table = Table("name", "class", "ttft_slo_ms", "min_tokens_per_s", "weight", "namespace")
+    for t in resp.tenants:
+        s = t.spec
+        table.add_row(s.name, str(s.slo_class), f"{s.ttft_slo_ms:g}", f"{s.min_tokens_per_s:g}",
+                      f"{s.weight:g}", s.cache_namespace)
+    console.print(table)
+
+
+@tenant_app.command("show")
+def tenant_show(name: str, gateway: Optional[str] = None) -> None:
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        stub = tenant_pb2_grpc.TenantServiceStub(ch)
+        try:
+            t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=_admin_md()).tenant
+            u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=_admin_md()).usage
+        except grpc.RpcError as err:
+            _fail(err)
+    console.print(t)
+    console.print(u)
+
+
+@tenant_app.command("rm")
+def tenant_rm(name: str, gateway: Optional[str] = None) -> None:
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        try:
+            tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=_admin_md())
+        except grpc.RpcError as err:
+            _fail(err)
+    console.print(f"deleted {name}")
+
+
+@app.command()
+def generate(
+    prompt: str, api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY"), max_tokens: int = 128,
+    temperature: float = 0.0, session: str = "", policy: str = "", gateway: Optional[str] = None,
+) -> None:
+    """Stream a chat completion to the terminal."""
+    req = inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
+        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
+        session_id=session, policy=policy,
+    )
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        try:
+            for msg in inference_pb2_grpc.InferenceServiceStub(ch).Generate(
+                    req, metadata=(("authorization", f"Bearer {api_key}"),)):
+                kind = msg.WhichOneof("event")
+                if kind == "delta":
+                    print(msg.delta.text, end="", flush=True)
+                elif kind == "finished":
+                    f = msg.finished
+                    print()
+                    console.print(f"[dim]{f.finish_reason}: {f.prompt_tokens} prompt tokens "
+                                  f"({f.cached_tokens.device} cached), {f.completion_tokens} generated, "
+                                  f"TTFT {f.ttft_ms:.0f} ms, TPOT {f.tpot_ms:.0f} ms[/dim]")
+        except grpc.RpcError as err:
+            _fail(err)
+
+
+@run_app.command("deepresearch")
+def run_deepresearch(
+    duration: float = typer.Option(90.0, "--duration", help="arrival window, seconds"),
+    tenants: int = typer.Option(4, "--tenants", help="number of demo tenant profiles to use (1-4)"),
+    sessions_per_s: float = 0.03, seed: int = 0,
+    scheduler: str = typer.Option("", help="scheduling policy (once the SLO scheduler exists)"),
+    policy: str = typer.Option("", help="KV policy for every tenant"),
+    gateway: Optional[str] = None, reports: str = "reports",
+) -> None:
+    """Run the DeepResearch multi-agent workload against a running gateway."""
+    from workloads.deepresearch.config import WorkloadConfig
+    from workloads.deepresearch.demo_config import demo_tenants
+    from workloads.deepresearch.job import run_deepresearch_grpc
+    from workloads.deepresearch.register import register_tenants
+
+    if scheduler:
+        console.print(f"[yellow]--scheduler {scheduler}: the gateway's scheduler is chosen at `kvstrata up`[/yellow]")
+    profiles = demo_tenants(sessions_per_s)[: max(1, min(tenants, 4))]
+    cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles)
+    address = _gateway(gateway)
+    admin_key = _admin_md()[0][1].split(" ", 1)[1]
+
+    async def go() -> int:
+        async with grpc.aio.insecure_channel(address) as ch:
+            keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
+        out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console)
+        console.print(f"report: {out.run_dir}")
+        return out.exit_code
+
+    raise typer.Exit(asyncio.run(go()))
+
+
+if __name__ == "__main__":
+    app()
