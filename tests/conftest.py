@@ -39,3 +39,13 @@ def make_engine(lm: LoadedModel, **overrides: int) -> LLMEngine:
     cfg = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 64, "max_num_seqs": 8}
     cfg.update(overrides)
     return LLMEngine(lm.model, EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """One real two-node Ray cluster + services + gRPC channel shared by the integration tests."""
+    from tests.service_fixtures import start_stack
+
+    gen = start_stack(state_dir=str(tmp_path_factory.mktemp("state")), queue_limit=4)
+    yield next(gen)
+    gen.close()

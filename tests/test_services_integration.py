@@ -9,18 +9,10 @@ import grpc
 import pytest
 
 from kvstrata.v1 import admin_pb2, inference_pb2, tenant_pb2
-from tests.service_fixtures import Stack, chat, collect, start_stack
+from tests.service_fixtures import Stack, chat, collect
 from workloads.corpus import load_corpus
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Stack:
-    state = str(tmp_path_factory.mktemp("state"))
-    gen = start_stack(state_dir=state, queue_limit=4)
-    yield next(gen)
-    gen.close()
 
 
 def md(key: str) -> tuple[tuple[str, str], ...]:

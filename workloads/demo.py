@@ -54,6 +54,7 @@ async def _run(args: argparse.Namespace, address: str, admin_key: str, console: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines show up when piped too
     console = Console()
     t0 = time.monotonic()
     ray.init(address="local", num_cpus=os.cpu_count() or 2, namespace="kvstrata-demo", include_dashboard=False,
