@@ -47,8 +47,9 @@ def can_rewrite(block_pool: BlockPool, seq: Sequence, num_slots: int, block_size
     """True when the pool has the blocks copy-on-write needs for the first ``num_slots`` slots."""
     need = cdiv(num_slots, block_size)
     shared = sum(1 for b in seq.block_table[:need] if _shared(b))
+    grow = max(0, need - len(seq.block_table))
     freed = sum(1 for b in seq.block_table[need:] if b.ref_cnt == 1)
-    return shared <= block_pool.num_free_blocks() + freed
+    return shared + grow <= block_pool.num_free_blocks() + freed
 
 
 def _shared(block: object) -> bool:
@@ -58,7 +59,8 @@ def _shared(block: object) -> bool:
 def rewrite_kv(pool: KVPool, block_pool: BlockPool, seq: Sequence, data: torch.Tensor) -> None:
     """Lay ``data`` (L, m, 2, H_kv, d) out from the sequence's physical slot 0.
 
-    Blocks past ``ceil(m / block_size)`` are released (tail first); kept blocks that are shared
+    Blocks past ``ceil(m / block_size)`` are released (tail first), missing ones allocated (a
+    layout may grow, e.g. a recall region); kept blocks that are shared
     or prefix-cached are replaced by fresh exclusive blocks first (copy on write), so no cached
     block ever holds compacted KV. Call ``can_rewrite`` first: raises RuntimeError otherwise.
     """
@@ -67,6 +69,12 @@ def rewrite_kv(pool: KVPool, block_pool: BlockPool, seq: Sequence, data: torch.T
     tail = seq.block_table[need:]
     del seq.block_table[need:]
     block_pool.free(list(reversed(tail)))
+    grow = need - len(seq.block_table)
+    if grow > 0:
+        fresh_blocks = block_pool.allocate(grow)
+        if fresh_blocks is None:
+            raise RuntimeError("no free blocks to grow the layout: call can_rewrite first")
+        seq.block_table.extend(fresh_blocks)
     for i, block in enumerate(seq.block_table):
         if _shared(block):
             fresh = block_pool.allocate(1)

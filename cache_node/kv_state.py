@@ -177,13 +177,18 @@ class SequenceKV:
                 msrc = valid[layer][p.merge_src]
                 mdata = gather_kv(self.pool, self.seq, msrc.unsqueeze(0).expand(L, -1))[layer].float()
                 merge_kv(data[layer, :k], support[layer, :k], p.merge_dst, mdata, self.support[layer, msrc])
-        rewrite_kv(self.pool, self.block_pool, self.seq, data)
         if self.stats is not None:
             self.stats.compact([src[layer, : len(p.keep)] for layer, p in enumerate(plans)])
-        self.seq.num_evicted_tokens = self.seq.num_computed_tokens - m
+        self.set_layout(data, positions, support)
+        return True
+
+    def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor) -> None:
+        """Replace the whole layout: ``data`` (L, m, 2, H_kv, d) with ``positions``/``support``
+        (L, m). Call ``can_rewrite`` first. Statistics are the caller's to re-index."""
+        rewrite_kv(self.pool, self.block_pool, self.seq, data)
+        self.seq.num_evicted_tokens = self.seq.num_computed_tokens - data.shape[1]
         self.positions, self.support = positions, support
         self.num_compactions += 1
-        return True
 
     # ---- accounting and forking -------------------------------------------------------------
     def device_bytes(self) -> int:

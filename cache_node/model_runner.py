@@ -83,8 +83,10 @@ class ModelRunner:
         return md
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
         """Compute ``n`` tokens of each scheduled sequence and return logits to sample from.
+
+        ``all_logits=True`` (quality harness): one row per computed token instead.
 
         Returns:
             (num_sampling_seqs, vocab_size) float32 logits, one row per sequence whose chunk
@@ -97,7 +99,9 @@ class ModelRunner:
             input_ids.extend(seq.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             flat += n
-            if start + n == seq.num_tokens:
+            if all_logits:
+                sample_idx.extend(range(flat - n, flat))
+            elif start + n == seq.num_tokens:
                 sample_idx.append(flat - 1)
         for seq, n in batch:
             if seq.kv is not None:

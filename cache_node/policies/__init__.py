@@ -9,7 +9,16 @@ from __future__ import annotations
 from cache_node.block_pool import BlockPool
 from cache_node.kv_pool import KVPool
 from cache_node.kv_state import SequenceKV
-from cache_node.policies import full, h2o, quant, snapkv, streaming  # noqa: F401 (registers)
+from cache_node.policies import (  # noqa: F401 (each module registers its policy)
+    full,
+    gkv,
+    h2o,
+    quant,
+    sentencekv,
+    snapkv,
+    spindlekv,
+    streaming,
+)
 from cache_node.policies.base import LayerPlan, LayerView, Policy, PolicyEnv
 from cache_node.policies.registry import (
     REGISTRY,

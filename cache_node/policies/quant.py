@@ -79,6 +79,12 @@ class QuantSegment:
             self.zero = torch.cat([self.zero, zero], 2)  # type: ignore[list-item]
         self.positions = torch.cat([self.positions, positions])
 
+    def fork(self) -> QuantSegment:
+        """A copy that shares the (never mutated in place) tensors."""
+        out = QuantSegment(self.bits, self.group_size)
+        out.codes, out.scale, out.zero, out.positions = self.codes, self.scale, self.zero, self.positions
+        return out
+
     @property
     def nbytes(self) -> int:
         if self.codes is None:

@@ -1,0 +1,120 @@
+"""Low-level driver for the quality harness: prefill once, compress once, ask many.
+
+It drives the engine's own pieces (pool, block pool, model runner, ``SequenceKV``) so a
+context is prefilled once with every statistic collected, then forked per policy and budget
+(copying blocks, never sharing compacted ones), compressed once, and forked again per question.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from cache_node.attention_stats import StatsNeeds
+from cache_node.engine import LLMEngine
+from cache_node.kv_state import SequenceKV
+from cache_node.policies import Policy, make_policy
+from cache_node.sampling_params import SamplingParams
+from cache_node.sequence import Sequence
+
+_ids = itertools.count()
+
+
+@dataclass
+class _Collect(Policy):
+    """Reference policy of the probe: keeps everything, records every statistic."""
+
+    name = "_collect"
+    needs = StatsNeeds(window_queries=32, attention=True, recent_steps=8)
+    compresses = False
+
+
+class Probe:
+    """Prefill/fork/answer helper over one engine (single sequence at a time)."""
+
+    def __init__(self, engine: LLMEngine, chunk_tokens: int = 512) -> None:
+        self.engine = engine
+        self.pool = engine.pool
+        self.block_pool = engine.kv_manager.pool
+        self.chunk_tokens = chunk_tokens
+
+    def _run(self, seq: Sequence, n: int) -> torch.Tensor:
+        if self.engine.kv_manager.allocate_slots(seq, n) is None:
+            raise RuntimeError("quality probe: the KV pool is full; raise kv_pool_bytes")
+        logits = self.engine.runner.execute([(seq, n)])
+        seq.num_computed_tokens += n
+        return logits[0] if len(logits) else torch.empty(0)
+
+    def prefill(self, tokens: list[int]) -> tuple[Sequence, torch.Tensor]:
+        """Full-cache prefill with all statistics. Returns (sequence, last logits)."""
+        seq = Sequence(f"probe-{next(_ids)}", list(tokens), SamplingParams(max_tokens=4096))
+        seq.kv = SequenceKV(seq, _Collect(), self.pool, self.block_pool, self.engine.policy_env)
+        logits = torch.empty(0)
+        while seq.num_computed_tokens < len(tokens):
+            logits = self._run(seq, min(self.chunk_tokens, len(tokens) - seq.num_computed_tokens))
+        return seq, logits
+
+    def fork(self, seq: Sequence, policy: Policy | None = None) -> Sequence:
+        """An independent copy (own blocks), optionally switching its policy."""
+        child = Sequence(f"probe-{next(_ids)}", list(seq.prompt_token_ids), seq.sampling_params)
+        child.output_token_ids = list(seq.output_token_ids)
+        blocks = self.block_pool.allocate(len(seq.block_table))
+        if blocks is None:
+            raise RuntimeError("quality probe: the KV pool is full; raise kv_pool_bytes")
+        ids = [b.block_id for b in seq.block_table]
+        self.pool.write_blocks([b.block_id for b in blocks], self.pool.read_blocks(ids))
+        child.block_table = blocks
+        child.num_computed_tokens = seq.num_computed_tokens
+        src = seq.kv
+        kv = SequenceKV(child, policy or src.policy, self.pool, self.block_pool, src.env)
+        kv.positions, kv.support = src.positions.clone(), src.support.clone()
+        if src.stats is not None:
+            kv.stats = src.stats.clone()
+            kv.stats.decay = kv.policy.decay
+        kv.budget, kv.num_compactions = src.budget, src.num_compactions
+        kv.extra = {k: (v.fork() if hasattr(v, "fork") else v) for k, v in src.extra.items()}
+        child.kv = kv
+        child.num_evicted_tokens = seq.num_evicted_tokens
+        return child
+
+    def compress(self, seq: Sequence, spec: str) -> Sequence:
+        """Fork ``seq`` under policy ``spec`` and compress it once (question-agnostic)."""
+        child = self.fork(seq, make_policy(spec))
+        child.kv.after_step()
+        return child
+
+    def teacher_force(self, seq: Sequence, prompt: list[int], forced: list[int]) -> torch.Tensor:
+        """Append ``prompt + forced`` as one chunk over the (compressed) context. Returns
+        (1 + len(forced), V) logits: the prediction after the prompt and after each forced
+        token. One chunk: recall policies see the chunk's queries once; the policy compresses
+        after it (within budget for what follows)."""
+        tokens = prompt + forced
+        seq.prompt_token_ids = seq.prompt_token_ids + seq.output_token_ids + tokens
+        seq.output_token_ids = []
+        if self.engine.kv_manager.allocate_slots(seq, len(tokens)) is None:
+            raise RuntimeError("quality probe: the KV pool is full; raise kv_pool_bytes")
+        logits = self.engine.runner.execute([(seq, len(tokens))], all_logits=True)
+        seq.num_computed_tokens += len(tokens)
+        seq.kv.after_step()
+        return logits[len(prompt) - 1 :]
+
+    def greedy(self, seq: Sequence, prompt: list[int], max_tokens: int, stop: set[int]) -> list[int]:
+        """Greedy answer after ``prompt`` (no forcing)."""
+        seq.prompt_token_ids = seq.prompt_token_ids + seq.output_token_ids + prompt
+        seq.output_token_ids = []
+        logits = self._run(seq, len(prompt))
+        out: list[int] = []
+        while len(out) < max_tokens:
+            seq.kv.after_step()
+            tok = int(logits.argmax())
+            if tok in stop:
+                break
+            out.append(tok)
+            seq.output_token_ids.append(tok)
+            logits = self._run(seq, 1)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.engine.kv_manager.free(seq)

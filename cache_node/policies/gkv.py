@@ -1,0 +1,38 @@
+"""G-KV: a global score blending recent peak attention with decayed cumulative importance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cache_node.attention_stats import StatsNeeds
+from cache_node.policies.base import LayerView, Policy
+from cache_node.policies.registry import register
+
+
+def _unit_max(x: torch.Tensor) -> torch.Tensor:
+    return x / x.amax(-1, keepdim=True).clamp(min=1e-12)
+
+
+@register
+@dataclass
+class GKV(Policy):
+    """Score = ``lam * max recent attention + (1 - lam) * decayed cumulative attention``, each
+    normalized to [0, 1] per KV head, summed over KV heads. The cumulative term decays by
+    ``decay`` per step, so a token that was pivotal long ago fades slowly instead of being
+    evicted on a transient dip (the failure of recent-only scores).
+
+    Source: "G-KV" (arXiv 2512.00504), §3 (global scoring that combines local/recent attention
+    with historical importance), as specified in DESIGN.md §6.
+    """
+
+    name = "gkv"
+    needs = StatsNeeds(attention=True, recent_steps=8)
+    lam: float = 0.5
+    decay: float = 0.95
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        recent = _unit_max(view.recent_attention())
+        cum = _unit_max(view.cumulative_attention())
+        return (self.lam * recent + (1.0 - self.lam) * cum).sum(0)

@@ -1,0 +1,222 @@
+"""SentenceKV: sentence-level semantic KV caching with recall from the host tier.
+
+Device layout per layer (physical slot order = position order)::
+
+    | sinks | recall region (R slots: the top sentences for this layer) | window | new ... |
+
+Every token outside sinks and the recent window is grouped into sentences; a sentence's raw
+K/V goes to the host tier and its mean key per layer and KV head stays on the device tier.
+Before each layer attends, the queries of the step score every sentence by
+``cos(q, mean_key)`` and the best sentences that fit R are promoted into the region (copied in
+only when the selection changes). Budget = sinks + R + window + mean-key bytes (in tokens).
+
+Source: Zhu et al., "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV
+Caching" (arXiv 2504.00970), §3.2 (sentence-level compression at prefill: semantic vectors on
+GPU, token KV offloaded to CPU) and §3.3 (decode: select sentences by query/semantic-vector
+similarity and load their KV). FAISS inner-product search when the candidate set is large.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from cache_node.attention_stats import StatsNeeds
+from cache_node.compaction import can_rewrite, gather_kv
+from cache_node.policies.base import Policy
+from cache_node.policies.registry import register
+
+if TYPE_CHECKING:
+    from cache_node.kv_state import SequenceKV
+
+FAISS_MIN_SENTENCES = 2048
+
+
+@dataclass
+class HostSentenceStore:
+    """Sentences demoted to host RAM (the policy's own store; small interface: ``put``/``kv``).
+
+    ``mean_keys``: (S, L, H_kv * d) per-head unit mean keys / sqrt(H_kv), so an inner product
+    is the mean per-head cosine; it is the only per-sentence data on the device tier.
+    """
+
+    positions: list[torch.Tensor] = field(default_factory=list)
+    host_kv: list[torch.Tensor] = field(default_factory=list)  # (L, n, 2, H_kv, d) CPU
+    mean_keys: torch.Tensor | None = None
+    resident: dict[int, tuple[int, ...]] = field(default_factory=dict)  # layer -> sentence ids
+    recall_s: float = 0.0
+    num_recalls: int = 0
+
+    def put(self, kv: torch.Tensor, positions: torch.Tensor, mean_key: torch.Tensor) -> None:
+        self.host_kv.append(kv.to("cpu", copy=True))
+        self.positions.append(positions.clone())
+        mk = mean_key.unsqueeze(0)
+        self.mean_keys = mk if self.mean_keys is None else torch.cat([self.mean_keys, mk])
+
+    def __len__(self) -> int:
+        return len(self.host_kv)
+
+    def fork(self) -> HostSentenceStore:
+        """A copy sharing the immutable host tensors."""
+        return HostSentenceStore(list(self.positions), list(self.host_kv), self.mean_keys,
+                                 dict(self.resident), self.recall_s, self.num_recalls)
+
+
+def top_sentences(mean_keys: torch.Tensor, query: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` best sentences by inner product (FAISS when the set is large).
+
+    ``mean_keys``: (S, D) one layer; ``query``: (D,).
+    """
+    k = min(k, mean_keys.shape[0])
+    if mean_keys.shape[0] >= FAISS_MIN_SENTENCES:
+        try:
+            import faiss
+
+            index = faiss.IndexFlatIP(mean_keys.shape[1])
+            index.add(mean_keys.float().contiguous().numpy())
+            _, ids = index.search(query.float().view(1, -1).contiguous().numpy(), k)
+            return torch.from_numpy(ids[0]).long()
+        except ImportError:
+            pass
+    return torch.topk(mean_keys @ query, k).indices
+
+
+def unit_heads(x: torch.Tensor) -> torch.Tensor:
+    """(..., H_kv, d) -> (..., H_kv * d): per-head unit vectors / sqrt(H_kv)."""
+    return (F.normalize(x.float(), dim=-1) / math.sqrt(x.shape[-2])).flatten(-2)
+
+
+@register
+@dataclass
+class SentenceKV(Policy):
+    """See the module docstring. ``max_sentence_tokens`` splits run-on sentences."""
+
+    name = "sentencekv"
+    needs = StatsNeeds(window_queries=16)
+    window_tokens: int = 16
+    max_sentence_tokens: int = 48
+
+    # ---- segmentation and demotion ---------------------------------------------------------
+    def segments(self, state: SequenceKV, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Split ascending ``positions`` into sentences (index runs into ``positions``)."""
+        tokens = state.seq.all_token_ids
+        ends = state.env.sentence_end_token_ids
+        out, start = [], 0
+        for i, p in enumerate(positions.tolist()):
+            if tokens[p] in ends or i + 1 - start >= self.max_sentence_tokens or i + 1 == len(positions):
+                out.append(torch.arange(start, i + 1))
+                start = i + 1
+        return out
+
+    def _store(self, state: SequenceKV) -> HostSentenceStore:
+        return state.extra.setdefault("sentences", HostSentenceStore())
+
+    def region_tokens(self, state: SequenceKV, num_sentences: int) -> int:
+        """R: the budget left after sinks, window and the mean keys (in token-equivalents)."""
+        assert state.budget is not None
+        mean_key_tokens = math.ceil(num_sentences / 2)  # a mean key is half a token's KV
+        bs = state.pool.block_size
+        slots = (state.budget - mean_key_tokens) // bs * bs  # whole blocks: bytes, not tokens
+        return max(0, slots - self.sink_tokens - self.window_tokens)
+
+    def compress(self, state: SequenceKV) -> bool:
+        assert state.budget is not None
+        if state.frontier <= state.budget + self.evict_every:
+            return False
+        store = self._store(state)
+        region_end = state.extra.get("region_end", self.sink_tokens)
+        pos0 = state.positions[0]
+        fresh = torch.arange(region_end, state.frontier)  # window + new, identical in all layers
+        demote, window = fresh[: -self.window_tokens or None], fresh[len(fresh) - self.window_tokens :]
+        L = state.pool.num_layers
+        runs = self.segments(state, pos0[demote]) if len(demote) else []
+        sinks = torch.arange(min(self.sink_tokens, region_end))
+        r = self.region_tokens(state, len(store) + len(runs))
+        m = len(sinks) + r + len(window)
+        if not can_rewrite(state.block_pool, state.seq, m, state.pool.block_size):
+            return False
+        for run in runs:
+            slots = demote[run]
+            kv = gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1))
+            store.put(kv, pos0[slots], unit_heads(kv[:, :, 0].float().mean(1)))
+        keep = torch.cat([sinks, window])
+        kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
+        data = torch.zeros((L, m, *kept.shape[2:]), dtype=kept.dtype)
+        positions = torch.full((L, m), -1, dtype=torch.long)
+        data[:, : len(sinks)], data[:, m - len(window) :] = kept[:, : len(sinks)], kept[:, len(sinks) :]
+        positions[:, : len(sinks)] = pos0[sinks]
+        positions[:, m - len(window) :] = pos0[window]
+        state.set_layout(data, positions, (positions >= 0).float())
+        state.extra["region"] = (len(sinks), r)
+        state.extra["region_end"] = len(sinks) + r
+        store.resident.clear()
+        if state.stats is not None:
+            state.stats.compact([keep] * L)
+        self._fill_from_window(state)
+        return True
+
+    def _fill_from_window(self, state: SequenceKV) -> None:
+        stats = state.stats
+        for layer in range(state.pool.num_layers):
+            q = None if stats is None else stats.queries[layer]
+            if q is not None:
+                self.recall(state, layer, q)
+
+    # ---- promotion at decode ----------------------------------------------------------------
+    def before_attend(self, state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        if "region" in state.extra:
+            self.recall(state, layer_idx, q)
+
+    def recall(self, state: SequenceKV, layer_idx: int, q: torch.Tensor) -> None:
+        """Promote the sentences ``q`` (n, H, d) points at into the layer's recall region."""
+        store = self._store(state)
+        start, r = state.extra["region"]
+        if r == 0 or not len(store):
+            return
+        h_kv = state.pool.num_kv_heads
+        query = unit_heads(q.float().view(q.shape[0], h_kv, -1, q.shape[-1]).mean(2)).mean(0)
+        assert store.mean_keys is not None
+        order = top_sentences(store.mean_keys[:, layer_idx], query, len(store)).tolist()
+        chosen, used = [], 0
+        for sid in order:
+            n = len(store.positions[sid])
+            if used + n <= r:
+                chosen.append(sid)
+                used += n
+        chosen_t = tuple(sorted(chosen, key=lambda s: int(store.positions[s][0])))
+        if store.resident.get(layer_idx) == chosen_t:
+            return
+        t0 = time.perf_counter()
+        self._load(state, layer_idx, chosen_t, start, r)
+        store.resident[layer_idx] = chosen_t
+        store.recall_s += time.perf_counter() - t0
+        store.num_recalls += 1
+
+    def _load(self, state: SequenceKV, layer: int, sids: tuple[int, ...], start: int, r: int) -> None:
+        store = self._store(state)
+        pos = torch.full((r,), -1, dtype=torch.long)
+        if sids:
+            kv = torch.cat([store.host_kv[s][layer] for s in sids])  # (n, 2, H, d)
+            p = torch.cat([store.positions[s] for s in sids])
+            bs = state.pool.block_size
+            ids = torch.tensor([b.block_id for b in state.seq.block_table], dtype=torch.long)
+            slots = torch.arange(start, start + len(p))
+            pool_slots = ids[slots // bs] * bs + slots % bs
+            state.pool.kv[layer, :, pool_slots] = kv.transpose(0, 1).to(state.pool.kv)
+            pos[: len(p)] = p
+        state.positions[layer, start : start + r] = pos
+        state.support[layer, start : start + r] = (pos >= 0).float()
+
+    # ---- accounting -------------------------------------------------------------------------
+    def extra_device_bytes(self, state: SequenceKV) -> int:
+        store = state.extra.get("sentences")
+        if store is None or store.mean_keys is None:
+            return 0
+        return store.mean_keys.shape[0] * state.pool.num_layers * state.pool.num_kv_heads * (
+            state.pool.head_dim * state.pool.kv.element_size()
+        )

@@ -1,0 +1,76 @@
+"""Quantized tier: codes, packing, and attention computed on codes equals attention on the
+dequantized KV (HACK's homomorphic identity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_node.policies.quant import QuantSegment, pack_int4, quantize, unpack_int4
+from cache_node.sampling_params import SamplingParams
+from tests.conftest import make_engine
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    g = codes.float().unflatten(-1, (-1, group))
+    return (g * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_error_is_within_half_a_step(bits: int) -> None:
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
+    codes, scale, zero = quantize(x, bits, 32)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
+    err = (dequantize(codes, scale, zero, 32) - x).abs().unflatten(-1, (-1, 32)).amax(-1)
+    assert bool((err <= scale.float() * 0.5 + 2e-3).all())
+
+
+def test_int4_pack_roundtrip() -> None:
+    codes = torch.randint(0, 16, (2, 7, 64), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.shape == (2, 7, 32)
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_attention_on_codes_equals_attention_on_dequantized_kv(bits: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    L, n, h_kv, d, g = 2, 11, 2, 64, 3
+    kv = torch.randn(L, n, 2, h_kv, d, generator=gen)
+    seg = QuantSegment(bits, 32)
+    seg.append(kv, torch.arange(n))
+    layer = seg.layer(1)
+    qh = torch.randn(h_kv, g, 4, d, generator=gen)
+    codes = seg.codes[1] if bits == 8 else unpack_int4(seg.codes[1])
+    k = dequantize(codes[0], seg.scale[1, 0], seg.zero[1, 0], 32)  # (n, H, d)
+    v = dequantize(codes[1], seg.scale[1, 1], seg.zero[1, 1], 32)
+    want_logits = qh @ k.permute(1, 2, 0).unsqueeze(1) * 0.125
+    torch.testing.assert_close(layer.logits(qh, 0.125), want_logits, atol=1e-4, rtol=1e-4)
+    probs = torch.softmax(want_logits, -1)
+    torch.testing.assert_close(layer.output(probs), probs @ v.permute(1, 0, 2).unsqueeze(1), atol=1e-4, rtol=1e-4)
+    per_token = L * 2 * h_kv * (d * bits // 8 + 2 * 2 * (d // 32))
+    assert seg.nbytes == n * per_token
+
+
+@pytest.mark.parametrize("bits,ratio", [(8, 4 / 1.25), (4, 4 / 0.75)])
+def test_quant_holds_fewer_bytes_and_tracks_tokens(tiny, bits: int, ratio: float) -> None:
+    """Device bytes = fp blocks (sinks + window) + codes + scales; every token is somewhere.
+
+    head_dim 16 = one group: per element 1 (int8) or 0.5 (int4) byte + 4 bytes of fp16
+    scale/zero per 16 elements, against 4 bytes of float32.
+    """
+    eng = make_engine(tiny)
+    rid = eng.add_request(list(range(1, 401)), SamplingParams(max_tokens=8, ignore_eos=True),
+                          policy=f"quant-bits_{bits}")
+    while len(eng.requests[rid].output_token_ids) < 4:
+        eng.step()
+    seq = eng.requests[rid]
+    seg = seq.kv.extra["quant"]
+    fp = seq.kv.positions[0]
+    held = sorted(seg.positions.tolist() + fp[fp >= 0].tolist())
+    assert held == list(range(seq.num_computed_tokens))
+    full_bytes = seq.num_computed_tokens * eng.pool.bytes_per_block // eng.pool.block_size
+    quant_tokens = len(seg.positions)
+    fp32_bytes = quant_tokens * eng.pool.bytes_per_block // eng.pool.block_size
+    assert fp32_bytes / seg.nbytes == pytest.approx(ratio)
+    assert seq.kv.device_bytes() < full_bytes
