@@ -48,7 +48,7 @@ class EngineTiersMixin:
         unknown or has a turn running).
         """
         with self._lock:
-            blocks = self.sessions.unpin(session_id)
+            blocks = self.sessions.unpin(session_id)[::-1]  # tail first, as the free queue
             return self.tiers.demote_free_blocks(blocks, to_spill) if self.tiers.enabled else 0
 
     def demote_all(self, to_spill: bool = False) -> int:

@@ -100,7 +100,10 @@ class TransferWorker:
 
     def _put(self, victims: Victims, epoch: int) -> None:
         by_namespace: dict[str, list[int]] = {}
-        for i, meta in enumerate(victims.metas):
+        # victims leave in eviction order, each chain tail first: write them head first, so a
+        # prefix is a run of consecutive blocks in a group file (one read per run)
+        for i in reversed(range(len(victims.metas))):
+            meta = victims.metas[i]
             if len(meta.block_hash) == SPILL_HASH_BYTES:
                 by_namespace.setdefault(meta.namespace, []).append(i)
         step = self.tiers.config.spill_put_batch_blocks

@@ -226,7 +226,8 @@ class TierManager:
         todo = [i for i in range(len(tiers)) if hashes[start + i] not in self.blocks.cached]
         todo = todo[: self.blocks.num_free_blocks()]
         new = self.blocks.allocate(len(todo)) or []
-        copy_stack_to_view(self.pool.blocks_view(), [b.block_id for b in new], rows[todo])  # type: ignore[index]
+        picked = rows if len(todo) == len(tiers) else rows[todo]  # type: ignore[index]
+        copy_stack_to_view(self.pool.blocks_view(), [b.block_id for b in new], picked[: len(new)])
         namespace = seq.extra_keys[0] if seq.extra_keys else ""
         for block, i in zip(new, todo):
             j = start + i

@@ -141,7 +141,11 @@ class DiskTier:
 
     def _read_file(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> bool:
         try:
-            out[rows] = fmt.read_blocks(self._files[name].path, self.block_format, hashes)
+            path = self._files[name].path
+            if rows == list(range(rows[0], rows[0] + len(rows))):  # read straight into place
+                fmt.read_blocks(path, self.block_format, hashes, out[rows[0] : rows[0] + len(rows)])
+            else:
+                out[rows] = fmt.read_blocks(path, self.block_format, hashes)
             self._files.move_to_end(name)
             return True
         except (SpillCorruptError, OSError) as exc:

@@ -152,35 +152,54 @@ def read_header(path: Path) -> GroupHeader:
         return _read_header(f, path)
 
 
-def read_blocks(path: Path, block_format: BlockFormat, block_hashes: Sequence[bytes]) -> np.ndarray:
+def read_blocks(
+    path: Path, block_format: BlockFormat, block_hashes: Sequence[bytes], out: np.ndarray | None = None
+) -> np.ndarray:
     """Read and verify the blocks ``block_hashes`` of one group file.
 
-    Returns ``(len(block_hashes), *block_format.shape)``, row i = ``block_hashes[i]``.
+    Returns ``(len(block_hashes), *block_format.shape)``, row i = ``block_hashes[i]``
+    (written into ``out`` when given, which must have that shape and the format's dtype).
+    Blocks stored next to each other in the file are read with one ``readinto``.
     Raises SpillCorruptError for a bad header, truncation, another block format, a
     hash not in the file or a checksum mismatch; OSError when it cannot be read.
     """
-    out = np.empty((len(block_hashes), *block_format.shape), dtype=block_format.np_dtype)
-    with open(path, "rb") as f:
+    if out is None:
+        out = np.empty((len(block_hashes), *block_format.shape), dtype=block_format.np_dtype)
+    with open(path, "rb", buffering=0) as f:
         header = _read_header(f, path)
         if not header.matches(block_format):
             raise SpillCorruptError(f"{path}: format {header.shape}/{header.dtype} != store's")
         position = {h: i for i, h in enumerate(header.block_hashes)}
-        for row, block_hash in enumerate(block_hashes):
+        for block_hash in block_hashes:
             if block_hash not in position:
                 raise SpillCorruptError(f"{path}: block {block_hash.hex()} not in file")
-            _read_block(f, path, header, position[block_hash], out[row], block_format)
+        for row, index, n in _file_runs([position[h] for h in block_hashes]):
+            _read_run(f, path, header, index, out[row : row + n], block_format)
     return out
 
 
-def _read_block(
+def _file_runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first file index, length) runs where rows and file indices both advance."""
+    out: list[tuple[int, int, int]] = []
+    for row, index in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == index:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((row, index, 1))
+    return out
+
+
+def _read_run(
     f: Any, path: Path, header: GroupHeader, index: int, out: np.ndarray, fmt: BlockFormat
 ) -> None:
     f.seek(header.payload_offset + index * fmt.block_nbytes)
     view = out.view(np.uint8).reshape(-1).data
-    if f.readinto(view) != fmt.block_nbytes:
-        raise SpillCorruptError(f"{path}: truncated in block {index}")
-    if xxhash.xxh3_128_digest(view) != header.block_checksums[index]:
-        raise SpillCorruptError(f"{path}: checksum mismatch in block {index}")
+    if f.readinto(view) != len(view):
+        raise SpillCorruptError(f"{path}: truncated in blocks {index}..{index + len(out) - 1}")
+    for k in range(len(out)):
+        block = view[k * fmt.block_nbytes : (k + 1) * fmt.block_nbytes]
+        if xxhash.xxh3_128_digest(block) != header.block_checksums[index + k]:
+            raise SpillCorruptError(f"{path}: checksum mismatch in block {index + k}")
     if _BIG_ENDIAN_HOST:
         out.byteswap(inplace=True)  # the payload is little-endian on every host
 

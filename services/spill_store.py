@@ -237,7 +237,8 @@ class SpillStore:
         for tier in found_tiers:
             self._counters["hits_" + tier] += 1
         self._counters["misses"] += len(hashes) - len(found)
-        return SpillHits([hashes[i] for i in found], out[found], found_tiers)
+        rows = out if len(found) == len(hashes) else out[found]
+        return SpillHits([hashes[i] for i in found], rows, found_tiers)
 
     def _emit(self, event: str, block_hash: bytes, tier: str) -> None:
         if len(self._events) == self._events.maxlen:
