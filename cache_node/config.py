@@ -19,6 +19,8 @@ class EngineConfig:
             ``max_position_embeddings``.
         dtype: torch dtype name of weights and KV ("float32", "bfloat16", "float16").
         cache_namespace_default: namespace used when a request names none.
+        scheduling_policy: waiting-queue order, admission and preemption policy
+            (``cache_node.scheduling``: "fcfs", "priority", "vtc", "kvstrata").
     """
 
     block_size: int = 16
@@ -28,6 +30,7 @@ class EngineConfig:
     max_model_len: int = 0
     dtype: str = "float32"
     cache_namespace_default: str = "default"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -40,3 +43,6 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        from cache_node.scheduling import check_policy_name
+
+        check_policy_name(self.scheduling_policy)

@@ -82,6 +82,8 @@ class LLMEngine(EngineTiersMixin):
         self.requests: dict[str, Sequence] = {}
         self._lock = threading.RLock()
         self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
+        if self.tiers.enabled:  # preemption may swap a victim's blocks down instead of dropping them
+            self.scheduler.attach_swap(self.tiers.demote_free_blocks, self.pool.bytes_per_block)
         self._aborted: list[Sequence] = []
         self.num_steps = 0
 
@@ -183,6 +185,9 @@ class LLMEngine(EngineTiersMixin):
         with self._lock:
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
+            for seq in self.scheduler.take_rejected():  # can never fit the pool (policy's choice)
+                self._finish(seq, "rejected")
+                outputs.append(self._output(seq, ()))
             self.tiers.maybe_demote()
             batch = self.scheduler.schedule()
             if batch:
@@ -227,7 +232,7 @@ class LLMEngine(EngineTiersMixin):
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         # a compacted layout cannot serve the next turn's prefix: the session keeps its history
-        dropped = reason == "abort" or (seq.kv is not None and seq.kv.compacted)
+        dropped = reason in ("abort", "rejected") or (seq.kv is not None and seq.kv.compacted)
         kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
         if not kept:
             self.kv_manager.free(seq)

@@ -1,11 +1,14 @@
 """Step scheduler: continuous batching with chunked prefill under a per-step token budget.
 
 Each step: running sequences first (decodes take 1 token, unfinished prefills take a chunk),
-then waiting sequences in queue order while budget, sequence slots and blocks allow (a
-sequence whose prefetch is in flight is passed over until it lands). When a
-running sequence cannot get a block, the newest running sequence is preempted (its blocks are
-freed and it re-queues at the front; the prefix cache usually recovers its KV). Ordering of the
-waiting queue is the engine's FCFS default; the SLO scheduler reorders it from outside.
+then waiting sequences in the policy's order while budget, sequence slots and blocks allow (a
+sequence whose prefetch is in flight is passed over until it lands). When a running sequence
+cannot get a block, the policy's victim is preempted (its blocks are freed, or demoted to the
+host tier when the policy swaps, and it re-queues at the front; the prefix cache recovers its
+KV). The policy (``cache_node.scheduling``, ``EngineConfig.scheduling_policy``) also decides
+whether a blocked request holds the queue, and whether a higher class preempts a lower one
+for a running slot or for blocks. ``fcfs`` (the default) is plain FCFS with head-of-line
+blocking and newest-first preemption.
 Idea: Orca iteration-level scheduling (Yu et al., OSDI'22), Sarathi chunked prefill (Agrawal et
 al., OSDI'24), vLLM v1 scheduler.
 """
@@ -13,66 +16,163 @@ al., OSDI'24), vLLM v1 scheduler.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 
+from cache_node.block import KVBlock
 from cache_node.config import EngineConfig
-from cache_node.kv_cache_manager import KVCacheManager
+from cache_node.kv_cache_manager import KVCacheManager, cdiv
 from cache_node.model_runner import ScheduledBatch
+from cache_node.scheduling import SchedulingPolicy, make_policy
+from cache_node.scheduling.admission import Ewma, SpeedMeter
 from cache_node.sequence import Sequence, SequenceStatus
+
+DemoteFn = Callable[[list[KVBlock]], int]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+    """Queues and the per-step pick.
+
+    Args:
+        config: step sizing and the scheduling policy's name.
+        kv_manager: the pool's scheduler-facing API.
+        policy: overrides ``config.scheduling_policy`` (tests pass configured instances).
+        clock: monotonic seconds (tests inject a simulated clock).
+
+    Attributes:
+        rejected: sequences refused at arrival (too large for the pool); the engine finishes
+            them with reason "rejected" on its next step (``take_rejected``).
+        prefill_speed: prefill tokens per second of step time, measured online.
+    """
+
+    def __init__(
+        self, config: EngineConfig, kv_manager: KVCacheManager, policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.clock = clock
         self.kv_manager = kv_manager
+        self.policy = policy or make_policy(config.scheduling_policy)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.rejected: list[Sequence] = []
+        self.prefill_speed = SpeedMeter()
+        self.step_s = Ewma(prior=0.05)
+        self.active_tenants: Counter[str] = Counter()  # waiting + running sequences per tenant
+        self.num_preemptions = 0
+        self._demote: DemoteFn | None = None
+        self._swap_bytes_per_s = 0.0
+        self._bytes_per_block = 0
+        self._last_step: tuple[float, int] | None = None  # (start time, prefill tokens)
+
+    def attach_swap(self, demote: DemoteFn, bytes_per_block: int, copy_bytes_per_s: float = 4e9) -> None:
+        """Let preemption demote a victim's blocks below the device tier (``demote`` moves free
+        cached blocks and returns how many moved) when the policy swaps and the round-trip copy
+        at ``copy_bytes_per_s`` is cheaper than recomputing at the measured prefill speed."""
+        self._demote, self._bytes_per_block, self._swap_bytes_per_s = demote, bytes_per_block, copy_bytes_per_s
 
     def add(self, seq: Sequence) -> None:
+        if self.policy.rejects_oversize and self._never_fits(seq):
+            self.rejected.append(seq)
+            return
+        self.policy.on_arrival(seq, self.clock(), self.active_tenants)
+        self.active_tenants[seq.tenant] += 1
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def _never_fits(self, seq: Sequence) -> bool:
+        need = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        return cdiv(need, self.kv_manager.block_size) > self.kv_manager.pool.num_blocks
 
+    def take_rejected(self) -> list[Sequence]:
+        out, self.rejected = self.rejected, []
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.rejected)
+
+    # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work: a list of (sequence, tokens to compute)."""
+        now = self.clock()
+        self._measure(now)
+        if self.policy.preempts_for_class:
+            self._preempt_for_slots(now)
         budget = self.config.max_num_batched_tokens
         batch: ScheduledBatch = []
+        chunk_cap = budget
+        if self.waiting and self.policy.prefill_chunk_share < 1.0:
+            chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running:  # preempted by an earlier iteration
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk_cap)
             if not self._reserve(seq, n, batch):
                 continue
             batch.append((seq, n))
             budget -= n
-        now = time.monotonic()
-        for seq in list(self.waiting):
+        self._admit_waiting(batch, budget, now)
+        for seq, n in batch:
+            self.policy.on_scheduled(seq, n, now)
+        self._last_step = (now, sum(n for _, n in batch)) if batch else None
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+        """Admit waiting sequences in policy order. The first one that does not fit either ends
+        admission, or (``skip_blocked``) is passed over until it has aged; later ones that do
+        not fit are passed over without aging."""
+        head_blocked = False
+        for seq in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if seq.prefetch_until_s > now:  # its blocks are on their way up; others go first
                 continue
             n = self._admit(seq, budget)
+            while n is None and self.policy.preempts_for_class:
+                victim = self.policy.victim(self.running, seq)
+                if victim is None:
+                    break
+                budget += self._preempt_from_batch(victim, batch)
+                n = self._admit(seq, budget)
             if n is None:
+                if head_blocked and self.policy.skip_blocked:
+                    continue
+                head_blocked = True
+                if self.policy.passed_over(seq):
+                    continue
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
-        return batch
+
+    def _preempt_for_slots(self, now: float) -> None:
+        """Free running slots for waiting sequences of a higher class than some running one."""
+        for seq in self.policy.order(self.waiting, now):
+            if len(self.running) < self.config.max_num_seqs:
+                return
+            victim = self.policy.victim(self.running, seq)
+            if victim is None:
+                return
+            self.preempt(victim)
+
+    def _preempt_from_batch(self, victim: Sequence, batch: ScheduledBatch) -> int:
+        """Preempt ``victim``; drop it from this step's batch. Returns the budget given back."""
+        refund = sum(k for s, k in batch if s is victim)
+        batch[:] = [(s, k) for s, k in batch if s is not victim]
+        self.preempt(victim)
+        return refund
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Allocate slots for a running sequence, preempting the newest others if needed."""
+        """Allocate slots for a running sequence, preempting the policy's victims if needed."""
         while self.kv_manager.allocate_slots(seq, n) is None:
-            victim = self.running[-1]
-            self.preempt(victim)
+            victim = self.policy.victim(self.running, seq)
+            assert victim is not None, "a running sequence always has a victim (itself at worst)"
+            self._preempt_from_batch(victim, batch)
             if victim is seq:
                 return False
-            if any(s is victim for s, _ in batch):
-                batch[:] = [(s, k) for s, k in batch if s is not victim]
         return True
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
@@ -84,6 +184,8 @@ class Scheduler:
             num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
         n = min(seq.num_tokens - start, budget)
+        if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, len(computed)):
+            return None
         if self.kv_manager.allocate_slots(seq, n, computed) is None:
             return None
         seq.num_computed_tokens = start
@@ -91,14 +193,44 @@ class Scheduler:
             seq.num_cached_tokens = max(seq.num_cached_tokens, start)
         return n
 
+    def _whole_prompt_fits(self, seq: Sequence, num_computed_blocks: int) -> bool:
+        """Free blocks cover the rest of the prompt plus the first output token."""
+        need = cdiv(seq.num_tokens + 1, self.kv_manager.block_size)
+        need -= num_computed_blocks + len(seq.block_table)
+        return need <= self.kv_manager.pool.num_free_blocks()
+
     def preempt(self, seq: Sequence) -> None:
-        """Recompute-preemption: free the blocks and put the sequence at the queue front."""
+        """Free the blocks (demoting them when swapping is cheaper) and re-queue at the front."""
+        cached = [b for b in seq.block_table if b.block_hash is not None]
         self.running.remove(seq)
         self.kv_manager.free(seq)
+        if cached and self._swap_cheaper(len(cached)):
+            self._demote(cached)  # type: ignore[misc]
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _swap_cheaper(self, num_blocks: int) -> bool:
+        if self._demote is None or not self.policy.swaps_on_preempt:
+            return False
+        copy_s = 2 * num_blocks * self._bytes_per_block / self._swap_bytes_per_s
+        recompute_s = num_blocks * self.kv_manager.block_size / self.prefill_speed.tokens_per_s
+        return copy_s < recompute_s
+
+    def _measure(self, now: float) -> None:
+        """Attribute the time since the last non-empty schedule to that step's tokens.
+
+        Only steps of at least a quarter of the token budget feed the prefill speed (small
+        steps are dominated by fixed costs and would understate a queue's drain rate).
+        """
+        if self._last_step is not None:
+            start, num_tokens = self._last_step
+            self.step_s.update(now - start)
+            if 4 * num_tokens >= self.config.max_num_batched_tokens:
+                self.prefill_speed.observe(num_tokens, now - start)
+        self._last_step = None
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues (blocks are the caller's)."""
@@ -106,4 +238,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.status is not SequenceStatus.FINISHED and self.active_tenants[seq.tenant] > 0:
+            self.active_tenants[seq.tenant] -= 1
         seq.status = SequenceStatus.FINISHED
+        self.policy.on_finished(seq)

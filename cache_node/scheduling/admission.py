@@ -1,0 +1,150 @@
+"""Admission: estimate a request's time to first token and decide admit / queue / reject.
+
+TTFT estimate (DESIGN.md §7)::
+
+    ttft_s = (tokens_ahead + own_uncached) / prefill_tokens_per_s     # the prefill queue
+           + host_tokens / host_tokens_per_s + spill_tokens / spill_tokens_per_s  # promotion
+           + step_s                                                     # the sampling step
+
+``tokens_ahead`` comes from a fluid model of each node's prefill backlog (``FluidBacklog``),
+drained at the speed the node measures online (``SpeedMeter``), highest class first when the
+node schedules by class. A request whose estimate exceeds ``REJECT_FACTOR[class] * ttft_slo``
+is rejected early with a retry hint (the class allows rejection: interactive at its SLO,
+standard at twice it); batch always queues.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REJECT_FACTOR: dict[str, float | None] = {"interactive": 1.0, "standard": 2.0, "batch": None}
+
+
+class Ewma:
+    """Exponentially weighted moving average; the first sample replaces the prior.
+
+    Args:
+        prior: the value before any sample.
+        alpha: weight of a new sample (0 < alpha <= 1).
+    """
+
+    def __init__(self, prior: float, alpha: float = 0.2) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.value = prior
+        self.alpha = alpha
+        self.num_samples = 0
+
+    def update(self, sample: float) -> None:
+        a = 1.0 if self.num_samples == 0 else self.alpha
+        self.value += a * (sample - self.value)
+        self.num_samples += 1
+
+
+class SpeedMeter(Ewma):
+    """Tokens/s, averaged over (tokens, seconds) observations (``value`` is tokens/s)."""
+
+    def __init__(self, prior_tokens_per_s: float = 1000.0, alpha: float = 0.2) -> None:
+        if not prior_tokens_per_s > 0:
+            raise ValueError(f"prior_tokens_per_s must be positive, got {prior_tokens_per_s}")
+        super().__init__(prior_tokens_per_s, alpha)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.value
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self.update(num_tokens / seconds)
+
+
+@dataclass(frozen=True)
+class TierSpeeds:
+    """Tokens/s at which KV comes back up from each tier (copy, not recompute)."""
+
+    host_tokens_per_s: float = 200_000.0
+    spill_tokens_per_s: float = 20_000.0
+
+
+@dataclass(frozen=True)
+class CachedTokens:
+    """A request's prompt tokens by where their KV is: device, host, spill, or nowhere."""
+
+    device: int = 0
+    host: int = 0
+    spill: int = 0
+    miss: int = 0
+
+
+def estimate_ttft_s(
+    tokens_ahead: float,
+    cached: CachedTokens,
+    prefill_tokens_per_s: float,
+    step_s: float,
+    tiers: TierSpeeds = TierSpeeds(),
+) -> float:
+    """Seconds until the first token of a request with ``cached`` prompt tokens per tier when
+    ``tokens_ahead`` uncached prefill tokens are served before it."""
+    prefill = (tokens_ahead + cached.miss) / prefill_tokens_per_s
+    promote = cached.host / tiers.host_tokens_per_s + cached.spill / tiers.spill_tokens_per_s
+    return prefill + promote + step_s
+
+
+@dataclass
+class FluidBacklog:
+    """A node's pending prefill tokens per class rank, drained at a speed, lowest rank first.
+
+    Attributes:
+        by_rank: pending tokens per class rank (0 = interactive).
+        class_order: the node serves lower ranks first; False: one FCFS pool (every rank waits
+            behind everything).
+    """
+
+    class_order: bool = True
+    by_rank: dict[int, float] = field(default_factory=dict)
+    updated_s: float = 0.0
+
+    def drain(self, now_s: float, tokens_per_s: float) -> None:
+        budget = max(0.0, now_s - self.updated_s) * tokens_per_s
+        self.updated_s = now_s
+        for rank in sorted(self.by_rank):
+            take = min(budget, self.by_rank[rank])
+            self.by_rank[rank] -= take
+            budget -= take
+
+    def ahead(self, rank: int) -> float:
+        """Tokens served before a new request of class ``rank``."""
+        if not self.class_order:
+            return sum(self.by_rank.values())
+        return sum(v for r, v in self.by_rank.items() if r <= rank)
+
+    def add(self, rank: int, tokens: float) -> None:
+        self.by_rank[rank] = self.by_rank.get(rank, 0.0) + tokens
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    """``admit`` or reject with ``retry_after_s``; ``estimate_ms`` is the TTFT estimate."""
+
+    admit: bool
+    estimate_ms: float
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+
+def decide(slo_class: str, ttft_slo_ms: float, estimate_ms: float) -> AdmissionDecision:
+    """Admit unless the class allows rejection and the estimate misses its limit.
+
+    The retry hint is the time the backlog needs to shrink enough (at least 0.1 s).
+    """
+    factor = REJECT_FACTOR.get(slo_class)
+    limit_ms = None if factor is None else factor * ttft_slo_ms
+    if limit_ms is None or estimate_ms <= limit_ms:
+        return AdmissionDecision(True, estimate_ms)
+    retry = max(0.1, (estimate_ms - limit_ms) / 1000.0)
+    return AdmissionDecision(
+        False,
+        estimate_ms,
+        retry,
+        f"estimated TTFT {estimate_ms:.0f} ms exceeds the {slo_class} limit {limit_ms:.0f} ms",
+    )

@@ -1,0 +1,142 @@
+"""The scheduling-policy contract: how a cache node orders, admits and preempts requests.
+
+A policy is one small class. ``order`` is its one required method; the rest have defaults
+that give FCFS behaviour, so a policy overrides only what it changes. The ``Scheduler``
+(``cache_node.scheduler``) does the moving (blocks, queues, batch); a policy only decides.
+
+Tenants are known to a policy through ``TenantShare`` (what it was promised); requests of a
+tenant it was never told about get ``DEFAULT_SHARE`` (standard class, weight 1, no floor).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from cache_node.sequence import Sequence
+
+SLO_CLASS_RANK = {"interactive": 0, "standard": 1, "batch": 2}
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """What one tenant was promised, as a cache node schedules it (DESIGN.md §7).
+
+    Attributes:
+        slo_class: "interactive", "standard" or "batch" (lower rank is served first).
+        ttft_slo_ms: time-to-first-token target; a request's deadline is arrival + this.
+        min_tokens_per_s: floor on uncached prefill + output tokens/s while backlogged.
+        weight: share of what is left after floors (weighted fair sharing).
+        kv_quota_blocks: guaranteed device-tier blocks (0 = borrow only).
+
+    Raises:
+        ValueError: unknown class or a value out of range.
+    """
+
+    slo_class: str = "standard"
+    ttft_slo_ms: float = 5000.0
+    min_tokens_per_s: float = 0.0
+    weight: float = 1.0
+    kv_quota_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.slo_class not in SLO_CLASS_RANK:
+            raise ValueError(
+                f"slo_class must be one of {sorted(SLO_CLASS_RANK)}, got {self.slo_class!r}"
+            )
+        if not self.ttft_slo_ms > 0 or not self.weight > 0:
+            raise ValueError("ttft_slo_ms and weight must be positive")
+        if self.min_tokens_per_s < 0 or self.kv_quota_blocks < 0:
+            raise ValueError("min_tokens_per_s and kv_quota_blocks must be >= 0")
+
+    @property
+    def rank(self) -> int:
+        return SLO_CLASS_RANK[self.slo_class]
+
+
+DEFAULT_SHARE = TenantShare()
+
+
+class SchedulingPolicy(ABC):
+    """Decides the order of the waiting queue, admission past a blocked request, and victims.
+
+    Class attributes (switches the ``Scheduler`` reads):
+        skip_blocked: a waiting request that cannot get its blocks is passed over (no
+            head-of-line blocking) until it has been passed over ``aging_steps`` times;
+            then nothing behind it is admitted until it fits. False: the first request that
+            does not fit ends admission for the step (vLLM/FCFS).
+        preempts_for_class: a waiting request may preempt a running one of a lower class
+            when the running slots or the blocks are full.
+        rejects_oversize: a request whose prompt + max_tokens cannot fit the whole pool is
+            rejected at arrival instead of queued.
+        swaps_on_preempt: a preempted request's computed blocks are demoted to the host tier
+            (when one exists and the copy is cheaper than recomputing).
+        admits_whole_prompt: a waiting request is admitted only when the free blocks cover its
+            whole prompt (not only the first chunk), so admitted prefills do not thrash.
+        prefill_chunk_share: while requests wait, one running prefill chunk takes at most this
+            fraction of the step's token budget (the rest is left for admissions).
+    """
+
+    name: ClassVar[str] = ""
+    skip_blocked: ClassVar[bool] = False
+    preempts_for_class: ClassVar[bool] = False
+    rejects_oversize: ClassVar[bool] = False
+    swaps_on_preempt: ClassVar[bool] = False
+    admits_whole_prompt: ClassVar[bool] = False
+    prefill_chunk_share: ClassVar[float] = 1.0
+
+    def __init__(self, aging_steps: int = 64) -> None:
+        self.tenants: dict[str, TenantShare] = {}
+        self.aging_steps = aging_steps
+        self._passed_over: dict[str, int] = {}
+
+    # ---- tenants ----------------------------------------------------------------------------
+    def set_tenant(self, tenant: str, share: TenantShare) -> None:
+        self.tenants[tenant] = share
+
+    def share(self, seq: Sequence) -> TenantShare:
+        return self.tenants.get(seq.tenant, DEFAULT_SHARE)
+
+    def weight_of(self, tenant: str) -> float:
+        return self.tenants.get(tenant, DEFAULT_SHARE).weight
+
+    def rank(self, seq: Sequence) -> int:
+        return self.share(seq).rank
+
+    # ---- the one required decision ----------------------------------------------------------
+    @abstractmethod
+    def order(self, waiting: Iterable[Sequence], now_s: float) -> list[Sequence]:
+        """The waiting sequences in the order admission considers them (does not modify them)."""
+
+    # ---- optional hooks (defaults = FCFS) ---------------------------------------------------
+    def on_arrival(self, seq: Sequence, now_s: float, active: Mapping[str, int]) -> None:
+        """A request joined the waiting queue; ``active``: waiting + running requests per
+        tenant before it."""
+
+    def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
+        """``seq`` computes ``num_tokens`` uncached tokens this step (charge counters here)."""
+
+    def on_finished(self, seq: Sequence) -> None:
+        self._passed_over.pop(seq.request_id, None)
+
+    def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
+        """The running sequence to preempt so that ``incoming`` can proceed.
+
+        ``incoming`` None or running: a running sequence needs a block; any running sequence
+        (itself included) may be chosen. ``incoming`` waiting: only a strictly lower class
+        may be chosen (None when there is none). Default: the newest running sequence.
+        """
+        if incoming is not None and incoming not in running:
+            candidates = [s for s in running if self.rank(s) > self.rank(incoming)]
+            return candidates[-1] if candidates else None
+        return running[-1] if running else None
+
+    # ---- aging (no head-of-line blocking, yet no starvation) --------------------------------
+    def passed_over(self, seq: Sequence) -> bool:
+        """Record that ``seq`` did not fit; True when admission may go on past it."""
+        n = self._passed_over.get(seq.request_id, 0) + 1
+        self._passed_over[seq.request_id] = n
+        return self.skip_blocked and n <= self.aging_steps

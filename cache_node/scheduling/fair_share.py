@@ -1,0 +1,92 @@
+"""Fair-share counters: virtual token counters (VTC) and per-tenant token-rate meters.
+
+VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24, §4): each tenant has
+a counter of the service it received, divided by its weight; the backlogged tenant with the
+smallest counter is served next; a tenant that becomes backlogged is lifted to the smallest
+counter among the backlogged ones (so idle time is not banked as credit). Here the charge is
+uncached prefill tokens + output tokens (both weight 1), i.e. the tokens a step computes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cache_node.sequence import Sequence
+
+
+class VirtualTokenCounters:
+    """Per-tenant weighted service counters (tokens / weight)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = defaultdict(float)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def charge(self, tenant: str, num_tokens: int, weight: float) -> None:
+        self.counters[tenant] += num_tokens / weight
+
+    def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
+        """``tenant`` just became backlogged: raise its counter to the smallest counter among
+        the other ``backlogged`` tenants (no change when there is none or it is already higher)."""
+        others = [self.counter(t) for t in set(backlogged) if t != tenant]
+        if others:
+            self.counters[tenant] = max(self.counter(tenant), min(others))
+
+    def interleave(
+        self,
+        seqs: Iterable[Sequence],
+        cost: Callable[[Sequence], float],
+        weight: Callable[[str], float],
+    ) -> list[Sequence]:
+        """``seqs`` in VTC service order: repeatedly the head of the tenant with the smallest
+        counter, charging a local copy of the counters ``cost(seq) / weight`` per pick.
+        Within a tenant the input order is kept. Does not modify the counters."""
+        queues: dict[str, deque[Sequence]] = defaultdict(deque)
+        for seq in seqs:
+            queues[seq.tenant].append(seq)
+        heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
+        heapq.heapify(heap)
+        out: list[Sequence] = []
+        while heap:
+            value, i, tenant = heapq.heappop(heap)
+            seq = queues[tenant].popleft()
+            out.append(seq)
+            if queues[tenant]:
+                heapq.heappush(heap, (value + cost(seq) / weight(tenant), i, tenant))
+        return out
+
+
+class RateMeter:
+    """Tokens served per tenant over a sliding window (for token-rate floors).
+
+    Args:
+        window_s: the window; a tenant's rate is tokens in ``(now - window_s, now]`` / window_s.
+    """
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s = window_s
+        self._events: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        self._totals: dict[str, int] = defaultdict(int)
+
+    def add(self, tenant: str, num_tokens: int, now_s: float) -> None:
+        self._events[tenant].append((now_s, num_tokens))
+        self._totals[tenant] += num_tokens
+
+    def rate(self, tenant: str, now_s: float) -> float:
+        """Tokens/s of ``tenant`` over the last ``window_s`` (0.0 for an unknown tenant)."""
+        events = self._events.get(tenant)
+        if not events:
+            return 0.0
+        while events and events[0][0] <= now_s - self.window_s:
+            self._totals[tenant] -= events.popleft()[1]
+        return self._totals[tenant] / self.window_s
+
+    def below_floor(self, tenant: str, floor_tokens_per_s: float, now_s: float) -> bool:
+        return floor_tokens_per_s > 0 and self.rate(tenant, now_s) < floor_tokens_per_s

@@ -1,0 +1,125 @@
+"""kvstrata's SLO scheduler: floors first, then class, then weighted fair sharing (DESIGN.md §7).
+
+Waiting order, as nested groups:
+
+1. tenants below their token-rate floor (backlogged, served < ``min_tokens_per_s`` over the
+   meter's window) before everyone else;
+2. SLO class (interactive, standard, batch);
+3. preempted requests before newer work of the same class (they keep their place), oldest
+   first;
+4. the rest interleaved across tenants by VTC (weighted, charged on uncached prefill and
+   output tokens), each tenant's requests in deadline order (arrival + ``ttft_slo_ms``).
+
+While requests wait, a running prefill chunk takes at most half the step's token budget, so a
+long prompt being prefilled does not hold new short requests out of the batch (Sarathi-style
+stall-free batching). A request is admitted only when its whole prompt fits the free blocks. Admission passes over
+a request that does not fit (no head-of-line blocking) until it has
+been passed over ``aging_steps`` times; then it holds the queue until it fits. A waiting
+request preempts a running one of a lower class when slots or blocks are full; the victim is
+the lowest class, then the tenant most over its device quota, then the largest VTC counter,
+then the newest. Preempted blocks are demoted to the host tier when copying is cheaper than
+recomputing. Requests that can never fit the pool are rejected at arrival.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from cache_node.scheduling.base import SchedulingPolicy
+from cache_node.scheduling.fair_share import RateMeter, VirtualTokenCounters
+from cache_node.scheduling.vtc import remaining_prefill
+
+if TYPE_CHECKING:
+    from cache_node.sequence import Sequence
+
+
+class KvstrataPolicy(SchedulingPolicy):
+    name = "kvstrata"
+    skip_blocked = True
+    preempts_for_class = True
+    rejects_oversize = True
+    swaps_on_preempt = True
+    prefill_chunk_share = 0.5
+    admits_whole_prompt = True
+
+    def __init__(
+        self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2
+    ) -> None:
+        super().__init__(aging_steps)
+        self.vtc = VirtualTokenCounters()
+        self.rates = RateMeter(floor_window_s)
+        self.floor_headroom = (
+            floor_headroom  # aim above the floor: windows of the report are not ours
+        )
+        self._now_s = 0.0  # time of the latest ``order`` call (floor checks in ``victim``)
+        self._floor_preempted_s: dict[str, float] = {}  # tenant -> step time of its floor victim
+
+    def order(self, waiting: Iterable[Sequence], now_s: float) -> list[Sequence]:
+        self._now_s = now_s
+        groups: dict[tuple[bool, int], list[Sequence]] = {}
+        for seq in waiting:
+            share = self.share(seq)
+            above = not self.rates.below_floor(
+                seq.tenant, share.min_tokens_per_s * self.floor_headroom, now_s
+            )
+            groups.setdefault((above, share.rank), []).append(seq)
+        out: list[Sequence] = []
+        for key in sorted(groups):
+            out += self._order_group(groups[key])
+        return out
+
+    def _order_group(self, seqs: list[Sequence]) -> list[Sequence]:
+        preempted = sorted((s for s in seqs if s.num_preemptions), key=lambda s: s.arrival_time_s)
+        fresh = sorted((s for s in seqs if not s.num_preemptions), key=self._deadline)
+        return preempted + self.vtc.interleave(fresh, remaining_prefill, self.weight_of)
+
+    def _deadline(self, seq: Sequence) -> float:
+        return seq.arrival_time_s + self.share(seq).ttft_slo_ms / 1000.0
+
+    def on_arrival(self, seq: Sequence, now_s: float, active: Mapping[str, int]) -> None:
+        if not active.get(seq.tenant):
+            self.vtc.lift(seq.tenant, [t for t, n in active.items() if n > 0])
+
+    def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
+        self.vtc.charge(seq.tenant, num_tokens, self.share(seq).weight)
+        self.rates.add(seq.tenant, num_tokens, now_s)
+
+    def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
+        """Lowest class, then most over its tenant's device quota, then largest VTC counter,
+        then newest. For a waiting ``incoming``: a strictly lower class, or, when
+        ``incoming``'s tenant is below its floor, a sequence of the same class whose tenant is
+        not below its floor (floors come first; at most one such victim per tenant per step,
+        recorded when returned, so a tenant climbs to its floor without emptying the batch)."""
+        if not running:
+            return None
+        held: dict[str, int] = {}
+        for s in running:
+            held[s.tenant] = held.get(s.tenant, 0) + len(s.block_table)
+
+        def badness(s: Sequence) -> tuple[int, int, float, int]:
+            over = held[s.tenant] - self.share(s).kv_quota_blocks
+            return (self.rank(s), over, self.vtc.counter(s.tenant), running.index(s))
+
+        if incoming is None or incoming in running:
+            return max(running, key=badness)
+        lower = [s for s in running if self.rank(s) > self.rank(incoming)]
+        if lower:
+            return max(lower, key=badness)
+        if (
+            self._below_floor(incoming)
+            and self._floor_preempted_s.get(incoming.tenant) != self._now_s
+        ):
+            same = [
+                s
+                for s in running
+                if self.rank(s) == self.rank(incoming) and not self._below_floor(s)
+            ]
+            if same:
+                self._floor_preempted_s[incoming.tenant] = self._now_s
+                return max(same, key=badness)
+        return None
+
+    def _below_floor(self, seq: Sequence) -> bool:
+        floor = self.share(seq).min_tokens_per_s * self.floor_headroom
+        return self.rates.below_floor(seq.tenant, floor, self._now_s)
