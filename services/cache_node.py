@@ -23,6 +23,7 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.outputs import RequestOutput
+from cache_node.scheduling import TenantShare
 from services.chat import ChatTemplater
 from services.config import NodeConfig
 from services.node_request import NodeRequest
@@ -50,11 +51,14 @@ class CacheNode:
         num_threads: torch CPU threads for this node (0 = all cores).
         event_sink: optional callable receiving ``(node_id, events)`` block events
             (the global scheduler's ``report_events``), called from the step thread.
+        scheduler: the engine's scheduling policy (``cache_node.scheduling``); a request's
+            tenant promises arrive in ``NodeRequest.extra`` (``slo_class``, ``ttft_slo_ms``,
+            ``min_tokens_per_s``, ``weight``, ``kv_quota_bytes``).
     """
 
     def __init__(
         self, node_id: str, config: NodeConfig, num_threads: int = 0, event_sink: Any = None,
-        session_ttl_s: float = 900.0,
+        session_ttl_s: float = 900.0, scheduler: str = "fcfs",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -69,6 +73,7 @@ class CacheNode:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 dtype=config.dtype,
+                scheduling_policy=scheduler,
             ),
             lm.model_id,
             lm.eos_token_ids,
@@ -110,6 +115,7 @@ class CacheNode:
                     f"prompt ({len(prompt)}) + max_tokens ({req.sampling.max_tokens}) exceeds the "
                     f"tenant's max_context_tokens ({req.max_context_tokens})"
                 )
+            self._set_tenant_share(req)
             self._streams[req.request_id] = _Stream(loop, queue, req, len(prompt))
             self.engine.add_request(
                 prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
@@ -134,6 +140,16 @@ class CacheNode:
             self._streams.pop(req.request_id, None)
             if not done:
                 self.engine.abort_request(req.request_id)
+
+    def _set_tenant_share(self, req: NodeRequest) -> None:
+        extra = req.extra
+        if "slo_class" not in extra:
+            return
+        quota_blocks = int(extra.get("kv_quota_bytes", 0)) // self.engine.pool.bytes_per_block
+        self.engine.scheduler.policy.set_tenant(req.tenant, TenantShare(
+            extra["slo_class"], float(extra["ttft_slo_ms"]), float(extra.get("min_tokens_per_s", 0)),
+            float(extra.get("weight", 1)), quota_blocks,
+        ))
 
     def _prompt(self, req: NodeRequest) -> list[int]:
         history = self.engine.session_history(req.session_id) if req.session_id else None
@@ -172,7 +188,7 @@ class CacheNode:
             events.append({
                 "type": "started", "request_id": out.request_id, "node_id": self.node_id,
                 "prompt_tokens": out.num_prompt_tokens,
-                "cached_tokens": {"device": out.num_cached_tokens},
+                "cached_tokens": _tiers(out),
                 "queue_ms": 0.0,
             })
         if out.new_token_ids:
@@ -180,7 +196,10 @@ class CacheNode:
             text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
             delta, stream.text = text[len(stream.text):], text
             events.append({"type": "delta", "token_ids": list(out.new_token_ids), "text": delta})
-        if out.finished:
+        if out.finished and out.finish_reason == "rejected":
+            events.append({"type": "error", "code": "RESOURCE_EXHAUSTED",
+                           "message": "the request can never fit this node's KV pool"})
+        elif out.finished:
             self._end_session_turn(stream, out)
             events.append(self._finished_event(out, stream))
         for event in events:
@@ -203,8 +222,10 @@ class CacheNode:
         return {
             "type": "finished", "finish_reason": out.finish_reason,
             "prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
-            "cached_tokens": {"device": out.num_cached_tokens},
+            "cached_tokens": _tiers(out),
             "ttft_ms": ttft_ms, "tpot_ms": tpot, "preempted": out.num_preemptions > 0,
+            "prefill_tokens_per_s": self.engine.scheduler.prefill_speed.tokens_per_s,
+            "step_s": self.engine.scheduler.step_s.value,
         }
 
     def _flush_events(self) -> None:
@@ -247,6 +268,11 @@ class CacheNode:
         self._wake.set()
 
 
+def _tiers(out: RequestOutput) -> dict[str, int]:
+    """Cached prompt tokens per tier (device/host/spill_ram/spill_disk)."""
+    return dict(out.num_cached_tokens_by_tier) or {"device": out.num_cached_tokens}
+
+
 def _event_sink(scheduler: Any) -> Any:
     def sink(node_id: str, events: list[tuple[str, bytes]]) -> None:
         scheduler.report_events.remote(node_id, events)
@@ -259,10 +285,10 @@ class CacheNodeActor(CacheNode):
 
     def __init__(
         self, node_id: str, config: NodeConfig, num_threads: int = 0, scheduler: Any = None,
-        session_ttl_s: float = 900.0,
+        session_ttl_s: float = 900.0, scheduling_policy: str = "fcfs",
     ) -> None:
         sink = _event_sink(scheduler) if scheduler else None
-        super().__init__(node_id, config, num_threads, sink, session_ttl_s)
+        super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy)
 
 
 CacheNodeRemote = ray.remote(CacheNodeActor)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cache_node.scheduling import check_policy_name
 
 
 class NodeConfig(BaseModel):
@@ -38,6 +40,12 @@ class ServiceConfig(BaseModel):
     session_ttl_s: float = Field(900.0, gt=0)
     cache_node_resource: str = "cache_node"
     detached: bool = False
+    scheduler: str = "fcfs"  # scheduling policy of every node: fcfs | priority | vtc | kvstrata
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        return check_policy_name(value)
 
     @property
     def state_path(self) -> Path:

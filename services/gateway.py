@@ -142,6 +142,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             cache_namespace=spec.cache_namespace, sampling=sampling, messages=messages, token_ids=tokens,
             session_id=request.session_id, policy=request.policy or spec.policy,
             max_context_tokens=limit, arrival_time_s=time.monotonic(),
+            extra={"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
+                   "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
+                   "kv_quota_bytes": str(spec.kv_quota_bytes)},
         )
         return req, hashes
 

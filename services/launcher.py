@@ -69,13 +69,14 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     state_dir = str(config.state_path)
     scheduler = GlobalSchedulerActor.options(
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life
-    ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit)
+    ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
+             scheduler=config.scheduler, block_size=config.node.block_size)
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     nodes = {
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
             resources={config.cache_node_resource: 1}, **life,
-        ).remote(nid, config.node, threads, scheduler, config.session_ttl_s)
+        ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler)
         for nid in node_ids
     }
     ray.get([node.describe.remote() for node in nodes.values()])  # wait until models are loaded

@@ -20,7 +20,12 @@ from cache_node.tiering import TierConfig
 
 
 def engine(lm: LoadedModel, policy: str, host_blocks: int = 0, **cfg: int) -> LLMEngine:
-    base = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 64, "max_num_seqs": 2}
+    base = {
+        "block_size": 16,
+        "kv_pool_bytes": 1 << 20,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 2,
+    }
     config = EngineConfig(scheduling_policy=policy, **{**base, **cfg})  # type: ignore[arg-type]
     eng = LLMEngine(lm.model, config, lm.model_id, lm.eos_token_ids)
     if host_blocks:
@@ -68,8 +73,12 @@ def test_preempted_request_swaps_to_host_and_resumes_with_identical_tokens(tiny)
 def test_oversize_request_finishes_rejected_and_others_complete(tiny) -> None:
     eng = engine(tiny, "kvstrata", max_num_seqs=4)
     pool_tokens = eng.pool.num_blocks * eng.pool.block_size
-    big = eng.add_request(prompt_of(pool_tokens - 8, 1), SamplingParams(max_tokens=64), tenant="bulk")
-    small = eng.add_request(prompt_of(10, 2), SamplingParams(max_tokens=3, ignore_eos=True), tenant="live")
+    big = eng.add_request(
+        prompt_of(pool_tokens - 8, 1), SamplingParams(max_tokens=64), tenant="bulk"
+    )
+    small = eng.add_request(
+        prompt_of(10, 2), SamplingParams(max_tokens=3, ignore_eos=True), tenant="live"
+    )
     outs = {o.request_id: o for o in eng.step()}
     assert outs[big].finish_reason == "rejected" and outs[big].finished
     assert outs[small].new_token_ids  # prefilled in the same step

@@ -57,6 +57,12 @@ class SpeedMeter(Ewma):
         if num_tokens > 0 and seconds > 0:
             self.update(num_tokens / seconds)
 
+    def set(self, tokens_per_s: float) -> None:
+        """Take a rate measured elsewhere (a node's own meter); non-positive values are ignored."""
+        if tokens_per_s > 0:
+            self.value = tokens_per_s
+            self.num_samples += 1
+
 
 @dataclass(frozen=True)
 class TierSpeeds:
