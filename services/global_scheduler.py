@@ -20,7 +20,14 @@ from typing import Any
 import ray
 
 from cache_node.scheduling import SLO_CLASS_RANK, check_policy_name
-from cache_node.scheduling.admission import CachedTokens, Ewma, FluidBacklog, SpeedMeter, decide, estimate_ttft_s
+from cache_node.scheduling.admission import (
+    CachedTokens,
+    Ewma,
+    FluidBacklog,
+    SpeedMeter,
+    decide,
+    estimate_ttft_s,
+)
 from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
