@@ -178,8 +178,11 @@ def write_report(out: Path, summary: dict, traces: dict, meta: dict) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
     lines = [
         "# KV policy quality vs the full cache (SmolLM2-135M-Instruct, Wikipedia contexts)", "",
-        f"contexts: {meta['items']} (lengths {meta['lengths']}, depths {meta['depths']}); "
-        f"full cache answers {meta['full_answers']} of {2 * meta['items']} needle questions", "",
+        (
+            f"contexts: {meta['items']} (lengths {meta['lengths']}, depths {meta['depths']}); "
+            f"full cache answers {meta['full_answers']} of {2 * meta['items']} needle questions"
+        ),
+        "",
         "| policy | device bytes / full | passkey acc | needle acc | KL mean | greedy agree | ppl (full) | recall ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
