@@ -23,6 +23,7 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.outputs import RequestOutput
+from cache_node.policies.base import PolicyEnv
 from cache_node.scheduling import TenantShare
 from services.chat import ChatTemplater
 from services.config import NodeConfig
@@ -79,6 +80,8 @@ class CacheNode:
             lm.eos_token_ids,
         )
         self.tokenizer = lm.tokenizer
+        if lm.tokenizer is not None:
+            self.engine.policy_env = PolicyEnv.from_tokenizer(lm.tokenizer)  # sentence boundaries
         self.templater = ChatTemplater(lm.tokenizer) if lm.tokenizer is not None else None
         self.event_sink = event_sink
         self.session_ttl_s = session_ttl_s
