@@ -1,0 +1,88 @@
+"""RaySpillClient on a real local Ray: sharded round trip, and the spill node killed mid-read."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray
+
+from services.spill_client import RaySpillClient
+from services.spill_format import BlockFormat
+from services.spill_node import SpillNode, create_spill_node
+from tests.test_tier_engine import PARAMS, by_tier, prompt_of, run, tiered
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    ray.init(address="local", num_cpus=2, resources={"spill_node": 2}, include_dashboard=False,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+class SlowSpillNode(SpillNode):
+    """A spill node whose reads take 2 s, so a test can kill it mid-read."""
+
+    def get(self, hashes):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return super().get(hashes)
+
+
+def test_engine_round_trip_through_two_sharded_spill_nodes(tiny, tmp_path) -> None:
+    probe = tiered(tiny)
+    spec = probe.spill_block_spec()
+    fmt = BlockFormat(*spec)
+    nodes = [create_spill_node(f"tier-shard-{i}", tmp_path / str(i), fmt, 1 << 24, 1 << 26)
+             for i in range(2)]
+    ray.get([n.ready.remote() for n in nodes])
+    try:
+        client = RaySpillClient(nodes, spec.shape, spec.dtype)
+        eng = tiered(tiny, spill=client)
+        p = prompt_of(300, 31)
+        cold = run(eng, p)
+        eng.demote_all(to_spill=True)
+        assert eng.wait_for_transfers()
+        per_node = [ray.get(n.stats.remote())["blocks_spill_ram"] for n in nodes]
+        assert sum(per_node) == 19 and min(per_node) > 0  # both shards hold part of the KV
+        again = run(eng, p)
+        assert again.num_cached_tokens_by_tier == by_tier(spill_ram=288)
+        assert again.output_token_ids == cold.output_token_ids
+    finally:
+        for n in nodes:
+            ray.kill(n, no_restart=True)
+
+
+def test_spill_node_killed_mid_read_is_a_miss(tiny, tmp_path) -> None:
+    """Fault: the spill node actor dies while a prefetch read is in flight; the request
+    recomputes with the cold output and the engine keeps serving."""
+    probe = tiered(tiny)
+    spec = probe.spill_block_spec()
+    node = ray.remote(SlowSpillNode).options(name="tier-slow", resources={"spill_node": 1},
+                                             max_restarts=0, num_cpus=0).remote(
+        str(tmp_path), BlockFormat(*spec), 1 << 24, 1 << 26)
+    ray.get(node.ready.remote())
+    client = RaySpillClient([node], spec.shape, spec.dtype, get_timeout_s=10)
+    eng = tiered(tiny, spill=client)
+    p = prompt_of(300, 32)
+    cold = eng.generate([p], PARAMS)[0]  # its prefetch reads an empty node for 2 s first
+    eng.wait_for_transfers()
+    eng.demote_all(to_spill=True)
+    assert eng.wait_for_transfers()
+    threading.Timer(0.5, lambda: ray.kill(node, no_restart=True)).start()
+    t0 = time.monotonic()
+    out = eng.generate([p], PARAMS)[0]
+    assert time.monotonic() - t0 < 8
+    assert out.output_token_ids == cold.output_token_ids
+    assert out.num_cached_tokens_by_tier == by_tier()
+    assert client.stats()["get_failures"] == 1
+    eng.check_integrity()
