@@ -37,6 +37,13 @@ class Stack:
     def admin_md(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.services.admin_key}"),)
 
+    def restart(self) -> None:
+        """Stop every service actor and start them again from the same state dir."""
+        self.channel.close()
+        stop_services(self.services)
+        self.services = start_services(self.config)
+        self.channel = grpc.insecure_channel(self.services.address)
+
     def register(self, name: str, namespace: str = "", **spec: object) -> str:
         resp = self.tenants.RegisterTenant(
             tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name=name, cache_namespace=namespace, **spec)),
@@ -61,11 +68,12 @@ def start_stack(state_dir: str | None = None, **overrides: object) -> Iterator[S
     )
     services = start_services(cfg)
     channel = grpc.insecure_channel(services.address)
+    stack = Stack(cluster, services, channel, cfg)
     try:
-        yield Stack(cluster, services, channel, cfg)
+        yield stack
     finally:
-        channel.close()
-        stop_services(services)
+        stack.channel.close()
+        stop_services(stack.services)
         ray.shutdown()
         cluster.shutdown()
 

@@ -40,7 +40,7 @@ def test_batch_matches_transformers_generate_and_prefill_logits(real_model) -> N
                                eos_token_id=None, pad_token_id=tok.pad_token_id)
         assert list(out.output_token_ids) == gen[0, len(prompt):].tolist()
     # prefill logits of the last prompt token, through the pool vs. a plain forward
-    for prompt in (prompts[0], prompts[4], prompts[7]):
+    for prompt in (prompts[0], prompts[7]):
         eng2 = make_engine(real_model, kv_pool_bytes=128 << 20, max_num_batched_tokens=256)
         eng2.add_request(prompt, SamplingParams(max_tokens=1))
         while True:
