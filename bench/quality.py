@@ -20,12 +20,16 @@ import math
 import random
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import kvpress_peer
 from bench.quality_probe import Probe
+from bench.quality_report import write_report
+from bench.quality_sweep import THRESHOLDS, sweep
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
@@ -74,55 +78,77 @@ def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float
     return float(kl.mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean())
 
 
-def evaluate_item(probe: Probe, tok: Any, item: dict, specs: list[str], rows: dict) -> None:
+@dataclass
+class Reference:
+    """The full cache's side of one context: its prefilled sequence and answers.
+
+    ``answers``: per question (kind, prompt ids, greedy answer ids, tokens needed to contain
+    the expected answer or None, logits along the answer, whether the full cache answered).
+    """
+
+    base: Any
+    full_bytes: int
+    answers: list[tuple[str, list[int], list[int], int | None, torch.Tensor, bool]]
+    held_logits: torch.Tensor
+
+
+def reference(probe: Probe, tok: Any, item: dict) -> Reference:
+    """Prefill ``item`` once with the full cache and answer every question greedily."""
     base, _ = probe.prefill(item["context"])
-    full_bytes = len(base.block_table) * probe.pool.bytes_per_block
     stop = {tok.encode("\n")[0], tok.eos_token_id}
-    refs = []
+    answers = []
     for kind, q, answer in item["questions"]:
         seq = probe.fork(base)
         gen = probe.greedy(seq, q, 8, stop)
         probe.release(seq)
-        text = tok.decode(gen)
         need = next((k for k in range(1, len(gen) + 1) if answer in tok.decode(gen[:k])), None)
         seq = probe.fork(base)
         logits = probe.teacher_force(seq, q, gen)
         probe.release(seq)
-        refs.append((kind, q, gen, need, logits, answer in text))
+        answers.append((kind, q, gen, need, logits, answer in tok.decode(gen)))
     seq = probe.fork(base)
-    held_ref = probe.teacher_force(seq, item["held"][:1], item["held"][1:])
+    held = probe.teacher_force(seq, item["held"][:1], item["held"][1:])
     probe.release(seq)
+    return Reference(base, len(base.block_table) * probe.pool.bytes_per_block, answers, held)
+
+
+def peer_item(item: dict, ref: Reference) -> dict:
+    """What the kvpress peer needs of one context (plain JSON)."""
+    questions = [{"kind": k, "prompt": q, "gen": gen, "need": need, "full_ok": ok}
+                 for k, q, gen, need, _, ok in ref.answers]
+    return {"context": item["context"], "held": item["held"], "questions": questions}
+
+
+def evaluate_item(probe: Probe, item: dict, ref: Reference, specs: list[str], rows: dict) -> None:
+    """Compress ``ref.base`` once per spec, then ask every question of the compressed context
+    (prompt as a prefill chunk, the full cache's answer forced one decode step at a time)."""
     for spec in specs:
         t0 = time.perf_counter()
-        comp = probe.compress(base, spec)
-        ratio = comp.kv.device_bytes() / full_bytes
+        comp = probe.compress(ref.base, spec)
         row = rows[spec]
-        row["device_bytes_ratio"].append(ratio)
-        for kind, q, gen, need, ref_logits, full_ok in refs:
+        row["device_bytes_ratio"].append(comp.kv.device_bytes() / ref.full_bytes)
+        for kind, q, gen, need, ref_logits, full_ok in ref.answers:
             seq = probe.fork(comp)
-            logits = probe.teacher_force(seq, q, gen)
-            peak = seq.kv.device_bytes() / full_bytes
+            logits = probe.teacher_force(seq, q, gen, decode=True)
+            row["peak_ratio"].append(seq.kv.device_bytes() / ref.full_bytes)
             probe.release(seq)
             kl, agree = kl_and_agreement(ref_logits, logits)
             row["kl"].append(kl)
             row["agree"].append(agree)
-            row["peak_ratio"].append(peak)
             if full_ok and need is not None:
                 ok = bool((ref_logits[:need].argmax(-1) == logits[:need].argmax(-1)).all())
                 row[f"acc_{kind}"].append(float(ok))
         seq = probe.fork(comp)
-        held = probe.teacher_force(seq, item["held"][:1], item["held"][1:])
+        held = probe.teacher_force(seq, item["held"][:1], item["held"][1:], decode=True)
         store = seq.kv.extra.get("sentences")
         if store is not None:
             row["recall_s"].append(store.recall_s)
         probe.release(seq)
         targets = torch.tensor(item["held"][1:])
         row["nll"].append(float(torch.nn.functional.cross_entropy(held[:-1], targets)))
-        row["nll_full"].append(float(torch.nn.functional.cross_entropy(held_ref[:-1], targets)))
+        row["nll_full"].append(float(torch.nn.functional.cross_entropy(ref.held_logits[:-1], targets)))
         probe.release(comp)
         row["seconds"].append(time.perf_counter() - t0)
-    rows["full"]["full_answers"].append(sum(r[5] for r in refs))
-    probe.release(base)
 
 
 def memory_trace(lm: Any, env: PolicyEnv, specs: list[str], prompt: list[int], gen: int) -> dict[str, list]:
@@ -168,83 +194,82 @@ def summarize(rows: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def write_report(out: Path, summary: dict, traces: dict, meta: dict) -> None:
-    import matplotlib
+def start_peer(items: list[dict], refs: list[Reference], budgets: tuple[float, ...],
+               presses: tuple[str, ...]) -> tuple[Any, Any] | str:
+    """Launch the kvpress peer on the same contexts and answers (runs beside this process);
+    returns (process, log) or the reason it cannot run."""
+    from cache_node.model_loader import DEFAULT_MODEL, cache_dir
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    job = {"model_dir": str(cache_dir() / DEFAULT_MODEL), "threads": 1, "budgets": list(budgets),
+           "presses": list(presses), "items": [peer_item(i, r) for i, r in zip(items, refs)]}
+    try:
+        return kvpress_peer.start(Path(__file__).resolve().parent.parent, job)
+    except kvpress_peer.PeerUnavailable as exc:
+        return str(exc)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
-    lines = [
-        "# KV policy quality vs the full cache (SmolLM2-135M-Instruct, Wikipedia contexts)", "",
-        (
-            f"contexts: {meta['items']} (lengths {meta['lengths']}, depths {meta['depths']}); "
-            f"full cache answers {meta['full_answers']} of {2 * meta['items']} needle questions"
-        ),
-        "",
-        "| policy | device bytes / full | passkey acc | needle acc | KL mean | greedy agree | ppl (full) | recall ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for spec, s in summary.items():
-        lines.append(
-            f"| {spec} | {s['device_bytes_ratio']:.3f} | {s['passkey_acc']:.2f} (n={s['n_passkey']}) | "
-            f"{s['needle_acc']:.2f} | {s['kl_mean']:.4f} | {s['greedy_agreement']:.3f} | "
-            f"{s['ppl']:.2f} ({s['ppl_full']:.2f}) | {s['recall_ms']:.1f} |"
-        )
-    (out / "quality.md").write_text("\n".join(lines) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    by_policy: dict[str, list] = defaultdict(list)
-    for spec, s in summary.items():
-        by_policy[spec.split("-")[0] if not spec.startswith("quant") else spec].append(s)
-    for name, pts in by_policy.items():
-        pts = sorted(pts, key=lambda s: s["device_bytes_ratio"])
-        xs = [p["device_bytes_ratio"] for p in pts]
-        axes[0].plot(xs, [p["needle_acc"] for p in pts], marker="o", label=name)
-        axes[1].plot(xs, [p["kl_mean"] for p in pts], marker="o", label=name)
-    axes[0].set(xlabel="device-tier KV bytes / full cache", ylabel="needle accuracy", title="memory vs retrieval")
-    axes[1].set(xlabel="device-tier KV bytes / full cache", ylabel="KL(full || policy)", title="memory vs KL", yscale="log")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "quality.png", dpi=120)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for spec, pts in traces.items():
-        ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], label=spec)
-    ax.set(xlabel="token position", ylabel="device-tier KV MiB (one sequence)", title="device bytes over a long generation")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "memory_vs_position.png", dpi=120)
+
+def merge_peer(peer: tuple[Any, Any] | str, rows: dict) -> dict:
+    """Wait for the peer and add its rows; returns what the report says about it."""
+    if isinstance(peer, str):
+        return {"error": peer}
+    try:
+        out = kvpress_peer.collect(*peer)
+    except kvpress_peer.PeerUnavailable as exc:
+        return {"error": str(exc)}
+    ref = out["rows"].pop("_reference", {}).get("agree_engine", [])
+    for spec, metrics in out["rows"].items():
+        for key, values in metrics.items():
+            rows[spec][key].extend(values)
+    return {"versions": out["versions"], "seconds": round(out["seconds"], 1),
+            "full_cache_agreement_with_engine": sum(ref) / len(ref) if ref else None}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 contexts, short memory trace")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 contexts, 25%% budget only, 2 thresholds, short memory trace (~5 min)")
+    ap.add_argument("--no-kvpress", action="store_true", help="skip the kvpress peer")
     ap.add_argument("--out", default="reports/quality")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1 if args.quick else 2)
-    lengths, depths = ([512, 1024], [0.5]) if args.quick else ([512, 1024, 2048], [0.1, 0.5, 0.9])
+    t0 = time.perf_counter()
+    if args.quick:
+        lengths, depths, budgets = [1024], [0.25, 0.75], (0.25,)
+        thresholds, presses = (0.01, 0.05), kvpress_peer.PRESSES
+    else:
+        lengths, depths, budgets = [512, 1024, 2048], [0.1, 0.5, 0.9], BUDGETS
+        thresholds, presses = THRESHOLDS, kvpress_peer.PRESSES_FULL
     lm = load_model()
     tok = lm.tokenizer
     env = PolicyEnv.from_tokenizer(tok)
     engine = LLMEngine(lm.model, EngineConfig(kv_pool_bytes=2 << 30, max_num_batched_tokens=512))
     engine.policy_env = env
     probe = Probe(engine)
-    specs = [f"{p}-{b}" for p in EVICTING for b in BUDGETS] + list(QUANT)
+    specs = [f"{p}-{b:g}" for p in EVICTING for b in budgets] + list(QUANT)
     rows: dict = defaultdict(lambda: defaultdict(list))
     items = build_items(tok, lengths, depths)
-    t0 = time.perf_counter()
-    for item in items:
-        evaluate_item(probe, tok, item, specs, rows)
+    refs = [reference(probe, tok, item) for item in items]
+    peer = None if args.no_kvpress else start_peer(items, refs, budgets, presses)
+    for item, ref in zip(items, refs):
+        evaluate_item(probe, item, ref, specs, rows)
+    ref0 = refs[-1]
+    sweep_rows = sweep(probe, ref0.base, items[-1]["held"], ref0.full_bytes, thresholds=thresholds)
+    ppl_full = math.exp(float(torch.nn.functional.cross_entropy(
+        ref0.held_logits[:-1], torch.tensor(items[-1]["held"][1:]))))
+    for ref in refs:
+        probe.release(ref.base)
     gen, trace_prompt = (48, 128) if args.quick else (384, 256)
-    trace_specs = ["full", "streaming-0.25", "h2o-0.25", "snapkv-0.25", "gkv-0.25", "spindlekv-0.25",
-                   "sentencekv-0.25", "quant-bits_8", "quant-bits_4"]
+    trace_specs = ["full"] + [f"{p}-0.25" for p in EVICTING] + list(QUANT)
     traces = memory_trace(lm, env, trace_specs, items[0]["context"][:trace_prompt], gen)
+    kvpress_meta = {"skipped": True} if peer is None else merge_peer(peer, rows)
     summary = summarize(rows)
-    meta = {"items": len(items), "lengths": lengths, "depths": depths,
-            "full_answers": sum(rows["full"]["full_answers"]), "seconds": time.perf_counter() - t0}
-    write_report(Path(args.out), summary, traces, meta)
-    print(Path(args.out, "quality.md").read_text())
+    meta = {"items": len(items), "lengths": lengths, "depths": depths, "quick": args.quick,
+            "full_answers": sum(sum(a[5] for a in r.answers) for r in refs),
+            "kvpress": kvpress_meta, "seconds": round(time.perf_counter() - t0, 1)}
+    out = Path(args.out)
+    write_report(out, summary, traces, meta, sweep_rows, ppl_full)
+    print(Path(out, "quality.md").read_text())
     keys = ("passkey_acc", "kl_mean", "greedy_agreement", "device_bytes_ratio")
     print(json.dumps({"bench": "quality", "meta": meta,
                       "policies": {s: {k: round(v[k], 4) for k in keys} for s, v in summary.items()}}))

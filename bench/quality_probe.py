@@ -85,11 +85,16 @@ class Probe:
         child.kv.after_step()
         return child
 
-    def teacher_force(self, seq: Sequence, prompt: list[int], forced: list[int]) -> torch.Tensor:
-        """Append ``prompt + forced`` as one chunk over the (compressed) context. Returns
-        (1 + len(forced), V) logits: the prediction after the prompt and after each forced
-        token. One chunk: recall policies see the chunk's queries once; the policy compresses
-        after it (within budget for what follows)."""
+    def teacher_force(self, seq: Sequence, prompt: list[int], forced: list[int], decode: bool = False) -> torch.Tensor:
+        """Append ``prompt`` then ``forced`` over the (compressed) context. Returns
+        (1 + len(forced), V) logits: the prediction after the prompt and after each forced token.
+
+        ``decode=False``: one chunk (the fast path; the full-cache reference). ``decode=True``:
+        the serving path: the prompt as one prefill chunk, then one decode step per forced
+        token, with the policy's ``after_step`` (compression, recall) after every step, so a
+        recall policy selects per decode step and no policy holds more than its budget."""
+        if decode:
+            return self._decode_forced(seq, prompt, forced)
         tokens = prompt + forced
         seq.prompt_token_ids = seq.prompt_token_ids + seq.output_token_ids + tokens
         seq.output_token_ids = []
@@ -99,6 +104,17 @@ class Probe:
         seq.num_computed_tokens += len(tokens)
         seq.kv.after_step()
         return logits[len(prompt) - 1 :]
+
+    def _decode_forced(self, seq: Sequence, prompt: list[int], forced: list[int]) -> torch.Tensor:
+        seq.prompt_token_ids = seq.prompt_token_ids + seq.output_token_ids + prompt
+        seq.output_token_ids = []
+        out = [self._run(seq, len(prompt))]
+        for tok in forced:
+            seq.kv.after_step()
+            seq.output_token_ids.append(tok)
+            out.append(self._run(seq, 1))
+        seq.kv.after_step()
+        return torch.stack(out)
 
     def greedy(self, seq: Sequence, prompt: list[int], max_tokens: int, stop: set[int]) -> list[int]:
         """Greedy answer after ``prompt`` (no forcing)."""

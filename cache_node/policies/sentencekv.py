@@ -7,8 +7,11 @@ Device layout per layer (physical slot order = position order)::
 Every token outside sinks and the recent window is grouped into sentences; a sentence's raw
 K/V goes to the host tier and its mean key per layer and KV head stays on the device tier.
 Before each layer attends, the queries of the step score every sentence by
-``cos(q, mean_key)`` and the best sentences that fit R are promoted into the region (copied in
-only when the selection changes). Budget = sinks + R + window + mean-key bytes (in tokens).
+``cos(q, mean_key)`` per KV head (best over the step's queries and the head's query group) and
+the sentences that fit R are promoted into the region, each head taking its next best in turn;
+in a multi-token chunk the last query (the one sampled from) picks first, up to
+``last_query_share`` of R. KV is copied in only when the selection changes; decoding one token
+per step, recall follows every decode step. Budget = sinks + R + window + mean-key bytes (in tokens).
 
 Source: Zhu et al., "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV
 Caching" (arXiv 2504.00970), §3.2 (sentence-level compression at prefill: semantic vectors on
@@ -41,8 +44,8 @@ FAISS_MIN_SENTENCES = 2048
 class HostSentenceStore:
     """Sentences demoted to host RAM (the policy's own store; small interface: ``put``/``kv``).
 
-    ``mean_keys``: (S, L, H_kv * d) per-head unit mean keys / sqrt(H_kv), so an inner product
-    is the mean per-head cosine; it is the only per-sentence data on the device tier.
+    ``mean_keys``: (S, L, H_kv * d) each sentence's mean key per layer and KV head (scored
+    per head by ``head_scores``); it is the only per-sentence data on the device tier.
     """
 
     positions: list[torch.Tensor] = field(default_factory=list)
@@ -67,28 +70,53 @@ class HostSentenceStore:
                                  dict(self.resident), self.recall_s, self.num_recalls)
 
 
-def top_sentences(mean_keys: torch.Tensor, query: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` best sentences by inner product (FAISS when the set is large).
+def shortlist(mean_keys: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor | None:
+    """FAISS inner-product shortlist when the candidate set is large, else None (score all).
 
-    ``mean_keys``: (S, D) one layer; ``query``: (D,).
+    ``mean_keys``: (S, H_kv, d); ``q``: (n, H, d). Returns the sorted union, over KV heads, of
+    each head's ``k`` best sentences for the chunk's mean unit query.
     """
-    k = min(k, mean_keys.shape[0])
-    if mean_keys.shape[0] >= FAISS_MIN_SENTENCES:
-        try:
-            import faiss
+    s, h_kv = mean_keys.shape[:2]
+    if s < FAISS_MIN_SENTENCES:
+        return None
+    try:
+        import faiss
+    except ImportError:
+        return None
+    mk = F.normalize(mean_keys.float(), dim=-1)
+    qn = F.normalize(F.normalize(q.float().view(q.shape[0], h_kv, -1, q.shape[-1]), dim=-1).mean((0, 2)), dim=-1)
+    found = []
+    for h in range(h_kv):
+        index = faiss.IndexFlatIP(mk.shape[-1])
+        index.add(mk[:, h].contiguous().numpy())
+        _, ids = index.search(qn[h : h + 1].contiguous().numpy(), min(k, s))
+        found.append(torch.from_numpy(ids[0]).long())
+    return torch.cat(found).unique()
 
-            index = faiss.IndexFlatIP(mean_keys.shape[1])
-            index.add(mean_keys.float().contiguous().numpy())
-            _, ids = index.search(query.float().view(1, -1).contiguous().numpy(), k)
-            return torch.from_numpy(ids[0]).long()
-        except ImportError:
-            pass
-    return torch.topk(mean_keys @ query, k).indices
 
+def head_scores(mean_keys: torch.Tensor, q: torch.Tensor, mode: str, scaling: float,
+                lengths: torch.Tensor) -> torch.Tensor:
+    """(H_kv, S) how much each sentence matters to the step's queries, per KV head.
 
-def unit_heads(x: torch.Tensor) -> torch.Tensor:
-    """(..., H_kv, d) -> (..., H_kv * d): per-head unit vectors / sqrt(H_kv)."""
-    return (F.normalize(x.float(), dim=-1) / math.sqrt(x.shape[-2])).flatten(-2)
+    ``mean_keys``: (S, H_kv, d) mean keys of one layer; ``q``: (n, H, d); ``lengths``: (S,).
+    Every mode takes the best over the step's queries and the head group's query heads (a
+    decode step has one query: the paper's per-step score).
+    ``"cos"``: cos(q, mean_key) (SentenceKV §3.3). ``"mass"``: ``scaling * q . mean_key +
+    log(len)``, a lower bound (Jensen) on the log of the softmax mass the sentence's tokens
+    would receive. ``"mean"``: cos with the chunk's mean unit query (one direction per chunk).
+    """
+    h_kv = mean_keys.shape[1]
+    qg = q.float().view(q.shape[0], h_kv, -1, q.shape[-1])  # (n, H_kv, g, d)
+    mk = mean_keys.float()
+    if mode == "mass":
+        sims = torch.einsum("nhgd,shd->nhgs", qg, mk) * scaling + lengths.float().log()
+        return sims.amax(dim=(0, 2))
+    qn, mk = F.normalize(qg, dim=-1), F.normalize(mk, dim=-1)
+    if mode == "mean":
+        return torch.einsum("hd,shd->hs", F.normalize(qn.mean((0, 2)), dim=-1), mk)
+    if mode != "cos":
+        raise ValueError(f"unknown select_mode {mode!r}; known: cos, mass, mean")
+    return torch.einsum("nhgd,shd->nhgs", qn, mk).amax(dim=(0, 2))
 
 
 @register
@@ -100,6 +128,8 @@ class SentenceKV(Policy):
     needs = StatsNeeds(window_queries=16)
     window_tokens: int = 16
     max_sentence_tokens: int = 48
+    select_mode: str = "cos"
+    last_query_share: float = 0.5
 
     # ---- segmentation and demotion ---------------------------------------------------------
     def segments(self, state: SequenceKV, positions: torch.Tensor) -> list[torch.Tensor]:
@@ -143,7 +173,7 @@ class SentenceKV(Policy):
         for run in runs:
             slots = demote[run]
             kv = gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1))
-            store.put(kv, pos0[slots], unit_heads(kv[:, :, 0].float().mean(1)))
+            store.put(kv, pos0[slots], kv[:, :, 0].float().mean(1).flatten(-2))
         keep = torch.cat([sinks, window])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
         data = torch.zeros((L, m, *kept.shape[2:]), dtype=kept.dtype)
@@ -178,17 +208,17 @@ class SentenceKV(Policy):
         start, r = state.extra["region"]
         if r == 0 or not len(store):
             return
-        h_kv = state.pool.num_kv_heads
-        query = unit_heads(q.float().view(q.shape[0], h_kv, -1, q.shape[-1]).mean(2)).mean(0)
         assert store.mean_keys is not None
-        order = top_sentences(store.mean_keys[:, layer_idx], query, len(store)).tolist()
-        chosen, used = [], 0
-        for sid in order:
-            n = len(store.positions[sid])
-            if used + n <= r:
-                chosen.append(sid)
-                used += n
-        chosen_t = tuple(sorted(chosen, key=lambda s: int(store.positions[s][0])))
+        h_kv = state.pool.num_kv_heads
+        mk = store.mean_keys[:, layer_idx].view(len(store), h_kv, -1)  # (S, H_kv, d)
+        lengths = torch.tensor([len(p) for p in store.positions])
+        cand = shortlist(mk, q, r)
+        if cand is not None:
+            mk, lengths = mk[cand], lengths[cand]
+        scores = [head_scores(mk, q, self.select_mode, state.scaling, lengths)]
+        if q.shape[0] > 1 and self.last_query_share > 0:  # the chunk's last query is sampled from
+            scores.insert(0, head_scores(mk, q[-1:], self.select_mode, state.scaling, lengths))
+        chosen_t = self.select(store, scores, r, cand)
         if store.resident.get(layer_idx) == chosen_t:
             return
         t0 = time.perf_counter()
@@ -196,6 +226,24 @@ class SentenceKV(Policy):
         store.resident[layer_idx] = chosen_t
         store.recall_s += time.perf_counter() - t0
         store.num_recalls += 1
+
+    def select(self, store: HostSentenceStore, scores: list[torch.Tensor], r: int,
+               cand: torch.Tensor | None = None) -> tuple[int, ...]:
+        """Sentences that fit ``r`` slots, in position order. Each KV head takes its next best
+        in turn (so every head gets what it points at). With two score sets (the chunk's last
+        query, then all its queries), the first may fill ``last_query_share`` of ``r``.
+        ``scores``: list of (H_kv, S) over all sentences, or over the shortlist ``cand``."""
+        lengths = [len(p) for p in store.positions]
+        chosen: dict[int, None] = {}
+        used = 0
+        caps = [int(self.last_query_share * r), r] if len(scores) == 2 else [r]
+        for sc, cap in zip(scores, caps):
+            ranked = sc.argsort(dim=1, descending=True).T.reshape(-1)  # rank-major
+            for sid in (ranked if cand is None else cand[ranked]).tolist():
+                if sid not in chosen and used + lengths[sid] <= cap:
+                    chosen[sid] = None
+                    used += lengths[sid]
+        return tuple(sorted(chosen, key=lambda s: int(store.positions[s][0])))
 
     def _load(self, state: SequenceKV, layer: int, sids: tuple[int, ...], start: int, r: int) -> None:
         store = self._store(state)
