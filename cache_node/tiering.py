@@ -39,6 +39,11 @@ from cache_node.sequence import Sequence
 from cache_node.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
 
 TIERS = (TIER_DEVICE, TIER_HOST, "spill_ram", "spill_disk")
+COUNTERS = (  # block counts moved, and faults absorbed as misses or dropped writes
+    "demoted_blocks", "promoted_host_blocks", "installed_spill_blocks", "spill_put_blocks",
+    "dropped_blocks", "spill_put_errors", "spill_get_errors", "spill_bad_replies",
+    "spill_flush_errors",
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ class TierManager:
     ) -> None:
         self.pool, self.kv, self.config, self.lock = pool, kv_manager, config, lock
         self.blocks = kv_manager.pool
+        L, two, _, bs, h, d = pool.blocks_view().shape
+        self.block_shape = (L, two, bs, h, d)  # one block in the spill tier
+        self.spill_np_dtype: np.dtype = numpy_dtype_of(pool.kv.dtype)
         self.host = HostTier(pool.blocks_view().shape, pool.kv.dtype, config.host_bytes)
         self.spill = spill
         self.counters: Counter[str] = Counter()
@@ -99,15 +107,6 @@ class TierManager:
         if self.enabled:
             self.blocks.evict_hook = self.demote_blocks
             kv_manager.promote_hook = self.promote
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        L, two, _, bs, h, d = self.pool.blocks_view().shape
-        return (L, two, bs, h, d)
-
-    @property
-    def spill_np_dtype(self) -> np.dtype:
-        return numpy_dtype_of(self.pool.kv.dtype)
 
     # ---- demotion ---------------------------------------------------------------------------
     def demote_blocks(self, blocks: Seq[KVBlock]) -> None:
@@ -293,4 +292,5 @@ class TierManager:
         return n
 
     def stats(self) -> dict[str, int]:
-        return self.host.stats() | dict(self.counters)
+        """Host tier sizes and the ``COUNTERS`` (every key always present)."""
+        return self.host.stats() | {name: self.counters[name] for name in COUNTERS}
