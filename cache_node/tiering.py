@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 import numpy as np
+import torch
 
 from cache_node.block import KVBlock
 from cache_node.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
@@ -214,7 +215,7 @@ class TierManager:
         self.counters["promoted_host_blocks"] += len(new)
         return new
 
-    def install(self, seq: Sequence, start: int, rows: object, tiers: list[str]) -> int:
+    def install(self, seq: Sequence, start: int, rows: torch.Tensor, tiers: list[str]) -> int:
         """Write prefetched spill rows for blocks ``start..`` of ``seq`` into cached device blocks.
 
         ``rows``: torch (k, L, 2, block_size, H_kv, d). Blocks already on device are skipped;
@@ -225,7 +226,7 @@ class TierManager:
         todo = [i for i in range(len(tiers)) if hashes[start + i] not in self.blocks.cached]
         todo = todo[: self.blocks.num_free_blocks()]
         new = self.blocks.allocate(len(todo)) or []
-        picked = rows if len(todo) == len(tiers) else rows[todo]  # type: ignore[index]
+        picked = rows if len(todo) == len(tiers) else rows[todo]
         copy_stack_to_view(self.pool.blocks_view(), [b.block_id for b in new], picked[: len(new)])
         namespace = seq.extra_keys[0] if seq.extra_keys else ""
         for block, i in zip(new, todo):
