@@ -14,7 +14,7 @@ from cache_node.config import EngineConfig
 from cache_node.engine_tiers import EngineTiersMixin
 from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
-from cache_node.kv_pool import KVPool
+from cache_node.kv_pool import KVPool, kv_format_name
 from cache_node.model_runner import ModelRunner, ScheduledBatch
 from cache_node.outputs import InvalidRequestError, RequestOutput
 from cache_node.policies import PolicyEnv, attach_policy
@@ -73,7 +73,7 @@ class LLMEngine(EngineTiersMixin):
             mc.num_hidden_layers, mc.num_key_value_heads, head_dim, config.block_size,
             num_blocks, dtype, device,
         )
-        self.kv_format = f"{config.dtype}/L{mc.num_hidden_layers}/H{mc.num_key_value_heads}/d{head_dim}"
+        self.kv_format = kv_format_name(config.dtype, mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, hash_fn)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.runner = ModelRunner(model.to(dtype), self.pool)

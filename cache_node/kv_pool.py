@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def kv_format_name(dtype_name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
+    """Identity of a KV layout (part of block hashes and spill file headers)."""
+    return f"{dtype_name}/L{num_layers}/H{num_kv_heads}/d{head_dim}"
+
+
 class KVPool:
     """One tensor holding every layer's keys and values.
 

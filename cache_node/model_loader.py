@@ -70,6 +70,24 @@ def convert_default_model(target: Path) -> Path:
     return target
 
 
+def resolve_model_dir(path: str | Path | None = None) -> Path:
+    """The checkpoint directory for ``path``; None converts the default model once and caches it.
+
+    Raises:
+        FileNotFoundError: the directory or the default model package is missing.
+    """
+    if path is None:
+        target = cache_dir() / DEFAULT_MODEL
+        if not (target / "config.json").exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            convert_default_model(target)
+        return target
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    return path
+
+
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
@@ -81,17 +99,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     Raises:
         FileNotFoundError: the directory or the default model package is missing.
     """
-    if path is None:
-        target = cache_dir() / DEFAULT_MODEL
-        if not (target / "config.json").exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            convert_default_model(target)
-        path, model_id = target, DEFAULT_MODEL
-    else:
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"no checkpoint directory at {path}")
-        model_id = path.name
+    path = resolve_model_dir(path)
+    model_id = DEFAULT_MODEL if path == cache_dir() / DEFAULT_MODEL else path.name
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return LoadedModel(model.eval(), tokenizer, model_id)

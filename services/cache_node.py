@@ -24,6 +24,8 @@ from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.outputs import RequestOutput
 from cache_node.policies.base import PolicyEnv
+from cache_node.spill_api import SpillBlockSpec, SpillClient
+from cache_node.tiering import TierConfig
 from cache_node.scheduling import TenantShare
 from services.chat import ChatTemplater
 from services.config import NodeConfig
@@ -59,7 +61,7 @@ class CacheNode:
 
     def __init__(
         self, node_id: str, config: NodeConfig, num_threads: int = 0, event_sink: Any = None,
-        session_ttl_s: float = 900.0, scheduler: str = "fcfs",
+        session_ttl_s: float = 900.0, scheduler: str = "fcfs", spill: SpillClient | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -78,6 +80,8 @@ class CacheNode:
             ),
             lm.model_id,
             lm.eos_token_ids,
+            tier_config=TierConfig(host_bytes=config.host_bytes),
+            spill=spill,
         )
         self.tokenizer = lm.tokenizer
         if lm.tokenizer is not None:
@@ -93,6 +97,9 @@ class CacheNode:
         self._thread.start()
 
     # ---- description ----------------------------------------------------------------------
+    def spill_block_spec(self) -> SpillBlockSpec:
+        return self.engine.spill_block_spec()
+
     def describe(self) -> dict[str, Any]:
         """Identity needed to compute block hashes outside the node."""
         return {
@@ -289,9 +296,19 @@ class CacheNodeActor(CacheNode):
     def __init__(
         self, node_id: str, config: NodeConfig, num_threads: int = 0, scheduler: Any = None,
         session_ttl_s: float = 900.0, scheduling_policy: str = "fcfs",
+        spill_nodes: list[Any] | None = None, spill_spec: SpillBlockSpec | None = None,
     ) -> None:
         sink = _event_sink(scheduler) if scheduler else None
-        super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy)
+        spill = None
+        if spill_nodes and spill_spec is not None:
+            from services.spill_client import RaySpillClient
+
+            spill = RaySpillClient(spill_nodes, spill_spec.shape, spill_spec.dtype)
+        super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill)
+        if spill_spec is not None and spill_spec != self.engine.spill_block_spec():
+            raise RuntimeError(
+                f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
+            )
 
 
 CacheNodeRemote = ray.remote(CacheNodeActor)

@@ -86,7 +86,8 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
     started_ray = address is None
     if started_ray:
         ray_port = _free_port()
-        resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes, "spill_node": 1})
+        resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
+                                cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
         subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
                         f"--resources={resources}", "--include-dashboard=false", "--disable-usage-stats"],
                        check=True, capture_output=True)
@@ -117,7 +118,8 @@ def down() -> None:
         return
     try:
         ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
-        for name in [GATEWAY_NAME, SCHEDULER_NAME, *[f"cache_node_{i}" for i in range(64)]]:
+        nodes = [f"{kind}_{i}" for kind in ("cache_node", "spill_node") for i in range(64)]
+        for name in [GATEWAY_NAME, SCHEDULER_NAME, *nodes]:
             try:
                 ray.kill(ray.get_actor(name))
             except ValueError:

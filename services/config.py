@@ -21,6 +21,7 @@ class NodeConfig(BaseModel):
     kv_pool_bytes: int = Field(192 * 1024 * 1024, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)
     max_num_seqs: int = Field(32, gt=0)
+    host_bytes: int = Field(256 * 1024 * 1024, ge=0)  # host tier (RAM in the node process)
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
 
@@ -39,6 +40,11 @@ class ServiceConfig(BaseModel):
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)
     cache_node_resource: str = "cache_node"
+    num_spill_nodes: int = Field(1, ge=0)
+    spill_ram_bytes: int = Field(512 * 1024 * 1024, ge=0)
+    spill_disk_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=0)
+    spill_dir: str = ""  # default: <state_dir>/spill
+    spill_node_resource: str = "spill_node"
     detached: bool = False
     scheduler: str = "fcfs"  # scheduling policy of every node: fcfs | priority | vtc | kvstrata
 

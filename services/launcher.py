@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
+from transformers import AutoConfig
 
+from cache_node.kv_pool import kv_format_name
+from cache_node.model_loader import resolve_model_dir
+from cache_node.spill_api import SpillBlockSpec, numpy_dtype_of
 from services.cache_node import CacheNodeRemote
 from services.config import ServiceConfig
 from services.gateway_server import GatewayActor
 from services.global_scheduler import GlobalSchedulerActor
+from services.spill_format import BlockFormat
+from services.spill_node import create_spill_node
 
 SCHEDULER_NAME = "global_scheduler"
 GATEWAY_NAME = "gateway"
@@ -28,6 +35,7 @@ class Services:
     port: int
     admin_key: str
     config: ServiceConfig
+    spill_nodes: list[Any] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -72,11 +80,14 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size)
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
+    spec = spill_block_spec(config)
+    spill_nodes = _start_spill_nodes(config, spec)
     nodes = {
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
             resources={config.cache_node_resource: 1}, **life,
-        ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler)
+        ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler,
+                 spill_nodes, spec if spill_nodes else None)
         for nid in node_ids
     }
     ray.get([node.describe.remote() for node in nodes.values()])  # wait until models are loaded
@@ -84,7 +95,33 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         scheduler, nodes, config.node.model_path
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
-    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config)
+    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes)
+
+
+def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:
+    """One KV block's shape/dtype/format in the spill tier, from the model's config.json."""
+    mc = AutoConfig.from_pretrained(str(resolve_model_dir(config.node.model_path)))
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    dtype = getattr(torch, config.node.dtype)
+    shape = (mc.num_hidden_layers, 2, config.node.block_size, mc.num_key_value_heads, head_dim)
+    kv_format = kv_format_name(config.node.dtype, mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
+    return SpillBlockSpec(shape, numpy_dtype_of(dtype).name, kv_format)
+
+
+def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]:
+    """Spill node actors (``spill_node`` resource), each with its own directory."""
+    root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
+    handles = [
+        create_spill_node(
+            f"spill_node_{i}", root / str(i), BlockFormat(spec.shape, spec.dtype, spec.kv_format),
+            config.spill_ram_bytes, config.spill_disk_bytes,
+            resources={config.spill_node_resource: 1},
+            lifetime="detached" if config.detached else None,
+        )
+        for i in range(config.num_spill_nodes)
+    ]
+    ray.get([h.ready.remote() for h in handles])
+    return handles
 
 
 def stop_services(services: Services) -> None:
@@ -93,5 +130,5 @@ def stop_services(services: Services) -> None:
         ray.get(services.gateway.stop.remote(), timeout=10)
     except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
         pass
-    for handle in [services.gateway, *services.nodes.values(), services.scheduler]:
+    for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:
         ray.kill(handle)

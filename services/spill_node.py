@@ -86,6 +86,7 @@ def create_spill_node(
     max_restarts: int = -1,
     max_task_retries: int = 3,
     num_cpus: float = 0,
+    lifetime: str | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -100,6 +101,7 @@ def create_spill_node(
         max_task_retries: retries of a call interrupted by a crash; every
             method is idempotent except ``take_events``.
         num_cpus: CPUs it holds (0: it is I/O bound).
+        lifetime: Ray actor lifetime ("detached" outlives the driver that created it).
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.
@@ -110,6 +112,7 @@ def create_spill_node(
         max_restarts=max_restarts,
         max_task_retries=max_task_retries,
         num_cpus=num_cpus,
+        lifetime=lifetime,
     )
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, **store_options)
     return cast("ActorHandle[SpillNode]", handle)
