@@ -11,7 +11,8 @@ Before each layer attends, the queries of the step score every sentence by
 the sentences that fit R are promoted into the region, each head taking its next best in turn;
 in a multi-token chunk the last query (the one sampled from) picks first, up to
 ``last_query_share`` of R. KV is copied in only when the selection changes; decoding one token
-per step, recall follows every decode step. Budget = sinks + R + window + mean-key bytes (in tokens).
+per step, recall follows every decode step. Budget = sinks + R + window + one block of
+headroom + mean-key bytes (in tokens).
 
 Source: Zhu et al., "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV
 Caching" (arXiv 2504.00970), §3.2 (sentence-level compression at prefill: semantic vectors on
@@ -147,18 +148,20 @@ class SentenceKV(Policy):
         return state.extra.setdefault("sentences", HostSentenceStore())
 
     def region_tokens(self, state: SequenceKV, num_sentences: int) -> int:
-        """R: the budget left after sinks, window and the mean keys (in token-equivalents)."""
+        """R: the budget left after sinks, window, the mean keys (in token-equivalents) and one
+        block of decode headroom, so peak device bytes stay within the budget."""
         assert state.budget is not None
         mean_key_tokens = math.ceil(num_sentences / 2)  # a mean key is half a token's KV
         bs = state.pool.block_size
         slots = (state.budget - mean_key_tokens) // bs * bs  # whole blocks: bytes, not tokens
-        return max(0, slots - self.sink_tokens - self.window_tokens)
+        # one block of headroom: decoding fills it before the next demotion, within budget
+        return max(0, slots - bs - self.sink_tokens - self.window_tokens)
 
     def compress(self, state: SequenceKV) -> bool:
         assert state.budget is not None
-        if state.frontier <= state.budget + self.evict_every:
-            return False
         store = self._store(state)
+        if state.frontier + math.ceil(len(store) / 2) <= state.budget + self.evict_every:
+            return False  # pool slots plus mean keys (half a token each) still fit the budget
         region_end = state.extra.get("region_end", self.sink_tokens)
         pos0 = state.positions[0]
         fresh = torch.arange(region_end, state.frontier)  # window + new, identical in all layers
