@@ -92,7 +92,8 @@ def sweep(probe: Probe, base: Any, held: list[int], full_bytes: int,
             seq = probe.fork(base, make_policy(name))
             seq.kv.budget = seq.kv.policy.budget_tokens(seq.num_prompt_tokens)
             host, host_pos = demote(seq, threshold_plans(seq, tau))
-            ratio = seq.kv.device_bytes() / full_bytes
+            ratio = seq.kv.device_bytes() / full_bytes  # blocks follow the layer that keeps most
+            kept = sum(seq.kv.kept_counts()) / len(host_pos) / seq.num_computed_tokens
             probe_seq = probe.fork(seq)
             logits = probe.teacher_force(probe_seq, held[:1], held[1:])
             probe.release(probe_seq)
@@ -100,7 +101,7 @@ def sweep(probe: Probe, base: Any, held: list[int], full_bytes: int,
             probe.release(seq)
             nll = float(torch.nn.functional.cross_entropy(logits[:-1], targets))
             rows.append({"policy": name, "threshold": tau, "device_bytes_ratio": ratio,
-                         "demoted_tokens": sum(len(p) for p in host_pos) / len(host_pos),
+                         "kept_token_ratio": kept, "demoted_tokens": sum(len(p) for p in host_pos) / len(host_pos),
                          "ppl": math.exp(nll), "recall_ms": 1e3 * recall_s})
     return rows
 
@@ -116,11 +117,11 @@ def plot(rows: list[dict], ppl_full: float, path: Any) -> None:
         pts = [r for r in rows if r["policy"] == name]
         ax.plot([r["recall_ms"] for r in pts], [r["ppl"] for r in pts], marker="o", label=name)
         for r in pts:
-            ax.annotate(f"{r['threshold']:g} ({r['device_bytes_ratio']:.2f})", (r["recall_ms"], r["ppl"]),
+            ax.annotate(f"{r['threshold']:g} ({r['kept_token_ratio']:.2f})", (r["recall_ms"], r["ppl"]),
                         fontsize=6, textcoords="offset points", xytext=(3, 3))
     ax.axhline(ppl_full, color="gray", ls="--", lw=1, label="full cache")
     ax.set(xlabel="recall latency, all demoted tokens back (ms)", ylabel="perplexity on the device tier",
-           title="demotion threshold sweep: tau (device bytes / full)")
+           title="demotion threshold sweep: tau (kept tokens / full)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
