@@ -71,15 +71,9 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)), prefills=prefills
         )
         if decode_idx:
-            width = max(len(s) for s in decode_slots)
-            padded = np.zeros((len(decode_slots), width), dtype=np.int64)
-            mask = np.zeros((len(decode_slots), 1, 1, width), dtype=bool)
-            for i, s in enumerate(decode_slots):
-                padded[i, : len(s)] = s
-                mask[i, 0, 0, : len(s)] = True
             md.decode_token_idx = torch.tensor(decode_idx, dtype=torch.long)
-            md.decode_slots = torch.from_numpy(padded)
-            md.decode_mask = torch.from_numpy(mask)
+            md.decode_slots = torch.from_numpy(np.concatenate(decode_slots))
+            md.decode_offsets = tuple(np.cumsum([0] + [len(s) for s in decode_slots]).tolist())
         return md
 
     @torch.inference_mode()
