@@ -42,10 +42,20 @@ def make_engine(lm: LoadedModel, **overrides: int) -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    """One real two-node Ray cluster + services + gRPC channel shared by the integration tests."""
+def ray_cluster():
+    """One real two-node Ray cluster (custom resources) for every Ray test of the session."""
+    from tests.service_fixtures import start_cluster
+
+    gen = start_cluster()
+    yield next(gen)
+    gen.close()
+
+
+@pytest.fixture(scope="session")
+def stack(ray_cluster, tmp_path_factory):
+    """The kvstrata services + a gRPC channel on the session cluster, shared by integration tests."""
     from tests.service_fixtures import start_stack
 
-    gen = start_stack(state_dir=str(tmp_path_factory.mktemp("state")), queue_limit=4)
+    gen = start_stack(ray_cluster, state_dir=str(tmp_path_factory.mktemp("state")), queue_limit=4)
     yield next(gen)
     gen.close()

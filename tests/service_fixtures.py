@@ -52,13 +52,22 @@ class Stack:
         return resp.api_key
 
 
-def start_stack(state_dir: str | None = None, **overrides: object) -> Iterator[Stack]:
+def start_cluster() -> Iterator[Cluster]:
+    """Head (cache_node 1, spill_node 8) + worker (cache_node 1), connected as the driver."""
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"cache_node": 1, "spill_node": 1}},
+        head_node_args={"num_cpus": 2, "resources": {"cache_node": 1, "spill_node": 8}},
     )
     cluster.add_node(num_cpus=1, resources={"cache_node": 1})
     ray.init(address=cluster.address, namespace="kvstrata-test", log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def start_stack(cluster: Cluster, state_dir: str | None = None, **overrides: object) -> Iterator[Stack]:
     cfg = ServiceConfig(
         num_cache_nodes=2,
         node=NodeConfig(kv_pool_bytes=64 << 20, max_num_seqs=16, torch_threads=1),
@@ -74,8 +83,6 @@ def start_stack(state_dir: str | None = None, **overrides: object) -> Iterator[S
     finally:
         stack.channel.close()
         stop_services(stack.services)
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def chat(text: str, max_tokens: int = 8, session_id: str = "", **kw: object) -> inference_pb2.GenerateRequest:

@@ -23,11 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, resources={"spill_node": 2}, include_dashboard=False,
-             log_to_driver=False)
+def local_ray(ray_cluster) -> Iterator[None]:
+    """The session's Ray cluster (one per test session: ray.init costs ~5 s and ~620 MiB)."""
     yield
-    ray.shutdown()
 
 
 class SlowSpillNode(SpillNode):
