@@ -108,10 +108,10 @@ def _plot_quality(path: Path, summary: dict) -> None:
     for name, pts in by_policy.items():
         pts = sorted(pts, key=lambda s: s["device_bytes_ratio"])
         xs = [p["device_bytes_ratio"] for p in pts]
-        style = "--" if name.startswith("kvpress") else "-"
-        axes[0].plot(xs, [p["needle_acc"] for p in pts], style, marker="o", label=name)
+        style, marker = ("--", "s") if name.startswith("kvpress") else ("-", "o")
+        axes[0].plot(xs, [p["needle_acc"] for p in pts], style, marker=marker, label=name)
         kls = [max(p["kl_mean"], 1e-6) if not math.isnan(p["kl_mean"]) else float("nan") for p in pts]
-        axes[1].plot(xs, kls, style, marker="o", label=name)
+        axes[1].plot(xs, kls, style, marker=marker, label=name)
     axes[0].set(xlabel="device-tier KV bytes / full cache", ylabel="needle accuracy", title="memory vs retrieval")
     axes[1].set(xlabel="device-tier KV bytes / full cache", ylabel="KL(full || policy)", title="memory vs KL",
                 yscale="log")
