@@ -80,7 +80,7 @@ class CacheNode:
             ),
             lm.model_id,
             lm.eos_token_ids,
-            tier_config=TierConfig(host_bytes=config.host_bytes),
+            tier_config=TierConfig(host_bytes=config.host_bytes, prefetch_wait_s=config.prefetch_wait_s),
             spill=spill,
         )
         self.tokenizer = lm.tokenizer
@@ -182,6 +182,9 @@ class CacheNode:
             else:
                 for out in self.engine.step():
                     self._dispatch(out)
+                # Python locks are not fair: leave the engine lock free for a moment so the
+                # transfer thread (spill prefetch) is not starved by back-to-back steps.
+                time.sleep(0.0005)
             self._flush_events()
             if time.monotonic() - last_expiry > 5.0:
                 for sid in self.engine.expire_sessions(self.session_ttl_s):

@@ -22,6 +22,7 @@ class NodeConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, gt=0)
     max_num_seqs: int = Field(32, gt=0)
     host_bytes: int = Field(256 * 1024 * 1024, ge=0)  # host tier (RAM in the node process)
+    prefetch_wait_s: float = Field(1.0, ge=0)  # longest a queued request waits on a spill prefetch
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
 
