@@ -188,6 +188,7 @@ class LLMEngine(EngineTiersMixin):
             for seq in self.scheduler.take_rejected():  # can never fit the pool (policy's choice)
                 self._finish(seq, "rejected")
                 outputs.append(self._output(seq, ()))
+            self._release_idle_sessions()
             self.tiers.maybe_demote()
             batch = self.scheduler.schedule()
             if batch:
@@ -197,6 +198,24 @@ class LLMEngine(EngineTiersMixin):
         if waiting:  # e.g. every queued request waits on a prefetch: let it land
             time.sleep(0.0005)
         return outputs
+
+    def _release_idle_sessions(self) -> None:
+        """Unpin least-recently-used idle sessions while a queued request cannot get blocks.
+
+        Regression: sessions pinned between turns could fill the pool so that no new request
+        was ever admitted (they waited until their deadline). Unpinned KV stays matchable as
+        cached blocks (demoted below on eviction), so the next turn still finds it.
+        """
+        if not self.scheduler.waiting:
+            return
+        pool = self.kv_manager.pool
+        head = self.scheduler.waiting[0]
+        need = max(pool.num_blocks // 10, -(-(head.num_tokens + 1) // self.pool.block_size))
+        while pool.num_free_blocks() < need:
+            session_id = self.sessions.lru_idle()
+            if session_id is None:
+                return
+            self.demote_session(session_id)
 
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         logits = self.runner.execute(batch)

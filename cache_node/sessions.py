@@ -87,6 +87,11 @@ class SessionTable:
         self._release(sess)
         return len(sess.token_ids)
 
+    def lru_idle(self) -> str | None:
+        """The idle session holding pinned blocks that was used longest ago (None if none)."""
+        idle = [s for s in self.sessions.values() if s.blocks and s.active_request is None]
+        return min(idle, key=lambda s: s.last_used_s).session_id if idle else None
+
     def unpin(self, session_id: str) -> list[KVBlock]:
         """Release an idle session's blocks (kept matchable as cached blocks) and return them.
 

@@ -178,3 +178,16 @@ def test_prompt_larger_than_pool_is_rejected(tiny) -> None:
 def test_invalid_sampling_params(kwargs) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_idle_sessions_are_unpinned_when_the_pool_is_full(tiny) -> None:
+    """Regression: pinned idle sessions filled the pool and new requests waited forever."""
+    eng = make_engine(tiny, kv_pool_bytes=12 * 8192, max_num_seqs=4)  # 12 blocks of 16 tokens
+    for i in range(3):  # each session pins 3 blocks (40 prompt + 6 output tokens)
+        eng.generate([prompt_of(40, i)], SamplingParams(max_tokens=6, ignore_eos=True),
+                     session_id=f"s{i}", tenant="a")
+    assert eng.stats()["used_blocks"] == 9
+    out = eng.generate([prompt_of(90, 9)], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert out.num_output_tokens == 4 and list(out.output_token_ids) == hf_greedy(prompt_of(90, 9), 4)
+    assert eng.sessions.sessions["s0"].blocks == []  # the least recently used went first
+    eng.check_integrity()
