@@ -1,0 +1,448 @@
+"""Engine benchmark: the kvstrata engine against transformers on one mixed Wikipedia chat workload.
+
+Run ``python -m bench.engine [--quick]``. One process, one workload: the same chat-templated
+token ids and the same ``max_tokens`` for every system, greedy, and every system stops at the
+model's EOS (generated tokens are counted as each system returns them, EOS included):
+
+(a) ``hf_generate`` — transformers ``model.generate``, one request at a time (SDPA attention);
+(b) ``hf_continuous_batching`` — transformers' own continuous batching, ``model.generate_batch``
+    with the "sdpa" attention implementation (continuous batching accepts only "sdpa",
+    "paged|eager" or flash, and flash needs CUDA) and a cache sized to the workload;
+(c) ``kvstrata`` — :class:`cache_node.engine.LLMEngine`, all requests submitted at once.
+
+(a) and (b) share one copy of the weights; (c) has its own (the engine rewires its model's
+attention). Each system serves one short warm-up request first. With ``--repeats`` > 1 the three
+systems run interleaved (a, b, c, a, b, c, ...) and the median wall time of each is used:
+``tokens_per_s`` = generated tokens / median wall seconds. CPU seconds are reported as well
+(the machine is shared; CPU time is the less noisy of the two).
+
+The shared-prefix case runs on the engine alone: a ~1k-token document followed by different
+questions, each request submitted to an idle engine. The first request in a fresh cache
+namespace is cold (its whole prompt is prefilled); the later ones hit the prefix cache.
+``prefix_hit_ttft_ratio`` = median hit TTFT / median cold TTFT.
+
+The last stdout line is one JSON object (see :func:`build_result`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from transformers import (
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    PreTrainedModel,
+)
+
+from bench.common import (
+    ChatRequest,
+    chat_prompt,
+    emit_json,
+    median,
+    shared_document,
+    wiki_chat_requests,
+)
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.kv_pool import KVPool
+from cache_node.model_loader import LoadedModel, load_model
+from cache_node.sampling_params import SamplingParams
+from workloads.corpus import load_corpus
+
+HF_GENERATE = "hf_generate"
+HF_CB = "hf_continuous_batching"
+KVSTRATA = "kvstrata"
+SYSTEMS = (HF_GENERATE, HF_CB, KVSTRATA)
+
+PREFIX_QUESTIONS = (
+    "Which of the subjects above is the oldest? Answer in one sentence.",
+    "Name two places mentioned in the text above.",
+    "What is the main topic of the first section?",
+    "List three people named in the text above.",
+    "Which section above mentions a war, if any?",
+    "Give a one-line title that covers the whole text.",
+    "What numbers or dates appear in the last section?",
+    "Which section would a geographer find most useful?",
+)
+
+T = TypeVar("T")
+Advance = Callable[[], None]
+
+
+def _noop() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Sizes of one benchmark run.
+
+    Attributes:
+        num_requests, max_tokens: the throughput workload (every system gets the same).
+        min_words, max_words: word budget of each article extract in a prompt.
+        repeats: interleaved passes of the three systems; medians are reported.
+        prefix_doc_tokens: length of the shared document (tokens, at least).
+        prefix_rounds: fresh cache namespaces, each with one cold request ...
+        prefix_hits_per_round: ... followed by this many prefix-hit requests.
+        prefix_max_tokens: tokens generated per prefix-case request (only TTFT is measured).
+        max_num_batched_tokens: the engine's per-step token budget; transformers' continuous
+            batching gets the same ``max_batch_tokens``.
+        threads: torch intra-op threads for every system (the bench runs them in one process).
+    """
+
+    num_requests: int = 32
+    max_tokens: int = 64
+    min_words: int = 30
+    max_words: int = 160
+    repeats: int = 1
+    seed: int = 0
+    prefix_doc_tokens: int = 1024
+    prefix_rounds: int = 3
+    prefix_hits_per_round: int = 4
+    prefix_max_tokens: int = 4
+    block_size: int = 16
+    max_num_batched_tokens: int = 1024
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "max_tokens", "min_words", "repeats", "prefix_rounds",
+                     "prefix_hits_per_round", "prefix_max_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_words < self.min_words:
+            raise ValueError(f"max_words ({self.max_words}) < min_words ({self.min_words})")
+        if self.prefix_hits_per_round >= len(PREFIX_QUESTIONS):
+            raise ValueError(f"prefix_hits_per_round must be < {len(PREFIX_QUESTIONS)}")
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(num_requests=24, max_tokens=32, min_words=12, max_words=40, prefix_rounds=1,
+                    prefix_hits_per_round=3)
+
+
+@dataclass
+class SystemRun:
+    """One system's passes over the workload: generated ids per request, wall and CPU seconds."""
+
+    name: str
+    outputs: list[list[int]] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / median(self.wall_s)
+
+
+@dataclass(frozen=True)
+class PrefixCase:
+    """Shared-prefix TTFTs (seconds) measured on the engine."""
+
+    doc_tokens: int
+    cold_ttft_s: list[float]
+    hit_ttft_s: list[float]
+    hit_cached_tokens: list[int]
+
+    @property
+    def ratio(self) -> float:
+        return median(self.hit_ttft_s) / median(self.cold_ttft_s)
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
+    """``(fn(), wall seconds, CPU seconds of this process)``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+# ---- the three systems --------------------------------------------------------------------
+def generation_config(max_tokens: int, eos_token_ids: Sequence[int], pad_token_id: int) -> GenerationConfig:
+    """Greedy, ``max_tokens`` new tokens, stop at any of ``eos_token_ids``."""
+    return GenerationConfig(
+        max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(eos_token_ids),
+        pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None,
+    )
+
+
+@torch.inference_mode()
+def run_hf_generate(model: PreTrainedModel, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
+                    advance: Advance = _noop) -> list[list[int]]:
+    """(a) ``model.generate`` one request at a time; generated ids per prompt (EOS included)."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([list(p)], dtype=torch.long)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        out.append(seq[0, len(p):].tolist())
+        advance()
+    return out
+
+
+def cb_config(prompts: Sequence[Sequence[int]], max_tokens: int, max_batch_tokens: int) -> ContinuousBatchingConfig:
+    """transformers continuous batching sized to the workload.
+
+    Without ``num_blocks`` it sizes its cache from free host memory (~20 GB here: ~24 s of
+    zero-filling per ``generate_batch`` call); ``max_batch_tokens`` matches the engine's budget
+    (a sweep of 256-2048 and page sizes 16-256 moved its CPU time by < 10%).
+    """
+    page = ContinuousBatchingConfig().page_size
+    tokens = sum(len(p) + max_tokens for p in prompts)
+    return ContinuousBatchingConfig(num_blocks=math.ceil(tokens / page) + len(prompts) + 2,
+                                    max_batch_tokens=max_batch_tokens)
+
+
+def run_hf_continuous_batching(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
+                               gen: GenerationConfig, config: ContinuousBatchingConfig) -> list[list[int]]:
+    """(b) transformers' continuous batching, ``model.generate_batch``; ids in prompt order.
+
+    Raises:
+        RuntimeError: a request came back missing or failed.
+    """
+    results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=gen,
+                                   continuous_batching_config=config, progress_bar=False)
+    ordered = list(results.values())
+    if len(ordered) != len(prompts) or any(r.error for r in ordered):
+        raise RuntimeError(f"generate_batch returned {len(ordered)}/{len(prompts)} results or errors")
+    return [list(r.generated_tokens) for r in ordered]
+
+
+def run_engine(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int,
+               advance: Advance = _noop, cache_namespace: str | None = None) -> list[list[int]]:
+    """(c) the kvstrata engine: submit everything, step until all finish; ids in prompt order."""
+    params = SamplingParams(max_tokens=max_tokens)
+    ids = [engine.add_request(p, params, cache_namespace=cache_namespace) for p in prompts]
+    final: dict[str, list[int]] = {}
+    while len(final) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = list(out.output_token_ids)
+                advance()
+    return [final[i] for i in ids]
+
+
+def run_prefix_case(engine: LLMEngine, tokenizer: Any, document: str, cfg: BenchConfig,
+                    advance: Advance = _noop) -> PrefixCase:
+    """Cold vs prefix-hit TTFT: per round, a fresh cache namespace, then 1 cold + N hit requests.
+
+    Each request runs alone on an idle engine, so its TTFT is its prefill plus one sampled token.
+    """
+    cold, hit, cached = [], [], []
+    params = SamplingParams(max_tokens=cfg.prefix_max_tokens)
+    for r in range(cfg.prefix_rounds):
+        namespace = f"bench-prefix-{r}-{time.monotonic_ns()}"
+        questions = PREFIX_QUESTIONS[r:] + PREFIX_QUESTIONS[:r]
+        for i, question in enumerate(questions[: 1 + cfg.prefix_hits_per_round]):
+            prompt = chat_prompt(tokenizer, f"{document}\n\nQuestion: {question}")
+            [out] = engine.generate([prompt], params, cache_namespace=namespace)
+            if out.ttft_s is None:
+                raise RuntimeError(f"prefix-case request {out.request_id} produced no token")
+            (cold if i == 0 else hit).append(out.ttft_s)
+            if i:
+                cached.append(out.num_cached_tokens)
+            advance()
+    doc_tokens = len(tokenizer.encode(document, add_special_tokens=False))
+    return PrefixCase(doc_tokens, cold, hit, cached)
+
+
+# ---- setup --------------------------------------------------------------------------------
+def load_reference_model(lm: LoadedModel) -> PreTrainedModel:
+    """A second copy of the weights with transformers' SDPA attention (the engine rewires its own)."""
+    path = lm.model.name_or_path
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def make_engine(lm: LoadedModel, prompts: Sequence[Sequence[int]], cfg: BenchConfig) -> LLMEngine:
+    """An engine whose pool holds the whole workload at once (no preemption), plus the prefix case."""
+    mc = lm.model.config
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, torch.float32)
+    tokens = sum(len(p) + cfg.max_tokens + cfg.block_size for p in prompts)
+    tokens = max(tokens, 2 * (cfg.prefix_doc_tokens + 256))
+    config = EngineConfig(
+        block_size=cfg.block_size,
+        kv_pool_bytes=int(tokens * per_token * 1.25),
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=max(cfg.num_requests, 8),
+    )
+    return LLMEngine(lm.model, config, lm.model_id, lm.eos_token_ids)
+
+
+# ---- reporting ----------------------------------------------------------------------------
+def greedy_match(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> float:
+    """Fraction of requests whose generated ids are identical to the reference's.
+
+    Raises:
+        ValueError: the two lists differ in length or are empty.
+    """
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError("greedy_match needs two equally long, non-empty lists of outputs")
+    return sum(list(a) == list(b) for a, b in zip(reference, candidate)) / len(reference)
+
+
+def build_result(runs: dict[str, SystemRun], prefix: PrefixCase, requests: Sequence[ChatRequest],
+                 cfg: BenchConfig, quick: bool) -> dict[str, Any]:
+    """The JSON result: throughput per system, speedups, prefix-hit TTFT ratio, greedy match."""
+    tps = {name: run.tokens_per_s for name, run in runs.items()}
+    ref = runs[HF_GENERATE].outputs
+    plens = [len(r.prompt_token_ids) for r in requests]
+    return {
+        "bench": "engine",
+        "quick": quick,
+        "num_requests": len(requests),
+        "max_tokens": cfg.max_tokens,
+        "repeats": cfg.repeats,
+        "prompt_tokens": {"min": min(plens), "median": median(plens), "max": max(plens), "total": sum(plens)},
+        "generated_tokens": {n: r.num_generated_tokens for n, r in runs.items()},
+        "wall_s": {n: round(median(r.wall_s), 3) for n, r in runs.items()},
+        "cpu_s": {n: round(median(r.cpu_s), 3) for n, r in runs.items()},
+        "tokens_per_s": {n: round(v, 2) for n, v in tps.items()},
+        "speedup_vs_hf_generate": round(tps[KVSTRATA] / tps[HF_GENERATE], 3),
+        "speedup_vs_hf_continuous_batching": round(tps[KVSTRATA] / tps[HF_CB], 3),
+        "cpu_speedup_vs_hf_continuous_batching": round(
+            median(runs[HF_CB].cpu_s) / median(runs[KVSTRATA].cpu_s), 3),
+        "greedy_match": greedy_match(ref, runs[KVSTRATA].outputs),
+        "greedy_match_hf_continuous_batching": greedy_match(ref, runs[HF_CB].outputs),
+        "prefix_doc_tokens": prefix.doc_tokens,
+        "prefix_cold_ttft_s": round(median(prefix.cold_ttft_s), 4),
+        "prefix_hit_ttft_s": round(median(prefix.hit_ttft_s), 4),
+        "prefix_hit_cached_tokens": min(prefix.hit_cached_tokens),
+        "prefix_hit_ttft_ratio": round(prefix.ratio, 4),
+        "engine_config": {"block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens},
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def print_table(console: Console, result: dict[str, Any]) -> None:
+    """The human-readable summary (the JSON line follows it)."""
+    table = Table(title=f"engine bench: {result['num_requests']} chat requests, "
+                        f"max_tokens={result['max_tokens']}, {result['prompt_tokens']['total']} prompt tokens")
+    for col in ("system", "gen tokens", "wall s", "cpu s", "tokens/s", "kvstrata speedup"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    kv = result["tokens_per_s"][KVSTRATA]
+    for name in SYSTEMS:
+        tps = result["tokens_per_s"][name]
+        table.add_row(name, str(result["generated_tokens"][name]), f"{result['wall_s'][name]:.1f}",
+                      f"{result['cpu_s'][name]:.1f}", f"{tps:.1f}", f"{kv / tps:.2f}x")
+    console.print(table)
+    console.print(
+        f"shared prefix ({result['prefix_doc_tokens']} doc tokens): cold TTFT "
+        f"{result['prefix_cold_ttft_s'] * 1000:.0f} ms, hit TTFT {result['prefix_hit_ttft_s'] * 1000:.0f} ms "
+        f"(ratio {result['prefix_hit_ttft_ratio']:.3f}); greedy match vs hf_generate "
+        f"{result['greedy_match']:.3f}"
+    )
+
+
+# ---- main ---------------------------------------------------------------------------------
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True)
+
+
+def _pass_calls(ref: PreTrainedModel, engine: LLMEngine, prompts: list[list[int]], gen: GenerationConfig,
+                cbc: ContinuousBatchingConfig, cfg: BenchConfig, progress: Progress,
+                rep: int) -> dict[str, tuple[Callable[[], list[list[int]]], TaskID]]:
+    """One pass's three calls, each with its progress task."""
+    tag = f"[{rep + 1}/{cfg.repeats}]"
+    tasks = {n: progress.add_task(f"{tag} {n}", total=None if n == HF_CB else len(prompts)) for n in SYSTEMS}
+    return {
+        HF_GENERATE: (partial(run_hf_generate, ref, prompts, gen, partial(progress.advance, tasks[HF_GENERATE])),
+                      tasks[HF_GENERATE]),
+        HF_CB: (partial(run_hf_continuous_batching, ref, prompts, gen, cbc), tasks[HF_CB]),
+        KVSTRATA: (partial(run_engine, engine, prompts, cfg.max_tokens, partial(progress.advance, tasks[KVSTRATA]),
+                           f"bench-{rep}"), tasks[KVSTRATA]),
+    }
+
+
+def _run_systems(lm: LoadedModel, ref: PreTrainedModel, engine: LLMEngine,
+                 prompts: list[list[int]], cfg: BenchConfig, progress: Progress) -> dict[str, SystemRun]:
+    """Warm up, then run (a), (b), (c) interleaved ``cfg.repeats`` times."""
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_token_ids[0]
+    gen = generation_config(cfg.max_tokens, lm.eos_token_ids, pad)
+    cbc = cb_config(prompts, cfg.max_tokens, cfg.max_num_batched_tokens)
+    warm, warm_gen = [chat_prompt(lm.tokenizer, "Say hello.")], generation_config(4, lm.eos_token_ids, pad)
+    run_hf_generate(ref, warm, warm_gen)
+    run_hf_continuous_batching(ref, warm, warm_gen, cbc)
+    run_engine(engine, warm, 4, cache_namespace="bench-warmup")
+    runs = {name: SystemRun(name) for name in SYSTEMS}
+    for rep in range(cfg.repeats):
+        for name, (call, task) in _pass_calls(ref, engine, prompts, gen, cbc, cfg, progress, rep).items():
+            outs, wall_s, cpu_s = timed(call)
+            progress.update(task, total=len(prompts), completed=len(prompts))
+            run = runs[name]
+            run.outputs = outs
+            run.wall_s.append(wall_s)
+            run.cpu_s.append(cpu_s)
+    return runs
+
+
+def run_bench(lm: LoadedModel, ref: PreTrainedModel, cfg: BenchConfig, quick: bool, err: Console) -> dict[str, Any]:
+    """Build the workload, run the three systems and the prefix case; return the JSON result."""
+    corpus = load_corpus()
+    requests = wiki_chat_requests(lm.tokenizer, corpus, cfg.num_requests, seed=cfg.seed,
+                                  min_words=cfg.min_words, max_words=cfg.max_words)
+    prompts = [list(r.prompt_token_ids) for r in requests]
+    engine = make_engine(lm, prompts, cfg)
+    with _progress(err) as progress:
+        runs = _run_systems(lm, ref, engine, prompts, cfg, progress)
+        task = progress.add_task("shared-prefix TTFT (kvstrata)",
+                                 total=cfg.prefix_rounds * (1 + cfg.prefix_hits_per_round))
+        doc = shared_document(lm.tokenizer, corpus, cfg.prefix_doc_tokens, seed=cfg.seed + 1)
+        prefix = run_prefix_case(engine, lm.tokenizer, doc, cfg, lambda: progress.advance(task))
+    engine.check_integrity()
+    return build_result(runs, prefix, requests, cfg, quick)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, bool]:
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK.num_requests} requests, max_tokens {QUICK.max_tokens} (about 3 minutes)")
+    for name in ("num_requests", "max_tokens", "min_words", "max_words", "repeats", "max_num_batched_tokens",
+                 "threads", "seed", "prefix_doc_tokens", "prefix_rounds", "prefix_hits_per_round"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
+    a = p.parse_args(argv)
+    base = QUICK if a.quick else FULL
+    over = {k: v for k, v in vars(a).items() if k != "quick" and v is not None}
+    return dataclasses.replace(base, **over), a.quick
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg, quick = parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(cfg.threads)
+    out, err = Console(), Console(stderr=True)
+    lm = load_model()
+    ref = load_reference_model(lm)
+    result = run_bench(lm, ref, cfg, quick, err)
+    print_table(out, result)
+    emit_json(result)
+
+
+if __name__ == "__main__":
+    main()
