@@ -138,7 +138,7 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(num_requests=24, max_tokens=32, min_words=12, max_words=40, prefix_rounds=1,
+QUICK = BenchConfig(num_requests=20, max_tokens=32, min_words=15, max_words=80, prefix_rounds=1,
                     prefix_hits_per_round=3)
 
 
