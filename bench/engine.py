@@ -21,14 +21,15 @@ questions, each request submitted to an idle engine. The first request in a fres
 namespace is cold (its whole prompt is prefilled); the later ones hit the prefix cache.
 ``prefix_hit_ttft_ratio`` = median hit TTFT / median cold TTFT.
 
-The last stdout line is one JSON object (see :func:`build_result`).
+The systems and the prefix case live in ``bench.engine_systems``; this module builds the
+workload, times the systems, and reports. The last stdout line is one JSON object (see
+:func:`build_result`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -50,10 +51,10 @@ from rich.progress import (
 )
 from rich.table import Table
 from transformers import (
-    AutoModelForCausalLM,
     ContinuousBatchingConfig,
     GenerationConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 
 from bench.common import (
@@ -64,11 +65,21 @@ from bench.common import (
     shared_document,
     wiki_chat_requests,
 )
+from bench.engine_systems import (
+    PREFIX_QUESTIONS,
+    PrefixCase,
+    cb_config,
+    generation_config,
+    load_reference_model,
+    run_engine,
+    run_hf_continuous_batching,
+    run_hf_generate,
+    run_prefix_case,
+)
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.kv_pool import KVPool
 from cache_node.model_loader import LoadedModel, load_model
-from cache_node.sampling_params import SamplingParams
 from workloads.corpus import load_corpus
 
 HF_GENERATE = "hf_generate"
@@ -76,25 +87,7 @@ HF_CB = "hf_continuous_batching"
 KVSTRATA = "kvstrata"
 SYSTEMS = (HF_GENERATE, HF_CB, KVSTRATA)
 
-PREFIX_QUESTIONS = (
-    "Which of the subjects above is the oldest? Answer in one sentence.",
-    "Name two places mentioned in the text above.",
-    "What is the main topic of the first section?",
-    "List three people named in the text above.",
-    "Which section above mentions a war, if any?",
-    "Give a one-line title that covers the whole text.",
-    "What numbers or dates appear in the last section?",
-    "Which section would a geographer find most useful?",
-)
-
 T = TypeVar("T")
-Advance = Callable[[], None]
-
-
-def _noop() -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class BenchConfig:
     """Sizes of one benchmark run.
@@ -160,120 +153,11 @@ class SystemRun:
         return self.num_generated_tokens / median(self.wall_s)
 
 
-@dataclass(frozen=True)
-class PrefixCase:
-    """Shared-prefix TTFTs (seconds) measured on the engine."""
-
-    doc_tokens: int
-    cold_ttft_s: list[float]
-    hit_ttft_s: list[float]
-    hit_cached_tokens: list[int]
-
-    @property
-    def ratio(self) -> float:
-        return median(self.hit_ttft_s) / median(self.cold_ttft_s)
-
-
 def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
     """``(fn(), wall seconds, CPU seconds of this process)``."""
     wall, cpu = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - wall, time.process_time() - cpu
-
-
-# ---- the three systems --------------------------------------------------------------------
-def generation_config(max_tokens: int, eos_token_ids: Sequence[int], pad_token_id: int) -> GenerationConfig:
-    """Greedy, ``max_tokens`` new tokens, stop at any of ``eos_token_ids``."""
-    return GenerationConfig(
-        max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(eos_token_ids),
-        pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None,
-    )
-
-
-@torch.inference_mode()
-def run_hf_generate(model: PreTrainedModel, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
-                    advance: Advance = _noop) -> list[list[int]]:
-    """(a) ``model.generate`` one request at a time; generated ids per prompt (EOS included)."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([list(p)], dtype=torch.long)
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-        out.append(seq[0, len(p):].tolist())
-        advance()
-    return out
-
-
-def cb_config(prompts: Sequence[Sequence[int]], max_tokens: int, max_batch_tokens: int) -> ContinuousBatchingConfig:
-    """transformers continuous batching sized to the workload.
-
-    Without ``num_blocks`` it sizes its cache from free host memory (~20 GB here: ~24 s of
-    zero-filling per ``generate_batch`` call); ``max_batch_tokens`` matches the engine's budget
-    (a sweep of 256-2048 and page sizes 16-256 moved its CPU time by < 10%).
-    """
-    page = ContinuousBatchingConfig().page_size
-    tokens = sum(len(p) + max_tokens for p in prompts)
-    return ContinuousBatchingConfig(num_blocks=math.ceil(tokens / page) + len(prompts) + 2,
-                                    max_batch_tokens=max_batch_tokens)
-
-
-def run_hf_continuous_batching(model: PreTrainedModel, prompts: Sequence[Sequence[int]],
-                               gen: GenerationConfig, config: ContinuousBatchingConfig) -> list[list[int]]:
-    """(b) transformers' continuous batching, ``model.generate_batch``; ids in prompt order.
-
-    Raises:
-        RuntimeError: a request came back missing or failed.
-    """
-    results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=gen,
-                                   continuous_batching_config=config, progress_bar=False)
-    ordered = list(results.values())
-    if len(ordered) != len(prompts) or any(r.error for r in ordered):
-        raise RuntimeError(f"generate_batch returned {len(ordered)}/{len(prompts)} results or errors")
-    return [list(r.generated_tokens) for r in ordered]
-
-
-def run_engine(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int,
-               advance: Advance = _noop, cache_namespace: str | None = None) -> list[list[int]]:
-    """(c) the kvstrata engine: submit everything, step until all finish; ids in prompt order."""
-    params = SamplingParams(max_tokens=max_tokens)
-    ids = [engine.add_request(p, params, cache_namespace=cache_namespace) for p in prompts]
-    final: dict[str, list[int]] = {}
-    while len(final) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = list(out.output_token_ids)
-                advance()
-    return [final[i] for i in ids]
-
-
-def run_prefix_case(engine: LLMEngine, tokenizer: Any, document: str, cfg: BenchConfig,
-                    advance: Advance = _noop) -> PrefixCase:
-    """Cold vs prefix-hit TTFT: per round, a fresh cache namespace, then 1 cold + N hit requests.
-
-    Each request runs alone on an idle engine, so its TTFT is its prefill plus one sampled token.
-    """
-    cold, hit, cached = [], [], []
-    params = SamplingParams(max_tokens=cfg.prefix_max_tokens)
-    for r in range(cfg.prefix_rounds):
-        namespace = f"bench-prefix-{r}-{time.monotonic_ns()}"
-        questions = PREFIX_QUESTIONS[r:] + PREFIX_QUESTIONS[:r]
-        for i, question in enumerate(questions[: 1 + cfg.prefix_hits_per_round]):
-            prompt = chat_prompt(tokenizer, f"{document}\n\nQuestion: {question}")
-            [out] = engine.generate([prompt], params, cache_namespace=namespace)
-            if out.ttft_s is None:
-                raise RuntimeError(f"prefix-case request {out.request_id} produced no token")
-            (cold if i == 0 else hit).append(out.ttft_s)
-            if i:
-                cached.append(out.num_cached_tokens)
-            advance()
-    doc_tokens = len(tokenizer.encode(document, add_special_tokens=False))
-    return PrefixCase(doc_tokens, cold, hit, cached)
-
-
-# ---- setup --------------------------------------------------------------------------------
-def load_reference_model(lm: LoadedModel) -> PreTrainedModel:
-    """A second copy of the weights with transformers' SDPA attention (the engine rewires its own)."""
-    path = lm.model.name_or_path
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 def make_engine(lm: LoadedModel, prompts: Sequence[Sequence[int]], cfg: BenchConfig) -> LLMEngine:
@@ -292,7 +176,7 @@ def make_engine(lm: LoadedModel, prompts: Sequence[Sequence[int]], cfg: BenchCon
     return LLMEngine(lm.model, config, lm.model_id, lm.eos_token_ids)
 
 
-# ---- reporting ----------------------------------------------------------------------------
+# ---- setup and reporting ----------------------------------------------------------------------------
 def greedy_match(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> float:
     """Fraction of requests whose generated ids are identical to the reference's.
 
@@ -378,13 +262,13 @@ def _pass_calls(ref: PreTrainedModel, engine: LLMEngine, prompts: list[list[int]
     }
 
 
-def _run_systems(lm: LoadedModel, ref: PreTrainedModel, engine: LLMEngine,
+def _run_systems(lm: LoadedModel, tok: PreTrainedTokenizerBase, ref: PreTrainedModel, engine: LLMEngine,
                  prompts: list[list[int]], cfg: BenchConfig, progress: Progress) -> dict[str, SystemRun]:
     """Warm up, then run (a), (b), (c) interleaved ``cfg.repeats`` times."""
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.eos_token_ids[0]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else lm.eos_token_ids[0]
     gen = generation_config(cfg.max_tokens, lm.eos_token_ids, pad)
     cbc = cb_config(prompts, cfg.max_tokens, cfg.max_num_batched_tokens)
-    warm, warm_gen = [chat_prompt(lm.tokenizer, "Say hello.")], generation_config(4, lm.eos_token_ids, pad)
+    warm, warm_gen = [chat_prompt(tok, "Say hello.")], generation_config(4, lm.eos_token_ids, pad)
     run_hf_generate(ref, warm, warm_gen)
     run_hf_continuous_batching(ref, warm, warm_gen, cbc)
     run_engine(engine, warm, 4, cache_namespace="bench-warmup")
@@ -401,18 +285,26 @@ def _run_systems(lm: LoadedModel, ref: PreTrainedModel, engine: LLMEngine,
 
 
 def run_bench(lm: LoadedModel, ref: PreTrainedModel, cfg: BenchConfig, quick: bool, err: Console) -> dict[str, Any]:
-    """Build the workload, run the three systems and the prefix case; return the JSON result."""
+    """Build the workload, run the three systems and the prefix case; return the JSON result.
+
+    Raises:
+        ValueError: ``lm`` has no tokenizer (the workload needs its chat template).
+    """
+    tok = lm.tokenizer
+    if tok is None:
+        raise ValueError(f"model {lm.model_id!r} has no tokenizer; the bench needs its chat template")
     corpus = load_corpus()
-    requests = wiki_chat_requests(lm.tokenizer, corpus, cfg.num_requests, seed=cfg.seed,
+    requests = wiki_chat_requests(tok, corpus, cfg.num_requests, seed=cfg.seed,
                                   min_words=cfg.min_words, max_words=cfg.max_words)
     prompts = [list(r.prompt_token_ids) for r in requests]
     engine = make_engine(lm, prompts, cfg)
     with _progress(err) as progress:
-        runs = _run_systems(lm, ref, engine, prompts, cfg, progress)
+        runs = _run_systems(lm, tok, ref, engine, prompts, cfg, progress)
         task = progress.add_task("shared-prefix TTFT (kvstrata)",
                                  total=cfg.prefix_rounds * (1 + cfg.prefix_hits_per_round))
-        doc = shared_document(lm.tokenizer, corpus, cfg.prefix_doc_tokens, seed=cfg.seed + 1)
-        prefix = run_prefix_case(engine, lm.tokenizer, doc, cfg, lambda: progress.advance(task))
+        doc = shared_document(tok, corpus, cfg.prefix_doc_tokens, seed=cfg.seed + 1)
+        prefix = run_prefix_case(engine, tok, doc, cfg.prefix_rounds, cfg.prefix_hits_per_round,
+                                 cfg.prefix_max_tokens, lambda: progress.advance(task))
     engine.check_integrity()
     return build_result(runs, prefix, requests, cfg, quick)
 
