@@ -34,7 +34,7 @@ tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
 run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(run_app, name="run")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)  # piped: keep tables readable
 STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
 ConfigOpt = typer.Option(None, "--config", "-c", help="service YAML config")
 

@@ -26,7 +26,7 @@ TENANTS = (
 
 def _rec(tenant: str, status: str, start_s: float, end_s: float, **fields: Any) -> dict[str, Any]:
     record = {
-        "call_id": f"{tenant}-{start_s}-{status}", "tenant": tenant, "status": status,
+        "call_id": f"{tenant}-{start_s}-{status}", "session_id": f"{tenant}/s0", "tenant": tenant, "status": status,
         "start_s": start_s, "end_s": end_s, "ttft_ms": None, "tpot_ms": None,
         "prompt_tokens": 0, "completion_tokens": 0, "cached_device_tokens": 0,
         "cached_host_tokens": 0, "cached_spill_ram_tokens": 0, "cached_spill_disk_tokens": 0,
@@ -37,15 +37,15 @@ def _rec(tenant: str, status: str, start_s: float, end_s: float, **fields: Any) 
 
 
 RECORDS = [
-    _rec("A", "ok", 0.0, 2.0, ttft_ms=50.0, tpot_ms=5.0, prompt_tokens=100, completion_tokens=10,
+    _rec("A", "ok", 0.0, 2.0, session_id="A/s1", ttft_ms=50.0, tpot_ms=5.0, prompt_tokens=100, completion_tokens=10,
          cached_device_tokens=40, cached_host_tokens=10),
-    _rec("A", "ok", 1.0, 3.0, ttft_ms=150.0, tpot_ms=20.0, prompt_tokens=100, completion_tokens=4,
+    _rec("A", "ok", 1.0, 3.0, session_id="A/s1", ttft_ms=150.0, tpot_ms=20.0, prompt_tokens=100, completion_tokens=4,
          cached_spill_ram_tokens=20, correct=True),
-    _rec("A", "RESOURCE_EXHAUSTED", 3.0, 3.0, error="retry in 2 s"),
-    _rec("A", "SKIPPED", 3.0, 3.0),
-    _rec("B", "ok", 0.5, 4.0, ttft_ms=500.0, prompt_tokens=50, completion_tokens=1,
+    _rec("A", "RESOURCE_EXHAUSTED", 3.0, 3.0, session_id="A/s2", error="retry in 2 s"),
+    _rec("A", "SKIPPED", 3.0, 3.0, session_id="A/s2"),
+    _rec("B", "ok", 0.5, 4.0, session_id="B/s1", ttft_ms=500.0, prompt_tokens=50, completion_tokens=1,
          correct=False, preempted=True),
-    _rec("B", "UNAVAILABLE", 4.0, 4.5),
+    _rec("B", "UNAVAILABLE", 4.0, 4.5, session_id="B/s1"),
 ]  # fmt: skip
 
 TIMESERIES = [
@@ -76,6 +76,7 @@ def test_tenant_a_every_number(report: dict[str, Any]) -> None:
     assert a["rejections"] == 1
     assert a["failures_by_status"] == {"RESOURCE_EXHAUSTED": 1, "SKIPPED": 1}
     assert a["preemptions"] == 0
+    assert (a["max_concurrent_agents"], a["max_inflight_calls"]) == (1, 2)  # A/s1 spans [0, 3)
     assert (a["slo_class"], a["ttft_slo_ms"], a["noisy"]) == ("interactive", 100.0, False)
 
 
@@ -99,6 +100,7 @@ def test_tenant_b_and_overall(report: dict[str, Any]) -> None:
         "SKIPPED": 1,
         "UNAVAILABLE": 1,
     }
+    assert (overall["max_concurrent_agents"], overall["max_inflight_calls"]) == (2, 3)  # at t = 1 s
     assert report["span_s"] == 4.5
     assert report["timeseries"] == {
         "samples": 3, "errors": 1, "device_bytes_used_max": 300.0,

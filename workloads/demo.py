@@ -32,10 +32,12 @@ from workloads.deepresearch.register import register_tenants
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--duration-s", type=float, default=90.0, help="arrival window of research sessions")
-    p.add_argument("--sessions-per-s", type=float, default=0.03, help="one tenant share of session arrivals")
+    p.add_argument("--duration-s", type=float, default=50.0, help="arrival window of research sessions")
+    p.add_argument("--sessions-per-s", type=float, default=0.054, help="one tenant share of session arrivals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=int, default=2, help="cache nodes")
+    p.add_argument("--scheduler", default="kvstrata", help="fcfs | priority | vtc | kvstrata")
+    p.add_argument("--policy", default="", help="KV policy for every tenant (cache_node.policies spec)")
     p.add_argument("--kv-pool-mib", type=int, default=128, help="device-tier pool per cache node")
     p.add_argument("--reports", default="reports")
     return p.parse_args(argv)
@@ -44,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def _run(args: argparse.Namespace, address: str, admin_key: str, console: Console) -> int:
     config = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s))
     async with grpc.aio.insecure_channel(address) as channel:
-        keys = await register_tenants(channel, admin_key, config.tenants)
+        keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
     outcome = await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=args.reports,
                                           console=console)
@@ -55,15 +57,15 @@ async def _run(args: argparse.Namespace, address: str, admin_key: str, console: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show up when piped too
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: keep the table readable
     t0 = time.monotonic()
     ray.init(address="local", num_cpus=os.cpu_count() or 2, namespace="kvstrata-demo", include_dashboard=False,
              resources={"cache_node": args.nodes, "spill_node": 1}, log_to_driver=False)
     cfg = ServiceConfig(
-        num_cache_nodes=args.nodes, gateway_port=0, state_dir=tempfile.mkdtemp(prefix="kvstrata-demo-"),
+        num_cache_nodes=args.nodes, gateway_port=0, scheduler=args.scheduler, state_dir=tempfile.mkdtemp(prefix="kvstrata-demo-"),
         node=NodeConfig(kv_pool_bytes=args.kv_pool_mib << 20),
     )
-    console.print(f"starting {args.nodes} cache nodes, the global scheduler and the gateway ...")
+    console.print(f"starting {args.nodes} cache nodes ({args.scheduler} scheduler), the global scheduler and the gateway ...")
     services = start_services(cfg)
     console.print(f"gateway at {services.address} (up in {time.monotonic() - t0:.0f} s)")
     try:

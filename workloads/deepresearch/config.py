@@ -88,11 +88,11 @@ class ToolPauseConfig:
 class CallMaxTokens:
     """``max_tokens`` per call kind (kept small for a tiny CPU model)."""
 
-    plan: int = 48
-    search: int = 16
+    plan: int = 32
+    search: int = 12
     read: int = 24
-    answer: int = 12
-    report: int = 96
+    answer: int = 32
+    report: int = 48
 
     def __post_init__(self) -> None:
         for name in ("plan", "search", "read", "answer", "report"):

@@ -18,6 +18,10 @@ Per group (each tenant, and ``overall``):
 - ``rejections``: calls with status ``RESOURCE_EXHAUSTED``.
 - ``failures_by_status``: every non-ok status (``SKIPPED`` included) with its count.
 - ``preemptions``: calls the server preempted at least once.
+- ``max_concurrent_agents``: most agents active at one instant; an agent (one
+  ``session_id``) is active from its first sent call's ``start_s`` to its last
+  sent call's ``end_s`` (tool pauses between its calls included).
+- ``max_inflight_calls``: most sent calls between ``start_s`` and ``end_s`` at one instant.
 """
 
 from __future__ import annotations
@@ -48,6 +52,26 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
 
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
+
+
+def _max_overlap(intervals: Sequence[tuple[float, float]]) -> int:
+    """Most intervals ``[start, end)`` covering one instant (an end before a start at a tie)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    best = current = 0
+    for _, step in events:
+        current += step
+        best = max(best, current)
+    return best
+
+
+def _agent_spans(records: Sequence[Record]) -> list[tuple[float, float]]:
+    spans: dict[str, tuple[float, float]] = {}
+    for r in records:
+        if r["status"] == SKIPPED or r["end_s"] is None:
+            continue
+        start, end = spans.get(r["session_id"], (r["start_s"], r["end_s"]))
+        spans[r["session_id"]] = (min(start, r["start_s"]), max(end, r["end_s"]))
+    return list(spans.values())
 
 
 def _group(
@@ -97,6 +121,10 @@ def _group(
             sorted(Counter(r["status"] for r in records if r["status"] != OK).items())
         ),
         "preemptions": sum(bool(r["preempted"]) for r in records),
+        "max_concurrent_agents": _max_overlap(_agent_spans(records)),
+        "max_inflight_calls": _max_overlap(
+            [(r["start_s"], r["end_s"]) for r in records if r["status"] != SKIPPED and r["end_s"] is not None]
+        ),
     }
 
 

@@ -34,18 +34,22 @@ def search_prompt(question: str, query: str, hits: Sequence[SearchHit]) -> str:
     return (
         f"Task: {question}\n"
         f'Search results for "{query}":\n{results}\n'
-        "Which article will you read first? Reply with its title."
+        "Which article will you read first? Reply with its title only."
     )
 
 
 def read_prompt(title: str, text: str) -> str:
-    """A sub-agent's reading turn: one article's (cut) text."""
-    return f"Article: {title}\n{text}\nNote in one line what in this article helps the task."
+    """A sub-agent's reading turn: one article's (cut) text.
+
+    Asking for a quote (not a free-form note) keeps a small model's replies close to the
+    text; with a free-form note SmolLM2-135M repeats that note as its answer later.
+    """
+    return f"Article: {title}\n{text}\nQuote the sentence of this article that matters most for the task."
 
 
 def answer_prompt(question: str) -> str:
     """A sub-agent's last turn: the graded question."""
-    return f"{question}\nAnswer with the missing words only."
+    return f"{question}\nReply with the missing words only."
 
 
 def report_prompt(titles: Sequence[str]) -> str:

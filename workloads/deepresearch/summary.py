@@ -67,6 +67,14 @@ def failure_lines(report: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _concurrency(report: Mapping[str, Any]) -> str:
+    overall = report["overall"]
+    return (
+        f"At most {overall['max_concurrent_agents']} agents active and "
+        f"{overall['max_inflight_calls']} calls in flight at once."
+    )
+
+
 def report_markdown(report: Mapping[str, Any], plots: tuple[str, ...] = ()) -> str:
     """The ``report.md`` page: summary table, definitions pointer, plots."""
     lines = [
@@ -75,7 +83,7 @@ def report_markdown(report: Mapping[str, Any], plots: tuple[str, ...] = ()) -> s
         (
             f"Run span {report['span_s']:.1f} s; floor windows of {report['window_s']:g} s; "
             f"{report['timeseries']['samples']} stats samples "
-            f"({report['timeseries']['errors']} failed)."
+            f"({report['timeseries']['errors']} failed). {_concurrency(report)}"
         ),
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -115,5 +123,6 @@ def print_summary(report: Mapping[str, Any], console: Console | None = None) -> 
     console = console or Console()
     console.print(table)
     console.print(COLUMNS_NOTE, style="dim")
+    console.print(_concurrency(report))
     for line in failure_lines(report):
         console.print(f"failures {line}")
