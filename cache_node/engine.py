@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -97,8 +98,12 @@ class LLMEngine(EngineTiersMixin):
         session_id: str | None = None,
         tenant: str = "",
         policy: str = "",
+        prefetch: bool | None = None,
     ) -> str:
         """Queue a request. Returns its id.
+
+        ``prefetch``: start a spill prefetch for it (True), do not (False: e.g. the global
+        index saw none of its prefix in spill), or follow ``TierConfig.auto_prefetch`` (None).
 
         Raises:
             InvalidRequestError: empty prompt, token id out of vocabulary, prompt longer than
@@ -130,7 +135,7 @@ class LLMEngine(EngineTiersMixin):
                 self.sessions.attach(seq)
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
-            if self.tiers.config.auto_prefetch:
+            if self.tiers.config.auto_prefetch if prefetch is None else prefetch:
                 self.tiers.prefetch(seq, time.monotonic())
         return seq.request_id
 
@@ -274,7 +279,8 @@ class LLMEngine(EngineTiersMixin):
         )
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None, **kw: str
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        **kw: Any,
     ) -> list[RequestOutput]:
         """Run prompts to completion as one continuous batch; final outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -32,7 +32,8 @@ class EngineTiersMixin:
         """Start copying a queued request's blocks from spill into device blocks, overlapping
         with running steps; the request stays queued until the copy lands or fails
         (``TierConfig.prefetch_wait_s`` at most). New requests are prefetched automatically
-        when ``TierConfig.auto_prefetch``. Returns False when there is nothing to start
+        when ``TierConfig.auto_prefetch``, unless ``add_request(prefetch=...)`` (the global
+        index's hint) says otherwise. Returns False when there is nothing to start
         (unknown or running request, no spill client, or one already in flight).
         """
         with self._lock:

@@ -52,8 +52,9 @@ class CacheNode:
         node_id: stable name of the node (also its Ray actor name).
         config: model and pool sizing.
         num_threads: torch CPU threads for this node (0 = all cores).
-        event_sink: optional callable receiving ``(node_id, events)`` block events
-            (the global scheduler's ``report_events``), called from the step thread.
+        event_sink: optional callable receiving ``(node_id, events)``, ``events`` a list of
+            ``(event, block_hash, tier)`` for the device and host tiers (the global
+            scheduler's ``report_events``), called from the step thread.
         scheduler: the engine's scheduling policy (``cache_node.scheduling``); a request's
             tenant promises arrive in ``NodeRequest.extra`` (``slo_class``, ``ttft_slo_ms``,
             ``min_tokens_per_s``, ``weight``, ``kv_quota_bytes``).
@@ -130,6 +131,7 @@ class CacheNode:
             self.engine.add_request(
                 prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
                 session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
+                prefetch=req.prefetch,
             )
         except PermissionError as exc:
             self._streams.pop(req.request_id, None)
@@ -244,9 +246,9 @@ class CacheNode:
     def _flush_events(self) -> None:
         if self.event_sink is None:
             return
-        events = self.engine.take_events()
-        if events:
-            self.event_sink(self.node_id, events)
+        events = self.engine.take_tier_events()
+        if events:  # plain tuples: the scheduler need not import the cache node's types
+            self.event_sink(self.node_id, [(e.event, e.block_hash, e.tier) for e in events])
 
     # ---- admin ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
@@ -287,7 +289,7 @@ def _tiers(out: RequestOutput) -> dict[str, int]:
 
 
 def _event_sink(scheduler: Any) -> Any:
-    def sink(node_id: str, events: list[tuple[str, bytes]]) -> None:
+    def sink(node_id: str, events: list[tuple[str, bytes, str]]) -> None:
         scheduler.report_events.remote(node_id, events)
 
     return sink

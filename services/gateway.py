@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -158,6 +159,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if adm.retry_after_s:
                 context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
             await context.abort(_CODES[adm.code], adm.message)
+        if hashes and not req.session_id:  # the index saw this very prompt: pass its hint on
+            req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
         gen = self.nodes[adm.node_id].generate.options(_generator_backpressure_num_objects=64).remote(req)
         usage: dict[str, Any] | None = None
         try:

@@ -1,13 +1,24 @@
 """The global scheduler: tenants, admission, routing, and the global block index.
 
-One named Ray actor. Gateways call ``authenticate`` / ``admit`` / ``release`` per request;
-cache nodes push block events (``report_events``). Admission is a bounded queue across all
-nodes; with the ``kvstrata`` scheduler it also estimates each request's TTFT on its node (a
-fluid model of the node's prefill backlog by class, the request's device-cached tokens from the
-block index, the node's measured prefill speed; ``cache_node.scheduling.admission``) and
-rejects early with RESOURCE_EXHAUSTED and a retry hint when its class allows. Routing: a session's turns stick to the node
-holding its KV; otherwise the node with the longest prefix match in the block index wins when
-the match is longer than ``affinity_min_blocks``, else the least loaded node.
+One named Ray actor. Gateways call ``authenticate`` / ``admit`` / ``release`` per request.
+Cache nodes push their device- and host-tier block events and spill nodes their RAM- and
+disk-tier events (``report_events``, batched, fire-and-forget) into one tier-aware
+``BlockIndex``: block hash -> the ``(holder, tier)`` pairs holding it.
+
+- Admission is a bounded queue across all nodes. With the ``kvstrata`` scheduler it also
+  estimates each request's TTFT on its node (a fluid model of the node's prefill backlog by
+  class, the request's cached prompt tokens per tier from the index, the node's measured
+  prefill speed; ``cache_node.scheduling.admission``) and rejects early with
+  RESOURCE_EXHAUSTED and a retry hint when its class allows.
+- Routing: a session's turns stick to the node holding its KV; otherwise the node with the
+  longest prefix held on its device or in its host tier wins when that prefix is at least
+  ``affinity_min_blocks`` long, else the least loaded node. Spill-held blocks do not favour
+  a node: every cache node reads the spill tier at the same cost.
+- Prefetch hint: ``Admission.spill_blocks`` says how many prompt blocks past the node's own
+  tiers sit in spill, so the node starts a spill prefetch only when there is one to make.
+
+The index is eventually consistent (events travel asynchronously), so it steers decisions
+but never decides what is reused: the cache node's token-checked prefix cache does.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from cache_node.scheduling.admission import (
     decide,
     estimate_ttft_s,
 )
+from services.block_index import BlockIndex, PrefixTiers
 from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
@@ -47,12 +59,17 @@ class NodeLoad:
 
 @dataclass(frozen=True)
 class Admission:
-    """Outcome of ``admit``: a node to run on, or a rejection with a gRPC status name."""
+    """Outcome of ``admit``: a node to run on, or a rejection with a gRPC status name.
+
+    ``spill_blocks``: leading prompt blocks (past those on the node's device and host tiers)
+    that the index places in the spill tier; > 0 means the node should prefetch them.
+    """
 
     node_id: str = ""
     code: str = "OK"
     message: str = ""
     retry_after_s: float = 0.0
+    spill_blocks: int = 0
 
 
 class GlobalScheduler:
@@ -62,6 +79,7 @@ class GlobalScheduler:
         state_dir: where the tenant database lives (survives restarts).
         nodes: node id -> running capacity (max_num_seqs).
         queue_limit: requests allowed to wait beyond the nodes' running capacity.
+        affinity_min_blocks: shortest device+host prefix (blocks) that routes by affinity.
         scheduler: the nodes' scheduling policy; "kvstrata" turns on TTFT-based admission.
         block_size: the nodes' tokens per block (prefix matches in the index count in blocks).
         clock: monotonic seconds (tests inject one).
@@ -82,7 +100,7 @@ class GlobalScheduler:
         self.specs: dict[str, TenantSpec] = {}  # tenant_id -> spec, filled by authenticate
         self.queue_limit = queue_limit
         self.affinity_min_blocks = affinity_min_blocks
-        self.block_index: dict[bytes, set[str]] = {}
+        self.index = BlockIndex()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
 
@@ -122,7 +140,18 @@ class GlobalScheduler:
         self, tenant_id: str, request_id: str, session_id: str = "", block_hashes: list[bytes] | None = None,
         prompt_tokens: int = 0,
     ) -> Admission:
-        """Pick a node for a request or reject it (RESOURCE_EXHAUSTED with a retry hint)."""
+        """Pick a node for a request or reject it (RESOURCE_EXHAUSTED with a retry hint).
+
+        Args:
+            block_hashes: chained hashes of the prompt's full blocks as the node will compute
+                them (``cache_node.hashing.hash_prompt_blocks``); [] when unknown (a session
+                turn, whose prompt starts with history the gateway does not see).
+            prompt_tokens: prompt length in tokens (0 when unknown).
+
+        Returns:
+            An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
+            "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" with a message.
+        """
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant")
@@ -135,7 +164,8 @@ class GlobalScheduler:
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
             )
         node_id = sticky[1] if sticky is not None else self._route(block_hashes or [])
-        rejected = self._slo_admission(tenant_id, node_id, block_hashes or [], prompt_tokens)
+        prefix = self.index.prefix_tiers(node_id, block_hashes or [])
+        rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens))
         if rejected is not None:
             self.usage.record_rejected(tenant_id)
             return rejected
@@ -144,19 +174,26 @@ class GlobalScheduler:
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id, prompt_tokens=prompt_tokens)
-        return Admission(node_id=node_id)
+        return Admission(node_id=node_id, spill_blocks=prefix.spill)
 
-    def _slo_admission(
-        self, tenant_id: str, node_id: str, block_hashes: list[bytes], prompt_tokens: int
-    ) -> Admission | None:
+    def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
+        """Prompt tokens per tier from a prefix in blocks, capped at ``prompt_tokens``
+        (device first, then host, then spill)."""
+        left = prompt_tokens
+        tokens = []
+        for blocks in (prefix.device, prefix.host, prefix.spill):
+            n = min(left, blocks * self.block_size)
+            tokens.append(n)
+            left -= n
+        return CachedTokens(device=tokens[0], host=tokens[1], spill=tokens[2], miss=left)
+
+    def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens) -> Admission | None:
         """Queue the request's uncached tokens on the node's backlog, or reject it (kvstrata
         only) when its estimated TTFT misses what its class allows. None = admitted."""
         spec = self.specs.get(tenant_id) or self._spec_by_id(tenant_id)
         node = self.nodes[node_id]
         rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
         node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
-        device = min(prompt_tokens, self._match_blocks(node_id, block_hashes) * self.block_size)
-        cached = CachedTokens(device=device, miss=max(0, prompt_tokens - device))
         if self.scheduler == "kvstrata" and spec is not None:
             ahead = node.backlog.ahead(rank)
             est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, node.step_s.value)
@@ -173,22 +210,13 @@ class GlobalScheduler:
             self.specs[tenant.tenant_id] = tenant.spec
         return self.specs.get(tenant_id)
 
-    def _match_blocks(self, node_id: str, block_hashes: list[bytes]) -> int:
-        n = 0
-        for h in block_hashes:
-            if node_id not in self.block_index.get(h, ()):
-                break
-            n += 1
-        return n
-
     def _route(self, block_hashes: list[bytes]) -> str:
+        """The node holding the longest prefix of ``block_hashes`` on its device or host tier
+        (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks, else
+        the node with the fewest requests in flight. Spill-held blocks count for no node."""
         best, best_len = "", 0
         for nid in self.nodes:
-            n = 0
-            for h in block_hashes:
-                if nid not in self.block_index.get(h, ()):
-                    break
-                n += 1
+            n = self.index.node_prefix(nid, block_hashes)
             if n > best_len:
                 best, best_len = nid, n
         if best and best_len >= self.affinity_min_blocks:
@@ -219,27 +247,48 @@ class GlobalScheduler:
         return entry[1]
 
     # ---- global block index ---------------------------------------------------------------
-    def report_events(self, node_id: str, events: list[tuple[str, bytes]]) -> None:
-        for kind, block_hash in events:
-            holders = self.block_index.setdefault(block_hash, set())
-            if kind == "stored":
-                holders.add(node_id)
-            else:
-                holders.discard(node_id)
-                if not holders:
-                    del self.block_index[block_hash]
+    def report_events(
+        self, holder_id: str, events: list[tuple[str, bytes, str]] | list[tuple[str, bytes]],
+        reset: bool = False,
+    ) -> int:
+        """Apply a holder's block events to the index; returns how many were applied.
+
+        Args:
+            holder_id: a cache node id (tiers "device", "host") or a spill node id (tiers
+                "spill_ram", "spill_disk").
+            events: ``(event, block_hash, tier)`` in the order they happened, ``event``
+                "stored" or "removed"; a 2-tuple ``(event, block_hash)`` means tier "device".
+            reset: forget everything ``holder_id`` held first (it restarted and reports its
+                surviving blocks as stored).
+
+        Raises:
+            ValueError: an unknown event or tier, or a malformed event; TypeError: a hash
+                that is not bytes (nothing applied either way).
+        """
+        if reset:
+            self.index.forget(holder_id)
+        return self.index.apply(holder_id, events)
 
     def flush_index(self) -> None:
-        self.block_index.clear()
+        """Forget every block in every tier.
+
+        Admin ``Flush`` calls it after every cache node's ``flush`` dropped its device and
+        host blocks and, through its spill client, every spill node's blocks; the removals
+        those report afterwards are no-ops here.
+        """
+        self.index.clear()
 
     def stats(self) -> dict[str, Any]:
+        """Queue and load per node, sessions, and the index: ``indexed_blocks`` distinct
+        hashes, ``indexed_blocks_by_tier`` block copies per tier (summed over holders)."""
         return {
             "queued": sum(max(0, len(n.in_flight) - n.capacity) for n in self.nodes.values()),
             "in_flight": {nid: len(n.in_flight) for nid, n in self.nodes.items()},
             "scheduler": self.scheduler,
             "prefill_tokens_per_s": {nid: n.prefill.tokens_per_s for nid, n in self.nodes.items()},
             "sessions": len(self.session_nodes),
-            "indexed_blocks": len(self.block_index),
+            "indexed_blocks": len(self.index),
+            "indexed_blocks_by_tier": self.index.pairs_per_tier(),
             "time_s": time.time(),
         }
 

@@ -81,7 +81,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
              scheduler=config.scheduler, block_size=config.node.block_size)
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     spec = spill_block_spec(config)
-    spill_nodes = _start_spill_nodes(config, spec)
+    spill_nodes = _start_spill_nodes(config, spec, scheduler)
     nodes = {
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
@@ -108,15 +108,16 @@ def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:
     return SpillBlockSpec(shape, numpy_dtype_of(dtype).name, kv_format)
 
 
-def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]:
-    """Spill node actors (``spill_node`` resource), each with its own directory."""
+def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, scheduler: Any) -> list[Any]:
+    """Spill node actors (``spill_node`` resource), each with its own directory, reporting
+    their block events to ``scheduler``'s index under their names (``spill_node_<i>``)."""
     root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
     handles = [
         create_spill_node(
             f"spill_node_{i}", root / str(i), BlockFormat(spec.shape, spec.dtype, spec.kv_format),
             config.spill_ram_bytes, config.spill_disk_bytes,
             resources={config.spill_node_resource: 1},
-            lifetime="detached" if config.detached else None,
+            lifetime="detached" if config.detached else None, scheduler=scheduler,
         )
         for i in range(config.num_spill_nodes)
     ]

@@ -13,6 +13,8 @@ class NodeRequest:
 
     Exactly one of ``messages`` (chat, rendered by the node's chat template) and ``token_ids``
     is set. With a ``session_id`` the prompt is appended to that session's history.
+    ``prefetch``: the global index's hint whether the prompt's prefix continues in the spill
+    tier (start a spill prefetch or not); None leaves it to the node (``auto_prefetch``).
     """
 
     request_id: str
@@ -26,6 +28,7 @@ class NodeRequest:
     max_context_tokens: int = 0
     arrival_time_s: float = 0.0
     extra: dict[str, str] = field(default_factory=dict)
+    prefetch: bool | None = None
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):

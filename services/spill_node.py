@@ -8,11 +8,19 @@ blocks per call; each Ray message costs about 1 ms.
 An actor restart loses the RAM tier; the disk tier is rebuilt from the group
 files in ``root_dir`` when the restarted actor constructs its store, which is
 why ``create_spill_node`` sets ``max_restarts``.
+
+With an ``event_sink`` (``create_spill_node(..., scheduler=...)``) the node pushes
+its stored/removed events to the global scheduler's block index after every call
+that changed the store: one fire-and-forget message per batch, none for a clean
+read. Construction pushes with ``reset=True``, so a restarted node replaces what
+the index believed it held by its rebuilt disk tier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,11 +31,39 @@ from ray.actor import ActorHandle
 from services.spill_format import BlockFormat
 from services.spill_store import SpillEvent, SpillHits, SpillStore
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_RESOURCES: dict[str, float] = {"spill_node": 1}
+
+# (node_id, [(event, block_hash, tier), ...], reset) -> None; GlobalScheduler.report_events
+EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
+
+
+class ReportToScheduler:
+    """An ``EventSink`` calling ``report_events`` on a scheduler actor, fire-and-forget.
+
+    A failed submission is logged and dropped: the index is a hint, never worth a failed put.
+    """
+
+    def __init__(self, scheduler: ActorHandle) -> None:
+        self.scheduler = scheduler
+
+    def __call__(self, node_id: str, events: list[tuple[str, bytes, str]], reset: bool) -> None:
+        try:
+            self.scheduler.report_events.remote(node_id, events, reset)
+        except Exception as exc:  # noqa: BLE001 - a dead scheduler must not fail the store
+            logger.warning("spill node %s: %d block events not reported: %s", node_id, len(events), exc)
 
 
 class SpillNode:
-    """Actor body: owns one ``SpillStore``; see its methods for the contracts."""
+    """Actor body: owns one ``SpillStore``; see its methods for the contracts.
+
+    Args:
+        root_dir, block_format, ram_bytes, disk_bytes, store_options: see ``SpillStore``.
+        node_id: this node's holder id in the global block index (its actor name).
+        event_sink: receives the store's events after each call that changed it; None keeps
+            them for ``take_events``.
+    """
 
     def __init__(
         self,
@@ -35,9 +71,18 @@ class SpillNode:
         block_format: BlockFormat,
         ram_bytes: int,
         disk_bytes: int,
+        *,
+        node_id: str = "",
+        event_sink: EventSink | None = None,
         **store_options: Any,
     ) -> None:
+        if event_sink is not None and not node_id:
+            raise ValueError("a spill node with an event_sink needs a node_id")
         self._store = SpillStore(root_dir, block_format, ram_bytes, disk_bytes, **store_options)
+        self.node_id = node_id
+        self._sink = event_sink
+        self._sink_lock = threading.Lock()  # events leave in order even from a threaded actor
+        self._push(reset=True)
 
     def ready(self) -> bool:
         """True once the store is built (its disk index rebuilt); await it after creation."""
@@ -45,11 +90,15 @@ class SpillNode:
 
     def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
         """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``; returns blocks newly stored."""
-        return self._store.put(hashes, blocks, namespace)
+        stored = self._store.put(hashes, blocks, namespace)
+        self._push()
+        return stored
 
     def get(self, hashes: Sequence[bytes]) -> SpillHits:
         """``SpillStore.get``: the hits, their blocks ``(hits, *shape)`` and tiers."""
-        return self._store.get(hashes)
+        hits = self._store.get(hashes)
+        self._push()  # a corrupt or missing file dropped its blocks
+        return hits
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
         """``SpillStore.contains``: the tier of each hash, or None."""
@@ -61,15 +110,26 @@ class SpillNode:
 
     def flush(self) -> int:
         """``SpillStore.flush``: drop every block; returns how many."""
-        return self._store.flush()
+        dropped = self._store.flush()
+        self._push()
+        return dropped
 
     def stats(self) -> dict[str, int]:
         """``SpillStore.stats``."""
         return self._store.stats()
 
     def take_events(self) -> list[SpillEvent]:
-        """``SpillStore.take_events``: changes since the last call, oldest first."""
+        """``SpillStore.take_events``: changes since the last call, oldest first (always
+        empty with an ``event_sink``, which receives them instead)."""
         return self._store.take_events()
+
+    def _push(self, reset: bool = False) -> None:
+        if self._sink is None:
+            return
+        with self._sink_lock:
+            events = [(e.event, e.block_hash, e.tier) for e in self._store.take_events()]
+            if events or reset:
+                self._sink(self.node_id, events, reset)
 
 
 SpillNodeActor = ray.remote(SpillNode)
@@ -87,6 +147,7 @@ def create_spill_node(
     max_task_retries: int = 3,
     num_cpus: float = 0,
     lifetime: str | None = None,
+    scheduler: ActorHandle | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -102,6 +163,8 @@ def create_spill_node(
             method is idempotent except ``take_events``.
         num_cpus: CPUs it holds (0: it is I/O bound).
         lifetime: Ray actor lifetime ("detached" outlives the driver that created it).
+        scheduler: the GlobalScheduler actor whose block index receives this node's events
+            (holder id ``name``); None keeps them for ``take_events``.
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.
@@ -114,5 +177,7 @@ def create_spill_node(
         num_cpus=num_cpus,
         lifetime=lifetime,
     )
-    handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, **store_options)
+    sink = ReportToScheduler(scheduler) if scheduler is not None else None
+    handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,
+                            event_sink=sink, **store_options)
     return cast("ActorHandle[SpillNode]", handle)

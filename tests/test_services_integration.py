@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -71,6 +72,10 @@ def test_namespaces_isolate_and_share_prefixes(stack, keys) -> None:
     assert same_ns["started"].cached_tokens.device == ((n - 1) // 16) * 16
     assert other_ns["started"].cached_tokens.device <= 16
     assert same_ns["tokens"] == first["tokens"] == other_ns["tokens"]
+    stats = stack.admin.Stats(admin_pb2.StatsRequest(), metadata=stack.admin_md())
+    indexed = json.loads(stats.stats_json)["scheduler"]["indexed_blocks_by_tier"]
+    # both namespaces' prompts, from the nodes' tier events (some may be demoted to host by now)
+    assert indexed["device"] + indexed["host"] >= 2 * ((n - 1) // 16)
 
 
 def _code(fn) -> grpc.StatusCode:

@@ -203,3 +203,29 @@ def test_tier_config_rejects_bad_values() -> None:
         TierConfig(demote_low_watermark=0.5, demote_high_watermark=0.1)
     with pytest.raises(ValueError, match="host_bytes"):
         TierConfig(host_bytes=-1)
+
+
+def test_prefetch_hint_overrides_auto_prefetch(tiny, tmp_path) -> None:
+    """The global index's hint (``add_request(prefetch=...)``): False skips the spill read
+    (the request recomputes), True prefetches even with ``auto_prefetch`` off."""
+    eng = tiered(tiny)
+    store = store_for(eng, tmp_path)
+    eng = tiered(tiny, spill=store)
+    p = prompt_of(200, 13)
+    cold = run(eng, p)
+
+    def reads() -> int:
+        stats = store.stats()
+        return stats["hits_spill_ram"] + stats["misses"]
+
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    before = reads()
+    assert run(eng, p, prefetch=False).num_cached_tokens_by_tier == by_tier()
+    assert reads() == before
+    off = tiered(tiny, spill=store, auto_prefetch=False)
+    hinted = run(off, p, prefetch=True)
+    assert hinted.num_cached_tokens_by_tier == by_tier(spill_ram=192)
+    assert hinted.output_token_ids == cold.output_token_ids
+    assert run(off, prompt_of(200, 14)).num_cached_tokens_by_tier == by_tier()
+    assert reads() == before + 12  # only the hinted request read the spill tier

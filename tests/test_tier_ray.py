@@ -14,6 +14,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray
 
+from services.global_scheduler import GlobalSchedulerActor
 from services.spill_client import RaySpillClient
 from services.spill_format import BlockFormat
 from services.spill_node import SpillNode, create_spill_node
@@ -36,11 +37,24 @@ class SlowSpillNode(SpillNode):
         return super().get(hashes)
 
 
+def spill_blocks_indexed(scheduler, want: int, timeout_s: float = 10.0) -> dict[str, int]:
+    """The scheduler's per-tier block counts once its spill RAM count is ``want`` (events
+    arrive asynchronously), or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tiers = ray.get(scheduler.stats.remote())["indexed_blocks_by_tier"]
+        if tiers["spill_ram"] == want or time.monotonic() > deadline:
+            return tiers
+        time.sleep(0.05)
+
+
 def test_engine_round_trip_through_two_sharded_spill_nodes(tiny, tmp_path) -> None:
     probe = tiered(tiny)
     spec = probe.spill_block_spec()
     fmt = BlockFormat(*spec)
-    nodes = [create_spill_node(f"tier-shard-{i}", tmp_path / str(i), fmt, 1 << 24, 1 << 26)
+    scheduler = GlobalSchedulerActor.options(num_cpus=0).remote(str(tmp_path / "state"), {"n0": 4})
+    nodes = [create_spill_node(f"tier-shard-{i}", tmp_path / str(i), fmt, 1 << 24, 1 << 26,
+                               scheduler=scheduler)
              for i in range(2)]
     ray.get([n.ready.remote() for n in nodes])
     try:
@@ -52,11 +66,14 @@ def test_engine_round_trip_through_two_sharded_spill_nodes(tiny, tmp_path) -> No
         assert eng.wait_for_transfers()
         per_node = [ray.get(n.stats.remote())["blocks_spill_ram"] for n in nodes]
         assert sum(per_node) == 19 and min(per_node) > 0  # both shards hold part of the KV
+        assert spill_blocks_indexed(scheduler, 19) == by_tier(spill_ram=19)  # pushed by the nodes
         again = run(eng, p)
         assert again.num_cached_tokens_by_tier == by_tier(spill_ram=288)
         assert again.output_token_ids == cold.output_token_ids
+        eng.flush()
+        assert spill_blocks_indexed(scheduler, 0) == by_tier()
     finally:
-        for n in nodes:
+        for n in [*nodes, scheduler]:
             ray.kill(n, no_restart=True)
 
 

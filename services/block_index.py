@@ -1,0 +1,162 @@
+"""The global block index: which holder keeps each block hash, and in which tier.
+
+Holders are cache nodes (tiers ``device`` and ``host``) and spill nodes (``spill_ram`` and
+``spill_disk``). Both push batches of ``(event, block_hash, tier)`` changes (DESIGN.md §3,
+§6); the index is eventually consistent: an event may arrive after a request was admitted,
+so every answer is an estimate, and the node's own prefix cache (token-checked) decides.
+
+The index keeps one ``(holder, tier)`` pair per copy, so the order of events inside a batch
+does not matter for a move: a demotion (removed/device, stored/host) and a promotion
+(stored/device, removed/host) both end with exactly one pair. Chained hashes make every
+match a prefix walk that stops at the first miss.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+TIER_DEVICE = "device"
+TIER_HOST = "host"
+SPILL_TIERS = ("spill_ram", "spill_disk")
+TIERS = (TIER_DEVICE, TIER_HOST, *SPILL_TIERS)  # the same names as cache_node.tiering.TIERS
+NODE_TIERS = (TIER_DEVICE, TIER_HOST)
+EVENTS = ("stored", "removed")
+
+
+class PrefixTiers(NamedTuple):
+    """Leading blocks of a prompt a cache node can reuse, by where they are (blocks)."""
+
+    device: int = 0
+    host: int = 0
+    spill: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.spill
+
+
+class BlockIndex:
+    """Block hash -> set of ``(holder_id, tier)`` pairs, with per-tier pair counts."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[bytes, set[tuple[str, str]]] = {}
+        self._per_tier: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        """Distinct block hashes held anywhere."""
+        return len(self._pairs)
+
+    def holders(self, block_hash: bytes) -> set[tuple[str, str]]:
+        """The ``(holder_id, tier)`` pairs holding ``block_hash`` (a copy; empty when none)."""
+        return set(self._pairs.get(block_hash, ()))
+
+    def apply(self, holder_id: str, events: Iterable[Sequence[object]]) -> int:
+        """Apply ``(event, block_hash)`` (tier "device") or ``(event, block_hash, tier)`` items.
+
+        Storing a pair already held and removing one not held are no-ops (an event may
+        arrive after ``clear``). Returns the number of events applied.
+
+        Raises:
+            ValueError: an unknown event or tier, a malformed item, or an empty
+                ``holder_id``. TypeError: a block hash that is not bytes. The index is
+                unchanged when either is raised.
+        """
+        if not holder_id:
+            raise ValueError("holder_id must be non-empty")
+        checked = [_check(item) for item in events]
+        for kind, block_hash, tier in checked:
+            if kind == "stored":
+                self._add(block_hash, (holder_id, tier))
+            else:
+                self._discard(block_hash, (holder_id, tier))
+        return len(checked)
+
+    def forget(self, holder_id: str) -> int:
+        """Drop every pair of ``holder_id`` (a restarted holder re-reports). Returns pairs
+        dropped; O(indexed blocks)."""
+        dropped = 0
+        for block_hash in list(self._pairs):
+            for pair in [p for p in self._pairs[block_hash] if p[0] == holder_id]:
+                self._discard(block_hash, pair)
+                dropped += 1
+        return dropped
+
+    def clear(self) -> None:
+        self._pairs.clear()
+        self._per_tier.clear()
+
+    def pairs_per_tier(self) -> dict[str, int]:
+        """Block copies per tier, summed over holders (every tier of ``TIERS`` present)."""
+        return {tier: self._per_tier[tier] for tier in TIERS}
+
+    def node_prefix(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        """Leading ``hashes`` that cache node ``node_id`` holds on device or in its host tier."""
+        n = 0
+        for block_hash in hashes:
+            pairs = self._pairs.get(block_hash, ())
+            if (node_id, TIER_DEVICE) not in pairs and (node_id, TIER_HOST) not in pairs:
+                break
+            n += 1
+        return n
+
+    def prefix_tiers(self, node_id: str, hashes: Sequence[bytes]) -> PrefixTiers:
+        """Leading ``hashes`` reusable by ``node_id``, each counted in its cheapest tier.
+
+        A block counts as device or host when ``node_id`` holds it there, else as spill
+        when any spill node holds it (spill nodes serve every cache node); the walk stops
+        at the first block found nowhere.
+        """
+        counts = {TIER_DEVICE: 0, TIER_HOST: 0, "spill": 0}
+        for block_hash in hashes:
+            pairs = self._pairs.get(block_hash, ())
+            if (node_id, TIER_DEVICE) in pairs:
+                counts[TIER_DEVICE] += 1
+            elif (node_id, TIER_HOST) in pairs:
+                counts[TIER_HOST] += 1
+            elif any(tier in SPILL_TIERS for _, tier in pairs):
+                counts["spill"] += 1
+            else:
+                break
+        return PrefixTiers(counts[TIER_DEVICE], counts[TIER_HOST], counts["spill"])
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError when the per-tier counts disagree with the pairs, or a hash
+        is kept with no pair (a removal that did not clean up)."""
+        actual: Counter[str] = Counter(tier for pairs in self._pairs.values() for _, tier in pairs)
+        if any(not pairs for pairs in self._pairs.values()):
+            raise RuntimeError("block index keeps a hash that no holder has")
+        if dict(actual) != {tier: n for tier, n in self._per_tier.items() if n}:
+            raise RuntimeError(f"per-tier counts {dict(self._per_tier)} != pairs {dict(actual)}")
+
+    def _add(self, block_hash: bytes, pair: tuple[str, str]) -> None:
+        pairs = self._pairs.setdefault(block_hash, set())
+        if pair not in pairs:
+            pairs.add(pair)
+            self._per_tier[pair[1]] += 1
+
+    def _discard(self, block_hash: bytes, pair: tuple[str, str]) -> None:
+        pairs = self._pairs.get(block_hash)
+        if pairs is None or pair not in pairs:
+            return
+        pairs.remove(pair)
+        self._per_tier[pair[1]] -= 1
+        if not pairs:
+            del self._pairs[block_hash]
+
+
+def _check(item: Sequence[object]) -> tuple[str, bytes, str]:
+    """``(event, block_hash[, tier])`` as a typed triple; raises ValueError (TypeError for a
+    hash that is not bytes) when malformed."""
+    if len(item) not in (2, 3):
+        raise ValueError(f"an event is (event, block_hash[, tier]), got {item!r}")
+    kind, block_hash = item[0], item[1]
+    tier = item[2] if len(item) == 3 else TIER_DEVICE
+    if kind not in EVENTS:
+        raise ValueError(f"unknown event {kind!r}; known: {list(EVENTS)}")
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known: {list(TIERS)}")
+    if not isinstance(block_hash, bytes):
+        raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}")
+    return str(kind), block_hash, str(tier)

@@ -1,0 +1,203 @@
+"""The tier-aware global block index (plain GlobalScheduler and SpillNode, no Ray started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cache_node.tiering import TIERS
+from services.block_index import TIERS as INDEX_TIERS
+from services.block_index import BlockIndex, PrefixTiers
+from services.global_scheduler import GlobalScheduler
+from services.spill_node import SpillNode
+from tenants.model import TenantSpec
+from tests.test_slo_admission import Clock
+from tests.test_spill_store import BLOCK, DISK, FMT, hashes_of, make_blocks
+
+H = hashes_of(range(12))  # a chain of block hashes, as the gateway computes them
+
+
+def by_tier(**counts: int) -> dict[str, int]:
+    return {"device": 0, "host": 0, "spill_ram": 0, "spill_disk": 0} | counts
+
+
+def stored(tier: str, hashes: list[bytes]) -> list[tuple[str, bytes, str]]:
+    return [("stored", h, tier) for h in hashes]
+
+
+def removed(tier: str, hashes: list[bytes]) -> list[tuple[str, bytes, str]]:
+    return [("removed", h, tier) for h in hashes]
+
+
+def plain(tmp_path: Path, nodes: tuple[str, ...] = ("n0", "n1"), **kw: object) -> GlobalScheduler:
+    return GlobalScheduler(str(tmp_path), dict.fromkeys(nodes, 4), **kw)  # type: ignore[arg-type]
+
+
+def test_index_tiers_are_the_cache_nodes_tier_names() -> None:
+    assert INDEX_TIERS == TIERS
+
+
+def test_demotion_moves_a_hash_from_device_to_host(tmp_path) -> None:
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("device", H[:3]))
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(device=3)
+    gs.report_events("n0", removed("device", H[:2]) + stored("host", H[:2]))  # engine order
+    assert gs.index.holders(H[0]) == {("n0", "host")}
+    assert gs.index.holders(H[2]) == {("n0", "device")}
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(device=1, host=2)
+    assert gs.stats()["indexed_blocks"] == 3
+    gs.index.check_integrity()
+
+
+def test_promotion_keeps_the_device_copy_whatever_the_event_order(tmp_path) -> None:
+    """Regression guard: a node's batch lists device events before host events, so a
+    promotion reads stored/device then removed/host; an index keyed by holder alone would
+    drop the device copy on the host removal."""
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("host", H[:2]))
+    gs.report_events("n0", stored("device", H[:2]) + removed("host", H[:2]))
+    assert [gs.index.holders(h) for h in H[:2]] == [{("n0", "device")}] * 2
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(device=2)
+
+
+def test_two_tuples_are_device_events(tmp_path) -> None:
+    gs = plain(tmp_path)
+    assert gs.report_events("n1", [("stored", H[0]), ("stored", H[1])]) == 2
+    gs.report_events("n1", [("removed", H[1])])
+    assert gs.index.holders(H[0]) == {("n1", "device")} and gs.index.holders(H[1]) == set()
+
+
+def test_spill_events_add_spill_holders_and_removal_cleans_up(tmp_path) -> None:
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("device", H[:2]))
+    gs.report_events("spill_node_0", stored("spill_ram", H[:4]))
+    gs.report_events("spill_node_0", removed("spill_ram", H[:4]) + stored("spill_disk", H[:4]))
+    assert gs.index.holders(H[0]) == {("n0", "device"), ("spill_node_0", "spill_disk")}
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(device=2, spill_disk=4)
+    gs.report_events("spill_node_0", removed("spill_disk", H[:4]))
+    gs.report_events("n0", removed("device", H[:2]))
+    assert len(gs.index) == 0 and gs.stats()["indexed_blocks_by_tier"] == by_tier()
+    gs.index.check_integrity()
+
+
+def test_removing_what_is_not_held_is_a_no_op(tmp_path) -> None:
+    """Events of a flush may arrive after ``flush_index`` cleared everything."""
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("host", H[:1]))
+    gs.report_events("n0", removed("device", H[:1]) + removed("host", H[1:2]))
+    assert gs.index.holders(H[0]) == {("n0", "host")}
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(host=1)
+
+
+def test_reset_forgets_what_a_restarted_holder_held(tmp_path) -> None:
+    gs = plain(tmp_path)
+    gs.report_events("spill_node_0", stored("spill_ram", H[:3]) + stored("spill_disk", H[3:5]))
+    gs.report_events("spill_node_1", stored("spill_ram", H[5:6]))
+    gs.report_events("spill_node_0", stored("spill_disk", H[3:4]), reset=True)  # rebuilt disk
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(spill_ram=1, spill_disk=1)
+    assert len(gs.index) == 2
+    gs.index.check_integrity()
+
+
+def test_bad_events_raise_and_change_nothing(tmp_path) -> None:
+    gs = plain(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown tier 'gpu'; known: \['device', 'host'"):
+        gs.report_events("n0", stored("device", H[:1]) + stored("gpu", H[1:2]))
+    with pytest.raises(ValueError, match="unknown event 'evicted'"):
+        gs.report_events("n0", [("evicted", H[0], "device")])
+    with pytest.raises(TypeError, match="block_hash must be bytes"):
+        gs.report_events("n0", [("stored", "ab", "device")])  # type: ignore[arg-type]
+    assert len(gs.index) == 0
+
+
+def test_flush_clears_every_tier(tmp_path) -> None:
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("device", H[:2]) + stored("host", H[2:4]))
+    gs.report_events("spill_node_0", stored("spill_ram", H[4:5]) + stored("spill_disk", H[5:6]))
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(device=2, host=2, spill_ram=1, spill_disk=1)
+    gs.flush_index()
+    assert gs.stats()["indexed_blocks"] == 0 and gs.stats()["indexed_blocks_by_tier"] == by_tier()
+    json.dumps(gs.stats())  # the gateway's Stats ships it as JSON
+
+
+def test_routing_prefers_the_longer_device_plus_host_prefix(tmp_path) -> None:
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("device", H[:5]))
+    gs.report_events("n1", stored("device", H[:3]) + stored("host", H[3:6]))
+    assert gs.admit("t", "r1", block_hashes=H).node_id == "n1"  # 6 blocks (3 in host) > 5
+    gs.report_events("n1", removed("host", H[3:6]) + stored("spill_ram", H[3:6]))
+    assert gs.admit("t", "r2", block_hashes=H).node_id == "n0"  # n1 keeps 3 of its own
+
+
+def test_spill_blocks_favour_no_node(tmp_path) -> None:
+    gs = plain(tmp_path)
+    gs.report_events("spill_node_0", stored("spill_ram", H))
+    gs.admit("t", "busy", block_hashes=[])  # n0 now has one request in flight
+    adm = gs.admit("t", "r", block_hashes=H)
+    assert (adm.node_id, adm.spill_blocks) == ("n1", 12)  # the least loaded node, told to prefetch
+
+
+def test_a_short_match_routes_to_the_least_loaded_node(tmp_path) -> None:
+    gs = plain(tmp_path, affinity_min_blocks=4)
+    gs.report_events("n1", stored("device", H[:3]))
+    assert gs.admit("t", "r", block_hashes=H).node_id == "n0"  # 3 < affinity_min_blocks
+
+
+def test_prefix_tiers_count_the_cheapest_tier_and_stop_at_a_miss() -> None:
+    index = BlockIndex()
+    index.apply("n0", stored("device", H[:2]) + stored("host", H[2:3]))
+    index.apply("s0", stored("spill_ram", H[:5]) + stored("spill_disk", H[6:8]))
+    index.apply("n1", stored("device", H[3:5]))  # another node's device is no use to n0
+    assert index.prefix_tiers("n0", H) == PrefixTiers(device=2, host=1, spill=2)
+    assert index.prefix_tiers("n1", H) == PrefixTiers(spill=3, device=2)
+    assert index.node_prefix("n0", H) == 3 and index.node_prefix("n1", H) == 0
+
+
+def test_admission_counts_cached_tokens_per_tier(tmp_path) -> None:
+    """Prompt 100 tokens, 6 full blocks of 16: n0 holds 2 on device, 1 in host, spill 2."""
+    gs = plain(tmp_path, nodes=("n0",), block_size=16)
+    gs.report_events("n0", stored("device", H[:2]) + stored("host", H[2:3]))
+    gs.report_events("spill_node_0", stored("spill_ram", H[:5]))
+    adm = gs.admit("t", "r", block_hashes=H[:6], prompt_tokens=100)
+    assert (adm.code, adm.spill_blocks) == ("OK", 2)
+    assert gs.nodes["n0"].backlog.by_rank == {1: 20.0}  # the uncached 100 - 80 tokens
+
+
+def test_spill_held_prefix_turns_a_rejection_into_an_admission(tmp_path) -> None:
+    """1200 tokens at 1000 tokens/s miss a 1000 ms SLO (1.25 s); read from spill at
+    20k tokens/s they meet it (0.06 + 0.05 s)."""
+    clock = Clock()
+    gs = plain(tmp_path, nodes=("n0",), scheduler="kvstrata", clock=clock)
+    tenant, key = gs.register_tenant(TenantSpec("live", "interactive"))
+    gs.authenticate(key)
+    gs.nodes["n0"].prefill.set(1000.0)
+    gs.nodes["n0"].step_s.update(0.05)
+    hashes = hashes_of(range(100, 175))  # 75 blocks = 1200 tokens
+    assert gs.admit(tenant.tenant_id, "cold", block_hashes=hashes, prompt_tokens=1200).code == (
+        "RESOURCE_EXHAUSTED"
+    )
+    gs.report_events("spill_node_0", stored("spill_disk", hashes))
+    adm = gs.admit(tenant.tenant_id, "warm", block_hashes=hashes, prompt_tokens=1200)
+    assert (adm.code, adm.spill_blocks) == ("OK", 75)
+    assert gs.nodes["n0"].backlog.by_rank == {0: 0.0}
+
+
+def test_spill_node_pushes_its_events_and_a_restart_resets_them(tmp_path) -> None:
+    """SpillNode (the actor body) -> report_events, as ``create_spill_node(scheduler=...)``."""
+    gs = plain(tmp_path / "state")
+
+    def sink(node_id: str, events: list[tuple[str, bytes, str]], reset: bool) -> None:
+        gs.report_events(node_id, events, reset)
+
+    node = SpillNode(tmp_path / "spill", FMT, 4 * BLOCK, DISK, node_id="s0", event_sink=sink,
+                     demote_low_watermark=0.5)
+    node.put(hashes_of(range(6)), make_blocks(range(6)), "ns")  # over 4 blocks: 4 LRU to disk
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(spill_ram=2, spill_disk=4)
+    assert node.take_events() == []  # the sink took them
+    restarted = SpillNode(tmp_path / "spill", FMT, 4 * BLOCK, DISK, node_id="s0", event_sink=sink)
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(spill_disk=4)  # RAM died with it
+    assert restarted.flush() == 4
+    assert gs.stats()["indexed_blocks"] == 0
+    gs.index.check_integrity()
