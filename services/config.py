@@ -47,6 +47,7 @@ class ServiceConfig(BaseModel):
     spill_dir: str = ""  # default: <state_dir>/spill
     spill_node_resource: str = "spill_node"
     detached: bool = False
+    start_timeout_s: float = Field(600.0, gt=0)  # actors not placed by then: a clear error, not a hang
     scheduler: str = "fcfs"  # scheduling policy of every node: fcfs | priority | vtc | kvstrata
 
     @field_validator("scheduler")

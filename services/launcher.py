@@ -90,7 +90,8 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
                  spill_nodes, spec if spill_nodes else None)
         for nid in node_ids
     }
-    ray.get([node.describe.remote() for node in nodes.values()])  # wait until models are loaded
+    # wait until models are loaded
+    _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource, "cache node")
     gateway = GatewayActor.options(name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life).remote(
         scheduler, nodes, config.node.model_path
     )
@@ -121,8 +122,26 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, scheduler: A
         )
         for i in range(config.num_spill_nodes)
     ]
-    ray.get([h.ready.remote() for h in handles])
+    _wait_placed([h.ready.remote() for h in handles], config, config.spill_node_resource, "spill node")
     return handles
+
+
+def _wait_placed(refs: list[Any], config: ServiceConfig, resource: str, what: str) -> None:
+    """``ray.get(refs)``, but a clear error instead of a silent hang when no Ray node offers
+    ``resource`` (an actor that cannot be placed waits forever).
+
+    Raises:
+        RuntimeError: the actors were not up within ``config.start_timeout_s``.
+    """
+    try:
+        ray.get(refs, timeout=config.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        have = ray.cluster_resources().get(resource, 0)
+        raise RuntimeError(
+            f"{what} actors were not up within {config.start_timeout_s:g} s; the cluster offers "
+            f"{have:g} units of the `{resource}` resource (each {what} needs 1). Start Ray with "
+            f"`resources={{'{resource}': N}}` or set the count to 0 in the service config."
+        ) from None
 
 
 def stop_services(services: Services) -> None:

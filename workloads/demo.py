@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=50.0, help="arrival window of research sessions")
     p.add_argument("--sessions-per-s", type=float, default=0.054, help="one tenant share of session arrivals")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-subagents", type=int, default=3, help="sub-agents per research session (2..6)")
     p.add_argument("--nodes", type=int, default=2, help="cache nodes")
     p.add_argument("--scheduler", default="kvstrata", help="fcfs | priority | vtc | kvstrata")
     p.add_argument("--policy", default="", help="KV policy for every tenant (cache_node.policies spec)")
@@ -44,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def _run(args: argparse.Namespace, address: str, admin_key: str, console: Console) -> int:
-    config = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s))
+    config = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s),
+                            max_subagents=args.max_subagents)
     async with grpc.aio.insecure_channel(address) as channel:
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
