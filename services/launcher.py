@@ -86,6 +86,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
             resources={config.cache_node_resource: 1}, **life,
+            runtime_env={"env_vars": dict(config.node.env_vars)},
         ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler,
                  spill_nodes, spec if spill_nodes else None)
         for nid in node_ids
