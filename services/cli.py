@@ -8,12 +8,14 @@ that ``kvstrata up`` writes (~/.kvstrata).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +25,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import grpc
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc, tenant_pb2
@@ -34,6 +37,7 @@ tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
 run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(run_app, name="run")
+SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped: keep tables readable
 STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
 ConfigOpt = typer.Option(None, "--config", "-c", help="service YAML config")
@@ -64,7 +68,7 @@ def _admin_md() -> tuple[tuple[str, str], ...]:
 
 
 def _fail(err: grpc.RpcError) -> None:
-    console.print(f"[red]{err.code().name}[/red]: {err.details()}")
+    console.print(f"[red]{err.code().name}[/red]: {escape(err.details() or '')}")
     raise typer.Exit(1)
 
 
@@ -74,32 +78,89 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """True when a TCP connection to ``host:port`` opens within ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _stop_local_ray(temp_dir: str) -> int:
+    """Terminate the processes of the Ray cluster ``kvstrata up`` started under ``temp_dir``.
+
+    Every process of that cluster (GCS, raylet, workers, ...) carries its session directory,
+    which lies under ``temp_dir``, on its command line; other Ray clusters on the machine do
+    not, so they are left alone (unlike ``ray stop``, which stops every cluster of the user).
+    Returns the number of processes stopped.
+    """
+    import psutil
+
+    ours = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(temp_dir in part for part in proc.info["cmdline"] or ()):
+                ours.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for proc in ours:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(ours, timeout=10)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    return len(ours)
+
+
 @app.command()
 def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
         None, help="join this Ray cluster (e.g. auto); default: start a local one")) -> None:
-    """Start the global scheduler, cache nodes and gateway; print the gateway address."""
+    """Start the global scheduler, cache nodes and gateway; print the gateway address.
+
+    Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
+    ``kvstrata down`` uses to stop exactly that cluster).
+    """
     import ray
 
     from services.launcher import start_services
 
     cfg = load_config(config).model_copy(update={"detached": True})
+    state = _state()
+    if state.get("address") and _reachable(state["address"]):
+        console.print(f"[red]kvstrata is already up at {state['address']}; run `kvstrata down` first[/red]")
+        raise typer.Exit(1)
+    if cfg.gateway_port and _reachable(f"{cfg.gateway_host}:{cfg.gateway_port}", 0.5):
+        console.print(f"[red]port {cfg.gateway_port} on {cfg.gateway_host} is taken; set gateway_port in "
+                      "the config (0 = any free port)[/red]")
+        raise typer.Exit(1)
     started_ray = address is None
+    temp_dir = ""
     if started_ray:
         ray_port = _free_port()
+        temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")
         resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
                                 cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
         subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
-                        f"--resources={resources}", "--include-dashboard=false", "--disable-usage-stats"],
-                       check=True, capture_output=True)
+                        f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
+                        "--disable-usage-stats"], check=True, capture_output=True)
         address = f"127.0.0.1:{ray_port}"
-    ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
-    with console.status("loading the model on every cache node ..."):
-        services = start_services(cfg)
+    try:
+        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+        with console.status("loading the model on every cache node ..."):
+            services = start_services(cfg)
+    except Exception as exc:  # noqa: BLE001 -- leave nothing half-started behind, whatever failed
+        if temp_dir:
+            _stop_local_ray(temp_dir)
+        console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}")
+        raise typer.Exit(1) from None
     cfg.state_path.mkdir(parents=True, exist_ok=True)
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     (STATE_DIR / "gateway.json").write_text(json.dumps({
         "address": services.address, "ray_address": address, "started_ray": started_ray,
-        "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
+        "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
     }))
     console.print(f"gateway: [bold]{services.address}[/bold]")
     console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
@@ -107,7 +168,7 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
 
 @app.command()
 def down() -> None:
-    """Stop the services started by `kvstrata up` (and the local Ray cluster it started)."""
+    """Stop the services started by `kvstrata up` (and the local Ray cluster it started, only that one)."""
     import ray
 
     from services.launcher import GATEWAY_NAME, SCHEDULER_NAME
@@ -117,17 +178,24 @@ def down() -> None:
         console.print("nothing to stop")
         return
     try:
-        ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
-        nodes = [f"{kind}_{i}" for kind in ("cache_node", "spill_node") for i in range(64)]
-        for name in [GATEWAY_NAME, SCHEDULER_NAME, *nodes]:
-            try:
-                ray.kill(ray.get_actor(name))
-            except ValueError:
-                pass
-        ray.shutdown()
+        if _reachable(state["ray_address"]):
+            ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
+            nodes = [f"{kind}_{i}" for kind in ("cache_node", "spill_node") for i in range(64)]
+            for name in [GATEWAY_NAME, SCHEDULER_NAME, *nodes]:
+                try:
+                    ray.kill(ray.get_actor(name))
+                except ValueError:
+                    pass
+            ray.shutdown()
+        else:
+            console.print(f"Ray at {state['ray_address']} is not reachable; removing the stale state")
     finally:
-        if state.get("started_ray"):
-            subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], capture_output=True)
+        if state.get("started_ray") and state.get("ray_temp_dir"):
+            _stop_local_ray(state["ray_temp_dir"])
+            shutil.rmtree(state["ray_temp_dir"], ignore_errors=True)
+        elif state.get("started_ray"):
+            console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
+                          "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")
         (STATE_DIR / "gateway.json").unlink(missing_ok=True)
     console.print("stopped")
 
@@ -160,7 +228,7 @@ def tenant_add(
     policy: str = "", gateway: Optional[str] = None,
 ) -> None:
     """Register a tenant; prints its API key once."""
-    classes = {"interactive": 1, "standard": 2, "batch": 3}
+    classes = SLO_CLASSES
     if slo_class not in classes:
         console.print(f"[red]unknown SLO class {slo_class!r}; known: {', '.join(classes)}[/red]")
         raise typer.Exit(2)
@@ -189,9 +257,10 @@ def tenant_list(gateway: Optional[str] = None) -> None:
         except grpc.RpcError as err:
             _fail(err)
     table = Table("name", "class", "ttft_slo_ms", "min_tokens_per_s", "weight", "namespace")
+    class_names = {number: name for name, number in SLO_CLASSES.items()}
     for t in resp.tenants:
         s = t.spec
-        table.add_row(s.name, str(s.slo_class), f"{s.ttft_slo_ms:g}", f"{s.min_tokens_per_s:g}",
+        table.add_row(s.name, class_names.get(s.slo_class, str(s.slo_class)), f"{s.ttft_slo_ms:g}", f"{s.min_tokens_per_s:g}",
                       f"{s.weight:g}", s.cache_namespace)
     console.print(table)
 
@@ -249,14 +318,21 @@ def generate(
 
 @run_app.command("deepresearch")
 def run_deepresearch(
-    duration: float = typer.Option(90.0, "--duration", help="arrival window, seconds"),
+    duration: float = typer.Option(50.0, "--duration", help="arrival window, seconds"),
     tenants: int = typer.Option(4, "--tenants", help="number of demo tenant profiles to use (1-4)"),
-    sessions_per_s: float = 0.03, seed: int = 0,
-    scheduler: str = typer.Option("", help="scheduling policy (once the SLO scheduler exists)"),
+    sessions_per_s: float = typer.Option(0.054, help="one tenant share of research sessions per second"),
+    seed: int = 0,
+    max_subagents: int = typer.Option(3, help="sub-agents per research session (2..6)"),
+    scheduler: str = typer.Option("", help="not settable here: the scheduler is chosen at `kvstrata up` "
+                                  "(config `scheduler:`); passing one only prints a reminder"),
     policy: str = typer.Option("", help="KV policy for every tenant"),
     gateway: Optional[str] = None, reports: str = "reports",
 ) -> None:
-    """Run the DeepResearch multi-agent workload against a running gateway."""
+    """Run the DeepResearch multi-agent workload against a running gateway.
+
+    Registers the demo tenants (chat, analyst, indexer, noisy) afresh: tenants of those names
+    already in the store are deleted and re-registered with new keys.
+    """
     from workloads.deepresearch.config import WorkloadConfig
     from workloads.deepresearch.demo_config import demo_tenants
     from workloads.deepresearch.job import run_deepresearch_grpc
@@ -265,7 +341,7 @@ def run_deepresearch(
     if scheduler:
         console.print(f"[yellow]--scheduler {scheduler}: the gateway's scheduler is chosen at `kvstrata up`[/yellow]")
     profiles = demo_tenants(sessions_per_s)[: max(1, min(tenants, 4))]
-    cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles)
+    cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
     address = _gateway(gateway)
     admin_key = _admin_md()[0][1].split(" ", 1)[1]
 
@@ -273,7 +349,6 @@ def run_deepresearch(
         async with grpc.aio.insecure_channel(address) as ch:
             keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
         out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console)
-        console.print(f"report: {out.run_dir}")
         return out.exit_code
 
     raise typer.Exit(asyncio.run(go()))

@@ -218,10 +218,13 @@ def chat_messages_from_pb(
     """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` for the chat template.
 
     Raises:
-        ValueError: no messages, or a role outside ``CHAT_ROLES`` (named by index).
+        ValueError: no messages, a role outside ``CHAT_ROLES`` (named by index), or every
+            message's content is blank (an empty prompt).
     """
     if not msg.messages:
         raise ValueError(f"{prefix}.messages must hold at least one message")
+    if not any(m.content.strip() for m in msg.messages):
+        raise ValueError(f"{prefix}.messages: every message is empty; the prompt needs some text")
     for index, message in enumerate(msg.messages):
         if message.role not in CHAT_ROLES:
             raise ValueError(

@@ -30,16 +30,23 @@ from tenants.errors import TenantExistsError, TenantNotFoundError
 _CODES = {c.name: c for c in grpc.StatusCode}
 
 
+def _message(exc: BaseException) -> str:
+    """The error's own message: an exception raised inside an actor reaches the gateway as
+    Ray's task error (``cause`` holds the original), whose ``str`` is a whole remote traceback."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc)
+
+
 async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
     """Await an actor call, mapping tenant errors and bad input to statuses."""
     try:
         return await ref
     except TenantExistsError as exc:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _message(exc))
     except TenantNotFoundError as exc:
-        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        await context.abort(grpc.StatusCode.NOT_FOUND, _message(exc))
     except ValueError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
 
 
 def _check_policy(name: str) -> None:

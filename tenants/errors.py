@@ -14,6 +14,13 @@ class TenantError(Exception):
         super().__init__(message)
         self.name = name
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickling (Ray sends it from the scheduler actor) must rebuild from the name; the
+        # default rebuilds from ``args`` (the message), which the subclasses would wrap again.
+        if type(self) is TenantError:
+            return (type(self), (self.name, str(self)))
+        return (type(self), (self.name,))
+
 
 class TenantExistsError(TenantError):
     """A tenant with this name is already registered (gRPC ALREADY_EXISTS)."""

@@ -52,7 +52,6 @@ async def _run(args: argparse.Namespace, address: str, admin_key: str, console: 
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
     outcome = await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=args.reports,
                                           console=console)
-    console.print(f"report: {outcome.run_dir} (also {args.reports}/latest)")
     return outcome.exit_code
 
 

@@ -78,7 +78,7 @@ async def run_deepresearch(
     run_dir, report = write_report(result.records, result.timeseries, config.tenants, root=root,
                                    config=config, plan=plan, run_info=run_info)  # fmt: skip
     print_summary(report, console)
-    console.print(f"report: {run_dir}")
+    console.print(f"report: {run_dir} (also {Path(root) / 'latest'})")
     return JobOutcome(run_dir, report, exit_code(report), result)
 
 
