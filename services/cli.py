@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import grpc
+import pydantic
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -117,7 +118,8 @@ def _stop_local_ray(temp_dir: str) -> int:
 
 @app.command()
 def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
-        None, help="join this Ray cluster (e.g. auto); default: start a local one")) -> None:
+        None, help="join this Ray cluster (e.g. auto); default: start a local one"),
+        scheduler: str = typer.Option("", help="fcfs | priority | vtc | kvstrata (overrides the config)")) -> None:
     """Start the global scheduler, cache nodes and gateway; print the gateway address.
 
     Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
@@ -127,7 +129,14 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
 
     from services.launcher import start_services
 
-    cfg = load_config(config).model_copy(update={"detached": True})
+    cfg = load_config(config)
+    if scheduler:
+        try:
+            cfg = ServiceConfig.model_validate({**cfg.model_dump(), "scheduler": scheduler})
+        except pydantic.ValidationError as exc:
+            console.print(f"[red]--scheduler: {escape(exc.errors()[0]['msg'])}[/red]")
+            raise typer.Exit(2) from None
+    cfg = cfg.model_copy(update={"detached": True})
     state = _state()
     if state.get("address") and _reachable(state["address"]):
         console.print(f"[red]kvstrata is already up at {state['address']}; run `kvstrata down` first[/red]")
@@ -323,8 +332,8 @@ def run_deepresearch(
     sessions_per_s: float = typer.Option(0.054, help="one tenant share of research sessions per second"),
     seed: int = 0,
     max_subagents: int = typer.Option(3, help="sub-agents per research session (2..6)"),
-    scheduler: str = typer.Option("", help="not settable here: the scheduler is chosen at `kvstrata up` "
-                                  "(config `scheduler:`); passing one only prints a reminder"),
+    scheduler: str = typer.Option("", help="the scheduler the gateway must run (chosen at `kvstrata up "
+                                  "--scheduler`); the run stops at once when it runs another"),
     policy: str = typer.Option("", help="KV policy for every tenant"),
     gateway: Optional[str] = None, reports: str = "reports",
 ) -> None:
@@ -338,11 +347,21 @@ def run_deepresearch(
     from workloads.deepresearch.job import run_deepresearch_grpc
     from workloads.deepresearch.register import register_tenants
 
+    address = _gateway(gateway)
     if scheduler:
-        console.print(f"[yellow]--scheduler {scheduler}: the gateway's scheduler is chosen at `kvstrata up`[/yellow]")
+        with grpc.insecure_channel(address) as ch:
+            try:
+                resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
+                    admin_pb2.StatsRequest(check_integrity=False), metadata=_admin_md(), timeout=30)
+            except grpc.RpcError as err:
+                _fail(err)
+        running = json.loads(resp.stats_json)["scheduler"]["scheduler"]
+        if running != scheduler:
+            console.print(f"[red]the gateway runs the {running} scheduler, not {scheduler}: "
+                          f"`kvstrata down` then `kvstrata up --scheduler {scheduler}`[/red]")
+            raise typer.Exit(2)
     profiles = demo_tenants(sessions_per_s)[: max(1, min(tenants, 4))]
     cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
-    address = _gateway(gateway)
     admin_key = _admin_md()[0][1].split(" ", 1)[1]
 
     async def go() -> int:

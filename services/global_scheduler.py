@@ -173,7 +173,7 @@ class GlobalScheduler:
         self.requests[request_id] = (tenant_id, node_id)
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
-        self.usage.record_request(tenant_id, prompt_tokens=prompt_tokens)
+        self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill)
 
     def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
@@ -235,6 +235,10 @@ class GlobalScheduler:
                 node.step_s.update(float(usage["step_s"]))
         if tenant_id and usage:
             self.usage.record_completion_tokens(tenant_id, int(usage.get("completion_tokens", 0)))
+            if "prompt_tokens" in usage:
+                cached = {k: int(v) for k, v in (usage.get("cached_tokens") or {}).items()}
+                self.usage.record_prompt(tenant_id, prompt_tokens=int(usage["prompt_tokens"]),
+                                         cached_tokens=cached)
             if usage.get("preempted"):
                 self.usage.record_preempted(tenant_id)
 

@@ -101,10 +101,10 @@ class UsageLedger:
         self,
         tenant_id: str,
         *,
-        prompt_tokens: int,
+        prompt_tokens: int = 0,
         cached_tokens: TierTokens | Mapping[str, int] | None = None,
     ) -> None:
-        """Count one admitted request with its prompt size and prompt cache hits.
+        """Count one admitted request with its prompt size and prompt cache hits, where known.
 
         Raises:
             ValueError: the cached tokens exceed ``prompt_tokens``.
@@ -119,6 +119,33 @@ class UsageLedger:
             self._usage[tenant_id] = replace(
                 usage,
                 requests=usage.requests + 1,
+                prompt_tokens=usage.prompt_tokens + prompt_tokens,
+                cached_tokens=usage.cached_tokens + cached,
+            )
+
+    def record_prompt(
+        self,
+        tenant_id: str,
+        *,
+        prompt_tokens: int,
+        cached_tokens: TierTokens | Mapping[str, int] | None = None,
+    ) -> None:
+        """Add a finished request's prompt size and cache hits (the request was counted at
+        admission with ``record_request``; a session turn's prompt, history included, is only
+        known once the node has run it).
+
+        Raises:
+            ValueError: the cached tokens exceed ``prompt_tokens``.
+        """
+        cached = _tier_tokens(cached_tokens)
+        if cached.total > _count("prompt_tokens", prompt_tokens):
+            raise ValueError(
+                f"cached_tokens total {cached.total} exceeds prompt_tokens {prompt_tokens}"
+            )
+        with self._lock:
+            usage = self._get(tenant_id)
+            self._usage[tenant_id] = replace(
+                usage,
                 prompt_tokens=usage.prompt_tokens + prompt_tokens,
                 cached_tokens=usage.cached_tokens + cached,
             )

@@ -173,3 +173,5 @@ def test_deadline_aborts_request(stack, keys) -> None:
 def test_usage_is_accounted(stack, keys) -> None:
     usage = stack.tenants.GetUsage(tenant_pb2.GetUsageRequest(name="alice"), metadata=stack.admin_md()).usage
     assert usage.requests >= 4 and usage.completion_tokens > 0
+    # prompt tokens as the nodes ran them (session history included), hits per tier
+    assert usage.prompt_tokens > 0 and usage.cached_tokens.device > 0

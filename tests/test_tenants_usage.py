@@ -57,6 +57,19 @@ def test_ledger_counts_exactly() -> None:
     }
 
 
+def test_prompt_recorded_at_release_adds_without_counting_a_request() -> None:
+    ledger = UsageLedger()
+    ledger.record_request("t1")
+    ledger.record_prompt("t1", prompt_tokens=59, cached_tokens={"device": 44})
+    ledger.record_prompt("t1", prompt_tokens=10, cached_tokens={"host": 4, "spill_ram": 2})
+    u = ledger.snapshot("t1")
+    assert (u.requests, u.prompt_tokens) == (1, 69)
+    assert u.cached_tokens == TierTokens(device=44, host=4, spill_ram=2)
+    with pytest.raises(ValueError, match="exceeds prompt_tokens"):
+        ledger.record_prompt("t1", prompt_tokens=3, cached_tokens={"device": 4})
+    assert ledger.snapshot("t1") == u
+
+
 def test_unknown_tenant_snapshot_is_zero_and_forget() -> None:
     ledger = UsageLedger()
     assert ledger.snapshot("new") == TenantUsage("new")
