@@ -25,11 +25,15 @@ class NodeConfig(BaseModel):
     prefetch_wait_s: float = Field(1.0, ge=0)  # longest a queued request waits on a spill prefetch
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
-    # Environment of the node's worker process, set before torch loads. OpenMP's default
-    # spin-waiting at barriers stalls every multi-threaded op whenever the gateway, raylet or
-    # another node takes one of the cores (2-core machine: ~10-25% of throughput); PASSIVE
-    # threads sleep instead.
-    env_vars: dict[str, str] = Field(default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
+    # Environment of the node's worker process, set before torch loads:
+    # - OMP_WAIT_POLICY=PASSIVE: OpenMP's default spin-waiting at barriers stalls every
+    #   multi-threaded op whenever the gateway, raylet or another node takes one of the cores
+    #   (2-core machine: ~10-25% of throughput); passive threads sleep instead.
+    # - RAY_worker_niceness=0: Ray starts workers at nice 15 so they yield to its own daemons and
+    #   to every other process; the cache node is the serving path and runs at normal priority.
+    env_vars: dict[str, str] = Field(
+        default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}
+    )
 
 
 class ServiceConfig(BaseModel):
