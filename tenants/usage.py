@@ -109,19 +109,7 @@ class UsageLedger:
         Raises:
             ValueError: the cached tokens exceed ``prompt_tokens``.
         """
-        cached = _tier_tokens(cached_tokens)
-        if cached.total > _count("prompt_tokens", prompt_tokens):
-            raise ValueError(
-                f"cached_tokens total {cached.total} exceeds prompt_tokens {prompt_tokens}"
-            )
-        with self._lock:
-            usage = self._get(tenant_id)
-            self._usage[tenant_id] = replace(
-                usage,
-                requests=usage.requests + 1,
-                prompt_tokens=usage.prompt_tokens + prompt_tokens,
-                cached_tokens=usage.cached_tokens + cached,
-            )
+        self._record(tenant_id, 1, prompt_tokens, cached_tokens)
 
     def record_prompt(
         self,
@@ -137,6 +125,15 @@ class UsageLedger:
         Raises:
             ValueError: the cached tokens exceed ``prompt_tokens``.
         """
+        self._record(tenant_id, 0, prompt_tokens, cached_tokens)
+
+    def _record(
+        self,
+        tenant_id: str,
+        requests: int,
+        prompt_tokens: int,
+        cached_tokens: TierTokens | Mapping[str, int] | None,
+    ) -> None:
         cached = _tier_tokens(cached_tokens)
         if cached.total > _count("prompt_tokens", prompt_tokens):
             raise ValueError(
@@ -146,6 +143,7 @@ class UsageLedger:
             usage = self._get(tenant_id)
             self._usage[tenant_id] = replace(
                 usage,
+                requests=usage.requests + requests,
                 prompt_tokens=usage.prompt_tokens + prompt_tokens,
                 cached_tokens=usage.cached_tokens + cached,
             )
