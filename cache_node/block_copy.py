@@ -52,9 +52,10 @@ def _threads_for(num_blocks: int, *tensors: torch.Tensor) -> Iterator[None]:
 
 
 def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Coalesce paired ids into ``(src_start, dst_start, length)`` runs where both advance by 1."""
+    """Coalesce paired ids into ``(src_start, dst_start, length)`` runs where both advance by 1
+    (pairs are taken in source order: the copies are independent)."""
     out: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
+    for s, d in sorted(zip(src_ids, dst_ids)):
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
             s0, d0, n = out[-1]
             out[-1] = (s0, d0, n + 1)

@@ -114,9 +114,16 @@ class HostTier:
         overflow = new[: max(len(new) - self.num_slots, 0)]
         new = new[len(overflow) :]
         victims = self._evict(len(new) - len(self._free_slots))
-        slots = [self._free_slots.pop() for _ in new]
-        copy_view_to_view(self.data, slots, src, [s for _, s in new])
-        for (m, _), slot in zip(new, slots):
+        # Slots in ascending order for ascending source ids: a run of consecutive device blocks
+        # lands in consecutive slots, so demoting it and promoting it back are one copy each
+        # (the free queue hands a prefix's blocks over tail first).
+        slots = sorted(self._free_slots.pop() for _ in new)
+        by_src = sorted(range(len(new)), key=lambda i: new[i][1])
+        slot_of = [0] * len(new)
+        for i, slot in zip(by_src, slots):
+            slot_of[i] = slot
+        copy_view_to_view(self.data, slot_of, src, [s for _, s in new])
+        for (m, _), slot in zip(new, slot_of):
             self.entries[m.block_hash] = HostEntry(slot, m.token_ids, m.namespace)
             self._events.append(TierEvent("stored", m.block_hash, TIER_HOST))
         if overflow:

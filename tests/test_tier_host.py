@@ -26,7 +26,9 @@ def meta(i: int) -> BlockMeta:
 
 
 def test_runs_coalesce_consecutive_pairs() -> None:
-    assert runs([3, 4, 5, 9, 1], [0, 1, 2, 3, 7]) == [(3, 0, 3), (9, 3, 1), (1, 7, 1)]
+    assert runs([3, 4, 5, 9, 1], [0, 1, 2, 3, 7]) == [(1, 7, 1), (3, 0, 3), (9, 3, 1)]
+    # pairs are taken in source order, so a batch listed tail first still coalesces
+    assert runs([6, 5, 4], [12, 11, 10]) == [(4, 10, 3)]
 
 
 def test_view_and_stack_copies_are_exact() -> None:
@@ -58,6 +60,19 @@ def test_put_lookup_take_release_keep_exact_slots_and_events() -> None:
         TierEvent("stored", meta(2).block_hash, "host"),
         TierEvent("removed", meta(1).block_hash, "host"),
     ]
+
+
+def test_a_prefix_demoted_tail_first_lands_in_ascending_slots() -> None:
+    """The free queue hands a prefix over tail first; its blocks still get consecutive slots
+    in prefix order, so promoting the prefix back is one copy run."""
+    host = HostTier(SHAPE, torch.float32, budget_bytes=8 * BLOCK_BYTES)
+    host.put([meta(6), meta(5), meta(4)], pool_view(), [6, 5, 4])
+    assert [host.entries[meta(i).block_hash].slot for i in (4, 5, 6)] == [0, 1, 2]
+    assert list(host.entries) == [meta(i).block_hash for i in (6, 5, 4)]  # LRU order kept
+    for i in (4, 5, 6):
+        assert torch.equal(host.data[:, :, host.entries[meta(i).block_hash].slot], pool_view()[:, :, i])
+    slots = [host.entries[meta(i).block_hash].slot for i in (4, 5, 6)]
+    assert runs(slots, [1, 2, 3]) == [(0, 1, 3)]
 
 
 def test_lru_victims_carry_their_bytes_and_touch_protects() -> None:
