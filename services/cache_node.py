@@ -1,18 +1,25 @@
 """The cache node service: one engine, its step loop thread, and per-request token streams.
 
-A plain class (testable without Ray); ``CacheNodeActor`` is the thin Ray wrapper. Tokens go
-from the step thread to each request's asyncio queue; ``generate`` is an async generator, so
-through Ray it is a streaming generator whose cancellation aborts the request in the engine
-within one step and frees its blocks.
+A plain class (testable without Ray); ``CacheNodeActor`` is the thin Ray wrapper. Each engine
+step's events are handed from the step thread to the event loop in one batch, and reach a
+request in one of two ways:
+
+- ``generate`` (in-process callers): an async generator over the request's own queue; closing
+  it aborts the request.
+- ``submit`` + ``poll`` (the gateway, through Ray): events go to the subscriber's mailbox and
+  one long-poll call returns every stream's events since the last one, so a step with ``n``
+  running streams costs one actor call, not ``n`` streamed objects. ``abort`` stops a request
+  at the next step boundary and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +41,22 @@ from services.node_request import NodeRequest
 Event = dict[str, Any]
 
 
+class _Mailbox:
+    """Events for one subscriber (a gateway), drained by ``CacheNode.poll``; lives on the loop."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Event]] = []
+        self.ready = asyncio.Event()
+
+    def put(self, request_id: str, event: Event) -> None:
+        self.items.append((request_id, event))
+        self.ready.set()
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Event]
+    deliver: Callable[[Event], None]  # called on ``loop``
     request: NodeRequest
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
@@ -91,6 +110,7 @@ class CacheNode:
         self.event_sink = event_sink
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
+        self._mailboxes: dict[str, _Mailbox] = {}
         self._session_messages: dict[str, list[dict[str, str]]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -115,10 +135,8 @@ class CacheNode:
         }
 
     # ---- streaming generation -------------------------------------------------------------
-    async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
-        """Run one request; yields event dicts (see services.node_request)."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+    def _open(self, req: NodeRequest, deliver: Callable[[Event], None]) -> Event | None:
+        """Register ``req``'s stream and queue it in the engine; an error event when rejected."""
         try:
             prompt = self._prompt(req)
             if req.max_context_tokens and len(prompt) + req.sampling.max_tokens > req.max_context_tokens:
@@ -127,7 +145,7 @@ class CacheNode:
                     f"tenant's max_context_tokens ({req.max_context_tokens})"
                 )
             self._set_tenant_share(req)
-            self._streams[req.request_id] = _Stream(loop, queue, req, len(prompt))
+            self._streams[req.request_id] = _Stream(asyncio.get_running_loop(), deliver, req, len(prompt))
             self.engine.add_request(
                 prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
                 session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
@@ -135,13 +153,21 @@ class CacheNode:
             )
         except PermissionError as exc:
             self._streams.pop(req.request_id, None)
-            yield {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
-            return
+            return {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
         except ValueError as exc:
             self._streams.pop(req.request_id, None)
-            yield {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
-            return
+            return {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
         self._wake.set()
+        return None
+
+    async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
+        """Run one request; yields event dicts (see services.node_request). Closing the
+        generator before its last event aborts the request."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        error = self._open(req, queue.put_nowait)
+        if error is not None:
+            yield error
+            return
         done = False
         try:
             while not done:
@@ -152,6 +178,28 @@ class CacheNode:
             self._streams.pop(req.request_id, None)
             if not done:
                 self.engine.abort_request(req.request_id)
+
+    async def submit(self, req: NodeRequest, subscriber: str) -> None:
+        """Start ``req``; its events go to ``subscriber``'s mailbox (read them with ``poll``).
+
+        A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED) gets its error event
+        posted like any other, so the caller need not wait for this call's reply.
+        """
+        box = self._mailboxes.setdefault(subscriber, _Mailbox())
+        error = self._open(req, lambda event: box.put(req.request_id, event))
+        if error is not None:
+            box.put(req.request_id, error)
+
+    async def poll(self, subscriber: str, timeout_s: float = 1.0) -> list[tuple[str, Event]]:
+        """Every ``(request_id, event)`` posted for ``subscriber`` since the last poll, in order;
+        waits up to ``timeout_s`` seconds for the first one (an empty list on timeout)."""
+        box = self._mailboxes.setdefault(subscriber, _Mailbox())
+        if not box.items:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(box.ready.wait(), timeout_s)
+        items, box.items = box.items, []
+        box.ready.clear()
+        return items
 
     def _set_tenant_share(self, req: NodeRequest) -> None:
         extra = req.extra
@@ -182,8 +230,7 @@ class CacheNode:
                 self._wake.wait(self.config.step_idle_wait_s)
                 self._wake.clear()
             else:
-                for out in self.engine.step():
-                    self._dispatch(out)
+                self._deliver_step(self.engine.step())
                 # Python locks are not fair: leave the engine lock free for a moment so the
                 # transfer thread (spill prefetch) is not starved by back-to-back steps.
                 time.sleep(0.0005)
@@ -193,10 +240,25 @@ class CacheNode:
                     self._session_messages.pop(sid, None)
                 last_expiry = time.monotonic()
 
-    def _dispatch(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Turn one step's outputs into events and hand them to each loop in one call."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Event]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            for event in self._events(out, stream):
+                batches.setdefault(stream.loop, []).append((stream, event))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _deliver(self, batch: list[tuple[_Stream, Event]]) -> None:
+        for stream, event in batch:
+            if event["type"] in ("finished", "error"):
+                self._streams.pop(stream.request.request_id, None)
+            stream.deliver(event)
+
+    def _events(self, out: RequestOutput, stream: _Stream) -> list[Event]:
         events: list[Event] = []
         if out.new_token_ids and not stream.started:
             stream.started = True
@@ -217,8 +279,7 @@ class CacheNode:
         elif out.finished:
             self._end_session_turn(stream, out)
             events.append(self._finished_event(out, stream))
-        for event in events:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+        return events
 
     def _end_session_turn(self, stream: _Stream, out: RequestOutput) -> None:
         req = stream.request
@@ -252,6 +313,8 @@ class CacheNode:
 
     # ---- admin ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` at the next step boundary (its stream gets no more events)."""
+        self._streams.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
     def close_session(self, session_id: str, tenant: str) -> int:
