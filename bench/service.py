@@ -154,7 +154,8 @@ async def _rounds(
             print(
                 f"round {r}: TTFT p50 in-process {median([a for a, _ in pairs]):.1f} ms, service "
                 f"{median([b for _, b in pairs]):.1f} ms; tok/s in-process {out['tps']['in_process'][-1]:.2f}, "
-                f"service {out['tps']['service'][-1]:.2f}",
+                f"service {out['tps']['service'][-1]:.2f}; added TTFT per prompt (ms) "
+                f"{[round(b - a) for a, b in pairs]}",
                 flush=True,
             )
     return out
