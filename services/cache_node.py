@@ -19,6 +19,7 @@ import contextlib
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,9 @@ from services.config import NodeConfig
 from services.node_request import NodeRequest
 
 Event = dict[str, Any]
+
+ABORTED_EARLY_MAX = 4096
+"""Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
 
 
 class _Mailbox:
@@ -111,6 +115,7 @@ class CacheNode:
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
         self._mailboxes: dict[str, _Mailbox] = {}
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()
         self._session_messages: dict[str, list[dict[str, str]]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -186,6 +191,10 @@ class CacheNode:
         posted like any other, so the caller need not wait for this call's reply.
         """
         box = self._mailboxes.setdefault(subscriber, _Mailbox())
+        if self._aborted_early.pop(req.request_id, False) is None:
+            box.put(req.request_id, {"type": "error", "code": "CANCELLED",
+                                     "message": "the request was cancelled before it reached the node"})
+            return
         error = self._open(req, lambda event: box.put(req.request_id, event))
         if error is not None:
             box.put(req.request_id, error)
@@ -313,8 +322,15 @@ class CacheNode:
 
     # ---- admin ----------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """Stop ``request_id`` at the next step boundary (its stream gets no more events)."""
-        self._streams.pop(request_id, None)
+        """Stop ``request_id`` at the next step boundary (its stream gets no more events).
+
+        An abort can overtake its request (the gateway aborts, the scheduler submits): an
+        unknown id is remembered, and a later ``submit`` of it is refused (CANCELLED).
+        """
+        if self._streams.pop(request_id, None) is None:
+            self._aborted_early[request_id] = None
+            while len(self._aborted_early) > ABORTED_EARLY_MAX:
+                self._aborted_early.popitem(last=False)
         return self.engine.abort_request(request_id)
 
     def close_session(self, session_id: str, tenant: str) -> int:

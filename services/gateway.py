@@ -7,7 +7,6 @@ a CacheNode actor, and maps failures to precise status codes for that call alone
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -123,14 +122,21 @@ class NodeStreams:
         self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]]]] = {}
         self._pumps: dict[str, asyncio.Task[None]] = {}
 
-    def open(self, node_id: str, request_id: str) -> asyncio.Queue[dict[str, Any]]:
-        """A queue for ``request_id``'s events from ``node_id``; open it before submitting."""
+    def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
+        """A queue for ``request_id``'s events; open it before the request reaches a node."""
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._queues[request_id] = (node_id, queue)
-        pump = self._pumps.get(node_id)
-        if pump is None or pump.done():
-            self._pumps[node_id] = asyncio.get_running_loop().create_task(self._pump(node_id))
+        self._queues[request_id] = ("", queue)
+        for node_id in self.nodes:  # every node is polled while any stream is open
+            pump = self._pumps.get(node_id)
+            if pump is None or pump.done():
+                self._pumps[node_id] = asyncio.get_running_loop().create_task(self._pump(node_id))
         return queue
+
+    def bind(self, request_id: str, node_id: str) -> None:
+        """Record the node serving ``request_id`` (its failure ends this stream)."""
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            self._queues[request_id] = (node_id, entry[1])
 
     def close(self, request_id: str) -> None:
         """Stop routing ``request_id``'s events (later ones are dropped)."""
@@ -213,21 +219,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:  # noqa: N802
         tenant = await self.auth.tenant(context)
         req, hashes = await self._prepare(request, tenant, context)
-        adm = await self.scheduler.admit.remote(
-            tenant.tenant_id, req.request_id, req.session_id, hashes, len(req.token_ids)
-        )
-        if adm.code != "OK":
-            if adm.retry_after_s:
-                context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
-            await context.abort(_CODES[adm.code], adm.message)
-        if hashes and not req.session_id:  # the index saw this very prompt: pass its hint on
-            req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
-        queue = self.streams.open(adm.node_id, req.request_id)
-        node = self.nodes[adm.node_id]
+        # headers now, while admission and prefill run, not with the first token
+        await context.send_initial_metadata(())
+        queue = self.streams.open(req.request_id)
+        adm = None
         usage: dict[str, Any] | None = None
+        # the scheduler hands an admitted request straight to its node; every answer from the
+        # node, a refusal included, comes back through that node's poll
+        admission = self.scheduler.admit_and_submit.remote(req, self.streams.subscriber, hashes)
         try:
-            # not awaited: every answer, a refusal included, comes back through the node's poll
-            node.submit.remote(req, self.streams.subscriber)
+            adm = await admission
+            if adm.code != "OK":
+                usage = {}
+                if adm.retry_after_s:
+                    context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
+                await context.abort(_CODES[adm.code], adm.message)
+            self.streams.bind(req.request_id, adm.node_id)
             while usage is None:
                 event = await queue.get()
                 if event["type"] == "error":
@@ -239,8 +246,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         finally:
             self.streams.close(req.request_id)
             if usage is None:  # cancelled or past its deadline
-                node.abort.remote(req.request_id)
-            self.scheduler.release.remote(req.request_id, usage)
+                if adm is None:  # while being admitted: abort once the node is known
+                    asyncio.get_running_loop().create_task(self._abort_admitted(admission, req.request_id))
+                else:
+                    self.nodes[adm.node_id].abort.remote(req.request_id)
+            if adm is None or adm.code == "OK":
+                self.scheduler.release.remote(req.request_id, usage)
+
+    async def _abort_admitted(self, admission: Any, request_id: str) -> None:
+        try:
+            adm = await admission
+        except Exception:  # noqa: BLE001 - nothing was admitted, nothing runs
+            return
+        if adm.code == "OK":
+            self.nodes[adm.node_id].abort.remote(request_id)
 
     async def CloseSession(self, request, context):  # noqa: N802
         tenant = await self.auth.tenant(context)

@@ -23,6 +23,7 @@ but never decides what is reused: the cache node's token-checked prefix cache do
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from cache_node.scheduling.admission import (
     estimate_ttft_s,
 )
 from services.block_index import BlockIndex, PrefixTiers
+from services.node_request import NodeRequest
 from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
@@ -103,6 +105,7 @@ class GlobalScheduler:
         self.index = BlockIndex()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
+        self.node_handles: dict[str, Any] = {}  # node id -> CacheNode actor (attach_nodes)
 
     # ---- tenants (the gateway checks the admin key first) ---------------------------------
     def ensure_admin_key(self) -> str | None:
@@ -175,6 +178,28 @@ class GlobalScheduler:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill)
+
+    def attach_nodes(self, handles: dict[str, Any]) -> None:
+        """The cache node actors, so ``admit_and_submit`` can hand requests on to them."""
+        self.node_handles = dict(handles)
+
+    def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
+        """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
+        go to ``subscriber``'s mailbox there (``CacheNode.submit``/``poll``).
+
+        The node hears of the request from here, one actor hop sooner than if the gateway
+        waited for this reply and sent it on. A session-less prompt the index places partly in
+        the spill tier is marked for prefetch.
+
+        Raises:
+            KeyError: the chosen node was never attached (``attach_nodes``).
+        """
+        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, len(req.token_ids))
+        if adm.code == "OK":
+            if block_hashes and not req.session_id:
+                req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
+            self.node_handles[adm.node_id].submit.remote(req, subscriber)
+        return adm
 
     def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
         """Prompt tokens per tier from a prefix in blocks, capped at ``prompt_tokens``

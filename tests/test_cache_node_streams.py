@@ -91,3 +91,16 @@ def test_abort_stops_events_and_frees_blocks(node) -> None:
     assert "long" not in node._streams
     assert node.stats()["used_blocks"] == 0 and node.stats()["running"] == 0
     node.engine.check_integrity()
+
+
+def test_an_abort_that_overtakes_its_request_cancels_it(node) -> None:
+    """The gateway aborts while the scheduler is still forwarding the request."""
+    assert not node.abort("early")
+
+    async def run():
+        await node.submit(request("early"), "gw4")
+        return await drain(node, "gw4", {"early"})
+
+    got = asyncio.run(run())
+    assert [(ev["type"], ev.get("code")) for ev in got["early"]] == [("error", "CANCELLED")]
+    assert "early" not in node._streams and node.stats()["running"] == 0
