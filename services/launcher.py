@@ -75,11 +75,8 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     n = config.num_cache_nodes
     node_ids = [f"cache_node_{i}" for i in range(n)]
     state_dir = str(config.state_path)
-    # the request path (gateway, scheduler) runs at normal priority like the nodes; Ray starts
-    # workers at nice 15, behind every other process on the machine
-    serving = {"env_vars": {"RAY_worker_niceness": "0"}}
     scheduler = GlobalSchedulerActor.options(
-        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, runtime_env=serving, **life
+        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size)
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
@@ -98,7 +95,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource, "cache node")
     ray.get(scheduler.attach_nodes.remote(nodes))
     gateway = GatewayActor.options(
-        name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, runtime_env=serving, **life
+        name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life
     ).remote(
         scheduler, nodes, config.node.model_path
     )
