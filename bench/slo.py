@@ -76,7 +76,7 @@ def trace(rate_rps: float, duration_s: float, n_prompts: int, seed: int) -> list
 def deploy(scheduler: str, node: NodeConfig) -> Services:
     if not ray.is_initialized():
         ray.init(address="local", namespace="kvstrata-bench-slo", include_dashboard=False,
-                 log_to_driver=False, resources={"cache_node": 1})
+                 log_to_driver=False, resources={"cache_node": 1, "spill_node": 1})
     cfg = ServiceConfig(num_cache_nodes=1, node=node, gateway_port=0, scheduler=scheduler,
                         queue_limit=10_000, state_dir=tempfile.mkdtemp(prefix="kvstrata-slo-"))
     return start_services(cfg)
@@ -109,7 +109,8 @@ async def play(services: Services, keys: dict[str, str], arrivals: list[tuple[fl
         await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
         res = await client.generate(api_key=keys[tenant], session_id="", messages=prompts[p],
                                     max_tokens=max_tokens, temperature=0.0, request_id=f"{tenant}-{i}")
-        rec = res.as_dict() | {"tenant": tenant, "correct": None}
+        # each request is its own agent (one call, no session)
+        rec = res.as_dict() | {"tenant": tenant, "correct": None, "session_id": f"{tenant}-{i}"}
         rec["start_s"], rec["end_s"] = res.start_s - t0, res.end_s - t0
         return rec
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS))
     ap.add_argument("--out", default="reports/slo")
     args = ap.parse_args(argv)
-    duration_s, n_prompts, max_tokens = (20.0, 24, 16) if args.quick else (60.0, 64, 24)
+    duration_s, n_prompts, max_tokens = (40.0, 24, 16) if args.quick else (120.0, 64, 24)
     tok = load_model().tokenizer
     reqs = wiki_chat_requests(tok, load_corpus(), n_prompts, seed=3, min_words=30, max_words=90)
     prompts = [[{"role": "user", "content": r.user_text}] for r in reqs]

@@ -18,6 +18,8 @@ class KVBlock:
         block_hash: chained hash, set once the block is full and its KV computed; None otherwise.
         token_ids: the block's tokens, kept with the hash so every hit is token-checked.
         namespace: cache namespace of the sequence that computed it (recorded when demoted).
+        owner: tenant of the last sequence that released the block ("" = none yet); a free
+            cached block counts against that tenant's device-tier quota.
     """
 
     block_id: int
@@ -25,6 +27,7 @@ class KVBlock:
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()
     namespace: str = ""
+    owner: str = ""
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 

@@ -85,6 +85,8 @@ class LLMEngine(EngineTiersMixin):
         self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
         if self.tiers.enabled:  # preemption may swap a victim's blocks down instead of dropping them
             self.scheduler.attach_swap(self.tiers.demote_free_blocks, self.pool.bytes_per_block)
+        if self.scheduler.policy.demotes_over_quota_first:
+            self.tiers.demotion_order = self._over_quota_first
         self._aborted: list[Sequence] = []
         self.num_steps = 0
 

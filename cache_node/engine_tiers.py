@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from typing import Any
 
+from cache_node.block import KVBlock
 from cache_node.host_tier import TIER_DEVICE, TierEvent
 from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
@@ -27,6 +30,7 @@ class EngineTiersMixin:
     kv_format: str
     requests: dict[str, Sequence]
     sessions: SessionTable
+    scheduler: Any  # cache_node.scheduler.Scheduler
 
     def prefetch(self, request_id: str) -> bool:
         """Start copying a queued request's blocks from spill into device blocks, overlapping
@@ -85,6 +89,21 @@ class EngineTiersMixin:
         """Block until queued spill puts and prefetches are done. False on timeout."""
         worker = self.tiers.worker
         return True if worker is None else worker.wait_idle(timeout_s)
+
+    def _over_quota_first(self, cached: list[KVBlock]) -> list[KVBlock]:
+        """Watermark demotion order: free cached blocks (``cached``, LRU first) of the tenants
+        most over their device-tier quota first, then the rest, LRU within each tenant.
+
+        A tenant holds the blocks of its running sequences plus the free cached blocks it
+        released last (``KVBlock.owner``); over = held - ``kv_quota_blocks``. Borrowed space is
+        reclaimed before anyone else's (DESIGN.md §7; the SLO issue's memory rule).
+        """
+        policy = self.scheduler.policy
+        held: Counter[str] = Counter(b.owner for b in cached if b.owner)
+        for seq in self.scheduler.running:
+            held[seq.tenant] += len(seq.block_table)
+        over = {t: n - policy.quota_blocks_of(t) for t, n in held.items()}
+        return sorted(cached, key=lambda b: -max(over.get(b.owner, 0), 0))
 
     def spill_block_spec(self) -> SpillBlockSpec:
         """Shape, numpy dtype and kv_format of this node's blocks in the spill tier."""

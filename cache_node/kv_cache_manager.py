@@ -123,6 +123,8 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first (so a chain's end is evicted first)."""
+        for block in seq.block_table:
+            block.owner = seq.tenant
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.layer_block_tables = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import islice
@@ -105,6 +106,9 @@ class TierManager:
         self.counters: Counter[str] = Counter()
         self.worker = TransferWorker(self, spill) if spill is not None else None
         self.enabled = self.host.num_slots > 0 or spill is not None
+        # reorders the free cached blocks (LRU order in) before watermark demotion takes the
+        # first ones; None = LRU (the engine sets it for quota-aware scheduling policies)
+        self.demotion_order: Callable[[list[KVBlock]], list[KVBlock]] | None = None
         if self.enabled:
             self.blocks.evict_hook = self.demote_blocks
             kv_manager.promote_hook = self.promote
@@ -142,6 +146,8 @@ class TierManager:
         want = int(self.config.demote_high_watermark * n + 0.999) - free_plain
         want = min(want, self.config.demote_batch_blocks)
         cached = (b for b in self.blocks.free_queue if b.block_hash is not None)
+        if self.demotion_order is not None:
+            cached = iter(self.demotion_order(list(cached)))
         victims = list(islice(cached, max(want, 0)))
         self.demote_blocks(victims)
         self.blocks.uncache(victims)

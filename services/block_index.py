@@ -160,3 +160,57 @@ def _check(item: Sequence[object]) -> tuple[str, bytes, str]:
     if not isinstance(block_hash, bytes):
         raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}")
     return str(kind), block_hash, str(tier)
+
+
+class CommonPrefix:
+    """How many leading blocks most recent prompts share (a system prompt, a chat template).
+
+    Routing by prefix affinity only pays when a match goes past what nearly every request
+    shares anyway; otherwise every request would pile onto whichever node served that shared
+    prefix first. Keeps the first ``max_blocks`` chained hashes of the last ``window`` prompts;
+    since the k-th chained hash names the whole k-block prefix, the common prefix is the
+    largest k whose most frequent k-th hash appears in at least ``share`` of them, and 0 until
+    ``min_prompts`` have been seen (a handful of prompts share everything with themselves).
+    Recomputed every ``refresh`` observations (O(window x max_blocks)).
+
+    Raises:
+        ValueError: ``window`` or ``max_blocks`` < 1, ``share`` not in (0, 1].
+    """
+
+    def __init__(self, window: int = 256, share: float = 0.5, max_blocks: int = 64, refresh: int = 16,
+                 min_prompts: int = 64) -> None:
+        if window < 1 or max_blocks < 1 or refresh < 1 or not 0.0 < share <= 1.0 or min_prompts > window:
+            raise ValueError(f"bad CommonPrefix settings: window={window}, share={share}, "
+                             f"max_blocks={max_blocks}, refresh={refresh}, min_prompts={min_prompts}")
+        self.window, self.share, self.max_blocks, self.refresh = window, share, max_blocks, refresh
+        self.min_prompts = min_prompts
+        self._recent: list[tuple[bytes, ...]] = []
+        self._since = 0
+        self._blocks = 0
+
+    def observe(self, block_hashes: Sequence[bytes]) -> None:
+        """Record one prompt's chained block hashes ([] = unknown, ignored)."""
+        if not block_hashes:
+            return
+        self._recent.append(tuple(block_hashes[: self.max_blocks]))
+        if len(self._recent) > self.window:
+            del self._recent[0]
+        self._since += 1
+        if self._since >= self.refresh:
+            self._since = 0
+            self._blocks = self._compute() if len(self._recent) >= self.min_prompts else 0
+
+    @property
+    def blocks(self) -> int:
+        """Leading blocks shared by at least ``share`` of the recent prompts."""
+        return self._blocks
+
+    def _compute(self) -> int:
+        need = self.share * len(self._recent)
+        k = 0
+        for depth in range(self.max_blocks):
+            counts = Counter(h[depth] for h in self._recent if len(h) > depth)
+            if not counts or counts.most_common(1)[0][1] < need:
+                break
+            k = depth + 1
+        return k

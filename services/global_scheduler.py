@@ -12,7 +12,9 @@ disk-tier events (``report_events``, batched, fire-and-forget) into one tier-awa
   RESOURCE_EXHAUSTED and a retry hint when its class allows.
 - Routing: a session's turns stick to the node holding its KV; otherwise the node with the
   longest prefix held on its device or in its host tier wins when that prefix is at least
-  ``affinity_min_blocks`` long, else the least loaded node. Spill-held blocks do not favour
+  ``affinity_min_blocks`` long and longer than the prefix most recent traffic shares
+  (``block_index.CommonPrefix``: a system prompt every request carries says nothing about
+  where a request's own context lives), else the least loaded node. Spill-held blocks do not favour
   a node: every cache node reads the spill tier at the same cost.
 - Prefetch hint: ``Admission.spill_blocks`` says how many prompt blocks past the node's own
   tiers sit in spill, so the node starts a spill prefetch only when there is one to make.
@@ -40,7 +42,7 @@ from cache_node.scheduling.admission import (
     decide,
     estimate_ttft_s,
 )
-from services.block_index import BlockIndex, PrefixTiers
+from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
 from services.node_request import NodeRequest
 from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
@@ -103,6 +105,7 @@ class GlobalScheduler:
         self.queue_limit = queue_limit
         self.affinity_min_blocks = affinity_min_blocks
         self.index = BlockIndex()
+        self.common_prefix = CommonPrefix()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
         self.node_handles: dict[str, Any] = {}  # node id -> CacheNode actor (attach_nodes)
@@ -237,14 +240,16 @@ class GlobalScheduler:
 
     def _route(self, block_hashes: list[bytes]) -> str:
         """The node holding the longest prefix of ``block_hashes`` on its device or host tier
-        (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks, else
-        the node with the fewest requests in flight. Spill-held blocks count for no node."""
+        (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks and
+        longer than the recent traffic's common prefix, else the node with the fewest requests
+        in flight. Spill-held blocks count for no node."""
+        self.common_prefix.observe(block_hashes)
         best, best_len = "", 0
         for nid in self.nodes:
             n = self.index.node_prefix(nid, block_hashes)
             if n > best_len:
                 best, best_len = nid, n
-        if best and best_len >= self.affinity_min_blocks:
+        if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks:
             return best
         return min(self.nodes.values(), key=lambda n: (len(n.in_flight), n.node_id)).node_id
 

@@ -236,3 +236,41 @@ def test_admit_and_submit_hands_the_request_to_the_routed_node(tmp_path) -> None
     adm = gs.admit_and_submit(NodeRequest(request_id="r2", tenant="t", cache_namespace="",
                                           sampling=SamplingParams(), token_ids=(1, 2)), "gw", [])
     assert adm.code == "RESOURCE_EXHAUSTED" and len(nodes["n0"].calls) + len(nodes["n1"].calls) == 1
+
+
+def test_common_prefix_is_what_most_recent_prompts_share() -> None:
+    from services.block_index import CommonPrefix
+
+    system = hashes_of(range(3))  # 3 blocks every prompt starts with
+    cp = CommonPrefix(window=40, share=0.5, refresh=1, min_prompts=8)
+    for i in range(7):
+        cp.observe(system + hashes_of(range(100 * i, 100 * i + 5))[3:])
+    assert cp.blocks == 0  # too few prompts to say
+    cp.observe(system + hashes_of(range(900, 905))[3:])
+    assert cp.blocks == 3
+    cp.observe([])  # unknown prompts (session turns) are ignored
+    assert cp.blocks == 3
+    for _ in range(40):  # the traffic changes: nothing shared any more
+        cp.observe(hashes_of(range(1000 + _ * 10, 1000 + _ * 10 + 4)))
+    assert cp.blocks == 0
+    with pytest.raises(ValueError, match="share"):
+        CommonPrefix(share=0.0)
+
+
+def test_affinity_needs_a_match_past_the_common_prefix(tmp_path) -> None:
+    gs = plain(tmp_path, affinity_min_blocks=2)
+    system = H[:4]
+    # most traffic shares the first 4 blocks (chained hashes, so the same 4 hashes)
+    for i in range(64):
+        gs.common_prefix.observe(system + hashes_of(range(500 + 10 * i, 500 + 10 * i + 6))[4:])
+    assert gs.common_prefix.blocks == 4
+    gs.report_events("n1", stored("device", H[:4]))
+    gs.admit("t", "busy", block_hashes=[])  # n0 has one request in flight, n1 none
+    gs.admit("t", "busy2", block_hashes=[])  # now one each
+    gs.admit("t", "busy3", block_hashes=[])  # n0 two, n1 one
+    assert gs.admit("t", "r1", block_hashes=H).node_id == "n1"  # least loaded anyway
+    gs.report_events("n0", stored("device", H[:4]))
+    # n0 and n1 both hold only the common prefix: load decides (n1 has 2 in flight, n0 2: tie -> n0)
+    assert gs.admit("t", "r2", block_hashes=H).node_id == "n0"
+    gs.report_events("n1", stored("device", H[4:6]))  # n1 now holds 6 blocks, past the common 4
+    assert gs.admit("t", "r3", block_hashes=H).node_id == "n1"

@@ -229,3 +229,33 @@ def test_prefetch_hint_overrides_auto_prefetch(tiny, tmp_path) -> None:
     assert hinted.output_token_ids == cold.output_token_ids
     assert run(off, prompt_of(200, 14)).num_cached_tokens_by_tier == by_tier()
     assert reads() == before + 12  # only the hinted request read the spill tier
+
+
+def test_kvstrata_demotes_the_over_quota_tenants_blocks_first(tiny) -> None:
+    """SLO issue, memory rule: borrowed device space is reclaimed first. ``guest`` (within its
+    quota) released its blocks before ``hog`` (12 blocks over a quota of 0), so LRU alone would
+    demote guest's; the kvstrata policy demotes all of hog's, then guest's LRU tail."""
+    from cache_node.scheduling import TenantShare
+
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=32 * BLOCK_BYTES, max_num_batched_tokens=64,
+                       max_num_seqs=8, scheduling_policy="kvstrata")
+    tc = TierConfig(host_bytes=64 * BLOCK_BYTES, demote_low_watermark=0.0, demote_high_watermark=0.0)
+    eng = LLMEngine(tiny.model, cfg, tiny.model_id, tiny.eos_token_ids, tier_config=tc)
+    eng.scheduler.policy.set_tenant("guest", TenantShare("standard", kv_quota_blocks=24))
+    eng.scheduler.policy.set_tenant("hog", TenantShare("standard", kv_quota_blocks=0))
+    g, h = prompt_of(200, 1), prompt_of(200, 2)  # 12 full blocks each
+    cold = {"guest": run(eng, g, tenant="guest"), "hog": run(eng, h, tenant="hog")}
+    owner = {h: b.owner for h, b in eng.kv_manager.pool.cached.items()}
+    lru = [b.block_hash for b in eng.kv_manager.pool.free_queue if b.block_hash is not None]
+    assert [owner[h] for h in lru] == ["guest"] * 12 + ["hog"] * 12  # LRU would take guest's
+    eng.tiers.config = TierConfig(host_bytes=64 * BLOCK_BYTES, demote_low_watermark=0.5,
+                                  demote_high_watermark=0.75)
+    eng.take_tier_events()
+    eng.step()  # demotes 16 blocks
+    moved = [e.block_hash for e in eng.take_tier_events() if e.tier == "host"]
+    assert [owner[h] for h in moved] == ["hog"] * 12 + ["guest"] * 4
+    assert moved[12:] == lru[:4]  # then guest's, in LRU order
+    hog = run(eng, h, tenant="hog")
+    assert hog.num_cached_tokens_by_tier == by_tier(host=192)
+    assert hog.output_token_ids == cold["hog"].output_token_ids
+    assert run(eng, g, tenant="guest").output_token_ids == cold["guest"].output_token_ids

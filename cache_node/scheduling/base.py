@@ -78,6 +78,8 @@ class SchedulingPolicy(ABC):
             whole prompt (not only the first chunk), so admitted prefills do not thrash.
         prefill_chunk_share: while requests wait, one running prefill chunk takes at most this
             fraction of the step's token budget (the rest is left for admissions).
+        demotes_over_quota_first: watermark demotion takes the free cached blocks of tenants
+            over their device-tier quota first (most over first), then LRU.
     """
 
     name: ClassVar[str] = ""
@@ -87,6 +89,7 @@ class SchedulingPolicy(ABC):
     swaps_on_preempt: ClassVar[bool] = False
     admits_whole_prompt: ClassVar[bool] = False
     prefill_chunk_share: ClassVar[float] = 1.0
+    demotes_over_quota_first: ClassVar[bool] = False
 
     def __init__(self, aging_steps: int = 64) -> None:
         self.tenants: dict[str, TenantShare] = {}
@@ -99,6 +102,10 @@ class SchedulingPolicy(ABC):
 
     def share(self, seq: Sequence) -> TenantShare:
         return self.tenants.get(seq.tenant, DEFAULT_SHARE)
+
+    def quota_blocks_of(self, tenant: str) -> int:
+        """The tenant's guaranteed device-tier blocks (0: everything it holds is borrowed)."""
+        return self.tenants.get(tenant, DEFAULT_SHARE).kv_quota_blocks
 
     def weight_of(self, tenant: str) -> float:
         return self.tenants.get(tenant, DEFAULT_SHARE).weight

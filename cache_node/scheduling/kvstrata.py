@@ -42,6 +42,7 @@ class KvstrataPolicy(SchedulingPolicy):
     swaps_on_preempt = True
     prefill_chunk_share = 0.5
     admits_whole_prompt = True
+    demotes_over_quota_first = True
 
     def __init__(
         self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2
