@@ -64,6 +64,7 @@ class Scheduler:
         self._swap_bytes_per_s = 0.0
         self._bytes_per_block = 0
         self._last_step: tuple[float, int] | None = None  # (start time, prefill tokens)
+        self._isolated_last = False  # the previous step ran interactive work only
 
     def attach_swap(self, demote: DemoteFn, bytes_per_block: int, copy_bytes_per_s: float = 4e9) -> None:
         """Let preemption demote a victim's blocks below the device tier (``demote`` moves free
@@ -102,30 +103,48 @@ class Scheduler:
         chunk_cap = budget
         if self.waiting and self.policy.prefill_chunk_share < 1.0:
             chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
+        # never two isolated steps in a row: the other classes decode at least every other step
+        urgent_only = not self._isolated_last and self._urgent_prefill_pending(now)
+        self._isolated_last = urgent_only
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running:  # preempted by an earlier iteration
                 continue
+            if urgent_only and self.policy.rank(seq) > 0:
+                continue  # sits out one short step for an interactive prefill
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk_cap)
             if not self._reserve(seq, n, batch):
                 continue
             batch.append((seq, n))
             budget -= n
-        self._admit_waiting(batch, budget, now)
+        self._admit_waiting(batch, budget, now, urgent_only)
         for seq, n in batch:
             self.policy.on_scheduled(seq, n, now)
         self._last_step = (now, sum(n for _, n in batch)) if batch else None
         return batch
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+    def _urgent_prefill_pending(self, now: float) -> bool:
+        """An interactive request waits (and may start) or has prompt tokens left, under a
+        policy that isolates such prefills (``isolates_urgent_prefill``)."""
+        if not self.policy.isolates_urgent_prefill:
+            return False
+        if any(self.policy.rank(s) == 0 and s.prefetch_until_s <= now for s in self.waiting):
+            return True
+        return any(self.policy.rank(s) == 0 and s.num_tokens - s.num_computed_tokens > 1
+                   for s in self.running)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,
+                       urgent_only: bool = False) -> None:
         """Admit waiting sequences in policy order. The first one that does not fit either ends
         admission, or (``skip_blocked``) is passed over until it has aged; later ones that do
-        not fit are passed over without aging."""
+        not fit are passed over without aging. ``urgent_only``: interactive ones only."""
         head_blocked = False
         for seq in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if urgent_only and self.policy.rank(seq) > 0:
+                continue
             if seq.prefetch_until_s > now:  # its blocks are on their way up; others go first
                 continue
             n = self._admit(seq, budget)

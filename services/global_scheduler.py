@@ -224,7 +224,10 @@ class GlobalScheduler:
         node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
         if self.scheduler == "kvstrata" and spec is not None:
             ahead = node.backlog.ahead(rank)
-            est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, node.step_s.value)
+            # an interactive prefill runs in a step of its own (isolates_urgent_prefill): it
+            # waits for the step in progress, half of one on average, not for a whole one
+            wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
+            est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, wait_s)
             decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms)
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,

@@ -32,14 +32,15 @@ def scheduler(tmp_path, policy: str) -> tuple[GlobalScheduler, dict[str, str], C
 
 def test_interactive_rejected_early_with_retry_hint_when_slo_cannot_be_met(tmp_path) -> None:
     gs, ids, clock = scheduler(tmp_path, "kvstrata")
-    assert gs.admit(ids["live"], "a", prompt_tokens=900).code == "OK"  # 0.9 s + 0.05 s
-    rej = gs.admit(ids["live"], "b", prompt_tokens=200)  # 900 ahead + 200: 1.15 s > 1 s
+    # an interactive request waits half a step (0.05 s prior) before its own isolated prefill
+    assert gs.admit(ids["live"], "a", prompt_tokens=900).code == "OK"  # 0.9 s + 0.025 s
+    rej = gs.admit(ids["live"], "b", prompt_tokens=200)  # 900 ahead + 200: 1.125 s > 1 s
     assert rej.code == "RESOURCE_EXHAUSTED"
-    assert rej.retry_after_s == pytest.approx(0.15)
+    assert rej.retry_after_s == pytest.approx(0.125)
     assert gs.admit(ids["bulk"], "c", prompt_tokens=50_000).code == "OK"  # batch queues
     assert gs.admit(ids["std"], "d", prompt_tokens=5000).code == "OK"  # 5.95 s < 2 x 5 s
     clock.t += 0.5  # 500 tokens of the interactive backlog drained; batch does not count
-    assert gs.admit(ids["live"], "e", prompt_tokens=200).code == "OK"  # 400 + 200: 0.65 s
+    assert gs.admit(ids["live"], "e", prompt_tokens=200).code == "OK"  # 400 + 200: 0.625 s
     assert gs.usage_of(ids["live"]).rejected == 1
 
 

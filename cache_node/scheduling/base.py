@@ -80,6 +80,10 @@ class SchedulingPolicy(ABC):
             fraction of the step's token budget (the rest is left for admissions).
         demotes_over_quota_first: watermark demotion takes the free cached blocks of tenants
             over their device-tier quota first (most over first), then LRU.
+        isolates_urgent_prefill: while an interactive (rank 0) request waits or has prompt
+            tokens left, a step runs only interactive work; the other classes' decodes sit
+            out that step (their TPOT targets are 2.5-10x looser), so the prefill runs in a
+            short step instead of beside a full decode batch.
     """
 
     name: ClassVar[str] = ""
@@ -90,6 +94,7 @@ class SchedulingPolicy(ABC):
     admits_whole_prompt: ClassVar[bool] = False
     prefill_chunk_share: ClassVar[float] = 1.0
     demotes_over_quota_first: ClassVar[bool] = False
+    isolates_urgent_prefill: ClassVar[bool] = False
 
     def __init__(self, aging_steps: int = 64) -> None:
         self.tenants: dict[str, TenantShare] = {}

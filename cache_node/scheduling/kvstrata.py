@@ -43,6 +43,7 @@ class KvstrataPolicy(SchedulingPolicy):
     prefill_chunk_share = 0.5
     admits_whole_prompt = True
     demotes_over_quota_first = True
+    isolates_urgent_prefill = True
 
     def __init__(
         self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2
