@@ -1,0 +1,42 @@
+"""bench.slo's trace and summary on hand-made records (the Ray run itself is the bench)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from bench.slo import TENANTS, profiles, summarize, trace
+from workloads.deepresearch.client import CallResult
+from workloads.deepresearch.metrics import compute_report
+
+
+def test_trace_splits_the_rate_by_share_and_is_sorted() -> None:
+    arrivals = trace(rate_rps=7.0, duration_s=200.0, n_prompts=5, seed=1)
+    assert [a[0] for a in arrivals] == sorted(a[0] for a in arrivals)
+    counts = {name: sum(a[1] == name for a in arrivals) for name, *_ in TENANTS}
+    assert counts["live"] == pytest.approx(200, rel=0.3)  # 1/7 of 7 req/s for 200 s
+    assert counts["noisy"] > 2.5 * counts["std"]  # the noisy neighbour offers 4x
+    assert {a[2] for a in arrivals} <= set(range(5))
+
+
+def record(tenant: str, i: int, start_s: float, ttft_ms: float | None, status: str = "ok") -> dict:
+    res = CallResult(status, completion_tokens=8 if status == "ok" else 0, ttft_ms=ttft_ms,
+                     start_s=start_s, end_s=start_s + 2.0)
+    # the same fields bench.slo.play adds to each result
+    return asdict(res) | {"tenant": tenant, "correct": None, "session_id": f"{tenant}-{i}"}
+
+
+def test_summary_counts_goodput_per_tenant_target() -> None:
+    slo = {t.name: t.ttft_slo_ms for t in profiles()}  # live 1000 ms, std 5000 ms, bulk 60000 ms
+    records = [
+        record("live", 0, 0.0, 800.0),  # within 1 s
+        record("live", 1, 1.0, 1500.0),  # late
+        record("std", 2, 2.0, 4000.0),  # within 5 s
+        record("noisy", 3, 3.0, None, status="RESOURCE_EXHAUSTED"),  # rejected
+        record("bulk", 4, 8.0, 30000.0),  # within 60 s
+    ]
+    out = summarize(compute_report(records, [], profiles()), records, slo)
+    assert out["live"]["ttft_slo_attainment"] == 0.5
+    assert out["live"]["requests"] == 2 and out["noisy"]["ok"] == 0 and out["noisy"]["rejected"] == 1
+    assert out["goodput_rps"] == pytest.approx(3 / 10.0)  # 3 good over the 0-10 s span
