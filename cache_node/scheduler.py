@@ -96,6 +96,8 @@ class Scheduler:
         """Pick this step's work: a list of (sequence, tokens to compute)."""
         now = self.clock()
         self._measure(now)
+        if self.policy.orders_by_value:
+            self._note_device_hits()
         if self.policy.preempts_for_class:
             self._preempt_for_slots(now)
         budget = self.config.max_num_batched_tokens
@@ -123,6 +125,16 @@ class Scheduler:
             self.policy.on_scheduled(seq, n, now)
         self._last_step = (now, sum(n for _, n in batch)) if batch else None
         return batch
+
+    def _note_device_hits(self) -> None:
+        """``device_hit_tokens`` of every waiting sequence: its device prefix hit (a lookup, no
+        side effects), or the blocks a session turn or a preempted swap-in arrives with."""
+        bs = self.kv_manager.block_size
+        for seq in self.waiting:
+            if seq.block_table:
+                seq.device_hit_tokens = len(seq.block_table) * bs
+            else:
+                seq.device_hit_tokens = self.kv_manager.get_computed_blocks(seq)[1]
 
     def _urgent_prefill_pending(self, now: float) -> bool:
         """An interactive request waits (and may start) or has prompt tokens left, under a

@@ -41,6 +41,8 @@ class Sequence:
             restored from below the device tier for this sequence (per-tier hit counts).
         prefetch_until_s: monotonic time until which the scheduler leaves the sequence queued
             while a prefetch brings its blocks up; 0.0 when none is in flight.
+        device_hit_tokens: prompt tokens of a waiting sequence whose KV is on the device tier
+            now (set by the scheduler before ordering, for policies with ``orders_by_value``).
     """
 
     request_id: str
@@ -67,6 +69,7 @@ class Sequence:
     num_evicted_tokens: int = 0
     promoted_from: dict[bytes, str] = field(default_factory=dict)
     prefetch_until_s: float = 0.0
+    device_hit_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -179,18 +179,42 @@ def test_burst_fcfs_holds_every_short_request_behind_the_long_ones() -> None:
 
 @pytest.mark.parametrize(
     ("same_tenant", "short_done_by", "long_done_by", "total_steps"),
-    [(True, 55, 129, 133), (False, 35, 135, 139)],
+    [(True, 28, 146, 150), (False, 34, 135, 139)],
 )
 def test_burst_kvstrata_serves_short_requests_past_the_long_ones(
     same_tenant: bool, short_done_by: int, long_done_by: int, total_steps: int
 ) -> None:
-    """Short prompts that fit pass long ones that do not (aging still finishes every long one,
-    in about FCFS's total time: 132 steps)."""
+    """Short prompts that fit pass long ones that do not, and within one tenant the value
+    order (pending time over prompt cost) takes the short ones first; aging and the growing
+    value of waiting finish every long one (FCFS: 132 steps in all; one tenant here 150, as
+    the long prompts run at the end, two at a time, with nothing left to batch beside them)."""
     sim = burst("kvstrata", same_tenant)
     assert last_first_token(sim, "S", 120) == short_done_by  # FCFS: 128
     assert last_first_token(sim, "L", 40) == long_done_by
     assert sim.steps == total_steps
     assert len(sim.finished_step) == 160
+
+
+def test_kvstrata_runs_a_device_hit_before_an_equal_miss() -> None:
+    """Apt-Serve's hit/miss distinction: of two equal prompts from one tenant, the one whose
+    prefix is on the device costs less to schedule and goes first, though it arrived later."""
+    sim = Sim("kvstrata", num_blocks=64, budget=64, max_seqs=1, tenants={"t": STANDARD})
+
+    def add(rid: str, tokens: list[int]) -> None:
+        seq = Sequence(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True),
+                       extra_keys=("t",), tenant="t", arrival_time_s=sim.t)
+        sim.seqs[rid] = seq
+        sim.sched.add(seq)
+
+    doc = list(range(5000, 5064))  # 4 blocks
+    add("warm", doc + [1])
+    sim.run()
+    add("miss", list(range(9000, 9069)))  # 69 tokens, nothing cached
+    add("hit", doc + [2, 3, 4, 5, 6])  # 69 tokens, 64 on the device
+    assert sim.step() == [("hit", 5)]
+    assert sim.seqs["hit"].num_cached_tokens == 64
+    sim.run()
+    assert sim.started_order[-2:] == ["hit", "miss"]
 
 
 # ---- oversize ----------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class SchedulingPolicy(ABC):
             fraction of the step's token budget (the rest is left for admissions).
         demotes_over_quota_first: watermark demotion takes the free cached blocks of tenants
             over their device-tier quota first (most over first), then LRU.
+        orders_by_value: the scheduler fills ``Sequence.device_hit_tokens`` for every waiting
+            sequence before each ``order`` call (Apt-Serve's hit/miss distinction).
         isolates_urgent_prefill: while an interactive (rank 0) request waits or has prompt
             tokens left, a step runs only interactive work; the other classes' decodes sit
             out that step (their TPOT targets are 2.5-10x looser), so the prefill runs in a
@@ -95,6 +97,7 @@ class SchedulingPolicy(ABC):
     prefill_chunk_share: ClassVar[float] = 1.0
     demotes_over_quota_first: ClassVar[bool] = False
     isolates_urgent_prefill: ClassVar[bool] = False
+    orders_by_value: ClassVar[bool] = False
 
     def __init__(self, aging_steps: int = 64) -> None:
         self.tenants: dict[str, TenantShare] = {}

@@ -8,7 +8,12 @@ Waiting order, as nested groups:
 3. preempted requests before newer work of the same class (they keep their place), oldest
    first;
 4. the rest interleaved across tenants by VTC (weighted, charged on uncached prefill and
-   output tokens), each tenant's requests in deadline order (arrival + ``ttft_slo_ms``).
+   output tokens), each tenant's requests by scheduling value, highest first: pending time
+   over memory cost (Apt-Serve, arXiv 2504.07494, its value-based request scheduling over a
+   hybrid cache), where the cost is the prompt tokens still to compute beyond the device
+   prefix hit. A request whose KV is on the device runs before an equal one that misses; one
+   whose KV sits below the device is prefetched first (the scheduler skips it meanwhile); a
+   long request gains value while it waits, so it is not starved.
 
 While requests wait, a running prefill chunk takes at most half the step's token budget, so a
 long prompt being prefilled does not hold new short requests out of the batch (Sarathi-style
@@ -34,6 +39,10 @@ if TYPE_CHECKING:
     from cache_node.sequence import Sequence
 
 
+VALUE_PENDING_FLOOR_S = 1.0
+"""Added to every request's pending time in ``KvstrataPolicy.value`` (seconds)."""
+
+
 class KvstrataPolicy(SchedulingPolicy):
     name = "kvstrata"
     skip_blocked = True
@@ -44,6 +53,7 @@ class KvstrataPolicy(SchedulingPolicy):
     admits_whole_prompt = True
     demotes_over_quota_first = True
     isolates_urgent_prefill = True
+    orders_by_value = True
 
     def __init__(
         self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2
@@ -73,11 +83,16 @@ class KvstrataPolicy(SchedulingPolicy):
 
     def _order_group(self, seqs: list[Sequence]) -> list[Sequence]:
         preempted = sorted((s for s in seqs if s.num_preemptions), key=lambda s: s.arrival_time_s)
-        fresh = sorted((s for s in seqs if not s.num_preemptions), key=self._deadline)
+        fresh = sorted((s for s in seqs if not s.num_preemptions), key=lambda s: -self.value(s))
         return preempted + self.vtc.interleave(fresh, remaining_prefill, self.weight_of)
 
-    def _deadline(self, seq: Sequence) -> float:
-        return seq.arrival_time_s + self.share(seq).ttft_slo_ms / 1000.0
+    def value(self, seq: Sequence) -> float:
+        """Apt-Serve's scheduling value of a waiting request: pending seconds (plus
+        ``VALUE_PENDING_FLOOR_S``, so fresh arrivals compare by cost) per prompt token still to
+        compute beyond its device prefix hit (``Sequence.device_hit_tokens``)."""
+        pending = max(0.0, self._now_s - seq.arrival_time_s) + VALUE_PENDING_FLOOR_S
+        cost = max(1, seq.num_tokens - max(seq.num_computed_tokens, seq.device_hit_tokens))
+        return pending / cost
 
     def on_arrival(self, seq: Sequence, now_s: float, active: Mapping[str, int]) -> None:
         if not active.get(seq.tenant):
