@@ -118,10 +118,8 @@ class HostTier:
         # lands in consecutive slots, so demoting it and promoting it back are one copy each
         # (the free queue hands a prefix's blocks over tail first).
         slots = sorted(self._free_slots.pop() for _ in new)
-        by_src = sorted(range(len(new)), key=lambda i: new[i][1])
-        slot_of = [0] * len(new)
-        for i, slot in zip(by_src, slots):
-            slot_of[i] = slot
+        slot_by_src = dict(zip(sorted(s for _, s in new), slots))
+        slot_of = [slot_by_src[s] for _, s in new]
         copy_view_to_view(self.data, slot_of, src, [s for _, s in new])
         for (m, _), slot in zip(new, slot_of):
             self.entries[m.block_hash] = HostEntry(slot, m.token_ids, m.namespace)

@@ -191,7 +191,8 @@ class CacheNode:
         posted like any other, so the caller need not wait for this call's reply.
         """
         box = self._mailboxes.setdefault(subscriber, _Mailbox())
-        if self._aborted_early.pop(req.request_id, False) is None:
+        if req.request_id in self._aborted_early:
+            del self._aborted_early[req.request_id]
             box.put(req.request_id, {"type": "error", "code": "CANCELLED",
                                      "message": "the request was cancelled before it reached the node"})
             return

@@ -159,11 +159,6 @@ class NodeStreams:
                 if entry is not None:
                     entry[1].put_nowait(event)
 
-    async def aclose(self) -> None:
-        for pump in self._pumps.values():
-            pump.cancel()
-        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
-
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """Generate (server streaming) and CloseSession.
