@@ -40,6 +40,7 @@ from workloads.corpus import load_corpus
 BUDGETS = (0.5, 0.25, 0.125)
 EVICTING = ("streaming", "h2o", "snapkv", "gkv", "spindlekv", "sentencekv")
 QUANT = ("quant-bits_8", "quant-bits_4")
+PAPER_SCORER = "sentencekv-0.25-select_mode_cos"  # SentenceKV's own cos(q, mean key) selection
 WORDS = ("pineapple", "lighthouse", "saxophone", "glacier", "cinnamon", "volcano", "harbor", "meadow")
 
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(lm.model, EngineConfig(kv_pool_bytes=2 << 30, max_num_batched_tokens=512))
     engine.policy_env = env
     probe = Probe(engine)
-    specs = [f"{p}-{b:g}" for p in EVICTING for b in budgets] + list(QUANT)
+    specs = [f"{p}-{b:g}" for p in EVICTING for b in budgets] + [PAPER_SCORER] + list(QUANT)
     rows: dict = defaultdict(lambda: defaultdict(list))
     items, refs = answered_contexts(probe, tok, build_items(tok, lengths, depths), want)
     peer = None if args.no_kvpress else start_peer(items, refs, budgets, presses)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def _plot_quality(path: Path, summary: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     by_policy: dict[str, list] = defaultdict(list)
     for spec, s in summary.items():
-        by_policy[spec.split("-")[0] if not spec.startswith("quant") else spec].append(s)
+        by_policy[re.sub(r"-\d+(\.\d+)?(?=-|$)", "", spec)].append(s)  # one line per policy and variant
     for name, pts in by_policy.items():
         pts = sorted(pts, key=lambda s: s["device_bytes_ratio"])
         xs = [p["device_bytes_ratio"] for p in pts]

@@ -33,37 +33,73 @@ def test_sentencekv_demotes_to_host_and_recalls_by_query(tiny) -> None:
     eng = make_engine(tiny)
     eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
     prompt = [(i % 13) + 1 for i in range(200)]  # sentences of 13 tokens ending in 13
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), policy="sentencekv-64")
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), policy="sentencekv-96")
     seq = run_to(eng, rid, 3)
-    store = seq.kv.extra["sentences"]
-    start, r = seq.kv.extra["region"]
-    assert start == 4 and all(len(p) <= 13 for p in store.positions)
-    lengths = sorted({len(p) for p in store.positions})
-    assert 13 in lengths and len(store) >= 12
-    assert r == (64 - -(-len(store) // 2)) // 16 * 16 - 16 - 4 - 16  # whole blocks, one of headroom
+    policy, store = seq.kv.policy, seq.kv.extra["sentences"]
+    L, H_kv, d = eng.pool.num_layers, eng.pool.num_kv_heads, eng.pool.head_dim
+    assert seq.kv.positions[:, :4].tolist() == [[0, 1, 2, 3]] * L  # the pool holds sinks + window
+    assert seq.kv.frontier <= policy.pool_tokens(seq.kv) == 48
+    assert all(len(p) <= 13 for p in store.positions) and len(store) >= 12
     held = torch.cat(store.positions).tolist()
-    assert sorted(held) == list(range(4, len(held) + 4))  # every demoted token is on the host
-    assert store.num_recalls >= eng.pool.num_layers
-    region = seq.kv.positions[:, start : start + r]
-    loaded = region[region >= 0]
-    assert len(loaded) > 0 and set(loaded.tolist()) <= set(held)
-    # the device tier pays for the mean keys: one (H_kv * d) float vector per sentence and layer
-    assert make_policy("sentencekv").extra_device_bytes(seq.kv) == len(store) * 2 * 2 * 16 * 4
+    assert held == list(range(4, len(held) + 4))  # every demoted token is on the host, in order
+    # the device tier pays for the 2-bit key sketch (codes + fp16 scale/zero per group of 16)
+    assert store.sketch.nbytes == len(held) * L * H_kv * (d * 2 // 8 + 2 * 2 * d // 16)
+    token = 2 * L * H_kv * d * 4
+    assert store.region_tokens == 96 - -(-store.sketch.nbytes // token) - 48
+    assert policy.extra_device_bytes(seq.kv) == store.sketch.nbytes + store.region_tokens * token
+    assert seq.kv.device_bytes() <= 96 * token
+    assert store.num_recalls >= L
+    host = {int(p): (sid, i) for sid, ps in enumerate(store.positions) for i, p in enumerate(ps)}
+    loaded = 0
+    for layer in range(L):  # each head's region slots hold that head's K/V of the recalled tokens
+        for head in range(H_kv):
+            for slot, p in enumerate(store.region_positions[layer, head].tolist()):
+                if p < 0:
+                    continue
+                sid, i = host[p]
+                want = store.host_kv[sid][layer, i, :, head]
+                assert torch.equal(store.region_kv[layer, :, head, slot], want)
+                loaded += 1
+            sids = store.resident[layer][head]
+            assert sum(len(store.positions[s]) for s in sids) <= store.region_tokens
+    assert loaded > 0
 
 
 def test_sentencekv_recall_picks_the_sentence_the_query_matches(tiny) -> None:
+    """Sketch scoring: a query aligned with one token's key makes its sentence the top pick in
+    every head, as exact attention over the host keys would."""
     eng = make_engine(tiny)
     rid = eng.add_request(list(range(1, 161)), SamplingParams(max_tokens=4, ignore_eos=True),
-                          policy="sentencekv-64-max_sentence_tokens_8")
+                          policy="sentencekv-96-max_sentence_tokens_8")
     seq = run_to(eng, rid, 1)
     policy, store = seq.kv.policy, seq.kv.extra["sentences"]
     target = 7
-    mean = store.mean_keys[target, 0].view(2, 16)  # layer 0, (H_kv, d) unit/sqrt(2)
-    q = mean.repeat_interleave(2, 0).unsqueeze(0)  # (1, H=4, d): each group points at target
+    key = store.host_kv[target][0, 3, 0].float()  # layer 0, 4th token, (H_kv, d) post-RoPE key
+    q = (100 * key / key.norm(dim=-1, keepdim=True)).repeat_interleave(2, 0).unsqueeze(0)  # (1, H=4, d)
+    mass = store.sketch.log_mass(0, q, seq.kv.scaling, len(store)).amax(dim=(0, 2))  # (H_kv, S)
+    exact = torch.stack([
+        torch.einsum("hd,nhd->hn", q[0, ::2], store.host_kv[s][0, :, 0].float()).mul(seq.kv.scaling).logsumexp(-1)
+        for s in range(len(store))], 1)
+    assert mass.argmax(1).tolist() == exact.argmax(1).tolist() == [target, target]
+    assert torch.allclose(mass.amax(1), exact.amax(1), rtol=0.15)  # log-mass from 2-bit codes
     policy.recall(seq.kv, 0, q)
-    assert target in store.resident[0]
-    # the device-tier mean key is the sentence's mean post-RoPE key per head (host keys: [:, :, 0])
+    assert all(target in sids for sids in store.resident[0])
+
+
+def test_sentencekv_cos_mode_keeps_the_papers_mean_keys(tiny) -> None:
+    """``select_mode=cos`` (SentenceKV §3.3): one mean key per sentence, layer and KV head."""
+    eng = make_engine(tiny)
+    rid = eng.add_request(list(range(1, 161)), SamplingParams(max_tokens=4, ignore_eos=True),
+                          policy="sentencekv-96-max_sentence_tokens_8-select_mode_cos")
+    seq = run_to(eng, rid, 1)
+    policy, store = seq.kv.policy, seq.kv.extra["sentences"]
+    assert store.sketch is None
+    target = 7
+    mean = store.mean_keys[target, 0].view(2, 16)  # layer 0, (H_kv, d)
     assert torch.allclose(mean, store.host_kv[target][0, :, 0].float().mean(0), atol=1e-6)
+    policy.recall(seq.kv, 0, mean.repeat_interleave(2, 0).unsqueeze(0))  # each group points at target
+    assert all(target in sids for sids in store.resident[0])
+    assert store.index_nbytes == len(store) * 2 * 2 * 16 * 4
 
 
 def test_gkv_cumulative_attention_decays_per_step(tiny) -> None:

@@ -56,10 +56,10 @@ def test_sentencekv_select_gives_each_head_its_best_and_the_last_query_first() -
         store.positions.append(torch.arange(start, start + 8))
     policy = SentenceKV(last_query_share=0.5)
     per_head = torch.tensor([[0.9, 0.1, 0.8, 0.0, 0.0], [0.0, 0.2, 0.1, 0.95, 0.3]])  # (H_kv, S)
-    assert policy.select(store, [per_head], 16) == (0, 3)  # head 0's best, head 1's best
-    assert policy.select(store, [per_head], 24) == (0, 2, 3)
+    assert policy.select(store, [per_head], 16) == ((0, 2), (3, 4))  # each head its own best
+    assert policy.select(store, [per_head], 8) == ((0,), (3,))
     last = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
-    assert policy.select(store, [last, per_head], 16) == (0, 4)  # the last query's pick first
+    assert policy.select(store, [last, per_head], 16) == ((0, 4), (3, 4))  # the last query's pick first
 
 
 class KeepLast:

@@ -45,14 +45,28 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     return codes.flatten(-2).to(torch.uint8), scale, zero
 
 
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., d) uint8 codes < 2**bits -> (..., d * bits // 8) uint8; code ``j`` of each byte's
+    group sits at bit ``bits * j``. ``bits``: 1, 2, 4 or 8."""
+    per_byte = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return (codes.unflatten(-1, (-1, per_byte)) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).flatten(-2)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """(..., d) uint8 codes < 16 -> (..., d // 2) uint8, two codes per byte."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return pack_bits(codes, 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_int4``."""
-    return torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
+    return unpack_bits(packed, 4)
 
 
 class QuantSegment:
