@@ -177,10 +177,31 @@ class SequenceKV:
                 msrc = valid[layer][p.merge_src]
                 mdata = gather_kv(self.pool, self.seq, msrc.unsqueeze(0).expand(L, -1))[layer].float()
                 merge_kv(data[layer, :k], support[layer, :k], p.merge_dst, mdata, self.support[layer, msrc])
+        if self.policy.cold_bits:
+            self._to_cold_tier(plans, valid)
         if self.stats is not None:
             self.stats.compact([src[layer, : len(p.keep)] for layer, p in enumerate(plans)])
         self.set_layout(data, positions, support)
         return True
+
+    def _to_cold_tier(self, plans: list[LayerPlan], valid: list[torch.Tensor]) -> None:
+        """Quantize each layer's evicted (neither kept nor merged) entries into the cold tier."""
+        from cache_node.policies.quant import ColdTier
+
+        cold = self.extra.get("cold")
+        if cold is None:
+            group = min(32, self.pool.head_dim)
+            cold = self.extra["cold"] = ColdTier(self.pool.num_layers, self.policy.cold_bits, group)
+        pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier)
+        for layer, p in enumerate(plans):
+            gone = torch.ones(len(valid[layer]), dtype=torch.bool)
+            gone[p.keep] = False
+            if p.merge_src is not None:
+                gone[p.merge_src] = False
+            slots = valid[layer][gone]
+            if len(slots):
+                kv = self.pool.kv[layer, :, pool_slots[slots]].transpose(0, 1)  # (n, 2, H_kv, d)
+                cold.append(layer, kv, self.positions[layer, slots])
 
     def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor) -> None:
         """Replace the whole layout: ``data`` (L, m, 2, H_kv, d) with ``positions``/``support``

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_node.policies.quant import QuantSegment, pack_int4, quantize, unpack_int4
+from cache_node.policies import make_policy
+from cache_node.policies.quant import QuantSegment, pack_bits, pack_int4, quantize, unpack_bits, unpack_int4
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
@@ -23,6 +24,14 @@ def test_quantize_error_is_within_half_a_step(bits: int) -> None:
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
     err = (dequantize(codes, scale, zero, 32) - x).abs().unflatten(-1, (-1, 32)).amax(-1)
     assert bool((err <= scale.float() * 0.5 + 2e-3).all())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_bits_roundtrip(bits: int) -> None:
+    codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (3, 5, 64 * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits), codes)
 
 
 def test_int4_pack_roundtrip() -> None:
@@ -74,3 +83,37 @@ def test_quant_holds_fewer_bytes_and_tracks_tokens(tiny, bits: int, ratio: float
     fp32_bytes = quant_tokens * eng.pool.bytes_per_block // eng.pool.block_size
     assert fp32_bytes / seg.nbytes == pytest.approx(ratio)
     assert seq.kv.device_bytes() < full_bytes
+
+
+def test_cold_tier_keeps_what_a_scoring_policy_evicts_as_codes(tiny) -> None:
+    """``h2o-40-cold_bits_8``: the pool holds the 40 kept entries per layer, the cold tier every
+    evicted token exactly once (kept + cold = every computed token, per layer), its bytes count,
+    and attending to the int8 codes brings the output back to the full cache's."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = [(7 * i) % 500 + 1 for i in range(100)]
+    full = make_engine(tiny).generate([prompt], params)[0].output_token_ids
+    dropped = make_engine(tiny).generate([prompt], params, policy="h2o-40")[0].output_token_ids
+    eng = make_engine(tiny)
+    rid = eng.add_request(prompt, params, policy="h2o-40-cold_bits_8")
+    while len(eng.requests[rid].output_token_ids) < 20:
+        eng.step()
+    seq = eng.requests[rid]
+    cold = seq.kv.extra["cold"]
+    for layer in range(eng.pool.num_layers):
+        kept = seq.kv.positions[layer][seq.kv.positions[layer] >= 0]
+        assert len(kept) <= 40
+        held = sorted(kept.tolist() + cold.layers[layer].positions.tolist())
+        assert held == list(range(seq.num_computed_tokens))
+    assert cold.nbytes > 0 and seq.kv.device_bytes() == len(seq.block_table) * eng.pool.bytes_per_block + cold.nbytes
+    while rid in eng.requests:
+        eng.step()
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0
+    coded = make_engine(tiny).generate([prompt], params, policy="h2o-40-cold_bits_8")[0].output_token_ids
+    assert dropped != full and coded == full
+
+
+def test_cold_bits_is_rejected_where_a_policy_has_its_own_tiers() -> None:
+    for spec in ("quant-bits_4-cold_bits_4", "sentencekv-0.25-cold_bits_8", "h2o-0.25-cold_bits_3"):
+        with pytest.raises(ValueError, match="cold_bits"):
+            make_policy(spec)

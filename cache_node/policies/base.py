@@ -129,6 +129,10 @@ class Policy:
         window_tokens: most recent tokens always kept.
         evict_every: tokens a layer may grow past its budget before the next compaction
             (0 = compact every step it is over budget).
+        cold_bits: 0 drops what the policy evicts; 4 or 8 keeps it on the device tier as int4/
+            int8 codes attended on the codes (HACK, arXiv 2502.03589 §4): the quantized tier as
+            a colder tier under a scoring policy. The budget counts the full-precision entries;
+            the codes' bytes are reported on top (``extra_device_bytes``).
     """
 
     name: ClassVar[str] = ""
@@ -140,6 +144,7 @@ class Policy:
     sink_tokens: int = 4
     window_tokens: int = 16
     evict_every: int = 0
+    cold_bits: int = 0
 
     def __post_init__(self) -> None:
         if not self.budget > 0:
@@ -149,6 +154,8 @@ class Policy:
         for name in ("sink_tokens", "window_tokens", "evict_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.cold_bits not in (0, 4, 8):
+            raise ValueError(f"cold_bits must be 0 (drop), 4 or 8, got {self.cold_bits}")
 
     # ---- the one method a scoring policy implements ----------------------------------------
     def score(self, view: LayerView) -> torch.Tensor:
@@ -190,16 +197,19 @@ class Policy:
         """Called before layer ``layer_idx`` attends with queries ``q`` (n, H, d); may recall KV."""
 
     def extra_kv(self, state: SequenceKV, layer_idx: int) -> ExtraKV | None:
-        """KV outside the pool that layer ``layer_idx`` also attends to (None = none)."""
-        return None
+        """KV outside the pool that layer ``layer_idx`` also attends to (None = none): by
+        default the cold tier's codes (``cold_bits``)."""
+        cold = state.extra.get("cold")
+        return None if cold is None else cold.layer(layer_idx)
 
     def compress(self, state: SequenceKV) -> bool:
         """Bring every layer within budget. Returns True when the KV layout changed."""
         return state.compress_by_plans(self)
 
     def extra_device_bytes(self, state: SequenceKV) -> int:
-        """Device-tier bytes held outside the pool blocks (quantized codes, mean keys)."""
-        return 0
+        """Device-tier bytes held outside the pool blocks (quantized codes, sentence index)."""
+        cold = state.extra.get("cold")
+        return 0 if cold is None else cold.nbytes
 
     def clone_state(self, state: SequenceKV) -> dict[str, Any]:
         """Copy of the policy-owned per-sequence state (``state.extra``) for forking."""

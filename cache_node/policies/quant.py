@@ -137,6 +137,32 @@ class QuantLayerKV:
         return out.flatten(-2)
 
 
+class ColdTier:
+    """The entries a scoring policy evicts, kept as int codes on the device tier instead of
+    dropped (``Policy.cold_bits``) and attended on the codes like ``QuantizedTier``'s segment.
+    One ``QuantSegment`` per layer, since layers evict different tokens."""
+
+    def __init__(self, num_layers: int, bits: int, group_size: int) -> None:
+        self.layers = [QuantSegment(bits, group_size) for _ in range(num_layers)]
+
+    def append(self, layer_idx: int, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """Quantize layer ``layer_idx``'s evicted entries ``kv`` (n, 2, H_kv, d) at ``positions`` (n,)."""
+        self.layers[layer_idx].append(kv.unsqueeze(0).float(), positions)
+
+    def fork(self) -> ColdTier:
+        out = ColdTier(0, 0, 0)
+        out.layers = [seg.fork() for seg in self.layers]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.nbytes for seg in self.layers)
+
+    def layer(self, layer_idx: int) -> QuantLayerKV | None:
+        seg = self.layers[layer_idx]
+        return None if seg.codes is None else QuantLayerKV(seg, 0)
+
+
 @register
 @dataclass
 class QuantizedTier(Policy):
@@ -157,6 +183,8 @@ class QuantizedTier(Policy):
         super().__post_init__()
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.cold_bits:
+            raise ValueError("quant is itself the quantized tier; cold_bits does not apply")
 
     def budget_tokens(self, num_prompt_tokens: int) -> int:
         return self.sink_tokens + self.window_tokens

@@ -258,6 +258,8 @@ class SentenceKV(Policy):
         super().__post_init__()
         if self.select_mode not in ("sketch", "cos", "mass", "mean"):
             raise ValueError(f"unknown select_mode {self.select_mode!r}; known: sketch, cos, mass, mean")
+        if self.cold_bits:
+            raise ValueError("sentencekv demotes to host RAM; cold_bits does not apply")
         if self.sketch_bits not in (1, 2, 4, 8):
             raise ValueError(f"sketch_bits must be 1, 2, 4 or 8, got {self.sketch_bits}")
 
