@@ -35,6 +35,7 @@ from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
+from cache_node.tiering import TierConfig
 from workloads.corpus import load_corpus
 
 BUDGETS = (0.5, 0.25, 0.125)
@@ -263,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     lm = load_model()
     tok = lm.tokenizer
     env = PolicyEnv.from_tokenizer(tok)
-    engine = LLMEngine(lm.model, EngineConfig(kv_pool_bytes=2 << 30, max_num_batched_tokens=512))
+    # a host tier: sentencekv keeps its demoted sentences there and recalls from it
+    engine = LLMEngine(lm.model, EngineConfig(kv_pool_bytes=2 << 30, max_num_batched_tokens=512),
+                       tier_config=TierConfig(host_bytes=1 << 30))
     engine.policy_env = env
     probe = Probe(engine)
     specs = [f"{p}-{b:g}" for p in EVICTING for b in budgets] + [PAPER_SCORER] + list(QUANT) + list(COLD)

@@ -50,7 +50,8 @@ class Probe:
     def prefill(self, tokens: list[int]) -> tuple[Sequence, torch.Tensor]:
         """Full-cache prefill with all statistics. Returns (sequence, last logits)."""
         seq = Sequence(f"probe-{next(_ids)}", list(tokens), SamplingParams(max_tokens=4096))
-        seq.kv = SequenceKV(seq, _Collect(), self.pool, self.block_pool, self.engine.policy_env)
+        seq.kv = SequenceKV(seq, _Collect(), self.pool, self.block_pool, self.engine.policy_env,
+                            self.engine.host_for_policies)
         logits = torch.empty(0)
         while seq.num_computed_tokens < len(tokens):
             logits = self._run(seq, min(self.chunk_tokens, len(tokens) - seq.num_computed_tokens))
@@ -68,7 +69,7 @@ class Probe:
         child.block_table = blocks
         child.num_computed_tokens = seq.num_computed_tokens
         src = seq.kv
-        kv = SequenceKV(child, policy or src.policy, self.pool, self.block_pool, src.env)
+        kv = SequenceKV(child, policy or src.policy, self.pool, self.block_pool, src.env, src.host)
         kv.positions, kv.support = src.positions.clone(), src.support.clone()
         if src.stats is not None:
             kv.stats = src.stats.clone()

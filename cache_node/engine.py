@@ -85,6 +85,8 @@ class LLMEngine(EngineTiersMixin):
         self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
         if self.tiers.enabled:  # preemption may swap a victim's blocks down instead of dropping them
             self.scheduler.attach_swap(self.tiers.demote_free_blocks, self.pool.bytes_per_block)
+        # policies that demote KV themselves (SentenceKV) keep it in the host tier when there is one
+        self.host_for_policies = self.tiers if self.tiers.host.num_slots else None
         if self.scheduler.policy.demotes_over_quota_first:
             self.tiers.demotion_order = self._over_quota_first
         self._aborted: list[Sequence] = []
@@ -125,7 +127,7 @@ class LLMEngine(EngineTiersMixin):
             policy=policy,
         )
         try:
-            attach_policy(seq, self.pool, self.kv_manager.pool, self.policy_env)
+            attach_policy(seq, self.pool, self.kv_manager.pool, self.policy_env, self.host_for_policies)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
         if not params.greedy:

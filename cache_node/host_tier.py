@@ -80,6 +80,7 @@ class HostTier:
         self.data = torch.zeros((L, two, self.num_slots, bs, h, d), dtype=dtype, pin_memory=pin)
         self.entries: OrderedDict[BlockHash, HostEntry] = OrderedDict()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.num_reserved = 0  # slots a policy holds (``reserve``), outside the LRU index
         self._events: list[TierEvent] = []
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -141,6 +142,23 @@ class HostTier:
         """Return the slots of entries handed out by ``take``."""
         self._free_slots.extend(e.slot for e in entries)
 
+    def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
+        """Hold ``n`` slots outside the LRU index for KV a policy owns (SentenceKV's demoted
+        sentences) until ``release_slots``. LRU entries are evicted to make room and returned as
+        victims (for the spill tier). Returns (None, no victims) when even evicting every entry
+        would not free ``n`` slots."""
+        if n > len(self._free_slots) + len(self.entries):
+            return None, Victims([], torch.empty(0))
+        victims = self._evict(n - len(self._free_slots))
+        slots = [self._free_slots.pop() for _ in range(n)]
+        self.num_reserved += n
+        return slots, victims
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Return slots held by ``reserve``."""
+        self.num_reserved -= len(slots)
+        self._free_slots.extend(slots)
+
     def untake(self, hashes: Sequence[BlockHash], entries: Sequence[HostEntry]) -> None:
         """Put entries from ``take`` back (a promotion that could not get device blocks)."""
         for block_hash, entry in zip(hashes, entries):
@@ -166,6 +184,7 @@ class HostTier:
         return {
             "host_blocks": len(self.entries),
             "host_slots": self.num_slots,
+            "host_reserved_slots": self.num_reserved,
             "host_bytes_used": len(self.entries) * self.block_nbytes,
             "host_budget_bytes": self.num_slots * self.block_nbytes,
         }

@@ -26,6 +26,7 @@ from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
     from cache_node.policies.base import LayerPlan, LayerView, Policy, PolicyEnv
+    from cache_node.tiering import TierManager
 
 
 class SequenceKV:
@@ -40,16 +41,20 @@ class SequenceKV:
     """
 
     def __init__(self, seq: Sequence, policy: Policy, pool: KVPool, block_pool: BlockPool,
-                 env: PolicyEnv | None = None) -> None:
+                 env: PolicyEnv | None = None, host: TierManager | None = None) -> None:
         from cache_node.policies.base import PolicyEnv
 
         self.seq, self.policy, self.pool, self.block_pool = seq, policy, pool, block_pool
         self.env = env or PolicyEnv()
+        self.host = host  # the engine's tiers, when it has a host tier (SentenceKV keeps KV there)
         self.scaling = pool.head_dim**-0.5
+        self.extra: dict[str, Any] = {}
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything (the sequence's blocks were freed: preemption, finish)."""
+        """Forget everything (the sequence's blocks were freed: preemption, finish); the
+        policy releases what it holds in lower tiers."""
+        self.policy.release(self)
         L = self.pool.num_layers
         self.positions = torch.zeros((L, 0), dtype=torch.long)
         self.support = torch.zeros((L, 0))

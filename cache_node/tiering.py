@@ -127,6 +127,18 @@ class TierManager:
         self.counters["demoted_blocks"] += len(todo)
         self.push_to_spill(victims)
 
+    def reserve_host(self, n: int) -> list[int] | None:
+        """``n`` host-tier slots for a policy's own KV (see ``HostTier.reserve``); LRU entries
+        pushed out go to spill. None when the host tier cannot hold ``n`` more."""
+        with self.lock:
+            slots, victims = self.host.reserve(n)
+            self.push_to_spill(victims)
+            return slots
+
+    def release_host(self, slots: Seq[int]) -> None:
+        with self.lock:
+            self.host.release_slots(slots)
+
     def push_to_spill(self, victims: Victims) -> None:
         """Hand host victims to the transfer worker (a later, batched spill put)."""
         if victims.metas and self.worker is not None:

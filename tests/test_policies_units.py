@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_node.policies import PolicyEnv, make_policy
+from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
@@ -57,7 +57,7 @@ def test_sentencekv_demotes_to_host_and_recalls_by_query(tiny) -> None:
                 if p < 0:
                     continue
                 sid, i = host[p]
-                want = store.host_kv[sid][layer, i, :, head]
+                want = store.sentence_kv(sid, layer)[i, :, head]
                 assert torch.equal(store.region_kv[layer, :, head, slot], want)
                 loaded += 1
             sids = store.resident[layer][head]
@@ -74,11 +74,11 @@ def test_sentencekv_recall_picks_the_sentence_the_query_matches(tiny) -> None:
     seq = run_to(eng, rid, 1)
     policy, store = seq.kv.policy, seq.kv.extra["sentences"]
     target = 7
-    key = store.host_kv[target][0, 3, 0].float()  # layer 0, 4th token, (H_kv, d) post-RoPE key
+    key = store.sentence_kv(target, 0)[3, 0].float()  # layer 0, 4th token, (H_kv, d) post-RoPE key
     q = (100 * key / key.norm(dim=-1, keepdim=True)).repeat_interleave(2, 0).unsqueeze(0)  # (1, H=4, d)
     mass = store.sketch.log_mass(0, q, seq.kv.scaling, len(store)).amax(dim=(0, 2))  # (H_kv, S)
     exact = torch.stack([
-        torch.einsum("hd,nhd->hn", q[0, ::2], store.host_kv[s][0, :, 0].float()).mul(seq.kv.scaling).logsumexp(-1)
+        torch.einsum("hd,nhd->hn", q[0, ::2], store.sentence_kv(s, 0)[:, 0].float()).mul(seq.kv.scaling).logsumexp(-1)
         for s in range(len(store))], 1)
     assert mass.argmax(1).tolist() == exact.argmax(1).tolist() == [target, target]
     assert torch.allclose(mass.amax(1), exact.amax(1), rtol=0.15)  # log-mass from 2-bit codes
@@ -96,7 +96,7 @@ def test_sentencekv_cos_mode_keeps_the_papers_mean_keys(tiny) -> None:
     assert store.sketch is None
     target = 7
     mean = store.mean_keys[target, 0].view(2, 16)  # layer 0, (H_kv, d)
-    assert torch.allclose(mean, store.host_kv[target][0, :, 0].float().mean(0), atol=1e-6)
+    assert torch.allclose(mean, store.sentence_kv(target, 0)[:, 0].float().mean(0), atol=1e-6)
     policy.recall(seq.kv, 0, mean.repeat_interleave(2, 0).unsqueeze(0))  # each group points at target
     assert all(target in sids for sids in store.resident[0])
     assert store.index_nbytes == len(store) * 2 * 2 * 16 * 4
@@ -111,3 +111,61 @@ def test_gkv_cumulative_attention_decays_per_step(tiny) -> None:
     before = stats.cum[:, :, :60].clone()
     stats.begin_step(61)
     assert torch.allclose(stats.cum[:, :, :60], before * 0.5)
+
+
+def _sentencekv_engine(tiny, host_blocks: int):
+    """The unit-test engine, with a host tier of ``host_blocks`` blocks (0: none)."""
+    from cache_node.engine import LLMEngine
+    from cache_node.tiering import TierConfig
+
+    base = make_engine(tiny)
+    tier = TierConfig(host_bytes=host_blocks * base.pool.bytes_per_block) if host_blocks else None
+    eng = LLMEngine(tiny.model, base.config, tiny.model_id, tiny.eos_token_ids, tier_config=tier)
+    eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
+    return eng
+
+
+def test_sentencekv_keeps_its_sentences_in_the_engines_host_tier(tiny) -> None:
+    """With a host tier, demoted sentences live in slots reserved there (same bytes, same
+    tokens out as the sequence's own CPU store), and leave it with the sequence."""
+    from cache_node.policies.sentencekv import PrivateHostKV, TierHostKV
+
+    prompt = [(i % 13) + 1 for i in range(200)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for host_blocks in (0, 32):
+        eng = _sentencekv_engine(tiny, host_blocks)
+        rid = eng.add_request(prompt, params, policy="sentencekv-96")
+        seq = run_to(eng, rid, 3)
+        store = seq.kv.extra["sentences"]
+        runs[host_blocks] = (eng, rid, store)
+    (own_eng, own_rid, own), (eng, rid, store) = runs[0], runs[32]
+    assert isinstance(own.host, PrivateHostKV) and isinstance(store.host, TierHostKV)
+    demoted = sum(len(p) for p in store.positions)
+    assert eng.tiers.host.stats()["host_reserved_slots"] == -(-demoted // 16) > 0
+    for sid in range(len(store)):
+        for layer in range(eng.pool.num_layers):
+            assert torch.equal(store.sentence_kv(sid, layer), own.sentence_kv(sid, layer))
+    outs = []
+    for e, r in ((own_eng, own_rid), (eng, rid)):
+        while r in e.requests:
+            out = e.step()
+            outs += [o for o in out if o.request_id == r and o.finished]
+    assert outs[0].output_token_ids == outs[1].output_token_ids
+    assert eng.tiers.host.stats()["host_reserved_slots"] == 0
+    eng.check_integrity()
+
+
+def test_sentencekv_drops_sentences_when_the_host_tier_is_full(tiny) -> None:
+    eng = _sentencekv_engine(tiny, 2)  # 32 tokens of host RAM for ~180 demoted tokens
+    rid = eng.add_request([(i % 13) + 1 for i in range(200)], SamplingParams(max_tokens=6, ignore_eos=True),
+                          policy="sentencekv-96")
+    seq = run_to(eng, rid, 2)
+    store = seq.kv.extra["sentences"]
+    assert store.dropped_tokens > 0 and sum(len(p) for p in store.positions) <= 32
+    assert eng.tiers.host.stats()["host_reserved_slots"] == 2
+    eng.abort_request(rid)
+    eng.step()
+    assert eng.tiers.host.stats()["host_reserved_slots"] == 0
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0

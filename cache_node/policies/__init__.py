@@ -6,6 +6,8 @@ default ``policy``); see ``registry`` for the spec grammar.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cache_node.block_pool import BlockPool
 from cache_node.kv_pool import KVPool
 from cache_node.kv_state import SequenceKV
@@ -29,6 +31,9 @@ from cache_node.policies.registry import (
 )
 from cache_node.sequence import Sequence
 
+if TYPE_CHECKING:
+    from cache_node.tiering import TierManager
+
 __all__ = [
     "REGISTRY", "LayerPlan", "LayerView", "Policy", "PolicyEnv", "attach_policy",
     "get_policy_class", "known_policies", "make_policy", "parse_spec",
@@ -36,7 +41,8 @@ __all__ = [
 
 
 def attach_policy(
-    seq: Sequence, pool: KVPool, block_pool: BlockPool, env: PolicyEnv | None = None
+    seq: Sequence, pool: KVPool, block_pool: BlockPool, env: PolicyEnv | None = None,
+    host: TierManager | None = None,
 ) -> None:
     """Give ``seq`` the per-sequence state its ``seq.policy`` spec needs (none for "" / full).
 
@@ -47,4 +53,4 @@ def attach_policy(
         return
     policy = make_policy(seq.policy)
     if policy.compresses:
-        seq.kv = SequenceKV(seq, policy, pool, block_pool, env)
+        seq.kv = SequenceKV(seq, policy, pool, block_pool, env, host)

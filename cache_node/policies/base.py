@@ -211,6 +211,10 @@ class Policy:
         cold = state.extra.get("cold")
         return 0 if cold is None else cold.nbytes
 
+    def release(self, state: SequenceKV) -> None:
+        """The sequence's KV is gone (finish, abort, preemption): free what the policy holds
+        outside the pool (host-tier slots). No-op by default."""
+
     def clone_state(self, state: SequenceKV) -> dict[str, Any]:
         """Copy of the policy-owned per-sequence state (``state.extra``) for forking."""
         return dict(state.extra)

@@ -7,7 +7,9 @@ Device tier per sequence and layer::
     sentence index: a 2-bit key sketch of every demoted token (or one mean key per sentence)
 
 Every token outside sinks and the recent window is grouped into sentences; a sentence's raw
-K/V goes to host RAM and only its index stays on the device tier. Before each layer attends,
+K/V goes to the engine's host tier (slots the sequence reserves there, counted in the host
+budget and freed with the sequence; its own CPU tensors when the engine has no host tier) and
+only its index stays on the device tier. Before each layer attends,
 the step's queries score every sentence per KV head (best over the step's queries and the
 head's query group) and each head promotes its best sentences into its own R region slots; in
 a multi-token chunk the last query (the one sampled from) picks first, up to
@@ -37,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,7 @@ from cache_node.policies.registry import register
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
+    from cache_node.tiering import TierManager
 
 FAISS_MIN_SENTENCES = 2048
 
@@ -108,38 +111,125 @@ class KeySketch:
         return mass.log() + top
 
 
+class PrivateHostKV:
+    """Sentence K/V in the sequence's own CPU tensors (used when the engine has no host tier)."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, kv: torch.Tensor) -> int | None:
+        """Store ``kv`` (L, n, 2, H_kv, d); returns its handle."""
+        self.parts.append(kv.to("cpu", copy=True))
+        return len(self.parts) - 1
+
+    def read(self, handle: int, layer: int) -> torch.Tensor:
+        """(n, 2, H_kv, d) of one stored sentence in ``layer``."""
+        return self.parts[handle][layer]
+
+    def fork(self) -> PrivateHostKV:
+        out = PrivateHostKV()
+        out.parts = list(self.parts)  # never mutated in place
+        return out
+
+    def release(self) -> None:
+        self.parts = []
+
+
+class TierHostKV:
+    """Sentence K/V in host-tier slots the sequence reserves (``TierManager.reserve_host``),
+    packed token after token: stored token ``t`` lives in slot ``slots[t // block_size]`` at
+    offset ``t % block_size``. The slots count against the host tier's budget and leave it
+    when the sequence's KV is released."""
+
+    def __init__(self, tiers: TierManager) -> None:
+        self.tiers = tiers
+        self.block_size = tiers.pool.block_size
+        self.slots = torch.zeros(0, dtype=torch.long)
+        self.num_tokens = 0
+
+    def add(self, kv: torch.Tensor) -> torch.Tensor | None:
+        """Store ``kv`` (L, n, 2, H_kv, d); returns its handle (the stored token indices), or
+        None when the host tier cannot hold it."""
+        n = kv.shape[1]
+        need = math.ceil((self.num_tokens + n) / self.block_size) - len(self.slots)
+        if need > 0:
+            got = self.tiers.reserve_host(need)
+            if got is None:
+                return None
+            self.slots = torch.cat([self.slots, torch.tensor(got, dtype=torch.long)])
+        t = torch.arange(self.num_tokens, self.num_tokens + n)
+        self.num_tokens += n
+        data = self.tiers.host.data  # (L, 2, slots, block_size, H_kv, d)
+        data[:, :, self.slots[t // self.block_size], t % self.block_size] = kv.transpose(1, 2).to(data)
+        return t
+
+    def read(self, handle: torch.Tensor, layer: int) -> torch.Tensor:
+        """(n, 2, H_kv, d) of the stored tokens ``handle`` in ``layer``."""
+        data = self.tiers.host.data[layer]
+        return data[:, self.slots[handle // self.block_size], handle % self.block_size].transpose(0, 1)
+
+    def fork(self) -> TierHostKV:
+        """A copy in slots of its own (same handles). Raises RuntimeError when the host tier is full."""
+        out = TierHostKV(self.tiers)
+        if self.num_tokens:
+            t = torch.arange(self.num_tokens)
+            data = self.tiers.host.data[:, :, self.slots[t // self.block_size], t % self.block_size]
+            if out.add(data.transpose(1, 2)) is None:
+                raise RuntimeError("host tier full: cannot fork a sequence's sentences")
+        return out
+
+    def release(self) -> None:
+        if len(self.slots):
+            self.tiers.release_host(self.slots.tolist())
+        self.slots, self.num_tokens = torch.zeros(0, dtype=torch.long), 0
+
+
 @dataclass
 class HostSentenceStore:
     """Sentences demoted to host RAM, their device-tier index, and the recall region.
 
-    ``host_kv``: per sentence (L, n, 2, H_kv, d) on CPU. Index (device tier): ``sketch`` (key
-    codes, ``select_mode="sketch"``) or ``mean_keys`` (S, L, H_kv * d) float32 (the other
-    modes). ``region_kv``: (L, 2, H_kv, R, d) the promoted sentences' K/V on the pool's device,
-    each KV head its own (``region_positions`` (L, H_kv, R), -1 = empty slot).
+    ``host``: where the sentences' raw K/V lives (the engine's host tier, or the sequence's own
+    CPU tensors without one); ``handles[s]`` finds sentence ``s`` there. Index (device tier):
+    ``sketch`` (key codes, ``select_mode="sketch"``) or ``mean_keys`` (S, L, H_kv * d) float32
+    (the other modes). ``region_kv``: (L, 2, H_kv, R, d) the promoted sentences' K/V on the
+    pool's device, each KV head its own (``region_positions`` (L, H_kv, R), -1 = empty slot).
+    ``dropped_tokens``: tokens demoted while the host tier was full (lost, as on eviction).
     """
 
+    host: PrivateHostKV | TierHostKV = field(default_factory=PrivateHostKV)
     sketch: KeySketch | None = None
     positions: list[torch.Tensor] = field(default_factory=list)
-    host_kv: list[torch.Tensor] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
     mean_keys: torch.Tensor | None = None
     region_kv: torch.Tensor | None = None
     region_positions: torch.Tensor | None = None
     resident: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)  # layer -> per head
     recall_s: float = 0.0
     num_recalls: int = 0
+    dropped_tokens: int = 0
 
-    def put(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
-        """Demote one sentence: ``kv`` (L, n, 2, H_kv, d) at ``positions`` (n,)."""
+    def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Demote one sentence: ``kv`` (L, n, 2, H_kv, d) at ``positions`` (n,). False when the
+        host tier is full (the sentence is dropped)."""
+        handle = self.host.add(kv)
+        if handle is None:
+            self.dropped_tokens += len(positions)
+            return False
         if self.sketch is not None:
-            self.sketch.append(kv[:, :, 0], len(self.host_kv))
+            self.sketch.append(kv[:, :, 0], len(self.handles))
         else:
             mk = kv[:, :, 0].float().mean(1).flatten(-2).unsqueeze(0)  # (1, L, H_kv * d)
             self.mean_keys = mk if self.mean_keys is None else torch.cat([self.mean_keys, mk])
-        self.host_kv.append(kv.to("cpu", copy=True))
+        self.handles.append(handle)
         self.positions.append(positions.clone())
+        return True
+
+    def sentence_kv(self, sid: int, layer: int) -> torch.Tensor:
+        """(n, 2, H_kv, d) raw K/V of sentence ``sid`` in ``layer``, read from the host."""
+        return self.host.read(self.handles[sid], layer)
 
     def __len__(self) -> int:
-        return len(self.host_kv)
+        return len(self.handles)
 
     @property
     def index_nbytes(self) -> int:
@@ -161,7 +251,7 @@ class HostSentenceStore:
         self.resident.clear()
 
     def fork(self) -> HostSentenceStore:
-        """A copy sharing the immutable host tensors (index and region are copied)."""
+        """An independent copy (host K/V, index and region copied or shared immutably)."""
         sketch = None
         if self.sketch is not None:
             sketch = KeySketch(self.sketch.bits, self.sketch.group_size)
@@ -169,8 +259,9 @@ class HostSentenceStore:
             sketch.sentence_of = self.sketch.sentence_of
         region = None if self.region_kv is None else self.region_kv.clone()
         region_pos = None if self.region_positions is None else self.region_positions.clone()
-        return HostSentenceStore(sketch, list(self.positions), list(self.host_kv), self.mean_keys, region,
-                                 region_pos, dict(self.resident), self.recall_s, self.num_recalls)
+        return HostSentenceStore(self.host.fork(), sketch, list(self.positions), list(self.handles),
+                                 self.mean_keys, region, region_pos, dict(self.resident), self.recall_s,
+                                 self.num_recalls, self.dropped_tokens)
 
 
 class SentenceRegion:
@@ -279,7 +370,8 @@ class SentenceKV(Policy):
         store = state.extra.get("sentences")
         if store is None:
             sketch = KeySketch(self.sketch_bits, self.sketch_group) if self.select_mode == "sketch" else None
-            store = state.extra["sentences"] = HostSentenceStore(sketch)
+            host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
+            store = state.extra["sentences"] = HostSentenceStore(host, sketch)
         return store
 
     def pool_tokens(self, state: SequenceKV) -> int:
@@ -412,10 +504,15 @@ class SentenceKV(Policy):
         pos.fill_(-1)
         if not sids:
             return
-        kv = torch.cat([store.host_kv[s][layer, :, :, head] for s in sids])  # (n, 2, d)
+        kv = torch.cat([store.sentence_kv(s, layer)[:, :, head] for s in sids])  # (n, 2, d)
         n = kv.shape[0]
         store.region_kv[layer, :, head, :n] = kv.transpose(0, 1).to(store.region_kv)
         pos[:n] = torch.cat([store.positions[s] for s in sids])
+
+    def release(self, state: SequenceKV) -> None:
+        store = state.extra.get("sentences")
+        if store is not None:
+            store.host.release()
 
     # ---- accounting -------------------------------------------------------------------------
     def extra_device_bytes(self, state: SequenceKV) -> int:
