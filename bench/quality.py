@@ -22,9 +22,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import kvpress_peer
 from bench.quality_probe import Probe
@@ -140,9 +143,11 @@ def peer_item(item: dict, ref: Reference) -> dict:
     return {"context": item["context"], "held": item["held"], "questions": questions}
 
 
-def evaluate_item(probe: Probe, item: dict, ref: Reference, specs: list[str], rows: dict) -> None:
+def evaluate_item(probe: Probe, item: dict, ref: Reference, specs: list[str], rows: dict,
+                  advance: Callable[[], None] = lambda: None) -> None:
     """Compress ``ref.base`` once per spec, then ask every question of the compressed context
-    (prompt as a prefill chunk, the full cache's answer forced one decode step at a time)."""
+    (prompt as a prefill chunk, the full cache's answer forced one decode step at a time).
+    ``advance`` is called after each spec (progress)."""
     for spec in specs:
         t0 = time.perf_counter()
         comp = probe.compress(ref.base, spec)
@@ -170,6 +175,7 @@ def evaluate_item(probe: Probe, item: dict, ref: Reference, specs: list[str], ro
         row["nll_full"].append(float(torch.nn.functional.cross_entropy(ref.held_logits[:-1], targets)))
         probe.release(comp)
         row["seconds"].append(time.perf_counter() - t0)
+        advance()
 
 
 def memory_trace(lm: Any, env: PolicyEnv, specs: list[str], prompt: list[int], gen: int) -> dict[str, list]:
@@ -273,8 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict = defaultdict(lambda: defaultdict(list))
     items, refs = answered_contexts(probe, tok, build_items(tok, lengths, depths), want)
     peer = None if args.no_kvpress else start_peer(items, refs, budgets, presses)
-    for item, ref in zip(items, refs):
-        evaluate_item(probe, item, ref, specs, rows)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(f"{len(items)} contexts x {len(specs)} policies", total=len(items) * len(specs))
+        for item, ref in zip(items, refs):
+            evaluate_item(probe, item, ref, specs, rows, lambda: progress.advance(task))
     ref0 = refs[-1]
     sweep_rows = sweep(probe, ref0.base, items[-1]["held"], ref0.full_bytes, thresholds=thresholds)
     ppl_full = math.exp(float(torch.nn.functional.cross_entropy(
