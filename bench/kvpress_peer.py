@@ -160,8 +160,9 @@ def evaluate_item(runner: Runner, item: dict, specs: list[tuple[str, str, float]
     for q in item["questions"]:
         logits = runner.force(full, q["prompt"] + q["gen"], n)[len(q["prompt"]) - 1 :]
         refs.append((q, logits))
-        rows["_reference"]["agree_engine"].append(
-            float((logits[: len(q["gen"])].argmax(-1) == torch.tensor(q["gen"])).float().mean()))
+        if q["gen"]:  # an empty answer (the engine stopped at once) has no tokens to agree on
+            rows["_reference"]["agree_engine"].append(
+                float((logits[: len(q["gen"])].argmax(-1) == torch.tensor(q["gen"])).float().mean()))
     held, targets = item["held"], torch.tensor(item["held"][1:])
     held_ref = runner.force(full, held, n)
     del full
