@@ -85,6 +85,12 @@ class KeySketch:
             )
         self.sentence_of = torch.cat([self.sentence_of, torch.full((keys.shape[1],), sentence)])
 
+    def fork(self) -> KeySketch:
+        """A copy sharing the (never mutated in place) tensors."""
+        out = KeySketch(self.bits, self.group_size)
+        out.codes, out.scale, out.zero, out.sentence_of = self.codes, self.scale, self.zero, self.sentence_of
+        return out
+
     @property
     def nbytes(self) -> int:
         if self.codes is None:
@@ -122,9 +128,10 @@ class PrivateHostKV:
         self.parts.append(kv.to("cpu", copy=True))
         return len(self.parts) - 1
 
-    def read(self, handle: int, layer: int) -> torch.Tensor:
-        """(n, 2, H_kv, d) of one stored sentence in ``layer``."""
-        return self.parts[handle][layer]
+    def read(self, handle: int, layer: int, head: int | None = None) -> torch.Tensor:
+        """(n, 2, H_kv, d) of one stored sentence in ``layer``; (n, 2, d) for one ``head``."""
+        kv = self.parts[handle][layer]
+        return kv if head is None else kv[:, :, head]
 
     def fork(self) -> PrivateHostKV:
         out = PrivateHostKV()
@@ -163,10 +170,13 @@ class TierHostKV:
         data[:, :, self.slots[t // self.block_size], t % self.block_size] = kv.transpose(1, 2).to(data)
         return t
 
-    def read(self, handle: torch.Tensor, layer: int) -> torch.Tensor:
-        """(n, 2, H_kv, d) of the stored tokens ``handle`` in ``layer``."""
-        data = self.tiers.host.data[layer]
-        return data[:, self.slots[handle // self.block_size], handle % self.block_size].transpose(0, 1)
+    def read(self, handle: torch.Tensor, layer: int, head: int | None = None) -> torch.Tensor:
+        """(n, 2, H_kv, d) of the stored tokens ``handle`` in ``layer``; (n, 2, d) for one
+        ``head`` (only that head's bytes are gathered)."""
+        data = self.tiers.host.data[layer]  # (2, slots, block_size, H_kv, d)
+        slots, offsets = self.slots[handle // self.block_size], handle % self.block_size
+        kv = data[:, slots, offsets] if head is None else data[:, slots, offsets, head]
+        return kv.transpose(0, 1)
 
     def fork(self) -> TierHostKV:
         """A copy in slots of its own (same handles). Raises RuntimeError when the host tier is full."""
@@ -224,9 +234,9 @@ class HostSentenceStore:
         self.positions.append(positions.clone())
         return True
 
-    def sentence_kv(self, sid: int, layer: int) -> torch.Tensor:
+    def sentence_kv(self, sid: int, layer: int, head: int | None = None) -> torch.Tensor:
         """(n, 2, H_kv, d) raw K/V of sentence ``sid`` in ``layer``, read from the host."""
-        return self.host.read(self.handles[sid], layer)
+        return self.host.read(self.handles[sid], layer, head)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -252,11 +262,7 @@ class HostSentenceStore:
 
     def fork(self) -> HostSentenceStore:
         """An independent copy (host K/V, index and region copied or shared immutably)."""
-        sketch = None
-        if self.sketch is not None:
-            sketch = KeySketch(self.sketch.bits, self.sketch.group_size)
-            sketch.codes, sketch.scale, sketch.zero = self.sketch.codes, self.sketch.scale, self.sketch.zero
-            sketch.sentence_of = self.sketch.sentence_of
+        sketch = None if self.sketch is None else self.sketch.fork()
         region = None if self.region_kv is None else self.region_kv.clone()
         region_pos = None if self.region_positions is None else self.region_positions.clone()
         return HostSentenceStore(self.host.fork(), sketch, list(self.positions), list(self.handles),
@@ -444,10 +450,12 @@ class SentenceKV(Policy):
         """Per-head sentence scores for the queries ``q`` (n, H, d): a list of (H_kv, S') — the
         chunk's last query's first when ``last_query_share`` applies — and the shortlist the
         S' columns index (None: all sentences)."""
-        queries = [q[-1:], q] if q.shape[0] > 1 and self.last_query_share > 0 else [q]
-        if store.sketch is not None:
-            return [store.sketch.log_mass(layer_idx, x, state.scaling, len(store)).amax(dim=(0, 2))
-                    for x in queries], None
+        last_first = q.shape[0] > 1 and self.last_query_share > 0
+        queries = [q[-1:], q] if last_first else [q]
+        if store.sketch is not None:  # one pass over the codes; the last query's row is its score
+            mass = store.sketch.log_mass(layer_idx, q, state.scaling, len(store))  # (n, H_kv, g, S)
+            parts = [mass[-1:], mass] if last_first else [mass]
+            return [m.amax(dim=(0, 2)) for m in parts], None
         assert store.mean_keys is not None
         mk = store.mean_keys[:, layer_idx].view(len(store), state.pool.num_kv_heads, -1)  # (S, H_kv, d)
         lengths = torch.tensor([len(p) for p in store.positions])
@@ -504,7 +512,7 @@ class SentenceKV(Policy):
         pos.fill_(-1)
         if not sids:
             return
-        kv = torch.cat([store.sentence_kv(s, layer)[:, :, head] for s in sids])  # (n, 2, d)
+        kv = torch.cat([store.sentence_kv(s, layer, head) for s in sids])  # (n, 2, d)
         n = kv.shape[0]
         store.region_kv[layer, :, head, :n] = kv.transpose(0, 1).to(store.region_kv)
         pos[:n] = torch.cat([store.positions[s] for s in sids])
