@@ -3,7 +3,8 @@
     python -m bench.quality [--quick] [--out reports/quality]
 
 Per context (Wikipedia summaries concatenated to a target length, a pass key and a secret word
-inserted at a depth): prefill once, compress once per policy and device budget (50/25/12.5% of
+inserted at a depth; kept are the first contexts per length, 3 in the full run and 2 in
+``--quick``, whose pass key the full cache answers): prefill once, compress once per policy and device budget (50/25/12.5% of
 the full cache's bytes), then ask several questions of the same compressed context. Metrics:
 passkey/needle accuracy (only items the full cache answers count), KL(full || policy) of the
 next-token distributions and greedy agreement along the full cache's answer (teacher forced),
@@ -71,7 +72,9 @@ def build_items(tok: Any, lengths: list[int], depths: list[float], seed: int = 0
             items.append({
                 "length": length, "depth": depth, "context": ids, "held": held,
                 "questions": [
-                    ("passkey", tok.encode("\n\nWhat is the pass key mentioned above? The pass key is"), key),
+                    # ends in the space token, as "is 29077" tokenizes in the context: the next token is
+                    # the key's first digit, not the model's toss-up between " " and " a"
+                    ("passkey", tok.encode("\n\nWhat is the pass key mentioned above? The pass key is "), key),
                     ("word", tok.encode("\n\nWhat is the secret word mentioned above? The secret word is"), word),
                 ],
             })
@@ -121,18 +124,20 @@ def reference(probe: Probe, tok: Any, item: dict) -> Reference:
 def answered_contexts(probe: Probe, tok: Any, candidates: list[dict], want: int | None
                       ) -> tuple[list[dict], list[Reference]]:
     """References for the candidates, in order. With ``want``, keep only contexts whose pass key
-    the full cache answers, stopping at ``want`` (a policy-blind filter: accuracy only counts
-    items the full cache answers, so the quick mode spends its time on those)."""
+    the full cache answers, at most ``want`` per context length (a policy-blind filter: accuracy
+    only counts items the full cache answers, so the harness spends its time on those)."""
     items, refs = [], []
+    kept: dict[int, int] = defaultdict(int)
     for item in candidates:
+        if want is not None and kept[item["length"]] == want:
+            continue
         ref = reference(probe, tok, item)
         if want is not None and not any(a[0] == "passkey" and a[5] for a in ref.answers):
             probe.release(ref.base)
             continue
         items.append(item)
         refs.append(ref)
-        if want is not None and len(items) == want:
-            break
+        kept[item["length"]] += 1
     return items, refs
 
 
@@ -265,7 +270,9 @@ def main(argv: list[str] | None = None) -> None:
         lengths, depths, budgets, want = [1024], [0.2, 0.4, 0.6, 0.8], (0.25,), 2
         thresholds, presses = (0.01, 0.05), kvpress_peer.PRESSES
     else:
-        lengths, depths, budgets, want = [512, 1024, 2048], [0.1, 0.5, 0.9], BUDGETS, None
+        # candidates in an order that spreads the depths; the first 3 per length whose pass key
+        # the full cache answers are kept
+        lengths, depths, budgets, want = [512, 1024, 2048], [0.1, 0.5, 0.9, 0.3, 0.7, 0.2, 0.6, 0.4, 0.8], BUDGETS, 3
         thresholds, presses = THRESHOLDS, kvpress_peer.PRESSES_FULL
     lm = load_model()
     tok = lm.tokenizer
