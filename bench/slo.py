@@ -4,8 +4,12 @@
 global scheduler, one cache node with the real SmolLM2, gRPC gateway) serves the same trace:
 
 * tenants ``live`` (interactive), ``std`` (standard), ``bulk`` (batch) and ``noisy`` (standard,
-  offering 4x the others' rate), with the class defaults of ``tenants.model`` for TTFT targets,
-  floors and weights;
+  offering 4x the others' rate), with their class's weight. Their TTFT targets, TPOT targets and
+  token-rate floors are, by default (``--slo calibrated``), multiples of what one request alone
+  sees on this deployment, measured first (``TTFT_SCALE``, ``TPOT_SCALE``, ``FLOOR_SHARE``: the
+  SLO scale of DistServe and Apt-Serve); ``--slo defaults`` takes the class defaults of
+  ``tenants.model`` (sized for a GPU: the interactive floor of 10 tok/s is above a lone SmolLM2
+  decode on 2 CPU cores);
 * single-turn chat requests over Wikipedia extracts (``bench.common.wiki_chat_requests``);
 * Gamma arrivals per tenant (``workloads.deepresearch.sampling``): CV 1 for ``live`` and
   ``std``, CV 4 for ``bulk`` and ``noisy``; the total mean rate is ``--load`` times the capacity
@@ -14,7 +18,8 @@ global scheduler, one cache node with the real SmolLM2, gRPC gateway) serves the
 
 Per scheduler and tenant the report (``workloads.deepresearch.metrics.compute_report``) gives
 ``ttft_p50_ms``, ``ttft_p95_ms``, ``ttft_slo_attainment``, ``floor_attainment``,
-``tokens_per_s``, ``rejected``, ``preempted``; goodput is requests that finished within their
+``tokens_per_s``, ``rejected``, ``preempted`` (floors over 2 s windows, counting uncached
+prefill and output tokens, as the scheduler meters them); goodput is requests that finished within their
 tenant's TTFT target per second, and ``goodput_ratio_vs_fcfs`` divides by fcfs's. The last
 stdout line is that JSON; ``reports/slo/`` gets it plus ``attainment.png``.
 """
@@ -27,6 +32,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +54,42 @@ from workloads.deepresearch.metrics import compute_report
 from workloads.deepresearch.sampling import gamma_arrival_times
 
 SCHEDULERS = ("fcfs", "vtc", "kvstrata")
+FLOOR_WINDOW_S = 2.0  # floor-attainment window of the report: the kvstrata scheduler's rate meter window
 # name, class, share of the offered rate, arrival CV
 TENANTS = (("live", "interactive", 1.0, 1.0), ("std", "standard", 1.0, 1.0),
            ("bulk", "batch", 1.0, 4.0), ("noisy", "standard", 4.0, 4.0))
 
 
-def profiles() -> list[TenantProfile]:
+# Calibrated SLOs (``--slo calibrated``, the default): each class's targets as multiples of
+# this deployment's unloaded latency, the "SLO scale" of DistServe (§6.1) and Apt-Serve (§5),
+# so a target is one the hardware can meet at all. TTFT target = scale x the isolated TTFT p50;
+# floor = share x the lone decode rate (tokens/s of one request alone); TPOT target = scale x
+# the lone TPOT. The ratios between classes follow ``tenants.model.SLO_CLASS_DEFAULTS``
+# (TTFT 1 : 5 : 60; floors 10 : 4 : 0 tok/s).
+TTFT_SCALE = {"interactive": 4.0, "standard": 20.0, "batch": 240.0}
+FLOOR_SHARE = {"interactive": 0.25, "standard": 0.1, "batch": 0.0}
+TPOT_SCALE = {"interactive": 2.5, "standard": 6.0, "batch": 25.0}
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """What one request alone sees on this deployment (medians over the calibration prompts)."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+
+def profiles(unloaded: Unloaded | None) -> list[TenantProfile]:
+    """The bench's tenants: class defaults (``unloaded`` None) or calibrated SLOs."""
     out = []
     for name, cls, share, cv in TENANTS:
         d = SLO_CLASS_DEFAULTS[SloClass(cls)]
-        out.append(TenantProfile(name, cls, d.ttft_slo_ms, d.tpot_slo_ms, d.min_tokens_per_s, d.weight,
+        ttft, tpot, floor = d.ttft_slo_ms, d.tpot_slo_ms, d.min_tokens_per_s
+        if unloaded is not None:
+            ttft = round(TTFT_SCALE[cls] * unloaded.ttft_ms, 1)
+            tpot = round(TPOT_SCALE[cls] * unloaded.tpot_ms, 1)
+            floor = round(FLOOR_SHARE[cls] * 1000.0 / unloaded.tpot_ms, 2)
+        out.append(TenantProfile(name, cls, ttft, tpot, floor, d.weight,
                                  sessions_per_s=share, arrival_cv=cv, noisy=name == "noisy"))
     return out
 
@@ -82,20 +114,25 @@ def deploy(scheduler: str, node: NodeConfig) -> Services:
     return start_services(cfg)
 
 
-async def register(services: Services) -> dict[str, str]:
+async def register(services: Services, tenants: list[TenantProfile]) -> dict[str, str]:
+    """Register ``tenants`` with their SLO fields, plus ``calib`` (batch class, class defaults)
+    for the calibration and capacity runs. Returns name -> API key."""
     import grpc
 
     from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
     from services.convert import slo_class_to_pb
 
+    specs = [tenant_pb2.TenantSpec(name=t.name, slo_class=slo_class_to_pb(SloClass(t.slo_class)),
+                                   ttft_slo_ms=t.ttft_slo_ms, tpot_slo_ms=t.tpot_slo_ms,
+                                   min_tokens_per_s=t.min_tokens_per_s, weight=t.weight) for t in tenants]
+    specs.append(tenant_pb2.TenantSpec(name="calib", slo_class=slo_class_to_pb(SloClass.BATCH)))
     keys = {}
     async with grpc.aio.insecure_channel(services.address) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         admin = (("authorization", f"Bearer {services.admin_key}"),)
-        for name, cls, _, _ in TENANTS:  # every SLO field takes its class default
-            pb = tenant_pb2.TenantSpec(name=name, slo_class=slo_class_to_pb(SloClass(cls)))
+        for pb in specs:
             resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=pb), metadata=admin)
-            keys[name] = resp.api_key
+            keys[pb.name] = resp.api_key
     return keys
 
 
@@ -120,10 +157,21 @@ async def play(services: Services, keys: dict[str, str], arrivals: list[tuple[fl
         await client.close()
 
 
+def unloaded(services: Services, keys: dict[str, str], prompts: list, max_tokens: int, n: int) -> Unloaded:
+    """Send ``n`` prompts one at a time (nothing else running); medians of TTFT and TPOT."""
+    recs = []
+    for i in range(n):
+        recs += asyncio.run(play(services, keys, [(0.0, "calib", i % len(prompts))], prompts, max_tokens))
+    ok = [r for r in recs if r["status"] == "ok" and r["ttft_ms"] is not None and r["tpot_ms"] is not None]
+    if not ok:
+        raise RuntimeError(f"calibration: no request succeeded ({[r['status'] for r in recs]})")
+    return Unloaded(float(np.median([r["ttft_ms"] for r in ok])), float(np.median([r["tpot_ms"] for r in ok])))
+
+
 def capacity_rps(services: Services, keys: dict[str, str], prompts: list, max_tokens: int, n: int) -> float:
     """Requests/s with ``n`` requests in flight at once (saturated throughput)."""
     t0 = time.monotonic()
-    recs = asyncio.run(play(services, keys, [(0.0, "bulk", i % len(prompts)) for i in range(n)], prompts,
+    recs = asyncio.run(play(services, keys, [(0.0, "calib", i % len(prompts)) for i in range(n)], prompts,
                             max_tokens))
     ok = sum(r["status"] == "ok" for r in recs)
     return ok / (time.monotonic() - t0)
@@ -171,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--load", type=float, default=1.5, help="mean offered rate / measured capacity")
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS))
+    ap.add_argument("--slo", choices=("calibrated", "defaults"), default="calibrated",
+                    help="tenant SLOs: multiples of the measured unloaded latency, or the class defaults")
     ap.add_argument("--out", default="reports/slo")
     args = ap.parse_args(argv)
     duration_s, n_prompts, max_tokens = (40.0, 24, 16) if args.quick else (120.0, 64, 24)
@@ -179,27 +229,37 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [[{"role": "user", "content": r.user_text}] for r in reqs]
     node = NodeConfig(kv_pool_bytes=96 << 20, max_num_seqs=16, max_num_batched_tokens=256,
                       torch_threads=os.cpu_count() or 2)
-    tenants, slo = profiles(), {t.name: t.ttft_slo_ms for t in profiles()}
     results: dict[str, Any] = {}
-    cap = 0.0
+    cap, base, tenants = 0.0, None, profiles(None)
     for sched in args.schedulers.split(","):
         services = deploy(sched, node)
         try:
-            keys = asyncio.run(register(services))
-            if not cap:
-                cap = capacity_rps(services, keys, prompts, max_tokens, n=16 if args.quick else 32)
+            if not cap:  # the first deployment measures, before any tenant of the trace exists
+                calib_keys = asyncio.run(register(services, []))
+                if args.slo == "calibrated":
+                    base = unloaded(services, calib_keys, prompts, max_tokens, n=6 if args.quick else 10)
+                    tenants = profiles(base)
+                    print(f"unloaded: TTFT p50 {base.ttft_ms:.0f} ms, TPOT p50 {base.tpot_ms:.1f} ms", flush=True)
+                cap = capacity_rps(services, calib_keys, prompts, max_tokens, n=16 if args.quick else 32)
                 print(f"capacity {cap:.2f} requests/s", flush=True)
+                keys = asyncio.run(register(services, tenants)) | calib_keys
+            else:
+                keys = asyncio.run(register(services, tenants))
             arrivals = trace(args.load * cap, duration_s, n_prompts, seed=11)
             records = asyncio.run(play(services, keys, arrivals, prompts, max_tokens))
         finally:
             stop_services(services)
-        report = compute_report(records, [], tenants)
-        results[sched] = summarize(report, records, slo)
+        report = compute_report(records, [], tenants, window_s=FLOOR_WINDOW_S)
+        results[sched] = summarize(report, records, {t.name: t.ttft_slo_ms for t in tenants})
         print(f"{sched}: {json.dumps(results[sched])}", flush=True)
     ray.shutdown()
     base = results.get("fcfs", {}).get("goodput_rps") or None
     out = {
-        "capacity_rps": cap, "offered_load": args.load, "duration_s": duration_s,
+        "capacity_rps": cap, "offered_load": args.load, "duration_s": duration_s, "slo": args.slo,
+        "unloaded": None if base is None else {"ttft_ms": round(base.ttft_ms, 1), "tpot_ms": round(base.tpot_ms, 1)},
+        "tenants": {t.name: {"slo_class": t.slo_class, "ttft_slo_ms": t.ttft_slo_ms, "tpot_slo_ms": t.tpot_slo_ms,
+                             "min_tokens_per_s": t.min_tokens_per_s} for t in tenants},
+        "floor_window_s": FLOOR_WINDOW_S,
         "schedulers": results,
         "goodput_ratio_vs_fcfs": {s: (r["goodput_rps"] / base if base else None) for s, r in results.items()},
     }

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.slo import TENANTS, profiles, summarize, trace
+from bench.slo import TENANTS, Unloaded, profiles, summarize, trace
 from workloads.deepresearch.client import CallResult
 from workloads.deepresearch.metrics import compute_report
 
@@ -28,7 +28,7 @@ def record(tenant: str, i: int, start_s: float, ttft_ms: float | None, status: s
 
 
 def test_summary_counts_goodput_per_tenant_target() -> None:
-    slo = {t.name: t.ttft_slo_ms for t in profiles()}  # live 1000 ms, std 5000 ms, bulk 60000 ms
+    slo = {t.name: t.ttft_slo_ms for t in profiles(None)}  # live 1000 ms, std 5000 ms, bulk 60000 ms
     records = [
         record("live", 0, 0.0, 800.0),  # within 1 s
         record("live", 1, 1.0, 1500.0),  # late
@@ -36,7 +36,17 @@ def test_summary_counts_goodput_per_tenant_target() -> None:
         record("noisy", 3, 3.0, None, status="RESOURCE_EXHAUSTED"),  # rejected
         record("bulk", 4, 8.0, 30000.0),  # within 60 s
     ]
-    out = summarize(compute_report(records, [], profiles()), records, slo)
+    out = summarize(compute_report(records, [], profiles(None)), records, slo)
     assert out["live"]["ttft_slo_attainment"] == 0.5
     assert out["live"]["requests"] == 2 and out["noisy"]["ok"] == 0 and out["noisy"]["rejected"] == 1
     assert out["goodput_rps"] == pytest.approx(3 / 10.0)  # 3 good over the 0-10 s span
+
+
+def test_calibrated_slos_are_multiples_of_the_unloaded_latency() -> None:
+    """--slo calibrated: TTFT 4x / 20x / 240x the isolated TTFT, floors 0.25x / 0.1x / 0 of the
+    lone decode rate (TPOT 80 ms -> 12.5 tok/s), weights from the class."""
+    by_name = {t.name: t for t in profiles(Unloaded(ttft_ms=300.0, tpot_ms=80.0))}
+    assert [by_name[n].ttft_slo_ms for n in ("live", "std", "bulk", "noisy")] == [1200.0, 6000.0, 72000.0, 6000.0]
+    assert [by_name[n].min_tokens_per_s for n in ("live", "std", "bulk")] == [3.12, 1.25, 0.0]
+    assert by_name["live"].tpot_slo_ms == 200.0 and by_name["live"].weight == 4.0
+    assert {t.name: t.ttft_slo_ms for t in profiles(None)}["live"] == 1000.0  # class defaults

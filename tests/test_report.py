@@ -120,6 +120,22 @@ def test_floor_windows_by_hand() -> None:
         floor_windows(a_records, 1.0, horizon_s=4.5, window_s=0.0)
 
 
+def test_floor_counts_uncached_prefill_tokens() -> None:
+    """The floor counts uncached prefill + output tokens (issue 6, DESIGN.md §7). One call busy
+    [0, 4): queued 1 s, then 60 prompt tokens (20 cached on the device, 10 on the host) prefilled
+    over [1, 2) -> 30 uncached tokens in window 1; 8 output tokens over [2, 4) -> 4 in each of
+    windows 2 and 3. Window 0 (queued) delivers nothing."""
+    rec = _rec("A", "ok", 0.0, 4.0, ttft_ms=2000.0, queue_ms=1000.0, prompt_tokens=60, completion_tokens=8,
+               cached_device_tokens=20, cached_host_tokens=10)  # fmt: skip
+    assert floor_windows([rec], 4.0, horizon_s=4.0, window_s=1.0) == (4, 3)
+    assert floor_windows([rec], 5.0, horizon_s=4.0, window_s=1.0) == (4, 1)
+    assert floor_windows([rec], 30.0, horizon_s=4.0, window_s=1.0) == (4, 1)
+    assert floor_windows([rec], 31.0, horizon_s=4.0, window_s=1.0) == (4, 0)
+    # no queue figure: the prefill spreads over [start, first token) = [0, 2), 15 per window
+    rec_nq = dict(rec, queue_ms=None)
+    assert floor_windows([rec_nq], 15.0, horizon_s=4.0, window_s=1.0) == (4, 2)
+
+
 def test_report_json_is_recomputed_from_calls_jsonl(tmp_path: Path) -> None:
     now = datetime(2026, 1, 2, 3, 4, 5)
     run_dir, report = write_report(RECORDS, TIMESERIES, TENANTS, root=tmp_path, now=now)

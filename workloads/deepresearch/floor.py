@@ -7,9 +7,13 @@ Definition (times are seconds since the run started; ``W = window_s``):
    (any status except ``SKIPPED``): queued, prefilling or decoding.
 3. A window is **backlogged** for the tenant when the union of its busy
    intervals covers the whole window.
-4. The tenant's **delivered tokens** are the ``completion_tokens`` of its ok
-   calls, spread uniformly over ``[start_s + ttft_ms / 1000, end_s]`` (all at
-   ``end_s`` when that interval is empty; ``ttft_ms`` None counts as 0).
+4. The tenant's **delivered tokens** are those the floor counts (the issue's and DESIGN.md
+   §7's definition: uncached prefill tokens plus output tokens) of its ok calls:
+   ``completion_tokens`` spread uniformly over ``[start_s + ttft_ms / 1000, end_s]``, and the
+   uncached prompt tokens (``prompt_tokens`` minus the cached tokens of every tier) spread
+   uniformly over the prefill, ``[start_s + queue_ms / 1000, start_s + ttft_ms / 1000]``
+   (each all at its interval's end when the interval is empty; a None ``ttft_ms`` or
+   ``queue_ms`` counts as 0).
 5. A backlogged window is **met** when delivered tokens in it divided by ``W``
    is at least the tenant's ``min_tokens_per_s``.
 6. **Floor attainment** = met windows / backlogged windows (None when none is backlogged).
@@ -21,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from workloads.deepresearch.client import TIERS
 from workloads.deepresearch.records import SKIPPED
 
 _COVER_TOLERANCE = 1e-9
@@ -40,13 +45,22 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def _spread(n: float, t0: float, t1: float, w0: float, w1: float) -> float:
+    """Of ``n`` tokens spread uniformly over ``[t0, t1]`` (all at ``t1`` when empty), those
+    in ``[w0, w1)``."""
+    if t1 <= t0:
+        return n if w0 <= t1 < w1 else 0.0
+    return n * _overlap(t0, t1, w0, w1) / (t1 - t0)
+
+
 def _tokens_in(record: Mapping[str, Any], w0: float, w1: float) -> float:
-    first_s = float(record["start_s"]) + float(record.get("ttft_ms") or 0.0) / 1000.0
-    end_s = float(record["end_s"])
-    n = float(record["completion_tokens"])
-    if end_s <= first_s:
-        return n if w0 <= end_s < w1 else 0.0
-    return n * _overlap(first_s, end_s, w0, w1) / (end_s - first_s)
+    start_s = float(record["start_s"])
+    first_s = start_s + float(record.get("ttft_ms") or 0.0) / 1000.0
+    prefill_s = min(first_s, start_s + float(record.get("queue_ms") or 0.0) / 1000.0)
+    cached = sum(int(record.get(f"cached_{tier}_tokens") or 0) for tier in TIERS)
+    uncached = max(0, int(record.get("prompt_tokens") or 0) - cached)
+    return (_spread(float(record["completion_tokens"]), first_s, float(record["end_s"]), w0, w1)
+            + _spread(float(uncached), prefill_s, first_s, w0, w1))
 
 
 def floor_windows(
@@ -62,7 +76,7 @@ def floor_windows(
         raise ValueError(f"window_s must be positive, got {window_s}")
     sent = [r for r in records if r["status"] != SKIPPED]
     busy = _merged([(r["start_s"], r["end_s"]) for r in sent if r["end_s"] > r["start_s"]])
-    ok = [r for r in sent if r["status"] == "ok" and r["completion_tokens"] > 0]
+    ok = [r for r in sent if r["status"] == "ok"]
     backlogged = met = 0
     for k in range(math.ceil(horizon_s / window_s)):
         w0, w1 = k * window_s, (k + 1) * window_s
