@@ -114,9 +114,9 @@ def deploy(scheduler: str, node: NodeConfig) -> Services:
     return start_services(cfg)
 
 
-async def register(services: Services, tenants: list[TenantProfile]) -> dict[str, str]:
-    """Register ``tenants`` with their SLO fields, plus ``calib`` (batch class, class defaults)
-    for the calibration and capacity runs. Returns name -> API key."""
+async def register(services: Services, tenants: list[TenantProfile], calib: bool = False) -> dict[str, str]:
+    """Register ``tenants`` with their SLO fields and, with ``calib``, tenant ``calib`` (batch
+    class, class defaults) for the calibration and capacity runs. Returns name -> API key."""
     import grpc
 
     from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
@@ -125,7 +125,8 @@ async def register(services: Services, tenants: list[TenantProfile]) -> dict[str
     specs = [tenant_pb2.TenantSpec(name=t.name, slo_class=slo_class_to_pb(SloClass(t.slo_class)),
                                    ttft_slo_ms=t.ttft_slo_ms, tpot_slo_ms=t.tpot_slo_ms,
                                    min_tokens_per_s=t.min_tokens_per_s, weight=t.weight) for t in tenants]
-    specs.append(tenant_pb2.TenantSpec(name="calib", slo_class=slo_class_to_pb(SloClass.BATCH)))
+    if calib:
+        specs.append(tenant_pb2.TenantSpec(name="calib", slo_class=slo_class_to_pb(SloClass.BATCH)))
     keys = {}
     async with grpc.aio.insecure_channel(services.address) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         services = deploy(sched, node)
         try:
             if not cap:  # the first deployment measures, before any tenant of the trace exists
-                calib_keys = asyncio.run(register(services, []))
+                calib_keys = asyncio.run(register(services, [], calib=True))
                 if args.slo == "calibrated":
                     base = unloaded(services, calib_keys, prompts, max_tokens, n=6 if args.quick else 10)
                     tenants = profiles(base)
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         results[sched] = summarize(report, records, {t.name: t.ttft_slo_ms for t in tenants})
         print(f"{sched}: {json.dumps(results[sched])}", flush=True)
     ray.shutdown()
-    base = results.get("fcfs", {}).get("goodput_rps") or None
+    fcfs_goodput = results.get("fcfs", {}).get("goodput_rps") or None
     out = {
         "capacity_rps": cap, "offered_load": args.load, "duration_s": duration_s, "slo": args.slo,
         "unloaded": None if base is None else {"ttft_ms": round(base.ttft_ms, 1), "tpot_ms": round(base.tpot_ms, 1)},
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                              "min_tokens_per_s": t.min_tokens_per_s} for t in tenants},
         "floor_window_s": FLOOR_WINDOW_S,
         "schedulers": results,
-        "goodput_ratio_vs_fcfs": {s: (r["goodput_rps"] / base if base else None) for s, r in results.items()},
+        "goodput_ratio_vs_fcfs": {s: (r["goodput_rps"] / fcfs_goodput if fcfs_goodput else None)
+                                  for s, r in results.items()},
     }
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
