@@ -105,6 +105,14 @@ def trace(rate_rps: float, duration_s: float, n_prompts: int, seed: int) -> list
     return sorted(out)
 
 
+def peak_load(arrivals: list[tuple[float, str, int]], capacity_rps: float, window_s: float = 10.0) -> float:
+    """Most arrivals in any ``window_s`` window (starting at an arrival) per second, over the
+    capacity: the trace's peak offered load."""
+    times = [a[0] for a in arrivals]
+    most = max((sum(t <= u < t + window_s for u in times) for t in times), default=0)
+    return most / window_s / capacity_rps if capacity_rps > 0 else 0.0
+
+
 def deploy(scheduler: str, node: NodeConfig) -> Services:
     if not ray.is_initialized():
         ray.init(address="local", namespace="kvstrata-bench-slo", include_dashboard=False,
@@ -261,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         "tenants": {t.name: {"slo_class": t.slo_class, "ttft_slo_ms": t.ttft_slo_ms, "tpot_slo_ms": t.tpot_slo_ms,
                              "min_tokens_per_s": t.min_tokens_per_s} for t in tenants},
         "floor_window_s": FLOOR_WINDOW_S,
+        "peak_load_10s": round(peak_load(trace(args.load * cap, duration_s, n_prompts, seed=11), cap), 2),
         "schedulers": results,
         "goodput_ratio_vs_fcfs": {s: (r["goodput_rps"] / fcfs_goodput if fcfs_goodput else None)
                                   for s, r in results.items()},

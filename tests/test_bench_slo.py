@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.slo import TENANTS, Unloaded, profiles, summarize, trace
+from bench.slo import TENANTS, Unloaded, peak_load, profiles, summarize, trace
 from workloads.deepresearch.client import CallResult
 from workloads.deepresearch.metrics import compute_report
 
@@ -50,3 +50,8 @@ def test_calibrated_slos_are_multiples_of_the_unloaded_latency() -> None:
     assert [by_name[n].min_tokens_per_s for n in ("live", "std", "bulk")] == [3.12, 1.25, 0.0]
     assert by_name["live"].tpot_slo_ms == 200.0 and by_name["live"].weight == 4.0
     assert {t.name: t.ttft_slo_ms for t in profiles(None)}["live"] == 1000.0  # class defaults
+
+
+def test_peak_load_counts_the_busiest_window() -> None:
+    arrivals = [(t, "live", 0) for t in (0.0, 1.0, 2.0, 30.0, 31.0, 32.0, 33.0, 34.0)]
+    assert peak_load(arrivals, capacity_rps=0.25, window_s=10.0) == 2.0  # 5 in [30, 40) = 0.5/s
