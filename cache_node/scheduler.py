@@ -24,7 +24,7 @@ from cache_node.config import EngineConfig
 from cache_node.kv_cache_manager import KVCacheManager, cdiv
 from cache_node.model_runner import ScheduledBatch
 from cache_node.scheduling import SchedulingPolicy, make_policy
-from cache_node.scheduling.admission import Ewma, SpeedMeter
+from cache_node.scheduling.admission import Ewma, SpeedMeter, StepTimeModel
 from cache_node.sequence import Sequence, SequenceStatus
 
 DemoteFn = Callable[[list[KVBlock]], int]
@@ -58,6 +58,7 @@ class Scheduler:
         self.rejected: list[Sequence] = []
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)
+        self.step_model = StepTimeModel()  # step seconds vs tokens (floor-sized steps)
         self.active_tenants: Counter[str] = Counter()  # waiting + running sequences per tenant
         self.num_preemptions = 0
         self._demote: DemoteFn | None = None
@@ -101,14 +102,23 @@ class Scheduler:
         if self.policy.preempts_for_class:
             self._preempt_for_slots(now)
         budget = self.config.max_num_batched_tokens
+        running = list(self.running)
+        target_s = self.policy.step_target_s(self.running, now)
+        decoding = 0
+        if target_s is not None:  # a tenant below its floor is decoding: size the step to it
+            decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
+            budget = self.step_model.tokens_within(target_s, max(1, decoding), budget)
+            running.sort(key=lambda s: s.num_tokens - s.num_computed_tokens > 1)  # decodes first
         batch: ScheduledBatch = []
         chunk_cap = budget
         if self.waiting and self.policy.prefill_chunk_share < 1.0:
             chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
+        if target_s is not None:
+            chunk_cap = max(1, min(chunk_cap, budget - decoding))
         # never two isolated steps in a row: the other classes decode at least every other step
         urgent_only = not self._isolated_last and self._urgent_prefill_pending(now)
         self._isolated_last = urgent_only
-        for seq in list(self.running):
+        for seq in running:
             if budget == 0:
                 break
             if seq not in self.running:  # preempted by an earlier iteration
@@ -259,6 +269,7 @@ class Scheduler:
         if self._last_step is not None:
             start, num_tokens = self._last_step
             self.step_s.update(now - start)
+            self.step_model.observe(num_tokens, now - start)
             if 4 * num_tokens >= self.config.max_num_batched_tokens:
                 self.prefill_speed.observe(num_tokens, now - start)
         self._last_step = None

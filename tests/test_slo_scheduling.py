@@ -8,6 +8,7 @@ output token per sampled sequence, finish at ``max_tokens``) and asserts exact o
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
@@ -15,6 +16,7 @@ from cache_node.config import EngineConfig
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
+from cache_node.scheduling.admission import StepTimeModel
 from cache_node.scheduling import SCHEDULING_POLICIES, SchedulingPolicy, TenantShare, make_policy
 from cache_node.sequence import Sequence
 
@@ -35,8 +37,10 @@ class Sim:
         max_seqs: int = 4,
         step_s: float = 0.1,
         tenants: dict[str, TenantShare] | None = None,
+        step_time: Callable[[int], float] | None = None,
     ) -> None:
         self.t, self.step_s, self.steps = 0.0, step_s, 0
+        self.step_time = step_time  # seconds of a step of n tokens (default: ``step_s``)
         cfg = EngineConfig(
             block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs
         )
@@ -81,7 +85,7 @@ class Sim:
                     self.kv.free(seq)
                     self.finished_step[seq.request_id] = self.steps
         self.steps += 1
-        self.t += self.step_s
+        self.t += self.step_s if self.step_time is None else self.step_time(sum(n for _, n in batch))
         self.kv.check_integrity()
         return [(s.request_id, n) for s, n in batch]
 
@@ -294,6 +298,47 @@ def test_floor_met_for_backlogged_tenant_while_heavier_tenant_floods() -> None:
     rates = backlogged_window_rates(floods("kvstrata"), "light")
     assert len(rates) == 12
     assert min(rates) >= 8.0, rates
+
+
+def floor_under_prefill(policy: str) -> list[float]:
+    """Steps cost 50 ms + 2 ms per token. A batch tenant floods 512-token prompts (a 256-token
+    budget: ~0.56 s steps); after 4 s a light tenant starts one 60-token decode with a floor of
+    4 tokens/s. Returns the light tenant's tokens/s (prefill and output tokens, as floors count
+    them) in each whole 2 s window from its arrival to its finish."""
+    tenants = {"bulk": TenantShare("batch", weight=1.0),
+               "light": TenantShare("standard", weight=1.0, min_tokens_per_s=4.0)}
+    sim = Sim(policy, num_blocks=1024, max_seqs=8, budget=256, tenants=tenants,
+              step_time=lambda n: 0.05 + 0.002 * n)
+    for i in range(40):
+        sim.add(f"B{i}", "bulk", 512, max_tokens=4)
+    while sim.t < 4.0:
+        sim.step()
+    arrival = sim.t
+    sim.add("L", "light", 16, max_tokens=60)
+    while "L" not in sim.finished_step:
+        sim.step()
+    windows = [arrival + 2.0 * k for k in range(int((sim.t - arrival) // 2.0))]
+    return [sum(n for t, n in sim.tokens["light"] if w <= t < w + 2.0) / 2.0 for w in windows]
+
+
+def test_floor_sized_steps_keep_a_decoding_tenant_at_its_floor_under_long_prefills() -> None:
+    """kvstrata caps the step's tokens (step-time model fitted online) while a tenant with a
+    floor decodes; vtc keeps full 256-token steps, ~0.56 s each: < 2 decode tokens/s."""
+    kv = floor_under_prefill("kvstrata")
+    assert len(kv) >= 4 and min(kv) >= 4.0, kv
+    vtc = floor_under_prefill("vtc")
+    assert max(vtc[1:]) < 4.0, vtc  # the first window holds its 16 prefill tokens
+
+
+def test_step_time_model_fits_base_and_per_token_cost() -> None:
+    model = StepTimeModel(min_samples=4)
+    assert model.tokens_within(0.2, least=1, cap=256) == 256  # no fit yet: the cap
+    for n in (16, 64, 128, 256, 32):
+        model.observe(n, 0.05 + 0.002 * n)
+    base, per_token = model.fit()
+    assert base == pytest.approx(0.05) and per_token == pytest.approx(0.002)
+    assert model.tokens_within(0.2, least=1, cap=256) == 75  # (0.2 - 0.05) / 0.002
+    assert model.tokens_within(0.01, least=3, cap=256) == 3
 
 
 def test_vtc_alone_misses_the_floor_of_the_light_tenant() -> None:

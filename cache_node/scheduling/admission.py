@@ -15,7 +15,10 @@ standard at twice it); batch always queues.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 REJECT_FACTOR: dict[str, float | None] = {"interactive": 1.0, "standard": 2.0, "batch": None}
 
@@ -62,6 +65,46 @@ class SpeedMeter(Ewma):
         if tokens_per_s > 0:
             self.value = tokens_per_s
             self.num_samples += 1
+
+
+class StepTimeModel:
+    """Step seconds as ``base_s + per_token_s * tokens``, fitted by least squares over the
+    last ``window`` (tokens, seconds) steps.
+
+    Args:
+        window: steps kept.
+        min_samples: fewer steps than this: no fit (``tokens_within`` returns its cap).
+    """
+
+    def __init__(self, window: int = 64, min_samples: int = 8) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self._samples.append((num_tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(base_s, per_token_s)``, or None before ``min_samples`` steps. With steps of one
+        size only (a saturated budget), ``(0, median seconds per token)``: it overstates the
+        cost of a smaller step, so a budget sized from it errs short."""
+        if len(self._samples) < self.min_samples:
+            return None
+        tokens = np.array([n for n, _ in self._samples], dtype=np.float64)
+        secs = np.array([t for _, t in self._samples], dtype=np.float64)
+        if len(set(tokens.tolist())) < 2:
+            return 0.0, float(np.median(secs / tokens))
+        per_token, base = np.polyfit(tokens, secs, 1)
+        return float(base), float(per_token)
+
+    def tokens_within(self, seconds: float, least: int, cap: int) -> int:
+        """Most tokens a step may carry and still take at most ``seconds``, within
+        ``[least, cap]`` (``cap`` without a usable fit)."""
+        fitted = self.fit()
+        if fitted is None or fitted[1] <= 0:
+            return cap
+        base, per_token = fitted
+        return max(least, min(cap, int((seconds - base) / per_token)))
 
 
 @dataclass(frozen=True)

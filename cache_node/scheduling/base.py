@@ -134,6 +134,10 @@ class SchedulingPolicy(ABC):
     def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
         """``seq`` computes ``num_tokens`` uncached tokens this step (charge counters here)."""
 
+    def step_target_s(self, running: list[Sequence], now_s: float) -> float | None:
+        """The longest step (seconds) that keeps the running floors; None: no limit."""
+        return None
+
     def on_finished(self, seq: Sequence) -> None:
         self._passed_over.pop(seq.request_id, None)
 

@@ -15,6 +15,10 @@ Waiting order, as nested groups:
    whose KV sits below the device is prefetched first (the scheduler skips it meanwhile); a
    long request gains value while it waits, so it is not starved.
 
+While a tenant with a floor has requests decoding, the step's token budget is sized so the
+step lasts at most ``k / (floor * headroom)`` seconds for its ``k`` decodes (``step_target_s``;
+the scheduler's step-time model, fitted online, turns seconds into tokens, and decodes go
+first): other tenants' prefill chunks shrink rather than slow its decode below the floor.
 While requests wait, a running prefill chunk takes at most half the step's token budget, so a
 long prompt being prefilled does not hold new short requests out of the batch (Sarathi-style
 stall-free batching). A request is admitted only when its whole prompt fits the free blocks. Admission passes over
@@ -136,6 +140,22 @@ class KvstrataPolicy(SchedulingPolicy):
                 self._floor_preempted_s[incoming.tenant] = self._now_s
                 return max(same, key=badness)
         return None
+
+    def step_target_s(self, running: list[Sequence], now_s: float) -> float | None:
+        """Floor-sized steps: a tenant with a floor and ``k`` decoding requests gains ``k``
+        tokens a step, so a step may last ``k / (floor * headroom)`` seconds for its decodes
+        alone to keep the floor; the shortest such bound over those tenants, or None. Decodes
+        count, not the rate meter: the meter lags a prefill burst by its window. The scheduler
+        caps the step's tokens to fit the bound (a token budget sized from a latency target,
+        as in Sarathi-Serve, Agrawal et al., OSDI'24, §4.3)."""
+        decoding: dict[str, tuple[int, float]] = {}
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens == 1 and self.share(seq).min_tokens_per_s > 0:
+                k, floor = decoding.get(seq.tenant, (0, self.share(seq).min_tokens_per_s))
+                decoding[seq.tenant] = (k + 1, floor)
+        if not decoding:
+            return None
+        return min(k / (floor * self.floor_headroom) for k, floor in decoding.values())
 
     def _below_floor(self, seq: Sequence) -> bool:
         floor = self.share(seq).min_tokens_per_s * self.floor_headroom
