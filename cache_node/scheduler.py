@@ -105,7 +105,7 @@ class Scheduler:
         running = list(self.running)
         target_s = self.policy.step_target_s(self.running, now)
         decoding = 0
-        if target_s is not None:  # a tenant below its floor is decoding: size the step to it
+        if target_s is not None:  # a tenant with a floor is decoding: size the step to it
             decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
             budget = self.step_model.tokens_within(target_s, max(1, decoding), budget)
             running.sort(key=lambda s: s.num_tokens - s.num_computed_tokens > 1)  # decodes first
