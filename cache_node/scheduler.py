@@ -103,21 +103,27 @@ class Scheduler:
             self._preempt_for_slots(now)
         budget = self.config.max_num_batched_tokens
         running = list(self.running)
+        urgent = self._urgent_prefill_pending(now)
+        # never two isolated steps in a row: the other classes decode at least every other step
+        urgent_only = not self._isolated_last and urgent
+        self._isolated_last = urgent_only
         target_s = self.policy.step_target_s(self.running, now)
         decoding = 0
+        capped: int | None = None  # tokens left for other prefills under a floor-sized step
         if target_s is not None:  # a tenant with a floor is decoding: size the step to it
             decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
-            budget = self.step_model.tokens_within(target_s, max(1, decoding), budget)
+            fit = self.step_model.tokens_within(target_s, max(1, decoding), budget)
             running.sort(key=lambda s: s.num_tokens - s.num_computed_tokens > 1)  # decodes first
+            if urgent:  # an interactive prefill is exempt (its TTFT); only other prefills shrink
+                capped = max(0, fit - decoding)
+            else:
+                budget = fit
         batch: ScheduledBatch = []
         chunk_cap = budget
         if self.waiting and self.policy.prefill_chunk_share < 1.0:
             chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
-        if target_s is not None:
+        if target_s is not None and capped is None:
             chunk_cap = max(1, min(chunk_cap, budget - decoding))
-        # never two isolated steps in a row: the other classes decode at least every other step
-        urgent_only = not self._isolated_last and self._urgent_prefill_pending(now)
-        self._isolated_last = urgent_only
         for seq in running:
             if budget == 0:
                 break
@@ -126,11 +132,18 @@ class Scheduler:
             if urgent_only and self.policy.rank(seq) > 0:
                 continue  # sits out one short step for an interactive prefill
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk_cap)
+            held_back = capped is not None and n > 1 and self.policy.rank(seq) > 0
+            if held_back:
+                n = min(n, capped)
+                if n == 0:
+                    continue
             if not self._reserve(seq, n, batch):
                 continue
             batch.append((seq, n))
             budget -= n
-        self._admit_waiting(batch, budget, now, urgent_only)
+            if held_back:
+                capped -= n
+        self._admit_waiting(batch, budget, now, urgent_only, capped)
         for seq, n in batch:
             self.policy.on_scheduled(seq, n, now)
         self._last_step = (now, sum(n for _, n in batch)) if batch else None
@@ -157,10 +170,11 @@ class Scheduler:
                    for s in self.running)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,
-                       urgent_only: bool = False) -> None:
+                       urgent_only: bool = False, capped: int | None = None) -> None:
         """Admit waiting sequences in policy order. The first one that does not fit either ends
         admission, or (``skip_blocked``) is passed over until it has aged; later ones that do
-        not fit are passed over without aging. ``urgent_only``: interactive ones only."""
+        not fit are passed over without aging. ``urgent_only``: interactive ones only.
+        ``capped``: the most tokens non-interactive ones may start with (floor-sized step)."""
         head_blocked = False
         for seq in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -169,13 +183,17 @@ class Scheduler:
                 continue
             if seq.prefetch_until_s > now:  # its blocks are on their way up; others go first
                 continue
-            n = self._admit(seq, budget)
+            held_back = capped is not None and self.policy.rank(seq) > 0
+            if held_back and capped == 0:
+                continue
+            limit = (lambda b: min(b, capped)) if held_back else (lambda b: b)
+            n = self._admit(seq, limit(budget))
             while n is None and self.policy.preempts_for_class:
                 victim = self.policy.victim(self.running, seq)
                 if victim is None:
                     break
                 budget += self._preempt_from_batch(victim, batch)
-                n = self._admit(seq, budget)
+                n = self._admit(seq, limit(budget))
             if n is None:
                 if head_blocked and self.policy.skip_blocked:
                     continue
@@ -188,6 +206,8 @@ class Scheduler:
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
+            if held_back:
+                capped -= n
 
     def _preempt_for_slots(self, now: float) -> None:
         """Free running slots for waiting sequences of a higher class than some running one."""

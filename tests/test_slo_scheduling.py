@@ -330,6 +330,34 @@ def test_floor_sized_steps_keep_a_decoding_tenant_at_its_floor_under_long_prefil
     assert max(vtc[1:]) < 4.0, vtc  # the first window holds its 16 prefill tokens
 
 
+def test_floor_sized_steps_exempt_an_interactive_prefill() -> None:
+    """While the light tenant decodes under floor-sized steps (~78 tokens of other prefill a
+    step), an interactive 512-token prompt is not cut to that size (its TTFT): it is admitted with the
+    whole 256-token budget and finishes its prompt in 3 steps (256 + 128 + 128); the batch
+    tenant's chunks next to it stay within the floor-sized budget."""
+    tenants = {"bulk": TenantShare("batch", weight=1.0),
+               "light": TenantShare("standard", weight=1.0, min_tokens_per_s=4.0),
+               "live": INTERACTIVE}
+    sim = Sim("kvstrata", num_blocks=1024, max_seqs=8, budget=256, tenants=tenants,
+              step_time=lambda n: 0.05 + 0.002 * n)
+    for i in range(40):
+        sim.add(f"B{i}", "bulk", 512, max_tokens=4)
+    sim.add("L", "light", 16, max_tokens=60)
+    while sim.t < 4.0:
+        sim.step()
+    assert len(sim.seqs["L"].output_token_ids) > 1  # decoding: floor-sized steps are on
+    sim.add("I", "live", 512, max_tokens=4)
+    steps = []
+    while "I" not in sim.first_token_step:
+        steps.append(dict(sim.step()))
+    assert [s["I"] for s in steps] == [256, 128, 128]
+    bulk = [sum(n for r, n in s.items() if r.startswith("B") and n > 1) for s in steps]
+    assert bulk[0] == 0 and bulk[2] == 0  # the isolated steps
+    # the step model has seen only full steps (2.2 ms a token): 1 / (4 * 1.2) s holds 94
+    # tokens, less 3 decodes; uncapped, the batch tenant would take the 125 tokens left
+    assert bulk[1] == 91
+
+
 def test_step_time_model_fits_base_and_per_token_cost() -> None:
     model = StepTimeModel(min_samples=4)
     assert model.tokens_within(0.2, least=1, cap=256) == 256  # no fit yet: the cap
