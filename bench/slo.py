@@ -21,7 +21,8 @@ Per scheduler and tenant the report (``workloads.deepresearch.metrics.compute_re
 ``tokens_per_s``, ``rejected``, ``preempted`` (floors over 2 s windows, counting uncached
 prefill and output tokens, as the scheduler meters them); goodput is requests that finished within their
 tenant's TTFT target per second, and ``goodput_ratio_vs_fcfs`` divides by fcfs's. The last
-stdout line is that JSON; ``reports/slo/`` gets it plus ``attainment.png``.
+stdout line is that JSON; ``reports/slo/`` gets it plus ``attainment.png`` and
+``requests.jsonl`` (every request's record, per scheduler).
 """
 
 from __future__ import annotations
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     node = NodeConfig(kv_pool_bytes=96 << 20, max_num_seqs=16, max_num_batched_tokens=256,
                       torch_threads=os.cpu_count() or 2)
     results: dict[str, Any] = {}
+    per_request: dict[str, list[dict[str, Any]]] = {}
     cap, base, tenants = 0.0, None, profiles(None)
     for sched in args.schedulers.split(","):
         services = deploy(sched, node)
@@ -258,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             records = asyncio.run(play(services, keys, arrivals, prompts, max_tokens))
         finally:
             stop_services(services)
+        per_request[sched] = records
         report = compute_report(records, [], tenants, window_s=FLOOR_WINDOW_S)
         results[sched] = summarize(report, records, {t.name: t.ttft_slo_ms for t in tenants})
         print(f"{sched}: {json.dumps(results[sched])}", flush=True)
@@ -277,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "result.json").write_text(json.dumps(out, indent=2))
+    with (path / "requests.jsonl").open("w") as f:  # one line per request, for diagnosing misses
+        for sched, records in per_request.items():
+            for r in records:
+                f.write(json.dumps({"scheduler": sched, **r}, default=str) + "\n")
     plot(results, path / "attainment.png")
     print(json.dumps(out))
 

@@ -120,7 +120,10 @@ class Scheduler:
                 budget = fit
         batch: ScheduledBatch = []
         chunk_cap = budget
-        if self.waiting and self.policy.prefill_chunk_share < 1.0:
+        # a running prefill leaves room for waiting requests that may join this step (in an
+        # isolated step, only interactive ones may)
+        joinable = any(not urgent_only or self.policy.rank(s) == 0 for s in self.waiting)
+        if joinable and self.policy.prefill_chunk_share < 1.0:
             chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
         if target_s is not None and capped is None:
             chunk_cap = max(1, min(chunk_cap, budget - decoding))

@@ -358,6 +358,23 @@ def test_floor_sized_steps_exempt_an_interactive_prefill() -> None:
     assert bulk[1] == 91
 
 
+def test_isolated_step_gives_a_running_interactive_prefill_the_whole_budget() -> None:
+    """Batch requests wait; an interactive 600-token prompt starts in an isolated step (256
+    tokens), shares the next, mixed step (half the budget, 128: the batch requests may join
+    it) and takes the rest, 216 tokens, in the next isolated step, where no waiting request
+    could join it."""
+    tenants = {"bulk": TenantShare("batch", weight=1.0), "live": INTERACTIVE}
+    sim = Sim("kvstrata", num_blocks=1024, max_seqs=4, budget=256, tenants=tenants)
+    for i in range(8):
+        sim.add(f"B{i}", "bulk", 300, max_tokens=4)
+    sim.step()
+    sim.add("I", "live", 600, max_tokens=4)
+    chunks = []
+    while "I" not in sim.first_token_step:
+        chunks.append(dict(sim.step()).get("I"))
+    assert chunks == [256, 128, 216]
+
+
 def test_step_time_model_fits_base_and_per_token_cost() -> None:
     model = StepTimeModel(min_samples=4)
     assert model.tokens_within(0.2, least=1, cap=256) == 256  # no fit yet: the cap

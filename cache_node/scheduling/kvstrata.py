@@ -19,9 +19,13 @@ While a tenant with a floor has requests decoding, the step's token budget is si
 step lasts at most ``k / (floor * headroom)`` seconds for its ``k`` decodes (``step_target_s``;
 the scheduler's step-time model, fitted online, turns seconds into tokens, and decodes go
 first): other tenants' prefill chunks shrink rather than slow its decode below the floor.
-While requests wait, a running prefill chunk takes at most half the step's token budget, so a
-long prompt being prefilled does not hold new short requests out of the batch (Sarathi-style
-stall-free batching). A request is admitted only when its whole prompt fits the free blocks. Admission passes over
+An interactive request's prefill is exempt (its TTFT target): while one waits or prefills, only
+the other classes' prefill chunks are held to the floor-sized budget. An interactive prefill
+runs in a step of its own every other step (the other classes decode in between).
+While requests that may join the step wait, a running prefill chunk takes at most half the
+step's token budget, so a long prompt being prefilled does not hold new short requests out of
+the batch (Sarathi-style stall-free batching); in an isolated step only interactive requests
+may join, so a running interactive prefill otherwise takes the whole budget. A request is admitted only when its whole prompt fits the free blocks. Admission passes over
 a request that does not fit (no head-of-line blocking) until it has
 been passed over ``aging_steps`` times; then it holds the queue until it fits. A waiting
 request preempts a running one of a lower class when slots or blocks are full; the victim is
