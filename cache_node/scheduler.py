@@ -58,13 +58,14 @@ class Scheduler:
         self.rejected: list[Sequence] = []
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)
-        self.step_model = StepTimeModel()  # step seconds vs tokens (floor-sized steps)
+        self.step_model = StepTimeModel()  # step seconds vs prefill tokens and decodes
+        self._last_decode_s: dict[str, float] = {}  # request id -> when it last decoded
         self.active_tenants: Counter[str] = Counter()  # waiting + running sequences per tenant
         self.num_preemptions = 0
         self._demote: DemoteFn | None = None
         self._swap_bytes_per_s = 0.0
         self._bytes_per_block = 0
-        self._last_step: tuple[float, int] | None = None  # (start time, prefill tokens)
+        self._last_step: tuple[float, int, int] | None = None  # (start, prefill tokens, decodes)
         self._isolated_last = False  # the previous step ran interactive work only
 
     def attach_swap(self, demote: DemoteFn, bytes_per_block: int, copy_bytes_per_s: float = 4e9) -> None:
@@ -108,16 +109,20 @@ class Scheduler:
         urgent_only = not self._isolated_last and urgent
         self._isolated_last = urgent_only
         target_s = self.policy.step_target_s(self.running, now)
-        decoding = 0
         capped: int | None = None  # tokens left for other prefills under a floor-sized step
+        decode_cap: int | None = None  # decodes the floor-sized step has room for
         if target_s is not None:  # a tenant with a floor is decoding: size the step to it
-            decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
-            fit = self.step_model.tokens_within(target_s, max(1, decoding), budget)
-            running.sort(key=lambda s: s.num_tokens - s.num_computed_tokens > 1)  # decodes first
-            if urgent:  # an interactive prefill is exempt (its TTFT); only other prefills shrink
-                capped = max(0, fit - decoding)
-            else:
-                budget = fit
+            decodes = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+            floored = sum(self.policy.share(s).min_tokens_per_s > 0 for s in decodes)
+            plan = self.step_model.step_budget(target_s, len(decodes), floored, budget)
+            # decodes first: floors, then by class, the one that waited longest first
+            running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1,
+                                        self.policy.share(s).min_tokens_per_s <= 0,
+                                        self.policy.rank(s), self._last_decode_s.get(s.request_id, 0.0)))
+            if plan is not None:
+                decode_cap, capped = plan
+                if not urgent:  # an interactive prefill is exempt (its TTFT): not capped
+                    budget = min(budget, decode_cap + capped)
         batch: ScheduledBatch = []
         chunk_cap = budget
         # a running prefill leaves room for waiting requests that may join this step (in an
@@ -125,8 +130,6 @@ class Scheduler:
         joinable = any(not urgent_only or self.policy.rank(s) == 0 for s in self.waiting)
         if joinable and self.policy.prefill_chunk_share < 1.0:
             chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
-        if target_s is not None and capped is None:
-            chunk_cap = max(1, min(chunk_cap, budget - decoding))
         for seq in running:
             if budget == 0:
                 break
@@ -135,7 +138,12 @@ class Scheduler:
             if urgent_only and self.policy.rank(seq) > 0:
                 continue  # sits out one short step for an interactive prefill
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk_cap)
-            held_back = capped is not None and n > 1 and self.policy.rank(seq) > 0
+            decode = seq.num_tokens - seq.num_computed_tokens == 1
+            if decode and decode_cap is not None:
+                if decode_cap <= 0 and self.policy.share(seq).min_tokens_per_s <= 0:
+                    continue  # no floor: sits out this step, first in line for the next
+                decode_cap -= 1
+            held_back = capped is not None and not decode and self.policy.rank(seq) > 0
             if held_back:
                 n = min(n, capped)
                 if n == 0:
@@ -146,10 +154,13 @@ class Scheduler:
             budget -= n
             if held_back:
                 capped -= n
+            if decode:
+                self._last_decode_s[seq.request_id] = now
         self._admit_waiting(batch, budget, now, urgent_only, capped)
         for seq, n in batch:
             self.policy.on_scheduled(seq, n, now)
-        self._last_step = (now, sum(n for _, n in batch)) if batch else None
+        decodes = sum(n == 1 for _, n in batch)
+        self._last_step = (now, sum(n for _, n in batch) - decodes, decodes) if batch else None
         return batch
 
     def _note_device_hits(self) -> None:
@@ -290,15 +301,17 @@ class Scheduler:
         steps are dominated by fixed costs and would understate a queue's drain rate).
         """
         if self._last_step is not None:
-            start, num_tokens = self._last_step
+            start, prefill_tokens, decodes = self._last_step
+            num_tokens = prefill_tokens + decodes
             self.step_s.update(now - start)
-            self.step_model.observe(num_tokens, now - start)
+            self.step_model.observe(prefill_tokens, decodes, now - start)
             if 4 * num_tokens >= self.config.max_num_batched_tokens:
                 self.prefill_speed.observe(num_tokens, now - start)
         self._last_step = None
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues (blocks are the caller's)."""
+        self._last_decode_s.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -38,9 +38,11 @@ class Sim:
         step_s: float = 0.1,
         tenants: dict[str, TenantShare] | None = None,
         step_time: Callable[[int], float] | None = None,
+        step_cost: Callable[[int, int], float] | None = None,
     ) -> None:
         self.t, self.step_s, self.steps = 0.0, step_s, 0
         self.step_time = step_time  # seconds of a step of n tokens (default: ``step_s``)
+        self.step_cost = step_cost  # seconds of a step of (prefill tokens, decodes)
         cfg = EngineConfig(
             block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs
         )
@@ -85,7 +87,11 @@ class Sim:
                     self.kv.free(seq)
                     self.finished_step[seq.request_id] = self.steps
         self.steps += 1
-        self.t += self.step_s if self.step_time is None else self.step_time(sum(n for _, n in batch))
+        if self.step_cost is not None:
+            decodes = sum(n == 1 for _, n in batch)
+            self.t += self.step_cost(sum(n for _, n in batch) - decodes, decodes)
+        else:
+            self.t += self.step_s if self.step_time is None else self.step_time(sum(n for _, n in batch))
         self.kv.check_integrity()
         return [(s.request_id, n) for s, n in batch]
 
@@ -375,15 +381,63 @@ def test_isolated_step_gives_a_running_interactive_prefill_the_whole_budget() ->
     assert chunks == [256, 128, 216]
 
 
-def test_step_time_model_fits_base_and_per_token_cost() -> None:
+def test_step_time_model_fits_base_prefill_and_decode_costs() -> None:
     model = StepTimeModel(min_samples=4)
-    assert model.tokens_within(0.2, least=1, cap=256) == 256  # no fit yet: the cap
-    for n in (16, 64, 128, 256, 32):
-        model.observe(n, 0.05 + 0.002 * n)
-    base, per_token = model.fit()
-    assert base == pytest.approx(0.05) and per_token == pytest.approx(0.002)
-    assert model.tokens_within(0.2, least=1, cap=256) == 75  # (0.2 - 0.05) / 0.002
-    assert model.tokens_within(0.01, least=3, cap=256) == 3
+    assert model.step_budget(0.2, decodes=4, least_decodes=1, cap=256) is None  # no fit yet
+    for p, d in ((16, 1), (64, 4), (128, 0), (256, 8), (32, 12)):
+        model.observe(p, d, 0.05 + 0.002 * p + 0.01 * d)
+    base, per_token, per_decode = model.fit()
+    assert (base, per_token, per_decode) == pytest.approx((0.05, 0.002, 0.01))
+    # 4 decodes (0.04 s), then (0.2 - 0.05 - 0.04) / 0.002 = 55 prefill tokens
+    assert model.step_budget(0.2, decodes=4, least_decodes=1, cap=256) == (4, 55)
+    # 30 decodes do not fit: (0.2 - 0.05) / 0.01 = 15 of them, no prefill
+    assert model.step_budget(0.2, decodes=30, least_decodes=1, cap=256) == (15, 0)
+    # the floors' decodes always run
+    assert model.step_budget(0.01, decodes=30, least_decodes=3, cap=256) == (3, 0)
+
+
+def test_step_time_model_one_cost_per_token_when_steps_do_not_separate_the_costs() -> None:
+    model = StepTimeModel(min_samples=4)
+    for p in (16, 64, 128, 255):
+        model.observe(p, 1, 0.05 + 0.002 * (p + 1))  # always one decode: no decode cost of its own
+    assert model.fit() == pytest.approx((0.05, 0.002, 0.002))
+
+
+def floor_under_decodes(policy: str) -> tuple[list[float], int]:
+    """Each decode costs 30 ms (a prefill token 2 ms, a step 50 ms). A batch tenant has 15
+    long decodes running; a light tenant with a floor of 4 tokens/s starts one 60-token
+    decode. Returns the light tenant's tokens/s in each whole 2 s window from its arrival to
+    its finish, and the most steps any batch request went without a token meanwhile."""
+    tenants = {"bulk": TenantShare("batch", weight=1.0),
+               "light": TenantShare("standard", weight=1.0, min_tokens_per_s=4.0)}
+    sim = Sim(policy, num_blocks=1024, max_seqs=16, budget=256, tenants=tenants,
+              step_cost=lambda p, d: 0.05 + 0.002 * p + 0.03 * d)
+    for i in range(15):
+        sim.add(f"B{i}", "bulk", 16 * (1 + i % 3), max_tokens=400)
+    while sim.t < 3.0:
+        sim.step()
+    arrival = sim.t
+    sim.add("L", "light", 16, max_tokens=60)
+    last = {f"B{i}": sim.steps for i in range(15)}
+    gap = 0
+    while "L" not in sim.finished_step:
+        for rid, _ in sim.step():
+            if rid in last:
+                gap = max(gap, sim.steps - last[rid])
+                last[rid] = sim.steps
+    windows = [arrival + 2.0 * k for k in range(int((sim.t - arrival) // 2.0))]
+    return [sum(n for t, n in sim.tokens["light"] if w <= t < w + 2.0) / 2.0 for w in windows], gap
+
+
+def test_decodes_without_a_floor_sit_out_when_the_decode_batch_would_break_a_floor() -> None:
+    """16 decodes take 0.53 s a step: 1.9 tokens/s for the light tenant under vtc. kvstrata
+    fits the step to 1 / (4 * 1.2) s: the light decode and 4 batch decodes, the batch
+    requests taking turns (each decodes at least every 4th step)."""
+    kv, gap = floor_under_decodes("kvstrata")
+    assert len(kv) >= 4 and min(kv) >= 4.0, kv
+    assert gap <= 4, gap
+    vtc, _ = floor_under_decodes("vtc")
+    assert max(vtc[1:]) < 4.0, vtc  # the first window holds its 16 prefill tokens
 
 
 def test_vtc_alone_misses_the_floor_of_the_light_tenant() -> None:

@@ -68,43 +68,61 @@ class SpeedMeter(Ewma):
 
 
 class StepTimeModel:
-    """Step seconds as ``base_s + per_token_s * tokens``, fitted by least squares over the
-    last ``window`` (tokens, seconds) steps.
+    """Step seconds as ``base_s + per_token_s * prefill_tokens + per_decode_s * decodes``,
+    fitted by least squares over the last ``window`` steps. A decode costs more than a prefill
+    token (it reads its whole context and adds a sampled row), so one cost per token
+    underestimates decode-heavy steps.
 
     Args:
         window: steps kept.
-        min_samples: fewer steps than this: no fit (``tokens_within`` returns its cap).
+        min_samples: fewer steps than this: no fit (``step_budget`` returns None).
     """
 
     def __init__(self, window: int = 64, min_samples: int = 8) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_samples = min_samples
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0 and seconds > 0:
-            self._samples.append((num_tokens, seconds))
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        if prefill_tokens + decodes > 0 and seconds > 0:
+            self._samples.append((prefill_tokens, decodes, seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        """``(base_s, per_token_s)``, or None before ``min_samples`` steps. With steps of one
-        size only (a saturated budget), ``(0, median seconds per token)``: it overstates the
-        cost of a smaller step, so a budget sized from it errs short."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(base_s, per_token_s, per_decode_s)``, or None before ``min_samples`` steps.
+
+        When the steps do not separate the two costs (too little variety, or a fit with a
+        negative cost), one cost per token is fitted to all tokens; with steps of one size
+        only (a saturated budget), ``(0, s, s)`` with ``s`` the median seconds per token: it
+        overstates the cost of a smaller step, so a budget sized from it errs short.
+        """
         if len(self._samples) < self.min_samples:
             return None
-        tokens = np.array([n for n, _ in self._samples], dtype=np.float64)
-        secs = np.array([t for _, t in self._samples], dtype=np.float64)
+        data = np.array(self._samples, dtype=np.float64)
+        prefill, decodes, secs = data[:, 0], data[:, 1], data[:, 2]
+        x = np.stack([np.ones_like(secs), prefill, decodes], 1)
+        if np.linalg.matrix_rank(x) == 3:
+            base, per_token, per_decode = np.linalg.lstsq(x, secs, rcond=None)[0]
+            if base >= 0 and per_token > 0 and per_decode > 0:
+                return float(base), float(per_token), float(per_decode)
+        tokens = prefill + decodes
         if len(set(tokens.tolist())) < 2:
-            return 0.0, float(np.median(secs / tokens))
+            per = float(np.median(secs / tokens))
+            return 0.0, per, per
         per_token, base = np.polyfit(tokens, secs, 1)
-        return float(base), float(per_token)
+        return float(base), float(per_token), float(per_token)
 
-    def tokens_within(self, seconds: float, least: int, cap: int) -> int:
-        """Most tokens a step may carry and still take at most ``seconds``, within
-        ``[least, cap]`` (``cap`` without a usable fit)."""
+    def step_budget(self, seconds: float, decodes: int, least_decodes: int, cap: int
+                    ) -> tuple[int, int] | None:
+        """``(decodes, prefill tokens)`` a step may carry and still take at most ``seconds``:
+        up to ``decodes`` decodes (never fewer than ``least_decodes``), then prefill tokens
+        in the time left, all within ``cap`` tokens. None without a usable fit."""
         fitted = self.fit()
         if fitted is None or fitted[1] <= 0:
-            return cap
-        base, per_token = fitted
-        return max(least, min(cap, int((seconds - base) / per_token)))
+            return None
+        base, per_token, per_decode = fitted
+        eps = 1e-9  # (0.2 - 0.05 - 0.04) / 0.002 is 54.99999... in floats
+        d = max(least_decodes, min(decodes, int((seconds - base) / per_decode + eps)))
+        p = max(0, min(cap - d, int((seconds - base - per_decode * d) / per_token + eps)))
+        return d, p
 
 
 @dataclass(frozen=True)

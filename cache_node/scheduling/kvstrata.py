@@ -15,10 +15,13 @@ Waiting order, as nested groups:
    whose KV sits below the device is prefetched first (the scheduler skips it meanwhile); a
    long request gains value while it waits, so it is not starved.
 
-While a tenant with a floor has requests decoding, the step's token budget is sized so the
-step lasts at most ``k / (floor * headroom)`` seconds for its ``k`` decodes (``step_target_s``;
-the scheduler's step-time model, fitted online, turns seconds into tokens, and decodes go
-first): other tenants' prefill chunks shrink rather than slow its decode below the floor.
+While a tenant with a floor has requests decoding, the step is sized so it lasts at most
+``k / (floor * headroom)`` seconds for its ``k`` decodes (``step_target_s``; the scheduler's
+step-time model, fitted online with separate costs per decode and per prefill token, turns
+seconds into decodes and prefill tokens). Decodes go first, the floors' first; other tenants'
+prefill chunks shrink rather than slow its decode below the floor, and when the decodes alone
+would overrun the step, decodes of tenants without a floor take turns sitting out (the one
+that waited longest goes first).
 An interactive request's prefill is exempt (its TTFT target): while one waits or prefills, only
 the other classes' prefill chunks are held to the floor-sized budget. An interactive prefill
 runs in a step of its own every other step (the other classes decode in between).
