@@ -75,8 +75,9 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     n = config.num_cache_nodes
     node_ids = [f"cache_node_{i}" for i in range(n)]
     state_dir = str(config.state_path)
+    control = {"runtime_env": {"env_vars": dict(config.control_env_vars)}} if config.control_env_vars else {}
     scheduler = GlobalSchedulerActor.options(
-        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life
+        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size)
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
@@ -95,7 +96,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource, "cache node")
     ray.get(scheduler.attach_nodes.remote(nodes))
     gateway = GatewayActor.options(
-        name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life
+        name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(
         scheduler, nodes, config.node.model_path
     )
