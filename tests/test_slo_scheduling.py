@@ -403,6 +403,17 @@ def test_step_time_model_one_cost_per_token_when_steps_do_not_separate_the_costs
     assert model.fit() == pytest.approx((0.05, 0.002, 0.002))
 
 
+def test_step_time_model_plans_with_the_quantile_of_its_misses() -> None:
+    """Steps that take 1.0x or 1.5x the fitted time (alternately): planning with the 0.9
+    quantile of actual / fitted seconds keeps the slow steps within the bound as well."""
+    model = StepTimeModel(min_samples=4, quantile=0.9)
+    for i, (p, d) in enumerate(((16, 1), (64, 4), (128, 0), (256, 8), (32, 12), (100, 2)) * 4):
+        model.observe(p, d, (0.05 + 0.002 * p + 0.01 * d) * (1.5 if i % 2 else 1.0))
+    d, p = model.step_budget(0.5, decodes=4, least_decodes=1, cap=256)
+    assert model.margin(model.fit()) > 1.2  # the fit itself sits between the two speeds
+    assert 1.5 * (0.05 + 0.002 * p + 0.01 * d) <= 0.5 and d == 4 and p > 0
+
+
 def floor_under_decodes(policy: str) -> tuple[list[float], int]:
     """Each decode costs 30 ms (a prefill token 2 ms, a step 50 ms). A batch tenant has 15
     long decodes running; a light tenant with a floor of 4 tokens/s starts one 60-token

@@ -71,16 +71,19 @@ class StepTimeModel:
     """Step seconds as ``base_s + per_token_s * prefill_tokens + per_decode_s * decodes``,
     fitted by least squares over the last ``window`` steps. A decode costs more than a prefill
     token (it reads its whole context and adds a sampled row), so one cost per token
-    underestimates decode-heavy steps.
+    underestimates decode-heavy steps. ``step_budget`` plans with the fit scaled by the
+    ``quantile`` of the recent steps' actual / fitted seconds (at least 1), so a planned step
+    overruns its bound in about ``1 - quantile`` of steps rather than in half of them.
 
     Args:
         window: steps kept.
         min_samples: fewer steps than this: no fit (``step_budget`` returns None).
+        quantile: of the actual / fitted ratios, for the planning margin.
     """
 
-    def __init__(self, window: int = 64, min_samples: int = 8) -> None:
+    def __init__(self, window: int = 64, min_samples: int = 8, quantile: float = 0.9) -> None:
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self.min_samples = min_samples
+        self.min_samples, self.quantile = min_samples, quantile
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         if prefill_tokens + decodes > 0 and seconds > 0:
@@ -110,6 +113,14 @@ class StepTimeModel:
         per_token, base = np.polyfit(tokens, secs, 1)
         return float(base), float(per_token), float(per_token)
 
+    def margin(self, fitted: tuple[float, float, float]) -> float:
+        """The ``quantile`` of actual / fitted seconds over the kept steps, at least 1."""
+        base, per_token, per_decode = fitted
+        data = np.array(self._samples, dtype=np.float64)
+        predicted = base + per_token * data[:, 0] + per_decode * data[:, 1]
+        ratios = data[:, 2] / np.maximum(predicted, 1e-9)
+        return max(1.0, float(np.quantile(ratios, self.quantile)))
+
     def step_budget(self, seconds: float, decodes: int, least_decodes: int, cap: int
                     ) -> tuple[int, int] | None:
         """``(decodes, prefill tokens)`` a step may carry and still take at most ``seconds``:
@@ -118,7 +129,8 @@ class StepTimeModel:
         fitted = self.fit()
         if fitted is None or fitted[1] <= 0:
             return None
-        base, per_token, per_decode = fitted
+        m = self.margin(fitted)
+        base, per_token, per_decode = (m * c for c in fitted)
         eps = 1e-9  # (0.2 - 0.05 - 0.04) / 0.002 is 54.99999... in floats
         d = max(least_decodes, min(decodes, int((seconds - base) / per_decode + eps)))
         p = max(0, min(cap - d, int((seconds - base - per_decode * d) / per_token + eps)))
