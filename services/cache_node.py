@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +117,10 @@ class CacheNode:
         self._mailboxes: dict[str, _Mailbox] = {}
         self._aborted_early: OrderedDict[str, None] = OrderedDict()
         self._session_messages: dict[str, list[dict[str, str]]] = {}
+        # requests and aborts for the step thread: the event loop never waits on the engine's
+        # lock, which a step holds for its whole forward pass (polls keep flowing meanwhile)
+        self._incoming: deque[_Stream] = deque()
+        self._aborts: deque[str] = deque()
         self._wake = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{node_id}-steps", daemon=True)
@@ -141,29 +145,44 @@ class CacheNode:
 
     # ---- streaming generation -------------------------------------------------------------
     def _open(self, req: NodeRequest, deliver: Callable[[Event], None]) -> Event | None:
-        """Register ``req``'s stream and queue it in the engine; an error event when rejected."""
-        try:
-            prompt = self._prompt(req)
-            if req.max_context_tokens and len(prompt) + req.sampling.max_tokens > req.max_context_tokens:
-                raise ValueError(
-                    f"prompt ({len(prompt)}) + max_tokens ({req.sampling.max_tokens}) exceeds the "
-                    f"tenant's max_context_tokens ({req.max_context_tokens})"
-                )
-            self._set_tenant_share(req)
-            self._streams[req.request_id] = _Stream(asyncio.get_running_loop(), deliver, req, len(prompt))
-            self.engine.add_request(
-                prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
-                session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
-                prefetch=req.prefetch,
-            )
-        except PermissionError as exc:
-            self._streams.pop(req.request_id, None)
-            return {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
-        except ValueError as exc:
-            self._streams.pop(req.request_id, None)
-            return {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
+        """Register ``req``'s stream and hand it to the step thread, which queues it in the
+        engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
+        PERMISSION_DENIED) arrives as an error event on the stream. Returns None."""
+        stream = _Stream(asyncio.get_running_loop(), deliver, req, 0)
+        self._streams[req.request_id] = stream
+        self._incoming.append(stream)
         self._wake.set()
         return None
+
+    def _start_incoming(self) -> None:
+        """Step thread: queue every newly opened stream's request in the engine."""
+        while self._incoming:
+            stream = self._incoming.popleft()
+            req = stream.request
+            if self._streams.get(req.request_id) is not stream:
+                continue  # aborted before it started
+            error = None
+            try:
+                prompt = self._prompt(req)
+                if req.max_context_tokens and len(prompt) + req.sampling.max_tokens > req.max_context_tokens:
+                    raise ValueError(
+                        f"prompt ({len(prompt)}) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+                        f"tenant's max_context_tokens ({req.max_context_tokens})"
+                    )
+                self._set_tenant_share(req)
+                stream.prompt_tokens = len(prompt)
+                self.engine.add_request(
+                    prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
+                    session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
+                    prefetch=req.prefetch,
+                )
+            except PermissionError as exc:
+                error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
+            except ValueError as exc:
+                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
+            if error is not None:
+                self._streams.pop(req.request_id, None)
+                stream.loop.call_soon_threadsafe(stream.deliver, error)
 
     async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
         """Run one request; yields event dicts (see services.node_request). Closing the
@@ -236,6 +255,9 @@ class CacheNode:
     def _run(self) -> None:
         last_expiry = time.monotonic()
         while not self._stopped:
+            self._start_incoming()
+            while self._aborts:
+                self.engine.abort_request(self._aborts.popleft())
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(self.config.step_idle_wait_s)
                 self._wake.clear()
@@ -328,11 +350,15 @@ class CacheNode:
         An abort can overtake its request (the gateway aborts, the scheduler submits): an
         unknown id is remembered, and a later ``submit`` of it is refused (CANCELLED).
         """
-        if self._streams.pop(request_id, None) is None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
             self._aborted_early[request_id] = None
             while len(self._aborted_early) > ABORTED_EARLY_MAX:
                 self._aborted_early.popitem(last=False)
-        return self.engine.abort_request(request_id)
+            return False
+        self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
+        self._wake.set()
+        return True
 
     def close_session(self, session_id: str, tenant: str) -> int:
         owner = self.engine.sessions.sessions.get(session_id)
