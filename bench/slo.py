@@ -211,14 +211,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
-    for ax, key, title in ((axes[0], "ttft_slo_attainment", "TTFT SLO attainment"),
-                           (axes[1], "floor_attainment", "token-rate floor attainment")):
+    for ax, key, title, ylabel in (
+        (axes[0], "ttft_slo_attainment", "TTFT SLO attainment", "fraction of ok requests"),
+        (axes[1], "floor_attainment", "token-rate floor attainment",
+         f"fraction of backlogged {FLOOR_WINDOW_S:g} s windows"),
+    ):
         for k, sched in enumerate(results):
             vals = [results[sched][n][key] if results[sched][n][key] is not None else np.nan for n in names]
             ax.bar(np.arange(len(names)) + 0.27 * (k - 1), vals, width=0.27, label=sched)
         ax.set_xticks(range(len(names)), names)
         ax.set_ylim(0, 1.05)
         ax.set_title(title)
+        ax.set_ylabel(ylabel)
     axes[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
