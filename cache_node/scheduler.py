@@ -112,11 +112,11 @@ class Scheduler:
         capped: int | None = None  # tokens left for other prefills under a floor-sized step
         decode_cap: int | None = None  # decodes the floor-sized step has room for
         if target_s is not None:  # a tenant with a floor is decoding: size the step to it
-            decodes = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+            decodes = [s for s in running if s.num_uncomputed_tokens == 1]
             floored = sum(self.policy.share(s).min_tokens_per_s > 0 for s in decodes)
             plan = self.step_model.step_budget(target_s, len(decodes), floored, budget)
             # decodes first: floors, then by class, the one that waited longest first
-            running.sort(key=lambda s: (s.num_tokens - s.num_computed_tokens > 1,
+            running.sort(key=lambda s: (s.num_uncomputed_tokens > 1,
                                         self.policy.share(s).min_tokens_per_s <= 0,
                                         self.policy.rank(s), self._last_decode_s.get(s.request_id, 0.0)))
             if plan is not None:
@@ -137,8 +137,8 @@ class Scheduler:
                 continue
             if urgent_only and self.policy.rank(seq) > 0:
                 continue  # sits out one short step for an interactive prefill
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk_cap)
-            decode = seq.num_tokens - seq.num_computed_tokens == 1
+            n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
+            decode = seq.num_uncomputed_tokens == 1
             if decode and decode_cap is not None:
                 if decode_cap <= 0 and self.policy.share(seq).min_tokens_per_s <= 0:
                     continue  # no floor: sits out this step, first in line for the next
@@ -180,7 +180,7 @@ class Scheduler:
             return False
         if any(self.policy.rank(s) == 0 and s.prefetch_until_s <= now for s in self.waiting):
             return True
-        return any(self.policy.rank(s) == 0 and s.num_tokens - s.num_computed_tokens > 1
+        return any(self.policy.rank(s) == 0 and s.num_uncomputed_tokens > 1
                    for s in self.running)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,

@@ -88,6 +88,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is still to compute: 1 for a decode, more for a prefill."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def in_prefill(self) -> bool:
         """True until the whole prompt's KV is computed."""
         return self.num_computed_tokens < self.num_prompt_tokens

@@ -144,15 +144,14 @@ class CacheNode:
         }
 
     # ---- streaming generation -------------------------------------------------------------
-    def _open(self, req: NodeRequest, deliver: Callable[[Event], None]) -> Event | None:
+    def _open(self, req: NodeRequest, deliver: Callable[[Event], None]) -> None:
         """Register ``req``'s stream and hand it to the step thread, which queues it in the
         engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
-        PERMISSION_DENIED) arrives as an error event on the stream. Returns None."""
+        PERMISSION_DENIED) arrives as an error event on the stream."""
         stream = _Stream(asyncio.get_running_loop(), deliver, req, 0)
         self._streams[req.request_id] = stream
         self._incoming.append(stream)
         self._wake.set()
-        return None
 
     def _start_incoming(self) -> None:
         """Step thread: queue every newly opened stream's request in the engine."""
@@ -188,10 +187,7 @@ class CacheNode:
         """Run one request; yields event dicts (see services.node_request). Closing the
         generator before its last event aborts the request."""
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        error = self._open(req, queue.put_nowait)
-        if error is not None:
-            yield error
-            return
+        self._open(req, queue.put_nowait)
         done = False
         try:
             while not done:
@@ -215,9 +211,7 @@ class CacheNode:
             box.put(req.request_id, {"type": "error", "code": "CANCELLED",
                                      "message": "the request was cancelled before it reached the node"})
             return
-        error = self._open(req, lambda event: box.put(req.request_id, event))
-        if error is not None:
-            box.put(req.request_id, error)
+        self._open(req, lambda event: box.put(req.request_id, event))
 
     async def poll(self, subscriber: str, timeout_s: float = 1.0) -> list[tuple[str, Event]]:
         """Every ``(request_id, event)`` posted for ``subscriber`` since the last poll, in order;

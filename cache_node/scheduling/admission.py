@@ -84,10 +84,12 @@ class StepTimeModel:
     def __init__(self, window: int = 64, min_samples: int = 8, quantile: float = 0.9) -> None:
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_samples, self.quantile = min_samples, quantile
+        self._planned: tuple[float, float, float] | None = None  # the scaled fit, until a new step
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         if prefill_tokens + decodes > 0 and seconds > 0:
             self._samples.append((prefill_tokens, decodes, seconds))
+            self._planned = None
 
     def fit(self) -> tuple[float, float, float] | None:
         """``(base_s, per_token_s, per_decode_s)``, or None before ``min_samples`` steps.
@@ -126,11 +128,13 @@ class StepTimeModel:
         """``(decodes, prefill tokens)`` a step may carry and still take at most ``seconds``:
         up to ``decodes`` decodes (never fewer than ``least_decodes``), then prefill tokens
         in the time left, all within ``cap`` tokens. None without a usable fit."""
-        fitted = self.fit()
-        if fitted is None or fitted[1] <= 0:
-            return None
-        m = self.margin(fitted)
-        base, per_token, per_decode = (m * c for c in fitted)
+        if self._planned is None:
+            fitted = self.fit()
+            if fitted is None or fitted[1] <= 0:
+                return None
+            m = self.margin(fitted)
+            self._planned = (m * fitted[0], m * fitted[1], m * fitted[2])
+        base, per_token, per_decode = self._planned
         eps = 1e-9  # (0.2 - 0.05 - 0.04) / 0.002 is 54.99999... in floats
         d = max(least_decodes, min(decodes, int((seconds - base) / per_decode + eps)))
         p = max(0, min(cap - d, int((seconds - base - per_decode * d) / per_token + eps)))

@@ -157,7 +157,7 @@ class KvstrataPolicy(SchedulingPolicy):
         as in Sarathi-Serve, Agrawal et al., OSDI'24, §4.3)."""
         decoding: dict[str, tuple[int, float]] = {}
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens == 1 and self.share(seq).min_tokens_per_s > 0:
+            if seq.num_uncomputed_tokens == 1 and self.share(seq).min_tokens_per_s > 0:
                 k, floor = decoding.get(seq.tenant, (0, self.share(seq).min_tokens_per_s))
                 decoding[seq.tenant] = (k + 1, floor)
         if not decoding:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 def remaining_prefill(seq: Sequence) -> float:
     """Tokens still to compute before ``seq`` samples (an upper bound: cache hits not known)."""
-    return max(1, seq.num_tokens - seq.num_computed_tokens)
+    return max(1, seq.num_uncomputed_tokens)
 
 
 class VtcPolicy(SchedulingPolicy):
