@@ -45,7 +45,9 @@ from workloads.corpus import load_corpus
 BUDGETS = (0.5, 0.25, 0.125)
 EVICTING = ("streaming", "h2o", "snapkv", "gkv", "spindlekv", "sentencekv")
 QUANT = ("quant-bits_8", "quant-bits_4")
-PAPER_SCORER = "sentencekv-0.25-select_mode_cos"  # SentenceKV's own cos(q, mean key) selection
+# SentenceKV as the paper has it: cos(q, mean key) selection, recalled K/V in the pool's dtype
+PAPER_SCORER = "sentencekv-0.25-select_mode_cos-region_bits_0"
+FLOAT_REGION = "sentencekv-0.25-region_bits_0"  # the default sketch scorer, recall region in float32
 COLD = ("h2o-0.125-cold_bits_4", "snapkv-0.125-cold_bits_4")  # 12.5% in fp32, the evicted rest as int4 codes
 WORDS = ("pineapple", "lighthouse", "saxophone", "glacier", "cinnamon", "volcano", "harbor", "meadow")
 
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                        tier_config=TierConfig(host_bytes=1 << 30))
     engine.policy_env = env
     probe = Probe(engine)
-    specs = [f"{p}-{b:g}" for p in EVICTING for b in budgets] + [PAPER_SCORER] + list(QUANT) + list(COLD)
+    specs = [f"{p}-{b:g}" for p in EVICTING for b in budgets] + [FLOAT_REGION, PAPER_SCORER] + list(QUANT) + list(COLD)
     rows: dict = defaultdict(lambda: defaultdict(list))
     items, refs = answered_contexts(probe, tok, build_items(tok, lengths, depths), want)
     peer = None if args.no_kvpress else start_peer(items, refs, budgets, presses)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from cache_node.policies import PolicyEnv
+from cache_node.policies import PolicyEnv, get_policy_class
+from cache_node.policies.quant import unpack_bits
+from cache_node.policies.sentencekv import QuantSentenceRegion, SentenceRegion
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
@@ -33,7 +36,8 @@ def test_sentencekv_demotes_to_host_and_recalls_by_query(tiny) -> None:
     eng = make_engine(tiny)
     eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
     prompt = [(i % 13) + 1 for i in range(200)]  # sentences of 13 tokens ending in 13
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), policy="sentencekv-96")
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                          policy="sentencekv-96-region_bits_0")  # the recall region in float32
     seq = run_to(eng, rid, 3)
     policy, store = seq.kv.policy, seq.kv.extra["sentences"]
     L, H_kv, d = eng.pool.num_layers, eng.pool.num_kv_heads, eng.pool.head_dim
@@ -63,6 +67,58 @@ def test_sentencekv_demotes_to_host_and_recalls_by_query(tiny) -> None:
             sids = store.resident[layer][head]
             assert sum(len(store.positions[s]) for s in sids) <= store.region_tokens
     assert loaded > 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sentencekv_quantized_region_holds_more_slots_and_attends_on_the_codes(tiny, bits: int) -> None:
+    """``region_bits``: the recall region holds int8/int4 codes with a float16 scale and zero
+    per 16 channels, so the same budget buys 3.2x (int8) or 5.3x (int4) the slots of float32
+    K/V; each slot dequantizes to its host K/V within half a step, and the region's logits
+    and outputs on the codes equal float attention over the dequantized K/V."""
+    eng = make_engine(tiny)
+    eng.policy_env = PolicyEnv(frozenset({13}))
+    prompt = [(i % 13) + 1 for i in range(200)]
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                          policy=f"sentencekv-96-region_bits_{bits}")
+    seq = run_to(eng, rid, 3)
+    policy, store = seq.kv.policy, seq.kv.extra["sentences"]
+    L, H_kv, d = eng.pool.num_layers, eng.pool.num_kv_heads, eng.pool.head_dim
+    token = 2 * L * H_kv * d * 4
+    left = 96 - -(-store.sketch.nbytes // token) - 48
+    assert store.region_tokens == left * token // (L * 2 * H_kv * (d * bits // 8 + 4))
+    assert store.region_tokens >= 3 * left if bits == 8 else store.region_tokens >= 5 * left
+    assert policy.extra_device_bytes(seq.kv) == store.sketch.nbytes + store.region_nbytes
+    assert seq.kv.device_bytes() <= 96 * token
+    codes = unpack_bits(store.region_kv, bits).float().unflatten(-1, (1, d))  # (L, 2, H_kv, R, 1, d)
+    deq = (codes * store.region_scale.float().unsqueeze(-1) + store.region_zero.float().unsqueeze(-1)).flatten(-2)
+    host = {int(p): (sid, i) for sid, ps in enumerate(store.positions) for i, p in enumerate(ps)}
+    loaded = 0
+    for layer in range(L):
+        for head in range(H_kv):
+            for slot, p in enumerate(store.region_positions[layer, head].tolist()):
+                if p < 0:
+                    continue
+                sid, i = host[p]
+                want = store.sentence_kv(sid, layer)[i, :, head].float()  # (2, d)
+                half_step = store.region_scale[layer, :, head, slot].float() / 2 + 1e-3  # (2, 1)
+                assert ((deq[layer, :, head, slot] - want).abs() <= half_step).all()
+                loaded += 1
+    assert loaded > store.region_tokens  # the slots are used, not just counted
+    region = policy.extra_kv(seq.kv, 0)
+    assert isinstance(region, QuantSentenceRegion)
+    plain = SentenceRegion(store, 0)
+    plain.k, plain.v = deq[0, 0], deq[0, 1]
+    qh = torch.randn(H_kv, 2, 3, d)  # (H_kv, g, n, d)
+    got, want = region.logits(qh, 0.25), plain.logits(qh, 0.25)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.allclose(got[~got.isinf()], want[~want.isinf()], atol=1e-4)
+    probs = torch.softmax(want, -1).nan_to_num(0.0)
+    assert torch.allclose(region.output(probs), plain.output(probs), atol=1e-4)
+
+
+def test_sentencekv_rejects_an_unknown_region_width() -> None:
+    with pytest.raises(ValueError, match="region_bits"):
+        get_policy_class("sentencekv")(budget=96, region_bits=3)
 
 
 def test_sentencekv_recall_picks_the_sentence_the_query_matches(tiny) -> None:
