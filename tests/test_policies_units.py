@@ -90,7 +90,8 @@ def test_sentencekv_quantized_region_holds_more_slots_and_attends_on_the_codes(t
     assert policy.extra_device_bytes(seq.kv) == store.sketch.nbytes + store.region_nbytes
     assert seq.kv.device_bytes() <= 96 * token
     codes = unpack_bits(store.region_kv, bits).float().unflatten(-1, (1, d))  # (L, 2, H_kv, R, 1, d)
-    deq = (codes * store.region_scale.float().unsqueeze(-1) + store.region_zero.float().unsqueeze(-1)).flatten(-2)
+    scale, zero = store.region_scale.float().unsqueeze(-1), store.region_zero.float().unsqueeze(-1)
+    deq = (codes * scale + zero).flatten(-2)  # (L, 2, H_kv, R, d)
     host = {int(p): (sid, i) for sid, ps in enumerate(store.positions) for i, p in enumerate(ps)}
     loaded = 0
     for layer in range(L):

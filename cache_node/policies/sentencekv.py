@@ -283,7 +283,8 @@ class HostSentenceStore:
         if bits:
             shape = (num_layers, 2, h_kv, r)
             self.region_kv = torch.zeros((*shape, d * bits // 8), dtype=torch.uint8, device=like.device)
-            self.region_scale = torch.zeros((*shape, d // group_size), dtype=torch.float16, device=like.device)
+            self.region_scale = torch.zeros((*shape, d // group_size), dtype=torch.float16,
+                                            device=like.device)
             self.region_zero = torch.zeros_like(self.region_scale)
         else:
             self.region_kv = torch.zeros((num_layers, 2, h_kv, r, d), dtype=like.dtype, device=like.device)
@@ -318,7 +319,7 @@ class SentenceRegion:
         return probs @ self.v.to(probs.dtype).unsqueeze(1)  # (H_kv, g, n, d)
 
 
-class QuantSentenceRegion(SentenceRegion):
+class QuantSentenceRegion:
     """A recall region held as int8/int4 codes (``region_bits``), attended on the codes as in
     HACK §4: ``q . k = sum_G s_G (q_G . c_G) + z_G sum(q_G)`` and ``sum_t p_t v_t = sum_t
     (p_t s_t) c_t + sum_t p_t z_t`` per channel group ``G``."""
@@ -529,7 +530,7 @@ class SentenceKV(Policy):
         if store is not None and store.region_tokens:
             self.recall(state, layer_idx, q)
 
-    def extra_kv(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | None:
+    def extra_kv(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
         store = state.extra.get("sentences")
         if store is None or not store.region_tokens:
             return None
