@@ -259,9 +259,11 @@ class LLMEngine(EngineTiersMixin):
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
-        # a compacted layout cannot serve the next turn's prefix: the session keeps its history
-        dropped = reason in ("abort", "rejected") or (seq.kv is not None and seq.kv.compacted)
-        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
+        # a compacted layout cannot serve the next turn's prefix: the session keeps the turn's
+        # tokens in its history, and the next turn prefills them again
+        dropped = reason in ("abort", "rejected")
+        reusable = seq.kv is None or not seq.kv.compacted
+        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped, reusable=reusable)
         if not kept:
             self.kv_manager.free(seq)
         self.requests.pop(seq.request_id, None)

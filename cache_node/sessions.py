@@ -60,11 +60,13 @@ class SessionTable:
         else:
             self._release(sess)
 
-    def detach(self, seq: Sequence, aborted: bool) -> bool:
+    def detach(self, seq: Sequence, aborted: bool, reusable: bool = True) -> bool:
         """End a turn. Returns True when the session took over the sequence's blocks.
 
-        A finished turn becomes the new history (its blocks stay pinned); an aborted turn
-        leaves the history as it was and its blocks go back to the pool.
+        A finished turn becomes the new history: its blocks stay pinned, or, when they cannot
+        serve as the next turn's prefix (``reusable`` False: a compression policy rewrote the
+        layout), go back to the pool and the next turn prefills the whole history. An aborted
+        turn leaves the history as it was and its blocks go back to the pool.
         """
         sess = self.sessions.get(seq.session_id or "")
         if sess is None:
@@ -75,6 +77,9 @@ class SessionTable:
             return False
         self._release(sess)
         sess.token_ids = seq.all_token_ids
+        if not reusable:
+            sess.num_computed_tokens = 0
+            return False
         sess.num_computed_tokens = seq.num_computed_tokens
         sess.blocks, seq.block_table = seq.block_table, []
         return True

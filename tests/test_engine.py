@@ -119,6 +119,24 @@ def test_aborted_session_turn_leaves_no_trace(tiny) -> None:
     assert list(t3.output_token_ids) == hf_greedy(p3, 3)
 
 
+def test_compressed_session_turn_keeps_its_history(tiny) -> None:
+    """Regression: a turn whose KV a policy compacted was dropped from the session's history,
+    so the next turn lost the conversation. Now the history grows; only the blocks go."""
+    eng = make_engine(tiny)
+    p1 = prompt_of(60)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=4, ignore_eos=True), session_id="s", tenant="a",
+                      policy="streaming-24")[0]
+    history = p1 + list(t1.output_token_ids)
+    assert eng.session_history("s") == history
+    assert eng.sessions.sessions["s"].blocks == [] and eng.stats()["used_blocks"] == 0
+    p2 = history + prompt_of(5, 3)
+    t2 = eng.generate([p2], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a")[0]
+    assert t2.num_prompt_tokens == len(p2)
+    assert list(t2.output_token_ids) == hf_greedy(p2, 3)  # the full-cache turn sees the whole history
+    assert eng.session_history("s") == p2 + list(t2.output_token_ids)
+    eng.check_integrity()
+
+
 def test_session_of_another_tenant_is_refused(tiny) -> None:
     eng = make_engine(tiny)
     eng.generate([prompt_of(5)], SamplingParams(max_tokens=1), session_id="s", tenant="a")
