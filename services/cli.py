@@ -234,7 +234,8 @@ def tenant_add(
     ttft_slo_ms: float = 0.0, tpot_slo_ms: float = 0.0, min_tokens_per_s: Optional[float] = None,
     weight: float = 0.0, kv_quota_bytes: int = 0, max_context_tokens: int = 0,
     namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
-    policy: str = "", gateway: Optional[str] = None,
+    policy: str = typer.Option("", help="default KV policy spec for its requests, e.g. sentencekv-0.25"),
+    gateway: Optional[str] = None,
 ) -> None:
     """Register a tenant; prints its API key once."""
     classes = SLO_CLASSES
@@ -300,7 +301,9 @@ def tenant_rm(name: str, gateway: Optional[str] = None) -> None:
 @app.command()
 def generate(
     prompt: str, api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY"), max_tokens: int = 128,
-    temperature: float = 0.0, session: str = "", policy: str = "", gateway: Optional[str] = None,
+    temperature: float = 0.0, session: str = "",
+    policy: str = typer.Option("", help="KV policy spec for this request (default: the tenant's)"),
+    gateway: Optional[str] = None,
 ) -> None:
     """Stream a chat completion to the terminal."""
     req = inference_pb2.GenerateRequest(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache_node.policies import PolicyEnv, get_policy_class
-from cache_node.policies.quant import unpack_bits
+from cache_node.policies.quant import pack_bits, quantize, unpack_bits
 from cache_node.policies.sentencekv import QuantSentenceRegion, SentenceRegion
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
@@ -103,6 +103,9 @@ def test_sentencekv_quantized_region_holds_more_slots_and_attends_on_the_codes(t
                 want = store.sentence_kv(sid, layer)[i, :, head].float()  # (2, d)
                 half_step = store.region_scale[layer, :, head, slot].float() / 2 + 1e-3  # (2, 1)
                 assert ((deq[layer, :, head, slot] - want).abs() <= half_step).all()
+                codes, scale, zero = quantize(want, bits, d)  # the codes made once, at demotion
+                assert torch.equal(store.region_kv[layer, :, head, slot], pack_bits(codes, bits))
+                assert torch.equal(store.region_scale[layer, :, head, slot], scale)
                 loaded += 1
     assert loaded > store.region_tokens  # the slots are used, not just counted
     region = policy.extra_kv(seq.kv, 0)
@@ -184,7 +187,8 @@ def _sentencekv_engine(tiny, host_blocks: int):
 
 def test_sentencekv_keeps_its_sentences_in_the_engines_host_tier(tiny) -> None:
     """With a host tier, demoted sentences live in slots reserved there (same bytes, same
-    tokens out as the sequence's own CPU store), and leave it with the sequence."""
+    tokens out as the sequence's own CPU store), the recall region's codes kept beside them
+    are charged as whole slots more, and all leave it with the sequence."""
     from cache_node.policies.sentencekv import PrivateHostKV, TierHostKV
 
     prompt = [(i % 13) + 1 for i in range(200)]
@@ -199,7 +203,11 @@ def test_sentencekv_keeps_its_sentences_in_the_engines_host_tier(tiny) -> None:
     (own_eng, own_rid, own), (eng, rid, store) = runs[0], runs[32]
     assert isinstance(own.host, PrivateHostKV) and isinstance(store.host, TierHostKV)
     demoted = sum(len(p) for p in store.positions)
-    assert eng.tiers.host.stats()["host_reserved_slots"] == -(-demoted // 16) > 0
+    host = store.host
+    assert host.charged_bytes == store.codes.nbytes > 0  # int8 region codes (the default)
+    assert len(host.charge_slots) == -(-store.codes.nbytes // host.slot_bytes)
+    assert len(host.slots) == -(-demoted // 16) > 0
+    assert eng.tiers.host.stats()["host_reserved_slots"] == len(host.slots) + len(host.charge_slots)
     for sid in range(len(store)):
         for layer in range(eng.pool.num_layers):
             assert torch.equal(store.sentence_kv(sid, layer), own.sentence_kv(sid, layer))

@@ -22,8 +22,9 @@ Recall region precision (``region_bits``): 8 (default) or 4 quantizes each promo
 per KV head and group of ``region_group`` channels (asymmetric, float16 scale and zero) as it
 is copied in, and attention runs on the codes (HACK §4), so the bytes left for the region hold
 3.2x (int8) or 5.3x (int4) the tokens of float32 K/V; sinks and the window stay in full
-precision (KIVI §3). 0 keeps the pool's dtype (the paper's setting). The host keeps the raw
-K/V, so a sentence is quantized afresh on every promotion. On SmolLM2-135M with 512-token
+precision (KIVI §3). 0 keeps the pool's dtype (the paper's setting). A sentence is quantized
+once, as it is demoted: its codes wait in host RAM beside its raw K/V (charged to the host
+tier) and a promotion copies them. On SmolLM2-135M with 512-token
 Wikipedia contexts at a 25% budget, mean KL against the full cache fell from 0.167 (float32
 region) to 0.019 (int8) (bench/README.md).
 
@@ -127,14 +128,74 @@ class KeySketch:
         return mass.log() + top
 
 
+class SentenceCodes:
+    """The recall region's int8/int4 codes of every demoted token, quantized once as its
+    sentence is demoted and kept in host RAM next to the raw K/V, so a promotion copies codes
+    instead of quantizing again (``region_bits``).
+
+    ``codes``: (L, N, 2, H_kv, d * bits / 8) uint8 packed; ``scale``/``zero``: (L, N, 2, H_kv,
+    d / group_size) float16 (asymmetric per token, K or V, KV head and channel group);
+    ``starts[s]``: the first of sentence ``s``'s tokens along N.
+    """
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.starts: list[int] = []
+        self.num_tokens = 0
+
+    def quantize(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes, scale and zero of ``kv`` (L, n, 2, H_kv, d), not yet stored."""
+        codes, scale, zero = quantize(kv.float(), self.bits, self.group_size)
+        return pack_bits(codes, self.bits), scale, zero
+
+    @staticmethod
+    def nbytes_of(parts: tuple[torch.Tensor, ...]) -> int:
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def append(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Store one sentence's ``quantize`` output."""
+        self.starts.append(self.num_tokens)
+        self.num_tokens += parts[0].shape[1]
+        if self.codes is None:
+            self.codes, self.scale, self.zero = parts
+        else:
+            self.codes, self.scale, self.zero = (
+                torch.cat([old, new], 1) for old, new in zip((self.codes, self.scale, self.zero), parts)
+            )
+
+    def tokens(self, sid: int, length: int) -> torch.Tensor:
+        """(length,) indices along N of sentence ``sid``'s tokens."""
+        return torch.arange(self.starts[sid], self.starts[sid] + length)
+
+    def read(self, tokens: torch.Tensor, layer: int, head: int) -> tuple[torch.Tensor, ...]:
+        """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``."""
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        return tuple(t[layer, tokens, :, head] for t in (self.codes, self.scale, self.zero))
+
+    def fork(self) -> SentenceCodes:
+        """A copy sharing the (never mutated in place) tensors."""
+        out = SentenceCodes(self.bits, self.group_size)
+        out.codes, out.scale, out.zero = self.codes, self.scale, self.zero
+        out.starts, out.num_tokens = list(self.starts), self.num_tokens
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.codes is None else self.nbytes_of((self.codes, self.scale, self.zero))  # type: ignore[arg-type]
+
+
 class PrivateHostKV:
     """Sentence K/V in the sequence's own CPU tensors (used when the engine has no host tier)."""
 
     def __init__(self) -> None:
         self.parts: list[torch.Tensor] = []
 
-    def add(self, kv: torch.Tensor) -> int | None:
-        """Store ``kv`` (L, n, 2, H_kv, d); returns its handle."""
+    def add(self, kv: torch.Tensor, extra_bytes: int = 0) -> int | None:
+        """Store ``kv`` (L, n, 2, H_kv, d); returns its handle. ``extra_bytes`` (host RAM the
+        caller keeps beside it) needs no reservation here."""
         self.parts.append(kv.to("cpu", copy=True))
         return len(self.parts) - 1
 
@@ -155,25 +216,34 @@ class PrivateHostKV:
 class TierHostKV:
     """Sentence K/V in host-tier slots the sequence reserves (``TierManager.reserve_host``),
     packed token after token: stored token ``t`` lives in slot ``slots[t // block_size]`` at
-    offset ``t % block_size``. The slots count against the host tier's budget and leave it
-    when the sequence's KV is released."""
+    offset ``t % block_size``. Host RAM the sequence keeps beside them (the recall region's
+    codes) is charged as whole slots more (``charge_slots``, left empty). All of them count
+    against the host tier's budget and leave it when the sequence's KV is released."""
 
     def __init__(self, tiers: TierManager) -> None:
         self.tiers = tiers
         self.block_size = tiers.pool.block_size
+        data = tiers.host.data  # (L, 2, slots, block_size, H_kv, d)
+        self.slot_bytes = data[:, :, :1].numel() * data.element_size()
         self.slots = torch.zeros(0, dtype=torch.long)
+        self.charge_slots: list[int] = []
+        self.charged_bytes = 0
         self.num_tokens = 0
 
-    def add(self, kv: torch.Tensor) -> torch.Tensor | None:
-        """Store ``kv`` (L, n, 2, H_kv, d); returns its handle (the stored token indices), or
-        None when the host tier cannot hold it."""
+    def add(self, kv: torch.Tensor, extra_bytes: int = 0) -> torch.Tensor | None:
+        """Store ``kv`` (L, n, 2, H_kv, d) and charge ``extra_bytes`` of host RAM kept beside it;
+        returns its handle (the stored token indices), or None when the host tier cannot hold
+        both (nothing stored or charged)."""
         n = kv.shape[1]
-        need = math.ceil((self.num_tokens + n) / self.block_size) - len(self.slots)
-        if need > 0:
-            got = self.tiers.reserve_host(need)
+        need = max(0, math.ceil((self.num_tokens + n) / self.block_size) - len(self.slots))
+        charge = max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - len(self.charge_slots))
+        if need + charge > 0:
+            got = self.tiers.reserve_host(need + charge)
             if got is None:
                 return None
-            self.slots = torch.cat([self.slots, torch.tensor(got, dtype=torch.long)])
+            self.slots = torch.cat([self.slots, torch.tensor(got[:need], dtype=torch.long)])
+            self.charge_slots.extend(got[need:])
+        self.charged_bytes += extra_bytes
         t = torch.arange(self.num_tokens, self.num_tokens + n)
         self.num_tokens += n
         data = self.tiers.host.data  # (L, 2, slots, block_size, H_kv, d)
@@ -189,19 +259,22 @@ class TierHostKV:
         return kv.transpose(0, 1)
 
     def fork(self) -> TierHostKV:
-        """A copy in slots of its own (same handles). Raises RuntimeError when the host tier is full."""
+        """A copy in slots of its own (same handles, same charge). Raises RuntimeError when the
+        host tier is full."""
         out = TierHostKV(self.tiers)
         if self.num_tokens:
             t = torch.arange(self.num_tokens)
             data = self.tiers.host.data[:, :, self.slots[t // self.block_size], t % self.block_size]
-            if out.add(data.transpose(1, 2)) is None:
+            if out.add(data.transpose(1, 2), self.charged_bytes) is None:
                 raise RuntimeError("host tier full: cannot fork a sequence's sentences")
         return out
 
     def release(self) -> None:
-        if len(self.slots):
-            self.tiers.release_host(self.slots.tolist())
+        held = self.slots.tolist() + self.charge_slots
+        if held:
+            self.tiers.release_host(held)
         self.slots, self.num_tokens = torch.zeros(0, dtype=torch.long), 0
+        self.charge_slots, self.charged_bytes = [], 0
 
 
 @dataclass
@@ -214,7 +287,8 @@ class HostSentenceStore:
     (the other modes). ``region_kv``: (L, 2, H_kv, R, d) the promoted sentences' K/V on the
     pool's device, each KV head its own (``region_positions`` (L, H_kv, R), -1 = empty slot);
     with ``region_bits`` 8 or 4 it holds codes (L, 2, H_kv, R, d * bits / 8) uint8 instead,
-    with ``region_scale``/``region_zero`` (L, 2, H_kv, R, d / group) float16.
+    with ``region_scale``/``region_zero`` (L, 2, H_kv, R, d / group) float16, copied from
+    ``codes`` (every demoted token's codes, quantized once at demotion, host RAM).
     ``dropped_tokens``: tokens demoted while the host tier was full (lost, as on eviction).
     """
 
@@ -227,6 +301,7 @@ class HostSentenceStore:
     region_positions: torch.Tensor | None = None
     region_scale: torch.Tensor | None = None
     region_zero: torch.Tensor | None = None
+    codes: SentenceCodes | None = None
     resident: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)  # layer -> per head
     recall_s: float = 0.0
     num_recalls: int = 0
@@ -235,10 +310,14 @@ class HostSentenceStore:
     def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
         """Demote one sentence: ``kv`` (L, n, 2, H_kv, d) at ``positions`` (n,). False when the
         host tier is full (the sentence is dropped)."""
-        handle = self.host.add(kv)
+        parts = None if self.codes is None else self.codes.quantize(kv)
+        handle = self.host.add(kv, 0 if parts is None else SentenceCodes.nbytes_of(parts))
         if handle is None:
             self.dropped_tokens += len(positions)
             return False
+        if parts is not None:
+            assert self.codes is not None
+            self.codes.append(parts)
         if self.sketch is not None:
             self.sketch.append(kv[:, :, 0], len(self.handles))
         else:
@@ -297,8 +376,9 @@ class HostSentenceStore:
             None if t is None else t.clone()
             for t in (self.region_kv, self.region_positions, self.region_scale, self.region_zero)
         )
+        codes = None if self.codes is None else self.codes.fork()
         return HostSentenceStore(self.host.fork(), sketch, list(self.positions), list(self.handles),
-                                 self.mean_keys, region, region_pos, scale, zero, dict(self.resident),
+                                 self.mean_keys, region, region_pos, scale, zero, codes, dict(self.resident),
                                  self.recall_s, self.num_recalls, self.dropped_tokens)
 
 
@@ -449,6 +529,8 @@ class SentenceKV(Policy):
             sketch = KeySketch(self.sketch_bits, self.sketch_group) if self.select_mode == "sketch" else None
             host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
+            if self.region_bits:
+                store.codes = SentenceCodes(self.region_bits, self._region_group(state))
         return store
 
     def pool_tokens(self, state: SequenceKV) -> int:
@@ -605,16 +687,16 @@ class SentenceKV(Policy):
         pos.fill_(-1)
         if not sids:
             return
-        kv = torch.cat([store.sentence_kv(s, layer, head) for s in sids])  # (n, 2, d)
-        n = kv.shape[0]
-        if self.region_bits:
+        if store.codes is not None:  # copy the codes made at demotion
             assert store.region_scale is not None and store.region_zero is not None
-            group = kv.shape[-1] // store.region_scale.shape[-1]
-            codes, scale, zero = quantize(kv.transpose(0, 1), self.region_bits, group)  # (2, n, d)
-            store.region_kv[layer, :, head, :n] = pack_bits(codes, self.region_bits)
-            store.region_scale[layer, :, head, :n] = scale.to(store.region_scale)
-            store.region_zero[layer, :, head, :n] = zero.to(store.region_zero)
+            tokens = torch.cat([store.codes.tokens(s, len(store.positions[s])) for s in sids])
+            n = len(tokens)
+            codes, scale, zero = store.codes.read(tokens, layer, head)  # (n, 2, ...)
+            for dst, src in zip((store.region_kv, store.region_scale, store.region_zero), (codes, scale, zero)):
+                dst[layer, :, head, :n] = src.transpose(0, 1).to(dst.device)
         else:
+            kv = torch.cat([store.sentence_kv(s, layer, head) for s in sids])  # (n, 2, d)
+            n = kv.shape[0]
             store.region_kv[layer, :, head, :n] = kv.transpose(0, 1).to(store.region_kv)
         pos[:n] = torch.cat([store.positions[s] for s in sids])
 
