@@ -105,14 +105,17 @@ def _plot_quality(path: Path, summary: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     by_policy: dict[str, list] = defaultdict(list)
     for spec, s in summary.items():
-        by_policy[re.sub(r"-\d+(\.\d+)?(?=-|$)", "", spec)].append(s)  # one line per policy and variant
-    for name, pts in by_policy.items():
-        pts = sorted(pts, key=lambda s: s["device_bytes_ratio"])
+        by_policy[re.sub(r"-\d+(\.\d+)?(?=-|$)", "", spec)].append((spec, s))  # one line per policy and variant
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, entries) in enumerate(by_policy.items()):
+        pts = [s for _, s in sorted(entries, key=lambda e: e[1]["device_bytes_ratio"])]
+        label = name if len(entries) > 1 else entries[0][0]  # a single point keeps its budget
         xs = [p["device_bytes_ratio"] for p in pts]
         style, marker = ("--", "s") if name.startswith("kvpress") else ("-", "o")
-        axes[0].plot(xs, [p["needle_acc"] for p in pts], style, marker=marker, label=name)
+        kw = {"marker": marker, "label": label, "color": colors[i % len(colors)]}
+        axes[0].plot(xs, [p["needle_acc"] for p in pts], style, **kw)
         kls = [max(p["kl_mean"], 1e-6) if not math.isnan(p["kl_mean"]) else float("nan") for p in pts]
-        axes[1].plot(xs, kls, style, marker=marker, label=name)
+        axes[1].plot(xs, kls, style, **kw)
     axes[0].set(xlabel="device-tier KV bytes / full cache", ylabel="needle accuracy", title="memory vs retrieval")
     axes[1].set(xlabel="device-tier KV bytes / full cache", ylabel="KL(full || policy)", title="memory vs KL",
                 yscale="log")
