@@ -106,20 +106,23 @@ class QuantSegment:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))  # type: ignore[union-attr]
 
     def layer(self, layer_idx: int) -> QuantLayerKV:
-        return QuantLayerKV(self, layer_idx)
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        return QuantLayerKV(self.codes[layer_idx], self.scale[layer_idx], self.zero[layer_idx], self.bits)
 
 
 class QuantLayerKV:
-    """One layer's quantized KV as ``ExtraKV``: scores and outputs computed on the codes."""
+    """One layer's quantized KV as ``ExtraKV``: scores and outputs computed on the codes.
 
-    def __init__(self, seg: QuantSegment, layer_idx: int) -> None:
-        codes = seg.codes[layer_idx]  # type: ignore[index]
-        if seg.bits == 4:
-            codes = unpack_int4(codes)
-        gs = seg.group_size
-        self.codes = codes.float().unflatten(-1, (-1, gs))  # (2, N, H, k, G): integer values
-        self.scale = seg.scale[layer_idx].float()  # type: ignore[index]  # (2, N, H, k)
-        self.zero = seg.zero[layer_idx].float()  # type: ignore[index]
+    ``codes``: (2, N, H_kv, d * bits / 8) uint8 packed; ``scale``/``zero``: (2, N, H_kv,
+    d / group_size) float16. Entry ``n`` of KV head ``h`` is its own token, so the N entries
+    may differ per head (SentenceKV's per-head recall region).
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:
+        self.scale, self.zero = scale.float(), zero.float()  # (2, N, H, k)
+        # (2, N, H, k, G): integer values
+        codes = codes if bits == 8 else unpack_bits(codes, bits)
+        self.codes = codes.float().unflatten(-1, (self.scale.shape[-1], -1))
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
         qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)
@@ -160,7 +163,7 @@ class ColdTier:
 
     def layer(self, layer_idx: int) -> QuantLayerKV | None:
         seg = self.layers[layer_idx]
-        return None if seg.codes is None else QuantLayerKV(seg, 0)
+        return None if seg.codes is None else seg.layer(0)
 
 
 @register

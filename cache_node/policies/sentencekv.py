@@ -59,7 +59,7 @@ from cache_node.attention_stats import StatsNeeds
 from cache_node.compaction import can_rewrite, gather_kv
 from cache_node.kv_pool import KVPool
 from cache_node.policies.base import Policy
-from cache_node.policies.quant import pack_bits, quantize, unpack_bits
+from cache_node.policies.quant import QuantLayerKV, pack_bits, quantize, unpack_bits
 from cache_node.policies.registry import register
 
 if TYPE_CHECKING:
@@ -401,31 +401,21 @@ class SentenceRegion:
 
 class QuantSentenceRegion:
     """A recall region held as int8/int4 codes (``region_bits``), attended on the codes as in
-    HACK §4: ``q . k = sum_G s_G (q_G . c_G) + z_G sum(q_G)`` and ``sum_t p_t v_t = sum_t
-    (p_t s_t) c_t + sum_t p_t z_t`` per channel group ``G``."""
+    HACK §4 (``quant.QuantLayerKV``, each KV head its own slots); empty slots are masked out."""
 
     def __init__(self, store: HostSentenceStore, layer_idx: int, bits: int) -> None:
         assert store.region_kv is not None and store.region_positions is not None
         assert store.region_scale is not None and store.region_zero is not None
-        scale = store.region_scale[layer_idx].float()  # (2, H_kv, R, k)
-        codes = unpack_bits(store.region_kv[layer_idx], bits).float()  # (2, H_kv, R, d)
-        self.codes = codes.unflatten(-1, (scale.shape[-1], -1))  # (2, H_kv, R, k, G)
-        self.scale, self.zero = scale, store.region_zero[layer_idx].float()
+        codes, scale, zero = (t[layer_idx].transpose(1, 2) for t in  # (2, R, H_kv, ...)
+                              (store.region_kv, store.region_scale, store.region_zero))
+        self.kv = QuantLayerKV(codes, scale, zero, bits)
         self.empty = (store.region_positions[layer_idx] < 0).to(codes.device)  # (H_kv, R)
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
-        qg = qh.float().unflatten(-1, (self.codes.shape[-2], -1))  # (H_kv, g, n, k, G)
-        dots = torch.einsum("hgnkc,hRkc->hgnRk", qg, self.codes[0])
-        scores = (dots * self.scale[0][:, None, None]).sum(-1)
-        scores = scores + torch.einsum("hgnk,hRk->hgnR", qg.sum(-1), self.zero[0])
-        return (scores * scaling).to(qh.dtype).masked_fill(self.empty[:, None, None, :], float("-inf"))
+        return self.kv.logits(qh, scaling).masked_fill(self.empty[:, None, None, :], float("-inf"))
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
-        p = probs.float()
-        ps = p.unsqueeze(-1) * self.scale[1][:, None, None]  # (H_kv, g, n, R, k)
-        out = torch.einsum("hgnRk,hRkc->hgnkc", ps, self.codes[1])
-        out = out + torch.einsum("hgnR,hRk->hgnk", p, self.zero[1]).unsqueeze(-1)
-        return out.flatten(-2).to(probs.dtype)
+        return self.kv.output(probs)
 
 
 def shortlist(mean_keys: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor | None:
