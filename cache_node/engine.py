@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -189,8 +190,13 @@ class LLMEngine(EngineTiersMixin):
         return self.scheduler.has_work() or bool(self._aborted)
 
     # ---- the step loop --------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, forward, sample, stream increments."""
+    def step(self, on_scheduled: Callable[[ScheduledBatch], None] | None = None) -> list[RequestOutput]:
+        """Run one iteration: schedule, forward, sample, stream increments.
+
+        Args:
+            on_scheduled: called with the batch after scheduling and before the forward pass
+                (the cache node announces newly started requests while the step computes).
+        """
         with self._lock:
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
@@ -201,6 +207,8 @@ class LLMEngine(EngineTiersMixin):
             self.tiers.maybe_demote()
             batch = self.scheduler.schedule()
             if batch:
+                if on_scheduled is not None:
+                    on_scheduled(batch)
                 self._execute(batch, outputs)
                 return outputs
             waiting = bool(self.scheduler.waiting)

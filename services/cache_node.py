@@ -6,16 +6,21 @@ request in one of two ways:
 
 - ``generate`` (in-process callers): an async generator over the request's own queue; closing
   it aborts the request.
-- ``submit`` + ``poll`` (the gateway, through Ray): events go to the subscriber's mailbox and
-  one long-poll call returns every stream's events since the last one, so a step with ``n``
-  running streams costs one actor call, not ``n`` streamed objects. ``abort`` stops a request
-  at the next step boundary and frees its blocks.
+- the data plane (the gateway, ``services.data_plane``): ``submit`` and ``abort`` commands
+  arrive on the node's ZeroMQ command inbox (``open_data_plane``), and the step thread pushes
+  each step's events for a gateway to that gateway's event inbox in one message, so a step
+  with ``n`` running streams costs one message, not ``n``. ``abort`` stops a request at the
+  next step boundary and frees its blocks.
+
+A request's ``started`` event is sent when the engine first schedules it, before that step's
+forward pass, so the first token is not queued behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -36,8 +41,11 @@ from cache_node.spill_api import SpillBlockSpec, SpillClient
 from cache_node.tiering import TierConfig
 from cache_node.scheduling import TenantShare
 from services.chat import ChatTemplater
+from services import data_plane
 from services.config import NodeConfig
 from services.node_request import NodeRequest
+
+log = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 
@@ -45,24 +53,16 @@ ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
 
 
-class _Mailbox:
-    """Events for one subscriber (a gateway), drained by ``CacheNode.poll``; lives on the loop."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, Event]] = []
-        self.ready = asyncio.Event()
-
-    def put(self, request_id: str, event: Event) -> None:
-        self.items.append((request_id, event))
-        self.ready.set()
-
-
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    deliver: Callable[[Event], None]  # called on ``loop``
+    """One request's stream: in-process (``deliver`` called on ``loop``) or, with a
+    ``subscriber``, pushed by the step thread to that gateway's event inbox."""
+
+    loop: asyncio.AbstractEventLoop | None
+    deliver: Callable[[Event], None] | None
     request: NodeRequest
     prompt_tokens: int
+    subscriber: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     started: bool = False
@@ -114,11 +114,14 @@ class CacheNode:
         self.event_sink = event_sink
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
-        self._mailboxes: dict[str, _Mailbox] = {}
-        self._aborted_early: OrderedDict[str, None] = OrderedDict()
+        self._pusher = data_plane.PushSockets(zmq_context())  # the step thread's sockets
+        self._outbox: deque[tuple[str, str, Event]] = deque()  # (subscriber, request, event)
+        self._inbox: tuple[Any, asyncio.Task[None]] | None = None
+        self.data_address = ""  # the command inbox (open_data_plane)
+        self._aborted_early: OrderedDict[str, bool] = OrderedDict()
         self._session_messages: dict[str, list[dict[str, str]]] = {}
         # requests and aborts for the step thread: the event loop never waits on the engine's
-        # lock, which a step holds for its whole forward pass (polls keep flowing meanwhile)
+        # lock, which a step holds for its whole forward pass
         self._incoming: deque[_Stream] = deque()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
@@ -141,15 +144,19 @@ class CacheNode:
             "max_model_len": self.engine.max_model_len,
             "pool_tokens": self.engine.pool.num_blocks * self.engine.pool.block_size,
             "pid": os.getpid(),
+            "data_address": self.data_address,
         }
 
+    def ping(self) -> bool:
+        """Liveness (the gateway's watch over nodes with open streams)."""
+        return True
+
     # ---- streaming generation -------------------------------------------------------------
-    def _open(self, req: NodeRequest, deliver: Callable[[Event], None]) -> None:
-        """Register ``req``'s stream and hand it to the step thread, which queues it in the
+    def _open(self, stream: _Stream) -> None:
+        """Register a stream and hand it to the step thread, which queues its request in the
         engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
         PERMISSION_DENIED) arrives as an error event on the stream."""
-        stream = _Stream(asyncio.get_running_loop(), deliver, req, 0)
-        self._streams[req.request_id] = stream
+        self._streams[stream.request.request_id] = stream
         self._incoming.append(stream)
         self._wake.set()
 
@@ -181,13 +188,16 @@ class CacheNode:
                 error = {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
             if error is not None:
                 self._streams.pop(req.request_id, None)
-                stream.loop.call_soon_threadsafe(stream.deliver, error)
+                if stream.subscriber:
+                    self._pusher.send(stream.subscriber, [[req.request_id, error]])
+                else:
+                    stream.loop.call_soon_threadsafe(stream.deliver, error)
 
     async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
         """Run one request; yields event dicts (see services.node_request). Closing the
         generator before its last event aborts the request."""
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._open(req, queue.put_nowait)
+        self._open(_Stream(asyncio.get_running_loop(), queue.put_nowait, req, 0))
         done = False
         try:
             while not done:
@@ -199,30 +209,52 @@ class CacheNode:
             if not done:
                 self.engine.abort_request(req.request_id)
 
-    async def submit(self, req: NodeRequest, subscriber: str) -> None:
-        """Start ``req``; its events go to ``subscriber``'s mailbox (read them with ``poll``).
+    def submit(self, req: NodeRequest, subscriber: str) -> None:
+        """Start ``req``; its events go to ``subscriber`` (a gateway's event inbox address).
 
-        A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED) gets its error event
-        posted like any other, so the caller need not wait for this call's reply.
+        A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED), or cancelled before it
+        arrived (``abort``), gets its error event pushed like any other event.
         """
-        box = self._mailboxes.setdefault(subscriber, _Mailbox())
-        if req.request_id in self._aborted_early:
-            del self._aborted_early[req.request_id]
-            box.put(req.request_id, {"type": "error", "code": "CANCELLED",
-                                     "message": "the request was cancelled before it reached the node"})
+        if self._aborted_early.pop(req.request_id, None) is not None:
+            self._outbox.append((subscriber, req.request_id, {
+                "type": "error", "code": "CANCELLED",
+                "message": "the request was cancelled before it reached the node"}))
+            self._wake.set()
             return
-        self._open(req, lambda event: box.put(req.request_id, event))
+        self._open(_Stream(None, None, req, 0, subscriber))
 
-    async def poll(self, subscriber: str, timeout_s: float = 1.0) -> list[tuple[str, Event]]:
-        """Every ``(request_id, event)`` posted for ``subscriber`` since the last poll, in order;
-        waits up to ``timeout_s`` seconds for the first one (an empty list on timeout)."""
-        box = self._mailboxes.setdefault(subscriber, _Mailbox())
-        if not box.items:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(box.ready.wait(), timeout_s)
-        items, box.items = box.items, []
-        box.ready.clear()
-        return items
+    async def open_data_plane(self) -> str:
+        """Bind the command inbox (``services.data_plane``) and serve it on the running event
+        loop; returns its address. Opening again replaces the previous inbox."""
+        self.close_data_plane()
+        ctx = zmq_context(asyncio_=True)
+        sock = ctx.socket(data_plane.zmq.PULL)
+        sock.setsockopt(data_plane.zmq.LINGER, 0)
+        address = data_plane.bind_random(sock, data_plane.host_ip())
+        self._inbox = (sock, asyncio.get_running_loop().create_task(self._serve_commands(sock)))
+        self.data_address = address
+        return address
+
+    def close_data_plane(self) -> None:
+        if self._inbox is not None:
+            sock, task = self._inbox
+            with contextlib.suppress(RuntimeError):  # its event loop may be gone already
+                task.cancel()
+            sock.close(linger=0)
+            self._inbox = None
+
+    async def _serve_commands(self, sock: Any) -> None:
+        while True:
+            msg = data_plane.unpack(await sock.recv())
+            try:
+                if msg["op"] == "submit":
+                    self.submit(data_plane.request_from_wire(msg["req"]), msg["sub"])
+                elif msg["op"] == "abort":
+                    self.abort(msg["id"])
+                else:
+                    raise ValueError(f"unknown command {msg['op']!r}")
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed message loses only itself
+                log.error("cache node %s: bad data-plane command: %s", self.node_id, exc)
 
     def _set_tenant_share(self, req: NodeRequest) -> None:
         extra = req.extra
@@ -250,13 +282,14 @@ class CacheNode:
         last_expiry = time.monotonic()
         while not self._stopped:
             self._start_incoming()
+            self._send_outbox()
             while self._aborts:
                 self.engine.abort_request(self._aborts.popleft())
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(self.config.step_idle_wait_s)
                 self._wake.clear()
             else:
-                self._deliver_step(self.engine.step())
+                self._deliver_step(self.engine.step(self._announce))
                 # Python locks are not fair: leave the engine lock free for a moment so the
                 # transfer thread (spill prefetch) is not starved by back-to-back steps.
                 time.sleep(0.0005)
@@ -266,15 +299,51 @@ class CacheNode:
                     self._session_messages.pop(sid, None)
                 last_expiry = time.monotonic()
 
+    def _send_outbox(self) -> None:
+        while self._outbox:
+            subscriber, request_id, event = self._outbox.popleft()
+            self._pusher.send(subscriber, [[request_id, event]])
+
+    def _announce(self, batch: list[tuple[Any, int]]) -> None:
+        """Step thread, after scheduling and before the forward pass: a ``started`` event for
+        each request scheduled for the first time."""
+        now = time.monotonic()
+        events = []
+        for seq, _ in batch:
+            stream = self._streams.get(seq.request_id)
+            if stream is None or stream.started:
+                continue
+            stream.started = True
+            events.append((stream, {
+                "type": "started", "request_id": seq.request_id, "node_id": self.node_id,
+                "prompt_tokens": seq.num_prompt_tokens,
+                "cached_tokens": dict(self.engine.tiers.cached_tokens_by_tier(seq)),
+                "queue_ms": (now - seq.arrival_time_s) * 1000.0,
+            }))
+        self._dispatch(events)
+
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """Turn one step's outputs into events and hand them to each loop in one call."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Event]]] = {}
+        """Turn one step's outputs into events and send them on: one message per gateway, one
+        call per in-process event loop."""
+        events = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            for event in self._events(out, stream):
+            if stream is not None:
+                events.extend((stream, event) for event in self._events(out, stream))
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[tuple[_Stream, Event]]) -> None:
+        pushed: dict[str, list[list[Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Event]]] = {}
+        for stream, event in events:
+            if not stream.subscriber:
                 batches.setdefault(stream.loop, []).append((stream, event))
+                continue
+            if event["type"] in ("finished", "error"):
+                self._streams.pop(stream.request.request_id, None)
+            pushed.setdefault(stream.subscriber, []).append([stream.request.request_id, event])
+        for subscriber, items in pushed.items():
+            self._pusher.send(subscriber, items)
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(self._deliver, batch)
 
@@ -286,14 +355,6 @@ class CacheNode:
 
     def _events(self, out: RequestOutput, stream: _Stream) -> list[Event]:
         events: list[Event] = []
-        if out.new_token_ids and not stream.started:
-            stream.started = True
-            events.append({
-                "type": "started", "request_id": out.request_id, "node_id": self.node_id,
-                "prompt_tokens": out.num_prompt_tokens,
-                "cached_tokens": _tiers(out),
-                "queue_ms": 0.0,
-            })
         if out.new_token_ids:
             stream.token_ids.extend(out.new_token_ids)
             text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -346,7 +407,7 @@ class CacheNode:
         """
         stream = self._streams.pop(request_id, None)
         if stream is None:
-            self._aborted_early[request_id] = None
+            self._aborted_early[request_id] = True
             while len(self._aborted_early) > ABORTED_EARLY_MAX:
                 self._aborted_early.popitem(last=False)
             return False
@@ -381,6 +442,15 @@ class CacheNode:
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
+        self._thread.join(timeout=5.0)
+        self.close_data_plane()
+        if not self._thread.is_alive():  # its sockets are the step thread's alone
+            self._pusher.close()
+
+
+def zmq_context(asyncio_: bool = False) -> Any:
+    """A fresh ZeroMQ context (asyncio sockets with ``asyncio_``)."""
+    return data_plane.zmq.asyncio.Context() if asyncio_ else data_plane.zmq.Context()
 
 
 def _tiers(out: RequestOutput) -> dict[str, int]:

@@ -7,6 +7,7 @@ a CacheNode actor, and maps failures to precise status codes for that call alone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -14,13 +15,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import zmq
+import zmq.asyncio
 
 from cache_node.hashing import hash_prompt_blocks
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
-from services import convert
+from services import convert, data_plane
 from services.auth import Authenticator
 from services.chat import ChatTemplater
+from services.global_scheduler import Admission
 from services.node_request import NodeRequest
 from tenants.errors import TenantExistsError, TenantNotFoundError
 
@@ -104,32 +108,91 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
 
 class NodeStreams:
-    """Per-request event queues fed by one long-poll loop per cache node.
+    """The gateway's end of the data plane (``services.data_plane``).
 
-    A node posts each engine step's events for this gateway into one mailbox and
-    ``CacheNode.poll`` returns them together, so ``n`` concurrent streams cost one actor call
-    per step instead of ``n`` streamed Ray objects (bench.service measures the difference).
-    When a node cannot be reached, every stream open on it gets an UNAVAILABLE error event.
+    - ``admit``: a request's admission by the GlobalScheduler, which hands an admitted request
+      straight to its node;
+    - the event inbox: each node pushes one message per engine step with every event for this
+      gateway's streams, routed here to per-request queues (``open``);
+    - ``abort``: straight to the node's command inbox.
+
+    While streams are open on a node, a Ray call checks every ``watch_s`` seconds that the node
+    is alive; when it is not, each stream open on it gets an UNAVAILABLE error event.
 
     Args:
         nodes: node id -> CacheNode actor handle.
-        poll_timeout_s: how long one poll waits on an idle node before returning empty.
+        node_inboxes: node id -> the node's command inbox address.
+        scheduler_address: the GlobalScheduler's admission socket address.
+        admit_timeout_s: an admission not answered by then fails with UNAVAILABLE.
     """
 
-    def __init__(self, nodes: dict[str, Any], poll_timeout_s: float = 1.0) -> None:
-        self.nodes, self.poll_timeout_s = nodes, poll_timeout_s
-        self.subscriber = f"gateway-{uuid.uuid4().hex[:12]}"
+    def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
+                 watch_s: float = 1.0, admit_timeout_s: float = 30.0) -> None:
+        self.nodes, self.node_inboxes = nodes, node_inboxes
+        self.scheduler_address = scheduler_address
+        self.watch_s, self.admit_timeout_s = watch_s, admit_timeout_s
+        self.subscriber = ""  # this gateway's event inbox address (``start``)
         self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]]]] = {}
-        self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Bind the event inbox and connect to the scheduler and the nodes (on the running loop)."""
+        ctx = zmq.asyncio.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.setsockopt(zmq.LINGER, 0)
+        self.subscriber = data_plane.bind_random(inbox, data_plane.host_ip())
+        self._admission = ctx.socket(zmq.DEALER)
+        self._admission.setsockopt(zmq.LINGER, 0)
+        self._admission.connect(self.scheduler_address)
+        self._commands = {}
+        for node_id, address in self.node_inboxes.items():
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._commands[node_id] = sock
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._read_admissions())]
+
+    async def admit(self, req: NodeRequest, hashes: list[bytes]) -> Any:
+        """The scheduler's ``Admission`` for ``req`` (as a dict-backed namespace).
+
+        Raises:
+            RuntimeError: the scheduler failed on it; TimeoutError: no answer in time.
+        """
+        self._next_id += 1
+        corr = self._next_id
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[corr] = fut
+        try:
+            await self._admission.send(data_plane.pack({
+                "id": corr, "req": data_plane.request_to_wire(req), "sub": self.subscriber,
+                "hashes": hashes}))
+            reply = await asyncio.wait_for(fut, self.admit_timeout_s)
+        finally:
+            self._pending.pop(corr, None)
+        if "error" in reply:
+            raise RuntimeError(f"the global scheduler failed to admit the request: {reply['error']}")
+        return Admission(**reply["adm"])
+
+    async def _read_admissions(self) -> None:
+        while True:
+            reply = data_plane.unpack(await self._admission.recv())
+            fut = self._pending.get(reply.get("id"))
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def abort(self, node_id: str, request_id: str) -> None:
+        with contextlib.suppress(zmq.Again):
+            self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}),
+                                         flags=zmq.NOBLOCK)
 
     def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
         """A queue for ``request_id``'s events; open it before the request reaches a node."""
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[request_id] = ("", queue)
-        for node_id in self.nodes:  # every node is polled while any stream is open
-            pump = self._pumps.get(node_id)
-            if pump is None or pump.done():
-                self._pumps[node_id] = asyncio.get_running_loop().create_task(self._pump(node_id))
         return queue
 
     def bind(self, request_id: str, node_id: str) -> None:
@@ -137,27 +200,33 @@ class NodeStreams:
         entry = self._queues.get(request_id)
         if entry is not None:
             self._queues[request_id] = (node_id, entry[1])
+            watch = self._watches.get(node_id)
+            if watch is None or watch.done():
+                self._watches[node_id] = asyncio.get_running_loop().create_task(self._watch(node_id))
 
     def close(self, request_id: str) -> None:
         """Stop routing ``request_id``'s events (later ones are dropped)."""
         self._queues.pop(request_id, None)
 
-    async def _pump(self, node_id: str) -> None:
-        node = self.nodes[node_id]
+    async def _read_events(self, inbox: Any) -> None:
         while True:
+            for request_id, event in data_plane.unpack(await inbox.recv()):
+                entry = self._queues.get(request_id)
+                if entry is not None:
+                    entry[1].put_nowait(event)
+
+    async def _watch(self, node_id: str) -> None:
+        """Check ``node_id`` is alive while streams are open on it."""
+        node = self.nodes[node_id]
+        while any(nid == node_id for nid, _ in self._queues.values()):
             try:
-                batch = await node.poll.remote(self.subscriber, self.poll_timeout_s)
+                await node.ping.remote()
             except Exception as exc:  # noqa: BLE001 - a dead or unreachable node ends its streams
                 for nid, queue in list(self._queues.values()):
                     if nid == node_id:
                         queue.put_nowait({"type": "error", "code": "UNAVAILABLE",
                                           "message": f"cache node {node_id}: {_message(exc)}"})
-                await asyncio.sleep(self.poll_timeout_s)
-                continue
-            for request_id, event in batch:
-                entry = self._queues.get(request_id)
-                if entry is not None:
-                    entry[1].put_nowait(event)
+            await asyncio.sleep(self.watch_s)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -165,14 +234,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     Args:
         nodes: node id -> CacheNode actor handle.
-        node_info: ``CacheNode.describe()`` of any node (model identity, block size, limits).
+        node_info: node id -> ``CacheNode.describe()`` (model identity, block size, limits,
+            data-plane address); every node serves the same model.
+        scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
     """
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
-                 node_info: dict[str, Any], templater: ChatTemplater | None) -> None:
+                 node_info: dict[str, dict[str, Any]], templater: ChatTemplater | None,
+                 scheduler_address: str) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
-        self.info, self.templater = node_info, templater
-        self.streams = NodeStreams(nodes)
+        self.info, self.templater = next(iter(node_info.values())), templater
+        self.streams = NodeStreams(
+            nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address
+        )
 
     async def _prepare(self, request: Any, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
         spec = tenant.spec
@@ -214,16 +288,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:  # noqa: N802
         tenant = await self.auth.tenant(context)
         req, hashes = await self._prepare(request, tenant, context)
-        # headers now, while admission and prefill run, not with the first token
-        await context.send_initial_metadata(())
         queue = self.streams.open(req.request_id)
         adm = None
         usage: dict[str, Any] | None = None
         # the scheduler hands an admitted request straight to its node; every answer from the
-        # node, a refusal included, comes back through that node's poll
-        admission = self.scheduler.admit_and_submit.remote(req, self.streams.subscriber, hashes)
+        # node, a refusal included, comes back on this gateway's event inbox
+        admission = asyncio.ensure_future(self.streams.admit(req, hashes))
         try:
-            adm = await admission
+            # headers now, while admission and prefill run, not with the first token
+            await context.send_initial_metadata(())
+            try:  # shielded: a cancelled call still learns where its request went, to abort it
+                adm = await asyncio.shield(admission)
+            except (RuntimeError, asyncio.TimeoutError) as exc:
+                usage = {}
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "the global scheduler did not answer")
             if adm.code != "OK":
                 usage = {}
                 if adm.retry_after_s:
@@ -244,7 +322,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if adm is None:  # while being admitted: abort once the node is known
                     asyncio.get_running_loop().create_task(self._abort_admitted(admission, req.request_id))
                 else:
-                    self.nodes[adm.node_id].abort.remote(req.request_id)
+                    self.streams.abort(adm.node_id, req.request_id)
             if adm is None or adm.code == "OK":
                 self.scheduler.release.remote(req.request_id, usage)
 
@@ -254,7 +332,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except Exception:  # noqa: BLE001 - nothing was admitted, nothing runs
             return
         if adm.code == "OK":
-            self.nodes[adm.node_id].abort.remote(request_id)
+            self.streams.abort(adm.node_id, request_id)
 
     async def CloseSession(self, request, context):  # noqa: N802
         tenant = await self.auth.tenant(context)

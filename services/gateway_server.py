@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -18,17 +19,23 @@ from services.chat import ChatTemplater
 from services.gateway import AdminServicer, InferenceServicer, TenantServicer
 
 
-def create_server(
-    scheduler: Any, nodes: dict[str, Any], node_info: dict[str, Any], templater: ChatTemplater | None,
-    address: str = "127.0.0.1:0",
+async def create_server(
+    scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
+    templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
 ) -> tuple[grpc.aio.Server, int, HealthServicer]:
-    """Build the server with every service registered. Returns (server, bound port, health)."""
+    """Build the server with every service registered and the data plane connected (on the
+    running loop). Returns (server, bound port, health).
+
+    Args:
+        node_info: node id -> ``CacheNode.describe()``.
+        scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
+    """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     auth = Authenticator(scheduler)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-        InferenceServicer(scheduler, auth, nodes, node_info, templater), server
-    )
+    inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address)
+    await inference.streams.start()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -47,12 +54,14 @@ class Gateway:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start serving; returns the bound port."""
-        info = await next(iter(self.nodes.values())).describe.remote()
+        infos = await asyncio.gather(*(node.describe.remote() for node in self.nodes.values()))
+        scheduler_address = await self.scheduler.open_data_plane.remote()
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
-        self.server, bound, health = create_server(
-            self.scheduler, self.nodes, info, templater, f"{host}:{port}"
+        self.server, bound, health = await create_server(
+            self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
+            f"{host}:{port}",
         )
         await self.server.start()
         for name in ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService"):

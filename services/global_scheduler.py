@@ -25,7 +25,9 @@ but never decides what is reused: the cache node's token-checked prefix cache do
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +44,14 @@ from cache_node.scheduling.admission import (
     decide,
     estimate_ttft_s,
 )
+from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
 from services.node_request import NodeRequest
 from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -108,7 +113,8 @@ class GlobalScheduler:
         self.common_prefix = CommonPrefix()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
-        self.node_handles: dict[str, Any] = {}  # node id -> CacheNode actor (attach_nodes)
+        self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
+        self.commands: Any = None  # sends submit commands to node inboxes
 
     # ---- tenants (the gateway checks the admin key first) ---------------------------------
     def ensure_admin_key(self) -> str | None:
@@ -182,17 +188,24 @@ class GlobalScheduler:
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill)
 
-    def attach_nodes(self, handles: dict[str, Any]) -> None:
-        """The cache node actors, so ``admit_and_submit`` can hand requests on to them."""
-        self.node_handles = dict(handles)
+    def attach_nodes(self, inboxes: dict[str, str], sender: Any = None) -> None:
+        """The cache nodes' command inboxes (``CacheNode.open_data_plane``), so
+        ``admit_and_submit`` can hand requests on to them.
+
+        Args:
+            inboxes: node id -> ZeroMQ address.
+            sender: has ``send(address, message)``; default ``data_plane.PushSockets``.
+        """
+        self.node_inboxes = dict(inboxes)
+        self.commands = sender or data_plane.PushSockets()
 
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
         go to ``subscriber``'s mailbox there (``CacheNode.submit``/``poll``).
 
-        The node hears of the request from here, one actor hop sooner than if the gateway
-        waited for this reply and sent it on. A session-less prompt the index places partly in
-        the spill tier is marked for prefetch.
+        The node hears of the request from here (a data-plane message to its command inbox),
+        one hop sooner than if the gateway waited for this reply and sent it on. A session-less
+        prompt the index places partly in the spill tier is marked for prefetch.
 
         Raises:
             KeyError: the chosen node was never attached (``attach_nodes``).
@@ -201,7 +214,8 @@ class GlobalScheduler:
         if adm.code == "OK":
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
-            self.node_handles[adm.node_id].submit.remote(req, subscriber)
+            self.commands.send(self.node_inboxes[adm.node_id], {
+                "op": "submit", "req": data_plane.request_to_wire(req), "sub": subscriber})
         return adm
 
     def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
@@ -330,4 +344,40 @@ class GlobalScheduler:
         }
 
 
-GlobalSchedulerActor = ray.remote(GlobalScheduler)
+class GlobalSchedulerService(GlobalScheduler):
+    """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
+
+    It has an async method, so Ray runs every method on one event loop thread, and the
+    admission socket served on that loop never runs concurrently with a Ray method call.
+    """
+
+    async def open_data_plane(self) -> str:
+        """Bind the admission socket (``services.data_plane``, step 1) and serve it; returns
+        its address (idempotent)."""
+        if getattr(self, "data_address", ""):
+            return self.data_address
+        sock = data_plane.zmq.asyncio.Context().socket(data_plane.zmq.ROUTER)
+        sock.setsockopt(data_plane.zmq.LINGER, 0)
+        self.data_address = data_plane.bind_random(sock, data_plane.host_ip())
+        self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
+        return self.data_address
+
+    def data_address_of(self) -> str:
+        return getattr(self, "data_address", "")
+
+    async def _serve_admissions(self, sock: Any) -> None:
+        while True:
+            peer, payload = await sock.recv_multipart()
+            msg: dict[str, Any] = {}
+            try:
+                msg = data_plane.unpack(payload)
+                req = data_plane.request_from_wire(msg["req"])
+                adm = self.admit_and_submit(req, msg["sub"], [bytes(h) for h in msg["hashes"]])
+                reply = {"id": msg["id"], "adm": dataclasses.asdict(adm)}
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+                log.exception("admission failed")
+                reply = {"id": msg.get("id"), "error": f"{type(exc).__name__}: {exc}"}
+            await sock.send_multipart([peer, data_plane.pack(reply)])
+
+
+GlobalSchedulerActor = ray.remote(GlobalSchedulerService)

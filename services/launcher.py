@@ -94,7 +94,10 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     }
     # wait until models are loaded
     _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource, "cache node")
-    ray.get(scheduler.attach_nodes.remote(nodes))
+    # the data plane (services.data_plane): node command inboxes, the scheduler's admissions
+    inboxes = ray.get([node.open_data_plane.remote() for node in nodes.values()])
+    ray.get(scheduler.attach_nodes.remote(dict(zip(nodes, inboxes))))
+    ray.get(scheduler.open_data_plane.remote())
     gateway = GatewayActor.options(
         name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(

@@ -204,14 +204,14 @@ def test_spill_node_pushes_its_events_and_a_restart_resets_them(tmp_path) -> Non
 
 
 class _Recorder:
-    """Stands in for a CacheNode actor handle: records ``submit.remote`` calls."""
+    """Stands in for the scheduler's data-plane sockets: records what is sent where."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[object, str]] = []
-        self.submit = self
+        self.sent: list[tuple[str, dict]] = []
 
-    def remote(self, req: object, subscriber: str) -> None:
-        self.calls.append((req, subscriber))
+    def send(self, address: str, message: dict) -> bool:
+        self.sent.append((address, message))
+        return True
 
 
 def test_admit_and_submit_hands_the_request_to_the_routed_node(tmp_path) -> None:
@@ -219,23 +219,26 @@ def test_admit_and_submit_hands_the_request_to_the_routed_node(tmp_path) -> None
     from services.node_request import NodeRequest
 
     gs = plain(tmp_path, queue_limit=1)  # 2 nodes x 4 running, then 1 may wait
-    nodes = {"n0": _Recorder(), "n1": _Recorder()}
-    gs.attach_nodes(nodes)
+    from services.data_plane import request_from_wire
+
+    sender = _Recorder()
+    gs.attach_nodes({"n0": "tcp://n0:1", "n1": "tcp://n1:1"}, sender)
     gs.report_events("n1", stored("device", H[:5]))
     gs.report_events("spill_node_0", stored("spill_ram", H[5:]))
     req = NodeRequest(request_id="r1", tenant="t", cache_namespace="", sampling=SamplingParams(),
                       token_ids=tuple(range(12 * 16 + 1)))
     adm = gs.admit_and_submit(req, "gw", H)
     assert (adm.code, adm.node_id, adm.spill_blocks) == ("OK", "n1", 7)
-    assert nodes["n0"].calls == []
-    (sent, subscriber), = nodes["n1"].calls
-    assert subscriber == "gw" and sent.request_id == "r1" and sent.prefetch  # told to prefetch
+    (address, message), = sender.sent  # to n1 alone
+    sent = request_from_wire(message["req"])
+    assert address == "tcp://n1:1" and message["op"] == "submit" and message["sub"] == "gw"
+    assert sent.request_id == "r1" and sent.prefetch  # told to prefetch
     # over the queue limit: rejected, and no node hears of it
     for i in range(8):  # with r1: 9 in flight, one waiting
         gs.admit("t", f"fill{i}")
     adm = gs.admit_and_submit(NodeRequest(request_id="r2", tenant="t", cache_namespace="",
                                           sampling=SamplingParams(), token_ids=(1, 2)), "gw", [])
-    assert adm.code == "RESOURCE_EXHAUSTED" and len(nodes["n0"].calls) + len(nodes["n1"].calls) == 1
+    assert adm.code == "RESOURCE_EXHAUSTED" and len(sender.sent) == 1
 
 
 def test_common_prefix_is_what_most_recent_prompts_share() -> None:

@@ -1,8 +1,10 @@
 """The plain CacheNode's two delivery paths, with the real model and no Ray.
 
-``submit`` + ``poll`` is what the gateway uses through Ray: one poll returns every stream's
-events since the last one. These tests check that it carries the same events as ``generate``,
-posts refusals like any other event, and that ``abort`` frees the request's blocks.
+The data plane is what the gateway uses: ``submit``/``abort`` commands on the node's ZeroMQ
+command inbox, and one message per step with every event for a gateway on that gateway's event
+inbox. These tests drive it over real sockets, as the scheduler and gateway do, and check that
+it carries the same events as ``generate``, posts refusals like any other event, and that
+``abort`` frees the request's blocks.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import asyncio
 import time
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from cache_node.sampling_params import SamplingParams
+from services import data_plane
 from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.node_request import NodeRequest
@@ -34,23 +39,62 @@ def request(rid: str, max_tokens: int = 6, tokens: tuple[int, ...] = PROMPT, **k
     )
 
 
-async def drain(node: CacheNode, sub: str, want: set[str], timeout_s: float = 60.0) -> dict[str, list]:
-    """Poll until every request in ``want`` has its last event; events per request, in order."""
-    got: dict[str, list] = {}
-    deadline = time.monotonic() + timeout_s
-    while want - {r for r, evs in got.items() if evs and evs[-1]["type"] in ("finished", "error")}:
-        assert time.monotonic() < deadline, got
-        for rid, event in await node.poll(sub, 0.5):
-            got.setdefault(rid, []).append(event)
-    return got
+class Gateway:
+    """A gateway's end of the data plane: an event inbox and a socket to the node's inbox."""
+
+    def __init__(self, node_address: str) -> None:
+        ctx = zmq.asyncio.Context()
+        self.inbox = ctx.socket(zmq.PULL)
+        self.subscriber = data_plane.bind_random(self.inbox, "127.0.0.1")
+        self.commands = ctx.socket(zmq.PUSH)
+        self.commands.connect(node_address)
+
+    async def submit(self, req: NodeRequest) -> None:
+        await self.commands.send(data_plane.pack(
+            {"op": "submit", "req": data_plane.request_to_wire(req), "sub": self.subscriber}))
+
+    async def abort(self, request_id: str) -> None:
+        await self.commands.send(data_plane.pack({"op": "abort", "id": request_id}))
+
+    async def poll(self, timeout_s: float) -> list:
+        """Every event message that arrives within ``timeout_s``, flattened."""
+        if not await self.inbox.poll(timeout_s * 1000):
+            return []
+        items = data_plane.unpack(await self.inbox.recv())
+        while await self.inbox.poll(0):
+            items += data_plane.unpack(await self.inbox.recv())
+        return items
+
+    async def drain(self, want: set[str], timeout_s: float = 60.0) -> dict[str, list]:
+        """Events per request, in order, until every request in ``want`` has its last one."""
+        got: dict[str, list] = {}
+        deadline = time.monotonic() + timeout_s
+        while want - {r for r, evs in got.items() if evs and evs[-1]["type"] in ("finished", "error")}:
+            assert time.monotonic() < deadline, got
+            for rid, event in await self.poll(0.5):
+                got.setdefault(rid, []).append(event)
+        return got
 
 
-def test_submit_and_poll_carry_the_same_tokens_as_generate(node) -> None:
+async def connect(node: CacheNode) -> Gateway:
+    return Gateway(await node.open_data_plane())
+
+
+def test_request_wire_format_round_trips() -> None:
+    req = request("w", messages=({"role": "user", "content": "hi"},), session_id="s", prefetch=True,
+                  extra={"slo_class": "interactive"})
+    assert data_plane.request_from_wire(data_plane.unpack(data_plane.pack(data_plane.request_to_wire(req)))) == req
+    with pytest.raises(ValueError, match="max_tokens"):
+        data_plane.request_from_wire({**data_plane.request_to_wire(req), "sampling": {"max_tokens": 0}})
+
+
+def test_the_data_plane_carries_the_same_tokens_as_generate(node) -> None:
     async def run():
         direct = [ev async for ev in node.generate(request("g"))]
-        await node.submit(request("a"), "gw")
-        await node.submit(request("b", max_tokens=3), "gw")
-        return direct, await drain(node, "gw", {"a", "b"})
+        gw = await connect(node)
+        await gw.submit(request("a"))
+        await gw.submit(request("b", max_tokens=3))
+        return direct, await gw.drain({"a", "b"})
 
     direct, polled = asyncio.run(run())
     tokens = [t for ev in direct if ev["type"] == "delta" for t in ev["token_ids"]]
@@ -62,11 +106,12 @@ def test_submit_and_poll_carry_the_same_tokens_as_generate(node) -> None:
         assert polled[rid][-1]["completion_tokens"] == n
 
 
-def test_a_refused_request_gets_its_error_through_poll(node) -> None:
+def test_a_refused_request_gets_its_error_as_an_event(node) -> None:
     async def run():
-        await node.submit(request("empty", tokens=()), "gw2")
-        await node.submit(request("fine", max_tokens=2), "gw2")
-        return await drain(node, "gw2", {"empty", "fine"})
+        gw = await connect(node)
+        await gw.submit(request("empty", tokens=()))
+        await gw.submit(request("fine", max_tokens=2))
+        return await gw.drain({"empty", "fine"})
 
     got = asyncio.run(run())
     assert [ev["type"] for ev in got["empty"]] == ["error"]
@@ -76,16 +121,17 @@ def test_a_refused_request_gets_its_error_through_poll(node) -> None:
 
 def test_abort_stops_events_and_frees_blocks(node) -> None:
     async def run():
-        await node.submit(request("long", max_tokens=400), "gw3")
-        first = await node.poll("gw3", 30.0)  # the first step's events
+        gw = await connect(node)
+        await gw.submit(request("long", max_tokens=400))
+        first = await gw.poll(30.0)  # the first step's events
         assert first and first[0][0] == "long"
-        assert node.abort("long")
+        await gw.abort("long")
         for _ in range(50):  # the abort lands at the next step boundary
             if node.stats()["used_blocks"] == 0:
                 break
             await asyncio.sleep(0.1)
-        await node.poll("gw3", 0.1)  # whatever the last step posted before the abort
-        return await node.poll("gw3", 0.3)
+        await gw.poll(0.1)  # whatever the last step posted before the abort
+        return await gw.poll(0.3)
 
     assert asyncio.run(run()) == []  # nothing more for the aborted request
     assert "long" not in node._streams
@@ -98,8 +144,9 @@ def test_an_abort_that_overtakes_its_request_cancels_it(node) -> None:
     assert not node.abort("early")
 
     async def run():
-        await node.submit(request("early"), "gw4")
-        return await drain(node, "gw4", {"early"})
+        gw = await connect(node)
+        await gw.submit(request("early"))
+        return await gw.drain({"early"})
 
     got = asyncio.run(run())
     assert [(ev["type"], ev.get("code")) for ev in got["early"]] == [("error", "CANCELLED")]
