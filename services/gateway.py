@@ -1,7 +1,9 @@
 """gRPC servicers: thin translation between protobuf and the Ray services.
 
 Each servicer authenticates, converts (services.convert), delegates to the GlobalScheduler or
-a CacheNode actor, and maps failures to precise status codes for that call alone.
+a CacheNode actor, and maps failures to precise status codes for that call alone. ``Generate``
+goes through the data plane (``NodeStreams``, ``services.data_plane``); every other call is a
+Ray actor call.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The global scheduler: tenants, admission, routing, and the global block index.
 
-One named Ray actor. Gateways call ``authenticate`` / ``admit`` / ``release`` per request.
+One named Ray actor. Gateways call ``authenticate`` and ``release`` per request through Ray and
+send admissions on the data plane (``GlobalSchedulerService``, ``services.data_plane``).
 Cache nodes push their device- and host-tier block events and spill nodes their RAM- and
 disk-tier events (``report_events``, batched, fire-and-forget) into one tier-aware
 ``BlockIndex``: block hash -> the ``(holder, tier)`` pairs holding it.
@@ -201,7 +202,7 @@ class GlobalScheduler:
 
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
-        go to ``subscriber``'s mailbox there (``CacheNode.submit``/``poll``).
+        go to ``subscriber`` (a gateway's event inbox, ``services.data_plane``).
 
         The node hears of the request from here (a data-plane message to its command inbox),
         one hop sooner than if the gateway waited for this reply and sent it on. A session-less
