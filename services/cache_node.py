@@ -114,7 +114,7 @@ class CacheNode:
         self.event_sink = event_sink
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
-        self._pusher = data_plane.PushSockets(zmq_context())  # the step thread's sockets
+        self._pusher = data_plane.PushSockets()  # the step thread's sockets
         self._outbox: deque[tuple[str, str, Event]] = deque()  # (subscriber, request, event)
         self._inbox: tuple[Any, asyncio.Task[None]] | None = None
         self.data_address = ""  # the command inbox (open_data_plane)
@@ -227,9 +227,7 @@ class CacheNode:
         """Bind the command inbox (``services.data_plane``) and serve it on the running event
         loop; returns its address. Opening again replaces the previous inbox."""
         self.close_data_plane()
-        ctx = zmq_context(asyncio_=True)
-        sock = ctx.socket(data_plane.zmq.PULL)
-        sock.setsockopt(data_plane.zmq.LINGER, 0)
+        sock = data_plane.context(asyncio_=True).socket(data_plane.zmq.PULL)
         address = data_plane.bind_random(sock, data_plane.host_ip())
         self._inbox = (sock, asyncio.get_running_loop().create_task(self._serve_commands(sock)))
         self.data_address = address
@@ -240,7 +238,7 @@ class CacheNode:
             sock, task = self._inbox
             with contextlib.suppress(RuntimeError):  # its event loop may be gone already
                 task.cancel()
-            sock.close(linger=0)
+            sock.context.destroy(linger=0)
             self._inbox = None
 
     async def _serve_commands(self, sock: Any) -> None:
@@ -446,11 +444,6 @@ class CacheNode:
         self.close_data_plane()
         if not self._thread.is_alive():  # its sockets are the step thread's alone
             self._pusher.close()
-
-
-def zmq_context(asyncio_: bool = False) -> Any:
-    """A fresh ZeroMQ context (asyncio sockets with ``asyncio_``)."""
-    return data_plane.zmq.asyncio.Context() if asyncio_ else data_plane.zmq.Context()
 
 
 def _tiers(out: RequestOutput) -> dict[str, int]:

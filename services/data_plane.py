@@ -69,6 +69,14 @@ def request_from_wire(data: dict[str, Any]) -> NodeRequest:
     return NodeRequest(**fields)
 
 
+def context(asyncio_: bool = False) -> zmq.Context:
+    """A fresh ZeroMQ context (asyncio sockets with ``asyncio_``) whose sockets never linger:
+    closing one drops its unsent messages, so ending a context never waits on a dead peer."""
+    ctx = zmq.asyncio.Context() if asyncio_ else zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)
+    return ctx
+
+
 def bind_random(sock: zmq.Socket, host: str) -> str:
     """Bind ``sock`` to a free port on ``host``; returns its ``tcp://host:port`` address."""
     port = sock.bind_to_random_port(f"tcp://{host}")
@@ -83,7 +91,7 @@ class PushSockets:
     """
 
     def __init__(self, context: zmq.Context | None = None) -> None:
-        self.context = context or zmq.Context.instance()
+        self.context = context or globals()["context"]()
         self._socks: dict[str, zmq.Socket] = {}
         self.dropped = 0
 
@@ -91,7 +99,6 @@ class PushSockets:
         sock = self._socks.get(address)
         if sock is None:
             sock = self.context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.connect(address)
             self._socks[address] = sock
@@ -104,6 +111,5 @@ class PushSockets:
             return False
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(linger=0)
         self._socks.clear()
+        self.context.destroy(linger=0)

@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import zmq
-import zmq.asyncio
 
 from cache_node.hashing import hash_prompt_blocks
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -142,21 +141,24 @@ class NodeStreams:
 
     async def start(self) -> None:
         """Bind the event inbox and connect to the scheduler and the nodes (on the running loop)."""
-        ctx = zmq.asyncio.Context()
+        self._context = ctx = data_plane.context(asyncio_=True)
         inbox = ctx.socket(zmq.PULL)
-        inbox.setsockopt(zmq.LINGER, 0)
         self.subscriber = data_plane.bind_random(inbox, data_plane.host_ip())
         self._admission = ctx.socket(zmq.DEALER)
-        self._admission.setsockopt(zmq.LINGER, 0)
         self._admission.connect(self.scheduler_address)
         self._commands = {}
         for node_id, address in self.node_inboxes.items():
             sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self._commands[node_id] = sock
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._read_admissions())]
+
+    def shutdown(self) -> None:
+        """Stop reading and close every socket."""
+        for task in [*self._tasks, *self._watches.values()]:
+            task.cancel()
+        self._context.destroy(linger=0)
 
     async def admit(self, req: NodeRequest, hashes: list[bytes]) -> Any:
         """The scheduler's ``Admission`` for ``req`` (as a dict-backed namespace).

@@ -16,15 +16,15 @@ from cache_node.model_loader import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.auth import Authenticator
 from services.chat import ChatTemplater
-from services.gateway import AdminServicer, InferenceServicer, TenantServicer
+from services.gateway import AdminServicer, InferenceServicer, NodeStreams, TenantServicer
 
 
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
-) -> tuple[grpc.aio.Server, int, HealthServicer]:
+) -> tuple[grpc.aio.Server, int, HealthServicer, NodeStreams]:
     """Build the server with every service registered and the data plane connected (on the
-    running loop). Returns (server, bound port, health).
+    running loop). Returns (server, bound port, health, the gateway's data plane).
 
     Args:
         node_info: node id -> ``CacheNode.describe()``.
@@ -41,8 +41,9 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(address)
     if port == 0:
+        inference.streams.shutdown()
         raise OSError(f"could not bind the gateway to {address}")
-    return server, port, health
+    return server, port, health, inference.streams
 
 
 class Gateway:
@@ -51,6 +52,7 @@ class Gateway:
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None) -> None:
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.server: grpc.aio.Server | None = None
+        self.streams: NodeStreams | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start serving; returns the bound port."""
@@ -59,7 +61,7 @@ class Gateway:
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
-        self.server, bound, health = await create_server(
+        self.server, bound, health, self.streams = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
             f"{host}:{port}",
         )
@@ -71,6 +73,8 @@ class Gateway:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.streams is not None:
+            self.streams.shutdown()
 
 
 GatewayActor = ray.remote(Gateway)

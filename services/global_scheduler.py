@@ -357,8 +357,7 @@ class GlobalSchedulerService(GlobalScheduler):
         its address (idempotent)."""
         if getattr(self, "data_address", ""):
             return self.data_address
-        sock = data_plane.zmq.asyncio.Context().socket(data_plane.zmq.ROUTER)
-        sock.setsockopt(data_plane.zmq.LINGER, 0)
+        sock = data_plane.context(asyncio_=True).socket(data_plane.zmq.ROUTER)
         self.data_address = data_plane.bind_random(sock, data_plane.host_ip())
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
         return self.data_address

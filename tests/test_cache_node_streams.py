@@ -14,7 +14,6 @@ import time
 
 import pytest
 import zmq
-import zmq.asyncio
 
 from cache_node.sampling_params import SamplingParams
 from services import data_plane
@@ -43,7 +42,7 @@ class Gateway:
     """A gateway's end of the data plane: an event inbox and a socket to the node's inbox."""
 
     def __init__(self, node_address: str) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = data_plane.context(asyncio_=True)
         self.inbox = ctx.socket(zmq.PULL)
         self.subscriber = data_plane.bind_random(self.inbox, "127.0.0.1")
         self.commands = ctx.socket(zmq.PUSH)
