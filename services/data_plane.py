@@ -52,7 +52,11 @@ def unpack(data: bytes) -> Any:
 
 
 def request_to_wire(req: NodeRequest) -> dict[str, Any]:
-    return dataclasses.asdict(req)
+    """``req`` as msgpack-ready fields (shallow: ``dataclasses.asdict`` deep-copies every token
+    id, ~1 ms for an 800-token prompt here)."""
+    fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+    fields["sampling"] = {f.name: getattr(req.sampling, f.name) for f in dataclasses.fields(req.sampling)}
+    return fields
 
 
 def request_from_wire(data: dict[str, Any]) -> NodeRequest:
