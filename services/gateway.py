@@ -9,7 +9,6 @@ Ray actor call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -160,8 +159,9 @@ class NodeStreams:
             task.cancel()
         self._context.destroy(linger=0)
 
-    async def admit(self, req: NodeRequest, hashes: list[bytes]) -> Any:
-        """The scheduler's ``Admission`` for ``req`` (as a dict-backed namespace).
+    async def admit(self, req: NodeRequest, hashes: list[bytes]) -> Admission:
+        """The scheduler's ``Admission`` for ``req`` (which it has handed on to the node when
+        admitted); ``hashes`` are the prompt's block hashes for routing.
 
         Raises:
             RuntimeError: the scheduler failed on it; TimeoutError: no answer in time.
@@ -189,9 +189,8 @@ class NodeStreams:
                 fut.set_result(reply)
 
     def abort(self, node_id: str, request_id: str) -> None:
-        with contextlib.suppress(zmq.Again):
-            self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}),
-                                         flags=zmq.NOBLOCK)
+        """Tell ``node_id`` to stop ``request_id`` (fire and forget)."""
+        self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}))
 
     def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
         """A queue for ``request_id``'s events; open it before the request reaches a node."""
