@@ -89,23 +89,33 @@ def _reachable(address: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _stop_local_ray(temp_dir: str) -> int:
+def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
     """Terminate the processes of the Ray cluster ``kvstrata up`` started under ``temp_dir``.
 
-    Every process of that cluster (GCS, raylet, workers, ...) carries its session directory,
-    which lies under ``temp_dir``, on its command line; other Ray clusters on the machine do
-    not, so they are left alone (unlike ``ray stop``, which stops every cluster of the user).
-    Returns the number of processes stopped.
+    The cluster's processes are those whose command line carries its session directory (under
+    ``temp_dir``: GCS, raylet, workers) or its GCS address (``--address=<ip>:<gcs_port>``: the
+    Ray client server), and their descendants (the dashboard and runtime-env agents rename
+    themselves ``ray::...``). Other Ray clusters on the machine match none of these, so they
+    are left alone (unlike ``ray stop``, which stops every cluster of the user). Returns the
+    number of processes stopped.
     """
     import psutil
 
-    ours = []
+    gcs = f":{gcs_port}" if gcs_port else None
+    found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if proc.pid != os.getpid() and any(temp_dir in part for part in proc.info["cmdline"] or ()):
-                ours.append(proc)
+            cmdline = proc.info["cmdline"] or ()
+            if proc.pid == os.getpid():
+                continue
+            if any(temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs))
+                   for part in cmdline):
+                found[proc.pid] = proc
+                found.update((child.pid, child) for child in proc.children(recursive=True))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    found.pop(os.getpid(), None)
+    ours = list(found.values())
     for proc in ours:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
@@ -162,7 +172,7 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
             services = start_services(cfg)
     except Exception as exc:  # noqa: BLE001 -- leave nothing half-started behind, whatever failed
         if temp_dir:
-            _stop_local_ray(temp_dir)
+            _stop_local_ray(temp_dir, ray_port)
         console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}")
         raise typer.Exit(1) from None
     cfg.state_path.mkdir(parents=True, exist_ok=True)
@@ -200,7 +210,7 @@ def down() -> None:
             console.print(f"Ray at {state['ray_address']} is not reachable; removing the stale state")
     finally:
         if state.get("started_ray") and state.get("ray_temp_dir"):
-            _stop_local_ray(state["ray_temp_dir"])
+            _stop_local_ray(state["ray_temp_dir"], int(state["ray_address"].rpartition(":")[2] or 0))
             shutil.rmtree(state["ray_temp_dir"], ignore_errors=True)
         elif state.get("started_ray"):
             console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
