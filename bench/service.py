@@ -190,9 +190,31 @@ async def _rounds(
     return out
 
 
-def _outside(run: tuple[float, int, float]) -> float:
+Run = tuple[float, int, float]  # (client TTFT ms, generated tokens, the node's own TTFT ms)
+
+
+def _client(run: Run) -> float:
+    return run[0]
+
+
+def _node(run: Run) -> float:
+    return run[2]
+
+
+def _outside(run: Run) -> float:
     """A request's TTFT outside the engine: client TTFT minus the node's own, in ms."""
     return run[0] - run[2]
+
+
+def _both(pairs: list[tuple[Run, Run]], f: Any) -> dict[str, float]:
+    """Median of ``f`` on each side of ``(in_process, service)`` pairs."""
+    return {"in_process": round(median([f(a) for a, _ in pairs]), 2),
+            "service": round(median([f(b) for _, b in pairs]), 2)}
+
+
+def _added(pairs: list[tuple[Run, Run]], f: Any) -> float:
+    """Median over pairs of ``f(second) - f(first)``."""
+    return round(median([f(b) - f(a) for a, b in pairs]), 2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,27 +268,15 @@ def main(argv: list[str] | None = None) -> None:
                 "requests": n,
                 "max_tokens": max_tokens,
                 "rounds": rounds,
-                "ttft_ms_p50": {
-                    "in_process": round(median([a[0] for a, _ in pairs]), 2),
-                    "service": round(median([b[0] for _, b in pairs]), 2),
-                },
-                "added_ttft_ms_p50": round(median([_outside(b) - _outside(a) for a, b in pairs]), 2),
-                "node_ttft_ms_p50": {
-                    "in_process": round(median([a[2] for a, _ in pairs]), 2),
-                    "service": round(median([b[2] for _, b in pairs]), 2),
-                },
-                "outside_engine_ttft_ms_p50": {
-                    "in_process": round(median([_outside(a) for a, _ in pairs]), 2),
-                    "service": round(median([_outside(b) for _, b in pairs]), 2),
-                },
-                "added_ttft_ms_p50_end_to_end": round(median([b[0] - a[0] for a, b in pairs]), 2),
-                "aa_ttft_ms_p50_end_to_end": round(median([b[0] - a[0] for a, b in aa]), 2),
-                "probe_ttft_ms_p50": {
-                    "in_process": round(median([a[0] for a, _ in probes]), 2),
-                    "service": round(median([b[0] for _, b in probes]), 2),
-                },
-                "added_ttft_ms_p50_probe": round(median([_outside(b) - _outside(a) for a, b in probes]), 2),
-                "added_ttft_ms_p50_probe_end_to_end": round(median([b[0] - a[0] for a, b in probes]), 2),
+                "ttft_ms_p50": _both(pairs, _client),
+                "added_ttft_ms_p50": _added(pairs, _outside),
+                "node_ttft_ms_p50": _both(pairs, _node),
+                "outside_engine_ttft_ms_p50": _both(pairs, _outside),
+                "added_ttft_ms_p50_end_to_end": _added(pairs, _client),
+                "aa_ttft_ms_p50_end_to_end": _added(aa, _client),
+                "probe_ttft_ms_p50": _both(probes, _client),
+                "added_ttft_ms_p50_probe": _added(probes, _outside),
+                "added_ttft_ms_p50_probe_end_to_end": _added(probes, _client),
                 "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
                 "throughput_ratio": round(median(ratios), 3),
                 "throughput_ratio_per_round": [round(x, 3) for x in ratios],

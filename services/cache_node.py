@@ -187,11 +187,7 @@ class CacheNode:
             except ValueError as exc:
                 error = {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
             if error is not None:
-                self._streams.pop(req.request_id, None)
-                if stream.subscriber:
-                    self._pusher.send(stream.subscriber, [[req.request_id, error]])
-                else:
-                    stream.loop.call_soon_threadsafe(stream.deliver, error)
+                self._dispatch([(stream, error)])
 
     async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
         """Run one request; yields event dicts (see services.node_request). Closing the

@@ -33,7 +33,7 @@ from services.node_request import NodeRequest
 log = logging.getLogger(__name__)
 
 SEND_HWM = 1 << 20
-"""Messages a PUSH socket queues for a slow peer before dropping (see ``EventPusher``)."""
+"""Messages a PUSH socket queues for a slow peer before dropping (see ``PushSockets``)."""
 
 
 def host_ip() -> str:
@@ -94,10 +94,9 @@ class PushSockets:
     (logged). Use from one thread only (ZeroMQ sockets are not thread-safe).
     """
 
-    def __init__(self, context: zmq.Context | None = None) -> None:
-        self.context = context or globals()["context"]()
+    def __init__(self) -> None:
+        self.context = context()
         self._socks: dict[str, zmq.Socket] = {}
-        self.dropped = 0
 
     def send(self, address: str, obj: Any) -> bool:
         sock = self._socks.get(address)
@@ -110,7 +109,6 @@ class PushSockets:
             sock.send(pack(obj), flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
-            self.dropped += 1
             log.warning("data plane: %s is not reading; a message was dropped", address)
             return False
 

@@ -352,18 +352,17 @@ class GlobalSchedulerService(GlobalScheduler):
     admission socket served on that loop never runs concurrently with a Ray method call.
     """
 
+    data_address = ""  # the admission socket, once open
+
     async def open_data_plane(self) -> str:
         """Bind the admission socket (``services.data_plane``, step 1) and serve it; returns
         its address (idempotent)."""
-        if getattr(self, "data_address", ""):
+        if self.data_address:
             return self.data_address
         sock = data_plane.context(asyncio_=True).socket(data_plane.zmq.ROUTER)
         self.data_address = data_plane.bind_random(sock, data_plane.host_ip())
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
         return self.data_address
-
-    def data_address_of(self) -> str:
-        return getattr(self, "data_address", "")
 
     async def _serve_admissions(self, sock: Any) -> None:
         while True:
