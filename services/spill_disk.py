@@ -4,16 +4,26 @@ A file's recency is the last touch of any of its blocks; eviction drops whole fi
 single blocks of a partly live file would free no bytes). The index is rebuilt from the file
 headers on construction, so a restarted spill node keeps its disk hits. Not thread-safe: the
 owning ``SpillStore`` serializes calls.
+
+Faults: only a verified checksum or format failure (``SpillCorruptError``) takes a file out
+of service, and it is moved into the quarantine folder (``spill_format.quarantine_file``),
+never deleted. Any other ``OSError`` (EIO, EMFILE, EACCES, ENOSPC...) is transient: it is
+retried ``READ_ATTEMPTS`` times with a short backoff, then counted (``io_errors``) and the
+read is a miss, the file staying on disk and in the index; a file whose header cannot be read
+at a restart stays on disk unindexed until the next restart. A file that is gone (ENOENT) is
+dropped from the index (``missing_files``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -23,7 +33,10 @@ from services.spill_format import BlockFormat, SpillCorruptError
 logger = logging.getLogger(__name__)
 
 TIER_DISK = "spill_disk"
+READ_ATTEMPTS = 3  # tries of one file read or header read before a transient OSError is a miss
+RETRY_BACKOFF_S = 0.005  # sleep before retry k (k = 1, 2, ...): RETRY_BACKOFF_S * 2**(k - 1)
 Emit = Callable[[str, bytes, str], None]  # (event, block_hash, tier)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -42,7 +55,8 @@ class DiskTier:
         budget_bytes: bytes of files kept (0: writes are dropped).
         max_blocks_per_file: most blocks per group file.
         emit: receives "stored"/"removed" events of this tier.
-        counters: shared fault counters (``corrupt_reads``, ``io_errors``, ``evicted_files``).
+        counters: shared fault counters (``corrupt_reads``, ``quarantined_files``, ``io_errors``,
+            ``io_retries``, ``missing_files``, ``evicted_files``).
     """
 
     def __init__(
@@ -85,7 +99,8 @@ class DiskTier:
     def read(self, hashes: Sequence[bytes], out: np.ndarray, rows: Sequence[int]) -> list[int]:
         """Read ``hashes`` (all held) into ``out[rows]``; returns the rows read successfully.
 
-        A file that is missing, truncated, unreadable or corrupt is dropped and its rows miss.
+        The rows of a file that cannot be read miss: a corrupt file is quarantined and a gone
+        file dropped from the index; a transient OSError (after retries) keeps the file.
         """
         by_file: dict[str, list[int]] = {}
         for k, block_hash in enumerate(hashes):
@@ -132,38 +147,83 @@ class DiskTier:
             self._counters["evicted_files"] += 1
 
     def _drop_file(self, name: str) -> None:
+        fmt.remove_file(self._forget(name).path)  # a no-op when already gone
+
+    def _forget(self, name: str) -> _SpillFile:
+        """Take a file out of the index (its blocks' "removed" events); the file is untouched."""
         spill_file = self._files.pop(name)
         self.bytes_used -= spill_file.size_bytes
         for block_hash in spill_file.live:
             del self.index[block_hash]
             self._emit("removed", block_hash, TIER_DISK)
-        fmt.remove_file(spill_file.path)  # a no-op when already gone
+        return spill_file
 
     def _read_file(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> bool:
+        path = self._files[name].path
         try:
-            path = self._files[name].path
-            if rows == list(range(rows[0], rows[0] + len(rows))):  # read straight into place
-                fmt.read_blocks(path, self.block_format, hashes, out[rows[0] : rows[0] + len(rows)])
-            else:
-                out[rows] = fmt.read_blocks(path, self.block_format, hashes)
-            self._files.move_to_end(name)
-            return True
-        except (SpillCorruptError, OSError) as exc:
-            self._count_fault(exc, self._files[name].path)
+            self._retry(lambda: self._read_into(path, hashes, out, rows))
+        except SpillCorruptError as exc:
+            self._quarantine(path, exc)
+            self._forget(name)
+            return False
+        except FileNotFoundError as exc:
+            logger.warning("spill file %s is gone, its blocks dropped: %s", path, exc)
+            self._counters["missing_files"] += 1
             self._drop_file(name)
             return False
+        except OSError as exc:
+            logger.warning("spill read of %s failed %d times (a miss; file kept): %s",
+                           path, READ_ATTEMPTS, exc)
+            self._counters["io_errors"] += 1
+            return False
+        self._files.move_to_end(name)
+        return True
+
+    def _read_into(self, path: Path, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> None:
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # read straight into place
+            fmt.read_blocks(path, self.block_format, hashes, out[rows[0] : rows[0] + len(rows)])
+        else:
+            out[rows] = fmt.read_blocks(path, self.block_format, hashes)
+
+    def _retry(self, call: Callable[[], _T]) -> _T:
+        """``call()``, retried on a transient OSError (not ENOENT) up to ``READ_ATTEMPTS`` times."""
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                return call()
+            except FileNotFoundError:
+                raise
+            except OSError:
+                if attempt == READ_ATTEMPTS:
+                    raise
+                self._counters["io_retries"] += 1
+                time.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
 
     def _rebuild(self) -> None:
         self.root_dir.mkdir(parents=True, exist_ok=True)
-        for path in fmt.list_group_files(self.root_dir):
+        try:
+            paths = self._retry(lambda: fmt.list_group_files(self.root_dir))
+        except OSError as exc:
+            logger.warning("cannot list spill dir %s (starting with an empty index): %s",
+                           self.root_dir, exc)
+            self._counters["io_errors"] += 1
+            return
+        for path in paths:
             self._index_file(path)
         self._evict_over_budget()
 
     def _index_file(self, path: Path) -> None:
         try:
-            header = fmt.read_header(path)
-        except (SpillCorruptError, OSError) as exc:
-            self._count_fault(exc, path)
+            header = self._retry(lambda: fmt.read_header(path))
+        except SpillCorruptError as exc:
+            self._quarantine(path, exc)
+            return
+        except FileNotFoundError:
+            return  # vanished since the listing
+        except OSError as exc:
+            logger.warning("spill file %s not indexed (left on disk for the next restart): %s",
+                           path, exc)
+            self._counters["io_errors"] += 1
             return
         if not header.matches(self.block_format):
             logger.warning("skipping spill file %s of another block format", path)
@@ -174,9 +234,9 @@ class DiskTier:
             return
         self._add_file(path.name, path, header.file_bytes, live)
 
-    def _count_fault(self, exc: Exception, path: Path) -> None:
-        """Count a read fault and delete the file: its blocks are lost either way."""
-        fault = "corrupt_reads" if isinstance(exc, SpillCorruptError) else "io_errors"
-        logger.warning("spill file %s dropped (%s): %s", path, fault, exc)
-        self._counters[fault] += 1
-        fmt.remove_file(path)
+    def _quarantine(self, path: Path, exc: SpillCorruptError) -> None:
+        """Count a verified corruption and move the file aside (never deleted)."""
+        logger.warning("spill file %s is corrupt, quarantined: %s", path, exc)
+        self._counters["corrupt_reads"] += 1
+        if fmt.quarantine_file(path) is not None:
+            self._counters["quarantined_files"] += 1

@@ -16,12 +16,14 @@ Header keys: ``version``, ``block_hashes`` (32-byte each), ``namespace``,
 read and verified without reading the whole payload). Writes go to a temp file
 in the same directory, fsync, then ``os.replace``. Every read verifies the
 header digest, the file length and each returned block's checksum; any fault
-raises ``SpillCorruptError``.
+raises ``SpillCorruptError``. A corrupt file is moved aside into ``QUARANTINE_DIR``
+(``quarantine_file``) for an operator to inspect, never deleted by the store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import sys
@@ -41,6 +43,9 @@ TEMP_PREFIX = ".tmp-"
 HASH_BYTES = 32
 CHECKSUM_ALGO = "xxh3_128"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+QUARANTINE_DIR = "quarantine"  # subfolder of the store's root holding corrupt files
+
+logger = logging.getLogger(__name__)
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 _MAGIC = b"KVSP"
@@ -285,9 +290,12 @@ def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
             os.fsync(f.fileno())
         os.replace(temp_name, path)
     except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
+        remove_file(Path(temp_name))  # a failing unlink must not hide the write's error
         raise
-    _fsync_dir(path.parent)
+    try:
+        _fsync_dir(path.parent)
+    except OSError as exc:  # the file is complete and renamed; only its entry's durability is unsure
+        logger.warning("fsync of %s after writing %s failed: %s", path.parent, path.name, exc)
 
 
 def list_group_files(root_dir: Path) -> list[Path]:
@@ -301,6 +309,23 @@ def remove_file(path: Path) -> None:
     """Delete ``path`` if it exists; a file that cannot be deleted is left (no error)."""
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
+
+
+def quarantine_file(path: Path) -> Path | None:
+    """Move a corrupt group file into ``QUARANTINE_DIR`` beside it, bytes unchanged.
+
+    Returns the new path, or None when the move failed (the file is then left where it is,
+    never deleted).
+    """
+    target_dir = path.parent / QUARANTINE_DIR
+    try:
+        target_dir.mkdir(exist_ok=True)
+        target = target_dir / path.name
+        os.replace(path, target)
+    except OSError as exc:
+        logger.warning("could not quarantine spill file %s (left in place): %s", path, exc)
+        return None
+    return target
 
 
 def _age_key(path: Path) -> tuple[int, str]:

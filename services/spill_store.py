@@ -26,7 +26,10 @@ TIER_RAM = "spill_ram"
 EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
 _HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
-STAT_COUNTERS = _HITS + ("corrupt_reads", "io_errors", "evicted_files", "events_dropped")
+STAT_COUNTERS = _HITS + (
+    "corrupt_reads", "quarantined_files", "io_errors", "io_retries", "missing_files",
+    "evicted_files", "events_dropped",
+)
 
 
 class SpillEvent(NamedTuple):
@@ -57,8 +60,9 @@ _Victims = list[tuple[bytes, _RamEntry]]
 class SpillStore:
     """Content-addressed block store: RAM tier, then disk tier.
 
-    Reads never raise for data faults (missing, truncated, unreadable or corrupt
-    files are misses and are dropped). One lock guards all state, so a threaded
+    Reads never raise for data faults: missing, truncated, unreadable or corrupt files are
+    misses. A corrupt file is quarantined (moved aside, never deleted); a transient OSError is
+    retried, then a miss that keeps the file (see ``spill_disk``). One lock guards all state, so a threaded
     actor may call it concurrently; disk I/O happens under that lock.
 
     Args:
@@ -130,7 +134,8 @@ class SpillStore:
         """Return the held blocks among ``hashes`` (batched), touching them.
 
         Blocks of a missing, truncated, unreadable or corrupt file are misses:
-        never raises for data faults, never returns other bytes than were put.
+        never raises for data faults, never returns other bytes than were put. A transient
+        read fault (retried, then counted in ``io_errors``) keeps the blocks held.
         Raises ValueError for a hash that is not 32 bytes.
         """
         self._check_hashes(hashes)
@@ -163,7 +168,8 @@ class SpillStore:
             return len(hashes)
 
     def flush(self) -> int:
-        """Clear RAM, delete every group file in ``root_dir``; returns blocks dropped."""
+        """Clear RAM, delete every group file in ``root_dir`` (the quarantine folder is kept);
+        returns blocks dropped."""
         with self._lock:
             dropped = len(self._ram) + len(self._disk)
             for block_hash in self._ram:

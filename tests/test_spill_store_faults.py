@@ -1,7 +1,12 @@
-"""SpillStore data faults and restarts: every fault is a miss, never an error or wrong bytes."""
+"""SpillStore data faults and restarts: every fault is a miss, never an error or wrong bytes.
+
+Only a verified checksum or format failure quarantines a file (moved aside, never deleted);
+a transient OSError is retried, counted and a miss, and leaves the file where it was.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -9,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services import spill_format
+from services import spill_disk, spill_format
 from services.spill_format import BlockFormat
 from services.spill_store import SpillEvent, SpillStore
 from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, make_blocks
@@ -25,6 +30,7 @@ def disk_store(root: Path, num_blocks: int = 4) -> tuple[SpillStore, Path]:
 
 
 def assert_all_miss(store: SpillStore, path: Path, fault: str) -> None:
+    """Every block of ``path`` misses and is dropped from the index, counted as ``fault``."""
     hits = store.get(hashes_of(range(4)))
     assert (hits.hashes, hits.tiers, hits.blocks.shape) == ([], [], (0, *FMT.shape))
     assert store.contains(hashes_of(range(4))) == [None] * 4
@@ -36,47 +42,144 @@ def assert_all_miss(store: SpillStore, path: Path, fault: str) -> None:
     )
 
 
+def assert_quarantined(store: SpillStore, path: Path, damaged: bytes) -> None:
+    """``path``'s blocks miss; the file is moved, byte for byte, into the quarantine folder."""
+    assert_all_miss(store, path, "corrupt_reads")
+    moved = path.parent / spill_format.QUARANTINE_DIR / path.name
+    assert moved.read_bytes() == damaged
+    assert store.stats()["quarantined_files"] == 1
+
+
 def test_deleted_file_is_a_miss(tmp_path: Path) -> None:
     """Fault: a group file deleted behind the store's back (operator, tmp cleaner)."""
     store, path = disk_store(tmp_path)
     path.unlink()
-    assert_all_miss(store, path, "io_errors")
+    assert_all_miss(store, path, "missing_files")
 
 
-def test_truncated_file_is_a_miss(tmp_path: Path) -> None:
+def test_truncated_file_is_quarantined(tmp_path: Path) -> None:
     """Fault: a group file cut short (crash during copy, full disk)."""
     store, path = disk_store(tmp_path)
     os.truncate(path, path.stat().st_size - 7)
-    assert_all_miss(store, path, "corrupt_reads")
+    assert_quarantined(store, path, path.read_bytes())
 
 
-def test_flipped_bytes_are_a_miss_by_checksum(tmp_path: Path) -> None:
-    """Fault: bit rot in the payload; the block checksum must catch it, not return wrong bytes."""
+def test_flipped_bytes_are_caught_by_checksum_and_quarantined(tmp_path: Path) -> None:
+    """issue 18 fault 5: a really corrupt file (bit rot in block 3's payload) is moved aside
+    into the quarantine folder and counted, never deleted, and never returned as KV."""
     store, path = disk_store(tmp_path)
     data = bytearray(path.read_bytes())
     data[-20:-10] = bytes(b ^ 0x5A for b in data[-20:-10])  # inside block 3
     path.write_bytes(bytes(data))
-    assert_all_miss(store, path, "corrupt_reads")
+    assert_quarantined(store, path, bytes(data))
 
 
-def test_header_garbage_is_a_miss(tmp_path: Path) -> None:
+def test_header_garbage_is_quarantined(tmp_path: Path) -> None:
     """Fault: garbage written over the header (magic, length and msgpack map)."""
     store, path = disk_store(tmp_path)
     data = bytearray(path.read_bytes())
     data[0:64] = b"\xff" * 64
     path.write_bytes(bytes(data))
-    assert_all_miss(store, path, "corrupt_reads")
+    assert_quarantined(store, path, bytes(data))
 
 
-def test_reader_raising_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault: the OS read path fails (EIO from a dying disk) while opening the file."""
+def fail_opens_of(monkeypatch: pytest.MonkeyPatch, path: Path, err: int, times: int) -> list[int]:
+    """Make the next ``times`` opens of ``path`` by the spill format raise OSError(``err``).
+
+    Returns the list that counts the failed opens. Other paths open normally.
+    """
+    failed: list[int] = []
+
+    def flaky_open(file: object, *args: object, **kwargs: object) -> object:
+        if Path(str(file)) == path and len(failed) < times:
+            failed.append(err)
+            raise OSError(err, os.strerror(err), str(file))
+        return open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(spill_format, "open", flaky_open, raising=False)
+    return failed
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EMFILE, errno.EACCES])
+def test_transient_read_error_is_a_miss_and_keeps_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    """issue 18 fault 5: an OSError on a spill read (EIO, EMFILE, EACCES) deleted the whole
+    group file. It must be retried a bounded number of times, then be a miss that is counted,
+    leave the file on disk byte for byte and in the index, and hit once the fault clears."""
     store, path = disk_store(tmp_path)
+    before = path.read_bytes()
+    store.take_events()
+    failed = fail_opens_of(monkeypatch, path, err, times=10**6)
+    hits = store.get(hashes_of(range(4)))
+    assert (hits.hashes, hits.tiers) == ([], [])
+    assert len(failed) == spill_disk.READ_ATTEMPTS
+    assert path.read_bytes() == before
+    assert store.contains(hashes_of(range(4))) == ["spill_disk"] * 4
+    stats = store.stats()
+    counts = (stats["io_errors"], stats["io_retries"], stats["misses"], stats["files"])
+    assert counts == (1, spill_disk.READ_ATTEMPTS - 1, 4, 1)
+    assert (stats["corrupt_reads"], stats["quarantined_files"]) == (0, 0)
+    assert store.take_events() == []  # the global index is not told the blocks are gone
+    monkeypatch.undo()  # the fault clears
+    hits = store.get(hashes_of(range(4)))
+    assert hits.tiers == ["spill_disk"] * 4
+    assert hits.blocks.tobytes() == make_blocks(range(4)).tobytes()
 
-    def failing_open(*args: object, **kwargs: object) -> None:
-        raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(spill_format, "open", failing_open, raising=False)
-    assert_all_miss(store, path, "io_errors")
+def test_read_error_that_clears_within_the_retries_is_a_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 18 fault 5: one EMFILE (too many open files) then success: a hit, one retry."""
+    store, path = disk_store(tmp_path)
+    failed = fail_opens_of(monkeypatch, path, errno.EMFILE, times=1)
+    hits = store.get(hashes_of(range(4)))
+    assert failed == [errno.EMFILE]
+    assert hits.blocks.tobytes() == make_blocks(range(4)).tobytes()
+    stats = store.stats()
+    assert (stats["io_retries"], stats["io_errors"], stats["hits_spill_disk"]) == (1, 0, 4)
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EMFILE, errno.EACCES])
+def test_transient_error_during_restart_reindex_keeps_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    """issue 18 fault 5: an OSError while a restarted store re-reads a file's header deleted
+    the file. It must stay on disk untouched (counted), and be indexed by a later restart."""
+    _, path = disk_store(tmp_path)
+    before = path.read_bytes()
+    failed = fail_opens_of(monkeypatch, path, err, times=10**6)
+    restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    assert len(failed) == spill_disk.READ_ATTEMPTS
+    assert restarted.contains(hashes_of(range(4))) == [None] * 4
+    stats = restarted.stats()
+    assert (stats["io_errors"], stats["corrupt_reads"], stats["files"]) == (1, 0, 0)
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    again = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    assert again.get(hashes_of(range(4))).blocks.tobytes() == make_blocks(range(4)).tobytes()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_failed_write_keeps_the_index_and_other_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    """issue 18 fault 5: ENOSPC/EIO while writing a group file drops only that write: no temp
+    file is left, the files already written stay byte for byte and keep serving hits."""
+    store, path = disk_store(tmp_path)
+    before = path.read_bytes()
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(spill_format.os, "fsync", failing_fsync)
+    store.put(hashes_of(range(4, 8)), make_blocks(range(4, 8)), "ns")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    assert path.read_bytes() == before
+    assert store.contains(hashes_of(range(8))) == ["spill_disk"] * 4 + [None] * 4
+    assert store.stats()["io_errors"] == 1
+    assert store.get(hashes_of(range(4))).blocks.tobytes() == make_blocks(range(4)).tobytes()
 
 
 def test_ram_hits_survive_a_disk_fault_in_the_same_get(tmp_path: Path) -> None:
@@ -114,15 +217,16 @@ def test_restart_rebuilds_index_without_rewriting_files(tmp_path: Path) -> None:
     )
 
 
-def test_restart_drops_corrupt_and_temp_files(tmp_path: Path) -> None:
+def test_restart_quarantines_corrupt_and_drops_temp_files(tmp_path: Path) -> None:
     """Fault: a crash mid-write leaves a temp file; garbage under a group name."""
     disk_store(tmp_path)
     (tmp_path / (spill_format.TEMP_PREFIX + "x.part")).write_bytes(b"half a file")
     (tmp_path / ("junk" + spill_format.FILE_SUFFIX)).write_bytes(b"garbage")
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.match_prefix(hashes_of(range(4))) == 4
-    assert len(os.listdir(tmp_path)) == 1
-    assert restarted.stats()["corrupt_reads"] == 1
+    assert sorted(os.listdir(tmp_path)) == sorted([files_in(tmp_path)[0].name, "quarantine"])
+    assert os.listdir(tmp_path / "quarantine") == ["junk" + spill_format.FILE_SUFFIX]
+    assert (restarted.stats()["corrupt_reads"], restarted.stats()["quarantined_files"]) == (1, 1)
 
 
 def test_restart_skips_files_of_another_block_format(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_node.hashing import hash_prompt_blocks
+from services import spill_format
 from services.spill_format import BlockFormat, read_header
 from services.spill_store import SpillHits, SpillStore
 from tests.test_tier_engine import BLOCK_BYTES, PARAMS, by_tier, prompt_of, run, tiered
@@ -71,6 +73,26 @@ def test_flipped_bytes_in_spill_file_are_a_miss(tiny, tmp_path) -> None:
     path.write_bytes(bytes(data))
     assert_recomputed(eng, cold, 8 * 16)
     assert store.stats()["corrupt_reads"] == 1
+
+
+def test_transient_disk_error_recomputes_and_keeps_the_files(tiny, tmp_path, monkeypatch) -> None:
+    """issue 18 fault 5: EIO on every spill file read: the request recomputes (output equals
+    cold), no file is touched, and once the disk recovers the same blocks hit again."""
+    eng, store, cold = disk_engine(tiny, tmp_path)
+    before = {f.name: f.read_bytes() for f in files(tmp_path)}
+
+    def failing_open(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(spill_format, "open", failing_open, raising=False)
+    assert_recomputed(eng, cold, 0)
+    monkeypatch.undo()
+    assert {f.name: f.read_bytes() for f in files(tmp_path)} == before
+    stats = store.stats()
+    assert (stats["io_errors"], stats["blocks_spill_disk"], stats["corrupt_reads"]) == (3, 12, 0)
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    assert_recomputed(eng, cold, 12 * 16)
 
 
 def test_spill_reader_that_raises_is_a_miss(tiny, tmp_path) -> None:
