@@ -124,6 +124,19 @@ class GlobalScheduler:
     def verify_admin_key(self, key: str) -> bool:
         return self.store.verify_admin_key(key)
 
+    def has_admin_key(self) -> bool:
+        return self.store.has_admin_key()
+
+    def set_admin_key(self, key: str) -> bool:
+        """Commit ``key`` (already saved by the caller) as the admin key; True if rotated."""
+        return self.store.set_admin_key(key)
+
+    def rotate_admin_key(self) -> str:
+        return self.store.rotate_admin_key()
+
+    def rotate_tenant_key(self, name: str) -> str:
+        return self.store.rotate_key(name)
+
     def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
         return self.store.register(spec)
 

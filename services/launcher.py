@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,11 @@ from services.gateway_server import GatewayActor
 from services.global_scheduler import GlobalSchedulerActor
 from services.spill_format import BlockFormat
 from services.spill_node import create_spill_node
+from tenants.keys import generate_api_key, read_key_file, write_key_file
 
 SCHEDULER_NAME = "global_scheduler"
 GATEWAY_NAME = "gateway"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,18 +50,22 @@ def admin_key_path(config: ServiceConfig) -> Path:
 
 
 def _admin_key(config: ServiceConfig, scheduler: Any) -> str:
-    """The admin key: created on first start (written 0600 to the state dir), read later."""
-    fresh = ray.get(scheduler.ensure_admin_key.remote())
+    """The admin key: read from ``admin_key_path`` when the scheduler accepts it, else made anew.
+
+    A new key is written to the file atomically (``tenants.keys.write_key_file``, mode 0600)
+    *before* its hash is committed, so a crash at any point leaves at worst a key file whose
+    hash is missing; that, a missing, empty or garbled file, or a file that no longer matches
+    the stored hash, is recovered by rotating the admin key (logged), never by a lockout.
+    """
     path = admin_key_path(config)
-    if fresh:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(fresh)
-        return fresh
-    if not path.exists():
-        raise FileNotFoundError(f"admin key file {path} is missing; delete the tenant database to reset")
-    return path.read_text().strip()
+    key = read_key_file(path)
+    if key is not None and ray.get(scheduler.verify_admin_key.remote(key)):
+        return key
+    key, _ = generate_api_key()
+    write_key_file(path, key)
+    if ray.get(scheduler.set_admin_key.remote(key)):
+        log.warning("admin key file %s was missing or stale: rotated the admin key; the new one is in it", path)
+    return key
 
 
 def start_services(config: ServiceConfig, address: str | None = None) -> Services:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 import secrets
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 KEY_PREFIX = "kvs"
 PBKDF2_ITERATIONS = 100_000
@@ -48,8 +51,20 @@ def generate_api_key(iterations: int = PBKDF2_ITERATIONS) -> tuple[str, KeyHash]
     """
     key_id = secrets.token_hex(KEY_ID_BYTES)
     api_key = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(SECRET_BYTES)}"
+    return api_key, hash_api_key(api_key, iterations)
+
+
+def hash_api_key(api_key: str, iterations: int = PBKDF2_ITERATIONS) -> KeyHash:
+    """The stored form of a well-formed ``api_key``, with a fresh random salt.
+
+    Raises:
+        ValueError: ``api_key`` is malformed.
+    """
+    key_id = parse_key_id(api_key)
+    if key_id is None:
+        raise ValueError("cannot hash a malformed API key")
     salt = secrets.token_bytes(SALT_BYTES)
-    return api_key, KeyHash(key_id, salt, iterations, _digest(api_key, salt, iterations))
+    return KeyHash(key_id, salt, iterations, _digest(api_key, salt, iterations))
 
 
 def parse_key_id(api_key: str) -> str | None:
@@ -68,6 +83,48 @@ def verify_api_key(api_key: str, stored: KeyHash) -> bool:
 def fingerprint(api_key: str) -> bytes:
     """Fast SHA-256 of a key, for an in-memory cache of keys already verified."""
     return hashlib.sha256(api_key.encode()).digest()
+
+
+def write_key_file(path: str | Path, api_key: str) -> None:
+    """Write ``api_key`` to ``path`` atomically, readable by the owner only (mode 0600).
+
+    The key goes to a temp file in the same directory (created 0600), is fsynced, and
+    replaces ``path`` with ``os.replace``; the directory is fsynced after. A crash at any
+    point leaves either the old file whole or the new one whole (plus, at worst, a stray
+    ``.<name>.*`` temp file), never a partial key.
+
+    Raises:
+        ValueError: ``api_key`` is not a well-formed key.
+        OSError: the directory cannot be written.
+    """
+    if parse_key_id(api_key) is None:
+        raise ValueError("refusing to write a malformed API key")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(api_key + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_key_file(path: str | Path) -> str | None:
+    """The well-formed key in ``path``, or ``None`` when it is missing, empty or garbled."""
+    try:
+        text = Path(path).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    return text if parse_key_id(text) is not None else None
 
 
 def _digest(api_key: str, salt: bytes, iterations: int) -> bytes:

@@ -25,7 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tenants.errors import TenantExistsError, TenantNotFoundError
-from tenants.keys import KeyHash, fingerprint, generate_api_key, parse_key_id, verify_api_key
+from tenants.keys import (
+    KeyHash,
+    fingerprint,
+    generate_api_key,
+    hash_api_key,
+    parse_key_id,
+    verify_api_key,
+)
 from tenants.model import Tenant, TenantSpec
 
 SCHEMA_VERSION = 1
@@ -187,7 +194,7 @@ class TenantStore:
         Returns:
             The plaintext admin key when it was created now; ``None`` when one exists.
         """
-        if self._has_admin_key():
+        if self.has_admin_key():
             return None
         api_key, key_hash = generate_api_key()
         with self._lock, self._conn:
@@ -199,10 +206,33 @@ class TenantStore:
     def rotate_admin_key(self) -> str:
         """Replace the admin key (e.g. when lost); returns the new plaintext, shown once."""
         api_key, key_hash = generate_api_key()
-        with self._lock, self._conn:
-            self._conn.execute("DELETE FROM api_keys WHERE role = 'admin'")
-            self._insert_key(key_hash, "admin", None, self._clock())
+        self._replace_admin_key(key_hash)
         return api_key
+
+    def set_admin_key(self, api_key: str) -> bool:
+        """Make ``api_key`` (made by ``tenants.keys.generate_api_key``) the admin key.
+
+        For a caller that stores the plaintext first (``write_key_file``) and commits its
+        hash second, so that no crash leaves a hash without its key.
+
+        Returns:
+            True when it replaced an existing admin key (a rotation), False on first set.
+
+        Raises:
+            ValueError: ``api_key`` is malformed.
+        """
+        return self._replace_admin_key(hash_api_key(api_key))
+
+    def has_admin_key(self) -> bool:
+        """True when an admin key's hash is stored."""
+        with self._lock:
+            return self._conn.execute(_HAS_ADMIN_KEY).fetchone() is not None
+
+    def _replace_admin_key(self, key_hash: KeyHash) -> bool:
+        with self._lock, self._conn:
+            replaced = self._conn.execute("DELETE FROM api_keys WHERE role = 'admin'").rowcount > 0
+            self._insert_key(key_hash, "admin", None, self._clock())
+        return replaced
 
     def verify_admin_key(self, api_key: str) -> bool:
         """True when ``api_key`` is the current admin key."""
@@ -217,10 +247,6 @@ class TenantStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-    def _has_admin_key(self) -> bool:
-        with self._lock:
-            return self._conn.execute(_HAS_ADMIN_KEY).fetchone() is not None
 
     def _verify(self, api_key: str, stored: KeyHash) -> bool:
         """Check ``api_key`` against its stored row, outside the lock (PBKDF2 is slow).
