@@ -55,5 +55,18 @@ class Authenticator:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the admin key")
         self._admins[fp] = now + _CACHE_TTL_S
 
+    async def admin_or_tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        """``None`` for the admin key, the calling tenant for a tenant key; aborts with
+        UNAUTHENTICATED otherwise."""
+        key = bearer_key(context)
+        if key and self._admins.get(self._fp(key), 0.0) > time.monotonic():
+            return None
+        if key and await self.scheduler.verify_admin_key.remote(key):
+            self._admins[self._fp(key)] = time.monotonic() + _CACHE_TTL_S
+            return None
+        return await self.tenant(context)
+
     def forget(self) -> None:
+        """Drop every cached key (after a tenant's spec or keys, or the admin key, changed)."""
         self._tenants.clear()
+        self._admins.clear()

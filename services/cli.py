@@ -32,11 +32,14 @@ from rich.table import Table
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc, tenant_pb2
 from kvstrata.v1 import tenant_pb2_grpc
 from services.config import ServiceConfig, load_config
+from tenants.keys import generate_api_key, read_key_file, write_key_file
 
 app = typer.Typer(help="kvstrata: multi-tenant tiered KV-cache serving on Ray", no_args_is_help=True)
 tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
 run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
+admin_app = typer.Typer(help="operator tasks", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
+app.add_typer(admin_app, name="admin")
 app.add_typer(run_app, name="run")
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped: keep tables readable
@@ -57,13 +60,14 @@ def _gateway(address: Optional[str]) -> str:
     return addr
 
 
+def _admin_key_file() -> Path:
+    return Path(_state().get("state_dir", STATE_DIR)) / "admin_key"
+
+
 def _admin_md() -> tuple[tuple[str, str], ...]:
-    key = os.environ.get("KVSTRATA_ADMIN_KEY")
-    path = Path(_state().get("state_dir", STATE_DIR)) / "admin_key"
-    if not key and path.exists():
-        key = path.read_text().strip()
+    key = os.environ.get("KVSTRATA_ADMIN_KEY") or read_key_file(_admin_key_file())
     if not key:
-        console.print("[red]no admin key: set KVSTRATA_ADMIN_KEY[/red]")
+        console.print("[red]no admin key: set KVSTRATA_ADMIN_KEY (lost? `kvstrata admin rotate-key --local`)[/red]")
         raise typer.Exit(2)
     return (("authorization", f"Bearer {key}"),)
 
@@ -306,6 +310,64 @@ def tenant_rm(name: str, gateway: Optional[str] = None) -> None:
         except grpc.RpcError as err:
             _fail(err)
     console.print(f"deleted {name}")
+
+
+@tenant_app.command("rotate-key")
+def tenant_rotate_key(
+    name: str,
+    api_key: Optional[str] = typer.Option(None, envvar="KVSTRATA_API_KEY",
+                                          help="the tenant's own key (default: the admin key)"),
+    gateway: Optional[str] = None,
+) -> None:
+    """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
+    md = (("authorization", f"Bearer {api_key}"),) if api_key else _admin_md()
+    with grpc.insecure_channel(_gateway(gateway)) as ch:
+        try:
+            resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md)
+        except grpc.RpcError as err:
+            _fail(err)
+    console.print(f"new API key for {name} (shown once): [bold]{resp.api_key}[/bold]")
+
+
+@admin_app.command("rotate-key")
+def admin_rotate_key(
+    local: bool = typer.Option(False, "--local", help="rotate in the tenant database of the state dir "
+                               "directly (when the admin key is lost; run where `kvstrata up` ran)"),
+    gateway: Optional[str] = None,
+) -> None:
+    """Replace the admin key and save the new one to the state dir's admin_key file (0600).
+
+    Over gRPC with the current admin key by default; ``--local`` needs no key: it writes the
+    new key file first, then commits its hash to the tenant database.
+    """
+    path = _admin_key_file()
+    if local:
+        db = path.parent / "tenants.sqlite"
+        if not db.exists():
+            console.print(f"[red]no tenant database at {db}[/red]")
+            raise typer.Exit(2)
+        from tenants.store import TenantStore
+
+        key, _ = generate_api_key()
+        write_key_file(path, key)
+        store = TenantStore(db)
+        try:
+            store.set_admin_key(key)
+        finally:
+            store.close()
+    else:
+        with grpc.insecure_channel(_gateway(gateway)) as ch:
+            try:
+                key = admin_pb2_grpc.AdminServiceStub(ch).RotateAdminKey(
+                    admin_pb2.RotateAdminKeyRequest(), metadata=_admin_md(), timeout=30).api_key
+            except grpc.RpcError as err:
+                _fail(err)
+        try:
+            write_key_file(path, key)
+        except OSError as exc:
+            console.print(f"[red]could not save the new admin key to {path} ({exc}); it is: {key}[/red]")
+            raise typer.Exit(1) from None
+    console.print(f"admin key rotated; the new key is in {path} (the old one no longer works)")
 
 
 @app.command()

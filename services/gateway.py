@@ -106,6 +106,15 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
+    async def RotateKey(self, request, context):  # noqa: N802
+        """The admin key rotates any tenant's key; a tenant's own key rotates only its own."""
+        caller = await self.auth.admin_or_tenant(context)
+        if caller is not None and caller.name != request.name:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a tenant key rotates only its own tenant's key")
+        key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name))
+        self.auth.forget()
+        return tenant_pb2.RotateKeyResponse(api_key=key)
+
 
 class NodeStreams:
     """The gateway's end of the data plane (``services.data_plane``).
@@ -373,3 +382,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         await self.auth.admin(context)
         aborted = await asyncio.gather(*(n.drain.remote() for n in self.nodes.values()))
         return admin_pb2.DrainResponse(aborted=sum(aborted))
+
+    async def RotateAdminKey(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        key = await self.scheduler.rotate_admin_key.remote()
+        self.auth.forget()
+        return admin_pb2.RotateAdminKeyResponse(api_key=key)

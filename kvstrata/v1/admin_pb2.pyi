@@ -76,3 +76,13 @@ class DrainResponse(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     aborted: int
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class RotateAdminKeyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RotateAdminKeyResponse(_message.Message):
+    __slots__ = ("api_key",)
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    api_key: str
+    def __init__(self, api_key: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class AdminServiceStub:
                 request_serializer=kvstrata_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstrata_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.RotateAdminKey = channel.unary_unary(
+                '/kvstrata.v1.AdminService/RotateAdminKey',
+                request_serializer=kvstrata_dot_v1_dot_admin__pb2.RotateAdminKeyRequest.SerializeToString,
+                response_deserializer=kvstrata_dot_v1_dot_admin__pb2.RotateAdminKeyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -74,6 +79,12 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RotateAdminKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +102,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvstrata_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=kvstrata_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'RotateAdminKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateAdminKey,
+                    request_deserializer=kvstrata_dot_v1_dot_admin__pb2.RotateAdminKeyRequest.FromString,
+                    response_serializer=kvstrata_dot_v1_dot_admin__pb2.RotateAdminKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +191,33 @@ class AdminService:
             '/kvstrata.v1.AdminService/Drain',
             kvstrata_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             kvstrata_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateAdminKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstrata.v1.AdminService/RotateAdminKey',
+            kvstrata_dot_v1_dot_admin__pb2.RotateAdminKeyRequest.SerializeToString,
+            kvstrata_dot_v1_dot_admin__pb2.RotateAdminKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -132,3 +132,15 @@ class GetUsageResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class RotateKeyRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RotateKeyResponse(_message.Message):
+    __slots__ = ("api_key",)
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    api_key: str
+    def __init__(self, api_key: _Optional[str] = ...) -> None: ...

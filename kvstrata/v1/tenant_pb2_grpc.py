@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class TenantServiceStub:
     """Operator API: needs the admin key in `authorization: Bearer <key>` metadata
-    (GetUsage also accepts the tenant's own API key).
+    (RotateKey also accepts the tenant's own API key, for its own name).
     """
 
     def __init__(self, channel):
@@ -66,11 +66,16 @@ class TenantServiceStub:
                 request_serializer=kvstrata_dot_v1_dot_tenant__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=kvstrata_dot_v1_dot_tenant__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.RotateKey = channel.unary_unary(
+                '/kvstrata.v1.TenantService/RotateKey',
+                request_serializer=kvstrata_dot_v1_dot_tenant__pb2.RotateKeyRequest.SerializeToString,
+                response_deserializer=kvstrata_dot_v1_dot_tenant__pb2.RotateKeyResponse.FromString,
+                _registered_method=True)
 
 
 class TenantServiceServicer:
     """Operator API: needs the admin key in `authorization: Bearer <key>` metadata
-    (GetUsage also accepts the tenant's own API key).
+    (RotateKey also accepts the tenant's own API key, for its own name).
     """
 
     def RegisterTenant(self, request, context):
@@ -109,6 +114,12 @@ class TenantServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RotateKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TenantServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +153,11 @@ def add_TenantServiceServicer_to_server(servicer, server):
                     request_deserializer=kvstrata_dot_v1_dot_tenant__pb2.GetUsageRequest.FromString,
                     response_serializer=kvstrata_dot_v1_dot_tenant__pb2.GetUsageResponse.SerializeToString,
             ),
+            'RotateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateKey,
+                    request_deserializer=kvstrata_dot_v1_dot_tenant__pb2.RotateKeyRequest.FromString,
+                    response_serializer=kvstrata_dot_v1_dot_tenant__pb2.RotateKeyResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvstrata.v1.TenantService', rpc_method_handlers)
@@ -152,7 +168,7 @@ def add_TenantServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class TenantService:
     """Operator API: needs the admin key in `authorization: Bearer <key>` metadata
-    (GetUsage also accepts the tenant's own API key).
+    (RotateKey also accepts the tenant's own API key, for its own name).
     """
 
     @staticmethod
@@ -307,6 +323,33 @@ class TenantService:
             '/kvstrata.v1.TenantService/GetUsage',
             kvstrata_dot_v1_dot_tenant__pb2.GetUsageRequest.SerializeToString,
             kvstrata_dot_v1_dot_tenant__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstrata.v1.TenantService/RotateKey',
+            kvstrata_dot_v1_dot_tenant__pb2.RotateKeyRequest.SerializeToString,
+            kvstrata_dot_v1_dot_tenant__pb2.RotateKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

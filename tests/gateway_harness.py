@@ -1,0 +1,92 @@
+"""The gateway's tenant and admin servicers on a real gRPC server, in-process and without Ray.
+
+The scheduler is a real ``GlobalSchedulerService`` (its tenant store on disk); ``LocalActor``
+gives it the ``handle.method.remote(...)`` call shape the servicers use (an awaitable, as a
+Ray actor call is). The server runs on its own event loop in a thread, so synchronous gRPC
+clients and the CLI can call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstrata.v1 import admin_pb2_grpc, tenant_pb2_grpc
+from services.auth import Authenticator
+from services.gateway import AdminServicer, TenantServicer
+from services.global_scheduler import GlobalSchedulerService
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if inspect.iscoroutinefunction(self.fn):
+            return self.fn(*args, **kwargs)
+
+        async def call() -> Any:
+            return self.fn(*args, **kwargs)
+
+        return call()
+
+
+class LocalActor:
+    """``obj`` as a Ray actor handle looks to an async caller: ``h.m.remote(...)`` awaitable."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self.obj, name))
+
+
+@dataclass
+class Gateway:
+    address: str
+    scheduler: GlobalSchedulerService
+    admin_key: str
+    auth: Authenticator
+    loop: asyncio.AbstractEventLoop
+
+
+@contextmanager
+def serve(state_dir: Path) -> Iterator[Gateway]:
+    """A gateway (TenantService + AdminService) on 127.0.0.1:<free port>."""
+    scheduler = GlobalSchedulerService(str(state_dir), {"n0": 1})
+    admin_key = scheduler.store.ensure_admin_key()
+    assert admin_key is not None
+    handle = LocalActor(scheduler)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def start() -> None:
+        server = grpc.aio.server()
+        auth = Authenticator(handle)
+        tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(handle, auth), server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(handle, auth, {}), server)
+        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        box["server"], box["auth"] = server, auth
+        started.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()),
+                              daemon=True)
+    thread.start()
+    assert started.wait(30)
+    try:
+        yield Gateway(f"127.0.0.1:{box['port']}", scheduler, admin_key, box["auth"], loop)
+    finally:
+        asyncio.run_coroutine_threadsafe(box["server"].stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        scheduler.store.close()

@@ -1,0 +1,105 @@
+"""Key rotation over gRPC and from the CLI (issue 18 fault 7: `kvstrata admin rotate-key`).
+
+Real gRPC server (tests.gateway_harness), real tenant store on disk, the real CLI via
+typer's CliRunner.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
+from services import cli
+from tenants.keys import KEY_PATTERN, read_key_file, write_key_file
+from tenants.model import TenantSpec
+from tests.gateway_harness import serve
+
+
+def _md(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture
+def gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(cli, "STATE_DIR", tmp_path)
+    monkeypatch.delenv("KVSTRATA_ADMIN_KEY", raising=False)
+    with serve(tmp_path) as gw:
+        write_key_file(tmp_path / "admin_key", gw.admin_key)
+        yield gw
+
+
+def test_rotate_admin_key_rpc(gateway) -> None:
+    """issue 18 fault 7: the admin key can be rotated; the old one stops at once."""
+    with grpc.insecure_channel(gateway.address) as ch:
+        admin = admin_pb2_grpc.AdminServiceStub(ch)
+        new = admin.RotateAdminKey(admin_pb2.RotateAdminKeyRequest(), metadata=_md(gateway.admin_key)).api_key
+
+        assert KEY_PATTERN.fullmatch(new) and new != gateway.admin_key
+        with pytest.raises(grpc.RpcError) as err:
+            admin.RotateAdminKey(admin_pb2.RotateAdminKeyRequest(), metadata=_md(gateway.admin_key))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert gateway.scheduler.store.verify_admin_key(new) is True
+
+
+def test_rotate_tenant_key_rpc_by_admin_self_and_other(gateway) -> None:
+    """issue 18 fault 7: TenantService.RotateKey for the admin or the tenant itself only."""
+    store = gateway.scheduler.store
+    ann, ann_key = store.register(TenantSpec("ann"))
+    _, bob_key = store.register(TenantSpec("bob"))
+    with grpc.insecure_channel(gateway.address) as ch:
+        tenants = tenant_pb2_grpc.TenantServiceStub(ch)
+        by_admin = tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), metadata=_md(gateway.admin_key)).api_key
+        by_self = tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), metadata=_md(by_admin)).api_key
+        with pytest.raises(grpc.RpcError) as other:
+            tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), metadata=_md(bob_key))
+        with pytest.raises(grpc.RpcError) as missing:
+            tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="nobody"), metadata=_md(gateway.admin_key))
+        with pytest.raises(grpc.RpcError) as stale:
+            tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), metadata=_md(ann_key))
+
+    assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stale.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert [store.authenticate(k) for k in (ann_key, by_admin, by_self)] == [None, None, ann]
+
+
+def test_cli_admin_rotate_key_over_grpc_writes_the_key_file(gateway, tmp_path: Path) -> None:
+    """issue 18 fault 7: `kvstrata admin rotate-key` rotates and saves the new key atomically."""
+    result = CliRunner().invoke(cli.app, ["admin", "rotate-key", "--gateway", gateway.address])
+
+    assert result.exit_code == 0, result.output
+    new = read_key_file(tmp_path / "admin_key")
+    assert new is not None and new != gateway.admin_key
+    assert gateway.scheduler.store.verify_admin_key(new) is True
+    assert gateway.scheduler.store.verify_admin_key(gateway.admin_key) is False
+
+
+def test_cli_admin_rotate_key_local_when_the_key_is_lost(gateway, tmp_path: Path) -> None:
+    """issue 18 fault 7: with the key file gone, `--local` rotates in the tenant database."""
+    (tmp_path / "admin_key").unlink()
+
+    result = CliRunner().invoke(cli.app, ["admin", "rotate-key", "--local"])
+
+    assert result.exit_code == 0, result.output
+    new = read_key_file(tmp_path / "admin_key")
+    assert new is not None and gateway.scheduler.store.verify_admin_key(new) is True
+    with grpc.insecure_channel(gateway.address) as ch:  # the running gateway accepts it
+        admin_pb2_grpc.AdminServiceStub(ch).RotateAdminKey(admin_pb2.RotateAdminKeyRequest(), metadata=_md(new))
+
+
+def test_cli_tenant_rotate_key(gateway) -> None:
+    """issue 18 fault 7: `kvstrata tenant rotate-key NAME` prints the new key once."""
+    ann, old = gateway.scheduler.store.register(TenantSpec("ann"))
+
+    result = CliRunner().invoke(cli.app, ["tenant", "rotate-key", "ann", "--gateway", gateway.address])
+
+    assert result.exit_code == 0, result.output
+    keys = re.findall(r"kvs_[0-9a-f]{12}_[A-Za-z0-9_-]{43}", result.output)
+    assert len(keys) == 1
+    assert gateway.scheduler.store.authenticate(keys[0]) == ann
+    assert gateway.scheduler.store.authenticate(old) is None
