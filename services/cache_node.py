@@ -208,13 +208,17 @@ class CacheNode:
     def submit(self, req: NodeRequest, subscriber: str) -> None:
         """Start ``req``; its events go to ``subscriber`` (a gateway's event inbox address).
 
-        A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED), or cancelled before it
-        arrived (``abort``), gets its error event pushed like any other event.
+        A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED), cancelled before it
+        arrived (``abort``), or whose id is running here already (ALREADY_EXISTS; ids are scoped
+        to their tenant by the gateway), gets its error event pushed like any other event.
         """
+        error = None
         if self._aborted_early.pop(req.request_id, None) is not None:
-            self._outbox.append((subscriber, req.request_id, {
-                "type": "error", "code": "CANCELLED",
-                "message": "the request was cancelled before it reached the node"}))
+            error = ("CANCELLED", "the request was cancelled before it reached the node")
+        elif req.request_id in self._streams:
+            error = ("ALREADY_EXISTS", "a request with this id is running already")
+        if error is not None:  # the running stream of that id is not touched
+            self._outbox.append((subscriber, req.request_id, {"type": "error", "code": error[0], "message": error[1]}))
             self._wake.set()
             return
         self._open(_Stream(None, None, req, 0, subscriber))
@@ -275,10 +279,10 @@ class CacheNode:
     def _run(self) -> None:
         last_expiry = time.monotonic()
         while not self._stopped:
+            while self._aborts:  # before new requests, which may reuse an aborted one's id
+                self.engine.abort_request(self._aborts.popleft())
             self._start_incoming()
             self._send_outbox()
-            while self._aborts:
-                self.engine.abort_request(self._aborts.popleft())
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(self.config.step_idle_wait_s)
                 self._wake.clear()

@@ -50,6 +50,17 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
 
 
+MAX_ID_CHARS = 256
+"""Longest client-chosen request or session id."""
+
+
+def scoped_id(tenant_id: str, client_id: str) -> str:
+    """The id the scheduler and the nodes know a client's request or session by: scoped to its
+    tenant (``tenant_id`` is hex, so the first ``/`` separates the two), so that tenants never
+    reach each other's requests or sessions by reusing an id."""
+    return f"{tenant_id}/{client_id}"
+
+
 def _check_policy(name: str) -> None:
     """Raise ValueError (listing the known names) for an unknown KV policy name."""
     if not name:
@@ -202,7 +213,13 @@ class NodeStreams:
         self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}))
 
     def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
-        """A queue for ``request_id``'s events; open it before the request reaches a node."""
+        """A queue for ``request_id``'s events; open it before the request reaches a node.
+
+        Raises:
+            KeyError: ``request_id`` is open already (in flight on this gateway).
+        """
+        if request_id in self._queues:
+            raise KeyError(request_id)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[request_id] = ("", queue)
         return queue
@@ -268,6 +285,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             _check_policy(request.policy or spec.policy)
         except (ValueError, KeyError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        for name in ("request_id", "session_id"):
+            if len(getattr(request, name)) > MAX_ID_CHARS:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
         messages: tuple[dict[str, str], ...] = ()
         tokens: tuple[int, ...] = ()
         if prompt and isinstance(prompt[0], dict):
@@ -287,9 +307,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             tokens, self.info["block_size"], (spec.cache_namespace, self.info["model_id"], self.info["kv_format"])
         ) if tokens else []
         req = NodeRequest(
-            request_id=request.request_id or uuid.uuid4().hex, tenant=tenant.tenant_id,
+            request_id=scoped_id(tenant.tenant_id, request.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=spec.cache_namespace, sampling=sampling, messages=messages, token_ids=tokens,
-            session_id=request.session_id, policy=request.policy or spec.policy,
+            session_id=scoped_id(tenant.tenant_id, request.session_id) if request.session_id else "",
+            policy=request.policy or spec.policy,
             max_context_tokens=limit, arrival_time_s=time.monotonic(),
             extra={"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
                    "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
@@ -298,9 +319,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return req, hashes
 
     async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:  # noqa: N802
+        """Stream one request's events. Its ``request_id`` (client-chosen, or minted here) and
+        ``session_id`` are the tenant's own: another tenant's equal ids name other requests and
+        sessions; a request id in flight already for this tenant is ALREADY_EXISTS."""
         tenant = await self.auth.tenant(context)
         req, hashes = await self._prepare(request, tenant, context)
-        queue = self.streams.open(req.request_id)
+        client_id = req.request_id.split("/", 1)[1]
+        try:
+            queue = self.streams.open(req.request_id)
+        except KeyError:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
         adm = None
         usage: dict[str, Any] | None = None
         # the scheduler hands an admitted request straight to its node; every answer from the
@@ -327,6 +355,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     await context.abort(_CODES[event["code"]], event["message"])
                 if event["type"] == "finished":
                     usage = event
+                if event["type"] == "started":
+                    event = {**event, "request_id": client_id}
                 yield convert.generate_event_to_pb(event)
         finally:
             self.streams.close(req.request_id)
@@ -347,10 +377,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.streams.abort(adm.node_id, request_id)
 
     async def CloseSession(self, request, context):  # noqa: N802
+        """Close the caller's session ``session_id`` (another tenant's equal id is another
+        session); NOT_FOUND when the caller has none by that id."""
         tenant = await self.auth.tenant(context)
-        node_id = await self.scheduler.close_session.remote(request.session_id, tenant.tenant_id)
+        session_id = scoped_id(tenant.tenant_id, request.session_id)
+        node_id = await self.scheduler.close_session.remote(session_id, tenant.tenant_id)
         freed = -1 if node_id is None else await self.nodes[node_id].close_session.remote(
-            request.session_id, tenant.tenant_id
+            session_id, tenant.tenant_id
         )
         if freed < 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r} for this tenant")

@@ -1,0 +1,86 @@
+"""Tenant isolation of client-chosen ids and usage of interrupted requests, on the real stack
+(two-node Ray cluster, real gRPC, the real model)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvstrata.v1 import inference_pb2, tenant_pb2
+from tests.service_fixtures import chat, collect
+
+pytestmark = pytest.mark.slow
+
+
+def md(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture(scope="module")
+def keys(stack) -> dict[str, str]:
+    return {"a": stack.register("iso-a"), "b": stack.register("iso-b")}
+
+
+def long_request(request_id: str, max_tokens: int, **kw: object) -> inference_pb2.GenerateRequest:
+    req = chat("Write a long story about a lighthouse keeper.", max_tokens, request_id=request_id, **kw)
+    req.sampling.ignore_eos = True
+    return req
+
+
+def _first_delta(call) -> list[int]:
+    for msg in call:
+        if msg.WhichOneof("event") == "delta":
+            return list(msg.delta.token_ids)
+    raise AssertionError("the stream ended before its first token")
+
+
+def test_request_ids_are_scoped_to_the_tenant(stack, keys) -> None:
+    """issue 18 fault 2: request ids cross tenants. Tenant B reusing tenant A's in-flight id
+    got A's remaining tokens, A's call hung, and B's cancel aborted A's request. Now B runs its
+    own request under the same id, B's cancel does not touch A, and only a second in-flight
+    use of the id by the same tenant is ALREADY_EXISTS."""
+    a_call = stack.inference.Generate(long_request("x", 48), metadata=md(keys["a"]), timeout=120)
+    a_tokens = _first_delta(a_call)  # A is running on a node now
+
+    # B, same id: its own request, start to end
+    b = collect(stack.inference.Generate(long_request("x", 6), metadata=md(keys["b"]), timeout=120))
+    assert b["started"].request_id == "x"
+    assert b["finished"].completion_tokens == 6 == len(b["tokens"])
+
+    # B again with the same id, cancelled mid-stream: A goes on
+    b_call = stack.inference.Generate(long_request("x", 40), metadata=md(keys["b"]), timeout=120)
+    _first_delta(b_call)
+    b_call.cancel()
+
+    # A, same id again while the first is in flight: ALREADY_EXISTS for the second caller only
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stack.inference.Generate(long_request("x", 4), metadata=md(keys["a"]), timeout=60))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    a = collect(a_call)
+    assert a["finished"].finish_reason == "length"
+    assert a["finished"].completion_tokens == 48 == len(a_tokens) + len(a["tokens"])
+
+    # once A's request ended its id is free again
+    again = collect(stack.inference.Generate(long_request("x", 2), metadata=md(keys["a"]), timeout=60))
+    assert again["finished"].completion_tokens == 2
+
+
+def test_session_ids_are_scoped_to_the_tenant(stack, keys) -> None:
+    """issue 18 fault 2 (sessions): a session id names a session of the caller's tenant only.
+    B using A's session id gets a session of its own (A's history is not in B's prompt), and
+    B's CloseSession closes B's session, never A's."""
+    a_md, b_md = md(keys["a"]), md(keys["b"])
+    a1 = collect(stack.inference.Generate(chat("Remember the number 42.", 6, session_id="s"), metadata=a_md))
+    b1 = collect(stack.inference.Generate(chat("Remember the number 42.", 6, session_id="s"), metadata=b_md))
+    assert b1["finished"].prompt_tokens == a1["finished"].prompt_tokens  # no history of A's in it
+    close = inference_pb2.CloseSessionRequest(session_id="s")
+    b_freed = stack.inference.CloseSession(close, metadata=b_md).freed_tokens
+    assert b_freed == b1["finished"].prompt_tokens + b1["finished"].completion_tokens
+    with pytest.raises(grpc.RpcError) as info:  # B's session is gone, and B cannot reach A's
+        stack.inference.CloseSession(close, metadata=b_md)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    a2 = collect(stack.inference.Generate(chat("Which number?", 4, session_id="s"), metadata=a_md))
+    assert a2["finished"].prompt_tokens > a1["finished"].prompt_tokens + a1["finished"].completion_tokens
+    a_freed = stack.inference.CloseSession(close, metadata=a_md).freed_tokens
+    assert a_freed == a2["finished"].prompt_tokens + a2["finished"].completion_tokens
