@@ -1,4 +1,15 @@
-"""API-key authentication at the gateway, with a short-lived cache in front of the scheduler."""
+"""API-key authentication at the gateway, with short-lived caches in front of the scheduler.
+
+- A key that worked is remembered for ``_CACHE_TTL_S`` (``forget`` drops every cached key
+  after a tenant or key changes).
+- A key that failed is remembered for ``_CACHE_TTL_S`` and refused with UNAUTHENTICATED
+  without asking the scheduler.
+- At most ``failures_per_peer_key`` failed checks per (client address, key id, role) in any
+  ``failure_window_s``; past that, keys of that id from that address are refused with
+  RESOURCE_EXHAUSTED (and a ``retry-after-ms`` trailer) without asking the scheduler, so a
+  flood of wrong secrets costs the scheduler a few PBKDF2 runs (``tenants.store`` bounds
+  them per key id too), not one per attempt. Other key ids from the same address still work.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +19,9 @@ from typing import Any
 
 import grpc
 
+from tenants.keys import parse_key_id
 from tenants.model import Tenant
+from tenants.ratelimit import ExpiringSet, WindowLimiter
 
 _CACHE_TTL_S = 10.0
 
@@ -20,49 +33,64 @@ def bearer_key(context: grpc.aio.ServicerContext) -> str:
     return ""
 
 
-class Authenticator:
-    """Resolves API keys to tenants and checks the admin key, via the GlobalScheduler."""
+def _peer_host(context: grpc.aio.ServicerContext) -> str:
+    """The client's address without its port (``ipv4:10.0.0.1:53412`` -> ``ipv4:10.0.0.1``)."""
+    peer = context.peer() or ""
+    return peer.rpartition(":")[0] or peer
 
-    def __init__(self, scheduler: Any) -> None:
+
+class Authenticator:
+    """Resolves API keys to tenants and checks the admin key, via the GlobalScheduler.
+
+    Args:
+        scheduler: the GlobalScheduler actor handle (``authenticate``, ``verify_admin_key``).
+        failures_per_peer_key: failed checks allowed per (client address, key id) per window.
+        failure_window_s: that window, seconds.
+    """
+
+    def __init__(self, scheduler: Any, failures_per_peer_key: int = 10, failure_window_s: float = 10.0) -> None:
         self.scheduler = scheduler
+        self.failures_per_peer_key = failures_per_peer_key
         self._tenants: dict[bytes, tuple[Tenant, float]] = {}
         self._admins: dict[bytes, float] = {}
+        self._failed = ExpiringSet(_CACHE_TTL_S)
+        self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
 
     @staticmethod
     def _fp(key: str) -> bytes:
         return hashlib.sha256(key.encode()).digest()
 
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        """The calling tenant; aborts the call with UNAUTHENTICATED otherwise."""
+        """The calling tenant; aborts the call with UNAUTHENTICATED (RESOURCE_EXHAUSTED while
+        its address is over the failure limit for that key id) otherwise."""
         key = bearer_key(context)
         fp, now = self._fp(key), time.monotonic()
         hit = self._tenants.get(fp)
         if hit and hit[1] > now:
             return hit[0]
+        await self._refuse_known_bad(context, "tenant", key)
         tenant = await self.scheduler.authenticate.remote(key) if key else None
         if tenant is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
+            await self._refuse(context, "tenant", key, "missing or unknown API key")
         self._tenants[fp] = (tenant, now + _CACHE_TTL_S)
         return tenant
 
     async def admin(self, context: grpc.aio.ServicerContext) -> None:
-        """Aborts with UNAUTHENTICATED unless the call carries the admin key."""
+        """Aborts with UNAUTHENTICATED (or RESOURCE_EXHAUSTED, as ``tenant``) unless the call
+        carries the admin key."""
         key = bearer_key(context)
-        fp, now = self._fp(key), time.monotonic()
-        if self._admins.get(fp, 0.0) > now:
+        if self._admins.get(self._fp(key), 0.0) > time.monotonic():
             return
-        if not key or not await self.scheduler.verify_admin_key.remote(key):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the admin key")
-        self._admins[fp] = now + _CACHE_TTL_S
+        await self._refuse_known_bad(context, "admin", key)
+        if not await self._is_admin(key):
+            await self._refuse(context, "admin", key, "this call needs the admin key")
 
     async def admin_or_tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
         """``None`` for the admin key, the calling tenant for a tenant key; aborts with
-        UNAUTHENTICATED otherwise."""
+        UNAUTHENTICATED (or RESOURCE_EXHAUSTED) otherwise."""
         key = bearer_key(context)
-        if key and self._admins.get(self._fp(key), 0.0) > time.monotonic():
-            return None
-        if key and await self.scheduler.verify_admin_key.remote(key):
-            self._admins[self._fp(key)] = time.monotonic() + _CACHE_TTL_S
+        if (self._admins.get(self._fp(key), 0.0) > time.monotonic()
+                or (("admin", self._fp(key)) not in self._failed and await self._is_admin(key))):
             return None
         return await self.tenant(context)
 
@@ -70,3 +98,30 @@ class Authenticator:
         """Drop every cached key (after a tenant's spec or keys, or the admin key, changed)."""
         self._tenants.clear()
         self._admins.clear()
+        self._failed.clear()
+
+    async def _is_admin(self, key: str) -> bool:
+        """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
+        if not key or not await self.scheduler.verify_admin_key.remote(key):
+            return False
+        self._admins[self._fp(key)] = time.monotonic() + _CACHE_TTL_S
+        return True
+
+    async def _refuse_known_bad(self, context: grpc.aio.ServicerContext, role: str, key: str) -> None:
+        """Abort, without asking the scheduler, for a key that failed lately as ``role``
+        ("tenant" or "admin") or whose id this address has failed too often as ``role``."""
+        wait_s = self._failures.retry_after_s((role, _peer_host(context), parse_key_id(key)))
+        if wait_s > 0:
+            context.set_trailing_metadata((("retry-after-ms", str(int(wait_s * 1000) + 1)),))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many failed API-key checks from this address; retry in {wait_s:.0f} s",
+            )
+        if (role, self._fp(key)) in self._failed:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, role: str, key: str, message: str) -> None:
+        """Record a failed check of ``key`` as ``role``, then abort with UNAUTHENTICATED."""
+        self._failed.add((role, self._fp(key)))
+        self._failures.try_acquire((role, _peer_host(context), parse_key_id(key)))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

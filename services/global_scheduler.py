@@ -367,6 +367,15 @@ class GlobalSchedulerService(GlobalScheduler):
 
     data_address = ""  # the admission socket, once open
 
+    async def authenticate(self, api_key: str) -> Tenant | None:
+        """``GlobalScheduler.authenticate`` with its PBKDF2 in a worker thread, so that a key
+        check never stalls the loop that serves admissions."""
+        return await asyncio.to_thread(super().authenticate, api_key)
+
+    async def verify_admin_key(self, key: str) -> bool:
+        """``GlobalScheduler.verify_admin_key``, in a worker thread (as ``authenticate``)."""
+        return await asyncio.to_thread(super().verify_admin_key, key)
+
     async def open_data_plane(self) -> str:
         """Bind the admission socket (``services.data_plane``, step 1) and serve it; returns
         its address (idempotent)."""

@@ -8,8 +8,14 @@ Tables (schema version 1, in ``PRAGMA user_version``)::
 
 Keys are stored only as ``KeyHash`` rows (see ``tenants.keys``). One connection is shared
 by all callers behind a lock, so one asyncio process (and its threads) may use a store;
-``authenticate`` is synchronous and CPU-bound on a key's first use (run it in a thread
-from async code if that matters).
+``authenticate`` and ``verify_admin_key`` are synchronous and run PBKDF2 (~60-200 ms) on a
+key's first use: async code runs them in a thread (``GlobalSchedulerService``).
+
+PBKDF2 runs are bounded: a verified key is remembered (its SHA-256 fingerprint by key id),
+a wrong key is remembered for ``FAILED_KEY_TTL_S``, and at most ``failed_checks_per_key_id``
+PBKDF2 runs per key id happen in any ``FAILED_CHECK_WINDOW_S`` (past that, an unverified key
+with that id is refused without PBKDF2 until the window passes; a key verified before keeps
+working).
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ from tenants.keys import (
     verify_api_key,
 )
 from tenants.model import Tenant, TenantSpec
+from tenants.ratelimit import ExpiringSet, WindowLimiter
 
 SCHEMA_VERSION = 1
+FAILED_KEY_TTL_S = 60.0
+FAILED_CHECK_WINDOW_S = 60.0
+FAILED_CHECKS_PER_KEY_ID = 10
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -64,15 +74,21 @@ class TenantStore:
     Args:
         path: SQLite file (created with mode 0600 if missing), or ``":memory:"``.
         clock: returns unix seconds; stamps ``created_at_s`` (injectable for tests).
+        failed_checks_per_key_id: PBKDF2 runs allowed per key id per ``FAILED_CHECK_WINDOW_S``
+            for keys not verified before.
 
     Raises:
         RuntimeError: the file holds a different schema version.
     """
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time,
+                 failed_checks_per_key_id: int = FAILED_CHECKS_PER_KEY_ID) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._verified: dict[str, bytes] = {}  # key_id -> fingerprint of a verified key
+        self._failed = ExpiringSet(FAILED_KEY_TTL_S)  # fingerprints of keys that failed
+        self.failed_checks_per_key_id = failed_checks_per_key_id
+        self._checks = WindowLimiter(failed_checks_per_key_id, FAILED_CHECK_WINDOW_S)
         self._conn = sqlite3.connect(str(path), check_same_thread=False)
         self._conn.execute("PRAGMA foreign_keys = ON")
         self._migrate()
@@ -251,14 +267,20 @@ class TenantStore:
     def _verify(self, api_key: str, stored: KeyHash) -> bool:
         """Check ``api_key`` against its stored row, outside the lock (PBKDF2 is slow).
 
-        The cache is a dict touched by single get/set operations (atomic under the GIL).
+        Runs PBKDF2 only for a key neither verified nor failed recently, and only while the
+        key id's budget of checks lasts (see the module docstring). The verified cache is a
+        dict touched by single get/set operations (atomic under the GIL).
         """
+        fp = fingerprint(api_key)
         cached = self._verified.get(stored.key_id)
-        if cached is not None and hmac.compare_digest(cached, fingerprint(api_key)):
+        if cached is not None and hmac.compare_digest(cached, fp):
             return True
-        if not verify_api_key(api_key, stored):
+        if fp in self._failed or not self._checks.try_acquire(stored.key_id):
             return False
-        self._verified[stored.key_id] = fingerprint(api_key)
+        if not verify_api_key(api_key, stored):
+            self._failed.add(fp)
+            return False
+        self._verified[stored.key_id] = fp
         return True
 
     def _insert_key(

@@ -1,0 +1,135 @@
+"""A flood of wrong API-key secrets costs few PBKDF2 runs and never blocks the scheduler's
+event loop (issue 18 fault 9: PBKDF2 for failed key checks ran on the scheduler actor without
+caching or rate limiting).
+
+PBKDF2 runs are counted by wrapping ``tenants.store.verify_api_key`` (the one place the store
+runs it); the store, the gateway's servicers and gRPC are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+import tenants.store
+from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
+from services.global_scheduler import GlobalSchedulerService
+from tenants.model import TenantSpec
+from tenants.store import TenantStore
+from tests.gateway_harness import serve
+
+
+@pytest.fixture
+def pbkdf2_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Thread ids of every PBKDF2 run of the store."""
+    runs: list[int] = []
+    real = tenants.store.verify_api_key
+
+    def counted(api_key, stored):  # type: ignore[no-untyped-def]
+        runs.append(threading.get_ident())
+        return real(api_key, stored)
+
+    monkeypatch.setattr(tenants.store, "verify_api_key", counted)
+    return runs
+
+
+def _wrong_secret(api_key: str) -> str:
+    """``api_key``'s key id with another random secret."""
+    return api_key[: len("kvs_0123456789ab_")] + secrets.token_urlsafe(32)
+
+
+def test_store_flood_of_wrong_secrets_runs_pbkdf2_a_few_times(tmp_path: Path, pbkdf2_runs) -> None:
+    """issue 18 fault 9: 200 wrong secrets for one key id cost at most the limit's PBKDF2 runs."""
+    store = TenantStore(tmp_path / "t.sqlite")
+    ann, ann_key = store.register(TenantSpec("ann"))
+    bob, bob_key = store.register(TenantSpec("bob"))
+    assert store.authenticate(ann_key) == ann  # verified once: cached
+    assert len(pbkdf2_runs) == 1
+
+    wrong = [_wrong_secret(ann_key) for _ in range(200)]
+    assert [store.authenticate(k) for k in wrong] == [None] * 200
+    assert [store.authenticate(k) for k in wrong[:5]] == [None] * 5  # remembered failures
+
+    assert len(pbkdf2_runs) == store.failed_checks_per_key_id  # the first check counts too
+    assert store.authenticate(ann_key) == ann  # the valid key works during the flood
+    assert store.authenticate(bob_key) == bob  # another key id is not limited
+    assert len(pbkdf2_runs) == store.failed_checks_per_key_id + 1
+
+
+def test_verified_cache_forgets_rotated_and_deleted_keys(tmp_path: Path) -> None:
+    """issue 18 fault 9: the verified-key cache never outlives a rotation or a deletion."""
+    store = TenantStore(tmp_path / "t.sqlite")
+    ann, ann_key = store.register(TenantSpec("ann"))
+    assert store.authenticate(ann_key) == ann
+    new_key = store.rotate_key("ann")
+    assert store.authenticate(ann_key) is None
+    assert store.authenticate(new_key) == ann
+    store.delete("ann")
+    assert store.authenticate(new_key) is None
+
+
+def test_scheduler_runs_pbkdf2_off_its_event_loop(tmp_path: Path, pbkdf2_runs) -> None:
+    """issue 18 fault 9: the actor's authenticate awaits PBKDF2 in a thread; the loop keeps turning."""
+    scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+    ann, ann_key = scheduler.store.register(TenantSpec("ann"))
+
+    async def run() -> tuple[object, int, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        tenant = await scheduler.authenticate(ann_key)
+        admin = await scheduler.verify_admin_key(_wrong_secret(ann_key))
+        task.cancel()
+        assert admin is False
+        return tenant, ticks, threading.get_ident()
+
+    tenant, ticks, loop_thread = asyncio.run(run())
+
+    assert tenant == ann
+    assert len(pbkdf2_runs) == 1 and pbkdf2_runs[0] != loop_thread
+    assert ticks >= 2  # the loop ran while PBKDF2 did
+
+
+def test_gateway_flood_is_refused_cheaply_and_valid_keys_still_work(tmp_path: Path, pbkdf2_runs) -> None:
+    """issue 18 fault 9: 200 wrong secrets for one key id over gRPC: UNAUTHENTICATED, then
+    RESOURCE_EXHAUSTED for that key id from that peer, far fewer PBKDF2 runs than calls; other
+    tenants' keys (first use) and the admin key still work from the same peer."""
+    with serve(tmp_path) as gw:
+        _, ann_key = gw.scheduler.store.register(TenantSpec("ann"))
+        _, bob_key = gw.scheduler.store.register(TenantSpec("bob"))
+        with grpc.insecure_channel(gw.address) as ch:
+            stub = tenant_pb2_grpc.TenantServiceStub(ch)
+
+            def rotate(name: str, key: str) -> grpc.StatusCode:
+                try:
+                    stub.RotateKey(tenant_pb2.RotateKeyRequest(name=name),
+                                   metadata=(("authorization", f"Bearer {key}"),))
+                except grpc.RpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+
+            codes = [rotate("ann", _wrong_secret(ann_key)) for _ in range(200)]
+            flood_runs = len(pbkdf2_runs)
+            with pytest.raises(grpc.RpcError) as not_admin:  # a tenant key on an admin call ...
+                stub.ListTenants(tenant_pb2.ListTenantsRequest(), metadata=(("authorization", f"Bearer {bob_key}"),))
+            after = [rotate("bob", bob_key), rotate("ann", gw.admin_key)]  # ... still works as a tenant's
+
+    assert not_admin.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    limit = gw.auth.failures_per_peer_key
+    assert codes[:limit] == [grpc.StatusCode.UNAUTHENTICATED] * limit
+    assert codes[limit:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (200 - limit)
+    assert flood_runs <= min(limit, gw.scheduler.store.failed_checks_per_key_id)
+    assert after == [grpc.StatusCode.OK, grpc.StatusCode.OK]
