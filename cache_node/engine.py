@@ -78,6 +78,8 @@ class LLMEngine(EngineTiersMixin):
         self.kv_format = kv_format_name(config.dtype, mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, hash_fn)
         self.scheduler = Scheduler(config, self.kv_manager)
+        self.scheduler.max_seq_tokens = self.max_model_len
+        self.scheduler.reclaim = self._unpin_idle_sessions
         self.runner = ModelRunner(model.to(dtype), self.pool)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager)
@@ -112,7 +114,9 @@ class LLMEngine(EngineTiersMixin):
 
         Raises:
             InvalidRequestError: empty prompt, token id out of vocabulary, prompt longer than
-                the model context or the whole pool, unknown stop token, duplicate id.
+                the model context, prompt + max_tokens more KV than the whole pool holds
+                (under a compressing policy: its prompt, then what it keeps; the message names
+                the pool's capacity in tokens), unknown stop token, duplicate id.
             PermissionError: ``session_id`` belongs to another tenant.
         """
         params = sampling_params or SamplingParams()
@@ -131,6 +135,7 @@ class LLMEngine(EngineTiersMixin):
             attach_policy(seq, self.pool, self.kv_manager.pool, self.policy_env, self.host_for_policies)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        self._check_fits(seq)
         if not params.greedy:
             seq.generator = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
@@ -161,6 +166,16 @@ class LLMEngine(EngineTiersMixin):
             raise InvalidRequestError(f"unknown stop token ids {bad}")
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """Refuse a request whose KV can never fit the pool (it would wedge the queue)."""
+        need, pool_tokens = self.scheduler.peak_tokens(seq), self.scheduler.pool_tokens
+        if need > pool_tokens:
+            params = seq.sampling_params
+            raise InvalidRequestError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{need} tokens of KV at once; this node's KV pool holds {pool_tokens} tokens"
+            )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at the next step boundary and free its blocks. False if unknown."""
@@ -200,8 +215,8 @@ class LLMEngine(EngineTiersMixin):
         with self._lock:
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
-            for seq in self.scheduler.take_rejected():  # can never fit the pool (policy's choice)
-                self._finish(seq, "rejected")
+            for seq in self.scheduler.take_rejected():  # can never fit the pool
+                self._finish(seq, "length" if seq.output_token_ids else "rejected")
                 outputs.append(self._output(seq, ()))
             self._release_idle_sessions()
             self.tiers.maybe_demote()
@@ -225,9 +240,14 @@ class LLMEngine(EngineTiersMixin):
         """
         if not self.scheduler.waiting:
             return
-        pool = self.kv_manager.pool
         head = self.scheduler.waiting[0]
-        need = max(pool.num_blocks // 10, -(-(head.num_tokens + 1) // self.pool.block_size))
+        need = max(self.pool.num_blocks // 10, -(-(head.num_tokens + 1) // self.pool.block_size))
+        self._unpin_idle_sessions(need)
+
+    def _unpin_idle_sessions(self, need: int) -> None:
+        """Unpin (demote) idle sessions, least recently used first, until ``need`` blocks are
+        free or none is left."""
+        pool = self.kv_manager.pool
         while pool.num_free_blocks() < need:
             session_id = self.sessions.lru_idle()
             if session_id is None:

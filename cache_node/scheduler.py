@@ -9,6 +9,13 @@ KV). The policy (``cache_node.scheduling``, ``EngineConfig.scheduling_policy``) 
 whether a blocked request holds the queue, and whether a higher class preempts a lower one
 for a running slot or for blocks. ``fcfs`` (the default) is plain FCFS with head-of-line
 blocking and newest-first preemption.
+
+Progress is guaranteed under every policy: a request whose peak KV (``peak_tokens``) exceeds
+the pool is refused at arrival, and when nothing runs and no waiting request could start, the
+head of the queue gets every block that is not its own (other waiting requests' blocks are
+freed, idle sessions unpinned through ``reclaim``); a head that still cannot start can never
+start, and is given up (``take_rejected``: the engine finishes it with reason "length" when
+it has output, else refuses it).
 Idea: Orca iteration-level scheduling (Yu et al., OSDI'22), Sarathi chunked prefill (Agrawal et
 al., OSDI'24), vLLM v1 scheduler.
 """
@@ -40,8 +47,13 @@ class Scheduler:
         clock: monotonic seconds (tests inject a simulated clock).
 
     Attributes:
-        rejected: sequences refused at arrival (too large for the pool); the engine finishes
-            them with reason "rejected" on its next step (``take_rejected``).
+        rejected: sequences given up: refused at arrival (``peak_tokens`` over the pool) or a
+            queue head that cannot start in an otherwise empty pool; the engine finishes them
+            on its next step (``take_rejected``).
+        max_seq_tokens: most tokens a sequence may reach (the engine's model context; None:
+            no limit beyond max_tokens).
+        reclaim: frees device blocks held outside the queues (the engine unpins idle
+            sessions) until the argument's number of blocks is free; None: nothing to free.
         prefill_speed: prefill tokens per second of step time, measured online.
     """
 
@@ -56,6 +68,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.rejected: list[Sequence] = []
+        self.max_seq_tokens: int | None = None
+        self.reclaim: Callable[[int], None] | None = None
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)
         self.step_model = StepTimeModel()  # step seconds vs prefill tokens and decodes
@@ -75,16 +89,29 @@ class Scheduler:
         self._demote, self._bytes_per_block, self._swap_bytes_per_s = demote, bytes_per_block, copy_bytes_per_s
 
     def add(self, seq: Sequence) -> None:
-        if self.policy.rejects_oversize and self._never_fits(seq):
+        """Queue ``seq``; one whose ``peak_tokens`` exceed the pool is given up at once."""
+        if self.peak_tokens(seq) > self.pool_tokens:
             self.rejected.append(seq)
             return
         self.policy.on_arrival(seq, self.clock(), self.active_tenants)
         self.active_tenants[seq.tenant] += 1
         self.waiting.append(seq)
 
-    def _never_fits(self, seq: Sequence) -> bool:
-        need = seq.num_prompt_tokens + seq.sampling_params.max_tokens
-        return cdiv(need, self.kv_manager.block_size) > self.kv_manager.pool.num_blocks
+    @property
+    def pool_tokens(self) -> int:
+        """The pool's capacity in tokens (blocks x block_size)."""
+        return self.kv_manager.pool.num_blocks * self.kv_manager.block_size
+
+    def peak_tokens(self, seq: Sequence) -> int:
+        """Most KV slots ``seq`` holds at once when it runs alone: prompt + max_tokens (capped
+        by ``max_seq_tokens``), or, under a compressing KV policy, at most the policy's
+        ``max_pool_tokens`` (its whole prompt at the end of prefill, then what it keeps)."""
+        peak = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        if self.max_seq_tokens is not None:
+            peak = min(peak, self.max_seq_tokens)
+        if seq.kv is not None:
+            peak = min(peak, seq.kv.policy.max_pool_tokens(seq.num_prompt_tokens))
+        return peak
 
     def take_rejected(self) -> list[Sequence]:
         out, self.rejected = self.rejected, []
@@ -157,6 +184,8 @@ class Scheduler:
             if decode:
                 self._last_decode_s[seq.request_id] = now
         self._admit_waiting(batch, budget, now, urgent_only, capped)
+        if not batch and not self.running:
+            self._unwedge(batch, self.config.max_num_batched_tokens, now)
         for seq, n in batch:
             self.policy.on_scheduled(seq, n, now)
         decodes = sum(n == 1 for _, n in batch)
@@ -223,6 +252,34 @@ class Scheduler:
             if held_back:
                 capped -= n
 
+    def _unwedge(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+        """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
+        requests waiting on a prefetch) every block that is not its own and admit it; a head
+        that still cannot start never will, and is given up (``rejected``)."""
+        ready = [s for s in self.policy.order(self.waiting, now) if s.prefetch_until_s <= now]
+        if not ready:
+            return  # prefetches in flight: their blocks land and the queue moves
+        head = ready[0]
+        self._free_held_elsewhere(head)
+        n = self._admit(head, budget)
+        self.waiting.remove(head)
+        if n is None:
+            self.rejected.append(head)
+            return
+        head.status = SequenceStatus.RUNNING
+        self.running.append(head)
+        batch.append((head, n))
+
+    def _free_held_elsewhere(self, seq: Sequence) -> None:
+        """Free the blocks of every waiting sequence but ``seq`` (they recompute, finding their
+        KV in the prefix cache) and let ``reclaim`` free the rest of the pool."""
+        for other in self.waiting:
+            if other is not seq and other.block_table:
+                self.kv_manager.free(other)
+                other.num_computed_tokens = 0
+        if self.reclaim is not None:
+            self.reclaim(self.kv_manager.pool.num_blocks)
+
     def _preempt_for_slots(self, now: float) -> None:
         """Free running slots for waiting sequences of a higher class than some running one."""
         for seq in self.policy.order(self.waiting, now):
@@ -241,7 +298,12 @@ class Scheduler:
         return refund
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Allocate slots for a running sequence, preempting the policy's victims if needed."""
+        """Allocate slots for a running sequence, preempting the policy's victims if needed.
+        Alone, it first takes the blocks other waiting sequences and idle sessions hold."""
+        if self.kv_manager.allocate_slots(seq, n) is not None:
+            return True
+        if self.running == [seq]:
+            self._free_held_elsewhere(seq)
         while self.kv_manager.allocate_slots(seq, n) is None:
             victim = self.policy.victim(self.running, seq)
             assert victim is not None, "a running sequence always has a victim (itself at worst)"

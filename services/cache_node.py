@@ -359,8 +359,9 @@ class CacheNode:
             delta, stream.text = text[len(stream.text):], text
             events.append({"type": "delta", "token_ids": list(out.new_token_ids), "text": delta})
         if out.finished and out.finish_reason == "rejected":
-            events.append({"type": "error", "code": "RESOURCE_EXHAUSTED",
-                           "message": "the request can never fit this node's KV pool"})
+            events.append({"type": "error", "code": "INVALID_ARGUMENT",
+                           "message": "the request can never fit this node's KV pool "
+                                      f"({self.engine.scheduler.pool_tokens} tokens)"})
         elif out.finished:
             self._end_session_turn(stream, out)
             events.append(self._finished_event(out, stream))

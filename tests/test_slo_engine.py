@@ -7,6 +7,7 @@ import pytest
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel
+from cache_node.outputs import InvalidRequestError
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
 from cache_node.scheduling.admission import (
@@ -70,18 +71,16 @@ def test_preempted_request_swaps_to_host_and_resumes_with_identical_tokens(tiny)
     eng.check_integrity()
 
 
-def test_oversize_request_finishes_rejected_and_others_complete(tiny) -> None:
-    eng = engine(tiny, "kvstrata", max_num_seqs=4)
+def test_oversize_request_is_refused_and_others_complete(tiny) -> None:
+    eng = engine(tiny, "kvstrata", max_num_seqs=4, kv_pool_bytes=1 << 19)  # 1024 tokens
     pool_tokens = eng.pool.num_blocks * eng.pool.block_size
-    big = eng.add_request(
-        prompt_of(pool_tokens - 8, 1), SamplingParams(max_tokens=64), tenant="bulk"
-    )
+    with pytest.raises(InvalidRequestError, match=f"KV pool holds {pool_tokens} tokens"):
+        eng.add_request(prompt_of(pool_tokens - 8, 1), SamplingParams(max_tokens=64), tenant="bulk")
     small = eng.add_request(
         prompt_of(10, 2), SamplingParams(max_tokens=3, ignore_eos=True), tenant="live"
     )
     outs = {o.request_id: o for o in eng.step()}
-    assert outs[big].finish_reason == "rejected" and outs[big].finished
-    assert outs[small].new_token_ids  # prefilled in the same step
+    assert list(outs) == [small] and outs[small].new_token_ids
     assert eng.stats()["waiting"] == 0
 
 

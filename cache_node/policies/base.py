@@ -170,6 +170,14 @@ class Policy:
             return max(floor, math.floor(self.budget * num_prompt_tokens))
         return max(floor, int(self.budget))
 
+    def max_pool_tokens(self, num_prompt_tokens: int) -> int:
+        """Most pool slots a sequence under this policy holds at once: its whole prompt plus
+        the next token's slot at the end of prefill (compression starts once the prompt is
+        computed), then at most its budget plus ``evict_every`` slack plus the token being
+        decoded. The admission check's bound (``Scheduler.peak_tokens``)."""
+        kept = self.budget_tokens(num_prompt_tokens) + self.evict_every + 1
+        return max(num_prompt_tokens + 1, kept)
+
     def layer_budgets(self, budget_tokens: int, num_layers: int) -> list[int]:
         """Per-layer budgets (uniform by default; bytes held follow the largest)."""
         return [budget_tokens] * num_layers

@@ -70,8 +70,6 @@ class SchedulingPolicy(ABC):
             does not fit ends admission for the step (vLLM/FCFS).
         preempts_for_class: a waiting request may preempt a running one of a lower class
             when the running slots or the blocks are full.
-        rejects_oversize: a request whose prompt + max_tokens cannot fit the whole pool is
-            rejected at arrival instead of queued.
         swaps_on_preempt: a preempted request's computed blocks are demoted to the host tier
             (when one exists and the copy is cheaper than recomputing).
         admits_whole_prompt: a waiting request is admitted only when the free blocks cover its
@@ -91,7 +89,6 @@ class SchedulingPolicy(ABC):
     name: ClassVar[str] = ""
     skip_blocked: ClassVar[bool] = False
     preempts_for_class: ClassVar[bool] = False
-    rejects_oversize: ClassVar[bool] = False
     swaps_on_preempt: ClassVar[bool] = False
     admits_whole_prompt: ClassVar[bool] = False
     prefill_chunk_share: ClassVar[float] = 1.0

@@ -34,7 +34,8 @@ been passed over ``aging_steps`` times; then it holds the queue until it fits. A
 request preempts a running one of a lower class when slots or blocks are full; the victim is
 the lowest class, then the tenant most over its device quota, then the largest VTC counter,
 then the newest. Preempted blocks are demoted to the host tier when copying is cheaper than
-recomputing. Requests that can never fit the pool are rejected at arrival.
+recomputing. (Requests that can never fit the pool are refused at arrival under every
+policy: ``Scheduler.peak_tokens``.)
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ class KvstrataPolicy(SchedulingPolicy):
     name = "kvstrata"
     skip_blocked = True
     preempts_for_class = True
-    rejects_oversize = True
     swaps_on_preempt = True
     prefill_chunk_share = 0.5
     admits_whole_prompt = True

@@ -1,0 +1,124 @@
+"""No request wedges a node: oversize requests are refused at admission, and a waiting queue
+whose head cannot be scheduled while nothing runs always moves (every scheduling policy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.kv_pool import KVPool
+from cache_node.model_loader import LoadedModel
+from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.sampling_params import SamplingParams
+
+SCHEDULERS = ["fcfs", "priority", "vtc", "kvstrata"]
+
+
+def engine(lm: LoadedModel, scheduler: str, num_blocks: int = 20) -> LLMEngine:
+    mc = lm.model.config
+    head_dim = mc.hidden_size // mc.num_attention_heads
+    per_block = 16 * KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, lm.model.dtype)
+    config = EngineConfig(block_size=16, kv_pool_bytes=num_blocks * per_block, max_num_batched_tokens=64,
+                          max_num_seqs=8, scheduling_policy=scheduler)
+    return LLMEngine(lm.model, config, lm.model_id, lm.eos_token_ids)
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % 500 + 1 for i in range(n)]
+
+
+def drain(eng: LLMEngine, max_steps: int = 2000) -> dict[str, RequestOutput]:
+    """Step until idle; fails (instead of hanging) when the node wedges."""
+    final: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            return final
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    stats = eng.stats()
+    pytest.fail(f"wedged: {stats['running']} running, {stats['waiting']} waiting, {len(final)} finished")
+
+
+def assert_pool_empty(eng: LLMEngine) -> None:
+    eng.check_integrity()
+    pool = eng.kv_manager.pool
+    assert pool.num_free_blocks() == pool.num_blocks
+    assert not eng.scheduler.waiting and eng.scheduler.running == []
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_request_that_can_never_fit_is_refused_naming_the_pool_and_nothing_waits(tiny, scheduler) -> None:
+    """issue 18 fault 1: one request wedges a node. A 300-token prompt with max_tokens 100 in a
+    20-block (320-token) pool was admitted, preempted at 21 output tokens, never re-admitted,
+    and 4 of the 5 small requests behind it never finished (fcfs, priority, vtc)."""
+    eng = engine(tiny, scheduler)
+    with pytest.raises(InvalidRequestError, match=r"KV pool holds 320 tokens"):
+        eng.add_request(prompt_of(300), SamplingParams(max_tokens=100, ignore_eos=True), request_id="big")
+    small = [eng.add_request(prompt_of(20, i + 1), SamplingParams(max_tokens=5, ignore_eos=True),
+                             request_id=f"s{i}") for i in range(5)]
+    final = drain(eng)
+    assert sorted(final) == small
+    assert [(final[s].finish_reason, final[s].num_output_tokens) for s in small] == [("length", 5)] * 5
+    assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_requests_that_each_fit_alone_all_finish_when_together_they_overflow_the_pool(tiny, scheduler) -> None:
+    """issue 18 fault 1: a request that fits alone but finds the pool full while it runs is
+    preempted and must come back; nothing behind it waits forever."""
+    eng = engine(tiny, scheduler)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [eng.add_request(prompt_of(200), params, request_id="a"),
+           eng.add_request(prompt_of(180, 3), params, request_id="b")]
+    ids += [eng.add_request(prompt_of(20, i + 5), SamplingParams(max_tokens=5, ignore_eos=True),
+                            request_id=f"s{i}") for i in range(3)]
+    final = drain(eng)
+    assert sorted(final) == sorted(ids)
+    assert {i: (final[i].finish_reason, final[i].num_output_tokens) for i in ids} == {
+        "a": ("length", 40), "b": ("length", 40), "s0": ("length", 5), "s1": ("length", 5),
+        "s2": ("length", 5)}
+    # the pool really overflowed (kvstrata admits whole prompts only: b waits for a instead)
+    assert (eng.scheduler.num_preemptions == 0) == (scheduler == "kvstrata")
+    assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_waiting_turn_holding_blocks_does_not_wedge_the_request_ahead_of_it(tiny, scheduler) -> None:
+    """issue 18 fault 1 (the class): the queue head cannot get blocks while nothing runs,
+    because a session turn queued behind it holds the session's pinned blocks. The head must
+    still run, then the turn (its history comes back through the prefix cache)."""
+    eng = engine(tiny, scheduler)
+    history = prompt_of(200, 9)
+    first = eng.add_request(history, SamplingParams(max_tokens=1, ignore_eos=True), session_id="s")
+    turn1 = drain(eng)[first]
+    assert eng.kv_manager.pool.num_free_blocks() == 20 - 13  # the session pins 200 tokens
+    eng.add_request(prompt_of(150, 4), SamplingParams(max_tokens=5, ignore_eos=True), request_id="x")
+    prompt2 = history + list(turn1.output_token_ids) + prompt_of(10, 11)
+    eng.add_request(prompt2, SamplingParams(max_tokens=5, ignore_eos=True), request_id="t2", session_id="s")
+    final = drain(eng)
+    assert {i: (o.finish_reason, o.num_output_tokens) for i, o in final.items()} == {
+        "x": ("length", 5), "t2": ("length", 5)}
+    eng.close_session("s")
+    assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_preempted_request_that_can_never_come_back_finishes_with_length(tiny, scheduler) -> None:
+    """issue 18 fault 1: a compressing request (streaming keeps 48 tokens) fits while it
+    decodes, but once preempted it must recompute its whole history, which the pool cannot
+    hold at once under a policy that admits whole prompts only (kvstrata): it finishes with
+    reason "length" and its tokens so far. Chunked policies recompute it chunk by chunk (the
+    policy compresses between chunks) and it runs to max_tokens. Nothing behind it waits."""
+    eng = engine(tiny, scheduler, num_blocks=12)  # 192 tokens
+    long = eng.add_request(prompt_of(100), SamplingParams(max_tokens=150, ignore_eos=True), request_id="long",
+                           policy="streaming-48-sink_tokens_4-window_tokens_16")
+    final: dict[str, RequestOutput] = {}
+    while len(eng.requests[long].output_token_ids) < 100:
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    eng.scheduler.preempt(eng.requests[long])  # as a higher class or a block shortage would
+    eng.add_request(prompt_of(30, 2), SamplingParams(max_tokens=5, ignore_eos=True), request_id="small")
+    final.update(drain(eng))
+    expected = 100 if scheduler == "kvstrata" else 150
+    assert (final["long"].finish_reason, final["long"].num_output_tokens) == ("length", expected)
+    assert (final["small"].finish_reason, final["small"].num_output_tokens) == ("length", 5)
+    assert_pool_empty(eng)
