@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_STOP_TOKEN_IDS = 64
+"""Most ``stop_token_ids`` one request may name (each is checked on every decode step)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,7 +18,7 @@ class SamplingParams:
         top_p: nucleus mass kept when sampling, in (0, 1].
         seed: per-request RNG seed for sampling; None draws from the engine RNG.
         stop_token_ids: extra token ids that end the request (the model's EOS always does
-            unless ``ignore_eos``).
+            unless ``ignore_eos``); non-negative, at most ``MAX_STOP_TOKEN_IDS``.
         ignore_eos: keep generating past EOS (benchmarks).
 
     Raises:
@@ -38,7 +41,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = tuple(int(t) for t in self.stop_token_ids)
+        if len(stop) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(stop)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        if any(t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,14 @@ must be ...``, ``sampling.max_tokens must be ...``); the gateway maps ``ValueErr
 proto3 zero values mean "unset": a ``TenantSpec`` field left at 0/"" takes the SLO class
 default (``min_tokens_per_s`` has explicit presence, so 0 means "no floor"), and a
 ``SamplingParams.top_p`` of 0 means 1.0.
+
+Bounds on a ``GenerateRequest`` (past one: ``ValueError`` naming the field and the limit):
+``sampling.stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` (64) ids; ``tokens.ids`` at most
+``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most ``MAX_CHAT_MESSAGES``
+(1,024) messages holding at most ``MAX_PROMPT_CHARS`` (1,048,576) characters together;
+``policy`` a name of the tenant policy pattern (at most 63 characters); ``request_id`` and
+``session_id`` at most 256 characters (checked by the gateway). The model's context length
+and the KV pool bound a prompt's tokens further (the gateway).
 """
 
 from __future__ import annotations
@@ -18,13 +26,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from cache_node.sampling_params import SamplingParams
+from cache_node.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
-from tenants.model import SloClass, Tenant, TenantSpec
+from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
 from tenants.usage import TenantUsage, TierTokens
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 FLOAT32_DIGITS = 6  # decimal digits a float32 always round-trips (FLT_DIG)
+MAX_PROMPT_TOKEN_IDS = 131_072
+MAX_CHAT_MESSAGES = 1024
+MAX_PROMPT_CHARS = 1 << 20
 
 _SLO_CLASS_TO_PB: dict[SloClass, common_pb2.SloClass] = {
     SloClass.INTERACTIVE: common_pb2.SLO_CLASS_INTERACTIVE,
@@ -188,6 +199,9 @@ def sampling_params_from_pb(
     """
     if msg.max_tokens == 0:
         raise ValueError(f"{prefix}.max_tokens must be > 0 (it is required), got 0")
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{prefix}.stop_token_ids holds {len(msg.stop_token_ids)} ids; "
+                         f"at most {MAX_STOP_TOKEN_IDS} are allowed")
     with _field_path(prefix):
         return SamplingParams(
             max_tokens=msg.max_tokens,
@@ -218,11 +232,18 @@ def chat_messages_from_pb(
     """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` for the chat template.
 
     Raises:
-        ValueError: no messages, a role outside ``CHAT_ROLES`` (named by index), or every
-            message's content is blank (an empty prompt).
+        ValueError: no messages or more than ``MAX_CHAT_MESSAGES``, more than
+            ``MAX_PROMPT_CHARS`` characters of content together, a role outside
+            ``CHAT_ROLES`` (named by index), or every message's content is blank.
     """
     if not msg.messages:
         raise ValueError(f"{prefix}.messages must hold at least one message")
+    if len(msg.messages) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"{prefix}.messages holds {len(msg.messages)} messages; "
+                         f"at most {MAX_CHAT_MESSAGES} are allowed")
+    chars = sum(len(m.content) for m in msg.messages)
+    if chars > MAX_PROMPT_CHARS:
+        raise ValueError(f"{prefix}.messages hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
     if not any(m.content.strip() for m in msg.messages):
         raise ValueError(f"{prefix}.messages: every message is empty; the prompt needs some text")
     for index, message in enumerate(msg.messages):
@@ -257,7 +278,7 @@ def prompt_from_pb(request: inference_pb2.GenerateRequest) -> list[dict[str, str
 
     Raises:
         ValueError: neither ``chat`` nor ``tokens`` is set, a chat is invalid, or the
-            token list is empty.
+            token list is empty or longer than ``MAX_PROMPT_TOKEN_IDS``.
     """
     which = request.WhichOneof("input")
     if which == "chat":
@@ -265,8 +286,22 @@ def prompt_from_pb(request: inference_pb2.GenerateRequest) -> list[dict[str, str
     if which == "tokens":
         if not request.tokens.ids:
             raise ValueError("tokens.ids must hold at least one token id")
+        if len(request.tokens.ids) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"tokens.ids holds {len(request.tokens.ids)} ids; "
+                             f"at most {MAX_PROMPT_TOKEN_IDS} are allowed")
         return list(request.tokens.ids)
     raise ValueError("input must be set: either chat or tokens")
+
+
+def policy_from_pb(policy: str, tenant_policy: str) -> str:
+    """The KV policy a request runs under: its own ``policy`` override, else the tenant's.
+
+    Raises:
+        ValueError: the override does not match the policy name pattern (at most 63 chars).
+    """
+    if policy and POLICY_PATTERN.fullmatch(policy) is None:
+        raise ValueError(f"policy must match {POLICY_PATTERN.pattern}, got {policy[:80]!r}")
+    return policy or tenant_policy
 
 
 def _from_float32(value: float) -> float:
