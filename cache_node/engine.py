@@ -39,7 +39,9 @@ class LLMEngine(EngineTiersMixin):
     Args:
         model: transformers causal LM (weights on ``device``).
         config: pool and step sizing.
-        model_id: identity of the weights, part of every block hash's extra keys.
+        model_id: identity of the weights, part of every block hash's extra keys; pass
+            ``LoadedModel.model_id`` (a digest of config and weights) so that two different
+            models never share cached KV (a name alone is not an identity).
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
         hash_fn: block-hash digest (tests inject weak ones).
         tier_config: host tier and movement settings (None: no host tier).

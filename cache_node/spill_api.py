@@ -3,7 +3,9 @@
 The cache node never imports Ray: it talks to a ``SpillClient``, implemented in-process by
 ``services.spill_store.SpillStore`` and, across actors, by ``services.spill_client``. A
 spill block is one row ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` keyed by its
-32-byte chained block hash (which carries namespace, model and KV format).
+32-byte chained block hash (which carries namespace, model identity and KV format) and
+stored with its token ids; the engine passes the token ids on every ``get``, so a block held
+under the asked hash with other tokens is a miss (as the device and host tiers check).
 
 Whatever a client returns is untrusted: a reply that does not answer the question asked
 (other hashes, another shape or dtype) is a miss as a whole, never KV.
@@ -40,9 +42,17 @@ class SpillClient(Protocol):
     into a miss (``get``) or a dropped write (``put``).
     """
 
-    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int: ...
+    def put(
+        self,
+        hashes: Sequence[bytes],
+        blocks: np.ndarray,
+        namespace: str,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> int: ...
 
-    def get(self, hashes: Sequence[bytes]) -> SpillReply: ...
+    def get(
+        self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
+    ) -> SpillReply: ...
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]: ...
 

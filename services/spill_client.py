@@ -62,18 +62,30 @@ class RaySpillClient:
         """Index of the node that holds ``block_hash``."""
         return int.from_bytes(block_hash[:8], "little") % len(self.nodes)
 
-    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
-        """Store ``blocks[i]`` under ``hashes[i]``; returns blocks newly stored (failures: 0)."""
+    def put(
+        self,
+        hashes: Sequence[bytes],
+        blocks: np.ndarray,
+        namespace: str,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> int:
+        """Store ``blocks[i]`` (token ids ``token_ids[i]``) under ``hashes[i]``; returns blocks
+        newly stored (failures: 0)."""
         shards = self._split(hashes)
-        refs = {i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace)
+        refs = {i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace,
+                                            _pick(token_ids, rows))
                 for i, rows in shards.items()}
         replies = self._gather(refs, self.put_timeout_s, "put")
         return sum(int(v) for v in replies.values())
 
-    def get(self, hashes: Sequence[bytes]) -> SpillHits:
-        """Hits among ``hashes`` in request order; a failed node's hashes are misses."""
+    def get(
+        self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
+    ) -> SpillHits:
+        """Hits among ``hashes`` in request order (token-checked by the nodes when
+        ``token_ids`` is given); a failed node's hashes are misses."""
         shards = self._split(hashes)
-        refs = {i: self.nodes[i].get.remote([hashes[r] for r in rows]) for i, rows in shards.items()}
+        refs = {i: self.nodes[i].get.remote([hashes[r] for r in rows], _pick(token_ids, rows))
+                for i, rows in shards.items()}
         rows_of: dict[bytes, tuple[np.ndarray, str]] = {}
         for reply in self._gather(refs, self.get_timeout_s, "get").values():
             for j, (block_hash, tier) in enumerate(zip(reply.hashes, reply.tiers)):
@@ -137,3 +149,8 @@ class RaySpillClient:
     def _fail(self, kind: str, node: int, why: str) -> None:
         logger.warning("spill %s on node %d failed (%s): treated as a miss", kind, node, why)
         self.counters[f"{kind}_failures"] += 1
+
+
+def _pick(token_ids: Sequence[Sequence[int]] | None, rows: list[int]) -> list[list[int]] | None:
+    """The ``token_ids`` of one shard's ``rows`` (None stays None)."""
+    return None if token_ids is None else [list(token_ids[r]) for r in rows]

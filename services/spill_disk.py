@@ -11,7 +11,8 @@ never deleted. Any other ``OSError`` (EIO, EMFILE, EACCES, ENOSPC...) is transie
 retried ``READ_ATTEMPTS`` times with a short backoff, then counted (``io_errors``) and the
 read is a miss, the file staying on disk and in the index; a file whose header cannot be read
 at a restart stays on disk unindexed until the next restart. A file that is gone (ENOENT) is
-dropped from the index (``missing_files``).
+dropped from the index (``missing_files``). A file of another format version or block format
+is skipped at a restart (``skipped_files``): left on disk, never indexed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TypeVar
 import numpy as np
 
 from services import spill_format as fmt
-from services.spill_format import BlockFormat, SpillCorruptError
+from services.spill_format import BlockFormat, SpillCorruptError, SpillFormatMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class DiskTier:
         max_blocks_per_file: most blocks per group file.
         emit: receives "stored"/"removed" events of this tier.
         counters: shared fault counters (``corrupt_reads``, ``quarantined_files``, ``io_errors``,
-            ``io_retries``, ``missing_files``, ``evicted_files``).
+            ``io_retries``, ``missing_files``, ``skipped_files``, ``evicted_files``).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class DiskTier:
         self._emit = emit
         self._counters = counters
         self.index: dict[bytes, str] = {}  # block_hash -> file name
+        self.tokens: dict[bytes, bytes] = {}  # block_hash -> its token_bytes (b"": unknown)
         self._files: OrderedDict[str, _SpillFile] = OrderedDict()  # LRU first
         self.bytes_used = 0
         self._rebuild()
@@ -89,11 +91,15 @@ class DiskTier:
     def num_files(self) -> int:
         return len(self._files)
 
-    def write(self, namespace: str, hashes: Sequence[bytes], blocks: np.ndarray) -> None:
-        """Write ``blocks`` (n, *shape) as group files of at most ``max_blocks_per_file``."""
+    def write(
+        self, namespace: str, hashes: Sequence[bytes], blocks: np.ndarray, tokens: Sequence[bytes]
+    ) -> None:
+        """Write ``blocks`` (n, *shape), with each block's ``token_bytes`` ``tokens[i]``, as group
+        files of at most ``max_blocks_per_file``."""
         step = self.max_blocks_per_file
         for start in range(0, len(hashes), step):
-            self._write_file(namespace, list(hashes[start : start + step]), blocks[start : start + step])
+            end = start + step
+            self._write_file(namespace, list(hashes[start:end]), blocks[start:end], list(tokens[start:end]))
             self._evict_over_budget()
 
     def read(self, hashes: Sequence[bytes], out: np.ndarray, rows: Sequence[int]) -> list[int]:
@@ -121,24 +127,28 @@ class DiskTier:
         for path in fmt.list_group_files(self.root_dir):
             fmt.remove_file(path)
 
-    def _write_file(self, namespace: str, hashes: list[bytes], blocks: np.ndarray) -> None:
+    def _write_file(
+        self, namespace: str, hashes: list[bytes], blocks: np.ndarray, tokens: list[bytes]
+    ) -> None:
         if self.budget_bytes == 0:
             return
         name = uuid.uuid4().hex + fmt.FILE_SUFFIX
         path = self.root_dir / name
         try:
-            size_bytes = fmt.write_group(path, hashes, blocks, namespace, self.block_format)
+            size_bytes = fmt.write_group(path, hashes, blocks, namespace, self.block_format, tokens)
         except OSError as exc:
             logger.warning("spill write %s failed, %d blocks dropped: %s", path, len(hashes), exc)
             self._counters["io_errors"] += 1
             return
-        self._add_file(name, path, size_bytes, hashes)
+        self._add_file(name, path, size_bytes, dict(zip(hashes, tokens)))
 
-    def _add_file(self, name: str, path: Path, size_bytes: int, hashes: list[bytes]) -> None:
-        self._files[name] = _SpillFile(path, size_bytes, set(hashes))
+    def _add_file(self, name: str, path: Path, size_bytes: int, blocks: dict[bytes, bytes]) -> None:
+        """Index a file's ``blocks`` (block_hash -> token_bytes)."""
+        self._files[name] = _SpillFile(path, size_bytes, set(blocks))
         self.bytes_used += size_bytes
-        for block_hash in hashes:
+        for block_hash, tokens in blocks.items():
             self.index[block_hash] = name
+            self.tokens[block_hash] = tokens
             self._emit("stored", block_hash, TIER_DISK)
 
     def _evict_over_budget(self) -> None:
@@ -155,6 +165,7 @@ class DiskTier:
         self.bytes_used -= spill_file.size_bytes
         for block_hash in spill_file.live:
             del self.index[block_hash]
+            del self.tokens[block_hash]
             self._emit("removed", block_hash, TIER_DISK)
         return spill_file
 
@@ -218,6 +229,10 @@ class DiskTier:
         except SpillCorruptError as exc:
             self._quarantine(path, exc)
             return
+        except SpillFormatMismatch as exc:
+            logger.warning("skipping spill file %s: %s", path, exc)
+            self._counters["skipped_files"] += 1
+            return
         except FileNotFoundError:
             return  # vanished since the listing
         except OSError as exc:
@@ -227,8 +242,10 @@ class DiskTier:
             return
         if not header.matches(self.block_format):
             logger.warning("skipping spill file %s of another block format", path)
+            self._counters["skipped_files"] += 1
             return
-        live = [h for h in dict.fromkeys(header.block_hashes) if h not in self.index]
+        blocks = zip(header.block_hashes, header.block_tokens)
+        live = {h: tokens for h, tokens in blocks if h not in self.index}
         if not live:
             fmt.remove_file(path)  # every block is held by an older file
             return

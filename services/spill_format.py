@@ -9,11 +9,17 @@ so a 2k-token prefix with ``block_size`` 16 (128 blocks) is a few files. Layout:
     offset 24  header: msgpack map                   header_len bytes
     then       payload: raw block bytes, C order    num_blocks * block_nbytes bytes
 
-Header keys: ``version``, ``block_hashes`` (32-byte each), ``namespace``,
-``shape`` (one block's), ``dtype`` (numpy ``dtype.str``, e.g. ``"<f2"``),
+Header keys: ``version``, ``block_hashes`` (32-byte each), ``block_tokens``
+(each block's token ids as little-endian int64 bytes; empty when unknown),
+``namespace``, ``shape`` (one block's), ``dtype`` (numpy ``dtype.str``, e.g. ``"<f2"``),
 ``kv_format``, ``payload_bytes``, ``checksum`` (algorithm) and
 ``block_checksums`` (one xxh3_128 digest per block, so a subset of blocks is
-read and verified without reading the whole payload). Writes go to a temp file
+read and verified without reading the whole payload).
+
+Versions: 2 added ``block_tokens`` (and came with block keys whose model identity is a
+digest of the weights). A file of another version raises ``SpillFormatMismatch``: it is not
+corrupt, only not ours, so a store skips it (left on disk, never indexed, deleted by a
+``flush``) exactly like a file of another block format. Writes go to a temp file
 in the same directory, fsync, then ``os.replace``. Every read verifies the
 header digest, the file length and each returned block's checksum; any fault
 raises ``SpillCorruptError``. A corrupt file is moved aside into ``QUARANTINE_DIR``
@@ -37,7 +43,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FILE_SUFFIX = ".kvs"
 TEMP_PREFIX = ".tmp-"
 HASH_BYTES = 32
@@ -54,6 +60,10 @@ _PREFIX = struct.Struct("<4sI16s")
 
 class SpillCorruptError(Exception):
     """A spill file is truncated, has a bad header, or fails its checksum."""
+
+
+class SpillFormatMismatch(Exception):
+    """A spill file whose verified header has another format version than ``FORMAT_VERSION``."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ class GroupHeader:
 
     version: int
     block_hashes: tuple[bytes, ...]
+    block_tokens: tuple[bytes, ...]  # token_bytes() of each block; b"" when unknown
     namespace: str
     shape: tuple[int, ...]
     dtype: str
@@ -130,18 +141,23 @@ def write_group(
     blocks: np.ndarray,
     namespace: str,
     block_format: BlockFormat,
+    block_tokens: Sequence[bytes] | None = None,
 ) -> int:
     """Atomically write ``blocks`` as one group file at ``path``; returns its size in bytes.
 
     ``blocks``: ``(len(block_hashes), *block_format.shape)`` of ``block_format.dtype``;
-    ``namespace`` is recorded in the header. Raises ValueError when blocks do not
-    match, OSError when the write, fsync or rename fails (no partial file is left).
+    ``block_tokens``: each block's ``token_bytes`` (None: unknown); ``namespace`` is
+    recorded in the header. Raises ValueError when blocks or tokens do not match, OSError
+    when the write, fsync or rename fails (no partial file is left).
     """
     expected = (len(block_hashes), *block_format.shape)
     if blocks.shape != expected or blocks.dtype != block_format.np_dtype:
         raise ValueError(f"blocks {blocks.shape}/{blocks.dtype} do not match {expected}")
+    tokens = [b""] * len(block_hashes) if block_tokens is None else [bytes(t) for t in block_tokens]
+    if len(tokens) != len(block_hashes):
+        raise ValueError(f"{len(tokens)} block_tokens for {len(block_hashes)} blocks")
     payload = np.ascontiguousarray(blocks, dtype=block_format.np_dtype.newbyteorder("<"))
-    header = _pack_header(block_hashes, payload, namespace, block_format)
+    header = _pack_header(block_hashes, tokens, payload, namespace, block_format)
     prefix = _PREFIX.pack(_MAGIC, len(header), xxhash.xxh3_128_digest(header))
     _atomic_write(path, [prefix, header, payload.reshape(-1).view(np.uint8).data])
     return len(prefix) + len(header) + payload.nbytes
@@ -150,8 +166,9 @@ def write_group(
 def read_header(path: Path) -> GroupHeader:
     """Read and verify a group file's header: magic, digest, fields, exact file length.
 
-    Raises SpillCorruptError for a truncated file or a bad/malformed header, and
-    OSError when the file cannot be opened or read (e.g. it is missing).
+    Raises SpillCorruptError for a truncated file or a bad/malformed header,
+    SpillFormatMismatch for a file of another format version, and OSError when the file
+    cannot be opened or read (e.g. it is missing).
     """
     with open(path, "rb") as f:
         return _read_header(f, path)
@@ -209,14 +226,24 @@ def _read_run(
         out.byteswap(inplace=True)  # the payload is little-endian on every host
 
 
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The canonical bytes of one block's token ids (little-endian int64), as stored."""
+    return np.asarray(token_ids, dtype=np.int64).astype("<i8").tobytes()
+
+
 def _pack_header(
-    block_hashes: Sequence[bytes], payload: np.ndarray, namespace: str, fmt: BlockFormat
+    block_hashes: Sequence[bytes],
+    block_tokens: list[bytes],
+    payload: np.ndarray,
+    namespace: str,
+    fmt: BlockFormat,
 ) -> bytes:
     rows = payload.reshape(len(block_hashes), -1).view(np.uint8)
     return msgpack.packb(
         {
             "version": FORMAT_VERSION,
             "block_hashes": [bytes(h) for h in block_hashes],
+            "block_tokens": block_tokens,
             "namespace": namespace,
             "shape": list(fmt.shape),
             "dtype": payload.dtype.str,
@@ -249,9 +276,12 @@ def _read_header(f: Any, path: Path) -> GroupHeader:
 def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
     try:
         fields = msgpack.unpackb(raw, raw=False)
+        if fields["version"] != FORMAT_VERSION:
+            raise SpillFormatMismatch(f"{path}: version {fields['version']!r}, not {FORMAT_VERSION}")
         header = GroupHeader(
             version=int(fields["version"]),
             block_hashes=tuple(fields["block_hashes"]),
+            block_tokens=tuple(fields["block_tokens"]),
             namespace=str(fields["namespace"]),
             shape=tuple(int(d) for d in fields["shape"]),
             dtype=str(fields["dtype"]),
@@ -261,7 +291,7 @@ def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
             payload_offset=payload_offset,
         )
         _check_header(header, fields["checksum"], path)
-    except SpillCorruptError:
+    except (SpillCorruptError, SpillFormatMismatch):
         raise
     except Exception as exc:  # any decode/type fault of untrusted bytes is corruption
         raise SpillCorruptError(f"{path}: malformed header ({exc})") from exc
@@ -269,12 +299,16 @@ def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
 
 
 def _check_header(header: GroupHeader, algo: object, path: Path) -> None:
-    if header.version != FORMAT_VERSION or algo != CHECKSUM_ALGO:
-        raise SpillCorruptError(f"{path}: version {header.version}/{algo} not supported")
+    if algo != CHECKSUM_ALGO:
+        raise SpillCorruptError(f"{path}: checksum algorithm {algo!r} not supported")
     n = len(header.block_hashes)
     kinds = {(type(h), len(h)) for h in header.block_hashes}
     if len(header.block_checksums) != n or kinds - {(bytes, HASH_BYTES)}:
         raise SpillCorruptError(f"{path}: block hash/checksum lists are malformed")
+    if len(header.block_tokens) != n or any(
+        not isinstance(t, bytes) or len(t) % 8 for t in header.block_tokens
+    ):
+        raise SpillCorruptError(f"{path}: block token lists are malformed")
     block_bytes = int(np.prod(header.shape)) * np.dtype(header.dtype).itemsize
     if header.payload_bytes != n * block_bytes:
         raise SpillCorruptError(f"{path}: payload_bytes does not match shape and dtype")

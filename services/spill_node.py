@@ -88,15 +88,25 @@ class SpillNode:
         """True once the store is built (its disk index rebuilt); await it after creation."""
         return True
 
-    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
-        """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``; returns blocks newly stored."""
-        stored = self._store.put(hashes, blocks, namespace)
+    def put(
+        self,
+        hashes: Sequence[bytes],
+        blocks: np.ndarray,
+        namespace: str,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> int:
+        """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block;
+        returns blocks newly stored."""
+        stored = self._store.put(hashes, blocks, namespace, token_ids)
         self._push()
         return stored
 
-    def get(self, hashes: Sequence[bytes]) -> SpillHits:
-        """``SpillStore.get``: the hits, their blocks ``(hits, *shape)`` and tiers."""
-        hits = self._store.get(hashes)
+    def get(
+        self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
+    ) -> SpillHits:
+        """``SpillStore.get``: the hits (token-checked when ``token_ids`` is given), their
+        blocks ``(hits, *shape)`` and tiers."""
+        hits = self._store.get(hashes, token_ids)
         self._push()  # a corrupt or missing file dropped its blocks
         return hits
 

@@ -5,6 +5,10 @@ demoted in batches to disk group files (``spill_format``), kept by ``DiskTier``
 (``spill_disk``: whole files evicted LRU, index rebuilt from file headers on
 construction, so a restart keeps disk hits). Disk hits are not promoted to RAM:
 the caller keeps what it reads.
+
+Every block keeps the token ids it was put with (RAM entry, group file header); a ``get``
+that passes ``token_ids`` is served a block only when they are equal, as the device and host
+tiers check tokens on every hit: a block key is a hash, and a hash is not proof of content.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ EVENT_REMOVED = "removed"
 _HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
 STAT_COUNTERS = _HITS + (
     "corrupt_reads", "quarantined_files", "io_errors", "io_retries", "missing_files",
-    "evicted_files", "events_dropped",
+    "skipped_files", "token_mismatches", "evicted_files", "events_dropped",
 )
 
 
@@ -52,6 +56,7 @@ class SpillHits(NamedTuple):
 class _RamEntry:
     block: np.ndarray  # (*block_format.shape,)
     namespace: str
+    tokens: bytes  # spill_format.token_bytes of its token ids; b"" when unknown
 
 
 _Victims = list[tuple[bytes, _RamEntry]]
@@ -107,43 +112,61 @@ class SpillStore:
                 self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters
             )
 
-    def put(self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str) -> int:
+    def put(
+        self,
+        hashes: Sequence[bytes],
+        blocks: np.ndarray,
+        namespace: str,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> int:
         """Store ``blocks[i]`` under ``hashes[i]`` in RAM; returns how many were new.
 
         ``blocks``: ``(len(hashes), *block_format.shape)`` of the store's dtype;
-        ``namespace`` is recorded in file headers. A hash already held (either
+        ``token_ids[i]``: block i's token ids (None: unknown, never served to a token-checked
+        ``get``); ``namespace`` is recorded in file headers. A hash already held (either
         tier) is touched, not rewritten. May demote to disk and evict files.
-        Raises ValueError for a hash that is not 32 bytes or a wrong shape/dtype.
+        Raises ValueError for a hash that is not 32 bytes, a wrong shape/dtype or a
+        ``token_ids`` of another length than ``hashes``.
         """
         self._check_hashes(hashes)
         want = ((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
         if (blocks.shape, blocks.dtype) != want:
             raise ValueError(f"blocks must be {want}, got {(blocks.shape, blocks.dtype)}")
+        tokens = self._token_bytes(hashes, token_ids)
         with self._lock:
             stored = 0
             for i, block_hash in enumerate(hashes):
                 if self._touch(block_hash):
                     continue
-                self._ram[block_hash] = _RamEntry(np.array(blocks[i], copy=True), namespace)
+                block = np.array(blocks[i], copy=True)
+                self._ram[block_hash] = _RamEntry(block, namespace, tokens[i])
                 self._emit(EVENT_STORED, block_hash, TIER_RAM)
                 stored += 1
             self._demote_if_over_budget()
             return stored
 
-    def get(self, hashes: Sequence[bytes]) -> SpillHits:
+    def get(
+        self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
+    ) -> SpillHits:
         """Return the held blocks among ``hashes`` (batched), touching them.
 
-        Blocks of a missing, truncated, unreadable or corrupt file are misses:
-        never raises for data faults, never returns other bytes than were put. A transient
-        read fault (retried, then counted in ``io_errors``) keeps the blocks held.
-        Raises ValueError for a hash that is not 32 bytes.
+        With ``token_ids`` (block i's token ids for ``hashes[i]``) a block put with other or
+        unknown token ids is a miss, counted in ``token_mismatches``. Blocks of a missing,
+        truncated, unreadable or corrupt file are misses: never raises for data faults, never
+        returns other bytes than were put. A transient read fault (retried, then counted in
+        ``io_errors``) keeps the blocks held.
+        Raises ValueError for a hash that is not 32 bytes or a ``token_ids`` of another
+        length than ``hashes``.
         """
         self._check_hashes(hashes)
+        asked = None if token_ids is None else self._token_bytes(hashes, token_ids)
         with self._lock:
             out = np.empty((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
             tiers: list[str | None] = [None] * len(hashes)
             on_disk: list[int] = []
             for i, block_hash in enumerate(hashes):
+                if asked is not None and not self._tokens_match(block_hash, asked[i]):
+                    continue
                 if block_hash in self._ram:
                     self._ram.move_to_end(block_hash)
                     out[i] = self._ram[block_hash].block
@@ -223,7 +246,30 @@ class SpillStore:
             by_namespace.setdefault(entry.namespace, []).append((block_hash, entry))
         for namespace, group in by_namespace.items():
             hashes, blocks = [h for h, _ in group], np.stack([entry.block for _, entry in group])
-            self._disk.write(namespace, hashes, blocks)
+            self._disk.write(namespace, hashes, blocks, [entry.tokens for _, entry in group])
+
+    def _tokens_match(self, block_hash: bytes, asked: bytes) -> bool:
+        """False (counted) when ``block_hash`` is held with other or unknown tokens."""
+        if block_hash in self._ram:
+            held = self._ram[block_hash].tokens
+        elif block_hash in self._disk:
+            held = self._disk.tokens[block_hash]
+        else:
+            return True  # not held: a plain miss
+        if held and held == asked:
+            return True
+        self._counters["token_mismatches"] += 1
+        return False
+
+    @staticmethod
+    def _token_bytes(
+        hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None
+    ) -> list[bytes]:
+        if token_ids is None:
+            return [b""] * len(hashes)
+        if len(token_ids) != len(hashes):
+            raise ValueError(f"token_ids has {len(token_ids)} blocks for {len(hashes)} hashes")
+        return [fmt.token_bytes(ids) for ids in token_ids]
 
     def _touch(self, block_hash: bytes) -> bool:
         if block_hash in self._ram:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services import spill_format
 from services.spill_format import BlockFormat, read_header
 from services.spill_store import SpillEvent, SpillStore
 
@@ -190,3 +191,61 @@ def test_zero_disk_budget_drops_demoted_blocks(tmp_path: Path) -> None:
     store.put(hashes_of([0, 1]), make_blocks([0, 1]), "ns")
     assert store.contains(hashes_of([0, 1])) == [None, None]
     assert os.listdir(tmp_path) == []
+
+
+def tokens_of(indices: range | list[int]) -> list[list[int]]:
+    """Block i's 4 token ids (FMT's block_size is 4)."""
+    return [[i * 10 + k for k in range(4)] for i in indices]
+
+
+def test_block_whose_stored_tokens_differ_is_not_served(tmp_path: Path) -> None:
+    """issue 18 fault 6: a spill hit checks the block's token ids, as the device and host tiers
+    do; a block stored under the asked hash with other tokens is a counted miss, in RAM, on
+    disk and after a restart (tokens come back from the group file's header)."""
+    store = SpillStore(tmp_path, FMT, ram_bytes=2 * BLOCK, disk_bytes=DISK, demote_low_watermark=0.5)
+    store.put(hashes_of(range(4)), make_blocks(range(4)), "ns", token_ids=tokens_of(range(4)))
+    assert store.contains(hashes_of(range(4))) == ["spill_disk"] * 3 + ["spill_ram"]
+    asked = tokens_of(range(4))
+    asked[1] = asked[1][::-1]  # disk block, same tokens in another order
+    asked[3] = [9, 9, 9, 9]  # RAM block
+    hits = store.get(hashes_of(range(4)), token_ids=asked)
+    assert hits.hashes == hashes_of([0, 2])
+    assert hits.blocks.tobytes() == make_blocks([0, 2]).tobytes()
+    stats = store.stats()
+    assert (stats["token_mismatches"], stats["misses"], stats["hits_spill_disk"]) == (2, 2, 2)
+    right = store.get(hashes_of(range(4)), token_ids=tokens_of(range(4)))
+    assert right.blocks.tobytes() == make_blocks(range(4)).tobytes()
+    store.demote_to_disk()
+    restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    assert restarted.get(hashes_of([3]), token_ids=[[9, 9, 9, 9]]).hashes == []
+    assert restarted.get(hashes_of([3]), token_ids=tokens_of([3])).hashes == hashes_of([3])
+    assert restarted.stats()["token_mismatches"] == 1
+
+
+def test_block_stored_without_tokens_is_not_served_to_a_token_checked_get(tmp_path: Path) -> None:
+    """issue 18 fault 6: unknown tokens never pass a token check."""
+    store = SpillStore(tmp_path, FMT, ram_bytes=BLOCK, disk_bytes=DISK, demote_low_watermark=0)
+    store.put(hashes_of([0, 1]), make_blocks([0, 1]), "ns")  # both on disk, no tokens
+    assert store.get(hashes_of([0, 1]), token_ids=tokens_of([0, 1])).hashes == []
+    assert store.get(hashes_of([0, 1])).hashes == hashes_of([0, 1])  # unchecked get
+    with pytest.raises(ValueError, match="token_ids"):
+        store.get(hashes_of([0, 1]), token_ids=tokens_of([0]))
+
+
+def test_files_of_an_older_format_version_are_ignored_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 18 fault 6: version-1 files carry no token ids and keys that named the model by
+    its directory; a restarted store must not index them, nor delete or quarantine them."""
+    monkeypatch.setattr(spill_format, "FORMAT_VERSION", 1)
+    SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK).put(
+        hashes_of(range(2)), make_blocks(range(2)), "ns"
+    )
+    monkeypatch.undo()
+    (old,) = files_in(tmp_path)
+    before = old.read_bytes()
+    restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    assert restarted.contains(hashes_of(range(2))) == [None, None]
+    stats = restarted.stats()
+    assert (stats["skipped_files"], stats["quarantined_files"], stats["files"]) == (1, 0, 0)
+    assert os.listdir(tmp_path) == [old.name] and old.read_bytes() == before

@@ -109,9 +109,9 @@ def test_host_eviction_pushes_batches_to_spill(tiny, tmp_path) -> None:
     calls: list[int] = []
 
     class Counting(SpillStore):
-        def put(self, hashes, blocks, namespace):  # type: ignore[no-untyped-def]
+        def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
             calls.append(len(hashes))
-            return super().put(hashes, blocks, namespace)
+            return super().put(hashes, blocks, namespace, token_ids)
 
     probe = tiered(tiny)
     store = Counting(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 30, 1 << 30)
@@ -170,9 +170,9 @@ def test_prefetch_overlaps_running_steps(tiny, tmp_path) -> None:
     """A request whose blocks are in spill waits in the queue while another one decodes."""
 
     class Slow(SpillStore):
-        def get(self, hashes):  # type: ignore[no-untyped-def]
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
             time.sleep(0.5)
-            return super().get(hashes)
+            return super().get(hashes, token_ids)
 
     probe = tiered(tiny)
     store = Slow(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 30, 1 << 30)

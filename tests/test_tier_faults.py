@@ -95,11 +95,30 @@ def test_transient_disk_error_recomputes_and_keeps_the_files(tiny, tmp_path, mon
     assert_recomputed(eng, cold, 12 * 16)
 
 
+def test_spill_block_stored_with_other_tokens_is_not_served(tiny, tmp_path) -> None:
+    """issue 18 fault 6: a spill hit checks tokens as the device and host tiers do: blocks
+    held under P's exact hashes but put with other token ids (and garbage KV) are misses,
+    counted, and the output equals the cold run."""
+    probe = tiered(tiny)
+    cold = run(probe, P)
+    block_format = BlockFormat(*probe.spill_block_spec())
+    store = SpillStore(tmp_path, block_format, 0, 1 << 30)
+    hashes = hash_prompt_blocks(P, 16, ("default", probe.model_id, probe.kv_format))[:12]
+    other = [[t + 1 for t in P[i * 16 : (i + 1) * 16]] for i in range(12)]
+    store.put(hashes, np.full((12, *block_format.shape), 7, block_format.np_dtype), "default", other)
+    assert store.stats()["blocks_spill_disk"] == 12
+    out = run(tiered(tiny, spill=store), P)
+    assert out.num_cached_tokens_by_tier == by_tier()
+    assert out.output_token_ids == cold.output_token_ids
+    stats = store.stats()
+    assert (stats["token_mismatches"], stats["hits_spill_disk"]) == (12, 0)
+
+
 def test_spill_reader_that_raises_is_a_miss(tiny, tmp_path) -> None:
     """Fault: the client's get raises (I/O error, dead node); the node keeps serving."""
 
     class Raising(SpillStore):
-        def get(self, hashes):  # type: ignore[no-untyped-def]
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
             raise OSError("disk on fire")
 
     eng, _, cold = disk_engine(tiny, tmp_path, Raising)
@@ -111,8 +130,8 @@ def test_spill_reply_of_wrong_dtype_is_a_miss(tiny, tmp_path) -> None:
     """Fault: a reply whose rows are not the asked format is not trusted as KV."""
 
     class Wrong(SpillStore):
-        def get(self, hashes):  # type: ignore[no-untyped-def]
-            hits = super().get(hashes)
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
+            hits = super().get(hashes, token_ids)
             return SpillHits(hits.hashes, hits.blocks.astype(np.float64), hits.tiers)
 
     eng, _, cold = disk_engine(tiny, tmp_path, Wrong)
@@ -124,9 +143,9 @@ def test_spill_get_slower_than_prefetch_wait_recomputes(tiny, tmp_path) -> None:
     release = threading.Event()
 
     class Hung(SpillStore):
-        def get(self, hashes):  # type: ignore[no-untyped-def]
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
             release.wait(10)
-            return super().get(hashes)
+            return super().get(hashes, token_ids)
 
     probe = tiered(tiny)
     store = Hung(tmp_path, BlockFormat(*probe.spill_block_spec()), 0, 1 << 30)
@@ -143,9 +162,9 @@ def test_cancel_during_prefetch_releases_everything(tiny, tmp_path) -> None:
     """Fault: abort while blocks are in flight, x200; integrity holds, free blocks at baseline."""
 
     class Slowish(SpillStore):
-        def get(self, hashes):  # type: ignore[no-untyped-def]
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
             time.sleep(0.001)
-            return super().get(hashes)
+            return super().get(hashes, token_ids)
 
     eng, _, cold = disk_engine(tiny, tmp_path, Slowish)
     baseline = eng.stats()["free_blocks"] + eng.stats()["cached_blocks"]
@@ -168,9 +187,9 @@ def test_identical_prompts_while_first_is_being_written_equal_cold(tiny, tmp_pat
     gate = threading.Event()
 
     class SlowPut(SpillStore):
-        def put(self, hashes, blocks, namespace):  # type: ignore[no-untyped-def]
+        def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
             gate.wait(5)
-            return super().put(hashes, blocks, namespace)
+            return super().put(hashes, blocks, namespace, token_ids)
 
     probe = tiered(tiny)
     store = SlowPut(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 20, 1 << 30)

@@ -32,9 +32,9 @@ def local_ray(ray_cluster) -> Iterator[None]:
 class SlowSpillNode(SpillNode):
     """A spill node whose reads take 2 s, so a test can kill it mid-read."""
 
-    def get(self, hashes):  # type: ignore[no-untyped-def]
+    def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
         time.sleep(2.0)
-        return super().get(hashes)
+        return super().get(hashes, token_ids)
 
 
 def spill_blocks_indexed(scheduler, want: int, timeout_s: float = 10.0) -> dict[str, int]:
