@@ -53,6 +53,10 @@ ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
 
 
+FAILED_EXIT_DELAY_S = 0.5
+"""A failed node actor's process lives this long after failing its streams, so their error
+events and its health answer leave before it exits (and Ray restarts it)."""
+
 @dataclass
 class _Stream:
     """One request's stream: in-process (``deliver`` called on ``loop``) or, with a
@@ -134,6 +138,9 @@ class CacheNode:
         return self.engine.spill_block_spec()
 
     def describe(self) -> dict[str, Any]:
+        self.failure = ""  # why the step loop died ("" while it runs): the node is unhealthy
+        self._fault_injected = False
+        self._health_waiters: list[asyncio.Future[None]] = []
         """Identity needed to compute block hashes outside the node."""
         return {
             "node_id": self.node_id,
@@ -148,8 +155,47 @@ class CacheNode:
         }
 
     def ping(self) -> bool:
-        """Liveness (the gateway's watch over nodes with open streams)."""
-        return True
+        """True while the step loop runs; False once it has failed (see ``health``)."""
+        return not self.failure
+
+    def pid(self) -> int:
+        """This node's process id (fault tests and ``bench.chaos`` kill it)."""
+        return os.getpid()
+
+    def restarts(self) -> int:
+        """How often this node was restarted (0 outside Ray)."""
+        return 0
+
+    async def health(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """The node's health, answered at once or, with ``wait_s`` > 0, as soon as the step
+        loop fails and at the latest after ``wait_s`` seconds (a gateway's long poll).
+
+        Returns:
+            ``healthy`` (bool), ``failure`` (why not, "" when healthy), ``pid``, ``restarts``
+            and ``data_address`` (the command inbox, "" until ``open_data_plane``).
+        """
+        if wait_s > 0 and not self.failure:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._health_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._health_waiters.remove(waiter)
+        return {"healthy": not self.failure, "failure": self.failure, "pid": os.getpid(),
+                "restarts": self.restarts(), "data_address": self.data_address}
+
+    def inject_step_fault(self) -> None:
+        """Test hook: the step loop raises at its next iteration, as a bug in a step would.
+
+        Raises:
+            PermissionError: ``NodeConfig.fault_injection`` is off (the default).
+        """
+        if not self.config.fault_injection:
+            raise PermissionError("fault injection is off (NodeConfig.fault_injection)")
+        self._fault_injected = True
+        self._wake.set()
 
     # ---- streaming generation -------------------------------------------------------------
     def _open(self, stream: _Stream) -> None:
@@ -304,8 +350,17 @@ class CacheNode:
 
     def _announce(self, batch: list[tuple[Any, int]]) -> None:
         """Step thread, after scheduling and before the forward pass: a ``started`` event for
+        try:
+            self._steps()
+        except Exception as exc:  # noqa: BLE001 - any failure of a step ends the loop: say so
+            log.exception("cache node %s: the step loop failed", self.node_id)
+            self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
+
+    def _steps(self) -> None:
         each request scheduled for the first time."""
         now = time.monotonic()
+            if self._fault_injected:
+                raise RuntimeError("injected step fault (NodeConfig.fault_injection)")
         events = []
         for seq, _ in batch:
             stream = self._streams.get(seq.request_id)
@@ -324,6 +379,29 @@ class CacheNode:
         """Turn one step's outputs into events and send them on: one message per gateway, one
         call per in-process event loop."""
         events = []
+    def _fail(self, reason: str) -> None:
+        """Step thread, after the loop died: mark the node unhealthy, wake ``health`` waiters,
+        then end every stream (open or arriving later) with UNAVAILABLE until ``shutdown``;
+        ``_after_failure`` runs once the first streams are failed."""
+        self.failure = reason
+        for waiter in list(self._health_waiters):
+            waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
+        first = True
+        while not self._stopped:
+            self._incoming.clear()  # their streams are in ``_streams`` too
+            self._aborts.clear()
+            error = {"type": "error", "code": "UNAVAILABLE", "message": reason}
+            self._dispatch([(stream, dict(error)) for stream in list(self._streams.values())])
+            self._send_outbox()
+            if first:
+                first = False
+                self._after_failure()
+            self._wake.wait(self.config.step_idle_wait_s)
+            self._wake.clear()
+
+    def _after_failure(self) -> None:
+        """Hook run once a failed node has failed its streams (the actor exits here)."""
+
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -422,7 +500,9 @@ class CacheNode:
         return self.engine.close_session(session_id)
 
     def stats(self, check_integrity: bool = False) -> dict[str, Any]:
-        stats: dict[str, Any] = {"node_id": self.node_id, **self.engine.stats()}
+        stats: dict[str, Any] = {"node_id": self.node_id, "healthy": not self.failure,
+                                 "failure": self.failure, "pid": os.getpid(),
+                                 "restarts": self.restarts(), **self.engine.stats()}
         if check_integrity:
             try:
                 self.engine.check_integrity()
@@ -476,8 +556,35 @@ class CacheNodeActor(CacheNode):
         super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill)
         if spill_spec is not None and spill_spec != self.engine.spill_block_spec():
             raise RuntimeError(
+def _set_done(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
 
 
 CacheNodeRemote = ray.remote(CacheNodeActor)
+        self._restarts = _actor_restarts()
+
+    def restarts(self) -> int:
+        return self._restarts
+
+    def _after_failure(self) -> None:
+        """Exit the process, so that Ray restarts the actor (``max_restarts``): wait for the
+        failed streams' errors and the health answers to leave first."""
+        time.sleep(FAILED_EXIT_DELAY_S)
+        self._pusher.close(linger_s=FAILED_EXIT_DELAY_S)
+        os._exit(1)
+
+
+def _actor_restarts() -> int:
+    """How often Ray restarted the current actor (its GCS record; 0 or 1 when that is unreadable)."""
+    context = ray.get_runtime_context()
+    try:
+        from ray._private import state  # no public API reads an actor's restart count
+
+        return int(state.actors(context.get_actor_id()).get("NumRestarts", 0))
+    except Exception:  # noqa: BLE001 - an internal API: fall back to the public flag
+        return int(context.was_current_actor_reconstructed)

@@ -249,6 +249,9 @@ def tenant_add(
     weight: float = 0.0, kv_quota_bytes: int = 0, max_context_tokens: int = 0,
     namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
     policy: str = typer.Option("", help="default KV policy spec for its requests, e.g. sentencekv-0.25"),
+    allow_policy: Optional[list[str]] = typer.Option(
+        None, "--allow-policy", help="a KV policy its requests may name (repeat; default: every policy); "
+        "`snapkv` allows every snapkv-* spec"),
     gateway: Optional[str] = None,
 ) -> None:
     """Register a tenant; prints its API key once."""
@@ -259,7 +262,7 @@ def tenant_add(
     spec = tenant_pb2.TenantSpec(
         name=name, slo_class=classes[slo_class], ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
         weight=weight, kv_quota_bytes=kv_quota_bytes, max_context_tokens=max_context_tokens,
-        cache_namespace=namespace, policy=policy,
+        cache_namespace=namespace, policy=policy, allowed_policies=allow_policy or [],
     )
     if min_tokens_per_s is not None:
         spec.min_tokens_per_s = min_tokens_per_s

@@ -101,6 +101,7 @@ def tenant_spec_from_pb(msg: tenant_pb2.TenantSpec, prefix: str = "spec") -> Ten
             slo_class,
             kv_quota_bytes=msg.kv_quota_bytes,
             policy=msg.policy,
+            allowed_policies=tuple(msg.allowed_policies),
             **optional,
         )
 
@@ -118,6 +119,7 @@ def tenant_spec_to_pb(spec: TenantSpec) -> tenant_pb2.TenantSpec:
         max_context_tokens=spec.max_context_tokens,
         cache_namespace=spec.cache_namespace,
         policy=spec.policy,
+        allowed_policies=spec.allowed_policies,
     )
 
 

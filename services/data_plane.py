@@ -112,6 +112,8 @@ class PushSockets:
             log.warning("data plane: %s is not reading; a message was dropped", address)
             return False
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close every socket; messages not yet sent are dropped, or sent for up to ``linger_s``
+        seconds first (this call blocks that long at most)."""
         self._socks.clear()
-        self.context.destroy(linger=0)
+        self.context.destroy(linger=int(linger_s * 1000))

@@ -282,9 +282,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         try:
             sampling = convert.sampling_params_from_pb(request.sampling)
             prompt = convert.prompt_from_pb(request)
-            _check_policy(request.policy or spec.policy)
+            policy = convert.policy_from_pb(request.policy, spec.policy)
+            _check_policy(policy)
         except (ValueError, KeyError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not spec.allows_policy(policy):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"KV policy {policy!r} is not allowed for "
+                                f"this tenant; allowed: {', '.join(spec.allowed_policies)}")
         for name in ("request_id", "session_id"):
             if len(getattr(request, name)) > MAX_ID_CHARS:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
@@ -310,7 +314,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             request_id=scoped_id(tenant.tenant_id, request.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=spec.cache_namespace, sampling=sampling, messages=messages, token_ids=tokens,
             session_id=scoped_id(tenant.tenant_id, request.session_id) if request.session_id else "",
-            policy=request.policy or spec.policy,
+            policy=policy,
             max_context_tokens=limit, arrival_time_s=time.monotonic(),
             extra={"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
                    "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),

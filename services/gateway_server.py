@@ -18,13 +18,19 @@ from services.auth import Authenticator
 from services.chat import ChatTemplater
 from services.gateway import AdminServicer, InferenceServicer, NodeStreams, TenantServicer
 
+from services.node_monitor import NodeMonitor
+
+SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
+"""gRPC health names: the server overall and each service; all SERVING while a node is healthy."""
 
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
-) -> tuple[grpc.aio.Server, int, HealthServicer, NodeStreams]:
-    """Build the server with every service registered and the data plane connected (on the
-    running loop). Returns (server, bound port, health, the gateway's data plane).
+) -> tuple[grpc.aio.Server, int, HealthServicer, NodeStreams, NodeMonitor]:
+    """Build the server with every service registered, the data plane connected and the
+    nodes watched (on the running loop). Returns (server, bound port, health, the gateway's
+    data plane, the node monitor, which keeps ``health`` SERVING while a node is healthy and
+    NOT_SERVING while none is).
 
     Args:
         node_info: node id -> ``CacheNode.describe()``.
@@ -36,14 +42,24 @@ async def create_server(
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address)
     await inference.streams.start()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(address)
     if port == 0:
         inference.streams.shutdown()
+    monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler,
+                          on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
         raise OSError(f"could not bind the gateway to {address}")
-    return server, port, health, inference.streams
+    monitor.start()
+    return server, port, health, inference.streams, monitor
+
+
+async def set_health(health: HealthServicer, serving: bool) -> None:
+    """Every name in ``SERVICE_NAMES`` SERVING or NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in SERVICE_NAMES:
+        await health.set(name, status)
 
 
 class Gateway:
@@ -59,15 +75,15 @@ class Gateway:
         infos = await asyncio.gather(*(node.describe.remote() for node in self.nodes.values()))
         scheduler_address = await self.scheduler.open_data_plane.remote()
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
+        self.monitor: NodeMonitor | None = None
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
-        self.server, bound, health, self.streams = await create_server(
+        self.server, bound, health, self.streams, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
             f"{host}:{port}",
         )
         await self.server.start()
-        for name in ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService"):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health, self.monitor.num_healthy() > 0)
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -77,4 +93,6 @@ class Gateway:
             self.streams.shutdown()
 
 
+        if self.monitor is not None:
+            self.monitor.stop()
 GatewayActor = ray.remote(Gateway)

@@ -122,6 +122,7 @@ class GlobalScheduler:
         return self.store.ensure_admin_key()
 
     def verify_admin_key(self, key: str) -> bool:
+        self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         return self.store.verify_admin_key(key)
 
     def has_admin_key(self) -> bool:
@@ -176,7 +177,8 @@ class GlobalScheduler:
 
         Returns:
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
-            "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" with a message.
+            "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy)
+            with a message.
         """
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
@@ -185,6 +187,8 @@ class GlobalScheduler:
         if queued >= self.queue_limit:
             self.usage.record_rejected(tenant_id)
             return Admission(
+        if len(self.down) == len(self.nodes):
+            return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}")
                 code="RESOURCE_EXHAUSTED",
                 message=f"queue full ({queued} waiting, limit {self.queue_limit})",
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
@@ -276,13 +280,14 @@ class GlobalScheduler:
         in flight. Spill-held blocks count for no node."""
         self.common_prefix.observe(block_hashes)
         best, best_len = "", 0
-        for nid in self.nodes:
-            n = self.index.node_prefix(nid, block_hashes)
+        for node in healthy:
+            n = self.index.node_prefix(node.node_id, block_hashes)
             if n > best_len:
-                best, best_len = nid, n
+                best, best_len = node.node_id, n
         if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks:
             return best
-        return min(self.nodes.values(), key=lambda n: (len(n.in_flight), n.node_id)).node_id
+        healthy = [n for nid, n in self.nodes.items() if nid not in self.down]
+        return min(healthy, key=lambda n: (len(n.in_flight), n.node_id)).node_id
 
     def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None:
         """A request ended (any way); account its tokens."""
@@ -310,6 +315,28 @@ class GlobalScheduler:
             return None
         del self.session_nodes[session_id]
         return entry[1]
+    # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
+    def node_down(self, node_id: str, reason: str) -> None:
+        """Stop routing to ``node_id`` (failed, dead or restarting): its index entries and its
+        sessions are forgotten, as its KV is gone. Unknown ids are ignored."""
+        if node_id not in self.nodes or node_id in self.down:
+            return
+        self.down[node_id] = reason
+        self.index.forget(node_id)
+        for sid in [sid for sid, (_, nid) in self.session_nodes.items() if nid == node_id]:
+            del self.session_nodes[sid]
+
+    def node_up(self, node_id: str, inbox: str) -> None:
+        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).
+
+        Raises:
+            KeyError: ``node_id`` is not one of this scheduler's nodes.
+        """
+        if node_id not in self.nodes:
+            raise KeyError(f"unknown cache node {node_id!r}")
+        self.node_inboxes[node_id] = inbox
+        self.down.pop(node_id, None)
+
 
     # ---- global block index ---------------------------------------------------------------
     def report_events(
@@ -359,6 +386,7 @@ class GlobalScheduler:
 
 
 class GlobalSchedulerService(GlobalScheduler):
+            "down": dict(self.down),
     """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
 
     It has an async method, so Ray runs every method on one event loop thread, and the

@@ -19,6 +19,7 @@ from typing import Any
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 POLICY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 DEFAULT_MAX_CONTEXT_TOKENS = 8192
+MAX_ALLOWED_POLICIES = 64
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
 
@@ -87,6 +88,11 @@ class TenantSpec:
         cache_namespace: prefix blocks are shared only inside one namespace; same
             pattern as ``name``.
         policy: default KV policy name, ``""`` = the cache node's default.
+        allowed_policies: KV policies the tenant's requests may name (at most
+            ``MAX_ALLOWED_POLICIES``); an entry without parameters (``snapkv``) allows
+            every spec of that policy (``snapkv-0.25``), one with parameters only itself.
+            Empty = every policy. ``policy`` must be allowed; ``""`` (the node's default)
+            always is (see ``allows_policy``).
 
     ``None`` for an SLO field means the class default (``SLO_CLASS_DEFAULTS``);
     ``None`` for ``cache_namespace`` means the tenant's name.
@@ -105,6 +111,7 @@ class TenantSpec:
     max_context_tokens: int
     cache_namespace: str
     policy: str
+    allowed_policies: tuple[str, ...]
 
     def __init__(
         self,
@@ -119,6 +126,7 @@ class TenantSpec:
         max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
         cache_namespace: str | None = None,
         policy: str = "",
+        allowed_policies: tuple[str, ...] | list[str] = (),
     ) -> None:
         slo = SloClass.parse(slo_class)
         defaults = SLO_CLASS_DEFAULTS[slo]
@@ -137,14 +145,26 @@ class TenantSpec:
                 "cache_namespace", _or(cache_namespace, name), NAME_PATTERN
             ),
             "policy": _policy(policy),
+            "allowed_policies": _allowed_policies(allowed_policies),
         }
         for field_name, value in values.items():
             object.__setattr__(self, field_name, value)
+        if not self.allows_policy(self.policy):
+            raise ValueError(f"policy {self.policy!r} is not in allowed_policies {list(self.allowed_policies)}")
+
+    def allows_policy(self, policy: str) -> bool:
+        """True when the tenant's requests may run under KV policy spec ``policy``: it is
+        ``""`` (the node's default), ``allowed_policies`` is empty, or an entry equals the
+        spec or names its policy (the part before the first ``-``)."""
+        if not policy or not self.allowed_policies:
+            return True
+        return any(entry in (policy, policy.split("-", 1)[0]) for entry in self.allowed_policies)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field (``slo_class`` as its string value)."""
         data = asdict(self)
         data["slo_class"] = self.slo_class.value
+        data["allowed_policies"] = list(self.allowed_policies)
         return data
 
     @classmethod
@@ -227,3 +247,11 @@ def _policy(value: Any) -> str:
     if value == "":
         return ""
     return _pattern("policy", value, POLICY_PATTERN)
+
+
+def _allowed_policies(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise ValueError(f"allowed_policies must be a list of policy names, got {value!r}")
+    if len(value) > MAX_ALLOWED_POLICIES:
+        raise ValueError(f"allowed_policies holds {len(value)} names; at most {MAX_ALLOWED_POLICIES} are allowed")
+    return tuple(_pattern("allowed_policies", v, POLICY_PATTERN) for v in value)

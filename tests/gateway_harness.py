@@ -1,4 +1,8 @@
-"""The gateway's tenant and admin servicers on a real gRPC server, in-process and without Ray.
+"""The gateway's servicers on a real gRPC server, in-process and without Ray.
+
+The InferenceService has no data plane behind it (nothing is listening at its node and
+scheduler addresses): it answers only what the gateway decides before admission (auth,
+validation, policy permission, context limits).
 
 The scheduler is a real ``GlobalSchedulerService`` (its tenant store on disk); ``LocalActor``
 gives it the ``handle.method.remote(...)`` call shape the servicers use (an awaitable, as a
@@ -19,9 +23,9 @@ from typing import Any
 
 import grpc
 
-from kvstrata.v1 import admin_pb2_grpc, tenant_pb2_grpc
+from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.auth import Authenticator
-from services.gateway import AdminServicer, TenantServicer
+from services.gateway import AdminServicer, InferenceServicer, TenantServicer
 from services.global_scheduler import GlobalSchedulerService
 
 
@@ -49,6 +53,11 @@ class LocalActor:
         return _Method(getattr(self.obj, name))
 
 
+NODE_INFO = {"data_address": "tcp://127.0.0.1:9", "max_model_len": 2048, "pool_tokens": 4096,
+             "block_size": 16, "model_id": "tiny", "kv_format": "bf16"}
+"""What ``CacheNode.describe()`` tells the gateway, for a node that is not there."""
+
+
 @dataclass
 class Gateway:
     address: str
@@ -74,6 +83,8 @@ def serve(state_dir: Path) -> Iterator[Gateway]:
         auth = Authenticator(handle)
         tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(handle, auth), server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(handle, auth, {}), server)
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+            InferenceServicer(handle, auth, {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9"), server)
         box["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         box["server"], box["auth"] = server, auth

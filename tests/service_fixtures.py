@@ -70,7 +70,7 @@ def start_cluster() -> Iterator[Cluster]:
 def start_stack(cluster: Cluster, state_dir: str | None = None, **overrides: object) -> Iterator[Stack]:
     cfg = ServiceConfig(
         num_cache_nodes=2,
-        node=NodeConfig(kv_pool_bytes=64 << 20, max_num_seqs=16, torch_threads=1),
+        node=NodeConfig(kv_pool_bytes=64 << 20, max_num_seqs=16, torch_threads=1, fault_injection=True),
         gateway_port=0,
         state_dir=state_dir or tempfile.mkdtemp(prefix="kvstrata-state-"),
         **overrides,

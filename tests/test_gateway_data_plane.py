@@ -1,7 +1,8 @@
 """The gateway's end of the data plane (``services.gateway.NodeStreams``) over real ZeroMQ
 sockets, with a scheduler socket and node handles standing in for the Ray actors: admissions
 are matched to their replies, a scheduler failure reaches the caller, events reach their
-stream's queue, aborts reach the node's inbox, and a dead node ends its streams."""
+stream's queue, aborts reach the node's inbox, and a node found down ends its streams (those
+open on it and any bound to it later) until it rejoins at a new address."""
 
 from __future__ import annotations
 
@@ -19,26 +20,6 @@ from services.node_request import NodeRequest
 def request(rid: str) -> NodeRequest:
     return NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", token_ids=(1, 2, 3),
                        sampling=SamplingParams(max_tokens=2))
-
-
-class _Ping:
-    def __init__(self, alive: bool) -> None:
-        self.alive = alive
-
-    def remote(self):
-        async def answer() -> bool:
-            if not self.alive:
-                raise ConnectionError("actor died")
-            return True
-
-        return answer()
-
-
-class _NodeHandle:
-    """A CacheNode actor handle as far as ``NodeStreams`` uses it: ``ping.remote()``."""
-
-    def __init__(self) -> None:
-        self.ping = _Ping(True)
 
 
 async def _scheduler(sock, answer) -> None:
@@ -69,8 +50,7 @@ def test_admissions_events_aborts_and_a_dead_node() -> None:
                             "spill_blocks": 0}}
 
         server = asyncio.get_running_loop().create_task(_scheduler(sched, answer))
-        node = _NodeHandle()
-        streams = NodeStreams({"n0": node}, {"n0": node_address}, sched_address, watch_s=0.05)
+        streams = NodeStreams({"n0": None}, {"n0": node_address}, sched_address)
         await streams.start()
         a, b = streams.open("a"), streams.open("b")
         adm_a, adm_b = await asyncio.gather(streams.admit(request("a"), [b"h"]),
@@ -92,10 +72,28 @@ def test_admissions_events_aborts_and_a_dead_node() -> None:
 
         streams.bind("a", "n0")
         streams.close("b")
-        node.ping.alive = False
-        event = await asyncio.wait_for(a.get(), 5)
-        assert (event["type"], event["code"]) == ("error", "UNAVAILABLE") and "actor died" in event["message"]
+        streams.fail_node("n0", "cache node n0 died")
+        event = a.get_nowait()
+        assert (event["type"], event["code"]) == ("error", "UNAVAILABLE") and "n0 died" in event["message"]
         assert b.empty()
+        c = streams.open("c")
+        streams.bind("c", "n0")  # bound to a node down already: ends at once
+        assert c.get_nowait()["code"] == "UNAVAILABLE"
+
+        # the node rejoins at a new address: aborts go there, new streams are not failed
+        inbox2 = ctx.socket(zmq.PULL)
+        streams.reconnect("n0", data_plane.bind_random(inbox2, "127.0.0.1"))
+        d = streams.open("d")
+        streams.bind("d", "n0")
+        assert d.empty() and streams.down == {}
+        streams.abort("n0", "d")
+        assert data_plane.unpack(await asyncio.wait_for(inbox2.recv(), 5)) == {"op": "abort", "id": "d"}
+
+        # the node's process dies: its connection closes, and the gateway hears of it at once
+        lost: asyncio.Queue[str] = asyncio.Queue()
+        streams.on_disconnect = lost.put_nowait
+        inbox2.close(linger=0)
+        assert await asyncio.wait_for(lost.get(), 5) == "n0"
         server.cancel()
         push.close()
         streams.shutdown()

@@ -27,6 +27,7 @@ def test_interactive_defaults() -> None:
         "max_context_tokens": 8192,
         "cache_namespace": "chat-app",
         "policy": "",
+        "allowed_policies": [],
     }
 
 
@@ -143,7 +144,7 @@ def test_dict_round_trip_and_errors() -> None:
     assert str(excinfo.value) == (
         "unknown TenantSpec fields ['ttft_ms']; known fields: ['name', 'slo_class', "
         "'ttft_slo_ms', 'tpot_slo_ms', 'min_tokens_per_s', 'weight', 'kv_quota_bytes', "
-        "'max_context_tokens', 'cache_namespace', 'policy']"
+        "'max_context_tokens', 'cache_namespace', 'policy', 'allowed_policies']"
     )
     with pytest.raises(ValueError, match="^TenantSpec needs a name$"):
         TenantSpec.from_dict({"weight": 2})

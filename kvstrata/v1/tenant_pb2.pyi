@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TenantSpec(_message.Message):
-    __slots__ = ("name", "slo_class", "ttft_slo_ms", "tpot_slo_ms", "min_tokens_per_s", "weight", "kv_quota_bytes", "max_context_tokens", "cache_namespace", "policy")
+    __slots__ = ("name", "slo_class", "ttft_slo_ms", "tpot_slo_ms", "min_tokens_per_s", "weight", "kv_quota_bytes", "max_context_tokens", "cache_namespace", "policy", "allowed_policies")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class TenantSpec(_message.Message):
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_POLICIES_FIELD_NUMBER: _ClassVar[int]
     name: str
     slo_class: _common_pb2.SloClass
     ttft_slo_ms: float
@@ -29,7 +30,8 @@ class TenantSpec(_message.Message):
     max_context_tokens: int
     cache_namespace: str
     policy: str
-    def __init__(self, name: _Optional[str] = ..., slo_class: _Optional[_Union[_common_pb2.SloClass, str]] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., min_tokens_per_s: _Optional[float] = ..., weight: _Optional[float] = ..., kv_quota_bytes: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+    allowed_policies: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., slo_class: _Optional[_Union[_common_pb2.SloClass, str]] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., min_tokens_per_s: _Optional[float] = ..., weight: _Optional[float] = ..., kv_quota_bytes: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., policy: _Optional[str] = ..., allowed_policies: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Tenant(_message.Message):
     __slots__ = ("tenant_id", "spec", "created_at_s")
