@@ -73,6 +73,17 @@ class LayerView:
         return self.stats.cum[self.layer_idx][:, self.slots]
 
 
+def protected_mask(positions: torch.Tensor, sink_tokens: int, window_tokens: int) -> torch.Tensor:
+    """(n,) bool: which of ``positions`` (n,) (absolute, distinct, any order) are sinks (position
+    < ``sink_tokens``) or among the ``window_tokens`` largest (the most recent). Zero means
+    none of that kind: a window of 0 protects no recent token (never the whole sequence), a
+    window of ``n`` or more protects all ``n``."""
+    recent = torch.zeros(positions.shape, dtype=torch.bool)
+    if window_tokens > 0:
+        recent[positions.argsort()[max(0, len(positions) - window_tokens) :]] = True
+    return (positions < sink_tokens) | recent
+
+
 @dataclass
 class LayerPlan:
     """How one layer's slots are rewritten by a compaction.
@@ -122,11 +133,21 @@ class PolicyEnv:
 class Policy:
     """Base of every policy.
 
+    Which keys a query attends (every scoring policy: streaming, h2o, snapkv, gkv, spindlekv):
+    while the prompt is prefilled, every earlier token (the full cache). Once the whole prompt
+    is computed, each layer keeps ``B = budget_tokens(num_prompt_tokens)`` entries: the sinks
+    (positions ``0 .. sink_tokens - 1``), the ``window_tokens`` most recent positions, and the
+    highest-scored of the rest up to ``B``; each new token adds one entry, and when a layer
+    holds more than ``B + evict_every`` it is compacted back to ``B`` (``evict_every`` 0:
+    after every step it is over ``B``). A query at position ``p`` attends the entries of its
+    layer at positions ``<= p`` (itself included), plus, with ``cold_bits``, the evicted
+    entries' int codes. A layer never holding more than ``B`` keeps everything.
+
     Args:
         budget: device-tier KV per layer, as a fraction (0, 1] of the prompt's tokens (fixed
             when the prompt is first compressed) or, when > 1, a number of tokens.
-        sink_tokens: first tokens always kept (attention sinks, StreamingLLM §3).
-        window_tokens: most recent tokens always kept.
+        sink_tokens: first tokens always kept (attention sinks, StreamingLLM §3); 0: none.
+        window_tokens: most recent tokens always kept; 0: none (recency earns no protection).
         evict_every: tokens a layer may grow past its budget before the next compaction
             (0 = compact every step it is over budget).
         cold_bits: 0 drops what the policy evicts; 4 or 8 keeps it on the device tier as int4/
@@ -183,12 +204,8 @@ class Policy:
         return [budget_tokens] * num_layers
 
     def protected(self, view: LayerView) -> torch.Tensor:
-        """(n,) bool: sinks and the most recent ``window_tokens`` tokens."""
-        pos = view.positions
-        recent = torch.zeros_like(pos, dtype=torch.bool)
-        if self.window_tokens:
-            recent[pos.argsort()[-self.window_tokens :]] = True
-        return (pos < self.sink_tokens) | recent
+        """(n,) bool: sinks and the most recent ``window_tokens`` tokens (``protected_mask``)."""
+        return protected_mask(view.positions, self.sink_tokens, self.window_tokens)
 
     def plan(self, view: LayerView, budget: int) -> LayerPlan:
         """Keep the top ``budget`` entries by score (protected first), in slot order."""

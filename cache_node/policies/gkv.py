@@ -23,6 +23,10 @@ class GKV(Policy):
     ``decay`` per step, so a token that was pivotal long ago fades slowly instead of being
     evicted on a transient dip (the failure of recent-only scores).
 
+    Keys a query attends (``Policy``): sinks (positions < ``sink_tokens``), the
+    ``window_tokens`` most recent positions, and the highest global scores up to ``B`` per
+    layer, as of the last compaction, plus the tokens computed since; all at positions ``<= p``.
+
     Source: "G-KV" (arXiv 2512.00504), §3 (global scoring that combines local/recent attention
     with historical importance), as specified in DESIGN.md §6.
     """

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache_node.compaction import gather_kv
-from cache_node.policies.base import LayerPlan, Policy
+from cache_node.policies.base import LayerPlan, Policy, protected_mask
 from cache_node.policies.registry import register
 
 if TYPE_CHECKING:
@@ -174,6 +174,13 @@ class QuantizedTier(Policy):
     ``budget`` does not apply: the pool holds ``sink_tokens + window_tokens`` (+ up to
     ``evict_every``) tokens per layer, the quantized segment the rest; both count as device
     bytes. Tokens move to the codes a block at a time (``evict_every``).
+
+    Keys a query attends: every earlier token and itself (nothing is dropped). Once the prompt
+    is computed and the pool holds more than ``sink_tokens + window_tokens + evict_every``
+    tokens, all but positions ``0 .. sink_tokens - 1`` and the ``window_tokens`` most recent
+    move to the codes; a query at position ``p`` attends those full-precision keys, the tokens
+    computed since, and the codes, all ``<= p``. ``window_tokens`` 0: only the sinks (and the
+    tokens since the last move) stay in full precision.
     """
 
     name = "quant"
@@ -197,11 +204,10 @@ class QuantizedTier(Policy):
             return False
         pos = state.positions[0]  # every layer holds the same tokens under this policy
         view_pos = pos[pos >= 0]
-        n = len(view_pos)
-        recent = torch.zeros(n, dtype=torch.bool)
-        recent[-self.window_tokens :] = True
-        keep_mask = (view_pos < self.sink_tokens) | recent
+        keep_mask = protected_mask(view_pos, self.sink_tokens, self.window_tokens)
         old = (~keep_mask).nonzero().squeeze(1)
+        if not len(old):
+            return False  # nothing to move: the layout stays as it is
         slots = (pos >= 0).nonzero().squeeze(1)[old]
         data = gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(state.pool.num_layers, -1))
         seg = state.extra.setdefault("quant", QuantSegment(self.bits, self._group(state)))

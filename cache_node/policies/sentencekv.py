@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from cache_node.attention_stats import StatsNeeds
 from cache_node.compaction import can_rewrite, gather_kv
 from cache_node.kv_pool import KVPool
-from cache_node.policies.base import Policy
+from cache_node.policies.base import Policy, protected_mask
 from cache_node.policies.quant import QuantLayerKV, pack_bits, quantize, unpack_bits
 from cache_node.policies.registry import register
 
@@ -470,7 +470,16 @@ def head_scores(mean_keys: torch.Tensor, q: torch.Tensor, mode: str, scaling: fl
 @register
 @dataclass
 class SentenceKV(Policy):
-    """See the module docstring. ``max_sentence_tokens`` splits run-on sentences;
+    """See the module docstring.
+
+    Keys a query attends: while the prompt is prefilled, every earlier token. Once the pool
+    part, region and index exceed the budget (+ ``evict_every``), every token but positions
+    ``0 .. sink_tokens - 1`` and the ``window_tokens`` most recent is demoted (``window_tokens``
+    0: all but the sinks); a query at position ``p`` then attends the kept tokens, the tokens
+    computed since, and, per KV head, the demoted sentences recalled into that head's ``R``
+    region slots for this step (all earlier than ``p``).
+
+    ``max_sentence_tokens`` splits run-on sentences;
     ``sketch_bits``/``sketch_group`` size the key sketch (``select_mode="sketch"``);
     ``region_bits``/``region_group`` the recall region's codes (0: the pool's dtype).
 
@@ -567,21 +576,20 @@ class SentenceKV(Policy):
         held = math.ceil((state.frontier + 1) / bs) * bs + region + self.index_tokens(state, store)
         if held <= state.budget + self.evict_every:
             return False  # the next token's block, the region and the index still fit
-        num_sinks = state.extra.get("num_sinks", self.sink_tokens)
-        pos0 = state.positions[0]
-        fresh = torch.arange(num_sinks, state.frontier)  # window + new, identical in all layers
-        demote, window = fresh[: -self.window_tokens or None], fresh[len(fresh) - self.window_tokens :]
+        pos0 = state.positions[0]  # identical in all layers, no holes
+        kept_mask = protected_mask(pos0, self.sink_tokens, self.window_tokens)
+        demote, keep = (~kept_mask).nonzero().squeeze(1), kept_mask.nonzero().squeeze(1)
+        if not len(demote):
+            return False  # only sinks and window: nothing to demote
         L = state.pool.num_layers
-        keep = torch.cat([torch.arange(num_sinks), window])
         if not can_rewrite(state.block_pool, state.seq, len(keep), bs):
             return False
-        for run in self.segments(state, pos0[demote]) if len(demote) else []:
+        for run in self.segments(state, pos0[demote]):
             slots = demote[run]
             store.put(gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
         positions = pos0[keep].expand(L, -1).clone()
         state.set_layout(kept, positions, torch.ones(positions.shape))
-        state.extra["num_sinks"] = num_sinks
         store.resize_region(self.region_tokens(state, store), state.pool.kv, self.region_bits,
                             self._region_group(state))
         if state.stats is not None:

@@ -20,12 +20,26 @@ class SnapKV(Policy):
 
     Source: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation"
     (NeurIPS'24, arXiv 2404.14469), §4.2 Algorithm 1 (window 32, pooling kernel 7).
+
+    Keys a query attends (``Policy``): sinks (positions < ``sink_tokens``), the
+    ``window_tokens`` most recent positions, and the entries the last 32 recorded queries (the
+    observation window, ``needs.window_queries``) voted for most, up to ``B`` per layer, as of
+    the last compaction, plus the tokens computed since; all at positions ``<= p``.
+
+    Raises:
+        ValueError: ``kernel_size`` not a positive odd number (an even kernel would shift the
+            pooled scores by one position).
     """
 
     name = "snapkv"
     needs = StatsNeeds(window_queries=32)
     window_tokens: int = 32
     kernel_size: int = 7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd number, got {self.kernel_size}")
 
     def score(self, view: LayerView) -> torch.Tensor:
         votes = view.window_attention().sum(1)  # (H_kv, n)

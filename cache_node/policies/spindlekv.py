@@ -21,6 +21,12 @@ class SpindleKV(Policy):
     support count becomes a log-count bias in attention), so the entry acts as a codebook
     vector standing for several tokens; dissimilar entries are dropped.
 
+    Keys a query attends (``Policy``): sinks (positions < ``sink_tokens``), the
+    ``window_tokens`` most recent positions, and the highest recent peaks up to ``B`` per
+    layer, as of the last compaction, plus the tokens computed since; all at positions ``<= p``.
+    In shallow layers a kept entry may stand for several merged tokens (its support), at the
+    kept entry's position.
+
     Source: "SpindleKV: A Novel KV Cache Reduction Method Balancing Both Shallow and Deep
     Layers" (arXiv 2507.06517), §3.2 (attention-based eviction in deep layers) and §3.3
     (codebook-based replacement of similar tokens in shallow layers).
