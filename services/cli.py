@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -179,6 +181,8 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
             _stop_local_ray(temp_dir, ray_port)
         console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}")
         raise typer.Exit(1) from None
+    if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`
+        address = ray.get_runtime_context().gcs_address
     cfg.state_path.mkdir(parents=True, exist_ok=True)
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     (STATE_DIR / "gateway.json").write_text(json.dumps({
@@ -189,29 +193,69 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
     console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
 
 
-@app.command()
-def down() -> None:
-    """Stop the services started by `kvstrata up` (and the local Ray cluster it started, only that one)."""
+SERVICE_ACTOR_NAME = re.compile(r"gateway|global_scheduler|(cache|spill)_node_\d+")
+"""Names of the actors ``start_services`` places (``services.launcher``)."""
+
+
+def _ray_target(state: dict) -> str | None:
+    """The Ray address ``down`` connects to, or None when nothing answers there.
+
+    ``auto`` and ``ray://`` addresses are Ray's to resolve (``auto`` finds the machine's
+    running cluster), so they are returned as they are; a ``host:port`` must accept a TCP
+    connection.
+    """
+    address = state.get("ray_address", "")
+    if address == "auto" or "://" in address:
+        return address
+    return address if address and _reachable(address) else None
+
+
+def _service_actor_names(named: list[dict], namespace: str) -> list[str]:
+    """kvstrata's actors among ``ray.util.list_named_actors(all_namespaces=True)``: those in
+    ``namespace`` whose names ``start_services`` gives (gateway, scheduler, cache and spill
+    nodes); anything else on the cluster is the user's."""
+    return [a["name"] for a in named if a["namespace"] == namespace and SERVICE_ACTOR_NAME.fullmatch(a["name"])]
+
+
+def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0) -> int:
+    """Kill kvstrata's actors in ``namespace`` on the connected cluster and wait (up to
+    ``timeout_s``) until the gateway's port no longer answers. Returns the number killed."""
     import ray
 
-    from services.launcher import GATEWAY_NAME, SCHEDULER_NAME
+    names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
+    for name in names:
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            ray.kill(ray.get_actor(name, namespace=namespace))
+    deadline = time.monotonic() + timeout_s
+    while gateway_address and _reachable(gateway_address, 0.2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return len(names)
+
+
+@app.command()
+def down() -> None:
+    """Stop the services started by `kvstrata up`: its actors on the Ray cluster it joined
+    (that cluster keeps running), or the local Ray cluster it started (only that one)."""
+    import ray
 
     state = _state()
     if not state:
         console.print("nothing to stop")
         return
     try:
-        if _reachable(state["ray_address"]):
-            ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
-            nodes = [f"{kind}_{i}" for kind in ("cache_node", "spill_node") for i in range(64)]
-            for name in [GATEWAY_NAME, SCHEDULER_NAME, *nodes]:
-                try:
-                    ray.kill(ray.get_actor(name))
-                except ValueError:
-                    pass
-            ray.shutdown()
+        target = _ray_target(state)
+        if target is not None:
+            try:
+                ray.init(address=target, namespace=state["namespace"], log_to_driver=False)
+            except (ConnectionError, RuntimeError) as exc:
+                console.print(f"Ray at {target} is not reachable ({escape(str(exc).splitlines()[0])}); "
+                              "removing the stale state")
+            else:
+                killed = _kill_services(state["namespace"], state.get("address", ""))
+                ray.shutdown()
+                console.print(f"stopped {killed} kvstrata actors")
         else:
-            console.print(f"Ray at {state['ray_address']} is not reachable; removing the stale state")
+            console.print(f"Ray at {state.get('ray_address')} is not reachable; removing the stale state")
     finally:
         if state.get("started_ray") and state.get("ray_temp_dir"):
             _stop_local_ray(state["ray_temp_dir"], int(state["ray_address"].rpartition(":")[2] or 0))

@@ -1,0 +1,92 @@
+"""`kvstrata down` after `kvstrata up --address auto` (issue 18 fault 9: it stopped nothing,
+and the next `up` failed on the taken gateway port).
+
+The real check: on a running Ray cluster (the user's, here the session cluster), detached
+actors under kvstrata's names hold a TCP port as the gateway does; `kvstrata down` in a
+subprocess, with the state `up --address auto` leaves, kills them and frees the port, and
+the cluster itself stays up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from services.cli import _ray_target, _service_actor_names
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@ray.remote(num_cpus=0)
+class _PortHolder:
+    """Stands in for the gateway: listens on a port until its process dies."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def test_service_actor_names_pick_only_ours() -> None:
+    """issue 18 fault 9: down kills kvstrata's actors in its namespace, nothing else."""
+    named = [{"name": n, "namespace": ns} for n, ns in [
+        ("gateway", "kv"), ("global_scheduler", "kv"), ("cache_node_0", "kv"), ("cache_node_12", "kv"),
+        ("spill_node_1", "kv"), ("gateway", "other"), ("my_actor", "kv"), ("cache_node_x", "kv")]]
+    assert _service_actor_names(named, "kv") == ["gateway", "global_scheduler", "cache_node_0",
+                                                 "cache_node_12", "spill_node_1"]
+
+
+def test_ray_target_resolves_auto_and_client_addresses(monkeypatch) -> None:
+    """issue 18 fault 9: an `auto` or `ray://` address is handed to Ray, never judged unreachable."""
+    assert _ray_target({"ray_address": "auto"}) == "auto"
+    assert _ray_target({"ray_address": "ray://head:10001"}) == "ray://head:10001"
+    assert _ray_target({"ray_address": "127.0.0.1:1"}) is None  # nothing listens on port 1
+    assert _ray_target({}) is None
+
+
+def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster, tmp_path: Path) -> None:
+    """issue 18 fault 9: down stops the services (port freed), not the user's cluster."""
+    namespace = "kvstrata-down-test"
+    gateway = _PortHolder.options(name="gateway", namespace=namespace, lifetime="detached").remote()
+    node = _PortHolder.options(name="cache_node_0", namespace=namespace, lifetime="detached").remote()
+    bystander = _PortHolder.options(name="gateway", namespace="someone-else", lifetime="detached").remote()
+    port = ray.get(gateway.port.remote())
+    ray.get([node.port.remote(), bystander.port.remote()])
+    assert _listening(port)
+    (tmp_path / "gateway.json").write_text(json.dumps({
+        "address": f"127.0.0.1:{port}", "ray_address": "auto", "started_ray": False,
+        "ray_temp_dir": "", "namespace": namespace, "state_dir": str(tmp_path)}))
+    env = dict(os.environ, KVSTRATA_STATE_DIR=str(tmp_path), RAY_ADDRESS=ray_cluster.address)
+
+    done = subprocess.run([sys.executable, "-m", "services.cli", "down"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    deadline = time.monotonic() + 10
+    while _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _listening(port)
+    names = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert (namespace, "gateway") not in names and (namespace, "cache_node_0") not in names
+    assert ("someone-else", "gateway") in names  # another namespace's actor is left alone
+    assert all(n["Alive"] for n in ray.nodes())  # the user's cluster is still up
+    assert not (tmp_path / "gateway.json").exists()
+    ray.kill(bystander)
