@@ -52,10 +52,10 @@ Event = dict[str, Any]
 ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
 
-
 FAILED_EXIT_DELAY_S = 0.5
 """A failed node actor's process lives this long after failing its streams, so their error
 events and its health answer leave before it exits (and Ray restarts it)."""
+
 
 @dataclass
 class _Stream:
@@ -130,6 +130,9 @@ class CacheNode:
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
         self._stopped = False
+        self.failure = ""  # why the step loop died ("" while it runs): the node is unhealthy
+        self._fault_injected = False
+        self._health_waiters: list[asyncio.Future[None]] = []
         self._thread = threading.Thread(target=self._run, name=f"{node_id}-steps", daemon=True)
         self._thread.start()
 
@@ -138,9 +141,6 @@ class CacheNode:
         return self.engine.spill_block_spec()
 
     def describe(self) -> dict[str, Any]:
-        self.failure = ""  # why the step loop died ("" while it runs): the node is unhealthy
-        self._fault_injected = False
-        self._health_waiters: list[asyncio.Future[None]] = []
         """Identity needed to compute block hashes outside the node."""
         return {
             "node_id": self.node_id,
@@ -323,8 +323,17 @@ class CacheNode:
 
     # ---- the step thread ------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._steps()
+        except Exception as exc:  # noqa: BLE001 - any failure of a step ends the loop: say so
+            log.exception("cache node %s: the step loop failed", self.node_id)
+            self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
+
+    def _steps(self) -> None:
         last_expiry = time.monotonic()
         while not self._stopped:
+            if self._fault_injected:
+                raise RuntimeError("injected step fault (NodeConfig.fault_injection)")
             while self._aborts:  # before new requests, which may reuse an aborted one's id
                 self.engine.abort_request(self._aborts.popleft())
             self._start_incoming()
@@ -343,42 +352,6 @@ class CacheNode:
                     self._session_messages.pop(sid, None)
                 last_expiry = time.monotonic()
 
-    def _send_outbox(self) -> None:
-        while self._outbox:
-            subscriber, request_id, event = self._outbox.popleft()
-            self._pusher.send(subscriber, [[request_id, event]])
-
-    def _announce(self, batch: list[tuple[Any, int]]) -> None:
-        """Step thread, after scheduling and before the forward pass: a ``started`` event for
-        try:
-            self._steps()
-        except Exception as exc:  # noqa: BLE001 - any failure of a step ends the loop: say so
-            log.exception("cache node %s: the step loop failed", self.node_id)
-            self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
-
-    def _steps(self) -> None:
-        each request scheduled for the first time."""
-        now = time.monotonic()
-            if self._fault_injected:
-                raise RuntimeError("injected step fault (NodeConfig.fault_injection)")
-        events = []
-        for seq, _ in batch:
-            stream = self._streams.get(seq.request_id)
-            if stream is None or stream.started:
-                continue
-            stream.started = True
-            events.append((stream, {
-                "type": "started", "request_id": seq.request_id, "node_id": self.node_id,
-                "prompt_tokens": seq.num_prompt_tokens,
-                "cached_tokens": dict(self.engine.tiers.cached_tokens_by_tier(seq)),
-                "queue_ms": (now - seq.arrival_time_s) * 1000.0,
-            }))
-        self._dispatch(events)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """Turn one step's outputs into events and send them on: one message per gateway, one
-        call per in-process event loop."""
-        events = []
     def _fail(self, reason: str) -> None:
         """Step thread, after the loop died: mark the node unhealthy, wake ``health`` waiters,
         then end every stream (open or arriving later) with UNAVAILABLE until ``shutdown``;
@@ -402,6 +375,33 @@ class CacheNode:
     def _after_failure(self) -> None:
         """Hook run once a failed node has failed its streams (the actor exits here)."""
 
+    def _send_outbox(self) -> None:
+        while self._outbox:
+            subscriber, request_id, event = self._outbox.popleft()
+            self._pusher.send(subscriber, [[request_id, event]])
+
+    def _announce(self, batch: list[tuple[Any, int]]) -> None:
+        """Step thread, after scheduling and before the forward pass: a ``started`` event for
+        each request scheduled for the first time."""
+        now = time.monotonic()
+        events = []
+        for seq, _ in batch:
+            stream = self._streams.get(seq.request_id)
+            if stream is None or stream.started:
+                continue
+            stream.started = True
+            events.append((stream, {
+                "type": "started", "request_id": seq.request_id, "node_id": self.node_id,
+                "prompt_tokens": seq.num_prompt_tokens,
+                "cached_tokens": dict(self.engine.tiers.cached_tokens_by_tier(seq)),
+                "queue_ms": (now - seq.arrival_time_s) * 1000.0,
+            }))
+        self._dispatch(events)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Turn one step's outputs into events and send them on: one message per gateway, one
+        call per in-process event loop."""
+        events = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -527,6 +527,11 @@ class CacheNode:
             self._pusher.close()
 
 
+def _set_done(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _tiers(out: RequestOutput) -> dict[str, int]:
     """Cached prompt tokens per tier (device/host/spill_ram/spill_disk)."""
     return dict(out.num_cached_tokens_by_tier) or {"device": out.num_cached_tokens}
@@ -556,16 +561,8 @@ class CacheNodeActor(CacheNode):
         super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill)
         if spill_spec is not None and spill_spec != self.engine.spill_block_spec():
             raise RuntimeError(
-def _set_done(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
-
-
-CacheNodeRemote = ray.remote(CacheNodeActor)
         self._restarts = _actor_restarts()
 
     def restarts(self) -> int:
@@ -588,3 +585,6 @@ def _actor_restarts() -> int:
         return int(state.actors(context.get_actor_id()).get("NumRestarts", 0))
     except Exception:  # noqa: BLE001 - an internal API: fall back to the public flag
         return int(context.was_current_actor_reconstructed)
+
+
+CacheNodeRemote = ray.remote(CacheNodeActor)

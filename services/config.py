@@ -25,9 +25,9 @@ class NodeConfig(BaseModel):
     prefetch_wait_s: float = Field(1.0, ge=0)  # longest a queued request waits on a spill prefetch
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
-    # Environment of the node's worker process, set before torch loads:
     # Test-only: lets ``CacheNode.inject_step_fault`` make the step loop raise (fault tests).
     fault_injection: bool = False
+    # Environment of the node's worker process, set before torch loads:
     # - OMP_WAIT_POLICY=PASSIVE: OpenMP's default spin-waiting at barriers stalls every
     #   multi-threaded op whenever the gateway, raylet or another node takes one of the cores
     #   (2-core machine: ~10-25% of throughput); passive threads sleep instead.
@@ -51,9 +51,9 @@ class ServiceConfig(BaseModel):
     state_dir: str = "~/.kvstrata"
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)
-    cache_node_resource: str = "cache_node"
     # Ray restarts a cache node whose process died (a failed step loop exits it): -1 = always.
     cache_node_max_restarts: int = Field(-1, ge=-1)
+    cache_node_resource: str = "cache_node"
     num_spill_nodes: int = Field(1, ge=0)
     spill_ram_bytes: int = Field(512 * 1024 * 1024, ge=0)
     spill_disk_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=0)

@@ -9,14 +9,16 @@ Ray actor call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from cache_node.hashing import hash_prompt_blocks
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -136,8 +138,9 @@ class NodeStreams:
       gateway's streams, routed here to per-request queues (``open``);
     - ``abort``: straight to the node's command inbox.
 
-    While streams are open on a node, a Ray call checks every ``watch_s`` seconds that the node
-    is alive; when it is not, each stream open on it gets an UNAVAILABLE error event.
+    A node found down (``services.node_monitor.NodeMonitor`` calls ``fail_node``) ends each
+    stream open on it, and any stream bound to it later, with an UNAVAILABLE error event, until
+    it rejoins (``reconnect``, with its new command inbox).
 
     Args:
         nodes: node id -> CacheNode actor handle.
@@ -147,16 +150,18 @@ class NodeStreams:
     """
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
-                 watch_s: float = 1.0, admit_timeout_s: float = 30.0) -> None:
-        self.nodes, self.node_inboxes = nodes, node_inboxes
+                 admit_timeout_s: float = 30.0) -> None:
+        self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
-        self.watch_s, self.admit_timeout_s = watch_s, admit_timeout_s
+        self.admit_timeout_s = admit_timeout_s
         self.subscriber = ""  # this gateway's event inbox address (``start``)
+        self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
+        self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
         self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]]]] = {}
-        self._watches: dict[str, asyncio.Task[None]] = {}
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._connections: dict[str, asyncio.Task[None]] = {}  # node id -> its connection watch
 
     async def start(self) -> None:
         """Bind the event inbox and connect to the scheduler and the nodes (on the running loop)."""
@@ -167,15 +172,35 @@ class NodeStreams:
         self._admission.connect(self.scheduler_address)
         self._commands = {}
         for node_id, address in self.node_inboxes.items():
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(address)
-            self._commands[node_id] = sock
+            self._connect_node(node_id, address)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._read_admissions())]
 
+    def _connect_node(self, node_id: str, address: str) -> None:
+        """Connect the command socket to ``node_id``'s inbox, and watch the connection: when
+        the node's process dies its TCP connection closes, and ``on_disconnect(node_id)``
+        hears of it at once (Ray takes 1-2 s to fail calls to a killed actor)."""
+        sock = self._context.socket(zmq.PUSH)
+        events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(address)
+        self._commands[node_id] = sock
+        self._connections[node_id] = asyncio.get_running_loop().create_task(
+            self._watch_connection(node_id, sock, events))
+
+    async def _watch_connection(self, node_id: str, sock: Any, events: Any) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await events.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.on_disconnect is not None:
+                    self.on_disconnect(node_id)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            events.close(linger=0)
+
     def shutdown(self) -> None:
         """Stop reading and close every socket."""
-        for task in [*self._tasks, *self._watches.values()]:
+        for task in [*self._tasks, *self._connections.values()]:
             task.cancel()
         self._context.destroy(linger=0)
 
@@ -225,13 +250,32 @@ class NodeStreams:
         return queue
 
     def bind(self, request_id: str, node_id: str) -> None:
-        """Record the node serving ``request_id`` (its failure ends this stream)."""
+        """Record the node serving ``request_id`` (its failure ends this stream; a node down
+        already ends it at once)."""
         entry = self._queues.get(request_id)
         if entry is not None:
             self._queues[request_id] = (node_id, entry[1])
-            watch = self._watches.get(node_id)
-            if watch is None or watch.done():
-                self._watches[node_id] = asyncio.get_running_loop().create_task(self._watch(node_id))
+            if node_id in self.down:
+                entry[1].put_nowait(_unavailable(self.down[node_id]))
+
+    def fail_node(self, node_id: str, reason: str) -> None:
+        """``node_id`` is down: end every stream bound to it with UNAVAILABLE (``reason``)."""
+        self.down[node_id] = reason
+        for nid, queue in list(self._queues.values()):
+            if nid == node_id:
+                queue.put_nowait(_unavailable(reason))
+
+    def reconnect(self, node_id: str, address: str) -> None:
+        """``node_id`` is up again with its command inbox at ``address`` (new after a restart)."""
+        if address != self.node_inboxes.get(node_id):
+            old = self._commands.pop(node_id)
+            with contextlib.suppress(zmq.ZMQError):
+                old.disable_monitor()  # closing it is no news
+            self._connections.pop(node_id).cancel()
+            old.close(linger=0)
+            self._connect_node(node_id, address)
+            self.node_inboxes[node_id] = address
+        self.down.pop(node_id, None)
 
     def close(self, request_id: str) -> None:
         """Stop routing ``request_id``'s events (later ones are dropped)."""
@@ -244,18 +288,9 @@ class NodeStreams:
                 if entry is not None:
                     entry[1].put_nowait(event)
 
-    async def _watch(self, node_id: str) -> None:
-        """Check ``node_id`` is alive while streams are open on it."""
-        node = self.nodes[node_id]
-        while any(nid == node_id for nid, _ in self._queues.values()):
-            try:
-                await node.ping.remote()
-            except Exception as exc:  # noqa: BLE001 - a dead or unreachable node ends its streams
-                for nid, queue in list(self._queues.values()):
-                    if nid == node_id:
-                        queue.put_nowait({"type": "error", "code": "UNAVAILABLE",
-                                          "message": f"cache node {node_id}: {_message(exc)}"})
-            await asyncio.sleep(self.watch_s)
+
+def _unavailable(reason: str) -> dict[str, Any]:
+    return {"type": "error", "code": "UNAVAILABLE", "message": f"{reason}; retry the request"}
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -395,30 +430,60 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any]) -> None:
+    """Operator calls. A node the ``monitor`` (``services.node_monitor``) knows down is not
+    asked (Stats lists it with ``healthy`` false and why; Flush and Drain skip it: its KV and
+    requests died with it), and a node that does not answer within ``node_timeout_s`` counts
+    as down for that call."""
+
+    def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
+                 monitor: Any = None, node_timeout_s: float = 30.0) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
+        self.monitor, self.node_timeout_s = monitor, node_timeout_s
+
+    def _live(self) -> dict[str, Any]:
+        if self.monitor is None:
+            return dict(self.nodes)
+        return {nid: n for nid, n in self.nodes.items() if self.monitor.state[nid].healthy}
+
+    async def _ask_live(self, call: Any) -> dict[str, Any]:
+        """node id -> ``call(node)`` awaited, for every live node; an exception in place of the
+        answer of a node that failed or did not answer in time."""
+        live = self._live()
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(call(n), self.node_timeout_s) for n in live.values()), return_exceptions=True
+        )
+        return dict(zip(live, answers))
 
     async def Stats(self, request, context):  # noqa: N802
         await self.auth.admin(context)
-        node_stats = await asyncio.gather(
-            *(n.stats.remote(request.check_integrity) for n in self.nodes.values())
-        )
+        answers = await self._ask_live(lambda n: n.stats.remote(request.check_integrity))
+        node_stats = []
+        for nid in self.nodes:
+            answer = answers.get(nid)
+            if isinstance(answer, dict):
+                node_stats.append(answer)
+            else:
+                why = self.monitor.state[nid].failure if answer is None else f"no answer: {_message(answer)}"
+                node_stats.append({"node_id": nid, "healthy": False, "failure": why})
         sched = await self.scheduler.stats.remote()
+        health = self.monitor.snapshot() if self.monitor is not None else {}
         return admin_pb2.StatsResponse(
             nodes=[convert.node_stats_to_pb(s) for s in node_stats], queued=sched["queued"],
-            sessions=sched["sessions"], stats_json=json.dumps({"scheduler": sched, "nodes": node_stats}),
+            sessions=sched["sessions"],
+            stats_json=json.dumps({"scheduler": sched, "nodes": node_stats, "health": health}),
         )
 
     async def Flush(self, request, context):  # noqa: N802
         await self.auth.admin(context)
-        freed = await asyncio.gather(*(n.flush.remote() for n in self.nodes.values()))
+        answers = await self._ask_live(lambda n: n.flush.remote())
+        freed = [a for a in answers.values() if isinstance(a, int)]
         await self.scheduler.flush_index.remote()
         return admin_pb2.FlushResponse(freed_blocks=sum(freed))
 
     async def Drain(self, request, context):  # noqa: N802
         await self.auth.admin(context)
-        aborted = await asyncio.gather(*(n.drain.remote() for n in self.nodes.values()))
-        return admin_pb2.DrainResponse(aborted=sum(aborted))
+        answers = await self._ask_live(lambda n: n.drain.remote())
+        return admin_pb2.DrainResponse(aborted=sum(a for a in answers.values() if isinstance(a, int)))
 
     async def RotateAdminKey(self, request, context):  # noqa: N802
         await self.auth.admin(context)

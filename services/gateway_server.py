@@ -17,11 +17,11 @@ from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.auth import Authenticator
 from services.chat import ChatTemplater
 from services.gateway import AdminServicer, InferenceServicer, NodeStreams, TenantServicer
-
 from services.node_monitor import NodeMonitor
 
 SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
 """gRPC health names: the server overall and each service; all SERVING while a node is healthy."""
+
 
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
@@ -44,12 +44,12 @@ async def create_server(
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        inference.streams.shutdown()
     monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler,
                           on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        inference.streams.shutdown()
         raise OSError(f"could not bind the gateway to {address}")
     monitor.start()
     return server, port, health, inference.streams, monitor
@@ -69,13 +69,13 @@ class Gateway:
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
+        self.monitor: NodeMonitor | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Start serving; returns the bound port."""
         infos = await asyncio.gather(*(node.describe.remote() for node in self.nodes.values()))
         scheduler_address = await self.scheduler.open_data_plane.remote()
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
-        self.monitor: NodeMonitor | None = None
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
         self.server, bound, health, self.streams, self.monitor = await create_server(
@@ -87,12 +87,12 @@ class Gateway:
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.streams is not None:
             self.streams.shutdown()
 
 
-        if self.monitor is not None:
-            self.monitor.stop()
 GatewayActor = ray.remote(Gateway)

@@ -115,6 +115,7 @@ class GlobalScheduler:
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
+        self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         self.commands: Any = None  # sends submit commands to node inboxes
 
     # ---- tenants (the gateway checks the admin key first) ---------------------------------
@@ -122,7 +123,6 @@ class GlobalScheduler:
         return self.store.ensure_admin_key()
 
     def verify_admin_key(self, key: str) -> bool:
-        self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         return self.store.verify_admin_key(key)
 
     def has_admin_key(self) -> bool:
@@ -180,6 +180,8 @@ class GlobalScheduler:
             "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy)
             with a message.
         """
+        if len(self.down) == len(self.nodes):
+            return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}")
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant")
@@ -187,8 +189,6 @@ class GlobalScheduler:
         if queued >= self.queue_limit:
             self.usage.record_rejected(tenant_id)
             return Admission(
-        if len(self.down) == len(self.nodes):
-            return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}")
                 code="RESOURCE_EXHAUSTED",
                 message=f"queue full ({queued} waiting, limit {self.queue_limit})",
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
@@ -279,6 +279,7 @@ class GlobalScheduler:
         longer than the recent traffic's common prefix, else the node with the fewest requests
         in flight. Spill-held blocks count for no node."""
         self.common_prefix.observe(block_hashes)
+        healthy = [n for nid, n in self.nodes.items() if nid not in self.down]
         best, best_len = "", 0
         for node in healthy:
             n = self.index.node_prefix(node.node_id, block_hashes)
@@ -286,7 +287,6 @@ class GlobalScheduler:
                 best, best_len = node.node_id, n
         if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks:
             return best
-        healthy = [n for nid, n in self.nodes.items() if nid not in self.down]
         return min(healthy, key=lambda n: (len(n.in_flight), n.node_id)).node_id
 
     def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None:
@@ -308,13 +308,6 @@ class GlobalScheduler:
             if usage.get("preempted"):
                 self.usage.record_preempted(tenant_id)
 
-    def close_session(self, session_id: str, tenant_id: str) -> str | None:
-        """Forget a session's routing; returns the node holding it (None when unknown/foreign)."""
-        entry = self.session_nodes.get(session_id)
-        if entry is None or entry[0] != tenant_id:
-            return None
-        del self.session_nodes[session_id]
-        return entry[1]
     # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
     def node_down(self, node_id: str, reason: str) -> None:
         """Stop routing to ``node_id`` (failed, dead or restarting): its index entries and its
@@ -337,6 +330,13 @@ class GlobalScheduler:
         self.node_inboxes[node_id] = inbox
         self.down.pop(node_id, None)
 
+    def close_session(self, session_id: str, tenant_id: str) -> str | None:
+        """Forget a session's routing; returns the node holding it (None when unknown/foreign)."""
+        entry = self.session_nodes.get(session_id)
+        if entry is None or entry[0] != tenant_id:
+            return None
+        del self.session_nodes[session_id]
+        return entry[1]
 
     # ---- global block index ---------------------------------------------------------------
     def report_events(
@@ -379,6 +379,7 @@ class GlobalScheduler:
             "scheduler": self.scheduler,
             "prefill_tokens_per_s": {nid: n.prefill.tokens_per_s for nid, n in self.nodes.items()},
             "sessions": len(self.session_nodes),
+            "down": dict(self.down),
             "indexed_blocks": len(self.index),
             "indexed_blocks_by_tier": self.index.pairs_per_tier(),
             "time_s": time.time(),
@@ -386,7 +387,6 @@ class GlobalScheduler:
 
 
 class GlobalSchedulerService(GlobalScheduler):
-            "down": dict(self.down),
     """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
 
     It has an async method, so Ray runs every method on one event loop thread, and the

@@ -93,12 +93,12 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     nodes = {
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
+            max_restarts=config.cache_node_max_restarts,  # a failed or killed node comes back
             resources={config.cache_node_resource: 1}, **life,
             runtime_env={"env_vars": dict(config.node.env_vars)},
         ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler,
                  spill_nodes, spec if spill_nodes else None)
         for nid in node_ids
-            max_restarts=config.cache_node_max_restarts,  # a failed or killed node comes back
     }
     # wait until models are loaded
     _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource, "cache node")

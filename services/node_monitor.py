@@ -1,0 +1,139 @@
+"""The gateway's watch over its cache nodes: who is healthy, and a restarted node's rejoining.
+
+One task per node long-polls ``CacheNode.health(wait_s)``, which answers as soon as the node's
+step loop fails. A node is down when it says it failed, when its data-plane connection closes
+(its process died: ``NodeStreams.on_disconnect``, at once), when the call fails (Ray fails a
+killed actor's calls 1-2 s later) or when no answer comes within ``poll_s + timeout_s`` (hung,
+or being restarted: Ray queues calls to a restarting actor). On down: the GlobalScheduler stops
+routing to it (``node_down``), then its open streams end with UNAVAILABLE. A node that answers
+healthy again from a new process (Ray restarted it: ``max_restarts``) has a new data-plane
+address: it is opened if needed, the gateway reconnects, and the scheduler routes to it again
+(``node_up``). ``on_change`` hears the number of healthy nodes whenever it changes (gRPC health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeHealth:
+    """What the gateway knows of one node. ``failure``: why it last went down ("" if never)."""
+
+    healthy: bool = True
+    failure: str = ""
+    pid: int = 0
+    restarts: int = 0
+
+
+class NodeMonitor:
+    """Args:
+        nodes: node id -> CacheNode actor handle.
+        node_info: node id -> ``CacheNode.describe()`` at start (``pid``).
+        streams: the gateway's ``NodeStreams`` (``fail_node``, ``reconnect``).
+        scheduler: the GlobalScheduler actor handle (``node_down``, ``node_up``).
+        on_change: called with the number of healthy nodes when it changes.
+        poll_s: length of one long poll of a healthy node.
+        timeout_s: slack past ``poll_s`` before a silent node counts as down.
+    """
+
+    def __init__(self, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]], streams: Any,
+                 scheduler: Any, on_change: Callable[[int], Any] | None = None,
+                 poll_s: float = 5.0, timeout_s: float = 1.5) -> None:
+        self.nodes, self.streams, self.scheduler = nodes, streams, scheduler
+        self.on_change = on_change
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.state = {nid: NodeHealth(pid=int(info.get("pid", 0))) for nid, info in node_info.items()}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch(nid)) for nid in self.nodes]
+        self.streams.on_disconnect = self._disconnected
+
+    def _disconnected(self, node_id: str) -> None:
+        reason = f"cache node {node_id}: its data-plane connection closed (the process died)"
+        task = asyncio.get_running_loop().create_task(self._down(node_id, reason))
+        self._pending.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._pending.discard)
+
+    def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def num_healthy(self) -> int:
+        return sum(h.healthy for h in self.state.values())
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """node id -> ``NodeHealth`` fields (Admin ``Stats`` JSON, ``health``)."""
+        return {nid: asdict(h) for nid, h in self.state.items()}
+
+    async def _watch(self, node_id: str) -> None:
+        node = self.nodes[node_id]
+        while True:
+            wait_s = self.poll_s if self.state[node_id].healthy else 0.0
+            try:
+                answer = await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except asyncio.TimeoutError:
+                await self._down(node_id, f"cache node {node_id} did not answer within {wait_s + self.timeout_s:g} s")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a dead or unreachable node is down
+                await self._down(node_id, f"cache node {node_id} is unreachable: {_first_line(exc)}")
+                await asyncio.sleep(self.timeout_s)
+                continue
+            if not answer["healthy"]:
+                await self._down(node_id, answer["failure"])
+                await asyncio.sleep(self.timeout_s)
+            elif answer["pid"] != self.state[node_id].pid or not self.state[node_id].healthy:
+                await self._rejoin(node_id, answer)
+            else:
+                self.state[node_id].restarts = answer["restarts"]
+
+    async def _down(self, node_id: str, reason: str) -> None:
+        state = self.state[node_id]
+        if not state.healthy:
+            return
+        state.healthy, state.failure = False, reason
+        log.warning("%s", reason)
+        try:  # first stop routing there, so that a client retrying its failed call goes elsewhere
+            await asyncio.wait_for(self.scheduler.node_down.remote(node_id, reason), self.timeout_s)
+        except Exception:  # noqa: BLE001 - the streams must end regardless
+            log.exception("could not tell the scheduler that %s is down", node_id)
+        self.streams.fail_node(node_id, reason)
+        self._changed()
+
+    async def _rejoin(self, node_id: str, answer: dict[str, Any]) -> None:
+        """A healthy answer from a node known down or from a new process: (re)connect to its
+        command inbox and let the scheduler route to it. A failure leaves it down (retried)."""
+        node, state = self.nodes[node_id], self.state[node_id]
+        if answer["pid"] != state.pid:
+            await self._down(node_id, state.failure or f"cache node {node_id} restarted")
+        try:
+            address = answer["data_address"] or await node.open_data_plane.remote()
+            self.streams.reconnect(node_id, address)
+            await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address), self.timeout_s * 4)
+        except Exception:  # noqa: BLE001 - tried again on the next answer
+            log.exception("cache node %s could not rejoin", node_id)
+            await asyncio.sleep(self.timeout_s)
+            return
+        state.healthy, state.pid, state.restarts = True, answer["pid"], answer["restarts"]
+        log.warning("cache node %s is back (pid %d, restarts %d)", node_id, state.pid, state.restarts)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.num_healthy())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
