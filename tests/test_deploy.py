@@ -181,3 +181,43 @@ def test_readme_walks_through_a_real_cluster() -> None:
         "kubectl apply -f deploy/kuberay-raycluster.yaml",
     ):
         assert step in readme, step
+
+
+# ---------------------------------------------------------------- Ray dashboard exposure
+
+
+def _head_start_commands(name: str) -> list[str]:
+    return [c for c in _load(name)["head_start_ray_commands"] if "ray start --head" in c]
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
+def test_launcher_configs_bind_the_dashboard_to_loopback(name: str) -> None:
+    """issue 18 fault 9: the dashboard (its job API runs code) listened on 0.0.0.0, unauthenticated."""
+    (command,) = _head_start_commands(name)
+    hosts = [arg for arg in shlex.split(command) if arg.startswith("--dashboard-host")]
+    assert hosts == ["--dashboard-host=127.0.0.1"], command
+
+
+def test_kuberay_binds_the_dashboard_to_loopback_and_exposes_no_dashboard_port() -> None:
+    """issue 18 fault 9: KubeRay's default dashboard host is 0.0.0.0; the manifest overrides it
+    and neither the container nor the head service offers port 8265."""
+    head = _load("kuberay-raycluster.yaml")["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    (container,) = head["template"]["spec"]["containers"]
+    assert 8265 not in [p["containerPort"] for p in container["ports"]]
+    assert "dashboard" not in [p["name"] for p in container["ports"]]
+
+
+def test_no_deploy_file_binds_anything_to_all_interfaces() -> None:
+    """issue 18 fault 9: no deploy file (Dockerfile included) binds to 0.0.0.0."""
+    for path in sorted(DEPLOY.iterdir()):
+        if path.is_file():
+            assert "0.0.0.0" not in path.read_text(), path.name
+
+
+def test_readme_says_how_to_reach_the_dashboard() -> None:
+    """issue 18 fault 9: users reach the loopback-bound dashboard through a tunnel."""
+    readme = (DEPLOY / "README.md").read_text()
+    for step in ("ray dashboard deploy/cluster.yaml", "--dashboard-host=127.0.0.1",
+                 "kubectl -n kvstrata port-forward pod/"):
+        assert step in readme, step
