@@ -116,6 +116,9 @@ class CacheNode:
             self.engine.policy_env = PolicyEnv.from_tokenizer(lm.tokenizer)  # sentence boundaries
         self.templater = ChatTemplater(lm.tokenizer) if lm.tokenizer is not None else None
         self.event_sink = event_sink
+        # hears ``(node_id, session_ids)`` of the sessions this node expired (the scheduler's
+        # ``sessions_ended``), from the step thread
+        self.session_sink: Callable[[str, list[str]], Any] | None = None
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
         self._pusher = data_plane.PushSockets()  # the step thread's sockets
@@ -347,10 +350,17 @@ class CacheNode:
                 # transfer thread (spill prefetch) is not starved by back-to-back steps.
                 time.sleep(0.0005)
             self._flush_events()
-            if time.monotonic() - last_expiry > 5.0:
-                for sid in self.engine.expire_sessions(self.session_ttl_s):
-                    self._session_messages.pop(sid, None)
+            if time.monotonic() - last_expiry > min(5.0, self.session_ttl_s / 2):
+                self._expire_sessions()
                 last_expiry = time.monotonic()
+
+    def _expire_sessions(self) -> None:
+        """Close sessions idle for ``session_ttl_s`` and tell ``session_sink``."""
+        expired = self.engine.expire_sessions(self.session_ttl_s)
+        for sid in expired:
+            self._session_messages.pop(sid, None)
+        if expired and self.session_sink is not None:
+            self.session_sink(self.node_id, expired)
 
     def _fail(self, reason: str) -> None:
         """Step thread, after the loop died: mark the node unhealthy, wake ``health`` waiters,
@@ -564,6 +574,8 @@ class CacheNodeActor(CacheNode):
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
         self._restarts = _actor_restarts()
+        if scheduler:
+            self.session_sink = lambda node_id, ids: scheduler.sessions_ended.remote(node_id, ids)
 
     def restarts(self) -> int:
         return self._restarts

@@ -330,6 +330,14 @@ class GlobalScheduler:
         self.node_inboxes[node_id] = inbox
         self.down.pop(node_id, None)
 
+    def sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
+        """``node_id`` closed these sessions (expired): forget their routing there (an id
+        routed to another node stays)."""
+        for sid in session_ids:
+            entry = self.session_nodes.get(sid)
+            if entry is not None and entry[1] == node_id:
+                del self.session_nodes[sid]
+
     def close_session(self, session_id: str, tenant_id: str) -> str | None:
         """Forget a session's routing; returns the node holding it (None when unknown/foreign)."""
         entry = self.session_nodes.get(session_id)

@@ -1,0 +1,68 @@
+"""The GlobalScheduler's session -> node map follows the nodes' sessions (real model, plain
+classes, the node's session sink wired straight to the scheduler as the actor wires it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cache_node.sampling_params import SamplingParams
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.global_scheduler import GlobalScheduler
+from services.node_request import NodeRequest
+
+PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
+TTL_S = 1.0
+
+
+def run_turn(sched: GlobalScheduler, node: CacheNode, session_id: str) -> None:
+    rid = f"r-{session_id}"
+    adm = sched.admit("t1", rid, session_id=session_id)
+    assert (adm.code, adm.node_id) == ("OK", "n0")
+    req = NodeRequest(request_id=rid, tenant="t1", cache_namespace="ns", token_ids=PROMPT,
+                      session_id=session_id, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+
+    async def run() -> list[dict]:
+        return [e async for e in node.generate(req)]
+
+    assert asyncio.run(run())[-1]["type"] == "finished"
+    sched.release(rid, {})
+
+
+def wait_until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sessions_the_node_expires_leave_the_scheduler_map(tmp_path) -> None:
+    """Issue 18 fault 9: sessions the node expired stayed in the scheduler's session map
+    forever (it grew without bound). Now the node reports each expiry and the map holds
+    exactly the sessions the node still has."""
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8})
+    node = CacheNode("n0", NodeConfig(kv_pool_bytes=16 << 20, host_bytes=0), num_threads=1, session_ttl_s=TTL_S)
+    node.session_sink = sched.sessions_ended
+    try:
+        for sid in ("a", "b"):
+            run_turn(sched, node, sid)
+        time.sleep(TTL_S / 2)
+        run_turn(sched, node, "c")
+        assert sorted(sched.session_nodes) == ["a", "b", "c"]
+        wait_until(lambda: len(sched.session_nodes) < 3, 10)
+        assert sorted(sched.session_nodes) == ["c"]  # a and b expired; c is younger than the ttl
+        assert sorted(node.engine.sessions.sessions) == ["c"]
+        wait_until(lambda: not sched.session_nodes, 10)
+        assert node.engine.sessions.sessions == {}
+        assert sched.stats()["sessions"] == 0
+    finally:
+        node.shutdown()
+
+
+def test_sessions_ended_ignores_other_nodes_sessions(tmp_path) -> None:
+    """A report names its node: an equal session id routed to another node stays."""
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8})
+    sched.session_nodes.update({"s": ("t1", "n1"), "u": ("t1", "n0")})
+    sched.sessions_ended("n0", ["s", "u", "never-seen"])
+    assert sched.session_nodes == {"s": ("t1", "n1")}
