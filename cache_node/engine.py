@@ -312,6 +312,7 @@ class LLMEngine(EngineTiersMixin):
             ttft_s=ttft,
             output_token_ids=tuple(seq.output_token_ids) if seq.is_finished else (),
             num_cached_tokens_by_tier=self.tiers.cached_tokens_by_tier(seq),
+            policy_bytes=seq.peak_policy_bytes,
         )
 
     def generate(
@@ -334,9 +335,22 @@ class LLMEngine(EngineTiersMixin):
         with self._lock:
             self.kv_manager.check_integrity()
 
+    def held_by_tenant(self) -> dict[str, dict[str, int]]:
+        """Per tenant with live requests: ``blocks`` (pool blocks its requests hold, charge
+        blocks included: ``Sequence.num_held_blocks``) and ``policy_bytes`` (bytes their KV
+        policies hold outside the pool blocks now, which those charge blocks pay for)."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for seq in self.requests.values():
+                held = out.setdefault(seq.tenant, {"blocks": 0, "policy_bytes": 0})
+                held["blocks"] += seq.num_held_blocks
+                held["policy_bytes"] += seq.kv.outside_pool_bytes() if seq.kv is not None else 0
+        return out
+
     def stats(self) -> dict[str, int]:
         pool = self.kv_manager.pool
         with self._lock:
+            charged = [s.kv for s in self.requests.values() if s.kv is not None]
             used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
             free = pool.num_free_blocks()
             cached_free = sum(1 for b in pool.free_queue if b.block_hash is not None)
@@ -350,4 +364,6 @@ class LLMEngine(EngineTiersMixin):
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
+                "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),
+                "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
             } | self.tiers.stats()

@@ -94,14 +94,15 @@ class EngineTiersMixin:
         """Watermark demotion order: free cached blocks (``cached``, LRU first) of the tenants
         most over their device-tier quota first, then the rest, LRU within each tenant.
 
-        A tenant holds the blocks of its running sequences plus the free cached blocks it
+        A tenant holds the blocks of its running sequences (their charge blocks for KV kept
+        outside the pool included: ``Sequence.num_held_blocks``) plus the free cached blocks it
         released last (``KVBlock.owner``); over = held - ``kv_quota_blocks``. Borrowed space is
         reclaimed before anyone else's (DESIGN.md §7; the SLO issue's memory rule).
         """
         policy = self.scheduler.policy
         held: Counter[str] = Counter(b.owner for b in cached if b.owner)
         for seq in self.scheduler.running:
-            held[seq.tenant] += len(seq.block_table)
+            held[seq.tenant] += seq.num_held_blocks
         over = {t: n - policy.quota_blocks_of(t) for t, n in held.items()}
         return sorted(cached, key=lambda b: -max(over.get(b.owner, 0), 0))
 

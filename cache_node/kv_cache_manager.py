@@ -92,7 +92,9 @@ class KVCacheManager:
             computed_blocks: prefix-hit blocks from ``get_computed_blocks`` (new sequences).
 
         Returns:
-            The newly allocated blocks, or None (nothing changed) when the pool cannot fit them.
+            The newly allocated blocks, or None (nothing changed) when the pool cannot fit them
+            together with the charge blocks the sequence's KV policy still owes
+            (``SequenceKV.charge_debt``, paid in the same call).
         """
         computed_blocks = computed_blocks or []
         # physical slots in use: a compressing policy may have evicted some computed tokens
@@ -101,12 +103,15 @@ class KVCacheManager:
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(seq.block_table) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + revived > self.pool.num_free_blocks():
+        debt = seq.kv.charge_debt if seq.kv is not None else 0
+        if max(num_new_blocks, 0) + revived + debt > self.pool.num_free_blocks():
             return None
-        self.pool.touch(computed_blocks)
+        self.pool.touch(computed_blocks)  # before allocating: allocation may evict free cached blocks
         seq.block_table.extend(computed_blocks)
         new_blocks = self.pool.allocate(max(num_new_blocks, 0)) or []
         seq.block_table.extend(new_blocks)
+        if debt:
+            seq.kv.pay_debt(self.pool.allocate(debt))
         return new_blocks
 
     def cache_full_blocks(self, seq: Sequence) -> None:

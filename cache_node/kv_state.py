@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cache_node.attention_stats import AttentionStats
+from cache_node.block import KVBlock
 from cache_node.block_pool import BlockPool
 from cache_node.compaction import can_rewrite, gather_kv, merge_kv, rewrite_kv, sequence_slots
 from cache_node.kv_pool import KVPool
@@ -38,6 +39,12 @@ class SequenceKV:
         stats: attention statistics when the policy needs them.
         budget: tokens per layer, fixed at the first compression.
         extra: policy-owned state (host-tier sentences, quantized segments).
+        charge_blocks: pool blocks held (never written) to pay for the bytes the policy keeps
+            outside the pool blocks (``outside_pool_bytes``): ``ceil(bytes / bytes_per_block)``
+            of them, so the pool's byte budget bounds everything the sequence holds and the
+            blocks count against its tenant's quota (``Sequence.num_held_blocks``).
+        charge_debt: blocks the charge still lacks (the pool was full when it grew); the
+            sequence's next slot allocation takes them first (``KVCacheManager.allocate_slots``).
     """
 
     def __init__(self, seq: Sequence, policy: Policy, pool: KVPool, block_pool: BlockPool,
@@ -49,12 +56,15 @@ class SequenceKV:
         self.host = host  # the engine's tiers, when it has a host tier (SentenceKV keeps KV there)
         self.scaling = pool.head_dim**-0.5
         self.extra: dict[str, Any] = {}
+        self.charge_blocks: list[KVBlock] = []
         self.reset()
 
     def reset(self) -> None:
         """Forget everything (the sequence's blocks were freed: preemption, finish); the
-        policy releases what it holds in lower tiers."""
+        policy releases what it holds in lower tiers, and the charge blocks go back."""
         self.policy.release(self)
+        self.block_pool.free(self.charge_blocks[::-1])
+        self.charge_blocks, self.charge_debt = [], 0
         L = self.pool.num_layers
         self.positions = torch.zeros((L, 0), dtype=torch.long)
         self.support = torch.zeros((L, 0))
@@ -129,7 +139,39 @@ class SequenceKV:
             return False
         if self.budget is None:
             self.budget = self.policy.budget_tokens(seq.num_prompt_tokens)
-        return self.policy.compress(self)
+        compacted = self.policy.compress(self)
+        self.settle_charge()
+        return compacted
+
+    # ---- memory held outside the pool blocks ------------------------------------------------
+    def outside_pool_bytes(self) -> int:
+        """Bytes the policy holds for this sequence outside its pool blocks and outside the host
+        tier's budget: device extras (codes, sentence index, recall region) plus host RAM no
+        tier budget counts (``Policy.private_host_bytes``)."""
+        return self.policy.extra_device_bytes(self) + self.policy.private_host_bytes(self)
+
+    def settle_charge(self) -> None:
+        """Hold ``ceil(outside_pool_bytes / bytes_per_block)`` charge blocks: give back the
+        surplus, take what is missing from the free blocks, and record what the pool could
+        not give as ``charge_debt``."""
+        nbytes = self.outside_pool_bytes()
+        self.seq.peak_policy_bytes = max(self.seq.peak_policy_bytes, nbytes)
+        want = -(-nbytes // self.pool.bytes_per_block)
+        surplus = len(self.charge_blocks) - want
+        if surplus > 0:
+            self.block_pool.free(self.charge_blocks[want:][::-1])
+            del self.charge_blocks[want:]
+        missing = max(0, want - len(self.charge_blocks))
+        got = self.block_pool.allocate(missing) if missing else []
+        if got is None:
+            got = self.block_pool.allocate(self.block_pool.num_free_blocks()) or []
+        self.charge_blocks += got
+        self.charge_debt = missing - len(got)
+
+    def pay_debt(self, blocks: list[KVBlock]) -> None:
+        """Take ``blocks`` (``charge_debt`` of them, freshly allocated) as charge blocks."""
+        self.charge_blocks += blocks
+        self.charge_debt -= len(blocks)
 
     # ---- compaction -------------------------------------------------------------------------
     def view(self, layer_idx: int) -> LayerView:

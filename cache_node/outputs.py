@@ -16,6 +16,9 @@ class RequestOutput:
         num_cached_tokens_by_tier: the same tokens split by the tier they came from
             ("device", "host", "spill_ram", "spill_disk"); sums to ``num_cached_tokens``.
         ttft_s: seconds from arrival to the first token (None until it exists).
+        policy_bytes: the most bytes the request's KV policy has held at once outside the pool
+            blocks (codes, sentence index, recall region, untiered host RAM); charged to the
+            pool as whole blocks while held (``SequenceKV.charge_blocks``).
     """
 
     request_id: str
@@ -29,6 +32,7 @@ class RequestOutput:
     ttft_s: float | None
     output_token_ids: tuple[int, ...] = ()
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    policy_bytes: int = 0
 
 
 class InvalidRequestError(ValueError):

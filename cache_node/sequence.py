@@ -43,6 +43,8 @@ class Sequence:
             while a prefetch brings its blocks up; 0.0 when none is in flight.
         device_hit_tokens: prompt tokens of a waiting sequence whose KV is on the device tier
             now (set by the scheduler before ordering, for policies with ``orders_by_value``).
+        peak_policy_bytes: the most bytes its KV policy held at once outside the pool blocks
+            (codes, sentence index, recall region, untiered host RAM; ``SequenceKV``).
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class Sequence:
     promoted_from: dict[bytes, str] = field(default_factory=dict)
     prefetch_until_s: float = 0.0
     device_hit_tokens: int = 0
+    peak_policy_bytes: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -96,6 +99,12 @@ class Sequence:
     def in_prefill(self) -> bool:
         """True until the whole prompt's KV is computed."""
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Pool blocks the sequence holds: its block table plus the blocks charged for what its
+        KV policy keeps outside the pool (``SequenceKV.charge_blocks``)."""
+        return len(self.block_table) + (len(self.kv.charge_blocks) if self.kv is not None else 0)
 
     def layer_blocks(self, layer_idx: int) -> list[KVBlock]:
         if self.layer_block_tables is None:

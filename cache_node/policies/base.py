@@ -153,7 +153,8 @@ class Policy:
         cold_bits: 0 drops what the policy evicts; 4 or 8 keeps it on the device tier as int4/
             int8 codes attended on the codes (HACK, arXiv 2502.03589 §4): the quantized tier as
             a colder tier under a scoring policy. The budget counts the full-precision entries;
-            the codes' bytes are reported on top (``extra_device_bytes``).
+            the codes' bytes are reported on top (``extra_device_bytes``) and charged to the
+            pool as whole blocks (``SequenceKV.charge_blocks``).
     """
 
     name: ClassVar[str] = ""
@@ -235,6 +236,11 @@ class Policy:
         """Device-tier bytes held outside the pool blocks (quantized codes, sentence index)."""
         cold = state.extra.get("cold")
         return 0 if cold is None else cold.nbytes
+
+    def private_host_bytes(self, state: SequenceKV) -> int:
+        """Host RAM the policy holds for the sequence that no tier budget counts (charged to the
+        device pool instead, ``SequenceKV.settle_charge``). 0 by default."""
+        return 0
 
     def release(self, state: SequenceKV) -> None:
         """The sequence's KV is gone (finish, abort, preemption): free what the policy holds

@@ -9,8 +9,9 @@ Device tier per sequence and layer::
 
 Every token outside sinks and the recent window is grouped into sentences; a sentence's raw
 K/V goes to the engine's host tier (slots the sequence reserves there, counted in the host
-budget and freed with the sequence; its own CPU tensors when the engine has no host tier) and
-only its index stays on the device tier. Before each layer attends,
+budget and freed with the sequence; its own CPU tensors when the engine has no host tier,
+charged to the device pool then) and only its index stays on the device tier (index and
+region are charged to the pool as whole blocks: ``SequenceKV.charge_blocks``). Before each layer attends,
 the step's queries score every sentence per KV head (best over the step's queries and the
 head's query group) and each head promotes its best sentences into its own R region slots; in
 a multi-token chunk the last query (the one sampled from) picks first, up to
@@ -208,6 +209,10 @@ class PrivateHostKV:
         out = PrivateHostKV()
         out.parts = list(self.parts)  # never mutated in place
         return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
 
     def release(self) -> None:
         self.parts = []
@@ -704,6 +709,15 @@ class SentenceKV(Policy):
             store.host.release()
 
     # ---- accounting -------------------------------------------------------------------------
+    def private_host_bytes(self, state: SequenceKV) -> int:
+        """Without a host tier the demoted sentences' K/V and their region codes sit in the
+        sequence's own CPU tensors, which no tier budget counts (with one, the host tier's
+        slots hold and charge them: ``TierHostKV``)."""
+        store = state.extra.get("sentences")
+        if store is None or not isinstance(store.host, PrivateHostKV):
+            return 0
+        return store.host.nbytes + (0 if store.codes is None else store.codes.nbytes)
+
     def extra_device_bytes(self, state: SequenceKV) -> int:
         """The sentence index plus the recall region (every slot counts, filled or not)."""
         store = state.extra.get("sentences")

@@ -123,7 +123,7 @@ class KvstrataPolicy(SchedulingPolicy):
             return None
         held: dict[str, int] = {}
         for s in running:
-            held[s.tenant] = held.get(s.tenant, 0) + len(s.block_table)
+            held[s.tenant] = held.get(s.tenant, 0) + s.num_held_blocks
 
         def badness(s: Sequence) -> tuple[int, int, float, int]:
             over = held[s.tenant] - self.share(s).kv_quota_blocks
