@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import grpc
 import pydantic
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -46,7 +48,7 @@ app.add_typer(run_app, name="run")
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped: keep tables readable
 STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
-ConfigOpt = typer.Option(None, "--config", "-c", help="service YAML config")
+ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="service YAML config")
 
 
 def _state() -> dict:
@@ -74,9 +76,31 @@ def _admin_md() -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
+INPUT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.ALREADY_EXISTS}
+"""Statuses that mean the command's input was wrong: exit code 2 (as a usage error); others 1."""
+MAX_UINT32, MAX_UINT64 = 2**32 - 1, 2**64 - 1
+
+
 def _fail(err: grpc.RpcError) -> None:
-    console.print(f"[red]{err.code().name}[/red]: {escape(err.details() or '')}")
-    raise typer.Exit(1)
+    """Print a failed call as one line, ``CODE: details``; exit 2 for input errors, else 1."""
+    details = (err.details() or "").splitlines()
+    console.print(f"[red]{err.code().name}[/red]: {escape(details[0] if details else '')}", soft_wrap=True)
+    raise typer.Exit(2 if err.code() in INPUT_ERRORS else 1)
+
+
+def _finite(value: float | None) -> float | None:
+    """Typer callback: refuse nan and infinities (FloatRange lets nan through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _positive(value: float) -> float:
+    """Typer callback: a finite number > 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} is not a finite number > 0")
+    return value
 
 
 def _free_port() -> int:
@@ -145,7 +169,15 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
 
     from services.launcher import start_services
 
-    cfg = load_config(config)
+    try:
+        cfg = load_config(config)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        console.print(f"[red]{escape(str(config))}: {'.'.join(map(str, err['loc']))}: {escape(err['msg'])}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except (OSError, yaml.YAMLError) as exc:
+        console.print(f"[red]{escape(str(config))}: {escape(str(exc).splitlines()[0])}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
     if scheduler:
         try:
             cfg = ServiceConfig.model_validate({**cfg.model_dump(), "scheduler": scheduler})
@@ -289,8 +321,12 @@ def status(gateway: Optional[str] = None, integrity: bool = True) -> None:
 def tenant_add(
     name: str,
     slo_class: str = typer.Option("standard", help="interactive | standard | batch"),
-    ttft_slo_ms: float = 0.0, tpot_slo_ms: float = 0.0, min_tokens_per_s: Optional[float] = None,
-    weight: float = 0.0, kv_quota_bytes: int = 0, max_context_tokens: int = 0,
+    ttft_slo_ms: float = typer.Option(0.0, min=0, callback=_finite, help="0: the class default"),
+    tpot_slo_ms: float = typer.Option(0.0, min=0, callback=_finite, help="0: the class default"),
+    min_tokens_per_s: Optional[float] = typer.Option(None, min=0, callback=_finite),
+    weight: float = typer.Option(0.0, min=0, callback=_finite, help="0: the class default"),
+    kv_quota_bytes: int = typer.Option(0, min=0, max=MAX_UINT64),
+    max_context_tokens: int = typer.Option(0, min=0, max=MAX_UINT32, help="0: the default (8192)"),
     namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
     policy: str = typer.Option("", help="default KV policy spec for its requests, e.g. sentencekv-0.25"),
     allow_policy: Optional[list[str]] = typer.Option(
@@ -419,8 +455,10 @@ def admin_rotate_key(
 
 @app.command()
 def generate(
-    prompt: str, api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY"), max_tokens: int = 128,
-    temperature: float = 0.0, session: str = "",
+    prompt: str, api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY"),
+    max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32),
+    temperature: float = typer.Option(0.0, min=0, max=100, callback=_finite, help="0: greedy"),
+    session: str = "",
     policy: str = typer.Option("", help="KV policy spec for this request (default: the tenant's)"),
     gateway: Optional[str] = None,
 ) -> None:
@@ -449,11 +487,12 @@ def generate(
 
 @run_app.command("deepresearch")
 def run_deepresearch(
-    duration: float = typer.Option(50.0, "--duration", help="arrival window, seconds"),
-    tenants: int = typer.Option(4, "--tenants", help="number of demo tenant profiles to use (1-4)"),
-    sessions_per_s: float = typer.Option(0.054, help="one tenant share of research sessions per second"),
-    seed: int = 0,
-    max_subagents: int = typer.Option(3, help="sub-agents per research session (2..6)"),
+    duration: float = typer.Option(50.0, "--duration", callback=_positive, help="arrival window, seconds"),
+    tenants: int = typer.Option(4, "--tenants", min=1, max=4, help="number of demo tenant profiles to use (1-4)"),
+    sessions_per_s: float = typer.Option(0.054, callback=_positive,
+                                         help="one tenant share of research sessions per second"),
+    seed: int = typer.Option(0, min=0),
+    max_subagents: int = typer.Option(3, min=2, max=6, help="sub-agents per research session (2..6)"),
     scheduler: str = typer.Option("", help="the scheduler the gateway must run (chosen at `kvstrata up "
                                   "--scheduler`); the run stops at once when it runs another"),
     policy: str = typer.Option("", help="KV policy for every tenant"),
@@ -482,7 +521,7 @@ def run_deepresearch(
             console.print(f"[red]the gateway runs the {running} scheduler, not {scheduler}: "
                           f"`kvstrata down` then `kvstrata up --scheduler {scheduler}`[/red]")
             raise typer.Exit(2)
-    profiles = demo_tenants(sessions_per_s)[: max(1, min(tenants, 4))]
+    profiles = demo_tenants(sessions_per_s)[:tenants]
     cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
     admin_key = _admin_md()[0][1].split(" ", 1)[1]
 
