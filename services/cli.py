@@ -33,8 +33,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc, tenant_pb2
-from kvstrata.v1 import tenant_pb2_grpc
+from kvstrata.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    tenant_pb2,
+    tenant_pb2_grpc,
+)
 from services.config import ServiceConfig, load_config
 from tenants.keys import generate_api_key, read_key_file, write_key_file
 

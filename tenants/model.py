@@ -251,7 +251,7 @@ def _policy(value: Any) -> str:
 
 def _allowed_policies(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (tuple, list)):
-        raise ValueError(f"allowed_policies must be a list of policy names, got {value!r}")
+        raise ValueError(f"allowed_policies must be a list of policy names, got {value!r}")  # noqa: TRY004 - bad input
     if len(value) > MAX_ALLOWED_POLICIES:
         raise ValueError(f"allowed_policies holds {len(value)} names; at most {MAX_ALLOWED_POLICIES} are allowed")
     return tuple(_pattern("allowed_policies", v, POLICY_PATTERN) for v in value)

@@ -54,25 +54,24 @@ def test_allowed_policies_persist_and_convert(tmp_path: Path) -> None:
 def test_request_outside_allowed_policies_is_permission_denied(tmp_path: Path) -> None:
     """issue 18 fault 9: Generate naming a policy outside the tenant's list: PERMISSION_DENIED."""
     too_long = NODE_INFO["max_model_len"] + 1  # an allowed request fails later, on its length
-    with serve(tmp_path) as gw:
-        with grpc.insecure_channel(gw.address) as ch:
-            reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
-                tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann", allowed_policies=["snapkv"])),
-                metadata=(("authorization", f"Bearer {gw.admin_key}"),))
-            assert list(reg.tenant.spec.allowed_policies) == ["snapkv"]
-            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+    with serve(tmp_path) as gw, grpc.insecure_channel(gw.address) as ch:
+        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann", allowed_policies=["snapkv"])),
+            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
+        assert list(reg.tenant.spec.allowed_policies) == ["snapkv"]
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
 
-            def generate(policy: str) -> tuple[grpc.StatusCode, str]:
-                req = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, 2, 3]), policy=policy,
-                                                    sampling=inference_pb2.SamplingParams(max_tokens=too_long))
-                try:
-                    list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=10))
-                except grpc.RpcError as err:
-                    return err.code(), err.details()
-                return grpc.StatusCode.OK, ""
+        def generate(policy: str) -> tuple[grpc.StatusCode, str]:
+            req = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, 2, 3]), policy=policy,
+                                                sampling=inference_pb2.SamplingParams(max_tokens=too_long))
+            try:
+                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=10))
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+            return grpc.StatusCode.OK, ""
 
-            denied = generate("h2o-0.5")
-            allowed = generate("snapkv-0.5")
+        denied = generate("h2o-0.5")
+        allowed = generate("snapkv-0.5")
 
     assert denied == (grpc.StatusCode.PERMISSION_DENIED,
                       "KV policy 'h2o-0.5' is not allowed for this tenant; allowed: snapkv")
