@@ -46,6 +46,7 @@ SCHEMA_VERSION = 1
 FAILED_KEY_TTL_S = 60.0
 FAILED_CHECK_WINDOW_S = 60.0
 FAILED_CHECKS_PER_KEY_ID = 10
+_CHECK_LOCK_STRIPES = 64  # PBKDF2 runs of one key id never overlap (striped by key id)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -89,6 +90,7 @@ class TenantStore:
         self._failed = ExpiringSet(FAILED_KEY_TTL_S)  # fingerprints of keys that failed
         self.failed_checks_per_key_id = failed_checks_per_key_id
         self._checks = WindowLimiter(failed_checks_per_key_id, FAILED_CHECK_WINDOW_S)
+        self._check_locks = [threading.Lock() for _ in range(_CHECK_LOCK_STRIPES)]
         self._conn = sqlite3.connect(str(path), check_same_thread=False)
         self._conn.execute("PRAGMA foreign_keys = ON")
         self._migrate()
@@ -268,20 +270,28 @@ class TenantStore:
         """Check ``api_key`` against its stored row, outside the lock (PBKDF2 is slow).
 
         Runs PBKDF2 only for a key neither verified nor failed recently, and only while the
-        key id's budget of checks lasts (see the module docstring). The verified cache is a
-        dict touched by single get/set operations (atomic under the GIL).
+        key id's budget of checks lasts (see the module docstring). Checks of one key id run
+        one at a time, so a burst of requests with a new key costs one PBKDF2 run, not one
+        each. The verified cache is a dict touched by single get/set operations (atomic under
+        the GIL).
         """
         fp = fingerprint(api_key)
-        cached = self._verified.get(stored.key_id)
-        if cached is not None and hmac.compare_digest(cached, fp):
+        if self._verified_before(stored.key_id, fp):
             return True
-        if fp in self._failed or not self._checks.try_acquire(stored.key_id):
-            return False
-        if not verify_api_key(api_key, stored):
-            self._failed.add(fp)
-            return False
-        self._verified[stored.key_id] = fp
+        with self._check_locks[hash(stored.key_id) % _CHECK_LOCK_STRIPES]:
+            if self._verified_before(stored.key_id, fp):  # checked while this one waited
+                return True
+            if fp in self._failed or not self._checks.try_acquire(stored.key_id):
+                return False
+            if not verify_api_key(api_key, stored):
+                self._failed.add(fp)
+                return False
+            self._verified[stored.key_id] = fp
         return True
+
+    def _verified_before(self, key_id: str, fp: bytes) -> bool:
+        cached = self._verified.get(key_id)
+        return cached is not None and hmac.compare_digest(cached, fp)
 
     def _insert_key(
         self, key_hash: KeyHash, role: str, tenant_id: str | None, created_at_s: float

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -133,3 +134,15 @@ def test_gateway_flood_is_refused_cheaply_and_valid_keys_still_work(tmp_path: Pa
     assert codes[limit:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (200 - limit)
     assert flood_runs <= min(limit, gw.scheduler.store.failed_checks_per_key_id)
     assert after == [grpc.StatusCode.OK, grpc.StatusCode.OK]
+
+
+def test_burst_of_a_new_valid_key_costs_one_pbkdf2_run(tmp_path: Path, pbkdf2_runs) -> None:
+    """issue 18 fault 9: 30 concurrent first uses of a fresh key all pass (the per-key-id
+    budget must not refuse a valid key's burst) and cost one PBKDF2 run."""
+    store = TenantStore(tmp_path / "t.sqlite")
+    ann, ann_key = store.register(TenantSpec("ann"))
+    with ThreadPoolExecutor(max_workers=30) as pool:
+        results = list(pool.map(lambda _: store.authenticate(ann_key), range(30)))
+
+    assert results == [ann] * 30
+    assert len(pbkdf2_runs) == 1
