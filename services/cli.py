@@ -42,7 +42,7 @@ from kvstrata.v1 import (
     tenant_pb2_grpc,
 )
 from services.config import ServiceConfig, load_config
-from tenants.keys import generate_api_key, read_key_file, write_key_file
+from tenants.keys import new_api_key, read_key_file, write_key_file
 
 app = typer.Typer(help="kvstrata: multi-tenant tiered KV-cache serving on Ray", no_args_is_help=True)
 tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
@@ -437,7 +437,7 @@ def admin_rotate_key(
             raise typer.Exit(2)
         from tenants.store import TenantStore
 
-        key, _ = generate_api_key()
+        key = new_api_key()
         write_key_file(path, key)
         store = TenantStore(db)
         try:

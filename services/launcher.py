@@ -21,7 +21,7 @@ from services.gateway_server import GatewayActor
 from services.global_scheduler import GlobalSchedulerActor
 from services.spill_format import BlockFormat
 from services.spill_node import create_spill_node
-from tenants.keys import generate_api_key, read_key_file, write_key_file
+from tenants.keys import new_api_key, read_key_file, write_key_file
 
 SCHEDULER_NAME = "global_scheduler"
 GATEWAY_NAME = "gateway"
@@ -61,7 +61,7 @@ def _admin_key(config: ServiceConfig, scheduler: Any) -> str:
     key = read_key_file(path)
     if key is not None and ray.get(scheduler.verify_admin_key.remote(key)):
         return key
-    key, _ = generate_api_key()
+    key = new_api_key()
     write_key_file(path, key)
     if ray.get(scheduler.set_admin_key.remote(key)):
         log.warning("admin key file %s was missing or stale: rotated the admin key; the new one is in it", path)

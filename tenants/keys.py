@@ -49,9 +49,13 @@ def generate_api_key(iterations: int = PBKDF2_ITERATIONS) -> tuple[str, KeyHash]
     Returns:
         ``(api_key, key_hash)``: the plaintext, to show once, and what to store.
     """
-    key_id = secrets.token_hex(KEY_ID_BYTES)
-    api_key = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(SECRET_BYTES)}"
+    api_key = new_api_key()
     return api_key, hash_api_key(api_key, iterations)
+
+
+def new_api_key() -> str:
+    """A new random key, plaintext only (for a caller that saves it before storing its hash)."""
+    return f"{KEY_PREFIX}_{secrets.token_hex(KEY_ID_BYTES)}_{secrets.token_urlsafe(SECRET_BYTES)}"
 
 
 def hash_api_key(api_key: str, iterations: int = PBKDF2_ITERATIONS) -> KeyHash:
