@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench lint proto
+.PHONY: setup test chaos demo bench lint proto
 
 setup: $(STAMP)
 
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m 'not chaos'
+
+# The reliability suite (issue 18): every fault test, including the kill/disk/gateway ones
+# marked `chaos`, then the full bench.chaos run (its JSON line is recorded in bench/README.md).
+chaos: setup
+	$(PY) -m pytest -q -m chaos
+	$(PY) -m bench.chaos
 
 demo: setup
 	$(PY) -m workloads.demo

@@ -1,0 +1,263 @@
+"""Client load for bench.chaos: streaming calls that record where they ran and how they ended,
+the mixed soak, and the fuzz runs (RPCs and the data plane).
+
+Every call carries a deadline, so a hang shows as DEADLINE_EXCEEDED, never as a stuck run.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.chaos_fuzz import (
+    DEFINED_CODES,
+    FUZZ_TENANT,
+    auth_metadata,
+    call_rpc,
+    garbage_frames,
+    generate_requests,
+    message_strategy,
+    rpc_methods,
+    send_garbage,
+)
+from bench.chaos_stack import ChaosStack, gen_request, wait_idle
+from kvstrata.v1 import inference_pb2
+
+WORDS = ["cache", "block", "tier", "spill", "node", "tenant", "gateway", "token", "prefix", "session", "policy", "window", "budget", "eviction", "quota", "admission", "stream", "decode", "prefill", "latency", "ray", "actor"]
+
+
+@dataclass
+class CallResult:
+    """One streaming call: final status name, the node that served it ("" before started),
+    completion tokens, and the monotonic times it started and ended."""
+
+    code: str
+    node_id: str = ""
+    tokens: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    message: str = ""
+
+
+def stream(stack: ChaosStack, tenant: str, request: Any, timeout_s: float = 60.0,
+           on_started: Any = None, cancel_after_tokens: int = 0) -> CallResult:
+    """Run one Generate to its end (or cancel it after ``cancel_after_tokens`` tokens)."""
+    res = CallResult("OK", t_start=time.monotonic())
+    call = stack.inference.Generate(request, metadata=stack.md(tenant), timeout=timeout_s)
+    try:
+        for msg in call:
+            kind = msg.WhichOneof("event")
+            if kind == "started":
+                res.node_id = msg.started.node_id
+                if on_started is not None:
+                    on_started(res)
+            elif kind == "delta":
+                res.tokens += len(msg.delta.token_ids)
+                if cancel_after_tokens and res.tokens >= cancel_after_tokens:
+                    call.cancel()
+                    res.code = "CANCELLED_BY_CLIENT"
+                    break
+    except grpc.RpcError as exc:
+        res.code, res.message = exc.code().name, exc.details() or ""
+    res.t_end = time.monotonic()
+    return res
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def with_retries(stack: ChaosStack, tenant: str, request: Any, attempts: int = 8,
+                 backoff_s: float = 0.3, **kw: Any) -> list[CallResult]:
+    """Call until OK or a non-UNAVAILABLE status (at most ``attempts``); every attempt's result."""
+    results = []
+    for _ in range(attempts):
+        results.append(stream(stack, tenant, request, **kw))
+        if results[-1].code != "UNAVAILABLE":
+            break
+        time.sleep(backoff_s)
+    return results
+
+
+# ---- soak ----------------------------------------------------------------------------------
+@dataclass
+class SoakTally:
+    requests: int = 0
+    by_kind: Counter = field(default_factory=Counter)
+    codes: Counter = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, code: str, expected: set[str], detail: str = "") -> None:
+        with self.lock:
+            self.requests += 1
+            self.by_kind[kind] += 1
+            self.codes[code] += 1
+            if code not in expected and len(self.unexpected) < 20:
+                self.unexpected.append(f"{kind}: {code} {detail[:200]}")
+            elif code not in expected:
+                self.unexpected.append("")
+
+
+def _soak_one(stack: ChaosStack, i: int, policies: list[str], tally: SoakTally, max_tokens: int) -> None:
+    rng = random.Random(i)
+    tenant = ("chaos-a", "chaos-b")[i % 2]
+    text = prompt(random.Random(i % 40), 30) + " " + prompt(rng, rng.randint(5, 60))
+    policy = policies[i % len(policies)]
+    kind = ("plain", "session", "abort", "plain", "bad_policy", "plain", "plain", "bad_key", "plain", "plain")[i % 10]
+    if kind == "session":
+        sid = f"soak-{i}"
+        for turn in range(rng.randint(2, 3)):
+            res = stream(stack, tenant, gen_request(f"turn {turn}: {text}", max_tokens, session_id=sid))
+            tally.add(kind, res.code, {"OK"}, res.message)
+        try:
+            stack.inference.CloseSession(inference_pb2.CloseSessionRequest(session_id=sid), metadata=stack.md(tenant),
+                                         timeout=30)
+            tally.add("close_session", "OK", {"OK"})
+        except grpc.RpcError as exc:
+            tally.add("close_session", exc.code().name, {"OK"}, exc.details() or "")
+    elif kind == "abort":
+        res = stream(stack, tenant, gen_request(text, 64, policy=policy), cancel_after_tokens=1)
+        tally.add(kind, res.code, {"CANCELLED_BY_CLIENT"}, res.message)
+    elif kind == "bad_policy":  # designed to fail
+        res = stream(stack, tenant, gen_request(text, max_tokens, policy="no-such-policy"))
+        tally.add(kind, res.code, {"INVALID_ARGUMENT"}, res.message)
+    elif kind == "bad_key":  # designed to fail
+        call = stack.inference.Generate(gen_request(text, max_tokens), metadata=(("authorization", "Bearer nope"),),
+                                        timeout=30)
+        try:
+            list(call)
+            tally.add(kind, "OK", {"UNAUTHENTICATED"})
+        except grpc.RpcError as exc:
+            tally.add(kind, exc.code().name, {"UNAUTHENTICATED"}, exc.details() or "")
+    else:
+        res = stream(stack, tenant, gen_request(text, max_tokens, policy=policy))
+        tally.add(kind, res.code, {"OK"}, res.message)
+
+
+def soak(stack: ChaosStack, n: int, max_tokens: int = 4, workers: int = 6, progress: Any = None) -> dict[str, Any]:
+    """``n`` mixed requests (plain with every registered policy in turn, multi-turn sessions
+    closed at the end, aborts, and two kinds designed to fail), two tenants, ``workers`` at once;
+    then every node's blocks once idle, and after a Flush."""
+    from cache_node.policies import known_policies
+
+    policies = ["", *known_policies()]
+    tally = SoakTally()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(_soak_one, stack, i, policies, tally, max_tokens) for i in range(n)]
+        for done, fut in enumerate(futures, 1):
+            fut.result()
+            if progress is not None and done % 50 == 0:
+                progress(done)
+    elapsed = time.monotonic() - t0
+    idle = wait_idle(stack)
+    stats = stack.stats()
+    sessions_left = stats.sessions
+    from kvstrata.v1 import admin_pb2
+
+    stack.admin.Flush(admin_pb2.FlushRequest(), metadata=stack.admin_md(), timeout=60)
+    flushed = {n.node_id: n.num_blocks - n.free_blocks for n in stack.stats().nodes}
+    return {
+        "requests": tally.requests, "by_kind": dict(tally.by_kind), "codes": dict(tally.codes),
+        "failed_unexpected": len(tally.unexpected), "unexpected_examples": [u for u in tally.unexpected if u][:10],
+        "failed_designed": tally.by_kind["bad_policy"] + tally.by_kind["bad_key"] + tally.by_kind["abort"],
+        "policies": policies, "elapsed_s": round(elapsed, 1), "requests_per_s": round(tally.requests / elapsed, 1),
+        "leaked_blocks": {nid: v["leaked_blocks"] for nid, v in idle.items()},
+        "integrity_ok": all(v["integrity_ok"] for v in idle.values()),
+        "sessions_left": sessions_left, "not_free_after_flush": flushed,
+    }
+
+
+# ---- fuzz ----------------------------------------------------------------------------------
+def fuzz_rpcs(stack: ChaosStack, examples: int, vocab_size: int) -> dict[str, Any]:
+    """``examples`` hypothesis messages per RPC with random auth (the admin key, the
+    ``FUZZ_TENANT``'s key, none or garbage; ``Rotate*`` calls never get a valid key); per method
+    the status codes, and every undefined one (UNKNOWN, INTERNAL, UNAVAILABLE, a deadline) with
+    its input."""
+    if FUZZ_TENANT not in stack.keys:
+        stack.keys[FUZZ_TENANT] = stack.register(FUZZ_TENANT)
+    keys = {"tenant": stack.keys[FUZZ_TENANT], "admin": stack.services.admin_key}
+    per_method: dict[str, Counter] = {}
+    undefined: list[dict[str, Any]] = []
+    for method in rpc_methods():
+        requests = message_strategy(method.request_cls)
+        if method.name == "Generate":
+            requests = st.one_of(requests, generate_requests(vocab_size))
+        # a rotation with valid credentials would lock this run out of its own keys
+        auth = auth_metadata({} if method.name.startswith("Rotate") else keys)
+        per_method[method.path] = _fuzz_method(stack, method, requests, auth, examples, undefined)
+    return {
+        "calls": sum(sum(c.values()) for c in per_method.values()),
+        "codes": {m: dict(c) for m, c in per_method.items()},
+        "undefined": sum(c[k] for c in per_method.values() for k in c if k not in DEFINED_CODES),
+        "undefined_examples": undefined,
+    }
+
+
+def _fuzz_method(stack: ChaosStack, method: Any, requests: Any, auth: Any, examples: int,
+                 undefined: list[dict[str, Any]]) -> Counter:
+    codes: Counter = Counter()
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(request=requests, auth=auth)
+    def run(request: Any, auth: Any) -> None:
+        code = call_rpc(stack.channel, method, request, auth[1])
+        codes[code] += 1
+        if code not in DEFINED_CODES and len(undefined) < 20:
+            undefined.append({"rpc": method.path, "auth": auth[0], "code": code, "request": str(request)[:300]})
+
+    run()
+    return codes
+
+
+def data_plane_addresses(stack: ChaosStack) -> dict[str, tuple[str, int]]:
+    """Every data-plane socket a peer could reach: name -> (address, ZeroMQ socket type)."""
+    import zmq
+
+    svc = stack.services
+    out = {}
+    for nid, node in svc.nodes.items():
+        out[f"{nid}.commands"] = (ray.get(node.describe.remote(), timeout=30)["data_address"], zmq.PULL)
+    out["scheduler.admissions"] = (ray.get(svc.scheduler.open_data_plane.remote(), timeout=30), zmq.ROUTER)
+    gw = ray.get(svc.gateway.__ray_call__.remote(lambda g: g.streams.subscriber), timeout=30)
+    out["gateway.events"] = (gw, zmq.PULL)
+    return out
+
+
+def fuzz_data_plane(stack: ChaosStack, messages: int, seed: int = 0) -> dict[str, Any]:
+    """``messages`` garbage ZeroMQ messages and 8 raw TCP payloads into every data-plane socket."""
+    rng = random.Random(seed)
+    frames_strategy = garbage_frames()
+    batch: list[list[bytes]] = []
+
+    @settings(max_examples=messages, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(frames=frames_strategy)
+    def collect(frames: list[bytes]) -> None:
+        batch.append(frames)
+
+    collect()
+    raw = [rng.randbytes(rng.randint(1, 4096)) for _ in range(8)]
+    sent: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    for name, (address, kind) in data_plane_addresses(stack).items():
+        try:
+            send_garbage(address, kind, batch, raw)
+            sent[name] = len(batch) + len(raw)
+        except OSError as exc:  # a refused raw connection is a defined answer, not a fault
+            sent[name] = len(batch)
+            errors[name] = str(exc)
+    return {"sockets": sorted(sent), "messages_per_socket": len(batch), "raw_payloads_per_socket": len(raw),
+            "connect_errors": errors}

@@ -1,0 +1,79 @@
+"""The heavy reliability scenarios of issue 18 ("Fault tests to add") on a real local stack:
+real ``SIGKILL``s of actor processes, disk faults injected inside the spill node, a soak.
+Marked ``chaos``: ``make chaos`` runs them, ``make test`` does not. Each scenario is the one
+``python -m bench.chaos`` runs (bench/chaos_kills.py, bench/chaos_load.py), asserted here."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.chaos_kills import kill_cache_node, kill_gateway, spill_faults
+from bench.chaos_load import soak
+from bench.chaos_stack import stack_on_cluster
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def chaos_stack(ray_cluster, tmp_path_factory):
+    gen = stack_on_cluster(ray_cluster, "chaos_", str(tmp_path_factory.mktemp("chaos-state")))
+    yield next(gen)
+    gen.close()
+
+
+def _no_leaks(fig: dict) -> None:
+    nodes = {"cache_node_0", "cache_node_1"}
+    assert fig["leaked_blocks"] == dict.fromkeys(nodes, 0), fig
+    assert fig["integrity_ok"], fig
+    assert fig["scheduler_in_flight"] == dict.fromkeys(nodes, 0), fig
+
+
+def test_soak_mixed_requests_fail_only_by_design_and_leak_nothing(chaos_stack) -> None:
+    """issue 18 soak: sessions, aborts, every registered policy, two tenants: the only failures
+    are the requests designed to fail, and every node's blocks are free once idle."""
+    fig = soak(chaos_stack, 200)
+    assert fig["requests"] >= 200
+    assert fig["failed_unexpected"] == 0, fig["unexpected_examples"]
+    assert fig["codes"]["INVALID_ARGUMENT"] == fig["by_kind"]["bad_policy"] == 20
+    assert fig["codes"]["UNAUTHENTICATED"] == fig["by_kind"]["bad_key"] == 20
+    assert fig["leaked_blocks"] == {"cache_node_0": 0, "cache_node_1": 0}
+    assert fig["integrity_ok"] and fig["sessions_left"] == 0
+    assert fig["not_free_after_flush"] == {"cache_node_0": 0, "cache_node_1": 0}
+
+
+def test_spill_disk_faults_and_a_killed_spill_node_lose_no_request_and_no_file(chaos_stack) -> None:
+    """issue 18 (fault 5): EIO on every spill read and ENOSPC on every write inside the spill
+    node's process, then SIGKILL of it: requests fall back to recompute (none fails), no spill
+    file present before goes missing or shrinks, the node restarts and re-indexes its disk."""
+    fig = spill_faults(chaos_stack, prompts=24)
+    assert fig["spill_disk_hits_clean"] > 0, fig  # the disk tier was really in use
+    assert fig["injected_eio_reads"] > 0 and fig["injected_enospc_writes"] > 0, fig
+    assert fig["failed_unexpected"] == 0, fig["failed_codes"]
+    assert fig["files_lost_to_transient_faults"] == fig["files_lost_after_restart"] == 0, fig
+    assert fig["restarted"] and fig["spill_blocks_disk_after_restart"] >= fig["spill_blocks_disk_before"], fig
+    _no_leaks(fig)
+
+
+def test_kill9_gateway_fails_in_flight_calls_fast_and_keeps_tenants_keys_usage(chaos_stack) -> None:
+    """issue 18: SIGKILL of the gateway with streams in flight: they end UNAVAILABLE within 2 s;
+    after a restart on the same port tenants, keys and usage are intact and nothing the dead
+    gateway admitted stays counted (blocks or scheduler slots)."""
+    fig = kill_gateway(chaos_stack)
+    assert fig["in_flight_codes"] == ["UNAVAILABLE"], fig
+    assert fig["streams_ended_s"] <= 2.0, fig
+    assert fig["tenants_intact"] and fig["usage_survived"], fig
+    assert fig["keys_work"] == {"chaos-a": "OK", "chaos-b": "OK"}
+    _no_leaks(fig)
+
+
+def test_kill9_cache_node_under_load_fails_fast_retries_succeed_node_rejoins(chaos_stack) -> None:
+    """issue 18 (fault 4): SIGKILL of a cache node's worker mid-stream under load: its streams
+    end UNAVAILABLE within 2 s, retrying clients succeed on the other node, Ray restarts the
+    node and it serves again, tenants and keys intact, every block accounted for."""
+    fig = kill_cache_node(chaos_stack, max_tokens=200)
+    assert fig["ended_unavailable"] >= 1 and fig["ended_otherwise_on_victim"] == [], fig
+    assert fig["streams_ended_s"] <= 2.0, fig
+    assert fig["failed_unexpected"] == 0 and "cache_node_1" in fig["retried_ok_nodes"], fig
+    assert fig["restarted"] and fig["time_to_recover_s"] is not None, fig
+    assert fig["tenants_intact"] and fig["keys_work"] == {"chaos-a": "OK", "chaos-b": "OK"}, fig
+    _no_leaks(fig)
