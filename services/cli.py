@@ -404,8 +404,7 @@ def tenant_rm(name: str, gateway: Optional[str] = None) -> None:
 @tenant_app.command("rotate-key")
 def tenant_rotate_key(
     name: str,
-    api_key: Optional[str] = typer.Option(None, envvar="KVSTRATA_API_KEY",
-                                          help="the tenant's own key (default: the admin key)"),
+    api_key: Optional[str] = typer.Option(None, help="the tenant's own key (default: the admin key)"),
     gateway: Optional[str] = None,
 ) -> None:
     """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
