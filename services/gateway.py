@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -445,18 +446,20 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             return dict(self.nodes)
         return {nid: n for nid, n in self.nodes.items() if self.monitor.state[nid].healthy}
 
-    async def _ask_live(self, call: Any) -> dict[str, Any]:
+    async def _ask_live(self, call: Any, extra_s: float = 0.0) -> dict[str, Any]:
         """node id -> ``call(node)`` awaited, for every live node; an exception in place of the
-        answer of a node that failed or did not answer in time."""
+        answer of a node that failed or did not answer within ``node_timeout_s + extra_s``."""
         live = self._live()
         answers = await asyncio.gather(
-            *(asyncio.wait_for(call(n), self.node_timeout_s) for n in live.values()), return_exceptions=True
+            *(asyncio.wait_for(call(n), self.node_timeout_s + extra_s) for n in live.values()),
+            return_exceptions=True,
         )
         return dict(zip(live, answers))
 
     async def Stats(self, request, context):  # noqa: N802
         await self.auth.admin(context)
-        answers = await self._ask_live(lambda n: n.stats.remote(request.check_integrity))
+        answers = await self._ask_live(
+            lambda n: n.integrity_stats.remote() if request.check_integrity else n.stats.remote())
         node_stats = []
         for nid in self.nodes:
             answer = answers.get(nid)
@@ -482,7 +485,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def Drain(self, request, context):  # noqa: N802
         await self.auth.admin(context)
-        answers = await self._ask_live(lambda n: n.drain.remote())
+        timeout_s = request.timeout_s
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0 seconds, got {timeout_s}")
+        # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
+        answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
         return admin_pb2.DrainResponse(aborted=sum(a for a in answers.values() if isinstance(a, int)))
 
     async def RotateAdminKey(self, request, context):  # noqa: N802

@@ -1,0 +1,104 @@
+"""Admin calls on a plain CacheNode (real model, no Ray) never wait behind a forward pass:
+issue 18 fault 9."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from cache_node.sampling_params import SamplingParams
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.node_request import NodeRequest
+
+LONG_PROMPT_TOKENS = 1500  # one prefill step of this many tokens takes seconds on one thread
+
+
+@pytest.fixture(scope="module")
+def node():
+    n = CacheNode("adm", NodeConfig(kv_pool_bytes=128 << 20, host_bytes=0, max_num_batched_tokens=2048),
+                  num_threads=1)
+    yield n
+    n.shutdown()
+
+
+def request(rid: str, tokens: tuple[int, ...], max_tokens: int, session_id: str = "") -> NodeRequest:
+    return NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", token_ids=tokens, session_id=session_id,
+                       sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def long_prompt(seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(100, 40_000) for _ in range(LONG_PROMPT_TOKENS))
+
+
+def test_stats_answers_during_a_long_step_and_others_wait_without_blocking(node) -> None:
+    """Issue 18 fault 9: ``stats`` took the engine lock, so it (and, on the actor, the whole
+    event loop) waited for the forward pass in progress. Now it answers from the snapshot the
+    step thread publishes, in well under half the step; ``flush`` (like ``close_session`` and
+    ``integrity_stats``) waits for the step boundary without blocking the loop meanwhile."""
+
+    async def run() -> tuple[float, float, float, dict, int]:
+        gen = node.generate(request("long", long_prompt(0), 2))
+        assert (await gen.__anext__())["type"] == "started"  # sent just before the forward pass
+        t_started = time.monotonic()
+        await asyncio.sleep(0.05)
+        flush = asyncio.ensure_future(node.flush())  # needs the step boundary: waits for it
+        t0 = time.monotonic()
+        stats = node.stats()
+        stats_s = time.monotonic() - t0
+        assert not flush.done()
+        event = await gen.__anext__()
+        assert event["type"] == "delta"
+        step_s = time.monotonic() - t_started
+        freed = await asyncio.wait_for(flush, 30)
+        async for _ in gen:
+            pass
+        return stats_s, step_s, stats, freed
+
+    stats_s, step_s, stats, freed = asyncio.run(run())
+    assert step_s > 1.0, f"the prefill step took {step_s:.2f} s: too short to show anything"
+    assert stats_s < step_s / 2, (stats_s, step_s)
+    assert stats["node_id"] == "adm" and stats["num_blocks"] > 0 and stats["healthy"] is True
+    assert freed >= 0
+
+
+def test_close_session_and_integrity_check_run_between_steps(node) -> None:
+    async def run() -> tuple[int, int, dict]:
+        events = [e async for e in node.generate(request("s1", long_prompt(1)[:40], 3, session_id="sess"))]
+        assert events[-1]["type"] == "finished"
+        wrong_tenant = await node.close_session("sess", "someone-else")
+        freed = await node.close_session("sess", "t")
+        return wrong_tenant, freed, await node.integrity_stats()
+
+    wrong_tenant, freed, stats = asyncio.run(run())
+    assert wrong_tenant == -1
+    assert freed == 43  # 40 prompt tokens + 3 generated
+    assert stats["integrity_ok"] is True and stats["integrity_error"] == ""
+    assert stats["sessions"] == 0 and stats["running"] == stats["waiting"] == 0
+
+
+def test_drain_lets_requests_finish_within_timeout_then_aborts_the_rest(node) -> None:
+    """Issue 18 fault 9: ``Drain``'s ``timeout_s`` was ignored. Now a request that finishes
+    within the timeout finishes; what still runs at the timeout is aborted (counted)."""
+
+    async def run() -> tuple[int, list[dict], list[dict], float]:
+        short = node.generate(request("short", long_prompt(2)[:20], 3))
+        endless = node.generate(request("endless", long_prompt(3)[:20], 1000))
+        assert (await short.__anext__())["type"] == "started"
+        assert (await endless.__anext__())["type"] == "started"
+        t0 = time.monotonic()
+        aborted = await node.drain(timeout_s=1.0)
+        took_s = time.monotonic() - t0
+        return aborted, [e async for e in short], [e async for e in endless], took_s
+
+    aborted, short, endless, took_s = asyncio.run(run())
+    assert aborted == 1
+    assert short[-1]["type"] == "finished" and short[-1]["finish_reason"] == "length"
+    assert endless[-1]["type"] == "finished" and endless[-1]["finish_reason"] == "abort"
+    assert 1.0 <= took_s < 10.0
+    with pytest.raises(ValueError, match="timeout_s"):
+        asyncio.run(node.drain(timeout_s=-1))
