@@ -106,7 +106,7 @@ def fuzz(stack: ChaosStack, examples: int, messages: int) -> dict[str, Any]:
     t0 = time.monotonic()
     rpc = fuzz_rpcs(stack, examples, vocab_size=49152)
     plane = fuzz_data_plane(stack, messages)
-    results = [stream(stack, t, gen_request(f"after fuzz {i}", 8), 30) for i, t in enumerate(["chaos-a", "chaos-b"] * 4)]
+    results = [stream(stack, t, gen_request(f"after fuzz {i}", 8), 10) for i, t in enumerate(["chaos-a", "chaos-b"] * 4)]
     idle = wait_idle(stack)
     after = _pids(stack)
     return {
@@ -114,7 +114,7 @@ def fuzz(stack: ChaosStack, examples: int, messages: int) -> dict[str, Any]:
             plane["messages_per_socket"] + plane["raw_payloads_per_socket"] for _ in plane["sockets"]),
         "rpc": rpc, "data_plane": plane, "elapsed_s": round(time.monotonic() - t0, 1),
         "processes_unchanged": before == after, "processes_before": before, "processes_after": after,
-        "serves_after": all(r.code == "OK" for r in results),
+        "serves_after": all(r.code == "OK" for r in results), "codes_after": sorted({r.code for r in results}),
         "failed_unexpected": rpc["undefined"] + sum(1 for r in results if r.code != "OK"),
         "leaked_blocks": {nid: v["leaked_blocks"] for nid, v in idle.items()},
         "integrity_ok": all(v["integrity_ok"] for v in idle.values()),

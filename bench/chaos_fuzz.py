@@ -175,14 +175,15 @@ _ASCII = st.text(alphabet=string.ascii_letters + string.digits + "-_.=+/ ", max_
 
 
 def auth_metadata(keys: dict[str, str]) -> st.SearchStrategy[tuple[str, tuple[tuple[str, str], ...]]]:
-    """(label, metadata): no key, a garbage bearer, the wrong scheme, or one of ``keys``."""
-    known = [(label, (("authorization", f"Bearer {key}"),)) for label, key in keys.items()]
-    options = [
+    """(label, metadata): one of ``keys`` (label -> key) or, with no keys, no key, a garbage
+    bearer or the wrong scheme."""
+    if keys:
+        return st.sampled_from([(label, (("authorization", f"Bearer {key}"),)) for label, key in keys.items()])
+    return st.one_of(
         st.just(("none", ())),
         _ASCII.map(lambda k: ("garbage", (("authorization", f"Bearer {k}"),))),
         _ASCII.map(lambda k: ("scheme", (("authorization", k),))),
-    ]
-    return st.one_of(*options, *([st.sampled_from(known)] if known else []))
+    )
 
 
 def call_rpc(channel: grpc.Channel, method: RpcMethod, request: Any,

@@ -181,22 +181,27 @@ def soak(stack: ChaosStack, n: int, max_tokens: int = 4, workers: int = 6, progr
 
 # ---- fuzz ----------------------------------------------------------------------------------
 def fuzz_rpcs(stack: ChaosStack, examples: int, vocab_size: int) -> dict[str, Any]:
-    """``examples`` hypothesis messages per RPC with random auth (the admin key, the
-    ``FUZZ_TENANT``'s key, none or garbage; ``Rotate*`` calls never get a valid key); per method
-    the status codes, and every undefined one (UNKNOWN, INTERNAL, UNAVAILABLE, a deadline) with
-    its input."""
+    """Hypothesis messages for every RPC: ``examples`` per RPC with valid credentials (the
+    admin key or the ``FUZZ_TENANT``'s key; never for ``Rotate*``, which would lock this run
+    out of its own keys), then ``examples // 4`` per RPC with none or garbage credentials
+    (after all valid ones: the gateway rate-limits an address's failed keys). Returns per
+    method the status codes, and every undefined one (UNKNOWN, INTERNAL, UNAVAILABLE, a
+    deadline) with its input."""
     if FUZZ_TENANT not in stack.keys:
         stack.keys[FUZZ_TENANT] = stack.register(FUZZ_TENANT)
     keys = {"tenant": stack.keys[FUZZ_TENANT], "admin": stack.services.admin_key}
-    per_method: dict[str, Counter] = {}
+    per_method: dict[str, Counter] = {m.path: Counter() for m in rpc_methods()}
     undefined: list[dict[str, Any]] = []
-    for method in rpc_methods():
-        requests = message_strategy(method.request_cls)
-        if method.name == "Generate":
-            requests = st.one_of(requests, generate_requests(vocab_size))
-        # a rotation with valid credentials would lock this run out of its own keys
-        auth = auth_metadata({} if method.name.startswith("Rotate") else keys)
-        per_method[method.path] = _fuzz_method(stack, method, requests, auth, examples, undefined)
+    for valid in (True, False):
+        for method in rpc_methods():
+            if valid and method.name.startswith("Rotate"):
+                continue
+            requests = message_strategy(method.request_cls)
+            if method.name == "Generate":
+                requests = st.one_of(requests, generate_requests(vocab_size))
+            auth = auth_metadata(keys if valid else {})
+            n = examples if valid else max(2, examples // 4)
+            per_method[method.path] += _fuzz_method(stack, method, requests, auth, n, undefined)
     return {
         "calls": sum(sum(c.values()) for c in per_method.values()),
         "codes": {m: dict(c) for m, c in per_method.items()},
