@@ -40,15 +40,19 @@ class NodeMonitor:
         scheduler: the GlobalScheduler actor handle (``node_down``, ``node_up``).
         on_change: called with the number of healthy nodes when it changes.
         poll_s: length of one long poll of a healthy node.
-        timeout_s: slack past ``poll_s`` before a silent node counts as down.
+        timeout_s: silence past ``poll_s`` before a node counts as down (hung). Generous: a
+            busy machine may answer late, and a killed or failed node is seen sooner anyway.
+        retry_s: pause before asking a down node again.
+        notify_s: longest wait for the scheduler's ``node_down`` before the streams end anyway.
     """
 
     def __init__(self, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]], streams: Any,
                  scheduler: Any, on_change: Callable[[int], Any] | None = None,
-                 poll_s: float = 5.0, timeout_s: float = 1.5) -> None:
+                 poll_s: float = 5.0, timeout_s: float = 10.0, retry_s: float = 0.5,
+                 notify_s: float = 1.0) -> None:
         self.nodes, self.streams, self.scheduler = nodes, streams, scheduler
         self.on_change = on_change
-        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.poll_s, self.timeout_s, self.retry_s, self.notify_s = poll_s, timeout_s, retry_s, notify_s
         self.state = {nid: NodeHealth(pid=int(info.get("pid", 0))) for nid, info in node_info.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
@@ -88,11 +92,11 @@ class NodeMonitor:
                 continue
             except Exception as exc:  # noqa: BLE001 - a dead or unreachable node is down
                 await self._down(node_id, f"cache node {node_id} is unreachable: {_first_line(exc)}")
-                await asyncio.sleep(self.timeout_s)
+                await asyncio.sleep(self.retry_s)
                 continue
             if not answer["healthy"]:
                 await self._down(node_id, answer["failure"])
-                await asyncio.sleep(self.timeout_s)
+                await asyncio.sleep(self.retry_s)
             elif answer["pid"] != self.state[node_id].pid or not self.state[node_id].healthy:
                 await self._rejoin(node_id, answer)
             else:
@@ -105,7 +109,7 @@ class NodeMonitor:
         state.healthy, state.failure = False, reason
         log.warning("%s", reason)
         try:  # first stop routing there, so that a client retrying its failed call goes elsewhere
-            await asyncio.wait_for(self.scheduler.node_down.remote(node_id, reason), self.timeout_s)
+            await asyncio.wait_for(self.scheduler.node_down.remote(node_id, reason), self.notify_s)
         except Exception:  # noqa: BLE001 - the streams must end regardless
             log.exception("could not tell the scheduler that %s is down", node_id)
         self.streams.fail_node(node_id, reason)
@@ -120,10 +124,10 @@ class NodeMonitor:
         try:
             address = answer["data_address"] or await node.open_data_plane.remote()
             self.streams.reconnect(node_id, address)
-            await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address), self.timeout_s * 4)
+            await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address), self.timeout_s)
         except Exception:  # noqa: BLE001 - tried again on the next answer
             log.exception("cache node %s could not rejoin", node_id)
-            await asyncio.sleep(self.timeout_s)
+            await asyncio.sleep(self.retry_s)
             return
         state.healthy, state.pid, state.restarts = True, answer["pid"], answer["restarts"]
         log.warning("cache node %s is back (pid %d, restarts %d)", node_id, state.pid, state.restarts)
