@@ -4,7 +4,8 @@ into every ZeroMQ socket.
 - ``message_strategy(cls)``: any message of a protobuf class, built from its descriptor:
   every scalar type over its whole range (NaN and infinities, unicode text, binary), unknown
   enum values, nested messages, ``oneof`` and ``optional`` fields, and repeated fields from
-  empty to huge (up to 300,000 elements, or strings of up to 5 MB: past gRPC's 4 MB limit);
+  empty to huge (up to 300,000 scalars or 5,000 messages; strings of up to 5 MB, past gRPC's
+  4 MB limit), huge only in the top-level message;
 - ``rpc_methods()``: every method of every kvstrata service with its request class;
 - ``call_rpc``: one call over a real channel with a deadline; a stream is read to its first
   message and then cancelled. Returns the status code's name;
@@ -37,7 +38,9 @@ DEFINED_CODES = frozenset({
 })
 
 FUZZ_TENANT = "fuzz-target"
-"""The tenant fuzzed calls name and authenticate as (other tenants are never named)."""
+"""The tenant fuzzed calls authenticate as (never named in a message, so never deleted)."""
+FUZZ_NAMED = "fuzz-named"
+"""The tenant fuzzed messages name (other tenants are never named)."""
 
 _INTS = {
     FD.TYPE_INT32: (-(1 << 31), (1 << 31) - 1), FD.TYPE_SINT32: (-(1 << 31), (1 << 31) - 1),
@@ -55,7 +58,7 @@ def _is_repeated(field: FD) -> bool:
     return bool(repeated) if repeated is not None else field.label == FD.LABEL_REPEATED
 
 
-def _scalar(field: FD) -> st.SearchStrategy[Any]:
+def _scalar(field: FD, depth: int) -> st.SearchStrategy[Any]:
     if field.type in _INTS:
         lo, hi = _INTS[field.type]
         return st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, 0, 1]))
@@ -66,7 +69,8 @@ def _scalar(field: FD) -> st.SearchStrategy[Any]:
     if field.type == FD.TYPE_BOOL:
         return st.booleans()
     if field.type == FD.TYPE_STRING:
-        return st.one_of(_TEXT, st.sampled_from(["", FUZZ_TENANT, "default", "x" * 63]), _HUGE_TEXT)
+        named = st.one_of(_TEXT, st.sampled_from(["", FUZZ_NAMED, "default", "x" * 63]))
+        return st.one_of(named, _HUGE_TEXT) if depth == 0 else named
     if field.type == FD.TYPE_BYTES:
         return st.binary(max_size=64)
     if field.type == FD.TYPE_ENUM:
@@ -76,17 +80,20 @@ def _scalar(field: FD) -> st.SearchStrategy[Any]:
 
 
 def _repeated(field: FD, depth: int) -> st.SearchStrategy[list[Any]]:
-    element = _value(field, depth)
+    """Small lists anywhere; huge ones (one element repeated) only in the top-level message,
+    whose nested elements are small: a huge list of huge elements would need gigabytes."""
+    element = _value(field, depth) if field.type == FD.TYPE_MESSAGE else _scalar(field, depth + 1)
     small = st.lists(element, max_size=8)
-    if field.type == FD.TYPE_MESSAGE:
-        return st.one_of(small, st.tuples(element, st.integers(0, 20_000)).map(lambda t: [t[0]] * t[1]))
-    return st.one_of(small, st.tuples(element, st.integers(0, 300_000)).map(lambda t: [t[0]] * t[1]))
+    if depth > 0:
+        return small
+    most = 5_000 if field.type == FD.TYPE_MESSAGE else 300_000
+    return st.one_of(small, st.tuples(element, st.integers(0, most)).map(lambda t: [t[0]] * t[1]))
 
 
 def _value(field: FD, depth: int) -> st.SearchStrategy[Any]:
     if field.type == FD.TYPE_MESSAGE:
         return message_strategy(field.message_type._concrete_class, depth + 1)
-    return _scalar(field)
+    return _scalar(field, depth)
 
 
 def _assign(msg: Any, field: FD, value: Any) -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from bench.chaos_fuzz import (
     DEFINED_CODES,
+    FUZZ_NAMED,
     FUZZ_TENANT,
     auth_metadata,
     call_rpc,
@@ -132,14 +133,15 @@ def _soak_one(stack: ChaosStack, i: int, policies: list[str], tally: SoakTally, 
     elif kind == "bad_policy":  # designed to fail
         res = stream(stack, tenant, gen_request(text, max_tokens, policy="no-such-policy"))
         tally.add(kind, res.code, {"INVALID_ARGUMENT"}, res.message)
-    elif kind == "bad_key":  # designed to fail
+    elif kind == "bad_key":  # designed to fail (RESOURCE_EXHAUSTED: the gateway's failed-key limit)
+        refused = {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"}
         call = stack.inference.Generate(gen_request(text, max_tokens), metadata=(("authorization", "Bearer nope"),),
                                         timeout=30)
         try:
             list(call)
-            tally.add(kind, "OK", {"UNAUTHENTICATED"})
+            tally.add(kind, "OK", refused)
         except grpc.RpcError as exc:
-            tally.add(kind, exc.code().name, {"UNAUTHENTICATED"}, exc.details() or "")
+            tally.add(kind, exc.code().name, refused, exc.details() or "")
     else:
         res = stream(stack, tenant, gen_request(text, max_tokens, policy=policy))
         tally.add(kind, res.code, {"OK"}, res.message)
@@ -187,8 +189,9 @@ def fuzz_rpcs(stack: ChaosStack, examples: int, vocab_size: int) -> dict[str, An
     (after all valid ones: the gateway rate-limits an address's failed keys). Returns per
     method the status codes, and every undefined one (UNKNOWN, INTERNAL, UNAVAILABLE, a
     deadline) with its input."""
-    if FUZZ_TENANT not in stack.keys:
-        stack.keys[FUZZ_TENANT] = stack.register(FUZZ_TENANT)
+    for name in (FUZZ_TENANT, FUZZ_NAMED):
+        if name not in stack.keys:
+            stack.keys[name] = stack.register(name)
     keys = {"tenant": stack.keys[FUZZ_TENANT], "admin": stack.services.admin_key}
     per_method: dict[str, Counter] = {m.path: Counter() for m in rpc_methods()}
     undefined: list[dict[str, Any]] = []
