@@ -235,17 +235,34 @@ def garbage_frames() -> st.SearchStrategy[list[bytes]]:
 _PEER = {zmq.PULL: zmq.PUSH, zmq.ROUTER: zmq.DEALER}
 
 
-def send_garbage(address: str, socket_type: int, messages: list[list[bytes]], raw: list[bytes]) -> None:
+def send_garbage(address: str, socket_type: int, messages: list[list[bytes]], raw: list[bytes],
+                 secure: Any = None) -> bool:
     """Send ``messages`` as ZeroMQ messages from the matching peer socket type (PUSH to a PULL,
-    DEALER to a ROUTER), then ``raw`` as plain TCP bytes on fresh connections."""
+    DEALER to a ROUTER), then ``raw`` as plain TCP bytes on fresh connections.
+
+    Args:
+        secure: called with the socket before it connects (CURVE client keys,
+            ``services.data_plane_auth``); None sends as a peer without keys.
+
+    Returns:
+        Whether the ZeroMQ messages were accepted (False: the handshake was refused, as it is
+        for a peer without the deployment's keys, and nothing was sent).
+    """
     ctx = zmq.Context()
+    accepted = True
     try:
         sock = ctx.socket(_PEER[socket_type])
         sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.SNDTIMEO, 3000)
+        if secure is not None:
+            secure(sock)
         sock.connect(address)
-        for frames in messages:
-            sock.send_multipart(frames)
-        sock.close()
+        try:
+            for frames in messages:
+                sock.send_multipart(frames)
+        except zmq.Again:  # no completed handshake: nowhere to send
+            accepted = False
+        sock.close(linger=2000 if accepted else 0)
     finally:
         ctx.term()
     host, port = address.removeprefix("tcp://").rsplit(":", 1)

@@ -230,22 +230,27 @@ def _fuzz_method(stack: ChaosStack, method: Any, requests: Any, auth: Any, examp
     return codes
 
 
-def data_plane_addresses(stack: ChaosStack) -> dict[str, tuple[str, int]]:
-    """Every data-plane socket a peer could reach: name -> (address, ZeroMQ socket type)."""
+def data_plane_addresses(stack: ChaosStack) -> dict[str, tuple[str, int, str, str]]:
+    """Every data-plane socket a peer could reach: name -> (address, ZeroMQ socket type, the
+    role that serves it, a role whose keys it accepts; ``services.data_plane_auth``)."""
     import zmq
 
     svc = stack.services
     out = {}
     for nid, node in svc.nodes.items():
-        out[f"{nid}.commands"] = (ray.get(node.describe.remote(), timeout=30)["data_address"], zmq.PULL)
-    out["scheduler.admissions"] = (ray.get(svc.scheduler.open_data_plane.remote(), timeout=30), zmq.ROUTER)
+        out[f"{nid}.commands"] = (ray.get(node.describe.remote(), timeout=30)["data_address"], zmq.PULL,
+                                  "node", "gateway")
+    out["scheduler.admissions"] = (ray.get(svc.scheduler.open_data_plane.remote(), timeout=30), zmq.ROUTER,
+                                   "scheduler", "gateway")
     gw = ray.get(svc.gateway.__ray_call__.remote(lambda g: g.streams.subscriber), timeout=30)
-    out["gateway.events"] = (gw, zmq.PULL)
+    out["gateway.events"] = (gw, zmq.PULL, "gateway", "node")
     return out
 
 
 def fuzz_data_plane(stack: ChaosStack, messages: int, seed: int = 0) -> dict[str, Any]:
-    """``messages`` garbage ZeroMQ messages and 8 raw TCP payloads into every data-plane socket."""
+    """``messages`` garbage ZeroMQ messages and 8 raw TCP payloads into every data-plane socket:
+    first without keys (every handshake must be refused: ``refused``), then with the keys of a
+    role the socket accepts (the deployment's own processes are untrusted input too)."""
     rng = random.Random(seed)
     frames_strategy = garbage_frames()
     batch: list[list[bytes]] = []
@@ -260,12 +265,16 @@ def fuzz_data_plane(stack: ChaosStack, messages: int, seed: int = 0) -> dict[str
     raw = [rng.randbytes(rng.randint(1, 4096)) for _ in range(8)]
     sent: dict[str, int] = {}
     errors: dict[str, str] = {}
-    for name, (address, kind) in data_plane_addresses(stack).items():
+    keys = stack.services.data_plane_keys
+    refused: dict[str, bool] = {}
+    for name, (address, kind, server, client) in data_plane_addresses(stack).items():
+        refused[name] = not send_garbage(address, kind, batch[:1], [])
+        secure = None if keys is None else (lambda s, c=client, r=server: keys.security(c).connect_to(s, r))
         try:
-            send_garbage(address, kind, batch, raw)
+            send_garbage(address, kind, batch, raw, secure)
             sent[name] = len(batch) + len(raw)
         except OSError as exc:  # a refused raw connection is a defined answer, not a fault
             sent[name] = len(batch)
             errors[name] = str(exc)
     return {"sockets": sorted(sent), "messages_per_socket": len(batch), "raw_payloads_per_socket": len(raw),
-            "connect_errors": errors}
+            "connect_errors": errors, "refused_without_keys": refused}

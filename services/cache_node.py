@@ -45,6 +45,7 @@ from cache_node.scheduling import TenantShare
 from services.chat import ChatTemplater
 from services import data_plane
 from services.config import NodeConfig
+from services.data_plane_auth import Security, secure_push
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
@@ -93,11 +94,15 @@ class CacheNode:
         scheduler: the engine's scheduling policy (``cache_node.scheduling``); a request's
             tenant promises arrive in ``NodeRequest.extra`` (``slo_class``, ``ttft_slo_ms``,
             ``min_tokens_per_s``, ``weight``, ``kv_quota_bytes``).
+        security: the node's data-plane identity (``services.data_plane_auth``): its command
+            inbox admits only the gateway and the scheduler, which alone may set a request's
+            tenant, namespace and promises. None: plaintext on loopback (unit tests only).
     """
 
     def __init__(
         self, node_id: str, config: NodeConfig, num_threads: int = 0, event_sink: Any = None,
         session_ttl_s: float = 900.0, scheduler: str = "fcfs", spill: SpillClient | None = None,
+        security: Security | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -129,7 +134,10 @@ class CacheNode:
         self.session_sink: Callable[[str, list[str]], Any] | None = None
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
-        self._pusher = data_plane.PushSockets()  # the step thread's sockets
+        self.security = security
+        self._pusher = data_plane.PushSockets(secure_push(security, "gateway"))  # the step thread's
+        self.commands_received = 0  # data-plane commands run
+        self.bad_messages = 0  # data-plane messages dropped as malformed
         self._outbox: deque[tuple[str, str, Event]] = deque()  # (subscriber, request, event)
         self._inbox: tuple[Any, asyncio.Task[None]] | None = None
         self.data_address = ""  # the command inbox (open_data_plane)
@@ -243,8 +251,8 @@ class CacheNode:
                 )
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
-            except ValueError as exc:
-                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": str(exc)}
+            except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
+                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": f"{type(exc).__name__}: {exc}"}
             if error is not None:
                 self._dispatch([(stream, error)])
 
@@ -283,35 +291,54 @@ class CacheNode:
         self._open(_Stream(None, None, req, 0, subscriber))
 
     async def open_data_plane(self) -> str:
-        """Bind the command inbox (``services.data_plane``) and serve it on the running event
-        loop; returns its address. Opening again replaces the previous inbox."""
+        """Bind the command inbox (``services.data_plane``; CURVE, admitting the gateway and
+        the scheduler only, with ``security``) and serve it on the running event loop; returns
+        its address. Opening again replaces the previous inbox."""
         self.close_data_plane()
-        sock = data_plane.context(asyncio_=True).socket(data_plane.zmq.PULL)
-        address = data_plane.bind_random(sock, data_plane.host_ip())
-        self._inbox = (sock, asyncio.get_running_loop().create_task(self._serve_commands(sock)))
+        ctx = data_plane.context(asyncio_=True)
+        auth = self.security.start_authenticator(ctx) if self.security is not None else None
+        sock, address = data_plane.serving_socket(ctx, data_plane.zmq.PULL, self.security)
+        self._inbox = (sock, asyncio.get_running_loop().create_task(self._serve_commands(sock)), auth)
         self.data_address = address
         return address
 
     def close_data_plane(self) -> None:
         if self._inbox is not None:
-            sock, task = self._inbox
+            sock, task, auth = self._inbox
             with contextlib.suppress(RuntimeError):  # its event loop may be gone already
                 task.cancel()
+                if auth is not None:
+                    auth.stop()
             sock.context.destroy(linger=0)
             self._inbox = None
 
     async def _serve_commands(self, sock: Any) -> None:
+        """Run each command; a malformed one (any bytes at all) is dropped and counted."""
         while True:
-            msg = data_plane.unpack(await sock.recv())
+            payload = await sock.recv()
             try:
-                if msg["op"] == "submit":
-                    self.submit(data_plane.request_from_wire(msg["req"]), msg["sub"])
-                elif msg["op"] == "abort":
-                    self.abort(msg["id"])
-                else:
-                    raise ValueError(f"unknown command {msg['op']!r}")
-            except (KeyError, TypeError, ValueError) as exc:  # a malformed message loses only itself
-                log.error("cache node %s: bad data-plane command: %s", self.node_id, exc)
+                self._command(data_plane.unpack(payload))
+                self.commands_received += 1
+            except Exception as exc:  # noqa: BLE001 - a bad message loses only itself
+                self.bad_messages += 1
+                log.warning("cache node %s: dropped a bad data-plane message: %s: %.200s",
+                            self.node_id, type(exc).__name__, exc)
+
+    def _command(self, msg: Any) -> None:
+        """Run ``{"op": "submit", "req", "sub"}`` or ``{"op": "abort", "id"}``.
+
+        Raises:
+            TypeError, ValueError: a malformed command (nothing was run).
+        """
+        if not isinstance(msg, dict):
+            raise TypeError(f"a command must be a map, got {type(msg).__name__}")
+        op = msg.get("op")
+        if op == "submit" and isinstance(msg.get("sub"), str) and msg["sub"].startswith("tcp://"):
+            self.submit(data_plane.request_from_wire(msg.get("req")), msg["sub"])
+        elif op == "abort" and isinstance(msg.get("id"), str):
+            self.abort(msg["id"])
+        else:
+            raise ValueError(f"malformed command (op {op!r})")
 
     def _set_tenant_share(self, req: NodeRequest) -> None:
         extra = req.extra
@@ -545,7 +572,8 @@ class CacheNode:
         return {"node_id": self.node_id, "healthy": not self.failure, "failure": self.failure,
                 "pid": os.getpid(), "restarts": self.restarts(),
                 **{k: v for k, v in engine.items() if k != "time_s"},
-                "stats_age_s": time.monotonic() - engine["time_s"]}
+                "stats_age_s": time.monotonic() - engine["time_s"],
+                "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}
 
     async def flush(self) -> int:
         """Drop every cached block not in use (next step boundary); returns blocks dropped."""
@@ -638,6 +666,7 @@ class CacheNodeActor(CacheNode):
         self, node_id: str, config: NodeConfig, num_threads: int = 0, scheduler: Any = None,
         session_ttl_s: float = 900.0, scheduling_policy: str = "fcfs",
         spill_nodes: list[Any] | None = None, spill_spec: SpillBlockSpec | None = None,
+        security: Security | None = None,
     ) -> None:
         sink = _event_sink(scheduler) if scheduler else None
         spill = None
@@ -645,7 +674,7 @@ class CacheNodeActor(CacheNode):
             from services.spill_client import RaySpillClient
 
             spill = RaySpillClient(spill_nodes, spill_spec.shape, spill_spec.dtype)
-        super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill)
+        super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill, security)
         if spill_spec is not None and spill_spec != self.engine.spill_block_spec():
             raise RuntimeError(
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -53,6 +54,10 @@ class ServiceConfig(BaseModel):
     session_ttl_s: float = Field(900.0, gt=0)
     # Ray restarts a cache node whose process died (a failed step loop exits it): -1 = always.
     cache_node_max_restarts: int = Field(-1, ge=-1)
+    # Where data-plane sockets bind (services.data_plane_auth; CURVE-encrypted either way):
+    # "loopback" (127.0.0.1), "node_ip" (each Ray node's IP: a cluster of several machines),
+    # or "auto": loopback when every Ray node at start shares the driver's IP, else node_ip.
+    data_plane_bind: Literal["auto", "loopback", "node_ip"] = "auto"
     cache_node_resource: str = "cache_node"
     num_spill_nodes: int = Field(1, ge=0)
     spill_ram_bytes: int = Field(512 * 1024 * 1024, ge=0)

@@ -13,14 +13,21 @@ engine core, or SGLang's tokenizer manager and scheduler):
    ``[[request_id, event], ...]`` (event dicts as in ``services.node_request``).
 
 ``sub`` (the subscriber) is the gateway's event inbox address. Messages are msgpack. Every
-socket binds a random port on its Ray node's IP; Ray nodes must reach each other on those ports
-as they already must on Ray's worker ports.
+socket binds a random port on loopback (a cluster on one machine) or on its Ray node's IP; Ray
+nodes must then reach each other on those ports as they already must on Ray's worker ports.
+Every socket is CURVE-authenticated and encrypted, and serves only the roles that send to it
+(``services.data_plane_auth``).
+
+Every byte that arrives is untrusted, our own processes' too: each reader checks a message's
+shape and types (``request_from_wire``, ``event_items``, ``admission_reply``) and drops and
+counts a bad one (``bad_messages`` in the owner's stats), never ending its loop on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -34,6 +41,36 @@ log = logging.getLogger(__name__)
 
 SEND_HWM = 1 << 20
 """Messages a PUSH socket queues for a slow peer before dropping (see ``PushSockets``)."""
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest message a serving socket accepts (ZeroMQ drops the connection of a peer sending more)."""
+
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_ID_CHARS = 1024
+"""Longest request id or tenant id on the wire (the gateway's scoped ids are far shorter)."""
+
+_REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
+    "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
+    "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)),
+}
+_REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
+
+_NUMBER = (int, float)
+_EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
+    "started": {"request_id": str, "node_id": str, "prompt_tokens": int},
+    "delta": {"token_ids": list, "text": str},
+    "finished": {"finish_reason": (str, type(None)), "prompt_tokens": int, "completion_tokens": int},
+    "error": {"code": str, "message": str},
+}
+_EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
+    "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER,
+}
+
+_ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "node_id": str, "code": str, "message": str, "retry_after_s": (int, float), "spill_blocks": int,
+}
 
 
 def host_ip() -> str:
@@ -59,18 +96,119 @@ def request_to_wire(req: NodeRequest) -> dict[str, Any]:
     return fields
 
 
-def request_from_wire(data: dict[str, Any]) -> NodeRequest:
-    """Inverse of ``request_to_wire`` (msgpack turns tuples into lists).
+def _check_type(what: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) and kind in (int, (int, float)):
+        raise TypeError(f"{what} must be {kind}, got a bool")
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} must be {kind}, got {type(value).__name__}")
+
+
+def _check_fields(what: str, data: Any, schema: dict[str, Any], required: tuple[str, ...]) -> None:
+    """``data`` is a dict whose known keys have the schema's types; no unknown key, no missing
+    required one. Raises TypeError."""
+    _check_type(what, data, dict)
+    unknown = set(data) - set(schema)
+    if unknown:
+        raise TypeError(f"{what}: unknown fields {sorted(map(str, unknown))}")
+    for name in required:
+        if name not in data:
+            raise TypeError(f"{what}: missing field {name!r}")
+    for name, value in data.items():
+        _check_type(f"{what}.{name}", value, schema[name])
+
+
+def _check_str_map(what: str, value: dict[Any, Any]) -> None:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise TypeError(f"{what} must map strings to strings")
+
+
+def request_from_wire(data: Any) -> NodeRequest:
+    """Inverse of ``request_to_wire`` (msgpack turns tuples into lists), checking every field's
+    type: ``data`` comes off the network.
 
     Raises:
-        ValueError: out-of-range sampling parameters (``SamplingParams``); TypeError: unknown
-            or missing fields.
+        ValueError: out-of-range values (token ids outside [0, 2**31), sampling parameters,
+            ``SamplingParams``); TypeError: unknown, missing or mistyped fields.
     """
+    _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
     fields = dict(data)
+    for name in ("request_id", "tenant"):
+        if not 0 < len(fields[name]) <= MAX_ID_CHARS:
+            raise ValueError(f"request.{name} must have 1 to {MAX_ID_CHARS} characters")
+    tokens = fields.get("token_ids", [])
+    if not all(type(t) is int for t in tokens):
+        raise TypeError("request.token_ids must be integers")
+    if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
+        raise ValueError(f"request.token_ids must lie in [0, {MAX_TOKEN_ID}]")
+    for message in fields.get("messages", []):
+        _check_type("request.messages[]", message, dict)
+        _check_str_map("request.messages[]", message)
+    _check_str_map("request.extra", fields.get("extra", {}))
+    if not all(isinstance(k, str) for k in fields["sampling"]):
+        raise TypeError("request.sampling must have string keys")
     fields["sampling"] = SamplingParams(**fields["sampling"])
     fields["messages"] = tuple(dict(m) for m in fields.get("messages", ()))
     fields["token_ids"] = tuple(fields.get("token_ids", ()))
     return NodeRequest(**fields)
+
+
+def event_items(data: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The non-empty ``[[request_id, event], ...]`` of a node's event message, each checked (event types
+    and fields as in ``services.node_request``; an error's ``code`` a gRPC status name).
+
+    Raises:
+        TypeError, ValueError: ``data`` is not such a list (the whole message is bad).
+    """
+    _check_type("events", data, list)
+    if not data:
+        raise ValueError("an event message holds at least one event")
+    items = []
+    for item in data:
+        if not isinstance(item, list) or len(item) != 2:
+            raise TypeError("an event item must be [request_id, event]")
+        request_id, event = item
+        _check_type("request_id", request_id, str)
+        _check_type("event", event, dict)
+        schema = _EVENT_FIELDS.get(event.get("type"))
+        if schema is None:
+            raise ValueError(f"unknown event type {event.get('type')!r}")
+        for name, kind in schema.items():
+            _check_type(f"event.{name}", event.get(name), kind)
+        for name, kind in _EVENT_OPTIONAL.items():
+            if name in event:
+                _check_type(f"event.{name}", event[name], kind)
+        if not all(type(t) is int for t in event.get("token_ids", ())):
+            raise TypeError("event.token_ids must be integers")
+        if not all(isinstance(k, str) and type(v) is int for k, v in event.get("cached_tokens", {}).items()):
+            raise TypeError("event.cached_tokens must map tier names to integers")
+        if event["type"] == "error" and event["code"] not in status_names():
+            raise ValueError(f"unknown status {event['code']!r}")
+        items.append((request_id, event))
+    return items
+
+
+def admission_reply(data: Any) -> tuple[Any, dict[str, Any] | str]:
+    """The correlation id and the admission fields (or the error text) of a scheduler reply.
+
+    Raises:
+        TypeError, ValueError: a malformed reply.
+    """
+    _check_fields("reply", data, {"id": (int, type(None)), "adm": dict, "error": str}, ("id",))
+    if "error" in data:
+        return data["id"], data["error"]
+    if "adm" not in data:
+        raise TypeError("reply: neither adm nor error")
+    _check_fields("reply.adm", data["adm"], _ADMISSION_FIELDS, tuple(_ADMISSION_FIELDS))
+    if data["adm"]["code"] not in status_names():
+        raise ValueError(f"unknown status {data['adm']['code']!r}")
+    return data["id"], data["adm"]
+
+
+def status_names() -> frozenset[str]:
+    """gRPC status code names (what error events and admissions carry)."""
+    import grpc
+
+    return frozenset(c.name for c in grpc.StatusCode)
 
 
 def context(asyncio_: bool = False) -> zmq.Context:
@@ -87,15 +225,37 @@ def bind_random(sock: zmq.Socket, host: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def serving_socket(ctx: zmq.Context, kind: int, security: Any) -> tuple[zmq.Socket, str]:
+    """A socket of ``kind`` bound to a free port, accepting messages up to
+    ``MAX_MESSAGE_BYTES``; returns it and its address.
+
+    With ``security`` (a ``data_plane_auth.Security``) it is a CURVE server on
+    ``security.host`` ("" = this Ray node's IP) admitting only the roles that send to it
+    (the context's authenticator, ``Security.start_authenticator``, must be running). Without,
+    plaintext on loopback: unit tests of the plain classes only, never a deployment.
+    """
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if security is None:
+        return sock, bind_random(sock, "127.0.0.1")
+    security.serve(sock)
+    return sock, bind_random(sock, security.host or host_ip())
+
+
 class PushSockets:
     """One connected ``PUSH`` socket per peer address, created on first use.
 
     Sends never block: a peer that is gone or ``SEND_HWM`` messages behind loses the message
     (logged). Use from one thread only (ZeroMQ sockets are not thread-safe).
+
+    Args:
+        secure: called with each new socket before it connects (CURVE client keys,
+            ``data_plane_auth.secure_push``); None = plaintext.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, secure: Callable[[zmq.Socket], None] | None = None) -> None:
         self.context = context()
+        self.secure = secure
         self._socks: dict[str, zmq.Socket] = {}
 
     def send(self, address: str, obj: Any) -> bool:
@@ -103,6 +263,8 @@ class PushSockets:
         if sock is None:
             sock = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            if self.secure is not None:
+                self.secure(sock)
             sock.connect(address)
             self._socks[address] = sock
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -27,9 +28,12 @@ from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from services import convert, data_plane
 from services.auth import Authenticator
 from services.chat import ChatTemplater
+from services.data_plane_auth import Security
 from services.global_scheduler import Admission
 from services.node_request import NodeRequest
 from tenants.errors import TenantExistsError, TenantNotFoundError
+
+log = logging.getLogger(__name__)
 
 _CODES = {c.name: c for c in grpc.StatusCode}
 
@@ -148,10 +152,17 @@ class NodeStreams:
         node_inboxes: node id -> the node's command inbox address.
         scheduler_address: the GlobalScheduler's admission socket address.
         admit_timeout_s: an admission not answered by then fails with UNAVAILABLE.
+        security: the gateway's data-plane identity (``services.data_plane_auth``): its event
+            inbox admits only nodes. None: plaintext on loopback (unit tests only).
+
+    Every message read is checked (``data_plane.event_items``, ``admission_reply``); a bad
+    one is dropped and counted in ``bad_messages``.
     """
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
-                 admit_timeout_s: float = 30.0) -> None:
+                 admit_timeout_s: float = 30.0, security: Security | None = None) -> None:
+        self.security = security
+        self.bad_messages = 0
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
         self.admit_timeout_s = admit_timeout_s
@@ -167,9 +178,12 @@ class NodeStreams:
     async def start(self) -> None:
         """Bind the event inbox and connect to the scheduler and the nodes (on the running loop)."""
         self._context = ctx = data_plane.context(asyncio_=True)
-        inbox = ctx.socket(zmq.PULL)
-        self.subscriber = data_plane.bind_random(inbox, data_plane.host_ip())
+        self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
+        inbox, self.subscriber = data_plane.serving_socket(ctx, zmq.PULL, self.security)
         self._admission = ctx.socket(zmq.DEALER)
+        self._admission.setsockopt(zmq.MAXMSGSIZE, data_plane.MAX_MESSAGE_BYTES)
+        if self.security is not None:
+            self.security.connect_to(self._admission, "scheduler")
         self._admission.connect(self.scheduler_address)
         self._commands = {}
         for node_id, address in self.node_inboxes.items():
@@ -183,6 +197,8 @@ class NodeStreams:
         hears of it at once (Ray takes 1-2 s to fail calls to a killed actor)."""
         sock = self._context.socket(zmq.PUSH)
         events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self.security is not None:
+            self.security.connect_to(sock, "node")
         sock.connect(address)
         self._commands[node_id] = sock
         self._connections[node_id] = asyncio.get_running_loop().create_task(
@@ -203,6 +219,8 @@ class NodeStreams:
         """Stop reading and close every socket."""
         for task in [*self._tasks, *self._connections.values()]:
             task.cancel()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.destroy(linger=0)
 
     async def admit(self, req: NodeRequest, hashes: list[bytes]) -> Admission:
@@ -229,10 +247,15 @@ class NodeStreams:
 
     async def _read_admissions(self) -> None:
         while True:
-            reply = data_plane.unpack(await self._admission.recv())
-            fut = self._pending.get(reply.get("id"))
+            payload = await self._admission.recv()
+            try:
+                corr, body = data_plane.admission_reply(data_plane.unpack(payload))
+            except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
+                self._drop("admission", exc)
+                continue
+            fut = self._pending.get(corr)
             if fut is not None and not fut.done():
-                fut.set_result(reply)
+                fut.set_result({"error": body} if isinstance(body, str) else {"adm": body})
 
     def abort(self, node_id: str, request_id: str) -> None:
         """Tell ``node_id`` to stop ``request_id`` (fire and forget)."""
@@ -284,10 +307,20 @@ class NodeStreams:
 
     async def _read_events(self, inbox: Any) -> None:
         while True:
-            for request_id, event in data_plane.unpack(await inbox.recv()):
+            payload = await inbox.recv()
+            try:
+                items = data_plane.event_items(data_plane.unpack(payload))
+            except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
+                self._drop("event", exc)
+                continue
+            for request_id, event in items:
                 entry = self._queues.get(request_id)
                 if entry is not None:
                     entry[1].put_nowait(event)
+
+    def _drop(self, what: str, exc: BaseException) -> None:
+        self.bad_messages += 1
+        log.warning("gateway data plane: dropped a bad %s message: %s: %.200s", what, type(exc).__name__, exc)
 
 
 def _unavailable(reason: str) -> dict[str, Any]:
@@ -302,15 +335,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         node_info: node id -> ``CacheNode.describe()`` (model identity, block size, limits,
             data-plane address); every node serves the same model.
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
+        security: the gateway's data-plane identity (``NodeStreams``).
     """
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  node_info: dict[str, dict[str, Any]], templater: ChatTemplater | None,
-                 scheduler_address: str) -> None:
+                 scheduler_address: str, security: Security | None = None) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self.info, self.templater = next(iter(node_info.values())), templater
         self.streams = NodeStreams(
-            nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address
+            nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address,
+            security=security,
         )
 
     async def _prepare(self, request: Any, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:

@@ -16,6 +16,7 @@ from cache_node.model_loader import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.auth import Authenticator
 from services.chat import ChatTemplater
+from services.data_plane_auth import Security
 from services.gateway import AdminServicer, InferenceServicer, NodeStreams, TenantServicer
 from services.node_monitor import NodeMonitor
 
@@ -26,6 +27,7 @@ SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService"
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
+    security: Security | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer, NodeStreams, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the gateway's
@@ -35,11 +37,12 @@ async def create_server(
     Args:
         node_info: node id -> ``CacheNode.describe()``.
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
+        security: the gateway's data-plane identity (``services.data_plane_auth``).
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     auth = Authenticator(scheduler)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
-    inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address)
+    inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security)
     await inference.streams.start()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
     health = HealthServicer()
@@ -65,8 +68,11 @@ async def set_health(health: HealthServicer, serving: bool) -> None:
 class Gateway:
     """Hosts the gRPC server inside a Ray actor (one per ingress node)."""
 
-    def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None) -> None:
+    def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
+                 security: Security | None = None) -> None:
+        """``security``: the gateway's data-plane identity (``services.data_plane_auth``)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
+        self.security = security
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
@@ -80,7 +86,7 @@ class Gateway:
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
         self.server, bound, health, self.streams, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
-            f"{host}:{port}",
+            f"{host}:{port}", self.security,
         )
         await self.server.start()
         await set_health(health, self.monitor.num_healthy() > 0)

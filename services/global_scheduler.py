@@ -47,6 +47,7 @@ from cache_node.scheduling.admission import (
 )
 from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
+from services.data_plane_auth import Security, secure_push
 from services.node_request import NodeRequest
 from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
@@ -93,12 +94,18 @@ class GlobalScheduler:
         scheduler: the nodes' scheduling policy; "kvstrata" turns on TTFT-based admission.
         block_size: the nodes' tokens per block (prefix matches in the index count in blocks).
         clock: monotonic seconds (tests inject one).
+        security: the scheduler's data-plane identity (``services.data_plane_auth``): its
+            admission socket admits only gateways, its submits reach nodes only with its key.
+            None: plaintext on loopback (unit tests only).
     """
 
     def __init__(
         self, state_dir: str, nodes: dict[str, int], queue_limit: int = 256, affinity_min_blocks: int = 4,
         scheduler: str = "fcfs", block_size: int = 16, clock: Any = time.monotonic,
+        security: Security | None = None,
     ) -> None:
+        self.security = security
+        self.bad_messages = 0  # data-plane messages dropped as malformed
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
         self.usage = UsageLedger()
@@ -215,7 +222,7 @@ class GlobalScheduler:
             sender: has ``send(address, message)``; default ``data_plane.PushSockets``.
         """
         self.node_inboxes = dict(inboxes)
-        self.commands = sender or data_plane.PushSockets()
+        self.commands = sender or data_plane.PushSockets(secure_push(self.security, "node"))
 
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
@@ -387,6 +394,7 @@ class GlobalScheduler:
             "scheduler": self.scheduler,
             "prefill_tokens_per_s": {nid: n.prefill.tokens_per_s for nid, n in self.nodes.items()},
             "sessions": len(self.session_nodes),
+            "bad_messages": self.bad_messages,
             "down": dict(self.down),
             "indexed_blocks": len(self.index),
             "indexed_blocks_by_tier": self.index.pairs_per_tier(),
@@ -413,28 +421,74 @@ class GlobalSchedulerService(GlobalScheduler):
         return await asyncio.to_thread(super().verify_admin_key, key)
 
     async def open_data_plane(self) -> str:
-        """Bind the admission socket (``services.data_plane``, step 1) and serve it; returns
-        its address (idempotent)."""
+        """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting
+        gateways only, with ``security``) and serve it; returns its address (idempotent)."""
         if self.data_address:
             return self.data_address
-        sock = data_plane.context(asyncio_=True).socket(data_plane.zmq.ROUTER)
-        self.data_address = data_plane.bind_random(sock, data_plane.host_ip())
+        self._admission_context = ctx = data_plane.context(asyncio_=True)
+        self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
+        sock, self.data_address = data_plane.serving_socket(ctx, data_plane.zmq.ROUTER, self.security)
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
         return self.data_address
 
+    def close_data_plane(self) -> None:
+        """Stop serving admissions and close every data-plane socket (on the serving loop)."""
+        if self.data_address:
+            self._admissions.cancel()
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            self._admission_context.destroy(linger=0)
+            self.data_address = ""
+        if self.commands is not None and hasattr(self.commands, "close"):
+            self.commands.close()
+            self.commands = None
+
     async def _serve_admissions(self, sock: Any) -> None:
+        """Answer each admission; a malformed message (any bytes at all) is counted in
+        ``bad_messages`` and dropped, answered with an error when its correlation id is
+        readable (the gateway then need not wait for its timeout)."""
         while True:
-            peer, payload = await sock.recv_multipart()
-            msg: dict[str, Any] = {}
-            try:
-                msg = data_plane.unpack(payload)
-                req = data_plane.request_from_wire(msg["req"])
-                adm = self.admit_and_submit(req, msg["sub"], [bytes(h) for h in msg["hashes"]])
-                reply = {"id": msg["id"], "adm": dataclasses.asdict(adm)}
-            except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
-                log.exception("admission failed")
-                reply = {"id": msg.get("id"), "error": f"{type(exc).__name__}: {exc}"}
-            await sock.send_multipart([peer, data_plane.pack(reply)])
+            frames = await sock.recv_multipart()
+            reply = self._answer(frames[-1]) if len(frames) == 2 else None
+            if reply is None:
+                self.bad_messages += 1
+                continue
+            await sock.send_multipart([frames[0], data_plane.pack(reply)])
+
+    def _answer(self, payload: bytes) -> dict[str, Any] | None:
+        """The reply to one admission message; None when it has no readable correlation id."""
+        try:
+            msg = data_plane.unpack(payload)
+        except Exception:  # noqa: BLE001 - not msgpack at all
+            return None
+        corr = msg.get("id") if isinstance(msg, dict) else None
+        if type(corr) is not int:
+            return None
+        try:
+            req, subscriber, hashes = _admission_request(msg)
+        except (TypeError, ValueError) as exc:
+            self.bad_messages += 1
+            return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"}
+        try:
+            adm = self.admit_and_submit(req, subscriber, hashes)
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+            log.exception("admission failed")
+            return {"id": corr, "error": f"{type(exc).__name__}: {exc}"}
+        return {"id": corr, "adm": dataclasses.asdict(adm)}
+
+
+def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes]]:
+    """``(request, subscriber, block hashes)`` of an admission message, every field checked.
+
+    Raises:
+        TypeError, ValueError: a missing or mistyped field.
+    """
+    hashes, subscriber = msg.get("hashes"), msg.get("sub")
+    if not isinstance(hashes, list) or not all(isinstance(h, bytes) for h in hashes):
+        raise TypeError("hashes must be a list of bytes")
+    if not isinstance(subscriber, str) or not subscriber.startswith("tcp://"):
+        raise TypeError("sub must be a tcp:// address")
+    return data_plane.request_from_wire(msg.get("req")), subscriber, hashes
 
 
 GlobalSchedulerActor = ray.remote(GlobalSchedulerService)

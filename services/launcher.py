@@ -17,6 +17,7 @@ from cache_node.model_loader import resolve_model_dir
 from cache_node.spill_api import SpillBlockSpec, numpy_dtype_of
 from services.cache_node import CacheNodeRemote
 from services.config import ServiceConfig
+from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
 from services.global_scheduler import GlobalSchedulerActor
 from services.spill_format import BlockFormat
@@ -39,6 +40,7 @@ class Services:
     admin_key: str
     config: ServiceConfig
     spill_nodes: list[Any] = field(default_factory=list)
+    data_plane_keys: DataPlaneKeys | None = None  # every role's keys (fault tests, bench.chaos)
 
     @property
     def address(self) -> str:
@@ -83,10 +85,14 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     node_ids = [f"cache_node_{i}" for i in range(n)]
     state_dir = str(config.state_path)
     control = {"runtime_env": {"env_vars": dict(config.control_env_vars)}} if config.control_env_vars else {}
+    # data-plane keys for this start, handed to each actor as a constructor argument (a
+    # restarted actor gets the same ones); CURVE on every socket (services.data_plane_auth)
+    keys, host = DataPlaneKeys.generate(), data_plane_host(config)
     scheduler = GlobalSchedulerActor.options(
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
-             scheduler=config.scheduler, block_size=config.node.block_size)
+             scheduler=config.scheduler, block_size=config.node.block_size,
+             security=keys.security("scheduler", host))
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     spec = spill_block_spec(config)
     spill_nodes = _start_spill_nodes(config, spec, scheduler)
@@ -97,7 +103,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
             resources={config.cache_node_resource: 1}, **life,
             runtime_env={"env_vars": dict(config.node.env_vars)},
         ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler,
-                 spill_nodes, spec if spill_nodes else None)
+                 spill_nodes, spec if spill_nodes else None, keys.security("node", host))
         for nid in node_ids
     }
     # wait until models are loaded
@@ -109,10 +115,24 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     gateway = GatewayActor.options(
         name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(
-        scheduler, nodes, config.node.model_path
+        scheduler, nodes, config.node.model_path, keys.security("gateway", host)
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
-    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes)
+    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys)
+
+
+def data_plane_host(config: ServiceConfig) -> str:
+    """Where data-plane sockets bind (``ServiceConfig.data_plane_bind``): "127.0.0.1", or ""
+    for each Ray node's own IP. "auto" is loopback when every alive Ray node has the
+    driver's IP (one machine: an embedded ``kvstrata up`` or a local test cluster); a cluster
+    that later grows onto other machines needs "node_ip"."""
+    if config.data_plane_bind == "loopback":
+        return LOOPBACK
+    if config.data_plane_bind == "node_ip":
+        return ""
+    here = ray.util.get_node_ip_address()
+    ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    return LOOPBACK if ips <= {here} else ""
 
 
 def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:

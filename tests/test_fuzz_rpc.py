@@ -60,6 +60,7 @@ def test_garbage_into_every_data_plane_socket_kills_nothing(fuzz_stack) -> None:
     before = _pids(fuzz_stack)
     figures = fuzz_data_plane(fuzz_stack, messages=60)
     assert len(figures["sockets"]) == len(fuzz_stack.services.nodes) + 2
+    assert all(figures["refused_without_keys"].values()), figures  # CURVE: no keys, no connection
     assert _pids(fuzz_stack) == before
     assert _serves_on_every_node(fuzz_stack) == set(fuzz_stack.services.nodes)
     leaks = wait_idle(fuzz_stack)

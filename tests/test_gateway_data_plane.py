@@ -61,9 +61,9 @@ def test_admissions_events_aborts_and_a_dead_node() -> None:
 
         # a node's step: one message for both streams, to this gateway's inbox
         push = data_plane.PushSockets()
-        push.send(streams.subscriber, [["a", {"type": "delta", "token_ids": [7]}],
-                                       ["b", {"type": "delta", "token_ids": [8]}],
-                                       ["gone", {"type": "delta", "token_ids": [9]}]])
+        push.send(streams.subscriber, [["a", {"type": "delta", "token_ids": [7], "text": ""}],
+                                       ["b", {"type": "delta", "token_ids": [8], "text": ""}],
+                                       ["gone", {"type": "delta", "token_ids": [9], "text": ""}]])
         assert (await asyncio.wait_for(a.get(), 5))["token_ids"] == [7]
         assert (await asyncio.wait_for(b.get(), 5))["token_ids"] == [8]
 

@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
+import ray
+import zmq
 
-from kvstrata.v1 import inference_pb2, tenant_pb2
+from cache_node.sampling_params import SamplingParams
+from kvstrata.v1 import inference_pb2
+from services import data_plane
+from services.node_request import NodeRequest
 from tests.service_fixtures import chat, collect
 
 pytestmark = pytest.mark.slow
@@ -84,3 +91,33 @@ def test_session_ids_are_scoped_to_the_tenant(stack, keys) -> None:
     assert a2["finished"].prompt_tokens > a1["finished"].prompt_tokens + a1["finished"].completion_tokens
     a_freed = stack.inference.CloseSession(close, metadata=a_md).freed_tokens
     assert a_freed == a2["finished"].prompt_tokens + a2["finished"].completion_tokens
+
+
+def test_the_data_plane_is_loopback_and_admits_only_the_deployment(stack, keys) -> None:
+    """issue 18 fault 3: the data plane trusted anyone. A local cluster's ZeroMQ sockets bound
+    on the node's network address, unauthenticated: a raw socket could submit a request with
+    any tenant and get its tokens. Now they bind on loopback (one machine) and are CURVE
+    authenticated: a raw socket gets nothing run and nothing back."""
+    nodes = list(stack.services.nodes.values())
+    addresses = [info["data_address"] for info in ray.get([n.describe.remote() for n in nodes])]
+    addresses.append(ray.get(stack.services.scheduler.open_data_plane.remote()))
+    assert all(a.startswith("tcp://127.0.0.1:") for a in addresses), addresses
+    before = [s["data_plane"]["commands"] for s in ray.get([n.stats.remote() for n in nodes])]
+
+    ctx = zmq.Context()
+    loot = ctx.socket(zmq.PULL)
+    loot_address = data_plane.bind_random(loot, "127.0.0.1")
+    req = NodeRequest(request_id="evil", tenant="any", cache_namespace="", token_ids=(1, 2, 3),
+                      sampling=SamplingParams(max_tokens=4))
+    for address in addresses[:-1]:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        sock.connect(address)
+        with contextlib.suppress(zmq.Again):  # no handshake, nowhere to send
+            sock.send(data_plane.pack({"op": "submit", "req": data_plane.request_to_wire(req), "sub": loot_address}))
+    assert loot.poll(3000) == 0
+    after = [s["data_plane"]["commands"] for s in ray.get([n.stats.remote() for n in nodes])]
+    assert after == before
+    ctx.destroy(linger=0)
+    r = collect(stack.inference.Generate(long_request("after-attack", 2), metadata=md(keys["a"]), timeout=60))
+    assert r["finished"].completion_tokens == 2

@@ -1,0 +1,308 @@
+"""The data plane with its CURVE keys, over real sockets, without Ray: a real CacheNode (the
+real model), a real GlobalSchedulerService and the gateway's real ``NodeStreams``, each
+serving on a background event loop as in their actors.
+
+- a peer without the deployment's keys gets nothing run and nothing back;
+- every serving socket is bound on loopback when so configured;
+- every reader (node commands, scheduler admissions, gateway events and admission replies)
+  drops and counts random bytes and mistyped messages and keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_node.sampling_params import SamplingParams
+from services import data_plane
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.data_plane_auth import DataPlaneKeys, KeyPair
+from services.gateway import NodeStreams
+from services.global_scheduler import GlobalSchedulerService
+from services.node_request import NodeRequest
+
+PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
+
+
+def request(rid: str, max_tokens: int = 3) -> NodeRequest:
+    return NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", token_ids=PROMPT,
+                       sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+@dataclass
+class Plane:
+    keys: DataPlaneKeys
+    loop: asyncio.AbstractEventLoop
+    node: CacheNode
+    scheduler: GlobalSchedulerService
+    streams: NodeStreams
+    fake_scheduler: Any  # a ROUTER with the scheduler's keys, for a second NodeStreams
+    replies_to: NodeStreams  # that second gateway, whose admission replies the tests forge
+
+    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def sender(self, role: str | None, kind: int = zmq.PUSH, server_role: str = "node",
+               address: str = "") -> zmq.Socket:
+        """A plain socket connected to ``address``: with ``role``'s keys, or none (None)."""
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if role is not None:
+            self.keys.security(role).connect_to(sock, server_role)
+        sock.connect(address)
+        return sock
+
+    def generate(self, rid: str, max_tokens: int = 3) -> list[dict[str, Any]]:
+        """One request through the whole data plane: admission, node, events; its events."""
+        async def go() -> list[dict[str, Any]]:
+            queue = self.streams.open(rid)
+            try:
+                adm = await self.streams.admit(request(rid, max_tokens), [])
+                assert adm.code == "OK", adm
+                events = [await asyncio.wait_for(queue.get(), 60)]
+                while events[-1]["type"] not in ("finished", "error"):
+                    events.append(await asyncio.wait_for(queue.get(), 60))
+                return events
+            finally:
+                self.streams.close(rid)
+                self.scheduler.release(rid)
+
+        return self.run(go())
+
+
+def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def plane() -> Iterator[Plane]:
+    keys = DataPlaneKeys.generate()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    node = CacheNode("n0", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=0), num_threads=1,
+                     security=keys.security("node"))
+    scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-dp-"), {"n0": 4},
+                                       security=keys.security("scheduler"))
+    node_address = run(node.open_data_plane())
+    scheduler.attach_nodes({"n0": node_address})
+    sched_address = run(scheduler.open_data_plane())
+    streams = NodeStreams({"n0": None}, {"n0": node_address}, sched_address,
+                          security=keys.security("gateway"))
+    run(streams.start())
+
+    async def fake() -> tuple[Any, Any, NodeStreams]:
+        ctx = data_plane.context(asyncio_=True)
+        auth = keys.security("scheduler").start_authenticator(ctx)
+        router, address = data_plane.serving_socket(ctx, zmq.ROUTER, keys.security("scheduler"))
+        other = NodeStreams({"n0": None}, {"n0": node_address}, address, admit_timeout_s=5.0,
+                            security=keys.security("gateway"))
+        await other.start()
+        return router, auth, other
+
+    router, auth, other = run(fake())
+    yield Plane(keys, loop, node, scheduler, streams, router, other)
+
+    async def close() -> None:
+        streams.shutdown()
+        other.shutdown()
+        auth.stop()
+        router.context.destroy(linger=0)
+        scheduler.close_data_plane()
+        node.close_data_plane()
+
+    run(close())
+    node.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def test_a_peer_without_the_keys_gets_nothing_run(plane: Plane) -> None:
+    """issue 18 fault 3: the data plane trusted anyone. Its sockets bound on the node's
+    network address without authentication, so whoever reached the port could submit a
+    request with any tenant, namespace, SLO and quota, bypassing API keys and admission. Now
+    every socket is CURVE-authenticated (bound on loopback here): a peer with no keys, or with
+    keys of its own, gets no request run and nothing back, and the node never reads a byte of
+    what it sent; the gateway's keys get a request run."""
+    node_address = plane.node.data_address
+    sched_address = plane.scheduler.data_address
+    assert node_address.startswith("tcp://127.0.0.1:") and sched_address.startswith("tcp://127.0.0.1:")
+    assert plane.streams.subscriber.startswith("tcp://127.0.0.1:")
+    assert plane.node._inbox[0].getsockopt(zmq.LAST_ENDPOINT).decode() == node_address
+
+    loot = zmq.Context.instance().socket(zmq.PULL)  # the attacker's own event inbox
+    loot.setsockopt(zmq.LINGER, 0)
+    loot_address = data_plane.bind_random(loot, "127.0.0.1")
+    commands, bad = plane.node.commands_received, plane.node.bad_messages
+    own = KeyPair.generate()
+    attackers = [plane.sender(None, address=node_address)]
+    curve = zmq.Context.instance().socket(zmq.PUSH)  # CURVE, knowing the node's public key
+    curve.setsockopt(zmq.LINGER, 0)
+    curve.curve_secretkey, curve.curve_publickey = own.secret, own.public
+    curve.curve_serverkey = plane.keys.pairs["node"].public
+    curve.connect(node_address)
+    attackers.append(curve)
+    submit = data_plane.pack({"op": "submit", "req": data_plane.request_to_wire(request("evil", 2)),
+                              "sub": loot_address})
+    sched_attacker = plane.sender(None, zmq.DEALER, address=sched_address)
+    admission = data_plane.pack({"id": 1, "req": data_plane.request_to_wire(request("evil2", 2)),
+                                 "sub": loot_address, "hashes": []})
+    for sock, payload in [(a, submit) for a in attackers] + [(sched_attacker, admission)]:
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        try:  # without a completed handshake a send has nowhere to go
+            sock.send(payload)
+        except zmq.Again:
+            pass
+    assert loot.poll(3000) == 0  # nothing came back
+    assert sched_attacker.poll(0) == 0
+    assert (plane.node.commands_received, plane.node.bad_messages) == (commands, bad)
+    assert "evil" not in plane.node._streams and "evil2" not in plane.scheduler.requests
+
+    events = plane.generate("legit", max_tokens=3)
+    assert [e["type"] for e in events] == ["started", "delta", "delta", "delta", "finished"]
+    assert events[-1]["completion_tokens"] == 3
+    assert plane.node.commands_received == commands + 1
+    for sock in (*attackers, sched_attacker, loot):
+        sock.close()
+
+
+JUNK = st.one_of(
+    st.binary(max_size=256),  # random bytes
+    st.builds(msgpack.packb, st.recursive(  # well-formed msgpack of any shape
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+        | st.binary(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=12,
+    )),
+)
+
+
+_INT = st.integers(-(2**63), 2**63 - 1)
+_NOT_A_STRING = st.one_of(st.none(), _INT, st.lists(_INT, max_size=2))
+_BAD_FIELDS = {  # per field, values it must never accept
+    "request_id": _NOT_A_STRING | st.just("") | st.just("x" * 5000),
+    "tenant": _NOT_A_STRING | st.just(""),
+    "cache_namespace": _NOT_A_STRING,
+    "session_id": _NOT_A_STRING,
+    "sampling": st.one_of(st.none(), _INT, st.dictionaries(
+        st.sampled_from(["max_tokens", "temperature", "top_p", "nope"]),
+        st.one_of(st.text(max_size=3), st.integers(-(2**63), -1)), min_size=1)),
+    "token_ids": st.one_of(st.text(max_size=3), st.lists(st.integers(2**31, 2**63 - 1), min_size=1, max_size=3),
+                           st.lists(st.integers(-(2**63), -1), min_size=1, max_size=3)),
+    "extra": st.dictionaries(st.text(max_size=4), _INT, min_size=1, max_size=2),
+    "messages": st.one_of(_INT, st.lists(_INT, min_size=1, max_size=2)),
+    "max_context_tokens": st.one_of(st.text(max_size=3), st.none(), st.floats()),
+    "prefetch": st.one_of(_INT, st.text(max_size=3)),
+    "unknown": _INT,
+}
+MISTYPED_SUBMITS = st.builds(  # the right shape with a wrong, missing-made or huge field value
+    lambda changes: msgpack.packb({"op": "submit", "sub": "tcp://127.0.0.1:1", "req": {
+        **data_plane.request_to_wire(request("fuzz")), **changes}}),
+    st.fixed_dictionaries({}, optional=_BAD_FIELDS).filter(bool),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payloads=st.lists(JUNK, min_size=1, max_size=8))
+def test_node_command_reader_drops_and_counts_bad_messages(plane: Plane, payloads: list[bytes]) -> None:
+    """issue 18 fault 4 (data plane): a malformed message killed the node's command reader for
+    good. Random bytes and msgpack of any shape from an authenticated peer are dropped and
+    counted (stats()["data_plane"]["bad_messages"]), and the reader keeps serving."""
+    before = plane.node.bad_messages
+    sock = plane.sender("gateway", address=plane.node.data_address)
+    for payload in payloads:
+        sock.send(payload)
+    wait_for(lambda: plane.node.bad_messages == before + len(payloads))
+    sock.close()
+    assert plane.node.stats()["data_plane"]["bad_messages"] == plane.node.bad_messages
+
+
+def test_mistyped_requests_are_dropped_and_the_node_serves_on(plane: Plane) -> None:
+    """issue 18 fault 4 (data plane): a submit of the right shape with mistyped, missing or
+    huge fields runs nothing and is counted; a valid request after them completes."""
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(payload=MISTYPED_SUBMITS)
+    def one(payload: bytes) -> None:
+        before = plane.node.bad_messages, plane.node.commands_received
+        sock = plane.sender("gateway", address=plane.node.data_address)
+        sock.send(payload)
+        wait_for(lambda: (plane.node.bad_messages, plane.node.commands_received) != before)
+        sock.close()
+        assert (plane.node.bad_messages, plane.node.commands_received) == (before[0] + 1, before[1])
+
+    one()
+    assert not plane.node._streams
+    events = plane.generate("after-node-fuzz")
+    assert events[-1]["type"] == "finished" and events[-1]["completion_tokens"] == 3
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payloads=st.lists(JUNK, min_size=1, max_size=8))
+def test_scheduler_admission_server_drops_and_counts_bad_messages(plane: Plane, payloads: list[bytes]) -> None:
+    """issue 18 fault 4 (data plane): the scheduler's admission server survives and counts
+    any bytes from a gateway (answering an error where the message has a readable id)."""
+    before = plane.scheduler.bad_messages
+    sock = plane.sender("gateway", zmq.DEALER, "scheduler", plane.scheduler.data_address)
+    for payload in payloads:
+        sock.send(payload)
+    wait_for(lambda: plane.scheduler.bad_messages == before + len(payloads))
+    while sock.poll(200):
+        reply = data_plane.unpack(sock.recv())
+        assert set(reply) == {"id", "error"}
+    sock.close()
+    assert plane.scheduler.stats()["bad_messages"] == plane.scheduler.bad_messages
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payloads=st.lists(JUNK, min_size=1, max_size=8))
+def test_gateway_readers_drop_and_count_bad_messages(plane: Plane, payloads: list[bytes]) -> None:
+    """issue 18 fault 4 (data plane): a malformed message killed the gateway's event and
+    admission readers for good. Both drop and count any bytes, from a node (events) and
+    from the scheduler (admission replies), and keep serving."""
+    before = plane.streams.bad_messages
+    sock = plane.sender("node", server_role="gateway", address=plane.streams.subscriber)
+    for payload in payloads:
+        sock.send(payload)
+    wait_for(lambda: plane.streams.bad_messages == before + len(payloads))
+    sock.close()
+
+    other = plane.replies_to
+    before = other.bad_messages
+
+    async def forge() -> None:  # the admission's reply comes after a burst of bad ones
+        admission = asyncio.ensure_future(other.admit(request("r"), []))
+        peer, _ = await plane.fake_scheduler.recv_multipart()
+        for payload in payloads:
+            await plane.fake_scheduler.send_multipart([peer, payload])
+        await plane.fake_scheduler.send_multipart([peer, data_plane.pack({"id": other._next_id, "adm": {
+            "node_id": "n0", "code": "OK", "message": "", "retry_after_s": 0.0, "spill_blocks": 0}})])
+        adm = await admission
+        assert (adm.code, adm.node_id) == ("OK", "n0")
+
+    plane.run(forge())
+    assert other.bad_messages == before + len(payloads)
+
+
+def test_everything_serves_after_the_fuzz(plane: Plane) -> None:
+    """After every reader has had its bad messages, a request still goes end to end."""
+    events = plane.generate("after-fuzz", max_tokens=2)
+    assert events[-1]["type"] == "finished" and events[-1]["completion_tokens"] == 2
