@@ -16,6 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -327,6 +328,30 @@ def _unavailable(reason: str) -> dict[str, Any]:
     return {"type": "error", "code": "UNAVAILABLE", "message": f"{reason}; retry the request"}
 
 
+@dataclass
+class _Seen:
+    """What a stream's events said its request used: the usage to account when the request
+    ends without its ``finished`` event (cancelled, past its deadline, failed on its node).
+    Tokens the node made after the gateway stopped reading are not in it."""
+
+    prompt_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def observe(self, event: dict[str, Any]) -> None:
+        if event["type"] == "started":
+            self.prompt_tokens, self.cached_tokens = event["prompt_tokens"], dict(event.get("cached_tokens", {}))
+        elif event["type"] == "delta":
+            self.completion_tokens += len(event["token_ids"])
+
+    def usage(self) -> dict[str, Any] | None:
+        """``release``'s usage (None when nothing ran)."""
+        if not (self.prompt_tokens or self.completion_tokens):
+            return None
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens}
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """Generate (server streaming) and CloseSession.
 
@@ -406,6 +431,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
         adm = None
         usage: dict[str, Any] | None = None
+        seen = _Seen()  # the usage of a request that ends without its finished event
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         admission = asyncio.ensure_future(self.streams.admit(req, hashes))
@@ -425,6 +451,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.streams.bind(req.request_id, adm.node_id)
             while usage is None:
                 event = await queue.get()
+                seen.observe(event)
                 if event["type"] == "error":
                     usage = {}
                     await context.abort(_CODES[event["code"]], event["message"])
@@ -435,13 +462,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 yield convert.generate_event_to_pb(event)
         finally:
             self.streams.close(req.request_id)
+            if not usage:  # interrupted: what it ran counts too, events already here included
+                while not queue.empty():
+                    seen.observe(queue.get_nowait())
             if usage is None:  # cancelled or past its deadline
                 if adm is None:  # while being admitted: abort once the node is known
                     asyncio.get_running_loop().create_task(self._abort_admitted(admission, req.request_id))
                 else:
                     self.streams.abort(adm.node_id, req.request_id)
             if adm is None or adm.code == "OK":
-                self.scheduler.release.remote(req.request_id, usage)
+                self.scheduler.release.remote(req.request_id, usage or seen.usage())
 
     async def _abort_admitted(self, admission: Any, request_id: str) -> None:
         try:

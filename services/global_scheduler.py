@@ -297,13 +297,19 @@ class GlobalScheduler:
         return min(healthy, key=lambda n: (len(n.in_flight), n.node_id)).node_id
 
     def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None:
-        """A request ended (any way); account its tokens."""
+        """A request ended (any way); account its tokens.
+
+        Args:
+            usage: the node's ``finished`` event, or for a request that ended without one
+                (cancelled, past its deadline, failed) the gateway's count of what it ran:
+                ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``; None: nothing ran.
+        """
         tenant_id, node_id = self.requests.pop(request_id, ("", ""))
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
-        if usage and node_id in self.nodes:
+        if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one
             node = self.nodes[node_id]
-            node.prefill.set(float(usage.get("prefill_tokens_per_s", 0.0)))
+            node.prefill.set(float(usage["prefill_tokens_per_s"]))
             if usage.get("step_s"):
                 node.step_s.update(float(usage["step_s"]))
         if tenant_id and usage:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ import ray
 import zmq
 
 from cache_node.sampling_params import SamplingParams
-from kvstrata.v1 import inference_pb2
+from kvstrata.v1 import inference_pb2, tenant_pb2
 from services import data_plane
 from services.node_request import NodeRequest
 from tests.service_fixtures import chat, collect
@@ -121,3 +122,44 @@ def test_the_data_plane_is_loopback_and_admits_only_the_deployment(stack, keys) 
     ctx.destroy(linger=0)
     r = collect(stack.inference.Generate(long_request("after-attack", 2), metadata=md(keys["a"]), timeout=60))
     assert r["finished"].completion_tokens == 2
+
+
+def _usage(stack, name: str):
+    return stack.tenants.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=stack.admin_md()).usage
+
+
+def test_interrupted_requests_count_in_usage(stack) -> None:
+    """issue 18 fault 9: usage dropped the tokens of interrupted requests. A cancelled call and
+    one past its deadline each ran its prompt and generated tokens; both count in the tenant's
+    usage now (prompt as the node ran it, at least every token the client received)."""
+    key = stack.register("iso-usage")
+    received, prompts, first = 0, 0, 0
+    call = stack.inference.Generate(long_request("", 64), metadata=md(key), timeout=120)
+    for msg in call:  # cancelled after three deltas
+        kind = msg.WhichOneof("event")
+        if kind == "started":
+            first = msg.started.prompt_tokens
+            prompts += first
+        elif kind == "delta":
+            received += len(msg.delta.token_ids)
+            if received >= 3:
+                break
+    call.cancel()
+    late = stack.inference.Generate(long_request("", 200), metadata=md(key), timeout=2.0)
+    with pytest.raises(grpc.RpcError) as info:
+        for msg in late:
+            if msg.WhichOneof("event") == "started":
+                prompts += msg.started.prompt_tokens
+            elif msg.WhichOneof("event") == "delta":
+                received += len(msg.delta.token_ids)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert received > 3 and prompts > 0
+
+    deadline = time.time() + 10
+    while _usage(stack, "iso-usage").prompt_tokens < prompts and time.time() < deadline:
+        time.sleep(0.2)
+    usage = _usage(stack, "iso-usage")
+    assert usage.requests == 2
+    # the same prompt twice: the second counts once the node started it, seen or not
+    assert usage.prompt_tokens in (first, 2 * first) and usage.prompt_tokens >= prompts
+    assert received <= usage.completion_tokens <= 64 + 200
