@@ -213,7 +213,8 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
     try:
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
         with console.status("loading the model on every cache node ..."):
-            services = start_services(cfg)
+            # a joined cluster (--address) binds the data plane on node IPs (it may span machines)
+            services = start_services(cfg, None if started_ray else address)
     except Exception as exc:  # noqa: BLE001 -- leave nothing half-started behind, whatever failed
         if temp_dir:
             _stop_local_ray(temp_dir, ray_port)

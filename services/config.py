@@ -56,7 +56,8 @@ class ServiceConfig(BaseModel):
     cache_node_max_restarts: int = Field(-1, ge=-1)
     # Where data-plane sockets bind (services.data_plane_auth; CURVE-encrypted either way):
     # "loopback" (127.0.0.1), "node_ip" (each Ray node's IP: a cluster of several machines),
-    # or "auto": loopback when every Ray node at start shares the driver's IP, else node_ip.
+    # or "auto": loopback for the embedded cluster of `kvstrata up` (no --address; every Ray
+    # node on the driver's IP), node_ip when joining a cluster by address.
     data_plane_bind: Literal["auto", "loopback", "node_ip"] = "auto"
     cache_node_resource: str = "cache_node"
     num_spill_nodes: int = Field(1, ge=0)

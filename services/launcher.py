@@ -87,7 +87,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     control = {"runtime_env": {"env_vars": dict(config.control_env_vars)}} if config.control_env_vars else {}
     # data-plane keys for this start, handed to each actor as a constructor argument (a
     # restarted actor gets the same ones); CURVE on every socket (services.data_plane_auth)
-    keys, host = DataPlaneKeys.generate(), data_plane_host(config)
+    keys, host = DataPlaneKeys.generate(), data_plane_host(config, joined=address is not None)
     scheduler = GlobalSchedulerActor.options(
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
@@ -121,14 +121,15 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys)
 
 
-def data_plane_host(config: ServiceConfig) -> str:
+def data_plane_host(config: ServiceConfig, joined: bool) -> str:
     """Where data-plane sockets bind (``ServiceConfig.data_plane_bind``): "127.0.0.1", or ""
-    for each Ray node's own IP. "auto" is loopback when every alive Ray node has the
-    driver's IP (one machine: an embedded ``kvstrata up`` or a local test cluster); a cluster
-    that later grows onto other machines needs "node_ip"."""
+    for each Ray node's own IP. "auto" is loopback for a cluster this process did not join by
+    address (the embedded one of ``kvstrata up``, or the caller's own) whose alive nodes all
+    have the driver's IP; a joined cluster (``--address``), which may grow onto other
+    machines, binds on node IPs."""
     if config.data_plane_bind == "loopback":
         return LOOPBACK
-    if config.data_plane_bind == "node_ip":
+    if config.data_plane_bind == "node_ip" or joined:
         return ""
     here = ray.util.get_node_ip_address()
     ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
