@@ -26,6 +26,7 @@ counts a bad one (``bad_messages`` in the owner's stats), never ending its loop 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -204,6 +205,7 @@ def admission_reply(data: Any) -> tuple[Any, dict[str, Any] | str]:
     return data["id"], data["adm"]
 
 
+@functools.cache
 def status_names() -> frozenset[str]:
     """gRPC status code names (what error events and admissions carry)."""
     import grpc
