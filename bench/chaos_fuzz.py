@@ -133,8 +133,9 @@ def message_strategy(cls: type, depth: int = 0) -> st.SearchStrategy[Any]:
 
 
 def generate_requests(vocab_size: int) -> st.SearchStrategy[Any]:
-    """GenerateRequests near the valid region (so they get past the first check): token ids
-    around the vocabulary's edge, small and huge ``max_tokens``, odd sampling values."""
+    """GenerateRequests in and near the valid region (so they get past the first checks and
+    run on a node): valid ones with every policy spec below, token ids around the
+    vocabulary's edge, small and huge ``max_tokens``, odd sampling values."""
     ids = st.lists(st.one_of(st.integers(0, vocab_size + 10), st.just((1 << 32) - 1)), min_size=0, max_size=64)
     sampling = st.builds(
         inference_pb2.SamplingParams, max_tokens=st.sampled_from([0, 1, 4, 8, 2047, 1 << 20, (1 << 32) - 1]),
@@ -146,7 +147,16 @@ def generate_requests(vocab_size: int) -> st.SearchStrategy[Any]:
                               content=_TEXT), max_size=3).map(lambda m: inference_pb2.ChatMessages(messages=m))
     policy = st.sampled_from(["", "full", "h2o", "h2o-40", "quant-bits_8-window_tokens_0", "streaming-0",
                               "snapkv-x_1", "nope", "h2o--", "sentencekv-budget_bytes_0"])
+    valid = st.builds(
+        inference_pb2.GenerateRequest,
+        tokens=st.builds(inference_pb2.TokenIds, ids=st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=48)),
+        sampling=st.builds(inference_pb2.SamplingParams, max_tokens=st.integers(1, 8),
+                           temperature=st.floats(0, 2, width=32), top_p=st.floats(0.0625, 1, width=32),
+                           seed=st.integers(0, (1 << 64) - 1), ignore_eos=st.booleans()),
+        session_id=st.sampled_from(["", "s1"]), policy=policy,
+    )
     return st.one_of(
+        valid,
         st.builds(inference_pb2.GenerateRequest, tokens=st.builds(inference_pb2.TokenIds, ids=ids),
                   sampling=sampling, session_id=st.sampled_from(["", "s1", "ü" * 3]), policy=policy,
                   request_id=st.sampled_from(["", "r1", "chaos-fixed-id"])),

@@ -201,9 +201,10 @@ def _try_stats(stack: ChaosStack) -> dict[str, int] | None:
 
 def restart_gateway(stack: ChaosStack, old_pid: int) -> None:
     """Bring the gateway back on its port: Ray's restart of the actor if it has one, else a new
-    actor under the same name (as ``services.launcher.start_services`` makes it)."""
+    actor under the same name, with the deployment's data-plane keys (as
+    ``services.launcher.start_services`` makes it)."""
     from services.gateway_server import GatewayActor
-    from services.launcher import GATEWAY_NAME
+    from services.launcher import GATEWAY_NAME, data_plane_host
 
     svc, cfg = stack.services, stack.services.config
     control = {"runtime_env": {"env_vars": dict(cfg.control_env_vars)}} if cfg.control_env_vars else {}
@@ -211,8 +212,9 @@ def restart_gateway(stack: ChaosStack, old_pid: int) -> None:
         # the name of a dead actor is held while a handle to it exists
         svc.gateway = None
         gc.collect()
+        security = svc.data_plane_keys.security("gateway", data_plane_host(cfg, joined=False))
         svc.gateway = GatewayActor.options(name=GATEWAY_NAME, namespace=cfg.namespace, num_cpus=0,
-                                           **control).remote(svc.scheduler, svc.nodes, cfg.node.model_path)
+                                           **control).remote(svc.scheduler, svc.nodes, cfg.node.model_path, security)
     svc.port = ray.get(svc.gateway.start.remote(cfg.gateway_host, svc.port), timeout=RESTART_TIMEOUT_S)
     stack.reconnect()
 
