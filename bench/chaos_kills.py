@@ -22,6 +22,7 @@ import ray
 from bench.chaos_faults import clear_disk_faults, dir_snapshot, inject_disk_faults
 from bench.chaos_load import CallResult, prompt, stream, with_retries
 from bench.chaos_stack import ChaosStack, gen_request, kill9, wait_idle, wait_new_pid
+from services.spill_format import FILE_SUFFIX
 
 RESTART_TIMEOUT_S = 60.0
 
@@ -149,7 +150,8 @@ def spill_faults(stack: ChaosStack, prompts: int = 40) -> dict[str, Any]:
     root = _spill_root(stack)
     warm = _run_prompts(stack, texts)
     _wait_for(lambda: _spill_stats(stack)["blocks_spill_disk"] > 0, 10, 0.2)
-    before_files = dir_snapshot(root)
+    # committed group files only: a ``.tmp-*.part`` is a write in progress, renamed or gone later
+    before_files = {n: size for n, size in dir_snapshot(root).items() if n.endswith(FILE_SUFFIX)}
     stats_before = _spill_stats(stack)
     clean_hits = _run_prompts(stack, texts[: prompts // 4])
     hits_clean = _spill_stats(stack)["hits_spill_disk"] - stats_before["hits_spill_disk"]
@@ -181,6 +183,8 @@ def spill_faults(stack: ChaosStack, prompts: int = 40) -> dict[str, Any]:
         "spill_files_before": len(before_files), "spill_bytes_before": sum(before_files.values()),
         "spill_disk_hits_clean": hits_clean,
         "files_lost_to_transient_faults": len(lost), "files_lost_after_restart": len(lost_restart),
+        "lost_files": {n: [before_files[n], after_fault_files.get(n), final_files.get(n)] for n in {**lost, **lost_restart}},
+        "files_quarantined": {n: size for n, size in final_files.items() if n not in before_files and "quarantine" in n},
         "spill_bytes_after": sum(final_files.values()),
         "spill_io_errors": stats_faulted.get("io_errors"), "spill_io_retries": stats_faulted.get("io_retries"),
         "spill_disk_hits_during_faults": stats_faulted["hits_spill_disk"] - stats_before["hits_spill_disk"] - hits_clean,
