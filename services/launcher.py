@@ -156,6 +156,7 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, scheduler: A
             config.spill_ram_bytes, config.spill_disk_bytes,
             resources={config.spill_node_resource: 1},
             lifetime="detached" if config.detached else None, scheduler=scheduler,
+            namespace=config.namespace,
         )
         for i in range(config.num_spill_nodes)
     ]

@@ -158,6 +158,7 @@ def create_spill_node(
     num_cpus: float = 0,
     lifetime: str | None = None,
     scheduler: ActorHandle | None = None,
+    namespace: str | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -173,6 +174,8 @@ def create_spill_node(
             method is idempotent except ``take_events``.
         num_cpus: CPUs it holds (0: it is I/O bound).
         lifetime: Ray actor lifetime ("detached" outlives the driver that created it).
+        namespace: Ray namespace of the name (None: the driver's); two deployments on one
+            cluster keep their spill nodes apart by namespace, as their other actors.
         scheduler: the GlobalScheduler actor whose block index receives this node's events
             (holder id ``name``); None keeps them for ``take_events``.
 
@@ -181,6 +184,7 @@ def create_spill_node(
     """
     options = SpillNodeActor.options(
         name=name,
+        namespace=namespace,
         resources=DEFAULT_RESOURCES if resources is None else resources,
         max_restarts=max_restarts,
         max_task_retries=max_task_retries,
