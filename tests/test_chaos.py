@@ -9,16 +9,29 @@ import pytest
 
 from bench.chaos_kills import kill_cache_node, kill_gateway, spill_faults
 from bench.chaos_load import soak
-from bench.chaos_stack import stack_on_cluster
+from bench.chaos_stack import ChaosStack, chaos_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def chaos_stack(ray_cluster, tmp_path_factory):
-    gen = stack_on_cluster(ray_cluster, "chaos_", str(tmp_path_factory.mktemp("chaos-state")))
-    yield next(gen)
-    gen.close()
+def chaos_node(ray_cluster):
+    """One more Ray node offering the stack's resources (``chaos_cache_node`` x2,
+    ``chaos_spill_node``), so the stacks never compete with other deployments on the cluster."""
+    node = ray_cluster.add_node(num_cpus=0, resources={"chaos_cache_node": 2, "chaos_spill_node": 1})
+    ray_cluster.wait_for_nodes()
+    yield
+    ray_cluster.remove_node(node)
+
+
+@pytest.fixture
+def chaos_stack(chaos_node, request, tmp_path):
+    """A fresh stack per test (as bench.chaos runs each scenario): what one scenario leaves
+    behind does not fail the next."""
+    config = chaos_config(str(tmp_path), "chaos_", namespace=f"kvstrata-chaos-{request.node.name}"[:60])
+    stack = ChaosStack.start(config)
+    yield stack
+    stack.stop()
 
 
 def _no_leaks(fig: dict) -> None:
