@@ -8,7 +8,9 @@
   ``failure_window_s``; past that, keys of that id from that address are refused with
   RESOURCE_EXHAUSTED (and a ``retry-after-ms`` trailer) without asking the scheduler, so a
   flood of wrong secrets costs the scheduler a few PBKDF2 runs (``tenants.store`` bounds
-  them per key id too), not one per attempt. Other key ids from the same address still work.
+  them per key id too), not one per attempt. Other key ids from the same address still work,
+  and so does a key that passed a check within ``_KNOWN_GOOD_TTL_S`` (a flood of wrong secrets
+  for a key id from a shared address cannot lock out the key's real holder there).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tenants.model import Tenant
 from tenants.ratelimit import ExpiringSet, WindowLimiter
 
 _CACHE_TTL_S = 10.0
+_KNOWN_GOOD_TTL_S = 900.0
 
 
 def bearer_key(context: grpc.aio.ServicerContext) -> str:
@@ -54,6 +57,7 @@ class Authenticator:
         self._tenants: dict[bytes, tuple[Tenant, float]] = {}
         self._admins: dict[bytes, float] = {}
         self._failed = ExpiringSet(_CACHE_TTL_S)
+        self._known_good = ExpiringSet(_KNOWN_GOOD_TTL_S)  # (role, fingerprint) that passed lately
         self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
 
     @staticmethod
@@ -73,6 +77,7 @@ class Authenticator:
         if tenant is None:
             await self._refuse(context, "tenant", key, "missing or unknown API key")
         self._tenants[fp] = (tenant, now + _CACHE_TTL_S)
+        self._known_good.add(("tenant", fp))
         return tenant
 
     async def admin(self, context: grpc.aio.ServicerContext) -> None:
@@ -99,18 +104,22 @@ class Authenticator:
         self._tenants.clear()
         self._admins.clear()
         self._failed.clear()
+        self._known_good.clear()
 
     async def _is_admin(self, key: str) -> bool:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
         if not key or not await self.scheduler.verify_admin_key.remote(key):
             return False
         self._admins[self._fp(key)] = time.monotonic() + _CACHE_TTL_S
+        self._known_good.add(("admin", self._fp(key)))
         return True
 
     async def _refuse_known_bad(self, context: grpc.aio.ServicerContext, role: str, key: str) -> None:
         """Abort, without asking the scheduler, for a key that failed lately as ``role``
-        ("tenant" or "admin") or whose id this address has failed too often as ``role``."""
-        wait_s = self._failures.retry_after_s((role, _peer_host(context), parse_key_id(key)))
+        ("tenant" or "admin") or whose id this address has failed too often as ``role`` (unless
+        the key itself passed lately: it is then checked again, as any key is)."""
+        known_good = (role, self._fp(key)) in self._known_good
+        wait_s = 0.0 if known_good else self._failures.retry_after_s((role, _peer_host(context), parse_key_id(key)))
         if wait_s > 0:
             context.set_trailing_metadata((("retry-after-ms", str(int(wait_s * 1000) + 1)),))
             await context.abort(

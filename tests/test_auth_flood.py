@@ -146,3 +146,34 @@ def test_burst_of_a_new_valid_key_costs_one_pbkdf2_run(tmp_path: Path, pbkdf2_ru
 
     assert results == [ann] * 30
     assert len(pbkdf2_runs) == 1
+
+
+def test_flood_for_a_key_id_does_not_lock_out_its_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 18 fault 9 (found by bench.chaos fuzz): wrong secrets for the admin key's id from
+    one address made the real admin key, once its 10 s cache entry expired, RESOURCE_EXHAUSTED
+    from that address too. A key that passed a check lately is never refused by the limit."""
+    import services.auth
+
+    monkeypatch.setattr(services.auth, "_CACHE_TTL_S", 0.0)  # every cached success expires at once
+    with serve(tmp_path) as gw:
+        with grpc.insecure_channel(gw.address) as ch:
+            stub = tenant_pb2_grpc.TenantServiceStub(ch)
+
+            def list_as(key: str) -> grpc.StatusCode:
+                try:
+                    stub.ListTenants(tenant_pb2.ListTenantsRequest(),
+                                     metadata=(("authorization", f"Bearer {key}"),))
+                except grpc.RpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+
+            first = list_as(gw.admin_key)
+            flood = [list_as(_wrong_secret(gw.admin_key)) for _ in range(30)]
+            after = [list_as(gw.admin_key) for _ in range(3)]
+            still_limited = list_as(_wrong_secret(gw.admin_key))
+
+    limit = gw.auth.failures_per_peer_key
+    assert first == grpc.StatusCode.OK
+    assert flood == [grpc.StatusCode.UNAUTHENTICATED] * limit + [grpc.StatusCode.RESOURCE_EXHAUSTED] * (30 - limit)
+    assert after == [grpc.StatusCode.OK] * 3
+    assert still_limited == grpc.StatusCode.RESOURCE_EXHAUSTED
