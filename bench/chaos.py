@@ -12,8 +12,9 @@ a. ``kill_cache_node``: ``SIGKILL`` of a cache node's worker under 8 streaming c
 b. ``spill_faults``: EIO/ENOSPC injected at the OS-call level inside the spill node
    (``bench.chaos_faults``; the machine runs as root, so a read-only directory stops nothing),
    then a ``SIGKILL`` of it: no request fails, no spill file present before goes missing;
-c. ``kill_gateway``: ``SIGKILL`` of the gateway with streams in flight and a restart on the same
-   port: in-flight calls fail fast with UNAVAILABLE; tenants, keys, usage survive;
+c. ``kill_gateway``: ``SIGKILL`` of the gateway with streams in flight; Ray restarts it on the
+   same port: in-flight calls fail fast with UNAVAILABLE; tenants, keys, usage survive; the
+   dead gateway's streams are aborted on the nodes and its scheduler slots released;
 e. ``soak``: mixed requests (sessions, aborts, every registered policy, two tenants, two
    kinds designed to fail): zero unexpected failures, zero leaked blocks;
 d. ``fuzz``: hypothesis messages for every RPC and garbage into every data-plane socket
@@ -80,7 +81,7 @@ def checks(figures: dict[str, dict[str, Any]]) -> dict[str, bool]:
         out |= {
             "c_in_flight_fail_fast": c["failed_unexpected"] == 0 and c["streams_ended_s"] is not None
             and c["streams_ended_s"] <= DETECT_LIMIT_S,
-            "c_state_survives": c["tenants_intact"] and c["usage_survived"] and set(c["keys_work"].values()) == {"OK"},
+            "c_state_survives": c["restarted"] and c["tenants_intact"] and c["usage_survived"] and set(c["keys_work"].values()) == {"OK"},
             "c_no_leaks": _no_leaks(c),
         }
     if d:

@@ -1,5 +1,5 @@
 """bench.chaos's crash scenarios: kill -9 a cache node, break and kill the spill node, kill -9
-and restart the gateway. Each returns its figures as a dict (see bench/chaos.py).
+the gateway (Ray restarts it). Each returns its figures as a dict (see bench/chaos.py).
 
 Times are monotonic seconds from the ``SIGKILL``: ``time_to_detect_s`` until the first client
 call on the victim ends UNAVAILABLE, ``streams_ended_s`` until the last one does,
@@ -8,7 +8,6 @@ call on the victim ends UNAVAILABLE, ``streams_ended_s`` until the last one does
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 
 import grpc
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.chaos_faults import clear_disk_faults, dir_snapshot, inject_disk_faults
 from bench.chaos_load import CallResult, prompt, stream, with_retries
@@ -203,29 +203,41 @@ def _try_stats(stack: ChaosStack) -> dict[str, int] | None:
         return None
 
 
-def restart_gateway(stack: ChaosStack, old_pid: int) -> None:
-    """Bring the gateway back on its port: Ray's restart of the actor if it has one, else a new
-    actor under the same name, with the deployment's data-plane keys (as
-    ``services.launcher.start_services`` makes it)."""
-    from services.gateway_server import GatewayActor
-    from services.launcher import GATEWAY_NAME, data_plane_host
+def _nodes_idle_at(stack: ChaosStack, timeout_s: float) -> float | None:
+    """Monotonic time no cache node runs or queues a request (asked directly, not through the
+    gateway); None after ``timeout_s``."""
+    nodes = list(stack.services.nodes.values())
 
-    svc, cfg = stack.services, stack.services.config
-    control = {"runtime_env": {"env_vars": dict(cfg.control_env_vars)}} if cfg.control_env_vars else {}
-    if wait_new_pid(svc.gateway, old_pid, 3.0) is None:
-        # the name of a dead actor is held while a handle to it exists
-        svc.gateway = None
-        gc.collect()
-        security = svc.data_plane_keys.security("gateway", data_plane_host(cfg, joined=False))
-        svc.gateway = GatewayActor.options(name=GATEWAY_NAME, namespace=cfg.namespace, num_cpus=0,
-                                           **control).remote(svc.scheduler, svc.nodes, cfg.node.model_path, security)
-    svc.port = ray.get(svc.gateway.start.remote(cfg.gateway_host, svc.port), timeout=RESTART_TIMEOUT_S)
-    stack.reconnect()
+    def idle() -> bool:
+        return all(s["running"] == s["waiting"] == 0 for s in ray.get([n.stats.remote() for n in nodes], timeout=10))
+
+    return time.monotonic() if _wait_for(idle, timeout_s, 0.1) else None
+
+
+def gateway_serves_again(stack: ChaosStack, old_pid: int, timeout_s: float = RESTART_TIMEOUT_S) -> bool:
+    """Wait until Ray restarted the gateway (a new worker process) and its gRPC port answers
+    health SERVING again (``services.gateway_server.RayGateway`` rebinds the same port by
+    itself); then the stack's channel is renewed. False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    if wait_new_pid(stack.services.gateway, old_pid, timeout_s) is None:
+        return False
+    while time.monotonic() < deadline:
+        with grpc.insecure_channel(stack.address) as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    stack.reconnect()
+                    return True
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    return False
 
 
 def kill_gateway(stack: ChaosStack, clients: int = 6, max_tokens: int = 400) -> dict[str, Any]:
-    """Scenario c: SIGKILL the gateway with streams in flight, restart it on the same port;
-    tenants, keys and usage must survive and the in-flight calls fail fast."""
+    """Scenario c: SIGKILL the gateway with streams in flight; Ray restarts it and it serves
+    on the same port again. Tenants, keys and usage must survive, the in-flight calls fail
+    fast, and nothing the dead gateway admitted stays counted (blocks or scheduler slots)."""
     tenants_before = stack.tenant_names()
     for t in ("chaos-a", "chaos-b"):  # usage to keep
         for i in range(2):
@@ -245,9 +257,11 @@ def kill_gateway(stack: ChaosStack, clients: int = 6, max_tokens: int = 400) -> 
         pid = kill9(stack.services.gateway)
         t_kill = time.monotonic()
         in_flight = [f.result() for f in futures]
-    failed_after = [r.t_end - t_kill for r in in_flight if r.code != "OK"]
-    restart_gateway(stack, pid)
-    t_back = time.monotonic()
+        idle = pool.submit(_nodes_idle_at, stack, 60.0)  # while Ray restarts the gateway
+        failed_after = [r.t_end - t_kill for r in in_flight if r.code != "OK"]
+        back = gateway_serves_again(stack, pid)
+        t_back = time.monotonic()
+        t_idle = idle.result()
     after = {t: stack.usage(t).requests for t in ("chaos-a", "chaos-b")}
     return {
         "requests": len(in_flight), "kills": 1, "faults_injected": 1,
@@ -256,7 +270,9 @@ def kill_gateway(stack: ChaosStack, clients: int = 6, max_tokens: int = 400) -> 
         "failed_unexpected": sum(1 for r in in_flight if r.code not in ("UNAVAILABLE", "OK")),
         "time_to_detect_s": round(min(failed_after), 3) if failed_after else None,
         "streams_ended_s": round(max(failed_after), 3) if failed_after else None,
-        "time_to_recover_s": round(t_back - t_kill, 3),
+        "nodes_idle_s": round(t_idle - t_kill, 3) if t_idle else None,
+        "restarted": back,
+        "time_to_recover_s": round(t_back - t_kill, 3) if back else None,
         "tenants_intact": stack.tenant_names() == tenants_before,
         "keys_work": _keys_work(stack),
         "usage_requests_before": usage_before, "usage_requests_after": after,

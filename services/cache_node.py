@@ -147,6 +147,7 @@ class CacheNode:
         # lock, which a step holds for its whole forward pass
         self._incoming: deque[_Stream] = deque()
         self._aborts: deque[str] = deque()
+        self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._stats: dict[str, Any] = {**self.engine.stats(), "time_s": time.monotonic()}  # ``stats``
         self._wake = threading.Event()
@@ -325,7 +326,8 @@ class CacheNode:
                             self.node_id, type(exc).__name__, exc)
 
     def _command(self, msg: Any) -> None:
-        """Run ``{"op": "submit", "req", "sub"}`` or ``{"op": "abort", "id"}``.
+        """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}`` or
+        ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone).
 
         Raises:
             TypeError, ValueError: a malformed command (nothing was run).
@@ -337,6 +339,8 @@ class CacheNode:
             self.submit(data_plane.request_from_wire(msg.get("req")), msg["sub"])
         elif op == "abort" and isinstance(msg.get("id"), str):
             self.abort(msg["id"])
+        elif op == "abort_subscriber" and isinstance(msg.get("sub"), str):
+            self.abort_subscriber(msg["sub"])
         else:
             raise ValueError(f"malformed command (op {op!r})")
 
@@ -376,6 +380,8 @@ class CacheNode:
                 raise RuntimeError("injected step fault (NodeConfig.fault_injection)")
             while self._aborts:  # before new requests, which may reuse an aborted one's id
                 self.engine.abort_request(self._aborts.popleft())
+            while self._gone_subscribers:
+                self._pusher.forget(self._gone_subscribers.popleft())
             self._run_admin()
             self._start_incoming()
             self._send_outbox()
@@ -542,6 +548,19 @@ class CacheNode:
         self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
         self._wake.set()
         return True
+
+    def abort_subscriber(self, subscriber: str) -> int:
+        """The gateway whose event inbox is ``subscriber`` is gone: abort every stream whose
+        events went to it (their blocks are freed at the next step boundary) and close the
+        step thread's socket to it. Returns how many streams were aborted."""
+        ids = [rid for rid, stream in list(self._streams.items()) if stream.subscriber == subscriber]
+        for rid in ids:
+            self.abort(rid)
+        self._gone_subscribers.append(subscriber)
+        self._wake.set()
+        if ids:
+            log.warning("cache node %s: aborted %d streams of gone gateway %s", self.node_id, len(ids), subscriber)
+        return len(ids)
 
     # Admin calls never take the engine lock on the caller's thread (a step holds it for its
     # whole forward pass, and on the actor that would stall its event loop): ``stats`` reads

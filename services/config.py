@@ -54,6 +54,8 @@ class ServiceConfig(BaseModel):
     session_ttl_s: float = Field(900.0, gt=0)
     # Ray restarts a cache node whose process died (a failed step loop exits it): -1 = always.
     cache_node_max_restarts: int = Field(-1, ge=-1)
+    # Ray restarts a gateway whose process died; it serves again on the same host:port: -1 = always.
+    gateway_max_restarts: int = Field(-1, ge=-1)
     # Where data-plane sockets bind (services.data_plane_auth; CURVE-encrypted either way):
     # "loopback" (127.0.0.1), "node_ip" (each Ray node's IP: a cluster of several machines),
     # or "auto": loopback for the embedded cluster of `kvstrata up` (no --address; every Ray

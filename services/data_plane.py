@@ -276,6 +276,12 @@ class PushSockets:
             log.warning("data plane: %s is not reading; a message was dropped", address)
             return False
 
+    def forget(self, address: str) -> None:
+        """Close the socket to ``address`` (its peer is gone), dropping what it had not sent."""
+        sock = self._socks.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
     def close(self, linger_s: float = 0.0) -> None:
         """Close every socket; messages not yet sent are dropped, or sent for up to ``linger_s``
         seconds first (this call blocks that long at most)."""

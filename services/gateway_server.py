@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
@@ -19,6 +20,8 @@ from services.chat import ChatTemplater
 from services.data_plane_auth import Security
 from services.gateway import AdminServicer, InferenceServicer, NodeStreams, TenantServicer
 from services.node_monitor import NodeMonitor
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
 """gRPC health names: the server overall and each service; all SERVING while a node is healthy."""
@@ -50,7 +53,10 @@ async def create_server(
     monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler,
                           on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises, or returns 0, when the address is taken
+        port = 0
     if port == 0:
         inference.streams.shutdown()
         raise OSError(f"could not bind the gateway to {address}")
@@ -92,6 +98,14 @@ class Gateway:
         await set_health(health, self.monitor.num_healthy() > 0)
         return bound
 
+    async def serves(self, subscriber: str, wait_s: float = 0.0) -> bool:
+        """Whether this gateway's event inbox is ``subscriber``, answered after ``wait_s``
+        seconds (the scheduler's long poll: a killed gateway's call fails, a restarted one says
+        False, and either way the scheduler releases what the old one admitted)."""
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        return self.streams is not None and self.streams.subscriber == subscriber
+
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.monitor is not None:
             self.monitor.stop()
@@ -101,4 +115,48 @@ class Gateway:
             self.streams.shutdown()
 
 
-GatewayActor = ray.remote(Gateway)
+RESTART_BIND_TRIES = 20
+"""Tries to bind the old port again after a restart (0.25 s apart), while the OS frees it."""
+
+
+class RayGateway(Gateway):
+    """The gateway as a Ray actor (``max_restarts``). It tells the GlobalScheduler where it
+    serves and its event inbox (``attach_gateway``; the scheduler watches it and releases what
+    a dead one admitted), and when Ray restarts it after a crash it serves again on its old
+    ``host:port`` by itself, with a new event inbox (tenants, keys and usage live in the
+    scheduler). Calls in flight when it died fail; clients reconnect to the same address."""
+
+    def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
+                 security: Security | None = None) -> None:
+        super().__init__(scheduler, nodes, model_path, security)
+        context = ray.get_runtime_context()
+        self.gateway_id = context.get_actor_id()
+        self.restarted: asyncio.Task[int] | None = None
+        if context.was_current_actor_reconstructed:  # the constructor runs on the actor's loop
+            self.restarted = asyncio.get_running_loop().create_task(self._serve_again())
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """``Gateway.start``, then tell the scheduler (``attach_gateway``); returns the port."""
+        bound = await super().start(host, port)
+        subscriber = self.streams.subscriber if self.streams is not None else ""
+        await self.scheduler.attach_gateway.remote(
+            self.gateway_id, f"{host}:{bound}", subscriber, ray.get_runtime_context().current_actor)
+        return bound
+
+    async def _serve_again(self) -> int:
+        """After a restart: serve on the address this gateway served on before its crash
+        (retried while the OS frees the port); returns the port."""
+        address = await self.scheduler.gateway_address.remote(self.gateway_id)
+        if not address:
+            raise RuntimeError("restarted gateway: the scheduler knows no address it served on")
+        host, port = address.rsplit(":", 1)
+        for _ in range(RESTART_BIND_TRIES - 1):
+            try:
+                return await self.start(host, int(port))
+            except OSError:
+                log.warning("restarted gateway: %s is not free yet", address)
+                await asyncio.sleep(0.25)
+        return await self.start(host, int(port))
+
+
+GatewayActor = ray.remote(RayGateway)

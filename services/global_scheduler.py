@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,21 @@ class NodeLoad:
     backlog: FluidBacklog = field(default_factory=FluidBacklog)
     prefill: SpeedMeter = field(default_factory=SpeedMeter)
     step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
+
+
+GONE_GATEWAYS_MAX = 1024
+"""Event inboxes of dead gateways remembered (oldest forgotten first)."""
+
+GATEWAY_POLL_S = 5.0
+"""Length of the scheduler's long poll of a gateway (``Gateway.serves``)."""
+
+
+@dataclass(frozen=True)
+class GatewayRecord:
+    """A gateway as the scheduler knows it: its gRPC ``host:port`` and its event inbox."""
+
+    address: str
+    subscriber: str
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,10 @@ class GlobalScheduler:
         self.common_prefix = CommonPrefix()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
+        # request -> the event inbox of the gateway that admitted it (``admit_and_submit``)
+        self.request_gateways: dict[str, str] = {}
+        self.gateways: dict[str, GatewayRecord] = {}  # gateway actor id -> ``attach_gateway``
+        self.gone_gateways: OrderedDict[str, bool] = OrderedDict()  # dead gateways' event inboxes
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         self.commands: Any = None  # sends submit commands to node inboxes
@@ -235,8 +255,11 @@ class GlobalScheduler:
         Raises:
             KeyError: the chosen node was never attached (``attach_nodes``).
         """
+        if subscriber in self.gone_gateways:
+            return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone")
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, len(req.token_ids))
         if adm.code == "OK":
+            self.request_gateways[req.request_id] = subscriber
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
             self.commands.send(self.node_inboxes[adm.node_id], {
@@ -305,6 +328,7 @@ class GlobalScheduler:
                 ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``; None: nothing ran.
         """
         tenant_id, node_id = self.requests.pop(request_id, ("", ""))
+        self.request_gateways.pop(request_id, None)
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
         if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one
@@ -320,6 +344,44 @@ class GlobalScheduler:
                                          cached_tokens=cached)
             if usage.get("preempted"):
                 self.usage.record_preempted(tenant_id)
+
+    # ---- gateways: where a restarted one serves again, and a dead one's requests -------------
+    def gateway_address(self, gateway_id: str) -> str:
+        """The ``host:port`` the gateway ``gateway_id`` (its Ray actor id) last served on, ""
+        if it never did: a gateway Ray restarted serves on it again (``attach_gateway``)."""
+        record = self.gateways.get(gateway_id)
+        return record.address if record is not None else ""
+
+    def attach_gateway(self, gateway_id: str, address: str, subscriber: str) -> str:
+        """Gateway ``gateway_id`` serves gRPC on ``address`` with its event inbox at
+        ``subscriber``. The inbox it had before (it was restarted) is gone (``gateway_gone``).
+        Returns that previous inbox ("" if none)."""
+        previous = self.gateways.get(gateway_id)
+        self.gateways[gateway_id] = GatewayRecord(address, subscriber)
+        if previous is not None and previous.subscriber != subscriber:
+            self.gateway_gone(previous.subscriber)
+            return previous.subscriber
+        return ""
+
+    def gateway_gone(self, subscriber: str) -> list[str]:
+        """The gateway whose event inbox was ``subscriber`` died: release each request it
+        admitted (once: a later ``release`` of one is a no-op), refuse any admission still on
+        its way from it, and tell every node to abort its streams (their blocks are freed at the
+        next step). Returns the released request ids. Idempotent."""
+        if subscriber in self.gone_gateways:
+            return []
+        self.gone_gateways[subscriber] = True
+        while len(self.gone_gateways) > GONE_GATEWAYS_MAX:
+            self.gone_gateways.popitem(last=False)
+        ids = [rid for rid, sub in self.request_gateways.items() if sub == subscriber]
+        for rid in ids:
+            self.release(rid)
+        if self.commands is not None:
+            for inbox in self.node_inboxes.values():
+                self.commands.send(inbox, {"op": "abort_subscriber", "sub": subscriber})
+        if ids:
+            log.warning("gateway %s is gone: released its %d requests in flight", subscriber, len(ids))
+        return ids
 
     # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
     def node_down(self, node_id: str, reason: str) -> None:
@@ -416,6 +478,33 @@ class GlobalSchedulerService(GlobalScheduler):
     """
 
     data_address = ""  # the admission socket, once open
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gateway_watches: set[asyncio.Task[None]] = set()
+
+    async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
+        """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch
+        it: once it no longer serves ``subscriber`` (its process died: the call fails; or Ray
+        restarted it with a new inbox) its requests are released (``gateway_gone``), so the
+        nodes' slots never depend on a dead gateway's ``release``."""
+        previous = super().attach_gateway(gateway_id, address, subscriber)
+        if handle is not None:
+            task = asyncio.get_running_loop().create_task(self._watch_gateway(handle, subscriber))
+            self._gateway_watches.add(task)  # held until done (the loop keeps weak references)
+            task.add_done_callback(self._gateway_watches.discard)
+        return previous
+
+    async def _watch_gateway(self, handle: Any, subscriber: str) -> None:
+        """Long-poll ``handle.serves(subscriber, GATEWAY_POLL_S)`` until it says no or fails."""
+        while subscriber not in self.gone_gateways:
+            try:
+                serves = await handle.serves.remote(subscriber, GATEWAY_POLL_S)
+            except Exception as exc:  # noqa: BLE001 - a dead (or restarting) gateway's calls fail
+                log.warning("gateway %s is unreachable: %s: %.200s", subscriber, type(exc).__name__, exc)
+                serves = False
+            if not serves:
+                self.gateway_gone(subscriber)
 
     async def authenticate(self, api_key: str) -> Tenant | None:
         """``GlobalScheduler.authenticate`` with its PBKDF2 in a worker thread, so that a key

@@ -113,7 +113,8 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     ray.get(scheduler.attach_nodes.remote(dict(zip(nodes, inboxes))))
     ray.get(scheduler.open_data_plane.remote())
     gateway = GatewayActor.options(
-        name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control
+        name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
+        max_restarts=config.gateway_max_restarts,  # serves again on its port (RayGateway)
     ).remote(
         scheduler, nodes, config.node.model_path, keys.security("gateway", host)
     )

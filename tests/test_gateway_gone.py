@@ -1,0 +1,141 @@
+"""A dead gateway's requests on the real data plane (CURVE sockets, a real CacheNode on the
+tiny Llama, the GlobalScheduler's admission server, two gateways' ``NodeStreams``), without
+Ray: the scheduler hears that a gateway is gone (``gateway_gone``, what its watch of the
+gateway actor calls) and must release its slots and have the nodes abort its streams."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bench.chaos_stack import BLOCK_SIZE, POOL_BLOCKS, block_bytes, tiny_checkpoint
+from cache_node.sampling_params import SamplingParams
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.data_plane_auth import DataPlaneKeys
+from services.gateway import NodeStreams
+from services.global_scheduler import GlobalSchedulerService
+from services.node_request import NodeRequest
+
+PROMPT = tuple(range(100, 140))
+
+
+def request(rid: str, max_tokens: int) -> NodeRequest:
+    return NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", token_ids=PROMPT,
+                       sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def wait_for(predicate: Any, timeout_s: float = 10.0) -> float:
+    """Seconds until ``predicate()`` held (fails the test after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout_s, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class Plane:
+    """A node, the scheduler and two gateways (``a``, ``b``) on one event loop thread."""
+
+    def __init__(self) -> None:
+        keys = DataPlaneKeys.generate()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = NodeConfig(model_path=str(tiny_checkpoint()), block_size=BLOCK_SIZE,
+                            kv_pool_bytes=POOL_BLOCKS * block_bytes(), host_bytes=0, max_num_seqs=16)
+        self.node = CacheNode("n0", config, num_threads=1, security=keys.security("node"))
+        self.scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-gone-"), {"n0": 16},
+                                                security=keys.security("scheduler"))
+        node_address = self.run(self.node.open_data_plane())
+        self.scheduler.attach_nodes({"n0": node_address})
+        sched_address = self.run(self.scheduler.open_data_plane())
+        self.a, self.b = (NodeStreams({"n0": None}, {"n0": node_address}, sched_address,
+                                      security=keys.security("gateway")) for _ in range(2))
+        self.run(self.a.start())
+        self.run(self.b.start())
+
+    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def start(self, gateway: NodeStreams, rid: str, max_tokens: int) -> asyncio.Queue[dict[str, Any]]:
+        """Admit ``rid`` through ``gateway`` and wait for its first token; its event queue."""
+        async def go() -> asyncio.Queue[dict[str, Any]]:
+            queue = gateway.open(rid)
+            adm = await gateway.admit(request(rid, max_tokens), [])
+            assert adm.code == "OK", adm
+            while (await asyncio.wait_for(queue.get(), 60))["type"] != "delta":
+                pass
+            return queue
+
+        return self.run(go())
+
+    def in_flight(self) -> int:
+        return self.run(_call(self.scheduler.stats))["in_flight"]["n0"]
+
+    def close(self) -> None:
+        async def close() -> None:
+            self.a.shutdown()
+            self.b.shutdown()
+            self.scheduler.close_data_plane()
+            self.node.close_data_plane()
+
+        self.run(close())
+        self.node.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)  # on the loop, as the actor runs every method
+
+
+@pytest.fixture
+def plane() -> Iterator[Plane]:
+    p = Plane()
+    yield p
+    p.close()
+
+
+def test_a_dead_gateways_requests_are_released_once_and_aborted_on_the_node(plane: Plane) -> None:
+    """issue 18 (reliability suite, gateway kill): the scheduler freed a node slot only when
+    the gateway that admitted the request called ``release``, and the node kept generating for
+    a gateway that was gone: a dead gateway's requests stayed counted for good. Now: its 3
+    slots are released at once, the node aborts its 3 streams and frees their blocks, the
+    other gateway's request runs on, counted once; a late ``release`` of a dead gateway's id
+    (reused by the live gateway) does not free the live one's slot; an admission still on its
+    way from the dead gateway is refused UNAVAILABLE."""
+    for i in range(3):
+        plane.start(plane.a, f"t/a{i}", max_tokens=600)
+    live = plane.start(plane.b, "t/b0", max_tokens=600)
+    assert plane.in_flight() == 4
+
+    released = plane.run(_call(plane.scheduler.gateway_gone, plane.a.subscriber))
+
+    assert sorted(released) == ["t/a0", "t/a1", "t/a2"]
+    assert plane.in_flight() == 1 and set(plane.scheduler.requests) == {"t/b0"}
+    assert plane.run(_call(plane.scheduler.gateway_gone, plane.a.subscriber)) == []  # idempotent
+    wait_for(lambda: plane.node.stats()["running"] == 1, 5.0)
+    assert set(plane.node._streams) == {"t/b0"}
+    assert plane.run(asyncio.wait_for(live.get(), 10))["type"] == "delta"  # b's stream runs on
+
+    # the same client id again, from the live gateway, then the dead one's late release
+    plane.start(plane.b, "t/a0", max_tokens=600)
+    assert plane.in_flight() == 2
+    plane.run(_call(plane.scheduler.release, "t/b0"))
+    assert plane.in_flight() == 1 and set(plane.scheduler.requests) == {"t/a0"}
+    refused = plane.run(plane.a.admit(request("t/a9", 4), []))
+    assert (refused.code, plane.in_flight()) == ("UNAVAILABLE", 1)
+
+    plane.run(_call(plane.scheduler.gateway_gone, plane.b.subscriber))
+    assert plane.in_flight() == 0 and plane.scheduler.requests == {} and plane.scheduler.request_gateways == {}
+    wait_for(lambda: plane.node.stats()["running"] == plane.node.stats()["waiting"] == 0, 5.0)
+    stats = plane.run(plane.node.integrity_stats())
+    assert stats["integrity_ok"], stats
+    assert stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"] == 0, stats
