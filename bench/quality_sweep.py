@@ -11,7 +11,8 @@ Then:
   the sequence's blocks and re-lay the layer in position order (``SequenceKV.set_layout``).
 
 SpindleKV's shallow-layer merging is not applied here (a threshold decides keep/demote only).
-Source: the seed's own evaluation, DESIGN.md §6 / issue 5 ("a sweep of the demotion threshold
+Source: kvstrata's own evaluation of the KV policies (docs/architecture.md, 'KV policies') /
+issue 5 ("a sweep of the demotion threshold
 (0.01-0.05) plotting recall latency against perplexity").
 """
 

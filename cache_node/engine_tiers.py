@@ -97,7 +97,8 @@ class EngineTiersMixin:
         A tenant holds the blocks of its running sequences (their charge blocks for KV kept
         outside the pool included: ``Sequence.num_held_blocks``) plus the free cached blocks it
         released last (``KVBlock.owner``); over = held - ``kv_quota_blocks``. Borrowed space is
-        reclaimed before anyone else's (DESIGN.md §7; the SLO issue's memory rule).
+        reclaimed before anyone else's (docs/architecture.md, 'Tenants and SLO promises':
+        ``kv_quota_bytes``).
         """
         policy = self.scheduler.policy
         held: Counter[str] = Counter(b.owner for b in cached if b.owner)

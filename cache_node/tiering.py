@@ -1,6 +1,7 @@
 """The tier mover: demotes device blocks to host and spill, promotes them back on a prefix hit.
 
-Tiers (DESIGN.md §6): device (the ``KVPool``), host (``HostTier``), spill RAM and disk (a
+Tiers (docs/architecture.md, 'Tiers'): device (the ``KVPool``), host (``HostTier``), spill
+RAM and disk (a
 ``SpillClient``). Every move is a copy followed by dropping the source's hash, so a block is
 matchable in one node tier at a time (spill keeps its copy: it is shared by all nodes).
 

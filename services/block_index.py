@@ -1,9 +1,10 @@
 """The global block index: which holder keeps each block hash, and in which tier.
 
 Holders are cache nodes (tiers ``device`` and ``host``) and spill nodes (``spill_ram`` and
-``spill_disk``). Both push batches of ``(event, block_hash, tier)`` changes (DESIGN.md §3,
-§6); the index is eventually consistent: an event may arrive after a request was admitted,
-so every answer is an estimate, and the node's own prefix cache (token-checked) decides.
+``spill_disk``). Both push batches of ``(event, block_hash, tier)`` changes
+(docs/architecture.md, 'Tiers'); the index is eventually consistent: an event may arrive
+after a request was admitted, so every answer is an estimate, and the node's own prefix cache
+(token-checked) decides.
 
 The index keeps one ``(holder, tier)`` pair per copy, so the order of events inside a batch
 does not matter for a move: a demotion (removed/device, stored/host) and a promotion

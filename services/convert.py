@@ -1,4 +1,5 @@
-"""The only protobuf <-> domain mapping in kvstrata (STYLE.md habit 8).
+"""The only protobuf <-> domain mapping in kvstrata (docs/conventions.md,
+'Protobuf stays at the edge').
 
 Every other module works with domain types (``tenants.model``, ``tenants.usage``,
 ``cache_node.sampling_params``); only this module and gRPC clients import the generated

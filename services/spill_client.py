@@ -1,4 +1,6 @@
-"""RaySpillClient: the engine's ``SpillClient`` over SpillNode actors (DESIGN.md §3, §9).
+"""RaySpillClient: the engine's ``SpillClient`` over SpillNode actors.
+
+See docs/architecture.md, 'Tiers'.
 
 Hashes are sharded over the nodes by their first 8 bytes, so every cache node sends a block
 to the same spill node; one call per node per batch (each Ray message costs ~1 ms). Blocks

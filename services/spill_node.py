@@ -1,4 +1,4 @@
-"""SpillNode: a thin Ray actor over ``SpillStore`` (DESIGN.md §3, §9).
+"""SpillNode: a thin Ray actor over ``SpillStore`` (docs/architecture.md, 'Tiers').
 
 Every method forwards to the plain store, so the store is tested without Ray.
 Blocks travel as numpy arrays: ``get`` returns them inside ``SpillHits`` and

@@ -1,4 +1,4 @@
-"""Tenants and their service-level promises (DESIGN.md §7).
+"""Tenants and their service-level promises (docs/architecture.md, 'Tenants and SLO promises').
 
 A ``TenantSpec`` is what an operator sets; a ``Tenant`` is a registered spec with its id.
 Fields left unset take the defaults of the tenant's SLO class (``SLO_CLASS_DEFAULTS``),

@@ -16,7 +16,7 @@ TIERS = ("device", "host", "spill_ram", "spill_disk")
 
 @dataclass(frozen=True)
 class TierTokens:
-    """Token counts split by the tier their KV came from (DESIGN.md §6).
+    """Token counts split by the tier their KV came from (docs/architecture.md, 'Tiers').
 
     Raises:
         ValueError: a count is not a non-negative integer; the message names the tier.

@@ -27,6 +27,8 @@ from ray.autoscaler._private.kuberay.autoscaling_config import (
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ARCHITECTURE = DEPLOY.parent / "docs" / "architecture.md"
+PROCESS_ENVIRONMENT = "Process environment"  # the section of ARCHITECTURE the deploy files cite
 
 
 def _load(name: str) -> dict[str, Any]:
@@ -161,8 +163,29 @@ def test_kuberay_manifest_carries_the_resources() -> None:
     assert manifest["spec"]["rayVersion"] == "2.60.0"
 
 
+def _architecture_section(name: str) -> str:
+    """The body of the ``## <name>`` section of docs/architecture.md ("" when there is none)."""
+    text, heading = ARCHITECTURE.read_text(), f"\n## {name}\n"
+    if heading not in text:
+        return ""
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
+def test_launcher_configs_cite_the_architecture_section_they_follow(name: str) -> None:
+    """issue 19: the setup comment cited a section of a design document that is not in the
+    repository; it now names a section of docs/architecture.md, which exists and says why RAY_AUTH_MODE is
+    set alike everywhere."""
+    text = (DEPLOY / name).read_text()
+    assert "DESIGN" + ".md" not in text
+    assert f"# (docs/architecture.md, '{PROCESS_ENVIRONMENT}')" in text
+    section = _architecture_section(PROCESS_ENVIRONMENT)
+    assert "RAY_AUTH_MODE" in section, f"docs/architecture.md has no section {PROCESS_ENVIRONMENT!r}"
+
+
 def test_kuberay_containers_set_the_ray_auth_mode() -> None:
-    """Every process must agree on RAY_AUTH_MODE (DESIGN.md section 9)."""
+    """Every process must agree on RAY_AUTH_MODE (docs/architecture.md, 'Process environment')."""
+    assert "RAY_AUTH_MODE" in _architecture_section(PROCESS_ENVIRONMENT)
     spec = _load("kuberay-raycluster.yaml")["spec"]
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
     for group in groups:

@@ -121,7 +121,8 @@ def test_floor_windows_by_hand() -> None:
 
 
 def test_floor_counts_uncached_prefill_tokens() -> None:
-    """The floor counts uncached prefill + output tokens (issue 6, DESIGN.md §7). One call busy
+    """The floor counts uncached prefill + output tokens (issue 6; docs/architecture.md,
+    'Admission and SLO floors'). One call busy
     [0, 4): queued 1 s, then 60 prompt tokens (20 cached on the device, 10 on the host) prefilled
     over [1, 2) -> 30 uncached tokens in window 1; 8 output tokens over [2, 4) -> 4 in each of
     windows 2 and 3. Window 0 (queued) delivers nothing."""

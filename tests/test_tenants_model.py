@@ -167,7 +167,8 @@ def test_tenant_record() -> None:
 
 
 def test_tenants_package_is_plain_python() -> None:
-    """Guards against protobuf/gRPC/Ray leaking into the core (STYLE.md habit 8)."""
+    """Guards against protobuf/gRPC/Ray leaking into the core (docs/conventions.md, 'Protobuf
+    stays at the edge')."""
     forbidden = ("ray", "grpc", "google", "kvstrata")
     offenders = []
     for path in sorted(Path(__file__).resolve().parent.parent.joinpath("tenants").glob("*.py")):

@@ -28,7 +28,7 @@ class GKV(Policy):
     layer, as of the last compaction, plus the tokens computed since; all at positions ``<= p``.
 
     Source: "G-KV" (arXiv 2512.00504), §3 (global scoring that combines local/recent attention
-    with historical importance), as specified in DESIGN.md §6.
+    with historical importance), as described in docs/architecture.md, 'KV policies'.
     """
 
     name = "gkv"

@@ -1,6 +1,6 @@
 """Admission: estimate a request's time to first token and decide admit / queue / reject.
 
-TTFT estimate (DESIGN.md §7)::
+TTFT estimate (docs/architecture.md, 'Admission and SLO floors')::
 
     ttft_s = (tokens_ahead + own_uncached) / prefill_tokens_per_s     # the prefill queue
            + host_tokens / host_tokens_per_s + spill_tokens / spill_tokens_per_s  # promotion

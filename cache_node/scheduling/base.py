@@ -23,7 +23,9 @@ SLO_CLASS_RANK = {"interactive": 0, "standard": 1, "batch": 2}
 
 @dataclass(frozen=True)
 class TenantShare:
-    """What one tenant was promised, as a cache node schedules it (DESIGN.md §7).
+    """What one tenant was promised, as a cache node schedules it.
+
+    See docs/architecture.md, 'Tenants and SLO promises'.
 
     Attributes:
         slo_class: "interactive", "standard" or "batch" (lower rank is served first).

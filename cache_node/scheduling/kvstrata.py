@@ -1,4 +1,6 @@
-"""kvstrata's SLO scheduler: floors first, then class, then weighted fair sharing (DESIGN.md §7).
+"""kvstrata's SLO scheduler: floors first, then class, then weighted fair sharing.
+
+docs/architecture.md, 'Scheduling' and 'Admission and SLO floors'.
 
 Waiting order, as nested groups:
 

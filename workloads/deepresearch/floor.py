@@ -7,8 +7,8 @@ Definition (times are seconds since the run started; ``W = window_s``):
    (any status except ``SKIPPED``): queued, prefilling or decoding.
 3. A window is **backlogged** for the tenant when the union of its busy
    intervals covers the whole window.
-4. The tenant's **delivered tokens** are those the floor counts (the issue's and DESIGN.md
-   §7's definition: uncached prefill tokens plus output tokens) of its ok calls:
+4. The tenant's **delivered tokens** are those the floor counts (docs/architecture.md,
+   'Admission and SLO floors': uncached prefill tokens plus output tokens) of its ok calls:
    ``completion_tokens`` spread uniformly over ``[start_s + ttft_ms / 1000, end_s]``, and the
    uncached prompt tokens (``prompt_tokens`` minus the cached tokens of every tier) spread
    uniformly over the prefill, ``[start_s + queue_ms / 1000, start_s + ttft_ms / 1000]``
