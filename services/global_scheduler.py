@@ -212,7 +212,7 @@ class GlobalScheduler:
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant")
-        queued = sum(max(0, len(n.in_flight) - n.capacity) for n in self.nodes.values())
+        queued = self._queued()
         if queued >= self.queue_limit:
             self.usage.record_rejected(tenant_id)
             return Admission(
@@ -453,11 +453,15 @@ class GlobalScheduler:
         """
         self.index.clear()
 
+    def _queued(self) -> int:
+        """Requests waiting beyond the nodes' running capacity (what ``queue_limit`` bounds)."""
+        return sum(max(0, len(n.in_flight) - n.capacity) for n in self.nodes.values())
+
     def stats(self) -> dict[str, Any]:
         """Queue and load per node, sessions, and the index: ``indexed_blocks`` distinct
         hashes, ``indexed_blocks_by_tier`` block copies per tier (summed over holders)."""
         return {
-            "queued": sum(max(0, len(n.in_flight) - n.capacity) for n in self.nodes.values()),
+            "queued": self._queued(),
             "in_flight": {nid: len(n.in_flight) for nid, n in self.nodes.items()},
             "scheduler": self.scheduler,
             "prefill_tokens_per_s": {nid: n.prefill.tokens_per_s for nid, n in self.nodes.items()},
