@@ -1,0 +1,106 @@
+"""Where a demoted sentence's raw K/V waits in host RAM: the engine's host tier
+(``TierHostKV``) or, without one, the sequence's own CPU tensors (``PrivateHostKV``)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from cache_node.tiers.manager import TierManager
+
+
+class PrivateHostKV:
+    """Sentence K/V in the sequence's own CPU tensors (used when the engine has no host tier)."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+
+    def add(self, kv: torch.Tensor, extra_bytes: int = 0) -> int | None:
+        """Store ``kv`` (L, n, 2, H_kv, d); returns its handle. ``extra_bytes`` (host RAM the
+        caller keeps beside it) needs no reservation here."""
+        self.parts.append(kv.to("cpu", copy=True))
+        return len(self.parts) - 1
+
+    def read(self, handle: int, layer: int, head: int | None = None) -> torch.Tensor:
+        """(n, 2, H_kv, d) of one stored sentence in ``layer``; (n, 2, d) for one ``head``."""
+        kv = self.parts[handle][layer]
+        return kv if head is None else kv[:, :, head]
+
+    def fork(self) -> PrivateHostKV:
+        out = PrivateHostKV()
+        out.parts = list(self.parts)  # never mutated in place
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+    def release(self) -> None:
+        self.parts = []
+
+
+class TierHostKV:
+    """Sentence K/V in host-tier slots the sequence reserves (``TierManager.reserve_host``),
+    packed token after token: stored token ``t`` lives in slot ``slots[t // block_size]`` at
+    offset ``t % block_size``. Host RAM the sequence keeps beside them (the recall region's
+    codes) is charged as whole slots more (``charge_slots``, left empty). All of them count
+    against the host tier's budget and leave it when the sequence's KV is released."""
+
+    def __init__(self, tiers: TierManager) -> None:
+        self.tiers = tiers
+        self.block_size = tiers.pool.block_size
+        data = tiers.host.data  # (L, 2, slots, block_size, H_kv, d)
+        self.slot_bytes = data[:, :, :1].numel() * data.element_size()
+        self.slots = torch.zeros(0, dtype=torch.long)
+        self.charge_slots: list[int] = []
+        self.charged_bytes = 0
+        self.num_tokens = 0
+
+    def add(self, kv: torch.Tensor, extra_bytes: int = 0) -> torch.Tensor | None:
+        """Store ``kv`` (L, n, 2, H_kv, d) and charge ``extra_bytes`` of host RAM kept beside it;
+        returns its handle (the stored token indices), or None when the host tier cannot hold
+        both (nothing stored or charged)."""
+        n = kv.shape[1]
+        need = max(0, math.ceil((self.num_tokens + n) / self.block_size) - len(self.slots))
+        charge = max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - len(self.charge_slots))
+        if need + charge > 0:
+            got = self.tiers.reserve_host(need + charge)
+            if got is None:
+                return None
+            self.slots = torch.cat([self.slots, torch.tensor(got[:need], dtype=torch.long)])
+            self.charge_slots.extend(got[need:])
+        self.charged_bytes += extra_bytes
+        t = torch.arange(self.num_tokens, self.num_tokens + n)
+        self.num_tokens += n
+        data = self.tiers.host.data  # (L, 2, slots, block_size, H_kv, d)
+        data[:, :, self.slots[t // self.block_size], t % self.block_size] = kv.transpose(1, 2).to(data)
+        return t
+
+    def read(self, handle: torch.Tensor, layer: int, head: int | None = None) -> torch.Tensor:
+        """(n, 2, H_kv, d) of the stored tokens ``handle`` in ``layer``; (n, 2, d) for one
+        ``head`` (only that head's bytes are gathered)."""
+        data = self.tiers.host.data[layer]  # (2, slots, block_size, H_kv, d)
+        slots, offsets = self.slots[handle // self.block_size], handle % self.block_size
+        kv = data[:, slots, offsets] if head is None else data[:, slots, offsets, head]
+        return kv.transpose(0, 1)
+
+    def fork(self) -> TierHostKV:
+        """A copy in slots of its own (same handles, same charge). Raises RuntimeError when the
+        host tier is full."""
+        out = TierHostKV(self.tiers)
+        if self.num_tokens:
+            t = torch.arange(self.num_tokens)
+            data = self.tiers.host.data[:, :, self.slots[t // self.block_size], t % self.block_size]
+            if out.add(data.transpose(1, 2), self.charged_bytes) is None:
+                raise RuntimeError("host tier full: cannot fork a sequence's sentences")
+        return out
+
+    def release(self) -> None:
+        held = self.slots.tolist() + self.charge_slots
+        if held:
+            self.tiers.release_host(held)
+        self.slots, self.num_tokens = torch.zeros(0, dtype=torch.long), 0
+        self.charge_slots, self.charged_bytes = [], 0

@@ -1,0 +1,109 @@
+"""SentenceKV's recall region: the int8/int4 codes of demoted tokens, made once at demotion
+(``SentenceCodes``), and one layer's region attended as extra KV, in the pool's dtype
+(``SentenceRegion``) or on the codes (``QuantSentenceRegion``, HACK §4)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache_node.policies.quant import QuantLayerKV, pack_bits, quantize
+
+if TYPE_CHECKING:
+    from cache_node.policies.sentencekv.store import HostSentenceStore
+
+
+class SentenceCodes:
+    """The recall region's int8/int4 codes of every demoted token, quantized once as its
+    sentence is demoted and kept in host RAM next to the raw K/V, so a promotion copies codes
+    instead of quantizing again (``region_bits``).
+
+    ``codes``: (L, N, 2, H_kv, d * bits / 8) uint8 packed; ``scale``/``zero``: (L, N, 2, H_kv,
+    d / group_size) float16 (asymmetric per token, K or V, KV head and channel group);
+    ``starts[s]``: the first of sentence ``s``'s tokens along N.
+    """
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.starts: list[int] = []
+        self.num_tokens = 0
+
+    def quantize(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes, scale and zero of ``kv`` (L, n, 2, H_kv, d), not yet stored."""
+        codes, scale, zero = quantize(kv.float(), self.bits, self.group_size)
+        return pack_bits(codes, self.bits), scale, zero
+
+    @staticmethod
+    def nbytes_of(parts: tuple[torch.Tensor, ...]) -> int:
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def append(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Store one sentence's ``quantize`` output."""
+        self.starts.append(self.num_tokens)
+        self.num_tokens += parts[0].shape[1]
+        if self.codes is None:
+            self.codes, self.scale, self.zero = parts
+        else:
+            self.codes, self.scale, self.zero = (
+                torch.cat([old, new], 1) for old, new in zip((self.codes, self.scale, self.zero), parts)
+            )
+
+    def tokens(self, sid: int, length: int) -> torch.Tensor:
+        """(length,) indices along N of sentence ``sid``'s tokens."""
+        return torch.arange(self.starts[sid], self.starts[sid] + length)
+
+    def read(self, tokens: torch.Tensor, layer: int, head: int) -> tuple[torch.Tensor, ...]:
+        """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``."""
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        return tuple(t[layer, tokens, :, head] for t in (self.codes, self.scale, self.zero))
+
+    def fork(self) -> SentenceCodes:
+        """A copy sharing the (never mutated in place) tensors."""
+        out = SentenceCodes(self.bits, self.group_size)
+        out.codes, out.scale, out.zero = self.codes, self.scale, self.zero
+        out.starts, out.num_tokens = list(self.starts), self.num_tokens
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.codes is None else self.nbytes_of((self.codes, self.scale, self.zero))  # type: ignore[arg-type]
+
+
+class SentenceRegion:
+    """One layer's recall region as extra KV (``Policy.extra_kv``): each KV head attends to its
+    own promoted sentences; empty slots are masked out."""
+
+    def __init__(self, store: HostSentenceStore, layer_idx: int) -> None:
+        assert store.region_kv is not None and store.region_positions is not None
+        self.k, self.v = store.region_kv[layer_idx, 0], store.region_kv[layer_idx, 1]  # (H_kv, R, d)
+        self.empty = (store.region_positions[layer_idx] < 0).to(self.k.device)  # (H_kv, R)
+
+    def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
+        scores = qh @ self.k.to(qh.dtype).transpose(1, 2).unsqueeze(1) * scaling  # (H_kv, g, n, R)
+        return scores.masked_fill(self.empty[:, None, None, :], float("-inf"))
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs @ self.v.to(probs.dtype).unsqueeze(1)  # (H_kv, g, n, d)
+
+
+class QuantSentenceRegion:
+    """A recall region held as int8/int4 codes (``region_bits``), attended on the codes as in
+    HACK §4 (``quant.QuantLayerKV``, each KV head its own slots); empty slots are masked out."""
+
+    def __init__(self, store: HostSentenceStore, layer_idx: int, bits: int) -> None:
+        assert store.region_kv is not None and store.region_positions is not None
+        assert store.region_scale is not None and store.region_zero is not None
+        codes, scale, zero = (t[layer_idx].transpose(1, 2) for t in  # (2, R, H_kv, ...)
+                              (store.region_kv, store.region_scale, store.region_zero))
+        self.kv = QuantLayerKV(codes, scale, zero, bits)
+        self.empty = (store.region_positions[layer_idx] < 0).to(codes.device)  # (H_kv, R)
+
+    def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.kv.logits(qh, scaling).masked_fill(self.empty[:, None, None, :], float("-inf"))
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        return self.kv.output(probs)

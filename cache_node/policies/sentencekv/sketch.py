@@ -1,0 +1,67 @@
+"""SentenceKV's key sketch: low-bit codes of every demoted token's key, scored on the codes
+(HACK §4) to rank sentences on the device tier."""
+
+from __future__ import annotations
+
+import torch
+
+from cache_node.policies.quant import pack_bits, quantize, unpack_bits
+
+
+class KeySketch:
+    """Low-bit codes of every demoted token's key, for scoring sentences on the device tier.
+
+    ``codes``: (L, N, H_kv, d * bits / 8) uint8 packed; ``scale``/``zero``: (L, N, H_kv,
+    d / group_size) float16 (asymmetric per token, KV head and channel group);
+    ``sentence_of``: (N,) the sentence each token belongs to.
+    """
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.sentence_of = torch.zeros(0, dtype=torch.long)
+
+    def append(self, keys: torch.Tensor, sentence: int) -> None:
+        """Add one sentence's keys (L, n, H_kv, d)."""
+        codes, scale, zero = quantize(keys.float(), self.bits, self.group_size)
+        parts = (pack_bits(codes, self.bits), scale, zero)
+        if self.codes is None:
+            self.codes, self.scale, self.zero = parts
+        else:
+            self.codes, self.scale, self.zero = (
+                torch.cat([old, new], 1) for old, new in zip((self.codes, self.scale, self.zero), parts)
+            )
+        self.sentence_of = torch.cat([self.sentence_of, torch.full((keys.shape[1],), sentence)])
+
+    def fork(self) -> KeySketch:
+        """A copy sharing the (never mutated in place) tensors."""
+        out = KeySketch(self.bits, self.group_size)
+        out.codes, out.scale, out.zero, out.sentence_of = self.codes, self.scale, self.zero, self.sentence_of
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        if self.codes is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def log_mass(self, layer: int, q: torch.Tensor, scaling: float, num_sentences: int) -> torch.Tensor:
+        """(n, H_kv, g, S) ``logsumexp`` over each sentence's tokens of ``scaling * q . k``.
+
+        ``q``: (n, H, d). Scores come from the codes: ``q . k = sum_g s_g (q_g . c_g) +
+        z_g sum(q_g)``, never a dequantized key tensor.
+        """
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        n, h, d = q.shape
+        codes = unpack_bits(self.codes[layer], self.bits).float()  # (N, H_kv, d)
+        h_kv = codes.shape[1]
+        qg = q.float().view(n, h_kv, h // h_kv, d // self.group_size, self.group_size)
+        dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, self.group_size))
+        logits = (dots * self.scale[layer].float().permute(1, 0, 2).unsqueeze(0).unsqueeze(2)).sum(-1)
+        logits = logits + torch.einsum("nhqG,NhG->nhqN", qg.sum(-1), self.zero[layer].float())
+        logits = logits * scaling
+        top = logits.amax(-1, keepdim=True)
+        mass = torch.zeros((*logits.shape[:3], num_sentences)).index_add_(-1, self.sentence_of, (logits - top).exp())
+        return mass.log() + top

@@ -1,0 +1,118 @@
+"""SentenceKV's per-sequence state: the sentences demoted to host RAM, their device-tier index
+(key sketch or mean keys) and the recall region."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
+from cache_node.policies.sentencekv.region import SentenceCodes
+from cache_node.policies.sentencekv.sketch import KeySketch
+
+
+@dataclass
+class HostSentenceStore:
+    """Sentences demoted to host RAM, their device-tier index, and the recall region.
+
+    ``host``: where the sentences' raw K/V lives (the engine's host tier, or the sequence's own
+    CPU tensors without one); ``handles[s]`` finds sentence ``s`` there. Index (device tier):
+    ``sketch`` (key codes, ``select_mode="sketch"``) or ``mean_keys`` (S, L, H_kv * d) float32
+    (the other modes). ``region_kv``: (L, 2, H_kv, R, d) the promoted sentences' K/V on the
+    pool's device, each KV head its own (``region_positions`` (L, H_kv, R), -1 = empty slot);
+    with ``region_bits`` 8 or 4 it holds codes (L, 2, H_kv, R, d * bits / 8) uint8 instead,
+    with ``region_scale``/``region_zero`` (L, 2, H_kv, R, d / group) float16, copied from
+    ``codes`` (every demoted token's codes, quantized once at demotion, host RAM).
+    ``dropped_tokens``: tokens demoted while the host tier was full (lost, as on eviction).
+    """
+
+    host: PrivateHostKV | TierHostKV = field(default_factory=PrivateHostKV)
+    sketch: KeySketch | None = None
+    positions: list[torch.Tensor] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    mean_keys: torch.Tensor | None = None
+    region_kv: torch.Tensor | None = None
+    region_positions: torch.Tensor | None = None
+    region_scale: torch.Tensor | None = None
+    region_zero: torch.Tensor | None = None
+    codes: SentenceCodes | None = None
+    resident: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)  # layer -> per head
+    recall_s: float = 0.0
+    num_recalls: int = 0
+    dropped_tokens: int = 0
+
+    def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Demote one sentence: ``kv`` (L, n, 2, H_kv, d) at ``positions`` (n,). False when the
+        host tier is full (the sentence is dropped)."""
+        parts = None if self.codes is None else self.codes.quantize(kv)
+        handle = self.host.add(kv, 0 if parts is None else SentenceCodes.nbytes_of(parts))
+        if handle is None:
+            self.dropped_tokens += len(positions)
+            return False
+        if parts is not None:
+            assert self.codes is not None
+            self.codes.append(parts)
+        if self.sketch is not None:
+            self.sketch.append(kv[:, :, 0], len(self.handles))
+        else:
+            mk = kv[:, :, 0].float().mean(1).flatten(-2).unsqueeze(0)  # (1, L, H_kv * d)
+            self.mean_keys = mk if self.mean_keys is None else torch.cat([self.mean_keys, mk])
+        self.handles.append(handle)
+        self.positions.append(positions.clone())
+        return True
+
+    def sentence_kv(self, sid: int, layer: int, head: int | None = None) -> torch.Tensor:
+        """(n, 2, H_kv, d) raw K/V of sentence ``sid`` in ``layer``, read from the host."""
+        return self.host.read(self.handles[sid], layer, head)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    @property
+    def index_nbytes(self) -> int:
+        """Device-tier bytes of the sentence index (sketch or mean keys)."""
+        if self.sketch is not None:
+            return self.sketch.nbytes
+        return 0 if self.mean_keys is None else self.mean_keys.numel() * self.mean_keys.element_size()
+
+    @property
+    def region_tokens(self) -> int:
+        """R: the region's slots per layer and KV head."""
+        return 0 if self.region_positions is None else self.region_positions.shape[-1]
+
+    @property
+    def region_nbytes(self) -> int:
+        """Device bytes of the region (codes and scales included; every slot, filled or not)."""
+        parts = (self.region_kv, self.region_scale, self.region_zero)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def resize_region(self, r: int, like: torch.Tensor, bits: int = 0, group_size: int = 16) -> None:
+        """An empty region of ``r`` slots per layer and KV head; ``like``: (L, 2, S, H_kv, d)
+        the pool tensor (dtype, device, shape); ``bits`` 0 keeps the pool's dtype, 8 or 4
+        holds codes with per-``group_size`` scales."""
+        num_layers, _, _, h_kv, d = like.shape
+        self.region_positions = torch.full((num_layers, h_kv, r), -1, dtype=torch.long)
+        self.region_scale = self.region_zero = None
+        if bits:
+            shape = (num_layers, 2, h_kv, r)
+            self.region_kv = torch.zeros((*shape, d * bits // 8), dtype=torch.uint8, device=like.device)
+            self.region_scale = torch.zeros((*shape, d // group_size), dtype=torch.float16,
+                                            device=like.device)
+            self.region_zero = torch.zeros_like(self.region_scale)
+        else:
+            self.region_kv = torch.zeros((num_layers, 2, h_kv, r, d), dtype=like.dtype, device=like.device)
+        self.resident.clear()
+
+    def fork(self) -> HostSentenceStore:
+        """An independent copy (host K/V, index and region copied or shared immutably)."""
+        sketch = None if self.sketch is None else self.sketch.fork()
+        region, region_pos, scale, zero = (
+            None if t is None else t.clone()
+            for t in (self.region_kv, self.region_positions, self.region_scale, self.region_zero)
+        )
+        codes = None if self.codes is None else self.codes.fork()
+        return HostSentenceStore(self.host.fork(), sketch, list(self.positions), list(self.handles),
+                                 self.mean_keys, region, region_pos, scale, zero, codes, dict(self.resident),
+                                 self.recall_s, self.num_recalls, self.dropped_tokens)
