@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.chaos_faults import clear_disk_faults, dir_snapshot, inject_disk_faults
 from bench.chaos_load import CallResult, prompt, stream, with_retries
 from bench.chaos_stack import ChaosStack, gen_request, kill9, wait_idle, wait_new_pid
-from services.spill_format import FILE_SUFFIX
+from cache_node.tiers.spill_format import FILE_SUFFIX
 
 RESTART_TIMEOUT_S = 60.0
 

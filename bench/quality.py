@@ -21,9 +21,9 @@ import math
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
-from cache_node.tiering import TierConfig
+from cache_node.tiers.manager import TierConfig
 from workloads.corpus import load_corpus
 
 BUDGETS = (0.5, 0.25, 0.125)

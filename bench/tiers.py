@@ -34,10 +34,10 @@ from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel, load_model
 from cache_node.sampling_params import SamplingParams
 from cache_node.sequence import Sequence
-from cache_node.spill_api import from_numpy
-from cache_node.tiering import TierConfig
-from services.spill_format import BlockFormat
-from services.spill_store import SpillStore
+from cache_node.tiers.manager import TierConfig
+from cache_node.tiers.spill_api import from_numpy
+from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_store import SpillStore
 from workloads.corpus import load_corpus
 
 GB = 1e9

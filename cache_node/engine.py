@@ -13,7 +13,6 @@ import torch
 from transformers import PreTrainedModel
 
 from cache_node.config import EngineConfig
-from cache_node.engine_tiers import EngineTiersMixin
 from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool, kv_format_name
@@ -25,8 +24,9 @@ from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence
 from cache_node.sessions import SessionTable
-from cache_node.spill_api import SpillClient
-from cache_node.tiering import TierConfig, TierManager
+from cache_node.tiers.engine_api import EngineTiersMixin
+from cache_node.tiers.manager import TierConfig, TierManager
+from cache_node.tiers.spill_api import SpillClient
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,7 +45,7 @@ class LLMEngine(EngineTiersMixin):
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
         hash_fn: block-hash digest (tests inject weak ones).
         tier_config: host tier and movement settings (None: no host tier).
-        spill: spill-tier client (None: no spill tier); see ``engine_tiers`` for tier calls.
+        spill: spill-tier client (None: no spill tier); see ``tiers.engine_api`` for tier calls.
     """
 
     def __init__(

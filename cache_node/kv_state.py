@@ -27,7 +27,7 @@ from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
     from cache_node.policies.base import LayerPlan, LayerView, Policy, PolicyEnv
-    from cache_node.tiering import TierManager
+    from cache_node.tiers.manager import TierManager
 
 
 class SequenceKV:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 TIER_DEVICE = "device"
 TIER_HOST = "host"
 SPILL_TIERS = ("spill_ram", "spill_disk")
-TIERS = (TIER_DEVICE, TIER_HOST, *SPILL_TIERS)  # the same names as cache_node.tiering.TIERS
+TIERS = (TIER_DEVICE, TIER_HOST, *SPILL_TIERS)  # the same names as cache_node.tiers.manager.TIERS
 NODE_TIERS = (TIER_DEVICE, TIER_HOST)
 EVENTS = ("stored", "removed")
 

@@ -39,9 +39,9 @@ from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.outputs import RequestOutput
 from cache_node.policies.base import PolicyEnv
-from cache_node.spill_api import SpillBlockSpec, SpillClient
-from cache_node.tiering import TierConfig
 from cache_node.scheduling import TenantShare
+from cache_node.tiers.manager import TierConfig
+from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services.chat import ChatTemplater
 from services import data_plane
 from services.config import NodeConfig

@@ -14,13 +14,13 @@ from transformers import AutoConfig
 
 from cache_node.kv_pool import kv_format_name
 from cache_node.model_loader import resolve_model_dir
-from cache_node.spill_api import SpillBlockSpec, numpy_dtype_of
+from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
+from cache_node.tiers.spill_format import BlockFormat
 from services.cache_node import CacheNodeRemote
 from services.config import ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
 from services.global_scheduler import GlobalSchedulerActor
-from services.spill_format import BlockFormat
 from services.spill_node import create_spill_node
 from tenants.keys import new_api_key, read_key_file, write_key_file
 

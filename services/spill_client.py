@@ -23,7 +23,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from services.spill_store import SpillEvent, SpillHits
+from cache_node.tiers.spill_store import SpillEvent, SpillHits
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from services.spill_format import BlockFormat
-from services.spill_store import SpillEvent, SpillHits, SpillStore
+from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_node.tiering import TIERS
+from cache_node.tiers.manager import TIERS
 from services.block_index import TIERS as INDEX_TIERS
 from services.block_index import BlockIndex, PrefixTiers
 from services.global_scheduler import GlobalScheduler

@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerFast
 
 from cache_node import model_loader
 from cache_node.model_loader import load_model, model_identity, tiny_llama
-from services.spill_format import BlockFormat
-from services.spill_store import SpillStore
+from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_store import SpillStore
 from tests.test_tier_engine import by_tier, prompt_of, run, tiered
 
 P = prompt_of(200, 5)  # 12 reusable blocks (192 tokens)

@@ -176,7 +176,7 @@ def test_gkv_cumulative_attention_decays_per_step(tiny) -> None:
 def _sentencekv_engine(tiny, host_blocks: int):
     """The unit-test engine, with a host tier of ``host_blocks`` blocks (0: none)."""
     from cache_node.engine import LLMEngine
-    from cache_node.tiering import TierConfig
+    from cache_node.tiers.manager import TierConfig
 
     base = make_engine(tiny)
     tier = TierConfig(host_bytes=host_blocks * base.pool.bytes_per_block) if host_blocks else None

@@ -17,7 +17,7 @@ from cache_node.scheduling.admission import (
     decide,
     estimate_ttft_s,
 )
-from cache_node.tiering import TierConfig
+from cache_node.tiers.manager import TierConfig
 
 
 def engine(lm: LoadedModel, policy: str, host_blocks: int = 0, **cfg: int) -> LLMEngine:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services import spill_format
-from services.spill_format import (
+from cache_node.tiers import spill_format
+from cache_node.tiers.spill_format import (
     BlockFormat,
     SpillCorruptError,
     list_group_files,

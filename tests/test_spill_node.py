@@ -14,8 +14,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray
 
+from cache_node.tiers.spill_store import SpillEvent
 from services.spill_node import create_spill_node
-from services.spill_store import SpillEvent
 from tests.test_spill_store import BLOCK, DISK, FMT, hashes_of, make_blocks
 
 pytestmark = pytest.mark.slow

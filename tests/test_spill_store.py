@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services import spill_format
-from services.spill_format import BlockFormat, read_header
-from services.spill_store import SpillEvent, SpillStore
+from cache_node.tiers import spill_format
+from cache_node.tiers.spill_format import BlockFormat, read_header
+from cache_node.tiers.spill_store import SpillEvent, SpillStore
 
 FMT = BlockFormat(shape=(2, 2, 4, 1, 2), dtype="float32", kv_format="fp32")
 BLOCK = FMT.block_nbytes  # 128 bytes

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services import spill_disk, spill_format
-from services.spill_format import BlockFormat
-from services.spill_store import SpillEvent, SpillStore
+from cache_node.tiers import spill_disk, spill_format
+from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_store import SpillEvent, SpillStore
 from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, make_blocks
 
 

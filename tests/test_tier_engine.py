@@ -11,9 +11,9 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel
 from cache_node.sampling_params import SamplingParams
-from cache_node.tiering import TierConfig
-from services.spill_format import BlockFormat, read_header
-from services.spill_store import SpillStore
+from cache_node.tiers.manager import TierConfig
+from cache_node.tiers.spill_format import BlockFormat, read_header
+from cache_node.tiers.spill_store import SpillStore
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama float32 block: (L=2, 2, 16, H_kv=2, d=16)

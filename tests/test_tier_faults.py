@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from cache_node.hashing import hash_prompt_blocks
-from services import spill_format
-from services.spill_format import BlockFormat, read_header
-from services.spill_store import SpillHits, SpillStore
+from cache_node.tiers import spill_format
+from cache_node.tiers.spill_format import BlockFormat, read_header
+from cache_node.tiers.spill_store import SpillHits, SpillStore
 from tests.test_tier_engine import BLOCK_BYTES, PARAMS, by_tier, prompt_of, run, tiered
 
 P = prompt_of(200, 11)  # 12 reusable blocks

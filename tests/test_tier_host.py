@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from cache_node.block_copy import copy_stack_to_view, copy_view_to_view, runs, view_to_stack
-from cache_node.host_tier import BlockMeta, HostTier, TierEvent
-from cache_node.spill_api import from_numpy, leading_hits, to_numpy
-from services.spill_store import SpillHits
+from cache_node.tiers.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
+from cache_node.tiers.host import BlockMeta, HostTier, TierEvent
+from cache_node.tiers.runs import runs
+from cache_node.tiers.spill_api import from_numpy, leading_hits, to_numpy
+from cache_node.tiers.spill_store import SpillHits
 
 SHAPE = (2, 2, 8, 4, 4, 2)  # (L, 2, num_blocks, block_size, H_kv, d)
 BLOCK_BYTES = 2 * 2 * 4 * 4 * 2 * 4

@@ -9,9 +9,9 @@ from bench.tiers import corpus_prompt
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.sampling_params import SamplingParams
-from cache_node.tiering import TierConfig
-from services.spill_format import BlockFormat
-from services.spill_store import SpillStore
+from cache_node.tiers.manager import TierConfig
+from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_store import SpillStore
 
 pytestmark = pytest.mark.slow
 

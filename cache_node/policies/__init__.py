@@ -32,7 +32,7 @@ from cache_node.policies.registry import (
 from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
-    from cache_node.tiering import TierManager
+    from cache_node.tiers.manager import TierManager
 
 __all__ = [
     "REGISTRY", "LayerPlan", "LayerView", "Policy", "PolicyEnv", "attach_policy",

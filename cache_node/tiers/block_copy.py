@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from cache_node.tiers.runs import runs
 
 PARALLEL_MIN_BLOCKS = 4
 """Runs of at least this many blocks are copied with all intra-op threads (CPU)."""
@@ -49,19 +50,6 @@ def _threads_for(num_blocks: int, *tensors: torch.Tensor) -> Iterator[None]:
         return
     with _one_cpu_thread(*tensors):
         yield
-
-
-def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Coalesce paired ids into ``(src_start, dst_start, length)`` runs where both advance by 1
-    (pairs are taken in source order: the copies are independent)."""
-    out: list[tuple[int, int, int]] = []
-    for s, d in sorted(zip(src_ids, dst_ids)):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
-            s0, d0, n = out[-1]
-            out[-1] = (s0, d0, n + 1)
-        else:
-            out.append((s, d, 1))
-    return out
 
 
 def copy_view_to_view(

@@ -13,12 +13,12 @@ from collections import Counter
 from typing import Any
 
 from cache_node.block import KVBlock
-from cache_node.host_tier import TIER_DEVICE, TierEvent
 from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
 from cache_node.sessions import SessionTable
-from cache_node.spill_api import SpillBlockSpec, numpy_dtype_of
-from cache_node.tiering import TierManager
+from cache_node.tiers.host import TIER_DEVICE, TierEvent
+from cache_node.tiers.manager import TierManager
+from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
 
 
 class EngineTiersMixin:

@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from cache_node.block_copy import copy_view_to_view, view_to_stack
 from cache_node.hashing import BlockHash
+from cache_node.tiers.block_copy import copy_view_to_view, view_to_stack
 
 TIER_DEVICE = "device"
 TIER_HOST = "host"

@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 from cache_node.block import KVBlock
-from cache_node.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
-from cache_node.host_tier import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
-from cache_node.prefetch import TransferWorker
 from cache_node.sequence import Sequence
-from cache_node.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
+from cache_node.tiers.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
+from cache_node.tiers.host import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
+from cache_node.tiers.prefetch import TransferWorker
+from cache_node.tiers.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
 
 TIERS = (TIER_DEVICE, TIER_HOST, "spill_ram", "spill_disk")
 COUNTERS = (  # block counts moved, and faults absorbed as misses or dropped writes

@@ -24,12 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cache_node.host_tier import Victims
-from cache_node.spill_api import SPILL_HASH_BYTES, SpillClient, from_numpy, leading_hits, to_numpy
+from cache_node.tiers.host import Victims
+from cache_node.tiers.spill_api import (
+    SPILL_HASH_BYTES,
+    SpillClient,
+    from_numpy,
+    leading_hits,
+    to_numpy,
+)
 
 if TYPE_CHECKING:
     from cache_node.sequence import Sequence
-    from cache_node.tiering import TierManager
+    from cache_node.tiers.manager import TierManager
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The engine's narrow view of the spill tier, and the checks applied to what comes back.
 
 The cache node never imports Ray: it talks to a ``SpillClient``, implemented in-process by
-``services.spill_store.SpillStore`` and, across actors, by ``services.spill_client``. A
-spill block is one row ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` keyed by its
+``cache_node.tiers.spill_store.SpillStore`` and, across actors, by ``services.spill_client``.
+A spill block is one row ``(num_layers, 2, block_size, num_kv_heads, head_dim)`` keyed by its
 32-byte chained block hash (which carries namespace, model identity and KV format) and
 stored with its token ids; the engine passes the token ids on every ``get``, so a block held
 under the asked hash with other tokens is a miss (as the device and host tiers check).

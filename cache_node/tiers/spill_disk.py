@@ -28,8 +28,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from services import spill_format as fmt
-from services.spill_format import BlockFormat, SpillCorruptError, SpillFormatMismatch
+from cache_node.tiers import spill_format as fmt
+from cache_node.tiers.spill_format import BlockFormat, SpillCorruptError, SpillFormatMismatch
 
 logger = logging.getLogger(__name__)
 

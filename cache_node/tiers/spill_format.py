@@ -43,6 +43,8 @@ import msgpack
 import numpy as np
 import xxhash
 
+from cache_node.tiers.runs import runs
+
 FORMAT_VERSION = 2
 FILE_SUFFIX = ".kvs"
 TEMP_PREFIX = ".tmp-"
@@ -195,19 +197,8 @@ def read_blocks(
         for block_hash in block_hashes:
             if block_hash not in position:
                 raise SpillCorruptError(f"{path}: block {block_hash.hex()} not in file")
-        for row, index, n in _file_runs([position[h] for h in block_hashes]):
+        for row, index, n in runs(range(len(block_hashes)), [position[h] for h in block_hashes]):
             _read_run(f, path, header, index, out[row : row + n], block_format)
-    return out
-
-
-def _file_runs(indices: list[int]) -> list[tuple[int, int, int]]:
-    """(first row, first file index, length) runs where rows and file indices both advance."""
-    out: list[tuple[int, int, int]] = []
-    for row, index in enumerate(indices):
-        if out and out[-1][1] + out[-1][2] == index:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((row, index, 1))
     return out
 
 

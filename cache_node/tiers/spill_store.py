@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from services import spill_format as fmt
-from services.spill_disk import TIER_DISK, DiskTier
-from services.spill_format import BlockFormat
+from cache_node.tiers import spill_format as fmt
+from cache_node.tiers.spill_disk import TIER_DISK, DiskTier
+from cache_node.tiers.spill_format import BlockFormat
 
 TIER_RAM = "spill_ram"
 EVENT_STORED = "stored"
