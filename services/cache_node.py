@@ -253,7 +253,8 @@ class CacheNode:
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
-                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": f"{type(exc).__name__}: {exc}"}
+                text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}
             if error is not None:
                 self._dispatch([(stream, error)])
 

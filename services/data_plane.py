@@ -222,8 +222,10 @@ def context(asyncio_: bool = False) -> zmq.Context:
 
 
 def bind_random(sock: zmq.Socket, host: str) -> str:
-    """Bind ``sock`` to a free port on ``host``; returns its ``tcp://host:port`` address."""
-    port = sock.bind_to_random_port(f"tcp://{host}")
+    """Bind ``sock`` to a free port in 49152-65535 (IANA's dynamic range, the one deploy/README
+    tells firewalls to open) on ``host``; returns its ``tcp://host:port`` address. (pyzmq lets
+    the OS pick any port when given its default range, so the range is passed as 49152-65534.)"""
+    port = sock.bind_to_random_port(f"tcp://{host}", min_port=49152, max_port=65535, max_tries=1000)
     return f"tcp://{host}:{port}"
 
 

@@ -306,3 +306,19 @@ def test_everything_serves_after_the_fuzz(plane: Plane) -> None:
     """After every reader has had its bad messages, a request still goes end to end."""
     events = plane.generate("after-fuzz", max_tokens=2)
     assert events[-1]["type"] == "finished" and events[-1]["completion_tokens"] == 2
+
+
+def test_data_plane_ports_are_in_the_documented_range() -> None:
+    """A new-user check found data-plane ports at 32829-41347 while deploy/README tells
+    firewalls to open 49152-65535 (newer pyzmq lets the OS pick any port): every bind stays in
+    the documented range."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.PULL) for _ in range(20)]
+    try:
+        ports = [int(data_plane.bind_random(s, "127.0.0.1").rsplit(":", 1)[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+    assert all(49152 <= p <= 65535 for p in ports), ports
+    assert len(set(ports)) == 20
