@@ -64,10 +64,6 @@ class AttentionMetadata:
 class ForwardContext:
     pool: KVPool
     metadata: AttentionMetadata
-    layer_metadata: dict[int, AttentionMetadata] = field(default_factory=dict)
-
-    def for_layer(self, layer_idx: int) -> AttentionMetadata:
-        return self.layer_metadata.get(layer_idx, self.metadata)
 
 
 _FORWARD_CONTEXT: ForwardContext | None = None
@@ -151,7 +147,7 @@ def paged_attention_forward(
     if ctx is None:
         raise RuntimeError("paged attention called outside an engine forward_context")
     layer_idx = module.layer_idx
-    md = ctx.for_layer(layer_idx)
+    md = ctx.metadata
     q = query[0].transpose(0, 1)  # (T, H, d)
     ctx.pool.write(layer_idx, md.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = ctx.pool.kv[layer_idx, 0], ctx.pool.kv[layer_idx, 1]

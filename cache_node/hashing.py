@@ -52,10 +52,26 @@ def hash_prompt_blocks(
     hash_fn: HashFn = blake2b_256,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        keys = extra_keys if start == 0 else ()
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], keys, hash_fn)
-        hashes.append(parent)
+    return extend_block_hashes([], token_ids, len(token_ids) // block_size, block_size, extra_keys, hash_fn)
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    num_full_blocks: int,
+    block_size: int,
+    extra_keys: tuple[str, ...],
+    hash_fn: HashFn = blake2b_256,
+) -> list[BlockHash]:
+    """Append to ``hashes`` (the chained hashes of the first ``len(hashes)`` blocks of
+    ``token_ids``) until it holds ``num_full_blocks``; returns ``hashes``.
+
+    The one chaining loop: the gateway (``hash_prompt_blocks``, for routing) and the cache
+    manager (memoized per sequence) must compute the same hashes.
+    """
+    while len(hashes) < num_full_blocks:
+        i = len(hashes)
+        parent = hashes[-1] if i else None
+        keys = extra_keys if i == 0 else ()
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], keys, hash_fn))
     return hashes

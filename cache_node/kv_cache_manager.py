@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from cache_node.block import KVBlock
 from cache_node.block_pool import BlockPool
-from cache_node.hashing import HashFn, blake2b_256, hash_block_tokens
+from cache_node.hashing import HashFn, blake2b_256, extend_block_hashes
 from cache_node.sequence import Sequence
 
 
@@ -35,15 +35,8 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """Chained hashes of the sequence's first ``num_full_blocks`` blocks (memoized on seq)."""
-        tokens = seq.all_token_ids
-        bs = self.block_size
-        while len(seq.block_hashes) < num_full_blocks:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else None
-            keys = seq.extra_keys if i == 0 else ()
-            seq.block_hashes.append(
-                hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], keys, self.hash_fn)
-            )
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, num_full_blocks, self.block_size,
+                            seq.extra_keys, self.hash_fn)
         return seq.block_hashes[:num_full_blocks]
 
     def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
@@ -132,7 +125,6 @@ class KVCacheManager:
             block.owner = seq.tenant
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
-        seq.layer_block_tables = None
         if seq.kv is not None:  # a policy's compacted layout is gone with the blocks
             seq.kv.reset()
 

@@ -41,20 +41,15 @@ class ModelRunner:
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         model.eval()
 
-    def _layer_table(self, seq: Sequence, layer_idx: int | None) -> list[int]:
-        blocks = seq.block_table if layer_idx is None else seq.layer_blocks(layer_idx)
-        return [b.block_id for b in blocks]
-
-    def _metadata(self, batch: ScheduledBatch, layer_idx: int | None) -> AttentionMetadata:
+    def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
         bs = self.pool.block_size
         slot_mapping, decode_idx, decode_slots, prefills = [], [], [], []
         flat = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
             phys = start - seq.num_evicted_tokens  # physical slots in use (policies compact)
-            table = self._layer_table(seq, layer_idx)
-            ctx_slots = block_slots(table, bs, phys + n)
-            slot_mapping.append(block_slots(self._layer_table(seq, None), bs, phys + n)[phys:])
+            ctx_slots = block_slots([b.block_id for b in seq.block_table], bs, phys + n)
+            slot_mapping.append(ctx_slots[phys:])
             if seq.kv is not None:  # policy-managed layout: per-layer masks, stats, extra KV
                 prefills.append(PrefillChunk(flat, n, torch.from_numpy(ctx_slots), None, seq.kv))
             elif n == 1 and start > 0:
@@ -100,13 +95,10 @@ class ModelRunner:
         for seq, n in batch:
             if seq.kv is not None:
                 seq.kv.begin_step(seq.num_computed_tokens, n)
-        md = self._metadata(batch, None)
-        layer_md = {}
-        if any(seq.layer_block_tables is not None for seq, _ in batch):
-            layer_md = {i: self._metadata(batch, i) for i in range(self.pool.num_layers)}
+        md = self._metadata(batch)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(self.pool, md, layer_md)):
+        with forward_context(ForwardContext(self.pool, md)):
             hidden = self.model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
         if not sample_idx:
             return torch.empty((0, self.model.config.vocab_size))

@@ -30,8 +30,6 @@ class Sequence:
 
     Attributes:
         block_table: blocks holding the sequence's KV, in token order (shared by all layers).
-        layer_block_tables: optional per-layer override (a layer-aware policy may keep a
-            different token set in some layers); None means every layer uses ``block_table``.
         num_cached_tokens: prompt tokens reused from the prefix cache (or a session).
         policy: KV policy spec (``cache_node.policies``); "" = the full cache.
         kv: the policy-managed KV layout (``cache_node.kv_state.SequenceKV``), None when plain.
@@ -60,7 +58,6 @@ class Sequence:
     num_cached_tokens: int = 0
     block_table: list[KVBlock] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    layer_block_tables: list[list[KVBlock]] | None = None
     finish_reason: str | None = None
     arrival_time_s: float = field(default_factory=time.monotonic)
     first_token_time_s: float | None = None
@@ -106,7 +103,3 @@ class Sequence:
         KV policy keeps outside the pool (``SequenceKV.charge_blocks``)."""
         return len(self.block_table) + (len(self.kv.charge_blocks) if self.kv is not None else 0)
 
-    def layer_blocks(self, layer_idx: int) -> list[KVBlock]:
-        if self.layer_block_tables is None:
-            return self.block_table
-        return self.layer_block_tables[layer_idx]

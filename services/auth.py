@@ -15,13 +15,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
 import grpc
 
-from tenants.keys import parse_key_id
+from tenants.keys import fingerprint, parse_key_id
 from tenants.model import Tenant
 from tenants.ratelimit import ExpiringSet, WindowLimiter
 
@@ -60,15 +59,11 @@ class Authenticator:
         self._known_good = ExpiringSet(_KNOWN_GOOD_TTL_S)  # (role, fingerprint) that passed lately
         self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
 
-    @staticmethod
-    def _fp(key: str) -> bytes:
-        return hashlib.sha256(key.encode()).digest()
-
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The calling tenant; aborts the call with UNAUTHENTICATED (RESOURCE_EXHAUSTED while
         its address is over the failure limit for that key id) otherwise."""
         key = bearer_key(context)
-        fp, now = self._fp(key), time.monotonic()
+        fp, now = fingerprint(key), time.monotonic()
         hit = self._tenants.get(fp)
         if hit and hit[1] > now:
             return hit[0]
@@ -84,7 +79,7 @@ class Authenticator:
         """Aborts with UNAUTHENTICATED (or RESOURCE_EXHAUSTED, as ``tenant``) unless the call
         carries the admin key."""
         key = bearer_key(context)
-        if self._admins.get(self._fp(key), 0.0) > time.monotonic():
+        if self._admins.get(fingerprint(key), 0.0) > time.monotonic():
             return
         await self._refuse_known_bad(context, "admin", key)
         if not await self._is_admin(key):
@@ -94,8 +89,8 @@ class Authenticator:
         """``None`` for the admin key, the calling tenant for a tenant key; aborts with
         UNAUTHENTICATED (or RESOURCE_EXHAUSTED) otherwise."""
         key = bearer_key(context)
-        if (self._admins.get(self._fp(key), 0.0) > time.monotonic()
-                or (("admin", self._fp(key)) not in self._failed and await self._is_admin(key))):
+        if (self._admins.get(fingerprint(key), 0.0) > time.monotonic()
+                or (("admin", fingerprint(key)) not in self._failed and await self._is_admin(key))):
             return None
         return await self.tenant(context)
 
@@ -110,15 +105,15 @@ class Authenticator:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
         if not key or not await self.scheduler.verify_admin_key.remote(key):
             return False
-        self._admins[self._fp(key)] = time.monotonic() + _CACHE_TTL_S
-        self._known_good.add(("admin", self._fp(key)))
+        self._admins[fingerprint(key)] = time.monotonic() + _CACHE_TTL_S
+        self._known_good.add(("admin", fingerprint(key)))
         return True
 
     async def _refuse_known_bad(self, context: grpc.aio.ServicerContext, role: str, key: str) -> None:
         """Abort, without asking the scheduler, for a key that failed lately as ``role``
         ("tenant" or "admin") or whose id this address has failed too often as ``role`` (unless
         the key itself passed lately: it is then checked again, as any key is)."""
-        known_good = (role, self._fp(key)) in self._known_good
+        known_good = (role, fingerprint(key)) in self._known_good
         wait_s = 0.0 if known_good else self._failures.retry_after_s((role, _peer_host(context), parse_key_id(key)))
         if wait_s > 0:
             context.set_trailing_metadata((("retry-after-ms", str(int(wait_s * 1000) + 1)),))
@@ -126,11 +121,11 @@ class Authenticator:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"too many failed API-key checks from this address; retry in {wait_s:.0f} s",
             )
-        if (role, self._fp(key)) in self._failed:
+        if (role, fingerprint(key)) in self._failed:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
 
     async def _refuse(self, context: grpc.aio.ServicerContext, role: str, key: str, message: str) -> None:
         """Record a failed check of ``key`` as ``role``, then abort with UNAUTHENTICATED."""
-        self._failed.add((role, self._fp(key)))
+        self._failed.add((role, fingerprint(key)))
         self._failures.try_acquire((role, _peer_host(context), parse_key_id(key)))
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

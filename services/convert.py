@@ -312,8 +312,8 @@ def _from_float32(value: float) -> float:
 
 
 # ================================================================ generation events
-# GenerateResponse (started / delta / finished) <-> engine output conversions go below
-# this line; they are owned by the engineer who writes the streaming path.
+# A cache node's stream events (started / delta / finished dicts) as GenerateResponse
+# messages, one message per event.
 
 
 def generate_event_to_pb(event: Mapping[str, Any]) -> inference_pb2.GenerateResponse:
@@ -367,5 +367,4 @@ def node_stats_to_pb(stats: Mapping[str, Any]) -> admin_pb2.NodeStats:
         waiting=stats.get("waiting", 0),
         integrity_ok=stats.get("integrity_ok", False),
         integrity_error=stats.get("integrity_error", ""),
-        hit_tokens=tier_tokens_to_pb(stats.get("hit_tokens", {})),
     )

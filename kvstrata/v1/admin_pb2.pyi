@@ -1,4 +1,3 @@
-from kvstrata.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "block_size", "device_bytes_used", "host_bytes_used", "running", "waiting", "integrity_ok", "integrity_error", "hit_tokens")
+    __slots__ = ("node_id", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "block_size", "device_bytes_used", "host_bytes_used", "running", "waiting", "integrity_ok", "integrity_error")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -21,7 +20,6 @@ class NodeStats(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
-    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     num_blocks: int
     free_blocks: int
@@ -34,8 +32,7 @@ class NodeStats(_message.Message):
     waiting: int
     integrity_ok: bool
     integrity_error: str
-    hit_tokens: _common_pb2.TierTokens
-    def __init__(self, node_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device_bytes_used: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., hit_tokens: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device_bytes_used: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("check_integrity",)
