@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from services.cli import _ray_target, _service_actor_names
+from cli.lifecycle import _ray_target, _service_actor_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster,
         "ray_temp_dir": "", "namespace": namespace, "state_dir": str(tmp_path)}))
     env = dict(os.environ, KVSTRATA_STATE_DIR=str(tmp_path), RAY_ADDRESS=ray_cluster.address)
 
-    done = subprocess.run([sys.executable, "-m", "services.cli", "down"], check=False, cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "cli.main", "down"], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
     assert done.returncode == 0, done.stdout + done.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services import cli
+from cli import main as cli
 from tenants.model import TenantSpec
 from tests.gateway_harness import NODE_INFO, serve
 

@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
-from services import cli
+from cli import main as cli
+from cli import state as cli_state
 from tenants.keys import KEY_PATTERN, read_key_file, write_key_file
 from tenants.model import TenantSpec
 from tests.gateway_harness import serve
@@ -26,7 +27,7 @@ def _md(key: str) -> tuple[tuple[str, str], ...]:
 
 @pytest.fixture
 def gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(cli, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(cli_state, "STATE_DIR", tmp_path)
     monkeypatch.delenv("KVSTRATA_ADMIN_KEY", raising=False)
     with serve(tmp_path) as gw:
         write_key_file(tmp_path / "admin_key", gw.admin_key)

@@ -82,7 +82,7 @@ def test_cli_tenant_add_allow_policy(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """issue 18 fault 9: `kvstrata tenant add --allow-policy` sets the list."""
     from typer.testing import CliRunner
 
-    from services import cli
+    from cli import main as cli
 
     with serve(tmp_path) as gw:
         monkeypatch.setenv("KVSTRATA_ADMIN_KEY", gw.admin_key)

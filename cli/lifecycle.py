@@ -1,0 +1,211 @@
+"""``kvstrata up``, ``down`` and ``status``: start and stop the services, show their load."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import grpc
+import pydantic
+import typer
+import yaml
+from rich.markup import escape
+from rich.table import Table
+
+from cli import state
+from cli.output import console, fail
+from cli.processes import stop_processes
+from cli.state import admin_metadata, gateway_address, reachable, read_state
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc
+from services.config import ServiceConfig, load_config
+
+ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="service YAML config")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
+    """Terminate the processes of the Ray cluster ``kvstrata up`` started under ``temp_dir``.
+
+    The cluster's processes are those whose command line carries its session directory (under
+    ``temp_dir``: GCS, raylet, workers) or its GCS address (``--address=<ip>:<gcs_port>``: the
+    Ray client server), and their descendants (the dashboard and runtime-env agents rename
+    themselves ``ray::...``). Other Ray clusters on the machine match none of these, so they
+    are left alone (unlike ``ray stop``, which stops every cluster of the user). Returns the
+    number of processes stopped.
+    """
+    gcs = f":{gcs_port}" if gcs_port else None
+    return stop_processes(lambda cmdline: any(
+        temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs)) for part in cmdline))
+
+
+def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
+        None, help="join this Ray cluster (e.g. auto); default: start a local one"),
+        scheduler: str = typer.Option("", help="fcfs | priority | vtc | kvstrata (overrides the config)")) -> None:
+    """Start the global scheduler, cache nodes and gateway; print the gateway address.
+
+    Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
+    ``kvstrata down`` uses to stop exactly that cluster).
+    """
+    import ray
+
+    from services.launcher import start_services
+
+    try:
+        cfg = load_config(config)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        console.print(f"[red]{escape(str(config))}: {'.'.join(map(str, err['loc']))}: {escape(err['msg'])}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except (OSError, yaml.YAMLError) as exc:
+        console.print(f"[red]{escape(str(config))}: {escape(str(exc).splitlines()[0])}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    if scheduler:
+        try:
+            cfg = ServiceConfig.model_validate({**cfg.model_dump(), "scheduler": scheduler})
+        except pydantic.ValidationError as exc:
+            console.print(f"[red]--scheduler: {escape(exc.errors()[0]['msg'])}[/red]")
+            raise typer.Exit(2) from None
+    cfg = cfg.model_copy(update={"detached": True})
+    saved = read_state()
+    if saved.get("address") and reachable(saved["address"]):
+        console.print(f"[red]kvstrata is already up at {saved['address']}; run `kvstrata down` first[/red]")
+        raise typer.Exit(1)
+    if cfg.gateway_port and reachable(f"{cfg.gateway_host}:{cfg.gateway_port}", 0.5):
+        console.print(f"[red]port {cfg.gateway_port} on {cfg.gateway_host} is taken; set gateway_port in "
+                      "the config (0 = any free port)[/red]")
+        raise typer.Exit(1)
+    started_ray = address is None
+    temp_dir = ""
+    if started_ray:
+        ray_port = _free_port()
+        temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")
+        resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
+                                cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
+                        f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
+                        "--disable-usage-stats"], check=True, capture_output=True)
+        address = f"127.0.0.1:{ray_port}"
+    try:
+        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+        with console.status("loading the model on every cache node ..."):
+            # a joined cluster (--address) binds the data plane on node IPs (it may span machines)
+            services = start_services(cfg, None if started_ray else address)
+    except Exception as exc:  # noqa: BLE001 -- leave nothing half-started behind, whatever failed
+        if temp_dir:
+            _stop_local_ray(temp_dir, ray_port)
+        console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}")
+        raise typer.Exit(1) from None
+    if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`
+        address = ray.get_runtime_context().gcs_address
+    cfg.state_path.mkdir(parents=True, exist_ok=True)
+    state.STATE_DIR.mkdir(parents=True, exist_ok=True)
+    (state.STATE_DIR / "gateway.json").write_text(json.dumps({
+        "address": services.address, "ray_address": address, "started_ray": started_ray,
+        "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
+    }))
+    console.print(f"gateway: [bold]{services.address}[/bold]")
+    console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
+
+
+SERVICE_ACTOR_NAME = re.compile(r"gateway|global_scheduler|(cache|spill)_node_\d+")
+"""Names of the actors ``start_services`` places (``services.launcher``)."""
+
+
+def _ray_target(state: dict) -> str | None:
+    """The Ray address ``down`` connects to, or None when nothing answers there.
+
+    ``auto`` and ``ray://`` addresses are Ray's to resolve (``auto`` finds the machine's
+    running cluster), so they are returned as they are; a ``host:port`` must accept a TCP
+    connection.
+    """
+    address = state.get("ray_address", "")
+    if address == "auto" or "://" in address:
+        return address
+    return address if address and reachable(address) else None
+
+
+def _service_actor_names(named: list[dict], namespace: str) -> list[str]:
+    """kvstrata's actors among ``ray.util.list_named_actors(all_namespaces=True)``: those in
+    ``namespace`` whose names ``start_services`` gives (gateway, scheduler, cache and spill
+    nodes); anything else on the cluster is the user's."""
+    return [a["name"] for a in named if a["namespace"] == namespace and SERVICE_ACTOR_NAME.fullmatch(a["name"])]
+
+
+def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0) -> int:
+    """Kill kvstrata's actors in ``namespace`` on the connected cluster and wait (up to
+    ``timeout_s``) until the gateway's port no longer answers. Returns the number killed."""
+    import ray
+
+    names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
+    for name in names:
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            ray.kill(ray.get_actor(name, namespace=namespace))
+    deadline = time.monotonic() + timeout_s
+    while gateway_address and reachable(gateway_address, 0.2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return len(names)
+
+
+def down() -> None:
+    """Stop the services started by `kvstrata up`: its actors on the Ray cluster it joined
+    (that cluster keeps running), or the local Ray cluster it started (only that one)."""
+    import ray
+
+    saved = read_state()
+    if not saved:
+        console.print("nothing to stop")
+        return
+    try:
+        target = _ray_target(saved)
+        if target is not None:
+            try:
+                ray.init(address=target, namespace=saved["namespace"], log_to_driver=False)
+            except (ConnectionError, RuntimeError) as exc:
+                console.print(f"Ray at {target} is not reachable ({escape(str(exc).splitlines()[0])}); "
+                              "removing the stale state")
+            else:
+                killed = _kill_services(saved["namespace"], saved.get("address", ""))
+                ray.shutdown()
+                console.print(f"stopped {killed} kvstrata actors")
+        else:
+            console.print(f"Ray at {saved.get('ray_address')} is not reachable; removing the stale state")
+    finally:
+        if saved.get("started_ray") and saved.get("ray_temp_dir"):
+            _stop_local_ray(saved["ray_temp_dir"], int(saved["ray_address"].rpartition(":")[2] or 0))
+            shutil.rmtree(saved["ray_temp_dir"], ignore_errors=True)
+        elif saved.get("started_ray"):
+            console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
+                          "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")
+        (state.STATE_DIR / "gateway.json").unlink(missing_ok=True)
+    console.print("stopped")
+
+
+def status(gateway: Optional[str] = None, integrity: bool = True) -> None:
+    """Per-node pool usage, queue and session counts."""
+    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+        try:
+            resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
+                admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(), timeout=30)
+        except grpc.RpcError as err:
+            fail(err)
+    table = Table("node", "blocks", "used", "cached", "free", "running", "waiting", "integrity")
+    for n in resp.nodes:
+        table.add_row(n.node_id, str(n.num_blocks), str(n.used_blocks), str(n.cached_blocks),
+                      str(n.free_blocks), str(n.running), str(n.waiting),
+                      "ok" if n.integrity_ok else f"[red]{n.integrity_error}[/red]")
+    console.print(table)
+    console.print(f"queued: {resp.queued}  sessions: {resp.sessions}")

@@ -1,0 +1,66 @@
+"""``kvstrata run``: run workloads against the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Optional
+
+import grpc
+import typer
+
+from cli.options import positive
+from cli.output import console, fail
+from cli.state import admin_metadata, gateway_address
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc
+
+run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
+
+
+@run_app.command("deepresearch")
+def run_deepresearch(
+    duration: float = typer.Option(50.0, "--duration", callback=positive, help="arrival window, seconds"),
+    tenants: int = typer.Option(4, "--tenants", min=1, max=4, help="number of demo tenant profiles to use (1-4)"),
+    sessions_per_s: float = typer.Option(0.054, callback=positive,
+                                         help="one tenant share of research sessions per second"),
+    seed: int = typer.Option(0, min=0),
+    max_subagents: int = typer.Option(3, min=2, max=6, help="sub-agents per research session (2..6)"),
+    scheduler: str = typer.Option("", help="the scheduler the gateway must run (chosen at `kvstrata up "
+                                  "--scheduler`); the run stops at once when it runs another"),
+    policy: str = typer.Option("", help="KV policy for every tenant"),
+    gateway: Optional[str] = None, reports: str = "reports",
+) -> None:
+    """Run the DeepResearch multi-agent workload against a running gateway.
+
+    Registers the demo tenants (chat, analyst, indexer, noisy) afresh: tenants of those names
+    already in the store are deleted and re-registered with new keys.
+    """
+    from workloads.deepresearch.config import WorkloadConfig
+    from workloads.deepresearch.demo_config import demo_tenants
+    from workloads.deepresearch.job import run_deepresearch_grpc
+    from workloads.deepresearch.register import register_tenants
+
+    address = gateway_address(gateway)
+    if scheduler:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
+                    admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(), timeout=30)
+            except grpc.RpcError as err:
+                fail(err)
+        running = json.loads(resp.stats_json)["scheduler"]["scheduler"]
+        if running != scheduler:
+            console.print(f"[red]the gateway runs the {running} scheduler, not {scheduler}: "
+                          f"`kvstrata down` then `kvstrata up --scheduler {scheduler}`[/red]")
+            raise typer.Exit(2)
+    profiles = demo_tenants(sessions_per_s)[:tenants]
+    cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
+    admin_key = admin_metadata()[0][1].split(" ", 1)[1]
+
+    async def go() -> int:
+        async with grpc.aio.insecure_channel(address) as ch:
+            keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
+        out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console)
+        return out.exit_code
+
+    raise typer.Exit(asyncio.run(go()))

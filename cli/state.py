@@ -1,0 +1,55 @@
+"""Where the commands find the gateway and the admin key: flags, the environment
+(KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY) or the state ``kvstrata up`` wrote to ``STATE_DIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.output import console
+from tenants.keys import read_key_file
+
+STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
+
+
+def read_state() -> dict:
+    """What ``kvstrata up`` saved (``STATE_DIR/gateway.json``); {} when nothing is up."""
+    path = STATE_DIR / "gateway.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def gateway_address(address: Optional[str]) -> str:
+    """``address``, else KVSTRATA_GATEWAY, else the saved one; exits 2 when there is none."""
+    addr = address or os.environ.get("KVSTRATA_GATEWAY") or read_state().get("address")
+    if not addr:
+        console.print("[red]no gateway address: run `kvstrata up` or pass --gateway[/red]")
+        raise typer.Exit(2)
+    return addr
+
+
+def admin_key_file() -> Path:
+    return Path(read_state().get("state_dir", STATE_DIR)) / "admin_key"
+
+
+def admin_metadata() -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the admin key; exits 2 when there is none."""
+    key = os.environ.get("KVSTRATA_ADMIN_KEY") or read_key_file(admin_key_file())
+    if not key:
+        console.print("[red]no admin key: set KVSTRATA_ADMIN_KEY (lost? `kvstrata admin rotate-key --local`)[/red]")
+        raise typer.Exit(2)
+    return (("authorization", f"Bearer {key}"),)
+
+
+def reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """True when a TCP connection to ``host:port`` opens within ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,93 @@
+"""``cli.processes.stop_processes`` on real child processes: it stops the processes whose
+command line matches and their descendants, SIGKILLs those that ignore SIGTERM, and leaves
+every other process alone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import psutil
+
+from cli.processes import stop_processes
+
+
+def _spawn(script: str, marker: str) -> subprocess.Popen:
+    """``sh -c script marker`` in a new process group (the marker is its ``$0``, so it is in
+    the shell's command line only, not its children's)."""
+    return subprocess.Popen(["sh", "-c", script, marker], start_new_session=True)
+
+
+def _child(proc: subprocess.Popen) -> psutil.Process:
+    deadline = time.monotonic() + 10
+    while not (children := psutil.Process(proc.pid).children()):
+        assert time.monotonic() < deadline, "the shell started no child"
+        time.sleep(0.01)
+    return children[0]
+
+
+def _gone(proc: psutil.Process, wait_s: float = 5.0) -> bool:
+    """True once ``proc`` has exited (SIGKILL is delivered asynchronously: wait a little)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _matching(marker: str):
+    return lambda cmdline: any(marker in part for part in cmdline)
+
+
+def _cleanup(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def test_stop_processes_stops_matches_and_descendants_only() -> None:
+    marker = f"kvstrata-test-{uuid.uuid4().hex}"
+    target = _spawn("sleep 600 & wait", marker)
+    bystander = _spawn("sleep 600 & wait", f"kvstrata-test-{uuid.uuid4().hex}")
+    try:
+        shell, child = psutil.Process(target.pid), _child(target)
+        bystander_child = _child(bystander)
+        start = time.monotonic()
+
+        stopped = stop_processes(_matching(marker), timeout_s=30.0)
+
+        assert stopped == 2  # the shell and its sleep (whose command line lacks the marker)
+        assert time.monotonic() - start < 10  # SIGTERM sufficed; no wait for the timeout
+        assert _gone(shell) and _gone(child)
+        assert bystander.poll() is None and bystander_child.is_running()
+    finally:
+        _cleanup(target, bystander)
+
+
+def test_stop_processes_kills_what_ignores_sigterm() -> None:
+    marker = f"kvstrata-test-{uuid.uuid4().hex}"
+    stubborn = _spawn("trap '' TERM; sleep 600 & wait", marker)  # the sleep inherits the ignore
+    try:
+        shell, child = psutil.Process(stubborn.pid), _child(stubborn)
+        start = time.monotonic()
+
+        assert stop_processes(_matching(marker), timeout_s=1.0) == 2
+
+        assert time.monotonic() - start >= 1.0  # SIGTERM was ignored; SIGKILL after the timeout
+        assert _gone(shell) and _gone(child)
+    finally:
+        _cleanup(stubborn)
+
+
+def test_stop_processes_without_matches_stops_nothing() -> None:
+    assert stop_processes(lambda cmdline: False, timeout_s=0.1) == 0
