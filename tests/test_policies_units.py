@@ -7,7 +7,12 @@ import torch
 
 from cache_node.policies import PolicyEnv, get_policy_class
 from cache_node.policies.quant import pack_bits, quantize, unpack_bits
-from cache_node.policies.sentencekv import QuantSentenceRegion, SentenceRegion
+from cache_node.policies.sentencekv import (
+    SHORTLIST_MIN_SENTENCES,
+    QuantSentenceRegion,
+    SentenceRegion,
+    shortlist,
+)
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
@@ -160,6 +165,22 @@ def test_sentencekv_cos_mode_keeps_the_papers_mean_keys(tiny) -> None:
     policy.recall(seq.kv, 0, mean.repeat_interleave(2, 0).unsqueeze(0))  # each group points at target
     assert all(target in sids for sids in store.resident[0])
     assert store.index_nbytes == len(store) * 2 * 2 * 16 * 4
+
+
+def test_sentencekv_shortlist_is_each_heads_top_k_by_cosine() -> None:
+    """Below ``SHORTLIST_MIN_SENTENCES`` every sentence is scored; from it on, the sorted union
+    over KV heads of each head's ``k`` best mean keys by cosine with the chunk's mean unit query."""
+    torch.manual_seed(0)
+    s, h_kv, g, d, k = SHORTLIST_MIN_SENTENCES, 2, 3, 16, 40
+    assert shortlist(torch.randn(s - 1, h_kv, d), torch.randn(1, h_kv * g, d), k) is None
+    mk, q = torch.randn(s, h_kv, d), torch.randn(4, h_kv * g, d)
+    got = shortlist(mk, q, k)
+    qn = torch.nn.functional.normalize(q.view(4, h_kv, g, d), dim=-1).mean((0, 2))
+    cos = torch.nn.functional.cosine_similarity(mk, qn.unsqueeze(0), dim=-1)  # (S, H_kv)
+    want = set()
+    for h in range(h_kv):
+        want |= set(cos[:, h].argsort(descending=True)[:k].tolist())
+    assert got is not None and got.tolist() == sorted(want)
 
 
 def test_gkv_cumulative_attention_decays_per_step(tiny) -> None:

