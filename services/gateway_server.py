@@ -18,7 +18,9 @@ from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.auth import Authenticator
 from services.chat import ChatTemplater
 from services.data_plane_auth import Security
-from services.gateway import AdminServicer, InferenceServicer, NodeStreams, TenantServicer
+from services.gateway import InferenceServicer
+from services.gateway_admin import AdminServicer, TenantServicer
+from services.gateway_streams import NodeStreams
 from services.node_monitor import NodeMonitor
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """The global scheduler: tenants, admission, routing, and the global block index.
 
 One named Ray actor. Gateways call ``authenticate`` and ``release`` per request through Ray and
-send admissions on the data plane (``GlobalSchedulerService``, ``services.data_plane``).
+send admissions on the data plane (``GlobalSchedulerService``, ``services.data_plane``;
+``services.global_scheduler_admission``).
 Cache nodes push their device- and host-tier block events and spill nodes their RAM- and
 disk-tier events (``report_events``, batched, fire-and-forget) into one tier-aware
 ``BlockIndex``: block hash -> the ``(holder, tier)`` pairs holding it.
@@ -26,16 +27,12 @@ but never decides what is reused: the cache node's token-checked prefix cache do
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import ray
 
 from cache_node.scheduling import SLO_CLASS_RANK, check_policy_name
 from cache_node.scheduling.admission import (
@@ -48,13 +45,13 @@ from cache_node.scheduling.admission import (
 )
 from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
-from services.data_plane_auth import Security, secure_push
+from services.data_plane_auth import Security
+from services.global_scheduler_members import GatewayRecord, Membership
+from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
-from tenants.model import Tenant, TenantSpec
+from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,21 +64,6 @@ class NodeLoad:
     backlog: FluidBacklog = field(default_factory=FluidBacklog)
     prefill: SpeedMeter = field(default_factory=SpeedMeter)
     step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
-
-
-GONE_GATEWAYS_MAX = 1024
-"""Event inboxes of dead gateways remembered (oldest forgotten first)."""
-
-GATEWAY_POLL_S = 5.0
-"""Length of the scheduler's long poll of a gateway (``Gateway.serves``)."""
-
-
-@dataclass(frozen=True)
-class GatewayRecord:
-    """A gateway as the scheduler knows it: its gRPC ``host:port`` and its event inbox."""
-
-    address: str
-    subscriber: str
 
 
 @dataclass(frozen=True)
@@ -99,8 +81,11 @@ class Admission:
     spill_blocks: int = 0
 
 
-class GlobalScheduler:
-    """Plain class behind the ``GlobalSchedulerActor``.
+class GlobalScheduler(Tenants, Membership):
+    """Plain class behind the ``GlobalSchedulerActor`` (``services.global_scheduler_admission``):
+    admission, routing, release, the block index and stats. Its parts: ``Tenants``
+    (``services.global_scheduler_tenants``) and ``Membership`` (nodes up and down, gateways
+    attached and gone: ``services.global_scheduler_members``).
 
     Args:
         state_dir: where the tenant database lives (survives restarts).
@@ -145,50 +130,6 @@ class GlobalScheduler:
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         self.commands: Any = None  # sends submit commands to node inboxes
 
-    # ---- tenants (the gateway checks the admin key first) ---------------------------------
-    def ensure_admin_key(self) -> str | None:
-        return self.store.ensure_admin_key()
-
-    def verify_admin_key(self, key: str) -> bool:
-        return self.store.verify_admin_key(key)
-
-    def has_admin_key(self) -> bool:
-        return self.store.has_admin_key()
-
-    def set_admin_key(self, key: str) -> bool:
-        """Commit ``key`` (already saved by the caller) as the admin key; True if rotated."""
-        return self.store.set_admin_key(key)
-
-    def rotate_admin_key(self) -> str:
-        return self.store.rotate_admin_key()
-
-    def rotate_tenant_key(self, name: str) -> str:
-        return self.store.rotate_key(name)
-
-    def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
-        return self.store.register(spec)
-
-    def update_tenant(self, name: str, spec: TenantSpec) -> Tenant:
-        return self.store.update(name, spec)
-
-    def delete_tenant(self, name: str) -> None:
-        self.store.delete(name)
-
-    def get_tenant(self, name: str) -> Tenant:
-        return self.store.get(name)
-
-    def list_tenants(self) -> tuple[Tenant, ...]:
-        return self.store.list()
-
-    def authenticate(self, api_key: str) -> Tenant | None:
-        tenant = self.store.authenticate(api_key)
-        if tenant is not None:
-            self.specs[tenant.tenant_id] = tenant.spec
-        return tenant
-
-    def usage_of(self, tenant_id: str) -> Any:
-        return self.usage.snapshot(tenant_id)
-
     # ---- admission and routing ------------------------------------------------------------
     def admit(
         self, tenant_id: str, request_id: str, session_id: str = "", block_hashes: list[bytes] | None = None,
@@ -232,17 +173,6 @@ class GlobalScheduler:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill)
-
-    def attach_nodes(self, inboxes: dict[str, str], sender: Any = None) -> None:
-        """The cache nodes' command inboxes (``CacheNode.open_data_plane``), so
-        ``admit_and_submit`` can hand requests on to them.
-
-        Args:
-            inboxes: node id -> ZeroMQ address.
-            sender: has ``send(address, message)``; default ``data_plane.PushSockets``.
-        """
-        self.node_inboxes = dict(inboxes)
-        self.commands = sender or data_plane.PushSockets(secure_push(self.security, "node"))
 
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
@@ -345,66 +275,6 @@ class GlobalScheduler:
             if usage.get("preempted"):
                 self.usage.record_preempted(tenant_id)
 
-    # ---- gateways: where a restarted one serves again, and a dead one's requests -------------
-    def gateway_address(self, gateway_id: str) -> str:
-        """The ``host:port`` the gateway ``gateway_id`` (its Ray actor id) last served on, ""
-        if it never did: a gateway Ray restarted serves on it again (``attach_gateway``)."""
-        record = self.gateways.get(gateway_id)
-        return record.address if record is not None else ""
-
-    def attach_gateway(self, gateway_id: str, address: str, subscriber: str) -> str:
-        """Gateway ``gateway_id`` serves gRPC on ``address`` with its event inbox at
-        ``subscriber``. The inbox it had before (it was restarted) is gone (``gateway_gone``).
-        Returns that previous inbox ("" if none)."""
-        previous = self.gateways.get(gateway_id)
-        self.gateways[gateway_id] = GatewayRecord(address, subscriber)
-        if previous is not None and previous.subscriber != subscriber:
-            self.gateway_gone(previous.subscriber)
-            return previous.subscriber
-        return ""
-
-    def gateway_gone(self, subscriber: str) -> list[str]:
-        """The gateway whose event inbox was ``subscriber`` died: release each request it
-        admitted (once: a later ``release`` of one is a no-op), refuse any admission still on
-        its way from it, and tell every node to abort its streams (their blocks are freed at the
-        next step). Returns the released request ids. Idempotent."""
-        if subscriber in self.gone_gateways:
-            return []
-        self.gone_gateways[subscriber] = True
-        while len(self.gone_gateways) > GONE_GATEWAYS_MAX:
-            self.gone_gateways.popitem(last=False)
-        ids = [rid for rid, sub in self.request_gateways.items() if sub == subscriber]
-        for rid in ids:
-            self.release(rid)
-        if self.commands is not None:
-            for inbox in self.node_inboxes.values():
-                self.commands.send(inbox, {"op": "abort_subscriber", "sub": subscriber})
-        if ids:
-            log.warning("gateway %s is gone: released its %d requests in flight", subscriber, len(ids))
-        return ids
-
-    # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
-    def node_down(self, node_id: str, reason: str) -> None:
-        """Stop routing to ``node_id`` (failed, dead or restarting): its index entries and its
-        sessions are forgotten, as its KV is gone. Unknown ids are ignored."""
-        if node_id not in self.nodes or node_id in self.down:
-            return
-        self.down[node_id] = reason
-        self.index.forget(node_id)
-        for sid in [sid for sid, (_, nid) in self.session_nodes.items() if nid == node_id]:
-            del self.session_nodes[sid]
-
-    def node_up(self, node_id: str, inbox: str) -> None:
-        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).
-
-        Raises:
-            KeyError: ``node_id`` is not one of this scheduler's nodes.
-        """
-        if node_id not in self.nodes:
-            raise KeyError(f"unknown cache node {node_id!r}")
-        self.node_inboxes[node_id] = inbox
-        self.down.pop(node_id, None)
-
     def sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
         """``node_id`` closed these sessions (expired): forget their routing there (an id
         routed to another node stays)."""
@@ -472,122 +342,3 @@ class GlobalScheduler:
             "indexed_blocks_by_tier": self.index.pairs_per_tier(),
             "time_s": time.time(),
         }
-
-
-class GlobalSchedulerService(GlobalScheduler):
-    """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
-
-    It has an async method, so Ray runs every method on one event loop thread, and the
-    admission socket served on that loop never runs concurrently with a Ray method call.
-    """
-
-    data_address = ""  # the admission socket, once open
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._gateway_watches: set[asyncio.Task[None]] = set()
-
-    async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
-        """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch
-        it: once it no longer serves ``subscriber`` (its process died: the call fails; or Ray
-        restarted it with a new inbox) its requests are released (``gateway_gone``), so the
-        nodes' slots never depend on a dead gateway's ``release``."""
-        previous = super().attach_gateway(gateway_id, address, subscriber)
-        if handle is not None:
-            task = asyncio.get_running_loop().create_task(self._watch_gateway(handle, subscriber))
-            self._gateway_watches.add(task)  # held until done (the loop keeps weak references)
-            task.add_done_callback(self._gateway_watches.discard)
-        return previous
-
-    async def _watch_gateway(self, handle: Any, subscriber: str) -> None:
-        """Long-poll ``handle.serves(subscriber, GATEWAY_POLL_S)`` until it says no or fails."""
-        while subscriber not in self.gone_gateways:
-            try:
-                serves = await handle.serves.remote(subscriber, GATEWAY_POLL_S)
-            except Exception as exc:  # noqa: BLE001 - a dead (or restarting) gateway's calls fail
-                log.warning("gateway %s is unreachable: %s: %.200s", subscriber, type(exc).__name__, exc)
-                serves = False
-            if not serves:
-                self.gateway_gone(subscriber)
-
-    async def authenticate(self, api_key: str) -> Tenant | None:
-        """``GlobalScheduler.authenticate`` with its PBKDF2 in a worker thread, so that a key
-        check never stalls the loop that serves admissions."""
-        return await asyncio.to_thread(super().authenticate, api_key)
-
-    async def verify_admin_key(self, key: str) -> bool:
-        """``GlobalScheduler.verify_admin_key``, in a worker thread (as ``authenticate``)."""
-        return await asyncio.to_thread(super().verify_admin_key, key)
-
-    async def open_data_plane(self) -> str:
-        """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting
-        gateways only, with ``security``) and serve it; returns its address (idempotent)."""
-        if self.data_address:
-            return self.data_address
-        self._admission_context = ctx = data_plane.context(asyncio_=True)
-        self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
-        sock, self.data_address = data_plane.serving_socket(ctx, data_plane.zmq.ROUTER, self.security)
-        self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
-        return self.data_address
-
-    def close_data_plane(self) -> None:
-        """Stop serving admissions and close every data-plane socket (on the serving loop)."""
-        if self.data_address:
-            self._admissions.cancel()
-            if self._authenticator is not None:
-                self._authenticator.stop()
-            self._admission_context.destroy(linger=0)
-            self.data_address = ""
-        if self.commands is not None and hasattr(self.commands, "close"):
-            self.commands.close()
-            self.commands = None
-
-    async def _serve_admissions(self, sock: Any) -> None:
-        """Answer each admission; a malformed message (any bytes at all) is counted in
-        ``bad_messages`` and dropped, answered with an error when its correlation id is
-        readable (the gateway then need not wait for its timeout)."""
-        while True:
-            frames = await sock.recv_multipart()
-            reply = self._answer(frames[-1]) if len(frames) == 2 else None
-            if reply is None:
-                self.bad_messages += 1
-                continue
-            await sock.send_multipart([frames[0], data_plane.pack(reply)])
-
-    def _answer(self, payload: bytes) -> dict[str, Any] | None:
-        """The reply to one admission message; None when it has no readable correlation id."""
-        try:
-            msg = data_plane.unpack(payload)
-        except Exception:  # noqa: BLE001 - not msgpack at all
-            return None
-        corr = msg.get("id") if isinstance(msg, dict) else None
-        if type(corr) is not int:
-            return None
-        try:
-            req, subscriber, hashes = _admission_request(msg)
-        except (TypeError, ValueError) as exc:
-            self.bad_messages += 1
-            return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"}
-        try:
-            adm = self.admit_and_submit(req, subscriber, hashes)
-        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
-            log.exception("admission failed")
-            return {"id": corr, "error": f"{type(exc).__name__}: {exc}"}
-        return {"id": corr, "adm": dataclasses.asdict(adm)}
-
-
-def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes]]:
-    """``(request, subscriber, block hashes)`` of an admission message, every field checked.
-
-    Raises:
-        TypeError, ValueError: a missing or mistyped field.
-    """
-    hashes, subscriber = msg.get("hashes"), msg.get("sub")
-    if not isinstance(hashes, list) or not all(isinstance(h, bytes) for h in hashes):
-        raise TypeError("hashes must be a list of bytes")
-    if not isinstance(subscriber, str) or not subscriber.startswith("tcp://"):
-        raise TypeError("sub must be a tcp:// address")
-    return data_plane.request_from_wire(msg.get("req")), subscriber, hashes
-
-
-GlobalSchedulerActor = ray.remote(GlobalSchedulerService)

@@ -20,7 +20,7 @@ from services.cache_node import CacheNodeRemote
 from services.config import ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
-from services.global_scheduler import GlobalSchedulerActor
+from services.global_scheduler_admission import GlobalSchedulerActor
 from services.spill_node import create_spill_node
 from tenants.keys import new_api_key, read_key_file, write_key_file
 

@@ -25,8 +25,9 @@ import grpc
 
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.auth import Authenticator
-from services.gateway import AdminServicer, InferenceServicer, TenantServicer
-from services.global_scheduler import GlobalSchedulerService
+from services.gateway import InferenceServicer
+from services.gateway_admin import AdminServicer, TenantServicer
+from services.global_scheduler_admission import GlobalSchedulerService
 
 
 class _Method:

@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from services.config import ServiceConfig
-from services.global_scheduler import GlobalSchedulerActor
+from services.global_scheduler_admission import GlobalSchedulerActor
 from services.launcher import _admin_key, admin_key_path
 from tenants.keys import KEY_PATTERN, read_key_file, write_key_file
 from tenants.store import TenantStore

@@ -19,7 +19,7 @@ import pytest
 
 import tenants.store
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
-from services.global_scheduler import GlobalSchedulerService
+from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tests.gateway_harness import serve

@@ -29,8 +29,8 @@ from services import data_plane
 from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.data_plane_auth import DataPlaneKeys, KeyPair
-from services.gateway import NodeStreams
-from services.global_scheduler import GlobalSchedulerService
+from services.gateway_streams import NodeStreams
+from services.global_scheduler_admission import GlobalSchedulerService
 from services.node_request import NodeRequest
 
 PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)

@@ -1,4 +1,4 @@
-"""The gateway's end of the data plane (``services.gateway.NodeStreams``) over real ZeroMQ
+"""The gateway's end of the data plane (``services.gateway_streams.NodeStreams``) over real ZeroMQ
 sockets, with a scheduler socket and node handles standing in for the Ray actors: admissions
 are matched to their replies, a scheduler failure reaches the caller, events reach their
 stream's queue, aborts reach the node's inbox, and a node found down ends its streams (those
@@ -13,7 +13,7 @@ import zmq
 
 from cache_node.sampling_params import SamplingParams
 from services import data_plane
-from services.gateway import NodeStreams
+from services.gateway_streams import NodeStreams
 from services.node_request import NodeRequest
 
 

@@ -19,8 +19,8 @@ from cache_node.sampling_params import SamplingParams
 from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.data_plane_auth import DataPlaneKeys
-from services.gateway import NodeStreams
-from services.global_scheduler import GlobalSchedulerService
+from services.gateway_streams import NodeStreams
+from services.global_scheduler_admission import GlobalSchedulerService
 from services.node_request import NodeRequest
 
 PROMPT = tuple(range(100, 140))

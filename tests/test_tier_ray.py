@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray
 
 from cache_node.tiers.spill_format import BlockFormat
-from services.global_scheduler import GlobalSchedulerActor
+from services.global_scheduler_admission import GlobalSchedulerActor
 from services.spill_client import RaySpillClient
 from services.spill_node import SpillNode, create_spill_node
 from tests.test_tier_engine import PARAMS, by_tier, prompt_of, run, tiered

@@ -1,0 +1,115 @@
+"""A cache node's admin calls: stats, flush, drain, closing a session.
+
+Admin calls never take the engine lock on the caller's thread (a step holds it for its whole
+forward pass, and on the actor that would stall its event loop): ``stats`` reads the snapshot
+the step thread publishes; the others run on the step thread between steps (``_between_steps``).
+
+``Admin`` is a part of ``services.cache_node.CacheNode``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+STATS_EVERY_S = 0.1
+"""The step thread refreshes the ``stats`` snapshot at most this often (it walks every block)."""
+
+DRAIN_POLL_S = 0.05
+"""How often ``drain`` looks whether the requests it waits for have finished."""
+
+
+class Admin:
+    """The admin part of ``CacheNode``."""
+
+    async def close_session(self, session_id: str, tenant: str) -> int:
+        """Close ``tenant``'s session; its history tokens freed, or -1 when it has no such session."""
+
+        def close() -> int:
+            owner = self.engine.sessions.sessions.get(session_id)
+            if owner is None or owner.tenant != tenant:
+                return -1
+            self._session_messages.pop(session_id, None)
+            return self.engine.close_session(session_id)
+
+        return await self._between_steps(close)
+
+    def stats(self) -> dict[str, Any]:
+        """Pool, queue and session counts as of the last step boundary, ``stats_age_s`` ago
+        (never waits for a step)."""
+        return self._node_stats(self._stats)
+
+    async def integrity_stats(self) -> dict[str, Any]:
+        """``stats`` taken fresh at the next step boundary, with the pool's integrity checked
+        there (``integrity_ok``, ``integrity_error``)."""
+        return self._node_stats(await self._between_steps(self._integrity_stats))
+
+    def _node_stats(self, engine: dict[str, Any]) -> dict[str, Any]:
+        return {"node_id": self.node_id, "healthy": not self.failure, "failure": self.failure,
+                "pid": os.getpid(), "restarts": self.restarts(),
+                **{k: v for k, v in engine.items() if k != "time_s"},
+                "stats_age_s": time.monotonic() - engine["time_s"],
+                "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}
+
+    async def flush(self) -> int:
+        """Drop every cached block not in use (next step boundary); returns blocks dropped."""
+        return await self._between_steps(self.engine.flush)
+
+    async def drain(self, timeout_s: float = 0.0) -> int:
+        """Let the requests running now finish for up to ``timeout_s`` seconds, then abort
+        those still running (they end with finish reason ``abort``); returns how many.
+
+        Raises:
+            ValueError: ``timeout_s`` is negative or not finite.
+        """
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s}")
+        ids = list(self._streams)
+        deadline = time.monotonic() + timeout_s
+        while any(rid in self._streams for rid in ids) and time.monotonic() < deadline:
+            await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+        left = [rid for rid in ids if rid in self._streams]
+        if not left:
+            return 0
+        return await self._between_steps(lambda: sum(self.engine.abort_request(rid) for rid in left))
+
+    def _between_steps(self, call: Callable[[], Any]) -> asyncio.Future[Any]:
+        """``call()`` run by the step thread at its next step boundary, as an awaitable.
+
+        Raises (when awaited): RuntimeError: the step loop has failed (``failure``).
+        """
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if self.failure:
+            done.set_exception(RuntimeError(self.failure))
+        else:
+            self._admin.append((call, done))
+            self._wake.set()
+        return asyncio.wrap_future(done)
+
+    def _run_admin(self) -> None:
+        """Step thread: run the admin calls queued by ``_between_steps``."""
+        while self._admin:
+            call, done = self._admin.popleft()
+            try:
+                done.set_result(call())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                done.set_exception(exc)
+
+    def _publish_stats(self) -> None:
+        """Step thread: refresh the ``stats`` snapshot (at most every ``STATS_EVERY_S``)."""
+        if time.monotonic() - self._stats["time_s"] >= STATS_EVERY_S:
+            self._stats = {**self.engine.stats(), "time_s": time.monotonic()}
+
+    def _integrity_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {**self.engine.stats(), "time_s": time.monotonic()}
+        try:
+            self.engine.check_integrity()
+            stats["integrity_ok"], stats["integrity_error"] = True, ""
+        except RuntimeError as exc:
+            stats["integrity_ok"], stats["integrity_error"] = False, str(exc)
+        return stats

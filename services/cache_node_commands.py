@@ -1,0 +1,110 @@
+"""A cache node's data-plane command inbox (``services.data_plane``).
+
+``submit`` and ``abort`` commands arrive on the node's ZeroMQ command inbox
+(``open_data_plane``), sent by the gateway and the global scheduler; every message is checked,
+and a malformed one is dropped and counted. ``abort`` stops a request at the next step boundary
+and frees its blocks.
+
+``Commands`` is a part of ``services.cache_node.CacheNode``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from services import data_plane
+
+log = logging.getLogger(__name__)
+
+ABORTED_EARLY_MAX = 4096
+"""Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
+
+
+class Commands:
+    """The command-inbox part of ``CacheNode``: serving commands, ``abort``."""
+
+    async def open_data_plane(self) -> str:
+        """Bind the command inbox (``services.data_plane``; CURVE, admitting the gateway and
+        the scheduler only, with ``security``) and serve it on the running event loop; returns
+        its address. Opening again replaces the previous inbox."""
+        self.close_data_plane()
+        ctx = data_plane.context(asyncio_=True)
+        auth = self.security.start_authenticator(ctx) if self.security is not None else None
+        sock, address = data_plane.serving_socket(ctx, data_plane.zmq.PULL, self.security)
+        self._inbox = (sock, asyncio.get_running_loop().create_task(self._serve_commands(sock)), auth)
+        self.data_address = address
+        return address
+
+    def close_data_plane(self) -> None:
+        if self._inbox is not None:
+            sock, task, auth = self._inbox
+            with contextlib.suppress(RuntimeError):  # its event loop may be gone already
+                task.cancel()
+                if auth is not None:
+                    auth.stop()
+            sock.context.destroy(linger=0)
+            self._inbox = None
+
+    async def _serve_commands(self, sock: Any) -> None:
+        """Run each command; a malformed one (any bytes at all) is dropped and counted."""
+        while True:
+            payload = await sock.recv()
+            try:
+                self._command(data_plane.unpack(payload))
+                self.commands_received += 1
+            except Exception as exc:  # noqa: BLE001 - a bad message loses only itself
+                self.bad_messages += 1
+                log.warning("cache node %s: dropped a bad data-plane message: %s: %.200s",
+                            self.node_id, type(exc).__name__, exc)
+
+    def _command(self, msg: Any) -> None:
+        """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}`` or
+        ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone).
+
+        Raises:
+            TypeError, ValueError: a malformed command (nothing was run).
+        """
+        if not isinstance(msg, dict):
+            raise TypeError(f"a command must be a map, got {type(msg).__name__}")
+        op = msg.get("op")
+        if op == "submit" and isinstance(msg.get("sub"), str) and msg["sub"].startswith("tcp://"):
+            self.submit(data_plane.request_from_wire(msg.get("req")), msg["sub"])
+        elif op == "abort" and isinstance(msg.get("id"), str):
+            self.abort(msg["id"])
+        elif op == "abort_subscriber" and isinstance(msg.get("sub"), str):
+            self.abort_subscriber(msg["sub"])
+        else:
+            raise ValueError(f"malformed command (op {op!r})")
+
+    # ---- admin ----------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` at the next step boundary (its stream gets no more events).
+
+        An abort can overtake its request (the gateway aborts, the scheduler submits): an
+        unknown id is remembered, and a later ``submit`` of it is refused (CANCELLED).
+        """
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            self._aborted_early[request_id] = True
+            while len(self._aborted_early) > ABORTED_EARLY_MAX:
+                self._aborted_early.popitem(last=False)
+            return False
+        self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
+        self._wake.set()
+        return True
+
+    def abort_subscriber(self, subscriber: str) -> int:
+        """The gateway whose event inbox is ``subscriber`` is gone: abort every stream whose
+        events went to it (their blocks are freed at the next step boundary) and close the
+        step thread's socket to it. Returns how many streams were aborted."""
+        ids = [rid for rid, stream in list(self._streams.items()) if stream.subscriber == subscriber]
+        for rid in ids:
+            self.abort(rid)
+        self._gone_subscribers.append(subscriber)
+        self._wake.set()
+        if ids:
+            log.warning("cache node %s: aborted %d streams of gone gateway %s", self.node_id, len(ids), subscriber)
+        return len(ids)

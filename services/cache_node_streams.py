@@ -1,0 +1,191 @@
+"""A cache node's token streams: how each engine step's events reach their requests.
+
+Each engine step's events are handed from the step thread to the event loop in one batch, and
+reach a request in one of two ways: ``generate`` (in-process callers: an async generator over
+the request's own queue) or, for a stream opened by ``submit``, pushed by the step thread to
+its gateway's event inbox, one message per gateway per step. A request's ``started`` event is
+sent when the engine first schedules it, before that step's forward pass.
+
+``Streams`` is a part of ``services.cache_node.CacheNode``; it uses the node's ``engine``,
+``_streams``, ``_pusher``, ``_outbox``, ``_incoming`` and ``_wake``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_node.outputs import RequestOutput
+from services.node_request import NodeRequest
+
+Event = dict[str, Any]
+
+
+
+@dataclass
+class _Stream:
+    """One request's stream: in-process (``deliver`` called on ``loop``) or, with a
+    ``subscriber``, pushed by the step thread to that gateway's event inbox."""
+
+    loop: asyncio.AbstractEventLoop | None
+    deliver: Callable[[Event], None] | None
+    request: NodeRequest
+    prompt_tokens: int
+    subscriber: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    started: bool = False
+
+class Streams:
+    """The stream part of ``CacheNode``: opening streams and delivering their events."""
+
+    # ---- streaming generation -------------------------------------------------------------
+    def _open(self, stream: _Stream) -> None:
+        """Register a stream and hand it to the step thread, which queues its request in the
+        engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
+        PERMISSION_DENIED) arrives as an error event on the stream."""
+        self._streams[stream.request.request_id] = stream
+        self._incoming.append(stream)
+        self._wake.set()
+
+    async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
+        """Run one request; yields event dicts (see services.node_request). Closing the
+        generator before its last event aborts the request."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._open(_Stream(asyncio.get_running_loop(), queue.put_nowait, req, 0))
+        done = False
+        try:
+            while not done:
+                event = await queue.get()
+                done = event["type"] in ("finished", "error")
+                yield event
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not done:
+                self.engine.abort_request(req.request_id)
+
+    def submit(self, req: NodeRequest, subscriber: str) -> None:
+        """Start ``req``; its events go to ``subscriber`` (a gateway's event inbox address).
+
+        A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED), cancelled before it
+        arrived (``abort``), or whose id is running here already (ALREADY_EXISTS; ids are scoped
+        to their tenant by the gateway), gets its error event pushed like any other event.
+        """
+        error = None
+        if self._aborted_early.pop(req.request_id, None) is not None:
+            error = ("CANCELLED", "the request was cancelled before it reached the node")
+        elif req.request_id in self._streams:
+            error = ("ALREADY_EXISTS", "a request with this id is running already")
+        if error is not None:  # the running stream of that id is not touched
+            self._outbox.append((subscriber, req.request_id, {"type": "error", "code": error[0], "message": error[1]}))
+            self._wake.set()
+            return
+        self._open(_Stream(None, None, req, 0, subscriber))
+
+    def _send_outbox(self) -> None:
+        while self._outbox:
+            subscriber, request_id, event = self._outbox.popleft()
+            self._pusher.send(subscriber, [[request_id, event]])
+
+    def _announce(self, batch: list[tuple[Any, int]]) -> None:
+        """Step thread, after scheduling and before the forward pass: a ``started`` event for
+        each request scheduled for the first time."""
+        now = time.monotonic()
+        events = []
+        for seq, _ in batch:
+            stream = self._streams.get(seq.request_id)
+            if stream is None or stream.started:
+                continue
+            stream.started = True
+            events.append((stream, {
+                "type": "started", "request_id": seq.request_id, "node_id": self.node_id,
+                "prompt_tokens": seq.num_prompt_tokens,
+                "cached_tokens": dict(self.engine.tiers.cached_tokens_by_tier(seq)),
+                "queue_ms": (now - seq.arrival_time_s) * 1000.0,
+            }))
+        self._dispatch(events)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Turn one step's outputs into events and send them on: one message per gateway, one
+        call per in-process event loop."""
+        events = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                events.extend((stream, event) for event in self._events(out, stream))
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[tuple[_Stream, Event]]) -> None:
+        pushed: dict[str, list[list[Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Event]]] = {}
+        for stream, event in events:
+            if not stream.subscriber:
+                batches.setdefault(stream.loop, []).append((stream, event))
+                continue
+            if event["type"] in ("finished", "error"):
+                self._streams.pop(stream.request.request_id, None)
+            pushed.setdefault(stream.subscriber, []).append([stream.request.request_id, event])
+        for subscriber, items in pushed.items():
+            self._pusher.send(subscriber, items)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _deliver(self, batch: list[tuple[_Stream, Event]]) -> None:
+        for stream, event in batch:
+            if event["type"] in ("finished", "error"):
+                self._streams.pop(stream.request.request_id, None)
+            stream.deliver(event)
+
+    def _events(self, out: RequestOutput, stream: _Stream) -> list[Event]:
+        events: list[Event] = []
+        if out.new_token_ids:
+            stream.token_ids.extend(out.new_token_ids)
+            text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            delta, stream.text = text[len(stream.text):], text
+            events.append({"type": "delta", "token_ids": list(out.new_token_ids), "text": delta})
+        if out.finished and out.finish_reason == "rejected":
+            events.append({"type": "error", "code": "INVALID_ARGUMENT",
+                           "message": "the request can never fit this node's KV pool "
+                                      f"({self.engine.scheduler.pool_tokens} tokens)"})
+        elif out.finished:
+            self._end_session_turn(stream, out)
+            events.append(self._finished_event(out, stream))
+        return events
+
+    def _end_session_turn(self, stream: _Stream, out: RequestOutput) -> None:
+        req = stream.request
+        if not req.session_id or out.finish_reason == "abort" or not req.messages:
+            return
+        history = self._session_messages.setdefault(req.session_id, [])
+        history.extend(req.messages)
+        history.append({"role": "assistant", "content": stream.text})
+
+    def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
+        now = time.monotonic()
+        ttft_ms = (out.ttft_s or 0.0) * 1000.0
+        n = out.num_output_tokens
+        total_ms = (now - stream.request.arrival_time_s) * 1000.0 if stream.request.arrival_time_s else 0.0
+        tpot = (total_ms - ttft_ms) / (n - 1) if n > 1 and total_ms else 0.0
+        return {
+            "type": "finished", "finish_reason": out.finish_reason,
+            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
+            "cached_tokens": _tiers(out),
+            "ttft_ms": ttft_ms, "tpot_ms": tpot, "preempted": out.num_preemptions > 0,
+            "prefill_tokens_per_s": self.engine.scheduler.prefill_speed.tokens_per_s,
+            "step_s": self.engine.scheduler.step_s.value,
+        }
+
+    def _flush_events(self) -> None:
+        if self.event_sink is None:
+            return
+        events = self.engine.take_tier_events()
+        if events:  # plain tuples: the scheduler need not import the cache node's types
+            self.event_sink(self.node_id, [(e.event, e.block_hash, e.tier) for e in events])
+
+
+def _tiers(out: RequestOutput) -> dict[str, int]:
+    """Cached prompt tokens per tier (device/host/spill_ram/spill_disk)."""
+    return dict(out.num_cached_tokens_by_tier) or {"device": out.num_cached_tokens}

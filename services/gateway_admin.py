@@ -1,0 +1,162 @@
+"""gRPC servicers for operators: ``TenantServicer`` (tenants, their keys and usage) and
+``AdminServicer`` (stats, flush, drain, the admin key).
+
+Each servicer authenticates, converts (services.convert), delegates to the GlobalScheduler or
+a CacheNode actor through Ray, and maps failures to precise status codes for that call alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import grpc
+
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
+from services import convert
+from services.auth import Authenticator
+from tenants.errors import TenantExistsError, TenantNotFoundError
+
+
+def _message(exc: BaseException) -> str:
+    """The error's own message: an exception raised inside an actor reaches the gateway as
+    Ray's task error (``cause`` holds the original), whose ``str`` is a whole remote traceback."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc)
+
+
+async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
+    """Await an actor call, mapping tenant errors and bad input to statuses."""
+    try:
+        return await ref
+    except TenantExistsError as exc:
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _message(exc))
+    except TenantNotFoundError as exc:
+        await context.abort(grpc.StatusCode.NOT_FOUND, _message(exc))
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
+
+class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
+    def __init__(self, scheduler: Any, auth: Authenticator) -> None:
+        self.scheduler, self.auth = scheduler, auth
+
+    async def _spec(self, msg: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return convert.tenant_spec_from_pb(msg)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def RegisterTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        spec = await self._spec(request.spec, context)
+        tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec))
+        return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
+
+    async def UpdateTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        spec = await self._spec(request.spec, context)
+        tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec))
+        self.auth.forget()
+        return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))
+
+    async def DeleteTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        await _call(context, self.scheduler.delete_tenant.remote(request.name))
+        self.auth.forget()
+        return tenant_pb2.DeleteTenantResponse()
+
+    async def GetTenant(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
+        return tenant_pb2.GetTenantResponse(tenant=convert.tenant_to_pb(tenant))
+
+    async def ListTenants(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        tenants = await self.scheduler.list_tenants.remote()
+        return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
+
+    async def GetUsage(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
+        usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
+        return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
+
+    async def RotateKey(self, request, context):  # noqa: N802
+        """The admin key rotates any tenant's key; a tenant's own key rotates only its own."""
+        caller = await self.auth.admin_or_tenant(context)
+        if caller is not None and caller.name != request.name:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a tenant key rotates only its own tenant's key")
+        key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name))
+        self.auth.forget()
+        return tenant_pb2.RotateKeyResponse(api_key=key)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    """Operator calls. A node the ``monitor`` (``services.node_monitor``) knows down is not
+    asked (Stats lists it with ``healthy`` false and why; Flush and Drain skip it: its KV and
+    requests died with it), and a node that does not answer within ``node_timeout_s`` counts
+    as down for that call."""
+
+    def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
+                 monitor: Any = None, node_timeout_s: float = 30.0) -> None:
+        self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
+        self.monitor, self.node_timeout_s = monitor, node_timeout_s
+
+    def _live(self) -> dict[str, Any]:
+        if self.monitor is None:
+            return dict(self.nodes)
+        return {nid: n for nid, n in self.nodes.items() if self.monitor.state[nid].healthy}
+
+    async def _ask_live(self, call: Any, extra_s: float = 0.0) -> dict[str, Any]:
+        """node id -> ``call(node)`` awaited, for every live node; an exception in place of the
+        answer of a node that failed or did not answer within ``node_timeout_s + extra_s``."""
+        live = self._live()
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(call(n), self.node_timeout_s + extra_s) for n in live.values()),
+            return_exceptions=True,
+        )
+        return dict(zip(live, answers))
+
+    async def Stats(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        answers = await self._ask_live(
+            lambda n: n.integrity_stats.remote() if request.check_integrity else n.stats.remote())
+        node_stats = []
+        for nid in self.nodes:
+            answer = answers.get(nid)
+            if isinstance(answer, dict):
+                node_stats.append(answer)
+            else:
+                why = self.monitor.state[nid].failure if answer is None else f"no answer: {_message(answer)}"
+                node_stats.append({"node_id": nid, "healthy": False, "failure": why})
+        sched = await self.scheduler.stats.remote()
+        health = self.monitor.snapshot() if self.monitor is not None else {}
+        return admin_pb2.StatsResponse(
+            nodes=[convert.node_stats_to_pb(s) for s in node_stats], queued=sched["queued"],
+            sessions=sched["sessions"],
+            stats_json=json.dumps({"scheduler": sched, "nodes": node_stats, "health": health}),
+        )
+
+    async def Flush(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        answers = await self._ask_live(lambda n: n.flush.remote())
+        freed = [a for a in answers.values() if isinstance(a, int)]
+        await self.scheduler.flush_index.remote()
+        return admin_pb2.FlushResponse(freed_blocks=sum(freed))
+
+    async def Drain(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        timeout_s = request.timeout_s
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0 seconds, got {timeout_s}")
+        # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
+        answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
+        return admin_pb2.DrainResponse(aborted=sum(a for a in answers.values() if isinstance(a, int)))
+
+    async def RotateAdminKey(self, request, context):  # noqa: N802
+        await self.auth.admin(context)
+        key = await self.scheduler.rotate_admin_key.remote()
+        self.auth.forget()
+        return admin_pb2.RotateAdminKeyResponse(api_key=key)

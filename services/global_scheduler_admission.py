@@ -1,0 +1,142 @@
+"""The global scheduler's actor: ``GlobalSchedulerService`` answers admissions on the data
+plane (``services.data_plane``, step 1) and watches the gateways attached to it;
+``GlobalSchedulerActor`` is its Ray actor class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import ray
+
+from services import data_plane
+from services.global_scheduler import GlobalScheduler
+from services.node_request import NodeRequest
+from tenants.model import Tenant
+
+log = logging.getLogger(__name__)
+
+GATEWAY_POLL_S = 5.0
+"""Length of the scheduler's long poll of a gateway (``Gateway.serves``)."""
+
+
+class GlobalSchedulerService(GlobalScheduler):
+    """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
+
+    It has an async method, so Ray runs every method on one event loop thread, and the
+    admission socket served on that loop never runs concurrently with a Ray method call.
+    """
+
+    data_address = ""  # the admission socket, once open
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gateway_watches: set[asyncio.Task[None]] = set()
+
+    async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
+        """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch
+        it: once it no longer serves ``subscriber`` (its process died: the call fails; or Ray
+        restarted it with a new inbox) its requests are released (``gateway_gone``), so the
+        nodes' slots never depend on a dead gateway's ``release``."""
+        previous = super().attach_gateway(gateway_id, address, subscriber)
+        if handle is not None:
+            task = asyncio.get_running_loop().create_task(self._watch_gateway(handle, subscriber))
+            self._gateway_watches.add(task)  # held until done (the loop keeps weak references)
+            task.add_done_callback(self._gateway_watches.discard)
+        return previous
+
+    async def _watch_gateway(self, handle: Any, subscriber: str) -> None:
+        """Long-poll ``handle.serves(subscriber, GATEWAY_POLL_S)`` until it says no or fails."""
+        while subscriber not in self.gone_gateways:
+            try:
+                serves = await handle.serves.remote(subscriber, GATEWAY_POLL_S)
+            except Exception as exc:  # noqa: BLE001 - a dead (or restarting) gateway's calls fail
+                log.warning("gateway %s is unreachable: %s: %.200s", subscriber, type(exc).__name__, exc)
+                serves = False
+            if not serves:
+                self.gateway_gone(subscriber)
+
+    async def authenticate(self, api_key: str) -> Tenant | None:
+        """``GlobalScheduler.authenticate`` with its PBKDF2 in a worker thread, so that a key
+        check never stalls the loop that serves admissions."""
+        return await asyncio.to_thread(super().authenticate, api_key)
+
+    async def verify_admin_key(self, key: str) -> bool:
+        """``GlobalScheduler.verify_admin_key``, in a worker thread (as ``authenticate``)."""
+        return await asyncio.to_thread(super().verify_admin_key, key)
+
+    async def open_data_plane(self) -> str:
+        """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting
+        gateways only, with ``security``) and serve it; returns its address (idempotent)."""
+        if self.data_address:
+            return self.data_address
+        self._admission_context = ctx = data_plane.context(asyncio_=True)
+        self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
+        sock, self.data_address = data_plane.serving_socket(ctx, data_plane.zmq.ROUTER, self.security)
+        self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
+        return self.data_address
+
+    def close_data_plane(self) -> None:
+        """Stop serving admissions and close every data-plane socket (on the serving loop)."""
+        if self.data_address:
+            self._admissions.cancel()
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            self._admission_context.destroy(linger=0)
+            self.data_address = ""
+        if self.commands is not None and hasattr(self.commands, "close"):
+            self.commands.close()
+            self.commands = None
+
+    async def _serve_admissions(self, sock: Any) -> None:
+        """Answer each admission; a malformed message (any bytes at all) is counted in
+        ``bad_messages`` and dropped, answered with an error when its correlation id is
+        readable (the gateway then need not wait for its timeout)."""
+        while True:
+            frames = await sock.recv_multipart()
+            reply = self._answer(frames[-1]) if len(frames) == 2 else None
+            if reply is None:
+                self.bad_messages += 1
+                continue
+            await sock.send_multipart([frames[0], data_plane.pack(reply)])
+
+    def _answer(self, payload: bytes) -> dict[str, Any] | None:
+        """The reply to one admission message; None when it has no readable correlation id."""
+        try:
+            msg = data_plane.unpack(payload)
+        except Exception:  # noqa: BLE001 - not msgpack at all
+            return None
+        corr = msg.get("id") if isinstance(msg, dict) else None
+        if type(corr) is not int:
+            return None
+        try:
+            req, subscriber, hashes = _admission_request(msg)
+        except (TypeError, ValueError) as exc:
+            self.bad_messages += 1
+            return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"}
+        try:
+            adm = self.admit_and_submit(req, subscriber, hashes)
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+            log.exception("admission failed")
+            return {"id": corr, "error": f"{type(exc).__name__}: {exc}"}
+        return {"id": corr, "adm": dataclasses.asdict(adm)}
+
+
+def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes]]:
+    """``(request, subscriber, block hashes)`` of an admission message, every field checked.
+
+    Raises:
+        TypeError, ValueError: a missing or mistyped field.
+    """
+    hashes, subscriber = msg.get("hashes"), msg.get("sub")
+    if not isinstance(hashes, list) or not all(isinstance(h, bytes) for h in hashes):
+        raise TypeError("hashes must be a list of bytes")
+    if not isinstance(subscriber, str) or not subscriber.startswith("tcp://"):
+        raise TypeError("sub must be a tcp:// address")
+    return data_plane.request_from_wire(msg.get("req")), subscriber, hashes
+
+
+GlobalSchedulerActor = ray.remote(GlobalSchedulerService)

@@ -1,0 +1,104 @@
+"""The global scheduler's membership: the cache nodes' command inboxes and which nodes are
+down (a gateway's ``services.node_monitor`` reports them), and the gateways: where a restarted
+one serves again, and what happens to a dead one's requests (``gateway_gone``).
+
+``Membership`` is a part of ``services.global_scheduler.GlobalScheduler``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from services import data_plane
+from services.data_plane_auth import secure_push
+
+log = logging.getLogger(__name__)
+
+GONE_GATEWAYS_MAX = 1024
+"""Event inboxes of dead gateways remembered (oldest forgotten first)."""
+
+
+@dataclass(frozen=True)
+class GatewayRecord:
+    """A gateway as the scheduler knows it: its gRPC ``host:port`` and its event inbox."""
+
+    address: str
+    subscriber: str
+
+
+class Membership:
+    """The membership part of ``GlobalScheduler``."""
+
+    # ---- nodes' command inboxes -------------------------------------------------------------
+    def attach_nodes(self, inboxes: dict[str, str], sender: Any = None) -> None:
+        """The cache nodes' command inboxes (``CacheNode.open_data_plane``), so
+        ``admit_and_submit`` can hand requests on to them.
+
+        Args:
+            inboxes: node id -> ZeroMQ address.
+            sender: has ``send(address, message)``; default ``data_plane.PushSockets``.
+        """
+        self.node_inboxes = dict(inboxes)
+        self.commands = sender or data_plane.PushSockets(secure_push(self.security, "node"))
+
+    # ---- gateways: where a restarted one serves again, and a dead one's requests -------------
+    def gateway_address(self, gateway_id: str) -> str:
+        """The ``host:port`` the gateway ``gateway_id`` (its Ray actor id) last served on, ""
+        if it never did: a gateway Ray restarted serves on it again (``attach_gateway``)."""
+        record = self.gateways.get(gateway_id)
+        return record.address if record is not None else ""
+
+    def attach_gateway(self, gateway_id: str, address: str, subscriber: str) -> str:
+        """Gateway ``gateway_id`` serves gRPC on ``address`` with its event inbox at
+        ``subscriber``. The inbox it had before (it was restarted) is gone (``gateway_gone``).
+        Returns that previous inbox ("" if none)."""
+        previous = self.gateways.get(gateway_id)
+        self.gateways[gateway_id] = GatewayRecord(address, subscriber)
+        if previous is not None and previous.subscriber != subscriber:
+            self.gateway_gone(previous.subscriber)
+            return previous.subscriber
+        return ""
+
+    def gateway_gone(self, subscriber: str) -> list[str]:
+        """The gateway whose event inbox was ``subscriber`` died: release each request it
+        admitted (once: a later ``release`` of one is a no-op), refuse any admission still on
+        its way from it, and tell every node to abort its streams (their blocks are freed at the
+        next step). Returns the released request ids. Idempotent."""
+        if subscriber in self.gone_gateways:
+            return []
+        self.gone_gateways[subscriber] = True
+        while len(self.gone_gateways) > GONE_GATEWAYS_MAX:
+            self.gone_gateways.popitem(last=False)
+        ids = [rid for rid, sub in self.request_gateways.items() if sub == subscriber]
+        for rid in ids:
+            self.release(rid)
+        if self.commands is not None:
+            for inbox in self.node_inboxes.values():
+                self.commands.send(inbox, {"op": "abort_subscriber", "sub": subscriber})
+        if ids:
+            log.warning("gateway %s is gone: released its %d requests in flight", subscriber, len(ids))
+        return ids
+
+    # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
+    def node_down(self, node_id: str, reason: str) -> None:
+        """Stop routing to ``node_id`` (failed, dead or restarting): its index entries and its
+        sessions are forgotten, as its KV is gone. Unknown ids are ignored."""
+        if node_id not in self.nodes or node_id in self.down:
+            return
+        self.down[node_id] = reason
+        self.index.forget(node_id)
+        for sid in [sid for sid, (_, nid) in self.session_nodes.items() if nid == node_id]:
+            del self.session_nodes[sid]
+
+    def node_up(self, node_id: str, inbox: str) -> None:
+        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).
+
+        Raises:
+            KeyError: ``node_id`` is not one of this scheduler's nodes.
+        """
+        if node_id not in self.nodes:
+            raise KeyError(f"unknown cache node {node_id!r}")
+        self.node_inboxes[node_id] = inbox
+        self.down.pop(node_id, None)

@@ -1,0 +1,59 @@
+"""The global scheduler's tenant calls: the admin key, tenants and their keys, usage.
+
+The gateway checks the admin key before any of these (``services.auth``); they delegate to the
+tenant store (``tenants.store``) and the usage ledger. ``Tenants`` is a part of
+``services.global_scheduler.GlobalScheduler``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tenants.model import Tenant, TenantSpec
+
+
+class Tenants:
+    """The tenant part of ``GlobalScheduler`` (its ``store``, ``usage`` and ``specs``)."""
+
+    def ensure_admin_key(self) -> str | None:
+        return self.store.ensure_admin_key()
+
+    def verify_admin_key(self, key: str) -> bool:
+        return self.store.verify_admin_key(key)
+
+    def has_admin_key(self) -> bool:
+        return self.store.has_admin_key()
+
+    def set_admin_key(self, key: str) -> bool:
+        """Commit ``key`` (already saved by the caller) as the admin key; True if rotated."""
+        return self.store.set_admin_key(key)
+
+    def rotate_admin_key(self) -> str:
+        return self.store.rotate_admin_key()
+
+    def rotate_tenant_key(self, name: str) -> str:
+        return self.store.rotate_key(name)
+
+    def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
+        return self.store.register(spec)
+
+    def update_tenant(self, name: str, spec: TenantSpec) -> Tenant:
+        return self.store.update(name, spec)
+
+    def delete_tenant(self, name: str) -> None:
+        self.store.delete(name)
+
+    def get_tenant(self, name: str) -> Tenant:
+        return self.store.get(name)
+
+    def list_tenants(self) -> tuple[Tenant, ...]:
+        return self.store.list()
+
+    def authenticate(self, api_key: str) -> Tenant | None:
+        tenant = self.store.authenticate(api_key)
+        if tenant is not None:
+            self.specs[tenant.tenant_id] = tenant.spec
+        return tenant
+
+    def usage_of(self, tenant_id: str) -> Any:
+        return self.usage.snapshot(tenant_id)
