@@ -40,15 +40,8 @@ from typing import Any, TypeVar
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from rich import progress as rp
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 from transformers import (
     ContinuousBatchingConfig,
@@ -242,14 +235,14 @@ def print_table(console: Console, result: dict[str, Any]) -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------
-def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True)
+def _progress(console: Console) -> rp.Progress:
+    return rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                       rp.TimeElapsedColumn(), console=console, transient=True)
 
 
 def _pass_calls(ref: PreTrainedModel, engine: LLMEngine, prompts: list[list[int]], gen: GenerationConfig,
-                cbc: ContinuousBatchingConfig, cfg: BenchConfig, progress: Progress,
-                rep: int) -> dict[str, tuple[Callable[[], list[list[int]]], TaskID]]:
+                cbc: ContinuousBatchingConfig, cfg: BenchConfig, progress: rp.Progress,
+                rep: int) -> dict[str, tuple[Callable[[], list[list[int]]], rp.TaskID]]:
     """One pass's three calls, each with its progress task."""
     tag = f"[{rep + 1}/{cfg.repeats}]"
     tasks = {n: progress.add_task(f"{tag} {n}", total=None if n == HF_CB else len(prompts)) for n in SYSTEMS}
@@ -263,7 +256,7 @@ def _pass_calls(ref: PreTrainedModel, engine: LLMEngine, prompts: list[list[int]
 
 
 def _run_systems(lm: LoadedModel, tok: PreTrainedTokenizerBase, ref: PreTrainedModel, engine: LLMEngine,
-                 prompts: list[list[int]], cfg: BenchConfig, progress: Progress) -> dict[str, SystemRun]:
+                 prompts: list[list[int]], cfg: BenchConfig, progress: rp.Progress) -> dict[str, SystemRun]:
     """Warm up, then run (a), (b), (c) interleaved ``cfg.repeats`` times."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else lm.eos_token_ids[0]
     gen = generation_config(cfg.max_tokens, lm.eos_token_ids, pad)

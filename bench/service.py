@@ -60,7 +60,6 @@ from services.launcher import start_services, stop_services
 from services.node_request import NodeRequest
 from workloads.corpus import load_corpus
 
-
 ORDERS = list(itertools.permutations(("in_process", "service", "in_process_aa")))
 
 
@@ -144,15 +143,7 @@ async def _rounds(
         admin = (("authorization", f"Bearer {admin_key}"),)
         tenants = tenant_pb2_grpc.TenantServiceStub(ch)
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        keys = []
-        for r in range(rounds + 1):
-            resp = await tenants.RegisterTenant(
-                tenant_pb2.RegisterTenantRequest(
-                    spec=tenant_pb2.TenantSpec(name=f"bench-r{r}", cache_namespace=f"bench-r{r}")
-                ),
-                metadata=admin,
-            )
-            keys.append((("authorization", f"Bearer {resp.api_key}"),))
+        keys = await _round_keys(tenants, admin, rounds)
         probe = prompts[0][:16]
         for r in range(rounds + 1):
             ns = f"bench-r{r}"
@@ -165,29 +156,51 @@ async def _rounds(
                 for name, one in paths.items():
                     await one(f"{name}-warm", probe, 2)
                 continue
-            for i, p in enumerate(prompts):
-                order = ORDERS[(i + r) % len(ORDERS)]
-                ttft = {name: await paths[name](f"{name}-r{r}-t{i}", p, 1) for name in order}
-                out["ttft_pairs"].append((ttft["in_process"], ttft["service"]))
-                out["aa_pairs"].append((ttft["in_process"], ttft["in_process_aa"]))
-            for name in ("in_process", "service") if r % 2 else ("service", "in_process"):
-                out["tps"][name].append(
-                    await _throughput(paths[name], prompts, max_tokens, f"{name}-r{r}")
-                )
-            for k in range(probes):
-                order = ("in_process", "service") if k % 2 else ("service", "in_process")
-                ttft = {name: await paths[name](f"{name}-r{r}-p{k}", probe, 1) for name in order}
-                out["probe_pairs"].append((ttft["in_process"], ttft["service"]))
-            pairs = out["ttft_pairs"][-len(prompts) :]
-            print(
-                f"round {r}: TTFT p50 in-process {median([a[0] for a, _ in pairs]):.1f} ms, service "
-                f"{median([b[0] for _, b in pairs]):.1f} ms; tok/s in-process {out['tps']['in_process'][-1]:.2f}, "
-                f"service {out['tps']['service'][-1]:.2f}; added TTFT per prompt (ms) outside the "
-                f"engine {[round(_outside(b) - _outside(a), 1) for a, b in pairs]}, end to end "
-                f"{[round(b[0] - a[0]) for a, b in pairs]}",
-                flush=True,
-            )
+            await _measure_round(paths, r, prompts, probe, max_tokens, probes, out)
+            _print_round(r, out, len(prompts))
     return out
+
+
+async def _round_keys(tenants: Any, admin: tuple[tuple[str, str], ...], rounds: int) -> list[Any]:
+    """Register one tenant per round (cache namespace ``bench-r<r>``); their call metadata."""
+    keys = []
+    for r in range(rounds + 1):
+        resp = await tenants.RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(
+                spec=tenant_pb2.TenantSpec(name=f"bench-r{r}", cache_namespace=f"bench-r{r}")
+            ),
+            metadata=admin,
+        )
+        keys.append((("authorization", f"Bearer {resp.api_key}"),))
+    return keys
+
+
+async def _measure_round(paths: dict[str, Any], r: int, prompts: list[list[int]], probe: list[int],
+                         max_tokens: int, probes: int, out: dict[str, Any]) -> None:
+    """Steps 1-3 of round ``r`` (see ``_rounds``), appending to ``out``."""
+    for i, p in enumerate(prompts):
+        order = ORDERS[(i + r) % len(ORDERS)]
+        ttft = {name: await paths[name](f"{name}-r{r}-t{i}", p, 1) for name in order}
+        out["ttft_pairs"].append((ttft["in_process"], ttft["service"]))
+        out["aa_pairs"].append((ttft["in_process"], ttft["in_process_aa"]))
+    for name in ("in_process", "service") if r % 2 else ("service", "in_process"):
+        out["tps"][name].append(await _throughput(paths[name], prompts, max_tokens, f"{name}-r{r}"))
+    for k in range(probes):
+        order = ("in_process", "service") if k % 2 else ("service", "in_process")
+        ttft = {name: await paths[name](f"{name}-r{r}-p{k}", probe, 1) for name in order}
+        out["probe_pairs"].append((ttft["in_process"], ttft["service"]))
+
+
+def _print_round(r: int, out: dict[str, Any], num_prompts: int) -> None:
+    pairs = out["ttft_pairs"][-num_prompts:]
+    print(
+        f"round {r}: TTFT p50 in-process {median([a[0] for a, _ in pairs]):.1f} ms, service "
+        f"{median([b[0] for _, b in pairs]):.1f} ms; tok/s in-process {out['tps']['in_process'][-1]:.2f}, "
+        f"service {out['tps']['service'][-1]:.2f}; added TTFT per prompt (ms) outside the "
+        f"engine {[round(_outside(b) - _outside(a), 1) for a, b in pairs]}, end to end "
+        f"{[round(b[0] - a[0]) for a, b in pairs]}",
+        flush=True,
+    )
 
 
 Run = tuple[float, int, float]  # (client TTFT ms, generated tokens, the node's own TTFT ms)
@@ -259,30 +272,31 @@ def main(argv: list[str] | None = None) -> None:
         node.shutdown()
         stop_services(services)
         ray.shutdown()
+    print(json.dumps(_summary(res, n, max_tokens, rounds)))
+
+
+def _summary(res: dict[str, Any], n: int, max_tokens: int, rounds: int) -> dict[str, Any]:
+    """The run's figures: medians over rounds of what ``_rounds`` measured."""
     pairs, probes, aa = res["ttft_pairs"], res["probe_pairs"], res["aa_pairs"]
     tps = {k: median(v) for k, v in res["tps"].items()}
     ratios = [sv / ip for ip, sv in zip(res["tps"]["in_process"], res["tps"]["service"])]
-    print(
-        json.dumps(
-            {
-                "requests": n,
-                "max_tokens": max_tokens,
-                "rounds": rounds,
-                "ttft_ms_p50": _both(pairs, _client),
-                "added_ttft_ms_p50": _added(pairs, _outside),
-                "node_ttft_ms_p50": _both(pairs, _node),
-                "outside_engine_ttft_ms_p50": _both(pairs, _outside),
-                "added_ttft_ms_p50_end_to_end": _added(pairs, _client),
-                "aa_ttft_ms_p50_end_to_end": _added(aa, _client),
-                "probe_ttft_ms_p50": _both(probes, _client),
-                "added_ttft_ms_p50_probe": _added(probes, _outside),
-                "added_ttft_ms_p50_probe_end_to_end": _added(probes, _client),
-                "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
-                "throughput_ratio": round(median(ratios), 3),
-                "throughput_ratio_per_round": [round(x, 3) for x in ratios],
-            }
-        )
-    )
+    return {
+        "requests": n,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "ttft_ms_p50": _both(pairs, _client),
+        "added_ttft_ms_p50": _added(pairs, _outside),
+        "node_ttft_ms_p50": _both(pairs, _node),
+        "outside_engine_ttft_ms_p50": _both(pairs, _outside),
+        "added_ttft_ms_p50_end_to_end": _added(pairs, _client),
+        "aa_ttft_ms_p50_end_to_end": _added(aa, _client),
+        "probe_ttft_ms_p50": _both(probes, _client),
+        "added_ttft_ms_p50_probe": _added(probes, _outside),
+        "added_ttft_ms_p50_probe_end_to_end": _added(probes, _client),
+        "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
+        "throughput_ratio": round(median(ratios), 3),
+        "throughput_ratio_per_round": [round(x, 3) for x in ratios],
+    }
 
 
 if __name__ == "__main__":

@@ -281,15 +281,20 @@ def main(argv: list[str] | None = None) -> None:
         "goodput_ratio_vs_fcfs": {s: (r["goodput_rps"] / fcfs_goodput if fcfs_goodput else None)
                                   for s, r in results.items()},
     }
-    path = Path(args.out)
+    _write(Path(args.out), out, per_request)
+    print(json.dumps(out))
+
+
+def _write(path: Path, out: dict[str, Any], per_request: dict[str, list[dict[str, Any]]]) -> None:
+    """``result.json``, ``requests.jsonl`` (one line per request, for diagnosing misses) and the
+    attainment plot under ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "result.json").write_text(json.dumps(out, indent=2))
-    with (path / "requests.jsonl").open("w") as f:  # one line per request, for diagnosing misses
+    with (path / "requests.jsonl").open("w") as f:
         for sched, records in per_request.items():
             for r in records:
                 f.write(json.dumps({"scheduler": sched, **r}, default=str) + "\n")
-    plot(results, path / "attainment.png")
-    print(json.dumps(out))
+    plot(out["schedulers"], path / "attainment.png")
 
 
 if __name__ == "__main__":

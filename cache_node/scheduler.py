@@ -135,21 +135,7 @@ class Scheduler:
         # never two isolated steps in a row: the other classes decode at least every other step
         urgent_only = not self._isolated_last and urgent
         self._isolated_last = urgent_only
-        target_s = self.policy.step_target_s(self.running, now)
-        capped: int | None = None  # tokens left for other prefills under a floor-sized step
-        decode_cap: int | None = None  # decodes the floor-sized step has room for
-        if target_s is not None:  # a tenant with a floor is decoding: size the step to it
-            decodes = [s for s in running if s.num_uncomputed_tokens == 1]
-            floored = sum(self.policy.share(s).min_tokens_per_s > 0 for s in decodes)
-            plan = self.step_model.step_budget(target_s, len(decodes), floored, budget)
-            # decodes first: floors, then by class, the one that waited longest first
-            running.sort(key=lambda s: (s.num_uncomputed_tokens > 1,
-                                        self.policy.share(s).min_tokens_per_s <= 0,
-                                        self.policy.rank(s), self._last_decode_s.get(s.request_id, 0.0)))
-            if plan is not None:
-                decode_cap, capped = plan
-                if not urgent:  # an interactive prefill is exempt (its TTFT): not capped
-                    budget = min(budget, decode_cap + capped)
+        budget, decode_cap, capped = self._floor_sized_step(running, budget, urgent, now)
         batch: ScheduledBatch = []
         chunk_cap = budget
         # a running prefill leaves room for waiting requests that may join this step (in an
@@ -251,6 +237,28 @@ class Scheduler:
             budget -= n
             if held_back:
                 capped -= n
+
+    def _floor_sized_step(self, running: list[Sequence], budget: int, urgent: bool,
+                          now: float) -> tuple[int, int | None, int | None]:
+        """Size the step to a decoding tenant's token-rate floor, if any: returns the token
+        budget, the decodes the step has room for, and the tokens left for other prefills
+        (both None when no floor applies). Sorts ``running`` decodes first: floors, then by
+        class, the one that waited longest first."""
+        target_s = self.policy.step_target_s(self.running, now)
+        if target_s is None:
+            return budget, None, None
+        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
+        floored = sum(self.policy.share(s).min_tokens_per_s > 0 for s in decodes)
+        plan = self.step_model.step_budget(target_s, len(decodes), floored, budget)
+        running.sort(key=lambda s: (s.num_uncomputed_tokens > 1,
+                                    self.policy.share(s).min_tokens_per_s <= 0,
+                                    self.policy.rank(s), self._last_decode_s.get(s.request_id, 0.0)))
+        if plan is None:
+            return budget, None, None
+        decode_cap, capped = plan
+        if not urgent:  # an interactive prefill is exempt (its TTFT): not capped
+            budget = min(budget, decode_cap + capped)
+        return budget, decode_cap, capped
 
     def _unwedge(self, batch: ScheduledBatch, budget: int, now: float) -> None:
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past

@@ -52,18 +52,9 @@ def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
         temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs)) for part in cmdline))
 
 
-def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
-        None, help="join this Ray cluster (e.g. auto); default: start a local one"),
-        scheduler: str = typer.Option("", help="fcfs | priority | vtc | kvstrata (overrides the config)")) -> None:
-    """Start the global scheduler, cache nodes and gateway; print the gateway address.
-
-    Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
-    ``kvstrata down`` uses to stop exactly that cluster).
-    """
-    import ray
-
-    from services.launcher import start_services
-
+def _up_config(config: Path | None, scheduler: str) -> ServiceConfig:
+    """The service config ``up`` runs (``--scheduler`` applied, detached actors); a bad file or
+    value prints one line and exits with code 2."""
     try:
         cfg = load_config(config)
     except pydantic.ValidationError as exc:
@@ -79,7 +70,35 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
         except pydantic.ValidationError as exc:
             console.print(f"[red]--scheduler: {escape(exc.errors()[0]['msg'])}[/red]")
             raise typer.Exit(2) from None
-    cfg = cfg.model_copy(update={"detached": True})
+    return cfg.model_copy(update={"detached": True})
+
+
+def _start_local_ray(cfg: ServiceConfig) -> tuple[int, str]:
+    """``ray start --head`` on a free port under a new temp directory, offering the config's
+    cache- and spill-node resources; returns (GCS port, temp directory)."""
+    ray_port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")
+    resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
+                            cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
+    subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
+                    f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, capture_output=True)
+    return ray_port, temp_dir
+
+
+def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
+        None, help="join this Ray cluster (e.g. auto); default: start a local one"),
+        scheduler: str = typer.Option("", help="fcfs | priority | vtc | kvstrata (overrides the config)")) -> None:
+    """Start the global scheduler, cache nodes and gateway; print the gateway address.
+
+    Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
+    ``kvstrata down`` uses to stop exactly that cluster).
+    """
+    import ray
+
+    from services.launcher import start_services
+
+    cfg = _up_config(config, scheduler)
     saved = read_state()
     if saved.get("address") and reachable(saved["address"]):
         console.print(f"[red]kvstrata is already up at {saved['address']}; run `kvstrata down` first[/red]")
@@ -91,13 +110,7 @@ def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option
     started_ray = address is None
     temp_dir = ""
     if started_ray:
-        ray_port = _free_port()
-        temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")
-        resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
-                                cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
-                        f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
-                        "--disable-usage-stats"], check=True, capture_output=True)
+        ray_port, temp_dir = _start_local_ray(cfg)
         address = f"127.0.0.1:{ray_port}"
     try:
         ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)

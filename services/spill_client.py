@@ -65,10 +65,7 @@ class RaySpillClient:
         return int.from_bytes(block_hash[:8], "little") % len(self.nodes)
 
     def put(
-        self,
-        hashes: Sequence[bytes],
-        blocks: np.ndarray,
-        namespace: str,
+        self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
         token_ids: Sequence[Sequence[int]] | None = None,
     ) -> int:
         """Store ``blocks[i]`` (token ids ``token_ids[i]``) under ``hashes[i]``; returns blocks

@@ -66,11 +66,7 @@ class SpillNode:
     """
 
     def __init__(
-        self,
-        root_dir: str | Path,
-        block_format: BlockFormat,
-        ram_bytes: int,
-        disk_bytes: int,
+        self, root_dir: str | Path, block_format: BlockFormat, ram_bytes: int, disk_bytes: int,
         *,
         node_id: str = "",
         event_sink: EventSink | None = None,
@@ -89,10 +85,7 @@ class SpillNode:
         return True
 
     def put(
-        self,
-        hashes: Sequence[bytes],
-        blocks: np.ndarray,
-        namespace: str,
+        self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
         token_ids: Sequence[Sequence[int]] | None = None,
     ) -> int:
         """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block;

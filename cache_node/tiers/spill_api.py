@@ -43,10 +43,7 @@ class SpillClient(Protocol):
     """
 
     def put(
-        self,
-        hashes: Sequence[bytes],
-        blocks: np.ndarray,
-        namespace: str,
+        self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
         token_ids: Sequence[Sequence[int]] | None = None,
     ) -> int: ...
 

@@ -83,11 +83,7 @@ class SpillStore:
     """
 
     def __init__(
-        self,
-        root_dir: str | Path,
-        block_format: BlockFormat,
-        ram_bytes: int,
-        disk_bytes: int,
+        self, root_dir: str | Path, block_format: BlockFormat, ram_bytes: int, disk_bytes: int,
         *,
         max_blocks_per_file: int = 64,
         demote_low_watermark: float = 0.75,
@@ -113,10 +109,7 @@ class SpillStore:
             )
 
     def put(
-        self,
-        hashes: Sequence[bytes],
-        blocks: np.ndarray,
-        namespace: str,
+        self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
         token_ids: Sequence[Sequence[int]] | None = None,
     ) -> int:
         """Store ``blocks[i]`` under ``hashes[i]`` in RAM; returns how many were new.

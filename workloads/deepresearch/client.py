@@ -75,14 +75,8 @@ class InferenceClient(Protocol):
     """What the runner needs from a serving endpoint."""
 
     async def generate(
-        self,
-        *,
-        api_key: str,
-        session_id: str,
-        messages: list[dict[str, str]],
-        max_tokens: int,
-        temperature: float,
-        request_id: str,
+        self, *, api_key: str, session_id: str, messages: list[dict[str, str]], max_tokens: int,
+        temperature: float, request_id: str,
     ) -> CallResult:
         """Send ``messages`` (appended to ``session_id``'s history), stream the reply.
 

@@ -108,14 +108,8 @@ class GrpcInferenceClient:
         self._timeout_s = timeout_s
 
     async def generate(
-        self,
-        *,
-        api_key: str,
-        session_id: str,
-        messages: list[dict[str, str]],
-        max_tokens: int,
-        temperature: float,
-        request_id: str,
+        self, *, api_key: str, session_id: str, messages: list[dict[str, str]], max_tokens: int,
+        temperature: float, request_id: str,
     ) -> CallResult:
         """Stream one generation; failures come back as a non-ok result, never raised."""
         request = inference_pb2.GenerateRequest(

@@ -71,6 +71,15 @@ class PlannedCall:
         """Characters of this turn's new messages (placeholder included)."""
         return sum(len(m.content) for m in self.messages)
 
+    def record_fields(self) -> dict[str, Any]:
+        """The call's identity and plan as JSON-ready fields (trace rows and ``calls.jsonl``)."""
+        return {
+            "call_id": self.call_id, "research_id": self.research_id, "session_id": self.session_id,
+            "tenant": self.tenant, "agent": self.agent, "kind": self.kind, "turn": self.turn,
+            "pause_s": self.pause_s, "max_tokens": self.max_tokens, "doc_ids": list(self.doc_ids),
+            "expected_answer": self.expected_answer,
+        }
+
     def render_messages(self, findings: str = "") -> list[dict[str, str]]:
         """This turn's messages as dicts, with ``FINDINGS_MARK`` replaced by ``findings``."""
         return [
@@ -131,21 +140,11 @@ class WorkloadPlan:
             context_chars[call.session_id] = context_chars.get(call.session_id, 0)
             context_chars[call.session_id] += call.prompt_chars
             rows.append(
-                {
-                    "call_id": call.call_id,
-                    "research_id": call.research_id,
-                    "session_id": call.session_id,
-                    "tenant": call.tenant,
-                    "agent": call.agent,
-                    "kind": call.kind,
-                    "turn": call.turn,
+                call.record_fields()
+                | {
                     "arrival_s": session.arrival_s,
-                    "pause_s": call.pause_s,
                     "prompt_chars": call.prompt_chars,
                     "context_chars": context_chars[call.session_id],
-                    "max_tokens": call.max_tokens,
-                    "doc_ids": list(call.doc_ids),
-                    "expected_answer": call.expected_answer,
                 }
             )
         return rows

@@ -22,20 +22,7 @@ def call_record(call: PlannedCall, result: CallResult, t0_s: float) -> dict[str,
     correct = None
     if call.expected_answer is not None and result.ok:
         correct = grade(result.text, call.expected_answer)
-    record: dict[str, Any] = {
-        "call_id": call.call_id,
-        "research_id": call.research_id,
-        "session_id": call.session_id,
-        "tenant": call.tenant,
-        "agent": call.agent,
-        "kind": call.kind,
-        "turn": call.turn,
-        "pause_s": call.pause_s,
-        "max_tokens": call.max_tokens,
-        "doc_ids": list(call.doc_ids),
-        "expected_answer": call.expected_answer,
-        "correct": correct,
-    }
+    record: dict[str, Any] = call.record_fields() | {"correct": correct}
     record.update(result.as_dict())
     record["start_s"] = result.start_s - t0_s
     record["end_s"] = result.end_s - t0_s
