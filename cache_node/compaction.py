@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cache_node.block_pool import BlockPool
-from cache_node.kv_pool import KVPool
+from cache_node.kv_pool import KVPool, block_slots
 from cache_node.sequence import Sequence
 
 
@@ -22,8 +22,7 @@ def cdiv(a: int, b: int) -> int:
 
 def sequence_slots(seq: Sequence, block_size: int, num_slots: int) -> torch.Tensor:
     """(num_slots,) pool slots of the sequence's first ``num_slots`` physical slots."""
-    ids = torch.tensor([b.block_id for b in seq.block_table], dtype=torch.long)
-    return (ids[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:num_slots]
+    return torch.from_numpy(block_slots([b.block_id for b in seq.block_table], block_size, num_slots))
 
 
 def gather_kv(pool: KVPool, seq: Sequence, src: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def block_slots(block_ids: list[int], block_size: int, num_tokens: int) -> np.ndarray:
+    """Slots of the first ``num_tokens`` tokens of a block table: (num_tokens,) int64, token
+    ``t`` at ``block_ids[t // block_size] * block_size + t % block_size``."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return (ids[:, None] * block_size + np.arange(block_size)).reshape(-1)[:num_tokens]
 
 
 def kv_format_name(dtype_name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> str:

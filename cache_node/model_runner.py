@@ -13,16 +13,10 @@ from cache_node.attention import (
     PrefillChunk,
     forward_context,
 )
-from cache_node.kv_pool import KVPool
+from cache_node.kv_pool import KVPool, block_slots
 from cache_node.sequence import Sequence
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
-
-
-def block_slots(block_ids: list[int], block_size: int, num_tokens: int) -> np.ndarray:
-    """Slots of the first ``num_tokens`` tokens of a block table: (num_tokens,) int64."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    return (ids[:, None] * block_size + np.arange(block_size)).reshape(-1)[:num_tokens]
 
 
 class ModelRunner:
