@@ -215,7 +215,7 @@ class Scheduler:
             held_back = capped is not None and self.policy.rank(seq) > 0
             if held_back and capped == 0:
                 continue
-            limit = (lambda b: min(b, capped)) if held_back else (lambda b: b)
+            limit = (lambda b, c=capped: min(b, c)) if held_back else (lambda b: b)
             n = self._admit(seq, limit(budget))
             while n is None and self.policy.preempts_for_class:
                 victim = self.policy.victim(self.running, seq)

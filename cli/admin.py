@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import grpc
 import typer
 
@@ -19,7 +17,7 @@ admin_app = typer.Typer(help="operator tasks", no_args_is_help=True)
 def admin_rotate_key(
     local: bool = typer.Option(False, "--local", help="rotate in the tenant database of the state dir "
                                "directly (when the admin key is lost; run where `kvstrata up` ran)"),
-    gateway: Optional[str] = None,
+    gateway: str | None = None,
 ) -> None:
     """Replace the admin key and save the new one to the state dir's admin_key file (0600).
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import grpc
 import typer
 
@@ -19,7 +17,7 @@ def generate(
     temperature: float = typer.Option(0.0, min=0, max=100, callback=finite, help="0: greedy"),
     session: str = "",
     policy: str = typer.Option("", help="KV policy spec for this request (default: the tenant's)"),
-    gateway: Optional[str] = None,
+    gateway: str | None = None,
 ) -> None:
     """Stream a chat completion to the terminal."""
     req = inference_pb2.GenerateRequest(

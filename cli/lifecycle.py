@@ -12,7 +12,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import grpc
 import pydantic
@@ -86,7 +85,7 @@ def _start_local_ray(cfg: ServiceConfig) -> tuple[int, str]:
     return ray_port, temp_dir
 
 
-def up(config: Optional[Path] = ConfigOpt, address: Optional[str] = typer.Option(
+def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         None, help="join this Ray cluster (e.g. auto); default: start a local one"),
         scheduler: str = typer.Option("", help="fcfs | priority | vtc | kvstrata (overrides the config)")) -> None:
     """Start the global scheduler, cache nodes and gateway; print the gateway address.
@@ -207,7 +206,7 @@ def down() -> None:
     console.print("stopped")
 
 
-def status(gateway: Optional[str] = None, integrity: bool = True) -> None:
+def status(gateway: str | None = None, integrity: bool = True) -> None:
     """Per-node pool usage, queue and session counts."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Optional
 
 import grpc
 import typer
@@ -28,7 +27,7 @@ def run_deepresearch(
     scheduler: str = typer.Option("", help="the scheduler the gateway must run (chosen at `kvstrata up "
                                   "--scheduler`); the run stops at once when it runs another"),
     policy: str = typer.Option("", help="KV policy for every tenant"),
-    gateway: Optional[str] = None, reports: str = "reports",
+    gateway: str | None = None, reports: str = "reports",
 ) -> None:
     """Run the DeepResearch multi-agent workload against a running gateway.
 

@@ -7,7 +7,6 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -23,7 +22,7 @@ def read_state() -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def gateway_address(address: Optional[str]) -> str:
+def gateway_address(address: str | None) -> str:
     """``address``, else KVSTRATA_GATEWAY, else the saved one; exits 2 when there is none."""
     addr = address or os.environ.get("KVSTRATA_GATEWAY") or read_state().get("address")
     if not addr:

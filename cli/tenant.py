@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import grpc
 import typer
 from rich.table import Table
@@ -23,16 +21,16 @@ def tenant_add(
     slo_class: str = typer.Option("standard", help="interactive | standard | batch"),
     ttft_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="0: the class default"),
     tpot_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="0: the class default"),
-    min_tokens_per_s: Optional[float] = typer.Option(None, min=0, callback=finite),
+    min_tokens_per_s: float | None = typer.Option(None, min=0, callback=finite),
     weight: float = typer.Option(0.0, min=0, callback=finite, help="0: the class default"),
     kv_quota_bytes: int = typer.Option(0, min=0, max=MAX_UINT64),
     max_context_tokens: int = typer.Option(0, min=0, max=MAX_UINT32, help="0: the default (8192)"),
     namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
     policy: str = typer.Option("", help="default KV policy spec for its requests, e.g. sentencekv-0.25"),
-    allow_policy: Optional[list[str]] = typer.Option(
+    allow_policy: list[str] | None = typer.Option(
         None, "--allow-policy", help="a KV policy its requests may name (repeat; default: every policy); "
         "`snapkv` allows every snapkv-* spec"),
-    gateway: Optional[str] = None,
+    gateway: str | None = None,
 ) -> None:
     """Register a tenant; prints its API key once."""
     classes = SLO_CLASSES
@@ -57,7 +55,7 @@ def tenant_add(
 
 
 @tenant_app.command("list")
-def tenant_list(gateway: Optional[str] = None) -> None:
+def tenant_list(gateway: str | None = None) -> None:
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata())
@@ -73,7 +71,7 @@ def tenant_list(gateway: Optional[str] = None) -> None:
 
 
 @tenant_app.command("show")
-def tenant_show(name: str, gateway: Optional[str] = None) -> None:
+def tenant_show(name: str, gateway: str | None = None) -> None:
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
@@ -86,7 +84,7 @@ def tenant_show(name: str, gateway: Optional[str] = None) -> None:
 
 
 @tenant_app.command("rm")
-def tenant_rm(name: str, gateway: Optional[str] = None) -> None:
+def tenant_rm(name: str, gateway: str | None = None) -> None:
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata())
@@ -98,8 +96,8 @@ def tenant_rm(name: str, gateway: Optional[str] = None) -> None:
 @tenant_app.command("rotate-key")
 def tenant_rotate_key(
     name: str,
-    api_key: Optional[str] = typer.Option(None, help="the tenant's own key (default: the admin key)"),
-    gateway: Optional[str] = None,
+    api_key: str | None = typer.Option(None, help="the tenant's own key (default: the admin key)"),
+    gateway: str | None = None,
 ) -> None:
     """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
     md = (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()

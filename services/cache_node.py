@@ -38,14 +38,14 @@ from cache_node.policies.base import PolicyEnv
 from cache_node.scheduling import TenantShare
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
-from services.chat import ChatTemplater
 from services import data_plane
-from services.config import NodeConfig
-from services.data_plane_auth import Security, secure_push
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
 from services.cache_node_health import Health
 from services.cache_node_streams import Event, Streams, _Stream
+from services.chat import ChatTemplater
+from services.config import NodeConfig
+from services.data_plane_auth import Security, secure_push
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class CacheNode(Streams, Commands, Health, Admin):
     def _run(self) -> None:
         try:
             self._steps()
-        except Exception as exc:  # noqa: BLE001 - any failure of a step ends the loop: say so
+        except Exception as exc:
             log.exception("cache node %s: the step loop failed", self.node_id)
             self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
 

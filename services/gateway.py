@@ -141,7 +141,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         )
         return req, hashes
 
-    async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:  # noqa: N802
+    async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Stream one request's events. Its ``request_id`` (client-chosen, or minted here) and
         ``session_id`` are the tenant's own: another tenant's equal ids name other requests and
         sessions; a request id in flight already for this tenant is ALREADY_EXISTS."""
@@ -204,7 +204,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if adm.code == "OK":
             self.streams.abort(adm.node_id, request_id)
 
-    async def CloseSession(self, request, context):  # noqa: N802
+    async def CloseSession(self, request, context):
         """Close the caller's session ``session_id`` (another tenant's equal id is another
         session); NOT_FOUND when the caller has none by that id."""
         tenant = await self.auth.tenant(context)

@@ -48,42 +48,42 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    async def RegisterTenant(self, request, context):  # noqa: N802
+    async def RegisterTenant(self, request, context):
         await self.auth.admin(context)
         spec = await self._spec(request.spec, context)
         tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec))
         return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
 
-    async def UpdateTenant(self, request, context):  # noqa: N802
+    async def UpdateTenant(self, request, context):
         await self.auth.admin(context)
         spec = await self._spec(request.spec, context)
         tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec))
         self.auth.forget()
         return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
-    async def DeleteTenant(self, request, context):  # noqa: N802
+    async def DeleteTenant(self, request, context):
         await self.auth.admin(context)
         await _call(context, self.scheduler.delete_tenant.remote(request.name))
         self.auth.forget()
         return tenant_pb2.DeleteTenantResponse()
 
-    async def GetTenant(self, request, context):  # noqa: N802
+    async def GetTenant(self, request, context):
         await self.auth.admin(context)
         tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
         return tenant_pb2.GetTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
-    async def ListTenants(self, request, context):  # noqa: N802
+    async def ListTenants(self, request, context):
         await self.auth.admin(context)
         tenants = await self.scheduler.list_tenants.remote()
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
-    async def GetUsage(self, request, context):  # noqa: N802
+    async def GetUsage(self, request, context):
         await self.auth.admin(context)
         tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
         usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
-    async def RotateKey(self, request, context):  # noqa: N802
+    async def RotateKey(self, request, context):
         """The admin key rotates any tenant's key; a tenant's own key rotates only its own."""
         caller = await self.auth.admin_or_tenant(context)
         if caller is not None and caller.name != request.name:
@@ -119,7 +119,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
         return dict(zip(live, answers))
 
-    async def Stats(self, request, context):  # noqa: N802
+    async def Stats(self, request, context):
         await self.auth.admin(context)
         answers = await self._ask_live(
             lambda n: n.integrity_stats.remote() if request.check_integrity else n.stats.remote())
@@ -139,14 +139,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             stats_json=json.dumps({"scheduler": sched, "nodes": node_stats, "health": health}),
         )
 
-    async def Flush(self, request, context):  # noqa: N802
+    async def Flush(self, request, context):
         await self.auth.admin(context)
         answers = await self._ask_live(lambda n: n.flush.remote())
         freed = [a for a in answers.values() if isinstance(a, int)]
         await self.scheduler.flush_index.remote()
         return admin_pb2.FlushResponse(freed_blocks=sum(freed))
 
-    async def Drain(self, request, context):  # noqa: N802
+    async def Drain(self, request, context):
         await self.auth.admin(context)
         timeout_s = request.timeout_s
         if not math.isfinite(timeout_s) or timeout_s < 0:
@@ -155,7 +155,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
         return admin_pb2.DrainResponse(aborted=sum(a for a in answers.values() if isinstance(a, int)))
 
-    async def RotateAdminKey(self, request, context):  # noqa: N802
+    async def RotateAdminKey(self, request, context):
         await self.auth.admin(context)
         key = await self.scheduler.rotate_admin_key.remote()
         self.auth.forget()

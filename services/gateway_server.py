@@ -10,7 +10,6 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-
 from transformers import AutoTokenizer
 
 from cache_node.model_loader import DEFAULT_MODEL, cache_dir

@@ -119,7 +119,7 @@ class GlobalSchedulerService(GlobalScheduler):
             return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"}
         try:
             adm = self.admit_and_submit(req, subscriber, hashes)
-        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+        except Exception as exc:
             log.exception("admission failed")
             return {"id": corr, "error": f"{type(exc).__name__}: {exc}"}
         return {"id": corr, "adm": dataclasses.asdict(adm)}

@@ -187,7 +187,7 @@ def stop_services(services: Services) -> None:
     """Stop the gateway and kill every actor of the deployment."""
     try:
         ray.get(services.gateway.stop.remote(), timeout=10)
-    except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
-        pass
+    except Exception as exc:  # noqa: BLE001 - best effort: the actor may already be gone
+        log.debug("gateway stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:
         ray.kill(handle)

@@ -110,7 +110,7 @@ class NodeMonitor:
         log.warning("%s", reason)
         try:  # first stop routing there, so that a client retrying its failed call goes elsewhere
             await asyncio.wait_for(self.scheduler.node_down.remote(node_id, reason), self.notify_s)
-        except Exception:  # noqa: BLE001 - the streams must end regardless
+        except Exception:
             log.exception("could not tell the scheduler that %s is down", node_id)
         self.streams.fail_node(node_id, reason)
         self._changed()
@@ -125,7 +125,7 @@ class NodeMonitor:
             address = answer["data_address"] or await node.open_data_plane.remote()
             self.streams.reconnect(node_id, address)
             await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address), self.timeout_s)
-        except Exception:  # noqa: BLE001 - tried again on the next answer
+        except Exception:
             log.exception("cache node %s could not rejoin", node_id)
             await asyncio.sleep(self.retry_s)
             return

@@ -10,7 +10,13 @@ import grpc
 import ray
 from ray.cluster_utils import Cluster
 
-from kvstrata.v1 import admin_pb2_grpc, inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
+from kvstrata.v1 import (
+    admin_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    tenant_pb2,
+    tenant_pb2_grpc,
+)
 from services.config import NodeConfig, ServiceConfig
 from services.launcher import Services, start_services, stop_services
 

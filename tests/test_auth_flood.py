@@ -155,22 +155,21 @@ def test_flood_for_a_key_id_does_not_lock_out_its_holder(tmp_path: Path, monkeyp
     import services.auth
 
     monkeypatch.setattr(services.auth, "_CACHE_TTL_S", 0.0)  # every cached success expires at once
-    with serve(tmp_path) as gw:
-        with grpc.insecure_channel(gw.address) as ch:
-            stub = tenant_pb2_grpc.TenantServiceStub(ch)
+    with serve(tmp_path) as gw, grpc.insecure_channel(gw.address) as ch:
+        stub = tenant_pb2_grpc.TenantServiceStub(ch)
 
-            def list_as(key: str) -> grpc.StatusCode:
-                try:
-                    stub.ListTenants(tenant_pb2.ListTenantsRequest(),
-                                     metadata=(("authorization", f"Bearer {key}"),))
-                except grpc.RpcError as err:
-                    return err.code()
-                return grpc.StatusCode.OK
+        def list_as(key: str) -> grpc.StatusCode:
+            try:
+                stub.ListTenants(tenant_pb2.ListTenantsRequest(),
+                                 metadata=(("authorization", f"Bearer {key}"),))
+            except grpc.RpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
 
-            first = list_as(gw.admin_key)
-            flood = [list_as(_wrong_secret(gw.admin_key)) for _ in range(30)]
-            after = [list_as(gw.admin_key) for _ in range(3)]
-            still_limited = list_as(_wrong_secret(gw.admin_key))
+        first = list_as(gw.admin_key)
+        flood = [list_as(_wrong_secret(gw.admin_key)) for _ in range(30)]
+        after = [list_as(gw.admin_key) for _ in range(3)]
+        still_limited = list_as(_wrong_secret(gw.admin_key))
 
     limit = gw.auth.failures_per_peer_key
     assert first == grpc.StatusCode.OK

@@ -78,7 +78,7 @@ def test_namespaces_isolate_and_share(tiny) -> None:
 
 def test_forced_hash_collision_is_a_miss(tiny) -> None:
     """Regression: a weak hash mapping every block to one value must not serve wrong KV."""
-    weak: HashFn = lambda data: b"\x00" * 32  # noqa: E731
+    weak: HashFn = lambda data: b"\x00" * 32
     from cache_node.config import EngineConfig
     from cache_node.engine import LLMEngine
 

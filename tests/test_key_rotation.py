@@ -13,9 +13,9 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from cli import main as cli
 from cli import state as cli_state
+from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from tenants.keys import KEY_PATTERN, read_key_file, write_key_file
 from tenants.model import TenantSpec
 from tests.gateway_harness import serve

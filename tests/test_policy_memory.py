@@ -18,7 +18,7 @@ def prompt_of(n: int, offset: int = 0) -> list[int]:
     return [(7 * i + offset) % 500 + 1 for i in range(n)]
 
 
-def run_until(eng, rid: str, num_outputs: int):  # noqa: ANN001, ANN201
+def run_until(eng, rid: str, num_outputs: int):
     while len(eng.requests[rid].output_token_ids) < num_outputs:
         eng.step()
     return eng.requests[rid]
@@ -39,7 +39,7 @@ def test_quant_codes_are_charged_to_the_pool_and_reported_per_request_and_tenant
     assert eng.held_by_tenant() == {"t": {"blocks": 4, "policy_bytes": codes}}
     stats = eng.stats()
     assert (stats["policy_bytes"], stats["policy_blocks"], stats["used_blocks"]) == (codes, 3, 4)
-    final = [o for o in eng.step() if o.request_id == rid][0]
+    final = next(o for o in eng.step() if o.request_id == rid)
     assert (final.finish_reason, final.policy_bytes) == ("length", codes)  # the peak, kept at finish
     assert eng.held_by_tenant() == {} and eng.kv_manager.pool.num_free_blocks() == total
     eng.check_integrity()
@@ -63,7 +63,7 @@ def test_a_full_pool_refuses_the_charge_and_the_sequence_does_not_run_on_uncharg
     outputs = len(seq.output_token_ids)
     eng.step()  # the debt cannot be paid: preempted, its blocks and charge given back
     assert eng.scheduler.num_preemptions == 1 and seq.block_table == [] and seq.kv.charge_blocks == []
-    final = [o for o in eng.step() if o.request_id == rid][0]
+    final = next(o for o in eng.step() if o.request_id == rid)
     assert (final.finish_reason, final.num_output_tokens) == ("length", outputs)
     pool.free(held_elsewhere)
     assert pool.num_free_blocks() == pool.num_blocks

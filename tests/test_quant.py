@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from cache_node.policies import make_policy
-from cache_node.policies.quant import QuantSegment, pack_bits, pack_int4, quantize, unpack_bits, unpack_int4
+from cache_node.policies.quant import (
+    QuantSegment,
+    pack_bits,
+    pack_int4,
+    quantize,
+    unpack_bits,
+    unpack_int4,
+)
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
