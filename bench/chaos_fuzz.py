@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import string
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -274,7 +275,11 @@ def send_garbage(address: str, socket_type: int, messages: list[list[bytes]], ra
             accepted = False
         sock.close(linger=2000 if accepted else 0)
     finally:
-        ctx.term()
+        # libzmq's term can block on a connect still in a refused CURVE handshake: bounded,
+        # off this thread
+        closer = threading.Thread(target=ctx.term, daemon=True)
+        closer.start()
+        closer.join(5)
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     for data in raw:
         with socket.create_connection((host, int(port)), timeout=2.0) as conn:
