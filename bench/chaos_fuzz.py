@@ -21,7 +21,6 @@ from __future__ import annotations
 import socket
 import string
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,18 +284,3 @@ def send_garbage(address: str, socket_type: int, messages: list[list[bytes]], ra
         with socket.create_connection((host, int(port)), timeout=2.0) as conn:
             conn.sendall(data)
 
-
-def walk_counters(obj: Any, words: tuple[str, ...] = ("malformed", "dropped", "bad_message")) -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every counter in a stats tree whose key names dropped messages."""
-    stack: list[tuple[str, Any]] = [("", obj)]
-    while stack:
-        prefix, node = stack.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                path = f"{prefix}.{key}" if prefix else str(key)
-                if isinstance(value, (int, float)) and any(w in str(key) for w in words):
-                    yield path, value
-                else:
-                    stack.append((path, value))
-        elif isinstance(node, list):
-            stack.extend((f"{prefix}[{i}]", v) for i, v in enumerate(node))
