@@ -69,7 +69,9 @@ class ServiceConfig(BaseModel):
     spill_node_resource: str = "spill_node"
     detached: bool = False
     start_timeout_s: float = Field(600.0, gt=0)  # actors not placed by then: a clear error, not a hang
-    scheduler: str = "fcfs"  # scheduling policy of every node: fcfs | priority | vtc | kvstrata
+    # scheduling policy of every node: kvstrata (SLO classes, floors, early rejection; the
+    # default) | fcfs | priority | vtc
+    scheduler: str = "kvstrata"
     # Environment of the GlobalScheduler and Gateway workers. At Ray's default nice 15 they got
     # ~1/28 of a core next to a busy CPU cache node (nice 0): under load a request spent a
     # median 0.57 s (up to 3 s) between the client and the node's engine (bench.slo).
