@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import typer
 
+from cli.options import GatewayOpt
 from cli.output import console, fail
 from cli.state import admin_key_file, admin_metadata, gateway_address
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
@@ -17,7 +18,7 @@ admin_app = typer.Typer(help="operator tasks", no_args_is_help=True)
 def admin_rotate_key(
     local: bool = typer.Option(False, "--local", help="rotate in the tenant database of the state dir "
                                "directly (when the admin key is lost; run where `kvstrata up` ran)"),
-    gateway: str | None = None,
+    gateway: str | None = GatewayOpt,
 ) -> None:
     """Replace the admin key and save the new one to the state dir's admin_key file (0600).
 

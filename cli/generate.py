@@ -2,24 +2,94 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterable
+from typing import TextIO
+
 import grpc
 import typer
 
-from cli.options import MAX_UINT32, finite
+from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import console, fail
 from cli.state import gateway_address
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 
+FINISH_REASONS = {
+    "stop": "the model ended its answer",
+    "length": "max_tokens reached (or the model's context length)",
+    "abort": "the server aborted the request (a drain or a node failure)",
+}
+"""What each ``GenerateFinished.finish_reason`` means, as ``generate`` prints it."""
+
+CANCELLED_EXIT_CODE = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def finish_line(finished: inference_pb2.GenerateFinished) -> str:
+    """The closing line: the finish reason explained, token counts, TTFT and TPOT (ms)."""
+    reason = finished.finish_reason
+    why = FINISH_REASONS.get(reason, "an unknown finish reason")
+    return (f"{reason}: {why}. {finished.prompt_tokens} prompt tokens ({finished.cached_tokens.device} "
+            f"cached on the device), {finished.completion_tokens} generated, TTFT {finished.ttft_ms:.0f} ms, "
+            f"TPOT {finished.tpot_ms:.0f} ms")
+
+
+def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO) -> None:
+    """Write the deltas of a ``Generate`` stream to ``out``, then the finish line.
+
+    ``call`` is the stub's response iterator (a ``grpc.Call``). On ``KeyboardInterrupt``
+    (Ctrl-C) the call is cancelled, so the gateway aborts the request on its node, the
+    line of text is ended, a note says the request was cancelled, and the command exits
+    with ``CANCELLED_EXIT_CODE``.
+
+    Raises:
+        grpc.RpcError: the call failed (not by our cancel).
+        typer.Exit: after a cancel.
+    """
+    mid_line = False
+    try:
+        for msg in call:
+            kind = msg.WhichOneof("event")
+            if kind == "delta" and msg.delta.text:
+                out.write(msg.delta.text)
+                out.flush()
+                mid_line = not msg.delta.text.endswith("\n")
+            elif kind == "finished":
+                if mid_line:
+                    out.write("\n")
+                mid_line = False
+                console.print(f"[dim]{finish_line(msg.finished)}[/dim]", soft_wrap=True)
+    except KeyboardInterrupt:
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+        if mid_line:
+            out.write("\n")
+        out.flush()
+        console.print("[yellow]cancelled (Ctrl-C): the request was cancelled; the text above is "
+                      "what arrived before[/yellow]", soft_wrap=True)
+        raise typer.Exit(CANCELLED_EXIT_CODE) from None
+
 
 def generate(
-    prompt: str, api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY"),
-    max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32),
-    temperature: float = typer.Option(0.0, min=0, max=100, callback=finite, help="0: greedy"),
-    session: str = "",
-    policy: str = typer.Option("", help="KV policy spec for this request (default: the tenant's)"),
-    gateway: str | None = None,
+    prompt: str = typer.Argument(..., help="the user message (one chat turn)"),
+    api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
+                                help="the tenant's API key (from `kvstrata tenant add`)"),
+    max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32,
+                                   help="most tokens to generate (finish reason `length` when reached)"),
+    temperature: float = typer.Option(0.0, min=0, max=100, callback=finite,
+                                      help="sampling temperature; 0: greedy (deterministic)"),
+    session: str = typer.Option("", help="a session id of your choice: turns of one session reuse the "
+                                "previous turns' KV cache (default: no session)"),
+    policy: str = typer.Option("", help="KV policy spec for this request, e.g. sentencekv-0.25 "
+                               "(default: the tenant's)"),
+    gateway: str | None = GatewayOpt,
 ) -> None:
-    """Stream a chat completion to the terminal."""
+    """Stream a chat completion to the terminal; the last line says why it ended and how fast it was.
+
+    Finish reasons: `stop` (the model ended its answer), `length` (max_tokens reached), `abort`
+    (the server aborted it). Ctrl-C cancels the request.
+    """
     req = inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
         sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
@@ -27,16 +97,7 @@ def generate(
     )
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
-            for msg in inference_pb2_grpc.InferenceServiceStub(ch).Generate(
-                    req, metadata=(("authorization", f"Bearer {api_key}"),)):
-                kind = msg.WhichOneof("event")
-                if kind == "delta":
-                    print(msg.delta.text, end="", flush=True)
-                elif kind == "finished":
-                    f = msg.finished
-                    print()
-                    console.print(f"[dim]{f.finish_reason}: {f.prompt_tokens} prompt tokens "
-                                  f"({f.cached_tokens.device} cached), {f.completion_tokens} generated, "
-                                  f"TTFT {f.ttft_ms:.0f} ms, TPOT {f.tpot_ms:.0f} ms[/dim]")
+            stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
+                req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout)
         except grpc.RpcError as err:
             fail(err)

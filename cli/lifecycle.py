@@ -21,13 +21,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from cli import state
+from cli.options import GatewayOpt
 from cli.output import console, fail
 from cli.processes import stop_processes
 from cli.state import admin_metadata, gateway_address, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
 
-ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="service YAML config")
+ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
+                         help="service YAML config (fields of services/config.py; default: all defaults)")
 
 
 def _free_port() -> int:
@@ -51,9 +53,9 @@ def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
         temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs)) for part in cmdline))
 
 
-def _up_config(config: Path | None, scheduler: str) -> ServiceConfig:
-    """The service config ``up`` runs (``--scheduler`` applied, detached actors); a bad file or
-    value prints one line and exits with code 2."""
+def _up_config(config: Path | None, scheduler: str, device: str = "") -> ServiceConfig:
+    """The service config ``up`` runs (``--scheduler`` and ``--device`` applied, detached
+    actors); a bad file or value prints one line and exits with code 2."""
     try:
         cfg = load_config(config)
     except pydantic.ValidationError as exc:
@@ -68,6 +70,13 @@ def _up_config(config: Path | None, scheduler: str) -> ServiceConfig:
             cfg = ServiceConfig.model_validate({**cfg.model_dump(), "scheduler": scheduler})
         except pydantic.ValidationError as exc:
             console.print(f"[red]--scheduler: {escape(exc.errors()[0]['msg'])}[/red]")
+            raise typer.Exit(2) from None
+    if device:
+        try:
+            node = {**cfg.node.model_dump(), "device": device}
+            cfg = ServiceConfig.model_validate({**cfg.model_dump(), "node": node})
+        except pydantic.ValidationError as exc:
+            console.print(f"[red]--device: {escape(exc.errors()[0]['msg'])}[/red]")
             raise typer.Exit(2) from None
     return cfg.model_copy(update={"detached": True})
 
@@ -87,8 +96,14 @@ def _start_local_ray(cfg: ServiceConfig) -> tuple[int, str]:
 
 def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         None, help="join this Ray cluster (e.g. auto); default: start a local one"),
-        scheduler: str = typer.Option("", help="fcfs | priority | vtc | kvstrata (overrides the config)")) -> None:
+        scheduler: str = typer.Option("", help="kvstrata (the default: SLO classes, token-rate floors, "
+                                      "early rejection) | fcfs | priority | vtc; overrides the config"),
+        device: str = typer.Option("", help="auto | cpu | cuda: where cache nodes run, one GPU each on "
+                                   "cuda (overrides node.device in the config)")) -> None:
     """Start the global scheduler, cache nodes and gateway; print the gateway address.
+
+    Every node runs the `kvstrata` SLO scheduler unless --scheduler or the config's
+    `scheduler:` names fcfs, priority or vtc.
 
     Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
     ``kvstrata down`` uses to stop exactly that cluster).
@@ -97,7 +112,7 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
 
     from services.launcher import start_services
 
-    cfg = _up_config(config, scheduler)
+    cfg = _up_config(config, scheduler, device)
     saved = read_state()
     if saved.get("address") and reachable(saved["address"]):
         console.print(f"[red]kvstrata is already up at {saved['address']}; run `kvstrata down` first[/red]")
@@ -173,8 +188,10 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
 
 
 def down() -> None:
-    """Stop the services started by `kvstrata up`: its actors on the Ray cluster it joined
-    (that cluster keeps running), or the local Ray cluster it started (only that one)."""
+    """Stop the services started by `kvstrata up`.
+
+    With `--address` at `up`: its actors on the Ray cluster it joined (that cluster keeps
+    running); else the local Ray cluster it started (only that one)."""
     import ray
 
     saved = read_state()
@@ -206,7 +223,8 @@ def down() -> None:
     console.print("stopped")
 
 
-def status(gateway: str | None = None, integrity: bool = True) -> None:
+def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
+        True, help="check each node's block pool for consistency (waits for a step boundary)")) -> None:
     """Per-node pool usage, queue and session counts."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:

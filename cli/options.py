@@ -21,3 +21,9 @@ def positive(value: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise typer.BadParameter(f"{value} is not a finite number > 0")
     return value
+
+
+GatewayOpt = typer.Option(
+    None, "--gateway", metavar="HOST:PORT",
+    help="the gateway to call (default: $KVSTRATA_GATEWAY, else the address `kvstrata up` saved)")
+TenantNameArg = typer.Argument(..., metavar="NAME", help="the tenant's name (as given to `kvstrata tenant add`)")

@@ -8,7 +8,7 @@ import json
 import grpc
 import typer
 
-from cli.options import positive
+from cli.options import GatewayOpt, positive
 from cli.output import console, fail
 from cli.state import admin_metadata, gateway_address
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
@@ -21,13 +21,17 @@ def run_deepresearch(
     duration: float = typer.Option(50.0, "--duration", callback=positive, help="arrival window, seconds"),
     tenants: int = typer.Option(4, "--tenants", min=1, max=4, help="number of demo tenant profiles to use (1-4)"),
     sessions_per_s: float = typer.Option(0.054, callback=positive,
-                                         help="one tenant share of research sessions per second"),
-    seed: int = typer.Option(0, min=0),
+                                         help="research sessions per second of one tenant share "
+                                         "(the noisy tenant arrives at 4x this rate)"),
+    seed: int = typer.Option(0, min=0, help="the plan's random seed (same seed: same sessions, prompts and pauses)"),
     max_subagents: int = typer.Option(3, min=2, max=6, help="sub-agents per research session (2..6)"),
     scheduler: str = typer.Option("", help="the scheduler the gateway must run (chosen at `kvstrata up "
-                                  "--scheduler`); the run stops at once when it runs another"),
+                                  "--scheduler`); the run stops at once when it runs another "
+                                  "(default: any)"),
     policy: str = typer.Option("", help="KV policy for every tenant"),
-    gateway: str | None = None, reports: str = "reports",
+    gateway: str | None = GatewayOpt,
+    reports: str = typer.Option("reports", help="where the report folder goes "
+                                "(<reports>/deepresearch/<timestamp>/, <reports>/latest points at it)"),
 ) -> None:
     """Run the DeepResearch multi-agent workload against a running gateway.
 

@@ -2,37 +2,54 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import grpc
 import typer
 from rich.table import Table
 
-from cli.options import MAX_UINT32, MAX_UINT64, finite
+from cli.options import MAX_UINT32, MAX_UINT64, GatewayOpt, TenantNameArg, finite
 from cli.output import console, fail
 from cli.state import admin_metadata, gateway_address
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
+from tenants.model import SLO_CLASS_DEFAULTS
 
 tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
 
 
+def class_defaults(field: str) -> str:
+    """``"interactive 1000, standard 5000, batch 60000"``: ``field``'s default per SLO class
+    (``tenants.model.SLO_CLASS_DEFAULTS``), for help texts."""
+    return ", ".join(f"{cls.value} {getattr(d, field):g}" for cls, d in SLO_CLASS_DEFAULTS.items())
+
+
 @tenant_app.command("add")
 def tenant_add(
-    name: str,
-    slo_class: str = typer.Option("standard", help="interactive | standard | batch"),
-    ttft_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="0: the class default"),
-    tpot_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="0: the class default"),
-    min_tokens_per_s: float | None = typer.Option(None, min=0, callback=finite),
-    weight: float = typer.Option(0.0, min=0, callback=finite, help="0: the class default"),
-    kv_quota_bytes: int = typer.Option(0, min=0, max=MAX_UINT64),
-    max_context_tokens: int = typer.Option(0, min=0, max=MAX_UINT32, help="0: the default (8192)"),
+    name: str = typer.Argument(..., help="the new tenant's name: 1-63 lowercase letters, digits, _ or -, not starting with _ or -"),
+    slo_class: str = typer.Option("standard", help="interactive | standard | batch: the order the "
+                                  "kvstrata scheduler serves classes in, and the targets' defaults"),
+    ttft_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="time-to-first-token target, ms "
+                                      f"(0: the class default, {class_defaults('ttft_slo_ms')})"),
+    tpot_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="time-per-output-token target, ms "
+                                      f"(0: the class default, {class_defaults('tpot_slo_ms')})"),
+    min_tokens_per_s: float | None = typer.Option(
+        None, min=0, callback=finite, help="token-rate floor while it has work waiting, tokens/s "
+        f"(default: the class's, {class_defaults('min_tokens_per_s')})"),
+    weight: float = typer.Option(0.0, min=0, callback=finite, help="its share of what is left after "
+                                 f"floors (0: the class default, {class_defaults('weight')})"),
+    kv_quota_bytes: int = typer.Option(0, min=0, max=MAX_UINT64, help="device-tier KV bytes guaranteed "
+                                       "to it (0: none)"),
+    max_context_tokens: int = typer.Option(0, min=0, max=MAX_UINT32, help="longest prompt + output, "
+                                           "tokens (0: the default, 8192)"),
     namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
     policy: str = typer.Option("", help="default KV policy spec for its requests, e.g. sentencekv-0.25"),
     allow_policy: list[str] | None = typer.Option(
         None, "--allow-policy", help="a KV policy its requests may name (repeat; default: every policy); "
         "`snapkv` allows every snapkv-* spec"),
-    gateway: str | None = None,
+    gateway: str | None = GatewayOpt,
 ) -> None:
-    """Register a tenant; prints its API key once."""
+    """Register a tenant; prints its API key once (stored only as a salted hash)."""
     classes = SLO_CLASSES
     if slo_class not in classes:
         console.print(f"[red]unknown SLO class {slo_class!r}; known: {', '.join(classes)}[/red]")
@@ -55,7 +72,8 @@ def tenant_add(
 
 
 @tenant_app.command("list")
-def tenant_list(gateway: str | None = None) -> None:
+def tenant_list(gateway: str | None = GatewayOpt) -> None:
+    """List the tenants: SLO class, targets, floor, weight, cache namespace."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata())
@@ -70,8 +88,44 @@ def tenant_list(gateway: str | None = None) -> None:
     console.print(table)
 
 
+def _or(value: float, unset: str) -> str:
+    return f"{value:g}" if value else unset
+
+
+def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
+    """One tenant as a two-column table: its spec (unset fields say what applies), then usage."""
+    s = t.spec
+    class_name = {number: name for name, number in SLO_CLASSES.items()}.get(s.slo_class, str(s.slo_class))
+    floor = f"{s.min_tokens_per_s:g}" if s.HasField("min_tokens_per_s") else "class default"
+    cached = u.cached_tokens
+    table = Table("field", "value", title=f"tenant {s.name}", title_justify="left")
+    for field, value in (
+        ("tenant id", t.tenant_id),
+        ("created", datetime.fromtimestamp(t.created_at_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")),
+        ("SLO class", class_name),
+        ("TTFT target (ms)", _or(s.ttft_slo_ms, "class default")),
+        ("TPOT target (ms)", _or(s.tpot_slo_ms, "class default")),
+        ("floor (tokens/s)", floor),
+        ("weight", _or(s.weight, "class default")),
+        ("KV quota (bytes)", _or(s.kv_quota_bytes, "none")),
+        ("max context (tokens)", _or(s.max_context_tokens, "default")),
+        ("cache namespace", s.cache_namespace or s.name),
+        ("KV policy", s.policy or "node default"),
+        ("allowed policies", ", ".join(s.allowed_policies) or "every policy"),
+        ("requests", str(u.requests)),
+        ("rejected / preempted", f"{u.rejected} / {u.preempted}"),
+        ("prompt / completion tokens", f"{u.prompt_tokens} / {u.completion_tokens}"),
+        ("cached prompt tokens (device / host / spill RAM / spill disk)",
+         f"{cached.device} / {cached.host} / {cached.spill_ram} / {cached.spill_disk}"),
+        ("KV blocks held now", str(u.blocks_held)),
+    ):
+        table.add_row(field, value)
+    return table
+
+
 @tenant_app.command("show")
-def tenant_show(name: str, gateway: str | None = None) -> None:
+def tenant_show(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> None:
+    """One tenant's settings and usage counters (since the services started) as a table."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
@@ -79,12 +133,12 @@ def tenant_show(name: str, gateway: str | None = None) -> None:
             u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=admin_metadata()).usage
         except grpc.RpcError as err:
             fail(err)
-    console.print(t)
-    console.print(u)
+    console.print(tenant_table(t, u))
 
 
 @tenant_app.command("rm")
-def tenant_rm(name: str, gateway: str | None = None) -> None:
+def tenant_rm(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> None:
+    """Delete a tenant: its API keys stop working at once."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata())
@@ -95,9 +149,10 @@ def tenant_rm(name: str, gateway: str | None = None) -> None:
 
 @tenant_app.command("rotate-key")
 def tenant_rotate_key(
-    name: str,
-    api_key: str | None = typer.Option(None, help="the tenant's own key (default: the admin key)"),
-    gateway: str | None = None,
+    name: str = TenantNameArg,
+    api_key: str | None = typer.Option(None, help="authorize with the tenant's own key (default: the "
+                                       "admin key)"),
+    gateway: str | None = GatewayOpt,
 ) -> None:
     """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
     md = (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()

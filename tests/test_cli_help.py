@@ -1,0 +1,56 @@
+"""Every ``kvstrata`` command and option explains itself in ``--help`` (issue 21: most options
+had no help text: ``--session``, ``--gateway``, ``--max-tokens``, ``--temperature``,
+``tenant list/show/rm``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from cli.main import app
+
+ROOT = typer.main.get_command(app)
+BUILTIN = {"help", "install_completion", "show_completion"}
+
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """(path, command) for ``group`` and every command under it (typer's own click classes)."""
+    out = [(path, group)]
+    if hasattr(group, "commands"):
+        for name, sub in sorted(group.commands.items()):
+            out += _commands(sub, (*path, name))
+    return out
+
+
+COMMANDS = _commands(ROOT)
+
+
+def _help_text(path: tuple[str, ...]) -> str:
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"})
+    assert result.exit_code == 0, result.output
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
+
+
+def test_the_tree_has_every_command() -> None:
+    names = {" ".join(path) for path, _ in COMMANDS}
+    assert {"up", "down", "status", "generate", "tenant add", "tenant list", "tenant show", "tenant rm",
+            "tenant rotate-key", "admin rotate-key", "run deepresearch"} <= names
+
+
+@pytest.mark.parametrize("path,command", COMMANDS, ids=[" ".join(p) or "kvstrata" for p, _ in COMMANDS])
+def test_help_explains_the_command_and_each_option(path: tuple[str, ...], command: Any) -> None:
+    assert (command.help or "").strip(), f"`kvstrata {' '.join(path)}` has no help text"
+    text = _help_text(path)
+    assert " ".join(command.help.split()[:4]) in text
+    for param in command.params:
+        if param.name in BUILTIN:
+            continue
+        help_ = (getattr(param, "help", None) or "").strip()
+        assert help_, f"`kvstrata {' '.join(path)}`: {param.name} has no help text"
+        assert " ".join(help_.split()[:4]) in text, f"{param.name}'s help is not in --help"
+        if param.param_type_name == "option":
+            assert param.opts[0] in text
