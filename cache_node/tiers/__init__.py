@@ -5,6 +5,7 @@
   ``LLMEngine``;
 - ``host``: the host tier, one pinned CPU tensor of blocks;
 - ``block_copy`` and ``runs``: batched block copies, coalesced into runs of consecutive ids;
+- ``device_copy``: on a CUDA pool, those copies async on a copy stream, ordered by events;
 - ``prefetch``: the transfer worker (spill puts, prefetch gets) on a background thread;
 - ``spill_api``: the engine's narrow view of the spill tier (``SpillClient``);
 - ``spill_store``, ``spill_disk``, ``spill_format``: the spill storage engine (a RAM tier, disk

@@ -54,7 +54,7 @@ class EngineTiersMixin:
         """
         with self._lock:
             blocks = self.sessions.unpin(session_id)[::-1]  # tail first, as the free queue
-            return self.tiers.demote_free_blocks(blocks, to_spill) if self.tiers.enabled else 0
+            return self.tiers.demote_free_blocks(blocks, to_spill, hold=True) if self.tiers.enabled else 0
 
     def demote_all(self, to_spill: bool = False) -> int:
         """Move every unreferenced cached device block below (host; or spill, host included).
@@ -86,9 +86,13 @@ class EngineTiersMixin:
         return [(e.event, e.block_hash) for e in self.take_tier_events() if e.tier == TIER_DEVICE]
 
     def wait_for_transfers(self, timeout_s: float = 30.0) -> bool:
-        """Block until queued spill puts and prefetches are done. False on timeout."""
+        """Block until queued spill puts and prefetches are done and every device block held
+        for a demotion copy (CUDA) is free again. False on timeout."""
         worker = self.tiers.worker
-        return True if worker is None else worker.wait_idle(timeout_s)
+        done = True if worker is None else worker.wait_idle(timeout_s)
+        with self._lock:
+            self.tiers.release_held(wait=True)
+        return done
 
     def _over_quota_first(self, cached: list[KVBlock]) -> list[KVBlock]:
         """Watermark demotion order: free cached blocks (``cached``, LRU first) of the tenants

@@ -6,8 +6,10 @@ promotion is one strided copy per run of blocks (``block_copy``)::
     data: (num_layers, 2, num_slots, block_size, num_kv_heads, head_dim)
     num_slots = budget_bytes // bytes_per_block
 
-It is pinned (page-locked) only when CUDA exists, so device<->host copies can run at PCIe
-speed. Entries keep their tokens (every hit is token-checked, as on the device) and their
+It is pinned (page-locked) when the pool is on CUDA, so device<->host copies run at PCIe
+speed, asynchronously on the copier's stream (``device_copy.DeviceCopier``): ``put`` leaves
+the event of its copy in ``last_put_event``, and every CPU read or write of ``data`` (victims,
+reserved slots) waits for the copies in flight first. Entries keep their tokens (every hit is token-checked, as on the device) and their
 cache namespace (recorded in spill file headers).
 """
 
@@ -21,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from cache_node.hashing import BlockHash
-from cache_node.tiers.block_copy import copy_view_to_view, view_to_stack
+from cache_node.tiers.block_copy import view_to_stack
+from cache_node.tiers.device_copy import DeviceCopier
 
 TIER_DEVICE = "device"
 TIER_HOST = "host"
@@ -66,10 +69,12 @@ class HostTier:
         dtype: KV dtype (same as the device pool).
         budget_bytes: host RAM budget; 0 disables the tier (every put becomes a victim).
         pin: page-lock the tensor; None = only when CUDA is available.
+        copier: how blocks are copied in (async on CUDA); None = synchronous CPU copies.
     """
 
     def __init__(
-        self, pool_shape: Sequence[int], dtype: torch.dtype, budget_bytes: int, pin: bool | None = None
+        self, pool_shape: Sequence[int], dtype: torch.dtype, budget_bytes: int, pin: bool | None = None,
+        copier: DeviceCopier | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"host budget_bytes must be >= 0, got {budget_bytes}")
@@ -82,6 +87,8 @@ class HostTier:
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.num_reserved = 0  # slots a policy holds (``reserve``), outside the LRU index
         self._events: list[TierEvent] = []
+        self.copier = copier or DeviceCopier(torch.device("cpu"))
+        self.last_put_event: torch.cuda.Event | None = None  # of the last ``put``'s copy (CUDA)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.entries
@@ -121,7 +128,7 @@ class HostTier:
         slots = sorted(self._free_slots.pop() for _ in new)
         slot_by_src = dict(zip(sorted(s for _, s in new), slots))
         slot_of = [slot_by_src[s] for _, s in new]
-        copy_view_to_view(self.data, slot_of, src, [s for _, s in new])
+        self.last_put_event = self.copier.demote(self.data, slot_of, src, [s for _, s in new])
         for (m, _), slot in zip(new, slot_of):
             self.entries[m.block_hash] = HostEntry(slot, m.token_ids, m.namespace)
             self._events.append(TierEvent("stored", m.block_hash, TIER_HOST))
@@ -150,6 +157,7 @@ class HostTier:
         if n > len(self._free_slots) + len(self.entries):
             return None, Victims([], torch.empty(0))
         victims = self._evict(n - len(self._free_slots))
+        self.copier.host_barrier()  # a free slot may still be read by a promotion in flight
         slots = [self._free_slots.pop() for _ in range(n)]
         self.num_reserved += n
         return slots, victims
@@ -193,6 +201,8 @@ class HostTier:
         hashes = list(self.entries)[: max(n, 0)]
         entries = self.take(hashes)
         metas = [BlockMeta(h, e.token_ids, e.namespace) for h, e in zip(hashes, entries)]
+        if entries:
+            self.copier.host_barrier()  # a demotion in flight may still be writing them
         blocks = view_to_stack(self.data, [e.slot for e in entries])
         self.release(entries)
         return Victims(metas, blocks)

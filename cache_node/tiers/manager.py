@@ -11,10 +11,15 @@ matchable in one node tier at a time (spill keeps its copy: it is shared by all 
   cached block copies it down first (``BlockPool.evict_hook``), so no computed KV is lost
   silently. Host LRU victims are pushed to spill by the transfer worker (batched, async).
 - **Promotion**: at admission, past the device hits, host hits are copied into fresh device
-  blocks (synchronous memcpy). Spill hits are never read on the step path: ``prefetch``
+  blocks (a memcpy: synchronous on the CPU, async and event-ordered on CUDA). Spill hits are never read on the step path: ``prefetch``
   copies them into device blocks in the background while the request waits in the queue.
 - **Sessions**: ``demote_blocks`` moves an idle session's blocks below; the next turn finds
   them through promotion.
+- **On CUDA** (``device_copy.DeviceCopier``): host copies run on their own stream, ordered by
+  events; blocks freed by watermark, session or ``demote_all`` demotion are held out of the
+  free queue until their copy has finished (released by the next ``maybe_demote`` or by
+  ``release_held``), blocks an allocation reuses at once make later steps wait on the copy,
+  and promoted or installed blocks are read by later steps only after they land.
 
 Every hit is exact or a miss: host hits are token-checked, spill replies are validated
 (``spill_api.leading_hits``) and any exception from the spill client is a miss.
@@ -36,7 +41,8 @@ from cache_node.block import KVBlock
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
-from cache_node.tiers.block_copy import copy_stack_to_view, copy_view_to_view, view_to_stack
+from cache_node.tiers.block_copy import view_to_stack
+from cache_node.tiers.device_copy import DeviceCopier
 from cache_node.tiers.host import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
 from cache_node.tiers.prefetch import TransferWorker
 from cache_node.tiers.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
@@ -102,7 +108,9 @@ class TierManager:
         L, two, _, bs, h, d = pool.blocks_view().shape
         self.block_shape = (L, two, bs, h, d)  # one block in the spill tier
         self.spill_np_dtype: np.dtype = numpy_dtype_of(pool.kv.dtype)
-        self.host = HostTier(pool.blocks_view().shape, pool.kv.dtype, config.host_bytes)
+        self.copier = DeviceCopier(pool.kv.device)
+        self.host = HostTier(pool.blocks_view().shape, pool.kv.dtype, config.host_bytes,
+                             pin=pool.kv.is_cuda, copier=self.copier)
         self.spill = spill
         self.counters: Counter[str] = Counter()
         self.worker = TransferWorker(self, spill) if spill is not None else None
@@ -118,15 +126,37 @@ class TierManager:
     def demote_blocks(self, blocks: Seq[KVBlock]) -> None:
         """Copy free cached device blocks below (host, else spill); their hashes stay on device.
 
-        The caller drops the device hashes (``BlockPool.allocate`` or ``uncache``).
+        The caller drops the device hashes (``BlockPool.allocate`` or ``uncache``) and may
+        reuse the blocks at once: on CUDA later steps wait for the copy (``order_reuse``).
         """
+        self.copier.order_reuse(self._demote(blocks))
+
+    def _demote(self, blocks: Seq[KVBlock]) -> torch.cuda.Event | None:
+        """``demote_blocks`` without ordering reuse; returns the host copy's event (CUDA)."""
         todo = [b for b in blocks if b.block_hash is not None and b.block_hash not in self.host]
         if not todo:
-            return
+            return None
         metas = [BlockMeta(b.block_hash, b.token_ids, b.namespace) for b in todo]  # type: ignore[arg-type]
         victims = self.host.put(metas, self.pool.blocks_view(), [b.block_id for b in todo])
         self.counters["demoted_blocks"] += len(todo)
         self.push_to_spill(victims)
+        return self.host.last_put_event
+
+    def _uncache_and_hold(self, blocks: list[KVBlock], event: torch.cuda.Event | None) -> None:
+        """Drop the demoted blocks' device hashes; on CUDA keep them out of the free queue
+        (one reference each) until their copy ``event`` has completed."""
+        self.blocks.uncache(blocks)
+        if self.copier.hold(event, blocks):
+            self.blocks.touch(blocks)
+
+    def release_held(self, wait: bool = False) -> int:
+        """Return held demoted blocks whose copy finished (all, waiting, with ``wait``) to the
+        free-queue head. Returns blocks released."""
+        done = self.copier.release_done(wait)
+        if done:
+            self.blocks.free(done)
+            self.blocks.uncache(done)
+        return len(done)
 
     def reserve_host(self, n: int) -> list[int] | None:
         """``n`` host-tier slots for a policy's own KV (see ``HostTier.reserve``); LRU entries
@@ -151,6 +181,7 @@ class TierManager:
         """Watermark demotion (call once per step). Returns blocks demoted."""
         if not self.enabled:
             return 0
+        self.release_held()
         n = self.blocks.num_blocks
         free_cached = sum(1 for b in self.blocks.cached.values() if b.ref_cnt == 0)
         free_plain = self.blocks.num_free_blocks() - free_cached
@@ -162,23 +193,29 @@ class TierManager:
         if self.demotion_order is not None:
             cached = iter(self.demotion_order(list(cached)))
         victims = list(islice(cached, max(want, 0)))
-        self.demote_blocks(victims)
-        self.blocks.uncache(victims)
+        self._uncache_and_hold(victims, self._demote(victims))
         return len(victims)
 
-    def demote_free_blocks(self, blocks: Seq[KVBlock], to_spill: bool = False) -> int:
-        """Move free cached device blocks below now (idle sessions, tests, ``demote_all``)."""
+    def demote_free_blocks(self, blocks: Seq[KVBlock], to_spill: bool = False, hold: bool = False) -> int:
+        """Move free cached device blocks below now (idle sessions, tests, ``demote_all``,
+        preemption swaps). ``hold``: on CUDA keep the blocks out of the free queue until their
+        copy finishes (else later steps wait for it; a preemption needs the blocks at once)."""
         blocks = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        event = None
         if to_spill:
-            self.push_to_spill(self._stack(blocks))
+            self.push_to_spill(self._stack(blocks))  # a synchronous copy
         else:
-            self.demote_blocks(blocks)
-        self.blocks.uncache(blocks)
+            event = self._demote(blocks)
+        if hold:
+            self._uncache_and_hold(blocks, event)
+        else:
+            self.copier.order_reuse(event)
+            self.blocks.uncache(blocks)
         return len(blocks)
 
     def demote_all(self, to_spill: bool = False) -> int:
         """Move every free cached device block below; with ``to_spill`` the host tier too."""
-        n = self.demote_free_blocks([b for b in self.blocks.free_queue], to_spill)
+        n = self.demote_free_blocks([b for b in self.blocks.free_queue], to_spill, hold=True)
         if to_spill:
             self.push_to_spill(self.host.evict_all())
         return n
@@ -225,8 +262,8 @@ class TierManager:
         if new is None:
             self.host.untake(hashes, entries)
             return None
-        copy_view_to_view(self.pool.blocks_view(), [b.block_id for b in new], self.host.data,
-                          [e.slot for e in entries])
+        self.copier.promote(self.pool.blocks_view(), [b.block_id for b in new], self.host.data,
+                            [e.slot for e in entries])
         self.host.release(entries)
         for block, h, e in zip(new, hashes, entries):
             self.blocks.cache_block(block, h, e.token_ids, e.namespace)
@@ -246,7 +283,7 @@ class TierManager:
         todo = todo[: self.blocks.num_free_blocks()]
         new = self.blocks.allocate(len(todo)) or []
         picked = rows if len(todo) == len(tiers) else rows[todo]
-        copy_stack_to_view(self.pool.blocks_view(), [b.block_id for b in new], picked[: len(new)])
+        self.copier.install(self.pool.blocks_view(), [b.block_id for b in new], picked[: len(new)])
         namespace = seq.extra_keys[0] if seq.extra_keys else ""
         for block, i in zip(new, todo):
             j = start + i
@@ -304,6 +341,7 @@ class TierManager:
     def flush(self) -> int:
         """Drop every cached block on device, host and spill; in-flight transfers are dropped."""
         with self.lock:
+            self.release_held(wait=True)
             n = self.blocks.evict_cached() + self.host.clear()
             if self.worker is not None:
                 self.worker.new_epoch()
@@ -312,5 +350,7 @@ class TierManager:
         return n
 
     def stats(self) -> dict[str, int]:
-        """Host tier sizes and the ``COUNTERS`` (every key always present)."""
-        return self.host.stats() | {name: self.counters[name] for name in COUNTERS}
+        """Host tier sizes, the ``COUNTERS`` and ``held_demoted_blocks`` (device blocks waiting
+        for their demotion copy, CUDA only); every key always present."""
+        return self.host.stats() | {name: self.counters[name] for name in COUNTERS} | {
+            "held_demoted_blocks": self.copier.num_held}

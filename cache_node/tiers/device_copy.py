@@ -1,0 +1,174 @@
+"""Block copies between the device pool and pinned host memory, ordered by CUDA events.
+
+On a CUDA pool every tier move runs on one copy stream of its own, so demotions and
+promotions overlap the steps that run on the compute stream (the stream the engine was
+built on). The ordering rules, as in vLLM's and LMCache's swap paths:
+
+- **before a copy**: the copy stream waits on the compute stream (``wait_stream``), so a copy
+  reads KV only after the steps already enqueued have written it, and overwrites a device
+  block only after the steps already enqueued have stopped reading it;
+- **promotion** (host -> device, spill rows -> device): an event is recorded after the copy
+  and the compute stream waits on it, so no step reads a promoted block before it lands;
+  the host thread never waits;
+- **demotion** (device -> host): an event is recorded after the copy. Either the freed
+  device blocks are *held* (``hold``: kept out of the free queue with one reference) until
+  the event has completed (``release_done`` returns them), or, when an allocation reuses
+  them at once (``BlockPool.evict_hook``), the compute stream waits on the event before any
+  later step can overwrite them (``order_reuse``);
+- **host reads on the CPU** (victims pushed to spill, a policy writing reserved slots):
+  ``host_barrier`` waits for the copy stream first, since a pending demotion may still be
+  writing the host tensor or a pending promotion reading a slot just released;
+- **spill rows** are staged into a pinned buffer (reused; its last copy's event is waited on
+  before it is overwritten), then copied to the device on the copy stream.
+
+A copy of a run of ``n`` consecutive blocks is ``2 * num_layers`` contiguous
+``cudaMemcpyAsync`` calls of ``n * block_bytes / (2 * num_layers)`` bytes each: the pool is
+layer-major, and ``copy_`` of a non-contiguous slice across devices would go through a
+pageable temporary and block the host (``aten/src/ATen/native/cuda/Copy.cu``).
+
+On a CPU pool the same calls run synchronously (``block_copy``), with no streams or events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cache_node.block import KVBlock
+from cache_node.tiers.block_copy import copy_stack_to_view, copy_view_to_view
+from cache_node.tiers.runs import runs
+
+
+def _copy_runs(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+    """``dst[:, :, dst_ids[i]] = src[:, :, src_ids[i]]`` as contiguous async chunk copies.
+
+    ``dst``/``src``: pool views (L, 2, blocks, block_size, H_kv, d) on different devices, one
+    of them pinned host memory.
+    """
+    L, two = dst.shape[:2]
+    for s, d, n in runs(src_ids, dst_ids):
+        for layer in range(L):
+            for kv in range(two):
+                dst[layer, kv, d : d + n].copy_(src[layer, kv, s : s + n], non_blocking=True)
+
+
+class DeviceCopier:
+    """Tier copies for one pool: async and event-ordered on CUDA, synchronous on the CPU.
+
+    Args:
+        device: the pool's device.
+
+    Attributes:
+        compute_stream: the stream steps run on (CUDA; the current stream of the thread that
+            built the copier). Set it if the engine steps on another stream.
+        copy_stream: the stream tier copies run on (CUDA), None on the CPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.compute_stream = torch.cuda.current_stream(device) if self.is_cuda else None
+        self._held: list[tuple[torch.cuda.Event, list[KVBlock]]] = []
+        self._staging: torch.Tensor | None = None
+        self._staging_event: torch.cuda.Event | None = None
+        self._last_event: torch.cuda.Event | None = None
+
+    # ---- copies --------------------------------------------------------------------------
+    def demote(self, host: torch.Tensor, slots: Sequence[int], pool: torch.Tensor,
+               block_ids: Sequence[int]) -> torch.cuda.Event | None:
+        """Copy device blocks ``block_ids`` into host slots ``slots``; returns the copy's event
+        (None on the CPU, where the copy is done on return). The device blocks must not be
+        overwritten before the event completes: ``hold`` them or ``order_reuse``."""
+        if self.copy_stream is None or not pool.is_cuda:
+            copy_view_to_view(host, slots, pool, block_ids)
+            return None
+        return self._async(host, slots, pool, block_ids, wait_after=False)
+
+    def promote(self, pool: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor,
+                slots: Sequence[int]) -> None:
+        """Copy host slots ``slots`` into device blocks ``block_ids``; every later step (on the
+        compute stream) reads them only after the copy has landed."""
+        if self.copy_stream is None or not pool.is_cuda:
+            copy_view_to_view(pool, block_ids, host, slots)
+            return
+        self._async(pool, block_ids, host, slots, wait_after=True)
+
+    def install(self, pool: torch.Tensor, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Copy CPU rows ``(n, L, 2, block_size, H_kv, d)`` into device blocks ``block_ids``
+        through the pinned staging buffer; later steps read them only after they land."""
+        if self.copy_stream is None or not pool.is_cuda:
+            copy_stack_to_view(pool, block_ids, rows)
+            return
+        if rows.shape[0] != len(block_ids):
+            raise ValueError(f"{rows.shape[0]} rows but {len(block_ids)} destination ids")
+        if not block_ids:
+            return
+        staging = self._stage(rows)
+        self._async(pool, block_ids, staging, range(len(block_ids)), wait_after=True)
+        self._staging_event = self._last_event
+
+    def _stage(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as a pinned pool view ``(L, 2, n, block_size, H_kv, d)`` (reused buffer)."""
+        n = rows.shape[0]
+        shape = (rows.shape[1], rows.shape[2], n, *rows.shape[3:])
+        if self._staging_event is not None:
+            self._staging_event.synchronize()  # its last copy must have read it
+        buf = self._staging
+        if buf is None or buf.dtype != rows.dtype or buf.shape[:2] != shape[:2] or buf.shape[2] < n \
+                or buf.shape[3:] != shape[3:]:
+            buf = torch.empty(shape, dtype=rows.dtype, pin_memory=True)
+            self._staging = buf
+        view = buf[:, :, :n]
+        view.copy_(rows.permute(1, 2, 0, 3, 4, 5))
+        return view
+
+    def _async(self, dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
+               src_ids: Sequence[int], wait_after: bool) -> torch.cuda.Event:
+        assert self.copy_stream is not None and self.compute_stream is not None
+        self.copy_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            _copy_runs(dst, dst_ids, src, src_ids)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        if wait_after:
+            self.compute_stream.wait_event(event)
+        self._last_event = event
+        return event
+
+    # ---- ordering ------------------------------------------------------------------------
+    def hold(self, event: torch.cuda.Event | None, blocks: list[KVBlock]) -> bool:
+        """Keep ``blocks`` (already taken out of the free queue by the caller) until ``event``
+        completes; False (nothing held) when there is no event (CPU)."""
+        if event is None or not blocks:
+            return False
+        self._held.append((event, blocks))
+        return True
+
+    def release_done(self, wait: bool = False) -> list[KVBlock]:
+        """Held blocks whose demotion copy has finished (all of them, waiting, with ``wait``)."""
+        out: list[KVBlock] = []
+        keep = []
+        for event, blocks in self._held:
+            if wait:
+                event.synchronize()
+            if wait or event.query():
+                out.extend(blocks)
+            else:
+                keep.append((event, blocks))
+        self._held = keep
+        return out
+
+    @property
+    def num_held(self) -> int:
+        return sum(len(b) for _, b in self._held)
+
+    def order_reuse(self, event: torch.cuda.Event | None) -> None:
+        """Make later steps wait for ``event`` (demoted blocks an allocation reuses at once)."""
+        if event is not None and self.compute_stream is not None:
+            self.compute_stream.wait_event(event)
+
+    def host_barrier(self) -> None:
+        """Wait for every tier copy in flight (before the CPU reads or writes host slots)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
