@@ -1,0 +1,110 @@
+"""``kvstrata generate`` explains how a request ended and handles Ctrl-C; ``kvstrata tenant
+show`` prints a table (issue 21: the finish reason ``stop:``/``length:`` was unexplained;
+Ctrl-C left the line unterminated with no note and the call running; ``tenant show``
+printed raw protobuf text)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from typer.testing import CliRunner
+
+from cli import main as cli
+from cli.generate import CANCELLED_EXIT_CODE, FINISH_REASONS, finish_line
+from kvstrata.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tenants.model import TenantSpec
+from tests.gateway_harness import serve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class SlowInference(inference_pb2_grpc.InferenceServiceServicer):
+    """Streams ``word `` every 50 ms (no newline) until the client cancels; records that."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.started = threading.Event()
+
+    def Generate(self, request, context):
+        context.add_callback(lambda: self.cancelled.set() if not context.is_active() else None)
+        self.started.set()
+        for _ in range(2000):  # 100 s: far past the test
+            yield inference_pb2.GenerateResponse(delta=inference_pb2.GenerateDelta(text="word "))
+            time.sleep(0.05)
+
+
+@pytest.fixture()
+def slow_gateway() -> Iterator[tuple[str, SlowInference]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = SlowInference()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(grace=None)
+
+
+@pytest.mark.parametrize("reason,meaning", [("stop", "the model ended its answer"),
+                                            ("length", "max_tokens reached")])
+def test_finish_line_explains_the_reason(reason: str, meaning: str) -> None:
+    finished = inference_pb2.GenerateFinished(
+        finish_reason=reason, prompt_tokens=12, completion_tokens=5, ttft_ms=80.4, tpot_ms=21.6,
+        cached_tokens=common_pb2.TierTokens(device=8))
+    line = finish_line(finished)
+    assert line.startswith(f"{reason}: {meaning}")
+    assert "12 prompt tokens (8 cached on the device), 5 generated, TTFT 80 ms, TPOT 22 ms" in line
+    assert set(FINISH_REASONS) == {"stop", "length", "abort"}  # GenerateFinished's documented reasons
+
+
+def test_ctrl_c_ends_the_line_says_cancelled_and_cancels_the_call(slow_gateway) -> None:
+    """SIGINT to a real ``kvstrata generate`` process mid-stream: the text line is ended, a note
+    says the request was cancelled, the exit code is 130 and the server sees the call cancelled."""
+    address, servicer = slow_gateway
+    env = {**os.environ, "KVSTRATA_API_KEY": "kvs_0123456789ab_" + "A" * 43, "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "generate", "hi", "--gateway", address],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert servicer.started.wait(60), "the CLI never called the server"
+        time.sleep(0.5)  # some words printed
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == CANCELLED_EXIT_CODE, output
+    text, _, rest = output.partition("\n")
+    assert text.startswith("word word ") and "cancelled" not in text, output
+    assert "cancelled (Ctrl-C): the request was cancelled" in rest, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert servicer.cancelled.wait(10), "the gRPC call was not cancelled"
+
+
+def test_tenant_show_is_a_table(tmp_path: Path) -> None:
+    with serve(tmp_path) as gw:
+        gw.scheduler.store.register(TenantSpec("ann", "interactive", ttft_slo_ms=800.0,
+                                               cache_namespace="wiki"))
+        result = CliRunner().invoke(cli.app, ["tenant", "show", "ann", "--gateway", gw.address],
+                                    env={"KVSTRATA_ADMIN_KEY": gw.admin_key, "COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = {}
+    for line in result.output.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    assert rows["SLO class"] == "interactive"
+    assert rows["TTFT target (ms)"] == "800"
+    assert rows["cache namespace"] == "wiki"
+    assert rows["requests"] == "0"
+    assert "tenant_id:" not in result.output and "spec {" not in result.output  # no protobuf text
