@@ -1,13 +1,59 @@
-"""Engine configuration (frozen, validated, units in names)."""
+"""Engine configuration (frozen, validated, units in names) and device resolution."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
+
+import torch
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def check_device_name(device: str, field: str = "device") -> str:
+    """Return ``device`` when it is "auto", "cpu", "cuda" or "cuda:N"; raise ValueError naming
+    ``field`` otherwise (syntax only: whether the device exists is ``resolve_device``'s check)."""
+    if not isinstance(device, str) or not DEVICE_PATTERN.fullmatch(device):
+        raise ValueError(f'{field} must be "auto", "cpu", "cuda" or "cuda:N", got {device!r}')
+    return device
+
+
+def resolve_device(device: str) -> torch.device:
+    """The concrete torch device for a device name.
+
+    "auto" is ``cuda`` (the current CUDA device) when ``torch.cuda.is_available()``, else
+    ``cpu``; "cuda" is the current CUDA device; "cuda:N" is device N.
+
+    Raises:
+        ValueError: a malformed name, CUDA asked for where ``torch.cuda.is_available()`` is
+            False, or an index at or past ``torch.cuda.device_count()``.
+    """
+    check_device_name(device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch.cuda.is_available() is False")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA "
+                         "devices are visible")
+    return torch.device("cuda", index)
+
+
+def default_dtype_name(device: torch.device) -> str:
+    """The dtype a device runs when the user chose none: bfloat16 on CUDA, float32 on CPU."""
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a cache node sizes its pool and its steps.
+    """How a cache node sizes its pool and its steps, and where it runs them.
 
     Attributes:
         block_size: tokens per KV block (the paging unit).
@@ -17,10 +63,20 @@ class EngineConfig:
         max_num_seqs: most sequences running at once.
         max_model_len: longest prompt + output a request may have (tokens); 0 = the model's
             ``max_position_embeddings``.
-        dtype: torch dtype name of weights and KV ("float32", "bfloat16", "float16").
+        dtype: torch dtype name of weights and KV ("float32", "bfloat16", "float16"), or "auto":
+            bfloat16 on CUDA, float32 on CPU.
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; the model,
+            the pool and every per-step tensor live there.
+        attention_backend: "torch" (gather + SDPA), "triton" (varlen paged-attention kernels,
+            ``cache_node.kernels``) or "auto": triton on CUDA, torch on CPU
+            (``cache_node.attention_backends``).
+        cuda_graphs: replay CUDA graphs for decode-only steps with the triton backend on CUDA
+            (captured per batch-size bucket); ignored on CPU.
         cache_namespace_default: namespace used when a request names none.
         scheduling_policy: waiting-queue order, admission and preemption policy
             (``cache_node.scheduling``: "fcfs", "priority", "vtc", "kvstrata").
+
+    ``resolved()`` gives the concrete device, dtype and backend; the engine runs on that.
     """
 
     block_size: int = 16
@@ -28,7 +84,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 32
     max_model_len: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
     cache_namespace_default: str = "default"
     scheduling_policy: str = "fcfs"
 
@@ -41,8 +100,40 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        check_device_name(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                             f"{self.attention_backend!r}")
         from cache_node.scheduling import check_policy_name
 
         check_policy_name(self.scheduling_policy)
+
+    def resolved(self) -> EngineConfig:
+        """This config with ``device`` concrete ("cpu" or "cuda:N"), ``dtype`` a dtype name and
+        ``attention_backend`` a backend name ("auto" resolved as documented above).
+
+        Raises:
+            ValueError: the device does not exist here (``resolve_device``).
+        """
+        device = resolve_device(self.device)
+        dtype = default_dtype_name(device) if self.dtype == "auto" else self.dtype
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        return dataclasses.replace(self, device=str(device), dtype=dtype, attention_backend=backend)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """``torch.device(device)``; call on a ``resolved()`` config ("auto" is no device)."""
+        if self.device == "auto":
+            raise ValueError("device 'auto' is not resolved: call EngineConfig.resolved() first")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of ``dtype``; call on a ``resolved()`` config."""
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is not resolved: call EngineConfig.resolved() first")
+        return getattr(torch, self.dtype)

@@ -28,8 +28,6 @@ from cache_node.tiers.engine_api import EngineTiersMixin
 from cache_node.tiers.manager import TierConfig, TierManager
 from cache_node.tiers.spill_api import SpillClient
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine(EngineTiersMixin):
     """A model replica over a paged KV pool it owns, with continuous batching.
@@ -37,8 +35,10 @@ class LLMEngine(EngineTiersMixin):
     Thread-safe for one stepping thread plus callers of ``add_request``/``abort_request``.
 
     Args:
-        model: transformers causal LM (weights on ``device``).
-        config: pool and step sizing.
+        model: transformers causal LM; moved to the config's device and dtype (a no-op when
+            it is there already, e.g. built there by ``model_loader``).
+        config: pool and step sizing, device, dtype and attention backend; the engine keeps
+            ``config.resolved()`` (``self.config``: no "auto" left in it).
         model_id: identity of the weights, part of every block hash's extra keys; pass
             ``LoadedModel.model_id`` (a digest of config and weights) so that two different
             models never share cached KV (a name alone is not an identity).
@@ -59,12 +59,12 @@ class LLMEngine(EngineTiersMixin):
         spill: SpillClient | None = None,
     ) -> None:
         mc = model.config
-        self.config = config
+        self.config = config = config.resolved()
         self.model_id = model_id
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        dtype = _DTYPES[config.dtype]
+        dtype, device = config.torch_dtype, config.torch_device
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         per_block = config.block_size * KVPool.bytes_per_token(
             mc.num_hidden_layers, mc.num_key_value_heads, head_dim, dtype
@@ -72,7 +72,6 @@ class LLMEngine(EngineTiersMixin):
         num_blocks = config.kv_pool_bytes // per_block
         if num_blocks < 2:
             raise ValueError(f"kv_pool_bytes={config.kv_pool_bytes} holds fewer than 2 blocks")
-        device = next(model.parameters()).device
         self.pool = KVPool(
             mc.num_hidden_layers, mc.num_key_value_heads, head_dim, config.block_size,
             num_blocks, dtype, device,
@@ -82,7 +81,7 @@ class LLMEngine(EngineTiersMixin):
         self.scheduler = Scheduler(config, self.kv_manager)
         self.scheduler.max_seq_tokens = self.max_model_len
         self.scheduler.reclaim = self._unpin_idle_sessions
-        self.runner = ModelRunner(model.to(dtype), self.pool)
+        self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager)
         self.requests: dict[str, Sequence] = {}

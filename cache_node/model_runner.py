@@ -13,6 +13,7 @@ from cache_node.attention import (
     PrefillChunk,
     forward_context,
 )
+from cache_node.config import EngineConfig
 from cache_node.kv_pool import KVPool, block_slots
 from cache_node.sequence import Sequence
 
@@ -28,7 +29,8 @@ class ModelRunner:
         pool: the KV pool tensor the attention reads and writes.
     """
 
-    def __init__(self, model: PreTrainedModel, pool: KVPool) -> None:
+    def __init__(self, model: PreTrainedModel, pool: KVPool, config: EngineConfig | None = None) -> None:
+        self.config = (config or EngineConfig(device=str(pool.kv.device))).resolved()
         self.model = model
         self.pool = pool
         self.device = pool.kv.device

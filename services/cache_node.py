@@ -88,17 +88,19 @@ class CacheNode(Streams, Commands, Health, Admin):
             torch.set_num_threads(num_threads)
         self.node_id = node_id
         self.config = config
-        lm = load_model(config.model_path, getattr(torch, config.dtype))
+        engine_config = EngineConfig(
+            block_size=config.block_size,
+            kv_pool_bytes=config.kv_pool_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            dtype=config.dtype,
+            device=config.device,
+            scheduling_policy=scheduler,
+        ).resolved()
+        lm = load_model(config.model_path, engine_config.torch_dtype, engine_config.torch_device)
         self.engine = LLMEngine(
             lm.model,
-            EngineConfig(
-                block_size=config.block_size,
-                kv_pool_bytes=config.kv_pool_bytes,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                dtype=config.dtype,
-                scheduling_policy=scheduler,
-            ),
+            engine_config,
             lm.model_id,
             lm.eos_token_ids,
             tier_config=TierConfig(host_bytes=config.host_bytes, prefetch_wait_s=config.prefetch_wait_s),

