@@ -1,0 +1,108 @@
+"""A cache node's metrics: the engine's own counters and gauges read at scrape time, plus the
+prefix-cache counters counted as each request is first scheduled.
+
+``NodeMetrics.collect`` reads the node's stats snapshot (``LLMEngine.stats()``, which the step
+thread publishes every ``STATS_EVERY_S``; it includes the tier counters of
+``cache_node.tiers.manager.COUNTERS``) and the scheduler's preemption count, so nothing is
+counted twice. What the engine does not total (prompt tokens looked up in the prefix cache,
+and the hits per tier), ``request_started`` counts, once per request, from the same numbers
+the request's ``started`` event carries. Every sample has the label ``node`` (the node id).
+
+vLLM's names where one exists (``num_requests_running``, ``num_requests_waiting``,
+``kv_cache_usage_perc`` as a 0..1 fraction, ``num_preemptions``, ``prefix_cache_queries`` /
+``prefix_cache_hits`` in tokens); SGLang's per-source label for cached tokens
+(``cached_tokens_total{tier=device|host|spill_ram|spill_disk}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cache_node.tiers.manager import TIERS
+from services.metrics.requests import PREFIX
+
+TRANSFERS = (  # (metric stem, the tier counter in blocks)
+    ("kv_demoted", "demoted_blocks"),  # device -> host (or spill when there is no host tier)
+    ("kv_promoted", "promoted_host_blocks"),  # host -> device
+    ("kv_prefetched", "installed_spill_blocks"),  # spill -> device (prefetch installs)
+    ("kv_spilled", "spill_put_blocks"),  # written to the spill tier
+)
+NODE_READ_ERRORS = {"get_error": "spill_get_errors", "bad_reply": "spill_bad_replies"}
+
+
+class NodeMetrics(Collector):
+    """Registered in its own ``registry``.
+
+    Args:
+        node_id: the ``node`` label.
+        stats: the node's latest ``LLMEngine.stats()`` snapshot (never waits for a step).
+        preemptions: the scheduler's preemptions so far.
+        block_nbytes: bytes of one KV block moved between tiers (the host tier's block size).
+    """
+
+    def __init__(self, node_id: str, stats: Callable[[], dict[str, Any]], preemptions: Callable[[], int],
+                 block_nbytes: int) -> None:
+        self.node_id, self.stats, self.preemptions, self.block_nbytes = node_id, stats, preemptions, block_nbytes
+        self.registry = CollectorRegistry()
+        self.queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                               ["node"], registry=self.registry).labels(node_id)
+        self.hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found cached (any tier).",
+                            ["node"], registry=self.registry).labels(node_id)
+        cached = Counter(f"{PREFIX}cached_tokens", "Prompt tokens found cached, by the tier they came from.",
+                         ["node", "tier"], registry=self.registry)
+        self.cached = {tier: cached.labels(node_id, tier) for tier in TIERS}
+        self.registry.register(self)
+
+    def request_started(self, prompt_tokens: int, cached_tokens: dict[str, int]) -> None:
+        """A request was scheduled for the first time with ``prompt_tokens``, of which
+        ``cached_tokens[tier]`` came cached from ``tier`` (step thread)."""
+        self.queries.inc(prompt_tokens)
+        self.hits.inc(sum(cached_tokens.values()))
+        for tier, n in cached_tokens.items():
+            if n and tier in self.cached:
+                self.cached[tier].inc(n)
+
+    def describe(self) -> list[Any]:
+        return []  # families are read at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        s, node = self.stats(), [self.node_id]
+
+        def gauge(stem: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + stem, doc, labels=["node"])
+            g.add_metric(node, value)
+            return g
+
+        def counter(stem: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + stem, doc, labels=["node"])
+            c.add_metric(node, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s["running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"])
+        yield gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).",
+                    s["used_blocks"] / max(1, s["num_blocks"]))
+        yield gauge("num_sessions", "Open sessions holding KV history.", s["sessions"])
+        blocks = GaugeMetricFamily(PREFIX + "kv_blocks", "KV blocks held, by tier.", labels=["node", "tier"])
+        blocks.add_metric([self.node_id, "device"], s["used_blocks"] + s["cached_blocks"])
+        blocks.add_metric([self.node_id, "host"], s["host_blocks"])
+        yield blocks
+        capacity = GaugeMetricFamily(PREFIX + "kv_capacity_blocks", "KV blocks a tier can hold.",
+                                     labels=["node", "tier"])
+        capacity.add_metric([self.node_id, "device"], s["num_blocks"])
+        capacity.add_metric([self.node_id, "host"], s["host_slots"])
+        yield capacity
+        yield counter("num_preemptions", "Requests preempted.", self.preemptions())
+        for stem, key in TRANSFERS:
+            yield counter(f"{stem}_blocks", f"KV blocks moved ({key}).", s[key])
+            yield counter(f"{stem}_bytes", f"KV bytes moved ({key}).", s[key] * self.block_nbytes)
+        errors = CounterMetricFamily(PREFIX + "spill_read_errors", "Spill reads lost, by kind (read as misses).",
+                                     labels=["node", "kind"])
+        for kind, key in NODE_READ_ERRORS.items():
+            errors.add_metric([self.node_id, kind], s[key])
+        yield errors

@@ -1,0 +1,158 @@
+"""Request-path metrics, observed where every request passes: the gateway.
+
+``GatewayMetrics`` owns the gateway's registry; ``track(tenant)`` gives one request's
+``RequestTracker``, fed the request's node events in order (``observe``) and told how it ended
+(``finish``), by the gRPC ``Generate`` and by any other front end (the OpenAI-compatible HTTP
+API) in the same way. Names and histogram buckets follow vLLM's
+(``vllm/v1/metrics/loggers.py``: ``time_to_first_token_seconds``,
+``inter_token_latency_seconds``, ``e2e_request_latency_seconds``, ``prompt_tokens``,
+``generation_tokens``, ``request_success``) under the ``kvstrata:`` prefix, with a ``tenant``
+label (the tenant's name).
+
+Definitions:
+
+- TTFT: gateway arrival (``track``) to the first generated token's event at the gateway, s.
+- inter-token latency: the gap between two successive token events of a request (one per
+  engine step, as vLLM observes one per iteration), s.
+- e2e latency: arrival to the ``finished`` event, s (requests that finished only).
+- TTFT SLO attainment: ``ttft_slo_met_total / ttft_slo_requests_total`` over the requests
+  that produced a first token, each against its tenant's ``ttft_slo_ms``.
+- floor attainment: ``token_rate_floor_met_total / token_rate_floor_requests_total`` over
+  finished requests with >= 2 tokens whose tenant has a floor (``min_tokens_per_s`` > 0): met
+  when the request's decode rate, ``(tokens - 1) / (last token - first token)``, reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "kvstrata:"
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+"""vLLM's ``time_to_first_token_seconds`` buckets."""
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+"""vLLM's ``inter_token_latency_seconds`` buckets."""
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's request latency buckets (``e2e_request_latency_seconds``)."""
+
+
+class GatewayMetrics:
+    """The gateway's metrics, in its own ``registry``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg, t = self.registry, ["tenant"]
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token, s.", t,
+                              buckets=TTFT_BUCKETS_S, registry=reg)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
+                             "Time between successive token events of a request (TPOT), s.", t,
+                             buckets=ITL_BUCKETS_S, registry=reg)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Arrival to finish, s.", t,
+                             buckets=E2E_BUCKETS_S, registry=reg)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of started requests.", t, registry=reg)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens.", t, registry=reg)
+        self.requests = Counter(f"{PREFIX}requests", "Requests ended, by gRPC status name.",
+                                ["tenant", "status"], registry=reg)
+        self.success = Counter(f"{PREFIX}request_success", "Requests finished, by finish reason.",
+                               ["tenant", "finished_reason"], registry=reg)
+        self.rejections = Counter(f"{PREFIX}admission_rejections", "Requests the admission refused, by reason.",
+                                  ["tenant", "reason"], registry=reg)
+        self.slo_requests = Counter(f"{PREFIX}ttft_slo_requests", "Requests with a first token.", t, registry=reg)
+        self.slo_met = Counter(f"{PREFIX}ttft_slo_met", "Requests whose TTFT met the tenant's SLO.", t, registry=reg)
+        self.floor_requests = Counter(f"{PREFIX}token_rate_floor_requests",
+                                      "Finished requests (>= 2 tokens) of tenants with a token-rate floor.",
+                                      t, registry=reg)
+        self.floor_met = Counter(f"{PREFIX}token_rate_floor_met", "Of those, requests that decoded at the floor.",
+                                 t, registry=reg)
+        self.ttft_slo_s = Gauge(f"{PREFIX}tenant_ttft_slo_seconds", "The tenant's TTFT SLO, s.", t, registry=reg)
+        self.floor_tokens_per_s = Gauge(f"{PREFIX}tenant_token_rate_floor", "The tenant's token-rate floor, "
+                                        "tokens/s (0: none).", t, registry=reg)
+
+    def track(self, tenant: Any) -> RequestTracker:
+        """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now."""
+        spec = tenant.spec
+        self.ttft_slo_s.labels(spec.name).set(spec.ttft_slo_ms / 1000.0)
+        self.floor_tokens_per_s.labels(spec.name).set(spec.min_tokens_per_s)
+        return RequestTracker(self, spec.name, spec.ttft_slo_ms / 1000.0, spec.min_tokens_per_s)
+
+
+class RequestTracker:
+    """One request's observations; ``finish`` once, when it has ended."""
+
+    def __init__(self, metrics: GatewayMetrics, tenant: str, ttft_slo_s: float, floor_tokens_per_s: float,
+                 clock: Any = time.monotonic) -> None:
+        self.m, self.tenant, self.clock = metrics, tenant, clock
+        self.ttft_slo_s, self.floor_tokens_per_s = ttft_slo_s, floor_tokens_per_s
+        self.arrival_s = clock()
+        self.first_token_s: float | None = None
+        self.last_token_s = 0.0
+        self.num_tokens = 0
+        self.finished_reason = ""
+        self.done = False
+
+    def observe(self, event: dict[str, Any]) -> None:
+        """A node event of this request (``started``, ``delta``, ``finished``), as it arrives."""
+        kind = event["type"]
+        if kind == "started":
+            self.m.prompt_tokens.labels(self.tenant).inc(int(event["prompt_tokens"]))
+        elif kind == "delta" and event["token_ids"]:
+            self._tokens(len(event["token_ids"]))
+        elif kind == "finished":
+            self.finished_reason = str(event["finish_reason"])
+
+    def _tokens(self, n: int) -> None:
+        now = self.clock()
+        if self.first_token_s is None:
+            self.first_token_s = now
+            ttft_s = now - self.arrival_s
+            self.m.ttft.labels(self.tenant).observe(ttft_s)
+            self.m.slo_requests.labels(self.tenant).inc()
+            if ttft_s <= self.ttft_slo_s:
+                self.m.slo_met.labels(self.tenant).inc()
+        else:
+            self.m.itl.labels(self.tenant).observe(now - self.last_token_s)
+        self.last_token_s = now
+        self.num_tokens += n
+        self.m.generation_tokens.labels(self.tenant).inc(n)
+
+    def rejected(self, reason: str) -> None:
+        """The admission refused it (``Admission.reason``); ``finish`` still follows."""
+        self.m.rejections.labels(self.tenant, reason or "unknown").inc()
+
+    def finish(self, status: str) -> None:
+        """It ended with gRPC status name ``status`` ("OK" once its ``finished`` event came);
+        later calls are no-ops."""
+        if self.done:
+            return
+        self.done = True
+        self.m.requests.labels(self.tenant, status).inc()
+        if status != "OK" or not self.finished_reason:
+            return
+        self.m.success.labels(self.tenant, self.finished_reason).inc()
+        self.m.e2e.labels(self.tenant).observe(self.clock() - self.arrival_s)
+        if self.floor_tokens_per_s > 0 and self.num_tokens >= 2 and self.first_token_s is not None:
+            self.m.floor_requests.labels(self.tenant).inc()
+            decode_s = self.last_token_s - self.first_token_s
+            if decode_s <= 0 or (self.num_tokens - 1) / decode_s >= self.floor_tokens_per_s:
+                self.m.floor_met.labels(self.tenant).inc()
+
+
+def status_of(exc: BaseException, context: Any) -> str:
+    """The gRPC status name a request ended with when ``exc`` ended it: "CANCELLED" for a
+    cancelled call or a consumer that stopped reading; the code ``context.abort`` set (a gRPC
+    ``ServicerContext``, or an exception carrying ``code`` as the HTTP API's does); else
+    "INTERNAL"."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    code = getattr(exc, "code", None)
+    if not isinstance(code, grpc.StatusCode) and callable(getattr(context, "code", None)):
+        code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "INTERNAL"

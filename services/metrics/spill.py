@@ -1,0 +1,60 @@
+"""A spill node's metrics: ``SpillStore.stats()`` read at scrape time (nothing counted twice).
+
+Every sample has the label ``node`` (the spill node id). Blocks and capacity per tier
+(``spill_ram``, ``spill_disk``) use the same names as the cache nodes' device and host tiers,
+so one query shows every tier's occupancy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.metrics.requests import PREFIX
+
+SPILL_READ_ERRORS = {"corrupt": "corrupt_reads", "io_error": "io_errors", "missing_file": "missing_files",
+                     "token_mismatch": "token_mismatches"}
+
+
+class SpillMetrics(Collector):
+    """Registered in its own ``registry``.
+
+    Args:
+        node_id: the ``node`` label.
+        stats: ``SpillStore.stats``.
+        block_nbytes: bytes of one block in the store's format.
+    """
+
+    def __init__(self, node_id: str, stats: Callable[[], dict[str, int]], block_nbytes: int) -> None:
+        self.node_id, self.stats, self.block_nbytes = node_id, stats, block_nbytes
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        s, nid = self.stats(), self.node_id
+        blocks = GaugeMetricFamily(PREFIX + "kv_blocks", "KV blocks held, by tier.", labels=["node", "tier"])
+        capacity = GaugeMetricFamily(PREFIX + "kv_capacity_blocks", "KV blocks a tier can hold.",
+                                     labels=["node", "tier"])
+        hits = CounterMetricFamily(PREFIX + "spill_hits", "Blocks read, by the tier that held them.",
+                                   labels=["node", "tier"])
+        for tier, budget in (("spill_ram", "ram_budget_bytes"), ("spill_disk", "disk_budget_bytes")):
+            blocks.add_metric([nid, tier], s[f"blocks_{tier}"])
+            capacity.add_metric([nid, tier], s[budget] // max(1, self.block_nbytes))
+            hits.add_metric([nid, tier], s[f"hits_{tier}"])
+        misses = CounterMetricFamily(PREFIX + "spill_misses", "Blocks asked for and not held.", labels=["node"])
+        misses.add_metric([nid], s["misses"])
+        errors = CounterMetricFamily(PREFIX + "spill_read_errors", "Spill reads lost, by kind (read as misses).",
+                                     labels=["node", "kind"])
+        for kind, key in SPILL_READ_ERRORS.items():
+            errors.add_metric([nid, kind], s[key])
+        used = GaugeMetricFamily(PREFIX + "spill_bytes_used", "Bytes held, by tier.", labels=["node", "tier"])
+        used.add_metric([nid, "spill_ram"], s["ram_bytes"])
+        used.add_metric([nid, "spill_disk"], s["disk_bytes"])
+        yield from (blocks, capacity, hits, misses, errors, used)
