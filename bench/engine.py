@@ -21,6 +21,9 @@ questions, each request submitted to an idle engine. The first request in a fres
 namespace is cold (its whole prompt is prefilled); the later ones hit the prefix cache.
 ``prefix_hit_ttft_ratio`` = median hit TTFT / median cold TTFT.
 
+With ``--device cuda`` (or ``--model-shape``/``--model-path``) the bench runs on a device with
+random weights of a real shape instead: ``bench.engine_gpu`` (its own workload, JSON and targets).
+
 The systems and the prefix case live in ``bench.engine_systems``; this module builds the
 workload, times the systems, and reports. The last stdout line is one JSON object (see
 :func:`build_result`).
@@ -302,8 +305,19 @@ def run_bench(lm: LoadedModel, ref: PreTrainedModel, cfg: BenchConfig, quick: bo
     return build_result(runs, prefix, requests, cfg, quick)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, bool]:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, bool, argparse.Namespace]:
+    """The CPU bench's config, ``--quick``, and every parsed argument (the device options)."""
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", default="cpu",
+                   help="cpu (this bench, the real SmolLM2) or cuda[:i]/auto (bench.engine_gpu)")
+    p.add_argument("--model-shape", default=None, choices=["llama-3.1-8b", "smollm2-135m", "tiny"],
+                   help="random weights of this shape (device mode; default llama-3.1-8b)")
+    p.add_argument("--model-path", default=None, help="a checkpoint directory instead of random weights")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer dir for random weights "
+                   "(default: the GPU carry folder, else the converted SmolLM2)")
+    p.add_argument("--hbm-bandwidth", type=float, default=4.8e12, help="bytes/s for the decode roofline")
+    for name in ("min_prompt_tokens", "max_prompt_tokens", "hf_generate_requests"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK.num_requests} requests, max_tokens {QUICK.max_tokens} (about 3 minutes)")
     for name in ("num_requests", "max_tokens", "min_words", "max_words", "repeats", "max_num_batched_tokens",
@@ -311,15 +325,23 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, bool]:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
     a = p.parse_args(argv)
     base = QUICK if a.quick else FULL
-    over = {k: v for k, v in vars(a).items() if k != "quick" and v is not None}
-    return dataclasses.replace(base, **over), a.quick
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    over = {k: v for k, v in vars(a).items() if k in fields and v is not None}
+    return dataclasses.replace(base, **over), a.quick, a
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg, quick = parse_args(argv)
+    cfg, quick, args = parse_args(argv)
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.device != "cpu" or args.model_shape or args.model_path:
+        from bench.engine_gpu import main_device
+
+        over = {k: v for k, v in vars(args).items() if isinstance(v, int) and not isinstance(v, bool)}
+        emit_json(main_device(args.device, args.model_shape, args.model_path, quick, args.hbm_bandwidth,
+                              over, args.tokenizer_path))
+        return
     torch.set_num_threads(cfg.threads)
     out, err = Console(), Console(stderr=True)
     lm = load_model()

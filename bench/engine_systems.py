@@ -73,7 +73,7 @@ def run_hf_generate(model: PreTrainedModel, prompts: Sequence[Sequence[int]], ge
     """(a) ``model.generate`` one request at a time; generated ids per prompt (EOS included)."""
     out = []
     for p in prompts:
-        ids = torch.tensor([list(p)], dtype=torch.long)
+        ids = torch.tensor([list(p)], dtype=torch.long, device=model.device)
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)  # type: ignore[operator]
         out.append(seq[0, len(p):].tolist())
         advance()
@@ -111,9 +111,11 @@ def run_hf_continuous_batching(model: PreTrainedModel, prompts: Sequence[Sequenc
 
 
 def run_engine(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int,
-               advance: Advance = _noop, cache_namespace: str | None = None) -> list[list[int]]:
-    """(c) the kvstrata engine: submit everything, step until all finish; ids in prompt order."""
-    params = SamplingParams(max_tokens=max_tokens)
+               advance: Advance = _noop, cache_namespace: str | None = None,
+               ignore_eos: bool = False) -> list[list[int]]:
+    """(c) the kvstrata engine: submit everything, step until all finish; ids in prompt order.
+    ``ignore_eos``: every request generates ``max_tokens`` (random-weight device runs)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     ids = [engine.add_request(p, params, cache_namespace=cache_namespace) for p in prompts]
     final: dict[str, list[int]] = {}
     while len(final) < len(ids):

@@ -12,7 +12,9 @@
   device, in host, in spill RAM, on spill disk, or nowhere (recompute).
 
 The last stdout line is one JSON object with those keys plus ``ratios`` (host/memcpy,
-disk/disk-read, tier TTFT/recompute) and ``targets_met``.
+disk/disk-read, tier TTFT/recompute) and ``targets_met``. ``--device cuda`` runs the CUDA
+tier bench instead (``bench.tiers_gpu``: restore vs pinned memcpy, decode with a concurrent
+demotion).
 """
 
 from __future__ import annotations
@@ -209,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="1 TTFT repetition and 3 restore repetitions (full: 3 and 5)")
+    parser.add_argument("--device", default="cpu", help="cpu (this bench) or cuda[:i] (bench.tiers_gpu)")
+    parser.add_argument("--model-shape", default=None, choices=["llama-3.1-8b", "smollm2-135m"],
+                        help="random-weight shape in device mode (default llama-3.1-8b)")
     args = parser.parse_args(argv)
+    if args.device != "cpu":
+        from bench.tiers_gpu import run_device
+
+        print(json.dumps(run_device(args.device, args.model_shape, args.quick)))
+        return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = run(args.quick)
     for key in ("restore_gbps", "ttft_ms", "ratios", "targets_met"):

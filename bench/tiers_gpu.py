@@ -1,0 +1,147 @@
+"""The tier benchmark on CUDA (issue 17): restore throughput and demotion overlap.
+
+``python -m bench.tiers --device cuda --quick`` on random weights of a real shape (default
+Llama-3.1-8B, bf16; ``--model-shape``), one process, measures:
+
+- ``restore_gbps``: host -> device bytes per second through the engine's own promote path
+  (``TierManager.promote`` on a 2k-token prompt demoted to the pinned host tier, timed to the
+  copy's completion: ``torch.cuda.synchronize``), best of ``repeats``;
+- ``pinned_memcpy_gbps``: one contiguous pinned host -> device ``copy_`` of the same bytes in
+  the same run; ``restore_over_memcpy`` = the ratio (target >= 0.7);
+- ``decode_step_ms``: a decode batch's step time, median of steps without a demotion in flight
+  and mean of the steps while ``demote_all`` moves ~``demote_bytes`` (1 GiB) of cached blocks
+  to host on the copy stream (the step that enqueues it included); ``decode_with_over_without``
+  = their ratio (target <= 1.1).
+
+The last stdout line is one JSON object with ``targets_met``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.engine_gpu import load_device_model, sized_prompts
+from cache_node.config import EngineConfig, resolve_device
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import LoadedModel
+from cache_node.sampling_params import SamplingParams
+from cache_node.sequence import Sequence
+from cache_node.tiers.manager import TierConfig
+from workloads.corpus import load_corpus
+
+GB = 1e9
+
+
+def _engine(lm: LoadedModel, device: torch.device, dtype: torch.dtype, pool_bytes: int, host_bytes: int) -> LLMEngine:
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=pool_bytes, max_num_batched_tokens=4096, max_num_seqs=16,
+                       device=str(device), dtype=str(dtype).removeprefix("torch."))
+    return LLMEngine(lm.model, cfg, lm.model_id, lm.eos_token_ids, tier_config=TierConfig(host_bytes=host_bytes))
+
+
+def restore_gbps(engine: LLMEngine, prompt: list[int], repeats: int) -> tuple[float, int]:
+    """(GB/s, bytes) restoring ``prompt``'s blocks from the host tier through ``promote``."""
+    tiers, timings, n = engine.tiers, [], 0
+    keys = (engine.config.cache_namespace_default, engine.model_id, engine.kv_format)
+    for _ in range(repeats):
+        engine.flush()
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+        engine.demote_all()
+        engine.wait_for_transfers()
+        seq = Sequence("restore", prompt, SamplingParams(), extra_keys=keys)
+        with engine._lock:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = len(tiers.promote(seq, []))
+            torch.cuda.synchronize()
+            timings.append(time.perf_counter() - t0)
+        if n != (len(prompt) - 1) // 16:
+            raise RuntimeError(f"restored {n} blocks, expected {(len(prompt) - 1) // 16}")
+    nbytes = n * engine.pool.bytes_per_block
+    return nbytes / min(timings) / GB, nbytes
+
+
+def pinned_memcpy_gbps(nbytes: int, device: torch.device, repeats: int) -> float:
+    """One contiguous pinned host -> device copy of ``nbytes``, best of ``repeats``."""
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / GB
+
+
+def _step_ms(engine: LLMEngine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return (time.perf_counter() - t0) * 1000
+
+
+def decode_with_demotion(engine: LLMEngine, cached: list[list[int]], decoders: list[list[int]],
+                         steps: int) -> dict[str, Any]:
+    """Decode step times without and with a concurrent demotion of ``cached``'s blocks."""
+    engine.flush()
+    engine.generate(cached, SamplingParams(max_tokens=1))  # their blocks stay cached, free
+    demote_blocks = sum(1 for b in engine.kv_manager.pool.free_queue if b.block_hash is not None)
+    params = SamplingParams(max_tokens=4 * steps + 64, ignore_eos=True)
+    for p in decoders:
+        engine.add_request(p, params, cache_namespace="decode")
+    for _ in range(8):  # prefill and warm-up
+        engine.step()
+    without = [_step_ms(engine) for _ in range(steps)]
+    with_demotion = [_step_ms_with(engine, lambda: engine.demote_all())]
+    while engine.tiers.copier.num_held or len(with_demotion) < 3:
+        with_demotion.append(_step_ms(engine))
+    for seq_id in list(engine.requests):
+        engine.abort_request(seq_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    base = statistics.median(without)
+    mean_with = statistics.fmean(with_demotion)
+    return {"demoted_bytes": demote_blocks * engine.pool.bytes_per_block, "batch": len(decoders),
+            "without_ms": round(base, 3), "with_ms": round(mean_with, 3), "steps_with": len(with_demotion),
+            "ratio": mean_with / base}
+
+
+def _step_ms_with(engine: LLMEngine, before: Any) -> float:
+    t0 = time.perf_counter()
+    before()
+    engine.step()
+    return (time.perf_counter() - t0) * 1000
+
+
+def run_device(device_name: str, shape: str | None, quick: bool, demote_bytes: int = 1 << 30) -> dict[str, Any]:
+    device = resolve_device(device_name)
+    if device.type != "cuda":
+        raise ValueError(f"bench.tiers device mode needs CUDA, got {device}")
+    dtype = torch.bfloat16
+    lm = load_device_model(shape, None, device, dtype, None, 0)
+    assert lm.tokenizer is not None
+    per_token = lm.model.config.num_hidden_layers * 2 * lm.model.config.num_key_value_heads * (
+        lm.model.config.hidden_size // lm.model.config.num_attention_heads) * 2
+    cached_tokens = demote_bytes // per_token
+    engine = _engine(lm, device, dtype, pool_bytes=3 * demote_bytes, host_bytes=2 * demote_bytes)
+    corpus = load_corpus()
+    prompt_2k = sized_prompts(lm.tokenizer, corpus, 1, 2048, 2048, seed=1)[0]
+    gbps, nbytes = restore_gbps(engine, prompt_2k, 3 if quick else 5)
+    memcpy = pinned_memcpy_gbps(nbytes, device, 5)
+    n_cached = max(1, cached_tokens // 2048)
+    cached = sized_prompts(lm.tokenizer, corpus, n_cached, 2048, 2048, seed=2)
+    decoders = sized_prompts(lm.tokenizer, corpus, 8, 256, 512, seed=3)
+    decode = decode_with_demotion(engine, cached, decoders, 10 if quick else 30)
+    engine.wait_for_transfers()
+    engine.check_integrity()
+    ratio = gbps / memcpy
+    return {"bench": "tiers", "mode": "device", "quick": quick, "model_shape": shape or "llama-3.1-8b",
+            "restore_gbps": round(gbps, 2), "restore_bytes": nbytes, "pinned_memcpy_gbps": round(memcpy, 2),
+            "restore_over_memcpy": round(ratio, 4), "decode_step_ms": decode,
+            "decode_with_over_without": round(decode["ratio"], 4),
+            "targets_met": {"restore_ge_0.7_memcpy": ratio >= 0.7,
+                            "decode_with_demotion_within_10pct": decode["ratio"] <= 1.1}}
