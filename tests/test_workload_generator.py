@@ -1,19 +1,19 @@
-"""The DeepResearch plan: determinism, structure, shared documents, answerable questions."""
+"""The DeepResearch plan: determinism, structure, shared targets, answerable questions."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
 from workloads.corpus import get_article
+from workloads.deepresearch import prompts
 from workloads.deepresearch.config import TenantProfile, WorkloadConfig
 from workloads.deepresearch.demo_config import demo_config
 from workloads.deepresearch.generator import generate_plan
-from workloads.deepresearch.plan import FINDINGS_MARK, WorkloadPlan, write_trace
+from workloads.deepresearch.plan import WorkloadPlan
 from workloads.facts import grade
+from workloads.text import truncate_to_sentences
 
 
 def _config(seed: int) -> WorkloadConfig:
@@ -30,39 +30,23 @@ def plan() -> WorkloadPlan:
     return generate_plan(_config(seed=11))
 
 
-def _trace(plan: WorkloadPlan, path: Path) -> bytes:
-    write_trace(plan, path)
-    return path.read_bytes()
+def test_same_seed_gives_the_identical_plan(plan: WorkloadPlan) -> None:
+    assert generate_plan(_config(seed=11)) == plan
 
 
-def test_same_seed_gives_the_identical_trace(plan: WorkloadPlan, tmp_path: Path) -> None:
-    again = generate_plan(_config(seed=11))
-    assert again == plan
-    assert _trace(plan, tmp_path / "a.jsonl") == _trace(again, tmp_path / "b.jsonl")
-
-
-def test_another_seed_gives_another_trace(plan: WorkloadPlan, tmp_path: Path) -> None:
+def test_another_seed_gives_another_plan(plan: WorkloadPlan) -> None:
     other = generate_plan(_config(seed=12))
-    assert _trace(plan, tmp_path / "a.jsonl") != _trace(other, tmp_path / "b.jsonl")
+    assert other != plan
+    assert [s.topics for s in other.sessions] != [s.topics for s in plan.sessions]
 
 
-def test_trace_has_one_line_per_call(plan: WorkloadPlan, tmp_path: Path) -> None:
-    n = write_trace(plan, tmp_path / "t.jsonl")
-    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert n == len(rows) == plan.num_calls()
-    assert len({r["call_id"] for r in rows}) == n
-    first = rows[0]
-    assert (first["agent"], first["kind"], first["turn"], first["pause_s"]) == (
-        "lead",
-        "plan",
-        0,
-        0.0,
-    )
-    assert set(first) == {
-        "agent", "arrival_s", "call_id", "context_chars", "doc_ids", "expected_answer",
-        "kind", "max_tokens", "pause_s", "prompt_chars", "research_id", "session_id",
-        "tenant", "turn",
-    }  # fmt: skip
+def test_call_ids_are_unique_and_the_lead_plans_first(plan: WorkloadPlan) -> None:
+    calls = [call for _, call in plan.calls()]
+    assert len({c.call_id for c in calls}) == len(calls) == plan.num_calls()
+    first = calls[0]
+    assert (first.agent, first.kind, first.turn, first.pause_s) == ("lead", "plan", 0, 0.0)
+    assert all(not c.messages for c in calls)  # the agents write them at run time
+    assert (plan.search_top_k, plan.max_article_words) == (3, 150)
 
 
 def test_session_structure(plan: WorkloadPlan) -> None:
@@ -72,45 +56,37 @@ def test_session_structure(plan: WorkloadPlan) -> None:
     for session in plan.sessions:
         assert 2 <= len(session.subagents) <= 6
         assert [c.kind for c in session.lead.calls] == ["plan", "report"]
-        report = session.lead.calls[1]
-        assert report.findings_from == tuple(s.session_id for s in session.subagents)
-        assert FINDINGS_MARK in report.messages[0].content
+        assert session.topics == tuple(s.task.target for s in session.subagents if s.task)
+        assert len(set(session.topics)) == len(session.subagents)
         for sub in session.subagents:
             kinds = [c.kind for c in sub.calls]
             assert kinds[0] == "search" and kinds[-1] == "answer"
             assert 1 <= kinds.count("read") <= 3 and len(kinds) == kinds.count("read") + 2
             assert [c.turn for c in sub.calls] == list(range(len(sub.calls)))
             assert {c.session_id for c in sub.calls} == {sub.session_id}
-            assert [m.role for m in sub.calls[0].messages] == ["system", "user"]
-            assert all([m.role for m in c.messages] == ["user"] for c in sub.calls[1:])
+            assert sub.task is not None and sub.calls[-1].expected_answer == sub.task.answer
+            assert sub.task.fallback_question == prompts.fallback_question(sub.task.target)
             assert all(0.0 < c.pause_s <= 10.0 for c in sub.calls if c.kind in ("search", "read"))
 
 
-def test_every_answer_is_in_an_article_the_agent_read(plan: WorkloadPlan) -> None:
-    answers = 0
+def test_every_graded_answer_is_in_its_target_as_the_agents_see_it(plan: WorkloadPlan) -> None:
     for session in plan.sessions:
         for sub in session.subagents:
-            answer = sub.calls[-1]
-            read_text = " ".join(c.messages[0].content for c in sub.calls if c.kind == "read")
-            assert answer.expected_answer is not None
-            assert grade(read_text, answer.expected_answer)
-            title = answer.messages[0].content.split("According to the article on ")[1]
-            assert any(title.startswith(doc + ",") for c in sub.calls for doc in c.doc_ids)
-            answers += 1
-    assert answers == sum(len(s.subagents) for s in plan.sessions)
+            assert sub.task is not None
+            text = truncate_to_sentences(get_article(sub.task.target).extract, 150)
+            assert grade(text, sub.task.answer)
+            assert sub.task.question.startswith(f"According to the article on {sub.task.target},")
 
 
-def test_documents_recur_across_agents_and_tenants(plan: WorkloadPlan) -> None:
-    readers: dict[str, set[str]] = defaultdict(set)
-    reads = 0
-    for _, call in plan.calls():
-        if call.kind == "read":
-            readers[call.doc_ids[0]].add(call.tenant)
-            reads += 1
-    shared = [doc for doc, tenants in readers.items() if len(tenants) == 2]
-    assert shared, "no article was read by both tenants"
-    assert len(readers) < reads  # some article was read more than once
-    assert all(get_article(doc) for doc in readers)
+def test_targets_recur_across_agents_and_tenants(plan: WorkloadPlan) -> None:
+    tenants_of: dict[str, set[str]] = defaultdict(set)
+    n = 0
+    for session in plan.sessions:
+        for target in session.topics:
+            tenants_of[target].add(session.tenant)
+            n += 1
+    assert any(len(t) == 2 for t in tenants_of.values()), "no target shared by both tenants"
+    assert len(tenants_of) < n  # some article is the target of more than one agent
 
 
 def test_demo_config_has_a_noisy_neighbour_at_four_times_the_share() -> None:
@@ -128,6 +104,8 @@ def test_config_rejects_bad_values() -> None:
         WorkloadConfig(tenants=(tenant,), min_subagents=1)
     with pytest.raises(ValueError, match="max_subagents <= 6"):
         WorkloadConfig(tenants=(tenant,), max_subagents=7)
+    with pytest.raises(ValueError, match=r"search_top_k \(2\) must be >= max_reads \(3\)"):
+        WorkloadConfig(tenants=(tenant,), max_reads=3, search_top_k=2)
     with pytest.raises(ValueError, match="unique"):
         WorkloadConfig(tenants=(tenant, tenant))
     with pytest.raises(ValueError, match="slo_class"):

@@ -1,50 +1,54 @@
-"""The async runner, driven by a small in-memory fake client (no server, no model)."""
+"""The async runner and the live agents, driven by a small in-memory fake client (no server,
+no model): its scripted replies stand in for the model's, so every agent decision is checked."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from workloads.corpus import search
+from workloads.deepresearch import prompts
 from workloads.deepresearch.client import CallResult
 from workloads.deepresearch.plan import (
-    FINDINGS_MARK,
     AgentScript,
-    ChatMessage,
     PlannedCall,
     ResearchSession,
+    SubagentTask,
     WorkloadPlan,
 )
 from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
+from workloads.deepresearch.trace import load_replay, write_trace
 
 
-def _call(agent: str, turn: int, kind: str, text: str, **extra: Any) -> PlannedCall:
+def _call(agent: str, turn: int, kind: str, **extra: Any) -> PlannedCall:
     session_id = f"t-0000/{agent}"
     return PlannedCall(
         call_id=f"{session_id}#{turn}", research_id="t-0000", session_id=session_id,
         tenant="t", agent=agent, kind=kind, turn=turn, pause_s=extra.pop("pause_s", 0.0),
-        messages=(ChatMessage("user", text),), max_tokens=8, **extra,
+        max_tokens=8, **extra,
     )  # fmt: skip
+
+
+def _task(target: str, answer: str) -> SubagentTask:
+    return SubagentTask(target, f"On {target}: ____?", answer, prompts.fallback_question(target))
 
 
 def _plan() -> WorkloadPlan:
     """One session: lead plans; sub1 searches and answers; sub2 searches, reads, answers."""
     sub1 = AgentScript("t-0000/sub1", "sub1", (
-        _call("sub1", 0, "search", "search 1", pause_s=0.02, doc_ids=("A",)),
-        _call("sub1", 1, "answer", "who directed?", expected_answer="Fritz Lang"),
-    ))  # fmt: skip
+        _call("sub1", 0, "search", pause_s=0.02),
+        _call("sub1", 1, "answer", expected_answer="Fritz Lang"),
+    ), _task("Metropolis (1927 film)", "Fritz Lang"))  # fmt: skip
     sub2 = AgentScript("t-0000/sub2", "sub2", (
-        _call("sub2", 0, "search", "search 2", pause_s=0.01),
-        _call("sub2", 1, "read", "article B", pause_s=0.01, doc_ids=("B",)),
-        _call("sub2", 2, "answer", "what year?", expected_answer="1927"),
-    ))  # fmt: skip
-    lead = AgentScript("t-0000/lead", "lead", (
-        _call("lead", 0, "plan", "plan it"),
-        _call("lead", 1, "report", f"findings:\n{FINDINGS_MARK}\nreport",
-              findings_from=("t-0000/sub1", "t-0000/sub2")),
-    ))  # fmt: skip
+        _call("sub2", 0, "search", pause_s=0.01),
+        _call("sub2", 1, "read", pause_s=0.01),
+        _call("sub2", 2, "answer", expected_answer="1927"),
+    ), _task("Berlin", "1927"))  # fmt: skip
+    lead = AgentScript("t-0000/lead", "lead", (_call("lead", 0, "plan"), _call("lead", 1, "report")))
     return WorkloadPlan(0, 1.0, (ResearchSession("t-0000", "t", 0.05, lead, (sub1, sub2)),))
 
 
@@ -75,12 +79,23 @@ class FakeClient:
         return "ok"
 
 
-REPLIES = {"t-0000/sub1#1": "It was Fritz Lang.", "t-0000/sub2#2": "1926"}
+REPLIES = {
+    "t-0000/lead#0": "Here is the plan:\n1. **Who directed Metropolis?**\n2. Berlin Wall history",
+    "t-0000/sub1#0": 'Query: "Metropolis film director"',
+    "t-0000/sub2#0": "Berlin Wall\nThis query finds the wall.",
+    "t-0000/sub1#1": "It was Fritz Lang.",
+    "t-0000/sub2#2": "1926",
+}
 
 
-def _run(client: FakeClient, **options: Any) -> RunResult:
+def _run(client: FakeClient, plan: WorkloadPlan | None = None, **options: Any) -> RunResult:
     options = {"time_scale": 0.0, "show_progress": False, "session_prefix": "run1:", **options}
-    return asyncio.run(run_workload(_plan(), client, {"t": "key-t"}, options=RunOptions(**options)))
+    plan = plan or _plan()
+    return asyncio.run(run_workload(plan, client, {"t": "key-t"}, options=RunOptions(**options)))
+
+
+def _sent(client: FakeClient, call_id: str) -> list[dict[str, str]]:
+    return next(s["messages"] for s in client.sent if s["request_id"] == "run1:" + call_id)
 
 
 def test_every_call_is_sent_graded_and_sessions_are_closed() -> None:
@@ -94,14 +109,66 @@ def test_every_call_is_sent_graded_and_sessions_are_closed() -> None:
     assert by_id["t-0000/lead#0"]["correct"] is None
     assert client.sent[0]["request_id"] == "run1:t-0000/lead#0"
     assert client.sent[-1]["request_id"] == "run1:t-0000/lead#1"
-    assert client.sent[-1]["messages"] == [
-        {"role": "user", "content": "findings:\n- sub1: It was Fritz Lang.\n- sub2: 1926\nreport"}
-    ]
     assert {s["api_key"] for s in client.sent} == {"key-t"}
     assert sorted(client.closed) == [
         ("key-t", "run1:t-0000/lead"), ("key-t", "run1:t-0000/sub1"), ("key-t", "run1:t-0000/sub2"),
     ]  # fmt: skip
     assert result.close_failures == 0
+    assert [row["call_id"] for row in result.trace] == [
+        "t-0000/lead#0", "t-0000/sub1#0", "t-0000/sub1#1", "t-0000/sub2#0", "t-0000/sub2#1",
+        "t-0000/sub2#2", "t-0000/lead#1",
+    ]  # fmt: skip
+
+
+def test_agents_act_on_the_replies_plan_query_hits_read_findings() -> None:
+    client = FakeClient(REPLIES)
+    by_id = {r["call_id"]: r for r in _run(client).records}
+    plan = by_id["t-0000/lead#0"]["decision"]
+    assert plan["sub_questions"] == ["Who directed Metropolis?", "Berlin Wall history"]
+    assert plan["plan_fallback"] is False
+    assert "Your task: Who directed Metropolis?" in _sent(client, "t-0000/sub1#0")[1]["content"]
+    search2 = by_id["t-0000/sub2#0"]["decision"]
+    hits = [h.title for h in search("Berlin Wall", k=3)]
+    assert (search2["query"], search2["query_fallback"], search2["hits"]) == ("Berlin Wall", False, hits)
+    read = _sent(client, "t-0000/sub2#1")[0]["content"]
+    assert read.startswith('Search results for "Berlin Wall":\n1. ' + hits[0])
+    assert by_id["t-0000/sub2#1"]["decision"] == {"read": "Berlin Wall", "choice": "named"}
+    assert "Article: Berlin Wall\n" in read and by_id["t-0000/sub2#1"]["doc_ids"] == hits
+    assert by_id["t-0000/sub1#0"]["decision"]["query"] == "Metropolis film director"
+    assert by_id["t-0000/sub1#1"]["decision"] == {"target": "Metropolis (1927 film)",
+                                                  "found_target": False}  # fmt: skip
+    report = _sent(client, "t-0000/lead#1")[0]["content"]
+    assert "- sub1 on 'Who directed Metropolis?', read nothing: quote:  answer: It was Fritz Lang." in report
+    assert "- sub2 on 'Berlin Wall history', read Berlin Wall: quote: fine answer: 1926" in report
+
+
+def test_an_unusable_plan_and_query_fall_back_and_say_so() -> None:
+    replies = REPLIES | {"t-0000/lead#0": "Sure!", "t-0000/sub2#0": '""'}
+    client = FakeClient(replies)
+    by_id = {r["call_id"]: r for r in _run(client).records}
+    plan = by_id["t-0000/lead#0"]["decision"]
+    assert plan["plan_fallback"] is True and plan["plan_items_parsed"] == 0
+    assert plan["sub_questions"] == [prompts.fallback_question("Metropolis (1927 film)"),
+                                     prompts.fallback_question("Berlin")]  # fmt: skip
+    search2 = by_id["t-0000/sub2#0"]["decision"]
+    assert search2["model_query"] == "" and search2["query_fallback"] is True
+    assert search2["query"] == prompts.fallback_question("Berlin")
+
+
+def test_a_replayed_trace_sends_the_same_messages_whatever_the_model_says(tmp_path: Path) -> None:
+    """Replay must not depend on the model: other replies, same messages call by call."""
+    first = FakeClient(REPLIES)
+    recorded = _run(first)
+    write_trace(recorded.trace, tmp_path / "trace.jsonl")
+    replayed = load_replay(tmp_path / "trace.jsonl")
+    assert replayed.sessions[0].replayed and replayed.num_calls() == 7
+    second = FakeClient({"t-0000/lead#0": "1. Something else entirely", "t-0000/sub2#0": "Paris"})
+    again = _run(second, replayed)
+    assert [(s["request_id"], s["messages"]) for s in second.sent if "lead#1" not in s["request_id"]] \
+        == [(s["request_id"], s["messages"]) for s in first.sent if "lead#1" not in s["request_id"]]
+    assert _sent(second, "t-0000/lead#1") == _sent(first, "t-0000/lead#1")
+    assert [r["call_id"] for r in again.trace] == [r["call_id"] for r in recorded.trace]
+    assert {r["decision"]["replayed"] for r in again.records} == {True}
 
 
 def test_a_failed_call_skips_the_rest_of_its_agent_and_is_recorded() -> None:
@@ -128,14 +195,12 @@ def test_a_failed_lead_plan_skips_the_whole_session() -> None:
 
 
 def test_resend_history_sends_the_whole_conversation() -> None:
-    client = FakeClient({"t-0000/sub1#0": "read A"})
+    client = FakeClient(REPLIES | {"t-0000/sub1#0": "read A"})
     _run(client, resend_history=True)
     answer = next(s for s in client.sent if s["request_id"] == "run1:t-0000/sub1#1")
-    assert answer["messages"] == [
-        {"role": "user", "content": "search 1"},
-        {"role": "assistant", "content": "read A"},
-        {"role": "user", "content": "who directed?"},
-    ]
+    assert [m["role"] for m in answer["messages"]] == ["system", "user", "assistant", "user"]
+    assert answer["messages"][2] == {"role": "assistant", "content": "read A"}
+    assert answer["messages"][3]["content"] == prompts.answer_prompt("On Metropolis (1927 film): ____?")
     assert answer["session_id"] == "run1:t-0000/sub1"
 
 

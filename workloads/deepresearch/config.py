@@ -88,7 +88,7 @@ class ToolPauseConfig:
 class CallMaxTokens:
     """``max_tokens`` per call kind (kept small for a tiny CPU model)."""
 
-    plan: int = 32
+    plan: int = 48
     search: int = 12
     read: int = 24
     answer: int = 32
@@ -118,7 +118,7 @@ class WorkloadConfig:
         min_subagents / max_subagents: sub-agents per session, drawn uniformly, within 2..6.
         max_reads: articles a sub-agent reads, drawn uniformly in ``1..max_reads`` (<= 3).
         max_article_words: articles are cut to whole sentences within this many words.
-        search_top_k: snippets returned by a search.
+        search_top_k: hits returned by a search (>= max_reads: agents read only hits).
         zipf_exponent: document popularity ``p(rank) ~ rank**-zipf_exponent`` (> 0).
         max_sessions_per_tenant: cap on sessions per tenant (0 = no cap).
         temperature: sampling temperature for every call (0 = greedy).
@@ -153,6 +153,11 @@ class WorkloadConfig:
             )
         if not 1 <= self.max_reads <= 3:
             raise ValueError(f"max_reads must be in 1..3, got {self.max_reads}")
+        if self.search_top_k < self.max_reads:
+            raise ValueError(
+                f"search_top_k ({self.search_top_k}) must be >= max_reads ({self.max_reads}): "
+                "an agent reads only search hits"
+            )
         for name in ("duration_s", "max_article_words", "search_top_k", "zipf_exponent"):
             _positive(name, getattr(self, name))
         if self.max_sessions_per_tenant < 0 or self.temperature < 0:

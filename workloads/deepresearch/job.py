@@ -26,6 +26,7 @@ from workloads.deepresearch.report import write_report
 from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
 from workloads.deepresearch.stats_probe import grpc_stats_probe
 from workloads.deepresearch.summary import print_summary
+from workloads.deepresearch.trace import load_replay
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ async def run_deepresearch(
     stats_probe: StatsProbe | None = None,
     root: str | Path = "reports",
     console: Console | None = None,
+    replay: str | Path | None = None,
 ) -> JobOutcome:
-    """Generate the plan for ``config``, run it with ``client``, write and print the report.
+    """Generate the plan for ``config`` (or replay a trace), run it, write and print the report.
 
     Args:
         config: the workload (tenants, seed, duration, ...).
@@ -59,14 +61,19 @@ async def run_deepresearch(
         stats_probe: optional server-stats sampler for the time series.
         root: reports root; the run goes to ``root/deepresearch/<timestamp>``.
         console: where progress and the summary print.
+        replay: a ``trace.jsonl`` of an earlier run: its calls are sent again with their
+            recorded messages, arrivals and pauses (:func:`workloads.deepresearch.trace.load_replay`);
+            ``config`` still gives the tenants.
 
     Raises:
-        ValueError: a tenant has no API key.
+        ValueError: a tenant has no API key; the replay trace is malformed.
+        FileNotFoundError: no replay trace at ``replay``.
     """
     options = options or RunOptions(session_prefix=f"run{int(time.time())}:")
     console = console or Console()
-    plan = generate_plan(config)
-    console.print(f"DeepResearch plan: {len(plan.sessions)} sessions, {plan.num_calls()} calls")
+    plan = load_replay(replay, config.seed) if replay else generate_plan(config)
+    source = f"replay of {replay}" if replay else "plan"
+    console.print(f"DeepResearch {source}: {len(plan.sessions)} sessions, {plan.num_calls()} calls")
     result = await run_workload(
         plan, client, api_keys, options=options, stats_probe=stats_probe, console=console
     )
@@ -74,9 +81,10 @@ async def run_deepresearch(
         "wall_s": result.wall_s,
         "close_failures": result.close_failures,
         "options": dataclasses.asdict(options),
+        "replay": str(replay) if replay else None,
     }
     run_dir, report = write_report(result.records, result.timeseries, config.tenants, root=root,
-                                   config=config, plan=plan, run_info=run_info)  # fmt: skip
+                                   config=config, trace=result.trace, run_info=run_info)  # fmt: skip
     print_summary(report, console)
     console.print(f"report: {run_dir} (also {Path(root) / 'latest'})")
     return JobOutcome(run_dir, report, exit_code(report), result)
@@ -92,6 +100,7 @@ async def run_deepresearch_grpc(
     options: RunOptions | None = None,
     root: str | Path = "reports",
     console: Console | None = None,
+    replay: str | Path | None = None,
 ) -> JobOutcome:
     """:func:`run_deepresearch` against the gateway at ``target`` (``host:port``).
 
@@ -101,4 +110,5 @@ async def run_deepresearch_grpc(
         client = GrpcInferenceClient(channel=channel, timeout_s=timeout_s)
         probe = grpc_stats_probe(channel, admin_key) if admin_key else None
         return await run_deepresearch(config, client, api_keys, options=options,
-                                      stats_probe=probe, root=root, console=console)  # fmt: skip
+                                      stats_probe=probe, root=root, console=console,
+                                      replay=replay)  # fmt: skip

@@ -1,22 +1,23 @@
 """The generated plan: research sessions, agents, and the LLM calls they make.
 
-A plan is data only; the runner gives it time. Pauses are relative: a call's
-``pause_s`` is waited after the agent's previous call ended (for the first call
-of a sub-agent, after the lead's plan call ended; for the lead's first call,
-after the session's ``arrival_s``).
+A plan fixes who calls when (sessions, agents, call kinds, tool pauses, output budgets) and
+each sub-agent's task (its target article and graded question); what most calls *say*
+depends on the model's earlier outputs and is written at run time by the agents
+(:mod:`workloads.deepresearch.agents`). A replayed plan (:mod:`workloads.deepresearch.trace`)
+instead carries every call's recorded messages, so it runs without any agent decision.
+
+Pauses are relative: a call's ``pause_s`` is waited after the agent's previous call ended
+(for the first call of a sub-agent, after the lead's plan call ended; for the lead's first
+call, after the session's ``arrival_s``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 CALL_KINDS = ("plan", "search", "read", "answer", "report")
-FINDINGS_MARK = "{findings}"
-"""Placeholder in the lead's report message, replaced at run time by sub-agent outputs."""
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,12 @@ class PlannedCall:
         kind: one of ``CALL_KINDS``.
         turn: index of this call in the agent's session, from 0.
         pause_s: wait before sending (tool latency), see the module docstring.
-        messages: only this turn's new messages (system + user on turn 0).
         max_tokens: output budget.
-        doc_ids: titles of the shared articles whose text is in ``messages``
-            (search snippets included).
         expected_answer: the graded answer of an ``answer`` call, else None.
-        findings_from: for the lead's ``report`` call, the sub-agent session ids
-            whose last outputs replace ``FINDINGS_MARK``.
+        messages: this turn's new messages when they are fixed in advance (a replayed call);
+            empty when the agent writes them at run time.
+        doc_ids: a replayed call's recorded article titles (see ``Turn.doc_ids``).
+        decision_json: a replayed call's recorded decision, as JSON text ("" when none).
     """
 
     call_id: str
@@ -60,41 +60,48 @@ class PlannedCall:
     kind: str
     turn: int
     pause_s: float
-    messages: tuple[ChatMessage, ...]
     max_tokens: int
-    doc_ids: tuple[str, ...] = ()
     expected_answer: str | None = None
-    findings_from: tuple[str, ...] = ()
-
-    @property
-    def prompt_chars(self) -> int:
-        """Characters of this turn's new messages (placeholder included)."""
-        return sum(len(m.content) for m in self.messages)
+    messages: tuple[ChatMessage, ...] = ()
+    doc_ids: tuple[str, ...] = ()
+    decision_json: str = ""
 
     def record_fields(self) -> dict[str, Any]:
         """The call's identity and plan as JSON-ready fields (trace rows and ``calls.jsonl``)."""
         return {
             "call_id": self.call_id, "research_id": self.research_id, "session_id": self.session_id,
             "tenant": self.tenant, "agent": self.agent, "kind": self.kind, "turn": self.turn,
-            "pause_s": self.pause_s, "max_tokens": self.max_tokens, "doc_ids": list(self.doc_ids),
+            "pause_s": self.pause_s, "max_tokens": self.max_tokens,
             "expected_answer": self.expected_answer,
         }
 
-    def render_messages(self, findings: str = "") -> list[dict[str, str]]:
-        """This turn's messages as dicts, with ``FINDINGS_MARK`` replaced by ``findings``."""
-        return [
-            {"role": m.role, "content": m.content.replace(FINDINGS_MARK, findings)}
-            for m in self.messages
-        ]
+
+@dataclass(frozen=True)
+class SubagentTask:
+    """What a sub-agent is for, fixed by the generator.
+
+    Attributes:
+        target: title of the article that holds the graded fact.
+        question: the graded (cloze) question, asked in the agent's ``answer`` call.
+        answer: its expected answer, exactly as written in ``target``'s text.
+        fallback_question: the sub-question the agent works on when the lead's plan
+            gives it none (names ``target``).
+    """
+
+    target: str
+    question: str
+    answer: str
+    fallback_question: str
 
 
 @dataclass(frozen=True)
 class AgentScript:
-    """One agent: its own session and its calls in turn order."""
+    """One agent: its own session, its calls in turn order, and (sub-agents) its task."""
 
     session_id: str
     agent: str
     calls: tuple[PlannedCall, ...]
+    task: SubagentTask | None = None
 
 
 @dataclass(frozen=True)
@@ -111,14 +118,34 @@ class ResearchSession:
     def agents(self) -> tuple[AgentScript, ...]:
         return (self.lead, *self.subagents)
 
+    @property
+    def topics(self) -> tuple[str, ...]:
+        """The sub-agents' target titles, in sub-agent order (empty for a replayed session)."""
+        return tuple(s.task.target for s in self.subagents if s.task is not None)
+
+    @property
+    def replayed(self) -> bool:
+        """True when every call's messages are fixed (a session read back from a trace)."""
+        return all(call.messages for agent in self.agents for call in agent.calls)
+
 
 @dataclass(frozen=True)
 class WorkloadPlan:
-    """All research sessions of a run, ordered by arrival time then tenant."""
+    """All research sessions of a run, ordered by arrival time then research id.
+
+    Attributes:
+        seed: the generator's seed (a replayed plan keeps the recorded run's).
+        duration_s: the arrival window.
+        sessions: the research sessions.
+        search_top_k: hits the search tool returns.
+        max_article_words: articles are cut to whole sentences within this many words.
+    """
 
     seed: int
     duration_s: float
     sessions: tuple[ResearchSession, ...]
+    search_top_k: int = 3
+    max_article_words: int = 150
 
     def calls(self) -> Iterator[tuple[ResearchSession, PlannedCall]]:
         """Every call with its session: per session the lead's plan, sub-agents, report."""
@@ -131,33 +158,3 @@ class WorkloadPlan:
 
     def num_calls(self) -> int:
         return sum(1 for _ in self.calls())
-
-    def trace_rows(self) -> list[dict[str, Any]]:
-        """One dict per LLM call: the JSONL trace (see :func:`write_trace`)."""
-        rows: list[dict[str, Any]] = []
-        context_chars: dict[str, int] = {}
-        for session, call in self.calls():
-            context_chars[call.session_id] = context_chars.get(call.session_id, 0)
-            context_chars[call.session_id] += call.prompt_chars
-            rows.append(
-                call.record_fields()
-                | {
-                    "arrival_s": session.arrival_s,
-                    "prompt_chars": call.prompt_chars,
-                    "context_chars": context_chars[call.session_id],
-                }
-            )
-        return rows
-
-
-def write_trace(plan: WorkloadPlan, path: str | Path) -> int:
-    """Write the plan's trace as JSONL (one line per LLM call); returns the line count.
-
-    ``context_chars`` counts the characters the client sent in this agent's
-    session so far (model outputs, unknown before the run, excluded); output
-    length is the planned ``max_tokens``.
-    """
-    rows = plan.trace_rows()
-    with Path(path).open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in rows)
-    return len(rows)

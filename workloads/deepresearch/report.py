@@ -2,7 +2,7 @@
 
 Contents: ``calls.jsonl`` (one record per planned call), ``timeseries.jsonl``
 (stats samples), ``report.json`` (exactly :func:`compute_report` of those two
-files), ``report.md``, PNG plots, and, when given, ``trace.jsonl`` (the plan)
+files), ``report.md``, PNG plots, and, when given, ``trace.jsonl`` (what was sent)
 and ``run.json`` (the config and run totals).
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 from workloads.deepresearch.config import TenantProfile, WorkloadConfig
 from workloads.deepresearch.metrics import compute_report, exit_code
-from workloads.deepresearch.plan import WorkloadPlan, write_trace
 from workloads.deepresearch.plots import plot_memory, plot_throughput, plot_ttft_cdf
 from workloads.deepresearch.summary import report_markdown
+from workloads.deepresearch.trace import write_trace
 
 __all__ = ["exit_code", "load_jsonl", "write_jsonl", "write_report"]
 
@@ -63,7 +63,7 @@ def write_report(
     *,
     root: str | Path = "reports",
     config: WorkloadConfig | None = None,
-    plan: WorkloadPlan | None = None,
+    trace: Sequence[Mapping[str, Any]] | None = None,
     run_info: Mapping[str, Any] | None = None,
     window_s: float = 1.0,
     now: datetime | None = None,
@@ -74,7 +74,8 @@ def write_report(
         records / timeseries: from :class:`workloads.deepresearch.runner.RunResult`.
         tenants: the run's tenant profiles (SLO targets).
         root: the reports root; ``root/latest`` is repointed to the new folder.
-        config / plan / run_info: optional; written to ``run.json`` and ``trace.jsonl``.
+        config / trace / run_info: optional; written to ``run.json`` and ``trace.jsonl``
+            (trace: :attr:`RunResult.trace` rows, see :mod:`workloads.deepresearch.trace`).
         window_s: floor-attainment window.
         now: the folder's timestamp (default: local time now).
     """
@@ -97,8 +98,8 @@ def write_report(
     )
     markdown = report_markdown(report, tuple(p.name for p in plots))
     (run_dir / "report.md").write_text(markdown, encoding="utf-8")
-    if plan is not None:
-        write_trace(plan, run_dir / "trace.jsonl")
+    if trace is not None:
+        write_trace(trace, run_dir / "trace.jsonl")
     info: dict[str, Any] = {"tenants": [dataclasses.asdict(t) for t in tenants]}
     if config is not None:
         info["config"] = dataclasses.asdict(config)

@@ -2,8 +2,10 @@
 
 Every research session is an asyncio task that sleeps until its arrival; the
 lead's plan call goes first, then all sub-agents run concurrently (each waits
-its tool pauses between turns), then the lead's report call gets their last
-outputs as findings. Times are multiplied by ``RunOptions.time_scale``.
+its tool pauses between turns), then the lead's report call gets their findings.
+What each call says is written by the session's director just before it is sent
+(:mod:`workloads.deepresearch.agents`: from the model's earlier replies, or the
+recorded messages of a replayed plan). Times are multiplied by ``RunOptions.time_scale``.
 
 A failed call stops its agent: the agent's remaining calls are recorded as
 ``SKIPPED`` (a failed lead plan skips the whole session), so every planned call
@@ -29,10 +31,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from workloads.deepresearch.agents import Director, Turn, director_for
 from workloads.deepresearch.client import CallResult, InferenceClient, StatsProbe
 from workloads.deepresearch.plan import AgentScript, PlannedCall, ResearchSession, WorkloadPlan
 from workloads.deepresearch.records import call_record, skipped_record
-from workloads.text import first_words
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class RunOptions:
             runs against one server never share a session.
         probe_interval_s: seconds between stats samples (wall clock, not scaled).
         show_progress: draw a rich progress bar per tenant.
-        findings_words: words of each sub-agent's answer passed to the lead.
+        findings_words: words of each sub-agent's last quote and of its answer passed to the lead.
     """
 
     time_scale: float = 1.0
@@ -69,23 +71,30 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class RunResult:
-    """Records in completion order, stats samples in time order, and totals."""
+    """Records in completion order, stats samples in time order, totals, and the trace.
+
+    ``trace`` has one row per sent call, in plan order: the call's plan fields, the
+    messages sent this turn, its article titles, the agent's decisions and its status
+    (see :mod:`workloads.deepresearch.trace`, which writes and replays it).
+    """
 
     records: tuple[dict[str, Any], ...]
     timeseries: tuple[dict[str, Any], ...]
     wall_s: float
     close_failures: int
+    trace: tuple[dict[str, Any], ...] = ()
 
 
 class _Run:
-    """Shared state of one run: clock, client, keys, records, progress."""
+    """Shared state of one run: clock, client, keys, records, trace rows, progress."""
 
-    def __init__(self, client: InferenceClient, api_keys: Mapping[str, str], options: RunOptions,
-                 progress: Progress, tasks: dict[str, TaskID]) -> None:  # fmt: skip
-        self.client, self.api_keys, self.options = client, api_keys, options
+    def __init__(self, plan: WorkloadPlan, client: InferenceClient, api_keys: Mapping[str, str],
+                 options: RunOptions, progress: Progress, tasks: dict[str, TaskID]) -> None:  # fmt: skip
+        self.plan, self.client, self.api_keys, self.options = plan, client, api_keys, options
         self.progress, self.tasks = progress, tasks
         self.t0_s = time.monotonic()
         self.records: list[dict[str, Any]] = []
+        self.trace: dict[str, dict[str, Any]] = {}
         self.close_failures = 0
 
     def add(self, record: dict[str, Any]) -> None:
@@ -99,21 +108,34 @@ class _Run:
     async def sleep_until(self, at_s: float) -> None:
         await asyncio.sleep(max(0.0, self.t0_s + at_s * self.options.time_scale - time.monotonic()))
 
+    def trace_rows(self) -> tuple[dict[str, Any], ...]:
+        """The sent calls' trace rows in plan order (sessions by arrival; lead plan,
+        sub-agents, report), whatever order they completed in."""
+        return tuple(self.trace[c.call_id] for _, c in self.plan.calls() if c.call_id in self.trace)
+
 
 class _Agent:
     """One agent's conversation: sends its calls in order, keeps the transcript."""
 
-    def __init__(self, run: _Run, script: AgentScript) -> None:
-        self.run, self.script = run, script
+    def __init__(self, run: _Run, script: AgentScript, director: Director, arrival_s: float) -> None:
+        self.run, self.script, self.director, self.arrival_s = run, script, director, arrival_s
         self.history: list[dict[str, str]] = []
         self.last: dict[str, Any] | None = None
+        self.sent_chars = 0
         self.sent = False
 
-    async def call(self, call: PlannedCall, findings: str = "") -> bool:
-        """Wait the call's pause, send it, record it; True when it succeeded."""
+    async def call(self, call: PlannedCall) -> bool:
+        """Wait the call's pause, have the director write it, send it, record it.
+
+        True when it succeeded or the director had nothing to send (recorded as skipped).
+        """
         run, prefix = self.run, self.run.options.session_prefix
         await asyncio.sleep(call.pause_s * run.options.time_scale)
-        messages = call.render_messages(findings)
+        turn = self.director.turn(call)
+        if turn.skip_reason:
+            run.skip((call,), turn.skip_reason)
+            return True
+        messages = list(turn.messages)
         send = self.history + messages if run.options.resend_history else messages
         self.sent = True
         start_s = time.monotonic()
@@ -126,11 +148,23 @@ class _Agent:
         except Exception as exc:  # noqa: BLE001 - a client that breaks its contract is a failure
             error = f"client raised {type(exc).__name__}: {exc}"
             result = CallResult("UNKNOWN", start_s=start_s, end_s=time.monotonic(), error=error)
-        self.last = call_record(call, result, run.t0_s)
+        decision = turn.decision | self.director.observe(call, result.ok, result.text, result.status)
+        self.last = call_record(call, result, run.t0_s, turn.doc_ids, decision)
         run.add(self.last)
+        self._trace(call, messages, turn, decision)
         if result.ok:
             self.history += [*messages, {"role": "assistant", "content": result.text}]
         return result.ok
+
+    def _trace(self, call: PlannedCall, messages: list[dict[str, str]], turn: Turn,
+               decision: dict[str, Any]) -> None:  # fmt: skip
+        prompt_chars = sum(len(m["content"]) for m in messages)
+        self.sent_chars += prompt_chars
+        self.run.trace[call.call_id] = call.record_fields() | {
+            "arrival_s": self.arrival_s, "messages": messages, "doc_ids": list(turn.doc_ids),
+            "decision": decision, "status": self.last_status, "prompt_chars": prompt_chars,
+            "context_chars": self.sent_chars,
+        }  # fmt: skip
 
     async def run_calls(self, calls: tuple[PlannedCall, ...]) -> None:
         """Send ``calls`` in order; after a failure, record the rest as skipped."""
@@ -156,29 +190,21 @@ class _Agent:
         self.run.close_failures += status != "ok"
 
 
-def _findings(subs: list[_Agent], words: int) -> str:
-    lines = []
-    for sub in subs:
-        if sub.last is not None and sub.last["status"] == "ok":
-            lines.append(f"- {sub.script.agent}: {first_words(sub.last['text'], words)}")
-        else:
-            lines.append(f"- {sub.script.agent}: (no answer: {sub.last_status})")
-    return "\n".join(lines)
-
-
 async def _run_session(run: _Run, session: ResearchSession) -> None:
+    """The lead's plan, then every sub-agent at once, then the lead's report (if planned)."""
     await run.sleep_until(session.arrival_s)
-    lead = _Agent(run, session.lead)
-    plan_call, report_call = session.lead.calls
-    subs = [_Agent(run, script) for script in session.subagents]
+    director = director_for(session, run.plan, run.options.findings_words)
+    lead = _Agent(run, session.lead, director, session.arrival_s)
+    plan_call, *report_calls = session.lead.calls
+    subs = [_Agent(run, script, director, session.arrival_s) for script in session.subagents]
     if not await lead.call(plan_call):
         reason = f"not sent: lead plan {plan_call.call_id} ended {lead.last_status}"
         for script in session.subagents:
             run.skip(script.calls, reason)
-        run.skip((report_call,), reason)
+        run.skip(tuple(report_calls), reason)
     else:
         await asyncio.gather(*(_run_agent(sub) for sub in subs))
-        await lead.call(report_call, _findings(subs, run.options.findings_words))
+        await lead.run_calls(tuple(report_calls))
     await lead.close()
 
 
@@ -246,7 +272,7 @@ async def run_workload(
     if missing:
         raise ValueError(f"no API key for tenants {missing}")
     progress, tasks = _progress(plan, options, console)
-    run = _Run(client, api_keys, options, progress, tasks)
+    run = _Run(plan, client, api_keys, options, progress, tasks)
     samples: list[dict[str, Any]] = []
     with progress:
         prober = (
@@ -261,4 +287,5 @@ async def run_workload(
     if stats_probe is not None:
         await _sample(run, stats_probe, samples)
     wall_s = time.monotonic() - run.t0_s
-    return RunResult(tuple(run.records), tuple(samples), wall_s, run.close_failures)
+    return RunResult(tuple(run.records), tuple(samples), wall_s, run.close_failures,
+                     run.trace_rows())
