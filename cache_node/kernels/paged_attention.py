@@ -1,6 +1,8 @@
 """Triton paged attention: prefill chunks and decodes of many sequences in one launch.
 
-``paged_attention`` reads one layer of the KV pool in place through the block tables.
+``paged_attention`` reads one layer of the KV pool in place through the block tables; this
+module checks inputs, picks the kernel and its tile sizes, and launches the programs of
+``cache_node/kernels/paged_attention_triton.py``.
 
 - **Unified varlen kernel** (any mix of prefill chunks and decodes): the grid is (query tiles,
   KV heads). A program takes ``BLOCK_Q`` consecutive queries of one sequence and, as rows of
@@ -28,186 +30,18 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
+from cache_node.kernels.paged_attention_triton import (
+    _merge_splits_kernel,
+    _split_kv_decode_kernel,
+    _unified_attention_kernel,
+)
 from cache_node.kernels.reference import check_paged_attention_inputs
 
 LOG2_E = 1.4426950408889634
 SPLIT_MIN_CONTEXT = 1024  # tokens of block-table capacity before split-KV decode pays off
 SPLIT_MIN_TOKENS = 256  # fewest context tokens per split
 MAX_KV_SPLITS = 16
-
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """Last sequence s whose first tile ``query_start_loc[s] // BLOCK_Q + s`` is <= tile."""
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def _load_kv_tile(k_ptr, v_ptr, table_row_ptr, positions, valid, kv_head, stride_k_slot,
-                  stride_k_head, stride_v_slot, stride_v_head, dims, dim_valid,
-                  BLOCK_SIZE: tl.constexpr):
-    """K and V for context ``positions`` (BLOCK_N,): each (BLOCK_N, HEAD_DIM_PAD); 0 if invalid."""
-    block_ids = tl.load(table_row_ptr + positions // BLOCK_SIZE, mask=valid, other=0)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-    mask = valid[:, None] & dim_valid[None, :]
-    k = tl.load(k_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
-                mask=mask, other=0.0)
-    v = tl.load(v_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
-                mask=mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
-                         DOT_PRECISION: tl.constexpr):
-    """One KV tile of FlashAttention-2's forward pass (Dao 2023, Algorithm 1, lines 8-10).
-
-    ``acc``: (M, HEAD_DIM_PAD) fp32 unnormalized output; ``m_i``/``l_i``: (M,) running max and
-    sum in log2 units; ``allowed``: (M, BLOCK_N). Rows with nothing allowed yet keep m = -inf.
-    """
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _unified_attention_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, num_seqs,
-    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_table,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Program (tile, kv_head): BLOCK_Q queries of one sequence x the GROUP heads of kv_head."""
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = tile - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q < q_len:
-        seq_len = tl.load(seq_lens_ptr + seq)
-        context_len = seq_len - q_len
-        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
-        q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
-        head = kv_head * GROUP + rows % GROUP_PAD
-        row_valid = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        dim_valid = dims < HEAD_DIM
-        token = (q_start + q_idx).to(tl.int64)
-        io_mask = row_valid[:, None] & dim_valid[None, :]
-        q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
-                    + dims[None, :], mask=io_mask, other=0.0)
-        q_pos = context_len + q_idx
-        kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
-        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
-        table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-        for start in range(0, kv_end, BLOCK_N):
-            positions = start + tl.arange(0, BLOCK_N)
-            kv_valid = positions < kv_end
-            k, v = _load_kv_tile(k_ptr, v_ptr, table_row_ptr, positions, kv_valid, kv_head,
-                                 stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                                 dims, dim_valid, BLOCK_SIZE)
-            allowed = (row_valid[:, None] & kv_valid[None, :]
-                       & (positions[None, :] <= q_pos[:, None]))
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
-                                                 DOT_PRECISION)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def _split_kv_decode_kernel(
-    partial_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, qk_scale,
-    stride_q_token, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_table,
-    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Program (seq, kv_head, split): one query, GROUP heads, one range of the context.
-
-    Writes ``partial``: (num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, normalized, and
-    ``lse``: (num_tokens, num_heads, NUM_SPLITS) fp32 log2-sum-exp, -inf for an empty range.
-    """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
-    kv_end = tl.minimum(seq_len, kv_start + split_len)
-    rows = tl.arange(0, GROUP_ROWS)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-    q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUP_ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_ROWS], dtype=tl.float32)
-    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    for start in range(kv_start, kv_end, BLOCK_N):
-        positions = start + tl.arange(0, BLOCK_N)
-        kv_valid = positions < kv_end
-        k, v = _load_kv_tile(k_ptr, v_ptr, table_row_ptr, positions, kv_valid, kv_head,
-                             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                             dims, dim_valid, BLOCK_SIZE)
-        allowed = row_valid[:, None] & kv_valid[None, :]
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
-                                             DOT_PRECISION)
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    head_split = (token * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
-    tl.store(lse_ptr + head_split, lse, mask=row_valid)
-    tl.store(partial_ptr + head_split[:, None] * HEAD_DIM_PAD + dims[None, :], out,
-             mask=row_valid[:, None])
-
-
-@triton.jit
-def _merge_splits_kernel(out_ptr, partial_ptr, lse_ptr, stride_o_token, stride_o_head,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Program (token, head): out = sum_s 2^(lse_s - max) * partial_s / sum_s 2^(lse_s - max)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    base = (token * tl.num_programs(1) + head) * NUM_SPLITS
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-    present = lse > float("-inf")
-    weights = tl.where(present, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    partial = tl.load(partial_ptr + (base + splits)[:, None] * HEAD_DIM_PAD + dims[None, :],
-                      mask=present[:, None], other=0.0)
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(out_ptr + token * stride_o_token + head * stride_o_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def _interpreting() -> bool:
@@ -235,7 +69,8 @@ def _patch_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if _interpreting():
+INTERPRETED = _interpreting()  # triton.jit read TRITON_INTERPRET when it wrapped the kernels
+if INTERPRETED:
     _patch_interpreter_scalar_index()
 
 
@@ -261,9 +96,39 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, num
     return max(1, min(MAX_KV_SPLITS, wanted, max_context // SPLIT_MIN_TOKENS))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs use exact fp32 products, not TF32, so fp32 runs match torch to ~1e-6.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _common_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
+    return {
+        "BLOCK_N": 64 if head_dim <= 64 else 32, "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+        # fp32 inputs use exact fp32 products, not TF32, so fp32 runs match torch to ~1e-6.
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST_DOT": INTERPRETED and dtype == torch.bfloat16,
+    }
+
+
+def unified_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
+    """Compile-time parameters of ``_unified_attention_kernel`` for a batch's shapes.
+
+    Rows per program ``BLOCK_Q * GROUP_PAD`` = 16 when the batch is mostly decodes (<= 4
+    queries per sequence on average), else 64; KV tiles of 64 positions (32 when head_dim > 64).
+    """
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_m = max(16 if num_tokens <= 4 * num_seqs else 64, group_pad)
+    return {
+        "GROUP": num_heads // num_kv_heads, "GROUP_PAD": group_pad,
+        "BLOCK_Q": block_m // group_pad, **_common_config(head_dim, block_size, dtype),
+    }
+
+
+def split_kv_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype, num_splits: int) -> dict[str, object]:
+    """Compile-time parameters of ``_split_kv_decode_kernel`` (16 rows: the GQA group, padded)."""
+    group = num_heads // num_kv_heads
+    return {
+        "GROUP": group, "GROUP_ROWS": max(16, triton.next_power_of_2(group)),
+        "NUM_SPLITS": num_splits, **_common_config(head_dim, block_size, dtype),
+    }
 
 
 def _launch_unified(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
@@ -272,20 +137,14 @@ def _launch_unified(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     block_size: int) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    # Mostly decodes (<= 4 queries per sequence on average): 16 rows waste less than 64.
-    block_m = max(16, group_pad) if num_tokens <= 4 * num_seqs else max(64, group_pad)
-    block_q = block_m // group_pad
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    config = unified_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                            q.dtype)
+    grid = (num_tokens // config["BLOCK_Q"] + num_seqs, num_kv_heads)  # >= the query tiles
     _unified_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, qk_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=64 if head_dim <= 64 else 32,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+        block_tables.stride(0), **config, num_warps=4, num_stages=2,
     )
 
 
@@ -295,19 +154,15 @@ def _launch_split_kv_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.T
                             qk_scale: float, block_size: int, num_splits: int) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    head_dim_pad = triton.next_power_of_2(head_dim)
+    config = split_kv_config(num_heads, num_kv_heads, head_dim, block_size, q.dtype, num_splits)
+    head_dim_pad = config["HEAD_DIM_PAD"]
     partial = torch.empty(num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32,
                           device=q.device)
     lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         partial, lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, qk_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), block_tables.stride(0),
-        GROUP=group, GROUP_ROWS=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
-        BLOCK_N=64 if head_dim <= 64 else 32, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
-        num_stages=2,
+        v_cache.stride(1), block_tables.stride(0), **config, num_warps=4, num_stages=2,
     )
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, partial, lse, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
@@ -360,7 +215,7 @@ def paged_attention(
     """
     check_paged_attention_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                  block_size)
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not INTERPRETED:
         raise ValueError(f"paged_attention runs on CUDA tensors (or on CPU under "
                          f"TRITON_INTERPRET=1 set before triton is imported); got {q.device}")
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache)):

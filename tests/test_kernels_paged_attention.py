@@ -1,0 +1,175 @@
+"""Triton paged attention == the torch reference == dense SDPA per sequence (issue 17).
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1``
+is set here, before triton is imported. With CUDA the same tests run compiled on the GPU, and
+the ``gpu``-marked tests at the end check fp32/bf16 on the device and time kernel vs reference.
+Every batch stores its blocks shuffled, fills unused slots and the block tables' padding
+entries' block with NaN (a stray read shows as NaN), and uses lengths that are not multiples
+of the block size unless a case says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA:  # tests/conftest.py sets it first; triton reads it when it is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cache_node.kernels.paged_attention as pa
+from cache_node.kernels.reference import paged_attention_reference
+from tests.paged_batches import dense_sdpa, make_batch
+
+if not CUDA and not pa.INTERPRETED:
+    pytest.fail("triton was imported before TRITON_INTERPRET was set (tests/triton_interpreter.py "
+                "sets it from tests/conftest.py)", pytrace=False)
+
+FP32_ATOL = 1e-4
+# bf16 inputs, fp32 accumulation, bf16 output and bf16 softmax weights in the PV product
+# (FlashAttention-2's choice): about 2^-8 relative on unit-scale outputs.
+BF16_ATOL, BF16_RTOL = 2e-2, 2e-2
+
+# decode; prefill from scratch; chunk after cached context; one token; a decode at a block
+# boundary (32 = 2 * 16); a chunk ending on a block boundary
+MIXED = [(37, 1), (23, 23), (69, 19), (1, 1), (32, 1), (48, 16)]
+
+
+def _check(batch, out: torch.Tensor, atol: float = FP32_ATOL, rtol: float = 0.0) -> None:
+    ref = paged_attention_reference(*batch.args())
+    dense = dense_sdpa(batch)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert not out.isnan().any(), "the kernel read a slot or block-table entry it must not"
+    torch.testing.assert_close(out.float(), dense, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ref.float(), dense, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_mixed_batch_matches_reference_and_sdpa(group: int, block_size: int,
+                                                head_dim: int) -> None:
+    """Decodes, prefills and chunked prefills in one launch; GQA ratio 3 is SmolLM2-135M's."""
+    batch = make_batch(MIXED, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                       block_size=block_size, device=DEVICE, seed=group * block_size + head_dim)
+    _check(batch, pa.paged_attention(*batch.args()))
+
+
+def test_prefill_only_batch() -> None:
+    batch = make_batch([(100, 100), (7, 7), (33, 33)], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, device=DEVICE, seed=1)
+    _check(batch, pa.paged_attention(*batch.args()))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 4, None])
+def test_decode_batch_split_kv_matches(num_kv_splits: int | None) -> None:
+    """Decode only, one 1500-token context: unified kernel (1) and split-KV (3, 4, chosen)."""
+    batch = make_batch([(1500, 1), (37, 1), (1, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, device=DEVICE, seed=2)
+    _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=num_kv_splits))
+
+
+def test_more_splits_than_context_tiles() -> None:
+    """Splits past a short context's end are empty (lse -inf) and must not poison the merge."""
+    batch = make_batch([(5, 1), (70, 1)], num_heads=4, num_kv_heads=1, head_dim=128,
+                       block_size=32, device=DEVICE, seed=3)
+    _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=8))
+
+
+def test_chunked_prefill_over_1500_token_context() -> None:
+    """A 12-token chunk after 1488 cached tokens, next to a 1500-token decode, one launch."""
+    batch = make_batch([(1500, 12), (1500, 1), (40, 5)], num_heads=8, num_kv_heads=2,
+                       head_dim=128, block_size=32, device=DEVICE, seed=4)
+    _check(batch, pa.paged_attention(*batch.args()))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_bf16_within_stated_tolerance(num_kv_splits: int) -> None:
+    decode = make_batch([(300, 1), (37, 1), (1, 1)], num_heads=8, num_kv_heads=2, head_dim=128,
+                        block_size=16, dtype=torch.bfloat16, device=DEVICE, seed=5)
+    _check(decode, pa.paged_attention(*decode.args(), num_kv_splits=num_kv_splits),
+           atol=BF16_ATOL, rtol=BF16_RTOL)
+    mixed = make_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16, device=DEVICE, seed=6)
+    _check(mixed, pa.paged_attention(*mixed.args()), atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+@st.composite
+def _batches(draw):
+    num_seqs = draw(st.integers(1, 4))
+    specs = []
+    for _ in range(num_seqs):
+        q_len = draw(st.integers(1, 9))
+        specs.append((q_len + draw(st.integers(0, 40)), q_len))
+    return (specs, draw(st.sampled_from([1, 2, 3, 4])), draw(st.sampled_from([8, 16])),
+            draw(st.sampled_from([16, 32, 64])), draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches())
+def test_random_small_batches(case) -> None:
+    specs, group, block_size, head_dim, seed = case
+    batch = make_batch(specs, num_heads=group, num_kv_heads=1, head_dim=head_dim,
+                       block_size=block_size, device=DEVICE, seed=seed)
+    _check(batch, pa.paged_attention(*batch.args()))
+    if all(q_len == 1 for _, q_len in specs):
+        _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=2))
+
+
+def test_q_with_strided_token_and_head_dims() -> None:
+    """q sliced out of a fused QKV projection: only its last dim is contiguous."""
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       device=DEVICE, seed=7)
+    qkv = torch.cat([batch.q, torch.zeros_like(batch.q)], dim=1)
+    batch.q = qkv[:, :4]
+    assert not batch.q.is_contiguous()
+    _check(batch, pa.paged_attention(*batch.args()))
+
+
+def _mutations():
+    def with_(name, value):
+        return lambda args: args | {name: value(args[name])}
+    return [
+        ("block_tables", with_("block_tables", lambda t: t.long()), "block_tables must be"),
+        ("seq_lens", with_("seq_lens", lambda t: t[:-1]), "seq_lens has"),
+        ("heads", with_("q", lambda t: t[:, :3]), "not a multiple"),
+        ("dtype", with_("v_cache", lambda t: t.double()), "dtypes differ"),
+        ("head_dim", with_("q", lambda t: t[..., :32]), "head_dim"),
+        ("block_size", with_("block_size", lambda b: 0), "block_size must be positive"),
+    ]
+
+
+@pytest.mark.parametrize("name,mutate,message", _mutations(), ids=[m[0] for m in _mutations()])
+def test_malformed_input_raises_value_error(name, mutate, message) -> None:
+    batch = make_batch([(20, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       device=DEVICE)
+    names = ["q", "k_cache", "v_cache", "block_tables", "query_start_loc", "seq_lens", "scale",
+             "block_size"]
+    args = mutate(dict(zip(names, batch.args())))
+    for fn in (pa.paged_attention, paged_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(**args)
+
+
+def test_reference_rejects_a_query_longer_than_its_context() -> None:
+    batch = make_batch([(20, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    batch.seq_lens[0] = 3
+    with pytest.raises(ValueError, match="seq_lens must include the new tokens"):
+        paged_attention_reference(*batch.args())
+
+
+def test_choose_num_kv_splits() -> None:
+    # Llama-3.1-8B (8 KV heads) on an H200 (132 SMs)
+    assert pa.choose_num_kv_splits(1, 8, 4096, 132) == 16  # one stream: ceil(264 / 8) capped
+    assert pa.choose_num_kv_splits(4, 8, 4096, 132) == 9  # ceil(264 / 32)
+    assert pa.choose_num_kv_splits(4, 8, 1024, 132) == 4  # capacity 1024 // 256
+    assert pa.choose_num_kv_splits(32, 8, 4096, 132) == 1  # 256 pairs fill 132 SMs
+    assert pa.choose_num_kv_splits(1, 8, 512, 132) == 1  # short contexts: not worth it
