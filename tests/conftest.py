@@ -11,6 +11,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import pytest
 import torch
 
+import tests.triton_interpreter  # noqa: F401  (before triton is imported: sets TRITON_INTERPRET)
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel, load_model, tiny_llama
