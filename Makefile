@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test chaos demo bench lint proto
+.PHONY: setup test chaos demo bench lint proto gpu-bundle gpu-check
 
 setup: $(STAMP)
 
@@ -38,3 +38,15 @@ proto: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# The GPU check of issue 17. gpu-bundle (here, in the venv) writes the git-ignored .gpu-carry/
+# (tokenizer files + Wikipedia summaries, ~10 MB) that the offline GPU machine lacks; gpu-check
+# runs ON that machine with its python3 (no venv, no Ray): pytest -m gpu and the quick CUDA
+# benches, under 8 minutes, logs and JSON in $(OUT), one JSON summary line last.
+OUT ?= gpu-check-out
+
+gpu-bundle: setup
+	$(PY) -m bench.gpu_carry build
+
+gpu-check:
+	OUT=$(OUT) PYTHONPATH=. python3 -m bench.gpu_check

