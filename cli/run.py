@@ -32,6 +32,9 @@ def run_deepresearch(
     gateway: str | None = GatewayOpt,
     reports: str = typer.Option("reports", help="where the report folder goes "
                                 "(<reports>/deepresearch/<timestamp>/, <reports>/latest points at it)"),
+    replay: str = typer.Option("", "--replay", help="trace.jsonl of an earlier run (its report folder): send "
+                               "its calls again with the recorded messages, arrivals and pauses, whatever the "
+                               "model replies (for benchmarking)"),
 ) -> None:
     """Run the DeepResearch multi-agent workload against a running gateway.
 
@@ -63,7 +66,8 @@ def run_deepresearch(
     async def go() -> int:
         async with grpc.aio.insecure_channel(address) as ch:
             keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
-        out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console)
+        out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
+                                          policy=policy, replay=replay or None)
         return out.exit_code
 
     raise typer.Exit(asyncio.run(go()))

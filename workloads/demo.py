@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="", help="KV policy for every tenant (cache_node.policies spec)")
     p.add_argument("--kv-pool-mib", type=int, default=128, help="device-tier pool per cache node")
     p.add_argument("--reports", default="reports")
+    p.add_argument("--replay", default="", help="trace.jsonl of an earlier run: send its calls again with the "
+                   "recorded messages, arrivals and pauses, whatever the model replies (for benchmarking)")
     return p.parse_args(argv)
 
 
@@ -51,7 +53,8 @@ async def _run(args: argparse.Namespace, address: str, admin_key: str, console: 
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
     outcome = await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=args.reports,
-                                          console=console)
+                                          console=console, policy=args.policy,
+                                          replay=args.replay or None)
     return outcome.exit_code
 
 

@@ -24,7 +24,7 @@ from workloads.deepresearch.grpc_client import GrpcInferenceClient
 from workloads.deepresearch.metrics import exit_code
 from workloads.deepresearch.report import write_report
 from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
-from workloads.deepresearch.stats_probe import grpc_stats_probe
+from workloads.deepresearch.stats_probe import gateway_scheduler, grpc_stats_probe
 from workloads.deepresearch.summary import print_summary
 from workloads.deepresearch.trace import load_replay
 
@@ -49,6 +49,8 @@ async def run_deepresearch(
     root: str | Path = "reports",
     console: Console | None = None,
     replay: str | Path | None = None,
+    scheduler: str = "",
+    policy: str = "",
 ) -> JobOutcome:
     """Generate the plan for ``config`` (or replay a trace), run it, write and print the report.
 
@@ -64,6 +66,8 @@ async def run_deepresearch(
         replay: a ``trace.jsonl`` of an earlier run: its calls are sent again with their
             recorded messages, arrivals and pauses (:func:`workloads.deepresearch.trace.load_replay`);
             ``config`` still gives the tenants.
+        scheduler / policy: the server's scheduler and the tenants' KV policy, for the
+            report's header ("" = not known / each node's default).
 
     Raises:
         ValueError: a tenant has no API key; the replay trace is malformed.
@@ -84,7 +88,8 @@ async def run_deepresearch(
         "replay": str(replay) if replay else None,
     }
     run_dir, report = write_report(result.records, result.timeseries, config.tenants, root=root,
-                                   config=config, trace=result.trace, run_info=run_info)  # fmt: skip
+                                   config=config, trace=result.trace, run_info=run_info,
+                                   scheduler=scheduler, policy=policy)  # fmt: skip
     print_summary(report, console)
     console.print(f"report: {run_dir} (also {Path(root) / 'latest'})")
     return JobOutcome(run_dir, report, exit_code(report), result)
@@ -101,14 +106,17 @@ async def run_deepresearch_grpc(
     root: str | Path = "reports",
     console: Console | None = None,
     replay: str | Path | None = None,
+    policy: str = "",
 ) -> JobOutcome:
     """:func:`run_deepresearch` against the gateway at ``target`` (``host:port``).
 
-    With ``admin_key``, ``AdminService.Stats`` is sampled for the time series.
+    With ``admin_key``, ``AdminService.Stats`` is sampled for the time series and names the
+    gateway's scheduler for the report.
     """
     async with grpc.aio.insecure_channel(target) as channel:
         client = GrpcInferenceClient(channel=channel, timeout_s=timeout_s)
         probe = grpc_stats_probe(channel, admin_key) if admin_key else None
+        scheduler = await gateway_scheduler(channel, admin_key) if admin_key else ""
         return await run_deepresearch(config, client, api_keys, options=options,
                                       stats_probe=probe, root=root, console=console,
-                                      replay=replay)  # fmt: skip
+                                      replay=replay, scheduler=scheduler, policy=policy)  # fmt: skip

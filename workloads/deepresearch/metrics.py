@@ -37,7 +37,7 @@ from workloads.deepresearch.config import TenantProfile
 from workloads.deepresearch.floor import floor_windows
 from workloads.deepresearch.records import SKIPPED
 
-REPORT_SCHEMA = 1
+REPORT_SCHEMA = 2  # 2: scheduler, policy, start_s, end_s; tenants' weight and sessions_per_s
 PERCENTILES = (50, 95, 99)
 
 Record = Mapping[str, Any]
@@ -144,14 +144,21 @@ def compute_report(
     tenants: Sequence[TenantProfile],
     *,
     window_s: float = 1.0,
+    scheduler: str = "",
+    policy: str = "",
 ) -> dict[str, Any]:
     """The report dict (JSON-ready) for one run.
+
+    Times are seconds since the run started (the runner's clock): ``start_s`` / ``end_s``
+    are the first call's start and the last call's end, ``span_s`` their difference.
 
     Args:
         records: call records (``calls.jsonl`` rows, see :mod:`.records`).
         timeseries: stats samples (``timeseries.jsonl`` rows).
         tenants: the run's tenants; a tenant without records still gets a row.
         window_s: floor-attainment window.
+        scheduler / policy: the gateway's scheduler and the KV policy the tenants were
+            registered with, as ``run.json`` states them ("" = not known / the node default).
 
     Raises:
         ValueError: a record names a tenant not in ``tenants``.
@@ -174,12 +181,18 @@ def compute_report(
             "ttft_slo_ms": tenant.ttft_slo_ms,
             "tpot_slo_ms": tenant.tpot_slo_ms,
             "min_tokens_per_s": tenant.min_tokens_per_s,
+            "weight": tenant.weight,
+            "sessions_per_s": tenant.sessions_per_s,
             "noisy": tenant.noisy,
             **_group(mine, slo, span_s, floor),
         }
     return {
         "schema": REPORT_SCHEMA,
+        "scheduler": scheduler,
+        "policy": policy,
         "window_s": window_s,
+        "start_s": start_s,
+        "end_s": horizon_s,
         "span_s": span_s,
         "tenants": per_tenant,
         "overall": _group(records, slo, span_s, (total_floor[0], total_floor[1])),

@@ -1,7 +1,8 @@
 """PNG plots of a run (matplotlib's Agg canvas; no global backend is switched).
 
 - ``ttft_cdf.png``: empirical CDF of TTFT per tenant, with each tenant's target.
-- ``memory.png``: device/host bytes and device-tier block occupancy over time.
+- ``memory.png``: KV blocks per tier (device, host, spill RAM and disk) with the device and
+  host capacities, over time.
 - ``throughput.png``: output tokens per second per tenant, per window.
 """
 
@@ -59,26 +60,53 @@ def plot_ttft_cdf(records: Sequence[Record], tenants: Sequence[TenantProfile], p
     return _save(figure, path)
 
 
-def plot_memory(timeseries: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Device/host bytes (top) and device-tier occupancy fractions (bottom) over time."""
+def _series(ax: Any, good: Sequence[Mapping[str, Any]], key: str, label: str, **style: Any) -> None:
+    """Plot ``key`` of the samples that have it (a sample without it is not a zero)."""
+    points = [(s["t_s"], s[key]) for s in good if key in s]
+    if points:
+        ax.plot(*zip(*points), label=label, **style)
+
+
+def plot_memory(
+    timeseries: Sequence[Mapping[str, Any]], path: Path, span_s: tuple[float, float] | None = None
+) -> Path:
+    """Save :func:`memory_figure` to ``path``."""
+    return _save(memory_figure(timeseries, span_s), path)
+
+
+def memory_figure(
+    timeseries: Sequence[Mapping[str, Any]], span_s: tuple[float, float] | None = None
+) -> Figure:
+    """KV blocks per tier over time, each tier with its capacity (dashed), over ``span_s``.
+
+    Top: the device tier's blocks in use and cached (free but reusable) against its pool.
+    Bottom: the host tier's blocks against its slots, and the spill tier's blocks in RAM and
+    on disk (block copies the global index holds; the spill budgets are bytes in the
+    service config, not sampled). Blocks are one size in every tier, so the panels compare.
+    Samples outside ``span_s`` (the report's time base) are left out.
+    """
     good = [s for s in timeseries if "error" not in s]
-    figure = Figure(figsize=(7, 5.5))
+    if span_s is not None:
+        good = [s for s in good if span_s[0] <= s["t_s"] <= span_s[1]]
+    figure = Figure(figsize=(7, 6))
     top, bottom = figure.add_subplot(2, 1, 1), figure.add_subplot(2, 1, 2, sharex=None)
-    t = [s["t_s"] for s in good]
-    for key, label in (("device_bytes_used", "device tier"), ("host_bytes_used", "host tier")):
-        if any(key in s for s in good):
-            top.plot(t, [s.get(key, 0.0) / 2**20 for s in good], label=label)
-    top.set_ylabel("MiB")
-    top.set_title("KV bytes per tier over time")
-    for key, label in (("device_used_fraction", "in use"), ("device_cached_fraction", "cached")):
-        if any(key in s for s in good):
-            bottom.plot(t, [s.get(key, 0.0) for s in good], label=label)
-    bottom.set_ylabel("fraction of device blocks")
-    bottom.set_xlabel("time since start (s)")
-    bottom.set_ylim(0.0, 1.05)
+    _series(top, good, "used_blocks", "device: in use", color="C0")
+    _series(top, good, "cached_blocks", "device: cached", color="C1")
+    _series(top, good, "num_blocks", "device capacity", color="C0", linestyle="--", linewidth=0.8)
+    top.set_title("KV blocks per tier (dashed: capacity)")
+    top.set_ylabel("device blocks")
+    _series(bottom, good, "host_blocks", "host", color="C2")
+    _series(bottom, good, "host_capacity_blocks", "host capacity", color="C2", linestyle="--", linewidth=0.8)
+    _series(bottom, good, "spill_ram_blocks", "spill: RAM", color="C3")
+    _series(bottom, good, "spill_disk_blocks", "spill: disk", color="C4")
+    bottom.set_ylabel("host / spill blocks")
+    bottom.set_xlabel("time since the run started (s)")
     for ax in (top, bottom):
+        ax.set_ylim(bottom=0)
+        if span_s is not None:
+            ax.set_xlim(*span_s)
         _legend_or_note(ax, "upper left", "no stats samples")
-    return _save(figure, path)
+    return figure
 
 
 def throughput_series(
@@ -93,17 +121,29 @@ def throughput_series(
 
 
 def plot_throughput(
-    records: Sequence[Record], tenants: Sequence[TenantProfile], path: Path, window_s: float = 5.0
+    records: Sequence[Record], tenants: Sequence[TenantProfile], path: Path, window_s: float = 5.0,
+    span_s: tuple[float, float] | None = None,
 ) -> Path:
-    """Output tokens per second per tenant over time."""
+    """Save :func:`throughput_figure` to ``path``."""
+    return _save(throughput_figure(records, tenants, window_s, span_s), path)
+
+
+def throughput_figure(
+    records: Sequence[Record], tenants: Sequence[TenantProfile], window_s: float = 5.0,
+    span_s: tuple[float, float] | None = None,
+) -> Figure:
+    """Output tokens per second per tenant over time; the axis covers ``span_s`` when given
+    (the report's time base: first call's start to last call's end)."""
     horizon_s = max((r["end_s"] for r in records), default=window_s)
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()
     for i, tenant in enumerate(tenants):
         series = throughput_series(records, tenant.name, window_s, horizon_s)
         ax.plot(np.arange(len(series)) * window_s, series, color=f"C{i}", label=tenant.name)
-    ax.set_xlabel(f"time since start (s), {window_s:g} s windows")
+    ax.set_xlabel(f"time since the run started (s), {window_s:g} s windows")
+    if span_s is not None:
+        ax.set_xlim(*span_s)
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput per tenant")
     _legend_or_note(ax, "upper right", "no calls")
-    return _save(figure, path)
+    return figure

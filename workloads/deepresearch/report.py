@@ -67,6 +67,8 @@ def write_report(
     run_info: Mapping[str, Any] | None = None,
     window_s: float = 1.0,
     now: datetime | None = None,
+    scheduler: str = "",
+    policy: str = "",
 ) -> tuple[Path, dict[str, Any]]:
     """Write the report folder and return ``(run_dir, report)``.
 
@@ -78,6 +80,8 @@ def write_report(
             (trace: :attr:`RunResult.trace` rows, see :mod:`workloads.deepresearch.trace`).
         window_s: floor-attainment window.
         now: the folder's timestamp (default: local time now).
+        scheduler / policy: the gateway's scheduler and the tenants' KV policy ("" = not
+            known / each node's default); at the top of report.md and in ``run.json``.
     """
     root = Path(root)
     run_dir = _new_run_dir(root, now or datetime.now())
@@ -89,18 +93,22 @@ def write_report(
         load_jsonl(run_dir / "timeseries.jsonl"),
         tenants,
         window_s=window_s,
+        scheduler=scheduler,
+        policy=policy,
     )
+    span_s = (report["start_s"], report["end_s"]) if report["span_s"] > 0 else None  # the one time base
     (run_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     plots = (
         plot_ttft_cdf(records, tenants, run_dir / "ttft_cdf.png"),
-        plot_memory(timeseries, run_dir / "memory.png"),
-        plot_throughput(records, tenants, run_dir / "throughput.png"),
+        plot_memory(timeseries, run_dir / "memory.png", span_s),
+        plot_throughput(records, tenants, run_dir / "throughput.png", span_s=span_s),
     )
     markdown = report_markdown(report, tuple(p.name for p in plots))
     (run_dir / "report.md").write_text(markdown, encoding="utf-8")
     if trace is not None:
         write_trace(trace, run_dir / "trace.jsonl")
-    info: dict[str, Any] = {"tenants": [dataclasses.asdict(t) for t in tenants]}
+    info: dict[str, Any] = {"tenants": [dataclasses.asdict(t) for t in tenants], "scheduler": scheduler,
+                            "policy": policy, "window_s": window_s}
     if config is not None:
         info["config"] = dataclasses.asdict(config)
     info.update(run_info or {})

@@ -1,4 +1,8 @@
-"""Human-readable views of a report dict: a Markdown page and a rich console table."""
+"""Human-readable views of a report dict: a Markdown page and a rich console table.
+
+Percentages are floored, never rounded up (99.7% shows as 99%, so a figure short of a
+target never reads as meeting it); every time is seconds since the run started.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from workloads.deepresearch.client import TIERS
+from workloads.deepresearch.findings import pct, what_to_look_at
 
 COLUMNS = (
     "tenant", "class", "ok/sent", "TTFT p50/95/99 ms", "TPOT p50", "SLO", "floor",
@@ -21,10 +26,6 @@ COLUMNS_NOTE = (
 )
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.0f}%"
-
-
 def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -35,16 +36,16 @@ def _row(name: str, g: Mapping[str, Any]) -> list[str]:
     if hit["spill_ram"] is not None:
         spill = hit["spill_ram"] + hit["spill_disk"]
     return [
-        name + (" (noisy)" if g.get("noisy") else ""),
+        name,
         g.get("slo_class", ""),
         f"{g['ok']}/{g['sent']}",
         "/".join(_num(ttft[p]) for p in ("p50", "p95", "p99")),
         _num(g["tpot_ms"]["p50"], 1),
-        _pct(g["ttft_slo_attainment"]),
-        _pct(g["floor"]["attainment"]),
+        pct(g["ttft_slo_attainment"]),
+        pct(g["floor"]["attainment"]),
         _num(g["output_tokens_per_s"], 2),
-        _pct(g["accuracy"]["accuracy"]),
-        "/".join(_pct(v) for v in (hit["device"], hit["host"], spill)),
+        pct(g["accuracy"]["accuracy"]),
+        "/".join(pct(v) for v in (hit["device"], hit["host"], spill)),
         str(g["rejections"]),
         str(sum(g["failures_by_status"].values())),
         str(g["preemptions"]),
@@ -75,37 +76,68 @@ def _concurrency(report: Mapping[str, Any]) -> str:
     )
 
 
+SETUP_COLUMNS = ("tenant", "class", "TTFT target", "TPOT target", "floor", "weight", "sessions/s")
+
+
+def setup_line(report: Mapping[str, Any]) -> str:
+    """``Scheduler: kvstrata. KV policy: ...`` as ``run.json`` stated them."""
+    scheduler = report.get("scheduler") or "not reported"
+    policy = report.get("policy") or "each node's default (no per-tenant policy)"
+    return f"Scheduler: {scheduler}. KV policy: {policy}."
+
+
+def setup_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    """Each tenant's promises and offered load, in ``SETUP_COLUMNS`` order; a noisy
+    neighbour's rate says how many times the others' lowest rate it offers."""
+    tenants = report["tenants"]
+    quiet = [g["sessions_per_s"] for g in tenants.values() if not g.get("noisy") and g.get("sessions_per_s")]
+    out = []
+    for name, g in tenants.items():
+        rate = f"{g['sessions_per_s']:.3g}" if g.get("sessions_per_s") is not None else "-"
+        if g.get("noisy") and quiet:
+            rate += f" ({g['sessions_per_s'] / min(quiet):.1f}x the others': noisy neighbour)"
+        out.append([name, g["slo_class"], f"{g['ttft_slo_ms']:g} ms", f"{g['tpot_slo_ms']:g} ms",
+                    f"{g['min_tokens_per_s']:g} tok/s", _num(g.get("weight"), 1), rate])
+    return out
+
+
+def time_line(report: Mapping[str, Any]) -> str:
+    """The run's one time base, as the text and every plot use it."""
+    return (
+        f"Times are seconds since the run started. Calls ran from {report['start_s']:.1f} s to "
+        f"{report['end_s']:.1f} s (span {report['span_s']:.1f} s); each plot's time axis covers "
+        f"exactly this interval. Floor windows of {report['window_s']:g} s; "
+        f"{report['timeseries']['samples']} stats samples ({report['timeseries']['errors']} failed)."
+    )
+
+
+def _table(columns: tuple[str, ...], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(row) + " |" for row in body)]
+
+
 def report_markdown(report: Mapping[str, Any], plots: tuple[str, ...] = ()) -> str:
-    """The ``report.md`` page: summary table, definitions pointer, plots."""
-    lines = [
-        "# DeepResearch workload report",
-        "",
-        (
-            f"Run span {report['span_s']:.1f} s; floor windows of {report['window_s']:g} s; "
-            f"{report['timeseries']['samples']} stats samples "
-            f"({report['timeseries']['errors']} failed). {_concurrency(report)}"
-        ),
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in rows(report)]
-    lines += ["", "Failures by status:", ""]
+    """The ``report.md`` page: scheduler, policy and each tenant's targets and floors; the time
+    base; what to look at; the per-tenant results; definitions; plots."""
+    lines = ["# DeepResearch workload report", "", setup_line(report), "",
+             *_table(SETUP_COLUMNS, setup_rows(report)), "", time_line(report), "",
+             "## What to look at", "", *what_to_look_at(report), "", "## Results per tenant", "",
+             *_table(COLUMNS, rows(report)), "", _concurrency(report), "", "Failures by status:", ""]
     lines += [f"- {line}" for line in failure_lines(report)] or ["- none"]
     overall = report["overall"]["cache_hit_rate"]
     lines += [
         "",
         "Cache hit rate per tier (overall): "
-        + ", ".join(f"{tier} {_pct(overall[tier])}" for tier in (*TIERS, "total"))
+        + ", ".join(f"{tier} {pct(overall[tier])}" for tier in (*TIERS, "total"))
         + ".",
         "",
-        f"Columns: {COLUMNS_NOTE}",
+        f"Columns: {COLUMNS_NOTE} Percentages are floored (99.7% shows as 99%).",
         "",
         (
             "Definitions: see `workloads/deepresearch/metrics.py` and `floor.py`. "
             "TTFT SLO = ok calls with TTFT <= the tenant's target; floor = backlogged "
-            "windows whose output-token rate reached the tenant's floor; SKIPPED = "
-            "planned calls not sent because an earlier call of the agent failed."
+            "windows whose token rate (uncached prefill + output) reached the tenant's floor; "
+            "SKIPPED = planned calls not sent because an earlier call of the agent failed."
         ),
         "",
     ]
@@ -114,15 +146,25 @@ def report_markdown(report: Mapping[str, Any], plots: tuple[str, ...] = ()) -> s
 
 
 def print_summary(report: Mapping[str, Any], console: Console | None = None) -> None:
-    """Print the summary table with rich."""
+    """Print the setup, the summary table and what to look at with rich."""
+    console = console or Console()
+    console.print(setup_line(report))
+    setup = Table(title="Tenants: targets and offered load", show_lines=False)
+    for column in SETUP_COLUMNS:
+        setup.add_column(column, overflow="fold")
+    for row in setup_rows(report):
+        setup.add_row(*row)
+    console.print(setup)
     table = Table(title="DeepResearch workload", show_lines=False)
     for column in COLUMNS:
         table.add_column(column, overflow="fold")
     for row in rows(report):
         table.add_row(*row, style="bold" if row[0] == "overall" else None)
-    console = console or Console()
     console.print(table)
     console.print(COLUMNS_NOTE, style="dim")
     console.print(_concurrency(report))
     for line in failure_lines(report):
         console.print(f"failures {line}")
+    console.print(time_line(report), style="dim")
+    for line in what_to_look_at(report):
+        console.print(line)
