@@ -238,3 +238,29 @@ def test_soak_300_requests_on_cuda_ends_with_every_block_free(tmp_path: Path) ->
     stats = eng.stats()
     assert stats["demoted_blocks"] > 0 and stats["promoted_host_blocks"] > 0
     eng.check_integrity()
+
+
+def test_promotion_pairs_ascending_slots_with_ascending_block_ids(tiny) -> None:
+    """Regression: promoted blocks came from the free queue in whatever order it held them
+    (often descending ids), so consecutive host slots met non-consecutive device ids and every
+    block became its own copy (2 * num_layers tiny copies each on CUDA). They are now paired
+    in order, and a restored prefix comes back as one run."""
+    from cache_node.tiers.runs import runs
+
+    eng = engine_on(tiny, "cpu", pool_blocks=64, host_blocks=32)
+    p = prompt_of(200)
+    eng.generate([p], SamplingParams(max_tokens=1))
+    seq, _ = block_ids_of(eng, p)
+    eng.demote_all()
+    eng.wait_for_transfers()
+    hashes = eng.tiers.kv.block_hashes(seq, (len(p) - 1) // 16)
+    slots = [eng.tiers.host.entries[h].slot for h in hashes]
+    pool = eng.kv_manager.pool
+    with eng._lock:
+        taken = pool.allocate(pool.num_free_blocks())
+        assert taken is not None
+        pool.free(sorted(taken, key=lambda b: -b.block_id))  # free queue: descending ids
+        restored = [b.block_id for b in eng.tiers.promote(seq, [])]
+    assert len(runs(slots, restored)) == len(runs(slots, sorted(restored)))
+    assert sorted(zip(slots, restored)) == list(zip(sorted(slots), sorted(restored)))
+    eng.check_integrity()

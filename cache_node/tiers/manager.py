@@ -88,6 +88,17 @@ class TierConfig:
             raise ValueError("prefetch_wait_s must be >= 0")
 
 
+def _paired_in_order(blocks: list[KVBlock], slots: Seq[int]) -> list[KVBlock]:
+    """``blocks`` reassigned so that ascending block ids go with ascending ``slots`` (the i-th
+    result holds ``slots[i]``'s block): any fresh block can take any hash, and pairing them in
+    order turns consecutive slots and ids into one copy per run instead of one per block."""
+    out: list[KVBlock] = [blocks[0]] * len(blocks)
+    by_id = sorted(blocks, key=lambda b: b.block_id)
+    for block, i in zip(by_id, sorted(range(len(slots)), key=slots.__getitem__)):
+        out[i] = block
+    return out
+
+
 class TierManager:
     """Moves blocks between the device pool, the host tier and a spill client.
 
@@ -155,7 +166,7 @@ class TierManager:
         done = self.copier.release_done(wait)
         if done:
             self.blocks.free(done)
-            self.blocks.uncache(done)
+            self.blocks.uncache(reversed(done))  # back at the head, in their order
         return len(done)
 
     def reserve_host(self, n: int) -> list[int] | None:
@@ -262,6 +273,7 @@ class TierManager:
         if new is None:
             self.host.untake(hashes, entries)
             return None
+        new = _paired_in_order(new, [e.slot for e in entries])
         self.copier.promote(self.pool.blocks_view(), [b.block_id for b in new], self.host.data,
                             [e.slot for e in entries])
         self.host.release(entries)
@@ -281,7 +293,7 @@ class TierManager:
         hashes = self.kv.block_hashes(seq, start + len(tiers))
         todo = [i for i in range(len(tiers)) if hashes[start + i] not in self.blocks.cached]
         todo = todo[: self.blocks.num_free_blocks()]
-        new = self.blocks.allocate(len(todo)) or []
+        new = sorted(self.blocks.allocate(len(todo)) or [], key=lambda b: b.block_id)  # runs with the rows
         picked = rows if len(todo) == len(tiers) else rows[todo]
         self.copier.install(self.pool.blocks_view(), [b.block_id for b in new], picked[: len(new)])
         namespace = seq.extra_keys[0] if seq.extra_keys else ""
