@@ -22,7 +22,7 @@ CONFIG = WorkloadConfig(
 )  # fmt: skip
 
 
-def _job(api_key: str, root: Path) -> tuple[JobOutcome, StandIn]:
+def _job(api_key: str, root: Path, replay: Path | None = None) -> tuple[JobOutcome, StandIn]:
     async def main() -> tuple[JobOutcome, StandIn]:
         server = grpc.aio.server()
         servicer = StandIn()
@@ -33,7 +33,7 @@ def _job(api_key: str, root: Path) -> tuple[JobOutcome, StandIn]:
             outcome = await run_deepresearch_grpc(
                 CONFIG, f"127.0.0.1:{port}", {"t": api_key}, timeout_s=10.0, root=root,
                 options=RunOptions(time_scale=0.0, show_progress=False),
-                console=Console(file=io.StringIO(), width=200),
+                console=Console(file=io.StringIO(), width=200), replay=replay,
             )  # fmt: skip
         finally:
             await server.stop(None)
@@ -65,3 +65,17 @@ def test_a_run_with_no_successful_call_exits_non_zero(tmp_path: Path) -> None:
     assert overall["failures_by_status"]["UNAUTHENTICATED"] == 1  # the lead's plan
     assert overall["failures_by_status"]["SKIPPED"] == overall["calls"] - 1
     assert len(servicer.requests) == 1
+
+
+def _sent(servicer: StandIn) -> list[tuple[str, str, str]]:
+    return sorted((r.request_id, r.session_id, str(r.chat)) for r in servicer.requests)
+
+
+def test_a_replay_of_the_run_trace_sends_the_same_requests(tmp_path: Path) -> None:
+    outcome, servicer = _job("good", tmp_path / "first")
+    replayed, again = _job("good", tmp_path / "again", replay=outcome.run_dir / "trace.jsonl")
+    assert replayed.exit_code == 0 and _sent(again) == _sent(servicer)
+    assert json.loads((replayed.run_dir / "run.json").read_text())["replay"].endswith("trace.jsonl")
+    first = (outcome.run_dir / "trace.jsonl").read_text().splitlines()
+    second = (replayed.run_dir / "trace.jsonl").read_text().splitlines()
+    assert [json.loads(a)["messages"] for a in first] == [json.loads(b)["messages"] for b in second]
