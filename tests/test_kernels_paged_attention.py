@@ -104,6 +104,16 @@ def test_bf16_within_stated_tolerance(num_kv_splits: int) -> None:
     _check(mixed, pa.paged_attention(*mixed.args()), atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_head_dim_not_a_power_of_two(dtype: torch.dtype) -> None:
+    """head_dim 80 is padded to 128 inside the kernels and masked on every load and store."""
+    atol, rtol = (FP32_ATOL, 0.0) if dtype == torch.float32 else (5e-3, 5e-3)
+    for specs, splits in ((MIXED, None), ([(200, 1), (3, 1)], 3)):
+        batch = make_batch(specs, num_heads=4, num_kv_heads=2, head_dim=80, block_size=16,
+                           dtype=dtype, device=DEVICE, seed=8)
+        _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=splits), atol, rtol)
+
+
 @st.composite
 def _batches(draw):
     num_seqs = draw(st.integers(1, 4))
