@@ -20,6 +20,7 @@ from workloads.deepresearch.plan import (
     SubagentTask,
     WorkloadPlan,
 )
+from workloads.deepresearch.records import agent_counts
 from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
 from workloads.deepresearch.trace import load_replay, write_trace
 
@@ -153,6 +154,10 @@ def test_an_unusable_plan_and_query_fall_back_and_say_so() -> None:
     search2 = by_id["t-0000/sub2#0"]["decision"]
     assert search2["model_query"] == "" and search2["query_fallback"] is True
     assert search2["query"] == prompts.fallback_question("Berlin")
+    assert agent_counts(list(by_id.values())) == {
+        "plans": 1, "plan_fallbacks": 1, "searches": 2, "query_fallbacks": 1, "answers": 2,
+        "found_target": 0,
+    }  # fmt: skip
 
 
 def test_a_replayed_trace_sends_the_same_messages_whatever_the_model_says(tmp_path: Path) -> None:
@@ -169,6 +174,7 @@ def test_a_replayed_trace_sends_the_same_messages_whatever_the_model_says(tmp_pa
     assert _sent(second, "t-0000/lead#1") == _sent(first, "t-0000/lead#1")
     assert [r["call_id"] for r in again.trace] == [r["call_id"] for r in recorded.trace]
     assert {r["decision"]["replayed"] for r in again.records} == {True}
+    assert set(agent_counts(again.records).values()) == {0}  # a replay decides nothing
 
 
 def test_a_failed_call_skips_the_rest_of_its_agent_and_is_recorded() -> None:

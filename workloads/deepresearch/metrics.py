@@ -22,6 +22,10 @@ Per group (each tenant, and ``overall``):
   ``session_id``) is active from its first sent call's ``start_s`` to its last
   sent call's ``end_s`` (tool pauses between its calls included).
 - ``max_inflight_calls``: most sent calls between ``start_s`` and ``end_s`` at one instant.
+
+For the whole run, ``agents`` counts the agents' decisions
+(:func:`workloads.deepresearch.records.agent_counts`): plans and plan fallbacks, searches and
+query fallbacks, answers and how many came from agents whose search found their target.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 from workloads.deepresearch.client import OK, TIERS
 from workloads.deepresearch.config import TenantProfile
 from workloads.deepresearch.floor import floor_windows
-from workloads.deepresearch.records import SKIPPED
+from workloads.deepresearch.records import SKIPPED, agent_counts
 
 REPORT_SCHEMA = 2  # 2: scheduler, policy, start_s, end_s; tenants' weight and sessions_per_s
 PERCENTILES = (50, 95, 99)
@@ -197,6 +201,7 @@ def compute_report(
         "tenants": per_tenant,
         "overall": _group(records, slo, span_s, (total_floor[0], total_floor[1])),
         "timeseries": _timeseries_summary(timeseries),
+        "agents": agent_counts(records),
     }
 
 
