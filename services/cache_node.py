@@ -39,6 +39,7 @@ from cache_node.scheduling import TenantShare
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
+from services.actor_refs import resolve
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
 from services.cache_node_health import Health
@@ -285,6 +286,8 @@ class CacheNodeActor(CacheNode):
         spill_nodes: list[Any] | None = None, spill_spec: SpillBlockSpec | None = None,
         security: Security | None = None,
     ) -> None:
+        scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
+        spill_nodes = [resolve(node) for node in spill_nodes or []]
         sink = _event_sink(scheduler) if scheduler else None
         spill = None
         if spill_nodes and spill_spec is not None:

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from cache_node.model_loader import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
+from services.actor_refs import resolve
 from services.auth import Authenticator
 from services.chat import ChatTemplater
 from services.data_plane_auth import Security
@@ -130,6 +131,9 @@ class RayGateway(Gateway):
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None) -> None:
         super().__init__(scheduler, nodes, model_path, security)
+        # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
+        self.scheduler = resolve(self.scheduler)
+        self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}
         context = ray.get_runtime_context()
         self.gateway_id = context.get_actor_id()
         self.restarted: asyncio.Task[int] | None = None

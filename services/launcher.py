@@ -17,6 +17,7 @@ from cache_node.kv_pool import kv_format_name
 from cache_node.model_loader import resolve_model_dir
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
 from cache_node.tiers.spill_format import BlockFormat
+from services.actor_refs import ActorRef
 from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
@@ -98,15 +99,19 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
              security=keys.security("scheduler", host))
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     spec = spill_block_spec(config)
-    spill_nodes = _start_spill_nodes(config, spec, scheduler)
+    spill_nodes = _start_spill_nodes(config, spec)
+    # peers by name, not by handle: the restartable actors look them up themselves on each
+    # (re)start (services.actor_refs: a handle in their arguments made Ray log an error)
+    scheduler_ref = ActorRef(SCHEDULER_NAME, config.namespace)
+    spill_refs = [ActorRef(f"spill_node_{i}", config.namespace) for i in range(len(spill_nodes))]
     nodes = {
         nid: CacheNodeRemote.options(
             name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
             max_restarts=config.cache_node_max_restarts,  # a failed or killed node comes back
             resources={config.cache_node_resource: 1}, num_gpus=1 if node.device == "cuda" else 0, **life,
             runtime_env={"env_vars": dict(config.node.env_vars)},
-        ).remote(nid, config.node, threads, scheduler, config.session_ttl_s, config.scheduler,
-                 spill_nodes, spec if spill_nodes else None, keys.security("node", host))
+        ).remote(nid, config.node, threads, scheduler_ref, config.session_ttl_s, config.scheduler,
+                 spill_refs, spec if spill_nodes else None, keys.security("node", host))
         for nid in node_ids
     }
     # wait until models are loaded
@@ -119,7 +124,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
         max_restarts=config.gateway_max_restarts,  # serves again on its port (RayGateway)
     ).remote(
-        scheduler, nodes, config.node.model_path, keys.security("gateway", host)
+        scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host)
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys)
@@ -165,16 +170,18 @@ def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:
     return SpillBlockSpec(shape, numpy_dtype_of(dtype).name, kv_format)
 
 
-def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, scheduler: Any) -> list[Any]:
+def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]:
     """Spill node actors (``spill_node`` resource), each with its own directory, reporting
-    their block events to ``scheduler``'s index under their names (``spill_node_<i>``)."""
+    their block events to the GlobalScheduler's index (``SCHEDULER_NAME``, looked up by the
+    node) under their names (``spill_node_<i>``)."""
     root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
     handles = [
         create_spill_node(
             f"spill_node_{i}", root / str(i), BlockFormat(spec.shape, spec.dtype, spec.kv_format),
             config.spill_ram_bytes, config.spill_disk_bytes,
             resources={config.spill_node_resource: 1},
-            lifetime="detached" if config.detached else None, scheduler=scheduler,
+            lifetime="detached" if config.detached else None,
+            scheduler=ActorRef(SCHEDULER_NAME, config.namespace),
             namespace=config.namespace,
         )
         for i in range(config.num_spill_nodes)

@@ -30,6 +30,7 @@ from ray.actor import ActorHandle
 
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
+from services.actor_refs import ActorRef, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,12 @@ class ReportToScheduler:
     A failed submission is logged and dropped: the index is a hint, never worth a failed put.
     """
 
-    def __init__(self, scheduler: ActorHandle) -> None:
-        self.scheduler = scheduler
+    def __init__(self, scheduler: ActorHandle | ActorRef) -> None:
+        self.scheduler = scheduler  # an ActorRef is looked up at the first call
 
     def __call__(self, node_id: str, events: list[tuple[str, bytes, str]], reset: bool) -> None:
         try:
+            self.scheduler = resolve(self.scheduler)
             self.scheduler.report_events.remote(node_id, events, reset)
         except Exception as exc:  # noqa: BLE001 - a dead scheduler must not fail the store
             logger.warning("spill node %s: %d block events not reported: %s", node_id, len(events), exc)
@@ -150,7 +152,7 @@ def create_spill_node(
     max_task_retries: int = 3,
     num_cpus: float = 0,
     lifetime: str | None = None,
-    scheduler: ActorHandle | None = None,
+    scheduler: ActorHandle | ActorRef | None = None,
     namespace: str | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
@@ -170,7 +172,9 @@ def create_spill_node(
         namespace: Ray namespace of the name (None: the driver's); two deployments on one
             cluster keep their spill nodes apart by namespace, as their other actors.
         scheduler: the GlobalScheduler actor whose block index receives this node's events
-            (holder id ``name``); None keeps them for ``take_events``.
+            (holder id ``name``); None keeps them for ``take_events``. Pass an ``ActorRef``
+            (``services.actor_refs``): a handle in a restartable actor's arguments makes Ray
+            log an error.
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.

@@ -1,0 +1,43 @@
+"""Peers of a restartable actor passed by name, not by handle.
+
+Ray counts an actor handle inside an actor's constructor arguments as an object-store
+reference owned by the creating driver; for an actor with ``max_restarts != 0`` it then logs,
+at error level, once per driver (``core_worker.cc``): "Actor ... has constructor arguments in
+the object store and max_restarts > 0. If the arguments in the object store go out of scope
+or are lost, the actor restart will fail" (ray-project/ray#53727). Every ``make demo`` printed
+it for the SpillNode, the first restartable actor the launcher creates with a handle (the
+GlobalScheduler's, for its block events).
+
+An :class:`ActorRef` (name and namespace) keeps the constructor arguments plain values: the
+actor looks its peers up itself (``ray.get_actor``), on its first start and on each restart,
+so a restart never depends on references the creating driver owned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+
+@dataclass(frozen=True)
+class ActorRef:
+    """A named actor: ``name`` in Ray namespace ``namespace``."""
+
+    name: str
+    namespace: str
+
+    def resolve(self) -> Any:
+        """The actor's handle.
+
+        Raises:
+            ValueError: no live actor of that name in that namespace (Ray's error).
+        """
+        return ray.get_actor(self.name, namespace=self.namespace)
+
+
+def resolve(peer: Any) -> Any:
+    """``peer`` looked up when it is an :class:`ActorRef`, else ``peer`` itself (a handle, or
+    None)."""
+    return peer.resolve() if isinstance(peer, ActorRef) else peer
