@@ -264,3 +264,22 @@ def test_a_client_that_raises_is_recorded_as_a_failure_not_a_crash() -> None:
     assert by_id["t-0000/sub1#0"]["error"] == "client raised RuntimeError: socket closed"
     assert by_id["t-0000/sub1#1"]["status"] == "SKIPPED"
     assert by_id["t-0000/lead#1"]["status"] == "ok"
+
+
+def test_a_malformed_trace_is_refused_naming_the_line(tmp_path: Path) -> None:
+    recorded = _run(FakeClient(REPLIES))
+    path = tmp_path / "trace.jsonl"
+    write_trace(recorded.trace, path)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match=r"trace.jsonl:3: not JSON"):
+        load_replay(path)
+    path.write_text("\n".join(lines[1:]) + "\n")  # no lead plan
+    with pytest.raises(ValueError, match=r"trace.jsonl:1: session t-0000 needs one lead whose first"):
+        load_replay(path)
+    path.write_text(lines[0].replace('"messages"', '"msgs"') + "\n")
+    with pytest.raises(ValueError, match=r"trace.jsonl:1: trace row lacks \['messages'\]"):
+        load_replay(path)
+    path.write_text("")
+    with pytest.raises(ValueError, match="the trace has no calls"):
+        load_replay(path)
