@@ -283,3 +283,15 @@ def test_a_malformed_trace_is_refused_naming_the_line(tmp_path: Path) -> None:
     path.write_text("")
     with pytest.raises(ValueError, match="the trace has no calls"):
         load_replay(path)
+
+
+def test_the_same_replies_give_the_same_trace() -> None:
+    """Deterministic under the seed given the model's outputs: no other input to a decision."""
+    first, second = _run(FakeClient(REPLIES)).trace, _run(FakeClient(REPLIES)).trace
+    assert first == second
+    with pytest.raises(ValueError, match="sub-agent sub1 has no task"):
+        plan = _plan()
+        session = plan.sessions[0]
+        bare = ResearchSession("t-0000", "t", 0.0, session.lead,
+                               (AgentScript("t-0000/sub1", "sub1", session.subagents[0].calls),))
+        _run(FakeClient(REPLIES), WorkloadPlan(0, 1.0, (bare,)))

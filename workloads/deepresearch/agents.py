@@ -23,7 +23,13 @@ from typing import Any, Protocol
 from workloads.corpus import SearchHit, articles_by_title, search
 from workloads.deepresearch import prompts
 from workloads.deepresearch.parsing import clean_query, names_title, parse_plan
-from workloads.deepresearch.plan import AgentScript, PlannedCall, ResearchSession, WorkloadPlan
+from workloads.deepresearch.plan import (
+    AgentScript,
+    PlannedCall,
+    ResearchSession,
+    SubagentTask,
+    WorkloadPlan,
+)
 from workloads.text import first_words, truncate_to_sentences
 
 
@@ -60,6 +66,7 @@ class _Sub:
     """One sub-agent's state."""
 
     script: AgentScript
+    task: SubagentTask
     question: str = ""
     question_source: str = ""
     query: str = ""
@@ -84,10 +91,12 @@ class ResearchAgents:
     """
 
     def __init__(self, session: ResearchSession, plan: WorkloadPlan, findings_words: int) -> None:
-        if any(s.task is None for s in session.subagents):
-            raise ValueError(f"session {session.research_id}: every sub-agent needs a task")
         self.session, self.plan, self.findings_words = session, plan, findings_words
-        self.subs = {s.session_id: _Sub(s) for s in session.subagents}
+        self.subs: dict[str, _Sub] = {}
+        for script in session.subagents:
+            if script.task is None:
+                raise ValueError(f"session {session.research_id}: sub-agent {script.agent} has no task")
+            self.subs[script.session_id] = _Sub(script, script.task)
 
     def turn(self, call: PlannedCall) -> Turn:
         """The messages of ``call``, written from the session's state."""
@@ -101,10 +110,9 @@ class ResearchAgents:
                                              "question_source": sub.question_source})
         if call.kind == "read":
             return self._read_turn(sub)
-        task = sub.script.task
-        assert task is not None  # checked in __init__
-        user = {"role": "user", "content": prompts.answer_prompt(task.question)}
-        return Turn((user,), (), {"target": task.target, "found_target": task.target in sub.read})
+        user = {"role": "user", "content": prompts.answer_prompt(sub.task.question)}
+        target = sub.task.target
+        return Turn((user,), (), {"target": target, "found_target": target in sub.read})
 
     def observe(self, call: PlannedCall, ok: bool, text: str, status: str) -> dict[str, Any]:
         """Parse the plan, set a query and its hits, keep quotes and answers."""
@@ -135,20 +143,16 @@ class ResearchAgents:
     def _assign_questions(self, plan_text: str) -> dict[str, Any]:
         parsed = parse_plan(plan_text, len(self.subs))
         for k, sub in enumerate(self.subs.values()):
-            task = sub.script.task
-            assert task is not None
             sub.question, sub.question_source = (
-                (parsed[k], "plan") if k < len(parsed) else (task.fallback_question, "fallback")
+                (parsed[k], "plan") if k < len(parsed) else (sub.task.fallback_question, "fallback")
             )
         return {"sub_questions": [s.question for s in self.subs.values()],
                 "plan_items_parsed": len(parsed), "plan_fallback": len(parsed) < len(self.subs)}
 
     def _search(self, sub: _Sub, reply: str) -> dict[str, Any]:
         """Query BM25 with the model's query; fall back when it is empty or finds nothing."""
-        task = sub.script.task
-        assert task is not None
         model_query = clean_query(reply)
-        for query in (model_query, sub.question, task.fallback_question):
+        for query in (model_query, sub.question, sub.task.fallback_question):
             hits = search(query, k=self.plan.search_top_k) if query else []
             if hits:
                 break
