@@ -83,7 +83,7 @@ def chaos_config(state_dir: str, resource_prefix: str = "", **overrides: Any) ->
         max_num_batched_tokens=256, max_num_seqs=16, host_bytes=0, prefetch_wait_s=0.5, torch_threads=1,
     )
     cfg: dict[str, Any] = {
-        "num_cache_nodes": 2, "node": node, "gateway_port": 0, "state_dir": state_dir, "queue_limit": 64,
+        "num_cache_nodes": 2, "node": node, "gateway_port": 0, "http_port": 0, "state_dir": state_dir, "queue_limit": 64,
         "cache_node_resource": f"{resource_prefix}cache_node", "spill_node_resource": f"{resource_prefix}spill_node",
         "spill_ram_bytes": 0, "spill_disk_bytes": 64 << 20, "start_timeout_s": 300.0, "scheduler": "fcfs",
     }

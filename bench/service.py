@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             num_spill_nodes=0,
             node=cfg,
             scheduler="fcfs",  # the in-process peer's CacheNode default
-            gateway_port=0,
+            gateway_port=0, http_port=0,
             state_dir=tempfile.mkdtemp(prefix="kvstrata-bench-"),
         )
     )

@@ -118,7 +118,7 @@ def deploy(scheduler: str, node: NodeConfig) -> Services:
     if not ray.is_initialized():
         ray.init(address="local", namespace="kvstrata-bench-slo", include_dashboard=False,
                  log_to_driver=False, resources={"cache_node": 1, "spill_node": 1})
-    cfg = ServiceConfig(num_cache_nodes=1, node=node, gateway_port=0, scheduler=scheduler,
+    cfg = ServiceConfig(num_cache_nodes=1, node=node, gateway_port=0, http_port=0, scheduler=scheduler,
                         queue_limit=10_000, state_dir=tempfile.mkdtemp(prefix="kvstrata-slo-"))
     return start_services(cfg)
 

@@ -143,8 +143,11 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     (state.STATE_DIR / "gateway.json").write_text(json.dumps({
         "address": services.address, "ray_address": address, "started_ray": started_ray,
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
+        "http_address": services.http_address,
     }))
     console.print(f"gateway: [bold]{services.address}[/bold]")
+    if services.http_address:
+        console.print(f"OpenAI-compatible API: [bold]http://{services.http_address}/v1[/bold]")
     console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
 
 

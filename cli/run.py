@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+from enum import Enum
 
 import grpc
 import typer
 
 from cli.options import GatewayOpt, positive
 from cli.output import console, fail
-from cli.state import admin_metadata, gateway_address
+from cli.state import admin_metadata, gateway_address, openai_api_url
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
+
+
+class Api(str, Enum):
+    """The API a workload's calls go through."""
+
+    grpc = "grpc"
+    openai = "openai"
+
 
 run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
 
@@ -35,6 +44,11 @@ def run_deepresearch(
     replay: str = typer.Option("", "--replay", help="trace.jsonl of an earlier run (its report folder): send "
                                "its calls again with the recorded messages, arrivals and pauses, whatever the "
                                "model replies (for benchmarking)"),
+    api: Api = typer.Option(Api.grpc, "--api",
+                            help="the API the calls go through: kvstrata's gRPC, or the OpenAI-compatible HTTP "
+                            "API with the official openai client (async, streaming)"),
+    openai_url: str = typer.Option("", "--openai-url", help="with --api openai: the API root, "
+                                   "http://host:port/v1 (default: the one `kvstrata up` printed)"),
 ) -> None:
     """Run the DeepResearch multi-agent workload against a running gateway.
 
@@ -47,6 +61,7 @@ def run_deepresearch(
     from workloads.deepresearch.register import register_tenants
 
     address = gateway_address(gateway)
+    url = openai_api_url(openai_url) if api == Api.openai else ""
     if scheduler:
         with grpc.insecure_channel(address) as ch:
             try:
@@ -67,7 +82,7 @@ def run_deepresearch(
         async with grpc.aio.insecure_channel(address) as ch:
             keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
         out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
-                                          policy=policy, replay=replay or None)
+                                          policy=policy, replay=replay or None, openai_url=url)
         return out.exit_code
 
     raise typer.Exit(asyncio.run(go()))

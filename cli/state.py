@@ -31,6 +31,18 @@ def gateway_address(address: str | None) -> str:
     return addr
 
 
+def openai_api_url(url: str) -> str:
+    """``url``, else KVSTRATA_OPENAI_URL, else ``http://<the saved HTTP address>/v1``; exits 2
+    when there is none."""
+    saved = read_state().get("http_address")
+    url = url or os.environ.get("KVSTRATA_OPENAI_URL") or (f"http://{saved}/v1" if saved else "")
+    if not url:
+        console.print("[red]no OpenAI-compatible API address: pass --openai-url (http://host:port/v1) or "
+                      "`kvstrata up` with http_port set[/red]")
+        raise typer.Exit(2)
+    return url
+
+
 def admin_key_file() -> Path:
     return Path(read_state().get("state_dir", STATE_DIR)) / "admin_key"
 

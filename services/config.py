@@ -75,6 +75,9 @@ class ServiceConfig(BaseModel):
     node: NodeConfig = NodeConfig()
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(50051, ge=0, le=65535)
+    # The OpenAI-compatible HTTP API (services.openai_api) on gateway_host; 0 = a free port,
+    # None = off.
+    http_port: int | None = Field(8000, ge=0, le=65535)
     state_dir: str = "~/.kvstrata"
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)

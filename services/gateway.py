@@ -5,20 +5,27 @@ it scopes to their tenant.
 (``services.gateway_streams.NodeStreams``, ``services.data_plane``); ``CloseSession`` is a Ray
 actor call. Failures map to precise status codes for that call alone. The operator servicers
 are in ``services.gateway_admin``.
+
+Both APIs run one path: ``InferenceServicer.generate`` (authenticate -> policy check ->
+bound/convert -> admit -> stream events -> usage/cancel) and ``close_session``. gRPC calls them
+with its ``ServicerContext``; the OpenAI-compatible HTTP API (``services.openai_api``) with a
+context of the same shape whose ``abort`` raises, so every refusal keeps its gRPC status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from cache_node.hashing import hash_prompt_blocks
+from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
 from services.auth import Authenticator
@@ -49,6 +56,46 @@ def _check_policy(name: str) -> None:
     except ImportError as exc:
         raise ValueError(f"unknown KV policy {name!r}: this node has no policies") from exc
     get_policy_class(name)
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One generation request, whichever API it came through (values already parsed by that
+    API's edge; the gateway bounds them against the tenant and the model).
+
+    Attributes:
+        prompt: chat messages ``[{"role", "content"}]`` or prompt token ids.
+        policy: the KV policy override ("" = the tenant's policy).
+        cache_salt: partitions the tenant's prefix cache further ("" = none): requests share
+            cached blocks only with requests of the same tenant namespace and salt.
+        routing_key: a routing hint (OpenAI's ``prompt_cache_key``): requests with the same key
+            go to the same cache node while it has room ("" = none).
+        fill_context: no max_tokens was given: generate up to the context limit
+            (``sampling.max_tokens`` is then ignored).
+    """
+
+    prompt: list[dict[str, str]] | list[int]
+    sampling: SamplingParams
+    session_id: str = ""
+    request_id: str = ""
+    policy: str = ""
+    cache_salt: str = ""
+    routing_key: str = ""
+    fill_context: bool = False
+
+
+def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
+    """A ``GenerateRequest`` as a ``GenerateInput``. Raises ValueError naming the bad field."""
+    return GenerateInput(
+        prompt=convert.prompt_from_pb(request), sampling=convert.sampling_params_from_pb(request.sampling),
+        session_id=request.session_id, request_id=request.request_id, policy=convert.policy_from_pb(request.policy, ""),
+    )
+
+
+def salted_namespace(namespace: str, cache_salt: str) -> str:
+    """The cache namespace of a request with ``cache_salt`` (its tenant's namespace otherwise):
+    a salt cannot name another tenant's namespace, whose names hold no ``#``."""
+    return f"{namespace}#salt={cache_salt}" if cache_salt else namespace
 
 
 @dataclass
@@ -96,57 +143,71 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             security=security,
         )
 
-    async def _prepare(self, request: Any, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
+    async def _prepare(self, call: GenerateInput, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
         spec = tenant.spec
+        policy = call.policy or spec.policy
         try:
-            sampling = convert.sampling_params_from_pb(request.sampling)
-            prompt = convert.prompt_from_pb(request)
-            policy = convert.policy_from_pb(request.policy, spec.policy)
             _check_policy(policy)
         except (ValueError, KeyError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not spec.allows_policy(policy):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"KV policy {policy!r} is not allowed for "
                                 f"this tenant; allowed: {', '.join(spec.allowed_policies)}")
-        for name in ("request_id", "session_id"):
-            if len(getattr(request, name)) > MAX_ID_CHARS:
+        for name in ("request_id", "session_id", "cache_salt", "routing_key"):
+            if len(getattr(call, name)) > MAX_ID_CHARS:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
         messages: tuple[dict[str, str], ...] = ()
         tokens: tuple[int, ...] = ()
+        prompt, sampling = call.prompt, call.sampling
         if prompt and isinstance(prompt[0], dict):
             messages = tuple(prompt)
-            if not request.session_id and self.templater is not None:
+            if not call.session_id and self.templater is not None:
                 tokens, messages = tuple(self.templater.first_turn(prompt)), ()
         else:
             tokens = tuple(prompt)
         limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
+        if call.fill_context:
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, limit - len(tokens)))
         if len(tokens) + sampling.max_tokens > limit or len(tokens) >= self.info["pool_tokens"]:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"context limit ({limit} tokens) or the KV pool",
             )
+        namespace = salted_namespace(spec.cache_namespace, call.cache_salt)
         hashes = hash_prompt_blocks(
-            tokens, self.info["block_size"], (spec.cache_namespace, self.info["model_id"], self.info["kv_format"])
+            tokens, self.info["block_size"], (namespace, self.info["model_id"], self.info["kv_format"])
         ) if tokens else []
+        extra = {"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
+                 "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
+                 "kv_quota_bytes": str(spec.kv_quota_bytes)}
+        if call.routing_key:
+            extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         req = NodeRequest(
-            request_id=scoped_id(tenant.tenant_id, request.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
-            cache_namespace=spec.cache_namespace, sampling=sampling, messages=messages, token_ids=tokens,
-            session_id=scoped_id(tenant.tenant_id, request.session_id) if request.session_id else "",
-            policy=policy,
-            max_context_tokens=limit, arrival_time_s=time.monotonic(),
-            extra={"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
-                   "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
-                   "kv_quota_bytes": str(spec.kv_quota_bytes)},
+            request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
+            cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
+            session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
+            policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
         )
         return req, hashes
 
     async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """Stream one request's events. Its ``request_id`` (client-chosen, or minted here) and
-        ``session_id`` are the tenant's own: another tenant's equal ids name other requests and
-        sessions; a request id in flight already for this tenant is ALREADY_EXISTS."""
+        """Stream one request's events (``generate``)."""
+        async for event in self.generate(context, lambda: input_from_pb(request)):
+            yield convert.generate_event_to_pb(event)
+
+    async def generate(self, context: Any, parse: Callable[[], GenerateInput]) -> AsyncIterator[dict[str, Any]]:
+        """One request's node events (``services.node_request``), for either API: authenticate,
+        ``parse`` (ValueError -> INVALID_ARGUMENT), check and bound, admit, stream; a consumer
+        that stops early aborts it on its node. Refusals are ``context.abort`` with the gRPC
+        status (RESOURCE_EXHAUSTED sets a ``retry-after-ms`` trailer first). Request and session
+        ids are the tenant's own (``scoped_id``); one in flight already is ALREADY_EXISTS."""
         tenant = await self.auth.tenant(context)
-        req, hashes = await self._prepare(request, tenant, context)
+        try:
+            call = parse()
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        req, hashes = await self._prepare(call, tenant, context)
         client_id = req.request_id.split("/", 1)[1]
         try:
             queue = self.streams.open(req.request_id)
@@ -182,7 +243,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     usage = event
                 if event["type"] == "started":
                     event = {**event, "request_id": client_id}
-                yield convert.generate_event_to_pb(event)
+                yield event
         finally:
             self.streams.close(req.request_id)
             if not usage:  # interrupted: what it ran counts too, events already here included
@@ -205,14 +266,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.streams.abort(adm.node_id, request_id)
 
     async def CloseSession(self, request, context):
-        """Close the caller's session ``session_id`` (another tenant's equal id is another
-        session); NOT_FOUND when the caller has none by that id."""
-        tenant = await self.auth.tenant(context)
-        session_id = scoped_id(tenant.tenant_id, request.session_id)
-        node_id = await self.scheduler.close_session.remote(session_id, tenant.tenant_id)
-        freed = -1 if node_id is None else await self.nodes[node_id].close_session.remote(
-            session_id, tenant.tenant_id
-        )
-        if freed < 0:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r} for this tenant")
+        """Close the caller's session ``session_id`` (``close_session``)."""
+        freed = await self.close_session(context, request.session_id)
         return inference_pb2.CloseSessionResponse(freed_tokens=freed)
+
+    async def close_session(self, context: Any, session_id: str) -> int:
+        """Close the caller's session ``session_id`` (another tenant's equal id is another
+        session); returns the tokens freed. NOT_FOUND (``context.abort``) when the caller has
+        none by that id."""
+        tenant = await self.auth.tenant(context)
+        scoped = scoped_id(tenant.tenant_id, session_id)
+        node_id = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
+        freed = -1 if node_id is None else await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id)
+        if freed < 0:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} for this tenant")
+        return freed

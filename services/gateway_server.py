@@ -1,4 +1,5 @@
-"""The gRPC server and the Gateway Ray actor that hosts it."""
+"""The gRPC server, the OpenAI-compatible HTTP server beside it (``services.openai_api``), and
+the Gateway Ray actor that hosts both on one event loop."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_streams import NodeStreams
 from services.node_monitor import NodeMonitor
+from services.openai_api import HttpServer, OpenAIEdge, create_app
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +35,11 @@ async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
     security: Security | None = None,
-) -> tuple[grpc.aio.Server, int, HealthServicer, NodeStreams, NodeMonitor]:
+) -> tuple[grpc.aio.Server, int, HealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
-    nodes watched (on the running loop). Returns (server, bound port, health, the gateway's
-    data plane, the node monitor, which keeps ``health`` SERVING while a node is healthy and
-    NOT_SERVING while none is).
+    nodes watched (on the running loop). Returns (server, bound port, health, the inference
+    servicer, whose ``streams`` is the gateway's data plane, the node monitor, which keeps
+    ``health`` SERVING while a node is healthy and NOT_SERVING while none is).
 
     Args:
         node_info: node id -> ``CacheNode.describe()``.
@@ -63,7 +65,7 @@ async def create_server(
         inference.streams.shutdown()
         raise OSError(f"could not bind the gateway to {address}")
     monitor.start()
-    return server, port, health, inference.streams, monitor
+    return server, port, health, inference, monitor
 
 
 async def set_health(health: HealthServicer, serving: bool) -> None:
@@ -74,13 +76,16 @@ async def set_health(health: HealthServicer, serving: bool) -> None:
 
 
 class Gateway:
-    """Hosts the gRPC server inside a Ray actor (one per ingress node)."""
+    """Hosts the gRPC server, and the OpenAI-compatible HTTP server on the same host, inside a
+    Ray actor (one per ingress node)."""
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
-                 security: Security | None = None) -> None:
-        """``security``: the gateway's data-plane identity (``services.data_plane_auth``)."""
+                 security: Security | None = None, http_port: int | None = None) -> None:
+        """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
+        ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
-        self.security = security
+        self.security, self.http_port = security, http_port
+        self.http: HttpServer | None = None
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
@@ -92,10 +97,16 @@ class Gateway:
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
-        self.server, bound, health, self.streams, self.monitor = await create_server(
+        self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
             f"{host}:{port}", self.security,
         )
+        self.streams = inference.streams
+        if self.http_port is not None:
+            encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+            self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
+                                                         self.monitor.num_healthy)))
+            await self.http.start(host, self.http_port)
         await self.server.start()
         await set_health(health, self.monitor.num_healthy() > 0)
         return bound
@@ -108,7 +119,13 @@ class Gateway:
             await asyncio.sleep(wait_s)
         return self.streams is not None and self.streams.subscriber == subscriber
 
+    def http_address(self) -> str:
+        """``host:port`` of the OpenAI-compatible API ("" when it is off)."""
+        return self.http.address if self.http is not None else ""
+
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.monitor is not None:
             self.monitor.stop()
         if self.server is not None:
@@ -129,8 +146,8 @@ class RayGateway(Gateway):
     scheduler). Calls in flight when it died fail; clients reconnect to the same address."""
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
-                 security: Security | None = None) -> None:
-        super().__init__(scheduler, nodes, model_path, security)
+                 security: Security | None = None, http_port: int | None = None) -> None:
+        super().__init__(scheduler, nodes, model_path, security, http_port)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

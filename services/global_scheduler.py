@@ -53,6 +53,9 @@ from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
 
+MAX_ROUTING_KEYS = 65_536
+"""Routing keys (``prompt_cache_key``) the scheduler remembers a node for, newest kept."""
+
 
 @dataclass
 class NodeLoad:
@@ -121,6 +124,8 @@ class GlobalScheduler(Tenants, Membership):
         self.index = BlockIndex()
         self.common_prefix = CommonPrefix()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
+        # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
+        self.routing_keys: OrderedDict[str, str] = OrderedDict()
         self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
         # request -> the event inbox of the gateway that admitted it (``admit_and_submit``)
         self.request_gateways: dict[str, str] = {}
@@ -133,7 +138,7 @@ class GlobalScheduler(Tenants, Membership):
     # ---- admission and routing ------------------------------------------------------------
     def admit(
         self, tenant_id: str, request_id: str, session_id: str = "", block_hashes: list[bytes] | None = None,
-        prompt_tokens: int = 0,
+        prompt_tokens: int = 0, routing_key: str = "",
     ) -> Admission:
         """Pick a node for a request or reject it (RESOURCE_EXHAUSTED with a retry hint).
 
@@ -142,6 +147,7 @@ class GlobalScheduler(Tenants, Membership):
                 them (``cache_node.hashing.hash_prompt_blocks``); [] when unknown (a session
                 turn, whose prompt starts with history the gateway does not see).
             prompt_tokens: prompt length in tokens (0 when unknown).
+            routing_key: a routing hint (``_keyed_route``); "" = none.
 
         Returns:
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
@@ -161,7 +167,7 @@ class GlobalScheduler(Tenants, Membership):
                 message=f"queue full ({queued} waiting, limit {self.queue_limit})",
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
             )
-        node_id = sticky[1] if sticky is not None else self._route(block_hashes or [])
+        node_id = sticky[1] if sticky is not None else self._keyed_route(routing_key, block_hashes or [])
         prefix = self.index.prefix_tiers(node_id, block_hashes or [])
         rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens))
         if rejected is not None:
@@ -187,7 +193,8 @@ class GlobalScheduler(Tenants, Membership):
         """
         if subscriber in self.gone_gateways:
             return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone")
-        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, len(req.token_ids))
+        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, len(req.token_ids),
+                         req.extra.get("routing_key", ""))
         if adm.code == "OK":
             self.request_gateways[req.request_id] = subscriber
             if block_hashes and not req.session_id:
@@ -232,6 +239,22 @@ class GlobalScheduler(Tenants, Membership):
         for tenant in self.store.list():
             self.specs[tenant.tenant_id] = tenant.spec
         return self.specs.get(tenant_id)
+
+    def _keyed_route(self, routing_key: str, block_hashes: list[bytes]) -> str:
+        """The node that served ``routing_key`` last while it is healthy and has room (fewer
+        requests in flight than its capacity), else ``_route``'s pick, which the key then
+        names (the newest ``MAX_ROUTING_KEYS`` keys are kept)."""
+        if not routing_key:
+            return self._route(block_hashes)
+        node_id = self.routing_keys.get(routing_key)
+        node = self.nodes.get(node_id or "")
+        if node is None or node_id in self.down or len(node.in_flight) >= node.capacity:
+            node_id = self._route(block_hashes)
+        self.routing_keys[routing_key] = node_id
+        self.routing_keys.move_to_end(routing_key)
+        if len(self.routing_keys) > MAX_ROUTING_KEYS:
+            self.routing_keys.popitem(last=False)
+        return node_id
 
     def _route(self, block_hashes: list[bytes]) -> str:
         """The node holding the longest prefix of ``block_hashes`` on its device or host tier

@@ -43,6 +43,7 @@ class Services:
     config: ServiceConfig
     spill_nodes: list[Any] = field(default_factory=list)
     data_plane_keys: DataPlaneKeys | None = None  # every role's keys (fault tests, bench.chaos)
+    http_address: str = ""  # host:port of the OpenAI-compatible API ("" when off)
 
     @property
     def address(self) -> str:
@@ -124,10 +125,12 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
         max_restarts=config.gateway_max_restarts,  # serves again on its port (RayGateway)
     ).remote(
-        scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host)
+        scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host),
+        http_port=config.http_port,
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
-    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys)
+    return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,
+                    http_address=ray.get(gateway.http_address.remote()))
 
 
 def resolve_node_config(node: NodeConfig, cluster_gpus: float) -> NodeConfig:

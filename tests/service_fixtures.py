@@ -77,7 +77,7 @@ def start_stack(cluster: Cluster, state_dir: str | None = None, **overrides: obj
     cfg = ServiceConfig(
         num_cache_nodes=2,
         node=NodeConfig(kv_pool_bytes=64 << 20, max_num_seqs=16, torch_threads=1, fault_injection=True),
-        gateway_port=0,
+        gateway_port=0, http_port=0,
         state_dir=state_dir or tempfile.mkdtemp(prefix="kvstrata-state-"),
         **{"scheduler": "fcfs", **overrides},  # mechanics tests: no estimate-based early rejection
     )

@@ -43,10 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reports", default="reports")
     p.add_argument("--replay", default="", help="trace.jsonl of an earlier run: send its calls again with the "
                    "recorded messages, arrivals and pauses, whatever the model replies (for benchmarking)")
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc", help="the API the calls go through: "
+                   "gRPC, or the OpenAI-compatible HTTP API with the official openai client")
     return p.parse_args(argv)
 
 
-async def _run(args: argparse.Namespace, address: str, admin_key: str, console: Console) -> int:
+async def _run(args: argparse.Namespace, address: str, admin_key: str, console: Console, openai_url: str) -> int:
     config = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s),
                             max_subagents=args.max_subagents)
     async with grpc.aio.insecure_channel(address) as channel:
@@ -54,7 +56,7 @@ async def _run(args: argparse.Namespace, address: str, admin_key: str, console: 
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
     outcome = await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=args.reports,
                                           console=console, policy=args.policy,
-                                          replay=args.replay or None)
+                                          replay=args.replay or None, openai_url=openai_url)
     return outcome.exit_code
 
 
@@ -66,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=os.cpu_count() or 2, namespace="kvstrata-demo", include_dashboard=False,
              resources={"cache_node": args.nodes, "spill_node": 1}, log_to_driver=False)
     cfg = ServiceConfig(
-        num_cache_nodes=args.nodes, gateway_port=0, scheduler=args.scheduler, state_dir=tempfile.mkdtemp(prefix="kvstrata-demo-"),
+        num_cache_nodes=args.nodes, gateway_port=0, http_port=0, scheduler=args.scheduler, state_dir=tempfile.mkdtemp(prefix="kvstrata-demo-"),
         node=NodeConfig(kv_pool_bytes=args.kv_pool_mib << 20),
     )
     console.print(f"starting {args.nodes} cache nodes ({args.scheduler} scheduler), the global scheduler and the gateway ...")
     services = start_services(cfg)
     console.print(f"gateway at {services.address} (up in {time.monotonic() - t0:.0f} s)")
     try:
-        return asyncio.run(_run(args, services.address, services.admin_key, console))
+        url = f"http://{services.http_address}/v1" if args.api == "openai" else ""
+        return asyncio.run(_run(args, services.address, services.admin_key, console, url))
     finally:
         stop_services(services)
         ray.shutdown()

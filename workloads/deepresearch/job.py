@@ -22,6 +22,7 @@ from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.generator import generate_plan
 from workloads.deepresearch.grpc_client import GrpcInferenceClient
 from workloads.deepresearch.metrics import exit_code
+from workloads.deepresearch.openai_client import OpenAIInferenceClient
 from workloads.deepresearch.report import write_report
 from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
 from workloads.deepresearch.stats_probe import gateway_scheduler, grpc_stats_probe
@@ -107,16 +108,24 @@ async def run_deepresearch_grpc(
     console: Console | None = None,
     replay: str | Path | None = None,
     policy: str = "",
+    openai_url: str = "",
 ) -> JobOutcome:
     """:func:`run_deepresearch` against the gateway at ``target`` (``host:port``).
 
     With ``admin_key``, ``AdminService.Stats`` is sampled for the time series and names the
-    gateway's scheduler for the report.
+    gateway's scheduler for the report. With ``openai_url`` (``http://host:port/v1``) the calls
+    go through the gateway's OpenAI-compatible API with the ``openai`` package
+    (``OpenAIInferenceClient``) instead of gRPC; the admin calls stay on gRPC.
     """
     async with grpc.aio.insecure_channel(target) as channel:
-        client = GrpcInferenceClient(channel=channel, timeout_s=timeout_s)
+        client: InferenceClient = (OpenAIInferenceClient(openai_url, timeout_s=timeout_s) if openai_url
+                                   else GrpcInferenceClient(channel=channel, timeout_s=timeout_s))
         probe = grpc_stats_probe(channel, admin_key) if admin_key else None
         scheduler = await gateway_scheduler(channel, admin_key) if admin_key else ""
-        return await run_deepresearch(config, client, api_keys, options=options,
-                                      stats_probe=probe, root=root, console=console,
-                                      replay=replay, scheduler=scheduler, policy=policy)  # fmt: skip
+        try:
+            return await run_deepresearch(config, client, api_keys, options=options,
+                                          stats_probe=probe, root=root, console=console,
+                                          replay=replay, scheduler=scheduler, policy=policy)  # fmt: skip
+        finally:
+            if isinstance(client, OpenAIInferenceClient):
+                await client.close()

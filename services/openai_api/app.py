@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP API (FastAPI): ``POST /v1/chat/completions``,
+``POST /v1/completions``, ``GET /v1/models``, ``GET /health`` and the extension
+``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``).
+
+A thin edge over the gateway's one call path (``InferenceServicer.generate`` and
+``close_session``, shared with gRPC): it parses the body (``schemas``), hands it to that path
+with an ``HttpCallContext`` and writes the events as OpenAI's JSON or server-sent events
+(``responses``). Errors come in OpenAI's shape (``context``); a tenant's API key is the bearer
+token. Order of checks: the key (401), the body (400, naming the field), the model (404),
+then the gateway's own (policy, bounds, admission: 429 with ``Retry-After``; 503 without a
+healthy node). A client that disconnects aborts its request on the node, which frees its
+blocks, as a cancelled gRPC call does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway import InferenceServicer
+from services.openai_api.context import CallAborted, HttpCallContext, error_response
+from services.openai_api.responses import Generation, sse
+from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator however the stream ends (the
+    client gone included), so the request behind it is aborted at once, not when the
+    generator is garbage-collected."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
+    """A 400 naming the first bad field (pydantic's location, without ``body``)."""
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+    message = "unsupported field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+    return error_response(400, f"{field}: {message}", "invalid_request_error", "invalid_value", param=field)
+
+
+class OpenAIEdge:
+    """The routes' shared state.
+
+    Args:
+        servicer: the gateway's inference servicer (its ``generate`` / ``close_session``).
+        model_id: the nodes' model identity (``<dir name>@<digest>:<dtype>``); requests may
+            name it or its served name, the directory name (what ``/v1/models`` lists).
+        encode: text -> token ids with the model's tokenizer (``/v1/completions`` prompts).
+        num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
+    """
+
+    def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
+                 num_healthy: Callable[[], int]) -> None:
+        self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
+        self.model_name = model_id.split("@", 1)[0]
+
+    async def parse(self, request: Request, kind: type[BaseModel]) -> Any:
+        """Authenticate (401), then the body as ``kind`` (400), then its model (404).
+        Raises ``CallAborted``, or ``ValidationError`` for a bad body."""
+        context = HttpCallContext(request)
+        await self.servicer.auth.tenant(context)
+        try:
+            raw = await request.json()
+        except ValueError:
+            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, "body: not valid JSON") from None
+        body = kind.model_validate(raw)
+        if body.model not in (self.model_name, self.model_id):  # type: ignore[attr-defined]
+            raise CallAborted(grpc.StatusCode.NOT_FOUND, f"model {body.model!r} does not exist; "  # type: ignore[attr-defined]
+                              f"this server serves {self.model_name!r}")
+        return body
+
+    async def complete(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
+        """Run ``body`` through the gateway's path; the response (streamed or whole)."""
+        context = HttpCallContext(request)
+        chat = isinstance(body, ChatCompletionRequest)
+        parse = body.to_input if chat else (lambda: body.to_input(self.encode))  # type: ignore[union-attr]
+        events = self.servicer.generate(context, parse)
+        try:
+            started = await events.__anext__()  # admitted and started: the status is known
+        except CallAborted as exc:
+            return exc.response()
+        generation = Generation(events, started, chat, self.model_name, body.stop_strings())
+        if body.stream:
+            return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"})
+        return await _whole(generation, request)
+
+
+async def _stream(generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: a first chunk with the role, text chunks, a chunk with the finish
+    reason, the usage chunk when asked for, ``[DONE]``. A failure after the first chunk is an
+    ``{"error": ...}`` event (the status line went out already)."""
+    pieces = generation.pieces()
+    try:
+        yield sse(generation.chunk("" if generation.chat else None, first=True, include_usage=include_usage))
+        async for text in pieces:
+            yield sse(generation.chunk(text, include_usage=include_usage))
+        yield sse(generation.chunk(None, generation.finish_reason, include_usage=include_usage))
+        if include_usage:
+            yield sse(generation.usage_chunk())
+    except CallAborted as exc:
+        yield sse(exc.response().body.decode())
+        return
+    finally:
+        await pieces.aclose()
+    yield sse("[DONE]")
+
+
+async def _whole(generation: Generation, request: Request) -> Response:
+    """The non-streamed body; a client gone before it is ready aborts the request (499)."""
+
+    async def collect() -> str:
+        return "".join([text async for text in generation.pieces()])
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # the client is gone (or this handler was cancelled): abort
+    if work.cancelled():
+        return error_response(499, "the client closed the request", "invalid_request_error", "cancelled")
+    try:
+        text = work.result()
+    except CallAborted as exc:
+        return exc.response()
+    return JSONResponse(generation.response(text))
+
+
+def create_app(edge: OpenAIEdge) -> FastAPI:
+    """The FastAPI application over ``edge`` (routes listed in the module docstring)."""
+    app = FastAPI(title="kvstrata OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(CallAborted)
+    async def _aborted(request: Request, exc: CallAborted) -> Response:
+        return exc.response()
+
+    @app.exception_handler(ValidationError)
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: ValidationError | RequestValidationError) -> Response:
+        return invalid(exc)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await edge.complete(request, await edge.parse(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await edge.complete(request, await edge.parse(request, CompletionRequest))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        await edge.servicer.auth.tenant(HttpCallContext(request))
+        card = {"id": edge.model_name, "object": "model", "created": 0, "owned_by": "kvstrata",
+                "root": edge.model_id}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.delete("/v1/sessions/{session_id:path}")
+    async def close_session(session_id: str, request: Request) -> Response:
+        freed = await edge.servicer.close_session(HttpCallContext(request), session_id)
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True,
+                             "freed_tokens": freed})
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = edge.num_healthy()
+        if healthy == 0:
+            return error_response(503, "no cache node is healthy", "service_unavailable", "unavailable")
+        return JSONResponse({"status": "ok", "healthy_nodes": healthy})
+
+    return app

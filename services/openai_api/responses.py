@@ -1,0 +1,130 @@
+"""One request's node events as OpenAI response objects: ``chat.completion`` /
+``text_completion`` bodies, their streamed chunks, and ``usage``.
+
+``usage`` always holds ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
+``prompt_tokens_details.cached_tokens`` (every prompt token whose KV was reused, from any
+tier), plus the extension ``prompt_tokens_details.cached_tokens_per_tier``
+(``{"device", "host", "spill_ram", "spill_disk"}``). The non-streamed body and the usage chunk
+also carry the extension ``kvstrata``: ``node_id``, ``queue_ms`` and the server's ``ttft_ms``,
+``tpot_ms`` and ``preempted`` (what gRPC's started and finished events say).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.openai_api.stops import StopMatcher
+from tenants.usage import TierTokens
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached: dict[str, int]) -> dict[str, Any]:
+    """OpenAI's ``usage`` with kvstrata's per-tier cached counts (``cached``: tier -> tokens)."""
+    tiers = TierTokens.from_dict(cached).as_dict()
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(tiers.values()), "cached_tokens_per_tier": tiers},
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``)."""
+    body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {body}\n\n".encode()
+
+
+class Generation:
+    """Reads one request's events (``InferenceServicer.generate``, its ``started`` event
+    already read) into text pieces, a finish reason and usage.
+
+    Args:
+        events: the rest of the request's events; closed when reading ends (an early end,
+            a stop string or a gone client, aborts the request on its node).
+        started: its ``started`` event.
+        chat: a chat completion (else a text completion).
+        model: the model name the response reports.
+        stops: stop strings (``StopMatcher``).
+    """
+
+    def __init__(self, events: AsyncIterator[dict[str, Any]], started: dict[str, Any], chat: bool,
+                 model: str, stops: tuple[str, ...]) -> None:
+        self.events, self.chat, self.model = events, chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.matcher = StopMatcher(stops)
+        self.prompt_tokens = int(started["prompt_tokens"])
+        self.cached: dict[str, int] = dict(started.get("cached_tokens", {}))
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.server: dict[str, Any] = {"node_id": started.get("node_id", ""), "queue_ms": started.get("queue_ms"),
+                                       "ttft_ms": None, "tpot_ms": None, "preempted": False}
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The generated text in the increments it may be sent in; ``finish_reason`` and the
+        counts are final once this ends. Raises ``CallAborted`` when the request fails."""
+        try:
+            async for event in self.events:
+                if event["type"] == "delta":
+                    self.completion_tokens += len(event["token_ids"])
+                    text = self.matcher.feed(event["text"])
+                    if text:
+                        yield text
+                    if self.matcher.stopped:
+                        self.finish_reason = "stop"
+                        return
+                elif event["type"] == "finished":
+                    self.prompt_tokens, self.completion_tokens = event["prompt_tokens"], event["completion_tokens"]
+                    self.cached, self.finish_reason = dict(event.get("cached_tokens", {})), event["finish_reason"]
+                    self.server.update(ttft_ms=event.get("ttft_ms"), tpot_ms=event.get("tpot_ms"),
+                                       preempted=bool(event.get("preempted", False)))
+                    tail = self.matcher.flush()
+                    if tail:
+                        yield tail
+        finally:
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+    def usage(self) -> dict[str, Any]:
+        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached)
+
+    def _choice(self, text: str | None, finish_reason: str | None, first: bool = False,
+                whole: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if not self.chat:
+            choice["text"] = text or ""
+        elif whole:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        return choice
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              include_usage: bool = False) -> dict[str, Any]:
+        """A streamed chunk (``usage`` null on it when the stream ends with a usage chunk)."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
+                              [self._choice(text, finish_reason, first)])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"], body["kvstrata"] = self.usage(), self.server
+        return body
+
+    def response(self, text: str) -> dict[str, Any]:
+        """The non-streamed response body."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion",
+                              [self._choice(text, self.finish_reason, whole=True)])
+        body["usage"], body["kvstrata"] = self.usage(), self.server
+        return body

@@ -1,0 +1,173 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), as ``GenerateInput``.
+
+Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
+``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
+(``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
+accepted (``n`` = 1, ``logprobs`` false, zero penalties: frameworks send these defaults) and
+any other value is refused naming the field. kvstrata's extension fields ride in the body, as
+vLLM's extra parameters do: ``session_id`` (append the messages to that session's history,
+whose KV the node keeps), ``policy`` (the KV policy override), ``cache_salt`` (partitions the
+tenant's prefix cache further), and OpenAI's own ``prompt_cache_key`` is a routing hint (same
+key, same cache node while it has room).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cache_node.sampling_params import SamplingParams
+from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
+from services.gateway import GenerateInput
+
+MAX_STOP_STRINGS = 4
+"""Most ``stop`` strings one request may give (OpenAI's limit)."""
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
+
+_NO_OP_DEFAULTS: dict[str, Any] = {
+    "n": 1, "logprobs": None, "top_logprobs": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "echo": False, "best_of": 1, "suffix": None, "parallel_tool_calls": None,
+}
+"""OpenAI fields accepted at this value only (what the request gets anyway)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One message; ``developer`` is OpenAI's newer name for ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share: sampling, streaming, and kvstrata's extensions."""
+
+    model: str = Field(min_length=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own records; not used
+    n: int = 1
+    logprobs: Any = None
+    top_logprobs: Any = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # kvstrata extensions
+    session_id: str = ""
+    policy: str = ""
+    cache_salt: str = ""
+    prompt_cache_key: str = ""
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming the first field set to a value this server cannot honour."""
+        for name, default in _NO_OP_DEFAULTS.items():
+            if name in self.model_fields_set and getattr(self, name, default) != default:
+                raise ValueError(f"{name}: only {default!r} is supported, got {getattr(self, name)!r}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+
+    def generate_input(self, prompt: list[dict[str, str]] | list[int], max_tokens: int | None) -> GenerateInput:
+        """This body as the gateway's ``GenerateInput`` (``max_tokens`` None: up to the
+        context limit). Raises ValueError naming the field."""
+        self.check_supported()
+        sampling = SamplingParams(max_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
+                                  seed=self.seed)
+        return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
+                             cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
+                             fill_context=max_tokens is None)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(max_length=MAX_CHAT_MESSAGES)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    parallel_tool_calls: Any = None
+
+    def to_input(self) -> GenerateInput:
+        """Raises ValueError: no message, every message empty, too much text, or an
+        unsupported field."""
+        if not self.messages:
+            raise ValueError("messages: must hold at least one message")
+        messages = [m.as_dict() for m in self.messages]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages: hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
+        if not any(m["content"].strip() for m in messages):
+            raise ValueError("messages: every message is empty; the prompt needs some text")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_tokens: give max_tokens or max_completion_tokens, not both")
+        return self.generate_input(messages, self.max_completion_tokens or self.max_tokens)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, as text or token ids (a list of one is accepted)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, gt=0)
+    echo: bool = False
+    best_of: int = 1
+    suffix: str | None = None
+
+    def to_input(self, encode: Any) -> GenerateInput:
+        """``encode``: text -> token ids (the model's tokenizer, no special tokens added).
+
+        Raises ValueError: an empty prompt, more than one prompt, or too long a prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"prompt: only one prompt per request is supported, got {len(prompt)}")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise ValueError(f"prompt: holds {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are allowed")
+            prompt = encode(prompt)
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if len(prompt) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"prompt: holds {len(prompt)} tokens; at most {MAX_PROMPT_TOKEN_IDS} are allowed")
+        if any(t < 0 for t in prompt):
+            raise ValueError("prompt: token ids must be non-negative")
+        return self.generate_input(list(prompt), self.max_tokens)

@@ -1,0 +1,75 @@
+"""Serving the OpenAI-compatible API with uvicorn on the gateway's own event loop (the Ray
+actor's), beside the gRPC server: one process, one data plane, one admission path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+
+
+class HttpServer:
+    """uvicorn's ``Server.serve`` as a task on the running loop, on a socket bound up front
+    (so a taken port fails ``start`` at once, and port 0 tells the port it got).
+
+    Args:
+        app: the ASGI application (``services.openai_api.create_app``).
+    """
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.server: uvicorn.Server | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.host, self.port = "", 0
+
+    @property
+    def address(self) -> str:
+        """``host:port`` it serves on ("" before ``start``)."""
+        return f"{self.host}:{self.port}" if self.port else ""
+
+    async def start(self, host: str, port: int, start_timeout_s: float = 10.0) -> int:
+        """Serve on ``host:port`` (0: any free port); returns the bound port.
+
+        Raises:
+            OSError: the address cannot be bound.
+            RuntimeError: uvicorn did not come up within ``start_timeout_s``.
+        """
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.host, self.port = host, sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + start_timeout_s
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"the HTTP server did not start within {start_timeout_s:g} s")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses end (1 s at most), then return."""
+        if self.server is None or self.task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.task, 5.0)
+        except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
+            log.warning("HTTP server stop: %s", exc)

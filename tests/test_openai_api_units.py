@@ -1,0 +1,107 @@
+"""The OpenAI-compatible API's parts that need no cluster: stop strings over streamed text,
+request bodies, and gRPC statuses as OpenAI errors (issue 20)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from services.openai_api.app import invalid
+from services.openai_api.context import CallAborted
+from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from services.openai_api.stops import StopMatcher
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
+    out = "".join(matcher.feed(p) for p in pieces)
+    return out if matcher.stopped else out + matcher.flush()
+
+
+@pytest.mark.parametrize("pieces", [["Hello wor", "ld. END", " more"], ["Hello world. E", "N", "D more"],
+                                    ["H", "e", "l", "l", "o", " ", "w", "o", "r", "l", "d", ".", " ", "E", "N", "D"]])
+def test_stop_string_across_increments_is_cut(pieces: list[str]) -> None:
+    """A stop string split over increments is still found, and never sent."""
+    matcher = StopMatcher(("END",))
+    assert feed_all(matcher, pieces) == "Hello world. " and matcher.stopped
+
+
+def test_held_back_prefix_is_released() -> None:
+    """Text that only looked like a stop string's start goes out once it is clear (or at the end)."""
+    matcher = StopMatcher(("STOP",))
+    assert matcher.feed("a ST") == "a "
+    assert matcher.feed("AR") == "STAR"
+    assert matcher.feed("S") == "" and matcher.flush() == "S" and not matcher.stopped
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    matcher = StopMatcher(("b", "xyz"))
+    assert matcher.feed("axyzb") == "a" and matcher.stopped
+
+
+def test_no_stops_pass_everything_through() -> None:
+    assert StopMatcher(()).feed("abc") == "abc"
+
+
+def _chat(**body: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 **body})
+
+
+def test_chat_body_as_generate_input() -> None:
+    call = _chat(max_completion_tokens=5, temperature=0, top_p=0.5, seed=3, stop="x",
+                 session_id="s", policy="snapkv", cache_salt="salt", prompt_cache_key="k").to_input()
+    assert call.prompt == [{"role": "user", "content": "hi"}]
+    assert (call.sampling.max_tokens, call.sampling.temperature, call.sampling.top_p, call.sampling.seed) == (
+        5, 0, 0.5, 3)
+    assert (call.session_id, call.policy, call.cache_salt, call.routing_key) == ("s", "snapkv", "salt", "k")
+    assert not call.fill_context and _chat().to_input().fill_context  # no max_tokens: up to the context limit
+    parts = _chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]).to_input()
+    assert parts.prompt == [{"role": "system", "content": "ab"}]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"), ({"messages": []}, "messages"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_unsupported_values_name_their_field(body: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        _chat(**body).to_input()
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"tools": []}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"temperature": 3}, "temperature"), ({"stop": ["a"] * 5}, "stop"), ({"seed": -1}, "seed"),
+])
+def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        _chat(**body)
+    response = invalid(info.value)
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 400 and error["param"] == field and error["message"].startswith(f"{field}:")
+
+
+def test_completion_prompt_forms() -> None:
+    encode = lambda text: [len(w) for w in text.split()]  # a stand-in tokenizer: word lengths
+    assert CompletionRequest(model="m", prompt="ab cde").to_input(encode).prompt == [2, 3]
+    assert CompletionRequest(model="m", prompt=[[5, 6]]).to_input(encode).prompt == [5, 6]
+    assert CompletionRequest(model="m", prompt="a").to_input(encode).sampling.max_tokens == 16  # OpenAI's default
+    with pytest.raises(ValueError, match="^prompt: only one prompt"):
+        CompletionRequest(model="m", prompt=["a", "b"]).to_input(encode)
+    with pytest.raises(ValueError, match="^echo:"):
+        CompletionRequest(model="m", prompt="a", echo=True).to_input(encode)
+
+
+def test_statuses_as_openai_errors() -> None:
+    refused = CallAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_after_ms=1500).response()
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
+    assert json.loads(refused.body)["error"] == {"message": "queue full", "type": "rate_limit_error",
+                                                 "param": None, "code": "resource_exhausted"}
+    for code, status in ((grpc.StatusCode.UNAUTHENTICATED, 401), (grpc.StatusCode.INVALID_ARGUMENT, 400),
+                         (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.UNAVAILABLE, 503),
+                         (grpc.StatusCode.INTERNAL, 500)):
+        assert CallAborted(code, "x").response().status_code == status
