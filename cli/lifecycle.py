@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 import socket
@@ -30,6 +31,12 @@ from services.config import ServiceConfig, load_config
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
                          help="service YAML config (fields of services/config.py; default: all defaults)")
+
+
+RAY_QUIET = {"log_to_driver": False, "logging_level": logging.WARNING}
+"""``ray.init`` arguments of ``up`` and ``down``: no worker output and none of the driver's
+INFO lines ("Connecting to existing Ray cluster at address: ...", said of the cluster ``up``
+has just started); Ray's warnings and errors still print."""
 
 
 def _free_port() -> int:
@@ -127,7 +134,7 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         ray_port, temp_dir = _start_local_ray(cfg)
         address = f"127.0.0.1:{ray_port}"
     try:
-        ray.init(address=address, namespace=cfg.namespace, log_to_driver=False)
+        ray.init(address=address, namespace=cfg.namespace, **RAY_QUIET)
         with console.status("loading the model on every cache node ..."):
             # a joined cluster (--address) binds the data plane on node IPs (it may span machines)
             services = start_services(cfg, None if started_ray else address)
@@ -205,7 +212,7 @@ def down() -> None:
         target = _ray_target(saved)
         if target is not None:
             try:
-                ray.init(address=target, namespace=saved["namespace"], log_to_driver=False)
+                ray.init(address=target, namespace=saved["namespace"], **RAY_QUIET)
             except (ConnectionError, RuntimeError) as exc:
                 console.print(f"Ray at {target} is not reachable ({escape(str(exc).splitlines()[0])}); "
                               "removing the stale state")
