@@ -179,6 +179,8 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     ref = copy.deepcopy(lm.model)
     if hasattr(ref, "set_attn_implementation"):
         ref.set_attn_implementation("sdpa")
+    # no EOS anywhere transformers could fill it in from (its defaults merge into ours)
+    ref.config.eos_token_id = ref.generation_config.eos_token_id = None
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     gen = generation_config(cfg.max_tokens, [], pad)
     gen.eos_token_id = None  # random weights: never stop early
@@ -234,8 +236,8 @@ def device_result(outs: dict[str, list[list[int]]], wall: dict[str, float], prom
         "prefix_hit_ttft_ratio": round(prefix_ratio, 4),
         "weight_bytes": wbytes, "hbm_bandwidth": cfg.hbm_bandwidth,
         "roofline_tokens_per_s": {"batch": round(roof_batch, 1), "single": round(1 / step_s, 1)},
-        "roofline_fraction": {"batch": round(tps["kvstrata"] / roof_batch, 4),
-                              "single": round(single["decode_tokens_per_s"] * step_s, 4)},
+        "roofline_fraction": {"batch": round(tps["kvstrata"] / roof_batch, 6),
+                              "single": round(single["decode_tokens_per_s"] * step_s, 6)},
         "targets_met": {"kvstrata_ge_5x_continuous_batching": ratio_cb >= 5.0,
                         "single_stream_ge_100_tok_s": single["decode_tokens_per_s"] >= 100.0,
                         "prefix_hit_ttft_le_0.1x_cold": prefix_ratio <= 0.1},

@@ -110,3 +110,32 @@ def test_gpu_check_steps_fit_the_budget(tmp_path: Path) -> None:
     assert [s.name for s in plan] == ["pytest", "engine", "tiers"]
     assert sum(s.timeout_s for s in plan) <= BUDGET_S < 480
     assert "--device" in plan[1].argv and "cuda" in plan[2].argv
+
+
+@pytest.mark.slow
+def test_device_engine_bench_runs_end_to_end_on_a_tiny_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    """The device bench's whole path (random weights, three systems with EOS ignored, single
+    stream, prefix case, roofline) on the CPU with the tiny shape; every system makes exactly
+    ``max_tokens`` per request."""
+    from bench import engine as bench_engine
+
+    bench_engine.main(["--device", "cpu", "--model-shape", "tiny", "--quick", "--num-requests", "3",
+                       "--max-tokens", "5", "--min-prompt-tokens", "32", "--max-prompt-tokens", "64",
+                       "--prefix-doc-tokens", "64", "--hf-generate-requests", "1"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["mode"] == "device" and result["all_full_length"] is True
+    assert result["generated_tokens"] == {"hf_generate": 5, "hf_continuous_batching": 15, "kvstrata": 15}
+    assert set(result["targets_met"]) == {"kvstrata_ge_5x_continuous_batching", "single_stream_ge_100_tok_s",
+                                          "prefix_hit_ttft_le_0.1x_cold"}
+    assert 0 < result["roofline_fraction"]["batch"] and result["single_stream"]["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_device_tier_bench_runs_end_to_end_on_a_tiny_shape() -> None:
+    from bench.tiers_gpu import run_device
+
+    result = run_device("cpu", "tiny", True, demote_bytes=1 << 20)
+    assert result["restore_bytes"] > 0 and result["restore_gbps"] > 0 and result["pinned_memcpy_gbps"] > 0
+    decode = result["decode_step_ms"]
+    assert decode["demoted_bytes"] >= 1 << 19 and decode["steps_with"] >= 3 and decode["without_ms"] > 0
+    assert set(result["targets_met"]) == {"restore_ge_0.7_memcpy", "decode_with_demotion_within_10pct"}
