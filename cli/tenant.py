@@ -115,7 +115,7 @@ def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
         ("requests", str(u.requests)),
         ("rejected / preempted", f"{u.rejected} / {u.preempted}"),
         ("prompt / completion tokens", f"{u.prompt_tokens} / {u.completion_tokens}"),
-        ("cached prompt tokens (device / host / spill RAM / spill disk)",
+        ("cached tokens: device / host / spill RAM / disk",
          f"{cached.device} / {cached.host} / {cached.spill_ram} / {cached.spill_disk}"),
         ("KV blocks held now", str(u.blocks_held)),
     ):

@@ -33,14 +33,16 @@ from workloads.deepresearch.register import register_tenants
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--duration-s", type=float, default=50.0, help="arrival window of research sessions")
-    p.add_argument("--sessions-per-s", type=float, default=0.054, help="one tenant share of session arrivals")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sessions-per-s", type=float, default=0.054,
+                   help="research sessions per second of one tenant share (the noisy tenant arrives at 4x this rate)")
+    p.add_argument("--seed", type=int, default=0, help="the plan's random seed (same seed: same sessions)")
     p.add_argument("--max-subagents", type=int, default=3, help="sub-agents per research session (2..6)")
     p.add_argument("--nodes", type=int, default=2, help="cache nodes")
-    p.add_argument("--scheduler", default="kvstrata", help="fcfs | priority | vtc | kvstrata")
+    p.add_argument("--scheduler", default="kvstrata", help="kvstrata (default) | fcfs | priority | vtc")
     p.add_argument("--policy", default="", help="KV policy for every tenant (cache_node.policies spec)")
     p.add_argument("--kv-pool-mib", type=int, default=128, help="device-tier pool per cache node")
-    p.add_argument("--reports", default="reports")
+    p.add_argument("--reports", default="reports",
+                   help="where the report folder goes (<reports>/latest points at it)")
     p.add_argument("--replay", default="", help="trace.jsonl of an earlier run: send its calls again with the "
                    "recorded messages, arrivals and pauses, whatever the model replies (for benchmarking)")
     p.add_argument("--api", choices=("grpc", "openai"), default="grpc", help="the API the calls go through: "
