@@ -28,6 +28,7 @@ from cli.processes import stop_processes
 from cli.state import admin_metadata, gateway_address, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
+from services.metrics.targets import TARGETS_FILE, write_targets
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
                          help="service YAML config (fields of services/config.py; default: all defaults)")
@@ -156,6 +157,10 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     if services.http_address:
         console.print(f"OpenAI-compatible API: [bold]http://{services.http_address}/v1[/bold]")
     console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
+    if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
+        targets = write_targets(services.metrics, cfg.state_path / TARGETS_FILE, cfg.namespace)
+        console.print(f"metrics: {', '.join(f'{n} http://{a}/metrics' for n, a in services.metrics.items())}")
+        console.print(f"prometheus targets: {targets}")
 
 
 SERVICE_ACTOR_NAME = re.compile(r"gateway|global_scheduler|(cache|spill)_node_\d+")

@@ -47,6 +47,7 @@ from services.cache_node_streams import Event, Streams, _Stream
 from services.chat import ChatTemplater
 from services.config import NodeConfig
 from services.data_plane_auth import Security, secure_push
+from services.metrics import MetricsEndpoint, MetricsServer, NodeMetrics
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,10 @@ class CacheNode(Streams, Commands, Health, Admin):
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._stats: dict[str, Any] = {**self.engine.stats(), "time_s": time.monotonic()}  # ``stats``
+        # Prometheus: the stats snapshot read at scrape time (served by ``serve_metrics``)
+        self.metrics = NodeMetrics(node_id, lambda: self._stats, lambda: self.engine.scheduler.num_preemptions,
+                                   self.engine.tiers.host.block_nbytes)
+        self.metrics_server: MetricsServer | None = None
         self._wake = threading.Event()
         self._stopped = False
         self.failure = ""  # why the step loop died ("" while it runs): the node is unhealthy
@@ -157,7 +162,20 @@ class CacheNode(Streams, Commands, Health, Admin):
             "pool_tokens": self.engine.pool.num_blocks * self.engine.pool.block_size,
             "pid": os.getpid(),
             "data_address": self.data_address,
+            "metrics_address": self.metrics_address,
         }
+
+    def serve_metrics(self, endpoint: MetricsEndpoint) -> str:
+        """Serve this node's Prometheus ``/metrics`` at ``endpoint`` (once); returns
+        ``metrics_address``. Raises OSError when the port is taken."""
+        if self.metrics_server is None:
+            self.metrics_server = MetricsServer(self.metrics.registry, endpoint)
+        return self.metrics_address
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of this node's ``/metrics`` ("" when it serves none)."""
+        return self.metrics_server.address if self.metrics_server is not None else ""
 
     def pid(self) -> int:
         """This node's process id (fault tests and ``bench.chaos`` kill it)."""
@@ -265,6 +283,8 @@ class CacheNode(Streams, Commands, Health, Admin):
         self._wake.set()
         self._thread.join(timeout=5.0)
         self.close_data_plane()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if not self._thread.is_alive():  # its sockets are the step thread's alone
             self._pusher.close()
 
@@ -284,7 +304,7 @@ class CacheNodeActor(CacheNode):
         self, node_id: str, config: NodeConfig, num_threads: int = 0, scheduler: Any = None,
         session_ttl_s: float = 900.0, scheduling_policy: str = "fcfs",
         spill_nodes: list[Any] | None = None, spill_spec: SpillBlockSpec | None = None,
-        security: Security | None = None,
+        security: Security | None = None, metrics: MetricsEndpoint | None = None,
     ) -> None:
         scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
         spill_nodes = [resolve(node) for node in spill_nodes or []]
@@ -300,6 +320,8 @@ class CacheNodeActor(CacheNode):
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
         self._restarts = _actor_restarts()
+        if metrics is not None:  # a restarted node serves its metrics again
+            self.serve_metrics(metrics)
         if scheduler:
             self.session_sink = lambda node_id, ids: scheduler.sessions_ended.remote(node_id, ids)
 

@@ -51,7 +51,7 @@ class Admin:
 
     def _node_stats(self, engine: dict[str, Any]) -> dict[str, Any]:
         return {"node_id": self.node_id, "healthy": not self.failure, "failure": self.failure,
-                "pid": os.getpid(), "restarts": self.restarts(),
+                "pid": os.getpid(), "restarts": self.restarts(), "metrics_address": self.metrics_address,
                 **{k: v for k, v in engine.items() if k != "time_s"},
                 "stats_age_s": time.monotonic() - engine["time_s"],
                 "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}

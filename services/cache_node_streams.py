@@ -100,10 +100,11 @@ class Streams:
             if stream is None or stream.started:
                 continue
             stream.started = True
+            cached = dict(self.engine.tiers.cached_tokens_by_tier(seq))
+            self.metrics.request_started(seq.num_prompt_tokens, cached)
             events.append((stream, {
                 "type": "started", "request_id": seq.request_id, "node_id": self.node_id,
-                "prompt_tokens": seq.num_prompt_tokens,
-                "cached_tokens": dict(self.engine.tiers.cached_tokens_by_tier(seq)),
+                "prompt_tokens": seq.num_prompt_tokens, "cached_tokens": cached,
                 "queue_ms": (now - seq.arrival_time_s) * 1000.0,
             }))
         self._dispatch(events)

@@ -78,6 +78,14 @@ class ServiceConfig(BaseModel):
     # The OpenAI-compatible HTTP API (services.openai_api) on gateway_host; 0 = a free port,
     # None = off.
     http_port: int | None = Field(8000, ge=0, le=65535)
+    # Prometheus /metrics of every actor (services.metrics), bound on metrics_host ("node_ip":
+    # each actor's Ray node IP, for a Prometheus elsewhere in the cluster); port 0 = a free port
+    # each (`kvstrata up` prints them). A fixed node or spill port needs one such node per machine.
+    metrics_enabled: bool = True
+    metrics_host: str = "127.0.0.1"
+    gateway_metrics_port: int = Field(0, ge=0, le=65535)
+    node_metrics_port: int = Field(0, ge=0, le=65535)
+    spill_metrics_port: int = Field(0, ge=0, le=65535)
     state_dir: str = "~/.kvstrata"
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)

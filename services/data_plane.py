@@ -71,6 +71,7 @@ _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "node_id": str, "code": str, "message": str, "retry_after_s": (int, float), "spill_blocks": int,
+    "reason": str,
 }
 
 

@@ -15,6 +15,7 @@ context of the same shape whose ``abort`` raises, so every refusal keeps its gRP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -32,6 +33,7 @@ from services.auth import Authenticator
 from services.chat import ChatTemplater
 from services.data_plane_auth import Security
 from services.gateway_streams import NodeStreams
+from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
 
 _CODES = {c.name: c for c in grpc.StatusCode}
@@ -131,13 +133,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             data-plane address); every node serves the same model.
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
         security: the gateway's data-plane identity (``NodeStreams``).
+        metrics: where ``generate`` observes each request (``services.metrics.requests``).
     """
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  node_info: dict[str, dict[str, Any]], templater: ChatTemplater | None,
-                 scheduler_address: str, security: Security | None = None) -> None:
+                 scheduler_address: str, security: Security | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self.info, self.templater = next(iter(node_info.values())), templater
+        self.metrics = metrics or GatewayMetrics()  # the Gateway serves its registry (gateway_server)
         self.streams = NodeStreams(
             nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address,
             security=security,
@@ -203,6 +208,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         status (RESOURCE_EXHAUSTED sets a ``retry-after-ms`` trailer first). Request and session
         ids are the tenant's own (``scoped_id``); one in flight already is ALREADY_EXISTS."""
         tenant = await self.auth.tenant(context)
+        track, status = self.metrics.track(tenant), "OK"  # services.metrics.requests
+        try:
+            async with contextlib.aclosing(self._generate(context, parse, tenant, track)) as events:
+                async for event in events:
+                    yield event
+        except BaseException as exc:
+            status = status_of(exc, context)
+            raise
+        finally:
+            track.finish(status)
+
+    async def _generate(self, context: Any, parse: Callable[[], GenerateInput], tenant: Any,
+                        track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
+        """``generate`` past authentication; ``track`` sees every event and the refusal."""
         try:
             call = parse()
         except ValueError as exc:
@@ -229,6 +248,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "the global scheduler did not answer")
             if adm.code != "OK":
                 usage = {}
+                track.rejected(adm.reason)
                 if adm.retry_after_s:
                     context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
                 await context.abort(_CODES[adm.code], adm.message)
@@ -236,6 +256,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             while usage is None:
                 event = await queue.get()
                 seen.observe(event)
+                track.observe(event)
                 if event["type"] == "error":
                     usage = {}
                     await context.abort(_CODES[event["code"]], event["message"])

@@ -22,6 +22,7 @@ from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_streams import NodeStreams
+from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 
@@ -34,7 +35,7 @@ SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService"
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
-    security: Security | None = None,
+    security: Security | None = None, metrics: GatewayMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
@@ -45,11 +46,13 @@ async def create_server(
         node_info: node id -> ``CacheNode.describe()``.
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
         security: the gateway's data-plane identity (``services.data_plane_auth``).
+        metrics: the request metrics ``Generate`` observes (``services.metrics.requests``).
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     auth = Authenticator(scheduler)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
-    inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security)
+    inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,
+                                  metrics)
     await inference.streams.start()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
     health = HealthServicer()
@@ -80,12 +83,16 @@ class Gateway:
     Ray actor (one per ingress node)."""
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
-                 security: Security | None = None, http_port: int | None = None) -> None:
+                 security: Security | None = None, metrics: MetricsEndpoint | None = None,
+                 http_port: int | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
+        ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.security, self.http_port = security, http_port
         self.http: HttpServer | None = None
+        self.metrics, self.metrics_endpoint = GatewayMetrics(), metrics
+        self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
@@ -99,7 +106,7 @@ class Gateway:
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
         self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
-            f"{host}:{port}", self.security,
+            f"{host}:{port}", self.security, self.metrics,
         )
         self.streams = inference.streams
         if self.http_port is not None:
@@ -107,6 +114,8 @@ class Gateway:
             self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
                                                          self.monitor.num_healthy)))
             await self.http.start(host, self.http_port)
+        if self.metrics_endpoint is not None and self.metrics_server is None:
+            self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_endpoint)
         await self.server.start()
         await set_health(health, self.monitor.num_healthy() > 0)
         return bound
@@ -123,9 +132,16 @@ class Gateway:
         """``host:port`` of the OpenAI-compatible API ("" when it is off)."""
         return self.http.address if self.http is not None else ""
 
+    def metrics_address(self) -> str:
+        """``host:port`` of this gateway's ``/metrics`` ("" when it serves none)."""
+        return self.metrics_server.address if self.metrics_server is not None else ""
+
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.http is not None:
             await self.http.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         if self.monitor is not None:
             self.monitor.stop()
         if self.server is not None:
@@ -146,8 +162,9 @@ class RayGateway(Gateway):
     scheduler). Calls in flight when it died fail; clients reconnect to the same address."""
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
-                 security: Security | None = None, http_port: int | None = None) -> None:
-        super().__init__(scheduler, nodes, model_path, security, http_port)
+                 security: Security | None = None, metrics: MetricsEndpoint | None = None,
+                 http_port: int | None = None) -> None:
+        super().__init__(scheduler, nodes, model_path, security, metrics, http_port)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

@@ -75,6 +75,7 @@ class Admission:
 
     ``spill_blocks``: leading prompt blocks (past those on the node's device and host tiers)
     that the index places in the spill tier; > 0 means the node should prefetch them.
+    ``reason``: why it was refused, one of ``REJECT_REASONS`` ("" when admitted).
     """
 
     node_id: str = ""
@@ -82,6 +83,11 @@ class Admission:
     message: str = ""
     retry_after_s: float = 0.0
     spill_blocks: int = 0
+    reason: str = ""
+
+
+REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone")
+"""``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
 class GlobalScheduler(Tenants, Membership):
@@ -155,15 +161,17 @@ class GlobalScheduler(Tenants, Membership):
             with a message.
         """
         if len(self.down) == len(self.nodes):
-            return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}")
+            return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
+                             reason="no_healthy_node")
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
-            return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant")
+            return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant",
+                             reason="session_of_another_tenant")
         queued = self._queued()
         if queued >= self.queue_limit:
             self.usage.record_rejected(tenant_id)
             return Admission(
-                code="RESOURCE_EXHAUSTED",
+                code="RESOURCE_EXHAUSTED", reason="queue_full",
                 message=f"queue full ({queued} waiting, limit {self.queue_limit})",
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
             )
@@ -192,7 +200,8 @@ class GlobalScheduler(Tenants, Membership):
             KeyError: the chosen node was never attached (``attach_nodes``).
         """
         if subscriber in self.gone_gateways:
-            return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone")
+            return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone",
+                             reason="gateway_gone")
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, len(req.token_ids),
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":
@@ -230,7 +239,7 @@ class GlobalScheduler(Tenants, Membership):
             decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms)
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
-                                 retry_after_s=decision.retry_after_s)
+                                 retry_after_s=decision.retry_after_s, reason="ttft_estimate")
         node.backlog.add(rank, cached.miss)
         return None
 

@@ -23,6 +23,7 @@ from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
 from services.global_scheduler_admission import GlobalSchedulerActor
+from services.metrics import MetricsEndpoint
 from services.spill_node import create_spill_node
 from tenants.keys import new_api_key, read_key_file, write_key_file
 
@@ -43,6 +44,7 @@ class Services:
     config: ServiceConfig
     spill_nodes: list[Any] = field(default_factory=list)
     data_plane_keys: DataPlaneKeys | None = None  # every role's keys (fault tests, bench.chaos)
+    metrics: dict[str, str] = field(default_factory=dict)  # actor name -> its /metrics host:port
     http_address: str = ""  # host:port of the OpenAI-compatible API ("" when off)
 
     @property
@@ -112,7 +114,8 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
             resources={config.cache_node_resource: 1}, num_gpus=1 if node.device == "cuda" else 0, **life,
             runtime_env={"env_vars": dict(config.node.env_vars)},
         ).remote(nid, config.node, threads, scheduler_ref, config.session_ttl_s, config.scheduler,
-                 spill_refs, spec if spill_nodes else None, keys.security("node", host))
+                 spill_refs, spec if spill_nodes else None, keys.security("node", host),
+                 metrics=metrics_endpoint(config, config.node_metrics_port))
         for nid in node_ids
     }
     # wait until models are loaded
@@ -126,11 +129,27 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         max_restarts=config.gateway_max_restarts,  # serves again on its port (RayGateway)
     ).remote(
         scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host),
-        http_port=config.http_port,
+        metrics_endpoint(config, config.gateway_metrics_port), config.http_port,
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,
-                    http_address=ray.get(gateway.http_address.remote()))
+                    metrics_addresses(gateway, nodes, spill_nodes), ray.get(gateway.http_address.remote()))
+
+
+def metrics_endpoint(config: ServiceConfig, port: int) -> MetricsEndpoint | None:
+    """Where an actor serves ``/metrics`` (None with ``metrics_enabled`` off)."""
+    return MetricsEndpoint(config.metrics_host, port) if config.metrics_enabled else None
+
+
+def metrics_addresses(gateway: Any, nodes: dict[str, Any], spill_nodes: list[Any]) -> dict[str, str]:
+    """Actor name -> ``host:port`` of its ``/metrics``, for those serving one (``kvstrata up``
+    prints them; deploy/prometheus.yml scrapes them)."""
+    refs = {GATEWAY_NAME: gateway.metrics_address.remote()}
+    refs |= {nid: node.describe.remote() for nid, node in nodes.items()}
+    refs |= {f"spill_node_{i}": h.metrics_address.remote() for i, h in enumerate(spill_nodes)}
+    answers = dict(zip(refs, ray.get(list(refs.values()))))
+    out = {name: a["metrics_address"] if isinstance(a, dict) else a for name, a in answers.items()}
+    return {name: address for name, address in out.items() if address}
 
 
 def resolve_node_config(node: NodeConfig, cluster_gpus: float) -> NodeConfig:
@@ -185,7 +204,7 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
             resources={config.spill_node_resource: 1},
             lifetime="detached" if config.detached else None,
             scheduler=ActorRef(SCHEDULER_NAME, config.namespace),
-            namespace=config.namespace,
+            namespace=config.namespace, metrics=metrics_endpoint(config, config.spill_metrics_port),
         )
         for i in range(config.num_spill_nodes)
     ]

@@ -31,6 +31,7 @@ from ray.actor import ActorHandle
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 from services.actor_refs import ActorRef, resolve
+from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class SpillNode:
         node_id: this node's holder id in the global block index (its actor name).
         event_sink: receives the store's events after each call that changed it; None keeps
             them for ``take_events``.
+        metrics: where to serve Prometheus ``/metrics`` (``services.metrics.spill``; None:
+            nowhere). Raises OSError when its port is taken.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class SpillNode:
         *,
         node_id: str = "",
         event_sink: EventSink | None = None,
+        metrics: MetricsEndpoint | None = None,
         **store_options: Any,
     ) -> None:
         if event_sink is not None and not node_id:
@@ -81,6 +85,12 @@ class SpillNode:
         self._sink = event_sink
         self._sink_lock = threading.Lock()  # events leave in order even from a threaded actor
         self._push(reset=True)
+        self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
+        self.metrics_server = MetricsServer(self.metrics.registry, metrics) if metrics is not None else None
+
+    def metrics_address(self) -> str:
+        """``host:port`` of this node's ``/metrics`` ("" when it serves none)."""
+        return self.metrics_server.address if self.metrics_server is not None else ""
 
     def ready(self) -> bool:
         """True once the store is built (its disk index rebuilt); await it after creation."""
@@ -154,6 +164,7 @@ def create_spill_node(
     lifetime: str | None = None,
     scheduler: ActorHandle | ActorRef | None = None,
     namespace: str | None = None,
+    metrics: MetricsEndpoint | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -175,6 +186,8 @@ def create_spill_node(
             (holder id ``name``); None keeps them for ``take_events``. Pass an ``ActorRef``
             (``services.actor_refs``): a handle in a restartable actor's arguments makes Ray
             log an error.
+        metrics: where the node serves Prometheus ``/metrics`` (None: nowhere); a restarted
+            node serves it again.
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.
@@ -190,5 +203,5 @@ def create_spill_node(
     )
     sink = ReportToScheduler(scheduler) if scheduler is not None else None
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,
-                            event_sink=sink, **store_options)
+                            event_sink=sink, metrics=metrics, **store_options)
     return cast("ActorHandle[SpillNode]", handle)

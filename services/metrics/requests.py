@@ -81,6 +81,8 @@ class GatewayMetrics:
         spec = tenant.spec
         self.ttft_slo_s.labels(spec.name).set(spec.ttft_slo_ms / 1000.0)
         self.floor_tokens_per_s.labels(spec.name).set(spec.min_tokens_per_s)
+        for counter in (self.slo_requests, self.slo_met, self.floor_requests, self.floor_met):
+            counter.labels(spec.name)  # at 0 from the first request: attainment ratios have a series
         return RequestTracker(self, spec.name, spec.ttft_slo_ms / 1000.0, spec.min_tokens_per_s)
 
 

@@ -16,12 +16,15 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
+NODE_IP = "node_ip"
+"""``MetricsEndpoint.host`` meaning the IP of the Ray node the actor runs on (a cluster)."""
 
 
 @dataclass(frozen=True)
 class MetricsEndpoint:
-    """Where an actor serves ``/metrics``: ``host`` to bind ("0.0.0.0": every interface, for a
-    Prometheus on another machine), ``port`` (0: any free port)."""
+    """Where an actor serves ``/metrics``: ``host`` to bind (an address, or ``NODE_IP``: the
+    actor's Ray node IP, for a Prometheus on another machine of the cluster), ``port`` (0: any
+    free port)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -40,10 +43,10 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, endpoint: MetricsEndpoint) -> None:
         self._httpd: WSGIServer
-        self._httpd, _ = prometheus_client.start_http_server(
-            endpoint.port, addr=endpoint.host or "0.0.0.0", registry=registry)
+        host = _node_ip() if endpoint.host == NODE_IP else endpoint.host
+        self._httpd, _ = prometheus_client.start_http_server(endpoint.port, addr=host, registry=registry)
         self.port: int = self._httpd.server_port
-        self.address = f"{_reachable_host(endpoint.host)}:{self.port}"
+        self.address = f"{_node_ip() if host in ALL_INTERFACES else host}:{self.port}"
         """``host:port`` a scraper reaches it at (this node's IP when bound to every interface)."""
 
     def close(self) -> None:
@@ -52,9 +55,7 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def _reachable_host(host: str) -> str:
-    if host not in ALL_INTERFACES:
-        return host
+def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
