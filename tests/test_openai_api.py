@@ -198,3 +198,36 @@ def test_http_output_equals_grpc_output(stack: Stack, key: str, client: openai.O
     http = client.chat.completions.create(model=model, messages=ask(text), max_tokens=12, temperature=0)
     assert http.choices[0].message.content == grpc_out["text"]
     assert http.usage.completion_tokens == grpc_out["finished"].completion_tokens
+
+
+def test_cache_salt_partitions_the_tenants_cache(client: openai.OpenAI, model: str) -> None:
+    """Same prompt: a reused salt hits the cache, another salt (or none) does not."""
+    prompt = ask(" ".join(a.extract for a in load_corpus()[110:111]) + "\nWhat is this about?")
+
+    def cached(salt: str) -> int:
+        r = client.chat.completions.create(model=model, messages=prompt, max_tokens=1, temperature=0,
+                                           extra_body={"cache_salt": salt, "prompt_cache_key": "salted"})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    first = cached("salt-a")
+    assert first == 0  # nothing in this partition yet, not even the chat template's system prompt
+    time.sleep(0.3)  # block events reach the global index
+    assert cached("salt-a") >= 64 and cached("salt-b") == 0
+
+
+def test_prompt_cache_key_keeps_its_node(stack: Stack, client: openai.OpenAI, model: str) -> None:
+    """A key stays on the node it was first routed to, where least-loaded routing would move it."""
+    base = [s.used_blocks for s in node_stats(stack)]
+    busy = client.chat.completions.create(model=model, messages=ask("Write a very long essay."), max_tokens=400,
+                                          stream=True)
+    next(iter(busy))  # running on the least loaded node (the first, on a tie)
+
+    def node(**extra: str) -> str:
+        r = client.chat.completions.create(model=model, messages=ask("Say hi."), max_tokens=1, extra_body=extra)
+        return r.model_extra["kvstrata"]["node_id"]
+
+    keyed = node(prompt_cache_key="conversation-7")  # least loaded: the other node
+    busy.close()
+    wait_idle(stack, base)
+    assert node() != keyed  # idle: least-loaded routing takes the first node again
+    assert node(prompt_cache_key="conversation-7") == keyed
