@@ -55,6 +55,14 @@ def test_a_good_run_writes_the_report_and_exits_zero(tmp_path: Path) -> None:
     run_info = json.loads((outcome.run_dir / "run.json").read_text())
     assert run_info["config"]["seed"] == 3 and run_info["close_failures"] == 0
     assert sorted(servicer.closed) == sorted({json.loads(row)["session_id"] for row in trace})
+    # the stand-in answers "Fritz Lang" to everything: no plan items (fallback), its own query
+    agents = outcome.report["agents"]
+    assert (agents["plans"], agents["plan_fallbacks"]) == (1, 1)
+    assert agents["searches"] == agents["answers"] > 0 and agents["query_fallbacks"] == 0
+    assert (f"Agents: 0 of 1 lead plans gave every sub-agent a question (the others fell back to "
+            f"the generator's); {agents['searches']} of {agents['searches']} searches ran the model's "
+            f"own query; {agents['found_target']} of {agents['answers']} answers") \
+        in (outcome.run_dir / "report.md").read_text()
 
 
 def test_a_run_with_no_successful_call_exits_non_zero(tmp_path: Path) -> None:

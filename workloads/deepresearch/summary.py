@@ -76,6 +76,20 @@ def _concurrency(report: Mapping[str, Any]) -> str:
     )
 
 
+def agents_line(report: Mapping[str, Any]) -> str:
+    """What the agents made of the model's replies (``report["agents"]``, see
+    :func:`workloads.deepresearch.records.agent_counts`)."""
+    a = report.get("agents") or {}
+    if not a.get("plans"):
+        return "Agents: no decisions recorded (a replay re-sends recorded messages, or no plan succeeded)."
+    return (
+        f"Agents: {a['plans'] - a['plan_fallbacks']} of {a['plans']} lead plans gave every sub-agent "
+        f"a question (the others fell back to the generator's); {a['searches'] - a['query_fallbacks']} "
+        f"of {a['searches']} searches ran the model's own query; {a['found_target']} of {a['answers']} "
+        "answers came from agents whose search found the article holding the graded fact."
+    )
+
+
 SETUP_COLUMNS = ("tenant", "class", "TTFT target", "TPOT target", "floor", "weight", "sessions/s")
 
 
@@ -122,7 +136,8 @@ def report_markdown(report: Mapping[str, Any], plots: tuple[str, ...] = ()) -> s
     lines = ["# DeepResearch workload report", "", setup_line(report), "",
              *_table(SETUP_COLUMNS, setup_rows(report)), "", time_line(report), "",
              "## What to look at", "", *what_to_look_at(report), "", "## Results per tenant", "",
-             *_table(COLUMNS, rows(report)), "", _concurrency(report), "", "Failures by status:", ""]
+             *_table(COLUMNS, rows(report)), "", _concurrency(report), "", agents_line(report), "",
+             "Failures by status:", ""]
     lines += [f"- {line}" for line in failure_lines(report)] or ["- none"]
     overall = report["overall"]["cache_hit_rate"]
     lines += [
