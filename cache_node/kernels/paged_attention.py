@@ -97,8 +97,11 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, num
 
 
 def _common_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
+    # KV tiles of 64 positions for 16-bit head_dim <= 64, else 32: no register spills on sm_90
+    # (tests/compile_kernels.py checks it).
+    wide = head_dim <= 64 and dtype != torch.float32
     return {
-        "BLOCK_N": 64 if head_dim <= 64 else 32, "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim,
+        "BLOCK_N": 64 if wide else 32, "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim,
         "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
         # fp32 inputs use exact fp32 products, not TF32, so fp32 runs match torch to ~1e-6.
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
@@ -111,7 +114,7 @@ def unified_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     """Compile-time parameters of ``_unified_attention_kernel`` for a batch's shapes.
 
     Rows per program ``BLOCK_Q * GROUP_PAD`` = 16 when the batch is mostly decodes (<= 4
-    queries per sequence on average), else 64; KV tiles of 64 positions (32 when head_dim > 64).
+    queries per sequence on average), else 64; KV tiles of ``BLOCK_N`` positions.
     """
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     block_m = max(16 if num_tokens <= 4 * num_seqs else 64, group_pad)
@@ -131,6 +134,12 @@ def split_kv_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size
     }
 
 
+def launch_options(config: dict[str, object]) -> dict[str, int]:
+    """Warps and pipeline stages for a config: 8 warps for tiles of >= 64 rows (4 spill fp32)."""
+    rows = int(config.get("GROUP_ROWS") or config["BLOCK_Q"] * config["GROUP_PAD"])
+    return {"num_warps": 8 if rows >= 64 else 4, "num_stages": 2}
+
+
 def _launch_unified(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, qk_scale: float,
@@ -144,7 +153,7 @@ def _launch_unified(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, qk_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), **config, num_warps=4, num_stages=2,
+        block_tables.stride(0), **config, **launch_options(config),
     )
 
 
@@ -162,7 +171,7 @@ def _launch_split_kv_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.T
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         partial, lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, qk_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), block_tables.stride(0), **config, num_warps=4, num_stages=2,
+        v_cache.stride(1), block_tables.stride(0), **config, **launch_options(config),
     )
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, partial, lse, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,

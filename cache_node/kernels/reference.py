@@ -35,7 +35,8 @@ def check_paged_attention_inputs(
             f"{tuple(v_cache.shape)}"
         )
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "differ")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     if k_cache.shape[2] != head_dim:
@@ -47,8 +48,8 @@ def check_paged_attention_inputs(
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache and v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
-    for name, t, dims in (("block_tables", block_tables, 2), ("query_start_loc", query_start_loc, 1),
-                          ("seq_lens", seq_lens, 1)):
+    for name, t, dims in (("block_tables", block_tables, 2),
+                          ("query_start_loc", query_start_loc, 1), ("seq_lens", seq_lens, 1)):
         if t.dtype != torch.int32 or t.dim() != dims:
             raise ValueError(f"{name} must be a {dims}-d int32 tensor; got {t.dim()}-d {t.dtype}")
     num_seqs = seq_lens.shape[0]
