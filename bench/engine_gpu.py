@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.common import chat_prompt, median, shared_document
 from bench.engine_systems import (
+    PrefixCase,
     cb_config,
     generation_config,
     run_engine,
@@ -54,6 +57,7 @@ from cache_node.model_shapes import random_model as shapes_random_model
 from cache_node.sampling_params import SamplingParams
 from workloads.corpus import Article, load_corpus
 
+T = TypeVar("T")
 SHAPES = (*MODEL_SHAPES, "tiny")
 """Model shapes: ``cache_node.model_shapes`` (Llama-3.1-8B, SmolLM2-135M) and ``tiny`` (CPU tests:
 the SmolLM2 shape cut to 2 layers of width 64)."""
@@ -171,77 +175,111 @@ def _single_stream(engine: LLMEngine, prompt: list[int], max_tokens: int, device
             "decode_tokens_per_s": round((n - 1) / max(wall - ttft, 1e-9), 2)}
 
 
-def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenchConfig, device: torch.device,
-                     dtype: torch.dtype, shape: str, quick: bool) -> dict[str, Any]:
-    """The three systems, the single stream and the prefix case; the JSON result."""
-    corpus = load_corpus()
-    prompts = sized_prompts(tok, corpus, cfg.num_requests, cfg.min_prompt_tokens, cfg.max_prompt_tokens, cfg.seed)
+def attempt(name: str, fn: Callable[[], T], errors: dict[str, str]) -> T | None:
+    """``fn()``, or None with the error recorded under ``name`` (one system failing on the
+    device must not lose the other systems' figures from a scarce GPU run)."""
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - recorded in the result and printed in full
+        traceback.print_exc()
+        errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+        return None
+    print(f"[bench] {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _no_eos_reference(lm: LoadedModel, pad: int, max_tokens: int) -> tuple[torch.nn.Module, Any, Any]:
+    """A copy of the weights with SDPA and no EOS anywhere transformers could merge one in from,
+    plus the generation configs of the run and of the warm-up."""
     ref = copy.deepcopy(lm.model)
     if hasattr(ref, "set_attn_implementation"):
         ref.set_attn_implementation("sdpa")
-    # no EOS anywhere transformers could fill it in from (its defaults merge into ours)
     ref.config.eos_token_id = ref.generation_config.eos_token_id = None
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    gen = generation_config(cfg.max_tokens, [], pad)
-    gen.eos_token_id = None  # random weights: never stop early
-    cbc = cb_config(prompts, cfg.max_tokens, cfg.max_num_batched_tokens)
-    warm = prompts[:1]
-    warm_gen = generation_config(4, [], pad)
-    warm_gen.eos_token_id = None
-    run_hf_generate(ref, warm, warm_gen)
-    run_hf_continuous_batching(ref, warm, warm_gen, cbc)
+    gens = []
+    for n in (max_tokens, 4):
+        gen = generation_config(n, [], pad)
+        gen.eos_token_id = None  # random weights: never stop early
+        gens.append(gen)
+    return ref, gens[0], gens[1]
+
+
+def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenchConfig, device: torch.device,
+                     dtype: torch.dtype, shape: str, quick: bool) -> dict[str, Any]:
+    """kvstrata (throughput, single stream, prefix case) first, then transformers (a) and (b);
+    the JSON result. A system that raises is recorded under ``errors``."""
+    corpus = load_corpus()
+    prompts = sized_prompts(tok, corpus, cfg.num_requests, cfg.min_prompt_tokens, cfg.max_prompt_tokens, cfg.seed)
+    ref, gen, warm_gen = _no_eos_reference(lm, tok.pad_token_id if tok.pad_token_id is not None else 0,
+                                           cfg.max_tokens)
+    wbytes = weight_bytes(lm.model)
     engine = _engine(lm, prompts, cfg, device, dtype)
-    run_engine(engine, warm, 4, cache_namespace="warmup", ignore_eos=True)
-    hf_prompts = prompts[: cfg.hf_generate_requests]
-    outs: dict[str, list[list[int]]] = {}
-    wall: dict[str, float] = {}
-    outs["hf_generate"], wall["hf_generate"] = _timed(device, lambda: run_hf_generate(ref, hf_prompts, gen))
-    outs["hf_continuous_batching"], wall["hf_continuous_batching"] = _timed(
-        device, lambda: run_hf_continuous_batching(ref, prompts, gen, cbc))
-    outs["kvstrata"], wall["kvstrata"] = _timed(
-        device, lambda: run_engine(engine, prompts, cfg.max_tokens, cache_namespace="bench", ignore_eos=True))
-    single = _single_stream(engine, prompts[-1], cfg.max_tokens, device)
+    errors: dict[str, str] = {}
+    runs: dict[str, tuple[list[list[int]], float] | None] = {}
+    attempt("kvstrata_warmup", lambda: run_engine(engine, prompts[:1], 4, cache_namespace="warmup",
+                                                   ignore_eos=True), errors)
+    runs["kvstrata"] = attempt("kvstrata", lambda: _timed(device, lambda: run_engine(
+        engine, prompts, cfg.max_tokens, cache_namespace="bench", ignore_eos=True)), errors)
+    single = attempt("single_stream", lambda: _single_stream(engine, prompts[-1], cfg.max_tokens, device), errors)
     doc = shared_document(tok, corpus, cfg.prefix_doc_tokens, seed=cfg.seed + 1)
-    prefix = run_prefix_case(engine, tok, doc, cfg.prefix_rounds, cfg.prefix_hits_per_round, 1)
-    engine.wait_for_transfers()
-    engine.check_integrity()
-    return device_result(outs, wall, prompts, single, prefix.cold_ttft_s, prefix.hit_ttft_s, prefix.doc_tokens,
-                         weight_bytes(lm.model), cfg, shape, str(dtype).removeprefix("torch."), quick)
+    prefix = attempt("prefix", lambda: run_prefix_case(engine, tok, doc, cfg.prefix_rounds,
+                                                        cfg.prefix_hits_per_round, 1), errors)
+    attempt("integrity", lambda: (engine.wait_for_transfers(), engine.check_integrity()), errors)
+    hf = prompts[: cfg.hf_generate_requests]
+    attempt("hf_warmup", lambda: run_hf_generate(ref, prompts[:1], warm_gen), errors)
+    runs["hf_generate"] = attempt("hf_generate", lambda: _timed(device, lambda: run_hf_generate(ref, hf, gen)),
+                                   errors)
+    cbc = cb_config(prompts, cfg.max_tokens, cfg.max_num_batched_tokens)
+    attempt("cb_warmup", lambda: run_hf_continuous_batching(ref, prompts[:1], warm_gen, cbc), errors)
+    runs["hf_continuous_batching"] = attempt("hf_continuous_batching", lambda: _timed(
+        device, lambda: run_hf_continuous_batching(ref, prompts, gen, cbc)), errors)
+    done = {n: r for n, r in runs.items() if r is not None}
+    result = device_result({n: r[0] for n, r in done.items()}, {n: r[1] for n, r in done.items()}, prompts,
+                           single, prefix, wbytes, cfg)
+    return result | {"model_shape": shape, "dtype": str(dtype).removeprefix("torch."), "quick": quick,
+                     "errors": errors}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def device_result(outs: dict[str, list[list[int]]], wall: dict[str, float], prompts: Sequence[Sequence[int]],
-                  single: dict[str, float], cold: Sequence[float], hit: Sequence[float], doc_tokens: int,
-                  wbytes: int, cfg: GpuBenchConfig, shape: str, dtype: str, quick: bool) -> dict[str, Any]:
-    """The JSON result of a device run (pure: tested on the CPU)."""
+                  single: dict[str, float] | None, prefix: PrefixCase | None, wbytes: int,
+                  cfg: GpuBenchConfig) -> dict[str, Any]:
+    """The JSON result of a device run from what finished (pure: tested on the CPU). A ratio
+    whose inputs are missing is None, and a target that cannot be judged is not met."""
     tps = {n: sum(len(o) for o in outs[n]) / wall[n] for n in outs}
     step_s = wbytes / cfg.hbm_bandwidth
     roof_batch = cfg.num_requests / step_s
-    ratio_cb = tps["kvstrata"] / tps["hf_continuous_batching"]
-    prefix_ratio = median(hit) / median(cold)
+    ratio_cb = _ratio(tps.get("kvstrata"), tps.get("hf_continuous_batching"))
+    prefix_ratio = prefix.ratio if prefix is not None else None
+    decode = single["decode_tokens_per_s"] if single is not None else None
     plens = [len(p) for p in prompts]
-    return {
-        "bench": "engine", "mode": "device", "quick": quick, "model_shape": shape, "dtype": dtype,
-        "num_requests": len(prompts), "max_tokens": cfg.max_tokens,
+    r = {
+        "bench": "engine", "mode": "device", "num_requests": len(prompts), "max_tokens": cfg.max_tokens,
         "prompt_tokens": {"min": min(plens), "median": median(plens), "max": max(plens), "total": sum(plens)},
-        "hf_generate_requests": len(outs["hf_generate"]),
+        "hf_generate_requests": len(outs.get("hf_generate", [])),
         "generated_tokens": {n: sum(len(o) for o in v) for n, v in outs.items()},
         "all_full_length": all(len(o) == cfg.max_tokens for v in outs.values() for o in v),
         "wall_s": {n: round(v, 3) for n, v in wall.items()},
         "tokens_per_s": {n: round(v, 2) for n, v in tps.items()},
-        "speedup_vs_hf_continuous_batching": round(ratio_cb, 3),
-        "speedup_vs_hf_generate": round(tps["kvstrata"] / tps["hf_generate"], 3),
+        "speedup_vs_hf_continuous_batching": ratio_cb,
+        "speedup_vs_hf_generate": _ratio(tps.get("kvstrata"), tps.get("hf_generate")),
         "single_stream": single,
-        "prefix_doc_tokens": doc_tokens,
-        "prefix_cold_ttft_s": round(median(cold), 4), "prefix_hit_ttft_s": round(median(hit), 4),
-        "prefix_hit_ttft_ratio": round(prefix_ratio, 4),
+        "prefix_doc_tokens": prefix.doc_tokens if prefix is not None else None,
+        "prefix_cold_ttft_s": median(prefix.cold_ttft_s) if prefix is not None else None,
+        "prefix_hit_ttft_s": median(prefix.hit_ttft_s) if prefix is not None else None,
+        "prefix_hit_ttft_ratio": prefix_ratio,
         "weight_bytes": wbytes, "hbm_bandwidth": cfg.hbm_bandwidth,
         "roofline_tokens_per_s": {"batch": round(roof_batch, 1), "single": round(1 / step_s, 1)},
-        "roofline_fraction": {"batch": round(tps["kvstrata"] / roof_batch, 6),
-                              "single": round(single["decode_tokens_per_s"] * step_s, 6)},
-        "targets_met": {"kvstrata_ge_5x_continuous_batching": ratio_cb >= 5.0,
-                        "single_stream_ge_100_tok_s": single["decode_tokens_per_s"] >= 100.0,
-                        "prefix_hit_ttft_le_0.1x_cold": prefix_ratio <= 0.1},
+        "roofline_fraction": {"batch": _ratio(tps.get("kvstrata"), roof_batch),
+                              "single": None if decode is None else decode * step_s},
+        "targets_met": {"kvstrata_ge_5x_continuous_batching": ratio_cb is not None and ratio_cb >= 5.0,
+                        "single_stream_ge_100_tok_s": decode is not None and decode >= 100.0,
+                        "prefix_hit_ttft_le_0.1x_cold": prefix_ratio is not None and prefix_ratio <= 0.1},
     }
+    return r
 
 
 def load_device_model(shape: str | None, model_path: str | None, device: torch.device, dtype: torch.dtype,

@@ -13,7 +13,7 @@ Everything lands in ``$OUT`` (default ``./gpu-check-out``): ``gpu-check.log`` (e
 output), ``<step>.log``, ``pytest-gpu.xml``, ``engine.json``, ``tiers.json`` and
 ``summary.json``. The last stdout line is the summary as one JSON object: pass/fail counts,
 each step's exit status and seconds, the key figures, ``targets_met`` (every target of both
-benches) and ``ok`` (every step exited 0 and no test failed). The tokenizer and the corpus
+benches) and ``ok`` (every step exited 0, no test failed, no bench part raised). The tokenizer and the corpus
 come from ``$KVSTRATA_GPU_CARRY`` (default ``.gpu-carry``, built by ``make gpu-bundle``).
 """
 
@@ -121,13 +121,14 @@ def summarize(results: dict[str, StepResult], tests: dict[str, int], engine: dic
     if engine:
         figures["engine"] = {k: engine.get(k) for k in (
             "tokens_per_s", "speedup_vs_hf_continuous_batching", "prefix_hit_ttft_ratio", "roofline_fraction",
-            "all_full_length", "prompt_tokens")}
+            "all_full_length", "prompt_tokens", "errors")}
         figures["engine"]["single_stream"] = engine.get("single_stream")
     if tiers:
         figures["tiers"] = {k: tiers.get(k) for k in (
             "restore_gbps", "pinned_memcpy_gbps", "restore_over_memcpy", "decode_with_over_without")}
     ok = (all(r.rc == 0 for r in results.values()) and tests.get("failed", 1) == 0
-          and tests.get("errors", 1) == 0 and not tests.get("missing"))
+          and tests.get("errors", 1) == 0 and not tests.get("missing")
+          and not (engine or {}).get("errors") and not (tiers or {}).get("errors"))
     return {
         "gpu_check": "issue-17", "ok": ok, "seconds": round(seconds, 1), "tests": tests,
         "steps": {n: {"rc": r.rc, "timed_out": r.timed_out, "seconds": round(r.seconds, 1)}

@@ -100,6 +100,8 @@ def test_summary_counts_tests_and_merges_targets(tmp_path: Path) -> None:
     s = summarize(hung, tests, engine, None, 200.0)
     assert s["ok"] is False and s["steps"]["tiers"]["timed_out"] is True and s["all_targets_met"] is False
     assert summarize(ok, tests, engine | {"targets_met": {"a": True}}, tiers, 1.0)["all_targets_met"] is True
+    assert summarize(ok, tests, engine, tiers, 1.0)["ok"] is True
+    assert summarize(ok, tests, engine, tiers | {"errors": {"decode": "RuntimeError: x"}}, 1.0)["ok"] is False
     assert json.loads(json.dumps(s)) == s  # one JSON line
 
 
@@ -123,7 +125,7 @@ def test_device_engine_bench_runs_end_to_end_on_a_tiny_shape(capsys: pytest.Capt
                        "--max-tokens", "5", "--min-prompt-tokens", "32", "--max-prompt-tokens", "64",
                        "--prefix-doc-tokens", "64", "--hf-generate-requests", "1"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["mode"] == "device" and result["all_full_length"] is True
+    assert result["mode"] == "device" and result["all_full_length"] is True and result["errors"] == {}
     assert result["generated_tokens"] == {"hf_generate": 5, "hf_continuous_batching": 15, "kvstrata": 15}
     assert set(result["targets_met"]) == {"kvstrata_ge_5x_continuous_batching", "single_stream_ge_100_tok_s",
                                           "prefix_hit_ttft_le_0.1x_cold"}
@@ -138,4 +140,20 @@ def test_device_tier_bench_runs_end_to_end_on_a_tiny_shape() -> None:
     assert result["restore_bytes"] > 0 and result["restore_gbps"] > 0 and result["pinned_memcpy_gbps"] > 0
     decode = result["decode_step_ms"]
     assert decode["demoted_bytes"] >= 1 << 19 and decode["steps_with"] >= 3 and decode["without_ms"] > 0
+    assert result["errors"] == {}
     assert set(result["targets_met"]) == {"restore_ge_0.7_memcpy", "decode_with_demotion_within_10pct"}
+
+
+def test_device_result_from_a_partial_run_leaves_unjudged_targets_unmet() -> None:
+    """Regression: one system failing on the GPU lost every figure of the run; now the others
+    are reported, ratios without inputs are None and their targets are not met."""
+    from bench.engine_gpu import GpuBenchConfig, device_result
+
+    cfg = GpuBenchConfig(num_requests=2, max_tokens=3)
+    r = device_result({"kvstrata": [[1, 2, 3], [4, 5, 6]]}, {"kvstrata": 0.5}, [[1] * 300, [2] * 400],
+                      {"decode_tokens_per_s": 150.0, "ttft_s": 0.01}, None, 4_800_000_000, cfg)
+    assert r["tokens_per_s"] == {"kvstrata": 12.0} and r["speedup_vs_hf_continuous_batching"] is None
+    assert r["prefix_hit_ttft_ratio"] is None and r["roofline_fraction"]["single"] == pytest.approx(0.15)
+    assert r["targets_met"] == {"kvstrata_ge_5x_continuous_batching": False, "single_stream_ge_100_tok_s": True,
+                                "prefix_hit_ttft_le_0.1x_cold": False}
+    assert json.loads(json.dumps(r, allow_nan=False)) == r
