@@ -131,6 +131,30 @@ def test_every_metric_is_exported_and_counts_match_the_requests_sent(stack: Stac
         assert spill[name].type == kind, name
 
 
+def test_the_openai_http_api_is_observed_by_the_same_metrics(stack: Stack) -> None:
+    """One place observes both APIs: a streamed chat completion through the unmodified openai
+    client counts as the gRPC requests do (tokens, TTFT, one inter-token gap per later chunk)."""
+    import openai
+
+    key = stack.register("metrics-http")
+    client = openai.OpenAI(base_url=f"http://{stack.services.http_address}/v1", api_key=key, max_retries=0)
+    model = client.models.list().data[0].id
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[], max_tokens=5)
+    gw, tenant = scrape(stack.services.metrics["gateway"]), {"tenant": "metrics-http"}
+    assert value(gw, "kvstrata:requests_total", status="OK", **tenant) == 1
+    assert value(gw, "kvstrata:time_to_first_token_seconds_count", **tenant) == 1
+    assert value(gw, "kvstrata:e2e_request_latency_seconds_count", **tenant) == 1
+    assert value(gw, "kvstrata:prompt_tokens_total", **tenant) == usage.prompt_tokens
+    assert value(gw, "kvstrata:generation_tokens_total", **tenant) == usage.completion_tokens
+    # the empty message list is refused by the call path's parse step: counted by its status
+    assert value(gw, "kvstrata:requests_total", status="INVALID_ARGUMENT", **tenant) == 1
+
+
 def test_stats_and_the_targets_file_name_every_metrics_address(stack: Stack, tmp_path: Path) -> None:
     stats = json.loads(stack.admin.Stats(admin_pb2.StatsRequest(), metadata=stack.admin_md()).stats_json)
     assert {n["node_id"]: n["metrics_address"] for n in stats["nodes"]} == {
