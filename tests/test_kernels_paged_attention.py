@@ -215,7 +215,7 @@ def test_gpu_matches_reference_on_model_shapes(shape: dict[str, int]) -> None:
     decode = [(1500, 1), (700, 1), (37, 1), (1, 1)]
     for dtype, atol, rtol in ((torch.float32, FP32_ATOL, 0.0),
                               (torch.bfloat16, BF16_ATOL, BF16_RTOL)):
-        for specs, splits in ((mixed, None), (decode, None), (decode, 1), (decode, 8)):
+        for specs, splits in ((mixed, None), (decode, 8)):
             batch = make_batch(specs, **shape, block_size=16, dtype=dtype, device="cuda")
             _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=splits), atol, rtol)
 
@@ -233,10 +233,11 @@ def _time_ms(fn, iters: int = 20) -> float:
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_vs_reference_timing() -> None:
-    """For the record (printed; run with -s): one layer of the Llama-3.1-8B shape in bf16.
-    Decode reads every context token's K and V once, so its KV bytes / time is compared with
-    the H200's ~4.8 TB/s. The kernel must beat the padded torch reference in every case."""
+def test_gpu_kernel_vs_reference_timing(record_property) -> None:
+    """For the record (printed, and as properties in the JUnit XML): one layer of the
+    Llama-3.1-8B shape in bf16. Decode reads every context token's K and V once, so its KV
+    bytes / time compares with the H200's ~4.8 TB/s. The kernel must beat the padded torch
+    reference in every case."""
     g = torch.Generator().manual_seed(0)
     cases = {
         "decode 32 x 256-1024": [(int(n), 1) for n in torch.randint(256, 1025, (32,),
@@ -252,7 +253,8 @@ def test_gpu_kernel_vs_reference_timing() -> None:
         kernel_ms = _time_ms(lambda b=batch: pa.paged_attention(*b.args()))
         reference_ms = _time_ms(lambda b=batch: paged_attention_reference(*b.args()), iters=3)
         kv_bytes = sum(n for n, _ in specs) * 2 * 8 * 128 * 2  # K and V, 8 KV heads, bf16
-        print(f"paged_attention {name}: kernel {kernel_ms:.3f} ms, reference "
-              f"{reference_ms:.3f} ms ({reference_ms / kernel_ms:.1f}x), KV read "
-              f"{kv_bytes / kernel_ms / 1e6:.0f} GB/s")
+        line = (f"kernel {kernel_ms:.3f} ms, reference {reference_ms:.3f} ms "
+                f"({reference_ms / kernel_ms:.1f}x), KV read {kv_bytes / kernel_ms / 1e6:.0f} GB/s")
+        print(f"paged_attention {name}: {line}")
+        record_property(f"paged_attention {name}", line)
         assert kernel_ms < reference_ms, name
