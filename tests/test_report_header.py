@@ -120,3 +120,13 @@ def test_what_to_look_at_is_written_from_the_numbers() -> None:
                         "Device-tier blocks in use peaked at 50% of the pool.")
     good = compute_report([r for r in RECORDS if r["tenant"] == "B" and r["status"] == "ok"], [], TENANTS)
     assert what_to_look_at(good)[0] == "Every tenant with ok calls met its TTFT target on at least 95% of them."
+
+
+def test_what_to_look_at_an_empty_run_says_nothing_was_measured() -> None:
+    """An empty plan once read "All 0 sent calls succeeded."."""
+    assert what_to_look_at(compute_report([], [], TENANTS)) == [
+        "No tenant has an ok call, so no TTFT attainment was measured.",
+        "No tenant was backlogged for a whole floor window, so no floor was tested.",
+        "No call was planned.",
+        "No ok call, so no cache hit rate.",
+    ]

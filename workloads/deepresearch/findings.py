@@ -71,6 +71,8 @@ def _noisy_sentences(report: Mapping[str, Any]) -> list[str]:
 def _failure_sentence(report: Mapping[str, Any]) -> str:
     overall = report["overall"]
     failures = overall["failures_by_status"]
+    if not overall["calls"]:
+        return "No call was planned."
     if not failures:
         return f"All {overall['sent']} sent calls succeeded."
     rejected = overall["rejections"]
