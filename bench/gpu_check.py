@@ -64,11 +64,12 @@ class StepResult:
         return self.rc is None
 
 
-def run_step(step: Step, timeout_s: float, env: dict[str, str], log: Path) -> StepResult:
-    """Run ``step`` in its own process group, killed as a group at ``timeout_s``."""
+def run_step(step: Step, timeout_s: float, env: dict[str, str], log: Path, cwd: Path) -> StepResult:
+    """Run ``step`` in ``cwd`` in its own process group, killed as a group at ``timeout_s``."""
     t0 = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
         try:
             rc: int | None = proc.wait(timeout=max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
@@ -138,6 +139,23 @@ def summarize(results: dict[str, StepResult], tests: dict[str, int], engine: dic
     }
 
 
+def machine() -> dict[str, Any]:
+    """torch, transformers and triton versions and the CUDA device's name (what is importable)."""
+    info: dict[str, Any] = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "triton"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            info[name] = f"unavailable: {type(exc).__name__}"
+    try:
+        import torch
+
+        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        info["device"] = f"unavailable: {type(exc).__name__}"
+    return info
+
+
 def _env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
@@ -155,7 +173,7 @@ def main() -> int:
     with open(out / "gpu-check.log", "w") as log:
         for step in steps(out):
             left = BUDGET_S - (time.monotonic() - t0) - 5
-            res = run_step(step, min(step.timeout_s, left), env, out / f"{step.name}.log")
+            res = run_step(step, min(step.timeout_s, left), env, out / f"{step.name}.log", root)
             results[step.name] = res
             log.write(f"==== {step.name}: rc={res.rc} {res.seconds:.1f}s: {' '.join(step.argv)}\n{res.output}\n")
             log.flush()
@@ -164,6 +182,7 @@ def main() -> int:
     engine = last_json(results["engine"].output)
     tiers = last_json(results["tiers"].output)
     summary = summarize(results, junit_counts(out / "pytest-gpu.xml"), engine, tiers, time.monotonic() - t0)
+    summary["machine"] = machine()
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     print(json.dumps(summary, sort_keys=True), flush=True)
     return 0 if summary["ok"] else 1
