@@ -27,9 +27,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 
 from cache_node.kernels.paged_attention_triton import (
     _merge_splits_kernel,
@@ -55,7 +56,7 @@ def _patch_interpreter_scalar_index() -> None:
     ``int(array)``, which numpy 2.4 rejects ("only 0-dimensional arrays can be converted");
     triton-lang/triton#9171, fixed upstream by squeezing. Applied only when interpreting.
     """
-    from triton.runtime import interpreter
+    from triton.runtime import interpreter  # type: ignore[import-untyped]
 
     original = interpreter._patch_lang_tensor
     if getattr(original, "squeezes_scalars", False):
@@ -96,7 +97,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, num
     return max(1, min(MAX_KV_SPLITS, wanted, max_context // SPLIT_MIN_TOKENS))
 
 
-def _common_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
+def _common_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, Any]:
     # KV tiles of 64 positions for 16-bit head_dim <= 64, else 32: no register spills on sm_90
     # (tests/compile_kernels.py checks it).
     wide = head_dim <= 64 and dtype != torch.float32
@@ -110,7 +111,7 @@ def _common_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict[s
 
 
 def unified_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, object]:
+                   head_dim: int, block_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """Compile-time parameters of ``_unified_attention_kernel`` for a batch's shapes.
 
     Rows per program ``BLOCK_Q * GROUP_PAD`` = 16 when the batch is mostly decodes (<= 4
@@ -125,7 +126,7 @@ def unified_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
 
 
 def split_kv_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                    dtype: torch.dtype, num_splits: int) -> dict[str, object]:
+                    dtype: torch.dtype, num_splits: int) -> dict[str, Any]:
     """Compile-time parameters of ``_split_kv_decode_kernel`` (16 rows: the GQA group, padded)."""
     group = num_heads // num_kv_heads
     return {
@@ -134,7 +135,7 @@ def split_kv_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size
     }
 
 
-def launch_options(config: dict[str, object]) -> dict[str, int]:
+def launch_options(config: dict[str, Any]) -> dict[str, int]:
     """Warps and pipeline stages for a config: 8 warps for tiles of >= 64 rows (4 spill fp32)."""
     rows = int(config.get("GROUP_ROWS") or config["BLOCK_Q"] * config["GROUP_PAD"])
     return {"num_warps": 8 if rows >= 64 else 4, "num_stages": 2}

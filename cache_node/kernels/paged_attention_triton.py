@@ -10,8 +10,8 @@ al., SOSP'23); slots are 64-bit so pools over 2^31 elements index correctly.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 
 @triton.jit
