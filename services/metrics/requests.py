@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -75,23 +76,32 @@ class GatewayMetrics:
         self.ttft_slo_s = Gauge(f"{PREFIX}tenant_ttft_slo_seconds", "The tenant's TTFT SLO, s.", t, registry=reg)
         self.floor_tokens_per_s = Gauge(f"{PREFIX}tenant_token_rate_floor", "The tenant's token-rate floor, "
                                         "tokens/s (0: none).", t, registry=reg)
+        self._series: dict[str, SimpleNamespace] = {}  # tenant name -> its TENANT_SERIES children
 
     def track(self, tenant: Any) -> RequestTracker:
         """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now."""
         spec = tenant.spec
-        self.ttft_slo_s.labels(spec.name).set(spec.ttft_slo_ms / 1000.0)
-        self.floor_tokens_per_s.labels(spec.name).set(spec.min_tokens_per_s)
-        for counter in (self.slo_requests, self.slo_met, self.floor_requests, self.floor_met):
-            counter.labels(spec.name)  # at 0 from the first request: attainment ratios have a series
-        return RequestTracker(self, spec.name, spec.ttft_slo_ms / 1000.0, spec.min_tokens_per_s)
+        series = self._series.get(spec.name)
+        if series is None:  # the tenant's children, resolved once (``labels`` takes a lock)
+            series = self._series[spec.name] = SimpleNamespace(**{
+                name: getattr(self, name).labels(spec.name) for name in TENANT_SERIES})
+        series.ttft_slo_s.set(spec.ttft_slo_ms / 1000.0)  # the tenant's current targets
+        series.floor_tokens_per_s.set(spec.min_tokens_per_s)
+        return RequestTracker(self, series, spec.name, spec.ttft_slo_ms / 1000.0, spec.min_tokens_per_s)
+
+
+TENANT_SERIES = ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "slo_requests", "slo_met",
+                 "floor_requests", "floor_met", "ttft_slo_s", "floor_tokens_per_s")
+"""``GatewayMetrics`` attributes labelled by tenant alone (attainment counters start at 0)."""
 
 
 class RequestTracker:
-    """One request's observations; ``finish`` once, when it has ended."""
+    """One request's observations; ``finish`` once, when it has ended. ``series``: its
+    tenant's children of the ``TENANT_SERIES`` metrics."""
 
-    def __init__(self, metrics: GatewayMetrics, tenant: str, ttft_slo_s: float, floor_tokens_per_s: float,
-                 clock: Any = time.monotonic) -> None:
-        self.m, self.tenant, self.clock = metrics, tenant, clock
+    def __init__(self, metrics: GatewayMetrics, series: Any, tenant: str, ttft_slo_s: float,
+                 floor_tokens_per_s: float, clock: Any = time.monotonic) -> None:
+        self.m, self.s, self.tenant, self.clock = metrics, series, tenant, clock
         self.ttft_slo_s, self.floor_tokens_per_s = ttft_slo_s, floor_tokens_per_s
         self.arrival_s = clock()
         self.first_token_s: float | None = None
@@ -103,10 +113,11 @@ class RequestTracker:
     def observe(self, event: dict[str, Any]) -> None:
         """A node event of this request (``started``, ``delta``, ``finished``), as it arrives."""
         kind = event["type"]
-        if kind == "started":
-            self.m.prompt_tokens.labels(self.tenant).inc(int(event["prompt_tokens"]))
-        elif kind == "delta" and event["token_ids"]:
-            self._tokens(len(event["token_ids"]))
+        if kind == "delta":
+            if event["token_ids"]:
+                self._tokens(len(event["token_ids"]))
+        elif kind == "started":
+            self.s.prompt_tokens.inc(int(event["prompt_tokens"]))
         elif kind == "finished":
             self.finished_reason = str(event["finish_reason"])
 
@@ -115,15 +126,15 @@ class RequestTracker:
         if self.first_token_s is None:
             self.first_token_s = now
             ttft_s = now - self.arrival_s
-            self.m.ttft.labels(self.tenant).observe(ttft_s)
-            self.m.slo_requests.labels(self.tenant).inc()
+            self.s.ttft.observe(ttft_s)
+            self.s.slo_requests.inc()
             if ttft_s <= self.ttft_slo_s:
-                self.m.slo_met.labels(self.tenant).inc()
+                self.s.slo_met.inc()
         else:
-            self.m.itl.labels(self.tenant).observe(now - self.last_token_s)
+            self.s.itl.observe(now - self.last_token_s)
         self.last_token_s = now
         self.num_tokens += n
-        self.m.generation_tokens.labels(self.tenant).inc(n)
+        self.s.generation_tokens.inc(n)
 
     def rejected(self, reason: str) -> None:
         """The admission refused it (``Admission.reason``); ``finish`` still follows."""
@@ -139,12 +150,12 @@ class RequestTracker:
         if status != "OK" or not self.finished_reason:
             return
         self.m.success.labels(self.tenant, self.finished_reason).inc()
-        self.m.e2e.labels(self.tenant).observe(self.clock() - self.arrival_s)
+        self.s.e2e.observe(self.clock() - self.arrival_s)
         if self.floor_tokens_per_s > 0 and self.num_tokens >= 2 and self.first_token_s is not None:
-            self.m.floor_requests.labels(self.tenant).inc()
+            self.s.floor_requests.inc()
             decode_s = self.last_token_s - self.first_token_s
             if decode_s <= 0 or (self.num_tokens - 1) / decode_s >= self.floor_tokens_per_s:
-                self.m.floor_met.labels(self.tenant).inc()
+                self.s.floor_met.inc()
 
 
 def status_of(exc: BaseException, context: Any) -> str:
