@@ -5,7 +5,10 @@ the same Wikipedia chat prompts (as token ids, so templating is identical):
 
 * in-process: ``services.cache_node.CacheNode.generate`` called directly;
 * service: a local Ray cluster with the GlobalScheduler, one CacheNode actor and the Gateway
-  actor, driven by a grpc.aio client with a real tenant and API key.
+  actor, driven by a grpc.aio client with a real tenant and API key;
+* http: the same gateway's OpenAI-compatible API (``services.openai_api``), driven by the
+  official ``openai`` client (``AsyncOpenAI``, streamed ``/v1/completions`` of the token ids), in
+  its own cache partition (``cache_salt``) so its prompts are as cold as the other paths'.
 
 Both run side by side in one process and are measured alternately (see ``_rounds``), so load
 from elsewhere on the machine hits both. TTFT is the first streamed token, client side, one
@@ -25,7 +28,11 @@ milliseconds, not single ones; the A/A control below measures that floor in the 
   service when these agree);
 - ``added_ttft_ms_p50_end_to_end``: median over prompts of the (service - in-process) client TTFT;
   ``aa_ttft_ms_p50_end_to_end`` the same between two in-process runs (A/A: zero but for noise);
-- ``throughput_ratio`` = median over rounds of service / in-process tokens/s.
+- ``throughput_ratio`` = median over rounds of service / in-process tokens/s;
+- ``http``: the HTTP path's ``ttft_ms_p50``, ``added_ttft_ms_p50`` (outside the engine, against
+  in-process, paired as gRPC's), ``added_ttft_ms_p50_end_to_end``, ``added_ttft_ms_p50_probe``
+  and ``added_ttft_ms_p50_probe_end_to_end``, measured in the same rounds next to gRPC's (TTFT
+  and probes only; throughput is gRPC's).
 
 Last stdout line: JSON with ``ttft_ms_p50`` (both paths), ``added_ttft_ms_p50`` and
 ``throughput_ratio`` (service / in-process), and the figures above.
@@ -48,6 +55,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import grpc
+import openai
 import ray
 
 from bench.common import median, wiki_chat_requests
@@ -103,6 +111,21 @@ async def _grpc_one(stub, md, rid: str, ids: list[int], max_tokens: int) -> tupl
     return ttft, n, node_ttft
 
 
+async def _http_one(client: openai.AsyncOpenAI, model: str, rid: str, ids: list[int],
+                    max_tokens: int) -> tuple[float, int, float]:
+    """(client TTFT ms, generated tokens, the node's own TTFT ms) through the OpenAI API."""
+    t0, ttft, n, node_ttft = time.perf_counter(), 0.0, 0, 0.0
+    stream = await client.completions.create(
+        model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"cache_salt": "http"})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            ttft = ttft or (time.perf_counter() - t0) * 1000
+        if chunk.usage is not None:
+            n, node_ttft = chunk.usage.completion_tokens, chunk.model_extra["kvstrata"]["ttft_ms"]
+    return ttft, n, node_ttft
+
+
 async def _throughput(one, prompts: list[list[int]], max_tokens: int, tag: str) -> float:
     """All prompts in flight at once on one path; generated tokens per second."""
     t0 = time.perf_counter()
@@ -113,6 +136,7 @@ async def _throughput(one, prompts: list[list[int]], max_tokens: int, tag: str) 
 async def _rounds(
     node: CacheNode,
     address: str,
+    http_address: str,
     admin_key: str,
     prompts: list[list[int]],
     max_tokens: int,
@@ -138,19 +162,25 @@ async def _rounds(
         "aa_pairs": [],
         "tps": {"in_process": [], "service": []},
         "probe_pairs": [],
+        "http_pairs": [],
+        "http_probe_pairs": [],
     }
+    http = openai.AsyncOpenAI(base_url=f"http://{http_address}/v1", api_key="-", max_retries=0)
     async with grpc.aio.insecure_channel(address) as ch:
         admin = (("authorization", f"Bearer {admin_key}"),)
         tenants = tenant_pb2_grpc.TenantServiceStub(ch)
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         keys = await _round_keys(tenants, admin, rounds)
         probe = prompts[0][:16]
+        clients = [http.with_options(api_key=md[0][1].split(" ", 1)[1]) for md in keys]  # per round's tenant
+        model = (await clients[0].models.list()).data[0].id
         for r in range(rounds + 1):
             ns = f"bench-r{r}"
             paths = {
                 "in_process": lambda rid, p, m, ns=ns: _inproc_one(node, ns, rid, p, m),
                 "service": lambda rid, p, m, md=keys[r]: _grpc_one(stub, md, rid, p, m),
                 "in_process_aa": lambda rid, p, m, ns=ns: _inproc_one(node, f"{ns}-aa", rid, p, m),
+                "http": lambda rid, p, m, c=clients[r]: _http_one(c, model, rid, p, m),
             }
             if r == 0:
                 for name, one in paths.items():
@@ -183,12 +213,14 @@ async def _measure_round(paths: dict[str, Any], r: int, prompts: list[list[int]]
         ttft = {name: await paths[name](f"{name}-r{r}-t{i}", p, 1) for name in order}
         out["ttft_pairs"].append((ttft["in_process"], ttft["service"]))
         out["aa_pairs"].append((ttft["in_process"], ttft["in_process_aa"]))
+        out["http_pairs"].append((ttft["in_process"], await paths["http"](f"http-r{r}-t{i}", p, 1)))
     for name in ("in_process", "service") if r % 2 else ("service", "in_process"):
         out["tps"][name].append(await _throughput(paths[name], prompts, max_tokens, f"{name}-r{r}"))
     for k in range(probes):
         order = ("in_process", "service") if k % 2 else ("service", "in_process")
         ttft = {name: await paths[name](f"{name}-r{r}-p{k}", probe, 1) for name in order}
         out["probe_pairs"].append((ttft["in_process"], ttft["service"]))
+        out["http_probe_pairs"].append((ttft["in_process"], await paths["http"](f"http-r{r}-p{k}", probe, 1)))
 
 
 def _print_round(r: int, out: dict[str, Any], num_prompts: int) -> None:
@@ -266,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         res = asyncio.run(
             _rounds(
-                node, services.address, services.admin_key, prompts, max_tokens, rounds, args.probes
+                node, services.address, services.http_address, services.admin_key, prompts, max_tokens, rounds,
+                args.probes,
             )
         )
     finally:
@@ -297,6 +330,13 @@ def _summary(res: dict[str, Any], n: int, max_tokens: int, rounds: int) -> dict[
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
         "throughput_ratio": round(median(ratios), 3),
         "throughput_ratio_per_round": [round(x, 3) for x in ratios],
+        "http": {
+            "ttft_ms_p50": _both(res["http_pairs"], _client)["service"],
+            "added_ttft_ms_p50": _added(res["http_pairs"], _outside),
+            "added_ttft_ms_p50_end_to_end": _added(res["http_pairs"], _client),
+            "added_ttft_ms_p50_probe": _added(res["http_probe_pairs"], _outside),
+            "added_ttft_ms_p50_probe_end_to_end": _added(res["http_probe_pairs"], _client),
+        },
     }
 
 
