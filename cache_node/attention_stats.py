@@ -49,14 +49,15 @@ class AttentionStats:
     ``queries[l]``: (<= w, H, d) latest query vectors; ``query_pos[l]``: their absolute positions.
     """
 
-    def __init__(self, needs: StatsNeeds, num_layers: int, num_kv_heads: int, decay: float = 1.0) -> None:
+    def __init__(self, needs: StatsNeeds, num_layers: int, num_kv_heads: int, decay: float = 1.0,
+                 device: torch.device | str = "cpu") -> None:
         self.needs = needs
         self.decay = decay
         self.num_layers = num_layers
         self.capacity = 0
         self.step = -1
-        self.cum = torch.zeros((num_layers, num_kv_heads, 0))
-        self.recent = torch.zeros((num_layers, needs.recent_steps, num_kv_heads, 0))
+        self.cum = torch.zeros((num_layers, num_kv_heads, 0), device=device)
+        self.recent = torch.zeros((num_layers, needs.recent_steps, num_kv_heads, 0), device=device)
         self.queries: list[torch.Tensor | None] = [None] * num_layers
         self.query_pos: list[torch.Tensor | None] = [None] * num_layers
 
@@ -102,7 +103,7 @@ class AttentionStats:
 
     def compact(self, keep: list[torch.Tensor]) -> None:
         """Keep, per layer, the slots ``keep[l]`` (moved to the front); the rest is zeroed."""
-        cum = torch.zeros((self.num_layers, self.cum.shape[1], self.capacity))
+        cum = torch.zeros_like(self.cum)
         recent = torch.zeros_like(self.recent)
         for layer, idx in enumerate(keep):
             cum[layer, :, : len(idx)] = self.cum[layer][:, idx]

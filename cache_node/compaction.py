@@ -20,24 +20,27 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def sequence_slots(seq: Sequence, block_size: int, num_slots: int) -> torch.Tensor:
-    """(num_slots,) pool slots of the sequence's first ``num_slots`` physical slots."""
-    return torch.from_numpy(block_slots([b.block_id for b in seq.block_table], block_size, num_slots))
+def sequence_slots(seq: Sequence, block_size: int, num_slots: int, device: torch.device) -> torch.Tensor:
+    """(num_slots,) int64 pool slots of the sequence's first ``num_slots`` physical slots, on
+    ``device`` (one host->device copy)."""
+    slots = torch.from_numpy(block_slots([b.block_id for b in seq.block_table], block_size, num_slots))
+    return slots.to(device, non_blocking=True)
 
 
 def gather_kv(pool: KVPool, seq: Sequence, src: torch.Tensor) -> torch.Tensor:
     """Copy out KV by physical slot index per layer.
 
     Args:
-        src: (L, m) int64 physical slot indices of the sequence (-1 = padding, returns zeros).
+        src: (L, m) int64 physical slot indices of the sequence (-1 = padding, returns zeros),
+            on the pool's device.
 
     Returns:
-        (L, m, 2, H_kv, d) KV in the pool's dtype.
+        (L, m, 2, H_kv, d) KV in the pool's dtype, on the pool's device.
     """
     num_slots = int(src.max()) + 1 if src.numel() else 0
-    slots = sequence_slots(seq, pool.block_size, max(num_slots, 1))
+    slots = sequence_slots(seq, pool.block_size, max(num_slots, 1), pool.kv.device)
     pool_slots = slots[src.clamp(min=0)]
-    layers = torch.arange(pool.num_layers).unsqueeze(1)
+    layers = torch.arange(pool.num_layers, device=pool.kv.device).unsqueeze(1)
     data = pool.kv[layers, :, pool_slots]  # (L, m, 2, H, d)
     return data.masked_fill((src < 0).view(*src.shape, 1, 1, 1), 0.0)
 
@@ -81,8 +84,8 @@ def rewrite_kv(pool: KVPool, block_pool: BlockPool, seq: Sequence, data: torch.T
                 raise RuntimeError("copy-on-write found no free block: call can_rewrite first")
             block_pool.free([block])
             seq.block_table[i] = fresh[0]
-    dest = sequence_slots(seq, bs, data.shape[1])
-    layers = torch.arange(pool.num_layers).unsqueeze(1)
+    dest = sequence_slots(seq, bs, data.shape[1], pool.kv.device)
+    layers = torch.arange(pool.num_layers, device=pool.kv.device).unsqueeze(1)
     pool.kv[layers, :, dest.unsqueeze(0).expand(pool.num_layers, -1)] = data.to(pool.kv.dtype)
 
 

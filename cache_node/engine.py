@@ -77,11 +77,15 @@ class LLMEngine(EngineTiersMixin):
             num_blocks, dtype, device,
         )
         self.kv_format = kv_format_name(config.dtype, mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, hash_fn)
+        # CUDA-graph decode pads batches to a bucket: the padding writes its K/V into the
+        # pool's last block, which the block pool then never hands out
+        scratch = ModelRunner.uses_cuda_graphs(config) and num_blocks > 2
+        self.kv_manager = KVCacheManager(num_blocks - scratch, config.block_size, hash_fn)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.scheduler.max_seq_tokens = self.max_model_len
         self.scheduler.reclaim = self._unpin_idle_sessions
-        self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config)
+        self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config,
+                                  (num_blocks - 1) * config.block_size if scratch else None)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager)
         self.requests: dict[str, Sequence] = {}
@@ -138,7 +142,7 @@ class LLMEngine(EngineTiersMixin):
             raise InvalidRequestError(str(exc)) from exc
         self._check_fits(seq)
         if not params.greedy:
-            seq.generator = torch.Generator().manual_seed(
+            seq.generator = torch.Generator(device=self.pool.kv.device).manual_seed(
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
             )
         with self._lock:
@@ -159,7 +163,7 @@ class LLMEngine(EngineTiersMixin):
             raise InvalidRequestError(
                 f"prompt has {len(tokens)} tokens; the model context is {self.max_model_len}"
             )
-        pool_tokens = self.pool.num_blocks * self.pool.block_size
+        pool_tokens = self.scheduler.pool_tokens
         if len(tokens) + 1 > pool_tokens:
             raise InvalidRequestError(f"prompt has {len(tokens)} tokens; the KV pool holds {pool_tokens}")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]

@@ -65,11 +65,12 @@ class SequenceKV:
         self.policy.release(self)
         self.block_pool.free(self.charge_blocks[::-1])
         self.charge_blocks, self.charge_debt = [], 0
-        L = self.pool.num_layers
-        self.positions = torch.zeros((L, 0), dtype=torch.long)
-        self.support = torch.zeros((L, 0))
+        L, dev = self.pool.num_layers, self.pool.kv.device  # the layout lives on the pool's device
+        self.positions = torch.zeros((L, 0), dtype=torch.long, device=dev)
+        self.support = torch.zeros((L, 0), device=dev)
         needs = self.policy.needs
-        self.stats = AttentionStats(needs, L, self.pool.num_kv_heads, self.policy.decay) if needs.any else None
+        self.stats = (AttentionStats(needs, L, self.pool.num_kv_heads, self.policy.decay, dev)
+                      if needs.any else None)
         self.budget: int | None = None
         self.num_compactions = 0
         self.extra: dict[str, Any] = {}
@@ -86,14 +87,14 @@ class SequenceKV:
 
     def begin_step(self, start: int, num_new: int) -> None:
         """Lay out ``num_new`` tokens at absolute positions [start, start + num_new)."""
-        phys = start - self.seq.num_evicted_tokens
+        phys, dev = start - self.seq.num_evicted_tokens, self.pool.kv.device
         if self.frontier < phys:  # prefix-cache hit or session: uncompressed tokens
-            fill = torch.arange(self.frontier, phys).expand(self.pool.num_layers, -1)
+            fill = torch.arange(self.frontier, phys, device=dev).expand(self.pool.num_layers, -1)
             self.positions = torch.cat([self.positions, fill], 1)
-            self.support = torch.cat([self.support, torch.ones(fill.shape)], 1)
-        new = torch.arange(start, start + num_new).expand(self.pool.num_layers, -1)
+            self.support = torch.cat([self.support, torch.ones(fill.shape, device=dev)], 1)
+        new = torch.arange(start, start + num_new, device=dev).expand(self.pool.num_layers, -1)
         self.positions = torch.cat([self.positions[:, :phys], new], 1)
-        self.support = torch.cat([self.support[:, :phys], torch.ones(new.shape)], 1)
+        self.support = torch.cat([self.support[:, :phys], torch.ones(new.shape, device=dev)], 1)
         if self.stats is not None:
             self.stats.begin_step(self.frontier)
 
@@ -179,7 +180,7 @@ class SequenceKV:
         from cache_node.policies.base import LayerView
 
         slots = (self.positions[layer_idx] >= 0).nonzero().squeeze(1)
-        pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier)[slots]
+        pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier, self.pool.kv.device)[slots]
         k, v = self.pool.kv[layer_idx, 0, pool_slots].float(), self.pool.kv[layer_idx, 1, pool_slots].float()
         return LayerView(
             layer_idx, self.pool.num_layers, k, v, self.positions[layer_idx, slots],
@@ -210,12 +211,13 @@ class SequenceKV:
         if not can_rewrite(self.block_pool, self.seq, m, self.pool.block_size):
             return False
         valid = [(self.positions[layer] >= 0).nonzero().squeeze(1) for layer in range(L)]
-        src = torch.full((L, m), -1, dtype=torch.long)
+        dev = self.pool.kv.device
+        src = torch.full((L, m), -1, dtype=torch.long, device=dev)
         for layer, p in enumerate(plans):
             src[layer, : len(p.keep)] = valid[layer][p.keep]
         data = gather_kv(self.pool, self.seq, src).float()
-        positions = torch.full((L, m), -1, dtype=torch.long)
-        support = torch.zeros((L, m))
+        positions = torch.full((L, m), -1, dtype=torch.long, device=dev)
+        support = torch.zeros((L, m), device=dev)
         for layer, p in enumerate(plans):
             k = len(p.keep)
             positions[layer, :k] = self.positions[layer, src[layer, :k]]
@@ -239,9 +241,9 @@ class SequenceKV:
         if cold is None:
             group = min(32, self.pool.head_dim)
             cold = self.extra["cold"] = ColdTier(self.pool.num_layers, self.policy.cold_bits, group)
-        pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier)
+        pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier, self.pool.kv.device)
         for layer, p in enumerate(plans):
-            gone = torch.ones(len(valid[layer]), dtype=torch.bool)
+            gone = torch.ones(len(valid[layer]), dtype=torch.bool, device=pool_slots.device)
             gone[p.keep] = False
             if p.merge_src is not None:
                 gone[p.merge_src] = False

@@ -1,6 +1,16 @@
-"""Runs one engine step through the model: flattened batch in, next-token logits out."""
+"""Runs one engine step through the model: flattened batch in, next-token logits out.
+
+Every integer the step needs (token ids, positions, slot mapping, sample indices, the
+attention backend's metadata, policy sequences' context slots) is built on the host as
+numpy and reaches the model's device in one copy (``to_device``: pinned and non-blocking on
+CUDA); nothing in a step reads a device value back, so the only host sync of a step is the
+sampler's (``sampler.sample``).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -10,9 +20,10 @@ from cache_node.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
     ForwardContext,
-    PrefillChunk,
+    PolicyChunk,
     forward_context,
 )
+from cache_node.attention_backends import DeviceArrays, HostArrays, SeqStep, get_backend
 from cache_node.config import EngineConfig
 from cache_node.kv_pool import KVPool, block_slots
 from cache_node.sequence import Sequence
@@ -20,52 +31,118 @@ from cache_node.sequence import Sequence
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 
 
+def to_device(arrays: HostArrays, device: torch.device) -> DeviceArrays:
+    """Copy int64 host arrays to ``device`` as one buffer; returns views of it by name, each
+    with its array's shape. CUDA: one pinned, non-blocking host->device copy (ordered on the
+    current stream before the kernels that read it); CPU: views of the host memory, no copy."""
+    flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays.values()])
+    buf = torch.from_numpy(flat)
+    if device.type != "cpu":
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    out, offset = {}, 0
+    for name, a in arrays.items():
+        out[name] = buf[offset : offset + a.size].view(a.shape)
+        offset += a.size
+    return out
+
+
+@dataclass
+class HostStep:
+    """A step planned on the host: ``arrays`` for ``to_device``; ``steps`` the plain
+    sequences; ``policy`` (flat start, num_tokens, sequence, offset into ``policy_slots``) per
+    policy-managed sequence; ``backend_host`` the backend's host-side facts."""
+
+    arrays: HostArrays
+    num_tokens: int
+    steps: list[SeqStep] = field(default_factory=list)
+    policy: list[tuple[int, int, Sequence, int, int]] = field(default_factory=list)
+    backend_host: Any = None
+
+
 class ModelRunner:
     """Owns the model and the pool tensor; turns scheduled work into one forward pass.
 
     Args:
-        model: a transformers causal LM (Llama/Qwen/Mistral family); its attention is switched
-            to the paged implementation.
+        model: a transformers causal LM (Llama/Qwen/Mistral family) on the pool's device; its
+            attention is switched to the paged implementation.
         pool: the KV pool tensor the attention reads and writes.
+        config: the engine's config (``attention_backend``, ``cuda_graphs``); None: the
+            defaults on the pool's device.
+        scratch_slot: a pool slot no sequence owns, where padded rows of CUDA-graph decode
+            batches write their K/V (``cuda_graphs.DecodeGraphs``); None disables graphs.
     """
 
-    def __init__(self, model: PreTrainedModel, pool: KVPool, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, pool: KVPool, config: EngineConfig | None = None,
+                 scratch_slot: int | None = None) -> None:
         self.config = (config or EngineConfig(device=str(pool.kv.device))).resolved()
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
+        self.backend = get_backend(self.config.attention_backend)(pool.block_size)
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         model.eval()
+        self.graphs = None
+        if scratch_slot is not None and self.uses_cuda_graphs(self.config):
+            from cache_node.cuda_graphs import DecodeGraphs
 
-    def _metadata(self, batch: ScheduledBatch) -> AttentionMetadata:
+            max_len = self.config.max_model_len or model.config.max_position_embeddings
+            max_blocks = min(pool.num_blocks, -(-max_len // pool.block_size))
+            self.graphs = DecodeGraphs(self, self.config.max_num_seqs, max_blocks, scratch_slot)
+
+    @staticmethod
+    def uses_cuda_graphs(config: EngineConfig) -> bool:
+        """Decode steps replay CUDA graphs: a resolved config on CUDA with the triton backend
+        and ``cuda_graphs`` on."""
+        cuda = config.device.startswith("cuda")
+        return cuda and config.attention_backend == "triton" and config.cuda_graphs
+
+    def plan(self, batch: ScheduledBatch, all_logits: bool = False) -> HostStep:
+        """The step's host arrays: ``input_ids``, ``positions``, ``slot_mapping`` (num_tokens,),
+        ``sample_idx`` (one flat index per sampled row), ``policy_slots`` and the backend's."""
         bs = self.pool.block_size
-        slot_mapping, decode_idx, decode_slots, prefills = [], [], [], []
-        flat = 0
+        ids, positions, slots, sample_idx, policy_slots = [], [], [], [], []
+        host = HostStep({}, 0)
+        flat = policy_offset = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
             phys = start - seq.num_evicted_tokens  # physical slots in use (policies compact)
-            ctx_slots = block_slots([b.block_id for b in seq.block_table], bs, phys + n)
-            slot_mapping.append(ctx_slots[phys:])
-            if seq.kv is not None:  # policy-managed layout: per-layer masks, stats, extra KV
-                prefills.append(PrefillChunk(flat, n, torch.from_numpy(ctx_slots), None, seq.kv))
-            elif n == 1 and start > 0:
-                decode_idx.append(flat)
-                decode_slots.append(ctx_slots)
+            block_ids = [b.block_id for b in seq.block_table]
+            ctx_slots = block_slots(block_ids, bs, phys + n)
+            ids.extend(seq.all_token_ids[start : start + n])
+            positions.append(np.arange(start, start + n))
+            slots.append(ctx_slots[phys:])
+            if seq.kv is not None:  # policy-managed layout: attends itself
+                host.policy.append((flat, n, seq, policy_offset, policy_offset + len(ctx_slots)))
+                policy_slots.append(ctx_slots)
+                policy_offset += len(ctx_slots)
             else:
-                mask = None
-                if start > 0:
-                    q_pos = torch.arange(start, start + n).unsqueeze(1)
-                    mask = torch.arange(start + n).unsqueeze(0) <= q_pos
-                prefills.append(PrefillChunk(flat, n, torch.from_numpy(ctx_slots), mask))
+                host.steps.append(SeqStep(flat, n, phys + n, block_ids))
             flat += n
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)), prefills=prefills
-        )
-        if decode_idx:
-            md.decode_token_idx = torch.tensor(decode_idx, dtype=torch.long)
-            md.decode_slots = torch.from_numpy(np.concatenate(decode_slots))
-            md.decode_offsets = tuple(np.cumsum([0] + [len(s) for s in decode_slots]).tolist())
-        return md
+            if all_logits:
+                sample_idx.extend(range(flat - n, flat))
+            elif start + n == seq.num_tokens:
+                sample_idx.append(flat - 1)
+        host.num_tokens = flat
+        empty = np.zeros(0, np.int64)
+        host.arrays = {
+            "input_ids": np.array(ids, np.int64), "positions": np.concatenate(positions),
+            "slot_mapping": np.concatenate(slots), "sample_idx": np.array(sample_idx, np.int64),
+            "policy_slots": np.concatenate(policy_slots or [empty]),
+        }
+        if host.steps:
+            backend_arrays, host.backend_host = self.backend.plan(host.steps, flat)
+            host.arrays |= backend_arrays
+        return host
+
+    def metadata(self, host: HostStep, dev: DeviceArrays) -> AttentionMetadata:
+        """The step's attention metadata from its arrays on the device."""
+        backend = self.backend.metadata(host.steps, dev, host.backend_host) if host.steps else None
+        chunks = [PolicyChunk(flat, n, dev["policy_slots"][a:b], seq.kv) for flat, n, seq, a, b in host.policy]
+        return AttentionMetadata(dev["slot_mapping"], backend, chunks)
+
+    def _decode_only(self, batch: ScheduledBatch, all_logits: bool) -> bool:
+        return (self.graphs is not None and not all_logits and len(batch) <= self.graphs.max_batch
+                and all(n == 1 and seq.kv is None and seq.num_computed_tokens > 0 for seq, n in batch))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
@@ -74,29 +151,24 @@ class ModelRunner:
         ``all_logits=True`` (quality harness): one row per computed token instead.
 
         Returns:
-            (num_sampling_seqs, vocab_size) float32 logits, one row per sequence whose chunk
-            reaches its last known token (in batch order); chunks mid-prompt produce no row.
+            (num_sampling_seqs, vocab_size) float32 logits on the pool's device, one row per
+            sequence whose chunk reaches its last known token (in batch order); chunks
+            mid-prompt produce no row.
         """
-        input_ids, positions, sample_idx = [], [], []
-        flat = 0
-        for seq, n in batch:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            flat += n
-            if all_logits:
-                sample_idx.extend(range(flat - n, flat))
-            elif start + n == seq.num_tokens:
-                sample_idx.append(flat - 1)
         for seq, n in batch:
             if seq.kv is not None:
                 seq.kv.begin_step(seq.num_computed_tokens, n)
-        md = self._metadata(batch)
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(self.pool, md)):
-            hidden = self.model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-        if not sample_idx:
-            return torch.empty((0, self.model.config.vocab_size))
-        last = hidden[0].index_select(0, torch.tensor(sample_idx, device=self.device))
-        return self.model.lm_head(last).float()
+        if self._decode_only(batch, all_logits):
+            assert self.graphs is not None
+            hidden = self.graphs.run(batch)  # every decode samples: rows in batch order
+            return self.model.lm_head(hidden).float()
+        host = self.plan(batch, all_logits)
+        dev = to_device(host.arrays, self.device)
+        with forward_context(ForwardContext(self.pool, self.metadata(host, dev), self.backend)):
+            hidden = self.model.model(
+                input_ids=dev["input_ids"].unsqueeze(0), position_ids=dev["positions"].unsqueeze(0),
+                use_cache=False,
+            ).last_hidden_state[0]
+        if not len(host.arrays["sample_idx"]):
+            return torch.empty((0, self.model.config.vocab_size), device=self.device)
+        return self.model.lm_head(hidden.index_select(0, dev["sample_idx"])).float()

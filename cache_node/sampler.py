@@ -1,4 +1,9 @@
-"""Next-token selection: greedy, or temperature + top-p (nucleus) sampling with per-request seeds."""
+"""Next-token selection: greedy, or temperature + top-p (nucleus) sampling with per-request seeds.
+
+Everything runs on the logits' device: greedy rows take one batched argmax, each sampled
+row draws from its request's own generator (created on that device, ``LLMEngine.add_request``),
+and the chosen ids come back to the host in one ``tolist()``, the step's only host sync.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +15,36 @@ from cache_node.sequence import Sequence
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest set of tokens whose mass reaches ``top_p``; (V,) -> (V,).
 
+    No host sync (no boolean indexing): the kept sorted probabilities are scattered back.
     Source: Holtzman et al., "The Curious Case of Neural Text Degeneration" (ICLR'20), §3.1.
     """
     if top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(descending=True)
     keep = sorted_probs.cumsum(0) - sorted_probs < top_p
-    filtered = torch.zeros_like(probs)
-    filtered[order[keep]] = sorted_probs[keep]
+    filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
     return filtered / filtered.sum()
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Pick one token per row. ``logits``: (num_seqs, vocab_size) float32."""
-    out = []
-    for row, seq in zip(logits, seqs):
+    """Pick one token per row.
+
+    Args:
+        logits: (num_seqs, vocab_size) float32, on any device.
+        seqs: the row's sequences (their ``sampling_params`` and ``generator``, which lives
+            on ``logits``' device).
+
+    Returns:
+        num_seqs token ids: argmax for greedy rows; for the others, one draw from
+        softmax(logits / temperature) after top-p filtering, with the sequence's generator.
+    """
+    if not seqs:
+        return []
+    tokens = logits.argmax(dim=-1)
+    for i, seq in enumerate(seqs):
         params = seq.sampling_params
         if params.greedy:
-            out.append(int(row.argmax()))
             continue
-        probs = top_p_filter(torch.softmax(row / params.temperature, dim=-1), params.top_p)
-        out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-    return out
+        probs = top_p_filter(torch.softmax(logits[i] / params.temperature, dim=-1), params.top_p)
+        tokens[i : i + 1] = torch.multinomial(probs, 1, generator=seq.generator)
+    return tokens.tolist()

@@ -4,11 +4,21 @@ machines only, ``-m gpu``) CUDA against CPU and transformers."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
+from cache_node.attention_backends import TorchBackend, TritonBackend, get_backend
 from cache_node.config import EngineConfig, resolve_device
+from cache_node.engine import LLMEngine
+from cache_node.kernels.reference import paged_attention_reference
+from cache_node.model_runner import ModelRunner
 from cache_node.model_shapes import MODEL_SHAPES, random_model, shape_config
+from cache_node.sampler import sample
+from cache_node.sampling_params import SamplingParams
+from cache_node.sequence import Sequence
 from services.config import NodeConfig
 from services.launcher import resolve_node_config
 
@@ -91,3 +101,155 @@ def test_random_model_is_built_on_its_device_in_its_dtype() -> None:
     assert lm.model_id == "random-llama-h576-l2@seed3:bfloat16:cpu"
     again = random_model(shape_config("smollm2-135m", num_hidden_layers=2), torch.bfloat16, "cpu", seed=3)
     assert torch.equal(lm.model.lm_head.weight, again.model.lm_head.weight)  # seeded
+
+
+# ---- per-step tensors on the pool's device ------------------------------------------------
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % 500 + 1 for i in range(n)]
+
+
+def engine_on(lm, backend: str = "torch", device: str = DEVICE, **overrides) -> LLMEngine:
+    """An engine over a private copy of ``lm``'s model (the engine moves its model)."""
+    cfg = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 32, "max_num_seqs": 8,
+           "device": device, "dtype": "float32", "attention_backend": backend, **overrides}
+    return LLMEngine(copy.deepcopy(lm.model), EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor reachable from a metadata object (dataclass fields, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) if f.name != "kv" for t in tensors_in(getattr(obj, f.name))]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors_in(item)]
+    return []
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_metadata_tensor_is_on_the_pools_device(tiny, backend, monkeypatch) -> None:
+    """Issue 17: on CUDA the first step failed with 'index is on cpu' (slot mappings, masks and
+    block tables were built on the CPU). Every tensor of every step's metadata (prefill chunks
+    with cached context, decodes, a policy sequence) is on the pool's device, and the step's
+    integer inputs are views of one buffer (one host->device copy per step)."""
+    monkeypatch.setattr(TritonBackend, "kernel", staticmethod(paged_attention_reference))
+    eng = engine_on(tiny, backend)
+    seen, buffers = [], set()
+    plain_metadata = eng.runner.metadata
+
+    def metadata(host, dev):
+        buffers.add(frozenset(t.untyped_storage().data_ptr() for t in dev.values()))
+        md = plain_metadata(host, dev)
+        seen.append(md)
+        return md
+
+    monkeypatch.setattr(eng.runner, "metadata", metadata)
+    eng.generate([prompt_of(40)], SamplingParams(max_tokens=2, ignore_eos=True))  # cached blocks
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.generate([prompt_of(40) + [9, 9], prompt_of(50, 1), prompt_of(12, 2)], params)
+    eng.generate([prompt_of(60, 3)], params, policy="streaming-24")
+    kinds = {type(md.backend).__name__ for md in seen} | {"policy" for md in seen if md.policy_chunks}
+    assert {"policy", "TorchMetadata" if backend == "torch" else "VarlenMetadata"} <= kinds
+    tensors = [t for md in seen for t in tensors_in(md)]
+    assert all(len(tensors_in(md)) >= 2 for md in seen)  # slot mapping + the attention's own
+    assert {t.device for t in tensors} == {eng.pool.kv.device}
+    assert all(len(ptrs) == 1 for ptrs in buffers)  # one buffer per step
+    eng.check_integrity()
+
+
+def reference_sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The per-row sampler the batched one replaced (argmax or top-p draw, row by row)."""
+    out = []
+    for row, seq in zip(logits, seqs):
+        params = seq.sampling_params
+        if params.greedy:
+            out.append(int(row.argmax()))
+            continue
+        probs = torch.softmax(row / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p
+            filtered = torch.zeros_like(probs)
+            filtered[order[keep]] = sorted_probs[keep]
+            probs = filtered / filtered.sum()
+        out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+    return out
+
+
+def test_batched_sampling_equals_the_per_row_reference() -> None:
+    """Greedy rows by one batched argmax, seeded rows by their own generators, one tolist():
+    the same tokens as the per-row sampler, draw for draw over 20 steps."""
+    kinds = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+             SamplingParams(temperature=1.3, seed=2), SamplingParams(),
+             SamplingParams(temperature=0.5, top_p=0.5, seed=3)]
+
+    def seqs() -> list[Sequence]:
+        out = [Sequence(str(i), [1], p) for i, p in enumerate(kinds)]
+        for s in out:
+            if not s.sampling_params.greedy:
+                s.generator = torch.Generator(device=DEVICE).manual_seed(s.sampling_params.seed)
+        return out
+
+    batched, reference = seqs(), seqs()
+    torch.manual_seed(0)
+    drawn = []
+    for _ in range(20):
+        logits = torch.randn(len(kinds), 300, device=DEVICE) * 3
+        got = sample(logits, batched)
+        assert got == reference_sample(logits, reference)
+        assert all(type(t) is int for t in got)
+        drawn.append(got)
+    assert len({d[1] for d in drawn}) > 3 and len({d[0] for d in drawn}) > 3  # draws and argmaxes vary
+    assert sample(torch.zeros(0, 300, device=DEVICE), []) == []
+
+
+# ---- attention backends -------------------------------------------------------------------
+
+
+def mixed_workload(eng: LLMEngine) -> list[tuple[int, ...]]:
+    """Prefill chunks beside decodes, prefix hits, and a policy sequence in the same steps."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = eng.generate([prompt_of(37)], params)
+    batch = [prompt_of(37) + [5, 6, 7], prompt_of(45, 1), prompt_of(9, 2), prompt_of(20, 4)]
+    ids = [eng.add_request(p, params) for p in batch]
+    ids.append(eng.add_request(prompt_of(50, 5), params, policy="h2o-24"))
+    done: dict[str, tuple[int, ...]] = {}
+    while len(done) < len(ids):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+    assert eng.requests == {} and first[0].num_cached_tokens == 0
+    eng.check_integrity()
+    return [first[0].output_token_ids] + [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_triton_backend_greedy_equals_torch_backend(tiny, kernel, monkeypatch) -> None:
+    """The varlen backend (one kernel call per layer for every plain sequence; policy
+    sequences attend through their layout) gives the torch backend's greedy tokens, token for
+    token, with prefill chunks, decodes, prefix hits and a policy sequence mixed in steps. The
+    Triton kernel runs under TRITON_INTERPRET=1 without CUDA."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        import cache_node.kernels.paged_attention as pa
+
+        if not CUDA and not pa.INTERPRETED:
+            pytest.skip("triton was imported before TRITON_INTERPRET was set (tests/triton_interpreter.py)")
+    else:
+        monkeypatch.setattr(TritonBackend, "kernel", staticmethod(paged_attention_reference))
+    expected = mixed_workload(engine_on(tiny, "torch"))
+    eng = engine_on(tiny, "triton")
+    assert type(eng.runner.backend) is TritonBackend
+    assert mixed_workload(eng) == expected
+    assert eng.stats()["cached_blocks"] > 0
+
+
+def test_backend_names_are_checked_and_chosen_by_device() -> None:
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; known: \['torch', 'triton'\]"):
+        get_backend("flash")
+    assert get_backend(EngineConfig(device="cpu").resolved().attention_backend) is TorchBackend
+    assert not ModelRunner.uses_cuda_graphs(EngineConfig(device="cpu", attention_backend="triton").resolved())

@@ -78,7 +78,7 @@ def protected_mask(positions: torch.Tensor, sink_tokens: int, window_tokens: int
     < ``sink_tokens``) or among the ``window_tokens`` largest (the most recent). Zero means
     none of that kind: a window of 0 protects no recent token (never the whole sequence), a
     window of ``n`` or more protects all ``n``."""
-    recent = torch.zeros(positions.shape, dtype=torch.bool)
+    recent = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
     if window_tokens > 0:
         recent[positions.argsort()[max(0, len(positions) - window_tokens) :]] = True
     return (positions < sink_tokens) | recent
@@ -212,7 +212,7 @@ class Policy:
         """Keep the top ``budget`` entries by score (protected first), in slot order."""
         n = view.positions.shape[0]
         if n <= budget:
-            return LayerPlan(torch.arange(n))
+            return LayerPlan(torch.arange(n, device=view.positions.device))
         score = self.score(view).float().clone()
         score[self.protected(view)] = float("inf")
         keep = torch.topk(score, budget, sorted=False).indices

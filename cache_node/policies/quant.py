@@ -49,13 +49,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., d) uint8 codes < 2**bits -> (..., d * bits // 8) uint8; code ``j`` of each byte's
     group sits at bit ``bits * j``. ``bits``: 1, 2, 4 or 8."""
     per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
     return (codes.unflatten(-1, (-1, per_byte)) << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack_bits``."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).flatten(-2)
 
 
@@ -91,7 +91,7 @@ class QuantSegment:
             self.codes = torch.cat([self.codes, codes], 2)
             self.scale = torch.cat([self.scale, scale], 2)  # type: ignore[list-item]
             self.zero = torch.cat([self.zero, zero], 2)  # type: ignore[list-item]
-        self.positions = torch.cat([self.positions, positions])
+        self.positions = torch.cat([self.positions.to(positions.device), positions])
 
     def fork(self) -> QuantSegment:
         """A copy that shares the (never mutated in place) tensors."""

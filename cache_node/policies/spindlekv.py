@@ -45,7 +45,7 @@ class SpindleKV(Policy):
         n = view.positions.shape[0]
         if view.layer_idx >= self.shallow_fraction * view.num_layers or len(base.keep) == n:
             return base
-        dropped = torch.ones(n, dtype=torch.bool)
+        dropped = torch.ones(n, dtype=torch.bool, device=view.positions.device)
         dropped[base.keep] = False
         src = dropped.nonzero().squeeze(1)
         keys = torch.nn.functional.normalize(view.keys.flatten(1), dim=-1)

@@ -77,7 +77,7 @@ class SentenceKV(Policy):
         out, start = [], 0
         for i, p in enumerate(positions.tolist()):
             if tokens[p] in ends or i + 1 - start >= self.max_sentence_tokens or i + 1 == len(positions):
-                out.append(torch.arange(start, i + 1))
+                out.append(torch.arange(start, i + 1, device=positions.device))
                 start = i + 1
         return out
 
@@ -148,7 +148,7 @@ class SentenceKV(Policy):
             store.put(gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
         positions = pos0[keep].expand(L, -1).clone()
-        state.set_layout(kept, positions, torch.ones(positions.shape))
+        state.set_layout(kept, positions, torch.ones(positions.shape, device=positions.device))
         store.resize_region(self.region_tokens(state, store), state.pool.kv, self.region_bits,
                             self._region_group(state))
         if state.stats is not None:
@@ -190,7 +190,7 @@ class SentenceKV(Policy):
             return [m.amax(dim=(0, 2)) for m in parts], None
         assert store.mean_keys is not None
         mk = store.mean_keys[:, layer_idx].view(len(store), state.pool.num_kv_heads, -1)  # (S, H_kv, d)
-        lengths = torch.tensor([len(p) for p in store.positions])
+        lengths = torch.tensor([len(p) for p in store.positions], device=mk.device)
         cand = shortlist(mk, q, store.region_tokens)
         if cand is not None:
             mk, lengths = mk[cand], lengths[cand]

@@ -54,7 +54,8 @@ class SentenceCodes:
 
     def tokens(self, sid: int, length: int) -> torch.Tensor:
         """(length,) indices along N of sentence ``sid``'s tokens."""
-        return torch.arange(self.starts[sid], self.starts[sid] + length)
+        device = None if self.codes is None else self.codes.device
+        return torch.arange(self.starts[sid], self.starts[sid] + length, device=device)
 
     def read(self, tokens: torch.Tensor, layer: int, head: int) -> tuple[torch.Tensor, ...]:
         """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``."""

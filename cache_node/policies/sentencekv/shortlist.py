@@ -13,8 +13,8 @@ def shortlist(mean_keys: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor 
     """Inner-product shortlist when the candidate set is large, else None (score all).
 
     ``mean_keys``: (S, H_kv, d); ``q``: (n, H, d). Returns the sorted union, over KV heads, of
-    each head's ``k`` best sentences for the chunk's mean unit query, as a CPU tensor (it
-    indexes host-side lists too). One matmul and a top-k on the mean keys' own device.
+    each head's ``k`` best sentences for the chunk's mean unit query, on the mean keys'
+    device (callers read it with one ``tolist()``). One matmul and a top-k on that device.
 
     This replaced a FAISS ``IndexFlatIP`` per KV head (built each call). Measured on a 2-core
     CPU (median of 15; S 2048/8192/32768, k 64/512/2048, n 1/16, H_kv 3 d 64 and H_kv 8 d 128):
@@ -28,7 +28,7 @@ def shortlist(mean_keys: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor 
     mk = F.normalize(mean_keys.float(), dim=-1)
     qn = F.normalize(F.normalize(q.float().view(q.shape[0], h_kv, -1, q.shape[-1]), dim=-1).mean((0, 2)), dim=-1)
     sims = torch.einsum("shd,hd->hs", mk, qn.to(mk.device))  # (H_kv, S)
-    return sims.topk(min(k, s), dim=-1).indices.flatten().unique().cpu()
+    return sims.topk(min(k, s), dim=-1).indices.flatten().unique()
 
 
 def head_scores(mean_keys: torch.Tensor, q: torch.Tensor, mode: str, scaling: float,

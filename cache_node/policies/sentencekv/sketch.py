@@ -33,7 +33,8 @@ class KeySketch:
             self.codes, self.scale, self.zero = (
                 torch.cat([old, new], 1) for old, new in zip((self.codes, self.scale, self.zero), parts)
             )
-        self.sentence_of = torch.cat([self.sentence_of, torch.full((keys.shape[1],), sentence)])
+        new = torch.full((keys.shape[1],), sentence, device=keys.device)
+        self.sentence_of = torch.cat([self.sentence_of.to(keys.device), new])
 
     def fork(self) -> KeySketch:
         """A copy sharing the (never mutated in place) tensors."""
@@ -63,5 +64,6 @@ class KeySketch:
         logits = logits + torch.einsum("nhqG,NhG->nhqN", qg.sum(-1), self.zero[layer].float())
         logits = logits * scaling
         top = logits.amax(-1, keepdim=True)
-        mass = torch.zeros((*logits.shape[:3], num_sentences)).index_add_(-1, self.sentence_of, (logits - top).exp())
+        mass = logits.new_zeros((*logits.shape[:3], num_sentences))
+        mass.index_add_(-1, self.sentence_of, (logits - top).exp())
         return mass.log() + top

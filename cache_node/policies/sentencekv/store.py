@@ -93,7 +93,7 @@ class HostSentenceStore:
         the pool tensor (dtype, device, shape); ``bits`` 0 keeps the pool's dtype, 8 or 4
         holds codes with per-``group_size`` scales."""
         num_layers, _, _, h_kv, d = like.shape
-        self.region_positions = torch.full((num_layers, h_kv, r), -1, dtype=torch.long)
+        self.region_positions = torch.full((num_layers, h_kv, r), -1, dtype=torch.long, device=like.device)
         self.region_scale = self.region_zero = None
         if bits:
             shape = (num_layers, 2, h_kv, r)
