@@ -40,6 +40,10 @@ INFO lines ("Connecting to existing Ray cluster at address: ...", said of the cl
 has just started); Ray's warnings and errors still print."""
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal colour codes (``ray start`` colours its log lines)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,15 +95,40 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
 
 def _start_local_ray(cfg: ServiceConfig) -> tuple[int, str]:
     """``ray start --head`` on a free port under a new temp directory, offering the config's
-    cache- and spill-node resources; returns (GCS port, temp directory)."""
+    cache- and spill-node resources; returns (GCS port, temp directory).
+
+    Raises:
+        RuntimeError: ``ray start`` failed; the message ends with its last line of output.
+            Whatever it started is stopped and the temp directory removed.
+    """
     ray_port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")
     resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
                             cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
-    subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
-                    f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, capture_output=True)
+    done = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
+                           f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
+                           "--disable-usage-stats"], check=False, capture_output=True, text=True)
+    if done.returncode:
+        _stop_local_ray(temp_dir, ray_port)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise RuntimeError(f"`ray start --head --port={ray_port}` exited {done.returncode}: "
+                           f"{_ray_start_error(done.stderr, done.stdout)}")
     return ray_port, temp_dir
+
+
+def _ray_start_error(stderr: str, stdout: str, limit: int = 400) -> str:
+    """What ``ray start`` said went wrong: the last ``SomethingError: ...`` line of its stderr
+    (with the next line when it ends in a colon), else its last line of output; colour codes
+    removed, cut to ``limit`` characters."""
+    lines = [ANSI.sub("", line).strip() for line in stderr.splitlines()]
+    errors = [i for i, line in enumerate(lines) if re.match(r"\w*(Error|Exception)\b:", line)]
+    if errors:
+        i = errors[-1]
+        text = " ".join(lines[i:i + 2]) if lines[i].endswith(":") else lines[i]
+    else:
+        text = next((ANSI.sub("", line).strip() for line in reversed((stderr + stdout).splitlines())
+                     if line.strip()), "no output")
+    return text[:limit]
 
 
 def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
@@ -132,7 +161,11 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     started_ray = address is None
     temp_dir = ""
     if started_ray:
-        ray_port, temp_dir = _start_local_ray(cfg)
+        try:
+            ray_port, temp_dir = _start_local_ray(cfg)
+        except RuntimeError as exc:
+            console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc))}", soft_wrap=True)
+            raise typer.Exit(1) from None
         address = f"127.0.0.1:{ray_port}"
     try:
         ray.init(address=address, namespace=cfg.namespace, **RAY_QUIET)
