@@ -93,9 +93,9 @@ class DecodeGraphs:
             arrays["block_tables"][row, : len(blocks)] = blocks
         return arrays
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Decode one token of every sequence in ``batch`` (plain sequences, one new token
-        each); returns their last hidden states, (len(batch), hidden_size), in batch order."""
+    def load(self, batch: ScheduledBatch) -> int:
+        """Copy the step's padded inputs into the static buffers (one host->device copy, then
+        device-side copies); returns the bucket."""
         from cache_node.model_runner import to_device
 
         bucket = self.bucket(len(batch))
@@ -106,6 +106,12 @@ class DecodeGraphs:
         self.slot_mapping[:bucket].copy_(dev["slot_mapping"])
         self.seq_lens[:bucket].copy_(dev["seq_lens"])
         self.block_tables[:bucket, :width].copy_(dev["block_tables"])
+        return bucket
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Decode one token of every sequence in ``batch`` (plain sequences, one new token
+        each); returns their last hidden states, (len(batch), hidden_size), in batch order."""
+        bucket = self.load(batch)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         graph, hidden = self.graphs[bucket]

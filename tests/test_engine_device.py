@@ -16,6 +16,7 @@ from cache_node.engine import LLMEngine
 from cache_node.kernels.reference import paged_attention_reference
 from cache_node.model_runner import ModelRunner
 from cache_node.model_shapes import MODEL_SHAPES, random_model, shape_config
+from cache_node.policies import known_policies, make_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
 from cache_node.sequence import Sequence
@@ -253,3 +254,115 @@ def test_backend_names_are_checked_and_chosen_by_device() -> None:
         get_backend("flash")
     assert get_backend(EngineConfig(device="cpu").resolved().attention_backend) is TorchBackend
     assert not ModelRunner.uses_cuda_graphs(EngineConfig(device="cpu", attention_backend="triton").resolved())
+
+
+# ---- CUDA-graph decode --------------------------------------------------------------------
+
+
+def decode_ready(eng: LLMEngine, prompts: list[list[int]]) -> list:
+    """Step ``prompts`` until every one has an output token; returns the next (decode-only)
+    batch, scheduled but not run."""
+    ids = [eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+    while any(not eng.requests[i].output_token_ids for i in ids):
+        eng.step()
+    batch = eng.scheduler.schedule()
+    assert len(batch) == len(prompts) and all(n == 1 for _, n in batch)
+    return batch
+
+
+def test_decode_graph_buckets_pad_into_the_scratch_slot(tiny, monkeypatch) -> None:
+    """Graph inputs: a batch of 3 pads to bucket 4; the padded row decodes token 0 at position
+    0 and writes only the scratch slot. The graph's forward over the static buffers (run
+    eagerly: no CUDA here) gives the eager step's logits, and the pool differs from the eager
+    step's only in the scratch slot."""
+    from cache_node.cuda_graphs import DecodeGraphs, decode_buckets
+
+    assert decode_buckets(1) == [1] and decode_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    monkeypatch.setattr(TritonBackend, "kernel", staticmethod(paged_attention_reference))
+    eng = engine_on(tiny, "triton")
+    batch = decode_ready(eng, [prompt_of(20), prompt_of(35, 1), prompt_of(3, 2)])
+    bs, last = eng.pool.block_size, eng.pool.num_blocks - 1
+    assert all(b.block_id != last for seq, _ in batch for b in seq.block_table)
+    graphs = DecodeGraphs(eng.runner, max_num_seqs=6, max_blocks=8, scratch_slot=last * bs)
+    with pytest.raises(ValueError, match="exceeds the largest graph bucket 6"):
+        graphs.bucket(7)
+    eager = eng.runner.execute(batch)
+    pool_after_eager = eng.pool.kv.clone()
+    assert graphs.load(batch) == 4
+    assert graphs.slot_mapping[3] == last * bs and graphs.seq_lens[3] == 1 and graphs.positions[3] == 0
+    assert graphs.seq_lens[:3].tolist() == [seq.num_computed_tokens + 1 for seq, _ in batch]
+    with torch.inference_mode():
+        logits = eng.runner.model.lm_head(graphs._forward(4)[:3]).float()
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    changed = (eng.pool.kv != pool_after_eager).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
+    assert changed.tolist() == [last * bs]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager(tiny) -> None:
+    """Decode steps replayed from graphs (buckets 1, 2, 4, 8) give eager decoding's greedy
+    tokens, token for token (fp32, triton backend)."""
+    prompts = [prompt_of(n, n) for n in (5, 17, 33, 64, 90)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        eng = engine_on(tiny, "triton", "cuda", cuda_graphs=graphs, max_num_batched_tokens=256)
+        assert (eng.runner.graphs is not None) == graphs
+        outs[graphs] = [o.output_token_ids for o in eng.generate(prompts, params)]
+        outs[graphs] += [o.output_token_ids for o in eng.generate(prompts[:2], params)]
+        eng.check_integrity()
+        if graphs:
+            assert set(eng.runner.graphs.graphs) >= {2, 8}
+    assert outs[True] == outs[False]
+
+
+def shape_prompts() -> list[list[int]]:
+    """8 prompts of 10-1500 tokens; the 2nd and 5th extend the 1st and 4th (prefix hits)."""
+    lengths = (10, 60, 150, 300, 500, 800, 1100, 1500)
+    out = [[(13 * i + 7 * n) % 49000 + 100 for i in range(n)] for n in lengths]
+    out[1] = out[0] + out[1][10:]
+    out[4] = out[3] + out[4][300:]
+    return out
+
+
+@pytest.mark.gpu
+def test_greedy_equals_transformers_generate_on_smollm2_shape_cuda() -> None:
+    """Issue 17 acceptance: a random-weight SmolLM2-135M shape in fp32 on CUDA, 8 prompts of
+    10-1500 tokens in one batch (prefill chunks beside decodes, prefix hits from a warm-up
+    request), greedy tokens equal transformers ``generate`` (sdpa) token for token."""
+    lm = random_model("smollm2-135m", torch.float32, "cuda", seed=0)
+    ref = copy.deepcopy(lm.model)
+    ref.config._attn_implementation = "sdpa"
+    eng = LLMEngine(lm.model, EngineConfig(device="cuda", dtype="float32", kv_pool_bytes=1 << 30,
+                                           max_num_batched_tokens=512, max_num_seqs=8), lm.model_id)
+    prompts = shape_prompts()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    eng.generate([prompts[1][:40], prompts[3][:290]], params)  # cached: 2 blocks of 1, 18 of 3 and 4
+    outs = eng.generate(prompts, params)
+    assert [outs[i].num_cached_tokens >= hit for i, hit in ((1, 32), (3, 288), (4, 288))] == [True] * 3
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            gen = ref.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            assert list(out.output_token_ids) == gen[0, len(prompt):].tolist()
+    eng.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", known_policies())
+def test_every_policy_on_cuda_matches_its_cpu_result(tiny, name) -> None:
+    """Each KV policy (compressing ones over budget) on CUDA vs CPU, same weights, fp32, torch
+    backend for the plain path. Tolerance: the first 8 of 16 greedy tokens are identical and at
+    least 12 of 16 positions agree (scores may break near-ties differently on the GPU)."""
+    spec = name if not make_policy(name).compresses else f"{name}-40"
+    prompt = prompt_of(120, 3)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        eng = engine_on(tiny, "torch", device, kv_pool_bytes=4 << 20, max_num_batched_tokens=64)
+        runs[device] = eng.generate([prompt], params, policy=spec)[0].output_token_ids
+        eng.check_integrity()
+    cpu, cuda = runs["cpu"], runs["cuda"]
+    assert cpu[:8] == cuda[:8]
+    assert sum(a == b for a, b in zip(cpu, cuda)) >= 12
