@@ -366,3 +366,21 @@ def test_every_policy_on_cuda_matches_its_cpu_result(tiny, name) -> None:
     cpu, cuda = runs["cpu"], runs["cuda"]
     assert cpu[:8] == cuda[:8]
     assert sum(a == b for a, b in zip(cpu, cuda)) >= 12
+
+
+def test_kvstrata_up_device_option_overrides_the_config(tmp_path, capsys) -> None:
+    """``kvstrata up --device`` sets ``node.device`` over the YAML's; a bad value exits 2 with
+    a one-line message naming the option."""
+    import typer
+
+    from cli.lifecycle import _up_config
+
+    cfg_file = tmp_path / "kvstrata.yaml"
+    cfg_file.write_text("node: {device: cpu, dtype: bfloat16}\n")
+    assert _up_config(cfg_file, "", "").node.device == "cpu"
+    cfg = _up_config(cfg_file, "", "cuda")
+    assert (cfg.node.device, cfg.node.dtype) == ("cuda", "bfloat16")
+    with pytest.raises(typer.Exit) as exc:
+        _up_config(cfg_file, "", "cuda:3")
+    assert exc.value.exit_code == 2
+    assert "--device: Value error, device must be one of ('auto', 'cpu', 'cuda')" in capsys.readouterr().out
