@@ -49,8 +49,9 @@ def to_device(arrays: HostArrays, device: torch.device) -> DeviceArrays:
 @dataclass
 class HostStep:
     """A step planned on the host: ``arrays`` for ``to_device``; ``steps`` the plain
-    sequences; ``policy`` (flat start, num_tokens, sequence, offset into ``policy_slots``) per
-    policy-managed sequence; ``backend_host`` the backend's host-side facts."""
+    sequences; ``policy`` (flat start, num_tokens, sequence, start and end of its context in
+    ``policy_slots``) per policy-managed sequence; ``backend_host`` the backend's host-side
+    facts."""
 
     arrays: HostArrays
     num_tokens: int
@@ -140,9 +141,13 @@ class ModelRunner:
         chunks = [PolicyChunk(flat, n, dev["policy_slots"][a:b], seq.kv) for flat, n, seq, a, b in host.policy]
         return AttentionMetadata(dev["slot_mapping"], backend, chunks)
 
-    def _decode_only(self, batch: ScheduledBatch, all_logits: bool) -> bool:
+    def decode_only(self, batch: ScheduledBatch, all_logits: bool = False) -> bool:
+        """True when the step replays a decode graph: graphs are on, the batch fits the largest
+        bucket, and every sequence is plain and computes its one last known token (so every
+        row samples), after at least one computed token."""
         return (self.graphs is not None and not all_logits and len(batch) <= self.graphs.max_batch
-                and all(n == 1 and seq.kv is None and seq.num_computed_tokens > 0 for seq, n in batch))
+                and all(n == 1 and seq.kv is None and 0 < seq.num_computed_tokens == seq.num_tokens - 1
+                        for seq, n in batch))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
@@ -158,7 +163,7 @@ class ModelRunner:
         for seq, n in batch:
             if seq.kv is not None:
                 seq.kv.begin_step(seq.num_computed_tokens, n)
-        if self._decode_only(batch, all_logits):
+        if self.decode_only(batch, all_logits):
             assert self.graphs is not None
             hidden = self.graphs.run(batch)  # every decode samples: rows in batch order
             return self.model.lm_head(hidden).float()

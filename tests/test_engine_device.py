@@ -287,6 +287,13 @@ def test_decode_graph_buckets_pad_into_the_scratch_slot(tiny, monkeypatch) -> No
     graphs = DecodeGraphs(eng.runner, max_num_seqs=6, max_blocks=8, scratch_slot=last * bs)
     with pytest.raises(ValueError, match="exceeds the largest graph bucket 6"):
         graphs.bucket(7)
+    eng.runner.graphs = graphs  # only the step-kind predicate: replay needs CUDA
+    assert eng.runner.decode_only(batch) and not eng.runner.decode_only(batch, all_logits=True)
+    seq = batch[0][0]
+    seq.num_computed_tokens -= 1  # one token of a chunk that does not reach the end: no sample row
+    assert not eng.runner.decode_only(batch)
+    seq.num_computed_tokens += 1
+    eng.runner.graphs = None
     eager = eng.runner.execute(batch)
     pool_after_eager = eng.pool.kv.clone()
     assert graphs.load(batch) == 4
