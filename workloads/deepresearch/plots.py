@@ -139,11 +139,12 @@ def throughput_figure(
     ax = figure.add_subplot()
     for i, tenant in enumerate(tenants):
         series = throughput_series(records, tenant.name, window_s, horizon_s)
-        ax.plot(np.arange(len(series)) * window_s, series, color=f"C{i}", label=tenant.name)
+        edges = np.arange(len(series) + 1) * window_s  # each window flat over [k*W, (k+1)*W)
+        ax.stairs(series, edges, color=f"C{i}", label=tenant.name)
     ax.set_xlabel(f"time since the run started (s), {window_s:g} s windows")
     if span_s is not None:
         ax.set_xlim(*span_s)
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput per tenant")
-    _legend_or_note(ax, "upper right", "no calls")
+    _legend_or_note(ax, "best", "no calls")
     return figure
