@@ -101,7 +101,7 @@ def paged_attention_forward(
     ctx = _FORWARD_CONTEXT
     if ctx is None:
         raise RuntimeError("paged attention called outside an engine forward_context")
-    layer_idx = module.layer_idx
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
     md = ctx.metadata
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # (T, H, d)

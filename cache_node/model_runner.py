@@ -101,7 +101,9 @@ class ModelRunner:
         """The step's host arrays: ``input_ids``, ``positions``, ``slot_mapping`` (num_tokens,),
         ``sample_idx`` (one flat index per sampled row), ``policy_slots`` and the backend's."""
         bs = self.pool.block_size
-        ids, positions, slots, sample_idx, policy_slots = [], [], [], [], []
+        ids: list[int] = []
+        sample_idx: list[int] = []
+        positions, slots, policy_slots = [], [], []
         host = HostStep({}, 0)
         flat = policy_offset = 0
         for seq, n in batch:

@@ -42,7 +42,9 @@ class SentenceCodes:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def append(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """Store one sentence's ``quantize`` output."""
+        """Store one sentence's ``quantize`` output (moved to host RAM, where a promotion
+        copies it from)."""
+        parts = tuple(t.to("cpu") for t in parts)  # type: ignore[assignment]
         self.starts.append(self.num_tokens)
         self.num_tokens += parts[0].shape[1]
         if self.codes is None:
@@ -54,8 +56,7 @@ class SentenceCodes:
 
     def tokens(self, sid: int, length: int) -> torch.Tensor:
         """(length,) indices along N of sentence ``sid``'s tokens."""
-        device = None if self.codes is None else self.codes.device
-        return torch.arange(self.starts[sid], self.starts[sid] + length, device=device)
+        return torch.arange(self.starts[sid], self.starts[sid] + length)
 
     def read(self, tokens: torch.Tensor, layer: int, head: int) -> tuple[torch.Tensor, ...]:
         """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``."""
