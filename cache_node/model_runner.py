@@ -110,11 +110,12 @@ class ModelRunner:
             start = seq.num_computed_tokens
             phys = start - seq.num_evicted_tokens  # physical slots in use (policies compact)
             block_ids = [b.block_id for b in seq.block_table]
-            ctx_slots = block_slots(block_ids, bs, phys + n)
             ids.extend(seq.all_token_ids[start : start + n])
             positions.append(np.arange(start, start + n))
-            slots.append(ctx_slots[phys:])
+            new = np.arange(phys, phys + n)  # the new tokens' physical slots -> pool slots
+            slots.append(np.asarray(block_ids, np.int64)[new // bs] * bs + new % bs)
             if seq.kv is not None:  # policy-managed layout: attends itself
+                ctx_slots = block_slots(block_ids, bs, phys + n)
                 host.policy.append((flat, n, seq, policy_offset, policy_offset + len(ctx_slots)))
                 policy_slots.append(ctx_slots)
                 policy_offset += len(ctx_slots)
