@@ -4,6 +4,7 @@ model), driven with the unmodified official ``openai`` package (issue 20)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import urllib.error
@@ -231,3 +232,22 @@ def test_prompt_cache_key_keeps_its_node(stack: Stack, client: openai.OpenAI, mo
     wait_idle(stack, base)
     assert node() != keyed  # idle: least-loaded routing takes the first node again
     assert node(prompt_cache_key="conversation-7") == keyed
+
+
+def test_client_gone_before_a_whole_response_frees_the_request(stack: Stack, key: str, model: str) -> None:
+    """A non-streamed call whose client closes its connection while the reply is generated is
+    aborted on its node (not run to max_tokens for nobody)."""
+    base = [s.used_blocks for s in node_stats(stack)]
+    host, port = stack.services.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"model": model, "messages": ask("Write a very long essay."), "max_tokens": 400}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    deadline = time.time() + 10
+    while not any(s.running for s in node_stats(stack)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert any(s.running == 1 for s in node_stats(stack))
+    conn.close()
+    stats = wait_idle(stack, base)
+    assert [s.used_blocks for s in stats] == base
+    assert all(s.running == 0 and s.waiting == 0 for s in stats)
