@@ -39,7 +39,7 @@ def ask(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def http(method: str, url: str, key: str = "") -> tuple[int, dict]:
+def plain_http(method: str, url: str, key: str = "") -> tuple[int, dict]:
     """A plain HTTP call (the routes the openai package has no method for): status, JSON body."""
     req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
@@ -64,7 +64,7 @@ def wait_idle(stack: Stack, base: list[int], timeout_s: float = 10.0) -> list:
 
 def test_models_and_health(stack: Stack, client: openai.OpenAI, model: str) -> None:
     assert model == "smollm2-135m-instruct"  # the checkpoint directory name
-    status, body = http("GET", f"http://{stack.services.http_address}/health")
+    status, body = plain_http("GET", f"http://{stack.services.http_address}/health")
     assert status == 200 and body["healthy_nodes"] == 2
 
 
@@ -128,9 +128,9 @@ def test_two_turn_session_reports_cached_prompt_tokens(client: openai.OpenAI, mo
     details = second.usage.prompt_tokens_details
     assert details.cached_tokens == history - 1 == details.model_extra["cached_tokens_per_tier"]["device"]
     assert second.usage.prompt_tokens > history
-    status, closed = http("DELETE", f"{client.base_url}sessions/oai-s1", client.api_key)
+    status, closed = plain_http("DELETE", f"{client.base_url}sessions/oai-s1", client.api_key)
     assert status == 200 and closed["freed_tokens"] == second.usage.prompt_tokens + second.usage.completion_tokens
-    assert http("DELETE", f"{client.base_url}sessions/oai-s1", client.api_key)[0] == 404
+    assert plain_http("DELETE", f"{client.base_url}sessions/oai-s1", client.api_key)[0] == 404
 
 
 def test_errors_in_openai_shape(stack: Stack, client: openai.OpenAI, model: str) -> None:
