@@ -113,11 +113,15 @@ async def _grpc_one(stub, md, rid: str, ids: list[int], max_tokens: int) -> tupl
 
 async def _http_one(client: openai.AsyncOpenAI, model: str, rid: str, ids: list[int],
                     max_tokens: int) -> tuple[float, int, float]:
-    """(client TTFT ms, generated tokens, the node's own TTFT ms) through the OpenAI API."""
+    """(client TTFT ms, generated tokens, the node's own TTFT ms) through the OpenAI API.
+
+    The ids ride in ``extra_body``, which the client sends as they are: its typed ``prompt``
+    walks a token-id list element by element first (``openai._utils.maybe_transform``: 12 ms
+    for 470 ids here, 0.7 ms for 16), a cost of the client library, not of the HTTP path."""
     t0, ttft, n, node_ttft = time.perf_counter(), 0.0, 0, 0.0
     stream = await client.completions.create(
-        model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"cache_salt": "http"})
+        model=model, prompt="", max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"cache_salt": "http", "prompt": ids})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             ttft = ttft or (time.perf_counter() - t0) * 1000
