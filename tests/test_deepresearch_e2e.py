@@ -43,5 +43,8 @@ def test_tiny_deepresearch_run_end_to_end(stack, tmp_path) -> None:
     assert any(r["cached_device_tokens"] > 0 for r in records)  # session turns reuse their KV
     saved = json.loads((outcome.run_dir / "report.json").read_text())
     run_dir = outcome.run_dir
-    again = compute_report(load_jsonl(run_dir / "calls.jsonl"), load_jsonl(run_dir / "timeseries.jsonl"), tenants)
+    info = json.loads((run_dir / "run.json").read_text())  # the scheduler the gateway named, the policy
+    again = compute_report(load_jsonl(run_dir / "calls.jsonl"), load_jsonl(run_dir / "timeseries.jsonl"), tenants,
+                           scheduler=info["scheduler"], policy=info["policy"])
     assert json.loads(json.dumps(again)) == saved
+    assert saved["scheduler"] == stack.config.scheduler == "fcfs"  # the test stack pins fcfs
