@@ -114,9 +114,11 @@ def prompt_of(n: int, offset: int = 0) -> list[int]:
 
 
 def engine_on(lm, backend: str = "torch", device: str = DEVICE, **overrides) -> LLMEngine:
-    """An engine over a private copy of ``lm``'s model (the engine moves its model)."""
+    """An engine over a private copy of ``lm``'s model (the engine moves its model); decode
+    graphs only when asked (the reference kernel syncs with the host, which capture forbids)."""
     cfg = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 32, "max_num_seqs": 8,
-           "device": device, "dtype": "float32", "attention_backend": backend, **overrides}
+           "device": device, "dtype": "float32", "attention_backend": backend, "cuda_graphs": False,
+           **overrides}
     return LLMEngine(copy.deepcopy(lm.model), EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)
 
 
