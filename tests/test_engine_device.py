@@ -20,8 +20,6 @@ from cache_node.policies import known_policies, make_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
 from cache_node.sequence import Sequence
-from services.config import NodeConfig
-from services.launcher import resolve_node_config
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -67,6 +65,10 @@ def test_cuda_without_cuda_is_a_clear_error() -> None:
 def test_node_config_device_and_launcher_resolution() -> None:
     """A node is "auto" | "cpu" | "cuda" (Ray picks the GPU); the launcher makes auto concrete
     from the cluster's GPU count, with bfloat16 as the CUDA default dtype."""
+    pytest.importorskip("ray")  # services/ need Ray, absent on the GPU machine: imported here
+    from services.config import NodeConfig
+    from services.launcher import resolve_node_config
+
     with pytest.raises(ValueError, match="device must be one of"):
         NodeConfig(device="cuda:1")
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -382,6 +384,7 @@ def test_kvstrata_up_device_option_overrides_the_config(tmp_path, capsys) -> Non
     a one-line message naming the option."""
     import typer
 
+    pytest.importorskip("pydantic")
     from cli.lifecycle import _up_config
 
     cfg_file = tmp_path / "kvstrata.yaml"
