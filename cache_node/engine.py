@@ -111,11 +111,14 @@ class LLMEngine(EngineTiersMixin):
         tenant: str = "",
         policy: str = "",
         prefetch: bool | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. Returns its id.
 
         ``prefetch``: start a spill prefetch for it (True), do not (False: e.g. the global
         index saw none of its prefix in spill), or follow ``TierConfig.auto_prefetch`` (None).
+        ``priority``: lower is served earlier among the same tenant's waiting requests only
+        (``Sequence.priority``).
 
         Raises:
             InvalidRequestError: empty prompt, token id out of vocabulary, prompt longer than
@@ -135,6 +138,7 @@ class LLMEngine(EngineTiersMixin):
             session_id=session_id or None,
             tenant=tenant,
             policy=policy,
+            priority=int(priority),
         )
         try:
             attach_policy(seq, self.pool, self.kv_manager.pool, self.policy_env, self.host_for_policies)

@@ -32,6 +32,7 @@ from cache_node.kv_cache_manager import KVCacheManager, cdiv
 from cache_node.model_runner import ScheduledBatch
 from cache_node.scheduling import SchedulingPolicy, make_policy
 from cache_node.scheduling.admission import Ewma, SpeedMeter, StepTimeModel
+from cache_node.scheduling.base import order_by_priority, requeue_by_priority
 from cache_node.sequence import Sequence, SequenceStatus
 
 DemoteFn = Callable[[list[KVBlock]], int]
@@ -96,6 +97,7 @@ class Scheduler:
         self.policy.on_arrival(seq, self.clock(), self.active_tenants)
         self.active_tenants[seq.tenant] += 1
         self.waiting.append(seq)
+        requeue_by_priority(self.waiting)  # the tenant's own requests only (Sequence.priority)
 
     @property
     def pool_tokens(self) -> int:
@@ -205,7 +207,7 @@ class Scheduler:
         not fit are passed over without aging. ``urgent_only``: interactive ones only.
         ``capped``: the most tokens non-interactive ones may start with (floor-sized step)."""
         head_blocked = False
-        for seq in self.policy.order(self.waiting, now):
+        for seq in order_by_priority(self.policy.order(self.waiting, now)):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if urgent_only and self.policy.rank(seq) > 0:
@@ -264,7 +266,7 @@ class Scheduler:
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
         requests waiting on a prefetch) every block that is not its own and admit it; a head
         that still cannot start never will, and is given up (``rejected``)."""
-        ready = [s for s in self.policy.order(self.waiting, now) if s.prefetch_until_s <= now]
+        ready = [s for s in order_by_priority(self.policy.order(self.waiting, now)) if s.prefetch_until_s <= now]
         if not ready:
             return  # prefetches in flight: their blocks land and the queue moves
         head = ready[0]
@@ -290,7 +292,7 @@ class Scheduler:
 
     def _preempt_for_slots(self, now: float) -> None:
         """Free running slots for waiting sequences of a higher class than some running one."""
-        for seq in self.policy.order(self.waiting, now):
+        for seq in order_by_priority(self.policy.order(self.waiting, now)):
             if len(self.running) < self.config.max_num_seqs:
                 return
             victim = self.policy.victim(self.running, seq)

@@ -43,6 +43,11 @@ class Sequence:
             now (set by the scheduler before ordering, for policies with ``orders_by_value``).
         peak_policy_bytes: the most bytes its KV policy held at once outside the pool blocks
             (codes, sentence index, recall region, untiered host RAM; ``SequenceKV``).
+        priority: the request's priority among its own tenant's waiting requests (vLLM's
+            ``priority``: lower is served earlier, default 0). It only reorders that tenant's
+            requests among the queue positions they hold in the policy's order, stably within
+            equal priority; it never moves a request past another tenant's
+            (``cache_node.scheduling.base.order_by_priority``).
     """
 
     request_id: str
@@ -70,6 +75,7 @@ class Sequence:
     prefetch_until_s: float = 0.0
     device_hit_tokens: int = 0
     peak_policy_bytes: int = 0
+    priority: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

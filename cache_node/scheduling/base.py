@@ -11,6 +11,7 @@ tenant it was never told about get ``DEFAULT_SHARE`` (standard class, weight 1, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -158,3 +159,47 @@ class SchedulingPolicy(ABC):
         n = self._passed_over.get(seq.request_id, 0) + 1
         self._passed_over[seq.request_id] = n
         return self.skip_blocked and n <= self.aging_steps
+
+
+def order_by_priority(ordered: list[Sequence]) -> list[Sequence]:
+    """A policy's waiting order with each tenant's requests sorted by their ``priority``
+    (lower first; stable, so equal priorities keep the policy's order) within the queue
+    positions that tenant's requests hold: one tenant's priorities never move its requests
+    past another tenant's, so the policy's fairness between tenants is untouched.
+
+    Args:
+        ordered: the waiting sequences in the policy's order (``SchedulingPolicy.order``).
+
+    Returns:
+        A new list of the same sequences; ``ordered`` itself when every priority is 0.
+
+    The semantics follow vLLM's ``priority`` request field (lower value, served earlier),
+    scoped to the tenant; O(n log n) in the waiting sequences.
+    """
+    if all(s.priority == 0 for s in ordered):
+        return ordered
+    positions: dict[str, list[int]] = {}
+    for index, seq in enumerate(ordered):
+        positions.setdefault(seq.tenant, []).append(index)
+    result = list(ordered)
+    for slots in positions.values():
+        members = sorted((ordered[i] for i in slots), key=lambda s: s.priority)  # sorted() is stable
+        for slot, seq in zip(slots, members):
+            result[slot] = seq
+    return result
+
+
+def requeue_by_priority(waiting: deque[Sequence]) -> None:
+    """Put ``waiting`` (the scheduler's queue, after an arrival) in ``order_by_priority``
+    order, in place.
+
+    Policies that order a tenant's requests by queue position (fcfs, priority, vtc) then hand
+    out the tenant's earliest position to the request that is served in it: the request it
+    displaced moves to the later position, so after the admission the tenant holds the
+    positions it would have held without priorities (a post-processed order alone would leave
+    the displaced request in the earlier position and let the tenant take two early turns).
+    """
+    ordered = order_by_priority(list(waiting))
+    if any(a is not b for a, b in zip(ordered, waiting)):
+        waiting.clear()
+        waiting.extend(ordered)
