@@ -195,10 +195,25 @@ class Scheduler:
         policy that isolates such prefills (``isolates_urgent_prefill``)."""
         if not self.policy.isolates_urgent_prefill:
             return False
-        if any(self.policy.rank(s) == 0 and s.prefetch_until_s <= now for s in self.waiting):
+        if any(self.policy.rank(s) == 0 and not self._awaits_prefetch(s, now) for s in self.waiting):
             return True
         return any(self.policy.rank(s) == 0 and s.num_uncomputed_tokens > 1
                    for s in self.running)
+
+    def _awaits_prefetch(self, seq: Sequence, now: float) -> bool:
+        """``seq``'s blocks are on their way up from the spill tier and it waits for them: until
+        ``prefetch_until_s``, or, under a policy that ``bounds_prefetch_wait``, only while it has
+        waited (since its arrival, when its prefetch started) less than recomputing its prompt
+        past its device prefix hit would take at the measured prefill speed. Ski rental (the
+        2-competitive rule: wait at most what the alternative costs): a prefetch that has not
+        landed by then can only lose against recomputing, and a slow spill read (a busy spill
+        node, a put ahead of it) no longer spends a short request's TTFT target."""
+        if seq.prefetch_until_s <= now:
+            return False
+        if not self.policy.bounds_prefetch_wait:
+            return True
+        tokens = seq.num_tokens - max(seq.num_computed_tokens, seq.device_hit_tokens)
+        return now - seq.arrival_time_s < tokens / self.prefill_speed.tokens_per_s
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,
                        urgent_only: bool = False, capped: int | None = None) -> None:
@@ -212,7 +227,7 @@ class Scheduler:
                 break
             if urgent_only and self.policy.rank(seq) > 0:
                 continue
-            if seq.prefetch_until_s > now:  # its blocks are on their way up; others go first
+            if self._awaits_prefetch(seq, now):  # its blocks are on their way up; others go first
                 continue
             held_back = capped is not None and self.policy.rank(seq) > 0
             if held_back and capped == 0:
@@ -266,7 +281,7 @@ class Scheduler:
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
         requests waiting on a prefetch) every block that is not its own and admit it; a head
         that still cannot start never will, and is given up (``rejected``)."""
-        ready = [s for s in order_by_priority(self.policy.order(self.waiting, now)) if s.prefetch_until_s <= now]
+        ready = [s for s in order_by_priority(self.policy.order(self.waiting, now)) if not self._awaits_prefetch(s, now)]
         if not ready:
             return  # prefetches in flight: their blocks land and the queue moves
         head = ready[0]

@@ -83,6 +83,9 @@ class SchedulingPolicy(ABC):
             over their device-tier quota first (most over first), then LRU.
         orders_by_value: the scheduler fills ``Sequence.device_hit_tokens`` for every waiting
             sequence before each ``order`` call (Apt-Serve's hit/miss distinction).
+        bounds_prefetch_wait: a waiting request waits for its spill prefetch at most as long as
+            recomputing its uncached prompt would take (``Scheduler._awaits_prefetch``); False:
+            until the prefetch lands or ``TierConfig.prefetch_wait_s`` passes.
         isolates_urgent_prefill: while an interactive (rank 0) request waits or has prompt
             tokens left, a step runs only interactive work; the other classes' decodes sit
             out that step (their TPOT targets are 2.5-10x looser), so the prefill runs in a
@@ -97,6 +100,7 @@ class SchedulingPolicy(ABC):
     prefill_chunk_share: ClassVar[float] = 1.0
     demotes_over_quota_first: ClassVar[bool] = False
     isolates_urgent_prefill: ClassVar[bool] = False
+    bounds_prefetch_wait: ClassVar[bool] = False
     orders_by_value: ClassVar[bool] = False
 
     def __init__(self, aging_steps: int = 64) -> None:

@@ -14,7 +14,8 @@ Waiting order, as nested groups:
    over memory cost (Apt-Serve, arXiv 2504.07494, its value-based request scheduling over a
    hybrid cache), where the cost is the prompt tokens still to compute beyond the device
    prefix hit. A request whose KV is on the device runs before an equal one that misses; one
-   whose KV sits below the device is prefetched first (the scheduler skips it meanwhile); a
+   whose KV sits below the device is prefetched first (the scheduler skips it meanwhile, but
+   no longer than recomputing its uncached prompt would take: ``bounds_prefetch_wait``); a
    long request gains value while it waits, so it is not starved.
 
 While a tenant with a floor has requests decoding, the step is sized so it lasts at most
@@ -67,6 +68,7 @@ class KvstrataPolicy(SchedulingPolicy):
     demotes_over_quota_first = True
     isolates_urgent_prefill = True
     orders_by_value = True
+    bounds_prefetch_wait = True
 
     def __init__(
         self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2
