@@ -186,13 +186,17 @@ class LLMEngine(EngineTiersMixin):
                 f"{need} tokens of KV at once; this node's KV pool holds {pool_tokens} tokens"
             )
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request at the next step boundary and free its blocks. False if unknown."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request at the next step boundary and free its blocks. False if unknown.
+
+        ``reason``: its finish reason; "stop" ends it as a completed request (the cache node
+        matched a stop string in its text): a session keeps its tokens as history, which an
+        "abort" drops."""
         with self._lock:
             seq = self.requests.get(request_id)
             if seq is None or seq.is_finished:
                 return False
-            self._finish(seq, "abort")
+            self._finish(seq, reason)
             self._aborted.append(seq)
             return True
 

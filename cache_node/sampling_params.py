@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 MAX_STOP_TOKEN_IDS = 64
 """Most ``stop_token_ids`` one request may name (each is checked on every decode step)."""
 
+MAX_STOP_STRINGS = 4
+"""Most ``stop`` strings one request may give (OpenAI's limit)."""
+
+MAX_STOP_STRING_CHARS = 256
+"""Longest ``stop`` string (the node searches the text it holds back for each, every step)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +26,10 @@ class SamplingParams:
         stop_token_ids: extra token ids that end the request (the model's EOS always does
             unless ``ignore_eos``); non-negative, at most ``MAX_STOP_TOKEN_IDS``.
         ignore_eos: keep generating past EOS (benchmarks).
+        stop: stop strings (OpenAI's ``stop``): the cache node, which detokenizes, ends the
+            request at the token whose text completes one, with finish_reason "stop", and
+            sends the text only up to it (``cache_node.stop_strings.StopMatcher``); at most
+            ``MAX_STOP_STRINGS``, each 1 to ``MAX_STOP_STRING_CHARS`` characters.
 
     Raises:
         ValueError: any field out of range, with the field name in the message.
@@ -31,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -47,7 +58,21 @@ class SamplingParams:
         if any(t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    """``value`` as a tuple of stop strings. Raises ValueError naming ``stop`` and the bound."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        # a ValueError like every bad field here: callers map it to INVALID_ARGUMENT
+        raise ValueError(f"stop must be a list of strings, got {type(value).__name__}")  # noqa: TRY004
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for text in value:
+        if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {text!r:.80}")
+    return tuple(value)

@@ -6,6 +6,13 @@ the request's own queue) or, for a stream opened by ``submit``, pushed by the st
 its gateway's event inbox, one message per gateway per step. A request's ``started`` event is
 sent when the engine first schedules it, before that step's forward pass.
 
+Stop strings (``SamplingParams.stop``) are matched here, where the output is detokenized
+(``cache_node.stop_strings.StopMatcher``): a delta's text holds back a tail that could begin a
+stop string; the token whose text completes one ends the request in the engine at once, with
+finish_reason "stop" (before the next step: no token after it is generated, and a session's
+history ends with it), and the text is cut before the stop string. A tail still held back
+when the request ends otherwise goes out as a last delta without token ids.
+
 ``Streams`` is a part of ``services.cache_node.CacheNode``; it uses the node's ``engine``,
 ``_streams``, ``_pusher``, ``_outbox``, ``_incoming`` and ``_wake``.
 """
@@ -19,16 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_node.outputs import RequestOutput
+from cache_node.stop_strings import StopMatcher
 from services.node_request import NodeRequest
 
 Event = dict[str, Any]
 
 
-
 @dataclass
 class _Stream:
     """One request's stream: in-process (``deliver`` called on ``loop``) or, with a
-    ``subscriber``, pushed by the step thread to that gateway's event inbox."""
+    ``subscriber``, pushed by the step thread to that gateway's event inbox. ``text``: the
+    detokenized output so far; ``sent``: the part of it sent (cut before a stop string)."""
 
     loop: asyncio.AbstractEventLoop | None
     deliver: Callable[[Event], None] | None
@@ -37,7 +45,14 @@ class _Stream:
     subscriber: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    sent: str = ""
     started: bool = False
+    stops: StopMatcher | None = None
+
+    def __post_init__(self) -> None:
+        if self.request.sampling.stop:
+            self.stops = StopMatcher(self.request.sampling.stop)
+
 
 class Streams:
     """The stream part of ``CacheNode``: opening streams and delivering their events."""
@@ -141,17 +156,29 @@ class Streams:
             stream.deliver(event)
 
     def _events(self, out: RequestOutput, stream: _Stream) -> list[Event]:
+        """Step thread: one step's output of ``stream``'s request as events (see the module
+        docstring for stop strings)."""
         events: list[Event] = []
+        stops = stream.stops
         if out.new_token_ids:
             stream.token_ids.extend(out.new_token_ids)
             text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
             delta, stream.text = text[len(stream.text):], text
+            if stops is not None:
+                delta = stops.feed(delta)
+                if stops.stopped and not out.finished:  # this token completed a stop string
+                    self.engine.abort_request(out.request_id, reason="stop")
+            stream.sent += delta
             events.append({"type": "delta", "token_ids": list(out.new_token_ids), "text": delta})
         if out.finished and out.finish_reason == "rejected":
             events.append({"type": "error", "code": "INVALID_ARGUMENT",
                            "message": "the request can never fit this node's KV pool "
                                       f"({self.engine.scheduler.pool_tokens} tokens)"})
         elif out.finished:
+            tail = stops.flush() if stops is not None and out.finish_reason != "abort" else ""
+            if tail:
+                stream.sent += tail
+                events.append({"type": "delta", "token_ids": [], "text": tail})
             self._end_session_turn(stream, out)
             events.append(self._finished_event(out, stream))
         return events
@@ -162,7 +189,7 @@ class Streams:
             return
         history = self._session_messages.setdefault(req.session_id, [])
         history.extend(req.messages)
-        history.append({"role": "assistant", "content": stream.text})
+        history.append({"role": "assistant", "content": stream.sent})
 
     def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
         now = time.monotonic()
@@ -170,8 +197,9 @@ class Streams:
         n = out.num_output_tokens
         total_ms = (now - stream.request.arrival_time_s) * 1000.0 if stream.request.arrival_time_s else 0.0
         tpot = (total_ms - ttft_ms) / (n - 1) if n > 1 and total_ms else 0.0
+        stopped = stream.stops is not None and stream.stops.stopped
         return {
-            "type": "finished", "finish_reason": out.finish_reason,
+            "type": "finished", "finish_reason": "stop" if stopped else out.finish_reason,
             "prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
             "cached_tokens": _tiers(out),
             "ttft_ms": ttft_ms, "tpot_ms": tpot, "preempted": out.num_preemptions > 0,

@@ -13,12 +13,14 @@ default (``min_tokens_per_s`` has explicit presence, so 0 means "no floor"), and
 ``SamplingParams.top_p`` of 0 means 1.0.
 
 Bounds on a ``GenerateRequest`` (past one: ``ValueError`` naming the field and the limit):
-``sampling.stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` (64) ids; ``tokens.ids`` at most
-``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most ``MAX_CHAT_MESSAGES``
-(1,024) messages holding at most ``MAX_PROMPT_CHARS`` (1,048,576) characters together;
-``policy`` a name of the tenant policy pattern (at most 63 characters); ``request_id`` and
-``session_id`` at most 256 characters (checked by the gateway). The model's context length
-and the KV pool bound a prompt's tokens further (the gateway).
+``sampling.stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` (64) ids; ``sampling.stop`` at
+most ``MAX_STOP_STRINGS`` (4) strings of 1 to ``MAX_STOP_STRING_CHARS`` (256) characters;
+``tokens.ids`` at most ``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most
+``MAX_CHAT_MESSAGES`` (1,024) messages holding at most ``MAX_PROMPT_CHARS`` (1,048,576)
+characters together; ``policy`` a name of the tenant policy pattern (at most 63 characters);
+``request_id`` and ``session_id`` at most 256 characters and ``priority`` in [-1000, 1000]
+(checked by the gateway). The model's context length and the KV pool bound a prompt's tokens
+further (the gateway).
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ def sampling_params_from_pb(
             seed=msg.seed if msg.HasField("seed") else None,
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            stop=tuple(msg.stop),
         )
 
 
@@ -223,6 +226,7 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
         top_p=params.top_p,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        stop=params.stop,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from cache_node.sampling_params import SamplingParams
-from services.node_request import NodeRequest
+from services.node_request import NodeRequest, check_priority
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ MAX_ID_CHARS = 1024
 _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
     "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
-    "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)),
+    "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)), "priority": int,
 }
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
 
@@ -129,8 +129,8 @@ def request_from_wire(data: Any) -> NodeRequest:
     type: ``data`` comes off the network.
 
     Raises:
-        ValueError: out-of-range values (token ids outside [0, 2**31), sampling parameters,
-            ``SamplingParams``); TypeError: unknown, missing or mistyped fields.
+        ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
+            [-1000, 1000], sampling parameters, ``SamplingParams``); TypeError: unknown, missing or mistyped fields.
     """
     _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
     fields = dict(data)
@@ -146,6 +146,7 @@ def request_from_wire(data: Any) -> NodeRequest:
         _check_type("request.messages[]", message, dict)
         _check_str_map("request.messages[]", message)
     _check_str_map("request.extra", fields.get("extra", {}))
+    check_priority(fields.get("priority", 0))
     if not all(isinstance(k, str) for k in fields["sampling"]):
         raise TypeError("request.sampling must have string keys")
     fields["sampling"] = SamplingParams(**fields["sampling"])

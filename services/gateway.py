@@ -34,7 +34,7 @@ from services.chat import ChatTemplater
 from services.data_plane_auth import Security
 from services.gateway_streams import NodeStreams
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
-from services.node_request import NodeRequest
+from services.node_request import NodeRequest, check_priority
 
 _CODES = {c.name: c for c in grpc.StatusCode}
 
@@ -74,6 +74,8 @@ class GenerateInput:
             go to the same cache node while it has room ("" = none).
         fill_context: no max_tokens was given: generate up to the context limit
             (``sampling.max_tokens`` is then ignored).
+        priority: lower is served earlier among this tenant's own waiting requests on its
+            node, never ahead of another tenant's; in [-1000, 1000] (else INVALID_ARGUMENT).
     """
 
     prompt: list[dict[str, str]] | list[int]
@@ -84,6 +86,7 @@ class GenerateInput:
     cache_salt: str = ""
     routing_key: str = ""
     fill_context: bool = False
+    priority: int = 0
 
 
 def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
@@ -91,6 +94,7 @@ def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
     return GenerateInput(
         prompt=convert.prompt_from_pb(request), sampling=convert.sampling_params_from_pb(request.sampling),
         session_id=request.session_id, request_id=request.request_id, policy=convert.policy_from_pb(request.policy, ""),
+        priority=request.priority,
     )
 
 
@@ -161,6 +165,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         for name in ("request_id", "session_id", "cache_salt", "routing_key"):
             if len(getattr(call, name)) > MAX_ID_CHARS:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
+        try:
+            check_priority(call.priority)
+        except (TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         messages: tuple[dict[str, str], ...] = ()
         tokens: tuple[int, ...] = ()
         prompt, sampling = call.prompt, call.sampling
@@ -193,6 +201,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
             session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
             policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
+            priority=call.priority,
         )
         return req, hashes
 

@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 from cache_node.sampling_params import SamplingParams
 
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+"""The range of a request's ``priority`` (checked by the gateway and the data plane)."""
+
+
+def check_priority(value: object) -> int:
+    """``value`` as a request priority. Raises ValueError (an int out of
+    [``MIN_PRIORITY``, ``MAX_PRIORITY``]) or TypeError (not an int), naming ``priority``."""
+    if type(value) is not int:
+        raise TypeError(f"priority must be an integer, got {type(value).__name__}")
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise ValueError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value}")
+    return value
+
 
 @dataclass(frozen=True)
 class NodeRequest:
@@ -15,6 +28,8 @@ class NodeRequest:
     is set. With a ``session_id`` the prompt is appended to that session's history.
     ``prefetch``: the global index's hint whether the prompt's prefix continues in the spill
     tier (start a spill prefetch or not); None leaves it to the node (``auto_prefetch``).
+    ``priority``: lower is served earlier among the same tenant's waiting requests on the
+    node, never ahead of another tenant's (``cache_node.sequence.Sequence.priority``).
     """
 
     request_id: str
@@ -29,6 +44,7 @@ class NodeRequest:
     arrival_time_s: float = 0.0
     extra: dict[str, str] = field(default_factory=dict)
     prefetch: bool | None = None
+    priority: int = 0
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible API's parts that need no cluster: stop strings over streamed text,
-request bodies, and gRPC statuses as OpenAI errors (issue 20)."""
+"""The OpenAI-compatible API's parts that need no cluster: stop strings over streamed text (the
+node's ``cache_node.stop_strings``), request bodies, and gRPC statuses as OpenAI errors (issue 20)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
+from cache_node.stop_strings import StopMatcher
 from services.openai_api.app import invalid
 from services.openai_api.context import CallAborted
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
-from services.openai_api.stops import StopMatcher
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
@@ -52,11 +52,13 @@ def _chat(**body: object) -> ChatCompletionRequest:
 
 def test_chat_body_as_generate_input() -> None:
     call = _chat(max_completion_tokens=5, temperature=0, top_p=0.5, seed=3, stop="x",
-                 session_id="s", policy="snapkv", cache_salt="salt", prompt_cache_key="k").to_input()
+                 session_id="s", policy="snapkv", cache_salt="salt", prompt_cache_key="k", priority=-7).to_input()
     assert call.prompt == [{"role": "user", "content": "hi"}]
     assert (call.sampling.max_tokens, call.sampling.temperature, call.sampling.top_p, call.sampling.seed) == (
         5, 0, 0.5, 3)
     assert (call.session_id, call.policy, call.cache_salt, call.routing_key) == ("s", "snapkv", "salt", "k")
+    assert call.sampling.stop == ("x",) and call.priority == -7  # both travel to the node
+    assert _chat(stop=["a", "b"]).to_input().sampling.stop == ("a", "b") and _chat().to_input().priority == 0
     assert not call.fill_context and _chat().to_input().fill_context  # no max_tokens: up to the context limit
     parts = _chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                {"type": "text", "text": "b"}]}]).to_input()
@@ -76,6 +78,7 @@ def test_unsupported_values_name_their_field(body: dict, field: str) -> None:
 @pytest.mark.parametrize(("body", "field"), [
     ({"tools": []}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"temperature": 3}, "temperature"), ({"stop": ["a"] * 5}, "stop"), ({"seed": -1}, "seed"),
+    ({"stop": ["x" * 257]}, "stop"), ({"priority": "5"}, "priority"), ({"priority": 1.5}, "priority"),
 ])
 def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -4,7 +4,6 @@ actor's event loop, a thin edge over the same call path as gRPC's ``Generate``.
 - ``app``: routes and the edge (``OpenAIEdge``, ``create_app``).
 - ``schemas``: request bodies (pydantic) -> ``services.gateway.GenerateInput``.
 - ``responses``: node events -> OpenAI response bodies, chunks and usage.
-- ``stops``: stop strings over streamed text.
 - ``context``: the call context the gateway's path uses, and OpenAI-shaped errors.
 - ``server``: uvicorn on the running loop.
 """

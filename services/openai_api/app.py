@@ -91,7 +91,7 @@ class OpenAIEdge:
             started = await events.__anext__()  # admitted and started: the status is known
         except CallAborted as exc:
             return exc.response()
-        generation = Generation(events, started, chat, self.model_name, body.stop_strings())
+        generation = Generation(events, started, chat, self.model_name)
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"})

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.openai_api.stops import StopMatcher
 from tenants.usage import TierTokens
 
 
@@ -43,19 +42,20 @@ class Generation:
 
     Args:
         events: the rest of the request's events; closed when reading ends (an early end,
-            a stop string or a gone client, aborts the request on its node).
+            a gone client, aborts the request on its node).
         started: its ``started`` event.
         chat: a chat completion (else a text completion).
         model: the model name the response reports.
-        stops: stop strings (``StopMatcher``).
+
+    Stop strings are the node's (``SamplingParams.stop``): its text arrives cut before one,
+    with finish_reason "stop", and is relayed as it comes.
     """
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], started: dict[str, Any], chat: bool,
-                 model: str, stops: tuple[str, ...]) -> None:
+                 model: str) -> None:
         self.events, self.chat, self.model = events, chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.matcher = StopMatcher(stops)
         self.prompt_tokens = int(started["prompt_tokens"])
         self.cached: dict[str, int] = dict(started.get("cached_tokens", {}))
         self.completion_tokens = 0
@@ -70,20 +70,13 @@ class Generation:
             async for event in self.events:
                 if event["type"] == "delta":
                     self.completion_tokens += len(event["token_ids"])
-                    text = self.matcher.feed(event["text"])
-                    if text:
-                        yield text
-                    if self.matcher.stopped:
-                        self.finish_reason = "stop"
-                        return
+                    if event["text"]:
+                        yield event["text"]
                 elif event["type"] == "finished":
                     self.prompt_tokens, self.completion_tokens = event["prompt_tokens"], event["completion_tokens"]
                     self.cached, self.finish_reason = dict(event.get("cached_tokens", {})), event["finish_reason"]
                     self.server.update(ttft_ms=event.get("ttft_ms"), tpot_ms=event.get("tpot_ms"),
                                        preempted=bool(event.get("preempted", False)))
-                    tail = self.matcher.flush()
-                    if tail:
-                        yield tail
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]
 

@@ -7,8 +7,11 @@ accepted (``n`` = 1, ``logprobs`` false, zero penalties: frameworks send these d
 any other value is refused naming the field. kvstrata's extension fields ride in the body, as
 vLLM's extra parameters do: ``session_id`` (append the messages to that session's history,
 whose KV the node keeps), ``policy`` (the KV policy override), ``cache_salt`` (partitions the
-tenant's prefix cache further), and OpenAI's own ``prompt_cache_key`` is a routing hint (same
-key, same cache node while it has room).
+tenant's prefix cache further), ``priority`` (vLLM's: an integer in [-1000, 1000], lower is
+served earlier, default 0; it reorders only the caller's own waiting requests on the node,
+never ahead of another tenant's), and OpenAI's own ``prompt_cache_key`` is a routing hint
+(same key, same cache node while it has room). ``stop`` strings travel to the node in
+``SamplingParams.stop``; the node ends the request at the token that completes one.
 """
 
 from __future__ import annotations
@@ -17,12 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cache_node.sampling_params import SamplingParams
+from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
 from services.gateway import GenerateInput
-
-MAX_STOP_STRINGS = 4
-"""Most ``stop`` strings one request may give (OpenAI's limit)."""
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
@@ -82,6 +82,7 @@ class _Sampling(_Strict):
     policy: str = ""
     cache_salt: str = ""
     prompt_cache_key: str = ""
+    priority: int = Field(0, strict=True)  # bounded by the gateway (INVALID_ARGUMENT: 400)
 
     @field_validator("stop")
     @classmethod
@@ -89,8 +90,8 @@ class _Sampling(_Strict):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+        if any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -112,10 +113,10 @@ class _Sampling(_Strict):
         context limit). Raises ValueError naming the field."""
         self.check_supported()
         sampling = SamplingParams(max_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                                  seed=self.seed)
+                                  seed=self.seed, stop=self.stop_strings())
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
-                             fill_context=max_tokens is None)
+                             fill_context=max_tokens is None, priority=self.priority)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -1,10 +1,12 @@
-"""Stop strings (OpenAI's ``stop``) over a stream of text increments.
+"""Stop strings (OpenAI's ``stop``, ``SamplingParams.stop``) over a stream of text increments.
 
-The node stops on token ids only; a stop *string* may span tokens and increments, so the API
-watches the generated text: once it contains a stop string, the text is cut before it, the
-request ends with ``finish_reason`` "stop" and is aborted on its node (the stop string itself
-is never returned, as OpenAI documents). While streaming, the tail that could still begin a
-stop string is held back until the next increment tells (vLLM's detokenizer does the same).
+The engine stops on token ids; a stop *string* may span tokens and increments, so whoever
+detokenizes a request's output (the cache node, ``services.cache_node_streams``) feeds each
+text increment here: once the text contains a stop string, the text is cut before it (the stop
+string itself is never returned, as OpenAI documents) and the request is finished at the token
+that completed it. The tail that could still begin a stop string is held back until the next
+increment tells (vLLM's detokenizer does the same). Plain Python, no tokenizer: the node and
+the tests import it without the API stack.
 """
 
 from __future__ import annotations

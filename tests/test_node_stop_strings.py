@@ -1,0 +1,87 @@
+"""Stop strings enforced on the cache node, where it detokenizes (issue 20), with the real model
+and no Ray: the text is cut before the stop string, the request ends at the token that
+completed it with finish_reason "stop", and a session's history ends with that token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cache_node.sampling_params import SamplingParams
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.node_request import NodeRequest
+
+PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
+NEW = (504, 3575, 28, 614)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def node():
+    n = CacheNode("stops", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=0), num_threads=1)
+    yield n
+    n.shutdown()
+
+
+def run(node: CacheNode, rid: str, tokens: tuple[int, ...] = PROMPT, stop: tuple[str, ...] = (),
+        max_tokens: int = MAX_TOKENS, session_id: str = "") -> dict:
+    """One request through ``CacheNode.generate``: its events, text and token ids."""
+    req = NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", token_ids=tokens, session_id=session_id,
+                      sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=stop))
+
+    async def collect() -> list[dict]:
+        return [event async for event in node.generate(req)]
+
+    events = asyncio.run(collect())
+    deltas = [e for e in events if e["type"] == "delta"]
+    return {"events": events, "text": "".join(e["text"] for e in deltas),
+            "tokens": [t for e in deltas for t in e["token_ids"]], "finished": events[-1]}
+
+
+@pytest.fixture(scope="module")
+def free(node) -> dict:
+    """The prompt's greedy continuation without stop strings, and a stop string from its middle
+    (its first occurrence) with the number of tokens whose text first contains it."""
+    out = run(node, "free")
+    text = out["text"]
+    start = next(i for i in range(len(text) // 3, len(text) - 3)
+                 if text[i:i + 3].strip() and text.index(text[i:i + 3]) == i)
+    stop = text[start:start + 3]
+    upto = next(k for k in range(1, len(out["tokens"]) + 1)
+                if stop in node.tokenizer.decode(out["tokens"][:k], skip_special_tokens=True))
+    assert 1 < upto < MAX_TOKENS
+    return {**out, "stop": stop, "cut": text[:start], "upto": upto}
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request_at_its_token(node, free) -> None:
+    out = run(node, "cut", stop=(free["stop"],))
+    assert out["text"] == free["cut"] and free["stop"] not in out["text"]
+    assert out["tokens"] == free["tokens"][:free["upto"]]  # no token after the one completing it
+    assert out["finished"]["finish_reason"] == "stop" and out["finished"]["completion_tokens"] == free["upto"]
+
+
+def test_session_history_ends_at_the_stop_token(node, free) -> None:
+    """Regression: the stop string was cut at the gateway, which aborted the request; the
+    node's session kept tokens the client never saw (or the whole turn was dropped). The next
+    turn's prompt is the first prompt + the tokens up to the stop + the new message, not more."""
+    first = run(node, "s-1", stop=(free["stop"],), session_id="sess")
+    assert first["finished"]["finish_reason"] == "stop"
+    assert node.engine.session_history("sess") == list(PROMPT) + free["tokens"][:free["upto"]]
+    second = run(node, "s-2", tokens=NEW, max_tokens=2, session_id="sess")
+    assert second["events"][0]["prompt_tokens"] == len(PROMPT) + free["upto"] + len(NEW)
+    assert len(node.engine.session_history("sess")) == len(PROMPT) + free["upto"] + len(NEW) + 2
+
+
+def test_stop_completed_by_the_last_token_still_says_stop(node, free) -> None:
+    out = run(node, "last", stop=(free["stop"],), max_tokens=free["upto"])
+    assert out["text"] == free["cut"] and out["finished"]["finish_reason"] == "stop"
+
+
+def test_a_held_back_tail_is_sent_when_the_request_ends(node, free) -> None:
+    """The text's end looked like a stop string's start: it is held back, then sent at the end."""
+    stop = free["text"][-2:] + "\u2603\u2603"
+    out = run(node, "tail", stop=(stop,))
+    assert out["text"] == free["text"] and out["finished"]["finish_reason"] == "length"
+    assert out["events"][-2] == {"type": "delta", "token_ids": [], "text": free["text"][-2:]}
