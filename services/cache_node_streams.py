@@ -120,7 +120,7 @@ class Streams:
             events.append((stream, {
                 "type": "started", "request_id": seq.request_id, "node_id": self.node_id,
                 "prompt_tokens": seq.num_prompt_tokens, "cached_tokens": cached,
-                "queue_ms": (now - seq.arrival_time_s) * 1000.0,
+                "queue_ms": (now - seq.arrival_time_s) * 1000.0, "priority": seq.priority,
             }))
         self._dispatch(events)
 

@@ -335,6 +335,7 @@ def generate_event_to_pb(event: Mapping[str, Any]) -> inference_pb2.GenerateResp
                 prompt_tokens=event["prompt_tokens"],
                 cached_tokens=tier_tokens_to_pb(event.get("cached_tokens", {})),
                 queue_ms=event.get("queue_ms", 0.0),
+                priority=event.get("priority", 0),
             )
         )
     if kind == "delta":

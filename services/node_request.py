@@ -48,7 +48,8 @@ class NodeRequest:
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):
-#   {"type": "started", "request_id", "node_id", "prompt_tokens", "cached_tokens": {tier: n}, "queue_ms"}
+#   {"type": "started", "request_id", "node_id", "prompt_tokens", "cached_tokens": {tier: n}, "queue_ms",
+#    "priority" (as the node's engine queued the request)}
 #   {"type": "delta", "token_ids": [...], "text": str}
 #   {"type": "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
 #    "ttft_ms", "tpot_ms", "preempted"}

@@ -1,6 +1,7 @@
 """A request's ``priority`` (vLLM's extra parameter, lower served earlier) on the bare scheduler:
 it reorders only its own tenant's waiting requests, within the queue positions that tenant holds,
-under every scheduling policy (issue 20). Deterministic: simulated clock, no model."""
+under every scheduling policy (issue 20). Deterministic: simulated clock, no model. And the
+field on the data plane's wire, checked as the node reads it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import SCHEDULING_POLICIES
 from cache_node.scheduling.base import order_by_priority
 from cache_node.sequence import Sequence
+from services import data_plane
+from services.node_request import NodeRequest
 from tests.slo_sim import Sim
 
 # (request id, tenant, priority) in arrival order: the tenants alternate
@@ -62,3 +65,27 @@ def test_every_policy_keeps_the_tenants_turns(policy: str) -> None:
     for t in ("A", "B"):
         own = [r for r in plain if tenant[r] == t]
         assert [r for r in ranked if tenant[r] == t] == sorted(own, key=priority.__getitem__)
+
+
+def wire_request(**fields: object) -> dict:
+    req = NodeRequest(request_id="r", tenant="t", cache_namespace="ns", token_ids=(1, 2),
+                      sampling=SamplingParams(max_tokens=2, stop=("END",)), priority=-3)
+    return {**data_plane.unpack(data_plane.pack(data_plane.request_to_wire(req))), **fields}
+
+
+def test_priority_and_stop_strings_cross_the_data_plane() -> None:
+    req = data_plane.request_from_wire(wire_request())
+    assert req.priority == -3 and req.sampling.stop == ("END",)
+    started = {"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 2, "priority": -3}
+    assert data_plane.event_items([["r", started]]) == [("r", started)]
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"priority": 1001}, ValueError), ({"priority": -1001}, ValueError), ({"priority": True}, TypeError),
+    ({"priority": 1.0}, TypeError), ({"sampling": {"max_tokens": 2, "stop": ["a"] * 5}}, ValueError),
+    ({"sampling": {"max_tokens": 2, "stop": [7]}}, ValueError),
+])
+def test_bad_priorities_and_stops_on_the_wire_are_refused(fields: dict, error: type) -> None:
+    """The data plane checks what it reads (a node drops and counts such a message)."""
+    with pytest.raises(error, match="priority|stop"):
+        data_plane.request_from_wire(wire_request(**fields))

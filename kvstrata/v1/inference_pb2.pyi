@@ -64,18 +64,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., policy: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("request_id", "node_id", "prompt_tokens", "cached_tokens", "queue_ms")
+    __slots__ = ("request_id", "node_id", "prompt_tokens", "cached_tokens", "queue_ms", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     prompt_tokens: int
     cached_tokens: _common_pb2.TierTokens
     queue_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ..., queue_ms: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("token_ids", "text")

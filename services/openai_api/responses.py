@@ -5,8 +5,9 @@
 ``prompt_tokens_details.cached_tokens`` (every prompt token whose KV was reused, from any
 tier), plus the extension ``prompt_tokens_details.cached_tokens_per_tier``
 (``{"device", "host", "spill_ram", "spill_disk"}``). The non-streamed body and the usage chunk
-also carry the extension ``kvstrata``: ``node_id``, ``queue_ms`` and the server's ``ttft_ms``,
-``tpot_ms`` and ``preempted`` (what gRPC's started and finished events say).
+also carry the extension ``kvstrata``: ``node_id``, ``queue_ms``, ``priority`` (as the node
+queued the request) and the server's ``ttft_ms``, ``tpot_ms`` and ``preempted`` (what gRPC's
+started and finished events say).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class Generation:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.server: dict[str, Any] = {"node_id": started.get("node_id", ""), "queue_ms": started.get("queue_ms"),
-                                       "ttft_ms": None, "tpot_ms": None, "preempted": False}
+                                       "priority": started.get("priority", 0), "ttft_ms": None, "tpot_ms": None,
+                                       "preempted": False}
 
     async def pieces(self) -> AsyncIterator[str]:
         """The generated text in the increments it may be sent in; ``finish_reason`` and the
