@@ -3,7 +3,9 @@
 Starts an embedded Ray cluster (2 cache nodes), the services and the gRPC gateway; registers
 the demo tenants over gRPC; runs the workload on the real model and real Wikipedia text;
 prints the per-tenant summary and where the report is; shuts everything down. Exit code 1
-when no call succeeded.
+when no call succeeded. ``--compare fcfs`` then replays the run's calls on a fresh deployment
+running fcfs and adds both side by side to the run's report.md
+(``workloads.deepresearch.compare``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -22,11 +25,13 @@ import grpc
 import ray
 from rich.console import Console
 
+from cache_node.scheduling import SCHEDULING_POLICIES
 from services.config import NodeConfig, ServiceConfig
-from services.launcher import start_services, stop_services
+from services.launcher import Services, start_services, stop_services
+from workloads.deepresearch.compare import append_comparison, print_comparison
 from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.demo_config import demo_tenants
-from workloads.deepresearch.job import run_deepresearch_grpc
+from workloads.deepresearch.job import JobOutcome, run_deepresearch_grpc
 from workloads.deepresearch.register import register_tenants
 
 
@@ -47,19 +52,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "recorded messages, arrivals and pauses, whatever the model replies (for benchmarking)")
     p.add_argument("--api", choices=("grpc", "openai"), default="grpc", help="the API the calls go through: "
                    "gRPC, or the OpenAI-compatible HTTP API with the official openai client")
-    return p.parse_args(argv)
+    p.add_argument("--compare", default="", metavar="SCHEDULER",
+                   help="after the run, replay its calls (trace.jsonl) on a fresh deployment running this "
+                   "scheduler (e.g. fcfs) and add both side by side to report.md (about doubles the time)")
+    args = p.parse_args(argv)
+    for name in ("scheduler", "compare"):
+        value = getattr(args, name)
+        if value and value not in SCHEDULING_POLICIES:
+            p.error(f"--{name} must be one of {sorted(SCHEDULING_POLICIES)}, got {value!r}")
+    return args
 
 
-async def _run(args: argparse.Namespace, address: str, admin_key: str, console: Console, openai_url: str) -> int:
+async def _run(args: argparse.Namespace, services: Services, console: Console, replay: str,
+               reports: str) -> JobOutcome:
     config = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s),
                             max_subagents=args.max_subagents)
+    address, admin_key = services.address, services.admin_key
     async with grpc.aio.insecure_channel(address) as channel:
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
-    outcome = await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=args.reports,
-                                          console=console, policy=args.policy,
-                                          replay=args.replay or None, openai_url=openai_url)
-    return outcome.exit_code
+    url = f"http://{services.http_address}/v1" if args.api == "openai" else ""
+    return await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=reports,
+                                       console=console, policy=args.policy,
+                                       replay=replay or None, openai_url=url)
+
+
+def _serve_and_run(args: argparse.Namespace, scheduler: str, console: Console, replay: str,
+                   reports: str) -> JobOutcome:
+    """Start the services with ``scheduler``, run the workload (or ``replay``), stop them."""
+    t0 = time.monotonic()
+    cfg = ServiceConfig(
+        num_cache_nodes=args.nodes, gateway_port=0, http_port=0, scheduler=scheduler,
+        state_dir=tempfile.mkdtemp(prefix="kvstrata-demo-"), node=NodeConfig(kv_pool_bytes=args.kv_pool_mib << 20),
+    )
+    console.print(f"starting {args.nodes} cache nodes ({scheduler} scheduler), the global scheduler and the gateway ...")
+    services = start_services(cfg)
+    console.print(f"gateway at {services.address} (up in {time.monotonic() - t0:.0f} s)")
+    try:
+        return asyncio.run(_run(args, services, console, replay, reports))
+    finally:
+        stop_services(services)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,18 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     ray.init(address="local", num_cpus=os.cpu_count() or 2, namespace="kvstrata-demo", include_dashboard=False,
              resources={"cache_node": args.nodes, "spill_node": 1}, log_to_driver=False)
-    cfg = ServiceConfig(
-        num_cache_nodes=args.nodes, gateway_port=0, http_port=0, scheduler=args.scheduler, state_dir=tempfile.mkdtemp(prefix="kvstrata-demo-"),
-        node=NodeConfig(kv_pool_bytes=args.kv_pool_mib << 20),
-    )
-    console.print(f"starting {args.nodes} cache nodes ({args.scheduler} scheduler), the global scheduler and the gateway ...")
-    services = start_services(cfg)
-    console.print(f"gateway at {services.address} (up in {time.monotonic() - t0:.0f} s)")
     try:
-        url = f"http://{services.http_address}/v1" if args.api == "openai" else ""
-        return asyncio.run(_run(args, services.address, services.admin_key, console, url))
+        outcome = _serve_and_run(args, args.scheduler, console, args.replay, args.reports)
+        if args.compare and outcome.exit_code == 0:
+            console.print(f"--compare {args.compare}: the same calls again, on a fresh deployment")
+            other = _serve_and_run(args, args.compare, console, str(outcome.run_dir / "trace.jsonl"),
+                                   str(Path(args.reports) / f"compare-{args.compare}"))
+            append_comparison(outcome.run_dir, outcome.report, other.report, other.run_dir)
+            print_comparison(outcome.report, other.report, console)
+            console.print(f"comparison: {outcome.run_dir / 'report.md'} (section 'Compared with {args.compare}')")
+        return outcome.exit_code
     finally:
-        stop_services(services)
         ray.shutdown()
         console.print(f"shut down; total {time.monotonic() - t0:.0f} s")
 
