@@ -295,3 +295,23 @@ def test_the_same_replies_give_the_same_trace() -> None:
         bare = ResearchSession("t-0000", "t", 0.0, session.lead,
                                (AgentScript("t-0000/sub1", "sub1", session.subagents[0].calls),))
         _run(FakeClient(REPLIES), WorkloadPlan(0, 1.0, (bare,)))
+
+
+def test_a_query_with_one_hit_is_topped_up_so_every_planned_read_is_sent() -> None:
+    """Regression: a model query matching a single article left a two-read sub-agent with no
+    unread hit for its second read, which was recorded SKIPPED (a failed call in the report)."""
+    sub = AgentScript("t-0000/sub1", "sub1", (
+        _call("sub1", 0, "search"), _call("sub1", 1, "read"), _call("sub1", 2, "read"),
+        _call("sub1", 3, "answer", expected_answer="1968"),
+    ), _task("Led Zeppelin", "1968"))  # fmt: skip
+    lead = AgentScript("t-0000/lead", "lead", (_call("lead", 0, "plan"), _call("lead", 1, "report")))
+    plan = WorkloadPlan(0, 1.0, (ResearchSession("t-0000", "t", 0.05, lead, (sub,)),))
+    client = FakeClient({"t-0000/lead#0": "1. Who founded Led Zeppelin?", "t-0000/sub1#0": "Zeppelin"})
+    by_id = {r["call_id"]: r for r in _run(client, plan).records}
+    assert {r["status"] for r in by_id.values()} == {"ok"}
+    search1 = by_id["t-0000/sub1#0"]["decision"]
+    assert search1["query"] == "Zeppelin" and search1["query_fallback"] is False
+    assert search1["hits"][0] == "Led Zeppelin" and len(search1["hits"]) == 3
+    assert len(set(search1["hits"])) == 3
+    assert by_id["t-0000/sub1#1"]["decision"]["read"] == "Led Zeppelin"
+    assert by_id["t-0000/sub1#2"]["decision"]["read"] == search1["hits"][1]

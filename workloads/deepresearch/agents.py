@@ -150,12 +150,22 @@ class ResearchAgents:
                 "plan_items_parsed": len(parsed), "plan_fallback": len(parsed) < len(self.subs)}
 
     def _search(self, sub: _Sub, reply: str) -> dict[str, Any]:
-        """Query BM25 with the model's query; fall back when it is empty or finds nothing."""
+        """Query BM25 with the model's query; fall back when it is empty or finds nothing.
+
+        ``query`` is the first query with hits; when it found fewer than ``search_top_k``, the
+        later queries' hits are appended (no duplicates), so an agent always has a hit left to
+        read (a short model query once matched a single article and its second read was
+        skipped)."""
         model_query = clean_query(reply)
-        for query in (model_query, sub.question, sub.task.fallback_question):
-            hits = search(query, k=self.plan.search_top_k) if query else []
-            if hits:
+        query, hits = "", []
+        for candidate in (model_query, sub.question, sub.task.fallback_question):
+            found = search(candidate, k=self.plan.search_top_k) if candidate else []
+            query = query or (candidate if found else "")
+            hits += [h for h in found if h.title not in {x.title for x in hits}]
+            if len(hits) >= self.plan.search_top_k:
                 break
+        hits = hits[: self.plan.search_top_k]
+        query = query or sub.task.fallback_question
         sub.query, sub.hits = query, hits
         return {"model_query": model_query, "query": query, "query_fallback": query != model_query,
                 "hits": [h.title for h in hits]}
