@@ -190,13 +190,15 @@ def test_sampling_all_fields_and_float32_rounding() -> None:
         seed=0,
         stop_token_ids=[2, 13],
         ignore_eos=True,
+        stop=["END", "\n\n"],
     )
     assert msg.temperature != 0.7  # float32 on the wire
 
     params = convert.sampling_params_from_pb(msg)
 
     assert params == SamplingParams(
-        max_tokens=64, temperature=0.7, top_p=0.95, seed=0, stop_token_ids=(2, 13), ignore_eos=True
+        max_tokens=64, temperature=0.7, top_p=0.95, seed=0, stop_token_ids=(2, 13), ignore_eos=True,
+        stop=("END", "\n\n"),
     )
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(params)) == params
     assert not convert.sampling_params_to_pb(SamplingParams(max_tokens=1)).HasField("seed")
@@ -221,12 +223,26 @@ def test_sampling_all_fields_and_float32_rounding() -> None:
             inference_pb2.SamplingParams(max_tokens=8, temperature=-1.0),
             "sampling.temperature must be in [0, 100], got -1.0",
         ),
+        (
+            inference_pb2.SamplingParams(max_tokens=8, stop=["a"] * 5),
+            "sampling.stop holds 5 strings; at most 4 are allowed",
+        ),
+        (
+            inference_pb2.SamplingParams(max_tokens=8, stop=[""]),
+            "sampling.stop strings must have 1 to 256 characters, got ''",
+        ),
     ],
 )
 def test_invalid_sampling(msg: inference_pb2.SamplingParams, message: str) -> None:
     with pytest.raises(ValueError) as excinfo:
         convert.sampling_params_from_pb(msg)
     assert str(excinfo.value) == message
+
+
+def test_started_event_carries_the_priority_the_node_queued() -> None:
+    started = {"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 3}
+    assert convert.generate_event_to_pb({**started, "priority": -2}).started.priority == -2
+    assert convert.generate_event_to_pb(started).started.priority == 0
 
 
 # ---------------------------------------------------------------- chat and prompt
