@@ -47,7 +47,8 @@ def test_high_priority_arrival_starts_within_one_step_when_slots_are_full(policy
         assert sim.step() == [("B0", 1), ("B1", 1), ("B2", 1), ("I0", 16)]
     else:  # kvstrata isolates the interactive prefill: one short step, then everyone decodes
         assert sim.step() == [("I0", 16)]
-        assert sim.step() == [("B0", 1), ("B1", 1), ("B2", 1), ("I0", 1)]
+        # live is active, so the step is sized to its TTFT target and sorts decodes by class
+        assert sim.step() == [("I0", 1), ("B0", 1), ("B1", 1), ("B2", 1)]
     assert [s.request_id for s in sim.sched.waiting] == ["B3"]  # the newest batch request
     assert sim.seqs["B3"].num_preemptions == 1
 

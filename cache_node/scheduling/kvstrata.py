@@ -25,6 +25,10 @@ seconds into decodes and prefill tokens). Decodes go first, the floors' first; o
 prefill chunks shrink rather than slow its decode below the floor, and when the decodes alone
 would overrun the step, decodes of tenants without a floor take turns sitting out (the one
 that waited longest goes first).
+While an interactive tenant is active (a request of it arrived in the last
+``INTERACTIVE_ACTIVE_S``), every step is also sized to at most ``interactive_step_share`` of its
+TTFT target, so its next request, which waits for the step in progress, never waits behind a
+long prefill step of another class.
 An interactive request's prefill is exempt (its TTFT target): while one waits or prefills, only
 the other classes' prefill chunks are held to the floor-sized budget. An interactive prefill
 runs in a step of its own every other step (the other classes decode in between).
@@ -57,6 +61,10 @@ if TYPE_CHECKING:
 VALUE_PENDING_FLOOR_S = 1.0
 """Added to every request's pending time in ``KvstrataPolicy.value`` (seconds)."""
 
+INTERACTIVE_ACTIVE_S = 10.0
+"""An interactive tenant counts as active for this long after its latest request arrived (an
+agent's next turn follows its tool pause, capped at 10 s in the DeepResearch workload)."""
+
 
 class KvstrataPolicy(SchedulingPolicy):
     name = "kvstrata"
@@ -71,9 +79,14 @@ class KvstrataPolicy(SchedulingPolicy):
     bounds_prefetch_wait = True
 
     def __init__(
-        self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2
+        self, aging_steps: int = 64, floor_window_s: float = 2.0, floor_headroom: float = 1.2,
+        interactive_step_share: float = 0.25,
     ) -> None:
         super().__init__(aging_steps)
+        if not 0.0 <= interactive_step_share <= 1.0:
+            raise ValueError(f"interactive_step_share must be in [0, 1], got {interactive_step_share}")
+        self.interactive_step_share = interactive_step_share
+        self._interactive_seen: dict[str, float] = {}  # interactive tenant -> latest arrival (s)
         self.vtc = VirtualTokenCounters()
         self.rates = RateMeter(floor_window_s)
         self.floor_headroom = (
@@ -110,6 +123,8 @@ class KvstrataPolicy(SchedulingPolicy):
         return pending / cost
 
     def on_arrival(self, seq: Sequence, now_s: float, active: Mapping[str, int]) -> None:
+        if self.rank(seq) == 0:
+            self._interactive_seen[seq.tenant] = now_s
         if not active.get(seq.tenant):
             self.vtc.lift(seq.tenant, [t for t, n in active.items() if n > 0])
 
@@ -164,9 +179,24 @@ class KvstrataPolicy(SchedulingPolicy):
             if seq.num_uncomputed_tokens == 1 and self.share(seq).min_tokens_per_s > 0:
                 k, floor = decoding.get(seq.tenant, (0, self.share(seq).min_tokens_per_s))
                 decoding[seq.tenant] = (k + 1, floor)
-        if not decoding:
+        bounds = [k / (floor * self.floor_headroom) for k, floor in decoding.values()]
+        interactive = self._interactive_step_s(now_s)
+        if interactive is not None:
+            bounds.append(interactive)
+        return min(bounds) if bounds else None
+
+    def _interactive_step_s(self, now_s: float) -> float | None:
+        """While an interactive tenant is active (a request of it arrived in the last
+        ``INTERACTIVE_ACTIVE_S``), a step may last ``interactive_step_share`` of its TTFT target
+        (the tightest such tenant's): its next request waits for the step in progress before
+        its own prefill can start, so the other classes' prefill chunks are sized to that wait
+        (the chunk size follows the TTFT target, as DistServe and Sarathi-Serve size it from the
+        SLO). None: no interactive tenant is active, or ``interactive_step_share`` is 0."""
+        if not self.interactive_step_share:
             return None
-        return min(k / (floor * self.floor_headroom) for k, floor in decoding.values())
+        targets = [self.tenants[t].ttft_slo_ms for t, seen in self._interactive_seen.items()
+                   if now_s - seen < INTERACTIVE_ACTIVE_S and t in self.tenants]
+        return min(targets) / 1000.0 * self.interactive_step_share if targets else None
 
     def _below_floor(self, seq: Sequence) -> bool:
         floor = self.share(seq).min_tokens_per_s * self.floor_headroom
