@@ -3,6 +3,7 @@ node's ``cache_node.stop_strings``), request bodies, and gRPC statuses as OpenAI
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -10,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_node.stop_strings import StopMatcher
-from services.openai_api.app import invalid
+from services.openai_api.app import OpenAIEdge, create_app, invalid
 from services.openai_api.context import CallAborted
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -86,6 +87,49 @@ def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None
     response = invalid(info.value)
     error = json.loads(response.body)["error"]
     assert response.status_code == 400 and error["param"] == field and error["message"].startswith(f"{field}:")
+    assert "Value error" not in error["message"] and "pydantic" not in error["message"]
+
+
+def test_validator_messages_carry_no_library_text() -> None:
+    """Fault: a validator's ValueError reached the client as pydantic's "stop: Value error, at
+    most 4 ..."; the message is now the validator's own text after the field."""
+    with pytest.raises(ValidationError) as info:
+        _chat(stop=["a"] * 5)
+    assert json.loads(invalid(info.value).body)["error"]["message"] == (
+        "stop: at most 4 stop strings are allowed, got 5")
+
+
+def _call(method: str, path: str) -> tuple[int, dict[str, str], dict]:
+    """One request straight through the app's ASGI interface: (status, headers, JSON body)."""
+    edge = OpenAIEdge(servicer=None, model_id="m@0:f16", encode=list, num_healthy=lambda: 1)  # type: ignore[arg-type]
+    app, sent = create_app(edge), []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "headers": [], "scheme": "http",
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "root_path": ""}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], headers, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+@pytest.mark.parametrize(("method", "path", "status", "kind"), [
+    ("GET", "/v1/chat/completions", 405, "invalid_request_error"), ("GET", "/metrics", 404, "not_found_error"),
+    ("POST", "/health", 405, "invalid_request_error"),
+])
+def test_framework_errors_in_openai_shape(method: str, path: str, status: int, kind: str) -> None:
+    """Fault: FastAPI's own 404/405 answered {"detail": "Not Found"}, which OpenAI clients cannot
+    read; they are now {"error": {"message", "type", "param", "code"}} (405 keeps ``Allow``)."""
+    got, headers, body = _call(method, path)
+    assert got == status and set(body) == {"error"} and body["error"]["type"] == kind
+    assert path in body["error"]["message"] and body["error"]["code"] in ("not_found", "method_not_allowed")
+    if status == 405:
+        assert method not in headers["allow"] and headers["allow"]
 
 
 def test_completion_prompt_forms() -> None:

@@ -8,7 +8,8 @@ with an ``HttpCallContext`` and writes the events as OpenAI's JSON or server-sen
 (``responses``). Errors come in OpenAI's shape (``context``); a tenant's API key is the bearer
 token. Order of checks: the key (401), the body (400, naming the field), the model (404),
 then the gateway's own (policy, bounds, admission: 429 with ``Retry-After``; 503 without a
-healthy node). A client that disconnects aborts its request on the node, which frees its
+healthy node). The framework's own refusals (404 for an unknown path, 405 for a wrong method)
+come in the same shape. A client that disconnects aborts its request on the node, which frees its
 blocks, as a cancelled gRPC call does.
 """
 
@@ -22,6 +23,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import InferenceServicer
@@ -42,12 +44,40 @@ class _ClosingStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
+_HTTP_ERRORS: dict[int, tuple[str, str]] = {
+    404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
+}
+"""The framework's own refusals (no route, wrong method) as OpenAI ``(type, code)``."""
+
+
 def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
-    """A 400 naming the first bad field (pydantic's location, without ``body``)."""
+    """A 400 naming the first bad field (pydantic's location, without ``body``).
+
+    The message is ours, not pydantic's: a validator's ``ValueError`` gives its own text
+    (pydantic's "Value error, " prefix dropped), an undeclared field "unsupported field"."""
     first = exc.errors()[0]
     field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-    message = "unsupported field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+    kind, raised = first.get("type"), first.get("ctx", {}).get("error")
+    if kind == "extra_forbidden":
+        message = "unsupported field"
+    elif kind in ("value_error", "assertion_error") and raised is not None:
+        message = str(raised)
+    else:
+        message = first.get("msg", "invalid")
     return error_response(400, f"{field}: {message}", "invalid_request_error", "invalid_value", param=field)
+
+
+def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own HTTP errors (404 no such path, 405 wrong method, ...) in OpenAI's shape,
+    keeping their headers (405's ``Allow``)."""
+    kind, code = _HTTP_ERRORS.get(exc.status_code, ("invalid_request_error", None))
+    if exc.status_code == 404:
+        message = f"no such endpoint: {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return error_response(exc.status_code, message, kind, code, dict(exc.headers or {}))
 
 
 class OpenAIEdge:
@@ -151,6 +181,10 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.exception_handler(CallAborted)
     async def _aborted(request: Request, exc: CallAborted) -> Response:
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        return framework_error(request, exc)
 
     @app.exception_handler(ValidationError)
     @app.exception_handler(RequestValidationError)
