@@ -32,7 +32,7 @@ from cache_node.kv_cache_manager import KVCacheManager, cdiv
 from cache_node.model_runner import ScheduledBatch
 from cache_node.scheduling import SchedulingPolicy, make_policy
 from cache_node.scheduling.admission import Ewma, SpeedMeter, StepTimeModel
-from cache_node.scheduling.base import order_by_priority, requeue_by_priority
+from cache_node.scheduling.base import PREFETCH_TTFT_SHARE, order_by_priority, requeue_by_priority
 from cache_node.sequence import Sequence, SequenceStatus
 
 DemoteFn = Callable[[list[KVBlock]], int]
@@ -204,16 +204,21 @@ class Scheduler:
         """``seq``'s blocks are on their way up from the spill tier and it waits for them: until
         ``prefetch_until_s``, or, under a policy that ``bounds_prefetch_wait``, only while it has
         waited (since its arrival, when its prefetch started) less than recomputing its prompt
-        past its device prefix hit would take at the measured prefill speed. Ski rental (the
-        2-competitive rule: wait at most what the alternative costs): a prefetch that has not
-        landed by then can only lose against recomputing, and a slow spill read (a busy spill
-        node, a put ahead of it) no longer spends a short request's TTFT target."""
+        past its device prefix hit would take at the measured prefill speed, and less than
+        ``PREFETCH_TTFT_SHARE`` of its TTFT target. Ski rental (the 2-competitive rule: wait at
+        most what the alternative costs): a prefetch that has not landed by then can only lose
+        against recomputing, and a slow spill read (a busy spill node, a put ahead of it) no
+        longer spends a request's TTFT target. (The recompute cost counts host-tier tokens too,
+        which come back by copy; the TTFT share bounds the wait of a long turn whose history
+        sits in the host tier.)"""
         if seq.prefetch_until_s <= now:
             return False
         if not self.policy.bounds_prefetch_wait:
             return True
         tokens = seq.num_tokens - max(seq.num_computed_tokens, seq.device_hit_tokens)
-        return now - seq.arrival_time_s < tokens / self.prefill_speed.tokens_per_s
+        limit_s = min(tokens / self.prefill_speed.tokens_per_s,
+                      PREFETCH_TTFT_SHARE * self.policy.share(seq).ttft_slo_ms / 1000.0)
+        return now - seq.arrival_time_s < limit_s
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,
                        urgent_only: bool = False, capped: int | None = None) -> None:

@@ -62,6 +62,10 @@ class TenantShare:
 
 DEFAULT_SHARE = TenantShare()
 
+PREFETCH_TTFT_SHARE = 0.1
+"""Under ``bounds_prefetch_wait``: the most of a request's TTFT target it spends waiting for a
+spill prefetch (0.2 s of a 2 s interactive target)."""
+
 
 class SchedulingPolicy(ABC):
     """Decides the order of the waiting queue, admission past a blocked request, and victims.
@@ -84,8 +88,9 @@ class SchedulingPolicy(ABC):
         orders_by_value: the scheduler fills ``Sequence.device_hit_tokens`` for every waiting
             sequence before each ``order`` call (Apt-Serve's hit/miss distinction).
         bounds_prefetch_wait: a waiting request waits for its spill prefetch at most as long as
-            recomputing its uncached prompt would take (``Scheduler._awaits_prefetch``); False:
-            until the prefetch lands or ``TierConfig.prefetch_wait_s`` passes.
+            recomputing its uncached prompt would take, and at most ``PREFETCH_TTFT_SHARE`` of
+            its tenant's TTFT target (``Scheduler._awaits_prefetch``); False: until the
+            prefetch lands or ``TierConfig.prefetch_wait_s`` passes.
         isolates_urgent_prefill: while an interactive (rank 0) request waits or has prompt
             tokens left, a step runs only interactive work; the other classes' decodes sit
             out that step (their TPOT targets are 2.5-10x looser), so the prefill runs in a
