@@ -9,10 +9,12 @@ from typing import TextIO
 import grpc
 import typer
 
+from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from cli.options import MAX_UINT32, GatewayOpt, finite
-from cli.output import console, fail
+from cli.output import CANCELLED_EXIT_CODE, console, fail
 from cli.state import gateway_address
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
+from services.node_request import MAX_PRIORITY, MIN_PRIORITY
 
 FINISH_REASONS = {
     "stop": "the model ended its answer",
@@ -21,8 +23,15 @@ FINISH_REASONS = {
 }
 """What each ``GenerateFinished.finish_reason`` means, as ``generate`` prints it."""
 
-CANCELLED_EXIT_CODE = 130
-"""Exit code after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+def stop_strings(values: list[str] | None) -> list[str]:
+    """Typer callback for ``--stop``: at most ``MAX_STOP_STRINGS``, each 1 to
+    ``MAX_STOP_STRING_CHARS`` characters (the node's bounds, checked here as a usage error)."""
+    values = values or []
+    if len(values) > MAX_STOP_STRINGS:
+        raise typer.BadParameter(f"at most {MAX_STOP_STRINGS} stop strings, got {len(values)}")
+    if any(not 0 < len(v) <= MAX_STOP_STRING_CHARS for v in values):
+        raise typer.BadParameter(f"a stop string has 1 to {MAX_STOP_STRING_CHARS} characters")
+    return values
 
 
 def finish_line(finished: inference_pb2.GenerateFinished) -> str:
@@ -71,8 +80,19 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO) -> No
         raise typer.Exit(CANCELLED_EXIT_CODE) from None
 
 
+def generate_request(prompt: str, max_tokens: int, temperature: float, session: str, policy: str,
+                     priority: int = 0, stop: list[str] | None = None) -> inference_pb2.GenerateRequest:
+    """The ``Generate`` request of one ``kvstrata generate`` call: one user message, its
+    sampling (``stop`` in ``SamplingParams.stop``) and ``GenerateRequest.priority``."""
+    return inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
+        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or []),
+        session_id=session, policy=policy, priority=priority,
+    )
+
+
 def generate(
-    prompt: str = typer.Argument(..., help="the user message (one chat turn)"),
+    prompt: str = typer.Argument(..., metavar="PROMPT", help="the user message (one chat turn)"),
     api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
                                 help="the tenant's API key (from `kvstrata tenant add`)"),
     max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32,
@@ -83,18 +103,21 @@ def generate(
                                 "previous turns' KV cache (default: no session)"),
     policy: str = typer.Option("", help="KV policy spec for this request, e.g. sentencekv-0.25 "
                                "(default: the tenant's)"),
+    priority: int = typer.Option(0, min=MIN_PRIORITY, max=MAX_PRIORITY,
+                                 help="lower is served earlier, among your own waiting requests only "
+                                 "(never ahead of another tenant's)"),
+    stop: list[str] | None = typer.Option(None, "--stop", metavar="TEXT", callback=stop_strings,
+                                          help=f"end the answer before this text (repeat, up to "
+                                          f"{MAX_STOP_STRINGS}; finish reason `stop`)"),
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Stream a chat completion to the terminal; the last line says why it ended and how fast it was.
 
-    Finish reasons: `stop` (the model ended its answer), `length` (max_tokens reached), `abort`
-    (the server aborted it). Ctrl-C cancels the request.
+    Greedy by default (`--temperature 0`; the HTTP API's default is OpenAI's 1). Finish reasons:
+    `stop` (the model ended its answer or a `--stop` text came), `length` (max_tokens reached),
+    `abort` (the server aborted it). Ctrl-C cancels the request (exit code 130).
     """
-    req = inference_pb2.GenerateRequest(
-        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
-        sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
-        session_id=session, policy=policy,
-    )
+    req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop)
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(

@@ -22,8 +22,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from cli import state
-from cli.options import GatewayOpt
-from cli.output import console, fail
+from cli.options import GatewayOpt, validation_message
+from cli.output import console, die, fail, say
 from cli.processes import stop_processes
 from cli.state import admin_metadata, gateway_address, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
@@ -67,29 +67,32 @@ def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
 
 def _up_config(config: Path | None, scheduler: str, device: str = "") -> ServiceConfig:
     """The service config ``up`` runs (``--scheduler`` and ``--device`` applied, detached
-    actors); a bad file or value prints one line and exits with code 2."""
+    actors).
+
+    Raises:
+        typer.BadParameter: a malformed or out-of-range config file (naming ``--config``, the
+            file and its first bad field), or a bad ``--scheduler`` / ``--device``: a usage
+            error, exit code 2.
+    """
     try:
         cfg = load_config(config)
     except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        console.print(f"[red]{escape(str(config))}: {'.'.join(map(str, err['loc']))}: {escape(err['msg'])}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise typer.BadParameter(f"{config}: {validation_message(exc.errors()[0])}", param_hint="'--config'") from None
     except (OSError, yaml.YAMLError) as exc:
-        console.print(f"[red]{escape(str(config))}: {escape(str(exc).splitlines()[0])}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise typer.BadParameter(f"{config}: {str(exc).splitlines()[0]}", param_hint="'--config'") from None
     if scheduler:
         try:
             cfg = ServiceConfig.model_validate({**cfg.model_dump(), "scheduler": scheduler})
         except pydantic.ValidationError as exc:
-            console.print(f"[red]--scheduler: {escape(exc.errors()[0]['msg'])}[/red]")
-            raise typer.Exit(2) from None
+            raise typer.BadParameter(validation_message({**exc.errors()[0], "loc": ()}),
+                                     param_hint="'--scheduler'") from None
     if device:
         try:
             node = {**cfg.node.model_dump(), "device": device}
             cfg = ServiceConfig.model_validate({**cfg.model_dump(), "node": node})
         except pydantic.ValidationError as exc:
-            console.print(f"[red]--device: {escape(exc.errors()[0]['msg'])}[/red]")
-            raise typer.Exit(2) from None
+            raise typer.BadParameter(validation_message({**exc.errors()[0], "loc": ()}),
+                                     param_hint="'--device'") from None
     return cfg.model_copy(update={"detached": True})
 
 
@@ -140,10 +143,11 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     """Start the global scheduler, cache nodes and gateway; print the gateway address.
 
     Every node runs the `kvstrata` SLO scheduler unless --scheduler or the config's
-    `scheduler:` names fcfs, priority or vtc.
+    `scheduler:` names fcfs, priority or vtc; `up` prints the scheduler and the device the nodes
+    run on, then each address on a line of its own.
 
-    Without ``--address`` it starts a local Ray cluster of its own (under a temp directory that
-    ``kvstrata down`` uses to stop exactly that cluster).
+    Without `--address` it starts a local Ray cluster of its own (under a temp directory that
+    `kvstrata down` uses to stop exactly that cluster).
     """
     import ray
 
@@ -152,12 +156,10 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     cfg = _up_config(config, scheduler, device)
     saved = read_state()
     if saved.get("address") and reachable(saved["address"]):
-        console.print(f"[red]kvstrata is already up at {saved['address']}; run `kvstrata down` first[/red]")
-        raise typer.Exit(1)
+        die(f"kvstrata is already up at {saved['address']}; run `kvstrata down` first")
     if cfg.gateway_port and reachable(f"{cfg.gateway_host}:{cfg.gateway_port}", 0.5):
-        console.print(f"[red]port {cfg.gateway_port} on {cfg.gateway_host} is taken; set gateway_port in "
-                      "the config (0 = any free port)[/red]")
-        raise typer.Exit(1)
+        die(f"port {cfg.gateway_port} on {cfg.gateway_host} is taken; set gateway_port in the config "
+            "(0 = any free port)")
     started_ray = address is None
     temp_dir = ""
     if started_ray:
@@ -175,7 +177,8 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     except Exception as exc:  # noqa: BLE001 -- leave nothing half-started behind, whatever failed
         if temp_dir:
             _stop_local_ray(temp_dir, ray_port)
-        console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}")
+        console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}",
+                      soft_wrap=True)
         raise typer.Exit(1) from None
     if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`
         address = ray.get_runtime_context().gcs_address
@@ -186,14 +189,35 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
         "http_address": services.http_address,
     }))
-    console.print(f"gateway: [bold]{services.address}[/bold]")
-    if services.http_address:
-        console.print(f"OpenAI-compatible API: [bold]http://{services.http_address}/v1[/bold]")
-    console.print(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
+    targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
         targets = write_targets(services.metrics, cfg.state_path / TARGETS_FILE, cfg.namespace)
-        console.print(f"metrics: {', '.join(f'{n} http://{a}/metrics' for n, a in services.metrics.items())}")
-        console.print(f"prometheus targets: {targets}")
+    for line in up_summary(services.config, services.address, services.http_address, services.metrics, targets):
+        say(line)
+
+
+def up_summary(cfg: ServiceConfig, address: str, http_address: str, metrics: dict[str, str],
+               targets: Path | None) -> list[str]:
+    """What ``up`` prints once the services answer, one line per item so that no address is
+    ever split: the gateway, the OpenAI API, what the nodes run (``cfg`` as started, its device
+    and dtype resolved), the admin key file, then each ``/metrics`` address (``metrics``: actor
+    name -> host:port) and the Prometheus targets file (``targets``; None without metrics)."""
+    node = cfg.node
+    lines = [f"gateway: [bold]{address}[/bold]"]
+    if http_address:
+        lines.append(f"OpenAI-compatible API: [bold]http://{http_address}/v1[/bold]")
+    lines.append(f"scheduler: {cfg.scheduler} on {cfg.num_cache_nodes} cache node"
+                 f"{'s' if cfg.num_cache_nodes != 1 else ''} ({node.device}, {node.dtype}); KV policy: "
+                 "per tenant or request (default: full)")
+    lines.append(f"admin key: {cfg.state_path / 'admin_key'} (or set KVSTRATA_ADMIN_KEY)")
+    if metrics:
+        lines.append("metrics (Prometheus /metrics):")
+        width = max(map(len, metrics))
+        lines += [f"  {name:<{width}}  http://{host}/metrics" for name, host in sorted(metrics.items())]
+    if targets is not None:
+        lines.append(f"prometheus targets: {targets} (deploy/prometheus.yml reads it when copied to "
+                     "that directory)")
+    return lines
 
 
 SERVICE_ACTOR_NAME = re.compile(r"gateway|global_scheduler|(cache|spill)_node_\d+")
@@ -272,7 +296,8 @@ def down() -> None:
 
 
 def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
-        True, help="check each node's block pool for consistency (waits for a step boundary)")) -> None:
+        True, metavar="", help="check each node's block pool for consistency (waits for a step boundary); "
+        "--no-integrity skips it")) -> None:
     """Per-node pool usage, queue and session counts."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
@@ -280,10 +305,16 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
                 admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(), timeout=30)
         except grpc.RpcError as err:
             fail(err)
+    console.print(status_table(resp, integrity))
+    console.print(f"queued: {resp.queued}  sessions: {resp.sessions}")
+
+
+def status_table(resp: admin_pb2.StatsResponse, integrity: bool) -> Table:
+    """One row per node of a ``Stats`` answer; the integrity column says "ok", the error, or
+    "skipped" when the check was not asked for (``--no-integrity``)."""
     table = Table("node", "blocks", "used", "cached", "free", "running", "waiting", "integrity")
     for n in resp.nodes:
+        check = ("ok" if n.integrity_ok else f"[red]{escape(n.integrity_error)}[/red]") if integrity else "skipped"
         table.add_row(n.node_id, str(n.num_blocks), str(n.used_blocks), str(n.cached_blocks),
-                      str(n.free_blocks), str(n.running), str(n.waiting),
-                      "ok" if n.integrity_ok else f"[red]{n.integrity_error}[/red]")
-    console.print(table)
-    console.print(f"queued: {resp.queued}  sessions: {resp.sessions}")
+                      str(n.free_blocks), str(n.running), str(n.waiting), check)
+    return table

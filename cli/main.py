@@ -1,23 +1,53 @@
 """The ``kvstrata`` app: the commands of ``cli.lifecycle`` and ``cli.generate``, and the
-``tenant``, ``admin`` and ``run`` groups (``python -m cli.main`` runs it)."""
+``tenant``, ``admin`` and ``run`` groups (``python -m cli.main`` runs it).
+
+Help texts come from the commands' docstrings, written for the source: ``help_paragraphs``
+turns each into what ``--help`` shows (typer 0.29's rich help keeps a paragraph's line breaks
+after the first paragraph, and RST's double backticks would show as written).
+"""
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import typer
 
 from cli.admin import admin_app
 from cli.generate import generate
 from cli.lifecycle import down, status, up
+from cli.output import EXIT_CODES_HELP
 from cli.run import run_app
 from cli.tenant import tenant_app
 
-app = typer.Typer(help="kvstrata: multi-tenant tiered KV-cache serving on Ray", no_args_is_help=True)
+app = typer.Typer(help="kvstrata: multi-tenant tiered KV-cache serving on Ray.\n\n" + EXIT_CODES_HELP,
+                  no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(admin_app, name="admin")
 app.add_typer(run_app, name="run")
 for command in (up, down, status, generate):
     app.command()(command)
 
+
+def help_paragraphs(doc: str) -> str:
+    """A docstring as ``--help`` text: dedented, each paragraph on one line (paragraphs still
+    apart), ``Args:``-style sections kept out, and ``code`` written with single backticks."""
+    paragraphs = [" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n") if p.strip()]
+    return "\n\n".join(re.sub(r"``([^`]+)``", r"`\1`", p) for p in paragraphs)
+
+
+def _clean_help(group: typer.Typer) -> None:
+    """Set every command's help under ``group`` (its sub-groups too) to ``help_paragraphs`` of
+    its docstring, unless the command was given a help text of its own."""
+    for info in group.registered_commands:
+        if info.help is None and info.callback is not None and info.callback.__doc__:
+            info.help = help_paragraphs(info.callback.__doc__)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _clean_help(sub.typer_instance)
+
+
+_clean_help(app)
 
 if __name__ == "__main__":
     app()

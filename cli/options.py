@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import typer
 
 MAX_UINT32, MAX_UINT64 = 2**32 - 1, 2**64 - 1
+
+
+def validation_message(error: dict[str, Any]) -> str:
+    """One pydantic error (an item of ``ValidationError.errors()``) as ``field: message``, a
+    validator's own text without pydantic's "Value error, " prefix."""
+    field = ".".join(map(str, error.get("loc", ())))
+    raised = error.get("ctx", {}).get("error")
+    message = str(raised) if error.get("type") == "value_error" and raised is not None else error["msg"]
+    return f"{field}: {message}" if field else message
+
+
+def uint64(value: int) -> int:
+    """Typer callback: at most 2^64 - 1 (the wire's uint64), said in words rather than as a
+    20-digit bound in ``--help``."""
+    if value > MAX_UINT64:
+        raise typer.BadParameter(f"{value} does not fit in 64 bits (at most 2^64 - 1)")
+    return value
 
 
 def finite(value: float | None) -> float | None:
@@ -27,3 +45,4 @@ GatewayOpt = typer.Option(
     None, "--gateway", metavar="HOST:PORT",
     help="the gateway to call (default: $KVSTRATA_GATEWAY, else the address `kvstrata up` saved)")
 TenantNameArg = typer.Argument(..., metavar="NAME", help="the tenant's name (as given to `kvstrata tenant add`)")
+"""Arguments are written in capitals everywhere (``NAME``, ``PROMPT``), as click writes them."""

@@ -1,4 +1,17 @@
-"""The CLI's console and how a failed gRPC call ends a command."""
+"""The CLI's console, its exit codes, and how a failed gRPC call ends a command.
+
+Exit codes (``kvstrata --help`` lists them):
+
+===  ==========================================================================
+0    the command did what it was asked
+1    the command failed: the server refused the call (any gRPC status: UNAUTHENTICATED,
+     RESOURCE_EXHAUSTED, NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT, UNAVAILABLE, ...), or
+     there is nothing to talk to (no gateway up, no admin key), or starting/stopping failed
+2    a usage error, as click reports it: an unknown command or option, a missing argument,
+     an option value out of range (``--config`` naming a bad file included)
+130  cancelled with Ctrl-C (128 + SIGINT, as a shell reports it)
+===  ==========================================================================
+"""
 
 from __future__ import annotations
 
@@ -11,13 +24,36 @@ from rich.markup import escape
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped: keep tables readable
 
-INPUT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.ALREADY_EXISTS}
-"""Statuses that mean the command's input was wrong: exit code 2 (as a usage error); others 1."""
+EXIT_FAILED = 1
+"""The command failed (the server refused it, or nothing answered): not a usage error."""
+
+EXIT_USAGE = 2
+"""A usage error (click's own exit code for one)."""
+
+CANCELLED_EXIT_CODE = 130
+"""Exit code after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+EXIT_CODES_HELP = ("Exit codes: 0 done; 1 failed (the server refused the call, e.g. UNAUTHENTICATED, "
+                   "RESOURCE_EXHAUSTED, NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT, or nothing answered); "
+                   "2 usage error (a bad command, option or value); 130 cancelled with Ctrl-C.")
+"""The exit codes as one paragraph of ``kvstrata --help``."""
+
+
+def say(text: str) -> None:
+    """Print one line that must stay whole (an address, a path, a command): never wrapped,
+    however narrow the terminal, so it can be copied as it is."""
+    console.print(text, soft_wrap=True)
+
+
+def die(message: str) -> None:
+    """Print ``message`` in red (one unwrapped line; not markup) and exit ``EXIT_FAILED``."""
+    console.print(f"[red]{escape(message)}[/red]", soft_wrap=True)
+    raise typer.Exit(EXIT_FAILED)
 
 
 def fail(err: grpc.RpcError) -> None:
-    """Print a failed call as one line, ``CODE: details``; exit 2 for input errors, else 1."""
+    """Print a failed call as one line, ``CODE: details``, and exit ``EXIT_FAILED`` whatever
+    the status: the server refused or failed it (a usage error never reaches the server)."""
     details = (err.details() or "").splitlines()
     console.print(f"[red]{err.code().name}[/red]: {escape(details[0] if details else '')}", soft_wrap=True)
-    raise typer.Exit(2 if err.code() in INPUT_ERRORS else 1)
+    raise typer.Exit(EXIT_FAILED)

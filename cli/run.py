@@ -10,7 +10,7 @@ import grpc
 import typer
 
 from cli.options import GatewayOpt, positive
-from cli.output import console, fail
+from cli.output import console, die, fail
 from cli.state import admin_metadata, gateway_address, openai_api_url
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 
@@ -22,7 +22,7 @@ class Api(str, Enum):
     openai = "openai"
 
 
-run_app = typer.Typer(help="run workloads against the gateway", no_args_is_help=True)
+run_app = typer.Typer(help="Run workloads against the gateway.", no_args_is_help=True)
 
 
 @run_app.command("deepresearch")
@@ -39,8 +39,8 @@ def run_deepresearch(
                                   "(default: any)"),
     policy: str = typer.Option("", help="KV policy for every tenant"),
     gateway: str | None = GatewayOpt,
-    reports: str = typer.Option("reports", help="where the report folder goes "
-                                "(<reports>/deepresearch/<timestamp>/, <reports>/latest points at it)"),
+    reports: str = typer.Option("reports", metavar="DIR", help="where reports go: each run writes a folder "
+                                "named by its start time under DIR/deepresearch and points DIR/latest at it"),
     replay: str = typer.Option("", "--replay", help="trace.jsonl of an earlier run (its report folder): send "
                                "its calls again with the recorded messages, arrivals and pauses, whatever the "
                                "model replies (for benchmarking)"),
@@ -71,9 +71,8 @@ def run_deepresearch(
                 fail(err)
         running = json.loads(resp.stats_json)["scheduler"]["scheduler"]
         if running != scheduler:
-            console.print(f"[red]the gateway runs the {running} scheduler, not {scheduler}: "
-                          f"`kvstrata down` then `kvstrata up --scheduler {scheduler}`[/red]")
-            raise typer.Exit(2)
+            die(f"the gateway runs the {running} scheduler, not {scheduler}: `kvstrata down` then "
+                f"`kvstrata up --scheduler {scheduler}`")
     profiles = demo_tenants(sessions_per_s)[:tenants]
     cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
     admin_key = admin_metadata()[0][1].split(" ", 1)[1]

@@ -8,9 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-import typer
-
-from cli.output import console
+from cli.output import die
 from tenants.keys import read_key_file
 
 STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
@@ -23,23 +21,22 @@ def read_state() -> dict:
 
 
 def gateway_address(address: str | None) -> str:
-    """``address``, else KVSTRATA_GATEWAY, else the saved one; exits 2 when there is none."""
+    """``address``, else KVSTRATA_GATEWAY, else the saved one; exits 1 when there is none
+    (nothing is up to talk to)."""
     addr = address or os.environ.get("KVSTRATA_GATEWAY") or read_state().get("address")
     if not addr:
-        console.print("[red]no gateway address: run `kvstrata up` or pass --gateway[/red]")
-        raise typer.Exit(2)
+        die("no gateway address: run `kvstrata up` or pass --gateway")
     return addr
 
 
 def openai_api_url(url: str) -> str:
-    """``url``, else KVSTRATA_OPENAI_URL, else ``http://<the saved HTTP address>/v1``; exits 2
+    """``url``, else KVSTRATA_OPENAI_URL, else ``http://<the saved HTTP address>/v1``; exits 1
     when there is none."""
     saved = read_state().get("http_address")
     url = url or os.environ.get("KVSTRATA_OPENAI_URL") or (f"http://{saved}/v1" if saved else "")
     if not url:
-        console.print("[red]no OpenAI-compatible API address: pass --openai-url (http://host:port/v1) or "
-                      "`kvstrata up` with http_port set[/red]")
-        raise typer.Exit(2)
+        die("no OpenAI-compatible API address: pass --openai-url (http://host:port/v1) or `kvstrata up` "
+            "with http_port set")
     return url
 
 
@@ -48,11 +45,10 @@ def admin_key_file() -> Path:
 
 
 def admin_metadata() -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying the admin key; exits 2 when there is none."""
+    """gRPC metadata carrying the admin key; exits 1 when there is none."""
     key = os.environ.get("KVSTRATA_ADMIN_KEY") or read_key_file(admin_key_file())
     if not key:
-        console.print("[red]no admin key: set KVSTRATA_ADMIN_KEY (lost? `kvstrata admin rotate-key --local`)[/red]")
-        raise typer.Exit(2)
+        die("no admin key: set KVSTRATA_ADMIN_KEY (lost? `kvstrata admin rotate-key --local`)")
     return (("authorization", f"Bearer {key}"),)
 
 

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime, timezone
+from enum import Enum
 
 import grpc
 import typer
 from rich.table import Table
 
-from cli.options import MAX_UINT32, MAX_UINT64, GatewayOpt, TenantNameArg, finite
+from cli.options import MAX_UINT32, GatewayOpt, TenantNameArg, finite, uint64
 from cli.output import console, fail
 from cli.state import admin_metadata, gateway_address
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from tenants.model import SLO_CLASS_DEFAULTS
 
-tenant_app = typer.Typer(help="manage tenants", no_args_is_help=True)
+tenant_app = typer.Typer(help="Manage tenants: register, list, show, remove, rotate keys.", no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
+
+
+class SloClass(str, Enum):
+    """``--slo-class`` values (click refuses any other, a usage error)."""
+
+    interactive = "interactive"
+    standard = "standard"
+    batch = "batch"
 
 
 def class_defaults(field: str) -> str:
@@ -26,9 +36,10 @@ def class_defaults(field: str) -> str:
 
 @tenant_app.command("add")
 def tenant_add(
-    name: str = typer.Argument(..., help="the new tenant's name: 1-63 lowercase letters, digits, _ or -, not starting with _ or -"),
-    slo_class: str = typer.Option("standard", help="interactive | standard | batch: the order the "
-                                  "kvstrata scheduler serves classes in, and the targets' defaults"),
+    name: str = typer.Argument(..., metavar="NAME", help="the new tenant's name: 1-63 lowercase letters, "
+                               "digits, _ or -, not starting with _ or -"),
+    slo_class: SloClass = typer.Option(SloClass.standard, help="the order the kvstrata scheduler serves "
+                                       "classes in (interactive first), and the targets' defaults"),
     ttft_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="time-to-first-token target, ms "
                                       f"(0: the class default, {class_defaults('ttft_slo_ms')})"),
     tpot_slo_ms: float = typer.Option(0.0, min=0, callback=finite, help="time-per-output-token target, ms "
@@ -38,8 +49,8 @@ def tenant_add(
         f"(default: the class's, {class_defaults('min_tokens_per_s')})"),
     weight: float = typer.Option(0.0, min=0, callback=finite, help="its share of what is left after "
                                  f"floors (0: the class default, {class_defaults('weight')})"),
-    kv_quota_bytes: int = typer.Option(0, min=0, max=MAX_UINT64, help="device-tier KV bytes guaranteed "
-                                       "to it (0: none)"),
+    kv_quota_bytes: int = typer.Option(0, min=0, callback=uint64, help="device-tier KV bytes guaranteed "
+                                       "to it (0: none; at most 2^64 - 1)"),
     max_context_tokens: int = typer.Option(0, min=0, max=MAX_UINT32, help="longest prompt + output, "
                                            "tokens (0: the default, 8192)"),
     namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
@@ -50,12 +61,8 @@ def tenant_add(
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Register a tenant; prints its API key once (stored only as a salted hash)."""
-    classes = SLO_CLASSES
-    if slo_class not in classes:
-        console.print(f"[red]unknown SLO class {slo_class!r}; known: {', '.join(classes)}[/red]")
-        raise typer.Exit(2)
     spec = tenant_pb2.TenantSpec(
-        name=name, slo_class=classes[slo_class], ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+        name=name, slo_class=SLO_CLASSES[slo_class.value], ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
         weight=weight, kv_quota_bytes=kv_quota_bytes, max_context_tokens=max_context_tokens,
         cache_namespace=namespace, policy=policy, allowed_policies=allow_policy or [],
     )
@@ -73,19 +80,34 @@ def tenant_add(
 
 @tenant_app.command("list")
 def tenant_list(gateway: str | None = GatewayOpt) -> None:
-    """List the tenants: SLO class, targets, floor, weight, cache namespace."""
+    """List the tenants: SLO class, TTFT and TPOT targets, floor, weight, cache namespace, KV policy."""
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata())
         except grpc.RpcError as err:
             fail(err)
-    table = Table("name", "class", "ttft_slo_ms", "min_tokens_per_s", "weight", "namespace")
-    class_names = {number: name for name, number in SLO_CLASSES.items()}
-    for t in resp.tenants:
+    console.print(tenants_table(resp.tenants))
+
+
+def tenants_table(tenants: Iterable[tenant_pb2.Tenant]) -> Table:
+    """The tenants one row each, headed and filled as ``tenant show`` words them (an unset
+    field says what applies: "class default")."""
+    table = Table("name", "SLO class", "TTFT target (ms)", "TPOT target (ms)", "floor (tokens/s)", "weight",
+                  "cache namespace", "KV policy")
+    for t in tenants:
         s = t.spec
-        table.add_row(s.name, class_names.get(s.slo_class, str(s.slo_class)), f"{s.ttft_slo_ms:g}", f"{s.min_tokens_per_s:g}",
-                      f"{s.weight:g}", s.cache_namespace)
-    console.print(table)
+        table.add_row(s.name, _class_name(s.slo_class), _or(s.ttft_slo_ms, "class default"),
+                      _or(s.tpot_slo_ms, "class default"), _floor(s), _or(s.weight, "class default"),
+                      s.cache_namespace or s.name, s.policy or "node default")
+    return table
+
+
+def _class_name(number: int) -> str:
+    return {n: name for name, n in SLO_CLASSES.items()}.get(number, str(number))
+
+
+def _floor(s: tenant_pb2.TenantSpec) -> str:
+    return f"{s.min_tokens_per_s:g}" if s.HasField("min_tokens_per_s") else "class default"
 
 
 def _or(value: float, unset: str) -> str:
@@ -95,17 +117,15 @@ def _or(value: float, unset: str) -> str:
 def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
     """One tenant as a two-column table: its spec (unset fields say what applies), then usage."""
     s = t.spec
-    class_name = {number: name for name, number in SLO_CLASSES.items()}.get(s.slo_class, str(s.slo_class))
-    floor = f"{s.min_tokens_per_s:g}" if s.HasField("min_tokens_per_s") else "class default"
     cached = u.cached_tokens
     table = Table("field", "value", title=f"tenant {s.name}", title_justify="left")
     for field, value in (
         ("tenant id", t.tenant_id),
         ("created", datetime.fromtimestamp(t.created_at_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")),
-        ("SLO class", class_name),
+        ("SLO class", _class_name(s.slo_class)),
         ("TTFT target (ms)", _or(s.ttft_slo_ms, "class default")),
         ("TPOT target (ms)", _or(s.tpot_slo_ms, "class default")),
-        ("floor (tokens/s)", floor),
+        ("floor (tokens/s)", _floor(s)),
         ("weight", _or(s.weight, "class default")),
         ("KV quota (bytes)", _or(s.kv_quota_bytes, "none")),
         ("max context (tokens)", _or(s.max_context_tokens, "default")),

@@ -1,5 +1,10 @@
-"""CLI input errors end with a clear message and exit code 2, never a traceback (issue 18
-fault 9: `kvstrata generate --max-tokens -5` printed a traceback).
+"""CLI errors end with a clear message and a documented exit code, never a traceback (issue 18
+fault 9: `kvstrata generate --max-tokens -5` printed a traceback; H11 trial: NOT_FOUND,
+ALREADY_EXISTS and INVALID_ARGUMENT from the server exited 2, a usage error's code, while
+UNAUTHENTICATED and RESOURCE_EXHAUSTED exited 1).
+
+Exit codes (``cli.output``): 0 done; 1 the command failed (any refusal from the server, or
+nothing to talk to); 2 a usage error, as click reports it; 130 Ctrl-C.
 
 Through typer's CliRunner; the gateway, where one is needed, is real (tests.gateway_harness).
 """
@@ -12,18 +17,27 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import main as cli
+from cli.options import MAX_UINT64
 from tenants.model import TenantSpec
 from tests.gateway_harness import NODE_INFO, serve
 
 NOWHERE = "127.0.0.1:1"  # nothing listens: a call that got past validation fails UNAVAILABLE
 
 
-def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli.app, list(args), env={"KVSTRATA_API_KEY": "kvs_0123456789ab_" + "A" * 43,
-                                                           "KVSTRATA_ADMIN_KEY": "kvs_0123456789ab_" + "A" * 43})
+KEY = "kvs_0123456789ab_" + "A" * 43
+
+
+def _run(*args: str, **env: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli.app, list(args), env={"KVSTRATA_API_KEY": KEY, "KVSTRATA_ADMIN_KEY": KEY,
+                                                           "COLUMNS": "1000", **env})
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output
     return result.exit_code, result.output
+
+
+def _words(output: str) -> str:
+    """The output's words (rich's error box and line breaks removed)."""
+    return " ".join(output.replace("│", " ").replace("╭", " ").replace("╰", " ").replace("─", " ").split())
 
 
 @pytest.mark.parametrize("args,option", [
@@ -39,6 +53,11 @@ def _run(*args: str) -> tuple[int, str]:
     (["run", "deepresearch", "--tenants", "0"], "--tenants"),
     (["run", "deepresearch", "--duration", "-1"], "--duration"),
     (["run", "deepresearch", "--max-subagents", "9"], "--max-subagents"),
+    (["generate", "hi", "--priority", "1001"], "--priority"),
+    (["generate", "hi", *["--stop", "x"] * 5], "--stop"),
+    (["generate", "hi", "--stop", "x" * 257], "--stop"),
+    (["tenant", "add", "ann", "--slo-class", "gold"], "--slo-class"),
+    (["tenant", "add", "ann", "--kv-quota-bytes", str(MAX_UINT64 + 1)], "--kv-quota-bytes"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_out_of_range_options_exit_2_with_the_option_named(args: list[str], option: str) -> None:
     """issue 18 fault 9: an out-of-range option is a usage error naming it, exit 2."""
@@ -48,16 +67,44 @@ def test_out_of_range_options_exit_2_with_the_option_named(args: list[str], opti
     assert f"Invalid value for '{option}'" in output
 
 
-def test_server_invalid_argument_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    """issue 18 fault 9: INVALID_ARGUMENT from the gateway is a one-line error, exit 2."""
+def test_server_invalid_argument_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """INVALID_ARGUMENT from the gateway is a one-line error (issue 18 fault 9), exit 1 as any
+    refusal from the server (it exited 2, a usage error's code: H11 trial)."""
     with serve(tmp_path) as gw:
         _, key = gw.scheduler.store.register(TenantSpec("ann"))
         result = CliRunner().invoke(cli.app, ["generate", "hi", "--api-key", key, "--gateway", gw.address,
                                               "--max-tokens", str(NODE_INFO["max_model_len"] + 1)])
 
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     assert len(lines) == 1 and lines[0].startswith("INVALID_ARGUMENT: "), result.output
+
+
+@pytest.mark.parametrize("args,status", [
+    (["tenant", "show", "nobody"], "NOT_FOUND"), (["tenant", "add", "ann"], "ALREADY_EXISTS"),
+    (["tenant", "list"], "UNAUTHENTICATED"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_every_server_refusal_exits_1(tmp_path: Path, args: list[str], status: str) -> None:
+    """H11 trial: NOT_FOUND and ALREADY_EXISTS exited 2, UNAUTHENTICATED 1; every refusal from
+    the server is now exit 1, one line naming the status (2 is left to usage errors)."""
+    with serve(tmp_path) as gw:
+        gw.scheduler.store.register(TenantSpec("ann"))
+        admin = KEY if status == "UNAUTHENTICATED" else gw.admin_key
+        code, output = _run(*args, "--gateway", gw.address, KVSTRATA_ADMIN_KEY=admin)
+
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == 1, output
+    assert len(lines) == 1 and lines[0].startswith(f"{status}: "), output
+
+
+def test_nothing_to_talk_to_exits_1(tmp_path: Path) -> None:
+    """No gateway up (no --gateway, nothing saved) or no admin key: the command failed, exit 1,
+    one line saying what to do (it was 2, a usage error's code)."""
+    code, output = _run("status", KVSTRATA_STATE_DIR=str(tmp_path))
+    assert code == 1 and output.startswith("no gateway address: run `kvstrata up`"), output
+    code, output = _run("tenant", "list", "--gateway", NOWHERE, KVSTRATA_STATE_DIR=str(tmp_path),
+                        KVSTRATA_ADMIN_KEY="")
+    assert code == 1 and output.startswith("no admin key"), output
 
 
 def test_unreachable_gateway_is_one_line_and_exit_1() -> None:
@@ -73,17 +120,20 @@ def test_unreachable_gateway_is_one_line_and_exit_1() -> None:
     ("num_cache_nodes: -1\n", "num_cache_nodes: Input should be greater than or equal to 1"),
     ("num_cache_nodes: [\n", "while parsing a flow"),
     ("no_such_key: 1\n", "no_such_key: Extra inputs are not permitted"),
+    ("scheduler: edf\n", "scheduler: unknown"),
 ])
-def test_up_with_a_bad_config_exits_2_with_one_line(tmp_path: Path, text: str, message: str) -> None:
-    """issue 18 fault 9: a malformed or out-of-range service config is one line, exit 2."""
+def test_up_with_a_bad_config_is_a_usage_error(tmp_path: Path, text: str, message: str) -> None:
+    """issue 18 fault 9: a malformed or out-of-range service config names the file and the
+    field; it is a bad ``--config`` value, reported by click as a usage error (exit 2), with
+    no pydantic "Value error, " text."""
     path = tmp_path / "bad.yaml"
     path.write_text(text)
 
     code, output = _run("up", "--config", str(path))
 
-    lines = [line for line in output.splitlines() if line.strip()]
     assert code == 2, output
-    assert len(lines) == 1 and message in lines[0], output
+    assert f"Invalid value for '--config': {path}: " in _words(output) and message in _words(output), output
+    assert "Value error" not in output
 
 
 def test_up_with_a_missing_config_is_a_usage_error() -> None:

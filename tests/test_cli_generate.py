@@ -108,3 +108,60 @@ def test_tenant_show_is_a_table(tmp_path: Path) -> None:
     assert rows["cache namespace"] == "wiki"
     assert rows["requests"] == "0"
     assert "tenant_id:" not in result.output and "spec {" not in result.output  # no protobuf text
+
+
+class RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
+    """Keeps the request it gets and ends it at once (finish reason stop)."""
+
+    def __init__(self) -> None:
+        self.requests: list[inference_pb2.GenerateRequest] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        yield inference_pb2.GenerateResponse(delta=inference_pb2.GenerateDelta(text="ok"))
+        yield inference_pb2.GenerateResponse(finished=inference_pb2.GenerateFinished(finish_reason="stop"))
+
+
+def test_generate_sends_priority_and_stop_strings() -> None:
+    """H11 trial: `generate` had no --priority or --stop although the gRPC API takes both; they
+    now travel in GenerateRequest.priority and SamplingParams.stop (--stop repeatable)."""
+    server, servicer = grpc.server(futures.ThreadPoolExecutor(max_workers=2)), RecordingInference()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        result = CliRunner().invoke(cli.app, ["generate", "hi", "--priority", "-7", "--stop", "END", "--stop",
+                                              "\n\n", "--gateway", f"127.0.0.1:{port}"],
+                                    env={"KVSTRATA_API_KEY": "k"})
+        plain = CliRunner().invoke(cli.app, ["generate", "hi", "--gateway", f"127.0.0.1:{port}"],
+                                   env={"KVSTRATA_API_KEY": "k"})
+    finally:
+        server.stop(grace=None)
+    assert result.exit_code == 0 and plain.exit_code == 0, result.output + plain.output
+    sent, default = servicer.requests
+    assert sent.priority == -7 and list(sent.sampling.stop) == ["END", "\n\n"]
+    assert default.priority == 0 and list(default.sampling.stop) == [] and default.sampling.temperature == 0
+
+
+def _table_rows(output: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("│┃ ").split("│" if "│" in line else "┃")]
+            for line in output.splitlines() if "│" in line or "┃" in line]
+
+
+def test_tenant_list_is_worded_as_tenant_show(tmp_path: Path) -> None:
+    """H11 trial: `tenant list` had snake_case headers (ttft_slo_ms, min_tokens_per_s) where
+    `tenant show` says "TTFT target (ms)", and no TPOT target although its help promises the
+    targets; it now has show's headers and wording, both targets included."""
+    with serve(tmp_path) as gw:
+        gw.scheduler.store.register(TenantSpec("ann", "interactive", ttft_slo_ms=800.0, tpot_slo_ms=90.0))
+        gw.scheduler.store.register(TenantSpec("bob"))
+        result = CliRunner().invoke(cli.app, ["tenant", "list", "--gateway", gw.address],
+                                    env={"KVSTRATA_ADMIN_KEY": gw.admin_key, "COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    header, *rows = _table_rows(result.output)
+    assert header == ["name", "SLO class", "TTFT target (ms)", "TPOT target (ms)", "floor (tokens/s)", "weight",
+                      "cache namespace", "KV policy"]
+    by_name = {row[0]: dict(zip(header, row)) for row in rows}
+    assert by_name["ann"]["TTFT target (ms)"] == "800" and by_name["ann"]["TPOT target (ms)"] == "90"
+    assert by_name["bob"]["SLO class"] == "standard" and by_name["bob"]["cache namespace"] == "bob"
+    assert "ttft_slo_ms" not in result.output

@@ -1,6 +1,8 @@
 """Every ``kvstrata`` command and option explains itself in ``--help`` (issue 21: most options
 had no help text: ``--session``, ``--gateway``, ``--max-tokens``, ``--temperature``,
-``tenant list/show/rm``)."""
+``tenant list/show/rm``), in clean paragraphs (H11 trial: hard line breaks and RST double
+backticks from docstrings, a cut-off ``--reports`` help, a range broken inside its number,
+lower-case group help, argument names written two ways, and no exit codes)."""
 
 from __future__ import annotations
 
@@ -54,3 +56,35 @@ def test_help_explains_the_command_and_each_option(path: tuple[str, ...], comman
         assert " ".join(help_.split()[:4]) in text, f"{param.name}'s help is not in --help"
         if param.param_type_name == "option":
             assert param.opts[0] in text
+
+
+def _help_80(path: tuple[str, ...]) -> str:
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("path,command", COMMANDS, ids=[" ".join(p) or "kvstrata" for p, _ in COMMANDS])
+def test_help_reads_cleanly_at_80_columns(path: tuple[str, ...], command: Any) -> None:
+    """At 80 columns: no ``double backticks``, no text cut with an ellipsis, no option range
+    split inside its bounds, each docstring paragraph reflowed rather than broken where the
+    source breaks it, group help capitalised, arguments in capitals as click writes them."""
+    text = _help_80(path)
+    assert "``" not in text and "…" not in text, text
+    for bounds in re.finditer(r"\[(?:[-\d.]+<=)?x(?:<=|>=)[-\d.]*", text):  # not "[0<=x<=1844 ⏎ 51615]"
+        assert text[bounds.end()] == "]", text
+    assert (command.help or "")[:1].isupper() or not path, command.help  # the root names `kvstrata` first
+    for param in command.params:
+        if param.param_type_name == "argument":
+            assert param.metavar and param.metavar.isupper(), param.name
+    source = typer.main.get_command(app)
+    for name in path:
+        source = source.commands[name]  # type: ignore[attr-defined]
+    for paragraph in (source.help or "").split("\n\n"):
+        assert "\n" not in paragraph.strip(), paragraph
+
+
+def test_top_level_help_lists_the_exit_codes() -> None:
+    """The exit codes (0 done, 1 failed, 2 usage error, 130 Ctrl-C) are in `kvstrata --help`."""
+    text = _help_text(())
+    assert all(part in text for part in ("Exit codes: 0 done; 1 failed", "2 usage error", "130 cancelled"))

@@ -1,17 +1,26 @@
 """``kvstrata up`` when ``ray start`` fails: one line naming Ray's error, exit 1, nothing left
 behind (a busy machine's failed ``ray start`` once ended ``up`` with a CalledProcessError
-traceback and a stray temp directory)."""
+traceback and a stray temp directory); what ``up`` prints once started, ``status``'s table,
+and the Prometheus config that reads the targets file ``up`` writes."""
 
 from __future__ import annotations
 
+import io
 import socket
 from pathlib import Path
 
 import pytest
+import yaml
+from rich.console import Console
 from typer.testing import CliRunner
 
-from cli import lifecycle
+from cli import lifecycle, output
 from cli import main as cli
+from kvstrata.v1 import admin_pb2
+from services.config import NodeConfig, ServiceConfig
+from services.metrics.targets import TARGETS_FILE
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_failed_ray_start_is_one_line_and_exit_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,3 +52,54 @@ def test_ray_start_error_prefers_the_exception_line() -> None:
     assert lifecycle._ray_start_error(stderr, "INFO started") == \
         "RuntimeError: Failed to start GCS. Last lines: port taken"
     assert lifecycle._ray_start_error("", "line one\nline two\n") == "line two"
+
+
+METRICS = {"gateway": "127.0.0.1:40001", "cache_node_0": "127.0.0.1:40002", "cache_node_1": "127.0.0.1:40003",
+           "spill_node_0": "127.0.0.1:40004"}
+
+
+def test_up_names_the_scheduler_and_prints_each_metrics_address_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """H11 trial: `up` did not say which scheduler it runs, and printed the /metrics addresses
+    as one line that rich wrapped at 80 columns mid-list ("spill_node_0 <newline> http://...");
+    it now names the scheduler and device, and prints each address on a line of its own that is
+    never wrapped, even on a 40-column terminal."""
+    cfg = ServiceConfig(scheduler="vtc", node=NodeConfig(device="cpu", dtype="float32"), state_dir=str(tmp_path))
+    lines = lifecycle.up_summary(cfg, "127.0.0.1:50051", "127.0.0.1:8000", METRICS, tmp_path / TARGETS_FILE)
+    narrow = Console(file=io.StringIO(), width=40, color_system=None)
+    monkeypatch.setattr(output, "console", narrow)
+    for line in lines:
+        output.say(line)
+    printed = narrow.file.getvalue().splitlines()
+    assert "scheduler: vtc on 2 cache nodes (cpu, float32); KV policy: per tenant or request (default: full)" \
+        in printed
+    for name, address in METRICS.items():
+        assert any(line.split() == [name, f"http://{address}/metrics"] for line in printed), printed
+    assert "gateway: 127.0.0.1:50051" in printed and "OpenAI-compatible API: http://127.0.0.1:8000/v1" in printed
+    assert any(line.startswith(f"prometheus targets: {tmp_path / TARGETS_FILE} ") for line in printed)
+
+
+def test_prometheus_config_reads_the_targets_file_next_to_it() -> None:
+    """H11 trial: deploy/prometheus.yml named /home/ubuntu/.kvstrata/prometheus_targets.json, a
+    path only one machine has; it names the targets file relative to the config's directory
+    (Prometheus resolves file_sd paths against it), so the config copied into the state dir
+    `up` prints reads the file `up` wrote there."""
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "kvstrata"]
+    files = [f for sd in job["file_sd_configs"] for f in sd["files"]]
+    assert files == [TARGETS_FILE] and not any(Path(f).is_absolute() or "~" in f for f in files)
+
+
+def test_status_says_skipped_without_the_integrity_check() -> None:
+    """H11 trial: `status --no-integrity` left the integrity column blank; it says "skipped"."""
+    resp = admin_pb2.StatsResponse(nodes=[admin_pb2.NodeStats(node_id="cache_node_0", integrity_ok=False,
+                                                               integrity_error="block 3 freed twice")])
+    for integrity, shown in ((False, "skipped"), (True, "block 3 freed twice")):
+        console = Console(file=io.StringIO(), width=200, color_system=None)
+        console.print(lifecycle.status_table(resp, integrity))
+        row = next(line for line in console.file.getvalue().splitlines() if "cache_node_0" in line)
+        assert row.split("│")[-2].strip() == shown
+    ok = admin_pb2.StatsResponse(nodes=[admin_pb2.NodeStats(node_id="cache_node_0", integrity_ok=True)])
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(lifecycle.status_table(ok, True))
+    assert "│ ok " in console.file.getvalue()
