@@ -300,11 +300,10 @@ class LLMEngine(EngineTiersMixin):
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
         seq.finish_reason = reason
-        # a compacted layout cannot serve the next turn's prefix: the session keeps the turn's
-        # tokens in its history, and the next turn prefills them again
+        # a session keeps the turn's blocks, with its policy state when a policy compacted them
+        # (the next turn of that policy continues from it: cache_node.sessions)
         dropped = reason in ("abort", "rejected")
-        reusable = seq.kv is None or not seq.kv.compacted
-        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped, reusable=reusable)
+        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
         if not kept:
             self.kv_manager.free(seq)
         self.requests.pop(seq.request_id, None)
@@ -362,6 +361,7 @@ class LLMEngine(EngineTiersMixin):
         pool = self.kv_manager.pool
         with self._lock:
             charged = [s.kv for s in self.requests.values() if s.kv is not None]
+            charged += self.sessions.idle_policy_states()
             used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
             free = pool.num_free_blocks()
             cached_free = sum(1 for b in pool.free_queue if b.block_hash is not None)

@@ -1,0 +1,257 @@
+"""Sessions under a compressing KV policy keep the policy state between turns (issue 22, 1a).
+
+The reference every continuation is compared with: ONE sequence driven through the same
+engine pieces (runner, ``SequenceKV``, sampler) over a separate engine, whose prompt is
+extended turn after turn (the previous turn's tokens, then the new ones) without ever freeing
+its KV; at each turn its policy budget is recomputed from the grown prompt, as a new request's
+is. A session turn that continues from the kept state must produce exactly its greedy
+tokens; a turn that prefilled the history again would not (its policy would compress the
+whole history with the question in view).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_node.engine import LLMEngine
+from cache_node.policies import PolicyEnv, attach_policy
+from cache_node.sampler import sample
+from cache_node.sampling_params import SamplingParams
+from cache_node.sequence import Sequence
+from tests.conftest import make_engine
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % 500 + 1 for i in range(n)]
+
+
+def count_prefill(eng: LLMEngine) -> list[int]:
+    """Wrap the engine's runner so every executed token is counted (one entry per step)."""
+    counts: list[int] = []
+    execute = eng.runner.execute
+
+    def counted(batch, *args, **kw):  # type: ignore[no-untyped-def]
+        counts.append(sum(n for _, n in batch))
+        return execute(batch, *args, **kw)
+
+    eng.runner.execute = counted  # type: ignore[method-assign]
+    return counts
+
+
+def one_sequence_turns(eng: LLMEngine, spec: str, turns: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of ``turns`` (each turn's new tokens) run as one ever-growing sequence,
+    stepped as the engine steps a lone request (chunks of ``max_num_batched_tokens``,
+    ``after_step`` after every step, the last sampled token left uncomputed; the budget
+    recomputed at each turn's end of prefill)."""
+    budget = eng.config.max_num_batched_tokens
+    seq = Sequence("reference", list(turns[0]), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   policy=spec)
+    attach_policy(seq, eng.pool, eng.kv_manager.pool, eng.policy_env, eng.host_for_policies)
+    outs = []
+    for k, new in enumerate(turns):
+        if k:  # a new request's prompt: its policy budget follows the grown prompt
+            seq.prompt_token_ids, seq.output_token_ids = seq.all_token_ids + new, []
+            if seq.kv is not None:
+                seq.kv.budget = None
+        while len(seq.output_token_ids) < max_tokens:
+            n = min(seq.num_uncomputed_tokens, budget)
+            assert eng.kv_manager.allocate_slots(seq, n) is not None
+            logits = eng.runner.execute([(seq, n)])
+            seq.num_computed_tokens += n
+            if seq.kv is not None:
+                seq.kv.after_step()
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(int(sample(logits, [seq])[0]))
+        outs.append(list(seq.output_token_ids))
+    eng.kv_manager.free(seq)
+    eng.check_integrity()
+    return outs
+
+
+def session_turns(eng: LLMEngine, spec: str, turns: list[list[int]], max_tokens: int,
+                  tenant: str = "a") -> tuple[list[list[int]], list[int], list]:
+    """Run ``turns`` as one session; returns outputs, tokens computed per turn, RequestOutputs."""
+    counts = count_prefill(eng)
+    history: list[int] = []
+    outs, computed, results = [], [], []
+    for new in turns:
+        before = len(counts)
+        res = eng.generate([history + new], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           session_id="s", tenant=tenant, policy=spec)[0]
+        history = history + new + list(res.output_token_ids)
+        outs.append(list(res.output_token_ids))
+        computed.append(sum(counts[before:]))
+        results.append(res)
+    return outs, computed, results
+
+
+@pytest.mark.parametrize("spec", ["sentencekv-0.25", "h2o-0.25", "quant-bits_4", ""])
+def test_session_turns_continue_from_the_kept_policy_state(tiny, spec: str) -> None:
+    """Fault (issue 22): a compacted turn's KV was dropped at the turn's end, so every later
+    turn of a session under a compressing policy prefilled its whole history again. Now each
+    turn after the first computes only its new tokens (plus the previous turn's last sampled
+    token) and decodes, and answers as one sequence that was never freed; everything is free
+    after close."""
+    turns = [prompt_of(300)] + [prompt_of(9, k) for k in range(1, 5)]
+    max_tokens = 5
+    eng = make_engine(tiny)
+    outs, computed, results = session_turns(eng, spec, turns, max_tokens)
+    assert computed[0] == len(turns[0]) + max_tokens - 1
+    for k in range(1, 5):  # the last output token, the new tokens, then the decodes
+        assert computed[k] == 1 + len(turns[k]) + max_tokens - 1
+        assert results[k].num_cached_tokens == results[k].num_prompt_tokens - 1 - len(turns[k])
+    assert outs == one_sequence_turns(make_engine(tiny), spec, turns, max_tokens)
+    compacting = spec != ""
+    assert eng.sessions.num_policy_continuations == (4 if compacting else 0)
+    assert eng.stats()["used_blocks"] > 0
+    eng.close_session("s")
+    stats = eng.stats()
+    assert stats["used_blocks"] == 0 and stats["policy_blocks"] == 0
+    eng.check_integrity()
+
+
+def test_non_extending_turn_or_other_policy_falls_back_and_frees(tiny) -> None:
+    """A turn whose prompt does not extend the history, or that names another policy, must
+    not attend the kept (compacted) state: it prefills from scratch, is counted, and the kept
+    state (blocks, charge blocks, host sentences) is freed."""
+    eng = make_engine(tiny)
+    p1 = prompt_of(300)
+    eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                 policy="sentencekv-0.25")
+    assert eng.sessions.sessions["s"].compacted
+    other = prompt_of(120, 9)  # does not extend the history
+    counts = count_prefill(eng)
+    t2 = eng.generate([other], SamplingParams(max_tokens=2, ignore_eos=True), session_id="s", tenant="a",
+                      policy="sentencekv-0.25")[0]
+    assert eng.sessions.num_fallbacks == 1 and sum(counts) >= len(other)
+    assert t2.output_token_ids == make_engine(tiny).generate(
+        [other], SamplingParams(max_tokens=2, ignore_eos=True), policy="sentencekv-0.25")[0].output_token_ids
+    history = other + list(t2.output_token_ids)
+    p3 = history + prompt_of(7, 3)  # extends, but under h2o: falls back too
+    counts.clear()
+    t3 = eng.generate([p3], SamplingParams(max_tokens=2, ignore_eos=True), session_id="s", tenant="a",
+                      policy="h2o-0.25")[0]
+    assert eng.sessions.num_fallbacks == 2 and eng.sessions.num_policy_continuations == 0
+    # today's behaviour: only the prefix cache's uncompressed blocks (cached before turn 2's
+    # compaction copied them on write) spare recomputation
+    assert t3.num_cached_tokens < len(other) and sum(counts) == len(p3) - t3.num_cached_tokens + 1
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
+
+
+def test_idle_policy_session_is_charged_then_freed_on_expiry_and_unpin(tiny) -> None:
+    """While idle, a kept policy state still holds its blocks and charge blocks (the pool and
+    its tenant pay for it); expiry frees all of it, and unpinning it under pool pressure drops
+    it whole instead of offering its compacted blocks to the prefix cache."""
+    eng = make_engine(tiny)
+    p1 = prompt_of(300)
+    eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                  policy="quant-bits_4")
+    sess = eng.sessions.sessions["s"]
+    assert sess.compacted and sess.kv is not None
+    charged = len(sess.kv.charge_blocks)
+    assert charged > 0
+    stats = eng.stats()
+    assert stats["used_blocks"] == sess.num_held_blocks == len(sess.blocks) + charged
+    assert stats["policy_blocks"] == charged
+    assert all(b.block_hash is None for b in sess.blocks)  # never matchable, never demoted
+    assert eng.sessions.unpin("s") == [] and eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
+    eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="t", tenant="a",
+                  policy="quant-bits_4")
+    assert eng.stats()["used_blocks"] > 0
+    assert eng.expire_sessions(0.0) == ["s", "t"]
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
+
+
+def test_quota_charge_of_a_continued_turn_is_exact(tiny) -> None:
+    """The continuing turn holds the kept state's blocks and charge blocks as its own: its
+    tenant's held blocks equal the pool's used blocks and the charge pays the policy bytes."""
+    eng = make_engine(tiny)
+    p1 = prompt_of(300)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy="quant-bits_4")[0]
+    rid = eng.add_request(p1 + list(t1.output_token_ids) + prompt_of(5, 1),
+                          SamplingParams(max_tokens=4, ignore_eos=True), session_id="s", tenant="a",
+                          policy="quant-bits_4")
+    for _ in range(3):
+        eng.step()
+        held = eng.held_by_tenant()["a"]
+        seq = eng.requests[rid]
+        assert held["blocks"] == eng.stats()["used_blocks"] == seq.num_held_blocks
+        assert held["policy_bytes"] > 0
+        assert len(seq.kv.charge_blocks) == -(-held["policy_bytes"] // eng.pool.bytes_per_block)
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
+
+
+@pytest.mark.slow
+def test_sentencekv_session_over_a_wikipedia_document(real_model) -> None:
+    """Acceptance (issue 22, 1a): a 5-turn session under sentencekv-0.25 over a ~2k-token real
+    Wikipedia context (with a pass key) on SmolLM2, its demoted sentences in the host tier:
+    after turn 1 each turn computes only its new tokens, the greedy answers equal one
+    never-freed sequence's (``one_sequence_turns``), and closing frees every block and host
+    slot."""
+    from bench.quality import build_items
+    from cache_node.config import EngineConfig
+    from cache_node.tiers.manager import TierConfig
+
+    tok = real_model.tokenizer
+    item = build_items(tok, [2048], [0.5])[0]
+    questions = [q for _, q, _ in item["questions"]] * 3
+    turns = [item["context"] + questions[0]] + questions[1:5]
+
+    def engine() -> LLMEngine:
+        cfg = EngineConfig(block_size=16, kv_pool_bytes=256 << 20, max_num_batched_tokens=512, max_num_seqs=4)
+        eng = LLMEngine(real_model.model, cfg, real_model.model_id, real_model.eos_token_ids,
+                        tier_config=TierConfig(host_bytes=128 << 20))
+        eng.policy_env = PolicyEnv.from_tokenizer(tok)
+        return eng
+
+    eng = engine()
+    assert eng.host_for_policies is not None
+    outs, computed, _ = session_turns(eng, "sentencekv-0.25", turns, max_tokens=4)
+    for k in range(1, 5):
+        assert computed[k] == 1 + len(turns[k]) + 3, computed
+    assert sum(computed[1:]) < len(turns[0]) // 4
+    assert outs == one_sequence_turns(engine(), "sentencekv-0.25", turns, max_tokens=4)
+    key = item["questions"][0][2]  # the pass key, asked with the document: its first digits
+    assert key[:3] in tok.decode(outs[0])
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0 and eng.tiers.host.num_reserved == 0
+    eng.check_integrity()
+
+
+def test_preempted_continuation_prefills_the_history_again(tiny) -> None:
+    """A continued turn that is preempted loses the kept state with its blocks (nothing of it
+    may leak or be attended half-freed): it re-queues, prefills its prompt and the token it
+    already sampled (from the continued state, as an unpreempted continuation samples it) from
+    scratch, finishes, and the session still closes clean."""
+    turns, spec = [prompt_of(300), prompt_of(9, 1)], "sentencekv-0.25"
+    ref, _, _ = session_turns(make_engine(tiny), spec, turns, max_tokens=3)
+    eng = make_engine(tiny)
+    t1 = eng.generate([turns[0]], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy=spec)[0]
+    p2 = turns[0] + list(t1.output_token_ids) + turns[1]
+    rid = eng.add_request(p2, SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                          policy=spec)
+    eng.step()
+    seq = eng.requests[rid]
+    assert seq.kv is not None and seq.kv.compacted and seq.output_token_ids == ref[1][:1]
+    eng.scheduler.preempt(seq)
+    assert seq.block_table == [] and seq.kv.charge_blocks == [] and seq.num_evicted_tokens == 0
+    eng.check_integrity()
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.finished else out
+    assert out is not None and out.num_preemptions == 1 and out.output_token_ids[0] == ref[1][0]
+    assert len(out.output_token_ids) == 3
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
