@@ -361,8 +361,9 @@ class Scheduler:
         return n
 
     def _whole_prompt_fits(self, seq: Sequence, num_computed_blocks: int) -> bool:
-        """Free blocks cover the rest of the prompt plus the first output token."""
-        need = cdiv(seq.num_tokens + 1, self.kv_manager.block_size)
+        """Free blocks cover the rest of the prompt plus the first output token (past the
+        tokens a session's kept policy state already compacted away: ``num_evicted_tokens``)."""
+        need = cdiv(seq.num_tokens - seq.num_evicted_tokens + 1, self.kv_manager.block_size)
         need -= num_computed_blocks + len(seq.block_table)
         return need <= self.kv_manager.pool.num_free_blocks()
 

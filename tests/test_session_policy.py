@@ -255,3 +255,26 @@ def test_preempted_continuation_prefills_the_history_again(tiny) -> None:
     eng.close_session("s")
     assert eng.stats()["used_blocks"] == 0
     eng.check_integrity()
+
+
+def test_continued_turn_is_admitted_by_its_kept_blocks_under_kvstrata(tiny) -> None:
+    """Fault: kvstrata admits a request only when the free blocks cover its whole prompt, and
+    counted a continued turn's whole history against them although the kept state holds only
+    a few compacted blocks; with the pool nearly full the turn could never start. Now the
+    check counts the physical slots (history minus the evicted tokens)."""
+    eng = make_engine(tiny, scheduling_policy="kvstrata")
+    p1 = prompt_of(300)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy="sentencekv-0.25")[0]
+    sess = eng.sessions.sessions["s"]
+    assert sess.compacted and len(sess.blocks) < 8
+    pool = eng.kv_manager.pool
+    filler = pool.allocate(pool.num_free_blocks() - 4)  # 4 free blocks: far less than 300 tokens
+    p2 = p1 + list(t1.output_token_ids) + prompt_of(9, 1)
+    out = eng.generate([p2], SamplingParams(max_tokens=2, ignore_eos=True), session_id="s", tenant="a",
+                       policy="sentencekv-0.25")[0]
+    assert out.finish_reason == "length" and out.num_cached_tokens == len(p2) - 10
+    pool.free(filler)
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
