@@ -278,3 +278,28 @@ def test_continued_turn_is_admitted_by_its_kept_blocks_under_kvstrata(tiny) -> N
     eng.close_session("s")
     assert eng.stats()["used_blocks"] == 0
     eng.check_integrity()
+
+
+def test_demoting_an_idle_policy_session_drops_its_state_whole(tiny) -> None:
+    """The tier mover never moves a kept policy state (its compacted blocks match no prefix
+    and its sentences sit in reserved host slots): demoting the idle session drops all of it,
+    device blocks, charge blocks and host slots, and its next turn prefills the history."""
+    from cache_node.config import EngineConfig
+    from cache_node.tiers.manager import TierConfig
+
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64, max_num_seqs=8)
+    eng = LLMEngine(tiny.model, cfg, tiny.model_id, tiny.eos_token_ids, tier_config=TierConfig(host_bytes=1 << 20))
+    p1 = prompt_of(300)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy="sentencekv-0.25")[0]
+    assert eng.sessions.sessions["s"].compacted and eng.tiers.host.num_reserved > 0
+    eng.demote_all()  # the watermark mover's path: only free cached blocks move
+    assert eng.sessions.sessions["s"].compacted
+    assert eng.demote_session("s") == 0
+    assert eng.stats()["used_blocks"] == 0 and eng.tiers.host.num_reserved == 0
+    p2 = p1 + list(t1.output_token_ids) + prompt_of(9, 1)
+    out = eng.generate([p2], SamplingParams(max_tokens=2, ignore_eos=True), session_id="s", tenant="a",
+                       policy="sentencekv-0.25")[0]
+    assert eng.sessions.num_policy_continuations == 0 and out.num_cached_tokens < len(p2) - 10
+    eng.close_session("s")
+    eng.check_integrity()

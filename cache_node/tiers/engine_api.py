@@ -50,7 +50,8 @@ class EngineTiersMixin:
         """Move an idle session's pinned KV below the device tier (host, or spill with
         ``to_spill``); its next turn promotes it back through the prefix cache. Blocks shared
         with running requests stay on the device. Returns blocks moved (0 when the session is
-        unknown or has a turn running).
+        unknown or has a turn running). A session holding a compacted policy state is not moved
+        (its blocks match no prefix): the state is dropped whole (``SessionTable.unpin``).
         """
         with self._lock:
             blocks = self.sessions.unpin(session_id)[::-1]  # tail first, as the free queue
