@@ -109,9 +109,10 @@ class ServiceConfig(BaseModel):
     # scheduling policy of every node: kvstrata (SLO classes, floors, early rejection; the
     # default) | fcfs | priority | vtc
     scheduler: str = "kvstrata"
-    # Environment of the GlobalScheduler and Gateway workers. At Ray's default nice 15 they got
-    # ~1/28 of a core next to a busy CPU cache node (nice 0): under load a request spent a
-    # median 0.57 s (up to 3 s) between the client and the node's engine (bench.slo).
+    # Environment of the GlobalScheduler, Gateway and spill node workers. At Ray's default
+    # nice 15 they got ~1/28 of a core next to a busy CPU cache node (nice 0): under load a
+    # request spent a median 0.57 s (up to 3 s) between the client and the node's engine
+    # (bench.slo), and a spill prefetch held an interactive request ~1 s (make demo).
     control_env_vars: dict[str, str] = Field(default_factory=lambda: {"RAY_worker_niceness": "0"})
 
     @field_validator("scheduler")

@@ -205,6 +205,7 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
             lifetime="detached" if config.detached else None,
             scheduler=ActorRef(SCHEDULER_NAME, config.namespace),
             namespace=config.namespace, metrics=metrics_endpoint(config, config.spill_metrics_port),
+            env_vars=config.control_env_vars,  # restores wait on it: normal priority
         )
         for i in range(config.num_spill_nodes)
     ]

@@ -165,6 +165,7 @@ def create_spill_node(
     scheduler: ActorHandle | ActorRef | None = None,
     namespace: str | None = None,
     metrics: MetricsEndpoint | None = None,
+    env_vars: dict[str, str] | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -188,6 +189,8 @@ def create_spill_node(
             log an error.
         metrics: where the node serves Prometheus ``/metrics`` (None: nowhere); a restarted
             node serves it again.
+        env_vars: environment of the node's worker process (the launcher passes
+            ``ServiceConfig.control_env_vars``: normal priority, not Ray's nice 15).
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.
@@ -200,6 +203,7 @@ def create_spill_node(
         max_task_retries=max_task_retries,
         num_cpus=num_cpus,
         lifetime=lifetime,
+        **({"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}),
     )
     sink = ReportToScheduler(scheduler) if scheduler is not None else None
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,

@@ -177,3 +177,18 @@ def test_usage_is_accounted(stack, keys) -> None:
     assert usage.requests >= 4 and usage.completion_tokens > 0
     # prompt tokens as the nodes ran them (session history included), hits per tier
     assert usage.prompt_tokens > 0 and usage.cached_tokens.device > 0
+
+
+def test_serving_actors_run_at_normal_priority_not_rays_nice_15(stack) -> None:
+    """Regression: spill nodes ran at Ray's worker nice 15; next to busy cache nodes a spill
+    prefetch then held an interactive request in the queue ~1 s (make demo, issue 21). Every
+    actor on the request path (cache nodes, spill nodes, scheduler, gateway) runs at nice 0."""
+    import os
+
+    import ray
+
+    svc = stack.services
+    actors = [*svc.nodes.values(), *svc.spill_nodes, svc.scheduler, svc.gateway]
+    assert svc.spill_nodes, "the stack starts a spill node"
+    pids = ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in actors], timeout=60)
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {0}
