@@ -25,7 +25,7 @@ seconds into decodes and prefill tokens). Decodes go first, the floors' first; o
 prefill chunks shrink rather than slow its decode below the floor, and when the decodes alone
 would overrun the step, decodes of tenants without a floor take turns sitting out (the one
 that waited longest goes first).
-While an interactive tenant is active (a request of it arrived in the last
+While an interactive tenant is active (a request of it arrived or ran in the last
 ``INTERACTIVE_ACTIVE_S``), every step is also sized to at most ``interactive_step_share`` of its
 TTFT target, so its next request, which waits for the step in progress, never waits behind a
 long prefill step of another class.
@@ -62,8 +62,9 @@ VALUE_PENDING_FLOOR_S = 1.0
 """Added to every request's pending time in ``KvstrataPolicy.value`` (seconds)."""
 
 INTERACTIVE_ACTIVE_S = 10.0
-"""An interactive tenant counts as active for this long after its latest request arrived (an
-agent's next turn follows its tool pause, capped at 10 s in the DeepResearch workload)."""
+"""An interactive tenant counts as active for this long after its latest request arrived or
+last ran in a step (an agent's next turn follows its tool pause, capped at 10 s in the
+DeepResearch workload, and the pause starts when the previous turn ends, not when it arrived)."""
 
 
 class KvstrataPolicy(SchedulingPolicy):
@@ -86,7 +87,7 @@ class KvstrataPolicy(SchedulingPolicy):
         if not 0.0 <= interactive_step_share <= 1.0:
             raise ValueError(f"interactive_step_share must be in [0, 1], got {interactive_step_share}")
         self.interactive_step_share = interactive_step_share
-        self._interactive_seen: dict[str, float] = {}  # interactive tenant -> latest arrival (s)
+        self._interactive_seen: dict[str, float] = {}  # interactive tenant -> latest arrival or run (s)
         self.vtc = VirtualTokenCounters()
         self.rates = RateMeter(floor_window_s)
         self.floor_headroom = (
@@ -180,13 +181,16 @@ class KvstrataPolicy(SchedulingPolicy):
                 k, floor = decoding.get(seq.tenant, (0, self.share(seq).min_tokens_per_s))
                 decoding[seq.tenant] = (k + 1, floor)
         bounds = [k / (floor * self.floor_headroom) for k, floor in decoding.values()]
+        for seq in running:  # a running interactive request keeps its tenant active
+            if self.rank(seq) == 0:
+                self._interactive_seen[seq.tenant] = now_s
         interactive = self._interactive_step_s(now_s)
         if interactive is not None:
             bounds.append(interactive)
         return min(bounds) if bounds else None
 
     def _interactive_step_s(self, now_s: float) -> float | None:
-        """While an interactive tenant is active (a request of it arrived in the last
+        """While an interactive tenant is active (a request of it arrived or ran in the last
         ``INTERACTIVE_ACTIVE_S``), a step may last ``interactive_step_share`` of its TTFT target
         (the tightest such tenant's): its next request waits for the step in progress before
         its own prefill can start, so the other classes' prefill chunks are sized to that wait

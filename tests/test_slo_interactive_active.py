@@ -1,0 +1,63 @@
+"""How long kvstrata counts an interactive tenant as active (``INTERACTIVE_ACTIVE_S``), and so
+sizes every step to a share of its TTFT target. Simulated clock, no model (``tests.slo_sim``),
+step costs shaped like SmolLM2-135M on one CPU core (as ``tests/test_slo_interactive_steps.py``).
+"""
+
+from __future__ import annotations
+
+from cache_node.scheduling.kvstrata import INTERACTIVE_ACTIVE_S, KvstrataPolicy
+from tests.slo_sim import Sim
+from tests.test_slo_interactive_steps import TENANTS, cpu_step_s
+
+PAUSE_S = 2.0
+"""The live agent's tool pause between the end of its first turn and its next request."""
+
+
+def _next_turn_after_long_turn() -> tuple[float, float, float]:
+    """Batch prompts (400 tokens) keep arriving, two a second; after 16 s a live request
+    (16 tokens, 60 output tokens) decodes for longer than ``INTERACTIVE_ACTIVE_S``; ``PAUSE_S``
+    after it finished, the agent's next request (100 tokens) arrives during the step in
+    progress. Returns (how long the first turn ran after it arrived, the next request's TTFT,
+    the longest step started during the pause)."""
+    steps: list[tuple[float, float]] = []
+    sim = Sim(KvstrataPolicy(), num_blocks=4096, budget=512, max_seqs=32, tenants=TENANTS,
+              step_cost=lambda p, d: steps.append((sim.t, cpu_step_s(p, d))) or steps[-1][1])
+    added = 0
+
+    def step() -> None:
+        nonlocal added
+        while added < 2 * sim.t:
+            sim.add(f"B{added}", "bulk", 400, max_tokens=30)
+            added += 1
+        sim.step()
+
+    while sim.t < 16.0:
+        step()
+    sim.add("L0", "live", 16, max_tokens=60)
+    while "L0" not in sim.finished_step:
+        step()
+    ended_s = sim.t
+    while sim.t < ended_s + PAUSE_S:
+        step()
+    late = sim.add("L1", "live", 100, max_tokens=2)
+    late.arrival_time_s = ended_s + PAUSE_S  # arrived mid-step: the step in progress is part of its wait
+    while "L1" not in sim.first_token_step:
+        step()
+    start_s, seconds = steps[sim.first_token_step["L1"]]
+    longest = max(s for t, s in steps if ended_s <= t < late.arrival_time_s)
+    return ended_s - 16.0, start_s + seconds - late.arrival_time_s, longest
+
+
+def test_a_running_interactive_request_keeps_its_tenant_active() -> None:
+    """Issue 21 (make demo, traced per hop: client, gateway, scheduler, node inbox, engine):
+    the interactive tenant's late calls lost 1.3-2.5 s between the node's command inbox and the
+    engine, waiting for the step in progress, a 2-2.8 s step of batch prefill. The tenant was
+    active only for 10 s after its latest request *arrived*: the lead's plan turn decoded for
+    longer than that, so when its sub-agents' first requests came (a tool pause after the
+    plan ended) the steps were no longer sized to its TTFT. A running interactive request now
+    keeps its tenant active: the next turn waits for short steps, its TTFT 0.60 s against its
+    1 s target (2.23 s before, behind a 1.93 s step)."""
+    ran_s, ttft_s, longest_s = _next_turn_after_long_turn()
+    assert ran_s > INTERACTIVE_ACTIVE_S  # the first turn outlived the arrival-only window
+    assert longest_s <= 0.25 + 1e-9  # 0.25 x live's 1 s TTFT target, all through the pause
+    assert ttft_s < 1.0
