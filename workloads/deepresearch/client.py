@@ -71,6 +71,35 @@ class CallResult:
         return asdict(self)
 
 
+class StreamAccumulator:
+    """Accumulates one streamed call into the fields of a :class:`CallResult` (a client's
+    ``add`` fills ``fields``, ``text`` and the token times). Client-side TTFT is from
+    ``start_s`` to the first token; TPOT spans the first to the last token (None under 2)."""
+
+    def __init__(self, start_s: float) -> None:
+        self.start_s = start_s
+        self.fields: dict[str, Any] = {}
+        self.text: list[str] = []
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.finished = False
+
+    def result(self, status: str, end_s: float, error: str = "") -> CallResult:
+        fields = dict(self.fields)
+        n = int(fields.get("completion_tokens", 0))
+        ttft_ms, tpot_ms = fields.get("server_ttft_ms"), fields.get("server_tpot_ms")
+        if self.first_token_s is not None:
+            ttft_ms = (self.first_token_s - self.start_s) * 1000.0
+            if n > 1 and self.last_token_s is not None and self.last_token_s > self.first_token_s:
+                tpot_ms = (self.last_token_s - self.first_token_s) * 1000.0 / (n - 1)
+        if n < 2:
+            tpot_ms = None
+        if status == OK and fields.get("finish_reason") == "abort":
+            status, error = "ABORTED", "server aborted the request (finish_reason=abort)"
+        return CallResult(status=status, text="".join(self.text), ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                          start_s=self.start_s, end_s=end_s, error=error, **fields)
+
+
 class InferenceClient(Protocol):
     """What the runner needs from a serving endpoint."""
 

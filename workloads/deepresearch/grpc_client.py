@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
-from workloads.deepresearch.client import OK, CallResult
+from workloads.deepresearch.client import OK, CallResult, StreamAccumulator
 
 
 def _metadata(api_key: str) -> tuple[tuple[str, str], ...]:
@@ -31,16 +31,8 @@ def _tier_fields(tiers: Any) -> dict[str, int]:
     }
 
 
-class _Stream:
+class _Stream(StreamAccumulator):
     """Accumulates one Generate stream into the fields of a :class:`CallResult`."""
-
-    def __init__(self, start_s: float) -> None:
-        self.start_s = start_s
-        self.fields: dict[str, Any] = {}
-        self.text: list[str] = []
-        self.first_token_s: float | None = None
-        self.last_token_s: float | None = None
-        self.finished = False
 
     def add(self, event: inference_pb2.GenerateResponse, now_s: float) -> None:
         kind = event.WhichOneof("event")
@@ -62,24 +54,6 @@ class _Stream:
                 server_ttft_ms=f.ttft_ms, server_tpot_ms=f.tpot_ms, preempted=f.preempted,
                 finish_reason=f.finish_reason, **_tier_fields(f.cached_tokens),
             )  # fmt: skip
-
-    def result(self, status: str, end_s: float, error: str = "") -> CallResult:
-        fields = dict(self.fields)
-        n = int(fields.get("completion_tokens", 0))
-        ttft_ms, tpot_ms = fields.get("server_ttft_ms"), fields.get("server_tpot_ms")
-        if self.first_token_s is not None:
-            ttft_ms = (self.first_token_s - self.start_s) * 1000.0
-            if n > 1 and self.last_token_s is not None and self.last_token_s > self.first_token_s:
-                tpot_ms = (self.last_token_s - self.first_token_s) * 1000.0 / (n - 1)
-        if n < 2:
-            tpot_ms = None
-        if status == OK and fields.get("finish_reason") == "abort":
-            status, error = "ABORTED", "server aborted the request (finish_reason=abort)"
-        return CallResult(
-            status=status, text="".join(self.text), ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-            start_s=self.start_s, end_s=end_s, error=error, **fields,
-        )  # fmt: skip
-
 
 class GrpcInferenceClient:
     """Talks to a kvstrata gateway.

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 import openai
 
-from workloads.deepresearch.client import OK, TIERS, CallResult
+from workloads.deepresearch.client import OK, TIERS, CallResult, StreamAccumulator
 
 _HTTP_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
                 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
@@ -39,16 +39,8 @@ def status_of(exc: openai.APIError) -> str:
     return "UNAVAILABLE"
 
 
-class _Stream:
+class _Stream(StreamAccumulator):
     """Accumulates one streamed chat completion into the fields of a :class:`CallResult`."""
-
-    def __init__(self, start_s: float) -> None:
-        self.start_s = start_s
-        self.fields: dict[str, Any] = {}
-        self.text: list[str] = []
-        self.first_token_s: float | None = None
-        self.last_token_s: float | None = None
-        self.finished = False
 
     def add(self, chunk: Any, now_s: float) -> None:
         for choice in chunk.choices:
@@ -69,22 +61,6 @@ class _Stream:
         self.fields.update(node_id=server.get("node_id", ""), queue_ms=server.get("queue_ms"),
                            server_ttft_ms=server.get("ttft_ms"), server_tpot_ms=server.get("tpot_ms"),
                            preempted=bool(server.get("preempted", False)))
-
-    def result(self, status: str, end_s: float, error: str = "") -> CallResult:
-        fields = dict(self.fields)
-        n = int(fields.get("completion_tokens", 0))
-        ttft_ms, tpot_ms = fields.get("server_ttft_ms"), fields.get("server_tpot_ms")
-        if self.first_token_s is not None:
-            ttft_ms = (self.first_token_s - self.start_s) * 1000.0
-            if n > 1 and self.last_token_s is not None and self.last_token_s > self.first_token_s:
-                tpot_ms = (self.last_token_s - self.first_token_s) * 1000.0 / (n - 1)
-        if n < 2:
-            tpot_ms = None
-        if status == OK and fields.get("finish_reason") == "abort":
-            status, error = "ABORTED", "server aborted the request (finish_reason=abort)"
-        return CallResult(status=status, text="".join(self.text), ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-                          start_s=self.start_s, end_s=end_s, error=error, **fields)
-
 
 class OpenAIInferenceClient:
     """Talks to a kvstrata gateway's OpenAI-compatible API.
