@@ -128,6 +128,24 @@ class _Seen:
                 "completion_tokens": self.completion_tokens}
 
 
+class _RecordedAbort:
+    """``context`` whose ``abort`` records the refusal's status in the request's metrics first:
+    the client has the status as soon as ``abort`` sends it, so counting it afterwards (in
+    ``generate``'s ``finally``) raced a scrape that followed the refusal."""
+
+    def __init__(self, context: Any, track: RequestTracker) -> None:
+        self._context, self._track, self.recorded = context, track, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, *args: Any, **kwargs: Any) -> Any:
+        if not self.recorded:
+            self.recorded = True
+            self._track.finish(code.name)
+        return await self._context.abort(code, *args, **kwargs)
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """Generate (server streaming) and CloseSession.
 
@@ -218,15 +236,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         ids are the tenant's own (``scoped_id``); one in flight already is ALREADY_EXISTS."""
         tenant = await self.auth.tenant(context)
         track, status = self.metrics.track(tenant), "OK"  # services.metrics.requests
+        refusal = _RecordedAbort(context, track)
         try:
-            async with contextlib.aclosing(self._generate(context, parse, tenant, track)) as events:
+            async with contextlib.aclosing(self._generate(refusal, parse, tenant, track)) as events:
                 async for event in events:
                     yield event
         except BaseException as exc:
             status = status_of(exc, context)
             raise
         finally:
-            track.finish(status)
+            if not refusal.recorded:
+                track.finish(status)
 
     async def _generate(self, context: Any, parse: Callable[[], GenerateInput], tenant: Any,
                         track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
