@@ -32,6 +32,13 @@ class ChatTemplater:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    def estimate_tokens(self, messages: Messages) -> int:
+        """Prompt tokens ``messages`` add, for admission's TTFT estimate when the node renders
+        them (a session turn: the gateway does not hold the history). Exact for a session's
+        first turn; for a later turn it overstates by what the template adds to a conversation
+        once (a default system prompt, if the template has one)."""
+        return len(self.first_turn(messages))
+
     def first_turn(self, messages: Messages) -> list[int]:
         """Token ids of a whole conversation, ending with the assistant generation prompt."""
         return self.encode(self.render(messages))
@@ -51,3 +58,15 @@ class ChatTemplater:
         glue = prev[prev.rfind(self.eos_token) + len(self.eos_token) :] if self.eos_token else ""
         closed = history_tokens if history_tokens[-1:] == [self.eos_token_id] else history_tokens + [self.eos_token_id]
         return closed + self.encode(glue + full[len(prev) :])
+
+
+CHARS_PER_TOKEN = 4
+"""Fallback for ``estimate_message_tokens`` without a template (English text averages ~4)."""
+
+
+def estimate_message_tokens(templater: ChatTemplater | None, messages: Messages) -> int:
+    """``templater.estimate_tokens(messages)``, or their characters / ``CHARS_PER_TOKEN`` when
+    there is no template to render them with."""
+    if templater is not None:
+        return templater.estimate_tokens(messages)
+    return sum(len(m.get("content", "")) for m in messages) // CHARS_PER_TOKEN + 1

@@ -30,7 +30,7 @@ from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
 from services.auth import Authenticator
-from services.chat import ChatTemplater
+from services.chat import ChatTemplater, estimate_message_tokens
 from services.data_plane_auth import Security
 from services.gateway_streams import NodeStreams
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
@@ -214,6 +214,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                  "kv_quota_bytes": str(spec.kv_quota_bytes)}
         if call.routing_key:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
+        if messages:  # the node renders them: admission still needs their size
+            extra["prompt_tokens_estimate"] = str(estimate_message_tokens(self.templater, messages))
         req = NodeRequest(
             request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,

@@ -57,6 +57,27 @@ MAX_ROUTING_KEYS = 65_536
 """Routing keys (``prompt_cache_key``) the scheduler remembers a node for, newest kept."""
 
 
+MAX_PROMPT_ESTIMATE = 1 << 20
+"""Largest prompt estimate admission takes from a request (far beyond any context)."""
+
+
+def prompt_size(req: NodeRequest) -> int:
+    """Prompt tokens of ``req`` for admission: its token ids, else the gateway's estimate for
+    chat messages the node renders (``extra["prompt_tokens_estimate"]``; a malformed or
+    negative value counts as 0, a huge one is capped at ``MAX_PROMPT_ESTIMATE``).
+
+    Regression (issue 21): every session turn reached admission as a 0-token prompt (its
+    messages are rendered on the node), so the TTFT estimate and the prefill backlog never saw
+    an agent's 500-token read, and admission never refused one that would miss."""
+    if req.token_ids:
+        return len(req.token_ids)
+    try:
+        estimate = int(req.extra.get("prompt_tokens_estimate", "0"))
+    except ValueError:
+        return 0
+    return min(max(estimate, 0), MAX_PROMPT_ESTIMATE)
+
+
 @dataclass
 class NodeLoad:
     """A node as admission sees it: in-flight requests, prefill backlog, measured speeds."""
@@ -64,6 +85,7 @@ class NodeLoad:
     node_id: str
     capacity: int
     in_flight: set[str] = field(default_factory=set)
+    urgent: set[str] = field(default_factory=set)  # in-flight requests of interactive tenants
     backlog: FluidBacklog = field(default_factory=FluidBacklog)
     prefill: SpeedMeter = field(default_factory=SpeedMeter)
     step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
@@ -175,13 +197,16 @@ class GlobalScheduler(Tenants, Membership):
                 message=f"queue full ({queued} waiting, limit {self.queue_limit})",
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
             )
-        node_id = sticky[1] if sticky is not None else self._keyed_route(routing_key, block_hashes or [])
+        urgent = self._urgent(tenant_id)
+        node_id = sticky[1] if sticky is not None else self._keyed_route(routing_key, block_hashes or [], urgent)
         prefix = self.index.prefix_tiers(node_id, block_hashes or [])
         rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens))
         if rejected is not None:
             self.usage.record_rejected(tenant_id)
             return rejected
         self.nodes[node_id].in_flight.add(request_id)
+        if urgent:
+            self.nodes[node_id].urgent.add(request_id)
         self.requests[request_id] = (tenant_id, node_id)
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
@@ -202,7 +227,7 @@ class GlobalScheduler(Tenants, Membership):
         if subscriber in self.gone_gateways:
             return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone",
                              reason="gateway_gone")
-        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, len(req.token_ids),
+        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req),
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":
             self.request_gateways[req.request_id] = subscriber
@@ -249,27 +274,43 @@ class GlobalScheduler(Tenants, Membership):
             self.specs[tenant.tenant_id] = tenant.spec
         return self.specs.get(tenant_id)
 
-    def _keyed_route(self, routing_key: str, block_hashes: list[bytes]) -> str:
+    def _urgent(self, tenant_id: str) -> bool:
+        """Whether ``tenant_id``'s requests are routed apart from each other: an interactive
+        tenant's, when the nodes serve classes in order (``priority``, ``kvstrata``)."""
+        if self.scheduler not in ("priority", "kvstrata"):
+            return False
+        spec = self.specs.get(tenant_id) or self._spec_by_id(tenant_id)
+        return spec is not None and SLO_CLASS_RANK[spec.slo_class.value] == 0
+
+    def _keyed_route(self, routing_key: str, block_hashes: list[bytes], urgent: bool = False) -> str:
         """The node that served ``routing_key`` last while it is healthy and has room (fewer
         requests in flight than its capacity), else ``_route``'s pick, which the key then
         names (the newest ``MAX_ROUTING_KEYS`` keys are kept)."""
         if not routing_key:
-            return self._route(block_hashes)
+            return self._route(block_hashes, urgent)
         node_id = self.routing_keys.get(routing_key)
         node = self.nodes.get(node_id or "")
         if node is None or node_id in self.down or len(node.in_flight) >= node.capacity:
-            node_id = self._route(block_hashes)
+            node_id = self._route(block_hashes, urgent)
         self.routing_keys[routing_key] = node_id
         self.routing_keys.move_to_end(routing_key)
         if len(self.routing_keys) > MAX_ROUTING_KEYS:
             self.routing_keys.popitem(last=False)
         return node_id
 
-    def _route(self, block_hashes: list[bytes]) -> str:
+    def _route(self, block_hashes: list[bytes], urgent: bool = False) -> str:
         """The node holding the longest prefix of ``block_hashes`` on its device or host tier
         (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks and
         longer than the recent traffic's common prefix, else the node with the fewest requests
-        in flight. Spill-held blocks count for no node."""
+        in flight. Spill-held blocks count for no node.
+
+        ``urgent`` (an interactive tenant's request under a class-ordered scheduler): the
+        least loaded node is the one with the fewest interactive requests in flight, then the
+        fewest requests. Nodes serve interactive prefills first, so what delays one is another
+        interactive prefill on the same node: a lead agent's sub-agents, which start together
+        and read at about the same time, are spread over the nodes rather than stacked on the
+        node that has the least batch work at that instant (issue 21: two 500-token reads on
+        one CPU node need more than the 2 s TTFT target between them)."""
         self.common_prefix.observe(block_hashes)
         healthy = [n for nid, n in self.nodes.items() if nid not in self.down]
         best, best_len = "", 0
@@ -279,6 +320,8 @@ class GlobalScheduler(Tenants, Membership):
                 best, best_len = node.node_id, n
         if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks:
             return best
+        if urgent:
+            return min(healthy, key=lambda n: (len(n.urgent), len(n.in_flight), n.node_id)).node_id
         return min(healthy, key=lambda n: (len(n.in_flight), n.node_id)).node_id
 
     def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None:
@@ -293,6 +336,7 @@ class GlobalScheduler(Tenants, Membership):
         self.request_gateways.pop(request_id, None)
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
+            self.nodes[node_id].urgent.discard(request_id)
         if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one
             node = self.nodes[node_id]
             node.prefill.set(float(usage["prefill_tokens_per_s"]))

@@ -315,3 +315,51 @@ def test_a_query_with_one_hit_is_topped_up_so_every_planned_read_is_sent() -> No
     assert len(set(search1["hits"])) == 3
     assert by_id["t-0000/sub1#1"]["decision"]["read"] == "Led Zeppelin"
     assert by_id["t-0000/sub1#2"]["decision"]["read"] == search1["hits"][1]
+
+
+class RefusingClient(FakeClient):
+    """Refuses ``call_id`` at admission ``times`` times with a retry hint, then answers."""
+
+    def __init__(self, call_id: str, times: int) -> None:
+        super().__init__(REPLIES)
+        self.call_id, self.left = call_id, times
+
+    async def generate(self, **kwargs: Any) -> CallResult:
+        if kwargs["request_id"].removeprefix("run1:").split("~")[0] == self.call_id and self.left:
+            self.left -= 1
+            self.sent.append({"request_id": kwargs["request_id"], "messages": kwargs["messages"]})
+            now = time.monotonic()
+            return CallResult("RESOURCE_EXHAUSTED", start_s=now, end_s=now, error="estimated TTFT",
+                              retry_after_s=0.02)
+        return await super().generate(**kwargs)
+
+
+def test_a_call_refused_at_admission_is_sent_again_after_the_hint_and_counted() -> None:
+    """Issue 21: admission refuses an interactive call it expects to miss its TTFT target; the
+    agent sends it again after the hint (as an OpenAI client does with a 429) instead of
+    dropping the rest of its work, and the record says so."""
+    from workloads.deepresearch.config import TenantProfile
+    from workloads.deepresearch.metrics import compute_report
+
+    client = RefusingClient("t-0000/sub2#1", times=2)
+    result = _run(client)
+    assert {r["status"] for r in result.records} == {"ok"}
+    read = next(r for r in result.records if r["call_id"] == "t-0000/sub2#1")
+    assert read["admission_retries"] == 2
+    assert read["start_s"] - read["first_start_s"] >= 0.04  # two waits of the 20 ms hint
+    ids = [s["request_id"] for s in client.sent if "sub2#1" in s["request_id"]]
+    assert ids == ["run1:t-0000/sub2#1", "run1:t-0000/sub2#1~1", "run1:t-0000/sub2#1~2"]
+    report = compute_report(result.records, result.timeseries,
+                            [TenantProfile("t", "interactive", ttft_slo_ms=30.0, tpot_slo_ms=100.0, min_tokens_per_s=0.0)])
+    tenant = report["tenants"]["t"]
+    assert (tenant["admission_retries"], tenant["retried_calls"], tenant["rejections"]) == (2, 1, 0)
+    assert tenant["ttft_slo_attainment"] == 1.0  # every admitted attempt's TTFT is 1 ms
+    assert tenant["ttft_slo_attainment_from_first_send"] == pytest.approx(6 / 7)
+
+
+def test_admission_retries_are_bounded() -> None:
+    client = RefusingClient("t-0000/sub2#1", times=10)
+    result = _run(client, admission_retries=1)
+    read = next(r for r in result.records if r["call_id"] == "t-0000/sub2#1")
+    assert (read["status"], read["admission_retries"]) == ("RESOURCE_EXHAUSTED", 1)
+    assert [r["status"] for r in result.records].count("SKIPPED") == 1  # sub2's answer

@@ -35,6 +35,8 @@ class CallResult:
         finish_reason: ``stop``, ``length`` or ``abort`` (empty on failure).
         node_id: the cache node that served it.
         error: the failure's details (empty when ok).
+        retry_after_s: a refusal's retry hint (gRPC ``retry-after-ms`` trailer, HTTP
+            ``retry-after-ms`` / ``Retry-After`` header); None without one.
     """
 
     status: str
@@ -56,6 +58,7 @@ class CallResult:
     finish_reason: str = ""
     node_id: str = ""
     error: str = ""
+    retry_after_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,7 @@ class StreamAccumulator:
         self.last_token_s: float | None = None
         self.finished = False
 
-    def result(self, status: str, end_s: float, error: str = "") -> CallResult:
+    def result(self, status: str, end_s: float, error: str = "", retry_after_s: float | None = None) -> CallResult:
         fields = dict(self.fields)
         n = int(fields.get("completion_tokens", 0))
         ttft_ms, tpot_ms = fields.get("server_ttft_ms"), fields.get("server_tpot_ms")
@@ -97,7 +100,8 @@ class StreamAccumulator:
         if status == OK and fields.get("finish_reason") == "abort":
             status, error = "ABORTED", "server aborted the request (finish_reason=abort)"
         return CallResult(status=status, text="".join(self.text), ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-                          start_s=self.start_s, end_s=end_s, error=error, **fields)
+                          start_s=self.start_s, end_s=end_s, error=error, retry_after_s=retry_after_s,
+                          **fields)
 
 
 class InferenceClient(Protocol):
@@ -120,3 +124,19 @@ class InferenceClient(Protocol):
 
 StatsProbe = Callable[[], Awaitable[dict[str, float]]]
 """Samples server stats (e.g. ``device_bytes_used``) for the run's time series."""
+
+
+def retry_after_from(headers: Any) -> float | None:
+    """Seconds from a ``retry-after-ms`` entry (kvstrata's, in ms) or an HTTP ``Retry-After``
+    one (seconds) of ``headers`` (a mapping, or gRPC metadata as (key, value) pairs); None
+    when absent or malformed."""
+    items = headers.items() if hasattr(headers, "items") else (headers or ())
+    found = {str(k).lower(): v for k, v in items}
+    for key, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            value = float(found[key]) * scale
+        except (KeyError, TypeError, ValueError):
+            continue
+        if value >= 0:
+            return value
+    return None

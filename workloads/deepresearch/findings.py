@@ -106,4 +106,23 @@ def _cache_sentence(report: Mapping[str, Any]) -> str:
 def what_to_look_at(report: Mapping[str, Any]) -> list[str]:
     """The sentences of the paragraph, in reading order (one per line of Markdown)."""
     return [_slo_sentence(report), _floor_sentence(report), *_noisy_sentences(report),
-            _failure_sentence(report), _cache_sentence(report)]
+            *_retry_sentences(report), _failure_sentence(report), _cache_sentence(report)]
+
+
+def _retry_sentences(report: Mapping[str, Any]) -> list[str]:
+    """Calls admission refused first (its TTFT estimate missed the target) and the agent sent
+    again after the hint: their TTFT counts from the admitted attempt; from the first one,
+    attainment is lower, and the sentence says by how much."""
+    out = []
+    for name, g in report["tenants"].items():
+        retried = g.get("retried_calls", 0)
+        if not retried:
+            continue
+        first = g.get("ttft_slo_attainment_from_first_send")
+        out.append(
+            f"Admission refused {retried} of {name}'s calls at first ({g['admission_retries']} refusals: "
+            f"their estimated TTFT missed the target) and the agents sent them again after the retry hint; "
+            f"their TTFT counts from the admitted attempt. Counted from each call's first attempt, "
+            f"{name}'s TTFT attainment is {pct(first) if first is not None else 'n/a'}."
+        )
+    return out

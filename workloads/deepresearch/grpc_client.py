@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
-from workloads.deepresearch.client import OK, CallResult, StreamAccumulator
+from workloads.deepresearch.client import OK, CallResult, StreamAccumulator, retry_after_from
 
 
 def _metadata(api_key: str) -> tuple[tuple[str, str], ...]:
@@ -102,7 +102,8 @@ class GrpcInferenceClient:
             async for event in call:
                 stream.add(event, time.monotonic())
         except grpc.aio.AioRpcError as exc:
-            return stream.result(exc.code().name, time.monotonic(), exc.details() or "")
+            return stream.result(exc.code().name, time.monotonic(), exc.details() or "",
+                                 retry_after_from(exc.trailing_metadata()))
         except asyncio.TimeoutError:
             return stream.result("DEADLINE_EXCEEDED", time.monotonic(), "client timeout")
         except Exception as exc:  # noqa: BLE001 - a failed call is data, not a crash

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 import openai
 
-from workloads.deepresearch.client import OK, TIERS, CallResult, StreamAccumulator
+from workloads.deepresearch.client import OK, TIERS, CallResult, StreamAccumulator, retry_after_from
 
 _HTTP_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
                 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
@@ -109,7 +109,9 @@ class OpenAIInferenceClient:
         except (openai.APITimeoutError, asyncio.TimeoutError):
             return stream.result("DEADLINE_EXCEEDED", time.monotonic(), "client timeout")
         except openai.APIError as exc:  # refused, no connection, or an error event mid-stream
-            return stream.result(status_of(exc), time.monotonic(), str(exc.message))
+            response = getattr(exc, "response", None)
+            retry = retry_after_from(response.headers) if response is not None else None
+            return stream.result(status_of(exc), time.monotonic(), str(exc.message), retry)
         except Exception as exc:  # noqa: BLE001 - a failed call is data, not a crash
             return stream.result("UNKNOWN", time.monotonic(), f"{type(exc).__name__}: {exc}")
         if not stream.finished:

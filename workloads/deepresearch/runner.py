@@ -36,6 +36,9 @@ from workloads.deepresearch.client import CallResult, InferenceClient, StatsProb
 from workloads.deepresearch.plan import AgentScript, PlannedCall, ResearchSession, WorkloadPlan
 from workloads.deepresearch.records import call_record, skipped_record
 
+MAX_RETRY_WAIT_S = 10.0
+"""Longest wait before sending a call admission refused again, whatever its hint."""
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -51,6 +54,9 @@ class RunOptions:
         probe_interval_s: seconds between stats samples (wall clock, not scaled).
         show_progress: draw a rich progress bar per tenant.
         findings_words: words of each sub-agent's last quote and of its answer passed to the lead.
+        admission_retries: times a call refused at admission with a retry hint
+            (RESOURCE_EXHAUSTED, ``retry-after-ms``) is sent again after the hint (at most
+            ``MAX_RETRY_WAIT_S`` each), as an OpenAI client does with a 429; 0 = never.
     """
 
     time_scale: float = 1.0
@@ -60,12 +66,15 @@ class RunOptions:
     probe_interval_s: float = 1.0
     show_progress: bool = True
     findings_words: int = 40
+    admission_retries: int = 3
 
     def __post_init__(self) -> None:
-        if self.time_scale < 0 or self.probe_interval_s <= 0 or self.findings_words <= 0:
+        if (self.time_scale < 0 or self.probe_interval_s <= 0 or self.findings_words <= 0
+                or self.admission_retries < 0):
             raise ValueError(
-                "need time_scale >= 0, probe_interval_s > 0 and findings_words > 0, got "
-                f"{self.time_scale}, {self.probe_interval_s}, {self.findings_words}"
+                "need time_scale >= 0, probe_interval_s > 0, findings_words > 0 and admission_retries "
+                f">= 0, got {self.time_scale}, {self.probe_interval_s}, {self.findings_words}, "
+                f"{self.admission_retries}"
             )
 
 
@@ -128,8 +137,11 @@ class _Agent:
         """Wait the call's pause, have the director write it, send it, record it.
 
         True when it succeeded or the director had nothing to send (recorded as skipped).
+        A call admission refuses with a retry hint is sent again after it (``admission_retries``);
+        its record keeps the admitted attempt's figures, ``admission_retries`` and
+        ``first_start_s`` (when its first attempt was sent).
         """
-        run, prefix = self.run, self.run.options.session_prefix
+        run = self.run
         await asyncio.sleep(call.pause_s * run.options.time_scale)
         turn = self.director.turn(call)
         if turn.skip_reason:
@@ -138,23 +150,37 @@ class _Agent:
         messages = list(turn.messages)
         send = self.history + messages if run.options.resend_history else messages
         self.sent = True
-        start_s = time.monotonic()
-        try:
-            result = await run.client.generate(
-                api_key=run.api_keys[call.tenant], session_id=prefix + call.session_id,
-                messages=send, max_tokens=call.max_tokens, temperature=run.options.temperature,
-                request_id=prefix + call.call_id,
-            )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - a client that breaks its contract is a failure
-            error = f"client raised {type(exc).__name__}: {exc}"
-            result = CallResult("UNKNOWN", start_s=start_s, end_s=time.monotonic(), error=error)
+        first_start_s, retries = time.monotonic(), 0
+        while True:
+            result = await self._send(call, send, retries)
+            if (result.status != "RESOURCE_EXHAUSTED" or result.retry_after_s is None
+                    or retries >= run.options.admission_retries):
+                break
+            retries += 1
+            await asyncio.sleep(min(result.retry_after_s, MAX_RETRY_WAIT_S))
         decision = turn.decision | self.director.observe(call, result.ok, result.text, result.status)
-        self.last = call_record(call, result, run.t0_s, turn.doc_ids, decision)
+        self.last = call_record(call, result, run.t0_s, turn.doc_ids, decision) | {
+            "admission_retries": retries, "first_start_s": first_start_s - run.t0_s}
         run.add(self.last)
         self._trace(call, messages, turn, decision)
         if result.ok:
             self.history += [*messages, {"role": "assistant", "content": result.text}]
         return result.ok
+
+    async def _send(self, call: PlannedCall, messages: list[dict[str, str]], attempt: int) -> CallResult:
+        """One attempt at ``call`` (a retry's request id gets ``~attempt``)."""
+        run, prefix = self.run, self.run.options.session_prefix
+        request_id = prefix + call.call_id + (f"~{attempt}" if attempt else "")
+        start_s = time.monotonic()
+        try:
+            return await run.client.generate(
+                api_key=run.api_keys[call.tenant], session_id=prefix + call.session_id,
+                messages=messages, max_tokens=call.max_tokens, temperature=run.options.temperature,
+                request_id=request_id,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a client that breaks its contract is a failure
+            error = f"client raised {type(exc).__name__}: {exc}"
+            return CallResult("UNKNOWN", start_s=start_s, end_s=time.monotonic(), error=error)
 
     def _trace(self, call: PlannedCall, messages: list[dict[str, str]], turn: Turn,
                decision: dict[str, Any]) -> None:  # fmt: skip

@@ -21,7 +21,8 @@ COLUMNS = (
 )  # fmt: skip
 COLUMNS_NOTE = (
     "SLO = TTFT SLO attainment; floor = floor attainment; acc = answer accuracy; "
-    "hit d/h/s = cache hit rate on device/host/spill tiers; rej = RESOURCE_EXHAUSTED; "
+    "hit d/h/s = cache hit rate on device/host/spill tiers; rej = calls refused (RESOURCE_EXHAUSTED) "
+    "on every attempt, +Nr = N more refused first and then admitted on a retry; "
     "fail = non-ok calls (SKIPPED included); pre = preempted calls."
 )
 
@@ -46,7 +47,7 @@ def _row(name: str, g: Mapping[str, Any]) -> list[str]:
         _num(g["output_tokens_per_s"], 2),
         pct(g["accuracy"]["accuracy"]),
         "/".join(pct(v) for v in (hit["device"], hit["host"], spill)),
-        str(g["rejections"]),
+        str(g["rejections"]) + (f" +{g['retried_calls']}r" if g.get("retried_calls") else ""),
         str(sum(g["failures_by_status"].values())),
         str(g["preemptions"]),
     ]
