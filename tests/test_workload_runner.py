@@ -363,3 +363,17 @@ def test_admission_retries_are_bounded() -> None:
     read = next(r for r in result.records if r["call_id"] == "t-0000/sub2#1")
     assert (read["status"], read["admission_retries"]) == ("RESOURCE_EXHAUSTED", 1)
     assert [r["status"] for r in result.records].count("SKIPPED") == 1  # sub2's answer
+
+
+def test_retry_hints_are_read_from_grpc_metadata_and_http_headers() -> None:
+    """Regression: grpc.aio's ``Metadata.items()`` gives a list of values per key, so the gRPC
+    client read no hint and never retried a refused call."""
+    from grpc.aio import Metadata
+
+    from workloads.deepresearch.client import retry_after_from
+
+    assert retry_after_from(Metadata(("retry-after-ms", "630"))) == pytest.approx(0.63)
+    assert retry_after_from((("retry-after-ms", "250"),)) == pytest.approx(0.25)
+    assert retry_after_from({"Retry-After": "2"}) == 2.0
+    assert retry_after_from({"retry-after-ms": "-5", "retry-after": "x"}) is None
+    assert retry_after_from(None) is None

@@ -131,7 +131,7 @@ def retry_after_from(headers: Any) -> float | None:
     one (seconds) of ``headers`` (a mapping, or gRPC metadata as (key, value) pairs); None
     when absent or malformed."""
     items = headers.items() if hasattr(headers, "items") else (headers or ())
-    found = {str(k).lower(): v for k, v in items}
+    found = {str(k).lower(): (v[-1] if isinstance(v, list) and v else v) for k, v in items}  # grpc.aio: lists
     for key, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
         try:
             value = float(found[key]) * scale
