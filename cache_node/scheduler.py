@@ -210,7 +210,11 @@ class Scheduler:
         against recomputing, and a slow spill read (a busy spill node, a put ahead of it) no
         longer spends a request's TTFT target. (The recompute cost counts host-tier tokens too,
         which come back by copy; the TTFT share bounds the wait of a long turn whose history
-        sits in the host tier.)"""
+        sits in the host tier.) A request passed over waits for the whole step about to run,
+        so it waits only while its next chance, a step (``step_s``) later, is still within
+        the bound: a bound shorter than a step is never waited (issue 21: the interactive
+        tenant's short first turns and its reads waited a 0.2-0.5 s step for a spill lookup
+        worth 0.1-0.2 s of recompute)."""
         if seq.prefetch_until_s <= now:
             return False
         if not self.policy.bounds_prefetch_wait:
@@ -218,7 +222,7 @@ class Scheduler:
         tokens = seq.num_tokens - max(seq.num_computed_tokens, seq.device_hit_tokens)
         limit_s = min(tokens / self.prefill_speed.tokens_per_s,
                       PREFETCH_TTFT_SHARE * self.policy.share(seq).ttft_slo_ms / 1000.0)
-        return now - seq.arrival_time_s < limit_s
+        return now - seq.arrival_time_s + self.step_s.value < limit_s
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,
                        urgent_only: bool = False, capped: int | None = None) -> None:

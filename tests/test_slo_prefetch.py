@@ -19,7 +19,7 @@ def _sim(policy: str) -> Sim:
     return Sim(policy, num_blocks=128, budget=64, max_seqs=8, step_s=0.1, tenants=TENANTS)
 
 
-@pytest.mark.parametrize(("policy", "first_token_step"), [("kvstrata", 1), ("fcfs", 11)])
+@pytest.mark.parametrize(("policy", "first_token_step"), [("kvstrata", 0), ("fcfs", 11)])
 def test_a_slow_prefetch_does_not_spend_a_short_interactive_requests_ttft(
     policy: str, first_token_step: int
 ) -> None:
@@ -29,9 +29,10 @@ def test_a_slow_prefetch_does_not_spend_a_short_interactive_requests_ttft(
     the interactive tenant's first calls (plans and searches, 70-125 tokens, nothing in spill)
     all queued 1.07-1.27 s of their 2 s target on the node, against 6 ms for its turns that
     needed no prefetch. Under kvstrata a request now waits for its prefetch at most as long as
-    recomputing its prompt takes (ski rental): 48 tokens at 1000 tokens/s is 48 ms, so it starts
-    in the second step; fcfs keeps the old rule and waits the whole second (eleven 0.1 s steps in
-    floats)."""
+    recomputing its prompt takes (ski rental): 48 tokens at 1000 tokens/s is 48 ms, shorter than
+    the step it would be passed over for (``step_s``, 50 ms before any step is measured), so it
+    starts in the first step; fcfs keeps the old rule and waits the whole second (eleven 0.1 s
+    steps in floats)."""
     sim = _sim(policy)
     seq = sim.add("q", "chat", prompt_len=48, max_tokens=2)
     seq.prefetch_until_s = 1.0  # a spill read in flight that will not land within a second
@@ -58,15 +59,17 @@ def test_a_prefetch_that_saves_more_than_its_wait_is_still_awaited() -> None:
 def test_the_bound_grows_with_the_prompt_left_past_the_device_hit() -> None:
     """The recompute cost counts only the tokens past the device prefix hit
     (``Sequence.device_hit_tokens``): with 608 of a 640-token prompt on the device, 32 tokens
-    are left (32 ms), so the request stops waiting in the first step after its arrival."""
+    are left (32 ms), less than the 50 ms step it would be passed over for, so it does not wait.
+    A request passed over waits a whole step: it waits only while the step after the next
+    still starts within the bound."""
     sim = _sim("kvstrata")
     seq = sim.add("turn", "analyst", prompt_len=640, max_tokens=1)
     seq.prefetch_until_s = 5.0
-    assert sim.sched._awaits_prefetch(seq, now=0.45)  # 640 tokens left: 0.64 s, capped at 0.5 s
-    assert not sim.sched._awaits_prefetch(seq, now=0.5)
+    assert sim.sched.step_s.value == 0.05  # the prior: no step measured yet
+    assert sim.sched._awaits_prefetch(seq, now=0.44)  # 640 tokens left: 0.64 s, capped at 0.5 s
+    assert not sim.sched._awaits_prefetch(seq, now=0.45)  # 0.45 + a 0.05 s step reaches 0.5 s
     seq.device_hit_tokens = 608
-    assert sim.sched._awaits_prefetch(seq, now=0.03)
-    assert not sim.sched._awaits_prefetch(seq, now=0.04)
+    assert not sim.sched._awaits_prefetch(seq, now=0.0)
 
 
 def test_an_interactive_turn_waits_at_most_a_tenth_of_its_ttft_target() -> None:
@@ -74,11 +77,12 @@ def test_an_interactive_turn_waits_at_most_a_tenth_of_its_ttft_target() -> None:
     demoted to the host tier during a tool pause (400-560 tokens, 370-540 of them in the host
     tier, none in spill) still queued 0.5-1.15 s waiting on their auto-prefetch, since
     recomputing ~500 tokens at the node's prefill speed bounds the wait at ~2 s. The wait is
-    now also at most a tenth of the TTFT target: 0.1 s of chat's 1 s, whatever the prompt."""
+    now also at most a tenth of the TTFT target: 0.1 s of chat's 1 s, whatever the prompt, less
+    the 0.05 s step it would be passed over for."""
     sim = _sim("kvstrata")
     seq = sim.add("turn", "chat", prompt_len=640, max_tokens=1)
     seq.prefetch_until_s = 1.0
-    assert sim.sched._awaits_prefetch(seq, now=0.09)
-    assert not sim.sched._awaits_prefetch(seq, now=0.1)
+    assert sim.sched._awaits_prefetch(seq, now=0.04)
+    assert not sim.sched._awaits_prefetch(seq, now=0.05)
     sim.run()
     assert sim.started_order == ["turn"] and sim.first_token_step["turn"] < 10 + 640 // 64
