@@ -99,6 +99,19 @@ def test_batch_larger_than_tier_overflows_its_oldest_blocks() -> None:
     assert len(none.put([meta(1)], src, [1]).metas) == 1 and len(none) == 0
 
 
+def test_batch_larger_than_the_unreserved_slots_overflows() -> None:
+    """Regression (issue 22): with slots reserved by a policy (SentenceKV sentences), a
+    demotion larger than the free and evictable slots popped from an empty free list
+    (IndexError) instead of overflowing its oldest blocks to the spill tier."""
+    host = HostTier(SHAPE, torch.float32, budget_bytes=4 * BLOCK_BYTES)
+    src = pool_view()
+    reserved, _ = host.reserve(3)
+    victims = host.put([meta(i) for i in (4, 5, 6)], src, [4, 5, 6])
+    assert [m.block_hash for m in victims.metas] == [meta(4).block_hash, meta(5).block_hash]
+    assert list(host.entries) == [meta(6).block_hash] and host.num_reserved == 3
+    host.release_slots(reserved)
+
+
 def test_evict_all_and_clear() -> None:
     host = HostTier(SHAPE, torch.float32, budget_bytes=4 * BLOCK_BYTES)
     host.put([meta(i) for i in range(3)], pool_view(), [0, 1, 2])

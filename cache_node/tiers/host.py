@@ -108,7 +108,9 @@ class HostTier:
 
         A hash already held is touched (moved to MRU), not copied. LRU entries are evicted to
         make room and returned, with their bytes, for the spill tier; when the batch is larger
-        than the tier, its oldest blocks are returned as victims straight from ``src``.
+        than the tier's free and evictable slots (``reserve``d slots are neither: regression,
+        a demotion into a tier mostly reserved by SentenceKV sentences popped from an empty
+        free list), its oldest blocks are returned as victims straight from ``src``.
         """
         seen: set[BlockHash] = set()
         new = []
@@ -119,7 +121,8 @@ class HostTier:
         for m in metas:
             if m.block_hash in self.entries:
                 self.entries.move_to_end(m.block_hash)
-        overflow = new[: max(len(new) - self.num_slots, 0)]
+        room = len(self._free_slots) + len(self.entries)  # slots policies reserved are neither
+        overflow = new[: max(len(new) - room, 0)]
         new = new[len(overflow) :]
         victims = self._evict(len(new) - len(self._free_slots))
         # Slots in ascending order for ascending source ids: a run of consecutive device blocks
