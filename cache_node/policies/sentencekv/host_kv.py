@@ -87,6 +87,12 @@ class TierHostKV:
         kv = data[:, slots, offsets] if head is None else data[:, slots, offsets, head]
         return kv.transpose(0, 1)
 
+    def read_heads(self, handle: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
+        """(n, 2, d) of the stored tokens ``handle`` (n,) in ``layer``, token ``i`` in KV head
+        ``heads[i]``: one gather for several heads."""
+        data = self.tiers.host.data[layer]  # (2, slots, block_size, H_kv, d)
+        return data[:, self.slots[handle // self.block_size], handle % self.block_size, heads].transpose(0, 1)
+
     def fork(self) -> TierHostKV:
         """A copy in slots of its own (same handles, same charge). Raises RuntimeError when the
         host tier is full."""

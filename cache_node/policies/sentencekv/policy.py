@@ -209,9 +209,8 @@ class SentenceKV(Policy):
         if before == chosen:
             return
         t0 = time.perf_counter()
-        for head, sids in enumerate(chosen):
-            if before is None or before[head] != sids:
-                self._load(store, layer_idx, head, sids)
+        changed = [h for h, sids in enumerate(chosen) if before is None or before[h] != sids]
+        self._load(store, layer_idx, changed, chosen)
         store.resident[layer_idx] = chosen
         store.recall_s += time.perf_counter() - t0
         store.num_recalls += 1
@@ -222,40 +221,31 @@ class SentenceKV(Policy):
         position order. With two score sets (the chunk's last query, then all its queries),
         the first may fill ``last_query_share`` of ``r``.
         ``scores``: list of (H_kv, S) over all sentences, or over the shortlist ``cand``."""
-        lengths = [len(p) for p in store.positions]
+        lengths, first, _, _ = store.flat()
         caps = [int(self.last_query_share * r), r] if len(scores) == 2 else [r]
+        ranked = []  # per score set, per head: sentence ids best first (one argsort and tolist)
+        for sc in scores:
+            order = sc.argsort(dim=-1, descending=True)
+            ranked.append((order if cand is None else cand[order]).tolist())
         out = []
-        for head in range(scores[0].shape[0]):
+        for head in range(len(ranked[0])):
             chosen: dict[int, None] = {}
             used = 0
-            for sc, cap in zip(scores, caps):
-                ranked = sc[head].argsort(descending=True)
-                for sid in (ranked if cand is None else cand[ranked]).tolist():
+            for order, cap in zip(ranked, caps):
+                for sid in order[head]:
+                    if used >= cap:
+                        break
                     if sid not in chosen and used + lengths[sid] <= cap:
                         chosen[sid] = None
                         used += lengths[sid]
-            out.append(tuple(sorted(chosen, key=lambda s: int(store.positions[s][0]))))
+            out.append(tuple(sorted(chosen, key=first.__getitem__)))
         return tuple(out)
 
-    def _load(self, store: HostSentenceStore, layer: int, head: int, sids: tuple[int, ...]) -> None:
-        """Copy head ``head``'s sentences ``sids`` from host RAM into its region slots."""
-        assert store.region_kv is not None and store.region_positions is not None
-        pos = store.region_positions[layer, head]
-        pos.fill_(-1)
-        if not sids:
-            return
-        if store.codes is not None:  # copy the codes made at demotion
-            assert store.region_scale is not None and store.region_zero is not None
-            tokens = torch.cat([store.codes.tokens(s, len(store.positions[s])) for s in sids])
-            n = len(tokens)
-            codes, scale, zero = store.codes.read(tokens, layer, head)  # (n, 2, ...)
-            for dst, src in zip((store.region_kv, store.region_scale, store.region_zero), (codes, scale, zero)):
-                dst[layer, :, head, :n] = src.transpose(0, 1).to(dst.device)
-        else:
-            kv = torch.cat([store.sentence_kv(s, layer, head) for s in sids])  # (n, 2, d)
-            n = kv.shape[0]
-            store.region_kv[layer, :, head, :n] = kv.transpose(0, 1).to(store.region_kv)
-        pos[:n] = torch.cat([store.positions[s] for s in sids])
+    def _load(self, store: HostSentenceStore, layer: int, heads: list[int],
+              chosen: tuple[tuple[int, ...], ...]) -> None:
+        """Copy the sentences ``chosen[h]`` of every KV head ``h`` in ``heads`` from host RAM
+        into that head's region slots (one gather and scatter: ``HostSentenceStore.load_region``)."""
+        store.load_region(layer, chosen, heads)
 
     def release(self, state: SequenceKV) -> None:
         store = state.extra.get("sentences")

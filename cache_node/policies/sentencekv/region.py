@@ -63,6 +63,12 @@ class SentenceCodes:
         assert self.codes is not None and self.scale is not None and self.zero is not None
         return tuple(t[layer, tokens, :, head] for t in (self.codes, self.scale, self.zero))
 
+    def read_heads(self, tokens: torch.Tensor, layer: int, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``
+        (n,), token ``i`` in KV head ``heads[i]``: one gather for several heads."""
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        return tuple(t[layer][tokens, :, heads] for t in (self.codes, self.scale, self.zero))
+
     def fork(self) -> SentenceCodes:
         """A copy sharing the (never mutated in place) tensors."""
         out = SentenceCodes(self.bits, self.group_size)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from cache_node.policies.quant import pack_bits, quantize, unpack_bits
 
@@ -22,6 +23,22 @@ class KeySketch:
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
         self.sentence_of = torch.zeros(0, dtype=torch.long)
+        self._table: torch.Tensor | None = None
+
+    def decode_table(self, device: torch.device) -> torch.Tensor:
+        """(256, 8 / bits) float32: the codes packed in each byte value (``unpack_bits`` of
+        0..255), so decoding the codes is one table lookup per byte instead of a shift, a mask
+        and a float conversion per code."""
+        if self._table is None or self._table.device != device:
+            self._table = unpack_bits(torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(-1),
+                                      self.bits).float()
+        return self._table
+
+    def decode(self, layer: int) -> torch.Tensor:
+        """(N, H_kv, d) float32 codes of ``layer`` (equal to ``unpack_bits(...).float()``)."""
+        assert self.codes is not None
+        packed = self.codes[layer]  # (N, H_kv, d * bits / 8)
+        return F.embedding(packed.int(), self.decode_table(packed.device)).flatten(-2)
 
     def append(self, keys: torch.Tensor, sentence: int) -> None:
         """Add one sentence's keys (L, n, H_kv, d)."""
@@ -56,7 +73,7 @@ class KeySketch:
         """
         assert self.codes is not None and self.scale is not None and self.zero is not None
         n, h, d = q.shape
-        codes = unpack_bits(self.codes[layer], self.bits).float()  # (N, H_kv, d)
+        codes = self.decode(layer)  # (N, H_kv, d)
         h_kv = codes.shape[1]
         qg = q.float().view(n, h_kv, h // h_kv, d // self.group_size, self.group_size)
         dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, self.group_size))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class HostSentenceStore:
     recall_s: float = 0.0
     num_recalls: int = 0
     dropped_tokens: int = 0
+    _flat: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
         """Demote one sentence: ``kv`` (L, n, 2, H_kv, d) at ``positions`` (n,). False when the
@@ -62,6 +64,60 @@ class HostSentenceStore:
         self.handles.append(handle)
         self.positions.append(positions.clone())
         return True
+
+    def flat(self) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        """The sentences laid end to end in demotion order (the order of ``codes`` along N):
+        ``lengths[s]``, ``first[s]`` (sentence ``s``'s first position), ``starts`` (S,) the
+        index of its first token, ``positions`` (N,) every token's position, on the CPU.
+        Rebuilt only when a sentence was added since the last call."""
+        if self._flat is None or len(self._flat[0]) != len(self.positions):
+            lengths = [len(p) for p in self.positions]
+            n = torch.tensor(lengths, dtype=torch.long)
+            pos = torch.cat(self.positions).cpu() if self.positions else torch.zeros(0, dtype=torch.long)
+            self._flat = (lengths, [int(p[0]) for p in self.positions], n.cumsum(0) - n, pos)
+        return self._flat
+
+    def tokens_of(self, sids: Sequence[int]) -> torch.Tensor:
+        """(n,) flat token indices of sentences ``sids``, in the order given (CPU)."""
+        lengths, _, starts, _ = self.flat()
+        idx = torch.tensor(sids, dtype=torch.long)
+        n = torch.tensor([lengths[s] for s in sids], dtype=torch.long)
+        ends = n.cumsum(0)
+        return torch.arange(int(ends[-1]) if len(sids) else 0) + (starts[idx] - ends + n).repeat_interleave(n)
+
+    def load_region(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int]) -> None:
+        """Fill KV heads ``heads`` of ``layer``'s region with their sentences ``chosen[h]``: the
+        codes made at demotion (``codes``) or the raw K/V read from the host, token after token
+        from slot 0, in the order given, the rest of the head's slots marked empty. One gather
+        from host RAM and one scatter into the region for all ``heads`` together."""
+        assert self.region_kv is not None and self.region_positions is not None
+        parts = [self.tokens_of(chosen[h]) for h in heads]
+        counts = torch.tensor([len(t) for t in parts], dtype=torch.long)
+        tok = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        head_idx = torch.tensor(list(heads), dtype=torch.long).repeat_interleave(counts)
+        slot = torch.arange(len(tok)) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        dev = self.region_positions.device
+        pos = self.region_positions[layer]  # (H_kv, R)
+        pos[torch.tensor(list(heads), dtype=torch.long, device=dev)] = -1
+        if not len(tok):
+            return
+        h_d, s_d = head_idx.to(dev), slot.to(dev)
+        pos[h_d, s_d] = self.flat()[3][tok].to(dev)
+        if self.codes is not None:
+            assert self.region_scale is not None and self.region_zero is not None
+            for dst, src in zip((self.region_kv, self.region_scale, self.region_zero),
+                                self.codes.read_heads(tok, layer, head_idx)):
+                dst[layer][:, h_d, s_d] = src.transpose(0, 1).to(dst.device)
+        else:
+            kv = self._raw_kv(layer, chosen, heads, tok, head_idx)
+            self.region_kv[layer][:, h_d, s_d] = kv.transpose(0, 1).to(self.region_kv)
+
+    def _raw_kv(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
+                tok: torch.Tensor, head_idx: torch.Tensor) -> torch.Tensor:
+        """(n, 2, d) raw K/V of the flat tokens ``tok``, each in its KV head ``head_idx``."""
+        if isinstance(self.host, TierHostKV):
+            return self.host.read_heads(torch.cat(self.handles)[tok], layer, head_idx)
+        return torch.cat([self.sentence_kv(s, layer, h) for h in heads for s in chosen[h]])
 
     def sentence_kv(self, sid: int, layer: int, head: int | None = None) -> torch.Tensor:
         """(n, 2, H_kv, d) raw K/V of sentence ``sid`` in ``layer``, read from the host."""
