@@ -47,35 +47,12 @@ from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
 from services.data_plane_auth import Security
 from services.global_scheduler_members import GatewayRecord, Membership
+from services.global_scheduler_routing import Routing, prompt_size
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
-
-MAX_ROUTING_KEYS = 65_536
-"""Routing keys (``prompt_cache_key``) the scheduler remembers a node for, newest kept."""
-
-
-MAX_PROMPT_ESTIMATE = 1 << 20
-"""Largest prompt estimate admission takes from a request (far beyond any context)."""
-
-
-def prompt_size(req: NodeRequest) -> int:
-    """Prompt tokens of ``req`` for admission: its token ids, else the gateway's estimate for
-    chat messages the node renders (``extra["prompt_tokens_estimate"]``; a malformed or
-    negative value counts as 0, a huge one is capped at ``MAX_PROMPT_ESTIMATE``).
-
-    Regression (issue 21): every session turn reached admission as a 0-token prompt (its
-    messages are rendered on the node), so the TTFT estimate and the prefill backlog never saw
-    an agent's 500-token read, and admission never refused one that would miss."""
-    if req.token_ids:
-        return len(req.token_ids)
-    try:
-        estimate = int(req.extra.get("prompt_tokens_estimate", "0"))
-    except ValueError:
-        return 0
-    return min(max(estimate, 0), MAX_PROMPT_ESTIMATE)
 
 
 @dataclass
@@ -112,7 +89,7 @@ REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", 
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
-class GlobalScheduler(Tenants, Membership):
+class GlobalScheduler(Tenants, Membership, Routing):
     """Plain class behind the ``GlobalSchedulerActor`` (``services.global_scheduler_admission``):
     admission, routing, release, the block index and stats. Its parts: ``Tenants``
     (``services.global_scheduler_tenants``) and ``Membership`` (nodes up and down, gateways
@@ -273,56 +250,6 @@ class GlobalScheduler(Tenants, Membership):
         for tenant in self.store.list():
             self.specs[tenant.tenant_id] = tenant.spec
         return self.specs.get(tenant_id)
-
-    def _urgent(self, tenant_id: str) -> bool:
-        """Whether ``tenant_id``'s requests are routed apart from each other: an interactive
-        tenant's, when the nodes serve classes in order (``priority``, ``kvstrata``)."""
-        if self.scheduler not in ("priority", "kvstrata"):
-            return False
-        spec = self.specs.get(tenant_id) or self._spec_by_id(tenant_id)
-        return spec is not None and SLO_CLASS_RANK[spec.slo_class.value] == 0
-
-    def _keyed_route(self, routing_key: str, block_hashes: list[bytes], urgent: bool = False) -> str:
-        """The node that served ``routing_key`` last while it is healthy and has room (fewer
-        requests in flight than its capacity), else ``_route``'s pick, which the key then
-        names (the newest ``MAX_ROUTING_KEYS`` keys are kept)."""
-        if not routing_key:
-            return self._route(block_hashes, urgent)
-        node_id = self.routing_keys.get(routing_key)
-        node = self.nodes.get(node_id or "")
-        if node is None or node_id in self.down or len(node.in_flight) >= node.capacity:
-            node_id = self._route(block_hashes, urgent)
-        self.routing_keys[routing_key] = node_id
-        self.routing_keys.move_to_end(routing_key)
-        if len(self.routing_keys) > MAX_ROUTING_KEYS:
-            self.routing_keys.popitem(last=False)
-        return node_id
-
-    def _route(self, block_hashes: list[bytes], urgent: bool = False) -> str:
-        """The node holding the longest prefix of ``block_hashes`` on its device or host tier
-        (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks and
-        longer than the recent traffic's common prefix, else the node with the fewest requests
-        in flight. Spill-held blocks count for no node.
-
-        ``urgent`` (an interactive tenant's request under a class-ordered scheduler): the
-        least loaded node is the one with the fewest interactive requests in flight, then the
-        fewest requests. Nodes serve interactive prefills first, so what delays one is another
-        interactive prefill on the same node: a lead agent's sub-agents, which start together
-        and read at about the same time, are spread over the nodes rather than stacked on the
-        node that has the least batch work at that instant (issue 21: two 500-token reads on
-        one CPU node need more than the 2 s TTFT target between them)."""
-        self.common_prefix.observe(block_hashes)
-        healthy = [n for nid, n in self.nodes.items() if nid not in self.down]
-        best, best_len = "", 0
-        for node in healthy:
-            n = self.index.node_prefix(node.node_id, block_hashes)
-            if n > best_len:
-                best, best_len = node.node_id, n
-        if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks:
-            return best
-        if urgent:
-            return min(healthy, key=lambda n: (len(n.urgent), len(n.in_flight), n.node_id)).node_id
-        return min(healthy, key=lambda n: (len(n.in_flight), n.node_id)).node_id
 
     def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None:
         """A request ended (any way); account its tokens.

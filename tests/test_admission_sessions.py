@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
-from services.global_scheduler import MAX_PROMPT_ESTIMATE, GlobalScheduler, prompt_size
+from services.global_scheduler import GlobalScheduler
+from services.global_scheduler_routing import MAX_PROMPT_ESTIMATE, prompt_size
 from services.node_request import NodeRequest
 from tenants.model import TenantSpec
 
