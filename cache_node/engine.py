@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from cache_node.compressed_prefix import CompressedPrefixCache, check_prefix_tokens
 from cache_node.config import EngineConfig
 from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
@@ -22,7 +23,7 @@ from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
-from cache_node.sequence import Sequence
+from cache_node.sequence import Sequence, SequenceStatus
 from cache_node.sessions import SessionTable
 from cache_node.tiers.engine_api import EngineTiersMixin
 from cache_node.tiers.manager import TierConfig, TierManager
@@ -84,10 +85,12 @@ class LLMEngine(EngineTiersMixin):
         self.scheduler = Scheduler(config, self.kv_manager)
         self.scheduler.max_seq_tokens = self.max_model_len
         self.scheduler.reclaim = self._unpin_idle_sessions
+        self.scheduler.session_tenants = self.sessions.tenants
         self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config,
                                   (num_blocks - 1) * config.block_size if scratch else None)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager)
+        self.prefixes = CompressedPrefixCache(self.pool, self.kv_manager)
         self.requests: dict[str, Sequence] = {}
         self._lock = threading.RLock()
         self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
@@ -112,6 +115,7 @@ class LLMEngine(EngineTiersMixin):
         policy: str = "",
         prefetch: bool | None = None,
         priority: int = 0,
+        prefix_tokens: int = 0,
     ) -> str:
         """Queue a request. Returns its id.
 
@@ -119,17 +123,22 @@ class LLMEngine(EngineTiersMixin):
         index saw none of its prefix in spill), or follow ``TierConfig.auto_prefetch`` (None).
         ``priority``: lower is served earlier among the same tenant's waiting requests only
         (``Sequence.priority``).
+        ``prefix_tokens``: under a compressing policy, the first that many prompt tokens form a
+        reusable document prefix, compressed once and forked by later requests with the same
+        prefix, namespace and policy (``cache_node.compressed_prefix``); 0: none.
 
         Raises:
             InvalidRequestError: empty prompt, token id out of vocabulary, prompt longer than
                 the model context, prompt + max_tokens more KV than the whole pool holds
                 (under a compressing policy: its prompt, then what it keeps; the message names
-                the pool's capacity in tokens), unknown stop token, duplicate id.
+                the pool's capacity in tokens), unknown stop token, duplicate id,
+                ``prefix_tokens`` not an int in [0, prompt length].
             PermissionError: ``session_id`` belongs to another tenant.
         """
         params = sampling_params or SamplingParams()
         tokens = [int(t) for t in prompt_token_ids]
         self._validate(tokens, params, request_id)
+        check_prefix_tokens(prefix_tokens, len(tokens))
         seq = Sequence(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=tokens,
@@ -153,6 +162,8 @@ class LLMEngine(EngineTiersMixin):
             if seq.session_id:
                 self.sessions.attach(seq)
             self.requests[seq.request_id] = seq
+            if not self.prefixes.admit(seq, prefix_tokens):
+                return seq.request_id  # parked until the prefix it shares is stored
             self.scheduler.add(seq)
             if self.tiers.config.auto_prefetch if prefetch is None else prefetch:
                 self.tiers.prefetch(seq, time.monotonic())
@@ -258,11 +269,14 @@ class LLMEngine(EngineTiersMixin):
         self._unpin_idle_sessions(need)
 
     def _unpin_idle_sessions(self, need: int) -> None:
-        """Unpin (demote) idle sessions, least recently used first, until ``need`` blocks are
-        free or none is left."""
+        """Unpin (demote) idle sessions and drop compressed prefixes, least recently used
+        first, until ``need`` blocks are free or none is left."""
         pool = self.kv_manager.pool
         while pool.num_free_blocks() < need:
             session_id = self.sessions.lru_idle()
+            idle_since = None if session_id is None else self.sessions.sessions[session_id].last_used_s
+            if self.prefixes.evict_lru(idle_since):  # compressed prefixes and sessions: LRU
+                continue
             if session_id is None:
                 return
             self.demote_session(session_id)
@@ -277,6 +291,9 @@ class LLMEngine(EngineTiersMixin):
                 self.kv_manager.cache_full_blocks(seq)
             if seq.kv is not None:
                 seq.kv.after_step()
+            if seq.prefix_stop and seq.num_computed_tokens == seq.prefix_stop:
+                for ready in self.prefixes.store(seq):  # compress the prefix, store, fork
+                    self.scheduler.add(ready)
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
         for seq, token in zip(sampling, sample(logits, sampling)):
@@ -298,7 +315,12 @@ class LLMEngine(EngineTiersMixin):
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq)
+        if self.prefixes.unpark(seq):
+            seq.status = SequenceStatus.FINISHED  # never reached the scheduler
+        else:
+            self.scheduler.finish(seq)
+        for ready in self.prefixes.on_finish(seq):  # a producer's prefix passes on
+            self.scheduler.add(ready)
         seq.finish_reason = reason
         # a session keeps the turn's blocks, with its policy state when a policy compacted them
         # (the next turn of that policy continues from it: cache_node.sessions)
@@ -361,7 +383,7 @@ class LLMEngine(EngineTiersMixin):
         pool = self.kv_manager.pool
         with self._lock:
             charged = [s.kv for s in self.requests.values() if s.kv is not None]
-            charged += self.sessions.idle_policy_states()
+            charged += self.sessions.idle_policy_states() + self.prefixes.states()
             used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
             free = pool.num_free_blocks()
             cached_free = sum(1 for b in pool.free_queue if b.block_hash is not None)
@@ -377,4 +399,4 @@ class LLMEngine(EngineTiersMixin):
                 "sessions": len(self.sessions.sessions),
                 "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),
                 "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
-            } | self.tiers.stats()
+            } | self.tiers.stats() | self.prefixes.stats()

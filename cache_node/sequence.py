@@ -48,6 +48,9 @@ class Sequence:
             requests among the queue positions they hold in the policy's order, stably within
             equal priority; it never moves a request past another tenant's
             (``cache_node.scheduling.base.order_by_priority``).
+        prefix_stop: computing stops at this many tokens (no step crosses it), where the
+            engine compresses and stores the request's reusable prefix
+            (``cache_node.compressed_prefix``); 0 once stored, or when there is none.
     """
 
     request_id: str
@@ -76,6 +79,7 @@ class Sequence:
     device_hit_tokens: int = 0
     peak_policy_bytes: int = 0
     priority: int = 0
+    prefix_stop: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -95,8 +99,14 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens whose KV is still to compute: 1 for a decode, more for a prefill."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens whose KV is still to compute (up to ``prefix_stop`` while short of it): 1
+        for a decode, more for a prefill."""
+        return self.compute_end(self.num_computed_tokens) - self.num_computed_tokens
+
+    def compute_end(self, start: int) -> int:
+        """Where a step computing from token ``start`` must stop: ``prefix_stop`` while
+        ``start`` is short of it, else the end of the tokens."""
+        return self.prefix_stop if start < self.prefix_stop else self.num_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -42,12 +42,31 @@ class PrivateHostKV:
         self.parts = []
 
 
+class SharedSlots:
+    """Host-tier slots that forks of one state hold together (never written again); the last
+    holder to release them gives them back to the tier."""
+
+    def __init__(self, tiers: TierManager, slots: list[int]) -> None:
+        self.tiers, self.slots, self.holders = tiers, slots, 1
+
+    def drop(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.tiers.release_host(self.slots)
+
+
 class TierHostKV:
     """Sentence K/V in host-tier slots the sequence reserves (``TierManager.reserve_host``),
     packed token after token: stored token ``t`` lives in slot ``slots[t // block_size]`` at
     offset ``t % block_size``. Host RAM the sequence keeps beside them (the recall region's
     codes) is charged as whole slots more (``charge_slots``, left empty). All of them count
-    against the host tier's budget and leave it when the sequence's KV is released."""
+    against the host tier's budget and leave it when the sequence's KV is released.
+
+    A fork shares what is stored so far (``shared``: the first ``num_shared_slots`` of
+    ``slots`` and ``num_shared_charge`` charge slots, refcounted ``SharedSlots``) instead of
+    copying it: stored K/V is never rewritten, and each side stores its later tokens from a
+    fresh slot of its own (the last shared slot's free offsets stay unused). A compressed
+    prefix forked by many requests is thus held in the host tier once."""
 
     def __init__(self, tiers: TierManager) -> None:
         self.tiers = tiers
@@ -58,6 +77,8 @@ class TierHostKV:
         self.charge_slots: list[int] = []
         self.charged_bytes = 0
         self.num_tokens = 0
+        self.shared: list[SharedSlots] = []
+        self.num_shared_slots = self.num_shared_charge = 0
 
     def add(self, kv: torch.Tensor, extra_bytes: int = 0) -> torch.Tensor | None:
         """Store ``kv`` (L, n, 2, H_kv, d) and charge ``extra_bytes`` of host RAM kept beside it;
@@ -65,7 +86,8 @@ class TierHostKV:
         both (nothing stored or charged)."""
         n = kv.shape[1]
         need = max(0, math.ceil((self.num_tokens + n) / self.block_size) - len(self.slots))
-        charge = max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - len(self.charge_slots))
+        charged = len(self.charge_slots) + self.num_shared_charge
+        charge = max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - charged)
         if need + charge > 0:
             got = self.tiers.reserve_host(need + charge)
             if got is None:
@@ -94,19 +116,28 @@ class TierHostKV:
         return data[:, self.slots[handle // self.block_size], handle % self.block_size, heads].transpose(0, 1)
 
     def fork(self) -> TierHostKV:
-        """A copy in slots of its own (same handles, same charge). Raises RuntimeError when the
-        host tier is full."""
+        """A copy sharing every slot held so far (same handles, same charge; see the class
+        docstring). Reserves nothing."""
+        own = self.slots[self.num_shared_slots :].tolist() + self.charge_slots
+        if own:  # what this side stored becomes shared, read-only
+            self.shared.append(SharedSlots(self.tiers, own))
+            self.num_shared_charge += len(self.charge_slots)
+            self.num_shared_slots, self.charge_slots = len(self.slots), []
+        self.num_tokens = len(self.slots) * self.block_size  # later tokens: a fresh slot
         out = TierHostKV(self.tiers)
-        if self.num_tokens:
-            t = torch.arange(self.num_tokens)
-            data = self.tiers.host.data[:, :, self.slots[t // self.block_size], t % self.block_size]
-            if out.add(data.transpose(1, 2), self.charged_bytes) is None:
-                raise RuntimeError("host tier full: cannot fork a sequence's sentences")
+        out.slots, out.num_tokens, out.charged_bytes = self.slots.clone(), self.num_tokens, self.charged_bytes
+        out.num_shared_slots, out.num_shared_charge = self.num_shared_slots, self.num_shared_charge
+        out.shared = list(self.shared)
+        for run in out.shared:
+            run.holders += 1
         return out
 
     def release(self) -> None:
-        held = self.slots.tolist() + self.charge_slots
+        held = self.slots[self.num_shared_slots :].tolist() + self.charge_slots
         if held:
             self.tiers.release_host(held)
+        for run in self.shared:
+            run.drop()
         self.slots, self.num_tokens = torch.zeros(0, dtype=torch.long), 0
         self.charge_slots, self.charged_bytes = [], 0
+        self.shared, self.num_shared_slots, self.num_shared_charge = [], 0, 0
