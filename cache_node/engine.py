@@ -85,7 +85,6 @@ class LLMEngine(EngineTiersMixin):
         self.scheduler = Scheduler(config, self.kv_manager)
         self.scheduler.max_seq_tokens = self.max_model_len
         self.scheduler.reclaim = self._unpin_idle_sessions
-        self.scheduler.session_tenants = self.sessions.tenants
         self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config,
                                   (num_blocks - 1) * config.block_size if scratch else None)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
