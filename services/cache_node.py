@@ -205,7 +205,7 @@ class CacheNode(Streams, Commands, Health, Admin):
                 self.engine.add_request(
                     prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
                     session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
-                    prefetch=req.prefetch, priority=req.priority,
+                    prefetch=req.prefetch, priority=req.priority, prefix_tokens=req.prefix_tokens,
                 )
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}

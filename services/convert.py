@@ -18,8 +18,11 @@ most ``MAX_STOP_STRINGS`` (4) strings of 1 to ``MAX_STOP_STRING_CHARS`` (256) ch
 ``tokens.ids`` at most ``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most
 ``MAX_CHAT_MESSAGES`` (1,024) messages holding at most ``MAX_PROMPT_CHARS`` (1,048,576)
 characters together; ``policy`` a name of the tenant policy pattern (at most 63 characters);
-``request_id`` and ``session_id`` at most 256 characters and ``priority`` in [-1000, 1000]
-(checked by the gateway). The model's context length and the KV pool bound a prompt's tokens
+``request_id`` and ``session_id`` at most 256 characters, ``priority`` in [-1000, 1000],
+``prefix_tokens`` in [0, prompt tokens] of a token prompt (0 with chat) and
+``prefix_messages`` in [0, messages] of a chat (0 with tokens; its rendering must be a token
+prefix of the chat's: ``services.node_request.resolve_prefix_tokens``), all checked by the
+gateway. The model's context length and the KV pool bound a prompt's tokens
 further (the gateway).
 """
 

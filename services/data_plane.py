@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from cache_node.sampling_params import SamplingParams
-from services.node_request import NodeRequest, check_priority
+from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
     "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
     "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)), "priority": int,
+    "prefix_tokens": int,
 }
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
 
@@ -130,7 +131,7 @@ def request_from_wire(data: Any) -> NodeRequest:
 
     Raises:
         ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
-            [-1000, 1000], sampling parameters, ``SamplingParams``); TypeError: unknown, missing or mistyped fields.
+            [-1000, 1000], ``prefix_tokens`` outside [0, len(token_ids)], sampling parameters, ``SamplingParams``); TypeError: unknown, missing or mistyped fields.
     """
     _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
     fields = dict(data)
@@ -147,6 +148,8 @@ def request_from_wire(data: Any) -> NodeRequest:
         _check_str_map("request.messages[]", message)
     _check_str_map("request.extra", fields.get("extra", {}))
     check_priority(fields.get("priority", 0))
+    if fields.get("prefix_tokens", 0):  # of token_ids only (a node renders messages whole)
+        resolve_prefix_tokens(fields["prefix_tokens"], 0, fields.get("messages") or tokens, tokens, None)
     if not all(isinstance(k, str) for k in fields["sampling"]):
         raise TypeError("request.sampling must have string keys")
     fields["sampling"] = SamplingParams(**fields["sampling"])

@@ -34,7 +34,7 @@ from services.chat import ChatTemplater, estimate_message_tokens
 from services.data_plane_auth import Security
 from services.gateway_streams import NodeStreams
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
-from services.node_request import NodeRequest, check_priority
+from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
 _CODES = {c.name: c for c in grpc.StatusCode}
 
@@ -76,6 +76,9 @@ class GenerateInput:
             (``sampling.max_tokens`` is then ignored).
         priority: lower is served earlier among this tenant's own waiting requests on its
             node, never ahead of another tenant's; in [-1000, 1000] (else INVALID_ARGUMENT).
+        prefix_tokens / prefix_messages: the prompt's reusable document prefix, as tokens of a
+            token prompt or leading messages of a chat (``node_request.resolve_prefix_tokens``;
+            out of bounds: INVALID_ARGUMENT).
     """
 
     prompt: list[dict[str, str]] | list[int]
@@ -87,6 +90,8 @@ class GenerateInput:
     routing_key: str = ""
     fill_context: bool = False
     priority: int = 0
+    prefix_tokens: int = 0
+    prefix_messages: int = 0
 
 
 def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
@@ -94,7 +99,8 @@ def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
     return GenerateInput(
         prompt=convert.prompt_from_pb(request), sampling=convert.sampling_params_from_pb(request.sampling),
         session_id=request.session_id, request_id=request.request_id, policy=convert.policy_from_pb(request.policy, ""),
-        priority=request.priority,
+        priority=request.priority, prefix_tokens=request.prefix_tokens,
+        prefix_messages=request.prefix_messages,
     )
 
 
@@ -205,6 +211,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"context limit ({limit} tokens) or the KV pool",
             )
+        try:
+            prefix_tokens = resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens,
+                                                  self.templater)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         namespace = salted_namespace(spec.cache_namespace, call.cache_salt)
         hashes = hash_prompt_blocks(
             tokens, self.info["block_size"], (namespace, self.info["model_id"], self.info["kv_format"])
@@ -221,7 +232,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
             session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
             policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
-            priority=call.priority,
+            priority=call.priority, prefix_tokens=prefix_tokens,
         )
         return req, hashes
 

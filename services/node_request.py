@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cache_node.sampling_params import SamplingParams
 
@@ -20,6 +22,43 @@ def check_priority(value: object) -> int:
     return value
 
 
+def resolve_prefix_tokens(prefix_tokens: int, prefix_messages: int, prompt: Sequence[Any],
+                          tokens: Sequence[int], templater: Any) -> int:
+    """The prompt tokens forming a request's reusable document prefix
+    (``cache_node.compressed_prefix``): ``prefix_tokens`` of a token prompt, or, for a chat
+    ``prompt`` rendered to ``tokens`` here, the tokens of its first ``prefix_messages``
+    messages rendered by ``templater`` (a ``services.chat.ChatTemplater``) without the
+    generation prompt, which must be a token prefix of ``tokens``.
+
+    Raises:
+        ValueError: naming the field: a bound (``prefix_tokens`` in [0, prompt tokens],
+            ``prefix_messages`` in [0, messages]), the field of the other prompt kind set, a
+            chat prefix the node would render (a session turn), or a rendered prefix that is
+            not a token prefix of the whole chat.
+    """
+    from cache_node.compressed_prefix import check_prefix_tokens  # torch: only when asked
+
+    chat = bool(prompt) and isinstance(prompt[0], dict)
+    if not chat:
+        if prefix_messages:
+            raise ValueError("prefix_messages applies to chat prompts; a token prompt names prefix_tokens")
+        return check_prefix_tokens(prefix_tokens, len(tokens))
+    if prefix_tokens:
+        raise ValueError("prefix_tokens applies to token prompts; a chat names prefix_messages")
+    if type(prefix_messages) is not int or not 0 <= prefix_messages <= len(prompt):
+        raise ValueError(f"prefix_messages must be an integer in [0, {len(prompt)}] (the chat's messages), "
+                         f"got {prefix_messages!r}")
+    if not prefix_messages:
+        return 0
+    if not tokens or templater is None:
+        raise ValueError("prefix_messages needs a chat the gateway renders: not a session turn")
+    ids = templater.encode(templater.render(list(prompt[:prefix_messages]), add_generation_prompt=False))
+    if list(tokens[: len(ids)]) != ids:
+        raise ValueError(f"prefix_messages={prefix_messages}: those messages rendered without a generation "
+                         "prompt are not a token prefix of the whole chat's rendering")
+    return len(ids)
+
+
 @dataclass(frozen=True)
 class NodeRequest:
     """One generation request routed to a cache node.
@@ -30,6 +69,9 @@ class NodeRequest:
     tier (start a spill prefetch or not); None leaves it to the node (``auto_prefetch``).
     ``priority``: lower is served earlier among the same tenant's waiting requests on the
     node, never ahead of another tenant's (``cache_node.sequence.Sequence.priority``).
+    ``prefix_tokens``: the first that many of ``token_ids`` form a reusable document prefix,
+    compressed once under a compressing ``policy`` and forked by later requests
+    (``cache_node.compressed_prefix``); 0: none (always 0 with ``messages``).
     """
 
     request_id: str
@@ -45,6 +87,7 @@ class NodeRequest:
     extra: dict[str, str] = field(default_factory=dict)
     prefetch: bool | None = None
     priority: int = 0
+    prefix_tokens: int = 0
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):

@@ -9,9 +9,13 @@ vLLM's extra parameters do: ``session_id`` (append the messages to that session'
 whose KV the node keeps), ``policy`` (the KV policy override), ``cache_salt`` (partitions the
 tenant's prefix cache further), ``priority`` (vLLM's: an integer in [-1000, 1000], lower is
 served earlier, default 0; it reorders only the caller's own waiting requests on the node,
-never ahead of another tenant's), and OpenAI's own ``prompt_cache_key`` is a routing hint
-(same key, same cache node while it has room). ``stop`` strings travel to the node in
-``SamplingParams.stop``; the node ends the request at the token that completes one.
+never ahead of another tenant's), ``prefix_tokens`` (``/v1/completions``) and
+``prefix_messages`` (``/v1/chat/completions``): the prompt's leading tokens or messages form
+a reusable document prefix, compressed once under a compressing KV policy and reused by later
+requests starting with it (bounded by the gateway: 400), and OpenAI's own
+``prompt_cache_key`` is a routing hint (same key, same cache node while it has room).
+``stop`` strings travel to the node in ``SamplingParams.stop``; the node ends the request at
+the token that completes one.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
 
-    def generate_input(self, prompt: list[dict[str, str]] | list[int], max_tokens: int | None) -> GenerateInput:
+    def generate_input(self, prompt: list[dict[str, str]] | list[int], max_tokens: int | None,
+                       prefix_tokens: int = 0, prefix_messages: int = 0) -> GenerateInput:
         """This body as the gateway's ``GenerateInput`` (``max_tokens`` None: up to the
         context limit). Raises ValueError naming the field."""
         self.check_supported()
@@ -116,7 +121,8 @@ class _Sampling(_Strict):
                                   seed=self.seed, stop=self.stop_strings())
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
-                             fill_context=max_tokens is None, priority=self.priority)
+                             fill_context=max_tokens is None, priority=self.priority,
+                             prefix_tokens=prefix_tokens, prefix_messages=prefix_messages)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -126,6 +132,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
     parallel_tool_calls: Any = None
+    prefix_messages: int = Field(0, strict=True)  # kvstrata: bounded by the gateway (400)
 
     def to_input(self) -> GenerateInput:
         """Raises ValueError: no message, every message empty, too much text, or an
@@ -140,7 +147,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("messages: every message is empty; the prompt needs some text")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens: give max_tokens or max_completion_tokens, not both")
-        return self.generate_input(messages, self.max_completion_tokens or self.max_tokens)
+        return self.generate_input(messages, self.max_completion_tokens or self.max_tokens,
+                                   prefix_messages=self.prefix_messages)
 
 
 class CompletionRequest(_Sampling):
@@ -151,6 +159,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int = 1
     suffix: str | None = None
+    prefix_tokens: int = Field(0, strict=True)  # kvstrata: of the prompt's tokens; gateway-bounded (400)
 
     def to_input(self, encode: Any) -> GenerateInput:
         """``encode``: text -> token ids (the model's tokenizer, no special tokens added).
@@ -171,4 +180,4 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"prompt: holds {len(prompt)} tokens; at most {MAX_PROMPT_TOKEN_IDS} are allowed")
         if any(t < 0 for t in prompt):
             raise ValueError("prompt: token ids must be non-negative")
-        return self.generate_input(list(prompt), self.max_tokens)
+        return self.generate_input(list(prompt), self.max_tokens, prefix_tokens=self.prefix_tokens)
