@@ -185,6 +185,24 @@ def evaluate_item(runner: Runner, item: dict, specs: list[tuple[str, str, float]
         row["nll_full"].append(float(torch.nn.functional.cross_entropy(held_ref[:-1], targets)))
 
 
+def best_press(rows: dict, budget: float) -> str | None:
+    """The press spec at ``budget`` with the highest passkey accuracy, then the lowest mean KL."""
+    def mean(xs: list[float], empty: float) -> float:
+        return sum(xs) / len(xs) if xs else empty
+
+    cands = [s for s in rows if s.startswith("kvpress.") and s.endswith(f"-{budget:g}")]
+    return max(cands, key=lambda s: (mean(rows[s]["acc_passkey"], 0.0), -mean(rows[s]["kl"], 1e9)), default=None)
+
+
+def trace_press(runner: Runner, spec: str, document: list[int], step: int) -> list[tuple[int, int]]:
+    """(tokens, cache bytes) after a prefill of ``document``'s first ``step``, ``2 step``, ...
+    tokens (and all of it) under press ``spec`` ("kvpress.<name>-<keep ratio>"): kvpress
+    compresses each prefill once, so this is what one request of that length holds."""
+    name, keep = spec.removeprefix("kvpress.").rsplit("-", 1)
+    ends = sorted({*range(step, len(document), step), len(document)})
+    return [(n, cache_bytes(runner.prefill(document[:n], make_press(name, float(keep))))) for n in ends]
+
+
 def child_main(job_path: str) -> None:
     import time
     from collections import defaultdict
@@ -206,8 +224,12 @@ def child_main(job_path: str) -> None:
     t0 = time.perf_counter()
     for item in job["items"]:
         evaluate_item(runner, item, specs, rows)
+    trace, job_trace = None, job.get("trace")
+    best = best_press(rows, job_trace["budget"]) if job_trace else None
+    if best is not None:
+        trace = {"press": best, "points": trace_press(runner, best, job_trace["document"], job_trace["step"])}
     print(json.dumps({
-        "rows": rows, "seconds": time.perf_counter() - t0,
+        "rows": rows, "seconds": time.perf_counter() - t0, "trace": trace,
         "versions": {"kvpress": getattr(kvpress, "__version__", KVPRESS_VERSION),
                      "transformers": transformers.__version__, "torch": torch.__version__},
     }))

@@ -3,6 +3,12 @@
 It drives the engine's own pieces (pool, block pool, model runner, ``SequenceKV``) so a
 context is prefilled once with every statistic collected, then forked per policy and budget
 (copying blocks, never sharing compacted ones), compressed once, and forked again per question.
+
+A fork under a policy keeps only the statistics that policy collects itself (its
+``StatsNeeds``), and each question starts a new turn as ``cache_node.sessions`` starts one
+(``Probe.next_turn``), so the probe's compress-once-ask-many computes what the served path
+(``bench.quality_served``: the document as a session's first turn, each question a later turn)
+computes.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_node.attention_stats import StatsNeeds
+from cache_node.attention_stats import AttentionStats, StatsNeeds
 from cache_node.engine import LLMEngine
 from cache_node.kv_state import SequenceKV
 from cache_node.policies import Policy, make_policy
@@ -71,9 +77,8 @@ class Probe:
         src = seq.kv
         kv = SequenceKV(child, policy or src.policy, self.pool, self.block_pool, src.env, src.host)
         kv.positions, kv.support = src.positions.clone(), src.support.clone()
-        if src.stats is not None:
-            kv.stats = src.stats.clone()
-            kv.stats.decay = kv.policy.decay
+        if src.stats is not None and kv.policy.needs.any:
+            kv.stats = _own_stats(src.stats.clone(), kv.policy)
         kv.budget, kv.num_compactions = src.budget, src.num_compactions
         kv.extra = {k: (v.fork() if hasattr(v, "fork") else v) for k, v in src.extra.items()}
         child.kv = kv
@@ -106,7 +111,21 @@ class Probe:
         seq.kv.after_step()
         return logits[len(prompt) - 1 :]
 
+    @staticmethod
+    def next_turn(seq: Sequence) -> None:
+        """Start a new turn over ``seq``'s state as ``SessionTable.attach`` does: a compacted
+        state continues with its budget recomputed from the new prompt at the turn's end; an
+        uncompacted one is attended as plain KV under a fresh policy state."""
+        kv = seq.kv
+        if kv is None or not kv.policy.compresses:
+            return
+        if kv.compacted:
+            kv.budget = None
+        else:
+            kv.reset()
+
     def _decode_forced(self, seq: Sequence, prompt: list[int], forced: list[int]) -> torch.Tensor:
+        self.next_turn(seq)
         seq.prompt_token_ids = seq.prompt_token_ids + seq.output_token_ids + prompt
         seq.output_token_ids = []
         out = [self._run(seq, len(prompt))]
@@ -135,3 +154,16 @@ class Probe:
 
     def release(self, seq: Sequence) -> None:
         self.engine.kv_manager.free(seq)
+
+
+def _own_stats(stats: AttentionStats, policy: Policy) -> AttentionStats:
+    """``stats`` (the probe's, collected for every policy) cut down to what ``policy`` collects
+    when it runs the prefill itself: its last ``window_queries`` queries, its decay from now on.
+
+    The cumulative attention was summed without the policy's per-step decay (G-KV's 0.95), so
+    under a decaying policy the fork's scores still differ from the served path's."""
+    stats.needs, stats.decay = policy.needs, policy.decay
+    w = policy.needs.window_queries
+    stats.queries = [None if q is None or not w else q[-w:] for q in stats.queries]
+    stats.query_pos = [None if p is None or not w else p[-w:] for p in stats.query_pos]
+    return stats

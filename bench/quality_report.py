@@ -40,6 +40,47 @@ def targets(summary: dict) -> dict[str, Any]:
     return out
 
 
+def summarize(rows: dict) -> dict[str, dict[str, float]]:
+    """Per spec (the full cache's row left out): accuracies, KL, agreement, bytes, perplexity,
+    recall ms per answered question and seconds, from the harness's per-item lists."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    out = {}
+    for spec, r in rows.items():
+        if spec == "full":
+            continue
+        acc = r["acc_passkey"] + r["acc_word"]
+        out[spec] = {
+            "passkey_acc": mean(r["acc_passkey"]),
+            "needle_acc": mean(acc),
+            "kl_mean": mean(r["kl"]),
+            "greedy_agreement": mean(r["agree"]),
+            "device_bytes_ratio": mean(r["device_bytes_ratio"]),
+            "peak_device_bytes_ratio": mean(r["peak_ratio"]),
+            "ppl": math.exp(mean(r["nll"])),
+            "ppl_full": math.exp(mean(r["nll_full"])),
+            "n_passkey": len(r["acc_passkey"]),
+            "recall_ms": 1e3 * mean(r["recall_s"]) if r["recall_s"] else 0.0,
+            "seconds": sum(r["seconds"]),
+        }
+    return out
+
+
+def served_agreement(rows: dict, specs: list[str]) -> dict[str, dict[str, Any]]:
+    """Per spec, the served path (``{spec}@served``) against the probe on the same answers:
+    the largest |KL difference| of one answer and whether every accuracy outcome is the same."""
+    out = {}
+    for spec in specs:
+        a, b = rows.get(spec), rows.get(f"{spec}@served")
+        if not a or not b:
+            continue
+        diff = max((abs(x - y) for x, y in zip(a["kl"], b["kl"])), default=float("nan"))
+        same = all(a[k] == b[k] for k in ("acc_passkey", "acc_word"))
+        out[spec] = {"max_kl_diff": diff, "same_answers": same, "answers": len(a["kl"])}
+    return out
+
+
 def _table(summary: dict) -> list[str]:
     lines = [
         "| policy | device bytes / full | passkey acc | needle acc | KL mean | greedy agree | ppl (full) | recall ms |",
