@@ -141,6 +141,10 @@ class SessionTable:
         self._release(sess)
         return len(sess.token_ids)
 
+    def tenants(self) -> set[str]:
+        """Tenants with a session on this node (idle or running a turn)."""
+        return {sess.tenant for sess in self.sessions.values()}
+
     def lru_idle(self) -> str | None:
         """The idle session holding pinned blocks that was used longest ago (None if none)."""
         idle = [s for s in self.sessions.values() if s.blocks and s.active_request is None]

@@ -61,3 +61,54 @@ def test_a_running_interactive_request_keeps_its_tenant_active() -> None:
     assert ran_s > INTERACTIVE_ACTIVE_S  # the first turn outlived the arrival-only window
     assert longest_s <= 0.25 + 1e-9  # 0.25 x live's 1 s TTFT target, all through the pause
     assert ttft_s < 1.0
+
+
+def _next_turn_after_long_pause(session_open: bool) -> tuple[float, float]:
+    """A live turn (16 tokens) runs among batch prompts, then its agent waits 30 s (a lead
+    waiting for its sub-agents) before the next turn (100 tokens) comes back to this node, with
+    its session open (``Scheduler.session_tenants``) or not. Returns (the next turn's TTFT, the
+    longest step started in the last 5 s of the pause)."""
+    steps: list[tuple[float, float]] = []
+    sim = Sim(KvstrataPolicy(), num_blocks=4096, budget=512, max_seqs=32, tenants=TENANTS,
+              step_cost=lambda p, d: steps.append((sim.t, cpu_step_s(p, d))) or steps[-1][1])
+    if session_open:
+        sim.sched.session_tenants = lambda: {"live"}
+    added = 0
+
+    def step() -> None:
+        nonlocal added
+        while added < 2 * sim.t:
+            sim.add(f"B{added}", "bulk", 400, max_tokens=30)
+            added += 1
+        sim.step()
+
+    while sim.t < 4.0:
+        step()
+    sim.add("L0", "live", 16, max_tokens=4)
+    while "L0" not in sim.finished_step:
+        step()
+    back_s = sim.t + 30.0
+    while sim.t < back_s:
+        step()
+    late = sim.add("L1", "live", 100, max_tokens=2)
+    late.arrival_time_s = back_s
+    while "L1" not in sim.first_token_step:
+        step()
+    start_s, seconds = steps[sim.first_token_step["L1"]]
+    longest = max(s for t, s in steps if back_s - 5.0 <= t < back_s)
+    return start_s + seconds - late.arrival_time_s, longest
+
+
+def test_an_open_interactive_session_keeps_its_tenant_active_between_turns() -> None:
+    """Issue 21 (make demo): the lead agent's report turn came back to its node ~35 s after its
+    plan, while its sub-agents worked on the other node; by then the node counted the
+    interactive tenant as inactive and ran unbounded batch-prefill steps, and the report waited
+    720 ms for the step in progress (1956 ms TTFT against 2 s). A tenant with a session open on
+    the node now stays active: steps stay at 0.25 x its TTFT target through the pause."""
+    ttft_open, longest_open = _next_turn_after_long_pause(session_open=True)
+    ttft_closed, longest_closed = _next_turn_after_long_pause(session_open=False)
+    assert longest_open <= 0.25 + 1e-9
+    assert longest_closed > 0.25  # without the session the pause runs long batch steps
+    assert ttft_open < ttft_closed and ttft_open < 1.0
+    print(f"next turn TTFT {ttft_open:.2f} s with the session open, {ttft_closed:.2f} s without; "
+          f"longest step {longest_open:.2f} s vs {longest_closed:.2f} s")

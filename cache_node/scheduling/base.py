@@ -147,6 +147,9 @@ class SchedulingPolicy(ABC):
         """The longest step (seconds) that keeps the running floors; None: no limit."""
         return None
 
+    def keep_active(self, tenants: Iterable[str], now_s: float) -> None:
+        """``tenants`` have a session open on the node at ``now_s`` (their next turn comes here)."""
+
     def on_finished(self, seq: Sequence) -> None:
         self._passed_over.pop(seq.request_id, None)
 

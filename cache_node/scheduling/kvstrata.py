@@ -189,6 +189,17 @@ class KvstrataPolicy(SchedulingPolicy):
             bounds.append(interactive)
         return min(bounds) if bounds else None
 
+    def keep_active(self, tenants: Iterable[str], now_s: float) -> None:
+        """An interactive tenant with a session open on the node stays active (steps sized to
+        its TTFT) between its turns, however long its agent waits: a lead agent waits for its
+        sub-agents (tens of seconds), then its report turn comes back to this node, which
+        otherwise ran unbounded batch-prefill steps by then (issue 21: the report waited
+        720 ms for the step in progress)."""
+        for tenant in tenants:
+            share = self.tenants.get(tenant)
+            if share is not None and share.rank == 0:
+                self._interactive_seen[tenant] = now_s
+
     def _interactive_step_s(self, now_s: float) -> float | None:
         """While an interactive tenant is active (a request of it arrived or ran in the last
         ``INTERACTIVE_ACTIVE_S``), a step may last ``interactive_step_share`` of its TTFT target
