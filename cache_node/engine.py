@@ -89,6 +89,7 @@ class LLMEngine(EngineTiersMixin):
                                   (num_blocks - 1) * config.block_size if scratch else None)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager)
+        self.scheduler.session_tenants = self.sessions.tenants
         self.prefixes = CompressedPrefixCache(self.pool, self.kv_manager)
         self.requests: dict[str, Sequence] = {}
         self._lock = threading.RLock()

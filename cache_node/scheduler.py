@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from cache_node.block import KVBlock
 from cache_node.config import EngineConfig
@@ -55,6 +55,8 @@ class Scheduler:
             no limit beyond max_tokens).
         reclaim: frees device blocks held outside the queues (the engine unpins idle
             sessions) until the argument's number of blocks is free; None: nothing to free.
+        session_tenants: the tenants with a session open on this node (its next turn comes
+            here), handed to ``policy.keep_active`` each step; None: no sessions.
         prefill_speed: prefill tokens per second of step time, measured online.
     """
 
@@ -71,6 +73,7 @@ class Scheduler:
         self.rejected: list[Sequence] = []
         self.max_seq_tokens: int | None = None
         self.reclaim: Callable[[int], None] | None = None
+        self.session_tenants: Callable[[], Iterable[str]] | None = None
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)
         self.step_model = StepTimeModel()  # step seconds vs prefill tokens and decodes
@@ -270,6 +273,8 @@ class Scheduler:
         budget, the decodes the step has room for, and the tokens left for other prefills
         (both None when no floor applies). Sorts ``running`` decodes first: floors, then by
         class, the one that waited longest first."""
+        if self.session_tenants is not None:
+            self.policy.keep_active(self.session_tenants(), now)
         target_s = self.policy.step_target_s(self.running, now)
         if target_s is None:
             return budget, None, None
