@@ -1,7 +1,7 @@
 """Report of ``bench.quality``: results.json, quality.md and the PNG plots under ``--out``.
 
 Files: ``quality.png`` (device bytes vs needle accuracy and vs KL, one line per policy,
-kvpress presses dashed), ``memory_vs_position.png`` (device bytes over a long generation),
+kvpress presses dashed), ``memory_vs_position.png`` (device bytes of one session reading a long context),
 ``threshold_sweep.png`` (recall latency vs perplexity per demotion threshold).
 """
 
@@ -175,7 +175,7 @@ def _plot_traces(path: Path, traces: dict) -> None:
     for spec, pts in traces.items():
         ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], label=spec)
     ax.set(xlabel="token position", ylabel="device-tier KV MiB (one sequence)",
-           title="device bytes over a long generation")
+           title="one session reading a long context, 512 tokens a turn")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
