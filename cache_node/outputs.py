@@ -19,6 +19,8 @@ class RequestOutput:
         policy_bytes: the most bytes the request's KV policy has held at once outside the pool
             blocks (codes, sentence index, recall region, untiered host RAM); charged to the
             pool as whole blocks while held (``SequenceKV.charge_blocks``).
+        policy_stats: per-request figures of the KV policy (``Sequence.policy_stats``), set
+            on the finished output only.
     """
 
     request_id: str
@@ -33,6 +35,7 @@ class RequestOutput:
     output_token_ids: tuple[int, ...] = ()
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     policy_bytes: int = 0
+    policy_stats: dict[str, float] = field(default_factory=dict)
 
 
 class InvalidRequestError(ValueError):

@@ -43,6 +43,8 @@ class Sequence:
             now (set by the scheduler before ordering, for policies with ``orders_by_value``).
         peak_policy_bytes: the most bytes its KV policy held at once outside the pool blocks
             (codes, sentence index, recall region, untiered host RAM; ``SequenceKV``).
+        policy_stats: per-request figures its KV policy reports (SentenceKV's recall bound:
+            ``recall_bound_max``/``_mean``), passed on in its finished output.
         priority: the request's priority among its own tenant's waiting requests (vLLM's
             ``priority``: lower is served earlier, default 0). It only reorders that tenant's
             requests among the queue positions they hold in the policy's order, stably within
@@ -78,6 +80,7 @@ class Sequence:
     prefetch_until_s: float = 0.0
     device_hit_tokens: int = 0
     peak_policy_bytes: int = 0
+    policy_stats: dict[str, float] = field(default_factory=dict)
     priority: int = 0
     prefix_stop: int = 0
 

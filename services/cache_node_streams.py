@@ -205,7 +205,7 @@ class Streams:
             "ttft_ms": ttft_ms, "tpot_ms": tpot, "preempted": out.num_preemptions > 0,
             "prefill_tokens_per_s": self.engine.scheduler.prefill_speed.tokens_per_s,
             "step_s": self.engine.scheduler.step_s.value,
-        }
+        } | ({"policy_stats": dict(out.policy_stats)} if out.policy_stats else {})
 
     def _flush_events(self) -> None:
         if self.event_sink is None:

@@ -68,6 +68,7 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
 _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
     "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER, "priority": int,
+    "policy_stats": dict,
 }
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {

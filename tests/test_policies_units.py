@@ -225,8 +225,9 @@ def test_sentencekv_keeps_its_sentences_in_the_engines_host_tier(tiny) -> None:
     assert isinstance(own.host, PrivateHostKV) and isinstance(store.host, TierHostKV)
     demoted = sum(len(p) for p in store.positions)
     host = store.host
-    assert host.charged_bytes == store.codes.nbytes > 0  # int8 region codes (the default)
-    assert len(host.charge_slots) == -(-store.codes.nbytes // host.slot_bytes)
+    beside = store.codes.nbytes + seq.kv.extra["key_bounds"].nbytes  # int8 region codes, key bounds
+    assert host.charged_bytes == beside > store.codes.nbytes > 0
+    assert len(host.charge_slots) == -(-beside // host.slot_bytes)
     assert len(host.slots) == -(-demoted // 16) > 0
     assert eng.tiers.host.stats()["host_reserved_slots"] == len(host.slots) + len(host.charge_slots)
     for sid in range(len(store)):

@@ -16,7 +16,10 @@ from cache_node.compaction import can_rewrite, gather_kv
 from cache_node.kv_pool import KVPool
 from cache_node.policies.base import Policy, protected_mask
 from cache_node.policies.registry import register
+from cache_node.policies.sentencekv.bound import KeyBounds, RecallBoundStats
+from cache_node.policies.sentencekv.bound_step import step_bound
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
+from cache_node.policies.sentencekv.overflow import ChainedKV, OverflowKV
 from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceCodes, SentenceRegion
 from cache_node.policies.sentencekv.shortlist import head_scores, shortlist
 from cache_node.policies.sentencekv.sketch import KeySketch
@@ -42,8 +45,26 @@ class SentenceKV(Policy):
     ``sketch_bits``/``sketch_group`` size the key sketch (``select_mode="sketch"``);
     ``region_bits``/``region_group`` the recall region's codes (0: the pool's dtype).
 
+    Recall bound (``bound.py``): every demoted sentence keeps per-channel key bounds per layer
+    and KV head (Quest §3), and each decode step records, per layer and query head, an upper
+    bound on the softmax mass of the tokens it does not attend; the request's max and mean over
+    steps go to its finished output (``Sequence.policy_stats``). ``bound_tier``: where the
+    bounds live and are charged: ``"host"`` (default; host RAM, charged to the host tier, the
+    bound computed there from the query), ``"device"`` (counted in the index's device bytes,
+    so the region shrinks), ``"off"`` (no bound). At a 25% budget on SmolLM2-135M with 1k-token
+    contexts, device bounds take ~20 token-equivalents from the region (bench/README.md).
+
+    Exact-recall mode (``recall_eps`` > 0, e.g. ``sentencekv-0.25-recall_eps_0.01``): after the
+    budgeted recall, each layer recalls further sentences, in decreasing ``n_s exp(ub_s)``, into
+    an overflow region of raw K/V sized as needed, until the bound is below ``recall_eps``
+    for every query head (dropped sentences cannot be recalled: the bound may stay above).
+    The device bytes then exceed the budget on the steps that need it, by one layer's overflow
+    at a time (the overflow is rebuilt per layer and step and not charged to the pool);
+    ``device_bytes_peak`` in the stats reports the peak.
+
     Raises:
-        ValueError: an unknown ``select_mode``, ``sketch_bits`` or ``region_bits``, or
+        ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits`` or
+            ``bound_tier``, ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
             ``cold_bits`` set (sentencekv demotes to host RAM).
     """
 
@@ -57,6 +78,8 @@ class SentenceKV(Policy):
     sketch_group: int = 16
     region_bits: int = 8
     region_group: int = 16
+    bound_tier: str = "host"
+    recall_eps: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,6 +91,12 @@ class SentenceKV(Policy):
             raise ValueError(f"sketch_bits must be 1, 2, 4 or 8, got {self.sketch_bits}")
         if self.region_bits not in (0, 4, 8):
             raise ValueError(f"region_bits must be 0 (the pool's dtype), 4 or 8, got {self.region_bits}")
+        if self.bound_tier not in ("host", "device", "off"):
+            raise ValueError(f"unknown bound_tier {self.bound_tier!r}; known: host, device, off")
+        if not isinstance(self.recall_eps, (int, float)) or not 0 <= self.recall_eps < 1:
+            raise ValueError(f"recall_eps must be a number in [0, 1), got {self.recall_eps!r}")
+        if self.recall_eps and self.bound_tier == "off":
+            raise ValueError("recall_eps needs the key bounds: bound_tier must be host or device")
 
     # ---- segmentation and demotion ---------------------------------------------------------
     def segments(self, state: SequenceKV, positions: torch.Tensor) -> list[torch.Tensor]:
@@ -89,7 +118,29 @@ class SentenceKV(Policy):
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
             if self.region_bits:
                 store.codes = SentenceCodes(self.region_bits, self._region_group(state))
+            if self.bound_tier != "off":
+                device = state.pool.kv.device if self.bound_tier == "device" else "cpu"
+                state.extra["key_bounds"] = KeyBounds(device)
+                state.extra["recall_bound"] = RecallBoundStats()
         return store
+
+    def _demote(self, state: SequenceKV, store: HostSentenceStore, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """Demote one sentence ``kv`` (L, n, 2, H_kv, d) at ``positions`` and record its key
+        bounds (a dropped sentence's too: it stays missed). Host-tier bounds are charged to the
+        host tier; what it cannot hold is counted in ``private_host_bytes`` instead."""
+        stored = store.put(kv, positions)
+        bounds: KeyBounds | None = state.extra.get("key_bounds")
+        if bounds is None:
+            return
+        before = bounds.nbytes
+        bounds.append(kv[:, :, 0], len(store) - 1 if stored else -1, self.region_bits, self._region_group(state))
+        grown = bounds.nbytes - before
+        if self.bound_tier == "host" and isinstance(store.host, TierHostKV) and store.host.add(kv[:, :0], grown) is None:
+            state.extra["bounds_uncharged"] = state.extra.get("bounds_uncharged", 0) + grown
+
+    def _bound_device_bytes(self, state: SequenceKV) -> int:
+        bounds = state.extra.get("key_bounds")
+        return bounds.nbytes if bounds is not None and self.bound_tier == "device" else 0
 
     def pool_tokens(self, state: SequenceKV) -> int:
         """Pool slots the sequence may fill after a compaction: sinks and window in whole
@@ -105,7 +156,7 @@ class SentenceKV(Policy):
 
     def index_tokens(self, state: SequenceKV, store: HostSentenceStore) -> int:
         """The sentence index's device bytes, in tokens (a token = its K/V in every layer)."""
-        return math.ceil(store.index_nbytes / self._token_bytes(state))
+        return math.ceil((store.index_nbytes + self._bound_device_bytes(state)) / self._token_bytes(state))
 
     def region_slot_bytes(self, state: SequenceKV) -> int:
         """Device bytes of one region slot in every layer and KV head: the pool dtype's K/V,
@@ -145,7 +196,7 @@ class SentenceKV(Policy):
             return False
         for run in self.segments(state, pos0[demote]):
             slots = demote[run]
-            store.put(gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
+            self._demote(state, store, gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
         positions = pos0[keep].expand(L, -1).clone()
         state.set_layout(kept, positions, torch.ones(positions.shape, device=positions.device))
@@ -166,16 +217,36 @@ class SentenceKV(Policy):
     # ---- promotion at decode ----------------------------------------------------------------
     def before_attend(self, state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
         store = state.extra.get("sentences")
-        if store is not None and store.region_tokens:
+        if store is None:
+            return
+        if store.region_tokens:
             self.recall(state, layer_idx, q)
+        bounds = state.extra.get("key_bounds")
+        state.extra.pop("overflow", None)
+        if bounds is None or not len(bounds):
+            return
+        over = step_bound(state, store, bounds, state.extra["recall_bound"], layer_idx, q, q_pos,
+                          self._region(state, layer_idx), self.recall_eps)
+        if over is not None and over.num_tokens:
+            state.extra["overflow"] = (layer_idx, over)
+        if layer_idx == state.pool.num_layers - 1:
+            state.seq.policy_stats.update(state.extra["recall_bound"].as_dict())
 
-    def extra_kv(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
+    def _region(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
         store = state.extra.get("sentences")
         if store is None or not store.region_tokens:
             return None
         if self.region_bits:
             return QuantSentenceRegion(store, layer_idx, self.region_bits)
         return SentenceRegion(store, layer_idx)
+
+    def extra_kv(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | ChainedKV | None:
+        """The layer's recall region, and in exact-recall mode the step's overflow beside it."""
+        region = self._region(state, layer_idx)
+        over: tuple[int, OverflowKV] | None = state.extra.get("overflow")
+        if over is None or over[0] != layer_idx:
+            return region
+        return over[1] if region is None else ChainedKV([region, over[1]])
 
     def scores(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor
                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -258,13 +329,18 @@ class SentenceKV(Policy):
         sequence's own CPU tensors, which no tier budget counts (with one, the host tier's
         slots hold and charge them: ``TierHostKV``)."""
         store = state.extra.get("sentences")
-        if store is None or not isinstance(store.host, PrivateHostKV):
+        if store is None:
             return 0
-        return store.host.nbytes + (0 if store.codes is None else store.codes.nbytes)
+        uncharged = state.extra.get("bounds_uncharged", 0)
+        if not isinstance(store.host, PrivateHostKV):
+            return uncharged
+        bounds = state.extra.get("key_bounds")
+        host_bounds = bounds.nbytes if bounds is not None and self.bound_tier == "host" else 0
+        return store.host.nbytes + (0 if store.codes is None else store.codes.nbytes) + host_bounds
 
     def extra_device_bytes(self, state: SequenceKV) -> int:
         """The sentence index plus the recall region (every slot counts, filled or not)."""
         store = state.extra.get("sentences")
         if store is None:
             return 0
-        return store.index_nbytes + store.region_nbytes
+        return store.index_nbytes + store.region_nbytes + self._bound_device_bytes(state)
