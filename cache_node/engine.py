@@ -345,6 +345,7 @@ class LLMEngine(EngineTiersMixin):
             output_token_ids=tuple(seq.output_token_ids) if seq.is_finished else (),
             num_cached_tokens_by_tier=self.tiers.cached_tokens_by_tier(seq),
             policy_bytes=seq.peak_policy_bytes,
+            policy_stats=dict(seq.policy_stats) if seq.is_finished else {},
         )
 
     def generate(
