@@ -55,7 +55,8 @@ class KeyBounds:
     region codes' largest key error (``quant_error``) plus ``SLACK`` of the largest key norm;
     ``lengths``: (S,) tokens per sentence; ``sid``: (S,) the sentence's id in the store
     (``HostSentenceStore``), -1 when the host tier was full and it was dropped (never
-    recallable, always missed). Rows are on ``device``.
+    recallable, always missed). Rows are on ``device``. ``slot_err[layer]``: the recall
+    region's per-slot ``err`` (H_kv, R) for the resident sentences it was made for (a cache).
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -63,6 +64,7 @@ class KeyBounds:
         self.lo = self.hi = self.err = None  # type: torch.Tensor | None
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.sid = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.slot_err: dict[int, tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.sid)

@@ -47,17 +47,22 @@ def pool_logits(state: SequenceKV, layer: int, qh: torch.Tensor, q_pos: torch.Te
     return ((logits - slack) * state.scaling).masked_fill(~allowed, float("-inf"))
 
 
-def region_logits(state: SequenceKV, store: HostSentenceStore, bounds: KeyBounds, layer: int,
-                  region: ExtraKVPart, qh: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+def region_logits(state: SequenceKV, bounds: KeyBounds, layer: int, region: ExtraKVPart, qh: torch.Tensor,
+                  resident: tuple[tuple[int, ...], ...], rows: list[torch.Tensor]) -> torch.Tensor:
     """(H_kv, g, n, R) lower bounds on the exact logits of the recall region's tokens: the
     region's own logits (on its codes) minus ``scaling * |q| * err`` of each slot's sentence.
-    ``rows[h]``: the bound rows of KV head ``h``'s resident sentences, in slot order."""
+    ``rows[h]``: the bound rows of KV head ``h``'s ``resident`` sentences, in slot order."""
     logits = region.logits(qh, state.scaling).float()
-    err = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # (H_kv, R)
-    for head, r in enumerate(rows):
-        if len(r):
-            e = bounds.err[r, layer, head].repeat_interleave(bounds.lengths[r]).to(err.device)
-            err[head, : len(e)] = e
+    cached = bounds.slot_err.get(layer)
+    if cached is not None and cached[0] == resident and cached[1].shape[-1] == logits.shape[-1]:
+        err = cached[1]
+    else:
+        err = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # (H_kv, R)
+        for head, r in enumerate(rows):
+            if len(r):
+                e = bounds.err[r, layer, head].repeat_interleave(bounds.lengths[r]).to(err.device)
+                err[head, : len(e)] = e
+        bounds.slot_err[layer] = (resident, err)
     return logits - state.scaling * qh.norm(dim=-1, keepdim=True) * err[:, None, None, :]
 
 
@@ -83,7 +88,7 @@ def step_bound(state: SequenceKV, store: HostSentenceStore, bounds: KeyBounds, s
         missed[head, r] = False
     parts = [pool_logits(state, layer, qh, q_pos)]
     if region is not None:
-        parts.append(region_logits(state, store, bounds, layer, region, qh, rows))
+        parts.append(region_logits(state, bounds, layer, region, qh, tuple(resident), rows))
     ub = bounds.log_upper(layer, q, state.scaling, store.sketch)
     log_a = _log_mass(*parts).to(ub.device)
     over = None
