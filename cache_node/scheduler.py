@@ -357,8 +357,9 @@ class Scheduler:
         if not seq.block_table:  # a session turn arrives with its blocks attached
             computed, num_cached = self.kv_manager.get_computed_blocks(seq)
             computed = computed + self.kv_manager.promote_blocks(seq, computed)
-            if seq.prefix_stop:  # the reusable prefix is compressed from its own prefill
-                computed = computed[: seq.prefix_stop // self.kv_manager.block_size]
+            if seq.prefix_stop:  # the reusable prefix is compressed from its own prefill,
+                # its step ending at the boundary: at least its last token is computed
+                computed = computed[: (seq.prefix_stop - 1) // self.kv_manager.block_size]
             num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
         n = min(seq.compute_end(start) - start, budget)

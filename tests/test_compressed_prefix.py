@@ -121,6 +121,9 @@ def test_another_policy_namespace_or_prefix_misses(tiny) -> None:
     assert run(prompt=[doc[0] + 1] + doc[1:] + q) == (7, 1)
     assert run(policy="h2o-0.25") == (7, 2)
     assert run(policy="") == (7, 2)  # the full cache: the plain prefix cache serves it
+    # a boundary on a block boundary, every block before it cached: the step must still end
+    # at the boundary (regression: the hit covered it and the prefix was never stored)
+    assert run(cache_namespace=None, prefix_tokens=192) == (8, 2)
     eng.check_integrity()
 
 
