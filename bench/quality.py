@@ -317,7 +317,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     p["budgets"] = tuple(args.budgets or p["budgets"])
     p["presses"] = tuple(args.presses or p["presses"])
     p["specs"] = args.specs or ([f"{x}-{b:g}" for x in EVICTING for b in p["budgets"]]
-                                + [FLOAT_REGION, PAPER_SCORER] + list(QUANT) + list(COLD))
+                                + [FLOAT_REGION, PAPER_SCORER, "sentencekv-0.125-recall_eps_0.01"] + list(QUANT) + list(COLD))
     p["trace"] = list(TRACE) if args.specs else list(TRACE) + [
         f"{x}-0.25" for x in EVICTING if x != "sentencekv"] + list(QUANT)
     return p
