@@ -23,7 +23,6 @@ def test_served_session_answers_equal_the_probes_compress_once_ask_many(real_mod
     re-prefill). Fails when the two paths compute different compressions: a prefix-cache hit
     that shortens the document turn, a session turn that re-prefills, or statistics or budgets
     of the probe's fork that the served turn does not have."""
-    torch.set_num_threads(2)
     tok = real_model.tokenizer
     engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=512),
                        real_model.model_id, real_model.eos_token_ids, tier_config=TierConfig(host_bytes=1 << 27))
