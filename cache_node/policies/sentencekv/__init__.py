@@ -50,8 +50,9 @@ Files: ``sketch.py`` (``KeySketch``, the 2-bit key sketch scored on its codes), 
 ``region.py`` (``SentenceCodes``, the recall region's codes made at demotion;
 ``SentenceRegion``/``QuantSentenceRegion``, the region attended as extra KV), ``store.py``
 (``HostSentenceStore``: the demoted sentences, their index and the region), ``shortlist.py``
-(``shortlist`` and ``head_scores`` over mean keys), ``policy.py`` (``SentenceKV``, registered as
-``sentencekv``).
+(``shortlist`` and ``head_scores`` over mean keys), ``bound.py`` (``KeyBounds``, the missed-mass
+bound and its stats), ``bound_step.py`` (one layer's bound per step), ``overflow.py`` (the
+exact-recall overflow region), ``policy.py`` (``SentenceKV``, registered as ``sentencekv``).
 """
 
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV

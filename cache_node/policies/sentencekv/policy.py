@@ -325,9 +325,10 @@ class SentenceKV(Policy):
 
     # ---- accounting -------------------------------------------------------------------------
     def private_host_bytes(self, state: SequenceKV) -> int:
-        """Without a host tier the demoted sentences' K/V and their region codes sit in the
-        sequence's own CPU tensors, which no tier budget counts (with one, the host tier's
-        slots hold and charge them: ``TierHostKV``)."""
+        """Without a host tier the demoted sentences' K/V, their region codes and host-side key
+        bounds sit in the sequence's own CPU tensors, which no tier budget counts (with one,
+        the host tier's slots hold and charge them: ``TierHostKV``; key bounds it had no room
+        for count here)."""
         store = state.extra.get("sentences")
         if store is None:
             return 0
@@ -339,7 +340,9 @@ class SentenceKV(Policy):
         return store.host.nbytes + (0 if store.codes is None else store.codes.nbytes) + host_bounds
 
     def extra_device_bytes(self, state: SequenceKV) -> int:
-        """The sentence index plus the recall region (every slot counts, filled or not)."""
+        """The sentence index plus the recall region (every slot counts, filled or not), plus
+        the key bounds with ``bound_tier="device"``. The exact-recall overflow is not counted
+        (transient, one layer at a time: ``device_bytes_peak`` in the stats)."""
         store = state.extra.get("sentences")
         if store is None:
             return 0
