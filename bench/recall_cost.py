@@ -11,7 +11,8 @@ order rotated per request, after one warm-up request per policy.
 
 TPOT of a request = (last token time - first token time) / (tokens - 1), seconds per decode
 step; per policy the median over requests, and its ratio to the full cache's median (the issue's
-target: sentencekv-0.125 <= 1.3x). Medians, since the machine is shared.
+target: sentencekv-0.125 <= 1.3x). Medians, since the machine is shared; beside it the process's
+CPU seconds per decode step (with ``--threads 1`` the work itself, whatever else runs).
 
 Recall share: the requests are then served once more per recalling policy under ``cProfile``
 (deterministic, so it inflates Python-heavy code; read the shares, not the absolute times):
@@ -25,6 +26,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import time
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,27 +69,33 @@ def build_prompts(tok: Any, num: int, prompt_tokens: int) -> list[list[int]]:
 
 
 def serve(engine: LLMEngine, prompt: list[int], policy: str, max_tokens: int,
-          prof: cProfile.Profile | None = None) -> float:
-    """Serve one request alone to completion; returns its TPOT in seconds. ``prof``: enabled
-    for the decode steps only (from the first token on)."""
+          prof: cProfile.Profile | None = None) -> tuple[float, float]:
+    """Serve one request alone to completion; returns its TPOT and its CPU seconds per decode
+    step (this process's CPU time from the first token on: less noisy on a shared machine).
+    ``prof``: enabled for the decode steps only."""
     rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), policy=policy)
     seq = engine.requests[rid]
+    cpu0 = None
     while rid in engine.requests:
-        if prof is not None and seq.output_token_ids:
-            prof.enable()
+        if cpu0 is None and seq.output_token_ids:
+            cpu0 = time.process_time()
+            if prof is not None:
+                prof.enable()
         engine.step()
+    cpu = time.process_time() - (cpu0 or 0.0)
     if prof is not None:
         prof.disable()
     n = len(seq.output_token_ids)
     if n < 2 or seq.first_token_time_s is None or seq.last_token_time_s is None:
         raise RuntimeError(f"request under {policy} produced {n} tokens; TPOT needs >= 2")
-    return (seq.last_token_time_s - seq.first_token_time_s) / (n - 1)
+    return (seq.last_token_time_s - seq.first_token_time_s) / (n - 1), cpu / (n - 1)
 
 
 def time_policies(engine: LLMEngine, prompts: list[list[int]], policies: list[str], max_tokens: int
-                  ) -> dict[str, list[float]]:
-    """TPOT (s) of every request under every policy, interleaved and rotated per request."""
-    tpot: dict[str, list[float]] = {p: [] for p in policies}
+                  ) -> dict[str, dict[str, list[float]]]:
+    """TPOT and CPU seconds per decode step of every request under every policy, interleaved
+    and rotated per request: ``{policy: {"tpot": [...], "cpu": [...]}}``."""
+    tpot: dict[str, dict[str, list[float]]] = {p: {"tpot": [], "cpu": []} for p in policies}
     with rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
                      rp.TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task("warm-up", total=len(policies) * (len(prompts) + 1))
@@ -97,7 +105,9 @@ def time_policies(engine: LLMEngine, prompts: list[list[int]], policies: list[st
         for i, prompt in enumerate(prompts):
             for p in policies[i % len(policies):] + policies[: i % len(policies)]:
                 progress.update(task, description=f"request {i + 1}/{len(prompts)} {p}")
-                tpot[p].append(serve(engine, prompt, p, max_tokens))
+                wall, cpu = serve(engine, prompt, p, max_tokens)
+                tpot[p]["tpot"].append(wall)
+                tpot[p]["cpu"].append(cpu)
                 progress.advance(task)
     return tpot
 
@@ -126,20 +136,24 @@ def profile_recall(engine: LLMEngine, prompts: list[list[int]], policy: str, max
             "top": rows[:top]}
 
 
-def report(tpot: dict[str, list[float]], profiles: list[dict[str, Any]]) -> dict[str, Any]:
+def report(tpot: dict[str, dict[str, list[float]]], profiles: list[dict[str, Any]]) -> dict[str, Any]:
     """Print the tables; returns the JSON result."""
-    full = median(tpot["full"]) if "full" in tpot else None
-    table = Table(title="TPOT per policy (median over requests)")
-    for col in ("policy", "TPOT ms", "x full", "per request ms"):
+    full = tpot.get("full")
+    table = Table(title="Decode step per policy (median over requests)")
+    table.add_column("policy", no_wrap=True)
+    for col in ("TPOT ms", "x full", "CPU ms/step", "x full (CPU)", "TPOT per request ms"):
         table.add_column(col)
     out: dict[str, Any] = {}
-    for p, values in tpot.items():
-        m = median(values)
-        ratio = m / full if full else None
+    for p, r in tpot.items():
+        m, c = median(r["tpot"]), median(r["cpu"])
+        ratio = m / median(full["tpot"]) if full else None
+        cpu_ratio = c / median(full["cpu"]) if full else None
         out[p] = {"tpot_ms": round(1e3 * m, 2), "ratio_to_full": None if ratio is None else round(ratio, 3),
-                  "per_request_ms": [round(1e3 * v, 2) for v in values]}
-        table.add_row(p, f"{1e3 * m:.1f}", "" if ratio is None else f"{ratio:.2f}",
-                      " ".join(f"{1e3 * v:.1f}" for v in values))
+                  "cpu_ms_per_step": round(1e3 * c, 2),
+                  "cpu_ratio_to_full": None if cpu_ratio is None else round(cpu_ratio, 3),
+                  "per_request_ms": [round(1e3 * v, 2) for v in r["tpot"]]}
+        table.add_row(p, f"{1e3 * m:.1f}", "" if ratio is None else f"{ratio:.2f}", f"{1e3 * c:.1f}",
+                      "" if cpu_ratio is None else f"{cpu_ratio:.2f}", " ".join(f"{1e3 * v:.1f}" for v in r["tpot"]))
     console.print(table)
     for prof in profiles:
         t = Table(title=f"{prof['policy']} under cProfile: recall {prof['recall_s']:.2f} s of "

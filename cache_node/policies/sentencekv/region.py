@@ -19,9 +19,11 @@ class SentenceCodes:
     sentence is demoted and kept in host RAM next to the raw K/V, so a promotion copies codes
     instead of quantizing again (``region_bits``).
 
-    ``codes``: (L, N, 2, H_kv, d * bits / 8) uint8 packed; ``scale``/``zero``: (L, N, 2, H_kv,
+    ``codes``: (L, H_kv, N, 2, d * bits / 8) uint8 packed; ``scale``/``zero``: (L, H_kv, N, 2,
     d / group_size) float16 (asymmetric per token, K or V, KV head and channel group);
-    ``starts[s]``: the first of sentence ``s``'s tokens along N.
+    ``starts[s]``: the first of sentence ``s``'s tokens along N. KV head before token, so one
+    layer's codes are rows ``head * N + token`` of K and V together: a promotion gathers whole
+    rows (``gather``).
     """
 
     def __init__(self, bits: int, group_size: int) -> None:
@@ -33,7 +35,7 @@ class SentenceCodes:
         self.num_tokens = 0
 
     def quantize(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Codes, scale and zero of ``kv`` (L, n, 2, H_kv, d), not yet stored."""
+        """Codes, scale and zero (L, n, 2, H_kv, ...) of ``kv`` (L, n, 2, H_kv, d), not yet stored."""
         codes, scale, zero = quantize(kv.float(), self.bits, self.group_size)
         return pack_bits(codes, self.bits), scale, zero
 
@@ -43,31 +45,22 @@ class SentenceCodes:
 
     def append(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Store one sentence's ``quantize`` output (moved to host RAM, where a promotion
-        copies it from)."""
-        parts = tuple(t.to("cpu") for t in parts)  # type: ignore[assignment]
+        copies it from, KV head first)."""
+        parts = tuple(t.permute(0, 3, 1, 2, 4).to("cpu").contiguous() for t in parts)  # type: ignore[assignment]
         self.starts.append(self.num_tokens)
-        self.num_tokens += parts[0].shape[1]
+        self.num_tokens += parts[0].shape[2]
         if self.codes is None:
             self.codes, self.scale, self.zero = parts
         else:
             self.codes, self.scale, self.zero = (
-                torch.cat([old, new], 1) for old, new in zip((self.codes, self.scale, self.zero), parts)
+                torch.cat([old, new], 2) for old, new in zip((self.codes, self.scale, self.zero), parts)
             )
 
-    def tokens(self, sid: int, length: int) -> torch.Tensor:
-        """(length,) indices along N of sentence ``sid``'s tokens."""
-        return torch.arange(self.starts[sid], self.starts[sid] + length)
-
-    def read(self, tokens: torch.Tensor, layer: int, head: int) -> tuple[torch.Tensor, ...]:
-        """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``."""
+    def gather(self, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
+        """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``rows`` (n,)
+        = ``head * N + token``: one row copy per token, for any mix of KV heads."""
         assert self.codes is not None and self.scale is not None and self.zero is not None
-        return tuple(t[layer, tokens, :, head] for t in (self.codes, self.scale, self.zero))
-
-    def read_heads(self, tokens: torch.Tensor, layer: int, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Codes (n, 2, d * bits / 8), scale and zero (n, 2, d / group_size) of ``tokens``
-        (n,), token ``i`` in KV head ``heads[i]``: one gather for several heads."""
-        assert self.codes is not None and self.scale is not None and self.zero is not None
-        return tuple(t[layer][tokens, :, heads] for t in (self.codes, self.scale, self.zero))
+        return tuple(t[layer].flatten(0, 1).index_select(0, rows) for t in (self.codes, self.scale, self.zero))
 
     def fork(self) -> SentenceCodes:
         """A copy sharing the (never mutated in place) tensors."""

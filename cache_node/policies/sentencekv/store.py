@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
@@ -43,7 +44,7 @@ class HostSentenceStore:
     recall_s: float = 0.0
     num_recalls: int = 0
     dropped_tokens: int = 0
-    _flat: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _flat: tuple[list[int], list[int], np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
         """Demote one sentence: ``kv`` (L, n, 2, H_kv, d) at ``positions`` (n,). False when the
@@ -65,52 +66,59 @@ class HostSentenceStore:
         self.positions.append(positions.clone())
         return True
 
-    def flat(self) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    def flat(self) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
         """The sentences laid end to end in demotion order (the order of ``codes`` along N):
-        ``lengths[s]``, ``first[s]`` (sentence ``s``'s first position), ``starts`` (S,) the
-        index of its first token, ``positions`` (N,) every token's position, on the CPU.
-        Rebuilt only when a sentence was added since the last call."""
+        ``lengths[s]`` and ``first[s]`` (sentence ``s``'s first position) as lists, ``starts``
+        (S,) the flat index of each sentence's first token and ``positions`` (N,) every
+        token's position, as int64 arrays. Rebuilt only after a sentence was added."""
         if self._flat is None or len(self._flat[0]) != len(self.positions):
             lengths = [len(p) for p in self.positions]
-            n = torch.tensor(lengths, dtype=torch.long)
-            pos = torch.cat(self.positions).cpu() if self.positions else torch.zeros(0, dtype=torch.long)
-            self._flat = (lengths, [int(p[0]) for p in self.positions], n.cumsum(0) - n, pos)
+            pos = torch.cat(self.positions).cpu().numpy() if self.positions else np.zeros(0, np.int64)
+            starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64) if lengths else np.zeros(0, np.int64)
+            self._flat = (lengths, pos[starts].tolist(), starts, pos)
         return self._flat
 
-    def tokens_of(self, sids: Sequence[int]) -> torch.Tensor:
-        """(n,) flat token indices of sentences ``sids``, in the order given (CPU)."""
+    def region_index(self, chosen: Sequence[Sequence[int]], heads: Sequence[int]
+                     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The tokens of the sentences ``chosen[h]`` of each KV head ``h`` in ``heads``, heads in
+        the order given, each head's sentences in the order given: their flat indices (n,),
+        each one's KV head (n,), and the number of tokens per head."""
         lengths, _, starts, _ = self.flat()
-        idx = torch.tensor(sids, dtype=torch.long)
-        n = torch.tensor([lengths[s] for s in sids], dtype=torch.long)
-        ends = n.cumsum(0)
-        return torch.arange(int(ends[-1]) if len(sids) else 0) + (starts[idx] - ends + n).repeat_interleave(n)
+        sids = np.fromiter((s for h in heads for s in chosen[h]), np.int64)
+        n = np.asarray(lengths, np.int64)[sids]
+        ends = np.cumsum(n)
+        tok = np.arange(int(ends[-1]) if len(n) else 0, dtype=np.int64) + np.repeat(starts[sids] - ends + n, n)
+        counts = [sum(lengths[s] for s in chosen[h]) for h in heads]
+        return tok, np.repeat(np.asarray(heads, np.int64), counts), counts
 
     def load_region(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int]) -> None:
         """Fill KV heads ``heads`` of ``layer``'s region with their sentences ``chosen[h]``: the
         codes made at demotion (``codes``) or the raw K/V read from the host, token after token
         from slot 0, in the order given, the rest of the head's slots marked empty. One gather
-        from host RAM and one scatter into the region for all ``heads`` together."""
+        from host RAM for all ``heads``, then one slice copy per head and region tensor."""
         assert self.region_kv is not None and self.region_positions is not None
-        parts = [self.tokens_of(chosen[h]) for h in heads]
-        counts = torch.tensor([len(t) for t in parts], dtype=torch.long)
-        tok = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-        head_idx = torch.tensor(list(heads), dtype=torch.long).repeat_interleave(counts)
-        slot = torch.arange(len(tok)) - (counts.cumsum(0) - counts).repeat_interleave(counts)
-        dev = self.region_positions.device
         pos = self.region_positions[layer]  # (H_kv, R)
-        pos[torch.tensor(list(heads), dtype=torch.long, device=dev)] = -1
+        pos[list(heads)] = -1
+        tok, head_idx, counts = self.region_index(chosen, heads)
         if not len(tok):
             return
-        h_d, s_d = head_idx.to(dev), slot.to(dev)
-        pos[h_d, s_d] = self.flat()[3][tok].to(dev)
+        dev = pos.device
+        positions = torch.from_numpy(self.flat()[3][tok]).to(dev)
         if self.codes is not None:
-            assert self.region_scale is not None and self.region_zero is not None
-            for dst, src in zip((self.region_kv, self.region_scale, self.region_zero),
-                                self.codes.read_heads(tok, layer, head_idx)):
-                dst[layer][:, h_d, s_d] = src.transpose(0, 1).to(dst.device)
+            assert self.region_scale is not None and self.region_zero is not None and self.codes.codes is not None
+            rows = torch.from_numpy(head_idx * self.codes.codes.shape[2] + tok)
+            dsts = (self.region_kv, self.region_scale, self.region_zero)
+            srcs = [t.to(dev) for t in self.codes.gather(rows, layer)]  # (n, 2, ...) each
         else:
-            kv = self._raw_kv(layer, chosen, heads, tok, head_idx)
-            self.region_kv[layer][:, h_d, s_d] = kv.transpose(0, 1).to(self.region_kv)
+            dsts = (self.region_kv,)
+            srcs = [self._raw_kv(layer, chosen, heads, torch.from_numpy(tok), torch.from_numpy(head_idx))
+                    .to(self.region_kv)]
+        start = 0
+        for h, n in zip(heads, counts):
+            pos[h, :n] = positions[start:start + n]
+            for dst, src in zip(dsts, srcs):
+                dst[layer, :, h, :n] = src[start:start + n].transpose(0, 1)
+            start += n
 
     def _raw_kv(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
                 tok: torch.Tensor, head_idx: torch.Tensor) -> torch.Tensor:
