@@ -26,19 +26,17 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
-from cache_node.block import KVBlock
 from cache_node.config import EngineConfig
 from cache_node.kv_cache_manager import KVCacheManager, cdiv
 from cache_node.model_runner import ScheduledBatch
 from cache_node.scheduling import SchedulingPolicy, make_policy
 from cache_node.scheduling.admission import Ewma, SpeedMeter, StepTimeModel
 from cache_node.scheduling.base import PREFETCH_TTFT_SHARE, order_by_priority, requeue_by_priority
+from cache_node.scheduling.preemption import DemoteFn, Preemption
 from cache_node.sequence import Sequence, SequenceStatus
 
-DemoteFn = Callable[[list[KVBlock]], int]
 
-
-class Scheduler:
+class Scheduler(Preemption):
     """Queues and the per-step pick.
 
     Args:
@@ -85,12 +83,6 @@ class Scheduler:
         self._bytes_per_block = 0
         self._last_step: tuple[float, int, int] | None = None  # (start, prefill tokens, decodes)
         self._isolated_last = False  # the previous step ran interactive work only
-
-    def attach_swap(self, demote: DemoteFn, bytes_per_block: int, copy_bytes_per_s: float = 4e9) -> None:
-        """Let preemption demote a victim's blocks below the device tier (``demote`` moves free
-        cached blocks and returns how many moved) when the policy swaps and the round-trip copy
-        at ``copy_bytes_per_s`` is cheaper than recomputing at the measured prefill speed."""
-        self._demote, self._bytes_per_block, self._swap_bytes_per_s = demote, bytes_per_block, copy_bytes_per_s
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; one whose ``peak_tokens`` exceed the pool is given up at once."""
@@ -309,48 +301,6 @@ class Scheduler:
         self.running.append(head)
         batch.append((head, n))
 
-    def _free_held_elsewhere(self, seq: Sequence) -> None:
-        """Free the blocks of every waiting sequence but ``seq`` (they recompute, finding their
-        KV in the prefix cache) and let ``reclaim`` free the rest of the pool."""
-        for other in self.waiting:
-            if other is not seq and other.block_table:
-                self.kv_manager.free(other)
-                other.num_computed_tokens = 0
-        if self.reclaim is not None:
-            self.reclaim(self.kv_manager.pool.num_blocks)
-
-    def _preempt_for_slots(self, now: float) -> None:
-        """Free running slots for waiting sequences of a higher class than some running one."""
-        for seq in order_by_priority(self.policy.order(self.waiting, now)):
-            if len(self.running) < self.config.max_num_seqs:
-                return
-            victim = self.policy.victim(self.running, seq)
-            if victim is None:
-                return
-            self.preempt(victim)
-
-    def _preempt_from_batch(self, victim: Sequence, batch: ScheduledBatch) -> int:
-        """Preempt ``victim``; drop it from this step's batch. Returns the budget given back."""
-        refund = sum(k for s, k in batch if s is victim)
-        batch[:] = [(s, k) for s, k in batch if s is not victim]
-        self.preempt(victim)
-        return refund
-
-    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Allocate slots for a running sequence, preempting the policy's victims if needed.
-        Alone, it first takes the blocks other waiting sequences and idle sessions hold."""
-        if self.kv_manager.allocate_slots(seq, n) is not None:
-            return True
-        if self.running == [seq]:
-            self._free_held_elsewhere(seq)
-        while self.kv_manager.allocate_slots(seq, n) is None:
-            victim = self.policy.victim(self.running, seq)
-            assert victim is not None, "a running sequence always has a victim (itself at worst)"
-            self._preempt_from_batch(victim, batch)
-            if victim is seq:
-                return False
-        return True
-
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Reserve blocks for a waiting sequence's first chunk; None when it cannot start."""
         computed, num_cached = ([], 0)
@@ -378,26 +328,6 @@ class Scheduler:
         need = cdiv(seq.num_tokens - seq.num_evicted_tokens + 1, self.kv_manager.block_size)
         need -= num_computed_blocks + len(seq.block_table)
         return need <= self.kv_manager.pool.num_free_blocks()
-
-    def preempt(self, seq: Sequence) -> None:
-        """Free the blocks (demoting them when swapping is cheaper) and re-queue at the front."""
-        cached = [b for b in seq.block_table if b.block_hash is not None]
-        self.running.remove(seq)
-        self.kv_manager.free(seq)
-        if cached and self._swap_cheaper(len(cached)):
-            self._demote(cached)  # type: ignore[misc]
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def _swap_cheaper(self, num_blocks: int) -> bool:
-        if self._demote is None or not self.policy.swaps_on_preempt:
-            return False
-        copy_s = 2 * num_blocks * self._bytes_per_block / self._swap_bytes_per_s
-        recompute_s = num_blocks * self.kv_manager.block_size / self.prefill_speed.tokens_per_s
-        return copy_s < recompute_s
 
     def _measure(self, now: float) -> None:
         """Attribute the time since the last non-empty schedule to that step's tokens.
