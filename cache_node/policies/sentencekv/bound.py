@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from cache_node.policies.quant import quantize, unpack_bits
+from cache_node.policies.quant import quantize
 from cache_node.policies.sentencekv.sketch import KeySketch
 
 SLACK = 1e-4
@@ -153,15 +153,7 @@ def sketch_log_mass_bound(sketch: KeySketch, layer: int, q: torch.Tensor, scalin
 def sketch_logits(sketch: KeySketch, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """(n, H_kv, g, N) ``scaling * q . k^`` on the sketch's codes (``KeySketch.log_mass``'s
     logits, before its per-sentence sum)."""
-    assert sketch.codes is not None and sketch.scale is not None and sketch.zero is not None
-    n, h, d = q.shape
-    codes = unpack_bits(sketch.codes[layer], sketch.bits).float()  # (N, H_kv, d)
-    h_kv, gs = codes.shape[1], sketch.group_size
-    qg = q.float().view(n, h_kv, h // h_kv, d // gs, gs)
-    dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, gs))
-    logits = (dots * sketch.scale[layer].float().permute(1, 0, 2).unsqueeze(0).unsqueeze(2)).sum(-1)
-    logits = logits + torch.einsum("nhqG,NhG->nhqN", qg.sum(-1), sketch.zero[layer].float())
-    return logits * scaling
+    return sketch.logits(layer, q, scaling)  # shared with the recall's scores of the same step
 
 
 def missed_mass_bound(log_attended: torch.Tensor, log_upper: torch.Tensor, missed: torch.Tensor) -> torch.Tensor:

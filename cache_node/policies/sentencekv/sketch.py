@@ -24,6 +24,7 @@ class KeySketch:
         self.zero: torch.Tensor | None = None
         self.sentence_of = torch.zeros(0, dtype=torch.long)
         self._table: torch.Tensor | None = None
+        self._last: tuple[torch.Tensor, tuple[int, float, int], torch.Tensor] | None = None
 
     def decode_table(self, device: torch.device) -> torch.Tensor:
         """(256, 8 / bits) float32: the codes packed in each byte value (``unpack_bits`` of
@@ -65,13 +66,18 @@ class KeySketch:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
-    def log_mass(self, layer: int, q: torch.Tensor, scaling: float, num_sentences: int) -> torch.Tensor:
-        """(n, H_kv, g, S) ``logsumexp`` over each sentence's tokens of ``scaling * q . k``.
+    def logits(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(n, H_kv, g, N) ``scaling * q . k`` of every sketched token, on the codes: ``q . k =
+        sum_g s_g (q_g . c_g) + z_g sum(q_g)``, never a dequantized key tensor. ``q``: (n, H, d).
 
-        ``q``: (n, H, d). Scores come from the codes: ``q . k = sum_g s_g (q_g . c_g) +
-        z_g sum(q_g)``, never a dequantized key tensor.
+        The last result is kept (with ``q`` itself, so the same query tensor is recognised and
+        no other can take its address): the recall's scores (``log_mass``) and the recall
+        bound (``bound.sketch_logits``) of one layer and step share one pass over the codes.
         """
         assert self.codes is not None and self.scale is not None and self.zero is not None
+        key = (layer, scaling, self.codes.shape[1])
+        if self._last is not None and self._last[0] is q and self._last[1] == key:
+            return self._last[2]
         n, h, d = q.shape
         codes = self.decode(layer)  # (N, H_kv, d)
         h_kv = codes.shape[1]
@@ -80,6 +86,13 @@ class KeySketch:
         logits = (dots * self.scale[layer].float().permute(1, 0, 2).unsqueeze(0).unsqueeze(2)).sum(-1)
         logits = logits + torch.einsum("nhqG,NhG->nhqN", qg.sum(-1), self.zero[layer].float())
         logits = logits * scaling
+        self._last = (q, key, logits)
+        return logits
+
+    def log_mass(self, layer: int, q: torch.Tensor, scaling: float, num_sentences: int) -> torch.Tensor:
+        """(n, H_kv, g, S) ``logsumexp`` over each sentence's tokens of ``scaling * q . k``
+        (``logits``). ``q``: (n, H, d)."""
+        logits = self.logits(layer, q, scaling)
         top = logits.amax(-1, keepdim=True)
         mass = logits.new_zeros((*logits.shape[:3], num_sentences))
         mass.index_add_(-1, self.sentence_of, (logits - top).exp())
