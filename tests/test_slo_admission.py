@@ -61,3 +61,19 @@ def test_service_config_scheduler_names_are_checked() -> None:
     assert ServiceConfig(scheduler="kvstrata").scheduler == "kvstrata"
     with pytest.raises(ValueError, match="known: \\['fcfs', 'kvstrata', 'priority', 'vtc'\\]"):
         ServiceConfig(scheduler="edf")
+
+
+def test_step_model_fits_steps_held_at_one_bound() -> None:
+    """Regression (issue 21): steps held at a 0.25 s bound all cost about the same; the line
+    through (60 tokens, 0.248 s) and (59 tokens, 0.249 s) has a negative slope, the fit was
+    refused, ``step_budget`` returned None and the scheduler ran an unbounded 1.8 s step while
+    an interactive tenant was active. Such steps now fall back to one cost per token."""
+    from cache_node.scheduling.admission import StepTimeModel
+
+    model = StepTimeModel()
+    for i in range(64):
+        model.observe(*((56, 4, 0.248) if i % 7 else (54, 5, 0.249)))
+    base, per_token, per_decode = model.fit()
+    assert base == 0.0 and per_token == per_decode == pytest.approx(0.248 / 60, rel=0.01)
+    decodes, prefill = model.step_budget(0.25, decodes=4, least_decodes=0, cap=512)
+    assert decodes == 4 and 50 <= prefill <= 60

@@ -96,8 +96,14 @@ class StepTimeModel:
 
         When the steps do not separate the two costs (too little variety, or a fit with a
         negative cost), one cost per token is fitted to all tokens; with steps of one size
-        only (a saturated budget), ``(0, s, s)`` with ``s`` the median seconds per token: it
-        overstates the cost of a smaller step, so a budget sized from it errs short.
+        only (a saturated budget), or sizes too alike to give a positive slope and base,
+        ``(0, s, s)`` with ``s`` the median seconds per token: it overstates the cost of a
+        smaller step, so a budget sized from it errs short.
+
+        Regression (issue 21): steps held at a bound all cost about the same (56 or 54 tokens
+        in 0.248 or 0.249 s), the line through them had a negative slope, ``step_budget``
+        returned None, and the scheduler ran an unbounded 1.8 s batch-prefill step while an
+        interactive tenant was active.
         """
         if len(self._samples) < self.min_samples:
             return None
@@ -109,11 +115,12 @@ class StepTimeModel:
             if base >= 0 and per_token > 0 and per_decode > 0:
                 return float(base), float(per_token), float(per_decode)
         tokens = prefill + decodes
-        if len(set(tokens.tolist())) < 2:
-            per = float(np.median(secs / tokens))
-            return 0.0, per, per
-        per_token, base = np.polyfit(tokens, secs, 1)
-        return float(base), float(per_token), float(per_token)
+        if len(set(tokens.tolist())) >= 2:
+            per_token, base = np.polyfit(tokens, secs, 1)
+            if base >= 0 and per_token > 0:
+                return float(base), float(per_token), float(per_token)
+        per = float(np.median(secs / tokens))
+        return 0.0, per, per
 
     def margin(self, fitted: tuple[float, float, float]) -> float:
         """The ``quantile`` of actual / fitted seconds over the kept steps, at least 1."""
