@@ -29,6 +29,11 @@ SLACK = 1e-4
 """Relative slack (of ``sum |q_c| max(|lo_c|, |hi_c|)``) added to every bound, covering the
 float32 rounding of the logits it is compared with (their relative error is ~1e-6)."""
 
+LOG_SLACK = 1e-4
+"""Added to every log upper mass and taken from ``log A``: the float32 rounding of a sum of
+``exp`` over up to a few thousand terms (relative error <= terms * 6e-8), which the relative
+``SLACK`` does not cover when the logits are near 0."""
+
 
 def _outward_half(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``lo``/``hi`` as float16, rounded down/up so the stored interval still holds the keys."""
@@ -61,7 +66,9 @@ class KeyBounds:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.lo = self.hi = self.err = None  # type: torch.Tensor | None
+        self.lo: torch.Tensor | None = None
+        self.hi: torch.Tensor | None = None
+        self.err: torch.Tensor | None = None
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.sid = torch.zeros(0, dtype=torch.long, device=self.device)
         self.slot_err: dict[int, tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
@@ -75,10 +82,9 @@ class KeyBounds:
         lo, hi = _outward_half(k.amin(1), k.amax(1))
         err = quant_error(k, region_bits, region_group) + SLACK * k.norm(dim=-1).amax(1)
         parts = [t.unsqueeze(0).to(self.device) for t in (lo, hi, err)]
-        if self.lo is None:
-            self.lo, self.hi, self.err = parts
-        else:
-            self.lo, self.hi, self.err = (torch.cat([old, new]) for old, new in zip((self.lo, self.hi, self.err), parts))
+        if self.lo is not None and self.hi is not None and self.err is not None:
+            parts = [torch.cat([old, new]) for old, new in zip((self.lo, self.hi, self.err), parts)]
+        self.lo, self.hi, self.err = parts
         self.lengths = torch.cat([self.lengths, torch.tensor([keys.shape[1]], device=self.device)])
         self.sid = torch.cat([self.sid, torch.tensor([sid], device=self.device)])
 
@@ -102,7 +108,7 @@ class KeyBounds:
     def log_upper(self, layer: int, q: torch.Tensor, scaling: float, sketch: KeySketch | None) -> torch.Tensor:
         """(n, H, S) an upper bound on each row's log mass: ``ub_s + log n_s``, or for a stored
         sentence the smaller of that and ``sketch_log_mass_bound`` when there is a sketch."""
-        out = self.upper(layer, q, scaling) + self.lengths.float().log()
+        out = self.upper(layer, q, scaling) + self.lengths.float().log() + LOG_SLACK
         if sketch is None or sketch.codes is None:
             return out
         rows = (self.sid >= 0).nonzero().squeeze(1)
@@ -147,7 +153,7 @@ def sketch_log_mass_bound(sketch: KeySketch, layer: int, q: torch.Tensor, scalin
     peak = logits.new_full((*logits.shape[:3], num_sentences), -math.inf)  # per sentence: no underflow
     peak.scatter_reduce_(-1, of.expand_as(logits), logits, "amax")
     mass = torch.zeros_like(peak).index_add_(-1, of, (logits - peak[..., of]).exp())
-    return (mass.log() + peak).flatten(1, 2)
+    return (mass.log() + peak + LOG_SLACK).flatten(1, 2)
 
 
 def sketch_logits(sketch: KeySketch, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -162,13 +168,13 @@ def missed_mass_bound(log_attended: torch.Tensor, log_upper: torch.Tensor, misse
     ``log_attended``: (n, H) ``log A`` (a lower bound on the attended tokens' mass, in the
     logits' units); ``log_upper``: (n, H, S) an upper bound on the log mass of each row's
     tokens (``ub_s + log n_s``, or ``sketch_log_mass_bound``); ``missed``: (H_kv, S) bool, the
-    rows a KV head does not attend. Computed in log space: ``sigmoid(log U - log A)`` (0 when
-    nothing is missed)."""
+    rows a KV head does not attend. Computed in log space: ``sigmoid(log U - log A)``, ``log A``
+    lowered by ``LOG_SLACK`` for its float32 sum (0 when nothing is missed)."""
     n, h, s = log_upper.shape
     h_kv = missed.shape[0]
     log_u = log_upper.double().view(n, h_kv, h // h_kv, s)
     log_u = log_u.masked_fill(~missed.view(1, h_kv, 1, s), -math.inf).logsumexp(-1).view(n, h)
-    return torch.sigmoid(log_u - log_attended.double()).float()
+    return torch.sigmoid(log_u - (log_attended.double() - LOG_SLACK)).float()
 
 
 def overflow_rows(log_attended: torch.Tensor, log_upper: torch.Tensor, missed: torch.Tensor,
@@ -183,7 +189,7 @@ def overflow_rows(log_attended: torch.Tensor, log_upper: torch.Tensor, missed: t
     n, h, s = log_upper.shape
     h_kv = missed.shape[0]
     log_u = log_upper.double().view(n, h_kv, h // h_kv, s)
-    log_a = log_attended.double().view(n, h_kv, h // h_kv)
+    log_a = log_attended.double().view(n, h_kv, h // h_kv) - LOG_SLACK
     target = log_a + math.log(eps / (1 - eps))  # U < eps / (1 - eps) * A  <=>  U / (A + U) < eps
     out = []
     for head in range(h_kv):

@@ -58,6 +58,7 @@ def region_logits(state: SequenceKV, bounds: KeyBounds, layer: int, region: Extr
         err = cached[1]
     else:
         err = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # (H_kv, R)
+        assert bounds.err is not None
         for head, r in enumerate(rows):
             if len(r):
                 e = bounds.err[r, layer, head].repeat_interleave(bounds.lengths[r]).to(err.device)
@@ -95,7 +96,7 @@ def step_bound(state: SequenceKV, store: HostSentenceStore, bounds: KeyBounds, s
     if eps > 0:
         t0 = time.perf_counter()
         extra = overflow_rows(log_a, ub, missed, bounds.sid >= 0, eps)
-        sids = [sorted(bounds.sid[r].tolist(), key=lambda s: int(store.positions[s][0])) for r in extra]
+        sids = [sorted(bounds.sid[r].tolist()) for r in extra]  # ids ascend with position
         over = OverflowKV(store, layer, sids, state.pool.head_dim, state.pool.kv.dtype, state.pool.kv.device)
         for head, r in enumerate(extra):
             missed[head, r] = False

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from cache_node.policies.sentencekv.host_kv import TierHostKV
+
 if TYPE_CHECKING:
     from cache_node.policies.sentencekv.store import HostSentenceStore
 
@@ -32,10 +34,11 @@ class OverflowKV:
         union = sorted({s for heads in sids for s in heads})
         lengths = {s: len(store.positions[s]) for s in union}
         handles = [store.handles[s] for s in union]
-        if union and all(isinstance(x, torch.Tensor) for x in handles):  # host-tier slots: one gather
+        every: torch.Tensor | None = None
+        if union and isinstance(store.host, TierHostKV):  # host-tier slots: one gather
             every = store.host.read(torch.cat(handles), layer)  # (T, 2, H_kv, d)
-        else:
-            every = torch.cat([store.sentence_kv(s, layer) for s in union]) if union else None
+        elif union:
+            every = torch.cat([store.sentence_kv(s, layer) for s in union])
         starts = dict(zip(union, [0, *torch.tensor([lengths[s] for s in union]).cumsum(0).tolist()]))
         counts = [sum(lengths[s] for s in heads) for heads in sids]
         width = max(counts, default=0)

@@ -240,7 +240,8 @@ class SentenceKV(Policy):
             return QuantSentenceRegion(store, layer_idx, self.region_bits)
         return SentenceRegion(store, layer_idx)
 
-    def extra_kv(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | ChainedKV | None:
+    def extra_kv(self, state: SequenceKV, layer_idx: int
+                 ) -> SentenceRegion | QuantSentenceRegion | OverflowKV | ChainedKV | None:
         """The layer's recall region, and in exact-recall mode the step's overflow beside it."""
         region = self._region(state, layer_idx)
         over: tuple[int, OverflowKV] | None = state.extra.get("overflow")
