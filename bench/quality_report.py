@@ -111,7 +111,8 @@ def write_report(out: Path, summary: dict, traces: dict, meta: dict, sweep_rows:
     out.mkdir(parents=True, exist_ok=True)
     checks = targets(summary)
     (out / "results.json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "targets": checks, "threshold_sweep": sweep_rows}, indent=1))
+        {"meta": meta, "summary": summary, "targets": checks, "threshold_sweep": sweep_rows,
+         "memory_vs_position": {spec: [list(pt) for pt in pts] for spec, pts in traces.items()}}, indent=1))
     peer = meta.get("kvpress", {})
     peer_line = (f"kvpress: not run ({peer['error']})" if "error" in peer else
                  "kvpress: skipped" if peer.get("skipped") else
