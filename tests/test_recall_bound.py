@@ -200,6 +200,7 @@ def wiki_context(tok, tokens: int) -> tuple[list[int], list[int], list[int]]:  #
     return tok.encode(text)[:tokens], prompt, tok.encode(" The article describes a place, its history and people.")[:8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "steps"), [("sentencekv-0.25", 2), ("sentencekv-0.25-recall_eps_0.01", 6)])
 def test_reported_bound_holds_on_smollm2_and_exact_recall_keeps_kl_under_eps(wiki, real_model, spec, steps) -> None:  # type: ignore[no-untyped-def]
     """SmolLM2-135M, a 1k-token Wikipedia context compressed to 25%, a question prompt and
