@@ -209,6 +209,7 @@ def test_bad_prefix_tokens_are_refused(tiny) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~1-2 min on 2 idle cores; sentencekv recalls every decode step
 def test_eight_questions_over_a_wikipedia_document_compress_it_once(real_model) -> None:
     """Acceptance (issue 22): 8 requests over the same 2048-token Wikipedia document (with a
     pass key) and different questions under sentencekv-0.25 on SmolLM2, demoted sentences in
@@ -231,15 +232,15 @@ def test_eight_questions_over_a_wikipedia_document_compress_it_once(real_model) 
                     tier_config=TierConfig(host_bytes=128 << 20))
     eng.policy_env = PolicyEnv.from_tokenizer(tok)
     counts = count_computed(eng)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)  # the pass key's first 3 digits
     outs = eng.generate([doc + q for q in qs], params, policy="sentencekv-0.25", prefix_tokens=len(doc))
     s = eng.stats()
     assert (s["compressed_prefix_stores"], s["compressed_prefix_hits"]) == (1, 7)
-    assert counts[outs[0].request_id] == len(doc) + len(qs[0]) + 3
-    assert [counts[o.request_id] for o in outs[1:]] == [len(q) + 3 for q in qs[1:]]
+    assert counts[outs[0].request_id] == len(doc) + len(qs[0]) + 2
+    assert [counts[o.request_id] for o in outs[1:]] == [len(q) + 2 for q in qs[1:]]
     got = [list(o.output_token_ids) for o in outs]
     assert item["questions"][0][2][:3] in tok.decode(got[0])
-    assert got == agnostic_answers(eng, doc, qs, "sentencekv-0.25", 4, 512)
+    assert got == agnostic_answers(eng, doc, qs, "sentencekv-0.25", 3, 512)
     eng.prefixes.clear()
     assert eng.stats()["used_blocks"] == 0 and eng.tiers.host.num_reserved == 0
     eng.check_integrity()
