@@ -71,8 +71,9 @@ def test_a_full_pool_refuses_the_charge_and_the_sequence_does_not_run_on_uncharg
 
 
 def test_sentencekv_without_a_host_tier_charges_its_cpu_copies_to_the_pool(tiny) -> None:
-    """issue 18 fault 9: without a host tier, sentencekv's demoted K/V and region codes sat in
-    unbounded CPU tensors; now they are charged to the device pool with its index and region."""
+    """issue 18 fault 9: without a host tier, sentencekv's demoted K/V and region codes (and its
+    key bounds) sat in unbounded CPU tensors; now they are charged to the device pool with its
+    index and region."""
     eng = make_engine(tiny)
     rid = eng.add_request(prompt_of(200), SamplingParams(max_tokens=4, ignore_eos=True), tenant="t",
                           policy="sentencekv-96")
@@ -81,7 +82,8 @@ def test_sentencekv_without_a_host_tier_charges_its_cpu_copies_to_the_pool(tiny)
     assert isinstance(store.host, PrivateHostKV)
     demoted = len(torch.cat(store.positions))
     raw = demoted * 2 * 2 * 2 * 16 * 4  # (L, K/V, H_kv, d) float32 per token
-    expected = store.index_nbytes + store.region_nbytes + raw + demoted * QUANT8_TOKEN_BYTES
+    bounds = seq.kv.extra["key_bounds"].nbytes  # the recall bound's key bounds, host side (CPU)
+    expected = store.index_nbytes + store.region_nbytes + raw + demoted * QUANT8_TOKEN_BYTES + bounds
     assert store.codes.nbytes == demoted * QUANT8_TOKEN_BYTES and store.host.nbytes == raw
     assert seq.kv.outside_pool_bytes() == expected
     assert len(seq.kv.charge_blocks) == -(-expected // BLOCK_BYTES)
