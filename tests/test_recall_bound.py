@@ -21,6 +21,7 @@ from cache_node.policies.registry import parse_spec
 from cache_node.policies.sentencekv import KeySketch, SentenceKV
 from cache_node.policies.sentencekv.bound import (
     KeyBounds,
+    RecallBoundStats,
     logit_upper_bounds,
     missed_mass_bound,
     overflow_rows,
@@ -127,6 +128,9 @@ def test_finished_output_reports_the_bound(tiny) -> None:
     assert plain.policy_stats["recall_bound_steps"] >= 5 and 0 < plain.policy_stats["recall_bound_max"] <= 1
     assert "device_bytes_peak" not in plain.policy_stats
     assert exact.policy_stats["recall_bound_max"] < 0.01
+    stats = RecallBoundStats()
+    stats.record(7, 0, torch.tensor([[0.1, 0.3, 0.2, 0.05]]))  # 4 query heads, 2 KV heads
+    assert stats.kv_head_bounds(0, 2).tolist() == [[pytest.approx(0.3), pytest.approx(0.2)]]
     assert exact.policy_stats["recall_overflow_tokens_peak"] > 0
     assert exact.policy_stats["device_bytes_peak"] > 96 * eng.pool.bytes_per_block // 16
 

@@ -234,6 +234,12 @@ class RecallBoundStats:
         self.step_max = max(self.step_max, float(bound.max()))
         self.last[layer] = bound
 
+    def kv_head_bounds(self, layer: int, num_kv_heads: int) -> torch.Tensor:
+        """(n, H_kv) the latest step's bound in ``layer`` per KV head: the max over its query
+        heads (query head ``h`` reads KV head ``h // (H / H_kv)``)."""
+        b = self.last[layer]
+        return b.view(b.shape[0], num_kv_heads, -1).amax(-1)
+
     def record_overflow(self, tokens: int, nbytes: int, device_bytes: int, seconds: float) -> None:
         self.exact = True
         self.overflow_tokens_peak = max(self.overflow_tokens_peak, tokens)
