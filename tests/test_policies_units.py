@@ -217,7 +217,7 @@ def test_sentencekv_keeps_its_sentences_in_the_engines_host_tier(tiny) -> None:
     runs = {}
     for host_blocks in (0, 32):
         eng = _sentencekv_engine(tiny, host_blocks)
-        rid = eng.add_request(prompt, params, policy="sentencekv-96")
+        rid = eng.add_request(prompt, params, policy="sentencekv-96-bound_tier_host")  # key bounds too
         seq = run_to(eng, rid, 3)
         store = seq.kv.extra["sentences"]
         runs[host_blocks] = (eng, rid, store)

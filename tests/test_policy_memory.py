@@ -76,7 +76,7 @@ def test_sentencekv_without_a_host_tier_charges_its_cpu_copies_to_the_pool(tiny)
     index and region."""
     eng = make_engine(tiny)
     rid = eng.add_request(prompt_of(200), SamplingParams(max_tokens=4, ignore_eos=True), tenant="t",
-                          policy="sentencekv-96")
+                          policy="sentencekv-96-bound_tier_host")  # with its key bounds
     seq = run_until(eng, rid, 2)
     store = seq.kv.extra["sentences"]
     assert isinstance(store.host, PrivateHostKV)

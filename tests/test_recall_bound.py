@@ -124,7 +124,10 @@ def test_finished_output_reports_the_bound(tiny) -> None:
     eng.policy_env = PolicyEnv(frozenset({13}))
     prompt = [(i % 13) + 1 for i in range(200)]
     plain, exact = (eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), policy=p)[0]
-                    for p in ("sentencekv-96", "sentencekv-96-recall_eps_0.01"))
+                    for p in ("sentencekv-96-bound_tier_host", "sentencekv-96-recall_eps_0.01"))
+    default = eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True), policy="sentencekv-96")[0]
+    assert "recall_bound_max" not in default.policy_stats  # bound_tier auto: off without recall_eps
+    assert default.output_token_ids == plain.output_token_ids  # the bound never changes what is attended
     assert plain.policy_stats["recall_bound_steps"] >= 5 and 0 < plain.policy_stats["recall_bound_max"] <= 1
     assert "device_bytes_peak" not in plain.policy_stats
     assert exact.policy_stats["recall_bound_max"] < 0.01
@@ -205,7 +208,7 @@ def wiki_context(tok, tokens: int) -> tuple[list[int], list[int], list[int]]:  #
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("spec", "steps"), [("sentencekv-0.25", 2), ("sentencekv-0.25-recall_eps_0.01", 6)])
+@pytest.mark.parametrize(("spec", "steps"), [("sentencekv-0.25-bound_tier_host", 2), ("sentencekv-0.25-recall_eps_0.01", 6)])
 def test_reported_bound_holds_on_smollm2_and_exact_recall_keeps_kl_under_eps(wiki, real_model, spec, steps) -> None:  # type: ignore[no-untyped-def]
     """SmolLM2-135M, a 1k-token Wikipedia context compressed to 25%, a question prompt and
     teacher-forced decode steps (2 under the budgeted recall, 6 in exact-recall mode): in every

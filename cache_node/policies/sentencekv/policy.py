@@ -49,10 +49,13 @@ class SentenceKV(Policy):
     and KV head (Quest §3), and each decode step records, per layer and query head, an upper
     bound on the softmax mass of the tokens it does not attend; the request's max and mean over
     steps go to its finished output (``Sequence.policy_stats``). ``bound_tier``: where the
-    bounds live and are charged: ``"host"`` (default; host RAM, charged to the host tier, the
-    bound computed there from the query), ``"device"`` (counted in the index's device bytes,
-    so the region shrinks), ``"off"`` (no bound). At a 25% budget on SmolLM2-135M with 1k-token
-    contexts, device bounds take ~20 token-equivalents from the region (bench/README.md).
+    bounds live and are charged: ``"host"`` (host RAM, charged to the host tier, the bound
+    computed there from the query), ``"device"`` (counted in the index's device bytes, so the
+    region shrinks), ``"off"`` (no bound), or ``"auto"`` (the default: ``"host"`` in
+    exact-recall mode, else ``"off"``: the bound adds ~20% to a decode step on this CPU, so a
+    request pays for it only when it asks, with ``recall_eps`` or ``bound_tier_host``). At a
+    25% budget on SmolLM2-135M with 1k-token contexts, device bounds take ~20
+    token-equivalents from the region (bench/README.md).
 
     Exact-recall mode (``recall_eps`` > 0, e.g. ``sentencekv-0.25-recall_eps_0.01``): after the
     budgeted recall, each layer recalls further sentences, in decreasing ``n_s exp(ub_s)``, into
@@ -78,7 +81,7 @@ class SentenceKV(Policy):
     sketch_group: int = 16
     region_bits: int = 8
     region_group: int = 16
-    bound_tier: str = "host"
+    bound_tier: str = "auto"
     recall_eps: float = 0.0
 
     def __post_init__(self) -> None:
@@ -91,8 +94,8 @@ class SentenceKV(Policy):
             raise ValueError(f"sketch_bits must be 1, 2, 4 or 8, got {self.sketch_bits}")
         if self.region_bits not in (0, 4, 8):
             raise ValueError(f"region_bits must be 0 (the pool's dtype), 4 or 8, got {self.region_bits}")
-        if self.bound_tier not in ("host", "device", "off"):
-            raise ValueError(f"unknown bound_tier {self.bound_tier!r}; known: host, device, off")
+        if self.bound_tier not in ("auto", "host", "device", "off"):
+            raise ValueError(f"unknown bound_tier {self.bound_tier!r}; known: auto, host, device, off")
         if not isinstance(self.recall_eps, (int, float)) or not 0 <= self.recall_eps < 1:
             raise ValueError(f"recall_eps must be a number in [0, 1), got {self.recall_eps!r}")
         if self.recall_eps and self.bound_tier == "off":
@@ -118,8 +121,8 @@ class SentenceKV(Policy):
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
             if self.region_bits:
                 store.codes = SentenceCodes(self.region_bits, self._region_group(state))
-            if self.bound_tier != "off":
-                device = state.pool.kv.device if self.bound_tier == "device" else "cpu"
+            if self._bounds_at != "off":
+                device = state.pool.kv.device if self._bounds_at == "device" else "cpu"
                 state.extra["key_bounds"] = KeyBounds(device)
                 state.extra["recall_bound"] = RecallBoundStats()
         return store
@@ -135,12 +138,12 @@ class SentenceKV(Policy):
         before = bounds.nbytes
         bounds.append(kv[:, :, 0], len(store) - 1 if stored else -1, self.region_bits, self._region_group(state))
         grown = bounds.nbytes - before
-        if self.bound_tier == "host" and isinstance(store.host, TierHostKV) and store.host.add(kv[:, :0], grown) is None:
+        if self._bounds_at == "host" and isinstance(store.host, TierHostKV) and store.host.add(kv[:, :0], grown) is None:
             state.extra["bounds_uncharged"] = state.extra.get("bounds_uncharged", 0) + grown
 
     def _bound_device_bytes(self, state: SequenceKV) -> int:
         bounds = state.extra.get("key_bounds")
-        return bounds.nbytes if bounds is not None and self.bound_tier == "device" else 0
+        return bounds.nbytes if bounds is not None and self._bounds_at == "device" else 0
 
     def pool_tokens(self, state: SequenceKV) -> int:
         """Pool slots the sequence may fill after a compaction: sinks and window in whole
@@ -206,6 +209,13 @@ class SentenceKV(Policy):
             state.stats.compact([keep] * L)
         self._fill_from_window(state)
         return True
+
+    @property
+    def _bounds_at(self) -> str:
+        """``bound_tier`` with ``"auto"`` resolved: host in exact-recall mode, else off."""
+        if self.bound_tier == "auto":
+            return "host" if self.recall_eps else "off"
+        return self.bound_tier
 
     def _fill_from_window(self, state: SequenceKV) -> None:
         stats = state.stats
@@ -337,7 +347,7 @@ class SentenceKV(Policy):
         if not isinstance(store.host, PrivateHostKV):
             return uncharged
         bounds = state.extra.get("key_bounds")
-        host_bounds = bounds.nbytes if bounds is not None and self.bound_tier == "host" else 0
+        host_bounds = bounds.nbytes if bounds is not None and self._bounds_at == "host" else 0
         return store.host.nbytes + (0 if store.codes is None else store.codes.nbytes) + host_bounds
 
     def extra_device_bytes(self, state: SequenceKV) -> int:
