@@ -132,7 +132,7 @@ class Scheduler(Preemption):
         # never two isolated steps in a row: the other classes decode at least every other step
         urgent_only = not self._isolated_last and urgent
         self._isolated_last = urgent_only
-        budget, decode_cap, capped = self._floor_sized_step(running, budget, urgent, now)
+        budget, decode_cap, capped, need = self._floor_sized_step(running, budget, urgent, now)
         batch: ScheduledBatch = []
         chunk_cap = budget
         # a running prefill leaves room for waiting requests that may join this step (in an
@@ -150,8 +150,10 @@ class Scheduler(Preemption):
             n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             decode = seq.num_uncomputed_tokens == 1
             if decode and decode_cap is not None:
-                if decode_cap <= 0 and self.policy.share(seq).min_tokens_per_s <= 0:
-                    continue  # no floor: sits out this step, first in line for the next
+                if need.get(seq.tenant, 0) > 0:
+                    need[seq.tenant] -= 1
+                elif decode_cap <= 0:
+                    continue  # not needed for a floor: sits out this step, first in line for the next
                 decode_cap -= 1
             held_back = capped is not None and not decode and self.policy.rank(seq) > 0
             if held_back:
@@ -260,28 +262,34 @@ class Scheduler(Preemption):
                 capped -= n
 
     def _floor_sized_step(self, running: list[Sequence], budget: int, urgent: bool,
-                          now: float) -> tuple[int, int | None, int | None]:
+                          now: float) -> tuple[int, int | None, int | None, dict[str, int]]:
         """Size the step to a decoding tenant's token-rate floor, if any: returns the token
-        budget, the decodes the step has room for, and the tokens left for other prefills
-        (both None when no floor applies). Sorts ``running`` decodes first: floors, then by
-        class, the one that waited longest first."""
+        budget, the decodes the step has room for, the tokens left for other prefills (both
+        None when no floor applies), and per tenant the decodes its floor needs this step
+        (``policy.floor_decodes``; the others may sit out). Sorts ``running`` decodes first:
+        floors, then by class, the one that waited longest first."""
         if self.session_tenants is not None:
             self.policy.keep_active(self.session_tenants(), now)
         target_s = self.policy.step_target_s(self.running, now)
         if target_s is None:
-            return budget, None, None
+            return budget, None, None, {}
         decodes = [s for s in running if s.num_uncomputed_tokens == 1]
-        floored = sum(self.policy.share(s).min_tokens_per_s > 0 for s in decodes)
-        plan = self.step_model.step_budget(target_s, len(decodes), floored, budget)
+        floors: dict[str, tuple[int, float]] = {}
+        for seq in decodes:
+            floor = self.policy.share(seq).min_tokens_per_s
+            if floor > 0:
+                floors[seq.tenant] = (floors.get(seq.tenant, (0, floor))[0] + 1, floor)
+        need = {t: self.policy.floor_decodes(floor, k, target_s) for t, (k, floor) in floors.items()}
+        plan = self.step_model.step_budget(target_s, len(decodes), sum(need.values()), budget)
         running.sort(key=lambda s: (s.num_uncomputed_tokens > 1,
                                     self.policy.share(s).min_tokens_per_s <= 0,
                                     self.policy.rank(s), self._last_decode_s.get(s.request_id, 0.0)))
         if plan is None:
-            return budget, None, None
+            return budget, None, None, need
         decode_cap, capped = plan
         if not urgent:  # an interactive prefill is exempt (its TTFT): not capped
             budget = min(budget, decode_cap + capped)
-        return budget, decode_cap, capped
+        return budget, decode_cap, capped, need
 
     def _unwedge(self, batch: ScheduledBatch, budget: int, now: float) -> None:
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past

@@ -144,12 +144,13 @@ def test_step_time_model_plans_with_the_quantile_of_its_misses() -> None:
     assert 1.5 * (0.05 + 0.002 * p + 0.01 * d) <= 0.5 and d == 4 and p > 0
 
 
-def floor_under_decodes(policy: str) -> tuple[list[float], int]:
-    """Each decode costs 30 ms (a prefill token 2 ms, a step 50 ms). A batch tenant has 15
-    long decodes running; a light tenant with a floor of 4 tokens/s starts one 60-token
-    decode. Returns the light tenant's tokens/s in each whole 2 s window from its arrival to
-    its finish, and the most steps any batch request went without a token meanwhile."""
-    tenants = {"bulk": TenantShare("batch", weight=1.0),
+def floor_under_decodes(policy: str, bulk_floor: float = 0.0) -> tuple[list[float], int]:
+    """Each decode costs 30 ms (a prefill token 2 ms, a step 50 ms). A batch tenant (its floor
+    ``bulk_floor`` tokens/s) has 15 long decodes running; a light tenant with a floor of 4
+    tokens/s starts one 60-token decode. Returns the light tenant's tokens/s in each whole 2 s
+    window from its arrival to its finish, and the most steps any batch request went without
+    a token meanwhile."""
+    tenants = {"bulk": TenantShare("batch", weight=1.0, min_tokens_per_s=bulk_floor),
                "light": TenantShare("standard", weight=1.0, min_tokens_per_s=4.0)}
     sim = Sim(policy, num_blocks=1024, max_seqs=16, budget=256, tenants=tenants,
               step_cost=lambda p, d: 0.05 + 0.002 * p + 0.03 * d)
@@ -179,6 +180,17 @@ def test_decodes_without_a_floor_sit_out_when_the_decode_batch_would_break_a_flo
     assert gap <= 4, gap
     vtc, _ = floor_under_decodes("vtc")
     assert max(vtc[1:]) < 4.0, vtc  # the first window holds its 16 prefill tokens
+
+
+def test_a_small_floor_does_not_keep_every_decode_of_its_tenant_in_the_step() -> None:
+    """Regression (issue 21, make demo): the batch tenants there have a 0.5 tok/s floor, and
+    every decode of a tenant with a floor counted as needed, so a step could never be shorter
+    than all of them: the interactive tenant's lone decode ran at 262 ms a token against its
+    4 tok/s floor. A floor now keeps only the decodes it needs a step (``floor_decodes``:
+    one here); the batch tenant's others take turns, and its rate stays far above 0.5."""
+    light, gap = floor_under_decodes("kvstrata", bulk_floor=0.5)
+    assert len(light) >= 4 and min(light) >= 4.0, light
+    assert gap <= 4, gap
 
 
 def test_vtc_alone_misses_the_floor_of_the_light_tenant() -> None:

@@ -147,6 +147,12 @@ class SchedulingPolicy(ABC):
         """The longest step (seconds) that keeps the running floors; None: no limit."""
         return None
 
+    def floor_decodes(self, min_tokens_per_s: float, num_decodes: int, step_s: float) -> int:
+        """Of a floor tenant's ``num_decodes`` decodes, how many a step of ``step_s`` must run
+        to keep its floor (the others may sit out when the decode batch would overrun the
+        step). Default: all of them."""
+        return num_decodes
+
     def keep_active(self, tenants: Iterable[str], now_s: float) -> None:
         """``tenants`` have a session open on the node at ``now_s`` (their next turn comes here)."""
 

@@ -47,6 +47,7 @@ policy: ``Scheduler.peak_tokens``.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -188,6 +189,15 @@ class KvstrataPolicy(SchedulingPolicy):
         if interactive is not None:
             bounds.append(interactive)
         return min(bounds) if bounds else None
+
+    def floor_decodes(self, min_tokens_per_s: float, num_decodes: int, step_s: float) -> int:
+        """A tenant keeps its floor with ``ceil(floor * headroom * step_s)`` tokens a step;
+        its other decodes may sit out (taking turns) when the decode batch would overrun the
+        step. Regression (issue 21, make demo): the batch tenants' 0.5 tok/s floors made every
+        one of their decodes count as floored, so a step could never be shorter than all of
+        them, and the interactive tenant's lone decode ran at 262 ms a token against its
+        4 tok/s floor (3.94 tokens in three 1 s windows)."""
+        return min(num_decodes, math.ceil(min_tokens_per_s * self.floor_headroom * step_s))
 
     def keep_active(self, tenants: Iterable[str], now_s: float) -> None:
         """An interactive tenant with a session open on the node stays active (steps sized to
