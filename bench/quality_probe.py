@@ -74,15 +74,9 @@ class Probe:
         self.pool.write_blocks([b.block_id for b in blocks], self.pool.read_blocks(ids))
         child.block_table = blocks
         child.num_computed_tokens = seq.num_computed_tokens
-        src = seq.kv
-        kv = SequenceKV(child, policy or src.policy, self.pool, self.block_pool, src.env, src.host)
-        kv.positions, kv.support = src.positions.clone(), src.support.clone()
-        if src.stats is not None and kv.policy.needs.any:
-            kv.stats = _own_stats(src.stats.clone(), kv.policy)
-        kv.budget, kv.num_compactions = src.budget, src.num_compactions
-        kv.extra = {k: (v.fork() if hasattr(v, "fork") else v) for k, v in src.extra.items()}
-        child.kv = kv
-        child.num_evicted_tokens = seq.num_evicted_tokens
+        child.kv = kv = seq.kv.fork(child, policy)
+        if kv.stats is not None:
+            kv.stats = _own_stats(kv.stats, kv.policy) if kv.policy.needs.any else None
         return child
 
     def compress(self, seq: Sequence, spec: str) -> Sequence:

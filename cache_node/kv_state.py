@@ -270,15 +270,17 @@ class SequenceKV:
         """Valid (non-hole) entries per layer."""
         return (self.positions >= 0).sum(1).tolist()
 
-    def fork(self, child: Sequence) -> SequenceKV:
+    def fork(self, child: Sequence, policy: Policy | None = None) -> SequenceKV:
         """This state for ``child``, whose block table holds a copy of this sequence's blocks:
         layout, statistics, budget and the policy's extras copied (``extra`` values with a
         ``fork`` method are forked, e.g. host-tier sentences, whose slots the two then share;
-        the rest are never mutated in place and are shared). The child holds no charge blocks
-        yet: call ``settle_charge``. As ``bench.quality_probe.Probe.fork``."""
-        kv = SequenceKV(child, self.policy, self.pool, self.block_pool, self.env, self.host)
+        the rest are never mutated in place and are shared), under ``policy`` (default: this
+        one; the quality harness forks a full-cache context under each policy). The child
+        holds no charge blocks yet: call ``settle_charge``."""
+        kv = SequenceKV(child, policy or self.policy, self.pool, self.block_pool, self.env, self.host)
         kv.positions, kv.support = self.positions.clone(), self.support.clone()
-        kv.stats = None if self.stats is None else self.stats.clone()
+        if self.stats is not None:  # else the new state's own (fresh) statistics
+            kv.stats = self.stats.clone()
         kv.budget, kv.num_compactions = self.budget, self.num_compactions
         kv.extra = {k: (v.fork() if hasattr(v, "fork") else v) for k, v in self.extra.items()}
         child.num_evicted_tokens = self.seq.num_evicted_tokens

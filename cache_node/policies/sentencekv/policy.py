@@ -292,7 +292,7 @@ class SentenceKV(Policy):
             return
         t0 = time.perf_counter()
         changed = [h for h, sids in enumerate(chosen) if before is None or before[h] != sids]
-        self._load(store, layer_idx, changed, chosen)
+        store.load_region(layer_idx, chosen, changed)  # one gather from host RAM, one scatter
         store.resident[layer_idx] = chosen
         store.recall_s += time.perf_counter() - t0
         store.num_recalls += 1
@@ -322,12 +322,6 @@ class SentenceKV(Policy):
                         used += lengths[sid]
             out.append(tuple(sorted(chosen, key=first.__getitem__)))
         return tuple(out)
-
-    def _load(self, store: HostSentenceStore, layer: int, heads: list[int],
-              chosen: tuple[tuple[int, ...], ...]) -> None:
-        """Copy the sentences ``chosen[h]`` of every KV head ``h`` in ``heads`` from host RAM
-        into that head's region slots (one gather and scatter: ``HostSentenceStore.load_region``)."""
-        store.load_region(layer, chosen, heads)
 
     def release(self, state: SequenceKV) -> None:
         store = state.extra.get("sentences")
