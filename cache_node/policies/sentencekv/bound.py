@@ -109,8 +109,8 @@ class KeyBounds:
         """(n, H, S) an upper bound on each row's log mass: ``ub_s + log n_s``, or for a stored
         sentence the smaller of that and ``sketch_log_mass_bound`` when there is a sketch."""
         out = self.upper(layer, q, scaling) + self.lengths.float().log() + LOG_SLACK
-        if sketch is None or sketch.codes is None:
-            return out
+        if sketch is None or sketch.codes is None or sketch.rank:
+            return out  # a low-rank sketch's error has no per-channel bound: the key bounds alone
         rows = (self.sid >= 0).nonzero().squeeze(1)
         tight = sketch_log_mass_bound(sketch, layer, q, scaling, len(rows)).to(out.device)
         out[..., rows] = torch.minimum(out[..., rows], tight)

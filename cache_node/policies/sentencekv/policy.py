@@ -42,7 +42,9 @@ class SentenceKV(Policy):
     region slots for this step (all earlier than ``p``).
 
     ``max_sentence_tokens`` splits run-on sentences;
-    ``sketch_bits``/``sketch_group`` size the key sketch (``select_mode="sketch"``);
+    ``sketch_bits``/``sketch_group`` size the key sketch (``select_mode="sketch"``), and
+    ``sketch_rank`` > 0 sketches each key's coordinates in its top principal directions
+    instead of every channel (``KeySketch``, Loki);
     ``region_bits``/``region_group`` the recall region's codes (0: the pool's dtype).
 
     Recall bound (``bound.py``): every demoted sentence keeps per-channel key bounds per layer
@@ -79,6 +81,7 @@ class SentenceKV(Policy):
     last_query_share: float = 0.5
     sketch_bits: int = 2
     sketch_group: int = 16
+    sketch_rank: int = 0
     region_bits: int = 8
     region_group: int = 16
     bound_tier: str = "auto"
@@ -92,6 +95,10 @@ class SentenceKV(Policy):
             raise ValueError("sentencekv demotes to host RAM; cold_bits does not apply")
         if self.sketch_bits not in (1, 2, 4, 8):
             raise ValueError(f"sketch_bits must be 1, 2, 4 or 8, got {self.sketch_bits}")
+        if (not isinstance(self.sketch_rank, int) or self.sketch_rank < 0 or self.sketch_rank % 8
+                or self.sketch_rank % min(self.sketch_group, self.sketch_rank or 1)):
+            raise ValueError(f"sketch_rank must be 0 (every channel) or a multiple of 8 and of sketch_group "
+                             f"(or below it), got {self.sketch_rank!r}")
         if self.region_bits not in (0, 4, 8):
             raise ValueError(f"region_bits must be 0 (the pool's dtype), 4 or 8, got {self.region_bits}")
         if self.bound_tier not in ("auto", "host", "device", "off"):
@@ -116,7 +123,8 @@ class SentenceKV(Policy):
     def _store(self, state: SequenceKV) -> HostSentenceStore:
         store = state.extra.get("sentences")
         if store is None:
-            sketch = KeySketch(self.sketch_bits, self.sketch_group) if self.select_mode == "sketch" else None
+            sketch = (KeySketch(self.sketch_bits, self.sketch_group, self.sketch_rank)
+                      if self.select_mode == "sketch" else None)
             host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
             if self.region_bits:
@@ -197,6 +205,8 @@ class SentenceKV(Policy):
         L = state.pool.num_layers
         if not can_rewrite(state.block_pool, state.seq, len(keep), bs):
             return False
+        if store.sketch is not None and store.sketch.rank and store.sketch.basis is None:
+            store.sketch.fit(gather_kv(state.pool, state.seq, demote.unsqueeze(0).expand(L, -1))[:, :, 0])
         for run in self.segments(state, pos0[demote]):
             slots = demote[run]
             self._demote(state, store, gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])

@@ -1,5 +1,6 @@
 """SentenceKV's key sketch: low-bit codes of every demoted token's key, scored on the codes
-(HACK §4) to rank sentences on the device tier."""
+(HACK §4) to rank sentences on the device tier; optionally of the key's coordinates in a
+low-rank principal basis (Loki)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ from cache_node.policies.quant import pack_bits, quantize, unpack_bits
 class KeySketch:
     """Low-bit codes of every demoted token's key, for scoring sentences on the device tier.
 
-    ``codes``: (L, N, H_kv, d * bits / 8) uint8 packed; ``scale``/``zero``: (L, N, H_kv,
-    d / group_size) float16 (asymmetric per token, KV head and channel group);
-    ``sentence_of``: (N,) the sentence each token belongs to.
+    ``codes``: (L, N, H_kv, c * bits / 8) uint8 packed; ``scale``/``zero``: (L, N, H_kv,
+    c / group_size) float16 (asymmetric per token, KV head and channel group);
+    ``sentence_of``: (N,) the sentence each token belongs to. ``c`` = d, or with ``rank`` > 0
+    the rank: the codes are then of ``(k - mean) @ basis``, the centred key's coordinates in
+    the top-``rank`` principal directions of the keys (``basis``: (L, H_kv, d, rank), ``mean``:
+    (L, H_kv, d) float32, fitted once per sequence on the keys of its first demotion, ``fit``),
+    and ``q . k ~ q . mean + (q @ basis) . codes`` (Loki: Singhania et al., "Loki: Low-rank
+    Keys for Efficient Sparse Attention", NeurIPS 2024, §3-4: keys lie close to a
+    low-dimensional subspace, so attention scores computed in the top principal components
+    rank the keys nearly as the full dot products do). The score then reads rank/d of the
+    codes, and a sketch token costs ``rank * (bits + 32 / group_size) / (64 d)`` of a token's
+    fp32 K/V.
     """
 
-    def __init__(self, bits: int, group_size: int) -> None:
-        self.bits, self.group_size = bits, group_size
+    def __init__(self, bits: int, group_size: int, rank: int = 0) -> None:
+        self.bits, self.group_size, self.rank = bits, group_size, rank
+        self.basis: torch.Tensor | None = None
+        self.mean: torch.Tensor | None = None
         self.codes: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
@@ -41,9 +53,31 @@ class KeySketch:
         packed = self.codes[layer]  # (N, H_kv, d * bits / 8)
         return F.embedding(packed.int(), self.decode_table(packed.device)).flatten(-2)
 
+    def fit(self, keys: torch.Tensor) -> None:
+        """Fit the low-rank basis (``rank`` > 0) on keys (L, n, H_kv, d): per layer and KV head
+        the mean and the top-``rank`` right singular vectors of the centred keys (a complete
+        orthonormal basis is taken, so fewer than ``rank`` keys still give ``rank`` orthonormal
+        directions). A no-op without a rank or once fitted."""
+        if not self.rank or self.basis is not None:
+            return
+        k = keys.float().permute(0, 2, 1, 3)  # (L, H_kv, n, d)
+        self.rank = min(self.rank, k.shape[-1])  # a rank above the head dim keeps every direction
+        self.mean = k.mean(2)
+        _, _, vh = torch.linalg.svd(k - self.mean.unsqueeze(2), full_matrices=True)  # (L, H_kv, d, d)
+        self.basis = vh[..., : self.rank, :].transpose(-1, -2).contiguous()  # (L, H_kv, d, rank)
+
+    def project(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys (L, n, H_kv, d) -> their sketched coordinates (L, n, H_kv, c) (``c`` = d without
+        a rank; ``fit`` on these keys first when there is no basis yet)."""
+        if not self.rank:
+            return keys.float()
+        self.fit(keys)
+        assert self.basis is not None and self.mean is not None
+        return torch.einsum("lnhd,lhdr->lnhr", keys.float() - self.mean.unsqueeze(1), self.basis)
+
     def append(self, keys: torch.Tensor, sentence: int) -> None:
         """Add one sentence's keys (L, n, H_kv, d)."""
-        codes, scale, zero = quantize(keys.float(), self.bits, self.group_size)
+        codes, scale, zero = quantize(self.project(keys), self.bits, min(self.group_size, self.rank or self.group_size))
         parts = (pack_bits(codes, self.bits), scale, zero)
         if self.codes is None:
             self.codes, self.scale, self.zero = parts
@@ -56,7 +90,8 @@ class KeySketch:
 
     def fork(self) -> KeySketch:
         """A copy sharing the (never mutated in place) tensors."""
-        out = KeySketch(self.bits, self.group_size)
+        out = KeySketch(self.bits, self.group_size, self.rank)
+        out.basis, out.mean = self.basis, self.mean
         out.codes, out.scale, out.zero, out.sentence_of = self.codes, self.scale, self.zero, self.sentence_of
         return out
 
@@ -64,7 +99,8 @@ class KeySketch:
     def nbytes(self) -> int:
         if self.codes is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero, self.basis, self.mean)
+                   if t is not None)
 
     def logits(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """(n, H_kv, g, N) ``scaling * q . k`` of every sketched token, on the codes: ``q . k =
@@ -79,12 +115,21 @@ class KeySketch:
         if self._last is not None and self._last[0] is q and self._last[1] == key:
             return self._last[2]
         n, h, d = q.shape
-        codes = self.decode(layer)  # (N, H_kv, d)
-        h_kv = codes.shape[1]
-        qg = q.float().view(n, h_kv, h // h_kv, d // self.group_size, self.group_size)
-        dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, self.group_size))
+        codes = self.decode(layer)  # (N, H_kv, c)
+        h_kv, c = codes.shape[1], codes.shape[2]
+        qf = q.float().view(n, h_kv, h // h_kv, d)
+        offset = None
+        if self.rank:
+            assert self.basis is not None and self.mean is not None
+            offset = torch.einsum("nhqd,hd->nhq", qf, self.mean[layer]).unsqueeze(-1)  # q . mean
+            qf = torch.einsum("nhqd,hdr->nhqr", qf, self.basis[layer])
+        group = min(self.group_size, c)
+        qg = qf.reshape(n, h_kv, h // h_kv, c // group, group)
+        dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, group))
         logits = (dots * self.scale[layer].float().permute(1, 0, 2).unsqueeze(0).unsqueeze(2)).sum(-1)
         logits = logits + torch.einsum("nhqG,NhG->nhqN", qg.sum(-1), self.zero[layer].float())
+        if offset is not None:
+            logits = logits + offset
         logits = logits * scaling
         self._last = (q, key, logits)
         return logits
