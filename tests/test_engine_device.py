@@ -306,7 +306,10 @@ def test_decode_graph_buckets_pad_into_the_scratch_slot(tiny, monkeypatch) -> No
     with torch.inference_mode():
         logits = eng.runner.model.lm_head(graphs._forward(4)[:3]).float()
     torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
-    changed = (eng.pool.kv != pool_after_eager).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
+    # The real rows rewrite their slots with the same KV up to float rounding (a batch of 4 may
+    # take another GEMM blocking than a batch of 3 on some CPUs): compare within tolerance.
+    same = torch.isclose(eng.pool.kv.float(), pool_after_eager.float(), rtol=1e-4, atol=1e-5)
+    changed = (~same).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
     assert changed.tolist() == [last * bs]
 
 
