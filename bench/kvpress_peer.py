@@ -5,7 +5,8 @@ virtual environment (``.venv-kvpress``, created on first use) and runs as a subp
 
     parent (kvstrata venv)                      child (.venv-kvpress)
     ensure_env() -> start(job) ---- job.json --> python bench/kvpress_peer.py job.json
-    collect(proc) <--------- last stdout line: {"rows": {spec: {metric: [values]}}, ...}
+    collect(proc) <--------- last stdout line: {"rows": {spec: {metric: [values]}},
+                                                "rows_by_length": {length: {spec: ...}}, ...}
 
 The child imports nothing from kvstrata. It loads the same checkpoint directory the engine
 uses (``cache_node.model_loader.cache_dir()/smollm2-135m-instruct``), prefills each context
@@ -221,15 +222,21 @@ def child_main(job_path: str) -> None:
     runner = Runner(model)
     specs = [(f"kvpress.{p}-{b:g}", p, b) for p in job["presses"] for b in job["budgets"]]
     rows: dict = defaultdict(lambda: defaultdict(list))
+    by_length: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     t0 = time.perf_counter()
     for item in job["items"]:
-        evaluate_item(runner, item, specs, rows)
+        one: dict = defaultdict(lambda: defaultdict(list))
+        evaluate_item(runner, item, specs, one)
+        for dst in (rows, by_length[item.get("length", len(item["context"]))]):
+            for spec, metrics in one.items():
+                for key, values in metrics.items():
+                    dst[spec][key].extend(values)
     trace, job_trace = None, job.get("trace")
     best = best_press(rows, job_trace["budget"]) if job_trace else None
     if best is not None:
         trace = {"press": best, "points": trace_press(runner, best, job_trace["document"], job_trace["step"])}
     print(json.dumps({
-        "rows": rows, "seconds": time.perf_counter() - t0, "trace": trace,
+        "rows": rows, "rows_by_length": by_length, "seconds": time.perf_counter() - t0, "trace": trace,
         "versions": {"kvpress": getattr(kvpress, "__version__", KVPRESS_VERSION),
                      "transformers": transformers.__version__, "torch": torch.__version__},
     }))

@@ -37,7 +37,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench import kvpress_peer
 from bench.quality_probe import Probe
-from bench.quality_report import served_agreement, summarize, targets, write_report
+from bench.quality_report import (
+    served_agreement,
+    summarize,
+    targets,
+    targets_by_length,
+    write_report,
+)
 from bench.quality_served import ServedAsker
 from bench.quality_sweep import THRESHOLDS, sweep
 from bench.quality_trace import kv_bytes_per_token, memory_trace, pool_bytes
@@ -170,7 +176,7 @@ def peer_item(item: dict, ref: Reference) -> dict:
     """What the kvpress peer needs of one context (plain JSON)."""
     questions = [{"kind": k, "prompt": q, "gen": gen, "need": need, "full_ok": ok}
                  for k, q, gen, need, _, ok in ref.answers]
-    return {"context": item["context"], "held": item["held"], "questions": questions}
+    return {"context": item["context"], "held": item["held"], "questions": questions, "length": item["length"]}
 
 
 def evaluate_item(probe: Probe, item: dict, ref: Reference, specs: list[str], rows: dict,
@@ -266,8 +272,16 @@ def start_peer(items: list[dict], refs: list[Reference], budgets: tuple[float, .
         return str(exc)
 
 
-def merge_peer(peer: tuple[Any, Any] | str, rows: dict) -> dict:
-    """Wait for the peer and add its rows; returns what the report says about it."""
+def merge_rows(dst: dict, src: dict) -> None:
+    """Append every metric list of ``src`` ({spec: {metric: [values]}}) to ``dst``'s."""
+    for spec, metrics in src.items():
+        for key, values in metrics.items():
+            dst[spec][key].extend(values)
+
+
+def merge_peer(peer: tuple[Any, Any] | str, rows: dict, by_length: dict | None = None) -> dict:
+    """Wait for the peer and add its rows (and, per context length, to ``by_length``); returns
+    what the report says about it."""
     if isinstance(peer, str):
         return {"error": peer}
     try:
@@ -275,9 +289,11 @@ def merge_peer(peer: tuple[Any, Any] | str, rows: dict) -> dict:
     except kvpress_peer.PeerUnavailable as exc:
         return {"error": str(exc)}
     ref = out["rows"].pop("_reference", {}).get("agree_engine", [])
-    for spec, metrics in out["rows"].items():
-        for key, values in metrics.items():
-            rows[spec][key].extend(values)
+    merge_rows(rows, out["rows"])
+    for length, part in out.get("rows_by_length", {}).items():
+        part.pop("_reference", None)
+        if by_length is not None:
+            merge_rows(by_length[int(length)], part)
     trace = out.get("trace")
     traces = {f"{trace['press']} (prefill)": [tuple(pt) for pt in trace["points"]]} if trace else {}
     return {"versions": out["versions"], "seconds": round(out["seconds"], 1), "traces": traces,
@@ -297,6 +313,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--served", action="store_true", help="also ask through the engine's session path")
     ap.add_argument("--no-sweep", action="store_true", help="skip the demotion threshold sweep")
     ap.add_argument("--no-kvpress", action="store_true", help="skip the kvpress peer")
+    ap.add_argument("--target-spec", action="append", default=[], metavar="BUDGET=SPEC",
+                    help="the spec issue 22's targets check at BUDGET (default sentencekv-BUDGET), e.g. "
+                    "0.125=sentencekv-0.125-region_bits_4")
     ap.add_argument("--out", default="reports/quality")
     return ap.parse_args(argv)
 
@@ -344,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     probe = Probe(engine)
     specs = p["specs"]
     rows: dict = defaultdict(lambda: defaultdict(list))
+    by_length: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # {length: rows}
     candidates = build_items(tok, p["lengths"], p["depths"], max_positions=max_pos)
     items, refs = answered_contexts(probe, tok, candidates, p["want"], args.served)
     trace_doc = max(items, key=lambda i: len(i["context"]))["context"]
@@ -354,9 +374,12 @@ def main(argv: list[str] | None = None) -> None:
         task = progress.add_task(f"{len(items)} contexts x {len(specs)} policies",
                                  total=passes * len(items) * len(specs))
         for item, ref in zip(items, refs):
-            evaluate_item(probe, item, ref, specs, rows, lambda: progress.advance(task))
+            one: dict = defaultdict(lambda: defaultdict(list))
+            evaluate_item(probe, item, ref, specs, one, lambda: progress.advance(task))
             if args.served:
-                evaluate_served(ServedAsker(engine), item, ref, specs, rows, lambda: progress.advance(task))
+                evaluate_served(ServedAsker(engine), item, ref, specs, one, lambda: progress.advance(task))
+            merge_rows(rows, one)
+            merge_rows(by_length[item["length"]], one)
     sweep_rows, ppl_full = [], float("nan")
     if not args.no_sweep:
         ref0 = refs[-1]
@@ -369,9 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     trace_t0 = time.perf_counter()
     traces = memory_trace(lm, env, p["trace"], trace_doc)
     trace_s = time.perf_counter() - trace_t0
-    kvpress_meta = {"skipped": True} if peer is None else merge_peer(peer, rows)
+    kvpress_meta = {"skipped": True} if peer is None else merge_peer(peer, rows, by_length)
     traces |= kvpress_meta.pop("traces", {})
     summary = summarize(rows)
+    summary_by_length = {length: summarize(by_length[length]) for length in sorted(by_length)}
     meta = {"items": len(items), "lengths": p["lengths"], "context_tokens": [len(i["context"]) for i in items],
             "depths": [i["depth"] for i in items], "quick": args.quick, "served": args.served,
             "full_answers": sum(sum(a[5] for a in r.answers) for r in refs),
@@ -380,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.served:
         meta["served_vs_probe"] = served_agreement(rows, specs)
     out = Path(args.out)
-    write_report(out, summary, traces, meta, sweep_rows, ppl_full)
+    target_specs = {float(b): spec for b, spec in (t.split("=", 1) for t in args.target_spec)}
+    write_report(out, summary, traces, meta, sweep_rows, ppl_full, summary_by_length, target_specs)
     print(Path(out, "quality.md").read_text())
     keys = ("passkey_acc", "kl_mean", "greedy_agreement", "device_bytes_ratio")
 
@@ -390,7 +415,10 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"bench": "quality", "meta": meta,
                       "policies": {s: {k: num(v[k]) for k in keys} | {"n_passkey": v["n_passkey"]}
                                    for s, v in summary.items()},
-                      "targets": targets(summary)}))
+                      "policies_by_length": {length: {s: {k: num(v[k]) for k in keys} | {"n_passkey": v["n_passkey"]}
+                                                      for s, v in part.items()}
+                                             for length, part in summary_by_length.items()},
+                      "targets": targets(summary), "issue22_targets": targets_by_length(summary, summary_by_length, target_specs)}))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,41 @@ def targets(summary: dict) -> dict[str, Any]:
     return out
 
 
+# Issue 22: sentencekv at 12.5% of the device bytes at every agent-length context, at 25% at the long ones
+ISSUE22_LENGTHS = {0.125: (1024, 2048, 4096, 8192), 0.25: (4096, 8192)}
+
+
+def _check(s: dict | None) -> dict[str, bool | None]:
+    """One summary row against the full cache: passkey and needle accuracy within 2 points
+    (accuracy counts only items the full cache answers, so the full cache's is 1.0), KL < 0.05."""
+    if s is None:
+        return {"passkey_within_2pts": None, "needle_within_2pts": None, "kl_below_0.05": None}
+    return {"passkey_within_2pts": s["passkey_acc"] >= 0.98 if s["n_passkey"] else None,
+            "needle_within_2pts": s["needle_acc"] >= 0.98 if s.get("n_needle", 1) else None,
+            "kl_below_0.05": s["kl_mean"] < 0.05}
+
+
+def targets_by_length(summary: dict, by_length: dict, target_specs: dict[float, str] | None = None
+                      ) -> dict[str, Any]:
+    """Issue 22's quality targets on this run (None = not measured): per budget in
+    ``ISSUE22_LENGTHS`` and context length, the budget's sentencekv spec (``sentencekv-<budget>``
+    unless ``target_specs`` names another) against the full cache (``_check``); and over the
+    run, that spec against every kvpress press at the same budget: passkey accuracy at least
+    the press's and mean KL below it."""
+    out: dict[str, Any] = {}
+    for budget, lengths in ISSUE22_LENGTHS.items():
+        spec = (target_specs or {}).get(budget, f"sentencekv-{budget:g}")
+        out[f"spec_at_{budget:g}"] = spec
+        for length in lengths:
+            for name, ok in _check(by_length.get(length, {}).get(spec)).items():
+                out[f"{budget:g}@{length}_{name}"] = ok
+        skv = summary.get(spec)
+        presses = {s: v for s, v in summary.items() if s.startswith("kvpress.") and s.endswith(f"-{budget:g}")}
+        out[f"{budget:g}_beats_every_press"] = None if skv is None or not presses else all(
+            skv["passkey_acc"] >= v["passkey_acc"] and skv["kl_mean"] < v["kl_mean"] for v in presses.values())
+    return out
+
+
 def summarize(rows: dict) -> dict[str, dict[str, float]]:
     """Per spec (the full cache's row left out): accuracies, KL, agreement, bytes, perplexity,
     recall ms per answered question and seconds, from the harness's per-item lists."""
@@ -61,6 +96,7 @@ def summarize(rows: dict) -> dict[str, dict[str, float]]:
             "ppl": math.exp(mean(r["nll"])),
             "ppl_full": math.exp(mean(r["nll_full"])),
             "n_passkey": len(r["acc_passkey"]),
+            "n_needle": len(acc),
             "recall_ms": 1e3 * mean(r["recall_s"]) if r["recall_s"] else 0.0,
             "seconds": sum(r["seconds"]),
         }
@@ -95,6 +131,10 @@ def _table(summary: dict) -> list[str]:
     return lines
 
 
+def _verdict(v: bool | None) -> str:
+    return "holds" if v else "MISSED" if v is not None else "not measured"
+
+
 def _sweep_table(rows: list[dict]) -> list[str]:
     head = ("| policy | threshold | kept tokens / full (mean over layers) | device bytes / full (largest layer) "
             "| demoted tokens / layer | ppl | recall ms |")
@@ -107,11 +147,19 @@ def _sweep_table(rows: list[dict]) -> list[str]:
 
 
 def write_report(out: Path, summary: dict, traces: dict, meta: dict, sweep_rows: list[dict],
-                 ppl_full: float) -> None:
+                 ppl_full: float, by_length: dict | None = None, target_specs: dict[float, str] | None = None
+                 ) -> None:
+    """``by_length``: {context length: summary} (``summarize`` of that length's rows)."""
     out.mkdir(parents=True, exist_ok=True)
+    by_length = by_length or {}
     checks = targets(summary)
+    checks22 = targets_by_length(summary, by_length, target_specs)
+    per_length: list[str] = []
+    for length, part in by_length.items():
+        per_length += [f"### {length}-token contexts", "", *_table(part), ""]
     (out / "results.json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "targets": checks, "threshold_sweep": sweep_rows,
+        {"meta": meta, "summary": summary, "summary_by_length": by_length, "targets": checks,
+         "issue22_targets": checks22, "threshold_sweep": sweep_rows,
          "memory_vs_position": {spec: [list(pt) for pt in pts] for spec, pts in traces.items()}}, indent=1))
     peer = meta.get("kvpress", {})
     peer_line = (f"kvpress: not run ({peer['error']})" if "error" in peer else
@@ -127,7 +175,10 @@ def write_report(out: Path, summary: dict, traces: dict, meta: dict, sweep_rows:
          "decode step at a time after the question's prefill chunk"),
         "", peer_line, "", *_table(summary), "",
         "## Issue 5 targets on this run", "",
-        *[f"- {k}: {'holds' if v else 'MISSED' if v is not None else 'not measured'}" for k, v in checks.items()],
+        *[f"- {k}: {_verdict(v)}" for k, v in checks.items()],
+        "", "## Issue 22 targets on this run", "",
+        *[f"- {k}: {v if isinstance(v, str) else _verdict(v)}" for k, v in checks22.items()],
+        "", "## Per context length", "", *per_length,
         "", "## Demotion threshold sweep (one context; see threshold_sweep.png)", "",
         f"full-cache perplexity on the held text: {ppl_full:.2f}", "", *_sweep_table(sweep_rows), "",
     ]
