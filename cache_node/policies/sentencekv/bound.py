@@ -43,14 +43,24 @@ def _outward_half(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, tor
     return lo16, hi16
 
 
-def quant_error(keys: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def quant_error(keys: torch.Tensor, bits: int, group_size: int,
+                key_affine: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(L, H_kv) the largest ``||k - dequant(code(k))||_2`` over the tokens of ``keys``
-    (L, n, H_kv, d) under the region's quantizer (``quant.quantize``; 0 for ``bits`` 0)."""
+    (L, n, H_kv, d) under the region's quantizer (``quant.quantize``; 0 for ``bits`` 0); with
+    ``key_affine`` = (shift, scale), each (L, H_kv, d), the codes are of ``(k - shift) / scale``
+    and dequantize as ``shift + scale * deq`` (``SentenceCodes.key_scale``)."""
     if not bits:
         return keys.new_zeros(keys.shape[0], keys.shape[2], dtype=torch.float32)
-    codes, scale, zero = quantize(keys.float(), bits, group_size)
-    deq = codes.float().unflatten(-1, (-1, group_size)) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
-    return (keys.float() - deq.flatten(-2)).norm(dim=-1).amax(1)
+    k = keys.float()
+    if key_affine is not None:
+        shift, s = (t.float().to(keys.device)[:, None] for t in key_affine)
+        k = (k - shift) / s
+    codes, scale, zero = quantize(k, bits, group_size)
+    deq = (codes.float().unflatten(-1, (-1, group_size)) * scale.float().unsqueeze(-1)
+           + zero.float().unsqueeze(-1)).flatten(-2)
+    if key_affine is not None:
+        deq = shift + s * deq
+    return (keys.float() - deq).norm(dim=-1).amax(1)
 
 
 class KeyBounds:
@@ -76,11 +86,13 @@ class KeyBounds:
     def __len__(self) -> int:
         return len(self.sid)
 
-    def append(self, keys: torch.Tensor, sid: int, region_bits: int, region_group: int) -> None:
-        """Add one sentence: ``keys`` (L, n, H_kv, d); ``sid`` its store id or -1 (dropped)."""
+    def append(self, keys: torch.Tensor, sid: int, region_bits: int, region_group: int,
+               key_affine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Add one sentence: ``keys`` (L, n, H_kv, d); ``sid`` its store id or -1 (dropped);
+        ``key_affine``: the region codes' per-channel key (shift, scale) (``SentenceCodes``), if any."""
         k = keys.float()
         lo, hi = _outward_half(k.amin(1), k.amax(1))
-        err = quant_error(k, region_bits, region_group) + SLACK * k.norm(dim=-1).amax(1)
+        err = quant_error(k, region_bits, region_group, key_affine) + SLACK * k.norm(dim=-1).amax(1)
         parts = [t.unsqueeze(0).to(self.device) for t in (lo, hi, err)]
         if self.lo is not None and self.hi is not None and self.err is not None:
             parts = [torch.cat([old, new]) for old, new in zip((self.lo, self.hi, self.err), parts)]

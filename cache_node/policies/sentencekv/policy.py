@@ -45,7 +45,13 @@ class SentenceKV(Policy):
     ``sketch_bits``/``sketch_group`` size the key sketch (``select_mode="sketch"``), and
     ``sketch_rank`` > 0 sketches each key's coordinates in its top principal directions
     instead of every channel (``KeySketch``, Loki);
-    ``region_bits``/``region_group`` the recall region's codes (0: the pool's dtype).
+    ``region_bits``/``region_group`` the recall region's codes (0: the pool's dtype);
+    ``region_key_scale`` 1 centres and scales keys per channel before coding them (KIVI §3;
+    ``SentenceCodes``).
+    ``recall_every`` k > 1: a decode step re-selects a layer's region only when the sequence's
+    computed-token count is a multiple of k (prefill chunks always do); between, the region
+    keeps the sentences the last selection chose, as Quest and ShadowKV reuse a page selection
+    over nearby decode queries. It divides the sketch scoring, selection and loads by ~k.
 
     Recall bound (``bound.py``): every demoted sentence keeps per-channel key bounds per layer
     and KV head (Quest §3), and each decode step records, per layer and query head, an upper
@@ -84,6 +90,8 @@ class SentenceKV(Policy):
     sketch_rank: int = 0
     region_bits: int = 8
     region_group: int = 16
+    region_key_scale: int = 0
+    recall_every: int = 1
     bound_tier: str = "auto"
     recall_eps: float = 0.0
 
@@ -101,6 +109,11 @@ class SentenceKV(Policy):
                              f"(or below it), got {self.sketch_rank!r}")
         if self.region_bits not in (0, 4, 8):
             raise ValueError(f"region_bits must be 0 (the pool's dtype), 4 or 8, got {self.region_bits}")
+        if not isinstance(self.recall_every, int) or self.recall_every < 1:
+            raise ValueError(f"recall_every must be an integer >= 1, got {self.recall_every!r}")
+        if self.region_key_scale not in (0, 1) or (self.region_key_scale and not self.region_bits):
+            raise ValueError(f"region_key_scale must be 0 or 1, and 1 needs region_bits 4 or 8, "
+                             f"got {self.region_key_scale!r}")
         if self.bound_tier not in ("auto", "host", "device", "off"):
             raise ValueError(f"unknown bound_tier {self.bound_tier!r}; known: auto, host, device, off")
         if not isinstance(self.recall_eps, (int, float)) or not 0 <= self.recall_eps < 1:
@@ -128,7 +141,7 @@ class SentenceKV(Policy):
             host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
             if self.region_bits:
-                store.codes = SentenceCodes(self.region_bits, self._region_group(state))
+                store.codes = SentenceCodes(self.region_bits, self._region_group(state), bool(self.region_key_scale))
             if self._bounds_at != "off":
                 device = state.pool.kv.device if self._bounds_at == "device" else "cpu"
                 state.extra["key_bounds"] = KeyBounds(device)
@@ -144,7 +157,10 @@ class SentenceKV(Policy):
         if bounds is None:
             return
         before = bounds.nbytes
-        bounds.append(kv[:, :, 0], len(store) - 1 if stored else -1, self.region_bits, self._region_group(state))
+        c = store.codes
+        affine = None if c is None or c.key_scale is None or c.key_shift is None else (c.key_shift, c.key_scale)
+        bounds.append(kv[:, :, 0], len(store) - 1 if stored else -1, self.region_bits, self._region_group(state),
+                      affine)
         grown = bounds.nbytes - before
         if self._bounds_at == "host" and isinstance(store.host, TierHostKV) and store.host.add(kv[:, :0], grown) is None:
             state.extra["bounds_uncharged"] = state.extra.get("bounds_uncharged", 0) + grown
@@ -205,8 +221,14 @@ class SentenceKV(Policy):
         L = state.pool.num_layers
         if not can_rewrite(state.block_pool, state.seq, len(keep), bs):
             return False
-        if store.sketch is not None and store.sketch.rank and store.sketch.basis is None:
-            store.sketch.fit(gather_kv(state.pool, state.seq, demote.unsqueeze(0).expand(L, -1))[:, :, 0])
+        fit_sketch = store.sketch is not None and store.sketch.rank and store.sketch.basis is None
+        fit_scale = store.codes is not None and store.codes.use_key_scale and store.codes.key_scale is None
+        if fit_sketch or fit_scale:
+            keys = gather_kv(state.pool, state.seq, demote.unsqueeze(0).expand(L, -1))[:, :, 0]
+            if fit_sketch:
+                store.sketch.fit(keys)
+            if fit_scale:
+                store.codes.fit_key_scale(keys)
         for run in self.segments(state, pos0[demote]):
             slots = demote[run]
             self._demote(state, store, gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
@@ -239,7 +261,7 @@ class SentenceKV(Policy):
         store = state.extra.get("sentences")
         if store is None:
             return
-        if store.region_tokens:
+        if store.region_tokens and not self._reuse_selection(state, store, layer_idx, q):
             self.recall(state, layer_idx, q)
         bounds = state.extra.get("key_bounds")
         state.extra.pop("overflow", None)
@@ -251,6 +273,11 @@ class SentenceKV(Policy):
             state.extra["overflow"] = (layer_idx, over)
         if layer_idx == state.pool.num_layers - 1:
             state.seq.policy_stats.update(state.extra["recall_bound"].as_dict())
+
+    def _reuse_selection(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor) -> bool:
+        """Whether this decode step keeps the layer's last selection (``recall_every``)."""
+        return (self.recall_every > 1 and q.shape[0] == 1 and layer_idx in store.resident
+                and state.seq.num_computed_tokens % self.recall_every != 0)
 
     def _region(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
         store = state.extra.get("sentences")

@@ -24,19 +24,53 @@ class SentenceCodes:
     ``starts[s]``: the first of sentence ``s``'s tokens along N. KV head before token, so one
     layer's codes are rows ``head * N + token`` of K and V together: a promotion gathers whole
     rows (``gather``).
+
+    ``key_shift``/``key_scale`` (``region_key_scale``): (L, H_kv, d) float32 per-channel key
+    centres and scales, fitted once (``fit_key_scale``) on the sequence's first demoted keys;
+    keys are then quantized as ``(k - key_shift) / key_scale`` and the region's logits are
+    ``q . key_shift + (q * key_scale) . code`` (the dot product is unchanged). Keys have outlier
+    channels (KIVI §3: key outliers are per channel, a large offset or range in a few
+    channels), which set a per-token group's range and leave the other channels few code
+    levels; centring and scaling each channel first gives every channel of a group the same
+    range, as KIVI's per-channel key quantization and SmoothQuant's scale migration do, while
+    the codes stay per token (a sentence's tokens arrive together; per-channel groups would
+    need a group of tokens).
     """
 
-    def __init__(self, bits: int, group_size: int) -> None:
-        self.bits, self.group_size = bits, group_size
+    def __init__(self, bits: int, group_size: int, key_scale: bool = False) -> None:
+        self.bits, self.group_size, self.use_key_scale = bits, group_size, key_scale
+        self.key_shift: torch.Tensor | None = None
+        self.key_scale: torch.Tensor | None = None
         self.codes: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
         self.starts: list[int] = []
         self.num_tokens = 0
 
+    def fit_key_scale(self, keys: torch.Tensor) -> None:
+        """Per-channel key centres and scales from ``keys`` (L, n, H_kv, d): each channel's
+        midrange over the tokens and its half range (floored at 1e-3 of the head's largest, so
+        a flat channel does not blow up the codes' range)."""
+        if not self.use_key_scale or self.key_scale is not None:
+            return
+        k = keys.float()
+        lo, hi = k.amin(1), k.amax(1)  # (L, H_kv, d)
+        half = (hi - lo) / 2
+        self.key_shift = (hi + lo) / 2
+        self.key_scale = half.clamp(min=1e-6).maximum(1e-3 * half.amax(-1, keepdim=True))
+
+    def scaled(self, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` (L, n, 2, H_kv, d) float32 with the keys centred and scaled (if fitted)."""
+        kv = kv.float()
+        if self.key_scale is None or self.key_shift is None:
+            return kv
+        shift, scale = self.key_shift.to(kv.device)[:, None], self.key_scale.to(kv.device)[:, None]
+        return torch.stack([(kv[:, :, 0] - shift) / scale, kv[:, :, 1]], 2)
+
     def quantize(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Codes, scale and zero (L, n, 2, H_kv, ...) of ``kv`` (L, n, 2, H_kv, d), not yet stored."""
-        codes, scale, zero = quantize(kv.float(), self.bits, self.group_size)
+        """Codes, scale and zero (L, n, 2, H_kv, ...) of ``kv`` (L, n, 2, H_kv, d), not yet
+        stored (keys divided by ``key_scale`` first, when fitted)."""
+        codes, scale, zero = quantize(self.scaled(kv), self.bits, self.group_size)
         return pack_bits(codes, self.bits), scale, zero
 
     @staticmethod
@@ -64,14 +98,20 @@ class SentenceCodes:
 
     def fork(self) -> SentenceCodes:
         """A copy sharing the (never mutated in place) tensors."""
-        out = SentenceCodes(self.bits, self.group_size)
+        out = SentenceCodes(self.bits, self.group_size, self.use_key_scale)
         out.codes, out.scale, out.zero = self.codes, self.scale, self.zero
+        out.key_shift, out.key_scale = self.key_shift, self.key_scale
         out.starts, out.num_tokens = list(self.starts), self.num_tokens
         return out
 
     @property
     def nbytes(self) -> int:
         return 0 if self.codes is None else self.nbytes_of((self.codes, self.scale, self.zero))  # type: ignore[arg-type]
+
+    @property
+    def key_scale_nbytes(self) -> int:
+        """Device bytes of ``key_shift`` and ``key_scale`` (the region's logits read them every step)."""
+        return sum(t.numel() * t.element_size() for t in (self.key_shift, self.key_scale) if t is not None)
 
 
 class SentenceRegion:
@@ -93,7 +133,9 @@ class SentenceRegion:
 
 class QuantSentenceRegion:
     """A recall region held as int8/int4 codes (``region_bits``), attended on the codes as in
-    HACK §4 (``quant.QuantLayerKV``, each KV head its own slots); empty slots are masked out."""
+    HACK §4 (``quant.QuantLayerKV``, each KV head its own slots); empty slots are masked out.
+    With per-channel key centres and scales (``SentenceCodes``) the query is scaled by them and
+    ``q . key_shift`` added to every slot's logit."""
 
     def __init__(self, store: HostSentenceStore, layer_idx: int, bits: int) -> None:
         assert store.region_kv is not None and store.region_positions is not None
@@ -102,9 +144,20 @@ class QuantSentenceRegion:
                               (store.region_kv, store.region_scale, store.region_zero))
         self.kv = QuantLayerKV(codes, scale, zero, bits)
         self.empty = (store.region_positions[layer_idx] < 0).to(codes.device)  # (H_kv, R)
+        c = store.codes
+        self.key_scale = self.key_shift = None
+        if c is not None and c.key_scale is not None and c.key_shift is not None:  # (H_kv, 1, 1, d)
+            self.key_scale = c.key_scale[layer_idx].to(codes.device)[:, None, None, :]
+            self.key_shift = c.key_shift[layer_idx].to(codes.device)[:, None, None, :]
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
-        return self.kv.logits(qh, scaling).masked_fill(self.empty[:, None, None, :], float("-inf"))
+        """(H_kv, g, n, R) logits of ``qh`` (H_kv, g, n, d) on the region's codes."""
+        if self.key_scale is None or self.key_shift is None:
+            out = self.kv.logits(qh, scaling)
+        else:
+            base = (qh * self.key_shift.to(qh.dtype)).sum(-1, keepdim=True) * scaling  # (H_kv, g, n, 1)
+            out = self.kv.logits(qh * self.key_scale.to(qh.dtype), scaling) + base
+        return out.masked_fill(self.empty[:, None, None, :], float("-inf"))
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
         return self.kv.output(probs)

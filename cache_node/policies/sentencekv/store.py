@@ -136,10 +136,12 @@ class HostSentenceStore:
 
     @property
     def index_nbytes(self) -> int:
-        """Device-tier bytes of the sentence index (sketch or mean keys)."""
+        """Device-tier bytes of the sentence index (sketch or mean keys), plus the region codes'
+        per-channel key scales (``SentenceCodes.key_scale``)."""
+        extra = 0 if self.codes is None else self.codes.key_scale_nbytes
         if self.sketch is not None:
-            return self.sketch.nbytes
-        return 0 if self.mean_keys is None else self.mean_keys.numel() * self.mean_keys.element_size()
+            return self.sketch.nbytes + extra
+        return extra + (0 if self.mean_keys is None else self.mean_keys.numel() * self.mean_keys.element_size())
 
     @property
     def region_tokens(self) -> int:
