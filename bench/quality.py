@@ -313,6 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--served", action="store_true", help="also ask through the engine's session path")
     ap.add_argument("--no-sweep", action="store_true", help="skip the demotion threshold sweep")
     ap.add_argument("--no-kvpress", action="store_true", help="skip the kvpress peer")
+    ap.add_argument("--no-trace", action="store_true", help="skip the memory_vs_position trace")
     ap.add_argument("--target-spec", action="append", default=[], metavar="BUDGET=SPEC",
                     help="the spec issue 22's targets check at BUDGET (default sentencekv-BUDGET), e.g. "
                     "0.125=sentencekv-0.125-region_bits_4")
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         probe.release(ref.base)
     del engine, probe
     trace_t0 = time.perf_counter()
-    traces = memory_trace(lm, env, p["trace"], trace_doc)
+    traces = {} if args.no_trace else memory_trace(lm, env, p["trace"], trace_doc)
     trace_s = time.perf_counter() - trace_t0
     kvpress_meta = {"skipped": True} if peer is None else merge_peer(peer, rows, by_length)
     traces |= kvpress_meta.pop("traces", {})
