@@ -13,6 +13,7 @@ from cache_node.policies.quant import (
     pack_int4,
     quantize,
     unpack_bits,
+    unpack_bits_float,
     unpack_int4,
 )
 from cache_node.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ def test_pack_bits_roundtrip(bits: int) -> None:
     packed = pack_bits(codes, bits)
     assert packed.shape == (3, 5, 64 * bits // 8)
     assert torch.equal(unpack_bits(packed, bits), codes)
+    assert torch.equal(unpack_bits_float(packed, bits), codes.float())  # the table lookup decodes the same
 
 
 def test_int4_pack_roundtrip() -> None:

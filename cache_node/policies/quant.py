@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from cache_node.compaction import gather_kv
 from cache_node.policies.base import LayerPlan, Policy, protected_mask
@@ -57,6 +58,29 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack_bits``."""
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).flatten(-2)
+
+
+_DECODE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def decode_table(bits: int, device: torch.device) -> torch.Tensor:
+    """(256, 8 / bits) float32: the codes packed in each byte value (``unpack_bits`` of 0..255),
+    one table per (bits, device), made once."""
+    key = (bits, torch.device(device))
+    table = _DECODE_TABLES.get(key)
+    if table is None:
+        table = _DECODE_TABLES[key] = unpack_bits(
+            torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(-1), bits).float()
+    return table
+
+
+def unpack_bits_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``unpack_bits(packed, bits).float()`` as one table lookup per byte (``decode_table``)
+    instead of a shift, a mask and a conversion per code: (..., d * bits / 8) uint8 ->
+    (..., d) float32."""
+    if bits == 8:
+        return packed.float()
+    return F.embedding(packed.int(), decode_table(bits, packed.device)).flatten(-2)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -121,8 +145,7 @@ class QuantLayerKV:
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:
         self.scale, self.zero = scale.float(), zero.float()  # (2, N, H, k)
         # (2, N, H, k, G): integer values
-        codes = codes if bits == 8 else unpack_bits(codes, bits)
-        self.codes = codes.float().unflatten(-1, (self.scale.shape[-1], -1))
+        self.codes = unpack_bits_float(codes, bits).unflatten(-1, (self.scale.shape[-1], -1))
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
         qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)

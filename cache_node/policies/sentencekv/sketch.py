@@ -5,9 +5,8 @@ low-rank principal basis (Loki)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from cache_node.policies.quant import pack_bits, quantize, unpack_bits
+from cache_node.policies.quant import pack_bits, quantize, unpack_bits_float
 
 
 class KeySketch:
@@ -35,23 +34,13 @@ class KeySketch:
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
         self.sentence_of = torch.zeros(0, dtype=torch.long)
-        self._table: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, tuple[int, float, int], torch.Tensor] | None = None
 
-    def decode_table(self, device: torch.device) -> torch.Tensor:
-        """(256, 8 / bits) float32: the codes packed in each byte value (``unpack_bits`` of
-        0..255), so decoding the codes is one table lookup per byte instead of a shift, a mask
-        and a float conversion per code."""
-        if self._table is None or self._table.device != device:
-            self._table = unpack_bits(torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(-1),
-                                      self.bits).float()
-        return self._table
-
     def decode(self, layer: int) -> torch.Tensor:
-        """(N, H_kv, d) float32 codes of ``layer`` (equal to ``unpack_bits(...).float()``)."""
+        """(N, H_kv, c) float32 codes of ``layer`` (``quant.unpack_bits_float``: one table
+        lookup per byte)."""
         assert self.codes is not None
-        packed = self.codes[layer]  # (N, H_kv, d * bits / 8)
-        return F.embedding(packed.int(), self.decode_table(packed.device)).flatten(-2)
+        return unpack_bits_float(self.codes[layer], self.bits)  # from (N, H_kv, c * bits / 8)
 
     def fit(self, keys: torch.Tensor) -> None:
         """Fit the low-rank basis (``rank`` > 0) on keys (L, n, H_kv, d): per layer and KV head
