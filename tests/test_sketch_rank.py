@@ -102,3 +102,21 @@ def test_engine_runs_with_a_rank_sketch(tiny) -> None:
     assert len(out.output_token_ids) == 6
     assert out.policy_stats["recall_bound_steps"] >= 5 and 0 < out.policy_stats["recall_bound_max"] <= 1
     eng.check_integrity()
+
+
+def test_basis_spans_the_top_singular_directions_and_scales_to_long_demotions() -> None:
+    """The fitted basis spans the centred keys' top right singular vectors (the projector
+    matches a thin SVD's), and a 20k-token demotion fits without an (n, n) factor (a full SVD
+    would allocate 1.6 GB for it; the original fit did, and ran an 8k context out of memory)."""
+    g = torch.Generator().manual_seed(4)
+    keys = low_rank_keys(g, 2, 300, 2, 32, 8)
+    sketch = KeySketch(4, 8, 8)
+    sketch.fit(keys)
+    k = keys.permute(0, 2, 1, 3)
+    _, _, vh = torch.linalg.svd(k - k.mean(2, keepdim=True), full_matrices=False)
+    want = vh[..., :8, :].transpose(-1, -2)
+    torch.testing.assert_close(sketch.basis @ sketch.basis.transpose(-1, -2), want @ want.transpose(-1, -2),
+                               atol=1e-4, rtol=0)
+    big = KeySketch(2, 16, 16)
+    big.fit(torch.randn(1, 20000, 1, 64, generator=g))
+    assert big.basis.shape == (1, 1, 64, 16)
