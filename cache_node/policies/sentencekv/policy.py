@@ -75,7 +75,8 @@ class SentenceKV(Policy):
 
     Raises:
         ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits`` or
-            ``bound_tier``, ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
+            ``bound_tier``, ``recall_every`` below 1, ``region_key_scale`` not 0/1 (or 1
+            without region codes), ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
             ``cold_bits`` set (sentencekv demotes to host RAM).
     """
 
