@@ -158,10 +158,8 @@ class SentenceKV(Policy):
         if bounds is None:
             return
         before = bounds.nbytes
-        c = store.codes
-        affine = None if c is None or c.key_scale is None or c.key_shift is None else (c.key_shift, c.key_scale)
         bounds.append(kv[:, :, 0], len(store) - 1 if stored else -1, self.region_bits, self._region_group(state),
-                      affine)
+                      None if store.codes is None else store.codes.key_affine)
         grown = bounds.nbytes - before
         if self._bounds_at == "host" and isinstance(store.host, TierHostKV) and store.host.add(kv[:, :0], grown) is None:
             state.extra["bounds_uncharged"] = state.extra.get("bounds_uncharged", 0) + grown

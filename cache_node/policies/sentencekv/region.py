@@ -59,12 +59,19 @@ class SentenceCodes:
         self.key_shift = (hi + lo) / 2
         self.key_scale = half.clamp(min=1e-6).maximum(1e-3 * half.amax(-1, keepdim=True))
 
+    @property
+    def key_affine(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key_shift, key_scale) once fitted, else None."""
+        if self.key_shift is None or self.key_scale is None:
+            return None
+        return self.key_shift, self.key_scale
+
     def scaled(self, kv: torch.Tensor) -> torch.Tensor:
         """``kv`` (L, n, 2, H_kv, d) float32 with the keys centred and scaled (if fitted)."""
         kv = kv.float()
-        if self.key_scale is None or self.key_shift is None:
+        if self.key_affine is None:
             return kv
-        shift, scale = self.key_shift.to(kv.device)[:, None], self.key_scale.to(kv.device)[:, None]
+        shift, scale = (t.to(kv.device)[:, None] for t in self.key_affine)
         return torch.stack([(kv[:, :, 0] - shift) / scale, kv[:, :, 1]], 2)
 
     def quantize(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,11 +151,9 @@ class QuantSentenceRegion:
                               (store.region_kv, store.region_scale, store.region_zero))
         self.kv = QuantLayerKV(codes, scale, zero, bits)
         self.empty = (store.region_positions[layer_idx] < 0).to(codes.device)  # (H_kv, R)
-        c = store.codes
-        self.key_scale = self.key_shift = None
-        if c is not None and c.key_scale is not None and c.key_shift is not None:  # (H_kv, 1, 1, d)
-            self.key_scale = c.key_scale[layer_idx].to(codes.device)[:, None, None, :]
-            self.key_shift = c.key_shift[layer_idx].to(codes.device)[:, None, None, :]
+        affine = None if store.codes is None else store.codes.key_affine
+        self.key_shift, self.key_scale = (None, None) if affine is None else (  # (H_kv, 1, 1, d) each
+            t[layer_idx].to(codes.device)[:, None, None, :] for t in affine)
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
         """(H_kv, g, n, R) logits of ``qh`` (H_kv, g, n, d) on the region's codes."""
