@@ -283,7 +283,6 @@ class LLMEngine(EngineTiersMixin):
 
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         logits = self.runner.execute(batch)
-        now = time.monotonic()
         sampling = []
         for seq, n in batch:
             seq.num_computed_tokens += n
@@ -296,7 +295,11 @@ class LLMEngine(EngineTiersMixin):
                     self.scheduler.add(ready)
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
-        for seq, token in zip(sampling, sample(logits, sampling)):
+        tokens = sample(logits, sampling)
+        # a token's time is when the step hands it out: after the policies' compression
+        # (``after_step``) and the sampling, which a caller waits for as well
+        now = time.monotonic()
+        for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
             seq.first_token_time_s = seq.first_token_time_s or now
             seq.last_token_time_s = now

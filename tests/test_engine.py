@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -210,3 +212,27 @@ def test_idle_sessions_are_unpinned_when_the_pool_is_full(tiny) -> None:
     assert out.num_output_tokens == 4 and list(out.output_token_ids) == hf_greedy(prompt_of(90, 9), 4)
     assert eng.sessions.sessions["s0"].blocks == []  # the least recently used went first
     eng.check_integrity()
+
+
+def test_token_times_include_the_steps_compression(tiny, monkeypatch) -> None:
+    """Regression: a token's time was taken before the policies compressed the step's KV, so
+    the prompt's compression (waited for by the caller, who gets the first token when the
+    step returns) counted in the second token's gap, not in TTFT."""
+    from cache_node.kv_state import SequenceKV
+
+    done: list[float] = []
+    real = SequenceKV.after_step
+
+    def timed(self):  # type: ignore[no-untyped-def]
+        out = real(self)
+        done.append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(SequenceKV, "after_step", timed)
+    eng = make_engine(tiny)
+    rid = eng.add_request([(i % 50) + 1 for i in range(200)], SamplingParams(max_tokens=3, ignore_eos=True),
+                          policy="snapkv-64")
+    seq = eng.requests[rid]
+    while seq.first_token_time_s is None:
+        eng.step()
+    assert done and seq.first_token_time_s >= done[-1]
