@@ -29,6 +29,24 @@ if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
 
 
+# The fields a preset sets when the spec leaves them out (``SentenceKV.preset``). "standard":
+# int8 region codes per 16 channels, a 2-bit sketch of every channel, recall every decode step.
+# "compact", for an eighth of the device bytes: one int8 scale per token and K/V (groups of
+# 64 channels) on keys centred and scaled per channel (KIVI §3), so the bytes go to slots;
+# the sketch of the keys' top-32 principal directions (Loki) in groups of 32; the last query
+# fills 3/4 of the region; a decode step reselects every second token (Quest/ShadowKV reuse).
+# Measured on SmolLM2-135M (bench/README.md "8x"): at 12.5% compact holds passkey/needle 1.00
+# and KL < 0.05 at 1k-8k contexts where standard missed them, at a TPOT ~1.2x the full cache's
+# against ~1.5x; at 25% standard had the lower KL, hence a budget-dependent default.
+PRESETS: dict[str, dict[str, int | float]] = {
+    "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
+                 "region_key_scale": 0, "recall_every": 1},
+    "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
+                "region_key_scale": 1, "recall_every": 2},
+}
+COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
+
+
 @register
 @dataclass
 class SentenceKV(Policy):
@@ -53,6 +71,13 @@ class SentenceKV(Policy):
     keeps the sentences the last selection chose, as Quest and ShadowKV reuse a page selection
     over nearby decode queries. It divides the sketch scoring, selection and loads by ~k.
 
+    ``preset`` ("auto", "standard" or "compact"; ``PRESETS``) gives the fields above that a
+    spec leaves out: "auto" (the default) takes "compact" for fractional budgets of at most
+    ``COMPACT_BUDGET`` (1/8) and "standard" otherwise (token budgets included), since each was
+    the better one at its budget on the quality harness (bench/README.md "8x"). So
+    ``sentencekv-0.125`` is ``sentencekv-0.125-preset_compact`` and
+    ``sentencekv-0.125-preset_standard-recall_every_2`` the standard fields but one.
+
     Recall bound (``bound.py``): every demoted sentence keeps per-channel key bounds per layer
     and KV head (Quest §3), and each decode step records, per layer and query head, an upper
     bound on the softmax mass of the tokens it does not attend; the request's max and mean over
@@ -75,7 +100,7 @@ class SentenceKV(Policy):
 
     Raises:
         ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits`` or
-            ``bound_tier``, ``recall_every`` below 1, ``region_key_scale`` not 0/1 (or 1
+            ``bound_tier`` or ``preset``, ``recall_every`` below 1, ``region_key_scale`` not 0/1 (or 1
             without region codes), ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
             ``cold_bits`` set (sentencekv demotes to host RAM).
     """
@@ -85,19 +110,25 @@ class SentenceKV(Policy):
     window_tokens: int = 16
     max_sentence_tokens: int = 48
     select_mode: str = "sketch"
-    last_query_share: float = 0.5
+    last_query_share: float = None  # type: ignore[assignment]  # None: from ``preset``
     sketch_bits: int = 2
-    sketch_group: int = 16
-    sketch_rank: int = 0
+    sketch_group: int = None  # type: ignore[assignment]
+    sketch_rank: int = None  # type: ignore[assignment]
     region_bits: int = 8
-    region_group: int = 16
-    region_key_scale: int = 0
-    recall_every: int = 1
+    region_group: int = None  # type: ignore[assignment]
+    region_key_scale: int = None  # type: ignore[assignment]
+    recall_every: int = None  # type: ignore[assignment]
     bound_tier: str = "auto"
     recall_eps: float = 0.0
+    preset: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.preset not in ("auto", *PRESETS):
+            raise ValueError(f"unknown preset {self.preset!r}; known: auto, {', '.join(PRESETS)}")
+        for key, value in PRESETS[self.resolved_preset].items():
+            if getattr(self, key) is None:  # a field the spec names wins over the preset
+                setattr(self, key, value)
         if self.select_mode not in ("sketch", "cos", "mass", "mean"):
             raise ValueError(f"unknown select_mode {self.select_mode!r}; known: sketch, cos, mass, mean")
         if self.cold_bits:
@@ -121,6 +152,14 @@ class SentenceKV(Policy):
             raise ValueError(f"recall_eps must be a number in [0, 1), got {self.recall_eps!r}")
         if self.recall_eps and self.bound_tier == "off":
             raise ValueError("recall_eps needs the key bounds: bound_tier must be host or device")
+
+    @property
+    def resolved_preset(self) -> str:
+        """``preset`` with ``"auto"`` resolved: ``"compact"`` for budgets of at most
+        ``COMPACT_BUDGET`` of the prompt (a fraction), else ``"standard"``."""
+        if self.preset != "auto":
+            return self.preset
+        return "compact" if self.budget <= COMPACT_BUDGET else "standard"
 
     # ---- segmentation and demotion ---------------------------------------------------------
     def segments(self, state: SequenceKV, positions: torch.Tensor) -> list[torch.Tensor]:
