@@ -255,7 +255,7 @@ def evaluate_served(asker: ServedAsker, item: dict, ref: Reference, specs: list[
 
 
 def start_peer(items: list[dict], refs: list[Reference], budgets: tuple[float, ...],
-               presses: tuple[str, ...], trace_doc: list[int]) -> tuple[Any, Any] | str:
+               presses: tuple[str, ...], trace_doc: list[int], threads: int = 1) -> tuple[Any, Any] | str:
     """Launch the kvpress peer on the same contexts and answers (runs beside this process);
     returns (process, log) or the reason it cannot run. The peer also traces the bytes its best
     press at 25%% (else the first budget) holds after prefilling ``trace_doc``'s first
@@ -263,7 +263,7 @@ def start_peer(items: list[dict], refs: list[Reference], budgets: tuple[float, .
     from cache_node.model_loader import DEFAULT_MODEL, cache_dir
 
     budget = 0.25 if 0.25 in budgets else budgets[0]
-    job = {"model_dir": str(cache_dir() / DEFAULT_MODEL), "threads": 1, "budgets": list(budgets),
+    job = {"model_dir": str(cache_dir() / DEFAULT_MODEL), "threads": threads, "budgets": list(budgets),
            "presses": list(presses), "items": [peer_item(i, r) for i, r in zip(items, refs)],
            "trace": {"document": trace_doc, "step": 1024, "budget": budget}}
     try:
@@ -279,13 +279,14 @@ def merge_rows(dst: dict, src: dict) -> None:
             dst[spec][key].extend(values)
 
 
-def merge_peer(peer: tuple[Any, Any] | str, rows: dict, by_length: dict | None = None) -> dict:
-    """Wait for the peer and add its rows (and, per context length, to ``by_length``); returns
-    what the report says about it."""
+def merge_peer(peer: tuple[Any, Any] | str, rows: dict, by_length: dict | None = None,
+               timeout_s: float = 1800) -> dict:
+    """Wait for the peer (at most ``timeout_s`` once this side is done) and add its rows (and,
+    per context length, to ``by_length``); returns what the report says about it."""
     if isinstance(peer, str):
         return {"error": peer}
     try:
-        out = kvpress_peer.collect(*peer)
+        out = kvpress_peer.collect(*peer, timeout_s=timeout_s)
     except kvpress_peer.PeerUnavailable as exc:
         return {"error": str(exc)}
     ref = out["rows"].pop("_reference", {}).get("agree_engine", [])
@@ -313,6 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--served", action="store_true", help="also ask through the engine's session path")
     ap.add_argument("--no-sweep", action="store_true", help="skip the demotion threshold sweep")
     ap.add_argument("--no-kvpress", action="store_true", help="skip the kvpress peer")
+    ap.add_argument("--peer-threads", type=int, default=1, help="torch threads of the kvpress peer")
+    ap.add_argument("--peer-timeout", type=float, default=1800,
+                    help="seconds to wait for the kvpress peer once this side is done (8k contexts need more)")
     ap.add_argument("--no-trace", action="store_true", help="skip the memory_vs_position trace")
     ap.add_argument("--target-spec", action="append", default=[], metavar="BUDGET=SPEC",
                     help="the spec issue 22's targets check at BUDGET (default sentencekv-BUDGET), e.g. "
@@ -368,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     candidates = build_items(tok, p["lengths"], p["depths"], max_positions=max_pos)
     items, refs = answered_contexts(probe, tok, candidates, p["want"], args.served)
     trace_doc = max(items, key=lambda i: len(i["context"]))["context"]
-    peer = None if args.no_kvpress else start_peer(items, refs, p["budgets"], p["presses"], trace_doc)
+    peer = None if args.no_kvpress else start_peer(items, refs, p["budgets"], p["presses"], trace_doc,
+                                                   args.peer_threads)
     passes = 2 if args.served else 1
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as progress:
@@ -393,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     trace_t0 = time.perf_counter()
     traces = {} if args.no_trace else memory_trace(lm, env, p["trace"], trace_doc)
     trace_s = time.perf_counter() - trace_t0
-    kvpress_meta = {"skipped": True} if peer is None else merge_peer(peer, rows, by_length)
+    kvpress_meta = {"skipped": True} if peer is None else merge_peer(peer, rows, by_length, args.peer_timeout)
     traces |= kvpress_meta.pop("traces", {})
     summary = summarize(rows)
     summary_by_length = {length: summarize(by_length[length]) for length in sorted(by_length)}

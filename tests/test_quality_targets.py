@@ -76,7 +76,7 @@ def test_peer_rows_merge_per_length(monkeypatch) -> None:
     out = {"rows": {"kvpress.snapkv-0.125": press, "_reference": {"agree_engine": [1.0]}},
            "rows_by_length": {"2048": {"kvpress.snapkv-0.125": press, "_reference": {"agree_engine": [1.0]}}},
            "seconds": 1.0, "trace": None, "versions": {}}
-    monkeypatch.setattr(quality.kvpress_peer, "collect", lambda *a: json.loads(json.dumps(out)))
+    monkeypatch.setattr(quality.kvpress_peer, "collect", lambda *a, **kw: json.loads(json.dumps(out)))
     rows: dict = defaultdict(lambda: defaultdict(list))
     by_length: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     meta = quality.merge_peer(("proc", "log"), rows, by_length)
