@@ -35,9 +35,10 @@ if TYPE_CHECKING:
 # 64 channels) on keys centred and scaled per channel (KIVI §3), so the bytes go to slots;
 # the sketch of the keys' top-32 principal directions (Loki) in groups of 32; the last query
 # fills 3/4 of the region; a decode step reselects every second token (Quest/ShadowKV reuse).
-# Measured on SmolLM2-135M (bench/README.md "8x"): at 12.5% compact holds passkey/needle 1.00
-# and KL < 0.05 at 1k-8k contexts where standard missed them, at a TPOT ~1.2x the full cache's
-# against ~1.5x; at 25% standard had the lower KL, hence a budget-dependent default.
+# Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset"): at 12.5% compact
+# answered every pass key at 1k-8k where standard lost them at 4k (KL 0.005-0.043 on most
+# contexts, 0.108 on two 4k ones), at a TPOT ~1.2x the full cache's against ~1.5x; at 25%
+# standard had the lower KL, hence a budget-dependent default.
 PRESETS: dict[str, dict[str, int | float]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
                  "region_key_scale": 0, "recall_every": 1},
