@@ -308,6 +308,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lengths", type=int, nargs="+", help="context lengths (default 512 1024 2048 4096 8192; "
                     f"--quick 1024); 8192 holds 8192 - {TAIL_TOKENS} tokens")
     ap.add_argument("--contexts", type=int, help="contexts kept per length (default 3; --quick 2)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the context draw (articles, needle depths' text, keys); one random stream "
+                         "runs over the lengths asked for, so other lengths also give other contexts")
     ap.add_argument("--budgets", type=float, nargs="+", help="budgets of the evicting policies and presses")
     ap.add_argument("--specs", nargs="+", help="policy specs to run instead of the default set")
     ap.add_argument("--presses", nargs="+", help="kvpress presses (default: all)")
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     specs = p["specs"]
     rows: dict = defaultdict(lambda: defaultdict(list))
     by_length: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # {length: rows}
-    candidates = build_items(tok, p["lengths"], p["depths"], max_positions=max_pos)
+    candidates = build_items(tok, p["lengths"], p["depths"], seed=args.seed, max_positions=max_pos)
     items, refs = answered_contexts(probe, tok, candidates, p["want"], args.served)
     trace_doc = max(items, key=lambda i: len(i["context"]))["context"]
     peer = None if args.no_kvpress else start_peer(items, refs, p["budgets"], p["presses"], trace_doc,
@@ -403,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(rows)
     summary_by_length = {length: summarize(by_length[length]) for length in sorted(by_length)}
     meta = {"items": len(items), "lengths": p["lengths"], "context_tokens": [len(i["context"]) for i in items],
-            "depths": [i["depth"] for i in items], "quick": args.quick, "served": args.served,
+            "depths": [i["depth"] for i in items], "seed": args.seed, "quick": args.quick, "served": args.served,
             "full_answers": sum(sum(a[5] for a in r.answers) for r in refs),
             "kvpress": kvpress_meta, "trace_tokens": len(trace_doc), "trace_seconds": round(trace_s, 1),
             "seconds": round(time.perf_counter() - t0, 1)}
