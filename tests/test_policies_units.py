@@ -62,12 +62,12 @@ def test_sentencekv_demotes_to_host_and_recalls_by_query(tiny) -> None:
     loaded = 0
     for layer in range(L):  # each head's region slots hold that head's K/V of the recalled tokens
         for head in range(H_kv):
-            for slot, p in enumerate(store.region_positions[layer, head].tolist()):
+            for slot, p in enumerate(store.region_positions[layer][head].tolist()):
                 if p < 0:
                     continue
                 sid, i = host[p]
                 want = store.sentence_kv(sid, layer)[i, :, head]
-                assert torch.equal(store.region_kv[layer, :, head, slot], want)
+                assert torch.equal(store.region_kv[layer][:, head, slot], want)
                 loaded += 1
             sids = store.resident[layer][head]
             assert sum(len(store.positions[s]) for s in sids) <= store.region_tokens
@@ -94,23 +94,24 @@ def test_sentencekv_quantized_region_holds_more_slots_and_attends_on_the_codes(t
     assert store.region_tokens >= 3 * left if bits == 8 else store.region_tokens >= 5 * left
     assert policy.extra_device_bytes(seq.kv) == store.sketch.nbytes + store.region_nbytes
     assert seq.kv.device_bytes() <= 96 * token
-    codes = unpack_bits(store.region_kv, bits).float().unflatten(-1, (1, d))  # (L, 2, H_kv, R, 1, d)
-    scale, zero = store.region_scale.float().unsqueeze(-1), store.region_zero.float().unsqueeze(-1)
+    stacked = [torch.stack(t) for t in (store.region_kv, store.region_scale, store.region_zero)]  # equal R_l
+    codes = unpack_bits(stacked[0], bits).float().unflatten(-1, (1, d))  # (L, 2, H_kv, R, 1, d)
+    scale, zero = stacked[1].float().unsqueeze(-1), stacked[2].float().unsqueeze(-1)
     deq = (codes * scale + zero).flatten(-2)  # (L, 2, H_kv, R, d)
     host = {int(p): (sid, i) for sid, ps in enumerate(store.positions) for i, p in enumerate(ps)}
     loaded = 0
     for layer in range(L):
         for head in range(H_kv):
-            for slot, p in enumerate(store.region_positions[layer, head].tolist()):
+            for slot, p in enumerate(store.region_positions[layer][head].tolist()):
                 if p < 0:
                     continue
                 sid, i = host[p]
                 want = store.sentence_kv(sid, layer)[i, :, head].float()  # (2, d)
-                half_step = store.region_scale[layer, :, head, slot].float() / 2 + 1e-3  # (2, 1)
+                half_step = store.region_scale[layer][:, head, slot].float() / 2 + 1e-3  # (2, 1)
                 assert ((deq[layer, :, head, slot] - want).abs() <= half_step).all()
                 codes, scale, zero = quantize(want, bits, d)  # the codes made once, at demotion
-                assert torch.equal(store.region_kv[layer, :, head, slot], pack_bits(codes, bits))
-                assert torch.equal(store.region_scale[layer, :, head, slot], scale)
+                assert torch.equal(store.region_kv[layer][:, head, slot], pack_bits(codes, bits))
+                assert torch.equal(store.region_scale[layer][:, head, slot], scale)
                 loaded += 1
     assert loaded > store.region_tokens  # the slots are used, not just counted
     region = policy.extra_kv(seq.kv, 0)

@@ -19,6 +19,7 @@ from cache_node.policies.registry import register
 from cache_node.policies.sentencekv.bound import KeyBounds, RecallBoundStats
 from cache_node.policies.sentencekv.bound_step import step_bound
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
+from cache_node.policies.sentencekv.layer_budget import layer_shares, split_slots
 from cache_node.policies.sentencekv.overflow import ChainedKV, OverflowKV
 from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceCodes, SentenceRegion
 from cache_node.policies.sentencekv.shortlist import head_scores, shortlist
@@ -39,11 +40,13 @@ if TYPE_CHECKING:
 # answered every pass key at 1k-8k where standard lost them at 4k (KL 0.005-0.043 on most
 # contexts, 0.108 on two 4k ones), at a TPOT ~1.2x the full cache's against ~1.5x; at 25%
 # standard had the lower KL, hence a budget-dependent default.
-PRESETS: dict[str, dict[str, int | float]] = {
+PRESETS: dict[str, dict[str, int | float | str]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
-                 "region_key_scale": 0, "recall_every": 1},
+                 "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
+                 "layer_budget": "uniform", "recall_next": 0},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
-                "region_key_scale": 1, "recall_every": 2},
+                "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 0,
+                "layer_budget": "uniform", "recall_next": 0},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
 
@@ -115,10 +118,13 @@ class SentenceKV(Policy):
     sketch_bits: int = 2
     sketch_group: int = None  # type: ignore[assignment]
     sketch_rank: int = None  # type: ignore[assignment]
+    sketch_whiten: int = None  # type: ignore[assignment]
     region_bits: int = 8
     region_group: int = None  # type: ignore[assignment]
     region_key_scale: int = None  # type: ignore[assignment]
     recall_every: int = None  # type: ignore[assignment]
+    layer_budget: str = None  # type: ignore[assignment]
+    recall_next: int = None  # type: ignore[assignment]
     bound_tier: str = "auto"
     recall_eps: float = 0.0
     preset: str = "auto"
@@ -140,6 +146,8 @@ class SentenceKV(Policy):
                 or self.sketch_rank % min(self.sketch_group, self.sketch_rank or 1)):
             raise ValueError(f"sketch_rank must be 0 (every channel) or a multiple of 8 and of sketch_group "
                              f"(or below it), got {self.sketch_rank!r}")
+        if self.sketch_whiten not in (0, 1) or (self.sketch_whiten and not self.sketch_rank):
+            raise ValueError(f"sketch_whiten must be 0 or 1, and 1 needs sketch_rank > 0, got {self.sketch_whiten!r}")
         if self.region_bits not in (0, 4, 8):
             raise ValueError(f"region_bits must be 0 (the pool's dtype), 4 or 8, got {self.region_bits}")
         if not isinstance(self.recall_every, int) or self.recall_every < 1:
@@ -147,6 +155,10 @@ class SentenceKV(Policy):
         if self.region_key_scale not in (0, 1) or (self.region_key_scale and not self.region_bits):
             raise ValueError(f"region_key_scale must be 0 or 1, and 1 needs region_bits 4 or 8, "
                              f"got {self.region_key_scale!r}")
+        if not isinstance(self.recall_next, int) or self.recall_next < 0:
+            raise ValueError(f"recall_next must be an integer >= 0, got {self.recall_next!r}")
+        if self.layer_budget not in ("uniform", "mass"):
+            raise ValueError(f"unknown layer_budget {self.layer_budget!r}; known: uniform, mass")
         if self.bound_tier not in ("auto", "host", "device", "off"):
             raise ValueError(f"unknown bound_tier {self.bound_tier!r}; known: auto, host, device, off")
         if not isinstance(self.recall_eps, (int, float)) or not 0 <= self.recall_eps < 1:
@@ -177,7 +189,7 @@ class SentenceKV(Policy):
     def _store(self, state: SequenceKV) -> HostSentenceStore:
         store = state.extra.get("sentences")
         if store is None:
-            sketch = (KeySketch(self.sketch_bits, self.sketch_group, self.sketch_rank)
+            sketch = (KeySketch(self.sketch_bits, self.sketch_group, self.sketch_rank, bool(self.sketch_whiten))
                       if self.select_mode == "sketch" else None)
             host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
@@ -262,7 +274,9 @@ class SentenceKV(Policy):
             return False
         fit_sketch = store.sketch is not None and store.sketch.rank and store.sketch.basis is None
         fit_scale = store.codes is not None and store.codes.use_key_scale and store.codes.key_scale is None
-        if fit_sketch or fit_scale:
+        fit_split = self.layer_budget == "mass" and store.layer_share is None and state.stats is not None
+        keys = None
+        if fit_sketch or fit_scale or fit_split:
             keys = gather_kv(state.pool, state.seq, demote.unsqueeze(0).expand(L, -1))[:, :, 0]
             if fit_sketch:
                 store.sketch.fit(keys)
@@ -272,10 +286,16 @@ class SentenceKV(Policy):
             slots = demote[run]
             self._demote(state, store, gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
-        positions = pos0[keep].expand(L, -1).clone()
+        demoted_pos, kept_pos = pos0[demote].clone(), pos0[keep].clone()
+        positions = kept_pos.expand(L, -1).clone()
         state.set_layout(kept, positions, torch.ones(positions.shape, device=positions.device))
-        store.resize_region(self.region_tokens(state, store), state.pool.kv, self.region_bits,
-                            self._region_group(state))
+        r = self.region_tokens(state, store)
+        if fit_split and keys is not None and r:
+            assert state.stats is not None
+            store.layer_share = layer_shares(state.stats.queries, state.stats.query_pos, keys, demoted_pos,
+                                             kept[:, :, 0], kept_pos, state.scaling, r)
+        sizes = [r] * L if store.layer_share is None else split_slots(r * L, store.layer_share)
+        store.resize_region(sizes, state.pool.kv, self.region_bits, self._region_group(state))
         if state.stats is not None:
             state.stats.compact([keep] * L)
         self._fill_from_window(state)
@@ -300,7 +320,7 @@ class SentenceKV(Policy):
         store = state.extra.get("sentences")
         if store is None:
             return
-        if store.region_tokens and not self._reuse_selection(state, store, layer_idx, q):
+        if store.region_slots(layer_idx) and not self._reuse_selection(state, store, layer_idx, q):
             self.recall(state, layer_idx, q)
         bounds = state.extra.get("key_bounds")
         state.extra.pop("overflow", None)
@@ -320,7 +340,7 @@ class SentenceKV(Policy):
 
     def _region(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
         store = state.extra.get("sentences")
-        if store is None or not store.region_tokens:
+        if store is None or not store.region_slots(layer_idx):
             return None
         if self.region_bits:
             return QuantSentenceRegion(store, layer_idx, self.region_bits)
@@ -349,7 +369,7 @@ class SentenceKV(Policy):
         assert store.mean_keys is not None
         mk = store.mean_keys[:, layer_idx].view(len(store), state.pool.num_kv_heads, -1)  # (S, H_kv, d)
         lengths = torch.tensor([len(p) for p in store.positions], device=mk.device)
-        cand = shortlist(mk, q, store.region_tokens)
+        cand = shortlist(mk, q, store.region_slots(layer_idx))
         if cand is not None:
             mk, lengths = mk[cand], lengths[cand]
         return [head_scores(mk, x, self.select_mode, state.scaling, lengths) for x in queries], cand
@@ -358,7 +378,7 @@ class SentenceKV(Policy):
         """Promote the sentences ``q`` (n, H, d) points at into the layer's recall region,
         each KV head its own."""
         store = self._store(state)
-        r = store.region_tokens
+        r = store.region_slots(layer_idx)
         if r == 0 or not len(store):
             return
         scores, cand = self.scores(state, store, layer_idx, q)
@@ -390,7 +410,7 @@ class SentenceKV(Policy):
             chosen: dict[int, None] = {}
             used = 0
             for order, cap in zip(ranked, caps):
-                for sid in order[head]:
+                for sid in self._with_next(order[head], lengths, first):
                     if used >= cap:
                         break
                     if sid not in chosen and used + lengths[sid] <= cap:
@@ -398,6 +418,21 @@ class SentenceKV(Policy):
                         used += lengths[sid]
             out.append(tuple(sorted(chosen, key=first.__getitem__)))
         return tuple(out)
+
+    def _with_next(self, order: list[int], lengths: list[int], first: list[int]) -> list[int]:
+        """``order`` with the next sentence (the one starting where it ends) ranked right after
+        each of its first ``recall_next`` sentences: a head that attends a sentence while the
+        model copies it reads on into the next one a few steps later (an induction head's next
+        target), and a selection reused over decode steps (``recall_every``) must already hold it."""
+        if not self.recall_next:
+            return order
+        out = []
+        for rank, sid in enumerate(order):
+            out.append(sid)
+            nxt = sid + 1
+            if rank < self.recall_next and nxt < len(lengths) and first[nxt] == first[sid] + lengths[sid]:
+                out.append(nxt)
+        return out
 
     def release(self, state: SequenceKV) -> None:
         store = state.extra.get("sentences")

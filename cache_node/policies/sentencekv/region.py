@@ -127,7 +127,7 @@ class SentenceRegion:
 
     def __init__(self, store: HostSentenceStore, layer_idx: int) -> None:
         assert store.region_kv is not None and store.region_positions is not None
-        self.k, self.v = store.region_kv[layer_idx, 0], store.region_kv[layer_idx, 1]  # (H_kv, R, d)
+        self.k, self.v = store.region_kv[layer_idx][0], store.region_kv[layer_idx][1]  # (H_kv, R_l, d)
         self.empty = (store.region_positions[layer_idx] < 0).to(self.k.device)  # (H_kv, R)
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:

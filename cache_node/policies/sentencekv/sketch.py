@@ -26,10 +26,11 @@ class KeySketch:
     fp32 K/V.
     """
 
-    def __init__(self, bits: int, group_size: int, rank: int = 0) -> None:
-        self.bits, self.group_size, self.rank = bits, group_size, rank
+    def __init__(self, bits: int, group_size: int, rank: int = 0, whiten: bool = False) -> None:
+        self.bits, self.group_size, self.rank, self.whiten = bits, group_size, rank, whiten
         self.basis: torch.Tensor | None = None
         self.mean: torch.Tensor | None = None
+        self.spread: torch.Tensor | None = None  # (L, H_kv, rank) with ``whiten``
         self.codes: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
@@ -59,6 +60,9 @@ class KeySketch:
         centred = k - self.mean.unsqueeze(2)
         _, vecs = torch.linalg.eigh(centred.transpose(-1, -2) @ centred)  # (L, H_kv, d, d), ascending
         self.basis = vecs.flip(-1)[..., : self.rank].contiguous()  # (L, H_kv, d, rank)
+        if self.whiten:  # each coordinate's standard deviation, floored at 1e-3 of the head's largest
+            std = (centred @ self.basis).std(2, correction=0)  # (L, H_kv, rank)
+            self.spread = std.clamp(min=1e-6).maximum(1e-3 * std.amax(-1, keepdim=True))
 
     def project(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys (L, n, H_kv, d) -> their sketched coordinates (L, n, H_kv, c) (``c`` = d without
@@ -67,7 +71,8 @@ class KeySketch:
             return keys.float()
         self.fit(keys)
         assert self.basis is not None and self.mean is not None
-        return torch.einsum("lnhd,lhdr->lnhr", keys.float() - self.mean.unsqueeze(1), self.basis)
+        coords = torch.einsum("lnhd,lhdr->lnhr", keys.float() - self.mean.unsqueeze(1), self.basis)
+        return coords if self.spread is None else coords / self.spread.unsqueeze(1)
 
     def append(self, keys: torch.Tensor, sentence: int) -> None:
         """Add one sentence's keys (L, n, H_kv, d)."""
@@ -84,8 +89,8 @@ class KeySketch:
 
     def fork(self) -> KeySketch:
         """A copy sharing the (never mutated in place) tensors."""
-        out = KeySketch(self.bits, self.group_size, self.rank)
-        out.basis, out.mean = self.basis, self.mean
+        out = KeySketch(self.bits, self.group_size, self.rank, self.whiten)
+        out.basis, out.mean, out.spread = self.basis, self.mean, self.spread
         out.codes, out.scale, out.zero, out.sentence_of = self.codes, self.scale, self.zero, self.sentence_of
         return out
 
@@ -93,8 +98,8 @@ class KeySketch:
     def nbytes(self) -> int:
         if self.codes is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero, self.basis, self.mean)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero, self.basis, self.mean,
+                                                         self.spread) if t is not None)
 
     def logits(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """(n, H_kv, g, N) ``scaling * q . k`` of every sketched token, on the codes: ``q . k =
@@ -117,6 +122,8 @@ class KeySketch:
             assert self.basis is not None and self.mean is not None
             offset = torch.einsum("nhqd,hd->nhq", qf, self.mean[layer]).unsqueeze(-1)  # q . mean
             qf = torch.einsum("nhqd,hdr->nhqr", qf, self.basis[layer])
+            if self.spread is not None:  # q . (k - mean) ~ (q @ basis * spread) . whitened code
+                qf = qf * self.spread[layer].unsqueeze(1)
         group = min(self.group_size, c)
         qg = qf.reshape(n, h_kv, h // h_kv, c // group, group)
         dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, group))

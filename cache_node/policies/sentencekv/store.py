@@ -22,11 +22,13 @@ class HostSentenceStore:
     ``host``: where the sentences' raw K/V lives (the engine's host tier, or the sequence's own
     CPU tensors without one); ``handles[s]`` finds sentence ``s`` there. Index (device tier):
     ``sketch`` (key codes, ``select_mode="sketch"``) or ``mean_keys`` (S, L, H_kv * d) float32
-    (the other modes). ``region_kv``: (L, 2, H_kv, R, d) the promoted sentences' K/V on the
-    pool's device, each KV head its own (``region_positions`` (L, H_kv, R), -1 = empty slot);
-    with ``region_bits`` 8 or 4 it holds codes (L, 2, H_kv, R, d * bits / 8) uint8 instead,
-    with ``region_scale``/``region_zero`` (L, 2, H_kv, R, d / group) float16, copied from
-    ``codes`` (every demoted token's codes, quantized once at demotion, host RAM).
+    (the other modes). ``region_kv[l]``: (2, H_kv, R_l, d) layer ``l``'s promoted sentences'
+    K/V on the pool's device, each KV head its own (``region_positions[l]`` (H_kv, R_l), -1 =
+    empty slot); with ``region_bits`` 8 or 4 it holds codes (2, H_kv, R_l, d * bits / 8) uint8
+    instead, with ``region_scale[l]``/``region_zero[l]`` (2, H_kv, R_l, d / group) float16, copied
+    from ``codes`` (every demoted token's codes, quantized once at demotion, host RAM). ``R_l``
+    is the same in every layer unless ``layer_share`` (L,) splits the slots among the layers
+    (``SentenceKV.layer_budget``).
     ``dropped_tokens``: tokens demoted while the host tier was full (lost, as on eviction).
     """
 
@@ -35,15 +37,16 @@ class HostSentenceStore:
     positions: list[torch.Tensor] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     mean_keys: torch.Tensor | None = None
-    region_kv: torch.Tensor | None = None
-    region_positions: torch.Tensor | None = None
-    region_scale: torch.Tensor | None = None
-    region_zero: torch.Tensor | None = None
+    region_kv: list[torch.Tensor] | None = None
+    region_positions: list[torch.Tensor] | None = None
+    region_scale: list[torch.Tensor] | None = None
+    region_zero: list[torch.Tensor] | None = None
     codes: SentenceCodes | None = None
     resident: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)  # layer -> per head
     recall_s: float = 0.0
     num_recalls: int = 0
     dropped_tokens: int = 0
+    layer_share: torch.Tensor | None = None
     _flat: tuple[list[int], list[int], np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
@@ -112,12 +115,12 @@ class HostSentenceStore:
         else:
             dsts = (self.region_kv,)
             srcs = [self._raw_kv(layer, chosen, heads, torch.from_numpy(tok), torch.from_numpy(head_idx))
-                    .to(self.region_kv)]
+                    .to(self.region_kv[layer])]
         start = 0
         for h, n in zip(heads, counts):
             pos[h, :n] = positions[start:start + n]
             for dst, src in zip(dsts, srcs):
-                dst[layer, :, h, :n] = src[start:start + n].transpose(0, 1)
+                dst[layer][:, h, :n] = src[start:start + n].transpose(0, 1)
             start += n
 
     def _raw_kv(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
@@ -145,40 +148,47 @@ class HostSentenceStore:
 
     @property
     def region_tokens(self) -> int:
-        """R: the region's slots per layer and KV head."""
-        return 0 if self.region_positions is None else self.region_positions.shape[-1]
+        """R: the region's slots per KV head, averaged over the layers (rounded down; every
+        layer's without ``layer_share``)."""
+        if self.region_positions is None:
+            return 0
+        return sum(p.shape[-1] for p in self.region_positions) // len(self.region_positions)
+
+    def region_slots(self, layer: int) -> int:
+        """R_l: layer ``layer``'s region slots per KV head."""
+        return 0 if self.region_positions is None else self.region_positions[layer].shape[-1]
 
     @property
     def region_nbytes(self) -> int:
         """Device bytes of the region (codes and scales included; every slot, filled or not)."""
         parts = (self.region_kv, self.region_scale, self.region_zero)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(t.numel() * t.element_size() for ts in parts if ts is not None for t in ts)
 
-    def resize_region(self, r: int, like: torch.Tensor, bits: int = 0, group_size: int = 16) -> None:
-        """An empty region of ``r`` slots per layer and KV head; ``like``: (L, 2, S, H_kv, d)
-        the pool tensor (dtype, device, shape); ``bits`` 0 keeps the pool's dtype, 8 or 4
-        holds codes with per-``group_size`` scales."""
-        num_layers, _, _, h_kv, d = like.shape
-        self.region_positions = torch.full((num_layers, h_kv, r), -1, dtype=torch.long, device=like.device)
+    def resize_region(self, sizes: Sequence[int], like: torch.Tensor, bits: int = 0, group_size: int = 16) -> None:
+        """An empty region of ``sizes[l]`` slots per KV head in layer ``l``; ``like``: (L, 2,
+        S, H_kv, d) the pool tensor (dtype, device, shape); ``bits`` 0 keeps the pool's dtype,
+        8 or 4 holds codes with per-``group_size`` scales."""
+        _, _, _, h_kv, d = like.shape
+        dev = like.device
+        self.region_positions = [torch.full((h_kv, r), -1, dtype=torch.long, device=dev) for r in sizes]
         self.region_scale = self.region_zero = None
         if bits:
-            shape = (num_layers, 2, h_kv, r)
-            self.region_kv = torch.zeros((*shape, d * bits // 8), dtype=torch.uint8, device=like.device)
-            self.region_scale = torch.zeros((*shape, d // group_size), dtype=torch.float16,
-                                            device=like.device)
-            self.region_zero = torch.zeros_like(self.region_scale)
+            self.region_kv = [torch.zeros((2, h_kv, r, d * bits // 8), dtype=torch.uint8, device=dev) for r in sizes]
+            self.region_scale = [torch.zeros((2, h_kv, r, d // group_size), dtype=torch.float16, device=dev)
+                                 for r in sizes]
+            self.region_zero = [torch.zeros_like(t) for t in self.region_scale]
         else:
-            self.region_kv = torch.zeros((num_layers, 2, h_kv, r, d), dtype=like.dtype, device=like.device)
+            self.region_kv = [torch.zeros((2, h_kv, r, d), dtype=like.dtype, device=dev) for r in sizes]
         self.resident.clear()
 
     def fork(self) -> HostSentenceStore:
         """An independent copy (host K/V, index and region copied or shared immutably)."""
         sketch = None if self.sketch is None else self.sketch.fork()
         region, region_pos, scale, zero = (
-            None if t is None else t.clone()
-            for t in (self.region_kv, self.region_positions, self.region_scale, self.region_zero)
+            None if ts is None else [t.clone() for t in ts]
+            for ts in (self.region_kv, self.region_positions, self.region_scale, self.region_zero)
         )
         codes = None if self.codes is None else self.codes.fork()
         return HostSentenceStore(self.host.fork(), sketch, list(self.positions), list(self.handles),
                                  self.mean_keys, region, region_pos, scale, zero, codes, dict(self.resident),
-                                 self.recall_s, self.num_recalls, self.dropped_tokens)
+                                 self.recall_s, self.num_recalls, self.dropped_tokens, self.layer_share)
