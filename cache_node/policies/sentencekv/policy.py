@@ -34,19 +34,21 @@ if TYPE_CHECKING:
 # int8 region codes per 16 channels, a 2-bit sketch of every channel, recall every decode step.
 # "compact", for an eighth of the device bytes: one int8 scale per token and K/V (groups of
 # 64 channels) on keys centred and scaled per channel (KIVI §3), so the bytes go to slots;
-# the sketch of the keys' top-32 principal directions (Loki) in groups of 32; the last query
-# fills 3/4 of the region; a decode step reselects every second token (Quest/ShadowKV reuse).
-# Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset"): at 12.5% compact
-# answered every pass key at 1k-8k where standard lost them at 4k (KL 0.005-0.043 on most
-# contexts, 0.108 on two 4k ones), at a TPOT ~1.2x the full cache's against ~1.5x; at 25%
-# standard had the lower KL, hence a budget-dependent default.
+# the sketch of the keys' top-32 principal directions (Loki), each divided by its spread, in
+# groups of 32; the region's slots split among the layers by where the window queries'
+# attention lies (``layer_budget.py``); the last query fills 3/4 of the region; a decode step
+# reselects every second token (Quest/ShadowKV reuse).
+# Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
+# 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
+# split and whitening took the 4k KL over six contexts from 0.089 to 0.037; TPOT ~1.2-1.3x the
+# full cache's against ~1.5x; at 25% standard had the lower KL, hence a budget-dependent default.
 PRESETS: dict[str, dict[str, int | float | str]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
                  "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
                  "layer_budget": "uniform", "recall_next": 0},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
-                "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 0,
-                "layer_budget": "uniform", "recall_next": 0},
+                "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 1,
+                "layer_budget": "mass", "recall_next": 0},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
 
