@@ -45,14 +45,17 @@ Scoring (``select_mode``):
 Sources: Zhu et al., "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV
 Caching" (arXiv 2504.00970), §3.2 (sentence-level compression at prefill: semantic vectors on
 GPU, token KV offloaded to CPU) and §3.3 (decode: select sentences by query similarity and load
-their KV); Zhang et al., "HACK" (arXiv 2502.03589) §4 (attention scores on quantized codes).
+their KV); Zhang et al., "HACK" (arXiv 2502.03589) §4 (attention scores on quantized codes);
+Cai et al., "PyramidKV" (arXiv 2406.02069) §3 (layer-wise KV budgets, which ``layer_budget``
+measures instead of fixing).
 
 Files: ``sketch.py`` (``KeySketch``, the 2-bit key sketch scored on its codes), ``host_kv.py``
 (``PrivateHostKV``, ``TierHostKV``: where a sentence's raw K/V waits in host RAM),
 ``region.py`` (``SentenceCodes``, the recall region's codes made at demotion;
 ``SentenceRegion``/``QuantSentenceRegion``, the region attended as extra KV), ``store.py``
 (``HostSentenceStore``: the demoted sentences, their index and the region), ``shortlist.py``
-(``shortlist`` and ``head_scores`` over mean keys), ``bound.py`` (``KeyBounds``, the missed-mass
+(``shortlist`` and ``head_scores`` over mean keys), ``layer_budget.py`` (the region's split
+among the layers, ``layer_budget="mass"``), ``bound.py`` (``KeyBounds``, the missed-mass
 bound and its stats), ``bound_step.py`` (one layer's bound per step), ``overflow.py`` (the
 exact-recall overflow region), ``policy.py`` (``SentenceKV``, registered as ``sentencekv``).
 """

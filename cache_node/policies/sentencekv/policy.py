@@ -77,6 +77,18 @@ class SentenceKV(Policy):
     keeps the sentences the last selection chose, as Quest and ShadowKV reuse a page selection
     over nearby decode queries. It divides the sketch scoring, selection and loads by ~k.
 
+    ``sketch_whiten`` 1 (with ``sketch_rank``) divides each principal coordinate by its spread
+    over the fitted keys before the codes, so a 2-bit group of 32 coordinates codes every one of
+    them and not just the largest few (the query is scaled back; KIVI §3's per-channel scaling
+    applied to Loki's coordinates).
+    ``layer_budget`` "mass" splits the region's slots among the layers, once per sequence at
+    its first compression, by where the window queries' attention over the demoted tokens
+    lies (``layer_budget.layer_shares``: PyramidKV/SpindleKV layer budgets, with G-KV's global
+    ranking across layers), each layer keeping at least half an equal share; "uniform" gives
+    every layer R slots.
+    ``recall_next`` k > 0 ranks, after each of a head's k best sentences, the sentence that
+    follows it, so a reused selection holds the text the model is about to copy.
+
     ``preset`` ("auto", "standard" or "compact"; ``PRESETS``) gives the fields above that a
     spec leaves out: "auto" (the default) takes "compact" for fractional budgets of at most
     ``COMPACT_BUDGET`` (1/8) and "standard" otherwise (token budgets included), since each was
@@ -105,8 +117,9 @@ class SentenceKV(Policy):
     ``device_bytes_peak`` in the stats reports the peak.
 
     Raises:
-        ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits`` or
-            ``bound_tier`` or ``preset``, ``recall_every`` below 1, ``region_key_scale`` not 0/1 (or 1
+        ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits``,
+            ``layer_budget``, ``bound_tier`` or ``preset``, ``recall_every`` below 1, ``recall_next``
+            below 0, ``sketch_whiten`` not 0/1 (or 1 without ``sketch_rank``), ``region_key_scale`` not 0/1 (or 1
             without region codes), ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
             ``cold_bits`` set (sentencekv demotes to host RAM).
     """
