@@ -302,7 +302,7 @@ class SentenceKV(Policy):
             slots = demote[run]
             self._demote(state, store, gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
-        demoted_pos, kept_pos = pos0[demote].clone(), pos0[keep].clone()
+        demoted_pos, kept_pos = pos0[demote], pos0[keep]  # advanced indexing: copies
         positions = kept_pos.expand(L, -1).clone()
         state.set_layout(kept, positions, torch.ones(positions.shape, device=positions.device))
         r = self.region_tokens(state, store)
