@@ -17,8 +17,7 @@ class KeySketch:
     ``sentence_of``: (N,) the sentence each token belongs to. ``c`` = d, or with ``rank`` > 0
     the rank: the codes are then of ``(k - mean) @ basis``, the centred key's coordinates in
     the top-``rank`` principal directions of the keys (``basis``: (L, H_kv, d, rank), ``mean``:
-    (L, H_kv, d), both float16 on the device tier, fitted once per sequence on the keys of its
-    first demotion, ``fit``),
+    (L, H_kv, d) float32, fitted once per sequence on the keys of its first demotion, ``fit``),
     and ``q . k ~ q . mean + (q @ basis) . codes`` (Loki: Singhania et al., "Loki: Low-rank
     Keys for Efficient Sparse Attention", NeurIPS 2024, §3-4: keys lie close to a
     low-dimensional subspace, so attention scores computed in the top principal components
@@ -60,14 +59,10 @@ class KeySketch:
         self.mean = k.mean(2)
         centred = k - self.mean.unsqueeze(2)
         _, vecs = torch.linalg.eigh(centred.transpose(-1, -2) @ centred)  # (L, H_kv, d, d), ascending
-        basis = vecs.flip(-1)[..., : self.rank].contiguous()  # (L, H_kv, d, rank)
+        self.basis = vecs.flip(-1)[..., : self.rank].contiguous()  # (L, H_kv, d, rank)
         if self.whiten:  # each coordinate's standard deviation, floored at 1e-3 of the head's largest
-            std = (centred @ basis).std(2, correction=0)  # (L, H_kv, rank)
+            std = (centred @ self.basis).std(2, correction=0)  # (L, H_kv, rank)
             self.spread = std.clamp(min=1e-6).maximum(1e-3 * std.amax(-1, keepdim=True))
-        # stored as float16: the basis is a fixed cost in the budget (SmolLM2: 16 token-equivalents
-        # in float32, an eighth of a 1k context's 12.5%); keys and queries go through the same
-        # rounded mean and basis, so q . mean + (q @ basis) . coords stays consistent
-        self.basis, self.mean = basis.half(), self.mean.half()
 
     def project(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys (L, n, H_kv, d) -> their sketched coordinates (L, n, H_kv, c) (``c`` = d without
@@ -76,7 +71,7 @@ class KeySketch:
             return keys.float()
         self.fit(keys)
         assert self.basis is not None and self.mean is not None
-        coords = torch.einsum("lnhd,lhdr->lnhr", keys.float() - self.mean.float().unsqueeze(1), self.basis.float())
+        coords = torch.einsum("lnhd,lhdr->lnhr", keys.float() - self.mean.unsqueeze(1), self.basis)
         return coords if self.spread is None else coords / self.spread.unsqueeze(1)
 
     def append(self, keys: torch.Tensor, sentence: int) -> None:
@@ -125,8 +120,8 @@ class KeySketch:
         offset = None
         if self.rank:
             assert self.basis is not None and self.mean is not None
-            offset = torch.einsum("nhqd,hd->nhq", qf, self.mean[layer].float()).unsqueeze(-1)  # q . mean
-            qf = torch.einsum("nhqd,hdr->nhqr", qf, self.basis[layer].float())
+            offset = torch.einsum("nhqd,hd->nhq", qf, self.mean[layer]).unsqueeze(-1)  # q . mean
+            qf = torch.einsum("nhqd,hdr->nhqr", qf, self.basis[layer])
             if self.spread is not None:  # q . (k - mean) ~ (q @ basis * spread) . whitened code
                 qf = qf * self.spread[layer].unsqueeze(1)
         group = min(self.group_size, c)
