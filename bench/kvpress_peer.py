@@ -174,10 +174,13 @@ def evaluate_item(runner: Runner, item: dict, specs: list[tuple[str, str, float]
         for q, ref in refs:
             got = runner.force(cache, q["prompt"] + q["gen"], n)[len(q["prompt"]) - 1 :]
             lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-            row["kl"].append(float((lp.exp() * (lp - lq)).sum(-1).mean()))
+            kl = (lp.exp() * (lp - lq)).sum(-1)
+            row["kl"].append(float(kl.mean()))
             row["agree"].append(float((ref.argmax(-1) == got.argmax(-1)).float().mean()))
             row["peak_ratio"].append(row["device_bytes_ratio"][-1])
             need = q["need"]
+            if need is not None:
+                row["kl_answer"].append(float(kl[:need].mean()))
             if q["full_ok"] and need is not None:
                 ok = bool((ref[:need].argmax(-1) == got[:need].argmax(-1)).all())
                 row[f"acc_{q['kind']}"].append(float(ok))

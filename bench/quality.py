@@ -209,10 +209,14 @@ def evaluate_item(probe: Probe, item: dict, ref: Reference, specs: list[str], ro
 
 def score(row: dict, kind: str, ref_logits: torch.Tensor, logits: torch.Tensor, need: int | None,
           full_ok: bool) -> None:
-    """Add one answer's KL, greedy agreement and (for an item the full cache answers) accuracy."""
+    """Add one answer's KL, greedy agreement and (for an item the full cache answers) accuracy.
+    ``kl_answer``: the KL over the rows that predict the answer up to its last needed token
+    (``need``), without the rows after it (what the model writes once the answer is out)."""
     kl, agree = kl_and_agreement(ref_logits, logits)
     row["kl"].append(kl)
     row["agree"].append(agree)
+    if need is not None:
+        row["kl_answer"].append(kl_and_agreement(ref_logits[:need], logits[:need])[0])
     if full_ok and need is not None:
         ok = bool((ref_logits[:need].argmax(-1) == logits[:need].argmax(-1)).all())
         row[f"acc_{kind}"].append(float(ok))

@@ -90,6 +90,7 @@ def summarize(rows: dict) -> dict[str, dict[str, float]]:
             "passkey_acc": mean(r["acc_passkey"]),
             "needle_acc": mean(acc),
             "kl_mean": mean(r["kl"]),
+            "kl_answer_mean": mean(r.get("kl_answer", [])),  # rows from before it had none
             "greedy_agreement": mean(r["agree"]),
             "device_bytes_ratio": mean(r["device_bytes_ratio"]),
             "peak_device_bytes_ratio": mean(r["peak_ratio"]),
@@ -119,13 +120,15 @@ def served_agreement(rows: dict, specs: list[str]) -> dict[str, dict[str, Any]]:
 
 def _table(summary: dict) -> list[str]:
     lines = [
-        "| policy | device bytes / full | passkey acc | needle acc | KL mean | greedy agree | ppl (full) | recall ms |",
-        "|---|---|---|---|---|---|---|---|",
+        ("| policy | device bytes / full | passkey acc | needle acc | KL mean | KL to the answer | greedy agree | "
+         "ppl (full) | recall ms |"),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, s in summary.items():
         lines.append(
             f"| {spec} | {s['device_bytes_ratio']:.3f} | {s['passkey_acc']:.2f} (n={s['n_passkey']}) | "
-            f"{s['needle_acc']:.2f} | {s['kl_mean']:.4f} | {s['greedy_agreement']:.3f} | "
+            f"{s['needle_acc']:.2f} | {s['kl_mean']:.4f} | {s.get('kl_answer_mean', float('nan')):.4f} | "
+            f"{s['greedy_agreement']:.3f} | "
             f"{s['ppl']:.2f} ({s['ppl_full']:.2f}) | {s['recall_ms']:.1f} |"
         )
     return lines

@@ -123,3 +123,21 @@ def test_targets_are_checked_against_the_numbers() -> None:
     assert not got["quant-bits_4_agreement_ge_0.8"] and got["quant-bits_4_at_least_2x_fewer_bytes"]
     summary["sentencekv-0.25"]["n_passkey"] = 0  # the full cache answered no pass key: not measured
     assert targets(summary)["sentencekv_passkey_within_2pts"] is None
+
+
+def test_kl_to_the_answer_leaves_out_the_rows_after_it() -> None:
+    """``score``: KL over every row of the answer, and ``kl_answer`` over the rows up to the
+    last needed token only; a change after the answer shows in the first, not the second."""
+    from collections import defaultdict
+
+    from bench.quality import score
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 11, generator=g)
+    got = ref.clone()
+    got[3:] = torch.randn(2, 11, generator=g)  # rows 3 and 4: after an answer of need=3 tokens
+    row: dict = defaultdict(list)
+    score(row, "passkey", ref, got, 3, True)
+    assert row["kl"][0] > 0.01 and abs(row["kl_answer"][0]) < 1e-6 and row["acc_passkey"] == [1.0]
+    score(row, "word", ref, got, None, False)  # no needed length: no answer KL
+    assert len(row["kl"]) == 2 and len(row["kl_answer"]) == 1
