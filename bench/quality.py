@@ -107,10 +107,14 @@ def build_items(tok: Any, lengths: list[int], depths: list[float], seed: int = 0
     return items
 
 
-def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+def token_kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """(rows,) KL(ref || got) of each row of logits (rows, V)."""
     lp, lq = torch.log_softmax(ref.float(), -1), torch.log_softmax(got.float(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    return float(token_kl(ref, got).mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean())
 
 
 @dataclass
@@ -212,11 +216,11 @@ def score(row: dict, kind: str, ref_logits: torch.Tensor, logits: torch.Tensor, 
     """Add one answer's KL, greedy agreement and (for an item the full cache answers) accuracy.
     ``kl_answer``: the KL over the rows that predict the answer up to its last needed token
     (``need``), without the rows after it (what the model writes once the answer is out)."""
-    kl, agree = kl_and_agreement(ref_logits, logits)
-    row["kl"].append(kl)
-    row["agree"].append(agree)
+    kl = token_kl(ref_logits, logits)
+    row["kl"].append(float(kl.mean()))
+    row["agree"].append(float((ref_logits.argmax(-1) == logits.argmax(-1)).float().mean()))
     if need is not None:
-        row["kl_answer"].append(kl_and_agreement(ref_logits[:need], logits[:need])[0])
+        row["kl_answer"].append(float(kl[:need].mean()))
     if full_ok and need is not None:
         ok = bool((ref_logits[:need].argmax(-1) == logits[:need].argmax(-1)).all())
         row[f"acc_{kind}"].append(float(ok))

@@ -90,7 +90,7 @@ def summarize(rows: dict) -> dict[str, dict[str, float]]:
             "passkey_acc": mean(r["acc_passkey"]),
             "needle_acc": mean(acc),
             "kl_mean": mean(r["kl"]),
-            "kl_answer_mean": mean(r.get("kl_answer", [])),  # rows from before it had none
+            "kl_answer_mean": mean(r.get("kl_answer", [])),  # rows without answers (e.g. built by hand) have none
             "greedy_agreement": mean(r["agree"]),
             "device_bytes_ratio": mean(r["device_bytes_ratio"]),
             "peak_device_bytes_ratio": mean(r["peak_ratio"]),
@@ -127,7 +127,7 @@ def _table(summary: dict) -> list[str]:
     for spec, s in summary.items():
         lines.append(
             f"| {spec} | {s['device_bytes_ratio']:.3f} | {s['passkey_acc']:.2f} (n={s['n_passkey']}) | "
-            f"{s['needle_acc']:.2f} | {s['kl_mean']:.4f} | {s.get('kl_answer_mean', float('nan')):.4f} | "
+            f"{s['needle_acc']:.2f} | {s['kl_mean']:.4f} | {s['kl_answer_mean']:.4f} | "
             f"{s['greedy_agreement']:.3f} | "
             f"{s['ppl']:.2f} ({s['ppl_full']:.2f}) | {s['recall_ms']:.1f} |"
         )

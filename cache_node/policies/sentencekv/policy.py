@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 # Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
 # 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
 # split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
-# contexts' from 0.043 to 0.102); TPOT ~1.2-1.3x the
-# full cache's against ~1.5x; at 25% standard had the lower KL, hence a budget-dependent default.
+# contexts' from 0.043 to 0.102); TPOT ~1.2-1.3x the full cache's against ~1.5x; at 25%
+# standard had the lower KL, hence a budget-dependent default.
 PRESETS: dict[str, dict[str, int | float | str]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
                  "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
