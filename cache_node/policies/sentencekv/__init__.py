@@ -49,7 +49,8 @@ their KV); Zhang et al., "HACK" (arXiv 2502.03589) §4 (attention scores on quan
 Cai et al., "PyramidKV" (arXiv 2406.02069) §3 (layer-wise KV budgets, which ``layer_budget``
 measures instead of fixing).
 
-Files: ``sketch.py`` (``KeySketch``, the 2-bit key sketch scored on its codes), ``host_kv.py``
+Files: ``sketch.py`` (``KeySketch``, the 2-bit key sketch scored on its codes;
+``LayeredSketch``, finer codes in the deep layers), ``host_kv.py``
 (``PrivateHostKV``, ``TierHostKV``: where a sentence's raw K/V waits in host RAM),
 ``region.py`` (``SentenceCodes``, the recall region's codes made at demotion;
 ``SentenceRegion``/``QuantSentenceRegion``, the region attended as extra KV), ``store.py``
@@ -64,10 +65,10 @@ from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
 from cache_node.policies.sentencekv.policy import SentenceKV
 from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceCodes, SentenceRegion
 from cache_node.policies.sentencekv.shortlist import SHORTLIST_MIN_SENTENCES, head_scores, shortlist
-from cache_node.policies.sentencekv.sketch import KeySketch
+from cache_node.policies.sentencekv.sketch import KeySketch, LayeredSketch
 from cache_node.policies.sentencekv.store import HostSentenceStore
 
 __all__ = [
-    "SHORTLIST_MIN_SENTENCES", "HostSentenceStore", "KeySketch", "PrivateHostKV", "QuantSentenceRegion",
+    "SHORTLIST_MIN_SENTENCES", "HostSentenceStore", "KeySketch", "LayeredSketch", "PrivateHostKV", "QuantSentenceRegion",
     "SentenceCodes", "SentenceKV", "SentenceRegion", "TierHostKV", "head_scores", "shortlist",
 ]

@@ -23,7 +23,7 @@ import math
 import torch
 
 from cache_node.policies.quant import quantize
-from cache_node.policies.sentencekv.sketch import KeySketch
+from cache_node.policies.sentencekv.sketch import KeySketch, LayeredSketch
 
 SLACK = 1e-4
 """Relative slack (of ``sum |q_c| max(|lo_c|, |hi_c|)``) added to every bound, covering the
@@ -117,14 +117,18 @@ class KeyBounds:
         assert self.lo is not None and self.hi is not None
         return logit_upper_bounds(q.to(self.device), self.lo[:, layer].float(), self.hi[:, layer].float(), scaling)
 
-    def log_upper(self, layer: int, q: torch.Tensor, scaling: float, sketch: KeySketch | None) -> torch.Tensor:
+    def log_upper(self, layer: int, q: torch.Tensor, scaling: float,
+                  sketch: KeySketch | LayeredSketch | None) -> torch.Tensor:
         """(n, H, S) an upper bound on each row's log mass: ``ub_s + log n_s``, or for a stored
         sentence the smaller of that and ``sketch_log_mass_bound`` when there is a sketch."""
         out = self.upper(layer, q, scaling) + self.lengths.float().log() + LOG_SLACK
-        if sketch is None or sketch.codes is None or sketch.rank:
+        if sketch is None:
+            return out
+        part, local = sketch.part(layer)
+        if part.codes is None or part.rank:
             return out  # a low-rank sketch's error has no per-channel bound: the key bounds alone
         rows = (self.sid >= 0).nonzero().squeeze(1)
-        tight = sketch_log_mass_bound(sketch, layer, q, scaling, len(rows)).to(out.device)
+        tight = sketch_log_mass_bound(part, local, q, scaling, len(rows)).to(out.device)
         out[..., rows] = torch.minimum(out[..., rows], tight)
         return out
 

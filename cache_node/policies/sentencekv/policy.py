@@ -23,7 +23,7 @@ from cache_node.policies.sentencekv.layer_budget import layer_shares, split_slot
 from cache_node.policies.sentencekv.overflow import ChainedKV, OverflowKV
 from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceCodes, SentenceRegion
 from cache_node.policies.sentencekv.shortlist import head_scores, shortlist
-from cache_node.policies.sentencekv.sketch import KeySketch
+from cache_node.policies.sentencekv.sketch import KeySketch, LayeredSketch
 from cache_node.policies.sentencekv.store import HostSentenceStore
 
 if TYPE_CHECKING:
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 # the sketch of the keys' top-32 principal directions (Loki), each divided by its spread, in
 # groups of 32; the region's slots split among the layers by where the window queries'
 # attention lies (``layer_budget.py``); the last query fills 3/4 of the region; a decode step
-# reselects every second token (Quest/ShadowKV reuse).
+# reselects every second token (Quest/ShadowKV reuse), except in the second half of the layers,
+# which score on 4-bit codes and reselect every token (``deep_from``).
 # Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
 # 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
 # split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
@@ -46,10 +47,12 @@ if TYPE_CHECKING:
 PRESETS: dict[str, dict[str, int | float | str]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
                  "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
-                 "layer_budget": "uniform", "recall_next": 0},
+                 "layer_budget": "uniform", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 2,
+                 "deep_recall_every": 1},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
                 "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 1,
-                "layer_budget": "mass", "recall_next": 0},
+                "layer_budget": "mass", "recall_next": 0, "deep_from": 0.5, "deep_sketch_bits": 4,
+                "deep_recall_every": 1},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
 
@@ -89,6 +92,13 @@ class SentenceKV(Policy):
     every layer R slots.
     ``recall_next`` k > 0 ranks, after each of a head's k best sentences, the sentence that
     follows it, so a reused selection holds the text the model is about to copy.
+    ``deep_from`` f < 1: the layers from ``round(f * L)`` on (the deep layers) score with
+    ``deep_sketch_bits`` codes (``LayeredSketch``) and reselect every ``deep_recall_every``
+    decode steps. On SmolLM2-135M at 12.5% of the bytes, ranking sentences by their exact
+    softmax mass at every step only in the second half of the layers took the 1k KL from 0.102
+    to 0.044 (in the first half it changed nothing), while a 2-bit sketch reselecting every
+    step there did not help (0.099) and a 4-bit one did (0.063): the deep layers' queries pick
+    sharply among sentences and move from token to token (bench/README.md "Deep layers").
 
     ``preset`` ("auto", "standard" or "compact"; ``PRESETS``) gives the fields above that a
     spec leaves out: "auto" (the default) takes "compact" for fractional budgets of at most
@@ -119,8 +129,9 @@ class SentenceKV(Policy):
 
     Raises:
         ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits``,
-            ``layer_budget``, ``bound_tier`` or ``preset``, ``recall_every`` below 1, ``recall_next``
-            below 0, ``sketch_whiten`` not 0/1 (or 1 without ``sketch_rank``), ``region_key_scale`` not 0/1 (or 1
+            ``layer_budget``, ``bound_tier`` or ``preset``, ``recall_every`` or ``deep_recall_every``
+            below 1, ``recall_next`` below 0, ``deep_from`` outside [0, 1], ``deep_sketch_bits`` not
+            1/2/4/8, ``sketch_whiten`` not 0/1 (or 1 without ``sketch_rank``), ``region_key_scale`` not 0/1 (or 1
             without region codes), ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
             ``cold_bits`` set (sentencekv demotes to host RAM).
     """
@@ -141,6 +152,9 @@ class SentenceKV(Policy):
     recall_every: int = None  # type: ignore[assignment]
     layer_budget: str = None  # type: ignore[assignment]
     recall_next: int = None  # type: ignore[assignment]
+    deep_from: float = None  # type: ignore[assignment]
+    deep_sketch_bits: int = None  # type: ignore[assignment]
+    deep_recall_every: int = None  # type: ignore[assignment]
     bound_tier: str = "auto"
     recall_eps: float = 0.0
     preset: str = "auto"
@@ -173,6 +187,12 @@ class SentenceKV(Policy):
                              f"got {self.region_key_scale!r}")
         if not isinstance(self.recall_next, int) or self.recall_next < 0:
             raise ValueError(f"recall_next must be an integer >= 0, got {self.recall_next!r}")
+        if not isinstance(self.deep_from, (int, float)) or not 0 <= self.deep_from <= 1:
+            raise ValueError(f"deep_from must be a fraction of the layers in [0, 1], got {self.deep_from!r}")
+        if self.deep_sketch_bits not in (1, 2, 4, 8):
+            raise ValueError(f"deep_sketch_bits must be 1, 2, 4 or 8, got {self.deep_sketch_bits!r}")
+        if not isinstance(self.deep_recall_every, int) or self.deep_recall_every < 1:
+            raise ValueError(f"deep_recall_every must be an integer >= 1, got {self.deep_recall_every!r}")
         if self.layer_budget not in ("uniform", "mass"):
             raise ValueError(f"unknown layer_budget {self.layer_budget!r}; known: uniform, mass")
         if self.bound_tier not in ("auto", "host", "device", "off"):
@@ -205,8 +225,7 @@ class SentenceKV(Policy):
     def _store(self, state: SequenceKV) -> HostSentenceStore:
         store = state.extra.get("sentences")
         if store is None:
-            sketch = (KeySketch(self.sketch_bits, self.sketch_group, self.sketch_rank, bool(self.sketch_whiten))
-                      if self.select_mode == "sketch" else None)
+            sketch = self._sketch(state.pool.num_layers) if self.select_mode == "sketch" else None
             host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
             if self.region_bits:
@@ -216,6 +235,21 @@ class SentenceKV(Policy):
                 state.extra["key_bounds"] = KeyBounds(device)
                 state.extra["recall_bound"] = RecallBoundStats()
         return store
+
+    def deep_start(self, num_layers: int) -> int:
+        """The first of the deep layers (``deep_from`` of ``num_layers``, rounded)."""
+        return min(num_layers, round(self.deep_from * num_layers))
+
+    def _sketch(self, num_layers: int) -> KeySketch | LayeredSketch:
+        """The key sketch: ``sketch_bits`` codes, and ``deep_sketch_bits`` in the deep layers."""
+        def make(bits: int) -> KeySketch:
+            return KeySketch(bits, self.sketch_group, self.sketch_rank, bool(self.sketch_whiten))
+        deep = self.deep_start(num_layers)
+        if deep >= num_layers or self.deep_sketch_bits == self.sketch_bits:
+            return make(self.sketch_bits)
+        if deep == 0:
+            return make(self.deep_sketch_bits)
+        return LayeredSketch([(0, make(self.sketch_bits)), (deep, make(self.deep_sketch_bits))])
 
     def _demote(self, state: SequenceKV, store: HostSentenceStore, kv: torch.Tensor, positions: torch.Tensor) -> None:
         """Demote one sentence ``kv`` (L, n, 2, H_kv, d) at ``positions`` and record its key
@@ -350,9 +384,11 @@ class SentenceKV(Policy):
             state.seq.policy_stats.update(state.extra["recall_bound"].as_dict())
 
     def _reuse_selection(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor) -> bool:
-        """Whether this decode step keeps the layer's last selection (``recall_every``)."""
-        return (self.recall_every > 1 and q.shape[0] == 1 and layer_idx in store.resident
-                and state.seq.num_computed_tokens % self.recall_every != 0)
+        """Whether this decode step keeps the layer's last selection (``recall_every``, or
+        ``deep_recall_every`` in the deep layers)."""
+        every = self.deep_recall_every if layer_idx >= self.deep_start(state.pool.num_layers) else self.recall_every
+        return (every > 1 and q.shape[0] == 1 and layer_idx in store.resident
+                and state.seq.num_computed_tokens % every != 0)
 
     def _region(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
         store = state.extra.get("sentences")

@@ -4,6 +4,8 @@ low-rank principal basis (Loki)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from cache_node.policies.quant import pack_bits, quantize, unpack_bits_float
@@ -102,8 +104,15 @@ class KeySketch:
                                                          self.spread) if t is not None)
 
     def logits(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(n, H_kv, g, N) ``scaling * q . k`` of every sketched token, on the codes: ``q . k =
-        sum_g s_g (q_g . c_g) + z_g sum(q_g)``, never a dequantized key tensor. ``q``: (n, H, d).
+        """(n, H_kv, g, N) ``scaling * q . k`` of every sketched token (a view of
+        ``head_logits``). ``q``: (n, H, d)."""
+        return self.head_logits(layer, q, scaling).permute(1, 0, 2, 3)
+
+    def head_logits(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(H_kv, n, g, N) ``scaling * q . k`` of every sketched token, on the codes: ``q . k =
+        sum_G s_G (q_G . c_G) + z_G sum(q_G)``, never a dequantized key tensor; one batched
+        matmul over the KV heads, ``(H_kv, n g, c) @ (H_kv, c, N)``, tokens last (the sentence
+        sums in ``log_mass`` run along the last dim). ``q``: (n, H, d).
 
         The last result is kept (with ``q`` itself, so the same query tensor is recognised and
         no other can take its address): the recall's scores (``log_mass``) and the recall
@@ -114,32 +123,111 @@ class KeySketch:
         if self._last is not None and self._last[0] is q and self._last[1] == key:
             return self._last[2]
         n, h, d = q.shape
-        codes = self.decode(layer)  # (N, H_kv, c)
-        h_kv, c = codes.shape[1], codes.shape[2]
-        qf = q.float().view(n, h_kv, h // h_kv, d)
+        packed = self.codes[layer].permute(1, 0, 2)  # (H_kv, N, c * bits / 8)
+        h_kv, num = packed.shape[:2]
+        g = h // h_kv
+        qf = q.float().view(n, h_kv, g, d).transpose(0, 1).reshape(h_kv, n * g, d) * scaling
         offset = None
         if self.rank:
             assert self.basis is not None and self.mean is not None
-            offset = torch.einsum("nhqd,hd->nhq", qf, self.mean[layer]).unsqueeze(-1)  # q . mean
-            qf = torch.einsum("nhqd,hdr->nhqr", qf, self.basis[layer])
+            offset = torch.bmm(qf, self.mean[layer].unsqueeze(-1))  # (H_kv, n g, 1): q . mean
+            qf = torch.bmm(qf, self.basis[layer])  # (H_kv, n g, rank)
             if self.spread is not None:  # q . (k - mean) ~ (q @ basis * spread) . whitened code
                 qf = qf * self.spread[layer].unsqueeze(1)
-        group = min(self.group_size, c)
-        qg = qf.reshape(n, h_kv, h // h_kv, c // group, group)
-        dots = torch.einsum("nhqGs,NhGs->nhqNG", qg, codes.view(*codes.shape[:2], -1, group))
-        logits = (dots * self.scale[layer].float().permute(1, 0, 2).unsqueeze(0).unsqueeze(2)).sum(-1)
-        logits = logits + torch.einsum("nhqG,NhG->nhqN", qg.sum(-1), self.zero[layer].float())
+        c = qf.shape[-1]
+        groups = c // min(self.group_size, c)
+        codes = unpack_bits_float(packed, self.bits)  # (H_kv, N, c)
+        scale = self.scale[layer].permute(1, 2, 0).float()  # (H_kv, G, N)
+        zero = self.zero[layer].permute(1, 2, 0).float()
+        qsum = qf.view(h_kv, n * g, groups, -1).sum(-1)  # (H_kv, n g, G)
+        if groups == 1:
+            logits = torch.bmm(qf, codes.transpose(1, 2)).mul_(scale)  # (H_kv, n g, N)
+        else:
+            dots = torch.einsum("hkGs,hNGs->hkGN", qf.view(h_kv, n * g, groups, -1), codes.view(h_kv, num, groups, -1))
+            logits = (dots * scale.unsqueeze(1)).sum(2)
+        logits = logits.add_(torch.bmm(qsum, zero))
         if offset is not None:
-            logits = logits + offset
-        logits = logits * scaling
+            logits = logits.add_(offset)
+        logits = logits.view(h_kv, n, g, num)
         self._last = (q, key, logits)
         return logits
 
     def log_mass(self, layer: int, q: torch.Tensor, scaling: float, num_sentences: int) -> torch.Tensor:
         """(n, H_kv, g, S) ``logsumexp`` over each sentence's tokens of ``scaling * q . k``
-        (``logits``). ``q``: (n, H, d)."""
-        logits = self.logits(layer, q, scaling)
+        (``head_logits``). ``q``: (n, H, d)."""
+        logits = self.head_logits(layer, q, scaling)  # (H_kv, n, g, N)
         top = logits.amax(-1, keepdim=True)
         mass = logits.new_zeros((*logits.shape[:3], num_sentences))
-        mass.index_add_(-1, self.sentence_of, (logits - top).exp())
-        return mass.log() + top
+        mass.index_add_(-1, self.sentence_of, (logits - top).exp_())
+        return (mass.log_() + top).transpose(0, 1)
+
+    def part(self, layer: int) -> tuple[KeySketch, int]:
+        """The sketch holding ``layer``'s codes and the layer's index in it (itself here;
+        ``LayeredSketch`` splits the layers)."""
+        return self, layer
+
+
+class LayeredSketch:
+    """Key sketches of different precision for consecutive runs of layers: ``parts[i]`` =
+    (first layer, ``KeySketch``) covers layers ``first_i .. first_{i+1} - 1``. Layers differ in
+    how sharply a decode query picks among the demoted sentences (SpindleKV's layer-aware
+    budgets; PyramidKV §3), so a run of layers that reselects every step can take finer codes
+    (``SentenceKV.deep_sketch_bits``) while the rest keep the cheaper ones. Same interface as
+    ``KeySketch``: keys (L, n, H_kv, d) are split by layer, a layer's scores come from its part.
+
+    Raises:
+        ValueError: the first part does not start at layer 0, or the starts do not increase.
+    """
+
+    def __init__(self, parts: list[tuple[int, KeySketch]]) -> None:
+        starts = [first for first, _ in parts]
+        if not parts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ValueError(f"parts must start at layer 0 with increasing first layers, got {starts}")
+        self.parts = parts
+
+    def part(self, layer: int) -> tuple[KeySketch, int]:
+        """The part holding ``layer`` and the layer's index in it."""
+        for first, sketch in reversed(self.parts):
+            if layer >= first:
+                return sketch, layer - first
+        raise IndexError(layer)
+
+    def _split(self, keys: torch.Tensor) -> list[tuple[KeySketch, torch.Tensor]]:
+        ends = [first for first, _ in self.parts[1:]] + [keys.shape[0]]
+        return [(sketch, keys[first:end]) for (first, sketch), end in zip(self.parts, ends)]
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """The first part's codes (None until a sentence was appended)."""
+        return self.parts[0][1].codes
+
+    @property
+    def rank(self) -> int:
+        return self.parts[0][1].rank
+
+    @property
+    def basis(self) -> torch.Tensor | None:
+        return self.parts[0][1].basis
+
+    def fit(self, keys: torch.Tensor) -> None:
+        for sketch, part_keys in self._split(keys):
+            sketch.fit(part_keys)
+
+    def append(self, keys: torch.Tensor, sentence: int) -> None:
+        for sketch, part_keys in self._split(keys):
+            sketch.append(part_keys, sentence)
+
+    def fork(self) -> LayeredSketch:
+        return LayeredSketch([(first, sketch.fork()) for first, sketch in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(sketch.nbytes for _, sketch in self.parts)
+
+    def logits(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        sketch, local = self.part(layer)
+        return sketch.logits(local, q, scaling)
+
+    def log_mass(self, layer: int, q: torch.Tensor, scaling: float, num_sentences: int) -> torch.Tensor:
+        sketch, local = self.part(layer)
+        return sketch.log_mass(local, q, scaling, num_sentences)

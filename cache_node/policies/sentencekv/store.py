@@ -12,7 +12,7 @@ import torch
 
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
 from cache_node.policies.sentencekv.region import SentenceCodes
-from cache_node.policies.sentencekv.sketch import KeySketch
+from cache_node.policies.sentencekv.sketch import KeySketch, LayeredSketch
 
 
 @dataclass
@@ -33,7 +33,7 @@ class HostSentenceStore:
     """
 
     host: PrivateHostKV | TierHostKV = field(default_factory=PrivateHostKV)
-    sketch: KeySketch | None = None
+    sketch: KeySketch | LayeredSketch | None = None
     positions: list[torch.Tensor] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     mean_keys: torch.Tensor | None = None
