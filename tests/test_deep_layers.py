@@ -90,3 +90,38 @@ def test_deep_layers_reselect_every_step_and_the_rest_every_other(tiny, monkeypa
     assert len(out.output_token_ids) == 9
     assert calls[(1, True)] > 0 and calls[(1, False)] == 0  # odd steps: deep layers only
     assert calls[(0, True)] > 0 and calls[(0, False)] > 0
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+def test_incremental_region_load_holds_what_a_full_reload_holds(bits: int) -> None:
+    """Loading only the sentences new to a head (``load_region(..., before)``) leaves each head
+    holding the same (position, K/V) slots as refilling it from scratch, empty slots included."""
+    from cache_node.policies.sentencekv import HostSentenceStore, PrivateHostKV, SentenceCodes
+
+    g = torch.Generator().manual_seed(5)
+    layers, h_kv, d = 2, 3, 16
+    store = HostSentenceStore(PrivateHostKV())
+    if bits:
+        store.codes = SentenceCodes(bits, 16)
+    first = 0
+    for n in (5, 3, 7, 4, 6, 2):
+        store.put(torch.randn(layers, n, 2, h_kv, d, generator=g), torch.arange(first, first + n))
+        first += n
+    pool_like = torch.zeros(layers, 2, 8, h_kv, d)
+
+    def slots(s: HostSentenceStore, layer: int, h: int) -> dict[int, torch.Tensor]:
+        pos = s.region_positions[layer][h]
+        parts = [s.region_kv[layer][:, h]] + ([s.region_scale[layer][:, h], s.region_zero[layer][:, h]] if bits else [])
+        return {int(p): torch.cat([t[:, i].flatten().float() for t in parts]) for i, p in enumerate(pos.tolist()) if p >= 0}
+
+    a, b = ((0, 1, 2), (3,), (4, 5)), ((1, 2, 4), (0, 5), (4,))  # per head: kept, dropped, added
+    store.resize_region([16, 16], pool_like, bits, 16)
+    store.load_region(1, a, [0, 1, 2])
+    store.load_region(1, b, [0, 1, 2], before=a)
+    fresh = HostSentenceStore(store.host, codes=store.codes, positions=store.positions, handles=store.handles)
+    fresh.resize_region([16, 16], pool_like, bits, 16)
+    fresh.load_region(1, b, [0, 1, 2])
+    for h in range(h_kv):
+        got, want = slots(store, 1, h), slots(fresh, 1, h)
+        assert got.keys() == want.keys() == {int(p) for s in b[h] for p in store.positions[s]}
+        assert all(torch.equal(got[p], want[p]) for p in got)

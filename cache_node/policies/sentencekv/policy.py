@@ -440,7 +440,7 @@ class SentenceKV(Policy):
             return
         t0 = time.perf_counter()
         changed = [h for h, sids in enumerate(chosen) if before is None or before[h] != sids]
-        store.load_region(layer_idx, chosen, changed)  # one gather from host RAM, one scatter
+        store.load_region(layer_idx, chosen, changed, before)  # the new sentences: one gather, one scatter
         store.resident[layer_idx] = chosen
         store.recall_s += time.perf_counter() - t0
         store.num_recalls += 1

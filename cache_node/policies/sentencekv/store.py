@@ -94,18 +94,35 @@ class HostSentenceStore:
         counts = [sum(lengths[s] for s in chosen[h]) for h in heads]
         return tok, np.repeat(np.asarray(heads, np.int64), counts), counts
 
-    def load_region(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int]) -> None:
+    def load_region(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
+                    before: Sequence[Sequence[int]] | None = None) -> None:
         """Fill KV heads ``heads`` of ``layer``'s region with their sentences ``chosen[h]``: the
-        codes made at demotion (``codes``) or the raw K/V read from the host, token after token
-        from slot 0, in the order given, the rest of the head's slots marked empty. One gather
-        from host RAM for all ``heads``, then one slice copy per head and region tensor."""
+        codes made at demotion (``codes``) or the raw K/V read from the host. Without
+        ``before`` each head is refilled token after token from slot 0, the rest of its slots
+        marked empty; with ``before`` (the sentences the heads hold now) only the sentences
+        new to a head are copied, into the slots of the ones it drops and its empty slots
+        (attention reads a head's slots as a set: their order does not matter). One gather
+        from host RAM for all ``heads``, then one scatter per region tensor."""
         assert self.region_kv is not None and self.region_positions is not None
         pos = self.region_positions[layer]  # (H_kv, R)
-        pos[list(heads)] = -1
-        tok, head_idx, counts = self.region_index(chosen, heads)
+        dev = pos.device
+        heads = sorted(heads)  # the gathered tokens go head after head, as the slots are taken
+        if before is None:
+            pos[list(heads)] = -1
+            adds: Sequence[Sequence[int]] = chosen
+        else:
+            keeps = [set(before[h]) & set(chosen[h]) for h in range(len(chosen))]
+            adds = [[s for s in chosen[h] if s not in keeps[h]] for h in range(len(chosen))]
+            gone = [[s for s in before[h] if s not in keeps[h]] for h in range(len(chosen))]
+            gone_tok, gone_head, _ = self.region_index(gone, heads)
+            if len(gone_tok):  # free the slots of every sentence a head gives up: (H_kv, P) lookup
+                flat_pos = self.flat()[3]
+                table = torch.zeros((pos.shape[0], int(flat_pos.max()) + 1), dtype=torch.bool, device=dev)
+                table[torch.from_numpy(gone_head).to(dev), torch.from_numpy(flat_pos[gone_tok]).to(dev)] = True
+                pos[table.gather(1, pos.clamp(min=0, max=table.shape[1] - 1)) & (pos >= 0)] = -1
+        tok, head_idx, counts = self.region_index(adds, heads)
         if not len(tok):
             return
-        dev = pos.device
         positions = torch.from_numpy(self.flat()[3][tok]).to(dev)
         if self.codes is not None:
             assert self.region_scale is not None and self.region_zero is not None and self.codes.codes is not None
@@ -114,14 +131,16 @@ class HostSentenceStore:
             srcs = [t.to(dev) for t in self.codes.gather(rows, layer)]  # (n, 2, ...) each
         else:
             dsts = (self.region_kv,)
-            srcs = [self._raw_kv(layer, chosen, heads, torch.from_numpy(tok), torch.from_numpy(head_idx))
+            srcs = [self._raw_kv(layer, adds, heads, torch.from_numpy(tok), torch.from_numpy(head_idx))
                     .to(self.region_kv[layer])]
-        start = 0
-        for h, n in zip(heads, counts):
-            pos[h, :n] = positions[start:start + n]
-            for dst, src in zip(dsts, srcs):
-                dst[layer][:, h, :n] = src[start:start + n].transpose(0, 1)
-            start += n
+        # each head's first counts[h] empty slots, row-major: the order of the gathered tokens
+        want = torch.zeros(pos.shape[0], dtype=torch.long, device=dev)
+        want[list(heads)] = torch.tensor(counts, device=dev)
+        free = pos < 0
+        slot_h, slot_r = (free & (free.cumsum(1) <= want[:, None])).nonzero(as_tuple=True)
+        pos[slot_h, slot_r] = positions
+        for dst, src in zip(dsts, srcs):
+            dst[layer][:, slot_h, slot_r] = src.transpose(0, 1)
 
     def _raw_kv(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
                 tok: torch.Tensor, head_idx: torch.Tensor) -> torch.Tensor:
