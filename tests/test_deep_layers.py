@@ -51,13 +51,14 @@ def test_layered_sketch_refuses_parts_that_do_not_cover_from_layer_0() -> None:
             LayeredSketch(parts)
 
 
-def test_compact_preset_splits_the_layers_and_the_spec_can_turn_it_off() -> None:
+def test_deep_from_alone_turns_the_compact_presets_deep_layers_on() -> None:
     policy = make_policy("sentencekv-0.125")
-    assert (policy.deep_from, policy.deep_sketch_bits, policy.deep_recall_every) == (0.5, 4, 1)
+    assert (policy.deep_from, policy.deep_sketch_bits, policy.deep_recall_every) == (1.0, 4, 1)
+    assert policy.deep_start(30) == 30 and isinstance(policy._sketch(30), KeySketch)  # off by default
+    policy = make_policy("sentencekv-0.125-deep_from_0.5")
     assert policy.deep_start(30) == 15
     sketch = policy._sketch(30)
     assert isinstance(sketch, LayeredSketch) and [(f, s.bits) for f, s in sketch.parts] == [(0, 2), (15, 4)]
-    assert isinstance(make_policy("sentencekv-0.125-deep_from_1")._sketch(30), KeySketch)
     assert make_policy("sentencekv-0.125-deep_from_0")._sketch(30).bits == 4
     assert make_policy("sentencekv-0.25").deep_start(30) == 30  # standard: no deep layers
 

@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 # the sketch of the keys' top-32 principal directions (Loki), each divided by its spread, in
 # groups of 32; the region's slots split among the layers by where the window queries'
 # attention lies (``layer_budget.py``); the last query fills 3/4 of the region; a decode step
-# reselects every second token (Quest/ShadowKV reuse), except in the second half of the layers,
-# which score on 4-bit codes and reselect every token (``deep_from``).
+# reselects every second token (Quest/ShadowKV reuse). ``-deep_from_0.5`` makes the second half
+# of the layers score on 4-bit codes and reselect every token: lower 1k/2k KL, but TPOT
+# 1.33-1.40x the full cache's against 1.18-1.29x, so it is not on by default (bench/README.md
+# "Deep layers").
 # Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
 # 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
 # split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
@@ -51,7 +53,7 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
                  "deep_recall_every": 1},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
                 "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 1,
-                "layer_budget": "mass", "recall_next": 0, "deep_from": 0.5, "deep_sketch_bits": 4,
+                "layer_budget": "mass", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 4,
                 "deep_recall_every": 1},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
@@ -98,7 +100,10 @@ class SentenceKV(Policy):
     softmax mass at every step only in the second half of the layers took the 1k KL from 0.102
     to 0.044 (in the first half it changed nothing), while a 2-bit sketch reselecting every
     step there did not help (0.099) and a 4-bit one did (0.063): the deep layers' queries pick
-    sharply among sentences and move from token to token (bench/README.md "Deep layers").
+    sharply among sentences and move from token to token (bench/README.md "Deep layers"). Both
+    presets leave it off (``deep_from`` 1; "compact" sets the other two fields, so
+    ``sentencekv-0.125-deep_from_0.5`` turns it on): it took TPOT from ~1.2-1.3x the full
+    cache's to ~1.4x.
 
     ``preset`` ("auto", "standard" or "compact"; ``PRESETS``) gives the fields above that a
     spec leaves out: "auto" (the default) takes "compact" for fractional budgets of at most
