@@ -39,12 +39,6 @@ class KeySketch:
         self.sentence_of = torch.zeros(0, dtype=torch.long)
         self._last: tuple[torch.Tensor, tuple[int, float, int], torch.Tensor] | None = None
 
-    def decode(self, layer: int) -> torch.Tensor:
-        """(N, H_kv, c) float32 codes of ``layer`` (``quant.unpack_bits_float``: one table
-        lookup per byte)."""
-        assert self.codes is not None
-        return unpack_bits_float(self.codes[layer], self.bits)  # from (N, H_kv, c * bits / 8)
-
     def fit(self, keys: torch.Tensor) -> None:
         """Fit the low-rank basis (``rank`` > 0) on keys (L, n, H_kv, d): per layer and KV head
         the mean and the top-``rank`` right singular vectors of the centred keys (a complete
@@ -195,11 +189,6 @@ class LayeredSketch:
     def _split(self, keys: torch.Tensor) -> list[tuple[KeySketch, torch.Tensor]]:
         ends = [first for first, _ in self.parts[1:]] + [keys.shape[0]]
         return [(sketch, keys[first:end]) for (first, sketch), end in zip(self.parts, ends)]
-
-    @property
-    def codes(self) -> torch.Tensor | None:
-        """The first part's codes (None until a sentence was appended)."""
-        return self.parts[0][1].codes
 
     @property
     def rank(self) -> int:
