@@ -63,8 +63,18 @@ def test_deep_from_alone_turns_the_compact_presets_deep_layers_on() -> None:
     assert make_policy("sentencekv-0.25").deep_start(30) == 30  # standard: no deep layers
 
 
+def test_deep_sketch_whiten_sets_the_deep_parts_whitening_alone() -> None:
+    sketch = make_policy("sentencekv-0.125-deep_from_0.5-deep_sketch_whiten_0")._sketch(30)
+    assert [(f, s.bits, s.whiten) for f, s in sketch.parts] == [(0, 2, True), (15, 4, False)]
+    # same bits, different whitening: still two parts
+    sketch = make_policy("sentencekv-0.125-deep_from_0.5-deep_sketch_bits_2-deep_sketch_whiten_0")._sketch(30)
+    assert [(f, s.bits, s.whiten) for f, s in sketch.parts] == [(0, 2, True), (15, 2, False)]
+    assert isinstance(make_policy("sentencekv-0.125-deep_from_0.5-deep_sketch_bits_2")._sketch(30), KeySketch)
+
+
 @pytest.mark.parametrize(("field", "bad"), [("deep_from", 1.5), ("deep_from", -0.1), ("deep_sketch_bits", 3),
-                                            ("deep_recall_every", 0), ("deep_recall_every", 1.5)])
+                                            ("deep_recall_every", 0), ("deep_recall_every", 1.5),
+                                            ("deep_sketch_whiten", 2), ("layer_floor", 1.5), ("layer_floor", "x")])
 def test_deep_fields_are_validated(field: str, bad: float) -> None:
     with pytest.raises(ValueError, match=field):
         SentenceKV(budget=0.125, **{field: bad})

@@ -43,6 +43,11 @@ def test_diffuse_layer_gets_more_slots_and_every_layer_keeps_its_floor() -> None
     shares = layer_shares([q[0], q[1]], [qpos, qpos], keys, demoted_pos, kept, kept_pos, d**-0.5, 32, floor=0.5)
     assert abs(float(shares.sum()) - 1) < 1e-6
     assert float(shares[0]) > 0.7 and abs(float(shares[1]) - 0.25) < 1e-6
+    # a floor of a whole equal share is the uniform split; 0 leaves the measured one
+    uniform = layer_shares([q[0], q[1]], [qpos, qpos], keys, demoted_pos, kept, kept_pos, d**-0.5, 32, floor=1.0)
+    torch.testing.assert_close(uniform, torch.full((2,), 0.5))
+    bare = layer_shares([q[0], q[1]], [qpos, qpos], keys, demoted_pos, kept, kept_pos, d**-0.5, 32, floor=0.0)
+    assert float(bare[1]) < 0.25 < float(bare[0])
     # no window queries in a layer: that layer gets an equal share of the top tokens' count
     shares = layer_shares([None, q[1]], [None, qpos], keys, demoted_pos, kept, kept_pos, d**-0.5, 32)
     assert float(shares[0]) >= 0.25 and abs(float(shares.sum()) - 1) < 1e-6

@@ -50,11 +50,11 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
                  "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
                  "layer_budget": "uniform", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 2,
-                 "deep_recall_every": 1},
+                 "deep_recall_every": 1, "deep_sketch_whiten": 0, "layer_floor": 0.5},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
                 "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 1,
                 "layer_budget": "mass", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 4,
-                "deep_recall_every": 1},
+                "deep_recall_every": 1, "deep_sketch_whiten": 1, "layer_floor": 0.5},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
 
@@ -90,8 +90,8 @@ class SentenceKV(Policy):
     ``layer_budget`` "mass" splits the region's slots among the layers, once per sequence at
     its first compression, by where the window queries' attention over the demoted tokens
     lies (``layer_budget.layer_shares``: PyramidKV/SpindleKV layer budgets, with G-KV's global
-    ranking across layers), each layer keeping at least half an equal share; "uniform" gives
-    every layer R slots.
+    ranking across layers), each layer keeping at least ``layer_floor`` of an equal share;
+    "uniform" gives every layer R slots (as ``layer_floor`` 1 does).
     ``recall_next`` k > 0 ranks, after each of a head's k best sentences, the sentence that
     follows it, so a reused selection holds the text the model is about to copy.
     ``deep_from`` f < 1: the layers from ``round(f * L)`` on (the deep layers) score with
@@ -100,7 +100,8 @@ class SentenceKV(Policy):
     softmax mass at every step only in the second half of the layers took the 1k KL from 0.102
     to 0.044 (in the first half it changed nothing), while a 2-bit sketch reselecting every
     step there did not help (0.099) and a 4-bit one did (0.063): the deep layers' queries pick
-    sharply among sentences and move from token to token (bench/README.md "Deep layers"). Both
+    sharply among sentences and move from token to token (bench/README.md "Deep layers").
+    ``deep_sketch_whiten`` is ``sketch_whiten`` for the deep layers' codes. Both
     presets leave it off (``deep_from`` 1; "compact" sets the other two fields, so
     ``sentencekv-0.125-deep_from_0.5`` turns it on): it took TPOT from ~1.2-1.3x the full
     cache's to ~1.4x.
@@ -136,7 +137,8 @@ class SentenceKV(Policy):
         ValueError: an unknown ``select_mode``, ``sketch_bits``, ``region_bits``,
             ``layer_budget``, ``bound_tier`` or ``preset``, ``recall_every`` or ``deep_recall_every``
             below 1, ``recall_next`` below 0, ``deep_from`` outside [0, 1], ``deep_sketch_bits`` not
-            1/2/4/8, ``sketch_whiten`` not 0/1 (or 1 without ``sketch_rank``), ``region_key_scale`` not 0/1 (or 1
+            1/2/4/8, ``sketch_whiten`` or ``deep_sketch_whiten`` not 0/1 (or 1 without ``sketch_rank``),
+            ``layer_floor`` outside [0, 1], ``region_key_scale`` not 0/1 (or 1
             without region codes), ``recall_eps`` outside [0, 1) or set with ``bound_tier="off"``, or
             ``cold_bits`` set (sentencekv demotes to host RAM).
     """
@@ -160,6 +162,8 @@ class SentenceKV(Policy):
     deep_from: float = None  # type: ignore[assignment]
     deep_sketch_bits: int = None  # type: ignore[assignment]
     deep_recall_every: int = None  # type: ignore[assignment]
+    deep_sketch_whiten: int = None  # type: ignore[assignment]
+    layer_floor: float = None  # type: ignore[assignment]
     bound_tier: str = "auto"
     recall_eps: float = 0.0
     preset: str = "auto"
@@ -198,6 +202,11 @@ class SentenceKV(Policy):
             raise ValueError(f"deep_sketch_bits must be 1, 2, 4 or 8, got {self.deep_sketch_bits!r}")
         if not isinstance(self.deep_recall_every, int) or self.deep_recall_every < 1:
             raise ValueError(f"deep_recall_every must be an integer >= 1, got {self.deep_recall_every!r}")
+        if self.deep_sketch_whiten not in (0, 1) or (self.deep_sketch_whiten and not self.sketch_rank):
+            raise ValueError(f"deep_sketch_whiten must be 0 or 1, and 1 needs sketch_rank > 0, "
+                             f"got {self.deep_sketch_whiten!r}")
+        if not isinstance(self.layer_floor, (int, float)) or not 0 <= self.layer_floor <= 1:
+            raise ValueError(f"layer_floor must be a fraction of an equal share in [0, 1], got {self.layer_floor!r}")
         if self.layer_budget not in ("uniform", "mass"):
             raise ValueError(f"unknown layer_budget {self.layer_budget!r}; known: uniform, mass")
         if self.bound_tier not in ("auto", "host", "device", "off"):
@@ -247,14 +256,15 @@ class SentenceKV(Policy):
 
     def _sketch(self, num_layers: int) -> KeySketch | LayeredSketch:
         """The key sketch: ``sketch_bits`` codes, and ``deep_sketch_bits`` in the deep layers."""
-        def make(bits: int) -> KeySketch:
-            return KeySketch(bits, self.sketch_group, self.sketch_rank, bool(self.sketch_whiten))
+        def make(bits: int, whiten: int) -> KeySketch:
+            return KeySketch(bits, self.sketch_group, self.sketch_rank, bool(whiten))
         deep = self.deep_start(num_layers)
-        if deep >= num_layers or self.deep_sketch_bits == self.sketch_bits:
-            return make(self.sketch_bits)
+        shallow, deep_part = (self.sketch_bits, self.sketch_whiten), (self.deep_sketch_bits, self.deep_sketch_whiten)
+        if deep >= num_layers or deep_part == shallow:
+            return make(*shallow)
         if deep == 0:
-            return make(self.deep_sketch_bits)
-        return LayeredSketch([(0, make(self.sketch_bits)), (deep, make(self.deep_sketch_bits))])
+            return make(*deep_part)
+        return LayeredSketch([(0, make(*shallow)), (deep, make(*deep_part))])
 
     def _demote(self, state: SequenceKV, store: HostSentenceStore, kv: torch.Tensor, positions: torch.Tensor) -> None:
         """Demote one sentence ``kv`` (L, n, 2, H_kv, d) at ``positions`` and record its key
@@ -348,7 +358,7 @@ class SentenceKV(Policy):
         if fit_split and keys is not None and r:
             assert state.stats is not None
             store.layer_share = layer_shares(state.stats.queries, state.stats.query_pos, keys, demoted_pos,
-                                             kept[:, :, 0], kept_pos, state.scaling, r)
+                                             kept[:, :, 0], kept_pos, state.scaling, r, self.layer_floor)
         sizes = [r] * L if store.layer_share is None else split_slots(r * L, store.layer_share)
         store.resize_region(sizes, state.pool.kv, self.region_bits, self._region_group(state))
         if state.stats is not None:
