@@ -244,3 +244,37 @@ def test_reported_bound_holds_on_smollm2_and_exact_recall_keeps_kl_under_eps(wik
     if "recall_eps" in spec:
         assert stats["recall_bound_max"] < 0.01 and float(bounds.max()) < 0.01
         assert kl < 0.01
+
+
+def test_slot_err_is_the_error_of_the_sentence_each_slot_holds(tiny) -> None:
+    """A reselection copies new sentences into the slots of the ones a head drops, so a
+    region's slots are in no sentence order; the bound's per-slot key error must still be the
+    error of the sentence whose token the slot holds (found by the slot's position), not of
+    the head's resident sentences laid out in order."""
+    eng = make_engine(tiny)
+    eng.policy_env = PolicyEnv(frozenset({13}))
+    prompt = [(i * 7) % 29 + 1 for i in range(240)]
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True),
+                          policy="sentencekv-96-bound_tier_host-recall_every_1")
+    seq = eng.requests[rid]
+    checked = unordered = 0
+    while len(seq.output_token_ids) < 30:
+        eng.step()
+        state = seq.kv
+        store, bounds = state.extra.get("sentences"), state.extra.get("key_bounds")
+        if store is None or bounds is None or store.region_positions is None:
+            continue
+        sid_of = {int(p): s for s in range(len(store)) for p in store.positions[s].tolist()}
+        for layer, (version, err) in bounds.slot_err.items():
+            if version != store.region_version.get(layer):
+                continue
+            pos = store.region_positions[layer].tolist()
+            for h, row in enumerate(pos):
+                sids = [sid_of[p] if p >= 0 else -1 for p in row]
+                want = [0.0 if s < 0 else float(bounds.err[int((bounds.sid == s).nonzero()), layer, h]) for s in sids]
+                assert err[h].tolist() == pytest.approx(want)
+                assert store.slot_sentences(layer)[h].tolist() == sids
+                filled = [s for s in sids if s >= 0]
+                unordered += filled != sorted(filled)
+                checked += 1
+    assert checked > 0 and unordered > 0  # the reloads did leave slots out of sentence order

@@ -71,7 +71,7 @@ class KeyBounds:
     ``lengths``: (S,) tokens per sentence; ``sid``: (S,) the sentence's id in the store
     (``HostSentenceStore``), -1 when the host tier was full and it was dropped (never
     recallable, always missed). Rows are on ``device``. ``slot_err[layer]``: the recall
-    region's per-slot ``err`` (H_kv, R) for the resident sentences it was made for (a cache).
+    region's per-slot ``err`` (H_kv, R) and the ``region_version`` it was made for (a cache).
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -81,7 +81,7 @@ class KeyBounds:
         self.err: torch.Tensor | None = None
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.sid = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.slot_err: dict[int, tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
+        self.slot_err: dict[int, tuple[int, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.sid)

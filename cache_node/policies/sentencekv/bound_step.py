@@ -47,23 +47,27 @@ def pool_logits(state: SequenceKV, layer: int, qh: torch.Tensor, q_pos: torch.Te
     return ((logits - slack) * state.scaling).masked_fill(~allowed, float("-inf"))
 
 
-def region_logits(state: SequenceKV, bounds: KeyBounds, layer: int, region: ExtraKVPart, qh: torch.Tensor,
-                  resident: tuple[tuple[int, ...], ...], rows: list[torch.Tensor]) -> torch.Tensor:
+def region_logits(state: SequenceKV, store: HostSentenceStore, bounds: KeyBounds, layer: int,
+                  region: ExtraKVPart, qh: torch.Tensor) -> torch.Tensor:
     """(H_kv, g, n, R) lower bounds on the exact logits of the recall region's tokens: the
-    region's own logits (on its codes) minus ``scaling * |q| * err`` of each slot's sentence.
-    ``rows[h]``: the bound rows of KV head ``h``'s ``resident`` sentences, in slot order."""
+    region's own logits (on its codes) minus ``scaling * |q| * err`` of each slot's sentence,
+    found from the slot's position (``HostSentenceStore.slot_sentences``: slots are in no
+    sentence order). Cached per layer until its region changes (``region_version``)."""
     logits = region.logits(qh, state.scaling).float()
+    version = store.region_version.get(layer)
     cached = bounds.slot_err.get(layer)
-    if cached is not None and cached[0] == resident and cached[1].shape[-1] == logits.shape[-1]:
+    if version is not None and cached is not None and cached[0] == version and cached[1].shape[-1] == logits.shape[-1]:
         err = cached[1]
     else:
-        err = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # (H_kv, R)
         assert bounds.err is not None
-        for head, r in enumerate(rows):
-            if len(r):
-                e = bounds.err[r, layer, head].repeat_interleave(bounds.lengths[r]).to(err.device)
-                err[head, : len(e)] = e
-        bounds.slot_err[layer] = (resident, err)
+        sids = store.slot_sentences(layer).to(bounds.device)  # (H_kv, R)
+        filled = sids >= 0
+        sid_rows = (bounds.sid >= 0).nonzero().squeeze(1)  # row of each stored sentence id
+        heads = torch.arange(sids.shape[0], device=sids.device)[:, None].expand_as(sids)
+        err = bounds.err[sid_rows[sids.clamp(min=0)], layer, heads].masked_fill(~filled, 0)
+        err = err.to(logits.device)
+        if version is not None:
+            bounds.slot_err[layer] = (version, err)
     return logits - state.scaling * qh.norm(dim=-1, keepdim=True) * err[:, None, None, :]
 
 
@@ -89,7 +93,7 @@ def step_bound(state: SequenceKV, store: HostSentenceStore, bounds: KeyBounds, s
         missed[head, r] = False
     parts = [pool_logits(state, layer, qh, q_pos)]
     if region is not None:
-        parts.append(region_logits(state, bounds, layer, region, qh, tuple(resident), rows))
+        parts.append(region_logits(state, store, bounds, layer, region, qh))
     ub = bounds.log_upper(layer, q, state.scaling, store.sketch)
     log_a = _log_mass(*parts).to(ub.device)
     over = None

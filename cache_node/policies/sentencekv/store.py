@@ -47,6 +47,9 @@ class HostSentenceStore:
     num_recalls: int = 0
     dropped_tokens: int = 0
     layer_share: torch.Tensor | None = None
+    region_version: dict[int, int] = field(default_factory=dict)  # layer -> its region's last edit
+    _edits: int = 0
+    _sid_of_pos: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
     _flat: tuple[list[int], list[int], np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def put(self, kv: torch.Tensor, positions: torch.Tensor) -> bool:
@@ -104,6 +107,7 @@ class HostSentenceStore:
         (attention reads a head's slots as a set: their order does not matter). One gather
         from host RAM for all ``heads``, then one scatter per region tensor."""
         assert self.region_kv is not None and self.region_positions is not None
+        self._edited([layer])
         pos = self.region_positions[layer]  # (H_kv, R)
         dev = pos.device
         heads = sorted(heads)  # the gathered tokens go head after head, as the slots are taken
@@ -199,6 +203,28 @@ class HostSentenceStore:
         else:
             self.region_kv = [torch.zeros((2, h_kv, r, d), dtype=like.dtype, device=dev) for r in sizes]
         self.resident.clear()
+        self._edited(range(len(sizes)))
+
+    def _edited(self, layers: Sequence[int]) -> None:
+        """Mark ``layers``' regions changed (what caches of a region's slots key on)."""
+        self._edits += 1
+        for layer in layers:
+            self.region_version[layer] = self._edits
+
+    def slot_sentences(self, layer: int) -> torch.Tensor:
+        """(H_kv, R_l) the id of the sentence whose token each of ``layer``'s region slots holds,
+        -1 where a slot is empty. A head's slots hold its sentences in no set order
+        (``load_region`` reuses the slots of the sentences it drops), so anything kept per slot
+        is looked up through this, never through the order of ``resident``."""
+        assert self.region_positions is not None
+        pos = self.region_positions[layer]
+        if self._sid_of_pos is None or self._sid_of_pos[0] != len(self.positions):
+            lengths, _, _, flat_pos = self.flat()
+            table = np.full(int(flat_pos.max()) + 1 if len(flat_pos) else 1, -1, np.int64)
+            table[flat_pos] = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+            self._sid_of_pos = (len(self.positions), torch.from_numpy(table))
+        table = self._sid_of_pos[1].to(pos.device)
+        return table[pos.clamp(min=0, max=len(table) - 1)].masked_fill(pos < 0, -1)
 
     def fork(self) -> HostSentenceStore:
         """An independent copy (host K/V, index and region copied or shared immutably)."""
@@ -210,4 +236,5 @@ class HostSentenceStore:
         codes = None if self.codes is None else self.codes.fork()
         return HostSentenceStore(self.host.fork(), sketch, list(self.positions), list(self.handles),
                                  self.mean_keys, region, region_pos, scale, zero, codes, dict(self.resident),
-                                 self.recall_s, self.num_recalls, self.dropped_tokens, self.layer_share)
+                                 self.recall_s, self.num_recalls, self.dropped_tokens, self.layer_share,
+                                 dict(self.region_version), self._edits)
