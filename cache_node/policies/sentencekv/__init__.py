@@ -17,8 +17,8 @@ head's query group) and each head promotes its best sentences into its own R reg
 a multi-token chunk the last query (the one sampled from) picks first, up to
 ``last_query_share`` of R. KV is copied from the host only for heads whose selection changed;
 decoding one token per step, recall follows every decode step (every k-th with
-``recall_every``). Budget = the pool blocks (sinks + window + one block of headroom) + R + the
-index, in token-equivalent bytes. Fields a spec leaves out come from a preset chosen by the
+``recall_every``). Budget = the pool blocks (sinks + window + ``headroom_blocks`` blocks) + R +
+the index, in token-equivalent bytes. Fields a spec leaves out come from a preset chosen by the
 budget (``SentenceKV.preset``: "compact" at 1/8 of the prompt or less, "standard" above).
 
 Recall region precision (``region_bits``): 8 (default) or 4 quantizes each promoted token's K/V

@@ -50,11 +50,11 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
     "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
                  "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
                  "layer_budget": "uniform", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 2,
-                 "deep_recall_every": 1, "deep_sketch_whiten": 0, "layer_floor": 0.5},
+                 "deep_recall_every": 1, "deep_sketch_whiten": 0, "layer_floor": 0.5, "headroom_blocks": 1},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
                 "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 1,
                 "layer_budget": "mass", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 4,
-                "deep_recall_every": 1, "deep_sketch_whiten": 1, "layer_floor": 0.5},
+                "deep_recall_every": 1, "deep_sketch_whiten": 1, "layer_floor": 0.5, "headroom_blocks": 1},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
 
@@ -101,10 +101,16 @@ class SentenceKV(Policy):
     to 0.044 (in the first half it changed nothing), while a 2-bit sketch reselecting every
     step there did not help (0.099) and a 4-bit one did (0.063): the deep layers' queries pick
     sharply among sentences and move from token to token (bench/README.md "Deep layers").
-    ``deep_sketch_whiten`` is ``sketch_whiten`` for the deep layers' codes. Both
-    presets leave it off (``deep_from`` 1; "compact" sets the other two fields, so
-    ``sentencekv-0.125-deep_from_0.5`` turns it on): it took TPOT from ~1.2-1.3x the full
-    cache's to ~1.4x.
+    Both presets leave the deep layers off (``deep_from`` 1; "compact" sets the other two
+    fields, so ``sentencekv-0.125-deep_from_0.5`` turns them on): they took TPOT from
+    ~1.2-1.3x the full cache's to ~1.4x. ``deep_sketch_whiten`` is ``sketch_whiten`` for the
+    deep layers' codes.
+    ``headroom_blocks``: pool blocks beyond the sinks' and window's that decoding fills before
+    the next compaction (charged to the budget, so taken from the region). 0 leaves only the
+    free slots of the window's last block, so a compaction comes every few tokens (with
+    sinks 4 and window 16 in 16-token blocks, every 12), but the region gets that block: on a
+    1k context at 12.5% that is 16 of the 128 budget tokens. A compaction during decoding keeps
+    the regions' selections and only resizes them (``HostSentenceStore.fit_region``).
 
     ``preset`` ("auto", "standard" or "compact"; ``PRESETS``) gives the fields above that a
     spec leaves out: "auto" (the default) takes "compact" for fractional budgets of at most
@@ -164,6 +170,7 @@ class SentenceKV(Policy):
     deep_recall_every: int = None  # type: ignore[assignment]
     deep_sketch_whiten: int = None  # type: ignore[assignment]
     layer_floor: float = None  # type: ignore[assignment]
+    headroom_blocks: int = None  # type: ignore[assignment]
     bound_tier: str = "auto"
     recall_eps: float = 0.0
     preset: str = "auto"
@@ -207,6 +214,8 @@ class SentenceKV(Policy):
                              f"got {self.deep_sketch_whiten!r}")
         if not isinstance(self.layer_floor, (int, float)) or not 0 <= self.layer_floor <= 1:
             raise ValueError(f"layer_floor must be a fraction of an equal share in [0, 1], got {self.layer_floor!r}")
+        if not isinstance(self.headroom_blocks, int) or self.headroom_blocks < 0:
+            raise ValueError(f"headroom_blocks must be an integer >= 0, got {self.headroom_blocks!r}")
         if self.layer_budget not in ("uniform", "mass"):
             raise ValueError(f"unknown layer_budget {self.layer_budget!r}; known: uniform, mass")
         if self.bound_tier not in ("auto", "host", "device", "off"):
@@ -287,9 +296,9 @@ class SentenceKV(Policy):
 
     def pool_tokens(self, state: SequenceKV) -> int:
         """Pool slots the sequence may fill after a compaction: sinks and window in whole
-        blocks, plus one block of headroom that decoding fills before the next demotion."""
+        blocks, plus ``headroom_blocks`` blocks that decoding fills before the next demotion."""
         bs = state.pool.block_size
-        return (math.ceil((self.sink_tokens + self.window_tokens) / bs) + 1) * bs
+        return (math.ceil((self.sink_tokens + self.window_tokens) / bs) + self.headroom_blocks) * bs
 
     @staticmethod
     def _token_bytes(state: SequenceKV) -> int:
@@ -360,10 +369,15 @@ class SentenceKV(Policy):
             store.layer_share = layer_shares(state.stats.queries, state.stats.query_pos, keys, demoted_pos,
                                              kept[:, :, 0], kept_pos, state.scaling, r, self.layer_floor)
         sizes = [r] * L if store.layer_share is None else split_slots(r * L, store.layer_share)
-        store.resize_region(sizes, state.pool.kv, self.region_bits, self._region_group(state))
+        first = store.region_positions is None
+        if first:
+            store.resize_region(sizes, state.pool.kv, self.region_bits, self._region_group(state))
+        else:  # keep the selections; the next one (a prefill chunk, or a decode step's) fills the slots
+            store.fit_region(sizes)
         if state.stats is not None:
             state.stats.compact([keep] * L)
-        self._fill_from_window(state)
+        if first:
+            self._fill_from_window(state)
         return True
 
     @property

@@ -205,6 +205,44 @@ class HostSentenceStore:
         self.resident.clear()
         self._edited(range(len(sizes)))
 
+    def fit_region(self, sizes: Sequence[int]) -> None:
+        """Resize layer ``l``'s region to ``sizes[l]`` slots per KV head, keeping what it holds
+        (a compaction during decoding changes the slots by a few as the index grows): a layer
+        that grows gets empty slots at the end; one that shrinks first gives up, per KV head,
+        every sentence with a token in a slot past the new size (``resident`` forgets it), then
+        moves the head's remaining tokens to its first slots (attention reads a head's slots as
+        a set). No copy from the host; the next selection fills the free slots."""
+        assert self.region_kv is not None and self.region_positions is not None
+        changed = []
+        for layer, r in enumerate(sizes):
+            pos = self.region_positions[layer]  # (H_kv, R)
+            old = pos.shape[1]
+            if r == old:
+                continue
+            changed.append(layer)
+            parts = [ts for ts in (self.region_kv, self.region_scale, self.region_zero) if ts is not None]
+            if r > old:
+                self.region_positions[layer] = torch.cat([pos, pos.new_full((pos.shape[0], r - old), -1)], 1)
+                for ts in parts:  # (2, H_kv, R, w) each
+                    t = ts[layer]
+                    ts[layer] = torch.cat([t, t.new_zeros(*t.shape[:2], r - old, t.shape[3])], 2)
+                continue
+            sids = self.slot_sentences(layer)
+            tail = sids[:, r:]
+            drop = (sids.unsqueeze(-1) == tail.unsqueeze(1)).any(-1) & (sids >= 0)  # (H_kv, R)
+            resident = self.resident.get(layer)
+            if resident is not None:
+                gone = [set(row.tolist()) - {-1} for row in tail]
+                self.resident[layer] = tuple(tuple(s for s in sids_h if s not in gone[h])
+                                             for h, sids_h in enumerate(resident))
+            pos = pos.masked_fill(drop, -1)
+            order = (pos < 0).to(torch.int8).sort(dim=1, stable=True).indices[:, :r]  # filled slots first
+            self.region_positions[layer] = pos.gather(1, order)
+            for ts in parts:
+                t = ts[layer]
+                ts[layer] = t.gather(2, order[None, :, :, None].expand(t.shape[0], -1, -1, t.shape[3]))
+        self._edited(changed)
+
     def _edited(self, layers: Sequence[int]) -> None:
         """Mark ``layers``' regions changed (what caches of a region's slots key on)."""
         self._edits += 1
