@@ -51,11 +51,12 @@ def test_layered_sketch_refuses_parts_that_do_not_cover_from_layer_0() -> None:
             LayeredSketch(parts)
 
 
-def test_deep_from_alone_turns_the_compact_presets_deep_layers_on() -> None:
+def test_the_compact_preset_has_deep_layers_and_deep_from_1_turns_them_off() -> None:
+    policy = make_policy("sentencekv-0.125-deep_from_1")
+    assert (policy.deep_from, policy.deep_sketch_bits, policy.deep_recall_every) == (1, 4, 1)
+    assert policy.deep_start(30) == 30 and isinstance(policy._sketch(30), KeySketch)
     policy = make_policy("sentencekv-0.125")
-    assert (policy.deep_from, policy.deep_sketch_bits, policy.deep_recall_every) == (1.0, 4, 1)
-    assert policy.deep_start(30) == 30 and isinstance(policy._sketch(30), KeySketch)  # off by default
-    policy = make_policy("sentencekv-0.125-deep_from_0.5")
+    assert (policy.deep_from, policy.recall_every, policy.deep_recall_every) == (0.5, 8, 1)
     assert policy.deep_start(30) == 15
     sketch = policy._sketch(30)
     assert isinstance(sketch, LayeredSketch) and [(f, s.bits) for f, s in sketch.parts] == [(0, 2), (15, 4)]

@@ -102,7 +102,7 @@ def test_headroom_blocks_0_gives_the_region_a_block_and_stays_within_budget(tiny
 def test_headroom_blocks_is_validated() -> None:
     from cache_node.policies.sentencekv import SentenceKV
 
-    assert SentenceKV(budget=0.125).headroom_blocks == 1 and SentenceKV(budget=0.25).headroom_blocks == 1
+    assert SentenceKV(budget=0.125).headroom_blocks == 0 and SentenceKV(budget=0.25).headroom_blocks == 1
     for bad in (-1, 0.5):
         with pytest.raises(ValueError, match="headroom_blocks"):
             SentenceKV(budget=0.125, headroom_blocks=bad)

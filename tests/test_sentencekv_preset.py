@@ -32,7 +32,7 @@ def test_fields_named_in_the_spec_win_over_the_preset() -> None:
     policy = make_policy("sentencekv-0.125-recall_every_1-region_group_16")
     assert (policy.recall_every, policy.region_group) == (1, 16)
     assert policy.sketch_rank == PRESETS["compact"]["sketch_rank"]
-    assert make_policy(f"sentencekv-{COMPACT_BUDGET}").recall_every == 2
+    assert make_policy(f"sentencekv-{COMPACT_BUDGET}").recall_every == 8
 
 
 def test_unknown_preset_and_bad_fields_are_refused() -> None:

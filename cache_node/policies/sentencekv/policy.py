@@ -36,11 +36,12 @@ if TYPE_CHECKING:
 # 64 channels) on keys centred and scaled per channel (KIVI §3), so the bytes go to slots;
 # the sketch of the keys' top-32 principal directions (Loki), each divided by its spread, in
 # groups of 32; the region's slots split among the layers by where the window queries'
-# attention lies (``layer_budget.py``); the last query fills 3/4 of the region; a decode step
-# reselects every second token (Quest/ShadowKV reuse). ``-deep_from_0.5`` makes the second half
-# of the layers score on 4-bit codes and reselect every token: lower 1k/2k KL, but TPOT
-# 1.33-1.40x the full cache's against 1.18-1.29x, so it is not on by default (bench/README.md
-# "Deep layers").
+# attention lies (``layer_budget.py``); the last query fills 3/4 of the region; the second half
+# of the layers (the deep layers) score on 4-bit codes and reselect every decode step, the
+# first half every eighth (Quest/ShadowKV reuse); no headroom block, so the region gets it.
+# Those three took the 1k/2k KL over seeds 0-2 from 0.094/0.076 to 0.050/0.039 at TPOT
+# ~1.26x the full cache's (bench/README.md "Deep layers", "The headroom block and the layer
+# knobs", "The compact preset, ninth session").
 # Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
 # 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
 # split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
@@ -52,9 +53,9 @@ PRESETS: dict[str, dict[str, int | float | str]] = {
                  "layer_budget": "uniform", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 2,
                  "deep_recall_every": 1, "deep_sketch_whiten": 0, "layer_floor": 0.5, "headroom_blocks": 1},
     "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
-                "region_key_scale": 1, "recall_every": 2, "sketch_whiten": 1,
-                "layer_budget": "mass", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 4,
-                "deep_recall_every": 1, "deep_sketch_whiten": 1, "layer_floor": 0.5, "headroom_blocks": 1},
+                "region_key_scale": 1, "recall_every": 8, "sketch_whiten": 1,
+                "layer_budget": "mass", "recall_next": 0, "deep_from": 0.5, "deep_sketch_bits": 4,
+                "deep_recall_every": 1, "deep_sketch_whiten": 1, "layer_floor": 0.5, "headroom_blocks": 0},
 }
 COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
 
@@ -101,16 +102,17 @@ class SentenceKV(Policy):
     to 0.044 (in the first half it changed nothing), while a 2-bit sketch reselecting every
     step there did not help (0.099) and a 4-bit one did (0.063): the deep layers' queries pick
     sharply among sentences and move from token to token (bench/README.md "Deep layers").
-    Both presets leave the deep layers off (``deep_from`` 1; "compact" sets the other two
-    fields, so ``sentencekv-0.125-deep_from_0.5`` turns them on): they took TPOT from
-    ~1.2-1.3x the full cache's to ~1.4x. ``deep_sketch_whiten`` is ``sketch_whiten`` for the
-    deep layers' codes.
+    "compact" turns the deep layers on (``deep_from`` 0.5) and lets the first half reselect
+    only every eighth step (``recall_every`` 8), which keeps TPOT near the full cache's
+    (~1.26x); "standard" leaves them off (``deep_from`` 1). ``deep_sketch_whiten`` is
+    ``sketch_whiten`` for the deep layers' codes.
     ``headroom_blocks``: pool blocks beyond the sinks' and window's that decoding fills before
     the next compaction (charged to the budget, so taken from the region). 0 leaves only the
     free slots of the window's last block, so a compaction comes every few tokens (with
     sinks 4 and window 16 in 16-token blocks, every 12), but the region gets that block: on a
-    1k context at 12.5% that is 16 of the 128 budget tokens. A compaction during decoding keeps
-    the regions' selections and only resizes them (``HostSentenceStore.fit_region``).
+    1k context at 12.5% that is 16 of the 128 budget tokens ("compact" takes 0, "standard" 1;
+    0 alone, without the deep layers, lost pass keys at 2k). A compaction during decoding
+    keeps the regions' selections and only resizes them (``HostSentenceStore.fit_region``).
 
     ``preset`` ("auto", "standard" or "compact"; ``PRESETS``) gives the fields above that a
     spec leaves out: "auto" (the default) takes "compact" for fractional budgets of at most
