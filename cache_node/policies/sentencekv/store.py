@@ -118,12 +118,13 @@ class HostSentenceStore:
             keeps = [set(before[h]) & set(chosen[h]) for h in range(len(chosen))]
             adds = [[s for s in chosen[h] if s not in keeps[h]] for h in range(len(chosen))]
             gone = [[s for s in before[h] if s not in keeps[h]] for h in range(len(chosen))]
-            gone_tok, gone_head, _ = self.region_index(gone, heads)
-            if len(gone_tok):  # free the slots of every sentence a head gives up: (H_kv, P) lookup
-                flat_pos = self.flat()[3]
-                table = torch.zeros((pos.shape[0], int(flat_pos.max()) + 1), dtype=torch.bool, device=dev)
-                table[torch.from_numpy(gone_head).to(dev), torch.from_numpy(flat_pos[gone_tok]).to(dev)] = True
-                pos[table.gather(1, pos.clamp(min=0, max=table.shape[1] - 1)) & (pos >= 0)] = -1
+            gone_head = [h for h in heads for _ in gone[h]]
+            if gone_head:  # free the slots of every sentence a head gives up: (H_kv, sentences) lookup
+                table = torch.zeros((pos.shape[0], len(self.positions) + 1), dtype=torch.bool, device=dev)
+                table[torch.tensor(gone_head, device=dev), torch.tensor([s for h in heads for s in gone[h]],
+                                                                        device=dev)] = True
+                sids = self.slot_sentences(layer)  # -1 (empty) reads the table's last column: False
+                pos[table.gather(1, sids.masked_fill(sids < 0, table.shape[1] - 1))] = -1
         tok, head_idx, counts = self.region_index(adds, heads)
         if not len(tok):
             return
