@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 # attention lies (``layer_budget.py``); the last query fills 3/4 of the region; the second half
 # of the layers (the deep layers) score on 4-bit codes and reselect every decode step, the
 # first half every eighth (Quest/ShadowKV reuse); no headroom block, so the region gets it.
-# Those three took the 1k/2k KL over seeds 0-2 from 0.094/0.076 to 0.050/0.039 at TPOT
-# 1.26-1.31x the full cache's (bench/README.md "Deep layers", "The headroom block and the layer
-# knobs", "The compact preset, ninth session").
+# Those three took the 1k KL over seeds 0-2 from 0.094 to 0.050 and the 2k KL over seeds 0-1
+# from 0.057 to 0.047, at TPOT 1.26-1.31x the full cache's (bench/README.md "Deep layers",
+# "The headroom block and the layer knobs", "The compact preset, ninth session").
 # Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
 # 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
 # split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
