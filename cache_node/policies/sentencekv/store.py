@@ -117,12 +117,10 @@ class HostSentenceStore:
         else:
             keeps = [set(before[h]) & set(chosen[h]) for h in range(len(chosen))]
             adds = [[s for s in chosen[h] if s not in keeps[h]] for h in range(len(chosen))]
-            gone = [[s for s in before[h] if s not in keeps[h]] for h in range(len(chosen))]
-            gone_head = [h for h in heads for _ in gone[h]]
-            if gone_head:  # free the slots of every sentence a head gives up: (H_kv, sentences) lookup
+            gone = [(h, s) for h in heads for s in before[h] if s not in keeps[h]]  # (head, sentence)
+            if gone:  # free the slots of every sentence a head gives up: (H_kv, sentences) lookup
                 table = torch.zeros((pos.shape[0], len(self.positions) + 1), dtype=torch.bool, device=dev)
-                table[torch.tensor(gone_head, device=dev), torch.tensor([s for h in heads for s in gone[h]],
-                                                                        device=dev)] = True
+                table[tuple(torch.tensor(gone, device=dev).T)] = True
                 sids = self.slot_sentences(layer)  # -1 (empty) reads the table's last column: False
                 pos[table.gather(1, sids.masked_fill(sids < 0, table.shape[1] - 1))] = -1
         tok, head_idx, counts = self.region_index(adds, heads)
