@@ -40,7 +40,9 @@ def test_pack_bits_roundtrip(bits: int) -> None:
     packed = pack_bits(codes, bits)
     assert packed.shape == (3, 5, 64 * bits // 8)
     assert torch.equal(unpack_bits(packed, bits), codes)
-    assert torch.equal(unpack_bits_float(packed, bits), codes.float())  # the table lookup decodes the same
+    assert torch.equal(unpack_bits_float(packed, bits), codes.float())  # the float decode gives the same values
+    view = packed.permute(1, 0, 2)  # a strided view (the sketch reads its codes KV head first)
+    assert torch.equal(unpack_bits_float(view, bits), codes.permute(1, 0, 2).float())
 
 
 def test_int4_pack_roundtrip() -> None:

@@ -75,12 +75,21 @@ def decode_table(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def unpack_bits_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``unpack_bits(packed, bits).float()`` as one table lookup per byte (``decode_table``)
-    instead of a shift, a mask and a conversion per code: (..., d * bits / 8) uint8 ->
-    (..., d) float32."""
+    """``unpack_bits(packed, bits).float()``: (..., d * bits / 8) uint8 -> (..., d) float32,
+    the same values whichever way. 1- and 2-bit codes: one table lookup per byte
+    (``decode_table``). 4-bit codes: a shift and a mask per half byte over the whole
+    (contiguous) tensor, written straight into its float column: 2.6-3.7x faster than the
+    lookup on this CPU at the sketch's sizes (3 KV heads x 1400 tokens x 16-32 bytes), where
+    two codes a byte leave the lookup a gather per code; at 2 bits the lookup was faster."""
     if bits == 8:
         return packed.float()
-    return F.embedding(packed.int(), decode_table(bits, packed.device)).flatten(-2)
+    if bits != 4:
+        return F.embedding(packed.int(), decode_table(bits, packed.device)).flatten(-2)
+    src = packed.contiguous()
+    out = torch.empty((*src.shape, 2), dtype=torch.float32, device=src.device)
+    out[..., 0] = src & 15  # code 0 of a byte in its low half (``pack_bits``)
+    out[..., 1] = src >> 4
+    return out.flatten(-2)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

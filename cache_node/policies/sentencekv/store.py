@@ -90,11 +90,9 @@ class HostSentenceStore:
         the order given, each head's sentences in the order given: their flat indices (n,),
         each one's KV head (n,), and the number of tokens per head."""
         lengths, _, starts, _ = self.flat()
-        sids = np.fromiter((s for h in heads for s in chosen[h]), np.int64)
-        n = np.asarray(lengths, np.int64)[sids]
-        ends = np.cumsum(n)
-        tok = np.arange(int(ends[-1]) if len(n) else 0, dtype=np.int64) + np.repeat(starts[sids] - ends + n, n)
+        runs = [np.arange(starts[s], starts[s] + lengths[s]) for h in heads for s in chosen[h]]
         counts = [sum(lengths[s] for s in chosen[h]) for h in heads]
+        tok = np.concatenate(runs) if runs else np.zeros(0, np.int64)
         return tok, np.repeat(np.asarray(heads, np.int64), counts), counts
 
     def load_region(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
@@ -105,24 +103,33 @@ class HostSentenceStore:
         marked empty; with ``before`` (the sentences the heads hold now) only the sentences
         new to a head are copied, into the slots of the ones it drops and its empty slots
         (attention reads a head's slots as a set: their order does not matter). One gather
-        from host RAM for all ``heads``, then one scatter per region tensor."""
+        from host RAM for all ``heads``, then one scatter per region tensor.
+
+        Index work is planned on the host (numpy: which positions each head gives up, how
+        many slots each head takes) and reaches the device as two small arrays, so a call
+        is a fixed handful of device ops whatever the number of sentences moved."""
         assert self.region_kv is not None and self.region_positions is not None
         self._edited([layer])
         pos = self.region_positions[layer]  # (H_kv, R)
         dev = pos.device
         heads = sorted(heads)  # the gathered tokens go head after head, as the slots are taken
         if before is None:
-            pos[list(heads)] = -1
+            pos[heads] = -1
             adds: Sequence[Sequence[int]] = chosen
         else:
-            keeps = [set(before[h]) & set(chosen[h]) for h in range(len(chosen))]
-            adds = [[s for s in chosen[h] if s not in keeps[h]] for h in range(len(chosen))]
-            gone = [(h, s) for h in heads for s in before[h] if s not in keeps[h]]  # (head, sentence)
-            if gone:  # free the slots of every sentence a head gives up: (H_kv, sentences) lookup
-                table = torch.zeros((pos.shape[0], len(self.positions) + 1), dtype=torch.bool, device=dev)
-                table[tuple(torch.tensor(gone, device=dev).T)] = True
-                sids = self.slot_sentences(layer)  # -1 (empty) reads the table's last column: False
-                pos[table.gather(1, sids.masked_fill(sids < 0, table.shape[1] - 1))] = -1
+            adds = [()] * len(chosen)
+            gone: list[tuple[int, int]] = []  # (head, sentence) of every sentence a head gives up
+            for h in heads:
+                new, old = set(chosen[h]), set(before[h])
+                adds[h] = [s for s in chosen[h] if s not in old]
+                gone += [(h, s) for s in before[h] if s not in new]
+            if gone:  # free their slots: an (H_kv, positions) table of the positions given up
+                lengths, _, starts, flat_pos = self.flat()
+                table = np.zeros((pos.shape[0], int(flat_pos.max()) + 1), dtype=bool)
+                for h, s in gone:
+                    table[h, flat_pos[starts[s]:starts[s] + lengths[s]]] = True
+                drop = torch.from_numpy(table).to(dev).gather(1, pos.clamp(min=0)) & (pos >= 0)
+                pos.masked_fill_(drop, -1)
         tok, head_idx, counts = self.region_index(adds, heads)
         if not len(tok):
             return
@@ -137,13 +144,13 @@ class HostSentenceStore:
             srcs = [self._raw_kv(layer, adds, heads, torch.from_numpy(tok), torch.from_numpy(head_idx))
                     .to(self.region_kv[layer])]
         # each head's first counts[h] empty slots, row-major: the order of the gathered tokens
-        want = torch.zeros(pos.shape[0], dtype=torch.long, device=dev)
-        want[list(heads)] = torch.tensor(counts, device=dev)
+        want = np.zeros(pos.shape[0], np.int64)
+        want[heads] = counts
         free = pos < 0
-        slot_h, slot_r = (free & (free.cumsum(1) <= want[:, None])).nonzero(as_tuple=True)
-        pos[slot_h, slot_r] = positions
-        for dst, src in zip(dsts, srcs):
-            dst[layer][:, slot_h, slot_r] = src.transpose(0, 1)
+        taken = (free & (free.cumsum(1) <= torch.from_numpy(want).to(dev)[:, None])).view(-1).nonzero().squeeze(1)
+        pos.view(-1)[taken] = positions
+        for dst, src in zip(dsts, srcs):  # (2, H_kv, R, w) each: slot h * R + r
+            dst[layer].view(2, -1, dst[layer].shape[-1]).index_copy_(1, taken, src.transpose(0, 1))
 
     def _raw_kv(self, layer: int, chosen: Sequence[Sequence[int]], heads: Sequence[int],
                 tok: torch.Tensor, head_idx: torch.Tensor) -> torch.Tensor:
