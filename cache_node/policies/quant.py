@@ -157,17 +157,29 @@ class QuantLayerKV:
         self.codes = unpack_bits_float(codes, bits).unflatten(-1, (self.scale.shape[-1], -1))
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(H_kv, g, n, N) ``scaling * q . k`` of ``qh`` (H_kv, g, n, d) on the codes."""
         qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)
-        dots = torch.einsum("hgnkc,Nhkc->hgnNk", qg, self.codes[0])
+        h, g, n, d = qh.shape
+        if qg.shape[3] == 1:  # one group per head: the einsum's product as one bmm over the heads
+            keys = self.codes[0].flatten(-2).transpose(0, 1)  # (h, N, d)
+            dots = torch.bmm(qh.reshape(h, g * n, d), keys.transpose(1, 2)).view(h, g, n, -1, 1)
+        else:
+            dots = torch.einsum("hgnkc,Nhkc->hgnNk", qg, self.codes[0])
         scale, zero = self.scale[0].permute(1, 0, 2), self.zero[0].permute(1, 0, 2)  # (h, N, k)
         out = (dots * scale[:, None, None]).sum(-1)
         out = out + torch.einsum("hgnk,hNk->hgnN", qg.sum(-1), zero)
         return out * scaling
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
+        """(H_kv, g, n, d) ``sum_N probs v`` of ``probs`` (H_kv, g, n, N) on the codes."""
         scale, zero = self.scale[1].permute(1, 0, 2), self.zero[1].permute(1, 0, 2)  # (h, N, k)
         ps = probs.unsqueeze(-1) * scale[:, None, None]  # (h, g, n, N, k)
-        out = torch.einsum("hgnNk,Nhkc->hgnkc", ps, self.codes[1])
+        if ps.shape[-1] == 1:  # one group per head: one bmm over the heads
+            h, g, n, num = probs.shape
+            values = self.codes[1].flatten(-2).transpose(0, 1)  # (h, N, d)
+            out = torch.bmm(ps.reshape(h, g * n, num), values).view(h, g, n, 1, -1)
+        else:
+            out = torch.einsum("hgnNk,Nhkc->hgnkc", ps, self.codes[1])
         out = out + torch.einsum("hgnN,hNk->hgnk", probs, zero).unsqueeze(-1)
         return out.flatten(-2)
 
