@@ -8,6 +8,7 @@ import torch
 
 from cache_node.policies import make_policy
 from cache_node.policies.quant import (
+    QuantLayerKV,
     QuantSegment,
     pack_bits,
     pack_int4,
@@ -52,24 +53,53 @@ def test_int4_pack_roundtrip() -> None:
     assert torch.equal(unpack_int4(packed), codes)
 
 
+@pytest.mark.parametrize("group", [32, 64])  # 64: one group per head, the bmm path
 @pytest.mark.parametrize("bits", [4, 8])
-def test_attention_on_codes_equals_attention_on_dequantized_kv(bits: int) -> None:
+def test_attention_on_codes_equals_attention_on_dequantized_kv(bits: int, group: int) -> None:
     gen = torch.Generator().manual_seed(1)
     L, n, h_kv, d, g = 2, 11, 2, 64, 3
     kv = torch.randn(L, n, 2, h_kv, d, generator=gen)
-    seg = QuantSegment(bits, 32)
+    seg = QuantSegment(bits, group)
     seg.append(kv, torch.arange(n))
     layer = seg.layer(1)
     qh = torch.randn(h_kv, g, 4, d, generator=gen)
     codes = seg.codes[1] if bits == 8 else unpack_int4(seg.codes[1])
-    k = dequantize(codes[0], seg.scale[1, 0], seg.zero[1, 0], 32)  # (n, H, d)
-    v = dequantize(codes[1], seg.scale[1, 1], seg.zero[1, 1], 32)
+    k = dequantize(codes[0], seg.scale[1, 0], seg.zero[1, 0], group)  # (n, H, d)
+    v = dequantize(codes[1], seg.scale[1, 1], seg.zero[1, 1], group)
     want_logits = qh @ k.permute(1, 2, 0).unsqueeze(1) * 0.125
     torch.testing.assert_close(layer.logits(qh, 0.125), want_logits, atol=1e-4, rtol=1e-4)
     probs = torch.softmax(want_logits, -1)
     torch.testing.assert_close(layer.output(probs), probs @ v.permute(1, 0, 2).unsqueeze(1), atol=1e-4, rtol=1e-4)
-    per_token = L * 2 * h_kv * (d * bits // 8 + 2 * 2 * (d // 32))
+    per_token = L * 2 * h_kv * (d * bits // 8 + 2 * 2 * (d // group))
     assert seg.nbytes == n * per_token
+
+
+@pytest.mark.parametrize("heads_first", [False, True])  # the quant policy's layout, the sentencekv region's
+@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_group_per_head_scores_bit_for_bit_as_the_grouped_einsum(bits: int, n: int, heads_first: bool) -> None:
+    """The bmm taken with one channel group per head changes no bit of the scores or outputs
+    against the einsum every other group size takes (so switching to it left every quality
+    figure as it was)."""
+    gen = torch.Generator().manual_seed(n)
+    h_kv, num, d, g = 3, 37, 64, 3
+    codes = torch.randint(0, 256, (2, h_kv, num, d * bits // 8), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(2, h_kv, num, 1, generator=gen).half()
+    zero = torch.randn(2, h_kv, num, 1, generator=gen).half()
+    parts = [t.transpose(1, 2) for t in (codes, scale, zero)]  # (2, N, H, ...) as QuantLayerKV takes them
+    if not heads_first:
+        parts = [t.contiguous() for t in parts]
+    layer = QuantLayerKV(*parts, bits)
+    qh = torch.randn(h_kv, g, n, d, generator=gen)
+    qg = qh.unflatten(-1, (1, -1))
+    sc, ze = (t.float().permute(0, 2, 1, 3) for t in parts[1:])  # (2, H, N, 1)
+    want = (torch.einsum("hgnkc,Nhkc->hgnNk", qg, layer.codes[0]) * sc[0][:, None, None]).sum(-1)
+    want = (want + torch.einsum("hgnk,hNk->hgnN", qg.sum(-1), ze[0])) * 0.125
+    assert torch.equal(layer.logits(qh, 0.125), want)
+    probs = torch.softmax(want, -1)
+    out = torch.einsum("hgnNk,Nhkc->hgnkc", probs.unsqueeze(-1) * sc[1][:, None, None], layer.codes[1])
+    out = out + torch.einsum("hgnN,hNk->hgnk", probs, ze[1]).unsqueeze(-1)
+    assert torch.equal(layer.output(probs), out.flatten(-2))
 
 
 @pytest.mark.parametrize("bits,ratio", [(8, 4 / 1.25), (4, 4 / 0.75)])
