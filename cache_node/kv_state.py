@@ -68,6 +68,9 @@ class SequenceKV:
         L, dev = self.pool.num_layers, self.pool.kv.device  # the layout lives on the pool's device
         self.positions = torch.zeros((L, 0), dtype=torch.long, device=dev)
         self.support = torch.zeros((L, 0), device=dev)
+        # every slot valid (position >= 0) with support 1: what ``begin_step`` appends, and what
+        # a ``set_layout`` caller may vouch for; a decode query then needs no mask or weights
+        self.dense = True
         needs = self.policy.needs
         self.stats = (AttentionStats(needs, L, self.pool.num_kv_heads, self.policy.decay, dev)
                       if needs.any else None)
@@ -119,9 +122,10 @@ class SequenceKV:
         h_kv = k.shape[1]
         qh = q.view(n, h_kv, h // h_kv, d).permute(1, 2, 0, 3)  # (H_kv, g, n, d)
         logits = qh @ k.permute(1, 2, 0).unsqueeze(1) * self.scaling  # (H_kv, g, n, S)
-        allowed = (pos.view(1, -1) >= 0) & (pos.view(1, -1) <= q_pos.view(-1, 1))  # (n, S)
-        logits = logits + self.support[layer_idx, :s].clamp(min=1e-6).log().to(q.dtype)
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        if not (self.dense and n == 1):  # a lone query in the last slot sees every earlier slot
+            allowed = (pos.view(1, -1) >= 0) & (pos.view(1, -1) <= q_pos.view(-1, 1))  # (n, S)
+            logits = logits + self.support[layer_idx, :s].clamp(min=1e-6).log().to(q.dtype)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         extra = self.policy.extra_kv(self, layer_idx)
         if extra is not None:
             logits = torch.cat([logits, extra.logits(qh, self.scaling).to(q.dtype)], -1)
@@ -252,12 +256,17 @@ class SequenceKV:
                 kv = self.pool.kv[layer, :, pool_slots[slots]].transpose(0, 1)  # (n, 2, H_kv, d)
                 cold.append(layer, kv, self.positions[layer, slots])
 
-    def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor) -> None:
+    def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor,
+                   dense: bool = False) -> None:
         """Replace the whole layout: ``data`` (L, m, 2, H_kv, d) with ``positions``/``support``
-        (L, m). Call ``can_rewrite`` first. Statistics are the caller's to re-index."""
+        (L, m). Call ``can_rewrite`` first. Statistics are the caller's to re-index.
+        ``dense``: the caller vouches that every position is >= 0 and every support 1 (no
+        holes, no merged entries), so decode steps skip the mask and the support weights
+        (adding log 1 = 0 and masking nothing change no bit); not checked on the device, to
+        keep a compaction free of host syncs."""
         rewrite_kv(self.pool, self.block_pool, self.seq, data)
         self.seq.num_evicted_tokens = self.seq.num_computed_tokens - data.shape[1]
-        self.positions, self.support = positions, support
+        self.positions, self.support, self.dense = positions, support, dense
         self.num_compactions += 1
 
     # ---- accounting and forking -------------------------------------------------------------
@@ -278,7 +287,7 @@ class SequenceKV:
         one; the quality harness forks a full-cache context under each policy). The child
         holds no charge blocks yet: call ``settle_charge``."""
         kv = SequenceKV(child, policy or self.policy, self.pool, self.block_pool, self.env, self.host)
-        kv.positions, kv.support = self.positions.clone(), self.support.clone()
+        kv.positions, kv.support, kv.dense = self.positions.clone(), self.support.clone(), self.dense
         if self.stats is not None:  # else the new state's own (fresh) statistics
             kv.stats = self.stats.clone()
         kv.budget, kv.num_compactions = self.budget, self.num_compactions

@@ -365,7 +365,7 @@ class SentenceKV(Policy):
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
         demoted_pos, kept_pos = pos0[demote], pos0[keep]  # advanced indexing: copies
         positions = kept_pos.expand(L, -1).clone()
-        state.set_layout(kept, positions, torch.ones(positions.shape, device=positions.device))
+        state.set_layout(kept, positions, torch.ones(positions.shape, device=positions.device), dense=True)
         r = self.region_tokens(state, store)
         if fit_split and keys is not None and r:
             assert state.stats is not None
