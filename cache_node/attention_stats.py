@@ -78,14 +78,16 @@ class AttentionStats:
         self.recent = torch.cat([self.recent, self.recent.new_zeros((*self.recent.shape[:3], grow))], -1)
         self.capacity += grow
 
-    def record(self, layer_idx: int, probs: torch.Tensor, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+    def record(self, layer_idx: int, probs: torch.Tensor | None, q: torch.Tensor, q_pos: torch.Tensor) -> None:
         """Add one layer's attention of this step.
 
         Args:
-            probs: (H_kv, group, n, S) attention probabilities over the first S physical slots.
+            probs: (H_kv, group, n, S) attention probabilities over the first S physical slots
+                (None is accepted only when ``needs.attention`` is off: nothing reads them).
             q: (n, H, d) the step's queries; q_pos: (n,) their absolute positions.
         """
         if self.needs.attention:
+            assert probs is not None, "needs.attention: record takes the probabilities"
             s = probs.shape[-1]
             self.cum[layer_idx, :, :s] += probs.sum(dim=(1, 2))
             slot = self.step % self.needs.recent_steps

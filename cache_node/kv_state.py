@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from cache_node.attention_stats import AttentionStats
 from cache_node.block import KVBlock
@@ -26,7 +27,14 @@ from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
-    from cache_node.policies.base import LayerPlan, LayerView, Policy, PolicyEnv
+    from cache_node.policies.base import (
+        DenseExtraKV,
+        ExtraKV,
+        LayerPlan,
+        LayerView,
+        Policy,
+        PolicyEnv,
+    )
     from cache_node.tiers.manager import TierManager
 
 
@@ -105,6 +113,11 @@ class SequenceKV:
                ctx_slots: torch.Tensor) -> torch.Tensor:
         """Attention of this step's queries over the layer's valid slots (+ extra KV).
 
+        A decode query over a dense layout (``set_layout``'s ``dense``) whose probabilities no
+        statistic needs, with no extra KV or extra KV that hands over plain K/V
+        (``DenseExtraKV``), takes one fused call (``attend_decode``); everything else
+        ``attend_all``.
+
         Args:
             q: (n, H, d) queries of the new tokens (the last n physical slots).
             k_cache, v_cache: (pool_slots, H_kv, d) the layer's pool.
@@ -113,10 +126,30 @@ class SequenceKV:
         Returns:
             (n, H, d).
         """
-        n, h, d = q.shape
+        n = q.shape[0]
         s = ctx_slots.shape[0]
         q_pos = self.positions[layer_idx, s - n : s]
         self.policy.before_attend(self, layer_idx, q, q_pos)
+        extra = self.policy.extra_kv(self, layer_idx)
+        stats = self.stats
+        probs = None
+        if (self.dense and n == 1 and (stats is None or not stats.needs.attention)
+                and (extra is None or hasattr(extra, "dense_kv"))):
+            out = self.attend_decode(q, k_cache, v_cache, ctx_slots, extra)  # type: ignore[arg-type]
+        else:
+            out, probs = self.attend_all(layer_idx, q, q_pos, k_cache, v_cache, ctx_slots, extra)
+        if stats is not None:
+            stats.record(layer_idx, probs, q.float(), q_pos)
+        return out
+
+    def attend_all(self, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, ctx_slots: torch.Tensor, extra: ExtraKV | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend``'s general path: logits over the pool's valid slots (causal mask, the
+        support's log added) and ``extra``'s, one softmax, the outputs summed. Returns the
+        output (n, H, d) and the pool part's probabilities (H_kv, g, n, S) float32."""
+        n, h, d = q.shape
+        s = ctx_slots.shape[0]
         pos = self.positions[layer_idx, :s]
         k, v = k_cache[ctx_slots].to(q.dtype), v_cache[ctx_slots].to(q.dtype)
         h_kv = k.shape[1]
@@ -126,16 +159,38 @@ class SequenceKV:
             allowed = (pos.view(1, -1) >= 0) & (pos.view(1, -1) <= q_pos.view(-1, 1))  # (n, S)
             logits = logits + self.support[layer_idx, :s].clamp(min=1e-6).log().to(q.dtype)
             logits = logits.masked_fill(~allowed, float("-inf"))
-        extra = self.policy.extra_kv(self, layer_idx)
         if extra is not None:
             logits = torch.cat([logits, extra.logits(qh, self.scaling).to(q.dtype)], -1)
         probs = torch.softmax(logits, dim=-1)
         out = probs[..., :s] @ v.permute(1, 0, 2).unsqueeze(1)  # (H_kv, g, n, d)
         if extra is not None:
             out = out + extra.output(probs[..., s:]).to(q.dtype)
-        if self.stats is not None:
-            self.stats.record(layer_idx, probs[..., :s].float(), q.float(), q_pos)
-        return out.permute(2, 0, 1, 3).reshape(n, h, d)
+        return out.permute(2, 0, 1, 3).reshape(n, h, d), probs[..., :s].float()
+
+    def attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      ctx_slots: torch.Tensor, extra: DenseExtraKV | None) -> torch.Tensor:
+        """``attend`` for one query (1, H, d) over a dense layout (every slot valid, support 1,
+        the query in the last slot: no mask on the pool part): the pool's K/V and the extra
+        KV's (``DenseExtraKV.dense_kv``; its skipped slots masked) side by side in one
+        ``scaled_dot_product_attention`` call, the ``g`` query heads of each KV head taken as
+        its ``g`` queries (GQA). The same attention as ``attend_all`` up to float rounding, in a
+        few ops instead of separate logits, softmax and outputs per part (on this CPU a step's
+        attention is a few hundred small ops). Returns (1, H, d)."""
+        _, h, d = q.shape
+        s = ctx_slots.shape[0]
+        k, v = k_cache[ctx_slots].to(q.dtype).transpose(0, 1), v_cache[ctx_slots].to(q.dtype).transpose(0, 1)
+        h_kv = k.shape[0]
+        mask = None
+        if extra is not None:
+            ek, ev, skip = extra.dense_kv(q.dtype)  # (H_kv, m, d), (H_kv, m)
+            k, v = torch.cat([k, ek], 1), torch.cat([v, ev], 1)
+            if skip is not None:  # additive, per KV head, broadcast over its query heads
+                mask = q.new_zeros((1, h_kv, 1, k.shape[1]))
+                mask[..., s:].masked_fill_(skip[None, :, None], float("-inf"))
+        # 4-d (batch 1): CPU's fused (flash) kernel; 3-d inputs fall back to the unfused math path
+        out = F.scaled_dot_product_attention(q.reshape(1, h_kv, h // h_kv, d), k.unsqueeze(0), v.unsqueeze(0),
+                                             attn_mask=mask, scale=self.scaling)
+        return out.reshape(1, h, d)
 
     def after_step(self) -> bool:
         """Compress when the prompt is done and a layer is over budget; True if compacted."""

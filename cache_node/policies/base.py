@@ -110,6 +110,16 @@ class ExtraKV(Protocol):
         ...
 
 
+class DenseExtraKV(ExtraKV, Protocol):
+    """Extra KV that can also hand over its keys and values as plain tensors, so a decode query
+    attends them and the pool's in one fused attention call (``SequenceKV.attend``)."""
+
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys and values (H_kv, m, d) in ``dtype`` (codes dequantized into a transient
+        buffer of one layer), and (H_kv, m) bool ``True`` at the slots to skip (None: none)."""
+        ...
+
+
 @dataclass(frozen=True)
 class PolicyEnv:
     """Tokenizer-derived facts a policy may need (set by whoever owns the tokenizer).

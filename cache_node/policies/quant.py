@@ -92,6 +92,15 @@ def unpack_bits_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return out.flatten(-2)
 
 
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., d) float32 ``scale * code + zero`` per group of ``packed`` (..., d * bits / 8) uint8
+    codes (``pack_bits``) with ``scale``/``zero`` (..., d / group_size): the inverse of
+    ``quantize`` up to its rounding. For a transient buffer (one layer's codes, attended and
+    dropped); stored KV stays coded."""
+    x = unpack_bits_float(packed, bits).unflatten(-1, (scale.shape[-1], -1))
+    return x.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).flatten(-2)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """(..., d) uint8 codes < 16 -> (..., d // 2) uint8, two codes per byte."""
     return pack_bits(codes, 4)

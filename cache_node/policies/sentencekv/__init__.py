@@ -25,7 +25,9 @@ Recall region precision (``region_bits``): 8 (default) or 4 quantizes each promo
 per KV head and group of ``region_group`` channels (asymmetric, float16 scale and zero) as it
 is copied in, and attention runs on the codes (HACK §4), so the bytes left for the region hold
 3.2x (int8) or 5.3x (int4) the tokens of float32 K/V; sinks and the window stay in full
-precision (KIVI §3). 0 keeps the pool's dtype (the paper's setting). A sentence is quantized
+precision (KIVI §3). A decode step dequantizes one layer's region into a transient buffer
+and attends it with the pool's K/V in one fused call (``SequenceKV.attend_decode``: fewer
+ops; the stored region stays coded). 0 keeps the pool's dtype (the paper's setting). A sentence is quantized
 once, as it is demoted: its codes wait in host RAM beside its raw K/V (charged to the host
 tier) and a promotion copies them. On SmolLM2-135M with 512-token
 Wikipedia contexts at a 25% budget, mean KL against the full cache fell from 0.167 (float32

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class ExtraKVPart(Protocol):
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor: ...
     def output(self, probs: torch.Tensor) -> torch.Tensor: ...
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class OverflowKV:
@@ -66,6 +67,10 @@ class OverflowKV:
     def output(self, probs: torch.Tensor) -> torch.Tensor:
         return probs @ self.v.to(probs.dtype).unsqueeze(1)  # (H_kv, g, n, d)
 
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K and V (H_kv, O, d) in ``dtype`` and the padding (H_kv, O)."""
+        return self.k.to(dtype), self.v.to(dtype), self.empty
+
 
 class ChainedKV:
     """Extra KV made of parts attended side by side (the region, then the overflow): logits
@@ -86,3 +91,10 @@ class ChainedKV:
         for o in outs[1:]:
             total = total + o
         return total
+
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The parts' K, V and skipped slots (``DenseExtraKV.dense_kv``) side by side."""
+        parts = [p.dense_kv(dtype) for p in self.parts]
+        skip = [e if e is not None else torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device)
+                for k, _, e in parts]
+        return torch.cat([k for k, _, _ in parts], 1), torch.cat([v for _, v, _ in parts], 1), torch.cat(skip, 1)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache_node.policies.quant import QuantLayerKV, pack_bits, quantize
+from cache_node.policies.quant import QuantLayerKV, dequantize, pack_bits, quantize
 
 if TYPE_CHECKING:
     from cache_node.policies.sentencekv.store import HostSentenceStore
@@ -137,32 +137,62 @@ class SentenceRegion:
     def output(self, probs: torch.Tensor) -> torch.Tensor:
         return probs @ self.v.to(probs.dtype).unsqueeze(1)  # (H_kv, g, n, d)
 
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The region's K and V (H_kv, R, d) in ``dtype`` and its empty slots (H_kv, R)."""
+        return self.k.to(dtype), self.v.to(dtype), self.empty
+
 
 class QuantSentenceRegion:
     """A recall region held as int8/int4 codes (``region_bits``), attended on the codes as in
     HACK §4 (``quant.QuantLayerKV``, each KV head its own slots); empty slots are masked out.
     With per-channel key centres and scales (``SentenceCodes``) the query is scaled by them and
-    ``q . key_shift`` added to every slot's logit."""
+    ``q . key_shift`` added to every slot's logit.
+
+    A decode query over a dense layout takes ``dense_kv`` instead: the layer's codes
+    dequantized into a transient float buffer (the size of the float codes the code-domain
+    path unpacks) and attended with the pool's K/V in one fused call. On this CPU a decode
+    step's attention is a few hundred small ops, and the code-domain path's extra matmuls,
+    scale and zero terms cost more than dequantizing ~100-400 slots per KV head; HACK's
+    saving is memory traffic, which a GPU kernel gets by dequantizing in registers."""
 
     def __init__(self, store: HostSentenceStore, layer_idx: int, bits: int) -> None:
         assert store.region_kv is not None and store.region_positions is not None
         assert store.region_scale is not None and store.region_zero is not None
-        codes, scale, zero = (t[layer_idx].transpose(1, 2) for t in  # (2, R, H_kv, ...)
-                              (store.region_kv, store.region_scale, store.region_zero))
-        self.kv = QuantLayerKV(codes, scale, zero, bits)
-        self.empty = (store.region_positions[layer_idx] < 0).to(codes.device)  # (H_kv, R)
+        self.bits = bits
+        # (2, H_kv, R, d * bits / 8) uint8 codes, (2, H_kv, R, d / group) float16 scale and zero
+        self.codes, self.scale, self.zero = (t[layer_idx] for t in
+                                             (store.region_kv, store.region_scale, store.region_zero))
+        self.empty = (store.region_positions[layer_idx] < 0).to(self.codes.device)  # (H_kv, R)
         affine = None if store.codes is None else store.codes.key_affine
-        self.key_shift, self.key_scale = (None, None) if affine is None else (  # (H_kv, 1, 1, d) each
-            t[layer_idx].to(codes.device)[:, None, None, :] for t in affine)
+        self.key_shift, self.key_scale = (None, None) if affine is None else (  # (H_kv, d) each
+            t[layer_idx].to(self.codes.device) for t in affine)
+        self._kv: QuantLayerKV | None = None
+
+    @property
+    def kv(self) -> QuantLayerKV:
+        """The codes as ``QuantLayerKV`` (token before KV head), made on first use."""
+        if self._kv is None:
+            self._kv = QuantLayerKV(*(t.transpose(1, 2) for t in (self.codes, self.scale, self.zero)), self.bits)
+        return self._kv
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
         """(H_kv, g, n, R) logits of ``qh`` (H_kv, g, n, d) on the region's codes."""
         if self.key_scale is None or self.key_shift is None:
             out = self.kv.logits(qh, scaling)
         else:
-            base = (qh * self.key_shift.to(qh.dtype)).sum(-1, keepdim=True) * scaling  # (H_kv, g, n, 1)
-            out = self.kv.logits(qh * self.key_scale.to(qh.dtype), scaling) + base
+            shift, scale = (t[:, None, None, :].to(qh.dtype) for t in (self.key_shift, self.key_scale))
+            base = (qh * shift).sum(-1, keepdim=True) * scaling  # (H_kv, g, n, 1)
+            out = self.kv.logits(qh * scale, scaling) + base
         return out.masked_fill(self.empty[:, None, None, :], float("-inf"))
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
         return self.kv.output(probs)
+
+    def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K and V (H_kv, R, d) in ``dtype``, dequantized (keys scaled back and shifted by the
+        per-channel key affine), and the empty slots (H_kv, R)."""
+        kv = dequantize(self.codes, self.scale, self.zero, self.bits)  # (2, H_kv, R, d) float32
+        k = kv[0]
+        if self.key_scale is not None and self.key_shift is not None:
+            k = k.mul_(self.key_scale[:, None]).add_(self.key_shift[:, None])
+        return k.to(dtype), kv[1].to(dtype), self.empty
