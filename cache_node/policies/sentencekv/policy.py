@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 # of the layers (the deep layers) score on 4-bit codes and reselect every decode step, the
 # first half every eighth (Quest/ShadowKV reuse); no headroom block, so the region gets it.
 # Those three took the 1k KL over seeds 0-2 from 0.094 to 0.050 and the 2k KL over seeds 0-1
-# from 0.057 to 0.047, at TPOT 1.13-1.34x the full cache's, median 1.21x over ten runs
+# from 0.057 to 0.047, at TPOT 1.18-1.23x the full cache's, median 1.20x over ten runs
 # (bench/README.md "Deep layers", "The headroom block and the layer knobs", "The compact
-# preset, ninth session", "Recall at the same results, faster").
+# preset, ninth session", "One attention call per decode step").
 # Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
 # 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
 # split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
@@ -105,7 +105,7 @@ class SentenceKV(Policy):
     sharply among sentences and move from token to token (bench/README.md "Deep layers").
     "compact" turns the deep layers on (``deep_from`` 0.5) and lets the first half reselect
     only every eighth step (``recall_every`` 8), which wins back part of their cost (TPOT
-    1.13-1.34x the full cache's, median 1.21x, against 1.11-1.26x without them); "standard" leaves them off
+    1.18-1.23x the full cache's, median 1.20x; 1.11-1.26x without them in earlier runs); "standard" leaves them off
     (``deep_from`` 1). ``deep_sketch_whiten`` is
     ``sketch_whiten`` for the deep layers' codes.
     ``headroom_blocks``: pool blocks beyond the sinks' and window's that decoding fills before
