@@ -26,6 +26,12 @@ from tenants.model import TenantSpec
 from tests.gateway_harness import serve
 
 ROOT = Path(__file__).resolve().parent.parent
+# `python -m cli.main`, with Ctrl-C's default handler restored first: a process started from a
+# non-interactive shell's background job (`cmd &`, as CI runners may start the suite) inherits
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so the test's SIGINT
+# would never reach the CLI (a terminal's Ctrl-C reaches a foreground command with the default)
+CLI_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('cli.main', run_name='__main__', alter_sys=True)")
 
 
 class SlowInference(inference_pb2_grpc.InferenceServiceServicer):
@@ -73,7 +79,7 @@ def test_ctrl_c_ends_the_line_says_cancelled_and_cancels_the_call(slow_gateway) 
     says the request was cancelled, the exit code is 130 and the server sees the call cancelled."""
     address, servicer = slow_gateway
     env = {**os.environ, "KVSTRATA_API_KEY": "kvs_0123456789ab_" + "A" * 43, "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "generate", "hi", "--gateway", address],
+    proc = subprocess.Popen([sys.executable, "-c", CLI_WITH_CTRL_C, "generate", "hi", "--gateway", address],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert servicer.started.wait(60), "the CLI never called the server"
