@@ -401,6 +401,8 @@ class LLMEngine(EngineTiersMixin):
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
+                "session_policy_continuations": self.sessions.num_policy_continuations,
+                "session_policy_fallbacks": self.sessions.num_fallbacks,
                 "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),
                 "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
             } | self.tiers.stats() | self.prefixes.stats()

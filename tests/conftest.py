@@ -77,6 +77,18 @@ def make_engine(lm: LoadedModel, **overrides: int) -> LLMEngine:
     return LLMEngine(lm.model, EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)
 
 
+def node_metric(eng: LLMEngine, sample: str) -> float:
+    """A sample of the cache node's Prometheus exposition (``NodeMetrics``) over ``eng.stats``."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.metrics import NodeMetrics
+
+    text = generate_latest(NodeMetrics("n0", eng.stats, lambda: 0, 1).registry).decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == sample)
+
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One real two-node Ray cluster (custom resources) for every Ray test of the session."""

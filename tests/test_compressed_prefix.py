@@ -22,7 +22,7 @@ from cache_node.outputs import InvalidRequestError
 from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
 from cache_node.tiers.manager import TierConfig
-from tests.conftest import make_engine
+from tests.conftest import make_engine, node_metric
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -82,6 +82,9 @@ def test_requests_sharing_a_prefix_compress_it_once(tiny, spec: str) -> None:
     stats = eng.stats()
     assert (stats["compressed_prefix_stores"], stats["compressed_prefix_hits"]) == (1, 7)
     assert stats["compressed_prefixes"] == 1 and stats["compressed_prefix_parked"] == 0
+    assert (node_metric(eng, "kvstrata:compressed_prefix_stores_total"),
+            node_metric(eng, "kvstrata:compressed_prefix_hits_total"),
+            node_metric(eng, "kvstrata:compressed_prefixes")) == (1, 7, 1)  # as /metrics shows them
     assert counts[outs[0].request_id] == len(doc) + len(qs[0]) + GREEDY.max_tokens - 1
     for out, q in zip(outs[1:], qs[1:]):
         assert counts[out.request_id] == len(q) + GREEDY.max_tokens - 1

@@ -40,6 +40,9 @@ NODE_FAMILIES = {
     "kvstrata:kv_capacity_blocks": "gauge", "kvstrata:prefix_cache_queries": "counter",
     "kvstrata:prefix_cache_hits": "counter", "kvstrata:cached_tokens": "counter",
     "kvstrata:num_preemptions": "counter", "kvstrata:spill_read_errors": "counter",
+    "kvstrata:compressed_prefix_hits": "counter", "kvstrata:compressed_prefix_stores": "counter",
+    "kvstrata:compressed_prefixes": "gauge", "kvstrata:session_policy_continuations": "counter",
+    "kvstrata:session_policy_fallbacks": "counter",
     **{f"kvstrata:kv_{move}_{unit}": "counter" for move in ("demoted", "promoted", "prefetched", "spilled")
        for unit in ("blocks", "bytes")},
 }

@@ -18,7 +18,7 @@ from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
 from cache_node.sequence import Sequence
-from tests.conftest import make_engine
+from tests.conftest import make_engine, node_metric
 
 
 def prompt_of(n: int, offset: int = 0) -> list[int]:
@@ -103,6 +103,9 @@ def test_session_turns_continue_from_the_kept_policy_state(tiny, spec: str) -> N
     assert outs == one_sequence_turns(make_engine(tiny), spec, turns, max_tokens)
     compacting = spec != ""
     assert eng.sessions.num_policy_continuations == (4 if compacting else 0)
+    # the node's /metrics reads the same count from the engine's stats
+    assert node_metric(eng, "kvstrata:session_policy_continuations_total") == (4 if compacting else 0)
+    assert node_metric(eng, "kvstrata:session_policy_fallbacks_total") == 0
     assert eng.stats()["used_blocks"] > 0
     eng.close_session("s")
     stats = eng.stats()
@@ -132,6 +135,7 @@ def test_non_extending_turn_or_other_policy_falls_back_and_frees(tiny) -> None:
     t3 = eng.generate([p3], SamplingParams(max_tokens=2, ignore_eos=True), session_id="s", tenant="a",
                       policy="h2o-0.25")[0]
     assert eng.sessions.num_fallbacks == 2 and eng.sessions.num_policy_continuations == 0
+    assert node_metric(eng, "kvstrata:session_policy_fallbacks_total") == 2
     # today's behaviour: only the prefix cache's uncompressed blocks (cached before turn 2's
     # compaction copied them on write) spare recomputation
     assert t3.num_cached_tokens < len(other) and sum(counts) == len(p3) - t3.num_cached_tokens + 1

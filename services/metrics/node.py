@@ -11,7 +11,9 @@ the request's ``started`` event carries. Every sample has the label ``node`` (th
 vLLM's names where one exists (``num_requests_running``, ``num_requests_waiting``,
 ``kv_cache_usage_perc`` as a 0..1 fraction, ``num_preemptions``, ``prefix_cache_queries`` /
 ``prefix_cache_hits`` in tokens); SGLang's per-source label for cached tokens
-(``cached_tokens_total{tier=device|host|spill_ram|spill_disk}``).
+(``cached_tokens_total{tier=device|host|spill_ram|spill_disk}``). The reuse of compressed KV
+(``compressed_prefix_hits``/``_stores``, ``session_policy_continuations``/``_fallbacks``) is
+counted by the engine (``cache_node.compressed_prefix``, ``cache_node.sessions``).
 """
 
 from __future__ import annotations
@@ -98,6 +100,16 @@ class NodeMetrics(Collector):
         capacity.add_metric([self.node_id, "host"], s["host_slots"])
         yield capacity
         yield counter("num_preemptions", "Requests preempted.", self.preemptions())
+        yield counter("compressed_prefix_hits", "Requests that forked a stored compressed prefix "
+                      "(prefilled only their tokens after it).", s["compressed_prefix_hits"])
+        yield counter("compressed_prefix_stores", "Compressed prefixes computed and stored.",
+                      s["compressed_prefix_stores"])
+        yield gauge("compressed_prefixes", "Compressed prefixes held.", s["compressed_prefixes"])
+        yield counter("session_policy_continuations", "Session turns that continued from the kept "
+                      "compressed KV (prefilled only their new tokens).", s["session_policy_continuations"])
+        yield counter("session_policy_fallbacks", "Session turns that found compressed KV they could not "
+                      "continue (another policy, or not extending the history): the history was prefilled again.",
+                      s["session_policy_fallbacks"])
         for stem, key in TRANSFERS:
             yield counter(f"{stem}_blocks", f"KV blocks moved ({key}).", s[key])
             yield counter(f"{stem}_bytes", f"KV bytes moved ({key}).", s[key] * self.block_nbytes)
