@@ -53,16 +53,17 @@ def test_int4_pack_roundtrip() -> None:
     assert torch.equal(unpack_int4(packed), codes)
 
 
+@pytest.mark.parametrize("queries", [4, 200])  # 200 x 3 query heads: a long chunk, dequantized once
 @pytest.mark.parametrize("group", [32, 64])  # 64: one group per head, the bmm path
 @pytest.mark.parametrize("bits", [4, 8])
-def test_attention_on_codes_equals_attention_on_dequantized_kv(bits: int, group: int) -> None:
+def test_attention_on_codes_equals_attention_on_dequantized_kv(bits: int, group: int, queries: int) -> None:
     gen = torch.Generator().manual_seed(1)
     L, n, h_kv, d, g = 2, 11, 2, 64, 3
     kv = torch.randn(L, n, 2, h_kv, d, generator=gen)
     seg = QuantSegment(bits, group)
     seg.append(kv, torch.arange(n))
     layer = seg.layer(1)
-    qh = torch.randn(h_kv, g, 4, d, generator=gen)
+    qh = torch.randn(h_kv, g, queries, d, generator=gen)
     codes = seg.codes[1] if bits == 8 else unpack_int4(seg.codes[1])
     k = dequantize(codes[0], seg.scale[1, 0], seg.zero[1, 0], group)  # (n, H, d)
     v = dequantize(codes[1], seg.scale[1, 1], seg.zero[1, 1], group)

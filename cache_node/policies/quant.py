@@ -101,6 +101,14 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     return x.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).flatten(-2)
 
 
+# Query rows (queries x query heads per KV head) from which attention on grouped codes
+# dequantizes the keys/values once into a transient buffer and takes one bmm: a long prefill
+# chunk (a session turn or a prefix fork appending a document) would otherwise materialise a
+# (rows, N, groups) product. Decode steps and short question chunks (< 171 tokens at 3 query
+# heads per KV head) keep the computation on the codes (HACK §4).
+DEQUANT_MIN_ROWS = 512
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """(..., d) uint8 codes < 16 -> (..., d // 2) uint8, two codes per byte."""
     return pack_bits(codes, 4)
@@ -169,6 +177,9 @@ class QuantLayerKV:
         """(H_kv, g, n, N) ``scaling * q . k`` of ``qh`` (H_kv, g, n, d) on the codes."""
         qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)
         h, g, n, d = qh.shape
+        if qg.shape[3] > 1 and g * n >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize once
+            keys = self.dequantized(0)  # (h, N, d)
+            return torch.bmm(qh.reshape(h, g * n, d), keys.transpose(1, 2)).view(h, g, n, -1) * scaling
         if qg.shape[3] == 1:  # one group per head: the einsum's product as one bmm over the heads
             keys = self.codes[0].flatten(-2).transpose(0, 1)  # (h, N, d)
             dots = torch.bmm(qh.reshape(h, g * n, d), keys.transpose(1, 2)).view(h, g, n, -1, 1)
@@ -179,8 +190,17 @@ class QuantLayerKV:
         out = out + torch.einsum("hgnk,hNk->hgnN", qg.sum(-1), zero)
         return out * scaling
 
+    def dequantized(self, kv: int) -> torch.Tensor:
+        """(H_kv, N, d) float32 keys (``kv`` 0) or values (1): ``scale * code + zero`` per group,
+        a transient buffer for a long chunk (``DEQUANT_MIN_ROWS``)."""
+        x = self.codes[kv] * self.scale[kv].unsqueeze(-1) + self.zero[kv].unsqueeze(-1)  # (N, H, k, G)
+        return x.flatten(-2).transpose(0, 1)
+
     def output(self, probs: torch.Tensor) -> torch.Tensor:
         """(H_kv, g, n, d) ``sum_N probs v`` of ``probs`` (H_kv, g, n, N) on the codes."""
+        h, g, n, num = probs.shape
+        if self.codes.shape[-2] > 1 and g * n >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize once
+            return torch.bmm(probs.reshape(h, g * n, num), self.dequantized(1)).view(h, g, n, -1)
         scale, zero = self.scale[1].permute(1, 0, 2), self.zero[1].permute(1, 0, 2)  # (h, N, k)
         ps = probs.unsqueeze(-1) * scale[:, None, None]  # (h, g, n, N, k)
         if ps.shape[-1] == 1:  # one group per head: one bmm over the heads

@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from cache_node.policies.quant import pack_bits, quantize, unpack_bits_float
+from cache_node.policies.quant import DEQUANT_MIN_ROWS, pack_bits, quantize, unpack_bits_float
 
 
 class KeySketch:
@@ -106,7 +106,9 @@ class KeySketch:
         """(H_kv, n, g, N) ``scaling * q . k`` of every sketched token, on the codes: ``q . k =
         sum_G s_G (q_G . c_G) + z_G sum(q_G)``, never a dequantized key tensor; one batched
         matmul over the KV heads, ``(H_kv, n g, c) @ (H_kv, c, N)``, tokens last (the sentence
-        sums in ``log_mass`` run along the last dim). ``q``: (n, H, d).
+        sums in ``log_mass`` run along the last dim). ``q``: (n, H, d). With several channel
+        groups and at least ``quant.DEQUANT_MIN_ROWS`` query rows (a long prefill chunk) the
+        codes are dequantized once into a transient (H_kv, N, c) buffer instead.
 
         The last result is kept (with ``q`` itself, so the same query tensor is recognised and
         no other can take its address): the recall's scores (``log_mass``) and the recall
@@ -133,13 +135,19 @@ class KeySketch:
         codes = unpack_bits_float(packed, self.bits)  # (H_kv, N, c)
         scale = self.scale[layer].permute(1, 2, 0).float()  # (H_kv, G, N)
         zero = self.zero[layer].permute(1, 2, 0).float()
-        qsum = qf.view(h_kv, n * g, groups, -1).sum(-1)  # (H_kv, n g, G)
-        if groups == 1:
-            logits = torch.bmm(qf, codes.transpose(1, 2)).mul_(scale)  # (H_kv, n g, N)
+        if groups > 1 and n * g >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize the codes once
+            keys = codes.view(h_kv, num, groups, -1) * scale.transpose(1, 2).unsqueeze(-1)
+            keys = keys.add_(zero.transpose(1, 2).unsqueeze(-1)).view(h_kv, num, c)
+            logits = torch.bmm(qf, keys.transpose(1, 2))  # (H_kv, n g, N)
         else:
-            dots = torch.einsum("hkGs,hNGs->hkGN", qf.view(h_kv, n * g, groups, -1), codes.view(h_kv, num, groups, -1))
-            logits = (dots * scale.unsqueeze(1)).sum(2)
-        logits = logits.add_(torch.bmm(qsum, zero))
+            qsum = qf.view(h_kv, n * g, groups, -1).sum(-1)  # (H_kv, n g, G)
+            if groups == 1:
+                logits = torch.bmm(qf, codes.transpose(1, 2)).mul_(scale)  # (H_kv, n g, N)
+            else:
+                dots = torch.einsum("hkGs,hNGs->hkGN", qf.view(h_kv, n * g, groups, -1),
+                                    codes.view(h_kv, num, groups, -1))
+                logits = (dots * scale.unsqueeze(1)).sum(2)
+            logits = logits.add_(torch.bmm(qsum, zero))
         if offset is not None:
             logits = logits.add_(offset)
         logits = logits.view(h_kv, n, g, num)
