@@ -183,8 +183,8 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`
         address = ray.get_runtime_context().gcs_address
     cfg.state_path.mkdir(parents=True, exist_ok=True)
-    state.STATE_DIR.mkdir(parents=True, exist_ok=True)
-    (state.STATE_DIR / "gateway.json").write_text(json.dumps({
+    state.state_dir().mkdir(parents=True, exist_ok=True)
+    (state.state_dir() / "gateway.json").write_text(json.dumps({
         "address": services.address, "ray_address": address, "started_ray": started_ray,
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
         "http_address": services.http_address,
@@ -291,7 +291,7 @@ def down() -> None:
         elif saved.get("started_ray"):
             console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
                           "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")
-        (state.STATE_DIR / "gateway.json").unlink(missing_ok=True)
+        (state.state_dir() / "gateway.json").unlink(missing_ok=True)
     console.print("stopped")
 
 

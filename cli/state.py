@@ -1,5 +1,5 @@
 """Where the commands find the gateway and the admin key: flags, the environment
-(KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY) or the state ``kvstrata up`` wrote to ``STATE_DIR``."""
+(KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY) or the state ``kvstrata up`` wrote to ``state_dir()``."""
 
 from __future__ import annotations
 
@@ -11,12 +11,18 @@ from pathlib import Path
 from cli.output import die
 from tenants.keys import read_key_file
 
-STATE_DIR = Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
+STATE_DIR: Path | None = None  # pinned by tests; else ``state_dir()`` reads the environment
+
+
+def state_dir() -> Path:
+    """``STATE_DIR`` when pinned, else KVSTRATA_STATE_DIR, else ~/.kvstrata: read at each call,
+    so a command run in-process (typer's CliRunner) with another environment sees its own."""
+    return STATE_DIR or Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
 
 
 def read_state() -> dict:
     """What ``kvstrata up`` saved (``STATE_DIR/gateway.json``); {} when nothing is up."""
-    path = STATE_DIR / "gateway.json"
+    path = state_dir() / "gateway.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -41,7 +47,7 @@ def openai_api_url(url: str) -> str:
 
 
 def admin_key_file() -> Path:
-    return Path(read_state().get("state_dir", STATE_DIR)) / "admin_key"
+    return Path(read_state().get("state_dir", state_dir())) / "admin_key"
 
 
 def admin_metadata() -> tuple[tuple[str, str], ...]:
