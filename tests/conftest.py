@@ -88,7 +88,6 @@ def node_metric(eng: LLMEngine, sample: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == sample)
 
 
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One real two-node Ray cluster (custom resources) for every Ray test of the session."""

@@ -8,7 +8,13 @@ import itertools
 
 import torch
 
-from cache_node.policies.quant import DEQUANT_MIN_ROWS, pack_bits, quantize, unpack_bits_float
+from cache_node.policies.quant import (
+    DEQUANT_MIN_ROWS,
+    dequantize,
+    pack_bits,
+    quantize,
+    unpack_bits_float,
+)
 
 
 class KeySketch:
@@ -132,14 +138,14 @@ class KeySketch:
                 qf = qf * self.spread[layer].unsqueeze(1)
         c = qf.shape[-1]
         groups = c // min(self.group_size, c)
-        codes = unpack_bits_float(packed, self.bits)  # (H_kv, N, c)
-        scale = self.scale[layer].permute(1, 2, 0).float()  # (H_kv, G, N)
-        zero = self.zero[layer].permute(1, 2, 0).float()
         if groups > 1 and n * g >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize the codes once
-            keys = codes.view(h_kv, num, groups, -1) * scale.transpose(1, 2).unsqueeze(-1)
-            keys = keys.add_(zero.transpose(1, 2).unsqueeze(-1)).view(h_kv, num, c)
+            keys = dequantize(packed, self.scale[layer].permute(1, 0, 2).float(),
+                              self.zero[layer].permute(1, 0, 2).float(), self.bits)  # (H_kv, N, c)
             logits = torch.bmm(qf, keys.transpose(1, 2))  # (H_kv, n g, N)
         else:
+            codes = unpack_bits_float(packed, self.bits)  # (H_kv, N, c)
+            scale = self.scale[layer].permute(1, 2, 0).float()  # (H_kv, G, N)
+            zero = self.zero[layer].permute(1, 2, 0).float()
             qsum = qf.view(h_kv, n * g, groups, -1).sum(-1)  # (H_kv, n g, G)
             if groups == 1:
                 logits = torch.bmm(qf, codes.transpose(1, 2)).mul_(scale)  # (H_kv, n g, N)
