@@ -17,7 +17,7 @@ STATE_DIR: Path | None = None  # pinned by tests; else ``state_dir()`` reads the
 def state_dir() -> Path:
     """``STATE_DIR`` when pinned, else KVSTRATA_STATE_DIR, else ~/.kvstrata: read at each call,
     so a command run in-process (typer's CliRunner) with another environment sees its own."""
-    return STATE_DIR or Path(os.environ.get("KVSTRATA_STATE_DIR", "~/.kvstrata")).expanduser()
+    return STATE_DIR or Path(os.environ.get("KVSTRATA_STATE_DIR") or "~/.kvstrata").expanduser()
 
 
 def read_state() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +13,13 @@ from cache_node.config import DTYPE_NAMES
 from cache_node.scheduling import check_policy_name
 
 NODE_DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_state_dir() -> str:
+    """KVSTRATA_STATE_DIR, else ``~/.kvstrata``: the same directory the CLI keeps its
+    ``gateway.json`` in (``cli.state.state_dir``), so one variable moves all of kvstrata's
+    state. Read when a config is built, not at import."""
+    return os.environ.get("KVSTRATA_STATE_DIR") or "~/.kvstrata"
 
 
 class NodeConfig(BaseModel):
@@ -86,7 +94,7 @@ class ServiceConfig(BaseModel):
     gateway_metrics_port: int = Field(0, ge=0, le=65535)
     node_metrics_port: int = Field(0, ge=0, le=65535)
     spill_metrics_port: int = Field(0, ge=0, le=65535)
-    state_dir: str = "~/.kvstrata"
+    state_dir: str = Field(default_factory=default_state_dir)  # a YAML value wins
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)
     # Ray restarts a cache node whose process died (a failed step loop exits it): -1 = always.

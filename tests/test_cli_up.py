@@ -103,3 +103,19 @@ def test_status_says_skipped_without_the_integrity_check() -> None:
     console = Console(file=io.StringIO(), width=200, color_system=None)
     console.print(lifecycle.status_table(ok, True))
     assert "│ ok " in console.file.getvalue()
+
+
+def test_the_state_dir_follows_kvstrata_state_dir_unless_the_config_names_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: KVSTRATA_STATE_DIR moved only the CLI's gateway.json; a `kvstrata up` with it
+    set still wrote the tenant database and the admin key to ~/.kvstrata."""
+    from services.config import load_config
+
+    monkeypatch.setenv("KVSTRATA_STATE_DIR", str(tmp_path / "env"))
+    assert ServiceConfig().state_path == tmp_path / "env"
+    assert load_config(None).state_path == tmp_path / "env"
+    named = tmp_path / "my.yaml"
+    named.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "yaml")}))
+    assert load_config(named).state_path == tmp_path / "yaml"
+    monkeypatch.delenv("KVSTRATA_STATE_DIR")
+    assert ServiceConfig().state_path == Path("~/.kvstrata").expanduser()
