@@ -1,10 +1,18 @@
-"""Pool accounting under a soak: shared prefixes, aborts mid-prefill/decode, sampling, preemption."""
+"""Pool accounting under a soak: shared prefixes, aborts mid-prefill/decode, sampling, preemption,
+sessions and compressing policies."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.outputs import InvalidRequestError
+from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
+from cache_node.tiers.manager import TierConfig
 from tests.conftest import make_engine
 
 
@@ -55,3 +63,87 @@ def test_preempted_request_recomputes_to_the_same_greedy_output(tiny) -> None:
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref]
     assert sum(o.num_preemptions for o in got) > 0
     tight.check_integrity()
+
+
+SESSION_SOAK_POLICIES = ["", "", "sentencekv-0.25", "sentencekv-0.125", "h2o-0.25", "snapkv-0.5", "quant-bits_4",
+                         "streaming-0.25", "gkv-0.25", "spindlekv-0.25"]
+
+
+@pytest.mark.parametrize("scheduling_policy", ["fcfs", "kvstrata"])
+def test_soak_sessions_policies_and_prefixes_on_a_tight_pool_always_finish(tiny, scheduling_policy) -> None:
+    """Liveness and accounting over everything that holds blocks between requests: six
+    sessions of three tenants whose turns switch policy at random (continuations, fallbacks,
+    histories that do not extend), compressed document prefixes, aborts in prefill and
+    decode, session closes, on a pool of 40 blocks with a host tier. Every request ends within
+    a bounded number of steps (a request waiting on blocks that idle sessions or prefixes
+    hold would not), a session turned to another tenant is refused, and once sessions and
+    prefixes are gone every block and host slot is free."""
+    rng = random.Random(5)
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=40 * 8192, max_num_batched_tokens=64, max_num_seqs=6,
+                       scheduling_policy=scheduling_policy)
+    eng = LLMEngine(tiny.model, cfg, tiny.model_id, tiny.eos_token_ids, tier_config=TierConfig(host_bytes=1 << 20))
+    eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
+    docs = [[rng.randrange(1, 500) for _ in range(n)] for n in (64, 100, 160)]
+    owner: dict[str, str] = {}  # session -> tenant
+    last_policy: dict[str, str] = {}
+    live: dict[str, int] = {}
+    submitted = steps = refused = 0
+    reasons: dict[str, int] = {}
+    while submitted < 160 or eng.has_unfinished_requests():
+        while submitted < 160 and len(live) < 8:
+            submitted += 1
+            kind, spec, tenant = rng.random(), rng.choice(SESSION_SOAK_POLICIES), rng.choice("abc")
+            sp = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.7]), seed=submitted)
+            kw: dict = {"tenant": tenant, "policy": spec}
+            new = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 150))]
+            if kind < 0.5:
+                sid = f"s{rng.randrange(6)}"
+                if sid in owner and rng.random() < 0.85:  # mostly its owner, mostly its last policy
+                    kw["tenant"] = owner[sid]
+                    kw["policy"] = last_policy[sid] if rng.random() < 0.7 else spec
+                history = eng.session_history(sid) or []
+                if rng.random() < 0.15:
+                    history = history[: len(history) // 2]  # a turn that does not extend it
+                kw["session_id"], prompt = sid, history + new
+            elif kind < 0.75:
+                doc = rng.choice(docs)
+                prompt = doc + new[:20]
+                kw["prefix_tokens"] = len(doc) if spec else 0
+            else:
+                prompt = new
+            try:
+                rid = eng.add_request(prompt, sp, **kw)
+            except (InvalidRequestError, ValueError):
+                continue  # longer than the pool holds, or a turn while the session runs one
+            except PermissionError:
+                assert owner.get(kw["session_id"]) not in (None, kw["tenant"])
+                refused += 1
+                continue
+            if "session_id" in kw:
+                owner[kw["session_id"]], last_policy[kw["session_id"]] = kw["tenant"], kw["policy"]
+            live[rid] = rng.choice([0, 0, 0, 0, 1, 2])  # 1: abort in prefill, 2: abort in decode
+        for out in eng.step():
+            if out.finished:
+                live.pop(out.request_id, None)
+                reasons[out.finish_reason] = reasons.get(out.finish_reason, 0) + 1
+        steps += 1
+        assert steps < 4000, f"not every request ends: {len(live)} live, {eng.stats()}"
+        for rid, mode in list(live.items()):
+            seq = eng.requests.get(rid)
+            if seq is not None and ((mode == 1 and seq.num_computed_tokens > 0 and seq.in_prefill)
+                                    or (mode == 2 and seq.output_token_ids)):
+                eng.abort_request(rid)
+        if rng.random() < 0.01:
+            sid = f"s{rng.randrange(6)}"
+            if sid in eng.sessions.sessions and eng.sessions.sessions[sid].active_request is None:
+                eng.close_session(sid)
+                owner.pop(sid, None)
+        eng.check_integrity()
+    assert reasons.get("abort", 0) > 20 and reasons.get("length", 0) > 60 and refused > 0
+    assert eng.sessions.num_policy_continuations > 0 and eng.sessions.num_fallbacks > 0
+    assert eng.stats()["compressed_prefix_hits"] > 0
+    for sid in list(eng.sessions.sessions):
+        eng.close_session(sid)
+    eng.prefixes.clear()
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0 and eng.tiers.host.num_reserved == 0
