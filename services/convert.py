@@ -303,6 +303,23 @@ def prompt_from_pb(request: inference_pb2.GenerateRequest) -> list[dict[str, str
     raise ValueError("input must be set: either chat or tokens")
 
 
+def check_policy_spec(spec: str) -> None:
+    """Refuse a KV policy spec this node's policies would refuse: an unknown name, an unknown
+    field, a value not of its field's type or out of its range (``cache_node.policies
+    .make_policy`` builds it, as the cache node will). ``""`` (the node's default) passes.
+
+    Raises:
+        ValueError: the policy's own message (it lists the known names or fields).
+    """
+    if not spec:
+        return
+    try:
+        from cache_node.policies import make_policy
+    except ImportError as exc:
+        raise ValueError(f"unknown KV policy {spec!r}: this node has no policies") from exc
+    make_policy(spec)
+
+
 def policy_from_pb(policy: str, tenant_policy: str) -> str:
     """The KV policy a request runs under: its own ``policy`` override, else the tenant's.
 

@@ -49,17 +49,6 @@ def scoped_id(tenant_id: str, client_id: str) -> str:
     return f"{tenant_id}/{client_id}"
 
 
-def _check_policy(name: str) -> None:
-    """Raise ValueError (listing the known names) for an unknown KV policy name."""
-    if not name:
-        return
-    try:
-        from cache_node.policies import get_policy_class
-    except ImportError as exc:
-        raise ValueError(f"unknown KV policy {name!r}: this node has no policies") from exc
-    get_policy_class(name)
-
-
 @dataclass(frozen=True)
 class GenerateInput:
     """One generation request, whichever API it came through (values already parsed by that
@@ -180,7 +169,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         spec = tenant.spec
         policy = call.policy or spec.policy
         try:
-            _check_policy(policy)
+            convert.check_policy_spec(policy)
         except (ValueError, KeyError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not spec.allows_policy(policy):

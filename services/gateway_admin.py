@@ -44,7 +44,10 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
     async def _spec(self, msg: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return convert.tenant_spec_from_pb(msg)
+            spec = convert.tenant_spec_from_pb(msg)
+            for policy in (spec.policy, *spec.allowed_policies):  # a name alone is a spec too
+                convert.check_policy_spec(policy)
+            return spec
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

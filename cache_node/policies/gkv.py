@@ -36,6 +36,13 @@ class GKV(Policy):
     lam: float = 0.5
     decay: float = 0.95
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+
     def score(self, view: LayerView) -> torch.Tensor:
         recent = _unit_max(view.recent_attention())
         cum = _unit_max(view.cumulative_attention())

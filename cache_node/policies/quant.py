@@ -15,6 +15,7 @@ full precision follow KIVI (arXiv 2402.02750) §3.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,14 @@ from cache_node.policies.registry import register
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
+
+
+def channel_group(group_size: int, channels: int) -> int:
+    """The channel group a policy's ``group_size`` gives over ``channels`` channels: their
+    greatest common divisor, so groups always tile the channels (``min(group_size, channels)``
+    for the power-of-two sizes of heads and presets; a spec's odd size cannot break a
+    quantizer). ``group_size`` must be >= 1."""
+    return math.gcd(group_size, channels)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,6 +275,8 @@ class QuantizedTier(Policy):
         super().__post_init__()
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.cold_bits:
             raise ValueError("quant is itself the quantized tier; cold_bits does not apply")
 
@@ -290,7 +301,7 @@ class QuantizedTier(Policy):
         return True
 
     def _group(self, state: SequenceKV) -> int:
-        return min(self.group_size, state.pool.head_dim)
+        return channel_group(self.group_size, state.pool.head_dim)
 
     def extra_kv(self, state: SequenceKV, layer_idx: int) -> QuantLayerKV | None:
         seg = state.extra.get("quant")

@@ -13,6 +13,7 @@ Idea: mini-sglang ``utils/registry.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -42,6 +43,10 @@ def get_policy_class(spec: str) -> type[Policy]:
     return cls
 
 
+MAX_FIELD_INT = 2**31 - 1
+"""Largest magnitude an integer field of a spec may have (a spec comes from the network)."""
+
+
 def _number(text: str) -> int | float | None:
     try:
         return int(text)
@@ -52,29 +57,68 @@ def _number(text: str) -> int | float | None:
             return None
 
 
-def parse_spec(spec: str) -> tuple[type[Policy], dict[str, Any]]:
-    """Split a spec into its class and constructor keyword arguments.
+def _typed(cls: type[Policy], key: str, text: str, spec: str) -> int | float | str:
+    """``text`` as the type field ``key`` of ``cls`` declares: an ``int`` field takes an
+    integer literal, a ``float`` field any finite number, a ``str`` field the text itself.
 
     Raises:
-        ValueError: unknown policy, unknown field, or a malformed part (with the part named).
+        ValueError: a value of another type, NaN or an infinity, or an integer beyond
+            ``MAX_FIELD_INT`` (naming the part and the spec).
+    """
+    kind = _field_types(cls)[key]
+    if kind == "str":
+        return text
+    number = _number(text)
+    if kind == "int":
+        if not isinstance(number, int):
+            raise ValueError(f"{key} must be an integer in policy spec {spec!r}, got {text!r}")
+        if abs(number) > MAX_FIELD_INT:
+            raise ValueError(f"{key} must be at most {MAX_FIELD_INT} in magnitude in policy spec {spec!r}")
+        return number
+    if number is None or not math.isfinite(number) or abs(number) > MAX_FIELD_INT:
+        raise ValueError(f"{key} must be a finite number of magnitude <= {MAX_FIELD_INT} in policy spec {spec!r}, "
+                         f"got {text!r}")
+    return float(number) if isinstance(number, float) else number
+
+
+def _field_types(cls: type[Policy]) -> dict[str, str]:
+    """Field name -> declared type name ("int", "float", "str") of a policy dataclass."""
+    return {f.name: str(f.type).split("|")[0].strip() for f in fields(cls)}
+
+
+def parse_spec(spec: str) -> tuple[type[Policy], dict[str, Any]]:
+    """Split a spec into its class and constructor keyword arguments, each of its field's type.
+
+    Raises:
+        ValueError: unknown policy, unknown field, or a malformed part (with the part named):
+            a value not of its field's type, not finite, or beyond ``MAX_FIELD_INT``.
     """
     cls = get_policy_class(spec)
-    allowed = {f.name for f in fields(cls)}
+    allowed = set(_field_types(cls))
     kwargs: dict[str, Any] = {}
     for part in spec.split("-")[1:]:
-        number = _number(part)
-        if number is not None:
-            kwargs["budget"] = number
+        if _number(part) is not None:
+            kwargs["budget"] = _typed(cls, "budget", part, spec)
             continue
         key, sep, value = part.rpartition("_")
         if not sep or key not in allowed:
             raise ValueError(f"bad part {part!r} in policy spec {spec!r}; fields: {sorted(allowed)}")
-        parsed = _number(value)
-        kwargs[key] = parsed if parsed is not None else value
+        kwargs[key] = _typed(cls, key, value, spec)
     return cls, kwargs
 
 
 def make_policy(spec: str, **overrides: Any) -> Policy:
-    """Build the policy a spec names; ``overrides`` win over the spec's fields."""
+    """Build the policy a spec names; ``overrides`` win over the spec's fields.
+
+    Raises:
+        ValueError: anything ``parse_spec`` refuses, or a value the policy refuses (a range,
+            a combination of fields); any other error from the policy's checks is turned into
+            a ValueError as well, so a caller maps one exception type to a refusal.
+    """
     cls, kwargs = parse_spec(spec)
-    return cls(**(kwargs | overrides))
+    try:
+        return cls(**(kwargs | overrides))
+    except ValueError:
+        raise
+    except (TypeError, ArithmeticError) as exc:
+        raise ValueError(f"policy spec {spec!r}: {exc}") from exc

@@ -37,6 +37,13 @@ class SpindleKV(Policy):
     shallow_fraction: float = 0.34
     merge_threshold: float = 0.9
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.shallow_fraction <= 1:
+            raise ValueError(f"shallow_fraction must be a fraction of the layers in [0, 1], got {self.shallow_fraction}")
+        if not -1 <= self.merge_threshold <= 1:
+            raise ValueError(f"merge_threshold must be a cosine similarity in [-1, 1], got {self.merge_threshold}")
+
     def score(self, view: LayerView) -> torch.Tensor:
         return view.recent_attention().sum(0)
 

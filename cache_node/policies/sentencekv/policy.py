@@ -15,6 +15,7 @@ from cache_node.attention_stats import StatsNeeds
 from cache_node.compaction import can_rewrite, gather_kv
 from cache_node.kv_pool import KVPool
 from cache_node.policies.base import Policy, protected_mask
+from cache_node.policies.quant import channel_group
 from cache_node.policies.registry import register
 from cache_node.policies.sentencekv.bound import KeyBounds, RecallBoundStats
 from cache_node.policies.sentencekv.bound_step import step_bound
@@ -190,6 +191,11 @@ class SentenceKV(Policy):
             raise ValueError(f"unknown select_mode {self.select_mode!r}; known: sketch, cos, mass, mean")
         if self.cold_bits:
             raise ValueError("sentencekv demotes to host RAM; cold_bits does not apply")
+        for key in ("max_sentence_tokens", "sketch_group", "region_group"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.last_query_share <= 1:
+            raise ValueError(f"last_query_share must be in [0, 1], got {self.last_query_share}")
         if self.sketch_bits not in (1, 2, 4, 8):
             raise ValueError(f"sketch_bits must be 1, 2, 4 or 8, got {self.sketch_bits}")
         if (not isinstance(self.sketch_rank, int) or self.sketch_rank < 0 or self.sketch_rank % 8
@@ -325,7 +331,7 @@ class SentenceKV(Policy):
         return pool.num_layers * 2 * pool.num_kv_heads * per_head
 
     def _region_group(self, state: SequenceKV) -> int:
-        return min(self.region_group, state.pool.head_dim)
+        return channel_group(self.region_group, state.pool.head_dim)
 
     def region_tokens(self, state: SequenceKV, store: HostSentenceStore) -> int:
         """R, per layer and KV head: the slots that fit in the budget left after the pool slots

@@ -10,6 +10,7 @@ import torch
 
 from cache_node.policies.quant import (
     DEQUANT_MIN_ROWS,
+    channel_group,
     dequantize,
     pack_bits,
     quantize,
@@ -78,7 +79,8 @@ class KeySketch:
 
     def append(self, keys: torch.Tensor, sentence: int) -> None:
         """Add one sentence's keys (L, n, H_kv, d)."""
-        codes, scale, zero = quantize(self.project(keys), self.bits, min(self.group_size, self.rank or self.group_size))
+        projected = self.project(keys)
+        codes, scale, zero = quantize(projected, self.bits, channel_group(self.group_size, projected.shape[-1]))
         parts = (pack_bits(codes, self.bits), scale, zero)
         if self.codes is None:
             self.codes, self.scale, self.zero = parts
@@ -137,7 +139,7 @@ class KeySketch:
             if self.spread is not None:  # q . (k - mean) ~ (q @ basis * spread) . whitened code
                 qf = qf * self.spread[layer].unsqueeze(1)
         c = qf.shape[-1]
-        groups = c // min(self.group_size, c)
+        groups = c // channel_group(self.group_size, c)
         if groups > 1 and n * g >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize the codes once
             keys = dequantize(packed, self.scale[layer].permute(1, 0, 2).float(),
                               self.zero[layer].permute(1, 0, 2).float(), self.bits)  # (H_kv, N, c)
