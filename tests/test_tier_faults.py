@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from cache_node.hashing import hash_prompt_blocks
 from cache_node.tiers import spill_format
@@ -136,6 +137,26 @@ def test_spill_reply_of_wrong_dtype_is_a_miss(tiny, tmp_path) -> None:
 
     eng, _, cold = disk_engine(tiny, tmp_path, Wrong)
     assert_recomputed(eng, cold, 0)
+
+
+@pytest.mark.parametrize("fault", ["tier", "hash", "fields"])
+def test_spill_reply_of_unknown_tier_or_wrong_types_is_a_miss(tiny, tmp_path, fault) -> None:
+    """Fault: a reply with the asked hashes, shape and dtype but a tier name the engine does
+    not know (regression: a KeyError in the step's per-tier accounting killed the node's step
+    loop), hashes that are not bytes, or fields that are not sequences: a miss, counted."""
+
+    class Wrong(SpillStore):
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
+            hits = super().get(hashes, token_ids)
+            if fault == "tier":
+                return SpillHits(hits.hashes, hits.blocks, ["bogus"] * len(hits.hashes))
+            if fault == "hash":
+                return SpillHits([h.hex() for h in hits.hashes], hits.blocks, hits.tiers)
+            return SpillHits(7, hits.blocks, None)  # type: ignore[arg-type]
+
+    eng, _, cold = disk_engine(tiny, tmp_path, Wrong)
+    assert_recomputed(eng, cold, 0)
+    assert eng.stats()["spill_bad_replies"] >= (fault != "hash")  # hex strings answer no asked hash
 
 
 def test_spill_get_slower_than_prefetch_wait_recomputes(tiny, tmp_path) -> None:

@@ -167,10 +167,18 @@ class TransferWorker:
                 self._count("spill_get_errors", 1)
                 return np.empty((0, *shape), dtype), []
         rows, tiers = leading_hits(reply, hashes, shape, dtype)
-        if len(reply.hashes) and not tiers and reply.hashes[0] == hashes[0]:
+        if not tiers and _claims_first(reply, hashes[0]):  # a hit on the first block, distrusted
             self._count("spill_bad_replies", 1)
         return rows, tiers
 
     def _count(self, name: str, n: int) -> None:
         with self.tiers.lock:
             self.tiers.counters[name] += n
+
+
+def _claims_first(reply: Any, first: bytes) -> bool:
+    """Whether a reply (of any shape: it crossed a process boundary) names ``first`` first."""
+    try:
+        return bool(len(reply.hashes)) and reply.hashes[0] == first
+    except Exception:  # noqa: BLE001 - not a reply: malformed
+        return True

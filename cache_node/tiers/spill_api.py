@@ -64,6 +64,10 @@ class SpillBlockSpec(NamedTuple):
     kv_format: str
 
 
+SPILL_TIERS = ("spill_ram", "spill_disk")
+"""The tier names a spill node answers with (``SpillStore``); any other makes a reply malformed."""
+
+
 def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
     """Numpy dtype a torch KV dtype travels as (bfloat16 has none: its bits as int16)."""
     if dtype == torch.bfloat16:
@@ -93,14 +97,21 @@ def leading_hits(
     """The run of hits at the start of ``asked`` from a ``get`` reply.
 
     Returns ``(rows, tiers)`` with ``rows``: (k, *shape) for ``asked[:k]``; k is 0 when the
-    first asked hash missed or the reply is malformed (wrong hashes, shape or dtype).
+    first asked hash missed or the reply is malformed (fields of the wrong type, hashes that
+    are not bytes, a tier not in ``SPILL_TIERS``, wrong shape or dtype).
     """
     empty = np.empty((0, *shape), dtype=dtype)
-    hashes, blocks, tiers = list(reply.hashes), reply.blocks, list(reply.tiers)
+    try:  # a reply crosses process boundaries: every field may be of any type
+        hashes, blocks, tiers = list(reply.hashes), reply.blocks, list(reply.tiers)
+    except Exception:  # noqa: BLE001 - not a reply at all
+        return empty, []
     if not isinstance(blocks, np.ndarray) or blocks.shape != (len(hashes), *shape):
         return empty, []
     if blocks.dtype != dtype or len(tiers) != len(hashes):
         return empty, []
+    if not all(isinstance(h, bytes) for h in hashes) or not all(isinstance(t, str) and t in SPILL_TIERS
+                                                                  for t in tiers):
+        return empty, []  # a tier name the engine does not know would fail its accounting
     k = 0
     while k < len(hashes) and k < len(asked) and hashes[k] == asked[k]:
         k += 1
