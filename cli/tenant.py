@@ -53,7 +53,7 @@ def tenant_add(
                                        "to it (0: none; at most 2^64 - 1)"),
     max_context_tokens: int = typer.Option(0, min=0, max=MAX_UINT32, help="longest prompt + output, "
                                            "tokens (0: the default, 8192)"),
-    namespace: str = typer.Option("", help="cache namespace (default: the tenant name)"),
+    namespace: str = typer.Option("", help="cache namespace shared with tenants naming the same one (default: the tenant's own)"),
     policy: str = typer.Option("", help="default KV policy spec for its requests, e.g. sentencekv-0.25"),
     allow_policy: list[str] | None = typer.Option(
         None, "--allow-policy", help="a KV policy its requests may name (repeat; default: every policy); "
@@ -98,7 +98,7 @@ def tenants_table(tenants: Iterable[tenant_pb2.Tenant]) -> Table:
         s = t.spec
         table.add_row(s.name, _class_name(s.slo_class), _or(s.ttft_slo_ms, "class default"),
                       _or(s.tpot_slo_ms, "class default"), _floor(s), _or(s.weight, "class default"),
-                      s.cache_namespace or s.name, s.policy or "node default")
+                      s.cache_namespace or "own", s.policy or "node default")
     return table
 
 
@@ -129,7 +129,7 @@ def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
         ("weight", _or(s.weight, "class default")),
         ("KV quota (bytes)", _or(s.kv_quota_bytes, "none")),
         ("max context (tokens)", _or(s.max_context_tokens, "default")),
-        ("cache namespace", s.cache_namespace or s.name),
+        ("cache namespace", s.cache_namespace or "own (not shared)"),
         ("KV policy", s.policy or "node default"),
         ("allowed policies", ", ".join(s.allowed_policies) or "every policy"),
         ("requests", str(u.requests)),

@@ -205,7 +205,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                                   self.templater)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        namespace = salted_namespace(spec.cache_namespace, call.cache_salt)
+        namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
         hashes = hash_prompt_blocks(
             tokens, self.info["block_size"], (namespace, self.info["model_id"], self.info["kv_format"])
         ) if tokens else []

@@ -2,8 +2,9 @@
 
 A ``TenantSpec`` is what an operator sets; a ``Tenant`` is a registered spec with its id.
 Fields left unset take the defaults of the tenant's SLO class (``SLO_CLASS_DEFAULTS``),
-and ``cache_namespace`` defaults to the tenant's own name, so two tenants share prefix
-blocks only when both name the same namespace.
+and an unset ``cache_namespace`` ("") is the tenant's own, keyed by its immutable id
+(``Tenant.kv_namespace``), so two tenants share prefix blocks only when both name the same
+namespace, and a tenant registered under a deleted tenant's name never reaches its KV.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class TenantSpec:
         kv_quota_bytes: guaranteed device-tier bytes (>= 0; 0 = borrow only).
         max_context_tokens: longest prompt + completion accepted (> 0).
         cache_namespace: prefix blocks are shared only inside one namespace; same
-            pattern as ``name``.
+            pattern as ``name``; "" (the default) = the tenant's own (``Tenant.kv_namespace``).
         policy: default KV policy name, ``""`` = the cache node's default.
         allowed_policies: KV policies the tenant's requests may name (at most
             ``MAX_ALLOWED_POLICIES``); an entry without parameters (``snapkv``) allows
@@ -95,7 +96,7 @@ class TenantSpec:
             always is (see ``allows_policy``).
 
     ``None`` for an SLO field means the class default (``SLO_CLASS_DEFAULTS``);
-    ``None`` for ``cache_namespace`` means the tenant's name.
+    ``None`` or ``""`` for ``cache_namespace`` means the tenant's own namespace.
 
     Raises:
         ValueError: a field is out of range or malformed; the message names the field.
@@ -141,9 +142,8 @@ class TenantSpec:
             "weight": _positive("weight", _or(weight, defaults.weight)),
             "kv_quota_bytes": _int_in("kv_quota_bytes", kv_quota_bytes, 0, MAX_UINT64),
             "max_context_tokens": _int_in("max_context_tokens", max_context_tokens, 1, MAX_UINT32),
-            "cache_namespace": _pattern(
-                "cache_namespace", _or(cache_namespace, name), NAME_PATTERN
-            ),
+            "cache_namespace": _pattern("cache_namespace", cache_namespace, NAME_PATTERN)
+            if cache_namespace else "",
             "policy": _policy(policy),
             "allowed_policies": _allowed_policies(allowed_policies),
         }
@@ -205,6 +205,15 @@ class Tenant:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def kv_namespace(self) -> str:
+        """The namespace the tenant's KV blocks are hashed in: ``spec.cache_namespace`` when it
+        names one (shared with every tenant naming it), else ``tenant:<tenant_id>``: its own,
+        which no other tenant can name (":" is outside the namespace pattern), not even one
+        registered later under the same name (regression: the default was the name, so a new
+        tenant "alice" saw the cached prompts of a deleted "alice" in its ``cached_tokens``)."""
+        return self.spec.cache_namespace or f"tenant:{self.tenant_id}"
 
 
 def _or(value: Any, default: Any) -> Any:

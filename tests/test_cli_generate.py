@@ -169,5 +169,5 @@ def test_tenant_list_is_worded_as_tenant_show(tmp_path: Path) -> None:
                       "cache namespace", "KV policy"]
     by_name = {row[0]: dict(zip(header, row)) for row in rows}
     assert by_name["ann"]["TTFT target (ms)"] == "800" and by_name["ann"]["TPOT target (ms)"] == "90"
-    assert by_name["bob"]["SLO class"] == "standard" and by_name["bob"]["cache namespace"] == "bob"
+    assert by_name["bob"]["SLO class"] == "standard" and by_name["bob"]["cache namespace"] == "own"
     assert "ttft_slo_ms" not in result.output

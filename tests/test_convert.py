@@ -20,7 +20,7 @@ def test_empty_wire_spec_takes_class_defaults() -> None:
     assert (spec.ttft_slo_ms, spec.min_tokens_per_s, spec.cache_namespace) == (
         5000.0,
         4.0,
-        "fresh",
+        "",  # the tenant's own: Tenant.kv_namespace
     )
 
 

@@ -78,6 +78,20 @@ def test_namespaces_isolate_and_share_prefixes(stack, keys) -> None:
     assert indexed["device"] + indexed["host"] >= 2 * ((n - 1) // 16)
 
 
+def test_a_tenant_registered_under_a_deleted_name_reaches_none_of_its_kv(stack) -> None:
+    """Regression: the default namespace was the tenant's name, so a new "dave" got the
+    deleted "dave"'s prompt blocks as cached tokens (and so learned what it had sent)."""
+    prompt = long_doc(11) + "\nSummarize it."
+    old = collect(stack.inference.Generate(chat(prompt, 2), metadata=md(stack.register("dave"))))
+    stack.tenants.DeleteTenant(tenant_pb2.DeleteTenantRequest(name="dave"), metadata=stack.admin_md())
+    time.sleep(0.3)
+    new = collect(stack.inference.Generate(chat(prompt, 2), metadata=md(stack.register("dave"))))
+    assert old["finished"].prompt_tokens == new["finished"].prompt_tokens > 64
+    assert new["started"].cached_tokens.device <= 16  # the chat template's block at most
+    assert sum(getattr(new["started"].cached_tokens, t) for t in ("host", "spill_ram", "spill_disk")) == 0
+    stack.tenants.DeleteTenant(tenant_pb2.DeleteTenantRequest(name="dave"), metadata=stack.admin_md())
+
+
 def _code(fn) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         fn()

@@ -25,7 +25,7 @@ def test_interactive_defaults() -> None:
         "weight": 4.0,
         "kv_quota_bytes": 0,
         "max_context_tokens": 8192,
-        "cache_namespace": "chat-app",
+        "cache_namespace": "",
         "policy": "",
         "allowed_policies": [],
     }
@@ -69,10 +69,17 @@ def test_explicit_values_override_class_defaults() -> None:
 
 
 def test_tenants_do_not_share_a_namespace_by_default() -> None:
-    """Guards against cross-tenant prefix sharing unless both tenants opt in."""
-    a, b = TenantSpec("a"), TenantSpec("b")
-    assert a.cache_namespace != b.cache_namespace
-    assert TenantSpec("c", cache_namespace="docs").cache_namespace == "docs"
+    """Guards against cross-tenant prefix sharing unless both tenants opt in, and against a
+    tenant registered under a deleted tenant's name reaching the old tenant's KV (the default
+    namespace was the name)."""
+    a, b = Tenant("1a", TenantSpec("a"), 0.0), Tenant("2b", TenantSpec("b"), 0.0)
+    assert a.kv_namespace != b.kv_namespace
+    again = Tenant("3c", TenantSpec("a"), 1.0)  # "a" deleted, then registered again
+    assert again.kv_namespace != a.kv_namespace
+    shared = [Tenant(i, TenantSpec(n, cache_namespace="docs"), 0.0) for i, n in (("4d", "c"), ("5e", "d"))]
+    assert shared[0].kv_namespace == shared[1].kv_namespace == "docs"
+    with pytest.raises(ValueError, match="cache_namespace"):
+        TenantSpec("e", cache_namespace=a.kv_namespace)  # nobody can name a tenant's own
 
 
 @pytest.mark.parametrize(
