@@ -131,7 +131,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
-        self.requests: dict[str, tuple[str, str]] = {}  # request -> (tenant_id, node_id)
+        # request -> (tenant_id, node_id, the session it opened: "" when none or already known)
+        self.requests: dict[str, tuple[str, str, str]] = {}
         # request -> the event inbox of the gateway that admitted it (``admit_and_submit``)
         self.request_gateways: dict[str, str] = {}
         self.gateways: dict[str, GatewayRecord] = {}  # gateway actor id -> ``attach_gateway``
@@ -184,7 +185,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.nodes[node_id].in_flight.add(request_id)
         if urgent:
             self.nodes[node_id].urgent.add(request_id)
-        self.requests[request_id] = (tenant_id, node_id)
+        self.requests[request_id] = (tenant_id, node_id, session_id if session_id and sticky is None else "")
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
@@ -259,8 +260,14 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 (cancelled, past its deadline, failed) the gateway's count of what it ran:
                 ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``; None: nothing ran.
         """
-        tenant_id, node_id = self.requests.pop(request_id, ("", ""))
+        tenant_id, node_id, opened = self.requests.pop(request_id, ("", "", ""))
         self.request_gateways.pop(request_id, None)
+        if opened and not usage and self.session_nodes.get(opened) == (tenant_id, node_id):
+            # the first turn of a session ran nothing (the node refused it, or it was cancelled
+            # before its prefill): the node holds no history the session must return to, and
+            # one it refused it never opened, so would never report ended (regression: such
+            # entries stayed forever; unique session ids grew this map without bound)
+            del self.session_nodes[opened]
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
             self.nodes[node_id].urgent.discard(request_id)

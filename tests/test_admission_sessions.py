@@ -113,3 +113,22 @@ def test_gateway_estimate_bounds_what_the_node_renders() -> None:
     estimate = estimate_message_tokens(templater, new)
     assert added <= estimate <= added + 40
     assert estimate_message_tokens(None, new) == sum(len(m["content"]) for m in new) // 4 + 1
+
+
+def test_a_first_turn_that_ran_nothing_leaves_no_session_route(tmp_path) -> None:
+    """Regression: a session's first turn that the node refused (e.g. a token id outside the
+    vocabulary) left its route in ``session_nodes`` forever (the node never opened the
+    session, so never reported it ended): unique session ids grew the map without bound. A
+    first turn that ran keeps its route; a later turn that ran nothing keeps it too."""
+    gs, ids = scheduler(tmp_path, "fcfs", nodes=("n0", "n1"))
+    chat = ids["chat"]
+    for i in range(50):
+        assert gs.admit(chat, f"r{i}", session_id=f"s{i}", prompt_tokens=1).code == "OK"
+        gs.release(f"r{i}", None)  # refused by the node: nothing ran
+    assert gs.session_nodes == {} and gs.stats()["sessions"] == 0
+    assert gs.admit(chat, "a1", session_id="kept", prompt_tokens=8).code == "OK"
+    gs.release("a1", {"prompt_tokens": 8, "completion_tokens": 2})
+    node = gs.session_nodes["kept"][1]
+    assert gs.admit(chat, "a2", session_id="kept", prompt_tokens=12).code == "OK"
+    gs.release("a2", None)  # a later turn that ran nothing: the history is still on its node
+    assert gs.session_nodes["kept"] == (chat, node)
