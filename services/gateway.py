@@ -325,8 +325,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def close_session(self, context: Any, session_id: str) -> int:
         """Close the caller's session ``session_id`` (another tenant's equal id is another
         session); returns the tokens freed. NOT_FOUND (``context.abort``) when the caller has
-        none by that id."""
+        none by that id, INVALID_ARGUMENT for an empty id or one over ``MAX_ID_CHARS``."""
         tenant = await self.auth.tenant(context)
+        if not session_id or len(session_id) > MAX_ID_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"session_id must have 1 to {MAX_ID_CHARS} characters, got {len(session_id)}")
         scoped = scoped_id(tenant.tenant_id, session_id)
         node_id = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
         freed = -1 if node_id is None else await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id)

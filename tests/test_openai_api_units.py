@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from cache_node.stop_strings import StopMatcher
-from services.openai_api.app import OpenAIEdge, create_app, invalid
+from services.openai_api.app import MAX_BODY_BYTES, OpenAIEdge, create_app, invalid
 from services.openai_api.context import CallAborted
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -99,16 +99,29 @@ def test_validator_messages_carry_no_library_text() -> None:
         "stop: at most 4 stop strings are allowed, got 5")
 
 
-def _call(method: str, path: str) -> tuple[int, dict[str, str], dict]:
-    """One request straight through the app's ASGI interface: (status, headers, JSON body)."""
-    edge = OpenAIEdge(servicer=None, model_id="m@0:f16", encode=list, num_healthy=lambda: 1)  # type: ignore[arg-type]
+class _AnyKey:
+    """The servicer part ``OpenAIEdge.parse`` reaches before the body: every key is a tenant's."""
+
+    class auth:  # stands in for the servicer's ``auth`` attribute
+        @staticmethod
+        async def tenant(context: object) -> object:
+            return object()
+
+
+def _call(method: str, path: str, chunks: tuple[bytes, ...] = (), headers: tuple[tuple[str, str], ...] = ()
+          ) -> tuple[int, dict[str, str], dict]:
+    """One request straight through the app's ASGI interface: (status, headers, JSON body);
+    ``chunks``: the body, as the client sends it."""
+    edge = OpenAIEdge(servicer=_AnyKey(), model_id="m@0:f16", encode=list, num_healthy=lambda: 1)  # type: ignore[arg-type]
     app, sent = create_app(edge), []
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
-             "raw_path": path.encode(), "query_string": b"", "headers": [], "scheme": "http",
+             "raw_path": path.encode(), "query_string": b"", "scheme": "http",
+             "headers": [(k.encode(), v.encode()) for k, v in headers],
              "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "root_path": ""}
+    parts = list(chunks) or [b""]
 
     async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
 
     async def send(message: dict) -> None:
         sent.append(message)
@@ -152,3 +165,44 @@ def test_statuses_as_openai_errors() -> None:
                          (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.UNAVAILABLE, 503),
                          (grpc.StatusCode.INTERNAL, 500)):
         assert CallAborted(code, "x").response().status_code == status
+
+
+def _chat_body(**fields: object) -> dict:
+    """A chat body valid but for its model (the app answers it 404 after parsing it)."""
+    return {"model": "other", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_buffered() -> None:
+    """Regression: bodies were parsed whole whatever their size (48 MB held the shared event
+    loop 3.9 s); one over ``MAX_BODY_BYTES`` is refused by its Content-Length, or, sent
+    without one, as soon as that many bytes came."""
+    declared = str(MAX_BODY_BYTES + 1)
+    status, _, body = _call("POST", "/v1/chat/completions", (b"{",), (("content-length", declared),))
+    assert status == 413 and body["error"]["code"] == "request_too_large" and declared in body["error"]["message"]
+    mib = b" " * (1 << 20)
+    status, _, body = _call("POST", "/v1/completions", (b"{",) + (mib,) * (MAX_BODY_BYTES >> 20))
+    assert status == 413 and body["error"]["type"] == "invalid_request_error"
+    status, _, body = _call("POST", "/v1/chat/completions", (json.dumps(_chat_body()).encode(), mib))
+    assert status == 404  # under the limit, chunks and all: parsed
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"model": "m\xff"}',
+                                 b"\xef\xbb\xbf{}"])
+def test_nesting_and_bytes_that_are_no_json_text_are_400(raw: bytes) -> None:
+    """Regression: 100k nested arrays raised RecursionError (a 500); bytes that are not UTF-8
+    are no JSON text either."""
+    status, _, body = _call("POST", "/v1/chat/completions", (raw,))
+    assert status == 400 and body["error"]["message"].startswith("body: not valid JSON")
+
+
+@pytest.mark.parametrize("field", ["session_id", "cache_salt", "prompt_cache_key", "stop", "content", "model"])
+def test_a_lone_surrogate_in_any_string_is_400(field: str) -> None:
+    """Regression: ``"\\ud800"`` is valid JSON but no UTF-8 text; it passed the schema and
+    raised UnicodeEncodeError in msgpack or the block hashes (a plain-text 500)."""
+    lone = "a\ud800b"
+    body = _chat_body(messages=[{"role": "user", "content": lone}]) if field == "content" else _chat_body(
+        **{field: lone})
+    status, _, out = _call("POST", "/v1/chat/completions", (json.dumps(body).encode(),))
+    assert status == 400 and "surrogate" in out["error"]["message"]
+    paired = _chat_body(messages=[{"role": "user", "content": "\ud83d\ude00"}])  # an emoji: a valid pair
+    assert _call("POST", "/v1/chat/completions", (json.dumps(paired).encode(),))[0] == 404
