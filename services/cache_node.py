@@ -212,6 +212,10 @@ class CacheNode(Streams, Commands, Health, Admin):
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
                 text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
                 error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}
+            except Exception as exc:  # one request's fault never stops the step loop
+                log.exception("cache node %s: request %s could not start", self.node_id, req.request_id)
+                self.engine.abort_request(req.request_id)  # whatever it took, if it got that far
+                error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
             if error is not None:
                 self._dispatch([(stream, error)])
 

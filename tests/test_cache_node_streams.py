@@ -118,6 +118,31 @@ def test_a_refused_request_gets_its_error_as_an_event(node) -> None:
     assert got["fine"][-1]["type"] == "finished"
 
 
+def test_an_unexpected_fault_in_starting_a_request_fails_it_alone(node, monkeypatch) -> None:
+    """Regression class: an exception of a kind ``_start_incoming`` did not expect (e.g. an
+    OverflowError from a policy value) escaped into the step loop, which failed the node and
+    every tenant's requests on it. Now that request gets INTERNAL; the others run."""
+    add = node.engine.add_request
+
+    def faulty(prompt, *args, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("request_id") == "bad":
+            raise OverflowError("cannot convert float infinity to integer")
+        return add(prompt, *args, **kw)
+
+    monkeypatch.setattr(node.engine, "add_request", faulty)
+
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("bad"))
+        await gw.submit(request("fine2", max_tokens=2))
+        return await gw.drain({"bad", "fine2"})
+
+    got = asyncio.run(run())
+    assert [ev["type"] for ev in got["bad"]] == ["error"] and got["bad"][0]["code"] == "INTERNAL"
+    assert "OverflowError" in got["bad"][0]["message"] and got["fine2"][-1]["type"] == "finished"
+    assert node.engine.stats()["used_blocks"] == 0
+
+
 def test_abort_stops_events_and_frees_blocks(node) -> None:
     async def run():
         gw = await connect(node)
