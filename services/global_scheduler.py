@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +98,11 @@ class GlobalScheduler(Tenants, Membership, Routing):
     Args:
         state_dir: where the tenant database lives (survives restarts).
         nodes: node id -> running capacity (max_num_seqs).
-        queue_limit: requests allowed to wait beyond the nodes' running capacity.
+        queue_limit: requests allowed to wait beyond the nodes' running capacity. A full queue
+            still admits a tenant holding less than its fair share of the whole (running
+            capacity + ``queue_limit``, split evenly among the tenants with requests in flight,
+            itself included), up to twice ``queue_limit`` waiting: one tenant's flood does not
+            refuse the others (``_over_queue``).
         affinity_min_blocks: shortest device+host prefix (blocks) that routes by affinity.
         scheduler: the nodes' scheduling policy; "kvstrata" turns on TTFT-based admission.
         block_size: the nodes' tokens per block (prefix matches in the index count in blocks).
@@ -133,6 +137,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already known)
         self.requests: dict[str, tuple[str, str, str]] = {}
+        self.tenant_in_flight: Counter[str] = Counter()  # tenant_id -> its requests in ``requests``
         # request -> the event inbox of the gateway that admitted it (``admit_and_submit``)
         self.request_gateways: dict[str, str] = {}
         self.gateways: dict[str, GatewayRecord] = {}  # gateway actor id -> ``attach_gateway``
@@ -168,7 +173,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant",
                              reason="session_of_another_tenant")
         queued = self._queued()
-        if queued >= self.queue_limit:
+        if self._over_queue(tenant_id, queued):
             self.usage.record_rejected(tenant_id)
             return Admission(
                 code="RESOURCE_EXHAUSTED", reason="queue_full",
@@ -186,6 +191,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
         if urgent:
             self.nodes[node_id].urgent.add(request_id)
         self.requests[request_id] = (tenant_id, node_id, session_id if session_id and sticky is None else "")
+        self.tenant_in_flight[tenant_id] += 1
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
@@ -262,6 +268,10 @@ class GlobalScheduler(Tenants, Membership, Routing):
         """
         tenant_id, node_id, opened = self.requests.pop(request_id, ("", "", ""))
         self.request_gateways.pop(request_id, None)
+        if tenant_id:
+            self.tenant_in_flight[tenant_id] -= 1
+            if self.tenant_in_flight[tenant_id] <= 0:
+                del self.tenant_in_flight[tenant_id]
         if opened and not usage and self.session_nodes.get(opened) == (tenant_id, node_id):
             # the first turn of a session ran nothing (the node refused it, or it was cancelled
             # before its prefill): the node holds no history the session must return to, and
@@ -332,6 +342,20 @@ class GlobalScheduler(Tenants, Membership, Routing):
         those report afterwards are no-ops here.
         """
         self.index.clear()
+
+    def _over_queue(self, tenant_id: str, queued: int) -> bool:
+        """Whether a request of ``tenant_id`` finds the queue full: ``queue_limit`` requests
+        wait and the tenant holds at least its fair share of all places (running capacity +
+        ``queue_limit``, evenly among the tenants with requests in flight, itself included),
+        or twice ``queue_limit`` wait whoever asks. Regression: the limit was global, so one
+        tenant's burst got every other tenant RESOURCE_EXHAUSTED until it drained."""
+        if queued < self.queue_limit:
+            return False
+        if queued >= 2 * self.queue_limit:
+            return True
+        tenants = len(self.tenant_in_flight) + (tenant_id not in self.tenant_in_flight)
+        places = sum(n.capacity for n in self.nodes.values()) + self.queue_limit
+        return self.tenant_in_flight[tenant_id] >= places / tenants
 
     def _queued(self) -> int:
         """Requests waiting beyond the nodes' running capacity (what ``queue_limit`` bounds)."""

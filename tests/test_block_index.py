@@ -277,3 +277,21 @@ def test_affinity_needs_a_match_past_the_common_prefix(tmp_path) -> None:
     assert gs.admit("t", "r2", block_hashes=H).node_id == "n0"
     gs.report_events("n1", stored("device", H[4:6]))  # n1 now holds 6 blocks, past the common 4
     assert gs.admit("t", "r3", block_hashes=H).node_id == "n1"
+
+
+def test_a_full_queue_still_admits_a_tenant_below_its_fair_share(tmp_path) -> None:
+    """Regression: the queue limit was global: one tenant's burst filled it and every other
+    tenant got RESOURCE_EXHAUSTED (queue_full) until it drained. Places (running capacity +
+    queue_limit) are split evenly among the tenants in flight; a flood is refused at its
+    share, a quiet tenant is admitted up to its own, and twice the limit waiting refuses all."""
+    gs = plain(tmp_path, queue_limit=2)  # 2 nodes x 4 running + 2 waiting = 10 places
+    admitted = [gs.admit("noisy", f"n{i}").code for i in range(12)]
+    assert admitted == ["OK"] * 10 + ["RESOURCE_EXHAUSTED"] * 2  # alone: every place is its share
+    assert gs.admit("quiet", "q0").code == "OK"  # 2 tenants: 5 places each; it holds 0
+    assert gs.admit("noisy", "n12").code == "RESOURCE_EXHAUSTED"
+    assert [gs.admit("quiet", f"q{i}").code for i in (1, 2)] == ["OK", "RESOURCE_EXHAUSTED"]
+    assert gs._queued() == 4 and gs.admit("third", "t0").code == "RESOURCE_EXHAUSTED"  # 2 x queue_limit wait
+    for i in range(10):
+        gs.release(f"n{i}")
+    assert gs.tenant_in_flight == {"quiet": 2}
+    assert gs.admit("noisy", "n20").code == "OK"
