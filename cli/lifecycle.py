@@ -182,8 +182,8 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         raise typer.Exit(1) from None
     if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`
         address = ray.get_runtime_context().gcs_address
-    cfg.state_path.mkdir(parents=True, exist_ok=True)
-    state.state_dir().mkdir(parents=True, exist_ok=True)
+    cfg.state_path.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants, keys: the owner's alone
+    state.state_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
     (state.state_dir() / "gateway.json").write_text(json.dumps({
         "address": services.address, "ray_address": address, "started_ray": started_ray,
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),

@@ -119,7 +119,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
     ) -> None:
         self.security = security
         self.bad_messages = 0  # data-plane messages dropped as malformed
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants, keys: the owner's alone
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
         self.usage = UsageLedger()
         self.scheduler = check_policy_name(scheduler)

@@ -91,6 +91,8 @@ class TenantStore:
         self.failed_checks_per_key_id = failed_checks_per_key_id
         self._checks = WindowLimiter(failed_checks_per_key_id, FAILED_CHECK_WINDOW_S)
         self._check_locks = [threading.Lock() for _ in range(_CHECK_LOCK_STRIPES)]
+        if str(path) != ":memory:":  # born 0600: key hashes are never readable by others, not
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # even until the chmod below
         self._conn = sqlite3.connect(str(path), check_same_thread=False)
         self._conn.execute("PRAGMA foreign_keys = ON")
         self._migrate()

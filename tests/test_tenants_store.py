@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 import stat
@@ -189,6 +190,34 @@ def test_concurrent_registration_from_threads(store: TenantStore) -> None:
 
 def test_db_file_is_private(store: TenantStore, db_path: Path) -> None:
     assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
+
+
+def test_db_file_and_journal_are_private_from_their_first_byte(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the file was created with the umask's mode (often 0644) and narrowed to 0600
+    only after the schema was written; its journal followed the wide mode meanwhile."""
+    seen: list[int] = []
+    real_connect = sqlite3.connect
+
+    def connect(path, *args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(stat.S_IMODE(Path(path).stat().st_mode))  # the file exists, already private
+        return real_connect(path, *args, **kw)
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    old = os.umask(0o022)
+    try:
+        store = TenantStore(tmp_path / "t.sqlite")
+        with store._conn:  # a write: SQLite's rollback journal takes the database's mode
+            store._conn.execute("CREATE TABLE probe (x)")
+    finally:
+        os.umask(old)
+    assert seen == [0o600] and stat.S_IMODE((tmp_path / "t.sqlite").stat().st_mode) == 0o600
+
+
+def test_the_scheduler_creates_its_state_dir_for_its_owner_alone(tmp_path: Path) -> None:
+    from services.global_scheduler import GlobalScheduler
+
+    GlobalScheduler(str(tmp_path / "state"), {"n0": 1})
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
 
 
 def test_unknown_schema_version_refuses_to_open(db_path: Path) -> None:
