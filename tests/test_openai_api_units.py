@@ -206,3 +206,33 @@ def test_a_lone_surrogate_in_any_string_is_400(field: str) -> None:
     assert status == 400 and "surrogate" in out["error"]["message"]
     paired = _chat_body(messages=[{"role": "user", "content": "\ud83d\ude00"}])  # an emoji: a valid pair
     assert _call("POST", "/v1/chat/completions", (json.dumps(paired).encode(),))[0] == 404
+
+
+def test_a_client_gone_before_a_whole_reply_is_499_and_aborts_the_generation() -> None:
+    """Regression: the handler read the result of the generation task it had just cancelled,
+    before the cancellation landed: InvalidStateError, a traceback in the gateway's log."""
+    from services.openai_api.app import _whole
+
+    closed: list[bool] = []
+
+    class Endless:
+        async def pieces(self):  # type: ignore[no-untyped-def]
+            try:
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield "x"
+            finally:
+                closed.append(True)  # the stream was closed: the request is aborted on its node
+
+    class Gone:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def receive(self) -> dict:
+            self.calls += 1
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+    response = asyncio.run(_whole(Endless(), Gone()))  # type: ignore[arg-type]
+    assert response.status_code == 499 and json.loads(response.body)["error"]["code"] == "cancelled"
+    assert closed == [True]

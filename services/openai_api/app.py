@@ -215,6 +215,8 @@ async def _whole(generation: Generation, request: Request) -> Response:
         watch.cancel()
         if not work.done():
             work.cancel()  # the client is gone (or this handler was cancelled): abort
+    if not work.done():  # cancelled just now: let the cancellation land (regression: result()
+        await asyncio.wait({work})  # of the still-pending task raised InvalidStateError, a 500)
     if work.cancelled():
         return error_response(499, "the client closed the request", "invalid_request_error", "cancelled")
     try:
