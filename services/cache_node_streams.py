@@ -11,7 +11,8 @@ Stop strings (``SamplingParams.stop``) are matched here, where the output is det
 stop string; the token whose text completes one ends the request in the engine at once, with
 finish_reason "stop" (before the next step: no token after it is generated, and a session's
 history ends with it), and the text is cut before the stop string. A tail still held back
-when the request ends otherwise goes out as a last delta without token ids.
+when the request ends otherwise goes out as a last delta without token ids. A character whose
+bytes span tokens is held back until its last token (its first bytes decode as U+FFFD).
 
 ``Streams`` is a part of ``services.cache_node.CacheNode``; it uses the node's ``engine``,
 ``_streams``, ``_pusher``, ``_outbox``, ``_incoming`` and ``_wake``.
@@ -30,6 +31,9 @@ from cache_node.stop_strings import StopMatcher
 from services.node_request import NodeRequest
 
 Event = dict[str, Any]
+
+INCOMPLETE = "\ufffd"
+"""What a byte-level tokenizer decodes a character's first bytes to until its last byte comes."""
 
 
 @dataclass
@@ -163,7 +167,9 @@ class Streams:
         if out.new_token_ids:
             stream.token_ids.extend(out.new_token_ids)
             text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-            delta, stream.text = text[len(stream.text):], text
+            if not out.finished:  # a character whose bytes span tokens decodes as U+FFFD until
+                text = text.rstrip(INCOMPLETE)  # its last byte comes: hold it back (regression:
+            delta, stream.text = text[len(stream.text):], text  # "ď" streamed as "\ufffd")
             if stops is not None:
                 delta = stops.feed(delta)
                 if stops.stopped and not out.finished:  # this token completed a stop string

@@ -85,3 +85,24 @@ def test_a_held_back_tail_is_sent_when_the_request_ends(node, free) -> None:
     out = run(node, "tail", stop=(stop,))
     assert out["text"] == free["text"] and out["finished"]["finish_reason"] == "length"
     assert out["events"][-2] == {"type": "delta", "token_ids": [], "text": free["text"][-2:]}
+
+
+def test_a_character_split_over_tokens_is_streamed_whole(node) -> None:
+    """Regression: "ď" is two tokens whose first decodes as U+FFFD; the stream sent that
+    replacement character, then only what followed it, so the client's text read "Višš�n..."
+    though the token ids decoded to "Viššénď"."""
+    from types import SimpleNamespace
+
+    from services.cache_node_streams import INCOMPLETE, _Stream
+
+    text = "Viššénď 😀 (Czech)"
+    ids = node.tokenizer.encode(text, add_special_tokens=False)
+    assert any(INCOMPLETE in node.tokenizer.decode(ids[:k]) for k in range(1, len(ids)))  # splits exist
+    req = NodeRequest(request_id="u", tenant="t", cache_namespace="ns", token_ids=PROMPT,
+                      sampling=SamplingParams(max_tokens=len(ids)))
+    stream = _Stream(None, None, req, len(PROMPT))
+    deltas = []
+    for token in ids:
+        out = SimpleNamespace(request_id="u", new_token_ids=[token], finished=False, finish_reason=None)
+        deltas += [e["text"] for e in node._events(out, stream) if e["type"] == "delta"]
+    assert "".join(deltas) == text and not any(INCOMPLETE in d for d in deltas)
