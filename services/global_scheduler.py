@@ -245,7 +245,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
             # waits for the step in progress, half of one on average, not for a whole one
             wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
             est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, wait_s)
-            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms)
+            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms,
+                              1000.0 * ahead / node.prefill.tokens_per_s)
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
                                  retry_after_s=decision.retry_after_s, reason="ttft_estimate")

@@ -102,11 +102,24 @@ def test_fluid_backlog_drains_higher_classes_first() -> None:
 
 def test_admission_interactive_rejects_standard_at_twice_batch_queues() -> None:
     assert decide("interactive", 1000.0, 900.0).admit
-    no = decide("interactive", 1000.0, 2500.0)
+    no = decide("interactive", 1000.0, 2500.0, ahead_ms=2000.0)
     assert (no.admit, no.retry_after_s) == (False, 1.5)
     assert decide("standard", 5000.0, 9000.0).admit
-    assert decide("standard", 5000.0, 10_050.0).retry_after_s == pytest.approx(0.1)
+    assert decide("standard", 5000.0, 10_050.0, ahead_ms=9000.0).retry_after_s == pytest.approx(0.1)
     assert decide("batch", 1000.0, 1e9).admit
+
+
+def test_a_request_that_misses_its_limit_alone_is_admitted_with_nothing_ahead() -> None:
+    """Regression: a 2k-token interactive prompt on an idle node (estimate 2088 ms, limit
+    1000 ms) was refused with "retry after 1087 ms", and every retry was refused alike. With
+    work ahead it is refused until that work is done; one that would meet its limit once the
+    queue shrank keeps the old hint."""
+    idle = decide("interactive", 1000.0, 2088.0, ahead_ms=0.0)
+    assert idle.admit and "nothing ahead" in idle.reason
+    busy = decide("interactive", 1000.0, 2588.0, ahead_ms=500.0)
+    assert (busy.admit, busy.retry_after_s) == (False, 0.5)
+    short = decide("interactive", 1000.0, 1500.0, ahead_ms=1200.0)  # alone: 300 ms
+    assert (short.admit, short.retry_after_s) == (False, 0.5)
 
 
 def test_speed_meter_takes_first_sample_then_averages() -> None:

@@ -10,7 +10,8 @@ TTFT estimate (docs/architecture.md, 'Admission and SLO floors')::
 drained at the speed the node measures online (``SpeedMeter``), highest class first when the
 node schedules by class. A request whose estimate exceeds ``REJECT_FACTOR[class] * ttft_slo``
 is rejected early with a retry hint (the class allows rejection: interactive at its SLO,
-standard at twice it); batch always queues.
+standard at twice it); batch always queues. A request that misses its limit on its own (no
+queue ahead would let it meet it) is admitted when nothing is ahead of it (``decide``).
 """
 
 from __future__ import annotations
@@ -222,16 +223,25 @@ class AdmissionDecision:
     reason: str = ""
 
 
-def decide(slo_class: str, ttft_slo_ms: float, estimate_ms: float) -> AdmissionDecision:
+def decide(slo_class: str, ttft_slo_ms: float, estimate_ms: float, ahead_ms: float = 0.0) -> AdmissionDecision:
     """Admit unless the class allows rejection and the estimate misses its limit.
 
-    The retry hint is the time the backlog needs to shrink enough (at least 0.1 s).
+    ``ahead_ms``: the part of ``estimate_ms`` spent on work queued before the request (the
+    rest is its own prefill, promotion and step). A request that misses the limit on its own
+    (a long prompt for a tight target) can never meet it: it is admitted when nothing is
+    ahead of it (best effort; a refusal would be repeated at every retry), else refused with
+    the hint to retry once the work ahead is done. Otherwise the hint is the time the backlog
+    needs to shrink enough. Hints are at least 0.1 s.
     """
     factor = REJECT_FACTOR.get(slo_class)
     limit_ms = None if factor is None else factor * ttft_slo_ms
     if limit_ms is None or estimate_ms <= limit_ms:
         return AdmissionDecision(True, estimate_ms)
-    retry = max(0.1, (estimate_ms - limit_ms) / 1000.0)
+    alone = estimate_ms - ahead_ms > limit_ms
+    if alone and ahead_ms < 1.0:  # regression: refused on an idle node, with a hint that never helped
+        return AdmissionDecision(True, estimate_ms, reason=f"estimated TTFT {estimate_ms:.0f} ms misses the "
+                                 f"{slo_class} limit {limit_ms:.0f} ms with nothing ahead: admitted")
+    retry = max(0.1, (ahead_ms if alone else estimate_ms - limit_ms) / 1000.0)
     return AdmissionDecision(
         False,
         estimate_ms,
