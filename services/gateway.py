@@ -194,11 +194,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
         if call.fill_context:
             sampling = dataclasses.replace(sampling, max_tokens=max(1, limit - len(tokens)))
-        if len(tokens) + sampling.max_tokens > limit or len(tokens) >= self.info["pool_tokens"]:
+        if len(tokens) >= self.info["pool_tokens"]:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(tokens)} tokens) does not fit a cache node's KV pool, which holds "
+                f"{self.info['pool_tokens']} tokens",
+            )
+        if len(tokens) + sampling.max_tokens > limit:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"context limit ({limit} tokens) or the KV pool",
+                f"context limit ({limit} tokens)",
             )
         try:
             prefix_tokens = resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -111,6 +112,16 @@ def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
     empty = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingParams(max_tokens=4))
     assert _code(lambda: collect(gen(empty, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
     assert _code(lambda: collect(gen(chat("x " * 9000, 4), metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
+    # each limit names itself (a fresh-user trial: "... exceeds the context limit or the KV pool")
+    with pytest.raises(grpc.RpcError) as over_pool:
+        collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 2000),
+                                                  sampling=inference_pb2.SamplingParams(max_tokens=4)), metadata=k))
+    assert re.fullmatch(r"prompt \(2000 tokens\) does not fit a cache node's KV pool, which holds \d+ tokens",
+                        over_pool.value.details())
+    with pytest.raises(grpc.RpcError) as over_context:
+        collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 1000),
+                                                  sampling=inference_pb2.SamplingParams(max_tokens=8000)), metadata=k))
+    assert "exceeds the context limit (8192 tokens)" in over_context.value.details()
     bad = chat("hi", 4)
     bad.sampling.temperature = -1
     assert _code(lambda: collect(gen(bad, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
