@@ -401,6 +401,8 @@ class LLMEngine(EngineTiersMixin):
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
+                "session_blocks": sum(s.num_held_blocks for s in self.sessions.sessions.values()
+                                      if s.active_request is None),
                 "session_policy_continuations": self.sessions.num_policy_continuations,
                 "session_policy_fallbacks": self.sessions.num_fallbacks,
                 "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),

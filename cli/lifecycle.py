@@ -292,6 +292,8 @@ def down() -> None:
             console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
                           "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")
         (state.state_dir() / "gateway.json").unlink(missing_ok=True)
+        if saved.get("state_dir"):  # its addresses are gone with the services
+            (Path(saved["state_dir"]) / TARGETS_FILE).unlink(missing_ok=True)
     console.print("stopped")
 
 
@@ -310,11 +312,14 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
 
 
 def status_table(resp: admin_pb2.StatsResponse, integrity: bool) -> Table:
-    """One row per node of a ``Stats`` answer; the integrity column says "ok", the error, or
-    "skipped" when the check was not asked for (``--no-integrity``)."""
-    table = Table("node", "blocks", "used", "cached", "free", "running", "waiting", "integrity")
+    """One row per node of a ``Stats`` answer; "by sessions" and "by prefixes" are the used
+    blocks idle sessions and stored compressed document prefixes hold (so blocks used with
+    nothing running are explained); the integrity column says "ok", the error, or "skipped"
+    when the check was not asked for (``--no-integrity``)."""
+    table = Table("node", "blocks", "used", "by sessions", "by prefixes", "cached", "free", "running", "waiting",
+                  "integrity")
     for n in resp.nodes:
         check = ("ok" if n.integrity_ok else f"[red]{escape(n.integrity_error)}[/red]") if integrity else "skipped"
-        table.add_row(n.node_id, str(n.num_blocks), str(n.used_blocks), str(n.cached_blocks),
-                      str(n.free_blocks), str(n.running), str(n.waiting), check)
+        table.add_row(n.node_id, str(n.num_blocks), str(n.used_blocks), str(n.session_blocks), str(n.prefix_blocks),
+                      str(n.cached_blocks), str(n.free_blocks), str(n.running), str(n.waiting), check)
     return table

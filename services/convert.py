@@ -390,6 +390,8 @@ def node_stats_to_pb(stats: Mapping[str, Any]) -> admin_pb2.NodeStats:
         host_bytes_used=stats.get("host_bytes_used", 0),
         running=stats.get("running", 0),
         waiting=stats.get("waiting", 0),
+        session_blocks=stats.get("session_blocks", 0),
+        prefix_blocks=stats.get("compressed_prefix_blocks", 0),
         integrity_ok=stats.get("integrity_ok", False),
         integrity_error=stats.get("integrity_error", ""),
     )

@@ -74,6 +74,7 @@ def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster,
     (tmp_path / "gateway.json").write_text(json.dumps({
         "address": f"127.0.0.1:{port}", "ray_address": "auto", "started_ray": False,
         "ray_temp_dir": "", "namespace": namespace, "state_dir": str(tmp_path)}))
+    (tmp_path / "prometheus_targets.json").write_text("[]")  # what up wrote: addresses now stale
     env = dict(os.environ, KVSTRATA_STATE_DIR=str(tmp_path), RAY_ADDRESS=ray_cluster.address)
 
     done = subprocess.run([sys.executable, "-m", "cli.main", "down"], check=False, cwd=ROOT, env=env,
@@ -88,5 +89,5 @@ def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster,
     assert (namespace, "gateway") not in names and (namespace, "cache_node_0") not in names
     assert ("someone-else", "gateway") in names  # another namespace's actor is left alone
     assert all(n["Alive"] for n in ray.nodes())  # the user's cluster is still up
-    assert not (tmp_path / "gateway.json").exists()
+    assert not (tmp_path / "gateway.json").exists() and not (tmp_path / "prometheus_targets.json").exists()
     ray.kill(bystander)

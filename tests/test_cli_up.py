@@ -119,3 +119,27 @@ def test_the_state_dir_follows_kvstrata_state_dir_unless_the_config_names_one(
     assert load_config(named).state_path == tmp_path / "yaml"
     monkeypatch.delenv("KVSTRATA_STATE_DIR")
     assert ServiceConfig().state_path == Path("~/.kvstrata").expanduser()
+
+
+def test_status_says_what_holds_the_used_blocks(tiny) -> None:
+    """A fresh-user trial saw 39 blocks used with nothing running and no session: stored
+    compressed prefixes held them, which nothing showed. The engine counts what idle sessions
+    and stored prefixes hold, and `status` shows both."""
+    from cache_node.sampling_params import SamplingParams
+    from services.convert import node_stats_to_pb
+    from tests.conftest import make_engine
+
+    eng = make_engine(tiny)
+    doc = [(7 * i) % 400 + 1 for i in range(100)]
+    eng.generate([doc + [5, 6]], SamplingParams(max_tokens=2), policy="h2o-0.5", prefix_tokens=len(doc))
+    eng.generate([doc[:40]], SamplingParams(max_tokens=2), session_id="s", tenant="t")
+    stats = eng.stats()
+    assert stats["running"] == 0 and stats["session_blocks"] > 0 and stats["compressed_prefix_blocks"] > 0
+    assert stats["used_blocks"] == stats["session_blocks"] + stats["compressed_prefix_blocks"]
+    node = node_stats_to_pb({"node_id": "cache_node_0", **stats})
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(lifecycle.status_table(admin_pb2.StatsResponse(nodes=[node]), False))
+    header, row = (line for line in console.file.getvalue().splitlines() if "node" in line or "cache_node_0" in line)
+    cells = dict(zip([c.strip() for c in header.split("┃")[1:-1]], [c.strip() for c in row.split("│")[1:-1]]))
+    assert (cells["by sessions"], cells["by prefixes"]) == (str(stats["session_blocks"]),
+                                                             str(stats["compressed_prefix_blocks"]))

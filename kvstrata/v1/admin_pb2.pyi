@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "block_size", "device_bytes_used", "host_bytes_used", "running", "waiting", "integrity_ok", "integrity_error")
+    __slots__ = ("node_id", "num_blocks", "free_blocks", "cached_blocks", "used_blocks", "block_size", "device_bytes_used", "host_bytes_used", "running", "waiting", "integrity_ok", "integrity_error", "session_blocks", "prefix_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class NodeStats(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     num_blocks: int
     free_blocks: int
@@ -32,7 +34,9 @@ class NodeStats(_message.Message):
     waiting: int
     integrity_ok: bool
     integrity_error: str
-    def __init__(self, node_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device_bytes_used: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...
+    session_blocks: int
+    prefix_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., device_bytes_used: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., session_blocks: _Optional[int] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("check_integrity",)
