@@ -133,6 +133,26 @@ class Scheduler(Preemption):
         urgent_only = not self._isolated_last and urgent
         self._isolated_last = urgent_only
         budget, decode_cap, capped, need = self._floor_sized_step(running, budget, urgent, now)
+        batch = self._fill(running, budget, decode_cap, capped, need, urgent_only, now)
+        if not batch and (decode_cap is not None or capped is not None or urgent_only):
+            # a step's size bound or an isolated step never idles the node while work is
+            # queued: run it unbounded (regression: with every chunk held back, nothing ran
+            # for as long as an interactive tenant kept a session open, up to its 900 s TTL)
+            batch = self._fill(running, self.config.max_num_batched_tokens, None, None, {}, False, now)
+        if not batch and not self.running:
+            self._unwedge(batch, self.config.max_num_batched_tokens, now)
+        for seq, n in batch:
+            self.policy.on_scheduled(seq, n, now)
+        decodes = sum(n == 1 for _, n in batch)
+        self._last_step = (now, sum(n for _, n in batch) - decodes, decodes) if batch else None
+        return batch
+
+    def _fill(self, running: list[Sequence], budget: int, decode_cap: int | None, capped: int | None,
+              need: dict[str, int], urgent_only: bool, now: float) -> ScheduledBatch:
+        """One step's batch: ``running`` sequences first (decodes within ``decode_cap``,
+        non-interactive prefill chunks within ``capped``: ``_floor_sized_step``), then waiting
+        ones admitted in policy order, within ``budget`` tokens. ``urgent_only``: an isolated
+        step, interactive work only."""
         batch: ScheduledBatch = []
         chunk_cap = budget
         # a running prefill leaves room for waiting requests that may join this step (in an
@@ -169,12 +189,6 @@ class Scheduler(Preemption):
             if decode:
                 self._last_decode_s[seq.request_id] = now
         self._admit_waiting(batch, budget, now, urgent_only, capped)
-        if not batch and not self.running:
-            self._unwedge(batch, self.config.max_num_batched_tokens, now)
-        for seq, n in batch:
-            self.policy.on_scheduled(seq, n, now)
-        decodes = sum(n == 1 for _, n in batch)
-        self._last_step = (now, sum(n for _, n in batch) - decodes, decodes) if batch else None
         return batch
 
     def _note_device_hits(self) -> None:

@@ -80,3 +80,42 @@ def test_an_open_interactive_session_keeps_its_tenant_active_between_turns() -> 
     assert ttft_open < ttft_closed and ttft_open < 1.0
     print(f"next turn TTFT {ttft_open:.2f} s with the session open, {ttft_closed:.2f} s without; "
           f"longest step {longest_open:.2f} s vs {longest_closed:.2f} s")
+
+
+def test_an_open_session_on_a_slow_machine_never_starves_the_other_classes() -> None:
+    """Regression (fresh-user trials: a batch tenant's document request got no reply for 600 s,
+    another turn waited 864 s): with an interactive tenant's session open, steps are sized to
+    0.25 x its 1 s TTFT, and on a loaded machine a step's fixed cost alone (0.4 s here) is over
+    that: the plan allowed no prefill token and no decode, the node ran empty steps, and the
+    batch request waited until the session expired (900 s TTL). A plan never idles a node
+    with work queued: the requests finish as they would without the session."""
+    def loaded_step_s(prefill_tokens: int, decodes: int) -> float:
+        return 0.4 + 0.0035 * prefill_tokens + 0.008 * decodes
+
+    ends = {}
+    for session_open in (True, False):
+        sim = Sim(KvstrataPolicy(), num_blocks=4096, budget=512, max_seqs=32, tenants=TENANTS,
+                  step_cost=loaded_step_s)
+        if session_open:
+            sim.sched.session_tenants = lambda: {"live"}
+        for i in range(4):
+            sim.add(f"B{i}", "bulk", 400, max_tokens=30)
+        steps = 0
+        while len(sim.finished_step) < 4:
+            sim.step()
+            steps += 1
+            assert steps < 500, f"starved: {len(sim.finished_step)} of 4 finished by t={sim.t:.0f} s"
+        ends[session_open] = sim.t
+    assert ends[True] < 2 * ends[False]
+
+
+def test_a_step_bound_that_allows_nothing_still_runs_the_queued_work() -> None:
+    """The scheduler's own guarantee, whatever a policy's step plan says: bounds that let no
+    decode and no prefill chunk in (``decode_cap`` 0, ``capped`` 0) give an unbounded step,
+    not an empty one, while work is queued."""
+    sim = Sim(KvstrataPolicy(), num_blocks=4096, budget=512, max_seqs=32, tenants=TENANTS, step_cost=cpu_step_s)
+    sim.add("B0", "bulk", 400, max_tokens=4)
+    sim.sched._floor_sized_step = lambda running, budget, urgent, now: (budget, 0, 0, {})  # type: ignore[method-assign]
+    for _ in range(4):  # its prefill, then three decodes
+        assert sim.step(), "an empty step with work queued"
+    assert sim.finished_step.get("B0") == 3

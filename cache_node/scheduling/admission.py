@@ -134,8 +134,10 @@ class StepTimeModel:
     def step_budget(self, seconds: float, decodes: int, least_decodes: int, cap: int
                     ) -> tuple[int, int] | None:
         """``(decodes, prefill tokens)`` a step may carry and still take at most ``seconds``:
-        up to ``decodes`` decodes (never fewer than ``least_decodes``), then prefill tokens
-        in the time left, all within ``cap`` tokens. None without a usable fit."""
+        up to ``decodes`` decodes (never fewer than ``least_decodes``, nor than one when there
+        are any), then prefill tokens in the time left, all within ``cap`` tokens. None without
+        a usable fit, or when not even one token fits ``seconds`` and no floor needs decodes
+        (the floors' ``least_decodes`` still run alone: the shortest step there is)."""
         if self._planned is None:
             fitted = self.fit()
             if fitted is None or fitted[1] <= 0:
@@ -144,8 +146,16 @@ class StepTimeModel:
             self._planned = (m * fitted[0], m * fitted[1], m * fitted[2])
         base, per_token, per_decode = self._planned
         eps = 1e-9  # (0.2 - 0.05 - 0.04) / 0.002 is 54.99999... in floats
+        if seconds - base + eps < min(per_token, per_decode) and not least_decodes:
+            return None  # not one token fits and no floor needs its decodes: bounding helps nobody
         d = max(least_decodes, min(decodes, int((seconds - base) / per_decode + eps)))
+        d = max(d, min(decodes, 1))  # decodes take turns, at least one a step: never no progress
         p = max(0, min(cap - d, int((seconds - base - per_decode * d) / per_token + eps)))
+        if d == 0 and p == 0:
+            # no step fits ``seconds`` (a loaded machine's fixed cost alone exceeds it): a plan
+            # of nothing would idle the node with work queued (regression: a batch request
+            # starved while an interactive tenant's session stayed open, up to its 900 s TTL)
+            return None
         return d, p
 
 
