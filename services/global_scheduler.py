@@ -273,7 +273,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
             self.tenant_in_flight[tenant_id] -= 1
             if self.tenant_in_flight[tenant_id] <= 0:
                 del self.tenant_in_flight[tenant_id]
-        if opened and not usage and self.session_nodes.get(opened) == (tenant_id, node_id):
+        if opened and usage is None and self.session_nodes.get(opened) == (tenant_id, node_id):
             # the first turn of a session ran nothing (the node refused it, or it was cancelled
             # before its prefill): the node holds no history the session must return to, and
             # one it refused it never opened, so would never report ended (regression: such
