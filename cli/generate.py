@@ -8,10 +8,11 @@ from typing import TextIO
 
 import grpc
 import typer
+from rich.markup import escape
 
 from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from cli.options import MAX_UINT32, GatewayOpt, finite
-from cli.output import CANCELLED_EXIT_CODE, console, fail
+from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import gateway_address
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services.node_request import MAX_PRIORITY, MIN_PRIORITY
@@ -124,3 +125,22 @@ def generate(
                 req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout)
         except grpc.RpcError as err:
             fail(err)
+
+
+def close_session(
+    session: str = typer.Argument(..., metavar="SESSION", help="the session id given to `generate --session`"),
+    api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
+                                help="the tenant's API key (the session's own tenant)"),
+    gateway: str | None = GatewayOpt,
+) -> None:
+    """Close one of your sessions: its KV is freed now, not when it expires (the server's
+    `session_ttl_s` after its last turn); prints the tokens of history freed. Exit 1 with
+    NOT_FOUND when you have no session by that id."""
+    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+        try:
+            resp = inference_pb2_grpc.InferenceServiceStub(ch).CloseSession(
+                inference_pb2.CloseSessionRequest(session_id=session),
+                metadata=(("authorization", f"Bearer {api_key}"),), timeout=30)
+        except grpc.RpcError as err:
+            fail(err)
+    say(f"closed session {escape(session)}: {resp.freed_tokens} tokens of history freed")

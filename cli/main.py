@@ -14,7 +14,7 @@ import re
 import typer
 
 from cli.admin import admin_app
-from cli.generate import generate
+from cli.generate import close_session, generate
 from cli.lifecycle import down, status, up
 from cli.output import EXIT_CODES_HELP
 from cli.run import run_app
@@ -27,6 +27,7 @@ app.add_typer(admin_app, name="admin")
 app.add_typer(run_app, name="run")
 for command in (up, down, status, generate):
     app.command()(command)
+app.command("close-session")(close_session)
 
 
 def help_paragraphs(doc: str) -> str:

@@ -171,3 +171,29 @@ def test_tenant_list_is_worded_as_tenant_show(tmp_path: Path) -> None:
     assert by_name["ann"]["TTFT target (ms)"] == "800" and by_name["ann"]["TPOT target (ms)"] == "90"
     assert by_name["bob"]["SLO class"] == "standard" and by_name["bob"]["cache namespace"] == "own"
     assert "ttft_slo_ms" not in result.output
+
+
+class ClosingInference(inference_pb2_grpc.InferenceServiceServicer):
+    """Closes session "s1" of the tenant with key "k" (42 tokens); NOT_FOUND otherwise."""
+
+    def CloseSession(self, request, context):
+        if dict(context.invocation_metadata()).get("authorization") != "Bearer k" or request.session_id != "s1":
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r} for this tenant")
+        return inference_pb2.CloseSessionResponse(freed_tokens=42)
+
+
+def test_close_session_frees_a_session_from_the_cli() -> None:
+    """A fresh-user trial found no CLI way to close a session (only gRPC CloseSession and
+    HTTP DELETE /v1/sessions/{id}); `kvstrata close-session ID` calls CloseSession."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(ClosingInference(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        args = ["close-session", "--gateway", f"127.0.0.1:{port}"]
+        done = CliRunner().invoke(cli.app, [*args, "s1"], env={"KVSTRATA_API_KEY": "k"})
+        assert done.exit_code == 0 and "closed session s1: 42 tokens of history freed" in done.output
+        missing = CliRunner().invoke(cli.app, [*args, "s2"], env={"KVSTRATA_API_KEY": "k"})
+        assert missing.exit_code == 1 and "NOT_FOUND" in missing.output and "s2" in missing.output
+    finally:
+        server.stop(0)
