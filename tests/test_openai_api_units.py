@@ -90,6 +90,20 @@ def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None
     assert "Value error" not in error["message"] and "pydantic" not in error["message"]
 
 
+@pytest.mark.parametrize(("messages", "field", "message"), [
+    ([{"role": "user", "content": None}], "messages.0.content", "Input should be a valid string or a valid list"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text", "Field required"),
+])
+def test_a_union_field_is_named_as_the_client_wrote_it(messages: list, field: str, message: str) -> None:
+    """A fresh-user trial: ``"content": null`` was refused as ``messages.0.content.str: Input
+    should be a valid string`` (pydantic's union member tag in the field's name); the field is
+    now named as sent, with what each member would accept, or the member that got further."""
+    with pytest.raises(ValidationError) as info:
+        _chat(messages=messages)
+    error = json.loads(invalid(info.value).body)["error"]
+    assert (error["param"], error["message"]) == (field, f"{field}: {message}")
+
+
 def test_validator_messages_carry_no_library_text() -> None:
     """Fault: a validator's ValueError reached the client as pydantic's "stop: Value error, at
     most 4 ..."; the message is now the validator's own text after the field."""

@@ -99,13 +99,28 @@ def load_json(data: bytes) -> Any:
     return raw
 
 
+_UNION_TAG = re.compile(r"(?:str|int|float|bool|list|dict|tuple|none|literal|function-\w+)(?:\[.*\])?|[A-Z]\w*")
+"""How pydantic names a union's member in an error's location (``str``, ``list[TextPart]``)."""
+
+
+def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An error location as the client's field path: without ``body`` and union member tags."""
+    return tuple(p for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.fullmatch(p)))
+
+
 def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
-    """A 400 naming the first bad field (pydantic's location, without ``body``).
+    """A 400 naming the first bad field (pydantic's location, without ``body`` and without a
+    union's member tags: ``messages.0.content``, not ``messages.0.content.str``).
 
     The message is ours, not pydantic's: a validator's ``ValueError`` gives its own text
-    (pydantic's "Value error, " prefix dropped), an undeclared field "unsupported field"."""
-    first = exc.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+    (pydantic's "Value error, " prefix dropped), an undeclared field "unsupported field". A
+    value no member of a union accepts names what each would take ("Input should be a valid
+    string or a valid list"); when one member got further into it, that member's error."""
+    errors = exc.errors()
+    path = _field_path(errors[0].get("loc", ()))
+    same = [e for e in errors if _field_path(e.get("loc", ()))[: len(path)] == path]
+    first = max(same, key=lambda e: len(_field_path(e.get("loc", ()))))  # the deepest: the closest match
+    field = ".".join(str(p) for p in _field_path(first.get("loc", ()))) or "body"
     kind, raised = first.get("type"), first.get("ctx", {}).get("error")
     if kind == "extra_forbidden":
         message = "unsupported field"
@@ -113,6 +128,9 @@ def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
         message = str(raised)
     else:
         message = first.get("msg", "invalid")
+        alike = [e["msg"] for e in same if _field_path(e.get("loc", ())) == _field_path(first.get("loc", ()))]
+        if len(alike) > 1 and all(m.startswith("Input should be ") for m in alike):
+            message = "Input should be " + " or ".join(m.removeprefix("Input should be ") for m in alike)
     return error_response(400, f"{field}: {message}", "invalid_request_error", "invalid_value", param=field)
 
 
