@@ -89,8 +89,8 @@ def test_soak_sessions_policies_and_prefixes_on_a_tight_pool_always_finish(tiny,
     live: dict[str, int] = {}
     submitted = steps = refused = 0
     reasons: dict[str, int] = {}
-    while submitted < 160 or eng.has_unfinished_requests():
-        while submitted < 160 and len(live) < 8:
+    while submitted < 110 or eng.has_unfinished_requests():
+        while submitted < 110 and len(live) < 8:
             submitted += 1
             kind, spec, tenant = rng.random(), rng.choice(SESSION_SOAK_POLICIES), rng.choice("abc")
             sp = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=rng.choice([0.0, 0.7]), seed=submitted)
@@ -139,7 +139,7 @@ def test_soak_sessions_policies_and_prefixes_on_a_tight_pool_always_finish(tiny,
                 eng.close_session(sid)
                 owner.pop(sid, None)
         eng.check_integrity()
-    assert reasons.get("abort", 0) > 20 and reasons.get("length", 0) > 60 and refused > 0
+    assert reasons.get("abort", 0) > 10 and reasons.get("length", 0) > 40 and refused > 0
     assert eng.sessions.num_policy_continuations > 0 and eng.sessions.num_fallbacks > 0
     assert eng.stats()["compressed_prefix_hits"] > 0
     for sid in list(eng.sessions.sessions):

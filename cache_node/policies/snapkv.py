@@ -11,6 +11,11 @@ from cache_node.attention_stats import StatsNeeds
 from cache_node.policies.base import LayerView, Policy
 from cache_node.policies.registry import register
 
+MAX_KERNEL_SIZE = 1023
+"""Widest pooling window a spec may ask for (the paper pools over 5-7 tokens). Regression: a
+request's ``snapkv-kernel_size_2147483647`` padded every layer's votes by a billion entries,
+holding its node's step loop 100 s (every tenant on the node waited)."""
+
 
 @register
 @dataclass
@@ -38,8 +43,8 @@ class SnapKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be a positive odd number, got {self.kernel_size}")
+        if not 1 <= self.kernel_size <= MAX_KERNEL_SIZE or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd number in [1, {MAX_KERNEL_SIZE}], got {self.kernel_size}")
 
     def score(self, view: LayerView) -> torch.Tensor:
         votes = view.window_attention().sum(1)  # (H_kv, n)
