@@ -166,14 +166,17 @@ def test_admission_counts_cached_tokens_per_tier(tmp_path) -> None:
 
 
 def test_spill_held_prefix_turns_a_rejection_into_an_admission(tmp_path) -> None:
-    """1200 tokens at 1000 tokens/s miss a 1000 ms SLO (1.25 s); read from spill at
-    20k tokens/s they meet it (0.06 + 0.05 s)."""
+    """Behind 100 tokens of interactive prefill, 1200 tokens at 1000 tokens/s miss a 1000 ms
+    SLO (1.3 s); read from spill at 20k tokens/s they meet it (0.1 + 0.06 + 0.03 s). (With
+    nothing ahead the cold request would be admitted: it misses the SLO on its own.)"""
     clock = Clock()
     gs = plain(tmp_path, nodes=("n0",), scheduler="kvstrata", clock=clock)
     tenant, key = gs.register_tenant(TenantSpec("live", "interactive"))
     gs.authenticate(key)
     gs.nodes["n0"].prefill.set(1000.0)
     gs.nodes["n0"].step_s.update(0.05)
+    gs.nodes["n0"].backlog.add(0, 100.0)
+    gs.nodes["n0"].backlog.updated_s = clock()
     hashes = hashes_of(range(100, 175))  # 75 blocks = 1200 tokens
     assert gs.admit(tenant.tenant_id, "cold", block_hashes=hashes, prompt_tokens=1200).code == (
         "RESOURCE_EXHAUSTED"
@@ -181,7 +184,7 @@ def test_spill_held_prefix_turns_a_rejection_into_an_admission(tmp_path) -> None
     gs.report_events("spill_node_0", stored("spill_disk", hashes))
     adm = gs.admit(tenant.tenant_id, "warm", block_hashes=hashes, prompt_tokens=1200)
     assert (adm.code, adm.spill_blocks) == ("OK", 75)
-    assert gs.nodes["n0"].backlog.by_rank == {0: 0.0}
+    assert gs.nodes["n0"].backlog.by_rank == {0: 100.0}  # nothing uncached joined the backlog
 
 
 def test_spill_node_pushes_its_events_and_a_restart_resets_them(tmp_path) -> None:
