@@ -36,8 +36,10 @@ def test_a_failed_ray_start_is_one_line_and_exit_1(tmp_path: Path, monkeypatch: 
             return made[-1]
 
         monkeypatch.setattr(lifecycle.tempfile, "mkdtemp", mkdtemp)
-        result = CliRunner().invoke(cli.app, ["up"], env={"KVSTRATA_STATE_DIR": str(tmp_path / "cli"),
-                                                          "COLUMNS": "1000"})
+        free_ports = tmp_path / "free-ports.yaml"  # another kvstrata on this machine may hold the defaults
+        free_ports.write_text(yaml.safe_dump({"gateway_port": 0, "http_port": 0, "state_dir": str(tmp_path / "state")}))
+        result = CliRunner().invoke(cli.app, ["up", "--config", str(free_ports)],
+                                    env={"KVSTRATA_STATE_DIR": str(tmp_path / "cli"), "COLUMNS": "1000"})
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1, result.output
     assert len(lines) == 1 and lines[0].startswith("kvstrata up failed: `ray start --head --port="), result.output
