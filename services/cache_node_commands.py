@@ -11,6 +11,7 @@ and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 from typing import Any
@@ -61,8 +62,9 @@ class Commands:
                             self.node_id, type(exc).__name__, exc)
 
     def _command(self, msg: Any) -> None:
-        """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}`` or
-        ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone).
+        """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}``,
+        ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone) or
+        ``{"op": "end_tenant", "tenant"}`` (the scheduler: that tenant was deleted).
 
         Raises:
             TypeError, ValueError: a malformed command (nothing was run).
@@ -76,6 +78,8 @@ class Commands:
             self.abort(msg["id"])
         elif op == "abort_subscriber" and isinstance(msg.get("sub"), str):
             self.abort_subscriber(msg["sub"])
+        elif op == "end_tenant" and isinstance(msg.get("tenant"), str):
+            self.end_tenant(msg["tenant"])
         else:
             raise ValueError(f"malformed command (op {op!r})")
 
@@ -95,6 +99,35 @@ class Commands:
         self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
         self._wake.set()
         return True
+
+    def end_tenant(self, tenant: str) -> int:
+        """``tenant`` was deleted: each of its streams gets an ABORTED error and its request is
+        aborted (blocks freed at the next step boundary), and each of its sessions is closed
+        there (regression: a deleted tenant's running request ran to its end and its sessions
+        held their KV until their TTL, with no key left to close them). Returns the streams
+        ended."""
+        ended = {"type": "error", "code": "ABORTED", "message": "the tenant was deleted"}
+        ids = [rid for rid, stream in list(self._streams.items()) if stream.request.tenant == tenant]
+        for rid in ids:
+            stream = self._streams[rid]
+            if stream.subscriber:
+                self._outbox.append((stream.subscriber, rid, ended))
+            elif stream.loop is not None and stream.deliver is not None:
+                stream.loop.call_soon_threadsafe(stream.deliver, ended)
+            self.abort(rid)
+
+        def close_sessions() -> int:
+            ids = [sid for sid, sess in self.engine.sessions.sessions.items() if sess.tenant == tenant]
+            for sid in ids:
+                self._session_messages.pop(sid, None)
+                self.engine.close_session(sid)
+            return len(ids)
+
+        self._admin.append((close_sessions, concurrent.futures.Future()))
+        self._wake.set()
+        if ids:
+            log.warning("cache node %s: ended %d requests of deleted tenant %s", self.node_id, len(ids), tenant)
+        return len(ids)
 
     def abort_subscriber(self, subscriber: str) -> int:
         """The gateway whose event inbox is ``subscriber`` is gone: abort every stream whose

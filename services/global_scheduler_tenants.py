@@ -41,7 +41,20 @@ class Tenants:
         return self.store.update(name, spec)
 
     def delete_tenant(self, name: str) -> None:
+        """Delete ``name``; its requests in flight end (ABORTED) and its sessions close on
+        every node (``end_tenant`` on their command inboxes), and its session routes go.
+
+        Raises:
+            TenantNotFoundError: no tenant is called ``name``.
+        """
+        tenant_id = self.store.get(name).tenant_id
         self.store.delete(name)
+        self.specs.pop(tenant_id, None)
+        for sid in [sid for sid, (owner, _) in self.session_nodes.items() if owner == tenant_id]:
+            del self.session_nodes[sid]
+        if self.commands is not None:
+            for inbox in self.node_inboxes.values():
+                self.commands.send(inbox, {"op": "end_tenant", "tenant": tenant_id})
 
     def get_tenant(self, name: str) -> Tenant:
         return self.store.get(name)

@@ -132,3 +132,16 @@ def test_a_first_turn_that_ran_nothing_leaves_no_session_route(tmp_path) -> None
     assert gs.admit(chat, "a2", session_id="kept", prompt_tokens=12).code == "OK"
     gs.release("a2", None)  # a later turn that ran nothing: the history is still on its node
     assert gs.session_nodes["kept"] == (chat, node)
+
+
+def test_deleting_a_tenant_ends_its_work_on_every_node(tmp_path) -> None:
+    """The scheduler tells every node to end a deleted tenant's requests and sessions
+    (``end_tenant``) and forgets its session routes; another tenant's stay."""
+    gs, ids = scheduler(tmp_path, "fcfs", nodes=("n0", "n1"))
+    for tenant, sid in (("chat", "c1"), ("noisy", "n1")):
+        assert gs.admit(ids[tenant], f"r-{sid}", session_id=sid, prompt_tokens=8).code == "OK"
+        gs.release(f"r-{sid}", {"prompt_tokens": 8})
+    gs.delete_tenant("noisy")
+    assert set(gs.session_nodes) == {"c1"}
+    assert sorted(gs.commands.sent) == [(f"inbox-{n}", {"op": "end_tenant", "tenant": ids["noisy"]})
+                                        for n in ("n0", "n1")]

@@ -31,9 +31,9 @@ def node():
     n.shutdown()
 
 
-def request(rid: str, max_tokens: int = 6, tokens: tuple[int, ...] = PROMPT, **kw) -> NodeRequest:
+def request(rid: str, max_tokens: int = 6, tokens: tuple[int, ...] = PROMPT, tenant: str = "t", **kw) -> NodeRequest:
     return NodeRequest(
-        request_id=rid, tenant="t", cache_namespace="ns", token_ids=tokens,
+        request_id=rid, tenant=tenant, cache_namespace="ns", token_ids=tokens,
         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw,
     )
 
@@ -179,3 +179,30 @@ def test_an_abort_that_overtakes_its_request_cancels_it(node) -> None:
     # taken at the next step boundary
     fresh = asyncio.run(node.integrity_stats())
     assert "early" not in node._streams and fresh["running"] == 0 and fresh["integrity_ok"]
+
+
+def test_a_deleted_tenants_requests_end_and_its_sessions_close(node) -> None:
+    """A fresh-user trial: `kvstrata tenant rm bob` left bob's running request generating to
+    its end and his session holding 28 blocks until its TTL, with no key left to close it. The
+    scheduler's ``end_tenant`` command ends them: ABORTED for the stream, sessions closed,
+    blocks freed; another tenant's request runs on."""
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("bob-turn", max_tokens=4, tenant="bob", session_id="bob/s"))
+        done = await gw.drain({"bob-turn"})
+        assert "bob/s" in node.engine.sessions.sessions
+        await gw.submit(request("bob-long", max_tokens=400, tenant="bob"))
+        await gw.submit(request("ann-long", max_tokens=12, tenant="ann"))
+        assert await gw.poll(30.0)  # both started
+        await gw.commands.send(data_plane.pack({"op": "end_tenant", "tenant": "bob"}))
+        return done, await gw.drain({"bob-long", "ann-long"})
+
+    _, got = asyncio.run(run())
+    assert got["bob-long"][-1] == {"type": "error", "code": "ABORTED", "message": "the tenant was deleted"}
+    assert got["ann-long"][-1]["type"] == "finished" and got["ann-long"][-1]["completion_tokens"] == 12
+    for _ in range(50):
+        if "bob/s" not in node.engine.sessions.sessions and node.stats()["used_blocks"] == 0:
+            break
+        time.sleep(0.1)
+    assert "bob/s" not in node.engine.sessions.sessions and node.stats()["used_blocks"] == 0
+    node.engine.check_integrity()
