@@ -54,7 +54,8 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO) -> No
 
     Raises:
         grpc.RpcError: the call failed (not by our cancel).
-        typer.Exit: after a cancel.
+        typer.Exit: after a cancel (``CANCELLED_EXIT_CODE``), or 1 when the server aborted the
+            request (finish reason ``abort``: a drain or a node failure cut the answer off).
     """
     mid_line = False
     try:
@@ -69,6 +70,8 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO) -> No
                     out.write("\n")
                 mid_line = False
                 console.print(f"[dim]{finish_line(msg.finished)}[/dim]", soft_wrap=True)
+                if msg.finished.finish_reason == "abort":  # cut off by the server: not done
+                    raise typer.Exit(1)
     except KeyboardInterrupt:
         cancel = getattr(call, "cancel", None)
         if cancel is not None:

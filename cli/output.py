@@ -34,7 +34,8 @@ CANCELLED_EXIT_CODE = 130
 """Exit code after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 EXIT_CODES_HELP = ("Exit codes: 0 done; 1 failed (the server refused the call, e.g. UNAUTHENTICATED, "
-                   "RESOURCE_EXHAUSTED, NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT, or nothing answered); "
+                   "RESOURCE_EXHAUSTED, NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT, or aborted an answer, or "
+                   "nothing answered); "
                    "2 usage error (a bad command, option or value); 130 cancelled with Ctrl-C.")
 """The exit codes as one paragraph of ``kvstrata --help``."""
 

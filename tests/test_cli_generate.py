@@ -197,3 +197,22 @@ def test_close_session_frees_a_session_from_the_cli() -> None:
         assert missing.exit_code == 1 and "NOT_FOUND" in missing.output and "s2" in missing.output
     finally:
         server.stop(0)
+
+
+def test_an_answer_the_server_aborted_exits_1() -> None:
+    """A fresh-user trial: a request cut off by an admin Drain printed its `abort:` line and
+    exited 0, as a finished answer does; a script could not tell them apart."""
+    import io
+
+    import typer as typer_mod
+
+    from cli.generate import stream_to
+
+    def events(reason: str):  # type: ignore[no-untyped-def]
+        yield inference_pb2.GenerateResponse(delta=inference_pb2.GenerateDelta(text="partial"))
+        yield inference_pb2.GenerateResponse(finished=inference_pb2.GenerateFinished(finish_reason=reason))
+
+    with pytest.raises(typer_mod.Exit) as exited:
+        stream_to(events("abort"), io.StringIO())
+    assert exited.value.exit_code == 1
+    stream_to(events("length"), io.StringIO())  # a finished answer returns: exit 0
