@@ -41,6 +41,10 @@ def _peer_host(context: grpc.aio.ServicerContext) -> str:
     return peer.rpartition(":")[0] or peer
 
 
+_REFUSALS = {"tenant": "missing or unknown API key", "admin": "this call needs the admin key"}
+"""UNAUTHENTICATED's message per role: the same for a key's first refusal and its cached ones."""
+
+
 class Authenticator:
     """Resolves API keys to tenants and checks the admin key, via the GlobalScheduler.
 
@@ -70,7 +74,7 @@ class Authenticator:
         await self._refuse_known_bad(context, "tenant", key)
         tenant = await self.scheduler.authenticate.remote(key) if key else None
         if tenant is None:
-            await self._refuse(context, "tenant", key, "missing or unknown API key")
+            await self._refuse(context, "tenant", key, _REFUSALS["tenant"])
         self._tenants[fp] = (tenant, now + _CACHE_TTL_S)
         self._known_good.add(("tenant", fp))
         return tenant
@@ -83,7 +87,7 @@ class Authenticator:
             return
         await self._refuse_known_bad(context, "admin", key)
         if not await self._is_admin(key):
-            await self._refuse(context, "admin", key, "this call needs the admin key")
+            await self._refuse(context, "admin", key, _REFUSALS["admin"])
 
     async def admin_or_tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
         """``None`` for the admin key, the calling tenant for a tenant key; aborts with
@@ -121,8 +125,8 @@ class Authenticator:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"too many failed API-key checks from this address; retry in {wait_s:.0f} s",
             )
-        if (role, fingerprint(key)) in self._failed:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
+        if (role, fingerprint(key)) in self._failed:  # the message a first refusal gives
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
 
     async def _refuse(self, context: grpc.aio.ServicerContext, role: str, key: str, message: str) -> None:
         """Record a failed check of ``key`` as ``role``, then abort with UNAUTHENTICATED."""

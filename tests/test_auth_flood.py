@@ -176,3 +176,17 @@ def test_flood_for_a_key_id_does_not_lock_out_its_holder(tmp_path: Path, monkeyp
     assert flood == [grpc.StatusCode.UNAUTHENTICATED] * limit + [grpc.StatusCode.RESOURCE_EXHAUSTED] * (30 - limit)
     assert after == [grpc.StatusCode.OK] * 3
     assert still_limited == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_key_refused_twice_gets_the_same_message(tmp_path: Path) -> None:
+    """A fresh-user trial: an old admin key got "this call needs the admin key", then, tried
+    again, "missing or unknown API key" (the cached refusal reused the tenant message)."""
+    with serve(tmp_path) as gw, grpc.insecure_channel(gw.address) as channel:
+        stub = tenant_pb2_grpc.TenantServiceStub(channel)
+        old = ((("authorization", f"Bearer {_wrong_secret(gw.admin_key)}"),))
+        details = []
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ListTenants(tenant_pb2.ListTenantsRequest(), metadata=old)
+            details.append((err.value.code(), err.value.details()))
+    assert details == [(grpc.StatusCode.UNAUTHENTICATED, "this call needs the admin key")] * 2
