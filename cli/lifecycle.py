@@ -311,15 +311,29 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
     console.print(f"queued: {resp.queued}  sessions: {resp.sessions}")
 
 
+def _health(node: dict) -> str:
+    """A node's health cell from ``stats_json``: "ok", "ok (restarted N)" or "down: why"."""
+    if node.get("healthy", True) is False:
+        return f"[red]down: {escape(str(node.get('failure') or 'unknown'))}[/red]"
+    restarts = node.get("restarts") or 0
+    return f"ok (restarted {restarts})" if isinstance(restarts, int) and restarts > 0 else "ok"
+
+
 def status_table(resp: admin_pb2.StatsResponse, integrity: bool) -> Table:
-    """One row per node of a ``Stats`` answer; "by sessions" and "by prefixes" are the used
+    """One row per node of a ``Stats`` answer; "health" says whether the node serves ("ok",
+    "ok (restarted N)" after Ray restarted it, or "down: why"); "by sessions" and "by prefixes" are the used
     blocks idle sessions and stored compressed document prefixes hold (so blocks used with
     nothing running are explained); the integrity column says "ok", the error, or "skipped"
     when the check was not asked for (``--no-integrity``)."""
-    table = Table("node", "blocks", "used", "by sessions", "by prefixes", "cached", "free", "running", "waiting",
-                  "integrity")
+    table = Table("node", "health", "blocks", "used", "by sessions", "by prefixes", "cached", "free", "running",
+                  "waiting", "integrity")
+    try:
+        health = {n["node_id"]: n for n in json.loads(resp.stats_json or "{}").get("nodes", [])}
+    except (ValueError, AttributeError, TypeError, KeyError):
+        health = {}
     for n in resp.nodes:
         check = ("ok" if n.integrity_ok else f"[red]{escape(n.integrity_error)}[/red]") if integrity else "skipped"
-        table.add_row(n.node_id, str(n.num_blocks), str(n.used_blocks), str(n.session_blocks), str(n.prefix_blocks),
-                      str(n.cached_blocks), str(n.free_blocks), str(n.running), str(n.waiting), check)
+        table.add_row(n.node_id, _health(health.get(n.node_id, {})), str(n.num_blocks), str(n.used_blocks),
+                      str(n.session_blocks), str(n.prefix_blocks), str(n.cached_blocks), str(n.free_blocks),
+                      str(n.running), str(n.waiting), check)
     return table

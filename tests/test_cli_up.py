@@ -6,6 +6,7 @@ and the Prometheus config that reads the targets file ``up`` writes."""
 from __future__ import annotations
 
 import io
+import json
 import socket
 from pathlib import Path
 
@@ -141,7 +142,23 @@ def test_status_says_what_holds_the_used_blocks(tiny) -> None:
     node = node_stats_to_pb({"node_id": "cache_node_0", **stats})
     console = Console(file=io.StringIO(), width=250, color_system=None)
     console.print(lifecycle.status_table(admin_pb2.StatsResponse(nodes=[node]), False))
-    header, row = (line for line in console.file.getvalue().splitlines() if "node" in line or "cache_node_0" in line)
+    header, row = (line for line in console.file.getvalue().splitlines() if "node " in line or "cache_node_0" in line)
     cells = dict(zip([c.strip() for c in header.split("┃")[1:-1]], [c.strip() for c in row.split("│")[1:-1]]))
     assert (cells["by sessions"], cells["by prefixes"]) == (str(stats["session_blocks"]),
                                                              str(stats["compressed_prefix_blocks"]))
+
+
+def test_status_shows_each_nodes_health() -> None:
+    """A fresh-user trial: a failed or restarted node showed nowhere in `kvstrata status` (only
+    in AdminService.Stats' stats_json)."""
+    nodes = [admin_pb2.NodeStats(node_id=f"cache_node_{i}") for i in range(3)]
+    detail = {"nodes": [{"node_id": "cache_node_0", "healthy": True, "restarts": 0},
+                        {"node_id": "cache_node_1", "healthy": True, "restarts": 2},
+                        {"node_id": "cache_node_2", "healthy": False, "failure": "step loop failed"}]}
+    resp = admin_pb2.StatsResponse(nodes=nodes, stats_json=json.dumps(detail))
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(lifecycle.status_table(resp, False))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in console.file.getvalue().splitlines() if "│ cache_node_" in line}
+    assert rows == {"cache_node_0": "ok", "cache_node_1": "ok (restarted 2)",
+                    "cache_node_2": "down: step loop failed"}
