@@ -1,17 +1,18 @@
-"""``kvstrata admin``: operator tasks (rotating the admin key)."""
+"""``kvstrata admin``: operator tasks (rotating the admin key, flushing cached KV, draining nodes)."""
 
 from __future__ import annotations
 
 import grpc
 import typer
 
-from cli.options import GatewayOpt
+from cli.options import GatewayOpt, finite
 from cli.output import console, die, fail
 from cli.state import admin_key_file, admin_metadata, gateway_address
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from tenants.keys import new_api_key, write_key_file
 
-admin_app = typer.Typer(help="Operator tasks: rotate the admin key.", no_args_is_help=True)
+admin_app = typer.Typer(help="Operator tasks: rotate the admin key, flush cached KV, drain the nodes.",
+                        no_args_is_help=True)
 
 
 @admin_app.command("rotate-key")
@@ -51,3 +52,33 @@ def admin_rotate_key(
         except OSError as exc:
             die(f"could not save the new admin key to {path} ({exc}); it is: {key}")
     console.print(f"admin key rotated; the new key is in {path} (the old one no longer works)")
+
+
+@admin_app.command("flush")
+def admin_flush(gateway: str | None = GatewayOpt) -> None:
+    """Drop every cached KV block on every healthy node: device, host and spill tiers (blocks of
+    running requests and of open sessions stay). Prints the blocks freed."""
+    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+        try:
+            resp = admin_pb2_grpc.AdminServiceStub(ch).Flush(admin_pb2.FlushRequest(), metadata=admin_metadata(),
+                                                             timeout=120)
+        except grpc.RpcError as err:
+            fail(err)
+    console.print(f"flushed: {resp.freed_blocks} cached blocks freed")
+
+
+@admin_app.command("drain")
+def admin_drain(
+    timeout_s: float = typer.Option(30.0, "--timeout-s", min=0, callback=finite,
+                                    help="seconds running requests get to finish before they are aborted"),
+    gateway: str | None = GatewayOpt,
+) -> None:
+    """Let every healthy node's running requests finish for up to `--timeout-s` seconds, then
+    abort the rest (their clients see finish reason `abort`). Prints how many were aborted."""
+    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+        try:
+            resp = admin_pb2_grpc.AdminServiceStub(ch).Drain(admin_pb2.DrainRequest(timeout_s=timeout_s),
+                                                             metadata=admin_metadata(), timeout=timeout_s + 120)
+        except grpc.RpcError as err:
+            fail(err)
+    console.print(f"drained: {resp.aborted} requests aborted")

@@ -216,3 +216,17 @@ def test_an_answer_the_server_aborted_exits_1() -> None:
         stream_to(events("abort"), io.StringIO())
     assert exited.value.exit_code == 1
     stream_to(events("length"), io.StringIO())  # a finished answer returns: exit 0
+
+
+def test_admin_flush_and_drain_from_the_cli(tmp_path: Path) -> None:
+    """A fresh-user trial found Flush and Drain over gRPC only; `kvstrata admin flush` and
+    `admin drain` call them with the admin key (no node behind this gateway: nothing freed)."""
+    with serve(tmp_path) as gw:
+        env = {"KVSTRATA_ADMIN_KEY": gw.admin_key, "COLUMNS": "200"}
+        flushed = CliRunner().invoke(cli.app, ["admin", "flush", "--gateway", gw.address], env=env)
+        drained = CliRunner().invoke(cli.app, ["admin", "drain", "--timeout-s", "0", "--gateway", gw.address], env=env)
+        refused = CliRunner().invoke(cli.app, ["admin", "flush", "--gateway", gw.address],
+                                     env={**env, "KVSTRATA_ADMIN_KEY": "kvs_000000000000_" + "x" * 43})
+    assert flushed.exit_code == 0 and "flushed: 0 cached blocks freed" in flushed.output
+    assert drained.exit_code == 0 and "drained: 0 requests aborted" in drained.output
+    assert refused.exit_code == 1 and "UNAUTHENTICATED" in refused.output
