@@ -161,6 +161,6 @@ def test_sentencekv_demotes_all_but_sinks_and_window(tiny, sink, window) -> None
 
 def test_snapkv_rejects_an_even_pooling_kernel() -> None:
     """issue 18 fault 8: an even kernel pooled n + 1 scores for n entries (shifted by one)."""
-    with pytest.raises(ValueError, match="kernel_size must be a positive odd number"):
+    with pytest.raises(ValueError, match=r"kernel_size must be an odd number in \[1, 1023\]"):
         make_policy("snapkv-kernel_size_4")
     assert make_policy("snapkv-kernel_size_1").kernel_size == 1

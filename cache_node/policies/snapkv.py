@@ -32,7 +32,7 @@ class SnapKV(Policy):
     the last compaction, plus the tokens computed since; all at positions ``<= p``.
 
     Raises:
-        ValueError: ``kernel_size`` not a positive odd number (an even kernel would shift the
+        ValueError: ``kernel_size`` not an odd number in [1, ``MAX_KERNEL_SIZE``] (an even kernel would shift the
             pooled scores by one position).
     """
 
