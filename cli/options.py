@@ -19,10 +19,10 @@ def validation_message(error: dict[str, Any]) -> str:
     return f"{field}: {message}" if field else message
 
 
-def uint64(value: int) -> int:
+def uint64(value: int | None) -> int | None:
     """Typer callback: at most 2^64 - 1 (the wire's uint64), said in words rather than as a
-    20-digit bound in ``--help``."""
-    if value > MAX_UINT64:
+    20-digit bound in ``--help``; None (an option not given) passes."""
+    if value is not None and value > MAX_UINT64:
         raise typer.BadParameter(f"{value} does not fit in 64 bits (at most 2^64 - 1)")
     return value
 

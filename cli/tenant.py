@@ -1,4 +1,4 @@
-"""``kvstrata tenant``: register, list, show, remove tenants and rotate their keys."""
+"""``kvstrata tenant``: register, list, show, update, remove tenants and rotate their keys."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from cli.state import admin_metadata, gateway_address
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from tenants.model import SLO_CLASS_DEFAULTS
 
-tenant_app = typer.Typer(help="Manage tenants: register, list, show, remove, rotate keys.", no_args_is_help=True)
+tenant_app = typer.Typer(help="Manage tenants: register, list, show, update, remove, rotate keys.",
+                         no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
 
 
@@ -154,6 +155,48 @@ def tenant_show(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> 
         except grpc.RpcError as err:
             fail(err)
     console.print(tenant_table(t, u))
+
+
+@tenant_app.command("update")
+def tenant_update(
+    name: str = TenantNameArg,
+    slo_class: SloClass | None = typer.Option(None, help="the order the kvstrata scheduler serves classes in"),
+    ttft_slo_ms: float | None = typer.Option(None, min=0, callback=finite, help="time-to-first-token target, ms"),
+    tpot_slo_ms: float | None = typer.Option(None, min=0, callback=finite, help="time-per-output-token target, ms"),
+    min_tokens_per_s: float | None = typer.Option(None, min=0, callback=finite,
+                                                  help="token-rate floor while it has work waiting, tokens/s"),
+    weight: float | None = typer.Option(None, min=0, callback=finite, help="its share of what is left after floors"),
+    kv_quota_bytes: int | None = typer.Option(None, min=0, callback=uint64, help="device-tier KV bytes guaranteed"),
+    max_context_tokens: int | None = typer.Option(None, min=1, max=MAX_UINT32, help="longest prompt + output, tokens"),
+    namespace: str | None = typer.Option(None, help="cache namespace (\"\": the tenant's own)"),
+    policy: str | None = typer.Option(None, help="default KV policy spec (\"\": the node's default)"),
+    allow_policy: list[str] | None = typer.Option(None, "--allow-policy", help="replaces the allowed KV policies "
+                                                  "(repeat)"),
+    gateway: str | None = GatewayOpt,
+) -> None:
+    """Change some of a tenant's settings; the ones not given keep their current values (a
+    new `--slo-class` does not reset the targets to its defaults). Its keys stay valid."""
+    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+        stub = tenant_pb2_grpc.TenantServiceStub(ch)
+        try:
+            spec = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata()).tenant.spec
+            given = {"ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms, "min_tokens_per_s": min_tokens_per_s,
+                     "weight": weight, "kv_quota_bytes": kv_quota_bytes, "max_context_tokens": max_context_tokens,
+                     "cache_namespace": namespace, "policy": policy}
+            for field, value in given.items():
+                if value is not None:
+                    setattr(spec, field, value)
+            if slo_class is not None:
+                spec.slo_class = SLO_CLASSES[slo_class.value]
+            if allow_policy is not None:
+                spec.ClearField("allowed_policies")
+                spec.allowed_policies.extend(allow_policy)
+            stub.UpdateTenant(tenant_pb2.UpdateTenantRequest(name=name, spec=spec), metadata=admin_metadata())
+        except grpc.RpcError as err:
+            fail(err)
+    changed = [f for f, v in given.items() if v is not None]
+    changed += ["slo_class"] * (slo_class is not None) + ["allowed_policies"] * (allow_policy is not None)
+    console.print(f"updated {name}: {', '.join(changed) or 'nothing changed'} (`kvstrata tenant show {name}`)")
 
 
 @tenant_app.command("rm")

@@ -230,3 +230,23 @@ def test_admin_flush_and_drain_from_the_cli(tmp_path: Path) -> None:
     assert flushed.exit_code == 0 and "flushed: 0 cached blocks freed" in flushed.output
     assert drained.exit_code == 0 and "drained: 0 requests aborted" in drained.output
     assert refused.exit_code == 1 and "UNAUTHENTICATED" in refused.output
+
+
+def test_tenant_update_changes_only_the_given_settings(tmp_path: Path) -> None:
+    """A fresh-user trial found no CLI way to change a tenant (gRPC UpdateTenant replaces the
+    whole spec, unset fields taking their class defaults); `tenant update` changes what it is
+    given and keeps the rest, keys included."""
+    with serve(tmp_path) as gw:
+        _, key = gw.scheduler.store.register(TenantSpec("ann", "interactive", ttft_slo_ms=800.0, policy="snapkv-0.5"))
+        env = {"KVSTRATA_ADMIN_KEY": gw.admin_key, "COLUMNS": "200"}
+        done = CliRunner().invoke(cli.app, ["tenant", "update", "ann", "--weight", "3", "--allow-policy", "snapkv",
+                                            "--gateway", gw.address], env=env)
+        missing = CliRunner().invoke(cli.app, ["tenant", "update", "nobody", "--weight", "3",
+                                               "--gateway", gw.address], env=env)
+        spec = gw.scheduler.store.get("ann").spec
+        assert gw.scheduler.store.authenticate(key) is not None
+    assert done.exit_code == 0, done.output
+    assert "updated ann: weight, allowed_policies" in done.output
+    assert (spec.slo_class.value, spec.ttft_slo_ms, spec.policy, spec.weight, spec.allowed_policies) == (
+        "interactive", 800.0, "snapkv-0.5", 3.0, ("snapkv",))
+    assert missing.exit_code == 1 and "NOT_FOUND" in missing.output
