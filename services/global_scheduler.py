@@ -137,7 +137,6 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already known)
         self.requests: dict[str, tuple[str, str, str]] = {}
-        self.tenant_in_flight: Counter[str] = Counter()  # tenant_id -> its requests in ``requests``
         # request -> the event inbox of the gateway that admitted it (``admit_and_submit``)
         self.request_gateways: dict[str, str] = {}
         self.gateways: dict[str, GatewayRecord] = {}  # gateway actor id -> ``attach_gateway``
@@ -191,7 +190,6 @@ class GlobalScheduler(Tenants, Membership, Routing):
         if urgent:
             self.nodes[node_id].urgent.add(request_id)
         self.requests[request_id] = (tenant_id, node_id, session_id if session_id and sticky is None else "")
-        self.tenant_in_flight[tenant_id] += 1
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
@@ -269,10 +267,6 @@ class GlobalScheduler(Tenants, Membership, Routing):
         """
         tenant_id, node_id, opened = self.requests.pop(request_id, ("", "", ""))
         self.request_gateways.pop(request_id, None)
-        if tenant_id:
-            self.tenant_in_flight[tenant_id] -= 1
-            if self.tenant_in_flight[tenant_id] <= 0:
-                del self.tenant_in_flight[tenant_id]
         if opened and usage is None and self.session_nodes.get(opened) == (tenant_id, node_id):
             # the first turn of a session ran nothing (the node refused it, or it was cancelled
             # before its prefill): the node holds no history the session must return to, and
@@ -354,9 +348,14 @@ class GlobalScheduler(Tenants, Membership, Routing):
             return False
         if queued >= 2 * self.queue_limit:
             return True
-        tenants = len(self.tenant_in_flight) + (tenant_id not in self.tenant_in_flight)
+        held = self.in_flight_by_tenant()
+        tenants = len(held) + (tenant_id not in held)
         places = sum(n.capacity for n in self.nodes.values()) + self.queue_limit
-        return self.tenant_in_flight[tenant_id] >= places / tenants
+        return held[tenant_id] >= places / tenants
+
+    def in_flight_by_tenant(self) -> Counter[str]:
+        """Requests admitted and not yet released, per tenant id."""
+        return Counter(tenant_id for tenant_id, _, _ in self.requests.values())
 
     def _queued(self) -> int:
         """Requests waiting beyond the nodes' running capacity (what ``queue_limit`` bounds)."""

@@ -296,5 +296,5 @@ def test_a_full_queue_still_admits_a_tenant_below_its_fair_share(tmp_path) -> No
     assert gs._queued() == 4 and gs.admit("third", "t0").code == "RESOURCE_EXHAUSTED"  # 2 x queue_limit wait
     for i in range(10):
         gs.release(f"n{i}")
-    assert gs.tenant_in_flight == {"quiet": 2}
+    assert gs.in_flight_by_tenant() == {"quiet": 2}
     assert gs.admit("noisy", "n20").code == "OK"
