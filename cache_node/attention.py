@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 
 from cache_node.attention_backends import AttentionBackend, decode_attention, gather_slots
 from cache_node.kv_pool import KVPool
+from cache_node.outputs import SequenceFault
 
 ATTN_IMPLEMENTATION = "kvstrata_paged"
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "ForwardContext", "PolicyChunk",
@@ -97,6 +98,7 @@ def paged_attention_forward(
 
     Raises:
         RuntimeError: called outside ``forward_context`` (the model was run without the engine).
+        SequenceFault: a policy-managed sequence's ``attend`` raised (the cause is chained).
     """
     ctx = _FORWARD_CONTEXT
     if ctx is None:
@@ -113,7 +115,10 @@ def paged_attention_forward(
         out = torch.empty_like(q)
     for chunk in md.policy_chunks:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        out[rows] = chunk.kv.attend(layer_idx, q[rows], k_cache, v_cache, chunk.context_slots)
+        try:
+            out[rows] = chunk.kv.attend(layer_idx, q[rows], k_cache, v_cache, chunk.context_slots)
+        except Exception as exc:  # one sequence's policy fails that request alone
+            raise SequenceFault(chunk.kv.seq.request_id) from exc
     return out.unsqueeze(0), None
 
 

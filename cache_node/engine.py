@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool, kv_format_name
 from cache_node.model_runner import ModelRunner, ScheduledBatch
-from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.outputs import InvalidRequestError, RequestOutput, SequenceFault
 from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
@@ -28,6 +29,10 @@ from cache_node.sessions import SessionTable
 from cache_node.tiers.engine_api import EngineTiersMixin
 from cache_node.tiers.manager import TierConfig, TierManager
 from cache_node.tiers.spill_api import SpillClient
+
+log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3  # steps in a row failing with no request to blame before ``step`` re-raises
 
 
 class LLMEngine(EngineTiersMixin):
@@ -102,6 +107,8 @@ class LLMEngine(EngineTiersMixin):
             self.tiers.demotion_order = self._over_quota_first
         self._aborted: list[Sequence] = []
         self.num_steps = 0
+        self.num_failed_requests = 0  # finished with "error" (``_recover``)
+        self._failed_steps = 0  # steps in a row whose failure named no request
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -248,7 +255,12 @@ class LLMEngine(EngineTiersMixin):
             if batch:
                 if on_scheduled is not None:
                     on_scheduled(batch)
-                self._execute(batch, outputs)
+                try:
+                    self._execute(batch, outputs)
+                except Exception as exc:  # noqa: BLE001 - _recover logs it, re-raises repeats
+                    self._recover(batch, exc, outputs)
+                else:
+                    self._failed_steps = 0
                 return outputs
             waiting = bool(self.scheduler.waiting)
         if waiting:  # e.g. every queued request waits on a prefetch: let it land
@@ -282,19 +294,22 @@ class LLMEngine(EngineTiersMixin):
             self.demote_session(session_id)
 
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        logits = self.runner.execute(batch)
-        sampling = []
+        logits = self.runner.execute(batch)  # one row per sequence reaching its last token
+        rows = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+        faulted = []
         for seq, n in batch:
             seq.num_computed_tokens += n
-            if seq.kv is None or not seq.kv.compacted:  # compacted blocks are never cached
-                self.kv_manager.cache_full_blocks(seq)
-            if seq.kv is not None:
-                seq.kv.after_step()
-            if seq.prefix_stop and seq.num_computed_tokens == seq.prefix_stop:
-                for ready in self.prefixes.store(seq):  # compress the prefix, store, fork
-                    self.scheduler.add(ready)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
+            try:
+                self._after_forward(seq)
+            except Exception:  # this sequence's policy failed: it alone fails (SequenceFault)
+                log.exception("request %s: its step failed after the forward pass", seq.request_id)
+                faulted.append(seq)
+        if faulted:
+            keep = [i for i, seq in enumerate(rows) if seq not in faulted]
+            logits, rows = logits[keep], [rows[i] for i in keep]
+            for seq in faulted:
+                self._fail(seq, outputs)
+        sampling = rows
         tokens = sample(logits, sampling)
         # a token's time is when the step hands it out: after the policies' compression
         # (``after_step``) and the sampling, which a caller waits for as well
@@ -308,6 +323,49 @@ class LLMEngine(EngineTiersMixin):
                 self._finish(seq, reason)
             outputs.append(self._output(seq, (token,)))
         self.num_steps += 1
+
+    def _after_forward(self, seq: Sequence) -> None:
+        """One sequence's bookkeeping after the forward pass: cache its full blocks, let its
+        policy compress, store a compressed prefix it reached."""
+        if seq.kv is None or not seq.kv.compacted:  # compacted blocks are never cached
+            self.kv_manager.cache_full_blocks(seq)
+        if seq.kv is not None:
+            seq.kv.after_step()
+        if seq.prefix_stop and seq.num_computed_tokens == seq.prefix_stop:
+            for ready in self.prefixes.store(seq):  # compress the prefix, store, fork
+                self.scheduler.add(ready)
+
+    def _recover(self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]) -> None:
+        """The forward pass raised: its KV writes are partial. A ``SequenceFault`` names the
+        request whose policy failed: that request alone finishes with "error" and the rest of
+        the batch is preempted, so it recomputes its KV instead of trusting half-written
+        slots. Any other exception fails the whole batch (the node keeps serving the rest);
+        ``MAX_FAILED_STEPS`` such steps in a row re-raise (the node is broken, not a request:
+        its supervisor restarts it).
+
+        Regression: a policy exception inside ``step`` stopped the node's step loop and
+        failed every tenant's requests on it.
+        """
+        culprit = exc.request_id if isinstance(exc, SequenceFault) else None
+        log.error("step %d failed (%s): %s", self.num_steps, "request " + culprit if culprit else "batch",
+                  exc, exc_info=exc)
+        if culprit is None:
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise exc
+        for seq, _ in batch:
+            if seq.is_finished:
+                continue
+            if culprit is None or seq.request_id == culprit:
+                self._fail(seq, outputs)
+            elif seq in self.scheduler.running:
+                self.scheduler.preempt(seq)
+
+    def _fail(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
+        """Finish ``seq`` with "error": its blocks go back, a session keeps its earlier history."""
+        self.num_failed_requests += 1
+        self._finish(seq, "error")
+        outputs.append(self._output(seq, ()))
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling_params
@@ -327,7 +385,7 @@ class LLMEngine(EngineTiersMixin):
         seq.finish_reason = reason
         # a session keeps the turn's blocks, with its policy state when a policy compacted them
         # (the next turn of that policy continues from it: cache_node.sessions)
-        dropped = reason in ("abort", "rejected")
+        dropped = reason in ("abort", "rejected", "error")
         kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
         if not kept:
             self.kv_manager.free(seq)
@@ -399,6 +457,7 @@ class LLMEngine(EngineTiersMixin):
                 "block_size": self.pool.block_size,
                 "device_bytes_used": used * self.pool.bytes_per_block,
                 "running": len(self.scheduler.running),
+                "failed_requests": self.num_failed_requests,
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
                 "session_blocks": sum(s.num_held_blocks for s in self.sessions.sessions.values()

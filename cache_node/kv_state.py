@@ -14,6 +14,7 @@ their true absolute positions.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
         PolicyEnv,
     )
     from cache_node.tiers.manager import TierManager
+
+log = logging.getLogger(__name__)
 
 
 class SequenceKV:
@@ -69,8 +72,12 @@ class SequenceKV:
 
     def reset(self) -> None:
         """Forget everything (the sequence's blocks were freed: preemption, finish); the
-        policy releases what it holds in lower tiers, and the charge blocks go back."""
-        self.policy.release(self)
+        policy releases what it holds in lower tiers, and the charge blocks go back (also when
+        the release raises: the pool never loses a block to a failing policy)."""
+        try:
+            self.policy.release(self)
+        except Exception:  # the request has failed already (SequenceFault) or is ending
+            log.exception("policy %s: release failed for request %s", self.policy.name, self.seq.request_id)
         self.block_pool.free(self.charge_blocks[::-1])
         self.charge_blocks, self.charge_debt = [], 0
         L, dev = self.pool.num_layers, self.pool.kv.device  # the layout lives on the pool's device

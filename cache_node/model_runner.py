@@ -26,6 +26,7 @@ from cache_node.attention import (
 from cache_node.attention_backends import DeviceArrays, HostArrays, SeqStep, get_backend
 from cache_node.config import EngineConfig
 from cache_node.kv_pool import KVPool, block_slots
+from cache_node.outputs import SequenceFault
 from cache_node.sequence import Sequence
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
@@ -162,10 +163,17 @@ class ModelRunner:
             (num_sampling_seqs, vocab_size) float32 logits on the pool's device, one row per
             sequence whose chunk reaches its last known token (in batch order); chunks
             mid-prompt produce no row.
+
+        Raises:
+            SequenceFault: one policy-managed sequence's ``begin_step`` or ``attend`` raised;
+                the step's KV writes are partial (``LLMEngine.step`` recovers).
         """
         for seq, n in batch:
             if seq.kv is not None:
-                seq.kv.begin_step(seq.num_computed_tokens, n)
+                try:
+                    seq.kv.begin_step(seq.num_computed_tokens, n)
+                except Exception as exc:
+                    raise SequenceFault(seq.request_id) from exc
         if self.decode_only(batch, all_logits):
             assert self.graphs is not None
             hidden = self.graphs.run(batch)  # every decode samples: rows in batch order

@@ -11,7 +11,8 @@ class RequestOutput:
 
     Attributes:
         new_token_ids: tokens sampled this step (empty for a mid-prefill step or an abort).
-        finish_reason: "stop" (EOS/stop token), "length" (max_tokens or context), "abort".
+        finish_reason: "stop" (EOS/stop token), "length" (max_tokens or context), "abort",
+            "rejected" (can never fit the pool), "error" (its step raised: ``SequenceFault``).
         num_cached_tokens: prompt tokens whose KV was reused (prefix cache or session).
         num_cached_tokens_by_tier: the same tokens split by the tier they came from
             ("device", "host", "spill_ram", "spill_disk"); sums to ``num_cached_tokens``.
@@ -40,3 +41,14 @@ class RequestOutput:
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses (bad prompt, sampling or limits); nothing was allocated."""
+
+
+class SequenceFault(RuntimeError):
+    """An exception raised while computing one sequence's part of a step (its KV policy's
+    ``begin_step``, ``attend``, ``after_step`` or prefix store), tagged with that sequence's
+    ``request_id``: the engine fails that request alone and the rest of the batch recomputes
+    (``LLMEngine.step``). The original exception is ``__cause__``."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id}: its step failed")
+        self.request_id = request_id

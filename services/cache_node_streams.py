@@ -180,6 +180,10 @@ class Streams:
             events.append({"type": "error", "code": "INVALID_ARGUMENT",
                            "message": "the request can never fit this node's KV pool "
                                       f"({self.engine.scheduler.pool_tokens} tokens)"})
+        elif out.finished and out.finish_reason == "error":
+            events.append({"type": "error", "code": "INTERNAL",
+                           "message": "this request's step failed on the cache node (its KV policy raised); "
+                                      "the node's other requests went on"})
         elif out.finished:
             tail = stops.flush() if stops is not None and out.finish_reason != "abort" else ""
             if tail:

@@ -150,8 +150,8 @@ def test_abort_stops_events_and_frees_blocks(node) -> None:
         first = await gw.poll(30.0)  # the first step's events
         assert first and first[0][0] == "long"
         await gw.abort("long")
-        for _ in range(50):  # the abort lands at the next step boundary
-            if node.stats()["used_blocks"] == 0:
+        for _ in range(300):  # the abort lands at the next step boundary (30 s: a loaded machine)
+            if node.stats()["used_blocks"] == 0 and node.stats()["running"] == 0:
                 break
             await asyncio.sleep(0.1)
         await gw.poll(0.1)  # whatever the last step posted before the abort
@@ -206,3 +206,33 @@ def test_a_deleted_tenants_requests_end_and_its_sessions_close(node) -> None:
         time.sleep(0.1)
     assert "bob/s" not in node.engine.sessions.sessions and node.stats()["used_blocks"] == 0
     node.engine.check_integrity()
+
+
+def test_a_policy_fault_in_a_step_fails_that_request_alone(node, monkeypatch) -> None:
+    """Regression: a KV policy's exception inside the step stopped the node's step loop and
+    failed every tenant's requests on it. Now that request gets INTERNAL and the request in
+    the same batch finishes with its tokens (``LLMEngine._recover``)."""
+    from cache_node.kv_state import SequenceKV
+
+    attend = SequenceKV.attend
+
+    def faulty(self, *args, **kw):  # type: ignore[no-untyped-def]
+        if self.seq.request_id == "policy-bad":
+            raise IndexError("index 40 is out of bounds for dimension 0 with size 40")
+        return attend(self, *args, **kw)
+
+    monkeypatch.setattr(SequenceKV, "attend", faulty)
+
+    async def run():
+        direct = [ev async for ev in node.generate(request("solo", policy="h2o-8"))]
+        gw = await connect(node)
+        await gw.submit(request("policy-bad", policy="h2o-8"))
+        await gw.submit(request("policy-fine", policy="h2o-8"))
+        return direct, await gw.drain({"policy-bad", "policy-fine"})
+
+    direct, got = asyncio.run(run())
+    assert got["policy-bad"][-1]["type"] == "error" and got["policy-bad"][-1]["code"] == "INTERNAL"
+    assert got["policy-fine"][-1]["type"] == "finished"
+    tokens = [t for ev in got["policy-fine"] if ev["type"] == "delta" for t in ev["token_ids"]]
+    assert tokens == [t for ev in direct if ev["type"] == "delta" for t in ev["token_ids"]]
+    assert node.engine.stats()["used_blocks"] == 0 and node.engine.num_failed_requests == 1

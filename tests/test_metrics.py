@@ -40,6 +40,7 @@ NODE_FAMILIES = {
     "kvstrata:kv_capacity_blocks": "gauge", "kvstrata:prefix_cache_queries": "counter",
     "kvstrata:prefix_cache_hits": "counter", "kvstrata:cached_tokens": "counter",
     "kvstrata:num_preemptions": "counter", "kvstrata:spill_read_errors": "counter",
+    "kvstrata:num_requests_failed": "counter",
     "kvstrata:compressed_prefix_hits": "counter", "kvstrata:compressed_prefix_stores": "counter",
     "kvstrata:compressed_prefixes": "gauge", "kvstrata:session_policy_continuations": "counter",
     "kvstrata:session_policy_fallbacks": "counter",

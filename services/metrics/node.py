@@ -100,6 +100,8 @@ class NodeMetrics(Collector):
         capacity.add_metric([self.node_id, "host"], s["host_slots"])
         yield capacity
         yield counter("num_preemptions", "Requests preempted.", self.preemptions())
+        yield counter("num_requests_failed", "Requests whose step raised (finished with \"error\", "
+                      "INTERNAL; the node served the rest).", s.get("failed_requests", 0))
         yield counter("compressed_prefix_hits", "Requests that forked a stored compressed prefix "
                       "(prefilled only their tokens after it).", s["compressed_prefix_hits"])
         yield counter("compressed_prefix_stores", "Compressed prefixes computed and stored.",

@@ -1,0 +1,112 @@
+"""A step that raises fails the request it belongs to, not the node (``LLMEngine._recover``).
+
+Regression: a KV policy's exception inside ``engine.step`` (its ``begin_step``, ``attend`` or
+``after_step``) escaped the step, stopped the cache node's step loop, and every tenant's
+requests on that node failed with it. Now the request whose policy raised finishes with
+"error" (INTERNAL on the wire), the rest of the batch recomputes its half-written step and
+produces exactly the tokens it produces alone, and every block goes back.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_node.engine import MAX_FAILED_STEPS, LLMEngine
+from cache_node.sampling_params import SamplingParams
+from tests.conftest import make_engine, node_metric
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+SPECS = {"plain": "", "h2o": "h2o-40", "snapkv": "snapkv-40"}
+
+
+def prompt_of(n: int, offset: int) -> list[int]:
+    return [(7 * i + offset) % 500 + 1 for i in range(n)]
+
+
+PROMPTS = {"plain": prompt_of(50, 0), "h2o": prompt_of(60, 1), "snapkv": prompt_of(70, 2)}
+
+
+def engine(tiny) -> LLMEngine:
+    return make_engine(tiny, max_num_batched_tokens=256)
+
+
+def alone(tiny, name: str) -> list[int]:
+    return list(engine(tiny).generate([PROMPTS[name]], PARAMS, policy=SPECS[name])[0].output_token_ids)
+
+
+def run(eng: LLMEngine) -> dict[str, object]:
+    """Step until every request finished; the final output per request id."""
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def boom(*_args, **_kw):  # type: ignore[no-untyped-def]
+    raise RuntimeError("a policy bug")
+
+
+@pytest.mark.parametrize("stage", ["attend", "begin_step", "after_step"])
+def test_a_policy_fault_fails_its_request_alone(tiny, stage: str) -> None:
+    eng = engine(tiny)
+    ids = {name: eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=SPECS[name]) for name in SPECS}
+    setattr(eng.requests[ids["h2o"]].kv, stage, boom)  # the instance's method raises
+    final = run(eng)
+    assert final["h2o"].finish_reason == "error" and final["h2o"].output_token_ids == ()
+    for name in ("plain", "snapkv"):  # recomputed where the step was half written: same tokens
+        assert final[name].finish_reason == "length"
+        assert list(final[name].output_token_ids) == alone(tiny, name), name
+        assert final[name].num_preemptions == (0 if stage == "after_step" else 1)
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0 and not eng.requests
+    assert eng.num_failed_requests == 1 and node_metric(eng, "kvstrata:num_requests_failed_total") == 1
+    # the node goes on serving
+    assert eng.generate([PROMPTS["h2o"]], PARAMS, policy=SPECS["h2o"])[0].finish_reason == "length"
+
+
+def test_a_failed_session_turn_keeps_the_earlier_history(tiny) -> None:
+    eng = engine(tiny)
+    first = eng.generate([PROMPTS["h2o"]], PARAMS, session_id="s", tenant="a", policy="h2o-40")[0]
+    history = eng.session_history("s")
+    assert history == PROMPTS["h2o"] + list(first.output_token_ids)
+    rid = eng.add_request(history + [5, 6, 7], PARAMS, session_id="s", tenant="a", policy="h2o-40")
+    eng.requests[rid].kv.attend = boom
+    assert run(eng)[rid].finish_reason == "error"
+    assert eng.session_history("s") == history  # the failed turn is not part of it
+    again = eng.generate([history + [5, 6, 7]], PARAMS, session_id="s", tenant="a", policy="h2o-40")[0]
+    assert again.finish_reason == "length"
+    eng.close_session("s")
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0
+
+
+def test_a_fault_naming_no_request_fails_the_batch_then_the_node(tiny, monkeypatch) -> None:
+    """An exception that names no request (the model runner itself) fails the batch and the
+    node serves what comes next; ``MAX_FAILED_STEPS`` in a row re-raise (a broken node
+    restarts instead of failing every request forever)."""
+    eng = engine(tiny)
+    execute, calls = eng.runner.execute, []
+
+    def once(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", once)
+    for name, spec in SPECS.items():
+        eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
+    final = run(eng)
+    assert {out.finish_reason for out in final.values()} == {"error"}
+    assert eng.stats()["used_blocks"] == 0
+    assert eng.generate([PROMPTS["plain"]], PARAMS)[0].output_token_ids == tuple(alone(tiny, "plain"))
+
+    monkeypatch.setattr(eng.runner, "execute", boom)
+    for i in range(MAX_FAILED_STEPS):
+        eng.add_request(PROMPTS["plain"], PARAMS, request_id=f"r{i}")
+        if i < MAX_FAILED_STEPS - 1:
+            assert run(eng)[f"r{i}"].finish_reason == "error"
+    with pytest.raises(RuntimeError, match="a policy bug"):
+        eng.step()
