@@ -28,14 +28,14 @@ class Admin:
     """The admin part of ``CacheNode``."""
 
     async def close_session(self, session_id: str, tenant: str) -> int:
-        """Close ``tenant``'s session; its history tokens freed, or -1 when it has no such session."""
+        """Close ``tenant``'s session (a running turn in it ends with ABORTED); the tokens freed,
+        or -1 when it has no such session."""
 
         def close() -> int:
             owner = self.engine.sessions.sessions.get(session_id)
             if owner is None or owner.tenant != tenant:
                 return -1
-            self._session_messages.pop(session_id, None)
-            return self.engine.close_session(session_id)
+            return self._close_session(session_id)
 
         return await self._between_steps(close)
 

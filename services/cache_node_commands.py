@@ -106,21 +106,14 @@ class Commands:
         there (regression: a deleted tenant's running request ran to its end and its sessions
         held their KV until their TTL, with no key left to close them). Returns the streams
         ended."""
-        ended = {"type": "error", "code": "ABORTED", "message": "the tenant was deleted"}
         ids = [rid for rid, stream in list(self._streams.items()) if stream.request.tenant == tenant]
         for rid in ids:
-            stream = self._streams[rid]
-            if stream.subscriber:
-                self._outbox.append((stream.subscriber, rid, ended))
-            elif stream.loop is not None and stream.deliver is not None:
-                stream.loop.call_soon_threadsafe(stream.deliver, ended)
-            self.abort(rid)
+            self._end_stream(rid, "ABORTED", "the tenant was deleted")
 
         def close_sessions() -> int:
             ids = [sid for sid, sess in self.engine.sessions.sessions.items() if sess.tenant == tenant]
             for sid in ids:
-                self._session_messages.pop(sid, None)
-                self.engine.close_session(sid)
+                self._close_session(sid)
             return len(ids)
 
         self._admin.append((close_sessions, concurrent.futures.Future()))
@@ -128,6 +121,37 @@ class Commands:
         if ids:
             log.warning("cache node %s: ended %d requests of deleted tenant %s", self.node_id, len(ids), tenant)
         return len(ids)
+
+    def _end_stream(self, request_id: str, code: str, message: str) -> None:
+        """Send ``request_id``'s stream its last event, an error ``code``, and abort the request
+        (its blocks are freed at the next step boundary)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        event = {"type": "error", "code": code, "message": message}
+        if stream.subscriber:
+            self._outbox.append((stream.subscriber, request_id, event))
+        elif stream.loop is not None and stream.deliver is not None:
+            stream.loop.call_soon_threadsafe(stream.deliver, event)
+        self.abort(request_id)
+
+    def _close_session(self, session_id: str) -> int:
+        """Step thread, between steps: close a session. A turn running in it ends first with
+        ABORTED (regression: a session closed during its turn answered "0 tokens freed", the turn
+        ran on, and its blocks were freed only at its end). Returns the tokens freed: the
+        history's, or the running turn's (its prompt holds the history)."""
+        sess = self.engine.sessions.sessions.get(session_id)
+        if sess is None:
+            return 0
+        self._session_messages.pop(session_id, None)
+        turn = sess.active_request
+        tokens = 0
+        if turn is not None:
+            seq = self.engine.requests.get(turn)
+            tokens = seq.num_tokens if seq is not None else 0
+            self._end_stream(turn, "ABORTED", "the session was closed")
+            self.engine.abort_request(turn)
+        return max(tokens, self.engine.close_session(session_id))
 
     def abort_subscriber(self, subscriber: str) -> int:
         """The gateway whose event inbox is ``subscriber`` is gone: abort every stream whose

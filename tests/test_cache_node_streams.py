@@ -208,6 +208,32 @@ def test_a_deleted_tenants_requests_end_and_its_sessions_close(node) -> None:
     node.engine.check_integrity()
 
 
+def test_closing_a_session_during_its_turn_ends_the_turn(node) -> None:
+    """A fresh-user trial: `kvstrata close-session` while a turn ran printed "0 tokens freed",
+    the turn ran on to its end, and its blocks stayed held until then. Now the turn ends with
+    ABORTED, the session is gone and every block is free."""
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("t1", max_tokens=3, tenant="cat", session_id="cat/s"))
+        await gw.drain({"t1"})
+        history = node.engine.session_history("cat/s")
+        await gw.submit(request("t2", max_tokens=400, tenant="cat", session_id="cat/s"))  # + history
+        assert await gw.poll(30.0)  # started
+        assert await node.close_session("cat/s", "dog") == -1  # not dog's to close
+        freed = await node.close_session("cat/s", "cat")
+        return history, freed, await gw.drain({"t2"})
+
+    history, freed, got = asyncio.run(run())
+    assert freed >= len(history) + len(PROMPT)
+    assert got["t2"][-1] == {"type": "error", "code": "ABORTED", "message": "the session was closed"}
+    for _ in range(300):
+        if node.stats()["used_blocks"] == 0 and node.stats()["sessions"] == 0:
+            break
+        time.sleep(0.1)
+    assert "cat/s" not in node.engine.sessions.sessions and node.stats()["used_blocks"] == 0
+    node.engine.check_integrity()
+
+
 def test_a_policy_fault_in_a_step_fails_that_request_alone(node, monkeypatch) -> None:
     """Regression: a KV policy's exception inside the step stopped the node's step loop and
     failed every tenant's requests on it. Now that request gets INTERNAL and the request in
