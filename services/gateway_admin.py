@@ -58,8 +58,15 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
 
     async def UpdateTenant(self, request, context):
+        """Replace tenant ``name``'s spec; ``spec.name`` may be left empty (it is ``name``).
+        An unknown tenant is NOT_FOUND, a differing ``spec.name`` INVALID_ARGUMENT (no renames)."""
         await self.auth.admin(context)
-        spec = await self._spec(request.spec, context)
+        wire = request.spec
+        if not wire.name:  # regression: an unknown tenant got INVALID_ARGUMENT ("name is empty")
+            wire = tenant_pb2.TenantSpec()
+            wire.CopyFrom(request.spec)
+            wire.name = request.name
+        spec = await self._spec(wire, context)
         tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec))
         self.auth.forget()
         return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))

@@ -147,6 +147,13 @@ def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
     dup = tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="alice"))
     assert _code(lambda: stack.tenants.RegisterTenant(dup, metadata=stack.admin_md())) == grpc.StatusCode.ALREADY_EXISTS
     assert _code(lambda: stack.tenants.RegisterTenant(dup, metadata=k)) == grpc.StatusCode.UNAUTHENTICATED
+    # UpdateTenant: spec.name may be left out; an unknown tenant is NOT_FOUND (a trial got
+    # INVALID_ARGUMENT), a rename INVALID_ARGUMENT
+    update = stack.tenants.UpdateTenant
+    for name, spec_name, code in (("nobody", "", grpc.StatusCode.NOT_FOUND), ("nobody", "nobody", grpc.StatusCode.NOT_FOUND),
+                                  ("carol", "carla", grpc.StatusCode.INVALID_ARGUMENT)):
+        req = tenant_pb2.UpdateTenantRequest(name=name, spec=tenant_pb2.TenantSpec(name=spec_name))
+        assert _code(lambda r=req: update(r, metadata=stack.admin_md())) == code, (name, spec_name)
     bg.join()
     assert results["ok"]["finished"].completion_tokens == 24 or results["ok"]["finished"].finish_reason == "stop"
     stack.inference.CloseSession(close, metadata=k)
