@@ -63,8 +63,8 @@ def report() -> dict[str, Any]:
 def test_tenant_a_every_number(report: dict[str, Any]) -> None:
     a = report["tenants"]["A"]
     assert (a["calls"], a["sent"], a["ok"]) == (4, 3, 2)
-    assert a["ttft_ms"] == {"p50": 100.0, "p95": pytest.approx(145.0), "p99": pytest.approx(149.0)}
-    assert a["tpot_ms"] == {"p50": 12.5, "p95": pytest.approx(19.25), "p99": pytest.approx(19.85)}
+    assert a["ttft_ms"] == {"p50": 50.0, "p95": 150.0, "p99": 150.0}  # nearest rank
+    assert a["tpot_ms"] == {"p50": 5.0, "p95": 20.0, "p99": 20.0}
     assert (a["ttft_slo_attainment"], a["tpot_slo_attainment"]) == (0.5, 0.5)
     assert a["floor"] == {"backlogged_windows": 3, "met_windows": 2, "attainment": 2 / 3}
     assert (a["prompt_tokens"], a["output_tokens"]) == (200, 14)
@@ -90,7 +90,7 @@ def test_tenant_b_and_overall(report: dict[str, Any]) -> None:
     assert (b["failures_by_status"], b["preemptions"], b["noisy"]) == ({"UNAVAILABLE": 1}, 1, True)
     assert (overall["calls"], overall["sent"], overall["ok"]) == (6, 5, 3)
     assert overall["ttft_ms"]["p50"] == 150.0
-    assert overall["ttft_ms"]["p95"] == pytest.approx(465.0)
+    assert overall["ttft_ms"]["p95"] == 500.0
     assert overall["ttft_slo_attainment"] == 2 / 3  # each call against its own tenant's target
     assert overall["floor"] == {"backlogged_windows": 6, "met_windows": 2, "attainment": 2 / 6}
     assert overall["cache_hit_rate"]["device"] == 0.16
@@ -158,7 +158,7 @@ def test_report_json_is_recomputed_from_calls_jsonl(tmp_path: Path) -> None:
     for name in ("ttft_cdf.png", "memory.png", "throughput.png"):
         assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (run_dir / "report.md").read_text()
-    assert "| A | interactive | 2/3 | 100/145/149 | 12.5 | 50% | 66% |" in markdown  # 2/3 floored
+    assert "| A | interactive | 2/3 | 50/150/150 | 5.0 | 50% | 66% |" in markdown  # 2/3 floored
     assert "- overall: RESOURCE_EXHAUSTED 1, SKIPPED 1, UNAVAILABLE 1" in markdown
     assert (tmp_path / "latest").resolve() == run_dir.resolve()
     second, _ = write_report(RECORDS, TIMESERIES, TENANTS, root=tmp_path, now=now)
@@ -196,3 +196,14 @@ def test_summary_table_prints_every_group(report: dict[str, Any]) -> None:
     assert "B (noisy)" not in text and "overall" in text
     assert "Scheduler: not reported." in text and "noisy neighbour" in text
     assert "failures overall: RESOURCE_EXHAUSTED 1, SKIPPED 1, UNAVAILABLE 1" in text
+
+
+def test_a_p95_under_the_target_means_95_percent_met_it() -> None:
+    """Regression (a fresh-user trial): 11 calls, one over the 1000 ms target; interpolation
+    printed p95 = 950 ms, under the target 1 in 11 calls (9%) had missed. By nearest rank the
+    p95 is the call that missed."""
+    from workloads.deepresearch.metrics import percentiles
+
+    ttfts = [100.0] * 10 + [1400.0]
+    assert percentiles(ttfts)["p95"] == 1400.0 and percentiles(ttfts)["p50"] == 100.0
+    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}

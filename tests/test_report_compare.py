@@ -35,7 +35,7 @@ def test_rows_pair_each_tenant_under_both_schedulers() -> None:
     assert rows[0][COMPARE_COLUMNS.index("rejected")] == "1"
     assert rows[1][COMPARE_COLUMNS.index("TTFT p50/p95 ms")] == "400/400"
     assert comparison_sentences(first, second)[0] == (
-        "A (interactive, target 100 ms): 50% of ok calls in time under kvstrata (p95 145 ms, 1 rejected), "
+        "A (interactive, target 100 ms): 50% of ok calls in time under kvstrata (p95 150 ms, 1 rejected), "
         "0% under fcfs (p95 400 ms, 1 rejected).")
 
 

@@ -108,7 +108,7 @@ def test_what_to_look_at_is_written_from_the_numbers() -> None:
     lines = what_to_look_at(report)
     a = report["tenants"]["A"]
     assert lines[0] == (f"TTFT targets missed (under 95% of ok calls in time): A (interactive) "
-                        f"{pct(a['ttft_slo_attainment'])} within 100 ms (p50 100 ms, p95 145 ms). "
+                        f"{pct(a['ttft_slo_attainment'])} within 100 ms (p50 50 ms, p95 150 ms). "
                         "fcfs serves calls in arrival order whatever their class or target.")
     assert lines[1] == ("Floors missed (under 95%): A 66% of 3 backlogged windows at 2.5 tok/s; "
                         "B 0% of 3 backlogged windows at 0.5 tok/s.")
