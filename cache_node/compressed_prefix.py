@@ -33,6 +33,7 @@ but not forked by a request of that same length: it would have no token to sampl
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
+
+log = logging.getLogger(__name__)
 
 PrefixKey = tuple[bytes, int, str]
 """(hash of the prefix's tokens chained from its namespace, N, policy spec)."""
@@ -116,7 +119,7 @@ class CompressedPrefixCache:
         key = self.key(seq, n)
         entry = self.entries.get(key)
         forkable = n < seq.num_prompt_tokens
-        if entry is not None and forkable and self._fork(entry, seq):
+        if entry is not None and forkable and self._fork_or_log(entry, seq):
             return True
         if entry is None and forkable and key in self.producers:
             self.parked.setdefault(key, []).append(seq)
@@ -135,9 +138,13 @@ class CompressedPrefixCache:
         seq.prefix_stop = 0
         kv = seq.kv
         if kv.budget is None:
-            kv.budget = kv.policy.budget_tokens(seq.num_computed_tokens)
-            kv.policy.compress(kv)
-            kv.settle_charge()
+            try:
+                kv.budget = kv.policy.budget_tokens(seq.num_computed_tokens)
+                kv.policy.compress(kv)
+                kv.settle_charge()
+            except Exception:  # the engine fails ``seq``: ``on_finish`` hands the prefix on
+                self.producing[seq.request_id] = key  # (regression: its parked requests hung)
+                raise
             kv.budget = None  # the rest of the prompt is a new turn's (recomputed at its end)
         if key in self.entries:
             self.entries.move_to_end(key)
@@ -148,7 +155,7 @@ class CompressedPrefixCache:
         ready = self.parked.pop(key, [])
         entry = self.entries.get(key)
         for other in ready:
-            if entry is None or not self._fork(entry, other):
+            if entry is None or not self._fork_or_log(entry, other):
                 other.prefix_stop = key[1]
                 self.producing[other.request_id] = key
         return ready
@@ -195,18 +202,45 @@ class CompressedPrefixCache:
 
     def _copy_state(self, src: Sequence, dst: Sequence) -> bool:
         """Copy ``src``'s blocks and policy state into ``dst`` (no blocks of its own yet).
-        False, with nothing held, when the pool is short."""
+        False, with nothing held, when the pool is short.
+
+        Raises:
+            Exception: whatever the policy's ``fork`` raised; ``dst`` holds nothing then (its
+                copied blocks and the forked state's charge blocks and slots went back).
+        """
         if not self._copy_blocks(src, dst):
             return False
-        dst.kv = src.kv.fork(dst)  # host-tier sentences: shared slots, nothing reserved
-        dst.kv.settle_charge()
+        own = dst.kv
+        try:
+            dst.kv = src.kv.fork(dst)  # host-tier sentences: shared slots, nothing reserved
+            dst.kv.settle_charge()
+        except Exception:
+            if dst.kv is not own and dst.kv is not None:
+                dst.kv.reset()
+            dst.kv = own
+            self.block_pool.free(dst.block_table[::-1])
+            dst.block_table, dst.num_computed_tokens = [], 0
+            raise
         return True
+
+    def _fork_or_log(self, entry: PrefixEntry, seq: Sequence) -> bool:
+        """``_fork``, or False when the policy's fork raised (``seq`` then computes the
+        prefix itself: one policy fault never leaves a parked request waiting)."""
+        try:
+            return self._fork(entry, seq)
+        except Exception:
+            log.exception("compressed prefix: request %s could not fork the stored prefix", seq.request_id)
+            return False
 
     def _store(self, key: PrefixKey, seq: Sequence) -> bool:
         n = key[1]
         owner = Sequence(f"prefix-{key[0].hex()[:16]}", seq.prompt_token_ids[:n], SamplingParams(max_tokens=1),
                          extra_keys=seq.extra_keys, policy=seq.policy)
-        if not self._copy_state(seq, owner):
+        try:
+            if not self._copy_state(seq, owner):
+                return False
+        except Exception:  # nothing stored; the producer continues from its own state
+            log.exception("compressed prefix: request %s could not store its prefix", seq.request_id)
             return False
         self.entries[key] = PrefixEntry(key, owner)
         return True

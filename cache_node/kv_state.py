@@ -94,6 +94,30 @@ class SequenceKV:
         self.extra: dict[str, Any] = {}
         self.seq.num_evicted_tokens = 0
 
+    def reusable_prompt_tokens(self) -> int:
+        """How many of the prompt's first tokens a prefix-cache hit may supply before this
+        state's first compression; the rest are computed so that the statistics the policy
+        reads there cover the queries its source defines them over.
+
+        A policy reading cumulative attention (``needs.attention``: H2O, G-KV, SpindleKV)
+        sums it over every query of the prompt, so none may come from the cache; one reading
+        an observation window (``needs.window_queries`` = w: SnapKV, SentenceKV) needs the
+        window's w queries before the compression point (``prefix_stop``, else the prompt's
+        end). Other policies, and a state that compressed already, take any hit.
+
+        Regression: an H2O or G-KV request whose prompt a plain request had cached
+        compressed from the attention of its last few computed tokens only, and decoded
+        other tokens than the same request on a cold cache.
+        """
+        needs = self.policy.needs
+        seq = self.seq
+        if not self.policy.compresses or not needs.any or self.budget is not None:
+            return seq.num_tokens
+        if needs.attention:
+            return 0
+        end = seq.prefix_stop or seq.num_prompt_tokens
+        return max(0, end - needs.window_queries)
+
     # ---- the step ---------------------------------------------------------------------------
     @property
     def frontier(self) -> int:

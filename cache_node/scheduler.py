@@ -199,7 +199,8 @@ class Scheduler(Preemption):
             if seq.block_table:
                 seq.device_hit_tokens = len(seq.block_table) * bs
             else:
-                seq.device_hit_tokens = self.kv_manager.get_computed_blocks(seq)[1]
+                hit = self.kv_manager.get_computed_blocks(seq)[1]
+                seq.device_hit_tokens = min(hit, self._reusable_blocks(seq) * bs)
 
     def _urgent_prefill_pending(self, now: float) -> bool:
         """An interactive request waits (and may start) or has prompt tokens left, under a
@@ -329,9 +330,7 @@ class Scheduler(Preemption):
         if not seq.block_table:  # a session turn arrives with its blocks attached
             computed, num_cached = self.kv_manager.get_computed_blocks(seq)
             computed = computed + self.kv_manager.promote_blocks(seq, computed)
-            if seq.prefix_stop:  # the reusable prefix is compressed from its own prefill,
-                # its step ending at the boundary: at least its last token is computed
-                computed = computed[: (seq.prefix_stop - 1) // self.kv_manager.block_size]
+            computed = computed[: self._reusable_blocks(seq)]
             num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
         n = min(seq.compute_end(start) - start, budget)
@@ -343,6 +342,18 @@ class Scheduler(Preemption):
         if seq.num_preemptions == 0 and not seq.output_token_ids:
             seq.num_cached_tokens = max(seq.num_cached_tokens, start)
         return n
+
+    def _reusable_blocks(self, seq: Sequence) -> int:
+        """Blocks of a new sequence's tokens a prefix-cache hit may cover: a reusable prefix
+        is compressed from its own prefill, its step ending at the boundary (at least its
+        last token is computed), and a KV policy gets the queries its statistics need
+        computed (``SequenceKV.reusable_prompt_tokens``)."""
+        limit = seq.num_tokens
+        if seq.prefix_stop:
+            limit = seq.prefix_stop - 1
+        if seq.kv is not None:
+            limit = min(limit, seq.kv.reusable_prompt_tokens())
+        return limit // self.kv_manager.block_size
 
     def _whole_prompt_fits(self, seq: Sequence, num_computed_blocks: int) -> bool:
         """Free blocks cover the rest of the prompt plus the first output token (past the

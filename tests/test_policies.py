@@ -181,3 +181,25 @@ def test_compacted_blocks_are_copied_on_write_not_overwritten(tiny) -> None:
     again = eng.generate([prompt], params)[0]
     assert again.num_cached_tokens == 96
     assert again.output_token_ids == first.output_token_ids
+
+
+STATS_POLICIES = [p for p in COMPRESSING if make_policy(p).needs.any]
+
+
+@pytest.mark.parametrize("name", STATS_POLICIES)
+def test_a_prefix_cache_hit_leaves_the_compression_as_on_a_cold_cache(tiny, name: str) -> None:
+    """Regression: an H2O or G-KV request whose prompt a plain request had cached took the
+    hit, compressed from the attention of its few computed tokens only, and decoded other
+    tokens than on a cold cache (G-KV from its second token). Now a policy reading
+    cumulative attention takes no hit before its first compression, and one reading an
+    observation window of w queries computes at least those w."""
+    prompt, params = prompt_of(200, 3), SamplingParams(max_tokens=12, ignore_eos=True)
+    spec = f"{name}-{BUDGET}" if name != "sentencekv" else "sentencekv-0.25"
+    cold = make_engine(tiny, max_num_batched_tokens=256).generate([prompt], params, policy=spec)[0]
+    eng = make_engine(tiny, max_num_batched_tokens=256)
+    eng.generate([prompt + [9]], SamplingParams(max_tokens=1))  # caches the prompt's full blocks
+    warm = eng.generate([prompt], params, policy=spec)[0]
+    assert warm.output_token_ids == cold.output_token_ids
+    needs, bs = make_policy(spec).needs, eng.pool.block_size
+    want = 0 if needs.attention else (len(prompt) - needs.window_queries) // bs * bs
+    assert warm.num_cached_tokens == want

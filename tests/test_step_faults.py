@@ -110,3 +110,54 @@ def test_a_fault_naming_no_request_fails_the_batch_then_the_node(tiny, monkeypat
             assert run(eng)[f"r{i}"].finish_reason == "error"
     with pytest.raises(RuntimeError, match="a policy bug"):
         eng.step()
+
+
+DOC = prompt_of(96, 3)
+QUESTIONS = [prompt_of(9, 10 + k) for k in range(3)]
+
+
+def prefix_run(eng: LLMEngine, first: int = 0) -> tuple[list[str], dict[str, object]]:
+    ids = [eng.add_request(DOC + q, PARAMS, request_id=f"q{k}", policy="snapkv-40", prefix_tokens=len(DOC))
+           for k, q in enumerate(QUESTIONS) if k >= first]
+    return ids, run(eng)
+
+
+def test_a_prefix_producers_fault_hands_the_prefix_on(tiny) -> None:
+    """Regression: when the request computing a compressed prefix failed in its compression,
+    the requests parked on that prefix were neither forked nor scheduled: they waited
+    forever. Now the producer fails alone and the next parked request computes the prefix;
+    their answers equal a fault-free run without the failed request (the same batches)."""
+    ids, want = prefix_run(engine(tiny), first=1)
+    eng = engine(tiny)
+    add = eng.add_request
+
+    def faulty_first(*args, **kw):  # type: ignore[no-untyped-def]
+        rid = add(*args, **kw)
+        if rid == "q0":
+            eng.requests[rid].kv.policy.compress = boom
+        return rid
+
+    eng.add_request = faulty_first  # type: ignore[method-assign]
+    _, got = prefix_run(eng)
+    assert got["q0"].finish_reason == "error"
+    assert [got[i].output_token_ids for i in ids] == [want[i].output_token_ids for i in ids]
+    assert eng.stats()["compressed_prefix_stores"] == 1 and eng.stats()["compressed_prefix_parked"] == 0
+    eng.prefixes.clear()
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0
+
+
+def test_a_policy_that_cannot_fork_computes_each_prefix_itself(tiny, monkeypatch) -> None:
+    """A policy whose ``fork`` raises neither stores nor forks a prefix: each request computes
+    the prefix itself and runs to its end; nothing is held. (Its tokens are not compared:
+    other batches than a forking run's, and the tiny random model's near-ties flip.)"""
+    from cache_node.kv_state import SequenceKV
+
+    monkeypatch.setattr(SequenceKV, "fork", boom)
+    eng = engine(tiny)
+    ids, got = prefix_run(eng)
+    assert [(got[i].finish_reason, got[i].num_output_tokens) for i in ids] == [("length", 8)] * 3
+    s = eng.stats()
+    assert (s["compressed_prefix_stores"], s["compressed_prefix_hits"], s["compressed_prefixes"]) == (0, 0, 0)
+    eng.check_integrity()
+    assert s["used_blocks"] == 0
