@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW = 1e-5
+"""Temperatures under this decode greedily (vLLM's ``_SAMPLING_EPS``)."""
+
+MAX_SEED = 2**64 - 1
+"""Largest ``seed`` (a torch generator's seed is an unsigned 64-bit integer)."""
+
 MAX_STOP_TOKEN_IDS = 64
 """Most ``stop_token_ids`` one request may name (each is checked on every decode step)."""
 
@@ -20,9 +26,11 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most new tokens to generate (> 0).
-        temperature: 0 means greedy; otherwise logits are divided by it (>= 0, <= 100).
+        temperature: 0 (or under ``GREEDY_BELOW``) means greedy; otherwise logits are
+            divided by it (>= 0, <= 100).
         top_p: nucleus mass kept when sampling, in (0, 1].
-        seed: per-request RNG seed for sampling; None draws from the engine RNG.
+        seed: per-request RNG seed for sampling, in [0, 2^64 - 1]; None draws from the
+            engine RNG.
         stop_token_ids: extra token ids that end the request (the model's EOS always does
             unless ``ignore_eos``); non-negative, at most ``MAX_STOP_TOKEN_IDS``.
         ignore_eos: keep generating past EOS (benchmarks).
@@ -50,8 +58,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2^64 - 1], got {self.seed!r}")
         stop = tuple(int(t) for t in self.stop_token_ids)
         if len(stop) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds {len(stop)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
@@ -62,7 +70,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures under ``GREEDY_BELOW`` decode greedily, as vLLM's do: dividing the
+        logits by them overflows float32 to inf, whose softmax is NaN (regression: a request
+        with temperature 1e-300 raised inside the step)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:

@@ -194,11 +194,24 @@ def test_prompt_larger_than_pool_is_rejected(tiny) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_tokens": 0}, {"max_tokens": -1}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}]
+    "kwargs", [{"max_tokens": 0}, {"max_tokens": -1}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5},
+               {"seed": -1}, {"seed": 2**64}, {"temperature": 1e-300, "seed": 2**70}],
 )
 def test_invalid_sampling_params(kwargs) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_a_vanishing_temperature_decodes_greedily(tiny) -> None:
+    """Regression: temperature 1e-300 passed validation, and dividing the logits by it gave
+    inf, whose softmax is NaN: torch.multinomial raised inside the step (the node's step
+    loop died). Temperatures under ``GREEDY_BELOW`` decode greedily, as in vLLM."""
+    prompt = prompt_of(12)
+    greedy = make_engine(tiny).generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    for t in (1e-300, 5e-324, 9e-6):
+        sp = SamplingParams(max_tokens=6, ignore_eos=True, temperature=t, seed=2**64 - 1)
+        assert sp.greedy and make_engine(tiny).generate([prompt], sp)[0].output_token_ids == greedy.output_token_ids
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 def test_idle_sessions_are_unpinned_when_the_pool_is_full(tiny) -> None:
