@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -35,6 +36,7 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import load_model
 from cache_node.policies.base import PolicyEnv
+from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
@@ -195,15 +197,16 @@ class CacheNode(Streams, Commands, Health, Admin):
             error = None
             try:
                 prompt = self._prompt(req)
-                if req.max_context_tokens and len(prompt) + req.sampling.max_tokens > req.max_context_tokens:
+                sampling = self._sampling(req, len(prompt))
+                if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
                     raise ValueError(
-                        f"prompt ({len(prompt)}) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+                        f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the "
                         f"tenant's max_context_tokens ({req.max_context_tokens})"
                     )
                 self._set_tenant_share(req)
                 stream.prompt_tokens = len(prompt)
                 self.engine.add_request(
-                    prompt, req.sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
+                    prompt, sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
                     session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
                     prefetch=req.prefetch, priority=req.priority, prefix_tokens=req.prefix_tokens,
                 )
@@ -218,6 +221,16 @@ class CacheNode(Streams, Commands, Health, Admin):
                 error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
             if error is not None:
                 self._dispatch([(stream, error)])
+
+    def _sampling(self, req: NodeRequest, num_prompt_tokens: int) -> SamplingParams:
+        """``req.sampling``; a request without max_tokens (``extra["fill_context"]``) gets what
+        the context limit, the model and this node's pool leave after its whole prompt
+        (session history included)."""
+        if req.extra.get("fill_context") != "1":
+            return req.sampling
+        limit = min(req.max_context_tokens or self.engine.max_model_len, self.engine.max_model_len,
+                    self.engine.scheduler.pool_tokens)
+        return dataclasses.replace(req.sampling, max_tokens=max(1, limit - num_prompt_tokens))
 
     def _set_tenant_share(self, req: NodeRequest) -> None:
         extra = req.extra

@@ -61,8 +61,8 @@ class GenerateInput:
             cached blocks only with requests of the same tenant namespace and salt.
         routing_key: a routing hint (OpenAI's ``prompt_cache_key``): requests with the same key
             go to the same cache node while it has room ("" = none).
-        fill_context: no max_tokens was given: generate up to the context limit
-            (``sampling.max_tokens`` is then ignored).
+        fill_context: no max_tokens was given: generate up to what the context limit and the
+            node's KV pool leave after the whole prompt (``sampling.max_tokens`` is ignored).
         priority: lower is served earlier among this tenant's own waiting requests on its
             node, never ahead of another tenant's; in [-1000, 1000] (else INVALID_ARGUMENT).
         prefix_tokens / prefix_messages: the prompt's reusable document prefix, as tokens of a
@@ -192,8 +192,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         else:
             tokens = tuple(prompt)
         limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
-        if call.fill_context:
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, limit - len(tokens)))
+        fill = {}
+        if call.fill_context:  # what the context and the pool leave (the node sizes it again
+            # from the whole prompt, session history included: regression, every chat call
+            # without max_tokens was refused, asking for more than the pool holds)
+            room = min(limit, self.info["pool_tokens"]) - len(tokens)
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
+            fill = {"fill_context": "1"}
         if len(tokens) >= self.info["pool_tokens"]:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -217,7 +222,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         ) if tokens else []
         extra = {"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
                  "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
-                 "kv_quota_bytes": str(spec.kv_quota_bytes)}
+                 "kv_quota_bytes": str(spec.kv_quota_bytes)} | fill
         if call.routing_key:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         if messages:  # the node renders them: admission still needs their size

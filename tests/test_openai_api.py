@@ -94,6 +94,19 @@ def test_max_tokens_and_max_completion_tokens(client: openai.OpenAI, model: str)
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_no_max_tokens_fills_what_the_context_and_pool_leave(client: openai.OpenAI, model: str) -> None:
+    """A fresh-user trial: every chat call without max_tokens got 400 ("prompt (33 tokens) +
+    max_tokens (8159) needs 8192 tokens of KV at once; this node's KV pool holds 4368"), and
+    every session turn without it exceeded max_context_tokens (the history was not counted).
+    Now the node gives it what the context and its pool leave after the whole prompt."""
+    for session in ("", "oai-fill"):
+        for turn in ("Count from 1 to 5, separated by commas.", "Now from 6 to 9."):
+            r = client.chat.completions.create(model=model, messages=ask(turn), temperature=0, stop=["\n"],
+                                               extra_body={"session_id": session} if session else None)
+            assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+    assert plain_http("DELETE", f"{client.base_url}sessions/oai-fill", client.api_key)[0] == 200
+
+
 def test_stop_string_cuts_the_text(client: openai.OpenAI, model: str) -> None:
     """The stop string is not returned, finish_reason is "stop", streamed or not."""
     messages = ask("Write a long story about a dragon.")
