@@ -23,6 +23,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
+from cache_node.tiers.spill_api import well_formed
 from cache_node.tiers.spill_store import SpillEvent, SpillHits
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,15 @@ class RaySpillClient:
         refs = {i: self.nodes[i].get.remote([hashes[r] for r in rows], _pick(token_ids, rows))
                 for i, rows in shards.items()}
         rows_of: dict[bytes, tuple[np.ndarray, str]] = {}
-        for reply in self._gather(refs, self.get_timeout_s, "get").values():
-            for j, (block_hash, tier) in enumerate(zip(reply.hashes, reply.tiers)):
-                rows_of[block_hash] = (reply.blocks[j], tier)
+        for i, reply in self._gather(refs, self.get_timeout_s, "get").items():
+            # regression: rows of another shape or dtype were broadcast or cast into the
+            # pool's format, so the engine's own check never saw them
+            checked = well_formed(reply, [hashes[r] for r in shards[i]], self.block_shape, self.dtype)
+            if checked is None:
+                self._fail("get", i, "malformed reply")
+                continue
+            for block_hash, row, tier in zip(*checked):
+                rows_of[block_hash] = (row, tier)
         found = [h for h in hashes if h in rows_of]
         out = np.empty((len(found), *self.block_shape), dtype=self.dtype)
         for k, block_hash in enumerate(found):

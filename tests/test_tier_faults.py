@@ -265,3 +265,47 @@ def test_flush_then_resend_has_no_cached_tokens_in_any_tier(tiny, tmp_path) -> N
         out = run(eng, prompt_of(200, 20 + k))
         assert out.num_cached_tokens_by_tier == by_tier()
         eng.flush()
+
+
+def test_the_ray_spill_client_refuses_replies_it_would_broadcast_or_cast(monkeypatch) -> None:
+    """Regression (security review): ``RaySpillClient.get`` copied each spill node's rows into
+    an array of the pool's shape and dtype, so numpy broadcast a (n, 1) reply and cast a
+    float64 one into KV that the engine's own check then accepted as hits. A reply that is
+    not exactly (n, *block_shape) of the pool's dtype, or answers hashes not asked, is a miss."""
+    import numpy as np
+
+    import services.spill_client as sc
+    from cache_node.tiers.spill_store import SpillHits
+
+    class Ref:
+        def __init__(self, value) -> None:  # type: ignore[no-untyped-def]
+            self.value = value
+
+    class FakeRay:  # ray.wait / ray.get over plain values
+        @staticmethod
+        def wait(refs, num_returns, timeout):  # type: ignore[no-untyped-def]
+            return list(refs), []
+
+        @staticmethod
+        def get(ref):  # type: ignore[no-untyped-def]
+            return ref.value
+
+    class Node:
+        def __init__(self, blocks, extra=b"") -> None:  # type: ignore[no-untyped-def]
+            self.blocks, self.extra = blocks, extra
+            self.get = self
+
+        def remote(self, hashes, tokens):  # type: ignore[no-untyped-def]
+            hashes = list(hashes) + ([self.extra] if self.extra else [])
+            return Ref(SpillHits(hashes, self.blocks(len(hashes)), ["spill_ram"] * len(hashes)))
+
+    monkeypatch.setattr(sc, "ray", FakeRay)
+    shape, asked = (2, 2, 16, 3, 64), [bytes([i]) * 32 for i in range(3)]
+    good = lambda n: np.ones((n, *shape), np.int16)
+    for blocks, extra, hits in ((good, b"", 3), (lambda n: np.full((n, 1), 7, np.int16), b"", 0),
+                                (lambda n: np.full((n, *shape), 1e9, np.float64), b"", 0),
+                                (good, b"\x09" * 32, 0)):
+        client = sc.RaySpillClient([Node(blocks, extra)], shape, "int16")
+        reply = client.get(asked, [[1] * 16] * 3)
+        assert len(reply.hashes) == hits and reply.blocks.shape == (hits, *shape)
+        assert client.stats().get("get_failures", 0) == (0 if hits else 1)

@@ -91,6 +91,29 @@ def from_numpy(rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 
+def well_formed(
+    reply: SpillReply, asked: Sequence[bytes], shape: Sequence[int], dtype: np.dtype
+) -> tuple[list[bytes], np.ndarray, list[str]] | None:
+    """``(hashes, blocks, tiers)`` of a ``get`` reply, or None when it is malformed: fields of
+    the wrong type, hashes that are not bytes or were not ``asked``, a tier not in
+    ``SPILL_TIERS``, ``blocks`` not exactly ``(len(hashes), *shape)`` of ``dtype`` (a reply
+    crosses process boundaries: nothing is broadcast or cast into KV)."""
+    try:  # every field may be of any type
+        hashes, blocks, tiers = list(reply.hashes), reply.blocks, list(reply.tiers)
+    except Exception:  # noqa: BLE001 - not a reply at all
+        return None
+    if not isinstance(blocks, np.ndarray) or blocks.shape != (len(hashes), *shape):
+        return None
+    if blocks.dtype != dtype or len(tiers) != len(hashes):
+        return None
+    if not all(isinstance(h, bytes) for h in hashes) or not all(isinstance(t, str) and t in SPILL_TIERS
+                                                                  for t in tiers):
+        return None  # a tier name the engine does not know would fail its accounting
+    if set(hashes) - set(asked):
+        return None  # answered something not asked: distrust it all
+    return hashes, blocks, tiers
+
+
 def leading_hits(
     reply: SpillReply, asked: Sequence[bytes], shape: Sequence[int], dtype: np.dtype
 ) -> tuple[np.ndarray, list[str]]:
@@ -101,17 +124,10 @@ def leading_hits(
     are not bytes, a tier not in ``SPILL_TIERS``, wrong shape or dtype).
     """
     empty = np.empty((0, *shape), dtype=dtype)
-    try:  # a reply crosses process boundaries: every field may be of any type
-        hashes, blocks, tiers = list(reply.hashes), reply.blocks, list(reply.tiers)
-    except Exception:  # noqa: BLE001 - not a reply at all
+    checked = well_formed(reply, asked, shape, dtype)
+    if checked is None:
         return empty, []
-    if not isinstance(blocks, np.ndarray) or blocks.shape != (len(hashes), *shape):
-        return empty, []
-    if blocks.dtype != dtype or len(tiers) != len(hashes):
-        return empty, []
-    if not all(isinstance(h, bytes) for h in hashes) or not all(isinstance(t, str) and t in SPILL_TIERS
-                                                                  for t in tiers):
-        return empty, []  # a tier name the engine does not know would fail its accounting
+    hashes, blocks, tiers = checked
     k = 0
     while k < len(hashes) and k < len(asked) and hashes[k] == asked[k]:
         k += 1
