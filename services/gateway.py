@@ -158,6 +158,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                  scheduler_address: str, security: Security | None = None,
                  metrics: GatewayMetrics | None = None) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
+        self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
         self.info, self.templater = next(iter(node_info.values())), templater
         self.metrics = metrics or GatewayMetrics()  # the Gateway serves its registry (gateway_server)
         self.streams = NodeStreams(
@@ -269,11 +270,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req, hashes = await self._prepare(call, tenant, context)
-        client_id = req.request_id.split("/", 1)[1]
-        try:
-            queue = self.streams.open(req.request_id)
-        except KeyError:
+        scoped = req.request_id
+        client_id = scoped.split("/", 1)[1]
+        if scoped in self._in_flight:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
+        self._in_flight.add(scoped)
+        # each attempt has its own id past this gateway (scheduler, node, events, aborts).
+        # Regression: a client id reused right after a cancel got the cancelled attempt's
+        # "abort" ending while its own attempt ran on, unseen and unabortable, on the node;
+        # and a late abort of a finished attempt refused the id's next use (CANCELLED)
+        req = dataclasses.replace(req, request_id=f"{scoped}#{uuid.uuid4().hex[:16]}")
+        try:  # closed here, at once: its ``finally`` releases and aborts the attempt
+            async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._in_flight.discard(scoped)
+
+    async def _attempt(self, context: Any, req: NodeRequest, hashes: list[bytes], client_id: str,
+                       track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
+        """One admitted attempt of a request: admit, stream its node's events, and on any end
+        release it at the scheduler (aborting it on its node when it did not finish)."""
+        queue = self.streams.open(req.request_id)
         adm = None
         usage: dict[str, Any] | None = None
         seen = _Seen()  # the usage of a request that ends without its finished event
@@ -287,6 +305,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 adm = await asyncio.shield(admission)
             except (RuntimeError, asyncio.TimeoutError) as exc:
                 usage = {}
+                for node_id in self.nodes:  # admitted late, it must not run unseen: its id is
+                    self.streams.abort(node_id, req.request_id)  # this attempt's alone
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "the global scheduler did not answer")
             if adm.code != "OK":
                 usage = {}

@@ -204,6 +204,31 @@ def test_cancel_streams_frees_every_block(stack, keys) -> None:
     assert r["finished"] is not None and time.time() - t0 < 5.0
 
 
+def test_a_request_id_reused_right_after_a_cancel_runs_as_itself(stack, keys) -> None:
+    """Regression (security review): a client id retried at once after a cancel got the
+    cancelled attempt's ending (finish reason "abort", its token counts) while the retry ran
+    on, unseen and unabortable, on the node; five such retries left 5 hidden requests
+    running. Each attempt now has its own id past the gateway."""
+    k = md(keys["bob"])
+    base = [s.used_blocks for s in node_stats(stack)]
+    for i in range(5):
+        call = stack.inference.Generate(chat(f"Tell me about topic {i}.", 200, request_id="again"), metadata=k)
+        for msg in call:
+            if msg.WhichOneof("event") == "delta":
+                break
+        call.cancel()
+        retry = collect(stack.inference.Generate(chat("Say hello.", 3, request_id="again"), metadata=k))
+        assert retry["finished"].finish_reason in ("length", "stop"), retry["finished"]
+        assert retry["started"].request_id == "again"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stats = node_stats(stack)
+        if [s.used_blocks for s in stats] == base and all(s.running == 0 for s in stats):
+            break
+        time.sleep(0.2)
+    assert all(s.running == 0 for s in stats) and [s.used_blocks for s in stats] == base
+
+
 def test_deadline_aborts_request(stack, keys) -> None:
     k = md(keys["bob"])
     with pytest.raises(grpc.RpcError) as info:
