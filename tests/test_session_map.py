@@ -68,3 +68,24 @@ def test_sessions_ended_ignores_other_nodes_sessions(tmp_path) -> None:
     sched.session_nodes.update({"s": ("t1", "n1"), "u": ("t1", "n0")})
     sched.sessions_ended("n0", ["s", "u", "never-seen"])
     assert sched.session_nodes == {"s": ("t1", "n1")}
+
+
+def test_a_late_release_of_a_first_turn_keeps_the_route_its_retry_set(tmp_path) -> None:
+    """Regression (security review): a session's first turn cancelled before it ran, retried
+    at once; the cancelled turn's release (by Ray) landed after the retry's admission (by
+    ZeroMQ) and dropped the session's route, so the next turn went to another node and
+    answered without the history the retry left on the first."""
+    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    first = sched.admit("t1", "t1/r1#a", session_id="t1/chat")
+    retry = sched.admit("t1", "t1/r1#b", session_id="t1/chat")
+    assert retry.node_id == first.node_id
+    sched.release("t1/r1#a", None)  # nothing ran
+    assert sched.session_nodes["t1/chat"] == ("t1", first.node_id)
+    sched.release("t1/r1#b", {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}})
+    sched.nodes[first.node_id].in_flight.update({"x", "y"})  # its node is busier now
+    assert sched.admit("t1", "t1/r2#c", session_id="t1/chat").node_id == first.node_id
+    sched.release("t1/r2#c", None)
+    assert not sched.session_turns and not sched.request_sessions
+    alone = sched.admit("t1", "t1/r3#d", session_id="t1/other")  # a first turn alone that ran nothing
+    sched.release("t1/r3#d", None)
+    assert "t1/other" not in sched.session_nodes and alone.code == "OK"
