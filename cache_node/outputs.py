@@ -45,9 +45,9 @@ class InvalidRequestError(ValueError):
 
 class SequenceFault(RuntimeError):
     """An exception raised while computing one sequence's part of a step (its KV policy's
-    ``begin_step``, ``attend``, ``after_step`` or prefix store), tagged with that sequence's
-    ``request_id``: the engine fails that request alone and the rest of the batch recomputes
-    (``LLMEngine.step``). The original exception is ``__cause__``."""
+    ``begin_step``, ``attend``, ``after_step`` or prefix store, or its sampling), tagged with
+    that sequence's ``request_id``: the engine fails that request alone and the rest of the
+    batch recomputes (``LLMEngine.step``). The original exception is ``__cause__``."""
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request {request_id}: its step failed")

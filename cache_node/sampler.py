@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from cache_node.outputs import SequenceFault
 from cache_node.sequence import Sequence
 
 
@@ -37,6 +38,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     Returns:
         num_seqs token ids: argmax for greedy rows; for the others, one draw from
         softmax(logits / temperature) after top-p filtering, with the sequence's generator.
+
+    Raises:
+        SequenceFault: a sampled row's draw failed (e.g. non-finite logits); names its request.
     """
     if not seqs:
         return []
@@ -45,6 +49,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = seq.sampling_params
         if params.greedy:
             continue
-        probs = top_p_filter(torch.softmax(logits[i] / params.temperature, dim=-1), params.top_p)
-        tokens[i : i + 1] = torch.multinomial(probs, 1, generator=seq.generator)
+        try:
+            probs = top_p_filter(torch.softmax(logits[i] / params.temperature, dim=-1), params.top_p)
+            tokens[i : i + 1] = torch.multinomial(probs, 1, generator=seq.generator)
+        except Exception as exc:  # e.g. non-finite logits: this request's fault alone
+            raise SequenceFault(seq.request_id) from exc
     return tokens.tolist()

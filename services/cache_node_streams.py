@@ -182,7 +182,7 @@ class Streams:
                                       f"({self.engine.scheduler.pool_tokens} tokens)"})
         elif out.finished and out.finish_reason == "error":
             events.append({"type": "error", "code": "INTERNAL",
-                           "message": "this request's step failed on the cache node (its KV policy raised); "
+                           "message": "this request's step failed on the cache node (see its log); "
                                       "the node's other requests went on"})
         elif out.finished:
             tail = stops.flush() if stops is not None and out.finish_reason != "abort" else ""

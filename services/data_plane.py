@@ -57,6 +57,10 @@ _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "prefix_tokens": int,
 }
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
+_SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' fields
+    "max_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": (int, type(None)),
+    "stop_token_ids": (list, tuple), "ignore_eos": bool, "stop": (list, tuple),
+}
 
 _NUMBER = (int, float)
 _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
@@ -151,9 +155,16 @@ def request_from_wire(data: Any) -> NodeRequest:
     check_priority(fields.get("priority", 0))
     if fields.get("prefix_tokens", 0):  # of token_ids only (a node renders messages whole)
         resolve_prefix_tokens(fields["prefix_tokens"], 0, fields.get("messages") or tokens, tokens, None)
-    if not all(isinstance(k, str) for k in fields["sampling"]):
-        raise TypeError("request.sampling must have string keys")
-    fields["sampling"] = SamplingParams(**fields["sampling"])
+    sampling = fields["sampling"]  # each field its exact type (regression: "0.5" for top_p
+    _check_fields("request.sampling", sampling, _SAMPLING_FIELDS, ())  # passed, and raised in
+    for value in sampling.get("stop_token_ids", ()):  # the step for every request in it)
+        _check_type("request.sampling.stop_token_ids[]", value, int)
+    for value in sampling.get("stop", ()):
+        _check_type("request.sampling.stop[]", value, str)
+    for name in ("seed",):
+        if isinstance(sampling.get(name), bool):
+            raise TypeError(f"request.sampling.{name} must be an integer, got a bool")
+    fields["sampling"] = SamplingParams(**sampling)
     fields["messages"] = tuple(dict(m) for m in fields.get("messages", ()))
     fields["token_ids"] = tuple(fields.get("token_ids", ()))
     return NodeRequest(**fields)

@@ -323,3 +323,21 @@ def test_data_plane_ports_are_in_the_documented_range() -> None:
         ctx.term()
     assert all(49152 <= p <= 65535 for p in ports), ports
     assert len(set(ports)) == 20
+
+
+@pytest.mark.parametrize("sampling", [
+    {"max_tokens": 4, "top_p": "0.5"}, {"max_tokens": 4, "ignore_eos": "yes"}, {"max_tokens": 4, "ignore_eos": 1},
+    {"max_tokens": 4, "stop_token_ids": ["7"]}, {"max_tokens": 4, "stop": [7]}, {"max_tokens": 4, "seed": True},
+    {"max_tokens": True}, {"max_tokens": 4, "temperature": None}, {"max_tokens": 4, "frobs": 1},
+])
+def test_sampling_fields_off_the_wire_have_their_exact_types(sampling) -> None:
+    """Regression (security review): ``request.sampling`` went to ``SamplingParams`` unchecked,
+    which coerced "0.5" for its check but kept the string: sampling raised inside the step and
+    failed every request in it."""
+    from services.node_request import NodeRequest
+
+    wire = data_plane.request_to_wire(NodeRequest(request_id="r", tenant="t", cache_namespace="ns",
+                                                  token_ids=(1, 2), sampling=SamplingParams(max_tokens=4)))
+    assert data_plane.request_from_wire(wire).sampling == SamplingParams(max_tokens=4)
+    with pytest.raises((TypeError, ValueError)):
+        data_plane.request_from_wire({**wire, "sampling": sampling})

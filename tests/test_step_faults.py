@@ -161,3 +161,17 @@ def test_a_policy_that_cannot_fork_computes_each_prefix_itself(tiny, monkeypatch
     assert (s["compressed_prefix_stores"], s["compressed_prefix_hits"], s["compressed_prefixes"]) == (0, 0, 0)
     eng.check_integrity()
     assert s["used_blocks"] == 0
+
+
+def test_a_sampling_fault_fails_its_request_alone(tiny) -> None:
+    """A sampled row whose draw raises (here a broken generator; on a device, non-finite
+    logits) fails that request alone; a greedy request in the same batch goes on."""
+    eng = engine(tiny)
+    eng.add_request(PROMPTS["plain"], PARAMS, request_id="plain")
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=1)
+    eng.add_request(PROMPTS["snapkv"], sampled, request_id="sampled")
+    eng.requests["sampled"].generator = "not a generator"
+    final = run(eng)
+    assert final["sampled"].finish_reason == "error"
+    assert list(final["plain"].output_token_ids) == alone(tiny, "plain")
+    assert eng.stats()["used_blocks"] == 0
