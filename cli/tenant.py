@@ -1,4 +1,5 @@
-"""``kvstrata tenant``: register, list, show, update, remove tenants and rotate their keys."""
+"""``kvstrata tenant``: add, list, show, update and remove (``rm``, alias ``remove``) tenants,
+and rotate their keys (``rotate-key``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from cli.state import admin_metadata, gateway_address
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from tenants.model import SLO_CLASS_DEFAULTS
 
-tenant_app = typer.Typer(help="Manage tenants: register, list, show, update, remove, rotate keys.",
+tenant_app = typer.Typer(help="Manage tenants: add, list, show, update, rm, rotate-key.",
                          no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
 
@@ -199,6 +200,7 @@ def tenant_update(
     console.print(f"updated {name}: {', '.join(changed) or 'nothing changed'} (`kvstrata tenant show {name}`)")
 
 
+@tenant_app.command("remove", hidden=True)  # an alias: "remove" is what people try first
 @tenant_app.command("rm")
 def tenant_rm(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> None:
     """Delete a tenant: its API keys stop working at once."""

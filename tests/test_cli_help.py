@@ -88,3 +88,22 @@ def test_top_level_help_lists_the_exit_codes() -> None:
     """The exit codes (0 done, 1 failed, 2 usage error, 130 Ctrl-C) are in `kvstrata --help`."""
     text = _help_text(())
     assert all(part in text for part in ("Exit codes: 0 done; 1 failed", "2 usage error", "130 cancelled"))
+
+
+def test_tenant_help_names_only_commands_that_exist() -> None:
+    """A fresh-user trial: `kvstrata --help` and `kvstrata tenant --help` offered to "register,
+    ..., remove, rotate keys" but the commands are `add`, `rm` and `rotate-key` (`kvstrata tenant
+    remove x`: "No such command 'remove'"). The group help lists the real names, and `remove`
+    is a hidden alias of `rm`."""
+    tenant = ROOT.commands["tenant"]  # type: ignore[attr-defined]
+    listed = tenant.help.split(":", 1)[1].strip().rstrip(".").split(", ")
+    assert set(listed) == {name for name, cmd in tenant.commands.items() if not cmd.hidden}
+    assert " ".join(tenant.help.split()) in _help_text(()) and tenant.help in _help_text(("tenant",))
+    remove, rm = tenant.commands["remove"], tenant.commands["rm"]
+    assert remove.hidden and not rm.hidden and remove.help == rm.help \
+        and [p.name for p in remove.params] == [p.name for p in rm.params]
+    assert "remove" not in _help_text(("tenant",)).split()
+    # the alias reaches the server as `rm` does (nothing listens there: exit 1, not a usage error 2)
+    result = CliRunner().invoke(app, ["tenant", "remove", "ann", "--gateway", "127.0.0.1:1"],
+                                env={"KVSTRATA_ADMIN_KEY": "kvs_0123456789ab_" + "A" * 43})
+    assert result.exit_code == 1 and "UNAVAILABLE" in result.output, result.output
