@@ -143,8 +143,10 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     """Start the global scheduler, cache nodes and gateway; print the gateway address.
 
     Every node runs the `kvstrata` SLO scheduler unless --scheduler or the config's
-    `scheduler:` names fcfs, priority or vtc; `up` prints the scheduler and the device the nodes
-    run on, then each address on a line of its own.
+    `scheduler:` names fcfs, priority or vtc. `up` prints, each on a line of its own, the gateway
+    address and the OpenAI-compatible API address, then the scheduler and the device the nodes
+    run on, the admin key file, and (with metrics on) each /metrics address and the Prometheus
+    targets file.
 
     Without `--address` it starts a local Ray cluster of its own (under a temp directory that
     `kvstrata down` uses to stop exactly that cluster).

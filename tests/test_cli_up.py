@@ -162,3 +162,22 @@ def test_status_shows_each_nodes_health() -> None:
             for line in console.file.getvalue().splitlines() if "│ cache_node_" in line}
     assert rows == {"cache_node_0": "ok", "cache_node_1": "ok (restarted 2)",
                     "cache_node_2": "down: step loop failed"}
+
+
+def test_up_help_tells_the_order_up_prints_in(tmp_path: Path) -> None:
+    """A fresh-user trial: `kvstrata up --help` said it prints "the scheduler and the device ...,
+    then each address", but `up` prints the gateway and HTTP addresses first; the help now
+    names what `up_summary` prints, in its order."""
+    result = CliRunner().invoke(cli.app, ["up", "--help"], env={"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    said = [text.index(part) for part in ("the gateway address", "OpenAI-compatible API address",
+                                          "the scheduler and the device", "the admin key file",
+                                          "each /metrics address", "Prometheus targets file")]
+    assert said == sorted(said), text
+    cfg = ServiceConfig(node=NodeConfig(device="cpu", dtype="float32"), state_dir=str(tmp_path))
+    lines = lifecycle.up_summary(cfg, "127.0.0.1:50051", "127.0.0.1:8000", METRICS, tmp_path / TARGETS_FILE)
+    printed = [next(i for i, line in enumerate(lines) if line.startswith(start))
+               for start in ("gateway:", "OpenAI-compatible API:", "scheduler:", "admin key:", "metrics",
+                             "prometheus targets:")]
+    assert printed == sorted(printed), lines
