@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 import grpc
@@ -24,6 +24,10 @@ FINISH_REASONS = {
 }
 """What each ``GenerateFinished.finish_reason`` means, as ``generate`` prints it."""
 
+STOP_WITH_STOP_STRINGS = "the model ended its answer or a --stop string matched"
+"""What ``stop`` means when the request had stop strings: ``GenerateFinished`` says ``stop``
+for both and carries nothing that tells them apart."""
+
 def stop_strings(values: list[str] | None) -> list[str]:
     """Typer callback for ``--stop``: at most ``MAX_STOP_STRINGS``, each 1 to
     ``MAX_STOP_STRING_CHARS`` characters (the node's bounds, checked here as a usage error)."""
@@ -35,17 +39,24 @@ def stop_strings(values: list[str] | None) -> list[str]:
     return values
 
 
-def finish_line(finished: inference_pb2.GenerateFinished) -> str:
-    """The closing line: the finish reason explained, token counts, TTFT and TPOT (ms)."""
+def finish_line(finished: inference_pb2.GenerateFinished, stop: Sequence[str] = ()) -> str:
+    """The closing line: the finish reason explained, token counts, TTFT and TPOT (ms).
+
+    ``stop`` is the request's stop strings: with any, a ``stop`` finish may be either the
+    model's own end or a stop string (the node reports both as ``stop``), and the line says so.
+    """
     reason = finished.finish_reason
     why = FINISH_REASONS.get(reason, "an unknown finish reason")
+    if reason == "stop" and stop:
+        why = STOP_WITH_STOP_STRINGS
     return (f"{reason}: {why}. {finished.prompt_tokens} prompt tokens ({finished.cached_tokens.device} "
             f"cached on the device), {finished.completion_tokens} generated, TTFT {finished.ttft_ms:.0f} ms, "
             f"TPOT {finished.tpot_ms:.0f} ms")
 
 
-def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO) -> None:
-    """Write the deltas of a ``Generate`` stream to ``out``, then the finish line.
+def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop: Sequence[str] = ()) -> None:
+    """Write the deltas of a ``Generate`` stream to ``out``, then the finish line (``stop``: the
+    request's stop strings, see ``finish_line``).
 
     ``call`` is the stub's response iterator (a ``grpc.Call``). On ``KeyboardInterrupt``
     (Ctrl-C) the call is cancelled, so the gateway aborts the request on its node, the
@@ -69,7 +80,7 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO) -> No
                 if mid_line:
                     out.write("\n")
                 mid_line = False
-                console.print(f"[dim]{finish_line(msg.finished)}[/dim]", soft_wrap=True)
+                console.print(f"[dim]{finish_line(msg.finished, stop)}[/dim]", soft_wrap=True)
                 if msg.finished.finish_reason == "abort":  # cut off by the server: not done
                     raise typer.Exit(1)
     except KeyboardInterrupt:
@@ -118,14 +129,15 @@ def generate(
     """Stream a chat completion to the terminal; the last line says why it ended and how fast it was.
 
     Greedy by default (`--temperature 0`; the HTTP API's default is OpenAI's 1). Finish reasons:
-    `stop` (the model ended its answer or a `--stop` text came), `length` (max_tokens reached),
-    `abort` (the server aborted it). Ctrl-C cancels the request (exit code 130).
+    `stop` (the model ended its answer, or a `--stop` string matched: the server reports both as
+    `stop`, so with --stop the line names both), `length` (max_tokens reached), `abort` (the
+    server aborted it). Ctrl-C cancels the request (exit code 130).
     """
     req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop)
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
-                req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout)
+                req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout, stop or ())
         except grpc.RpcError as err:
             fail(err)
 

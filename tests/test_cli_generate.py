@@ -149,6 +149,32 @@ def test_generate_sends_priority_and_stop_strings() -> None:
     assert default.priority == 0 and list(default.sampling.stop) == [] and default.sampling.temperature == 0
 
 
+def test_a_stop_finish_with_stop_strings_does_not_claim_the_model_ended_it() -> None:
+    """A fresh-user trial: `generate ... --stop 5` cut at the stop string ended with "stop: the
+    model ended its answer." GenerateFinished says `stop` both when the model ended its answer
+    and when a stop string matched (nothing else tells them apart), so with --stop the line
+    names both; without --stop only the model can have ended it."""
+    finished = inference_pb2.GenerateFinished(finish_reason="stop", completion_tokens=9)
+    assert finish_line(finished).startswith("stop: the model ended its answer. ")
+    assert finish_line(finished, ["5"]).startswith("stop: the model ended its answer or a --stop string matched. ")
+    length = inference_pb2.GenerateFinished(finish_reason="length")
+    assert finish_line(length, ["5"]).startswith("length: max_tokens reached")  # only `stop` is ambiguous
+    server, servicer = grpc.server(futures.ThreadPoolExecutor(max_workers=2)), RecordingInference()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        outputs = [CliRunner().invoke(cli.app, ["generate", "Count to 10", *extra, "--gateway", f"127.0.0.1:{port}"],
+                                      env={"KVSTRATA_API_KEY": "k", "COLUMNS": "1000"})
+                   for extra in (["--stop", "5"], [])]
+    finally:
+        server.stop(grace=None)
+    assert all(r.exit_code == 0 for r in outputs), [r.output for r in outputs]
+    stopped, plain = (r.output.splitlines()[-1] for r in outputs)
+    assert stopped.startswith("stop: the model ended its answer or a --stop string matched."), stopped
+    assert plain.startswith("stop: the model ended its answer."), plain
+
+
 def _table_rows(output: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip("│┃ ").split("│" if "│" in line else "┃")]
             for line in output.splitlines() if "│" in line or "┃" in line]
