@@ -46,10 +46,11 @@ def say(text: str) -> None:
     console.print(text, soft_wrap=True)
 
 
-def die(message: str) -> None:
-    """Print ``message`` in red (one unwrapped line; not markup) and exit ``EXIT_FAILED``."""
+def die(message: str, code: int = EXIT_FAILED) -> None:
+    """Print ``message`` in red (one unwrapped line; not markup) and exit ``code``
+    (``EXIT_FAILED``, or ``EXIT_USAGE`` for options that make no sense together)."""
     console.print(f"[red]{escape(message)}[/red]", soft_wrap=True)
-    raise typer.Exit(EXIT_FAILED)
+    raise typer.Exit(code)
 
 
 def fail(err: grpc.RpcError) -> None:

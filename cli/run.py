@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import grpc
 import typer
 
 from cli.options import GatewayOpt, positive
-from cli.output import console, die, fail
+from cli.output import EXIT_USAGE, console, die, fail
 from cli.state import admin_metadata, gateway_address, openai_api_url
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
+
+if TYPE_CHECKING:
+    from workloads.deepresearch.config import WorkloadConfig
 
 
 class Api(str, Enum):
@@ -20,6 +25,23 @@ class Api(str, Enum):
 
     grpc = "grpc"
     openai = "openai"
+
+
+def no_session_message(cfg: WorkloadConfig, sessions_per_s: float) -> str:
+    """Why ``kvstrata run deepresearch`` refuses a plan without a research session: the
+    arrival window times the rate gives none under this seed; with the numbers, and the
+    ``--duration`` that would give one (the first arrival does not depend on the duration)."""
+    from workloads.deepresearch.generator import first_arrival_s
+
+    shares = sum(t.sessions_per_s for t in cfg.tenants) / sessions_per_s
+    expected = cfg.duration_s * sessions_per_s * shares
+    first = first_arrival_s(cfg)
+    hint = (f" (its first arrives at {first:.2f} s)" if first is not None else "")
+    longer = f" ({math.floor(first) + 1:g} gives one)" if first is not None else ""
+    return (f"no research session to run: --duration {cfg.duration_s:g} s x --sessions-per-s "
+            f"{sessions_per_s:g} x {shares:g} tenant shares (--tenants {len(cfg.tenants)}) expects "
+            f"{expected:.2g} sessions, but --seed {cfg.seed} draws none before {cfg.duration_s:g} s{hint}; "
+            f"raise --duration{longer} or --sessions-per-s")
 
 
 run_app = typer.Typer(help="Run workloads against the gateway.", no_args_is_help=True)
@@ -53,13 +75,20 @@ def run_deepresearch(
     """Run the DeepResearch multi-agent workload against a running gateway.
 
     Registers the demo tenants (chat, analyst, indexer, noisy) afresh: tenants of those names
-    already in the store are deleted and re-registered with new keys.
+    already in the store are deleted and re-registered with new keys. A plan without a research
+    session (a --duration too short for --sessions-per-s under --seed) is refused before
+    anything runs, as a usage error (exit 2).
     """
     from workloads.deepresearch.config import WorkloadConfig
     from workloads.deepresearch.demo_config import demo_tenants
+    from workloads.deepresearch.generator import generate_plan
     from workloads.deepresearch.job import run_deepresearch_grpc
     from workloads.deepresearch.register import register_tenants
 
+    profiles = demo_tenants(sessions_per_s)[:tenants]
+    cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
+    if not replay and not generate_plan(cfg).sessions:  # nothing would run: say so before connecting
+        die(no_session_message(cfg, sessions_per_s), EXIT_USAGE)
     address = gateway_address(gateway)
     url = openai_api_url(openai_url) if api == Api.openai else ""
     if scheduler:
@@ -73,8 +102,6 @@ def run_deepresearch(
         if running != scheduler:
             die(f"the gateway runs the {running} scheduler, not {scheduler}: `kvstrata down` then "
                 f"`kvstrata up --scheduler {scheduler}`")
-    profiles = demo_tenants(sessions_per_s)[:tenants]
-    cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
     admin_key = admin_metadata()[0][1].split(" ", 1)[1]
 
     async def go() -> int:
@@ -84,4 +111,8 @@ def run_deepresearch(
                                           policy=policy, replay=replay or None, openai_url=url)
         return out.exit_code
 
-    raise typer.Exit(asyncio.run(go()))
+    try:
+        code = asyncio.run(go())
+    except grpc.RpcError as err:  # registering the tenants or asking the scheduler failed
+        fail(err)
+    raise typer.Exit(code)

@@ -142,3 +142,26 @@ def test_up_with_a_missing_config_is_a_usage_error() -> None:
 
     assert code == 2, output
     assert "Invalid value for '--config'" in output
+
+
+def test_a_deepresearch_plan_without_a_session_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """A fresh-user trial: `kvstrata run deepresearch --duration 20 --tenants 2 --max-subagents 2`
+    printed "DeepResearch plan: 0 sessions, 0 calls", empty tables, wrote an empty report folder
+    and exited 1. Under seed 0 no session arrives in 20 s (2.2 expected; the first at ~45 s): the
+    command now says so in one line with the numbers, before it connects (nothing listens at
+    NOWHERE: a connection would fail UNAVAILABLE, exit 1), writes nothing, and exits 2."""
+    reports = tmp_path / "reports"
+    code, output = _run("run", "deepresearch", "--duration", "20", "--tenants", "2", "--max-subagents", "2",
+                        "--gateway", NOWHERE, "--reports", str(reports))
+    assert code == 2, output
+    assert len(output.strip().splitlines()) == 1, output
+    words = _words(output)
+    for part in ("--duration 20 s", "--sessions-per-s 0.054", "2 tenant shares", "2.2 sessions",
+                 "--seed 0", "raise --duration (45 gives one) or --sessions-per-s"):
+        assert part in words, words
+    assert "UNAVAILABLE" not in words and not reports.exists()
+    code, output = _run("run", "deepresearch", "--duration", "45", "--tenants", "2", "--gateway", NOWHERE,
+                        "--reports", str(reports))
+    # 45 s has a session: it goes on to connect, and the failed connection is one line, exit 1
+    # (registering the tenants raised AioRpcError out of asyncio.run: a traceback)
+    assert code == 1 and output.startswith("UNAVAILABLE:") and len(output.strip().splitlines()) == 1, output

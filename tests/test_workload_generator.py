@@ -113,3 +113,24 @@ def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="ttft_slo_ms must be positive"):
         TenantProfile("a", "batch", 0.0, 1.0, 0.0)
     assert tenant.cache_namespace == "a"
+
+
+def test_first_arrival_s_is_where_the_plan_gets_its_first_session() -> None:
+    """`kvstrata run deepresearch` names the --duration that gives a session when the plan has
+    none: the first arrival does not depend on the duration."""
+    import dataclasses
+    import math
+
+    from workloads.deepresearch.demo_config import demo_tenants
+    from workloads.deepresearch.generator import first_arrival_s
+
+    short = WorkloadConfig(seed=0, duration_s=20.0, tenants=demo_tenants(0.054)[:2], max_subagents=2)
+    assert not generate_plan(short).sessions
+    first = first_arrival_s(short)
+    assert first is not None and first > 20.0
+    assert not generate_plan(dataclasses.replace(short, duration_s=first)).sessions  # [0, duration) only
+    longer = generate_plan(dataclasses.replace(short, duration_s=math.floor(first) + 1))
+    assert [s.arrival_s for s in longer.sessions] == [first]
+    assert first_arrival_s(dataclasses.replace(short, duration_s=500.0)) == first
+    tiny = TenantProfile("slow", "batch", 9000.0, 900.0, 0.5, sessions_per_s=1e-30)
+    assert first_arrival_s(WorkloadConfig(duration_s=1.0, tenants=(tiny,)), max_doublings=3) is None

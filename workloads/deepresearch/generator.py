@@ -111,17 +111,34 @@ def research_session(
                            _lead(config, research_id, tenant.name), subagents)  # fmt: skip
 
 
+def _arrivals(config: WorkloadConfig, t: int, duration_s: float) -> list[float]:
+    """Tenant ``t``'s session arrivals in ``[0, duration_s)``: the first ones do not depend on
+    ``duration_s`` (a longer duration only adds later ones)."""
+    tenant = config.tenants[t]
+    return gamma_arrival_times(
+        tenant.sessions_per_s, tenant.arrival_cv, duration_s, np.random.default_rng([config.seed, 1, t])
+    )
+
+
+def first_arrival_s(config: WorkloadConfig, max_doublings: int = 40) -> float | None:
+    """When ``config``'s first research session arrives under its seed, whatever its
+    ``duration_s`` (a plan has a session exactly when ``duration_s`` exceeds this); None when
+    none arrives within ``duration_s * 2**max_doublings``."""
+    duration_s = config.duration_s
+    for _ in range(max_doublings + 1):
+        firsts = [a[0] for t in range(len(config.tenants)) if (a := _arrivals(config, t, duration_s))]
+        if firsts:
+            return min(firsts)
+        duration_s *= 2
+    return None
+
+
 def generate_plan(config: WorkloadConfig) -> WorkloadPlan:
     """The full plan for ``config``; identical configs give identical plans."""
     targets = _targets(config)
     sessions: list[ResearchSession] = []
     for t, tenant in enumerate(config.tenants):
-        arrivals = gamma_arrival_times(
-            tenant.sessions_per_s,
-            tenant.arrival_cv,
-            config.duration_s,
-            np.random.default_rng([config.seed, 1, t]),
-        )
+        arrivals = _arrivals(config, t, config.duration_s)
         if config.max_sessions_per_tenant:
             arrivals = arrivals[: config.max_sessions_per_tenant]
         for s, arrival_s in enumerate(arrivals):
