@@ -162,6 +162,7 @@ class CacheNode(Streams, Commands, Health, Admin):
             "max_num_seqs": self.engine.config.max_num_seqs,
             "max_model_len": self.engine.max_model_len,
             "pool_tokens": self.engine.pool.num_blocks * self.engine.pool.block_size,
+            "vocab_size": self.engine.vocab_size,
             "pid": os.getpid(),
             "data_address": self.data_address,
             "metrics_address": self.metrics_address,

@@ -192,6 +192,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 tokens, messages = tuple(self.templater.first_turn(prompt)), ()
         else:
             tokens = tuple(prompt)
+            vocab = self.info.get("vocab_size")
+            if vocab and not all(type(t) is int and 0 <= t < vocab for t in tokens):  # regression:
+                # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must lie in [0, {vocab})")
         limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
         fill = {}
         if call.fill_context:  # what the context and the pool leave (the node sizes it again

@@ -122,6 +122,13 @@ def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
         collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 1000),
                                                   sampling=inference_pb2.SamplingParams(max_tokens=8000)), metadata=k))
     assert "exceeds the context limit (8192 tokens)" in over_context.value.details()
+    for ids in ([2**31], [49152], [2**32 - 1]):  # outside the vocabulary (49152): was UNAVAILABLE
+        out_of_vocab = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, *ids]),
+                                                     sampling=inference_pb2.SamplingParams(max_tokens=2))
+        with pytest.raises(grpc.RpcError) as info:
+            collect(gen(out_of_vocab, metadata=k))
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                             "token ids must lie in [0, 49152)")
     bad = chat("hi", 4)
     bad.sampling.temperature = -1
     assert _code(lambda: collect(gen(bad, metadata=k))) == grpc.StatusCode.INVALID_ARGUMENT
