@@ -88,6 +88,7 @@ def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None
     error = json.loads(response.body)["error"]
     assert response.status_code == 400 and error["param"] == field and error["message"].startswith(f"{field}:")
     assert "Value error" not in error["message"] and "pydantic" not in error["message"]
+    assert error["code"] == "invalid_argument"  # as every 400 (was invalid_value here, invalid_argument after)
 
 
 @pytest.mark.parametrize(("messages", "field", "message"), [

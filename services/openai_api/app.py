@@ -5,8 +5,9 @@
 A thin edge over the gateway's one call path (``InferenceServicer.generate`` and
 ``close_session``, shared with gRPC): it parses the body (``schemas``), hands it to that path
 with an ``HttpCallContext`` and writes the events as OpenAI's JSON or server-sent events
-(``responses``). Errors come in OpenAI's shape (``context``); a tenant's API key is the bearer
-token. Order of checks: the key (401), the body (400, naming the field), the model (404),
+(``responses``). Errors come in OpenAI's shape (``context``): every 400 has code
+``invalid_argument`` and, when it is about one body field (the schema's, the edge's or the
+gateway's checks), ``param`` naming it. A tenant's API key is the bearer token. Order of checks: the key (401), the body (400, naming the field), the model (404),
 then the gateway's own (policy, bounds, admission: 429 with ``Retry-After``; 503 without a
 healthy node). The framework's own refusals (404 for an unknown path, 405 for a wrong method)
 come in the same shape. A client that disconnects aborts its request on the node, which frees its
@@ -108,6 +109,10 @@ def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(p for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.fullmatch(p)))
 
 
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
+"""Every 400's ``code`` (the schema's, the edge's and the gateway's alike): ``invalid_argument``."""
+
+
 def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
     """A 400 naming the first bad field (pydantic's location, without ``body`` and without a
     union's member tags: ``messages.0.content``, not ``messages.0.content.str``).
@@ -131,7 +136,7 @@ def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
         alike = [e["msg"] for e in same if _field_path(e.get("loc", ())) == _field_path(first.get("loc", ()))]
         if len(alike) > 1 and all(m.startswith("Input should be ") for m in alike):
             message = "Input should be " + " or ".join(m.removeprefix("Input should be ") for m in alike)
-    return error_response(400, f"{field}: {message}", "invalid_request_error", "invalid_value", param=field)
+    return error_response(400, f"{field}: {message}", "invalid_request_error", INVALID, param=field)
 
 
 def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -187,8 +192,8 @@ class OpenAIEdge:
         events = self.servicer.generate(context, parse)
         try:
             started = await events.__anext__()  # admitted and started: the status is known
-        except CallAborted as exc:
-            return exc.response()
+        except CallAborted as exc:  # a 400 names its field: param
+            return exc.naming(type(body).model_fields).response()
         generation = Generation(events, started, chat, self.model_name)
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",

@@ -4,7 +4,9 @@ use of it), and the mapping of gRPC statuses to OpenAI's HTTP errors.
 
 ``abort`` raises ``CallAborted`` carrying the gRPC status, its message and the
 ``retry-after-ms`` trailer when one was set, so the HTTP API answers every refusal the gRPC
-API makes, in OpenAI's error shape ``{"error": {"message", "type", "code"}}``:
+API makes, in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``, its
+``code`` the gRPC status in lower case (every 400 is ``invalid_argument``; ``param`` names the
+body field a 400 is about, ``CallAborted.param``):
 
 =====================  ====  ==========================
 gRPC status            HTTP  OpenAI ``error.type``
@@ -24,6 +26,8 @@ others                 500   internal_error
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Collection
 from typing import Any
 
 import grpc
@@ -49,11 +53,20 @@ class CallAborted(Exception):
         code: the gRPC status.
         message: what went wrong, for the client.
         retry_after_ms: the ``retry-after-ms`` trailer (RESOURCE_EXHAUSTED), None without one.
+        param: the request field the error is about (OpenAI's ``error.param``), None: none.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
+        self.code, self.message, self.retry_after_ms, self.param = code, message, retry_after_ms, param
+
+    def naming(self, fields: Collection[str]) -> CallAborted:
+        """This refusal with ``param`` set, when it is INVALID_ARGUMENT and its message starts
+        with the name of one of ``fields`` (``named_field``)."""
+        if self.param is None and self.code == grpc.StatusCode.INVALID_ARGUMENT:
+            self.param = named_field(self.message, fields)
+        return self
 
     def response(self) -> JSONResponse:
         """The OpenAI-shaped error response (``Retry-After`` in whole seconds, rounded up)."""
@@ -62,7 +75,18 @@ class CallAborted(Exception):
         if self.retry_after_ms is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
             headers["retry-after-ms"] = str(self.retry_after_ms)
-        return error_response(status, self.message, kind, self.code.name.lower(), headers)
+        return error_response(status, self.message, kind, self.code.name.lower(), headers, self.param)
+
+
+_LEADING_FIELD = re.compile(r"([a-z_][a-z0-9_]*)(?::|=|\s+(?:must|is|applies|needs)\b)")
+"""A message about a field starts with its name: ``n: only 1 ...`` (the edge's own),
+``priority must be in ...``, ``prefix_tokens applies to ...`` (the gateway's)."""
+
+
+def named_field(message: str, fields: Collection[str]) -> str | None:
+    """The field among ``fields`` that ``message`` starts by naming, None when it names none."""
+    match = _LEADING_FIELD.match(message)
+    return match.group(1) if match and match.group(1) in fields else None
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None,

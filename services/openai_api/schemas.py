@@ -16,30 +16,67 @@ requests starting with it (bounded by the gateway: 400), and OpenAI's own
 ``prompt_cache_key`` is a routing hint (same key, same cache node while it has room).
 ``stop`` strings travel to the node in ``SamplingParams.stop``; the node ends the request at
 the token that completes one.
+
+A JSON ``null`` for any field that is not required means "not given", as with OpenAI, vLLM
+and SGLang: the field takes its default (``max_tokens: null`` on ``/v1/completions`` is 16,
+OpenAI's default, not "up to the context limit"); so does ``null`` for an OpenAI field this
+server does not serve (``tools``, ``response_format``, ...: any other value of one is refused
+naming it). Types are strict: no string is read as a boolean or a number (``"stream": "yes"``
+is a 400), nor a number as a boolean, nor a decimal as an integer; a JSON integer is a valid
+float (``"temperature": 1``). Errors name their field; ``app`` turns them into 400s with
+``param`` set to it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
-from services.gateway import GenerateInput
+from services.convert import (
+    MAX_CHAT_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKEN_IDS,
+    check_policy_spec,
+)
+from services.gateway import MAX_ID_CHARS, GenerateInput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
 
-_NO_OP_DEFAULTS: dict[str, Any] = {
-    "n": 1, "logprobs": None, "top_logprobs": None, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "echo": False, "best_of": 1, "suffix": None, "parallel_tool_calls": None,
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
 }
-"""OpenAI fields accepted at this value only (what the request gets anyway)."""
+"""OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """``value`` is ``accepted`` as JSON sees it (``False`` is not ``0``, ``0`` is ``0.0``)."""
+    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Undeclared fields refused, no coercion of strings to booleans or numbers, and a JSON
+    ``null`` for a field that is not required taken as the field left out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    _unserved: ClassVar[frozenset[str]] = frozenset()
+    """OpenAI fields of this object that this server does not declare: ``null`` (not given)
+    is dropped, any other value refused as an unsupported field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or (k in fields and fields[k].is_required())
+                or (k not in fields and k not in cls._unserved)}
 
 
 class StreamOptions(_Strict):
@@ -56,6 +93,8 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     """One message; ``developer`` is OpenAI's newer name for ``system``."""
 
+    _unserved = frozenset({"tool_calls", "function_call", "tool_call_id", "refusal", "audio"})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
     name: str | None = None
@@ -67,6 +106,11 @@ class ChatMessage(_Strict):
 
 class _Sampling(_Strict):
     """Fields both endpoints share: sampling, streaming, and kvstrata's extensions."""
+
+    _unserved = frozenset({
+        "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "service_tier",
+        "metadata", "store", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+    })
 
     model: str = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -82,11 +126,11 @@ class _Sampling(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     # kvstrata extensions
-    session_id: str = ""
+    session_id: str = Field("", max_length=MAX_ID_CHARS)
     policy: str = ""
-    cache_salt: str = ""
-    prompt_cache_key: str = ""
-    priority: int = Field(0, strict=True)  # bounded by the gateway (INVALID_ARGUMENT: 400)
+    cache_salt: str = Field("", max_length=MAX_ID_CHARS)
+    prompt_cache_key: str = Field("", max_length=MAX_ID_CHARS)
+    priority: int = 0  # bounded by the gateway (INVALID_ARGUMENT: 400)
 
     @field_validator("stop")
     @classmethod
@@ -105,12 +149,22 @@ class _Sampling(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        """Raise ValueError naming the first field set to a value this server cannot honour."""
-        for name, default in _NO_OP_DEFAULTS.items():
-            if name in self.model_fields_set and getattr(self, name, default) != default:
-                raise ValueError(f"{name}: only {default!r} is supported, got {getattr(self, name)!r}")
+        """Raise ValueError naming the first field set to a value this server cannot honour,
+        or a KV ``policy`` no cache node would build (the gateway checks it again, with the
+        tenant's allowed policies)."""
+        for name, accepted in _NO_OP_VALUES.items():
+            value = getattr(self, name, None)
+            if value is None or any(_same(value, a) for a in accepted):
+                continue
+            send = " or ".join([json.dumps(a) for a in accepted] + ["null"])
+            what = "not supported" if all(a is False for a in accepted) else f"only {_json(accepted[0])} is supported"
+            raise ValueError(f"{name}: {what} (send {send}, or leave it out), got {_json(value)}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        try:
+            check_policy_spec(self.policy)
+        except ValueError as exc:
+            raise ValueError(f"policy: {exc}") from None
 
     def generate_input(self, prompt: list[dict[str, str]] | list[int], max_tokens: int | None,
                        prefix_tokens: int = 0, prefix_messages: int = 0) -> GenerateInput:
@@ -125,6 +179,12 @@ class _Sampling(_Strict):
                              prefix_tokens=prefix_tokens, prefix_messages=prefix_messages)
 
 
+def _json(value: Any, limit: int = 80) -> str:
+    """``value`` as the client sent it (JSON), cut to ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
@@ -132,7 +192,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
     parallel_tool_calls: Any = None
-    prefix_messages: int = Field(0, strict=True)  # kvstrata: bounded by the gateway (400)
+    prefix_messages: int = 0  # kvstrata: bounded by the gateway (400)
 
     def to_input(self) -> GenerateInput:
         """Raises ValueError: no message, every message empty, too much text, or an
@@ -159,7 +219,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int = 1
     suffix: str | None = None
-    prefix_tokens: int = Field(0, strict=True)  # kvstrata: of the prompt's tokens; gateway-bounded (400)
+    prefix_tokens: int = 0  # kvstrata: of the prompt's tokens; gateway-bounded (400)
 
     def to_input(self, encode: Any) -> GenerateInput:
         """``encode``: text -> token ids (the model's tokenizer, no special tokens added).

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible API's request bodies as OpenAI clients send them (a fresh-user trial):
+a JSON ``null`` is the field left out, no string or decimal is coerced to a boolean or an
+integer, and every 400 names its field in ``param`` with one ``code``, ``invalid_argument``,
+through the gateway's real call path (no node behind it: a valid body ends at the context
+limit, before admission)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway import MAX_ID_CHARS, InferenceServicer
+from services.openai_api.app import OpenAIEdge, create_app, invalid
+from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from tenants.model import Tenant, TenantSpec
+from tests.gateway_harness import NODE_INFO
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": [1, 2, 3]}
+
+OPTIONAL = ["temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user", "logprobs",
+            "top_logprobs", "frequency_penalty", "presence_penalty", "max_tokens", "session_id", "policy",
+            "cache_salt", "prompt_cache_key", "priority",
+            "tools", "tool_choice", "response_format", "logit_bias"]  # OpenAI's, not served: null only
+CHAT_ONLY = ["max_completion_tokens", "parallel_tool_calls", "prefix_messages"]
+COMPLETION_ONLY = ["echo", "best_of", "suffix", "prefix_tokens"]
+
+
+@pytest.mark.parametrize(("kind", "base", "field"), [
+    *[(ChatCompletionRequest, CHAT, f) for f in OPTIONAL + CHAT_ONLY],
+    *[(CompletionRequest, COMPLETION, f) for f in OPTIONAL + COMPLETION_ONLY],
+])
+def test_null_is_the_field_left_out(kind: Any, base: dict, field: str) -> None:
+    """Fault: ``"temperature": null`` (and every other optional field's null) was a 400,
+    where OpenAI, vLLM and SGLang take null as "not given"."""
+    sent = kind.model_validate({**base, field: None})
+    assert sent.model_dump() == kind.model_validate(base).model_dump()
+    sent.check_supported()
+
+
+def test_a_null_max_tokens_is_the_default_not_the_context() -> None:
+    """``/v1/completions``' ``max_tokens: null`` is OpenAI's default, 16 (it was "up to the
+    context limit"); a chat's is up to the context limit, as when left out."""
+    call = CompletionRequest.model_validate({**COMPLETION, "max_tokens": None}).to_input(list)
+    assert call.sampling.max_tokens == 16 and not call.fill_context
+    assert ChatCompletionRequest.model_validate({**CHAT, "max_tokens": None}).to_input().fill_context
+
+
+def test_null_in_nested_objects_and_for_required_fields() -> None:
+    """``stream_options.include_usage: null`` is false; an assistant message sent back with
+    OpenAI's null ``tool_calls``/``refusal`` is taken; a required field's null is still named."""
+    body = ChatCompletionRequest.model_validate({**CHAT, "stream": True, "stream_options": {"include_usage": None},
+                                                 "messages": [{"role": "assistant", "content": "x", "name": None,
+                                                               "tool_calls": None, "refusal": None}]})
+    assert body.include_usage() is False and body.to_input().prompt == [{"role": "assistant", "content": "x"}]
+    for sent, field in (({**CHAT, "model": None}, "model"), ({**CHAT, "messages": None}, "messages"),
+                        ({**CHAT, "tools": []}, "tools"), ({**CHAT, "foo": None}, "foo")):
+        with pytest.raises(ValidationError) as info:
+            ChatCompletionRequest.model_validate(sent)
+        assert json.loads(invalid(info.value).body)["error"]["param"] == field
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("stream", "yes"), ("stream", "true"), ("stream", 1), ("temperature", "1"), ("temperature", True),
+    ("top_p", "0.5"), ("n", "1"), ("n", 1.0), ("max_tokens", "5"), ("max_tokens", 5.0), ("seed", "3"),
+    ("frequency_penalty", "0"), ("priority", "1"), ("priority", 1.0),
+    ("stream_options.include_usage", "yes"), ("stream_options.include_usage", 1),
+])
+def test_no_string_or_decimal_is_coerced(field: str, value: object) -> None:
+    """Fault: ``"stream": "yes"`` was taken as true and streamed (OpenAI: 400); strings were
+    read as numbers and booleans, decimals as integers."""
+    body: dict[str, Any] = {**CHAT, "stream": True}
+    if field == "stream_options.include_usage":
+        body["stream_options"] = {"include_usage": value}
+    else:
+        body[field] = value
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    error = json.loads(invalid(info.value).body)["error"]
+    assert (error["param"], error["code"]) == (field, "invalid_argument")
+
+
+def test_a_json_integer_is_a_valid_float() -> None:
+    body = ChatCompletionRequest.model_validate({**CHAT, "temperature": 1, "top_p": 1, "frequency_penalty": 0,
+                                                 "presence_penalty": 0, "logprobs": False, "top_logprobs": 0})
+    assert (body.temperature, body.top_p) == (1.0, 1.0) and type(body.temperature) is float
+    assert body.to_input().sampling.temperature == 1.0
+
+
+class _Auth:
+    """Every key is one tenant's (the gateway's checks after authentication are real)."""
+
+    tenant_ = Tenant("t1", TenantSpec(name="ann"), 0.0)
+
+    async def tenant(self, context: object) -> Tenant:
+        return self.tenant_
+
+
+def _post(path: str, body: dict) -> tuple[int, dict]:
+    """``body`` through the app and the gateway's real ``InferenceServicer`` (no node: a body
+    past every check is refused at the context limit)."""
+    servicer = InferenceServicer(None, _Auth(), {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9")  # type: ignore[arg-type]
+    app, sent = create_app(OpenAIEdge(servicer, "m@0:f16", list, lambda: 1)), []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "scheme": "http", "headers": [],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "root_path": ""}
+    parts = [json.dumps(body).encode()]
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": parts.pop(0), "more_body": False} if parts else {
+            "type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
+"""Past every other check, the request ends at the context limit (no node is there)."""
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), [
+    ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "n: only 1 is supported (send 1 or null, or leave it out), got 2"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs",
+     "logprobs: not supported (send false or null, or leave it out), got true"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "top_logprobs: only 0 is supported"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 0.5}, "frequency_penalty",
+     "frequency_penalty: only 0 is supported"),
+    ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": True}, "parallel_tool_calls",
+     "parallel_tool_calls: not supported (send null, or leave it out), got true"),
+    ("/v1/completions", {**COMPLETION, "echo": True}, "echo", "echo: not supported"),
+    ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of", "best_of: only 1 is supported"),
+    ("/v1/completions", {**COMPLETION, "suffix": "x"}, "suffix",
+     'suffix: not supported (send null, or leave it out), got "x"'),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "messages: must hold at least one message"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options: only allowed when stream is true"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2, "max_completion_tokens": 2}, "max_tokens", "max_tokens:"),
+    ("/v1/chat/completions", {**CHAT, "policy": "no-such-policy"}, "policy", "policy: "),
+    ("/v1/chat/completions", {**CHAT, "priority": 1001}, "priority", "priority must be in [-1000, 1000]"),
+    ("/v1/chat/completions", {**CHAT, "prefix_messages": 2}, "prefix_messages", "prefix_messages must be"),
+    ("/v1/completions", {**COMPLETION, "prefix_tokens": 4}, "prefix_tokens", "prefix_tokens must be in [0, 3]"),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt", "prompt: must not be empty"),
+    ("/v1/chat/completions", {**CHAT, "session_id": "s" * (MAX_ID_CHARS + 1)}, "session_id", "session_id: "),
+    ("/v1/chat/completions", {**CHAT, "prompt_cache_key": "k" * (MAX_ID_CHARS + 1)}, "prompt_cache_key",
+     "prompt_cache_key: "),
+    ("/v1/chat/completions", {**CHAT, "temperature": 3}, "temperature", "temperature: "),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream", "stream: Input should be a valid boolean"),
+    ("/v1/chat/completions", {**CHAT, **BEYOND}, None, "prompt (0 tokens) + max_tokens"),
+])
+def test_400s_name_their_field_with_one_code(path: str, body: dict, param: str | None, message: str) -> None:
+    """Fault: refusals made after the schema (the edge's own checks, the gateway's bounds) had
+    ``param`` null and code ``invalid_argument``, the schema's had ``param`` and code
+    ``invalid_value``; messages read "logprobs: only None is supported, got True"."""
+    status, out = _post(path, body)
+    error = out["error"]
+    assert status == 400 and error["type"] == "invalid_request_error" and error["code"] == "invalid_argument"
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
+@pytest.mark.parametrize(("path", "base"), [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_a_body_of_nulls_passes_every_check(path: str, base: dict) -> None:
+    """Through the whole call path, a body whose optional fields are all null is the bare
+    body: it reaches the context limit (the last check before admission) like the bare one."""
+    fields = OPTIONAL + (CHAT_ONLY if base is CHAT else COMPLETION_ONLY)
+    nulls = {f: None for f in fields if f != "max_tokens"}
+    assert _post(path, {**base, **nulls, **BEYOND}) == _post(path, {**base, **BEYOND})
+    assert _post(path, {**base, **BEYOND})[1]["error"]["message"].startswith("prompt (")
