@@ -80,14 +80,25 @@ class Authenticator:
         return tenant
 
     async def admin(self, context: grpc.aio.ServicerContext) -> None:
-        """Aborts with UNAUTHENTICATED (or RESOURCE_EXHAUSTED, as ``tenant``) unless the call
-        carries the admin key."""
+        """Aborts unless the call carries the admin key: PERMISSION_DENIED for a tenant's own
+        key (authenticated, not allowed; a fresh-user trial got UNAUTHENTICATED for its valid
+        key), else UNAUTHENTICATED (or RESOURCE_EXHAUSTED, as ``tenant``)."""
         key = bearer_key(context)
         if self._admins.get(fingerprint(key), 0.0) > time.monotonic():
             return
         await self._refuse_known_bad(context, "admin", key)
-        if not await self._is_admin(key):
-            await self._refuse(context, "admin", key, _REFUSALS["admin"])
+        if await self._is_admin(key):
+            return
+        if await self._is_tenant_key(key):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "this call needs the admin key; a tenant's key may not make it")
+        await self._refuse(context, "admin", key, _REFUSALS["admin"])
+
+    async def _is_tenant_key(self, key: str) -> bool:
+        hit = self._tenants.get(fingerprint(key))
+        if hit is not None and hit[1] > time.monotonic():
+            return True
+        return bool(key) and await self.scheduler.authenticate.remote(key) is not None
 
     async def admin_or_tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
         """``None`` for the admin key, the calling tenant for a tenant key; aborts with

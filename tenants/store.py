@@ -181,8 +181,13 @@ class TenantStore:
                 "WHERE k.key_id = ? AND k.role = 'tenant'",
                 (key_id,),
             ).fetchone()
-        if row is None:
-            self._verified.pop(key_id, None)
+        if row is None:  # a deleted tenant's key id forgets its verified key; the admin key's
+            # id keeps it (regression: the admin key on a tenant call evicted it, and after a
+            # flood of wrong secrets for its id, the admin key itself was refused)
+            with self._lock:
+                other = self._conn.execute("SELECT 1 FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+            if other is None:
+                self._verified.pop(key_id, None)
             return None
         if not self._verify(api_key, KeyHash(*row[3:])):
             return None

@@ -127,7 +127,9 @@ def test_gateway_flood_is_refused_cheaply_and_valid_keys_still_work(tmp_path: Pa
                 stub.ListTenants(tenant_pb2.ListTenantsRequest(), metadata=(("authorization", f"Bearer {bob_key}"),))
             after = [rotate("bob", bob_key), rotate("ann", gw.admin_key)]  # ... still works as a tenant's
 
-    assert not_admin.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # authenticated, not allowed (a fresh-user trial got UNAUTHENTICATED for its valid key)
+    assert not_admin.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert not_admin.value.details() == "this call needs the admin key; a tenant's key may not make it"
 
     limit = gw.auth.failures_per_peer_key
     assert codes[:limit] == [grpc.StatusCode.UNAUTHENTICATED] * limit
