@@ -247,3 +247,17 @@ def test_eight_questions_over_a_wikipedia_document_compress_it_once(real_model) 
     eng.prefixes.clear()
     assert eng.stats()["used_blocks"] == 0 and eng.tiers.host.num_reserved == 0
     eng.check_integrity()
+
+
+def test_flush_drops_stored_compressed_prefixes(tiny) -> None:
+    """A fresh-user trial: `kvstrata admin flush` printed blocks freed, but `status` still
+    showed 9 blocks held by prefixes. Flush drops stored compressed prefixes too."""
+    eng = make_engine(tiny, kv_pool_bytes=4 << 20)
+    doc, qs = doc_of(300), questions(2)
+    eng.generate([doc + q for q in qs], GREEDY, policy="snapkv-0.25", prefix_tokens=len(doc))
+    held = eng.stats()["compressed_prefix_blocks"]
+    assert eng.stats()["compressed_prefixes"] == 1 and held > 0
+    assert eng.flush() >= held
+    s = eng.stats()
+    assert (s["compressed_prefixes"], s["used_blocks"], s["cached_blocks"]) == (0, 0, 0)
+    eng.check_integrity()

@@ -66,11 +66,15 @@ class EngineTiersMixin:
             return self.tiers.demote_all(to_spill) if self.tiers.enabled else 0
 
     def flush(self) -> int:
-        """Drop every cached block in every tier (device, host, spill) and any queued transfer.
+        """Drop every cached block in every tier (device, host, spill) and any queued transfer,
+        and every stored compressed prefix (cached KV too: a fresh-user trial saw 9 blocks
+        stay held after a flush).
 
         Blocks in use by running requests or pinned by sessions are kept. Returns blocks dropped.
         """
-        return self.tiers.flush()
+        held = self.prefixes.stats()["compressed_prefix_blocks"]
+        self.prefixes.clear()
+        return held + self.tiers.flush()
 
     def take_tier_events(self) -> list[TierEvent]:
         """(event, block_hash, tier) changes of the device and host tiers since the last call.
