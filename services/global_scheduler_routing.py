@@ -83,7 +83,8 @@ class Routing:
     def _route(self, block_hashes: list[bytes], urgent: bool = False) -> str:
         """The node holding the longest prefix of ``block_hashes`` on its device or host tier
         (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks and
-        longer than the recent traffic's common prefix, else the node with the fewest requests
+        longer than the common prefix of the recent prompts of its namespace
+        (``CommonPrefix.blocks_for``), else the node with the fewest requests
         in flight. Spill-held blocks count for no node.
 
         ``urgent`` (an interactive tenant's request under a class-ordered scheduler): the
@@ -100,7 +101,7 @@ class Routing:
             n = self.index.node_prefix(node.node_id, block_hashes)
             if n > best_len:
                 best, best_len = node.node_id, n
-        if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks:
+        if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks_for(block_hashes):
             return best
         if urgent:
             return min(healthy, key=lambda n: (len(n.urgent), len(n.in_flight), n.node_id)).node_id

@@ -298,3 +298,22 @@ def test_a_full_queue_still_admits_a_tenant_below_its_fair_share(tmp_path) -> No
         gs.release(f"n{i}")
     assert gs.in_flight_by_tenant() == {"quiet": 2}
     assert gs.admit("noisy", "n20").code == "OK"
+
+
+def test_one_tenants_shared_prefix_leaves_another_tenants_affinity_on(tmp_path) -> None:
+    """Regression (security review): the common prefix was one statistic over every tenant's
+    prompts. Tenant mallory's 64 prompts sharing a 20-block prefix made it 20 blocks, so alice's
+    8-block document, held by n1, no longer counted as a match: her request went to n0. It is
+    now counted per namespace (prompts with the same first block)."""
+    gs = plain(tmp_path, affinity_min_blocks=2)
+    doc = hashes_of(range(700, 708))  # alice's namespace: another chain
+    gs.report_events("n1", stored("device", doc))
+    gs.admit("t", "busy", block_hashes=[])  # n0 one in flight, n1 none
+    gs.admit("t", "busy2", block_hashes=[])  # one each
+    shared = hashes_of(range(20))
+    for i in range(64):
+        gs.admit("mallory", f"m{i}", block_hashes=shared + hashes_of(range(1000 + 10 * i, 1000 + 10 * i + 2))[20:])
+        gs.release(f"m{i}", None)
+    assert gs.common_prefix.blocks == 20 and gs.common_prefix.blocks_for(shared) == 20
+    assert gs.common_prefix.blocks_for(doc) == 0
+    assert gs.admit("alice", "a1", block_hashes=doc).node_id == "n1"
