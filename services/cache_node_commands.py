@@ -24,6 +24,10 @@ ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
 
 
+OPS_BY_ROLE = {"gateway": ("abort",), "scheduler": ("submit", "abort", "abort_subscriber", "end_tenant")}
+"""The data-plane roles (``services.data_plane_auth``) and the command ops each may send."""
+
+
 class Commands:
     """The command-inbox part of ``CacheNode``: serving commands, ``abort``."""
 
@@ -52,14 +56,33 @@ class Commands:
     async def _serve_commands(self, sock: Any) -> None:
         """Run each command; a malformed one (any bytes at all) is dropped and counted."""
         while True:
-            payload = await sock.recv()
+            frame = await sock.recv(copy=False)
             try:
-                self._command(data_plane.unpack(payload))
+                msg = data_plane.unpack(frame.bytes)
+                self._check_sender(frame, msg)
+                self._command(msg)
                 self.commands_received += 1
             except Exception as exc:  # noqa: BLE001 - a bad message loses only itself
                 self.bad_messages += 1
                 log.warning("cache node %s: dropped a bad data-plane message: %s: %.200s",
                             self.node_id, type(exc).__name__, exc)
+
+    def _check_sender(self, frame: Any, msg: Any) -> None:
+        """With CURVE keys, each op only from the role that sends it (``OPS_BY_ROLE``: the
+        gateway sends aborts alone; submits, gateway-gone and tenant-deleted come from the
+        scheduler). Regression: the gateway's key could submit past admission, with any
+        namespace, or end any tenant's work.
+
+        Raises:
+            PermissionError: the sender's role may not send this op.
+        """
+        if self.security is None:
+            return
+        sender = frame.get("User-Id")  # the ZAP handler's id: the client's Z85 public key
+        role = next((r for r, key in self.security.publics.items() if key.decode() == sender), None)
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op not in OPS_BY_ROLE.get(role or "", ()):
+            raise PermissionError(f"the {role or 'unknown'} role may not send {op!r}")
 
     def _command(self, msg: Any) -> None:
         """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}``,

@@ -16,7 +16,9 @@ node          command inbox (``PULL``)    gateway (aborts), scheduler
 gateway       event inbox (``PULL``)      node
 ============  ==========================  ==============================
 
-A peer without the keys gets no connection: ZeroMQ drops the handshake, the serving process
+The node's inbox also checks each message's sender (its ZAP User-Id, the sender's public
+key) against the ops that role sends (``cache_node_commands.OPS_BY_ROLE``): the gateway's key
+sends aborts only. A peer without the keys gets no connection: ZeroMQ drops the handshake, the serving process
 never sees a byte of what it sent. The fields a message carries (tenant, namespace, SLO,
 quota) are trusted only because of this: only the gateway, which authenticated the tenant,
 and the scheduler can send them.

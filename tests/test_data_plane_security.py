@@ -341,3 +341,28 @@ def test_sampling_fields_off_the_wire_have_their_exact_types(sampling) -> None:
     assert data_plane.request_from_wire(wire).sampling == SamplingParams(max_tokens=4)
     with pytest.raises((TypeError, ValueError)):
         data_plane.request_from_wire({**wire, "sampling": sampling})
+
+
+def test_the_gateways_key_sends_aborts_only(plane: Plane) -> None:
+    """Regression (security review): the node's inbox took any op from either role it admits,
+    so the gateway's key could submit a request past admission (any tenant, namespace, quota)
+    or end any tenant's work. The gateway sends aborts; submits, gateway-gone and
+    tenant-deleted come from the scheduler's key alone."""
+    loot = zmq.Context.instance().socket(zmq.PULL)
+    loot.setsockopt(zmq.LINGER, 0)
+    loot_address = data_plane.bind_random(loot, "127.0.0.1")
+    gateway = plane.sender("gateway", address=plane.node.data_address)
+    bad = plane.node.bad_messages
+    for msg in ({"op": "submit", "req": data_plane.request_to_wire(request("forged", 2)), "sub": loot_address},
+                {"op": "end_tenant", "tenant": "t"}, {"op": "abort_subscriber", "sub": loot_address}):
+        gateway.send(data_plane.pack(msg))
+    commands = plane.node.commands_received
+    gateway.send(data_plane.pack({"op": "abort", "id": "no-such-request"}))
+    deadline = time.monotonic() + 10
+    while plane.node.commands_received == commands and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert plane.node.bad_messages == bad + 3 and plane.node.commands_received == commands + 1
+    assert loot.poll(500) == 0 and "forged" not in plane.node._streams
+    assert plane.generate("after", max_tokens=2)[-1]["type"] == "finished"  # the scheduler's submits run
+    gateway.close()
+    loot.close()
