@@ -85,7 +85,8 @@ class Admission:
     reason: str = ""
 
 
-REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone")
+REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
+                  "node_not_reading")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
@@ -219,8 +220,13 @@ class GlobalScheduler(Tenants, Membership, Routing):
             self.request_gateways[req.request_id] = subscriber
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
-            self.commands.send(self.node_inboxes[adm.node_id], {
+            sent = self.commands.send(self.node_inboxes[adm.node_id], {
                 "op": "submit", "req": data_plane.request_to_wire(req), "sub": subscriber})
+            if sent is False:  # the node's inbox is full: nothing will ever answer this request
+                # (regression: its gateway waited for events forever)
+                self.release(req.request_id, None)
+                return Admission(code="UNAVAILABLE", reason="node_not_reading",
+                                 message=f"cache node {adm.node_id} is not reading its commands; retry")
         return adm
 
     def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:

@@ -317,3 +317,23 @@ def test_one_tenants_shared_prefix_leaves_another_tenants_affinity_on(tmp_path) 
     assert gs.common_prefix.blocks == 20 and gs.common_prefix.blocks_for(shared) == 20
     assert gs.common_prefix.blocks_for(doc) == 0
     assert gs.admit("alice", "a1", block_hashes=doc).node_id == "n1"
+
+
+def test_a_submit_the_node_cannot_take_is_refused_not_left_waiting(tmp_path) -> None:
+    """Security review: the scheduler admitted a request and its submit was dropped (the
+    node's inbox full, ``PushSockets.send`` False): nothing would ever answer it and its
+    gateway waited forever. Now it is UNAVAILABLE (retry), released, and holds no slot."""
+    from cache_node.sampling_params import SamplingParams
+    from services.node_request import NodeRequest
+
+    class Full(_Recorder):
+        def send(self, address: str, message: dict) -> bool:
+            return False
+
+    gs = plain(tmp_path)
+    gs.attach_nodes({"n0": "tcp://n0:1", "n1": "tcp://n1:1"}, Full())
+    req = NodeRequest(request_id="r1", tenant="t", cache_namespace="", sampling=SamplingParams(),
+                      token_ids=(1, 2), session_id="t/s")
+    adm = gs.admit_and_submit(req, "gw", [])
+    assert (adm.code, adm.reason) == ("UNAVAILABLE", "node_not_reading")
+    assert not gs.requests and all(not n.in_flight for n in gs.nodes.values()) and not gs.session_nodes
