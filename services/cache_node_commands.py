@@ -96,7 +96,16 @@ class Commands:
             raise TypeError(f"a command must be a map, got {type(msg).__name__}")
         op = msg.get("op")
         if op == "submit" and isinstance(msg.get("sub"), str) and msg["sub"].startswith("tcp://"):
-            self.submit(data_plane.request_from_wire(msg.get("req")), msg["sub"])
+            try:
+                req = data_plane.request_from_wire(msg.get("req"))
+            except (TypeError, ValueError) as exc:  # its gateway must hear of it, or waits forever
+                rid = msg["req"].get("request_id") if isinstance(msg.get("req"), dict) else None
+                if isinstance(rid, str) and 0 < len(rid) <= data_plane.MAX_ID_CHARS:
+                    self._outbox.append((msg["sub"], rid, {"type": "error", "code": "INVALID_ARGUMENT",
+                                                           "message": f"malformed request: {exc}"}))
+                    self._wake.set()
+                raise
+            self.submit(req, msg["sub"])
         elif op == "abort" and isinstance(msg.get("id"), str):
             self.abort(msg["id"])
         elif op == "abort_subscriber" and isinstance(msg.get("sub"), str):

@@ -262,3 +262,20 @@ def test_a_policy_fault_in_a_step_fails_that_request_alone(node, monkeypatch) ->
     tokens = [t for ev in got["policy-fine"] if ev["type"] == "delta" for t in ev["token_ids"]]
     assert tokens == [t for ev in direct if ev["type"] == "delta" for t in ev["token_ids"]]
     assert node.engine.stats()["used_blocks"] == 0 and node.engine.num_failed_requests == 1
+
+
+def test_a_malformed_submit_gets_its_error_event(node) -> None:
+    """A submit whose request fails the node's checks was dropped and counted, and nothing
+    told its gateway, which waited for events forever. Its gateway now gets INVALID_ARGUMENT
+    for that id (when the id itself is readable)."""
+    async def run():
+        gw = await connect(node)
+        wire = data_plane.request_to_wire(request("typo"))
+        await gw.commands.send(data_plane.pack({"op": "submit", "sub": gw.subscriber,
+                                                "req": {**wire, "sampling": {"max_tokens": "6"}}}))
+        return await gw.drain({"typo"})
+
+    bad = node.bad_messages
+    got = asyncio.run(run())
+    assert got["typo"][-1]["type"] == "error" and got["typo"][-1]["code"] == "INVALID_ARGUMENT"
+    assert "max_tokens" in got["typo"][-1]["message"] and node.bad_messages == bad + 1
