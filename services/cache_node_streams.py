@@ -52,6 +52,7 @@ class _Stream:
     sent: str = ""
     started: bool = False
     stops: StopMatcher | None = None
+    first_token_s: float | None = None  # this node's clock, when its first token went out
 
     def __post_init__(self) -> None:
         if self.request.sampling.stop:
@@ -165,6 +166,8 @@ class Streams:
         events: list[Event] = []
         stops = stream.stops
         if out.new_token_ids:
+            if stream.first_token_s is None:
+                stream.first_token_s = time.monotonic()
             stream.token_ids.extend(out.new_token_ids)
             text = self.tokenizer.decode(stream.token_ids, skip_special_tokens=True) if self.tokenizer else ""
             if not out.finished:  # a character whose bytes span tokens decodes as U+FFFD until
@@ -202,11 +205,12 @@ class Streams:
         history.append({"role": "assistant", "content": stream.sent})
 
     def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
-        now = time.monotonic()
         ttft_ms = (out.ttft_s or 0.0) * 1000.0
         n = out.num_output_tokens
-        total_ms = (now - stream.request.arrival_time_s) * 1000.0 if stream.request.arrival_time_s else 0.0
-        tpot = (total_ms - ttft_ms) / (n - 1) if n > 1 and total_ms else 0.0
+        # from this node's own clock alone (regression: the gateway's arrival time was read on
+        # this node's monotonic clock, so tpot_ms was wrong whenever they ran on two machines)
+        first = stream.first_token_s
+        tpot = (time.monotonic() - first) * 1000.0 / (n - 1) if n > 1 and first is not None else 0.0
         stopped = stream.stops is not None and stream.stops.stopped
         return {
             "type": "finished", "finish_reason": "stop" if stopped else out.finish_reason,

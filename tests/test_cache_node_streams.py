@@ -279,3 +279,15 @@ def test_a_malformed_submit_gets_its_error_event(node) -> None:
     got = asyncio.run(run())
     assert got["typo"][-1]["type"] == "error" and got["typo"][-1]["code"] == "INVALID_ARGUMENT"
     assert "max_tokens" in got["typo"][-1]["message"] and node.bad_messages == bad + 1
+
+
+def test_tpot_is_measured_on_the_nodes_own_clock(node) -> None:
+    """Security review: ``tpot_ms`` subtracted the gateway's ``arrival_time_s`` (its monotonic
+    clock) from the node's, so on two machines it was silently wrong. A gateway clock far
+    from the node's no longer shows in it."""
+    async def run():
+        far = request("clock", max_tokens=4, arrival_time_s=1.0)  # another machine's clock
+        return [ev async for ev in node.generate(far)]
+
+    finished = asyncio.run(run())[-1]
+    assert finished["type"] == "finished" and 0.0 < finished["tpot_ms"] < 10_000.0
