@@ -124,6 +124,10 @@ class SessionTable:
         sess.active_request = None
         sess.last_used_s = time.monotonic()
         if aborted:
+            if not sess.token_ids and not sess.blocks:  # its first turn: nothing to keep
+                # (a fresh-user trial: sessions of aborted first turns stayed open, empty,
+                # until their TTL)
+                del self.sessions[sess.session_id]
             return False
         self._release(sess)
         sess.token_ids = seq.all_token_ids

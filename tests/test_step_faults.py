@@ -175,3 +175,22 @@ def test_a_sampling_fault_fails_its_request_alone(tiny) -> None:
     assert final["sampled"].finish_reason == "error"
     assert list(final["plain"].output_token_ids) == alone(tiny, "plain")
     assert eng.stats()["used_blocks"] == 0
+
+
+def test_a_session_whose_first_turn_was_aborted_is_not_kept(tiny) -> None:
+    """A fresh-user trial: six streamed first turns cut off by the client left six empty
+    sessions open until their TTL. A first turn that ends aborted (or failed) leaves no
+    session; one with history keeps it."""
+    eng = engine(tiny)
+    rid = eng.add_request(PROMPTS["plain"], PARAMS, session_id="s1", tenant="a")
+    eng.step()
+    eng.abort_request(rid)
+    run(eng)
+    assert "s1" not in eng.sessions.sessions and eng.stats()["sessions"] == 0
+    eng.generate([PROMPTS["plain"]], PARAMS, session_id="s2", tenant="a")
+    rid = eng.add_request(eng.session_history("s2") + [5], PARAMS, session_id="s2", tenant="a")
+    eng.abort_request(rid)
+    run(eng)
+    assert eng.session_history("s2") is not None
+    eng.close_session("s2")
+    assert eng.stats()["used_blocks"] == 0
