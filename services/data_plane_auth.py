@@ -29,7 +29,7 @@ IP (``ServiceConfig.data_plane_bind``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -65,12 +65,18 @@ class Security:
         keys: this role's key pair.
         publics: role -> that role's public key (every role).
         host: the address to bind on; "" = this Ray node's IP (``data_plane.host_ip``).
+        client: a cache node's own key pair for the sockets it connects (its events to the
+            gateways), so a gateway knows which node sent an event; None: ``keys``.
+        node_clients: on a gateway, node id -> that node's ``client`` public key: its event
+            inbox admits those (not the shared node key) and tells the sender of each event.
     """
 
     role: str
     keys: KeyPair
     publics: dict[str, bytes]
     host: str = LOOPBACK
+    client: KeyPair | None = None
+    node_clients: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -80,8 +86,15 @@ class Security:
             raise ValueError(f"public keys missing for roles {sorted(missing)}")
 
     def allowed(self) -> set[bytes]:
-        """Public keys (Z85) of the roles this role's serving socket accepts."""
-        return {self.publics[role] for role in SENDERS[self.role]}
+        """Public keys (Z85) of the roles this role's serving socket accepts (each node's own
+        client key in place of the shared node key, when ``node_clients`` names them)."""
+        roles = [r for r in SENDERS[self.role] if not (r == "node" and self.node_clients)]
+        return {self.publics[role] for role in roles} | (set(self.node_clients.values())
+                                                         if "node" in SENDERS[self.role] else set())
+
+    def node_of(self, sender: str | None) -> str | None:
+        """The node id whose client key is ``sender`` (a message's ZAP User-Id), else None."""
+        return next((nid for nid, key in self.node_clients.items() if key.decode() == sender), None)
 
     def serve(self, sock: zmq.Socket) -> None:
         """Make ``sock`` a CURVE server with this role's key (before it binds); the context's
@@ -92,8 +105,9 @@ class Security:
 
     def connect_to(self, sock: zmq.Socket, server_role: str) -> None:
         """Make ``sock`` a CURVE client of a ``server_role`` socket (before it connects)."""
-        sock.curve_secretkey = self.keys.secret
-        sock.curve_publickey = self.keys.public
+        own = self.client or self.keys
+        sock.curve_secretkey = own.secret
+        sock.curve_publickey = own.public
         sock.curve_serverkey = self.publics[server_role]
 
     def start_authenticator(self, context: zmq.asyncio.Context) -> zmq.auth.asyncio.AsyncioAuthenticator:
@@ -120,20 +134,27 @@ class DataPlaneKeys:
     """A deployment's key pairs, one per role (made by the launcher at start)."""
 
     pairs: dict[str, KeyPair]
+    node_clients: dict[str, KeyPair] = field(default_factory=dict)
+    """node id -> that cache node's own client key pair (``Security.client``)."""
 
     @classmethod
-    def generate(cls) -> DataPlaneKeys:
-        return cls({role: KeyPair.generate() for role in ROLES})
+    def generate(cls, node_ids: tuple[str, ...] = ()) -> DataPlaneKeys:
+        return cls({role: KeyPair.generate() for role in ROLES}, {nid: KeyPair.generate() for nid in node_ids})
 
-    def security(self, role: str, host: str = LOOPBACK) -> Security:
-        """``role``'s identity: its own key pair and every role's public key.
+    def security(self, role: str, host: str = LOOPBACK, node_id: str = "") -> Security:
+        """``role``'s identity: its own key pair and every role's public key; a node's own
+        client pair (``node_id``), a gateway's map of every node's client key.
 
         Raises:
-            ValueError: an unknown role.
+            ValueError: an unknown role, or a ``node_id`` without a key pair.
         """
         if role not in self.pairs:
             raise ValueError(f"unknown data-plane role {role!r}; known roles: {list(ROLES)}")
-        return Security(role, self.pairs[role], {r: p.public for r, p in self.pairs.items()}, host)
+        if node_id and node_id not in self.node_clients:
+            raise ValueError(f"no data-plane key pair for node {node_id!r}")
+        client = self.node_clients[node_id] if node_id else None
+        nodes = {nid: p.public for nid, p in self.node_clients.items()} if role == "gateway" else {}
+        return Security(role, self.pairs[role], {r: p.public for r, p in self.pairs.items()}, host, client, nodes)
 
 
 def secure_push(security: Security | None, server_role: str) -> Any:

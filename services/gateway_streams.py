@@ -51,6 +51,7 @@ class NodeStreams:
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
                  admit_timeout_s: float = 30.0, security: Security | None = None) -> None:
         self.security = security
+        self._per_node_keys = security is not None and bool(security.node_clients)
         self.bad_messages = 0
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
@@ -196,16 +197,24 @@ class NodeStreams:
 
     async def _read_events(self, inbox: Any) -> None:
         while True:
-            payload = await inbox.recv()
+            frame = await inbox.recv(copy=False)
             try:
-                items = data_plane.event_items(data_plane.unpack(payload))
+                items = data_plane.event_items(data_plane.unpack(frame.bytes))
             except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
                 self._drop("event", exc)
                 continue
+            # with per-node keys, each event must come from the node serving its request
+            # (regression: any node could write into any other node's tenants' streams)
+            sender = self.security.node_of(frame.get("User-Id")) if self._per_node_keys else None
             for request_id, event in items:
                 entry = self._queues.get(request_id)
-                if entry is not None:
-                    entry[1].put_nowait(event)
+                if entry is None:
+                    continue
+                if self._per_node_keys and entry[0] and sender != entry[0]:
+                    self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
+                                                        f"for a request on {entry[0]}"))
+                    continue
+                entry[1].put_nowait(event)
 
     def _drop(self, what: str, exc: BaseException) -> None:
         self.bad_messages += 1

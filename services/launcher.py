@@ -94,7 +94,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     control = {"runtime_env": {"env_vars": dict(config.control_env_vars)}} if config.control_env_vars else {}
     # data-plane keys for this start, handed to each actor as a constructor argument (a
     # restarted actor gets the same ones); CURVE on every socket (services.data_plane_auth)
-    keys, host = DataPlaneKeys.generate(), data_plane_host(config, joined=address is not None)
+    keys, host = DataPlaneKeys.generate(tuple(node_ids)), data_plane_host(config, joined=address is not None)
     scheduler = GlobalSchedulerActor.options(
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
@@ -114,7 +114,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
             resources={config.cache_node_resource: 1}, num_gpus=1 if node.device == "cuda" else 0, **life,
             runtime_env={"env_vars": dict(config.node.env_vars)},
         ).remote(nid, config.node, threads, scheduler_ref, config.session_ttl_s, config.scheduler,
-                 spill_refs, spec if spill_nodes else None, keys.security("node", host),
+                 spill_refs, spec if spill_nodes else None, keys.security("node", host, nid),
                  metrics=metrics_endpoint(config, config.node_metrics_port))
         for nid in node_ids
     }

@@ -11,6 +11,7 @@ serving on a background event loop as in their actors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import threading
 import time
@@ -59,8 +60,8 @@ class Plane:
         """A plain socket connected to ``address``: with ``role``'s keys, or none (None)."""
         sock = zmq.Context.instance().socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        if role is not None:
-            self.keys.security(role).connect_to(sock, server_role)
+        if role is not None:  # a node sends with its own client key (n0's)
+            self.keys.security(role, node_id="n0" if role == "node" else "").connect_to(sock, server_role)
         sock.connect(address)
         return sock
 
@@ -91,7 +92,7 @@ def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def plane() -> Iterator[Plane]:
-    keys = DataPlaneKeys.generate()
+    keys = DataPlaneKeys.generate(("n0", "n1"))  # each node its own client key, as the launcher
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -100,7 +101,7 @@ def plane() -> Iterator[Plane]:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
 
     node = CacheNode("n0", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=0), num_threads=1,
-                     security=keys.security("node"))
+                     security=keys.security("node", node_id="n0"))
     scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-dp-"), {"n0": 4},
                                        security=keys.security("scheduler"))
     node_address = run(node.open_data_plane())
@@ -366,3 +367,38 @@ def test_the_gateways_key_sends_aborts_only(plane: Plane) -> None:
     assert plane.generate("after", max_tokens=2)[-1]["type"] == "finished"  # the scheduler's submits run
     gateway.close()
     loot.close()
+
+
+def test_a_node_cannot_write_into_another_nodes_streams(plane: Plane) -> None:
+    """Regression (security review): every node shared one key pair and the gateway never
+    checked who sent an event, so any node could write tokens into the streams of requests on
+    another node. Each node now has its own client key: an event for a request bound to n0
+    from n1's key is dropped and counted; the shared node key gets no connection."""
+    async def go() -> tuple[list[dict[str, Any]], int]:
+        queue = plane.streams.open("victim")
+        try:
+            adm = await plane.streams.admit(request("victim", 40), [])
+            plane.streams.bind("victim", adm.node_id)
+            bad = plane.streams.bad_messages
+            forged = data_plane.pack([["victim", {"type": "delta", "token_ids": [66], "text": "PWNED"}]])
+            for who in ("n1", None):  # another node's own key; the old shared node key
+                sock = data_plane.context(asyncio_=True).socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sec = plane.keys.security("node", node_id=who) if who else plane.keys.security("node")
+                sec.connect_to(sock, "gateway")
+                sock.connect(plane.streams.subscriber)
+                with contextlib.suppress(zmq.Again):
+                    await sock.send(forged, flags=zmq.NOBLOCK)
+                await asyncio.sleep(0.5)
+                sock.close(linger=0)
+            events = [await asyncio.wait_for(queue.get(), 60)]
+            while events[-1]["type"] not in ("finished", "error"):
+                events.append(await asyncio.wait_for(queue.get(), 60))
+            return events, plane.streams.bad_messages - bad
+        finally:
+            plane.streams.close("victim")
+            plane.scheduler.release("victim")
+
+    events, dropped = plane.run(go())
+    assert events[-1]["type"] == "finished" and dropped == 1
+    assert all("PWNED" not in e.get("text", "") for e in events)
