@@ -269,7 +269,9 @@ def fuzz_data_plane(stack: ChaosStack, messages: int, seed: int = 0) -> dict[str
     refused: dict[str, bool] = {}
     for name, (address, kind, server, client) in data_plane_addresses(stack).items():
         refused[name] = not send_garbage(address, kind, batch[:1], [])
-        secure = None if keys is None else (lambda s, c=client, r=server: keys.security(c).connect_to(s, r))
+        node_id = next(iter(keys.node_clients), "") if keys is not None and client == "node" else ""
+        secure = None if keys is None else (  # a node sends with its own key (data_plane_auth)
+            lambda s, c=client, r=server, n=node_id: keys.security(c, node_id=n).connect_to(s, r))
         try:
             send_garbage(address, kind, batch, raw, secure)
             sent[name] = len(batch) + len(raw)

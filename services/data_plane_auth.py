@@ -16,7 +16,10 @@ node          command inbox (``PULL``)    gateway (aborts), scheduler
 gateway       event inbox (``PULL``)      node
 ============  ==========================  ==============================
 
-The node's inbox also checks each message's sender (its ZAP User-Id, the sender's public
+Each cache node also has its own client key pair (``DataPlaneKeys.node_clients``, ``Security
+.client``), with which it sends its events: a gateway's event inbox admits those keys, not the
+shared node key, and drops an event from any node but the one serving its request
+(``NodeStreams._read_events``). The node's inbox also checks each message's sender (its ZAP User-Id, the sender's public
 key) against the ops that role sends (``cache_node_commands.OPS_BY_ROLE``): the gateway's key
 sends aborts only. A peer without the keys gets no connection: ZeroMQ drops the handshake, the serving process
 never sees a byte of what it sent. The fields a message carries (tenant, namespace, SLO,
