@@ -184,6 +184,18 @@ def test_queue_full_is_resource_exhausted_with_retry_hint(stack, keys) -> None:
     assert hints and all(int(h) > 0 for h in hints)
 
 
+def settled(stack: Stack, base: list[int], timeout_s: float = 10.0) -> list:
+    """Node stats once every node is back to ``base`` used blocks with nothing running (or
+    the last ones seen after ``timeout_s``)."""
+    deadline = time.time() + timeout_s
+    while True:
+        stats = node_stats(stack)
+        done = [s.used_blocks for s in stats] == base and all(s.running == 0 for s in stats)
+        if done or time.time() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 def test_cancel_streams_frees_every_block(stack, keys) -> None:
     k = md(keys["bob"])
     base = [s.used_blocks for s in node_stats(stack)]
@@ -198,12 +210,7 @@ def test_cancel_streams_frees_every_block(stack, keys) -> None:
         call = stack.inference.Generate(chat(f"{i} {doc}", 32), metadata=k)
         time.sleep(0.02)
         call.cancel()
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        stats = node_stats(stack)
-        if [s.used_blocks for s in stats] == base and all(s.running == 0 for s in stats):
-            break
-        time.sleep(0.2)
+    stats = settled(stack, base)
     assert [s.used_blocks for s in stats] == base
     assert all(s.integrity_ok and s.running == 0 and s.waiting == 0 for s in stats)
     t0 = time.time()
@@ -227,12 +234,7 @@ def test_a_request_id_reused_right_after_a_cancel_runs_as_itself(stack, keys) ->
         retry = collect(stack.inference.Generate(chat("Say hello.", 3, request_id="again"), metadata=k))
         assert retry["finished"].finish_reason in ("length", "stop"), retry["finished"]
         assert retry["started"].request_id == "again"
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        stats = node_stats(stack)
-        if [s.used_blocks for s in stats] == base and all(s.running == 0 for s in stats):
-            break
-        time.sleep(0.2)
+    stats = settled(stack, base)
     assert all(s.running == 0 for s in stats) and [s.used_blocks for s in stats] == base
 
 
