@@ -52,6 +52,7 @@ class NodeStreams:
                  admit_timeout_s: float = 30.0, security: Security | None = None) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
+        self._unbound: dict[str, list[tuple[str | None, dict[str, Any]]]] = {}  # events before ``bind``
         self.bad_messages = 0
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
@@ -169,6 +170,11 @@ class NodeStreams:
         entry = self._queues.get(request_id)
         if entry is not None:
             self._queues[request_id] = (node_id, entry[1])
+            for sender, event in self._unbound.pop(request_id, []):  # in order, from it alone
+                if sender == node_id:
+                    entry[1].put_nowait(event)
+                else:
+                    self._drop("event", PermissionError(f"{sender} sent an event for a request on {node_id}"))
             if node_id in self.down:
                 entry[1].put_nowait(_unavailable(self.down[node_id]))
 
@@ -194,6 +200,7 @@ class NodeStreams:
     def close(self, request_id: str) -> None:
         """Stop routing ``request_id``'s events (later ones are dropped)."""
         self._queues.pop(request_id, None)
+        self._unbound.pop(request_id, None)
 
     async def _read_events(self, inbox: Any) -> None:
         while True:
@@ -210,7 +217,10 @@ class NodeStreams:
                 entry = self._queues.get(request_id)
                 if entry is None:
                     continue
-                if self._per_node_keys and entry[0] and sender != entry[0]:
+                if self._per_node_keys and not entry[0]:  # its node is not known yet: held
+                    self._unbound.setdefault(request_id, []).append((sender, event))  # for ``bind``
+                    continue
+                if self._per_node_keys and sender != entry[0]:
                     self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
                                                         f"for a request on {entry[0]}"))
                     continue

@@ -72,6 +72,7 @@ class Plane:
             try:
                 adm = await self.streams.admit(request(rid, max_tokens), [])
                 assert adm.code == "OK", adm
+                self.streams.bind(rid, adm.node_id)  # as the gateway does: events from its node
                 events = [await asyncio.wait_for(queue.get(), 60)]
                 while events[-1]["type"] not in ("finished", "error"):
                     events.append(await asyncio.wait_for(queue.get(), 60))
@@ -373,15 +374,19 @@ def test_a_node_cannot_write_into_another_nodes_streams(plane: Plane) -> None:
     """Regression (security review): every node shared one key pair and the gateway never
     checked who sent an event, so any node could write tokens into the streams of requests on
     another node. Each node now has its own client key: an event for a request bound to n0
-    from n1's key is dropped and counted; the shared node key gets no connection."""
+    from n1's key is dropped and counted, and so is one that arrives before the request is
+    bound (held until ``bind``); the shared node key gets no connection."""
     async def go() -> tuple[list[dict[str, Any]], int]:
         queue = plane.streams.open("victim")
         try:
-            adm = await plane.streams.admit(request("victim", 40), [])
-            plane.streams.bind("victim", adm.node_id)
             bad = plane.streams.bad_messages
             forged = data_plane.pack([["victim", {"type": "delta", "token_ids": [66], "text": "PWNED"}]])
-            for who in ("n1", None):  # another node's own key; the old shared node key
+            for who in ("n1", None, "bind", "n1"):  # another node's key (before and after the
+                # request is bound to n0), the old shared node key
+                if who == "bind":
+                    adm = await plane.streams.admit(request("victim", 40), [])
+                    plane.streams.bind("victim", adm.node_id)
+                    continue
                 sock = data_plane.context(asyncio_=True).socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sec = plane.keys.security("node", node_id=who) if who else plane.keys.security("node")
@@ -400,5 +405,5 @@ def test_a_node_cannot_write_into_another_nodes_streams(plane: Plane) -> None:
             plane.scheduler.release("victim")
 
     events, dropped = plane.run(go())
-    assert events[-1]["type"] == "finished" and dropped == 1
+    assert events[-1]["type"] == "finished" and dropped == 2
     assert all("PWNED" not in e.get("text", "") for e in events)
