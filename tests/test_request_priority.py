@@ -83,7 +83,7 @@ def test_priority_and_stop_strings_cross_the_data_plane() -> None:
 @pytest.mark.parametrize(("fields", "error"), [
     ({"priority": 1001}, ValueError), ({"priority": -1001}, ValueError), ({"priority": True}, TypeError),
     ({"priority": 1.0}, TypeError), ({"sampling": {"max_tokens": 2, "stop": ["a"] * 5}}, ValueError),
-    ({"sampling": {"max_tokens": 2, "stop": [7]}}, ValueError),
+    ({"sampling": {"max_tokens": 2, "stop": [7]}}, TypeError),  # each sampling field its exact type
 ])
 def test_bad_priorities_and_stops_on_the_wire_are_refused(fields: dict, error: type) -> None:
     """The data plane checks what it reads (a node drops and counts such a message)."""
