@@ -309,12 +309,11 @@ class LLMEngine(EngineTiersMixin):
             logits, rows = logits[keep], [rows[i] for i in keep]
             for seq in faulted:
                 self._fail(seq, outputs)
-        sampling = rows
-        tokens = sample(logits, sampling)
+        tokens = sample(logits, rows)
         # a token's time is when the step hands it out: after the policies' compression
         # (``after_step``) and the sampling, which a caller waits for as well
         now = time.monotonic()
-        for seq, token in zip(sampling, tokens):
+        for seq, token in zip(rows, tokens):
             seq.output_token_ids.append(token)
             seq.first_token_time_s = seq.first_token_time_s or now
             seq.last_token_time_s = now

@@ -38,6 +38,7 @@ class Commands:
         self.close_data_plane()
         ctx = data_plane.context(asyncio_=True)
         auth = self.security.start_authenticator(ctx) if self.security is not None else None
+        self._key_names = self.security.key_names() if self.security is not None else {}
         sock, address = data_plane.serving_socket(ctx, data_plane.zmq.PULL, self.security)
         self._inbox = (sock, asyncio.get_running_loop().create_task(self._serve_commands(sock)), auth)
         self.data_address = address
@@ -78,8 +79,7 @@ class Commands:
         """
         if self.security is None:
             return
-        sender = frame.get("User-Id")  # the ZAP handler's id: the client's Z85 public key
-        role = next((r for r, key in self.security.publics.items() if key.decode() == sender), None)
+        role = self._key_names.get(frame.get("User-Id"))  # ZAP's id: the sender's public key
         op = msg.get("op") if isinstance(msg, dict) else None
         if op not in OPS_BY_ROLE.get(role or "", ()):
             raise PermissionError(f"the {role or 'unknown'} role may not send {op!r}")

@@ -161,9 +161,8 @@ def request_from_wire(data: Any) -> NodeRequest:
         _check_type("request.sampling.stop_token_ids[]", value, int)
     for value in sampling.get("stop", ()):
         _check_type("request.sampling.stop[]", value, str)
-    for name in ("seed",):
-        if isinstance(sampling.get(name), bool):
-            raise TypeError(f"request.sampling.{name} must be an integer, got a bool")
+    if isinstance(sampling.get("seed"), bool):
+        raise TypeError("request.sampling.seed must be an integer, got a bool")
     fields["sampling"] = SamplingParams(**sampling)
     fields["messages"] = tuple(dict(m) for m in fields.get("messages", ()))
     fields["token_ids"] = tuple(fields.get("token_ids", ()))

@@ -19,9 +19,10 @@ gateway       event inbox (``PULL``)      node
 Each cache node also has its own client key pair (``DataPlaneKeys.node_clients``, ``Security
 .client``), with which it sends its events: a gateway's event inbox admits those keys, not the
 shared node key, and drops an event from any node but the one serving its request
-(``NodeStreams._read_events``). The node's inbox also checks each message's sender (its ZAP User-Id, the sender's public
-key) against the ops that role sends (``cache_node_commands.OPS_BY_ROLE``): the gateway's key
-sends aborts only. A peer without the keys gets no connection: ZeroMQ drops the handshake, the serving process
+(``NodeStreams._read_events``). The node's inbox also checks each message's sender (its ZAP
+User-Id, the sender's public key; ``Security.key_names``) against the ops that role sends
+(``cache_node_commands.OPS_BY_ROLE``): the gateway's key sends aborts only. A peer without the
+keys gets no connection: ZeroMQ drops the handshake, the serving process
 never sees a byte of what it sent. The fields a message carries (tenant, namespace, SLO,
 quota) are trusted only because of this: only the gateway, which authenticated the tenant,
 and the scheduler can send them.
@@ -95,9 +96,11 @@ class Security:
         return {self.publics[role] for role in roles} | (set(self.node_clients.values())
                                                          if "node" in SENDERS[self.role] else set())
 
-    def node_of(self, sender: str | None) -> str | None:
-        """The node id whose client key is ``sender`` (a message's ZAP User-Id), else None."""
-        return next((nid for nid, key in self.node_clients.items() if key.decode() == sender), None)
+    def key_names(self) -> dict[str, str]:
+        """A message's ZAP User-Id (its sender's Z85 public key) -> the sender: a role, or a
+        cache node's id for that node's ``node_clients`` key. Readers build it once."""
+        return ({key.decode(): role for role, key in self.publics.items()}
+                | {key.decode(): nid for nid, key in self.node_clients.items()})
 
     def serve(self, sock: zmq.Socket) -> None:
         """Make ``sock`` a CURVE server with this role's key (before it binds); the context's

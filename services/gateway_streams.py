@@ -52,6 +52,7 @@ class NodeStreams:
                  admit_timeout_s: float = 30.0, security: Security | None = None) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
+        self._key_names = security.key_names() if security is not None else {}
         self._unbound: dict[str, list[tuple[str | None, dict[str, Any]]]] = {}  # events before ``bind``
         self.bad_messages = 0
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
@@ -212,7 +213,7 @@ class NodeStreams:
                 continue
             # with per-node keys, each event must come from the node serving its request
             # (regression: any node could write into any other node's tenants' streams)
-            sender = self.security.node_of(frame.get("User-Id")) if self._per_node_keys else None
+            sender = self._key_names.get(frame.get("User-Id")) if self._per_node_keys else None
             for request_id, event in items:
                 entry = self._queues.get(request_id)
                 if entry is None:
