@@ -136,10 +136,9 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
-        # request -> (tenant_id, node_id, the session it opened: "" when none or already known)
-        self.requests: dict[str, tuple[str, str, str]] = {}
-        self.request_sessions: dict[str, str] = {}  # request -> its session (when it has one)
-        self.session_turns: Counter[str] = Counter()  # session -> its requests admitted, not released
+        # request -> (tenant_id, node_id, the session it opened: "" when none or already
+        # known, its session: "" when none)
+        self.requests: dict[str, tuple[str, str, str, str]] = {}
         # request -> the event inbox of the gateway that admitted it (``admit_and_submit``)
         self.request_gateways: dict[str, str] = {}
         self.gateways: dict[str, GatewayRecord] = {}  # gateway actor id -> ``attach_gateway``
@@ -192,11 +191,9 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.nodes[node_id].in_flight.add(request_id)
         if urgent:
             self.nodes[node_id].urgent.add(request_id)
-        self.requests[request_id] = (tenant_id, node_id, session_id if session_id and sticky is None else "")
+        self.requests[request_id] = (tenant_id, node_id, session_id if sticky is None else "", session_id)
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
-            self.session_turns[session_id] += 1
-            self.request_sessions[request_id] = session_id
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill)
 
@@ -275,22 +272,17 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 (cancelled, past its deadline, failed) the gateway's count of what it ran:
                 ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``; None: nothing ran.
         """
-        known = request_id in self.requests
-        tenant_id, node_id, opened = self.requests.pop(request_id, ("", "", ""))
+        tenant_id, node_id, opened, _ = self.requests.pop(request_id, ("", "", "", ""))
         self.request_gateways.pop(request_id, None)
-        session_id = self.request_sessions.pop(request_id, "") if known else ""
-        if session_id:
-            self.session_turns[session_id] -= 1
-            if self.session_turns[session_id] <= 0:
-                del self.session_turns[session_id]
         if (opened and usage is None and self.session_nodes.get(opened) == (tenant_id, node_id)
-                and opened not in self.session_turns):  # regression: a cancelled first turn's
-            # late release dropped the route its retry, admitted meanwhile, had set: the next
-            # turn went to another node and answered without the history
+                and not any(session == opened for *_, session in self.requests.values())):
             # the first turn of a session ran nothing (the node refused it, or it was cancelled
-            # before its prefill): the node holds no history the session must return to, and
-            # one it refused it never opened, so would never report ended (regression: such
-            # entries stayed forever; unique session ids grew this map without bound)
+            # before its prefill) and no other turn of it is in flight: the node holds no
+            # history the session must return to, and one it refused it never opened, so would
+            # never report ended (regression: such entries stayed forever; unique session ids
+            # grew this map without bound). Regression: a cancelled first turn's late release
+            # dropped the route its retry, admitted meanwhile, had set; the next turn went to
+            # another node and answered without the history
             del self.session_nodes[opened]
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
@@ -374,7 +366,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
 
     def in_flight_by_tenant(self) -> Counter[str]:
         """Requests admitted and not yet released, per tenant id."""
-        return Counter(tenant_id for tenant_id, _, _ in self.requests.values())
+        return Counter(tenant_id for tenant_id, *_ in self.requests.values())
 
     def _queued(self) -> int:
         """Requests waiting beyond the nodes' running capacity (what ``queue_limit`` bounds)."""

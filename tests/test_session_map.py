@@ -85,7 +85,7 @@ def test_a_late_release_of_a_first_turn_keeps_the_route_its_retry_set(tmp_path) 
     sched.nodes[first.node_id].in_flight.update({"x", "y"})  # its node is busier now
     assert sched.admit("t1", "t1/r2#c", session_id="t1/chat").node_id == first.node_id
     sched.release("t1/r2#c", None)
-    assert not sched.session_turns and not sched.request_sessions
+    assert not sched.requests
     alone = sched.admit("t1", "t1/r3#d", session_id="t1/other")  # a first turn alone that ran nothing
     sched.release("t1/r3#d", None)
     assert "t1/other" not in sched.session_nodes and alone.code == "OK"
