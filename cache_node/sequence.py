@@ -108,8 +108,20 @@ class Sequence:
 
     def compute_end(self, start: int) -> int:
         """Where a step computing from token ``start`` must stop: ``prefix_stop`` while
-        ``start`` is short of it, else the end of the tokens."""
-        return self.prefix_stop if start < self.prefix_stop else self.num_tokens
+        ``start`` is short of it, else the end of the tokens; except that a sequence under a
+        compressing KV policy recomputing its output tokens (after a preemption) stops at
+        the prompt's end, then computes them one per step, as they were decoded.
+
+        Regression: a preempted SnapKV/H2O/... request recomputed its prompt and output
+        tokens in one chunk. Its policy compresses after each step, from the queries of that
+        step, so it kept other KV than before the preemption and decoded other tokens than
+        the same request never preempted.
+        """
+        if start < self.prefix_stop:
+            return self.prefix_stop
+        if self.output_token_ids and self.kv is not None and self.kv.policy.compresses:
+            return self.num_prompt_tokens if start < self.num_prompt_tokens else min(start + 1, self.num_tokens)
+        return self.num_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -65,6 +65,30 @@ def test_preempted_request_recomputes_to_the_same_greedy_output(tiny) -> None:
     tight.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["h2o-0.25", "snapkv-0.5", "gkv-0.25", "spindlekv-0.25", "sentencekv-0.25",
+                                    "streaming-0.25", "quant-bits_4"])
+def test_preempted_request_under_a_compressing_policy_decodes_as_never_preempted(tiny, policy) -> None:
+    """Regression: a request under a compressing policy preempted after some output tokens
+    recomputed its prompt and those tokens in one chunk; its policy compresses after each
+    step, from that step's queries, so it kept other KV than before and decoded other
+    tokens than when it was never preempted. Now it recomputes to the prompt's end, then one
+    output token per step (``Sequence.compute_end``)."""
+    prompt = [(5 * i + 3) % 400 + 1 for i in range(90)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = make_engine(tiny).generate([prompt], sp, policy=policy)[0].output_token_ids
+    eng = make_engine(tiny)
+    rid = eng.add_request(prompt, sp, policy=policy)
+    seq, out = eng.requests[rid], None
+    while len(seq.output_token_ids) < 6:
+        eng.step()
+    eng.scheduler.preempt(seq)
+    while eng.has_unfinished_requests():
+        out = next((o for o in eng.step() if o.finished), out)
+    assert out is not None and out.num_preemptions == 1
+    assert out.output_token_ids == ref
+    eng.check_integrity()
+
+
 SESSION_SOAK_POLICIES = ["", "", "sentencekv-0.25", "sentencekv-0.125", "h2o-0.25", "snapkv-0.5", "quant-bits_4",
                          "streaming-0.25", "gkv-0.25", "spindlekv-0.25"]
 
