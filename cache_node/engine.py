@@ -32,7 +32,7 @@ from cache_node.tiers.spill_api import SpillClient
 
 log = logging.getLogger(__name__)
 
-MAX_FAILED_STEPS = 3  # steps in a row failing with no request to blame before ``step`` re-raises
+MAX_FAILED_STEPS = 3  # steps in a row failing in the runner itself (no policy to blame) before ``step`` re-raises
 
 
 class LLMEngine(EngineTiersMixin):
@@ -108,7 +108,10 @@ class LLMEngine(EngineTiersMixin):
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.num_failed_requests = 0  # finished with "error" (``_recover``)
-        self._failed_steps = 0  # steps in a row whose failure named no request
+        self._failed_steps = 0  # steps in a row that failed with no policy to blame
+        # request id -> computed tokens it must reach alone: the sequences of a failed step
+        # that named no request, each run alone until it passes that step (``_recover``)
+        self._suspects: dict[str, int] = {}
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -251,7 +254,7 @@ class LLMEngine(EngineTiersMixin):
                 outputs.append(self._output(seq, ()))
             self._release_idle_sessions()
             self.tiers.maybe_demote()
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch:
                 if on_scheduled is not None:
                     on_scheduled(batch)
@@ -266,6 +269,19 @@ class LLMEngine(EngineTiersMixin):
         if waiting:  # e.g. every queued request waits on a prefetch: let it land
             time.sleep(0.0005)
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """The step's batch: the scheduler's pick, or, while the sequences of a failed step
+        are told apart (``_recover``), the first of them still short of that step, alone."""
+        while self._suspects:
+            request_id, need = next(iter(self._suspects.items()))
+            seq = self.requests.get(request_id)
+            if seq is not None and not seq.is_finished and seq.num_computed_tokens < need:
+                batch = self.scheduler.schedule_alone(seq)
+                if batch:
+                    return batch
+            del self._suspects[request_id]  # passed the step, finished, or cannot run alone now
+        return self.scheduler.schedule()
 
     def _release_idle_sessions(self) -> None:
         """Unpin least-recently-used idle sessions while a queued request cannot get blocks.
@@ -338,24 +354,32 @@ class LLMEngine(EngineTiersMixin):
         """The forward pass raised: its KV writes are partial. A ``SequenceFault`` names the
         request whose policy failed: that request alone finishes with "error" and the rest of
         the batch is preempted, so it recomputes its KV instead of trusting half-written
-        slots. Any other exception fails the whole batch (the node keeps serving the rest);
-        ``MAX_FAILED_STEPS`` such steps in a row re-raise (the node is broken, not a request:
-        its supervisor restarts it).
+        slots. An exception naming no request (the model runner itself) is told apart: every
+        sequence of the batch is preempted and then runs alone (``_schedule``) until it passes
+        the step that failed; a step of one sequence that fails is that sequence's, which
+        finishes with "error". ``MAX_FAILED_STEPS`` steps in a row failing with no policy to
+        blame re-raise (the node is broken, not a request: its supervisor restarts it).
 
-        Regression: a policy exception inside ``step`` stopped the node's step loop and
-        failed every tenant's requests on it.
+        Regressions: a policy exception inside ``step`` stopped the node's step loop and failed
+        every tenant's requests on it; then an exception naming no request failed its whole
+        batch, so one tenant's request that broke the forward pass failed every other tenant's
+        request stepping with it, and three in a row restarted the node.
         """
+        live = [(seq, n) for seq, n in batch if not seq.is_finished]
         culprit = exc.request_id if isinstance(exc, SequenceFault) else None
+        if not isinstance(exc, SequenceFault):
+            self._failed_steps += 1
+            if len(live) == 1:
+                culprit = live[0][0].request_id
         log.error("step %d failed (%s): %s", self.num_steps, "request " + culprit if culprit else "batch",
                   exc, exc_info=exc)
-        if culprit is None:
-            self._failed_steps += 1
-            if self._failed_steps >= MAX_FAILED_STEPS:
-                raise exc
-        for seq, _ in batch:
-            if seq.is_finished:
-                continue
-            if culprit is None or seq.request_id == culprit:
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise exc
+        if culprit is None:  # each runs alone until past this step (at most its known tokens)
+            for seq, n in live:
+                self._suspects[seq.request_id] = min(seq.num_computed_tokens + n, seq.num_tokens)
+        for seq, _ in live:
+            if seq.request_id == culprit:
                 self._fail(seq, outputs)
             elif seq in self.scheduler.running:
                 self.scheduler.preempt(seq)

@@ -147,6 +147,30 @@ class Scheduler(Preemption):
         self._last_step = (now, sum(n for _, n in batch) - decodes, decodes) if batch else None
         return batch
 
+    def schedule_alone(self, seq: Sequence) -> ScheduledBatch:
+        """Only ``seq``'s next chunk, whatever the policy's order: the engine runs a sequence
+        alone to find which one a failed step belonged to (``LLMEngine._recover``); everything
+        else waits this step. Empty when ``seq`` cannot get blocks."""
+        now = self.clock()
+        self._measure(now)
+        budget = self.config.max_num_batched_tokens
+        batch: ScheduledBatch = []
+        if seq in self.running:
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._reserve(seq, n, batch):
+                batch.append((seq, n))
+        elif seq in self.waiting:
+            n = self._admit(seq, budget)
+            if n is not None:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.append((seq, n))
+        for s, n in batch:
+            self.policy.on_scheduled(s, n, now)
+        self._last_step = (now, 0 if batch[0][1] == 1 else batch[0][1], int(batch[0][1] == 1)) if batch else None
+        return batch
+
     def _fill(self, running: list[Sequence], budget: int, decode_cap: int | None, capped: int | None,
               need: dict[str, int], urgent_only: bool, now: float) -> ScheduledBatch:
         """One step's batch: ``running`` sequences first (decodes within ``decode_cap``,

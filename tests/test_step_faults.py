@@ -82,16 +82,41 @@ def test_a_failed_session_turn_keeps_the_earlier_history(tiny) -> None:
     assert eng.stats()["used_blocks"] == 0
 
 
-def test_a_fault_naming_no_request_fails_the_batch_then_the_node(tiny, monkeypatch) -> None:
-    """An exception that names no request (the model runner itself) fails the batch and the
-    node serves what comes next; ``MAX_FAILED_STEPS`` in a row re-raise (a broken node
-    restarts instead of failing every request forever)."""
+def test_a_fault_naming_no_request_is_told_apart_and_fails_its_request_alone(tiny, monkeypatch) -> None:
+    """An exception that names no request (the model runner itself) is told apart: the batch
+    is preempted and each of its sequences runs alone until past that step; the one whose
+    step fails alone finishes with "error", the others produce exactly their tokens alone.
+
+    Regression: such an exception failed the whole batch, so one tenant's request that broke
+    the forward pass failed every other tenant's request stepping with it."""
+    eng = engine(tiny)
+    execute, sizes = eng.runner.execute, []
+
+    def breaks_on_h2o(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        sizes.append(len(batch))
+        if any(seq.request_id == "h2o" and seq.output_token_ids for seq, _ in batch):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", breaks_on_h2o)
+    for name, spec in SPECS.items():
+        eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
+    final = run(eng)
+    assert final["h2o"].finish_reason == "error"
+    for name in ("plain", "snapkv"):
+        assert final[name].finish_reason == "length"
+        assert list(final[name].output_token_ids) == alone(tiny, name), name
+    assert 1 in sizes and sizes[-1] > 1  # some steps ran alone, then batches again
+    assert eng.stats()["used_blocks"] == 0 and eng.num_failed_requests == 1
+
+
+def test_a_passing_fault_naming_no_request_fails_nothing(tiny, monkeypatch) -> None:
     eng = engine(tiny)
     execute, calls = eng.runner.execute, []
 
     def once(batch, *a, **kw):  # type: ignore[no-untyped-def]
         calls.append(len(batch))
-        if len(calls) == 1:
+        if len(calls) == 3:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return execute(batch, *a, **kw)
 
@@ -99,17 +124,39 @@ def test_a_fault_naming_no_request_fails_the_batch_then_the_node(tiny, monkeypat
     for name, spec in SPECS.items():
         eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
     final = run(eng)
-    assert {out.finish_reason for out in final.values()} == {"error"}
-    assert eng.stats()["used_blocks"] == 0
-    assert eng.generate([PROMPTS["plain"]], PARAMS)[0].output_token_ids == tuple(alone(tiny, "plain"))
+    for name in SPECS:
+        assert final[name].finish_reason == "length"
+        assert list(final[name].output_token_ids) == alone(tiny, name), name
+    assert eng.stats()["used_blocks"] == 0 and eng.num_failed_requests == 0
 
+
+def test_a_broken_runner_fails_requests_then_the_node(tiny, monkeypatch) -> None:
+    """``MAX_FAILED_STEPS`` failed steps in a row re-raise (a broken node restarts instead of
+    failing every request forever); a success in between starts the count again."""
+    eng = engine(tiny)
     monkeypatch.setattr(eng.runner, "execute", boom)
-    for i in range(MAX_FAILED_STEPS):
+    for i in range(MAX_FAILED_STEPS - 1):  # alone: each failed step is its request's
         eng.add_request(PROMPTS["plain"], PARAMS, request_id=f"r{i}")
-        if i < MAX_FAILED_STEPS - 1:
-            assert run(eng)[f"r{i}"].finish_reason == "error"
+        assert run(eng)[f"r{i}"].finish_reason == "error"
+    eng.add_request(PROMPTS["plain"], PARAMS, request_id="last")
     with pytest.raises(RuntimeError, match="a policy bug"):
         eng.step()
+
+    eng = engine(tiny)
+    execute, calls = eng.runner.execute, []
+
+    def every_other(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        if len(calls) % 2:
+            raise RuntimeError("flaky")
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", every_other)
+    eng.add_request(PROMPTS["plain"], PARAMS, request_id="p")
+    assert run(eng)["p"].finish_reason == "error"  # alone: its first failed step is its own
+    eng.add_request(PROMPTS["plain"], PARAMS, request_id="q")
+    eng.add_request(PROMPTS["snapkv"], PARAMS, request_id="s")
+    assert {out.finish_reason for out in run(eng).values()} <= {"length", "error"}
 
 
 DOC = prompt_of(96, 3)
