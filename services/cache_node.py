@@ -59,6 +59,14 @@ FAILED_EXIT_DELAY_S = 0.5
 events and its health answer leave before it exits (and Ray restarts it)."""
 
 
+class SessionGone(Exception):
+    """A turn routed to its session's node finds no session there (``NodeRequest.continues_session``).
+
+    Regression: a turn admitted before a CloseSession that overtook it on the node was
+    computed from its new tokens alone (its answer silently ignored the conversation), and
+    the closed session was opened again, holding KV until its TTL."""
+
+
 class CacheNode(Streams, Commands, Health, Admin):
     """Owns one model replica and its KV pool; streams generations.
 
@@ -197,6 +205,9 @@ class CacheNode(Streams, Commands, Health, Admin):
                 continue  # aborted before it started
             error = None
             try:
+                if req.continues_session and self.engine.session_history(req.session_id) is None:
+                    raise SessionGone("the session ended (closed, expired or its first turn failed) before "
+                                      "this turn started; its history is gone: send the turn again to start it anew")
                 prompt = self._prompt(req)
                 sampling = self._sampling(req, len(prompt))
                 if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
@@ -213,6 +224,8 @@ class CacheNode(Streams, Commands, Health, Admin):
                 )
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
+            except SessionGone as exc:
+                error = {"type": "error", "code": "ABORTED", "message": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
                 text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
                 error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}

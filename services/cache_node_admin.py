@@ -33,7 +33,9 @@ class Admin:
 
         def close() -> int:
             owner = self.engine.sessions.sessions.get(session_id)
-            if owner is None or owner.tenant != tenant:
+            if owner is None:  # its first turn may be on its way here: it ends, never opens it
+                return 0 if self._end_pending_turns(session_id, tenant) else -1
+            if owner.tenant != tenant:
                 return -1
             return self._close_session(session_id)
 

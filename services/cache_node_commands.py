@@ -167,6 +167,16 @@ class Commands:
             stream.loop.call_soon_threadsafe(stream.deliver, event)
         self.abort(request_id)
 
+    def _end_pending_turns(self, session_id: str, tenant: str) -> int:
+        """Step thread: end with ABORTED the turns of ``tenant``'s session that reached this
+        node and have not started (``_incoming``); returns how many."""
+        ids = [s.request.request_id for s in list(self._incoming)  # (C copy: the loop appends)
+               if s.request.session_id == session_id and s.request.tenant == tenant
+               and self._streams.get(s.request.request_id) is s]
+        for rid in ids:
+            self._end_stream(rid, "ABORTED", "the session was closed")
+        return len(ids)
+
     def _close_session(self, session_id: str) -> int:
         """Step thread, between steps: close a session. A turn running in it ends first with
         ABORTED (regression: a session closed during its turn answered "0 tokens freed", the turn
@@ -175,6 +185,7 @@ class Commands:
         sess = self.engine.sessions.sessions.get(session_id)
         if sess is None:
             return 0
+        self._end_pending_turns(session_id, sess.tenant)
         self._session_messages.pop(session_id, None)
         turn = sess.active_request
         tokens = 0

@@ -54,7 +54,7 @@ _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
     "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
     "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)), "priority": int,
-    "prefix_tokens": int,
+    "prefix_tokens": int, "continues_session": bool,
 }
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
 _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' fields
@@ -77,7 +77,7 @@ _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "node_id": str, "code": str, "message": str, "retry_after_s": (int, float), "spill_blocks": int,
-    "reason": str,
+    "reason": str, "continues_session": bool,
 }
 
 

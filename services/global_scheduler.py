@@ -83,6 +83,7 @@ class Admission:
     retry_after_s: float = 0.0
     spill_blocks: int = 0
     reason: str = ""
+    continues_session: bool = False  # routed to the node holding the request's session
 
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
@@ -134,6 +135,10 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.index = BlockIndex()
         self.common_prefix = CommonPrefix()
         self.session_nodes: dict[str, tuple[str, str]] = {}  # session -> (tenant_id, node_id)
+        # sessions a turn of which finished on their node: it holds their history, so a turn
+        # routed there ``continues_session`` (one of a session whose first turn has not
+        # finished does not: its retry would find no session)
+        self.kept_sessions: set[str] = set()
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already
@@ -195,7 +200,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
         if session_id:
             self.session_nodes[session_id] = (tenant_id, node_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
-        return Admission(node_id=node_id, spill_blocks=prefix.spill)
+        return Admission(node_id=node_id, spill_blocks=prefix.spill,
+                         continues_session=sticky is not None and session_id in self.kept_sessions)
 
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
@@ -217,6 +223,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
             self.request_gateways[req.request_id] = subscriber
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
+            if req.continues_session != adm.continues_session:  # ours to say, not the gateway's
+                req = dataclasses.replace(req, continues_session=adm.continues_session)
             sent = self.commands.send(self.node_inboxes[adm.node_id], {
                 "op": "submit", "req": data_plane.request_to_wire(req), "sub": subscriber})
             if sent is False:  # the node's inbox is full: nothing will ever answer this request
@@ -272,7 +280,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 (cancelled, past its deadline, failed) the gateway's count of what it ran:
                 ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``; None: nothing ran.
         """
-        tenant_id, node_id, opened, _ = self.requests.pop(request_id, ("", "", "", ""))
+        tenant_id, node_id, opened, session = self.requests.pop(request_id, ("", "", "", ""))
         self.request_gateways.pop(request_id, None)
         if (opened and usage is None and self.session_nodes.get(opened) == (tenant_id, node_id)
                 and not any(session == opened for *_, session in self.requests.values())):
@@ -283,7 +291,10 @@ class GlobalScheduler(Tenants, Membership, Routing):
             # grew this map without bound). Regression: a cancelled first turn's late release
             # dropped the route its retry, admitted meanwhile, had set; the next turn went to
             # another node and answered without the history
-            del self.session_nodes[opened]
+            self.drop_session_route(opened)
+        if (session and usage and "prefill_tokens_per_s" in usage  # finished: the node keeps it
+                and self.session_nodes.get(session) == (tenant_id, node_id)):
+            self.kept_sessions.add(session)
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
             self.nodes[node_id].urgent.discard(request_id)
@@ -307,15 +318,20 @@ class GlobalScheduler(Tenants, Membership, Routing):
         for sid in session_ids:
             entry = self.session_nodes.get(sid)
             if entry is not None and entry[1] == node_id:
-                del self.session_nodes[sid]
+                self.drop_session_route(sid)
 
     def close_session(self, session_id: str, tenant_id: str) -> str | None:
         """Forget a session's routing; returns the node holding it (None when unknown/foreign)."""
         entry = self.session_nodes.get(session_id)
         if entry is None or entry[0] != tenant_id:
             return None
-        del self.session_nodes[session_id]
+        self.drop_session_route(session_id)
         return entry[1]
+
+    def drop_session_route(self, session_id: str) -> None:
+        """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
+        del self.session_nodes[session_id]
+        self.kept_sessions.discard(session_id)
 
     # ---- global block index ---------------------------------------------------------------
     def report_events(

@@ -90,7 +90,7 @@ class Membership:
         self.down[node_id] = reason
         self.index.forget(node_id)
         for sid in [sid for sid, (_, nid) in self.session_nodes.items() if nid == node_id]:
-            del self.session_nodes[sid]
+            self.drop_session_route(sid)
 
     def node_up(self, node_id: str, inbox: str) -> None:
         """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).

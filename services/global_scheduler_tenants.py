@@ -51,7 +51,7 @@ class Tenants:
         self.store.delete(name)
         self.specs.pop(tenant_id, None)
         for sid in [sid for sid, (owner, _) in self.session_nodes.items() if owner == tenant_id]:
-            del self.session_nodes[sid]
+            self.drop_session_route(sid)
         if self.commands is not None:
             for inbox in self.node_inboxes.values():
                 self.commands.send(inbox, {"op": "end_tenant", "tenant": tenant_id})

@@ -72,6 +72,9 @@ class NodeRequest:
     ``prefix_tokens``: the first that many of ``token_ids`` form a reusable document prefix,
     compressed once under a compressing ``policy`` and forked by later requests
     (``cache_node.compressed_prefix``); 0: none (always 0 with ``messages``).
+    ``continues_session``: set by the global scheduler when it routed this turn to the node
+    holding its session; such a turn finding no session there is refused (ABORTED), never
+    computed without its history.
     """
 
     request_id: str
@@ -88,6 +91,7 @@ class NodeRequest:
     prefetch: bool | None = None
     priority: int = 0
     prefix_tokens: int = 0
+    continues_session: bool = False
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):

@@ -234,6 +234,52 @@ def test_closing_a_session_during_its_turn_ends_the_turn(node) -> None:
     node.engine.check_integrity()
 
 
+def test_a_turn_overtaken_by_its_sessions_close_is_aborted_never_run_without_history(node) -> None:
+    """A hardening review: a turn that reached the node but had not started when a
+    CloseSession of its session ran there was computed from its new tokens alone (its answer
+    silently ignored the conversation) and opened the closed session again, holding KV until
+    its TTL; a first turn so overtaken opened the session the close had answered NOT_FOUND
+    for. Now a turn the scheduler routed to its session's node (``continues_session``) that
+    finds no session there is ABORTED, and a close ends the session's turns not yet started."""
+    import threading
+
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("h1", max_tokens=3, tenant="eel", session_id="eel/s"))
+        await gw.drain({"h1"})
+        assert await node.close_session("eel/s", "eel") > 0
+        await gw.submit(request("h2", max_tokens=3, tenant="eel", session_id="eel/s", continues_session=True))
+        gone = await gw.drain({"h2"})
+        # a first turn reaches the node while the step thread is held; the close runs first
+        held, release = threading.Event(), threading.Event()
+        hold = node._between_steps(lambda: (held.set(), release.wait(30)))
+        await asyncio.to_thread(held.wait, 30)
+        await gw.submit(request("f1", max_tokens=3, tenant="eel", session_id="eel/f"))
+        for _ in range(300):
+            if any(s.request.request_id == "f1" for s in list(node._incoming)):
+                break
+            await asyncio.sleep(0.01)
+        close = asyncio.ensure_future(node.close_session("eel/f", "eel"))
+        while not node._admin:  # queued behind the hold
+            await asyncio.sleep(0.01)
+        release.set()
+        await hold
+        return gone, await close, await gw.drain({"f1"})
+
+    gone, closed, first = asyncio.run(run())
+    assert gone["h2"][-1]["type"] == "error" and gone["h2"][-1]["code"] == "ABORTED"
+    assert "history is gone" in gone["h2"][-1]["message"]
+    assert closed == 0  # closed (0 tokens held), not NOT_FOUND
+    assert first["f1"][-1] == {"type": "error", "code": "ABORTED", "message": "the session was closed"}
+    for _ in range(100):
+        if node.stats()["sessions"] == 0 and node.stats()["used_blocks"] == 0:
+            break
+        time.sleep(0.1)
+    assert not {"eel/s", "eel/f"} & set(node.engine.sessions.sessions)
+    assert node.stats()["used_blocks"] == 0
+    node.engine.check_integrity()
+
+
 def test_a_policy_fault_in_a_step_fails_that_request_alone(node, monkeypatch) -> None:
     """Regression: a KV policy's exception inside the step stopped the node's step loop and
     failed every tenant's requests on it. Now that request gets INTERNAL and the request in

@@ -297,7 +297,7 @@ def test_gateway_readers_drop_and_count_bad_messages(plane: Plane, payloads: lis
             await plane.fake_scheduler.send_multipart([peer, payload])
         await plane.fake_scheduler.send_multipart([peer, data_plane.pack({"id": other._next_id, "adm": {
             "node_id": "n0", "code": "OK", "message": "", "retry_after_s": 0.0, "spill_blocks": 0,
-            "reason": ""}})])
+            "reason": "", "continues_session": False}})])
         adm = await admission
         assert (adm.code, adm.node_id) == ("OK", "n0")
 

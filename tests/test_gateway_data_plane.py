@@ -39,7 +39,7 @@ def _answer(msg):
     if req.request_id.startswith("bad"):
         return {"error": "KeyError: 'n9'"}
     return {"adm": {"node_id": "n0", "code": "OK", "message": "", "retry_after_s": 0.0,
-                    "spill_blocks": 0, "reason": ""}}
+                    "spill_blocks": 0, "reason": "", "continues_session": False}}
 
 
 async def _admissions_are_matched(streams: NodeStreams) -> tuple[asyncio.Queue, asyncio.Queue]:

@@ -89,3 +89,24 @@ def test_a_late_release_of_a_first_turn_keeps_the_route_its_retry_set(tmp_path) 
     alone = sched.admit("t1", "t1/r3#d", session_id="t1/other")  # a first turn alone that ran nothing
     sched.release("t1/r3#d", None)
     assert "t1/other" not in sched.session_nodes and alone.code == "OK"
+
+
+def test_a_turn_continues_its_session_only_once_a_turn_of_it_finished_there(tmp_path) -> None:
+    """``Admission.continues_session`` (the node refuses such a turn when the session is gone,
+    never computing it without its history) holds only once a turn of the session finished
+    on its node: a first turn's retry, or a turn beside a first turn still running, opens it."""
+    finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    assert not sched.admit("t1", "t1/a#1", session_id="t1/s").continues_session
+    assert not sched.admit("t1", "t1/a#2", session_id="t1/s").continues_session  # the first still runs
+    sched.release("t1/a#1", None)  # cancelled before it ran
+    sched.release("t1/a#2", finished)
+    assert sched.admit("t1", "t1/b#1", session_id="t1/s").continues_session
+    sched.release("t1/b#1", {"prompt_tokens": 40, "completion_tokens": 2, "cached_tokens": {}})  # cancelled
+    assert sched.admit("t1", "t1/c#1", session_id="t1/s").continues_session  # its history stays
+    sched.release("t1/c#1", finished)
+    assert sched.close_session("t1/s", "t1") is not None
+    assert not sched.admit("t1", "t1/d#1", session_id="t1/s").continues_session  # opened anew
+    sched.release("t1/d#1", finished)
+    sched.node_down(sched.session_nodes["t1/s"][1], "test")
+    assert not sched.kept_sessions and not sched.session_nodes
