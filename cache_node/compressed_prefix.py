@@ -266,9 +266,13 @@ class CompressedPrefixCache:
         key, entry = next(iter(self.entries.items()))
         if used_before is not None and entry.last_used_s >= used_before:
             return False
-        del self.entries[key]
-        self.kv_manager.free(entry.seq)  # and SequenceKV.reset: charge blocks, host-tier slots
+        self.evict(key)
         return True
+
+    def evict(self, key: PrefixKey) -> None:
+        """Drop the entry ``key`` (blocks, charge blocks, host slots)."""
+        entry = self.entries.pop(key)
+        self.kv_manager.free(entry.seq)  # and SequenceKV.reset: charge blocks, host-tier slots
 
     def clear(self) -> int:
         """Drop every entry; returns how many."""

@@ -103,11 +103,13 @@ class LLMEngine(EngineTiersMixin):
             self.scheduler.attach_swap(self.tiers.demote_free_blocks, self.pool.bytes_per_block)
         # policies that demote KV themselves (SentenceKV) keep it in the host tier when there is one
         self.host_for_policies = self.tiers if self.tiers.host.num_slots else None
+        self.tiers.reclaim_host = self._reclaim_host
         if self.scheduler.policy.demotes_over_quota_first:
             self.tiers.demotion_order = self._over_quota_first
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.num_failed_requests = 0  # finished with "error" (``_recover``)
+        self.num_host_reclaims = 0  # idle policy states dropped for a host reservation
         self._failed_steps = 0  # steps in a row that failed with no policy to blame
         # request id -> computed tokens it must reach alone: the sequences of a failed step
         # that named no request, each run alone until it passes that step (``_recover``)
@@ -309,6 +311,32 @@ class LLMEngine(EngineTiersMixin):
                 return
             self.demote_session(session_id)
 
+    def _reclaim_host(self, need: int) -> None:
+        """A policy's host-tier reservation of ``need`` slots does not fit: drop the policy
+        states that idle holders keep there (sessions between turns, stored compressed
+        prefixes), least recently used first, until it fits or none is left. A dropped
+        session's next turn prefills its history again; a dropped prefix is compressed again.
+
+        Regression (security review): one tenant's idle SentenceKV sessions or stored prefixes
+        held every host slot until their TTL; another tenant's running request then lost the
+        sentences it demoted (``dropped_tokens``) and silently decoded other tokens than on
+        an idle node. Only idle holders give way: a running request's sentences never do.
+        """
+        host = self.tiers.host
+        while not host.can_reserve(need):
+            holders = [(s.last_used_s, 0, s.session_id) for s in self.sessions.sessions.values()
+                       if s.active_request is None and s.kv is not None and s.kv.policy.host_slots(s.kv)]
+            holders += [(e.last_used_s, 1, key) for key, e in self.prefixes.entries.items()
+                        if e.seq.kv is not None and e.seq.kv.policy.host_slots(e.seq.kv)]
+            if not holders:
+                return
+            _, kind, key = min(holders, key=lambda h: (h[0], h[1]))
+            if kind == 0:
+                self.sessions.unpin(key)  # a compacted state is dropped whole
+            else:
+                self.prefixes.evict(key)
+            self.num_host_reclaims += 1
+
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         logits = self.runner.execute(batch)  # one row per sequence reaching its last token
         rows = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
@@ -481,6 +509,7 @@ class LLMEngine(EngineTiersMixin):
                 "device_bytes_used": used * self.pool.bytes_per_block,
                 "running": len(self.scheduler.running),
                 "failed_requests": self.num_failed_requests,
+                "host_reclaims": self.num_host_reclaims,
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
                 "session_blocks": sum(s.num_held_blocks for s in self.sessions.sessions.values()

@@ -307,3 +307,43 @@ def test_demoting_an_idle_policy_session_drops_its_state_whole(tiny) -> None:
     assert eng.sessions.num_policy_continuations == 0 and out.num_cached_tokens < len(p2) - 10
     eng.close_session("s")
     eng.check_integrity()
+
+
+def test_idle_holders_give_their_host_slots_to_a_running_request(tiny) -> None:
+    """Regression (security review): tenant A's idle SentenceKV sessions and stored compressed
+    prefixes held every host-tier slot until their TTL; tenant B's running request then lost
+    the sentences it demoted (``dropped_tokens``) and silently decoded other tokens than on an
+    idle node. Now idle holders give their slots back, least recently used first
+    (``LLMEngine._reclaim_host``); what is still lost is counted on the node."""
+    from cache_node.tiers.manager import TierConfig
+
+    spec, greedy = "sentencekv-64", SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def engine() -> LLMEngine:
+        probe = make_engine(tiny, kv_pool_bytes=4 << 20, max_num_batched_tokens=128)
+        eng = LLMEngine(tiny.model, probe.config, tiny.model_id, tiny.eos_token_ids,
+                        tier_config=TierConfig(host_bytes=40 * probe.pool.bytes_per_block))
+        eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
+        return eng
+
+    def prompt(n: int, off: int) -> list[int]:  # sentences of 12 tokens
+        return [13 if i % 12 == 11 else (7 * i + off) % 400 + 20 for i in range(n)]
+
+    def tenant_b(eng: LLMEngine) -> tuple[tuple[int, ...], dict[str, float]]:
+        out = eng.generate([prompt(400, 3)], greedy, tenant="B", cache_namespace="tenant:B", policy=spec)[0]
+        return out.output_token_ids, out.policy_stats
+
+    alone, alone_stats = tenant_b(engine())
+    assert "dropped_tokens" not in alone_stats
+    eng = engine()
+    for k in range(2):  # tenant A: two idle sessions and two stored prefixes, holding every slot
+        eng.generate([prompt(400, 100 + k)], SamplingParams(max_tokens=2, ignore_eos=True),
+                     session_id=f"A/s{k}", tenant="A", cache_namespace="tenant:A", policy=spec)
+        doc = prompt(396, 200 + k)
+        eng.generate([doc + [5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), tenant="A",
+                     cache_namespace="tenant:A", policy=spec, prefix_tokens=len(doc))
+    assert not eng.tiers.host.can_reserve(10)
+    got, stats = tenant_b(eng)
+    assert got == alone and "dropped_tokens" not in stats
+    assert eng.stats()["host_reclaims"] > 0 and eng.stats()["policy_dropped_tokens"] == 0
+    eng.check_integrity()

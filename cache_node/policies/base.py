@@ -252,6 +252,11 @@ class Policy:
         device pool instead, ``SequenceKV.settle_charge``). 0 by default."""
         return 0
 
+    def host_slots(self, state: SequenceKV) -> int:
+        """Host-tier slots the policy reserves for the sequence (``TierManager.reserve_host``;
+        freed by ``release``). 0 by default."""
+        return 0
+
     def release(self, state: SequenceKV) -> None:
         """The sequence's KV is gone (finish, abort, preemption): free what the policy holds
         outside the pool (host-tier slots). No-op by default."""

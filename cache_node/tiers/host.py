@@ -157,13 +157,17 @@ class HostTier:
         sentences) until ``release_slots``. LRU entries are evicted to make room and returned as
         victims (for the spill tier). Returns (None, no victims) when even evicting every entry
         would not free ``n`` slots."""
-        if n > len(self._free_slots) + len(self.entries):
+        if not self.can_reserve(n):
             return None, Victims([], torch.empty(0))
         victims = self._evict(n - len(self._free_slots))
         self.copier.host_barrier()  # a free slot may still be read by a promotion in flight
         slots = [self._free_slots.pop() for _ in range(n)]
         self.num_reserved += n
         return slots, victims
+
+    def can_reserve(self, n: int) -> bool:
+        """``reserve(n)`` would succeed (free slots plus LRU entries it may evict)."""
+        return n <= len(self._free_slots) + len(self.entries)
 
     def release_slots(self, slots: Sequence[int]) -> None:
         """Return slots held by ``reserve``."""

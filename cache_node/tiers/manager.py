@@ -52,6 +52,7 @@ COUNTERS = (  # block counts moved, and faults absorbed as misses or dropped wri
     "demoted_blocks", "promoted_host_blocks", "installed_spill_blocks", "spill_put_blocks",
     "dropped_blocks", "spill_put_errors", "spill_get_errors", "spill_bad_replies",
     "spill_flush_errors",
+    "policy_dropped_tokens",  # tokens a policy demoted while the host tier was full (lost)
 )
 
 
@@ -125,6 +126,9 @@ class TierManager:
         self.spill = spill
         self.counters: Counter[str] = Counter()
         self.worker = TransferWorker(self, spill) if spill is not None else None
+        # frees host slots other holders reserved (idle ones) for a reservation that does not
+        # fit (``reserve_host``); the engine sets it
+        self.reclaim_host: Callable[[int], None] | None = None
         self.enabled = self.host.num_slots > 0 or spill is not None
         # reorders the free cached blocks (LRU order in) before watermark demotion takes the
         # first ones; None = LRU (the engine sets it for quota-aware scheduling policies)
@@ -171,8 +175,12 @@ class TierManager:
 
     def reserve_host(self, n: int) -> list[int] | None:
         """``n`` host-tier slots for a policy's own KV (see ``HostTier.reserve``); LRU entries
-        pushed out go to spill. None when the host tier cannot hold ``n`` more."""
+        pushed out go to spill. When other holders' reservations fill the tier,
+        ``reclaim_host(n)`` (the engine's: idle sessions and stored prefixes) frees some
+        first. None when the host tier still cannot hold ``n`` more."""
         with self.lock:
+            if not self.host.can_reserve(n) and self.reclaim_host is not None:
+                self.reclaim_host(n)
             slots, victims = self.host.reserve(n)
             self.push_to_spill(victims)
             return slots

@@ -102,6 +102,11 @@ class NodeMetrics(Collector):
         yield counter("num_preemptions", "Requests preempted.", self.preemptions())
         yield counter("num_requests_failed", "Requests whose step raised (finished with \"error\", "
                       "INTERNAL; the node served the rest).", s.get("failed_requests", 0))
+        yield counter("policy_dropped_tokens", "Tokens a KV policy demoted while the host tier was full, "
+                      "lost as on eviction (after idle sessions and prefixes gave their host slots "
+                      "back).", s.get("policy_dropped_tokens", 0))
+        yield counter("host_reclaims", "Idle policy states (sessions, compressed prefixes) dropped to "
+                      "give their host-tier slots to a running request.", s.get("host_reclaims", 0))
         yield counter("compressed_prefix_hits", "Requests that forked a stored compressed prefix "
                       "(prefilled only their tokens after it).", s["compressed_prefix_hits"])
         yield counter("compressed_prefix_stores", "Compressed prefixes computed and stored.",

@@ -38,6 +38,8 @@ class PrivateHostKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
+    num_held_slots = 0  # holds no host-tier slot
+
     def release(self) -> None:
         self.parts = []
 
@@ -91,6 +93,7 @@ class TierHostKV:
         if need + charge > 0:
             got = self.tiers.reserve_host(need + charge)
             if got is None:
+                self.tiers.counters["policy_dropped_tokens"] += n
                 return None
             self.slots = torch.cat([self.slots, torch.tensor(got[:need], dtype=torch.long)])
             self.charge_slots.extend(got[need:])
@@ -131,6 +134,13 @@ class TierHostKV:
         for run in out.shared:
             run.holders += 1
         return out
+
+    @property
+    def num_held_slots(self) -> int:
+        """Host-tier slots this holder alone gives back on ``release`` (its own slots and
+        charge slots; shared runs go back with their last holder)."""
+        own = len(self.slots) - self.num_shared_slots + len(self.charge_slots)
+        return own + sum(len(run.slots) for run in self.shared if run.holders == 1)
 
     def release(self) -> None:
         held = self.slots[self.num_shared_slots :].tolist() + self.charge_slots

@@ -290,6 +290,8 @@ class SentenceKV(Policy):
         bounds (a dropped sentence's too: it stays missed). Host-tier bounds are charged to the
         host tier; what it cannot hold is counted in ``private_host_bytes`` instead."""
         stored = store.put(kv, positions)
+        if not stored:  # lost, as on eviction: the request's finished event and the node say so
+            state.seq.policy_stats["dropped_tokens"] = float(store.dropped_tokens)
         bounds: KeyBounds | None = state.extra.get("key_bounds")
         if bounds is None:
             return
@@ -524,6 +526,10 @@ class SentenceKV(Policy):
             if rank < self.recall_next and nxt < len(lengths) and first[nxt] == first[sid] + lengths[sid]:
                 out.append(nxt)
         return out
+
+    def host_slots(self, state: SequenceKV) -> int:
+        store = state.extra.get("sentences")
+        return 0 if store is None else store.host.num_held_slots
 
     def release(self, state: SequenceKV) -> None:
         store = state.extra.get("sentences")
