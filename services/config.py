@@ -97,6 +97,9 @@ class ServiceConfig(BaseModel):
     state_dir: str = Field(default_factory=default_state_dir)  # a YAML value wins
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)
+    # open sessions one tenant may hold across the cluster; a new one past it is refused
+    # (RESOURCE_EXHAUSTED, reason too_many_sessions) until one is closed or expires
+    max_sessions_per_tenant: int = Field(1024, ge=1)
     # Ray restarts a cache node whose process died (a failed step loop exits it): -1 = always.
     cache_node_max_restarts: int = Field(-1, ge=-1)
     # Ray restarts a gateway whose process died; it serves again on the same host:port: -1 = always.

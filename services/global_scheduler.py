@@ -87,7 +87,7 @@ class Admission:
 
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
-                  "node_not_reading")
+                  "node_not_reading", "too_many_sessions")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
@@ -117,7 +117,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
     def __init__(
         self, state_dir: str, nodes: dict[str, int], queue_limit: int = 256, affinity_min_blocks: int = 4,
         scheduler: str = "fcfs", block_size: int = 16, clock: Any = time.monotonic,
-        security: Security | None = None,
+        security: Security | None = None, max_sessions_per_tenant: int = 1024,
     ) -> None:
         self.security = security
         self.bad_messages = 0  # data-plane messages dropped as malformed
@@ -139,6 +139,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
         # routed there ``continues_session`` (one of a session whose first turn has not
         # finished does not: its retry would find no session)
         self.kept_sessions: set[str] = set()
+        self.max_sessions_per_tenant = max_sessions_per_tenant
+        self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
         self.routing_keys: OrderedDict[str, str] = OrderedDict()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already
@@ -178,6 +180,14 @@ class GlobalScheduler(Tenants, Membership, Routing):
         if sticky is not None and sticky[0] != tenant_id:
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant",
                              reason="session_of_another_tenant")
+        if session_id and sticky is None and self.sessions_per_tenant[tenant_id] >= self.max_sessions_per_tenant:
+            # regression (security review): every new session id kept its history, a route
+            # here and its messages on a node until its TTL, without bound: one tenant's
+            # thousands of sessions grew every node's memory and per-step scans
+            self.usage.record_rejected(tenant_id)
+            return Admission(code="RESOURCE_EXHAUSTED", reason="too_many_sessions",
+                             message=f"the tenant has {self.max_sessions_per_tenant} open sessions "
+                             "(max_sessions_per_tenant): close one (CloseSession) or let an idle one expire")
         queued = self._queued()
         if self._over_queue(tenant_id, queued):
             self.usage.record_rejected(tenant_id)
@@ -197,8 +207,9 @@ class GlobalScheduler(Tenants, Membership, Routing):
         if urgent:
             self.nodes[node_id].urgent.add(request_id)
         self.requests[request_id] = (tenant_id, node_id, session_id if sticky is None else "", session_id)
-        if session_id:
+        if session_id and sticky is None:
             self.session_nodes[session_id] = (tenant_id, node_id)
+            self.sessions_per_tenant[tenant_id] += 1
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill,
                          continues_session=sticky is not None and session_id in self.kept_sessions)
@@ -330,8 +341,11 @@ class GlobalScheduler(Tenants, Membership, Routing):
 
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
-        del self.session_nodes[session_id]
+        tenant_id, _ = self.session_nodes.pop(session_id)
         self.kept_sessions.discard(session_id)
+        self.sessions_per_tenant[tenant_id] -= 1
+        if self.sessions_per_tenant[tenant_id] <= 0:
+            del self.sessions_per_tenant[tenant_id]
 
     # ---- global block index ---------------------------------------------------------------
     def report_events(

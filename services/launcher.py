@@ -99,7 +99,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size,
-             security=keys.security("scheduler", host))
+             security=keys.security("scheduler", host), max_sessions_per_tenant=config.max_sessions_per_tenant)
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     spec = spill_block_spec(config)
     spill_nodes = _start_spill_nodes(config, spec)

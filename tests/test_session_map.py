@@ -110,3 +110,26 @@ def test_a_turn_continues_its_session_only_once_a_turn_of_it_finished_there(tmp_
     sched.release("t1/d#1", finished)
     sched.node_down(sched.session_nodes["t1/s"][1], "test")
     assert not sched.kept_sessions and not sched.session_nodes
+
+
+def test_a_tenant_opens_at_most_max_sessions_per_tenant(tmp_path) -> None:
+    """Regression (security review): every new session id kept its history, a route here and
+    its messages on a node until its TTL, without bound (4000 sessions of one tenant: 29 MiB
+    on the node and every per-step scan over them). Past ``max_sessions_per_tenant`` a new
+    session is RESOURCE_EXHAUSTED; the tenant's open sessions go on, other tenants are not
+    counted, and a closed or expired one makes room."""
+    finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8}, max_sessions_per_tenant=2)
+    for k, sid in enumerate(["a/1", "a/2"]):
+        assert sched.admit("a", f"a/r{k}", session_id=sid).code == "OK"
+        sched.release(f"a/r{k}", finished)
+    refused = sched.admit("a", "a/r3", session_id="a/3")
+    assert (refused.code, refused.reason) == ("RESOURCE_EXHAUSTED", "too_many_sessions")
+    assert "max_sessions_per_tenant" in refused.message
+    assert sched.admit("a", "a/r4", session_id="a/1").code == "OK"  # an open one goes on
+    assert sched.admit("a", "a/r5").code == "OK"  # as do requests without a session
+    assert sched.admit("b", "b/r1", session_id="b/1").code == "OK"  # another tenant's own count
+    sched.close_session("a/2", "a")
+    assert sched.admit("a", "a/r6", session_id="a/3").code == "OK"
+    sched.sessions_ended(sched.session_nodes["a/1"][1], ["a/1"])  # expired on its node
+    assert sched.sessions_per_tenant["a"] == 1
