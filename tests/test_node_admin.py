@@ -102,3 +102,57 @@ def test_drain_lets_requests_finish_within_timeout_then_aborts_the_rest(node) ->
     assert 1.0 <= took_s < 10.0
     with pytest.raises(ValueError, match="timeout_s"):
         asyncio.run(node.drain(timeout_s=-1))
+
+
+def test_a_flush_behind_a_stalled_spill_node_never_holds_the_streams() -> None:
+    """Regression (hardening review): ``flush`` ran the spill flush on the step thread, behind
+    the spill put in progress; a stalled (not dead) spill node froze every stream on the node
+    for both calls (up to ~60 s with the Ray client's timeouts) while its health kept
+    answering. Now the spill part runs off the step thread: the stream goes on meanwhile."""
+    import numpy as np
+
+    from cache_node.tiers.prefetch import TransferWorker
+    from cache_node.tiers.spill_store import SpillHits
+
+    slow_s = 3.0
+
+    class StalledSpill:  # each call takes slow_s, as a stalled spill node up to its timeouts
+        def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+            time.sleep(slow_s)
+            return 0
+
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
+            time.sleep(slow_s)
+            return SpillHits([], np.empty((0,)), [])
+
+        def contains(self, hashes):  # type: ignore[no-untyped-def]
+            return [None] * len(hashes)
+
+        def flush(self) -> int:
+            time.sleep(slow_s)
+            return 0
+
+    n = CacheNode("stall", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=1 << 20), num_threads=1)
+    tiers = n.engine.tiers
+    tiers.spill = spill = StalledSpill()
+    tiers.worker = TransferWorker(tiers, spill)
+
+    async def run() -> tuple[list[float], int]:
+        async for _ in n.generate(request("warm", tuple(range(100, 180)), 2)):
+            pass
+        with tiers.lock:
+            tiers.demote_all(to_spill=True)  # a spill put now in flight on the transfer thread
+        times, flush = [], None
+        async for _ in n.generate(request("r", tuple(range(200, 240)), 40)):
+            times.append(time.monotonic())
+            if len(times) == 5:
+                flush = asyncio.ensure_future(n.flush())
+        assert flush is not None
+        return times, await asyncio.wait_for(flush, 4 * slow_s)
+
+    try:
+        times, dropped = asyncio.run(run())
+    finally:
+        n.shutdown()
+    assert len(times) >= 40 and dropped >= 0
+    assert max(np.diff(times)) < slow_s, max(np.diff(times))  # before: a put and a flush (2 x slow_s)

@@ -65,16 +65,21 @@ class EngineTiersMixin:
         with self._lock:
             return self.tiers.demote_all(to_spill) if self.tiers.enabled else 0
 
-    def flush(self) -> int:
-        """Drop every cached block in every tier (device, host, spill) and any queued transfer,
-        and every stored compressed prefix (cached KV too: a fresh-user trial saw 9 blocks
-        stay held after a flush).
+    def flush(self, spill: bool = True) -> int:
+        """Drop every cached block in every tier (device, host, and spill unless told not to:
+        ``flush_spill``) and any queued transfer, and every stored compressed prefix (cached KV
+        too: a fresh-user trial saw 9 blocks stay held after a flush).
 
         Blocks in use by running requests or pinned by sessions are kept. Returns blocks dropped.
         """
         held = self.prefixes.stats()["compressed_prefix_blocks"]
         self.prefixes.clear()
-        return held + self.tiers.flush()
+        return held + self.tiers.flush(spill)
+
+    def flush_spill(self) -> int:
+        """Flush the spill tier only; blocks dropped there. May wait on the spill node (up to
+        its client's timeouts): call it off the step thread."""
+        return self.tiers.flush_spill()
 
     def take_tier_events(self) -> list[TierEvent]:
         """(event, block_hash, tier) changes of the device and host tiers since the last call.

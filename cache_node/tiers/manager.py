@@ -358,16 +358,21 @@ class TierManager:
         device = [TierEvent(e, h, TIER_DEVICE) for e, h in self.blocks.take_events()]
         return device + self.host.take_events()
 
-    def flush(self) -> int:
-        """Drop every cached block on device, host and spill; in-flight transfers are dropped."""
+    def flush(self, spill: bool = True) -> int:
+        """Drop every cached block on device, host and (``spill``) spill; in-flight transfers
+        are dropped. Without ``spill`` the caller flushes the spill tier itself
+        (``flush_spill``, which may wait on a spill node: never on the step thread)."""
         with self.lock:
             self.release_held(wait=True)
             n = self.blocks.evict_cached() + self.host.clear()
             if self.worker is not None:
                 self.worker.new_epoch()
-        if self.worker is not None:
-            n += self.worker.flush_spill()
-        return n
+        return n + (self.flush_spill() if spill else 0)
+
+    def flush_spill(self) -> int:
+        """Flush the spill tier (after the put or get in progress); blocks dropped there.
+        Takes no engine lock."""
+        return self.worker.flush_spill() if self.worker is not None else 0
 
     def stats(self) -> dict[str, int]:
         """Host tier sizes, the ``COUNTERS`` and ``held_demoted_blocks`` (device blocks waiting
