@@ -294,11 +294,33 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def _attempt(self, context: Any, req: NodeRequest, hashes: list[bytes], client_id: str,
                        track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
         """One admitted attempt of a request: admit, stream its node's events, and on any end
-        release it at the scheduler (aborting it on its node when it did not finish)."""
-        queue = self.streams.open(req.request_id)
+        release it at the scheduler (aborting it on its node when it did not finish).
+
+        The release of a request that ended on its node (its ``finished`` or error event) is
+        sent as that event arrives, not when the client has read up to it. Regression
+        (hardening review): a client that stopped reading a stream (gRPC or HTTP flow control
+        holding this generator at a ``yield``) kept its finished request in flight at the
+        scheduler for as long as it held the connection; enough of them filled the queue
+        limit, and every tenant's requests were refused ``queue_full``."""
         adm = None
         usage: dict[str, Any] | None = None
         seen = _Seen()  # the usage of a request that ends without its finished event
+        released = False
+
+        def release(ended: dict[str, Any] | None) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.scheduler.release.remote(req.request_id, ended)
+
+        def on_event(event: dict[str, Any]) -> None:  # as it arrives (``NodeStreams.open``)
+            seen.observe(event)
+            if event["type"] == "finished":
+                release(event)
+            elif event["type"] == "error":
+                release(seen.usage())
+
+        queue = self.streams.open(req.request_id, on_event)
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         admission = asyncio.ensure_future(self.streams.admit(req, hashes))
@@ -321,7 +343,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.streams.bind(req.request_id, adm.node_id)
             while usage is None:
                 event = await queue.get()
-                seen.observe(event)
                 track.observe(event)
                 if event["type"] == "error":
                     usage = {}
@@ -332,17 +353,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     event = {**event, "request_id": client_id}
                 yield event
         finally:
-            self.streams.close(req.request_id)
-            if not usage:  # interrupted: what it ran counts too, events already here included
-                while not queue.empty():
-                    seen.observe(queue.get_nowait())
-            if usage is None:  # cancelled or past its deadline
+            self.streams.close(req.request_id)  # ``seen`` holds every event that arrived
+            if usage is None and not released:  # cancelled or past its deadline
                 if adm is None:  # while being admitted: abort once the node is known
                     asyncio.get_running_loop().create_task(self._abort_admitted(admission, req.request_id))
                 else:
                     self.streams.abort(adm.node_id, req.request_id)
             if adm is None or adm.code == "OK":
-                self.scheduler.release.remote(req.request_id, usage or seen.usage())
+                release(usage or seen.usage())
 
     async def _abort_admitted(self, admission: Any, request_id: str) -> None:
         try:

@@ -22,6 +22,8 @@ from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
 
+OnEvent = Callable[[dict[str, Any]], None]
+
 
 class NodeStreams:
     """The gateway's end of the data plane (``services.data_plane``).
@@ -61,7 +63,9 @@ class NodeStreams:
         self.subscriber = ""  # this gateway's event inbox address (``start``)
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
-        self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]]]] = {}
+        # request id -> (its node, "" until ``bind``; its queue; called with each event as it
+        # is routed, before the stream's reader takes it: ``open``)
+        self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]], OnEvent | None]] = {}
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -153,8 +157,10 @@ class NodeStreams:
         """Tell ``node_id`` to stop ``request_id`` (fire and forget)."""
         self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}))
 
-    def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
+    def open(self, request_id: str, on_event: OnEvent | None = None) -> asyncio.Queue[dict[str, Any]]:
         """A queue for ``request_id``'s events; open it before the request reaches a node.
+        ``on_event(event)`` sees each event as it arrives, whether or not the queue's reader
+        keeps up (a client that stops reading).
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
@@ -162,29 +168,35 @@ class NodeStreams:
         if request_id in self._queues:
             raise KeyError(request_id)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._queues[request_id] = ("", queue)
+        self._queues[request_id] = ("", queue, on_event)
         return queue
+
+    @staticmethod
+    def _put(entry: tuple[str, asyncio.Queue[dict[str, Any]], OnEvent | None], event: dict[str, Any]) -> None:
+        if entry[2] is not None:
+            entry[2](event)
+        entry[1].put_nowait(event)
 
     def bind(self, request_id: str, node_id: str) -> None:
         """Record the node serving ``request_id`` (its failure ends this stream; a node down
         already ends it at once)."""
         entry = self._queues.get(request_id)
         if entry is not None:
-            self._queues[request_id] = (node_id, entry[1])
+            self._queues[request_id] = entry = (node_id, entry[1], entry[2])
             for sender, event in self._unbound.pop(request_id, []):  # in order, from it alone
                 if sender == node_id:
-                    entry[1].put_nowait(event)
+                    self._put(entry, event)
                 else:
                     self._drop("event", PermissionError(f"{sender} sent an event for a request on {node_id}"))
             if node_id in self.down:
-                entry[1].put_nowait(_unavailable(self.down[node_id]))
+                self._put(entry, _unavailable(self.down[node_id]))
 
     def fail_node(self, node_id: str, reason: str) -> None:
         """``node_id`` is down: end every stream bound to it with UNAVAILABLE (``reason``)."""
         self.down[node_id] = reason
-        for nid, queue in list(self._queues.values()):
-            if nid == node_id:
-                queue.put_nowait(_unavailable(reason))
+        for entry in list(self._queues.values()):
+            if entry[0] == node_id:
+                self._put(entry, _unavailable(reason))
 
     def reconnect(self, node_id: str, address: str) -> None:
         """``node_id`` is up again with its command inbox at ``address`` (new after a restart)."""
@@ -225,7 +237,7 @@ class NodeStreams:
                     self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
                                                         f"for a request on {entry[0]}"))
                     continue
-                entry[1].put_nowait(event)
+                self._put(entry, event)
 
     def _drop(self, what: str, exc: BaseException) -> None:
         self.bad_messages += 1

@@ -110,3 +110,79 @@ def test_admissions_events_aborts_and_a_dead_node() -> None:
         ctx.destroy(linger=0)
 
     asyncio.run(run())
+
+
+class _Context:
+    """What ``_attempt`` calls on a gRPC servicer context."""
+
+    async def send_initial_metadata(self, _metadata) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    async def abort(self, code, message):  # type: ignore[no-untyped-def]
+        raise RuntimeError(f"{code}: {message}")
+
+    def set_trailing_metadata(self, _metadata) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+
+class _Track:
+    def observe(self, _event) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+    def rejected(self, _reason) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+
+def test_a_stream_whose_client_stops_reading_is_released_when_its_request_ends() -> None:
+    """Regression (hardening review): the gateway released a request at the scheduler only
+    when its client had read up to the finished event; a client that stopped reading (flow
+    control holding the stream at a ``yield``) kept its finished request in flight there for
+    as long as it held the connection, and enough of them filled the queue for every tenant.
+    Now the release goes out as the finished event arrives, once; closing the stream later
+    neither releases again nor aborts the finished request on its node."""
+    from types import SimpleNamespace
+
+    from services.gateway import InferenceServicer
+
+    async def run():
+        ctx = data_plane.context(asyncio_=True)
+        sched = ctx.socket(zmq.ROUTER)
+        sched_address = data_plane.bind_random(sched, "127.0.0.1")
+        inbox = ctx.socket(zmq.PULL)
+        node_address = data_plane.bind_random(inbox, "127.0.0.1")
+        server = asyncio.get_running_loop().create_task(_scheduler(sched, _answer))
+        streams = NodeStreams({"n0": None}, {"n0": node_address}, sched_address)
+        await streams.start()
+        released = []
+        servicer = InferenceServicer.__new__(InferenceServicer)
+        servicer.streams, servicer.nodes = streams, {"n0": None}
+        servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda *a: released.append(a)))
+        attempts = [servicer._attempt(_Context(), request(rid), [], rid, _Track()) for rid in ("r1", "r2")]
+        firsts = [asyncio.ensure_future(a.__anext__()) for a in attempts]  # admitted in pairs
+        push = data_plane.PushSockets()
+        finished = {"type": "finished", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2,
+                    "cached_tokens": {}, "ttft_ms": 1.0, "tpot_ms": 1.0, "preempted": False}
+        for rid in ("r1", "r2"):
+            push.send(streams.subscriber, [[rid, {"type": "started", "request_id": rid, "node_id": "n0",
+                                                  "prompt_tokens": 3}],
+                                           [rid, {"type": "delta", "token_ids": [7, 8], "text": ""}],
+                                           [rid, finished]])
+        assert [(await asyncio.wait_for(f, 5))["type"] for f in firsts] == ["started", "started"]
+        for _ in range(100):  # the client reads no further
+            if len(released) == 2:
+                break
+            await asyncio.sleep(0.02)
+        got = list(released)
+        for a in attempts:
+            await a.aclose()  # the client goes away at last
+        aborts = await inbox.poll(300)
+        push.close()
+        server.cancel()
+        streams.shutdown()
+        ctx.destroy(linger=0)
+        return got, list(released), aborts
+
+    early, final, aborts = asyncio.run(run())
+    assert sorted(rid for rid, _ in early) == ["r1", "r2"]
+    assert all(usage["completion_tokens"] == 2 for _, usage in early)
+    assert final == early and not aborts
