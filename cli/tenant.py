@@ -146,13 +146,19 @@ def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
 
 
 @tenant_app.command("show")
-def tenant_show(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> None:
+def tenant_show(
+    name: str = TenantNameArg,
+    api_key: str | None = typer.Option(None, help="authorize with the tenant's own "
+                                       "key (it reads only its own tenant; default: the admin key)"),
+    gateway: str | None = GatewayOpt,
+) -> None:
     """One tenant's settings and usage counters (since the services started) as a table."""
+    md = (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
-            t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata()).tenant
-            u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=admin_metadata()).usage
+            t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=md).tenant
+            u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=md).usage
         except grpc.RpcError as err:
             fail(err)
     console.print(tenant_table(t, u))

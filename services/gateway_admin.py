@@ -77,8 +77,16 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         self.auth.forget()
         return tenant_pb2.DeleteTenantResponse()
 
+    async def _own_or_admin(self, context: Any, name: str) -> None:
+        """The admin key, or the key of the tenant called ``name``; else PERMISSION_DENIED
+        (another tenant's key) or UNAUTHENTICATED (no valid key)."""
+        caller = await self.auth.admin_or_tenant(context)
+        if caller is not None and caller.name != name:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a tenant key reaches only its own tenant")
+
     async def GetTenant(self, request, context):
-        await self.auth.admin(context)
+        """The admin key reads any tenant; a tenant's own key reads only its own."""
+        await self._own_or_admin(context, request.name)
         tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
         return tenant_pb2.GetTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
@@ -88,16 +96,16 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
     async def GetUsage(self, request, context):
-        await self.auth.admin(context)
+        """The admin key reads any tenant's usage; a tenant's own key reads only its own (a
+        fresh-user trial: a tenant could not see what it had used)."""
+        await self._own_or_admin(context, request.name)
         tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
         usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
     async def RotateKey(self, request, context):
         """The admin key rotates any tenant's key; a tenant's own key rotates only its own."""
-        caller = await self.auth.admin_or_tenant(context)
-        if caller is not None and caller.name != request.name:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a tenant key rotates only its own tenant's key")
+        await self._own_or_admin(context, request.name)
         key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name))
         self.auth.forget()
         return tenant_pb2.RotateKeyResponse(api_key=key)

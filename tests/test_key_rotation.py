@@ -104,3 +104,28 @@ def test_cli_tenant_rotate_key(gateway) -> None:
     assert len(keys) == 1
     assert gateway.scheduler.store.authenticate(keys[0]) == ann
     assert gateway.scheduler.store.authenticate(old) is None
+
+
+def test_a_tenant_reads_its_own_settings_and_usage_and_no_one_elses(gateway) -> None:
+    """A fresh-user trial: a tenant could not see its own usage (GetUsage and GetTenant took
+    the admin key only). Now its own key reads its own; another tenant's key is
+    PERMISSION_DENIED, and an unknown key UNAUTHENTICATED."""
+    store = gateway.scheduler.store
+    store.register(TenantSpec("cid", ttft_slo_ms=700.0))
+    _, cid_key = store.register(TenantSpec("cid2"))
+    _, dot_key = store.register(TenantSpec("dot"))
+    with grpc.insecure_channel(gateway.address) as ch:
+        tenants = tenant_pb2_grpc.TenantServiceStub(ch)
+        own = tenants.GetTenant(tenant_pb2.GetTenantRequest(name="cid2"), metadata=_md(cid_key)).tenant
+        usage = tenants.GetUsage(tenant_pb2.GetUsageRequest(name="cid2"), metadata=_md(cid_key)).usage
+        assert own.spec.name == "cid2" and usage.tenant_id == own.tenant_id and usage.requests == 0
+        for call, req in ((tenants.GetTenant, tenant_pb2.GetTenantRequest(name="cid")),
+                          (tenants.GetUsage, tenant_pb2.GetUsageRequest(name="cid"))):
+            with pytest.raises(grpc.RpcError) as other:
+                call(req, metadata=_md(dot_key))
+            assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.RpcError) as nobody:
+                call(req, metadata=_md("ks-not-a-key"))
+            assert nobody.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert tenants.GetTenant(tenant_pb2.GetTenantRequest(name="cid"),
+                                 metadata=_md(gateway.admin_key)).tenant.spec.ttft_slo_ms == 700.0

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class TenantServiceStub:
     """Operator API: needs the admin key in `authorization: Bearer <key>` metadata
-    (RotateKey also accepts the tenant's own API key, for its own name).
+    (GetTenant, GetUsage and RotateKey also accept the tenant's own API key, for its own name).
     """
 
     def __init__(self, channel):
@@ -75,7 +75,7 @@ class TenantServiceStub:
 
 class TenantServiceServicer:
     """Operator API: needs the admin key in `authorization: Bearer <key>` metadata
-    (RotateKey also accepts the tenant's own API key, for its own name).
+    (GetTenant, GetUsage and RotateKey also accept the tenant's own API key, for its own name).
     """
 
     def RegisterTenant(self, request, context):
@@ -168,7 +168,7 @@ def add_TenantServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class TenantService:
     """Operator API: needs the admin key in `authorization: Bearer <key>` metadata
-    (RotateKey also accepts the tenant's own API key, for its own name).
+    (GetTenant, GetUsage and RotateKey also accept the tenant's own API key, for its own name).
     """
 
     @staticmethod
