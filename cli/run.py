@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import grpc
 import typer
@@ -16,32 +14,12 @@ from cli.output import EXIT_USAGE, console, die, fail
 from cli.state import admin_metadata, gateway_address, openai_api_url
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 
-if TYPE_CHECKING:
-    from workloads.deepresearch.config import WorkloadConfig
-
 
 class Api(str, Enum):
     """The API a workload's calls go through."""
 
     grpc = "grpc"
     openai = "openai"
-
-
-def no_session_message(cfg: WorkloadConfig, sessions_per_s: float) -> str:
-    """Why ``kvstrata run deepresearch`` refuses a plan without a research session: the
-    arrival window times the rate gives none under this seed; with the numbers, and the
-    ``--duration`` that would give one (the first arrival does not depend on the duration)."""
-    from workloads.deepresearch.generator import first_arrival_s
-
-    shares = sum(t.sessions_per_s for t in cfg.tenants) / sessions_per_s
-    expected = cfg.duration_s * sessions_per_s * shares
-    first = first_arrival_s(cfg)
-    hint = (f" (its first arrives at {first:.2f} s)" if first is not None else "")
-    longer = f" ({math.floor(first) + 1:g} gives one)" if first is not None else ""
-    return (f"no research session to run: --duration {cfg.duration_s:g} s x --sessions-per-s "
-            f"{sessions_per_s:g} x {shares:g} tenant shares (--tenants {len(cfg.tenants)}) expects "
-            f"{expected:.2g} sessions, but --seed {cfg.seed} draws none before {cfg.duration_s:g} s{hint}; "
-            f"raise --duration{longer} or --sessions-per-s")
 
 
 run_app = typer.Typer(help="Run workloads against the gateway.", no_args_is_help=True)
@@ -81,7 +59,7 @@ def run_deepresearch(
     """
     from workloads.deepresearch.config import WorkloadConfig
     from workloads.deepresearch.demo_config import demo_tenants
-    from workloads.deepresearch.generator import generate_plan
+    from workloads.deepresearch.generator import generate_plan, no_session_message
     from workloads.deepresearch.job import run_deepresearch_grpc
     from workloads.deepresearch.register import register_tenants
 

@@ -134,3 +134,19 @@ def test_first_arrival_s_is_where_the_plan_gets_its_first_session() -> None:
     assert first_arrival_s(dataclasses.replace(short, duration_s=500.0)) == first
     tiny = TenantProfile("slow", "batch", 9000.0, 900.0, 0.5, sessions_per_s=1e-30)
     assert first_arrival_s(WorkloadConfig(duration_s=1.0, tenants=(tiny,)), max_doublings=3) is None
+
+
+def test_the_demo_refuses_a_plan_without_a_session_before_starting_anything(capsys) -> None:
+    """A fresh-user trial: ``python -m workloads.demo --duration-s 1`` started the cluster and
+    ran an empty plan (0 sessions, empty tables); ``kvstrata run deepresearch`` already refused
+    it. Now the demo's arguments are refused as a usage error (exit 2) with the numbers and the
+    ``--duration-s`` that gives a session; a plan with one is accepted."""
+    from workloads.demo import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--duration-s", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "no research session to run: --duration-s 1 s" in err and "(4 tenants)" in err
+    assert "raise --duration-s (16 gives one)" in err
+    assert parse_args(["--duration-s", "16"]).duration_s == 16

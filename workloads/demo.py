@@ -31,6 +31,7 @@ from services.launcher import Services, start_services, stop_services
 from workloads.deepresearch.compare import append_comparison, print_comparison
 from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.demo_config import demo_tenants
+from workloads.deepresearch.generator import generate_plan, no_session_message
 from workloads.deepresearch.job import JobOutcome, run_deepresearch_grpc
 from workloads.deepresearch.register import register_tenants
 
@@ -60,13 +61,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value and value not in SCHEDULING_POLICIES:
             p.error(f"--{name} must be one of {sorted(SCHEDULING_POLICIES)}, got {value!r}")
+    config = workload_config(args)
+    if not args.replay and not generate_plan(config).sessions:  # before starting anything
+        p.error(no_session_message(config, args.sessions_per_s, "--duration-s", ""))
     return args
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s),
+                          max_subagents=args.max_subagents)
 
 
 async def _run(args: argparse.Namespace, services: Services, console: Console, replay: str,
                reports: str) -> JobOutcome:
-    config = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, tenants=demo_tenants(args.sessions_per_s),
-                            max_subagents=args.max_subagents)
+    config = workload_config(args)
     address, admin_key = services.address, services.admin_key
     async with grpc.aio.insecure_channel(address) as channel:
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)

@@ -18,6 +18,7 @@ says is written at run time from the model's replies
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -147,3 +148,23 @@ def generate_plan(config: WorkloadConfig) -> WorkloadPlan:
     sessions.sort(key=lambda session: (session.arrival_s, session.research_id))
     return WorkloadPlan(config.seed, config.duration_s, tuple(sessions), config.search_top_k,
                         config.max_article_words)
+
+
+def no_session_message(config: WorkloadConfig, sessions_per_s: float, duration_flag: str = "--duration",
+                       tenants_flag: str = "--tenants") -> str:
+    """Why a DeepResearch plan without a research session is refused before anything runs:
+    the arrival window times the rate gives none under this seed; with the numbers, and the
+    duration (``duration_flag``, the entry point's option) that would give one (the first
+    arrival does not depend on the duration). ``tenants_flag``: the option that sets the
+    number of tenants ("": the entry point has none)."""
+    shares = sum(t.sessions_per_s for t in config.tenants) / sessions_per_s
+    expected = config.duration_s * sessions_per_s * shares
+    first = first_arrival_s(config)
+    hint = (f" (its first arrives at {first:.2f} s)" if first is not None else "")
+    longer = f" ({math.floor(first) + 1:g} gives one)" if first is not None else ""
+    n = len(config.tenants)
+    tenants = f"{tenants_flag} {n}" if tenants_flag else f"{n} tenants"
+    return (f"no research session to run: {duration_flag} {config.duration_s:g} s x --sessions-per-s "
+            f"{sessions_per_s:g} x {shares:g} tenant shares ({tenants}) expects "
+            f"{expected:.2g} sessions, but --seed {config.seed} draws none before {config.duration_s:g} s{hint}; "
+            f"raise {duration_flag}{longer} or --sessions-per-s")
