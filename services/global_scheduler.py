@@ -293,18 +293,21 @@ class GlobalScheduler(Tenants, Membership, Routing):
         """
         tenant_id, node_id, opened, session = self.requests.pop(request_id, ("", "", "", ""))
         self.request_gateways.pop(request_id, None)
-        if (opened and usage is None and self.session_nodes.get(opened) == (tenant_id, node_id)
+        # finished on its node, not aborted or failed there: its session keeps the turn
+        # (``LLMEngine._finish`` keeps no session whose first turn ends so)
+        kept = (bool(usage) and "prefill_tokens_per_s" in usage
+                and usage.get("finish_reason") not in ("abort", "error", "rejected"))
+        if (opened and not kept and self.session_nodes.get(opened) == (tenant_id, node_id)
                 and not any(session == opened for *_, session in self.requests.values())):
-            # the first turn of a session ran nothing (the node refused it, or it was cancelled
-            # before its prefill) and no other turn of it is in flight: the node holds no
-            # history the session must return to, and one it refused it never opened, so would
-            # never report ended (regression: such entries stayed forever; unique session ids
-            # grew this map without bound). Regression: a cancelled first turn's late release
-            # dropped the route its retry, admitted meanwhile, had set; the next turn went to
-            # another node and answered without the history
+            # the first turn of a session did not finish (the node refused it, it was cancelled,
+            # drained or failed) and no other turn of it is in flight: the node holds no
+            # history the session must return to and never reports it ended (regression: such
+            # entries stayed forever; unique session ids grew this map without bound, and then
+            # used up the tenant's ``max_sessions_per_tenant``). Regression: a cancelled first
+            # turn's late release dropped the route its retry, admitted meanwhile, had set; the
+            # next turn went to another node and answered without the history
             self.drop_session_route(opened)
-        if (session and usage and "prefill_tokens_per_s" in usage  # finished: the node keeps it
-                and self.session_nodes.get(session) == (tenant_id, node_id)):
+        if kept and session and self.session_nodes.get(session) == (tenant_id, node_id):
             self.kept_sessions.add(session)
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)

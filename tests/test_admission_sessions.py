@@ -127,7 +127,8 @@ def test_a_first_turn_that_ran_nothing_leaves_no_session_route(tmp_path) -> None
         gs.release(f"r{i}", None)  # refused by the node: nothing ran
     assert gs.session_nodes == {} and gs.stats()["sessions"] == 0
     assert gs.admit(chat, "a1", session_id="kept", prompt_tokens=8).code == "OK"
-    gs.release("a1", {"prompt_tokens": 8, "completion_tokens": 2})
+    gs.release("a1", {"prompt_tokens": 8, "completion_tokens": 2, "finish_reason": "length",
+                      "prefill_tokens_per_s": 500.0})  # its finished event
     node = gs.session_nodes["kept"][1]
     assert gs.admit(chat, "a2", session_id="kept", prompt_tokens=12).code == "OK"
     gs.release("a2", None)  # a later turn that ran nothing: the history is still on its node
@@ -140,7 +141,7 @@ def test_deleting_a_tenant_ends_its_work_on_every_node(tmp_path) -> None:
     gs, ids = scheduler(tmp_path, "fcfs", nodes=("n0", "n1"))
     for tenant, sid in (("chat", "c1"), ("noisy", "n1")):
         assert gs.admit(ids[tenant], f"r-{sid}", session_id=sid, prompt_tokens=8).code == "OK"
-        gs.release(f"r-{sid}", {"prompt_tokens": 8})
+        gs.release(f"r-{sid}", {"prompt_tokens": 8, "finish_reason": "stop", "prefill_tokens_per_s": 500.0})
     gs.delete_tenant("noisy")
     assert set(gs.session_nodes) == {"c1"}
     assert sorted(gs.commands.sent) == [(f"inbox-{n}", {"op": "end_tenant", "tenant": ids["noisy"]})

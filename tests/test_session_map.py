@@ -26,8 +26,9 @@ def run_turn(sched: GlobalScheduler, node: CacheNode, session_id: str) -> None:
     async def run() -> list[dict]:
         return [e async for e in node.generate(req)]
 
-    assert asyncio.run(run())[-1]["type"] == "finished"
-    sched.release(rid, {})
+    finished = asyncio.run(run())[-1]
+    assert finished["type"] == "finished"
+    sched.release(rid, finished)  # as the gateway does
 
 
 def wait_until(predicate, timeout_s: float) -> None:
@@ -133,3 +134,25 @@ def test_a_tenant_opens_at_most_max_sessions_per_tenant(tmp_path) -> None:
     assert sched.admit("a", "a/r6", session_id="a/3").code == "OK"
     sched.sessions_ended(sched.session_nodes["a/1"][1], ["a/1"])  # expired on its node
     assert sched.sessions_per_tenant["a"] == 1
+
+
+def test_a_first_turn_that_did_not_finish_leaves_no_route_and_no_kept_session(tmp_path) -> None:
+    """A review of the session counter: a first turn cancelled after it started (the gateway's
+    partial usage) or failed kept its route, though the node keeps no session whose first
+    turn ends so; the route never expired, and the tenant's ``max_sessions_per_tenant`` ran
+    out for good. A first turn ended by a drain (a finished event with reason "abort") marked
+    its session kept, so every later turn was refused ABORTED. Now neither leaves a route."""
+    sched = GlobalScheduler(str(tmp_path), {"n0": 4}, max_sessions_per_tenant=2)
+    partial = {"prompt_tokens": 12, "cached_tokens": {}, "completion_tokens": 3}
+    drained = {"finish_reason": "abort", "prompt_tokens": 12, "completion_tokens": 1, "cached_tokens": {},
+               "prefill_tokens_per_s": 900.0}
+    for k, usage in enumerate([partial, drained, partial, drained]):
+        assert sched.admit("t1", f"t1/r{k}", session_id=f"t1/s{k}").code == "OK"
+        sched.release(f"t1/r{k}", usage)
+    assert not sched.session_nodes and not sched.kept_sessions and not sched.sessions_per_tenant
+    assert not sched.admit("t1", "t1/again", session_id="t1/s1").continues_session
+    later = {**drained, "finish_reason": "length"}
+    sched.release("t1/again", later)
+    assert sched.admit("t1", "t1/turn2", session_id="t1/s1").continues_session
+    sched.release("t1/turn2", drained)  # a later turn drained: its session keeps the history
+    assert "t1/s1" in sched.kept_sessions and sched.sessions_per_tenant["t1"] == 1
