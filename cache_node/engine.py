@@ -111,9 +111,10 @@ class LLMEngine(EngineTiersMixin):
         self.num_failed_requests = 0  # finished with "error" (``_recover``)
         self.num_host_reclaims = 0  # idle policy states dropped for a host reservation
         self._failed_steps = 0  # steps in a row that failed with no policy to blame
-        # request id -> computed tokens it must reach alone: the sequences of a failed step
-        # that named no request, each run alone until it passes that step (``_recover``)
+        # request id -> computed tokens it reaches by the step that failed in a batch with no
+        # request named: that step runs alone (``_recover``, ``Sequence.isolate_at``)
         self._suspects: dict[str, int] = {}
+        self._alone = False  # the step running is a suspect's step alone
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -273,17 +274,28 @@ class LLMEngine(EngineTiersMixin):
         return outputs
 
     def _schedule(self) -> ScheduledBatch:
-        """The step's batch: the scheduler's pick, or, while the sequences of a failed step
-        are told apart (``_recover``), the first of them still short of that step, alone."""
-        while self._suspects:
-            request_id, need = next(iter(self._suspects.items()))
+        """The step's batch: a suspect's failed step alone when one has recomputed up to it
+        (``Sequence.isolate_at``, ``_recover``), else the scheduler's pick (in which suspects
+        recompute up to their failed step with the others)."""
+        self._alone = False
+        for request_id, need in list(self._suspects.items()):
             seq = self.requests.get(request_id)
-            if seq is not None and not seq.is_finished and seq.num_computed_tokens < need:
+            if seq is None or seq.is_finished or seq.num_computed_tokens >= need:
+                self._clear_suspect(request_id, seq)  # passed the step, or gone
+                continue
+            assert seq.isolate_at is not None
+            if seq.num_computed_tokens >= seq.isolate_at:
                 batch = self.scheduler.schedule_alone(seq)
                 if batch:
+                    self._alone = True
                     return batch
-            del self._suspects[request_id]  # passed the step, finished, or cannot run alone now
+                self._clear_suspect(request_id, seq)  # cannot run alone now: steps as any
         return self.scheduler.schedule()
+
+    def _clear_suspect(self, request_id: str, seq: Sequence | None) -> None:
+        del self._suspects[request_id]
+        if seq is not None:
+            seq.isolate_at = None
 
     def _release_idle_sessions(self) -> None:
         """Unpin least-recently-used idle sessions while a queued request cannot get blocks.
@@ -383,10 +395,13 @@ class LLMEngine(EngineTiersMixin):
         request whose policy failed: that request alone finishes with "error" and the rest of
         the batch is preempted, so it recomputes its KV instead of trusting half-written
         slots. An exception naming no request (the model runner itself) is told apart: every
-        sequence of the batch is preempted and then runs alone (``_schedule``) until it passes
-        the step that failed; a step of one sequence that fails is that sequence's, which
-        finishes with "error". ``MAX_FAILED_STEPS`` steps in a row failing with no policy to
-        blame re-raise (the node is broken, not a request: its supervisor restarts it).
+        sequence of the batch is preempted, recomputes up to the step that failed in batches
+        as usual, and runs that step alone (``_schedule``); a step of one sequence that fails
+        is that sequence's, which finishes with "error". Should a batch holding such a
+        sequence fail before it got there, each of that batch's sequences recomputes alone
+        from its start. ``MAX_FAILED_STEPS`` batched steps in a row failing with no policy to
+        blame re-raise (the node is broken, not a request: its supervisor restarts it); the
+        steps that tell a failed batch apart do not count.
 
         Regressions: a policy exception inside ``step`` stopped the node's step loop and failed
         every tenant's requests on it; then an exception naming no request failed its whole
@@ -395,21 +410,26 @@ class LLMEngine(EngineTiersMixin):
         """
         live = [(seq, n) for seq, n in batch if not seq.is_finished]
         culprit = exc.request_id if isinstance(exc, SequenceFault) else None
+        escalate = False  # a batch holding a sequence of an earlier failed batch failed again
         if not isinstance(exc, SequenceFault):
-            self._failed_steps += 1
+            escalate = not self._alone and any(seq.isolate_at is not None for seq, _ in live)
+            if not self._alone and not escalate:
+                self._failed_steps += 1
             if len(live) == 1:
                 culprit = live[0][0].request_id
         log.error("step %d failed (%s): %s", self.num_steps, "request " + culprit if culprit else "batch",
                   exc, exc_info=exc)
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise exc
-        if culprit is None:  # each runs alone until past this step (at most its known tokens)
-            for seq, n in live:
-                self._suspects[seq.request_id] = min(seq.num_computed_tokens + n, seq.num_tokens)
-        for seq, _ in live:
+        for seq, n in live:
             if seq.request_id == culprit:
                 self._fail(seq, outputs)
-            elif seq in self.scheduler.running:
+                continue
+            if culprit is None:  # runs its step alone once it has recomputed up to it
+                need = min(seq.num_computed_tokens + n, seq.num_tokens)
+                self._suspects[seq.request_id] = max(need, self._suspects.get(seq.request_id, 0))
+                seq.isolate_at = 0 if escalate else seq.num_computed_tokens
+            if seq in self.scheduler.running:
                 self.scheduler.preempt(seq)
 
     def _fail(self, seq: Sequence, outputs: list[RequestOutput]) -> None:

@@ -148,9 +148,9 @@ class Scheduler(Preemption):
         return batch
 
     def schedule_alone(self, seq: Sequence) -> ScheduledBatch:
-        """Only ``seq``'s next chunk, whatever the policy's order: the engine runs a sequence
-        alone to find which one a failed step belonged to (``LLMEngine._recover``); everything
-        else waits this step. Empty when ``seq`` cannot get blocks."""
+        """Only ``seq``'s next chunk, whatever the policy's order: the engine runs the step of
+        a sequence that failed in a batch alone, to find whose it was (``LLMEngine._recover``);
+        everything else waits this step. Empty when ``seq`` cannot get blocks."""
         now = self.clock()
         self._measure(now)
         budget = self.config.max_num_batched_tokens
@@ -377,6 +377,8 @@ class Scheduler(Preemption):
             limit = seq.prefix_stop - 1
         if seq.kv is not None:
             limit = min(limit, seq.kv.reusable_prompt_tokens())
+        if seq.isolate_at is not None:  # a batched step computes up to it (``compute_end``)
+            limit = min(limit, max(0, seq.isolate_at - 1))
         return limit // self.kv_manager.block_size
 
     def _whole_prompt_fits(self, seq: Sequence, num_computed_blocks: int) -> bool:

@@ -53,6 +53,9 @@ class Sequence:
         prefix_stop: computing stops at this many tokens (no step crosses it), where the
             engine compresses and stores the request's reusable prefix
             (``cache_node.compressed_prefix``); 0 once stored, or when there is none.
+        isolate_at: where a step of this sequence failed in the runner with no request named
+            (``LLMEngine._recover``): no step in a batch crosses it, and the engine computes
+            from it alone; None when no such step is pending.
     """
 
     request_id: str
@@ -83,6 +86,7 @@ class Sequence:
     policy_stats: dict[str, float] = field(default_factory=dict)
     priority: int = 0
     prefix_stop: int = 0
+    isolate_at: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -116,12 +120,19 @@ class Sequence:
         tokens in one chunk. Its policy compresses after each step, from the queries of that
         step, so it kept other KV than before the preemption and decoded other tokens than
         the same request never preempted.
+
+        A step from short of ``isolate_at`` stops there (the engine runs the step from it
+        alone).
         """
         if start < self.prefix_stop:
-            return self.prefix_stop
-        if self.output_token_ids and self.kv is not None and self.kv.policy.compresses:
-            return self.num_prompt_tokens if start < self.num_prompt_tokens else min(start + 1, self.num_tokens)
-        return self.num_tokens
+            end = self.prefix_stop
+        elif self.output_token_ids and self.kv is not None and self.kv.policy.compresses:
+            end = self.num_prompt_tokens if start < self.num_prompt_tokens else min(start + 1, self.num_tokens)
+        else:
+            end = self.num_tokens
+        if self.isolate_at is not None and start < self.isolate_at:
+            end = min(end, self.isolate_at)
+        return end
 
     @property
     def in_prefill(self) -> bool:

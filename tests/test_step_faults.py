@@ -106,8 +106,65 @@ def test_a_fault_naming_no_request_is_told_apart_and_fails_its_request_alone(tin
     for name in ("plain", "snapkv"):
         assert final[name].finish_reason == "length"
         assert list(final[name].output_token_ids) == alone(tiny, name), name
-    assert 1 in sizes and sizes[-1] > 1  # some steps ran alone, then batches again
+    assert 1 in sizes and max(sizes[sizes.index(1):]) > 1  # a step alone, then batches again
     assert eng.stats()["used_blocks"] == 0 and eng.num_failed_requests == 1
+
+
+def test_two_requests_breaking_the_forward_pass_fail_alone_and_the_node_serves_on(tiny, monkeypatch) -> None:
+    """A review: the steps run alone to tell a failed batch apart counted towards
+    ``MAX_FAILED_STEPS``, so two such requests in one batch (a batch failure, then each
+    alone) re-raised and brought the node down with every other tenant's requests. A step
+    run alone does not count: both fail, the third request decodes as alone."""
+    eng = engine(tiny)
+    execute = eng.runner.execute
+
+    def breaks_on_two(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        if any(seq.request_id in ("h2o", "snapkv") and seq.output_token_ids for seq, _ in batch):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", breaks_on_two)
+    for name, spec in SPECS.items():
+        eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
+    final = run(eng)
+    assert final["h2o"].finish_reason == final["snapkv"].finish_reason == "error"
+    assert final["plain"].finish_reason == "length"
+    assert list(final["plain"].output_token_ids) == alone(tiny, "plain")
+    assert eng.stats()["used_blocks"] == 0
+
+
+def test_after_a_fault_the_batch_recomputes_together_and_only_the_failed_step_runs_alone(tiny, monkeypatch) -> None:
+    """A review: each sequence of a failed batch recomputed alone, one after another (under a
+    compressing policy one output token per step), so one transient fault froze the node for
+    hundreds of steps (a request arriving after it waited 271 steps for its first token).
+    Now they recompute up to the failed step in batches, and only that step runs alone."""
+    eng = make_engine(tiny, max_num_batched_tokens=512)
+    execute, sizes = eng.runner.execute, []
+
+    def once(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        sizes.append(len(batch))
+        if len(sizes) == 12:
+            raise RuntimeError("CUDA error: out of memory")
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", once)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [prompt_of(40, k) for k in range(4)]
+    for k, prompt in enumerate(prompts):
+        eng.add_request(prompt, params, request_id=f"r{k}", policy="h2o-20")
+    final, late_first = {}, None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == "late" and out.new_token_ids and late_first is None:
+                late_first = len(sizes)
+            if out.finished:
+                final[out.request_id] = out
+        if len(sizes) == 12:  # the fault: a request arrives right after it
+            eng.add_request(prompt_of(20, 9), SamplingParams(max_tokens=2, ignore_eos=True), request_id="late")
+    ref = make_engine(tiny, max_num_batched_tokens=512).generate(prompts, params, policy="h2o-20")
+    assert [list(final[f"r{k}"].output_token_ids) for k in range(4)] == [list(o.output_token_ids) for o in ref]
+    assert sizes[12:].count(1) <= 4 + 2  # one step alone per sequence of the failed batch (+ late's)
+    assert late_first is not None and late_first - 12 <= 20, late_first
 
 
 def test_a_passing_fault_naming_no_request_fails_nothing(tiny, monkeypatch) -> None:
