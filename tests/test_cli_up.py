@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_failed_ray_start_is_one_line_and_exit_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real `ray start` whose GCS cannot bind its port (held here): `up` prints one line naming
+    Ray's error, exits 1, removes its temp directory and writes no gateway.json."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -39,12 +41,17 @@ def test_a_failed_ray_start_is_one_line_and_exit_1(tmp_path: Path, monkeypatch: 
         monkeypatch.setattr(lifecycle.tempfile, "mkdtemp", mkdtemp)
         free_ports = tmp_path / "free-ports.yaml"  # another kvstrata on this machine may hold the defaults
         free_ports.write_text(yaml.safe_dump({"gateway_port": 0, "http_port": 0, "state_dir": str(tmp_path / "state")}))
+        # `ray start`'s own client waits up to 5 + 5 + 30 s (connect, pubsub, cluster id) for a
+        # GCS that died at once; these Ray settings, inherited by `ray start`, cut that to ~4 s
         result = CliRunner().invoke(cli.app, ["up", "--config", str(free_ports)],
-                                    env={"KVSTRATA_STATE_DIR": str(tmp_path / "cli"), "COLUMNS": "1000"})
+                                    env={"KVSTRATA_STATE_DIR": str(tmp_path / "cli"), "COLUMNS": "1000",
+                                         "RAY_gcs_rpc_server_connect_timeout_s": "1",
+                                         "RAY_py_gcs_connect_timeout_s": "2"})
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 1, result.output
     assert len(lines) == 1 and lines[0].startswith("kvstrata up failed: `ray start --head --port="), result.output
     assert "Error" in lines[0] and "Traceback" not in result.output
+    assert "Failed to start GCS" in lines[0], lines[0]  # the GCS's port was taken, not another failure
     assert made and not Path(made[0]).exists()  # the temp directory is gone
     assert not (tmp_path / "cli" / "gateway.json").exists()
 
