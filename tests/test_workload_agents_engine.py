@@ -30,20 +30,25 @@ CONFIG = WorkloadConfig(
 
 
 class RecordingClient(EngineClient):
-    """The engine client, keeping every request it was sent."""
+    """The engine client, keeping every request it was sent; ``max_tokens``: a cap on each
+    call's reply (None: the call's own)."""
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: Any, max_tokens: int | None = None) -> None:
         super().__init__(*args)
         self.sent: list[tuple[str, list[dict[str, str]]]] = []
+        self.max_tokens = max_tokens
 
     async def generate(self, **kw: Any) -> Any:
         self.sent.append((kw["request_id"], kw["messages"]))
+        if self.max_tokens is not None:
+            kw["max_tokens"] = min(kw["max_tokens"], self.max_tokens)
         return await super().generate(**kw)
 
 
-def _run(lm: LoadedModel, plan: WorkloadPlan, temperature: float) -> tuple[RunResult, RecordingClient]:
+def _run(lm: LoadedModel, plan: WorkloadPlan, temperature: float,
+         max_tokens: int | None = None) -> tuple[RunResult, RecordingClient]:
     engine = make_engine(lm, kv_pool_bytes=64 << 20, max_num_batched_tokens=512)
-    client = RecordingClient(engine, lm.tokenizer)
+    client = RecordingClient(engine, lm.tokenizer, max_tokens=max_tokens)
     options = RunOptions(time_scale=0.0, show_progress=False, temperature=temperature)
     return asyncio.run(run_workload(plan, client, {"t": "t"}, options=options)), client
 
@@ -90,9 +95,14 @@ def test_later_prompts_carry_what_the_model_wrote(live: tuple[RunResult, Recordi
 def test_replay_sends_the_recorded_messages_call_by_call(
     live: tuple[RunResult, RecordingClient], real_model: LoadedModel, tmp_path: Path
 ) -> None:
+    """The replay's model says something else (sampled at temperature 1, each reply cut to at
+    most 3 tokens: checked to differ from the recorded replies); the replay still sends every
+    recorded call's messages, in each agent's order."""
     result, client = live
     write_trace(result.trace, tmp_path / "trace.jsonl")
-    replay, again = _run(real_model, load_replay(tmp_path / "trace.jsonl"), temperature=1.0)
+    replay, again = _run(real_model, load_replay(tmp_path / "trace.jsonl"), temperature=1.0, max_tokens=3)
+    assert [r["call_id"] for r in replay.records if r["completion_tokens"] > 3] == []
+    assert [r["text"] for r in replay.records] != [r["text"] for r in result.records]  # other replies
     assert sorted(again.sent) == sorted(client.sent)
     for agent in {rid.rsplit("#", 1)[0] for rid, _ in client.sent}:
         order = [rid for rid, _ in client.sent if rid.startswith(agent + "#")]
