@@ -17,18 +17,20 @@ from cache_node.tiers.manager import TierConfig
 
 
 def test_served_session_answers_equal_the_probes_compress_once_ask_many(real_model) -> None:
-    """One 1k context, both questions, sentencekv-0.25: the served path's logits, answers and
-    KL equal the probe's, the session stores the bytes the probe's compressed fork holds, and
+    """One 512-token context (prefilled in two 256-token chunks on both paths, as the harness's
+    1k contexts are in two of 512), both questions, sentencekv-0.25: the served path's logits,
+    answers and KL equal the probe's, the session stores the bytes the probe's compressed fork holds, and
     each question turn prefills only its own tokens over the stored state (no fallback to a
     re-prefill). Fails when the two paths compute different compressions: a prefix-cache hit
     that shortens the document turn, a session turn that re-prefills, or statistics or budgets
     of the probe's fork that the served turn does not have."""
     tok = real_model.tokenizer
-    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=512),
+    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=256),
                        real_model.model_id, real_model.eos_token_ids, tier_config=TierConfig(host_bytes=1 << 27))
     engine.policy_env = PolicyEnv.from_tokenizer(tok)
-    probe, asker = Probe(engine), ServedAsker(engine)
-    item = build_items(tok, [1024], [0.5])[0]
+    probe, asker = Probe(engine, chunk_tokens=256), ServedAsker(engine)
+    item = build_items(tok, [512], [0.5])[0]
+    assert len(item["context"]) == 512 and len(item["questions"]) == 2
     ref = reference(probe, tok, item, served=True)
     comp = probe.compress(ref.base, "sentencekv-0.25")
     reply = item["reply"]
