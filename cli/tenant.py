@@ -20,6 +20,13 @@ from tenants.model import SLO_CLASS_DEFAULTS
 tenant_app = typer.Typer(help="Manage tenants: add, list, show, update, rm, rotate-key.",
                          no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
+OwnKeyOpt = typer.Option(None, "--api-key", help="authorize with the tenant's own key (it reaches only its own "
+                         "tenant; default: the admin key)")
+
+
+def key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """``api_key`` as gRPC metadata, else the admin key's."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()
 
 
 class SloClass(str, Enum):
@@ -148,12 +155,11 @@ def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
 @tenant_app.command("show")
 def tenant_show(
     name: str = TenantNameArg,
-    api_key: str | None = typer.Option(None, help="authorize with the tenant's own "
-                                       "key (it reads only its own tenant; default: the admin key)"),
+    api_key: str | None = OwnKeyOpt,
     gateway: str | None = GatewayOpt,
 ) -> None:
     """One tenant's settings and usage counters (since the services started) as a table."""
-    md = (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()
+    md = key_metadata(api_key)
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
@@ -221,12 +227,11 @@ def tenant_rm(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> No
 @tenant_app.command("rotate-key")
 def tenant_rotate_key(
     name: str = TenantNameArg,
-    api_key: str | None = typer.Option(None, help="authorize with the tenant's own key (default: the "
-                                       "admin key)"),
+    api_key: str | None = OwnKeyOpt,
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
-    md = (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()
+    md = key_metadata(api_key)
     with grpc.insecure_channel(gateway_address(gateway)) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md)

@@ -92,16 +92,23 @@ async def _node_down_then_rejoins(streams: NodeStreams, ctx, a, b) -> None:
     assert await asyncio.wait_for(lost.get(), 5) == "n0"
 
 
+async def _plane():  # type: ignore[no-untyped-def]
+    """A started ``NodeStreams`` whose scheduler socket answers ``_answer`` and whose node "n0"
+    is a plain inbox: (context, node inbox, scheduler task, streams)."""
+    ctx = data_plane.context(asyncio_=True)
+    sched = ctx.socket(zmq.ROUTER)
+    sched_address = data_plane.bind_random(sched, "127.0.0.1")
+    inbox = ctx.socket(zmq.PULL)
+    node_address = data_plane.bind_random(inbox, "127.0.0.1")
+    server = asyncio.get_running_loop().create_task(_scheduler(sched, _answer))
+    streams = NodeStreams({"n0": None}, {"n0": node_address}, sched_address)
+    await streams.start()
+    return ctx, inbox, server, streams
+
+
 def test_admissions_events_aborts_and_a_dead_node() -> None:
     async def run():
-        ctx = data_plane.context(asyncio_=True)
-        sched = ctx.socket(zmq.ROUTER)
-        sched_address = data_plane.bind_random(sched, "127.0.0.1")
-        inbox = ctx.socket(zmq.PULL)
-        node_address = data_plane.bind_random(inbox, "127.0.0.1")
-        server = asyncio.get_running_loop().create_task(_scheduler(sched, _answer))
-        streams = NodeStreams({"n0": None}, {"n0": node_address}, sched_address)
-        await streams.start()
+        ctx, inbox, server, streams = await _plane()
         a, b = await _admissions_are_matched(streams)
         await _events_and_aborts_arrive(streams, inbox, a, b)
         await _node_down_then_rejoins(streams, ctx, a, b)
@@ -145,14 +152,7 @@ def test_a_stream_whose_client_stops_reading_is_released_when_its_request_ends()
     from services.gateway import InferenceServicer
 
     async def run():
-        ctx = data_plane.context(asyncio_=True)
-        sched = ctx.socket(zmq.ROUTER)
-        sched_address = data_plane.bind_random(sched, "127.0.0.1")
-        inbox = ctx.socket(zmq.PULL)
-        node_address = data_plane.bind_random(inbox, "127.0.0.1")
-        server = asyncio.get_running_loop().create_task(_scheduler(sched, _answer))
-        streams = NodeStreams({"n0": None}, {"n0": node_address}, sched_address)
-        await streams.start()
+        ctx, inbox, server, streams = await _plane()
         released = []
         servicer = InferenceServicer.__new__(InferenceServicer)
         servicer.streams, servicer.nodes = streams, {"n0": None}

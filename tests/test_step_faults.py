@@ -48,6 +48,21 @@ def boom(*_args, **_kw):  # type: ignore[no-untyped-def]
     raise RuntimeError("a policy bug")
 
 
+def fail_call(eng: LLMEngine, monkeypatch, k: int, message: str) -> list[int]:
+    """Make the runner's ``k``-th ``execute`` (1-based) raise ``message``, naming no request;
+    returns the batch sizes of every call, that one included."""
+    execute, sizes = eng.runner.execute, []
+
+    def failing(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        sizes.append(len(batch))
+        if len(sizes) == k:
+            raise RuntimeError(message)
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", failing)
+    return sizes
+
+
 @pytest.mark.parametrize("stage", ["attend", "begin_step", "after_step"])
 def test_a_policy_fault_fails_its_request_alone(tiny, stage: str) -> None:
     eng = engine(tiny)
@@ -139,15 +154,7 @@ def test_after_a_fault_the_batch_recomputes_together_and_only_the_failed_step_ru
     hundreds of steps (a request arriving after it waited 271 steps for its first token).
     Now they recompute up to the failed step in batches, and only that step runs alone."""
     eng = make_engine(tiny, max_num_batched_tokens=512)
-    execute, sizes = eng.runner.execute, []
-
-    def once(batch, *a, **kw):  # type: ignore[no-untyped-def]
-        sizes.append(len(batch))
-        if len(sizes) == 12:
-            raise RuntimeError("CUDA error: out of memory")
-        return execute(batch, *a, **kw)
-
-    monkeypatch.setattr(eng.runner, "execute", once)
+    sizes = fail_call(eng, monkeypatch, 12, "CUDA error: out of memory")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [prompt_of(40, k) for k in range(4)]
     for k, prompt in enumerate(prompts):
@@ -169,15 +176,7 @@ def test_after_a_fault_the_batch_recomputes_together_and_only_the_failed_step_ru
 
 def test_a_passing_fault_naming_no_request_fails_nothing(tiny, monkeypatch) -> None:
     eng = engine(tiny)
-    execute, calls = eng.runner.execute, []
-
-    def once(batch, *a, **kw):  # type: ignore[no-untyped-def]
-        calls.append(len(batch))
-        if len(calls) == 3:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return execute(batch, *a, **kw)
-
-    monkeypatch.setattr(eng.runner, "execute", once)
+    fail_call(eng, monkeypatch, 3, "CUDA error: an illegal memory access was encountered")
     for name, spec in SPECS.items():
         eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
     final = run(eng)
