@@ -48,14 +48,15 @@ def boom(*_args, **_kw):  # type: ignore[no-untyped-def]
     raise RuntimeError("a policy bug")
 
 
-def fail_call(eng: LLMEngine, monkeypatch, k: int, message: str) -> list[int]:
-    """Make the runner's ``k``-th ``execute`` (1-based) raise ``message``, naming no request;
-    returns the batch sizes of every call, that one included."""
+def fail_call(eng: LLMEngine, monkeypatch, k: int | None, message: str, poisoned: tuple[str, ...] = ()) -> list[int]:
+    """Make the runner's ``execute`` raise ``message``, naming no request: its ``k``-th call
+    (1-based), and every step of a request in ``poisoned`` once it has output tokens.
+    Returns the batch sizes of every call, the failed ones included."""
     execute, sizes = eng.runner.execute, []
 
     def failing(batch, *a, **kw):  # type: ignore[no-untyped-def]
         sizes.append(len(batch))
-        if len(sizes) == k:
+        if len(sizes) == k or any(seq.request_id in poisoned and seq.output_token_ids for seq, _ in batch):
             raise RuntimeError(message)
         return execute(batch, *a, **kw)
 
@@ -105,15 +106,7 @@ def test_a_fault_naming_no_request_is_told_apart_and_fails_its_request_alone(tin
     Regression: such an exception failed the whole batch, so one tenant's request that broke
     the forward pass failed every other tenant's request stepping with it."""
     eng = engine(tiny)
-    execute, sizes = eng.runner.execute, []
-
-    def breaks_on_h2o(batch, *a, **kw):  # type: ignore[no-untyped-def]
-        sizes.append(len(batch))
-        if any(seq.request_id == "h2o" and seq.output_token_ids for seq, _ in batch):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return execute(batch, *a, **kw)
-
-    monkeypatch.setattr(eng.runner, "execute", breaks_on_h2o)
+    sizes = fail_call(eng, monkeypatch, None, "CUDA error: an illegal memory access was encountered", ("h2o",))
     for name, spec in SPECS.items():
         eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
     final = run(eng)
@@ -131,14 +124,7 @@ def test_two_requests_breaking_the_forward_pass_fail_alone_and_the_node_serves_o
     alone) re-raised and brought the node down with every other tenant's requests. A step
     run alone does not count: both fail, the third request decodes as alone."""
     eng = engine(tiny)
-    execute = eng.runner.execute
-
-    def breaks_on_two(batch, *a, **kw):  # type: ignore[no-untyped-def]
-        if any(seq.request_id in ("h2o", "snapkv") and seq.output_token_ids for seq, _ in batch):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return execute(batch, *a, **kw)
-
-    monkeypatch.setattr(eng.runner, "execute", breaks_on_two)
+    fail_call(eng, monkeypatch, None, "CUDA error: an illegal memory access was encountered", ("h2o", "snapkv"))
     for name, spec in SPECS.items():
         eng.add_request(PROMPTS[name], PARAMS, request_id=name, policy=spec)
     final = run(eng)
