@@ -229,10 +229,29 @@ def status_names() -> frozenset[str]:
     return frozenset(c.name for c in grpc.StatusCode)
 
 
+class _Context(zmq.Context):
+    """A context the garbage collector never terminates (``destroy`` ends it; whoever makes
+    one destroys it). pyzmq's ``Context.__del__`` calls ``destroy``, whose ``term`` waits
+    until every socket is closed: a context collected in one cycle with its sockets waited
+    forever on sockets whose own finalizers had not run yet, in the collecting thread (a
+    test run hung in a JSON decode that happened to trigger that collection)."""
+
+    def __del__(self) -> None:
+        return None
+
+
+class _AsyncContext(zmq.asyncio.Context):
+    __doc__ = _Context.__doc__
+
+    def __del__(self) -> None:
+        return None
+
+
 def context(asyncio_: bool = False) -> zmq.Context:
     """A fresh ZeroMQ context (asyncio sockets with ``asyncio_``) whose sockets never linger:
-    closing one drops its unsent messages, so ending a context never waits on a dead peer."""
-    ctx = zmq.asyncio.Context() if asyncio_ else zmq.Context()
+    closing one drops its unsent messages, so ending a context never waits on a dead peer;
+    nor does the garbage collector ever wait on it (``_Context``)."""
+    ctx = _AsyncContext() if asyncio_ else _Context()
     ctx.setsockopt(zmq.LINGER, 0)
     return ctx
 
