@@ -342,7 +342,7 @@ class LLMEngine(EngineTiersMixin):
                         if e.seq.kv is not None and e.seq.kv.policy.host_slots(e.seq.kv)]
             if not holders:
                 return
-            _, kind, key = min(holders, key=lambda h: (h[0], h[1]))
+            _, kind, key = min(holders)  # least recently used; sessions before prefixes on a tie
             if kind == 0:
                 self.sessions.unpin(key)  # a compacted state is dropped whole
             else:

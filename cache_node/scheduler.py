@@ -141,11 +141,22 @@ class Scheduler(Preemption):
             batch = self._fill(running, self.config.max_num_batched_tokens, None, None, {}, False, now)
         if not batch and not self.running:
             self._unwedge(batch, self.config.max_num_batched_tokens, now)
+        return self._scheduled(batch, now)
+
+    def _scheduled(self, batch: ScheduledBatch, now: float) -> ScheduledBatch:
+        """Tell the policy what ``batch`` runs and note the step for ``_measure``."""
         for seq, n in batch:
             self.policy.on_scheduled(seq, n, now)
         decodes = sum(n == 1 for _, n in batch)
         self._last_step = (now, sum(n for _, n in batch) - decodes, decodes) if batch else None
         return batch
+
+    def _start(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        """A waiting sequence admitted with ``n`` tokens (``_admit``) joins ``batch``."""
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.append((seq, n))
 
     def schedule_alone(self, seq: Sequence) -> ScheduledBatch:
         """Only ``seq``'s next chunk, whatever the policy's order: the engine runs the step of
@@ -162,14 +173,8 @@ class Scheduler(Preemption):
         elif seq in self.waiting:
             n = self._admit(seq, budget)
             if n is not None:
-                self.waiting.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                batch.append((seq, n))
-        for s, n in batch:
-            self.policy.on_scheduled(s, n, now)
-        self._last_step = (now, 0 if batch[0][1] == 1 else batch[0][1], int(batch[0][1] == 1)) if batch else None
-        return batch
+                self._start(seq, n, batch)
+        return self._scheduled(batch, now)
 
     def _fill(self, running: list[Sequence], budget: int, decode_cap: int | None, capped: int | None,
               need: dict[str, int], urgent_only: bool, now: float) -> ScheduledBatch:
@@ -292,10 +297,7 @@ class Scheduler(Preemption):
                 if self.policy.passed_over(seq):
                     continue
                 break
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.append((seq, n))
+            self._start(seq, n, batch)
             budget -= n
             if held_back:
                 capped -= n
