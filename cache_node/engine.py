@@ -401,22 +401,25 @@ class LLMEngine(EngineTiersMixin):
         sequence fail before it got there, each of that batch's sequences recomputes alone
         from its start. ``MAX_FAILED_STEPS`` batched steps in a row failing with no policy to
         blame re-raise (the node is broken, not a request: its supervisor restarts it); the
-        steps that tell a failed batch apart do not count.
+        steps that tell a failed batch apart do not count, nor does a failed step of one
+        sequence after which a canary step runs (``_runner_works``).
 
         Regressions: a policy exception inside ``step`` stopped the node's step loop and failed
         every tenant's requests on it; then an exception naming no request failed its whole
         batch, so one tenant's request that broke the forward pass failed every other tenant's
-        request stepping with it, and three in a row restarted the node.
+        request stepping with it, and three in a row restarted the node; then, on an otherwise
+        idle node, three such requests of one tenant in a row (each alone in its step)
+        restarted it, and every other tenant's sessions and stored prefixes on it were lost.
         """
         live = [(seq, n) for seq, n in batch if not seq.is_finished]
         culprit = exc.request_id if isinstance(exc, SequenceFault) else None
         escalate = False  # a batch holding a sequence of an earlier failed batch failed again
         if not isinstance(exc, SequenceFault):
             escalate = not self._alone and any(seq.isolate_at is not None for seq, _ in live)
-            if not self._alone and not escalate:
-                self._failed_steps += 1
             if len(live) == 1:
                 culprit = live[0][0].request_id
+            if not self._alone and not escalate and not (culprit and self._runner_works()):
+                self._failed_steps += 1
         log.error("step %d failed (%s): %s", self.num_steps, "request " + culprit if culprit else "batch",
                   exc, exc_info=exc)
         if self._failed_steps >= MAX_FAILED_STEPS:
@@ -431,6 +434,23 @@ class LLMEngine(EngineTiersMixin):
                 seq.isolate_at = 0 if escalate else seq.num_computed_tokens
             if seq in self.scheduler.running:
                 self.scheduler.preempt(seq)
+
+    def _runner_works(self) -> bool:
+        """A canary step: one token of a scratch sequence (one block, no KV policy) through
+        the model runner. True when it ran: the step of one sequence that failed before it
+        was that request's, not a broken runner's. False when it raised, or when no block is
+        free to run it."""
+        canary = Sequence("canary", [0], SamplingParams(max_tokens=1))
+        if self.kv_manager.allocate_slots(canary, 1) is None:
+            return False
+        try:
+            self.runner.execute([(canary, 1)])
+        except Exception as exc:  # noqa: BLE001 - the failed step counts then
+            log.error("canary step failed: %s", exc)
+            return False
+        finally:
+            self.kv_manager.free(canary)
+        return True
 
     def _fail(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
         """Finish ``seq`` with "error": its blocks go back, a session keeps its earlier history."""

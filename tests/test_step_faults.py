@@ -201,6 +201,25 @@ def test_a_broken_runner_fails_requests_then_the_node(tiny, monkeypatch) -> None
     assert {out.finish_reason for out in run(eng).values()} <= {"length", "error"}
 
 
+def test_poison_requests_one_after_another_on_an_idle_node_fail_alone(tiny, monkeypatch) -> None:
+    """Regression: on an otherwise idle node, ``MAX_FAILED_STEPS`` requests in a row that
+    broke the forward pass (each alone in its step) re-raised, so one tenant could restart
+    the node and lose every other tenant's sessions on it. A canary step after such a
+    failure tells the request from a broken runner (``LLMEngine._runner_works``)."""
+    eng = engine(tiny)
+    poisoned = tuple(f"bad{i}" for i in range(MAX_FAILED_STEPS + 1))
+    sizes = fail_call(eng, monkeypatch, None, "CUDA error: misaligned address", poisoned)
+    for rid in poisoned:
+        eng.add_request(PROMPTS["plain"], PARAMS, request_id=rid)
+        assert run(eng)[rid].finish_reason == "error"
+    assert sizes.count(1) == len(sizes)  # alone in every step, canaries included
+    eng.add_request(PROMPTS["plain"], PARAMS, request_id="good")
+    out = run(eng)["good"]
+    assert out.finish_reason == "length" and list(out.output_token_ids) == alone(tiny, "plain")
+    assert eng.num_failed_requests == len(poisoned) and eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
+
+
 DOC = prompt_of(96, 3)
 QUESTIONS = [prompt_of(9, 10 + k) for k in range(3)]
 
