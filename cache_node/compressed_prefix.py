@@ -26,8 +26,10 @@ next compaction anyway) and the host slots it shares are refcounted, so no reque
 on an entry: entries are evicted least recently used first whenever the engine needs
 blocks (with idle sessions, ``LLMEngine._unpin_idle_sessions``), freeing their blocks and
 charge blocks, and their host slots once no fork holds them either.
-A preempted request recomputes its whole prompt (its copy is gone with its blocks), as a
-preempted session turn does. A prefix of the whole prompt (N = prompt length) is stored
+A preempted request recomputes its prompt (its copy is gone with its blocks): up to the
+prefix, compressed there as its producer did (and stored again if the entry was evicted
+meanwhile), then the rest (``Sequence.restart``); a preempted session turn recomputes its
+whole prompt. A prefix of the whole prompt (N = prompt length) is stored
 but not forked by a request of that same length: it would have no token to sample from.
 """
 
@@ -116,6 +118,7 @@ class CompressedPrefixCache:
         with ``n`` 0 or continuing a session's blocks is left alone."""
         if n <= 0 or seq.kv is None or seq.block_table or seq.num_computed_tokens:
             return True
+        seq.prefix_tokens = n
         key = self.key(seq, n)
         entry = self.entries.get(key)
         forkable = n < seq.num_prompt_tokens
@@ -133,8 +136,10 @@ class CompressedPrefixCache:
         """``seq`` computed its prefix (``num_computed_tokens == prefix_stop``): compress it
         (question-agnostic) unless its prompt ended there (the engine's ``after_step`` did),
         store a copy and return the requests parked on it, forked from it (or, when nothing
-        could be stored, each to compute the prefix itself)."""
-        key = self.producing.pop(seq.request_id)
+        could be stored, each to compute the prefix itself). A request recomputing after a
+        preemption (``Sequence.restart``) is no producer: it stores the prefix only when the
+        entry is gone."""
+        key = self.producing.pop(seq.request_id, None) or self.key(seq, seq.prefix_stop)
         seq.prefix_stop = 0
         kv = seq.kv
         if kv.budget is None:

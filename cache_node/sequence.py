@@ -53,6 +53,9 @@ class Sequence:
         prefix_stop: computing stops at this many tokens (no step crosses it), where the
             engine compresses and stores the request's reusable prefix
             (``cache_node.compressed_prefix``); 0 once stored, or when there is none.
+        prefix_tokens: the reusable compressed prefix the request named (``prefix_tokens`` of
+            ``LLMEngine.add_request``) under a compressing policy, kept for a recomputation
+            (``restart``); 0 when none.
         isolate_at: where a step of this sequence failed in the runner with no request named
             (``LLMEngine._recover``): no step in a batch crosses it, and the engine computes
             from it alone; None when no such step is pending.
@@ -86,6 +89,7 @@ class Sequence:
     policy_stats: dict[str, float] = field(default_factory=dict)
     priority: int = 0
     prefix_stop: int = 0
+    prefix_tokens: int = 0
     isolate_at: int | None = None
 
     @property
@@ -133,6 +137,19 @@ class Sequence:
         if self.isolate_at is not None and start < self.isolate_at:
             end = min(end, self.isolate_at)
         return end
+
+    def restart(self) -> None:
+        """Its KV is gone (preempted, or its waiting blocks taken): compute again from token
+        0. A request that reused a compressed prefix stops at the prefix again, where it is
+        compressed and stored as its producer did (``CompressedPrefixCache.store``).
+
+        Regression: a preempted fork of a compressed prefix recomputed its whole prompt and
+        compressed it at the prompt's end, with the question seen: it kept other KV and
+        decoded other tokens than the same request never preempted.
+        """
+        self.num_computed_tokens = 0
+        if self.prefix_tokens and not self.prefix_stop:
+            self.prefix_stop = self.prefix_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -173,3 +173,37 @@ def test_soak_sessions_policies_and_prefixes_on_a_tight_pool_always_finish(tiny,
     eng.prefixes.clear()
     eng.check_integrity()
     assert eng.stats()["used_blocks"] == 0 and eng.tiers.host.num_reserved == 0
+
+
+@pytest.mark.parametrize(("policy", "evict"), [("h2o-0.25", False), ("snapkv-0.5", True), ("sentencekv-0.25", False),
+                                               ("sentencekv-0.25", True)])
+def test_preempted_fork_of_a_compressed_prefix_decodes_as_never_preempted(tiny, policy, evict) -> None:
+    """Regression: a request that forked a stored compressed prefix
+    (``cache_node.compressed_prefix``), preempted after some output tokens, recomputed its
+    whole prompt and compressed it at the prompt's end: the document was no longer
+    compressed before the question was seen, so it kept other KV and decoded other tokens
+    than never preempted. Now it recomputes the prefix, compresses it there as the producer
+    did (storing it again when it was evicted meanwhile: ``evict``), then the rest."""
+    doc = [(7 * i + 2) % 400 + 1 for i in range(80)]
+    first, second = doc + [11, 12, 13, 14, 15], doc + [21, 22, 23, 24, 25, 26, 27]
+    sp = SamplingParams(max_tokens=14, ignore_eos=True)
+    ref_eng = make_engine(tiny)
+    ref_eng.generate([first], sp, policy=policy, prefix_tokens=len(doc))
+    ref = ref_eng.generate([second], sp, policy=policy, prefix_tokens=len(doc))[0].output_token_ids
+    assert ref_eng.prefixes.num_hits == 1
+    eng = make_engine(tiny)
+    eng.generate([first], sp, policy=policy, prefix_tokens=len(doc))
+    rid = eng.add_request(second, sp, policy=policy, prefix_tokens=len(doc))
+    seq, out = eng.requests[rid], None
+    assert seq.num_cached_tokens == len(doc)  # forked
+    while len(seq.output_token_ids) < 5:
+        eng.step()
+    eng.scheduler.preempt(seq)
+    if evict:
+        assert eng.prefixes.clear() == 1
+    while eng.has_unfinished_requests():
+        out = next((o for o in eng.step() if o.finished), out)
+    assert out is not None and out.num_preemptions == 1
+    assert out.output_token_ids == ref
+    assert eng.prefixes.stats()["compressed_prefixes"] == 1  # stored again once evicted
+    eng.check_integrity()

@@ -56,7 +56,7 @@ class Preemption:
         for other in self.waiting:
             if other is not seq and other.block_table:
                 self.kv_manager.free(other)
-                other.num_computed_tokens = 0
+                other.restart()
         if self.reclaim is not None:
             self.reclaim(self.kv_manager.pool.num_blocks)
 
@@ -99,7 +99,7 @@ class Preemption:
         self.kv_manager.free(seq)
         if cached and self._swap_cheaper(len(cached)):
             self._demote(cached)  # type: ignore[misc]
-        seq.num_computed_tokens = 0
+        seq.restart()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
