@@ -122,6 +122,8 @@ class CacheNode(Streams, Commands, Health, Admin):
         if lm.tokenizer is not None:
             self.engine.policy_env = PolicyEnv.from_tokenizer(lm.tokenizer)  # sentence boundaries
         self.templater = ChatTemplater(lm.tokenizer) if lm.tokenizer is not None else None
+        if self.templater is not None:
+            _ = self.templater.max_token_chars  # once, here, not on the step thread
         self.event_sink = event_sink
         # hears ``(node_id, session_ids)`` of the sessions this node expired (the scheduler's
         # ``sessions_ended``), from the step thread
@@ -262,6 +264,8 @@ class CacheNode(Streams, Commands, Health, Admin):
             return (history or []) + list(req.token_ids)
         if self.templater is None:
             raise ValueError("this node's model has no tokenizer; send token ids")
+        room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)
+        self.templater.check_fits(sum(len(m.get("content") or "") for m in req.messages), room, "messages")
         if history:
             past = self._session_messages.get(req.session_id, [])
             return self.templater.continuation(past, history, req.messages)

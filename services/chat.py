@@ -7,6 +7,7 @@ template would render the whole conversation.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -23,6 +24,40 @@ class ChatTemplater:
         self.tokenizer = tokenizer
         self.eos_token = tokenizer.eos_token or ""
         self.eos_token_id = tokenizer.eos_token_id
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """Most characters of text one token can stand for: its longest vocabulary piece (a
+        byte-level piece has a character per byte, so at least as many as its text). None
+        when the tokenizer normalizes text first (a piece may then stand for more input)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        return max(len(piece) for piece in self.tokenizer.get_vocab())
+
+    def check_fits(self, num_chars: int, max_tokens: int, what: str = "prompt") -> None:
+        """Refuse ``num_chars`` characters of text that can never come to at most
+        ``max_tokens`` tokens, before anything renders or tokenizes it.
+
+        Regression (security review): the bounds on a prompt's tokens were checked only after
+        its text (up to 1 Mi characters, ~3.6 s of tokenizing) was rendered and tokenized, on
+        the gateway's event loop and, for a session turn, on the cache node's step thread:
+        each such refused request stalled every other tenant's streams for seconds.
+
+        Raises:
+            ValueError: more than ``max_tokens * max_token_chars`` characters.
+        """
+        most = self.max_token_chars
+        if most is not None and num_chars > max_tokens * most:
+            raise ValueError(f"{what}: {num_chars} characters can never fit in {max_tokens} tokens "
+                             f"(a token of this model stands for at most {most} characters)")
+
+    @functools.cached_property
+    def conversation_overhead(self) -> int:
+        """Tokens ``estimate_tokens`` counts that a later turn of a session may not add: those
+        of a conversation of one empty user message (a default system prompt, the message's
+        header, the generation prompt; a bound from above)."""
+        return len(self.first_turn([{"role": "user", "content": ""}]))
 
     def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(

@@ -159,12 +159,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                  metrics: GatewayMetrics | None = None) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
+        self._tokenizing: dict[str, asyncio.Lock] = {}  # tenant id -> its turn on a worker thread
         self.info, self.templater = next(iter(node_info.values())), templater
         self.metrics = metrics or GatewayMetrics()  # the Gateway serves its registry (gateway_server)
         self.streams = NodeStreams(
             nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address,
             security=security,
         )
+
+    async def _off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
+        """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, one at a
+        time per tenant; returns its result, raises what it raised.
+
+        Regression (security review): a prompt's text was rendered and tokenized on the event
+        loop that serves every tenant's calls and streams (1 Mi characters: ~3.6 s); three
+        such calls froze every other tenant's streams for ~14 s. One at a time per tenant: a
+        tenant's burst of them holds one worker thread, not every one."""
+        lock = self._tokenizing.setdefault(tenant_id, asyncio.Lock())
+        async with lock:
+            return await asyncio.to_thread(work)
 
     async def _prepare(self, call: GenerateInput, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
         spec = tenant.spec
@@ -186,17 +199,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         messages: tuple[dict[str, str], ...] = ()
         tokens: tuple[int, ...] = ()
         prompt, sampling = call.prompt, call.sampling
+        limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
+        room = min(limit, self.info["pool_tokens"])  # the most prompt tokens that can ever run
+        templater = self.templater
         if prompt and isinstance(prompt[0], dict):
             messages = tuple(prompt)
-            if not call.session_id and self.templater is not None:
-                tokens, messages = tuple(self.templater.first_turn(prompt)), ()
+            if templater is not None:
+                try:  # before any rendering: text that can never fit is refused for free
+                    templater.check_fits(sum(len(m.get("content") or "") for m in messages), room, "messages")
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if not call.session_id and templater is not None:
+                tokens = tuple(await self._off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt)))
+                messages = ()
         else:
             tokens = tuple(prompt)
             vocab = self.info.get("vocab_size")
             if vocab and not all(type(t) is int and 0 <= t < vocab for t in tokens):  # regression:
                 # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must lie in [0, {vocab})")
-        limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
         fill = {}
         if call.fill_context:  # what the context and the pool leave (the node sizes it again
             # from the whole prompt, session history included: regression, every chat call
@@ -217,8 +238,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 f"context limit ({limit} tokens)",
             )
         try:
-            prefix_tokens = resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens,
-                                                  self.templater)
+            prefix_tokens = await self._off_loop(tenant.tenant_id, lambda: resolve_prefix_tokens(
+                call.prefix_tokens, call.prefix_messages, prompt, tokens, templater))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
@@ -231,7 +252,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if call.routing_key:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         if messages:  # the node renders them: admission still needs their size
-            extra["prompt_tokens_estimate"] = str(estimate_message_tokens(self.templater, messages))
+            estimate, overhead = await self._off_loop(tenant.tenant_id, lambda: (
+                estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
+            if templater is not None and estimate - overhead >= room:
+                await context.abort(  # whatever the history, the turn can never fit: the node is spared it
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"messages ({estimate} tokens) can never fit with the session's history: "
+                    f"a cache node runs at most {room} prompt tokens",
+                )
+            extra["prompt_tokens_estimate"] = str(estimate)
         req = NodeRequest(
             request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
@@ -270,7 +299,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
         """``generate`` past authentication; ``track`` sees every event and the refusal."""
         try:
-            call = parse()
+            call = await self._off_loop(tenant.tenant_id, parse)  # a completion's prompt is tokenized here
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req, hashes = await self._prepare(call, tenant, context)
@@ -385,7 +414,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                 f"session_id must have 1 to {MAX_ID_CHARS} characters, got {len(session_id)}")
         scoped = scoped_id(tenant.tenant_id, session_id)
         node_id = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
-        freed = -1 if node_id is None else await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id)
+        if node_id is None:
+            freed = -1
+        elif not node_id:  # its node is down or restarted: nothing to free there now
+            freed = 0
+        else:
+            freed = await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id)
         if freed < 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} for this tenant")
         return freed

@@ -104,13 +104,20 @@ class Gateway:
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
+        if templater is not None:  # computed once, here, not on the event loop of a first call
+            _ = templater.max_token_chars, templater.conversation_overhead
         self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
             f"{host}:{port}", self.security, self.metrics,
         )
         self.streams = inference.streams
         if self.http_port is not None:
-            encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+            room = min(infos[0]["max_model_len"], infos[0]["pool_tokens"])
+
+            def encode(text: str) -> list[int]:  # a text that can never fit is refused untokenized
+                if templater is not None:
+                    templater.check_fits(len(text), room)
+                return tokenizer(text, add_special_tokens=False).input_ids
             self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
                                                          self.monitor.num_healthy)))
             await self.http.start(host, self.http_port)

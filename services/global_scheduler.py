@@ -87,7 +87,7 @@ class Admission:
 
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
-                  "node_not_reading", "too_many_sessions")
+                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
@@ -139,6 +139,9 @@ class GlobalScheduler(Tenants, Membership, Routing):
         # routed there ``continues_session`` (one of a session whose first turn has not
         # finished does not: its retry would find no session)
         self.kept_sessions: set[str] = set()
+        # sessions whose history went with their node's process (``node_up`` after a restart)
+        # -> their tenant: a turn of one is refused until the session is closed
+        self.lost_sessions: OrderedDict[str, str] = OrderedDict()
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
@@ -152,6 +155,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.gone_gateways: OrderedDict[str, bool] = OrderedDict()  # dead gateways' event inboxes
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
+        self.node_pids: dict[str, int] = {}  # node id -> its process id at its last ``node_up``
         self.commands: Any = None  # sends submit commands to node inboxes
 
     # ---- admission and routing ------------------------------------------------------------
@@ -170,8 +174,15 @@ class GlobalScheduler(Tenants, Membership, Routing):
 
         Returns:
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
-            "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy)
-            with a message.
+            "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy,
+            or the session's node is down) / "ABORTED" (the session's history was lost with
+            its node's process: ``node_up``) with a message.
+
+        Regression: when a node was marked down (a missed health poll was enough) its
+        sessions' routes were dropped; the next turn of one was routed by load as a first
+        turn and answered from its new tokens alone, silently, while the node still held the
+        history. Now a session's turn waits for its node (UNAVAILABLE, retry) and is refused
+        once the history is known lost, never computed without it.
         """
         if len(self.down) == len(self.nodes):
             return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
@@ -180,6 +191,16 @@ class GlobalScheduler(Tenants, Membership, Routing):
         if sticky is not None and sticky[0] != tenant_id:
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant",
                              reason="session_of_another_tenant")
+        if sticky is not None and sticky[1] in self.down:
+            self.usage.record_rejected(tenant_id)
+            return Admission(code="UNAVAILABLE", reason="session_node_down", retry_after_s=1.0,
+                             message=f"the cache node holding this session's history is down "
+                             f"({self.down[sticky[1]]}): retry once it is back")
+        if sticky is None and self.lost_sessions.get(session_id) == tenant_id:
+            self.usage.record_rejected(tenant_id)
+            return Admission(code="ABORTED", reason="session_lost",
+                             message="this session's history was lost when its cache node restarted: "
+                             "close the session (CloseSession) and start it again")
         if session_id and sticky is None and self.sessions_per_tenant[tenant_id] >= self.max_sessions_per_tenant:
             # regression (security review): every new session id kept its history, a route
             # here and its messages on a node until its TTL, without bound: one tenant's
@@ -335,12 +356,17 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 self.drop_session_route(sid)
 
     def close_session(self, session_id: str, tenant_id: str) -> str | None:
-        """Forget a session's routing; returns the node holding it (None when unknown/foreign)."""
+        """Forget a session's routing; returns the node holding it: "" when none can be asked
+        (the node is down, or the history was lost: ``node_up``), None when the session is
+        unknown or another tenant's."""
         entry = self.session_nodes.get(session_id)
         if entry is None or entry[0] != tenant_id:
+            if self.lost_sessions.get(session_id) == tenant_id:
+                del self.lost_sessions[session_id]
+                return ""
             return None
         self.drop_session_route(session_id)
-        return entry[1]
+        return "" if entry[1] in self.down else entry[1]
 
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 GONE_GATEWAYS_MAX = 1024
 """Event inboxes of dead gateways remembered (oldest forgotten first)."""
 
+LOST_SESSIONS_MAX = 65536
+"""Sessions whose history was lost with their node's process, remembered (oldest forgotten
+first) so that their next turns are refused (``GlobalScheduler.lost_sessions``)."""
+
 
 @dataclass(frozen=True)
 class GatewayRecord:
@@ -83,22 +87,35 @@ class Membership:
 
     # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
     def node_down(self, node_id: str, reason: str) -> None:
-        """Stop routing to ``node_id`` (failed, dead or restarting): its index entries and its
-        sessions are forgotten, as its KV is gone. Unknown ids are ignored."""
+        """Stop routing to ``node_id`` (failed, dead, restarting or not answering): its index
+        entries are forgotten. Its sessions' routes stay: their turns are refused UNAVAILABLE
+        until ``node_up`` says whether the history is still there. Unknown ids are ignored."""
         if node_id not in self.nodes or node_id in self.down:
             return
         self.down[node_id] = reason
         self.index.forget(node_id)
-        for sid in [sid for sid, (_, nid) in self.session_nodes.items() if nid == node_id]:
-            self.drop_session_route(sid)
 
-    def node_up(self, node_id: str, inbox: str) -> None:
-        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).
+    def node_up(self, node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0) -> None:
+        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart)
+        and ``pid`` its process id (0: unknown, taken as a new process); ``previous_pid``: the
+        one the caller knew it by, for a node no ``node_up`` reported yet. From a new process
+        (its KV, sessions included, is gone) each session routed there is lost: its next
+        turns are refused ABORTED until it is closed (``admit``). When the same process is
+        back (it missed a health poll), its sessions go on there. Idempotent: every
+        gateway's monitor reports it.
 
         Raises:
             KeyError: ``node_id`` is not one of this scheduler's nodes.
         """
         if node_id not in self.nodes:
             raise KeyError(f"unknown cache node {node_id!r}")
+        restarted = not pid or self.node_pids.get(node_id, previous_pid) != pid
+        self.node_pids[node_id] = pid
+        if restarted:
+            for sid, (tenant_id, _) in [(sid, e) for sid, e in self.session_nodes.items() if e[1] == node_id]:
+                self.drop_session_route(sid)
+                self.lost_sessions[sid] = tenant_id
+                while len(self.lost_sessions) > LOST_SESSIONS_MAX:
+                    self.lost_sessions.popitem(last=False)
         self.node_inboxes[node_id] = inbox
         self.down.pop(node_id, None)

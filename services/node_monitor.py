@@ -124,7 +124,8 @@ class NodeMonitor:
         try:
             address = answer["data_address"] or await node.open_data_plane.remote()
             self.streams.reconnect(node_id, address)
-            await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address), self.timeout_s)
+            await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address, answer["pid"], state.pid),
+                                   self.timeout_s)
         except Exception:
             log.exception("cache node %s could not rejoin", node_id)
             await asyncio.sleep(self.retry_s)

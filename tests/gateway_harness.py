@@ -69,8 +69,9 @@ class Gateway:
 
 
 @contextmanager
-def serve(state_dir: Path) -> Iterator[Gateway]:
-    """A gateway (TenantService + AdminService) on 127.0.0.1:<free port>."""
+def serve(state_dir: Path, templater: Any = None) -> Iterator[Gateway]:
+    """A gateway (TenantService + AdminService) on 127.0.0.1:<free port>; ``templater``: the
+    InferenceService's ``services.chat.ChatTemplater`` (None: chats go to the node unrendered)."""
     scheduler = GlobalSchedulerService(str(state_dir), {"n0": 1})
     admin_key = scheduler.store.ensure_admin_key()
     assert admin_key is not None
@@ -85,7 +86,7 @@ def serve(state_dir: Path) -> Iterator[Gateway]:
         tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(handle, auth), server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(handle, auth, {}), server)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(handle, auth, {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9"), server)
+            InferenceServicer(handle, auth, {}, {"n0": NODE_INFO}, templater, "tcp://127.0.0.1:9"), server)
         box["port"] = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         box["server"], box["auth"] = server, auth

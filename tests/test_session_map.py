@@ -9,7 +9,7 @@ import time
 from cache_node.sampling_params import SamplingParams
 from services.cache_node import CacheNode
 from services.config import NodeConfig
-from services.global_scheduler import GlobalScheduler
+from services.global_scheduler import REJECT_REASONS, GlobalScheduler
 from services.node_request import NodeRequest
 
 PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
@@ -109,8 +109,47 @@ def test_a_turn_continues_its_session_only_once_a_turn_of_it_finished_there(tmp_
     assert sched.close_session("t1/s", "t1") is not None
     assert not sched.admit("t1", "t1/d#1", session_id="t1/s").continues_session  # opened anew
     sched.release("t1/d#1", finished)
-    sched.node_down(sched.session_nodes["t1/s"][1], "test")
+    node = sched.session_nodes["t1/s"][1]
+    sched.node_down(node, "test")
+    sched.node_up(node, "inbox", pid=0)  # a new process: the history is gone
     assert not sched.kept_sessions and not sched.session_nodes
+
+
+def test_a_sessions_turn_is_never_routed_without_its_history_after_its_node_went_down(tmp_path) -> None:
+    """Regression (hangs/data-loss review): a node marked down (one missed health poll was
+    enough) lost its sessions' routes; the next turn of one went by load to another node as a
+    first turn and was answered from its new tokens alone, silently, while the node still
+    held the history. Now the turn waits for the node (UNAVAILABLE), goes on there when the
+    same process is back, and is refused ABORTED once the history is known lost (a new
+    process), until the session is closed; every gateway's monitor may report the same
+    rejoin."""
+    finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    first = sched.admit("t1", "t1/a", session_id="t1/s")
+    sched.release("t1/a", finished)
+    node = first.node_id
+    sched.node_down(node, "did not answer within 15 s")
+    waiting = sched.admit("t1", "t1/b", session_id="t1/s")
+    assert (waiting.code, waiting.reason) == ("UNAVAILABLE", "session_node_down") and waiting.retry_after_s > 0
+    assert sched.admit("t1", "t1/x", session_id="t1/other").node_id != node  # new sessions go elsewhere
+    sched.release("t1/x", finished)
+    sched.node_up(node, "inbox", pid=41, previous_pid=41)  # the same process is back
+    back = sched.admit("t1", "t1/c", session_id="t1/s")
+    assert (back.code, back.node_id, back.continues_session) == ("OK", node, True)
+    sched.release("t1/c", finished)
+
+    sched.node_down(node, "its data-plane connection closed")
+    sched.node_up(node, "inbox2", pid=57, previous_pid=41)  # restarted: its KV is gone
+    sched.node_up(node, "inbox2", pid=57, previous_pid=41)  # another gateway's monitor: no-op
+    for _ in range(2):
+        lost = sched.admit("t1", "t1/d", session_id="t1/s")
+        assert (lost.code, lost.reason) == ("ABORTED", "session_lost") and "CloseSession" in lost.message
+    assert sched.admit("t2", "t2/d", session_id="t2/s").code == "OK"  # another tenant's id: its own
+    assert sched.close_session("t1/s", "t2") is None  # not another tenant's to close
+    assert sched.close_session("t1/s", "t1") == ""  # closed: nothing to free on a node
+    again = sched.admit("t1", "t1/e", session_id="t1/s")
+    assert again.code == "OK" and not again.continues_session  # opened anew, knowingly
+    assert set(REJECT_REASONS) >= {"session_node_down", "session_lost"}
 
 
 def test_a_tenant_opens_at_most_max_sessions_per_tenant(tmp_path) -> None:

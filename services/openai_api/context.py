@@ -16,6 +16,7 @@ ALREADY_EXISTS         409   invalid_request_error
 UNAUTHENTICATED        401   authentication_error
 PERMISSION_DENIED      403   permission_error
 NOT_FOUND              404   not_found_error
+ABORTED                409   conflict_error (a session turn whose history is gone)
 RESOURCE_EXHAUSTED     429   rate_limit_error (+ ``Retry-After`` seconds, rounded up)
 UNAVAILABLE            503   service_unavailable
 DEADLINE_EXCEEDED      504   timeout
@@ -40,6 +41,7 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),

@@ -1,0 +1,98 @@
+"""Prompt text is bounded by what can ever fit before anything renders or tokenizes it, and
+what is rendered or tokenized at the gateway runs off its event loop
+(``ChatTemplater.check_fits``, ``InferenceServicer._off_loop``).
+
+Regression (security review): a chat or completion of up to 1 Mi characters was rendered and
+tokenized (~3.6 s) before its token bounds were checked, on the gateway's event loop and, for
+a session turn, on the cache node's step thread: each refused request froze every other
+tenant's streams for seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from cache_node.model_loader import resolve_model_dir
+from kvstrata.v1 import inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
+from services.chat import ChatTemplater
+from tests.gateway_harness import NODE_INFO, serve
+from workloads.corpus import load_corpus
+
+
+@pytest.fixture(scope="module")
+def templater() -> ChatTemplater:
+    return ChatTemplater(AutoTokenizer.from_pretrained(resolve_model_dir(None)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=400))
+def test_a_token_never_stands_for_more_characters_than_the_bound(templater: ChatTemplater, text: str) -> None:
+    """The bound refuses only text that can never fit: any text's characters are at most its
+    tokens times ``max_token_chars`` (emoji, CJK, control characters included)."""
+    ids = templater.encode(text)
+    templater.check_fits(len(text), len(ids))  # never raises for a text of exactly that many tokens
+
+
+def test_real_text_that_fits_passes_and_longer_text_is_refused_untokenized(templater: ChatTemplater,
+                                                                            monkeypatch) -> None:
+    text = " ".join(a.extract for a in load_corpus()[:40])
+    ids = templater.encode(text)
+    templater.check_fits(len(text), len(ids))
+    calls = []
+    monkeypatch.setattr(templater, "encode", lambda t: calls.append(t) or [])
+    with pytest.raises(ValueError, match="can never fit in 100 tokens"):
+        templater.check_fits(100 * templater.max_token_chars + 1, 100)
+    assert not calls
+
+
+def test_text_that_can_never_fit_is_refused_before_rendering_and_the_rest_renders_off_the_loop(
+        tmp_path: Path, templater: ChatTemplater, monkeypatch) -> None:
+    rendered_on: list[bool] = []  # per rendering: on an event loop's thread?
+    first_turn = templater.first_turn
+
+    def spy(messages):  # type: ignore[no-untyped-def]
+        try:
+            asyncio.get_running_loop()
+            rendered_on.append(True)
+        except RuntimeError:
+            rendered_on.append(False)
+        return first_turn(messages)
+
+    monkeypatch.setattr(templater, "first_turn", spy)
+    room = min(NODE_INFO["max_model_len"], NODE_INFO["pool_tokens"])
+    huge = "x" * (room * templater.max_token_chars + 1)
+    with serve(tmp_path, templater) as gw, grpc.insecure_channel(gw.address) as ch:
+        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann")),
+            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+
+        def generate(content: str, session_id: str = "") -> tuple[grpc.StatusCode, str]:
+            req = inference_pb2.GenerateRequest(
+                chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=content)]),
+                session_id=session_id, sampling=inference_pb2.SamplingParams(max_tokens=4))
+            try:
+                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=30))
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+            raise AssertionError("the harness has no node: every call ends in an error")
+
+        for sid in ("", "s1"):  # a first turn, a session turn (which the node would render)
+            code, message = generate(huge, sid)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "can never fit" in message, (code, message)
+        assert rendered_on == []  # refused unrendered
+        # a session turn under the character bound but over the pool in tokens: refused at
+        # the gateway from its estimate, never sent to a node to render
+        words = " ".join(["hello"] * (room + 50))
+        code, message = generate(words, "s1")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "can never fit with the session's history" in message
+        code, _ = generate("What is the capital of France?")  # fits: rendered, then no node
+        assert code != grpc.StatusCode.INVALID_ARGUMENT
+        assert rendered_on and not any(rendered_on)  # every rendering ran off the event loop
