@@ -66,6 +66,9 @@ class NodeStreams:
         # request id -> (its node, "" until ``bind``; its queue; called with each event as it
         # is routed, before the stream's reader takes it: ``open``)
         self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]], OnEvent | None]] = {}
+        self._failures = 0  # ``fail_node`` calls so far
+        self._opened_at: dict[str, int] = {}  # request id -> ``_failures`` when it was opened
+        self._failed_at: dict[str, int] = {}  # node id -> ``_failures`` at its last failure
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -169,6 +172,7 @@ class NodeStreams:
             raise KeyError(request_id)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[request_id] = ("", queue, on_event)
+        self._opened_at[request_id] = self._failures
         return queue
 
     @staticmethod
@@ -179,7 +183,11 @@ class NodeStreams:
 
     def bind(self, request_id: str, node_id: str) -> None:
         """Record the node serving ``request_id`` (its failure ends this stream; a node down
-        already ends it at once)."""
+        already, or failed since the stream was opened, ends it at once).
+
+        Regression (hangs review): a node that failed and rejoined between the scheduler's
+        hand-over of a request and this bind had lost the request, but ``fail_node`` had ended
+        only the streams bound to it then: this stream waited forever for events."""
         entry = self._queues.get(request_id)
         if entry is not None:
             self._queues[request_id] = entry = (node_id, entry[1], entry[2])
@@ -190,10 +198,14 @@ class NodeStreams:
                     self._drop("event", PermissionError(f"{sender} sent an event for a request on {node_id}"))
             if node_id in self.down:
                 self._put(entry, _unavailable(self.down[node_id]))
+            elif self._failed_at.get(node_id, -1) >= self._opened_at.get(request_id, 0):
+                self._put(entry, _unavailable(f"cache node {node_id} failed while the request was on its way"))
 
     def fail_node(self, node_id: str, reason: str) -> None:
         """``node_id`` is down: end every stream bound to it with UNAVAILABLE (``reason``)."""
         self.down[node_id] = reason
+        self._failed_at[node_id] = self._failures
+        self._failures += 1
         for entry in list(self._queues.values()):
             if entry[0] == node_id:
                 self._put(entry, _unavailable(reason))
@@ -214,6 +226,7 @@ class NodeStreams:
         """Stop routing ``request_id``'s events (later ones are dropped)."""
         self._queues.pop(request_id, None)
         self._unbound.pop(request_id, None)
+        self._opened_at.pop(request_id, None)
 
     async def _read_events(self, inbox: Any) -> None:
         while True:

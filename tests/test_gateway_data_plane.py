@@ -85,6 +85,17 @@ async def _node_down_then_rejoins(streams: NodeStreams, ctx, a, b) -> None:
     streams.abort("n0", "d")
     assert data_plane.unpack(await asyncio.wait_for(inbox2.recv(), 5)) == {"op": "abort", "id": "d"}
 
+    # regression: a request on its way to n0 while n0 failed and rejoined is lost there; its
+    # stream, bound after the rejoin, ends at once instead of waiting forever
+    e = streams.open("e")
+    streams.fail_node("n0", "cache node n0 did not answer")
+    streams.reconnect("n0", streams.node_inboxes["n0"])
+    streams.bind("e", "n0")
+    assert e.get_nowait()["code"] == "UNAVAILABLE" and streams.down == {}
+    f = streams.open("f")  # opened after the failure: not failed
+    streams.bind("f", "n0")
+    assert f.empty()
+
     # the node's process dies: its connection closes, and the gateway hears of it at once
     lost: asyncio.Queue[str] = asyncio.Queue()
     streams.on_disconnect = lost.put_nowait
