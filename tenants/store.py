@@ -1,27 +1,34 @@
 """``TenantStore``: tenants and API-key hashes in one SQLite file, surviving restarts.
 
-Tables (schema version 1, in ``PRAGMA user_version``)::
+Tables (schema version 2, in ``PRAGMA user_version``)::
 
     tenants(name PK, tenant_id UNIQUE, spec_json, created_at_s)
     api_keys(key_id PK, role 'tenant'|'admin', tenant_id -> tenants ON DELETE CASCADE,
              salt, iterations, digest, created_at_s)
 
-Keys are stored only as ``KeyHash`` rows (see ``tenants.keys``). One connection is shared
-by all callers behind a lock, so one asyncio process (and its threads) may use a store;
-``authenticate`` and ``verify_admin_key`` are synchronous and run PBKDF2 (~60-200 ms) on a
-key's first use: async code runs them in a thread (``GlobalSchedulerService``).
+Keys are stored only as ``KeyHash`` rows (see ``tenants.keys``): ``iterations`` 0 is a
+SHA-256 (HMAC) digest, checked in microseconds with no cache and no limit, so no number of
+wrong secrets for a key id ever refuses its correct key. Schema version 1 (earlier versions)
+held PBKDF2 rows only; opening such a file makes it version 2 and leaves its rows as they are
+until each key's first successful check rewrites its row to SHA-256 (``_verify_pbkdf2``).
 
-PBKDF2 runs are bounded: a verified key is remembered (its SHA-256 fingerprint by key id),
-a wrong key is remembered for ``FAILED_KEY_TTL_S``, and at most ``failed_checks_per_key_id``
-PBKDF2 runs per key id happen in any ``FAILED_CHECK_WINDOW_S`` (past that, an unverified key
-with that id is refused without PBKDF2 until the window passes; a key verified before keeps
-working).
+One connection is shared by all callers behind a lock, so one asyncio process (and its
+threads) may use a store; ``authenticate`` and ``verify_admin_key`` are synchronous and may run
+PBKDF2 (~60-200 ms) for a PBKDF2 row: async code runs them in a thread
+(``GlobalSchedulerService``).
+
+PBKDF2 for those rows is bounded in CPU, never by refusing a check: at most
+``PBKDF2_CONCURRENCY`` runs at once per store (others wait their turn), checks of one key id
+run one at a time (a burst of one key costs one run), a verified key is remembered (its
+SHA-256 fingerprint by key id) and a wrong one for ``FAILED_KEY_TTL_S``; a caller that must not
+spend PBKDF2 (the gateway, for an address over its failure limit) passes ``allow_pbkdf2=False``.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import sqlite3
@@ -40,12 +47,14 @@ from tenants.keys import (
     verify_api_key,
 )
 from tenants.model import Tenant, TenantSpec
-from tenants.ratelimit import ExpiringSet, WindowLimiter
+from tenants.ratelimit import ExpiringSet
 
-SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2  # 2: api_keys.iterations 0 marks a SHA-256 row (1: PBKDF2 rows only)
+_READABLE_VERSIONS = (0, 1, SCHEMA_VERSION)  # 0: a new file
 FAILED_KEY_TTL_S = 60.0
-FAILED_CHECK_WINDOW_S = 60.0
-FAILED_CHECKS_PER_KEY_ID = 10
+PBKDF2_CONCURRENCY = 2  # PBKDF2 runs at once per store (legacy rows only)
 _CHECK_LOCK_STRIPES = 64  # PBKDF2 runs of one key id never overlap (striped by key id)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -75,21 +84,18 @@ class TenantStore:
     Args:
         path: SQLite file (created with mode 0600 if missing), or ``":memory:"``.
         clock: returns unix seconds; stamps ``created_at_s`` (injectable for tests).
-        failed_checks_per_key_id: PBKDF2 runs allowed per key id per ``FAILED_CHECK_WINDOW_S``
-            for keys not verified before.
 
     Raises:
-        RuntimeError: the file holds a different schema version.
+        RuntimeError: the file holds a schema version this code cannot read (a newer one).
     """
 
-    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time,
-                 failed_checks_per_key_id: int = FAILED_CHECKS_PER_KEY_ID) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
+        # PBKDF2 rows only (SHA-256 rows need no memory):
         self._verified: dict[str, bytes] = {}  # key_id -> fingerprint of a verified key
         self._failed = ExpiringSet(FAILED_KEY_TTL_S)  # fingerprints of keys that failed
-        self.failed_checks_per_key_id = failed_checks_per_key_id
-        self._checks = WindowLimiter(failed_checks_per_key_id, FAILED_CHECK_WINDOW_S)
+        self._pbkdf2_slots = threading.BoundedSemaphore(PBKDF2_CONCURRENCY)
         self._check_locks = [threading.Lock() for _ in range(_CHECK_LOCK_STRIPES)]
         if str(path) != ":memory:":  # born 0600: key hashes are never readable by others, not
             os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # even until the chmod below
@@ -164,12 +170,17 @@ class TenantStore:
             ).fetchall()
         return tuple(_tenant(row) for row in rows)
 
-    def authenticate(self, api_key: str) -> Tenant | None:
+    def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
         """Return the tenant owning ``api_key``, or ``None`` for a wrong/unknown/admin key.
 
-        The first successful check of a key runs PBKDF2 (~60 ms); later checks of the
-        same key compare a SHA-256 fingerprint kept in memory. Deleting the tenant or
-        rotating its key invalidates both.
+        A SHA-256 row is checked in microseconds, whatever was tried before. A PBKDF2 row (an
+        earlier version's) costs one PBKDF2 run (~60-200 ms) on the key's first success,
+        which rewrites the row to SHA-256; see ``_verify_pbkdf2``. Deleting the tenant or
+        rotating its key invalidates the key at once.
+
+        Args:
+            allow_pbkdf2: False refuses (``None``), without running it, a key whose row is
+                still PBKDF2 and that was not verified since the store opened.
         """
         key_id = parse_key_id(api_key)
         if key_id is None:
@@ -189,7 +200,7 @@ class TenantStore:
             if other is None:
                 self._verified.pop(key_id, None)
             return None
-        if not self._verify(api_key, KeyHash(*row[3:])):
+        if not self._verify(api_key, KeyHash(*row[3:]), allow_pbkdf2):
             return None
         return _tenant(row[:3])
 
@@ -259,42 +270,79 @@ class TenantStore:
             self._insert_key(key_hash, "admin", None, self._clock())
         return replaced
 
-    def verify_admin_key(self, api_key: str) -> bool:
-        """True when ``api_key`` is the current admin key."""
+    def verify_admin_key(self, api_key: str, allow_pbkdf2: bool = True) -> bool:
+        """True when ``api_key`` is the current admin key (``allow_pbkdf2`` as in
+        ``authenticate``)."""
         with self._lock:
             row = self._conn.execute(
                 "SELECT key_id, salt, iterations, digest FROM api_keys "
                 "WHERE key_id = ? AND role = 'admin'",
                 (parse_key_id(api_key),),
             ).fetchone()
-        return row is not None and self._verify(api_key, KeyHash(*row))
+        return row is not None and self._verify(api_key, KeyHash(*row), allow_pbkdf2)
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    def _verify(self, api_key: str, stored: KeyHash) -> bool:
-        """Check ``api_key`` against its stored row, outside the lock (PBKDF2 is slow).
+    def _verify(self, api_key: str, stored: KeyHash, allow_pbkdf2: bool = True) -> bool:
+        """Check ``api_key`` against its stored row, outside the lock.
 
-        Runs PBKDF2 only for a key neither verified nor failed recently, and only while the
-        key id's budget of checks lasts (see the module docstring). Checks of one key id run
-        one at a time, so a burst of requests with a new key costs one PBKDF2 run, not one
-        each. The verified cache is a dict touched by single get/set operations (atomic under
-        the GIL).
+        A SHA-256 row is compared directly (constant time): no allowance, no cache, so a
+        correct key is never refused because of wrong secrets sent before. Regression
+        (secrev16 fault A): every row was PBKDF2 and a key id had 10 checks a minute for keys
+        not verified since the start, spent by wrong secrets too: after a restart, anyone who
+        knew a tenant's public key id kept its holder refused UNAUTHENTICATED.
+        """
+        if not stored.slow:
+            return verify_api_key(api_key, stored)
+        return self._verify_pbkdf2(api_key, stored, allow_pbkdf2)
+
+    def _verify_pbkdf2(self, api_key: str, stored: KeyHash, allow_pbkdf2: bool) -> bool:
+        """Check ``api_key`` against an earlier version's PBKDF2 row; on success rewrite the
+        row to SHA-256 (``_rehash``), so the key's later checks are cheap.
+
+        CPU is bounded without refusing anything: at most ``PBKDF2_CONCURRENCY`` runs at once
+        (a check waits for a slot), checks of one key id run one at a time (a burst of one key
+        costs one run), a verified key's fingerprint is remembered by key id and a wrong key's
+        for ``FAILED_KEY_TTL_S``. A correct key is therefore at worst delayed by other
+        checks, never refused; the rate of wrong secrets is bounded by the gateway (per client
+        address and key id; over that limit it passes ``allow_pbkdf2=False``). The verified
+        cache is a dict touched by single get/set operations (atomic under the GIL).
         """
         fp = fingerprint(api_key)
         if self._verified_before(stored.key_id, fp):
             return True
+        if not allow_pbkdf2 or fp in self._failed:
+            return False
         with self._check_locks[hash(stored.key_id) % _CHECK_LOCK_STRIPES]:
             if self._verified_before(stored.key_id, fp):  # checked while this one waited
                 return True
-            if fp in self._failed or not self._checks.try_acquire(stored.key_id):
+            if fp in self._failed:
                 return False
-            if not verify_api_key(api_key, stored):
+            with self._pbkdf2_slots:
+                ok = verify_api_key(api_key, stored)
+            if not ok:
                 self._failed.add(fp)
                 return False
             self._verified[stored.key_id] = fp
+        self._rehash(api_key, stored)
         return True
+
+    def _rehash(self, api_key: str, stored: KeyHash) -> None:
+        """Replace the verified ``api_key``'s PBKDF2 row ``stored`` by its SHA-256 form (unless
+        the row changed meanwhile, e.g. a rotation). A failed write is logged; the key keeps
+        working from the verified cache until the next restart, and is rewritten then."""
+        new = hash_api_key(api_key)
+        try:
+            with self._lock, self._conn:
+                self._conn.execute(
+                    "UPDATE api_keys SET salt = ?, iterations = ?, digest = ? "
+                    "WHERE key_id = ? AND iterations = ? AND digest = ?",
+                    (new.salt, new.iterations, new.digest, stored.key_id, stored.iterations, stored.digest),
+                )
+        except sqlite3.Error as exc:
+            log.warning("could not rewrite key %s's PBKDF2 hash as SHA-256: %s", stored.key_id, exc)
 
     def _verified_before(self, key_id: str, fp: bytes) -> bool:
         cached = self._verified.get(key_id)
@@ -320,7 +368,7 @@ class TenantStore:
 
     def _migrate(self) -> None:
         version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in _READABLE_VERSIONS:
             self._conn.close()
             raise RuntimeError(
                 f"tenant store schema version {version}; this code reads {SCHEMA_VERSION}"

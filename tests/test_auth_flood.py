@@ -1,15 +1,18 @@
 """A flood of wrong API-key secrets costs few PBKDF2 runs and never blocks the scheduler's
 event loop (issue 18 fault 9: PBKDF2 for failed key checks ran on the scheduler actor without
-caching or rate limiting).
+caching or rate limiting), and never locks out the key's holder (secrev16 fault A).
 
-PBKDF2 runs are counted by wrapping ``tenants.store.verify_api_key`` (the one place the store
-runs it); the store, the gateway's servicers and gRPC are real.
+Keys are stored as SHA-256 now; PBKDF2 runs only for an earlier version's rows (``_as_pbkdf2``
+makes one). Runs are counted by wrapping ``tenants.keys._pbkdf2`` (the one place that runs
+it); the store, the gateway's servicers and gRPC are real.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
+import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,9 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-import tenants.store
+import tenants.keys
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from services.global_scheduler_admission import GlobalSchedulerService
+from tenants.keys import parse_key_id
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tests.gateway_harness import serve
@@ -29,14 +33,24 @@ from tests.gateway_harness import serve
 def pbkdf2_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Thread ids of every PBKDF2 run of the store."""
     runs: list[int] = []
-    real = tenants.store.verify_api_key
+    real = tenants.keys._pbkdf2
 
-    def counted(api_key, stored):  # type: ignore[no-untyped-def]
+    def counted(api_key, salt, iterations):  # type: ignore[no-untyped-def]
         runs.append(threading.get_ident())
-        return real(api_key, stored)
+        return real(api_key, salt, iterations)
 
-    monkeypatch.setattr(tenants.store, "verify_api_key", counted)
+    monkeypatch.setattr(tenants.keys, "_pbkdf2", counted)
     return runs
+
+
+def _as_pbkdf2(db_path: Path, api_key: str) -> None:
+    """Store ``api_key`` as an earlier version did: a PBKDF2 row (1,000 iterations, for speed)."""
+    salt = secrets.token_bytes(16)
+    digest = hashlib.pbkdf2_hmac("sha256", api_key.encode(), salt, 1000)  # not counted
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE api_keys SET salt = ?, iterations = ?, digest = ? WHERE key_id = ?",
+                     (salt, 1000, digest, parse_key_id(api_key)))
+    conn.close()
 
 
 def _wrong_secret(api_key: str) -> str:
@@ -44,22 +58,39 @@ def _wrong_secret(api_key: str) -> str:
     return api_key[: len("kvs_0123456789ab_")] + secrets.token_urlsafe(32)
 
 
-def test_store_flood_of_wrong_secrets_runs_pbkdf2_a_few_times(tmp_path: Path, pbkdf2_runs) -> None:
-    """issue 18 fault 9: 200 wrong secrets for one key id cost at most the limit's PBKDF2 runs."""
+def test_store_flood_of_wrong_secrets_runs_no_pbkdf2(tmp_path: Path, pbkdf2_runs) -> None:
+    """issue 18 fault 9, secrev16 fault A: 200 wrong secrets for one key id against SHA-256
+    rows cost no PBKDF2 at all, and the valid keys work during and after the flood."""
     store = TenantStore(tmp_path / "t.sqlite")
     ann, ann_key = store.register(TenantSpec("ann"))
     bob, bob_key = store.register(TenantSpec("bob"))
-    assert store.authenticate(ann_key) == ann  # verified once: cached
-    assert len(pbkdf2_runs) == 1
-
     wrong = [_wrong_secret(ann_key) for _ in range(200)]
     assert [store.authenticate(k) for k in wrong] == [None] * 200
-    assert [store.authenticate(k) for k in wrong[:5]] == [None] * 5  # remembered failures
+    assert store.authenticate(ann_key) == ann
+    assert store.authenticate(bob_key) == bob
+    assert pbkdf2_runs == []
 
-    assert len(pbkdf2_runs) == store.failed_checks_per_key_id  # the first check counts too
-    assert store.authenticate(ann_key) == ann  # the valid key works during the flood
-    assert store.authenticate(bob_key) == bob  # another key id is not limited
-    assert len(pbkdf2_runs) == store.failed_checks_per_key_id + 1
+
+def test_store_flood_against_a_pbkdf2_row_is_bounded_and_never_refuses_its_key(tmp_path: Path, pbkdf2_runs) -> None:
+    """secrev16 fault A: against an earlier version's PBKDF2 row, each distinct wrong secret
+    costs one run (a repeated one none, and none at all with ``allow_pbkdf2=False``); the
+    correct key passes after any number of them, and its row then is SHA-256 (no more runs)."""
+    store = TenantStore(tmp_path / "t.sqlite")
+    ann, ann_key = store.register(TenantSpec("ann"))
+    store.close()
+    _as_pbkdf2(tmp_path / "t.sqlite", ann_key)
+    store = TenantStore(tmp_path / "t.sqlite")
+
+    wrong = [_wrong_secret(ann_key) for _ in range(50)]
+    assert [store.authenticate(k) for k in wrong + wrong[:10]] == [None] * 60
+    assert len(pbkdf2_runs) == 50
+    assert store.authenticate(ann_key, allow_pbkdf2=False) is None  # not verified yet: not checked
+    assert len(pbkdf2_runs) == 50
+    assert store.authenticate(ann_key) == ann
+    assert len(pbkdf2_runs) == 51
+    assert [store.authenticate(k) for k in [_wrong_secret(ann_key) for _ in range(50)]] == [None] * 50
+    assert store.authenticate(ann_key, allow_pbkdf2=False) == ann
+    assert len(pbkdf2_runs) == 51  # rewritten as SHA-256
 
 
 def test_verified_cache_forgets_rotated_and_deleted_keys(tmp_path: Path) -> None:
@@ -78,6 +109,7 @@ def test_scheduler_runs_pbkdf2_off_its_event_loop(tmp_path: Path, pbkdf2_runs) -
     """issue 18 fault 9: the actor's authenticate awaits PBKDF2 in a thread; the loop keeps turning."""
     scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
     ann, ann_key = scheduler.store.register(TenantSpec("ann"))
+    _as_pbkdf2(tmp_path / "tenants.sqlite", ann_key)
 
     async def run() -> tuple[object, int, int]:
         ticks = 0
@@ -103,13 +135,17 @@ def test_scheduler_runs_pbkdf2_off_its_event_loop(tmp_path: Path, pbkdf2_runs) -
     assert ticks >= 2  # the loop ran while PBKDF2 did
 
 
-def test_gateway_flood_is_refused_cheaply_and_valid_keys_still_work(tmp_path: Path, pbkdf2_runs) -> None:
+@pytest.mark.parametrize("stored_as", ["sha256", "pbkdf2"])
+def test_gateway_flood_is_refused_cheaply_and_valid_keys_still_work(tmp_path: Path, pbkdf2_runs, stored_as) -> None:
     """issue 18 fault 9: 200 wrong secrets for one key id over gRPC: UNAUTHENTICATED, then
-    RESOURCE_EXHAUSTED for that key id from that peer, far fewer PBKDF2 runs than calls; other
-    tenants' keys (first use) and the admin key still work from the same peer."""
+    RESOURCE_EXHAUSTED for that key id from that peer, far fewer PBKDF2 runs than calls (none
+    for SHA-256 rows); other tenants' keys (first use) and the admin key still work from the
+    same peer."""
     with serve(tmp_path) as gw:
         _, ann_key = gw.scheduler.store.register(TenantSpec("ann"))
         _, bob_key = gw.scheduler.store.register(TenantSpec("bob"))
+        if stored_as == "pbkdf2":
+            _as_pbkdf2(tmp_path / "tenants.sqlite", ann_key)
         with grpc.insecure_channel(gw.address) as ch:
             stub = tenant_pb2_grpc.TenantServiceStub(ch)
 
@@ -134,15 +170,16 @@ def test_gateway_flood_is_refused_cheaply_and_valid_keys_still_work(tmp_path: Pa
     limit = gw.auth.failures_per_peer_key
     assert codes[:limit] == [grpc.StatusCode.UNAUTHENTICATED] * limit
     assert codes[limit:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (200 - limit)
-    assert flood_runs <= min(limit, gw.scheduler.store.failed_checks_per_key_id)
+    assert flood_runs <= (limit if stored_as == "pbkdf2" else 0)
     assert after == [grpc.StatusCode.OK, grpc.StatusCode.OK]
 
 
 def test_burst_of_a_new_valid_key_costs_one_pbkdf2_run(tmp_path: Path, pbkdf2_runs) -> None:
-    """issue 18 fault 9: 30 concurrent first uses of a fresh key all pass (the per-key-id
-    budget must not refuse a valid key's burst) and cost one PBKDF2 run."""
+    """issue 18 fault 9: 30 concurrent first uses of a key with a PBKDF2 row all pass and
+    cost one PBKDF2 run."""
     store = TenantStore(tmp_path / "t.sqlite")
     ann, ann_key = store.register(TenantSpec("ann"))
+    _as_pbkdf2(tmp_path / "t.sqlite", ann_key)
     with ThreadPoolExecutor(max_workers=30) as pool:
         results = list(pool.map(lambda _: store.authenticate(ann_key), range(30)))
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import secrets
 import sqlite3
 import stat
 from collections.abc import Iterator
@@ -225,5 +227,84 @@ def test_unknown_schema_version_refuses_to_open(db_path: Path) -> None:
     conn.execute("PRAGMA user_version = 7")
     conn.close()
 
-    with pytest.raises(RuntimeError, match="^tenant store schema version 7; this code reads 1$"):
+    with pytest.raises(RuntimeError, match="^tenant store schema version 7; this code reads 2$"):
         TenantStore(db_path)
+
+
+def _store_as_pbkdf2(db_path: Path, api_key: str, iterations: int = 1000) -> None:
+    """Rewrite ``api_key``'s row as versions before the SHA-256 keys stored it (schema 1,
+    salted PBKDF2-HMAC-SHA256); fewer iterations than those versions used, for speed."""
+    salt = os.urandom(16)
+    digest = hashlib.pbkdf2_hmac("sha256", api_key.encode(), salt, iterations)
+    conn = sqlite3.connect(db_path)
+    with conn:
+        conn.execute("UPDATE api_keys SET salt = ?, iterations = ?, digest = ? WHERE key_id = ?",
+                     (salt, iterations, digest, KEY_PATTERN.fullmatch(api_key).group("key_id")))  # type: ignore[union-attr]
+        conn.execute("PRAGMA user_version = 1")
+    conn.close()
+
+
+def _wrong_secrets(api_key: str, n: int) -> list[str]:
+    return [api_key[: len("kvs_0123456789ab_")] + secrets.token_urlsafe(32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("stored_as", ["sha256", "pbkdf2"])
+def test_wrong_secrets_for_a_key_id_never_lock_out_its_key_after_a_restart(db_path: Path, stored_as: str) -> None:
+    """Regression (secrev16 fault A): after a restart, anyone who knew a tenant's public key
+    id spent the store's 10 PBKDF2 checks a minute for it on wrong secrets, and the holder's
+    correct key was refused. Neither a new (SHA-256) nor an earlier version's (PBKDF2) record
+    refuses its correct key, however many wrong secrets came first."""
+    store = TenantStore(db_path)
+    tenant, api_key = store.register(TenantSpec("victim"))
+    admin_key = store.ensure_admin_key()
+    assert admin_key is not None
+    store.close()
+    if stored_as == "pbkdf2":
+        _store_as_pbkdf2(db_path, api_key)
+        _store_as_pbkdf2(db_path, admin_key)
+
+    reopened = TenantStore(db_path)  # the restart: nothing verified yet
+    try:
+        assert [reopened.authenticate(k) for k in _wrong_secrets(api_key, 30)] == [None] * 30
+        assert [reopened.verify_admin_key(k) for k in _wrong_secrets(admin_key, 30)] == [False] * 30
+        assert reopened.authenticate(api_key) == tenant
+        assert reopened.verify_admin_key(admin_key) is True
+    finally:
+        reopened.close()
+
+
+def test_pbkdf2_records_of_earlier_versions_move_to_sha256_on_first_use(db_path: Path) -> None:
+    """A record stored with PBKDF2 (schema 1) verifies with PBKDF2 once, then is rewritten to
+    the SHA-256 form (``iterations`` 0); wrong keys rewrite nothing."""
+    store = TenantStore(db_path)
+    tenant, api_key = store.register(TenantSpec("old"))
+    admin_key = store.ensure_admin_key()
+    assert admin_key is not None
+    store.close()
+    _store_as_pbkdf2(db_path, api_key)
+    _store_as_pbkdf2(db_path, admin_key)
+
+    def iterations() -> list[int]:
+        conn = sqlite3.connect(db_path)
+        try:
+            return [row[0] for row in conn.execute("SELECT iterations FROM api_keys ORDER BY role")]
+        finally:
+            conn.close()
+
+    reopened = TenantStore(db_path)
+    try:
+        assert reopened.authenticate(_wrong_secrets(api_key, 1)[0]) is None
+        assert reopened.verify_admin_key(_wrong_secrets(admin_key, 1)[0]) is False
+        assert iterations() == [1000, 1000]  # admin, tenant
+        assert reopened.authenticate(api_key) == tenant
+        assert reopened.verify_admin_key(admin_key) is True
+        assert iterations() == [0, 0]
+    finally:
+        reopened.close()
+    again = TenantStore(db_path)  # the rewritten records verify after the next restart
+    try:
+        assert again.authenticate(api_key) == tenant
+        assert again.verify_admin_key(admin_key) is True
+        assert again.authenticate(_wrong_secrets(api_key, 1)[0]) is None
+    finally:
+        again.close()
