@@ -111,8 +111,10 @@ def _post(path: str, body: dict) -> tuple[int, dict]:
     parts = [json.dumps(body).encode()]
 
     async def receive() -> dict:
-        return {"type": "http.request", "body": parts.pop(0), "more_body": False} if parts else {
-            "type": "http.disconnect"}
+        if parts:
+            return {"type": "http.request", "body": parts.pop(0), "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected (no http.disconnect) until the end
+        raise AssertionError("unreachable")
 
     async def send(message: dict) -> None:
         sent.append(message)

@@ -11,7 +11,8 @@ gateway's checks), ``param`` naming it. A tenant's API key is the bearer token. 
 then the gateway's own (policy, bounds, admission: 429 with ``Retry-After``; 503 without a
 healthy node). The framework's own refusals (404 for an unknown path, 405 for a wrong method)
 come in the same shape. A client that disconnects aborts its request on the node, which frees its
-blocks, as a cancelled gRPC call does.
+blocks, as a cancelled gRPC call does: at any point once its body has been read (being admitted,
+queued on its node, prefilling or generating; ``unless_gone``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -33,6 +34,45 @@ from services.gateway import InferenceServicer
 from services.openai_api.context import CallAborted, HttpCallContext, error_response
 from services.openai_api.responses import Generation, sse
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its call was being served (answered 499)."""
+
+
+async def until_gone(request: Request) -> None:
+    """Return once the client has disconnected: its ``http.disconnect`` message on the ASGI
+    ``receive`` channel (``Request.receive``; what Starlette's ``StreamingResponse`` listens
+    for). Only for use once the body has been read: other messages are dropped."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless ``request``'s client disconnects first: then ``work`` is
+    cancelled, its cancellation has landed (an async generator's ``finally`` ran) when this
+    returns, and ``ClientGone`` is raised. Exceptions of ``work`` propagate; cancelling the
+    caller cancels ``work``. A ``receive`` channel that fails (no disconnect: nothing to
+    watch) leaves ``work`` awaited alone.
+
+    Regression: a client gone while the result of the whole reply's task was read, just after
+    cancelling it: ``result()`` of the still-pending task raised InvalidStateError, a 500."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(until_gone(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watch.exception() is not None:
+            await asyncio.wait({task})
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()  # the client is gone (or the caller was cancelled): abort
+    if not task.done():  # cancelled just now: let the cancellation land
+        await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 class _ClosingStream(StreamingResponse):
@@ -170,13 +210,14 @@ class OpenAIEdge:
 
     async def parse(self, request: Request, kind: type[BaseModel]) -> Any:
         """Authenticate (401), then the body (413 over ``MAX_BODY_BYTES``), as ``kind`` (400),
-        then its model (404). Raises ``CallAborted``, ``HTTPException`` (413) or
-        ``ValidationError`` for a bad body."""
+        then its model (404). Raises ``CallAborted``, ``HTTPException`` (413),
+        ``ValidationError`` for a bad body, or ``ClientGone`` (a big body's parse on a thread
+        is not waited for once the client has gone)."""
         context = HttpCallContext(request)
         await self.servicer.auth.tenant(context)
         data = await read_body(request, MAX_BODY_BYTES)
         if len(data) > OFF_LOOP_BYTES:  # parse a big body on a thread: the loop serves everyone
-            body = await asyncio.to_thread(lambda: kind.model_validate(load_json(data)))
+            body = await unless_gone(request, asyncio.to_thread(lambda: kind.model_validate(load_json(data))))
         else:
             body = kind.model_validate(load_json(data))
         if body.model not in (self.model_name, self.model_id):  # type: ignore[attr-defined]
@@ -185,15 +226,27 @@ class OpenAIEdge:
         return body
 
     async def complete(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
-        """Run ``body`` through the gateway's path; the response (streamed or whole)."""
+        """Run ``body`` through the gateway's path; the response (streamed or whole), 499 when
+        the client goes away first.
+
+        Every wait runs against the client's disconnect (``unless_gone``; a stream's, once it
+        has started, against Starlette's own watch): a client gone aborts its request at once.
+        Regression: the wait for the ``started`` event (admission, the node's queue, the first
+        step) watched nothing, as uvicorn does not cancel a handler whose client hangs up: an
+        abandoned request kept its place in the node's queue and its tenant's share until it
+        was scheduled, and ran its first prefill for nobody (a cancelled gRPC call leaves the
+        queue at once)."""
         context = HttpCallContext(request)
         chat = isinstance(body, ChatCompletionRequest)
         parse = body.to_input if chat else (lambda: body.to_input(self.encode))  # type: ignore[union-attr]
         events = self.servicer.generate(context, parse)
-        try:
-            started = await events.__anext__()  # admitted and started: the status is known
+        try:  # admitted and started: the status is known
+            started = await unless_gone(request, anext(events))
         except CallAborted as exc:  # a 400 names its field: param
             return exc.naming(type(body).model_fields).response()
+        except ClientGone:  # cancelled at its await: the gateway's path aborted and released it
+            await events.aclose()  # type: ignore[attr-defined]
+            return _gone()
         generation = Generation(events, started, chat, self.model_name)
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",
@@ -227,26 +280,18 @@ async def _whole(generation: Generation, request: Request) -> Response:
     async def collect() -> str:
         return "".join([text async for text in generation.pieces()])
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()  # the client is gone (or this handler was cancelled): abort
-    if not work.done():  # cancelled just now: let the cancellation land (regression: result()
-        await asyncio.wait({work})  # of the still-pending task raised InvalidStateError, a 500)
-    if work.cancelled():
-        return error_response(499, "the client closed the request", "invalid_request_error", "cancelled")
-    try:
-        text = work.result()
+        text = await unless_gone(request, collect())
+    except ClientGone:
+        return _gone()
     except CallAborted as exc:
         return exc.response()
     return JSONResponse(generation.response(text))
+
+
+def _gone() -> JSONResponse:
+    """The answer to a client that went away (nobody reads it): 499, code ``cancelled``."""
+    return error_response(499, "the client closed the request", "invalid_request_error", "cancelled")
 
 
 def create_app(edge: OpenAIEdge) -> FastAPI:
@@ -256,6 +301,10 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.exception_handler(CallAborted)
     async def _aborted(request: Request, exc: CallAborted) -> Response:
         return exc.response()
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        return _gone()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -1,0 +1,152 @@
+"""An HTTP client that hangs up while its request waits in a node's queue, on the real call path
+without Ray: a real CacheNode (the tiny Llama, one running slot), the GlobalScheduler's
+admission server, the gateway's ``InferenceServicer`` and the OpenAI app served by uvicorn, all
+on one event loop thread; the client is a raw socket, so the test decides when it goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from bench.chaos_stack import BLOCK_SIZE, POOL_BLOCKS, block_bytes, tiny_checkpoint
+from cache_node.sampling_params import SamplingParams
+from services.auth import Authenticator
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.data_plane_auth import DataPlaneKeys
+from services.gateway import InferenceServicer
+from services.global_scheduler_admission import GlobalSchedulerService
+from services.node_request import NodeRequest
+from services.openai_api.app import OpenAIEdge, create_app
+from services.openai_api.server import HttpServer
+from tenants.model import TenantSpec
+
+
+class Actor:
+    """``obj`` as a Ray actor handle: ``h.m.remote(...)`` runs the call on the loop whether or
+    not it is awaited (the gateway's ``release`` is fire-and-forget)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.obj, name)
+        return SimpleNamespace(remote=lambda *args: asyncio.ensure_future(_call(fn, *args)))
+
+
+class Edge:
+    """One node (``max_num_seqs=1``), the scheduler, a gateway servicer and its HTTP API."""
+
+    def __init__(self) -> None:
+        keys = DataPlaneKeys.generate()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = NodeConfig(model_path=str(tiny_checkpoint()), block_size=BLOCK_SIZE,
+                            kv_pool_bytes=POOL_BLOCKS * block_bytes(), host_bytes=0, max_num_seqs=1)
+        self.node = CacheNode("n0", config, num_threads=1, security=keys.security("node"))
+        self.scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-hangup-"), {"n0": 1},
+                                                security=keys.security("scheduler"))
+        node_address = self.run(self.node.open_data_plane())
+        self.scheduler.attach_nodes({"n0": node_address})
+        sched_address = self.run(self.scheduler.open_data_plane())
+        info = self.node.describe()
+        handle = Actor(self.scheduler)
+        self.servicer = InferenceServicer(handle, Authenticator(handle), {"n0": None}, {"n0": info}, None,
+                                          sched_address, security=keys.security("gateway"))
+        self.run(self.servicer.streams.start())
+        self.key = self.run(_call(self.scheduler.register_tenant, TenantSpec(name="hangup")))[1]
+        self.model = info["model_id"].split("@", 1)[0]
+        self.http = HttpServer(create_app(OpenAIEdge(self.servicer, info["model_id"], list, lambda: 1)))
+        self.port = self.run(self.http.start("127.0.0.1", 0))
+
+    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stats(self) -> tuple[int, int]:
+        """The node's (running, waiting) requests."""
+        stats = self.node.stats()
+        return stats["running"], stats["waiting"]
+
+    def post(self, path: str, body: dict[str, Any]) -> socket.socket:
+        """Send one request on a new connection; the socket, its reply unread."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        data = json.dumps(body)
+        sock.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.key}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n{data}").encode())
+        return sock
+
+    def close(self) -> None:
+        async def close() -> None:
+            await self.http.stop()
+            self.servicer.streams.shutdown()
+            self.scheduler.close_data_plane()
+            self.node.close_data_plane()
+
+        self.run(close())
+        self.node.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.scheduler.store.close()
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    result = fn(*args)  # on the loop, as the actor runs every method
+    return await result if inspect.isawaitable(result) else result
+
+
+def wait_for(predicate: Any, timeout_s: float) -> float:
+    """Seconds until ``predicate()`` held (fails the test after ``timeout_s``)."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout_s, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def edge() -> Iterator[Edge]:
+    e = Edge()
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_while_its_request_is_queued_leaves_the_queue_at_once(edge: Edge, stream: bool) -> None:
+    """Regression: the HTTP edge awaited the request's ``started`` event (admission, the
+    node's queue, its first step) with nothing watching the connection (uvicorn does not
+    cancel a handler whose client hangs up): an abandoned request kept its place in the
+    node's queue and its tenant's share until the slot ahead of it freed, then ran its first
+    prefill for nobody. Now it is aborted as soon as its client goes, as a cancelled gRPC
+    call is: gone from the node's queue and released at the scheduler while the request
+    ahead of it still runs."""
+    blocker = NodeRequest(request_id=f"other/blocker-{stream}", tenant="other", cache_namespace="ns",
+                          token_ids=tuple(range(100, 140)),
+                          sampling=SamplingParams(max_tokens=POOL_BLOCKS * BLOCK_SIZE - 100, ignore_eos=True))
+    streams = edge.servicer.streams
+    streams.open(blocker.request_id)
+    assert edge.run(streams.admit(blocker, [])).code == "OK"
+    wait_for(lambda: edge.stats() == (1, 0), 10.0)
+    sock = edge.post("/v1/completions", {"model": edge.model, "prompt": [5] * 20, "max_tokens": 8,
+                                         "stream": stream})
+    wait_for(lambda: edge.stats() == (1, 1), 10.0)  # queued behind the blocker
+    assert edge.run(_call(edge.scheduler.stats))["in_flight"]["n0"] == 2
+    sock.close()
+    took = wait_for(lambda: edge.stats() == (1, 0), 3.0)
+    wait_for(lambda: edge.run(_call(edge.scheduler.stats))["in_flight"]["n0"] == 1, 1.0)  # released there
+    assert blocker.request_id in edge.node._streams  # the slot ahead is still taken: not run at all
+    streams.abort("n0", blocker.request_id)
+    edge.run(_call(edge.scheduler.release, blocker.request_id))
+    edge.run(_call(streams.close, blocker.request_id))
+    wait_for(lambda: edge.stats() == (0, 0), 10.0)
+    assert took < 2.0
