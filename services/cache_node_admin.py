@@ -70,7 +70,11 @@ class Admin:
 
     async def drain(self, timeout_s: float = 0.0) -> int:
         """Let the requests running now finish for up to ``timeout_s`` seconds, then abort
-        those still running (they end with finish reason ``abort``); returns how many.
+        those still running (they end with finish reason ``abort``); returns how many. Those
+        that reached the node but had not started end with UNAVAILABLE (retry elsewhere).
+
+        Regression (hangs review): a request still queued for the step thread at the timeout
+        was not aborted (the engine did not know it yet) and then ran to its end.
 
         Raises:
             ValueError: ``timeout_s`` is negative or not finite.
@@ -84,7 +88,18 @@ class Admin:
         left = [rid for rid in ids if rid in self._streams]
         if not left:
             return 0
-        return await self._between_steps(lambda: sum(self.engine.abort_request(rid) for rid in left))
+        def abort_left() -> int:
+            ended = 0
+            for rid in left:
+                if self.engine.abort_request(rid):
+                    ended += 1
+                elif rid in self._streams:  # reached the node, not started: it never will
+                    self._end_stream(rid, "UNAVAILABLE", f"cache node {self.node_id} was drained before "
+                                     "the request started; retry")
+                    ended += 1
+            return ended
+
+        return await self._between_steps(abort_left)
 
     def _between_steps(self, call: Callable[[], Any]) -> asyncio.Future[Any]:
         """``call()`` run by the step thread at its next step boundary, as an awaitable.

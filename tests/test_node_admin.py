@@ -104,6 +104,27 @@ def test_drain_lets_requests_finish_within_timeout_then_aborts_the_rest(node) ->
         asyncio.run(node.drain(timeout_s=-1))
 
 
+def test_a_drain_ends_the_requests_that_had_not_started_too(node) -> None:
+    """Regression (hangs review): a request queued for the step thread (behind a long
+    prefill step) when a drain's timeout came was not aborted, and then ran to its end."""
+
+    async def run() -> tuple[int, list[dict], list[dict]]:
+        busy = node.generate(request("busy", long_prompt(4), 2))
+        assert (await busy.__anext__())["type"] == "started"  # its prefill step runs now
+        late = node.generate(request("late", long_prompt(5)[:20], 200))
+        first = asyncio.ensure_future(late.__anext__())  # reaches the node, waits for the step
+        await asyncio.sleep(0.05)
+        aborted = await node.drain(timeout_s=0)
+        return aborted, [e async for e in busy], [await first] + [e async for e in late]
+
+    aborted, busy, late = asyncio.run(run())
+    assert aborted == 2
+    assert busy[-1]["type"] == "finished" and busy[-1]["finish_reason"] == "abort"
+    assert [(e["type"], e.get("code")) for e in late] == [("error", "UNAVAILABLE")], late
+    assert "drained" in late[0]["message"]
+    assert node.stats()["running"] == 0 or asyncio.run(node.integrity_stats())["running"] == 0
+
+
 def test_a_flush_behind_a_stalled_spill_node_never_holds_the_streams() -> None:
     """Regression (hardening review): ``flush`` ran the spill flush on the step thread, behind
     the spill put in progress; a stalled (not dead) spill node froze every stream on the node
