@@ -86,6 +86,11 @@ class ServiceConfig(BaseModel):
     # The OpenAI-compatible HTTP API (services.openai_api) on gateway_host; 0 = a free port,
     # None = off.
     http_port: int | None = Field(8000, ge=0, le=65535)
+    # Proxies in front of the HTTP API whose X-Forwarded-For sets a request's client address
+    # (IPs or CIDR networks; "*": any client). Empty: the connection's address, always (the
+    # per-address limit on failed API-key checks keys on it; a header from anyone else is
+    # ignored, so a client cannot choose its address).
+    http_forwarded_allow_ips: list[str] = []
     # Prometheus /metrics of every actor (services.metrics), bound on metrics_host ("node_ip":
     # each actor's Ray node IP, for a Prometheus elsewhere in the cluster); port 0 = a free port
     # each (`kvstrata up` prints them). A fixed node or spill port needs one such node per machine.

@@ -68,13 +68,13 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
             wire.name = request.name
         spec = await self._spec(wire, context)
         tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec))
-        self.auth.forget()
+        self.auth.forget_tenant(request.name)
         return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
     async def DeleteTenant(self, request, context):
         await self.auth.admin(context)
         await _call(context, self.scheduler.delete_tenant.remote(request.name))
-        self.auth.forget()
+        self.auth.forget_tenant(request.name)
         return tenant_pb2.DeleteTenantResponse()
 
     async def _own_or_admin(self, context: Any, name: str) -> None:
@@ -104,10 +104,14 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
     async def RotateKey(self, request, context):
-        """The admin key rotates any tenant's key; a tenant's own key rotates only its own."""
+        """The admin key rotates any tenant's key; a tenant's own key rotates only its own.
+
+        Regression (secrev16 fault B): it dropped every tenant's cached key at the gateway
+        (``Authenticator.forget``), which let a tenant lock another out; it forgets the
+        rotated tenant's keys alone (``Authenticator.forget_tenant``)."""
         await self._own_or_admin(context, request.name)
         key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name))
-        self.auth.forget()
+        self.auth.forget_tenant(request.name)
         return tenant_pb2.RotateKeyResponse(api_key=key)
 
 
@@ -176,5 +180,5 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def RotateAdminKey(self, request, context):
         await self.auth.admin(context)
         key = await self.scheduler.rotate_admin_key.remote()
-        self.auth.forget()
+        self.auth.forget_admin()
         return admin_pb2.RotateAdminKeyResponse(api_key=key)

@@ -84,12 +84,14 @@ class Gateway:
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
-                 http_port: int | None = None) -> None:
+                 http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
-        ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off)."""
+        ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
+        ``http_forwarded_allow_ips``: proxies trusted to set its client address (``HttpServer``)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.security, self.http_port = security, http_port
+        self.http_forwarded_allow_ips = http_forwarded_allow_ips
         self.http: HttpServer | None = None
         self.metrics, self.metrics_endpoint = GatewayMetrics(), metrics
         self.metrics_server: MetricsServer | None = None
@@ -119,7 +121,8 @@ class Gateway:
                     templater.check_fits(len(text), room)
                 return tokenizer(text, add_special_tokens=False).input_ids
             self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
-                                                         self.monitor.num_healthy)))
+                                                         self.monitor.num_healthy)),
+                                   self.http_forwarded_allow_ips)
             await self.http.start(host, self.http_port)
         if self.metrics_endpoint is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_endpoint)
@@ -170,8 +173,8 @@ class RayGateway(Gateway):
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
-                 http_port: int | None = None) -> None:
-        super().__init__(scheduler, nodes, model_path, security, metrics, http_port)
+                 http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None) -> None:
+        super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

@@ -59,14 +59,15 @@ class GlobalSchedulerService(GlobalScheduler):
             if not serves:
                 self.gateway_gone(subscriber)
 
-    async def authenticate(self, api_key: str) -> Tenant | None:
-        """``GlobalScheduler.authenticate`` with its PBKDF2 in a worker thread, so that a key
-        check never stalls the loop that serves admissions."""
-        return await asyncio.to_thread(super().authenticate, api_key)
+    async def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
+        """``GlobalScheduler.authenticate`` in a worker thread (an earlier version's PBKDF2
+        row costs ~60-200 ms), so that a key check never stalls the loop that serves
+        admissions."""
+        return await asyncio.to_thread(super().authenticate, api_key, allow_pbkdf2)
 
-    async def verify_admin_key(self, key: str) -> bool:
+    async def verify_admin_key(self, key: str, allow_pbkdf2: bool = True) -> bool:
         """``GlobalScheduler.verify_admin_key``, in a worker thread (as ``authenticate``)."""
-        return await asyncio.to_thread(super().verify_admin_key, key)
+        return await asyncio.to_thread(super().verify_admin_key, key, allow_pbkdf2)
 
     async def open_data_plane(self) -> str:
         """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting

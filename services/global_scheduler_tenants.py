@@ -18,8 +18,10 @@ class Tenants:
     def ensure_admin_key(self) -> str | None:
         return self.store.ensure_admin_key()
 
-    def verify_admin_key(self, key: str) -> bool:
-        return self.store.verify_admin_key(key)
+    def verify_admin_key(self, key: str, allow_pbkdf2: bool = True) -> bool:
+        """``TenantStore.verify_admin_key``: ``allow_pbkdf2`` False never runs PBKDF2 (an
+        earlier version's row not verified since start is then refused)."""
+        return self.store.verify_admin_key(key, allow_pbkdf2)
 
     def has_admin_key(self) -> bool:
         return self.store.has_admin_key()
@@ -62,8 +64,10 @@ class Tenants:
     def list_tenants(self) -> tuple[Tenant, ...]:
         return self.store.list()
 
-    def authenticate(self, api_key: str) -> Tenant | None:
-        tenant = self.store.authenticate(api_key)
+    def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
+        """``TenantStore.authenticate`` (``allow_pbkdf2`` as in ``verify_admin_key``); notes
+        the tenant's spec for admission."""
+        tenant = self.store.authenticate(api_key, allow_pbkdf2)
         if tenant is not None:
             self.specs[tenant.tenant_id] = tenant.spec
         return tenant

@@ -130,6 +130,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     ).remote(
         scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host),
         metrics_endpoint(config, config.gateway_metrics_port), config.http_port,
+        config.http_forwarded_allow_ips,
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,

@@ -229,3 +229,33 @@ def test_a_key_refused_twice_gets_the_same_message(tmp_path: Path) -> None:
                 stub.ListTenants(tenant_pb2.ListTenantsRequest(), metadata=old)
             details.append((err.value.code(), err.value.details()))
     assert details == [(grpc.StatusCode.UNAUTHENTICATED, "this call needs the admin key")] * 2
+
+
+def test_a_valid_key_passes_from_an_address_over_its_failure_limit(tmp_path: Path, pbkdf2_runs) -> None:
+    """Regression (secrev16 fault B): another client's wrong secrets for a key id from a shared
+    address put the address over its failure limit, and the key's holder, not seen there
+    lately, got RESOURCE_EXHAUSTED. A key that verifies (a SHA-256 row: no PBKDF2 to bound)
+    passes over the limit, as a tenant's key and as the admin key; wrong ones stay refused."""
+    with serve(tmp_path) as gw, grpc.insecure_channel(gw.address) as ch:
+        _, ann_key = gw.scheduler.store.register(TenantSpec("ann"))
+        stub = tenant_pb2_grpc.TenantServiceStub(ch)
+
+        def call(rpc, request, key: str) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+            try:
+                rpc(request, metadata=(("authorization", f"Bearer {key}"),))
+            except grpc.RpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+
+        usage = lambda key: call(stub.GetUsage, tenant_pb2.GetUsageRequest(name="ann"), key)
+        listing = lambda key: call(stub.ListTenants, tenant_pb2.ListTenantsRequest(), key)
+        limit = gw.auth.failures_per_peer_key
+        flood = [usage(_wrong_secret(ann_key)) for _ in range(limit + 1)]
+        admin_flood = [listing(_wrong_secret(gw.admin_key)) for _ in range(limit + 1)]
+        after = [usage(ann_key), listing(gw.admin_key), usage(gw.admin_key)]
+        wrong_after = [usage(_wrong_secret(ann_key)), listing(_wrong_secret(gw.admin_key))]
+
+    assert flood[-1] == admin_flood[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after == [grpc.StatusCode.OK] * 3
+    assert wrong_after == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert pbkdf2_runs == []

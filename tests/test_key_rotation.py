@@ -7,6 +7,7 @@ typer's CliRunner.
 from __future__ import annotations
 
 import re
+import secrets
 from pathlib import Path
 
 import grpc
@@ -129,3 +130,64 @@ def test_a_tenant_reads_its_own_settings_and_usage_and_no_one_elses(gateway) -> 
             assert nobody.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert tenants.GetTenant(tenant_pb2.GetTenantRequest(name="cid"),
                                  metadata=_md(gateway.admin_key)).tenant.spec.ttft_slo_ms == 700.0
+
+
+def _wrong_secret(api_key: str) -> str:
+    return api_key[: len("kvs_0123456789ab_")] + secrets.token_urlsafe(32)
+
+
+def test_rotating_a_key_never_unprotects_another_tenants_key(gateway) -> None:
+    """Regression (secrev16 fault B): a tenant sent wrong secrets for another tenant's key id
+    from their shared address, then rotated its own key; the gateway's whole auth cache was
+    dropped (``Authenticator.forget``) and the victim's correct key got RESOURCE_EXHAUSTED."""
+    store = gateway.scheduler.store
+    _, victim = store.register(TenantSpec("victim"))
+    _, attacker = store.register(TenantSpec("attacker"))
+    with grpc.insecure_channel(gateway.address) as ch:
+        tenants = tenant_pb2_grpc.TenantServiceStub(ch)
+
+        def usage(key: str) -> grpc.StatusCode:
+            try:
+                tenants.GetUsage(tenant_pb2.GetUsageRequest(name="victim"), metadata=_md(key))
+            except grpc.RpcError as err:
+                return err.code()
+            return grpc.StatusCode.OK
+
+        first = usage(victim)
+        flood = [usage(_wrong_secret(victim)) for _ in range(gateway.auth.failures_per_peer_key + 1)]
+        tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="attacker"), metadata=_md(attacker))
+        after = [usage(victim) for _ in range(3)]
+
+    assert first == grpc.StatusCode.OK and flood[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after == [grpc.StatusCode.OK] * 3
+
+
+def test_changing_a_tenant_forgets_only_its_own_cached_keys(gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """secrev16 fault B: RotateKey, UpdateTenant and DeleteTenant of one tenant, and
+    RotateAdminKey, leave every other tenant's cached key in the gateway (no new check)."""
+    store = gateway.scheduler.store
+    _, victim = store.register(TenantSpec("victim"))
+    _, other = store.register(TenantSpec("other"))
+    store.register(TenantSpec("gone"))
+    checked: list[str] = []
+    real = gateway.scheduler.authenticate
+
+    async def counted(api_key: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        checked.append(api_key)
+        return await real(api_key, *args, **kwargs)
+
+    monkeypatch.setattr(gateway.scheduler, "authenticate", counted)
+    with grpc.insecure_channel(gateway.address) as ch:
+        tenants = tenant_pb2_grpc.TenantServiceStub(ch)
+        admin = admin_pb2_grpc.AdminServiceStub(ch)
+        get = lambda: tenants.GetTenant(tenant_pb2.GetTenantRequest(name="victim"), metadata=_md(victim))
+        get()
+        other = tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="other"), metadata=_md(other)).api_key
+        get()
+        tenants.UpdateTenant(tenant_pb2.UpdateTenantRequest(name="other", spec=tenant_pb2.TenantSpec(ttft_slo_ms=900.0)),
+                             metadata=_md(gateway.admin_key))
+        tenants.DeleteTenant(tenant_pb2.DeleteTenantRequest(name="gone"), metadata=_md(gateway.admin_key))
+        admin.RotateAdminKey(admin_pb2.RotateAdminKeyRequest(), metadata=_md(gateway.admin_key))
+        get()
+
+    assert checked.count(victim) == 1

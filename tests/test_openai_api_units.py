@@ -4,16 +4,19 @@ node's ``cache_node.stop_strings``), request bodies, and gRPC statuses as OpenAI
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 
 import grpc
 import pytest
+from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from cache_node.stop_strings import StopMatcher
 from services.openai_api.app import MAX_BODY_BYTES, OpenAIEdge, create_app, invalid
-from services.openai_api.context import CallAborted
+from services.openai_api.context import CallAborted, HttpCallContext
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from services.openai_api.server import HttpServer
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
@@ -251,3 +254,33 @@ def test_a_client_gone_before_a_whole_reply_is_499_and_aborts_the_generation() -
     response = asyncio.run(_whole(Endless(), Gone()))  # type: ignore[arg-type]
     assert response.status_code == 499 and json.loads(response.body)["error"]["code"] == "cancelled"
     assert closed == [True]
+
+
+@pytest.mark.parametrize("trusted, expected", [(None, ["127.0.0.1"] * 2), ("127.0.0.1", ["127.0.0.1", "203.0.113.7"])])
+def test_forwarded_for_counts_only_from_configured_proxies(trusted: str | None, expected: list[str]) -> None:
+    """Regression (secrev16 fault B): uvicorn's proxy headers were on, trusting 127.0.0.1, so
+    any loopback client chose its own address (the key of the auth failure limit) with
+    X-Forwarded-For. Off unless the operator names trusted proxies (``forwarded_allow_ips``)."""
+    probe = FastAPI()
+
+    @probe.get("/peer")
+    async def peer(request: Request) -> dict[str, str]:
+        return {"peer": HttpCallContext(request).peer().split(":")[1]}
+
+    def get(port: int, headers: dict[str, str]) -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", "/peer", headers=headers)
+            return json.loads(conn.getresponse().read())["peer"]
+        finally:
+            conn.close()
+
+    async def run() -> list[str]:
+        server = HttpServer(probe, forwarded_allow_ips=trusted)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            return [await asyncio.to_thread(get, port, h) for h in ({}, {"X-Forwarded-For": "203.0.113.7"})]
+        finally:
+            await server.stop()
+
+    assert asyncio.run(run()) == expected

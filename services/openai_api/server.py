@@ -19,10 +19,18 @@ class HttpServer:
 
     Args:
         app: the ASGI application (``services.openai_api.create_app``).
+        forwarded_allow_ips: the proxies whose X-Forwarded-For / X-Forwarded-Proto headers set
+            a request's client address (IPs or CIDR networks, or ``"*"``: any client); empty or
+            ``None``: no one's (the address is the connection's).
+
+    Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
+    127.0.0.1, so any client connecting over loopback chose its own address (the key of the
+    gateway's auth failure limit, ``services.auth``) with X-Forwarded-For.
     """
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None) -> None:
         self.app = app
+        self.forwarded_allow_ips = forwarded_allow_ips or None
         self.server: uvicorn.Server | None = None
         self.task: asyncio.Task[None] | None = None
         self.host, self.port = "", 0
@@ -51,7 +59,9 @@ class HttpServer:
         sock.setblocking(False)
         self.host, self.port = host, sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1,
+                                proxy_headers=self.forwarded_allow_ips is not None,
+                                forwarded_allow_ips=self.forwarded_allow_ips)
         self.server = uvicorn.Server(config)
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + start_timeout_s
