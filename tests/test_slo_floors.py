@@ -232,3 +232,48 @@ def test_vtc_interleaves_tenants_by_weighted_service() -> None:
         sim.add(f"b{i}", "b", 8, max_tokens=1)
     sim.run()
     assert sim.started_order == ["a0", "b0", "b1", "b2", "a1", "b3", "a2", "a3"]
+
+
+@pytest.mark.parametrize(("max_tokens", "most_steps", "most_preemptions"), [(8, 80, 0), (100, 600, 10)])
+def test_two_floor_tenants_with_pool_filling_prompts_take_turns_and_both_finish(
+    max_tokens: int, most_steps: int, most_preemptions: int
+) -> None:
+    """Two standard tenants (4 tok/s floors), one request each whose prompt nearly fills the
+    pool: only one runs at a time, and each prefill (~28 steps, 2.8 s) outlasts the 2 s floor
+    window. The waiting one, below its floor, takes the running one only after that one's
+    turn (its prefill, then as long again of decoding, at most one window): short outputs
+    finish with no preemption, long ones take turns, and the waiting tenant is served before
+    the other finishes. Before: each preempted the other's prefill forever (310 preemptions,
+    nothing finished in 6000 steps)."""
+    std = TenantShare("standard", ttft_slo_ms=5000.0, min_tokens_per_s=4.0, weight=2.0)
+    sim = Sim("kvstrata", num_blocks=64, tenants={"a": std, "b": std})
+    sim.add("A", "a", 1010 - max_tokens, max_tokens=max_tokens)
+    sim.add("B", "b", 1010 - max_tokens, max_tokens=max_tokens)
+    sim.run(max_steps=2000)
+    assert sorted(sim.finished_step) == ["A", "B"]
+    assert sim.steps <= most_steps
+    assert sim.sched.num_preemptions <= most_preemptions
+    first, second = sorted(sim.finished_step, key=sim.finished_step.__getitem__)
+    if max_tokens > 8:  # long outputs: the waiting tenant's floor gets it a turn
+        assert sim.first_token_step[second] < sim.finished_step[first]
+
+
+def test_class_preemption_for_a_slot_only_when_the_waiting_request_can_start() -> None:
+    """Two slots; a standard request whose prompt does not fit beside the running one waits
+    while a batch tenant below its floor runs. The standard one preempts the batch request for
+    its slot only when the freed blocks let it start. Before: it preempted the batch request
+    every step, which (below its floor, so first in the waiting order) came straight back
+    into the slot: 66 preemptions."""
+    tenants = {"std": TenantShare("standard"),
+               "live": TenantShare("interactive", min_tokens_per_s=10.0),
+               "bulk": TenantShare("batch", min_tokens_per_s=10.0)}
+    arrivals = [(0.57, "R0", "live", 501, 200), (1.27, "R2", "bulk", 127, 64),
+                (2.10, "R1", "std", 367, 200), (3.03, "R3", "std", 1004, 8)]
+    sim = Sim("kvstrata", num_blocks=64, max_seqs=2, tenants=tenants)
+    while (arrivals or sim.sched.has_work()) and sim.steps < 2000:
+        while arrivals and arrivals[0][0] <= sim.t:
+            _, rid, tenant, prompt, max_tokens = arrivals.pop(0)
+            sim.add(rid, tenant, prompt, max_tokens=max_tokens)
+        sim.step()
+    assert len(sim.finished_step) == 4
+    assert sim.sched.num_preemptions <= 2

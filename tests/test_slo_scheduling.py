@@ -93,7 +93,7 @@ def test_burst_fcfs_holds_every_short_request_behind_the_long_ones() -> None:
 
 @pytest.mark.parametrize(
     ("same_tenant", "short_done_by", "long_done_by", "total_steps"),
-    [(True, 28, 146, 150), (False, 34, 135, 139)],
+    [(True, 28, 147, 151), (False, 37, 136, 140)],
 )
 def test_burst_kvstrata_serves_short_requests_past_the_long_ones(
     same_tenant: bool, short_done_by: int, long_done_by: int, total_steps: int
@@ -101,12 +101,16 @@ def test_burst_kvstrata_serves_short_requests_past_the_long_ones(
     """Short prompts that fit pass long ones that do not, and within one tenant the value
     order (pending time over prompt cost) takes the short ones first; aging and the growing
     value of waiting finish every long one (FCFS: 132 steps in all; one tenant here 150, as
-    the long prompts run at the end, two at a time, with nothing left to batch beside them)."""
+    the long prompts run at the end, two at a time, with nothing left to batch beside them).
+    A prompt is admitted only beside the blocks running prefills still need for theirs, so
+    no admitted prefill is preempted (before: one preemption, and steps 34/135/139 with two
+    tenants, 146/150 with one)."""
     sim = burst("kvstrata", same_tenant)
     assert last_first_token(sim, "S", 120) == short_done_by  # FCFS: 128
     assert last_first_token(sim, "L", 40) == long_done_by
     assert sim.steps == total_steps
     assert len(sim.finished_step) == 160
+    assert sim.sched.num_preemptions == 0
 
 
 def test_kvstrata_runs_a_device_hit_before_an_equal_miss() -> None:

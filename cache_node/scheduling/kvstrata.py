@@ -40,7 +40,12 @@ a request that does not fit (no head-of-line blocking) until it has
 been passed over ``aging_steps`` times; then it holds the queue until it fits. A waiting
 request preempts a running one of a lower class when slots or blocks are full; the victim is
 the lowest class, then the tenant most over its device quota, then the largest VTC counter,
-then the newest. Preempted blocks are demoted to the host tier when copying is cheaper than
+then the newest. A waiting request whose tenant is below its floor may also preempt one of its
+own class whose tenant is not, but only one that has had its turn: since it was (re)admitted
+it has finished its prefill and decoded for as long as that prefill took, at most one floor
+window (``KvstrataPolicy.victim``), so every admission ends in output tokens and two floor
+tenants that cannot fit together take turns instead of preempting each other's prefills
+forever. Preempted blocks are demoted to the host tier when copying is cheaper than
 recomputing. (Requests that can never fit the pool are refused at arrival under every
 policy: ``Scheduler.peak_tokens``.)
 """
@@ -96,6 +101,9 @@ class KvstrataPolicy(SchedulingPolicy):
         )
         self._now_s = 0.0  # time of the latest ``order`` call (floor checks in ``victim``)
         self._floor_preempted_s: dict[str, float] = {}  # tenant -> step time of its floor victim
+        # request id -> (its num_preemptions, when its current run was first scheduled, when
+        # that run first sampled a token or None)
+        self._runs: dict[str, tuple[int, float, float | None]] = {}
 
     def order(self, waiting: Iterable[Sequence], now_s: float) -> list[Sequence]:
         self._now_s = now_s
@@ -133,13 +141,43 @@ class KvstrataPolicy(SchedulingPolicy):
     def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
         self.vtc.charge(seq.tenant, num_tokens, self.share(seq).weight)
         self.rates.add(seq.tenant, num_tokens, now_s)
+        run = self._runs.get(seq.request_id)
+        if run is None or run[0] != seq.num_preemptions:  # its first step since its admission
+            run = (seq.num_preemptions, now_s, None)
+        if run[2] is None and seq.num_computed_tokens + num_tokens >= seq.num_tokens:
+            run = (run[0], run[1], now_s)  # this step samples its run's first token
+        self._runs[seq.request_id] = run
+
+    def on_finished(self, seq: Sequence) -> None:
+        super().on_finished(seq)
+        self._runs.pop(seq.request_id, None)
 
     def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
         """Lowest class, then most over its tenant's device quota, then largest VTC counter,
         then newest. For a waiting ``incoming``: a strictly lower class, or, when
         ``incoming``'s tenant is below its floor, a sequence of the same class whose tenant is
         not below its floor (floors come first; at most one such victim per tenant per step,
-        recorded when returned, so a tenant climbs to its floor without emptying the batch)."""
+        recorded when returned, so a tenant climbs to its floor without emptying the batch),
+        and only one that has had its turn (``_had_its_turn``: since its latest admission, its
+        prefill done and as long again of decoding, at most one floor window).
+
+        Progress: a class preemption only takes a strictly lower class, which never takes the
+        higher one back, and a floor victim has sampled at least one token in the run it loses,
+        so each admission of a request ends in output (at most ``max_tokens`` floor preemptions
+        of it) and every admitted request finishes in bounded steps. The turn is the project's
+        own rule (Apt-Serve, arXiv 2504.07494, has no floors and does not bound preemption),
+        the ski-rental bound ``Scheduler._awaits_prefetch`` also uses: a run decodes as long as
+        its (re)prefill took before a floor may throw it away, so recomputation is at most
+        half of a floor victim's time, while floors still come first: the tenant below its
+        floor waits for a victim at most one prefill plus one floor window, and a victim of
+        short prompts (its prefill one step) is taken as soon as it has sampled.
+
+        Regression: two standard tenants (4 tok/s floors), each with one request whose prompt
+        nearly filled the pool, preempted each other forever: the waiting one fell below its
+        floor after the 2 s window and preempted the other before its prefill (longer than the
+        window) ended, whose KV the new allocation then evicted (310 preemptions and nothing
+        finished in 600 simulated seconds; 72 preemptions in 555 steps of the tiny engine
+        without a host tier)."""
         if not running:
             return None
         held: dict[str, int] = {}
@@ -162,7 +200,9 @@ class KvstrataPolicy(SchedulingPolicy):
             same = [
                 s
                 for s in running
-                if self.rank(s) == self.rank(incoming) and not self._below_floor(s)
+                if self.rank(s) == self.rank(incoming)
+                and not self._below_floor(s)
+                and self._had_its_turn(s)
             ]
             if same:
                 self._floor_preempted_s[incoming.tenant] = self._now_s
@@ -222,6 +262,17 @@ class KvstrataPolicy(SchedulingPolicy):
         targets = [self.tenants[t].ttft_slo_ms for t, seen in self._interactive_seen.items()
                    if now_s - seen < INTERACTIVE_ACTIVE_S and t in self.tenants]
         return min(targets) / 1000.0 * self.interactive_step_share if targets else None
+
+    def _had_its_turn(self, seq: Sequence) -> bool:
+        """In its current run (since its latest admission) ``seq`` has sampled a token, and
+        has run since then as long as it took to get there, or one floor window
+        (``rates.window_s``) if that is shorter: a floor preemption never throws away a run
+        that produced nothing, nor one that spent most of its time recomputing."""
+        run = self._runs.get(seq.request_id)
+        if run is None or run[0] != seq.num_preemptions or run[2] is None:
+            return False
+        _, started_s, sampled_s = run
+        return self._now_s - sampled_s >= min(sampled_s - started_s, self.rates.window_s)
 
     def _below_floor(self, seq: Sequence) -> bool:
         floor = self.share(seq).min_tokens_per_s * self.floor_headroom

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cache_node.block import KVBlock
+from cache_node.kv_cache_manager import cdiv
 from cache_node.scheduling.base import order_by_priority
 from cache_node.sequence import Sequence, SequenceStatus
 
@@ -61,14 +62,45 @@ class Preemption:
             self.reclaim(self.kv_manager.pool.num_blocks)
 
     def _preempt_for_slots(self, now: float) -> None:
-        """Free running slots for waiting sequences of a higher class than some running one."""
+        """Free running slots for waiting sequences of a higher class than some running one,
+        each only for a sequence that the victim's blocks let start (``_starts_after``).
+
+        Regression: a standard request whose prompt did not fit the free blocks preempted a
+        batch request for its slot every step; the batch tenant, below its floor, came first
+        in the waiting order and was admitted back into the slot the same step, so it was
+        preempted 66 times in 450 steps (each a demotion to the host tier under swapping)."""
         for seq in order_by_priority(self.policy.order(self.waiting, now)):
             if len(self.running) < self.config.max_num_seqs:
                 return
             victim = self.policy.victim(self.running, seq)
             if victim is None:
                 return
-            self.preempt(victim)
+            if self._starts_after(seq, victim):
+                self.preempt(victim)
+
+    def _blocks_to_first_token(self, seq: Sequence) -> int:
+        """Blocks ``seq`` still has to allocate to hold its tokens plus the next output one
+        (past the tokens a session's kept policy state already compacted away:
+        ``num_evicted_tokens``)."""
+        need = cdiv(seq.num_tokens - seq.num_evicted_tokens + 1, self.kv_manager.block_size)
+        return max(0, need - len(seq.block_table))
+
+    def _prefill_reserve(self, skip: Sequence | None = None) -> int:
+        """Free blocks the running prefills (but ``skip``) still need to reach their first
+        output token: admission leaves them alone."""
+        return sum(self._blocks_to_first_token(s) for s in self.running
+                   if s is not skip and s.num_uncomputed_tokens > 1)
+
+    def _starts_after(self, seq: Sequence, victim: Sequence) -> bool:
+        """Under a policy that ``admits_whole_prompt``: ``seq``'s whole prompt, past its
+        device prefix hit (``device_hit_tokens``), fits the free blocks plus ``victim``'s,
+        beside the other running prefills' reserve; always True under other policies."""
+        if not self.policy.admits_whole_prompt:
+            return True
+        hit = seq.device_hit_tokens // self.kv_manager.block_size - len(seq.block_table)
+        need = self._blocks_to_first_token(seq) - max(0, hit)
+        free = self.kv_manager.pool.num_free_blocks() + victim.num_held_blocks
+        return need <= 0 or need <= free - self._prefill_reserve(skip=victim)
 
     def _preempt_from_batch(self, victim: Sequence, batch: ScheduledBatch) -> int:
         """Preempt ``victim``; drop it from this step's batch. Returns the budget given back."""
