@@ -18,6 +18,12 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel, load_model, tiny_llama
 
+# One torch thread for every test, from the first: on the 2-core test machine, shared with the
+# session's Ray actors (and other jobs), two OpenMP threads wait on each other's descheduled
+# partner (a real-model forward measured 1.3-5x slower than with one). Before, the count also
+# changed mid-session: 2 until a CacheNode test set 1, 2 again after test_recall_bound's fixture.
+torch.set_num_threads(1)
+
 OPTIONAL_MODULES = ("ray", "zmq", "gguf", "faiss")
 """Modules the GPU machine lacks (issue 17): a test module that imports one is skipped there."""
 _MISSING = re.compile(r"No module named '(\w+)|import of (\w+) halted")

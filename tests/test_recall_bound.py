@@ -182,7 +182,6 @@ def missed_mass(state, store, layer: int, q: torch.Tensor, q_pos: torch.Tensor) 
 @pytest.fixture(scope="module")
 def wiki(real_model):  # type: ignore[no-untyped-def]
     """(probe, full-cache prefilled base, question prompt, forced tokens, full-cache logits)."""
-    torch.set_num_threads(2)
     engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=1024),
                        tier_config=TierConfig(host_bytes=1 << 28))
     engine.policy_env = PolicyEnv.from_tokenizer(real_model.tokenizer)
