@@ -173,7 +173,7 @@ def test_refused_admission_is_rate_limit_error_with_retry_after(stack: Stack, ke
     async def one(i: int) -> object:
         try:
             return await aclient.chat.completions.create(
-                model=model, messages=ask(f"Write a long story number {i}."), max_tokens=64, stream=True)
+                model=model, messages=ask(f"Write a long story number {i}."), max_tokens=16, stream=True)
         except openai.RateLimitError as exc:
             return exc
 
