@@ -196,7 +196,7 @@ def test_quota_charge_of_a_continued_turn_is_exact(tiny) -> None:
 
 @pytest.mark.slow
 def test_sentencekv_session_over_a_wikipedia_document(real_model) -> None:
-    """Acceptance (issue 22, 1a): a 5-turn session under sentencekv-0.25 over a ~2k-token real
+    """Acceptance (issue 22, 1a): a 5-turn session under sentencekv-0.25 over a ~1k-token real
     Wikipedia context (with a pass key) on SmolLM2, its demoted sentences in the host tier:
     after turn 1 each turn computes only its new tokens, the greedy answers equal one
     never-freed sequence's (``one_sequence_turns``), and closing frees every block and host
@@ -206,7 +206,7 @@ def test_sentencekv_session_over_a_wikipedia_document(real_model) -> None:
     from cache_node.tiers.manager import TierConfig
 
     tok = real_model.tokenizer
-    item = build_items(tok, [2048], [0.5])[0]
+    item = build_items(tok, [1024], [0.5])[0]
     questions = [q for _, q, _ in item["questions"]] * 3
     turns = [item["context"] + questions[0]] + questions[1:5]
 
