@@ -29,7 +29,9 @@ class ChatTemplater:
     def max_token_chars(self) -> int | None:
         """Most characters of text one token can stand for: its longest vocabulary piece (a
         byte-level piece has a character per byte, so at least as many as its text). None
-        when the tokenizer normalizes text first (a piece may then stand for more input)."""
+        when the tokenizer normalizes text first (a piece may then stand for more input).
+        Control characters the vocabulary has no piece for are dropped by the tokenizer:
+        they count as characters against ``check_fits`` without adding tokens."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or backend.normalizer is not None:
             return None

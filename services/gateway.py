@@ -15,6 +15,7 @@ context of the same shape whose ``abort`` raises, so every refusal keeps its gRP
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -37,6 +38,10 @@ from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
 _CODES = {c.name: c for c in grpc.StatusCode}
+
+TOKENIZER_THREADS = 4
+"""Worker threads parsing, rendering and tokenizing prompts (``InferenceServicer._off_loop``;
+one per tenant at a time)."""
 
 MAX_ID_CHARS = 256
 """Longest client-chosen request or session id."""
@@ -160,6 +165,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
         self._tokenizing: dict[str, asyncio.Lock] = {}  # tenant id -> its turn on a worker thread
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "kvstrata-tokenize")
         self.info, self.templater = next(iter(node_info.values())), templater
         self.metrics = metrics or GatewayMetrics()  # the Gateway serves its registry (gateway_server)
         self.streams = NodeStreams(
@@ -176,8 +182,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         such calls froze every other tenant's streams for ~14 s. One at a time per tenant: a
         tenant's burst of them holds one worker thread, not every one."""
         lock = self._tokenizing.setdefault(tenant_id, asyncio.Lock())
-        async with lock:
-            return await asyncio.to_thread(work)
+        await lock.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            done = self._tokenizer_pool.submit(work)
+        except BaseException:
+            lock.release()
+            raise
+        # released when the work is done, not when a cancelled caller stops waiting for it
+        # (regression, diff review: a tenant that sent big prompts and hung up ran one thread
+        # per call at once and filled the pool every tenant's parses share)
+        done.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(lock.release))
+        return await asyncio.wrap_future(done)
 
     async def _prepare(self, call: GenerateInput, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
         spec = tenant.spec
@@ -375,6 +391,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 track.observe(event)
                 if event["type"] == "error":
                     usage = {}
+                    if event["code"] == "UNAVAILABLE":  # maybe this gateway's verdict on the node
+                        # (``NodeStreams.fail_node``): a node that only missed a health poll
+                        # still runs the request. Regression (diff review): it finished there,
+                        # unseen, and a session's history took a turn its client never got
+                        self.streams.abort(adm.node_id, req.request_id)
                     await context.abort(_CODES[event["code"]], event["message"])
                 if event["type"] == "finished":
                     usage = event

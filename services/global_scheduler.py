@@ -328,6 +328,10 @@ class GlobalScheduler(Tenants, Membership, Routing):
             # turn's late release dropped the route its retry, admitted meanwhile, had set; the
             # next turn went to another node and answered without the history
             self.drop_session_route(opened)
+        if opened and not kept and self.lost_sessions.get(opened) == tenant_id:
+            # its node restarted before the first turn ended: nothing was lost, the session
+            # never held a turn (regression, diff review: the retry was refused session_lost)
+            del self.lost_sessions[opened]
         if kept and session and self.session_nodes.get(session) == (tenant_id, node_id):
             self.kept_sessions.add(session)
         if node_id in self.nodes:

@@ -130,6 +130,16 @@ def test_admissions_events_aborts_and_a_dead_node() -> None:
     asyncio.run(run())
 
 
+async def _opened(streams: NodeStreams, *request_ids: str) -> None:
+    """Wait until the streams of ``request_ids`` are open: events that arrive before are
+    dropped (a request's events never come before its node has it)."""
+    for _ in range(500):
+        if all(rid in streams._queues for rid in request_ids):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"streams {request_ids} never opened")
+
+
 class _Context:
     """What ``_attempt`` calls on a gRPC servicer context."""
 
@@ -170,6 +180,7 @@ def test_a_stream_whose_client_stops_reading_is_released_when_its_request_ends()
         servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda *a: released.append(a)))
         attempts = [servicer._attempt(_Context(), request(rid), [], rid, _Track()) for rid in ("r1", "r2")]
         firsts = [asyncio.ensure_future(a.__anext__()) for a in attempts]  # admitted in pairs
+        await _opened(streams, "r1", "r2")
         push = data_plane.PushSockets()
         finished = {"type": "finished", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2,
                     "cached_tokens": {}, "ttft_ms": 1.0, "tpot_ms": 1.0, "preempted": False}
@@ -197,3 +208,79 @@ def test_a_stream_whose_client_stops_reading_is_released_when_its_request_ends()
     assert sorted(rid for rid, _ in early) == ["r1", "r2"]
     assert all(usage["completion_tokens"] == 2 for _, usage in early)
     assert final == early and not aborts
+
+
+def test_a_stream_ended_by_the_gateways_verdict_on_its_node_is_aborted_there() -> None:
+    """Regression (diff review): a stream the gateway ended because it took its node for down
+    (``fail_node``: a missed health poll is enough) was not aborted on the node; the same
+    process, back with its sessions, ran the turn to its end, and the session's history took
+    a turn its client never got. Now the node is told to abort it (a dead one ignores it)."""
+    from types import SimpleNamespace
+
+    from services.gateway import InferenceServicer
+
+    async def run():
+        ctx, inbox, server, streams = await _plane()
+        servicer = InferenceServicer.__new__(InferenceServicer)
+        servicer.streams, servicer.nodes = streams, {"n0": None}
+        servicer.scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda *a: None))
+        attempts = [servicer._attempt(_Context(), request(rid), [], rid, _Track()) for rid in ("r1", "r2")]
+        firsts = [asyncio.ensure_future(a.__anext__()) for a in attempts]  # admitted in pairs
+        await _opened(streams, "r1", "r2")
+        push = data_plane.PushSockets()
+        for rid in ("r1", "r2"):
+            push.send(streams.subscriber, [[rid, {"type": "started", "request_id": rid, "node_id": "n0",
+                                                  "prompt_tokens": 3}]])
+        assert [(await asyncio.wait_for(f, 5))["type"] for f in firsts] == ["started", "started"]
+        streams.fail_node("n0", "cache node n0 did not answer within 15 s")
+        for a in attempts:
+            with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+                await a.__anext__()
+        aborts = [data_plane.unpack(await asyncio.wait_for(inbox.recv(), 5)) for _ in attempts]
+        push.close()
+        server.cancel()
+        streams.shutdown()
+        ctx.destroy(linger=0)
+        return aborts
+
+    assert sorted(a["id"] for a in asyncio.run(run())) == ["r1", "r2"]
+
+
+def test_a_tenants_cancelled_parses_still_take_one_worker_at_a_time() -> None:
+    """Regression (diff review): ``_off_loop``'s one-at-a-time-per-tenant held only while the
+    caller waited; a tenant that sent big prompts and hung up had one worker thread per call
+    running at once, and filled the pool every tenant's parses share."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from services.gateway import TOKENIZER_THREADS, InferenceServicer
+
+    running, peak, guard, gate = [0], [0], threading.Lock(), threading.Event()
+
+    def slow() -> None:
+        with guard:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        gate.wait(10)
+        with guard:
+            running[0] -= 1
+
+    async def run() -> float:
+        servicer = InferenceServicer.__new__(InferenceServicer)
+        servicer._tokenizing = {}
+        servicer._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS)
+        for _ in range(2 * TOKENIZER_THREADS):  # tenant A: send, hang up, send again
+            call = asyncio.ensure_future(servicer._off_loop("A", slow))
+            await asyncio.sleep(0.02)
+            call.cancel()
+        t0 = time.monotonic()
+        await asyncio.wait_for(servicer._off_loop("B", lambda: None), 5)  # tenant B is not held up
+        waited = time.monotonic() - t0
+        gate.set()
+        servicer._tokenizer_pool.shutdown(wait=True)
+        return waited
+
+    waited = asyncio.run(run())
+    assert peak[0] == 1, peak
+    assert waited < 5

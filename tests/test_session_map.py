@@ -151,6 +151,15 @@ def test_a_sessions_turn_is_never_routed_without_its_history_after_its_node_went
     assert again.code == "OK" and not again.continues_session  # opened anew, knowingly
     assert set(REJECT_REASONS) >= {"session_node_down", "session_lost"}
 
+    # a first turn still in flight when its node restarted: no history was lost (regression,
+    # diff review: its retry was refused session_lost)
+    at = sched.admit("t1", "t1/f", session_id="t1/new").node_id
+    sched.node_down(at, "its data-plane connection closed")
+    sched.node_up(at, "inbox3", pid=0)  # a new process
+    assert sched.admit("t1", "t1/h", session_id="t1/new").reason == "session_lost"  # the turn may have finished
+    sched.release("t1/f", None)  # it did not
+    assert sched.admit("t1", "t1/g", session_id="t1/new").code == "OK"
+
 
 def test_a_tenant_opens_at_most_max_sessions_per_tenant(tmp_path) -> None:
     """Regression (security review): every new session id kept its history, a route here and
