@@ -142,6 +142,9 @@ class CacheNode(Streams, Commands, Health, Admin):
         # requests and aborts for the step thread: the event loop never waits on the engine's
         # lock, which a step holds for its whole forward pass
         self._incoming: deque[_Stream] = deque()
+        # chat requests render here first, off the step thread (``Streams._open``)
+        self._renderer = concurrent.futures.ThreadPoolExecutor(1, f"kvstrata-render-{node_id}")
+        self._rendering: set[_Stream] = set()  # streams the renderer holds (not in ``_incoming`` yet)
         self._aborts: deque[str] = deque()
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
@@ -210,7 +213,7 @@ class CacheNode(Streams, Commands, Health, Admin):
                 if req.continues_session and self.engine.session_history(req.session_id) is None:
                     raise SessionGone("the session ended (closed, expired or its first turn failed) before "
                                       "this turn started; its history is gone: send the turn again to start it anew")
-                prompt = self._prompt(req)
+                prompt = self._prompt_of(stream)
                 sampling = self._sampling(req, len(prompt))
                 if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
                     raise ValueError(
@@ -258,8 +261,22 @@ class CacheNode(Streams, Commands, Health, Admin):
             float(extra.get("weight", 1)), quota_blocks,
         ))
 
-    def _prompt(self, req: NodeRequest) -> list[int]:
+    def _prompt_of(self, stream: _Stream) -> list[int]:
+        """Step thread: ``stream``'s prompt token ids, as the renderer made them when its
+        session is as it was then (its history and messages), else made now."""
+        req = stream.request
         history = self.engine.session_history(req.session_id) if req.session_id else None
+        rendered, stream.rendered = stream.rendered, None
+        if rendered is not None and rendered[:2] == (history, len(self._session_messages.get(req.session_id, ()))):
+            return rendered[2]
+        return self._prompt(req, history)
+
+    def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:
+        """``req``'s prompt token ids after its session's ``history`` (None: none).
+
+        Raises:
+            ValueError: a chat on a node without a tokenizer, or text that can never fit.
+        """
         if req.token_ids:
             return (history or []) + list(req.token_ids)
         if self.templater is None:
@@ -316,6 +333,7 @@ class CacheNode(Streams, Commands, Health, Admin):
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
+        self._renderer.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=5.0)
         self.close_data_plane()
         if self.metrics_server is not None:

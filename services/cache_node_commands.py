@@ -170,7 +170,7 @@ class Commands:
     def _end_pending_turns(self, session_id: str, tenant: str) -> int:
         """Step thread: end with ABORTED the turns of ``tenant``'s session that reached this
         node and have not started (``_incoming``); returns how many."""
-        ids = [s.request.request_id for s in list(self._incoming)  # (C copy: the loop appends)
+        ids = [s.request.request_id for s in [*self._incoming, *list(self._rendering)]  # (C copies)
                if s.request.session_id == session_id and s.request.tenant == tenant
                and self._streams.get(s.request.request_id) is s]
         for rid in ids:

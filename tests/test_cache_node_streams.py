@@ -10,6 +10,7 @@ it carries the same events as ``generate``, posts refusals like any other event,
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -337,3 +338,48 @@ def test_tpot_is_measured_on_the_nodes_own_clock(node) -> None:
 
     finished = asyncio.run(run())[-1]
     assert finished["type"] == "finished" and 0.0 < finished["tpot_ms"] < 10_000.0
+
+
+def test_chat_turns_render_off_the_step_thread_as_the_step_thread_would(node, monkeypatch) -> None:
+    """Regression (diff review): a session turn's messages were rendered and tokenized on the
+    step thread (a 640K-character turn that fits stopped every stream for ~1 s). Now the
+    node's renderer thread makes the prompt ahead; the step thread uses it only if the
+    session is as it was then, and makes it again otherwise."""
+    from services.cache_node_streams import _Stream
+
+    threads: list[str] = []
+    for name in ("first_turn", "continuation"):
+        real = getattr(node.templater, name)
+
+        def spy(*a, _real=real, **kw):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(node.templater, name, spy)
+
+    def turn(rid: str, text: str) -> NodeRequest:
+        return request(rid, max_tokens=3, tokens=(), tenant="chat", session_id="chat/s",
+                       messages=({"role": "user", "content": text},))
+
+    async def run(req: NodeRequest) -> list[dict]:
+        return [e async for e in node.generate(req)]
+
+    assert asyncio.run(run(turn("c1", "Name a colour.")))[-1]["type"] == "finished"
+    history = node.engine.session_history("chat/s")
+    second = turn("c2", "And another one?")
+    expected = node._prompt(second, history)  # what the step thread would make
+    assert len(expected) > len(history)
+    threads.clear()
+    got = asyncio.run(run(second))
+    assert got[-1]["type"] == "finished" and got[-1]["prompt_tokens"] == len(expected)
+    assert threads and all(t.startswith("kvstrata-render") for t in threads), threads
+
+    # rendered ahead for a session that changed since: made again from the session as it is
+    now = node.engine.session_history("chat/s")
+    stale = _Stream(None, None, turn("c3", "A third?"), 0)
+    stale.rendered = (history, 2, [1, 2, 3])
+    assert node._prompt_of(stale) == node._prompt(stale.request, now) != [1, 2, 3]
+    fresh = _Stream(None, None, turn("c4", "A fourth?"), 0)
+    fresh.rendered = (now, len(node._session_messages["chat/s"]), [4, 5, 6])
+    assert node._prompt_of(fresh) == [4, 5, 6]
+    asyncio.run(node.close_session("chat/s", "chat"))
