@@ -177,6 +177,7 @@ class CacheNode(Streams, Commands, Health, Admin):
             "pool_tokens": self.engine.pool.num_blocks * self.engine.pool.block_size,
             "vocab_size": self.engine.vocab_size,
             "pid": os.getpid(),
+            "restarts": self.restarts(),
             "data_address": self.data_address,
             "metrics_address": self.metrics_address,
         }

@@ -155,7 +155,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.gone_gateways: OrderedDict[str, bool] = OrderedDict()  # dead gateways' event inboxes
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
-        self.node_pids: dict[str, int] = {}  # node id -> its process id at its last ``node_up``
+        self.node_pids: dict[str, tuple[int, int]] = {}  # node id -> (pid, restarts) at its last ``node_up``
         self.commands: Any = None  # sends submit commands to node inboxes
 
     # ---- admission and routing ------------------------------------------------------------

@@ -95,22 +95,29 @@ class Membership:
         self.down[node_id] = reason
         self.index.forget(node_id)
 
-    def node_up(self, node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0) -> None:
-        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart)
-        and ``pid`` its process id (0: unknown, taken as a new process); ``previous_pid``: the
-        one the caller knew it by, for a node no ``node_up`` reported yet. From a new process
-        (its KV, sessions included, is gone) each session routed there is lost: its next
-        turns are refused ABORTED until it is closed (``admit``). When the same process is
-        back (it missed a health poll), its sessions go on there. Idempotent: every
-        gateway's monitor reports it.
+    def node_up(self, node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0,
+                restarts: int = -1, previous_restarts: int = -1) -> None:
+        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).
+        The process is told by ``pid`` (0: unknown, taken as a new process) and Ray's count of
+        the actor's ``restarts`` (-1: unknown); ``previous_pid``/``previous_restarts``: those
+        the caller knew it by, for a node no ``node_up`` reported yet. From a new process (its
+        KV, sessions included, is gone) each session routed there is lost: its next turns are
+        refused ABORTED until it is closed (``admit``). When the same process is back (it
+        missed a health poll), its sessions go on there. Idempotent: every gateway's monitor
+        reports it; a report of an older process (fewer restarts than one reported already,
+        from a gateway that learnt late) is ignored.
 
         Raises:
             KeyError: ``node_id`` is not one of this scheduler's nodes.
         """
         if node_id not in self.nodes:
             raise KeyError(f"unknown cache node {node_id!r}")
-        restarted = not pid or self.node_pids.get(node_id, previous_pid) != pid
-        self.node_pids[node_id] = pid
+        known = self.node_pids.get(node_id, (previous_pid, previous_restarts))
+        if 0 <= restarts < known[1]:
+            log.warning("ignored a stale report of cache node %s (restarts %d < %d)", node_id, restarts, known[1])
+            return
+        restarted = not pid or known != (pid, restarts)  # a pid may repeat in a new process
+        self.node_pids[node_id] = (pid, restarts)
         if restarted:
             for sid, (tenant_id, _) in [(sid, e) for sid, e in self.session_nodes.items() if e[1] == node_id]:
                 self.drop_session_route(sid)

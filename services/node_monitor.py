@@ -53,7 +53,8 @@ class NodeMonitor:
         self.nodes, self.streams, self.scheduler = nodes, streams, scheduler
         self.on_change = on_change
         self.poll_s, self.timeout_s, self.retry_s, self.notify_s = poll_s, timeout_s, retry_s, notify_s
-        self.state = {nid: NodeHealth(pid=int(info.get("pid", 0))) for nid, info in node_info.items()}
+        self.state = {nid: NodeHealth(pid=int(info.get("pid", 0)), restarts=int(info.get("restarts", 0)))
+                      for nid, info in node_info.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -97,7 +98,7 @@ class NodeMonitor:
             if not answer["healthy"]:
                 await self._down(node_id, answer["failure"])
                 await asyncio.sleep(self.retry_s)
-            elif answer["pid"] != self.state[node_id].pid or not self.state[node_id].healthy:
+            elif _new_process(answer, self.state[node_id]) or not self.state[node_id].healthy:
                 await self._rejoin(node_id, answer)
             else:
                 self.state[node_id].restarts = answer["restarts"]
@@ -119,12 +120,13 @@ class NodeMonitor:
         """A healthy answer from a node known down or from a new process: (re)connect to its
         command inbox and let the scheduler route to it. A failure leaves it down (retried)."""
         node, state = self.nodes[node_id], self.state[node_id]
-        if answer["pid"] != state.pid:
+        if _new_process(answer, state):
             await self._down(node_id, state.failure or f"cache node {node_id} restarted")
         try:
             address = answer["data_address"] or await node.open_data_plane.remote()
             self.streams.reconnect(node_id, address)
-            await asyncio.wait_for(self.scheduler.node_up.remote(node_id, address, answer["pid"], state.pid),
+            await asyncio.wait_for(self.scheduler.node_up.remote(
+                node_id, address, answer["pid"], state.pid, answer["restarts"], state.restarts),
                                    self.timeout_s)
         except Exception:
             log.exception("cache node %s could not rejoin", node_id)
@@ -137,6 +139,12 @@ class NodeMonitor:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self.num_healthy())
+
+
+def _new_process(answer: dict[str, Any], state: NodeHealth) -> bool:
+    """The node answers from another process than ``state`` knew (a pid may repeat in a new
+    one, e.g. in a fresh container: Ray's restart count tells them apart)."""
+    return answer["pid"] != state.pid or answer["restarts"] > state.restarts
 
 
 def _first_line(exc: BaseException) -> str:

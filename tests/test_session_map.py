@@ -151,6 +151,20 @@ def test_a_sessions_turn_is_never_routed_without_its_history_after_its_node_went
     assert again.code == "OK" and not again.continues_session  # opened anew, knowingly
     assert set(REJECT_REASONS) >= {"session_node_down", "session_lost"}
 
+    # a stale report of an older process (a gateway that learnt late) changes nothing; a
+    # new process with a pid seen before is told by Ray's restart count
+    sched.release("t1/e", finished)
+    home = sched.session_nodes["t1/s"][1]
+    sched.node_up(home, "inbox-r3", pid=70, previous_pid=70, restarts=3, previous_restarts=3)
+    sched.node_up(home, "inbox-r2", pid=65, previous_pid=65, restarts=2, previous_restarts=2)
+    assert sched.node_inboxes[home] == "inbox-r3"
+    assert sched.admit("t1", "t1/l", session_id="t1/s").continues_session
+    sched.release("t1/l", finished)
+    sched.node_down(home, "its data-plane connection closed")
+    sched.node_up(home, "inbox-r4", pid=70, previous_pid=70, restarts=4, previous_restarts=3)  # same pid
+    assert sched.admit("t1", "t1/m", session_id="t1/s").reason == "session_lost"
+    assert sched.close_session("t1/s", "t1") == ""
+
     # a first turn still in flight when its node restarted: no history was lost (regression,
     # diff review: its retry was refused session_lost)
     at = sched.admit("t1", "t1/f", session_id="t1/new").node_id
