@@ -436,14 +436,17 @@ class LLMEngine(EngineTiersMixin):
                 self.scheduler.preempt(seq)
 
     def _runner_works(self) -> bool:
-        """A canary step: one token of a scratch sequence (one block, no KV policy) through
-        the model runner. True when it ran: the step of one sequence that failed before it
-        was that request's, not a broken runner's. False when it raised, or when no block is
-        free to run it."""
-        canary = Sequence("canary", [0], SamplingParams(max_tokens=1))
-        if self.kv_manager.allocate_slots(canary, 1) is None:
+        """Canary steps: a scratch sequence (one block, no KV policy) through the model
+        runner, a one-token prefill then a one-token decode (the prefill and the decode path,
+        CUDA graphs included, as a failed step may have taken either). True when both ran:
+        the step of one sequence that failed before them was that request's, not a broken
+        runner's. False when one raised, or when no block is free to run them."""
+        canary = Sequence("canary", [0, 0], SamplingParams(max_tokens=1))
+        if self.kv_manager.allocate_slots(canary, 2) is None:
             return False
         try:
+            self.runner.execute([(canary, 1)])
+            canary.num_computed_tokens = 1
             self.runner.execute([(canary, 1)])
         except Exception as exc:  # noqa: BLE001 - the failed step counts then
             log.error("canary step failed: %s", exc)

@@ -302,3 +302,21 @@ def test_a_session_whose_first_turn_was_aborted_is_not_kept(tiny) -> None:
     assert eng.session_history("s2") is not None
     eng.close_session("s2")
     assert eng.stats()["used_blocks"] == 0
+
+
+def test_the_canary_runs_the_prefill_and_the_decode_path(tiny, monkeypatch) -> None:
+    """The canary after a failed step of one sequence runs a prefill and a decode (a failed
+    step may have taken either path), and leaves no block held (diff review: a prefill-only
+    canary passed on a node whose decode path was broken)."""
+    eng = engine(tiny)
+    assert eng._runner_works() and eng.stats()["used_blocks"] == 0
+    execute = eng.runner.execute
+
+    def decode_broken(batch, *a, **kw):  # type: ignore[no-untyped-def]
+        if any(seq.num_computed_tokens > 0 for seq, _ in batch):
+            raise RuntimeError("the decode kernel is broken")
+        return execute(batch, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "execute", decode_broken)
+    assert not eng._runner_works() and eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
