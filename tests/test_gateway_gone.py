@@ -6,22 +6,15 @@ gateway actor calls) and must release its slots and have the nodes abort its str
 from __future__ import annotations
 
 import asyncio
-import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from bench.chaos_stack import BLOCK_SIZE, POOL_BLOCKS, block_bytes, tiny_checkpoint
 from cache_node.sampling_params import SamplingParams
-from services.cache_node import CacheNode
-from services.config import NodeConfig
-from services.data_plane_auth import DataPlaneKeys
 from services.gateway_streams import NodeStreams
-from services.global_scheduler_admission import GlobalSchedulerService
 from services.node_request import NodeRequest
+from tests.loop_plane import LoopPlane, call, wait_for
 
 PROMPT = tuple(range(100, 140))
 
@@ -31,38 +24,15 @@ def request(rid: str, max_tokens: int) -> NodeRequest:
                        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def wait_for(predicate: Any, timeout_s: float = 10.0) -> float:
-    """Seconds until ``predicate()`` held (fails the test after ``timeout_s``)."""
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout_s, "timed out"
-        time.sleep(0.02)
-    return time.monotonic() - t0
-
-
-class Plane:
+class Plane(LoopPlane):
     """A node, the scheduler and two gateways (``a``, ``b``) on one event loop thread."""
 
     def __init__(self) -> None:
-        keys = DataPlaneKeys.generate()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        config = NodeConfig(model_path=str(tiny_checkpoint()), block_size=BLOCK_SIZE,
-                            kv_pool_bytes=POOL_BLOCKS * block_bytes(), host_bytes=0, max_num_seqs=16)
-        self.node = CacheNode("n0", config, num_threads=1, security=keys.security("node"))
-        self.scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-gone-"), {"n0": 16},
-                                                security=keys.security("scheduler"))
-        node_address = self.run(self.node.open_data_plane())
-        self.scheduler.attach_nodes({"n0": node_address})
-        sched_address = self.run(self.scheduler.open_data_plane())
-        self.a, self.b = (NodeStreams({"n0": None}, {"n0": node_address}, sched_address,
-                                      security=keys.security("gateway")) for _ in range(2))
+        super().__init__(16, "kvstrata-gone-")
+        self.a, self.b = (NodeStreams({"n0": None}, {"n0": self.node_address}, self.sched_address,
+                                      security=self.keys.security("gateway")) for _ in range(2))
         self.run(self.a.start())
         self.run(self.b.start())
-
-    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def start(self, gateway: NodeStreams, rid: str, max_tokens: int) -> asyncio.Queue[dict[str, Any]]:
         """Admit ``rid`` through ``gateway`` and wait for its first token; its event queue."""
@@ -77,23 +47,11 @@ class Plane:
         return self.run(go())
 
     def in_flight(self) -> int:
-        return self.run(_call(self.scheduler.stats))["in_flight"]["n0"]
+        return self.run(call(self.scheduler.stats))["in_flight"]["n0"]
 
-    def close(self) -> None:
-        async def close() -> None:
-            self.a.shutdown()
-            self.b.shutdown()
-            self.scheduler.close_data_plane()
-            self.node.close_data_plane()
-
-        self.run(close())
-        self.node.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-async def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)  # on the loop, as the actor runs every method
+    async def close_gateways(self) -> None:
+        self.a.shutdown()
+        self.b.shutdown()
 
 
 @pytest.fixture
@@ -116,11 +74,11 @@ def test_a_dead_gateways_requests_are_released_once_and_aborted_on_the_node(plan
     live = plane.start(plane.b, "t/b0", max_tokens=600)
     assert plane.in_flight() == 4
 
-    released = plane.run(_call(plane.scheduler.gateway_gone, plane.a.subscriber))
+    released = plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber))
 
     assert sorted(released) == ["t/a0", "t/a1", "t/a2"]
     assert plane.in_flight() == 1 and set(plane.scheduler.requests) == {"t/b0"}
-    assert plane.run(_call(plane.scheduler.gateway_gone, plane.a.subscriber)) == []  # idempotent
+    assert plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber)) == []  # idempotent
     wait_for(lambda: plane.node.stats()["running"] == 1, 5.0)
     assert set(plane.node._streams) == {"t/b0"}
     assert plane.run(asyncio.wait_for(live.get(), 10))["type"] == "delta"  # b's stream runs on
@@ -128,12 +86,12 @@ def test_a_dead_gateways_requests_are_released_once_and_aborted_on_the_node(plan
     # the same client id again, from the live gateway, then the dead one's late release
     plane.start(plane.b, "t/a0", max_tokens=600)
     assert plane.in_flight() == 2
-    plane.run(_call(plane.scheduler.release, "t/b0"))
+    plane.run(call(plane.scheduler.release, "t/b0"))
     assert plane.in_flight() == 1 and set(plane.scheduler.requests) == {"t/a0"}
     refused = plane.run(plane.a.admit(request("t/a9", 4), []))
     assert (refused.code, plane.in_flight()) == ("UNAVAILABLE", 1)
 
-    plane.run(_call(plane.scheduler.gateway_gone, plane.b.subscriber))
+    plane.run(call(plane.scheduler.gateway_gone, plane.b.subscriber))
     assert plane.in_flight() == 0 and plane.scheduler.requests == {} and plane.scheduler.request_gateways == {}
     wait_for(lambda: plane.node.stats()["running"] == plane.node.stats()["waiting"] == 0, 5.0)
     stats = plane.run(plane.node.integrity_stats())

@@ -6,30 +6,23 @@ on one event loop thread; the client is a raw socket, so the test decides when i
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import socket
-import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from bench.chaos_stack import BLOCK_SIZE, POOL_BLOCKS, block_bytes, tiny_checkpoint
+from bench.chaos_stack import BLOCK_SIZE, POOL_BLOCKS
 from cache_node.sampling_params import SamplingParams
 from services.auth import Authenticator
-from services.cache_node import CacheNode
-from services.config import NodeConfig
-from services.data_plane_auth import DataPlaneKeys
 from services.gateway import InferenceServicer
-from services.global_scheduler_admission import GlobalSchedulerService
 from services.node_request import NodeRequest
 from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.server import HttpServer
 from tenants.model import TenantSpec
+from tests.loop_plane import LoopPlane, call, wait_for
 
 
 class Actor:
@@ -41,37 +34,23 @@ class Actor:
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.obj, name)
-        return SimpleNamespace(remote=lambda *args: asyncio.ensure_future(_call(fn, *args)))
+        return SimpleNamespace(remote=lambda *args, **kw: asyncio.ensure_future(call(fn, *args, **kw)))
 
 
-class Edge:
+class Edge(LoopPlane):
     """One node (``max_num_seqs=1``), the scheduler, a gateway servicer and its HTTP API."""
 
     def __init__(self) -> None:
-        keys = DataPlaneKeys.generate()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        config = NodeConfig(model_path=str(tiny_checkpoint()), block_size=BLOCK_SIZE,
-                            kv_pool_bytes=POOL_BLOCKS * block_bytes(), host_bytes=0, max_num_seqs=1)
-        self.node = CacheNode("n0", config, num_threads=1, security=keys.security("node"))
-        self.scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-hangup-"), {"n0": 1},
-                                                security=keys.security("scheduler"))
-        node_address = self.run(self.node.open_data_plane())
-        self.scheduler.attach_nodes({"n0": node_address})
-        sched_address = self.run(self.scheduler.open_data_plane())
+        super().__init__(1, "kvstrata-hangup-")
         info = self.node.describe()
         handle = Actor(self.scheduler)
         self.servicer = InferenceServicer(handle, Authenticator(handle), {"n0": None}, {"n0": info}, None,
-                                          sched_address, security=keys.security("gateway"))
+                                          self.sched_address, security=self.keys.security("gateway"))
         self.run(self.servicer.streams.start())
-        self.key = self.run(_call(self.scheduler.register_tenant, TenantSpec(name="hangup")))[1]
+        self.key = self.run(call(self.scheduler.register_tenant, TenantSpec(name="hangup")))[1]
         self.model = info["model_id"].split("@", 1)[0]
         self.http = HttpServer(create_app(OpenAIEdge(self.servicer, info["model_id"], list, lambda: 1)))
         self.port = self.run(self.http.start("127.0.0.1", 0))
-
-    def run(self, coro: Any, timeout_s: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def stats(self) -> tuple[int, int]:
         """The node's (running, waiting) requests."""
@@ -86,32 +65,9 @@ class Edge:
                       f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n{data}").encode())
         return sock
 
-    def close(self) -> None:
-        async def close() -> None:
-            await self.http.stop()
-            self.servicer.streams.shutdown()
-            self.scheduler.close_data_plane()
-            self.node.close_data_plane()
-
-        self.run(close())
-        self.node.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.scheduler.store.close()
-
-
-async def _call(fn: Any, *args: Any) -> Any:
-    result = fn(*args)  # on the loop, as the actor runs every method
-    return await result if inspect.isawaitable(result) else result
-
-
-def wait_for(predicate: Any, timeout_s: float) -> float:
-    """Seconds until ``predicate()`` held (fails the test after ``timeout_s``)."""
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout_s, "timed out"
-        time.sleep(0.01)
-    return time.monotonic() - t0
+    async def close_gateways(self) -> None:
+        await self.http.stop()
+        self.servicer.streams.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +96,13 @@ def test_a_client_gone_while_its_request_is_queued_leaves_the_queue_at_once(edge
     sock = edge.post("/v1/completions", {"model": edge.model, "prompt": [5] * 20, "max_tokens": 8,
                                          "stream": stream})
     wait_for(lambda: edge.stats() == (1, 1), 10.0)  # queued behind the blocker
-    assert edge.run(_call(edge.scheduler.stats))["in_flight"]["n0"] == 2
+    assert edge.run(call(edge.scheduler.stats))["in_flight"]["n0"] == 2
     sock.close()
     took = wait_for(lambda: edge.stats() == (1, 0), 3.0)
-    wait_for(lambda: edge.run(_call(edge.scheduler.stats))["in_flight"]["n0"] == 1, 1.0)  # released there
+    wait_for(lambda: edge.run(call(edge.scheduler.stats))["in_flight"]["n0"] == 1, 1.0)  # released there
     assert blocker.request_id in edge.node._streams  # the slot ahead is still taken: not run at all
     streams.abort("n0", blocker.request_id)
-    edge.run(_call(edge.scheduler.release, blocker.request_id))
-    edge.run(_call(streams.close, blocker.request_id))
+    edge.run(call(edge.scheduler.release, blocker.request_id))
+    edge.run(call(streams.close, blocker.request_id))
     wait_for(lambda: edge.stats() == (0, 0), 10.0)
     assert took < 2.0
