@@ -95,6 +95,10 @@ class Membership:
         self.down[node_id] = reason
         self.index.forget(node_id)
 
+    def down_nodes(self) -> dict[str, str]:
+        """Node id -> why it is not routed to, for each node down now (``node_down``)."""
+        return dict(self.down)
+
     def node_up(self, node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0,
                 restarts: int = -1, previous_restarts: int = -1) -> None:
         """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).

@@ -82,6 +82,7 @@ class NodeMonitor:
 
     async def _watch(self, node_id: str) -> None:
         node = self.nodes[node_id]
+        await self._learn_down(node_id)
         while True:
             wait_s = self.poll_s if self.state[node_id].healthy else 0.0
             try:
@@ -102,6 +103,24 @@ class NodeMonitor:
                 await self._rejoin(node_id, answer)
             else:
                 self.state[node_id].restarts = answer["restarts"]
+
+    async def _learn_down(self, node_id: str) -> None:
+        """At start: a node the scheduler holds down (another gateway's monitor reported it, or
+        this gateway's before a restart) rejoins at its first healthy answer (``_rejoin``),
+        as one this monitor saw go down does.
+
+        Regression (diff review): a gateway that reported a node down and died before its
+        ``node_up`` came back with the node taken for healthy and never reported it up; the
+        scheduler kept the node out of routing for good, and every turn of its sessions
+        was refused ``session_node_down``."""
+        try:
+            down = await asyncio.wait_for(self.scheduler.down_nodes.remote(), self.timeout_s)
+        except Exception:  # the first poll decides, as before
+            log.warning("could not ask the scheduler which cache nodes are down", exc_info=True)
+            return
+        if node_id in down and self.state[node_id].healthy:
+            self.state[node_id].healthy, self.state[node_id].failure = False, down[node_id]
+            self._changed()
 
     async def _down(self, node_id: str, reason: str) -> None:
         state = self.state[node_id]
