@@ -24,7 +24,8 @@ ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
 
 
-OPS_BY_ROLE = {"gateway": ("abort",), "scheduler": ("submit", "abort", "abort_subscriber", "end_tenant")}
+OPS_BY_ROLE = {"gateway": ("abort",),
+               "scheduler": ("submit", "abort", "abort_subscriber", "end_tenant", "close_session")}
 """The data-plane roles (``services.data_plane_auth``) and the command ops each may send."""
 
 
@@ -86,8 +87,10 @@ class Commands:
 
     def _command(self, msg: Any) -> None:
         """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}``,
-        ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone) or
-        ``{"op": "end_tenant", "tenant"}`` (the scheduler: that tenant was deleted).
+        ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone),
+        ``{"op": "end_tenant", "tenant"}`` (the scheduler: that tenant was deleted) or
+        ``{"op": "close_session", "session", "tenant"}`` (the scheduler: closed while this
+        node was taken for down).
 
         Raises:
             TypeError, ValueError: a malformed command (nothing was run).
@@ -112,6 +115,15 @@ class Commands:
             self.abort_subscriber(msg["sub"])
         elif op == "end_tenant" and isinstance(msg.get("tenant"), str):
             self.end_tenant(msg["tenant"])
+        elif op == "close_session" and isinstance(msg.get("session"), str) and isinstance(msg.get("tenant"), str):
+            session, tenant = msg["session"], msg["tenant"]
+
+            def close() -> int:  # its tenant's alone
+                owner = self.engine.sessions.sessions.get(session)
+                return self._close_session(session) if owner is not None and owner.tenant == tenant else 0
+
+            self._admin.append((close, concurrent.futures.Future()))
+            self._wake.set()
         else:
             raise ValueError(f"malformed command (op {op!r})")
 

@@ -46,7 +46,7 @@ from cache_node.scheduling.admission import (
 from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
 from services.data_plane_auth import Security
-from services.global_scheduler_members import GatewayRecord, Membership
+from services.global_scheduler_members import LOST_SESSIONS_MAX, GatewayRecord, Membership
 from services.global_scheduler_routing import Routing, prompt_size
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
@@ -156,6 +156,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         self.node_pids: dict[str, tuple[int, int]] = {}  # node id -> (pid, restarts) at its last ``node_up``
+        # node id -> {session: tenant} closed while the node was down: sent on at its ``node_up``
+        self.closed_while_down: dict[str, dict[str, str]] = {}
         self.commands: Any = None  # sends submit commands to node inboxes
 
     # ---- admission and routing ------------------------------------------------------------
@@ -370,7 +372,12 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 return ""
             return None
         self.drop_session_route(session_id)
-        return "" if entry[1] in self.down else entry[1]
+        if entry[1] in self.down:  # told at its ``node_up``, if the same process comes back
+            pending = self.closed_while_down.setdefault(entry[1], {})
+            if len(pending) < LOST_SESSIONS_MAX:
+                pending[session_id] = tenant_id
+            return ""
+        return entry[1]
 
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""

@@ -128,5 +128,10 @@ class Membership:
                 self.lost_sessions[sid] = tenant_id
                 while len(self.lost_sessions) > LOST_SESSIONS_MAX:
                     self.lost_sessions.popitem(last=False)
+        closed = self.closed_while_down.pop(node_id, {})
+        if not restarted and self.commands is not None:  # regression (diff review): a session
+            # closed while its node only missed a poll held its KV there until its TTL
+            for sid, tenant_id in closed.items():
+                self.commands.send(inbox, {"op": "close_session", "session": sid, "tenant": tenant_id})
         self.node_inboxes[node_id] = inbox
         self.down.pop(node_id, None)

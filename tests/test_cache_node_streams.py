@@ -387,3 +387,24 @@ def test_chat_turns_render_off_the_step_thread_as_the_step_thread_would(node, mo
     fresh.rendered = (now, len(node._session_messages["chat/s"]), [4, 5, 6])
     assert node._prompt_of(fresh) == [4, 5, 6]
     asyncio.run(node.close_session("chat/s", "chat"))
+
+
+def test_the_schedulers_close_of_a_session_closes_that_tenants_session_alone(node) -> None:
+    """The scheduler's ``close_session`` command (a session closed while its node was taken
+    for down): the tenant's own session closes and frees its KV; another tenant's equal id
+    is not touched."""
+    async def run() -> None:
+        gw = await connect(node)
+        for rid, tenant in (("cs-1", "ann"), ("cs-2", "bob")):
+            await gw.submit(request(rid, max_tokens=2, tenant=tenant, session_id=f"{tenant}/s"))
+        await gw.drain({"cs-1", "cs-2"})
+        await gw.commands.send(data_plane.pack({"op": "close_session", "session": "ann/s", "tenant": "bob"}))
+        await gw.commands.send(data_plane.pack({"op": "close_session", "session": "bob/s", "tenant": "bob"}))
+        for _ in range(100):
+            if "bob/s" not in node.engine.sessions.sessions:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert "bob/s" not in node.engine.sessions.sessions and "ann/s" in node.engine.sessions.sessions
+    assert asyncio.run(node.close_session("ann/s", "ann")) > 0

@@ -218,3 +218,25 @@ def test_a_first_turn_that_did_not_finish_leaves_no_route_and_no_kept_session(tm
     assert sched.admit("t1", "t1/turn2", session_id="t1/s1").continues_session
     sched.release("t1/turn2", drained)  # a later turn drained: its session keeps the history
     assert "t1/s1" in sched.kept_sessions and sched.sessions_per_tenant["t1"] == 1
+
+
+def test_a_session_closed_while_its_node_was_down_is_closed_there_when_it_is_back(tmp_path) -> None:
+    """Regression (diff review): CloseSession while the session's node was taken for down
+    answered and dropped the route, but never told the node: the same process, back, held
+    the session's KV until its TTL. Now the close goes to the node at its ``node_up``, unless
+    a new process came back (nothing left to close)."""
+    finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+    sent: list[tuple[str, dict]] = []
+    sched = GlobalScheduler(str(tmp_path), {"n0": 4})
+    sched.commands = type("Sender", (), {"send": lambda self, to, msg: sent.append((to, msg)) or True})()
+    for sid in ("t1/a", "t1/b"):
+        sched.admit("t1", f"{sid}-turn", session_id=sid)
+        sched.release(f"{sid}-turn", finished)
+    sched.node_down("n0", "did not answer within 15 s")
+    assert sched.close_session("t1/a", "t1") == ""  # nothing to ask a node that is down
+    sched.node_up("n0", "inbox", pid=9, previous_pid=9)  # the same process is back
+    assert sent == [("inbox", {"op": "close_session", "session": "t1/a", "tenant": "t1"})]
+    sched.node_down("n0", "did not answer within 15 s")
+    assert sched.close_session("t1/b", "t1") == ""
+    sched.node_up("n0", "inbox2", pid=10, previous_pid=9)  # a new process: nothing left to close
+    assert len(sent) == 1 and not sched.closed_while_down
