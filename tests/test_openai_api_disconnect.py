@@ -90,7 +90,7 @@ def test_a_client_gone_while_its_request_is_queued_leaves_the_queue_at_once(edge
                           token_ids=tuple(range(100, 140)),
                           sampling=SamplingParams(max_tokens=POOL_BLOCKS * BLOCK_SIZE - 100, ignore_eos=True))
     streams = edge.servicer.streams
-    streams.open(blocker.request_id)
+    edge.run(call(streams.open, blocker.request_id))
     assert edge.run(streams.admit(blocker, [])).code == "OK"
     wait_for(lambda: edge.stats() == (1, 0), 10.0)
     sock = edge.post("/v1/completions", {"model": edge.model, "prompt": [5] * 20, "max_tokens": 8,
@@ -101,7 +101,7 @@ def test_a_client_gone_while_its_request_is_queued_leaves_the_queue_at_once(edge
     took = wait_for(lambda: edge.stats() == (1, 0), 3.0)
     wait_for(lambda: edge.run(call(edge.scheduler.stats))["in_flight"]["n0"] == 1, 1.0)  # released there
     assert blocker.request_id in edge.node._streams  # the slot ahead is still taken: not run at all
-    streams.abort("n0", blocker.request_id)
+    edge.run(call(streams.abort, "n0", blocker.request_id))  # its sockets are the loop's
     edge.run(call(edge.scheduler.release, blocker.request_id))
     edge.run(call(streams.close, blocker.request_id))
     wait_for(lambda: edge.stats() == (0, 0), 10.0)
