@@ -283,7 +283,7 @@ class CacheNode(Streams, Commands, Health, Admin):
         if self.templater is None:
             raise ValueError("this node's model has no tokenizer; send token ids")
         room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)
-        self.templater.check_fits(sum(len(m.get("content") or "") for m in req.messages), room, "messages")
+        self.templater.check_messages_fit(req.messages, room)
         if history:
             past = self._session_messages.get(req.session_id, [])
             return self.templater.continuation(past, history, req.messages)

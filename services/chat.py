@@ -54,6 +54,14 @@ class ChatTemplater:
             raise ValueError(f"{what}: {num_chars} characters can never fit in {max_tokens} tokens "
                              f"(a token of this model stands for at most {most} characters)")
 
+    def check_messages_fit(self, messages: Messages, max_tokens: int) -> None:
+        """``check_fits`` for the content of chat ``messages``.
+
+        Raises:
+            ValueError: their content can never come to at most ``max_tokens`` tokens.
+        """
+        self.check_fits(sum(len(m.get("content") or "") for m in messages), max_tokens, "messages")
+
     @functools.cached_property
     def conversation_overhead(self) -> int:
         """Tokens ``estimate_tokens`` counts that a later turn of a session may not add: those

@@ -222,7 +222,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             messages = tuple(prompt)
             if templater is not None:
                 try:  # before any rendering: text that can never fit is refused for free
-                    templater.check_fits(sum(len(m.get("content") or "") for m in messages), room, "messages")
+                    templater.check_messages_fit(messages, room)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if not call.session_id and templater is not None:
@@ -254,8 +254,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 f"context limit ({limit} tokens)",
             )
         try:
-            prefix_tokens = await self._off_loop(tenant.tenant_id, lambda: resolve_prefix_tokens(
-                call.prefix_tokens, call.prefix_messages, prompt, tokens, templater))
+            def prefix() -> int:
+                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
+
+            # only a chat prefix renders (the hot path of a token prompt takes no thread hop)
+            prefix_tokens = await self._off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
