@@ -137,7 +137,7 @@ class CacheNode(Streams, Commands, Health, Admin):
         self._outbox: deque[tuple[str, str, Event]] = deque()  # (subscriber, request, event)
         self._inbox: tuple[Any, asyncio.Task[None]] | None = None
         self.data_address = ""  # the command inbox (open_data_plane)
-        self._aborted_early: OrderedDict[str, bool] = OrderedDict()
+        self._aborted_early: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (code, message)
         self._session_messages: dict[str, list[dict[str, str]]] = {}
         # requests and aborts for the step thread: the event loop never waits on the engine's
         # lock, which a step holds for its whole forward pass

@@ -14,7 +14,7 @@ import concurrent.futures
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 STATS_EVERY_S = 0.1
@@ -27,19 +27,12 @@ DRAIN_POLL_S = 0.05
 class Admin:
     """The admin part of ``CacheNode``."""
 
-    async def close_session(self, session_id: str, tenant: str) -> int:
-        """Close ``tenant``'s session (a running turn in it ends with ABORTED); the tokens freed,
-        or -1 when it has no such session."""
-
-        def close() -> int:
-            owner = self.engine.sessions.sessions.get(session_id)
-            if owner is None:  # its first turn may be on its way here: it ends, never opens it
-                return 0 if self._end_pending_turns(session_id, tenant) else -1
-            if owner.tenant != tenant:
-                return -1
-            return self._close_session(session_id)
-
-        return await self._between_steps(close)
+    async def close_session(self, session_id: str, tenant: str, turns: Sequence[str] = ()) -> int:
+        """Close ``tenant``'s session (a running turn in it ends with ABORTED, and so does each
+        of ``turns``, its turns in flight as the scheduler knew them, even one that reaches this
+        node after the close); the tokens freed, 0 when it holds none here yet, or -1 when it
+        has no such session (``Commands._closing``)."""
+        return await self._between_steps(self._closing(session_id, tenant, turns))
 
     def stats(self) -> dict[str, Any]:
         """Pool, queue and session counts as of the last step boundary, ``stats_age_s`` ago

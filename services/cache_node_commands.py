@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from services import data_plane
@@ -89,8 +90,8 @@ class Commands:
         """Run ``{"op": "submit", "req", "sub"}``, ``{"op": "abort", "id"}``,
         ``{"op": "abort_subscriber", "sub"}`` (the scheduler: that gateway is gone),
         ``{"op": "end_tenant", "tenant"}`` (the scheduler: that tenant was deleted) or
-        ``{"op": "close_session", "session", "tenant"}`` (the scheduler: closed while this
-        node was taken for down).
+        ``{"op": "close_session", "session", "tenant", "turns"}`` (the scheduler: closed while
+        this node was taken for down; ``turns`` as ``_closing``'s, optional).
 
         Raises:
             TypeError, ValueError: a malformed command (nothing was run).
@@ -116,13 +117,11 @@ class Commands:
         elif op == "end_tenant" and isinstance(msg.get("tenant"), str):
             self.end_tenant(msg["tenant"])
         elif op == "close_session" and isinstance(msg.get("session"), str) and isinstance(msg.get("tenant"), str):
-            session, tenant = msg["session"], msg["tenant"]
-
-            def close() -> int:  # its tenant's alone
-                owner = self.engine.sessions.sessions.get(session)
-                return self._close_session(session) if owner is not None and owner.tenant == tenant else 0
-
-            self._admin.append((close, concurrent.futures.Future()))
+            turns = msg.get("turns", [])
+            if not isinstance(turns, list) or len(turns) > ABORTED_EARLY_MAX or not all(
+                    isinstance(t, str) and 0 < len(t) <= data_plane.MAX_ID_CHARS for t in turns):
+                raise ValueError("close_session: turns must be a list of request ids")
+            self._admin.append((self._closing(msg["session"], msg["tenant"], turns), concurrent.futures.Future()))
             self._wake.set()
         else:
             raise ValueError(f"malformed command (op {op!r})")
@@ -136,13 +135,45 @@ class Commands:
         """
         stream = self._streams.pop(request_id, None)
         if stream is None:
-            self._aborted_early[request_id] = True
-            while len(self._aborted_early) > ABORTED_EARLY_MAX:
-                self._aborted_early.popitem(last=False)
+            self._refuse_on_arrival(request_id, "CANCELLED", "the request was cancelled before it reached the node")
             return False
         self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
         self._wake.set()
         return True
+
+    def _refuse_on_arrival(self, request_id: str, code: str, message: str) -> None:
+        """Event loop: a ``submit`` of ``request_id`` arriving later gets an error ``code``
+        (the last ``ABORTED_EARLY_MAX`` ids are remembered)."""
+        self._aborted_early[request_id] = (code, message)
+        while len(self._aborted_early) > ABORTED_EARLY_MAX:
+            self._aborted_early.popitem(last=False)
+
+    def _closing(self, session_id: str, tenant: str, turns: Sequence[str] = ()) -> Callable[[], int]:
+        """Event loop: begin closing ``tenant``'s session ``session_id``; returns the call that
+        closes it on the step thread between steps, which returns the tokens freed: the
+        session's (``_close_session``); 0 when it holds none here yet (a turn of it is pending
+        here or named in ``turns``); -1 when there is no such session (or another tenant's).
+
+        ``turns``: the ids of its turns the scheduler admitted before the close and had not
+        released (``GlobalScheduler.close_session``): each not on this node yet is refused
+        (ABORTED) when it arrives; those here end with the session.
+
+        Regression: a first turn still on the data plane when the close reached its node
+        opened the closed session there afterwards, with no route to it (held until its TTL),
+        and the close answered NOT_FOUND for a session the client had opened."""
+        for rid in turns:  # on the loop that runs ``submit``: none slips between check and mark
+            if rid not in self._streams:
+                self._refuse_on_arrival(rid, "ABORTED", "the session was closed")
+
+        def close() -> int:
+            owner = self.engine.sessions.sessions.get(session_id)
+            if owner is None:  # its first turn may be on its way here: it ends, never opens it
+                return 0 if self._end_pending_turns(session_id, tenant) or turns else -1
+            if owner.tenant != tenant:
+                return -1
+            return self._close_session(session_id)
+
+        return close
 
     def end_tenant(self, tenant: str) -> int:
         """``tenant`` was deleted: each of its streams gets an ABORTED error and its request is
@@ -182,9 +213,9 @@ class Commands:
     def _end_pending_turns(self, session_id: str, tenant: str) -> int:
         """Step thread: end with ABORTED the turns of ``tenant``'s session that reached this
         node and have not started (``_incoming``); returns how many."""
-        ids = [s.request.request_id for s in [*self._incoming, *list(self._rendering)]  # (C copies)
+        ids = {s.request.request_id: None for s in [*self._incoming, *list(self._rendering)]  # (C copies)
                if s.request.session_id == session_id and s.request.tenant == tenant
-               and self._streams.get(s.request.request_id) is s]
+               and self._streams.get(s.request.request_id) is s}  # one a stream (in both for a moment)
         for rid in ids:
             self._end_stream(rid, "ABORTED", "the session was closed")
         return len(ids)

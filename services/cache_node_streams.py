@@ -98,14 +98,19 @@ class Streams:
                 stream.rendered = (history, count, self._prompt(req, history))  # turn ending now misses
         except Exception:  # noqa: BLE001 - the step thread renders it again and reports the error
             stream.rendered = None
-        finally:
-            self._rendering.discard(stream)
+        finally:  # regression: a close between leaving ``_rendering`` and reaching ``_incoming``
+            # missed the turn, which then opened the closed session; now it is in one or both
             self._incoming.append(stream)
+            self._rendering.discard(stream)
             self._wake.set()
 
     async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
         """Run one request; yields event dicts (see services.node_request). Closing the
         generator before its last event aborts the request."""
+        refused = self._aborted_early.pop(req.request_id, None)
+        if refused is not None:  # as ``submit``'s
+            yield {"type": "error", "code": refused[0], "message": refused[1]}
+            return
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self._open(_Stream(asyncio.get_running_loop(), queue.put_nowait, req, 0))
         done = False
@@ -123,13 +128,12 @@ class Streams:
         """Start ``req``; its events go to ``subscriber`` (a gateway's event inbox address).
 
         A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED), cancelled before it
-        arrived (``abort``), or whose id is running here already (ALREADY_EXISTS; ids are scoped
+        arrived (``abort``: CANCELLED), of a session closed before it arrived (ABORTED,
+        ``Commands._closing``), or whose id is running here already (ALREADY_EXISTS; ids are scoped
         to their tenant by the gateway), gets its error event pushed like any other event.
         """
-        error = None
-        if self._aborted_early.pop(req.request_id, None) is not None:
-            error = ("CANCELLED", "the request was cancelled before it reached the node")
-        elif req.request_id in self._streams:
+        error = self._aborted_early.pop(req.request_id, None)  # cancelled, or its session closed
+        if error is None and req.request_id in self._streams:
             error = ("ALREADY_EXISTS", "a request with this id is running already")
         if error is not None:  # the running stream of that id is not touched
             self._outbox.append((subscriber, req.request_id, {"type": "error", "code": error[0], "message": error[1]}))

@@ -437,13 +437,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"session_id must have 1 to {MAX_ID_CHARS} characters, got {len(session_id)}")
         scoped = scoped_id(tenant.tenant_id, session_id)
-        node_id = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
-        if node_id is None:
+        closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
+        if closing is None:
             freed = -1
-        elif not node_id:  # its node is down or restarted: nothing to free there now
+        elif not closing[0]:  # its node is down or restarted: nothing to free there now
             freed = 0
-        else:
-            freed = await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id)
+        else:  # its turns still in flight are refused there (never open it again)
+            node_id, turns = closing
+            freed = await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id, turns)
         if freed < 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} for this tenant")
         return freed

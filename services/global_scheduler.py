@@ -156,8 +156,9 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         self.node_pids: dict[str, tuple[int, int]] = {}  # node id -> (pid, restarts) at its last ``node_up``
-        # node id -> {session: tenant} closed while the node was down: sent on at its ``node_up``
-        self.closed_while_down: dict[str, dict[str, str]] = {}
+        # node id -> {session: (tenant, its turns in flight)} closed while the node was down:
+        # sent on at its ``node_up``
+        self.closed_while_down: dict[str, dict[str, tuple[str, list[str]]]] = {}
         self.commands: Any = None  # sends submit commands to node inboxes
 
     # ---- admission and routing ------------------------------------------------------------
@@ -361,23 +362,44 @@ class GlobalScheduler(Tenants, Membership, Routing):
             if entry is not None and entry[1] == node_id:
                 self.drop_session_route(sid)
 
-    def close_session(self, session_id: str, tenant_id: str) -> str | None:
-        """Forget a session's routing; returns the node holding it: "" when none can be asked
-        (the node is down, or the history was lost: ``node_up``), None when the session is
-        unknown or another tenant's."""
+    def close_session(self, session_id: str, tenant_id: str) -> tuple[str, list[str]] | None:
+        """Forget a session's routing; returns ``(node, turns)``: the node holding it ("" when
+        none can be asked: the node is down, or the history was lost: ``node_up``) and the ids
+        of its turns admitted and not yet released, which the node must refuse should they
+        reach it after the close (``CacheNode.close_session``). None when the session is
+        unknown or another tenant's.
+
+        Regression: a first turn still on the data plane when the close reached its node
+        opened the session there after the close, with no route to it (no turn could reach
+        it, no close could free it: it held its KV until its TTL), and the close answered
+        NOT_FOUND for a session the client had opened."""
         entry = self.session_nodes.get(session_id)
         if entry is None or entry[0] != tenant_id:
             if self.lost_sessions.get(session_id) == tenant_id:
                 del self.lost_sessions[session_id]
-                return ""
+                return "", []
             return None
         self.drop_session_route(session_id)
+        turns = self._detach_turns(session_id, entry[1])
         if entry[1] in self.down:  # told at its ``node_up``, if the same process comes back
             pending = self.closed_while_down.setdefault(entry[1], {})
             if len(pending) < LOST_SESSIONS_MAX:
-                pending[session_id] = tenant_id
-            return ""
-        return entry[1]
+                pending[session_id] = (tenant_id, turns)
+            return "", []
+        return entry[1], turns
+
+    def _detach_turns(self, session_id: str, node_id: str) -> list[str]:
+        """The ids of ``session_id``'s turns in flight to ``node_id``. Every turn of the session
+        in flight is no longer of that session: its release leaves the routing of a session
+        opened anew under that id untouched. Regression: such a late release dropped the new
+        session's route (unreachable on its node until its TTL) or marked it kept early."""
+        turns = []
+        for rid, (tenant_id, node, _, session) in list(self.requests.items()):
+            if session == session_id:
+                self.requests[rid] = (tenant_id, node, "", "")
+                if node == node_id:
+                    turns.append(rid)
+        return turns
 
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""

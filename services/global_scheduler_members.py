@@ -131,7 +131,8 @@ class Membership:
         closed = self.closed_while_down.pop(node_id, {})
         if not restarted and self.commands is not None:  # regression (diff review): a session
             # closed while its node only missed a poll held its KV there until its TTL
-            for sid, tenant_id in closed.items():
-                self.commands.send(inbox, {"op": "close_session", "session": sid, "tenant": tenant_id})
+            for sid, (tenant_id, turns) in closed.items():
+                self.commands.send(inbox, {"op": "close_session", "session": sid, "tenant": tenant_id,
+                                           "turns": turns})
         self.node_inboxes[node_id] = inbox
         self.down.pop(node_id, None)

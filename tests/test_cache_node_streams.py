@@ -408,3 +408,35 @@ def test_the_schedulers_close_of_a_session_closes_that_tenants_session_alone(nod
     asyncio.run(run())
     assert "bob/s" not in node.engine.sessions.sessions and "ann/s" in node.engine.sessions.sessions
     assert asyncio.run(node.close_session("ann/s", "ann")) > 0
+
+
+def test_a_turn_its_sessions_close_named_is_refused_when_it_arrives_after_the_close(node) -> None:
+    """Regression: a session's first turn still on the data plane when its session's close
+    reached the node opened the session after the close, with no route to it (held until its
+    TTL), and the close answered NOT_FOUND. Now the close names the session's turns in flight
+    (the gateway's call, or the scheduler's ``close_session`` command for a node that was
+    taken for down): each arriving after it is refused ABORTED, and the close answers 0. A
+    turn the close did not name (sent after it) opens the session; another tenant's turn
+    runs to its end."""
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("fox-long", max_tokens=12, tenant="fox"))
+        assert await node.close_session("gnu/s", "gnu", ["gnu-1"]) == 0  # closed, not NOT_FOUND
+        await gw.commands.send(data_plane.pack(
+            {"op": "close_session", "session": "gnu/t", "tenant": "gnu", "turns": ["gnu-2"]}))
+        await gw.commands.send(data_plane.pack(
+            {"op": "close_session", "session": "gnu/t", "tenant": "gnu", "turns": "gnu-2"}))  # malformed
+        for rid, sid in (("gnu-1", "gnu/s"), ("gnu-2", "gnu/t"), ("gnu-3", "gnu/s")):  # gnu-3: after the close
+            await gw.submit(request(rid, max_tokens=3, tenant="gnu", session_id=sid))
+        return await gw.drain({"fox-long", "gnu-1", "gnu-2", "gnu-3"})
+
+    bad = node.bad_messages
+    got = asyncio.run(run())
+    for rid in ("gnu-1", "gnu-2"):
+        assert got[rid] == [{"type": "error", "code": "ABORTED", "message": "the session was closed"}]
+    assert got["gnu-3"][-1]["type"] == "finished" and node.bad_messages == bad + 1
+    assert got["fox-long"][-1]["type"] == "finished" and got["fox-long"][-1]["completion_tokens"] == 12
+    assert "gnu/t" not in node.engine.sessions.sessions and "gnu/s" in node.engine.sessions.sessions
+    assert asyncio.run(node.close_session("gnu/s", "gnu")) > 0
+    fresh = asyncio.run(node.integrity_stats())
+    assert fresh["used_blocks"] == 0 and fresh["sessions"] == 0 and fresh["integrity_ok"]

@@ -146,7 +146,7 @@ def test_a_sessions_turn_is_never_routed_without_its_history_after_its_node_went
         assert (lost.code, lost.reason) == ("ABORTED", "session_lost") and "CloseSession" in lost.message
     assert sched.admit("t2", "t2/d", session_id="t2/s").code == "OK"  # another tenant's id: its own
     assert sched.close_session("t1/s", "t2") is None  # not another tenant's to close
-    assert sched.close_session("t1/s", "t1") == ""  # closed: nothing to free on a node
+    assert sched.close_session("t1/s", "t1") == ("", [])  # closed: nothing to free on a node
     again = sched.admit("t1", "t1/e", session_id="t1/s")
     assert again.code == "OK" and not again.continues_session  # opened anew, knowingly
     assert set(REJECT_REASONS) >= {"session_node_down", "session_lost"}
@@ -163,7 +163,7 @@ def test_a_sessions_turn_is_never_routed_without_its_history_after_its_node_went
     sched.node_down(home, "its data-plane connection closed")
     sched.node_up(home, "inbox-r4", pid=70, previous_pid=70, restarts=4, previous_restarts=3)  # same pid
     assert sched.admit("t1", "t1/m", session_id="t1/s").reason == "session_lost"
-    assert sched.close_session("t1/s", "t1") == ""
+    assert sched.close_session("t1/s", "t1") == ("", [])
 
     # a first turn still in flight when its node restarted: no history was lost (regression,
     # diff review: its retry was refused session_lost)
@@ -233,10 +233,80 @@ def test_a_session_closed_while_its_node_was_down_is_closed_there_when_it_is_bac
         sched.admit("t1", f"{sid}-turn", session_id=sid)
         sched.release(f"{sid}-turn", finished)
     sched.node_down("n0", "did not answer within 15 s")
-    assert sched.close_session("t1/a", "t1") == ""  # nothing to ask a node that is down
+    assert sched.close_session("t1/a", "t1") == ("", [])  # nothing to ask a node that is down
     sched.node_up("n0", "inbox", pid=9, previous_pid=9)  # the same process is back
-    assert sent == [("inbox", {"op": "close_session", "session": "t1/a", "tenant": "t1"})]
+    assert sent == [("inbox", {"op": "close_session", "session": "t1/a", "tenant": "t1", "turns": []})]
     sched.node_down("n0", "did not answer within 15 s")
-    assert sched.close_session("t1/b", "t1") == ""
+    assert sched.close_session("t1/b", "t1") == ("", [])
     sched.node_up("n0", "inbox2", pid=10, previous_pid=9)  # a new process: nothing left to close
     assert len(sent) == 1 and not sched.closed_while_down
+
+
+def test_a_first_turn_still_on_its_way_when_its_session_closes_never_opens_it(tmp_path) -> None:
+    """Regression: a session's first turn was admitted and still on the data plane when
+    CloseSession reached its node; the node found nothing (the client got NOT_FOUND for the
+    session it had opened), then the turn arrived and opened the session there with no route
+    to it: no turn could reach it, no close could free it, and it held its KV until its TTL.
+    Now the close names the session's turns in flight and the node refuses each when it
+    arrives (ABORTED), the close answers 0 (closed, nothing held yet), nothing is held, and a
+    turn sent after the close opens the session anew with its route; another tenant's
+    session is untouched."""
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8})
+    node = CacheNode("n0", NodeConfig(kv_pool_bytes=16 << 20, host_bytes=0), num_threads=1)
+    node.session_sink = sched.sessions_ended
+
+    def turn(rid: str, tenant: str, session_id: str) -> list[dict]:
+        req = NodeRequest(request_id=rid, tenant=tenant, cache_namespace="ns", token_ids=PROMPT,
+                          session_id=session_id, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+
+        async def run() -> list[dict]:
+            return [e async for e in node.generate(req)]
+
+        return asyncio.run(run())
+
+    try:
+        assert sched.admit("t2", "t2/r#1", session_id="t2/s").code == "OK"  # another tenant's session
+        sched.release("t2/r#1", turn("t2/r#1", "t2", "t2/s")[-1])
+        held = asyncio.run(node.integrity_stats())["used_blocks"]
+        assert held > 0
+        assert sched.admit("t1", "t1/r#1", session_id="t1/s").node_id == "n0"  # its submit is on the wire
+        closing = sched.close_session("t1/s", "t1")
+        assert closing == ("n0", ["t1/r#1"])
+        assert asyncio.run(node.close_session("t1/s", "t1", closing[1])) == 0  # closed, not NOT_FOUND
+        late = turn("t1/r#1", "t1", "t1/s")  # the turn reaches the node after the close
+        assert late == [{"type": "error", "code": "ABORTED", "message": "the session was closed"}]
+        sched.release("t1/r#1", None)
+        assert "t1/s" not in node.engine.sessions.sessions and "t1/s" not in sched.session_nodes
+        assert asyncio.run(node.integrity_stats())["used_blocks"] == held  # t2/s's history alone
+        assert sched.close_session("t1/s", "t1") is None  # NOT_FOUND now: nothing is left to close
+
+        assert sched.admit("t1", "t1/r#2", session_id="t1/s").code == "OK"  # sent after the close
+        sched.release("t1/r#2", turn("t1/r#2", "t1", "t1/s")[-1])
+        assert sched.session_nodes["t1/s"] == ("t1", "n0") and "t1/s" in node.engine.sessions.sessions
+        closing = sched.close_session("t1/s", "t1")
+        assert closing == ("n0", []) and asyncio.run(node.close_session("t1/s", "t1", closing[1])) > 0
+        assert sorted(node.engine.sessions.sessions) == ["t2/s"] and sched.session_nodes == {"t2/s": ("t2", "n0")}
+        node.engine.check_integrity()
+    finally:
+        node.shutdown()
+
+
+def test_a_closed_sessions_turns_in_flight_leave_the_session_opened_anew_alone(tmp_path) -> None:
+    """Regression: a turn of a closed session released after the session was opened anew under
+    its id (a turn sent after the close) acted on the new session: a first turn that did not
+    finish dropped the new session's route (its node held it unreachable until its TTL), and
+    one that finished marked the new session kept before its own first turn finished (a turn
+    beside it was sent as ``continues_session``). Now the close detaches its turns in flight."""
+    finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+    sched = GlobalScheduler(str(tmp_path), {"n0": 4})
+    node = sched.admit("t1", "t1/a#1", session_id="t1/s").node_id
+    sched.admit("t1", "t1/a#2", session_id="t1/s")  # a second turn beside the first
+    assert sched.close_session("t1/s", "t1") == (node, ["t1/a#1", "t1/a#2"])
+    assert sched.admit("t1", "t1/b#1", session_id="t1/s").node_id == node  # opened anew
+    sched.release("t1/a#1", finished)  # finished on the node before the close reached it
+    assert not sched.admit("t1", "t1/b#2", session_id="t1/s").continues_session
+    sched.release("t1/b#2", None)
+    sched.release("t1/b#1", finished)
+    sched.release("t1/a#2", None)  # refused there (the session was closed)
+    assert sched.session_nodes["t1/s"] == ("t1", node) and sched.kept_sessions == {"t1/s"}
+    assert sched.sessions_per_tenant["t1"] == 1 and not sched.requests
