@@ -22,8 +22,8 @@ def pool_view() -> torch.Tensor:
     return base + 1000 * torch.arange(SHAPE[2]).view(1, 1, -1, 1, 1, 1)
 
 
-def meta(i: int) -> BlockMeta:
-    return BlockMeta(bytes([i]) * 32, (i, i + 1), f"ns{i % 2}")
+def meta(i: int, namespace: str | None = None) -> BlockMeta:
+    return BlockMeta(bytes([i]) * 32, (i, i + 1), f"ns{i % 2}" if namespace is None else namespace)
 
 
 def test_runs_coalesce_consecutive_pairs() -> None:
@@ -77,15 +77,16 @@ def test_a_prefix_demoted_tail_first_lands_in_ascending_slots() -> None:
 
 
 def test_lru_victims_carry_their_bytes_and_touch_protects() -> None:
+    """One tenant's blocks leave in LRU order (across tenants, see tests/test_tier_fair_share.py)."""
     host = HostTier(SHAPE, torch.float32, budget_bytes=2 * BLOCK_BYTES)
     src = pool_view()
-    host.put([meta(1), meta(2)], src, [1, 2])
-    host.put([meta(1)], src, [1])  # touch: 2 is now LRU
-    victims = host.put([meta(3)], src, [3])
-    assert [m.block_hash for m in victims.metas] == [meta(2).block_hash]
+    host.put([meta(1, 'ns0'), meta(2, 'ns0')], src, [1, 2])
+    host.put([meta(1, 'ns0')], src, [1])  # touch: 2 is now LRU
+    victims = host.put([meta(3, 'ns0')], src, [3])
+    assert [m.block_hash for m in victims.metas] == [meta(2, 'ns0').block_hash]
     assert victims.metas[0].namespace == "ns0"
     assert torch.equal(victims.blocks[0], src[:, :, 2])
-    assert list(host.entries) == [meta(1).block_hash, meta(3).block_hash]
+    assert list(host.entries) == [meta(1, 'ns0').block_hash, meta(3, 'ns0').block_hash]
 
 
 def test_batch_larger_than_tier_overflows_its_oldest_blocks() -> None:
@@ -106,9 +107,9 @@ def test_batch_larger_than_the_unreserved_slots_overflows() -> None:
     host = HostTier(SHAPE, torch.float32, budget_bytes=4 * BLOCK_BYTES)
     src = pool_view()
     reserved, _ = host.reserve(3)
-    victims = host.put([meta(i) for i in (4, 5, 6)], src, [4, 5, 6])
-    assert [m.block_hash for m in victims.metas] == [meta(4).block_hash, meta(5).block_hash]
-    assert list(host.entries) == [meta(6).block_hash] and host.num_reserved == 3
+    victims = host.put([meta(i, 'ns0') for i in (4, 5, 6)], src, [4, 5, 6])
+    assert [m.block_hash for m in victims.metas] == [meta(4, 'ns0').block_hash, meta(5, 'ns0').block_hash]
+    assert list(host.entries) == [meta(6, 'ns0').block_hash] and host.num_reserved == 3
     host.release_slots(reserved)
 
 

@@ -1,4 +1,4 @@
-"""The host tier: whole KV blocks in (pinned) host RAM, keyed by block hash, LRU.
+"""The host tier: whole KV blocks in (pinned) host RAM, keyed by block hash, LRU per tenant.
 
 One tensor is allocated once, in the device pool's block-major layout, so a demotion or a
 promotion is one strided copy per run of blocks (``block_copy``)::
@@ -10,12 +10,14 @@ It is pinned (page-locked) when the pool is on CUDA, so device<->host copies run
 speed, asynchronously on the copier's stream (``device_copy.DeviceCopier``): ``put`` leaves
 the event of its copy in ``last_put_event``, and every CPU read or write of ``data`` (victims,
 reserved slots) waits for the copies in flight first. Entries keep their tokens (every hit is token-checked, as on the device) and their
-cache namespace (recorded in spill file headers).
+cache namespace (recorded in spill file headers). Eviction takes the least recently used block
+of the tenant holding the most slots (``fair_lru``), so no tenant pushes out another's blocks
+while it holds more than they do; slots ``reserve``d by a policy are outside this count.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,6 +27,7 @@ import torch
 from cache_node.hashing import BlockHash
 from cache_node.tiers.block_copy import view_to_stack
 from cache_node.tiers.device_copy import DeviceCopier
+from cache_node.tiers.fair_lru import FairLRU, holder_of
 
 TIER_DEVICE = "device"
 TIER_HOST = "host"
@@ -61,7 +64,7 @@ class Victims(NamedTuple):
 
 
 class HostTier:
-    """LRU block store in host RAM.
+    """Block store in host RAM, LRU within each tenant, largest holder evicted first.
 
     Args:
         pool_shape: the device pool view's shape ``(L, 2, num_blocks, block_size, H_kv, d)``
@@ -83,7 +86,9 @@ class HostTier:
         self.num_slots = budget_bytes // self.block_nbytes
         pin = torch.cuda.is_available() if pin is None else pin
         self.data = torch.zeros((L, two, self.num_slots, bs, h, d), dtype=dtype, pin_memory=pin)
-        self.entries: OrderedDict[BlockHash, HostEntry] = OrderedDict()
+        # Regression: one LRU over all tenants let a tenant streaming new prefixes push every
+        # other tenant's host blocks out; eviction now takes the largest holder's LRU first.
+        self.entries: FairLRU[BlockHash, HostEntry] = FairLRU()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.num_reserved = 0  # slots a policy holds (``reserve``), outside the LRU index
         self._events: list[TierEvent] = []
@@ -106,11 +111,14 @@ class HostTier:
     def put(self, metas: Sequence[BlockMeta], src: torch.Tensor, src_ids: Sequence[int]) -> Victims:
         """Copy blocks ``src[:, :, src_ids[i]]`` (a pool view) in under ``metas[i]``.
 
-        A hash already held is touched (moved to MRU), not copied. LRU entries are evicted to
-        make room and returned, with their bytes, for the spill tier; when the batch is larger
-        than the tier's free and evictable slots (``reserve``d slots are neither: regression,
+        A hash already held is touched (moved to MRU), not copied. Room is made by the largest
+        holder first, counting the batch's blocks as their tenants' newest
+        (``fair_lru.FairLRU.plan``): held entries so picked are evicted and returned, with their
+        bytes, for the spill tier; incoming blocks so picked (a tenant's oldest in the batch
+        first) are returned as victims straight from ``src``, as are the oldest of a batch
+        larger than the free and evictable slots (``reserve``d slots are neither: regression,
         a demotion into a tier mostly reserved by SentenceKV sentences popped from an empty
-        free list), its oldest blocks are returned as victims straight from ``src``.
+        free list).
         """
         seen: set[BlockHash] = set()
         new = []
@@ -120,11 +128,23 @@ class HostTier:
                 new.append((m, s))
         for m in metas:
             if m.block_hash in self.entries:
-                self.entries.move_to_end(m.block_hash)
-        room = len(self._free_slots) + len(self.entries)  # slots policies reserved are neither
-        overflow = new[: max(len(new) - room, 0)]
-        new = new[len(overflow) :]
-        victims = self._evict(len(new) - len(self._free_slots))
+                self.entries.touch(m.block_hash)
+        # Who goes: the largest holder's LRU entries, counting each tenant's incoming blocks as
+        # its newest; an incoming block so picked is not copied in but returned as a victim
+        # straight from ``src`` (also when the batch exceeds the free and evictable slots).
+        plan = self.entries.plan(
+            len(new) - len(self._free_slots), Counter(holder_of(m.namespace) for m, _ in new))
+        refused, kept = plan.refused, []
+        overflow = []  # each holder's oldest incoming blocks, as many as it was refused
+        for m, s in new:
+            holder = holder_of(m.namespace)
+            if refused.get(holder, 0) > 0:
+                refused[holder] -= 1
+                overflow.append((m, s))
+            else:
+                kept.append((m, s))
+        new = kept
+        victims = self._take_victims(plan.keys)
         # Slots in ascending order for ascending source ids: a run of consecutive device blocks
         # lands in consecutive slots, so demoting it and promoting it back are one copy each
         # (the free queue hands a prefix's blocks over tail first).
@@ -133,7 +153,7 @@ class HostTier:
         slot_of = [slot_by_src[s] for _, s in new]
         self.last_put_event = self.copier.demote(self.data, slot_of, src, [s for _, s in new])
         for (m, _), slot in zip(new, slot_of):
-            self.entries[m.block_hash] = HostEntry(slot, m.token_ids, m.namespace)
+            self.entries.put(m.block_hash, HostEntry(slot, m.token_ids, m.namespace), holder_of(m.namespace))
             self._events.append(TierEvent("stored", m.block_hash, TIER_HOST))
         if overflow:
             extra = Victims([m for m, _ in overflow], view_to_stack(src, [s for _, s in overflow]))
@@ -177,12 +197,11 @@ class HostTier:
     def untake(self, hashes: Sequence[BlockHash], entries: Sequence[HostEntry]) -> None:
         """Put entries from ``take`` back (a promotion that could not get device blocks)."""
         for block_hash, entry in zip(hashes, entries):
-            self.entries[block_hash] = entry
-            self.entries.move_to_end(block_hash, last=False)
+            self.entries.put_lru(block_hash, entry, holder_of(entry.namespace))
             self._events.append(TierEvent("stored", block_hash, TIER_HOST))
 
     def evict_all(self) -> Victims:
-        """Push every entry out (LRU first), returning them with their bytes."""
+        """Push every entry out (in eviction order), returning them with their bytes."""
         return self._evict(len(self.entries))
 
     def clear(self) -> int:
@@ -205,7 +224,9 @@ class HostTier:
         }
 
     def _evict(self, n: int) -> Victims:
-        hashes = list(self.entries)[: max(n, 0)]
+        return self._take_victims(self.entries.victims(n))
+
+    def _take_victims(self, hashes: list[BlockHash]) -> Victims:
         entries = self.take(hashes)
         metas = [BlockMeta(h, e.token_ids, e.namespace) for h, e in zip(hashes, entries)]
         if entries:

@@ -1,7 +1,8 @@
 """The disk tier of a spill store: an index of group files with a byte budget, LRU by file.
 
 A file's recency is the last touch of any of its blocks; eviction drops whole files (evicting
-single blocks of a partly live file would free no bytes). The index is rebuilt from the file
+single blocks of a partly live file would free no bytes), the least recently used file of the
+tenant holding the most bytes first (``fair_lru``; a file holds one namespace's blocks). The index is rebuilt from the file
 headers on construction, so a restarted spill node keeps its disk hits. Not thread-safe: the
 owning ``SpillStore`` serializes calls.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import TypeVar
 import numpy as np
 
 from cache_node.tiers import spill_format as fmt
+from cache_node.tiers.fair_lru import FairLRU, holder_of
 from cache_node.tiers.spill_format import BlockFormat, SpillCorruptError, SpillFormatMismatch
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,9 @@ class DiskTier:
         self._counters = counters
         self.index: dict[bytes, str] = {}  # block_hash -> file name
         self.tokens: dict[bytes, bytes] = {}  # block_hash -> its token_bytes (b"": unknown)
-        self._files: OrderedDict[str, _SpillFile] = OrderedDict()  # LRU first
+        # file name -> file, per tenant in LRU order (regression: one LRU over all tenants let
+        # one tenant's writes delete every other tenant's files)
+        self._files: FairLRU[str, _SpillFile] = FairLRU()
         self.bytes_used = 0
         self._rebuild()
 
@@ -118,7 +122,7 @@ class DiskTier:
         return sorted(done)
 
     def touch(self, block_hash: bytes) -> None:
-        self._files.move_to_end(self.index[block_hash])
+        self._files.touch(self.index[block_hash])
 
     def flush(self) -> None:
         """Drop every file, including files in ``root_dir`` not in the index."""
@@ -140,11 +144,13 @@ class DiskTier:
             logger.warning("spill write %s failed, %d blocks dropped: %s", path, len(hashes), exc)
             self._counters["io_errors"] += 1
             return
-        self._add_file(name, path, size_bytes, dict(zip(hashes, tokens)))
+        self._add_file(name, path, size_bytes, dict(zip(hashes, tokens)), namespace)
 
-    def _add_file(self, name: str, path: Path, size_bytes: int, blocks: dict[bytes, bytes]) -> None:
-        """Index a file's ``blocks`` (block_hash -> token_bytes)."""
-        self._files[name] = _SpillFile(path, size_bytes, set(blocks))
+    def _add_file(
+        self, name: str, path: Path, size_bytes: int, blocks: dict[bytes, bytes], namespace: str
+    ) -> None:
+        """Index a file's ``blocks`` (block_hash -> token_bytes) of ``namespace``."""
+        self._files.put(name, _SpillFile(path, size_bytes, set(blocks)), holder_of(namespace), size_bytes)
         self.bytes_used += size_bytes
         for block_hash, tokens in blocks.items():
             self.index[block_hash] = name
@@ -152,8 +158,8 @@ class DiskTier:
             self._emit("stored", block_hash, TIER_DISK)
 
     def _evict_over_budget(self) -> None:
-        while self._files and self.bytes_used > self.budget_bytes:
-            self._drop_file(next(iter(self._files)))
+        for name in self._files.victims(self.bytes_used - self.budget_bytes):
+            self._drop_file(name)
             self._counters["evicted_files"] += 1
 
     def _drop_file(self, name: str) -> None:
@@ -187,7 +193,7 @@ class DiskTier:
                            path, READ_ATTEMPTS, exc)
             self._counters["io_errors"] += 1
             return False
-        self._files.move_to_end(name)
+        self._files.touch(name)
         return True
 
     def _read_into(self, path: Path, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> None:
@@ -249,7 +255,7 @@ class DiskTier:
         if not live:
             fmt.remove_file(path)  # every block is held by an older file
             return
-        self._add_file(path.name, path, header.file_bytes, live)
+        self._add_file(path.name, path, header.file_bytes, live, header.namespace)
 
     def _quarantine(self, path: Path, exc: SpillCorruptError) -> None:
         """Count a verified corruption and move the file aside (never deleted)."""

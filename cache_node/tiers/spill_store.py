@@ -1,9 +1,11 @@
 """SpillStore: a content-addressed KV block store in RAM, then on disk.
 
-``put`` fills the RAM tier (LRU, byte budget); past the budget, LRU blocks are
-demoted in batches to disk group files (``spill_format``), kept by ``DiskTier``
-(``spill_disk``: whole files evicted LRU, index rebuilt from file headers on
-construction, so a restart keeps disk hits). Disk hits are not promoted to RAM:
+``put`` fills the RAM tier (byte budget); past the budget, blocks are demoted in batches to
+disk group files (``spill_format``), kept by ``DiskTier`` (``spill_disk``: whole files
+evicted, index rebuilt from file headers on construction, so a restart keeps disk hits). Both
+tiers evict the least recently used of the tenant (cache namespace without its salt) holding
+the most first (``fair_lru``): one tenant streaming new blocks pushes out its own, not
+another's, while it holds more than they do. Disk hits are not promoted to RAM:
 the caller keeps what it reads.
 
 Every block keeps the token ids it was put with (RAM entry, group file header); a ``get``
@@ -14,7 +16,7 @@ tiers check tokens on every hit: a block key is a hash, and a hash is not proof 
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cache_node.tiers import spill_format as fmt
+from cache_node.tiers.fair_lru import FairLRU, holder_of
 from cache_node.tiers.spill_disk import TIER_DISK, DiskTier
 from cache_node.tiers.spill_format import BlockFormat
 
@@ -100,7 +103,9 @@ class SpillStore:
         self.max_blocks_per_file = max_blocks_per_file
         self._demote_target_bytes = int(ram_bytes * demote_low_watermark)
         self._lock = threading.RLock()
-        self._ram: OrderedDict[bytes, _RamEntry] = OrderedDict()
+        # Regression: one LRU over every tenant let a tenant streaming new blocks demote (and
+        # on disk, delete) the others'; eviction takes the largest holder's LRU first.
+        self._ram: FairLRU[bytes, _RamEntry] = FairLRU()
         self._events: deque[SpillEvent] = deque(maxlen=max_events)
         self._counters: Counter[str] = Counter()
         with self._lock:
@@ -132,7 +137,7 @@ class SpillStore:
                 if self._touch(block_hash):
                     continue
                 block = np.array(blocks[i], copy=True)
-                self._ram[block_hash] = _RamEntry(block, namespace, tokens[i])
+                self._ram.put(block_hash, _RamEntry(block, namespace, tokens[i]), holder_of(namespace))
                 self._emit(EVENT_STORED, block_hash, TIER_RAM)
                 stored += 1
             self._demote_if_over_budget()
@@ -161,7 +166,7 @@ class SpillStore:
                 if asked is not None and not self._tokens_match(block_hash, asked[i]):
                     continue
                 if block_hash in self._ram:
-                    self._ram.move_to_end(block_hash)
+                    self._ram.touch(block_hash)
                     out[i] = self._ram[block_hash].block
                     tiers[i] = TIER_RAM
                 elif block_hash in self._disk:
@@ -230,9 +235,9 @@ class SpillStore:
             self._demote(self._demote_target_bytes)
 
     def _demote(self, target_bytes: int) -> None:
-        victims: _Victims = []
-        while self._ram and self._ram_bytes() > target_bytes:
-            victims.append(self._ram.popitem(last=False))
+        over = self._ram_bytes() - target_bytes
+        need = -(-over // self.block_format.block_nbytes) if over > 0 else 0
+        victims: _Victims = [(h, self._ram.pop(h)) for h in self._ram.victims(need)]
         by_namespace: dict[str, _Victims] = {}
         for block_hash, entry in victims:
             self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
@@ -266,7 +271,7 @@ class SpillStore:
 
     def _touch(self, block_hash: bytes) -> bool:
         if block_hash in self._ram:
-            self._ram.move_to_end(block_hash)
+            self._ram.touch(block_hash)
         elif block_hash in self._disk:
             self._disk.touch(block_hash)
         return self._tier_of(block_hash) is not None
