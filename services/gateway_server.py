@@ -17,7 +17,7 @@ from cache_node.model_loader import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.actor_refs import resolve
 from services.auth import Authenticator
-from services.chat import ChatTemplater
+from services.chat import ChatTemplater, encode_text
 from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
@@ -119,7 +119,7 @@ class Gateway:
             def encode(text: str) -> list[int]:  # a text that can never fit is refused untokenized
                 if templater is not None:
                     templater.check_fits(len(text), room)
-                return tokenizer(text, add_special_tokens=False).input_ids
+                return encode_text(tokenizer, text)
             self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
                                                          self.monitor.num_healthy)),
                                    self.http_forwarded_allow_ips)
