@@ -33,8 +33,6 @@ import ray
 import torch
 
 from cache_node.config import EngineConfig
-from cache_node.engine import LLMEngine
-from cache_node.model_loader import load_model
 from cache_node.policies.base import PolicyEnv
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
@@ -96,6 +94,12 @@ class CacheNode(Streams, Commands, Health, Admin):
         session_ttl_s: float = 900.0, scheduler: str = "fcfs", spill: SpillClient | None = None,
         security: Security | None = None,
     ) -> None:
+        # Regression: imported with this module, transformers' modeling (and torch._dynamo,
+        # ~10 s of a 17-20 s import on a loaded machine) was paid by every process importing
+        # it, the launcher included; only a node building its engine needs it
+        from cache_node.engine import LLMEngine
+        from cache_node.model_loader import load_model
+
         if num_threads:
             torch.set_num_threads(num_threads)
         self.node_id = node_id

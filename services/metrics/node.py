@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cache_node.tiers.manager import TIERS
 from services.metrics.requests import PREFIX
 
 TRANSFERS = (  # (metric stem, the tier counter in blocks)
@@ -49,6 +48,9 @@ class NodeMetrics(Collector):
 
     def __init__(self, node_id: str, stats: Callable[[], dict[str, Any]], preemptions: Callable[[], int],
                  block_nbytes: int) -> None:
+        # imports torch: here, not in every importer of this package (a spill node needs none)
+        from cache_node.tiers.manager import TIERS
+
         self.node_id, self.stats, self.preemptions, self.block_nbytes = node_id, stats, preemptions, block_nbytes
         self.registry = CollectorRegistry()
         self.queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
