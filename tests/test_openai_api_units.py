@@ -168,8 +168,8 @@ def test_completion_prompt_forms() -> None:
     assert CompletionRequest(model="m", prompt="ab cde").to_input(encode).prompt == [2, 3]
     assert CompletionRequest(model="m", prompt=[[5, 6]]).to_input(encode).prompt == [5, 6]
     assert CompletionRequest(model="m", prompt="a").to_input(encode).sampling.max_tokens == 16  # OpenAI's default
-    with pytest.raises(ValueError, match="^prompt: only one prompt"):
-        CompletionRequest(model="m", prompt=["a", "b"]).to_input(encode)
+    with pytest.raises(ValueError, match="only one prompt per request is supported, got 2"):
+        CompletionRequest(model="m", prompt=["a", "b"])  # refused before either is validated
     with pytest.raises(ValueError, match="^echo:"):
         CompletionRequest(model="m", prompt="a", echo=True).to_input(encode)
 
