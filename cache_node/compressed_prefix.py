@@ -28,8 +28,8 @@ blocks (with idle sessions, ``LLMEngine._unpin_idle_sessions``), freeing their b
 charge blocks, and their host slots once no fork holds them either.
 A preempted request recomputes its prompt (its copy is gone with its blocks): up to the
 prefix, compressed there as its producer did (and stored again if the entry was evicted
-meanwhile), then the rest (``Sequence.restart``); a preempted session turn recomputes its
-whole prompt. A prefix of the whole prompt (N = prompt length) is stored
+meanwhile), then the rest (``Sequence.restart``); a preempted session turn recomputes only
+its own tokens, over the history KV its session kept (``cache_node.sessions``). A prefix of the whole prompt (N = prompt length) is stored
 but not forked by a request of that same length: it would have no token to sample from.
 """
 

@@ -89,7 +89,7 @@ class LLMEngine(EngineTiersMixin):
         self.kv_manager = KVCacheManager(num_blocks - scratch, config.block_size, hash_fn)
         self.scheduler = Scheduler(config, self.kv_manager)
         self.scheduler.max_seq_tokens = self.max_model_len
-        self.scheduler.reclaim = self._unpin_idle_sessions
+        self.scheduler.reclaim = self._reclaim
         self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config,
                                   (num_blocks - 1) * config.block_size if scratch else None)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
@@ -322,6 +322,30 @@ class LLMEngine(EngineTiersMixin):
             if session_id is None:
                 return
             self.demote_session(session_id)
+
+    def _reclaim(self, need: int) -> None:
+        """The scheduler's last resort for blocks (``Preemption._free_held_elsewhere``: a
+        lone running sequence short of them, or the queue's head when nothing runs): idle
+        sessions and compressed prefixes (``_unpin_idle_sessions``), then the history KV that
+        sessions keep for their running turns (``Sequence.kept``). A waiting turn whose kept
+        history goes frees what it was lent and will compute its whole prompt, as every
+        preempted turn did before sessions kept histories.
+
+        Regression guard: a kept history holds the blocks that the scheduler freed here
+        before (a waiting turn's, lent again by ``Sequence.restart``), so keeping them must
+        not cost a request that needs them its progress.
+        """
+        self._unpin_idle_sessions(need)
+        pool = self.kv_manager.pool
+        for seq in list(self.requests.values()):
+            if pool.num_free_blocks() >= need:
+                return
+            if seq.kept is None:
+                continue
+            seq.kept.drop()
+            if seq.status is SequenceStatus.WAITING and seq.block_table:
+                self.kv_manager.free(seq)
+                seq.restart()
 
     def _reclaim_host(self, need: int) -> None:
         """A policy's host-tier reservation of ``need`` slots does not fit: drop the policy

@@ -259,6 +259,12 @@ class SequenceKV:
         self.charge_blocks += got
         self.charge_debt = missing - len(got)
 
+    def hand_charge_over(self) -> None:
+        """Give the charge blocks back: a fork running from this state pays for the bytes
+        the two share (a session's kept history: ``cache_node.sessions``)."""
+        self.block_pool.free(self.charge_blocks[::-1])
+        self.charge_blocks, self.charge_debt = [], 0
+
     def pay_debt(self, blocks: list[KVBlock]) -> None:
         """Take ``blocks`` (``charge_debt`` of them, freshly allocated) as charge blocks."""
         self.charge_blocks += blocks
@@ -298,7 +304,7 @@ class SequenceKV:
         too full for copy-on-write (nothing changes)."""
         L = self.pool.num_layers
         m = max(len(p.keep) for p in plans)
-        if not can_rewrite(self.block_pool, self.seq, m, self.pool.block_size):
+        if not self.can_rewrite(m):
             return False
         valid = [(self.positions[layer] >= 0).nonzero().squeeze(1) for layer in range(L)]
         dev = self.pool.kv.device
@@ -341,6 +347,23 @@ class SequenceKV:
             if len(slots):
                 kv = self.pool.kv[layer, :, pool_slots[slots]].transpose(0, 1)  # (n, 2, H_kv, d)
                 cold.append(layer, kv, self.positions[layer, slots])
+
+    def can_rewrite(self, num_slots: int) -> bool:
+        """The pool has the blocks a rewrite of the first ``num_slots`` slots needs
+        (``compaction.can_rewrite``). When short, a session turn first frees the history KV
+        its session keeps for it (``Sequence.kept``): its blocks are then its own, rewritten
+        in place.
+
+        Regression: the kept history's blocks, shared with the turn, had to be copied on
+        write; on a full pool the turn's compaction was skipped and it decoded other tokens
+        than when its session kept nothing.
+        """
+        if can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size):
+            return True
+        if self.seq.kept is None:
+            return False
+        self.seq.kept.drop()
+        return can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size)
 
     def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor,
                    dense: bool = False) -> None:

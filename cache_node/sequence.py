@@ -5,12 +5,26 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from cache_node.block import KVBlock
 from cache_node.sampling_params import SamplingParams
+
+
+class KeptHistory(Protocol):
+    """A session's history KV kept while one of its turns runs from it
+    (``cache_node.sessions.SessionKept``)."""
+
+    def lend(self, seq: Sequence) -> bool:
+        """Give ``seq`` the history's KV again (after it lost its own); False when it cannot."""
+
+    def num_blocks_beside(self, seq: Sequence) -> int:
+        """Pool blocks the kept history holds that ``seq``'s block table does not."""
+
+    def drop(self) -> None:
+        """Free the kept history (a ``seq`` that loses its KV then recomputes it all)."""
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +73,9 @@ class Sequence:
         isolate_at: where a step of this sequence failed in the runner with no request named
             (``LLMEngine._recover``): no step in a batch crosses it, and the engine computes
             from it alone; None when no such step is pending.
+        kept: a session turn under a compressing policy: its session's history KV, which the
+            session keeps while the turn runs, so that a turn that lost its KV (``restart``)
+            continues from the history again (``cache_node.sessions``); None otherwise.
     """
 
     request_id: str
@@ -91,6 +108,7 @@ class Sequence:
     prefix_stop: int = 0
     prefix_tokens: int = 0
     isolate_at: int | None = None
+    kept: KeptHistory | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -140,14 +158,21 @@ class Sequence:
 
     def restart(self) -> None:
         """Its KV is gone (preempted, or its waiting blocks taken): compute again from token
-        0. A request that reused a compressed prefix stops at the prefix again, where it is
-        compressed and stored as its producer did (``CompressedPrefixCache.store``).
+        0, or, for a session turn whose session kept its history's KV (``kept``), from the
+        history's end, over that KV as it was when the turn started. A request that reused a
+        compressed prefix stops at the prefix again, where it is compressed and stored as its
+        producer did (``CompressedPrefixCache.store``).
 
         Regression: a preempted fork of a compressed prefix recomputed its whole prompt and
         compressed it at the prompt's end, with the question seen: it kept other KV and
         decoded other tokens than the same request never preempted.
         """
         self.num_computed_tokens = 0
+        # Regression: a preempted session turn under a compressing policy recomputed the whole
+        # history with its own prompt, compressed at once, and decoded other tokens than never
+        # preempted; it restarts from the history KV its session kept (``kept``).
+        if self.kept is not None and self.kept.lend(self):
+            return
         if self.prefix_tokens and not self.prefix_stop:
             self.prefix_stop = self.prefix_tokens
 
@@ -159,6 +184,8 @@ class Sequence:
     @property
     def num_held_blocks(self) -> int:
         """Pool blocks the sequence holds: its block table plus the blocks charged for what its
-        KV policy keeps outside the pool (``SequenceKV.charge_blocks``)."""
-        return len(self.block_table) + (len(self.kv.charge_blocks) if self.kv is not None else 0)
+        KV policy keeps outside the pool (``SequenceKV.charge_blocks``), plus those of its
+        session's history that the session keeps for it (``kept``) beside them."""
+        held = len(self.block_table) + (len(self.kv.charge_blocks) if self.kv is not None else 0)
+        return held + (self.kept.num_blocks_beside(self) if self.kept is not None else 0)
 

@@ -7,10 +7,19 @@ turn of the same policy whose prompt extends the history continues from it: it p
 its new tokens, which attend through the policy over the kept state and are compressed as any
 prefill is. A turn that does not extend the history, or names another policy, falls back to
 prefilling the whole history (``SessionTable.num_fallbacks``).
+
+While such a turn (under a compressing policy) runs, the session keeps the history's KV: its
+blocks (shared with the turn, which copies them on its first compaction) and its policy state
+(the turn runs from a fork: ``SequenceKV.fork``). A turn that loses its KV (preempted, or its
+waiting blocks taken) restarts from that history (``Sequence.restart``, ``SessionKept``), so
+it recomputes only its own tokens and decodes as never preempted; an aborted turn leaves the
+history as it was, KV included. Only the engine's last resort for blocks drops a kept history
+(``SessionKept.drop``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,6 +30,8 @@ from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,7 +44,8 @@ class Session:
     turn's policy state (None under the full cache) under policy spec ``policy``; when it is
     compacted, ``blocks`` hold its layout (``num_evicted_tokens`` of the computed tokens are
     no longer in them) and its charge blocks stay held, so the pool and the tenant still pay
-    for what the policy keeps while the session is idle.
+    for what the policy keeps while the session is idle. ``kept_for``: the running turn under
+    a compressing policy that borrows ``blocks`` and ``kv`` while the session keeps them.
     """
 
     session_id: str
@@ -46,6 +58,7 @@ class Session:
     kv: SequenceKV | None = None
     policy: str = ""
     num_evicted_tokens: int = 0
+    kept_for: Sequence | None = None
 
     @property
     def num_held_blocks(self) -> int:
@@ -86,43 +99,85 @@ class SessionTable:
         extends = seq.prompt_token_ids[: len(history)] == history and len(seq.prompt_token_ids) > len(history)
         if sess.compacted:
             if extends and seq.policy == sess.policy:
-                self._continue_policy_state(sess, seq)
+                if self._keep_for(sess, seq):
+                    self.num_policy_continuations += 1
                 return
             self.num_fallbacks += 1
         elif sess.blocks and extends:
             self._drop_kv(sess)  # plain KV: any policy may attend it
+            if seq.kv is not None:  # a compressing policy: its turn must restart from it
+                self._keep_for(sess, seq)
+                return
             seq.block_table, sess.blocks = sess.blocks, []
             seq.num_computed_tokens = sess.num_computed_tokens
             seq.num_cached_tokens = sess.num_computed_tokens
             return
         self._release(sess)
 
-    def _continue_policy_state(self, sess: Session, seq: Sequence) -> None:
-        """Hand the session's compacted policy state and its blocks to ``seq``: the turn's
-        fresh ``SequenceKV`` is replaced by the kept one, whose budget is recomputed from the
-        new prompt at its end (``SequenceKV.after_step``), as a from-scratch turn's would be."""
-        kv = sess.kv
-        assert kv is not None
-        kv.seq, seq.kv = seq, kv
-        kv.budget = None
-        seq.block_table, sess.blocks, sess.kv = sess.blocks, [], None
+    def _keep_for(self, sess: Session, seq: Sequence) -> bool:
+        """Keep the session's history KV while ``seq`` runs from it (``lend``). False when
+        the policy could not fork the state: the history is dropped and ``seq`` computes its
+        whole prompt.
+
+        Regression: the turn took the history's blocks and policy state over; preempted, it
+        lost them and recomputed the whole history with its own prompt, compressed at once
+        (with the new turn in view), so it decoded other tokens than never preempted.
+        """
+        sess.kept_for, seq.kept = seq, SessionKept(self, sess)
+        return self.lend(sess, seq)
+
+    def lend(self, sess: Session, seq: Sequence) -> bool:
+        """Give ``seq`` (holding no blocks) one more reference on each of the session's blocks
+        and, when the session keeps a policy state, a fork of it whose budget is recomputed
+        from the turn's prompt at its end (``SequenceKV.after_step``), as a from-scratch
+        turn's would be; ``seq`` continues from the history's end. The fork takes the kept
+        state's charge blocks over (it shares the bytes they pay for) until the turn ends.
+        False (the kept history dropped, ``seq`` holding nothing of it) when the policy's
+        ``fork`` raised."""
+        pool = self.kv_manager.pool
+        kv = None
+        pool.touch(sess.blocks)
+        seq.block_table = list(sess.blocks)
+        try:
+            if sess.kv is not None:
+                sess.kv.hand_charge_over()  # the fork pays for the bytes they share
+                kv = sess.kv.fork(seq)  # (its num_evicted_tokens is the session's, set below)
+                kv.budget = None
+                kv.settle_charge()
+        except Exception:
+            log.exception("session %s: request %s could not fork the kept history", sess.session_id,
+                          seq.request_id)
+            if kv is not None:
+                kv.reset()
+            pool.free(seq.block_table[::-1])
+            seq.block_table, seq.num_evicted_tokens = [], 0
+            self._release(sess)
+            return False
+        if kv is not None:
+            seq.kv = kv
         seq.num_computed_tokens = seq.num_cached_tokens = sess.num_computed_tokens
         seq.num_evicted_tokens = sess.num_evicted_tokens
-        self.num_policy_continuations += 1
+        return True
 
     def detach(self, seq: Sequence, aborted: bool) -> bool:
         """End a turn. Returns True when the session took over the sequence's blocks.
 
         A finished turn becomes the new history: its blocks stay pinned, with its policy state
         (``seq.kv``, compacted or not) when it ran under one. An aborted turn leaves the history
-        as it was and its blocks (and any policy state it continued from) go back to the pool:
-        the next turn prefills the whole history.
+        as it was: its blocks go back to the pool, and the next turn continues from the history
+        KV the session kept for it (a turn under a compressing policy), else prefills the whole
+        history.
         """
         sess = self.sessions.get(seq.session_id or "")
         if sess is None:
             return False
         sess.active_request = None
         sess.last_used_s = time.monotonic()
+        if sess.kept_for is seq:
+            sess.kept_for = seq.kept = None
+            if aborted and sess.kv is not None:  # the history pays for its state again
+                self.kv_manager.free(seq)
+                sess.kv.settle_charge()
         if aborted:
             if not sess.token_ids and not sess.blocks:  # its first turn: nothing to keep
                 # (a fresh-user trial: sessions of aborted first turns stayed open, empty,
@@ -136,6 +191,10 @@ class SessionTable:
         sess.blocks, seq.block_table = seq.block_table, []
         sess.kv, seq.kv, sess.policy = seq.kv, None, seq.policy
         return True
+
+    def drop_history(self, sess: Session) -> None:
+        """Free the history KV ``sess`` keeps (its turn holds its own references)."""
+        self._release(sess)
 
     def close(self, session_id: str) -> int:
         """Free a session. Returns the number of history tokens it held (0 when unknown)."""
@@ -187,6 +246,8 @@ class SessionTable:
         return old
 
     def _release(self, sess: Session) -> None:
+        if sess.kept_for is not None:  # its running turn restarts from scratch now
+            sess.kept_for.kept = sess.kept_for = None
         self._drop_kv(sess)
         self.kv_manager.pool.free(list(reversed(sess.blocks)))
         sess.blocks = []
@@ -198,3 +259,26 @@ class SessionTable:
         if sess.kv is not None:
             sess.kv.reset()
             sess.kv = None
+
+
+class SessionKept:
+    """The history KV a session keeps while its turn runs from it (``Sequence.kept``)."""
+
+    def __init__(self, table: SessionTable, sess: Session) -> None:
+        self.table, self.sess = table, sess
+
+    def lend(self, seq: Sequence) -> bool:
+        """``seq`` lost its KV: continue from the kept history again (``SessionTable.lend``)."""
+        return self.table.lend(self.sess, seq)
+
+    def num_blocks_beside(self, seq: Sequence) -> int:
+        """Blocks the kept history holds that ``seq`` does not share: those its compaction
+        copied on write, and the kept policy state's charge blocks."""
+        shared = {id(b) for b in seq.block_table}
+        charge = len(self.sess.kv.charge_blocks) if self.sess.kv is not None else 0
+        return sum(1 for b in self.sess.blocks if id(b) not in shared) + charge
+
+    def drop(self) -> None:
+        """Free the kept history (the engine's last resort for blocks): a turn that loses its
+        KV after this recomputes its whole prompt."""
+        self.table.drop_history(self.sess)

@@ -207,3 +207,56 @@ def test_preempted_fork_of_a_compressed_prefix_decodes_as_never_preempted(tiny, 
     assert out.output_token_ids == ref
     assert eng.prefixes.stats()["compressed_prefixes"] == 1  # stored again once evicted
     eng.check_integrity()
+
+
+SESSION_PREEMPT_POLICIES = ["h2o-0.25", "snapkv-0.5", "gkv-0.25", "spindlekv-0.25", "sentencekv-0.25",
+                            "streaming-0.25", "quant-bits_4"]
+
+
+def run_session(eng: LLMEngine, policy: str, turns: list[list[int]], sp: SamplingParams,
+                preempt: tuple[int, int] | None = None) -> list[tuple[int, ...]]:
+    """``turns`` (each turn's new tokens) as one session under ``policy``; ``preempt`` = (turn,
+    n): that turn is preempted once it computed ``n`` tokens past its session's history (n <=
+    its new tokens: in its prefill) or, for larger n, once it sampled ``n - new`` tokens."""
+    history: list[int] = []
+    outs = []
+    for k, new in enumerate(turns):
+        rid = eng.add_request(history + new, sp, session_id="s", tenant="a", policy=policy)
+        seq, out = eng.requests[rid], None
+        if preempt is not None and preempt[0] == k:
+            start, n = seq.num_computed_tokens, preempt[1]
+            assert k == 0 or start == len(history) - 1  # continues from the kept history
+            while (len(seq.output_token_ids) < n - len(new) if n > len(new)
+                   else seq.num_computed_tokens - start < n):
+                eng.step()
+            eng.scheduler.preempt(seq)
+            eng.check_integrity()
+        while eng.has_unfinished_requests():
+            out = next((o for o in eng.step() if o.finished), out)
+        assert out is not None and out.num_preemptions == (preempt is not None and preempt[0] == k)
+        history = history + new + list(out.output_token_ids)
+        outs.append(out.output_token_ids)
+    return outs
+
+
+@pytest.mark.parametrize("policy", SESSION_PREEMPT_POLICIES)
+@pytest.mark.parametrize("preempt", [(1, 40), (1, 75), (2, 12)])
+def test_preempted_session_turn_decodes_as_never_preempted(tiny, policy, preempt) -> None:
+    """Regression: a later turn of a session under a compressing policy, continuing from the
+    history's kept (compressed) KV, lost that history with its blocks when preempted, and
+    recomputed its whole prompt (history and new tokens) at once, compressing it at the
+    prompt's end with the new turn in view: it decoded other tokens than the same session
+    never preempted (and so did the turns after it). Now the session keeps its history's KV
+    while a turn runs, and a preempted turn restarts from it: only the new turn's part
+    recomputes. ``preempt``: (turn, n) as in ``run_session`` (turn 1 mid-prefill, after its first
+    chunk, turn 1 after 5 output tokens, turn 2 after 2)."""
+    rng = random.Random(3)
+    turns = [[rng.randrange(1, 400) for _ in range(n)] for n in (90, 70, 10)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = run_session(make_engine(tiny), policy, turns, sp)
+    eng = make_engine(tiny)
+    assert run_session(eng, policy, turns, sp, preempt) == ref
+    eng.check_integrity()
+    eng.close_session("s")
+    eng.check_integrity()
+    assert eng.stats()["used_blocks"] == 0 and eng.stats()["policy_blocks"] == 0

@@ -231,31 +231,45 @@ def test_sentencekv_session_over_a_wikipedia_document(real_model) -> None:
     eng.check_integrity()
 
 
-def test_preempted_continuation_prefills_the_history_again(tiny) -> None:
-    """A continued turn that is preempted loses the kept state with its blocks (nothing of it
-    may leak or be attended half-freed): it re-queues, prefills its prompt and the token it
-    already sampled (from the continued state, as an unpreempted continuation samples it) from
-    scratch, finishes, and the session still closes clean."""
+def test_preempted_continuation_restarts_from_the_kept_history(tiny) -> None:
+    """A continued turn that is preempted loses its own blocks and policy state (nothing of
+    them may leak or be attended half-freed) but not the history's: the session keeps that
+    while the turn runs, so the turn re-queues holding it again (shared blocks, a fresh fork
+    of the kept state), recomputes only its own tokens and answers exactly as never
+    preempted; the session still closes clean.
+
+    Regression: it prefilled the whole history again with its prompt, compressed at once
+    with the new turn in view, and decoded other tokens (tests/test_engine_soak.py has every
+    compressing policy)."""
     turns, spec = [prompt_of(300), prompt_of(9, 1)], "sentencekv-0.25"
     ref, _, _ = session_turns(make_engine(tiny), spec, turns, max_tokens=3)
     eng = make_engine(tiny)
     t1 = eng.generate([turns[0]], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
                       policy=spec)[0]
     p2 = turns[0] + list(t1.output_token_ids) + turns[1]
+    sess = eng.sessions.sessions["s"]
+    kept_blocks, kept_kv = list(sess.blocks), sess.kv
     rid = eng.add_request(p2, SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
                           policy=spec)
     eng.step()
     seq = eng.requests[rid]
     assert seq.kv is not None and seq.kv.compacted and seq.output_token_ids == ref[1][:1]
+    assert sess.blocks == kept_blocks and sess.kv is kept_kv and seq.kept is not None
+    held = eng.held_by_tenant()["a"]["blocks"]
+    assert held == eng.stats()["used_blocks"] == seq.num_held_blocks  # the kept history counts
+    counts = count_prefill(eng)
     eng.scheduler.preempt(seq)
-    assert seq.block_table == [] and seq.kv.charge_blocks == [] and seq.num_evicted_tokens == 0
+    assert seq.block_table == kept_blocks and all(b.ref_cnt == 2 for b in kept_blocks)
+    assert seq.kv is not kept_kv and seq.num_computed_tokens == len(p2) - 1 - len(turns[1])
+    assert seq.num_evicted_tokens == sess.num_evicted_tokens > 0
     eng.check_integrity()
     out = None
     while eng.has_unfinished_requests():
         for o in eng.step():
             out = o if o.finished else out
-    assert out is not None and out.num_preemptions == 1 and out.output_token_ids[0] == ref[1][0]
-    assert len(out.output_token_ids) == 3
+    assert out is not None and out.num_preemptions == 1 and list(out.output_token_ids) == ref[1]
+    assert sum(counts) == 1 + len(turns[1]) + 2  # its own tokens, the first output, 1 decode
+    assert eng.sessions.sessions["s"].kept_for is None and eng.sessions.sessions["s"].kv is not kept_kv
     eng.close_session("s")
     assert eng.stats()["used_blocks"] == 0
     eng.check_integrity()
@@ -346,4 +360,74 @@ def test_idle_holders_give_their_host_slots_to_a_running_request(tiny) -> None:
     got, stats = tenant_b(eng)
     assert got == alone and "dropped_tokens" not in stats
     assert eng.stats()["host_reclaims"] > 0 and eng.stats()["policy_dropped_tokens"] == 0
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize(("spec", "free", "copied"), [("h2o-0.25", 2, False), ("sentencekv-0.25", 2, True)])
+def test_kept_history_gives_way_to_its_turns_compaction_on_a_full_pool(tiny, spec: str, free: int,
+                                                                       copied: bool) -> None:
+    """The history a session keeps for its running turn shares its blocks with the turn,
+    whose compaction copies them on write; on a pool too full for the copies the session
+    drops its kept history instead (the turn's blocks are then its own, rewritten in place)
+    and the turn compacts and answers as on an empty pool. A preemption after that
+    recomputes the whole prompt, as before sessions kept histories.
+
+    Regression (of keeping the history): the copy found no free blocks, the turn's compaction
+    was skipped, and it decoded other tokens than on an empty pool."""
+    turns = [prompt_of(300), prompt_of(9, 1)]
+    ref, _, _ = session_turns(make_engine(tiny), spec, turns, max_tokens=4)
+    eng = make_engine(tiny)
+    t1 = eng.generate([turns[0]], SamplingParams(max_tokens=4, ignore_eos=True), session_id="s", tenant="a",
+                      policy=spec)[0]
+    assert list(t1.output_token_ids) == ref[0]
+    pool = eng.kv_manager.pool
+    filler = pool.allocate(pool.num_free_blocks() - free)  # room to grow, maybe none to copy the history
+    rid = eng.add_request(turns[0] + ref[0] + turns[1], SamplingParams(max_tokens=4, ignore_eos=True),
+                          session_id="s", tenant="a", policy=spec)
+    seq = eng.requests[rid]
+    assert seq.kept is not None
+    out, kept = None, []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.finished else out
+        kept.append(seq.kept is not None)
+    assert out is not None and out.num_preemptions == 0 and list(out.output_token_ids) == ref[1]
+    assert kept[0] is copied  # after the step that compacted: kept (copied on write) or dropped
+    assert seq.kept is None and eng.sessions.sessions["s"].kept_for is None
+    pool.free(filler)
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("spec", ["h2o-0.25", "quant-bits_4"])
+def test_aborted_continuation_leaves_the_kept_history_for_the_next_turn(tiny, spec: str) -> None:
+    """A continued turn aborted mid-decode gives back only its own blocks and state: the
+    session still holds the history's KV (blocks and the policy state, which pays its charge
+    blocks again), and the next turn continues from it as if the aborted turn never ran."""
+    turns = [prompt_of(300), prompt_of(9, 1)]
+    ref, _, _ = session_turns(make_engine(tiny), spec, turns, max_tokens=3)
+    eng = make_engine(tiny)
+    t1 = eng.generate([turns[0]], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy=spec)[0]
+    sess = eng.sessions.sessions["s"]
+    idle_blocks = eng.stats()["used_blocks"]
+    assert idle_blocks == sess.num_held_blocks
+    p2 = turns[0] + list(t1.output_token_ids) + prompt_of(20, 2)
+    rid = eng.add_request(p2, SamplingParams(max_tokens=8, ignore_eos=True), session_id="s", tenant="a",
+                          policy=spec)
+    while len(eng.requests[rid].output_token_ids) < 2:
+        eng.step()
+    assert eng.abort_request(rid)
+    eng.step()
+    assert sess.active_request is None and sess.kept_for is None and sess.kv is not None
+    assert eng.stats()["used_blocks"] == sess.num_held_blocks == idle_blocks  # charge blocks again
+    eng.check_integrity()
+    p3 = turns[0] + list(t1.output_token_ids) + turns[1]
+    t3 = eng.generate([p3], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy=spec)[0]
+    assert list(t3.output_token_ids) == ref[1] and t3.num_cached_tokens == len(p3) - 1 - len(turns[1])
+    assert eng.sessions.num_policy_continuations == 2
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0 and eng.stats()["policy_blocks"] == 0
     eng.check_integrity()

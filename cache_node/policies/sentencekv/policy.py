@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache_node.attention_stats import StatsNeeds
-from cache_node.compaction import can_rewrite, gather_kv
+from cache_node.compaction import gather_kv
 from cache_node.kv_pool import KVPool
 from cache_node.policies.base import Policy, protected_mask
 from cache_node.policies.quant import channel_group
@@ -356,7 +356,7 @@ class SentenceKV(Policy):
         if not len(demote):
             return False  # only sinks and window: nothing to demote
         L = state.pool.num_layers
-        if not can_rewrite(state.block_pool, state.seq, len(keep), bs):
+        if not state.can_rewrite(len(keep)):
             return False
         fit_sketch = store.sketch is not None and store.sketch.rank and store.sketch.basis is None
         fit_scale = store.codes is not None and store.codes.use_key_scale and store.codes.key_scale is None
