@@ -5,6 +5,12 @@
   key forgets the cached admin key alone (``forget_admin``).
 - A key that failed is remembered for ``_CACHE_TTL_S`` and refused with UNAUTHENTICATED
   without asking the scheduler.
+- A key that does not match ``tenants.keys.KEY_PATTERN`` (a missing one included) is refused
+  with UNAUTHENTICATED without asking the scheduler: it cannot be anyone's key.
+- The key id of a key that passed is *known* here for ``_KNOWN_ID_TTL_S`` with that key's
+  fingerprint (a key id is the primary key of the store's keys, and every key, rotated ones
+  too, gets a fresh random id, so an id has one secret). Another secret for a known id is
+  refused here without asking the scheduler (counted for its address and key id, as below).
 - At most ``failures_per_peer_key`` failed checks per (client address, key id, role) in any
   ``failure_window_s``. Past that the address is over its limit for that key id: a key of that
   id is still checked, but with ``allow_pbkdf2=False`` (``tenants.store``: a SHA-256 row costs
@@ -12,16 +18,30 @@
   the scheduler started), and one that does not pass is refused with RESOURCE_EXHAUSTED (and a
   ``retry-after-ms`` trailer). So a flood of wrong secrets costs the scheduler at most a few
   PBKDF2 runs per address and key id, not one per attempt, and another client's failures from
-  the same address (a NAT, a proxy) never lock out a valid key. Other key ids from the same
-  address are not limited.
+  the same address (a NAT, a proxy) never lock out a valid key of that id.
+- A key whose id is not known here costs the scheduler a check, so those checks are bounded
+  before they are made, across all key ids: an address with ``failures_per_peer`` failed such
+  checks in the last ``failure_window_s`` (or ``_PEER_CHECKS_IN_FLIGHT`` running) gets none,
+  and the gateway runs at most ``unknown_checks_per_s`` a second and
+  ``unknown_checks_in_flight`` at once (all addresses together); past any of them the key is
+  refused with RESOURCE_EXHAUSTED (and ``retry-after-ms``) without a check. A key that passes
+  becomes known and costs its address nothing, and a key whose id is known here is checked
+  whatever its address's failures (one tenant's flood does not lock out another tenant already
+  seen here at the same address). The scheduler's load from unauthenticated clients is thus
+  bounded by the gateway's budget, not by their rate or their number of addresses; a valid key
+  never seen here may wait out an address's limit or the gateway's budget under a flood.
 
 The client address is the connection's (gRPC's peer; for the HTTP API, uvicorn's client, which
-honours X-Forwarded-For only from the proxies named in ``http_forwarded_allow_ips``).
+honours X-Forwarded-For only from the proxies named in ``http_forwarded_allow_ips``). The HTTP
+API authenticates through this same class (``services.openai_api.context.HttpCallContext``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -31,6 +51,12 @@ from tenants.model import Tenant
 from tenants.ratelimit import ExpiringSet, WindowLimiter
 
 _CACHE_TTL_S = 10.0
+_KNOWN_ID_TTL_S = 3600.0
+"""How long a key id stays known after its key last passed a check here."""
+_MAX_KNOWN_IDS = 65536
+_PEER_CHECKS_IN_FLIGHT = 4
+"""Checks of unknown key ids at once per client address (so its failures cannot overshoot
+``failures_per_peer`` by more, nor one address hold the gateway's whole ``in_flight``)."""
 
 
 def bearer_key(context: grpc.aio.ServicerContext) -> str:
@@ -58,33 +84,51 @@ class Authenticator:
         failures_per_peer_key: failed checks allowed per (client address, key id) per window
             (>= 1).
         failure_window_s: that window, seconds (> 0).
+        failures_per_peer: failed checks of keys whose id is not known here, per client
+            address per window, all key ids together (>= 1).
+        unknown_checks_per_s: such checks per second at this gateway, all addresses (>= 1).
+        unknown_checks_in_flight: such checks at once at this gateway (>= 1).
 
     Raises:
-        ValueError: ``failures_per_peer_key`` < 1 or ``failure_window_s`` <= 0.
+        ValueError: a count < 1 or ``failure_window_s`` <= 0.
     """
 
-    def __init__(self, scheduler: Any, failures_per_peer_key: int = 10, failure_window_s: float = 10.0) -> None:
+    def __init__(self, scheduler: Any, failures_per_peer_key: int = 10, failure_window_s: float = 10.0,
+                 failures_per_peer: int = 50, unknown_checks_per_s: int = 100,
+                 unknown_checks_in_flight: int = 16) -> None:
+        if unknown_checks_in_flight < 1:
+            raise ValueError(f"unknown_checks_in_flight must be >= 1, got {unknown_checks_in_flight}")
         self.scheduler = scheduler
         self.failures_per_peer_key = failures_per_peer_key
+        self.failures_per_peer = failures_per_peer
+        self.unknown_checks_per_s = unknown_checks_per_s
+        self.unknown_checks_in_flight = unknown_checks_in_flight
         self._tenants: dict[bytes, tuple[Tenant, float]] = {}
         self._admins: dict[bytes, float] = {}
+        self._known: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # key id -> (fingerprint, until)
         self._failed = ExpiringSet(_CACHE_TTL_S)
         self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
+        self._peer_failures = WindowLimiter(failures_per_peer, failure_window_s)
+        self._peer_in_flight: dict[str, int] = {}
+        self._gateway_checks = WindowLimiter(unknown_checks_per_s, 1.0, max_keys=1)
+        self._in_flight = 0
 
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The calling tenant; aborts the call with UNAUTHENTICATED (RESOURCE_EXHAUSTED for a
-        key that does not pass while its address is over the failure limit for its key id)
-        otherwise."""
+        key that does not pass while its address is over the failure limit for its key id, or
+        for a key of an id not known here past the budget of such checks) otherwise."""
         key = bearer_key(context)
-        fp, now = fingerprint(key), time.monotonic()
-        hit = self._tenants.get(fp)
-        if hit and hit[1] > now:
-            return hit[0]
+        fp = fingerprint(key)
+        hit = self._cached_tenant(fp)
+        if hit is not None:
+            return hit
+        await self._refuse_malformed(context, "tenant", key)
         wait_s = await self._refuse_known_bad(context, "tenant", key)
-        tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0) if key else None
+        async with self._check_slot(context, "tenant", key, wait_s) as unknown:
+            tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
         if tenant is None:
-            await self._refuse(context, "tenant", key, wait_s)
-        self._tenants[fp] = (tenant, now + _CACHE_TTL_S)
+            await self._refuse(context, "tenant", key, wait_s, unknown)
+        self._remember_tenant(key, tenant)
         return tenant
 
     async def admin(self, context: grpc.aio.ServicerContext) -> None:
@@ -92,40 +136,68 @@ class Authenticator:
         key (authenticated, not allowed; a fresh-user trial got UNAUTHENTICATED for its valid
         key), else UNAUTHENTICATED (or RESOURCE_EXHAUSTED, as ``tenant``)."""
         key = bearer_key(context)
-        if self._admins.get(fingerprint(key), 0.0) > time.monotonic():
+        fp = fingerprint(key)
+        if self._admins.get(fp, 0.0) > time.monotonic():
             return
+        await self._refuse_malformed(context, "admin", key)
         wait_s = await self._refuse_known_bad(context, "admin", key)
-        if await self._is_admin(key, allow_pbkdf2=wait_s == 0):
-            return
-        if await self._is_tenant_key(key, allow_pbkdf2=wait_s == 0):
+        is_tenant, unknown = self._cached_tenant(fp) is not None, False
+        if not is_tenant:
+            async with self._check_slot(context, "admin", key, wait_s) as unknown:
+                if await self._is_admin(key, allow_pbkdf2=wait_s == 0):
+                    return
+                is_tenant = await self._is_tenant_key(key, allow_pbkdf2=wait_s == 0)
+        if is_tenant:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "this call needs the admin key; a tenant's key may not make it")
-        await self._refuse(context, "admin", key, wait_s)
+        await self._refuse(context, "admin", key, wait_s, unknown)
 
     async def _is_tenant_key(self, key: str, allow_pbkdf2: bool) -> bool:
-        hit = self._tenants.get(fingerprint(key))
-        if hit is not None and hit[1] > time.monotonic():
-            return True
-        return bool(key) and await self.scheduler.authenticate.remote(key, allow_pbkdf2=allow_pbkdf2) is not None
+        tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=allow_pbkdf2)
+        if tenant is not None:
+            self._remember_tenant(key, tenant)
+        return tenant is not None
 
     async def admin_or_tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
         """``None`` for the admin key, the calling tenant for a tenant key; aborts with
         UNAUTHENTICATED (or RESOURCE_EXHAUSTED) otherwise. The admin check spends no PBKDF2
         while the address is over its limit for the key id as either role (failures here
-        count as the tenant role's)."""
+        count as the tenant role's). Both checks together take one check of the budget for
+        key ids not known here."""
         key = bearer_key(context)
         fp = fingerprint(key)
         if self._admins.get(fp, 0.0) > time.monotonic():
             return None
-        if ("admin", fp) not in self._failed:
-            over = self._wait_s(context, "admin", key) > 0 or self._wait_s(context, "tenant", key) > 0
-            if await self._is_admin(key, allow_pbkdf2=not over):
+        hit = self._cached_tenant(fp)
+        if hit is not None:
+            return hit
+        await self._refuse_malformed(context, "tenant", key)
+        try_admin = ("admin", fp) not in self._failed
+        if not try_admin:  # refused from the cache if it failed as a tenant's key too
+            wait_s = await self._refuse_known_bad(context, "tenant", key)
+        else:
+            wait_s = self._wait_s(context, "tenant", key)
+        try_tenant = ("tenant", fp) not in self._failed
+        over = wait_s > 0 or self._wait_s(context, "admin", key) > 0
+        tenant: Any = None  # a Tenant once one passed
+        async with self._check_slot(context, "tenant", key, wait_s) as unknown:
+            if try_admin and await self._is_admin(key, allow_pbkdf2=not over):
                 return None
-        return await self.tenant(context)
+            if try_tenant:
+                tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
+        if tenant is None:
+            if unknown:  # a failed check of an unknown key id, whichever refusal follows
+                self._peer_failures.try_acquire(_peer_host(context))
+            if not try_tenant:
+                await self._refuse_known_bad(context, "tenant", key)
+            await self._refuse(context, "tenant", key, wait_s)
+        self._remember_tenant(key, tenant)
+        return tenant
 
     def forget_tenant(self, name: str) -> None:
         """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
-        deleted); every other tenant's cached keys stay.
+        deleted); every other tenant's cached keys stay. (Known key ids stay: a rotated or
+        deleted key's id still has only that key's secret, which the scheduler now refuses.)
 
         Regression (secrev16 fault B): ``forget`` dropped every tenant's cached key and the
         exemption of keys that passed lately, so a tenant that sent wrong secrets for another
@@ -140,12 +212,82 @@ class Authenticator:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
         self._admins.clear()
 
+    def _cached_tenant(self, fp: bytes) -> Tenant | None:
+        hit = self._tenants.get(fp)
+        return hit[0] if hit is not None and hit[1] > time.monotonic() else None
+
+    def _remember_tenant(self, key: str, tenant: Tenant) -> None:
+        self._tenants[fingerprint(key)] = (tenant, time.monotonic() + _CACHE_TTL_S)
+        self._know(key)
+
+    def _know(self, key: str) -> None:
+        """Remember ``key``'s id as known here, with ``key``'s fingerprint (it just passed)."""
+        key_id = parse_key_id(key)
+        if key_id is None:
+            return
+        self._known.pop(key_id, None)
+        self._known[key_id] = (fingerprint(key), time.monotonic() + _KNOWN_ID_TTL_S)
+        while len(self._known) > _MAX_KNOWN_IDS:
+            self._known.popitem(last=False)
+
     async def _is_admin(self, key: str, allow_pbkdf2: bool) -> bool:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
-        if not key or not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
+        if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
             return False
         self._admins[fingerprint(key)] = time.monotonic() + _CACHE_TTL_S
+        self._know(key)
         return True
+
+    @staticmethod
+    async def _refuse_malformed(context: grpc.aio.ServicerContext, role: str, key: str) -> None:
+        """Abort with UNAUTHENTICATED, asking no one, when ``key`` is not a key's shape.
+
+        Regression (secrev17 F2): every key not cached, malformed ones included, cost the
+        GlobalScheduler (one actor, whose loop also admits every tenant's requests) one call,
+        and the failure limit keyed on the key id, so 2000 distinct bad keys from one address
+        made 2000 scheduler calls; now a malformed key makes none, and a well-formed one of an
+        id not known here is checked only within ``_check_slot``'s per-address and per-gateway
+        budgets.
+        """
+        if parse_key_id(key) is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
+
+    @contextlib.asynccontextmanager
+    async def _check_slot(self, context: grpc.aio.ServicerContext, role: str, key: str,
+                          wait_s: float) -> AsyncIterator[bool]:
+        """Admit one check of the well-formed ``key`` by the scheduler (yielding whether its key
+        id is unknown here: a failure of it counts against the address), or abort without one.
+
+        A key id known here: another secret is refused (``_refuse``: UNAUTHENTICATED, or
+        RESOURCE_EXHAUSTED at ``wait_s`` > 0), its own key is admitted with no limit. Any other
+        id: RESOURCE_EXHAUSTED while the address had ``failures_per_peer`` failed such checks in
+        the window or has ``_PEER_CHECKS_IN_FLIGHT`` running, or the gateway has
+        ``unknown_checks_in_flight`` running or had ``unknown_checks_per_s`` in the last second.
+        """
+        fp, known = fingerprint(key), self._known.get(parse_key_id(key) or "")
+        if known is not None and known[1] > time.monotonic():
+            if known[0] != fp:
+                await self._refuse(context, role, key, wait_s)
+            yield False
+            return
+        host = _peer_host(context)
+        peer_wait_s = self._peer_failures.retry_after_s(host)
+        if peer_wait_s > 0:
+            await self._abort_over_limit(context, peer_wait_s)
+        gateway_wait_s = self._gateway_checks.retry_after_s(None)
+        if (self._peer_in_flight.get(host, 0) >= _PEER_CHECKS_IN_FLIGHT
+                or self._in_flight >= self.unknown_checks_in_flight or gateway_wait_s > 0):
+            await self._abort_over_limit(context, max(gateway_wait_s, 1.0), "too many API-key checks at this gateway")
+        self._gateway_checks.try_acquire(None)
+        self._in_flight += 1
+        self._peer_in_flight[host] = self._peer_in_flight.get(host, 0) + 1
+        try:
+            yield True
+        finally:
+            self._in_flight -= 1
+            self._peer_in_flight[host] -= 1
+            if not self._peer_in_flight[host]:
+                del self._peer_in_flight[host]
 
     def _wait_s(self, context: grpc.aio.ServicerContext, role: str, key: str) -> float:
         """Seconds this address stays over its failure limit for ``key``'s id as ``role`` (0:
@@ -163,10 +305,14 @@ class Authenticator:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])  # a first refusal's message
         return wait_s
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, role: str, key: str, wait_s: float) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, role: str, key: str, wait_s: float,
+                      unknown: bool = False) -> None:
         """Abort for a key that did not pass as ``role``: with RESOURCE_EXHAUSTED when it was
         checked over the failure limit (``wait_s`` > 0; without PBKDF2, so it may be valid: not
-        remembered as failed), else record the failure and abort with UNAUTHENTICATED."""
+        remembered as failed), else record the failure and abort with UNAUTHENTICATED. A failed
+        check of a key id ``unknown`` here counts against the address (``failures_per_peer``)."""
+        if unknown:
+            self._peer_failures.try_acquire(_peer_host(context))
         if wait_s > 0:
             await self._abort_over_limit(context, wait_s)
         self._failed.add((role, fingerprint(key)))
@@ -174,9 +320,7 @@ class Authenticator:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
 
     @staticmethod
-    async def _abort_over_limit(context: grpc.aio.ServicerContext, wait_s: float) -> None:
+    async def _abort_over_limit(context: grpc.aio.ServicerContext, wait_s: float,
+                                why: str = "too many failed API-key checks from this address") -> None:
         context.set_trailing_metadata((("retry-after-ms", str(int(wait_s * 1000) + 1)),))
-        await context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"too many failed API-key checks from this address; retry in {wait_s:.0f} s",
-        )
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry in {wait_s:.0f} s")
