@@ -431,3 +431,34 @@ def test_aborted_continuation_leaves_the_kept_history_for_the_next_turn(tiny, sp
     eng.close_session("s")
     assert eng.stats()["used_blocks"] == 0 and eng.stats()["policy_blocks"] == 0
     eng.check_integrity()
+
+
+def test_a_waiting_turns_kept_history_gives_its_blocks_to_a_lone_running_request(tiny) -> None:
+    """The scheduler's last resort for a lone running request short of blocks frees the
+    waiting requests' blocks; a waiting session turn's are its kept history's too (the
+    session holds them, and a restarted turn borrows them again), so the engine's last resort
+    (``LLMEngine._reclaim``) drops that history: the running request gets its blocks and
+    runs to its end unpreempted, the turn then computes its whole prompt, and all is freed.
+
+    Regression (of keeping the history): the running request preempted itself and was given
+    up with 61 of its 85 tokens ("length")."""
+    eng = make_engine(tiny, kv_pool_bytes=12 * 8192, max_num_seqs=1)  # 12 blocks
+    p1 = prompt_of(60)
+    t1 = eng.generate([p1], SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                      policy="h2o-0.25")[0]
+    assert len(eng.sessions.sessions["s"].blocks) == 2
+    rid = eng.add_request(prompt_of(100, 5), SamplingParams(max_tokens=85, ignore_eos=True), tenant="b")
+    eng.step()  # its peak (185 tokens) needs all 12 blocks: not with the history's 2 held
+    turn = eng.add_request(p1 + list(t1.output_token_ids) + prompt_of(9, 1),
+                           SamplingParams(max_tokens=3, ignore_eos=True), session_id="s", tenant="a",
+                           policy="h2o-0.25")
+    assert eng.requests[turn].kept is not None  # waiting (one slot), its history kept
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert outs[rid].finish_reason == "length" and len(outs[rid].output_token_ids) == 85
+    assert outs[rid].num_preemptions == 0
+    assert outs[turn].finish_reason == "length" and len(outs[turn].output_token_ids) == 3
+    eng.close_session("s")
+    assert eng.stats()["used_blocks"] == 0
+    eng.check_integrity()
