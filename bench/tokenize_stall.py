@@ -1,5 +1,5 @@
 """Event-loop stall while a long prompt is tokenized on a worker thread, as the gateway does
-(``InferenceServicer._off_loop``): ``services.chat.encode_text`` beside the plain
+(``InferenceServicer.off_loop``): ``services.chat.encode_text`` beside the plain
 ``tokenizer(text).input_ids`` it replaced, measured in the same run.
 
 ``python -m bench.tokenize_stall [--chars N] [--repeats R]``: SmolLM2's tokenizer over N

@@ -40,7 +40,7 @@ from services.node_request import NodeRequest, check_priority, resolve_prefix_to
 _CODES = {c.name: c for c in grpc.StatusCode}
 
 TOKENIZER_THREADS = 4
-"""Worker threads parsing, rendering and tokenizing prompts (``InferenceServicer._off_loop``;
+"""Worker threads parsing, rendering and tokenizing prompts (``InferenceServicer.off_loop``;
 one per tenant at a time)."""
 
 MAX_ID_CHARS = 256
@@ -173,7 +173,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             security=security,
         )
 
-    async def _off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
+    async def off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
         """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, one at a
         time per tenant; returns its result, raises what it raised.
 
@@ -226,7 +226,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if not call.session_id and templater is not None:
-                tokens = tuple(await self._off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt)))
+                tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt)))
                 messages = ()
         else:
             tokens = tuple(prompt)
@@ -258,7 +258,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
 
             # only a chat prefix renders (the hot path of a token prompt takes no thread hop)
-            prefix_tokens = await self._off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
+            prefix_tokens = await self.off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
@@ -271,7 +271,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if call.routing_key:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         if messages:  # the node renders them: admission still needs their size
-            estimate, overhead = await self._off_loop(tenant.tenant_id, lambda: (
+            estimate, overhead = await self.off_loop(tenant.tenant_id, lambda: (
                 estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
             if templater is not None and estimate - overhead >= room:
                 await context.abort(  # whatever the history, the turn can never fit: the node is spared it
@@ -318,7 +318,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
         """``generate`` past authentication; ``track`` sees every event and the refusal."""
         try:
-            call = await self._off_loop(tenant.tenant_id, parse)  # a completion's prompt is tokenized here
+            call = await self.off_loop(tenant.tenant_id, parse)  # a completion's prompt is tokenized here
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req, hashes = await self._prepare(call, tenant, context)

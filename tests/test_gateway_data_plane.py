@@ -247,7 +247,7 @@ def test_a_stream_ended_by_the_gateways_verdict_on_its_node_is_aborted_there() -
 
 
 def test_a_tenants_cancelled_parses_still_take_one_worker_at_a_time() -> None:
-    """Regression (diff review): ``_off_loop``'s one-at-a-time-per-tenant held only while the
+    """Regression (diff review): ``off_loop``'s one-at-a-time-per-tenant held only while the
     caller waited; a tenant that sent big prompts and hung up had one worker thread per call
     running at once, and filled the pool every tenant's parses share."""
     import concurrent.futures
@@ -271,11 +271,11 @@ def test_a_tenants_cancelled_parses_still_take_one_worker_at_a_time() -> None:
         servicer._tokenizing = {}
         servicer._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS)
         for _ in range(2 * TOKENIZER_THREADS):  # tenant A: send, hang up, send again
-            call = asyncio.ensure_future(servicer._off_loop("A", slow))
+            call = asyncio.ensure_future(servicer.off_loop("A", slow))
             await asyncio.sleep(0.02)
             call.cancel()
         t0 = time.monotonic()
-        await asyncio.wait_for(servicer._off_loop("B", lambda: None), 5)  # tenant B is not held up
+        await asyncio.wait_for(servicer.off_loop("B", lambda: None), 5)  # tenant B is not held up
         waited = time.monotonic() - t0
         gate.set()
         servicer._tokenizer_pool.shutdown(wait=True)

@@ -12,13 +12,17 @@ undeclared field is reported, and a bad value is echoed without serializing it.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from cache_node.sampling_params import MAX_STOP_STRINGS
-from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_TOKEN_IDS
-from services.openai_api.app import invalid
+from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
+from services.openai_api.app import MAX_BODY_STRINGS, body_shape, check_body_shape, invalid
+from services.openai_api.context import CallAborted
 from services.openai_api.schemas import MAX_CONTENT_PARTS, ChatCompletionRequest, CompletionRequest
 
 USER = {"role": "user", "content": "hi"}
@@ -71,3 +75,53 @@ def test_the_largest_valid_bodies_still_validate() -> None:
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [USER] * (MAX_CHAT_MESSAGES - 1) + [{"role": "user", "content": parts}]})
     assert chat.to_input().prompt[-1]["content"] == "a" * MAX_CONTENT_PARTS
+
+
+# ---- the body's structure is bounded before json.loads builds it -----------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from('a,"\\/\n[]{}:é\U0001f600'), max_size=12),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
+        st.text(alphabet=st.sampled_from('k,"\\'), max_size=4), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+def _shape(value: Any) -> tuple[int, int]:
+    """(strings, separators) counted on the parsed value: keys are strings, every container
+    of n items has n - 1 separators."""
+    if isinstance(value, str):
+        return 1, 0
+    if isinstance(value, list):
+        parts = [_shape(v) for v in value]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts) + max(len(value) - 1, 0)
+    if isinstance(value, dict):
+        parts = [_shape(v) for v in value.values()]
+        return len(value) + sum(p[0] for p in parts), sum(p[1] for p in parts) + max(len(value) - 1, 0)
+    return 0, 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.booleans(), st.booleans())
+def test_body_shape_counts_what_json_parses(value: Any, ascii_only: bool, compact: bool) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only, separators=(",", ":") if compact else None)
+    assert body_shape(text.encode(), 1 << 20) == _shape(json.loads(text))
+
+
+def test_a_body_of_millions_of_values_is_refused_before_it_is_parsed() -> None:
+    ids = json.dumps({"model": "m", "prompt": [0] * 4_194_000}, separators=(",", ":")).encode()
+    with pytest.raises(CallAborted, match="holds more than .* JSON values"):
+        check_body_shape(ids)  # before: json.loads built 4.2M ints holding the GIL
+    strings = json.dumps({"model": "m", "prompt": [""] * (MAX_BODY_STRINGS + 1)}).encode()
+    with pytest.raises(CallAborted, match="holds more than .* JSON strings"):
+        check_body_shape(strings)
+
+
+def test_the_largest_valid_bodies_pass_the_shape_check() -> None:
+    check_body_shape(json.dumps({"model": "m", "prompt": [131_071] * MAX_PROMPT_TOKEN_IDS}).encode())
+    text = ('a, "b", \\c, ' * 90_000)[:MAX_PROMPT_CHARS]  # long text: only structure counts
+    check_body_shape(json.dumps({"model": "m", "prompt": text}).encode())
+    chat = {"model": "m", "stop": ["a", "b"], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": ", ,"}] * 8}] * MAX_CHAT_MESSAGES}
+    check_body_shape(json.dumps(chat).encode())
+    ChatCompletionRequest.model_validate(chat)

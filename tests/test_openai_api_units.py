@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import types
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -118,12 +120,17 @@ def test_validator_messages_carry_no_library_text() -> None:
 
 
 class _AnyKey:
-    """The servicer part ``OpenAIEdge.parse`` reaches before the body: every key is a tenant's."""
+    """The servicer part ``OpenAIEdge.parse`` reaches before the body: every key is a tenant's,
+    and a big body is parsed on a thread (``InferenceServicer.off_loop``)."""
 
     class auth:  # stands in for the servicer's ``auth`` attribute
         @staticmethod
         async def tenant(context: object) -> object:
-            return object()
+            return types.SimpleNamespace(tenant_id="t")
+
+    @staticmethod
+    async def off_loop(tenant_id: str, work: Callable[[], object]) -> object:
+        return await asyncio.to_thread(work)
 
 
 def _call(method: str, path: str, chunks: tuple[bytes, ...] = (), headers: tuple[tuple[str, str], ...] = ()

@@ -1,6 +1,6 @@
 """Prompt text is bounded by what can ever fit before anything renders or tokenizes it, and
 what is rendered or tokenized at the gateway runs off its event loop
-(``ChatTemplater.check_fits``, ``InferenceServicer._off_loop``).
+(``ChatTemplater.check_fits``, ``InferenceServicer.off_loop``).
 
 Regression (security review): a chat or completion of up to 1 Mi characters was rendered and
 tokenized (~3.6 s) before its token bounds were checked, on the gateway's event loop and, for

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from services.convert import MAX_PROMPT_TOKEN_IDS
 from services.gateway import InferenceServicer
 from services.openai_api.context import CallAborted, HttpCallContext, error_response
 from services.openai_api.responses import Generation, sse
@@ -101,7 +102,48 @@ whatever their size: a 48 MB body held the gateway's event loop, which serves ev
 gRPC and HTTP calls, for 3.9 s, at ~10x its size in memory."""
 
 OFF_LOOP_BYTES = 256 << 10
-"""Bodies above this many bytes are parsed and validated on a worker thread."""
+"""Bodies above this many bytes are parsed and validated on a worker thread, one at a time
+per tenant (``InferenceServicer.off_loop``)."""
+
+MAX_BODY_VALUES = MAX_PROMPT_TOKEN_IDS + (1 << 16)
+"""Most JSON values (array elements, object members) outside strings a body may hold: the
+longest token-id prompt and room for every other field."""
+
+MAX_BODY_STRINGS = 1 << 16
+"""Most JSON strings a body may hold (keys included): 1,024 messages of a few parts each."""
+
+
+def check_body_shape(data: bytes) -> None:
+    """Refuse (400) a body holding more JSON values or strings than ``MAX_BODY_VALUES`` /
+    ``MAX_BODY_STRINGS``, before ``json.loads`` builds them: byte scans at memcpy speed
+    (escaped backslashes and quotes dropped, quotes counted, separators counted outside the
+    strings). Long text costs nothing here: only structure counts.
+
+    Regression (security review): parsing "off the loop" on a thread still held the GIL
+    (``json.loads`` and pydantic never release it), so one 8 MiB body of 4.2M token ids froze
+    the gateway's event loop (every tenant's streams) ~0.3-0.9 s, four at once 1.6 s, before
+    the prompt's 131,072-id bound refused it."""
+    if data.count(b",") < MAX_BODY_VALUES and data.count(b'"') <= 2 * MAX_BODY_STRINGS:
+        return  # upper bounds of both (commas and quotes in strings included) are within
+    strings, separators = body_shape(data, 2 * MAX_BODY_STRINGS)
+    if strings > MAX_BODY_STRINGS:
+        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"body: holds more than {MAX_BODY_STRINGS} JSON strings; no valid request does")
+    if separators >= MAX_BODY_VALUES:
+        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"body: holds more than {MAX_BODY_VALUES} JSON values; no valid request does")
+
+
+def body_shape(data: bytes, max_quotes: int) -> tuple[int, int]:
+    """(JSON strings, value separators ``,`` outside strings) of a JSON text; past
+    ``max_quotes`` quotes the separators are not counted (0). For JSON, the separators are
+    the sum over arrays and objects of their length less one."""
+    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    quotes = plain.count(b'"')
+    if quotes > max_quotes:
+        return quotes // 2, 0
+    outside = b"".join(plain.split(b'"')[::2]) if quotes else plain
+    return quotes // 2, outside.count(b",")
 
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -214,10 +256,12 @@ class OpenAIEdge:
         ``ValidationError`` for a bad body, or ``ClientGone`` (a big body's parse on a thread
         is not waited for once the client has gone)."""
         context = HttpCallContext(request)
-        await self.servicer.auth.tenant(context)
+        tenant = await self.servicer.auth.tenant(context)
         data = await read_body(request, MAX_BODY_BYTES)
-        if len(data) > OFF_LOOP_BYTES:  # parse a big body on a thread: the loop serves everyone
-            body = await unless_gone(request, asyncio.to_thread(lambda: kind.model_validate(load_json(data))))
+        check_body_shape(data)
+        if len(data) > OFF_LOOP_BYTES:  # on a thread, one at a time per tenant
+            body = await unless_gone(request, self.servicer.off_loop(
+                tenant.tenant_id, lambda: kind.model_validate(load_json(data))))
         else:
             body = kind.model_validate(load_json(data))
         if body.model not in (self.model_name, self.model_id):  # type: ignore[attr-defined]
