@@ -76,6 +76,9 @@ class Scheduler(Preemption):
         self.step_s = Ewma(prior=0.05)
         self.step_model = StepTimeModel()  # step seconds vs prefill tokens and decodes
         self._last_decode_s: dict[str, float] = {}  # request id -> when it last decoded
+        # preempted request id -> (the waiting request it was preempted for, that one's
+        # num_preemptions then): it waits until that one starts (``Preemption._held``)
+        self._held_for: dict[str, tuple[Sequence, int]] = {}
         self.active_tenants: Counter[str] = Counter()  # waiting + running sequences per tenant
         self.num_preemptions = 0
         self._demote: DemoteFn | None = None
@@ -279,16 +282,19 @@ class Scheduler(Preemption):
                 continue
             if self._awaits_prefetch(seq, now):  # its blocks are on their way up; others go first
                 continue
+            if self._held(seq):  # preempted for one still waiting: that one goes first
+                continue
             held_back = capped is not None and self.policy.rank(seq) > 0
             if held_back and capped == 0:
                 continue
             limit = (lambda b, c=capped: min(b, c)) if held_back else (lambda b: b)
             n = self._admit(seq, limit(budget))
             while n is None and self.policy.preempts_for_class:
-                victim = self.policy.victim(self.running, seq)
-                if victim is None:
+                victims = self._victims_to_start(seq)  # only victims that let it start
+                if not victims:
                     break
-                budget += self._preempt_from_batch(victim, batch)
+                for victim in victims:
+                    budget += self._preempt_from_batch(victim, batch, seq)
                 n = self._admit(seq, limit(budget))
             if n is None:
                 if head_blocked and self.policy.skip_blocked:
@@ -360,7 +366,7 @@ class Scheduler(Preemption):
             num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
         n = min(seq.compute_end(start) - start, budget)
-        if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, len(computed)):
+        if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, computed):
             return None
         if self.kv_manager.allocate_slots(seq, n, computed) is None:
             return None
@@ -383,20 +389,6 @@ class Scheduler(Preemption):
             limit = min(limit, max(0, seq.isolate_at - 1))
         return limit // self.kv_manager.block_size
 
-    def _whole_prompt_fits(self, seq: Sequence, num_computed_blocks: int) -> bool:
-        """Free blocks cover the rest of the prompt plus the first output token (past the
-        tokens a session's kept policy state already compacted away: ``num_evicted_tokens``),
-        beside what the running prefills still need for theirs (``_prefill_reserve``).
-
-        Regression: a request was admitted when its prompt fit the free blocks, though a
-        running prefill needed them for the rest of its own prompt: the two prefills then
-        preempted each other by turns (``_reserve``), each losing the KV it had computed
-        (two pool-filling prompts: one was preempted with its 900-token prefill done, one
-        token before its output; with a third tenant, 151 preemptions in 917 steps).
-        """
-        need = self._blocks_to_first_token(seq) - num_computed_blocks
-        return need <= 0 or need <= self.kv_manager.pool.num_free_blocks() - self._prefill_reserve()
-
     def _measure(self, now: float) -> None:
         """Attribute the time since the last non-empty schedule to that step's tokens.
 
@@ -415,6 +407,7 @@ class Scheduler(Preemption):
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from the queues (blocks are the caller's)."""
         self._last_decode_s.pop(seq.request_id, None)
+        self._held_for.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -40,7 +40,8 @@ a request that does not fit (no head-of-line blocking) until it has
 been passed over ``aging_steps`` times; then it holds the queue until it fits. A waiting
 request preempts a running one of a lower class when slots or blocks are full; the victim is
 the lowest class, then the tenant most over its device quota, then the largest VTC counter,
-then the newest. A waiting request whose tenant is below its floor may also preempt one of its
+then the newest, and only victims whose blocks let it start; a request preempted for a waiting
+one is readmitted only after that one has started. A waiting request whose tenant is below its floor may also preempt one of its
 own class whose tenant is not, but only one that has had its turn: since it was (re)admitted
 it has finished its prefill and decoded for as long as that prefill took, at most one floor
 window (``KvstrataPolicy.victim``), so every admission ends in output tokens and two floor

@@ -11,8 +11,8 @@ SOSP'23, §4.5).
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cache_node.block import KVBlock
@@ -44,6 +44,8 @@ class Preemption:
     _demote: DemoteFn | None
     _bytes_per_block: int
     _swap_bytes_per_s: float
+    _reusable_blocks: Callable[[Sequence], int]
+    _held_for: dict[str, tuple[Sequence, int]]
 
     def attach_swap(self, demote: DemoteFn, bytes_per_block: int, copy_bytes_per_s: float = 4e9) -> None:
         """Let preemption demote a victim's blocks below the device tier (``demote`` moves free
@@ -72,11 +74,13 @@ class Preemption:
         for seq in order_by_priority(self.policy.order(self.waiting, now)):
             if len(self.running) < self.config.max_num_seqs:
                 return
+            if self._held(seq):
+                continue  # it waits for another: a slot freed for it would stay empty
             victim = self.policy.victim(self.running, seq)
             if victim is None:
                 return
-            if self._starts_after(seq, victim):
-                self.preempt(victim)
+            if self._starts_after(seq, [victim]):
+                self.preempt_for(victim, seq)
 
     def _blocks_to_first_token(self, seq: Sequence) -> int:
         """Blocks ``seq`` still has to allocate to hold its tokens plus the next output one
@@ -85,29 +89,112 @@ class Preemption:
         need = cdiv(seq.num_tokens - seq.num_evicted_tokens + 1, self.kv_manager.block_size)
         return max(0, need - len(seq.block_table))
 
-    def _prefill_reserve(self, skip: Sequence | None = None) -> int:
-        """Free blocks the running prefills (but ``skip``) still need to reach their first
-        output token: admission leaves them alone."""
+    def _prefill_reserve(self, skip: Iterable[Sequence] = ()) -> int:
+        """Free blocks the running prefills (but those in ``skip``) still need to reach their
+        first output token: admission leaves them alone."""
+        skipped = {id(s) for s in skip}
         return sum(self._blocks_to_first_token(s) for s in self.running
-                   if s is not skip and s.num_uncomputed_tokens > 1)
+                   if id(s) not in skipped and s.num_uncomputed_tokens > 1)
 
-    def _starts_after(self, seq: Sequence, victim: Sequence) -> bool:
+    def _hit_blocks(self, seq: Sequence) -> list[KVBlock]:
+        """The device prefix-cache blocks ``_admit`` would reuse for waiting ``seq`` (a lookup,
+        no side effects; none for one that arrives with its blocks attached)."""
+        if seq.block_table:
+            return []
+        return self.kv_manager.get_computed_blocks(seq)[0][: self._reusable_blocks(seq)]
+
+    def _whole_prompt_fits(self, seq: Sequence, hits: list[KVBlock],
+                           victims: Iterable[Sequence] = ()) -> bool:
+        """Once ``victims`` are preempted, the free blocks cover the rest of ``seq``'s prompt
+        plus its first output token past its prefix ``hits`` (``_blocks_to_first_token``),
+        beside what the other running prefills still need for theirs (``_prefill_reserve``).
+        A hit that sits free (cached, no holder once the victims are gone) is not free room
+        for the rest: reviving it takes a free block, as ``allocate_slots`` counts it.
+
+        Regression: a request was admitted when its prompt fit the free blocks, though a
+        running prefill needed them for the rest of its own prompt: the two prefills then
+        preempted each other by turns (``_reserve``), each losing the KV it had computed
+        (two pool-filling prompts: one was preempted with its 900-token prefill done, one
+        token before its output; with a third tenant, 151 preemptions in 917 steps).
+
+        Regression: a hit block that sat free was counted twice, as computed and as free:
+        an interactive request that had preempted itself for want of blocks (``_reserve``)
+        was readmitted with a prompt that could not fit beside the running one, preempting a
+        batch request below its floor for it, then preempted itself again one step later,
+        every other step (119 preemptions in 423 steps, the batch one readmitted between).
+        """
+        victims = list(victims)
+        refs = Counter(id(b) for v in victims for b in v.block_table)
+        released = {id(b): b for v in victims for b in v.block_table}
+        freed = sum(1 for k, b in released.items() if b.ref_cnt <= refs[k])
+        revived = sum(1 for b in hits if b.ref_cnt <= refs[id(b)])
+        debt = seq.kv.charge_debt if seq.kv is not None else 0
+        need = self._blocks_to_first_token(seq) - len(hits)
+        if need <= 0 and not revived and not debt:
+            return True
+        free = self.kv_manager.pool.num_free_blocks() + freed - self._prefill_reserve(victims)
+        return max(need, 0) + revived + debt <= free
+
+    def _starts_after(self, seq: Sequence, victims: list[Sequence]) -> bool:
         """Under a policy that ``admits_whole_prompt``: ``seq``'s whole prompt, past its
-        device prefix hit (``device_hit_tokens``), fits the free blocks plus ``victim``'s,
-        beside the other running prefills' reserve; always True under other policies."""
+        device prefix hit, fits once ``victims`` are preempted (``_whole_prompt_fits``);
+        always True under other policies."""
         if not self.policy.admits_whole_prompt:
             return True
-        hit = seq.device_hit_tokens // self.kv_manager.block_size - len(seq.block_table)
-        need = self._blocks_to_first_token(seq) - max(0, hit)
-        free = self.kv_manager.pool.num_free_blocks() + victim.num_held_blocks
-        return need <= 0 or need <= free - self._prefill_reserve(skip=victim)
+        return self._whole_prompt_fits(seq, self._hit_blocks(seq), victims)
 
-    def _preempt_from_batch(self, victim: Sequence, batch: ScheduledBatch) -> int:
-        """Preempt ``victim``; drop it from this step's batch. Returns the budget given back."""
+    def _victims_to_start(self, seq: Sequence) -> list[Sequence]:
+        """The policy's victims for waiting ``seq`` in its order (each chosen from the running
+        sequences the earlier ones leave), up to the first of them whose preemption together
+        lets ``seq`` start (``_starts_after``); [] when even all of them would not.
+
+        Regression: admission preempted the policy's victims one by one until the waiting
+        request fit or none was left, so victims were thrown out for a request that still
+        could not start (two interactive tenants with floors: a floor victim taken for a
+        prompt that did not fit beside the rest, 9 preemptions in 424 steps where 4 in 338
+        do)."""
+        left, victims = list(self.running), []
+        while (victim := self.policy.victim(left, seq)) is not None:
+            victims.append(victim)
+            left.remove(victim)
+            if self._starts_after(seq, victims):
+                return victims
+        return []
+
+    def _preempt_from_batch(self, victim: Sequence, batch: ScheduledBatch,
+                            incoming: Sequence | None = None) -> int:
+        """Preempt ``victim`` (for waiting ``incoming``, if given: ``preempt_for``); drop it
+        from this step's batch. Returns the budget given back."""
         refund = sum(k for s, k in batch if s is victim)
         batch[:] = [(s, k) for s, k in batch if s is not victim]
-        self.preempt(victim)
+        if incoming is None:
+            self.preempt(victim)
+        else:
+            self.preempt_for(victim, incoming)
         return refund
+
+    def preempt_for(self, victim: Sequence, incoming: Sequence) -> None:
+        """Preempt ``victim`` to let waiting ``incoming`` start; ``victim`` then waits until
+        ``incoming`` has started (or left), whatever the waiting order (``_held``).
+
+        Regression: with one slot, a batch request below its floor, preempted for a
+        standard request's slot, came first in the waiting order and took the slot back the
+        same step, 13 steps in a row (13 preemptions, the standard request kept out)."""
+        self.preempt(victim)
+        self._held_for[victim.request_id] = (incoming, incoming.num_preemptions)
+
+    def _held(self, seq: Sequence) -> bool:
+        """``seq`` was preempted for a request that still waits in the same wait (not
+        started since, nor finished, nor given up): the room it gave up is that request's."""
+        hold = self._held_for.get(seq.request_id)
+        if hold is None:
+            return False
+        incoming, preemptions = hold
+        if (incoming.status is SequenceStatus.WAITING and incoming.num_preemptions == preemptions
+                and incoming in self.waiting):
+            return True
+        del self._held_for[seq.request_id]
+        return False
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocate slots for a running sequence, preempting the policy's victims if needed.
