@@ -106,3 +106,51 @@ def test_the_window_does_not_grow_with_the_output(tokenizer) -> None:  # type: i
     text = "".join(detok.add([t]) for t in ids) + detok.add([], final=True)
     assert text == tokenizer.decode(ids) and len(ids) > 2000
     assert max(lengths) <= 6, max(lengths)
+
+
+@pytest.fixture(scope="module")
+def lone_bytes(tokenizer) -> list[int]:  # type: ignore[no-untyped-def]
+    """Tokens of one byte that is never part of a character (a continuation byte alone, or a
+    byte that starts none): each decodes to U+FFFD, however many follow."""
+    ids = [i for i in range(1000) if tokenizer.decode([i]) == INCOMPLETE
+           and tokenizer.decode([i] * 3) == INCOMPLETE * 3]
+    assert len(ids) >= 2
+    return ids
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(runs=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 49151), st.integers(1, 60)), min_size=1, max_size=6),
+       cuts=st.lists(st.integers(0, 300)))
+def test_long_runs_of_invalid_bytes_give_the_whole_decode(tokenizer, partial_ids: list[int], lone_bytes: list[int],
+                                                          runs: list[tuple[int, int, int]], cuts: list[int]) -> None:
+    """Runs of up to 60 tokens that leave the text ending in U+FFFD (lone bytes, parts of
+    characters, mixed), between ordinary and special tokens, in steps of any size: the window
+    moves inside the runs (``MAX_UNSETTLED``) and the text is still the whole decode."""
+    ids: list[int] = []
+    for kind, n, length in runs:
+        if kind == 0:
+            ids += [lone_bytes[(n + k) % len(lone_bytes)] for k in range(length)]
+        elif kind == 1:
+            ids += [partial_ids[(n * 7 + k) % len(partial_ids)] for k in range(length)]
+        else:
+            ids += [n % 49152, (n * 31) % 49152]
+    check(tokenizer, ids, cuts)
+
+
+def test_a_long_run_of_invalid_bytes_does_not_grow_the_window(tokenizer, lone_bytes: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Regression (security review F7): while the text kept ending in U+FFFD the window never
+    settled and every step decoded the whole run (9.96 ms per step after 8,000 such tokens,
+    on the node's step thread); now a step decodes a bounded window, and the text is the same."""
+    lengths: list[int] = []
+
+    def decode(ids: Sequence[int]) -> str:
+        lengths.append(len(ids))
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    ids = [lone_bytes[k % 2] for k in range(3000)] + tokenizer.encode(" done 😀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(decode)
+    deltas = [detok.add([t]) for t in ids[:-1]]
+    assert all(d == "" for d in deltas[:2999])  # the run's U+FFFD wait for a whole character
+    text = "".join(deltas) + detok.add(ids[-1:], final=True)
+    assert text == tokenizer.decode(ids)
+    assert max(lengths) <= 2 * 8 + 2, max(lengths)
