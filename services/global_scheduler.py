@@ -47,7 +47,7 @@ from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
 from services.data_plane_auth import Security
 from services.global_scheduler_members import LOST_SESSIONS_MAX, GatewayRecord, Membership
-from services.global_scheduler_routing import Routing, prompt_size
+from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
 from tenants.model import TenantSpec
@@ -144,8 +144,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.lost_sessions: OrderedDict[str, str] = OrderedDict()
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
-        # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, most recent last
-        self.routing_keys: OrderedDict[str, str] = OrderedDict()
+        # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, per tenant
+        self.routing_keys = RoutingKeys()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already
         # known, its session: "" when none)
         self.requests: dict[str, tuple[str, str, str, str]] = {}
@@ -221,7 +221,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 retry_after_s=1.0 + queued / max(1, sum(n.capacity for n in self.nodes.values())),
             )
         urgent = self._urgent(tenant_id)
-        node_id = sticky[1] if sticky is not None else self._keyed_route(routing_key, block_hashes or [], urgent)
+        node_id = (sticky[1] if sticky is not None
+                   else self._keyed_route(routing_key, block_hashes or [], urgent, tenant_id))
         prefix = self.index.prefix_tiers(node_id, block_hashes or [])
         rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens))
         if rejected is not None:

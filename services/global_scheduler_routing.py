@@ -10,17 +10,62 @@ interactive requests in flight first. Also how big a request is for admission
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from cache_node.scheduling import SLO_CLASS_RANK
 from services.node_request import NodeRequest
 
 MAX_ROUTING_KEYS = 65_536
-"""Routing keys (``prompt_cache_key``) the scheduler remembers a node for, newest kept."""
+"""Routing keys (``prompt_cache_key``) the scheduler remembers a node for, all tenants'."""
+
+MAX_ROUTING_KEYS_PER_TENANT = 8_192
+"""Routing keys one tenant's requests make the scheduler remember, its newest kept."""
 
 
 MAX_PROMPT_ESTIMATE = 1 << 20
 """Largest prompt estimate admission takes from a request (far beyond any context)."""
+
+
+class RoutingKeys:
+    """Routing key -> the node that served it last, per tenant: each tenant's newest
+    ``per_tenant`` keys, and at most ``total`` in all, a tenant holding the most giving up its
+    oldest first when that is reached.
+
+    Regression (security review F5): all tenants' keys shared one LRU of 65,536, so one tenant
+    sending 65,536 distinct keys wiped every other tenant's node affinity."""
+
+    def __init__(self, per_tenant: int = MAX_ROUTING_KEYS_PER_TENANT, total: int = MAX_ROUTING_KEYS) -> None:
+        self.per_tenant, self.total = per_tenant, total
+        self.by_tenant: dict[str, OrderedDict[str, str]] = {}
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get(self, tenant_id: str, key: str) -> str | None:
+        """The node ``tenant_id``'s ``key`` names, None when none is remembered."""
+        keys = self.by_tenant.get(tenant_id)
+        return None if keys is None else keys.get(key)
+
+    def put(self, tenant_id: str, key: str, node_id: str) -> None:
+        """``tenant_id``'s ``key`` names ``node_id`` now (its newest key)."""
+        keys = self.by_tenant.setdefault(tenant_id, OrderedDict())
+        if key not in keys:
+            self.count += 1
+        keys[key] = node_id
+        keys.move_to_end(key)
+        if len(keys) > self.per_tenant:
+            self._evict(tenant_id)
+        while self.count > self.total:
+            self._evict(max(self.by_tenant, key=lambda t: len(self.by_tenant[t])))
+
+    def _evict(self, tenant_id: str) -> None:
+        keys = self.by_tenant[tenant_id]
+        keys.popitem(last=False)
+        self.count -= 1
+        if not keys:
+            del self.by_tenant[tenant_id]
 
 
 def prompt_size(req: NodeRequest) -> int:
@@ -49,7 +94,7 @@ class Routing:
     down: dict[str, str]
     index: Any
     common_prefix: Any
-    routing_keys: Any
+    routing_keys: RoutingKeys
     specs: dict[str, Any]
     scheduler: str
     affinity_min_blocks: int
@@ -64,20 +109,18 @@ class Routing:
         spec = self.specs.get(tenant_id) or self._spec_by_id(tenant_id)
         return spec is not None and SLO_CLASS_RANK[spec.slo_class.value] == 0
 
-    def _keyed_route(self, routing_key: str, block_hashes: list[bytes], urgent: bool = False) -> str:
-        """The node that served ``routing_key`` last while it is healthy and has room (fewer
-        requests in flight than its capacity), else ``_route``'s pick, which the key then
-        names (the newest ``MAX_ROUTING_KEYS`` keys are kept)."""
+    def _keyed_route(self, routing_key: str, block_hashes: list[bytes], urgent: bool = False,
+                     tenant_id: str = "") -> str:
+        """The node that served ``tenant_id``'s ``routing_key`` last while it is healthy and
+        has room (fewer requests in flight than its capacity), else ``_route``'s pick, which
+        the key then names (``RoutingKeys``: each tenant's newest keys are kept)."""
         if not routing_key:
             return self._route(block_hashes, urgent)
-        node_id = self.routing_keys.get(routing_key)
+        node_id = self.routing_keys.get(tenant_id, routing_key)
         node = self.nodes.get(node_id or "")
-        if node is None or node_id in self.down or len(node.in_flight) >= node.capacity:
+        if node_id is None or node is None or node_id in self.down or len(node.in_flight) >= node.capacity:
             node_id = self._route(block_hashes, urgent)
-        self.routing_keys[routing_key] = node_id
-        self.routing_keys.move_to_end(routing_key)
-        if len(self.routing_keys) > MAX_ROUTING_KEYS:
-            self.routing_keys.popitem(last=False)
+        self.routing_keys.put(tenant_id, routing_key, node_id)
         return node_id
 
     def _route(self, block_hashes: list[bytes], urgent: bool = False) -> str:
