@@ -10,6 +10,7 @@ tenant it was never told about get ``DEFAULT_SHARE`` (standard class, weight 1, 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -36,7 +37,7 @@ class TenantShare:
         kv_quota_blocks: guaranteed device-tier blocks (0 = borrow only).
 
     Raises:
-        ValueError: unknown class or a value out of range.
+        ValueError: unknown class, a value out of range, or one not finite (NaN, infinity).
     """
 
     slo_class: str = "standard"
@@ -50,6 +51,11 @@ class TenantShare:
             raise ValueError(
                 f"slo_class must be one of {sorted(SLO_CLASS_RANK)}, got {self.slo_class!r}"
             )
+        values = (self.ttft_slo_ms, self.min_tokens_per_s, self.weight, self.kv_quota_blocks)
+        if not all(math.isfinite(v) for v in values):
+            # Regression (security review F6): NaN and infinity passed every check below
+            # (a data-plane message's ``extra`` could set a NaN floor or an infinite weight)
+            raise ValueError(f"tenant share values must be finite numbers, got {values!r}")
         if not self.ttft_slo_ms > 0 or not self.weight > 0:
             raise ValueError("ttft_slo_ms and weight must be positive")
         if self.min_tokens_per_s < 0 or self.kv_quota_blocks < 0:
