@@ -46,7 +46,7 @@ from cache_node.scheduling.admission import (
 from services import data_plane
 from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
 from services.data_plane_auth import Security
-from services.global_scheduler_members import LOST_SESSIONS_MAX, GatewayRecord, Membership
+from services.global_scheduler_members import GatewayRecord, Membership
 from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
@@ -112,12 +112,16 @@ class GlobalScheduler(Tenants, Membership, Routing):
         security: the scheduler's data-plane identity (``services.data_plane_auth``): its
             admission socket admits only gateways, its submits reach nodes only with its key.
             None: plaintext on loopback (unit tests only).
+        max_sessions_per_tenant: a tenant's sessions (routed, or lost with a restarted node
+            and not closed) past which a new one is refused.
+        session_ttl_s: the nodes' session TTL: how long a session lost with its node's
+            process stays refused (``lost_of``).
     """
 
     def __init__(
         self, state_dir: str, nodes: dict[str, int], queue_limit: int = 256, affinity_min_blocks: int = 4,
         scheduler: str = "fcfs", block_size: int = 16, clock: Any = time.monotonic,
-        security: Security | None = None, max_sessions_per_tenant: int = 1024,
+        security: Security | None = None, max_sessions_per_tenant: int = 1024, session_ttl_s: float = 900.0,
     ) -> None:
         self.security = security
         self.bad_messages = 0  # data-plane messages dropped as malformed
@@ -139,10 +143,14 @@ class GlobalScheduler(Tenants, Membership, Routing):
         # routed there ``continues_session`` (one of a session whose first turn has not
         # finished does not: its retry would find no session)
         self.kept_sessions: set[str] = set()
-        # sessions whose history went with their node's process (``node_up`` after a restart)
-        # -> their tenant: a turn of one is refused until the session is closed
-        self.lost_sessions: OrderedDict[str, str] = OrderedDict()
+        # tenant -> its sessions whose history went with their node's process (``node_up``
+        # after a restart) -> when, oldest first: a turn of one is refused until the session
+        # is closed or ``session_ttl_s`` passed; they count as the tenant's sessions
+        # (``max_sessions_per_tenant``), so each tenant's are bounded and none is ever dropped
+        # for another's
+        self.lost_sessions: dict[str, dict[str, float]] = {}
         self.max_sessions_per_tenant = max_sessions_per_tenant
+        self.session_ttl_s = session_ttl_s
         self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, per tenant
         self.routing_keys = RoutingKeys()
@@ -199,19 +207,25 @@ class GlobalScheduler(Tenants, Membership, Routing):
             return Admission(code="UNAVAILABLE", reason="session_node_down", retry_after_s=1.0,
                              message=f"the cache node holding this session's history is down "
                              f"({self.down[sticky[1]]}): retry once it is back")
-        if sticky is None and self.lost_sessions.get(session_id) == tenant_id:
+        lost = self.lost_of(tenant_id)
+        if sticky is None and session_id in lost:
             self.usage.record_rejected(tenant_id)
             return Admission(code="ABORTED", reason="session_lost",
                              message="this session's history was lost when its cache node restarted: "
                              "close the session (CloseSession) and start it again")
-        if session_id and sticky is None and self.sessions_per_tenant[tenant_id] >= self.max_sessions_per_tenant:
+        if (session_id and sticky is None
+                and self.sessions_per_tenant[tenant_id] + len(lost) >= self.max_sessions_per_tenant):
             # regression (security review): every new session id kept its history, a route
             # here and its messages on a node until its TTL, without bound: one tenant's
-            # thousands of sessions grew every node's memory and per-step scans
+            # thousands of sessions grew every node's memory and per-step scans. Sessions lost
+            # with a restarted node count until closed (security review F6: their markers
+            # were capped for all tenants together, and past the cap a lost session's next
+            # turn ran without its history)
             self.usage.record_rejected(tenant_id)
             return Admission(code="RESOURCE_EXHAUSTED", reason="too_many_sessions",
                              message=f"the tenant has {self.max_sessions_per_tenant} open sessions "
-                             "(max_sessions_per_tenant): close one (CloseSession) or let an idle one expire")
+                             f"(max_sessions_per_tenant; {len(lost)} of them lost with a restarted cache node): "
+                             "close one (CloseSession) or let an idle one expire")
         queued = self._queued()
         if self._over_queue(tenant_id, queued):
             self.usage.record_rejected(tenant_id)
@@ -332,10 +346,10 @@ class GlobalScheduler(Tenants, Membership, Routing):
             # turn's late release dropped the route its retry, admitted meanwhile, had set; the
             # next turn went to another node and answered without the history
             self.drop_session_route(opened)
-        if opened and not kept and self.lost_sessions.get(opened) == tenant_id:
+        if opened and not kept:
             # its node restarted before the first turn ended: nothing was lost, the session
             # never held a turn (regression, diff review: the retry was refused session_lost)
-            del self.lost_sessions[opened]
+            self.forget_lost(tenant_id, opened)
         if kept and session and self.session_nodes.get(session) == (tenant_id, node_id):
             self.kept_sessions.add(session)
         if node_id in self.nodes:
@@ -376,16 +390,14 @@ class GlobalScheduler(Tenants, Membership, Routing):
         NOT_FOUND for a session the client had opened."""
         entry = self.session_nodes.get(session_id)
         if entry is None or entry[0] != tenant_id:
-            if self.lost_sessions.get(session_id) == tenant_id:
-                del self.lost_sessions[session_id]
-                return "", []
-            return None
+            return ("", []) if self.forget_lost(tenant_id, session_id) else None
         self.drop_session_route(session_id)
         turns = self._detach_turns(session_id, entry[1])
         if entry[1] in self.down:  # told at its ``node_up``, if the same process comes back
-            pending = self.closed_while_down.setdefault(entry[1], {})
-            if len(pending) < LOST_SESSIONS_MAX:
-                pending[session_id] = (tenant_id, turns)
+            # bounded as the sessions routed to the node when it went down are (no session is
+            # routed to a node while it is down): no cap shared by all tenants, which dropped
+            # the close of one tenant's session (its KV held until its TTL) for another's
+            self.closed_while_down.setdefault(entry[1], {})[session_id] = (tenant_id, turns)
             return "", []
         return entry[1], turns
 
@@ -401,6 +413,39 @@ class GlobalScheduler(Tenants, Membership, Routing):
                 if node == node_id:
                     turns.append(rid)
         return turns
+
+    def lost_of(self, tenant_id: str) -> dict[str, float]:
+        """``tenant_id``'s lost sessions (``lost_sessions``), those lost ``session_ttl_s`` or
+        longer ago forgotten: idle at least that long, each would have expired on its node
+        too, and its next turn opens it anew as after that expiry."""
+        lost = self.lost_sessions.get(tenant_id)
+        if lost is None:
+            return {}
+        horizon = self.clock() - self.session_ttl_s
+        while lost and next(iter(lost.values())) <= horizon:
+            del lost[next(iter(lost))]
+        if not lost:
+            del self.lost_sessions[tenant_id]
+            return {}
+        return lost
+
+    def mark_lost(self, tenant_id: str, session_id: str) -> None:
+        """``session_id``'s history went with its node's process: refuse its turns until it is
+        closed (its route must be dropped first: the mark takes its place in the tenant's
+        ``max_sessions_per_tenant``)."""
+        lost = self.lost_sessions.setdefault(tenant_id, {})
+        lost.pop(session_id, None)
+        lost[session_id] = self.clock()
+
+    def forget_lost(self, tenant_id: str, session_id: str) -> bool:
+        """Unmark ``tenant_id``'s lost ``session_id``; whether it was marked."""
+        lost = self.lost_sessions.get(tenant_id)
+        if lost is None or session_id not in lost:
+            return False
+        del lost[session_id]
+        if not lost:
+            del self.lost_sessions[tenant_id]
+        return True
 
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""

@@ -19,11 +19,6 @@ log = logging.getLogger(__name__)
 GONE_GATEWAYS_MAX = 1024
 """Event inboxes of dead gateways remembered (oldest forgotten first)."""
 
-LOST_SESSIONS_MAX = 65536
-"""Sessions whose history was lost with their node's process, remembered (oldest forgotten
-first) so that their next turns are refused (``GlobalScheduler.lost_sessions``)."""
-
-
 @dataclass(frozen=True)
 class GatewayRecord:
     """A gateway as the scheduler knows it: its gRPC ``host:port`` and its event inbox."""
@@ -106,7 +101,8 @@ class Membership:
         the actor's ``restarts`` (-1: unknown); ``previous_pid``/``previous_restarts``: those
         the caller knew it by, for a node no ``node_up`` reported yet. From a new process (its
         KV, sessions included, is gone) each session routed there is lost: its next turns are
-        refused ABORTED until it is closed (``admit``). When the same process is back (it
+        refused ABORTED until it is closed or the nodes' session TTL passed (``admit``,
+        ``lost_of``); it keeps its place in its tenant's ``max_sessions_per_tenant``. When the same process is back (it
         missed a health poll), its sessions go on there. Idempotent: every gateway's monitor
         reports it; a report of an older process (fewer restarts than one reported already,
         from a gateway that learnt late) is ignored.
@@ -125,9 +121,7 @@ class Membership:
         if restarted:
             for sid, (tenant_id, _) in [(sid, e) for sid, e in self.session_nodes.items() if e[1] == node_id]:
                 self.drop_session_route(sid)
-                self.lost_sessions[sid] = tenant_id
-                while len(self.lost_sessions) > LOST_SESSIONS_MAX:
-                    self.lost_sessions.popitem(last=False)
+                self.mark_lost(tenant_id, sid)  # in its route's place: bounded per tenant
         closed = self.closed_while_down.pop(node_id, {})
         if not restarted and self.commands is not None:  # regression (diff review): a session
             # closed while its node only missed a poll held its KV there until its TTL

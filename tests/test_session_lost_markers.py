@@ -1,0 +1,61 @@
+"""Sessions lost with a restarted cache node (``GlobalScheduler.lost_sessions``): each tenant's
+are bounded by its ``max_sessions_per_tenant``, never dropped for another tenant's, and a
+lost session's next turn never runs without its history."""
+
+from __future__ import annotations
+
+from services.global_scheduler import GlobalScheduler
+from tenants.model import TenantSpec
+
+FINISHED = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+
+
+def open_sessions(sched: GlobalScheduler, tenant_id: str, n: int) -> list[str]:
+    ids = [f"{tenant_id}/s{k}" for k in range(n)]
+    for k, sid in enumerate(ids):
+        assert sched.admit(tenant_id, f"{tenant_id}/r{k}", session_id=sid).code == "OK"
+        sched.release(f"{tenant_id}/r{k}", FINISHED)
+    return ids
+
+
+def test_another_tenants_lost_sessions_never_push_out_a_tenants_marker(tmp_path) -> None:
+    """Regression (security review F6): the markers of lost sessions were capped at 65,536 for
+    all tenants together, oldest dropped: a tenant's session lost in the same restart as
+    65,536 of another tenant's had its marker dropped, and its next turn ran as a new session,
+    silently without its history."""
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8}, max_sessions_per_tenant=70_000)
+    victim, other = (sched.register_tenant(TenantSpec(name, "standard"))[0].tenant_id for name in ("victim", "other"))
+    (mine,) = open_sessions(sched, victim, 1)
+    open_sessions(sched, other, 65_536)
+    sched.node_down("n0", "its data-plane connection closed")
+    sched.node_up("n0", "inbox2", pid=0)  # a new process: every history there is gone
+    lost = sched.admit(victim, "next-turn", session_id=mine)
+    assert (lost.code, lost.reason) == ("ABORTED", "session_lost")
+
+
+def test_a_tenants_lost_sessions_count_as_its_sessions_until_closed_or_their_ttl(tmp_path) -> None:
+    """A tenant's lost sessions take places of its ``max_sessions_per_tenant`` (its markers
+    are bounded by it and none is dropped): a new session is refused until one is closed;
+    another tenant's count is its own. A marker is forgotten ``session_ttl_s`` after the
+    loss, when the session would have expired on its node too."""
+    now = [100.0]
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8}, max_sessions_per_tenant=2, session_ttl_s=900.0,
+                            clock=lambda: now[0])
+    a1, a2 = open_sessions(sched, "a", 2)
+    (b1,) = open_sessions(sched, "b", 1)
+    sched.node_down("n0", "restarting")
+    sched.node_up("n0", "inbox2", pid=0)
+    for sid in (a1, a2):
+        assert sched.admit("a", "a/again", session_id=sid).reason == "session_lost"
+    full = sched.admit("a", "a/new", session_id="a/new")
+    assert (full.code, full.reason) == ("RESOURCE_EXHAUSTED", "too_many_sessions")
+    assert "2 of them lost" in full.message and "CloseSession" in full.message
+    assert sched.admit("a", "a/plain").code == "OK"  # requests without a session go on
+    assert sched.admit("b", "b/new", session_id="b/new").code == "OK"  # b: 1 lost + 1 open
+    assert sched.close_session(a1, "a") == ("", [])
+    assert sched.admit("a", "a/new2", session_id="a/new").code == "OK"
+    assert sched.admit("a", "a/again2", session_id=a2).reason == "session_lost"  # still refused
+
+    now[0] += 900.0  # idle that long, it would have expired on its node: opened anew
+    assert sched.admit("b", "b/after", session_id=b1).code == "OK"
+    assert not sched.lost_of("a") and not sched.lost_sessions.get("b")
