@@ -43,8 +43,8 @@ from services.actor_refs import resolve
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
 from services.cache_node_health import Health
-from services.cache_node_streams import Event, Streams, _Stream
-from services.chat import ChatTemplater
+from services.cache_node_streams import Event, SessionTexts, Streams, _Stream
+from services.chat import ChatTemplater, content_chars
 from services.config import NodeConfig
 from services.data_plane_auth import Security, secure_push
 from services.metrics import MetricsEndpoint, MetricsServer, NodeMetrics
@@ -63,6 +63,11 @@ class SessionGone(Exception):
     Regression: a turn admitted before a CloseSession that overtook it on the node was
     computed from its new tokens alone (its answer silently ignored the conversation), and
     the closed session was opened again, holding KV until its TTL."""
+
+
+class SessionTextBudget(Exception):
+    """A session turn would take its tenant's kept messages on this node past
+    ``NodeConfig.max_session_text_chars_per_tenant`` (RESOURCE_EXHAUSTED)."""
 
 
 class CacheNode(Streams, Commands, Health, Admin):
@@ -142,7 +147,7 @@ class CacheNode(Streams, Commands, Health, Admin):
         self._inbox: tuple[Any, asyncio.Task[None]] | None = None
         self.data_address = ""  # the command inbox (open_data_plane)
         self._aborted_early: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (code, message)
-        self._session_messages: dict[str, list[dict[str, str]]] = {}
+        self._session_messages = SessionTexts()  # per session: its turns' messages
         # requests and aborts for the step thread: the event loop never waits on the engine's
         # lock, which a step holds for its whole forward pass
         self._incoming: deque[_Stream] = deque()
@@ -218,6 +223,7 @@ class CacheNode(Streams, Commands, Health, Admin):
                 if req.continues_session and self.engine.session_history(req.session_id) is None:
                     raise SessionGone("the session ended (closed, expired or its first turn failed) before "
                                       "this turn started; its history is gone: send the turn again to start it anew")
+                self._check_session_text_budget(req)
                 prompt = self._prompt_of(stream)
                 sampling = self._sampling(req, len(prompt))
                 if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
@@ -236,6 +242,8 @@ class CacheNode(Streams, Commands, Health, Admin):
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
             except SessionGone as exc:
                 error = {"type": "error", "code": "ABORTED", "message": str(exc)}
+            except SessionTextBudget as exc:
+                error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
                 text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
                 error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}
@@ -245,6 +253,23 @@ class CacheNode(Streams, Commands, Health, Admin):
                 error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
             if error is not None:
                 self._dispatch([(stream, error)])
+
+    def _check_session_text_budget(self, req: NodeRequest) -> None:
+        """Refuse a session turn whose messages would take its tenant's kept messages on this
+        node (``SessionTexts.tenant_chars``) past ``max_session_text_chars_per_tenant``.
+
+        Raises:
+            SessionTextBudget: they would.
+        """
+        if not (req.session_id and req.messages):
+            return
+        budget = self.config.max_session_text_chars_per_tenant
+        kept, chars = self._session_messages.tenant_chars.get(req.tenant, 0), content_chars(req.messages)
+        if kept + chars > budget:
+            raise SessionTextBudget(
+                f"this turn's {chars} characters of messages would take the tenant's sessions on this node past "
+                f"max_session_text_chars_per_tenant ({budget}; they keep {kept}): close sessions (CloseSession) "
+                "or let idle ones expire")
 
     def _sampling(self, req: NodeRequest, num_prompt_tokens: int) -> SamplingParams:
         """``req.sampling``; a request without max_tokens (``extra["fill_context"]``) gets what
@@ -279,19 +304,34 @@ class CacheNode(Streams, Commands, Health, Admin):
     def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:
         """``req``'s prompt token ids after its session's ``history`` (None: none).
 
+        A session's messages are kept on the node for its next turns, so its whole text (the
+        history's and this turn's) must fit ``room`` tokens as one turn's does, and a turn's
+        text must come to the tokens it can stand for (``ChatTemplater.check_tokens_cover``).
+        Regression (security review F3): only each turn's text was bounded, so a session of
+        turns the tokenizer turns into next to no tokens kept ~112 MB of text on the node.
+
         Raises:
             ValueError: a chat on a node without a tokenizer, or text that can never fit.
         """
         if req.token_ids:
             return (history or []) + list(req.token_ids)
-        if self.templater is None:
+        templater = self.templater
+        if templater is None:
             raise ValueError("this node's model has no tokenizer; send token ids")
         room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)
-        self.templater.check_messages_fit(req.messages, room)
+        templater.check_messages_fit(req.messages, room)
+        chars = content_chars(req.messages)
         if history:
-            past = self._session_messages.get(req.session_id, [])
-            return self.templater.continuation(past, history, req.messages)
-        return self.templater.first_turn(req.messages)
+            templater.check_fits(self._session_messages.chars(req.session_id) + chars, room,
+                                 "the session's messages (its history's and this turn's)")
+            prompt = templater.continuation(self._session_messages.get(req.session_id, []), history, req.messages)
+            added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
+        else:
+            prompt = templater.first_turn(req.messages)
+            added = len(prompt)
+        if req.session_id:  # its messages are kept
+            templater.check_tokens_cover(chars, added)
+        return prompt
 
     # ---- the step thread ------------------------------------------------------------------
     def _run(self) -> None:

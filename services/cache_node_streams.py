@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,9 +33,58 @@ from typing import Any
 from cache_node.detokenizer import IncrementalDetokenizer
 from cache_node.outputs import RequestOutput
 from cache_node.stop_strings import StopMatcher
+from services.chat import Messages, content_chars
 from services.node_request import NodeRequest
 
 Event = dict[str, Any]
+
+
+class SessionTexts:
+    """The chat messages each session on this node keeps to render its next turn
+    (``ChatTemplater.continuation``), and the characters of their content per session and per
+    tenant (``CacheNode`` bounds both before a turn starts: ``NodeConfig.max_session_text_chars_per_tenant``).
+
+    Read on the renderer thread, changed on the step thread (a dict's ``get`` and one turn's
+    ``add`` are each atomic under the GIL, as before this class)."""
+
+    def __init__(self) -> None:
+        self._messages: dict[str, list[dict[str, str]]] = {}
+        self._owner: dict[str, tuple[str, int]] = {}  # session -> (tenant, its characters)
+        self.tenant_chars: Counter[str] = Counter()
+
+    def get(self, session_id: str, default: Any = None) -> Any:
+        return self._messages.get(session_id, default)
+
+    def __getitem__(self, session_id: str) -> list[dict[str, str]]:
+        return self._messages[session_id]
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def chars(self, session_id: str) -> int:
+        """Characters of the content ``session_id`` keeps (0: none)."""
+        owner = self._owner.get(session_id)
+        return owner[1] if owner is not None else 0
+
+    def add(self, session_id: str, tenant: str, messages: Messages) -> None:
+        """Append one turn's ``messages`` to ``session_id``'s history, charged to ``tenant``."""
+        added = content_chars(messages)
+        owner, chars = self._owner.get(session_id, (tenant, 0))
+        self._messages.setdefault(session_id, []).extend(messages)
+        self._owner[session_id] = (owner, chars + added)
+        self.tenant_chars[owner] += added
+
+    def pop(self, session_id: str, default: Any = None) -> Any:
+        """Forget ``session_id``'s messages (closed or expired); returns them, or ``default``."""
+        owner = self._owner.pop(session_id, None)
+        if owner is not None:
+            self.tenant_chars[owner[0]] -= owner[1]
+            if self.tenant_chars[owner[0]] <= 0:
+                del self.tenant_chars[owner[0]]
+        return self._messages.pop(session_id, default)
 
 
 @dataclass(eq=False)
@@ -247,9 +297,8 @@ class Streams:
         req = stream.request
         if not req.session_id or out.finish_reason == "abort" or not req.messages:
             return
-        history = self._session_messages.setdefault(req.session_id, [])
-        history.extend(req.messages)
-        history.append({"role": "assistant", "content": "".join(stream.sent)})
+        answer = {"role": "assistant", "content": "".join(stream.sent)}
+        self._session_messages.add(req.session_id, req.tenant, [*req.messages, answer])
 
     def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
         ttft_ms = (out.ttft_s or 0.0) * 1000.0

@@ -16,6 +16,15 @@ if TYPE_CHECKING:  # an annotation alone: importing transformers costs ~1 s
 
 Messages = Sequence[dict[str, str]]
 
+DROPPED_CHARS_SLACK = 64
+"""Characters a turn's text may hold beyond what its tokens can stand for
+(``ChatTemplater.check_tokens_cover``): a few control characters the tokenizer drops."""
+
+
+def content_chars(messages: Messages) -> int:
+    """Characters of the content of chat ``messages``."""
+    return sum(len(m.get("content") or "") for m in messages)
+
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens added: ``tokenizer(text).input_ids``.
@@ -77,7 +86,28 @@ class ChatTemplater:
         Raises:
             ValueError: their content can never come to at most ``max_tokens`` tokens.
         """
-        self.check_fits(sum(len(m.get("content") or "") for m in messages), max_tokens, "messages")
+        self.check_fits(content_chars(messages), max_tokens, "messages")
+
+    def check_tokens_cover(self, num_chars: int, num_tokens: int, what: str = "messages") -> None:
+        """Refuse ``num_chars`` characters of text that tokenized to only ``num_tokens`` tokens:
+        more than those tokens' pieces can hold (``max_token_chars`` each) plus
+        ``DROPPED_CHARS_SLACK``, so most of the text is characters the tokenizer drops. Exact for
+        a byte-level vocabulary (a piece has a character per byte of the text it stands for);
+        no check without one (``max_token_chars`` None).
+
+        Regression (security review F3): SmolLM2's vocabulary encodes U+0004, U+0006, U+0013,
+        U+0014, U+0016 and U+001D to no token, so a session turn of 331,776 of them passed every
+        bound, added ~12 tokens to the history and all its text to what the cache node keeps for
+        the session: ~112 MB per session, a node's memory per tenant without bound.
+
+        Raises:
+            ValueError: ``num_chars`` exceeds ``num_tokens * max_token_chars + DROPPED_CHARS_SLACK``.
+        """
+        most = self.max_token_chars
+        if most is not None and num_chars > num_tokens * most + DROPPED_CHARS_SLACK:
+            raise ValueError(f"{what}: {num_chars} characters came to only {num_tokens} tokens; a token "
+                             f"of this model stands for at most {most} characters, the rest are characters "
+                             "the tokenizer drops (control characters): remove them")
 
     @functools.cached_property
     def conversation_overhead(self) -> int:

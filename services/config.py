@@ -45,6 +45,10 @@ class NodeConfig(BaseModel):
     prefetch_wait_s: float = Field(1.0, ge=0)  # longest a queued request waits on a spill prefetch
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
+    # Most characters of chat messages one tenant's sessions keep on a node (to render their next
+    # turns; RESOURCE_EXHAUSTED naming it past that): 64 Mi, ~16x what 1024 sessions of 4096
+    # tokens of English text keep
+    max_session_text_chars_per_tenant: int = Field(64 * 1024 * 1024, ge=1)
     # Test-only: lets ``CacheNode.inject_step_fault`` make the step loop raise (fault tests).
     fault_injection: bool = False
     # Environment of the node's worker process, set before torch loads:

@@ -31,7 +31,7 @@ from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
 from services.auth import Authenticator
-from services.chat import ChatTemplater, estimate_message_tokens
+from services.chat import ChatTemplater, content_chars, estimate_message_tokens
 from services.data_plane_auth import Security
 from services.gateway_streams import NodeStreams
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
@@ -279,6 +279,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     f"messages ({estimate} tokens) can never fit with the session's history: "
                     f"a cache node runs at most {room} prompt tokens",
                 )
+            if templater is not None:
+                try:  # as the node's check of the turn's own tokens (``CacheNode._prompt``), which are at
+                    # least these: regression (security review F3), text the tokenizer drops was kept there
+                    templater.check_tokens_cover(content_chars(messages), max(estimate - overhead, 0))
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             extra["prompt_tokens_estimate"] = str(estimate)
         req = NodeRequest(
             request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,

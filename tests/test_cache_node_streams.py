@@ -440,3 +440,85 @@ def test_a_turn_its_sessions_close_named_is_refused_when_it_arrives_after_the_cl
     assert asyncio.run(node.close_session("gnu/s", "gnu")) > 0
     fresh = asyncio.run(node.integrity_stats())
     assert fresh["used_blocks"] == 0 and fresh["sessions"] == 0 and fresh["integrity_ok"]
+
+
+def _chat_turn(rid: str, text: str, tenant: str, session_id: str) -> NodeRequest:
+    return request(rid, max_tokens=3, tokens=(), tenant=tenant, session_id=session_id,
+                   messages=({"role": "user", "content": text},))
+
+
+def _events(node: CacheNode, req: NodeRequest) -> list[dict]:
+    async def run() -> list[dict]:
+        return [e async for e in node.generate(req)]
+
+    return asyncio.run(run())
+
+
+def test_a_session_turn_of_characters_the_tokenizer_drops_is_refused_and_the_session_goes_on(node) -> None:
+    """Regression (security review F3): a turn of characters the tokenizer drops (U+0004)
+    finished, added a few tokens to the history and all its text to what the node keeps for
+    the session (~112 MB per session over ~340 turns). Now INVALID_ARGUMENT; the session is
+    as it was (history, kept messages, KV blocks), no block is left taken, and its next turn
+    continues from the history."""
+    sid = "zt/s"
+    assert _events(node, _chat_turn("z1", "Name a colour.", "zt", sid))[-1]["type"] == "finished"
+    sess = node.engine.sessions.sessions[sid]
+    history, blocks = node.engine.session_history(sid), [b.block_id for b in sess.blocks]
+    kept = list(node._session_messages[sid])
+    used = node.stats()["used_blocks"]
+    got = _events(node, _chat_turn("z2", "hi" + "\x04" * 20_000, "zt", sid))
+    assert [e["type"] for e in got] == ["error"], got[-1]
+    assert got[0]["code"] == "INVALID_ARGUMENT" and "characters the tokenizer drops" in got[0]["message"]
+    assert node.engine.session_history(sid) == history
+    assert [b.block_id for b in node.engine.sessions.sessions[sid].blocks] == blocks
+    assert node._session_messages[sid] == kept
+    assert node._session_messages.tenant_chars["zt"] == node._session_messages.chars(sid) == sum(
+        len(m["content"]) for m in kept)
+    assert asyncio.run(node.integrity_stats())["used_blocks"] == used and "z2" not in node._streams
+    done = _events(node, _chat_turn("z3", "And another one?", "zt", sid))[-1]
+    assert done["type"] == "finished" and done["prompt_tokens"] > len(history)
+    assert node.engine.session_history(sid)[:len(history)] == history
+    assert len(node._session_messages[sid]) == len(kept) + 2
+    assert asyncio.run(node.close_session(sid, "zt")) > 0
+    assert sid not in node._session_messages and "zt" not in node._session_messages.tenant_chars
+    node.engine.check_integrity()
+
+
+def test_a_sessions_whole_text_is_bounded_by_what_its_tokens_can_stand_for(node) -> None:
+    """Regression (security review F3): only each turn's text was bounded (room x
+    max_token_chars); now the session's kept messages and the new turn's together are."""
+    sid = "wt/s"
+    assert _events(node, _chat_turn("w1", "Name a colour.", "wt", sid))[-1]["type"] == "finished"
+    room = min(node.engine.max_model_len, node.engine.scheduler.pool_tokens)
+    bound = room * node.templater.max_token_chars
+    history = node.engine.session_history(sid)
+    turn = _chat_turn("w2", "x" * 100, "wt", sid)
+    node._prompt(turn, history)  # fits
+    node._session_messages.add(sid, "wt", [{"role": "user", "content": "y" * (bound - 120)}])
+    with pytest.raises(ValueError, match="the session's messages"):
+        node._prompt(turn, history)
+    asyncio.run(node.close_session(sid, "wt"))
+    assert "wt" not in node._session_messages.tenant_chars
+
+
+def test_a_tenants_kept_session_text_on_a_node_is_bounded(node, monkeypatch) -> None:
+    """Regression (security review F3): a tenant's sessions kept messages on a node without
+    bound. A turn that would take them past ``max_session_text_chars_per_tenant`` is refused
+    with RESOURCE_EXHAUSTED naming it, its session goes on; another tenant's turns run, and a
+    closed session gives its characters back."""
+    monkeypatch.setattr(node, "config", node.config.model_copy(update={"max_session_text_chars_per_tenant": 200}))
+    assert _events(node, _chat_turn("b1", "Name a colour.", "bt", "bt/s"))[-1]["type"] == "finished"
+    kept = node._session_messages.tenant_chars["bt"]
+    assert kept == node._session_messages.chars("bt/s") >= len("Name a colour.")
+    history = node.engine.session_history("bt/s")
+    got = _events(node, _chat_turn("b2", "z" * (201 - kept), "bt", "bt/s"))
+    assert [e["type"] for e in got] == ["error"] and got[0]["code"] == "RESOURCE_EXHAUSTED"
+    assert "max_session_text_chars_per_tenant" in got[0]["message"]
+    assert node.engine.session_history("bt/s") == history
+    assert _events(node, _chat_turn("o1", "z" * (201 - kept), "ot", "ot/s"))[-1]["type"] == "finished"
+    assert _events(node, _chat_turn("b3", "Why?", "bt", "bt/s"))[-1]["type"] == "finished"  # within it
+    for sid, tenant in (("bt/s", "bt"), ("ot/s", "ot")):
+        asyncio.run(node.close_session(sid, tenant))
+    assert "bt" not in node._session_messages.tenant_chars and "ot" not in node._session_messages.tenant_chars
+    assert _events(node, _chat_turn("b4", "z" * (201 - kept), "bt", "bt/s2"))[-1]["type"] == "finished"
+    asyncio.run(node.close_session("bt/s2", "bt"))

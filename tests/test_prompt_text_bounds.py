@@ -99,3 +99,78 @@ def test_text_that_can_never_fit_is_refused_before_rendering_and_the_rest_render
         code, _ = generate("What is the capital of France?")  # fits: rendered, then no node
         assert code != grpc.StatusCode.INVALID_ARGUMENT
         assert rendered_on and not any(rendered_on)  # every rendering ran off the event loop
+
+
+DROPPED = "\x04\x06\x13\x14\x16\x1d"  # the characters SmolLM2's vocabulary encodes to no token
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.characters(blacklist_categories=("Cc", "Cs")) | st.sampled_from("\n\t\r"),
+                    min_size=1, max_size=400))
+def test_text_the_tokenizer_keeps_always_comes_to_the_tokens_it_stands_for(templater: ChatTemplater,
+                                                                           text: str) -> None:
+    """``check_tokens_cover`` refuses no text the tokenizer keeps, even with no slack: its
+    characters are at most its tokens times ``max_token_chars``."""
+    assert len(text) <= len(templater.encode(text)) * templater.max_token_chars
+    templater.check_tokens_cover(len(text), len(templater.encode(text)))
+
+
+@pytest.mark.parametrize("char", DROPPED)
+def test_a_session_turn_of_characters_the_tokenizer_drops_is_refused(templater: ChatTemplater, char: str) -> None:
+    """Regression (security review F3, ``/tmp/secrev17/r3_session_text_growth.py``): a turn of
+    331,776 characters the tokenizer drops passed the per-turn bound, came to ~12 tokens and
+    was kept whole by the node: 112 MB per session. Its tokens now refuse it; a turn with a
+    few such characters among its text passes."""
+    room = 4096
+    content = "hi" + char * (room * templater.max_token_chars - 2)
+    messages = [{"role": "user", "content": content}]
+    templater.check_messages_fit(messages, room)  # the per-turn bound lets it through
+    tokens = len(templater.first_turn(messages))
+    assert tokens < 40
+    with pytest.raises(ValueError, match="characters the tokenizer drops"):
+        templater.check_tokens_cover(len(content), tokens)
+    few = "Name a colour." + char * 40
+    templater.check_tokens_cover(len(few), len(templater.first_turn([{"role": "user", "content": few}])))
+
+
+@pytest.mark.parametrize("content", [
+    "Name a colour.", " " * 300 + "x", "\U0001F600" * 50, "def f():\n" + "        pass\n" * 20,
+    "a" + "\x04" * 2000, "\x1d" * 20 + "ok",
+])
+def test_the_gateways_bound_on_a_session_turn_is_never_tighter_than_the_nodes(templater: ChatTemplater,
+                                                                               content: str) -> None:
+    """The gateway counts a session turn's tokens as its estimate less the conversation's
+    overhead; the node counts the tokens the turn adds after the history. The gateway's count
+    is never more, so it refuses only turns the node would refuse."""
+    first = [{"role": "user", "content": "Name a colour."}]
+    history = templater.first_turn(first) + [42, templater.eos_token_id]
+    past = [*first, {"role": "assistant", "content": " Blue"}]
+    turn = [{"role": "user", "content": content}]
+    node_tokens = len(templater.continuation(past, history, turn)) - len(history)
+    gateway_tokens = len(templater.first_turn(turn)) - templater.conversation_overhead
+    assert gateway_tokens <= node_tokens, (gateway_tokens, node_tokens)
+
+
+def test_the_gateway_refuses_a_session_turn_of_dropped_characters(tmp_path: Path, templater: ChatTemplater) -> None:
+    """Regression (security review F3): the gateway sent such a turn on to a node, which kept
+    its text. Now INVALID_ARGUMENT at the gateway; an ordinary session turn is not refused so."""
+    with serve(tmp_path, templater) as gw, grpc.insecure_channel(gw.address) as ch:
+        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann")),
+            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+
+        def generate(content: str) -> tuple[grpc.StatusCode, str]:
+            req = inference_pb2.GenerateRequest(
+                chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=content)]),
+                session_id="s1", sampling=inference_pb2.SamplingParams(max_tokens=1))
+            try:
+                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=30))
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+            raise AssertionError("the harness has no node: every call ends in an error")
+
+        code, message = generate("hi" + "\x04" * 100_000)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "characters the tokenizer drops" in message, (code, message)
+        code, message = generate("What is the capital of France?" + "\x04" * 10)
+        assert code != grpc.StatusCode.INVALID_ARGUMENT, message
