@@ -8,10 +8,9 @@ import time
 import uuid
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from cache_node.compressed_prefix import CompressedPrefixCache, check_prefix_tokens
 from cache_node.config import EngineConfig
@@ -29,6 +28,9 @@ from cache_node.sessions import SessionTable
 from cache_node.tiers.engine_api import EngineTiersMixin
 from cache_node.tiers.manager import TierConfig, TierManager
 from cache_node.tiers.spill_api import SpillClient
+
+if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

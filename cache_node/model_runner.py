@@ -10,11 +10,10 @@ sampler's (``sampler.sample``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from cache_node.attention import (
     ATTN_IMPLEMENTATION,
@@ -28,6 +27,9 @@ from cache_node.config import EngineConfig
 from cache_node.kv_pool import KVPool, block_slots
 from cache_node.outputs import SequenceFault
 from cache_node.sequence import Sequence
+
+if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedModel
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from transformers import AutoTokenizer
 
-from cache_node.model_loader import DEFAULT_MODEL, cache_dir
+from cache_node.model_files import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
 from services.actor_refs import resolve
 from services.auth import Authenticator

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from cache_node.config import default_dtype_name
 from cache_node.kv_pool import kv_format_name
-from cache_node.model_loader import resolve_model_dir
+from cache_node.model_files import resolve_model_dir
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
 from cache_node.tiers.spill_format import BlockFormat
 from services.actor_refs import ActorRef
