@@ -38,6 +38,7 @@ API authenticates through this same class (``services.openai_api.context.HttpCal
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import OrderedDict
@@ -112,6 +113,7 @@ class Authenticator:
         self._peer_in_flight: dict[str, int] = {}
         self._gateway_checks = WindowLimiter(unknown_checks_per_s, 1.0, max_keys=1)
         self._in_flight = 0
+        self._pending: dict[str, asyncio.Future[Tenant | None]] = {}  # fingerprint -> its check
 
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The calling tenant; aborts the call with UNAUTHENTICATED (RESOURCE_EXHAUSTED for a
@@ -123,12 +125,29 @@ class Authenticator:
         if hit is not None:
             return hit
         await self._refuse_malformed(context, "tenant", key)
+        # Regression: a tenant's burst of concurrent first calls with one key took one check
+        # each and ran into the address's limit of checks at once (RESOURCE_EXHAUSTED for a
+        # valid key); concurrent calls with one key now share its one check.
+        pending = self._pending.get(fp)
+        if pending is not None:
+            shared = await asyncio.shield(pending)
+            if shared is not None:
+                return shared
         wait_s = await self._refuse_known_bad(context, "tenant", key)
-        async with self._check_slot(context, "tenant", key, wait_s) as unknown:
-            tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
+        mine: asyncio.Future[Tenant | None] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(fp, mine)
+        tenant = None
+        try:
+            async with self._check_slot(context, "tenant", key, wait_s) as unknown:
+                tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
+            if tenant is not None:
+                self._remember_tenant(key, tenant)
+        finally:
+            if self._pending.get(fp) is mine:
+                del self._pending[fp]
+            mine.set_result(tenant)
         if tenant is None:
             await self._refuse(context, "tenant", key, wait_s, unknown)
-        self._remember_tenant(key, tenant)
         return tenant
 
     async def admin(self, context: grpc.aio.ServicerContext) -> None:
