@@ -33,6 +33,8 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self._events: list[BlockEvent] = []
         self.evict_hook: EvictHook | None = None
+        self.num_released_hashes = 0  # prefix-cached blocks rewritten in place (``release_hashes``)
+        self.num_deferred_rewrites = 0  # compactions put off for want of free blocks
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +135,24 @@ class BlockPool:
             self._drop_hash(block)
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)
+
+    def release_hashes(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop the hashes of in-use blocks that one holder alone uses (ref_cnt == 1) and is
+        about to rewrite in place (``compaction.rewrite_kv`` on a pool too full to copy on
+        write). The ``evict_hook`` first copies their KV to a lower tier, as for an evicted
+        cached block, so the prefix stays reachable from there.
+
+        Raises ValueError for a block that is free or shared (ref_cnt != 1).
+        """
+        bad = [b.block_id for b in blocks if b.ref_cnt != 1]
+        if bad:
+            raise ValueError(f"blocks {bad} are free or shared; only a sole holder's blocks are released")
+        hashed = [b for b in blocks if b.block_hash is not None]
+        if hashed and self.evict_hook is not None:
+            self.evict_hook(hashed)
+        for block in hashed:
+            self._drop_hash(block)
+        self.num_released_hashes += len(hashed)
 
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is None:

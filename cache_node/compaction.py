@@ -46,25 +46,32 @@ def gather_kv(pool: KVPool, seq: Sequence, src: torch.Tensor) -> torch.Tensor:
 
 
 def can_rewrite(block_pool: BlockPool, seq: Sequence, num_slots: int, block_size: int) -> bool:
-    """True when the pool has the blocks copy-on-write needs for the first ``num_slots`` slots."""
+    """True when the pool has the blocks a rewrite of the first ``num_slots`` slots needs: one
+    per block shared with another holder (copy on write) and one per block the layout grows by.
+    A block only the prefix cache shares needs none: ``rewrite_kv`` copies it on write while a
+    block is free and else rewrites it in place, its hash released.
+
+    Regression: every prefix-cached block counted as shared, and the engine caches a prompt's
+    full blocks before its policy's first compaction, so on a full pool that compaction was
+    skipped step after step and the request attended its whole prompt, decoding other tokens
+    than alone."""
     need = cdiv(num_slots, block_size)
-    shared = sum(1 for b in seq.block_table[:need] if _shared(b))
+    shared = sum(1 for b in seq.block_table[:need] if b.ref_cnt > 1)
     grow = max(0, need - len(seq.block_table))
     freed = sum(1 for b in seq.block_table[need:] if b.ref_cnt == 1)
     return shared + grow <= block_pool.num_free_blocks() + freed
-
-
-def _shared(block: object) -> bool:
-    return block.ref_cnt > 1 or block.block_hash is not None  # type: ignore[attr-defined]
 
 
 def rewrite_kv(pool: KVPool, block_pool: BlockPool, seq: Sequence, data: torch.Tensor) -> None:
     """Lay ``data`` (L, m, 2, H_kv, d) out from the sequence's physical slot 0.
 
     Blocks past ``ceil(m / block_size)`` are released (tail first), missing ones allocated (a
-    layout may grow, e.g. a recall region); kept blocks that are shared
-    or prefix-cached are replaced by fresh exclusive blocks first (copy on write), so no cached
-    block ever holds compacted KV. Call ``can_rewrite`` first: raises RuntimeError otherwise.
+    layout may grow, e.g. a recall region). No cached block ever holds compacted KV: a kept
+    block shared with another holder is replaced by a fresh exclusive block (copy on write); a
+    block only the prefix cache shares is copied on write too while the pool has a block to
+    spare (its uncompressed KV stays cached), else rewritten in place with its hash released
+    (``BlockPool.release_hashes``: the tiers below keep a copy). Call ``can_rewrite`` first:
+    raises RuntimeError otherwise.
     """
     bs = pool.block_size
     need = cdiv(data.shape[1], bs)
@@ -77,13 +84,20 @@ def rewrite_kv(pool: KVPool, block_pool: BlockPool, seq: Sequence, data: torch.T
         if fresh_blocks is None:
             raise RuntimeError("no free blocks to grow the layout: call can_rewrite first")
         seq.block_table.extend(fresh_blocks)
+    shared_left = sum(1 for b in seq.block_table if b.ref_cnt > 1)
     for i, block in enumerate(seq.block_table):
-        if _shared(block):
-            fresh = block_pool.allocate(1)
-            if fresh is None:
-                raise RuntimeError("copy-on-write found no free block: call can_rewrite first")
-            block_pool.free([block])
-            seq.block_table[i] = fresh[0]
+        if block.ref_cnt > 1:
+            shared_left -= 1
+        elif block.block_hash is None:
+            continue
+        elif block_pool.num_free_blocks() <= shared_left:  # no block to spare: in place
+            block_pool.release_hashes([block])
+            continue
+        fresh = block_pool.allocate(1)
+        if fresh is None:
+            raise RuntimeError("copy-on-write found no free block: call can_rewrite first")
+        block_pool.free([block])
+        seq.block_table[i] = fresh[0]
     dest = sequence_slots(seq, bs, data.shape[1], pool.kv.device)
     layers = torch.arange(pool.num_layers, device=pool.kv.device).unsqueeze(1)
     pool.kv[layers, :, dest.unsqueeze(0).expand(pool.num_layers, -1)] = data.to(pool.kv.dtype)

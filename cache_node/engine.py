@@ -587,4 +587,6 @@ class LLMEngine(EngineTiersMixin):
                 "session_policy_fallbacks": self.sessions.num_fallbacks,
                 "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),
                 "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
+                "compaction_released_hashes": pool.num_released_hashes,
+                "compactions_deferred": pool.num_deferred_rewrites,
             } | self.tiers.stats() | self.prefixes.stats()

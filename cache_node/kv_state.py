@@ -352,7 +352,9 @@ class SequenceKV:
         """The pool has the blocks a rewrite of the first ``num_slots`` slots needs
         (``compaction.can_rewrite``). When short, a session turn first frees the history KV
         its session keeps for it (``Sequence.kept``): its blocks are then its own, rewritten
-        in place.
+        in place. A False (the pool still too full: blocks shared with a fork, or a layout
+        that grows) is counted: the request's ``policy_stats["deferred_compactions"]`` and the
+        engine's ``compactions_deferred``.
 
         Regression: the kept history's blocks, shared with the turn, had to be copied on
         write; on a full pool the turn's compaction was skipped and it decoded other tokens
@@ -360,10 +362,14 @@ class SequenceKV:
         """
         if can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size):
             return True
-        if self.seq.kept is None:
-            return False
-        self.seq.kept.drop()
-        return can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size)
+        if self.seq.kept is not None:
+            self.seq.kept.drop()
+            if can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size):
+                return True
+        self.block_pool.num_deferred_rewrites += 1  # the engine's "compactions_deferred"
+        stats = self.seq.policy_stats
+        stats["deferred_compactions"] = stats.get("deferred_compactions", 0.0) + 1
+        return False
 
     def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor,
                    dense: bool = False) -> None:

@@ -109,6 +109,12 @@ class NodeMetrics(Collector):
                       "back).", s.get("policy_dropped_tokens", 0))
         yield counter("host_reclaims", "Idle policy states (sessions, compressed prefixes) dropped to "
                       "give their host-tier slots to a running request.", s.get("host_reclaims", 0))
+        yield counter("compactions_deferred", "KV policy compactions put off a step because the pool had "
+                      "no free block to copy a shared block on write (the request attends more than its "
+                      "budget until one runs).", s.get("compactions_deferred", 0))
+        yield counter("compaction_released_hashes", "Prefix-cached blocks a compaction rewrote in place for "
+                      "want of a free block (their hashes dropped, their KV copied to a lower tier first "
+                      "where there is one).", s.get("compaction_released_hashes", 0))
         yield counter("compressed_prefix_hits", "Requests that forked a stored compressed prefix "
                       "(prefilled only their tokens after it).", s["compressed_prefix_hits"])
         yield counter("compressed_prefix_stores", "Compressed prefixes computed and stored.",

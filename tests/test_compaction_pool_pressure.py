@@ -1,0 +1,78 @@
+"""A compressing policy's compaction on a full pool: blocks only the prefix cache shares are
+rewritten in place (their hashes released, their KV copied to the host tier first), so the
+compaction runs on the step it is due and the request decodes what it decodes alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cache_node.block_pool import BlockPool
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.sampling_params import SamplingParams
+from cache_node.tiers.manager import TierConfig
+from tests.conftest import make_engine
+
+BLOCK_BYTES = 8192  # one 16-token block of the tiny model
+GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["h2o-0.5", "gkv-0.5", "snapkv-0.5"])
+def test_compaction_on_a_full_pool_decodes_as_alone(tiny, policy: str) -> None:
+    """Regression: the engine caches a prompt's full blocks before its first compaction, and
+    every cached block counted as shared, so on a 10-block pool two 76-token requests skipped
+    5 compactions each and decoded other tokens than alone (hangs review F1)."""
+    prompts = _prompts(2, 76, seed=1)
+    eng = make_engine(tiny, kv_pool_bytes=10 * BLOCK_BYTES, max_num_batched_tokens=256, max_num_seqs=4)
+    together = [list(o.output_token_ids) for o in eng.generate(prompts, GREEDY, policy=policy)]
+    alone = [list(make_engine(tiny, kv_pool_bytes=256 * BLOCK_BYTES, max_num_batched_tokens=256)
+                  .generate([p], GREEDY, policy=policy)[0].output_token_ids) for p in prompts]
+    assert together == alone
+    stats = eng.stats()
+    assert stats["compactions_deferred"] == 0
+    assert stats["used_blocks"] == 0
+    eng.check_integrity()
+
+
+def test_released_blocks_stay_reachable_from_the_host_tier(tiny) -> None:
+    """A 79-token prompt on a 5-block pool keeps 71 tokens (all 5 blocks, none free): its 4
+    prefix-cached blocks are rewritten in place, their uncompressed KV copied to the host tier
+    first. It decodes what it decodes on a roomy pool, and the same prompt again (full cache)
+    finds its 64 tokens in the host tier and samples what a cold prefill samples."""
+    prompt = _prompts(1, 79, seed=2)[0]
+    ten, one = SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=1)
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=5 * BLOCK_BYTES, max_num_batched_tokens=256, max_num_seqs=4)
+    eng = LLMEngine(tiny.model, cfg, tiny.model_id, tiny.eos_token_ids,
+                    tier_config=TierConfig(host_bytes=64 * BLOCK_BYTES))
+    out = eng.generate([prompt], ten, policy="h2o-0.9")[0]
+    roomy = make_engine(tiny, kv_pool_bytes=64 * BLOCK_BYTES).generate([prompt], ten, policy="h2o-0.9")[0]
+    assert list(out.output_token_ids) == list(roomy.output_token_ids)
+    stats = eng.stats()
+    assert stats["compaction_released_hashes"] == 4 and stats["compactions_deferred"] == 0
+    again = eng.generate([prompt], one)[0]
+    cold = make_engine(tiny, kv_pool_bytes=64 * BLOCK_BYTES).generate([prompt], one)[0]
+    assert again.num_cached_tokens_by_tier["host"] == 64
+    assert list(again.output_token_ids) == list(cold.output_token_ids)
+    eng.check_integrity()
+
+
+def test_release_hashes_refuses_free_and_shared_blocks() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"h" * 8, [1] * 16)
+    pool.touch([b])  # shared: ref_cnt 2
+    with pytest.raises(ValueError, match="free or shared"):
+        pool.release_hashes([b])
+    pool.release_hashes([a])
+    assert a.block_hash is None and b"h" * 8 not in pool.cached and pool.num_released_hashes == 1
+    pool.free([a, b, b])
+    with pytest.raises(ValueError, match="free or shared"):
+        pool.release_hashes([a])
+    pool.check_integrity()
