@@ -166,10 +166,15 @@ class SessionTable:
         (``seq.kv``, compacted or not) when it ran under one. An aborted turn leaves the history
         as it was: its blocks go back to the pool, and the next turn continues from the history
         KV the session kept for it (a turn under a compressing policy), else prefills the whole
-        history.
+        history. A turn that is not its session's running turn (the session was closed while
+        it ran, and perhaps opened again by another turn) leaves the session alone.
+
+        Regression: the session was looked up by id alone, so after a close and a reopen the old
+        turn's end became the new session's history (the new turn's lost) and cleared its
+        running turn, letting a second turn attach alongside it.
         """
         sess = self.sessions.get(seq.session_id or "")
-        if sess is None:
+        if sess is None or sess.active_request != seq.request_id:
             return False
         sess.active_request = None
         sess.last_used_s = time.monotonic()

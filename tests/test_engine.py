@@ -106,6 +106,32 @@ def test_session_turn_prefills_only_new_tokens(tiny) -> None:
     assert eng.stats()["used_blocks"] == 0
 
 
+@pytest.mark.parametrize("old_ends", ["finished", "aborted"])
+def test_a_turn_of_a_closed_session_leaves_its_reopened_session_alone(tiny, old_ends: str) -> None:
+    """Regression (hangs review L1): a session closed while its turn ran and opened again by a
+    new turn took the old turn's end as its history (finished), or was deleted (aborted), and
+    its running turn was cleared, so a second turn could attach alongside the new one."""
+    eng = make_engine(tiny)
+    old, new = list(range(1, 30)), list(range(100, 110))
+    eng.add_request(old, SamplingParams(max_tokens=20, ignore_eos=True), request_id="old", session_id="S")
+    eng.step()
+    eng.step()
+    assert eng.close_session("S") == 0
+    eng.add_request(new, SamplingParams(max_tokens=30, ignore_eos=True), request_id="new", session_id="S")
+    if old_ends == "aborted":
+        assert eng.abort_request("old")
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == "old" and out.finished:
+                assert "new" not in done  # (it has more tokens to go)
+                assert eng.sessions.sessions["S"].active_request == "new"
+            if out.finished:
+                done[out.request_id] = list(out.output_token_ids)
+    assert eng.session_history("S") == new + done["new"]
+    eng.check_integrity()
+
+
 def test_aborted_session_turn_leaves_no_trace(tiny) -> None:
     eng = make_engine(tiny)
     p1 = prompt_of(20)
