@@ -75,6 +75,15 @@ def _admin_key(config: ServiceConfig, scheduler: Any) -> str:
     return key
 
 
+def session_limits(config: ServiceConfig) -> dict[str, Any]:
+    """The GlobalScheduler's session arguments from ``config``: its sessions per tenant, and
+    the nodes' session TTL, for which it keeps the markers of sessions lost with a node.
+
+    Regression: the TTL was not passed, so markers lasted the default 900 s whatever the
+    nodes' ``session_ttl_s``."""
+    return {"max_sessions_per_tenant": config.max_sessions_per_tenant, "session_ttl_s": config.session_ttl_s}
+
+
 def start_services(config: ServiceConfig, address: str | None = None) -> Services:
     """Place the scheduler, cache nodes and gateway as Ray actors and open the gRPC port.
 
@@ -99,7 +108,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size,
-             security=keys.security("scheduler", host), max_sessions_per_tenant=config.max_sessions_per_tenant)
+             security=keys.security("scheduler", host), **session_limits(config))
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     spec = spill_block_spec(config)
     spill_nodes = _start_spill_nodes(config, spec)

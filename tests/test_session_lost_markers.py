@@ -59,3 +59,21 @@ def test_a_tenants_lost_sessions_count_as_its_sessions_until_closed_or_their_ttl
     now[0] += 900.0  # idle that long, it would have expired on its node: opened anew
     assert sched.admit("b", "b/after", session_id=b1).code == "OK"
     assert not sched.lost_of("a") and not sched.lost_sessions.get("b")
+
+
+def test_the_launcher_gives_the_scheduler_the_nodes_session_ttl(tmp_path) -> None:
+    """Regression: the launcher did not pass ``session_ttl_s``, so lost-session markers lasted
+    900 s whatever the nodes' TTL."""
+    from services.config import ServiceConfig
+    from services.launcher import session_limits
+
+    config = ServiceConfig(session_ttl_s=60.0, max_sessions_per_tenant=3)
+    now = [0.0]
+    sched = GlobalScheduler(str(tmp_path), {"n0": 8}, clock=lambda: now[0], **session_limits(config))
+    assert (sched.session_ttl_s, sched.max_sessions_per_tenant) == (60.0, 3)
+    (sid,) = open_sessions(sched, "a", 1)
+    sched.node_down("n0", "restarting")
+    sched.node_up("n0", "inbox2", pid=0)
+    assert sched.admit("a", "a/again", session_id=sid).reason == "session_lost"
+    now[0] += 61.0  # the nodes' TTL, not 900 s
+    assert sched.admit("a", "a/after", session_id=sid).code == "OK"
