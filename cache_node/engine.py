@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence, SequenceStatus
 from cache_node.sessions import SessionTable
 from cache_node.tiers.engine_api import EngineTiersMixin
+from cache_node.tiers.fair_lru import holder_of
 from cache_node.tiers.manager import TierConfig, TierManager
 from cache_node.tiers.spill_api import SpillClient
 
@@ -349,26 +351,39 @@ class LLMEngine(EngineTiersMixin):
                 self.kv_manager.free(seq)
                 seq.restart()
 
-    def _reclaim_host(self, need: int) -> None:
-        """A policy's host-tier reservation of ``need`` slots does not fit: drop the policy
-        states that idle holders keep there (sessions between turns, stored compressed
-        prefixes), least recently used first, until it fits or none is left. A dropped
-        session's next turn prefills its history again; a dropped prefix is compressed again.
+    def _reclaim_host(self, need: int, holder: str = "") -> None:
+        """A policy's host-tier reservation of ``need`` slots for ``holder`` (a cache
+        namespace without its salt) does not fit: drop the policy states that idle holders keep
+        there (sessions between turns, stored compressed prefixes) until it fits or none may
+        go. The states of the holder then holding the most go first, least recently used first
+        within it (sessions before prefixes on a tie); another holder's only while it holds
+        more than ``holder`` would with the reservation (max-min fair, as the tier's eviction:
+        ``tiers.fair_lru``). A dropped session's next turn prefills its history again; a
+        dropped prefix is compressed again.
 
-        Regression (security review): one tenant's idle SentenceKV sessions or stored prefixes
-        held every host slot until their TTL; another tenant's running request then lost the
-        sentences it demoted (``dropped_tokens``) and silently decoded other tokens than on
-        an idle node. Only idle holders give way: a running request's sentences never do.
+        Regressions (security reviews): one tenant's idle SentenceKV sessions or stored
+        prefixes held every host slot until their TTL; another tenant's running request then
+        lost the sentences it demoted (``dropped_tokens``) and silently decoded other tokens
+        than on an idle node. Only idle holders give way: a running request's sentences never
+        do. Then any tenant's reservation dropped every other tenant's idle states, least
+        recently used first, so one tenant's running requests took the whole tier.
         """
         host = self.tiers.host
-        while not host.can_reserve(need):
-            holders = [(s.last_used_s, 0, s.session_id) for s in self.sessions.sessions.values()
-                       if s.active_request is None and s.kv is not None and s.kv.policy.host_slots(s.kv)]
-            holders += [(e.last_used_s, 1, key) for key, e in self.prefixes.entries.items()
-                        if e.seq.kv is not None and e.seq.kv.policy.host_slots(e.seq.kv)]
-            if not holders:
+        while not host.can_reserve(need, holder):
+            holdings = Counter(host.entries.held()) + host.reserved_by
+            idle = [(s.kv, s.last_used_s, 0, s.session_id) for s in self.sessions.sessions.values()
+                    if s.active_request is None and s.kv is not None and s.kv.policy.host_slots(s.kv)]
+            idle += [(e.seq.kv, e.last_used_s, 1, key) for key, e in self.prefixes.entries.items()
+                     if e.seq.kv is not None and e.seq.kv.policy.host_slots(e.seq.kv)]
+            mine = holdings[holder] + need
+            candidates = []
+            for kv, last_used_s, kind, key in idle:
+                owner = holder_of(kv.seq.cache_namespace)
+                if owner == holder or holdings[owner] > mine:
+                    candidates.append((-holdings[owner], owner != holder, last_used_s, kind, key))
+            if not candidates:
                 return
-            _, kind, key = min(holders)  # least recently used; sessions before prefixes on a tie
+            *_, kind, key = min(candidates)
             if kind == 0:
                 self.sessions.unpin(key)  # a compacted state is dropped whole
             else:

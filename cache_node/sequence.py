@@ -111,6 +111,11 @@ class Sequence:
     kept: KeptHistory | None = None
 
     @property
+    def cache_namespace(self) -> str:
+        """The prefix-cache namespace its blocks are hashed under (``extra_keys[0]``; "" for none)."""
+        return self.extra_keys[0] if self.extra_keys else ""
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -150,6 +150,37 @@ def test_an_over_share_tenant_is_cut_to_an_equal_share_when_another_arrives() ->
     assert holders(alone) == {"tenant:a": 8}  # alone, a tenant may use the whole tier
 
 
+def test_a_tenants_reservations_count_as_its_holding() -> None:
+    """Regression: host slots reserved for SentenceKV sentences belonged to no tenant, and a
+    reservation evicted every tenant's LRU entries alike: tenant A's running requests pushed
+    tenant B's host blocks out whatever A held."""
+    host = HostTier(SHAPE, torch.float32, budget_bytes=8 * BLOCK_BYTES)
+    src = pool_view()
+    host.put([meta(i, "tenant:b") for i in range(4)], src, list(range(4)))
+    host.put([meta(10 + i, "tenant:a") for i in range(4)], src, list(range(4, 8)))
+    first, victims = host.reserve(2, "tenant:a")
+    assert first is not None and {holder_of(m.namespace) for m in victims.metas} == {"tenant:a"}
+    second, victims = host.reserve(2, "tenant:a")  # A: 2 entries + 2 reserved -> 4 reserved
+    assert second is not None and {holder_of(m.namespace) for m in victims.metas} == {"tenant:a"}
+    assert host.reserved_by == {"tenant:a": 4} and holders(host) == {"tenant:b": 4}
+    assert not host.can_reserve(1, "tenant:a")  # it would hold 5 of 8: B keeps its share
+    slots, victims = host.reserve(1, "tenant:a")
+    assert slots is None and not victims.metas and holders(host) == {"tenant:b": 4}
+    # a third tenant holding nothing may take B's largest share down to its own
+    assert host.can_reserve(2, "tenant:c") and not host.can_reserve(3, "tenant:c")
+    host.release_slots(first + second, "tenant:a")
+    assert host.reserved_by == {} and host.num_reserved == 0
+    assert host.can_reserve(4, "tenant:a")  # free slots again
+
+
+def test_a_tenant_alone_may_reserve_the_whole_host_tier() -> None:
+    host = HostTier(SHAPE, torch.float32, budget_bytes=8 * BLOCK_BYTES)
+    src = pool_view()
+    host.put([meta(i, "tenant:a") for i in range(6)], src, list(range(6)))
+    slots, victims = host.reserve(8, "tenant:a")
+    assert slots is not None and len(victims.metas) == 6 and host.reserved_by == {"tenant:a": 8}
+
+
 # ---- spill store: RAM and disk -------------------------------------------------------------
 
 

@@ -133,15 +133,20 @@ class FairLRU(Generic[K, V]):
         whose LRU entry is oldest). Nothing is removed."""
         return self.plan(need).keys
 
-    def plan(self, need: int, incoming: Mapping[str, int] | None = None) -> Eviction[K]:
+    def plan(self, need: int, incoming: Mapping[str, int] | None = None,
+             pinned: Mapping[str, int] | None = None) -> Eviction[K]:
         """``victims`` with units about to be inserted: ``incoming`` (holder -> units of size 1)
         counts toward its holder's holding as that holder's newest entries, and a pick of one
         is counted in ``Eviction.refused`` (that unit should not go in). So an inserting
-        holder over the others' holdings displaces its own, never theirs. Nothing is removed.
+        holder over the others' holdings displaces its own, never theirs. ``pinned`` (holder
+        -> size) counts toward a holder's holding too but is never picked: room the holder
+        keeps outside the LRU orders (the host tier's ``reserve``d slots). Nothing is removed.
         """
         if need <= 0:
             return Eviction([], {})
         held = dict(self._held)
+        for holder, size in (pinned or {}).items():
+            held[holder] = held.get(holder, 0) + size
         iters = {h: iter(entries.items()) for h, entries in self._holders.items()}
         heads: dict[str, tuple[int, K | None, int]] = {}  # holder -> (stamp, key, size) next
         for holder, it in iters.items():

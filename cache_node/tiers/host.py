@@ -91,6 +91,7 @@ class HostTier:
         self.entries: FairLRU[BlockHash, HostEntry] = FairLRU()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.num_reserved = 0  # slots a policy holds (``reserve``), outside the LRU index
+        self.reserved_by: Counter[str] = Counter()  # those slots per holder (``holder_of``)
         self._events: list[TierEvent] = []
         self.copier = copier or DeviceCopier(torch.device("cpu"))
         self.last_put_event: torch.cuda.Event | None = None  # of the last ``put``'s copy (CUDA)
@@ -133,7 +134,7 @@ class HostTier:
         # its newest; an incoming block so picked is not copied in but returned as a victim
         # straight from ``src`` (also when the batch exceeds the free and evictable slots).
         plan = self.entries.plan(
-            len(new) - len(self._free_slots), Counter(holder_of(m.namespace) for m, _ in new))
+            len(new) - len(self._free_slots), Counter(holder_of(m.namespace) for m, _ in new), self.reserved_by)
         refused, kept = plan.refused, []
         overflow = []  # each holder's oldest incoming blocks, as many as it was refused
         for m, s in new:
@@ -172,26 +173,48 @@ class HostTier:
         """Return the slots of entries handed out by ``take``."""
         self._free_slots.extend(e.slot for e in entries)
 
-    def reserve(self, n: int) -> tuple[list[int] | None, Victims]:
+    def reserve(self, n: int, holder: str = "") -> tuple[list[int] | None, Victims]:
         """Hold ``n`` slots outside the LRU index for KV a policy owns (SentenceKV's demoted
-        sentences) until ``release_slots``. LRU entries are evicted to make room and returned as
-        victims (for the spill tier). Returns (None, no victims) when even evicting every entry
-        would not free ``n`` slots."""
-        if not self.can_reserve(n):
+        sentences) until ``release_slots``, counted as ``holder``'s (a cache namespace without
+        its salt). Free slots are taken first; LRU entries are evicted for the rest as for a
+        ``put`` of ``holder``'s (the largest holder first, reserved slots counted as holdings,
+        ``FairLRU.plan``) and returned as victims (for the spill tier). Returns (None, no
+        victims), nothing evicted, when that eviction would pick any of the ``n`` (the holder
+        would be over the others' holdings) or even every entry would not free ``n`` slots.
+
+        Regression: reserved slots belonged to no holder and a reservation evicted the LRU
+        entries of every tenant alike, so one tenant's SentenceKV requests pushed the other
+        tenants' host blocks out past their fair share (the tiers' fair eviction aside).
+        """
+        plan = self._reserve_plan(n, holder)
+        if plan is None:
             return None, Victims([], torch.empty(0))
-        victims = self._evict(n - len(self._free_slots))
+        victims = self._take_victims(plan)
         self.copier.host_barrier()  # a free slot may still be read by a promotion in flight
         slots = [self._free_slots.pop() for _ in range(n)]
         self.num_reserved += n
+        self.reserved_by[holder] += n
         return slots, victims
 
-    def can_reserve(self, n: int) -> bool:
-        """``reserve(n)`` would succeed (free slots plus LRU entries it may evict)."""
-        return n <= len(self._free_slots) + len(self.entries)
+    def can_reserve(self, n: int, holder: str = "") -> bool:
+        """``reserve(n, holder)`` would succeed."""
+        return self._reserve_plan(n, holder) is not None
 
-    def release_slots(self, slots: Sequence[int]) -> None:
-        """Return slots held by ``reserve``."""
+    def _reserve_plan(self, n: int, holder: str) -> list[BlockHash] | None:
+        short = n - len(self._free_slots)
+        if short <= 0:
+            return []
+        if short > len(self.entries):
+            return None
+        plan = self.entries.plan(short, {holder: n}, self.reserved_by)
+        return None if plan.refused else plan.keys
+
+    def release_slots(self, slots: Sequence[int], holder: str = "") -> None:
+        """Return slots ``holder`` held by ``reserve``."""
         self.num_reserved -= len(slots)
+        self.reserved_by[holder] -= len(slots)
+        if self.reserved_by[holder] <= 0:
+            del self.reserved_by[holder]
         self._free_slots.extend(slots)
 
     def untake(self, hashes: Sequence[BlockHash], entries: Sequence[HostEntry]) -> None:

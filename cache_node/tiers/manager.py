@@ -128,7 +128,7 @@ class TierManager:
         self.worker = TransferWorker(self, spill) if spill is not None else None
         # frees host slots other holders reserved (idle ones) for a reservation that does not
         # fit (``reserve_host``); the engine sets it
-        self.reclaim_host: Callable[[int], None] | None = None
+        self.reclaim_host: Callable[[int, str], None] | None = None
         self.enabled = self.host.num_slots > 0 or spill is not None
         # reorders the free cached blocks (LRU order in) before watermark demotion takes the
         # first ones; None = LRU (the engine sets it for quota-aware scheduling policies)
@@ -173,21 +173,21 @@ class TierManager:
             self.blocks.uncache(reversed(done))  # back at the head, in their order
         return len(done)
 
-    def reserve_host(self, n: int) -> list[int] | None:
-        """``n`` host-tier slots for a policy's own KV (see ``HostTier.reserve``); LRU entries
-        pushed out go to spill. When other holders' reservations fill the tier,
-        ``reclaim_host(n)`` (the engine's: idle sessions and stored prefixes) frees some
-        first. None when the host tier still cannot hold ``n`` more."""
+    def reserve_host(self, n: int, holder: str = "") -> list[int] | None:
+        """``n`` host-tier slots for a policy's own KV, held as ``holder``'s (see
+        ``HostTier.reserve``); LRU entries pushed out go to spill. When they do not fit,
+        ``reclaim_host(n, holder)`` (the engine's: idle sessions and stored prefixes) frees
+        some first. None when the host tier still cannot hold ``n`` more for ``holder``."""
         with self.lock:
-            if not self.host.can_reserve(n) and self.reclaim_host is not None:
-                self.reclaim_host(n)
-            slots, victims = self.host.reserve(n)
+            if not self.host.can_reserve(n, holder) and self.reclaim_host is not None:
+                self.reclaim_host(n, holder)
+            slots, victims = self.host.reserve(n, holder)
             self.push_to_spill(victims)
             return slots
 
-    def release_host(self, slots: Seq[int]) -> None:
+    def release_host(self, slots: Seq[int], holder: str = "") -> None:
         with self.lock:
-            self.host.release_slots(slots)
+            self.host.release_slots(slots, holder)
 
     def push_to_spill(self, victims: Victims) -> None:
         """Hand host victims to the transfer worker (a later, batched spill put)."""

@@ -48,13 +48,13 @@ class SharedSlots:
     """Host-tier slots that forks of one state hold together (never written again); the last
     holder to release them gives them back to the tier."""
 
-    def __init__(self, tiers: TierManager, slots: list[int]) -> None:
-        self.tiers, self.slots, self.holders = tiers, slots, 1
+    def __init__(self, tiers: TierManager, slots: list[int], holder: str = "") -> None:
+        self.tiers, self.slots, self.holders, self.holder = tiers, slots, 1, holder
 
     def drop(self) -> None:
         self.holders -= 1
         if self.holders == 0:
-            self.tiers.release_host(self.slots)
+            self.tiers.release_host(self.slots, self.holder)
 
 
 class TierHostKV:
@@ -68,10 +68,12 @@ class TierHostKV:
     ``slots`` and ``num_shared_charge`` charge slots, refcounted ``SharedSlots``) instead of
     copying it: stored K/V is never rewritten, and each side stores its later tokens from a
     fresh slot of its own (the last shared slot's free offsets stay unused). A compressed
-    prefix forked by many requests is thus held in the host tier once."""
+    prefix forked by many requests is thus held in the host tier once. Every slot counts as
+    ``holder``'s (the sequence's cache namespace without its salt: ``fair_lru.holder_of``), so
+    the tier's fair eviction weighs it against that tenant's share."""
 
-    def __init__(self, tiers: TierManager) -> None:
-        self.tiers = tiers
+    def __init__(self, tiers: TierManager, holder: str = "") -> None:
+        self.tiers, self.holder = tiers, holder
         self.block_size = tiers.pool.block_size
         data = tiers.host.data  # (L, 2, slots, block_size, H_kv, d)
         self.slot_bytes = data[:, :, :1].numel() * data.element_size()
@@ -91,7 +93,7 @@ class TierHostKV:
         charged = len(self.charge_slots) + self.num_shared_charge
         charge = max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - charged)
         if need + charge > 0:
-            got = self.tiers.reserve_host(need + charge)
+            got = self.tiers.reserve_host(need + charge, self.holder)
             if got is None:
                 self.tiers.counters["policy_dropped_tokens"] += n
                 return None
@@ -123,11 +125,11 @@ class TierHostKV:
         docstring). Reserves nothing."""
         own = self.slots[self.num_shared_slots :].tolist() + self.charge_slots
         if own:  # what this side stored becomes shared, read-only
-            self.shared.append(SharedSlots(self.tiers, own))
+            self.shared.append(SharedSlots(self.tiers, own, self.holder))
             self.num_shared_charge += len(self.charge_slots)
             self.num_shared_slots, self.charge_slots = len(self.slots), []
         self.num_tokens = len(self.slots) * self.block_size  # later tokens: a fresh slot
-        out = TierHostKV(self.tiers)
+        out = TierHostKV(self.tiers, self.holder)
         out.slots, out.num_tokens, out.charged_bytes = self.slots.clone(), self.num_tokens, self.charged_bytes
         out.num_shared_slots, out.num_shared_charge = self.num_shared_slots, self.num_shared_charge
         out.shared = list(self.shared)
@@ -145,7 +147,7 @@ class TierHostKV:
     def release(self) -> None:
         held = self.slots[self.num_shared_slots :].tolist() + self.charge_slots
         if held:
-            self.tiers.release_host(held)
+            self.tiers.release_host(held, self.holder)
         for run in self.shared:
             run.drop()
         self.slots, self.num_tokens = torch.zeros(0, dtype=torch.long), 0

@@ -26,6 +26,7 @@ from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceC
 from cache_node.policies.sentencekv.shortlist import head_scores, shortlist
 from cache_node.policies.sentencekv.sketch import KeySketch, LayeredSketch
 from cache_node.policies.sentencekv.store import HostSentenceStore
+from cache_node.tiers.fair_lru import holder_of
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
@@ -259,7 +260,7 @@ class SentenceKV(Policy):
         store = state.extra.get("sentences")
         if store is None:
             sketch = self._sketch(state.pool.num_layers) if self.select_mode == "sketch" else None
-            host = PrivateHostKV() if state.host is None else TierHostKV(state.host)
+            host = PrivateHostKV() if state.host is None else TierHostKV(state.host, holder_of(state.seq.cache_namespace))
             store = state.extra["sentences"] = HostSentenceStore(host, sketch)
             if self.region_bits:
                 store.codes = SentenceCodes(self.region_bits, self._region_group(state), bool(self.region_key_scale))
