@@ -19,17 +19,29 @@
   ``retry-after-ms`` trailer). So a flood of wrong secrets costs the scheduler at most a few
   PBKDF2 runs per address and key id, not one per attempt, and another client's failures from
   the same address (a NAT, a proxy) never lock out a valid key of that id.
-- A key whose id is not known here costs the scheduler a check, so those checks are bounded
-  before they are made, across all key ids: an address with ``failures_per_peer`` failed such
-  checks in the last ``failure_window_s`` (or ``_PEER_CHECKS_IN_FLIGHT`` running) gets none,
-  and the gateway runs at most ``unknown_checks_per_s`` a second and
+- The gateway keeps a directory of the key ids that exist (``KeyDirectory``: tenants' keys and
+  the admin key's, from the scheduler's ``key_ids_since``). A well-formed key whose id is not
+  in it waits for one directory refresh started after it arrived (all such calls share it;
+  at most ``directory_refreshes_per_s`` refreshes a second), and is refused with
+  UNAUTHENTICATED, without a check and without spending any budget below, when its id is still
+  absent (remembered as failed, in both roles). So a key registered or rotated through another
+  gateway passes on its first use here, and a deleted tenant's or rotated-away key is refused
+  after the next refresh, which forgets its id and its cached success. A refresh that fails
+  (an error, a timeout, a malformed reply: it is checked as untrusted) changes nothing, and
+  its callers go on to the checks below as if there were no directory.
+- A key whose id exists but is not known here costs the scheduler a check, so those checks are
+  bounded before they are made, across all key ids: an address with ``failures_per_peer``
+  failed such checks in the last ``failure_window_s`` (or ``_PEER_CHECKS_IN_FLIGHT`` running)
+  gets none, and the gateway runs at most ``unknown_checks_per_s`` a second and
   ``unknown_checks_in_flight`` at once (all addresses together); past any of them the key is
   refused with RESOURCE_EXHAUSTED (and ``retry-after-ms``) without a check. A key that passes
   becomes known and costs its address nothing, and a key whose id is known here is checked
   whatever its address's failures (one tenant's flood does not lock out another tenant already
   seen here at the same address). The scheduler's load from unauthenticated clients is thus
-  bounded by the gateway's budget, not by their rate or their number of addresses; a valid key
-  never seen here may wait out an address's limit or the gateway's budget under a flood.
+  bounded by the refresh rate plus the gateway's budget, not by their rate or their number of
+  addresses. Random key ids never reach that budget, so a valid key never seen here waits for
+  one refresh, not on a flood of them; only wrong secrets for key ids that exist (which an
+  attacker must have learnt) can spend it.
 
 The client address is the connection's (gRPC's peer; for the HTTP API, uvicorn's client, which
 honours X-Forwarded-For only from the proxies named in ``http_forwarded_allow_ips``). The HTTP
@@ -40,16 +52,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from tenants.keys import fingerprint, parse_key_id
+from tenants.keys import fingerprint, is_key_id, parse_key_id
 from tenants.model import Tenant
 from tenants.ratelimit import ExpiringSet, WindowLimiter
+
+log = logging.getLogger(__name__)
 
 _CACHE_TTL_S = 10.0
 _KNOWN_ID_TTL_S = 3600.0
@@ -58,6 +74,12 @@ _MAX_KNOWN_IDS = 65536
 _PEER_CHECKS_IN_FLIGHT = 4
 """Checks of unknown key ids at once per client address (so its failures cannot overshoot
 ``failures_per_peer`` by more, nor one address hold the gateway's whole ``in_flight``)."""
+_DIRECTORY_TIMEOUT_S = 5.0
+"""A key-directory refresh that takes longer fails (its callers fall back to the budgeted checks)."""
+_MAX_DIRECTORY_IDS = 1 << 18
+"""Key ids one directory reply may name and the directory may hold (past that a reply is refused
+as malformed: the gateway falls back to the budgeted checks)."""
+_EPOCH_PATTERN = re.compile(r"[0-9a-f]{16}")
 
 
 def bearer_key(context: grpc.aio.ServicerContext) -> str:
@@ -77,11 +99,133 @@ _REFUSALS = {"tenant": "missing or unknown API key", "admin": "this call needs t
 """UNAUTHENTICATED's message per role: the same for a key's first refusal and its cached ones."""
 
 
+class KeyDirectory:
+    """The key ids that exist in the tenant store (``key_ids_since``), as this gateway last heard.
+
+    ``exists`` answers from memory for an id it holds; for any other id it awaits one refresh
+    started after the call: every concurrent caller shares the refresh in flight (or the one
+    about to start), and refreshes start at most ``refreshes_per_s`` times a second, so this
+    directory costs the scheduler at most that many calls a second whatever the number of keys
+    asked about. Each reply is a delta since the last one (or every id, after a scheduler
+    restart); it is checked as untrusted input (``_parse_key_ids``: types, sizes, id pattern,
+    continuity). A malformed reply, an error, a timeout (``_DIRECTORY_TIMEOUT_S``) or a
+    scheduler without ``key_ids_since`` leave the directory as it was, and the callers that
+    waited get ``None`` (not known). The directory holds at most what the store holds: ids
+    removed there (deleted tenants, rotated keys) are dropped and passed to ``on_removed``.
+
+    Args:
+        scheduler: the GlobalScheduler actor handle (``key_ids_since``).
+        refreshes_per_s: refreshes started a second at most (> 0).
+        on_removed: called with the set of ids a refresh found removed.
+
+    Raises:
+        ValueError: ``refreshes_per_s`` <= 0.
+    """
+
+    def __init__(self, scheduler: Any, refreshes_per_s: float = 10.0,
+                 on_removed: Callable[[set[str]], None] = lambda ids: None) -> None:
+        if not refreshes_per_s > 0:
+            raise ValueError(f"refreshes_per_s must be > 0, got {refreshes_per_s}")
+        self.scheduler, self.interval_s, self.on_removed = scheduler, 1.0 / refreshes_per_s, on_removed
+        self.ids: set[str] = set()
+        self.loaded = False  # a reply was applied
+        self.refreshes = 0  # refreshes started
+        self._epoch, self._version = "", -1
+        self._supported = True
+        self._next_start_s = 0.0  # time.monotonic() before which no refresh starts
+        self._task: asyncio.Task[tuple[int, bool]] | None = None
+
+    async def exists(self, key_id: str) -> bool | None:
+        """Whether a key of ``key_id`` exists: True from memory when held, else as of a refresh
+        started after this call (True or False), or ``None`` when that refresh failed or none
+        can be made."""
+        if key_id in self.ids:
+            return True
+        needed = self.refreshes + 1
+        while self._supported:
+            loop = asyncio.get_running_loop()
+            if self._task is None or self._task.get_loop() is not loop:  # none, or a closed loop's
+                self._task = loop.create_task(self._refresh())
+            number, ok = await asyncio.shield(self._task)
+            if number >= needed:
+                return (key_id in self.ids) if ok else None
+        return None
+
+    async def _refresh(self) -> tuple[int, bool]:
+        """Wait for the rate's next slot, then ask the scheduler; ``(the refresh's number,
+        whether its reply was applied)``."""
+        try:
+            wait_s = self._next_start_s - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            self.refreshes += 1
+            self._next_start_s = time.monotonic() + self.interval_s
+            return self.refreshes, await self._fetch()
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
+
+    async def _fetch(self) -> bool:
+        try:
+            method = self.scheduler.key_ids_since
+        except AttributeError:  # a scheduler (or a test's stand-in) without a directory
+            self._supported = False
+            return False
+        try:
+            reply = await asyncio.wait_for(method.remote(self._epoch, self._version), _DIRECTORY_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure means: not known, fall back
+            log.warning("key directory refresh failed: %s: %.200s", type(exc).__name__, exc)
+            return False
+        parsed = _parse_key_ids(reply, self._epoch, self._version)
+        if parsed is None:
+            log.warning("ignoring a malformed key directory reply (a %s)", type(reply).__name__)
+            return False
+        epoch, version, full, added, removed = parsed
+        ids = added if full else (self.ids - removed) | added
+        if len(ids) > _MAX_DIRECTORY_IDS:
+            log.warning("ignoring a key directory of %d ids (at most %d)", len(ids), _MAX_DIRECTORY_IDS)
+            return False
+        gone = self.ids - ids
+        self.ids, self._epoch, self._version, self.loaded = ids, epoch, version, True
+        if gone:
+            self.on_removed(gone)
+        return True
+
+
+def _parse_key_ids(reply: Any, epoch: str, version: int) -> tuple[str, int, bool, set[str], set[str]] | None:
+    """``(epoch, version, full, added, removed)`` of a ``tenants.store.KeyIdsDelta`` reply to
+    ``key_ids_since(epoch, version)``, or ``None`` when it is malformed: not a 5-tuple of a
+    16-hex-character epoch, an int version in [0, 2**63), a bool, and two lists of at most
+    ``_MAX_DIRECTORY_IDS`` key ids (``tenants.keys.is_key_id``), disjoint; a delta (not full)
+    must continue ``(epoch, version)``, and a full one removes nothing."""
+    if not isinstance(reply, (tuple, list)) or len(reply) != 5:
+        return None
+    new_epoch, new_version, full, added, removed = reply
+    if type(new_epoch) is not str or not _EPOCH_PATTERN.fullmatch(new_epoch):
+        return None
+    if type(new_version) is not int or not 0 <= new_version < 2**63 or type(full) is not bool:
+        return None
+    groups = []
+    for group in (added, removed):
+        if not isinstance(group, (tuple, list, set, frozenset)) or len(group) > _MAX_DIRECTORY_IDS:
+            return None
+        if not all(is_key_id(key_id) for key_id in group):
+            return None
+        groups.append(set(group))
+    if groups[0] & groups[1] or (full and groups[1]):
+        return None
+    if not full and (new_epoch != epoch or new_version < version):
+        return None
+    return new_epoch, new_version, full, groups[0], groups[1]
+
+
 class Authenticator:
     """Resolves API keys to tenants and checks the admin key, via the GlobalScheduler.
 
     Args:
-        scheduler: the GlobalScheduler actor handle (``authenticate``, ``verify_admin_key``).
+        scheduler: the GlobalScheduler actor handle (``authenticate``, ``verify_admin_key``,
+            ``key_ids_since``; without the last, every well-formed key goes to the budgeted
+            checks).
         failures_per_peer_key: failed checks allowed per (client address, key id) per window
             (>= 1).
         failure_window_s: that window, seconds (> 0).
@@ -89,14 +233,16 @@ class Authenticator:
             address per window, all key ids together (>= 1).
         unknown_checks_per_s: such checks per second at this gateway, all addresses (>= 1).
         unknown_checks_in_flight: such checks at once at this gateway (>= 1).
+        directory_refreshes_per_s: key-directory refreshes a second at most (> 0; see
+            ``KeyDirectory``).
 
     Raises:
-        ValueError: a count < 1 or ``failure_window_s`` <= 0.
+        ValueError: a count < 1, ``failure_window_s`` <= 0 or ``directory_refreshes_per_s`` <= 0.
     """
 
     def __init__(self, scheduler: Any, failures_per_peer_key: int = 10, failure_window_s: float = 10.0,
                  failures_per_peer: int = 50, unknown_checks_per_s: int = 100,
-                 unknown_checks_in_flight: int = 16) -> None:
+                 unknown_checks_in_flight: int = 16, directory_refreshes_per_s: float = 10.0) -> None:
         if unknown_checks_in_flight < 1:
             raise ValueError(f"unknown_checks_in_flight must be >= 1, got {unknown_checks_in_flight}")
         self.scheduler = scheduler
@@ -104,8 +250,8 @@ class Authenticator:
         self.failures_per_peer = failures_per_peer
         self.unknown_checks_per_s = unknown_checks_per_s
         self.unknown_checks_in_flight = unknown_checks_in_flight
-        self._tenants: dict[bytes, tuple[Tenant, float]] = {}
-        self._admins: dict[bytes, float] = {}
+        self._tenants: dict[bytes, tuple[Tenant, float, str]] = {}  # fingerprint -> (tenant, until, key id)
+        self._admins: dict[bytes, tuple[float, str]] = {}  # fingerprint -> (until, key id)
         self._known: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # key id -> (fingerprint, until)
         self._failed = ExpiringSet(_CACHE_TTL_S)
         self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
@@ -113,7 +259,8 @@ class Authenticator:
         self._peer_in_flight: dict[str, int] = {}
         self._gateway_checks = WindowLimiter(unknown_checks_per_s, 1.0, max_keys=1)
         self._in_flight = 0
-        self._pending: dict[str, asyncio.Future[Tenant | None]] = {}  # fingerprint -> its check
+        self._pending: dict[bytes, asyncio.Future[Tenant | None]] = {}  # fingerprint -> its check
+        self.directory = KeyDirectory(scheduler, directory_refreshes_per_s, self._forget_key_ids)
 
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The calling tenant; aborts the call with UNAUTHENTICATED (RESOURCE_EXHAUSTED for a
@@ -125,6 +272,7 @@ class Authenticator:
         if hit is not None:
             return hit
         await self._refuse_malformed(context, "tenant", key)
+        await self._refuse_absent(context, "tenant", key)  # before the sharing: a refresh may be awaited
         # Regression: a tenant's burst of concurrent first calls with one key took one check
         # each and ran into the address's limit of checks at once (RESOURCE_EXHAUSTED for a
         # valid key); concurrent calls with one key now share its one check.
@@ -156,9 +304,10 @@ class Authenticator:
         key), else UNAUTHENTICATED (or RESOURCE_EXHAUSTED, as ``tenant``)."""
         key = bearer_key(context)
         fp = fingerprint(key)
-        if self._admins.get(fp, 0.0) > time.monotonic():
+        if self._cached_admin(fp):
             return
         await self._refuse_malformed(context, "admin", key)
+        await self._refuse_absent(context, "admin", key)
         wait_s = await self._refuse_known_bad(context, "admin", key)
         is_tenant, unknown = self._cached_tenant(fp) is not None, False
         if not is_tenant:
@@ -185,12 +334,13 @@ class Authenticator:
         key ids not known here."""
         key = bearer_key(context)
         fp = fingerprint(key)
-        if self._admins.get(fp, 0.0) > time.monotonic():
+        if self._cached_admin(fp):
             return None
         hit = self._cached_tenant(fp)
         if hit is not None:
             return hit
         await self._refuse_malformed(context, "tenant", key)
+        await self._refuse_absent(context, "tenant", key)
         try_admin = ("admin", fp) not in self._failed
         if not try_admin:  # refused from the cache if it failed as a tenant's key too
             wait_s = await self._refuse_known_bad(context, "tenant", key)
@@ -215,8 +365,9 @@ class Authenticator:
 
     def forget_tenant(self, name: str) -> None:
         """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
-        deleted); every other tenant's cached keys stay. (Known key ids stay: a rotated or
-        deleted key's id still has only that key's secret, which the scheduler now refuses.)
+        deleted); every other tenant's cached keys stay. (Known key ids stay until the key
+        directory's next refresh drops them: a rotated or deleted key's id still has only that
+        key's secret, which the scheduler now refuses.)
 
         Regression (secrev16 fault B): ``forget`` dropped every tenant's cached key and the
         exemption of keys that passed lately, so a tenant that sent wrong secrets for another
@@ -224,19 +375,33 @@ class Authenticator:
         tenant refused RESOURCE_EXHAUSTED there. (A valid key now passes over the failure
         limit anyway: see the module docstring.)
         """
-        for fp in [fp for fp, (tenant, _) in self._tenants.items() if tenant.spec.name == name]:
+        for fp in [fp for fp, (tenant, _, _) in self._tenants.items() if tenant.spec.name == name]:
             del self._tenants[fp]
 
     def forget_admin(self) -> None:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
         self._admins.clear()
 
+    def _forget_key_ids(self, key_ids: set[str]) -> None:
+        """Forget every key of ``key_ids`` (the key directory found them removed: a deleted
+        tenant's or a rotated key's): known ids, cached tenant and admin keys."""
+        for key_id in key_ids:
+            self._known.pop(key_id, None)
+        for fp in [fp for fp, (_, _, key_id) in self._tenants.items() if key_id in key_ids]:
+            del self._tenants[fp]
+        for fp in [fp for fp, (_, key_id) in self._admins.items() if key_id in key_ids]:
+            del self._admins[fp]
+
     def _cached_tenant(self, fp: bytes) -> Tenant | None:
         hit = self._tenants.get(fp)
         return hit[0] if hit is not None and hit[1] > time.monotonic() else None
 
+    def _cached_admin(self, fp: bytes) -> bool:
+        hit = self._admins.get(fp)
+        return hit is not None and hit[0] > time.monotonic()
+
     def _remember_tenant(self, key: str, tenant: Tenant) -> None:
-        self._tenants[fingerprint(key)] = (tenant, time.monotonic() + _CACHE_TTL_S)
+        self._tenants[fingerprint(key)] = (tenant, time.monotonic() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key)
 
     def _know(self, key: str) -> None:
@@ -253,7 +418,7 @@ class Authenticator:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
         if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
             return False
-        self._admins[fingerprint(key)] = time.monotonic() + _CACHE_TTL_S
+        self._admins[fingerprint(key)] = (time.monotonic() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key)
         return True
 
@@ -264,12 +429,43 @@ class Authenticator:
         Regression (secrev17 F2): every key not cached, malformed ones included, cost the
         GlobalScheduler (one actor, whose loop also admits every tenant's requests) one call,
         and the failure limit keyed on the key id, so 2000 distinct bad keys from one address
-        made 2000 scheduler calls; now a malformed key makes none, and a well-formed one of an
-        id not known here is checked only within ``_check_slot``'s per-address and per-gateway
+        made 2000 scheduler calls; now a malformed key makes none, a well-formed one of an id
+        that exists nowhere none either (``_refuse_absent``), and one of an existing id not
+        known here is checked only within ``_check_slot``'s per-address and per-gateway
         budgets.
         """
         if parse_key_id(key) is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
+
+    async def _refuse_absent(self, context: grpc.aio.ServicerContext, role: str, key: str) -> None:
+        """Abort with UNAUTHENTICATED when no key of the well-formed ``key``'s id exists (the
+        key directory, refreshed once if the id is not in it): such a key costs no check and
+        spends none of the budgets of ``_check_slot``. It is remembered as failed in both roles
+        (no key of its id exists) and its id forgotten. Returns when the id exists, when the
+        directory cannot tell (its refresh failed: today's budgeted check follows), for a key
+        that failed lately (``_refuse_known_bad`` refuses it next) and, while the directory was
+        never loaded, for a key known here.
+
+        Regression: a key of an id not known here cost a check of the gateway's budget (100 a
+        second, 16 at once), so a flood of well-formed bad keys with random ids from many
+        addresses spent it, and a valid key never used at this gateway got RESOURCE_EXHAUSTED.
+        """
+        key_id, fp = parse_key_id(key) or "", fingerprint(key)
+        if (role, fp) in self._failed:
+            return
+        if not self.directory.loaded and self._known_fingerprint(key_id) == fp:
+            return
+        if await self.directory.exists(key_id) is not False:
+            return
+        self._known.pop(key_id, None)
+        self._failed.add(("tenant", fp))
+        self._failed.add(("admin", fp))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
+
+    def _known_fingerprint(self, key_id: str) -> bytes | None:
+        """The fingerprint of the key of ``key_id`` that passed here lately, if any."""
+        known = self._known.get(key_id)
+        return known[0] if known is not None and known[1] > time.monotonic() else None
 
     @contextlib.asynccontextmanager
     async def _check_slot(self, context: grpc.aio.ServicerContext, role: str, key: str,
@@ -279,13 +475,13 @@ class Authenticator:
 
         A key id known here: another secret is refused (``_refuse``: UNAUTHENTICATED, or
         RESOURCE_EXHAUSTED at ``wait_s`` > 0), its own key is admitted with no limit. Any other
-        id: RESOURCE_EXHAUSTED while the address had ``failures_per_peer`` failed such checks in
+        id (one the key directory holds, or any while it cannot tell): RESOURCE_EXHAUSTED while the address had ``failures_per_peer`` failed such checks in
         the window or has ``_PEER_CHECKS_IN_FLIGHT`` running, or the gateway has
         ``unknown_checks_in_flight`` running or had ``unknown_checks_per_s`` in the last second.
         """
-        fp, known = fingerprint(key), self._known.get(parse_key_id(key) or "")
-        if known is not None and known[1] > time.monotonic():
-            if known[0] != fp:
+        fp, known_fp = fingerprint(key), self._known_fingerprint(parse_key_id(key) or "")
+        if known_fp is not None:
+            if known_fp != fp:
                 await self._refuse(context, role, key, wait_s)
             yield False
             return

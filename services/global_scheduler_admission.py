@@ -16,6 +16,7 @@ from services import data_plane
 from services.global_scheduler import GlobalScheduler
 from services.node_request import NodeRequest
 from tenants.model import Tenant
+from tenants.store import KeyIdsDelta
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class GlobalSchedulerService(GlobalScheduler):
     async def verify_admin_key(self, key: str, allow_pbkdf2: bool = True) -> bool:
         """``GlobalScheduler.verify_admin_key``, in a worker thread (as ``authenticate``)."""
         return await asyncio.to_thread(super().verify_admin_key, key, allow_pbkdf2)
+
+    async def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
+        """``GlobalScheduler.key_ids_since`` in a worker thread (a full answer reads every key
+        id of the store), as ``authenticate``."""
+        return await asyncio.to_thread(super().key_ids_since, epoch, version)
 
     async def open_data_plane(self) -> str:
         """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tenants.model import Tenant, TenantSpec
+from tenants.store import KeyIdsDelta
 
 
 class Tenants:
@@ -71,6 +72,11 @@ class Tenants:
         if tenant is not None:
             self.specs[tenant.tenant_id] = tenant.spec
         return tenant
+
+    def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
+        """``TenantStore.key_ids_since``: the key ids that exist, for a gateway's key directory
+        (``services.auth``), as a delta since ``(epoch, version)`` or all of them."""
+        return self.store.key_ids_since(epoch, version)
 
     def usage_of(self, tenant_id: str) -> Any:
         return self.usage.snapshot(tenant_id)

@@ -38,6 +38,7 @@ SALT_BYTES = 16
 SECRET_BYTES = 32
 KEY_ID_BYTES = 6
 KEY_PATTERN = re.compile(r"kvs_(?P<key_id>[0-9a-f]{12})_(?P<secret>[A-Za-z0-9_-]{43})")
+KEY_ID_PATTERN = re.compile(r"[0-9a-f]{12}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,11 @@ def parse_key_id(api_key: str) -> str | None:
     """Return the key id of a well-formed key, or ``None`` when ``api_key`` is malformed."""
     match = KEY_PATTERN.fullmatch(api_key) if isinstance(api_key, str) else None
     return match.group("key_id") if match else None
+
+
+def is_key_id(value: object) -> bool:
+    """True when ``value`` is a key id (a ``str`` of 12 lowercase hex characters) and nothing else."""
+    return type(value) is str and KEY_ID_PATTERN.fullmatch(value) is not None
 
 
 def verify_api_key(api_key: str, stored: KeyHash) -> bool:

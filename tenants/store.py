@@ -22,6 +22,12 @@ PBKDF2 for those rows is bounded in CPU, never by refusing a check: at most
 run one at a time (a burst of one key costs one run), a verified key is remembered (its
 SHA-256 fingerprint by key id) and a wrong one for ``FAILED_KEY_TTL_S``; a caller that must not
 spend PBKDF2 (the gateway, for an address over its failure limit) passes ``allow_pbkdf2=False``.
+
+The key directory (``key_ids_since``) tells gateways which key ids exist, so that they refuse a
+key of any other id without a check: a version counts every key added or removed through this
+store (in memory, under a random ``epoch`` per store instance); the last ``KEY_LOG_LENGTH``
+changes answer a gateway that is behind, anything older (another epoch: a restart, or a write
+by another connection, such as ``kvstrata admin rotate-key --local``) gets every key id.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from tenants.errors import TenantExistsError, TenantNotFoundError
 from tenants.keys import (
@@ -56,6 +64,7 @@ _READABLE_VERSIONS = (0, 1, SCHEMA_VERSION)  # 0: a new file
 FAILED_KEY_TTL_S = 60.0
 PBKDF2_CONCURRENCY = 2  # PBKDF2 runs at once per store (legacy rows only)
 _CHECK_LOCK_STRIPES = 64  # PBKDF2 runs of one key id never overlap (striped by key id)
+KEY_LOG_LENGTH = 4096  # key ids added or removed lately, for ``key_ids_since``'s deltas
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -78,6 +87,27 @@ _TENANT_COLUMNS = "t.tenant_id, t.spec_json, t.created_at_s"
 _HAS_ADMIN_KEY = "SELECT 1 FROM api_keys WHERE role = 'admin'"
 
 
+class KeyIdsDelta(NamedTuple):
+    """``TenantStore.key_ids_since``'s answer: which key ids exist, as of ``(epoch, version)``.
+
+    Attributes:
+        epoch: 16 hex characters naming the version's sequence (new for each store instance,
+            and after a write by another connection).
+        version: key changes counted in ``epoch`` (>= 0).
+        full: True when ``added`` is every key id there is (``removed`` is then empty);
+            False when ``added`` and ``removed`` (disjoint) are what changed since the version
+            asked about.
+        added: key ids, sorted.
+        removed: key ids, sorted.
+    """
+
+    epoch: str
+    version: int
+    full: bool
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
 class TenantStore:
     """Persistent tenant registry and key verifier.
 
@@ -97,6 +127,10 @@ class TenantStore:
         self._failed = ExpiringSet(FAILED_KEY_TTL_S)  # fingerprints of keys that failed
         self._pbkdf2_slots = threading.BoundedSemaphore(PBKDF2_CONCURRENCY)
         self._check_locks = [threading.Lock() for _ in range(_CHECK_LOCK_STRIPES)]
+        self._key_epoch = secrets.token_hex(8)
+        self._key_version = 0
+        self._key_log: deque[tuple[str, bool]] = deque(maxlen=KEY_LOG_LENGTH)  # (key id, exists), oldest first
+        self._data_version = -1  # PRAGMA data_version when last read: another connection's write changes it
         if str(path) != ":memory:":  # born 0600: key hashes are never readable by others, not
             os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # even until the chmod below
         self._conn = sqlite3.connect(str(path), check_same_thread=False)
@@ -116,16 +150,18 @@ class TenantStore:
         """
         tenant = Tenant(secrets.token_hex(8), spec, self._clock())
         api_key, key_hash = generate_api_key()
-        with self._lock, self._conn:
-            try:
-                self._conn.execute(
-                    "INSERT INTO tenants (name, tenant_id, spec_json, created_at_s) "
-                    "VALUES (?, ?, ?, ?)",
-                    (spec.name, tenant.tenant_id, _spec_json(spec), tenant.created_at_s),
-                )
-            except sqlite3.IntegrityError:
-                raise TenantExistsError(spec.name) from None
-            self._insert_key(key_hash, "tenant", tenant.tenant_id, tenant.created_at_s)
+        with self._lock:
+            with self._conn:
+                try:
+                    self._conn.execute(
+                        "INSERT INTO tenants (name, tenant_id, spec_json, created_at_s) "
+                        "VALUES (?, ?, ?, ?)",
+                        (spec.name, tenant.tenant_id, _spec_json(spec), tenant.created_at_s),
+                    )
+                except sqlite3.IntegrityError:
+                    raise TenantExistsError(spec.name) from None
+                self._insert_key(key_hash, "tenant", tenant.tenant_id, tenant.created_at_s)
+            self._log_keys(added=[key_hash.key_id])
         return tenant, api_key
 
     def update(self, name: str, spec: TenantSpec) -> Tenant:
@@ -147,10 +183,15 @@ class TenantStore:
 
     def delete(self, name: str) -> None:
         """Remove a tenant and all its keys. Raises ``TenantNotFoundError`` if absent."""
-        with self._lock, self._conn:
-            cursor = self._conn.execute("DELETE FROM tenants WHERE name = ?", (name,))
-            if cursor.rowcount == 0:
-                raise TenantNotFoundError(name)
+        with self._lock:
+            with self._conn:
+                gone = self._conn.execute(
+                    "SELECT k.key_id FROM api_keys AS k JOIN tenants AS t ON t.tenant_id = k.tenant_id "
+                    "WHERE t.name = ?", (name,)).fetchall()
+                cursor = self._conn.execute("DELETE FROM tenants WHERE name = ?", (name,))
+                if cursor.rowcount == 0:
+                    raise TenantNotFoundError(name)
+            self._log_keys(removed=[key_id for (key_id,) in gone])
 
     def get(self, name: str) -> Tenant:
         """Return tenant ``name``. Raises ``TenantNotFoundError`` if absent."""
@@ -214,14 +255,17 @@ class TenantStore:
             TenantNotFoundError: no tenant ``name``.
         """
         api_key, key_hash = generate_api_key()
-        with self._lock, self._conn:
-            row = self._conn.execute(
-                "SELECT tenant_id FROM tenants WHERE name = ?", (name,)
-            ).fetchone()
-            if row is None:
-                raise TenantNotFoundError(name)
-            self._conn.execute("DELETE FROM api_keys WHERE tenant_id = ?", row)
-            self._insert_key(key_hash, "tenant", row[0], self._clock())
+        with self._lock:
+            with self._conn:
+                row = self._conn.execute(
+                    "SELECT tenant_id FROM tenants WHERE name = ?", (name,)
+                ).fetchone()
+                if row is None:
+                    raise TenantNotFoundError(name)
+                gone = self._conn.execute("SELECT key_id FROM api_keys WHERE tenant_id = ?", row).fetchall()
+                self._conn.execute("DELETE FROM api_keys WHERE tenant_id = ?", row)
+                self._insert_key(key_hash, "tenant", row[0], self._clock())
+            self._log_keys(added=[key_hash.key_id], removed=[key_id for (key_id,) in gone])
         return api_key
 
     def ensure_admin_key(self) -> str | None:
@@ -233,10 +277,12 @@ class TenantStore:
         if self.has_admin_key():
             return None
         api_key, key_hash = generate_api_key()
-        with self._lock, self._conn:
-            if self._conn.execute(_HAS_ADMIN_KEY).fetchone():  # created meanwhile
-                return None
-            self._insert_key(key_hash, "admin", None, self._clock())
+        with self._lock:
+            with self._conn:
+                if self._conn.execute(_HAS_ADMIN_KEY).fetchone():  # created meanwhile
+                    return None
+                self._insert_key(key_hash, "admin", None, self._clock())
+            self._log_keys(added=[key_hash.key_id])
         return api_key
 
     def rotate_admin_key(self) -> str:
@@ -265,10 +311,46 @@ class TenantStore:
             return self._conn.execute(_HAS_ADMIN_KEY).fetchone() is not None
 
     def _replace_admin_key(self, key_hash: KeyHash) -> bool:
-        with self._lock, self._conn:
-            replaced = self._conn.execute("DELETE FROM api_keys WHERE role = 'admin'").rowcount > 0
-            self._insert_key(key_hash, "admin", None, self._clock())
-        return replaced
+        with self._lock:
+            with self._conn:
+                gone = self._conn.execute("SELECT key_id FROM api_keys WHERE role = 'admin'").fetchall()
+                self._conn.execute("DELETE FROM api_keys WHERE role = 'admin'")
+                self._insert_key(key_hash, "admin", None, self._clock())
+            self._log_keys(added=[key_hash.key_id], removed=[key_id for (key_id,) in gone])
+        return bool(gone)
+
+    def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
+        """Which key ids exist (tenants' and the admin key's), for a gateway's key directory.
+
+        Args:
+            epoch, version: what the caller last heard (``KeyIdsDelta.epoch``, ``.version``);
+                any other values (``""``, -1 on a first call) get every key id.
+
+        Returns:
+            The key ids added and removed since ``version`` when it is of this ``epoch`` and
+            at most ``KEY_LOG_LENGTH`` changes old (``full`` False), else every key id (``full``
+            True; one 12-character id per key: the reply is as large as the store).
+        """
+        with self._lock:
+            data_version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+            if data_version != self._data_version:  # another connection wrote: no delta holds
+                self._data_version, self._key_epoch = data_version, secrets.token_hex(8)
+                self._key_log.clear()
+            behind = self._key_version - version if type(version) is int else -1
+            if epoch == self._key_epoch and 0 <= behind <= len(self._key_log):
+                changes = dict(list(self._key_log)[len(self._key_log) - behind:])  # the last word per id
+                return KeyIdsDelta(self._key_epoch, self._key_version, False,
+                                   tuple(sorted(k for k, exists in changes.items() if exists)),
+                                   tuple(sorted(k for k, exists in changes.items() if not exists)))
+            rows = self._conn.execute("SELECT key_id FROM api_keys ORDER BY key_id").fetchall()
+            return KeyIdsDelta(self._key_epoch, self._key_version, True, tuple(k for (k,) in rows), ())
+
+    def _log_keys(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
+        """Count committed key changes for ``key_ids_since`` (under ``_lock``, after the commit,
+        so a rolled-back change is never announced)."""
+        for key_id, exists in [(k, False) for k in removed] + [(k, True) for k in added]:
+            self._key_version += 1
+            self._key_log.append((key_id, exists))
 
     def verify_admin_key(self, api_key: str, allow_pbkdf2: bool = True) -> bool:
         """True when ``api_key`` is the current admin key (``allow_pbkdf2`` as in
