@@ -2,18 +2,32 @@
 
 Every kvstrata process (the gateway, each cache node, each spill node) keeps its own
 ``CollectorRegistry`` (never the library's global one, which a second actor in the same worker
-process would share) and serves it with ``prometheus_client.start_http_server`` on a daemon
-thread. Port 0 asks the OS for a free port; the bound address goes back to the launcher, which
-``kvstrata up`` prints and the admin ``Stats`` JSON carries (``metrics_address``).
+process would share) and serves it with prometheus_client's WSGI app (``make_wsgi_app``) on a
+daemon thread. Port 0 asks the OS for a free port; the bound address goes back to the launcher,
+which ``kvstrata up`` prints and the admin ``Stats`` JSON carries (``metrics_address``).
+
+The server is bounded: at most ``MAX_CONNECTIONS`` connections are served at once (one thread
+each; a connection past that is closed at once) and a connection that sends nothing for
+``READ_TIMEOUT_S`` is closed. Regression (security review G): ``start_http_server`` gave every
+connection its own thread with no cap and no read timeout, so idle half-sent requests grew the
+threads of the process (200 connections, 200 threads) of a cache node, gateway or spill node.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import prometheus_client
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+MAX_CONNECTIONS = 16
+"""Connections ``/metrics`` serves at once (a scraper needs one or two)."""
+READ_TIMEOUT_S = 10.0
+"""A connection idle that long (no request, or a request not finished) is closed."""
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 NODE_IP = "node_ip"
@@ -42,9 +56,13 @@ class MetricsServer:
     """
 
     def __init__(self, registry: CollectorRegistry, endpoint: MetricsEndpoint) -> None:
-        self._httpd: WSGIServer
         host = _node_ip() if endpoint.host == NODE_IP else endpoint.host
-        self._httpd, _ = prometheus_client.start_http_server(endpoint.port, addr=host, registry=registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, endpoint.port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family})
+        self._httpd: WSGIServer = make_server(sockaddr[0], endpoint.port, make_wsgi_app(registry),
+                                              server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True).start()
         self.port: int = self._httpd.server_port
         self.address = f"{_node_ip() if host in ALL_INTERFACES else host}:{self.port}"
         """``host:port`` a scraper reaches it at (this node's IP when bound to every interface)."""
@@ -53,6 +71,45 @@ class MetricsServer:
         """Stop serving and free the port."""
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` at once; past that a connection
+    is closed without a thread."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client's timeout or reset is its own; no traceback per connection on stderr."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log; the socket times out after ``READ_TIMEOUT_S`` without data."""
+
+    timeout = READ_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 def _node_ip() -> str:
