@@ -91,6 +91,9 @@ class SequenceKV:
                       if needs.any else None)
         self.budget: int | None = None
         self.num_compactions = 0
+        # a compaction that ``can_rewrite`` put off for want of free blocks, run again before
+        # this sequence's next step (``retry_compaction``, from the scheduler)
+        self.compaction_due = self._deferring = False
         self.extra: dict[str, Any] = {}
         self.seq.num_evicted_tokens = 0
 
@@ -230,9 +233,17 @@ class SequenceKV:
             return False
         if self.budget is None:
             self.budget = self.policy.budget_tokens(seq.num_prompt_tokens)
+        self.compaction_due = False  # ``can_rewrite`` sets it again if the pool is still short
         compacted = self.policy.compress(self)
         self.settle_charge()
         return compacted
+
+    def retry_compaction(self) -> bool:
+        """Run the compaction ``after_step`` put off (``compaction_due``) now, before the
+        sequence's next step lays out its tokens; True when none is due any more."""
+        if self.compaction_due:
+            self.after_step()
+        return not self.compaction_due
 
     # ---- memory held outside the pool blocks ------------------------------------------------
     def outside_pool_bytes(self) -> int:
@@ -352,9 +363,12 @@ class SequenceKV:
         """The pool has the blocks a rewrite of the first ``num_slots`` slots needs
         (``compaction.can_rewrite``). When short, a session turn first frees the history KV
         its session keeps for it (``Sequence.kept``): its blocks are then its own, rewritten
-        in place. A False (the pool still too full: blocks shared with a fork, or a layout
-        that grows) is counted: the request's ``policy_stats["deferred_compactions"]`` and the
-        engine's ``compactions_deferred``.
+        in place. A False (the pool still too full: blocks another running request or a fork
+        shares, or a layout that grows) marks the compaction due (``compaction_due``): the
+        scheduler runs it before the sequence's next step, preempting for the blocks
+        (``Scheduler._compact_due``), so the sequence never decodes over a layout its policy
+        has not compacted. Each such deferral is counted: the request's
+        ``policy_stats["deferred_compactions"]`` and the engine's ``compactions_deferred``.
 
         Regression: the kept history's blocks, shared with the turn, had to be copied on
         write; on a full pool the turn's compaction was skipped and it decoded other tokens
@@ -366,9 +380,12 @@ class SequenceKV:
             self.seq.kept.drop()
             if can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size):
                 return True
-        self.block_pool.num_deferred_rewrites += 1  # the engine's "compactions_deferred"
-        stats = self.seq.policy_stats
-        stats["deferred_compactions"] = stats.get("deferred_compactions", 0.0) + 1
+        self.compaction_due = True
+        if not self._deferring:  # counted once until it runs
+            self._deferring = True
+            self.block_pool.num_deferred_rewrites += 1  # the engine's "compactions_deferred"
+            stats = self.seq.policy_stats
+            stats["deferred_compactions"] = stats.get("deferred_compactions", 0.0) + 1
         return False
 
     def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor,
@@ -380,6 +397,7 @@ class SequenceKV:
         (adding log 1 = 0 and masking nothing change no bit); not checked on the device, to
         keep a compaction free of host syncs."""
         rewrite_kv(self.pool, self.block_pool, self.seq, data)
+        self.compaction_due = self._deferring = False
         self.seq.num_evicted_tokens = self.seq.num_computed_tokens - data.shape[1]
         self.positions, self.support, self.dense = positions, support, dense
         self.num_compactions += 1

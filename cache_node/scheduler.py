@@ -212,7 +212,7 @@ class Scheduler(Preemption):
                 n = min(n, capped)
                 if n == 0:
                     continue
-            if not self._reserve(seq, n, batch):
+            if not self._compact_due(seq, batch) or not self._reserve(seq, n, batch):
                 continue
             batch.append((seq, n))
             budget -= n

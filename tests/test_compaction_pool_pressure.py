@@ -63,6 +63,35 @@ def test_released_blocks_stay_reachable_from_the_host_tier(tiny) -> None:
     eng.check_integrity()
 
 
+def _with_neighbour(tiny, blocks: int, doc: list[int], question: list[int], neighbour: bool):
+    eng = make_engine(tiny, kv_pool_bytes=blocks * BLOCK_BYTES, max_num_batched_tokens=256, max_num_seqs=4)
+    if neighbour:  # a plain request holding the document's blocks while it decodes
+        eng.add_request(doc, SamplingParams(max_tokens=60, ignore_eos=True), request_id="A")
+        eng.step()
+        eng.step()
+    eng.add_request(doc + question, GREEDY, request_id="B", policy="snapkv-0.5")
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs |= {o.request_id: o for o in eng.step() if o.finished}
+    eng.check_integrity()
+    return outs["B"], eng.stats()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_compaction_waits_for_blocks_another_running_request_shares(tiny, seed: int) -> None:
+    """Regression (hangs review R1): a snapkv request whose document blocks a running plain
+    request also held (a prefix hit, ref_cnt 2) could not copy them on write on a full pool;
+    its compaction was put off to after each next forward pass, so it decoded over its whole
+    uncompressed prompt, other tokens than alone. Now the scheduler runs the compaction
+    before its next step, preempting for the blocks (here the request itself waits)."""
+    rng = random.Random(seed)
+    doc, question = _prompts(1, 96, seed)[0], [rng.randrange(1, 500) for _ in range(40)]
+    tight, stats = _with_neighbour(tiny, 10 + seed - 1, doc, question, neighbour=True)
+    alone, _ = _with_neighbour(tiny, 256, doc, question, neighbour=False)
+    assert stats["compactions_deferred"] > 0 and tight.num_cached_tokens == 96  # the path ran
+    assert list(tight.output_token_ids) == list(alone.output_token_ids)
+
+
 def test_release_hashes_refuses_free_and_shared_blocks() -> None:
     pool = BlockPool(4)
     a, b = pool.allocate(2)

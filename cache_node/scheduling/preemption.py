@@ -196,6 +196,37 @@ class Preemption:
         del self._held_for[seq.request_id]
         return False
 
+    def _compact_due(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Run the compaction ``seq``'s policy put off at its last step for want of free
+        blocks (``SequenceKV.compaction_due``: copy-on-write of blocks another running request
+        or a fork shares), before its next step lays out its tokens, preempting the policy's
+        victims for the blocks as ``_reserve`` does; alone, ``seq`` first takes the blocks
+        waiting sequences and idle sessions hold. False when ``seq`` itself was preempted (it
+        waits for the others to give the blocks back). Should nothing free them (``seq``
+        alone), it steps as deferred (counted, ``compactions_deferred``).
+
+        Regression: a compaction put off was tried again only after the next forward pass, so
+        a request whose prompt blocks another running request shared decoded step after step
+        over its whole uncompressed prompt, and other tokens than alone (hangs review R1).
+        """
+        kv = seq.kv
+        if kv is None or kv.retry_compaction():
+            return True
+        freed_elsewhere = False
+        while not kv.retry_compaction():
+            if self.running == [seq]:
+                if freed_elsewhere:
+                    return True
+                self._free_held_elsewhere(seq)
+                freed_elsewhere = True
+                continue
+            victim = self.policy.victim(self.running, seq)
+            assert victim is not None, "a running sequence always has a victim (itself at worst)"
+            self._preempt_from_batch(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocate slots for a running sequence, preempting the policy's victims if needed.
         Alone, it first takes the blocks other waiting sequences and idle sessions hold."""
