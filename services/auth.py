@@ -11,6 +11,8 @@
   fingerprint (a key id is the primary key of the store's keys, and every key, rotated ones
   too, gets a fresh random id, so an id has one secret). Another secret for a known id is
   refused here without asking the scheduler (counted for its address and key id, as below).
+  Each owner (a tenant, the admin key) keeps its newest ``_KNOWN_IDS_PER_OWNER`` known ids, so
+  one tenant's keys (its rotations) never push another's out.
 - At most ``failures_per_peer_key`` failed checks per (client address, key id, role) in any
   ``failure_window_s``. Past that the address is over its limit for that key id: a key of that
   id is still checked, but with ``allow_pbkdf2=False`` (``tenants.store``: a SHA-256 row costs
@@ -70,7 +72,14 @@ log = logging.getLogger(__name__)
 _CACHE_TTL_S = 10.0
 _KNOWN_ID_TTL_S = 3600.0
 """How long a key id stays known after its key last passed a check here."""
+_KNOWN_IDS_PER_OWNER = 4
+"""Key ids known here per owner (a tenant, or the admin key), its newest first kept: a tenant has
+one live key (``RotateKey`` replaces them all), so its own rotations evict only its own ids."""
 _MAX_KNOWN_IDS = 65536
+"""Known key ids at most, all owners together (a memory guard: past it the owner holding the
+most loses its oldest, so it bites only past ``_MAX_KNOWN_IDS / _KNOWN_IDS_PER_OWNER`` owners)."""
+_ADMIN_OWNER = ""
+"""The owner of the admin key's id in the known ids (a tenant's is its name, never empty)."""
 _PEER_CHECKS_IN_FLIGHT = 4
 """Checks of unknown key ids at once per client address (so its failures cannot overshoot
 ``failures_per_peer`` by more, nor one address hold the gateway's whole ``in_flight``)."""
@@ -252,7 +261,8 @@ class Authenticator:
         self.unknown_checks_in_flight = unknown_checks_in_flight
         self._tenants: dict[bytes, tuple[Tenant, float, str]] = {}  # fingerprint -> (tenant, until, key id)
         self._admins: dict[bytes, tuple[float, str]] = {}  # fingerprint -> (until, key id)
-        self._known: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # key id -> (fingerprint, until)
+        self._known: dict[str, tuple[bytes, float, str]] = {}  # key id -> (fingerprint, until, owner)
+        self._known_by_owner: dict[str, OrderedDict[str, None]] = {}  # owner -> its known key ids, oldest first
         self._failed = ExpiringSet(_CACHE_TTL_S)
         self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
         self._peer_failures = WindowLimiter(failures_per_peer, failure_window_s)
@@ -363,11 +373,12 @@ class Authenticator:
         self._remember_tenant(key, tenant)
         return tenant
 
-    def forget_tenant(self, name: str) -> None:
+    def forget_tenant(self, name: str, keys_gone: bool = False) -> None:
         """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
-        deleted); every other tenant's cached keys stay. (Known key ids stay until the key
-        directory's next refresh drops them: a rotated or deleted key's id still has only that
-        key's secret, which the scheduler now refuses.)
+        deleted); every other tenant's cached keys stay. With ``keys_gone`` (its keys were
+        rotated away, or it was deleted) its known key ids go too; otherwise (a spec change:
+        its key still works) they stay, and keep exempting it from the failure limits. (Ids
+        of keys removed through another gateway go at this one's next directory refresh.)
 
         Regression (secrev16 fault B): ``forget`` dropped every tenant's cached key and the
         exemption of keys that passed lately, so a tenant that sent wrong secrets for another
@@ -377,6 +388,9 @@ class Authenticator:
         """
         for fp in [fp for fp, (tenant, _, _) in self._tenants.items() if tenant.spec.name == name]:
             del self._tenants[fp]
+        if keys_gone:
+            for key_id in list(self._known_by_owner.get(name, ())):
+                self._unknow(key_id)
 
     def forget_admin(self) -> None:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
@@ -386,7 +400,7 @@ class Authenticator:
         """Forget every key of ``key_ids`` (the key directory found them removed: a deleted
         tenant's or a rotated key's): known ids, cached tenant and admin keys."""
         for key_id in key_ids:
-            self._known.pop(key_id, None)
+            self._unknow(key_id)
         for fp in [fp for fp, (_, _, key_id) in self._tenants.items() if key_id in key_ids]:
             del self._tenants[fp]
         for fp in [fp for fp, (_, key_id) in self._admins.items() if key_id in key_ids]:
@@ -402,24 +416,57 @@ class Authenticator:
 
     def _remember_tenant(self, key: str, tenant: Tenant) -> None:
         self._tenants[fingerprint(key)] = (tenant, time.monotonic() + _CACHE_TTL_S, parse_key_id(key) or "")
-        self._know(key)
+        self._know(key, tenant.spec.name)
 
-    def _know(self, key: str) -> None:
-        """Remember ``key``'s id as known here, with ``key``'s fingerprint (it just passed)."""
+    def _know(self, key: str, owner: str) -> None:
+        """Remember ``key``'s id as known here, with ``key``'s fingerprint (it just passed), as
+        one of ``owner``'s (a tenant's name, or ``_ADMIN_OWNER``): each owner keeps its newest
+        ``_KNOWN_IDS_PER_OWNER`` ids, and past ``_MAX_KNOWN_IDS`` in all the owner holding the
+        most loses its oldest.
+
+        Regression (secrev18 A): the known ids were one LRU of 65,536 for all tenants, so a
+        tenant that rotated its own key 65,536 times evicted every other tenant's id, and a
+        NAT-mate's 50 wrong keys then got the other tenant's valid key RESOURCE_EXHAUSTED. A
+        tenant's keys now evict only its own ids.
+        """
         key_id = parse_key_id(key)
         if key_id is None:
             return
-        self._known.pop(key_id, None)
-        self._known[key_id] = (fingerprint(key), time.monotonic() + _KNOWN_ID_TTL_S)
+        self._unknow(key_id)
+        ids = self._known_by_owner.setdefault(owner, OrderedDict())
+        ids[key_id] = None
+        self._known[key_id] = (fingerprint(key), time.monotonic() + _KNOWN_ID_TTL_S, owner)
+        while len(ids) > _KNOWN_IDS_PER_OWNER:
+            self._unknow(next(iter(ids)))
+        if len(self._known) > _MAX_KNOWN_IDS:
+            self._shed_known()
+
+    def _unknow(self, key_id: str) -> None:
+        """Forget that ``key_id`` is known here (no-op when it is not)."""
+        entry = self._known.pop(key_id, None)
+        if entry is None:
+            return
+        ids = self._known_by_owner[entry[2]]
+        del ids[key_id]
+        if not ids:
+            del self._known_by_owner[entry[2]]
+
+    def _shed_known(self) -> None:
+        """Bring the known ids back to ``_MAX_KNOWN_IDS``: expired ones first, then the oldest
+        of the owner holding the most (never one owner's for another's, while any holds more)."""
+        now = time.monotonic()
+        for key_id in [k for k, (_, until, _) in self._known.items() if until <= now]:
+            self._unknow(key_id)
         while len(self._known) > _MAX_KNOWN_IDS:
-            self._known.popitem(last=False)
+            largest = max(self._known_by_owner.values(), key=len)
+            self._unknow(next(iter(largest)))
 
     async def _is_admin(self, key: str, allow_pbkdf2: bool) -> bool:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
         if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
             return False
         self._admins[fingerprint(key)] = (time.monotonic() + _CACHE_TTL_S, parse_key_id(key) or "")
-        self._know(key)
+        self._know(key, _ADMIN_OWNER)
         return True
 
     @staticmethod
@@ -457,7 +504,7 @@ class Authenticator:
             return
         if await self.directory.exists(key_id) is not False:
             return
-        self._known.pop(key_id, None)
+        self._unknow(key_id)
         self._failed.add(("tenant", fp))
         self._failed.add(("admin", fp))
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])

@@ -17,7 +17,7 @@ import grpc
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import convert
 from services.auth import Authenticator
-from tenants.errors import TenantExistsError, TenantNotFoundError
+from tenants.errors import TenantExistsError, TenantNotFoundError, TooManyRotationsError
 
 
 def _message(exc: BaseException) -> str:
@@ -31,6 +31,11 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
     """Await an actor call, mapping tenant errors and bad input to statuses."""
     try:
         return await ref
+    except TooManyRotationsError as exc:
+        cause = getattr(exc, "cause", None)
+        retry_after_s = (cause if isinstance(cause, TooManyRotationsError) else exc).retry_after_s
+        context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000) + 1)),))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc))
     except TenantExistsError as exc:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, _message(exc))
     except TenantNotFoundError as exc:
@@ -74,15 +79,16 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
     async def DeleteTenant(self, request, context):
         await self.auth.admin(context)
         await _call(context, self.scheduler.delete_tenant.remote(request.name))
-        self.auth.forget_tenant(request.name)
+        self.auth.forget_tenant(request.name, keys_gone=True)
         return tenant_pb2.DeleteTenantResponse()
 
-    async def _own_or_admin(self, context: Any, name: str) -> None:
-        """The admin key, or the key of the tenant called ``name``; else PERMISSION_DENIED
-        (another tenant's key) or UNAUTHENTICATED (no valid key)."""
+    async def _own_or_admin(self, context: Any, name: str) -> bool:
+        """The admin key (False), or the key of the tenant called ``name`` (True); else
+        PERMISSION_DENIED (another tenant's key) or UNAUTHENTICATED (no valid key)."""
         caller = await self.auth.admin_or_tenant(context)
         if caller is not None and caller.name != name:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a tenant key reaches only its own tenant")
+        return caller is not None
 
     async def GetTenant(self, request, context):
         """The admin key reads any tenant; a tenant's own key reads only its own."""
@@ -108,10 +114,16 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
         Regression (secrev16 fault B): it dropped every tenant's cached key at the gateway
         (``Authenticator.forget``), which let a tenant lock another out; it forgets the
-        rotated tenant's keys alone (``Authenticator.forget_tenant``)."""
-        await self._own_or_admin(context, request.name)
-        key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name))
-        self.auth.forget_tenant(request.name)
+        rotated tenant's keys alone (``Authenticator.forget_tenant``).
+
+        Regression (secrev18 A): a tenant's own rotations were not limited, and each new key
+        took a place in the gateway's one table of known key ids, so 65,536 of them pushed out
+        every other tenant's. A tenant's own key now rotates at most
+        ``services.global_scheduler_tenants.OWN_ROTATIONS_PER_WINDOW`` times a minute at the scheduler (past that
+        RESOURCE_EXHAUSTED with ``retry-after-ms``), and its rotated-away ids are forgotten here."""
+        own = await self._own_or_admin(context, request.name)
+        key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, own=own))
+        self.auth.forget_tenant(request.name, keys_gone=True)
         return tenant_pb2.RotateKeyResponse(api_key=key)
 
 

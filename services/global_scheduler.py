@@ -128,6 +128,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
         Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants, keys: the owner's alone
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
         self.usage = UsageLedger()
+        self.own_rotations = self.own_rotation_limiter(clock)
         self.scheduler = check_policy_name(scheduler)
         self.clock = clock
         self.block_size = block_size

@@ -9,12 +9,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from tenants.errors import TooManyRotationsError
 from tenants.model import Tenant, TenantSpec
+from tenants.ratelimit import WindowLimiter
 from tenants.store import KeyIdsDelta
+
+OWN_ROTATIONS_PER_WINDOW = 6
+"""Rotations a tenant may make of its own key (with its own key) per ``OWN_ROTATION_WINDOW_S``."""
+OWN_ROTATION_WINDOW_S = 60.0
 
 
 class Tenants:
-    """The tenant part of ``GlobalScheduler`` (its ``store``, ``usage`` and ``specs``)."""
+    """The tenant part of ``GlobalScheduler`` (its ``store``, ``usage``, ``specs`` and
+    ``own_rotations``: a ``WindowLimiter`` of ``OWN_ROTATIONS_PER_WINDOW`` per
+    ``OWN_ROTATION_WINDOW_S`` by tenant name, made by ``own_rotation_limiter``)."""
+
+    @staticmethod
+    def own_rotation_limiter(clock: Any) -> WindowLimiter:
+        return WindowLimiter(OWN_ROTATIONS_PER_WINDOW, OWN_ROTATION_WINDOW_S, clock=clock)
 
     def ensure_admin_key(self) -> str | None:
         return self.store.ensure_admin_key()
@@ -34,7 +46,22 @@ class Tenants:
     def rotate_admin_key(self) -> str:
         return self.store.rotate_admin_key()
 
-    def rotate_tenant_key(self, name: str) -> str:
+    def rotate_tenant_key(self, name: str, own: bool = False) -> str:
+        """Replace tenant ``name``'s keys with a new one; returns it. ``own``: the tenant asked
+        with its own key, which it may do ``OWN_ROTATIONS_PER_WINDOW`` times per
+        ``OWN_ROTATION_WINDOW_S`` (the admin key's rotations are not limited).
+
+        Regression (secrev18 A): a tenant could rotate its own key without limit, each new key
+        taking a place in every gateway's known key ids (65,536 rotations pushed out every
+        other tenant's) and each a synchronous SQLite commit on the scheduler's loop
+        (``GlobalSchedulerService`` now runs it in a worker thread).
+
+        Raises:
+            TooManyRotationsError: ``own`` past the limit (nothing rotated).
+            TenantNotFoundError: no tenant ``name``.
+        """
+        if own and not self.own_rotations.try_acquire(name):
+            raise TooManyRotationsError(name, self.own_rotations.retry_after_s(name))
         return self.store.rotate_key(name)
 
     def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:

@@ -34,3 +34,18 @@ class TenantNotFoundError(TenantError, LookupError):
 
     def __init__(self, name: str) -> None:
         super().__init__(name, f"tenant {name!r} not found")
+
+
+class TooManyRotationsError(TenantError):
+    """The tenant rotated its own key too often lately (gRPC RESOURCE_EXHAUSTED).
+
+    Attributes:
+        retry_after_s: seconds until it may rotate its key again.
+    """
+
+    def __init__(self, name: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(name, f"tenant {name!r} rotated its own key too often; retry in {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.retry_after_s))
