@@ -46,6 +46,9 @@ one per tenant at a time)."""
 MAX_ID_CHARS = 256
 """Longest client-chosen request or session id."""
 
+MAX_STREAMS_PER_TENANT = 256
+"""Generate calls one tenant may have open at one gateway (``InferenceServicer``)."""
+
 
 def scoped_id(tenant_id: str, client_id: str) -> str:
     """The id the scheduler and the nodes know a client's request or session by: scoped to its
@@ -156,14 +159,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
         security: the gateway's data-plane identity (``NodeStreams``).
         metrics: where ``generate`` observes each request (``services.metrics.requests``).
+        max_streams_per_tenant: Generate calls (gRPC or HTTP) a tenant may have open here, each
+            counted until its client has taken its last event or gone; past it a call is
+            refused RESOURCE_EXHAUSTED (``streams_refused``).
     """
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  node_info: dict[str, dict[str, Any]], templater: ChatTemplater | None,
                  scheduler_address: str, security: Security | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, max_streams_per_tenant: int = MAX_STREAMS_PER_TENANT) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
+        self.max_streams_per_tenant = max_streams_per_tenant
+        self.open_streams: dict[str, int] = {}  # tenant id -> its Generate calls open here
+        self.streams_refused = 0  # calls refused for ``max_streams_per_tenant``
         self._tokenizing: dict[str, asyncio.Lock] = {}  # tenant id -> its turn on a worker thread
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "kvstrata-tokenize")
         self.info, self.templater = next(iter(node_info.values())), templater
@@ -322,28 +331,50 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _generate(self, context: Any, parse: Callable[[], GenerateInput], tenant: Any,
                         track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
-        """``generate`` past authentication; ``track`` sees every event and the refusal."""
+        """``generate`` past authentication; ``track`` sees every event and the refusal.
+
+        A tenant's calls are counted from here until this generator ends, i.e. until its
+        client has taken the last event (or hung up); past ``max_streams_per_tenant`` a call
+        is refused RESOURCE_EXHAUSTED. Regression (security review B): the scheduler releases
+        a request when its end arrives here, not when its client reads it, so a tenant whose
+        client never read could open wave after wave of streams, each holding its events at
+        the gateway."""
+        tenant_id = tenant.tenant_id
+        if self.open_streams.get(tenant_id, 0) >= self.max_streams_per_tenant:
+            self.streams_refused += 1
+            track.rejected("too_many_streams")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the tenant has {self.max_streams_per_tenant} calls open at this gateway "
+                                "(max_streams_per_tenant): read or cancel them first")
+        self.open_streams[tenant_id] = self.open_streams.get(tenant_id, 0) + 1
+        scoped = ""
         try:
-            call = await self.off_loop(tenant.tenant_id, parse)  # a completion's prompt is tokenized here
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        req, hashes = await self._prepare(call, tenant, context)
-        scoped = req.request_id
-        client_id = scoped.split("/", 1)[1]
-        if scoped in self._in_flight:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
-        self._in_flight.add(scoped)
+            try:
+                call = await self.off_loop(tenant_id, parse)  # a completion's prompt is tokenized here
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            req, hashes = await self._prepare(call, tenant, context)
+            client_id = req.request_id.split("/", 1)[1]
+            if req.request_id in self._in_flight:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
+            scoped = req.request_id
+            self._in_flight.add(scoped)
         # each attempt has its own id past this gateway (scheduler, node, events, aborts).
         # Regression: a client id reused right after a cancel got the cancelled attempt's
         # "abort" ending while its own attempt ran on, unseen and unabortable, on the node;
         # and a late abort of a finished attempt refused the id's next use (CANCELLED)
-        req = dataclasses.replace(req, request_id=f"{scoped}#{uuid.uuid4().hex[:16]}")
-        try:  # closed here, at once: its ``finally`` releases and aborts the attempt
+            req = dataclasses.replace(req, request_id=f"{scoped}#{uuid.uuid4().hex[:16]}")
+            # closed here, at once: its ``finally`` releases and aborts the attempt
             async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track)) as events:
                 async for event in events:
                     yield event
         finally:
             self._in_flight.discard(scoped)
+            left = self.open_streams[tenant_id] - 1
+            if left:
+                self.open_streams[tenant_id] = left
+            else:
+                del self.open_streams[tenant_id]
 
     async def _attempt(self, context: Any, req: NodeRequest, hashes: list[bytes], client_id: str,
                        track: RequestTracker) -> AsyncIterator[dict[str, Any]]:

@@ -28,6 +28,12 @@ from services.openai_api import HttpServer, OpenAIEdge, create_app
 
 log = logging.getLogger(__name__)
 
+MAX_CONCURRENT_STREAMS = 256
+"""HTTP/2 streams (calls) one client connection may have open at once (the server's
+``SETTINGS_MAX_CONCURRENT_STREAMS``; a gRPC client queues calls past it). Regression (security
+review B): it was unbounded, so one connection could hold any number of unread streams
+(each tenant's are bounded again by ``InferenceServicer.max_streams_per_tenant``)."""
+
 SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
 """gRPC health names: the server overall and each service; all SERVING while a node is healthy."""
 
@@ -48,7 +54,8 @@ async def create_server(
         security: the gateway's data-plane identity (``services.data_plane_auth``).
         metrics: the request metrics ``Generate`` observes (``services.metrics.requests``).
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
     auth = Authenticator(scheduler)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,

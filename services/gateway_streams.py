@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from array import array
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -23,6 +26,127 @@ from services.node_request import NodeRequest
 log = logging.getLogger(__name__)
 
 OnEvent = Callable[[dict[str, Any]], None]
+
+MAX_UNDELIVERED_BYTES = 1 << 20
+"""Most a stream may hold undelivered (``StreamBuffer.undelivered_bytes``) before it is ended
+RESOURCE_EXHAUSTED and its request aborted on its node: ~50K tokens of English text behind."""
+
+TEXT_PIECES_JOINED = 64
+"""A pending delta joins its text pieces into one string each time it holds this many."""
+
+
+class _Delta:
+    """Consecutive delta events not delivered yet, as one: token ids in a 4-byte array, text
+    pieces joined every ``TEXT_PIECES_JOINED`` (amortised, never quadratic)."""
+
+    __slots__ = ("chars", "ids", "pieces")
+
+    def __init__(self) -> None:
+        self.ids = array("i")
+        self.pieces: list[str] = []
+        self.chars = 0
+
+    def add(self, event: dict[str, Any]) -> int:
+        """Append ``event``'s tokens and text; returns the bytes this added (4 per token id, 4
+        per character: what the array and a UCS-4 string hold at most, and UTF-8 at most)."""
+        self.ids.extend(event["token_ids"])
+        if event["text"]:
+            self.pieces.append(event["text"])
+            self.chars += len(event["text"])
+            if len(self.pieces) >= TEXT_PIECES_JOINED:
+                self.pieces = ["".join(self.pieces)]
+        return 4 * (len(event["token_ids"]) + len(event["text"]))
+
+    def event(self) -> dict[str, Any]:
+        return {"type": "delta", "token_ids": self.ids.tolist(), "text": "".join(self.pieces)}
+
+    def size(self) -> int:
+        return 4 * (len(self.ids) + self.chars)
+
+
+class StreamBuffer:
+    """One stream's events not yet taken by its reader, in order and bounded.
+
+    Consecutive delta events coalesce into one pending delta (token ids and texts
+    concatenated), and nothing is kept after a terminal event (``finished`` or ``error``: the
+    reader stops there), so a stream holds at most three messages (``started``, a delta, its
+    end) whatever its length; a reader that keeps up takes each event as it came, unchanged.
+    ``undelivered_bytes`` (4 per pending token id and per pending character) is what
+    ``NodeStreams`` bounds by ``MAX_UNDELIVERED_BYTES``.
+
+    The ``asyncio.Queue`` calls its reader uses: ``get``, ``get_nowait``, ``empty``, ``qsize``.
+
+    Regression (security review B): each stream was an unbounded ``asyncio.Queue`` of every
+    event (~400 bytes a delta): a client that never read its streams (HTTP/2 window never
+    granted) made the gateway keep every token its requests produced, growing with the
+    nodes' throughput for as long as it held a connection.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[dict[str, Any] | _Delta] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.undelivered_bytes = 0
+        self.ended = False  # a terminal event is in: later ones are dropped
+
+    def put_nowait(self, event: dict[str, Any]) -> None:
+        """Add ``event`` (dropped after a terminal event)."""
+        if self.ended:
+            return
+        if event["type"] == "delta":
+            last = self._items[-1] if self._items else None
+            if not isinstance(last, _Delta):
+                last = _Delta()
+                self._items.append(last)
+            self.undelivered_bytes += last.add(event)
+        else:
+            self._items.append(event)
+            self.ended = event["type"] in ("finished", "error")
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def end(self, event: dict[str, Any]) -> None:
+        """Drop the pending deltas and end the stream with ``event`` (an error)."""
+        self._items = deque(item for item in self._items if not isinstance(item, _Delta))
+        self.undelivered_bytes = 0
+        self.ended = False
+        self.put_nowait(event)
+
+    def get_nowait(self) -> dict[str, Any]:
+        """The next event. Raises ``asyncio.QueueEmpty`` when none is pending."""
+        if not self._items:
+            raise asyncio.QueueEmpty
+        item = self._items.popleft()
+        if isinstance(item, _Delta):
+            self.undelivered_bytes -= item.size()
+            return item.event()
+        return item
+
+    async def get(self) -> dict[str, Any]:
+        """The next event, once there is one."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        """Messages pending (at most 3)."""
+        return len(self._items)
+
+
+@dataclass
+class _Entry:
+    """An open stream: its node ("" until ``bind``), buffer, and ``on_event`` (``open``)."""
+
+    node_id: str
+    buffer: StreamBuffer
+    on_event: OnEvent | None
+    overflowed: bool = False  # ended RESOURCE_EXHAUSTED: aborted on its node (at ``bind`` if not bound)
 
 
 class NodeStreams:
@@ -45,27 +169,31 @@ class NodeStreams:
         admit_timeout_s: an admission not answered by then fails with UNAVAILABLE.
         security: the gateway's data-plane identity (``services.data_plane_auth``): its event
             inbox admits only nodes. None: plaintext on loopback (unit tests only).
+        max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``; its client
+            reads too slowly or not at all) is ended with RESOURCE_EXHAUSTED and its request
+            aborted on its node; counted in ``overflows``.
 
     Every message read is checked (``data_plane.event_items``, ``admission_reply``); a bad
     one is dropped and counted in ``bad_messages``.
     """
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
-                 admit_timeout_s: float = 30.0, security: Security | None = None) -> None:
+                 admit_timeout_s: float = 30.0, security: Security | None = None,
+                 max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
         self._key_names = security.key_names() if security is not None else {}
         self._unbound: dict[str, list[tuple[str | None, dict[str, Any]]]] = {}  # events before ``bind``
         self.bad_messages = 0
+        self.overflows = 0  # streams ended for holding over ``max_undelivered_bytes``
+        self.max_undelivered_bytes = max_undelivered_bytes
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
         self.admit_timeout_s = admit_timeout_s
         self.subscriber = ""  # this gateway's event inbox address (``start``)
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
-        # request id -> (its node, "" until ``bind``; its queue; called with each event as it
-        # is routed, before the stream's reader takes it: ``open``)
-        self._queues: dict[str, tuple[str, asyncio.Queue[dict[str, Any]], OnEvent | None]] = {}
+        self._queues: dict[str, _Entry] = {}  # request id -> its open stream
         self._failures = 0  # ``fail_node`` calls so far
         self._opened_at: dict[str, int] = {}  # request id -> ``_failures`` when it was opened
         self._failed_at: dict[str, int] = {}  # node id -> ``_failures`` at its last failure
@@ -160,26 +288,43 @@ class NodeStreams:
         """Tell ``node_id`` to stop ``request_id`` (fire and forget)."""
         self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}))
 
-    def open(self, request_id: str, on_event: OnEvent | None = None) -> asyncio.Queue[dict[str, Any]]:
-        """A queue for ``request_id``'s events; open it before the request reaches a node.
-        ``on_event(event)`` sees each event as it arrives, whether or not the queue's reader
-        keeps up (a client that stops reading).
+    def open(self, request_id: str, on_event: OnEvent | None = None) -> StreamBuffer:
+        """A buffer for ``request_id``'s events; open it before the request reaches a node.
+        ``on_event(event)`` sees each event as it arrives, whether or not the buffer's reader
+        keeps up (a client that stops reading), and the RESOURCE_EXHAUSTED error that ends a
+        stream over ``max_undelivered_bytes``.
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
         """
         if request_id in self._queues:
             raise KeyError(request_id)
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._queues[request_id] = ("", queue, on_event)
+        buffer = StreamBuffer()
+        self._queues[request_id] = _Entry("", buffer, on_event)
         self._opened_at[request_id] = self._failures
-        return queue
+        return buffer
 
-    @staticmethod
-    def _put(entry: tuple[str, asyncio.Queue[dict[str, Any]], OnEvent | None], event: dict[str, Any]) -> None:
-        if entry[2] is not None:
-            entry[2](event)
-        entry[1].put_nowait(event)
+    def _put(self, request_id: str, entry: _Entry, event: dict[str, Any]) -> None:
+        if entry.on_event is not None:
+            entry.on_event(event)
+        entry.buffer.put_nowait(event)
+        held = entry.buffer.undelivered_bytes
+        if held > self.max_undelivered_bytes:
+            self.overflows += 1
+            entry.overflowed = True
+            error = {"type": "error", "code": "RESOURCE_EXHAUSTED",
+                     "message": f"the client did not read this stream: {held} bytes of it were waiting "
+                                f"at the gateway (at most {self.max_undelivered_bytes})"}
+            if entry.on_event is not None:
+                entry.on_event(error)
+            entry.buffer.end(error)
+            if entry.node_id:
+                self.abort(entry.node_id, request_id)
+
+    def undelivered(self) -> tuple[int, int, int]:
+        """(open streams, messages and bytes they hold undelivered)."""
+        buffers = [entry.buffer for entry in self._queues.values()]
+        return len(buffers), sum(b.qsize() for b in buffers), sum(b.undelivered_bytes for b in buffers)
 
     def bind(self, request_id: str, node_id: str) -> None:
         """Record the node serving ``request_id`` (its failure ends this stream; a node down
@@ -190,25 +335,27 @@ class NodeStreams:
         only the streams bound to it then: this stream waited forever for events."""
         entry = self._queues.get(request_id)
         if entry is not None:
-            self._queues[request_id] = entry = (node_id, entry[1], entry[2])
+            entry.node_id = node_id
+            if entry.overflowed:  # ended before its node was known
+                self.abort(node_id, request_id)
             for sender, event in self._unbound.pop(request_id, []):  # in order, from it alone
                 if sender == node_id:
-                    self._put(entry, event)
+                    self._put(request_id, entry, event)
                 else:
                     self._drop("event", PermissionError(f"{sender} sent an event for a request on {node_id}"))
             if node_id in self.down:
-                self._put(entry, _unavailable(self.down[node_id]))
+                self._put(request_id, entry, _unavailable(self.down[node_id]))
             elif self._failed_at.get(node_id, -1) >= self._opened_at.get(request_id, 0):
-                self._put(entry, _unavailable(f"cache node {node_id} failed while the request was on its way"))
+                self._put(request_id, entry, _unavailable(f"cache node {node_id} failed while the request was on its way"))
 
     def fail_node(self, node_id: str, reason: str) -> None:
         """``node_id`` is down: end every stream bound to it with UNAVAILABLE (``reason``)."""
         self.down[node_id] = reason
         self._failed_at[node_id] = self._failures
         self._failures += 1
-        for entry in list(self._queues.values()):
-            if entry[0] == node_id:
-                self._put(entry, _unavailable(reason))
+        for request_id, entry in list(self._queues.items()):
+            if entry.node_id == node_id:
+                self._put(request_id, entry, _unavailable(reason))
 
     def reconnect(self, node_id: str, address: str) -> None:
         """``node_id`` is up again with its command inbox at ``address`` (new after a restart)."""
@@ -243,14 +390,14 @@ class NodeStreams:
                 entry = self._queues.get(request_id)
                 if entry is None:
                     continue
-                if self._per_node_keys and not entry[0]:  # its node is not known yet: held
+                if self._per_node_keys and not entry.node_id:  # its node is not known yet: held
                     self._unbound.setdefault(request_id, []).append((sender, event))  # for ``bind``
                     continue
-                if self._per_node_keys and sender != entry[0]:
+                if self._per_node_keys and sender != entry.node_id:
                     self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
-                                                        f"for a request on {entry[0]}"))
+                                                        f"for a request on {entry.node_id}"))
                     continue
-                self._put(entry, event)
+                self._put(request_id, entry, event)
 
     def _drop(self, what: str, exc: BaseException) -> None:
         self.bad_messages += 1
