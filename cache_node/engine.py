@@ -232,6 +232,14 @@ class LLMEngine(EngineTiersMixin):
         with self._lock:
             return self.sessions.close(session_id)
 
+    def rewind_session(self, session_id: str, history: list[int] | None, prompt_len: int,
+                       output: tuple[int, ...]) -> bool:
+        """Undo the turn that just finished in ``session_id`` (``SessionTable.rewind``): the
+        cache node cancelled it while its last step computed. False when the session is not
+        idle at that turn's end."""
+        with self._lock:
+            return self.sessions.rewind(session_id, history, prompt_len, output)
+
     def session_history(self, session_id: str) -> list[int] | None:
         """Token ids of an idle session's history, or None when the session is unknown."""
         with self._lock:

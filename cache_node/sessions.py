@@ -197,6 +197,29 @@ class SessionTable:
         sess.kv, seq.kv, sess.policy = seq.kv, None, seq.policy
         return True
 
+    def rewind(self, session_id: str, history: list[int] | None, prompt_len: int, output: tuple[int, ...]) -> bool:
+        """Undo the turn that just finished in ``session_id`` (its prompt of ``prompt_len``
+        tokens and its ``output`` are the session's history now): the history is ``history``
+        again, without KV (its full blocks stay in the prefix cache, and the next turn
+        prefills the rest); a first turn (``history`` None or empty) closes the session, as
+        its abort would have. False, changing nothing, when the session is not idle at the end
+        of that turn.
+
+        Regression (hangs review N1): a client's cancel that landed while its turn's last step
+        computed left the turn in the history (tokens the client never got) while the cache
+        node's kept chat messages missed it; the node now rewinds such a turn.
+        """
+        sess = self.sessions.get(session_id)
+        if (sess is None or sess.active_request is not None or len(sess.token_ids) != prompt_len + len(output)
+                or sess.token_ids[prompt_len:] != list(output)):
+            return False
+        if not history:
+            self.close(session_id)
+            return True
+        self._release(sess)
+        sess.token_ids, sess.num_computed_tokens = list(history), 0
+        return True
+
     def drop_history(self, sess: Session) -> None:
         """Free the history KV ``sess`` keeps (its turn holds its own references)."""
         self._release(sess)

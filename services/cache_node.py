@@ -148,6 +148,9 @@ class CacheNode(Streams, Commands, Health, Admin):
         self.data_address = ""  # the command inbox (open_data_plane)
         self._aborted_early: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (code, message)
         self._session_messages = SessionTexts()  # per session: its turns' messages
+        # the step thread's: session turns the engine runs, by id, until their last output
+        # (a turn an abort claimed as its last step computed is rewound: ``Streams._deliver_step``)
+        self._session_turns: dict[str, _Stream] = {}
         # requests and aborts for the step thread: the event loop never waits on the engine's
         # lock, which a step holds for its whole forward pass
         self._incoming: deque[_Stream] = deque()
@@ -238,6 +241,8 @@ class CacheNode(Streams, Commands, Health, Admin):
                     session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
                     prefetch=req.prefetch, priority=req.priority, prefix_tokens=req.prefix_tokens,
                 )
+                if req.session_id:
+                    self._session_turns[req.request_id] = stream
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
             except SessionGone as exc:
@@ -293,9 +298,11 @@ class CacheNode(Streams, Commands, Health, Admin):
 
     def _prompt_of(self, stream: _Stream) -> list[int]:
         """Step thread: ``stream``'s prompt token ids, as the renderer made them when its
-        session is as it was then (its history and messages), else made now."""
+        session is as it was then (its history and messages), else made now. Sets
+        ``stream.history`` (the session's history before this turn)."""
         req = stream.request
         history = self.engine.session_history(req.session_id) if req.session_id else None
+        stream.history = history
         rendered, stream.rendered = stream.rendered, None
         if rendered is not None and rendered[:2] == (history, len(self._session_messages.get(req.session_id, ()))):
             return rendered[2]

@@ -132,6 +132,13 @@ class Commands:
 
         An abort can overtake its request (the gateway aborts, the scheduler submits): an
         unknown id is remembered, and a later ``submit`` of it is refused (CANCELLED).
+
+        Taking the stream out of ``_streams`` is the abort's claim on the request; its last
+        output claims it the same way on the step thread (``Streams._deliver_step``), and
+        exactly one of the two gets it. A session turn the engine finished in the step that
+        computed as the abort landed is undone there: the session's history and its kept
+        messages both leave it out, as a turn aborted a step earlier. Regression (hangs review
+        N1): the engine's history kept that turn and the node's kept messages did not.
         """
         stream = self._streams.pop(request_id, None)
         if stream is None:

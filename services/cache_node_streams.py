@@ -16,13 +16,18 @@ bytes span tokens is held back until its last token (its first bytes decode as U
 output is detokenized incrementally (``cache_node.detokenizer``): a step decodes the last few
 tokens, not the whole output, and sends exactly what decoding the whole output would.
 
+A request's last output and an abort each claim its stream once (``_deliver_step``): a
+session turn cancelled while the step that finished it computed is undone in the engine too, so
+a session's token history and its kept messages always hold the same turns.
+
 ``Streams`` is a part of ``services.cache_node.CacheNode``; it uses the node's ``engine``,
-``_streams``, ``_pusher``, ``_outbox``, ``_incoming`` and ``_wake``.
+``_streams``, ``_session_turns``, ``_pusher``, ``_outbox``, ``_incoming`` and ``_wake``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +42,8 @@ from services.chat import Messages, content_chars
 from services.node_request import NodeRequest
 
 Event = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 class SessionTexts:
@@ -107,6 +114,7 @@ class _Stream:
     # (its session's history, the session's message count, its prompt's token ids) as the
     # renderer made them (``Streams._render``); None: not rendered ahead
     rendered: tuple[list[int] | None, int, list[int]] | None = None
+    history: list[int] | None = None  # its session's history when it started (None: none)
 
     def __post_init__(self) -> None:
         if self.request.sampling.stop:
@@ -217,13 +225,43 @@ class Streams:
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Turn one step's outputs into events and send them on: one message per gateway, one
-        call per in-process event loop."""
+        call per in-process event loop.
+
+        A request's last output and an abort (``Commands.abort``, on the event loop) each
+        claim its stream by taking it out of ``_streams``, and exactly one gets it: a turn
+        whose last output claims it is finished (its session keeps it, with its messages, and
+        its stream gets ``finished``); a session turn whose stream an abort claimed first
+        (the abort landed while the step that finished it computed, or before its output got
+        here) never happened, and its session is rewound (``_rewind_cancelled_turn``).
+
+        Regression (hangs review N1): the engine finished such a turn in the step in flight,
+        so its session's token history kept the cancelled turn (tokens its client never got)
+        while the node's kept chat messages missed it, and later turns were rendered from
+        messages that did not match the session's KV."""
         events = []
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            if not out.finished:
+                stream = self._streams.get(out.request_id)
+            else:
+                stream = self._streams.pop(out.request_id, None)  # the claim: this or an abort
+                turn = self._session_turns.pop(out.request_id, None)
+                if stream is None and turn is not None:
+                    self._rewind_cancelled_turn(turn, out)
             if stream is not None:
                 events.extend((stream, event) for event in self._events(out, stream))
         self._dispatch(events)
+
+    def _rewind_cancelled_turn(self, turn: _Stream, out: RequestOutput) -> None:
+        """Step thread: ``out`` ended session turn ``turn``, cancelled before its end reached
+        the client: a turn the engine finished (a finish other than abort, error or rejected)
+        is undone (``LLMEngine.rewind_session``), so the session's history is again what it
+        was before the turn, as its kept messages are."""
+        if out.finish_reason in ("abort", "error", "rejected"):
+            return  # the engine kept nothing of it
+        req = turn.request
+        if not self.engine.rewind_session(req.session_id, turn.history, turn.prompt_tokens, out.output_token_ids):
+            log.warning("cache node %s: session %s changed before its cancelled turn %s could be undone",
+                        self.node_id, req.session_id, req.request_id)
 
     def _dispatch(self, events: list[tuple[_Stream, Event]]) -> None:
         pushed: dict[str, list[list[Any]]] = {}
