@@ -140,17 +140,27 @@ class CompressedPrefixCache:
         preemption (``Sequence.restart``) is no producer: it stores the prefix only when the
         entry is gone."""
         key = self.producing.pop(seq.request_id, None) or self.key(seq, seq.prefix_stop)
-        seq.prefix_stop = 0
+        boundary, seq.prefix_stop = seq.prefix_stop, 0
         kv = seq.kv
         if kv.budget is None:
             try:
                 kv.budget = kv.policy.budget_tokens(seq.num_computed_tokens)
+                kv.compaction_due = False  # ``can_rewrite`` sets it if the pool is too full
                 kv.policy.compress(kv)
                 kv.settle_charge()
             except Exception:  # the engine fails ``seq``: ``on_finish`` hands the prefix on
                 self.producing[seq.request_id] = key  # (regression: its parked requests hung)
                 raise
             kv.budget = None  # the rest of the prompt is a new turn's (recomputed at its end)
+            if kv.compaction_due:
+                # Regression (hangs review R1b): a compression the pool had no free blocks
+                # for was skipped for good: the request prefilled its question over the whole
+                # document, compressed it question-aware at its end (other tokens than alone)
+                # and stored nothing. It now stays at its boundary until the compression runs
+                # (the scheduler retries it before the request's next step: ``retry``).
+                seq.prefix_stop = boundary
+                self.producing[seq.request_id] = key
+                return []
         if key in self.entries:
             self.entries.move_to_end(key)
         elif kv.compacted and self._store(key, seq):

@@ -436,8 +436,16 @@ class LLMEngine(EngineTiersMixin):
         if seq.kv is not None:
             seq.kv.after_step()
         if seq.prefix_stop and seq.num_computed_tokens == seq.prefix_stop:
-            for ready in self.prefixes.store(seq):  # compress the prefix, store, fork
-                self.scheduler.add(ready)
+            self._store_prefix(seq)
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """``seq`` reached its prefix boundary: compress the prefix, store it, fork the requests
+        parked on it. A compression put off for want of free blocks keeps ``seq`` at its
+        boundary; the scheduler runs this again before its next step (``SequenceKV.retry``)."""
+        for ready in self.prefixes.store(seq):
+            self.scheduler.add(ready)
+        if seq.kv is not None and seq.kv.compaction_due and seq.prefix_stop:
+            seq.kv.retry = lambda: self._store_prefix(seq)
 
     def _recover(self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]) -> None:
         """The forward pass raised: its KV writes are partial. A ``SequenceFault`` names the

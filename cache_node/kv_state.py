@@ -15,6 +15,7 @@ their true absolute positions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,6 +95,7 @@ class SequenceKV:
         # a compaction that ``can_rewrite`` put off for want of free blocks, run again before
         # this sequence's next step (``retry_compaction``, from the scheduler)
         self.compaction_due = self._deferring = False
+        self.retry: Callable[[], object] | None = None  # what reruns it (default ``after_step``)
         self.extra: dict[str, Any] = {}
         self.seq.num_evicted_tokens = 0
 
@@ -239,10 +241,14 @@ class SequenceKV:
         return compacted
 
     def retry_compaction(self) -> bool:
-        """Run the compaction ``after_step`` put off (``compaction_due``) now, before the
-        sequence's next step lays out its tokens; True when none is due any more."""
+        """Run the compaction put off (``compaction_due``) now, before the sequence's next
+        step lays out its tokens: ``retry`` when its caller set one (a compressed prefix's
+        boundary compression: ``LLMEngine._store_prefix``), else ``after_step``. True when
+        none is due any more."""
         if self.compaction_due:
-            self.after_step()
+            retry, self.retry = self.retry, None
+            self.compaction_due = False
+            (retry or self.after_step)()
         return not self.compaction_due
 
     # ---- memory held outside the pool blocks ------------------------------------------------

@@ -63,13 +63,13 @@ def test_released_blocks_stay_reachable_from_the_host_tier(tiny) -> None:
     eng.check_integrity()
 
 
-def _with_neighbour(tiny, blocks: int, doc: list[int], question: list[int], neighbour: bool):
+def _with_neighbour(tiny, blocks: int, doc: list[int], question: list[int], neighbour: bool, **kw):
     eng = make_engine(tiny, kv_pool_bytes=blocks * BLOCK_BYTES, max_num_batched_tokens=256, max_num_seqs=4)
     if neighbour:  # a plain request holding the document's blocks while it decodes
         eng.add_request(doc, SamplingParams(max_tokens=60, ignore_eos=True), request_id="A")
         eng.step()
         eng.step()
-    eng.add_request(doc + question, GREEDY, request_id="B", policy="snapkv-0.5")
+    eng.add_request(doc + question, GREEDY, request_id="B", policy="snapkv-0.5", **kw)
     outs = {}
     while eng.has_unfinished_requests():
         outs |= {o.request_id: o for o in eng.step() if o.finished}
@@ -89,6 +89,21 @@ def test_a_compaction_waits_for_blocks_another_running_request_shares(tiny, seed
     tight, stats = _with_neighbour(tiny, 10 + seed - 1, doc, question, neighbour=True)
     alone, _ = _with_neighbour(tiny, 256, doc, question, neighbour=False)
     assert stats["compactions_deferred"] > 0 and tight.num_cached_tokens == 96  # the path ran
+    assert list(tight.output_token_ids) == list(alone.output_token_ids)
+
+
+def test_a_prefix_compression_waits_at_its_boundary_for_blocks(tiny) -> None:
+    """Regression (hangs review R1b): a compressed-prefix producer whose document blocks a
+    running request shared found no free blocks for its boundary compression; it was skipped
+    for good, nothing was stored, and the producer compressed question-aware at its prompt's
+    end, decoding other tokens than alone. Now it waits at its boundary until it runs."""
+    rng = random.Random(1)
+    doc = [rng.randrange(1, 500) for _ in range(96)]
+    question = [rng.randrange(1, 500) for _ in range(40)]
+    tight, stats = _with_neighbour(tiny, 12, doc, question, neighbour=True, prefix_tokens=96)
+    alone, alone_stats = _with_neighbour(tiny, 256, doc, question, neighbour=False, prefix_tokens=96)
+    assert stats["compactions_deferred"] > 0  # the path ran
+    assert stats["compressed_prefix_stores"] == alone_stats["compressed_prefix_stores"] == 1
     assert list(tight.output_token_ids) == list(alone.output_token_ids)
 
 
