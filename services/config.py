@@ -95,6 +95,16 @@ class ServiceConfig(BaseModel):
     # per-address limit on failed API-key checks keys on it; a header from anyone else is
     # ignored, so a client cannot choose its address).
     http_forwarded_allow_ips: list[str] = []
+    # Bounds on the HTTP API's connections (services.openai_api.connections.ConnectionLimits):
+    # a connection has http_head_timeout_s from its opening (or its next request's first byte) to
+    # deliver a request's head, then http_body_timeout_s for the body, or it is closed (sending
+    # the response has no deadline: streams run as long as they need). Open connections in all,
+    # and per socket peer address (the proxies above exempt), past which one is refused at accept.
+    # (Not yet passed to the gateway by the launcher: HttpServer takes ConnectionLimits.of(config).)
+    http_head_timeout_s: float = Field(10.0, gt=0)
+    http_body_timeout_s: float = Field(60.0, gt=0)
+    http_max_connections: int = Field(4096, ge=1)
+    http_max_connections_per_address: int = Field(256, ge=1)
     # Prometheus /metrics of every actor (services.metrics), bound on metrics_host ("node_ip":
     # each actor's Ray node IP, for a Prometheus elsewhere in the cluster); port 0 = a free port
     # each (`kvstrata up` prints them). A fixed node or spill port needs one such node per machine.

@@ -10,6 +10,13 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
+from services.openai_api.connections import (
+    AcceptErrorLog,
+    ConnectionGuard,
+    ConnectionLimits,
+    guarded_protocol,
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -22,15 +29,27 @@ class HttpServer:
         forwarded_allow_ips: the proxies whose X-Forwarded-For / X-Forwarded-Proto headers set
             a request's client address (IPs or CIDR networks, or ``"*"``: any client); empty or
             ``None``: no one's (the address is the connection's).
+        limits: the bounds on its connections (``services.openai_api.connections``): open ones
+            in all and per socket peer address (these proxies exempt), and the time a connection
+            has to deliver a request's head and body.
 
     Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
     127.0.0.1, so any client connecting over loopback chose its own address (the key of the
     gateway's auth failure limit, ``services.auth``) with X-Forwarded-For.
+
+    Regression (secrev18 fault F): uvicorn ran with no bound on connections and no deadline on
+    a request whose head never completes, so a client without a key held any number of
+    connections with a partial request until the gateway ran out of file descriptors (every
+    tenant's HTTP and gRPC failed, and each accept retry logged a traceback).
     """
 
-    def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None) -> None:
+    def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None,
+                 limits: ConnectionLimits | None = None) -> None:
         self.app = app
         self.forwarded_allow_ips = forwarded_allow_ips or None
+        self.limits = limits or ConnectionLimits()
+        self.guard: ConnectionGuard | None = None
+        self.accept_log: AcceptErrorLog | None = None
         self.server: uvicorn.Server | None = None
         self.task: asyncio.Task[None] | None = None
         self.host, self.port = "", 0
@@ -55,14 +74,19 @@ class HttpServer:
         except OSError:
             sock.close()
             raise
-        sock.listen(1024)
+        sock.listen(self.limits.backlog)
         sock.setblocking(False)
         self.host, self.port = host, sock.getsockname()[1]
+        self.guard = ConnectionGuard(self.limits, self.forwarded_allow_ips)
+        # no ws: an upgraded connection would leave the guarded protocol uncounted
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=1,
+                                timeout_graceful_shutdown=1, ws="none", backlog=self.limits.backlog,
                                 proxy_headers=self.forwarded_allow_ips is not None,
                                 forwarded_allow_ips=self.forwarded_allow_ips)
+        config.load()
+        config.http_protocol_class = guarded_protocol(config.http_protocol_class, self.guard)
         self.server = uvicorn.Server(config)
+        self.accept_log = AcceptErrorLog(asyncio.get_running_loop(), sock.fileno())
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + start_timeout_s
         while not self.server.started:
@@ -83,3 +107,5 @@ class HttpServer:
             await asyncio.wait_for(self.task, 5.0)
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
             log.warning("HTTP server stop: %s", exc)
+        if self.accept_log is not None:
+            self.accept_log.remove()

@@ -1,0 +1,294 @@
+"""Bounds on the HTTP API's connections, whoever opens them: how many are open (in all and per
+peer address, refused at accept), how long one may take to deliver a request (its head, then its
+body), and how often a failing accept is logged.
+
+uvicorn has none of these: ``timeout_keep_alive`` runs only between requests (and is cancelled by
+a request's first byte), ``limit_concurrency`` answers 503 only once a request's head is parsed,
+so a client that sends a partial request and nothing more holds its connection (a file
+descriptor of the gateway process, shared with gRPC, ZeroMQ and Ray) forever. The bounds live in a
+uvicorn protocol subclass (``guarded_protocol``), which sees every connection from
+``connection_made`` on, before any byte or ASGI app.
+
+Regression (secrev18 fault F): with none of them, one unauthenticated client holding partial
+requests open exhausted the gateway's file descriptors: under a NOFILE limit of 300, 297 such
+connections were still held after 35 s, another client's request timed out, and asyncio logged
+75,680 EMFILE accept errors, each with a traceback, in the ~70 s run. Now 150 are admitted
+(half the limit), the rest answered 503 at accept, all closed 10 s after they opened (408), the
+other client served (200), and the failed accept logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.middleware.proxy_headers import _TrustedHosts
+
+log = logging.getLogger(__name__)
+
+_ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (base_events)
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\n"
+            b"connection: close\r\n\r\n")
+_TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
+              b"connection: close\r\n\r\n")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one connection, and all of them, may hold (``ServiceConfig``'s ``http_*`` settings).
+
+    Attributes:
+        head_timeout_s: from a connection's opening, or from the first byte of its next request,
+            until the request's whole head (request line and headers) has arrived.
+        body_timeout_s: from a request's head until its whole body has arrived. Neither deadline
+            covers sending the response: a streamed (SSE) response runs as long as it needs.
+        max_connections: open connections in all (clamped to half the process's NOFILE soft
+            limit, which gRPC, ZeroMQ and Ray share).
+        max_connections_per_address: open connections from one socket peer address. The trusted
+            proxies (``forwarded_allow_ips``) are exempt: their connections carry many clients.
+        backlog: connections the kernel may queue before they are accepted.
+        max_head_bytes: bytes a connection may send while its request's head is incomplete
+            (httptools alone let tens of MB through).
+    """
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
+    max_connections_per_address: int = 256
+    backlog: int = 1024
+    max_head_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("head_timeout_s", "body_timeout_s", "max_connections",
+                     "max_connections_per_address", "backlog", "max_head_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ConnectionLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, config: Any) -> ConnectionLimits:
+        """The limits a ``ServiceConfig`` sets (its ``http_*`` fields)."""
+        return cls(config.http_head_timeout_s, config.http_body_timeout_s,
+                   config.http_max_connections, config.http_max_connections_per_address)
+
+
+class ConnectionGuard:
+    """The counts every connection of one server shares, and what it refused or closed.
+
+    The per-address count keys on the socket peer, never on X-Forwarded-For: the header arrives
+    after the connection is accepted, and only trusted proxies may set it (``HttpServer``).
+    """
+
+    def __init__(self, limits: ConnectionLimits, forwarded_allow_ips: str | list[str] | None,
+                 nofile: int | None = None) -> None:
+        self.limits = limits
+        self.trusted = _TrustedHosts(forwarded_allow_ips) if forwarded_allow_ips else None
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if nofile is None else nofile
+        self.max_connections = limits.max_connections
+        if nofile != resource.RLIM_INFINITY and limits.max_connections > nofile // 2:
+            self.max_connections = max(1, nofile // 2)
+            log.warning("HTTP API: %d connections allowed, but the process may open only %d files: "
+                        "serving at most %d", limits.max_connections, nofile, self.max_connections)
+        self.open = 0
+        self.per_address: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()  # refused_total, refused_address, head_timeout, ...
+
+    def admit(self, address: str) -> bool:
+        """Count a new connection from ``address`` (False: over a cap, not counted)."""
+        if self.open >= self.max_connections:
+            self.stats["refused_total"] += 1
+            return False
+        exempt = self.trusted is not None and address in self.trusted
+        if not exempt and self.per_address[address] >= self.limits.max_connections_per_address:
+            self.stats["refused_address"] += 1
+            return False
+        self.open += 1
+        self.per_address[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        """An admitted connection closed."""
+        self.open -= 1
+        self.per_address[address] -= 1
+        if self.per_address[address] <= 0:
+            del self.per_address[address]
+
+
+class _Guarded:
+    """Mixin over a uvicorn HTTP protocol: the caps at ``connection_made`` and the receive
+    deadlines. Subclasses report a request's head and its end (``_head_received``,
+    ``_request_received``)."""
+
+    guard: ConnectionGuard  # set on the class by ``guarded_protocol``
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: str | None = None  # "head", "body", or None: not receiving a request
+        self._head_bytes = 0
+        self._admitted = self.guard.admit(self._peer)
+        if not self._admitted:
+            transport.write(_REFUSED)
+            transport.abort() if transport.get_write_buffer_size() else transport.close()
+            return
+        super().connection_made(transport)  # type: ignore[misc]
+        self._await("head")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._disarm()
+        self.guard.release(self._peer)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            return
+        if self._phase is None:  # the first bytes of the connection's next request
+            self._await("head")
+        if self._phase == "head":
+            self._head_bytes += len(data)
+        super().data_received(data)  # type: ignore[misc]
+        # counted before parsing, judged after: a head that ended in these bytes is never refused
+        if self._phase == "head" and self._head_bytes > self.guard.limits.max_head_bytes:
+            self._close("head_too_large", _TOO_LARGE)
+
+    def _head_received(self) -> None:
+        self._await("body")
+
+    def _request_received(self) -> None:
+        self._phase = None
+        self._disarm()
+
+    def _await(self, phase: str) -> None:
+        self._disarm()
+        self._phase = phase
+        if phase == "head":
+            self._head_bytes = 0
+        timeout_s = self.guard.limits.head_timeout_s if phase == "head" else self.guard.limits.body_timeout_s
+        self._deadline = self.loop.call_later(timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _answering(self) -> bool:
+        """A response is being sent, or a request waits behind one (pipelined: the server, not
+        the client, holds up its bytes)."""
+        cycle = self.cycle
+        sending = cycle is not None and cycle.response_started and not cycle.response_complete
+        return sending or bool(getattr(self, "pipeline", None))
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self._phase is None or self.transport.is_closing():
+            return
+        if self._answering():  # never cut a response; look again once it may have ended
+            self._deadline = self.loop.call_later(self.guard.limits.head_timeout_s, self._expired)
+            return
+        self._close(f"{self._phase}_timeout", _TIMED_OUT if self._phase == "head" else b"")
+
+    def _close(self, reason: str, reply: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        self.guard.stats[reason] += 1
+        self._phase = None
+        self._disarm()
+        if reply:
+            self.transport.write(reply)
+        # a peer that reads nothing must not keep the socket open through close()'s flush
+        self.transport.abort() if self.transport.get_write_buffer_size() else self.transport.close()
+
+
+def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> type[asyncio.Protocol]:
+    """``base`` (uvicorn's ``HttpToolsProtocol`` or ``H11Protocol``) under ``guard``'s bounds."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    if issubclass(base, H11Protocol):
+        return type("GuardedH11Protocol", (_GuardedH11, base), {"guard": guard})
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    if issubclass(base, HttpToolsProtocol):
+        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base), {"guard": guard})
+    raise ValueError(f"no connection guard for the HTTP protocol {base.__name__}")
+
+
+class _GuardedHttpTools(_Guarded):
+    """httptools reports a request's parts by callback."""
+
+    def on_message_begin(self) -> None:
+        if self._phase is None:  # a pipelined request begun in the bytes of the one before
+            self._await("head")
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()  # type: ignore[misc]
+        self._head_received()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()  # type: ignore[misc]
+        self._request_received()
+
+
+class _GuardedH11(_Guarded):
+    """h11 is asked its peer's state after each batch of events."""
+
+    conn: Any
+
+    def handle_events(self) -> None:
+        super().handle_events()  # type: ignore[misc]
+        state = self.conn.their_state
+        if state is h11.IDLE:  # bytes of a next request buffered (pipelined): its head is due
+            if self.conn.trailing_data[0] and self._phase != "head":
+                self._await("head")
+        elif state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._head_received()
+        elif self._phase is not None:  # DONE, MUST_CLOSE, CLOSED, ERROR: nothing more to receive
+            self._request_received()
+
+
+class AcceptErrorLog:
+    """asyncio logs a traceback for each failed accept (EMFILE: out of file descriptors) and retries
+    every second; this loop exception handler logs those of one listening socket at most once per
+    ``interval_s`` with a count, and passes every other context to the handler it replaced."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fileno: int, interval_s: float = 10.0) -> None:
+        self.loop, self.fileno, self.interval_s = loop, fileno, interval_s
+        self.previous = loop.get_exception_handler()
+        self.suppressed, self.logged, self.last_log = 0, 0, float("-inf")
+        loop.set_exception_handler(self)
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        sock = context.get("socket")
+        if context.get("message") != _ACCEPT_ERROR or sock is None or sock.fileno() != self.fileno:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self.last_log < self.interval_s:
+            self.suppressed += 1
+            return
+        self.last_log, self.logged = now, self.logged + 1
+        log.error("HTTP API cannot accept connections: %s (%d more such failures not logged)",
+                  context.get("exception"), self.suppressed)
+        self.suppressed = 0
+
+    def remove(self) -> None:
+        """Put the replaced handler back (unless another has replaced this one since)."""
+        if self.loop.get_exception_handler() is self:
+            self.loop.set_exception_handler(self.previous)
