@@ -87,7 +87,7 @@ class Admission:
 
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
-                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost")
+                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
@@ -134,7 +134,11 @@ class GlobalScheduler(Tenants, Membership, Routing):
         self.block_size = block_size
         by_class = scheduler in ("priority", "kvstrata")
         self.nodes = {nid: NodeLoad(nid, cap, backlog=FluidBacklog(by_class)) for nid, cap in nodes.items()}
-        self.specs: dict[str, TenantSpec] = {}  # tenant_id -> spec, filled by authenticate
+        # tenant_id -> spec: every tenant of the store at start, then kept by register_tenant,
+        # update_tenant, delete_tenant and authenticate (admission never reads the store)
+        self.specs: dict[str, TenantSpec] = {t.tenant_id: t.spec for t in self.store.list()}
+        # deleted tenants' ids (newest last, at most ``MAX_DELETED_TENANTS``): their requests are refused
+        self.deleted_tenants: OrderedDict[str, None] = OrderedDict()
         self.queue_limit = queue_limit
         self.affinity_min_blocks = affinity_min_blocks
         self.index = BlockIndex()
@@ -188,14 +192,23 @@ class GlobalScheduler(Tenants, Membership, Routing):
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
             "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy,
             or the session's node is down) / "ABORTED" (the session's history was lost with
-            its node's process: ``node_up``) with a message.
+            its node's process: ``node_up``) / "UNAUTHENTICATED" (the tenant was deleted:
+            ``delete_tenant``) with a message.
 
         Regression: when a node was marked down (a missed health poll was enough) its
         sessions' routes were dropped; the next turn of one was routed by load as a first
         turn and answered from its new tokens alone, silently, while the node still held the
         history. Now a session's turn waits for its node (UNAVAILABLE, retry) and is refused
         once the history is known lost, never computed without it.
+
+        Regression (secrev18 E): a deleted tenant's requests still in a gateway's pipeline
+        were admitted after its ``end_tenant`` (they ran, and opened session routes nothing
+        closed), and each re-read every tenant from SQLite on this loop (``_spec_by_id``: 33 ms
+        at 300 tenants). They are refused UNAUTHENTICATED now, and no admission reads the store.
         """
+        if tenant_id in self.deleted_tenants:
+            return Admission(code="UNAUTHENTICATED", reason="tenant_deleted",
+                             message="this request's tenant was deleted")
         if len(self.down) == len(self.nodes):
             return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
                              reason="no_healthy_node")
@@ -299,7 +312,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
     def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens) -> Admission | None:
         """Queue the request's uncached tokens on the node's backlog, or reject it (kvstrata
         only) when its estimated TTFT misses what its class allows. None = admitted."""
-        spec = self.specs.get(tenant_id) or self._spec_by_id(tenant_id)
+        spec = self._spec_by_id(tenant_id)
         node = self.nodes[node_id]
         rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
         node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
@@ -318,9 +331,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
         return None
 
     def _spec_by_id(self, tenant_id: str) -> TenantSpec | None:
-        """The spec of ``tenant_id`` from the store (after a restart emptied ``specs``)."""
-        for tenant in self.store.list():
-            self.specs[tenant.tenant_id] = tenant.spec
+        """The spec of ``tenant_id`` (``specs``: loaded at start and kept current, so this never
+        reads the store; regression, secrev18 E: a miss re-read every tenant on the loop)."""
         return self.specs.get(tenant_id)
 
     def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None:

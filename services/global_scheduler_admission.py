@@ -15,7 +15,7 @@ import ray
 from services import data_plane
 from services.global_scheduler import GlobalScheduler
 from services.node_request import NodeRequest
-from tenants.model import Tenant
+from tenants.model import Tenant, TenantSpec
 from tenants.store import KeyIdsDelta
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,20 @@ class GlobalSchedulerService(GlobalScheduler):
         on a file store, which a tenant's own rotations made on the loop that serves
         admissions; secrev18 A), as ``authenticate``."""
         return await asyncio.to_thread(super().rotate_tenant_key, name, own)
+
+    async def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
+        """``GlobalScheduler.register_tenant`` in a worker thread (a SQLite commit), as
+        ``rotate_tenant_key``."""
+        return await asyncio.to_thread(super().register_tenant, spec)
+
+    async def update_tenant(self, name: str, spec: TenantSpec) -> Tenant:
+        """``GlobalScheduler.update_tenant`` in a worker thread (a SQLite commit)."""
+        return await asyncio.to_thread(super().update_tenant, name, spec)
+
+    async def delete_tenant(self, name: str) -> None:
+        """``GlobalScheduler.delete_tenant``: the store's commit in a worker thread, then
+        ``end_deleted_tenant`` on this loop (a request admitted meanwhile is ended by it)."""
+        self.end_deleted_tenant(await asyncio.to_thread(self.delete_stored_tenant, name))
 
     async def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """``GlobalScheduler.key_ids_since`` in a worker thread (a full answer reads every key

@@ -17,12 +17,18 @@ from tenants.store import KeyIdsDelta
 OWN_ROTATIONS_PER_WINDOW = 6
 """Rotations a tenant may make of its own key (with its own key) per ``OWN_ROTATION_WINDOW_S``."""
 OWN_ROTATION_WINDOW_S = 60.0
+MAX_DELETED_TENANTS = 65536
+"""Deleted tenants' ids remembered (``deleted_tenants``; the oldest forgotten first)."""
 
 
 class Tenants:
-    """The tenant part of ``GlobalScheduler`` (its ``store``, ``usage``, ``specs`` and
-    ``own_rotations``: a ``WindowLimiter`` of ``OWN_ROTATIONS_PER_WINDOW`` per
-    ``OWN_ROTATION_WINDOW_S`` by tenant name, made by ``own_rotation_limiter``)."""
+    """The tenant part of ``GlobalScheduler`` (its ``store``, ``usage``, ``specs``,
+    ``deleted_tenants`` and ``own_rotations``: a ``WindowLimiter`` of
+    ``OWN_ROTATIONS_PER_WINDOW`` per ``OWN_ROTATION_WINDOW_S`` by tenant name, made by
+    ``own_rotation_limiter``).
+
+    ``specs`` holds every tenant's spec, kept current here (admission reads nothing else);
+    ``deleted_tenants`` the ids of deleted tenants, whose late requests admission refuses."""
 
     @staticmethod
     def own_rotation_limiter(clock: Any) -> WindowLimiter:
@@ -65,20 +71,48 @@ class Tenants:
         return self.store.rotate_key(name)
 
     def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
-        return self.store.register(spec)
+        tenant, key = self.store.register(spec)
+        self.specs[tenant.tenant_id] = tenant.spec
+        return tenant, key
 
     def update_tenant(self, name: str, spec: TenantSpec) -> Tenant:
-        return self.store.update(name, spec)
+        """Replace tenant ``name``'s spec; admission uses it from its next request (before,
+        from the tenant's next key check)."""
+        tenant = self.store.update(name, spec)
+        self.specs[tenant.tenant_id] = tenant.spec
+        return tenant
 
     def delete_tenant(self, name: str) -> None:
-        """Delete ``name``; its requests in flight end (ABORTED) and its sessions close on
-        every node (``end_tenant`` on their command inboxes), and its session routes go.
+        """Delete ``name``: the store's rows (``delete_stored_tenant``), then ``end_deleted_tenant``.
+
+        Raises:
+            TenantNotFoundError: no tenant is called ``name``.
+        """
+        self.end_deleted_tenant(self.delete_stored_tenant(name))
+
+    def delete_stored_tenant(self, name: str) -> str:
+        """Delete ``name`` and its keys from the store; returns its tenant id (the store alone:
+        may run in a worker thread).
 
         Raises:
             TenantNotFoundError: no tenant is called ``name``.
         """
         tenant_id = self.store.get(name).tenant_id
         self.store.delete(name)
+        return tenant_id
+
+    def end_deleted_tenant(self, tenant_id: str) -> None:
+        """The deleted tenant ``tenant_id``'s requests are refused from now on (admission:
+        UNAUTHENTICATED), its requests in flight end (ABORTED) and its sessions close on every
+        node (``end_tenant`` on their command inboxes), and its session routes go.
+
+        Regression (secrev18 E): only the spec went, so a request of the tenant reaching
+        admission afterwards (still in a gateway's pipeline) was admitted and ran after the
+        ``end_tenant``, and a session it opened was never closed.
+        """
+        self.deleted_tenants[tenant_id] = None
+        while len(self.deleted_tenants) > MAX_DELETED_TENANTS:
+            self.deleted_tenants.popitem(last=False)
         self.specs.pop(tenant_id, None)
         for sid in [sid for sid, (owner, _) in self.session_nodes.items() if owner == tenant_id]:
             self.drop_session_route(sid)
@@ -94,9 +128,10 @@ class Tenants:
 
     def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
         """``TenantStore.authenticate`` (``allow_pbkdf2`` as in ``verify_admin_key``); notes
-        the tenant's spec for admission."""
+        the tenant's spec for admission (unless it was deleted meanwhile: a check that read
+        its row before the delete never brings it back)."""
         tenant = self.store.authenticate(api_key, allow_pbkdf2)
-        if tenant is not None:
+        if tenant is not None and tenant.tenant_id not in self.deleted_tenants:
             self.specs[tenant.tenant_id] = tenant.spec
         return tenant
 

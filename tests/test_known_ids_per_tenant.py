@@ -133,7 +133,7 @@ def test_rotation_commits_in_a_worker_thread(tmp_path: Path, monkeypatch: pytest
     """Regression (secrev18 A): each rotation's SQLite commit (1-12 ms) ran on the scheduler's
     event loop, which answers every admission; it runs in a worker thread now."""
     scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
-    scheduler.register_tenant(TenantSpec("ann"))
+    scheduler.store.register(TenantSpec("ann"))
     threads: list[int] = []
     real = scheduler.store.rotate_key
 
