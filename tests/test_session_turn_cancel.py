@@ -13,6 +13,7 @@ position is hit every run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,27 +37,30 @@ def node():
     n.shutdown()
 
 
-def turn(rid: str, sid: str, text: str, max_tokens: int = N, stop: tuple[str, ...] = ()) -> NodeRequest:
-    return NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", session_id=sid,
+def turn(rid: str, sid: str, text: str, max_tokens: int = N, stop: tuple[str, ...] = (), policy: str = "") -> NodeRequest:
+    return NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", session_id=sid, policy=policy,
                        messages=({"role": "user", "content": text},),
                        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=stop))
 
 
 def hold(node: CacheNode, monkeypatch: pytest.MonkeyPatch, rid: str, where: str,
-         when: Callable[[Any], bool]) -> threading.Event:
+         when: Callable[[Any], bool], locked: bool = False) -> threading.Event:
     """Hold the step thread before ``where`` ("step": the engine step, "start": starting new
     requests) once ``when(node)`` holds, until ``rid``'s abort reached the node (its stream
-    is claimed); returns the event set when it holds."""
+    is claimed); returns the event set when it holds. ``locked``: hold the engine's lock
+    meanwhile, as the step's forward pass does (an abort waiting on it waits for the step)."""
     orig = getattr(node.engine if where == "step" else node, "step" if where == "step" else "_start_incoming")
     reached = threading.Event()
 
     def held(*args: Any, **kw: Any) -> Any:
-        if not reached.is_set() and when(node):
+        if reached.is_set() or not when(node):
+            return orig(*args, **kw)
+        with node.engine._lock if locked else contextlib.nullcontext():
             reached.set()
             deadline = time.monotonic() + 30.0
             while rid in node._streams and time.monotonic() < deadline:
                 time.sleep(0.002)
-        return orig(*args, **kw)
+            return orig(*args, **kw)
 
     monkeypatch.setattr(node.engine if where == "step" else node, "step" if where == "step" else "_start_incoming",
                         held)
@@ -189,5 +193,83 @@ def test_a_turn_cancelled_between_its_stop_string_and_its_last_output_is_in_neit
         assert len(node._session_messages.get("stop", ())) == count
         assert await next_turn_prompt(gw, "stop") == ref_prompt
         node.engine.check_integrity()
+
+    asyncio.run(run())
+
+
+def test_a_first_turn_cancelled_in_its_last_step_opens_no_session(node, monkeypatch) -> None:
+    """A first turn cancelled as its last step computes leaves no session, as one cancelled a
+    step earlier (failed on the parent: the engine kept a session of that turn with no kept
+    messages)."""
+    async def run() -> None:
+        gw = await connect(node)
+        rid = "first/a"
+        reached = hold(node, monkeypatch, rid, "step", outputs(rid, N - 1))
+        await gw.submit(turn(rid, "first", "Tell me about cats."))
+        assert await asyncio.to_thread(reached.wait, 30.0)
+        await gw.abort(rid)
+        await settle(node, rid)
+        monkeypatch.undo()
+        assert node.engine.session_history("first") is None and "first" not in node._session_messages
+        await gw.submit(turn("first/again", "first", "Tell me about cats."))
+        again = (await gw.drain({"first/again"}))["first/again"]
+        assert again[-1]["type"] == "finished" and len(node._session_messages["first"]) == 2
+        node.engine.check_integrity()
+
+    asyncio.run(run())
+
+
+def test_a_turn_under_a_compressing_policy_cancelled_in_its_last_step_is_undone(node, monkeypatch) -> None:
+    """Under a compressing policy the session keeps a policy state; undoing the turn drops it
+    (its charge blocks go back) and the next turn prefills the history again (failed on the
+    parent: the engine's history kept the cancelled turn)."""
+    async def run() -> None:
+        gw = await connect(node)
+        policy = "snapkv-0.5"
+        await gw.submit(turn("pol/a", "pol", "Tell me about cats.", policy=policy))
+        assert (await gw.drain({"pol/a"}))["pol/a"][-1]["type"] == "finished"
+        history, count = node.engine.session_history("pol"), len(node._session_messages["pol"])
+        rid = "pol/b"
+        reached = hold(node, monkeypatch, rid, "step", outputs(rid, N - 1))
+        await gw.submit(turn(rid, "pol", "And dogs?", policy=policy))
+        assert await asyncio.to_thread(reached.wait, 30.0)
+        await gw.abort(rid)
+        await settle(node, rid)
+        monkeypatch.undo()
+        assert node.engine.session_history("pol") == history and len(node._session_messages["pol"]) == count
+        sess = node.engine.sessions.sessions["pol"]
+        assert sess.kv is None and sess.blocks == [] and sess.active_request is None
+        await gw.submit(turn("pol/c", "pol", "Thanks.", max_tokens=1, policy=policy))
+        assert (await gw.drain({"pol/c"}))["pol/c"][-1]["type"] == "finished"
+        assert len(node._session_messages["pol"]) == count + 2
+        node.engine.check_integrity()
+
+    asyncio.run(run())
+
+
+def test_an_in_process_stream_closed_in_its_turns_last_step_leaves_the_turn_out(node, monkeypatch) -> None:
+    """``generate``'s caller closing its stream as the turn's last step computes: neither
+    history keeps the turn (failed on the parent: the engine's did)."""
+    async def run() -> None:
+        async for _ in node.generate(turn("gen/a", "gen", "Tell me about cats.")):
+            pass
+        history, count = node.engine.session_history("gen"), len(node._session_messages["gen"])
+        rid = "gen/b"
+        reached = hold(node, monkeypatch, rid, "step", outputs(rid, N - 1), locked=True)
+        stream, seen = node.generate(turn(rid, "gen", "And dogs?")), []
+
+        async def consume() -> None:
+            async for event in stream:
+                seen.append(event["type"])
+
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(reached.wait, 30.0)
+        task.cancel()  # the caller goes away: the generator's ``finally`` aborts the turn
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await settle(node, rid)
+        assert "finished" not in seen
+        monkeypatch.undo()
+        assert node.engine.session_history("gen") == history and len(node._session_messages["gen"]) == count
 
     asyncio.run(run())
