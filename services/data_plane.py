@@ -19,8 +19,8 @@ Every socket is CURVE-authenticated and encrypted, and serves only the roles tha
 (``services.data_plane_auth``).
 
 Every byte that arrives is untrusted, our own processes' too: each reader checks a message's
-shape and types (``request_from_wire``, ``event_items``, ``admission_reply``) and drops and
-counts a bad one (``bad_messages`` in the owner's stats), never ending its loop on it.
+shape, types and values (``request_from_wire``, ``event_items``, ``admission_reply``) and drops
+and counts a bad one (``bad_messages`` in the owner's stats), never ending its loop on it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgpack
@@ -47,6 +48,15 @@ MAX_MESSAGE_BYTES = 64 << 20
 """Largest message a serving socket accepts (ZeroMQ drops the connection of a peer sending more)."""
 
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_COUNT = (1 << 31) - 1
+"""Largest token count (or block count) a message may carry."""
+MAX_RETRY_AFTER_S = 86400.0
+"""Longest ``retry_after_s`` an admission reply may carry."""
+MAX_TEXT_CHARS = 4096
+"""Free text (an admission's or an error event's ``message``, a scheduler's error) past this is
+cut: it becomes a gRPC status' details, which the client's metadata limit bounds."""
+MAX_NAME_CHARS = 64
+"""Longest ``finish_reason``, admission ``reason`` or tier name in ``cached_tokens``."""
 MAX_ID_CHARS = 1024
 """Longest request id or tenant id on the wire (the gateway's scoped ids are far shorter)."""
 
@@ -169,9 +179,93 @@ def request_from_wire(data: Any) -> NodeRequest:
     return NodeRequest(**fields)
 
 
-def event_items(data: Any) -> list[tuple[str, dict[str, Any]]]:
-    """The non-empty ``[[request_id, event], ...]`` of a node's event message, each checked (event types
-    and fields as in ``services.node_request``; an error's ``code`` a gRPC status name).
+class BadReply(ValueError):
+    """An admission reply whose envelope (its correlation id ``corr``) is sound and whose
+    values are not: the admission it answers fails (``NodeStreams``)."""
+
+    def __init__(self, corr: Any, message: str) -> None:
+        super().__init__(message)
+        self.corr = corr
+
+
+def _check_range(what: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:  # NaN fails too
+        raise ValueError(f"{what} must lie in [{low}, {high}], got {value!r}")
+
+
+def _check_len(what: str, value: str, high: int, low: int = 0) -> None:
+    if not low <= len(value) <= high:
+        raise ValueError(f"{what} must have {low} to {high} characters, got {len(value)}")
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 1] + "\u2026"
+
+
+_EVENT_COUNTS = ("prompt_tokens", "completion_tokens")
+_EVENT_TIMES = ("queue_ms", "ttft_ms", "tpot_ms", "prefill_tokens_per_s", "step_s")
+
+
+def check_event(event: Any) -> dict[str, Any]:
+    """``event`` (a node event as in ``services.node_request``) checked: its type's fields
+    with their types, and their values: counts, token ids and ``cached_tokens`` in
+    [0, ``MAX_COUNT``], times finite and >= 0, ``priority`` in range, ids and names bounded,
+    an error's ``code`` a gRPC status name other than OK. Returns it (an error's ``message``
+    cut to ``MAX_TEXT_CHARS``).
+
+    Raises:
+        TypeError, ValueError: naming the bad field.
+
+    Regression (security review D): only types were checked: a negative count or token id
+    failed later, in the stream's protobuf (uint32) or metrics counter, and one bad event
+    dropped its whole message, leaving every stream in it waiting for events that never came.
+    """
+    _check_type("event", event, dict)
+    schema = _EVENT_FIELDS.get(event.get("type"))
+    if schema is None:
+        raise ValueError(f"unknown event type {event.get('type')!r}")
+    for name, kind in schema.items():
+        _check_type(f"event.{name}", event.get(name), kind)
+    for name, kind in _EVENT_OPTIONAL.items():
+        if name in event:
+            _check_type(f"event.{name}", event[name], kind)
+    tokens = event.get("token_ids", ())
+    if not all(type(t) is int for t in tokens):
+        raise TypeError("event.token_ids must be integers")
+    if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
+        raise ValueError(f"event.token_ids must lie in [0, {MAX_TOKEN_ID}]")
+    cached = event.get("cached_tokens", {})
+    if not all(isinstance(k, str) and type(v) is int for k, v in cached.items()):
+        raise TypeError("event.cached_tokens must map tier names to integers")
+    if len(cached) > 16 or not all(len(k) <= MAX_NAME_CHARS and 0 <= v <= MAX_COUNT for k, v in cached.items()):
+        raise ValueError(f"event.cached_tokens must map at most 16 tier names to counts in [0, {MAX_COUNT}]")
+    for name in _EVENT_COUNTS:
+        if name in event:
+            _check_range(f"event.{name}", event[name], 0, MAX_COUNT)
+    for name in _EVENT_TIMES:
+        if name in event:
+            _check_range(f"event.{name}", event[name], 0, math.inf)
+            if math.isinf(event[name]):
+                raise ValueError(f"event.{name} must be finite")
+    if "priority" in event:
+        check_priority(event["priority"])
+    for name in ("request_id", "node_id"):
+        if name in event:
+            _check_len(f"event.{name}", event[name], MAX_ID_CHARS)
+    if isinstance(event.get("finish_reason"), str):
+        _check_len("event.finish_reason", event["finish_reason"], MAX_NAME_CHARS)
+    if event["type"] == "error":
+        if event["code"] not in status_names() or event["code"] == "OK":
+            raise ValueError(f"event.code must be a gRPC status name other than OK, got {event['code']!r}")
+        if len(event["message"]) > MAX_TEXT_CHARS:
+            event = {**event, "message": _cut(event["message"])}
+    return event
+
+
+def checked_event_items(data: Any) -> list[tuple[str, dict[str, Any] | TypeError | ValueError]]:
+    """The non-empty ``[[request_id, event], ...]`` of a node's event message, in order, each
+    event checked (``check_event``) and replaced by the error that refused it when bad: a bad
+    event fails its own request alone.
 
     Raises:
         TypeError, ValueError: ``data`` is not such a list (the whole message is bad).
@@ -179,46 +273,82 @@ def event_items(data: Any) -> list[tuple[str, dict[str, Any]]]:
     _check_type("events", data, list)
     if not data:
         raise ValueError("an event message holds at least one event")
-    items = []
+    items: list[tuple[str, dict[str, Any] | TypeError | ValueError]] = []
     for item in data:
         if not isinstance(item, list) or len(item) != 2:
             raise TypeError("an event item must be [request_id, event]")
         request_id, event = item
         _check_type("request_id", request_id, str)
-        _check_type("event", event, dict)
-        schema = _EVENT_FIELDS.get(event.get("type"))
-        if schema is None:
-            raise ValueError(f"unknown event type {event.get('type')!r}")
-        for name, kind in schema.items():
-            _check_type(f"event.{name}", event.get(name), kind)
-        for name, kind in _EVENT_OPTIONAL.items():
-            if name in event:
-                _check_type(f"event.{name}", event[name], kind)
-        if not all(type(t) is int for t in event.get("token_ids", ())):
-            raise TypeError("event.token_ids must be integers")
-        if not all(isinstance(k, str) and type(v) is int for k, v in event.get("cached_tokens", {}).items()):
-            raise TypeError("event.cached_tokens must map tier names to integers")
-        if event["type"] == "error" and event["code"] not in status_names():
-            raise ValueError(f"unknown status {event['code']!r}")
+        try:
+            items.append((request_id, check_event(event)))
+        except (TypeError, ValueError) as exc:
+            items.append((request_id, exc))
+    return items
+
+
+def event_items(data: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``checked_event_items`` of a message whose every event is good.
+
+    Raises:
+        TypeError, ValueError: ``data`` is not such a list, or an event in it is bad.
+    """
+    items = []
+    for request_id, event in checked_event_items(data):
+        if isinstance(event, Exception):
+            raise event
         items.append((request_id, event))
     return items
 
 
-def admission_reply(data: Any) -> tuple[Any, dict[str, Any] | str]:
-    """The correlation id and the admission fields (or the error text) of a scheduler reply.
+def admission_reply(data: Any, nodes: Collection[str] | None = None) -> tuple[Any, dict[str, Any] | str]:
+    """The correlation id and the admission fields (or the error text, cut to
+    ``MAX_TEXT_CHARS``) of a scheduler reply, values checked: ``code`` a gRPC status name,
+    ``node_id`` one of ``nodes`` when admitted (None: any), ``retry_after_s`` finite in
+    [0, ``MAX_RETRY_AFTER_S``], ``spill_blocks`` in [0, ``MAX_COUNT``], ``reason`` "" or one
+    of ``global_scheduler.REJECT_REASONS`` (a metric label), ``node_id`` bounded (``message``
+    cut to ``MAX_TEXT_CHARS``).
 
     Raises:
-        TypeError, ValueError: a malformed reply.
+        BadReply: a sound envelope with bad admission fields (the admission ``corr`` fails);
+        TypeError, ValueError: a malformed envelope.
+
+    Regression (security review D): only types were checked, and the gateway trusted the
+    values: ``retry_after_s`` inf or NaN raised there (an internal error instead of the
+    RESOURCE_EXHAUSTED), a negative one went out as a negative ``retry-after-ms``, and an OK
+    naming a node the gateway does not know left its stream waiting forever (its cancel then
+    raised KeyError).
     """
     _check_fields("reply", data, {"id": (int, type(None)), "adm": dict, "error": str}, ("id",))
     if "error" in data:
-        return data["id"], data["error"]
+        return data["id"], _cut(data["error"])
     if "adm" not in data:
         raise TypeError("reply: neither adm nor error")
-    _check_fields("reply.adm", data["adm"], _ADMISSION_FIELDS, tuple(_ADMISSION_FIELDS))
-    if data["adm"]["code"] not in status_names():
-        raise ValueError(f"unknown status {data['adm']['code']!r}")
-    return data["id"], data["adm"]
+    try:
+        adm = _admission_fields(data["adm"], nodes)
+    except (TypeError, ValueError) as exc:
+        raise BadReply(data["id"], f"{type(exc).__name__}: {exc}") from exc
+    return data["id"], adm
+
+
+def _admission_fields(adm: Any, nodes: Collection[str] | None) -> dict[str, Any]:
+    _check_fields("reply.adm", adm, _ADMISSION_FIELDS, tuple(_ADMISSION_FIELDS))
+    if adm["code"] not in status_names():
+        raise ValueError(f"unknown status {adm['code']!r}")
+    if adm["code"] == "OK" and nodes is not None and adm["node_id"] not in nodes:
+        raise ValueError(f"reply.adm.node_id {adm['node_id'][:MAX_NAME_CHARS]!r} is no node of this gateway")
+    _check_len("reply.adm.node_id", adm["node_id"], MAX_ID_CHARS)
+    _check_range("reply.adm.retry_after_s", adm["retry_after_s"], 0, MAX_RETRY_AFTER_S)
+    _check_range("reply.adm.spill_blocks", adm["spill_blocks"], 0, MAX_COUNT)
+    if adm["reason"] and adm["reason"] not in _reject_reasons():
+        raise ValueError(f"reply.adm.reason {adm['reason'][:MAX_NAME_CHARS]!r} is none of REJECT_REASONS")
+    return {**adm, "message": _cut(adm["message"])}
+
+
+@functools.cache
+def _reject_reasons() -> frozenset[str]:
+    from services.global_scheduler import REJECT_REASONS  # imports this module
+
+    return frozenset(REJECT_REASONS)
 
 
 @functools.cache

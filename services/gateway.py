@@ -414,10 +414,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await context.send_initial_metadata(())
             try:  # shielded: a cancelled call still learns where its request went, to abort it
                 adm = await asyncio.shield(admission)
-            except (RuntimeError, asyncio.TimeoutError) as exc:
-                usage = {}
-                for node_id in self.nodes:  # admitted late, it must not run unseen: its id is
-                    self.streams.abort(node_id, req.request_id)  # this attempt's alone
+            except (RuntimeError, asyncio.TimeoutError) as exc:  # a scheduler fault (a malformed
+                usage = {}  # reply included: ``data_plane.admission_reply``): UNAVAILABLE
+                for node_id in self.streams.node_inboxes:  # admitted late, it must not run unseen:
+                    self.streams.abort(node_id, req.request_id)  # its id is this attempt's alone
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "the global scheduler did not answer")
             if adm.code != "OK":
                 usage = {}

@@ -173,8 +173,11 @@ class NodeStreams:
             reads too slowly or not at all) is ended with RESOURCE_EXHAUSTED and its request
             aborted on its node; counted in ``overflows``.
 
-    Every message read is checked (``data_plane.event_items``, ``admission_reply``); a bad
-    one is dropped and counted in ``bad_messages``.
+    Every message read is checked, values included (``data_plane.checked_event_items``,
+    ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
+    stream with UNAVAILABLE (its request aborted on its node: ``_attempt``), the others of its
+    message are routed; a reply with bad admission fields fails its admission at once
+    (UNAVAILABLE for that request); any other bad message is dropped.
     """
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
@@ -276,7 +279,10 @@ class NodeStreams:
         while True:
             payload = await self._admission.recv()
             try:
-                corr, body = data_plane.admission_reply(data_plane.unpack(payload))
+                corr, body = data_plane.admission_reply(data_plane.unpack(payload), self.node_inboxes)
+            except data_plane.BadReply as exc:  # its admission fails now, not at its timeout
+                self._drop("admission", exc)
+                corr, body = exc.corr, f"a malformed admission reply: {exc}"
             except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
                 self._drop("admission", exc)
                 continue
@@ -285,8 +291,13 @@ class NodeStreams:
                 fut.set_result({"error": body} if isinstance(body, str) else {"adm": body})
 
     def abort(self, node_id: str, request_id: str) -> None:
-        """Tell ``node_id`` to stop ``request_id`` (fire and forget)."""
-        self._commands[node_id].send(data_plane.pack({"op": "abort", "id": request_id}))
+        """Tell ``node_id`` to stop ``request_id`` (fire and forget; a node this gateway does
+        not know runs nothing of it: logged)."""
+        sock = self._commands.get(node_id)
+        if sock is None:
+            log.warning("gateway data plane: no node %.100r to abort %.300s on", node_id, request_id)
+            return
+        sock.send(data_plane.pack({"op": "abort", "id": request_id}))
 
     def open(self, request_id: str, on_event: OnEvent | None = None) -> StreamBuffer:
         """A buffer for ``request_id``'s events; open it before the request reaches a node.
@@ -379,17 +390,23 @@ class NodeStreams:
         while True:
             frame = await inbox.recv(copy=False)
             try:
-                items = data_plane.event_items(data_plane.unpack(frame.bytes))
+                items = data_plane.checked_event_items(data_plane.unpack(frame.bytes))
             except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
                 self._drop("event", exc)
                 continue
+            bad = next((event for _, event in items if isinstance(event, Exception)), None)
+            if bad is not None:
+                self._drop("event", bad)
             # with per-node keys, each event must come from the node serving its request
             # (regression: any node could write into any other node's tenants' streams)
             sender = self._key_names.get(frame.get("User-Id")) if self._per_node_keys else None
-            for request_id, event in items:
+            for request_id, checked in items:
                 entry = self._queues.get(request_id)
                 if entry is None:
                     continue
+                event = checked if isinstance(checked, dict) else _unavailable(
+                    f"a cache node sent a malformed event for this request ({type(checked).__name__}: "
+                    f"{str(checked)[:200]})")
                 if self._per_node_keys and not entry.node_id:  # its node is not known yet: held
                     self._unbound.setdefault(request_id, []).append((sender, event))  # for ``bind``
                     continue

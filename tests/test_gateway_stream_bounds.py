@@ -31,11 +31,17 @@ def delta(i: int) -> dict[str, Any]:
     return {"type": "delta", "token_ids": [1000 + i], "text": f" w{i}"}
 
 
-class Plane:
-    """A started ``NodeStreams`` (``streams``); its scheduler socket admits every request to
-    "n0" and records its id (``admitted``); "n0" is a plain inbox (``inbox``)."""
+ADMITTED = {"node_id": "n0", "code": "OK", "message": "", "retry_after_s": 0.0, "spill_blocks": 0,
+            "reason": "", "continues_session": False}
 
-    async def start(self, **streams_kwargs: Any) -> Plane:
+
+class Plane:
+    """A ``NodeStreams`` (``streams``); its scheduler socket answers every admission with
+    ``reply`` (default: admitted to "n0") and records its id (``admitted``); "n0" is a plain
+    inbox (``inbox``)."""
+
+    async def start(self, reply: dict[str, Any] | None = None, **streams_kwargs: Any) -> Plane:
+        self.reply = reply if reply is not None else {"adm": ADMITTED}
         self.ctx = data_plane.context(asyncio_=True)
         sched = self.ctx.socket(zmq.ROUTER)
         self.sched_address = data_plane.bind_random(sched, "127.0.0.1")
@@ -52,9 +58,7 @@ class Plane:
             peer, payload = await sock.recv_multipart()
             msg = data_plane.unpack(payload)
             self.admitted.append(msg["req"]["request_id"])
-            await sock.send_multipart([peer, data_plane.pack({"id": msg["id"], "adm": {
-                "node_id": "n0", "code": "OK", "message": "", "retry_after_s": 0.0, "spill_blocks": 0,
-                "reason": "", "continues_session": False}})])
+            await sock.send_multipart([peer, data_plane.pack({"id": msg["id"], **self.reply})])
 
     async def send(self, items: list[list[Any]], routed: Any) -> None:
         """Push ``items`` as one node message; wait until ``routed()`` holds."""
