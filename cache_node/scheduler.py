@@ -368,6 +368,8 @@ class Scheduler(Preemption):
         n = min(seq.compute_end(start) - start, budget)
         if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, computed):
             return None
+        if not self._room_to_compact(seq, computed):
+            return None
         if self.kv_manager.allocate_slots(seq, n, computed) is None:
             return None
         seq.num_computed_tokens = start

@@ -63,18 +63,31 @@ def test_released_blocks_stay_reachable_from_the_host_tier(tiny) -> None:
     eng.check_integrity()
 
 
-def _with_neighbour(tiny, blocks: int, doc: list[int], question: list[int], neighbour: bool, **kw):
-    eng = make_engine(tiny, kv_pool_bytes=blocks * BLOCK_BYTES, max_num_batched_tokens=256, max_num_seqs=4)
-    if neighbour:  # a plain request holding the document's blocks while it decodes
-        eng.add_request(doc, SamplingParams(max_tokens=60, ignore_eos=True), request_id="A")
+def _with_neighbour(tiny, blocks: int, doc: list[int], question: list[int], neighbour: str, **kw):
+    """B (snapkv-0.5, ``doc + question``) with a plain request A on ``doc`` that runs from
+    before B arrives ("first"), arrives while B prefills ("later": A's prefix hit is on B's
+    blocks) or never ("none")."""
+    eng = make_engine(tiny, kv_pool_bytes=blocks * BLOCK_BYTES, max_num_batched_tokens=64, max_num_seqs=4)
+    a = SamplingParams(max_tokens=40, ignore_eos=True)
+    if neighbour == "first":
+        eng.add_request(doc, a, request_id="A")
         eng.step()
         eng.step()
     eng.add_request(doc + question, GREEDY, request_id="B", policy="snapkv-0.5", **kw)
+    if neighbour == "later":
+        eng.step()
+        eng.step()
+        eng.add_request(doc, a, request_id="A")
     outs = {}
     while eng.has_unfinished_requests():
         outs |= {o.request_id: o for o in eng.step() if o.finished}
     eng.check_integrity()
     return outs["B"], eng.stats()
+
+
+def _doc_and_question(seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(96)], [rng.randrange(1, 500) for _ in range(40)]
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -83,26 +96,43 @@ def test_a_compaction_waits_for_blocks_another_running_request_shares(tiny, seed
     request also held (a prefix hit, ref_cnt 2) could not copy them on write on a full pool;
     its compaction was put off to after each next forward pass, so it decoded over its whole
     uncompressed prompt, other tokens than alone. Now the scheduler runs the compaction
-    before its next step, preempting for the blocks (here the request itself waits)."""
-    rng = random.Random(seed)
-    doc, question = _prompts(1, 96, seed)[0], [rng.randrange(1, 500) for _ in range(40)]
-    tight, stats = _with_neighbour(tiny, 10 + seed - 1, doc, question, neighbour=True)
-    alone, _ = _with_neighbour(tiny, 256, doc, question, neighbour=False)
-    assert stats["compactions_deferred"] > 0 and tight.num_cached_tokens == 96  # the path ran
+    before its next step, preempting for the blocks (``Scheduler._compact_due``)."""
+    doc, question = _doc_and_question(seed)
+    tight, stats = _with_neighbour(tiny, 10, doc, question, "later")
+    alone, _ = _with_neighbour(tiny, 256, doc, question, "none")
+    assert stats["compactions_deferred"] > 0 and tight.num_preemptions == 0  # the path ran
     assert list(tight.output_token_ids) == list(alone.output_token_ids)
 
 
-def test_a_prefix_compression_waits_at_its_boundary_for_blocks(tiny) -> None:
-    """Regression (hangs review R1b): a compressed-prefix producer whose document blocks a
-    running request shared found no free blocks for its boundary compression; it was skipped
-    for good, nothing was stored, and the producer compressed question-aware at its prompt's
-    end, decoding other tokens than alone. Now it waits at its boundary until it runs."""
-    rng = random.Random(1)
-    doc = [rng.randrange(1, 500) for _ in range(96)]
-    question = [rng.randrange(1, 500) for _ in range(40)]
-    tight, stats = _with_neighbour(tiny, 12, doc, question, neighbour=True, prefix_tokens=96)
-    alone, alone_stats = _with_neighbour(tiny, 256, doc, question, neighbour=False, prefix_tokens=96)
-    assert stats["compactions_deferred"] > 0  # the path ran
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_request_sharing_a_running_prefix_starts_when_its_copies_fit(tiny, seed: int) -> None:
+    """The same pair with the plain request first: B's prefix hit is on A's blocks, so B
+    waits for room for its copies before starting (``Preemption._room_to_compact``).
+    Regression: it was admitted, found no blocks for the copies, was preempted for them and
+    admitted again, every other step while A ran (15-31 preemptions)."""
+    doc, question = _doc_and_question(seed)
+    tight, stats = _with_neighbour(tiny, 10, doc, question, "first")
+    alone, _ = _with_neighbour(tiny, 256, doc, question, "none")
+    assert tight.num_preemptions == 0 and stats["compactions_deferred"] == 0
+    assert list(tight.output_token_ids) == list(alone.output_token_ids)
+
+
+def test_a_prefix_compression_waits_at_its_boundary_for_blocks(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (hangs review R1b): a compressed-prefix producer that found no free blocks
+    for its boundary compression skipped it for good: nothing was stored, and it compressed
+    question-aware at its prompt's end, decoding other tokens than alone (3 of 3 in the
+    review's runs, its document blocks shared with a running request). Now it waits at its
+    boundary and the scheduler runs the compression before its next step. The pool's answer
+    is forced here: "no room" the first time."""
+    from cache_node import kv_state
+
+    doc, question = _doc_and_question(1)
+    alone, alone_stats = _with_neighbour(tiny, 256, doc, question, "none", prefix_tokens=96)
+    answers = iter([False])
+    real = kv_state.can_rewrite
+    monkeypatch.setattr(kv_state, "can_rewrite", lambda *a: next(answers, None) is not False and real(*a))
+    tight, stats = _with_neighbour(tiny, 256, doc, question, "none", prefix_tokens=96)
+    assert stats["compactions_deferred"] == 1  # the path ran
     assert stats["compressed_prefix_stores"] == alone_stats["compressed_prefix_stores"] == 1
     assert list(tight.output_token_ids) == list(alone.output_token_ids)
 

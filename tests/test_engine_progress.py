@@ -122,3 +122,30 @@ def test_preempted_request_that_can_never_come_back_finishes_with_length(tiny, s
     assert (final["long"].finish_reason, final["long"].num_output_tokens) == ("length", expected)
     assert (final["small"].finish_reason, final["small"].num_output_tokens) == ("length", 5)
     assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_running_request_that_cannot_grow_alone_is_given_up_not_preempted_forever(tiny, scheduler) -> None:
+    """Regression (hangs review H1): on a node without a host tier SentenceKV charges the
+    sentences it demotes to the pool, past what the admission bound counts; alone on a
+    10-block pool a 136-token prompt could not get its next block, preempted itself, was
+    readmitted and preempted itself again at the same point: 3000 steps, 3000 preemptions,
+    one output token. Alone, with every other block freed, it now finishes with "length" and
+    its output so far, and the node serves the next request."""
+    from cache_node.policies import PolicyEnv
+
+    eng = engine(tiny, scheduler, num_blocks=10)  # 160 tokens
+    eng.policy_env = PolicyEnv(frozenset({13}))
+    prompt = [13 if i % 12 == 11 else (7 * i) % 400 + 20 for i in range(136)]
+    eng.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True), request_id="s", policy="sentencekv-0.5")
+    final: dict[str, RequestOutput] = {}
+    for _ in range(200):
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+        if not eng.has_unfinished_requests():
+            break
+    assert final["s"].finish_reason == "length" and 0 < final["s"].num_output_tokens < 20
+    assert final["s"].num_preemptions == 0
+    eng.add_request(prompt_of(30, 2), SamplingParams(max_tokens=5, ignore_eos=True), request_id="next")
+    final.update(drain(eng))
+    assert (final["next"].finish_reason, final["next"].num_output_tokens) == ("length", 5)
+    assert_pool_empty(eng)

@@ -46,6 +46,7 @@ class Preemption:
     _swap_bytes_per_s: float
     _reusable_blocks: Callable[[Sequence], int]
     _held_for: dict[str, tuple[Sequence, int]]
+    rejected: list[Sequence]
 
     def attach_swap(self, demote: DemoteFn, bytes_per_block: int, copy_bytes_per_s: float = 4e9) -> None:
         """Let preemption demote a victim's blocks below the device tier (``demote`` moves free
@@ -134,6 +135,31 @@ class Preemption:
             return True
         free = self.kv_manager.pool.num_free_blocks() + freed - self._prefill_reserve(victims)
         return max(need, 0) + revived + debt <= free
+
+    def _room_to_compact(self, seq: Sequence, hits: list[KVBlock]) -> bool:
+        """Whether waiting ``seq`` may start as far as its first compaction goes: a compressing
+        sequence whose prefix ``hits`` running sequences also hold copies the kept ones on write
+        then (``compaction.rewrite_kv``), so the free blocks must cover those copies beside the
+        rest of its prompt (``_blocks_to_first_token``) and the running prefills' needs
+        (``_prefill_reserve``). True when there are none to copy.
+
+        Regression: such a sequence was admitted, found no blocks for the copies at its prompt's
+        end, was preempted for them (``_compact_due``) and admitted again, every other step
+        for as long as the sequence sharing its prefix ran (15-57 preemptions of one request
+        in the hangs review's R1/R1b runs).
+        """
+        kv = seq.kv
+        if kv is None or not kv.policy.compresses or not hits:
+            return True
+        bs = self.kv_manager.block_size
+        kept = cdiv(kv.policy.budget_tokens(seq.num_prompt_tokens) + kv.policy.evict_every + 1, bs)
+        held = {id(b) for s in self.running for b in s.block_table}
+        copies = sum(1 for b in hits[:kept] if id(b) in held)
+        if not copies:
+            return True
+        need = max(0, self._blocks_to_first_token(seq) - len(hits))
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
+        return need + revived + copies <= self.kv_manager.pool.num_free_blocks() - self._prefill_reserve()
 
     def _starts_after(self, seq: Sequence, victims: list[Sequence]) -> bool:
         """Under a policy that ``admits_whole_prompt``: ``seq``'s whole prompt, past its
@@ -229,11 +255,25 @@ class Preemption:
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocate slots for a running sequence, preempting the policy's victims if needed.
-        Alone, it first takes the blocks other waiting sequences and idle sessions hold."""
+        Alone, it first takes the blocks other waiting sequences and idle sessions hold; a
+        sequence that then still cannot get them never will (nothing else holds a block) and
+        is given up (``rejected``: the engine finishes it with "length", its output so far).
+
+        Regression (hangs review H1): such a sequence preempted itself, was readmitted (its
+        prompt fits) and preempted itself again at the same point, every step, forever: a
+        SentenceKV request on a node without a host tier, whose demoted sentences are charged
+        to the pool, past what the admission bound counts.
+        """
         if self.kv_manager.allocate_slots(seq, n) is not None:
             return True
         if self.running == [seq]:
             self._free_held_elsewhere(seq)
+            if self.kv_manager.allocate_slots(seq, n) is not None:
+                return True
+            self.running.remove(seq)
+            self.kv_manager.free(seq)
+            self.rejected.append(seq)
+            return False
         while self.kv_manager.allocate_slots(seq, n) is None:
             victim = self.policy.victim(self.running, seq)
             assert victim is not None, "a running sequence always has a victim (itself at worst)"
