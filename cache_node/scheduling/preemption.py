@@ -238,14 +238,17 @@ class Preemption:
         kv = seq.kv
         if kv is None or kv.retry_compaction():
             return True
-        freed_elsewhere = False
-        while not kv.retry_compaction():
-            if self.running == [seq]:
-                if freed_elsewhere:
-                    return True
-                self._free_held_elsewhere(seq)
-                freed_elsewhere = True
-                continue
+        if not self._preempt_until(seq, batch, lambda: kv.retry_compaction() or self.running == [seq]):
+            return False
+        if kv.compaction_due:  # alone
+            self._free_held_elsewhere(seq)
+            kv.retry_compaction()
+        return True
+
+    def _preempt_until(self, seq: Sequence, batch: ScheduledBatch, ready: Callable[[], bool]) -> bool:
+        """Preempt the policy's victims for running ``seq`` until ``ready()``; False when
+        ``seq`` itself was preempted (the policy's victim at worst)."""
+        while not ready():
             victim = self.policy.victim(self.running, seq)
             assert victim is not None, "a running sequence always has a victim (itself at worst)"
             self._preempt_from_batch(victim, batch)
@@ -274,13 +277,7 @@ class Preemption:
             self.kv_manager.free(seq)
             self.rejected.append(seq)
             return False
-        while self.kv_manager.allocate_slots(seq, n) is None:
-            victim = self.policy.victim(self.running, seq)
-            assert victim is not None, "a running sequence always has a victim (itself at worst)"
-            self._preempt_from_batch(victim, batch)
-            if victim is seq:
-                return False
-        return True
+        return self._preempt_until(seq, batch, lambda: self.kv_manager.allocate_slots(seq, n) is not None)
 
     def preempt(self, seq: Sequence) -> None:
         """Free the blocks (demoting them when swapping is cheaper) and re-queue at the front."""
