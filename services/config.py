@@ -100,7 +100,6 @@ class ServiceConfig(BaseModel):
     # deliver a request's head, then http_body_timeout_s for the body, or it is closed (sending
     # the response has no deadline: streams run as long as they need). Open connections in all,
     # and per socket peer address (the proxies above exempt), past which one is refused at accept.
-    # (Not yet passed to the gateway by the launcher: HttpServer takes ConnectionLimits.of(config).)
     http_head_timeout_s: float = Field(10.0, gt=0)
     http_body_timeout_s: float = Field(60.0, gt=0)
     http_max_connections: int = Field(4096, ge=1)

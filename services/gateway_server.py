@@ -25,6 +25,7 @@ from services.gateway_streams import NodeStreams
 from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
+from services.openai_api.connections import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +92,16 @@ class Gateway:
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
-                 http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None) -> None:
+                 http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
+                 http_limits: ConnectionLimits | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
-        ``http_forwarded_allow_ips``: proxies trusted to set its client address (``HttpServer``)."""
+        ``http_forwarded_allow_ips``: proxies trusted to set its client address (``HttpServer``);
+        ``http_limits``: its connections' bounds (None: ``ConnectionLimits``' defaults)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.security, self.http_port = security, http_port
-        self.http_forwarded_allow_ips = http_forwarded_allow_ips
+        self.http_forwarded_allow_ips, self.http_limits = http_forwarded_allow_ips, http_limits
         self.http: HttpServer | None = None
         self.metrics, self.metrics_endpoint = GatewayMetrics(), metrics
         self.metrics_server: MetricsServer | None = None
@@ -129,7 +132,7 @@ class Gateway:
                 return encode_text(tokenizer, text)
             self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
                                                          self.monitor.num_healthy)),
-                                   self.http_forwarded_allow_ips)
+                                   self.http_forwarded_allow_ips, self.http_limits)
             await self.http.start(host, self.http_port)
         if self.metrics_endpoint is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_endpoint)
@@ -180,8 +183,10 @@ class RayGateway(Gateway):
 
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
-                 http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None) -> None:
-        super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips)
+                 http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
+                 http_limits: ConnectionLimits | None = None) -> None:
+        super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
+                         http_limits)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}
