@@ -61,8 +61,10 @@ def test_a_full_pool_refuses_the_charge_and_the_sequence_does_not_run_on_uncharg
     assert seq.kv.extra["quant"].nbytes == 105 * QUANT8_TOKEN_BYTES  # 16800 bytes: 3 blocks
     assert (len(seq.kv.charge_blocks), seq.kv.charge_debt) == (2, 1)
     outputs = len(seq.output_token_ids)
-    eng.step()  # the debt cannot be paid: preempted, its blocks and charge given back
-    assert eng.scheduler.num_preemptions == 1 and seq.block_table == [] and seq.kv.charge_blocks == []
+    eng.step()  # the debt cannot be paid, alone: given up, its blocks and charge given back
+    # (not preempted: alone with every other block freed it would only come back to the same
+    # point, every step; ``Preemption._reserve``, hangs review H1)
+    assert eng.scheduler.num_preemptions == 0 and seq.block_table == [] and seq.kv.charge_blocks == []
     final = next(o for o in eng.step() if o.request_id == rid)
     assert (final.finish_reason, final.num_output_tokens) == ("length", outputs)
     pool.free(held_elsewhere)
