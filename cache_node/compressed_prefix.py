@@ -145,14 +145,13 @@ class CompressedPrefixCache:
         if kv.budget is None:
             try:
                 kv.budget = kv.policy.budget_tokens(seq.num_computed_tokens)
-                kv.compaction_due = False  # ``can_rewrite`` sets it if the pool is too full
                 kv.policy.compress(kv)
                 kv.settle_charge()
             except Exception:  # the engine fails ``seq``: ``on_finish`` hands the prefix on
                 self.producing[seq.request_id] = key  # (regression: its parked requests hung)
                 raise
             kv.budget = None  # the rest of the prompt is a new turn's (recomputed at its end)
-            if kv.compaction_due:
+            if kv.compaction_due:  # ``can_rewrite`` found the pool too full
                 # Regression (hangs review R1b): a compression the pool had no free blocks
                 # for was skipped for good: the request prefilled its question over the whole
                 # document, compressed it question-aware at its end (other tokens than alone)
