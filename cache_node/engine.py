@@ -108,6 +108,7 @@ class LLMEngine(EngineTiersMixin):
         # policies that demote KV themselves (SentenceKV) keep it in the host tier when there is one
         self.host_for_policies = self.tiers if self.tiers.host.num_slots else None
         self.tiers.reclaim_host = self._reclaim_host
+        self.tiers.host_contenders = self._host_contenders
         if self.scheduler.policy.demotes_over_quota_first:
             self.tiers.demotion_order = self._over_quota_first
         self._aborted: list[Sequence] = []
@@ -397,6 +398,27 @@ class LLMEngine(EngineTiersMixin):
             else:
                 self.prefixes.evict(key)
             self.num_host_reclaims += 1
+
+    def _host_contenders(self, need: int, holder: str) -> list[Sequence]:
+        """The running requests of other holders than ``holder`` whose policy states hold
+        host-tier slots that a reservation of ``need`` more for ``holder`` may take, by
+        preempting them (``Scheduler._compact_due``): the request's holder holds more
+        (entries and reservations) than ``holder`` would with ``need`` more (max-min fair,
+        as the tier's eviction), and keeps at least what ``holder`` holds now without the
+        request's slots. The second condition keeps a preempted request's restart from
+        preempting back the request it gave way to (a ping-pong of restarts: a request of
+        30 slots preempted for one slot). Largest holder first, then the request holding the
+        most slots."""
+        host = self.tiers.host
+        holdings = Counter(host.entries.held()) + host.reserved_by
+        mine = holdings[holder] + need
+        found = []
+        for seq in self.scheduler.running:
+            owner = holder_of(seq.cache_namespace)
+            slots = seq.kv.policy.host_slots(seq.kv) if seq.kv is not None else 0
+            if slots and owner != holder and holdings[owner] > mine and holdings[owner] - slots >= holdings[holder]:
+                found.append((-holdings[owner], -slots, seq.arrival_time_s, seq))
+        return [seq for *_, seq in sorted(found, key=lambda f: f[:3])]
 
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         logits = self.runner.execute(batch)  # one row per sequence reaching its last token

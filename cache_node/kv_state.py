@@ -96,6 +96,9 @@ class SequenceKV:
         # this sequence's next step (``retry_compaction``, from the scheduler)
         self.compaction_due = self._deferring = False
         self.retry: Callable[[], object] | None = None  # what reruns it (default ``after_step``)
+        # (slots, holder) when the compaction was put off for host-tier room that other
+        # tenants' running requests hold over their share (``wait_for_host``)
+        self.host_wait: tuple[int, str] | None = None
         self.extra: dict[str, Any] = {}
         self.seq.num_evicted_tokens = 0
 
@@ -235,7 +238,8 @@ class SequenceKV:
             return False
         if self.budget is None:
             self.budget = self.policy.budget_tokens(seq.num_prompt_tokens)
-        self.compaction_due = False  # ``can_rewrite`` sets it again if the pool is still short
+        # ``can_rewrite`` / ``wait_for_host`` set it again if the pool / host tier is still short
+        self.compaction_due, self.host_wait = False, None
         compacted = self.policy.compress(self)
         self.settle_charge()
         return compacted
@@ -386,13 +390,43 @@ class SequenceKV:
             self.seq.kept.drop()
             if can_rewrite(self.block_pool, self.seq, num_slots, self.pool.block_size):
                 return True
+        self._defer()
+        return False
+
+    def wait_for_host(self, num_slots: int, holder: str) -> bool:
+        """Whether the compaction must wait for ``num_slots`` host-tier slots (the sentences
+        a SentenceKV compaction demotes) that ``holder`` (its cache namespace without the
+        salt) cannot reserve now, even after idle holders gave theirs back, while running
+        requests of other holders hold more of the tier than ``holder`` would with them
+        (``TierManager.host_contenders``). True marks the compaction due
+        (``compaction_due``, ``host_wait``, counted as ``can_rewrite``'s deferrals): the
+        scheduler preempts those requests, largest holder first, and runs it again before
+        this sequence's next step (``Scheduler._compact_due``). False (room enough, or no
+        such request: the tier is too small for ``holder``'s share) lets the compaction
+        go on, dropping what the tier cannot hold (``dropped_tokens``).
+
+        Regression (security review 18 C): a tenant's running SentenceKV requests that had
+        filled the host tier never gave way; another tenant's request, within its share,
+        dropped the sentences it demoted and silently decoded other tokens than alone
+        (``dropped_tokens`` 380 of them in the review's case).
+        """
+        tiers = self.host
+        if tiers is None or num_slots <= 0 or tiers.can_reserve_host(num_slots, holder):
+            return False
+        if tiers.host_contenders is None or not tiers.host_contenders(num_slots, holder):
+            return False
+        self.host_wait = (num_slots, holder)
+        self._defer()
+        return True
+
+    def _defer(self) -> None:
+        """Mark the compaction due, counted once until it runs."""
         self.compaction_due = True
-        if not self._deferring:  # counted once until it runs
+        if not self._deferring:
             self._deferring = True
             self.block_pool.num_deferred_rewrites += 1  # the engine's "compactions_deferred"
             stats = self.seq.policy_stats
             stats["deferred_compactions"] = stats.get("deferred_compactions", 0.0) + 1
-        return False
 
     def set_layout(self, data: torch.Tensor, positions: torch.Tensor, support: torch.Tensor,
                    dense: bool = False) -> None:
@@ -404,6 +438,7 @@ class SequenceKV:
         keep a compaction free of host syncs."""
         rewrite_kv(self.pool, self.block_pool, self.seq, data)
         self.compaction_due = self._deferring = False
+        self.host_wait = None
         self.seq.num_evicted_tokens = self.seq.num_computed_tokens - data.shape[1]
         self.positions, self.support, self.dense = positions, support, dense
         self.num_compactions += 1

@@ -231,6 +231,11 @@ class Preemption:
         waits for the others to give the blocks back). Should nothing free them (``seq``
         alone), it steps as deferred (counted, ``compactions_deferred``).
 
+        A compaction put off for host-tier room (``SequenceKV.wait_for_host``) preempts the
+        requests of the tenants holding the tier over their share instead
+        (``TierManager.host_contenders``), largest holder first, until it runs; the policy's
+        victims would free pool blocks, not host slots.
+
         Regression: a compaction put off was tried again only after the next forward pass, so
         a request whose prompt blocks another running request shared decoded step after step
         over its whole uncompressed prompt, and other tokens than alone (hangs review R1).
@@ -238,6 +243,15 @@ class Preemption:
         kv = seq.kv
         if kv is None or kv.retry_compaction():
             return True
+        while kv.host_wait is not None:
+            assert kv.host is not None and kv.host.host_contenders is not None
+            victims = [s for s in kv.host.host_contenders(*kv.host_wait) if s is not seq and s in self.running]
+            if not victims:  # none left to give way: the compaction drops what does not fit
+                kv.host_wait = None
+                break
+            self._preempt_from_batch(victims[0], batch)
+            if kv.retry_compaction():
+                return True
         if not self._preempt_until(seq, batch, lambda: kv.retry_compaction() or self.running == [seq]):
             return False
         if kv.compaction_due:  # alone

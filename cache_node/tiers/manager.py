@@ -129,6 +129,10 @@ class TierManager:
         # frees host slots other holders reserved (idle ones) for a reservation that does not
         # fit (``reserve_host``); the engine sets it
         self.reclaim_host: Callable[[int, str], None] | None = None
+        # the running requests of other holders over their fair share of the host tier that
+        # a reservation could take from by preempting them (``host_contenders``); the engine
+        # sets it
+        self.host_contenders: Callable[[int, str], list[Sequence]] | None = None
         self.enabled = self.host.num_slots > 0 or spill is not None
         # reorders the free cached blocks (LRU order in) before watermark demotion takes the
         # first ones; None = LRU (the engine sets it for quota-aware scheduling policies)
@@ -184,6 +188,14 @@ class TierManager:
             slots, victims = self.host.reserve(n, holder)
             self.push_to_spill(victims)
             return slots
+
+    def can_reserve_host(self, n: int, holder: str = "") -> bool:
+        """``reserve_host(n, holder)`` would succeed now; idle holders' states are dropped
+        first as for it (``reclaim_host``). Reserves nothing."""
+        with self.lock:
+            if not self.host.can_reserve(n, holder) and self.reclaim_host is not None:
+                self.reclaim_host(n, holder)
+            return self.host.can_reserve(n, holder)
 
     def release_host(self, slots: Seq[int], holder: str = "") -> None:
         with self.lock:

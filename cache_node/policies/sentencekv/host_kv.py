@@ -84,14 +84,20 @@ class TierHostKV:
         self.shared: list[SharedSlots] = []
         self.num_shared_slots = self.num_shared_charge = 0
 
+    def slots_for(self, num_tokens: int, extra_bytes: int = 0) -> int:
+        """Slots ``add`` would reserve to store ``num_tokens`` more tokens and charge
+        ``extra_bytes`` more beside them."""
+        need = max(0, math.ceil((self.num_tokens + num_tokens) / self.block_size) - len(self.slots))
+        charged = len(self.charge_slots) + self.num_shared_charge
+        return need + max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - charged)
+
     def add(self, kv: torch.Tensor, extra_bytes: int = 0) -> torch.Tensor | None:
         """Store ``kv`` (L, n, 2, H_kv, d) and charge ``extra_bytes`` of host RAM kept beside it;
         returns its handle (the stored token indices), or None when the host tier cannot hold
         both (nothing stored or charged)."""
         n = kv.shape[1]
-        need = max(0, math.ceil((self.num_tokens + n) / self.block_size) - len(self.slots))
-        charged = len(self.charge_slots) + self.num_shared_charge
-        charge = max(0, math.ceil((self.charged_bytes + extra_bytes) / self.slot_bytes) - charged)
+        need = self.slots_for(n)
+        charge = self.slots_for(n, extra_bytes) - need
         if need + charge > 0:
             got = self.tiers.reserve_host(need + charge, self.holder)
             if got is None:

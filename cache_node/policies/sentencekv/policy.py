@@ -357,6 +357,10 @@ class SentenceKV(Policy):
         if not len(demote):
             return False  # only sinks and window: nothing to demote
         L = state.pool.num_layers
+        runs = self.segments(state, pos0[demote])
+        if isinstance(store.host, TierHostKV) and state.wait_for_host(self._host_slots(state, store, runs),
+                                                                      store.host.holder):
+            return False  # other tenants' running requests hold the host tier over their share
         if not state.can_rewrite(len(keep)):
             return False
         fit_sketch = store.sketch is not None and store.sketch.rank and store.sketch.basis is None
@@ -369,7 +373,7 @@ class SentenceKV(Policy):
                 store.sketch.fit(keys)
             if fit_scale:
                 store.codes.fit_key_scale(keys)
-        for run in self.segments(state, pos0[demote]):
+        for run in runs:
             slots = demote[run]
             self._demote(state, store, gather_kv(state.pool, state.seq, slots.unsqueeze(0).expand(L, -1)), pos0[slots])
         kept = gather_kv(state.pool, state.seq, keep.unsqueeze(0).expand(L, -1))
@@ -392,6 +396,22 @@ class SentenceKV(Policy):
         if first:
             self._fill_from_window(state)
         return True
+
+    def _host_slots(self, state: SequenceKV, store: HostSentenceStore, runs: list[torch.Tensor]) -> int:
+        """Host-tier slots that demoting the sentences ``runs`` (index runs, as ``segments``)
+        reserves (``TierHostKV.add``): their K/V, and the region codes and host-side key
+        bounds charged beside them, sized from one token's codes and one sentence's bounds."""
+        host = store.host
+        assert isinstance(host, TierHostKV)
+        pool = state.pool
+        n = sum(len(run) for run in runs)
+        one = torch.zeros((pool.num_layers, 1, 2, pool.num_kv_heads, pool.head_dim), dtype=pool.kv.dtype)
+        extra = 0 if store.codes is None else n * SentenceCodes.nbytes_of(store.codes.quantize(one))
+        if self._bounds_at == "host":
+            bounds = KeyBounds("cpu")
+            bounds.append(one[:, :, 0], 0, self.region_bits, self._region_group(state))
+            extra += len(runs) * bounds.nbytes
+        return host.slots_for(n, extra)
 
     @property
     def _bounds_at(self) -> str:
