@@ -42,8 +42,19 @@
   seen here at the same address). The scheduler's load from unauthenticated clients is thus
   bounded by the refresh rate plus the gateway's budget, not by their rate or their number of
   addresses. Random key ids never reach that budget, so a valid key never seen here waits for
-  one refresh, not on a flood of them; only wrong secrets for key ids that exist (which an
-  attacker must have learnt) can spend it.
+  one refresh, not on a flood of them.
+- Wrong secrets for key ids that exist (ids are not secret) do reach that budget, so the budget
+  is shared by key id (``SuspectKeyIds``): an id whose check failed here in the last
+  ``_SUSPECT_TTL_S`` is *suspect*, and the checks of suspect ids take at most half the budget,
+  one at once per id; within an id a key refused for want of budget is checked before any
+  newer key of it (its retry from the same address keeps its turn). A flood of wrong secrets,
+  from any number of addresses, thus spends the other half at most once per existing key id
+  per ``_SUSPECT_TTL_S`` (its first failure), and a valid key of an id that did not fail here
+  finds that half free; the owner of an attacked id is checked on its retry. Regression
+  (secrev18 residue): such a flood spent the whole budget, and a valid key never used at this
+  gateway (a new tenant, a rotated key, after a restart) got RESOURCE_EXHAUSTED while it
+  lasted. (A gateway could verify every secret itself only with the store's digests, which
+  ``key_ids_since`` does not give it.)
 
 The client address is the connection's (gRPC's peer; for the HTTP API, uvicorn's client, which
 honours X-Forwarded-For only from the proxies named in ``http_forwarded_allow_ips``). The HTTP
@@ -89,6 +100,13 @@ _MAX_DIRECTORY_IDS = 1 << 18
 """Key ids one directory reply may name and the directory may hold (past that a reply is refused
 as malformed: the gateway falls back to the budgeted checks)."""
 _EPOCH_PATTERN = re.compile(r"[0-9a-f]{16}")
+_SUSPECT_TTL_S = 3600.0
+"""How long a key id not known here stays suspect after its last failed check here (``SuspectKeyIds``)."""
+_WAITING_TTL_S = 30.0
+"""How long a key refused for want of budget keeps its turn for a retry (``SuspectKeyIds``)."""
+_MAX_WAITING = 65536
+"""Keys refused for want of budget remembered at most (one per key id and address; past it the
+oldest are forgotten)."""
 
 
 def bearer_key(context: grpc.aio.ServicerContext) -> str:
@@ -228,6 +246,109 @@ def _parse_key_ids(reply: Any, epoch: str, version: int) -> tuple[str, int, bool
     return new_epoch, new_version, full, groups[0], groups[1]
 
 
+class SuspectKeyIds:
+    """Key ids with a failed check here lately (*suspect*), and the share of the gateway's budget
+    of checks of unknown key ids that their keys may use.
+
+    A key id is suspect for ``ttl_s`` after a check of a key of it failed here (from any address,
+    in either role), until a key of it passes (``cleared``). The checks of suspect ids' keys
+    together take at most ``checks_per_s`` a second and ``checks_in_flight`` at once (the
+    ``Authenticator`` gives them half its budget, so the other half always serves ids that never
+    failed here), and at most one at once per id, so floods of wrong secrets for many ids share
+    that half by id (max-min fair at once) and none starves another id's checks.
+
+    Within one id, turns go to keys that were refused first: a key refused for want of budget is
+    remembered with its address (``refused``: one key per id and address, the newest, for
+    ``_WAITING_TTL_S``), and while a suspect id has such keys waiting, a check of that id goes to
+    one of them (any, first come) and any other key of it is refused and waits in turn. A flood
+    of fresh wrong secrets for an id thus gets its checks only while no one waits, and the owner,
+    refused once, is checked on its retry with the same key from the same address. Limits: one
+    key waits per id and address (a client sharing the owner's address can replace its turn),
+    ``_MAX_WAITING`` in all (``_MAX_WAITING`` refusals of other id and address pairs between two
+    tries of the owner forget its turn), and attackers that retry their own waiting keys compete
+    with the owner first come, each such key checked once (it then fails and is cached as failed).
+
+    Args:
+        checks_per_s: suspect ids' checks a second at most, all ids together (>= 1).
+        checks_in_flight: their checks at once at most (>= 1).
+        ttl_s: how long an id stays suspect after its last failure, seconds (> 0).
+        clock: monotonic seconds.
+
+    Raises:
+        ValueError: a count < 1 or ``ttl_s`` <= 0.
+    """
+
+    def __init__(self, checks_per_s: int, checks_in_flight: int, ttl_s: float = _SUSPECT_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if checks_in_flight < 1 or not ttl_s > 0:
+            raise ValueError(f"need checks_in_flight >= 1 and ttl_s > 0, got {checks_in_flight}, {ttl_s}")
+        self.checks_in_flight, self.clock = checks_in_flight, clock
+        self._ids = ExpiringSet(ttl_s, clock, max_keys=_MAX_DIRECTORY_IDS)
+        self._checks = WindowLimiter(checks_per_s, 1.0, clock, max_keys=1)
+        self._running: set[str] = set()  # suspect ids with a check running
+        self._waiting: OrderedDict[tuple[str, str], tuple[bytes, float]] = OrderedDict()  # (id, host) -> (fp, until)
+        self._waiting_per_id: dict[str, int] = {}
+
+    def __contains__(self, key_id: str) -> bool:
+        return key_id in self._ids
+
+    def failed(self, key_id: str) -> None:
+        """A check of a key of ``key_id`` (not known here) failed: the id is suspect from now."""
+        self._ids.add(key_id)
+
+    def cleared(self, key_id: str) -> None:
+        """A key of ``key_id`` passed (or the id is gone): it is no longer suspect."""
+        self._ids.discard(key_id)
+
+    def wait_s(self, key_id: str, host: str, fp: bytes) -> float:
+        """Seconds before the key ``fp`` of the suspect ``key_id`` from ``host`` may be checked
+        (0: now): the share is spent, the id has a check running, or others wait before it."""
+        rate_wait_s = self._checks.retry_after_s(None)
+        busy = len(self._running) >= self.checks_in_flight or key_id in self._running
+        if busy or rate_wait_s > 0 or not self._has_turn(key_id, host, fp):
+            return max(rate_wait_s, 1.0)
+        return 0.0
+
+    def start(self, key_id: str, host: str, suspect: bool) -> None:
+        """A check of a key of ``key_id`` from ``host`` starts: that address's turn for the id,
+        if it had one, is used; a ``suspect`` id's check counts against the share until
+        ``finish``."""
+        self._forget_waiting((key_id, host))
+        if suspect:
+            self._checks.try_acquire(None)
+            self._running.add(key_id)
+
+    def finish(self, key_id: str) -> None:
+        """The check of a key of the suspect ``key_id`` that ``start`` counted is over."""
+        self._running.discard(key_id)
+
+    def refused(self, key_id: str, host: str, fp: bytes) -> None:
+        """The key ``fp`` of ``key_id`` from ``host`` was refused for want of budget: it waits
+        for a turn (replacing that address's earlier key of that id)."""
+        self._forget_waiting((key_id, host))
+        self._waiting[(key_id, host)] = (fp, self.clock() + _WAITING_TTL_S)
+        self._waiting_per_id[key_id] = self._waiting_per_id.get(key_id, 0) + 1
+        while len(self._waiting) > _MAX_WAITING:
+            self._forget_waiting(next(iter(self._waiting)))
+
+    def _has_turn(self, key_id: str, host: str, fp: bytes) -> bool:
+        """No key of ``key_id`` waits, or this one does."""
+        now = self.clock()
+        while self._waiting and next(iter(self._waiting.values()))[1] <= now:  # oldest first
+            self._forget_waiting(next(iter(self._waiting)))
+        waiting = self._waiting.get((key_id, host))
+        return not self._waiting_per_id.get(key_id) or (waiting is not None and waiting[0] == fp)
+
+    def _forget_waiting(self, entry: tuple[str, str]) -> None:
+        if self._waiting.pop(entry, None) is None:
+            return
+        left = self._waiting_per_id[entry[0]] - 1
+        if left:
+            self._waiting_per_id[entry[0]] = left
+        else:
+            del self._waiting_per_id[entry[0]]
+
+
 class Authenticator:
     """Resolves API keys to tenants and checks the admin key, via the GlobalScheduler.
 
@@ -244,6 +365,12 @@ class Authenticator:
         unknown_checks_in_flight: such checks at once at this gateway (>= 1).
         directory_refreshes_per_s: key-directory refreshes a second at most (> 0; see
             ``KeyDirectory``).
+        clock: monotonic seconds, for the caches and limits (tests inject one; the key
+            directory's refresh rate keeps ``time.monotonic``).
+
+    Of the budget of checks of unknown key ids, keys of suspect ids (``SuspectKeyIds``: a check
+    failed here lately) take at most half (``unknown_checks_per_s // 2`` a second,
+    ``unknown_checks_in_flight // 2`` at once, at least 1 each).
 
     Raises:
         ValueError: a count < 1, ``failure_window_s`` <= 0 or ``directory_refreshes_per_s`` <= 0.
@@ -251,10 +378,11 @@ class Authenticator:
 
     def __init__(self, scheduler: Any, failures_per_peer_key: int = 10, failure_window_s: float = 10.0,
                  failures_per_peer: int = 50, unknown_checks_per_s: int = 100,
-                 unknown_checks_in_flight: int = 16, directory_refreshes_per_s: float = 10.0) -> None:
+                 unknown_checks_in_flight: int = 16, directory_refreshes_per_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if unknown_checks_in_flight < 1:
             raise ValueError(f"unknown_checks_in_flight must be >= 1, got {unknown_checks_in_flight}")
-        self.scheduler = scheduler
+        self.scheduler, self.clock = scheduler, clock
         self.failures_per_peer_key = failures_per_peer_key
         self.failures_per_peer = failures_per_peer
         self.unknown_checks_per_s = unknown_checks_per_s
@@ -263,12 +391,14 @@ class Authenticator:
         self._admins: dict[bytes, tuple[float, str]] = {}  # fingerprint -> (until, key id)
         self._known: dict[str, tuple[bytes, float, str]] = {}  # key id -> (fingerprint, until, owner)
         self._known_by_owner: dict[str, OrderedDict[str, None]] = {}  # owner -> its known key ids, oldest first
-        self._failed = ExpiringSet(_CACHE_TTL_S)
-        self._failures = WindowLimiter(failures_per_peer_key, failure_window_s)
-        self._peer_failures = WindowLimiter(failures_per_peer, failure_window_s)
+        self._failed = ExpiringSet(_CACHE_TTL_S, clock)
+        self._failures = WindowLimiter(failures_per_peer_key, failure_window_s, clock)
+        self._peer_failures = WindowLimiter(failures_per_peer, failure_window_s, clock)
         self._peer_in_flight: dict[str, int] = {}
-        self._gateway_checks = WindowLimiter(unknown_checks_per_s, 1.0, max_keys=1)
+        self._gateway_checks = WindowLimiter(unknown_checks_per_s, 1.0, clock, max_keys=1)
         self._in_flight = 0
+        self._suspects = SuspectKeyIds(max(1, unknown_checks_per_s // 2), max(1, unknown_checks_in_flight // 2),
+                                       _SUSPECT_TTL_S, clock)
         self._pending: dict[bytes, asyncio.Future[Tenant | None]] = {}  # fingerprint -> its check
         self.directory = KeyDirectory(scheduler, directory_refreshes_per_s, self._forget_key_ids)
 
@@ -366,7 +496,7 @@ class Authenticator:
                 tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
         if tenant is None:
             if unknown:  # a failed check of an unknown key id, whichever refusal follows
-                self._peer_failures.try_acquire(_peer_host(context))
+                self._count_unknown_failure(context, key)
             if not try_tenant:
                 await self._refuse_known_bad(context, "tenant", key)
             await self._refuse(context, "tenant", key, wait_s)
@@ -401,6 +531,7 @@ class Authenticator:
         tenant's or a rotated key's): known ids, cached tenant and admin keys."""
         for key_id in key_ids:
             self._unknow(key_id)
+            self._suspects.cleared(key_id)
         for fp in [fp for fp, (_, _, key_id) in self._tenants.items() if key_id in key_ids]:
             del self._tenants[fp]
         for fp in [fp for fp, (_, key_id) in self._admins.items() if key_id in key_ids]:
@@ -408,14 +539,14 @@ class Authenticator:
 
     def _cached_tenant(self, fp: bytes) -> Tenant | None:
         hit = self._tenants.get(fp)
-        return hit[0] if hit is not None and hit[1] > time.monotonic() else None
+        return hit[0] if hit is not None and hit[1] > self.clock() else None
 
     def _cached_admin(self, fp: bytes) -> bool:
         hit = self._admins.get(fp)
-        return hit is not None and hit[0] > time.monotonic()
+        return hit is not None and hit[0] > self.clock()
 
     def _remember_tenant(self, key: str, tenant: Tenant) -> None:
-        self._tenants[fingerprint(key)] = (tenant, time.monotonic() + _CACHE_TTL_S, parse_key_id(key) or "")
+        self._tenants[fingerprint(key)] = (tenant, self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, tenant.spec.name)
 
     def _know(self, key: str, owner: str) -> None:
@@ -433,9 +564,10 @@ class Authenticator:
         if key_id is None:
             return
         self._unknow(key_id)
+        self._suspects.cleared(key_id)
         ids = self._known_by_owner.setdefault(owner, OrderedDict())
         ids[key_id] = None
-        self._known[key_id] = (fingerprint(key), time.monotonic() + _KNOWN_ID_TTL_S, owner)
+        self._known[key_id] = (fingerprint(key), self.clock() + _KNOWN_ID_TTL_S, owner)
         while len(ids) > _KNOWN_IDS_PER_OWNER:
             self._unknow(next(iter(ids)))
         if len(self._known) > _MAX_KNOWN_IDS:
@@ -454,7 +586,7 @@ class Authenticator:
     def _shed_known(self) -> None:
         """Bring the known ids back to ``_MAX_KNOWN_IDS``: expired ones first, then the oldest
         of the owner holding the most (never one owner's for another's, while any holds more)."""
-        now = time.monotonic()
+        now = self.clock()
         for key_id in [k for k, (_, until, _) in self._known.items() if until <= now]:
             self._unknow(key_id)
         while len(self._known) > _MAX_KNOWN_IDS:
@@ -465,7 +597,7 @@ class Authenticator:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
         if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
             return False
-        self._admins[fingerprint(key)] = (time.monotonic() + _CACHE_TTL_S, parse_key_id(key) or "")
+        self._admins[fingerprint(key)] = (self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, _ADMIN_OWNER)
         return True
 
@@ -512,21 +644,31 @@ class Authenticator:
     def _known_fingerprint(self, key_id: str) -> bytes | None:
         """The fingerprint of the key of ``key_id`` that passed here lately, if any."""
         known = self._known.get(key_id)
-        return known[0] if known is not None and known[1] > time.monotonic() else None
+        return known[0] if known is not None and known[1] > self.clock() else None
 
     @contextlib.asynccontextmanager
     async def _check_slot(self, context: grpc.aio.ServicerContext, role: str, key: str,
                           wait_s: float) -> AsyncIterator[bool]:
         """Admit one check of the well-formed ``key`` by the scheduler (yielding whether its key
-        id is unknown here: a failure of it counts against the address), or abort without one.
+        id is unknown here: a failure of it counts against the address and makes the id
+        suspect), or abort without one.
 
         A key id known here: another secret is refused (``_refuse``: UNAUTHENTICATED, or
         RESOURCE_EXHAUSTED at ``wait_s`` > 0), its own key is admitted with no limit. Any other
-        id (one the key directory holds, or any while it cannot tell): RESOURCE_EXHAUSTED while the address had ``failures_per_peer`` failed such checks in
-        the window or has ``_PEER_CHECKS_IN_FLIGHT`` running, or the gateway has
-        ``unknown_checks_in_flight`` running or had ``unknown_checks_per_s`` in the last second.
+        id (one the key directory holds, or any while it cannot tell): RESOURCE_EXHAUSTED while
+        the address had ``failures_per_peer`` failed such checks in the window, or past
+        ``_budget_wait_s``'s budget (then the key waits for a turn: ``SuspectKeyIds.refused``).
+
+        Regression (secrev18 residue): wrong secrets for key ids that exist (ids are not
+        secret), sent from many addresses, spent the whole gateway budget (100 checks a second,
+        16 at once), and a valid key never used at this gateway (a new tenant, a rotated key,
+        after a restart) got RESOURCE_EXHAUSTED for as long as the flood lasted, as did the
+        owner of an attacked id. Keys of ids that failed here lately now take at most half the
+        budget and one check at once per id, and within an id a key refused first is checked
+        first (``SuspectKeyIds``).
         """
-        fp, known_fp = fingerprint(key), self._known_fingerprint(parse_key_id(key) or "")
+        fp, key_id = fingerprint(key), parse_key_id(key) or ""
+        known_fp = self._known_fingerprint(key_id)
         if known_fp is not None:
             if known_fp != fp:
                 await self._refuse(context, role, key, wait_s)
@@ -536,13 +678,15 @@ class Authenticator:
         peer_wait_s = self._peer_failures.retry_after_s(host)
         if peer_wait_s > 0:
             await self._abort_over_limit(context, peer_wait_s)
-        gateway_wait_s = self._gateway_checks.retry_after_s(None)
-        if (self._peer_in_flight.get(host, 0) >= _PEER_CHECKS_IN_FLIGHT
-                or self._in_flight >= self.unknown_checks_in_flight or gateway_wait_s > 0):
-            await self._abort_over_limit(context, max(gateway_wait_s, 1.0), "too many API-key checks at this gateway")
+        suspect = key_id in self._suspects
+        budget_wait_s = self._budget_wait_s(host, key_id, fp, suspect)
+        if budget_wait_s > 0:
+            self._suspects.refused(key_id, host, fp)
+            await self._abort_over_limit(context, budget_wait_s, "too many API-key checks at this gateway")
         self._gateway_checks.try_acquire(None)
         self._in_flight += 1
         self._peer_in_flight[host] = self._peer_in_flight.get(host, 0) + 1
+        self._suspects.start(key_id, host, suspect)
         try:
             yield True
         finally:
@@ -550,6 +694,26 @@ class Authenticator:
             self._peer_in_flight[host] -= 1
             if not self._peer_in_flight[host]:
                 del self._peer_in_flight[host]
+            if suspect:
+                self._suspects.finish(key_id)
+
+    def _budget_wait_s(self, host: str, key_id: str, fp: bytes, suspect: bool) -> float:
+        """Seconds before a check of the key ``fp`` of ``key_id`` (not known here) from ``host``
+        may start (0: now). It waits while the address has ``_PEER_CHECKS_IN_FLIGHT`` running,
+        or the gateway ``unknown_checks_in_flight`` running or ``unknown_checks_per_s`` in the
+        last second; a key of a suspect id also waits on ``SuspectKeyIds.wait_s`` (its share)."""
+        gateway_wait_s = self._gateway_checks.retry_after_s(None)
+        suspect_wait_s = self._suspects.wait_s(key_id, host, fp) if suspect else 0.0
+        busy = (self._peer_in_flight.get(host, 0) >= _PEER_CHECKS_IN_FLIGHT
+                or self._in_flight >= self.unknown_checks_in_flight)
+        wait_s = max(gateway_wait_s, suspect_wait_s)
+        return max(wait_s, 1.0) if busy or wait_s > 0 else 0.0
+
+    def _count_unknown_failure(self, context: grpc.aio.ServicerContext, key: str) -> None:
+        """A check of ``key``, its id not known here, failed: count it against the address
+        (``failures_per_peer``), and its id is suspect (``SuspectKeyIds``)."""
+        self._peer_failures.try_acquire(_peer_host(context))
+        self._suspects.failed(parse_key_id(key) or "")
 
     def _wait_s(self, context: grpc.aio.ServicerContext, role: str, key: str) -> float:
         """Seconds this address stays over its failure limit for ``key``'s id as ``role`` (0:
@@ -574,7 +738,7 @@ class Authenticator:
         remembered as failed), else record the failure and abort with UNAUTHENTICATED. A failed
         check of a key id ``unknown`` here counts against the address (``failures_per_peer``)."""
         if unknown:
-            self._peer_failures.try_acquire(_peer_host(context))
+            self._count_unknown_failure(context, key)
         if wait_s > 0:
             await self._abort_over_limit(context, wait_s)
         self._failed.add((role, fingerprint(key)))
