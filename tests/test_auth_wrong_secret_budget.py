@@ -39,8 +39,9 @@ def test_a_valid_first_time_key_passes_under_wrong_secrets_for_existing_ids(gate
     """Regression (secrev18 residue): waves of 200 wrong secrets for three existing key ids
     (two tenants' and the admin key's), each from its own address, took the gateway's 16 checks
     at once in every wave (up to its 100 a second: 99 checks in 8 waves), so carol's valid key,
-    never used at this gateway, got RESOURCE_EXHAUSTED in the fourth wave. Now the attacked
-    ids are suspect after their first failures: carol's key passes on its first try, as does
+    never used at this gateway, and erin's (on a call that takes the admin key or a tenant's) got
+    RESOURCE_EXHAUSTED in the fourth wave. Now the attacked ids are suspect after their first
+    failures: carol's and erin's keys pass on their first try, as does
     dave's (a tenant registered during the flood, as through another gateway: it waits for a
     directory refresh first), and the flood costs the scheduler its first wave's 16 checks and
     none after (the refused keys of the first wave wait for their turns, which they never take)."""
@@ -48,6 +49,7 @@ def test_a_valid_first_time_key_passes_under_wrong_secrets_for_existing_ids(gate
     _, ann_key = scheduler.store.register(TenantSpec("ann"))
     _, bob_key = scheduler.store.register(TenantSpec("bob"))
     _, carol_key = scheduler.store.register(TenantSpec("carol"))
+    _, erin_key = scheduler.store.register(TenantSpec("erin"))
     targets = [ann_key, bob_key, admin_key]
     flood_keys: list[str] = []
 
@@ -61,8 +63,10 @@ def test_a_valid_first_time_key_passes_under_wrong_secrets_for_existing_ids(gate
         valid = []
         for number in range(_WAVES):
             if number == 3:
-                *flood, carol = await asyncio.gather(*wave(number), _code(auth.tenant, _Ctx(carol_key, "192.0.2.1")))
-                valid.append(carol)
+                *flood, carol, erin = await asyncio.gather(
+                    *wave(number), _code(auth.tenant, _Ctx(carol_key, "192.0.2.1")),
+                    _code(auth.admin_or_tenant, _Ctx(erin_key, "192.0.2.3")))  # e.g. RotateKey for herself
+                valid += [carol, erin]
                 _, dave_key = scheduler.store.register(TenantSpec("dave"))  # as through another gateway
             elif number == 5:
                 *flood, dave = await asyncio.gather(*wave(number), _code(auth.tenant, _Ctx(dave_key, "192.0.2.2")))
@@ -74,7 +78,7 @@ def test_a_valid_first_time_key_passes_under_wrong_secrets_for_existing_ids(gate
 
     codes, valid = asyncio.run(run())
 
-    assert valid == [grpc.StatusCode.OK, grpc.StatusCode.OK]  # before: RESOURCE_EXHAUSTED both
+    assert valid == [grpc.StatusCode.OK] * 3  # before: RESOURCE_EXHAUSTED, RESOURCE_EXHAUSTED, OK
     flood_checks = [key for key in handle.asked("authenticate") if key in set(flood_keys)]
     assert len(flood_checks) == auth.unknown_checks_in_flight  # the first wave's; before: 16 a wave
     assert codes == {grpc.StatusCode.UNAUTHENTICATED: len(flood_checks),
