@@ -210,9 +210,10 @@ class LLMEngine(EngineTiersMixin):
         need, pool_tokens = self.scheduler.peak_tokens(seq), self.scheduler.pool_tokens
         if need > pool_tokens:
             params = seq.sampling_params
+            under = f" under KV policy {seq.policy!r} (with what it keeps outside the pool)" if seq.kv is not None else ""
             raise InvalidRequestError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs "
-                f"{need} tokens of KV at once; this node's KV pool holds {pool_tokens} tokens"
+                f"{need} tokens of KV at once{under}; this node's KV pool holds {pool_tokens} tokens"
             )
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:

@@ -105,12 +105,25 @@ class Scheduler(Preemption):
     def peak_tokens(self, seq: Sequence) -> int:
         """Most KV slots ``seq`` holds at once when it runs alone: prompt + max_tokens (capped
         by ``max_seq_tokens``), or, under a compressing KV policy, at most the policy's
-        ``max_pool_tokens`` (its whole prompt at the end of prefill, then what it keeps)."""
+        ``max_pool_tokens`` (its whole prompt at the end of prefill, then what it keeps), but
+        no less than the pool charge for what the policy keeps outside the pool once the prompt
+        is compressed (``Policy.min_charge_tokens``: SentenceKV's demoted sentences on a node
+        without a host tier). What decoding demotes later is not counted: a request whose
+        charge then outgrows the pool is given up with "length" (``_reserve``), as at a
+        context limit, so a request asking for all the pool leaves (``fill_context``) still
+        runs.
+
+        Regression (hangs review 18 H1): the charge was left out, so a SentenceKV request whose
+        prompt's demoted sentences could never fit the pool beside what it keeps was admitted;
+        it preempted itself every step, forever (since 6bb8353 it was given up "length" after
+        its prefill; now it is refused at arrival)."""
         peak = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         if self.max_seq_tokens is not None:
             peak = min(peak, self.max_seq_tokens)
         if seq.kv is not None:
-            peak = min(peak, seq.kv.policy.max_pool_tokens(seq.num_prompt_tokens))
+            policy = seq.kv.policy
+            peak = min(peak, policy.max_pool_tokens(seq.num_prompt_tokens))
+            peak = max(peak, policy.min_charge_tokens(seq.kv, seq.num_prompt_tokens))
         return peak
 
     def take_rejected(self) -> list[Sequence]:

@@ -149,3 +149,45 @@ def test_a_running_request_that_cannot_grow_alone_is_given_up_not_preempted_fore
     final.update(drain(eng))
     assert (final["next"].finish_reason, final["next"].num_output_tokens) == ("length", 5)
     assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_request_whose_compressed_prompt_cannot_fit_is_refused_at_arrival(tiny, scheduler) -> None:
+    """Regression (hangs review 18 H1, admission bound): without a host tier SentenceKV
+    charges the sentences it demotes (their K/V and region codes) and its recall region to the
+    pool; a 600-token prompt on a 40-block (640-token) pool then held 2 blocks and owed 64
+    after its first compaction, more than the pool, yet it was admitted as fitting (its
+    uncompressed prompt does): it preempted itself 83 times in 250 steps (since 6bb8353 it
+    was given up with "length" after its prefill). Now ``Scheduler.peak_tokens`` counts the
+    charge of the prompt's compaction and the request is refused at arrival, naming the
+    policy; the same request on a node with a host tier is admitted."""
+    from cache_node.tiers.manager import TierConfig
+
+    eng = engine(tiny, scheduler, num_blocks=40)
+    with pytest.raises(InvalidRequestError, match=r"under KV policy 'sentencekv-0.5'.*KV pool holds 640 tokens"):
+        eng.add_request(prompt_of(600), SamplingParams(max_tokens=30, ignore_eos=True), policy="sentencekv-0.5")
+    assert not eng.has_unfinished_requests()
+    tiered = LLMEngine(tiny.model, eng.config, tiny.model_id, tiny.eos_token_ids,
+                       tier_config=TierConfig(host_bytes=100 * eng.pool.bytes_per_block))
+    tiered.add_request(prompt_of(600), SamplingParams(max_tokens=3, ignore_eos=True), request_id="t",
+                       policy="sentencekv-0.5")
+    assert drain(tiered)["t"].num_output_tokens == 3
+
+
+@pytest.mark.parametrize("spec", ["sentencekv-0.5", "sentencekv-64"])
+@pytest.mark.parametrize("num_prompt_tokens", [120, 400])
+def test_the_compressed_prompt_charge_bound_is_at_most_what_it_holds(tiny, spec, num_prompt_tokens) -> None:
+    """``Policy.min_charge_tokens`` is a lower bound: a request the admission check refuses
+    would really hold more than the bound after its prompt's compaction (blocks, charge
+    blocks and charge debt), so no request that fits is refused."""
+    eng = engine(tiny, "fcfs", num_blocks=200)
+    eng.add_request(prompt_of(num_prompt_tokens), SamplingParams(max_tokens=3, ignore_eos=True), request_id="r",
+                    policy=spec)
+    seq = eng.requests["r"]
+    bound = seq.kv.policy.min_charge_tokens(seq.kv, num_prompt_tokens)
+    held = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        if seq.kv is not None and seq.num_computed_tokens >= num_prompt_tokens and seq.block_table:
+            held = max(held, (len(seq.block_table) + len(seq.kv.charge_blocks) + seq.kv.charge_debt) * 16)
+    assert 0 < bound <= held

@@ -210,6 +210,13 @@ class Policy:
         kept = self.budget_tokens(num_prompt_tokens) + self.evict_every + 1
         return max(num_prompt_tokens + 1, kept)
 
+    def min_charge_tokens(self, state: SequenceKV, num_tokens: int) -> int:
+        """Pool slots that the charge for what the policy keeps outside the pool
+        (``SequenceKV.charge_blocks``) takes at least, once a sequence of ``num_tokens``
+        tokens in all (prompt and output) has been compressed; 0 by default. Part of the
+        admission check's bound (``Scheduler.peak_tokens``)."""
+        return 0
+
     def layer_budgets(self, budget_tokens: int, num_layers: int) -> list[int]:
         """Per-layer budgets (uniform by default; bytes held follow the largest)."""
         return [budget_tokens] * num_layers

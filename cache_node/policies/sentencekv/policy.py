@@ -403,15 +403,39 @@ class SentenceKV(Policy):
         bounds charged beside them, sized from one token's codes and one sentence's bounds."""
         host = store.host
         assert isinstance(host, TierHostKV)
-        pool = state.pool
         n = sum(len(run) for run in runs)
-        one = torch.zeros((pool.num_layers, 1, 2, pool.num_kv_heads, pool.head_dim), dtype=pool.kv.dtype)
-        extra = 0 if store.codes is None else n * SentenceCodes.nbytes_of(store.codes.quantize(one))
+        extra = n * self._codes_token_bytes(state)
         if self._bounds_at == "host":
+            pool = state.pool
             bounds = KeyBounds("cpu")
-            bounds.append(one[:, :, 0], 0, self.region_bits, self._region_group(state))
+            bounds.append(torch.zeros((pool.num_layers, 1, pool.num_kv_heads, pool.head_dim), dtype=pool.kv.dtype),
+                          0, self.region_bits, self._region_group(state))
             extra += len(runs) * bounds.nbytes
         return host.slots_for(n, extra)
+
+    def _codes_token_bytes(self, state: SequenceKV) -> int:
+        """Host bytes of one demoted token's region codes (``SentenceCodes``; 0 without
+        ``region_bits``)."""
+        if not self.region_bits:
+            return 0
+        pool = state.pool
+        one = torch.zeros((pool.num_layers, 1, 2, pool.num_kv_heads, pool.head_dim), dtype=pool.kv.dtype)
+        return SentenceCodes.nbytes_of(SentenceCodes(self.region_bits, self._region_group(state)).quantize(one))
+
+    def min_charge_tokens(self, state: SequenceKV, num_tokens: int) -> int:
+        """Without a host tier (``state.host`` None) the demoted sentences' K/V and region
+        codes sit in the sequence's own RAM, charged to the pool (``private_host_bytes``): at
+        least every token past what the policy keeps (its budget and ``evict_every`` slack),
+        each a pool token's bytes plus its codes; beside the recall region and the sentence
+        index, charged too, which fill the budget left after the pool slots
+        (``region_tokens``). With a host tier, 0 (the tier holds the sentences)."""
+        budget = self.budget_tokens(state.seq.num_prompt_tokens)
+        demoted = max(0, num_tokens - budget - self.evict_every - 1)
+        if state.host is not None or not demoted:
+            return 0
+        token_bytes = self._token_bytes(state)
+        sentences = math.ceil(demoted * (token_bytes + self._codes_token_bytes(state)) / token_bytes)
+        return sentences + max(0, budget - self.pool_tokens(state))
 
     @property
     def _bounds_at(self) -> str:
