@@ -87,7 +87,8 @@ class Admission:
 
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
-                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted")
+                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted",
+                  "unknown_tenant")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
@@ -135,10 +136,12 @@ class GlobalScheduler(Tenants, Membership, Routing):
         by_class = scheduler in ("priority", "kvstrata")
         self.nodes = {nid: NodeLoad(nid, cap, backlog=FluidBacklog(by_class)) for nid, cap in nodes.items()}
         # tenant_id -> spec: every tenant of the store at start, then kept by register_tenant,
-        # update_tenant, delete_tenant and authenticate (admission never reads the store)
+        # update_tenant, delete_tenant and authenticate (admission never reads the store); no
+        # other id is admitted (``knows_tenant``)
         self.specs: dict[str, TenantSpec] = {t.tenant_id: t.spec for t in self.store.list()}
-        # deleted tenants' ids (newest last, at most ``MAX_DELETED_TENANTS``): their requests are refused
-        self.deleted_tenants: OrderedDict[str, None] = OrderedDict()
+        # deleted tenants' ids (newest last, at most ``MAX_DELETED_TENANTS``; the store keeps
+        # them across restarts): their requests are refused as the deleted tenant's
+        self.deleted_tenants: OrderedDict[str, None] = OrderedDict.fromkeys(self.store.deleted_tenant_ids())
         self.queue_limit = queue_limit
         self.affinity_min_blocks = affinity_min_blocks
         self.index = BlockIndex()
@@ -193,7 +196,8 @@ class GlobalScheduler(Tenants, Membership, Routing):
             "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy,
             or the session's node is down) / "ABORTED" (the session's history was lost with
             its node's process: ``node_up``) / "UNAUTHENTICATED" (the tenant was deleted:
-            ``delete_tenant``) with a message.
+            ``delete_tenant``; or it is no tenant of the store at all: ``knows_tenant``) with a
+            message.
 
         Regression: when a node was marked down (a missed health poll was enough) its
         sessions' routes were dropped; the next turn of one was routed by load as a first
@@ -205,10 +209,15 @@ class GlobalScheduler(Tenants, Membership, Routing):
         were admitted after its ``end_tenant`` (they ran, and opened session routes nothing
         closed), and each re-read every tenant from SQLite on this loop (``_spec_by_id``: 33 ms
         at 300 tenants). They are refused UNAUTHENTICATED now, and no admission reads the store.
+
+        Regression (secrev18 E residue): only the deleted ids remembered in memory were refused,
+        none after a scheduler restart, and any id not in ``specs`` (deleted before a restart,
+        or never a tenant) was admitted with the default class. Only tenants of the store are
+        admitted now (``_unknown_tenant``), and deletions are kept by the store.
         """
-        if tenant_id in self.deleted_tenants:
-            return Admission(code="UNAUTHENTICATED", reason="tenant_deleted",
-                             message="this request's tenant was deleted")
+        refused = self._unknown_tenant(tenant_id)
+        if refused is not None:
+            return refused
         if len(self.down) == len(self.nodes):
             return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
                              reason="no_healthy_node")
@@ -298,6 +307,19 @@ class GlobalScheduler(Tenants, Membership, Routing):
                                  message=f"cache node {adm.node_id} is not reading its commands; retry")
         return adm
 
+    def _unknown_tenant(self, tenant_id: str) -> Admission | None:
+        """The refusal of a request whose ``tenant_id`` is no tenant of the store
+        (``knows_tenant``): UNAUTHENTICATED, "tenant_deleted" for a deleted tenant's,
+        "unknown_tenant" for any other. None for a tenant's request. Nothing is counted per
+        tenant for such an id (its ``usage`` would grow with every id a caller makes up)."""
+        if self.knows_tenant(tenant_id):
+            return None
+        if tenant_id in self.deleted_tenants:
+            return Admission(code="UNAUTHENTICATED", reason="tenant_deleted",
+                             message="this request's tenant was deleted")
+        return Admission(code="UNAUTHENTICATED", reason="unknown_tenant",
+                         message="this request's tenant is not registered with the scheduler")
+
     def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
         """Prompt tokens per tier from a prefix in blocks, capped at ``prompt_tokens``
         (device first, then host, then spill)."""
@@ -373,7 +395,7 @@ class GlobalScheduler(Tenants, Membership, Routing):
             node.prefill.set(float(usage["prefill_tokens_per_s"]))
             if usage.get("step_s"):
                 node.step_s.update(float(usage["step_s"]))
-        if tenant_id and usage:
+        if usage and self.knows_tenant(tenant_id):  # not one deleted since its admission
             self.usage.record_completion_tokens(tenant_id, int(usage.get("completion_tokens", 0)))
             if "prompt_tokens" in usage:
                 cached = {k: int(v) for k, v in (usage.get("cached_tokens") or {}).items()}
@@ -395,12 +417,17 @@ class GlobalScheduler(Tenants, Membership, Routing):
         none can be asked: the node is down, or the history was lost: ``node_up``) and the ids
         of its turns admitted and not yet released, which the node must refuse should they
         reach it after the close (``CacheNode.close_session``). None when the session is
-        unknown or another tenant's.
+        unknown or another tenant's, or ``tenant_id`` is no tenant's (``knows_tenant``).
 
         Regression: a first turn still on the data plane when the close reached its node
         opened the session there after the close, with no route to it (no turn could reach
         it, no close could free it: it held its KV until its TTL), and the close answered
-        NOT_FOUND for a session the client had opened."""
+        NOT_FOUND for a session the client had opened.
+
+        Regression (secrev18 E residue): an id that is no tenant's was looked up (and its
+        lost-session marks touched) as a tenant's."""
+        if not self.knows_tenant(tenant_id):
+            return None
         entry = self.session_nodes.get(session_id)
         if entry is None or entry[0] != tenant_id:
             return ("", []) if self.forget_lost(tenant_id, session_id) else None

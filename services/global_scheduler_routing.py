@@ -60,6 +60,13 @@ class RoutingKeys:
         while self.count > self.total:
             self._evict(max(self.by_tenant, key=lambda t: len(self.by_tenant[t])))
 
+    def forget(self, tenant_id: str) -> None:
+        """Drop every key of ``tenant_id`` (it was deleted); an unknown id is a no-op.
+
+        Regression (secrev18 E residue): a deleted tenant's keys held their places until
+        other tenants' keys pushed them out."""
+        self.count -= len(self.by_tenant.pop(tenant_id, {}))
+
     def _evict(self, tenant_id: str) -> None:
         keys = self.by_tenant[tenant_id]
         keys.popitem(last=False)

@@ -7,18 +7,19 @@ tenant store (``tenants.store``) and the usage ledger. ``Tenants`` is a part of
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
-from tenants.errors import TooManyRotationsError
+from services.global_scheduler_routing import RoutingKeys
+from tenants.errors import TenantNotFoundError, TooManyRotationsError
 from tenants.model import Tenant, TenantSpec
 from tenants.ratelimit import WindowLimiter
-from tenants.store import KeyIdsDelta
+from tenants.store import MAX_DELETED_TENANTS, KeyIdsDelta, TenantStore
+from tenants.usage import UsageLedger
 
 OWN_ROTATIONS_PER_WINDOW = 6
 """Rotations a tenant may make of its own key (with its own key) per ``OWN_ROTATION_WINDOW_S``."""
 OWN_ROTATION_WINDOW_S = 60.0
-MAX_DELETED_TENANTS = 65536
-"""Deleted tenants' ids remembered (``deleted_tenants``; the oldest forgotten first)."""
 
 
 class Tenants:
@@ -27,8 +28,24 @@ class Tenants:
     ``OWN_ROTATIONS_PER_WINDOW`` per ``OWN_ROTATION_WINDOW_S`` by tenant name, made by
     ``own_rotation_limiter``).
 
-    ``specs`` holds every tenant's spec, kept current here (admission reads nothing else);
-    ``deleted_tenants`` the ids of deleted tenants, whose late requests admission refuses."""
+    ``specs`` holds every tenant's spec, kept current here: admission reads nothing else, and
+    admits (closes sessions of, reports usage of) only the tenant ids it holds (``knows_tenant``);
+    ``deleted_tenants`` the ids of the last ``tenants.store.MAX_DELETED_TENANTS`` deleted tenants
+    (kept by the store, so that a restart remembers them), whose late requests admission refuses
+    with their own reason."""
+
+    store: TenantStore
+    usage: UsageLedger
+    own_rotations: WindowLimiter
+    specs: dict[str, TenantSpec]
+    deleted_tenants: OrderedDict[str, None]
+    session_nodes: dict[str, tuple[str, str]]
+    lost_sessions: dict[str, dict[str, float]]
+    routing_keys: RoutingKeys
+    node_inboxes: dict[str, str]
+    commands: Any
+
+    def drop_session_route(self, session_id: str) -> None: ...
 
     @staticmethod
     def own_rotation_limiter(clock: Any) -> WindowLimiter:
@@ -70,6 +87,17 @@ class Tenants:
             raise TooManyRotationsError(name, self.own_rotations.retry_after_s(name))
         return self.store.rotate_key(name)
 
+    def knows_tenant(self, tenant_id: str) -> bool:
+        """Whether ``tenant_id`` is a tenant of the store (``specs``, never a store read).
+
+        The gateway checks keys against this scheduler's store, so any other id comes from a
+        gateway's stale key cache (a key of a tenant deleted before this scheduler started) or
+        from a forged or buggy caller: nothing of it is admitted, closed or counted.
+
+        Regression (secrev18 E residue): an id not in ``specs`` was admitted with the default
+        class, and after a restart a deleted tenant's late request was admitted so."""
+        return tenant_id in self.specs
+
     def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
         tenant, key = self.store.register(spec)
         self.specs[tenant.tenant_id] = tenant.spec
@@ -97,25 +125,31 @@ class Tenants:
         Raises:
             TenantNotFoundError: no tenant is called ``name``.
         """
-        tenant_id = self.store.get(name).tenant_id
-        self.store.delete(name)
-        return tenant_id
+        return self.store.delete(name)
 
     def end_deleted_tenant(self, tenant_id: str) -> None:
         """The deleted tenant ``tenant_id``'s requests are refused from now on (admission:
         UNAUTHENTICATED), its requests in flight end (ABORTED) and its sessions close on every
-        node (``end_tenant`` on their command inboxes), and its session routes go.
+        node (``end_tenant`` on their command inboxes), and its session routes, lost-session
+        marks, routing keys and usage counters go.
 
         Regression (secrev18 E): only the spec went, so a request of the tenant reaching
         admission afterwards (still in a gateway's pipeline) was admitted and ran after the
         ``end_tenant``, and a session it opened was never closed.
+
+        Regression (secrev18 E residue): its lost-session marks, routing keys and usage
+        counters stayed in memory for good.
         """
+        self.deleted_tenants.pop(tenant_id, None)
         self.deleted_tenants[tenant_id] = None
         while len(self.deleted_tenants) > MAX_DELETED_TENANTS:
             self.deleted_tenants.popitem(last=False)
         self.specs.pop(tenant_id, None)
         for sid in [sid for sid, (owner, _) in self.session_nodes.items() if owner == tenant_id]:
             self.drop_session_route(sid)
+        self.lost_sessions.pop(tenant_id, None)
+        self.routing_keys.forget(tenant_id)
+        self.usage.forget(tenant_id)
         if self.commands is not None:
             for inbox in self.node_inboxes.values():
                 self.commands.send(inbox, {"op": "end_tenant", "tenant": tenant_id})
@@ -141,4 +175,12 @@ class Tenants:
         return self.store.key_ids_since(epoch, version)
 
     def usage_of(self, tenant_id: str) -> Any:
+        """``tenant_id``'s usage counters.
+
+        Raises:
+            TenantNotFoundError: ``tenant_id`` is no tenant's (``knows_tenant``; deleted since
+                the caller looked it up, or never one).
+        """
+        if not self.knows_tenant(tenant_id):
+            raise TenantNotFoundError(tenant_id)
         return self.usage.snapshot(tenant_id)

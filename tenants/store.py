@@ -5,6 +5,10 @@ Tables (schema version 2, in ``PRAGMA user_version``)::
     tenants(name PK, tenant_id UNIQUE, spec_json, created_at_s)
     api_keys(key_id PK, role 'tenant'|'admin', tenant_id -> tenants ON DELETE CASCADE,
              salt, iterations, digest, created_at_s)
+    deleted_tenants(seq PK, tenant_id UNIQUE, deleted_at_s)   -- the newest MAX_DELETED_TENANTS
+
+``deleted_tenants`` was added within version 2: opening a file without it creates it (an
+earlier version reading a file with it ignores it).
 
 Keys are stored only as ``KeyHash`` rows (see ``tenants.keys``): ``iterations`` 0 is a
 SHA-256 (HMAC) digest, checked in microseconds with no cache and no limit, so no number of
@@ -65,6 +69,8 @@ FAILED_KEY_TTL_S = 60.0
 PBKDF2_CONCURRENCY = 2  # PBKDF2 runs at once per store (legacy rows only)
 _CHECK_LOCK_STRIPES = 64  # PBKDF2 runs of one key id never overlap (striped by key id)
 KEY_LOG_LENGTH = 4096  # key ids added or removed lately, for ``key_ids_since``'s deltas
+MAX_DELETED_TENANTS = 65536
+"""Deleted tenants' ids kept (``deleted_tenant_ids``; the oldest forgotten first)."""
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -81,6 +87,11 @@ CREATE TABLE IF NOT EXISTS api_keys (
     digest BLOB NOT NULL,
     created_at_s REAL NOT NULL,
     CHECK ((role = 'admin') = (tenant_id IS NULL))
+);
+CREATE TABLE IF NOT EXISTS deleted_tenants (
+    seq INTEGER PRIMARY KEY,
+    tenant_id TEXT NOT NULL UNIQUE,
+    deleted_at_s REAL NOT NULL
 );
 """
 _TENANT_COLUMNS = "t.tenant_id, t.spec_json, t.created_at_s"
@@ -181,17 +192,35 @@ class TenantStore:
                 raise TenantNotFoundError(name)
         return self.get(name)
 
-    def delete(self, name: str) -> None:
-        """Remove a tenant and all its keys. Raises ``TenantNotFoundError`` if absent."""
+    def delete(self, name: str) -> str:
+        """Remove a tenant and all its keys, and note its id among the deleted ones
+        (``deleted_tenant_ids``), in one transaction; returns its tenant id.
+
+        Raises:
+            TenantNotFoundError: no tenant ``name``.
+        """
         with self._lock:
             with self._conn:
-                gone = self._conn.execute(
-                    "SELECT k.key_id FROM api_keys AS k JOIN tenants AS t ON t.tenant_id = k.tenant_id "
-                    "WHERE t.name = ?", (name,)).fetchall()
-                cursor = self._conn.execute("DELETE FROM tenants WHERE name = ?", (name,))
-                if cursor.rowcount == 0:
+                row = self._conn.execute("SELECT tenant_id FROM tenants WHERE name = ?", (name,)).fetchone()
+                if row is None:
                     raise TenantNotFoundError(name)
+                gone = self._conn.execute("SELECT key_id FROM api_keys WHERE tenant_id = ?", row).fetchall()
+                self._conn.execute("DELETE FROM tenants WHERE tenant_id = ?", row)
+                self._conn.execute("INSERT OR REPLACE INTO deleted_tenants (tenant_id, deleted_at_s) VALUES (?, ?)",
+                                   (row[0], self._clock()))
+                self._conn.execute("DELETE FROM deleted_tenants "
+                                   "WHERE seq <= (SELECT MAX(seq) FROM deleted_tenants) - ?", (MAX_DELETED_TENANTS,))
             self._log_keys(removed=[key_id for (key_id,) in gone])
+        return row[0]
+
+    def deleted_tenant_ids(self) -> tuple[str, ...]:
+        """The ids of the last ``MAX_DELETED_TENANTS`` tenants deleted, oldest first.
+
+        Regression (secrev18 E residue): deletions were not kept, so a restarted scheduler
+        could not tell a deleted tenant's late request from any other unknown id."""
+        with self._lock:
+            rows = self._conn.execute("SELECT tenant_id FROM deleted_tenants ORDER BY seq").fetchall()
+        return tuple(tenant_id for (tenant_id,) in rows)
 
     def get(self, name: str) -> Tenant:
         """Return tenant ``name``. Raises ``TenantNotFoundError`` if absent."""

@@ -13,6 +13,7 @@ from services.block_index import BlockIndex, PrefixTiers
 from services.global_scheduler import GlobalScheduler
 from services.spill_node import SpillNode
 from tenants.model import TenantSpec
+from tests.known_tenants import know_tenants
 from tests.test_slo_admission import Clock
 from tests.test_spill_store import BLOCK, DISK, FMT, hashes_of, make_blocks
 
@@ -32,7 +33,9 @@ def removed(tier: str, hashes: list[bytes]) -> list[tuple[str, bytes, str]]:
 
 
 def plain(tmp_path: Path, nodes: tuple[str, ...] = ("n0", "n1"), **kw: object) -> GlobalScheduler:
-    return GlobalScheduler(str(tmp_path), dict.fromkeys(nodes, 4), **kw)  # type: ignore[arg-type]
+    """A scheduler with these tests' tenants ("t", "noisy", "quiet", "third", "mallory", "alice")."""
+    gs = GlobalScheduler(str(tmp_path), dict.fromkeys(nodes, 4), **kw)  # type: ignore[arg-type]
+    return know_tenants(gs, "t", "noisy", "quiet", "third", "mallory", "alice")
 
 
 def test_index_tiers_are_the_cache_nodes_tier_names() -> None:

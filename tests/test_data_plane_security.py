@@ -33,6 +33,7 @@ from services.data_plane_auth import DataPlaneKeys, KeyPair
 from services.gateway_streams import NodeStreams
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.node_request import NodeRequest
+from tests.known_tenants import know_tenants
 
 PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
 
@@ -105,6 +106,7 @@ def plane() -> Iterator[Plane]:
                      security=keys.security("node", node_id="n0"))
     scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-dp-"), {"n0": 4},
                                        security=keys.security("scheduler"))
+    know_tenants(scheduler, "t")
     node_address = run(node.open_data_plane())
     scheduler.attach_nodes({"n0": node_address})
     sched_address = run(scheduler.open_data_plane())

@@ -14,6 +14,7 @@ import pytest
 from cache_node.sampling_params import SamplingParams
 from services.gateway_streams import NodeStreams
 from services.node_request import NodeRequest
+from tests.known_tenants import know_tenants
 from tests.loop_plane import LoopPlane, call, wait_for
 
 PROMPT = tuple(range(100, 140))
@@ -29,6 +30,7 @@ class Plane(LoopPlane):
 
     def __init__(self) -> None:
         super().__init__(16, "kvstrata-gone-")
+        know_tenants(self.scheduler, "t")
         self.a, self.b = (NodeStreams({"n0": None}, {"n0": self.node_address}, self.sched_address,
                                       security=self.keys.security("gateway")) for _ in range(2))
         self.run(self.a.start())

@@ -8,6 +8,7 @@ from typing import Any
 
 from services.global_scheduler import GlobalScheduler
 from services.node_monitor import NodeMonitor
+from tests.known_tenants import know_tenants
 
 
 def _remote(fn: Any) -> SimpleNamespace:
@@ -43,7 +44,7 @@ def test_a_node_the_scheduler_holds_down_rejoins_from_a_monitor_that_never_saw_i
     sessions was refused ``session_node_down``. Now a monitor starts from the scheduler's
     view and reports the node up at its first healthy answer; its sessions go on there."""
     finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4}), "t1")
     assert sched.admit("t1", "t1/a", session_id="t1/s").node_id == "n0"  # its session lives on n0
     sched.release("t1/a", finished)
     sched.node_down("n0", "did not answer within 15 s")  # the dead gateway's last word

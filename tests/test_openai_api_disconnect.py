@@ -22,6 +22,7 @@ from services.node_request import NodeRequest
 from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.server import HttpServer
 from tenants.model import TenantSpec
+from tests.known_tenants import know_tenants
 from tests.loop_plane import LoopPlane, call, wait_for
 
 
@@ -48,6 +49,7 @@ class Edge(LoopPlane):
                                           self.sched_address, security=self.keys.security("gateway"))
         self.run(self.servicer.streams.start())
         self.key = self.run(call(self.scheduler.register_tenant, TenantSpec(name="hangup")))[1]
+        know_tenants(self.scheduler, "other")  # the blockers' tenant (sent past the gateway)
         self.model = info["model_id"].split("@", 1)[0]
         self.http = HttpServer(create_app(OpenAIEdge(self.servicer, info["model_id"], list, lambda: 1)))
         self.port = self.run(self.http.start("127.0.0.1", 0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.global_scheduler import GlobalScheduler
 from tenants.model import TenantSpec
+from tests.known_tenants import know_tenants
 
 FINISHED = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
 
@@ -39,8 +40,8 @@ def test_a_tenants_lost_sessions_count_as_its_sessions_until_closed_or_their_ttl
     another tenant's count is its own. A marker is forgotten ``session_ttl_s`` after the
     loss, when the session would have expired on its node too."""
     now = [100.0]
-    sched = GlobalScheduler(str(tmp_path), {"n0": 8}, max_sessions_per_tenant=2, session_ttl_s=900.0,
-                            clock=lambda: now[0])
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 8}, max_sessions_per_tenant=2, session_ttl_s=900.0,
+                                         clock=lambda: now[0]), "a", "b")
     a1, a2 = open_sessions(sched, "a", 2)
     (b1,) = open_sessions(sched, "b", 1)
     sched.node_down("n0", "restarting")
@@ -69,7 +70,7 @@ def test_the_launcher_gives_the_scheduler_the_nodes_session_ttl(tmp_path) -> Non
 
     config = ServiceConfig(session_ttl_s=60.0, max_sessions_per_tenant=3)
     now = [0.0]
-    sched = GlobalScheduler(str(tmp_path), {"n0": 8}, clock=lambda: now[0], **session_limits(config))
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 8}, clock=lambda: now[0], **session_limits(config)), "a")
     assert (sched.session_ttl_s, sched.max_sessions_per_tenant) == (60.0, 3)
     (sid,) = open_sessions(sched, "a", 1)
     sched.node_down("n0", "restarting")

@@ -11,9 +11,11 @@ from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.global_scheduler import REJECT_REASONS, GlobalScheduler
 from services.node_request import NodeRequest
+from tests.known_tenants import know_tenants
 
 PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
 TTL_S = 2.0
+TENANTS = ("t1", "t2", "a", "b")  # the tenants these tests admit requests of
 
 
 def run_turn(sched: GlobalScheduler, node: CacheNode, session_id: str) -> None:
@@ -42,7 +44,7 @@ def test_sessions_the_node_expires_leave_the_scheduler_map(tmp_path) -> None:
     """Issue 18 fault 9: sessions the node expired stayed in the scheduler's session map
     forever (it grew without bound). Now the node reports each expiry and the map holds
     exactly the sessions the node still has."""
-    sched = GlobalScheduler(str(tmp_path), {"n0": 8})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 8}), *TENANTS)
     node = CacheNode("n0", NodeConfig(kv_pool_bytes=16 << 20, host_bytes=0), num_threads=1, session_ttl_s=TTL_S)
     node.session_sink = sched.sessions_ended
     try:
@@ -65,7 +67,7 @@ def test_sessions_the_node_expires_leave_the_scheduler_map(tmp_path) -> None:
 
 def test_sessions_ended_ignores_other_nodes_sessions(tmp_path) -> None:
     """A report names its node: an equal session id routed to another node stays."""
-    sched = GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8}), *TENANTS)
     sched.session_nodes.update({"s": ("t1", "n1"), "u": ("t1", "n0")})
     sched.sessions_ended("n0", ["s", "u", "never-seen"])
     assert sched.session_nodes == {"s": ("t1", "n1")}
@@ -76,7 +78,7 @@ def test_a_late_release_of_a_first_turn_keeps_the_route_its_retry_set(tmp_path) 
     at once; the cancelled turn's release (by Ray) landed after the retry's admission (by
     ZeroMQ) and dropped the session's route, so the next turn went to another node and
     answered without the history the retry left on the first."""
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4}), *TENANTS)
     first = sched.admit("t1", "t1/r1#a", session_id="t1/chat")
     retry = sched.admit("t1", "t1/r1#b", session_id="t1/chat")
     assert retry.node_id == first.node_id
@@ -97,7 +99,7 @@ def test_a_turn_continues_its_session_only_once_a_turn_of_it_finished_there(tmp_
     never computing it without its history) holds only once a turn of the session finished
     on its node: a first turn's retry, or a turn beside a first turn still running, opens it."""
     finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4}), *TENANTS)
     assert not sched.admit("t1", "t1/a#1", session_id="t1/s").continues_session
     assert not sched.admit("t1", "t1/a#2", session_id="t1/s").continues_session  # the first still runs
     sched.release("t1/a#1", None)  # cancelled before it ran
@@ -124,7 +126,7 @@ def test_a_sessions_turn_is_never_routed_without_its_history_after_its_node_went
     process), until the session is closed; every gateway's monitor may report the same
     rejoin."""
     finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4, "n1": 4}), *TENANTS)
     first = sched.admit("t1", "t1/a", session_id="t1/s")
     sched.release("t1/a", finished)
     node = first.node_id
@@ -182,7 +184,7 @@ def test_a_tenant_opens_at_most_max_sessions_per_tenant(tmp_path) -> None:
     session is RESOURCE_EXHAUSTED; the tenant's open sessions go on, other tenants are not
     counted, and a closed or expired one makes room."""
     finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
-    sched = GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8}, max_sessions_per_tenant=2)
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8}, max_sessions_per_tenant=2), *TENANTS)
     for k, sid in enumerate(["a/1", "a/2"]):
         assert sched.admit("a", f"a/r{k}", session_id=sid).code == "OK"
         sched.release(f"a/r{k}", finished)
@@ -204,7 +206,7 @@ def test_a_first_turn_that_did_not_finish_leaves_no_route_and_no_kept_session(tm
     turn ends so; the route never expired, and the tenant's ``max_sessions_per_tenant`` ran
     out for good. A first turn ended by a drain (a finished event with reason "abort") marked
     its session kept, so every later turn was refused ABORTED. Now neither leaves a route."""
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4}, max_sessions_per_tenant=2)
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4}, max_sessions_per_tenant=2), *TENANTS)
     partial = {"prompt_tokens": 12, "cached_tokens": {}, "completion_tokens": 3}
     drained = {"finish_reason": "abort", "prompt_tokens": 12, "completion_tokens": 1, "cached_tokens": {},
                "prefill_tokens_per_s": 900.0}
@@ -227,7 +229,7 @@ def test_a_session_closed_while_its_node_was_down_is_closed_there_when_it_is_bac
     a new process came back (nothing left to close)."""
     finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
     sent: list[tuple[str, dict]] = []
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4}), *TENANTS)
     sched.commands = type("Sender", (), {"send": lambda self, to, msg: sent.append((to, msg)) or True})()
     for sid in ("t1/a", "t1/b"):
         sched.admit("t1", f"{sid}-turn", session_id=sid)
@@ -251,7 +253,7 @@ def test_a_first_turn_still_on_its_way_when_its_session_closes_never_opens_it(tm
     arrives (ABORTED), the close answers 0 (closed, nothing held yet), nothing is held, and a
     turn sent after the close opens the session anew with its route; another tenant's
     session is untouched."""
-    sched = GlobalScheduler(str(tmp_path), {"n0": 8})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 8}), *TENANTS)
     node = CacheNode("n0", NodeConfig(kv_pool_bytes=16 << 20, host_bytes=0), num_threads=1)
     node.session_sink = sched.sessions_ended
 
@@ -298,7 +300,7 @@ def test_a_closed_sessions_turns_in_flight_leave_the_session_opened_anew_alone(t
     one that finished marked the new session kept before its own first turn finished (a turn
     beside it was sent as ``continues_session``). Now the close detaches its turns in flight."""
     finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
-    sched = GlobalScheduler(str(tmp_path), {"n0": 4})
+    sched = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4}), *TENANTS)
     node = sched.admit("t1", "t1/a#1", session_id="t1/s").node_id
     sched.admit("t1", "t1/a#2", session_id="t1/s")  # a second turn beside the first
     assert sched.close_session("t1/s", "t1") == (node, ["t1/a#1", "t1/a#2"])

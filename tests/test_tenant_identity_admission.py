@@ -1,0 +1,173 @@
+"""secrev18 E residue: the scheduler admits (closes sessions of, reports usage of) only tenants
+of its store, and remembers deleted tenants across a restart. An id the store does not hold
+reaches it only from a gateway's stale key cache or a forged or buggy caller. Real
+``GlobalScheduler`` / ``GlobalSchedulerService`` over a real store on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cache_node.sampling_params import SamplingParams
+from services import data_plane
+from services.global_scheduler import REJECT_REASONS, GlobalScheduler
+from services.global_scheduler_admission import GlobalSchedulerService
+from services.node_request import NodeRequest
+from tenants import store as store_module
+from tenants.errors import TenantNotFoundError
+from tenants.model import TenantSpec
+from tenants.store import TenantStore
+
+FINISHED = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, address: str, msg: dict) -> bool:
+        self.sent.append(msg)
+        return True
+
+
+def _no_store_reads(gs: GlobalScheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the store is read from here on."""
+    def read(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("admission read the tenant store")
+
+    for name in ("list", "get", "authenticate", "deleted_tenant_ids"):
+        monkeypatch.setattr(gs.store, name, read, raising=False)
+
+
+def test_an_id_that_is_no_tenants_is_refused_and_touches_nothing(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (secrev18 E residue): a request of an id the store never held (a forged or
+    buggy caller) was admitted with the default class (code OK on n0): it ran, opened a session
+    route, took a routing key and a usage entry. Now it is UNAUTHENTICATED ("unknown_tenant"),
+    without a store read, and nothing of any tenant changes."""
+    gs = GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8})
+    ann, _ = gs.register_tenant(TenantSpec("ann"))
+    assert gs.admit(ann.tenant_id, "ann/r1", session_id="ann/s", routing_key="k").code == "OK"
+    def state() -> tuple:
+        return (dict(gs.session_nodes), dict(gs.requests), dict(gs.routing_keys.by_tenant), gs.usage.snapshot_all(),
+                {nid: (set(n.in_flight), dict(n.backlog.by_rank)) for nid, n in gs.nodes.items()})
+
+    before = state()
+    _no_store_reads(gs, monkeypatch)
+
+    forged = gs.admit("forged", "forged/r1", session_id="forged/s", prompt_tokens=10, routing_key="k")
+    hijack = gs.admit("forged", "forged/r2", session_id="ann/s")
+
+    assert (forged.code, forged.reason, forged.node_id) == ("UNAUTHENTICATED", "unknown_tenant", "")
+    assert (hijack.code, hijack.reason) == ("UNAUTHENTICATED", "unknown_tenant")
+    assert "unknown_tenant" in REJECT_REASONS
+    assert state() == before and "forged" not in gs.sessions_per_tenant
+    assert before[4] == {"n0": ({"ann/r1"}, {1: 0.0}), "n1": (set(), {})}
+
+
+def test_a_tenant_deleted_before_a_restart_stays_refused_as_deleted(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (secrev18 E residue): deletions lived in memory alone, so after a scheduler
+    restart a deleted tenant's late request (its key still in a gateway's cache) was admitted
+    with the default class. The store keeps deleted ids: a restarted scheduler refuses it
+    UNAUTHENTICATED with "tenant_deleted", reading the store only at start."""
+    gs = GlobalScheduler(str(tmp_path), {"n0": 8})
+    gone, _ = gs.register_tenant(TenantSpec("gone"))
+    ann, _ = gs.register_tenant(TenantSpec("ann"))
+    gs.delete_tenant("gone")
+    gs.store.close()
+
+    restarted = GlobalScheduler(str(tmp_path), {"n0": 8})
+    _no_store_reads(restarted, monkeypatch)
+    adm = restarted.admit(gone.tenant_id, "gone/r1", session_id="gone/s")
+
+    assert (adm.code, adm.reason) == ("UNAUTHENTICATED", "tenant_deleted")
+    assert list(restarted.deleted_tenants) == [gone.tenant_id] and set(restarted.specs) == {ann.tenant_id}
+    assert restarted.session_nodes == {} and restarted.requests == {}
+    assert restarted.admit(ann.tenant_id, "ann/r1").code == "OK"
+
+
+def test_the_store_keeps_the_newest_deleted_ids_across_a_reopen(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store keeps the last ``MAX_DELETED_TENANTS`` deleted ids, oldest first, through a
+    reopen; a delete commits the tenant's removal and its id together."""
+    monkeypatch.setattr(store_module, "MAX_DELETED_TENANTS", 3)
+    store = TenantStore(tmp_path / "tenants.sqlite")
+    ids = [store.register(TenantSpec(f"t{i}"))[0].tenant_id for i in range(5)]
+    assert [store.delete(f"t{i}") for i in range(5)] == ids
+    store.close()
+
+    reopened = TenantStore(tmp_path / "tenants.sqlite")
+    assert reopened.deleted_tenant_ids() == tuple(ids[2:])
+    assert reopened.list() == ()
+    with pytest.raises(TenantNotFoundError):
+        reopened.delete("t0")
+    assert reopened.deleted_tenant_ids() == tuple(ids[2:])
+
+
+def test_close_session_and_usage_of_answer_tenants_alone(tmp_path: Path) -> None:
+    """Regression (secrev18 E residue): a deleted tenant's sessions lost with a restarted node
+    stayed marked (its close answered ("", []) as a tenant's), and ``usage_of`` answered
+    zeros for any id. A close for an id that is no tenant's answers None (NOT_FOUND), and
+    ``usage_of`` raises TenantNotFoundError for one."""
+    gs = GlobalScheduler(str(tmp_path), {"n0": 8})
+    gone, _ = gs.register_tenant(TenantSpec("gone"))
+    assert gs.admit(gone.tenant_id, "gone/r1", session_id="gone/s").code == "OK"
+    gs.release("gone/r1", FINISHED)
+    gs.node_down("n0", "restarting")
+    gs.node_up("n0", "inbox2", pid=0)  # a new process: the session is lost
+    assert gs.lost_of(gone.tenant_id) != {}
+    gs.delete_tenant("gone")
+
+    assert gs.lost_sessions == {}
+    assert gs.close_session("gone/s", gone.tenant_id) is None
+    assert gs.close_session("any", "forged") is None
+    with pytest.raises(TenantNotFoundError):
+        gs.usage_of(gone.tenant_id)
+    with pytest.raises(TenantNotFoundError):
+        gs.usage_of("forged")
+
+
+def test_a_deleted_tenants_bookkeeping_goes_and_a_late_release_counts_nothing(tmp_path: Path) -> None:
+    """Regression (secrev18 E residue): a deleted tenant's routing keys and usage counters
+    stayed, and the release of its request still in flight at the delete counted its tokens
+    again under its id. Another tenant's stay as they were."""
+    gs = GlobalScheduler(str(tmp_path), {"n0": 8})
+    gone, _ = gs.register_tenant(TenantSpec("gone"))
+    ann, _ = gs.register_tenant(TenantSpec("ann"))
+    for tenant in (gone, ann):
+        assert gs.admit(tenant.tenant_id, f"{tenant.name}/r1", routing_key="k").code == "OK"
+    gs.delete_tenant("gone")
+    gs.release("gone/r1", FINISHED)
+    gs.release("ann/r1", FINISHED)
+
+    assert list(gs.routing_keys.by_tenant) == [ann.tenant_id] and len(gs.routing_keys) == 1
+    assert list(gs.usage.snapshot_all()) == [ann.tenant_id]
+    assert gs.usage_of(ann.tenant_id).completion_tokens == 8 and gs.requests == {}
+
+
+def test_the_actor_refuses_an_unknown_tenants_admission_message_on_the_wire(tmp_path: Path) -> None:
+    """An admission message naming an id that is no tenant's (what a gateway with a stale key
+    cache, or a buggy one, sends) gets a reply the gateway accepts (``admission_reply``: the
+    reason is one of ``REJECT_REASONS``), UNAUTHENTICATED "unknown_tenant", and no node hears
+    of it; a registered tenant's goes on to its node."""
+    scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 4})
+    scheduler.attach_nodes({"n0": "tcp://127.0.0.1:9"}, _Sender())
+    ann, _ = asyncio.run(scheduler.register_tenant(TenantSpec("ann")))
+
+    def message(corr: int, tenant: str) -> bytes:
+        req = NodeRequest(request_id=f"{tenant}/r", tenant=tenant, cache_namespace="ns", token_ids=(1, 2, 3),
+                          sampling=SamplingParams(max_tokens=2))
+        return data_plane.pack({"id": corr, "req": data_plane.request_to_wire(req), "sub": "tcp://127.0.0.1:8",
+                                "hashes": []})
+
+    corr, adm = data_plane.admission_reply(scheduler._answer(message(1, "forged")), {"n0"})
+    assert corr == 1 and (adm["code"], adm["reason"], adm["node_id"]) == ("UNAUTHENTICATED", "unknown_tenant", "")
+    assert scheduler.commands.sent == [] and scheduler.bad_messages == 0
+
+    corr, adm = data_plane.admission_reply(scheduler._answer(message(2, ann.tenant_id)), {"n0"})
+    assert (corr, adm["code"], adm["node_id"]) == (2, "OK", "n0")
+    assert [m["op"] for m in scheduler.commands.sent] == ["submit"]
