@@ -98,12 +98,23 @@ class ServiceConfig(BaseModel):
     # Bounds on the HTTP API's connections (services.openai_api.connections.ConnectionLimits):
     # a connection has http_head_timeout_s from its opening (or its next request's first byte) to
     # deliver a request's head, then http_body_timeout_s for the body, or it is closed (sending
-    # the response has no deadline: streams run as long as they need). Open connections in all,
+    # the response has no deadline: streams run while their client reads, stream_idle_timeout_s
+    # below). Open connections in all,
     # and per socket peer address (the proxies above exempt), past which one is refused at accept.
     http_head_timeout_s: float = Field(10.0, gt=0)
     http_body_timeout_s: float = Field(60.0, gt=0)
     http_max_connections: int = Field(4096, ge=1)
     http_max_connections_per_address: int = Field(256, ge=1)
+    # Bounds on what clients that read their streams slowly or not at all hold at the gateway
+    # (services.gateway_streams.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may
+    # have open at a gateway, each counted until its client has taken its last event (past it:
+    # RESOURCE_EXHAUSTED); the bytes a stream may hold undelivered; and how long its undelivered
+    # events may wait with its client taking none of them. Past either of the last two the stream
+    # ends RESOURCE_EXHAUSTED and its request is aborted on its node; a client that reads slowly
+    # but takes something within each stream_idle_timeout_s is never ended.
+    max_streams_per_tenant: int = Field(256, ge=1, le=1 << 16)
+    max_undelivered_bytes: int = Field(1 << 20, ge=1 << 12, le=1 << 30)
+    stream_idle_timeout_s: float = Field(300.0, ge=1.0, le=86400.0)
     # Prometheus /metrics of every actor (services.metrics), bound on metrics_host ("node_ip":
     # each actor's Ray node IP, for a Prometheus elsewhere in the cluster); port 0 = a free port
     # each (`kvstrata up` prints them). A fixed node or spill port needs one such node per machine.

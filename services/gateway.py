@@ -33,7 +33,7 @@ from services import convert
 from services.auth import Authenticator
 from services.chat import ChatTemplater, content_chars, estimate_message_tokens
 from services.data_plane_auth import Security
-from services.gateway_streams import NodeStreams
+from services.gateway_streams import NodeStreams, StreamLimits
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
@@ -45,9 +45,6 @@ one per tenant at a time)."""
 
 MAX_ID_CHARS = 256
 """Longest client-chosen request or session id."""
-
-MAX_STREAMS_PER_TENANT = 256
-"""Generate calls one tenant may have open at one gateway (``InferenceServicer``)."""
 
 
 def scoped_id(tenant_id: str, client_id: str) -> str:
@@ -131,6 +128,33 @@ class _Seen:
                 "completion_tokens": self.completion_tokens}
 
 
+class StreamWriter:
+    """The task that hands one call's events to its client (a gRPC call's, an HTTP response's),
+    which the idle-reader deadline stops (``NodeStreams.expire_idle``): it is stuck in a write
+    its client does not take, so it would never take the error that ends its stream.
+
+    ``stop(message)`` cancels ``task``; the writer, catching that ``CancelledError``, calls
+    ``withdraw()``: True when the cancellation was this stop (it is then withdrawn,
+    ``Task.uncancel``, and ``stopped`` holds the client's RESOURCE_EXHAUSTED message), False
+    for any other (re-raise it).
+    """
+
+    def __init__(self, task: asyncio.Task[Any] | None = None) -> None:
+        self.task = task if task is not None else asyncio.current_task()
+        self.stopped: str | None = None
+
+    def stop(self, message: str) -> None:
+        if self.stopped is None and self.task is not None:
+            self.stopped = message
+            self.task.cancel()
+
+    def withdraw(self) -> bool:
+        if self.stopped is None or self.task is None:
+            return False
+        self.task.uncancel()
+        return True
+
+
 class _RecordedAbort:
     """``context`` whose ``abort`` records the refusal's status in the request's metrics first:
     the client has the status as soon as ``abort`` sends it, so counting it afterwards (in
@@ -142,10 +166,14 @@ class _RecordedAbort:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
-    async def abort(self, code: grpc.StatusCode, *args: Any, **kwargs: Any) -> Any:
+    def record(self, code: grpc.StatusCode) -> None:
+        """Count the call as ended with ``code`` (once)."""
         if not self.recorded:
             self.recorded = True
             self._track.finish(code.name)
+
+    async def abort(self, code: grpc.StatusCode, *args: Any, **kwargs: Any) -> Any:
+        self.record(code)
         return await self._context.abort(code, *args, **kwargs)
 
 
@@ -159,18 +187,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
         security: the gateway's data-plane identity (``NodeStreams``).
         metrics: where ``generate`` observes each request (``services.metrics.requests``).
-        max_streams_per_tenant: Generate calls (gRPC or HTTP) a tenant may have open here, each
-            counted until its client has taken its last event or gone; past it a call is
-            refused RESOURCE_EXHAUSTED (``streams_refused``).
+        limits: what clients that read slowly or not at all may hold here (``StreamLimits``):
+            Generate calls per tenant (past it RESOURCE_EXHAUSTED, ``streams_refused``), a
+            stream's undelivered bytes, and how long its events may wait unread.
     """
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  node_info: dict[str, dict[str, Any]], templater: ChatTemplater | None,
                  scheduler_address: str, security: Security | None = None,
-                 metrics: GatewayMetrics | None = None, max_streams_per_tenant: int = MAX_STREAMS_PER_TENANT) -> None:
+                 metrics: GatewayMetrics | None = None, limits: StreamLimits | None = None) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
-        self.max_streams_per_tenant = max_streams_per_tenant
+        self.limits = limits = limits or StreamLimits()
+        self.max_streams_per_tenant = limits.max_streams_per_tenant
         self.open_streams: dict[str, int] = {}  # tenant id -> its Generate calls open here
         self.streams_refused = 0  # calls refused for ``max_streams_per_tenant``
         self._tokenizing: dict[str, asyncio.Lock] = {}  # tenant id -> its turn on a worker thread
@@ -179,7 +208,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.metrics = metrics or GatewayMetrics()  # the Gateway serves its registry (gateway_server)
         self.streams = NodeStreams(
             nodes, {nid: info["data_address"] for nid, info in node_info.items()}, scheduler_address,
-            security=security,
+            security=security, max_undelivered_bytes=limits.max_undelivered_bytes,
+            stream_idle_timeout_s=limits.idle_timeout_s,
         )
 
     async def off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
@@ -304,22 +334,42 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         )
         return req, hashes
 
-    async def Generate(self, request, context) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """Stream one request's events (``generate``)."""
-        async for event in self.generate(context, lambda: input_from_pb(request)):
-            yield convert.generate_event_to_pb(event)
+    async def Generate(self, request, context) -> None:
+        """Stream one request's events (``generate``), written here (``context.write``) so that
+        a stream its client stopped reading ends RESOURCE_EXHAUSTED (``StreamWriter``).
 
-    async def generate(self, context: Any, parse: Callable[[], GenerateInput]) -> AsyncIterator[dict[str, Any]]:
+        Regression (secrev18 B residue): written by gRPC from an async generator, a call stuck
+        in a write its client never took could only be cancelled, which sent the client no
+        status at all."""
+        writer = StreamWriter()
+        try:
+            async with contextlib.aclosing(self.generate(context, lambda: input_from_pb(request), writer)) as events:
+                async for event in events:
+                    await context.write(convert.generate_event_to_pb(event))
+        except asyncio.CancelledError:
+            if not writer.withdraw():
+                raise
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(writer.stopped)
+
+    async def generate(self, context: Any, parse: Callable[[], GenerateInput],
+                       writer: StreamWriter | None = None) -> AsyncIterator[dict[str, Any]]:
         """One request's node events (``services.node_request``), for either API: authenticate,
         ``parse`` (ValueError -> INVALID_ARGUMENT), check and bound, admit, stream; a consumer
         that stops early aborts it on its node. Refusals are ``context.abort`` with the gRPC
         status (RESOURCE_EXHAUSTED sets a ``retry-after-ms`` trailer first). Request and session
-        ids are the tenant's own (``scoped_id``); one in flight already is ALREADY_EXISTS."""
+        ids are the tenant's own (``scoped_id``); one in flight already is ALREADY_EXISTS.
+
+        ``writer``: the task handing these events to the client (None: the one calling this),
+        stopped when its client takes none of the stream's waiting events for
+        ``limits.idle_timeout_s`` (``NodeStreams.expire_idle``): the stream is then ended
+        RESOURCE_EXHAUSTED, its request aborted on its node, and the call counted so."""
         tenant = await self.auth.tenant(context)
         track, status = self.metrics.track(tenant), "OK"  # services.metrics.requests
         refusal = _RecordedAbort(context, track)
+        writer = writer or StreamWriter()
         try:
-            async with contextlib.aclosing(self._generate(refusal, parse, tenant, track)) as events:
+            async with contextlib.aclosing(self._generate(refusal, parse, tenant, track, writer)) as events:
                 async for event in events:
                     yield event
         except BaseException as exc:
@@ -330,7 +380,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 track.finish(status)
 
     async def _generate(self, context: Any, parse: Callable[[], GenerateInput], tenant: Any,
-                        track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
+                        track: RequestTracker, writer: StreamWriter) -> AsyncIterator[dict[str, Any]]:
         """``generate`` past authentication; ``track`` sees every event and the refusal.
 
         A tenant's calls are counted from here until this generator ends, i.e. until its
@@ -365,7 +415,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         # and a late abort of a finished attempt refused the id's next use (CANCELLED)
             req = dataclasses.replace(req, request_id=f"{scoped}#{uuid.uuid4().hex[:16]}")
             # closed here, at once: its ``finally`` releases and aborts the attempt
-            async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track)) as events:
+            async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track, writer)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -377,7 +427,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 del self.open_streams[tenant_id]
 
     async def _attempt(self, context: Any, req: NodeRequest, hashes: list[bytes], client_id: str,
-                       track: RequestTracker) -> AsyncIterator[dict[str, Any]]:
+                       track: RequestTracker, writer: StreamWriter | None = None) -> AsyncIterator[dict[str, Any]]:
         """One admitted attempt of a request: admit, stream its node's events, and on any end
         release it at the scheduler (aborting it on its node when it did not finish).
 
@@ -386,7 +436,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         (hardening review): a client that stopped reading a stream (gRPC or HTTP flow control
         holding this generator at a ``yield``) kept its finished request in flight at the
         scheduler for as long as it held the connection; enough of them filled the queue
-        limit, and every tenant's requests were refused ``queue_full``."""
+        limit, and every tenant's requests were refused ``queue_full``.
+
+        A stream whose client takes none of its waiting events for ``limits.idle_timeout_s``
+        is ended by ``NodeStreams.expire_idle`` (released, aborted on its node) and ``writer``
+        stopped, which closes this generator and its tenant's stream: ``on_idle``.
+        Regression (secrev18 B residue): such a stream was never ended."""
+        writer = writer or StreamWriter()  # None: the task consuming this
         adm = None
         usage: dict[str, Any] | None = None
         seen = _Seen()  # the usage of a request that ends without its finished event
@@ -405,7 +461,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             elif event["type"] == "error":
                 release(seen.usage())
 
-        queue = self.streams.open(req.request_id, on_event)
+        def on_idle(message: str) -> None:  # ``NodeStreams.expire_idle``: counted, then stopped
+            context.record(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            writer.stop(message)
+
+        queue = self.streams.open(req.request_id, on_event, on_idle)
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         admission = asyncio.ensure_future(self.streams.admit(req, hashes))

@@ -21,7 +21,7 @@ from services.chat import ChatTemplater, encode_text
 from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
-from services.gateway_streams import NodeStreams
+from services.gateway_streams import NodeStreams, StreamLimits
 from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
@@ -33,7 +33,7 @@ MAX_CONCURRENT_STREAMS = 256
 """HTTP/2 streams (calls) one client connection may have open at once (the server's
 ``SETTINGS_MAX_CONCURRENT_STREAMS``; a gRPC client queues calls past it). Regression (security
 review B): it was unbounded, so one connection could hold any number of unread streams
-(each tenant's are bounded again by ``InferenceServicer.max_streams_per_tenant``)."""
+(each tenant's are bounded again by ``StreamLimits.max_streams_per_tenant``)."""
 
 SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
 """gRPC health names: the server overall and each service; all SERVING while a node is healthy."""
@@ -43,6 +43,7 @@ async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
     security: Security | None = None, metrics: GatewayMetrics | None = None,
+    stream_limits: StreamLimits | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
@@ -54,13 +55,14 @@ async def create_server(
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
         security: the gateway's data-plane identity (``services.data_plane_auth``).
         metrics: the request metrics ``Generate`` observes (``services.metrics.requests``).
+        stream_limits: what clients that read slowly or not at all may hold (None: the defaults).
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
     auth = Authenticator(scheduler)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,
-                                  metrics)
+                                  metrics, stream_limits)
     await inference.streams.start()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
     health = HealthServicer()
@@ -93,15 +95,18 @@ class Gateway:
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
-                 http_limits: ConnectionLimits | None = None) -> None:
+                 http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
         ``http_forwarded_allow_ips``: proxies trusted to set its client address (``HttpServer``);
-        ``http_limits``: its connections' bounds (None: ``ConnectionLimits``' defaults)."""
+        ``http_limits``: its connections' bounds (None: ``ConnectionLimits``' defaults);
+        ``stream_limits``: what both APIs' slow or idle readers may hold (None: ``StreamLimits``'
+        defaults)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.security, self.http_port = security, http_port
         self.http_forwarded_allow_ips, self.http_limits = http_forwarded_allow_ips, http_limits
+        self.stream_limits = stream_limits
         self.http: HttpServer | None = None
         self.metrics, self.metrics_endpoint = GatewayMetrics(), metrics
         self.metrics_server: MetricsServer | None = None
@@ -120,7 +125,7 @@ class Gateway:
             _ = templater.max_token_chars, templater.conversation_overhead
         self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
-            f"{host}:{port}", self.security, self.metrics,
+            f"{host}:{port}", self.security, self.metrics, self.stream_limits,
         )
         self.streams = inference.streams
         if self.http_port is not None:
@@ -184,9 +189,9 @@ class RayGateway(Gateway):
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
-                 http_limits: ConnectionLimits | None = None) -> None:
+                 http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None) -> None:
         super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
-                         http_limits)
+                         http_limits, stream_limits)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

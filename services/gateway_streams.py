@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from array import array
 from collections import deque
 from collections.abc import Callable
@@ -27,9 +28,61 @@ log = logging.getLogger(__name__)
 
 OnEvent = Callable[[dict[str, Any]], None]
 
+MAX_STREAMS_PER_TENANT = 256
+"""Generate calls one tenant may have open at one gateway (``StreamLimits``)."""
+
 MAX_UNDELIVERED_BYTES = 1 << 20
 """Most a stream may hold undelivered (``StreamBuffer.undelivered_bytes``) before it is ended
 RESOURCE_EXHAUSTED and its request aborted on its node: ~50K tokens of English text behind."""
+
+STREAM_IDLE_TIMEOUT_S = 300.0
+"""Longest a stream's undelivered events may wait with its client taking none of them before
+it is ended RESOURCE_EXHAUSTED and its request aborted on its node (``StreamLimits``)."""
+
+IDLE_SWEEP_S = 1.0
+"""How often ``NodeStreams`` looks for idle streams (``expire_idle``), at most; a quarter of
+the idle timeout when that is shorter."""
+
+TERMINAL = ("finished", "error")
+"""Event types that end a stream: nothing after one is kept."""
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What the streams of clients that read slowly or not at all may hold at a gateway
+    (``ServiceConfig``'s ``max_streams_per_tenant``, ``max_undelivered_bytes`` and
+    ``stream_idle_timeout_s``).
+
+    Attributes:
+        max_streams_per_tenant: Generate calls (gRPC or HTTP) a tenant may have open at the
+            gateway, each counted until its client has taken its last event or gone; past it a
+            call is refused RESOURCE_EXHAUSTED (``InferenceServicer``).
+        max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``) is ended
+            RESOURCE_EXHAUSTED and its request aborted on its node (``NodeStreams``).
+        idle_timeout_s: a stream whose undelivered events have waited this long with its client
+            taking none is ended the same way, and the task writing it to its client stopped, so
+            its tenant's stream is released (``NodeStreams.expire_idle``). A client that takes
+            something within each such period, however slowly, is never ended.
+
+    Regression (secrev18 B residue): the first two were constructor arguments alone (a
+    deployment could not set them), and nothing ended a stream whose client stopped reading:
+    its request ran on its node to ``max_tokens``, and the stream, its buffer and its tenant's
+    slot were held for as long as the client held its connection.
+    """
+
+    max_streams_per_tenant: int = MAX_STREAMS_PER_TENANT
+    max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES
+    idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams_per_tenant", "max_undelivered_bytes", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StreamLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, config: Any) -> StreamLimits:
+        """The limits a ``ServiceConfig`` sets."""
+        return cls(config.max_streams_per_tenant, config.max_undelivered_bytes, config.stream_idle_timeout_s)
 
 TEXT_PIECES_JOINED = 64
 """A pending delta joins its text pieces into one string each time it holds this many."""
@@ -72,7 +125,8 @@ class StreamBuffer:
     reader stops there), so a stream holds at most three messages (``started``, a delta, its
     end) whatever its length; a reader that keeps up takes each event as it came, unchanged.
     ``undelivered_bytes`` (4 per pending token id and per pending character) is what
-    ``NodeStreams`` bounds by ``MAX_UNDELIVERED_BYTES``.
+    ``NodeStreams`` bounds by ``max_undelivered_bytes``, and ``waited_s`` (how long its oldest
+    pending event has waited for the reader, on ``clock``) what it bounds by the idle timeout.
 
     The ``asyncio.Queue`` calls its reader uses: ``get``, ``get_nowait``, ``empty``, ``qsize``.
 
@@ -82,16 +136,20 @@ class StreamBuffer:
     nodes' throughput for as long as it held a connection.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._items: deque[dict[str, Any] | _Delta] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.undelivered_bytes = 0
         self.ended = False  # a terminal event is in: later ones are dropped
+        self.clock = clock
+        self._waiting_since = 0.0  # (clock) the later of the last take and the first pending event
 
     def put_nowait(self, event: dict[str, Any]) -> None:
         """Add ``event`` (dropped after a terminal event)."""
         if self.ended:
             return
+        if not self._items:
+            self._waiting_since = self.clock()
         if event["type"] == "delta":
             last = self._items[-1] if self._items else None
             if not isinstance(last, _Delta):
@@ -100,13 +158,15 @@ class StreamBuffer:
             self.undelivered_bytes += last.add(event)
         else:
             self._items.append(event)
-            self.ended = event["type"] in ("finished", "error")
+            self.ended = event["type"] in TERMINAL
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def end(self, event: dict[str, Any]) -> None:
-        """Drop the pending deltas and end the stream with ``event`` (an error)."""
-        self._items = deque(item for item in self._items if not isinstance(item, _Delta))
+        """Drop the pending deltas and the pending end, if any, and end the stream with
+        ``event`` (an error)."""
+        self._items = deque(item for item in self._items
+                            if not isinstance(item, _Delta) and item["type"] not in TERMINAL)
         self.undelivered_bytes = 0
         self.ended = False
         self.put_nowait(event)
@@ -115,6 +175,7 @@ class StreamBuffer:
         """The next event. Raises ``asyncio.QueueEmpty`` when none is pending."""
         if not self._items:
             raise asyncio.QueueEmpty
+        self._waiting_since = self.clock()
         item = self._items.popleft()
         if isinstance(item, _Delta):
             self.undelivered_bytes -= item.size()
@@ -134,6 +195,11 @@ class StreamBuffer:
     def empty(self) -> bool:
         return not self._items
 
+    def waited_s(self) -> float:
+        """Seconds its oldest pending event has waited for the reader, counted from the later
+        of its arrival and the reader's last take (0 when none is pending)."""
+        return self.clock() - self._waiting_since if self._items else 0.0
+
     def qsize(self) -> int:
         """Messages pending (at most 3)."""
         return len(self._items)
@@ -141,12 +207,16 @@ class StreamBuffer:
 
 @dataclass
 class _Entry:
-    """An open stream: its node ("" until ``bind``), buffer, and ``on_event`` (``open``)."""
+    """An open stream: its node ("" until ``bind``), buffer, ``on_event`` and ``on_idle``
+    (``open``)."""
 
     node_id: str
     buffer: StreamBuffer
     on_event: OnEvent | None
-    overflowed: bool = False  # ended RESOURCE_EXHAUSTED: aborted on its node (at ``bind`` if not bound)
+    on_idle: Callable[[str], None] | None = None
+    ended_unread: bool = False  # ended RESOURCE_EXHAUSTED: aborted on its node (at ``bind`` if not bound)
+    idle: bool = False  # ended by ``expire_idle`` (once)
+    finished: bool = False  # its ``finished`` event came: nothing runs on its node
 
 
 class NodeStreams:
@@ -172,6 +242,10 @@ class NodeStreams:
         max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``; its client
             reads too slowly or not at all) is ended with RESOURCE_EXHAUSTED and its request
             aborted on its node; counted in ``overflows``.
+        stream_idle_timeout_s: a bound stream whose undelivered events have waited this long
+            with its reader taking none (``StreamBuffer.waited_s``) is ended the same way, and
+            its ``on_idle`` called; counted in ``idle_ends`` (``expire_idle``).
+        clock: seconds, monotonic (``time.monotonic``; tests pass their own).
 
     Every message read is checked, values included (``data_plane.checked_event_items``,
     ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
@@ -182,14 +256,18 @@ class NodeStreams:
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
                  admit_timeout_s: float = 30.0, security: Security | None = None,
-                 max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES) -> None:
+                 max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES,
+                 stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
         self._key_names = security.key_names() if security is not None else {}
         self._unbound: dict[str, list[tuple[str | None, dict[str, Any]]]] = {}  # events before ``bind``
         self.bad_messages = 0
         self.overflows = 0  # streams ended for holding over ``max_undelivered_bytes``
+        self.idle_ends = 0  # streams ended for ``stream_idle_timeout_s`` without a take
         self.max_undelivered_bytes = max_undelivered_bytes
+        self.stream_idle_timeout_s, self.clock = stream_idle_timeout_s, clock
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
         self.admit_timeout_s = admit_timeout_s
@@ -219,7 +297,8 @@ class NodeStreams:
         for node_id, address in self.node_inboxes.items():
             self._connect_node(node_id, address)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._read_admissions())]
+        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._read_admissions()),
+                       loop.create_task(self._sweep_idle())]
 
     def _connect_node(self, node_id: str, address: str) -> None:
         """Connect the command socket to ``node_id``'s inbox, and watch the connection: when
@@ -299,38 +378,86 @@ class NodeStreams:
             return
         sock.send(data_plane.pack({"op": "abort", "id": request_id}))
 
-    def open(self, request_id: str, on_event: OnEvent | None = None) -> StreamBuffer:
+    def open(self, request_id: str, on_event: OnEvent | None = None,
+             on_idle: Callable[[str], None] | None = None) -> StreamBuffer:
         """A buffer for ``request_id``'s events; open it before the request reaches a node.
         ``on_event(event)`` sees each event as it arrives, whether or not the buffer's reader
         keeps up (a client that stops reading), and the RESOURCE_EXHAUSTED error that ends a
-        stream over ``max_undelivered_bytes``.
+        stream its client does not read (``_end_unread``); ``on_idle(message)`` is called
+        after that error when it was for ``stream_idle_timeout_s``: its reader, stuck writing
+        to a client that takes nothing, takes no error, so whoever runs it must stop it.
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
         """
         if request_id in self._queues:
             raise KeyError(request_id)
-        buffer = StreamBuffer()
-        self._queues[request_id] = _Entry("", buffer, on_event)
+        buffer = StreamBuffer(self.clock)
+        self._queues[request_id] = _Entry("", buffer, on_event, on_idle)
         self._opened_at[request_id] = self._failures
         return buffer
 
     def _put(self, request_id: str, entry: _Entry, event: dict[str, Any]) -> None:
         if entry.on_event is not None:
             entry.on_event(event)
+        entry.finished = entry.finished or (event["type"] == "finished" and not entry.buffer.ended)
         entry.buffer.put_nowait(event)
         held = entry.buffer.undelivered_bytes
         if held > self.max_undelivered_bytes:
             self.overflows += 1
-            entry.overflowed = True
-            error = {"type": "error", "code": "RESOURCE_EXHAUSTED",
-                     "message": f"the client did not read this stream: {held} bytes of it were waiting "
-                                f"at the gateway (at most {self.max_undelivered_bytes})"}
-            if entry.on_event is not None:
-                entry.on_event(error)
-            entry.buffer.end(error)
-            if entry.node_id:
-                self.abort(entry.node_id, request_id)
+            self._end_unread(request_id, entry, f"{held} bytes of it were waiting at the gateway "
+                                                f"(at most {self.max_undelivered_bytes})")
+
+    def _end_unread(self, request_id: str, entry: _Entry, why: str) -> str:
+        """End a stream its client does not read: drop what it holds undelivered, end it with
+        RESOURCE_EXHAUSTED (``on_event`` sees it: the request is released) and abort its
+        request on its node (at ``bind`` if not bound yet; once; not after it finished). The one path of both of its
+        bounds, ``max_undelivered_bytes`` and ``stream_idle_timeout_s``; returns the message."""
+        aborted, entry.ended_unread = entry.ended_unread, True
+        message = f"the client did not read this stream: {why}"
+        error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": message}
+        if entry.on_event is not None:
+            entry.on_event(error)
+        entry.buffer.end(error)
+        if entry.node_id and not (entry.finished or aborted):
+            self.abort(entry.node_id, request_id)
+        return message
+
+    def expire_idle(self) -> list[str]:
+        """End each bound stream whose undelivered events have waited
+        ``stream_idle_timeout_s`` with its reader taking none (``StreamBuffer.waited_s``):
+        ``_end_unread``, then its ``on_idle``. Returns their request ids. Run every
+        ``IDLE_SWEEP_S`` at most by ``start``'s sweep; a stream is ended so at most once.
+
+        This covers every way a stream sits unread: events still coming (the request runs on
+        its node: aborted there), or its end arrived (finished, or an error, the overflow's
+        included) and was never taken, which held its tenant's stream until its client went.
+
+        Regression (secrev18 B residue): nothing ended a stream whose client stopped reading
+        (gRPC or HTTP flow control holding its writer): its request decoded on its node up to
+        ``max_tokens``, and its buffer and its tenant's stream were held for as long as the
+        client kept its connection open."""
+        ended = []
+        for request_id, entry in list(self._queues.items()):
+            waited = entry.buffer.waited_s()
+            if entry.idle or not entry.node_id or waited < self.stream_idle_timeout_s:
+                continue
+            entry.idle = True
+            self.idle_ends += 1
+            message = self._end_unread(request_id, entry, f"it took none of its events for {waited:.0f} s "
+                                                          f"(stream_idle_timeout_s {self.stream_idle_timeout_s:g})")
+            if entry.on_idle is not None:
+                entry.on_idle(message)
+            ended.append(request_id)
+        return ended
+
+    async def _sweep_idle(self) -> None:
+        while True:
+            await asyncio.sleep(min(IDLE_SWEEP_S, self.stream_idle_timeout_s / 4))
+            try:
+                self.expire_idle()
+            except Exception:  # a callback's bug must not end the sweep
+                log.exception("gateway data plane: ending idle streams failed")
 
     def undelivered(self) -> tuple[int, int, int]:
         """(open streams, messages and bytes they hold undelivered)."""
@@ -347,7 +474,7 @@ class NodeStreams:
         entry = self._queues.get(request_id)
         if entry is not None:
             entry.node_id = node_id
-            if entry.overflowed:  # ended before its node was known
+            if entry.ended_unread and not entry.finished:  # ended before its node was known
                 self.abort(node_id, request_id)
             for sender, event in self._unbound.pop(request_id, []):  # in order, from it alone
                 if sender == node_id:

@@ -22,6 +22,7 @@ from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
+from services.gateway_streams import StreamLimits
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.metrics import MetricsEndpoint
 from services.openai_api.connections import ConnectionLimits
@@ -140,7 +141,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     ).remote(
         scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host),
         metrics_endpoint(config, config.gateway_metrics_port), config.http_port,
-        config.http_forwarded_allow_ips, ConnectionLimits.of(config),
+        config.http_forwarded_allow_ips, ConnectionLimits.of(config), StreamLimits.of(config),
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,

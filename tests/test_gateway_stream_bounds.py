@@ -18,7 +18,7 @@ import zmq
 from kvstrata.v1 import inference_pb2
 from services import data_plane, gateway_server
 from services.gateway import InferenceServicer, input_from_pb
-from services.gateway_streams import NodeStreams
+from services.gateway_streams import NodeStreams, StreamLimits
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
 
@@ -207,7 +207,7 @@ def test_a_tenant_holds_at_most_its_cap_of_streams_until_its_client_reads_their_
         scheduler = SimpleNamespace(release=SimpleNamespace(remote=lambda rid, _usage: released.append(rid)))
         auth = Auth()
         servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
-                                     None, plane.sched_address, max_streams_per_tenant=2)
+                                     None, plane.sched_address, limits=StreamLimits(max_streams_per_tenant=2))
         plane.streams = servicer.streams
         await servicer.streams.start()
         ann, bob = Tenant("a1", TenantSpec(name="ann"), 0.0), Tenant("b1", TenantSpec(name="bob"), 0.0)

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.convert import MAX_PROMPT_TOKEN_IDS
-from services.gateway import InferenceServicer
+from services.gateway import InferenceServicer, StreamWriter
 from services.openai_api.context import CallAborted, HttpCallContext, error_response
 from services.openai_api.responses import Generation, sse
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
@@ -79,11 +79,24 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
 class _ClosingStream(StreamingResponse):
     """A streaming response that closes its body generator however the stream ends (the
     client gone included), so the request behind it is aborted at once, not when the
-    generator is garbage-collected."""
+    generator is garbage-collected.
+
+    ``writer`` (the task running this response) is stopped when the client takes none of the
+    stream's waiting events for the gateway's ``stream_idle_timeout_s``
+    (``InferenceServicer.generate``): the response ends there, unfinished (the client, which
+    reads nothing, could not take a last event either), and the server closes the connection.
+    Regression (secrev18 B residue): such a response was never ended."""
+
+    def __init__(self, *args: Any, writer: StreamWriter, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.writer = writer
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.writer.withdraw():
+                raise
         finally:
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
@@ -283,7 +296,8 @@ class OpenAIEdge:
         context = HttpCallContext(request)
         chat = isinstance(body, ChatCompletionRequest)
         parse = body.to_input if chat else (lambda: body.to_input(self.encode))  # type: ignore[union-attr]
-        events = self.servicer.generate(context, parse)
+        writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
+        events = self.servicer.generate(context, parse, writer)
         try:  # admitted and started: the status is known
             started = await unless_gone(request, anext(events))
         except CallAborted as exc:  # a 400 names its field: param
@@ -294,7 +308,7 @@ class OpenAIEdge:
         generation = Generation(events, started, chat, self.model_name)
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",
-                                  headers={"Cache-Control": "no-cache"})
+                                  headers={"Cache-Control": "no-cache"}, writer=writer)
         return await _whole(generation, request)
 
 
