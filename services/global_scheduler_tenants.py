@@ -155,19 +155,24 @@ class Tenants:
                 self.commands.send(inbox, {"op": "end_tenant", "tenant": tenant_id})
 
     def get_tenant(self, name: str) -> Tenant:
-        return self.store.get(name)
+        """``TenantStore.get``; notes the spec as ``authenticate`` does (a tenant registered
+        in the store by another connection since this scheduler started is then known)."""
+        return self._note(self.store.get(name))
 
     def list_tenants(self) -> tuple[Tenant, ...]:
-        return self.store.list()
+        return tuple(self._note(t) for t in self.store.list())
+
+    def _note(self, tenant: Tenant) -> Tenant:
+        if tenant.tenant_id not in self.deleted_tenants:
+            self.specs[tenant.tenant_id] = tenant.spec
+        return tenant
 
     def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
         """``TenantStore.authenticate`` (``allow_pbkdf2`` as in ``verify_admin_key``); notes
         the tenant's spec for admission (unless it was deleted meanwhile: a check that read
         its row before the delete never brings it back)."""
         tenant = self.store.authenticate(api_key, allow_pbkdf2)
-        if tenant is not None and tenant.tenant_id not in self.deleted_tenants:
-            self.specs[tenant.tenant_id] = tenant.spec
-        return tenant
+        return None if tenant is None else self._note(tenant)
 
     def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """``TenantStore.key_ids_since``: the key ids that exist, for a gateway's key directory
