@@ -38,6 +38,7 @@ import zmq.asyncio
 
 from cache_node.sampling_params import SamplingParams
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
+from tenants.model import POLICY_PATTERN
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +147,21 @@ def request_from_wire(data: Any) -> NodeRequest:
 
     Raises:
         ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
-            [-1000, 1000], ``prefix_tokens`` outside [0, len(token_ids)], sampling parameters, ``SamplingParams``); TypeError: unknown, missing or mistyped fields.
+            [-1000, 1000], ``prefix_tokens`` outside [0, len(token_ids)], sampling parameters, ``SamplingParams``),
+            a ``session_id`` over ``MAX_ID_CHARS`` or a ``policy`` off the policy pattern (63
+            characters at most: the node parses it on its step thread; security review 19 H2);
+            TypeError: unknown, missing or mistyped fields.
     """
     _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
     fields = dict(data)
     for name in ("request_id", "tenant"):
         if not 0 < len(fields[name]) <= MAX_ID_CHARS:
             raise ValueError(f"request.{name} must have 1 to {MAX_ID_CHARS} characters")
+    if len(fields.get("session_id", "")) > MAX_ID_CHARS:
+        raise ValueError(f"request.session_id must have at most {MAX_ID_CHARS} characters")
+    policy = fields.get("policy", "")
+    if policy and POLICY_PATTERN.fullmatch(policy) is None:  # parsed on the node's step thread
+        raise ValueError(f"request.policy must match {POLICY_PATTERN.pattern}, got {policy[:80]!r}")
     tokens = fields.get("token_ids", [])
     if not all(type(t) is int for t in tokens):
         raise TypeError("request.token_ids must be integers")

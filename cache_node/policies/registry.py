@@ -1,7 +1,7 @@
 """Policy registry: ``name -> class``, and parsing of per-request policy specs.
 
-A spec is what a tenant or request names (it fits the tenant ``policy`` pattern
-``[A-Za-z0-9][A-Za-z0-9_.-]*``)::
+A spec is what a tenant or request names (``SPEC_PATTERN``; the tenant ``policy`` pattern,
+63 characters, at the network's entry points)::
 
     snapkv                  the policy with its defaults
     snapkv-0.25             budget: a fraction (<= 1) of the prompt's tokens per layer
@@ -14,12 +14,19 @@ Idea: mini-sglang ``utils/registry.py``.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields
 from typing import Any
 
 from cache_node.policies.base import Policy
 
 REGISTRY: dict[str, type[Policy]] = {}
+MAX_SPEC_CHARS = 256
+SPEC_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,255}")
+"""What a spec may be, checked before any parsing: the characters of the tenant ``policy``
+pattern, at most ``MAX_SPEC_CHARS`` of them. A spec from the network is held to 63 at its
+entry points (``tenants.model.POLICY_PATTERN``: gRPC, HTTP, the data plane); a caller of the
+engine (benches, presets) may name longer ones."""
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -90,9 +97,18 @@ def parse_spec(spec: str) -> tuple[type[Policy], dict[str, Any]]:
     """Split a spec into its class and constructor keyword arguments, each of its field's type.
 
     Raises:
-        ValueError: unknown policy, unknown field, or a malformed part (with the part named):
-            a value not of its field's type, not finite, or beyond ``MAX_FIELD_INT``.
+        ValueError: a spec not matching ``SPEC_PATTERN`` (over ``MAX_SPEC_CHARS``; only its
+            first 80 characters are echoed), unknown policy, unknown field, or a malformed part (with the part
+            named): a value not of its field's type, not finite, or beyond ``MAX_FIELD_INT``.
+
+    Regression (security review 19 H2): a spec had no length bound here, and parsing cost
+    ~2 µs a character; a 1 MB valid spec (``snapkv-0.5-0.5-...``) sent over HTTP stalled the
+    gateway's event loop 5.2 s and the cache node's step thread 6.2 s.
     """
+    if not isinstance(spec, str) or SPEC_PATTERN.fullmatch(spec) is None:
+        shown = spec[:80] if isinstance(spec, str) else spec
+        raise ValueError(f"a KV policy spec must match {SPEC_PATTERN.pattern} (at most {MAX_SPEC_CHARS} characters), got {shown!r}"
+                         + (f" ({len(spec)} characters)" if isinstance(spec, str) and len(spec) > 80 else ""))
     cls = get_policy_class(spec)
     allowed = set(_field_types(cls))
     kwargs: dict[str, Any] = {}

@@ -151,7 +151,7 @@ class _Sampling(_Strict):
     presence_penalty: float = 0.0
     # kvstrata extensions
     session_id: str = Field("", max_length=MAX_ID_CHARS)
-    policy: str = ""
+    policy: str = Field("", max_length=63)  # the policy spec pattern (secrev19 H2)
     cache_salt: str = Field("", max_length=MAX_ID_CHARS)
     prompt_cache_key: str = Field("", max_length=MAX_ID_CHARS)
     priority: int = 0  # bounded by the gateway (INVALID_ARGUMENT: 400)
