@@ -59,8 +59,9 @@ class StreamLimits:
             call is refused RESOURCE_EXHAUSTED (``InferenceServicer``).
         max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``) is ended
             RESOURCE_EXHAUSTED and its request aborted on its node (``NodeStreams``).
-        idle_timeout_s: a stream whose undelivered events have waited this long with its client
-            taking none is ended the same way, and the task writing it to its client stopped, so
+        idle_timeout_s: a stream whose reader has taken nothing this long without waiting for
+            events (it is stuck handing the last one to a client that takes nothing) is ended
+            the same way, and the task writing it to its client stopped, so
             its tenant's stream is released (``NodeStreams.expire_idle``). A client that takes
             something within each such period, however slowly, is never ended.
 
@@ -125,8 +126,9 @@ class StreamBuffer:
     reader stops there), so a stream holds at most three messages (``started``, a delta, its
     end) whatever its length; a reader that keeps up takes each event as it came, unchanged.
     ``undelivered_bytes`` (4 per pending token id and per pending character) is what
-    ``NodeStreams`` bounds by ``max_undelivered_bytes``, and ``waited_s`` (how long its oldest
-    pending event has waited for the reader, on ``clock``) what it bounds by the idle timeout.
+    ``NodeStreams`` bounds by ``max_undelivered_bytes``, and ``idle_s`` (how long its reader
+    has taken nothing without waiting in ``get``, on ``clock``) what it bounds by the idle
+    timeout.
 
     The ``asyncio.Queue`` calls its reader uses: ``get``, ``get_nowait``, ``empty``, ``qsize``.
 
@@ -142,14 +144,12 @@ class StreamBuffer:
         self.undelivered_bytes = 0
         self.ended = False  # a terminal event is in: later ones are dropped
         self.clock = clock
-        self._waiting_since = 0.0  # (clock) the later of the last take and the first pending event
+        self._taken_at = clock()  # its reader's last take (its opening before any)
 
     def put_nowait(self, event: dict[str, Any]) -> None:
         """Add ``event`` (dropped after a terminal event)."""
         if self.ended:
             return
-        if not self._items:
-            self._waiting_since = self.clock()
         if event["type"] == "delta":
             last = self._items[-1] if self._items else None
             if not isinstance(last, _Delta):
@@ -175,7 +175,7 @@ class StreamBuffer:
         """The next event. Raises ``asyncio.QueueEmpty`` when none is pending."""
         if not self._items:
             raise asyncio.QueueEmpty
-        self._waiting_since = self.clock()
+        self._taken_at = self.clock()
         item = self._items.popleft()
         if isinstance(item, _Delta):
             self.undelivered_bytes -= item.size()
@@ -195,10 +195,12 @@ class StreamBuffer:
     def empty(self) -> bool:
         return not self._items
 
-    def waited_s(self) -> float:
-        """Seconds its oldest pending event has waited for the reader, counted from the later
-        of its arrival and the reader's last take (0 when none is pending)."""
-        return self.clock() - self._waiting_since if self._items else 0.0
+    def idle_s(self) -> float:
+        """Seconds since its reader last took an event (since its opening before any), 0 while
+        the reader waits in ``get`` for the next: a reader that is away that long is stuck
+        with the last event it took (writing it to a client that takes nothing), whether or
+        not more are pending here."""
+        return 0.0 if self._waiter is not None else self.clock() - self._taken_at
 
     def qsize(self) -> int:
         """Messages pending (at most 3)."""
@@ -242,9 +244,9 @@ class NodeStreams:
         max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``; its client
             reads too slowly or not at all) is ended with RESOURCE_EXHAUSTED and its request
             aborted on its node; counted in ``overflows``.
-        stream_idle_timeout_s: a bound stream whose undelivered events have waited this long
-            with its reader taking none (``StreamBuffer.waited_s``) is ended the same way, and
-            its ``on_idle`` called; counted in ``idle_ends`` (``expire_idle``).
+        stream_idle_timeout_s: a bound stream whose reader has taken nothing this long without
+            waiting for events (``StreamBuffer.idle_s``) is ended the same way, and its
+            ``on_idle`` called; counted in ``idle_ends`` (``expire_idle``).
         clock: seconds, monotonic (``time.monotonic``; tests pass their own).
 
     Every message read is checked, values included (``data_plane.checked_event_items``,
@@ -424,14 +426,16 @@ class NodeStreams:
         return message
 
     def expire_idle(self) -> list[str]:
-        """End each bound stream whose undelivered events have waited
-        ``stream_idle_timeout_s`` with its reader taking none (``StreamBuffer.waited_s``):
+        """End each bound stream whose reader has taken nothing for ``stream_idle_timeout_s``
+        without waiting for events (``StreamBuffer.idle_s``):
         ``_end_unread``, then its ``on_idle``. Returns their request ids. Run every
         ``IDLE_SWEEP_S`` at most by ``start``'s sweep; a stream is ended so at most once.
 
-        This covers every way a stream sits unread: events still coming (the request runs on
-        its node: aborted there), or its end arrived (finished, or an error, the overflow's
-        included) and was never taken, which held its tenant's stream until its client went.
+        This covers every way a stream sits unread: its reader stuck writing an event, the
+        stream's last included, with events pending here or none; events still coming (the
+        request runs on its node: aborted there) or its end arrived (finished, or an error,
+        the overflow's included) and was never taken, which held its tenant's stream until
+        its client went.
 
         Regression (secrev18 B residue): nothing ended a stream whose client stopped reading
         (gRPC or HTTP flow control holding its writer): its request decoded on its node up to
@@ -439,7 +443,7 @@ class NodeStreams:
         client kept its connection open."""
         ended = []
         for request_id, entry in list(self._queues.items()):
-            waited = entry.buffer.waited_s()
+            waited = entry.buffer.idle_s()
             if entry.idle or not entry.node_id or waited < self.stream_idle_timeout_s:
                 continue
             entry.idle = True

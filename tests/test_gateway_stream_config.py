@@ -22,7 +22,7 @@ import grpc
 import pydantic
 import pytest
 
-from kvstrata.v1 import inference_pb2
+from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import gateway_server
 from services.config import ServiceConfig, load_config
 from services.gateway import InferenceServicer, StreamWriter, input_from_pb
@@ -32,6 +32,14 @@ from services.openai_api.responses import Generation
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
 from tests.test_gateway_stream_bounds import FINISHED, STARTED, Auth, Context, Plane, delta
+
+
+async def until(condition: Any) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never came to hold")
 
 
 class Clock:
@@ -149,8 +157,8 @@ def test_a_stream_ended_for_its_bytes_and_never_read_is_ended_idle_too() -> None
 
 def test_a_client_that_reads_slowly_but_steadily_is_never_ended() -> None:
     """A reader that takes what waits every 9 s of a 10 s timeout, the next event arriving as
-    it takes (it never catches up), is never ended over 40 takes (360 s); nor is a stream
-    with nothing waiting, for any time."""
+    it takes (it never catches up), is never ended over 40 takes (360 s); nor is a reader
+    waiting for its node's next event, for any time."""
 
     async def run() -> None:
         clock = Clock()
@@ -166,8 +174,11 @@ def test_a_client_that_reads_slowly_but_steadily_is_never_ended() -> None:
             buffer.get_nowait()  # what waited 9 s; the next arrives now
             await plane.send([["r", delta(i)]], lambda i=i: len(seen) == 2 + i)
         assert buffer.get_nowait() == delta(39)
-        clock.now_s += 1000.0  # nothing waiting: no deadline runs
+        waiting = asyncio.ensure_future(buffer.get())  # the reader waits for the node: no deadline runs
+        await asyncio.sleep(0)
+        clock.now_s += 1000.0
         assert plane.streams.expire_idle() == [] and plane.streams.idle_ends == 0
+        waiting.cancel()
         plane.close()
 
     asyncio.run(run())
@@ -237,11 +248,12 @@ PB = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, 2, 3]),
                                    sampling=inference_pb2.SamplingParams(max_tokens=50))
 
 
-@pytest.mark.parametrize("ended", [False, True], ids=["running", "finished-unread"])
-def test_a_grpc_call_whose_client_stops_reading_ends_resource_exhausted_and_frees_its_slot(ended: bool) -> None:
+@pytest.mark.parametrize("pending", ["delta", "delta+finished", "nothing"])
+def test_a_grpc_call_whose_client_stops_reading_ends_resource_exhausted_and_frees_its_slot(pending: str) -> None:
     """Regression (secrev18 B residue): a Generate call whose client stopped reading (its
     writes held by flow control) kept its request decoding on its node, its buffer and its
-    tenant's stream until the client went; its finished end, unread, kept the stream too. Now
+    tenant's stream until the client went; its finished end, unread, kept the stream too, as
+    did a writer stuck on an event with nothing more pending at the gateway. Now
     at the idle timeout its request is aborted on its node and released, the call ends with
     status RESOURCE_EXHAUSTED (counted so), and the tenant's stream is free: with a cap of 1,
     its next call is admitted."""
@@ -251,10 +263,12 @@ def test_a_grpc_call_whose_client_stops_reading_ends_resource_exhausted_and_free
         client = gw.context(StalledClient(takes=1))
         call = asyncio.ensure_future(gw.servicer.Generate(PB, client))
         rid = await gw.admitted(1)
-        tail = [[rid, delta(2)], [rid, FINISHED]] if ended else [[rid, delta(2)]]
+        tail = {"delta": [[rid, delta(2)]], "delta+finished": [[rid, delta(2)], [rid, FINISHED]], "nothing": []}[pending]
+        ended = pending == "delta+finished"
         await gw.plane.send([[rid, {**STARTED, "request_id": rid}], [rid, delta(1)]],  # delta 1 is being written
                             lambda: len(client.written) == 1 and gw.servicer.streams.undelivered()[1] == 0)
-        await gw.plane.send(tail, lambda: gw.servicer.streams.undelivered()[1] == len(tail))
+        if tail:
+            await gw.plane.send(tail, lambda: gw.servicer.streams.undelivered()[1] == len(tail))
         assert (rid in gw.released) == ended
         assert gw.servicer.open_streams == {"a1": 1}
         gw.clock.now_s += 9.0
@@ -308,7 +322,7 @@ def test_a_grpc_client_that_reads_slowly_but_steadily_gets_its_whole_stream() ->
             gw.clock.now_s += 9.0  # it waits 9 s for the client to take the message before it
             assert gw.servicer.streams.expire_idle() == []
             client.permits.put_nowait(None)
-            await gw.plane.send([], lambda i=i: len(client.written) == 2 + i)
+            await until(lambda i=i: len(client.written) == 2 + i)
         await gw.plane.send([[rid, FINISHED]], lambda: gw.servicer.streams.undelivered()[1] == 1)
         for _ in range(2):
             client.permits.put_nowait(None)
@@ -362,5 +376,60 @@ def test_an_http_stream_whose_client_stops_reading_is_ended_and_frees_its_slot()
         assert await gw.plane.aborts() == [{"op": "abort", "id": rid}]
         assert gw.servicer.streams.idle_ends == 1 and gw.requests("RESOURCE_EXHAUSTED") == 1
         gw.plane.close()
+
+    asyncio.run(run())
+
+
+class AnyAuth:
+    """Every call is ``tenant``'s."""
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant_of = tenant
+
+    async def tenant(self, _context: Any) -> Tenant:
+        return self.tenant_of
+
+
+def test_a_real_grpc_client_that_stops_reading_gets_resource_exhausted() -> None:
+    """End to end over a real gRPC server and client: the client reads the ``started`` message
+    and then nothing while 16 MiB of deltas arrive (gRPC takes some MiB of writes, then holds
+    the gateway's next write until the client reads). At the idle timeout the call is ended:
+    when the client reads again it gets what was in flight, then status RESOURCE_EXHAUSTED;
+    the request was aborted on its node and the tenant's stream is free."""
+
+    async def run() -> None:
+        gw = await Gateway().start(StreamLimits(max_undelivered_bytes=1 << 30, idle_timeout_s=10.0))
+        gw.servicer.auth = AnyAuth(gw.ann)  # type: ignore[assignment]
+        server = grpc.aio.server()
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(gw.servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}",  # the deltas held coalesce (up to 16 MiB)
+                                            options=[("grpc.max_receive_message_length", 64 << 20)])
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(PB)
+        try:
+            rid = await gw.admitted(1)
+            await gw.plane.send([[rid, {**STARTED, "request_id": rid}]], lambda: True)
+            assert (await call.read()).WhichOneof("event") == "started"
+            text = "x" * (64 << 10)
+            for i in range(256):
+                gw.plane.push.send(gw.servicer.streams.subscriber, [[rid, {**delta(i), "text": text}]])
+            await asyncio.sleep(1.0)  # the gateway's write is held by flow control
+            gw.clock.now_s += 11.0
+            assert gw.servicer.streams.expire_idle() == [rid]
+            await until(lambda: gw.servicer.open_streams == {})
+            assert await gw.plane.aborts() == [{"op": "abort", "id": rid}]
+            deltas = 0
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while (message := await asyncio.wait_for(call.read(), 5)) is not grpc.aio.EOF:
+                    deltas += message.WhichOneof("event") == "delta"
+            assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "stream_idle_timeout_s 10" in (ended.value.details() or "")
+            assert deltas > 0 and gw.servicer.streams.idle_ends == 1
+        finally:
+            call.cancel()
+            await channel.close()
+            await server.stop(0)
+            gw.plane.close()
 
     asyncio.run(run())
