@@ -108,8 +108,8 @@ class ServiceConfig(BaseModel):
     # Bounds on what clients that read their streams slowly or not at all hold at the gateway
     # (services.gateway_streams.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may
     # have open at a gateway, each counted until its client has taken its last event (past it:
-    # RESOURCE_EXHAUSTED); the bytes a stream may hold undelivered; and how long its undelivered
-    # events may wait with its client taking none of them. Past either of the last two the stream
+    # RESOURCE_EXHAUSTED); the bytes a stream may hold undelivered; and how long its client may
+    # take nothing while an event waits for it. Past either of the last two the stream
     # ends RESOURCE_EXHAUSTED and its request is aborted on its node; a client that reads slowly
     # but takes something within each stream_idle_timeout_s is never ended.
     max_streams_per_tenant: int = Field(256, ge=1, le=1 << 16)
