@@ -2,10 +2,11 @@
 
 ``max_streams_per_tenant``, ``max_undelivered_bytes`` and ``stream_idle_timeout_s`` are
 ``ServiceConfig`` fields that reach the servicer and its data plane (``StreamLimits``). A
-stream whose undelivered events wait ``stream_idle_timeout_s`` with its client taking none is
-ended RESOURCE_EXHAUSTED on the one path of the byte bound (``NodeStreams._end_unread``: an
-abort on its node, the request released), counted in ``idle_ends``, and the task writing it to
-its client is stopped, which frees its tenant's stream: over gRPC (``Generate``) and HTTP
+stream whose reader has taken nothing for ``stream_idle_timeout_s`` without waiting for events
+(stuck writing to a client that reads nothing) is ended RESOURCE_EXHAUSTED on the one path of
+the byte bound (``NodeStreams._end_unread``: an abort on its node, the request released),
+counted in ``idle_ends``, and the task writing it to its client is stopped, which frees its
+tenant's stream: over gRPC (``Generate``; also on a real gRPC server and client) and HTTP
 (``_ClosingStream``), while its request runs or after its end arrived unread. A client that
 reads slowly but steadily is never ended. Real ``NodeStreams`` over real ZeroMQ sockets
 (``tests.test_gateway_stream_bounds.Plane``) with a fake clock: nothing sleeps for long.
