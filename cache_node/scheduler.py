@@ -359,8 +359,12 @@ class Scheduler(Preemption):
         if not ready:
             return  # prefetches in flight: their blocks land and the queue moves
         head = ready[0]
-        self._free_held_elsewhere(head)
+        pool, need = self.kv_manager.pool, self._blocks_to_first_token(head)
+        self._free_held_elsewhere(head, lambda: pool.num_free_blocks() >= need)
         n = self._admit(head, budget)
+        if n is None:  # the estimate fell short (e.g. a hit it counted went): free the rest
+            self._free_held_elsewhere(head, lambda: False)
+            n = self._admit(head, budget)
         self.waiting.remove(head)
         if n is None:
             self.rejected.append(head)

@@ -191,3 +191,42 @@ def test_the_compressed_prompt_charge_bound_is_at_most_what_it_holds(tiny, spec,
         if seq.kv is not None and seq.num_computed_tokens >= num_prompt_tokens and seq.block_table:
             held = max(held, (len(seq.block_table) + len(seq.kv.charge_blocks) + seq.kv.charge_debt) * 16)
     assert 0 < bound <= held
+
+
+def test_a_lone_request_one_block_short_reclaims_one_idle_state_not_all(tiny) -> None:
+    """Regression (hangs review 19 O1): a lone request one block short of its next decode
+    made the scheduler reclaim the whole pool (``reclaim(pool.num_blocks)``): all four
+    tenants' idle snapkv sessions lost their compacted states and the stored compressed
+    prefix went (15 of 18 blocks freed for one), and the most recently used session's next
+    turn prefilled its history again and decoded other tokens than with its state kept. Now
+    idle states go least recently used first, only until the request's block fits."""
+    from tests.conftest import make_engine
+
+    def two(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, ignore_eos=True)
+
+    def setup(num_blocks: int) -> LLMEngine:
+        eng = make_engine(tiny, kv_pool_bytes=num_blocks * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+        for i in range(4):
+            eng.add_request(prompt_of(64, 10 * i), two(4), session_id=f"S{i}", tenant=f"t{i}", policy="snapkv-0.5")
+            drain(eng)
+        eng.add_request(prompt_of(64, 99) + [7] * 8, two(2), tenant="tp", policy="snapkv-0.5", prefix_tokens=64)
+        drain(eng)
+        return eng
+
+    def states(eng: LLMEngine) -> list[str]:
+        return sorted(sid for sid, s in eng.sessions.sessions.items() if s.kv is not None)
+
+    roomy = setup(256)
+    held = roomy.kv_manager.pool.num_blocks - roomy.kv_manager.pool.num_free_blocks()
+    tight = setup(held + 3)  # a 16-token request needs a 4th block at 48 tokens
+    assert states(tight) == ["S0", "S1", "S2", "S3"] and len(tight.prefixes.entries) == 1
+    tight.add_request(prompt_of(16, 5), two(40), request_id="x", tenant="tx")
+    assert drain(tight)["x"].num_output_tokens == 40
+    assert states(tight) == ["S1", "S2", "S3"] and len(tight.prefixes.entries) == 1  # S0: least recently used
+    outs = []
+    for eng in (tight, roomy):
+        eng.add_request(eng.session_history("S3") + prompt_of(12, 7), two(12), request_id="S3-2", session_id="S3",
+                        tenant="t3", policy="snapkv-0.5")
+        outs.append(drain(eng)["S3-2"].output_token_ids)
+    assert outs[0] == outs[1]

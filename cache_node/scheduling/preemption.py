@@ -54,15 +54,37 @@ class Preemption:
         at ``copy_bytes_per_s`` is cheaper than recomputing at the measured prefill speed."""
         self._demote, self._bytes_per_block, self._swap_bytes_per_s = demote, bytes_per_block, copy_bytes_per_s
 
-    def _free_held_elsewhere(self, seq: Sequence) -> None:
-        """Free the blocks of every waiting sequence but ``seq`` (they recompute, finding their
-        KV in the prefix cache) and let ``reclaim`` free the rest of the pool."""
-        for other in self.waiting:
+    def _free_held_elsewhere(self, seq: Sequence, ready: Callable[[], bool]) -> bool:
+        """Free blocks held outside the running batch for ``seq`` until ``ready()`` (called
+        after each step, never again once True): first the blocks of waiting sequences but
+        ``seq`` (they recompute, finding their KV in the prefix cache), one sequence at a
+        time, then what ``reclaim`` frees (the engine's idle sessions and stored prefixes,
+        least recently used first, then kept histories), one more block's worth at a time.
+        Returns whether ``ready()`` held.
+
+        Regression (hangs review 19 O1): a lone request one block short reclaimed the whole
+        pool: every idle session's compacted state and every stored compressed prefix went
+        (15 of 18 blocks freed for one), and the most recently used session then prefilled
+        its history again and decoded other tokens than with its state kept.
+        """
+        if ready():
+            return True
+        for other in list(self.waiting):
             if other is not seq and other.block_table:
                 self.kv_manager.free(other)
                 other.restart()
-        if self.reclaim is not None:
-            self.reclaim(self.kv_manager.pool.num_blocks)
+                if ready():
+                    return True
+        if self.reclaim is None:
+            return False
+        pool = self.kv_manager.pool
+        while True:
+            free = pool.num_free_blocks()
+            self.reclaim(free + 1)
+            if ready():
+                return True
+            if pool.num_free_blocks() == free:
+                return False
 
     def _preempt_for_slots(self, now: float) -> None:
         """Free running slots for waiting sequences of a higher class than some running one,
@@ -255,8 +277,7 @@ class Preemption:
         if not self._preempt_until(seq, batch, lambda: kv.retry_compaction() or self.running == [seq]):
             return False
         if kv.compaction_due:  # alone
-            self._free_held_elsewhere(seq)
-            kv.retry_compaction()
+            self._free_held_elsewhere(seq, kv.retry_compaction)
         return True
 
     def _preempt_until(self, seq: Sequence, batch: ScheduledBatch, ready: Callable[[], bool]) -> bool:
@@ -284,8 +305,7 @@ class Preemption:
         if self.kv_manager.allocate_slots(seq, n) is not None:
             return True
         if self.running == [seq]:
-            self._free_held_elsewhere(seq)
-            if self.kv_manager.allocate_slots(seq, n) is not None:
+            if self._free_held_elsewhere(seq, lambda: self.kv_manager.allocate_slots(seq, n) is not None):
                 return True
             self.running.remove(seq)
             self.kv_manager.free(seq)
