@@ -114,6 +114,7 @@ class LLMEngine(EngineTiersMixin):
         self._aborted: list[Sequence] = []
         self.num_steps = 0
         self.num_failed_requests = 0  # finished with "error" (``_recover``)
+        self.num_cut_short = 0  # finished "length" before max_tokens: the pool held no more (``_cut_short``)
         self.num_host_reclaims = 0  # idle policy states dropped for a host reservation
         self._failed_steps = 0  # steps in a row that failed with no policy to blame
         # request id -> computed tokens it reaches by the step that failed in a batch with no
@@ -267,6 +268,8 @@ class LLMEngine(EngineTiersMixin):
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
             for seq in self.scheduler.take_rejected():  # can never fit the pool
+                if seq.output_token_ids:
+                    self._cut_short(seq)
                 self._finish(seq, "length" if seq.output_token_ids else "rejected")
                 outputs.append(self._output(seq, ()))
             self._release_idle_sessions()
@@ -286,6 +289,23 @@ class LLMEngine(EngineTiersMixin):
         if waiting:  # e.g. every queued request waits on a prefetch: let it land
             time.sleep(0.0005)
         return outputs
+
+    def _cut_short(self, seq: Sequence) -> None:
+        """``seq`` ran alone and still could not get its next blocks (``Preemption._reserve``):
+        what its policy keeps outside the pool (a cold tier's or quant's codes, SentenceKV's
+        sentences without a host tier) grew past the pool. It finishes "length" with its
+        output so far (as at a context limit), marked ``policy_stats["cut_short"]`` and
+        counted (``requests_cut_short``), and logged.
+
+        Regression (hangs review 19 C1): such requests (snapkv-0.25-cold_bits_4: 536 of
+        1000 tokens on a 10-block pool) finished "length" with nothing telling them from a
+        request that reached its max_tokens: no counter, no log, no mark.
+        """
+        self.num_cut_short += 1
+        seq.policy_stats["cut_short"] = 1.0
+        log.warning("request %s (policy %r): cut short at %d of max_tokens %d output tokens: its KV and what its "
+                    "policy keeps outside the pool outgrew this node's pool", seq.request_id, seq.policy,
+                    len(seq.output_token_ids), seq.sampling_params.max_tokens)
 
     def _schedule(self) -> ScheduledBatch:
         """The step's batch: a suspect's failed step alone when one has recomputed up to it
@@ -632,6 +652,7 @@ class LLMEngine(EngineTiersMixin):
                 "device_bytes_used": used * self.pool.bytes_per_block,
                 "running": len(self.scheduler.running),
                 "failed_requests": self.num_failed_requests,
+                "requests_cut_short": self.num_cut_short,
                 "host_reclaims": self.num_host_reclaims,
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),

@@ -356,8 +356,8 @@ class SequenceKV:
 
         cold = self.extra.get("cold")
         if cold is None:
-            group = min(32, self.pool.head_dim)
-            cold = self.extra["cold"] = ColdTier(self.pool.num_layers, self.policy.cold_bits, group)
+            bits, group = self.policy.evicted_codes(self) or (self.policy.cold_bits, min(32, self.pool.head_dim))
+            cold = self.extra["cold"] = ColdTier(self.pool.num_layers, bits, group)
         pool_slots = sequence_slots(self.seq, self.pool.block_size, self.frontier, self.pool.kv.device)
         for layer, p in enumerate(plans):
             gone = torch.ones(len(valid[layer]), dtype=torch.bool, device=pool_slots.device)

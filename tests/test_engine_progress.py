@@ -174,7 +174,8 @@ def test_a_request_whose_compressed_prompt_cannot_fit_is_refused_at_arrival(tiny
     assert drain(tiered)["t"].num_output_tokens == 3
 
 
-@pytest.mark.parametrize("spec", ["sentencekv-0.5", "sentencekv-64"])
+@pytest.mark.parametrize("spec", ["sentencekv-0.5", "sentencekv-64", "snapkv-0.25-cold_bits_4", "h2o-0.5-cold_bits_8",
+                                  "quant-bits_4"])
 @pytest.mark.parametrize("num_prompt_tokens", [120, 400])
 def test_the_compressed_prompt_charge_bound_is_at_most_what_it_holds(tiny, spec, num_prompt_tokens) -> None:
     """``Policy.min_charge_tokens`` is a lower bound: a request the admission check refuses
@@ -230,3 +231,25 @@ def test_a_lone_request_one_block_short_reclaims_one_idle_state_not_all(tiny) ->
                         tenant="t3", policy="snapkv-0.5")
         outs.append(drain(eng)["S3-2"].output_token_ids)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("spec", ["snapkv-0.25-cold_bits_4", "quant-bits_4"])
+def test_a_request_whose_codes_outgrow_the_pool_is_marked_cut_short(tiny, spec) -> None:
+    """Regression (hangs review 19 C1): the codes a cold tier or quant keeps of what it
+    evicts are charged to the pool and grow while the request decodes; alone on a 10-block
+    pool a request for 1000 tokens finished "length" after ~500 (here: a 6-block pool, 400
+    tokens), with nothing telling it from
+    one that reached max_tokens. Now it is marked ``policy_stats["cut_short"]``, counted
+    (``requests_cut_short``) and logged; its tokens are the roomy run's first ones."""
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    roomy = engine(tiny, "fcfs", num_blocks=200)
+    roomy.add_request(prompt_of(60), params, request_id="r", policy=spec)
+    full = drain(roomy)["r"]
+    assert full.num_output_tokens == 400 and "cut_short" not in full.policy_stats
+    eng = engine(tiny, "fcfs", num_blocks=6)
+    eng.add_request(prompt_of(60), params, request_id="r", policy=spec)
+    out = drain(eng)["r"]
+    assert out.finish_reason == "length" and 0 < out.num_output_tokens < 400
+    assert out.policy_stats["cut_short"] == 1.0 and eng.stats()["requests_cut_short"] == 1
+    assert out.output_token_ids == full.output_token_ids[: out.num_output_tokens]
+    assert_pool_empty(eng)

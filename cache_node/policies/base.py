@@ -213,9 +213,26 @@ class Policy:
     def min_charge_tokens(self, state: SequenceKV, num_tokens: int) -> int:
         """Pool slots that the charge for what the policy keeps outside the pool
         (``SequenceKV.charge_blocks``) takes at least, once a sequence of ``num_tokens``
-        tokens in all (prompt and output) has been compressed; 0 by default. Part of the
-        admission check's bound (``Scheduler.peak_tokens``)."""
-        return 0
+        tokens in all (prompt and output) has been compressed. Part of the admission check's
+        bound (``Scheduler.peak_tokens``). By default the codes of the evicted tokens
+        (``evicted_codes``: every token past the budget and its ``evict_every`` slack); 0
+        for a policy that keeps none."""
+        codes = self.evicted_codes(state)
+        if codes is None:
+            return 0
+        from cache_node.kv_pool import KVPool
+        from cache_node.policies.quant import code_bytes_per_token
+
+        pool = state.pool
+        evicted = max(0, num_tokens - self.budget_tokens(state.seq.num_prompt_tokens) - self.evict_every - 1)
+        per_token = code_bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim, *codes)
+        token = KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.kv.dtype)
+        return math.ceil(evicted * per_token / token)
+
+    def evicted_codes(self, state: SequenceKV) -> tuple[int, int] | None:
+        """(bits, group size) of the codes the evicted tokens are kept as on the device (the
+        cold tier: ``cold_bits``, ``SequenceKV._to_cold_tier``); None when they are dropped."""
+        return (self.cold_bits, min(32, state.pool.head_dim)) if self.cold_bits else None
 
     def layer_budgets(self, budget_tokens: int, num_layers: int) -> list[int]:
         """Per-layer budgets (uniform by default; bytes held follow the largest)."""

@@ -55,6 +55,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor,
     return codes.flatten(-2).to(torch.uint8), scale, zero
 
 
+def code_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:
+    """Bytes one token's K and V take as codes in every layer and KV head (``QuantSegment``,
+    ``ColdTier``): ``head_dim * bits / 8`` code bytes plus a float16 scale and zero per group
+    of ``group_size`` channels."""
+    return num_layers * 2 * num_kv_heads * (head_dim * bits // 8 + 4 * math.ceil(head_dim / group_size))
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., d) uint8 codes < 2**bits -> (..., d * bits // 8) uint8; code ``j`` of each byte's
     group sits at bit ``bits * j``. ``bits``: 1, 2, 4 or 8."""
@@ -302,6 +309,9 @@ class QuantizedTier(Policy):
 
     def _group(self, state: SequenceKV) -> int:
         return channel_group(self.group_size, state.pool.head_dim)
+
+    def evicted_codes(self, state: SequenceKV) -> tuple[int, int] | None:
+        return self.bits, self._group(state)
 
     def extra_kv(self, state: SequenceKV, layer_idx: int) -> QuantLayerKV | None:
         seg = state.extra.get("quant")

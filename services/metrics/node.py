@@ -107,6 +107,9 @@ class NodeMetrics(Collector):
         yield counter("policy_dropped_tokens", "Tokens a KV policy demoted while the host tier was full, "
                       "lost as on eviction (after idle sessions and prefixes gave their host slots "
                       "back).", s.get("policy_dropped_tokens", 0))
+        yield counter("requests_cut_short", "Requests finished \"length\" before max_tokens because their KV and "
+                      "what their policy keeps outside the pool (codes, sentences) outgrew the pool.",
+                      s.get("requests_cut_short", 0))
         yield counter("host_reclaims", "Idle policy states (sessions, compressed prefixes) dropped to "
                       "give their host-tier slots to a running request.", s.get("host_reclaims", 0))
         yield counter("compactions_deferred", "KV policy compactions put off a step because the pool had "
