@@ -182,11 +182,14 @@ def test_the_per_address_cap_refuses_the_extra_connection(protocol: str) -> None
 
 
 def test_trusted_proxies_are_exempt_from_the_per_address_cap_not_the_total() -> None:
-    """A trusted proxy's connections carry many clients: only the total cap applies to it."""
-    limits = ConnectionLimits(max_connections=8, max_connections_per_address=2)
+    """A trusted proxy's connections carry many clients: only the total cap applies to it. With
+    all 8 slots answering streams (nothing to shed), the 9th connection is refused."""
+    limits = ConnectionLimits(max_connections=8, max_connections_per_address=2, unauthenticated_share=1.0)
 
     async def body(server: HttpServer, port: int) -> None:
-        held = [await _open(port, PARTIAL_HEAD) for _ in range(8)]
+        held = [await _open(port, STREAM) for _ in range(8)]
+        for reader, _ in held:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # each response has begun
         assert await _status(port) == b"HTTP/1.1 503 Service Unavailable"
         assert server.guard is not None and server.guard.open == 8
         assert dict(server.guard.stats) == {"refused_total": 1}
@@ -194,6 +197,23 @@ def test_trusted_proxies_are_exempt_from_the_per_address_cap_not_the_total() -> 
             w.close()
 
     asyncio.run(_serving(limits, body, forwarded_allow_ips="127.0.0.1"))
+
+
+def test_when_full_the_oldest_partial_request_is_shed_for_a_new_connection(protocol: str) -> None:
+    """Regression (secrev19 H3): the total cap was first come, first served, so keyless partial
+    requests locked every other client out. Now the oldest connection still receiving its
+    request, without a key, is closed (503) to admit a new one, which is served."""
+    limits = ConnectionLimits(max_connections=8, max_connections_per_address=100, unauthenticated_share=1.0)
+
+    async def body(server: HttpServer, port: int) -> None:
+        held = [await _open(port, PARTIAL_HEAD) for _ in range(8)]
+        assert await _status(port) == b"HTTP/1.1 200 OK"
+        assert (await asyncio.wait_for(held[0][0].read(), 5)).startswith(b"HTTP/1.1 503 ")
+        assert server.guard is not None and dict(server.guard.stats) == {"shed": 1}
+        for _, w in held:
+            w.close()
+
+    asyncio.run(_serving(limits, body))
 
 
 def test_a_stream_longer_than_the_deadlines_is_not_cut(protocol: str) -> None:

@@ -7,9 +7,11 @@ A thin edge over the gateway's one call path (``InferenceServicer.generate`` and
 with an ``HttpCallContext`` and writes the events as OpenAI's JSON or server-sent events
 (``responses``). Errors come in OpenAI's shape (``context``): every 400 has code
 ``invalid_argument`` and, when it is about one body field (the schema's, the edge's or the
-gateway's checks), ``param`` naming it. A tenant's API key is the bearer token. Order of checks: the key (401), the body (400, naming the field), the model (404),
-then the gateway's own (policy, bounds, admission: 429 with ``Retry-After``; 503 without a
-healthy node). The framework's own refusals (404 for an unknown path, 405 for a wrong method)
+gateway's checks), ``param`` naming it. A tenant's API key is the bearer token. Order of
+checks: the key (401), room for the body's bytes in its tenant's and the gateway's budget
+(429 / 503 with ``Retry-After``, before it is read; ``BodyBudget``), the body (400, naming the
+field), the model (404), then the gateway's own (policy, bounds, admission: 429 with
+``Retry-After``; 503 without a healthy node). The framework's own refusals (404 for an unknown path, 405 for a wrong method)
 come in the same shape. A client that disconnects aborts its request on the node, which frees its
 blocks, as a cancelled gRPC call does: at any point once its body has been read (being admitted,
 queued on its node, prefilling or generating; ``unless_gone``).
@@ -32,7 +34,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.convert import MAX_PROMPT_TOKEN_IDS
 from services.gateway import InferenceServicer, StreamWriter
-from services.openai_api.context import CallAborted, HttpCallContext, error_response
+from services.openai_api.connections import authenticated
+from services.openai_api.context import (
+    BodyBudget,
+    BodyHold,
+    BodyLimits,
+    CallAborted,
+    HttpCallContext,
+    error_response,
+)
 from services.openai_api.responses import Generation, sse
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -161,17 +171,25 @@ def body_shape(data: bytes, max_quotes: int) -> tuple[int, int]:
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, hold: BodyHold | None = None) -> bytes:
     """The request's body, refused with 413 as soon as it is known to exceed ``limit`` bytes
-    (its ``Content-Length``, else the bytes received so far): nothing larger is buffered."""
+    (its ``Content-Length``, else the bytes received so far): nothing larger is buffered.
+
+    ``hold`` (its tenant's ``BodyBudget``) is grown to the ``Content-Length`` before a byte is
+    read, and to the bytes received when more arrive (a chunked body); past the budget
+    ``BodyHold.grow_to`` raises ``CallAborted`` (429/503), and the caller releases the hold."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise HTTPException(413, f"the request body has {int(declared)} bytes; at most {limit} are accepted")
+    if hold is not None and declared.isdigit():
+        hold.grow_to(int(declared))
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise HTTPException(413, f"the request body exceeds {limit} bytes")
+        if hold is not None:
+            hold.grow_to(size)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -256,27 +274,40 @@ class OpenAIEdge:
             name it or its served name, the directory name (what ``/v1/models`` lists).
         encode: text -> token ids with the model's tokenizer (``/v1/completions`` prompts).
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
+        body_limits: the request-body bytes being read and parsed that one tenant, and all of
+            them, may hold (``BodyBudget``; None: ``BodyLimits``' defaults).
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
-                 num_healthy: Callable[[], int]) -> None:
+                 num_healthy: Callable[[], int], body_limits: BodyLimits | None = None) -> None:
         self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
         self.model_name = model_id.split("@", 1)[0]
+        self.bodies = BodyBudget(body_limits)
 
     async def parse(self, request: Request, kind: type[BaseModel]) -> Any:
-        """Authenticate (401), then the body (413 over ``MAX_BODY_BYTES``), as ``kind`` (400),
-        then its model (404). Raises ``CallAborted``, ``HTTPException`` (413),
+        """Authenticate (401), then the body (413 over ``MAX_BODY_BYTES``; 429 / 503 with
+        ``Retry-After`` past its tenant's or the gateway's ``BodyBudget``, before it is read),
+        as ``kind`` (400), then its model (404). Raises ``CallAborted``, ``HTTPException`` (413),
         ``ValidationError`` for a bad body, or ``ClientGone`` (a big body's parse on a thread
-        is not waited for once the client has gone)."""
+        is not waited for once the client has gone).
+
+        Regression (secrev19 H1): the body was read and waited for its parse with nothing
+        counting its bytes (``BodyBudget``); they are held from the key's check until the parse
+        has ended, however it ends."""
         context = HttpCallContext(request)
         tenant = await self.servicer.auth.tenant(context)
-        data = await read_body(request, MAX_BODY_BYTES)
-        check_body_shape(data)
-        if len(data) > OFF_LOOP_BYTES:  # on a thread, one at a time per tenant
-            body = await unless_gone(request, self.servicer.off_loop(
-                tenant.tenant_id, lambda: kind.model_validate(load_json(data))))
-        else:
-            body = kind.model_validate(load_json(data))
+        authenticated(request.scope)
+        hold = self.bodies.hold(tenant.tenant_id)
+        try:
+            data = await read_body(request, MAX_BODY_BYTES, hold)
+            check_body_shape(data)
+            if len(data) > OFF_LOOP_BYTES:  # on a thread, one at a time per tenant
+                body = await unless_gone(request, self.servicer.off_loop(
+                    tenant.tenant_id, lambda: kind.model_validate(load_json(data))))
+            else:
+                body = kind.model_validate(load_json(data))
+        finally:
+            hold.release()
         if body.model not in (self.model_name, self.model_id):  # type: ignore[attr-defined]
             raise CallAborted(grpc.StatusCode.NOT_FOUND, f"model {body.model!r} does not exist; "  # type: ignore[attr-defined]
                               f"this server serves {self.model_name!r}")
@@ -384,6 +415,7 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         await edge.servicer.auth.tenant(HttpCallContext(request))
+        authenticated(request.scope)
         card = {"id": edge.model_name, "object": "model", "created": 0, "owned_by": "kvstrata",
                 "root": edge.model_id}
         return JSONResponse({"object": "list", "data": [card]})
@@ -391,6 +423,7 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.delete("/v1/sessions/{session_id:path}")
     async def close_session(session_id: str, request: Request) -> Response:
         freed = await edge.servicer.close_session(HttpCallContext(request), session_id)
+        authenticated(request.scope)
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True,
                              "freed_tokens": freed})
 

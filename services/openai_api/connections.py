@@ -1,6 +1,6 @@
-"""Bounds on the HTTP API's connections, whoever opens them: how many are open (in all and per
-peer address, refused at accept), how long one may take to deliver a request (its head, then its
-body), and how often a failing accept is logged.
+"""Bounds on the HTTP API's connections, whoever opens them: how many are open (in all, per
+client network, and those without a valid API key; ``ConnectionGuard``), how long one may take to
+deliver a request (its head, then its body), and how often a failing accept is logged.
 
 uvicorn has none of these: ``timeout_keep_alive`` runs only between requests (and is cancelled by
 a request's first byte), ``limit_concurrency`` answers 503 only once a request's head is parsed,
@@ -20,10 +20,12 @@ other client served (200), and the failed accept logged once.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import resource
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +53,16 @@ class ConnectionLimits:
             covers sending the response: a streamed (SSE) response runs as long as it needs.
         max_connections: open connections in all (clamped to half the process's NOFILE soft
             limit, which gRPC, ZeroMQ and Ray share).
-        max_connections_per_address: open connections from one socket peer address. The trusted
+        max_connections_per_address: open connections from one client network: an IPv4
+            address, or an IPv6 /64 (one host's share: SLAAC gives each host a /64). The trusted
             proxies (``forwarded_allow_ips``) are exempt: their connections carry many clients.
         backlog: connections the kernel may queue before they are accepted.
         max_head_bytes: bytes a connection may send while its request's head is incomplete
             (httptools alone let tens of MB through).
+        max_connections_per_network: open connections from one wider network: an IPv4 /24 or an
+            IPv6 /48 (one site's allocation); the trusted proxies are exempt.
+        unauthenticated_share: the fraction of ``max_connections`` that connections which have
+            not yet presented a valid API key may hold; the rest is kept for those that have.
     """
 
     head_timeout_s: float = 10.0
@@ -64,25 +71,61 @@ class ConnectionLimits:
     max_connections_per_address: int = 256
     backlog: int = 1024
     max_head_bytes: int = 64 * 1024
+    max_connections_per_network: int = 1024
+    unauthenticated_share: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("head_timeout_s", "body_timeout_s", "max_connections",
-                     "max_connections_per_address", "backlog", "max_head_bytes"):
+        for name in ("head_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_address",
+                     "backlog", "max_head_bytes", "max_connections_per_network", "unauthenticated_share"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ConnectionLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.unauthenticated_share > 1:
+            raise ValueError(f"ConnectionLimits.unauthenticated_share must be <= 1, got {self.unauthenticated_share!r}")
 
     @classmethod
     def of(cls, config: Any) -> ConnectionLimits:
-        """The limits a ``ServiceConfig`` sets (its ``http_*`` fields)."""
+        """The limits a ``ServiceConfig`` sets (its ``http_*`` fields; the per-network cap and
+        the unauthenticated share are the defaults where it has no such field)."""
         return cls(config.http_head_timeout_s, config.http_body_timeout_s,
-                   config.http_max_connections, config.http_max_connections_per_address)
+                   config.http_max_connections, config.http_max_connections_per_address,
+                   max_connections_per_network=getattr(config, "http_max_connections_per_network",
+                                                       cls.max_connections_per_network),
+                   unauthenticated_share=getattr(config, "http_unauthenticated_share", cls.unauthenticated_share))
+
+
+def client_networks(address: str) -> tuple[str, str]:
+    """The networks a peer address is counted in: (an IPv4 address or its IPv6 /64, its IPv4
+    /24 or IPv6 /48). An IPv4-mapped IPv6 address counts as its IPv4 address; anything that
+    is not an IP address (a Unix socket's "") as itself, in both."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address, address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv4Address):
+        return str(ip), str(ipaddress.IPv4Network((ip, 24), strict=False))
+    return (str(ipaddress.IPv6Network((ip, 64), strict=False)),
+            str(ipaddress.IPv6Network((ip, 48), strict=False)))
 
 
 class ConnectionGuard:
-    """The counts every connection of one server shares, and what it refused or closed.
+    """The counts every connection of one server shares, and what it refused, shed or closed.
 
-    The per-address count keys on the socket peer, never on X-Forwarded-For: the header arrives
+    A new connection is refused (503 at accept) when its client network (``client_networks``)
+    or its wider network holds its cap. When the connections without a valid API key hold
+    their share of the slots (``unauthenticated_share``), or all slots are taken, the oldest
+    such connection that is still receiving a request (head or body, no response under way) is
+    shed (closed, 503) to make room; only when there is none is the new one refused.
+
+    The per-network counts key on the socket peer, never on X-Forwarded-For: the header arrives
     after the connection is accepted, and only trusted proxies may set it (``HttpServer``).
+
+    Regression (secrev19 H3): the caps counted each exact peer address and the total was first
+    come, first served: 16 source addresses (one IPv6 host has 2^64) held all 4,096 slots with
+    partial requests and no key, and every other client was answered 503. Now an IPv6 /64 is
+    one client, an IPv4 /24 or IPv6 /48 holds 1,024 at most, keyless connections hold half of
+    the slots at most, and a new client sheds the oldest unfinished keyless connection.
     """
 
     def __init__(self, limits: ConnectionLimits, forwarded_allow_ips: str | list[str] | None,
@@ -95,29 +138,56 @@ class ConnectionGuard:
             self.max_connections = max(1, nofile // 2)
             log.warning("HTTP API: %d connections allowed, but the process may open only %d files: "
                         "serving at most %d", limits.max_connections, nofile, self.max_connections)
+        self.max_unauthenticated = max(1, int(self.max_connections * limits.unauthenticated_share))
         self.open = 0
-        self.per_address: Counter[str] = Counter()
-        self.stats: Counter[str] = Counter()  # refused_total, refused_address, head_timeout, ...
+        self.per_address: Counter[str] = Counter()  # by client network (an IPv4 address, an IPv6 /64)
+        self.per_network: Counter[str] = Counter()  # by IPv4 /24, IPv6 /48
+        self.unauthenticated: dict[_Guarded, None] = {}  # oldest first
+        self.stats: Counter[str] = Counter()  # refused_total, refused_address, shed, head_timeout, ...
 
-    def admit(self, address: str) -> bool:
-        """Count a new connection from ``address`` (False: over a cap, not counted)."""
-        if self.open >= self.max_connections:
-            self.stats["refused_total"] += 1
-            return False
+    def admit(self, conn: _Guarded, address: str) -> bool:
+        """Count a new connection from ``address``, shedding another when the pool it joins is
+        full (False: over a cap, not counted)."""
+        narrow, wide = client_networks(address)
         exempt = self.trusted is not None and address in self.trusted
-        if not exempt and self.per_address[address] >= self.limits.max_connections_per_address:
+        if not exempt and self.per_address[narrow] >= self.limits.max_connections_per_address:
             self.stats["refused_address"] += 1
             return False
+        if not exempt and self.per_network[wide] >= self.limits.max_connections_per_network:
+            self.stats["refused_network"] += 1
+            return False
+        full = self.open >= self.max_connections
+        if (full or len(self.unauthenticated) >= self.max_unauthenticated) and not self._shed_one():
+            self.stats["refused_total" if full else "refused_unauthenticated"] += 1
+            return False
         self.open += 1
-        self.per_address[address] += 1
+        self.per_address[narrow] += 1
+        self.per_network[wide] += 1
+        self.unauthenticated[conn] = None
         return True
 
-    def release(self, address: str) -> None:
-        """An admitted connection closed."""
+    def authenticated(self, conn: _Guarded) -> None:
+        """``conn`` has presented a valid API key: it leaves the unauthenticated pool for good."""
+        self.unauthenticated.pop(conn, None)
+
+    def release(self, conn: _Guarded, address: str) -> None:
+        """An admitted connection closed (or was shed)."""
+        narrow, wide = client_networks(address)
         self.open -= 1
-        self.per_address[address] -= 1
-        if self.per_address[address] <= 0:
-            del self.per_address[address]
+        self.unauthenticated.pop(conn, None)
+        for counts, key in ((self.per_address, narrow), (self.per_network, wide)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
+
+    def _shed_one(self) -> bool:
+        """Close the oldest unauthenticated connection still receiving its request; False when
+        there is none."""
+        for conn in self.unauthenticated:
+            if conn.sheddable():
+                conn.shed()
+                return True
+        return False
 
 
 class _Guarded:
@@ -136,21 +206,42 @@ class _Guarded:
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "head", "body", or None: not receiving a request
         self._head_bytes = 0
-        self._admitted = self.guard.admit(self._peer)
+        self._started = False  # the uvicorn protocol saw the connection
+        self._admitted = self.guard.admit(self, self._peer)  # counted by the guard
         if not self._admitted:
             transport.write(_REFUSED)
             transport.abort() if transport.get_write_buffer_size() else transport.close()
             return
         super().connection_made(transport)  # type: ignore[misc]
+        self._started = True
+        self.app = _marking(self.app, self._authenticated)  # type: ignore[has-type]
         self._await("head")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._admitted:
-            return
-        self._admitted = False
-        self._disarm()
-        self.guard.release(self._peer)
-        super().connection_lost(exc)  # type: ignore[misc]
+        self._uncount()
+        if self._started:
+            self._started = False
+            self._disarm()
+            super().connection_lost(exc)  # type: ignore[misc]
+
+    def _uncount(self) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.guard.release(self, self._peer)
+
+    def _authenticated(self) -> None:
+        if self._admitted:
+            self.guard.authenticated(self)
+
+    def sheddable(self) -> bool:
+        """Receiving a request (its head or body), with no response under way: what the guard
+        may close to make room (for a connection without a valid API key)."""
+        return self._phase is not None and not self._answering() and not self.transport.is_closing()
+
+    def shed(self) -> None:
+        """Closed to make room for a new connection: uncounted now, not when the close lands."""
+        self._close("shed", _REFUSED if self._phase == "head" else b"")
+        self._uncount()
 
     def data_received(self, data: bytes) -> None:
         if not self._admitted:
@@ -210,6 +301,28 @@ class _Guarded:
             self.transport.write(reply)
         # a peer that reads nothing must not keep the socket open through close()'s flush
         self.transport.abort() if self.transport.get_write_buffer_size() else self.transport.close()
+
+
+AUTHENTICATED = "kvstrata.authenticated"
+"""The ASGI scope key of a callable that marks the request's connection as having presented a
+valid API key (``authenticated``)."""
+
+
+def _marking(app: Any, mark: Callable[[], None]) -> Any:
+    """``app`` with ``mark`` in each request's scope (``AUTHENTICATED``)."""
+
+    async def marked(scope: Any, receive: Any, send: Any) -> None:
+        scope[AUTHENTICATED] = mark
+        await app(scope, receive, send)
+    return marked
+
+
+def authenticated(scope: Any) -> None:
+    """The request of ``scope`` presented a valid API key: its connection, when served by a
+    guarded protocol, leaves the unauthenticated pool (``ConnectionGuard``)."""
+    mark = scope.get(AUTHENTICATED)
+    if mark is not None:
+        mark()
 
 
 def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> type[asyncio.Protocol]:

@@ -22,13 +22,17 @@ UNAVAILABLE            503   service_unavailable
 DEADLINE_EXCEEDED      504   timeout
 others                 500   internal_error
 =====================  ====  ==========================
+
+Also the bound on request-body bytes being read, per tenant and in all (``BodyBudget``).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -56,12 +60,15 @@ class CallAborted(Exception):
         message: what went wrong, for the client.
         retry_after_ms: the ``retry-after-ms`` trailer (RESOURCE_EXHAUSTED), None without one.
         param: the request field the error is about (OpenAI's ``error.param``), None: none.
+        close: the response closes the connection (``Connection: close``): a refusal sent before
+            the request's body was read, whose bytes the connection would otherwise still carry.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.code, self.message, self.retry_after_ms, self.param = code, message, retry_after_ms, param
+        self.close = close
 
     def naming(self, fields: Collection[str]) -> CallAborted:
         """This refusal with ``param`` set, when it is INVALID_ARGUMENT and its message starts
@@ -77,6 +84,8 @@ class CallAborted(Exception):
         if self.retry_after_ms is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
             headers["retry-after-ms"] = str(self.retry_after_ms)
+        if self.close:
+            headers["Connection"] = "close"
         return error_response(status, self.message, kind, self.code.name.lower(), headers, self.param)
 
 
@@ -128,3 +137,100 @@ class HttpCallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise CallAborted(code, details, self._retry_after_ms)
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """Bytes of request bodies the HTTP API may hold while they are read and parsed.
+
+    Attributes:
+        per_tenant_bytes: of one tenant's requests (4 bodies of the largest size by default).
+        total_bytes: of all tenants' requests at this gateway.
+        retry_after_ms: the ``Retry-After`` of a refusal.
+    """
+
+    per_tenant_bytes: int = 32 << 20
+    total_bytes: int = 256 << 20
+    retry_after_ms: int = 1000
+
+    @classmethod
+    def of(cls, config: Any) -> BodyLimits:
+        """The limits a ``ServiceConfig`` sets (``http_max_body_bytes_per_tenant``,
+        ``http_max_body_bytes_total``; the defaults where it has no such field)."""
+        return cls(getattr(config, "http_max_body_bytes_per_tenant", cls.per_tenant_bytes),
+                   getattr(config, "http_max_body_bytes_total", cls.total_bytes))
+
+    def __post_init__(self) -> None:
+        for name in ("per_tenant_bytes", "total_bytes", "retry_after_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"BodyLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+class BodyBudget:
+    """The request-body bytes held by tenant and in all (``BodyLimits``): each request holds its
+    ``Content-Length`` from the moment its API key passes, before a byte of its body is read (a
+    chunked body: the bytes received so far), until its body has been parsed or the request
+    ended any other way (``BodyHold.release``).
+
+    Regression (secrev19 H1): bodies were read whole (up to 8 MiB each) after the key check with
+    nothing counting them: one tenant's 64 connections each withholding its body's last byte
+    grew the gateway's RSS by 514 MB (2 GiB per address at the 256-connection cap, 32 GiB at the
+    global cap). Now a body that would take its tenant past ``per_tenant_bytes`` is refused 429,
+    one that would take the gateway past ``total_bytes`` 503, both with ``Retry-After``, before
+    it is read (the same 64 connections: +36 MB).
+    """
+
+    def __init__(self, limits: BodyLimits | None = None) -> None:
+        self.limits = limits or BodyLimits()
+        self.total = 0
+        self.per_tenant: Counter[str] = Counter()
+
+    def hold(self, tenant_id: str) -> BodyHold:
+        """An empty hold of ``tenant_id``'s, to grow as its body's size becomes known."""
+        return BodyHold(self, tenant_id)
+
+    def check_integrity(self) -> None:
+        """Holds add up: the total is the sum of the tenants' and none is negative."""
+        if self.total != sum(self.per_tenant.values()) or any(n <= 0 for n in self.per_tenant.values()):
+            raise AssertionError(f"body budget out of balance: total {self.total}, tenants {dict(self.per_tenant)}")
+
+
+class BodyHold:
+    """One request's bytes in a ``BodyBudget``."""
+
+    def __init__(self, budget: BodyBudget, tenant_id: str) -> None:
+        self.budget, self.tenant_id, self.held = budget, tenant_id, 0
+
+    def grow_to(self, nbytes: int) -> None:
+        """Hold ``nbytes`` in all (no change when it holds as many already).
+
+        Raises:
+            CallAborted: RESOURCE_EXHAUSTED (429) past the tenant's bytes, UNAVAILABLE (503) past
+                the gateway's, with ``retry_after_ms`` and ``close``; what it held stays held.
+        """
+        more = nbytes - self.held
+        if more <= 0:
+            return
+        budget, limits = self.budget, self.budget.limits
+        if budget.per_tenant[self.tenant_id] + more > limits.per_tenant_bytes:
+            raise CallAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"body: this tenant's request bodies being read would pass "
+                              f"{limits.per_tenant_bytes} bytes at this gateway; retry later",
+                              limits.retry_after_ms, close=True)
+        if budget.total + more > limits.total_bytes:
+            raise CallAborted(grpc.StatusCode.UNAVAILABLE,
+                              f"body: request bodies being read would pass {limits.total_bytes} bytes "
+                              f"at this gateway; retry later", limits.retry_after_ms, close=True)
+        budget.per_tenant[self.tenant_id] += more
+        budget.total += more
+        self.held = nbytes
+
+    def release(self) -> None:
+        """Give back what it holds (again: nothing)."""
+        if self.held:
+            budget = self.budget
+            budget.per_tenant[self.tenant_id] -= self.held
+            if budget.per_tenant[self.tenant_id] <= 0:
+                del budget.per_tenant[self.tenant_id]
+            budget.total -= self.held
+            self.held = 0

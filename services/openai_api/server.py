@@ -30,8 +30,10 @@ class HttpServer:
             a request's client address (IPs or CIDR networks, or ``"*"``: any client); empty or
             ``None``: no one's (the address is the connection's).
         limits: the bounds on its connections (``services.openai_api.connections``): open ones
-            in all and per socket peer address (these proxies exempt), and the time a connection
-            has to deliver a request's head and body.
+            in all, per client network (an IPv4 address or IPv6 /64, and an IPv4 /24 or IPv6
+            /48; these proxies exempt) and without a valid API key (the oldest unfinished one
+            shed for a new one), and the time a connection has to deliver a request's head and
+            body.
 
     Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
     127.0.0.1, so any client connecting over loopback chose its own address (the key of the
@@ -41,6 +43,12 @@ class HttpServer:
     a request whose head never completes, so a client without a key held any number of
     connections with a partial request until the gateway ran out of file descriptors (every
     tenant's HTTP and gRPC failed, and each accept retry logged a traceback).
+
+    Regression (secrev19 H3): those caps counted exact peer addresses, first come, first served:
+    16 source addresses held all 4,096 connections with partial requests and no key, and every
+    other client got 503. They count client networks now, and keyless connections may hold only
+    ``unauthenticated_share`` of the slots, the oldest unfinished one shed for a newcomer
+    (``ConnectionGuard``).
     """
 
     def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None,
