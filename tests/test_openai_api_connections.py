@@ -109,8 +109,11 @@ def test_idle_partial_connections_are_closed_within_the_deadline_and_others_serv
             watchers.append(asyncio.create_task(_closed_after(reader, time.monotonic())))
         assert await _status(port) == b"HTTP/1.1 200 OK"
         lived = await asyncio.wait_for(asyncio.gather(*watchers), 20)
-        # each lived its deadline (from its opening, or from its head for a body), and not much more
-        assert min(lived) >= 0.95 and max(lived) < 4.0, (min(lived), max(lived))
+        # each lived its deadline (from its opening, or from its head for a body), and not much
+        # more; a connection's clock starts at the server's accept, before ``_open`` returns and
+        # the watcher's ``start`` is taken (0.92 s seen at a load average of 30): half the
+        # deadline still tells a deadline from an immediate close
+        assert min(lived) >= 0.5 and max(lived) < 4.0, (min(lived), max(lived))
         assert server.guard is not None and server.guard.open == 0 and server.guard.per_address == {}
         assert server.guard.stats == {"head_timeout": 667, "body_timeout": 333}
         assert await _status(port) == b"HTTP/1.1 200 OK"
