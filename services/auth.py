@@ -503,6 +503,24 @@ class Authenticator:
         self._remember_tenant(key, tenant)
         return tenant
 
+    def is_verified(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the call's key passed a check here lately (a cached tenant or admin key)."""
+        fp = fingerprint(bearer_key(context))
+        return self._cached_tenant(fp) is not None or self._cached_admin(fp)
+
+    async def refuse_unknown_key(self, context: grpc.aio.ServicerContext, role: str) -> None:
+        """Abort with UNAUTHENTICATED (``role``'s message: "tenant" or "admin") a call whose key
+        is missing, malformed, or of an id that exists nowhere (``_refuse_malformed``,
+        ``_refuse_absent``), asking the scheduler nothing; returns for any other key (its
+        handler's ``tenant``/``admin`` check follows). Regression (secrev19 H5): the gateway's
+        interceptor (``services.grpc_bounds.CallGate``) runs this on a call's headers, before
+        its request message, which a keyless call held unchecked by never sending."""
+        if self.is_verified(context):
+            return
+        key = bearer_key(context)
+        await self._refuse_malformed(context, role, key)
+        await self._refuse_absent(context, role, key)
+
     def forget_tenant(self, name: str, keys_gone: bool = False) -> None:
         """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
         deleted); every other tenant's cached keys stay. With ``keys_gone`` (its keys were

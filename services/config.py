@@ -115,6 +115,34 @@ class ServiceConfig(BaseModel):
     max_streams_per_tenant: int = Field(256, ge=1, le=1 << 16)
     max_undelivered_bytes: int = Field(1 << 20, ge=1 << 12, le=1 << 30)
     stream_idle_timeout_s: float = Field(300.0, ge=1.0, le=86400.0)
+    # Bounds on the gateway's gRPC connections (services.grpc_bounds.GrpcLimits; grpc core's
+    # server options). A connection must finish its HTTP/2 handshake within
+    # grpc_handshake_timeout_s of its accept; one with no call open for grpc_max_connection_idle_s
+    # is closed (a client's channel reconnects on its next call); each is told to go away at
+    # grpc_max_connection_age_s, its running calls (a long streamed Generate) keeping
+    # grpc_max_connection_age_grace_s more to finish, its new calls going to a new connection.
+    # The server pings a connection silent for grpc_keepalive_time_s and closes it without an
+    # answer in grpc_keepalive_timeout_s; clients may ping every grpc_min_ping_interval_s at
+    # most (faster: GOAWAY too_many_pings). At most grpc_max_connections are open (and never
+    # over a quarter of the process's NOFILE limit); one more is closed at accept. Calls: the
+    # API key is checked on a call's headers (missing, malformed or nonexistent: refused at
+    # once); its request message must come within grpc_message_timeout_s (else
+    # DEADLINE_EXCEEDED); grpc_max_unverified_calls calls with keys not verified lately may wait
+    # for their message at once (64 per client network); grpc_max_health_watchers Health/Watch
+    # streams may be open (16 per client network), for the gateway's service names alone.
+    # Regression (secrev19 H4/H5): none of these existed; idle connections and header-only
+    # calls were held forever.
+    grpc_handshake_timeout_s: float = Field(10.0, gt=0, le=3600.0)
+    grpc_max_connection_idle_s: float = Field(300.0, gt=0, le=86400.0)
+    grpc_max_connection_age_s: float = Field(7200.0, gt=0, le=30 * 86400.0)
+    grpc_max_connection_age_grace_s: float = Field(3600.0, gt=0, le=30 * 86400.0)
+    grpc_keepalive_time_s: float = Field(60.0, gt=0, le=86400.0)
+    grpc_keepalive_timeout_s: float = Field(20.0, gt=0, le=3600.0)
+    grpc_min_ping_interval_s: float = Field(10.0, gt=0, le=86400.0)
+    grpc_max_connections: int = Field(4096, ge=1, le=1 << 20)
+    grpc_message_timeout_s: float = Field(30.0, gt=0, le=3600.0)
+    grpc_max_unverified_calls: int = Field(1024, ge=1, le=1 << 20)
+    grpc_max_health_watchers: int = Field(1024, ge=1, le=1 << 20)
     # Prometheus /metrics of every actor (services.metrics), bound on metrics_host ("node_ip":
     # each actor's Ray node IP, for a Prometheus elsewhere in the cluster); port 0 = a free port
     # each (`kvstrata up` prints them). A fixed node or spill port needs one such node per machine.

@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from transformers import AutoTokenizer
 
 from cache_node.model_files import DEFAULT_MODEL, cache_dir
@@ -22,6 +21,7 @@ from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_streams import NodeStreams, StreamLimits
+from services.grpc_bounds import BoundedHealthServicer, CallGate, GrpcLimits
 from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
@@ -36,15 +36,22 @@ review B): it was unbounded, so one connection could hold any number of unread s
 (each tenant's are bounded again by ``StreamLimits.max_streams_per_tenant``)."""
 
 SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
-"""gRPC health names: the server overall and each service; all SERVING while a node is healthy."""
+"""gRPC health names: the server overall and each service; all SERVING while a node is healthy.
+Health/Watch answers only these (``BoundedHealthServicer``)."""
+
+ADMIN_METHODS = frozenset(
+    [f"/kvstrata.v1.AdminService/{m}" for m in ("Stats", "Flush", "Drain", "RotateAdminKey")]
+    + [f"/kvstrata.v1.TenantService/{m}" for m in ("RegisterTenant", "UpdateTenant", "DeleteTenant", "ListTenants")])
+"""Methods only the admin key may call: a call of one with a missing or unknown key is refused
+at its headers with the admin refusal's message (``CallGate``), as its handler would."""
 
 
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
     security: Security | None = None, metrics: GatewayMetrics | None = None,
-    stream_limits: StreamLimits | None = None,
-) -> tuple[grpc.aio.Server, int, HealthServicer, InferenceServicer, NodeMonitor]:
+    stream_limits: StreamLimits | None = None, grpc_limits: GrpcLimits | None = None,
+) -> tuple[grpc.aio.Server, int, BoundedHealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
     servicer, whose ``streams`` is the gateway's data plane, the node monitor, which keeps
@@ -56,16 +63,21 @@ async def create_server(
         security: the gateway's data-plane identity (``services.data_plane_auth``).
         metrics: the request metrics ``Generate`` observes (``services.metrics.requests``).
         stream_limits: what clients that read slowly or not at all may hold (None: the defaults).
+        grpc_limits: the gRPC connections' bounds and those of calls not yet running (None: the
+            defaults). Regression (secrev19 H4/H5): connections that completed the handshake
+            and sent nothing were held forever with no cap, and calls that sent headers alone
+            were held before any key check with no deadline (``services.grpc_bounds``).
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
+    grpc_limits = grpc_limits or GrpcLimits()
     auth = Authenticator(scheduler)
+    server = grpc.aio.server(options=grpc_limits.server_options(MAX_CONCURRENT_STREAMS),
+                             interceptors=[CallGate(auth, grpc_limits, ADMIN_METHODS)])
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,
                                   metrics, stream_limits)
     await inference.streams.start()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
-    health = HealthServicer()
+    health = BoundedHealthServicer(SERVICE_NAMES, grpc_limits.max_health_watchers)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler,
                           on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
@@ -81,7 +93,7 @@ async def create_server(
     return server, port, health, inference, monitor
 
 
-async def set_health(health: HealthServicer, serving: bool) -> None:
+async def set_health(health: BoundedHealthServicer, serving: bool) -> None:
     """Every name in ``SERVICE_NAMES`` SERVING or NOT_SERVING."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in SERVICE_NAMES:
@@ -95,18 +107,19 @@ class Gateway:
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
-                 http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None) -> None:
+                 http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
+                 grpc_limits: GrpcLimits | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
         ``http_forwarded_allow_ips``: proxies trusted to set its client address (``HttpServer``);
         ``http_limits``: its connections' bounds (None: ``ConnectionLimits``' defaults);
         ``stream_limits``: what both APIs' slow or idle readers may hold (None: ``StreamLimits``'
-        defaults)."""
+        defaults); ``grpc_limits``: the gRPC connections' bounds (None: ``GrpcLimits``' defaults)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.security, self.http_port = security, http_port
         self.http_forwarded_allow_ips, self.http_limits = http_forwarded_allow_ips, http_limits
-        self.stream_limits = stream_limits
+        self.stream_limits, self.grpc_limits = stream_limits, grpc_limits
         self.http: HttpServer | None = None
         self.metrics, self.metrics_endpoint = GatewayMetrics(), metrics
         self.metrics_server: MetricsServer | None = None
@@ -125,7 +138,7 @@ class Gateway:
             _ = templater.max_token_chars, templater.conversation_overhead
         self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
-            f"{host}:{port}", self.security, self.metrics, self.stream_limits,
+            f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits,
         )
         self.streams = inference.streams
         if self.http_port is not None:
@@ -189,9 +202,10 @@ class RayGateway(Gateway):
     def __init__(self, scheduler: Any, nodes: dict[str, Any], model_path: str | None = None,
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
-                 http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None) -> None:
+                 http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
+                 grpc_limits: GrpcLimits | None = None) -> None:
         super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
-                         http_limits, stream_limits)
+                         http_limits, stream_limits, grpc_limits)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

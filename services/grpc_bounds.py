@@ -1,0 +1,280 @@
+"""Bounds on the gateway's gRPC connections and on calls before they are authenticated.
+
+``GrpcLimits`` (``ServiceConfig``'s ``grpc_*`` settings) becomes grpc core's server options
+(``server_options``): a handshake deadline, an idle deadline, a maximum connection age with a
+grace for the calls still running, keepalive and its enforcement, and a cap on open
+connections. ``CallGate`` is a ``grpc.aio`` server interceptor that refuses a call with a
+missing, malformed or absent API key right after its headers and bounds how long and how many
+calls may wait for their request message. ``BoundedHealthServicer`` answers Health/Watch only for
+the gateway's own service names, with a bound on open watchers.
+
+Regression (secrev19 H4): the server set only ``grpc.so_reuseport`` and
+``grpc.max_concurrent_streams``, so a client that completed the HTTP/2 handshake and sent nothing
+more held its connection (one fd of the gateway process) forever, with no cap: at NOFILE another
+client's call got DEADLINE_EXCEEDED. Regression (secrev19 H5): grpc.aio runs a unary-request
+handler (``Generate`` and every other method) only once the request message has arrived, and the
+API key was checked inside the handler, so a call that sent HEADERS alone, with no key, was held
+with no deadline (~21 KB and 2 loop tasks each, 256 per connection); Health/Watch streams were
+held for any service name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import ipaddress
+import logging
+import resource
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1._async import HealthServicer
+
+from services.auth import Authenticator
+
+log = logging.getLogger(__name__)
+
+MAX_PING_STRIKES = 2
+"""Client pings more often than ``min_ping_interval_s`` (with no data to send) a connection may
+make before it is closed with GOAWAY ENHANCE_YOUR_CALM (grpc core's default)."""
+
+HEALTH_WATCHERS_PER_ADDRESS = 16
+"""Health/Watch streams one client network may hold open at once (``peer_network``)."""
+
+UNVERIFIED_CALLS_PER_ADDRESS = 64
+"""Calls with a key not verified here lately that one client network may have waiting for their
+request message at once (``CallGate``)."""
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+"""Its methods need no key (probes carry none)."""
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """What the gateway's gRPC connections and not-yet-running calls may hold.
+
+    Attributes:
+        handshake_timeout_s: from a connection's accept until its HTTP/2 handshake is done.
+        max_connection_idle_s: a connection with no call open this long is closed (GOAWAY; a
+            client's channel reconnects on its next call).
+        max_connection_age_s: a connection is told to go away (GOAWAY) at this age; its calls
+            still running keep going for ``max_connection_age_grace_s`` more, then are cancelled.
+            New calls go to a new connection, so a client with a channel sees no error.
+        max_connection_age_grace_s: that grace; long enough for a long streamed Generate.
+        keepalive_time_s: the server pings a connection silent this long, and closes it when
+            no answer comes within ``keepalive_timeout_s`` (a vanished client's connection).
+        keepalive_timeout_s: that wait.
+        min_ping_interval_s: clients may ping at most this often while no data flows (with or
+            without calls open); ``MAX_PING_STRIKES`` faster pings close the connection.
+        max_connections: open connections in all; one past it is closed at accept (grpc core's
+            ``grpc.max_allowed_incoming_connections``). Clamped to a quarter of the process's
+            NOFILE soft limit: the HTTP API takes at most half, ZeroMQ and Ray the rest.
+        message_timeout_s: from a call's headers until its request message; a call whose
+            message has not come by then ends DEADLINE_EXCEEDED (``CallGate``).
+        max_unverified_calls: calls whose key was not verified here lately that may wait for
+            their request message at once, all clients together (``UNVERIFIED_CALLS_PER_ADDRESS``
+            per client network); one past it is refused RESOURCE_EXHAUSTED.
+        max_health_watchers: Health/Watch streams open at once, all clients together
+            (``HEALTH_WATCHERS_PER_ADDRESS`` per client network); past it RESOURCE_EXHAUSTED.
+    """
+
+    handshake_timeout_s: float = 10.0
+    max_connection_idle_s: float = 300.0
+    max_connection_age_s: float = 7200.0
+    max_connection_age_grace_s: float = 3600.0
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 10.0
+    max_connections: int = 4096
+    message_timeout_s: float = 30.0
+    max_unverified_calls: int = 1024
+    max_health_watchers: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GrpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, config: Any) -> GrpcLimits:
+        """The limits a ``ServiceConfig`` sets (its ``grpc_*`` fields)."""
+        return cls(config.grpc_handshake_timeout_s, config.grpc_max_connection_idle_s,
+                   config.grpc_max_connection_age_s, config.grpc_max_connection_age_grace_s,
+                   config.grpc_keepalive_time_s, config.grpc_keepalive_timeout_s,
+                   config.grpc_min_ping_interval_s, config.grpc_max_connections,
+                   config.grpc_message_timeout_s, config.grpc_max_unverified_calls,
+                   config.grpc_max_health_watchers)
+
+    def connection_cap(self, nofile: int | None = None) -> int:
+        """``max_connections``, at most a quarter of ``nofile`` (the NOFILE soft limit)."""
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if nofile is None else nofile
+        if nofile == resource.RLIM_INFINITY or self.max_connections <= nofile // 4:
+            return self.max_connections
+        log.warning("grpc_max_connections %d is over a quarter of NOFILE (%d): serving at most %d",
+                    self.max_connections, nofile, max(1, nofile // 4))
+        return max(1, nofile // 4)
+
+    def server_options(self, max_concurrent_streams: int, nofile: int | None = None) -> list[tuple[str, int]]:
+        """grpc core channel arguments for ``grpc.aio.server(options=...)``."""
+        def ms(seconds: float) -> int:
+            return max(1, round(seconds * 1000))
+        return [
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", max_concurrent_streams),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
+            ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)),
+            ("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
+            ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+            ("grpc.max_allowed_incoming_connections", self.connection_cap(nofile)),
+        ]
+
+
+def peer_network(peer: str) -> str:
+    """The client network a gRPC peer string counts under: its IPv4 address, its IPv6 /64 (one
+    host commonly holds a whole /64), the string itself otherwise (``unix:``, unparsable)."""
+    kind, _, rest = peer.partition(":")
+    host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else ""
+    host = host.strip("[]").split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return peer
+    if address.version == 6:
+        return f"ipv6:{ipaddress.ip_network(f'{address}/64', strict=False)}"
+    return f"ipv4:{address}"
+
+
+class _Counts:
+    """Open things in all and per client network, with caps on both."""
+
+    def __init__(self, total: int, per_network: int) -> None:
+        self.total, self.per_network = total, per_network
+        self.open: dict[str, int] = {}
+        self.count = 0
+
+    def take(self, network: str) -> bool:
+        if self.count >= self.total or self.open.get(network, 0) >= self.per_network:
+            return False
+        self.open[network] = self.open.get(network, 0) + 1
+        self.count += 1
+        return True
+
+    def give(self, network: str) -> None:
+        self.count -= 1
+        left = self.open[network] - 1
+        if left:
+            self.open[network] = left
+        else:
+            del self.open[network]
+
+
+class BoundedHealthServicer(HealthServicer):
+    """grpc_health's servicer, answering Watch only for ``names`` and for at most
+    ``max_watchers`` streams at once (``HEALTH_WATCHERS_PER_ADDRESS`` per client network).
+
+    A Watch for another name ends NOT_FOUND at once, as Check does (the health protocol would
+    hold it open with SERVICE_UNKNOWN); one past a cap ends RESOURCE_EXHAUSTED. Regression
+    (secrev19 H5): Watch streams for any client-chosen name were held open, unbounded
+    (16 connections x 256 streams: +63 MB, 5576 loop tasks).
+    """
+
+    def __init__(self, names: tuple[str, ...], max_watchers: int) -> None:
+        super().__init__()
+        self.names = frozenset(names)
+        self.watchers = _Counts(max_watchers, HEALTH_WATCHERS_PER_ADDRESS)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        if request.service not in self.names:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service name")
+        network = peer_network(context.peer() or "")
+        if not self.watchers.take(network):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watchers")
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watchers.give(network)
+
+
+Behavior = Callable[..., Any]
+
+
+class CallGate(grpc.aio.ServerInterceptor):
+    """Runs before any call's request message is awaited (its handler is turned into a
+    request-streaming one, which grpc.aio starts right after the headers):
+
+    1. Except for Health, refuses UNAUTHENTICATED a call whose API key is missing, malformed or
+       of an id that exists nowhere (``Authenticator.refuse_unknown_key``: no scheduler call;
+       ``admin_methods`` get the admin key's refusal message).
+    2. A call whose key is not verified here lately (``Authenticator.is_verified``), Health's
+       included, counts as unverified until its message arrives: past ``max_unverified_calls``
+       in all, or ``UNVERIFIED_CALLS_PER_ADDRESS`` from its client network, it is refused
+       RESOURCE_EXHAUSTED.
+    3. Waits at most ``message_timeout_s`` for the request message (DEADLINE_EXCEEDED), then
+       runs the method's own handler with it; the handler authenticates fully as before.
+
+    A valid client's calls are unchanged: their message follows their headers at once, and
+    nothing here bounds how long a call runs once it has its message.
+    """
+
+    def __init__(self, auth: Authenticator, limits: GrpcLimits, admin_methods: frozenset[str]) -> None:
+        self.auth, self.limits, self.admin_methods = auth, limits, admin_methods
+        self.unverified = _Counts(limits.max_unverified_calls, UNVERIFIED_CALLS_PER_ADDRESS)
+        self.timeouts = 0
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        keyless = method.startswith(f"/{HEALTH_SERVICE}/")
+        role = "admin" if method in self.admin_methods else "tenant"
+        if handler.response_streaming:
+            inner = handler.unary_stream
+            if inspect.isasyncgenfunction(inner):
+                async def stream_gen(requests: Any, context: Any) -> Any:
+                    request = await self._first(requests, context, keyless, role)
+                    async for reply in inner(request, context):
+                        yield reply
+                behavior: Behavior = stream_gen
+            else:
+                async def stream_coro(requests: Any, context: Any) -> Any:
+                    return await inner(await self._first(requests, context, keyless, role), context)
+                behavior = stream_coro
+            return grpc.stream_stream_rpc_method_handler(
+                behavior, handler.request_deserializer, handler.response_serializer)
+        unary = handler.unary_unary
+
+        async def single(requests: Any, context: Any) -> Any:
+            return await unary(await self._first(requests, context, keyless, role), context)
+        return grpc.stream_unary_rpc_method_handler(single, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+    async def _first(self, requests: Any, context: Any, keyless: bool, role: str) -> Any:
+        """The call's request message, after the checks above (aborts the call otherwise)."""
+        if not keyless:
+            await self.auth.refuse_unknown_key(context, role)
+        network, counted = peer_network(context.peer() or ""), False
+        if keyless or not self.auth.is_verified(context):
+            counted = self.unverified.take(network)
+            if not counted:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "too many calls waiting for their request message")
+        try:
+            return await asyncio.wait_for(anext(requests), self.limits.message_timeout_s)
+        except TimeoutError:
+            self.timeouts += 1
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request message within {self.limits.message_timeout_s:g} s")
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request message")
+        finally:
+            if counted:
+                self.unverified.give(network)
