@@ -15,6 +15,8 @@ reads slowly but steadily is never ended. Real ``NodeStreams`` over real ZeroMQ 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +30,7 @@ from services import gateway_server
 from services.config import ServiceConfig, load_config
 from services.gateway import InferenceServicer, StreamWriter, input_from_pb
 from services.gateway_streams import StreamLimits
+from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.app import _ClosingStream, _stream
 from services.openai_api.responses import Generation
 from tenants.model import Tenant, TenantSpec
@@ -391,6 +394,20 @@ class AnyAuth:
         return self.tenant_of
 
 
+async def expire_when_stuck(gw: Gateway, rid: str, trickle: bool) -> None:
+    """Every 50 ms, 11 s pass (the idle timeout is 10 s) and the sweep runs, until it ends
+    ``rid``: once its writer is held by the transport (``trickle``: a delta more each time, as
+    a write that went into a buffer with room returns and only the next one waits)."""
+    for i in range(200):
+        gw.clock.now_s += 11.0
+        if gw.servicer.streams.expire_idle() == [rid]:
+            return
+        if trickle:
+            gw.plane.push.send(gw.servicer.streams.subscriber, [[rid, delta(1000 + i)]])
+        await asyncio.sleep(0.05)
+    raise AssertionError("the stream's writer was never held")
+
+
 def test_a_real_grpc_client_that_stops_reading_gets_resource_exhausted() -> None:
     """End to end over a real gRPC server and client: the client reads the ``started`` message
     and then nothing while 16 MiB of deltas arrive (gRPC takes some MiB of writes, then holds
@@ -415,9 +432,7 @@ def test_a_real_grpc_client_that_stops_reading_gets_resource_exhausted() -> None
             text = "x" * (64 << 10)
             for i in range(256):
                 gw.plane.push.send(gw.servicer.streams.subscriber, [[rid, {**delta(i), "text": text}]])
-            await asyncio.sleep(1.0)  # the gateway's write is held by flow control
-            gw.clock.now_s += 11.0
-            assert gw.servicer.streams.expire_idle() == [rid]
+            await expire_when_stuck(gw, rid, trickle=False)
             await until(lambda: gw.servicer.open_streams == {})
             assert await gw.plane.aborts() == [{"op": "abort", "id": rid}]
             deltas = 0
@@ -426,11 +441,56 @@ def test_a_real_grpc_client_that_stops_reading_gets_resource_exhausted() -> None
                     deltas += message.WhichOneof("event") == "delta"
             assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "stream_idle_timeout_s 10" in (ended.value.details() or "")
-            assert deltas > 0 and gw.servicer.streams.idle_ends == 1
+            assert gw.servicer.streams.idle_ends == 1
         finally:
             call.cancel()
             await channel.close()
             await server.stop(0)
+            gw.plane.close()
+
+    asyncio.run(run())
+
+
+def test_a_real_http_client_that_stops_reading_has_its_stream_ended() -> None:
+    """End to end over the real HTTP server (uvicorn): a client posts a streamed completion,
+    reads the first bytes and then nothing (a 4 KiB receive buffer) while 16 MiB of deltas
+    arrive, then more, whose writes uvicorn holds (its buffer full). At the idle timeout the request is aborted
+    on its node, the tenant's stream is free, and the server closes the connection after what it
+    held: the response ends unfinished (no finish reason, no ``[DONE]``)."""
+
+    async def run() -> None:
+        gw = await Gateway().start(StreamLimits(max_undelivered_bytes=1 << 30, idle_timeout_s=10.0))
+        gw.servicer.auth = AnyAuth(gw.ann)  # type: ignore[assignment]
+        edge = OpenAIEdge(gw.servicer, "tiny", lambda text: [1, 2, 3], lambda: 1)
+        http = HttpServer(create_app(edge))
+        port = await http.start("127.0.0.1", 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 50, "stream": True}).encode()
+            await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            rid = await gw.admitted(1)
+            await gw.plane.send([[rid, {**STARTED, "request_id": rid}]], lambda: True)
+            assert (await asyncio.wait_for(loop.sock_recv(sock, 1024), 5)).startswith(b"HTTP/1.1 200")
+            text = "x" * (64 << 10)
+            for i in range(256):
+                gw.plane.push.send(gw.servicer.streams.subscriber, [[rid, {**delta(i), "text": text}]])
+            await expire_when_stuck(gw, rid, trickle=True)
+            await until(lambda: gw.servicer.open_streams == {})
+            assert await gw.plane.aborts() == [{"op": "abort", "id": rid}] and gw.released == [rid]
+            received = []
+            while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5):  # then EOF: closed
+                received.append(chunk)
+            tail = b"".join(received)[-200:]  # what uvicorn held went out; the response is unfinished
+            assert b"[DONE]" not in tail and b"finish_reason\":\"" not in tail
+            assert tail.endswith(b"}\n\n\r\n")  # a whole chunk, then no last (empty) chunk
+        finally:
+            sock.close()
+            await http.stop()
             gw.plane.close()
 
     asyncio.run(run())
