@@ -105,6 +105,16 @@ class ServiceConfig(BaseModel):
     http_body_timeout_s: float = Field(60.0, gt=0)
     http_max_connections: int = Field(4096, ge=1)
     http_max_connections_per_address: int = Field(256, ge=1)
+    # ... and per client network (an IPv4 /24 or IPv6 /48; a client is an IPv4 address or an
+    # IPv6 /64), and the share of http_max_connections that connections no key has passed on may
+    # hold (past it, or when full, the oldest of them still sending its request is shed).
+    http_max_connections_per_network: int = Field(1024, ge=1)
+    http_unauthenticated_share: float = Field(0.5, gt=0, le=1)
+    # Request body bytes the HTTP API reads at once (services.openai_api.context.BodyLimits),
+    # counted from the key check on: per tenant (past it: 429) and in all (503), at least one
+    # whole body (8 MiB) each.
+    http_max_body_bytes_per_tenant: int = Field(32 << 20, ge=8 << 20)
+    http_max_body_bytes_total: int = Field(256 << 20, ge=8 << 20)
     # Bounds on what clients that read their streams slowly or not at all hold at the gateway
     # (services.gateway_streams.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may
     # have open at a gateway, each counted until its client has taken its last event (past it:

@@ -26,6 +26,7 @@ from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.connections import ConnectionLimits
+from services.openai_api.context import BodyLimits
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +109,20 @@ class Gateway:
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
                  http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
-                 grpc_limits: GrpcLimits | None = None) -> None:
+                 grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
         ``http_forwarded_allow_ips``: proxies trusted to set its client address (``HttpServer``);
         ``http_limits``: its connections' bounds (None: ``ConnectionLimits``' defaults);
         ``stream_limits``: what both APIs' slow or idle readers may hold (None: ``StreamLimits``'
-        defaults); ``grpc_limits``: the gRPC connections' bounds (None: ``GrpcLimits``' defaults)."""
+        defaults); ``grpc_limits``: the gRPC connections' bounds (None: ``GrpcLimits``' defaults);
+        ``body_limits``: the HTTP request body bytes read at once, per tenant and in all (None:
+        ``BodyLimits``' defaults)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.security, self.http_port = security, http_port
         self.http_forwarded_allow_ips, self.http_limits = http_forwarded_allow_ips, http_limits
-        self.stream_limits, self.grpc_limits = stream_limits, grpc_limits
+        self.stream_limits, self.grpc_limits, self.body_limits = stream_limits, grpc_limits, body_limits
         self.http: HttpServer | None = None
         self.metrics, self.metrics_endpoint = GatewayMetrics(), metrics
         self.metrics_server: MetricsServer | None = None
@@ -149,7 +152,7 @@ class Gateway:
                     templater.check_fits(len(text), room)
                 return encode_text(tokenizer, text)
             self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
-                                                         self.monitor.num_healthy)),
+                                                         self.monitor.num_healthy, self.body_limits)),
                                    self.http_forwarded_allow_ips, self.http_limits)
             await self.http.start(host, self.http_port)
         if self.metrics_endpoint is not None and self.metrics_server is None:
@@ -203,9 +206,9 @@ class RayGateway(Gateway):
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
                  http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
-                 grpc_limits: GrpcLimits | None = None) -> None:
+                 grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None) -> None:
         super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
-                         http_limits, stream_limits, grpc_limits)
+                         http_limits, stream_limits, grpc_limits, body_limits)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

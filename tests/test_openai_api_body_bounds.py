@@ -168,8 +168,12 @@ def test_body_limits_are_validated() -> None:
 
 
 def test_body_limits_from_settings() -> None:
-    """``BodyLimits.of`` reads ``http_max_body_bytes_per_tenant`` / ``_total`` when the settings
-    have them (the defaults otherwise: 4 and 32 bodies of the largest size)."""
-    assert BodyLimits.of(types.SimpleNamespace()) == BodyLimits(32 << 20, 256 << 20)
+    """``BodyLimits.of`` reads ``http_max_body_bytes_per_tenant`` / ``_total`` (ServiceConfig's
+    defaults are the limits' defaults: 4 and 32 bodies of the largest size)."""
+    from services.config import ServiceConfig
+
+    assert BodyLimits.of(ServiceConfig()) == BodyLimits() == BodyLimits(32 << 20, 256 << 20)
     got = BodyLimits.of(types.SimpleNamespace(http_max_body_bytes_per_tenant=5, http_max_body_bytes_total=7))
     assert (got.per_tenant_bytes, got.total_bytes) == (5, 7)
+    with pytest.raises(ValueError):
+        ServiceConfig(http_max_body_bytes_per_tenant=1 << 20)  # less than one whole body

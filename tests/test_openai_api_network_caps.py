@@ -172,11 +172,13 @@ def test_keyed_connections_keep_their_slots(protocol: str) -> None:
 
 
 def test_limits_from_settings() -> None:
-    """``ConnectionLimits.of`` reads the per-network cap and the keyless share when the settings
-    have them, and keeps the defaults otherwise; the share is a fraction in (0, 1]."""
+    """``ConnectionLimits.of`` reads the per-network cap and the keyless share (ServiceConfig's
+    defaults are the limits' defaults); the share is a fraction in (0, 1]."""
+    from services.config import ServiceConfig
+
     base = {"http_head_timeout_s": 1, "http_body_timeout_s": 2, "http_max_connections": 30,
             "http_max_connections_per_address": 4}
-    assert ConnectionLimits.of(types.SimpleNamespace(**base)) == ConnectionLimits(1, 2, 30, 4)
+    assert ConnectionLimits.of(ServiceConfig()) == ConnectionLimits()
     got = ConnectionLimits.of(types.SimpleNamespace(**base, http_max_connections_per_network=9,
                                                     http_unauthenticated_share=0.25))
     assert (got.max_connections_per_network, got.unauthenticated_share) == (9, 0.25)

@@ -84,13 +84,11 @@ class ConnectionLimits:
 
     @classmethod
     def of(cls, config: Any) -> ConnectionLimits:
-        """The limits a ``ServiceConfig`` sets (its ``http_*`` fields; the per-network cap and
-        the unauthenticated share are the defaults where it has no such field)."""
+        """The limits a ``ServiceConfig`` sets (its ``http_*`` fields)."""
         return cls(config.http_head_timeout_s, config.http_body_timeout_s,
                    config.http_max_connections, config.http_max_connections_per_address,
-                   max_connections_per_network=getattr(config, "http_max_connections_per_network",
-                                                       cls.max_connections_per_network),
-                   unauthenticated_share=getattr(config, "http_unauthenticated_share", cls.unauthenticated_share))
+                   max_connections_per_network=config.http_max_connections_per_network,
+                   unauthenticated_share=config.http_unauthenticated_share)
 
 
 def client_networks(address: str) -> tuple[str, str]:

@@ -156,9 +156,8 @@ class BodyLimits:
     @classmethod
     def of(cls, config: Any) -> BodyLimits:
         """The limits a ``ServiceConfig`` sets (``http_max_body_bytes_per_tenant``,
-        ``http_max_body_bytes_total``; the defaults where it has no such field)."""
-        return cls(getattr(config, "http_max_body_bytes_per_tenant", cls.per_tenant_bytes),
-                   getattr(config, "http_max_body_bytes_total", cls.total_bytes))
+        ``http_max_body_bytes_total``)."""
+        return cls(config.http_max_body_bytes_per_tenant, config.http_max_body_bytes_total)
 
     def __post_init__(self) -> None:
         for name in ("per_tenant_bytes", "total_bytes", "retry_after_ms"):
