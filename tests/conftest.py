@@ -112,3 +112,16 @@ def stack(ray_cluster, tmp_path_factory):
     gen = start_stack(ray_cluster, state_dir=str(tmp_path_factory.mktemp("state")), queue_limit=4)
     yield next(gen)
     gen.close()
+
+
+@pytest.fixture(params=["httptools", "h11"])
+def protocol(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both uvicorn HTTP implementations ("auto" picks httptools when installed): a test that
+    takes ``protocol`` runs once with each (the HTTP API's connection tests)."""
+    import uvicorn.protocols.http.auto as uvicorn_auto
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    monkeypatch.setattr(uvicorn_auto, "AutoHTTPProtocol",
+                        HttpToolsProtocol if request.param == "httptools" else H11Protocol)
+    return request.param

@@ -14,24 +14,7 @@ import pytest
 from services.global_scheduler import REJECT_REASONS, GlobalScheduler
 from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.model import TenantSpec
-
-
-class _Sender:
-    def __init__(self) -> None:
-        self.sent: list[dict] = []
-
-    def send(self, address: str, msg: dict) -> bool:
-        self.sent.append(msg)
-        return True
-
-
-def _no_store_reads(gs: GlobalScheduler, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the store is read (``list``, ``get``) from here on."""
-    def read(*_args, **_kwargs):  # type: ignore[no-untyped-def]
-        raise AssertionError("admission read the tenant store")
-
-    monkeypatch.setattr(gs.store, "list", read)
-    monkeypatch.setattr(gs.store, "get", read)
+from tests.known_tenants import Sender, no_store_reads
 
 
 def test_a_deleted_tenants_late_request_is_refused_and_opens_no_session(tmp_path: Path,
@@ -41,13 +24,13 @@ def test_a_deleted_tenants_late_request_is_refused_and_opens_no_session(tmp_path
     route nothing would close (sessions_per_tenant 1), and re-read every tenant from SQLite.
     Now it is UNAUTHENTICATED ("tenant_deleted"): nothing is routed or counted, no store read."""
     gs = GlobalScheduler(str(tmp_path), {"n0": 8})
-    gs.attach_nodes({"n0": "tcp://127.0.0.1:9"}, _Sender())
+    gs.attach_nodes({"n0": "tcp://127.0.0.1:9"}, Sender())
     for i in range(5):
         gs.register_tenant(TenantSpec(f"t{i}"))
     gone, key = gs.register_tenant(TenantSpec("gone"))
     assert gs.authenticate(key) == gone
     gs.delete_tenant("gone")
-    _no_store_reads(gs, monkeypatch)
+    no_store_reads(gs, monkeypatch)
 
     adm = gs.admit(gone.tenant_id, "gone/r1", session_id=f"{gone.tenant_id}/s1", prompt_tokens=10)
 
@@ -83,14 +66,14 @@ def test_specs_are_current_without_a_key_check_or_a_store_read(tmp_path: Path,
     ann, _ = gs.register_tenant(TenantSpec("ann", "batch"))
     assert gs.admit(ann.tenant_id, "ann/r1").code == "OK" and not gs.nodes["n0"].urgent
     gs.update_tenant("ann", TenantSpec("ann", "interactive"))
-    _no_store_reads(gs, monkeypatch)
+    no_store_reads(gs, monkeypatch)
 
     assert gs.admit(ann.tenant_id, "ann/r2").code == "OK"
     assert {rid for n in gs.nodes.values() for rid in n.urgent} == {"ann/r2"}
     gs.store.close()
 
     restarted = GlobalScheduler(str(tmp_path), {"n0": 8, "n1": 8}, scheduler="kvstrata")
-    _no_store_reads(restarted, monkeypatch)
+    no_store_reads(restarted, monkeypatch)
     assert restarted.admit(ann.tenant_id, "ann/r3").code == "OK"
     assert {rid for n in restarted.nodes.values() for rid in n.urgent} == {"ann/r3"}
 
@@ -99,7 +82,7 @@ def test_the_actors_tenant_writes_run_in_a_worker_thread(tmp_path: Path, monkeyp
     """The actor's register, update and delete commit in a worker thread (not on the loop that
     answers admissions); the delete's end (refusal, routes, end_tenant) runs on the loop."""
     scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 4})
-    scheduler.attach_nodes({"n0": "tcp://127.0.0.1:9"}, _Sender())
+    scheduler.attach_nodes({"n0": "tcp://127.0.0.1:9"}, Sender())
     threads: list[tuple[str, int]] = []
     for name in ("register", "update", "delete"):
         real = getattr(scheduler.store, name)

@@ -14,11 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvicorn.protocols.http.auto as uvicorn_auto
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.config import ServiceConfig
 from services.openai_api.connections import AcceptErrorLog, ConnectionGuard, ConnectionLimits
@@ -52,14 +49,6 @@ def _app() -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
-
-@pytest.fixture(params=["httptools", "h11"])
-def protocol(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both uvicorn HTTP implementations ("auto" picks httptools when installed)."""
-    monkeypatch.setattr(uvicorn_auto, "AutoHTTPProtocol",
-                        HttpToolsProtocol if request.param == "httptools" else H11Protocol)
-    return request.param
 
 
 async def _serving(limits: ConnectionLimits, body: Callable[[HttpServer, int], Awaitable[Any]],

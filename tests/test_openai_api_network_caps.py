@@ -17,10 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvicorn.protocols.http.auto as uvicorn_auto
 from fastapi import FastAPI, Request
-from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.openai_api.connections import ConnectionLimits, authenticated, client_networks
 from services.openai_api.server import HttpServer
@@ -43,14 +40,6 @@ def _app() -> FastAPI:
         return {"ok": True}
 
     return app
-
-
-@pytest.fixture(params=["httptools", "h11"])
-def protocol(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both uvicorn HTTP implementations ("auto" picks httptools when installed)."""
-    monkeypatch.setattr(uvicorn_auto, "AutoHTTPProtocol",
-                        HttpToolsProtocol if request.param == "httptools" else H11Protocol)
-    return request.param
 
 
 async def _serving(limits: ConnectionLimits, body: Callable[[HttpServer, int], Awaitable[Any]]) -> Any:

@@ -20,26 +20,9 @@ from tenants import store as store_module
 from tenants.errors import TenantNotFoundError
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
+from tests.known_tenants import Sender, no_store_reads
 
 FINISHED = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
-
-
-class _Sender:
-    def __init__(self) -> None:
-        self.sent: list[dict] = []
-
-    def send(self, address: str, msg: dict) -> bool:
-        self.sent.append(msg)
-        return True
-
-
-def _no_store_reads(gs: GlobalScheduler, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the store is read from here on."""
-    def read(*_args, **_kwargs):  # type: ignore[no-untyped-def]
-        raise AssertionError("admission read the tenant store")
-
-    for name in ("list", "get", "authenticate", "deleted_tenant_ids"):
-        monkeypatch.setattr(gs.store, name, read, raising=False)
 
 
 def test_an_id_that_is_no_tenants_is_refused_and_touches_nothing(tmp_path: Path,
@@ -56,7 +39,7 @@ def test_an_id_that_is_no_tenants_is_refused_and_touches_nothing(tmp_path: Path,
                 {nid: (set(n.in_flight), dict(n.backlog.by_rank)) for nid, n in gs.nodes.items()})
 
     before = state()
-    _no_store_reads(gs, monkeypatch)
+    no_store_reads(gs, monkeypatch)
 
     forged = gs.admit("forged", "forged/r1", session_id="forged/s", prompt_tokens=10, routing_key="k")
     hijack = gs.admit("forged", "forged/r2", session_id="ann/s")
@@ -81,7 +64,7 @@ def test_a_tenant_deleted_before_a_restart_stays_refused_as_deleted(tmp_path: Pa
     gs.store.close()
 
     restarted = GlobalScheduler(str(tmp_path), {"n0": 8})
-    _no_store_reads(restarted, monkeypatch)
+    no_store_reads(restarted, monkeypatch)
     adm = restarted.admit(gone.tenant_id, "gone/r1", session_id="gone/s")
 
     assert (adm.code, adm.reason) == ("UNAUTHENTICATED", "tenant_deleted")
@@ -155,7 +138,7 @@ def test_the_actor_refuses_an_unknown_tenants_admission_message_on_the_wire(tmp_
     reason is one of ``REJECT_REASONS``), UNAUTHENTICATED "unknown_tenant", and no node hears
     of it; a registered tenant's goes on to its node."""
     scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 4})
-    scheduler.attach_nodes({"n0": "tcp://127.0.0.1:9"}, _Sender())
+    scheduler.attach_nodes({"n0": "tcp://127.0.0.1:9"}, Sender())
     ann, _ = asyncio.run(scheduler.register_tenant(TenantSpec("ann")))
 
     def message(corr: int, tenant: str) -> bytes:
