@@ -540,6 +540,20 @@ class Authenticator:
             for key_id in list(self._known_by_owner.get(name, ())):
                 self._unknow(key_id)
 
+    def forget_tenant_id(self, tenant_id: str) -> None:
+        """Drop the cached keys of the tenant whose id is ``tenant_id``, and its known key ids:
+        admission answered that no such tenant exists (``tenant_deleted``, ``unknown_tenant``).
+
+        Regression (secrev18 E residue): a key of a tenant deleted through another gateway (or
+        before the scheduler restarted) stayed cached here for its TTL, each call refused at
+        admission instead of at the key check."""
+        gone = [(fp, tenant.spec.name) for fp, (tenant, _, _) in self._tenants.items() if tenant.tenant_id == tenant_id]
+        for fp, _ in gone:
+            del self._tenants[fp]
+        for name in {name for _, name in gone}:
+            for key_id in list(self._known_by_owner.get(name, ())):
+                self._unknow(key_id)
+
     def forget_admin(self) -> None:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
         self._admins.clear()

@@ -482,6 +482,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if adm.code != "OK":
                 usage = {}
                 track.rejected(adm.reason)
+                if adm.reason in ("tenant_deleted", "unknown_tenant"):  # a stale cached key
+                    self.auth.forget_tenant_id(req.tenant)
                 if adm.retry_after_s:
                     context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
                 await context.abort(_CODES[adm.code], adm.message)

@@ -108,6 +108,26 @@ def test_forget_tenant_drops_known_ids_only_when_its_keys_are_gone() -> None:
     assert set(auth._known) == {parse_key_id(bob_key)} and "ann" not in auth._known_by_owner
 
 
+def test_a_key_admission_finds_of_no_tenant_is_forgotten_by_its_tenant_id() -> None:
+    """Regression (secrev18 E residue): the gateway kept a key of a tenant deleted elsewhere (or
+    before the scheduler restarted) cached for its TTL, every call refused at admission. Now
+    admission's ``tenant_deleted``/``unknown_tenant`` makes it forget that tenant's keys
+    (``forget_tenant_id``): the next call is checked at the store and refused there, and other
+    tenants' cached keys and known ids stay."""
+    store = TenantStore(":memory:")
+    ann, ann_key = store.register(TenantSpec("ann"))
+    _, bob_key = store.register(TenantSpec("bob"))
+    auth = Authenticator(_StoreScheduler(store))
+    for key in (ann_key, bob_key):
+        assert asyncio.run(_code(auth.tenant, _Ctx(key))) == grpc.StatusCode.OK
+    store.delete("ann")
+    assert asyncio.run(_code(auth.tenant, _Ctx(ann_key))) == grpc.StatusCode.OK  # cached
+    auth.forget_tenant_id(ann.tenant_id)
+    assert asyncio.run(_code(auth.tenant, _Ctx(ann_key))) == grpc.StatusCode.UNAUTHENTICATED
+    assert set(auth._known) == {parse_key_id(bob_key)}
+    assert asyncio.run(_code(auth.tenant, _Ctx(bob_key))) == grpc.StatusCode.OK
+
+
 def test_own_rotations_are_limited_per_tenant(tmp_path: Path) -> None:
     """Regression (secrev18 A): a tenant could rotate its own key without limit. Now
     ``OWN_ROTATIONS_PER_WINDOW`` a window pass and the next is refused with the wait; another
