@@ -160,6 +160,28 @@ def test_keyed_connections_keep_their_slots(protocol: str) -> None:
     asyncio.run(_serving(limits, body))
 
 
+def test_keyless_connections_idle_between_requests_are_shed_too(protocol: str) -> None:
+    """Regression (review of f7a24d1, R2): a keyless connection that finished a request and
+    sat idle (kept alive) could not be shed; 8 such connections, each re-sending
+    ``GET /health`` within the keep-alive, held the keyless share (8 of 16), and every new
+    connection, a keyed client's included, was refused 503 at accept. Now the oldest idle one
+    is shed for the newcomer."""
+    async def body(server: HttpServer, port: int) -> None:
+        held = []
+        for i in range(8):
+            reader, writer = await _open(port, f"127.0.{i % 2}.{10 + i}", GET)
+            assert await _status(reader) == b"HTTP/1.1 200 OK"
+            held.append(writer)
+        await _settle()
+        for source in ("127.0.9.9", "127.0.9.10"):
+            reader, _ = await _open(port, source, KEYED)
+            assert await _status(reader) == b"HTTP/1.1 200 OK"
+        assert server.guard is not None and server.guard.stats["shed"] >= 1
+        assert "refused_unauthenticated" not in server.guard.stats
+
+    asyncio.run(_serving(ConnectionLimits(max_connections=16, unauthenticated_share=0.5), body))
+
+
 def test_limits_from_settings() -> None:
     """``ConnectionLimits.of`` reads the per-network cap and the keyless share (ServiceConfig's
     defaults are the limits' defaults); the share is a fraction in (0, 1]."""

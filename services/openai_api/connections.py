@@ -113,8 +113,9 @@ class ConnectionGuard:
     A new connection is refused (503 at accept) when its client network (``client_networks``)
     or its wider network holds its cap. When the connections without a valid API key hold
     their share of the slots (``unauthenticated_share``), or all slots are taken, the oldest
-    such connection that is still receiving a request (head or body, no response under way) is
-    shed (closed, 503) to make room; only when there is none is the new one refused.
+    such connection that is still receiving a request (head or body, no response under way) or
+    idle between requests is shed (closed; 503 to a partial head) to make room; only when there
+    is none is the new one refused.
 
     The per-network counts key on the socket peer, never on X-Forwarded-For: the header arrives
     after the connection is accepted, and only trusted proxies may set it (``HttpServer``).
@@ -179,8 +180,8 @@ class ConnectionGuard:
                 del counts[key]
 
     def _shed_one(self) -> bool:
-        """Close the oldest unauthenticated connection still receiving its request; False when
-        there is none."""
+        """Close the oldest unauthenticated connection still receiving its request or idle
+        (``_Guarded.sheddable``); False when there is none."""
         for conn in self.unauthenticated:
             if conn.sheddable():
                 conn.shed()
@@ -232,9 +233,19 @@ class _Guarded:
             self.guard.authenticated(self)
 
     def sheddable(self) -> bool:
-        """Receiving a request (its head or body), with no response under way: what the guard
-        may close to make room (for a connection without a valid API key)."""
-        return self._phase is not None and not self._answering() and not self.transport.is_closing()
+        """Receiving a request (its head or body), or idle between requests (kept alive), with
+        no response under way and no request in the app: what the guard may close to make room
+        (for a connection without a valid API key).
+
+        Regression (review of f7a24d1, R2): a keyless connection idle between requests could
+        not be shed; 8 of them (re-sending ``GET /health`` within the keep-alive) held the
+        keyless share, and every new connection, a keyed client's too, was refused 503."""
+        if self.transport.is_closing() or self._answering():
+            return False
+        if self._phase is not None:
+            return True
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete
 
     def shed(self) -> None:
         """Closed to make room for a new connection: uncounted now, not when the close lands."""
