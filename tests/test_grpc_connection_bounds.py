@@ -330,6 +330,17 @@ def test_calls_waiting_for_their_message_with_unverified_keys_are_capped(tmp_pat
     assert peer_network("ipv4:10.0.0.1:53412") == "ipv4:10.0.0.1"
 
 
+def test_peer_network_reads_the_peer_strings_grpc_writes() -> None:
+    """Regression (review of ddf59ab, R4): grpc writes IPv6 peers percent-encoded
+    (``ipv6:%5B::1%5D:47808``, checked on a dual-stack listener with grpcio 1.85), which
+    ``peer_network`` returned whole, port included: every IPv6 connection was a network of its
+    own. An IPv4-mapped IPv6 peer counts as its IPv4 address."""
+    assert peer_network("ipv6:%5B::1%5D:47808") == peer_network("ipv6:%5B::1%5D:52498") == "ipv6:::/64"
+    assert peer_network("ipv6:%5B2001:db8:1:2::7%5D:5000") == "ipv6:2001:db8:1:2::/64"
+    assert peer_network("ipv6:[::ffff:1.2.3.4]:5000") == peer_network("ipv4:1.2.3.4:6000") == "ipv4:1.2.3.4"
+    assert peer_network("unix:/tmp/s") == "unix:/tmp/s"
+
+
 def test_health_watch_answers_only_known_names_and_is_bounded(tmp_path: Path) -> None:
     """Regression (secrev19 H5): Watch held a stream open for any client-chosen service name,
     unbounded. Now an unknown name ends NOT_FOUND at once, the gateway's names are watched
