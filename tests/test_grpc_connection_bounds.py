@@ -310,8 +310,8 @@ def test_a_call_whose_message_never_comes_ends_at_the_message_timeout(tmp_path: 
 def test_calls_waiting_for_their_message_with_unverified_keys_are_capped(tmp_path: Path) -> None:
     """Calls whose key was not verified here lately may wait for their message at most
     ``UNVERIFIED_CALLS_PER_ADDRESS`` from one client network (and ``max_unverified_calls`` in
-    all: 3 here); one past it is refused RESOURCE_EXHAUSTED at once, while a verified key's
-    call still waits for its message."""
+    all: 3 here); one past it ends the oldest waiting one RESOURCE_EXHAUSTED at once and waits
+    in its place."""
 
     async def run() -> None:
         limits = GrpcLimits(**{**QUICK.__dict__, "max_unverified_calls": 3, "message_timeout_s": 1.5})
@@ -319,15 +319,44 @@ def test_calls_waiting_for_their_message_with_unverified_keys_are_capped(tmp_pat
             wrong = served.key[:17] + "A" * 43  # kvs_<its id>_<another secret>
             waiting = [asyncio.ensure_future(headers_only(channel, GENERATE, wrong)) for _ in range(3)]
             await asyncio.sleep(0.4)
-            code, details, took = await headers_only(channel, GENERATE, wrong)
-            assert (code, took < 1.0) == (grpc.StatusCode.RESOURCE_EXHAUSTED, True), details
-            assert [c for c, _, _ in await asyncio.gather(*waiting)] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
+            code, details, _ = await headers_only(channel, GENERATE, wrong)
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED, details  # waited in the oldest's place
+            ended = [(c, took < 1.0) for c, _, took in await asyncio.gather(*waiting)]
+            assert sorted(ended, key=str) == sorted([(grpc.StatusCode.RESOURCE_EXHAUSTED, True)]
+                                                    + [(grpc.StatusCode.DEADLINE_EXCEEDED, False)] * 2, key=str)
 
     asyncio.run(run())
     assert UNVERIFIED_CALLS_PER_ADDRESS == 64
     assert peer_network("ipv6:[2001:db8:1:2:3:4:5:6]:5000") == peer_network("ipv6:[2001:db8:1:2::9]:1") \
         == "ipv6:2001:db8:1:2::/64"
     assert peer_network("ipv4:10.0.0.1:53412") == "ipv4:10.0.0.1"
+
+
+def test_a_full_waiting_room_sheds_the_most_waiting_networks_oldest_call() -> None:
+    """Regression (review of ddf59ab, R1): the unverified calls' places were first come, first
+    served, so calls that never sent their message kept every other unverified call of their
+    network (or, from 16 networks, of all) out. Now a new call sheds the oldest waiting one:
+    of its own network when that is at its cap, else of the network waiting with the most."""
+    async def run() -> None:
+        gate = CallGate(None, GrpcLimits(**{**QUICK.__dict__, "max_unverified_calls": 4}), frozenset())  # type: ignore[arg-type]
+        gate.unverified.per_network = 3
+        a = [gate._wait_slot("ipv4:10.0.0.1") for _ in range(3)]
+        b = gate._wait_slot("ipv4:10.0.0.2")
+        assert all(f is not None and not f.done() for f in (*a, b))
+        assert gate._wait_slot("ipv4:10.0.0.3") is not None  # all 4 taken: sheds .1's oldest
+        assert a[0].done() and not a[1].done() and not b.done() and gate.shed == 1
+        assert gate._wait_slot("ipv4:10.0.0.3") is not None  # .1 (2) still waits with the most
+        assert a[1].done() and not b.done()
+        c = [f for f, net in gate.waiting.items() if net == "ipv4:10.0.0.3"]
+        assert gate._wait_slot("ipv4:10.0.0.3") is not None  # now .3 waits with the most (2)
+        assert c[0].done() and not c[1].done() and gate.unverified.open == {
+            "ipv4:10.0.0.1": 1, "ipv4:10.0.0.2": 1, "ipv4:10.0.0.3": 2}
+        roomy = CallGate(None, GrpcLimits(**{**QUICK.__dict__, "max_unverified_calls": 100}), frozenset())  # type: ignore[arg-type]
+        roomy.unverified.per_network = 2
+        d = [roomy._wait_slot("ipv4:10.0.0.5") for _ in range(3)]  # the 3rd: its network at its cap
+        assert d[0].done() and not d[1].done() and roomy.unverified.open == {"ipv4:10.0.0.5": 2}
+
+    asyncio.run(run())
 
 
 def test_peer_network_reads_the_peer_strings_grpc_writes() -> None:
