@@ -420,10 +420,12 @@ class LLMEngine(EngineTiersMixin):
                 self.prefixes.evict(key)
             self.num_host_reclaims += 1
 
-    def _host_contenders(self, need: int, holder: str) -> list[Sequence]:
+    def _host_contenders(self, need: int, holder: str, incoming: Sequence) -> list[Sequence]:
         """The running requests of other holders than ``holder`` whose policy states hold
-        host-tier slots that a reservation of ``need`` more for ``holder`` may take, by
-        preempting them (``Scheduler._compact_due``): the request's holder holds more
+        host-tier slots that a reservation of ``need`` more for ``holder`` (by ``incoming``)
+        may take, by preempting them (``Scheduler._compact_due``): of ``incoming``'s SLO class
+        or a lower one (the scheduling policy's ``rank``: a batch tenant's compaction never
+        preempts an interactive tenant's request), and the request's holder holds more
         (entries and reservations) than ``holder`` would with ``need`` more (max-min fair,
         as the tier's eviction), and keeps at least what ``holder`` holds now without the
         request's slots. The second condition keeps a preempted request's restart from
@@ -433,8 +435,10 @@ class LLMEngine(EngineTiersMixin):
         host = self.tiers.host
         holdings = Counter(host.entries.held()) + host.reserved_by
         mine = holdings[holder] + need
-        found = []
+        found, rank = [], self.scheduler.policy.rank
         for seq in self.scheduler.running:
+            if rank(seq) < rank(incoming):
+                continue
             owner = holder_of(seq.cache_namespace)
             slots = seq.kv.policy.host_slots(seq.kv) if seq.kv is not None else 0
             if slots and owner != holder and holdings[owner] > mine and holdings[owner] - slots >= holdings[holder]:

@@ -413,7 +413,7 @@ class SequenceKV:
         tiers = self.host
         if tiers is None or num_slots <= 0 or tiers.can_reserve_host(num_slots, holder):
             return False
-        if tiers.host_contenders is None or not tiers.host_contenders(num_slots, holder):
+        if tiers.host_contenders is None or not tiers.host_contenders(num_slots, holder, self.seq):
             return False
         self.host_wait = (num_slots, holder)
         self._defer()

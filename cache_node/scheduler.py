@@ -123,7 +123,8 @@ class Scheduler(Preemption):
         if seq.kv is not None:
             policy = seq.kv.policy
             peak = min(peak, policy.max_pool_tokens(seq.num_prompt_tokens))
-            peak = max(peak, policy.min_charge_tokens(seq.kv, seq.num_prompt_tokens))
+            if seq.sampling_params.max_tokens > 1:  # one token: it ends before the charge is due
+                peak = max(peak, policy.min_charge_tokens(seq.kv, seq.num_prompt_tokens))
         return peak
 
     def take_rejected(self) -> list[Sequence]:

@@ -167,6 +167,10 @@ def test_a_request_whose_compressed_prompt_cannot_fit_is_refused_at_arrival(tiny
     with pytest.raises(InvalidRequestError, match=r"under KV policy 'sentencekv-0.5'.*KV pool holds 640 tokens"):
         eng.add_request(prompt_of(600), SamplingParams(max_tokens=30, ignore_eos=True), policy="sentencekv-0.5")
     assert not eng.has_unfinished_requests()
+    # max_tokens 1 ends at the prompt's last step, before the charge is due (review of ac27634, F1)
+    eng.add_request(prompt_of(600), SamplingParams(max_tokens=1, ignore_eos=True), request_id="one",
+                    policy="sentencekv-0.5")
+    assert drain(eng)["one"].num_output_tokens == 1
     tiered = LLMEngine(tiny.model, eng.config, tiny.model_id, tiny.eos_token_ids,
                        tier_config=TierConfig(host_bytes=100 * eng.pool.bytes_per_block))
     tiered.add_request(prompt_of(600), SamplingParams(max_tokens=3, ignore_eos=True), request_id="t",

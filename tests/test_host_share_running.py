@@ -10,11 +10,14 @@ greedy output on an idle node.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cache_node.engine import LLMEngine
 from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
+from cache_node.scheduling.base import TenantShare
 from cache_node.tiers.manager import TierConfig
 from tests.conftest import make_engine
 
@@ -22,9 +25,10 @@ SPEC = "sentencekv-64"
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-def _engine(tiny, host_slots: int) -> LLMEngine:
+def _engine(tiny, host_slots: int, scheduling_policy: str = "fcfs") -> LLMEngine:
     probe = make_engine(tiny, kv_pool_bytes=4 << 20, max_num_batched_tokens=128)
-    eng = LLMEngine(tiny.model, probe.config, tiny.model_id, tiny.eos_token_ids,
+    config = dataclasses.replace(probe.config, scheduling_policy=scheduling_policy)
+    eng = LLMEngine(tiny.model, config, tiny.model_id, tiny.eos_token_ids,
                     tier_config=TierConfig(host_bytes=host_slots * probe.pool.bytes_per_block))
     eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
     return eng
@@ -120,6 +124,23 @@ def test_a_tenants_own_running_requests_are_not_contenders(tiny) -> None:
     eng = _engine(tiny, 30)
     _start(eng, "A", [100], max_tokens=60)
     _, stats, _ = _run(eng, "A", 101)
+    assert stats.get("dropped_tokens", 0) > 0 and "deferred_compactions" not in stats
+    assert eng.scheduler.num_preemptions == 0
+    _drain(eng)
+
+
+@pytest.mark.timeout(300)
+def test_a_lower_class_never_preempts_a_higher_one_for_host_room(tiny) -> None:
+    """Regression (review of e3eb2b5, F2): a batch tenant's compaction preempted an interactive
+    tenant's running requests for host room (the share counted holdings alone), and the
+    interactive request restarted and dropped 348 tokens instead of 24. Now only requests of
+    the compacting request's class or a lower one give way: the batch tenant drops its
+    over-share sentences (counted) and preempts nobody."""
+    eng = _engine(tiny, 68, scheduling_policy="priority")
+    eng.scheduler.policy.set_tenant("A", TenantShare("interactive", ttft_slo_ms=1000.0, weight=4.0))
+    eng.scheduler.policy.set_tenant("B", TenantShare("batch", ttft_slo_ms=60000.0))
+    _start(eng, "A", [100, 101], max_tokens=40)
+    _, stats, _ = _run(eng, "B", 3)
     assert stats.get("dropped_tokens", 0) > 0 and "deferred_compactions" not in stats
     assert eng.scheduler.num_preemptions == 0
     _drain(eng)

@@ -132,7 +132,7 @@ class TierManager:
         # the running requests of other holders over their fair share of the host tier that
         # a reservation could take from by preempting them (``host_contenders``); the engine
         # sets it
-        self.host_contenders: Callable[[int, str], list[Sequence]] | None = None
+        self.host_contenders: Callable[[int, str, Sequence], list[Sequence]] | None = None
         self.enabled = self.host.num_slots > 0 or spill is not None
         # reorders the free cached blocks (LRU order in) before watermark demotion takes the
         # first ones; None = LRU (the engine sets it for quota-aware scheduling policies)
