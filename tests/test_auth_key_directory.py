@@ -1,4 +1,4 @@
-"""The gateway's key directory (``services.auth.KeyDirectory``): a key whose id exists nowhere
+"""The gateway's key directory (``services.key_ids.KeyDirectory``): a key whose id exists nowhere
 is refused UNAUTHENTICATED at the gateway without a check and without spending the budget of
 checks of key ids not known there, so a flood of random key ids never refuses a valid key.
 
@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 import services.auth
+import services.key_ids
 from services.auth import Authenticator
 from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.errors import TenantExistsError
@@ -228,8 +229,8 @@ def test_a_malformed_directory_reply_falls_back_to_the_budgeted_checks(reply, mo
     """Whatever the scheduler's directory answers (wrong types, sizes or id patterns, an error,
     no answer at all), the gateway neither crashes nor refuses on its account: the directory
     stays as it was (empty), a valid key passes and a bad one is checked as before."""
-    monkeypatch.setattr(services.auth, "_MAX_DIRECTORY_IDS", 4)
-    monkeypatch.setattr(services.auth, "_DIRECTORY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(services.key_ids, "_MAX_DIRECTORY_IDS", 4)
+    monkeypatch.setattr(services.key_ids, "_DIRECTORY_TIMEOUT_S", 0.05)
     ann_key, bad_key = new_api_key(), new_api_key()
     ann = _tenant("ann")
     scheduler = _DirectoryScheduler({ann_key: ann}, reply)

@@ -18,6 +18,7 @@ from collections import Counter
 import grpc
 
 import services.auth
+import services.key_ids
 from services.auth import Authenticator
 from tenants.keys import fingerprint, new_api_key, parse_key_id
 from tenants.model import TenantSpec
@@ -157,7 +158,7 @@ def test_suspicion_and_turns_expire() -> None:
     failure, or until cleared; while keys of an id wait, only they get turns (one per address,
     the newest key), others wait 1 s; a turn lasts ``_WAITING_TTL_S``; one check at once per id."""
     clock = _Clock()
-    suspects = services.auth.SuspectKeyIds(checks_per_s=50, checks_in_flight=8, ttl_s=60.0, clock=clock)
+    suspects = services.key_ids.SuspectKeyIds(checks_per_s=50, checks_in_flight=8, ttl_s=60.0, clock=clock)
     a, b = fingerprint(new_api_key()), fingerprint(new_api_key())
     suspects.failed("0123456789ab")
     assert "0123456789ab" in suspects and "ba9876543210" not in suspects
@@ -180,5 +181,5 @@ def test_suspicion_and_turns_expire() -> None:
     suspects.finish("0123456789ab")
     assert suspects.wait_s("0123456789ab", "h2", b) == 0.0  # h1's turn was used
     suspects.refused("0123456789ab", "h1", a)
-    clock.now_s += services.auth._WAITING_TTL_S
+    clock.now_s += services.key_ids._WAITING_TTL_S
     assert suspects.wait_s("0123456789ab", "h2", b) == 0.0  # h1 did not come back in time
