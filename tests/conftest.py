@@ -24,8 +24,13 @@ from cache_node.model_loader import LoadedModel, load_model, tiny_llama
 # changed mid-session: 2 until a CacheNode test set 1, 2 again after test_recall_bound's fixture.
 torch.set_num_threads(1)
 
-OPTIONAL_MODULES = ("ray", "zmq", "gguf", "faiss")
-"""Modules the GPU machine lacks (issue 17): a test module that imports one is skipped there."""
+OPTIONAL_MODULES = ("ray", "zmq", "gguf", "faiss", "pydantic", "pydantic_core", "grpc_health", "grpc_tools",
+                    "fastapi", "starlette", "uvicorn", "sse_starlette", "httptools", "openai")
+"""The project's dependencies (and dev extras) that the acceptance GPU machine's image lacks
+(issue 17; its package list as read 2026-11-17 has torch, transformers, triton, numpy, msgpack,
+grpcio, protobuf, xxhash, rich, typer, pyyaml, psutil, matplotlib, hypothesis and pytest, not
+these): a test module whose import needs one is skipped there, not a collection error that
+stops the whole ``pytest -m gpu`` run."""
 _MISSING = re.compile(r"No module named '(\w+)|import of (\w+) halted")
 
 

@@ -13,9 +13,11 @@ import pytest
 
 from bench import gpu_carry
 from bench.gpu_check import StepResult, junit_counts, last_json, steps, summarize
+from tests.conftest import OPTIONAL_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
-HIDE = "import sys\nfor m in ('ray', 'zmq', 'gguf', 'faiss'):\n    sys.modules[m] = None\n"
+HIDE = f"import sys\nfor m in {OPTIONAL_MODULES!r}:\n    sys.modules[m] = None\n"
+"""Python run first in each subprocess below: it makes every module the GPU machine lacks unimportable."""
 
 
 def _py(code: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -41,6 +43,19 @@ def test_gpu_collection_skips_modules_that_need_a_missing_optional_module(tmp_pa
     assert "error" not in r.stdout.splitlines()[-1]
     counts = junit_counts(junit)
     assert counts["errors"] == counts["failed"] == 0 and counts["skipped"] >= 1
+
+
+def test_whole_gpu_collection_has_no_errors_without_the_modules_the_gpu_machine_lacks() -> None:
+    """Regression: ``pytest -m gpu tests`` as the GPU check runs it, on a machine without
+    pydantic, fastapi, uvicorn, grpc_health, openai, ... (the acceptance GPU's image): before,
+    21 test modules failed to import there and pytest stopped at collection ("Interrupted: 21
+    errors during collection"), so not one GPU test would have run."""
+    r = _py("import pytest\nsys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-o', 'addopts=', "
+            "'--collect-only', 'tests']))")
+    tail = r.stdout.splitlines()[-1] if r.stdout else ""
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "error" not in tail and "deselected" in tail, tail
+    assert int(tail.split("/")[0]) >= 10, tail  # the GPU tests themselves are collected
 
 
 def test_carry_folder_holds_tokenizer_and_corpus_without_weights(tmp_path: Path) -> None:
