@@ -33,6 +33,7 @@ from kvstrata.v1 import (
     tenant_pb2_grpc,
 )
 from services.config import NodeConfig, ServiceConfig
+from services.grpc_messages import channel_options
 from services.launcher import Services, start_services, stop_services
 
 TINY_NAME = "kvstrata-chaos-tiny-llama"
@@ -102,7 +103,7 @@ class ChaosStack:
     @classmethod
     def start(cls, config: ServiceConfig, tenants: tuple[str, ...] = ("chaos-a", "chaos-b")) -> ChaosStack:
         services = start_services(config)
-        stack = cls(services, grpc.insecure_channel(services.address))
+        stack = cls(services, grpc.insecure_channel(services.address, options=channel_options()))
         for name in tenants:
             stack.keys[name] = stack.register(name)
         return stack
@@ -140,7 +141,7 @@ class ChaosStack:
 
     def reconnect(self) -> None:
         self.channel.close()
-        self.channel = grpc.insecure_channel(self.services.address)
+        self.channel = grpc.insecure_channel(self.services.address, options=channel_options())
 
     def stats(self, check_integrity: bool = True, timeout_s: float = 30.0) -> admin_pb2.StatsResponse:
         return self.admin.Stats(admin_pb2.StatsRequest(check_integrity=check_integrity),

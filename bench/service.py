@@ -64,6 +64,7 @@ from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services.cache_node import CacheNode
 from services.config import NodeConfig, ServiceConfig
+from services.grpc_messages import channel_options
 from services.launcher import start_services, stop_services
 from services.node_request import NodeRequest
 from workloads.corpus import load_corpus
@@ -170,7 +171,7 @@ async def _rounds(
         "http_probe_pairs": [],
     }
     http = openai.AsyncOpenAI(base_url=f"http://{http_address}/v1", api_key="-", max_retries=0)
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
         admin = (("authorization", f"Bearer {admin_key}"),)
         tenants = tenant_pb2_grpc.TenantServiceStub(ch)
         stub = inference_pb2_grpc.InferenceServiceStub(ch)

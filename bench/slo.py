@@ -46,6 +46,7 @@ import ray
 from bench.common import wiki_chat_requests
 from cache_node.model_loader import load_model
 from services.config import NodeConfig, ServiceConfig
+from services.grpc_messages import channel_options
 from services.launcher import Services, start_services, stop_services
 from tenants.model import SLO_CLASS_DEFAULTS, SloClass
 from workloads.corpus import load_corpus
@@ -137,7 +138,7 @@ async def register(services: Services, tenants: list[TenantProfile], calib: bool
     if calib:
         specs.append(tenant_pb2.TenantSpec(name="calib", slo_class=slo_class_to_pb(SloClass.BATCH)))
     keys = {}
-    async with grpc.aio.insecure_channel(services.address) as ch:
+    async with grpc.aio.insecure_channel(services.address, options=channel_options()) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         admin = (("authorization", f"Bearer {services.admin_key}"),)
         for pb in specs:

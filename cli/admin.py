@@ -7,7 +7,7 @@ import typer
 
 from cli.options import GatewayOpt, finite
 from cli.output import console, die, fail
-from cli.state import admin_key_file, admin_metadata, gateway_address
+from cli.state import admin_key_file, admin_metadata, gateway_channel
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from tenants.keys import new_api_key, write_key_file
 
@@ -41,7 +41,7 @@ def admin_rotate_key(
         finally:
             store.close()
     else:
-        with grpc.insecure_channel(gateway_address(gateway)) as ch:
+        with gateway_channel(gateway) as ch:
             try:
                 key = admin_pb2_grpc.AdminServiceStub(ch).RotateAdminKey(
                     admin_pb2.RotateAdminKeyRequest(), metadata=admin_metadata(), timeout=30).api_key
@@ -58,7 +58,7 @@ def admin_rotate_key(
 def admin_flush(gateway: str | None = GatewayOpt) -> None:
     """Drop every cached KV block on every healthy node: device, host and spill tiers (blocks of
     running requests and of open sessions stay). Prints the blocks freed."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Flush(admin_pb2.FlushRequest(), metadata=admin_metadata(),
                                                              timeout=120)
@@ -75,7 +75,7 @@ def admin_drain(
 ) -> None:
     """Let every healthy node's running requests finish for up to `--timeout-s` seconds, then
     abort the rest (their clients see finish reason `abort`). Prints how many were aborted."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Drain(admin_pb2.DrainRequest(timeout_s=timeout_s),
                                                              metadata=admin_metadata(), timeout=timeout_s + 120)

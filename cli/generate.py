@@ -13,7 +13,7 @@ from rich.markup import escape
 from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
-from cli.state import gateway_address
+from cli.state import gateway_channel
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services.node_request import MAX_PRIORITY, MIN_PRIORITY
 
@@ -134,7 +134,7 @@ def generate(
     server aborted it). Ctrl-C cancels the request (exit code 130).
     """
     req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop)
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
                 req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout, stop or ())
@@ -151,7 +151,7 @@ def close_session(
     """Close one of your sessions: its KV is freed now, not when it expires (the server's
     `session_ttl_s` after its last turn); prints the tokens of history freed. Exit 1 with
     NOT_FOUND when you have no session by that id."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = inference_pb2_grpc.InferenceServiceStub(ch).CloseSession(
                 inference_pb2.CloseSessionRequest(session_id=session),

@@ -25,7 +25,7 @@ from cli import state
 from cli.options import GatewayOpt, validation_message
 from cli.output import console, die, fail, say
 from cli.processes import stop_processes
-from cli.state import admin_metadata, gateway_address, reachable, read_state
+from cli.state import admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
 from services.metrics.targets import TARGETS_FILE, write_targets
@@ -189,7 +189,7 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     (state.state_dir() / "gateway.json").write_text(json.dumps({
         "address": services.address, "ray_address": address, "started_ray": started_ray,
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
-        "http_address": services.http_address,
+        "http_address": services.http_address, "grpc_max_message_bytes": cfg.grpc_max_message_bytes,
     }))
     targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
@@ -303,7 +303,7 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
         True, metavar="", help="check each node's block pool for consistency (waits for a step boundary); "
         "--no-integrity skips it")) -> None:
     """Per-node pool usage, queue and session counts."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
                 admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(), timeout=30)

@@ -13,6 +13,7 @@ from cli.options import GatewayOpt, positive
 from cli.output import EXIT_USAGE, console, die, fail
 from cli.state import admin_metadata, gateway_address, openai_api_url
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
+from services.grpc_messages import channel_options
 
 
 class Api(str, Enum):
@@ -70,7 +71,7 @@ def run_deepresearch(
     address = gateway_address(gateway)
     url = openai_api_url(openai_url) if api == Api.openai else ""
     if scheduler:
-        with grpc.insecure_channel(address) as ch:
+        with grpc.insecure_channel(address, options=channel_options()) as ch:
             try:
                 resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
                     admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(), timeout=30)
@@ -83,7 +84,7 @@ def run_deepresearch(
     admin_key = admin_metadata()[0][1].split(" ", 1)[1]
 
     async def go() -> int:
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
             keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
         out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
                                           policy=policy, replay=replay or None, openai_url=url)

@@ -8,7 +8,10 @@ import os
 import socket
 from pathlib import Path
 
+import grpc
+
 from cli.output import die
+from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from tenants.keys import read_key_file
 
 STATE_DIR: Path | None = None  # pinned by tests; else ``state_dir()`` reads the environment
@@ -33,6 +36,15 @@ def gateway_address(address: str | None) -> str:
     if not addr:
         die("no gateway address: run `kvstrata up` or pass --gateway")
     return addr
+
+
+def gateway_channel(address: str | None) -> grpc.Channel:
+    """A channel to ``gateway_address(address)`` whose messages may be as large as the gateway's
+    ``grpc_max_message_bytes`` (saved by ``kvstrata up``) or the default, whichever is larger:
+    either takes the largest valid request (``services.grpc_messages``)."""
+    saved = read_state().get("grpc_max_message_bytes")
+    cap = max(saved if isinstance(saved, int) else 0, DEFAULT_MAX_MESSAGE_BYTES)
+    return grpc.insecure_channel(gateway_address(address), options=channel_options(cap))
 
 
 def openai_api_url(url: str) -> str:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from cli.options import MAX_UINT32, GatewayOpt, TenantNameArg, finite, uint64
 from cli.output import console, fail
-from cli.state import admin_metadata, gateway_address
+from cli.state import admin_metadata, gateway_channel
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from tenants.model import SLO_CLASS_DEFAULTS
 
@@ -77,7 +77,7 @@ def tenant_add(
     )
     if min_tokens_per_s is not None:
         spec.min_tokens_per_s = min_tokens_per_s
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
                 tenant_pb2.RegisterTenantRequest(spec=spec), metadata=admin_metadata())
@@ -90,7 +90,7 @@ def tenant_add(
 @tenant_app.command("list")
 def tenant_list(gateway: str | None = GatewayOpt) -> None:
     """List the tenants: SLO class, TTFT and TPOT targets, floor, weight, cache namespace, KV policy."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata())
         except grpc.RpcError as err:
@@ -160,7 +160,7 @@ def tenant_show(
 ) -> None:
     """One tenant's settings and usage counters (since the services started) as a table."""
     md = key_metadata(api_key)
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
             t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=md).tenant
@@ -189,7 +189,7 @@ def tenant_update(
 ) -> None:
     """Change some of a tenant's settings; the ones not given keep their current values (a
     new `--slo-class` does not reset the targets to its defaults). Its keys stay valid."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
             spec = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata()).tenant.spec
@@ -216,7 +216,7 @@ def tenant_update(
 @tenant_app.command("rm")
 def tenant_rm(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> None:
     """Delete a tenant: its API keys stop working at once."""
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata())
         except grpc.RpcError as err:
@@ -232,7 +232,7 @@ def tenant_rotate_key(
 ) -> None:
     """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
     md = key_metadata(api_key)
-    with grpc.insecure_channel(gateway_address(gateway)) as ch:
+    with gateway_channel(gateway) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md)
         except grpc.RpcError as err:

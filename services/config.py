@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache_node.config import DTYPE_NAMES
 from cache_node.scheduling import check_policy_name
+from services.grpc_messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_GENERATE_REQUEST_BYTES,
+    MAX_MESSAGE_BYTES_LIMIT,
+)
 
 NODE_DEVICES = ("auto", "cpu", "cuda")
 
@@ -140,6 +145,9 @@ class ServiceConfig(BaseModel):
     # DEADLINE_EXCEEDED); grpc_max_unverified_calls calls with keys not verified lately may wait
     # for their message at once (64 per client network); grpc_max_health_watchers Health/Watch
     # streams may be open (16 per client network), for the gateway's service names alone.
+    # grpc_max_message_bytes caps a message received or sent (a larger request ends
+    # RESOURCE_EXHAUSTED); never below the largest valid request, ~4.03 MiB
+    # (services.grpc_messages.MAX_GENERATE_REQUEST_BYTES; grpc's own default, 4 MiB, refused it).
     # Regression (secrev19 H4/H5): none of these existed; idle connections and header-only
     # calls were held forever.
     grpc_handshake_timeout_s: float = Field(10.0, gt=0, le=3600.0)
@@ -153,6 +161,8 @@ class ServiceConfig(BaseModel):
     grpc_message_timeout_s: float = Field(30.0, gt=0, le=3600.0)
     grpc_max_unverified_calls: int = Field(1024, ge=1, le=1 << 20)
     grpc_max_health_watchers: int = Field(1024, ge=1, le=1 << 20)
+    grpc_max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=MAX_GENERATE_REQUEST_BYTES,
+                                        le=MAX_MESSAGE_BYTES_LIMIT)
     # Prometheus /metrics of every actor (services.metrics), bound on metrics_host ("node_ip":
     # each actor's Ray node IP, for a Prometheus elsewhere in the cluster); port 0 = a free port
     # each (`kvstrata up` prints them). A fixed node or spill port needs one such node per machine.

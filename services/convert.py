@@ -42,6 +42,7 @@ FLOAT32_DIGITS = 6  # decimal digits a float32 always round-trips (FLT_DIG)
 MAX_PROMPT_TOKEN_IDS = 131_072
 MAX_CHAT_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1 << 20
+MAX_REQUEST_ID_CHARS = 256  # request_id, session_id (services.gateway.MAX_ID_CHARS checks them)
 
 _SLO_CLASS_TO_PB: dict[SloClass, common_pb2.SloClass] = {
     SloClass.INTERACTIVE: common_pb2.SLO_CLASS_INTERACTIVE,

@@ -2,11 +2,12 @@
 
 ``GrpcLimits`` (``ServiceConfig``'s ``grpc_*`` settings) becomes grpc core's server options
 (``server_options``): a handshake deadline, an idle deadline, a maximum connection age with a
-grace for the calls still running, keepalive and its enforcement, and a cap on open
-connections. ``CallGate`` is a ``grpc.aio`` server interceptor that refuses a call with a
-missing, malformed or absent API key right after its headers and bounds how long and how many
-calls may wait for their request message. ``BoundedHealthServicer`` answers Health/Watch only for
-the gateway's own service names, with a bound on open watchers.
+grace for the calls still running, keepalive and its enforcement, a cap on open connections
+and one on a message's size (``services.grpc_messages``). ``CallGate`` is a ``grpc.aio`` server
+interceptor that refuses a call with a missing, malformed or absent API key right after its
+headers and bounds how long and how many calls may wait for their request message.
+``BoundedHealthServicer`` answers Health/Watch only for the gateway's own service names, with a
+bound on open watchers.
 
 Regression (secrev19 H4): the server set only ``grpc.so_reuseport`` and
 ``grpc.max_concurrent_streams``, so a client that completed the HTTP/2 handshake and sent nothing
@@ -34,6 +35,11 @@ import grpc
 from grpc_health.v1._async import HealthServicer
 
 from services.auth import Authenticator
+from services.grpc_messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_GENERATE_REQUEST_BYTES,
+    channel_options,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,10 @@ class GrpcLimits:
             per client network); one past it is refused RESOURCE_EXHAUSTED.
         max_health_watchers: Health/Watch streams open at once, all clients together
             (``HEALTH_WATCHERS_PER_ADDRESS`` per client network); past it RESOURCE_EXHAUSTED.
+        max_message_bytes: the largest message received or sent, in bytes; a call whose
+            request is larger ends RESOURCE_EXHAUSTED (grpc core's), the connection's other
+            calls unaffected. At least ``MAX_GENERATE_REQUEST_BYTES``, the largest valid request
+            (``services.grpc_messages``).
     """
 
     handshake_timeout_s: float = 10.0
@@ -92,11 +102,15 @@ class GrpcLimits:
     message_timeout_s: float = 30.0
     max_unverified_calls: int = 1024
     max_health_watchers: int = 1024
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
             if not getattr(self, name) > 0:
                 raise ValueError(f"GrpcLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_message_bytes < MAX_GENERATE_REQUEST_BYTES:
+            raise ValueError(f"GrpcLimits.max_message_bytes must be >= {MAX_GENERATE_REQUEST_BYTES} (the "
+                             f"largest valid request), got {self.max_message_bytes}")
 
     @classmethod
     def of(cls, config: Any) -> GrpcLimits:
@@ -106,7 +120,7 @@ class GrpcLimits:
                    config.grpc_keepalive_time_s, config.grpc_keepalive_timeout_s,
                    config.grpc_min_ping_interval_s, config.grpc_max_connections,
                    config.grpc_message_timeout_s, config.grpc_max_unverified_calls,
-                   config.grpc_max_health_watchers)
+                   config.grpc_max_health_watchers, config.grpc_max_message_bytes)
 
     def connection_cap(self, nofile: int | None = None) -> int:
         """``max_connections``, at most a quarter of ``nofile`` (the NOFILE soft limit)."""
@@ -134,6 +148,7 @@ class GrpcLimits:
             ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
             ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
             ("grpc.max_allowed_incoming_connections", self.connection_cap(nofile)),
+            *channel_options(self.max_message_bytes),
         ]
 
 

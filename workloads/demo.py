@@ -27,6 +27,7 @@ from rich.console import Console
 
 from cache_node.scheduling import SCHEDULING_POLICIES
 from services.config import NodeConfig, ServiceConfig
+from services.grpc_messages import channel_options
 from services.launcher import Services, start_services, stop_services
 from workloads.deepresearch.compare import append_comparison, print_comparison
 from workloads.deepresearch.config import WorkloadConfig
@@ -76,7 +77,7 @@ async def _run(args: argparse.Namespace, services: Services, console: Console, r
                reports: str) -> JobOutcome:
     config = workload_config(args)
     address, admin_key = services.address, services.admin_key
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(address, options=channel_options(services.config.grpc_max_message_bytes)) as channel:
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
     url = f"http://{services.http_address}/v1" if args.api == "openai" else ""

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
+from services.grpc_messages import channel_options
 from workloads.deepresearch.client import OK, CallResult, StreamAccumulator, retry_after_from
 
 
@@ -77,7 +78,7 @@ class GrpcInferenceClient:
         if (target is None) == (channel is None):
             raise ValueError("give exactly one of target and channel")
         self._owns_channel = channel is None
-        self._channel = channel if channel is not None else grpc.aio.insecure_channel(target)
+        self._channel = channel if channel is not None else grpc.aio.insecure_channel(target, options=channel_options())
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._timeout_s = timeout_s
 

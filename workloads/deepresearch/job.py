@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from rich.console import Console
 
+from services.grpc_messages import channel_options
 from workloads.deepresearch.client import InferenceClient, StatsProbe
 from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.generator import generate_plan
@@ -117,7 +118,7 @@ async def run_deepresearch_grpc(
     go through the gateway's OpenAI-compatible API with the ``openai`` package
     (``OpenAIInferenceClient``) instead of gRPC; the admin calls stay on gRPC.
     """
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
         client: InferenceClient = (OpenAIInferenceClient(openai_url, timeout_s=timeout_s) if openai_url
                                    else GrpcInferenceClient(channel=channel, timeout_s=timeout_s))
         probe = grpc_stats_probe(channel, admin_key) if admin_key else None

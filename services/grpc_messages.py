@@ -1,0 +1,81 @@
+"""How large a gRPC message the gateway and kvstrata's own clients take.
+
+grpc core refuses a received message over 4 MiB unless told otherwise, before any handler runs
+(RESOURCE_EXHAUSTED "received message larger than max"). The largest request ``convert``'s bounds
+admit is larger: a chat of ``MAX_PROMPT_CHARS`` characters, up to 4 UTF-8 bytes each, plus its
+messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.03 MiB). So
+the cap is a setting, ``ServiceConfig.grpc_max_message_bytes`` (``DEFAULT_MAX_MESSAGE_BYTES``,
+8 MiB, as the HTTP API's body cap), never below that request, set on the server for both
+directions (``GrpcLimits.server_options``) and on every channel our clients open to the gateway
+(``channel_options``). Regression: the cap was grpc's default, so a valid 1 Mi-character prompt
+of 4-byte characters was refused for its size with nothing naming the limit.
+"""
+
+from __future__ import annotations
+
+from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_REQUEST_ID_CHARS
+
+UTF8_MAX_BYTES = 4
+"""Bytes of the longest UTF-8 encoding of one character (a code point past U+FFFF)."""
+
+_TAG = 1  # every GenerateRequest field number is below 16: a one-byte key
+_VARINT_32 = 5  # the longest varint of a uint32 / length prefix under 4 GiB
+_VARINT_64 = 10  # the longest varint of a uint64, or of a negative int32
+_FLOAT = 4
+_LONGEST_ROLE_BYTES = len("assistant")  # services.convert.CHAT_ROLES
+_POLICY_CHARS = 63  # tenants.model.POLICY_PATTERN, ASCII
+
+
+def _string_field(max_bytes: int) -> int:
+    return _TAG + _VARINT_32 + max_bytes
+
+
+def _largest_chat_bytes() -> int:
+    message = _string_field(_LONGEST_ROLE_BYTES) + _TAG + _VARINT_32  # role, content's key and length
+    messages = MAX_CHAT_MESSAGES * (_TAG + _VARINT_32 + message) + MAX_PROMPT_CHARS * UTF8_MAX_BYTES
+    return _TAG + _VARINT_32 + messages
+
+
+def _largest_sampling_bytes() -> int:
+    fields = (
+        _TAG + _VARINT_32                                           # max_tokens
+        + 2 * (_TAG + _FLOAT)                                       # temperature, top_p
+        + _TAG + _VARINT_64                                         # seed
+        + _TAG + _VARINT_32 + MAX_STOP_TOKEN_IDS * _VARINT_32       # stop_token_ids, packed
+        + _TAG + 1                                                  # ignore_eos
+        + MAX_STOP_STRINGS * _string_field(MAX_STOP_STRING_CHARS * UTF8_MAX_BYTES)
+    )
+    return _TAG + _VARINT_32 + fields
+
+
+MAX_GENERATE_REQUEST_BYTES = (
+    _largest_chat_bytes()  # the larger input: MAX_PROMPT_TOKEN_IDS packed ids are <= 640 KiB
+    + _largest_sampling_bytes()
+    + 2 * _string_field(MAX_REQUEST_ID_CHARS * UTF8_MAX_BYTES)      # session_id, request_id
+    + _string_field(_POLICY_CHARS)                                  # policy
+    + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
+)
+"""An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
+largest request of any call): 4,228,601 bytes, ~4.03 MiB."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
+"""``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""
+
+MAX_MESSAGE_BYTES_LIMIT = 256 << 20
+"""The largest ``grpc_max_message_bytes`` a config may set."""
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """grpc channel (or server) arguments capping a message sent or received at
+    ``max_message_bytes``; for ``grpc.insecure_channel(target, options=...)``.
+
+    Raises:
+        ValueError: ``max_message_bytes`` is below ``MAX_GENERATE_REQUEST_BYTES`` (it would
+            refuse valid requests).
+    """
+    if max_message_bytes < MAX_GENERATE_REQUEST_BYTES:
+        raise ValueError(f"max_message_bytes must be >= {MAX_GENERATE_REQUEST_BYTES} (the largest valid "
+                         f"request), got {max_message_bytes}")
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
