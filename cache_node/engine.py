@@ -1,4 +1,9 @@
-"""The cache node engine: add requests, step, stream outputs, abort."""
+"""The cache node engine: add requests, step, stream outputs, abort.
+
+``LLMEngine`` is this module's intake and step loop with parts mixed in from their own modules:
+session calls (``engine_sessions``), memory reclaim (``engine_reclaim``), failed-step recovery
+(``engine_recovery``), introspection (``engine_stats``) and tier calls (``tiers.engine_api``).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
@@ -15,11 +19,15 @@ import torch
 
 from cache_node.compressed_prefix import CompressedPrefixCache, check_prefix_tokens
 from cache_node.config import EngineConfig
+from cache_node.engine_reclaim import EngineReclaimMixin
+from cache_node.engine_recovery import EngineRecoveryMixin
+from cache_node.engine_sessions import EngineSessionsMixin
+from cache_node.engine_stats import EngineStatsMixin
 from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool, kv_format_name
 from cache_node.model_runner import ModelRunner, ScheduledBatch
-from cache_node.outputs import InvalidRequestError, RequestOutput, SequenceFault
+from cache_node.outputs import InvalidRequestError, RequestOutput
 from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import sample
 from cache_node.sampling_params import SamplingParams
@@ -27,7 +35,6 @@ from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence, SequenceStatus
 from cache_node.sessions import SessionTable
 from cache_node.tiers.engine_api import EngineTiersMixin
-from cache_node.tiers.fair_lru import holder_of
 from cache_node.tiers.manager import TierConfig, TierManager
 from cache_node.tiers.spill_api import SpillClient
 
@@ -36,10 +43,9 @@ if TYPE_CHECKING:  # annotations only
 
 log = logging.getLogger(__name__)
 
-MAX_FAILED_STEPS = 3  # steps in a row failing in the runner itself (no policy to blame) before ``step`` re-raises
 
-
-class LLMEngine(EngineTiersMixin):
+class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, EngineStatsMixin,
+                EngineTiersMixin):
     """A model replica over a paged KV pool it owns, with continuous batching.
 
     Thread-safe for one stepping thread plus callers of ``add_request``/``abort_request``.
@@ -231,28 +237,6 @@ class LLMEngine(EngineTiersMixin):
             self._aborted.append(seq)
             return True
 
-    def close_session(self, session_id: str) -> int:
-        with self._lock:
-            return self.sessions.close(session_id)
-
-    def rewind_session(self, session_id: str, history: list[int] | None, prompt_len: int,
-                       output: tuple[int, ...]) -> bool:
-        """Undo the turn that just finished in ``session_id`` (``SessionTable.rewind``): the
-        cache node cancelled it while its last step computed. False when the session is not
-        idle at that turn's end."""
-        with self._lock:
-            return self.sessions.rewind(session_id, history, prompt_len, output)
-
-    def session_history(self, session_id: str) -> list[int] | None:
-        """Token ids of an idle session's history, or None when the session is unknown."""
-        with self._lock:
-            sess = self.sessions.sessions.get(session_id)
-            return None if sess is None else list(sess.token_ids)
-
-    def expire_sessions(self, ttl_s: float) -> list[str]:
-        with self._lock:
-            return self.sessions.expire(ttl_s)
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 
@@ -289,161 +273,6 @@ class LLMEngine(EngineTiersMixin):
         if waiting:  # e.g. every queued request waits on a prefetch: let it land
             time.sleep(0.0005)
         return outputs
-
-    def _cut_short(self, seq: Sequence) -> None:
-        """``seq`` ran alone and still could not get its next blocks (``Preemption._reserve``):
-        what its policy keeps outside the pool (a cold tier's or quant's codes, SentenceKV's
-        sentences without a host tier) grew past the pool. It finishes "length" with its
-        output so far (as at a context limit), marked ``policy_stats["cut_short"]`` and
-        counted (``requests_cut_short``), and logged.
-
-        Regression (hangs review 19 C1): such requests (snapkv-0.25-cold_bits_4: 536 of
-        1000 tokens on a 10-block pool) finished "length" with nothing telling them from a
-        request that reached its max_tokens: no counter, no log, no mark.
-        """
-        self.num_cut_short += 1
-        seq.policy_stats["cut_short"] = 1.0
-        log.warning("request %s (policy %r): cut short at %d of max_tokens %d output tokens: its KV and what its "
-                    "policy keeps outside the pool outgrew this node's pool", seq.request_id, seq.policy,
-                    len(seq.output_token_ids), seq.sampling_params.max_tokens)
-
-    def _schedule(self) -> ScheduledBatch:
-        """The step's batch: a suspect's failed step alone when one has recomputed up to it
-        (``Sequence.isolate_at``, ``_recover``), else the scheduler's pick (in which suspects
-        recompute up to their failed step with the others)."""
-        self._alone = False
-        for request_id, need in list(self._suspects.items()):
-            seq = self.requests.get(request_id)
-            if seq is None or seq.is_finished or seq.num_computed_tokens >= need:
-                self._clear_suspect(request_id, seq)  # passed the step, or gone
-                continue
-            assert seq.isolate_at is not None
-            if seq.num_computed_tokens >= seq.isolate_at:
-                batch = self.scheduler.schedule_alone(seq)
-                if batch:
-                    self._alone = True
-                    return batch
-                self._clear_suspect(request_id, seq)  # cannot run alone now: steps as any
-        return self.scheduler.schedule()
-
-    def _clear_suspect(self, request_id: str, seq: Sequence | None) -> None:
-        del self._suspects[request_id]
-        if seq is not None:
-            seq.isolate_at = None
-
-    def _release_idle_sessions(self) -> None:
-        """Unpin least-recently-used idle sessions while a queued request cannot get blocks.
-
-        Regression: sessions pinned between turns could fill the pool so that no new request
-        was ever admitted (they waited until their deadline). Unpinned KV stays matchable as
-        cached blocks (demoted below on eviction), so the next turn still finds it.
-        """
-        if not self.scheduler.waiting:
-            return
-        head = self.scheduler.waiting[0]
-        need = max(self.pool.num_blocks // 10, -(-(head.num_tokens + 1) // self.pool.block_size))
-        self._unpin_idle_sessions(need)
-
-    def _unpin_idle_sessions(self, need: int) -> None:
-        """Unpin (demote) idle sessions and drop compressed prefixes, least recently used
-        first, until ``need`` blocks are free or none is left."""
-        pool = self.kv_manager.pool
-        while pool.num_free_blocks() < need:
-            session_id = self.sessions.lru_idle()
-            idle_since = None if session_id is None else self.sessions.sessions[session_id].last_used_s
-            if self.prefixes.evict_lru(idle_since):  # compressed prefixes and sessions: LRU
-                continue
-            if session_id is None:
-                return
-            self.demote_session(session_id)
-
-    def _reclaim(self, need: int) -> None:
-        """The scheduler's last resort for blocks (``Preemption._free_held_elsewhere``: a
-        lone running sequence short of them, or the queue's head when nothing runs): idle
-        sessions and compressed prefixes (``_unpin_idle_sessions``), then the history KV that
-        sessions keep for their running turns (``Sequence.kept``). A waiting turn whose kept
-        history goes frees what it was lent and will compute its whole prompt, as every
-        preempted turn did before sessions kept histories.
-
-        Regression guard: a kept history holds the blocks that the scheduler freed here
-        before (a waiting turn's, lent again by ``Sequence.restart``), so keeping them must
-        not cost a request that needs them its progress.
-        """
-        self._unpin_idle_sessions(need)
-        pool = self.kv_manager.pool
-        for seq in list(self.requests.values()):
-            if pool.num_free_blocks() >= need:
-                return
-            if seq.kept is None:
-                continue
-            seq.kept.drop()
-            if seq.status is SequenceStatus.WAITING and seq.block_table:
-                self.kv_manager.free(seq)
-                seq.restart()
-
-    def _reclaim_host(self, need: int, holder: str = "") -> None:
-        """A policy's host-tier reservation of ``need`` slots for ``holder`` (a cache
-        namespace without its salt) does not fit: drop the policy states that idle holders keep
-        there (sessions between turns, stored compressed prefixes) until it fits or none may
-        go. The states of the holder then holding the most go first, least recently used first
-        within it (sessions before prefixes on a tie); another holder's only while it holds
-        more than ``holder`` would with the reservation (max-min fair, as the tier's eviction:
-        ``tiers.fair_lru``). A dropped session's next turn prefills its history again; a
-        dropped prefix is compressed again.
-
-        Regressions (security reviews): one tenant's idle SentenceKV sessions or stored
-        prefixes held every host slot until their TTL; another tenant's running request then
-        lost the sentences it demoted (``dropped_tokens``) and silently decoded other tokens
-        than on an idle node. Only idle holders give way: a running request's sentences never
-        do. Then any tenant's reservation dropped every other tenant's idle states, least
-        recently used first, so one tenant's running requests took the whole tier.
-        """
-        host = self.tiers.host
-        while not host.can_reserve(need, holder):
-            holdings = Counter(host.entries.held()) + host.reserved_by
-            idle = [(s.kv, s.last_used_s, 0, s.session_id) for s in self.sessions.sessions.values()
-                    if s.active_request is None and s.kv is not None and s.kv.policy.host_slots(s.kv)]
-            idle += [(e.seq.kv, e.last_used_s, 1, key) for key, e in self.prefixes.entries.items()
-                     if e.seq.kv is not None and e.seq.kv.policy.host_slots(e.seq.kv)]
-            mine = holdings[holder] + need
-            candidates = []
-            for kv, last_used_s, kind, key in idle:
-                owner = holder_of(kv.seq.cache_namespace)
-                if owner == holder or holdings[owner] > mine:
-                    candidates.append((-holdings[owner], owner != holder, last_used_s, kind, key))
-            if not candidates:
-                return
-            *_, kind, key = min(candidates)
-            if kind == 0:
-                self.sessions.unpin(key)  # a compacted state is dropped whole
-            else:
-                self.prefixes.evict(key)
-            self.num_host_reclaims += 1
-
-    def _host_contenders(self, need: int, holder: str, incoming: Sequence) -> list[Sequence]:
-        """The running requests of other holders than ``holder`` whose policy states hold
-        host-tier slots that a reservation of ``need`` more for ``holder`` (by ``incoming``)
-        may take, by preempting them (``Scheduler._compact_due``): of ``incoming``'s SLO class
-        or a lower one (the scheduling policy's ``rank``: a batch tenant's compaction never
-        preempts an interactive tenant's request), and the request's holder holds more
-        (entries and reservations) than ``holder`` would with ``need`` more (max-min fair,
-        as the tier's eviction), and keeps at least what ``holder`` holds now without the
-        request's slots. The second condition keeps a preempted request's restart from
-        preempting back the request it gave way to (a ping-pong of restarts: a request of
-        30 slots preempted for one slot). Largest holder first, then the request holding the
-        most slots."""
-        host = self.tiers.host
-        holdings = Counter(host.entries.held()) + host.reserved_by
-        mine = holdings[holder] + need
-        found, rank = [], self.scheduler.policy.rank
-        for seq in self.scheduler.running:
-            if rank(seq) < rank(incoming):
-                continue
-            owner = holder_of(seq.cache_namespace)
-            slots = seq.kv.policy.host_slots(seq.kv) if seq.kv is not None else 0
-            if slots and owner != holder and holdings[owner] > mine and holdings[owner] - slots >= holdings[holder]:
-                found.append((-holdings[owner], -slots, seq.arrival_time_s, seq))
-        return [seq for *_, seq in sorted(found, key=lambda f: f[:3])]
 
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         logits = self.runner.execute(batch)  # one row per sequence reaching its last token
@@ -493,77 +322,6 @@ class LLMEngine(EngineTiersMixin):
             self.scheduler.add(ready)
         if seq.kv is not None and seq.kv.compaction_due and seq.prefix_stop:
             seq.kv.retry = lambda: self._store_prefix(seq)
-
-    def _recover(self, batch: ScheduledBatch, exc: Exception, outputs: list[RequestOutput]) -> None:
-        """The forward pass raised: its KV writes are partial. A ``SequenceFault`` names the
-        request whose policy failed: that request alone finishes with "error" and the rest of
-        the batch is preempted, so it recomputes its KV instead of trusting half-written
-        slots. An exception naming no request (the model runner itself) is told apart: every
-        sequence of the batch is preempted, recomputes up to the step that failed in batches
-        as usual, and runs that step alone (``_schedule``); a step of one sequence that fails
-        is that sequence's, which finishes with "error". Should a batch holding such a
-        sequence fail before it got there, each of that batch's sequences recomputes alone
-        from its start. ``MAX_FAILED_STEPS`` batched steps in a row failing with no policy to
-        blame re-raise (the node is broken, not a request: its supervisor restarts it); the
-        steps that tell a failed batch apart do not count, nor does a failed step of one
-        sequence after which a canary step runs (``_runner_works``).
-
-        Regressions: a policy exception inside ``step`` stopped the node's step loop and failed
-        every tenant's requests on it; then an exception naming no request failed its whole
-        batch, so one tenant's request that broke the forward pass failed every other tenant's
-        request stepping with it, and three in a row restarted the node; then, on an otherwise
-        idle node, three such requests of one tenant in a row (each alone in its step)
-        restarted it, and every other tenant's sessions and stored prefixes on it were lost.
-        """
-        live = [(seq, n) for seq, n in batch if not seq.is_finished]
-        culprit = exc.request_id if isinstance(exc, SequenceFault) else None
-        escalate = False  # a batch holding a sequence of an earlier failed batch failed again
-        if not isinstance(exc, SequenceFault):
-            escalate = not self._alone and any(seq.isolate_at is not None for seq, _ in live)
-            if len(live) == 1:
-                culprit = live[0][0].request_id
-            if not self._alone and not escalate and not (culprit and self._runner_works()):
-                self._failed_steps += 1
-        log.error("step %d failed (%s): %s", self.num_steps, "request " + culprit if culprit else "batch",
-                  exc, exc_info=exc)
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            raise exc
-        for seq, n in live:
-            if seq.request_id == culprit:
-                self._fail(seq, outputs)
-                continue
-            if culprit is None:  # runs its step alone once it has recomputed up to it
-                need = min(seq.num_computed_tokens + n, seq.num_tokens)
-                self._suspects[seq.request_id] = max(need, self._suspects.get(seq.request_id, 0))
-                seq.isolate_at = 0 if escalate else seq.num_computed_tokens
-            if seq in self.scheduler.running:
-                self.scheduler.preempt(seq)
-
-    def _runner_works(self) -> bool:
-        """Canary steps: a scratch sequence (one block, no KV policy) through the model
-        runner, a one-token prefill then a one-token decode (the prefill and the decode path,
-        CUDA graphs included, as a failed step may have taken either). True when both ran:
-        the step of one sequence that failed before them was that request's, not a broken
-        runner's. False when one raised, or when no block is free to run them."""
-        canary = Sequence("canary", [0, 0], SamplingParams(max_tokens=1))
-        if self.kv_manager.allocate_slots(canary, 2) is None:
-            return False
-        try:
-            self.runner.execute([(canary, 1)])
-            canary.num_computed_tokens = 1
-            self.runner.execute([(canary, 1)])
-        except Exception as exc:  # noqa: BLE001 - the failed step counts then
-            log.error("canary step failed: %s", exc)
-            return False
-        finally:
-            self.kv_manager.free(canary)
-        return True
-
-    def _fail(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
-        """Finish ``seq`` with "error": its blocks go back, a session keeps its earlier history."""
-        self.num_failed_requests += 1
-        self._finish(seq, "error")
-        outputs.append(self._output(seq, ()))
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling_params
@@ -620,52 +378,3 @@ class LLMEngine(EngineTiersMixin):
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
-
-    # ---- introspection --------------------------------------------------------------------
-    def check_integrity(self) -> None:
-        """Raise RuntimeError when pool bookkeeping is inconsistent (see BlockPool)."""
-        with self._lock:
-            self.kv_manager.check_integrity()
-
-    def held_by_tenant(self) -> dict[str, dict[str, int]]:
-        """Per tenant with live requests: ``blocks`` (pool blocks its requests hold, charge
-        blocks included: ``Sequence.num_held_blocks``) and ``policy_bytes`` (bytes their KV
-        policies hold outside the pool blocks now, which those charge blocks pay for)."""
-        out: dict[str, dict[str, int]] = {}
-        with self._lock:
-            for seq in self.requests.values():
-                held = out.setdefault(seq.tenant, {"blocks": 0, "policy_bytes": 0})
-                held["blocks"] += seq.num_held_blocks
-                held["policy_bytes"] += seq.kv.outside_pool_bytes() if seq.kv is not None else 0
-        return out
-
-    def stats(self) -> dict[str, int]:
-        pool = self.kv_manager.pool
-        with self._lock:
-            charged = [s.kv for s in self.requests.values() if s.kv is not None]
-            charged += self.sessions.idle_policy_states() + self.prefixes.states()
-            used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
-            free = pool.num_free_blocks()
-            cached_free = sum(1 for b in pool.free_queue if b.block_hash is not None)
-            return {
-                "num_blocks": pool.num_blocks,
-                "used_blocks": used,
-                "free_blocks": free - cached_free,
-                "cached_blocks": cached_free,
-                "block_size": self.pool.block_size,
-                "device_bytes_used": used * self.pool.bytes_per_block,
-                "running": len(self.scheduler.running),
-                "failed_requests": self.num_failed_requests,
-                "requests_cut_short": self.num_cut_short,
-                "host_reclaims": self.num_host_reclaims,
-                "waiting": len(self.scheduler.waiting),
-                "sessions": len(self.sessions.sessions),
-                "session_blocks": sum(s.num_held_blocks for s in self.sessions.sessions.values()
-                                      if s.active_request is None),
-                "session_policy_continuations": self.sessions.num_policy_continuations,
-                "session_policy_fallbacks": self.sessions.num_fallbacks,
-                "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),
-                "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
-                "compaction_released_hashes": pool.num_released_hashes,
-                "compactions_deferred": pool.num_deferred_rewrites,
-            } | self.tiers.stats() | self.prefixes.stats()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_node.engine import MAX_FAILED_STEPS, LLMEngine
+from cache_node.engine import LLMEngine
+from cache_node.engine_recovery import MAX_FAILED_STEPS
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine, node_metric
 
