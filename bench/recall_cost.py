@@ -129,7 +129,7 @@ def profile_recall(engine: LLMEngine, prompts: list[list[int]], policy: str, max
         if not any(k in path for k in PROFILED):
             continue
         name = f"{os.path.basename(path)}:{line}({fn})"
-        if fn == RECALL_FN and "sentencekv/policy.py" in path:
+        if fn == RECALL_FN and "sentencekv/recall.py" in path:
             recall_s = ct
         rows.append({"function": name, "cumulative_s": round(ct, 3), "own_s": round(tt, 3)})
     rows.sort(key=lambda r: -r["cumulative_s"])

@@ -8,7 +8,7 @@ import pytest
 from cache_node.policies import PolicyEnv
 from cache_node.policies.registry import make_policy
 from cache_node.policies.sentencekv import SentenceKV
-from cache_node.policies.sentencekv.policy import COMPACT_BUDGET, PRESETS
+from cache_node.policies.sentencekv.presets import COMPACT_BUDGET, PRESETS
 from cache_node.sampling_params import SamplingParams
 from tests.conftest import make_engine
 

@@ -60,7 +60,9 @@ Files: ``sketch.py`` (``KeySketch``, the 2-bit key sketch scored on its codes;
 (``shortlist`` and ``head_scores`` over mean keys), ``layer_budget.py`` (the region's split
 among the layers, ``layer_budget="mass"``), ``bound.py`` (``KeyBounds``, the missed-mass
 bound and its stats), ``bound_step.py`` (one layer's bound per step), ``overflow.py`` (the
-exact-recall overflow region), ``policy.py`` (``SentenceKV``, registered as ``sentencekv``).
+exact-recall overflow region), ``policy.py`` (``SentenceKV``, registered as ``sentencekv``:
+its fields, checks, segmentation and demotion), ``recall.py`` (its recall at attention time),
+``budget.py`` (its accounting), ``presets.py`` (``PRESETS``, the fields a spec leaves out).
 """
 
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV

@@ -1,11 +1,14 @@
 """The SentenceKV policy (registered as ``sentencekv``): demote all but sinks and window to host
 RAM sentence by sentence, and before each layer attends recall per KV head the sentences the
-query points at. The design, budget and sources are in the package docstring."""
+query points at. The design, budget and sources are in the package docstring.
+
+``SentenceKV`` holds the fields, their checks, segmentation and demotion (``compress``); its
+recall at attention time is ``recall.SentenceRecall``, its accounting ``budget.SentenceBudget``,
+and its presets ``presets.PRESETS``."""
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,17 +16,15 @@ import torch
 
 from cache_node.attention_stats import StatsNeeds
 from cache_node.compaction import gather_kv
-from cache_node.kv_pool import KVPool
 from cache_node.policies.base import Policy, protected_mask
-from cache_node.policies.quant import channel_group
 from cache_node.policies.registry import register
 from cache_node.policies.sentencekv.bound import KeyBounds, RecallBoundStats
-from cache_node.policies.sentencekv.bound_step import step_bound
+from cache_node.policies.sentencekv.budget import SentenceBudget
 from cache_node.policies.sentencekv.host_kv import PrivateHostKV, TierHostKV
 from cache_node.policies.sentencekv.layer_budget import layer_shares, split_slots
-from cache_node.policies.sentencekv.overflow import ChainedKV, OverflowKV
-from cache_node.policies.sentencekv.region import QuantSentenceRegion, SentenceCodes, SentenceRegion
-from cache_node.policies.sentencekv.shortlist import head_scores, shortlist
+from cache_node.policies.sentencekv.presets import COMPACT_BUDGET, PRESETS
+from cache_node.policies.sentencekv.recall import SentenceRecall
+from cache_node.policies.sentencekv.region import SentenceCodes
 from cache_node.policies.sentencekv.sketch import KeySketch, LayeredSketch
 from cache_node.policies.sentencekv.store import HostSentenceStore
 from cache_node.tiers.fair_lru import holder_of
@@ -32,40 +33,9 @@ if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
 
 
-# The fields a preset sets when the spec leaves them out (``SentenceKV.preset``). "standard":
-# int8 region codes per 16 channels, a 2-bit sketch of every channel, recall every decode step.
-# "compact", for an eighth of the device bytes: one int8 scale per token and K/V (groups of
-# 64 channels) on keys centred and scaled per channel (KIVI §3), so the bytes go to slots;
-# the sketch of the keys' top-32 principal directions (Loki), each divided by its spread, in
-# groups of 32; the region's slots split among the layers by where the window queries'
-# attention lies (``layer_budget.py``); the last query fills 3/4 of the region; the second half
-# of the layers (the deep layers) score on 4-bit codes and reselect every decode step, the
-# first half every eighth (Quest/ShadowKV reuse); no headroom block, so the region gets it.
-# Those three took the 1k KL over seeds 0-2 from 0.094 to 0.050 and the 2k KL over seeds 0-1
-# from 0.057 to 0.047, at TPOT 1.18-1.23x the full cache's, median 1.20x over ten runs
-# (bench/README.md "Deep layers", "The headroom block and the layer knobs", "The compact
-# preset, ninth session", "One attention call per decode step").
-# Measured on SmolLM2-135M (bench/README.md "8x", "The compact preset", "Layer split"): at
-# 12.5% compact answered every pass key at 1k-8k where standard lost them at 4k; the layer
-# split and whitening took the 4k KL over six contexts from 0.089 to 0.037 (but raised two 1k
-# contexts' from 0.043 to 0.102); TPOT ~1.2-1.3x the full cache's against ~1.5x; at 25%
-# standard had the lower KL, hence a budget-dependent default.
-PRESETS: dict[str, dict[str, int | float | str]] = {
-    "standard": {"last_query_share": 0.5, "sketch_group": 16, "sketch_rank": 0, "region_group": 16,
-                 "region_key_scale": 0, "recall_every": 1, "sketch_whiten": 0,
-                 "layer_budget": "uniform", "recall_next": 0, "deep_from": 1.0, "deep_sketch_bits": 2,
-                 "deep_recall_every": 1, "deep_sketch_whiten": 0, "layer_floor": 0.5, "headroom_blocks": 1},
-    "compact": {"last_query_share": 0.75, "sketch_group": 32, "sketch_rank": 32, "region_group": 64,
-                "region_key_scale": 1, "recall_every": 8, "sketch_whiten": 1,
-                "layer_budget": "mass", "recall_next": 0, "deep_from": 0.5, "deep_sketch_bits": 4,
-                "deep_recall_every": 1, "deep_sketch_whiten": 1, "layer_floor": 0.5, "headroom_blocks": 0},
-}
-COMPACT_BUDGET = 0.125  # "auto" picks "compact" at budgets of at most this fraction of the prompt
-
-
 @register
 @dataclass
-class SentenceKV(Policy):
+class SentenceKV(SentenceRecall, SentenceBudget, Policy):
     """See the package docstring (``cache_node.policies.sentencekv``).
 
     Keys a query attends: while the prompt is prefilled, every earlier token. Once the pool
@@ -303,46 +273,6 @@ class SentenceKV(Policy):
         if self._bounds_at == "host" and isinstance(store.host, TierHostKV) and store.host.add(kv[:, :0], grown) is None:
             state.extra["bounds_uncharged"] = state.extra.get("bounds_uncharged", 0) + grown
 
-    def _bound_device_bytes(self, state: SequenceKV) -> int:
-        bounds = state.extra.get("key_bounds")
-        return bounds.nbytes if bounds is not None and self._bounds_at == "device" else 0
-
-    def pool_tokens(self, state: SequenceKV) -> int:
-        """Pool slots the sequence may fill after a compaction: sinks and window in whole
-        blocks, plus ``headroom_blocks`` blocks that decoding fills before the next demotion."""
-        bs = state.pool.block_size
-        return (math.ceil((self.sink_tokens + self.window_tokens) / bs) + self.headroom_blocks) * bs
-
-    @staticmethod
-    def _token_bytes(state: SequenceKV) -> int:
-        """Bytes of one token's K/V in every layer at the pool's dtype (the budget's unit)."""
-        pool = state.pool
-        return KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.kv.dtype)
-
-    def index_tokens(self, state: SequenceKV, store: HostSentenceStore) -> int:
-        """The sentence index's device bytes, in tokens (a token = its K/V in every layer)."""
-        return math.ceil((store.index_nbytes + self._bound_device_bytes(state)) / self._token_bytes(state))
-
-    def region_slot_bytes(self, state: SequenceKV) -> int:
-        """Device bytes of one region slot in every layer and KV head: the pool dtype's K/V,
-        or with ``region_bits`` the codes plus a float16 scale and zero per channel group."""
-        pool = state.pool
-        if not self.region_bits:
-            return self._token_bytes(state)
-        d = pool.head_dim
-        per_head = d * self.region_bits // 8 + 2 * 2 * (d // self._region_group(state))
-        return pool.num_layers * 2 * pool.num_kv_heads * per_head
-
-    def _region_group(self, state: SequenceKV) -> int:
-        return channel_group(self.region_group, state.pool.head_dim)
-
-    def region_tokens(self, state: SequenceKV, store: HostSentenceStore) -> int:
-        """R, per layer and KV head: the slots that fit in the budget left after the pool slots
-        and the index, so peak device bytes stay within the budget."""
-        assert state.budget is not None
-        left = max(0, state.budget - self.index_tokens(state, store) - self.pool_tokens(state))
-        return left * self._token_bytes(state) // self.region_slot_bytes(state)
-
     def compress(self, state: SequenceKV) -> bool:
         assert state.budget is not None
         store = self._store(state)
@@ -397,211 +327,7 @@ class SentenceKV(Policy):
             self._fill_from_window(state)
         return True
 
-    def _host_slots(self, state: SequenceKV, store: HostSentenceStore, runs: list[torch.Tensor]) -> int:
-        """Host-tier slots that demoting the sentences ``runs`` (index runs, as ``segments``)
-        reserves (``TierHostKV.add``): their K/V, and the region codes and host-side key
-        bounds charged beside them, sized from one token's codes and one sentence's bounds."""
-        host = store.host
-        assert isinstance(host, TierHostKV)
-        n = sum(len(run) for run in runs)
-        extra = n * self._codes_token_bytes(state)
-        if self._bounds_at == "host":
-            pool = state.pool
-            bounds = KeyBounds("cpu")
-            bounds.append(torch.zeros((pool.num_layers, 1, pool.num_kv_heads, pool.head_dim), dtype=pool.kv.dtype),
-                          0, self.region_bits, self._region_group(state))
-            extra += len(runs) * bounds.nbytes
-        return host.slots_for(n, extra)
-
-    def _codes_token_bytes(self, state: SequenceKV) -> int:
-        """Host bytes of one demoted token's region codes (``SentenceCodes``; 0 without
-        ``region_bits``)."""
-        if not self.region_bits:
-            return 0
-        pool = state.pool
-        one = torch.zeros((pool.num_layers, 1, 2, pool.num_kv_heads, pool.head_dim), dtype=pool.kv.dtype)
-        return SentenceCodes.nbytes_of(SentenceCodes(self.region_bits, self._region_group(state)).quantize(one))
-
-    def min_charge_tokens(self, state: SequenceKV, num_tokens: int) -> int:
-        """Without a host tier (``state.host`` None) the demoted sentences' K/V and region
-        codes sit in the sequence's own RAM, charged to the pool (``private_host_bytes``): at
-        least every token past what the policy keeps (its budget and ``evict_every`` slack),
-        each a pool token's bytes plus its codes; beside the recall region and the sentence
-        index, charged too, which fill the budget left after the pool slots
-        (``region_tokens``). With a host tier, 0 (the tier holds the sentences)."""
-        budget = self.budget_tokens(state.seq.num_prompt_tokens)
-        demoted = max(0, num_tokens - budget - self.evict_every - 1)
-        if state.host is not None or not demoted:
-            return 0
-        token_bytes = self._token_bytes(state)
-        sentences = math.ceil(demoted * (token_bytes + self._codes_token_bytes(state)) / token_bytes)
-        return sentences + max(0, budget - self.pool_tokens(state))
-
-    @property
-    def _bounds_at(self) -> str:
-        """``bound_tier`` with ``"auto"`` resolved: host in exact-recall mode, else off."""
-        if self.bound_tier == "auto":
-            return "host" if self.recall_eps else "off"
-        return self.bound_tier
-
-    def _fill_from_window(self, state: SequenceKV) -> None:
-        stats = state.stats
-        for layer in range(state.pool.num_layers):
-            q = None if stats is None else stats.queries[layer]
-            if q is not None:
-                self.recall(state, layer, q)
-
-    # ---- promotion at decode ----------------------------------------------------------------
-    def before_attend(self, state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
-        store = state.extra.get("sentences")
-        if store is None:
-            return
-        if store.region_slots(layer_idx) and not self._reuse_selection(state, store, layer_idx, q):
-            self.recall(state, layer_idx, q)
-        bounds = state.extra.get("key_bounds")
-        state.extra.pop("overflow", None)
-        if bounds is None or not len(bounds):
-            return
-        over = step_bound(state, store, bounds, state.extra["recall_bound"], layer_idx, q, q_pos,
-                          self._region(state, layer_idx), self.recall_eps)
-        if over is not None and over.num_tokens:
-            state.extra["overflow"] = (layer_idx, over)
-        if layer_idx == state.pool.num_layers - 1:
-            state.seq.policy_stats.update(state.extra["recall_bound"].as_dict())
-
-    def _reuse_selection(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor) -> bool:
-        """Whether this decode step keeps the layer's last selection (``recall_every``, or
-        ``deep_recall_every`` in the deep layers)."""
-        every = self.deep_recall_every if layer_idx >= self.deep_start(state.pool.num_layers) else self.recall_every
-        return (every > 1 and q.shape[0] == 1 and layer_idx in store.resident
-                and state.seq.num_computed_tokens % every != 0)
-
-    def _region(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
-        store = state.extra.get("sentences")
-        if store is None or not store.region_slots(layer_idx):
-            return None
-        if self.region_bits:
-            return QuantSentenceRegion(store, layer_idx, self.region_bits)
-        return SentenceRegion(store, layer_idx)
-
-    def extra_kv(self, state: SequenceKV, layer_idx: int
-                 ) -> SentenceRegion | QuantSentenceRegion | OverflowKV | ChainedKV | None:
-        """The layer's recall region, and in exact-recall mode the step's overflow beside it."""
-        region = self._region(state, layer_idx)
-        over: tuple[int, OverflowKV] | None = state.extra.get("overflow")
-        if over is None or over[0] != layer_idx:
-            return region
-        return over[1] if region is None else ChainedKV([region, over[1]])
-
-    def scores(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor
-               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Per-head sentence scores for the queries ``q`` (n, H, d): a list of (H_kv, S') — the
-        chunk's last query's first when ``last_query_share`` applies — and the shortlist the
-        S' columns index (None: all sentences)."""
-        last_first = q.shape[0] > 1 and self.last_query_share > 0
-        queries = [q[-1:], q] if last_first else [q]
-        if store.sketch is not None:  # one pass over the codes; the last query's row is its score
-            mass = store.sketch.log_mass(layer_idx, q, state.scaling, len(store))  # (n, H_kv, g, S)
-            parts = [mass[-1:], mass] if last_first else [mass]
-            return [m.amax(dim=(0, 2)) for m in parts], None
-        assert store.mean_keys is not None
-        mk = store.mean_keys[:, layer_idx].view(len(store), state.pool.num_kv_heads, -1)  # (S, H_kv, d)
-        lengths = torch.tensor([len(p) for p in store.positions], device=mk.device)
-        cand = shortlist(mk, q, store.region_slots(layer_idx))
-        if cand is not None:
-            mk, lengths = mk[cand], lengths[cand]
-        return [head_scores(mk, x, self.select_mode, state.scaling, lengths) for x in queries], cand
-
-    def recall(self, state: SequenceKV, layer_idx: int, q: torch.Tensor) -> None:
-        """Promote the sentences ``q`` (n, H, d) points at into the layer's recall region,
-        each KV head its own."""
-        store = self._store(state)
-        r = store.region_slots(layer_idx)
-        if r == 0 or not len(store):
-            return
-        scores, cand = self.scores(state, store, layer_idx, q)
-        chosen = self.select(store, scores, r, cand)
-        before = store.resident.get(layer_idx)
-        if before == chosen:
-            return
-        t0 = time.perf_counter()
-        changed = [h for h, sids in enumerate(chosen) if before is None or before[h] != sids]
-        store.load_region(layer_idx, chosen, changed, before)  # the new sentences: one gather, one scatter
-        store.resident[layer_idx] = chosen
-        store.recall_s += time.perf_counter() - t0
-        store.num_recalls += 1
-
-    def select(self, store: HostSentenceStore, scores: list[torch.Tensor], r: int,
-               cand: torch.Tensor | None = None) -> tuple[tuple[int, ...], ...]:
-        """Per KV head, the sentences that fit that head's ``r`` slots, best first, returned in
-        position order. With two score sets (the chunk's last query, then all its queries),
-        the first may fill ``last_query_share`` of ``r``.
-        ``scores``: list of (H_kv, S) over all sentences, or over the shortlist ``cand``."""
-        lengths, first, _, _ = store.flat()
-        caps = [int(self.last_query_share * r), r] if len(scores) == 2 else [r]
-        ranked = []  # per score set, per head: sentence ids best first (one argsort and tolist)
-        for sc in scores:
-            order = sc.argsort(dim=-1, descending=True)
-            ranked.append((order if cand is None else cand[order]).tolist())
-        out = []
-        for head in range(len(ranked[0])):
-            chosen: dict[int, None] = {}
-            used = 0
-            for order, cap in zip(ranked, caps):
-                for sid in self._with_next(order[head], lengths, first):
-                    if used >= cap:
-                        break
-                    if sid not in chosen and used + lengths[sid] <= cap:
-                        chosen[sid] = None
-                        used += lengths[sid]
-            out.append(tuple(sorted(chosen, key=first.__getitem__)))
-        return tuple(out)
-
-    def _with_next(self, order: list[int], lengths: list[int], first: list[int]) -> list[int]:
-        """``order`` with the next sentence (the one starting where it ends) ranked right after
-        each of its first ``recall_next`` sentences: a head that attends a sentence while the
-        model copies it reads on into the next one a few steps later (an induction head's next
-        target), and a selection reused over decode steps (``recall_every``) must already hold it."""
-        if not self.recall_next:
-            return order
-        out = []
-        for rank, sid in enumerate(order):
-            out.append(sid)
-            nxt = sid + 1
-            if rank < self.recall_next and nxt < len(lengths) and first[nxt] == first[sid] + lengths[sid]:
-                out.append(nxt)
-        return out
-
-    def host_slots(self, state: SequenceKV) -> int:
-        store = state.extra.get("sentences")
-        return 0 if store is None else store.host.num_held_slots
-
     def release(self, state: SequenceKV) -> None:
         store = state.extra.get("sentences")
         if store is not None:
             store.host.release()
-
-    # ---- accounting -------------------------------------------------------------------------
-    def private_host_bytes(self, state: SequenceKV) -> int:
-        """Without a host tier the demoted sentences' K/V, their region codes and host-side key
-        bounds sit in the sequence's own CPU tensors, which no tier budget counts (with one,
-        the host tier's slots hold and charge them: ``TierHostKV``; key bounds it had no room
-        for count here)."""
-        store = state.extra.get("sentences")
-        if store is None:
-            return 0
-        uncharged = state.extra.get("bounds_uncharged", 0)
-        if not isinstance(store.host, PrivateHostKV):
-            return uncharged
-        bounds = state.extra.get("key_bounds")
-        host_bounds = bounds.nbytes if bounds is not None and self._bounds_at == "host" else 0
-        return store.host.nbytes + (0 if store.codes is None else store.codes.nbytes) + host_bounds
-
-    def extra_device_bytes(self, state: SequenceKV) -> int:
-        """The sentence index plus the recall region (every slot counts, filled or not), plus
-        the key bounds with ``bound_tier="device"``. The exact-recall overflow is not counted
-        (transient, one layer at a time: ``device_bytes_peak`` in the stats)."""
-        store = state.extra.get("sentences")
-        if store is None:
-            return 0
-        return store.index_nbytes + store.region_nbytes + self._bound_device_bytes(state)
