@@ -124,7 +124,9 @@ def _or(value: float, unset: str) -> str:
 
 
 def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
-    """One tenant as a two-column table: its spec (unset fields say what applies), then usage."""
+    """One tenant as a two-column table: its spec (unset fields say what applies), then usage;
+    the KV blocks it holds now split into its requests' and its idle sessions' (the latter are
+    what ``kvstrata status`` counts "by sessions", there for every tenant together)."""
     s = t.spec
     cached = u.cached_tokens
     table = Table("field", "value", title=f"tenant {s.name}", title_justify="left")
@@ -146,7 +148,8 @@ def tenant_table(t: tenant_pb2.Tenant, u: tenant_pb2.Usage) -> Table:
         ("prompt / completion tokens", f"{u.prompt_tokens} / {u.completion_tokens}"),
         ("cached tokens: device / host / spill RAM / disk",
          f"{cached.device} / {cached.host} / {cached.spill_ram} / {cached.spill_disk}"),
-        ("KV blocks held now", str(u.blocks_held)),
+        ("KV blocks held now, all nodes",
+         f"{u.blocks_held} ({u.blocks_held - u.session_blocks_held} by requests, {u.session_blocks_held} by idle sessions)"),
     ):
         table.add_row(field, value)
     return table
@@ -158,7 +161,9 @@ def tenant_show(
     api_key: str | None = OwnKeyOpt,
     gateway: str | None = GatewayOpt,
 ) -> None:
-    """One tenant's settings and usage counters (since the services started) as a table."""
+    """One tenant's settings, usage counters (since the services started) and the KV blocks it
+    holds now on the healthy nodes: its requests' and its idle sessions' (`status` counts the
+    latter "by sessions", for every tenant together)."""
     md = key_metadata(api_key)
     with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)

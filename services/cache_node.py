@@ -161,6 +161,7 @@ class CacheNode(Streams, Commands, Health, Admin):
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._stats: dict[str, Any] = {**self.engine.stats(), "time_s": time.monotonic()}  # ``stats``
+        self._tenant_blocks: dict[str, dict[str, int]] = {}  # ``tenant_blocks``, with ``_stats``
         # Prometheus: the stats snapshot read at scrape time (served by ``serve_metrics``)
         self.metrics = NodeMetrics(node_id, lambda: self._stats, lambda: self.engine.scheduler.num_preemptions,
                                    self.engine.tiers.host.block_nbytes)

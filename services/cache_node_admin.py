@@ -44,6 +44,13 @@ class Admin:
         there (``integrity_ok``, ``integrity_error``)."""
         return self._node_stats(await self._between_steps(self._integrity_stats))
 
+    def tenant_blocks(self, tenant: str) -> dict[str, int]:
+        """Pool blocks ``tenant`` holds here as of the last stats snapshot (never waits for a
+        step): ``requests``, its requests' (running or waiting, a policy's charge blocks
+        included: ``LLMEngine.held_by_tenant``), and ``idle_sessions``, its idle sessions' (as
+        ``stats``' ``session_blocks`` counts them). A block two of them share counts for each."""
+        return dict(self._tenant_blocks.get(tenant, {"requests": 0, "idle_sessions": 0}))
+
     def _node_stats(self, engine: dict[str, Any]) -> dict[str, Any]:
         return {"node_id": self.node_id, "healthy": not self.failure, "failure": self.failure,
                 "pid": os.getpid(), "restarts": self.restarts(), "metrics_address": self.metrics_address,
@@ -120,6 +127,17 @@ class Admin:
         """Step thread: refresh the ``stats`` snapshot (at most every ``STATS_EVERY_S``)."""
         if time.monotonic() - self._stats["time_s"] >= STATS_EVERY_S:
             self._stats = {**self.engine.stats(), "time_s": time.monotonic()}
+            self._tenant_blocks = self._blocks_by_tenant()
+
+    def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:
+        """Step thread: ``tenant_blocks`` of every tenant holding blocks here."""
+        out = {t: {"requests": held["blocks"], "idle_sessions": 0}
+               for t, held in self.engine.held_by_tenant().items()}
+        for sess in self.engine.sessions.sessions.values():
+            if sess.active_request is None:
+                out.setdefault(sess.tenant, {"requests": 0, "idle_sessions": 0})["idle_sessions"] += \
+                    sess.num_held_blocks
+        return out
 
     def _integrity_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {**self.engine.stats(), "time_s": time.monotonic()}

@@ -173,6 +173,7 @@ def usage_to_pb(usage: TenantUsage) -> tenant_pb2.Usage:
         requests=usage.requests,
         rejected=usage.rejected,
         preempted=usage.preempted,
+        session_blocks_held=usage.session_blocks_held,
     )
 
 
@@ -188,6 +189,7 @@ def usage_from_pb(msg: tenant_pb2.Usage) -> TenantUsage:
             requests=msg.requests,
             rejected=msg.rejected,
             preempted=msg.preempted,
+            session_blocks_held=msg.session_blocks_held,
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -43,9 +44,24 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
 
+async def ask_live(nodes: dict[str, Any], monitor: Any, call: Any, timeout_s: float) -> dict[str, Any]:
+    """node id -> ``call(node)`` awaited, for every node the ``monitor`` knows healthy (every
+    node without one); an exception in place of the answer of a node that failed or did not
+    answer within ``timeout_s``."""
+    live = {nid: n for nid, n in nodes.items() if monitor is None or monitor.state[nid].healthy}
+    answers = await asyncio.gather(*(asyncio.wait_for(call(n), timeout_s) for n in live.values()),
+                                   return_exceptions=True)
+    return dict(zip(live, answers))
+
+
 class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
-    def __init__(self, scheduler: Any, auth: Authenticator) -> None:
+    """Tenants, their keys and usage. ``nodes`` and ``monitor`` (as ``AdminServicer``'s): the
+    cache nodes ``GetUsage`` asks for the blocks a tenant holds now."""
+
+    def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any] | None = None,
+                 monitor: Any = None, node_timeout_s: float = 30.0) -> None:
         self.scheduler, self.auth = scheduler, auth
+        self.nodes, self.monitor, self.node_timeout_s = nodes or {}, monitor, node_timeout_s
 
     async def _spec(self, msg: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -103,10 +119,22 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
     async def GetUsage(self, request, context):
         """The admin key reads any tenant's usage; a tenant's own key reads only its own (a
-        fresh-user trial: a tenant could not see what it had used)."""
+        fresh-user trial: a tenant could not see what it had used). ``blocks_held`` and
+        ``session_blocks_held`` are summed over the healthy nodes' ``tenant_blocks`` (a node
+        that does not answer adds nothing).
+
+        Regression (new-user report): ``blocks_held`` was a ledger gauge nothing ever set, so
+        ``kvstrata tenant show`` said 0 blocks held while ``kvstrata status`` counted the
+        tenant's idle sessions' blocks."""
         await self._own_or_admin(context, request.name)
         tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
         usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
+        answers = await ask_live(self.nodes, self.monitor, lambda n: n.tenant_blocks.remote(tenant.tenant_id),
+                                 self.node_timeout_s)
+        held = [a for a in answers.values() if isinstance(a, dict)]
+        requests = sum(int(a.get("requests", 0)) for a in held)
+        sessions = sum(int(a.get("idle_sessions", 0)) for a in held)
+        usage = replace(usage, blocks_held=requests + sessions, session_blocks_held=sessions)
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
     async def RotateKey(self, request, context):
@@ -138,20 +166,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self.monitor, self.node_timeout_s = monitor, node_timeout_s
 
-    def _live(self) -> dict[str, Any]:
-        if self.monitor is None:
-            return dict(self.nodes)
-        return {nid: n for nid, n in self.nodes.items() if self.monitor.state[nid].healthy}
-
     async def _ask_live(self, call: Any, extra_s: float = 0.0) -> dict[str, Any]:
-        """node id -> ``call(node)`` awaited, for every live node; an exception in place of the
-        answer of a node that failed or did not answer within ``node_timeout_s + extra_s``."""
-        live = self._live()
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(call(n), self.node_timeout_s + extra_s) for n in live.values()),
-            return_exceptions=True,
-        )
-        return dict(zip(live, answers))
+        """``ask_live`` of this servicer's nodes, within ``node_timeout_s + extra_s``."""
+        return await ask_live(self.nodes, self.monitor, call, self.node_timeout_s + extra_s)
 
     async def Stats(self, request, context):
         await self.auth.admin(context)

@@ -73,7 +73,6 @@ async def create_server(
     auth = Authenticator(scheduler)
     server = grpc.aio.server(options=grpc_limits.server_options(MAX_CONCURRENT_STREAMS),
                              interceptors=[CallGate(auth, grpc_limits, ADMIN_METHODS)])
-    tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth), server)
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,
                                   metrics, stream_limits)
     await inference.streams.start()
@@ -82,6 +81,7 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler,
                           on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
+    tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth, nodes, monitor), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
     try:
         port = server.add_insecure_port(address)

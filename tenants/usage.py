@@ -63,7 +63,10 @@ class TenantUsage:
         prompt_tokens: prompt tokens of admitted requests (cached ones included).
         completion_tokens: tokens generated.
         cached_tokens: prompt tokens whose KV was reused, per tier.
-        blocks_held: KV blocks the tenant holds now (gauge).
+        blocks_held: KV pool blocks the tenant holds now, its requests' and its idle
+            sessions' (a gauge; the gateway fills it from the cache nodes when asked,
+            ``TenantServicer.GetUsage``).
+        session_blocks_held: of ``blocks_held``, those its idle sessions hold.
         requests: requests admitted.
         rejected: requests rejected at admission.
         preempted: times a running request of the tenant was preempted.
@@ -77,6 +80,7 @@ class TenantUsage:
     requests: int = 0
     rejected: int = 0
     preempted: int = 0
+    session_blocks_held: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant_id, str) or not self.tenant_id:
@@ -84,6 +88,8 @@ class TenantUsage:
         for f in fields(self):
             if f.name not in ("tenant_id", "cached_tokens"):
                 _count(f.name, getattr(self, f.name))
+        if self.session_blocks_held > self.blocks_held:
+            raise ValueError(f"session_blocks_held {self.session_blocks_held} exceeds blocks_held {self.blocks_held}")
 
 
 class UsageLedger:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstrata.v1 import common_pb2 as kvstrata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstrata/v1/tenant.proto\x12\x0bkvstrata.v1\x1a\x18kvstrata/v1/common.proto\"\xa9\x02\n\nTenantSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\tslo_class\x18\x02 \x01(\x0e\x32\x15.kvstrata.v1.SloClass\x12\x13\n\x0bttft_slo_ms\x18\x03 \x01(\x01\x12\x13\n\x0btpot_slo_ms\x18\x04 \x01(\x01\x12\x1d\n\x10min_tokens_per_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x16\n\x0ekv_quota_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\t \x01(\t\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x18\n\x10\x61llowed_policies\x18\x0b \x03(\tB\x13\n\x11_min_tokens_per_s\"X\n\x06Tenant\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.kvstrata.v1.TenantSpec\x12\x14\n\x0c\x63reated_at_s\x18\x03 \x01(\x01\"\xc8\x01\n\x05Usage\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x04\x12.\n\rcached_tokens\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.TierTokens\x12\x13\n\x0b\x62locks_held\x18\x05 \x01(\x04\x12\x10\n\x08requests\x18\x06 \x01(\x04\x12\x10\n\x08rejected\x18\x07 \x01(\x04\x12\x11\n\tpreempted\x18\x08 \x01(\x04\">\n\x15RegisterTenantRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.kvstrata.v1.TenantSpec\"N\n\x16RegisterTenantResponse\x12#\n\x06tenant\x18\x01 \x01(\x0b\x32\x13.kvstrata.v1.Tenant\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"J\n\x13UpdateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.kvstrata.v1.TenantSpec\";\n\x14UpdateTenantResponse\x12#\n\x06tenant\x18\x01 \x01(\x0b\x32\x13.kvstrata.v1.Tenant\"#\n\x13\x44\x65leteTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteTenantResponse\" \n\x10GetTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\x11GetTenantResponse\x12#\n\x06tenant\x18\x01 \x01(\x0b\x32\x13.kvstrata.v1.Tenant\"\x14\n\x12ListTenantsRequest\";\n\x13ListTenantsResponse\x12$\n\x07tenants\x18\x01 \x03(\x0b\x32\x13.kvstrata.v1.Tenant\"\x1f\n\x0fGetUsageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"5\n\x10GetUsageResponse\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.kvstrata.v1.Usage\" \n\x10RotateKeyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"$\n\x11RotateKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t2\xc7\x04\n\rTenantService\x12Y\n\x0eRegisterTenant\x12\".kvstrata.v1.RegisterTenantRequest\x1a#.kvstrata.v1.RegisterTenantResponse\x12S\n\x0cUpdateTenant\x12 .kvstrata.v1.UpdateTenantRequest\x1a!.kvstrata.v1.UpdateTenantResponse\x12S\n\x0c\x44\x65leteTenant\x12 .kvstrata.v1.DeleteTenantRequest\x1a!.kvstrata.v1.DeleteTenantResponse\x12J\n\tGetTenant\x12\x1d.kvstrata.v1.GetTenantRequest\x1a\x1e.kvstrata.v1.GetTenantResponse\x12P\n\x0bListTenants\x12\x1f.kvstrata.v1.ListTenantsRequest\x1a .kvstrata.v1.ListTenantsResponse\x12G\n\x08GetUsage\x12\x1c.kvstrata.v1.GetUsageRequest\x1a\x1d.kvstrata.v1.GetUsageResponse\x12J\n\tRotateKey\x12\x1d.kvstrata.v1.RotateKeyRequest\x1a\x1e.kvstrata.v1.RotateKeyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstrata/v1/tenant.proto\x12\x0bkvstrata.v1\x1a\x18kvstrata/v1/common.proto\"\xa9\x02\n\nTenantSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\tslo_class\x18\x02 \x01(\x0e\x32\x15.kvstrata.v1.SloClass\x12\x13\n\x0bttft_slo_ms\x18\x03 \x01(\x01\x12\x13\n\x0btpot_slo_ms\x18\x04 \x01(\x01\x12\x1d\n\x10min_tokens_per_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x16\n\x0ekv_quota_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\t \x01(\t\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x18\n\x10\x61llowed_policies\x18\x0b \x03(\tB\x13\n\x11_min_tokens_per_s\"X\n\x06Tenant\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.kvstrata.v1.TenantSpec\x12\x14\n\x0c\x63reated_at_s\x18\x03 \x01(\x01\"\xe5\x01\n\x05Usage\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x04\x12.\n\rcached_tokens\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.TierTokens\x12\x13\n\x0b\x62locks_held\x18\x05 \x01(\x04\x12\x10\n\x08requests\x18\x06 \x01(\x04\x12\x10\n\x08rejected\x18\x07 \x01(\x04\x12\x11\n\tpreempted\x18\x08 \x01(\x04\x12\x1b\n\x13session_blocks_held\x18\t \x01(\x04\">\n\x15RegisterTenantRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.kvstrata.v1.TenantSpec\"N\n\x16RegisterTenantResponse\x12#\n\x06tenant\x18\x01 \x01(\x0b\x32\x13.kvstrata.v1.Tenant\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\"J\n\x13UpdateTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.kvstrata.v1.TenantSpec\";\n\x14UpdateTenantResponse\x12#\n\x06tenant\x18\x01 \x01(\x0b\x32\x13.kvstrata.v1.Tenant\"#\n\x13\x44\x65leteTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteTenantResponse\" \n\x10GetTenantRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\x11GetTenantResponse\x12#\n\x06tenant\x18\x01 \x01(\x0b\x32\x13.kvstrata.v1.Tenant\"\x14\n\x12ListTenantsRequest\";\n\x13ListTenantsResponse\x12$\n\x07tenants\x18\x01 \x03(\x0b\x32\x13.kvstrata.v1.Tenant\"\x1f\n\x0fGetUsageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"5\n\x10GetUsageResponse\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.kvstrata.v1.Usage\" \n\x10RotateKeyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"$\n\x11RotateKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t2\xc7\x04\n\rTenantService\x12Y\n\x0eRegisterTenant\x12\".kvstrata.v1.RegisterTenantRequest\x1a#.kvstrata.v1.RegisterTenantResponse\x12S\n\x0cUpdateTenant\x12 .kvstrata.v1.UpdateTenantRequest\x1a!.kvstrata.v1.UpdateTenantResponse\x12S\n\x0c\x44\x65leteTenant\x12 .kvstrata.v1.DeleteTenantRequest\x1a!.kvstrata.v1.DeleteTenantResponse\x12J\n\tGetTenant\x12\x1d.kvstrata.v1.GetTenantRequest\x1a\x1e.kvstrata.v1.GetTenantResponse\x12P\n\x0bListTenants\x12\x1f.kvstrata.v1.ListTenantsRequest\x1a .kvstrata.v1.ListTenantsResponse\x12G\n\x08GetUsage\x12\x1c.kvstrata.v1.GetUsageRequest\x1a\x1d.kvstrata.v1.GetUsageResponse\x12J\n\tRotateKey\x12\x1d.kvstrata.v1.RotateKeyRequest\x1a\x1e.kvstrata.v1.RotateKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENANT']._serialized_start=367
   _globals['_TENANT']._serialized_end=455
   _globals['_USAGE']._serialized_start=458
-  _globals['_USAGE']._serialized_end=658
-  _globals['_REGISTERTENANTREQUEST']._serialized_start=660
-  _globals['_REGISTERTENANTREQUEST']._serialized_end=722
-  _globals['_REGISTERTENANTRESPONSE']._serialized_start=724
-  _globals['_REGISTERTENANTRESPONSE']._serialized_end=802
-  _globals['_UPDATETENANTREQUEST']._serialized_start=804
-  _globals['_UPDATETENANTREQUEST']._serialized_end=878
-  _globals['_UPDATETENANTRESPONSE']._serialized_start=880
-  _globals['_UPDATETENANTRESPONSE']._serialized_end=939
-  _globals['_DELETETENANTREQUEST']._serialized_start=941
-  _globals['_DELETETENANTREQUEST']._serialized_end=976
-  _globals['_DELETETENANTRESPONSE']._serialized_start=978
-  _globals['_DELETETENANTRESPONSE']._serialized_end=1000
-  _globals['_GETTENANTREQUEST']._serialized_start=1002
-  _globals['_GETTENANTREQUEST']._serialized_end=1034
-  _globals['_GETTENANTRESPONSE']._serialized_start=1036
-  _globals['_GETTENANTRESPONSE']._serialized_end=1092
-  _globals['_LISTTENANTSREQUEST']._serialized_start=1094
-  _globals['_LISTTENANTSREQUEST']._serialized_end=1114
-  _globals['_LISTTENANTSRESPONSE']._serialized_start=1116
-  _globals['_LISTTENANTSRESPONSE']._serialized_end=1175
-  _globals['_GETUSAGEREQUEST']._serialized_start=1177
-  _globals['_GETUSAGEREQUEST']._serialized_end=1208
-  _globals['_GETUSAGERESPONSE']._serialized_start=1210
-  _globals['_GETUSAGERESPONSE']._serialized_end=1263
-  _globals['_ROTATEKEYREQUEST']._serialized_start=1265
-  _globals['_ROTATEKEYREQUEST']._serialized_end=1297
-  _globals['_ROTATEKEYRESPONSE']._serialized_start=1299
-  _globals['_ROTATEKEYRESPONSE']._serialized_end=1335
-  _globals['_TENANTSERVICE']._serialized_start=1338
-  _globals['_TENANTSERVICE']._serialized_end=1921
+  _globals['_USAGE']._serialized_end=687
+  _globals['_REGISTERTENANTREQUEST']._serialized_start=689
+  _globals['_REGISTERTENANTREQUEST']._serialized_end=751
+  _globals['_REGISTERTENANTRESPONSE']._serialized_start=753
+  _globals['_REGISTERTENANTRESPONSE']._serialized_end=831
+  _globals['_UPDATETENANTREQUEST']._serialized_start=833
+  _globals['_UPDATETENANTREQUEST']._serialized_end=907
+  _globals['_UPDATETENANTRESPONSE']._serialized_start=909
+  _globals['_UPDATETENANTRESPONSE']._serialized_end=968
+  _globals['_DELETETENANTREQUEST']._serialized_start=970
+  _globals['_DELETETENANTREQUEST']._serialized_end=1005
+  _globals['_DELETETENANTRESPONSE']._serialized_start=1007
+  _globals['_DELETETENANTRESPONSE']._serialized_end=1029
+  _globals['_GETTENANTREQUEST']._serialized_start=1031
+  _globals['_GETTENANTREQUEST']._serialized_end=1063
+  _globals['_GETTENANTRESPONSE']._serialized_start=1065
+  _globals['_GETTENANTRESPONSE']._serialized_end=1121
+  _globals['_LISTTENANTSREQUEST']._serialized_start=1123
+  _globals['_LISTTENANTSREQUEST']._serialized_end=1143
+  _globals['_LISTTENANTSRESPONSE']._serialized_start=1145
+  _globals['_LISTTENANTSRESPONSE']._serialized_end=1204
+  _globals['_GETUSAGEREQUEST']._serialized_start=1206
+  _globals['_GETUSAGEREQUEST']._serialized_end=1237
+  _globals['_GETUSAGERESPONSE']._serialized_start=1239
+  _globals['_GETUSAGERESPONSE']._serialized_end=1292
+  _globals['_ROTATEKEYREQUEST']._serialized_start=1294
+  _globals['_ROTATEKEYREQUEST']._serialized_end=1326
+  _globals['_ROTATEKEYRESPONSE']._serialized_start=1328
+  _globals['_ROTATEKEYRESPONSE']._serialized_end=1364
+  _globals['_TENANTSERVICE']._serialized_start=1367
+  _globals['_TENANTSERVICE']._serialized_end=1950
 # @@protoc_insertion_point(module_scope)

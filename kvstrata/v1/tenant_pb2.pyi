@@ -44,7 +44,7 @@ class Tenant(_message.Message):
     def __init__(self, tenant_id: _Optional[str] = ..., spec: _Optional[_Union[TenantSpec, _Mapping]] = ..., created_at_s: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("tenant_id", "prompt_tokens", "completion_tokens", "cached_tokens", "blocks_held", "requests", "rejected", "preempted")
+    __slots__ = ("tenant_id", "prompt_tokens", "completion_tokens", "cached_tokens", "blocks_held", "requests", "rejected", "preempted", "session_blocks_held")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class Usage(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     prompt_tokens: int
     completion_tokens: int
@@ -61,7 +62,8 @@ class Usage(_message.Message):
     requests: int
     rejected: int
     preempted: int
-    def __init__(self, tenant_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ..., blocks_held: _Optional[int] = ..., requests: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ...) -> None: ...
+    session_blocks_held: int
+    def __init__(self, tenant_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[_Union[_common_pb2.TierTokens, _Mapping]] = ..., blocks_held: _Optional[int] = ..., requests: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ..., session_blocks_held: _Optional[int] = ...) -> None: ...
 
 class RegisterTenantRequest(_message.Message):
     __slots__ = ("spec",)
