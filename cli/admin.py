@@ -56,15 +56,23 @@ def admin_rotate_key(
 
 @admin_app.command("flush")
 def admin_flush(gateway: str | None = GatewayOpt) -> None:
-    """Drop every cached KV block on every healthy node: device, host and spill tiers (blocks of
-    running requests and of open sessions stay). Prints the blocks freed."""
+    """Drop every cached KV block on every healthy node: device, host and spill tiers, and the
+    stored compressed prefixes (blocks of running requests and of open sessions stay). Prints
+    the blocks freed, in all and per tier."""
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Flush(admin_pb2.FlushRequest(), metadata=admin_metadata(),
                                                              timeout=120)
         except grpc.RpcError as err:
             fail(err)
-    console.print(f"flushed: {resp.freed_blocks} cached blocks freed")
+    console.print(flush_summary(resp))
+
+
+def flush_summary(resp: admin_pb2.FlushResponse) -> str:
+    """What ``Flush`` dropped, in all and per tier (its fields' sum is ``freed_blocks``)."""
+    return (f"flushed: {resp.freed_blocks} KV blocks freed, all tiers: {resp.device_blocks} cached on the device "
+            f"tier, {resp.prefix_blocks} of stored compressed prefixes (device tier), {resp.host_blocks} on the "
+            f"host tier, {resp.spill_blocks} on the spill tier (RAM and disk)")
 
 
 @admin_app.command("drain")

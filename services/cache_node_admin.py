@@ -59,14 +59,21 @@ class Admin:
                 "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}
 
     async def flush(self) -> int:
-        """Drop every cached block not in use (device and host tiers at the next step
-        boundary, then the spill tier off the step thread); returns blocks dropped.
+        """``flush_by_tier``'s blocks dropped, all tiers together."""
+        return sum((await self.flush_by_tier()).values())
+
+    async def flush_by_tier(self) -> dict[str, int]:
+        """Drop every cached block not in use (device and host tiers and the stored compressed
+        prefixes at the next step boundary, then the spill tier off the step thread); returns
+        the blocks dropped per kind (``LLMEngine.flush_by_tier``: ``device``, ``prefixes``,
+        ``host``, ``spill``; the spill nodes are shared by every cache node, so the first to
+        flush them counts their blocks).
 
         Regression (hardening review): the spill flush ran on the step thread, behind a spill
         put in progress; a stalled spill node froze every stream on the node for up to both
         timeouts (~60 s) while its health kept answering."""
-        n = await self._between_steps(lambda: self.engine.flush(spill=False))
-        return n + await asyncio.to_thread(self.engine.flush_spill)
+        dropped = await self._between_steps(lambda: self.engine.flush_by_tier(spill=False))
+        return dropped | {"spill": await asyncio.to_thread(self.engine.flush_spill)}
 
     async def drain(self, timeout_s: float = 0.0) -> int:
         """Let the requests running now finish for up to ``timeout_s`` seconds, then abort

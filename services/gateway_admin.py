@@ -192,10 +192,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def Flush(self, request, context):
         await self.auth.admin(context)
-        answers = await self._ask_live(lambda n: n.flush.remote())
-        freed = [a for a in answers.values() if isinstance(a, int)]
+        answers = await self._ask_live(lambda n: n.flush_by_tier.remote())
+        freed = {kind: sum(int(a.get(kind, 0)) for a in answers.values() if isinstance(a, dict))
+                 for kind in ("device", "prefixes", "host", "spill")}
         await self.scheduler.flush_index.remote()
-        return admin_pb2.FlushResponse(freed_blocks=sum(freed))
+        return admin_pb2.FlushResponse(freed_blocks=sum(freed.values()), device_blocks=freed["device"],
+                                       prefix_blocks=freed["prefixes"], host_blocks=freed["host"],
+                                       spill_blocks=freed["spill"])
 
     async def Drain(self, request, context):
         await self.auth.admin(context)

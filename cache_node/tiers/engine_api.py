@@ -70,11 +70,18 @@ class EngineTiersMixin:
         ``flush_spill``) and any queued transfer, and every stored compressed prefix (cached KV
         too: a fresh-user trial saw 9 blocks stay held after a flush).
 
-        Blocks in use by running requests or pinned by sessions are kept. Returns blocks dropped.
+        Blocks in use by running requests or pinned by sessions are kept. Returns blocks
+        dropped, all tiers together (``flush_by_tier``).
         """
+        return sum(self.flush_by_tier(spill).values())
+
+    def flush_by_tier(self, spill: bool = True) -> dict[str, int]:
+        """``flush``, returning the blocks dropped per kind: ``device`` (cached blocks no
+        request holds), ``prefixes`` (device pool blocks the stored compressed prefixes held,
+        their charge blocks included), ``host`` and ``spill`` (0 without ``spill``)."""
         held = self.prefixes.stats()["compressed_prefix_blocks"]
         self.prefixes.clear()
-        return held + self.tiers.flush(spill)
+        return {"prefixes": held, **self.tiers.flush_by_tier(spill)}
 
     def flush_spill(self) -> int:
         """Flush the spill tier only; blocks dropped there. May wait on the spill node (up to

@@ -373,13 +373,19 @@ class TierManager:
     def flush(self, spill: bool = True) -> int:
         """Drop every cached block on device, host and (``spill``) spill; in-flight transfers
         are dropped. Without ``spill`` the caller flushes the spill tier itself
-        (``flush_spill``, which may wait on a spill node: never on the step thread)."""
+        (``flush_spill``, which may wait on a spill node: never on the step thread). Returns
+        the blocks dropped, all tiers together (``flush_by_tier``)."""
+        return sum(self.flush_by_tier(spill).values())
+
+    def flush_by_tier(self, spill: bool = True) -> dict[str, int]:
+        """``flush``, returning the blocks dropped per tier: ``device`` (cached blocks of the
+        pool's free queue), ``host`` and ``spill`` (0 without ``spill``)."""
         with self.lock:
             self.release_held(wait=True)
-            n = self.blocks.evict_cached() + self.host.clear()
+            dropped = {"device": self.blocks.evict_cached(), "host": self.host.clear()}
             if self.worker is not None:
                 self.worker.new_epoch()
-        return n + (self.flush_spill() if spill else 0)
+        return dropped | {"spill": self.flush_spill() if spill else 0}
 
     def flush_spill(self) -> int:
         """Flush the spill tier (after the put or get in progress); blocks dropped there.

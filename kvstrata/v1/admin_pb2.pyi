@@ -61,10 +61,18 @@ class FlushRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FlushResponse(_message.Message):
-    __slots__ = ("freed_blocks",)
+    __slots__ = ("freed_blocks", "device_blocks", "prefix_blocks", "host_blocks", "spill_blocks")
     FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     freed_blocks: int
-    def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...
+    device_blocks: int
+    prefix_blocks: int
+    host_blocks: int
+    spill_blocks: int
+    def __init__(self, freed_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., spill_blocks: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)
