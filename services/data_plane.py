@@ -314,7 +314,7 @@ def admission_reply(data: Any, nodes: Collection[str] | None = None) -> tuple[An
     ``MAX_TEXT_CHARS``) of a scheduler reply, values checked: ``code`` a gRPC status name,
     ``node_id`` one of ``nodes`` when admitted (None: any), ``retry_after_s`` finite in
     [0, ``MAX_RETRY_AFTER_S``], ``spill_blocks`` in [0, ``MAX_COUNT``], ``reason`` "" or one
-    of ``global_scheduler.REJECT_REASONS`` (a metric label), ``node_id`` bounded (``message``
+    of ``global_scheduler_checks.REJECT_REASONS`` (a metric label), ``node_id`` bounded (``message``
     cut to ``MAX_TEXT_CHARS``).
 
     Raises:
@@ -355,7 +355,7 @@ def _admission_fields(adm: Any, nodes: Collection[str] | None) -> dict[str, Any]
 
 @functools.cache
 def _reject_reasons() -> frozenset[str]:
-    from services.global_scheduler import REJECT_REASONS  # imports this module
+    from services.global_scheduler_checks import REJECT_REASONS  # loaded when first needed
 
     return frozenset(REJECT_REASONS)
 

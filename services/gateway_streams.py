@@ -21,7 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from services import data_plane
 from services.data_plane_auth import Security
-from services.global_scheduler import Admission
+from services.global_scheduler_checks import Admission
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)

@@ -30,24 +30,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache_node.scheduling import SLO_CLASS_RANK, check_policy_name
-from cache_node.scheduling.admission import (
-    CachedTokens,
-    Ewma,
-    FluidBacklog,
-    SpeedMeter,
-    decide,
-    estimate_ttft_s,
-)
+from cache_node.scheduling import check_policy_name
+from cache_node.scheduling.admission import FluidBacklog
 from services import data_plane
-from services.block_index import BlockIndex, CommonPrefix, PrefixTiers
+from services.block_index import BlockIndex, CommonPrefix
 from services.data_plane_auth import Security
+from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad
 from services.global_scheduler_members import GatewayRecord, Membership
 from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
+from services.global_scheduler_sessions import Sessions
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
 from tenants.model import TenantSpec
@@ -55,48 +49,14 @@ from tenants.store import TenantStore
 from tenants.usage import UsageLedger
 
 
-@dataclass
-class NodeLoad:
-    """A node as admission sees it: in-flight requests, prefill backlog, measured speeds."""
-
-    node_id: str
-    capacity: int
-    in_flight: set[str] = field(default_factory=set)
-    urgent: set[str] = field(default_factory=set)  # in-flight requests of interactive tenants
-    backlog: FluidBacklog = field(default_factory=FluidBacklog)
-    prefill: SpeedMeter = field(default_factory=SpeedMeter)
-    step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Outcome of ``admit``: a node to run on, or a rejection with a gRPC status name.
-
-    ``spill_blocks``: leading prompt blocks (past those on the node's device and host tiers)
-    that the index places in the spill tier; > 0 means the node should prefetch them.
-    ``reason``: why it was refused, one of ``REJECT_REASONS`` ("" when admitted).
-    """
-
-    node_id: str = ""
-    code: str = "OK"
-    message: str = ""
-    retry_after_s: float = 0.0
-    spill_blocks: int = 0
-    reason: str = ""
-    continues_session: bool = False  # routed to the node holding the request's session
-
-
-REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
-                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted",
-                  "unknown_tenant")
-"""``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
-
-
-class GlobalScheduler(Tenants, Membership, Routing):
+class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     """Plain class behind the ``GlobalSchedulerActor`` (``services.global_scheduler_admission``):
-    admission, routing, release, the block index and stats. Its parts: ``Tenants``
-    (``services.global_scheduler_tenants``) and ``Membership`` (nodes up and down, gateways
-    attached and gone: ``services.global_scheduler_members``).
+    admission, routing, release, the block index and stats. Its parts: ``Sessions`` (session
+    routes, lost and closed sessions: ``services.global_scheduler_sessions``),
+    ``AdmissionChecks`` (refusals, queue and node load: ``services.global_scheduler_checks``),
+    ``Tenants`` (``services.global_scheduler_tenants``), ``Membership`` (nodes up and down,
+    gateways attached and gone: ``services.global_scheduler_members``) and ``Routing``
+    (``services.global_scheduler_routing``).
 
     Args:
         state_dir: where the tenant database lives (survives restarts).
@@ -307,51 +267,6 @@ class GlobalScheduler(Tenants, Membership, Routing):
                                  message=f"cache node {adm.node_id} is not reading its commands; retry")
         return adm
 
-    def _unknown_tenant(self, tenant_id: str) -> Admission | None:
-        """The refusal of a request whose ``tenant_id`` is no tenant of the store
-        (``knows_tenant``): UNAUTHENTICATED, "tenant_deleted" for a deleted tenant's,
-        "unknown_tenant" for any other. None for a tenant's request. Nothing is counted per
-        tenant for such an id (its ``usage`` would grow with every id a caller makes up)."""
-        if self.knows_tenant(tenant_id):
-            return None
-        if tenant_id in self.deleted_tenants:
-            return Admission(code="UNAUTHENTICATED", reason="tenant_deleted",
-                             message="this request's tenant was deleted")
-        return Admission(code="UNAUTHENTICATED", reason="unknown_tenant",
-                         message="this request's tenant is not registered with the scheduler")
-
-    def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
-        """Prompt tokens per tier from a prefix in blocks, capped at ``prompt_tokens``
-        (device first, then host, then spill)."""
-        left = prompt_tokens
-        tokens = []
-        for blocks in (prefix.device, prefix.host, prefix.spill):
-            n = min(left, blocks * self.block_size)
-            tokens.append(n)
-            left -= n
-        return CachedTokens(device=tokens[0], host=tokens[1], spill=tokens[2], miss=left)
-
-    def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens) -> Admission | None:
-        """Queue the request's uncached tokens on the node's backlog, or reject it (kvstrata
-        only) when its estimated TTFT misses what its class allows. None = admitted."""
-        spec = self._spec_by_id(tenant_id)
-        node = self.nodes[node_id]
-        rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
-        node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
-        if self.scheduler == "kvstrata" and spec is not None:
-            ahead = node.backlog.ahead(rank)
-            # an interactive prefill runs in a step of its own (isolates_urgent_prefill): it
-            # waits for the step in progress, half of one on average, not for a whole one
-            wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
-            est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, wait_s)
-            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms,
-                              1000.0 * ahead / node.prefill.tokens_per_s)
-            if not decision.admit:
-                return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
-                                 retry_after_s=decision.retry_after_s, reason="ttft_estimate")
-        node.backlog.add(rank, cached.miss)
-        return None
-
     def _spec_by_id(self, tenant_id: str) -> TenantSpec | None:
         """The spec of ``tenant_id`` (``specs``: loaded at start and kept current, so this never
         reads the store; regression, secrev18 E: a miss re-read every tenant on the loop)."""
@@ -404,97 +319,6 @@ class GlobalScheduler(Tenants, Membership, Routing):
             if usage.get("preempted"):
                 self.usage.record_preempted(tenant_id)
 
-    def sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
-        """``node_id`` closed these sessions (expired): forget their routing there (an id
-        routed to another node stays)."""
-        for sid in session_ids:
-            entry = self.session_nodes.get(sid)
-            if entry is not None and entry[1] == node_id:
-                self.drop_session_route(sid)
-
-    def close_session(self, session_id: str, tenant_id: str) -> tuple[str, list[str]] | None:
-        """Forget a session's routing; returns ``(node, turns)``: the node holding it ("" when
-        none can be asked: the node is down, or the history was lost: ``node_up``) and the ids
-        of its turns admitted and not yet released, which the node must refuse should they
-        reach it after the close (``CacheNode.close_session``). None when the session is
-        unknown or another tenant's, or ``tenant_id`` is no tenant's (``knows_tenant``).
-
-        Regression: a first turn still on the data plane when the close reached its node
-        opened the session there after the close, with no route to it (no turn could reach
-        it, no close could free it: it held its KV until its TTL), and the close answered
-        NOT_FOUND for a session the client had opened.
-
-        Regression (secrev18 E residue): an id that is no tenant's was looked up (and its
-        lost-session marks touched) as a tenant's."""
-        if not self.knows_tenant(tenant_id):
-            return None
-        entry = self.session_nodes.get(session_id)
-        if entry is None or entry[0] != tenant_id:
-            return ("", []) if self.forget_lost(tenant_id, session_id) else None
-        self.drop_session_route(session_id)
-        turns = self._detach_turns(session_id, entry[1])
-        if entry[1] in self.down:  # told at its ``node_up``, if the same process comes back
-            # bounded as the sessions routed to the node when it went down are (no session is
-            # routed to a node while it is down): no cap shared by all tenants, which dropped
-            # the close of one tenant's session (its KV held until its TTL) for another's
-            self.closed_while_down.setdefault(entry[1], {})[session_id] = (tenant_id, turns)
-            return "", []
-        return entry[1], turns
-
-    def _detach_turns(self, session_id: str, node_id: str) -> list[str]:
-        """The ids of ``session_id``'s turns in flight to ``node_id``. Every turn of the session
-        in flight is no longer of that session: its release leaves the routing of a session
-        opened anew under that id untouched. Regression: such a late release dropped the new
-        session's route (unreachable on its node until its TTL) or marked it kept early."""
-        turns = []
-        for rid, (tenant_id, node, _, session) in list(self.requests.items()):
-            if session == session_id:
-                self.requests[rid] = (tenant_id, node, "", "")
-                if node == node_id:
-                    turns.append(rid)
-        return turns
-
-    def lost_of(self, tenant_id: str) -> dict[str, float]:
-        """``tenant_id``'s lost sessions (``lost_sessions``), those lost ``session_ttl_s`` or
-        longer ago forgotten: idle at least that long, each would have expired on its node
-        too, and its next turn opens it anew as after that expiry."""
-        lost = self.lost_sessions.get(tenant_id)
-        if lost is None:
-            return {}
-        horizon = self.clock() - self.session_ttl_s
-        while lost and next(iter(lost.values())) <= horizon:
-            del lost[next(iter(lost))]
-        if not lost:
-            del self.lost_sessions[tenant_id]
-            return {}
-        return lost
-
-    def mark_lost(self, tenant_id: str, session_id: str) -> None:
-        """``session_id``'s history went with its node's process: refuse its turns until it is
-        closed (its route must be dropped first: the mark takes its place in the tenant's
-        ``max_sessions_per_tenant``)."""
-        lost = self.lost_sessions.setdefault(tenant_id, {})
-        lost.pop(session_id, None)
-        lost[session_id] = self.clock()
-
-    def forget_lost(self, tenant_id: str, session_id: str) -> bool:
-        """Unmark ``tenant_id``'s lost ``session_id``; whether it was marked."""
-        lost = self.lost_sessions.get(tenant_id)
-        if lost is None or session_id not in lost:
-            return False
-        del lost[session_id]
-        if not lost:
-            del self.lost_sessions[tenant_id]
-        return True
-
-    def drop_session_route(self, session_id: str) -> None:
-        """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
-        tenant_id, _ = self.session_nodes.pop(session_id)
-        self.kept_sessions.discard(session_id)
-        self.sessions_per_tenant[tenant_id] -= 1
-        if self.sessions_per_tenant[tenant_id] <= 0:
-            del self.sessions_per_tenant[tenant_id]
-
     # ---- global block index ---------------------------------------------------------------
     def report_events(
         self, holder_id: str, events: list[tuple[str, bytes, str]] | list[tuple[str, bytes]],
@@ -526,29 +350,6 @@ class GlobalScheduler(Tenants, Membership, Routing):
         those report afterwards are no-ops here.
         """
         self.index.clear()
-
-    def _over_queue(self, tenant_id: str, queued: int) -> bool:
-        """Whether a request of ``tenant_id`` finds the queue full: ``queue_limit`` requests
-        wait and the tenant holds at least its fair share of all places (running capacity +
-        ``queue_limit``, evenly among the tenants with requests in flight, itself included),
-        or twice ``queue_limit`` wait whoever asks. Regression: the limit was global, so one
-        tenant's burst got every other tenant RESOURCE_EXHAUSTED until it drained."""
-        if queued < self.queue_limit:
-            return False
-        if queued >= 2 * self.queue_limit:
-            return True
-        held = self.in_flight_by_tenant()
-        tenants = len(held) + (tenant_id not in held)
-        places = sum(n.capacity for n in self.nodes.values()) + self.queue_limit
-        return held[tenant_id] >= places / tenants
-
-    def in_flight_by_tenant(self) -> Counter[str]:
-        """Requests admitted and not yet released, per tenant id."""
-        return Counter(tenant_id for tenant_id, *_ in self.requests.values())
-
-    def _queued(self) -> int:
-        """Requests waiting beyond the nodes' running capacity (what ``queue_limit`` bounds)."""
-        return sum(max(0, len(n.in_flight) - n.capacity) for n in self.nodes.values())
 
     def stats(self) -> dict[str, Any]:
         """Queue and load per node, sessions, and the index: ``indexed_blocks`` distinct

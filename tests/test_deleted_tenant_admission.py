@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.global_scheduler import REJECT_REASONS, GlobalScheduler
+from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_admission import GlobalSchedulerService
+from services.global_scheduler_checks import REJECT_REASONS
 from tenants.model import TenantSpec
 from tests.known_tenants import Sender, no_store_reads
 

@@ -20,7 +20,7 @@ import pytest
 from kvstrata.v1 import inference_pb2
 from services import data_plane
 from services.gateway import InferenceServicer, input_from_pb
-from services.global_scheduler import REJECT_REASONS
+from services.global_scheduler_checks import REJECT_REASONS
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
 from tests.test_gateway_stream_bounds import (

@@ -10,7 +10,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.global_scheduler import REJECT_REASONS, GlobalScheduler
+from services.global_scheduler import GlobalScheduler
+from services.global_scheduler_checks import REJECT_REASONS
 from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer, RequestTracker
 from services.metrics.requests import status_of
 from services.metrics.targets import role_of

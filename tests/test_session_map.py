@@ -9,7 +9,8 @@ import time
 from cache_node.sampling_params import SamplingParams
 from services.cache_node import CacheNode
 from services.config import NodeConfig
-from services.global_scheduler import REJECT_REASONS, GlobalScheduler
+from services.global_scheduler import GlobalScheduler
+from services.global_scheduler_checks import REJECT_REASONS
 from services.node_request import NodeRequest
 from tests.known_tenants import know_tenants
 

@@ -13,8 +13,9 @@ import pytest
 
 from cache_node.sampling_params import SamplingParams
 from services import data_plane
-from services.global_scheduler import REJECT_REASONS, GlobalScheduler
+from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_admission import GlobalSchedulerService
+from services.global_scheduler_checks import REJECT_REASONS
 from services.node_request import NodeRequest
 from tenants import store as store_module
 from tenants.errors import TenantNotFoundError

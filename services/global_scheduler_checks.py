@@ -1,0 +1,147 @@
+"""The global scheduler's admission checks: what refuses a request and what admission knows of
+the nodes. An admission's outcome (``Admission``, a refusal's reason one of ``REJECT_REASONS``);
+a request of a tenant the store does not hold (``_unknown_tenant``); a full queue, past which
+only a tenant under its fair share of the places is admitted (``_over_queue``); under the
+``kvstrata`` scheduler, a TTFT estimate over the node's prefill backlog that the request's class
+does not allow (``_slo_admission``, on ``NodeLoad`` and the prompt's cached tokens per tier).
+``AdmissionChecks`` is a part of ``services.global_scheduler.GlobalScheduler``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cache_node.scheduling import SLO_CLASS_RANK
+from cache_node.scheduling.admission import (
+    CachedTokens,
+    Ewma,
+    FluidBacklog,
+    SpeedMeter,
+    decide,
+    estimate_ttft_s,
+)
+from services.block_index import PrefixTiers
+from tenants.model import TenantSpec
+
+
+@dataclass
+class NodeLoad:
+    """A node as admission sees it: in-flight requests, prefill backlog, measured speeds."""
+
+    node_id: str
+    capacity: int
+    in_flight: set[str] = field(default_factory=set)
+    urgent: set[str] = field(default_factory=set)  # in-flight requests of interactive tenants
+    backlog: FluidBacklog = field(default_factory=FluidBacklog)
+    prefill: SpeedMeter = field(default_factory=SpeedMeter)
+    step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Outcome of ``admit``: a node to run on, or a rejection with a gRPC status name.
+
+    ``spill_blocks``: leading prompt blocks (past those on the node's device and host tiers)
+    that the index places in the spill tier; > 0 means the node should prefetch them.
+    ``reason``: why it was refused, one of ``REJECT_REASONS`` ("" when admitted).
+    """
+
+    node_id: str = ""
+    code: str = "OK"
+    message: str = ""
+    retry_after_s: float = 0.0
+    spill_blocks: int = 0
+    reason: str = ""
+    continues_session: bool = False  # routed to the node holding the request's session
+
+
+REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
+                  "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted",
+                  "unknown_tenant")
+
+
+class AdmissionChecks:
+    """Admission checks of ``GlobalScheduler`` (which provides these attributes)."""
+
+    nodes: dict[str, NodeLoad]
+    requests: dict[str, tuple[str, str, str, str]]
+    deleted_tenants: OrderedDict[str, None]
+    scheduler: str
+    block_size: int
+    queue_limit: int
+    clock: Any
+
+    if TYPE_CHECKING:
+        def knows_tenant(self, tenant_id: str) -> bool: ...
+
+        def _spec_by_id(self, tenant_id: str) -> TenantSpec | None: ...
+
+    def _unknown_tenant(self, tenant_id: str) -> Admission | None:
+        """The refusal of a request whose ``tenant_id`` is no tenant of the store
+        (``knows_tenant``): UNAUTHENTICATED, "tenant_deleted" for a deleted tenant's,
+        "unknown_tenant" for any other. None for a tenant's request. Nothing is counted per
+        tenant for such an id (its ``usage`` would grow with every id a caller makes up)."""
+        if self.knows_tenant(tenant_id):
+            return None
+        if tenant_id in self.deleted_tenants:
+            return Admission(code="UNAUTHENTICATED", reason="tenant_deleted",
+                             message="this request's tenant was deleted")
+        return Admission(code="UNAUTHENTICATED", reason="unknown_tenant",
+                         message="this request's tenant is not registered with the scheduler")
+
+    def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
+        """Prompt tokens per tier from a prefix in blocks, capped at ``prompt_tokens``
+        (device first, then host, then spill)."""
+        left = prompt_tokens
+        tokens = []
+        for blocks in (prefix.device, prefix.host, prefix.spill):
+            n = min(left, blocks * self.block_size)
+            tokens.append(n)
+            left -= n
+        return CachedTokens(device=tokens[0], host=tokens[1], spill=tokens[2], miss=left)
+
+    def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens) -> Admission | None:
+        """Queue the request's uncached tokens on the node's backlog, or reject it (kvstrata
+        only) when its estimated TTFT misses what its class allows. None = admitted."""
+        spec = self._spec_by_id(tenant_id)
+        node = self.nodes[node_id]
+        rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
+        node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
+        if self.scheduler == "kvstrata" and spec is not None:
+            ahead = node.backlog.ahead(rank)
+            # an interactive prefill runs in a step of its own (isolates_urgent_prefill): it
+            # waits for the step in progress, half of one on average, not for a whole one
+            wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
+            est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, wait_s)
+            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms,
+                              1000.0 * ahead / node.prefill.tokens_per_s)
+            if not decision.admit:
+                return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
+                                 retry_after_s=decision.retry_after_s, reason="ttft_estimate")
+        node.backlog.add(rank, cached.miss)
+        return None
+
+    def _over_queue(self, tenant_id: str, queued: int) -> bool:
+        """Whether a request of ``tenant_id`` finds the queue full: ``queue_limit`` requests
+        wait and the tenant holds at least its fair share of all places (running capacity +
+        ``queue_limit``, evenly among the tenants with requests in flight, itself included),
+        or twice ``queue_limit`` wait whoever asks. Regression: the limit was global, so one
+        tenant's burst got every other tenant RESOURCE_EXHAUSTED until it drained."""
+        if queued < self.queue_limit:
+            return False
+        if queued >= 2 * self.queue_limit:
+            return True
+        held = self.in_flight_by_tenant()
+        tenants = len(held) + (tenant_id not in held)
+        places = sum(n.capacity for n in self.nodes.values()) + self.queue_limit
+        return held[tenant_id] >= places / tenants
+
+    def in_flight_by_tenant(self) -> Counter[str]:
+        """Requests admitted and not yet released, per tenant id."""
+        return Counter(tenant_id for tenant_id, *_ in self.requests.values())
+
+    def _queued(self) -> int:
+        """Requests waiting beyond the nodes' running capacity (what ``queue_limit`` bounds)."""
+        return sum(max(0, len(n.in_flight) - n.capacity) for n in self.nodes.values())

@@ -1,0 +1,119 @@
+"""The global scheduler's sessions: where each session's turns are routed (the node holding its
+history), the sessions whose history went with a restarted node's process (``lost_of``: their
+turns are refused until closed or ``session_ttl_s`` passed), closing a session (its turns in
+flight detached from it, the close kept for a node that is down), and a node's expired sessions.
+``Sessions`` is a part of ``services.global_scheduler.GlobalScheduler``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+
+class Sessions:
+    """Session routing of ``GlobalScheduler`` (which provides these attributes)."""
+
+    session_nodes: dict[str, tuple[str, str]]
+    kept_sessions: set[str]
+    lost_sessions: dict[str, dict[str, float]]
+    sessions_per_tenant: Counter[str]
+    session_ttl_s: float
+    requests: dict[str, tuple[str, str, str, str]]
+    down: dict[str, str]
+    closed_while_down: dict[str, dict[str, tuple[str, list[str]]]]
+    clock: Any
+
+    if TYPE_CHECKING:
+        def knows_tenant(self, tenant_id: str) -> bool: ...
+
+    def sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
+        """``node_id`` closed these sessions (expired): forget their routing there (an id
+        routed to another node stays)."""
+        for sid in session_ids:
+            entry = self.session_nodes.get(sid)
+            if entry is not None and entry[1] == node_id:
+                self.drop_session_route(sid)
+
+    def close_session(self, session_id: str, tenant_id: str) -> tuple[str, list[str]] | None:
+        """Forget a session's routing; returns ``(node, turns)``: the node holding it ("" when
+        none can be asked: the node is down, or the history was lost: ``node_up``) and the ids
+        of its turns admitted and not yet released, which the node must refuse should they
+        reach it after the close (``CacheNode.close_session``). None when the session is
+        unknown or another tenant's, or ``tenant_id`` is no tenant's (``knows_tenant``).
+
+        Regression: a first turn still on the data plane when the close reached its node
+        opened the session there after the close, with no route to it (no turn could reach
+        it, no close could free it: it held its KV until its TTL), and the close answered
+        NOT_FOUND for a session the client had opened.
+
+        Regression (secrev18 E residue): an id that is no tenant's was looked up (and its
+        lost-session marks touched) as a tenant's."""
+        if not self.knows_tenant(tenant_id):
+            return None
+        entry = self.session_nodes.get(session_id)
+        if entry is None or entry[0] != tenant_id:
+            return ("", []) if self.forget_lost(tenant_id, session_id) else None
+        self.drop_session_route(session_id)
+        turns = self._detach_turns(session_id, entry[1])
+        if entry[1] in self.down:  # told at its ``node_up``, if the same process comes back
+            # bounded as the sessions routed to the node when it went down are (no session is
+            # routed to a node while it is down): no cap shared by all tenants, which dropped
+            # the close of one tenant's session (its KV held until its TTL) for another's
+            self.closed_while_down.setdefault(entry[1], {})[session_id] = (tenant_id, turns)
+            return "", []
+        return entry[1], turns
+
+    def _detach_turns(self, session_id: str, node_id: str) -> list[str]:
+        """The ids of ``session_id``'s turns in flight to ``node_id``. Every turn of the session
+        in flight is no longer of that session: its release leaves the routing of a session
+        opened anew under that id untouched. Regression: such a late release dropped the new
+        session's route (unreachable on its node until its TTL) or marked it kept early."""
+        turns = []
+        for rid, (tenant_id, node, _, session) in list(self.requests.items()):
+            if session == session_id:
+                self.requests[rid] = (tenant_id, node, "", "")
+                if node == node_id:
+                    turns.append(rid)
+        return turns
+
+    def lost_of(self, tenant_id: str) -> dict[str, float]:
+        """``tenant_id``'s lost sessions (``lost_sessions``), those lost ``session_ttl_s`` or
+        longer ago forgotten: idle at least that long, each would have expired on its node
+        too, and its next turn opens it anew as after that expiry."""
+        lost = self.lost_sessions.get(tenant_id)
+        if lost is None:
+            return {}
+        horizon = self.clock() - self.session_ttl_s
+        while lost and next(iter(lost.values())) <= horizon:
+            del lost[next(iter(lost))]
+        if not lost:
+            del self.lost_sessions[tenant_id]
+            return {}
+        return lost
+
+    def mark_lost(self, tenant_id: str, session_id: str) -> None:
+        """``session_id``'s history went with its node's process: refuse its turns until it is
+        closed (its route must be dropped first: the mark takes its place in the tenant's
+        ``max_sessions_per_tenant``)."""
+        lost = self.lost_sessions.setdefault(tenant_id, {})
+        lost.pop(session_id, None)
+        lost[session_id] = self.clock()
+
+    def forget_lost(self, tenant_id: str, session_id: str) -> bool:
+        """Unmark ``tenant_id``'s lost ``session_id``; whether it was marked."""
+        lost = self.lost_sessions.get(tenant_id)
+        if lost is None or session_id not in lost:
+            return False
+        del lost[session_id]
+        if not lost:
+            del self.lost_sessions[tenant_id]
+        return True
+
+    def drop_session_route(self, session_id: str) -> None:
+        """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
+        tenant_id, _ = self.session_nodes.pop(session_id)
+        self.kept_sessions.discard(session_id)
+        self.sessions_per_tenant[tenant_id] -= 1
+        if self.sessions_per_tenant[tenant_id] <= 0:
+            del self.sessions_per_tenant[tenant_id]
