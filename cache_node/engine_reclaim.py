@@ -34,7 +34,7 @@ class EngineReclaimMixin:
     tiers: TierManager
     num_cut_short: int
     num_host_reclaims: int
-    _unpin_idle_sessions: Callable[[int], None]
+    _unpin_idle_sessions: Callable[[int, str], None]
 
     def _cut_short(self, seq: Sequence) -> None:
         """``seq`` ran alone and still could not get its next blocks (``Preemption._reserve``):
@@ -53,10 +53,11 @@ class EngineReclaimMixin:
                     "policy keeps outside the pool outgrew this node's pool", seq.request_id, seq.policy,
                     len(seq.output_token_ids), seq.sampling_params.max_tokens)
 
-    def _reclaim(self, need: int) -> None:
+    def _reclaim(self, need: int, holder: str = "") -> None:
         """The scheduler's last resort for blocks (``Preemption._free_held_elsewhere``: a
-        lone running sequence short of them, or the queue's head when nothing runs): idle
-        sessions and compressed prefixes (``_unpin_idle_sessions``), then the history KV that
+        lone running sequence short of them, or the queue's head when nothing runs), for a
+        request of ``holder``: idle sessions and compressed prefixes, largest holder first
+        (``_unpin_idle_sessions``), then the history KV that
         sessions keep for their running turns (``Sequence.kept``). A waiting turn whose kept
         history goes frees what it was lent and will compute its whole prompt, as every
         preempted turn did before sessions kept histories.
@@ -65,7 +66,7 @@ class EngineReclaimMixin:
         before (a waiting turn's, lent again by ``Sequence.restart``), so keeping them must
         not cost a request that needs them its progress.
         """
-        self._unpin_idle_sessions(need)
+        self._unpin_idle_sessions(need, holder)
         pool = self.kv_manager.pool
         for seq in list(self.requests.values()):
             if pool.num_free_blocks() >= need:

@@ -1,11 +1,13 @@
 """The engine's session calls (mixed into ``LLMEngine``): close, rewind, history and expiry of
 the sessions in its ``SessionTable``, and the unpinning of idle sessions (with compressed
-prefixes, least recently used first) while a queued request cannot get blocks.
+prefixes, largest holder first, least recently used first within it) while a queued request
+cannot get blocks.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING
 
 from cache_node.compressed_prefix import CompressedPrefixCache
@@ -13,6 +15,7 @@ from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
 from cache_node.scheduler import Scheduler
 from cache_node.sessions import SessionTable
+from cache_node.tiers.fair_lru import holder_of
 
 
 class EngineSessionsMixin:
@@ -51,7 +54,8 @@ class EngineSessionsMixin:
             return self.sessions.expire(ttl_s)
 
     def _release_idle_sessions(self) -> None:
-        """Unpin least-recently-used idle sessions while a queued request cannot get blocks.
+        """Unpin idle sessions (and drop stored compressed prefixes) while a queued request
+        cannot get blocks: ``_unpin_idle_sessions`` for the queue's head.
 
         Regression: sessions pinned between turns could fill the pool so that no new request
         was ever admitted (they waited until their deadline). Unpinned KV stays matchable as
@@ -61,17 +65,44 @@ class EngineSessionsMixin:
             return
         head = self.scheduler.waiting[0]
         need = max(self.pool.num_blocks // 10, -(-(head.num_tokens + 1) // self.pool.block_size))
-        self._unpin_idle_sessions(need)
+        self._unpin_idle_sessions(need, holder_of(head.cache_namespace))
 
-    def _unpin_idle_sessions(self, need: int) -> None:
-        """Unpin (demote) idle sessions and drop compressed prefixes, least recently used
-        first, until ``need`` blocks are free or none is left."""
+    def _unpin_idle_sessions(self, need: int, holder: str = "") -> None:
+        """Unpin (demote) idle sessions and drop stored compressed prefixes until ``need``
+        blocks are free or none is left, for a request of ``holder`` (a cache namespace
+        without its salt): the idle states of the holder then holding the most device blocks
+        in idle states go first (``holder``'s own on a tie), least recently used first within
+        it, sessions before prefixes on a tie. That is the max-min fair order of the tiers
+        below (``tiers.fair_lru``) and of ``_reclaim_host``; every idle state may still go, so
+        the waiting request always gets its blocks.
+
+        Regression (security review 20 S1): one least-recently-used order over every tenant
+        let a tenant holding 18 idle blocks send one request that took all of another tenant's
+        (3-6 blocks) and none of its own; the other tenant's next turn reused 32 (full cache)
+        or 0 (snapkv-40, whose compacted state went whole, so its output changed) of 104
+        prompt tokens instead of 87.
+        """
         pool = self.kv_manager.pool
-        while pool.num_free_blocks() < need:
-            session_id = self.sessions.lru_idle()
-            idle_since = None if session_id is None else self.sessions.sessions[session_id].last_used_s
-            if self.prefixes.evict_lru(idle_since):  # compressed prefixes and sessions: LRU
-                continue
-            if session_id is None:
-                return
-            self.demote_session(session_id)
+        if pool.num_free_blocks() >= need:
+            return
+        by_holder: dict[str, list[tuple[float, int, object, int]]] = {}
+        for sess in self.sessions.sessions.values():
+            if sess.active_request is None and sess.num_held_blocks:
+                by_holder.setdefault(holder_of(sess.namespace), []).append(
+                    (sess.last_used_s, 0, sess.session_id, sess.num_held_blocks))
+        for key, entry in self.prefixes.entries.items():
+            kv = entry.seq.kv
+            blocks = len(entry.seq.block_table) + (len(kv.charge_blocks) if kv is not None else 0)
+            by_holder.setdefault(holder_of(entry.seq.cache_namespace), []).append((entry.last_used_s, 1, key, blocks))
+        held = {owner: sum(item[3] for item in items) for owner, items in by_holder.items()}
+        queues = {owner: deque(sorted(items, key=lambda item: item[:2])) for owner, items in by_holder.items()}
+        while pool.num_free_blocks() < need and queues:
+            owner = max(queues, key=lambda o: (held[o], o == holder, -queues[o][0][0]))
+            _, kind, key, blocks = queues[owner].popleft()
+            held[owner] -= blocks
+            if not queues[owner]:
+                del queues[owner]
+            if kind == 0:
+                self.demote_session(key)  # type: ignore[arg-type]
+            else:
+                self.prefixes.evict(key)  # type: ignore[arg-type]

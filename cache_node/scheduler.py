@@ -52,7 +52,8 @@ class Scheduler(Preemption):
         max_seq_tokens: most tokens a sequence may reach (the engine's model context; None:
             no limit beyond max_tokens).
         reclaim: frees device blocks held outside the queues (the engine unpins idle
-            sessions) until the argument's number of blocks is free; None: nothing to free.
+            sessions) until the first argument's number of blocks is free, for a request of
+            the holder (cache namespace without its salt) given second; None: nothing to free.
         session_tenants: the tenants with a session open on this node (its next turn comes
             here), handed to ``policy.keep_active`` each step; None: no sessions.
         prefill_speed: prefill tokens per second of step time, measured online.
@@ -70,7 +71,7 @@ class Scheduler(Preemption):
         self.running: list[Sequence] = []
         self.rejected: list[Sequence] = []
         self.max_seq_tokens: int | None = None
-        self.reclaim: Callable[[int], None] | None = None
+        self.reclaim: Callable[[int, str], None] | None = None
         self.session_tenants: Callable[[], Iterable[str]] | None = None
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)

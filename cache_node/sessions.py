@@ -59,6 +59,7 @@ class Session:
     policy: str = ""
     num_evicted_tokens: int = 0
     kept_for: Sequence | None = None
+    namespace: str = ""  # the cache namespace of the turn whose KV ``blocks`` hold
 
     @property
     def num_held_blocks(self) -> int:
@@ -195,6 +196,7 @@ class SessionTable:
         sess.num_evicted_tokens = seq.num_evicted_tokens
         sess.blocks, seq.block_table = seq.block_table, []
         sess.kv, seq.kv, sess.policy = seq.kv, None, seq.policy
+        sess.namespace = seq.cache_namespace
         return True
 
     def rewind(self, session_id: str, history: list[int] | None, prompt_len: int, output: tuple[int, ...]) -> bool:
@@ -235,11 +237,6 @@ class SessionTable:
     def tenants(self) -> set[str]:
         """Tenants with a session on this node (idle or running a turn)."""
         return {sess.tenant for sess in self.sessions.values()}
-
-    def lru_idle(self) -> str | None:
-        """The idle session holding pinned blocks that was used longest ago (None if none)."""
-        idle = [s for s in self.sessions.values() if s.blocks and s.active_request is None]
-        return min(idle, key=lambda s: s.last_used_s).session_id if idle else None
 
     def unpin(self, session_id: str) -> list[KVBlock]:
         """Release an idle session's blocks (kept matchable as cached blocks) and return them.

@@ -19,6 +19,7 @@ from cache_node.block import KVBlock
 from cache_node.kv_cache_manager import cdiv
 from cache_node.scheduling.base import order_by_priority
 from cache_node.sequence import Sequence, SequenceStatus
+from cache_node.tiers.fair_lru import holder_of
 
 if TYPE_CHECKING:
     from cache_node.config import EngineConfig
@@ -38,7 +39,7 @@ class Preemption:
     policy: SchedulingPolicy
     waiting: deque[Sequence]
     running: list[Sequence]
-    reclaim: Callable[[int], None] | None
+    reclaim: Callable[[int, str], None] | None
     prefill_speed: SpeedMeter
     num_preemptions: int
     _demote: DemoteFn | None
@@ -58,8 +59,8 @@ class Preemption:
         """Free blocks held outside the running batch for ``seq`` until ``ready()`` (called
         after each step, never again once True): first the blocks of waiting sequences but
         ``seq`` (they recompute, finding their KV in the prefix cache), one sequence at a
-        time, then what ``reclaim`` frees (the engine's idle sessions and stored prefixes,
-        least recently used first, then kept histories), one more block's worth at a time.
+        time, then what ``reclaim`` frees for ``seq``'s holder (the engine's idle sessions and
+        stored prefixes, largest holder first, then kept histories), one more block's worth at a time.
         Returns whether ``ready()`` held.
 
         Regression (hangs review 19 O1): a lone request one block short reclaimed the whole
@@ -80,7 +81,7 @@ class Preemption:
         pool = self.kv_manager.pool
         while True:
             free = pool.num_free_blocks()
-            self.reclaim(free + 1)
+            self.reclaim(free + 1, holder_of(seq.cache_namespace))
             if ready():
                 return True
             if pool.num_free_blocks() == free:
