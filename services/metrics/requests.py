@@ -9,12 +9,20 @@ API) in the same way. Names and histogram buckets follow vLLM's
 ``generation_tokens``, ``request_success``) under the ``kvstrata:`` prefix, with a ``tenant``
 label (the tenant's name).
 
-Definitions:
+Definitions (what each series counts; the counts differ by design):
 
-- TTFT: gateway arrival (``track``) to the first generated token's event at the gateway, s.
+- requests: every request past its key check, counted once when it ends, by gRPC status
+  name: OK (its node's ``finished`` event came, whatever the finish reason), CANCELLED (its
+  client went away, before or after its first token), or the refusal's or failure's code.
+- TTFT: gateway arrival (``track``) to the first generated token's event at the gateway, s;
+  observed once per request that got a token event, whatever its end: a request cancelled or
+  refused before its first token is in ``requests`` but not here, one cancelled after it is
+  in both. So the TTFT count (and ``ttft_slo_requests``) is at most ``requests`` summed over
+  status and may exceed ``requests{status="OK"}``.
 - inter-token latency: the gap between two successive token events of a request (one per
   engine step, as vLLM observes one per iteration), s.
-- e2e latency: arrival to the ``finished`` event, s (requests that finished only).
+- e2e latency: arrival to the ``finished`` event, s: requests that ended OK only, as
+  ``request_success`` counts them.
 - TTFT SLO attainment: ``ttft_slo_met_total / ttft_slo_requests_total`` over the requests
   that produced a first token, each against its tenant's ``ttft_slo_ms``.
 - floor attainment: ``token_rate_floor_met_total / token_rate_floor_requests_total`` over
@@ -51,22 +59,31 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         reg, t = self.registry, ["tenant"]
-        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token, s.", t,
-                              buckets=TTFT_BUCKETS_S, registry=reg)
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
+                              "Gateway arrival to the first token event, s; one observation per request that got a "
+                              "token, whatever its end (cancelled after its first token included; cancelled or "
+                              "refused before it not), so its count is at most requests_total summed over status.",
+                              t, buckets=TTFT_BUCKETS_S, registry=reg)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
                              "Time between successive token events of a request (TPOT), s.", t,
                              buckets=ITL_BUCKETS_S, registry=reg)
-        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Arrival to finish, s.", t,
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
+                             "Gateway arrival to the finished event, s; requests that ended OK only.", t,
                              buckets=E2E_BUCKETS_S, registry=reg)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of started requests.", t, registry=reg)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens.", t, registry=reg)
-        self.requests = Counter(f"{PREFIX}requests", "Requests ended, by gRPC status name.",
+        self.requests = Counter(f"{PREFIX}requests",
+                                "Requests past their key check, counted once when they end, by gRPC status name "
+                                "(OK: finished on the node, any finish reason; CANCELLED: the client went away, "
+                                "before or after its first token; else the refusal's or failure's code).",
                                 ["tenant", "status"], registry=reg)
-        self.success = Counter(f"{PREFIX}request_success", "Requests finished, by finish reason.",
+        self.success = Counter(f"{PREFIX}request_success", "Requests that ended OK, by finish reason.",
                                ["tenant", "finished_reason"], registry=reg)
         self.rejections = Counter(f"{PREFIX}admission_rejections", "Requests the admission refused, by reason.",
                                   ["tenant", "reason"], registry=reg)
-        self.slo_requests = Counter(f"{PREFIX}ttft_slo_requests", "Requests with a first token.", t, registry=reg)
+        self.slo_requests = Counter(f"{PREFIX}ttft_slo_requests",
+                                    "Requests with a first token (the time_to_first_token_seconds count).", t,
+                                    registry=reg)
         self.slo_met = Counter(f"{PREFIX}ttft_slo_met", "Requests whose TTFT met the tenant's SLO.", t, registry=reg)
         self.floor_requests = Counter(f"{PREFIX}token_rate_floor_requests",
                                       "Finished requests (>= 2 tokens) of tenants with a token-rate floor.",
