@@ -14,7 +14,7 @@ match a prefix walk that stops at the first miss.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -163,73 +163,144 @@ def _check(item: Sequence[object]) -> tuple[str, bytes, str]:
     return str(kind), block_hash, str(tier)
 
 
+MAX_PREFIX_PROMPTS = 32_768
+"""Prompts the common-prefix statistic keeps, all tenants' (each at most 64 eight-byte hash
+prefixes: under 20 MB in all)."""
+
+MAX_PREFIX_GROUPS_PER_TENANT = 16
+"""Namespaces (first blocks) one tenant's prompts keep a common-prefix window for."""
+
+HASH_PREFIX_BYTES = 8
+"""Bytes of each chained hash ``CommonPrefix`` keeps (a collision only merges two of one
+tenant's own prefixes in its own statistic)."""
+
+
+class _Window:
+    """One group's recent prompts (each its hash prefixes joined) and its memoized statistic."""
+
+    def __init__(self, window: int) -> None:
+        self.prompts: deque[bytes] = deque(maxlen=window)
+        self.since = 0  # observations since ``blocks`` was last computed
+        self.blocks: int | None = None  # None: compute at the next ``blocks_for``
+
+
 class CommonPrefix:
-    """How many leading blocks most recent prompts share (a system prompt, a chat template).
+    """How many leading blocks a tenant's recent prompts in one namespace share (a system
+    prompt, a chat template).
 
     Routing by prefix affinity only pays when a match goes past what nearly every request
     shares anyway; otherwise every request would pile onto whichever node served that shared
-    prefix first. Keeps the first ``max_blocks`` chained hashes of the last ``window`` prompts;
-    since the k-th chained hash names the whole k-block prefix, the common prefix is the
-    largest k whose most frequent k-th hash appears in at least ``share`` of them, and 0 until
-    ``min_prompts`` have been seen (a handful of prompts share everything with themselves).
-    Recomputed every ``refresh`` observations (O(window x max_blocks)).
+    prefix first. A group is one tenant's prompts that start with the same block (the first
+    chained hash covers the cache namespace); each group keeps the first ``max_blocks`` hashes
+    of its last ``window`` prompts. Since the k-th chained hash names the whole k-block
+    prefix, its common prefix is the largest k whose most frequent k-th hash appears in at
+    least ``share`` of them, and 0 until ``min_prompts`` were seen (a handful of prompts share
+    everything with themselves). Recomputed when asked after every ``refresh`` observations of
+    the group (O(window x max_blocks)).
+
+    Bounded: a tenant keeps its ``groups_per_tenant`` most recently observed groups, and all
+    groups together at most ``max_prompts`` prompts; past that the tenant keeping the most
+    prompts gives up the oldest of its least recently observed group. So one tenant's traffic
+    never changes another tenant's statistic while that one keeps no more than an even share.
+
+    Regressions (security reviews): one statistic over every tenant's prompts let one tenant's
+    64 prompts sharing a 20-block prefix switch prefix-affinity routing off for every other
+    tenant; then one window of 256 prompts shared by every namespace let one tenant's 256
+    prompts push another's out, its statistic fell to 0 and its requests sharing a system
+    prompt all went to the one node holding it (10/10 over two nodes became 20/0).
 
     Raises:
-        ValueError: ``window`` or ``max_blocks`` < 1, ``share`` not in (0, 1].
+        ValueError: ``window``, ``max_blocks``, ``refresh`` or ``groups_per_tenant`` < 1,
+            ``share`` not in (0, 1], ``min_prompts`` > ``window``, ``max_prompts`` < ``window``.
     """
 
     def __init__(self, window: int = 256, share: float = 0.5, max_blocks: int = 64, refresh: int = 16,
-                 min_prompts: int = 64) -> None:
-        if window < 1 or max_blocks < 1 or refresh < 1 or not 0.0 < share <= 1.0 or min_prompts > window:
+                 min_prompts: int = 64, groups_per_tenant: int = MAX_PREFIX_GROUPS_PER_TENANT,
+                 max_prompts: int = MAX_PREFIX_PROMPTS) -> None:
+        if (window < 1 or max_blocks < 1 or refresh < 1 or not 0.0 < share <= 1.0 or min_prompts > window
+                or groups_per_tenant < 1 or max_prompts < window):
             raise ValueError(f"bad CommonPrefix settings: window={window}, share={share}, "
-                             f"max_blocks={max_blocks}, refresh={refresh}, min_prompts={min_prompts}")
+                             f"max_blocks={max_blocks}, refresh={refresh}, min_prompts={min_prompts}, "
+                             f"groups_per_tenant={groups_per_tenant}, max_prompts={max_prompts}")
         self.window, self.share, self.max_blocks, self.refresh = window, share, max_blocks, refresh
-        self.min_prompts = min_prompts
-        self._recent: list[tuple[bytes, ...]] = []
-        self._since = 0
-        self._blocks = 0
-        self._by_first: dict[bytes, int] = {}  # ``blocks_for`` per first block, until a refresh
+        self.min_prompts, self.groups_per_tenant, self.max_prompts = min_prompts, groups_per_tenant, max_prompts
+        self._groups: dict[str, OrderedDict[bytes, _Window]] = {}  # tenant -> first hash -> window
+        self._kept: Counter[str] = Counter()  # prompts kept per tenant
+        self.prompts = 0  # prompts kept in all
 
-    def observe(self, block_hashes: Sequence[bytes]) -> None:
-        """Record one prompt's chained block hashes ([] = unknown, ignored)."""
+    def observe(self, block_hashes: Sequence[bytes], tenant_id: str = "") -> None:
+        """Record one of ``tenant_id``'s prompts by its chained block hashes ([] = unknown,
+        ignored)."""
         if not block_hashes:
             return
-        self._recent.append(tuple(block_hashes[: self.max_blocks]))
-        if len(self._recent) > self.window:
-            del self._recent[0]
-        self._since += 1
-        if self._since >= self.refresh:
-            self._since = 0
-            self._blocks = self._compute() if len(self._recent) >= self.min_prompts else 0
-            self._by_first.clear()
+        groups = self._groups.setdefault(tenant_id, OrderedDict())
+        group = groups.get(block_hashes[0])
+        if group is None:
+            group = groups[block_hashes[0]] = _Window(self.window)
+            if len(groups) > self.groups_per_tenant:
+                self._drop_oldest(tenant_id, len(groups[next(iter(groups))].prompts))
+        groups.move_to_end(block_hashes[0])
+        if len(group.prompts) == self.window:
+            self._count(tenant_id, -1)  # the deque drops its oldest
+        group.prompts.append(b"".join(h[:HASH_PREFIX_BYTES] for h in block_hashes[: self.max_blocks]))
+        self._count(tenant_id, 1)
+        group.since += 1
+        if group.since >= self.refresh:
+            group.since, group.blocks = 0, None
+        while self.prompts > self.max_prompts:
+            self._drop_oldest(max(self._kept, key=self._kept.__getitem__), 1)
 
-    @property
-    def blocks(self) -> int:
-        """Leading blocks shared by at least ``share`` of the recent prompts."""
-        return self._blocks
-
-    def blocks_for(self, block_hashes: Sequence[bytes]) -> int:
-        """``blocks`` among the recent prompts that start with the same block as
-        ``block_hashes`` (its cache namespace's traffic: a first block's chained hash covers the
-        namespace), 0 until ``min_prompts`` of them were seen. Memoized until the next refresh.
-
-        Regression: one statistic over every tenant's prompts let one tenant's 64 prompts
-        sharing a 20-block prefix switch prefix-affinity routing off for every other tenant
-        (their matches were no longer past "the common prefix")."""
-        if not block_hashes:
+    def blocks_for(self, block_hashes: Sequence[bytes], tenant_id: str = "") -> int:
+        """Leading blocks shared by at least ``share`` of ``tenant_id``'s recent prompts that
+        start with the same block as ``block_hashes``; 0 until ``min_prompts`` of them were seen,
+        and for an unknown group. Memoized until the group's next refresh."""
+        groups = self._groups.get(tenant_id)
+        group = groups.get(block_hashes[0]) if groups is not None and block_hashes else None
+        if group is None:
             return 0
-        first = block_hashes[0]
-        if first not in self._by_first:
-            group = [h for h in self._recent if h[0] == first]
-            self._by_first[first] = self._compute(group) if len(group) >= self.min_prompts else 0
-        return self._by_first[first]
+        if group.blocks is None:
+            group.blocks = self._compute(group.prompts) if len(group.prompts) >= self.min_prompts else 0
+        return group.blocks
 
-    def _compute(self, prompts: Sequence[tuple[bytes, ...]] | None = None) -> int:
-        prompts = self._recent if prompts is None else prompts
+    def forget(self, tenant_id: str) -> None:
+        """Drop every window of ``tenant_id`` (it was deleted); an unknown id is a no-op."""
+        for group in self._groups.pop(tenant_id, {}).values():
+            self._count(tenant_id, -len(group.prompts))
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError when the prompt counts disagree with the windows kept or a bound
+        is passed."""
+        kept = Counter({t: sum(len(g.prompts) for g in gs.values()) for t, gs in self._groups.items()})
+        if +kept != +self._kept or sum(kept.values()) != self.prompts:
+            raise RuntimeError(f"common-prefix counts {dict(self._kept)} != windows {dict(kept)}")
+        if self.prompts > self.max_prompts or any(len(g) > self.groups_per_tenant for g in self._groups.values()):
+            raise RuntimeError("common-prefix windows past their bounds")
+
+    def _drop_oldest(self, tenant_id: str, n: int) -> None:
+        """Drop the ``n`` oldest prompts of ``tenant_id``'s least recently observed group (the
+        group too when that empties it)."""
+        groups = self._groups[tenant_id]
+        first, group = next(iter(groups.items()))
+        for _ in range(min(n, len(group.prompts))):
+            group.prompts.popleft()
+            self._count(tenant_id, -1)
+        if not group.prompts:
+            del groups[first]
+            if not groups:
+                del self._groups[tenant_id]
+
+    def _count(self, tenant_id: str, n: int) -> None:
+        self._kept[tenant_id] += n
+        self.prompts += n
+        if self._kept[tenant_id] <= 0:
+            del self._kept[tenant_id]
+
+    def _compute(self, prompts: Sequence[bytes]) -> int:
         need = self.share * len(prompts)
         k = 0
         for depth in range(self.max_blocks):
-            counts = Counter(h[depth] for h in prompts if len(h) > depth)
+            at = depth * HASH_PREFIX_BYTES
+            counts = Counter(p[at: at + HASH_PREFIX_BYTES] for p in prompts if len(p) > at)
             if not counts or counts.most_common(1)[0][1] < need:
                 break
             k = depth + 1

@@ -122,18 +122,18 @@ class Routing:
         has room (fewer requests in flight than its capacity), else ``_route``'s pick, which
         the key then names (``RoutingKeys``: each tenant's newest keys are kept)."""
         if not routing_key:
-            return self._route(block_hashes, urgent)
+            return self._route(block_hashes, urgent, tenant_id)
         node_id = self.routing_keys.get(tenant_id, routing_key)
         node = self.nodes.get(node_id or "")
         if node_id is None or node is None or node_id in self.down or len(node.in_flight) >= node.capacity:
-            node_id = self._route(block_hashes, urgent)
+            node_id = self._route(block_hashes, urgent, tenant_id)
         self.routing_keys.put(tenant_id, routing_key, node_id)
         return node_id
 
-    def _route(self, block_hashes: list[bytes], urgent: bool = False) -> str:
+    def _route(self, block_hashes: list[bytes], urgent: bool = False, tenant_id: str = "") -> str:
         """The node holding the longest prefix of ``block_hashes`` on its device or host tier
         (first such node on a tie) when that is at least ``affinity_min_blocks`` blocks and
-        longer than the common prefix of the recent prompts of its namespace
+        longer than the common prefix of ``tenant_id``'s recent prompts in its namespace
         (``CommonPrefix.blocks_for``), else the node with the fewest requests
         in flight. Spill-held blocks count for no node.
 
@@ -144,14 +144,15 @@ class Routing:
         and read at about the same time, are spread over the nodes rather than stacked on the
         node that has the least batch work at that instant (issue 21: two 500-token reads on
         one CPU node need more than the 2 s TTFT target between them)."""
-        self.common_prefix.observe(block_hashes)
+        self.common_prefix.observe(block_hashes, tenant_id)
         healthy = [n for nid, n in self.nodes.items() if nid not in self.down]
         best, best_len = "", 0
         for node in healthy:
             n = self.index.node_prefix(node.node_id, block_hashes)
             if n > best_len:
                 best, best_len = node.node_id, n
-        if best and best_len >= self.affinity_min_blocks and best_len > self.common_prefix.blocks_for(block_hashes):
+        common = self.common_prefix.blocks_for(block_hashes, tenant_id)
+        if best and best_len >= self.affinity_min_blocks and best_len > common:
             return best
         if urgent:
             return min(healthy, key=lambda n: (len(n.urgent), len(n.in_flight), n.node_id)).node_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from services.block_index import CommonPrefix
 from services.global_scheduler_routing import RoutingKeys
 from tenants.errors import TenantNotFoundError, TooManyRotationsError
 from tenants.model import Tenant, TenantSpec
@@ -42,6 +43,7 @@ class Tenants:
     session_nodes: dict[str, tuple[str, str]]
     lost_sessions: dict[str, dict[str, float]]
     routing_keys: RoutingKeys
+    common_prefix: CommonPrefix
     node_inboxes: dict[str, str]
     commands: Any
 
@@ -131,7 +133,7 @@ class Tenants:
         """The deleted tenant ``tenant_id``'s requests are refused from now on (admission:
         UNAUTHENTICATED), its requests in flight end (ABORTED) and its sessions close on every
         node (``end_tenant`` on their command inboxes), and its session routes, lost-session
-        marks, routing keys and usage counters go.
+        marks, routing keys, common-prefix windows and usage counters go.
 
         Regression (secrev18 E): only the spec went, so a request of the tenant reaching
         admission afterwards (still in a gateway's pipeline) was admitted and ran after the
@@ -149,6 +151,7 @@ class Tenants:
             self.drop_session_route(sid)
         self.lost_sessions.pop(tenant_id, None)
         self.routing_keys.forget(tenant_id)
+        self.common_prefix.forget(tenant_id)
         self.usage.forget(tenant_id)
         if self.commands is not None:
             for inbox in self.node_inboxes.values():

@@ -254,14 +254,18 @@ def test_common_prefix_is_what_most_recent_prompts_share() -> None:
     cp = CommonPrefix(window=40, share=0.5, refresh=1, min_prompts=8)
     for i in range(7):
         cp.observe(system + hashes_of(range(100 * i, 100 * i + 5))[3:])
-    assert cp.blocks == 0  # too few prompts to say
+    assert cp.blocks_for(system) == 0  # too few prompts to say
     cp.observe(system + hashes_of(range(900, 905))[3:])
-    assert cp.blocks == 3
+    assert cp.blocks_for(system) == 3
     cp.observe([])  # unknown prompts (session turns) are ignored
-    assert cp.blocks == 3
-    for _ in range(40):  # the traffic changes: nothing shared any more
-        cp.observe(hashes_of(range(1000 + _ * 10, 1000 + _ * 10 + 4)))
-    assert cp.blocks == 0
+    assert cp.blocks_for(system) == 3 and cp.blocks_for([]) == 0
+    other = hashes_of([999])  # another namespace's first block
+    for _ in range(40):  # that namespace's traffic changes nothing here
+        cp.observe(other + hashes_of(range(1000 + _ * 10, 1000 + _ * 10 + 3)))
+    assert cp.blocks_for(system) == 3 and cp.blocks_for(other) == 1
+    for _ in range(40):  # this namespace's traffic changes: only its first block is shared
+        cp.observe(system[:1] + hashes_of(range(2000 + _ * 10, 2000 + _ * 10 + 4)))
+    assert cp.blocks_for(system) == 1
     with pytest.raises(ValueError, match="share"):
         CommonPrefix(share=0.0)
 
@@ -271,8 +275,8 @@ def test_affinity_needs_a_match_past_the_common_prefix(tmp_path) -> None:
     system = H[:4]
     # most traffic shares the first 4 blocks (chained hashes, so the same 4 hashes)
     for i in range(64):
-        gs.common_prefix.observe(system + hashes_of(range(500 + 10 * i, 500 + 10 * i + 6))[4:])
-    assert gs.common_prefix.blocks == 4
+        gs.common_prefix.observe(system + hashes_of(range(500 + 10 * i, 500 + 10 * i + 6))[4:], "t")
+    assert gs.common_prefix.blocks_for(system, "t") == 4
     gs.report_events("n1", stored("device", H[:4]))
     gs.admit("t", "busy", block_hashes=[])  # n0 has one request in flight, n1 none
     gs.admit("t", "busy2", block_hashes=[])  # now one each
@@ -317,8 +321,8 @@ def test_one_tenants_shared_prefix_leaves_another_tenants_affinity_on(tmp_path) 
     for i in range(64):
         gs.admit("mallory", f"m{i}", block_hashes=shared + hashes_of(range(1000 + 10 * i, 1000 + 10 * i + 2))[20:])
         gs.release(f"m{i}", None)
-    assert gs.common_prefix.blocks == 20 and gs.common_prefix.blocks_for(shared) == 20
-    assert gs.common_prefix.blocks_for(doc) == 0
+    assert gs.common_prefix.blocks_for(shared, "mallory") == 20
+    assert gs.common_prefix.blocks_for(shared, "alice") == gs.common_prefix.blocks_for(doc, "alice") == 0
     assert gs.admit("alice", "a1", block_hashes=doc).node_id == "n1"
 
 
