@@ -323,6 +323,14 @@ def check_policy_spec(spec: str) -> None:
     make_policy(spec)
 
 
+def policy_compresses(spec: str) -> bool:
+    """Whether the KV policy ``spec`` (checked: ``check_policy_spec``) keeps fewer tokens'
+    KV than the prompt's, so a request under it may outgrow the pool in tokens."""
+    from cache_node.policies import make_policy
+
+    return bool(make_policy(spec).compresses)
+
+
 def policy_from_pb(policy: str, tenant_policy: str) -> str:
     """The KV policy a request runs under: its own ``policy`` override, else the tenant's.
 

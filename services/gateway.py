@@ -33,7 +33,8 @@ from services import convert
 from services.auth import Authenticator
 from services.chat import ChatTemplater, content_chars, estimate_message_tokens
 from services.data_plane_auth import Security
-from services.gateway_streams import NodeStreams, StreamLimits
+from services.gateway_stream_bounds import StreamLimits
+from services.gateway_streams import NodeStreams
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
@@ -318,6 +319,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     f"messages ({estimate} tokens) can never fit with the session's history: "
                     f"a cache node runs at most {room} prompt tokens",
                 )
+            if templater is not None and not fill:
+                await self._check_turn_fits(max(estimate - overhead, 0), sampling.max_tokens, limit, policy, context)
             if templater is not None:
                 try:  # as the node's check of the turn's own tokens (``CacheNode._prompt``), which are at
                     # least these: regression (security review F3), text the tokenizer drops was kept there
@@ -333,6 +336,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             priority=call.priority, prefix_tokens=prefix_tokens,
         )
         return req, hashes
+
+    async def _check_turn_fits(self, own: int, max_tokens: int, limit: int, policy: str, context: Any) -> None:
+        """Refuse (INVALID_ARGUMENT) a session turn whose own tokens (``own``, a lower bound:
+        its messages' estimate without the conversation overhead) + ``max_tokens`` the cache node
+        would refuse whatever the history: past the context ``limit``, or, under a policy that
+        keeps every token (``policy`` "" or not compressing), past the node's pool.
+
+        Regression (security review 20 S4): such a turn was rendered and tokenized on the node's
+        one render thread (~0.15-0.4 s for 348-648K characters of long vocabulary pieces), then
+        refused there for size, while every other tenant's chat turns waited behind it.
+        """
+        need = own + max_tokens
+        if need > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"messages ({own} tokens at least, with the session's history on top) + max_tokens "
+                                f"({max_tokens}) exceed the context limit ({limit} tokens)")
+        pool_tokens = self.info["pool_tokens"]
+        if need > pool_tokens and not (policy and convert.policy_compresses(policy)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"messages ({own} tokens at least, with the session's history on top) + max_tokens "
+                                f"({max_tokens}) can never fit: a cache node's KV pool holds {pool_tokens} tokens")
 
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that

@@ -174,3 +174,38 @@ def test_the_gateway_refuses_a_session_turn_of_dropped_characters(tmp_path: Path
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "characters the tokenizer drops" in message, (code, message)
         code, message = generate("What is the capital of France?" + "\x04" * 10)
         assert code != grpc.StatusCode.INVALID_ARGUMENT, message
+
+
+def test_a_session_turn_whose_own_tokens_and_max_tokens_can_never_fit_is_refused_unrendered(
+        tmp_path: Path, templater: ChatTemplater, monkeypatch) -> None:
+    """Regression (security review 20 S4): a session turn under the character bound whose own
+    tokens + max_tokens exceed the context limit or (under the full cache) the node's pool was
+    sent to the node, rendered and tokenized on its one render thread (~0.2-0.4 s), and only
+    then refused for size, while other tenants' turns waited behind it. Now the gateway refuses
+    it from its estimate (a lower bound of the turn's tokens). A compressing policy may outgrow
+    the pool in tokens, so under one only the context limit is checked here."""
+    monkeypatch.setitem(NODE_INFO, "pool_tokens", 1024)  # the context limit stays 2048
+    words = " ".join(["hello"] * 700)  # ~700 tokens: under the 1024-token room alone
+    with serve(tmp_path, templater) as gw, grpc.insecure_channel(gw.address) as ch:
+        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann")),
+            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+
+        def generate(max_tokens: int, policy: str = "") -> tuple[grpc.StatusCode, str]:
+            req = inference_pb2.GenerateRequest(
+                chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=words)]),
+                session_id="s1", policy=policy, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
+            try:
+                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=30))
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+            raise AssertionError("the harness has no node: every call ends in an error")
+
+        code, message = generate(400)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "KV pool holds 1024 tokens" in message, message
+        code, message = generate(1500, "snapkv-0.5")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "context limit (2048 tokens)" in message, message
+        for max_tokens, policy in ((200, ""), (400, "snapkv-0.5")):  # may fit: on to the (absent) node
+            code, message = generate(max_tokens, policy)
+            assert code != grpc.StatusCode.INVALID_ARGUMENT, (max_tokens, policy, message)
