@@ -157,6 +157,9 @@ class CacheNode(Streams, Commands, Health, Admin):
         # chat requests render here first, off the step thread (``Streams._open``)
         self._renderer = concurrent.futures.ThreadPoolExecutor(1, f"kvstrata-render-{node_id}")
         self._rendering: set[_Stream] = set()  # streams the renderer holds (not in ``_incoming`` yet)
+        # per tenant: streams waiting for the renderer, taken round-robin (``Streams._render_next``)
+        self._render_queue: dict[str, deque[_Stream]] = {}
+        self._render_lock = threading.Lock()
         self._aborts: deque[str] = deque()
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()

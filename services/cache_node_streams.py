@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -132,13 +132,33 @@ class Streams:
         self._streams[stream.request.request_id] = stream
         if stream.request.messages and self.templater is not None:
             self._rendering.add(stream)
+            with self._render_lock:
+                self._render_queue.setdefault(stream.request.tenant, deque()).append(stream)
             try:
-                self._renderer.submit(self._render, stream)
+                self._renderer.submit(self._render_next)  # one task per queued stream
                 return
             except RuntimeError:  # shut down
+                with self._render_lock:
+                    self._render_queue[stream.request.tenant].remove(stream)
                 self._rendering.discard(stream)
         self._incoming.append(stream)
         self._wake.set()
+
+    def _render_next(self) -> None:
+        """Renderer thread: render the next chat request, round-robin over the tenants with
+        requests waiting to render (``_render_queue``, first come first served within each).
+
+        Regression (security review 20 S4): the renderer took requests first come first served
+        across tenants: another tenant's small turn waited behind every render one tenant had
+        queued (0.77 s behind 5 turns of ~4.3K tokens, 3.04 s behind 20).
+        """
+        with self._render_lock:
+            tenant, queue = next(iter(self._render_queue.items()))
+            stream = queue.popleft()
+            del self._render_queue[tenant]
+            if queue:  # to the back of the round
+                self._render_queue[tenant] = queue
+        self._render(stream)
 
     def _render(self, stream: _Stream) -> None:
         """Renderer thread: render and tokenize a chat request's prompt ahead of the step

@@ -522,3 +522,39 @@ def test_a_tenants_kept_session_text_on_a_node_is_bounded(node, monkeypatch) -> 
     assert "bt" not in node._session_messages.tenant_chars and "ot" not in node._session_messages.tenant_chars
     assert _events(node, _chat_turn("b4", "z" * (201 - kept), "bt", "bt/s2"))[-1]["type"] == "finished"
     asyncio.run(node.close_session("bt/s2", "bt"))
+
+
+def test_chat_turns_render_round_robin_over_tenants(node, monkeypatch) -> None:
+    """Regression (security review 20 S4): the node's one render thread took chat requests
+    first come first served across tenants, so another tenant's small turn waited behind every
+    render one tenant had queued (3.04 s behind 20 turns of ~4.3K tokens). Now tenants with
+    turns waiting take turns: B's one turn renders after at most one more of A's."""
+    order: list[str] = []
+    gate = threading.Event()
+    real = node._prompt
+
+    def slow(req, history):  # type: ignore[no-untyped-def]
+        order.append(req.tenant)
+        if len(order) == 1:
+            assert gate.wait(30)
+        return real(req, history)
+
+    monkeypatch.setattr(node, "_prompt", slow)
+    reqs = [request(f"rr-a{i}", 2, (), tenant="A", session_id=f"A/rr{i}",
+                    messages=({"role": "user", "content": f"Hello number {i}"},)) for i in range(5)]
+    reqs.append(request("rr-b", 2, (), tenant="B", session_id="B/rr",
+                        messages=({"role": "user", "content": "What is the capital of France?"},)))
+
+    async def run() -> list[str]:
+        async def last(req: NodeRequest) -> str:
+            events = [e async for e in node.generate(req)]
+            return events[-1]["type"]
+
+        tasks = [asyncio.create_task(last(r)) for r in reqs]
+        await asyncio.sleep(0.3)  # every turn is queued behind the first A's render
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == ["finished"] * 6
+    assert order.index("B") <= 2, order  # first come first served: 5
+    assert not node.engine.check_integrity()
