@@ -121,7 +121,7 @@ class ServiceConfig(BaseModel):
     http_max_body_bytes_per_tenant: int = Field(32 << 20, ge=8 << 20)
     http_max_body_bytes_total: int = Field(256 << 20, ge=8 << 20)
     # Bounds on what clients that read their streams slowly or not at all hold at the gateway
-    # (services.gateway_streams.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may
+    # (services.gateway_stream_bounds.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may
     # have open at a gateway, each counted until its client has taken its last event (past it:
     # RESOURCE_EXHAUSTED); the bytes a stream may hold undelivered; and how long its client may
     # take nothing while an event waits for it. Past either of the last two the stream

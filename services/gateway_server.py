@@ -20,7 +20,8 @@ from services.chat import ChatTemplater, encode_text
 from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
-from services.gateway_streams import NodeStreams, StreamLimits
+from services.gateway_stream_bounds import StreamLimits
+from services.gateway_streams import NodeStreams
 from services.grpc_bounds import BoundedHealthServicer, CallGate, GrpcLimits
 from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor

@@ -22,7 +22,7 @@ from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
-from services.gateway_streams import StreamLimits
+from services.gateway_stream_bounds import StreamLimits
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.grpc_bounds import GrpcLimits
 from services.metrics import MetricsEndpoint

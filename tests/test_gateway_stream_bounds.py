@@ -18,7 +18,8 @@ import zmq
 from kvstrata.v1 import inference_pb2
 from services import data_plane, gateway_server
 from services.gateway import InferenceServicer, input_from_pb
-from services.gateway_streams import NodeStreams, StreamLimits
+from services.gateway_stream_bounds import StreamLimits
+from services.gateway_streams import NodeStreams
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
 

@@ -29,7 +29,7 @@ from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import gateway_server
 from services.config import ServiceConfig, load_config
 from services.gateway import InferenceServicer, StreamWriter, input_from_pb
-from services.gateway_streams import StreamLimits
+from services.gateway_stream_bounds import StreamLimits
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.app import _ClosingStream, _stream
 from services.openai_api.responses import Generation

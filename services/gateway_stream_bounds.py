@@ -1,0 +1,189 @@
+"""The bounds on a gateway's streams: what the streams of clients that read slowly or not at all
+may hold (``StreamLimits``, set by ``ServiceConfig``), and one stream's events not yet taken by
+its reader, coalesced and counted (``StreamBuffer``). ``services.gateway_streams.NodeStreams``
+enforces them; ``InferenceServicer`` counts each tenant's open streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STREAMS_PER_TENANT = 256
+"""Generate calls one tenant may have open at one gateway (``StreamLimits``)."""
+
+MAX_UNDELIVERED_BYTES = 1 << 20
+"""Most a stream may hold undelivered (``StreamBuffer.undelivered_bytes``) before it is ended
+RESOURCE_EXHAUSTED and its request aborted on its node: ~50K tokens of English text behind."""
+
+STREAM_IDLE_TIMEOUT_S = 300.0
+"""Longest a stream's undelivered events may wait with its client taking none of them before
+it is ended RESOURCE_EXHAUSTED and its request aborted on its node (``StreamLimits``)."""
+
+TERMINAL = ("finished", "error")
+"""Event types that end a stream: nothing after one is kept."""
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What the streams of clients that read slowly or not at all may hold at a gateway
+    (``ServiceConfig``'s ``max_streams_per_tenant``, ``max_undelivered_bytes`` and
+    ``stream_idle_timeout_s``).
+
+    Attributes:
+        max_streams_per_tenant: Generate calls (gRPC or HTTP) a tenant may have open at the
+            gateway, each counted until its client has taken its last event or gone; past it a
+            call is refused RESOURCE_EXHAUSTED (``InferenceServicer``).
+        max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``) is ended
+            RESOURCE_EXHAUSTED and its request aborted on its node (``NodeStreams``).
+        idle_timeout_s: a stream whose reader has taken nothing this long without waiting for
+            events (it is stuck handing the last one to a client that takes nothing) is ended
+            the same way, and the task writing it to its client stopped, so
+            its tenant's stream is released (``NodeStreams.expire_idle``). A client that takes
+            something within each such period, however slowly, is never ended.
+
+    Regression (secrev18 B residue): the first two were constructor arguments alone (a
+    deployment could not set them), and nothing ended a stream whose client stopped reading:
+    its request ran on its node to ``max_tokens``, and the stream, its buffer and its tenant's
+    slot were held for as long as the client held its connection.
+    """
+
+    max_streams_per_tenant: int = MAX_STREAMS_PER_TENANT
+    max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES
+    idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams_per_tenant", "max_undelivered_bytes", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StreamLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, config: Any) -> StreamLimits:
+        """The limits a ``ServiceConfig`` sets."""
+        return cls(config.max_streams_per_tenant, config.max_undelivered_bytes, config.stream_idle_timeout_s)
+
+TEXT_PIECES_JOINED = 64
+"""A pending delta joins its text pieces into one string each time it holds this many."""
+
+
+class _Delta:
+    """Consecutive delta events not delivered yet, as one: token ids in a 4-byte array, text
+    pieces joined every ``TEXT_PIECES_JOINED`` (amortised, never quadratic)."""
+
+    __slots__ = ("chars", "ids", "pieces")
+
+    def __init__(self) -> None:
+        self.ids = array("i")
+        self.pieces: list[str] = []
+        self.chars = 0
+
+    def add(self, event: dict[str, Any]) -> int:
+        """Append ``event``'s tokens and text; returns the bytes this added (4 per token id, 4
+        per character: what the array and a UCS-4 string hold at most, and UTF-8 at most)."""
+        self.ids.extend(event["token_ids"])
+        if event["text"]:
+            self.pieces.append(event["text"])
+            self.chars += len(event["text"])
+            if len(self.pieces) >= TEXT_PIECES_JOINED:
+                self.pieces = ["".join(self.pieces)]
+        return 4 * (len(event["token_ids"]) + len(event["text"]))
+
+    def event(self) -> dict[str, Any]:
+        return {"type": "delta", "token_ids": self.ids.tolist(), "text": "".join(self.pieces)}
+
+    def size(self) -> int:
+        return 4 * (len(self.ids) + self.chars)
+
+
+class StreamBuffer:
+    """One stream's events not yet taken by its reader, in order and bounded.
+
+    Consecutive delta events coalesce into one pending delta (token ids and texts
+    concatenated), and nothing is kept after a terminal event (``finished`` or ``error``: the
+    reader stops there), so a stream holds at most three messages (``started``, a delta, its
+    end) whatever its length; a reader that keeps up takes each event as it came, unchanged.
+    ``undelivered_bytes`` (4 per pending token id and per pending character) is what
+    ``NodeStreams`` bounds by ``max_undelivered_bytes``, and ``idle_s`` (how long its reader
+    has taken nothing without waiting in ``get``, on ``clock``) what it bounds by the idle
+    timeout.
+
+    The ``asyncio.Queue`` calls its reader uses: ``get``, ``get_nowait``, ``empty``, ``qsize``.
+
+    Regression (security review B): each stream was an unbounded ``asyncio.Queue`` of every
+    event (~400 bytes a delta): a client that never read its streams (HTTP/2 window never
+    granted) made the gateway keep every token its requests produced, growing with the
+    nodes' throughput for as long as it held a connection.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._items: deque[dict[str, Any] | _Delta] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.undelivered_bytes = 0
+        self.ended = False  # a terminal event is in: later ones are dropped
+        self.clock = clock
+        self._taken_at = clock()  # its reader's last take (its opening before any)
+
+    def put_nowait(self, event: dict[str, Any]) -> None:
+        """Add ``event`` (dropped after a terminal event)."""
+        if self.ended:
+            return
+        if event["type"] == "delta":
+            last = self._items[-1] if self._items else None
+            if not isinstance(last, _Delta):
+                last = _Delta()
+                self._items.append(last)
+            self.undelivered_bytes += last.add(event)
+        else:
+            self._items.append(event)
+            self.ended = event["type"] in TERMINAL
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def end(self, event: dict[str, Any]) -> None:
+        """Drop the pending deltas and the pending end, if any, and end the stream with
+        ``event`` (an error)."""
+        self._items = deque(item for item in self._items
+                            if not isinstance(item, _Delta) and item["type"] not in TERMINAL)
+        self.undelivered_bytes = 0
+        self.ended = False
+        self.put_nowait(event)
+
+    def get_nowait(self) -> dict[str, Any]:
+        """The next event. Raises ``asyncio.QueueEmpty`` when none is pending."""
+        if not self._items:
+            raise asyncio.QueueEmpty
+        self._taken_at = self.clock()
+        item = self._items.popleft()
+        if isinstance(item, _Delta):
+            self.undelivered_bytes -= item.size()
+            return item.event()
+        return item
+
+    async def get(self) -> dict[str, Any]:
+        """The next event, once there is one."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def idle_s(self) -> float:
+        """Seconds since its reader last took an event (since its opening before any), 0 while
+        the reader waits in ``get`` for the next: a reader that is away that long is stuck
+        with the last event it took (writing it to a client that takes nothing), whether or
+        not more are pending here."""
+        return 0.0 if self._waiter is not None else self.clock() - self._taken_at
+
+    def qsize(self) -> int:
+        """Messages pending (at most 3)."""
+        return len(self._items)
