@@ -236,7 +236,8 @@ def test_files_of_an_older_format_version_are_ignored_not_deleted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """issue 18 fault 6: version-1 files carry no token ids and keys that named the model by
-    its directory; a restarted store must not index them, nor delete or quarantine them."""
+    its directory; a restarted store must not index them, nor quarantine them, nor delete them
+    while its disk budget has room (past it they go first: tests/test_spill_unserved.py)."""
     monkeypatch.setattr(spill_format, "FORMAT_VERSION", 1)
     SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK).put(
         hashes_of(range(2)), make_blocks(range(2)), "ns"

@@ -1,7 +1,8 @@
 """SpillStore data faults and restarts: every fault is a miss, never an error or wrong bytes.
 
-Only a verified checksum or format failure quarantines a file (moved aside, never deleted);
-a transient OSError is retried, counted and a miss, and leaves the file where it was.
+Only a verified checksum or format failure quarantines a file (moved aside, not deleted: the
+quarantine's bounds are in tests/test_spill_unserved.py); a transient OSError is retried,
+counted and a miss, and leaves the file where it was.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_truncated_file_is_quarantined(tmp_path: Path) -> None:
 
 def test_flipped_bytes_are_caught_by_checksum_and_quarantined(tmp_path: Path) -> None:
     """issue 18 fault 5: a really corrupt file (bit rot in block 3's payload) is moved aside
-    into the quarantine folder and counted, never deleted, and never returned as KV."""
+    into the quarantine folder and counted, not deleted, and never returned as KV."""
     store, path = disk_store(tmp_path)
     data = bytearray(path.read_bytes())
     data[-20:-10] = bytes(b ^ 0x5A for b in data[-20:-10])  # inside block 3
@@ -145,7 +146,8 @@ def test_transient_error_during_restart_reindex_keeps_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
 ) -> None:
     """issue 18 fault 5: an OSError while a restarted store re-reads a file's header deleted
-    the file. It must stay on disk untouched (counted), and be indexed by a later restart."""
+    the file. It must stay on disk untouched (counted) while the disk budget has room, and be
+    indexed by a later restart."""
     _, path = disk_store(tmp_path)
     before = path.read_bytes()
     failed = fail_opens_of(monkeypatch, path, err, times=10**6)

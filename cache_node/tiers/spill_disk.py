@@ -7,13 +7,17 @@ headers on construction, so a restarted spill node keeps its disk hits. Not thre
 owning ``SpillStore`` serializes calls.
 
 Faults: only a verified checksum or format failure (``SpillCorruptError``) takes a file out
-of service, and it is moved into the quarantine folder (``spill_format.quarantine_file``),
-never deleted. Any other ``OSError`` (EIO, EMFILE, EACCES, ENOSPC...) is transient: it is
-retried ``READ_ATTEMPTS`` times with a short backoff, then counted (``io_errors``) and the
-read is a miss, the file staying on disk and in the index; a file whose header cannot be read
-at a restart stays on disk unindexed until the next restart. A file that is gone (ENOENT) is
-dropped from the index (``missing_files``). A file of another format version or block format
-is skipped at a restart (``skipped_files``): left on disk, never indexed.
+of service, and it is moved into the quarantine folder (``UnservedFiles.quarantine``). Any
+other ``OSError`` (EIO, EMFILE, EACCES, ENOSPC...) is transient: it is retried
+``READ_ATTEMPTS`` times with a short backoff, then counted (``io_errors``) and the read is a
+miss, the file staying on disk and in the index; a file whose header cannot be read at a
+restart stays on disk unindexed. A file that is gone (ENOENT) is dropped from the index
+(``missing_files``). A file of another format version or block format is skipped at a restart
+(``skipped_files``): left on disk, never indexed.
+
+The budget bounds the whole directory: unindexed and quarantined files count against it
+(``spill_unserved``), and unindexed ones, which can never be served, are deleted (oldest
+first) before any indexed file is evicted; the quarantine keeps only its newest files.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 from cache_node.tiers import spill_format as fmt
 from cache_node.tiers.fair_lru import FairLRU, holder_of
 from cache_node.tiers.spill_format import BlockFormat, SpillCorruptError, SpillFormatMismatch
+from cache_node.tiers.spill_unserved import UnservedFiles
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,8 @@ class _SpillFile:
 
 
 class DiskTier:
-    """Group files under ``root_dir`` holding at most ``budget_bytes`` of files.
+    """Group files under ``root_dir`` holding at most ``budget_bytes`` of files, the files it
+    does not serve (``unserved``: unindexed, quarantined) included.
 
     Args:
         root_dir: directory of the group files (created if missing).
@@ -59,7 +65,8 @@ class DiskTier:
         max_blocks_per_file: most blocks per group file.
         emit: receives "stored"/"removed" events of this tier.
         counters: shared fault counters (``corrupt_reads``, ``quarantined_files``, ``io_errors``,
-            ``io_retries``, ``missing_files``, ``skipped_files``, ``evicted_files``).
+            ``io_retries``, ``missing_files``, ``skipped_files``, ``evicted_files``,
+            ``removed_unindexed_files``, ``removed_quarantined_files``).
     """
 
     def __init__(
@@ -82,7 +89,8 @@ class DiskTier:
         # file name -> file, per tenant in LRU order (regression: one LRU over all tenants let
         # one tenant's writes delete every other tenant's files)
         self._files: FairLRU[str, _SpillFile] = FairLRU()
-        self.bytes_used = 0
+        self.bytes_used = 0  # bytes of the files in the index
+        self.unserved = UnservedFiles(root_dir, budget_bytes, counters)
         self._rebuild()
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -130,6 +138,7 @@ class DiskTier:
             self._drop_file(name)
         for path in fmt.list_group_files(self.root_dir):
             fmt.remove_file(path)
+        self.unserved.forget_unindexed()
 
     def _write_file(
         self, namespace: str, hashes: list[bytes], blocks: np.ndarray, tokens: list[bytes]
@@ -158,7 +167,11 @@ class DiskTier:
             self._emit("stored", block_hash, TIER_DISK)
 
     def _evict_over_budget(self) -> None:
-        for name in self._files.victims(self.bytes_used - self.budget_bytes):
+        """Free what passes the budget: unindexed files first (they can never be served), then
+        indexed files by ``fair_lru``."""
+        need = self.bytes_used + self.unserved.bytes - self.budget_bytes
+        need -= self.unserved.free(need)
+        for name in self._files.victims(need):
             self._drop_file(name)
             self._counters["evicted_files"] += 1
 
@@ -225,6 +238,7 @@ class DiskTier:
                            self.root_dir, exc)
             self._counters["io_errors"] += 1
             return
+        self.unserved.scan_quarantine()  # first: files quarantined below are its newest
         for path in paths:
             self._index_file(path)
         self._evict_over_budget()
@@ -238,17 +252,20 @@ class DiskTier:
         except SpillFormatMismatch as exc:
             logger.warning("skipping spill file %s: %s", path, exc)
             self._counters["skipped_files"] += 1
+            self.unserved.add_unindexed(path)
             return
         except FileNotFoundError:
             return  # vanished since the listing
         except OSError as exc:
-            logger.warning("spill file %s not indexed (left on disk for the next restart): %s",
-                           path, exc)
+            logger.warning("spill file %s not indexed (left on disk for the next restart, "
+                           "deleted first when the disk budget needs room): %s", path, exc)
             self._counters["io_errors"] += 1
+            self.unserved.add_unindexed(path)
             return
         if not header.matches(self.block_format):
             logger.warning("skipping spill file %s of another block format", path)
             self._counters["skipped_files"] += 1
+            self.unserved.add_unindexed(path)
             return
         blocks = zip(header.block_hashes, header.block_tokens)
         live = {h: tokens for h, tokens in blocks if h not in self.index}
@@ -258,8 +275,8 @@ class DiskTier:
         self._add_file(path.name, path, header.file_bytes, live, header.namespace)
 
     def _quarantine(self, path: Path, exc: SpillCorruptError) -> None:
-        """Count a verified corruption and move the file aside (never deleted)."""
+        """Count a verified corruption and move the file aside (``UnservedFiles.quarantine``)."""
         logger.warning("spill file %s is corrupt, quarantined: %s", path, exc)
         self._counters["corrupt_reads"] += 1
-        if fmt.quarantine_file(path) is not None:
+        if self.unserved.quarantine(path):
             self._counters["quarantined_files"] += 1

@@ -18,12 +18,13 @@ read and verified without reading the whole payload).
 
 Versions: 2 added ``block_tokens`` (and came with block keys whose model identity is a
 digest of the weights). A file of another version raises ``SpillFormatMismatch``: it is not
-corrupt, only not ours, so a store skips it (left on disk, never indexed, deleted by a
-``flush``) exactly like a file of another block format. Writes go to a temp file
+corrupt, only not ours, so a store skips it (left on disk, never indexed, counted against
+the disk budget and deleted first when that needs room, or by a ``flush``) exactly like a file
+of another block format. Writes go to a temp file
 in the same directory, fsync, then ``os.replace``. Every read verifies the
 header digest, the file length and each returned block's checksum; any fault
 raises ``SpillCorruptError``. A corrupt file is moved aside into ``QUARANTINE_DIR``
-(``quarantine_file``) for an operator to inspect, never deleted by the store.
+for an operator to inspect, the newest few kept (``spill_unserved``).
 """
 
 from __future__ import annotations
@@ -334,23 +335,6 @@ def remove_file(path: Path) -> None:
     """Delete ``path`` if it exists; a file that cannot be deleted is left (no error)."""
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
-
-
-def quarantine_file(path: Path) -> Path | None:
-    """Move a corrupt group file into ``QUARANTINE_DIR`` beside it, bytes unchanged.
-
-    Returns the new path, or None when the move failed (the file is then left where it is,
-    never deleted).
-    """
-    target_dir = path.parent / QUARANTINE_DIR
-    try:
-        target_dir.mkdir(exist_ok=True)
-        target = target_dir / path.name
-        os.replace(path, target)
-    except OSError as exc:
-        logger.warning("could not quarantine spill file %s (left in place): %s", path, exc)
-        return None
-    return target
 
 
 def _age_key(path: Path) -> tuple[int, str]:

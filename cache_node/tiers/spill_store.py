@@ -36,6 +36,7 @@ _HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
 STAT_COUNTERS = _HITS + (
     "corrupt_reads", "quarantined_files", "io_errors", "io_retries", "missing_files",
     "skipped_files", "token_mismatches", "evicted_files", "events_dropped",
+    "removed_unindexed_files", "removed_quarantined_files",
 )
 
 
@@ -69,15 +70,16 @@ class SpillStore:
     """Content-addressed block store: RAM tier, then disk tier.
 
     Reads never raise for data faults: missing, truncated, unreadable or corrupt files are
-    misses. A corrupt file is quarantined (moved aside, never deleted); a transient OSError is
-    retried, then a miss that keeps the file (see ``spill_disk``). One lock guards all state, so a threaded
+    misses. A corrupt file is quarantined (moved aside; the newest few kept); a transient
+    OSError is retried, then a miss that keeps the file (see ``spill_disk``). One lock guards all state, so a threaded
     actor may call it concurrently; disk I/O happens under that lock.
 
     Args:
         root_dir: directory of the group files (created if missing).
         block_format: shape, dtype and kv_format of every block.
-        ram_bytes / disk_bytes: tier budgets in bytes (disk: bytes of files; a disk
-            budget of 0 drops demoted blocks).
+        ram_bytes / disk_bytes: tier budgets in bytes (disk: bytes of every file in
+            ``root_dir``, those it does not serve included; a disk budget of 0 drops demoted
+            blocks).
         max_blocks_per_file: most blocks per group file.
         demote_low_watermark: past the RAM budget, demote down to this fraction of it.
         max_events: events kept for ``take_events``; older ones count as ``events_dropped``.
@@ -200,11 +202,17 @@ class SpillStore:
             return dropped
 
     def stats(self) -> dict[str, int]:
-        """Sizes, block counts per tier, files, hits per tier, misses and fault counters."""
+        """Sizes, block counts per tier, files, hits per tier, misses and fault counters.
+
+        ``disk_bytes``: the indexed files; ``unindexed_bytes`` and ``quarantined_bytes``: the
+        files in ``root_dir`` it does not serve (``spill_unserved``); the three together stay
+        within ``disk_budget_bytes``."""
         with self._lock:
             sizes = {
                 "ram_bytes": self._ram_bytes(),
                 "disk_bytes": self._disk.bytes_used,
+                "unindexed_bytes": self._disk.unserved.unindexed_bytes,
+                "quarantined_bytes": self._disk.unserved.quarantined_bytes,
                 "ram_budget_bytes": self.ram_budget_bytes,
                 "disk_budget_bytes": self.disk_budget_bytes,
                 "blocks_spill_ram": len(self._ram),

@@ -57,4 +57,11 @@ class SpillMetrics(Collector):
         used = GaugeMetricFamily(PREFIX + "spill_bytes_used", "Bytes held, by tier.", labels=["node", "tier"])
         used.add_metric([nid, "spill_ram"], s["ram_bytes"])
         used.add_metric([nid, "spill_disk"], s["disk_bytes"])
-        yield from (blocks, capacity, hits, misses, errors, used)
+        unserved = GaugeMetricFamily(PREFIX + "spill_unserved_bytes", "Bytes of spill files never served, "
+                                     "by kind (counted in the disk budget).", labels=["node", "kind"])
+        removed = CounterMetricFamily(PREFIX + "spill_removed_files", "Spill files never served that were "
+                                      "deleted to keep the disk budget, by kind.", labels=["node", "kind"])
+        for kind in ("unindexed", "quarantined"):
+            unserved.add_metric([nid, kind], s[f"{kind}_bytes"])
+            removed.add_metric([nid, kind], s[f"removed_{kind}_files"])
+        yield from (blocks, capacity, hits, misses, errors, used, unserved, removed)
