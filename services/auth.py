@@ -59,20 +59,26 @@
 The client address is the connection's (gRPC's peer; for the HTTP API, uvicorn's client, which
 honours X-Forwarded-For only from the proxies named in ``http_forwarded_allow_ips``). The HTTP
 API authenticates through this same class (``services.openai_api.context.HttpCallContext``).
+
+``Authenticator`` is here with its checks and its cache of keys that passed; the key ids known
+here and the forgetting of cached keys are ``services.auth_known.KnownKeys``, the refusals
+made without a check and the budgets of checks ``services.auth_limits.CheckLimits``, the key
+directory and the suspect key ids ``services.key_ids``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from services.auth_known import _ADMIN_OWNER, KnownKeys
+from services.auth_limits import CheckLimits
 from services.key_ids import SUSPECT_TTL_S, KeyDirectory, SuspectKeyIds
 from tenants.keys import fingerprint, parse_key_id
 from tenants.model import Tenant
@@ -81,19 +87,8 @@ from tenants.ratelimit import ExpiringSet, WindowLimiter
 log = logging.getLogger(__name__)
 
 _CACHE_TTL_S = 10.0
-_KNOWN_ID_TTL_S = 3600.0
-"""How long a key id stays known after its key last passed a check here."""
-_KNOWN_IDS_PER_OWNER = 4
-"""Key ids known here per owner (a tenant, or the admin key), its newest first kept: a tenant has
-one live key (``RotateKey`` replaces them all), so its own rotations evict only its own ids."""
-_MAX_KNOWN_IDS = 65536
-"""Known key ids at most, all owners together (a memory guard: past it the owner holding the
-most loses its oldest, so it bites only past ``_MAX_KNOWN_IDS / _KNOWN_IDS_PER_OWNER`` owners)."""
-_ADMIN_OWNER = ""
-"""The owner of the admin key's id in the known ids (a tenant's is its name, never empty)."""
-_PEER_CHECKS_IN_FLIGHT = 4
-"""Checks of unknown key ids at once per client address (so its failures cannot overshoot
-``failures_per_peer`` by more, nor one address hold the gateway's whole ``in_flight``)."""
+
+
 def bearer_key(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and value.startswith("Bearer "):
@@ -101,17 +96,7 @@ def bearer_key(context: grpc.aio.ServicerContext) -> str:
     return ""
 
 
-def _peer_host(context: grpc.aio.ServicerContext) -> str:
-    """The client's address without its port (``ipv4:10.0.0.1:53412`` -> ``ipv4:10.0.0.1``)."""
-    peer = context.peer() or ""
-    return peer.rpartition(":")[0] or peer
-
-
-_REFUSALS = {"tenant": "missing or unknown API key", "admin": "this call needs the admin key"}
-"""UNAUTHENTICATED's message per role: the same for a key's first refusal and its cached ones."""
-
-
-class Authenticator:
+class Authenticator(KnownKeys, CheckLimits):
     """Resolves API keys to tenants and checks the admin key, via the GlobalScheduler.
 
     Args:
@@ -283,54 +268,6 @@ class Authenticator:
         await self._refuse_malformed(context, role, key)
         await self._refuse_absent(context, role, key)
 
-    def forget_tenant(self, name: str, keys_gone: bool = False) -> None:
-        """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
-        deleted); every other tenant's cached keys stay. With ``keys_gone`` (its keys were
-        rotated away, or it was deleted) its known key ids go too; otherwise (a spec change:
-        its key still works) they stay, and keep exempting it from the failure limits. (Ids
-        of keys removed through another gateway go at this one's next directory refresh.)
-
-        Regression (secrev16 fault B): ``forget`` dropped every tenant's cached key and the
-        exemption of keys that passed lately, so a tenant that sent wrong secrets for another
-        tenant's key id from their shared address and then rotated its own key had the other
-        tenant refused RESOURCE_EXHAUSTED there. (A valid key now passes over the failure
-        limit anyway: see the module docstring.)
-        """
-        for fp in [fp for fp, (tenant, _, _) in self._tenants.items() if tenant.spec.name == name]:
-            del self._tenants[fp]
-        if keys_gone:
-            for key_id in list(self._known_by_owner.get(name, ())):
-                self._unknow(key_id)
-
-    def forget_tenant_id(self, tenant_id: str) -> None:
-        """Drop the cached keys of the tenant whose id is ``tenant_id``, and its known key ids:
-        admission answered that no such tenant exists (``tenant_deleted``, ``unknown_tenant``).
-
-        Regression (secrev18 E residue): a key of a tenant deleted through another gateway (or
-        before the scheduler restarted) stayed cached here for its TTL, each call refused at
-        admission instead of at the key check."""
-        gone = [(fp, tenant.spec.name) for fp, (tenant, _, _) in self._tenants.items() if tenant.tenant_id == tenant_id]
-        for fp, _ in gone:
-            del self._tenants[fp]
-        for name in {name for _, name in gone}:
-            for key_id in list(self._known_by_owner.get(name, ())):
-                self._unknow(key_id)
-
-    def forget_admin(self) -> None:
-        """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
-        self._admins.clear()
-
-    def _forget_key_ids(self, key_ids: set[str]) -> None:
-        """Forget every key of ``key_ids`` (the key directory found them removed: a deleted
-        tenant's or a rotated key's): known ids, cached tenant and admin keys."""
-        for key_id in key_ids:
-            self._unknow(key_id)
-            self._suspects.cleared(key_id)
-        for fp in [fp for fp, (_, _, key_id) in self._tenants.items() if key_id in key_ids]:
-            del self._tenants[fp]
-        for fp in [fp for fp, (_, key_id) in self._admins.items() if key_id in key_ids]:
-            del self._admins[fp]
-
     def _cached_tenant(self, fp: bytes) -> Tenant | None:
         hit = self._tenants.get(fp)
         return hit[0] if hit is not None and hit[1] > self.clock() else None
@@ -343,50 +280,6 @@ class Authenticator:
         self._tenants[fingerprint(key)] = (tenant, self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, tenant.spec.name)
 
-    def _know(self, key: str, owner: str) -> None:
-        """Remember ``key``'s id as known here, with ``key``'s fingerprint (it just passed), as
-        one of ``owner``'s (a tenant's name, or ``_ADMIN_OWNER``): each owner keeps its newest
-        ``_KNOWN_IDS_PER_OWNER`` ids, and past ``_MAX_KNOWN_IDS`` in all the owner holding the
-        most loses its oldest.
-
-        Regression (secrev18 A): the known ids were one LRU of 65,536 for all tenants, so a
-        tenant that rotated its own key 65,536 times evicted every other tenant's id, and a
-        NAT-mate's 50 wrong keys then got the other tenant's valid key RESOURCE_EXHAUSTED. A
-        tenant's keys now evict only its own ids.
-        """
-        key_id = parse_key_id(key)
-        if key_id is None:
-            return
-        self._unknow(key_id)
-        self._suspects.cleared(key_id)
-        ids = self._known_by_owner.setdefault(owner, OrderedDict())
-        ids[key_id] = None
-        self._known[key_id] = (fingerprint(key), self.clock() + _KNOWN_ID_TTL_S, owner)
-        while len(ids) > _KNOWN_IDS_PER_OWNER:
-            self._unknow(next(iter(ids)))
-        if len(self._known) > _MAX_KNOWN_IDS:
-            self._shed_known()
-
-    def _unknow(self, key_id: str) -> None:
-        """Forget that ``key_id`` is known here (no-op when it is not)."""
-        entry = self._known.pop(key_id, None)
-        if entry is None:
-            return
-        ids = self._known_by_owner[entry[2]]
-        del ids[key_id]
-        if not ids:
-            del self._known_by_owner[entry[2]]
-
-    def _shed_known(self) -> None:
-        """Bring the known ids back to ``_MAX_KNOWN_IDS``: expired ones first, then the oldest
-        of the owner holding the most (never one owner's for another's, while any holds more)."""
-        now = self.clock()
-        for key_id in [k for k, (_, until, _) in self._known.items() if until <= now]:
-            self._unknow(key_id)
-        while len(self._known) > _MAX_KNOWN_IDS:
-            largest = max(self._known_by_owner.values(), key=len)
-            self._unknow(next(iter(largest)))
-
     async def _is_admin(self, key: str, allow_pbkdf2: bool) -> bool:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
         if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
@@ -394,153 +287,3 @@ class Authenticator:
         self._admins[fingerprint(key)] = (self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, _ADMIN_OWNER)
         return True
-
-    @staticmethod
-    async def _refuse_malformed(context: grpc.aio.ServicerContext, role: str, key: str) -> None:
-        """Abort with UNAUTHENTICATED, asking no one, when ``key`` is not a key's shape.
-
-        Regression (secrev17 F2): every key not cached, malformed ones included, cost the
-        GlobalScheduler (one actor, whose loop also admits every tenant's requests) one call,
-        and the failure limit keyed on the key id, so 2000 distinct bad keys from one address
-        made 2000 scheduler calls; now a malformed key makes none, a well-formed one of an id
-        that exists nowhere none either (``_refuse_absent``), and one of an existing id not
-        known here is checked only within ``_check_slot``'s per-address and per-gateway
-        budgets.
-        """
-        if parse_key_id(key) is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
-
-    async def _refuse_absent(self, context: grpc.aio.ServicerContext, role: str, key: str) -> None:
-        """Abort with UNAUTHENTICATED when no key of the well-formed ``key``'s id exists (the
-        key directory, refreshed once if the id is not in it): such a key costs no check and
-        spends none of the budgets of ``_check_slot``. It is remembered as failed in both roles
-        (no key of its id exists) and its id forgotten. Returns when the id exists, when the
-        directory cannot tell (its refresh failed: today's budgeted check follows), for a key
-        that failed lately (``_refuse_known_bad`` refuses it next) and, while the directory was
-        never loaded, for a key known here.
-
-        Regression: a key of an id not known here cost a check of the gateway's budget (100 a
-        second, 16 at once), so a flood of well-formed bad keys with random ids from many
-        addresses spent it, and a valid key never used at this gateway got RESOURCE_EXHAUSTED.
-        """
-        key_id, fp = parse_key_id(key) or "", fingerprint(key)
-        if (role, fp) in self._failed:
-            return
-        if not self.directory.loaded and self._known_fingerprint(key_id) == fp:
-            return
-        if await self.directory.exists(key_id) is not False:
-            return
-        self._unknow(key_id)
-        self._failed.add(("tenant", fp))
-        self._failed.add(("admin", fp))
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
-
-    def _known_fingerprint(self, key_id: str) -> bytes | None:
-        """The fingerprint of the key of ``key_id`` that passed here lately, if any."""
-        known = self._known.get(key_id)
-        return known[0] if known is not None and known[1] > self.clock() else None
-
-    @contextlib.asynccontextmanager
-    async def _check_slot(self, context: grpc.aio.ServicerContext, role: str, key: str,
-                          wait_s: float) -> AsyncIterator[bool]:
-        """Admit one check of the well-formed ``key`` by the scheduler (yielding whether its key
-        id is unknown here: a failure of it counts against the address and makes the id
-        suspect), or abort without one.
-
-        A key id known here: another secret is refused (``_refuse``: UNAUTHENTICATED, or
-        RESOURCE_EXHAUSTED at ``wait_s`` > 0), its own key is admitted with no limit. Any other
-        id (one the key directory holds, or any while it cannot tell): RESOURCE_EXHAUSTED while
-        the address had ``failures_per_peer`` failed such checks in the window, or past
-        ``_budget_wait_s``'s budget (then the key waits for a turn: ``SuspectKeyIds.refused``).
-
-        Regression (secrev18 residue): wrong secrets for key ids that exist (ids are not
-        secret), sent from many addresses, spent the whole gateway budget (100 checks a second,
-        16 at once), and a valid key never used at this gateway (a new tenant, a rotated key,
-        after a restart) got RESOURCE_EXHAUSTED for as long as the flood lasted, as did the
-        owner of an attacked id. Keys of ids that failed here lately now take at most half the
-        budget and one check at once per id, and within an id a key refused first is checked
-        first (``SuspectKeyIds``).
-        """
-        fp, key_id = fingerprint(key), parse_key_id(key) or ""
-        known_fp = self._known_fingerprint(key_id)
-        if known_fp is not None:
-            if known_fp != fp:
-                await self._refuse(context, role, key, wait_s)
-            yield False
-            return
-        host = _peer_host(context)
-        peer_wait_s = self._peer_failures.retry_after_s(host)
-        if peer_wait_s > 0:
-            await self._abort_over_limit(context, peer_wait_s)
-        suspect = key_id in self._suspects
-        budget_wait_s = self._budget_wait_s(host, key_id, fp, suspect)
-        if budget_wait_s > 0:
-            self._suspects.refused(key_id, host, fp)
-            await self._abort_over_limit(context, budget_wait_s, "too many API-key checks at this gateway")
-        self._gateway_checks.try_acquire(None)
-        self._in_flight += 1
-        self._peer_in_flight[host] = self._peer_in_flight.get(host, 0) + 1
-        self._suspects.start(key_id, host, suspect)
-        try:
-            yield True
-        finally:
-            self._in_flight -= 1
-            self._peer_in_flight[host] -= 1
-            if not self._peer_in_flight[host]:
-                del self._peer_in_flight[host]
-            if suspect:
-                self._suspects.finish(key_id)
-
-    def _budget_wait_s(self, host: str, key_id: str, fp: bytes, suspect: bool) -> float:
-        """Seconds before a check of the key ``fp`` of ``key_id`` (not known here) from ``host``
-        may start (0: now). It waits while the address has ``_PEER_CHECKS_IN_FLIGHT`` running,
-        or the gateway ``unknown_checks_in_flight`` running or ``unknown_checks_per_s`` in the
-        last second; a key of a suspect id also waits on ``SuspectKeyIds.wait_s`` (its share)."""
-        gateway_wait_s = self._gateway_checks.retry_after_s(None)
-        suspect_wait_s = self._suspects.wait_s(key_id, host, fp) if suspect else 0.0
-        busy = (self._peer_in_flight.get(host, 0) >= _PEER_CHECKS_IN_FLIGHT
-                or self._in_flight >= self.unknown_checks_in_flight)
-        wait_s = max(gateway_wait_s, suspect_wait_s)
-        return max(wait_s, 1.0) if busy or wait_s > 0 else 0.0
-
-    def _count_unknown_failure(self, context: grpc.aio.ServicerContext, key: str) -> None:
-        """A check of ``key``, its id not known here, failed: count it against the address
-        (``failures_per_peer``), and its id is suspect (``SuspectKeyIds``)."""
-        self._peer_failures.try_acquire(_peer_host(context))
-        self._suspects.failed(parse_key_id(key) or "")
-
-    def _wait_s(self, context: grpc.aio.ServicerContext, role: str, key: str) -> float:
-        """Seconds this address stays over its failure limit for ``key``'s id as ``role`` (0:
-        not over it)."""
-        return self._failures.retry_after_s((role, _peer_host(context), parse_key_id(key)))
-
-    async def _refuse_known_bad(self, context: grpc.aio.ServicerContext, role: str, key: str) -> float:
-        """Abort, without asking the scheduler, for a key that failed lately as ``role``
-        ("tenant" or "admin"): RESOURCE_EXHAUSTED while the address is over its failure limit
-        for the key's id, else UNAUTHENTICATED. Otherwise return ``_wait_s`` (seconds)."""
-        wait_s = self._wait_s(context, role, key)
-        if (role, fingerprint(key)) in self._failed:
-            if wait_s > 0:
-                await self._abort_over_limit(context, wait_s)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])  # a first refusal's message
-        return wait_s
-
-    async def _refuse(self, context: grpc.aio.ServicerContext, role: str, key: str, wait_s: float,
-                      unknown: bool = False) -> None:
-        """Abort for a key that did not pass as ``role``: with RESOURCE_EXHAUSTED when it was
-        checked over the failure limit (``wait_s`` > 0; without PBKDF2, so it may be valid: not
-        remembered as failed), else record the failure and abort with UNAUTHENTICATED. A failed
-        check of a key id ``unknown`` here counts against the address (``failures_per_peer``)."""
-        if unknown:
-            self._count_unknown_failure(context, key)
-        if wait_s > 0:
-            await self._abort_over_limit(context, wait_s)
-        self._failed.add((role, fingerprint(key)))
-        self._failures.try_acquire((role, _peer_host(context), parse_key_id(key)))
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
-
-    @staticmethod
-    async def _abort_over_limit(context: grpc.aio.ServicerContext, wait_s: float,
-                                why: str = "too many failed API-key checks from this address") -> None:
-        context.set_trailing_metadata((("retry-after-ms", str(int(wait_s * 1000) + 1)),))
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry in {wait_s:.0f} s")

@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 import services.auth
+import services.auth_limits
 import tenants.keys
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from services.auth import Authenticator
@@ -455,7 +456,7 @@ def test_checks_of_unknown_keys_in_flight_at_the_scheduler_are_bounded(no_key_ca
     results, waiting, from_one_address, known = asyncio.run(run())
 
     assert waiting == _IN_FLIGHT  # 200 before
-    assert from_one_address == services.auth._PEER_CHECKS_IN_FLIGHT  # 20 before
+    assert from_one_address == services.auth_limits._PEER_CHECKS_IN_FLIGHT  # 20 before
     refused = [ms for code, ms in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(refused) == 200 - _IN_FLIGHT and all(ms and ms > 0 for ms in refused)
     assert known == grpc.StatusCode.OK

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-import services.auth
+import services.auth_known
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from services.auth import Authenticator
 from services.global_scheduler import GlobalScheduler
@@ -55,7 +55,7 @@ def test_a_tenants_rotations_do_not_evict_another_tenants_known_id(monkeypatch: 
     the attacker's 64 rotations of its own key evicted the victim's id, and after a NAT-mate's
     60 wrong keys the victim's valid key got RESOURCE_EXHAUSTED. Now the attacker holds at most
     ``_KNOWN_IDS_PER_OWNER`` ids and the victim's stays known: its key passes."""
-    monkeypatch.setattr(services.auth, "_MAX_KNOWN_IDS", 64)
+    monkeypatch.setattr(services.auth_known, "_MAX_KNOWN_IDS", 64)
     store = TenantStore(":memory:")
     _, victim_key = store.register(TenantSpec("victim"))
     _, attacker_key = store.register(TenantSpec("attacker"))
@@ -70,8 +70,8 @@ def test_a_tenants_rotations_do_not_evict_another_tenants_known_id(monkeypatch: 
         auth.forget_tenant("attacker")  # as an admin's rotation (no keys_gone: the worst case)
 
     assert parse_key_id(victim_key) in auth._known
-    assert len(auth._known_by_owner["attacker"]) == services.auth._KNOWN_IDS_PER_OWNER
-    assert len(auth._known) == services.auth._KNOWN_IDS_PER_OWNER + 1
+    assert len(auth._known_by_owner["attacker"]) == services.auth_known._KNOWN_IDS_PER_OWNER
+    assert len(auth._known) == services.auth_known._KNOWN_IDS_PER_OWNER + 1
     assert _nat_mate_flood(auth, nat)[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED  # the address is over
     auth._tenants.clear()  # the victim's 10 s cache of its key expired
     assert asyncio.run(_code(auth.tenant, _Ctx(victim_key, nat))) == grpc.StatusCode.OK
@@ -80,7 +80,7 @@ def test_a_tenants_rotations_do_not_evict_another_tenants_known_id(monkeypatch: 
 def test_past_the_global_bound_the_largest_owner_loses_its_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory guard (``_MAX_KNOWN_IDS``, 6 here) sheds the owner holding the most ids, never
     an owner holding one while another holds more."""
-    monkeypatch.setattr(services.auth, "_MAX_KNOWN_IDS", 6)
+    monkeypatch.setattr(services.auth_known, "_MAX_KNOWN_IDS", 6)
     auth = Authenticator(_StoreScheduler(TenantStore(":memory:")))
     keys = {owner: [new_api_key() for _ in range(n)] for owner, n in (("a", 4), ("b", 1), ("c", 1), ("d", 1))}
     for owner, owned in keys.items():

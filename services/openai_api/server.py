@@ -37,7 +37,7 @@ class HttpServer:
 
     Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
     127.0.0.1, so any client connecting over loopback chose its own address (the key of the
-    gateway's auth failure limit, ``services.auth``) with X-Forwarded-For.
+    gateway's auth failure limit, ``services.auth_limits``) with X-Forwarded-For.
 
     Regression (secrev18 fault F): uvicorn ran with no bound on connections and no deadline on
     a request whose head never completes, so a client without a key held any number of
