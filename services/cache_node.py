@@ -124,7 +124,8 @@ class CacheNode(Streams, Commands, Health, Admin):
             engine_config,
             lm.model_id,
             lm.eos_token_ids,
-            tier_config=TierConfig(host_bytes=config.host_bytes, prefetch_wait_s=config.prefetch_wait_s),
+            tier_config=TierConfig(host_bytes=config.host_bytes, prefetch_wait_s=config.prefetch_wait_s,
+                                   spill_put_backlog_bytes=config.spill_put_backlog_bytes),
             spill=spill,
         )
         self.tokenizer = lm.tokenizer

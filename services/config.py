@@ -48,6 +48,10 @@ class NodeConfig(BaseModel):
     max_num_seqs: int = Field(32, gt=0)
     host_bytes: int = Field(256 * 1024 * 1024, ge=0)  # host tier (RAM in the node process)
     prefetch_wait_s: float = Field(1.0, ge=0)  # longest a queued request waits on a spill prefetch
+    # Most KV bytes of host-tier victims queued in the node's RAM for spill writes (the write in
+    # progress included); past it the tenant with the most queued loses its oldest writes (later
+    # spill misses, kvstrata:spill_put_dropped_blocks_total): a stalled spill node costs no more
+    spill_put_backlog_bytes: int = Field(64 * 1024 * 1024, gt=0)
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
     # Most characters of chat messages one tenant's sessions keep on a node (to render their next

@@ -10,6 +10,12 @@ Faults never raise into the engine's transfer worker as wrong data: a call that 
 or whose actor is dead or restarting, is a miss for every hash of that node (``get``,
 ``contains``) or a dropped write (``put``), counted in ``stats()``. This is a synchronous
 client for the engine's transfer thread; do not call it from an async method.
+
+A ``put`` that timed out keeps its blocks pinned in the object store until the spill node runs
+it (``ray.cancel`` does not stop an actor task already sent to its actor, so it is not tried),
+and the next put to that node would add another behind it. So a node whose last put has not
+returned gets no new put: that shard of the batch is a dropped write (``put_skipped``) until
+the late put ends, and a stalled spill node holds at most one put from each cache node.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class RaySpillClient:
         self.get_timeout_s = get_timeout_s
         self.put_timeout_s = put_timeout_s
         self.counters: Counter[str] = Counter()
+        self._late_puts: dict[int, Any] = {}  # node -> a put that timed out and may still run
 
     def shard_of(self, block_hash: bytes) -> int:
         """Index of the node that holds ``block_hash``."""
@@ -71,12 +78,26 @@ class RaySpillClient:
     ) -> int:
         """Store ``blocks[i]`` (token ids ``token_ids[i]``) under ``hashes[i]``; returns blocks
         newly stored (failures: 0)."""
-        shards = self._split(hashes)
-        refs = {i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace,
-                                            _pick(token_ids, rows))
-                for i, rows in shards.items()}
+        shards = {i: rows for i, rows in self._split(hashes).items() if not self._busy(i)}
+        refs: dict[int, Any] = {
+            i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace,
+                                        _pick(token_ids, rows))
+            for i, rows in shards.items()}
         replies = self._gather(refs, self.put_timeout_s, "put")
+        self._late_puts.update({i: ref for i, ref in refs.items() if i not in replies})
         return sum(int(v) for v in replies.values())
+
+    def _busy(self, node: int) -> bool:
+        """Whether ``node``'s last put timed out and has not ended yet (counted, logged)."""
+        late = self._late_puts.get(node)
+        if late is None:
+            return False
+        ready, _ = ray.wait([late], num_returns=1, timeout=0)
+        if ready:
+            del self._late_puts[node]
+            return False
+        self._fail("put", node, "its previous put timed out and still runs: skipped", "put_skipped")
+        return True
 
     def get(
         self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
@@ -126,7 +147,8 @@ class RaySpillClient:
         return [event for i in sorted(replies) for event in replies[i]]
 
     def stats(self) -> dict[str, int]:
-        """Failed calls per kind (``<kind>_failures``)."""
+        """Failed calls per kind (``<kind>_failures``) and puts not sent because the node's
+        previous put timed out and still runs (``put_skipped``)."""
         return dict(self.counters)
 
     def _split(self, hashes: Sequence[bytes]) -> dict[int, list[int]]:
@@ -152,9 +174,9 @@ class RaySpillClient:
                 self._fail(kind, i, repr(exc))
         return out
 
-    def _fail(self, kind: str, node: int, why: str) -> None:
+    def _fail(self, kind: str, node: int, why: str, counter: str = "") -> None:
         logger.warning("spill %s on node %d failed (%s): treated as a miss", kind, node, why)
-        self.counters[f"{kind}_failures"] += 1
+        self.counters[counter or f"{kind}_failures"] += 1
 
 
 def _pick(token_ids: Sequence[Sequence[int]] | None, rows: list[int]) -> list[list[int]] | None:

@@ -101,3 +101,44 @@ def test_spill_node_killed_mid_read_is_a_miss(tiny, tmp_path) -> None:
     assert out.num_cached_tokens_by_tier == by_tier()
     assert client.stats()["get_failures"] == 1
     eng.check_integrity()
+
+
+class StalledPutNode(SpillNode):
+    """A spill node whose first put takes 3 s (a disk stall); counts the puts it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.puts = 0
+
+    def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+        self.puts += 1
+        if self.puts == 1:
+            time.sleep(3.0)
+        return super().put(hashes, blocks, namespace, token_ids)
+
+    def num_puts(self) -> int:
+        return self.puts
+
+
+def test_a_stalled_spill_node_gets_no_put_behind_one_that_timed_out(tiny, tmp_path) -> None:
+    """secrev20 S2, related: each put that timed out stayed queued on the stalled spill node,
+    its blocks pinned in the object store, one more per timeout. Now the client sends that node
+    nothing until the late put ends (a dropped write, ``put_skipped``), then writes again."""
+    import numpy as np
+
+    spec = tiered(tiny).spill_block_spec()
+    node = ray.remote(StalledPutNode).options(resources={"spill_node": 1}, max_restarts=0, num_cpus=0).remote(
+        str(tmp_path), BlockFormat(*spec), 1 << 24, 1 << 26)
+    ray.get(node.ready.remote())
+    client = RaySpillClient([node], spec.shape, spec.dtype, put_timeout_s=0.5)
+    rows = np.zeros((2, *spec.shape), np.dtype(spec.dtype))
+    assert client.put([b"\x01" * 32, b"\x02" * 32], rows, "ns") == 0  # timed out, still running
+    assert client.put([b"\x03" * 32, b"\x04" * 32], rows, "ns") == 0  # not sent
+    assert client.stats() == {"put_failures": 1, "put_skipped": 1}
+    deadline = time.monotonic() + 10
+    while client.put([b"\x05" * 32], rows[:1], "ns") == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(node.num_puts.remote()) == 2  # the late put and the last one; no other
+    assert ray.get(node.contains.remote([b"\x01" * 32, b"\x03" * 32, b"\x05" * 32])) == [
+        "spill_ram", None, "spill_ram"]
+    ray.kill(node)

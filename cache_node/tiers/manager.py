@@ -52,6 +52,7 @@ COUNTERS = (  # block counts moved, and faults absorbed as misses or dropped wri
     "demoted_blocks", "promoted_host_blocks", "installed_spill_blocks", "spill_put_blocks",
     "dropped_blocks", "spill_put_errors", "spill_get_errors", "spill_bad_replies",
     "spill_flush_errors",
+    "spill_put_dropped_blocks",  # host victims dropped over spill_put_backlog_bytes (unwritten)
     "policy_dropped_tokens",  # tokens a policy demoted while the host tier was full (lost)
 )
 
@@ -68,6 +69,10 @@ class TierConfig:
         prefetch_wait_s: longest a queued request waits for its prefetch before it recomputes.
         auto_prefetch: start a prefetch for every new request (when a spill client exists).
         spill_put_batch_blocks: most blocks per spill ``put`` call.
+        spill_put_backlog_bytes: most KV bytes of host victims queued in this process for
+            spill puts, the batch being written included; past it the holder with the most
+            queued loses its oldest (``spill_backlog.SpillBacklog``), a later spill miss. A
+            bound under one block drops every spill write.
     """
 
     host_bytes: int = 0
@@ -77,6 +82,7 @@ class TierConfig:
     prefetch_wait_s: float = 10.0
     auto_prefetch: bool = True
     spill_put_batch_blocks: int = 256
+    spill_put_backlog_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0:
@@ -87,6 +93,8 @@ class TierConfig:
             raise ValueError("demote_batch_blocks and spill_put_batch_blocks must be >= 1")
         if self.prefetch_wait_s < 0:
             raise ValueError("prefetch_wait_s must be >= 0")
+        if self.spill_put_backlog_bytes < 1:
+            raise ValueError(f"spill_put_backlog_bytes must be >= 1, got {self.spill_put_backlog_bytes}")
 
 
 def _paired_in_order(blocks: list[KVBlock], slots: Seq[int]) -> list[KVBlock]:
@@ -125,7 +133,8 @@ class TierManager:
                              pin=pool.kv.is_cuda, copier=self.copier)
         self.spill = spill
         self.counters: Counter[str] = Counter()
-        self.worker = TransferWorker(self, spill) if spill is not None else None
+        self.worker = (TransferWorker(self, spill, config.spill_put_backlog_bytes // self.host.block_nbytes)
+                       if spill is not None else None)
         # frees host slots other holders reserved (idle ones) for a reservation that does not
         # fit (``reserve_host``); the engine sets it
         self.reclaim_host: Callable[[int, str], None] | None = None
@@ -202,9 +211,10 @@ class TierManager:
             self.host.release_slots(slots, holder)
 
     def push_to_spill(self, victims: Victims) -> None:
-        """Hand host victims to the transfer worker (a later, batched spill put)."""
+        """Hand host victims to the transfer worker (a later, batched spill put); past the
+        backlog bound some queued ones are dropped (``spill_put_dropped_blocks``)."""
         if victims.metas and self.worker is not None:
-            self.worker.submit_put(victims)
+            self.counters["spill_put_dropped_blocks"] += self.worker.submit_put(victims)
         elif victims.metas:
             self.counters["dropped_blocks"] += len(victims.metas)
 
@@ -393,7 +403,10 @@ class TierManager:
         return self.worker.flush_spill() if self.worker is not None else 0
 
     def stats(self) -> dict[str, int]:
-        """Host tier sizes, the ``COUNTERS`` and ``held_demoted_blocks`` (device blocks waiting
-        for their demotion copy, CUDA only); every key always present."""
+        """Host tier sizes, the ``COUNTERS``, ``held_demoted_blocks`` (device blocks waiting
+        for their demotion copy, CUDA only) and ``spill_put_backlog_blocks``/``_bytes`` (host
+        victims queued for spill puts or being written); every key always present."""
+        backlog = self.worker.backlog_blocks() if self.worker is not None else 0
         return self.host.stats() | {name: self.counters[name] for name in COUNTERS} | {
-            "held_demoted_blocks": self.copier.num_held}
+            "held_demoted_blocks": self.copier.num_held, "spill_put_backlog_blocks": backlog,
+            "spill_put_backlog_bytes": backlog * self.host.block_nbytes}

@@ -3,23 +3,24 @@
 The step loop never waits on the spill tier. Host victims are queued here and written with
 one ``put`` per namespace and batch; a prefetch reads a queued request's blocks with one
 ``get`` while steps run, then installs them into device blocks under the engine lock.
-Prefetches run before puts (priority queue), each kind in submission order.
+Prefetches run before puts, each kind in submission order. Queued puts hold a copy of their
+KV in this process: ``SpillBacklog`` bounds them (``TierConfig.spill_put_backlog_bytes``) and
+drops the largest holder's oldest ones past it, counted in ``spill_put_dropped_blocks``.
 
 Faults: any exception from the client, or a reply that fails validation, is a miss (get) or
 a dropped write (put), counted in ``TierManager.counters``. Timeouts are the client's (the
-Ray client turns a timeout or a dead actor into an empty reply). ``flush`` bumps an epoch:
-jobs submitted before it are dropped, and the spill flush waits for a call in progress.
-No device block is held while a transfer is in flight, so cancelling a request mid-prefetch
-leaves nothing to release: its rows are discarded when the copy ends.
+Ray client turns a timeout or a dead actor into an empty reply, and sends a spill node no put
+while its last one timed out and still runs). ``flush`` bumps an epoch: jobs submitted
+before it are dropped, and the spill flush waits for a call in progress. No device block is
+held while a transfer is in flight, so cancelling a request mid-prefetch leaves nothing to
+release: its rows are discarded when the copy ends.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import threading
-import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from cache_node.tiers.spill_api import (
     leading_hits,
     to_numpy,
 )
+from cache_node.tiers.spill_backlog import SpillBacklog
 
 if TYPE_CHECKING:
     from cache_node.sequence import Sequence
@@ -39,47 +41,66 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_PREFETCH, _PUT = 0, 1
-
 
 class TransferWorker:
-    """Runs spill transfers for one ``TierManager`` on a daemon thread (started lazily)."""
+    """Runs spill transfers for one ``TierManager`` on a daemon thread (started lazily).
 
-    def __init__(self, tiers: TierManager, spill: SpillClient) -> None:
+    Args:
+        tiers: the tier manager whose counters and lock the worker uses.
+        spill: the spill client.
+        max_put_blocks: most victim blocks queued for puts, the batch being written included
+            (``SpillBacklog``); more are dropped, counted in ``spill_put_dropped_blocks``.
+    """
+
+    def __init__(self, tiers: TierManager, spill: SpillClient, max_put_blocks: int) -> None:
         self.tiers = tiers
         self.spill = spill
         self.epoch = 0
-        self._jobs: queue.PriorityQueue[tuple[int, int, str, Any, int]] = queue.PriorityQueue()
-        self._order = itertools.count()
+        self.backlog = SpillBacklog(max_put_blocks)
+        self._prefetches: deque[tuple[Sequence, int]] = deque()  # (queued request, epoch)
+        self._busy = False  # a job is running
+        self._cond = threading.Condition()  # guards the backlog, the prefetches and ``_busy``
         self._io_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def submit_put(self, victims: Victims) -> None:
-        self._submit(_PUT, "put", victims)
+    def submit_put(self, victims: Victims) -> int:
+        """Queue victims for a spill put; returns blocks dropped to keep the backlog bounded."""
+        with self._cond:
+            dropped = self.backlog.add(victims)
+            self._wake()
+        return dropped
 
     def submit_prefetch(self, seq: Sequence) -> None:
-        self._submit(_PREFETCH, "prefetch", seq)
+        with self._cond:
+            self._prefetches.append((seq, self.epoch))
+            self._wake()
 
-    def _submit(self, priority: int, kind: str, payload: Any) -> None:
+    def _wake(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
             self._thread.start()
-        self._jobs.put((priority, next(self._order), kind, payload, self.epoch))
+        self._cond.notify_all()
+
+    def backlog_blocks(self) -> int:
+        """Victim blocks queued for puts or being written."""
+        with self._cond:
+            return self.backlog.num_blocks
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Block until every submitted job has finished. False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._jobs.all_tasks_done:
-            while self._jobs.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._jobs.all_tasks_done.wait(left)
-        return True
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout_s)
+
+    def _idle(self) -> bool:
+        return not (self._busy or self._prefetches or self.backlog.num_blocks)
 
     def new_epoch(self) -> None:
-        """Invalidate every queued or running job (call under the engine lock)."""
-        self.epoch += 1
+        """Invalidate every queued or running job (call under the engine lock); queued puts
+        are dropped at once (a flush, not counted as backlog drops)."""
+        with self._cond:
+            self.epoch += 1
+            self.backlog.clear()
+            self._cond.notify_all()
 
     def flush_spill(self) -> int:
         """Flush the spill client after any call in progress. Returns blocks dropped (0 on error)."""
@@ -93,7 +114,7 @@ class TransferWorker:
 
     def _run(self) -> None:
         while True:
-            _, _, kind, payload, epoch = self._jobs.get()
+            kind, payload, epoch = self._next_job()
             try:
                 if kind == "put":
                     self._put(payload, epoch)
@@ -102,7 +123,25 @@ class TransferWorker:
             except Exception:
                 logger.exception("transfer job %s failed", kind)
             finally:
-                self._jobs.task_done()
+                with self._cond:
+                    self._busy = False
+                    if kind == "put":
+                        self.backlog.done()
+                    self._cond.notify_all()
+
+    def _next_job(self) -> tuple[str, Any, int]:
+        """(kind, payload, epoch) of the next job, waiting for one: prefetches first."""
+        with self._cond:
+            while True:
+                if self._prefetches:
+                    seq, epoch = self._prefetches.popleft()
+                    self._busy = True
+                    return "prefetch", seq, epoch
+                victims = self.backlog.take()
+                if victims is not None:
+                    self._busy = True
+                    return "put", victims, self.epoch
+                self._cond.wait()
 
     def _put(self, victims: Victims, epoch: int) -> None:
         by_namespace: dict[str, list[int]] = {}

@@ -107,6 +107,12 @@ class NodeMetrics(Collector):
         yield counter("policy_dropped_tokens", "Tokens a KV policy demoted while the host tier was full, "
                       "lost as on eviction (after idle sessions and prefixes gave their host slots "
                       "back).", s.get("policy_dropped_tokens", 0))
+        yield counter("spill_put_dropped_blocks", "KV blocks evicted from the host tier and dropped "
+                      "unwritten because the spill-write backlog was full (spill_put_backlog_bytes; "
+                      "the tenant with the most queued first): later spill misses.",
+                      s.get("spill_put_dropped_blocks", 0))
+        yield gauge("spill_put_backlog_bytes", "KV bytes of host-tier victims queued in the node's RAM "
+                    "for spill writes (the write in progress included).", s.get("spill_put_backlog_bytes", 0))
         yield counter("requests_cut_short", "Requests finished \"length\" before max_tokens because their KV and "
                       "what their policy keeps outside the pool (codes, sentences) outgrew the pool.",
                       s.get("requests_cut_short", 0))
