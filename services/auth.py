@@ -15,10 +15,10 @@
   one tenant's keys (its rotations) never push another's out.
 - At most ``failures_per_peer_key`` failed checks per (client address, key id, role) in any
   ``failure_window_s``. Past that the address is over its limit for that key id: a key of that
-  id is still checked, but with ``allow_pbkdf2=False`` (``tenants.store``: a SHA-256 row costs
-  microseconds; an earlier version's PBKDF2 row is checked only if that key was verified since
-  the scheduler started), and one that does not pass is refused with RESOURCE_EXHAUSTED (and a
-  ``retry-after-ms`` trailer). So a flood of wrong secrets costs the scheduler at most a few
+  id is still checked, but with ``allow_pbkdf2=False`` (``tenants.store_keys``: a SHA-256 row
+  costs microseconds; an earlier version's PBKDF2 row is checked only if that key was verified
+  since the scheduler started), and one that does not pass is refused with RESOURCE_EXHAUSTED
+  (and a ``retry-after-ms`` trailer). So a flood of wrong secrets costs the scheduler at most a few
   PBKDF2 runs per address and key id, not one per attempt, and another client's failures from
   the same address (a NAT, a proxy) never lock out a valid key of that id.
 - The gateway keeps a directory of the key ids that exist (``KeyDirectory``: tenants' keys and

@@ -16,7 +16,7 @@ from services import data_plane
 from services.global_scheduler import GlobalScheduler
 from services.node_request import NodeRequest
 from tenants.model import Tenant, TenantSpec
-from tenants.store import KeyIdsDelta
+from tenants.store_key_ids import KeyIdsDelta
 
 log = logging.getLogger(__name__)
 

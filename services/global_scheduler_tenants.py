@@ -15,7 +15,8 @@ from services.global_scheduler_routing import RoutingKeys
 from tenants.errors import TenantNotFoundError, TooManyRotationsError
 from tenants.model import Tenant, TenantSpec
 from tenants.ratelimit import WindowLimiter
-from tenants.store import MAX_DELETED_TENANTS, KeyIdsDelta, TenantStore
+from tenants.store import MAX_DELETED_TENANTS, TenantStore
+from tenants.store_key_ids import KeyIdsDelta
 from tenants.usage import UsageLedger
 
 OWN_ROTATIONS_PER_WINDOW = 6

@@ -127,9 +127,9 @@ class KeyDirectory:
 
 
 def _parse_key_ids(reply: Any, epoch: str, version: int) -> tuple[str, int, bool, set[str], set[str]] | None:
-    """``(epoch, version, full, added, removed)`` of a ``tenants.store.KeyIdsDelta`` reply to
-    ``key_ids_since(epoch, version)``, or ``None`` when it is malformed: not a 5-tuple of a
-    16-hex-character epoch, an int version in [0, 2**63), a bool, and two lists of at most
+    """``(epoch, version, full, added, removed)`` of a ``tenants.store_key_ids.KeyIdsDelta``
+    reply to ``key_ids_since(epoch, version)``, or ``None`` when it is malformed: not a 5-tuple
+    of a 16-hex-character epoch, an int version in [0, 2**63), a bool, and two lists of at most
     ``_MAX_DIRECTORY_IDS`` key ids (``tenants.keys.is_key_id``), disjoint; a delta (not full)
     must continue ``(epoch, version)``, and a full one removes nothing."""
     if not isinstance(reply, (tuple, list)) or len(reply) != 5:

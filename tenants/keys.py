@@ -17,7 +17,7 @@ Two digests, told apart by ``iterations``:
   hard to invert as the secret is to guess.
 - ``iterations > 0`` (``PBKDF2_ITERATIONS`` was the default): ``PBKDF2-HMAC-SHA256(key, salt,
   iterations)``, what versions before the SHA-256 keys stored (schema 1). Such a record still
-  verifies, and ``tenants.store`` rewrites it to the SHA-256 form on its first success.
+  verifies, and ``tenants.store_keys`` rewrites it to the SHA-256 form on its first success.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.errors import TenantExistsError
 from tenants.keys import new_api_key, parse_key_id
 from tenants.model import TenantSpec
-from tenants.store import KEY_LOG_LENGTH, TenantStore
+from tenants.store import TenantStore
+from tenants.store_key_ids import KEY_LOG_LENGTH
 from tests.gateway_harness import LocalActor
 from tests.test_auth_flood import _code, _CountingScheduler, _Ctx, _Remote, _tenant, _wrong_secret
 
