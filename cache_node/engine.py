@@ -118,6 +118,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         if self.scheduler.policy.demotes_over_quota_first:
             self.tiers.demotion_order = self._over_quota_first
         self._aborted: list[Sequence] = []
+        self._settling: list[Sequence] = []  # finished session turns whose compaction is due
+        self.num_settle_fallbacks = 0  # such turns whose compaction could not run: history unpinned
         self.num_steps = 0
         self.num_failed_requests = 0  # finished with "error" (``_recover``)
         self.num_cut_short = 0  # finished "length" before max_tokens: the pool held no more (``_cut_short``)
@@ -235,6 +237,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 return False
             self._finish(seq, reason)
             self._aborted.append(seq)
+            self._settle_finished_turns()
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -256,6 +259,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                     self._cut_short(seq)
                 self._finish(seq, "length" if seq.output_token_ids else "rejected")
                 outputs.append(self._output(seq, ()))
+            self._settle_finished_turns()  # (and any a failed step left)
             self._release_idle_sessions()
             self.tiers.maybe_demote()
             batch = self._schedule()
@@ -303,6 +307,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 self._finish(seq, reason)
             outputs.append(self._output(seq, (token,)))
         self.num_steps += 1
+        self._settle_finished_turns()  # after every row's output: preempting one is safe now
 
     def _after_forward(self, seq: Sequence) -> None:
         """One sequence's bookkeeping after the forward pass: cache its full blocks, let its
@@ -342,9 +347,10 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         # a session keeps the turn's blocks, with its policy state when a policy compacted them
         # (the next turn of that policy continues from it: cache_node.sessions)
         dropped = reason in ("abort", "rejected", "error")
-        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
-        if not kept:
-            self.kv_manager.free(seq)
+        if seq.session_id is not None and not dropped and seq.kv is not None and seq.kv.compaction_due:
+            self._settling.append(seq)  # its compaction runs first (``_settle_finished_turns``)
+        else:
+            self._hand_over(seq, dropped)
         self.requests.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, new: tuple[int, ...]) -> RequestOutput:

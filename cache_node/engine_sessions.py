@@ -6,6 +6,7 @@ cannot get blocks.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from typing import TYPE_CHECKING
@@ -14,8 +15,11 @@ from cache_node.compressed_prefix import CompressedPrefixCache
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
 from cache_node.scheduler import Scheduler
+from cache_node.sequence import Sequence
 from cache_node.sessions import SessionTable
 from cache_node.tiers.fair_lru import holder_of
+
+log = logging.getLogger(__name__)
 
 
 class EngineSessionsMixin:
@@ -27,6 +31,8 @@ class EngineSessionsMixin:
     scheduler: Scheduler
     sessions: SessionTable
     prefixes: CompressedPrefixCache
+    _settling: list[Sequence]
+    num_settle_fallbacks: int
 
     if TYPE_CHECKING:  # tiers.engine_api.EngineTiersMixin
         def demote_session(self, session_id: str, to_spill: bool = False) -> int: ...
@@ -52,6 +58,40 @@ class EngineSessionsMixin:
     def expire_sessions(self, ttl_s: float) -> list[str]:
         with self._lock:
             return self.sessions.expire(ttl_s)
+
+    def _hand_over(self, seq: Sequence, dropped: bool) -> None:
+        """A finished turn's blocks: its session keeps them (with its policy state) as the
+        history, unless the turn was ``dropped`` (aborted, rejected, failed); else freed."""
+        kept = seq.session_id is not None and self.sessions.detach(seq, aborted=dropped)
+        if not kept:
+            self.kv_manager.free(seq)
+
+    def _settle_finished_turns(self) -> None:
+        """Hand the session turns that finished with a compaction due (``_settling``: put off
+        at their last step for want of free blocks or host-tier room) over to their sessions
+        once it ran (``Scheduler.settle_compaction``). One that still cannot run (the pool
+        has no blocks for its copy-on-write, even after requests of its class or lower, waiting
+        requests and idle states gave theirs) leaves its session the tokens and unpins the KV
+        (``SessionTable.unpin``: a compacted layout goes whole, a plain one stays matchable),
+        counted (``settle_fallbacks``) and logged: never a state its policy has not compacted.
+
+        Regression (hangs review 20 W1): the session took such a turn's state as it was (400
+        slots kept instead of 20 for a sentencekv-64 turn whose host-tier room other tenants
+        held; a snapkv-0.5 turn whose prompt blocks another request shared), flagged due but
+        never compacted, and its next turn compressed history and prompt at once: other tokens
+        than on an idle node.
+        """
+        while self._settling:
+            seq = self._settling.pop(0)
+            if self.scheduler.settle_compaction(seq):
+                self._hand_over(seq, dropped=False)
+                continue
+            self.num_settle_fallbacks += 1
+            log.warning("session %s: request %s finished with a compaction its policy %r could not run (no "
+                        "free blocks): the session keeps its tokens, not its KV", seq.session_id,
+                        seq.request_id, seq.policy)
+            self._hand_over(seq, dropped=False)
+            self.sessions.unpin(seq.session_id or "")
 
     def _release_idle_sessions(self) -> None:
         """Unpin idle sessions (and drop stored compressed prefixes) while a queued request

@@ -29,6 +29,7 @@ class EngineStatsMixin:
     num_failed_requests: int
     num_cut_short: int
     num_host_reclaims: int
+    num_settle_fallbacks: int
 
     def check_integrity(self) -> None:
         """Raise RuntimeError when pool bookkeeping is inconsistent (see BlockPool)."""
@@ -66,6 +67,7 @@ class EngineStatsMixin:
                 "failed_requests": self.num_failed_requests,
                 "requests_cut_short": self.num_cut_short,
                 "host_reclaims": self.num_host_reclaims,
+                "settle_fallbacks": self.num_settle_fallbacks,
                 "waiting": len(self.scheduler.waiting),
                 "sessions": len(self.sessions.sessions),
                 "session_blocks": sum(s.num_held_blocks for s in self.sessions.sessions.values()

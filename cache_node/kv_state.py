@@ -99,6 +99,7 @@ class SequenceKV:
         # (slots, holder) when the compaction was put off for host-tier room that other
         # tenants' running requests hold over their share (``wait_for_host``)
         self.host_wait: tuple[int, str] | None = None
+        self.no_host_wait = False  # set while a compaction that must run now may not wait (``wait_for_host``)
         self.extra: dict[str, Any] = {}
         self.seq.num_evicted_tokens = 0
 
@@ -411,7 +412,7 @@ class SequenceKV:
         (``dropped_tokens`` 380 of them in the review's case).
         """
         tiers = self.host
-        if tiers is None or num_slots <= 0 or tiers.can_reserve_host(num_slots, holder):
+        if tiers is None or num_slots <= 0 or self.no_host_wait or tiers.can_reserve_host(num_slots, holder):
             return False
         if tiers.host_contenders is None or not tiers.host_contenders(num_slots, holder, self.seq):
             return False

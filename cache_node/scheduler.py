@@ -186,7 +186,9 @@ class Scheduler(Preemption):
         batch: ScheduledBatch = []
         if seq in self.running:
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._reserve(seq, n, batch):
+            # a compaction put off at its last step runs first, as in ``_fill`` (regression,
+            # hangs review 20 W4: the isolated step laid its tokens out over an uncompacted layout)
+            if self._compact_due(seq, batch) and self._reserve(seq, n, batch):
                 batch.append((seq, n))
         elif seq in self.waiting:
             n = self._admit(seq, budget)

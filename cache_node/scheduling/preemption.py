@@ -284,6 +284,43 @@ class Preemption:
             self._free_held_elsewhere(seq, kv.retry_compaction)
         return True
 
+    def settle_compaction(self, seq: Sequence) -> bool:
+        """Run the compaction a finished session turn's policy put off at its last step
+        (``SequenceKV.compaction_due``), before its session takes the state as the history's
+        (``LLMEngine._finish``): as ``_compact_due`` would before a next step, the requests of
+        tenants holding the host tier over their share give way for a host-tier wait (of
+        ``seq``'s class or lower), running requests of its class or lower for pool blocks
+        (newest first: the turn, which a running compaction might have preempted, is done),
+        then waiting requests and idle states (``_free_held_elsewhere``). A host-tier
+        wait that nothing can end drops what the tier cannot hold (counted, ``dropped_tokens``),
+        as a running request's does. False when the compaction still cannot run (the pool
+        has no blocks for its copy-on-write): the caller must not keep the state."""
+        kv = seq.kv
+        if kv is None or kv.retry_compaction():
+            return True
+        batch: ScheduledBatch = []  # nothing runs: the victims only give their blocks back
+        while kv.host_wait is not None:
+            assert kv.host is not None and kv.host.host_contenders is not None
+            victims = [s for s in kv.host.host_contenders(*kv.host_wait, seq) if s in self.running]
+            if not victims:
+                kv.no_host_wait = True  # none can give way: drop what does not fit, counted
+                kv.retry_compaction()
+                kv.no_host_wait = False
+                break
+            self._preempt_from_batch(victims[0], batch)
+            if kv.retry_compaction():
+                return True
+        rank = self.policy.rank
+        while kv.compaction_due:  # newest first, as ``victim``; never a higher class
+            victims = [s for s in self.running if rank(s) >= rank(seq)]
+            if not victims:
+                break
+            self._preempt_from_batch(victims[-1], batch)
+            kv.retry_compaction()
+        if kv.compaction_due:
+            self._free_held_elsewhere(seq, kv.retry_compaction)
+        return not kv.compaction_due
+
     def _preempt_until(self, seq: Sequence, batch: ScheduledBatch, ready: Callable[[], bool]) -> bool:
         """Preempt the policy's victims for running ``seq`` until ``ready()``; False when
         ``seq`` itself was preempted (the policy's victim at worst)."""

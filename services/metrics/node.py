@@ -118,6 +118,9 @@ class NodeMetrics(Collector):
                       s.get("requests_cut_short", 0))
         yield counter("host_reclaims", "Idle policy states (sessions, compressed prefixes) dropped to "
                       "give their host-tier slots to a running request.", s.get("host_reclaims", 0))
+        yield counter("settle_fallbacks", "Session turns that finished with a compaction due that could not "
+                      "run (no free blocks even after requests of its class or lower gave theirs): the session kept "
+                      "the turn's tokens, not its KV.", s.get("settle_fallbacks", 0))
         yield counter("compactions_deferred", "KV policy compactions put off a step because the pool had "
                       "no free block to copy a shared block on write (the request attends more than its "
                       "budget until one runs).", s.get("compactions_deferred", 0))

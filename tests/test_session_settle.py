@@ -1,0 +1,127 @@
+"""A session turn that finishes with its compaction put off hands its session the compacted
+state, never the uncompacted one (hangs review 20 W1; ``LLMEngine._settle_finished_turns``,
+``Scheduler.settle_compaction``)."""
+
+from __future__ import annotations
+
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import LoadedModel
+from cache_node.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.test_host_share_running import SPEC, _engine, _prompt, _start
+from tests.test_tier_engine import prompt_of
+
+
+def finish(eng: LLMEngine, rid: str):  # type: ignore[no-untyped-def]
+    for _ in range(5000):
+        for out in eng.step():
+            if out.finished and out.request_id == rid:
+                return out
+    raise AssertionError(f"{rid} did not finish")
+
+
+def drain(eng: LLMEngine) -> None:
+    for _ in range(5000):
+        if not eng.has_unfinished_requests():
+            return
+        eng.step()
+    raise AssertionError("the engine did not drain")
+
+
+def host_wait_session(eng: LLMEngine) -> tuple[tuple[int, bool, int], tuple[int, ...]]:
+    """Tenant B's 400-token sentencekv-64 turn of one token (its compaction is due at its
+    only step), then its next turn once the engine is idle."""
+    p1 = _prompt(400, 3)
+    o1 = finish(eng, eng.add_request(p1, SamplingParams(max_tokens=1, ignore_eos=True), tenant="B",
+                                     cache_namespace="tenant:B", policy=SPEC, session_id="s", request_id="t1"))
+    kv = eng.sessions.sessions["s"].kv
+    assert kv is not None
+    state = (kv.num_compactions, kv.compaction_due, kv.positions.shape[1])
+    drain(eng)
+    p2 = p1 + list(o1.output_token_ids) + _prompt(36, 77)
+    o2 = finish(eng, eng.add_request(p2, SamplingParams(max_tokens=24, ignore_eos=True), tenant="B",
+                                     cache_namespace="tenant:B", policy=SPEC, session_id="s", request_id="t2"))
+    assert not eng.check_integrity()
+    return state, o2.output_token_ids
+
+
+def test_a_turn_whose_compaction_waited_for_host_room_leaves_its_session_compacted(tiny: LoadedModel) -> None:
+    """Regression: tenant A's running requests held the host tier; B's one-token session turn
+    put its compaction off for host room and finished that step; its session kept the whole
+    uncompacted layout (400 slots instead of 20, compaction due), and B's next turn decoded
+    other tokens than on an idle node."""
+    idle_state, idle_out = host_wait_session(_engine(tiny, 68))
+    busy = _engine(tiny, 68)
+    _start(busy, "A", [100, 101], max_tokens=40)
+    busy_state, busy_out = host_wait_session(busy)
+    assert idle_state == busy_state == (1, False, 20)
+    assert busy_out == idle_out
+
+
+def cow_session(tiny: LoadedModel, blocks: int, shared: bool) -> tuple[dict[str, float], tuple[int, ...], LLMEngine]:
+    """A snapkv-0.5 session turn of one token whose prompt-end compaction must copy the
+    history blocks another running request R shares, on a pool with 3 free blocks."""
+    eng = make_engine(tiny, kv_pool_bytes=blocks * 8192, max_num_batched_tokens=256, max_num_seqs=4)
+    finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True),
+                                request_id="t0", session_id="s"))
+    history = eng.session_history("s")
+    assert history is not None
+    if shared:
+        eng.add_request(history + prompt_of(8, 5), SamplingParams(max_tokens=blocks * 16 - 140, ignore_eos=True),
+                        request_id="R")
+        while eng.kv_manager.pool.num_free_blocks() > 3:
+            eng.step()
+    o1 = finish(eng, eng.add_request(history + prompt_of(40, 2), SamplingParams(max_tokens=1, ignore_eos=True),
+                                     request_id="t1", session_id="s", policy="snapkv-0.5"))
+    sess = eng.sessions.sessions["s"]
+    assert sess.kv is not None and sess.kv.num_compactions == 1 and not sess.kv.compaction_due
+    eng.abort_request("R")
+    history = eng.session_history("s")
+    assert history is not None
+    o2 = finish(eng, eng.add_request(history + prompt_of(20, 3), SamplingParams(max_tokens=12, ignore_eos=True),
+                                     request_id="t2", session_id="s", policy="snapkv-0.5"))
+    drain(eng)
+    assert not eng.check_integrity()
+    return o1.policy_stats, o2.output_token_ids, eng
+
+
+def test_a_turn_whose_compaction_waited_for_blocks_leaves_its_session_compacted(tiny: LoadedModel) -> None:
+    """Regression: the turn's copy-on-write found no free blocks at its last step; its session
+    kept the uncompacted layout (11 blocks, compaction due) and the next turn decoded other
+    tokens than on a roomy pool. Now the request sharing the blocks gives them back first."""
+    _, roomy, _ = cow_session(tiny, 512, False)
+    stats, tight, eng = cow_session(tiny, 24, True)
+    assert stats.get("deferred_compactions") == 1.0  # the case under test happened
+    assert tight == roomy
+    assert eng.stats()["settle_fallbacks"] == 0
+
+
+def test_a_compaction_that_can_never_run_leaves_the_session_its_tokens_not_its_kv(tiny: LoadedModel,
+                                                                                  monkeypatch) -> None:
+    """When nothing can give the blocks back (only higher-class requests hold them), the session
+    keeps the turn's tokens and unpins the uncompacted KV, counted, rather than keep a state
+    its policy never compacted; the next turn prefills the history again and the pool stays
+    whole."""
+    eng = make_engine(tiny, kv_pool_bytes=24 * 8192, max_num_batched_tokens=256, max_num_seqs=4)
+    monkeypatch.setattr(eng.scheduler, "settle_compaction", lambda seq: False)
+    finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True),
+                                request_id="t0", session_id="s"))
+    history = eng.session_history("s")
+    assert history is not None
+    eng.add_request(history + prompt_of(8, 5), SamplingParams(max_tokens=24 * 16 - 140, ignore_eos=True),
+                    request_id="R")
+    while eng.kv_manager.pool.num_free_blocks() > 3:
+        eng.step()
+    p1 = history + prompt_of(40, 2)
+    o1 = finish(eng, eng.add_request(p1, SamplingParams(max_tokens=1, ignore_eos=True), request_id="t1",
+                                     session_id="s", policy="snapkv-0.5"))
+    assert o1.policy_stats.get("deferred_compactions") == 1.0
+    sess = eng.sessions.sessions["s"]
+    assert sess.kv is None and not sess.blocks and sess.token_ids == p1 + list(o1.output_token_ids)
+    assert eng.stats()["settle_fallbacks"] == 1
+    eng.abort_request("R")
+    o2 = finish(eng, eng.add_request(sess.token_ids + prompt_of(20, 3), SamplingParams(max_tokens=4, ignore_eos=True),
+                                     request_id="t2", session_id="s", policy="snapkv-0.5"))
+    assert len(o2.output_token_ids) == 4
+    drain(eng)
+    assert not eng.check_integrity()
