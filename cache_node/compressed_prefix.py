@@ -18,6 +18,9 @@ answer is the question-agnostic path's: the document compressed before any quest
 the question asked as a new turn. Requests that
 arrive while the prefix is being computed wait (parked, outside the scheduler) and fork the
 entry once it is stored, so N tokens are compressed once however many requests share them.
+A prefix whose compression lost KV for want of room (``Policy.lost_tokens``: SentenceKV
+sentences demoted to a full host tier) is not stored: its producer and the requests parked on
+it go on from their own computations, and a later request computes it again.
 
 Key: the chained hash of the prefix's full blocks (``cache_node.hashing``; its first block
 covers the cache namespace, model and KV format) extended over the tail's tokens, plus N and
@@ -89,7 +92,8 @@ class CompressedPrefixCache:
 
     Attributes:
         entries: stored prefixes, least recently used first.
-        num_hits: requests that forked a stored prefix; ``num_stores``: prefixes stored.
+        num_hits: requests that forked a stored prefix; ``num_stores``: prefixes stored;
+            ``num_lossy_skipped``: prefixes not stored because their state had lost KV.
     """
 
     def __init__(self, pool: KVPool, kv_manager: KVCacheManager) -> None:
@@ -98,7 +102,7 @@ class CompressedPrefixCache:
         self.producing: dict[str, PrefixKey] = {}  # request id -> the prefix it computes
         self.producers: dict[PrefixKey, Sequence] = {}  # the request others wait for
         self.parked: dict[PrefixKey, list[Sequence]] = {}
-        self.num_hits = self.num_stores = 0
+        self.num_hits = self.num_stores = self.num_lossy_skipped = 0
 
     def key(self, seq: Sequence, n: int) -> PrefixKey:
         """The key of ``seq``'s first ``n`` prompt tokens under its policy spec."""
@@ -138,7 +142,13 @@ class CompressedPrefixCache:
         store a copy and return the requests parked on it, forked from it (or, when nothing
         could be stored, each to compute the prefix itself). A request recomputing after a
         preemption (``Sequence.restart``) is no producer: it stores the prefix only when the
-        entry is gone."""
+        entry is gone. A state whose policy lost KV for want of room (``Policy.lost_tokens``:
+        SentenceKV sentences demoted to a full host tier) is not stored
+        (``num_lossy_skipped``): the next request computes the prefix again.
+
+        Regression (hangs review 20 W5): a prefix compressed while the host tier was full was
+        stored with its sentences dropped, and every later request forked it, decoding other
+        tokens than on a node that had room and reporting nothing in its ``policy_stats``."""
         key = self.producing.pop(seq.request_id, None) or self.key(seq, seq.prefix_stop)
         boundary, seq.prefix_stop = seq.prefix_stop, 0
         kv = seq.kv
@@ -162,6 +172,8 @@ class CompressedPrefixCache:
                 return []
         if key in self.entries:
             self.entries.move_to_end(key)
+        elif kv.compacted and kv.policy.lost_tokens(kv):
+            self.num_lossy_skipped += 1
         elif kv.compacted and self._store(key, seq):
             self.num_stores += 1
         if self.producers.get(key) is seq:
@@ -306,4 +318,5 @@ class CompressedPrefixCache:
             "compressed_prefixes": len(self.entries),
             "compressed_prefix_blocks": sum(e.seq.num_held_blocks for e in self.entries.values()),
             "compressed_prefix_parked": sum(len(v) for v in self.parked.values()),
+            "compressed_prefix_lossy_skipped": self.num_lossy_skipped,
         }

@@ -57,6 +57,8 @@ class SequenceKV:
             blocks count against its tenant's quota (``Sequence.num_held_blocks``).
         charge_debt: blocks the charge still lacks (the pool was full when it grew); the
             sequence's next slot allocation takes them first (``KVCacheManager.allocate_slots``).
+        inherited_lost_tokens: tokens the state this one was forked from had lost
+            (``Policy.lost_tokens``; ``fork``).
     """
 
     def __init__(self, seq: Sequence, policy: Policy, pool: KVPool, block_pool: BlockPool,
@@ -92,6 +94,7 @@ class SequenceKV:
                       if needs.any else None)
         self.budget: int | None = None
         self.num_compactions = 0
+        self.inherited_lost_tokens = 0  # ``Policy.lost_tokens`` of the state this one forked
         # a compaction that ``can_rewrite`` put off for want of free blocks, run again before
         # this sequence's next step (``retry_compaction``, from the scheduler)
         self.compaction_due = self._deferring = False
@@ -460,7 +463,11 @@ class SequenceKV:
         ``fork`` method are forked, e.g. host-tier sentences, whose slots the two then share;
         the rest are never mutated in place and are shared), under ``policy`` (default: this
         one; the quality harness forks a full-cache context under each policy). The child
-        holds no charge blocks yet: call ``settle_charge``."""
+        holds no charge blocks yet: call ``settle_charge``.
+
+        What this state lost for want of room (``Policy.lost_tokens``) the child has lost too,
+        and its ``policy_stats["inherited_dropped_tokens"]`` say so. Regression (hangs review
+        20 W5): turns continuing a session whose history had dropped sentences reported nothing."""
         kv = SequenceKV(child, policy or self.policy, self.pool, self.block_pool, self.env, self.host)
         kv.positions, kv.support, kv.dense = self.positions.clone(), self.support.clone(), self.dense
         if self.stats is not None:  # else the new state's own (fresh) statistics
@@ -468,4 +475,7 @@ class SequenceKV:
         kv.budget, kv.num_compactions = self.budget, self.num_compactions
         kv.extra = {k: (v.fork() if hasattr(v, "fork") else v) for k, v in self.extra.items()}
         child.num_evicted_tokens = self.seq.num_evicted_tokens
+        kv.inherited_lost_tokens = self.policy.lost_tokens(self)
+        if kv.inherited_lost_tokens:
+            child.policy_stats["inherited_dropped_tokens"] = float(kv.inherited_lost_tokens)
         return kv

@@ -42,7 +42,8 @@ NODE_FAMILIES = {
     "kvstrata:num_preemptions": "counter", "kvstrata:spill_read_errors": "counter",
     "kvstrata:num_requests_failed": "counter",
     "kvstrata:compressed_prefix_hits": "counter", "kvstrata:compressed_prefix_stores": "counter",
-    "kvstrata:compressed_prefixes": "gauge", "kvstrata:session_policy_continuations": "counter",
+    "kvstrata:compressed_prefixes": "gauge", "kvstrata:compressed_prefix_lossy_skipped": "counter",
+    "kvstrata:session_policy_continuations": "counter",
     "kvstrata:session_policy_fallbacks": "counter", "kvstrata:compactions_deferred": "counter",
     "kvstrata:compaction_released_hashes": "counter",
     **{f"kvstrata:kv_{move}_{unit}": "counter" for move in ("demoted", "promoted", "prefetched", "spilled")

@@ -276,6 +276,16 @@ class Policy:
         device pool instead, ``SequenceKV.settle_charge``). 0 by default."""
         return 0
 
+    def lost_tokens(self, state: SequenceKV) -> int:
+        """Tokens whose KV ``state`` lost for want of room rather than by the policy's choice
+        (its forks' losses included): the state attends other KV than the policy meant to
+        keep, so whoever hands it on must say so (``CompressedPrefixCache.store`` stores no
+        such state; ``SequenceKV.fork`` marks the child). 0 by default: a scoring policy's
+        evictions are its choice, and the codes of the cold tier (``cold_bits``) and of
+        ``quant`` stay on the device, charged to the pool (``charge_debt`` when it is short),
+        never dropped."""
+        return 0
+
     def host_slots(self, state: SequenceKV) -> int:
         """Host-tier slots the policy reserves for the sequence (``TierManager.reserve_host``;
         freed by ``release``). 0 by default."""

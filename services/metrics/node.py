@@ -132,6 +132,9 @@ class NodeMetrics(Collector):
         yield counter("compressed_prefix_stores", "Compressed prefixes computed and stored.",
                       s["compressed_prefix_stores"])
         yield gauge("compressed_prefixes", "Compressed prefixes held.", s["compressed_prefixes"])
+        yield counter("compressed_prefix_lossy_skipped", "Compressed prefixes computed but not stored because "
+                      "their policy lost KV for want of room (SentenceKV sentences demoted to a full host tier): "
+                      "a later request computes them again.", s["compressed_prefix_lossy_skipped"])
         yield counter("session_policy_continuations", "Session turns that continued from the kept "
                       "compressed KV (prefilled only their new tokens).", s["session_policy_continuations"])
         yield counter("session_policy_fallbacks", "Session turns that found compressed KV they could not "

@@ -262,7 +262,8 @@ class SentenceKV(SentenceRecall, SentenceBudget, Policy):
         host tier; what it cannot hold is counted in ``private_host_bytes`` instead."""
         stored = store.put(kv, positions)
         if not stored:  # lost, as on eviction: the request's finished event and the node say so
-            state.seq.policy_stats["dropped_tokens"] = float(store.dropped_tokens)
+            # (its own drops: those of the state it forked are ``inherited_dropped_tokens``)
+            state.seq.policy_stats["dropped_tokens"] = float(store.dropped_tokens - state.inherited_lost_tokens)
         bounds: KeyBounds | None = state.extra.get("key_bounds")
         if bounds is None:
             return
@@ -326,6 +327,12 @@ class SentenceKV(SentenceRecall, SentenceBudget, Policy):
         if first:
             self._fill_from_window(state)
         return True
+
+    def lost_tokens(self, state: SequenceKV) -> int:
+        """The sentences' tokens demoted while the host tier was full (``dropped_tokens``;
+        a fork's store starts from its parent's count)."""
+        store = state.extra.get("sentences")
+        return 0 if store is None else store.dropped_tokens
 
     def release(self, state: SequenceKV) -> None:
         store = state.extra.get("sentences")
