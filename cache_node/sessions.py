@@ -35,6 +35,21 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class History:
+    """A session's history as it was before the turn that just ended: kept (its blocks'
+    references and policy state held) until the next engine step, so that a turn cancelled
+    while its last step computed is undone to exactly that state (``SessionTable.rewind``)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    num_evicted_tokens: int
+    blocks: list[KVBlock]
+    kv: SequenceKV | None
+    policy: str
+    namespace: str
+
+
+@dataclass
 class Session:
     """What a session keeps between turns.
 
@@ -60,6 +75,7 @@ class Session:
     num_evicted_tokens: int = 0
     kept_for: Sequence | None = None
     namespace: str = ""  # the cache namespace of the turn whose KV ``blocks`` hold
+    previous: History | None = None  # the history before the turn that just ended (``detach``)
 
     @property
     def num_held_blocks(self) -> int:
@@ -78,6 +94,7 @@ class SessionTable:
     def __init__(self, kv_manager: KVCacheManager) -> None:
         self.kv_manager = kv_manager
         self.sessions: dict[str, Session] = {}
+        self._parked: set[str] = set()  # sessions holding a ``previous`` history (``drop_previous``)
         self.num_policy_continuations = 0  # turns that continued from a compacted policy state
         self.num_fallbacks = 0  # turns that found a compacted state they could not continue
 
@@ -190,7 +207,7 @@ class SessionTable:
                 # until their TTL)
                 del self.sessions[sess.session_id]
             return False
-        self._release(sess)
+        self._park(sess)
         sess.token_ids = seq.all_token_ids
         sess.num_computed_tokens = seq.num_computed_tokens
         sess.num_evicted_tokens = seq.num_evicted_tokens
@@ -202,10 +219,11 @@ class SessionTable:
     def rewind(self, session_id: str, history: list[int] | None, prompt_len: int, output: tuple[int, ...]) -> bool:
         """Undo the turn that just finished in ``session_id`` (its prompt of ``prompt_len``
         tokens and its ``output`` are the session's history now): the history is ``history``
-        again, without KV (its full blocks stay in the prefix cache, and the next turn
-        prefills the rest); a first turn (``history`` None or empty) closes the session, as
-        its abort would have. False, changing nothing, when the session is not idle at the end
-        of that turn.
+        again, with the KV and policy state it had before the turn when the session still
+        keeps them (``Session.previous``, until the next engine step), else without KV (its
+        full blocks stay in the prefix cache, and the next turn prefills the rest); a first
+        turn (``history`` None or empty) closes the session, as its abort would have. False,
+        changing nothing, when the session is not idle at the end of that turn.
 
         Regression (hangs review N1): a client's cancel that landed while its turn's last step
         computed left the turn in the history (tokens the client never got) while the cache
@@ -218,9 +236,33 @@ class SessionTable:
         if not history:
             self.close(session_id)
             return True
+        previous, sess.previous = sess.previous, None
         self._release(sess)
+        if previous is not None and previous.token_ids == list(history) and previous.blocks:
+            # the history's KV and policy state as the turn found them (hangs review 20 W2: they
+            # were dropped, and the next turn prefilled and compressed the history again, decoding
+            # other tokens than after a cancel that landed one step earlier)
+            sess.token_ids, sess.num_computed_tokens = previous.token_ids, previous.num_computed_tokens
+            sess.num_evicted_tokens, sess.blocks = previous.num_evicted_tokens, previous.blocks
+            sess.kv, sess.policy, sess.namespace = previous.kv, previous.policy, previous.namespace
+            if sess.kv is not None:  # it handed its charge blocks over to the turn (``lend``)
+                sess.kv.settle_charge()
+            return True
+        if previous is not None:
+            self._free_history(previous)
         sess.token_ids, sess.num_computed_tokens = list(history), 0
         return True
+
+    def drop_previous(self) -> None:
+        """Free every history kept for a ``rewind`` (``Session.previous``): the engine calls
+        it before each step, by when the cache node has delivered (or undone) every turn that
+        ended in the last one."""
+        for session_id in self._parked:
+            sess = self.sessions.get(session_id)
+            if sess is not None and sess.previous is not None:
+                previous, sess.previous = sess.previous, None
+                self._free_history(previous)
+        self._parked.clear()
 
     def drop_history(self, sess: Session) -> None:
         """Free the history KV ``sess`` keeps (its turn holds its own references)."""
@@ -273,10 +315,31 @@ class SessionTable:
     def _release(self, sess: Session) -> None:
         if sess.kept_for is not None:  # its running turn restarts from scratch now
             sess.kept_for.kept = sess.kept_for = None
+        if sess.previous is not None:
+            previous, sess.previous = sess.previous, None
+            self._free_history(previous)
         self._drop_kv(sess)
         self.kv_manager.pool.free(list(reversed(sess.blocks)))
         sess.blocks = []
         sess.num_evicted_tokens = 0
+
+    def _park(self, sess: Session) -> None:
+        """Keep the history as it is now (``Session.previous``) until the next engine step
+        (``drop_previous``) instead of freeing it, and clear it from ``sess``."""
+        if sess.kept_for is not None:
+            sess.kept_for.kept = sess.kept_for = None
+        if sess.previous is not None:
+            previous, sess.previous = sess.previous, None
+            self._free_history(previous)
+        sess.previous = History(sess.token_ids, sess.num_computed_tokens, sess.num_evicted_tokens, sess.blocks,
+                                sess.kv, sess.policy, sess.namespace)
+        self._parked.add(sess.session_id)
+        sess.blocks, sess.kv, sess.num_evicted_tokens = [], None, 0
+
+    def _free_history(self, history: History) -> None:
+        if history.kv is not None:
+            history.kv.reset()
+        self.kv_manager.pool.free(list(reversed(history.blocks)))
 
     @staticmethod
     def _drop_kv(sess: Session) -> None:

@@ -220,9 +220,10 @@ def test_a_first_turn_cancelled_in_its_last_step_opens_no_session(node, monkeypa
 
 
 def test_a_turn_under_a_compressing_policy_cancelled_in_its_last_step_is_undone(node, monkeypatch) -> None:
-    """Under a compressing policy the session keeps a policy state; undoing the turn drops it
-    (its charge blocks go back) and the next turn prefills the history again (failed on the
-    parent: the engine's history kept the cancelled turn)."""
+    """Under a compressing policy the session keeps a policy state; undoing the turn gives the
+    session back the state it had before the turn (hangs review 20 W2: it was dropped, and the
+    next turn prefilled and compressed the history again), and the next turn continues from it
+    (failed on the parent: the engine's history kept the cancelled turn)."""
     async def run() -> None:
         gw = await connect(node)
         policy = "snapkv-0.5"
@@ -238,10 +239,12 @@ def test_a_turn_under_a_compressing_policy_cancelled_in_its_last_step_is_undone(
         monkeypatch.undo()
         assert node.engine.session_history("pol") == history and len(node._session_messages["pol"]) == count
         sess = node.engine.sessions.sessions["pol"]
-        assert sess.kv is None and sess.blocks == [] and sess.active_request is None
+        assert sess.kv is not None and sess.kv.compacted and sess.blocks and sess.active_request is None
+        continued = node.engine.sessions.num_policy_continuations
         await gw.submit(turn("pol/c", "pol", "Thanks.", max_tokens=1, policy=policy))
         assert (await gw.drain({"pol/c"}))["pol/c"][-1]["type"] == "finished"
         assert len(node._session_messages["pol"]) == count + 2
+        assert node.engine.sessions.num_policy_continuations == continued + 1
         node.engine.check_integrity()
 
     asyncio.run(run())

@@ -1,0 +1,79 @@
+"""A session turn undone after its end (``LLMEngine.rewind_session``: its client's cancel
+landed while the last step computed) leaves its session the KV and policy state it had before
+the turn, as a cancel one step earlier does (hangs review 20 W2)."""
+
+from __future__ import annotations
+
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import LoadedModel
+from cache_node.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.test_tier_engine import prompt_of
+
+POLICY = "snapkv-0.5"
+
+
+def drain(eng: LLMEngine) -> dict:  # type: ignore[type-arg]
+    final = {}
+    for _ in range(3000):
+        if not eng.has_unfinished_requests():
+            return final
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    raise AssertionError("the engine did not drain")
+
+
+def third_turn(tiny: LoadedModel, rewind: bool) -> tuple[tuple[int, ...], int, LLMEngine]:
+    eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+    eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
+                    session_id="s", policy=POLICY)
+    drain(eng)
+    history = eng.session_history("s")
+    assert history is not None
+    p2 = history + prompt_of(24, 2)
+    eng.add_request(p2, SamplingParams(max_tokens=8, ignore_eos=True), request_id="t2", session_id="s", policy=POLICY)
+    if rewind:  # the cancel lost the race: the turn finished in the step it landed in
+        o2 = drain(eng)["t2"]
+        assert eng.rewind_session("s", history, len(p2), o2.output_token_ids)
+    else:  # the cancel landed a step earlier
+        for _ in range(5):
+            eng.step()
+        eng.abort_request("t2")
+        drain(eng)
+    assert eng.session_history("s") == history
+    kv = eng.sessions.sessions["s"].kv
+    assert kv is not None and kv.compacted
+    eng.add_request(history + prompt_of(24, 3), SamplingParams(max_tokens=16, ignore_eos=True), request_id="t3",
+                    session_id="s", policy=POLICY)
+    out = drain(eng)["t3"].output_token_ids
+    assert not eng.check_integrity()
+    return out, eng.sessions.num_policy_continuations, eng
+
+
+def test_a_turn_undone_after_its_end_leaves_the_history_state_it_found(tiny: LoadedModel) -> None:
+    """Regression: the rewind dropped the history's compacted state (it had been freed when the
+    turn ended); the next turn prefilled the whole history, compressed it at once and decoded
+    other tokens than after an abort a step earlier (1 policy continuation instead of 2)."""
+    aborted, continued_aborted, _ = third_turn(tiny, False)
+    rewound, continued_rewound, _ = third_turn(tiny, True)
+    assert rewound == aborted
+    assert continued_rewound == continued_aborted == 2
+
+
+def test_the_history_kept_for_an_undo_is_freed_by_the_next_step(tiny: LoadedModel) -> None:
+    eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+    pool = eng.kv_manager.pool
+    eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
+                    session_id="s", policy=POLICY)
+    drain(eng)
+    history = eng.session_history("s")
+    assert history is not None
+    eng.add_request(history + prompt_of(24, 2), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t2",
+                    session_id="s", policy=POLICY)
+    drain(eng)
+    sess = eng.sessions.sessions["s"]
+    assert sess.previous is not None and sess.previous.blocks  # kept for an undo until the next step
+    held = pool.num_free_blocks()
+    eng.step()
+    assert sess.previous is None and pool.num_free_blocks() > held
+    assert eng.close_session("s") and all(b.ref_cnt == 0 for b in pool.blocks)  # nothing leaked
+    assert not eng.check_integrity()
