@@ -74,7 +74,7 @@ def test_the_largest_valid_bodies_still_validate() -> None:
     parts = [{"type": "text", "text": "a"}] * MAX_CONTENT_PARTS
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [USER] * (MAX_CHAT_MESSAGES - 1) + [{"role": "user", "content": parts}]})
-    assert chat.to_input().prompt[-1]["content"] == "a" * MAX_CONTENT_PARTS
+    assert chat.to_input().prompt[-1]["content"] == "\n".join(["a"] * MAX_CONTENT_PARTS)
 
 
 # ---- the body's structure is bounded before json.loads builds it -----------------------------

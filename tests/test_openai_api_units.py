@@ -68,13 +68,37 @@ def test_chat_body_as_generate_input() -> None:
     assert not call.fill_context and _chat().to_input().fill_context  # no max_tokens: up to the context limit
     parts = _chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                {"type": "text", "text": "b"}]}]).to_input()
-    assert parts.prompt == [{"role": "system", "content": "ab"}]
+    assert parts.prompt == [{"role": "system", "content": "a\nb"}]
+
+
+def test_text_parts_are_joined_with_newlines_as_vllm_joins_them() -> None:
+    """Regression (oairev20 O1): parts were joined with nothing, so "Hello" + "World" reached
+    the chat template as "HelloWorld" (32 prompt tokens, vLLM's "Hello\nWorld" 33): another
+    prompt and answer than vLLM's. The parts' prompt is now the "\n"-joined string's."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    as_parts = _chat(messages=[{"role": "user", "content": parts}]).to_input().prompt
+    as_text = _chat(messages=[{"role": "user", "content": "Hello\nWorld"}]).to_input().prompt
+    assert as_parts == as_text == [{"role": "user", "content": "Hello\nWorld"}]
+    one = _chat(messages=[{"role": "user", "content": parts[:1]}]).to_input().prompt
+    assert one == [{"role": "user", "content": "Hello"}]  # one part: no separator
+
+
+def test_values_that_ask_for_what_the_server_does_are_accepted() -> None:
+    """Regression (oairev20 O5): ``response_format: {"type": "text"}``, ``tool_choice: "none"``,
+    ``store: false`` and a negative ``seed`` were 400s; each asks for what the request gets
+    anyway (OpenAI and vLLM accept them). A negative seed is its two's complement."""
+    call = _chat(response_format={"type": "text"}, tool_choice="none", store=False, seed=-1).to_input()
+    assert call.sampling.seed == (1 << 64) - 1
+    assert _chat(seed=-(1 << 63)).to_input().sampling.seed == 1 << 63
+    assert _chat(seed=5).to_input().sampling.seed == 5
 
 
 @pytest.mark.parametrize(("body", "field"), [
     ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"), ({"messages": []}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"store": True}, "store"),
 ])
 def test_unsupported_values_name_their_field(body: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -82,8 +106,9 @@ def test_unsupported_values_name_their_field(body: dict, field: str) -> None:
 
 
 @pytest.mark.parametrize(("body", "field"), [
-    ({"tools": []}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"temperature": 3}, "temperature"), ({"stop": ["a"] * 5}, "stop"), ({"seed": -1}, "seed"),
+    ({"tools": []}, "tools"), ({"metadata": {}}, "metadata"),
+    ({"temperature": 3}, "temperature"), ({"stop": ["a"] * 5}, "stop"), ({"seed": -(1 << 63) - 1}, "seed"),
+    ({"seed": 1 << 64}, "seed"),
     ({"stop": ["x" * 257]}, "stop"), ({"priority": "5"}, "priority"), ({"priority": 1.5}, "priority"),
 ])
 def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None:

@@ -3,8 +3,11 @@
 Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
 (``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
-accepted (``n`` = 1, ``logprobs`` false, zero penalties: frameworks send these defaults) and
-any other value is refused naming the field. kvstrata's extension fields ride in the body, as
+accepted (``n`` = 1, ``logprobs`` false, zero penalties, ``response_format`` ``{"type":
+"text"}``, ``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
+accepts them) and any other value is refused naming the field. ``seed`` is any 64-bit integer,
+as OpenAI and vLLM take it; a negative one is used as its two's complement (``seed % 2**64``),
+so each seed names one stream of samples. kvstrata's extension fields ride in the body, as
 vLLM's extra parameters do: ``session_id`` (append the messages to that session's history,
 whose KV the node keeps), ``policy`` (the KV policy override), ``cache_salt`` (partitions the
 tenant's prefix cache further), ``priority`` (vLLM's: an integer in [-1000, 1000], lower is
@@ -49,6 +52,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "frequency_penalty": (0,), "presence_penalty": (0,),
     "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
+    "response_format": ({"type": "text"},), "tool_choice": ("none",), "store": (False,),
 }
 """OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
 
@@ -124,7 +128,14 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def as_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The message as the chat template takes it: a list of text parts is their texts
+        joined with "\n", as vLLM joins them (``vllm.entrypoints.chat_utils``,
+        ``_parse_chat_message_content_parts``: ``"\n".join(texts)``).
+
+        Regression (oairev20 O1): parts were joined with nothing, so words at part boundaries
+        merged ("Hello" + "World" reached the model as "HelloWorld"): another prompt, other
+        tokens and other prefix-cache keys than on vLLM."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
@@ -132,15 +143,15 @@ class _Sampling(_Strict):
     """Fields both endpoints share: sampling, streaming, and kvstrata's extensions."""
 
     _unserved = frozenset({
-        "tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "service_tier",
-        "metadata", "store", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+        "tools", "functions", "function_call", "logit_bias", "service_tier",
+        "metadata", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
     })
 
     model: str = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | _bounded_list(str) | None = None  # type: ignore[valid-type]
-    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # negative: as seed % 2**64
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; not used
@@ -149,6 +160,9 @@ class _Sampling(_Strict):
     top_logprobs: Any = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    response_format: Any = None
+    tool_choice: Any = None
+    store: Any = None
     # kvstrata extensions
     session_id: str = Field("", max_length=MAX_ID_CHARS)
     policy: str = Field("", max_length=63)  # the policy spec pattern (secrev19 H2)
@@ -204,7 +218,8 @@ class _Sampling(_Strict):
         context limit). Raises ValueError naming the field."""
         self.check_supported()
         sampling = SamplingParams(max_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                                  seed=self.seed, stop=self.stop_strings())
+                                  seed=None if self.seed is None else self.seed % (1 << 64),
+                                  stop=self.stop_strings())
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
