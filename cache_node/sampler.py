@@ -15,14 +15,21 @@ from cache_node.sequence import Sequence
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest set of tokens whose mass reaches ``top_p``; (V,) -> (V,).
+    The most probable token is always kept (vLLM's ``apply_top_k_top_p`` keeps "at least
+    one"), so any ``top_p`` in (0, 1] leaves a distribution to draw from.
 
     No host sync (no boolean indexing): the kept sorted probabilities are scattered back.
     Source: Holtzman et al., "The Curious Case of Neural Text Degeneration" (ICLR'20), §3.1.
+
+    Regression (oairev20 O7): a ``top_p`` under float32's smallest value (5e-324, valid in
+    the HTTP API) compared as 0 against the float32 masses, kept no token, and the 0/0 row
+    failed the draw: the request ended INTERNAL (HTTP 500).
     """
     if top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(descending=True)
     keep = sorted_probs.cumsum(0) - sorted_probs < top_p
+    keep[0] = True
     filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
     return filtered / filtered.sum()
 
