@@ -40,6 +40,21 @@ from services.node_request import NodeRequest, check_priority, resolve_prefix_to
 
 _CODES = {c.name: c for c in grpc.StatusCode}
 
+RETRY_S = 1.0
+"""The retry hint (``retry-after-ms``) of the gateway's own refusals that pass with time: a
+call past ``max_streams_per_tenant`` (the cap frees as the tenant's streams end), an admission
+the scheduler did not answer in time (busy, or being restarted), a stream its node ended
+UNAVAILABLE (down or drained: the scheduler routes the retry elsewhere, or to the node once it
+is back). Those that stand until the client acts carry none: a node's RESOURCE_EXHAUSTED
+(``max_session_text_chars_per_tenant``: until a session is closed or expires), a stream ended
+for not being read."""
+
+
+def set_retry_after(context: Any, retry_after_s: float) -> None:
+    """Give the refusal ``context`` is about to send the ``retry-after-ms`` trailer (the HTTP
+    API's ``Retry-After``, ``services.openai_api.context``)."""
+    context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000))),))
+
 TOKENIZER_THREADS = 4
 """Worker threads parsing, rendering and tokenizing prompts (``InferenceServicer.off_loop``;
 one per tenant at a time)."""
@@ -417,6 +432,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if self.open_streams.get(tenant_id, 0) >= self.max_streams_per_tenant:
             self.streams_refused += 1
             track.rejected("too_many_streams")
+            set_retry_after(context, RETRY_S)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the tenant has {self.max_streams_per_tenant} calls open at this gateway "
                                 "(max_streams_per_tenant): read or cancel them first")
@@ -502,6 +518,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 usage = {}  # reply included: ``data_plane.admission_reply``): UNAVAILABLE
                 for node_id in self.streams.node_inboxes:  # admitted late, it must not run unseen:
                     self.streams.abort(node_id, req.request_id)  # its id is this attempt's alone
+                if isinstance(exc, asyncio.TimeoutError):  # a scheduler fault (RuntimeError) has
+                    set_retry_after(context, RETRY_S)  # no hint: no wait is known to undo it
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "the global scheduler did not answer")
             if adm.code != "OK":
                 usage = {}
@@ -509,7 +527,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if adm.reason in ("tenant_deleted", "unknown_tenant"):  # a stale cached key
                     self.auth.forget_tenant_id(req.tenant)
                 if adm.retry_after_s:
-                    context.set_trailing_metadata((("retry-after-ms", str(int(adm.retry_after_s * 1000))),))
+                    set_retry_after(context, adm.retry_after_s)
                 await context.abort(_CODES[adm.code], adm.message)
             self.streams.bind(req.request_id, adm.node_id)
             while usage is None:
@@ -522,6 +540,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         # still runs the request. Regression (diff review): it finished there,
                         # unseen, and a session's history took a turn its client never got
                         self.streams.abort(adm.node_id, req.request_id)
+                        set_retry_after(context, RETRY_S)
                     await context.abort(_CODES[event["code"]], event["message"])
                 if event["type"] == "finished":
                     usage = event

@@ -48,6 +48,14 @@ from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
 
+NODE_RETRY_S = 1.0
+"""The retry hint (``Admission.retry_after_s``, the gateway's ``retry-after-ms``) of a refusal
+that passes once a node is routed to again: no node is healthy (``no_healthy_node``), the
+session's node is down (``session_node_down``), the chosen node does not read its commands
+(``node_not_reading``). A gateway's ``NodeMonitor`` asks a down node again every ``retry_s``
+(0.5 s) and has it routed to at its first healthy answer; a second covers that poll and its
+``node_up``. Also that of ``gateway_gone``: Ray restarts a gateway on the same port."""
+
 
 class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     """Plain class behind the ``GlobalSchedulerActor`` (``services.global_scheduler_admission``):
@@ -157,7 +165,10 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             or the session's node is down) / "ABORTED" (the session's history was lost with
             its node's process: ``node_up``) / "UNAUTHENTICATED" (the tenant was deleted:
             ``delete_tenant``; or it is no tenant of the store at all: ``knows_tenant``) with a
-            message.
+            message. A refusal that passes with time has a ``retry_after_s`` > 0: ``queue_full``
+            and ``ttft_estimate`` (how long the backlog needs), and every UNAVAILABLE
+            (``NODE_RETRY_S``). ``too_many_sessions`` has none: it stands until the tenant
+            closes a session or one expires; nor do the others, which no wait undoes.
 
         Regression: when a node was marked down (a missed health poll was enough) its
         sessions' routes were dropped; the next turn of one was routed by load as a first
@@ -180,14 +191,14 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             return refused
         if len(self.down) == len(self.nodes):
             return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
-                             reason="no_healthy_node")
+                             reason="no_healthy_node", retry_after_s=NODE_RETRY_S)
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
             return Admission(code="PERMISSION_DENIED", message=f"session {session_id!r} belongs to another tenant",
                              reason="session_of_another_tenant")
         if sticky is not None and sticky[1] in self.down:
             self.usage.record_rejected(tenant_id)
-            return Admission(code="UNAVAILABLE", reason="session_node_down", retry_after_s=1.0,
+            return Admission(code="UNAVAILABLE", reason="session_node_down", retry_after_s=NODE_RETRY_S,
                              message=f"the cache node holding this session's history is down "
                              f"({self.down[sticky[1]]}): retry once it is back")
         lost = self.lost_of(tenant_id)
@@ -204,6 +215,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             # with a restarted node count until closed (security review F6: their markers
             # were capped for all tenants together, and past the cap a lost session's next
             # turn ran without its history)
+            # no retry hint, deliberately: the refusal stands until the tenant closes a
+            # session or one idles out (``session_ttl_s``), which no wait of ours predicts
             self.usage.record_rejected(tenant_id)
             return Admission(code="RESOURCE_EXHAUSTED", reason="too_many_sessions",
                              message=f"the tenant has {self.max_sessions_per_tenant} open sessions "
@@ -249,7 +262,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         """
         if subscriber in self.gone_gateways:
             return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone",
-                             reason="gateway_gone")
+                             reason="gateway_gone", retry_after_s=NODE_RETRY_S)
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req),
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":
@@ -263,7 +276,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             if sent is False:  # the node's inbox is full: nothing will ever answer this request
                 # (regression: its gateway waited for events forever)
                 self.release(req.request_id, None)
-                return Admission(code="UNAVAILABLE", reason="node_not_reading",
+                return Admission(code="UNAVAILABLE", reason="node_not_reading", retry_after_s=NODE_RETRY_S,
                                  message=f"cache node {adm.node_id} is not reading its commands; retry")
         return adm
 

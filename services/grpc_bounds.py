@@ -57,6 +57,10 @@ request message at once (``CallGate``)."""
 HEALTH_SERVICE = "grpc.health.v1.Health"
 """Its methods need no key (probes carry none)."""
 
+BUSY_RETRY_MS = 1000
+"""The ``retry-after-ms`` trailer of a call refused for a cap on calls waiting or watching
+(``_refuse_busy``): the places free as other calls send their message, end or are shed."""
+
 
 @dataclass(frozen=True)
 class GrpcLimits:
@@ -174,6 +178,12 @@ def peer_network(peer: str) -> str:
     return f"ipv4:{address}"
 
 
+async def _refuse_busy(context: Any, message: str) -> None:
+    """End the call RESOURCE_EXHAUSTED with ``message`` and the ``BUSY_RETRY_MS`` hint."""
+    context.set_trailing_metadata((("retry-after-ms", str(BUSY_RETRY_MS)),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
 class _Counts:
     """Open things in all and per client network, with caps on both."""
 
@@ -218,7 +228,7 @@ class BoundedHealthServicer(HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service name")
         network = peer_network(context.peer() or "")
         if not self.watchers.take(network):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watchers")
+            await _refuse_busy(context, "too many health watchers")
         try:
             await super().Watch(request, context)
         finally:
@@ -293,8 +303,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         if keyless or not self.auth.is_verified(context):
             shed = self._wait_slot(network)
             if shed is None:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    "too many calls waiting for their request message")
+                await _refuse_busy(context, "too many calls waiting for their request message")
         message = asyncio.ensure_future(anext(requests))
         try:
             waits = {message} if shed is None else {message, shed}
@@ -304,8 +313,7 @@ class CallGate(grpc.aio.ServerInterceptor):
                 return message.result()
             message.cancel()
             if shed is not None and shed in done:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    "ended for a newer call: too many calls waiting for their request message")
+                await _refuse_busy(context, "ended for a newer call: too many calls waiting for their request message")
             self.timeouts += 1
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no request message within {self.limits.message_timeout_s:g} s")

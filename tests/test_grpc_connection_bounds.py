@@ -373,7 +373,8 @@ def test_peer_network_reads_the_peer_strings_grpc_writes() -> None:
 def test_health_watch_answers_only_known_names_and_is_bounded(tmp_path: Path) -> None:
     """Regression (secrev19 H5): Watch held a stream open for any client-chosen service name,
     unbounded. Now an unknown name ends NOT_FOUND at once, the gateway's names are watched
-    (SERVING), and past ``max_health_watchers`` (2) a Watch ends RESOURCE_EXHAUSTED."""
+    (SERVING), and past ``max_health_watchers`` (2) a Watch ends RESOURCE_EXHAUSTED with a
+    retry hint (oairev20 O2: it had none)."""
 
     async def run() -> None:
         limits = GrpcLimits(**{**QUICK.__dict__, "max_health_watchers": 2, "max_connection_idle_s": 60.0})
@@ -386,6 +387,7 @@ def test_health_watch_answers_only_known_names_and_is_bounded(tmp_path: Path) ->
             assert [(await w.read()).status for w in watches] == [health_pb2.HealthCheckResponse.SERVING] * 2
             third = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert await third.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(await third.trailing_metadata())["retry-after-ms"] == "1000"  # oairev20 O2
             for w in watches:
                 w.cancel()
             await asyncio.sleep(0.2)

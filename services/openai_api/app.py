@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``GET /health`` and the extension
-``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``).
+``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` and
+the extension ``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``).
+Every response carries its request's id in ``X-Request-Id`` (the client's, when it sent a
+valid one: ``request_ids``).
 
 A thin edge over the gateway's one call path (``InferenceServicer.generate`` and
 ``close_session``, shared with gRPC): it parses the body (``schemas``), hands it to that path
 with an ``HttpCallContext`` and writes the events as OpenAI's JSON or server-sent events
-(``responses``). Errors come in OpenAI's shape (``context``): every 400 has code
-``invalid_argument`` and, when it is about one body field (the schema's, the edge's or the
-gateway's checks), ``param`` naming it. A tenant's API key is the bearer token. Order of
+(``responses``). Errors come in OpenAI's shape (``context``): a 400 has code
+``invalid_argument`` (``context_length_exceeded`` for a prompt, or prompt + max_tokens, that
+does not fit the context or a node's KV pool) and, when it is about one body field (the
+schema's, the edge's or the gateway's checks), ``param`` naming it; an unknown model is a 404
+``model_not_found``, a bad key a 401 ``invalid_api_key``. A tenant's API key is the bearer token. Order of
 checks: the key (401), room for the body's bytes in its tenant's and the gateway's budget
 (429 / 503 with ``Retry-After``, before it is read; ``BodyBudget``), the body (400, naming the
 field), the model (404), then the gateway's own (policy, bounds, admission: 429 with
@@ -20,8 +24,10 @@ queued on its node, prefilling or generating; ``unless_gone``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -43,6 +49,7 @@ from services.openai_api.context import (
     HttpCallContext,
     error_response,
 )
+from services.openai_api.request_ids import RequestIds, request_id
 from services.openai_api.responses import Generation, sse
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -276,6 +283,8 @@ class OpenAIEdge:
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
         body_limits: the request-body bytes being read and parsed that one tenant, and all of
             them, may hold (``BodyBudget``; None: ``BodyLimits``' defaults).
+
+    ``created`` (the model card's) is when this edge was made: the gateway's start.
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
@@ -283,6 +292,25 @@ class OpenAIEdge:
         self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
         self.model_name = model_id.split("@", 1)[0]
         self.bodies = BodyBudget(body_limits)
+        self.created = int(time.time())
+
+    def serves(self, model: str) -> bool:
+        """``model`` names this server's model (its served name or its full identity)."""
+        return model in (self.model_name, self.model_id)
+
+    def model_card(self, tenant: Any) -> dict[str, Any]:
+        """The model as ``/v1/models`` lists it, with vLLM's ``max_model_len``: the most tokens
+        (prompt and output) one of ``tenant``'s requests may hold here, the least of the model's
+        context, a node's KV pool and the tenant's ``max_context_tokens`` (absent when the
+        servicer does not say)."""
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvstrata",
+                "root": self.model_id}
+        info = getattr(self.servicer, "info", None)
+        if isinstance(info, dict) and "max_model_len" in info:
+            limits = [info["max_model_len"], info.get("pool_tokens"),
+                      getattr(getattr(tenant, "spec", None), "max_context_tokens", None)]
+            card["max_model_len"] = min(n for n in limits if n)
+        return card
 
     async def parse(self, request: Request, kind: type[BaseModel]) -> Any:
         """Authenticate (401), then the body (413 over ``MAX_BODY_BYTES``; 429 / 503 with
@@ -308,10 +336,15 @@ class OpenAIEdge:
                 body = kind.model_validate(load_json(data))
         finally:
             hold.release()
-        if body.model not in (self.model_name, self.model_id):  # type: ignore[attr-defined]
-            raise CallAborted(grpc.StatusCode.NOT_FOUND, f"model {body.model!r} does not exist; "  # type: ignore[attr-defined]
-                              f"this server serves {self.model_name!r}")
+        if not self.serves(body.model):  # type: ignore[attr-defined]
+            raise self.no_such_model(body.model)  # type: ignore[attr-defined]
         return body
+
+    def no_such_model(self, model: str) -> CallAborted:
+        """OpenAI's 404 for an unknown model: ``model_not_found``, ``param`` "model"."""
+        return CallAborted(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", error_code="model_not_found",
+                           kind="invalid_request_error")
 
     async def complete(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         """Run ``body`` through the gateway's path; the response (streamed or whole), 499 when
@@ -326,21 +359,38 @@ class OpenAIEdge:
         queue at once)."""
         context = HttpCallContext(request)
         chat = isinstance(body, ChatCompletionRequest)
-        parse = body.to_input if chat else (lambda: body.to_input(self.encode))  # type: ignore[union-attr]
+        rid = request_id(request.scope)
+
+        def parse() -> Any:
+            call = body.to_input() if chat else body.to_input(self.encode)  # type: ignore[union-attr, call-arg]
+            return dataclasses.replace(call, request_id=rid)
+
         writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
         events = self.servicer.generate(context, parse, writer)
         try:  # admitted and started: the status is known
             started = await unless_gone(request, anext(events))
         except CallAborted as exc:  # a 400 names its field: param
-            return exc.naming(type(body).model_fields).response()
+            return refusal_about(exc, body).response()
         except ClientGone:  # cancelled at its await: the gateway's path aborted and released it
             await events.aclose()  # type: ignore[attr-defined]
             return _gone()
-        generation = Generation(events, started, chat, self.model_name)
+        generation = Generation(events, started, chat, self.model_name, rid)
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"}, writer=writer)
-        return await _whole(generation, request)
+        return await _whole(generation, request, lambda exc: refusal_about(exc, body))
+
+
+def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequest) -> CallAborted:
+    """``exc`` with what it is about in ``body``'s terms: a refusal for size as OpenAI's
+    ``context_length_exceeded`` naming the field at fault (``CallAborted.about_context``: the
+    ``max_tokens`` or ``max_completion_tokens`` the client sent, else "messages" / "prompt"),
+    another 400 naming the field its message starts with (``CallAborted.naming``)."""
+    sent = [f for f in ("max_completion_tokens", "max_tokens") if f in body.model_fields_set]
+    prompt_field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if not exc.about_context(prompt_field, sent[0] if sent else None):
+        exc.naming(type(body).model_fields)
+    return exc
 
 
 async def _stream(generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
@@ -363,8 +413,10 @@ async def _stream(generation: Generation, include_usage: bool) -> AsyncIterator[
     yield sse("[DONE]")
 
 
-async def _whole(generation: Generation, request: Request) -> Response:
-    """The non-streamed body; a client gone before it is ready aborts the request (499)."""
+async def _whole(generation: Generation, request: Request,
+                 about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> Response:
+    """The non-streamed body; a client gone before it is ready aborts the request (499); a
+    refusal after the request started goes out as ``about`` words it."""
 
     async def collect() -> str:
         return "".join([text async for text in generation.pieces()])
@@ -374,7 +426,7 @@ async def _whole(generation: Generation, request: Request) -> Response:
     except ClientGone:
         return _gone()
     except CallAborted as exc:
-        return exc.response()
+        return about(exc).response()
     return JSONResponse(generation.response(text))
 
 
@@ -386,6 +438,7 @@ def _gone() -> JSONResponse:
 def create_app(edge: OpenAIEdge) -> FastAPI:
     """The FastAPI application over ``edge`` (routes listed in the module docstring)."""
     app = FastAPI(title="kvstrata OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIds)
 
     @app.exception_handler(CallAborted)
     async def _aborted(request: Request, exc: CallAborted) -> Response:
@@ -414,11 +467,19 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await edge.servicer.auth.tenant(HttpCallContext(request))
+        tenant = await edge.servicer.auth.tenant(HttpCallContext(request))
         authenticated(request.scope)
-        card = {"id": edge.model_name, "object": "model", "created": 0, "owned_by": "kvstrata",
-                "root": edge.model_id}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [edge.model_card(tenant)]})
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, request: Request) -> Response:
+        """OpenAI's "Retrieve model" (``client.models.retrieve``); regression (oairev20 O6):
+        it was a 404 "no such endpoint"."""
+        tenant = await edge.servicer.auth.tenant(HttpCallContext(request))
+        authenticated(request.scope)
+        if not edge.serves(model):
+            raise edge.no_such_model(model)
+        return JSONResponse(edge.model_card(tenant))
 
     @app.delete("/v1/sessions/{session_id:path}")
     async def close_session(session_id: str, request: Request) -> Response:

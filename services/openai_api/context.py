@@ -5,8 +5,10 @@ use of it), and the mapping of gRPC statuses to OpenAI's HTTP errors.
 ``abort`` raises ``CallAborted`` carrying the gRPC status, its message and the
 ``retry-after-ms`` trailer when one was set, so the HTTP API answers every refusal the gRPC
 API makes, in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``, its
-``code`` the gRPC status in lower case (every 400 is ``invalid_argument``; ``param`` names the
-body field a 400 is about, ``CallAborted.param``):
+``code`` OpenAI's where OpenAI has one (``invalid_api_key`` for UNAUTHENTICATED,
+``model_not_found``, ``context_length_exceeded``: ``CallAborted.about_context``), else the
+gRPC status in lower case (other 400s are ``invalid_argument``; ``param`` names the body field
+a 400 is about, ``CallAborted.param``):
 
 =====================  ====  ==========================
 gRPC status            HTTP  OpenAI ``error.type``
@@ -22,6 +24,11 @@ UNAVAILABLE            503   service_unavailable
 DEADLINE_EXCEEDED      504   timeout
 others                 500   internal_error
 =====================  ====  ==========================
+
+A refusal that retrying cannot fix (``CallAborted.retryable`` false: a session cap, a lost
+session's history, a failed step) carries ``x-should-retry: false``, which the official
+``openai`` client obeys instead of retrying its 409s, 429s and 5xx; a 429 or 503 with
+``Retry-After`` stays retryable.
 
 Also the bound on request-body bytes being read, per tenant and in all (``BodyBudget``).
 """
@@ -52,6 +59,27 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 
+_OPENAI_CODES = {grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key"}
+"""OpenAI's ``error.code`` for a gRPC status, where it has one of its own."""
+
+_CONTEXT_OVERFLOW = re.compile(
+    r"maximum context length|context limit|max_context_tokens|model context is|KV pool|can never fit")
+"""What the gateway's and the nodes' INVALID_ARGUMENT refusals for size say (prompt, or prompt
++ max_tokens, past the context limit or a node's KV pool; text that can never fit): markers
+that survive a rewording of the rest of the message."""
+
+_ABOUT_COMPLETION = re.compile(r"max_tokens|max_completion_tokens|completion", re.IGNORECASE)
+"""A size refusal that counts the tokens asked for (not the prompt's alone)."""
+
+_PERMANENT = re.compile(r"CloseSession|max_sessions_per_tenant|max_session_text_chars_per_tenant|history was lost")
+"""Refusals (429, 409) only closing sessions can end: the tenant's session cap
+(``too_many_sessions``), its kept session text on a node, a session whose history was lost
+with its node (``session_lost``)."""
+
+CONTEXT_LENGTH_PHRASE = "This model's maximum context length is"
+"""How OpenAI and vLLM start a context-overflow message; clients such as LiteLLM look for it."""
+
+
 class CallAborted(Exception):
     """A refusal of one HTTP call, with the gRPC status the gRPC API would have given it.
 
@@ -62,13 +90,49 @@ class CallAborted(Exception):
         param: the request field the error is about (OpenAI's ``error.param``), None: none.
         close: the response closes the connection (``Connection: close``): a refusal sent before
             the request's body was read, whose bytes the connection would otherwise still carry.
+        error_code: OpenAI's ``error.code`` when it is not the status's (``model_not_found``,
+            ``context_length_exceeded``), None: the status's.
+        kind: OpenAI's ``error.type`` when it is not the status's, None: the status's.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
-                 param: str | None = None, close: bool = False) -> None:
+                 param: str | None = None, close: bool = False, error_code: str | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.retry_after_ms, self.param = code, message, retry_after_ms, param
-        self.close = close
+        self.close, self.error_code, self.kind = close, error_code, kind
+
+    @property
+    def retryable(self) -> bool:
+        """A retry of the same request may succeed: false for a session cap or a lost session's
+        history (only a CloseSession helps) and for a step that failed on the node (INTERNAL: a
+        retry runs it again); true for any refusal with ``retry_after_ms``."""
+        if self.retry_after_ms is not None:
+            return True
+        if self.code == grpc.StatusCode.INTERNAL:
+            return False
+        return not (self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+                    and _PERMANENT.search(self.message))
+
+    def about_context(self, prompt_field: str, tokens_field: str | None) -> bool:
+        """Mark an INVALID_ARGUMENT refusal for size (``_CONTEXT_OVERFLOW``) as OpenAI marks
+        context overflow: code ``context_length_exceeded``, the message starting "This model's
+        maximum context length is" when it does not say so already, and ``param`` the field
+        at fault: ``tokens_field`` (the ``max_tokens`` or ``max_completion_tokens`` the client
+        sent, None: it sent none) when the refusal counts the tokens asked for, else
+        ``prompt_field`` ("messages" or "prompt"). True when it was such a refusal.
+
+        Regression (oairev20 O4): these were ``invalid_argument`` with ``param`` null and the
+        gateway's wording, so LiteLLM's context-window handling (and code checking
+        ``context_length_exceeded``) never recognised them."""
+        if self.code != grpc.StatusCode.INVALID_ARGUMENT or not _CONTEXT_OVERFLOW.search(self.message):
+            return False
+        self.error_code = "context_length_exceeded"
+        if "maximum context length" not in self.message:
+            self.message = f"{CONTEXT_LENGTH_PHRASE} exceeded: {self.message}"
+        counts_completion = tokens_field is not None and _ABOUT_COMPLETION.search(self.message)
+        self.param = tokens_field if counts_completion else prompt_field
+        return True
 
     def naming(self, fields: Collection[str]) -> CallAborted:
         """This refusal with ``param`` set, when it is INVALID_ARGUMENT and its message starts
@@ -78,15 +142,17 @@ class CallAborted(Exception):
         return self
 
     def response(self) -> JSONResponse:
-        """The OpenAI-shaped error response (``Retry-After`` in whole seconds, rounded up)."""
+        """The OpenAI-shaped error response (``Retry-After`` in whole seconds, rounded up;
+        ``x-should-retry: false`` when not ``retryable``)."""
         status, kind = _HTTP.get(self.code, (500, "internal_error"))
-        headers = {}
+        headers = {} if self.retryable else {"x-should-retry": "false"}
         if self.retry_after_ms is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_ms / 1000)))
             headers["retry-after-ms"] = str(self.retry_after_ms)
         if self.close:
             headers["Connection"] = "close"
-        return error_response(status, self.message, kind, self.code.name.lower(), headers, self.param)
+        code = self.error_code or _OPENAI_CODES.get(self.code) or self.code.name.lower()
+        return error_response(status, self.message, self.kind or kind, code, headers, self.param)
 
 
 _LEADING_FIELD = re.compile(r"([a-z_][a-z0-9_]*)(?::|=|\s+(?:must|is|applies|needs)\b)")

@@ -47,15 +47,18 @@ class Generation:
         started: its ``started`` event.
         chat: a chat completion (else a text completion).
         model: the model name the response reports.
+        request_id: the request's id (``request_ids``); the response's ``id`` is
+            ``chatcmpl-<request_id>`` (``cmpl-`` for a text completion), as vLLM builds it
+            (None: a new uuid).
 
     Stop strings are the node's (``SamplingParams.stop``): its text arrives cut before one,
     with finish_reason "stop", and is relayed as it comes.
     """
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], started: dict[str, Any], chat: bool,
-                 model: str) -> None:
+                 model: str, request_id: str | None = None) -> None:
         self.events, self.chat, self.model = events, chat, model
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_tokens = int(started["prompt_tokens"])
         self.cached: dict[str, int] = dict(started.get("cached_tokens", {}))
