@@ -296,17 +296,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             room = min(limit, self.info["pool_tokens"]) - len(tokens)
             sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
             fill = {"fill_context": "1"}
+        # a refusal for size reads as OpenAI's and vLLM's ("This model's maximum context length is
+        # N tokens. However, you requested M tokens (P in the messages, K in the completion)"), which
+        # clients such as LiteLLM key on. Regression (oairev20 O4): it read "prompt (P tokens) +
+        # max_tokens (K) exceeds the context limit (N tokens)" and went unrecognised
+        what = "messages" if prompt and isinstance(prompt[0], dict) else "prompt"
         if len(tokens) >= self.info["pool_tokens"]:
+            pool_tokens = self.info["pool_tokens"]
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt ({len(tokens)} tokens) does not fit a cache node's KV pool, which holds "
-                f"{self.info['pool_tokens']} tokens",
+                f"This model's maximum context length is {pool_tokens} tokens on a cache node (its KV "
+                f"pool holds {pool_tokens} tokens: the prompt and at least one generated token). However, "
+                f"you requested {len(tokens)} tokens in the {what}. Please reduce the length of the {what}.",
             )
         if len(tokens) + sampling.max_tokens > limit:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"context limit ({limit} tokens)",
+                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. However, you "
+                f"requested {len(tokens) + sampling.max_tokens} tokens ({len(tokens)} in the {what}, "
+                f"{sampling.max_tokens} in the completion). Please reduce the length of the {what} or completion.",
             )
         try:
             def prefix() -> int:
@@ -331,8 +339,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if templater is not None and estimate - overhead >= room:
                 await context.abort(  # whatever the history, the turn can never fit: the node is spared it
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"messages ({estimate} tokens) can never fit with the session's history: "
-                    f"a cache node runs at most {room} prompt tokens",
+                    f"This model's maximum context length is {room} prompt tokens on a cache node. However, "
+                    f"the messages alone take {estimate} tokens: they can never fit, whatever the session's "
+                    "history. Please reduce the length of the messages.",
                 )
             if templater is not None and not fill:
                 await self._check_turn_fits(max(estimate - overhead, 0), sampling.max_tokens, limit, policy, context)
@@ -363,15 +372,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         refused there for size, while every other tenant's chat turns waited behind it.
         """
         need = own + max_tokens
+        requested = (f"However, you requested at least {need} tokens ({own} at least in the messages, with the "
+                     f"session's history on top, {max_tokens} in the completion)")
         if need > limit:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"messages ({own} tokens at least, with the session's history on top) + max_tokens "
-                                f"({max_tokens}) exceed the context limit ({limit} tokens)")
+                                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. "
+                                f"{requested}. Please reduce the length of the messages or completion.")
         pool_tokens = self.info["pool_tokens"]
         if need > pool_tokens and not (policy and convert.policy_compresses(policy)):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"messages ({own} tokens at least, with the session's history on top) + max_tokens "
-                                f"({max_tokens}) can never fit: a cache node's KV pool holds {pool_tokens} tokens")
+                                f"This model's maximum context length is {pool_tokens} tokens on a cache node "
+                                f"under a KV policy that keeps every token (its KV pool holds {pool_tokens} "
+                                f"tokens). {requested}: that can never fit. Please reduce the length of the "
+                                "messages or completion.")
+
+    def _whose(self, limit: int) -> str:
+        """How a context-overflow message names a ``limit`` below the model's own."""
+        return " for this tenant (its max_context_tokens)" if limit < self.info["max_model_len"] else ""
 
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that

@@ -53,7 +53,10 @@ def test_bad_prefix_is_invalid_argument_at_the_gateway(tmp_path: Path) -> None:
         (invalid, "prefix_messages must be an integer in [0, 1] (the chat's messages), got 2"),
         (invalid, "prefix_messages needs a chat the gateway renders: not a session turn"),  # no template here
     ]
-    assert valid[0] == invalid and "context limit" in valid[1]
+    over = (f"This model's maximum context length is {too_long - 1} tokens. However, you requested {3 + too_long} "
+            f"tokens (3 in the prompt, {too_long} in the completion). Please reduce the length of the prompt or "
+            "completion.")  # OpenAI's and vLLM's words (oairev20 O4)
+    assert valid == (invalid, over)
 
 
 def test_chat_prefix_is_the_rendering_of_its_leading_messages() -> None:

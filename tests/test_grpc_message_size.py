@@ -122,7 +122,8 @@ def test_the_largest_valid_request_reaches_the_handler_and_a_larger_one_is_refus
                     pass
             # parsed and checked to the end: only the harness's 2,048-token context refuses it
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-            assert "exceeds the context limit (2048 tokens)" in (err.value.details() or "")
+            assert (err.value.details() or "").startswith("This model's maximum context length is 2048 tokens. "
+                                                          "However, you requested ")
 
         tight = GrpcLimits(**{**QUICK.__dict__, "max_message_bytes": MAX_GENERATE_REQUEST_BYTES})
         async with (serve(tmp_path / "tight", tight) as served,

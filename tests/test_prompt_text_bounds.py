@@ -11,6 +11,7 @@ tenant's streams for seconds.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import grpc
@@ -95,7 +96,9 @@ def test_text_that_can_never_fit_is_refused_before_rendering_and_the_rest_render
         # the gateway from its estimate, never sent to a node to render
         words = " ".join(["hello"] * (room + 50))
         code, message = generate(words, "s1")
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "can never fit with the session's history" in message
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(
+            f"This model's maximum context length is {room} prompt tokens on a cache node. However, the messages "
+            "alone take ") and "they can never fit, whatever the session's history" in message, message
         code, _ = generate("What is the capital of France?")  # fits: rendered, then no node
         assert code != grpc.StatusCode.INVALID_ARGUMENT
         assert rendered_on and not any(rendered_on)  # every rendering ran off the event loop
@@ -203,9 +206,16 @@ def test_a_session_turn_whose_own_tokens_and_max_tokens_can_never_fit_is_refused
             raise AssertionError("the harness has no node: every call ends in an error")
 
         code, message = generate(400)
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "KV pool holds 1024 tokens" in message, message
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and re.fullmatch(
+            r"This model's maximum context length is 1024 tokens on a cache node under a KV policy that keeps "
+            r"every token \(its KV pool holds 1024 tokens\)\. However, you requested at least (\d+) tokens "
+            r"\(\d+ at least in the messages, with the session's history on top, 400 in the completion\): that "
+            r"can never fit\. Please reduce the length of the messages or completion\.", message), message
         code, message = generate(1500, "snapkv-0.5")
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "context limit (2048 tokens)" in message, message
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and re.fullmatch(
+            r"This model's maximum context length is 2048 tokens\. However, you requested at least \d+ tokens "
+            r"\(\d+ at least in the messages, with the session's history on top, 1500 in the completion\)\. "
+            r"Please reduce the length of the messages or completion\.", message), message
         for max_tokens, policy in ((200, ""), (400, "snapkv-0.5")):  # may fit: on to the (absent) node
             code, message = generate(max_tokens, policy)
             assert code != grpc.StatusCode.INVALID_ARGUMENT, (max_tokens, policy, message)

@@ -116,12 +116,14 @@ def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
     with pytest.raises(grpc.RpcError) as over_pool:
         collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 2000),
                                                   sampling=inference_pb2.SamplingParams(max_tokens=4)), metadata=k))
-    assert re.fullmatch(r"prompt \(2000 tokens\) does not fit a cache node's KV pool, which holds \d+ tokens",
-                        over_pool.value.details())
+    assert re.fullmatch(r"This model's maximum context length is (\d+) tokens on a cache node \(its KV pool holds "
+                        r"\1 tokens: the prompt and at least one generated token\)\. However, you requested 2000 "
+                        r"tokens in the prompt\. Please reduce the length of the prompt\.", over_pool.value.details())
     with pytest.raises(grpc.RpcError) as over_context:
         collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 1000),
                                                   sampling=inference_pb2.SamplingParams(max_tokens=8000)), metadata=k))
-    assert "exceeds the context limit (8192 tokens)" in over_context.value.details()
+    assert over_context.value.details().startswith("This model's maximum context length is 8192 tokens. However, "
+                                                   "you requested 9000 tokens (1000 in the prompt, 8000 in the completion).")
     for ids in ([2**31], [49152], [2**32 - 1]):  # outside the vocabulary (49152): was UNAVAILABLE
         out_of_vocab = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, *ids]),
                                                      sampling=inference_pb2.SamplingParams(max_tokens=2))

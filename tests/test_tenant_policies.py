@@ -75,7 +75,9 @@ def test_request_outside_allowed_policies_is_permission_denied(tmp_path: Path) -
 
     assert denied == (grpc.StatusCode.PERMISSION_DENIED,
                       "KV policy 'h2o-0.5' is not allowed for this tenant; allowed: snapkv")
-    assert allowed[0] == grpc.StatusCode.INVALID_ARGUMENT and "context limit" in allowed[1]
+    assert allowed[0] == grpc.StatusCode.INVALID_ARGUMENT and allowed[1].startswith(
+        f"This model's maximum context length is {too_long - 1} tokens. However, you requested {3 + too_long} tokens "
+        f"(3 in the prompt, {too_long} in the completion).")
 
 
 def test_cli_tenant_add_allow_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
