@@ -156,7 +156,7 @@ def test_a_flush_behind_a_stalled_spill_node_never_holds_the_streams() -> None:
     n = CacheNode("stall", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=1 << 20), num_threads=1)
     tiers = n.engine.tiers
     tiers.spill = spill = StalledSpill()
-    tiers.worker = TransferWorker(tiers, spill, tiers.worker.backlog.max_blocks)
+    tiers.worker = TransferWorker(tiers, spill, tiers.config.spill_put_backlog_bytes // tiers.host.block_nbytes)
 
     async def run() -> tuple[list[float], int]:
         async for _ in n.generate(request("warm", tuple(range(100, 180)), 2)):
