@@ -109,6 +109,7 @@ class Sequence:
     prefix_tokens: int = 0
     isolate_at: int | None = None
     kept: KeptHistory | None = None
+    continues_state: bool = False  # a session turn continuing its history's policy state
 
     @property
     def cache_namespace(self) -> str:
@@ -178,6 +179,10 @@ class Sequence:
         # preempted; it restarts from the history KV its session kept (``kept``).
         if self.kept is not None and self.kept.lend(self):
             return
+        if self.continues_state:  # the kept history went (the engine's last resort for blocks):
+            # it compresses history and prompt at once now, so it may decode other tokens than
+            # never preempted; its usage says so (hangs review 20 N-a: nothing did)
+            self.policy_stats["session_state_dropped"] = 1.0
         if self.prefix_tokens and not self.prefix_stop:
             self.prefix_stop = self.prefix_tokens
 

@@ -142,6 +142,7 @@ class SessionTable:
         (with the new turn in view), so it decoded other tokens than never preempted.
         """
         sess.kept_for, seq.kept = seq, SessionKept(self, sess)
+        seq.continues_state = sess.kv is not None
         return self.lend(sess, seq)
 
     def lend(self, sess: Session, seq: Sequence) -> bool:

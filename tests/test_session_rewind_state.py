@@ -77,3 +77,25 @@ def test_the_history_kept_for_an_undo_is_freed_by_the_next_step(tiny: LoadedMode
     assert sess.previous is None and pool.num_free_blocks() > held
     assert eng.close_session("s") and all(b.ref_cnt == 0 for b in pool.blocks)  # nothing leaked
     assert not eng.check_integrity()
+
+
+def test_a_turn_that_loses_its_sessions_kept_state_says_so(tiny: LoadedModel) -> None:
+    """Regression (hangs review 20 N-a): a waiting session turn whose kept history state the
+    engine took back as its last resort for blocks (``LLMEngine._reclaim``) computed history
+    and prompt at once, and may decode other tokens, with nothing in its usage saying so."""
+    marks = []
+    for reclaim in (False, True):
+        eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+        eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
+                        session_id="s", policy=POLICY)
+        drain(eng)
+        history = eng.session_history("s")
+        assert history is not None
+        rid = eng.add_request(history + prompt_of(24, 2), SamplingParams(max_tokens=4, ignore_eos=True),
+                              request_id="t2", session_id="s", policy=POLICY)
+        if reclaim:  # as when a lone request is short of blocks: kept histories go last
+            eng._reclaim(eng.kv_manager.pool.num_blocks + 1)
+        out = drain(eng)[rid]
+        marks.append(out.policy_stats.get("session_state_dropped"))
+        assert len(out.output_token_ids) == 4 and not eng.check_integrity()
+    assert marks == [None, 1.0]
