@@ -252,7 +252,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 (the cache node announces newly started requests while the step computes).
         """
         with self._lock:
-            self.sessions.drop_previous()  # the cache node undid (``rewind_session``) what it had to
+            self.release_undo()  # the cache node undid (``rewind_session``) what it had to
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
             for seq in self.scheduler.take_rejected():  # can never fit the pool

@@ -53,11 +53,11 @@ class EngineReclaimMixin:
                     "policy keeps outside the pool outgrew this node's pool", seq.request_id, seq.policy,
                     len(seq.output_token_ids), seq.sampling_params.max_tokens)
 
-    def _reclaim(self, need: int, holder: str = "") -> None:
+    def _reclaim(self, need: int, holder: str = "", keep_kept: bool = False) -> None:
         """The scheduler's last resort for blocks (``Preemption._free_held_elsewhere``: a
         lone running sequence short of them, or the queue's head when nothing runs), for a
         request of ``holder``: idle sessions and compressed prefixes, largest holder first
-        (``_unpin_idle_sessions``), then the history KV that
+        (``_unpin_idle_sessions``), then, unless ``keep_kept``, the history KV that
         sessions keep for their running turns (``Sequence.kept``). A waiting turn whose kept
         history goes frees what it was lent and will compute its whole prompt, as every
         preempted turn did before sessions kept histories.
@@ -67,6 +67,8 @@ class EngineReclaimMixin:
         not cost a request that needs them its progress.
         """
         self._unpin_idle_sessions(need, holder)
+        if keep_kept:  # (``Scheduler.settle_compaction``)
+            return
         pool = self.kv_manager.pool
         for seq in list(self.requests.values()):
             if pool.num_free_blocks() >= need:

@@ -32,6 +32,7 @@ class EngineSessionsMixin:
     sessions: SessionTable
     prefixes: CompressedPrefixCache
     _settling: list[Sequence]
+    _aborted: list[Sequence]
     num_settle_fallbacks: int
 
     if TYPE_CHECKING:  # tiers.engine_api.EngineTiersMixin
@@ -83,15 +84,34 @@ class EngineSessionsMixin:
         """
         while self._settling:
             seq = self._settling.pop(0)
-            if self.scheduler.settle_compaction(seq):
+            try:
+                settled = self.scheduler.settle_compaction(seq)
+            except Exception:  # this turn's policy failed: it alone loses its KV
+                # (review of 29983c3, D3: the fault reached the step's recovery, which failed
+                # another tenant's request, and the turn's session stayed busy with its blocks held)
+                log.exception("session %s: request %s: its policy %r failed running its put-off compaction",
+                              seq.session_id, seq.request_id, seq.policy)
+                settled = False
+            if settled:
                 self._hand_over(seq, dropped=False)
                 continue
             self.num_settle_fallbacks += 1
-            log.warning("session %s: request %s finished with a compaction its policy %r could not run (no "
-                        "free blocks): the session keeps its tokens, not its KV", seq.session_id,
-                        seq.request_id, seq.policy)
+            log.warning("session %s: request %s finished with a compaction its policy %r could not run: the "
+                        "session keeps its tokens, not its KV", seq.session_id, seq.request_id, seq.policy)
             self._hand_over(seq, dropped=False)
             self.sessions.unpin(seq.session_id or "")
+
+    def release_undo(self) -> None:
+        """Free the histories sessions keep to undo a turn that just ended (``Session.previous``,
+        ``rewind_session``), but those of turns whose end is still to be reported (ended by
+        ``abort_request``: the next step outputs them). The cache node calls it once it has
+        delivered (or undone) a step's outputs; ``step`` calls it first.
+
+        Regression (review of b4a2ce4, D1, D4): a turn the node ended on a stop string had its
+        kept history freed by the step that reported its end, before the node could undo it;
+        and on a node going idle the last turns' kept histories stayed held, counted nowhere."""
+        with self._lock:
+            self.sessions.drop_previous(keep={s.session_id for s in self._aborted if s.session_id})
 
     def _release_idle_sessions(self) -> None:
         """Unpin idle sessions (and drop stored compressed prefixes) while a queued request
@@ -123,6 +143,12 @@ class EngineSessionsMixin:
         prompt tokens instead of 87.
         """
         pool = self.kv_manager.pool
+        if pool.num_free_blocks() >= need:
+            return
+        # the histories kept to undo a turn go first: they only serve a cancel that raced the
+        # turn's end (review of b4a2ce4, D8: a settling turn unpinned another session's
+        # fresh compacted state while they held the blocks it needed)
+        self.sessions.drop_previous()
         if pool.num_free_blocks() >= need:
             return
         by_holder: dict[str, list[tuple[float, int, object, int]]] = {}

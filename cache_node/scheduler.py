@@ -53,7 +53,8 @@ class Scheduler(Preemption):
             no limit beyond max_tokens).
         reclaim: frees device blocks held outside the queues (the engine unpins idle
             sessions) until the first argument's number of blocks is free, for a request of
-            the holder (cache namespace without its salt) given second; None: nothing to free.
+            the holder (cache namespace without its salt) given second, keeping the histories
+            sessions keep for running turns when the third is True; None: nothing to free.
         session_tenants: the tenants with a session open on this node (its next turn comes
             here), handed to ``policy.keep_active`` each step; None: no sessions.
         prefill_speed: prefill tokens per second of step time, measured online.
@@ -71,7 +72,7 @@ class Scheduler(Preemption):
         self.running: list[Sequence] = []
         self.rejected: list[Sequence] = []
         self.max_seq_tokens: int | None = None
-        self.reclaim: Callable[[int, str], None] | None = None
+        self.reclaim: Callable[[int, str, bool], None] | None = None
         self.session_tenants: Callable[[], Iterable[str]] | None = None
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)

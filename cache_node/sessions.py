@@ -254,16 +254,19 @@ class SessionTable:
         sess.token_ids, sess.num_computed_tokens = list(history), 0
         return True
 
-    def drop_previous(self) -> None:
-        """Free every history kept for a ``rewind`` (``Session.previous``): the engine calls
-        it before each step, by when the cache node has delivered (or undone) every turn that
-        ended in the last one."""
-        for session_id in self._parked:
+    def drop_previous(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """Free every history kept for a ``rewind`` (``Session.previous``) but those of the
+        sessions in ``keep``: the engine calls it once the cache node has delivered (or
+        undone) every turn that ended (``LLMEngine.release_undo``), and first when it needs
+        blocks."""
+        for session_id in list(self._parked):
+            if session_id in keep:
+                continue
+            self._parked.discard(session_id)
             sess = self.sessions.get(session_id)
             if sess is not None and sess.previous is not None:
                 previous, sess.previous = sess.previous, None
                 self._free_history(previous)
-        self._parked.clear()
 
     def drop_history(self, sess: Session) -> None:
         """Free the history KV ``sess`` keeps (its turn holds its own references)."""

@@ -370,6 +370,7 @@ class CacheNode(Streams, Commands, Health, Admin):
                 self._wake.clear()
             else:
                 self._deliver_step(self.engine.step(self._announce))
+                self.engine.release_undo()  # every turn that ended is delivered or undone now
                 # Python locks are not fair: leave the engine lock free for a moment so the
                 # transfer thread (spill prefetch) is not starved by back-to-back steps.
                 time.sleep(0.0005)

@@ -140,10 +140,14 @@ class Admin:
         """Step thread: ``tenant_blocks`` of every tenant holding blocks here."""
         out = {t: {"requests": held["blocks"], "idle_sessions": 0}
                for t, held in self.engine.held_by_tenant().items()}
-        for sess in self.engine.sessions.sessions.values():
-            if sess.active_request is None:
-                out.setdefault(sess.tenant, {"requests": 0, "idle_sessions": 0})["idle_sessions"] += \
-                    sess.num_held_blocks
+        # under the engine's lock: an abort on another thread (``Streams.generate``'s end) may
+        # delete a session meanwhile (review of 4a823ff, D6: "dictionary changed size during
+        # iteration", which would have ended the step loop)
+        with self.engine._lock:
+            idle = [(s.tenant, s.num_held_blocks) for s in self.engine.sessions.sessions.values()
+                    if s.active_request is None]
+        for tenant, blocks in idle:
+            out.setdefault(tenant, {"requests": 0, "idle_sessions": 0})["idle_sessions"] += blocks
         return out
 
     def _integrity_stats(self) -> dict[str, Any]:

@@ -99,3 +99,30 @@ def test_a_turn_that_loses_its_sessions_kept_state_says_so(tiny: LoadedModel) ->
         marks.append(out.policy_stats.get("session_state_dropped"))
         assert len(out.output_token_ids) == 4 and not eng.check_integrity()
     assert marks == [None, 1.0]
+
+
+def test_a_turn_ended_on_a_stop_string_can_still_be_undone_to_its_state(tiny: LoadedModel) -> None:
+    """Regression (review of b4a2ce4, D1): a turn the cache node ends on a stop string
+    (``abort_request(reason="stop")``) reports its end in the next step, which freed the kept
+    history before the node could undo the turn; the session got its tokens without KV."""
+    aborted, _, _ = third_turn(tiny, False)
+    eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+    eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
+                    session_id="s", policy=POLICY)
+    drain(eng)
+    history = eng.session_history("s")
+    assert history is not None
+    p2 = history + prompt_of(24, 2)
+    eng.add_request(p2, SamplingParams(max_tokens=8, ignore_eos=True), request_id="t2", session_id="s", policy=POLICY)
+    for _ in range(5):
+        eng.step()
+    assert eng.abort_request("t2", reason="stop")  # the node matched a stop string
+    ended = [o for o in eng.step() if o.request_id == "t2"][0]  # its end is reported now
+    assert eng.rewind_session("s", history, len(p2), ended.output_token_ids)  # its client had cancelled
+    eng.release_undo()
+    kv = eng.sessions.sessions["s"].kv
+    assert kv is not None and kv.compacted
+    eng.add_request(history + prompt_of(24, 3), SamplingParams(max_tokens=16, ignore_eos=True), request_id="t3",
+                    session_id="s", policy=POLICY)
+    assert drain(eng)["t3"].output_token_ids == aborted
+    assert not eng.check_integrity()

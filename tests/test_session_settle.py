@@ -125,3 +125,94 @@ def test_a_compaction_that_can_never_run_leaves_the_session_its_tokens_not_its_k
     assert len(o2.output_token_ids) == 4
     drain(eng)
     assert not eng.check_integrity()
+
+
+def test_a_policy_fault_in_a_settling_compaction_costs_that_turn_its_kv_alone(tiny: LoadedModel,
+                                                                                monkeypatch) -> None:
+    """Regression (review of 29983c3, D3): the fault escaped to the step's recovery, which
+    failed another request ("error"), left the turn's session busy for ever (its next turn
+    refused, never expiring) and 11 blocks held after close and flush."""
+    from cache_node.kv_state import SequenceKV
+
+    retry = SequenceKV.retry_compaction
+
+    def faulty(self: SequenceKV) -> bool:
+        if self.seq.is_finished and self.compaction_due:
+            raise RuntimeError("policy fault in compaction")
+        return retry(self)
+
+    monkeypatch.setattr(SequenceKV, "retry_compaction", faulty)
+    eng = make_engine(tiny, kv_pool_bytes=24 * 8192, max_num_batched_tokens=256, max_num_seqs=4)
+    finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True),
+                                request_id="t0", session_id="s"))
+    history = eng.session_history("s")
+    assert history is not None
+    eng.add_request(history + prompt_of(8, 5), SamplingParams(max_tokens=24 * 16 - 140, ignore_eos=True),
+                    request_id="R")
+    while eng.kv_manager.pool.num_free_blocks() > 3:
+        eng.step()
+    eng.add_request(history + prompt_of(40, 2), SamplingParams(max_tokens=1, ignore_eos=True), request_id="t1",
+                    session_id="s", policy="snapkv-0.5")
+    ended = {}
+    for _ in range(50):
+        ended.update({o.request_id: o.finish_reason for o in eng.step() if o.finished})
+        if "t1" in ended:
+            break
+    assert ended == {"t1": "length"} and eng.stats()["settle_fallbacks"] == 1  # R goes on
+    sess = eng.sessions.sessions["s"]
+    assert sess.active_request is None and sess.kv is None
+    eng.abort_request("R")
+    drain(eng)
+    finish(eng, eng.add_request(sess.token_ids + prompt_of(8, 9), SamplingParams(max_tokens=2, ignore_eos=True),
+                                request_id="t2", session_id="s"))
+    eng.close_session("s")
+    eng.flush()
+    assert all(b.ref_cnt == 0 for b in eng.kv_manager.pool.blocks)
+    assert not eng.check_integrity()
+
+
+def two_turns_ending_together(tiny: LoadedModel, blocks: int, free: int | None) -> tuple[tuple[int, ...], bool]:
+    """Sessions a and b (standard) end snapkv-0.5 turns in one step while an interactive
+    request R (sharing a's history) holds all but ``free`` blocks: a's compaction waits for
+    blocks and settles. Returns b's next turn's output and whether both ended together."""
+    from cache_node.scheduling import TenantShare
+
+    eng = make_engine(tiny, kv_pool_bytes=blocks * 8192, max_num_batched_tokens=512, max_num_seqs=4)
+    eng.scheduler.policy.set_tenant("R", TenantShare("interactive"))
+    finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True), request_id="a0",
+                                session_id="a"))
+    finish(eng, eng.add_request(prompt_of(64, 4), SamplingParams(max_tokens=1, ignore_eos=True), request_id="b0",
+                                session_id="b"))
+    ha, hb = eng.session_history("a"), eng.session_history("b")
+    assert ha is not None and hb is not None
+    if free is not None:
+        eng.add_request(ha + prompt_of(8, 9), SamplingParams(max_tokens=blocks * 16 - 140, ignore_eos=True),
+                        request_id="R", tenant="R")
+        while eng.kv_manager.pool.num_free_blocks() > free:
+            eng.step()
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    eng.add_request(hb + prompt_of(40, 5), one, request_id="b1", session_id="b", policy="snapkv-0.5")
+    eng.add_request(ha + prompt_of(40, 2), one, request_id="a1", session_id="a", policy="snapkv-0.5")
+    at: dict[str, int] = {}
+    for n in range(1000):
+        at.update({o.request_id: n for o in eng.step() if o.finished})
+        if "a1" in at and "b1" in at:
+            break
+    eng.abort_request("R")
+    drain(eng)
+    hb2 = eng.session_history("b")
+    assert hb2 is not None
+    out = finish(eng, eng.add_request(hb2 + prompt_of(20, 6), SamplingParams(max_tokens=12, ignore_eos=True),
+                                      request_id="b2", session_id="b", policy="snapkv-0.5"))
+    assert not eng.check_integrity()
+    return out.output_token_ids, at["a1"] == at["b1"]
+
+
+def test_a_settling_turn_takes_the_histories_kept_for_an_undo_before_another_sessions_state(
+        tiny: LoadedModel) -> None:
+    """Regression (review of b4a2ce4, D8): b's previous history, kept to undo b's turn, held the
+    blocks a's settling compaction needed; its last resort unpinned session b, whose fresh
+    compacted state went whole, and b's next turn decoded other tokens (8 of 8 pool sizes)."""
+    roomy, _ = two_turns_ending_together(tiny, 512, None)
+    tight, together = two_turns_ending_together(tiny, 24, 8)
+    assert together and tight == roomy

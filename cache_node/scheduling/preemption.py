@@ -39,7 +39,7 @@ class Preemption:
     policy: SchedulingPolicy
     waiting: deque[Sequence]
     running: list[Sequence]
-    reclaim: Callable[[int, str], None] | None
+    reclaim: Callable[[int, str, bool], None] | None
     prefill_speed: SpeedMeter
     num_preemptions: int
     _demote: DemoteFn | None
@@ -55,13 +55,13 @@ class Preemption:
         at ``copy_bytes_per_s`` is cheaper than recomputing at the measured prefill speed."""
         self._demote, self._bytes_per_block, self._swap_bytes_per_s = demote, bytes_per_block, copy_bytes_per_s
 
-    def _free_held_elsewhere(self, seq: Sequence, ready: Callable[[], bool]) -> bool:
+    def _free_held_elsewhere(self, seq: Sequence, ready: Callable[[], bool], keep_kept: bool = False) -> bool:
         """Free blocks held outside the running batch for ``seq`` until ``ready()`` (called
         after each step, never again once True): first the blocks of waiting sequences but
         ``seq`` (they recompute, finding their KV in the prefix cache), one sequence at a
         time, then what ``reclaim`` frees for ``seq``'s holder (the engine's idle sessions and
-        stored prefixes, largest holder first, then kept histories), one more block's worth at a time.
-        Returns whether ``ready()`` held.
+        stored prefixes, largest holder first, then kept histories unless ``keep_kept``), one
+        more block's worth at a time. Returns whether ``ready()`` held.
 
         Regression (hangs review 19 O1): a lone request one block short reclaimed the whole
         pool: every idle session's compacted state and every stored compressed prefix went
@@ -81,7 +81,7 @@ class Preemption:
         pool = self.kv_manager.pool
         while True:
             free = pool.num_free_blocks()
-            self.reclaim(free + 1, holder_of(seq.cache_namespace))
+            self.reclaim(free + 1, holder_of(seq.cache_namespace), keep_kept)
             if ready():
                 return True
             if pool.num_free_blocks() == free:
@@ -290,8 +290,9 @@ class Preemption:
         (``LLMEngine._finish``): as ``_compact_due`` would before a next step, the requests of
         tenants holding the host tier over their share give way for a host-tier wait (of
         ``seq``'s class or lower), running requests of its class or lower for pool blocks
-        (newest first: the turn, which a running compaction might have preempted, is done),
-        then waiting requests and idle states (``_free_held_elsewhere``). A host-tier
+        (newest first: the turn, which a running compaction might have preempted, is done;
+        never a session turn running from its session's kept history), then waiting requests
+        and idle states (``_free_held_elsewhere``; kept histories stay). A host-tier
         wait that nothing can end drops what the tier cannot hold (counted, ``dropped_tokens``),
         as a running request's does. False when the compaction still cannot run (the pool
         has no blocks for its copy-on-write): the caller must not keep the state."""
@@ -312,13 +313,16 @@ class Preemption:
                 return True
         rank = self.policy.rank
         while kv.compaction_due:  # newest first, as ``victim``; never a higher class
-            victims = [s for s in self.running if rank(s) >= rank(seq)]
+            # nor a session turn running from its session's kept history: this step's output
+            # of it has not reached the cache node yet, whose stop string could end it
+            # preempted, its session then taking tokens whose KV it lacks (review of 29983c3, D2)
+            victims = [s for s in self.running if rank(s) >= rank(seq) and s.kept is None]
             if not victims:
                 break
             self._preempt_from_batch(victims[-1], batch)
             kv.retry_compaction()
-        if kv.compaction_due:
-            self._free_held_elsewhere(seq, kv.retry_compaction)
+        if kv.compaction_due:  # kept histories stay: a higher class's may be among them (D5)
+            self._free_held_elsewhere(seq, kv.retry_compaction, keep_kept=True)
         return not kv.compaction_due
 
     def _preempt_until(self, seq: Sequence, batch: ScheduledBatch, ready: Callable[[], bool]) -> bool:

@@ -81,6 +81,7 @@ class EngineTiersMixin:
         their charge blocks included), ``host`` and ``spill`` (0 without ``spill``)."""
         held = self.prefixes.stats()["compressed_prefix_blocks"]
         self.prefixes.clear()
+        self.sessions.drop_previous()  # histories kept to undo a turn: their cached blocks go too
         return {"prefixes": held, **self.tiers.flush_by_tier(spill)}
 
     def flush_spill(self) -> int:
