@@ -22,7 +22,9 @@ def drain(eng: LLMEngine) -> dict:  # type: ignore[type-arg]
     raise AssertionError("the engine did not drain")
 
 
-def third_turn(tiny: LoadedModel, rewind: bool) -> tuple[tuple[int, ...], int, LLMEngine]:
+def second_turn(tiny: LoadedModel, max_tokens: int = 8) -> tuple[LLMEngine, list[int], list[int]]:
+    """A snapkv-0.5 session's first turn, done, and its second (``t2``) queued: the engine,
+    the history before ``t2`` and ``t2``'s prompt."""
     eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
     eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
                     session_id="s", policy=POLICY)
@@ -30,7 +32,13 @@ def third_turn(tiny: LoadedModel, rewind: bool) -> tuple[tuple[int, ...], int, L
     history = eng.session_history("s")
     assert history is not None
     p2 = history + prompt_of(24, 2)
-    eng.add_request(p2, SamplingParams(max_tokens=8, ignore_eos=True), request_id="t2", session_id="s", policy=POLICY)
+    eng.add_request(p2, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="t2", session_id="s",
+                    policy=POLICY)
+    return eng, history, p2
+
+
+def third_turn(tiny: LoadedModel, rewind: bool) -> tuple[tuple[int, ...], int, LLMEngine]:
+    eng, history, p2 = second_turn(tiny)
     if rewind:  # the cancel lost the race: the turn finished in the step it landed in
         o2 = drain(eng)["t2"]
         assert eng.rewind_session("s", history, len(p2), o2.output_token_ids)
@@ -60,15 +68,8 @@ def test_a_turn_undone_after_its_end_leaves_the_history_state_it_found(tiny: Loa
 
 
 def test_the_history_kept_for_an_undo_is_freed_by_the_next_step(tiny: LoadedModel) -> None:
-    eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
+    eng, _, _ = second_turn(tiny)
     pool = eng.kv_manager.pool
-    eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
-                    session_id="s", policy=POLICY)
-    drain(eng)
-    history = eng.session_history("s")
-    assert history is not None
-    eng.add_request(history + prompt_of(24, 2), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t2",
-                    session_id="s", policy=POLICY)
     drain(eng)
     sess = eng.sessions.sessions["s"]
     assert sess.previous is not None and sess.previous.blocks  # kept for an undo until the next step
@@ -85,14 +86,8 @@ def test_a_turn_that_loses_its_sessions_kept_state_says_so(tiny: LoadedModel) ->
     and prompt at once, and may decode other tokens, with nothing in its usage saying so."""
     marks = []
     for reclaim in (False, True):
-        eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
-        eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
-                        session_id="s", policy=POLICY)
-        drain(eng)
-        history = eng.session_history("s")
-        assert history is not None
-        rid = eng.add_request(history + prompt_of(24, 2), SamplingParams(max_tokens=4, ignore_eos=True),
-                              request_id="t2", session_id="s", policy=POLICY)
+        eng, _, _ = second_turn(tiny, max_tokens=4)
+        rid = "t2"
         if reclaim:  # as when a lone request is short of blocks: kept histories go last
             eng._reclaim(eng.kv_manager.pool.num_blocks + 1)
         out = drain(eng)[rid]
@@ -106,18 +101,11 @@ def test_a_turn_ended_on_a_stop_string_can_still_be_undone_to_its_state(tiny: Lo
     (``abort_request(reason="stop")``) reports its end in the next step, which freed the kept
     history before the node could undo the turn; the session got its tokens without KV."""
     aborted, _, _ = third_turn(tiny, False)
-    eng = make_engine(tiny, kv_pool_bytes=256 * 8192, max_num_batched_tokens=64, max_num_seqs=4)
-    eng.add_request(prompt_of(96, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
-                    session_id="s", policy=POLICY)
-    drain(eng)
-    history = eng.session_history("s")
-    assert history is not None
-    p2 = history + prompt_of(24, 2)
-    eng.add_request(p2, SamplingParams(max_tokens=8, ignore_eos=True), request_id="t2", session_id="s", policy=POLICY)
+    eng, history, p2 = second_turn(tiny)
     for _ in range(5):
         eng.step()
     assert eng.abort_request("t2", reason="stop")  # the node matched a stop string
-    ended = [o for o in eng.step() if o.request_id == "t2"][0]  # its end is reported now
+    ended = next(o for o in eng.step() if o.request_id == "t2")  # its end is reported now
     assert eng.rewind_session("s", history, len(p2), ended.output_token_ids)  # its client had cancelled
     eng.release_undo()
     kv = eng.sessions.sessions["s"].kv

@@ -58,9 +58,9 @@ def test_a_turn_whose_compaction_waited_for_host_room_leaves_its_session_compact
     assert busy_out == idle_out
 
 
-def cow_session(tiny: LoadedModel, blocks: int, shared: bool) -> tuple[dict[str, float], tuple[int, ...], LLMEngine]:
-    """A snapkv-0.5 session turn of one token whose prompt-end compaction must copy the
-    history blocks another running request R shares, on a pool with 3 free blocks."""
+def shared_history(tiny: LoadedModel, blocks: int, shared: bool = True) -> tuple[LLMEngine, list[int]]:
+    """A session "s" of 129 tokens on a pool of ``blocks`` blocks and (``shared``) a request R
+    running over its history's blocks until 3 are free. Returns the engine and the history."""
     eng = make_engine(tiny, kv_pool_bytes=blocks * 8192, max_num_batched_tokens=256, max_num_seqs=4)
     finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True),
                                 request_id="t0", session_id="s"))
@@ -71,6 +71,13 @@ def cow_session(tiny: LoadedModel, blocks: int, shared: bool) -> tuple[dict[str,
                         request_id="R")
         while eng.kv_manager.pool.num_free_blocks() > 3:
             eng.step()
+    return eng, history
+
+
+def cow_session(tiny: LoadedModel, blocks: int, shared: bool) -> tuple[dict[str, float], tuple[int, ...], LLMEngine]:
+    """A snapkv-0.5 session turn of one token whose prompt-end compaction must copy the
+    history blocks another running request R shares, on a pool with 3 free blocks."""
+    eng, history = shared_history(tiny, blocks, shared)
     o1 = finish(eng, eng.add_request(history + prompt_of(40, 2), SamplingParams(max_tokens=1, ignore_eos=True),
                                      request_id="t1", session_id="s", policy="snapkv-0.5"))
     sess = eng.sessions.sessions["s"]
@@ -102,16 +109,8 @@ def test_a_compaction_that_can_never_run_leaves_the_session_its_tokens_not_its_k
     keeps the turn's tokens and unpins the uncompacted KV, counted, rather than keep a state
     its policy never compacted; the next turn prefills the history again and the pool stays
     whole."""
-    eng = make_engine(tiny, kv_pool_bytes=24 * 8192, max_num_batched_tokens=256, max_num_seqs=4)
+    eng, history = shared_history(tiny, 24)
     monkeypatch.setattr(eng.scheduler, "settle_compaction", lambda seq: False)
-    finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True),
-                                request_id="t0", session_id="s"))
-    history = eng.session_history("s")
-    assert history is not None
-    eng.add_request(history + prompt_of(8, 5), SamplingParams(max_tokens=24 * 16 - 140, ignore_eos=True),
-                    request_id="R")
-    while eng.kv_manager.pool.num_free_blocks() > 3:
-        eng.step()
     p1 = history + prompt_of(40, 2)
     o1 = finish(eng, eng.add_request(p1, SamplingParams(max_tokens=1, ignore_eos=True), request_id="t1",
                                      session_id="s", policy="snapkv-0.5"))
@@ -142,15 +141,7 @@ def test_a_policy_fault_in_a_settling_compaction_costs_that_turn_its_kv_alone(ti
         return retry(self)
 
     monkeypatch.setattr(SequenceKV, "retry_compaction", faulty)
-    eng = make_engine(tiny, kv_pool_bytes=24 * 8192, max_num_batched_tokens=256, max_num_seqs=4)
-    finish(eng, eng.add_request(prompt_of(128, 1), SamplingParams(max_tokens=1, ignore_eos=True),
-                                request_id="t0", session_id="s"))
-    history = eng.session_history("s")
-    assert history is not None
-    eng.add_request(history + prompt_of(8, 5), SamplingParams(max_tokens=24 * 16 - 140, ignore_eos=True),
-                    request_id="R")
-    while eng.kv_manager.pool.num_free_blocks() > 3:
-        eng.step()
+    eng, history = shared_history(tiny, 24)
     eng.add_request(history + prompt_of(40, 2), SamplingParams(max_tokens=1, ignore_eos=True), request_id="t1",
                     session_id="s", policy="snapkv-0.5")
     ended = {}
