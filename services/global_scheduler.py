@@ -54,7 +54,7 @@ that passes once a node is routed to again: no node is healthy (``no_healthy_nod
 session's node is down (``session_node_down``), the chosen node does not read its commands
 (``node_not_reading``). A gateway's ``NodeMonitor`` asks a down node again every ``retry_s``
 (0.5 s) and has it routed to at its first healthy answer; a second covers that poll and its
-``node_up``. Also that of ``gateway_gone``: Ray restarts a gateway on the same port."""
+``node_up``."""
 
 
 class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
@@ -261,8 +261,10 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             KeyError: the chosen node was never attached (``attach_nodes``).
         """
         if subscriber in self.gone_gateways:
+            # no retry hint: this gateway's requests are refused while it runs (review of 4bf5623,
+            # L2: a client honouring the hint retried it for ever)
             return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone",
-                             reason="gateway_gone", retry_after_s=NODE_RETRY_S)
+                             reason="gateway_gone")
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req),
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":

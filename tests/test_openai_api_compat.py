@@ -133,12 +133,17 @@ def test_errors_carry_the_request_id_too() -> None:
 
 # O4 ------------------------------------------------------------------------------------------
 
-OVER_CONTEXT = "prompt (31 tokens) + max_tokens (9000) exceeds the context limit (8192 tokens)"
-OVER_POOL = "prompt (5031 tokens) does not fit a cache node's KV pool, which holds 4368 tokens"
+OVER_CONTEXT = ("This model's maximum context length is 8192 tokens. However, you requested 9031 tokens "
+                "(31 in the prompt, 9000 in the completion). Please reduce the length of the prompt or completion.")
+OVER_POOL = ("This model's maximum context length is 4368 tokens on a cache node (its KV pool holds 4368 tokens: "
+             "the prompt and at least one generated token). However, you requested 5031 tokens in the messages. "
+             "Please reduce the length of the messages.")
 NODE_POOL = ("prompt (48 tokens) + max_tokens (300) needs 348 tokens of KV at once; this node's KV pool "
              "holds 160 tokens")
-TURN_POOL = ("messages (40 tokens at least, with the session's history on top) + max_tokens (9000) can never "
-             "fit: a cache node's KV pool holds 4368 tokens")
+TURN_POOL = ("This model's maximum context length is 4368 tokens on a cache node under a KV policy that keeps "
+             "every token (its KV pool holds 4368 tokens). However, you requested at least 9040 tokens (40 at "
+             "least in the messages, with the session's history on top, 9000 in the completion): that can never "
+             "fit. Please reduce the length of the messages or completion.")
 REWORDED = ("This model's maximum context length is 8192 tokens. However, you requested 9031 tokens "
             "(31 in the messages, 9000 in the completion).")
 
@@ -168,6 +173,23 @@ def test_context_overflow_is_context_length_exceeded(message: str, fields: dict,
     assert error["message"].count("maximum context length") == 1
 
 
+@pytest.mark.parametrize(("message", "param"), [
+    ("policy: a KV policy spec must match [A-Za-z0-9][A-Za-z0-9_.-]{0,255}, got 'KV pool'", "policy"),
+    ("policy: bad part 'max_context_tokens' in policy spec 'snapkv-max_context_tokens'", "policy"),
+    ("session 'a1b2/x: 5 characters can never fit in 3 tokens' already has a turn running", None),
+    ("session 'a1b2/This model's maximum context length is' already has a turn running", None),
+])
+def test_a_refusal_quoting_the_clients_text_is_not_taken_for_a_context_overflow(message: str,
+                                                                               param: str | None) -> None:
+    """Regression (review of 6b09071, L1): the size markers were searched anywhere in the
+    message, so a policy named "KV pool" or a session id holding a marker turned a bad policy or
+    a busy session into ``context_length_exceeded`` (param "messages"), which clients answer by
+    trimming history. Size refusals are now recognised by how they start."""
+    status, _, out = _call(_Servicer((grpc.StatusCode.INVALID_ARGUMENT, message, None)), "POST",
+                           "/v1/chat/completions", _chat(max_tokens=4))
+    assert status == 400 and (out["error"]["code"], out["error"]["param"]) == ("invalid_argument", param)
+
+
 def test_other_400s_stay_invalid_argument_naming_their_field() -> None:
     status, _, out = _call(_Servicer((grpc.StatusCode.INVALID_ARGUMENT, "priority must be in [-1000, 1000]", None)),
                            "POST", "/v1/chat/completions", _chat(max_tokens=4))
@@ -190,6 +212,7 @@ SESSION_GONE = ("the session ended (closed, expired or its first turn failed) be
 
 
 @pytest.mark.parametrize(("code", "message", "retry_after_ms", "status", "retry"), [
+    (grpc.StatusCode.UNAVAILABLE, "the gateway that sent this request is gone", None, 503, "false"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, TOO_MANY_SESSIONS, None, 429, "false"),
     (grpc.StatusCode.ABORTED, SESSION_LOST, None, 409, "false"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, SESSION_TEXT, None, 429, "false"),
@@ -216,10 +239,9 @@ def test_the_openai_client_does_not_retry_a_session_cap() -> None:
     servicer = _Servicer((grpc.StatusCode.RESOURCE_EXHAUSTED, TOO_MANY_SESSIONS, None))
     with _served(servicer) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="good")
-        start = time.monotonic()
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        assert len(servicer.calls) == 1 and time.monotonic() - start < 0.4
+        assert len(servicer.calls) == 1  # (no time bound: the test machines are loaded)
 
 
 class _served:
@@ -273,3 +295,32 @@ def test_error_codes_are_openais() -> None:
     assert status == 401 and out["error"]["code"] == "invalid_api_key"
     assert out["error"]["type"] == "authentication_error"
     assert json.loads(CallAborted(grpc.StatusCode.NOT_FOUND, "x").response().body)["error"]["code"] == "not_found"
+
+
+def test_a_size_refusal_after_the_first_chunk_reads_the_same_in_a_stream() -> None:
+    """Regression (review of 6b09071, L4): a size refusal arriving after ``started`` (the
+    node's "rejected": a running request its pool can never hold) was ``context_length_exceeded``
+    in a whole response but ``invalid_argument`` with ``param`` null in a stream."""
+    import asyncio
+    import json
+
+    from services.openai_api.app import _stream, refusal_about
+    from services.openai_api.context import CallAborted
+    from services.openai_api.responses import Generation
+    from services.openai_api.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 9, "stream": True})
+
+    async def events():  # type: ignore[no-untyped-def]
+        yield {"type": "delta", "token_ids": [1], "text": "a"}
+        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, "the request can never fit this node's KV pool (4368 "
+                          "tokens)")
+
+    async def run() -> dict:  # type: ignore[type-arg]
+        generation = Generation(events(), {"type": "started", "prompt_tokens": 5, "cached_tokens": {}}, True, "m", "r")
+        chunks = [c async for c in _stream(generation, False, lambda exc: refusal_about(exc, body))]
+        return next(json.loads(c.decode()[6:]) for c in chunks if b'"error"' in c)["error"]
+
+    error = asyncio.run(run())
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")

@@ -40,9 +40,10 @@ class NotReading:
 
 def test_the_schedulers_transient_refusals_carry_a_hint_and_too_many_sessions_none(tmp_path) -> None:
     """Regression (oairev20 O2): ``no_healthy_node`` (UNAVAILABLE, 503 over HTTP) had
-    ``retry_after_s`` 0, so it went out with no hint; so did ``node_not_reading`` and
-    ``gateway_gone``. Now every UNAVAILABLE admission carries ``NODE_RETRY_S``;
-    ``too_many_sessions`` deliberately carries none: it stands until a session is closed."""
+    ``retry_after_s`` 0, so it went out with no hint; so did ``node_not_reading``. Now they
+    carry ``NODE_RETRY_S``; ``too_many_sessions`` deliberately carries none (it stands until a
+    session is closed), nor does ``gateway_gone``, which stands while its gateway runs (review
+    of 4bf5623, L2: with a hint, clients honouring it retried for ever)."""
     gs = know_tenants(GlobalScheduler(str(tmp_path), {"n0": 4}, max_sessions_per_tenant=1), "t1")
     req = NodeRequest(request_id="r0", tenant="t1", cache_namespace="", sampling=SamplingParams(), token_ids=(1, 2))
     gs.attach_nodes({"n0": "tcp://n0:1"}, NotReading())
@@ -51,7 +52,7 @@ def test_the_schedulers_transient_refusals_carry_a_hint_and_too_many_sessions_no
         "UNAVAILABLE", "node_not_reading", NODE_RETRY_S)
     gs.gateway_gone("gw-old")
     gone = gs.admit_and_submit(req, "gw-old", [])
-    assert (gone.code, gone.reason, gone.retry_after_s) == ("UNAVAILABLE", "gateway_gone", NODE_RETRY_S)
+    assert (gone.code, gone.reason, gone.retry_after_s) == ("UNAVAILABLE", "gateway_gone", 0.0)
     assert gs.admit("t1", "r1", session_id="t1/s1").code == "OK"
     sessions = gs.admit("t1", "r2", session_id="t1/s2")
     assert (sessions.code, sessions.reason, sessions.retry_after_s) == ("RESOURCE_EXHAUSTED", "too_many_sessions", 0.0)

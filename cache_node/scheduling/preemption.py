@@ -291,7 +291,7 @@ class Preemption:
         tenants holding the host tier over their share give way for a host-tier wait (of
         ``seq``'s class or lower), running requests of its class or lower for pool blocks
         (newest first: the turn, which a running compaction might have preempted, is done;
-        never a session turn running from its session's kept history), then waiting requests
+        never a session turn under a compressing policy), then waiting requests
         and idle states (``_free_held_elsewhere``; kept histories stay). A host-tier
         wait that nothing can end drops what the tier cannot hold (counted, ``dropped_tokens``),
         as a running request's does. False when the compaction still cannot run (the pool
@@ -313,10 +313,10 @@ class Preemption:
                 return True
         rank = self.policy.rank
         while kv.compaction_due:  # newest first, as ``victim``; never a higher class
-            # nor a session turn running from its session's kept history: this step's output
-            # of it has not reached the cache node yet, whose stop string could end it
-            # preempted, its session then taking tokens whose KV it lacks (review of 29983c3, D2)
-            victims = [s for s in self.running if rank(s) >= rank(seq) and s.kept is None]
+            # nor a session turn under a compressing policy: this step's output of it has not
+            # reached the cache node yet, whose stop string could end it preempted, its session
+            # then taking tokens whose KV it lacks (review of 29983c3, D2; a first turn too, L3)
+            victims = [s for s in self.running if rank(s) >= rank(seq) and not (s.session_id and s.kv is not None)]
             if not victims:
                 break
             self._preempt_from_batch(victims[-1], batch)

@@ -376,7 +376,8 @@ class OpenAIEdge:
             return _gone()
         generation = Generation(events, started, chat, self.model_name, rid)
         if body.stream:
-            return _ClosingStream(_stream(generation, body.include_usage()), media_type="text/event-stream",
+            return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
+                                  media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"}, writer=writer)
         return await _whole(generation, request, lambda exc: refusal_about(exc, body))
 
@@ -393,10 +394,13 @@ def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequ
     return exc
 
 
-async def _stream(generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(generation: Generation, include_usage: bool,
+                  about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> AsyncIterator[bytes]:
     """The SSE body: a first chunk with the role, text chunks, a chunk with the finish
     reason, the usage chunk when asked for, ``[DONE]``. A failure after the first chunk is an
-    ``{"error": ...}`` event (the status line went out already)."""
+    ``{"error": ...}`` event (the status line went out already), worded by ``about`` as a
+    whole response's refusal is (review of 6b09071, L4: a size refusal was
+    ``context_length_exceeded`` in a whole response, ``invalid_argument`` in a stream)."""
     pieces = generation.pieces()
     try:
         yield sse(generation.chunk("" if generation.chat else None, first=True, include_usage=include_usage))
@@ -406,7 +410,7 @@ async def _stream(generation: Generation, include_usage: bool) -> AsyncIterator[
         if include_usage:
             yield sse(generation.usage_chunk())
     except CallAborted as exc:
-        yield sse(exc.response().body.decode())
+        yield sse(about(exc).response().body.decode())
         return
     finally:
         await pieces.aclose()

@@ -63,10 +63,16 @@ _OPENAI_CODES = {grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key"}
 """OpenAI's ``error.code`` for a gRPC status, where it has one of its own."""
 
 _CONTEXT_OVERFLOW = re.compile(
-    r"maximum context length|context limit|max_context_tokens|model context is|KV pool|can never fit")
-"""What the gateway's and the nodes' INVALID_ARGUMENT refusals for size say (prompt, or prompt
-+ max_tokens, past the context limit or a node's KV pool; text that can never fit): markers
-that survive a rewording of the rest of the message."""
+    r"This model's maximum context length is"
+    r"|prompt has \d+ tokens; the (?:model context is|KV pool holds)"
+    r"|prompt \(\d+(?: tokens)?\) \+ max_tokens \(\d+\) (?:exceeds the tenant's max_context_tokens|needs \d+ tokens)"
+    r"|the request can never fit this node's KV pool"
+    r"|[^:'\"]{1,80}: \d+ characters can never fit in \d+ tokens")
+"""How the gateway's and the nodes' INVALID_ARGUMENT refusals for size start (prompt, or prompt
++ max_tokens, past the context limit or a node's KV pool; text that can never fit), matched at
+the start only: a refusal of another kind that quotes the client's text (a policy spec, a
+session id) never reads as one (review of 6b09071, L1: a policy named "KV pool" was refused
+``context_length_exceeded`` with param "messages")."""
 
 _ABOUT_COMPLETION = re.compile(r"max_tokens|max_completion_tokens|completion", re.IGNORECASE)
 """A size refusal that counts the tokens asked for (not the prompt's alone)."""
@@ -75,6 +81,9 @@ _PERMANENT = re.compile(r"CloseSession|max_sessions_per_tenant|max_session_text_
 """Refusals (429, 409) only closing sessions can end: the tenant's session cap
 (``too_many_sessions``), its kept session text on a node, a session whose history was lost
 with its node (``session_lost``)."""
+
+_GATEWAY_GONE = "the gateway that sent this request is gone"
+"""The scheduler's ``gateway_gone`` refusal (503): it stands while this gateway runs."""
 
 CONTEXT_LENGTH_PHRASE = "This model's maximum context length is"
 """How OpenAI and vLLM start a context-overflow message; clients such as LiteLLM look for it."""
@@ -105,11 +114,13 @@ class CallAborted(Exception):
     @property
     def retryable(self) -> bool:
         """A retry of the same request may succeed: false for a session cap or a lost session's
-        history (only a CloseSession helps) and for a step that failed on the node (INTERNAL: a
-        retry runs it again); true for any refusal with ``retry_after_ms``."""
+        history (only a CloseSession helps), for a step that failed on the node (INTERNAL: a
+        retry runs it again) and for a gateway the scheduler counts as gone (``gateway_gone``);
+        true for any refusal with ``retry_after_ms``."""
         if self.retry_after_ms is not None:
             return True
-        if self.code == grpc.StatusCode.INTERNAL:
+        if self.code == grpc.StatusCode.INTERNAL or (self.code == grpc.StatusCode.UNAVAILABLE
+                                                     and self.message.startswith(_GATEWAY_GONE)):
             return False
         return not (self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
                     and _PERMANENT.search(self.message))
@@ -125,7 +136,7 @@ class CallAborted(Exception):
         Regression (oairev20 O4): these were ``invalid_argument`` with ``param`` null and the
         gateway's wording, so LiteLLM's context-window handling (and code checking
         ``context_length_exceeded``) never recognised them."""
-        if self.code != grpc.StatusCode.INVALID_ARGUMENT or not _CONTEXT_OVERFLOW.search(self.message):
+        if self.code != grpc.StatusCode.INVALID_ARGUMENT or not _CONTEXT_OVERFLOW.match(self.message):
             return False
         self.error_code = "context_length_exceeded"
         if "maximum context length" not in self.message:
