@@ -4,8 +4,8 @@
 runs three steps, each a subprocess with its own timeout (so one hang cannot eat the
 budget; the whole run stays under ``BUDGET_S``):
 
-1. ``pytest -m gpu tests`` (JUnit XML kept; test modules that need Ray, pyzmq, gguf or faiss
-   are skipped at collection by ``tests/conftest.py``);
+1. ``pytest -m gpu tests`` (JUnit XML kept; test modules that need a module the GPU machine
+   lacks, ``OPTIONAL_MODULES``, are skipped at collection by ``tests/conftest.py``);
 2. ``bench.engine --device cuda --model-shape llama-3.1-8b --quick``;
 3. ``bench.tiers --device cuda --quick``.
 

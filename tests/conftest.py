@@ -38,7 +38,7 @@ _MISSING = re.compile(r"No module named '(\w+)|import of (\w+) halted")
 def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
     """A test module whose import fails only because an optional module (``OPTIONAL_MODULES``)
     is not installed is reported skipped, not as a collection error, so ``pytest -m gpu`` runs
-    on a machine without Ray, pyzmq, gguf or faiss (the acceptance GPU)."""
+    on a machine without them (the acceptance GPU)."""
     outcome = yield
     report = outcome.get_result()
     if not report.failed or not isinstance(collector, pytest.Module):
