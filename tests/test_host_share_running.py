@@ -25,8 +25,10 @@ SPEC = "sentencekv-64"
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-def _engine(tiny, host_slots: int, scheduling_policy: str = "fcfs") -> LLMEngine:
-    probe = make_engine(tiny, kv_pool_bytes=4 << 20, max_num_batched_tokens=128)
+def _engine(tiny, host_slots: int, scheduling_policy: str = "fcfs", **engine: int) -> LLMEngine:
+    """A tiny-model engine with a host tier of ``host_slots`` blocks, sentences ending at token
+    13; ``engine``: EngineConfig fields over the defaults (4 MiB pool, 128-token steps)."""
+    probe = make_engine(tiny, **{"kv_pool_bytes": 4 << 20, "max_num_batched_tokens": 128, **engine})
     config = dataclasses.replace(probe.config, scheduling_policy=scheduling_policy)
     eng = LLMEngine(tiny.model, config, tiny.model_id, tiny.eos_token_ids,
                     tier_config=TierConfig(host_bytes=host_slots * probe.pool.bytes_per_block))

@@ -11,29 +11,18 @@ that another request's sentences fill.
 
 from __future__ import annotations
 
-import dataclasses
-
 from cache_node.engine import LLMEngine
 from cache_node.outputs import RequestOutput
-from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
-from cache_node.tiers.manager import TierConfig
-from tests.conftest import make_engine, node_metric
+from tests.conftest import node_metric
+from tests.test_host_share_running import _engine as host_engine
+from tests.test_host_share_running import _prompt
 
 SPEC = "sentencekv-64"
 
 
 def _engine(tiny, host_slots: int = 16) -> LLMEngine:
-    probe = make_engine(tiny, kv_pool_bytes=512 * 8192, max_num_batched_tokens=2048, max_num_seqs=4)
-    config = dataclasses.replace(probe.config, scheduling_policy="fcfs")
-    eng = LLMEngine(tiny.model, config, tiny.model_id, tiny.eos_token_ids,
-                    tier_config=TierConfig(host_bytes=host_slots * probe.pool.bytes_per_block))
-    eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
-    return eng
-
-
-def _prompt(n: int, off: int) -> list[int]:  # sentences of 12 tokens
-    return [13 if i % 12 == 11 else (7 * i + off) % 400 + 20 for i in range(n)]
+    return host_engine(tiny, host_slots, kv_pool_bytes=512 * 8192, max_num_batched_tokens=2048, max_num_seqs=4)
 
 
 DOC = _prompt(96, 28)
