@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -30,6 +32,31 @@ from workloads.corpus import load_corpus
 @pytest.fixture(scope="module")
 def templater() -> ChatTemplater:
     return ChatTemplater(AutoTokenizer.from_pretrained(resolve_model_dir(None)))
+
+
+@contextmanager
+def ann_generate(tmp_path: Path, templater: ChatTemplater) -> Iterator[Callable[..., tuple[grpc.StatusCode, str]]]:
+    """A gateway harness (no node) with tenant "ann"; yields ``generate(content, session_id="",
+    max_tokens=4, policy="")``, which sends one chat message and returns the call's refusal
+    (every call ends in one: there is no node)."""
+    with serve(tmp_path, templater) as gw, grpc.insecure_channel(gw.address) as ch:
+        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
+            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann")),
+            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+
+        def generate(content: str, session_id: str = "", max_tokens: int = 4,
+                     policy: str = "") -> tuple[grpc.StatusCode, str]:
+            req = inference_pb2.GenerateRequest(
+                chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=content)]),
+                session_id=session_id, policy=policy, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
+            try:
+                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=30))
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+            raise AssertionError("the harness has no node: every call ends in an error")
+
+        yield generate
 
 
 @settings(max_examples=60, deadline=None)
@@ -72,22 +99,7 @@ def test_text_that_can_never_fit_is_refused_before_rendering_and_the_rest_render
     monkeypatch.setattr(templater, "first_turn", spy)
     room = min(NODE_INFO["max_model_len"], NODE_INFO["pool_tokens"])
     huge = "x" * (room * templater.max_token_chars + 1)
-    with serve(tmp_path, templater) as gw, grpc.insecure_channel(gw.address) as ch:
-        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
-            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann")),
-            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
-        stub = inference_pb2_grpc.InferenceServiceStub(ch)
-
-        def generate(content: str, session_id: str = "") -> tuple[grpc.StatusCode, str]:
-            req = inference_pb2.GenerateRequest(
-                chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=content)]),
-                session_id=session_id, sampling=inference_pb2.SamplingParams(max_tokens=4))
-            try:
-                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=30))
-            except grpc.RpcError as err:
-                return err.code(), err.details()
-            raise AssertionError("the harness has no node: every call ends in an error")
-
+    with ann_generate(tmp_path, templater) as generate:
         for sid in ("", "s1"):  # a first turn, a session turn (which the node would render)
             code, message = generate(huge, sid)
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "can never fit" in message, (code, message)
@@ -189,21 +201,10 @@ def test_a_session_turn_whose_own_tokens_and_max_tokens_can_never_fit_is_refused
     the pool in tokens, so under one only the context limit is checked here."""
     monkeypatch.setitem(NODE_INFO, "pool_tokens", 1024)  # the context limit stays 2048
     words = " ".join(["hello"] * 700)  # ~700 tokens: under the 1024-token room alone
-    with serve(tmp_path, templater) as gw, grpc.insecure_channel(gw.address) as ch:
-        reg = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
-            tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="ann")),
-            metadata=(("authorization", f"Bearer {gw.admin_key}"),))
-        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+    with ann_generate(tmp_path, templater) as send:
 
         def generate(max_tokens: int, policy: str = "") -> tuple[grpc.StatusCode, str]:
-            req = inference_pb2.GenerateRequest(
-                chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=words)]),
-                session_id="s1", policy=policy, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
-            try:
-                list(stub.Generate(req, metadata=(("authorization", f"Bearer {reg.api_key}"),), timeout=30))
-            except grpc.RpcError as err:
-                return err.code(), err.details()
-            raise AssertionError("the harness has no node: every call ends in an error")
+            return send(words, "s1", max_tokens, policy)
 
         code, message = generate(400)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and re.fullmatch(
