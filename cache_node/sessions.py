@@ -264,9 +264,8 @@ class SessionTable:
                 continue
             self._parked.discard(session_id)
             sess = self.sessions.get(session_id)
-            if sess is not None and sess.previous is not None:
-                previous, sess.previous = sess.previous, None
-                self._free_history(previous)
+            if sess is not None:
+                self._free_previous(sess)
 
     def drop_history(self, sess: Session) -> None:
         """Free the history KV ``sess`` keeps (its turn holds its own references)."""
@@ -319,9 +318,7 @@ class SessionTable:
     def _release(self, sess: Session) -> None:
         if sess.kept_for is not None:  # its running turn restarts from scratch now
             sess.kept_for.kept = sess.kept_for = None
-        if sess.previous is not None:
-            previous, sess.previous = sess.previous, None
-            self._free_history(previous)
+        self._free_previous(sess)
         self._drop_kv(sess)
         self.kv_manager.pool.free(list(reversed(sess.blocks)))
         sess.blocks = []
@@ -329,16 +326,24 @@ class SessionTable:
 
     def _park(self, sess: Session) -> None:
         """Keep the history as it is now (``Session.previous``) until the next engine step
-        (``drop_previous``) instead of freeing it, and clear it from ``sess``."""
+        (``drop_previous``) instead of freeing it, and clear it from ``sess``; a history without
+        blocks (a full-cache turn took them over) has nothing to keep and is released."""
+        if not sess.blocks:
+            self._release(sess)
+            return
         if sess.kept_for is not None:
             sess.kept_for.kept = sess.kept_for = None
-        if sess.previous is not None:
-            previous, sess.previous = sess.previous, None
-            self._free_history(previous)
+        self._free_previous(sess)
         sess.previous = History(sess.token_ids, sess.num_computed_tokens, sess.num_evicted_tokens, sess.blocks,
                                 sess.kv, sess.policy, sess.namespace)
         self._parked.add(sess.session_id)
         sess.blocks, sess.kv, sess.num_evicted_tokens = [], None, 0
+
+    def _free_previous(self, sess: Session) -> None:
+        """Free the history ``sess`` keeps for an undo, if any."""
+        if sess.previous is not None:
+            previous, sess.previous = sess.previous, None
+            self._free_history(previous)
 
     def _free_history(self, history: History) -> None:
         if history.kv is not None:
