@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -166,6 +166,40 @@ def _timed(device: torch.device, fn: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+class StepProfile:
+    """Wall time of every ``engine.step`` while installed (``with``), with how many requests
+    got a token in it: steps where all ``full`` requests decode are the batch's decode steps,
+    to compare with the decode roofline; the rest hold prefill chunks (or a draining tail)."""
+
+    def __init__(self, engine: LLMEngine, full: int) -> None:
+        self.engine, self.full = engine, full
+        self.steps: list[tuple[float, int]] = []
+
+    def __enter__(self) -> Self:
+        inner = self.engine.step
+
+        def timed() -> Any:
+            t0 = time.perf_counter()
+            out = inner()
+            self.steps.append((time.perf_counter() - t0, len(out)))
+            return out
+        self.engine.step = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.step  # the class's method again
+
+    def summary(self) -> dict[str, Any]:
+        full = [t for t, n in self.steps if n >= self.full]
+        rest = [t for t, n in self.steps if n < self.full]
+        runner = getattr(self.engine, "runner", None) or getattr(self.engine, "model_runner", None)
+        graphs = getattr(runner, "graphs", None)
+        return {"steps": len(self.steps), "full_batch_decode_steps": len(full),
+                "full_batch_decode_step_ms_median": round(median(full) * 1000, 3) if full else None,
+                "other_steps": len(rest), "other_steps_s": round(sum(rest), 3),
+                "graph_buckets": sorted(graphs.graphs) if graphs is not None else None}
+
+
 def _single_stream(engine: LLMEngine, prompt: list[int], max_tokens: int, device: torch.device) -> dict[str, float]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     [out], wall = _timed(device, lambda: engine.generate([prompt], params, cache_namespace="single-stream"))
@@ -218,8 +252,10 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     runs: dict[str, tuple[list[list[int]], float] | None] = {}
     attempt("kvstrata_warmup", lambda: run_engine(engine, prompts[:1], 4, cache_namespace="warmup",
                                                    ignore_eos=True), errors)
-    runs["kvstrata"] = attempt("kvstrata", lambda: _timed(device, lambda: run_engine(
-        engine, prompts, cfg.max_tokens, cache_namespace="bench", ignore_eos=True)), errors)
+    profile = StepProfile(engine, len(prompts))
+    with profile:
+        runs["kvstrata"] = attempt("kvstrata", lambda: _timed(device, lambda: run_engine(
+            engine, prompts, cfg.max_tokens, cache_namespace="bench", ignore_eos=True)), errors)
     single = attempt("single_stream", lambda: _single_stream(engine, prompts[-1], cfg.max_tokens, device), errors)
     doc = shared_document(tok, corpus, cfg.prefix_doc_tokens, seed=cfg.seed + 1)
     prefix = attempt("prefix", lambda: run_prefix_case(engine, tok, doc, cfg.prefix_rounds,
@@ -237,7 +273,7 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     result = device_result({n: r[0] for n, r in done.items()}, {n: r[1] for n, r in done.items()}, prompts,
                            single, prefix, wbytes, cfg)
     return result | {"model_shape": shape, "dtype": str(dtype).removeprefix("torch."), "quick": quick,
-                     "errors": errors}
+                     "errors": errors, "kvstrata_steps": profile.summary()}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -85,9 +85,11 @@ def cb_config(prompts: Sequence[Sequence[int]], max_tokens: int, max_batch_token
 
     Without ``num_blocks`` it sizes its cache from free host memory (~20 GB here: ~24 s of
     zero-filling per ``generate_batch`` call); ``max_batch_tokens`` matches the engine's budget
-    (a sweep of 256-2048 and page sizes 16-256 moved its CPU time by < 10%).
+    (a sweep of 256-2048 and page sizes 16-256 moved its CPU time by < 10%). The page size is
+    ``page_size`` from transformers 5.2x, ``block_size`` before (5.17 on the acceptance GPU).
     """
-    page = ContinuousBatchingConfig().page_size
+    default = ContinuousBatchingConfig()
+    page = int(getattr(default, "page_size", None) or default.block_size)
     tokens = sum(len(p) + max_tokens for p in prompts)
     return ContinuousBatchingConfig(num_blocks=math.ceil(tokens / page) + len(prompts) + 2,
                                     max_batch_tokens=max_batch_tokens)

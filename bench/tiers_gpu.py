@@ -105,7 +105,10 @@ def decode_with_demotion(engine: LLMEngine, cached: list[list[int]], decoders: l
     for _ in range(8):  # prefill and warm-up
         engine.step()
     without = [_step_ms(engine) for _ in range(steps)]
+    copier = engine.tiers.copier
+    calls_before = copier.copy_calls
     with_demotion = [_step_ms_with(engine, lambda: engine.demote_all())]
+    demote_calls = copier.copy_calls - calls_before
     while engine.tiers.copier.num_held or len(with_demotion) < 3:
         with_demotion.append(_step_ms(engine))
     for seq_id in list(engine.requests):
@@ -117,7 +120,8 @@ def decode_with_demotion(engine: LLMEngine, cached: list[list[int]], decoders: l
     return {"demoted_bytes": demote_blocks * engine.pool.bytes_per_block, "batch": len(decoders),
             "without_ms": round(base, 3), "with_ms": round(mean_with, 3), "steps_with": len(with_demotion),
             "enqueue_step_ms": round(with_demotion[0], 3),
-            "after_enqueue_ms": round(statistics.fmean(with_demotion[1:]), 3), "ratio": mean_with / base}
+            "after_enqueue_ms": round(statistics.fmean(with_demotion[1:]), 3), "ratio": mean_with / base,
+            "copy_backend": copier.copy_backend, "demotion_copy_calls": demote_calls}
 
 
 def _step_ms_with(engine: LLMEngine, before: Any) -> float:

@@ -16,8 +16,9 @@ from bench.gpu_check import StepResult, junit_counts, last_json, steps, summariz
 from tests.conftest import OPTIONAL_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
-HIDE = f"import sys\nfor m in {OPTIONAL_MODULES!r}:\n    sys.modules[m] = None\n"
-"""Python run first in each subprocess below: it makes every module the GPU machine lacks unimportable."""
+HIDE = f"import sys\nfor m in {OPTIONAL_MODULES!r}:\n    sys.modules[m] = None\nimport grpc\ngrpc.__version__ = '1.84.0'\n"
+"""Python run first in each subprocess below: it makes every module the GPU machine lacks
+unimportable, and reports that machine's grpcio version (older than our generated stubs need)."""
 
 
 def _py(code: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:

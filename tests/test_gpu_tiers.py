@@ -197,6 +197,33 @@ def test_copy_stream_events_order_promotion_before_reads_and_demotion_before_reu
 
 
 @pytest.mark.gpu
+def test_pitched_copies_equal_row_copies_on_scattered_blocks() -> None:
+    """One ``cudaMemcpy2DAsync`` per run (memcpy2d) moves the same bytes as ``2 * L`` copies
+    per run, both ways, for scattered and reversed ids in a bf16 pool; and it is the backend
+    in use where cuda.bindings or CuPy is installed (both are on the acceptance GPU)."""
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 2, 96, 16, 2, 8, generator=g).to(torch.bfloat16).cuda()
+    src_ids = [5, 6, 7, 40, 39, 38, 90, 12, 13, 70]
+    slots = [0, 1, 2, 3, 4, 5, 10, 11, 12, 30]
+    hosts = []
+    for pitched in (True, False):
+        copier = DeviceCopier(torch.device("cuda"))
+        if not pitched:
+            copier._memcpy2d = None
+        host = torch.zeros(6, 2, 32, 16, 2, 8, dtype=torch.bfloat16, pin_memory=True)
+        copier.demote(host, slots, pool, src_ids)
+        back = torch.zeros_like(pool)
+        copier.promote(back, src_ids, host, slots)
+        torch.cuda.synchronize()
+        assert torch.equal(back[:, :, src_ids], pool[:, :, src_ids])
+        hosts.append(host)
+        if pitched:
+            assert copier.copy_backend in ("memcpy2d:cuda.bindings", "memcpy2d:cupy"), copier.copy_backend
+            assert copier.copy_calls == 2 * 7  # 7 runs each way, one call each
+    assert torch.equal(hosts[0], hosts[1])
+
+
+@pytest.mark.gpu
 def test_held_blocks_wait_for_a_busy_copy_stream() -> None:
     eng = engine_on(_cuda_model(), "cuda", pool_blocks=128, host_blocks=64)
     eng.generate([prompt_of(400)], SamplingParams(max_tokens=1))

@@ -21,23 +21,28 @@ built on). The ordering rules, as in vLLM's and LMCache's swap paths:
 - **spill rows** are staged into a pinned buffer (reused; its last copy's event is waited on
   before it is overwritten), then copied to the device on the copy stream.
 
-A copy of a run of ``n`` consecutive blocks is ``2 * num_layers`` contiguous
-``cudaMemcpyAsync`` calls of ``n * block_bytes / (2 * num_layers)`` bytes each: the pool is
-layer-major, and ``copy_`` of a non-contiguous slice across devices would go through a
-pageable temporary and block the host (``aten/src/ATen/native/cuda/Copy.cu``).
+A copy of a run of ``n`` consecutive blocks is one ``cudaMemcpy2DAsync`` of ``2 * num_layers``
+rows of ``n * block_bytes / (2 * num_layers)`` bytes (``memcpy2d``), or, without a binding for
+it, that many contiguous ``cudaMemcpyAsync`` calls: the pool is layer-major, and ``copy_`` of a
+non-contiguous slice across devices would go through a pageable temporary and block the host
+(``aten/src/ATen/native/cuda/Copy.cu``).
 
 On a CPU pool the same calls run synchronously (``block_copy``), with no streams or events.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from cache_node.block import KVBlock
 from cache_node.tiers.block_copy import copy_stack_to_view, copy_view_to_view
+from cache_node.tiers.memcpy2d import find_memcpy2d, plan_runs
 from cache_node.tiers.runs import runs
+
+log = logging.getLogger(__name__)
 
 
 def _copy_runs(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
@@ -63,6 +68,9 @@ class DeviceCopier:
         compute_stream: the stream steps run on (CUDA; the current stream of the thread that
             built the copier). Set it if the engine steps on another stream.
         copy_stream: the stream tier copies run on (CUDA), None on the CPU.
+        copy_backend: how runs are copied on CUDA: ``"memcpy2d:<binding>"`` (one pitched copy
+            per run) or ``"rows"`` (one copy per run and (layer, K/V) row); None on the CPU.
+        copy_calls: copy calls enqueued on the copy stream so far (CUDA).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -73,6 +81,10 @@ class DeviceCopier:
         self._staging: torch.Tensor | None = None
         self._staging_event: torch.cuda.Event | None = None
         self._last_event: torch.cuda.Event | None = None
+        found = find_memcpy2d() if self.is_cuda else None
+        self._memcpy2d = found[1] if found else None
+        self.copy_backend = (f"memcpy2d:{found[0]}" if found else "rows") if self.is_cuda else None
+        self.copy_calls = 0
 
     # ---- copies --------------------------------------------------------------------------
     def demote(self, host: torch.Tensor, slots: Sequence[int], pool: torch.Tensor,
@@ -128,13 +140,38 @@ class DeviceCopier:
         assert self.copy_stream is not None and self.compute_stream is not None
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
-            _copy_runs(dst, dst_ids, src, src_ids)
+            if not self._copy_pitched(dst, dst_ids, src, src_ids):
+                _copy_runs(dst, dst_ids, src, src_ids)
+                self.copy_calls += len(runs(src_ids, dst_ids)) * dst.shape[0] * dst.shape[1]
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         if wait_after:
             self.compute_stream.wait_event(event)
         self._last_event = event
         return event
+
+    def _copy_pitched(self, dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
+                      src_ids: Sequence[int]) -> bool:
+        """One ``cudaMemcpy2DAsync`` per run on the copy stream; False (nothing enqueued, or
+        a failed call: the caller copies row by row, which rewrites every row) when there is
+        no binding, a view is not evenly pitched or not pinned, or the call fails (then the
+        binding is not tried again)."""
+        if self._memcpy2d is None or not all(t.is_cuda or t.is_pinned() for t in (dst, src)):
+            return False
+        plan = plan_runs(dst, dst_ids, src, src_ids)
+        if plan is None:
+            return False
+        assert self.copy_stream is not None
+        handle = self.copy_stream.cuda_stream
+        try:
+            for c in plan:
+                self._memcpy2d(c, handle)
+        except RuntimeError as exc:
+            log.warning("tier copies: pitched copies failed (%s); copying row by row from now on", exc)
+            self._memcpy2d, self.copy_backend = None, "rows"
+            return False
+        self.copy_calls += len(plan)
+        return True
 
     # ---- ordering ------------------------------------------------------------------------
     def hold(self, event: torch.cuda.Event | None, blocks: list[KVBlock]) -> bool:
