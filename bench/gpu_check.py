@@ -160,6 +160,7 @@ def _env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a step killed at its timeout keeps its log
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("KVSTRATA_GPU_CARRY", str(root / ".gpu-carry"))
     return env
