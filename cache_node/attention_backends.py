@@ -136,7 +136,7 @@ def decode_attention(
         o = F.scaled_dot_product_attention(
             qg[i], k[:, rows].unsqueeze(0), v[:, rows].unsqueeze(0), scale=scaling
         )
-        out[i] = o.view(num_heads, head_dim)
+        out[i] = o.reshape(num_heads, head_dim)  # CUDA SDPA may return it non-contiguous
     return out
 
 

@@ -48,3 +48,28 @@ def test_gather_slots_equals_advanced_indexing() -> None:
     cache = torch.arange(10 * 2 * 3, dtype=torch.float32).view(10, 2, 3)
     slots = torch.tensor([[7, 0, 3], [3, 9, 9]])
     assert torch.equal(gather_slots(cache, slots), cache[slots])
+
+
+def test_decode_attention_takes_a_non_contiguous_sdpa_output(monkeypatch) -> None:
+    """Regression (H200, 2026-12-04: ``full`` and every plain request on the torch backend
+    failed their second step, "view size is not compatible with input tensor's size and
+    stride"): CUDA's SDPA returns ``(1, H_kv, group, d)`` in a layout ``view`` cannot fold; the
+    CPU's was contiguous, so CI never saw it. Here SDPA's output is made non-contiguous."""
+    import cache_node.attention_backends as backends
+
+    sdpa = F.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    q = torch.randn(2, 6, 8, generator=g)
+    slots = torch.arange(40)
+    want = decode_attention(q, gather_slots(k_cache, slots), gather_slots(v_cache, slots), (0, 15, 40), 0.3)
+    monkeypatch.setattr(backends.F, "scaled_dot_product_attention", strided_sdpa)
+    assert not strided_sdpa(q[:1].view(1, 2, 3, 8), k_cache[:5].transpose(0, 1).unsqueeze(0),
+                            v_cache[:5].transpose(0, 1).unsqueeze(0)).is_contiguous()
+    got = decode_attention(q, gather_slots(k_cache, slots), gather_slots(v_cache, slots), (0, 15, 40), 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
