@@ -78,3 +78,27 @@ def test_copy2d_rows_are_pitch_apart() -> None:
 def test_cpu_copier_has_no_cuda_backend() -> None:
     copier = DeviceCopier(torch.device("cpu"))
     assert copier.copy_backend is None and copier.copy_calls == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 3), blocks=st.integers(1, 20), cap_blocks=st.integers(1, 6), data=st.data())
+def test_capped_plan_splits_runs_and_still_copies_exactly(layers: int, blocks: int, cap_blocks: int,
+                                                          data: st.DataObject) -> None:
+    """``max_bytes`` splits each run into pieces of at most that many bytes (one block at
+    least): the step's own small copies never queue behind a whole 1 GiB demotion."""
+    n = data.draw(st.integers(0, blocks))
+    src_ids = sorted(data.draw(st.permutations(range(blocks)))[:n])
+    dst_ids = list(range(n))
+    src, dst = _pool(layers, blocks, 9), _pool(layers, max(n, 1), 10)
+    want = dst.clone()
+    for s, d in zip(src_ids, dst_ids):
+        want[:, :, d] = src[:, :, s]
+    block_bytes = src[0, 0, 0].numel() * src.element_size() * layers * 2
+    cap = cap_blocks * block_bytes + data.draw(st.integers(0, block_bytes - 1))
+    plan = plan_runs(dst, dst_ids, src, src_ids, max_bytes=cap)
+    assert plan is not None and all(c.width * c.height <= cap for c in plan)
+    assert len(plan) >= len(runs(src_ids, dst_ids))
+    emulate(plan, dst, src)
+    assert torch.equal(dst, want)
+    tiny = plan_runs(dst.clone(), dst_ids, src, src_ids, max_bytes=1)  # below one block: one block each
+    assert tiny is not None and len(tiny) == n
