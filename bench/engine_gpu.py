@@ -40,6 +40,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.common import chat_prompt, median, shared_document
 from bench.engine_systems import (
+    PREFIX_QUESTIONS,
     PrefixCase,
     cb_config,
     generation_config,
@@ -48,6 +49,7 @@ from bench.engine_systems import (
     run_hf_generate,
     run_prefix_case,
 )
+from bench.gpu_profile import profile_engine
 from cache_node.config import EngineConfig, resolve_device
 from cache_node.engine import LLMEngine
 from cache_node.kv_pool import KVPool
@@ -252,8 +254,8 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     runs: dict[str, tuple[list[list[int]], float] | None] = {}
     attempt("kvstrata_warmup", lambda: run_engine(engine, prompts[:1], 4, cache_namespace="warmup",
                                                    ignore_eos=True), errors)
-    profile = StepProfile(engine, len(prompts))
-    with profile:
+    steps = StepProfile(engine, len(prompts))
+    with steps:
         runs["kvstrata"] = attempt("kvstrata", lambda: _timed(device, lambda: run_engine(
             engine, prompts, cfg.max_tokens, cache_namespace="bench", ignore_eos=True)), errors)
     single = attempt("single_stream", lambda: _single_stream(engine, prompts[-1], cfg.max_tokens, device), errors)
@@ -261,6 +263,8 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     prefix = attempt("prefix", lambda: run_prefix_case(engine, tok, doc, cfg.prefix_rounds,
                                                         cfg.prefix_hits_per_round, 1), errors)
     attempt("integrity", lambda: (engine.wait_for_transfers(), engine.check_integrity()), errors)
+    questions = [chat_prompt(tok, f"{doc}\n\nQuestion: {q}") for q in PREFIX_QUESTIONS[:2]]
+    profile = attempt("profile", lambda: profile_engine(engine, prompts, (questions[0], questions[1])), errors)
     hf = prompts[: cfg.hf_generate_requests]
     attempt("hf_warmup", lambda: run_hf_generate(ref, prompts[:1], warm_gen), errors)
     runs["hf_generate"] = attempt("hf_generate", lambda: _timed(device, lambda: run_hf_generate(ref, hf, gen)),
@@ -273,7 +277,7 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     result = device_result({n: r[0] for n, r in done.items()}, {n: r[1] for n, r in done.items()}, prompts,
                            single, prefix, wbytes, cfg)
     return result | {"model_shape": shape, "dtype": str(dtype).removeprefix("torch."), "quick": quick,
-                     "errors": errors, "kvstrata_steps": profile.summary()}
+                     "errors": errors, "kvstrata_steps": steps.summary(), "profile": profile}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -6,9 +6,11 @@ KV policy) with the triton backend on CUDA instead copies its inputs into static
 replays the graph captured for the smallest bucket (1, 2, 4, 8, ..., ``max_num_seqs``) that
 holds the batch. Padded rows decode token 0 at position 0 with a context of one token: they
 read block 0 (harmless) and write their K/V into the scratch slot, a pool slot no sequence
-owns (the engine keeps the pool's last block out of the block pool). Graphs are captured on
-first use, after a warm-up run on a side stream (Triton compiles there), and share one memory
-pool. Prefill, mixed and policy steps run eagerly. Idea: vLLM's and nano-vllm's decode graphs
+owns (the engine keeps the pool's last block out of the block pool). Every bucket's graph is
+captured when the runner is built (largest first, as vLLM does, so the smaller ones reuse its
+memory), after a warm-up run on a side stream (Triton compiles there); they share one memory
+pool. Before, each was captured by the first step that needed it: on the H200 that put the
+capture inside the first steps that served requests. Prefill, mixed and policy steps run eagerly. Idea: vLLM's and nano-vllm's decode graphs
 (``CUDAGraphRunner``, ``capture_cudagraph``), SGLang's ``cuda_graph_runner.py``.
 """
 
@@ -107,6 +109,13 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(dev["seq_lens"])
         self.block_tables[:bucket, :width].copy_(dev["block_tables"])
         return bucket
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph not captured yet, largest first. The warm-ups and
+        captures run the static buffers' padded rows: they write only the scratch slot."""
+        for bucket in reversed(self.buckets):
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Decode one token of every sequence in ``batch`` (plain sequences, one new token

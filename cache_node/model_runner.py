@@ -92,6 +92,7 @@ class ModelRunner:
             max_len = self.config.max_model_len or model.config.max_position_embeddings
             max_blocks = min(pool.num_blocks, -(-max_len // pool.block_size))
             self.graphs = DecodeGraphs(self, self.config.max_num_seqs, max_blocks, scratch_slot)
+            self.graphs.capture_all()  # at start, not inside the first steps that need them
 
     @staticmethod
     def uses_cuda_graphs(config: EngineConfig) -> bool:

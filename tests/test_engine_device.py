@@ -322,6 +322,8 @@ def test_cuda_graph_decode_equals_eager(tiny) -> None:
     outs = {}
     for graphs in (False, True):
         eng = engine_on(tiny, "triton", "cuda", cuda_graphs=graphs, max_num_batched_tokens=256)
+        if graphs:  # every bucket captured when the engine is built, none inside a step
+            assert set(eng.runner.graphs.graphs) == set(eng.runner.graphs.buckets)
         assert (eng.runner.graphs is not None) == graphs
         outs[graphs] = [o.output_token_ids for o in eng.generate(prompts, params)]
         outs[graphs] += [o.output_token_ids for o in eng.generate(prompts[:2], params)]

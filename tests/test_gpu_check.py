@@ -146,6 +146,11 @@ def test_device_engine_bench_runs_end_to_end_on_a_tiny_shape(capsys: pytest.Capt
     assert set(result["targets_met"]) == {"kvstrata_ge_5x_continuous_batching", "single_stream_ge_100_tok_s",
                                           "prefix_hit_ttft_le_0.1x_cold"}
     assert 0 < result["roofline_fraction"]["batch"] and result["single_stream"]["decode_tokens_per_s"] > 0
+    prof = result["profile"]  # where a step's time goes: the phases ran and were timed
+    assert prof["decode_batch"]["batch"] == 3 and prof["decode_batch"]["steps"] == 20
+    assert prof["decode_single"]["phases"]["sample"]["calls"] == 20
+    assert prof["prefix_hit"]["ttft_ms"] > 0 and prof["prefix_hit"]["phases"]["runner.execute"]["calls"] >= 1
+    assert result["kvstrata_steps"]["steps"] > 0
 
 
 @pytest.mark.slow

@@ -73,6 +73,14 @@ class LayerView:
         return self.stats.cum[self.layer_idx][:, self.slots]
 
 
+def top_k_stable(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest of ``score`` (n,), ties going to the lower index, on every
+    device. ``torch.topk`` breaks ties as its kernel happens to: max-pooled scores (SnapKV)
+    are full of exact ties, and on the H200 (2026-12-04) CUDA kept other tokens than the CPU
+    from the same scores, so the same request decoded differently on the two devices."""
+    return torch.argsort(score, descending=True, stable=True)[:k]
+
+
 def protected_mask(positions: torch.Tensor, sink_tokens: int, window_tokens: int) -> torch.Tensor:
     """(n,) bool: which of ``positions`` (n,) (absolute, distinct, any order) are sinks (position
     < ``sink_tokens``) or among the ``window_tokens`` largest (the most recent). Zero means
@@ -249,8 +257,7 @@ class Policy:
             return LayerPlan(torch.arange(n, device=view.positions.device))
         score = self.score(view).float().clone()
         score[self.protected(view)] = float("inf")
-        keep = torch.topk(score, budget, sorted=False).indices
-        return LayerPlan(keep.sort().values)
+        return LayerPlan(top_k_stable(score, budget).sort().values)
 
     # ---- hooks for transforming policies (no-ops by default) -------------------------------
     def before_attend(self, state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
