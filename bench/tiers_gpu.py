@@ -12,8 +12,8 @@ Llama-3.1-8B, bf16; ``--model-shape``), one process, measures:
   and mean of the steps while ``demote_all`` moves ~``demote_bytes`` (1 GiB) of cached blocks
   to host on the copy stream (the step that enqueues it included, and also reported alone:
   ``enqueue_step_ms``, ``after_enqueue_ms``); ``decode_with_over_without`` = their ratio
-  (target <= 1.1), with the copier's default largest copy (``max_copy_bytes``), and again
-  for several sizes (``decode_with_over_without_by_max_copy_bytes``).
+  (target <= 1.1), with the copier's paced demotion (``DeviceCopier.max_inflight_bytes``), and
+  again with the demotion enqueued whole (``decode_step_ms_unpaced``, the same run's peer).
 
 The last stdout line is one JSON object with ``targets_met``. The same code runs on the CPU
 (``run_device("cpu", "tiny", ...)``, float32, plain memory) so that tests cover it there.
@@ -109,9 +109,9 @@ def decode_with_demotion(engine: LLMEngine, cached: list[list[int]], decoders: l
     copier = engine.tiers.copier
     calls_before = copier.copy_calls
     with_demotion = [_step_ms_with(engine, lambda: engine.demote_all())]
-    demote_calls = copier.copy_calls - calls_before
     while engine.tiers.copier.num_held or len(with_demotion) < 3:
         with_demotion.append(_step_ms(engine))
+    demote_calls = copier.copy_calls - calls_before
     for seq_id in list(engine.requests):
         engine.abort_request(seq_id)
     while engine.has_unfinished_requests():
@@ -122,26 +122,21 @@ def decode_with_demotion(engine: LLMEngine, cached: list[list[int]], decoders: l
             "without_ms": round(base, 3), "with_ms": round(mean_with, 3), "steps_with": len(with_demotion),
             "enqueue_step_ms": round(with_demotion[0], 3),
             "after_enqueue_ms": round(statistics.fmean(with_demotion[1:]), 3), "ratio": mean_with / base,
-            "copy_backend": copier.copy_backend, "demotion_copy_calls": demote_calls}
+            "copy_backend": copier.copy_backend, "demotion_copy_calls": demote_calls,
+            "max_inflight_bytes": copier.max_inflight_bytes}
 
 
-def _by_copy_size(engine: LLMEngine, cached: list[list[int]], decoders: list[list[int]],
-                  steps: int) -> dict[str, dict[str, float]]:
-    """``decode_with_demotion`` again with the copier's largest single copy set to each of
-    whole runs, 256, 64 and 8 MiB (then put back): how much a step's own copies wait behind
-    the demotion on the copy engine."""
+def _unpaced(engine: LLMEngine, cached: list[list[int]], decoders: list[list[int]],
+             steps: int) -> dict[str, Any]:
+    """``decode_with_demotion`` again with the demotion enqueued whole (the copier's
+    ``max_inflight_bytes`` None, then put back): the same run's figure without pacing."""
     copier = engine.tiers.copier
-    default = copier.max_copy_bytes
-    out = {}
+    paced = copier.max_inflight_bytes
     try:
-        for label, cap in (("whole_runs", None), ("256MiB", 256 << 20), ("64MiB", 64 << 20), ("8MiB", 8 << 20)):
-            copier.max_copy_bytes = cap
-            r = decode_with_demotion(engine, cached, decoders, steps)
-            out[label] = {k: r[k] for k in ("ratio", "enqueue_step_ms", "after_enqueue_ms", "without_ms",
-                                            "steps_with", "demotion_copy_calls")}
+        copier.max_inflight_bytes = None
+        return decode_with_demotion(engine, cached, decoders, steps)
     finally:
-        copier.max_copy_bytes = default
-    return out
+        copier.max_inflight_bytes = paced
 
 
 def _step_ms_with(engine: LLMEngine, before: Any) -> float:
@@ -173,7 +168,7 @@ def run_device(device_name: str, shape: str | None, quick: bool, demote_bytes: i
     decoders = sized_prompts(lm.tokenizer, corpus, 8, 256, 512, seed=3)
     decode = attempt("decode", lambda: decode_with_demotion(engine, cached, decoders, 10 if quick else 30),
                       errors)
-    by_chunk = attempt("decode_by_copy_size", lambda: _by_copy_size(engine, cached, decoders, 10), errors)
+    unpaced = attempt("decode_unpaced", lambda: _unpaced(engine, cached, decoders, 10 if quick else 30), errors)
     attempt("integrity", lambda: (engine.wait_for_transfers(), engine.check_integrity()), errors)
     ratio = restore[0] / memcpy if restore and memcpy else None
     slow = decode["ratio"] if decode else None
@@ -181,6 +176,6 @@ def run_device(device_name: str, shape: str | None, quick: bool, demote_bytes: i
             "restore_gbps": restore and round(restore[0], 2), "restore_bytes": nbytes,
             "pinned_memcpy_gbps": memcpy and round(memcpy, 2), "restore_over_memcpy": ratio,
             "decode_step_ms": decode, "decode_with_over_without": slow,
-            "decode_with_over_without_by_max_copy_bytes": by_chunk, "errors": errors,
+            "decode_step_ms_unpaced": unpaced, "errors": errors,
             "targets_met": {"restore_ge_0.7_memcpy": ratio is not None and ratio >= 0.7,
                             "decode_with_demotion_within_10pct": slow is not None and slow <= 1.1}}

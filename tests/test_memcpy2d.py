@@ -72,7 +72,7 @@ def test_copy2d_rows_are_pitch_apart() -> None:
     (c,) = plan_runs(pool.clone(), [2, 3], pool, [5, 6])  # type: ignore[misc]
     row = pool.stride(1) * pool.element_size()
     block = pool.stride(2) * pool.element_size()
-    assert c == Copy2D(c.dst, row, pool.data_ptr() + 5 * block, row, 2 * block, 4)
+    assert c == Copy2D(c.dst, row, pool.data_ptr() + 5 * block, row, 2 * block, 4, 5, 2, 2)
 
 
 def test_cpu_copier_has_no_cuda_backend() -> None:

@@ -26,7 +26,7 @@ import torch
 
 from cache_node.hashing import BlockHash
 from cache_node.tiers.block_copy import view_to_stack
-from cache_node.tiers.device_copy import DeviceCopier
+from cache_node.tiers.device_copy import CopyTicket, DeviceCopier
 from cache_node.tiers.fair_lru import FairLRU, holder_of
 
 TIER_DEVICE = "device"
@@ -94,7 +94,7 @@ class HostTier:
         self.reserved_by: Counter[str] = Counter()  # those slots per holder (``holder_of``)
         self._events: list[TierEvent] = []
         self.copier = copier or DeviceCopier(torch.device("cpu"))
-        self.last_put_event: torch.cuda.Event | None = None  # of the last ``put``'s copy (CUDA)
+        self.last_put_event: CopyTicket | None = None  # of the last ``put``'s copy (CUDA)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.entries

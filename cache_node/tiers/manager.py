@@ -42,7 +42,7 @@ from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
 from cache_node.tiers.block_copy import view_to_stack
-from cache_node.tiers.device_copy import DeviceCopier
+from cache_node.tiers.device_copy import CopyTicket, DeviceCopier
 from cache_node.tiers.host import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
 from cache_node.tiers.prefetch import TransferWorker
 from cache_node.tiers.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
@@ -159,8 +159,8 @@ class TierManager:
         """
         self.copier.order_reuse(self._demote(blocks))
 
-    def _demote(self, blocks: Seq[KVBlock]) -> torch.cuda.Event | None:
-        """``demote_blocks`` without ordering reuse; returns the host copy's event (CUDA)."""
+    def _demote(self, blocks: Seq[KVBlock]) -> CopyTicket | None:
+        """``demote_blocks`` without ordering reuse; returns the host copy's ticket (CUDA)."""
         todo = [b for b in blocks if b.block_hash is not None and b.block_hash not in self.host]
         if not todo:
             return None
@@ -170,7 +170,7 @@ class TierManager:
         self.push_to_spill(victims)
         return self.host.last_put_event
 
-    def _uncache_and_hold(self, blocks: list[KVBlock], event: torch.cuda.Event | None) -> None:
+    def _uncache_and_hold(self, blocks: list[KVBlock], event: CopyTicket | None) -> None:
         """Drop the demoted blocks' device hashes; on CUDA keep them out of the free queue
         (one reference each) until their copy ``event`` has completed."""
         self.blocks.uncache(blocks)
@@ -222,6 +222,7 @@ class TierManager:
         """Watermark demotion (call once per step). Returns blocks demoted."""
         if not self.enabled:
             return 0
+        self.copier.pump()  # the next lot of a paced demotion (``DeviceCopier``)
         self.release_held()
         n = self.blocks.num_blocks
         free_cached = sum(1 for b in self.blocks.cached.values() if b.ref_cnt == 0)

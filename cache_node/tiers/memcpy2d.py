@@ -34,7 +34,8 @@ MAX_PITCH_BYTES = (1 << 31) - 1
 
 class Copy2D(NamedTuple):
     """One pitched copy: ``height`` rows of ``width`` bytes; row ``r`` starts at
-    ``dst + r * dpitch`` and ``src + r * spitch`` (addresses in bytes)."""
+    ``dst + r * dpitch`` and ``src + r * spitch`` (addresses in bytes). It moves blocks
+    ``src_block .. src_block + blocks - 1`` of the source view into ``dst_block ..``."""
 
     dst: int
     dpitch: int
@@ -42,6 +43,9 @@ class Copy2D(NamedTuple):
     spitch: int
     width: int
     height: int
+    src_block: int = 0
+    dst_block: int = 0
+    blocks: int = 0
 
 
 def _row_layout(t: torch.Tensor) -> tuple[int, int] | None:
@@ -94,7 +98,8 @@ def plan_runs(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
         k = step or n
         for i in range(0, n, k):
             m = min(k, n - i)
-            out.append(Copy2D(d0 + (d + i) * dblock, dpitch, s0 + (s + i) * sblock, spitch, m * sblock, height))
+            out.append(Copy2D(d0 + (d + i) * dblock, dpitch, s0 + (s + i) * sblock, spitch, m * sblock, height,
+                              s + i, d + i, m))
     return out
 
 
