@@ -98,6 +98,13 @@ def _top_ops(prof: Any, key: str, rows: int = 20) -> str:
         return f"(no table by {key}: {type(exc).__name__}: {exc})"
 
 
+def _profiler(engine: LLMEngine) -> Any:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
 def _drain(engine: LLMEngine) -> None:
     for seq_id in list(engine.requests):
         engine.abort_request(seq_id)
@@ -115,10 +122,7 @@ def _decode_window(engine: LLMEngine, prompts: list[list[int]], steps: int, name
         engine.step()
     timer = PhaseTimer(engine)
     if profiler:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if engine.runner.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof, timer:
+        with _profiler(engine) as prof, timer:
             for _ in range(steps):
                 timer.step()
         print(f"[profile] decode batch of {len(prompts)}, {steps} steps: top operators by host time\n"
@@ -139,12 +143,15 @@ def _prefix_hit_window(engine: LLMEngine, cold: list[int], hit: list[int]) -> di
     namespace = f"profile-prefix-{time.monotonic_ns()}"
     engine.generate([cold], params, cache_namespace=namespace)
     timer = PhaseTimer(engine)
-    with timer:
+    with _profiler(engine) as prof, timer:
         engine.add_request(hit, params, cache_namespace=namespace)
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             timer.step()
         ttft = time.perf_counter() - t0
+    print(f"[profile] prefix hit ({len(hit)} tokens): top operators by host time\n"
+          f"{_top_ops(prof, 'self_cpu_time_total')}\n[profile] by device time\n"
+          f"{_top_ops(prof, 'self_device_time_total')}", file=sys.stderr, flush=True)
     return timer.summary() | {"prompt_tokens": len(hit), "ttft_ms": round(1000 * ttft, 3)}
 
 
