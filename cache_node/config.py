@@ -75,6 +75,11 @@ class EngineConfig:
         cache_namespace_default: namespace used when a request names none.
         scheduling_policy: waiting-queue order, admission and preemption policy
             (``cache_node.scheduling``: "fcfs", "priority", "vtc", "kvstrata").
+        fused_kernels: on CUDA with the triton backend, a Llama-family model's RMSNorms, SiLU-gated
+            MLPs (one gate|up GEMM) and q/k rotary embeddings (one QKV GEMM) run as fused Triton
+            kernels (``cache_node.kernels.fused_ops``), patched into the engine's model instance
+            only (``cache_node.fused_layers``); False, CPU, the torch backend or another model
+            family: transformers' stock modules.
 
     ``resolved()`` gives the concrete device, dtype and backend; the engine runs on that.
     """
@@ -90,6 +95,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     cache_namespace_default: str = "default"
     scheduling_policy: str = "fcfs"
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -24,6 +24,7 @@ from cache_node.attention import (
 )
 from cache_node.attention_backends import DeviceArrays, HostArrays, SeqStep, get_backend
 from cache_node.config import EngineConfig
+from cache_node.fused_layers import apply_fused_kernels
 from cache_node.kv_pool import KVPool, block_slots
 from cache_node.outputs import SequenceFault
 from cache_node.sequence import Sequence
@@ -85,6 +86,7 @@ class ModelRunner:
         self.backend = get_backend(self.config.attention_backend)(pool.block_size)
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         model.eval()
+        self.fused_modules = apply_fused_kernels(model, self.config)  # before graphs capture
         self.graphs = None
         if scratch_slot is not None and self.uses_cuda_graphs(self.config):
             from cache_node.cuda_graphs import DecodeGraphs
