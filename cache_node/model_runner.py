@@ -32,6 +32,8 @@ from cache_node.sequence import Sequence
 if TYPE_CHECKING:  # annotations only
     from transformers import PreTrainedModel
 
+    from cache_node.cuda_graphs import DecodeGraphs, PrefillGraphs
+
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 
 
@@ -73,8 +75,9 @@ class ModelRunner:
         pool: the KV pool tensor the attention reads and writes.
         config: the engine's config (``attention_backend``, ``cuda_graphs``); None: the
             defaults on the pool's device.
-        scratch_slot: a pool slot no sequence owns, where padded rows of CUDA-graph decode
-            batches write their K/V (``cuda_graphs.DecodeGraphs``); None disables graphs.
+        scratch_slot: a pool slot no sequence owns, where padded rows of CUDA-graph steps
+            write their K/V (``cuda_graphs.DecodeGraphs``, ``cuda_graphs.PrefillGraphs``); None
+            disables graphs.
     """
 
     def __init__(self, model: PreTrainedModel, pool: KVPool, config: EngineConfig | None = None,
@@ -87,14 +90,25 @@ class ModelRunner:
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         model.eval()
         self.fused_modules = apply_fused_kernels(model, self.config)  # before graphs capture
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if scratch_slot is not None and self.uses_cuda_graphs(self.config):
-            from cache_node.cuda_graphs import DecodeGraphs
+            self._build_graphs(scratch_slot)
 
-            max_len = self.config.max_model_len or model.config.max_position_embeddings
-            max_blocks = min(pool.num_blocks, -(-max_len // pool.block_size))
-            self.graphs = DecodeGraphs(self, self.config.max_num_seqs, max_blocks, scratch_slot)
-            self.graphs.capture_all()  # at start, not inside the first steps that need them
+    def _build_graphs(self, scratch_slot: int) -> None:
+        """Decode graphs, and prefill graphs when ``prefill_graph_max_tokens`` (capped at the
+        step budget) is >= 2; every bucket captured now, not inside the first steps."""
+        from cache_node import cuda_graphs as cg
+
+        cfg, pool = self.config, self.pool
+        max_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        max_blocks = min(pool.num_blocks, -(-max_len // pool.block_size))
+        graph_pool = cg.GraphPool()
+        self.graphs = cg.DecodeGraphs(self, cfg.max_num_seqs, max_blocks, scratch_slot, graph_pool)
+        largest = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens)
+        if largest >= 2:
+            self.prefill_graphs = cg.PrefillGraphs(self, largest, max_blocks, scratch_slot, graph_pool)
+        cg.capture_largest_first(*(g for g in (self.graphs, self.prefill_graphs) if g is not None))
 
     @staticmethod
     def uses_cuda_graphs(config: EngineConfig) -> bool:
@@ -158,6 +172,12 @@ class ModelRunner:
                 and all(n == 1 and seq.kv is None and 0 < seq.num_computed_tokens == seq.num_tokens - 1
                         for seq, n in batch))
 
+    def single_prefill(self, batch: ScheduledBatch, all_logits: bool = False) -> bool:
+        """True when the step replays a prefill graph: prefill graphs are on, not
+        ``all_logits``, and the batch is one plain sequence whose chunk of 2 to the largest
+        bucket's tokens reaches its last known token (``PrefillGraphs.fits``)."""
+        return self.prefill_graphs is not None and not all_logits and self.prefill_graphs.fits(batch)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
         """Compute ``n`` tokens of each scheduled sequence and return logits to sample from.
@@ -182,6 +202,10 @@ class ModelRunner:
         if self.decode_only(batch, all_logits):
             assert self.graphs is not None
             hidden = self.graphs.run(batch)  # every decode samples: rows in batch order
+            return self.model.lm_head(hidden).float()
+        if self.single_prefill(batch, all_logits):
+            assert self.prefill_graphs is not None
+            hidden = self.prefill_graphs.run(batch)  # the chunk's last row: its one sample
             return self.model.lm_head(hidden).float()
         host = self.plan(batch, all_logits)
         dev = to_device(host.arrays, self.device)

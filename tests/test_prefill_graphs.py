@@ -1,0 +1,225 @@
+"""CUDA graphs for single-sequence prefill chunks (``cache_node.cuda_graphs.PrefillGraphs``).
+
+On CPU: buckets, the step-kind predicate, the capture order, and the graph's forward over its
+static buffers run eagerly (no CUDA here) against the eager step: same sampled logits, same
+pool but the scratch slot. On CUDA (``gpu``): graphs captured for every bucket at build, and
+replayed prefix hits give eager greedy tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cache_node.attention_backends import TritonBackend
+from cache_node.config import EngineConfig
+from cache_node.cuda_graphs import PrefillGraphs, capture_largest_first, prefill_buckets
+from cache_node.engine import LLMEngine
+from cache_node.kernels.reference import paged_attention_reference
+from cache_node.sampling_params import SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % 500 + 1 for i in range(n)]
+
+
+def engine_on(lm, device: str = "cpu", **overrides) -> LLMEngine:
+    """An engine (triton backend, fp32) over a private copy of ``lm``'s model."""
+    cfg = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 64, "max_num_seqs": 8,
+           "device": device, "dtype": "float32", "attention_backend": "triton", "cuda_graphs": False,
+           **overrides}
+    return LLMEngine(copy.deepcopy(lm.model), EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)
+
+
+def first_step(eng: LLMEngine, prompt: list[int], warm: list[int] | None = None) -> list:
+    """``warm`` generated first (its full blocks cached), then ``prompt``'s first step,
+    scheduled but not run."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    if warm:
+        eng.generate([warm], params)
+    eng.add_request(prompt, params)
+    return eng.scheduler.schedule()
+
+
+def test_buckets_and_config() -> None:
+    assert prefill_buckets(0) == prefill_buckets(1) == []
+    assert prefill_buckets(2) == [2] and prefill_buckets(16) == [16]
+    assert prefill_buckets(256) == [16, 32, 64, 128, 256]
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert EngineConfig().prefill_graph_max_tokens == 256
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens must be >= 0"):
+        EngineConfig(prefill_graph_max_tokens=-1)
+
+
+def test_graphs_are_captured_largest_token_count_first() -> None:
+    """Decode buckets (batch sizes: one token each) and prefill buckets (tokens) interleave."""
+    order: list[tuple[str, int]] = []
+
+    class Fake:
+        def __init__(self, name: str, buckets: list[int], done: set[int]) -> None:
+            self.name, self.buckets, self.graphs = name, buckets, dict.fromkeys(done)
+
+        def capture(self, bucket: int) -> None:
+            order.append((self.name, bucket))
+            self.graphs[bucket] = None
+
+    capture_largest_first(Fake("decode", [1, 2, 4, 8, 16, 32], {2}), Fake("prefill", [16, 32, 64], set()))
+    assert order == [("prefill", 64), ("prefill", 32), ("decode", 32), ("prefill", 16), ("decode", 16),
+                     ("decode", 8), ("decode", 4), ("decode", 1)]
+
+
+def test_only_one_plain_sequence_reaching_its_end_replays_a_prefill_graph(tiny) -> None:
+    eng = engine_on(tiny)
+    assert eng.runner.prefill_graphs is None and eng.runner.graphs is None  # CPU: no graphs
+    bs, last = eng.pool.block_size, eng.pool.num_blocks - 1
+    graphs = PrefillGraphs(eng.runner, 48, max_blocks=8, scratch_slot=last * bs)
+    assert graphs.buckets == [16, 32, 48] and graphs.bucket(17) == 32 and graphs.bucket(2) == 16
+    with pytest.raises(ValueError, match="exceeds the largest graph bucket 48"):
+        graphs.bucket(49)
+    with pytest.raises(ValueError, match="largest chunk of >= 2 tokens"):
+        PrefillGraphs(eng.runner, 1, max_blocks=8, scratch_slot=last * bs)
+    runner = eng.runner
+    [(seq, n)] = batch = first_step(eng, prompt_of(40))
+    assert n == 40 and not runner.single_prefill(batch)  # no prefill graphs on this runner
+    runner.prefill_graphs = graphs
+    assert runner.single_prefill(batch) and not runner.single_prefill(batch, all_logits=True)
+    assert not runner.decode_only(batch)
+    assert not runner.single_prefill([(seq, 39)])  # stops before the last known token: no sample
+    assert not runner.single_prefill(batch + batch)  # two sequences
+    seq.num_computed_tokens = 39
+    assert not runner.single_prefill([(seq, 1)])  # one token: the decode graphs' or eager
+    seq.num_computed_tokens = 0
+    seq.kv = object()  # a KV policy's sequence attends through its policy
+    assert not runner.single_prefill(batch)
+    seq.kv = None
+    other = engine_on(tiny)
+    other.runner.prefill_graphs = PrefillGraphs(other.runner, 48, max_blocks=8, scratch_slot=last * bs)
+    [(_, n)] = long = first_step(other, prompt_of(60, 1))
+    assert n == 60 and not other.runner.single_prefill(long)  # past the largest bucket
+    tight = PrefillGraphs(runner, 48, max_blocks=2, scratch_slot=last * bs)
+    runner.prefill_graphs = tight
+    assert not runner.single_prefill(batch)  # 40 tokens need 3 blocks, past max_blocks
+
+
+# (warm prompt, prompt): cold chunks of 5 and 40 tokens; prefix hits of 32 cached tokens and
+# suffixes of 2, 16 and 40 tokens (buckets 16, 16, 48); 17 tokens after 48 cached.
+CASES = {
+    "cold-5": (None, prompt_of(5), 0, 5, 16),
+    "cold-40": (None, prompt_of(40), 0, 40, 48),
+    "hit-32+2": (prompt_of(40), prompt_of(34), 32, 2, 16),
+    "hit-32+16": (prompt_of(40), prompt_of(48), 32, 16, 16),
+    "hit-32+40": (prompt_of(40), prompt_of(72), 32, 40, 48),
+    "hit-48+17": (prompt_of(50), prompt_of(65), 48, 17, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_graph_forward_equals_the_eager_step(tiny, case, monkeypatch) -> None:
+    """The graph's forward over the static buffers (run eagerly: no CUDA here) samples the
+    eager step's logits from row q - 1, and leaves the pool as the eager step does but for the
+    scratch slot (padded rows write only there). Reference kernel (it checks the metadata)."""
+    monkeypatch.setattr(TritonBackend, "kernel", staticmethod(paged_attention_reference))
+    check_against_eager(tiny, *CASES[case])
+
+
+def test_prefill_graph_forward_with_the_triton_kernel(tiny) -> None:
+    """As above through the Triton kernel itself (interpreted): padded query tiles and the
+    KV tiles past the real rows (weighted 0) leave the real rows' attention unchanged."""
+    check_against_eager(tiny, *CASES["hit-48+17"])
+
+
+def check_against_eager(lm, warm: list[int] | None, prompt: list[int], cached: int, q: int, bucket: int) -> None:
+    eng = engine_on(lm)
+    bs, last = eng.pool.block_size, eng.pool.num_blocks - 1
+    [(seq, n)] = batch = first_step(eng, prompt, warm)
+    assert (seq.num_computed_tokens, n) == (cached, q) and cached + q == len(prompt)
+    assert all(b.block_id != last for b in seq.block_table)
+    graphs = PrefillGraphs(eng.runner, 48, max_blocks=8, scratch_slot=last * bs)
+    eng.runner.prefill_graphs = graphs
+    assert eng.runner.single_prefill(batch)
+    eng.runner.prefill_graphs = None  # the eager step
+    pool_before = eng.pool.kv.clone()
+    eager = eng.runner.execute(batch)
+    assert eager.shape == (1, lm.model.config.vocab_size)
+    pool_after_eager = eng.pool.kv.clone()
+    eng.pool.kv.copy_(pool_before)
+    assert graphs.load(batch) == bucket
+    assert graphs.seq_lens.tolist() == [cached + bucket]
+    assert graphs.positions[:q].tolist() == list(range(cached, cached + q))
+    assert graphs.input_ids[:q].tolist() == prompt[cached:]
+    assert (graphs.slot_mapping[q:bucket] == last * bs).all() and (graphs.positions[q:bucket] == 0).all()
+    blocks = [b.block_id for b in seq.block_table[: -(-len(prompt) // bs)]]
+    width = -(-(cached + bucket) // bs)
+    assert graphs.block_tables[0, :width].tolist() == blocks + [0] * (width - len(blocks))
+    assert graphs.query_start_loc[bucket].tolist() == [0, bucket]
+    with torch.inference_mode():
+        logits = eng.runner.model.lm_head(graphs._forward(bucket)[q - 1 : q]).float()
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    # Real rows write their slots with the eager step's K/V (a chunk of Q rows may take another
+    # GEMM blocking than one of q on some CPUs: within tolerance); nothing else but the scratch.
+    same = torch.isclose(eng.pool.kv, pool_after_eager, rtol=1e-4, atol=1e-5)
+    changed = (~same).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
+    assert changed.tolist() == ([last * bs] if q < bucket else [])  # a full bucket pads no row
+
+
+# ---- on CUDA ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_are_captured_for_every_bucket_at_build(tiny) -> None:
+    eng = engine_on(tiny, "cuda", cuda_graphs=True, max_num_batched_tokens=512)
+    graphs = eng.runner.prefill_graphs
+    assert graphs is not None and graphs.buckets == [16, 32, 64, 128, 256]
+    assert set(graphs.graphs) == set(graphs.buckets)
+    assert set(eng.runner.graphs.graphs) == set(eng.runner.graphs.buckets)
+    capped = engine_on(tiny, "cuda", cuda_graphs=True, max_num_batched_tokens=100)
+    assert capped.runner.prefill_graphs.buckets == [16, 32, 64, 100]
+    assert set(capped.runner.prefill_graphs.graphs) == {16, 32, 64, 100}
+    off = engine_on(tiny, "cuda", cuda_graphs=True, prefill_graph_max_tokens=0)
+    assert off.runner.prefill_graphs is None and off.runner.graphs is not None
+
+
+def prefix_hit_tokens(eng: LLMEngine, base: list[int], suffixes: tuple[int, ...]) -> tuple[list, int]:
+    """Greedy tokens of ``base`` then of ``base`` + each suffix (prefix hits), and how many
+    steps replayed a prefill graph."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    replays = 0
+    graphs = eng.runner.prefill_graphs
+    if graphs is not None:
+        inner = graphs.run
+
+        def counted(batch):
+            nonlocal replays
+            replays += 1
+            return inner(batch)
+        graphs.run = counted  # type: ignore[method-assign]
+    outs = [eng.generate([base], params)[0].output_token_ids]
+    for i, k in enumerate(suffixes):
+        prompt = base + prompt_of(k, 100 + i)
+        out = eng.generate([prompt], params)[0]
+        assert out.num_cached_tokens >= len(base) // 16 * 16 - 16
+        outs.append(out.output_token_ids)
+    eng.check_integrity()
+    return outs, replays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
+def test_prefill_graph_replay_equals_eager(tiny, shape) -> None:
+    """Prefix hits with suffixes of 2-200 tokens (every bucket), replayed from prefill graphs,
+    give eager greedy tokens, token for token (fp32)."""
+    from cache_node.model_shapes import random_model
+
+    lm = tiny if shape == "tiny" else random_model(shape, torch.float32, "cpu", seed=0)
+    base = prompt_of(300 if shape == "tiny" else 700, 3)
+    suffixes = (2, 7, 16, 17, 50, 100, 200)
+    runs = {}
+    for graphs in (False, True):
+        eng = engine_on(lm, "cuda", cuda_graphs=graphs, kv_pool_bytes=256 << 20, max_num_batched_tokens=512)
+        runs[graphs] = prefix_hit_tokens(eng, base, suffixes)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0 and runs[True][1] == len(suffixes)
