@@ -196,10 +196,12 @@ class StepProfile:
         rest = [t for t, n in self.steps if n < self.full]
         runner = getattr(self.engine, "runner", None) or getattr(self.engine, "model_runner", None)
         graphs = getattr(runner, "graphs", None)
+        prefill = getattr(runner, "prefill_graphs", None)
         return {"steps": len(self.steps), "full_batch_decode_steps": len(full),
                 "full_batch_decode_step_ms_median": round(median(full) * 1000, 3) if full else None,
                 "other_steps": len(rest), "other_steps_s": round(sum(rest), 3),
-                "graph_buckets": sorted(graphs.graphs) if graphs is not None else None}
+                "graph_buckets": sorted(graphs.graphs) if graphs is not None else None,
+                "prefill_graph_buckets": sorted(prefill.graphs) if prefill is not None else None}
 
 
 def _single_stream(engine: LLMEngine, prompt: list[int], max_tokens: int, device: torch.device) -> dict[str, float]:

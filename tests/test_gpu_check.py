@@ -151,6 +151,7 @@ def test_device_engine_bench_runs_end_to_end_on_a_tiny_shape(capsys: pytest.Capt
     assert prof["decode_single"]["phases"]["sample"]["calls"] == 20
     assert prof["prefix_hit"]["ttft_ms"] > 0 and prof["prefix_hit"]["phases"]["runner.execute"]["calls"] >= 1
     assert result["kvstrata_steps"]["steps"] > 0
+    assert result["kvstrata_steps"]["prefill_graph_buckets"] is None  # CPU: no graphs
 
 
 @pytest.mark.slow
