@@ -1,4 +1,5 @@
-"""GPU kernels for the cache node: Triton paged attention and its torch reference.
+"""GPU kernels for the cache node: Triton paged attention and its torch reference; fused
+RMSNorm, SiLU-and-mul and rotary embedding (``fused_ops``, imports triton) with theirs.
 
 ``paged_attention`` imports triton; import it from ``cache_node.kernels.paged_attention`` only
 where triton is installed. ``paged_attention_reference`` needs torch alone.
