@@ -216,16 +216,43 @@ class RayGateway(Gateway):
         context = ray.get_runtime_context()
         self.gateway_id = context.get_actor_id()
         self.restarted: asyncio.Task[int] | None = None
+        self.served_address = ""  # host:port, once started
+        self._reattaching: asyncio.Task[bool] | None = None
         if context.was_current_actor_reconstructed:  # the constructor runs on the actor's loop
             self.restarted = asyncio.get_running_loop().create_task(self._serve_again())
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """``Gateway.start``, then tell the scheduler (``attach_gateway``); returns the port."""
         bound = await super().start(host, port)
+        self.served_address = f"{host}:{bound}"
         subscriber = self.streams.subscriber if self.streams is not None else ""
         await self.scheduler.attach_gateway.remote(
-            self.gateway_id, f"{host}:{bound}", subscriber, ray.get_runtime_context().current_actor)
+            self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+        if self.streams is not None:
+            self.streams.on_gone = self.reattach
         return bound
+
+    async def reattach(self) -> bool:
+        """Attach to the scheduler again with this gateway's inbox, after it refused one of its
+        admissions ``gateway_gone`` (it counted this live gateway as gone: its watch of it
+        failed); concurrent refusals share one call. True once attached.
+
+        Regression: a live gateway counted as gone had every request refused for as long as
+        it ran."""
+        if self._reattaching is None or self._reattaching.done():
+            self._reattaching = asyncio.get_running_loop().create_task(self._attach_again())
+        return await asyncio.shield(self._reattaching)
+
+    async def _attach_again(self) -> bool:
+        subscriber = self.streams.subscriber if self.streams is not None else ""
+        try:
+            await self.scheduler.attach_gateway.remote(
+                self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+        except Exception as exc:  # noqa: BLE001 - the refusal stands; the next one tries again
+            log.warning("gateway %s: attaching again failed: %s: %.200s", self.gateway_id, type(exc).__name__, exc)
+            return False
+        log.warning("gateway %s was counted as gone while serving: attached again", self.gateway_id)
+        return True
 
     async def _serve_again(self) -> int:
         """After a restart: serve on the address this gateway served on before its crash

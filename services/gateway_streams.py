@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,10 @@ class NodeStreams:
         self.scheduler_address = scheduler_address
         self.admit_timeout_s = admit_timeout_s
         self.subscriber = ""  # this gateway's event inbox address (``start``)
+        # awaited when the scheduler refuses an admission ``gateway_gone`` (it counts this
+        # gateway as gone): True once this gateway is attached again, then the admission is sent
+        # once more (``RayGateway`` re-attaches); None: the refusal stands
+        self.on_gone: Callable[[], Awaitable[bool]] | None = None
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
         self._queues: dict[str, _Entry] = {}  # request id -> its open stream
@@ -166,11 +170,18 @@ class NodeStreams:
 
     async def admit(self, req: NodeRequest, hashes: list[bytes]) -> Admission:
         """The scheduler's ``Admission`` for ``req`` (which it has handed on to the node when
-        admitted); ``hashes`` are the prompt's block hashes for routing.
+        admitted); ``hashes`` are the prompt's block hashes for routing. Refused
+        ``gateway_gone`` while this gateway runs, it is sent once more after ``on_gone``.
 
         Raises:
             RuntimeError: the scheduler failed on it; TimeoutError: no answer in time.
         """
+        adm = await self._admit_once(req, hashes)
+        if adm.reason == "gateway_gone" and self.on_gone is not None and await self.on_gone():
+            adm = await self._admit_once(req, hashes)  # refused before it ran: nothing to undo
+        return adm
+
+    async def _admit_once(self, req: NodeRequest, hashes: list[bytes]) -> Admission:
         self._next_id += 1
         corr = self._next_id
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()

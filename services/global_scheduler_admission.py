@@ -23,6 +23,18 @@ log = logging.getLogger(__name__)
 GATEWAY_POLL_S = 5.0
 """Length of the scheduler's long poll of a gateway (``Gateway.serves``)."""
 
+GATEWAY_POLL_FAILURES = 3
+"""Failed polls in a row before a gateway that is not known dead counts as gone."""
+
+GATEWAY_RETRY_S = 1.0
+"""Wait before polling again after a failed poll."""
+
+
+def _actor_died(exc: BaseException) -> bool:
+    """Ray says the actor is dead for good (``ActorDiedError``); any other failure (restarting,
+    unreachable for a moment, a slow loop) may pass."""
+    return isinstance(exc, ray.exceptions.ActorDiedError)
+
 
 class GlobalSchedulerService(GlobalScheduler):
     """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
@@ -35,7 +47,7 @@ class GlobalSchedulerService(GlobalScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._gateway_watches: set[asyncio.Task[None]] = set()
+        self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
 
     async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
         """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch
@@ -43,19 +55,33 @@ class GlobalSchedulerService(GlobalScheduler):
         restarted it with a new inbox) its requests are released (``gateway_gone``), so the
         nodes' slots never depend on a dead gateway's ``release``."""
         previous = super().attach_gateway(gateway_id, address, subscriber)
-        if handle is not None:
+        running = self._gateway_watches.get(subscriber)
+        if handle is not None and (running is None or running.done()):
             task = asyncio.get_running_loop().create_task(self._watch_gateway(handle, subscriber))
-            self._gateway_watches.add(task)  # held until done (the loop keeps weak references)
-            task.add_done_callback(self._gateway_watches.discard)
+            self._gateway_watches[subscriber] = task  # held until done (the loop keeps weak references)
+            task.add_done_callback(lambda t: self._gateway_watches.pop(subscriber, None)
+                                   if self._gateway_watches.get(subscriber) is t else None)
         return previous
 
     async def _watch_gateway(self, handle: Any, subscriber: str) -> None:
-        """Long-poll ``handle.serves(subscriber, GATEWAY_POLL_S)`` until it says no or fails."""
+        """Long-poll ``handle.serves(subscriber, GATEWAY_POLL_S)`` until it says no, Ray says
+        the gateway died, or ``GATEWAY_POLL_FAILURES`` polls in a row failed.
+
+        Regression: one failed poll (a slow or briefly unreachable gateway) counted a live
+        gateway as gone, and every request it sent from then on was refused ``gateway_gone``
+        for as long as it ran."""
+        failures = 0
         while subscriber not in self.gone_gateways:
             try:
                 serves = await handle.serves.remote(subscriber, GATEWAY_POLL_S)
-            except Exception as exc:  # noqa: BLE001 - a dead (or restarting) gateway's calls fail
-                log.warning("gateway %s is unreachable: %s: %.200s", subscriber, type(exc).__name__, exc)
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a dead, restarting or slow gateway's call fails
+                failures += 1
+                log.warning("gateway %s did not answer (%d in a row): %s: %.200s", subscriber, failures,
+                            type(exc).__name__, exc)
+                if not _actor_died(exc) and failures < GATEWAY_POLL_FAILURES:
+                    await asyncio.sleep(GATEWAY_RETRY_S)
+                    continue
                 serves = False
             if not serves:
                 self.gateway_gone(subscriber)

@@ -51,10 +51,14 @@ class Membership:
 
     def attach_gateway(self, gateway_id: str, address: str, subscriber: str) -> str:
         """Gateway ``gateway_id`` serves gRPC on ``address`` with its event inbox at
-        ``subscriber``. The inbox it had before (it was restarted) is gone (``gateway_gone``).
-        Returns that previous inbox ("" if none)."""
+        ``subscriber``. The inbox it had before (it was restarted) is gone (``gateway_gone``);
+        an inbox counted as gone is served again. Returns that previous inbox ("" if none)."""
         previous = self.gateways.get(gateway_id)
         self.gateways[gateway_id] = GatewayRecord(address, subscriber)
+        # a gateway counted as gone that attaches again still serves that inbox: what it had
+        # admitted was released, and from now on it is served again (``Gateway`` re-attaches
+        # when it is refused ``gateway_gone``)
+        self.gone_gateways.pop(subscriber, None)
         if previous is not None and previous.subscriber != subscriber:
             self.gateway_gone(previous.subscriber)
             return previous.subscriber

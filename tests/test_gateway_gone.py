@@ -99,3 +99,66 @@ def test_a_dead_gateways_requests_are_released_once_and_aborted_on_the_node(plan
     stats = plane.run(plane.node.integrity_stats())
     assert stats["integrity_ok"], stats
     assert stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"] == 0, stats
+
+
+def test_a_live_gateway_counted_gone_attaches_again_and_its_requests_run(plane: Plane) -> None:
+    """Regression: the scheduler's watch of a gateway once failed a poll of a gateway that still
+    served (it counted it gone), and every request from that gateway was refused
+    ``gateway_gone`` for as long as it ran. Now the refusal makes the gateway attach again
+    (``NodeStreams.on_gone``; ``RayGateway.reattach``), the scheduler serves the inbox again,
+    the admission is sent once more and its stream runs on the node."""
+    plane.start(plane.a, "t/a0", max_tokens=600)
+    plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber))  # wrongly: a still serves
+    wait_for(lambda: plane.node.stats()["running"] == 0, 5.0)
+    attached = []
+
+    async def reattach() -> bool:
+        await plane.scheduler.attach_gateway("gw-a", "127.0.0.1:1", plane.a.subscriber)
+        attached.append(1)
+        return True
+
+    plane.a.on_gone = reattach
+    plane.start(plane.a, "t/a1", max_tokens=8)  # admitted on the second try; its first token arrives
+    assert attached == [1] and plane.in_flight() == 1
+    assert plane.a.subscriber not in plane.scheduler.gone_gateways
+    plane.start(plane.a, "t/a2", max_tokens=8)  # no refusal now: no second attach
+    assert attached == [1]
+
+
+class FlakyGateway:
+    """A gateway actor handle whose ``serves.remote`` answers from a script: True/False, or an
+    exception to raise."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+        self.serves = self
+
+    def remote(self, subscriber: str, wait_s: float) -> Any:
+        async def answer() -> bool:
+            a = self.answers.pop(0)
+            if isinstance(a, BaseException):
+                raise a
+            return bool(a)
+        return answer()
+
+
+def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed poll is retried (``GATEWAY_POLL_FAILURES`` in a row count the gateway gone);
+    Ray's ``ActorDiedError`` or the gateway's own "no" count at once."""
+    import ray
+
+    from services import global_scheduler_admission as admission
+
+    monkeypatch.setattr(admission, "GATEWAY_RETRY_S", 0.0)
+    watch = plane.scheduler._watch_gateway
+    flaky = FlakyGateway([RuntimeError("slow"), RuntimeError("slow"), True, RuntimeError("slow"), False])
+    plane.run(watch(flaky, "tcp://gw-flaky"))
+    assert flaky.answers == [] and "tcp://gw-flaky" in plane.scheduler.gone_gateways  # gone at its "no"
+
+    down = FlakyGateway([RuntimeError("x")] * admission.GATEWAY_POLL_FAILURES + [True])
+    plane.run(watch(down, "tcp://gw-down"))
+    assert down.answers == [True] and "tcp://gw-down" in plane.scheduler.gone_gateways
+
+    dead = FlakyGateway([ray.exceptions.ActorDiedError(), True])
+    plane.run(watch(dead, "tcp://gw-dead"))
+    assert dead.answers == [True] and "tcp://gw-dead" in plane.scheduler.gone_gateways
