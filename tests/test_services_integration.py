@@ -273,3 +273,17 @@ def test_serving_actors_run_at_normal_priority_not_rays_nice_15(stack) -> None:
     assert svc.spill_nodes, "the stack starts a spill node"
     pids = ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in actors], timeout=60)
     assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {0}
+
+
+def test_a_live_gateway_counted_gone_serves_on(stack, keys) -> None:
+    """Regression: once the scheduler counted the running gateway as gone (one failed poll of
+    its watch), every request through it was refused ``gateway_gone``. Now the gateway attaches
+    again on the refusal (``RayGateway.reattach``) and the request runs."""
+    import ray
+
+    gateway, scheduler = stack.services.gateway, stack.services.scheduler
+    subscriber = ray.get(gateway.__ray_call__.remote(lambda self: self.streams.subscriber))
+    ray.get(scheduler.gateway_gone.remote(subscriber))
+    r = collect(stack.inference.Generate(chat("Name a large planet.", 4), metadata=md(keys["alice"])))
+    assert r["finished"] is not None and r["finished"].completion_tokens == len(r["tokens"]) > 0
+    assert ray.get(gateway.__ray_call__.remote(lambda self: self.streams.subscriber)) == subscriber
