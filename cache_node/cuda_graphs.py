@@ -18,8 +18,10 @@ token 0 at position 0 and write only the scratch slot. The varlen metadata is th
 sequence of Q queries: ``query_start_loc = [0, Q]`` (a constant per bucket),
 ``seq_lens = [computed + Q]``, so the kernel puts query i at position ``computed + i``, the
 real rows' own positions: causality keeps every real row off the padded rows (positions past
-it), whose K/V the kernel reads from the sequence's later slots or block 0 (the block table is
-the sequence's blocks, then 0), finite values weighted 0; padded rows' outputs are dropped.
+it). The kernel still loads the K/V of those positions (the block table is the sequence's
+blocks, then 0: unwritten slots of its last block, or block 0) into the real rows' KV tiles
+with weight 0: finite values (the pool starts zeroed and holds only K/V the model wrote), so
+the real rows' outputs are unchanged; padded rows' outputs are dropped.
 The step samples hidden row q-1. What the capture bakes in is fixed per bucket: the unified
 kernel's grid (``Q // BLOCK_Q + 1``, KV heads) and tile config come from shapes alone (Q
 tokens, one sequence: never the split-KV decode path, which needs one query per sequence),
@@ -30,11 +32,12 @@ The eager step's metadata differs only in ``[0, q]``/``[computed + q]`` and a na
 Every bucket's graph, decode and prefill, is captured when the runner is built, largest token
 count first (as vLLM does, so the smaller ones reuse its memory), after a warm-up run on a side
 stream (Triton compiles there); all of a runner's graphs share one memory pool (``GraphPool``):
-they replay one at a time and each step reads its output before the next replay. Mixed,
-multi-sequence prefill and policy steps run eagerly. Ideas (read, not copied): vLLM's decode
+they replay one at a time and each step reads its output before the next replay. Mixed and
+multi-sequence prefill steps, chunks that stop mid-prompt, ``all_logits`` and policy steps run
+eagerly. Ideas (read, not copied): vLLM's decode
 graphs (``CUDAGraphRunner``, ``capture_cudagraph``) and its capture of uniform batches
 (``cudagraph_capture_sizes``, piecewise graphs for the rest), nano-vllm's
-``capture_cudagraph``, SGLang's ``cuda_graph_runner.py`` (token-count buckets, padding).
+``capture_cudagraph``, SGLang's ``cuda_graph_runner.py`` (padding a batch to a captured size).
 """
 
 from __future__ import annotations
@@ -322,13 +325,17 @@ class PrefillGraphs:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the chunk of ``batch``'s one sequence; returns the hidden state of its last
         token, (1, hidden_size)."""
-        bucket = self.load(batch)
+        n = batch[0][1]
+        return self.replay(self.load(batch))[n - 1 : n]
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Replay ``bucket``'s graph over the loaded static buffers (capturing it first if it
+        was not); returns its output, (bucket, hidden_size), valid until the next replay."""
         if bucket not in self.graphs:
             self.capture(bucket)
         graph, hidden = self.graphs[bucket]
         graph.replay()
-        n = batch[0][1]
-        return hidden[n - 1 : n]
+        return hidden
 
     def _forward(self, bucket: int) -> torch.Tensor:
         """The decoder over the static buffers' first ``bucket`` rows as one sequence of

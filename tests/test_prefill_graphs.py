@@ -166,6 +166,48 @@ def check_against_eager(lm, warm: list[int] | None, prompt: list[int], cached: i
     assert changed.tolist() == ([last * bs] if q < bucket else [])  # a full bucket pads no row
 
 
+def test_engine_steps_through_the_prefill_graph_path_on_cpu(tiny, monkeypatch) -> None:
+    """Whole requests with the graph's replay swapped for its forward over the static buffers
+    (eager, on CPU): cold prompts and prefix hits give the eager engine's greedy tokens, and
+    every eligible step (one sequence, chunk of 2..48 ending its prompt) went through ``run``."""
+    monkeypatch.setattr(TritonBackend, "kernel", staticmethod(paged_attention_reference))
+    base = prompt_of(70, 3)
+    prompts = [prompt_of(5), base, *(base + prompt_of(k, 50 + k) for k in (2, 9, 16, 30))]
+    runs = {}
+    for graphs in (False, True):
+        eng = engine_on(tiny)
+        runs[graphs] = prefix_hit_tokens(eng, prompts, graphs)
+    assert runs[True][0] == runs[False][0]
+    # 5-token prompt; base: 64 + 6 (ends its prompt); hits: 6 + k tokens after 64 cached
+    assert runs[False][1] == 0 and runs[True][1] == 6
+
+
+def prefix_hit_tokens(eng: LLMEngine, prompts: list[list[int]], graphs: bool) -> tuple[list, int]:
+    """Greedy tokens of ``prompts``, one request at a time (later ones hit earlier ones'
+    cached blocks), and how many steps went through ``PrefillGraphs.run``. ``graphs`` on a CPU
+    engine: prefill graphs (largest 48) whose replay runs their forward eagerly."""
+    if graphs and eng.runner.prefill_graphs is None:
+        bs, last = eng.pool.block_size, eng.pool.num_blocks - 1
+        # the last block stays free here (128 blocks, these prompts take < 40): the scratch
+        pg = PrefillGraphs(eng.runner, 48, max_blocks=16, scratch_slot=last * bs)
+        pg.replay = pg._forward  # type: ignore[method-assign]
+        eng.runner.prefill_graphs = pg
+    runs = 0
+    pg = eng.runner.prefill_graphs
+    if pg is not None:
+        inner = pg.run
+
+        def counted(batch):
+            nonlocal runs
+            runs += 1
+            return inner(batch)
+        pg.run = counted  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = [eng.generate([p], params)[0].output_token_ids for p in prompts]
+    eng.check_integrity()
+    return outs, runs
+
+
 # ---- on CUDA ------------------------------------------------------------------------------
 
 
@@ -183,30 +225,6 @@ def test_prefill_graphs_are_captured_for_every_bucket_at_build(tiny) -> None:
     assert off.runner.prefill_graphs is None and off.runner.graphs is not None
 
 
-def prefix_hit_tokens(eng: LLMEngine, base: list[int], suffixes: tuple[int, ...]) -> tuple[list, int]:
-    """Greedy tokens of ``base`` then of ``base`` + each suffix (prefix hits), and how many
-    steps replayed a prefill graph."""
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    replays = 0
-    graphs = eng.runner.prefill_graphs
-    if graphs is not None:
-        inner = graphs.run
-
-        def counted(batch):
-            nonlocal replays
-            replays += 1
-            return inner(batch)
-        graphs.run = counted  # type: ignore[method-assign]
-    outs = [eng.generate([base], params)[0].output_token_ids]
-    for i, k in enumerate(suffixes):
-        prompt = base + prompt_of(k, 100 + i)
-        out = eng.generate([prompt], params)[0]
-        assert out.num_cached_tokens >= len(base) // 16 * 16 - 16
-        outs.append(out.output_token_ids)
-    eng.check_integrity()
-    return outs, replays
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["tiny", "smollm2-135m"])
 def test_prefill_graph_replay_equals_eager(tiny, shape) -> None:
@@ -216,10 +234,13 @@ def test_prefill_graph_replay_equals_eager(tiny, shape) -> None:
 
     lm = tiny if shape == "tiny" else random_model(shape, torch.float32, "cpu", seed=0)
     base = prompt_of(300 if shape == "tiny" else 700, 3)
-    suffixes = (2, 7, 16, 17, 50, 100, 200)
+    suffixes = (2, 7, 16, 17, 50, 100, 200)  # chunks of 12 + k tokens after 288 / 688 cached
+    prompts = [base, *(base + prompt_of(k, 100 + k) for k in suffixes)]
     runs = {}
     for graphs in (False, True):
         eng = engine_on(lm, "cuda", cuda_graphs=graphs, kv_pool_bytes=256 << 20, max_num_batched_tokens=512)
-        runs[graphs] = prefix_hit_tokens(eng, base, suffixes)
+        assert (eng.runner.prefill_graphs is not None) == graphs
+        runs[graphs] = prefix_hit_tokens(eng, prompts, graphs)
     assert runs[True][0] == runs[False][0]
-    assert runs[False][1] == 0 and runs[True][1] == len(suffixes)
+    # every prefix hit replays; so does the 700-token base's last chunk (188 tokens after 512)
+    assert runs[False][1] == 0 and runs[True][1] == len(suffixes) + (shape != "tiny")
