@@ -10,6 +10,13 @@ Both APIs run one path: ``InferenceServicer.generate`` (authenticate -> policy c
 bound/convert -> admit -> stream events -> usage/cancel) and ``close_session``. gRPC calls them
 with its ``ServicerContext``; the OpenAI-compatible HTTP API (``services.openai_api``) with a
 context of the same shape whose ``abort`` raises, so every refusal keeps its gRPC status.
+
+Where its parts live: ``services.gateway_inputs`` (``GenerateInput``, ``input_from_pb``,
+``MAX_ID_CHARS``, ``scoped_id``, ``salted_namespace``), ``services.gateway_tracking``
+(``StreamWriter`` and what a call keeps while it streams), ``services.gateway_prepare``
+(``RequestPreparation``: ``off_loop`` and the checks and conversion before admission). This
+module keeps ``InferenceServicer`` (Generate, the admitted attempt, CloseSession) and re-exports
+those names, so ``from services.gateway import ...`` keeps working.
 """
 
 from __future__ import annotations
@@ -18,25 +25,30 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from cache_node.hashing import hash_prompt_blocks
-from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
 from services.auth import Authenticator
-from services.chat import ChatTemplater, content_chars, estimate_message_tokens
+from services.chat import ChatTemplater
 from services.data_plane_auth import Security
+from services.gateway_inputs import (
+    MAX_ID_CHARS,
+    GenerateInput,
+    input_from_pb,
+    salted_namespace,  # noqa: F401 - re-exported
+    scoped_id,
+)
+from services.gateway_prepare import RequestPreparation
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
+from services.gateway_tracking import StreamWriter, _RecordedAbort, _Seen
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
-from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
+from services.node_request import NodeRequest
 
 _CODES = {c.name: c for c in grpc.StatusCode}
 
@@ -59,141 +71,8 @@ TOKENIZER_THREADS = 4
 """Worker threads parsing, rendering and tokenizing prompts (``InferenceServicer.off_loop``;
 one per tenant at a time)."""
 
-MAX_ID_CHARS = 256
-"""Longest client-chosen request or session id."""
 
-
-def scoped_id(tenant_id: str, client_id: str) -> str:
-    """The id the scheduler and the nodes know a client's request or session by: scoped to its
-    tenant (``tenant_id`` is hex, so the first ``/`` separates the two), so that tenants never
-    reach each other's requests or sessions by reusing an id."""
-    return f"{tenant_id}/{client_id}"
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """One generation request, whichever API it came through (values already parsed by that
-    API's edge; the gateway bounds them against the tenant and the model).
-
-    Attributes:
-        prompt: chat messages ``[{"role", "content"}]`` or prompt token ids.
-        policy: the KV policy override ("" = the tenant's policy).
-        cache_salt: partitions the tenant's prefix cache further ("" = none): requests share
-            cached blocks only with requests of the same tenant namespace and salt.
-        routing_key: a routing hint (OpenAI's ``prompt_cache_key``): requests with the same key
-            go to the same cache node while it has room ("" = none).
-        fill_context: no max_tokens was given: generate up to what the context limit and the
-            node's KV pool leave after the whole prompt (``sampling.max_tokens`` is ignored).
-        priority: lower is served earlier among this tenant's own waiting requests on its
-            node, never ahead of another tenant's; in [-1000, 1000] (else INVALID_ARGUMENT).
-        prefix_tokens / prefix_messages: the prompt's reusable document prefix, as tokens of a
-            token prompt or leading messages of a chat (``node_request.resolve_prefix_tokens``;
-            out of bounds: INVALID_ARGUMENT).
-    """
-
-    prompt: list[dict[str, str]] | list[int]
-    sampling: SamplingParams
-    session_id: str = ""
-    request_id: str = ""
-    policy: str = ""
-    cache_salt: str = ""
-    routing_key: str = ""
-    fill_context: bool = False
-    priority: int = 0
-    prefix_tokens: int = 0
-    prefix_messages: int = 0
-
-
-def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
-    """A ``GenerateRequest`` as a ``GenerateInput``. Raises ValueError naming the bad field."""
-    return GenerateInput(
-        prompt=convert.prompt_from_pb(request), sampling=convert.sampling_params_from_pb(request.sampling),
-        session_id=request.session_id, request_id=request.request_id, policy=convert.policy_from_pb(request.policy, ""),
-        priority=request.priority, prefix_tokens=request.prefix_tokens,
-        prefix_messages=request.prefix_messages,
-    )
-
-
-def salted_namespace(namespace: str, cache_salt: str) -> str:
-    """The cache namespace of a request with ``cache_salt`` (its tenant's namespace otherwise):
-    a salt cannot name another tenant's namespace, whose names hold no ``#``."""
-    return f"{namespace}#salt={cache_salt}" if cache_salt else namespace
-
-
-@dataclass
-class _Seen:
-    """What a stream's events said its request used: the usage to account when the request
-    ends without its ``finished`` event (cancelled, past its deadline, failed on its node).
-    Tokens the node made after the gateway stopped reading are not in it."""
-
-    prompt_tokens: int = 0
-    cached_tokens: dict[str, int] = field(default_factory=dict)
-    completion_tokens: int = 0
-
-    def observe(self, event: dict[str, Any]) -> None:
-        if event["type"] == "started":
-            self.prompt_tokens, self.cached_tokens = event["prompt_tokens"], dict(event.get("cached_tokens", {}))
-        elif event["type"] == "delta":
-            self.completion_tokens += len(event["token_ids"])
-
-    def usage(self) -> dict[str, Any] | None:
-        """``release``'s usage (None when nothing ran)."""
-        if not (self.prompt_tokens or self.completion_tokens):
-            return None
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "completion_tokens": self.completion_tokens}
-
-
-class StreamWriter:
-    """The task that hands one call's events to its client (a gRPC call's, an HTTP response's),
-    which the idle-reader deadline stops (``NodeStreams.expire_idle``): it is stuck in a write
-    its client does not take, so it would never take the error that ends its stream.
-
-    ``stop(message)`` cancels ``task``; the writer, catching that ``CancelledError``, calls
-    ``withdraw()``: True when the cancellation was this stop (it is then withdrawn,
-    ``Task.uncancel``, and ``stopped`` holds the client's RESOURCE_EXHAUSTED message), False
-    for any other (re-raise it).
-    """
-
-    def __init__(self, task: asyncio.Task[Any] | None = None) -> None:
-        self.task = task if task is not None else asyncio.current_task()
-        self.stopped: str | None = None
-
-    def stop(self, message: str) -> None:
-        if self.stopped is None and self.task is not None:
-            self.stopped = message
-            self.task.cancel()
-
-    def withdraw(self) -> bool:
-        if self.stopped is None or self.task is None:
-            return False
-        self.task.uncancel()
-        return True
-
-
-class _RecordedAbort:
-    """``context`` whose ``abort`` records the refusal's status in the request's metrics first:
-    the client has the status as soon as ``abort`` sends it, so counting it afterwards (in
-    ``generate``'s ``finally``) raced a scrape that followed the refusal."""
-
-    def __init__(self, context: Any, track: RequestTracker) -> None:
-        self._context, self._track, self.recorded = context, track, False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-    def record(self, code: grpc.StatusCode) -> None:
-        """Count the call as ended with ``code`` (once)."""
-        if not self.recorded:
-            self.recorded = True
-            self._track.finish(code.name)
-
-    async def abort(self, code: grpc.StatusCode, *args: Any, **kwargs: Any) -> Any:
-        self.record(code)
-        return await self._context.abort(code, *args, **kwargs)
-
-
-class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceServicer):
     """Generate (server streaming) and CloseSession.
 
     Args:
@@ -227,168 +106,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             security=security, max_undelivered_bytes=limits.max_undelivered_bytes,
             stream_idle_timeout_s=limits.idle_timeout_s,
         )
-
-    async def off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
-        """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, one at a
-        time per tenant; returns its result, raises what it raised.
-
-        Regression (security review): a prompt's text was rendered and tokenized on the event
-        loop that serves every tenant's calls and streams (1 Mi characters: ~3.6 s); three
-        such calls froze every other tenant's streams for ~14 s. One at a time per tenant: a
-        tenant's burst of them holds one worker thread, not every one."""
-        lock = self._tokenizing.setdefault(tenant_id, asyncio.Lock())
-        await lock.acquire()
-        loop = asyncio.get_running_loop()
-        try:
-            done = self._tokenizer_pool.submit(work)
-        except BaseException:
-            lock.release()
-            raise
-        # released when the work is done, not when a cancelled caller stops waiting for it
-        # (regression, diff review: a tenant that sent big prompts and hung up ran one thread
-        # per call at once and filled the pool every tenant's parses share)
-        done.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(lock.release))
-        return await asyncio.wrap_future(done)
-
-    async def _prepare(self, call: GenerateInput, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
-        spec = tenant.spec
-        policy = call.policy or spec.policy
-        try:
-            convert.check_policy_spec(policy)
-        except (ValueError, KeyError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not spec.allows_policy(policy):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"KV policy {policy!r} is not allowed for "
-                                f"this tenant; allowed: {', '.join(spec.allowed_policies)}")
-        for name in ("request_id", "session_id", "cache_salt", "routing_key"):
-            if len(getattr(call, name)) > MAX_ID_CHARS:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
-        try:
-            check_priority(call.priority)
-        except (TypeError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        messages: tuple[dict[str, str], ...] = ()
-        tokens: tuple[int, ...] = ()
-        prompt, sampling = call.prompt, call.sampling
-        limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
-        room = min(limit, self.info["pool_tokens"])  # the most prompt tokens that can ever run
-        templater = self.templater
-        if prompt and isinstance(prompt[0], dict):
-            messages = tuple(prompt)
-            if templater is not None:
-                try:  # before any rendering: text that can never fit is refused for free
-                    templater.check_messages_fit(messages, room)
-                except ValueError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if not call.session_id and templater is not None:
-                tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt)))
-                messages = ()
-        else:
-            tokens = tuple(prompt)
-            vocab = self.info.get("vocab_size")
-            if vocab and not all(type(t) is int and 0 <= t < vocab for t in tokens):  # regression:
-                # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must lie in [0, {vocab})")
-        fill = {}
-        if call.fill_context:  # what the context and the pool leave (the node sizes it again
-            # from the whole prompt, session history included: regression, every chat call
-            # without max_tokens was refused, asking for more than the pool holds)
-            room = min(limit, self.info["pool_tokens"]) - len(tokens)
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
-            fill = {"fill_context": "1"}
-        # a refusal for size reads as OpenAI's and vLLM's ("This model's maximum context length is
-        # N tokens. However, you requested M tokens (P in the messages, K in the completion)"), which
-        # clients such as LiteLLM key on. Regression (oairev20 O4): it read "prompt (P tokens) +
-        # max_tokens (K) exceeds the context limit (N tokens)" and went unrecognised
-        what = "messages" if prompt and isinstance(prompt[0], dict) else "prompt"
-        if len(tokens) >= self.info["pool_tokens"]:
-            pool_tokens = self.info["pool_tokens"]
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"This model's maximum context length is {pool_tokens} tokens on a cache node (its KV "
-                f"pool holds {pool_tokens} tokens: the prompt and at least one generated token). However, "
-                f"you requested {len(tokens)} tokens in the {what}. Please reduce the length of the {what}.",
-            )
-        if len(tokens) + sampling.max_tokens > limit:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. However, you "
-                f"requested {len(tokens) + sampling.max_tokens} tokens ({len(tokens)} in the {what}, "
-                f"{sampling.max_tokens} in the completion). Please reduce the length of the {what} or completion.",
-            )
-        try:
-            def prefix() -> int:
-                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
-
-            # only a chat prefix renders (the hot path of a token prompt takes no thread hop)
-            prefix_tokens = await self.off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
-        hashes = hash_prompt_blocks(
-            tokens, self.info["block_size"], (namespace, self.info["model_id"], self.info["kv_format"])
-        ) if tokens else []
-        extra = {"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
-                 "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
-                 "kv_quota_bytes": str(spec.kv_quota_bytes)} | fill
-        if call.routing_key:
-            extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
-        if messages:  # the node renders them: admission still needs their size
-            estimate, overhead = await self.off_loop(tenant.tenant_id, lambda: (
-                estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
-            if templater is not None and estimate - overhead >= room:
-                await context.abort(  # whatever the history, the turn can never fit: the node is spared it
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"This model's maximum context length is {room} prompt tokens on a cache node. However, "
-                    f"the messages alone take {estimate} tokens: they can never fit, whatever the session's "
-                    "history. Please reduce the length of the messages.",
-                )
-            if templater is not None and not fill:
-                await self._check_turn_fits(max(estimate - overhead, 0), sampling.max_tokens, limit, policy, context)
-            if templater is not None:
-                try:  # as the node's check of the turn's own tokens (``CacheNode._prompt``), which are at
-                    # least these: regression (security review F3), text the tokenizer drops was kept there
-                    templater.check_tokens_cover(content_chars(messages), max(estimate - overhead, 0))
-                except ValueError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            extra["prompt_tokens_estimate"] = str(estimate)
-        req = NodeRequest(
-            request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
-            cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
-            session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
-            policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
-            priority=call.priority, prefix_tokens=prefix_tokens,
-        )
-        return req, hashes
-
-    async def _check_turn_fits(self, own: int, max_tokens: int, limit: int, policy: str, context: Any) -> None:
-        """Refuse (INVALID_ARGUMENT) a session turn whose own tokens (``own``, a lower bound:
-        its messages' estimate without the conversation overhead) + ``max_tokens`` the cache node
-        would refuse whatever the history: past the context ``limit``, or, under a policy that
-        keeps every token (``policy`` "" or not compressing), past the node's pool.
-
-        Regression (security review 20 S4): such a turn was rendered and tokenized on the node's
-        one render thread (~0.15-0.4 s for 348-648K characters of long vocabulary pieces), then
-        refused there for size, while every other tenant's chat turns waited behind it.
-        """
-        need = own + max_tokens
-        requested = (f"However, you requested at least {need} tokens ({own} at least in the messages, with the "
-                     f"session's history on top, {max_tokens} in the completion)")
-        if need > limit:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. "
-                                f"{requested}. Please reduce the length of the messages or completion.")
-        pool_tokens = self.info["pool_tokens"]
-        if need > pool_tokens and not (policy and convert.policy_compresses(policy)):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"This model's maximum context length is {pool_tokens} tokens on a cache node "
-                                f"under a KV policy that keeps every token (its KV pool holds {pool_tokens} "
-                                f"tokens). {requested}: that can never fit. Please reduce the length of the "
-                                "messages or completion.")
-
-    def _whose(self, limit: int) -> str:
-        """How a context-overflow message names a ``limit`` below the model's own."""
-        return " for this tenant (its max_context_tokens)" if limit < self.info["max_model_len"] else ""
 
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that

@@ -1,0 +1,198 @@
+"""How the gateway checks, bounds and converts one Generate call before admitting it:
+``RequestPreparation.off_loop`` (parsing, rendering and tokenizing a prompt on a worker thread,
+one at a time per tenant) and ``_prepare`` (the KV policy, ids, priority, prompt and context
+bounds, prefix, block hashes -> a ``NodeRequest``), with ``_check_turn_fits`` for a session
+turn's size.
+
+``RequestPreparation`` is a part of ``services.gateway.InferenceServicer`` (which provides its
+attributes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from cache_node.hashing import hash_prompt_blocks
+from services import convert
+from services.chat import ChatTemplater, content_chars, estimate_message_tokens
+from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
+from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
+
+
+class RequestPreparation:
+    """The checks and conversion of ``InferenceServicer`` (which provides these attributes)."""
+
+    info: dict[str, Any]
+    templater: ChatTemplater | None
+    _tokenizing: dict[str, asyncio.Lock]
+    _tokenizer_pool: concurrent.futures.ThreadPoolExecutor
+
+    async def off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
+        """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, one at a
+        time per tenant; returns its result, raises what it raised.
+
+        Regression (security review): a prompt's text was rendered and tokenized on the event
+        loop that serves every tenant's calls and streams (1 Mi characters: ~3.6 s); three
+        such calls froze every other tenant's streams for ~14 s. One at a time per tenant: a
+        tenant's burst of them holds one worker thread, not every one."""
+        lock = self._tokenizing.setdefault(tenant_id, asyncio.Lock())
+        await lock.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            done = self._tokenizer_pool.submit(work)
+        except BaseException:
+            lock.release()
+            raise
+        # released when the work is done, not when a cancelled caller stops waiting for it
+        # (regression, diff review: a tenant that sent big prompts and hung up ran one thread
+        # per call at once and filled the pool every tenant's parses share)
+        done.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(lock.release))
+        return await asyncio.wrap_future(done)
+
+    async def _prepare(self, call: GenerateInput, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
+        spec = tenant.spec
+        policy = call.policy or spec.policy
+        try:
+            convert.check_policy_spec(policy)
+        except (ValueError, KeyError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not spec.allows_policy(policy):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"KV policy {policy!r} is not allowed for "
+                                f"this tenant; allowed: {', '.join(spec.allowed_policies)}")
+        for name in ("request_id", "session_id", "cache_salt", "routing_key"):
+            if len(getattr(call, name)) > MAX_ID_CHARS:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
+        try:
+            check_priority(call.priority)
+        except (TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        messages: tuple[dict[str, str], ...] = ()
+        tokens: tuple[int, ...] = ()
+        prompt, sampling = call.prompt, call.sampling
+        limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
+        room = min(limit, self.info["pool_tokens"])  # the most prompt tokens that can ever run
+        templater = self.templater
+        if prompt and isinstance(prompt[0], dict):
+            messages = tuple(prompt)
+            if templater is not None:
+                try:  # before any rendering: text that can never fit is refused for free
+                    templater.check_messages_fit(messages, room)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if not call.session_id and templater is not None:
+                tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt)))
+                messages = ()
+        else:
+            tokens = tuple(prompt)
+            vocab = self.info.get("vocab_size")
+            if vocab and not all(type(t) is int and 0 <= t < vocab for t in tokens):  # regression:
+                # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must lie in [0, {vocab})")
+        fill = {}
+        if call.fill_context:  # what the context and the pool leave (the node sizes it again
+            # from the whole prompt, session history included: regression, every chat call
+            # without max_tokens was refused, asking for more than the pool holds)
+            room = min(limit, self.info["pool_tokens"]) - len(tokens)
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
+            fill = {"fill_context": "1"}
+        # a refusal for size reads as OpenAI's and vLLM's ("This model's maximum context length is
+        # N tokens. However, you requested M tokens (P in the messages, K in the completion)"), which
+        # clients such as LiteLLM key on. Regression (oairev20 O4): it read "prompt (P tokens) +
+        # max_tokens (K) exceeds the context limit (N tokens)" and went unrecognised
+        what = "messages" if prompt and isinstance(prompt[0], dict) else "prompt"
+        if len(tokens) >= self.info["pool_tokens"]:
+            pool_tokens = self.info["pool_tokens"]
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"This model's maximum context length is {pool_tokens} tokens on a cache node (its KV "
+                f"pool holds {pool_tokens} tokens: the prompt and at least one generated token). However, "
+                f"you requested {len(tokens)} tokens in the {what}. Please reduce the length of the {what}.",
+            )
+        if len(tokens) + sampling.max_tokens > limit:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. However, you "
+                f"requested {len(tokens) + sampling.max_tokens} tokens ({len(tokens)} in the {what}, "
+                f"{sampling.max_tokens} in the completion). Please reduce the length of the {what} or completion.",
+            )
+        try:
+            def prefix() -> int:
+                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
+
+            # only a chat prefix renders (the hot path of a token prompt takes no thread hop)
+            prefix_tokens = await self.off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
+        hashes = hash_prompt_blocks(
+            tokens, self.info["block_size"], (namespace, self.info["model_id"], self.info["kv_format"])
+        ) if tokens else []
+        extra = {"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
+                 "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
+                 "kv_quota_bytes": str(spec.kv_quota_bytes)} | fill
+        if call.routing_key:
+            extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
+        if messages:  # the node renders them: admission still needs their size
+            estimate, overhead = await self.off_loop(tenant.tenant_id, lambda: (
+                estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
+            if templater is not None and estimate - overhead >= room:
+                await context.abort(  # whatever the history, the turn can never fit: the node is spared it
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"This model's maximum context length is {room} prompt tokens on a cache node. However, "
+                    f"the messages alone take {estimate} tokens: they can never fit, whatever the session's "
+                    "history. Please reduce the length of the messages.",
+                )
+            if templater is not None and not fill:
+                await self._check_turn_fits(max(estimate - overhead, 0), sampling.max_tokens, limit, policy, context)
+            if templater is not None:
+                try:  # as the node's check of the turn's own tokens (``CacheNode._prompt``), which are at
+                    # least these: regression (security review F3), text the tokenizer drops was kept there
+                    templater.check_tokens_cover(content_chars(messages), max(estimate - overhead, 0))
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            extra["prompt_tokens_estimate"] = str(estimate)
+        req = NodeRequest(
+            request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
+            cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
+            session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
+            policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
+            priority=call.priority, prefix_tokens=prefix_tokens,
+        )
+        return req, hashes
+
+    async def _check_turn_fits(self, own: int, max_tokens: int, limit: int, policy: str, context: Any) -> None:
+        """Refuse (INVALID_ARGUMENT) a session turn whose own tokens (``own``, a lower bound:
+        its messages' estimate without the conversation overhead) + ``max_tokens`` the cache node
+        would refuse whatever the history: past the context ``limit``, or, under a policy that
+        keeps every token (``policy`` "" or not compressing), past the node's pool.
+
+        Regression (security review 20 S4): such a turn was rendered and tokenized on the node's
+        one render thread (~0.15-0.4 s for 348-648K characters of long vocabulary pieces), then
+        refused there for size, while every other tenant's chat turns waited behind it.
+        """
+        need = own + max_tokens
+        requested = (f"However, you requested at least {need} tokens ({own} at least in the messages, with the "
+                     f"session's history on top, {max_tokens} in the completion)")
+        if need > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. "
+                                f"{requested}. Please reduce the length of the messages or completion.")
+        pool_tokens = self.info["pool_tokens"]
+        if need > pool_tokens and not (policy and convert.policy_compresses(policy)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"This model's maximum context length is {pool_tokens} tokens on a cache node "
+                                f"under a KV policy that keeps every token (its KV pool holds {pool_tokens} "
+                                f"tokens). {requested}: that can never fit. Please reduce the length of the "
+                                "messages or completion.")
+
+    def _whose(self, limit: int) -> str:
+        """How a context-overflow message names a ``limit`` below the model's own."""
+        return " for this tenant (its max_context_tokens)" if limit < self.info["max_model_len"] else ""
