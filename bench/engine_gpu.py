@@ -33,10 +33,11 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing_extensions import Self  # typing.Self needs Python 3.11; the project allows 3.10
 
 from bench.common import chat_prompt, median, shared_document
 from bench.engine_systems import (

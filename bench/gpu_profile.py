@@ -15,9 +15,10 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any
 
 import torch
+from typing_extensions import Self  # typing.Self needs Python 3.11; the project allows 3.10
 
 import cache_node.engine as engine_module
 from bench.common import median

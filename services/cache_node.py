@@ -366,6 +366,7 @@ class CacheNode(Streams, Commands, Health, Admin):
             self._start_incoming()
             self._send_outbox()
             if not self.engine.has_unfinished_requests():
+                self.engine.settle_transfers()  # paced demotions move on without steps
                 self._wake.wait(self.config.step_idle_wait_s)
                 self._wake.clear()
             else:

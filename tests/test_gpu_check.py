@@ -24,7 +24,7 @@ unimportable, and reports that machine's grpcio version (older than our generate
 def _py(code: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", HIDE + code], check=False, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                                "PATH": "/usr/bin:/bin"})
+                                                "PATH": "/usr/bin:/bin", "KVSTRATA_GPU_CHECK": "1"})
 
 
 def test_gpu_code_and_conftest_import_without_ray_zmq_gguf_faiss() -> None:

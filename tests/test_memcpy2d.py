@@ -102,3 +102,20 @@ def test_capped_plan_splits_runs_and_still_copies_exactly(layers: int, blocks: i
     assert torch.equal(dst, want)
     tiny = plan_runs(dst.clone(), dst_ids, src, src_ids, max_bytes=1)  # below one block: one block each
     assert tiny is not None and len(tiny) == n
+
+
+def test_k_or_v_only_views_and_empty_copies() -> None:
+    """Review F3: a view of K (or V) alone has one row per layer, ``stride(0)`` apart; the plan
+    took the K->V distance and copied the wrong bytes into the other half. F4: an empty copy
+    (no ids, or a view of no blocks) plans nothing instead of raising IndexError."""
+    src, dst = _pool(3, 10, 11), _pool(3, 6, 12)
+    for kv in (0, 1):
+        s_view, d_view = src[:, kv : kv + 1], dst[:, kv : kv + 1]
+        want = dst.clone()
+        want[:, kv : kv + 1, [1, 2, 5]] = src[:, kv : kv + 1, [3, 4, 9]]
+        plan = plan_runs(d_view, [1, 2, 5], s_view, [3, 4, 9])
+        assert plan is not None
+        emulate(plan, d_view, s_view)
+        assert torch.equal(dst, want)
+    assert plan_runs(dst, [], src, []) == []
+    assert plan_runs(dst[:, :, :0], [], src[:, :, :0], []) == []

@@ -77,8 +77,21 @@ def top_k_stable(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest of ``score`` (n,), ties going to the lower index, on every
     device. ``torch.topk`` breaks ties as its kernel happens to: max-pooled scores (SnapKV)
     are full of exact ties, and on the H200 (2026-12-04) CUDA kept other tokens than the CPU
-    from the same scores, so the same request decoded differently on the two devices."""
-    return torch.argsort(score, descending=True, stable=True)[:k]
+    from the same scores, so the same request decoded differently on the two devices.
+    O(n): one ``topk`` for the k-th value, then the ties below it in index order (a stable
+    argsort was 4-9x slower than ``topk`` on the CPU at 131k tokens). Indices come in index
+    order; a NaN score counts as -inf."""
+    n = score.shape[0]
+    if k >= n:
+        return torch.arange(n, device=score.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=score.device)
+    score = torch.nan_to_num(score, nan=float("-inf"))  # a NaN score is never kept first
+    kth = torch.topk(score, k, sorted=False).values.min()  # the k-th largest value
+    above = score > kth
+    ties = score == kth  # of these, the lowest indices fill the remaining places
+    keep = above | (ties & (ties.cumsum(0) <= k - above.sum()))
+    return keep.nonzero().flatten()
 
 
 def protected_mask(positions: torch.Tensor, sink_tokens: int, window_tokens: int) -> torch.Tensor:

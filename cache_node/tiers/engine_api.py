@@ -103,6 +103,15 @@ class EngineTiersMixin:
         prefer ``take_tier_events``)."""
         return [(e.event, e.block_hash) for e in self.take_tier_events() if e.tier == TIER_DEVICE]
 
+    def settle_transfers(self) -> int:
+        """On an idle engine (no step to keep from waiting): enqueue every pending demotion
+        piece now and return held blocks whose copy has landed to the free queue. Paced
+        demotion advances a lot per step (``DeviceCopier.pump``), so without steps it would
+        stand still. Returns blocks released."""
+        with self._lock:
+            self.tiers.copier.flush()
+            return self.tiers.release_held()
+
     def wait_for_transfers(self, timeout_s: float = 30.0) -> bool:
         """Block until queued spill puts and prefetches are done and every device block held
         for a demotion copy (CUDA) is free again. False on timeout."""

@@ -224,9 +224,15 @@ class TierManager:
             return 0
         self.copier.pump()  # the next lot of a paced demotion (``DeviceCopier``)
         self.release_held()
+        if self.copier.pending:
+            # the last batch is still being enqueued, a lot per step: demoting more now would
+            # only queue behind it (review of the paced demotion, F1: a 70B-shaped pool's
+            # 320 MiB batches piled up and drained the device prefix cache)
+            return 0
         n = self.blocks.num_blocks
         free_cached = sum(1 for b in self.blocks.cached.values() if b.ref_cnt == 0)
-        free_plain = self.blocks.num_free_blocks() - free_cached
+        # blocks held for a demotion copy in flight are free as soon as it lands
+        free_plain = self.blocks.num_free_blocks() - free_cached + self.copier.num_held
         if free_plain >= self.config.demote_low_watermark * n or free_cached == 0:
             return 0
         want = int(self.config.demote_high_watermark * n + 0.999) - free_plain

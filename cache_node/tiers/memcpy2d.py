@@ -49,15 +49,18 @@ class Copy2D(NamedTuple):
 
 
 def _row_layout(t: torch.Tensor) -> tuple[int, int] | None:
-    """(pitch between (layer, K/V) rows, bytes per block) of a pool view ``(L, 2, B, ...)``
-    whose rows are evenly spaced and whose blocks are contiguous; None otherwise."""
-    if t.dim() < 3:
+    """(pitch between (layer, K/V) rows, bytes per block) of a pool view ``(L, R, B, ...)``
+    (R = 2: K and V; 1: K or V alone) whose L * R rows are evenly spaced and whose blocks are
+    contiguous; None otherwise (an empty view included)."""
+    if t.dim() < 3 or t.numel() == 0:
         return None
     es = t.element_size()
     block = t[0, 0, 0]
     if not block.is_contiguous() or t.stride(2) != block.numel():
         return None
-    if t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+    if t.shape[1] == 1:  # one row per layer (review F3: a K-only view took the K->V stride)
+        return t.stride(0) * es, t.stride(2) * es
+    if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
         return None  # (layer, K/V) rows not one even sequence
     return t.stride(1) * es, t.stride(2) * es
 
@@ -84,6 +87,8 @@ def plan_runs(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
         raise ValueError(f"{len(dst_ids)} destination ids but {len(src_ids)} source ids")
     if dst.dtype != src.dtype or dst.shape[:2] != src.shape[:2] or dst.shape[3:] != src.shape[3:]:
         raise ValueError(f"pool views differ: {tuple(dst.shape)} {dst.dtype} vs {tuple(src.shape)} {src.dtype}")
+    if not len(dst_ids):
+        return []
     d_layout, s_layout = _row_layout(dst), _row_layout(src)
     if d_layout is None or s_layout is None:
         return None
