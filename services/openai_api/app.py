@@ -19,257 +19,65 @@ field), the model (404), then the gateway's own (policy, bounds, admission: 429 
 come in the same shape. A client that disconnects aborts its request on the node, which frees its
 blocks, as a cancelled gRPC call does: at any point once its body has been read (being admitted,
 queued on its node, prefilling or generating; ``unless_gone``).
+
+Where its parts live: ``bodies`` (reading and parsing a body within bounds), ``errors`` (the
+error responses in OpenAI's shape that the handlers return), ``streaming`` (writing a response,
+streamed or whole, and watching for the client leaving). This module keeps the edge
+(``OpenAIEdge``) and the routes (``create_app``), and re-exports those modules' names, so
+``from services.openai_api.app import ...`` keeps working.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
-import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from services.convert import MAX_PROMPT_TOKEN_IDS
 from services.gateway import InferenceServicer, StreamWriter
+from services.openai_api.bodies import (
+    MAX_BODY_BYTES,
+    MAX_BODY_STRINGS,  # noqa: F401 - re-exported
+    MAX_BODY_VALUES,  # noqa: F401 - re-exported
+    OFF_LOOP_BYTES,
+    body_shape,  # noqa: F401 - re-exported
+    check_body_shape,
+    load_json,
+    read_body,
+)
 from services.openai_api.connections import authenticated
 from services.openai_api.context import (
     BodyBudget,
-    BodyHold,
     BodyLimits,
     CallAborted,
     HttpCallContext,
     error_response,
 )
+from services.openai_api.errors import (
+    INVALID,  # noqa: F401 - re-exported
+    _gone,
+    framework_error,
+    invalid,
+    refusal_about,
+)
 from services.openai_api.request_ids import RequestIds, request_id
-from services.openai_api.responses import Generation, sse
+from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
-
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected while its call was being served (answered 499)."""
-
-
-async def until_gone(request: Request) -> None:
-    """Return once the client has disconnected: its ``http.disconnect`` message on the ASGI
-    ``receive`` channel (``Request.receive``; what Starlette's ``StreamingResponse`` listens
-    for). Only for use once the body has been read: other messages are dropped."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result, unless ``request``'s client disconnects first: then ``work`` is
-    cancelled, its cancellation has landed (an async generator's ``finally`` ran) when this
-    returns, and ``ClientGone`` is raised. Exceptions of ``work`` propagate; cancelling the
-    caller cancels ``work``. A ``receive`` channel that fails (no disconnect: nothing to
-    watch) leaves ``work`` awaited alone.
-
-    Regression: a client gone while the result of the whole reply's task was read, just after
-    cancelling it: ``result()`` of the still-pending task raised InvalidStateError, a 500."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(until_gone(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and watch.exception() is not None:
-            await asyncio.wait({task})
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()  # the client is gone (or the caller was cancelled): abort
-    if not task.done():  # cancelled just now: let the cancellation land
-        await asyncio.wait({task})
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-class _ClosingStream(StreamingResponse):
-    """A streaming response that closes its body generator however the stream ends (the
-    client gone included), so the request behind it is aborted at once, not when the
-    generator is garbage-collected.
-
-    ``writer`` (the task running this response) is stopped when the client takes none of the
-    stream's waiting events for the gateway's ``stream_idle_timeout_s``
-    (``InferenceServicer.generate``): the response ends there, unfinished (the client, which
-    reads nothing, could not take a last event either), and the server closes the connection.
-    Regression (secrev18 B residue): such a response was never ended."""
-
-    def __init__(self, *args: Any, writer: StreamWriter, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.writer = writer
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except asyncio.CancelledError:
-            if not self.writer.withdraw():
-                raise
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
-_HTTP_ERRORS: dict[int, tuple[str, str]] = {
-    404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"),
-}
-"""The framework's own refusals (no route, wrong method) as OpenAI ``(type, code)``."""
-
-
-MAX_BODY_BYTES = 8 << 20
-"""Largest request body read (bytes): the largest valid request, ``MAX_PROMPT_CHARS`` of text
-each JSON-escaped to ``\\uXXXX``, is ~6 MiB. Regression: bodies were read and parsed whole,
-whatever their size: a 48 MB body held the gateway's event loop, which serves every tenant's
-gRPC and HTTP calls, for 3.9 s, at ~10x its size in memory."""
-
-OFF_LOOP_BYTES = 256 << 10
-"""Bodies above this many bytes are parsed and validated on a worker thread, one at a time
-per tenant (``InferenceServicer.off_loop``)."""
-
-MAX_BODY_VALUES = MAX_PROMPT_TOKEN_IDS + (1 << 16)
-"""Most JSON values (array elements, object members) outside strings a body may hold: the
-longest token-id prompt and room for every other field."""
-
-MAX_BODY_STRINGS = 1 << 16
-"""Most JSON strings a body may hold (keys included): 1,024 messages of a few parts each."""
-
-
-def check_body_shape(data: bytes) -> None:
-    """Refuse (400) a body holding more JSON values or strings than ``MAX_BODY_VALUES`` /
-    ``MAX_BODY_STRINGS``, before ``json.loads`` builds them: byte scans at memcpy speed
-    (escaped backslashes and quotes dropped, quotes counted, separators counted outside the
-    strings). Long text costs nothing here: only structure counts.
-
-    Regression (security review): parsing "off the loop" on a thread still held the GIL
-    (``json.loads`` and pydantic never release it), so one 8 MiB body of 4.2M token ids froze
-    the gateway's event loop (every tenant's streams) ~0.3-0.9 s, four at once 1.6 s, before
-    the prompt's 131,072-id bound refused it."""
-    if data.count(b",") < MAX_BODY_VALUES and data.count(b'"') <= 2 * MAX_BODY_STRINGS:
-        return  # upper bounds of both (commas and quotes in strings included) are within
-    strings, separators = body_shape(data, 2 * MAX_BODY_STRINGS)
-    if strings > MAX_BODY_STRINGS:
-        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"body: holds more than {MAX_BODY_STRINGS} JSON strings; no valid request does")
-    if separators >= MAX_BODY_VALUES:
-        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"body: holds more than {MAX_BODY_VALUES} JSON values; no valid request does")
-
-
-def body_shape(data: bytes, max_quotes: int) -> tuple[int, int]:
-    """(JSON strings, value separators ``,`` outside strings) of a JSON text; past
-    ``max_quotes`` quotes the separators are not counted (0). For JSON, the separators are
-    the sum over arrays and objects of their length less one."""
-    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
-    quotes = plain.count(b'"')
-    if quotes > max_quotes:
-        return quotes // 2, 0
-    outside = b"".join(plain.split(b'"')[::2]) if quotes else plain
-    return quotes // 2, outside.count(b",")
-
-_LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-async def read_body(request: Request, limit: int, hold: BodyHold | None = None) -> bytes:
-    """The request's body, refused with 413 as soon as it is known to exceed ``limit`` bytes
-    (its ``Content-Length``, else the bytes received so far): nothing larger is buffered.
-
-    ``hold`` (its tenant's ``BodyBudget``) is grown to the ``Content-Length`` before a byte is
-    read, and to the bytes received when more arrive (a chunked body); past the budget
-    ``BodyHold.grow_to`` raises ``CallAborted`` (429/503), and the caller releases the hold."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"the request body has {int(declared)} bytes; at most {limit} are accepted")
-    if hold is not None and declared.isdigit():
-        hold.grow_to(int(declared))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"the request body exceeds {limit} bytes")
-        if hold is not None:
-            hold.grow_to(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def load_json(data: bytes) -> Any:
-    """A body as JSON; a 400 (``CallAborted``) when it is not UTF-8 JSON (too deeply nested
-    included), or when a string in it holds a lone UTF-16 surrogate (``"\\ud800"``: valid JSON,
-    but no UTF-8 text; regression: it reached msgpack and the block hashes and raised there,
-    a plain-text 500)."""
-    try:
-        text = data.decode("utf-8")
-        raw = json.loads(text)
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, "body: not valid JSON (UTF-8)") from None
-    if _LONE_SURROGATE.search(text):
-        try:
-            json.dumps(raw, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT,
-                              "body: a string holds a lone UTF-16 surrogate escape (not UTF-8 text)") from None
-    return raw
-
-
-_UNION_TAG = re.compile(r"(?:str|int|float|bool|list|dict|tuple|none|literal|function-\w+)(?:\[.*\])?|[A-Z]\w*")
-"""How pydantic names a union's member in an error's location (``str``, ``list[TextPart]``)."""
-
-
-def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """An error location as the client's field path: without ``body`` and union member tags."""
-    return tuple(p for p in loc if p != "body" and not (isinstance(p, str) and _UNION_TAG.fullmatch(p)))
-
-
-INVALID = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
-"""Every 400's ``code`` (the schema's, the edge's and the gateway's alike): ``invalid_argument``."""
-
-
-def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
-    """A 400 naming the first bad field (pydantic's location, without ``body`` and without a
-    union's member tags: ``messages.0.content``, not ``messages.0.content.str``).
-
-    The message is ours, not pydantic's: a validator's ``ValueError`` gives its own text
-    (pydantic's "Value error, " prefix dropped), an undeclared field "unsupported field". A
-    value no member of a union accepts names what each would take ("Input should be a valid
-    string or a valid list"); when one member got further into it, that member's error."""
-    errors = exc.errors()
-    path = _field_path(errors[0].get("loc", ()))
-    same = [e for e in errors if _field_path(e.get("loc", ()))[: len(path)] == path]
-    first = max(same, key=lambda e: len(_field_path(e.get("loc", ()))))  # the deepest: the closest match
-    field = ".".join(str(p) for p in _field_path(first.get("loc", ()))) or "body"
-    kind, raised = first.get("type"), first.get("ctx", {}).get("error")
-    if kind == "extra_forbidden":
-        message = "unsupported field"
-    elif kind in ("value_error", "assertion_error") and raised is not None:
-        message = str(raised)
-    else:
-        message = first.get("msg", "invalid")
-        alike = [e["msg"] for e in same if _field_path(e.get("loc", ())) == _field_path(first.get("loc", ()))]
-        if len(alike) > 1 and all(m.startswith("Input should be ") for m in alike):
-            message = "Input should be " + " or ".join(m.removeprefix("Input should be ") for m in alike)
-    return error_response(400, f"{field}: {message}", "invalid_request_error", INVALID, param=field)
-
-
-def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own HTTP errors (404 no such path, 405 wrong method, ...) in OpenAI's shape,
-    keeping their headers (405's ``Allow``)."""
-    kind, code = _HTTP_ERRORS.get(exc.status_code, ("invalid_request_error", None))
-    if exc.status_code == 404:
-        message = f"no such endpoint: {request.url.path}"
-    elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
-    else:
-        message = str(exc.detail)
-    return error_response(exc.status_code, message, kind, code, dict(exc.headers or {}))
+from services.openai_api.streaming import (
+    ClientGone,
+    _ClosingStream,
+    _stream,
+    _whole,
+    unless_gone,
+    until_gone,  # noqa: F401 - re-exported
+)
 
 
 class OpenAIEdge:
@@ -380,63 +188,6 @@ class OpenAIEdge:
                                   media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"}, writer=writer)
         return await _whole(generation, request, lambda exc: refusal_about(exc, body))
-
-
-def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequest) -> CallAborted:
-    """``exc`` with what it is about in ``body``'s terms: a refusal for size as OpenAI's
-    ``context_length_exceeded`` naming the field at fault (``CallAborted.about_context``: the
-    ``max_tokens`` or ``max_completion_tokens`` the client sent, else "messages" / "prompt"),
-    another 400 naming the field its message starts with (``CallAborted.naming``)."""
-    sent = [f for f in ("max_completion_tokens", "max_tokens") if f in body.model_fields_set]
-    prompt_field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    if not exc.about_context(prompt_field, sent[0] if sent else None):
-        exc.naming(type(body).model_fields)
-    return exc
-
-
-async def _stream(generation: Generation, include_usage: bool,
-                  about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> AsyncIterator[bytes]:
-    """The SSE body: a first chunk with the role, text chunks, a chunk with the finish
-    reason, the usage chunk when asked for, ``[DONE]``. A failure after the first chunk is an
-    ``{"error": ...}`` event (the status line went out already), worded by ``about`` as a
-    whole response's refusal is (review of 6b09071, L4: a size refusal was
-    ``context_length_exceeded`` in a whole response, ``invalid_argument`` in a stream)."""
-    pieces = generation.pieces()
-    try:
-        yield sse(generation.chunk("" if generation.chat else None, first=True, include_usage=include_usage))
-        async for text in pieces:
-            yield sse(generation.chunk(text, include_usage=include_usage))
-        yield sse(generation.chunk(None, generation.finish_reason, include_usage=include_usage))
-        if include_usage:
-            yield sse(generation.usage_chunk())
-    except CallAborted as exc:
-        yield sse(about(exc).response().body.decode())
-        return
-    finally:
-        await pieces.aclose()
-    yield sse("[DONE]")
-
-
-async def _whole(generation: Generation, request: Request,
-                 about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> Response:
-    """The non-streamed body; a client gone before it is ready aborts the request (499); a
-    refusal after the request started goes out as ``about`` words it."""
-
-    async def collect() -> str:
-        return "".join([text async for text in generation.pieces()])
-
-    try:
-        text = await unless_gone(request, collect())
-    except ClientGone:
-        return _gone()
-    except CallAborted as exc:
-        return about(exc).response()
-    return JSONResponse(generation.response(text))
-
-
-def _gone() -> JSONResponse:
-    """The answer to a client that went away (nobody reads it): 499, code ``cancelled``."""
-    return error_response(499, "the client closed the request", "invalid_request_error", "cancelled")
 
 
 def create_app(edge: OpenAIEdge) -> FastAPI:
