@@ -353,6 +353,14 @@ class CacheNode(Streams, Commands, Health, Admin):
             log.exception("cache node %s: the step loop failed", self.node_id)
             self._fail(f"cache node {self.node_id}: step loop failed: {type(exc).__name__}: {exc}")
 
+    def _forget_subscriber(self, subscriber: str) -> None:
+        """Close the socket to a gone gateway's inbox, unless a stream registered since its
+        streams were aborted (``abort_subscriber`` took them all out of ``_streams``) sends to
+        it: that gateway attached again and the socket is in use. Regression: closing it then
+        (linger 0) dropped the first events of a request admitted after the re-attach."""
+        if not any(stream.subscriber == subscriber for stream in list(self._streams.values())):
+            self._pusher.forget(subscriber)
+
     def _steps(self) -> None:
         last_expiry = time.monotonic()
         while not self._stopped:
@@ -361,7 +369,7 @@ class CacheNode(Streams, Commands, Health, Admin):
             while self._aborts:  # before new requests, which may reuse an aborted one's id
                 self.engine.abort_request(self._aborts.popleft())
             while self._gone_subscribers:
-                self._pusher.forget(self._gone_subscribers.popleft())
+                self._forget_subscriber(self._gone_subscribers.popleft())
             self._run_admin()
             self._start_incoming()
             self._send_outbox()

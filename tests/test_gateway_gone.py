@@ -162,3 +162,16 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
     dead = FlakyGateway([ray.exceptions.ActorDiedError(), True])
     plane.run(watch(dead, "tcp://gw-dead"))
     assert dead.answers == [True] and "tcp://gw-dead" in plane.scheduler.gone_gateways
+
+
+def test_a_gone_inbox_in_use_again_keeps_its_socket(plane: Plane) -> None:
+    """The node closes its socket to a gone gateway's inbox on its step thread, later than the
+    abort: when the gateway has attached again and a new request of it already streams there,
+    closing the socket (linger 0) would drop that request's events. It is kept then."""
+    queue = plane.start(plane.a, "t/a0", max_tokens=400)
+    sock = plane.node._pusher._socks[plane.a.subscriber]
+    plane.node._gone_subscribers.append(plane.a.subscriber)  # as if the abort_subscriber came first
+    plane.node._wake.set()
+    wait_for(lambda: not plane.node._gone_subscribers, 5.0)
+    assert plane.node._pusher._socks.get(plane.a.subscriber) is sock  # not closed (and reopened)
+    assert plane.run(asyncio.wait_for(queue.get(), 10))["type"] == "delta"  # still streaming
