@@ -15,7 +15,7 @@ NSDI 2016, §2), with LRU inside each user's share.
 
 A holder is a block's cache namespace without its salt (``holder_of``): a tenant's own
 namespace, or a shared namespace that the tenants naming it share by their own choice. A
-per-request ``cache_salt`` (``services.gateway.salted_namespace``) therefore never gives a
+per-request ``cache_salt`` (``services.gateway_inputs.salted_namespace``) therefore never gives a
 tenant extra shares.
 """
 

@@ -2,7 +2,10 @@
 actor's event loop, a thin edge over the same call path as gRPC's ``Generate``.
 
 - ``app``: routes and the edge (``OpenAIEdge``, ``create_app``).
-- ``schemas``: request bodies (pydantic) -> ``services.gateway.GenerateInput``.
+- ``bodies``: reading and parsing a request body within its size limits.
+- ``errors``: OpenAI-shaped error responses.
+- ``streaming``: writing responses, and noticing a client that has gone.
+- ``schemas``: request bodies (pydantic) -> ``services.gateway_inputs.GenerateInput``.
 - ``responses``: node events -> OpenAI response bodies, chunks and usage.
 - ``context``: the call context the gateway's path uses, and OpenAI-shaped errors.
 - ``server``: uvicorn on the running loop.
