@@ -13,21 +13,23 @@ of 2 <= q <= ``prefill_graph_max_tokens`` tokens that reaches its last known tok
 hit's suffix, a short prompt) was launch-bound too: on the H200 an 8B model's ~50-token suffix
 after ~2,050 cached tokens took 24 ms of host time for ~1,000 launches against 10.9 ms of
 device time. It replays the graph of the smallest token bucket Q >= q (16, 32, 64, ...,
-the largest). Real rows keep their token ids, positions and slots; padded rows (q..Q-1) take
-token 0 at position 0 and write only the scratch slot. The varlen metadata is that of one
-sequence of Q queries: ``query_start_loc = [0, Q]`` (a constant per bucket),
-``seq_lens = [computed + Q]``, so the kernel puts query i at position ``computed + i``, the
-real rows' own positions: causality keeps every real row off the padded rows (positions past
-it). The kernel still loads the K/V of those positions (the block table is the sequence's
-blocks, then 0: unwritten slots of its last block, or block 0) into the real rows' KV tiles
-with weight 0: finite values (the pool starts zeroed and holds only K/V the model wrote), so
-the real rows' outputs are unchanged; padded rows' outputs are dropped.
-The step samples hidden row q-1. What the capture bakes in is fixed per bucket: the unified
-kernel's grid (``Q // BLOCK_Q + 1``, KV heads) and tile config come from shapes alone (Q
-tokens, one sequence: never the split-KV decode path, which needs one query per sequence),
-the context loop's bound is read on the device from ``seq_lens``, and the block table is a
-static (1, max_blocks + Q_max / block_size) buffer, wide enough for ``computed + Q`` positions.
-The eager step's metadata differs only in ``[0, q]``/``[computed + q]`` and a narrower table.
+the largest). The real rows are the LAST q of the Q rows and keep their token ids, positions
+and slots; the padded rows before them (0..Q-q-1) take token 0 at position 0 and write only the
+scratch slot. The varlen metadata is that of one sequence of Q queries ending at the chunk's
+real end: ``query_start_loc = [0, Q]`` (a constant per bucket), ``seq_lens = [computed + q]``,
+so the kernel puts query i at position ``computed + q - Q + i``: the real rows at their own
+positions, the padded ones before them (attending earlier context, or nothing); a real row
+never sees a padded row's K/V (it went to the scratch slot, in no block table). The kernel
+loads no K/V past ``computed + q``, so no slot the model has not written for this sequence
+reaches a real row. Regression (review 21b, P1): with the padded rows after the real ones and
+``seq_lens = [computed + Q]`` the real rows' KV tiles held stale slots (the last block's
+unwritten tail, block 0) at weight 0, and one non-finite stale value made every real row NaN
+(``0 * inf``). The step samples hidden row Q-1. What the capture bakes in is fixed per bucket:
+the unified kernel's grid (``Q // BLOCK_Q + 1``, KV heads) and tile config come from shapes
+alone (Q tokens, one sequence: never the split-KV decode path, which needs one query per
+sequence), the context loop's bound is read on the device from ``seq_lens``, and the block
+table is a static (1, max_blocks + Q_max / block_size) buffer.
+The eager step's metadata differs only in ``[0, q]`` and a narrower table.
 
 Every bucket's graph, decode and prefill, is captured when the runner is built, largest token
 count first (as vLLM does, so the smaller ones reuse its memory), after a warm-up run on a side
@@ -263,13 +265,17 @@ class PrefillGraphs:
 
     def fits(self, batch: ScheduledBatch) -> bool:
         """True when ``batch`` is one plain sequence whose chunk of 2..``max_tokens`` tokens
-        reaches its last known token (it samples one row) within ``max_blocks`` blocks."""
+        reaches its last known token (it samples one row) within ``max_blocks`` blocks, after
+        at least as many computed tokens as its bucket pads (the padded rows, placed before
+        the real ones, sit at computed positions: a kernel's sequence is never shorter than
+        its queries). A short cold prompt whose length is no bucket runs eagerly."""
         if len(batch) != 1:
             return False
         seq, n = batch[0]
         end = seq.num_computed_tokens + n
         return (seq.kv is None and 2 <= n <= self.max_tokens and end == seq.num_tokens
-                and -(-end // self.runner.pool.block_size) <= self.max_blocks)
+                and -(-end // self.runner.pool.block_size) <= self.max_blocks
+                and self.bucket(n) - n <= seq.num_computed_tokens)
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket >= ``num_tokens``; ValueError past the largest."""
@@ -279,23 +285,22 @@ class PrefillGraphs:
         raise ValueError(f"prefill chunk of {num_tokens} tokens exceeds the largest graph bucket {self.max_tokens}")
 
     def host_arrays(self, batch: ScheduledBatch, bucket: int) -> dict[str, np.ndarray]:
-        """The chunk's inputs padded to ``bucket`` rows (int64): ``input_ids``, ``positions``,
-        ``slot_mapping`` (bucket,), ``seq_lens`` (1,) = computed + bucket and ``block_tables``
-        (1, ceil((computed + bucket) / block_size)): the blocks of computed + q tokens, then 0."""
+        """The chunk's inputs padded to ``bucket`` rows, the real ones last (int64):
+        ``input_ids``, ``positions``, ``slot_mapping`` (bucket,), ``seq_lens`` (1,) = computed
+        + q and ``block_tables`` (1, ceil((computed + q) / block_size)): the sequence's blocks."""
         [(seq, n)] = batch
-        bs, start = self.runner.pool.block_size, seq.num_computed_tokens
+        bs, start, pad = self.runner.pool.block_size, seq.num_computed_tokens, bucket - n
         blocks = np.array([b.block_id for b in seq.block_table[: -(-(start + n) // bs)]], np.int64)
         pos = np.arange(start, start + n)
         arrays = {
             "input_ids": np.zeros(bucket, np.int64), "positions": np.zeros(bucket, np.int64),
             "slot_mapping": np.full(bucket, self.scratch_slot, np.int64),
-            "seq_lens": np.array([start + bucket], np.int64),
-            "block_tables": np.zeros((1, -(-(start + bucket) // bs)), np.int64),
+            "seq_lens": np.array([start + n], np.int64),
+            "block_tables": blocks.reshape(1, -1),
         }
-        arrays["input_ids"][:n] = seq.all_token_ids[start : start + n]
-        arrays["positions"][:n] = pos
-        arrays["slot_mapping"][:n] = blocks[pos // bs] * bs + pos % bs
-        arrays["block_tables"][0, : len(blocks)] = blocks
+        arrays["input_ids"][pad:] = seq.all_token_ids[start : start + n]
+        arrays["positions"][pad:] = pos
+        arrays["slot_mapping"][pad:] = blocks[pos // bs] * bs + pos % bs
         return arrays
 
     def load(self, batch: ScheduledBatch) -> int:
@@ -324,9 +329,9 @@ class PrefillGraphs:
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the chunk of ``batch``'s one sequence; returns the hidden state of its last
-        token, (1, hidden_size)."""
-        n = batch[0][1]
-        return self.replay(self.load(batch))[n - 1 : n]
+        token (the bucket's last row), (1, hidden_size)."""
+        bucket = self.load(batch)
+        return self.replay(bucket)[bucket - 1 : bucket]
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Replay ``bucket``'s graph over the loaded static buffers (capturing it first if it

@@ -83,14 +83,16 @@ def test_only_one_plain_sequence_reaching_its_end_replays_a_prefill_graph(tiny) 
     with pytest.raises(ValueError, match="largest chunk of >= 2 tokens"):
         PrefillGraphs(eng.runner, 1, max_blocks=8, scratch_slot=last * bs)
     runner = eng.runner
-    [(seq, n)] = batch = first_step(eng, prompt_of(40))
-    assert n == 40 and not runner.single_prefill(batch)  # no prefill graphs on this runner
+    [(seq, n)] = batch = first_step(eng, prompt_of(48))
+    assert n == 48 and not runner.single_prefill(batch)  # no prefill graphs on this runner
     runner.prefill_graphs = graphs
     assert runner.single_prefill(batch) and not runner.single_prefill(batch, all_logits=True)
     assert not runner.decode_only(batch)
-    assert not runner.single_prefill([(seq, 39)])  # stops before the last known token: no sample
+    assert not runner.single_prefill([(seq, 47)])  # stops before the last known token: no sample
     assert not runner.single_prefill(batch + batch)  # two sequences
-    seq.num_computed_tokens = 39
+    [(cold, c)] = first_step(engine_on(tiny), prompt_of(40))
+    assert c == 40 and not graphs.fits([(cold, c)])  # pads 8 rows before the chunk, none computed
+    seq.num_computed_tokens = 47
     assert not runner.single_prefill([(seq, 1)])  # one token: the decode graphs' or eager
     seq.num_computed_tokens = 0
     seq.kv = object()  # a KV policy's sequence attends through its policy
@@ -105,11 +107,11 @@ def test_only_one_plain_sequence_reaching_its_end_replays_a_prefill_graph(tiny) 
     assert not runner.single_prefill(batch)  # 40 tokens need 3 blocks, past max_blocks
 
 
-# (warm prompt, prompt): cold chunks of 5 and 40 tokens; prefix hits of 32 cached tokens and
+# (warm prompt, prompt): cold chunks of 16 and 48 tokens (a bucket's size: no padding); prefix hits of 32 cached tokens and
 # suffixes of 2, 16 and 40 tokens (buckets 16, 16, 48); 17 tokens after 48 cached.
 CASES = {
-    "cold-5": (None, prompt_of(5), 0, 5, 16),
-    "cold-40": (None, prompt_of(40), 0, 40, 48),
+    "cold-16": (None, prompt_of(16), 0, 16, 16),
+    "cold-48": (None, prompt_of(48), 0, 48, 48),
     "hit-32+2": (prompt_of(40), prompt_of(34), 32, 2, 16),
     "hit-32+16": (prompt_of(40), prompt_of(48), 32, 16, 16),
     "hit-32+40": (prompt_of(40), prompt_of(72), 32, 40, 48),
@@ -148,17 +150,27 @@ def check_against_eager(lm, warm: list[int] | None, prompt: list[int], cached: i
     pool_after_eager = eng.pool.kv.clone()
     eng.pool.kv.copy_(pool_before)
     assert graphs.load(batch) == bucket
-    assert graphs.seq_lens.tolist() == [cached + bucket]
-    assert graphs.positions[:q].tolist() == list(range(cached, cached + q))
-    assert graphs.input_ids[:q].tolist() == prompt[cached:]
-    assert (graphs.slot_mapping[q:bucket] == last * bs).all() and (graphs.positions[q:bucket] == 0).all()
+    pad = bucket - q  # the real rows are the last q
+    assert graphs.seq_lens.tolist() == [cached + q]  # the kernel reads no slot past the chunk
+    assert graphs.positions[pad:bucket].tolist() == list(range(cached, cached + q))
+    assert graphs.input_ids[pad:bucket].tolist() == prompt[cached:]
+    assert (graphs.slot_mapping[:pad] == last * bs).all() and (graphs.positions[:pad] == 0).all()
     blocks = [b.block_id for b in seq.block_table[: -(-len(prompt) // bs)]]
-    width = -(-(cached + bucket) // bs)
-    assert graphs.block_tables[0, :width].tolist() == blocks + [0] * (width - len(blocks))
+    assert graphs.block_tables[0, : len(blocks)].tolist() == blocks
     assert graphs.query_start_loc[bucket].tolist() == [0, bucket]
+    # stale slots past the chunk (the last block's unwritten tail, block 0) hold non-finite
+    # values: no real row may see them (review 21b, P1: 0 * inf made every real row NaN)
+    end = cached + q
+    tail = [blocks[-1] * bs + i for i in range(end % bs, bs)] if end % bs else []
+    stale = tail + ([] if 0 in blocks else list(range(bs)))  # and block 0, when not the sequence's
+    flat = eng.pool.kv  # (layers, 2, slots, H_kv, d)
+    for slot in stale:
+        flat[:, :, slot] = float("inf")
     with torch.inference_mode():
-        logits = eng.runner.model.lm_head(graphs._forward(bucket)[q - 1 : q]).float()
+        logits = eng.runner.model.lm_head(graphs._forward(bucket)[bucket - 1 : bucket]).float()
     torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    for slot in stale:  # put the stale slots back for the pool comparison
+        flat[:, :, slot] = pool_after_eager[:, :, slot]
     # Real rows write their slots with the eager step's K/V (a chunk of Q rows may take another
     # GEMM blocking than one of q on some CPUs: within tolerance); nothing else but the scratch.
     same = torch.isclose(eng.pool.kv, pool_after_eager, rtol=1e-4, atol=1e-5)
@@ -178,8 +190,9 @@ def test_engine_steps_through_the_prefill_graph_path_on_cpu(tiny, monkeypatch) -
         eng = engine_on(tiny)
         runs[graphs] = prefix_hit_tokens(eng, prompts, graphs)
     assert runs[True][0] == runs[False][0]
-    # 5-token prompt; base: 64 + 6 (ends its prompt); hits: 6 + k tokens after 64 cached
-    assert runs[False][1] == 0 and runs[True][1] == 6
+    # 5-token prompt (cold, pads 11 rows: eager); base: 64 + 6 (ends its prompt); hits: 6 + k
+    # tokens after 64 cached
+    assert runs[False][1] == 0 and runs[True][1] == 5
 
 
 def prefix_hit_tokens(eng: LLMEngine, prompts: list[list[int]], graphs: bool) -> tuple[list, int]:
