@@ -243,6 +243,19 @@ class RayGateway(Gateway):
             self._reattaching = asyncio.get_running_loop().create_task(self._attach_again())
         return await asyncio.shield(self._reattaching)
 
+    async def counted_gone(self, subscriber: str, request_ids: list[str]) -> bool:
+        """The scheduler counted this gateway's inbox ``subscriber`` as gone (its watch of it
+        failed) and released ``request_ids``, the requests it had admitted from it: end their
+        streams with UNAVAILABLE (the nodes stopped them without an event, so their clients
+        waited for ever: review 21b, G1) and attach again. False when ``subscriber`` is not
+        this gateway's inbox."""
+        if self.streams is None or self.streams.subscriber != subscriber:
+            return False
+        ended = self.streams.fail_requests(request_ids, "this gateway lost its place at the scheduler, which "
+                                                        "stopped the request: send it again")
+        log.warning("gateway %s was counted as gone while serving: %d streams ended", self.gateway_id, ended)
+        return await self.reattach()
+
     async def _attach_again(self) -> bool:
         subscriber = self.streams.subscriber if self.streams is not None else ""
         try:

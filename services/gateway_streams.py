@@ -340,6 +340,18 @@ class NodeStreams:
             if entry.node_id == node_id:
                 self._put(request_id, entry, _unavailable(reason))
 
+    def fail_requests(self, request_ids: list[str], reason: str) -> int:
+        """End the streams of ``request_ids`` with UNAVAILABLE (``reason``): the scheduler
+        counted this gateway as gone, released them and had the nodes stop them without an
+        event (a dead gateway hears nothing). Returns how many were open here."""
+        ended = 0
+        for request_id in request_ids:
+            entry = self._queues.get(request_id)
+            if entry is not None:
+                self._put(request_id, entry, _unavailable(reason))
+                ended += 1
+        return ended
+
     def reconnect(self, node_id: str, address: str) -> None:
         """``node_id`` is up again with its command inbox at ``address`` (new after a restart)."""
         if address != self.node_inboxes.get(node_id):

@@ -70,7 +70,7 @@ class GlobalSchedulerService(GlobalScheduler):
         Regression: one failed poll (a slow or briefly unreachable gateway) counted a live
         gateway as gone, and every request it sent from then on was refused ``gateway_gone``
         for as long as it ran."""
-        failures = 0
+        failures, died = 0, False
         while subscriber not in self.gone_gateways:
             try:
                 serves = await handle.serves.remote(subscriber, GATEWAY_POLL_S)
@@ -79,12 +79,25 @@ class GlobalSchedulerService(GlobalScheduler):
                 failures += 1
                 log.warning("gateway %s did not answer (%d in a row): %s: %.200s", subscriber, failures,
                             type(exc).__name__, exc)
-                if not _actor_died(exc) and failures < GATEWAY_POLL_FAILURES:
+                died = _actor_died(exc)
+                if not died and failures < GATEWAY_POLL_FAILURES:
                     await asyncio.sleep(GATEWAY_RETRY_S)
                     continue
                 serves = False
             if not serves:
-                self.gateway_gone(subscriber)
+                released = self.gateway_gone(subscriber)
+                if failures and not died:  # it may still run: tell it (a dead one's call fails)
+                    await self._tell_counted_gone(handle, subscriber, released)
+
+    @staticmethod
+    async def _tell_counted_gone(handle: Any, subscriber: str, released: list[str]) -> None:
+        """``handle.counted_gone(subscriber, released)``: a gateway that still runs ends the
+        streams of the ``released`` requests (the nodes stopped them without an event) and
+        attaches again; a dead one's call fails (ignored)."""
+        try:
+            await asyncio.wait_for(handle.counted_gone.remote(subscriber, released), GATEWAY_POLL_S)
+        except Exception as exc:  # noqa: BLE001 - a dead or unreachable gateway
+            log.info("gateway %s not told it was counted gone: %s", subscriber, type(exc).__name__)
 
     async def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
         """``GlobalScheduler.authenticate`` in a worker thread (an earlier version's PBKDF2

@@ -54,6 +54,11 @@ class Membership:
         ``subscriber``. The inbox it had before (it was restarted) is gone (``gateway_gone``);
         an inbox counted as gone is served again. Returns that previous inbox ("" if none)."""
         previous = self.gateways.get(gateway_id)
+        if previous is not None and previous.subscriber != subscriber and subscriber in self.gone_gateways:
+            # a late attach with an inbox this gateway had before its restart: reviving it would
+            # count the live inbox as gone (review 21b, G2)
+            log.warning("gateway %s: a stale attach with its old inbox %s was ignored", gateway_id, subscriber)
+            return ""
         self.gateways[gateway_id] = GatewayRecord(address, subscriber)
         # a gateway counted as gone that attaches again still serves that inbox: what it had
         # admitted was released, and from now on it is served again (``Gateway`` re-attaches

@@ -125,6 +125,17 @@ def test_a_live_gateway_counted_gone_attaches_again_and_its_requests_run(plane: 
     assert attached == [1]
 
 
+class _Told:
+    def __init__(self, told: list[tuple[str, list[str]]]) -> None:
+        self.told = told
+
+    def remote(self, subscriber: str, released: list[str]) -> Any:
+        async def record() -> bool:
+            self.told.append((subscriber, released))
+            return True
+        return record()
+
+
 class FlakyGateway:
     """A gateway actor handle whose ``serves.remote`` answers from a script: True/False, or an
     exception to raise."""
@@ -132,6 +143,8 @@ class FlakyGateway:
     def __init__(self, answers: list[Any]) -> None:
         self.answers = answers
         self.serves = self
+        self.told: list[tuple[str, list[str]]] = []  # counted_gone calls
+        self.counted_gone = _Told(self.told)
 
     def remote(self, subscriber: str, wait_s: float) -> Any:
         async def answer() -> bool:
@@ -154,14 +167,17 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
     flaky = FlakyGateway([RuntimeError("slow"), RuntimeError("slow"), True, RuntimeError("slow"), False])
     plane.run(watch(flaky, "tcp://gw-flaky"))
     assert flaky.answers == [] and "tcp://gw-flaky" in plane.scheduler.gone_gateways  # gone at its "no"
+    assert flaky.told == []  # it answered "no": it serves another inbox, nothing to tell
 
     down = FlakyGateway([RuntimeError("x")] * admission.GATEWAY_POLL_FAILURES + [True])
     plane.run(watch(down, "tcp://gw-down"))
     assert down.answers == [True] and "tcp://gw-down" in plane.scheduler.gone_gateways
+    assert down.told == [("tcp://gw-down", [])]  # it may still run: told, with what was released
 
     dead = FlakyGateway([ray.exceptions.ActorDiedError(), True])
     plane.run(watch(dead, "tcp://gw-dead"))
     assert dead.answers == [True] and "tcp://gw-dead" in plane.scheduler.gone_gateways
+    assert dead.told == []
 
 
 def test_a_gone_inbox_in_use_again_keeps_its_socket(plane: Plane) -> None:
@@ -175,3 +191,33 @@ def test_a_gone_inbox_in_use_again_keeps_its_socket(plane: Plane) -> None:
     wait_for(lambda: not plane.node._gone_subscribers, 5.0)
     assert plane.node._pusher._socks.get(plane.a.subscriber) is sock  # not closed (and reopened)
     assert plane.run(asyncio.wait_for(queue.get(), 10))["type"] == "delta"  # still streaming
+
+
+def test_a_live_gateway_counted_gone_ends_its_stopped_streams(plane: Plane) -> None:
+    """Review 21b, G1: counted as gone while it ran, a gateway's requests were released and
+    stopped on the node without an event: their streams waited for ever. Told which requests
+    were released (``RayGateway.counted_gone``), it ends them with UNAVAILABLE."""
+    queue = plane.start(plane.a, "t/a0", max_tokens=600)
+    released = plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber))
+    assert released == ["t/a0"]
+    assert plane.a.fail_requests([*released, "t/unknown"], "stopped: send it again") == 1
+
+    async def end_event() -> dict[str, Any]:
+        while (event := await asyncio.wait_for(queue.get(), 10))["type"] == "delta":
+            pass
+        return event
+
+    event = plane.run(end_event())
+    assert (event["type"], event["code"]) == ("error", "UNAVAILABLE") and "send it again" in event["message"]
+
+
+def test_a_stale_attach_with_a_restarted_gateways_old_inbox_is_ignored(plane: Plane) -> None:
+    """Review 21b, G2: a late attach carrying the inbox a gateway had before Ray restarted it
+    revived that dead inbox and counted the live one as gone (its streams aborted)."""
+    sched = plane.scheduler
+    plane.run(sched.attach_gateway("gw-r", "127.0.0.1:9", "tcp://old-inbox"))
+    plane.run(sched.attach_gateway("gw-r", "127.0.0.1:9", "tcp://new-inbox"))  # restarted
+    assert "tcp://old-inbox" in sched.gone_gateways
+    assert plane.run(sched.attach_gateway("gw-r", "127.0.0.1:9", "tcp://old-inbox")) == ""  # stale
+    assert "tcp://old-inbox" in sched.gone_gateways and "tcp://new-inbox" not in sched.gone_gateways
+    assert sched.gateways["gw-r"].subscriber == "tcp://new-inbox"

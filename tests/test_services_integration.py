@@ -287,3 +287,9 @@ def test_a_live_gateway_counted_gone_serves_on(stack, keys) -> None:
     r = collect(stack.inference.Generate(chat("Name a large planet.", 4), metadata=md(keys["alice"])))
     assert r["finished"] is not None and r["finished"].completion_tokens == len(r["tokens"]) > 0
     assert ray.get(gateway.__ray_call__.remote(lambda self: self.streams.subscriber)) == subscriber
+    # the scheduler's watch tells a gateway it counted as gone (review 21b, G1): it attaches again
+    ray.get(scheduler.gateway_gone.remote(subscriber))
+    assert ray.get(gateway.counted_gone.remote(subscriber, [])) is True
+    assert ray.get(gateway.counted_gone.remote("tcp://not-its-inbox", [])) is False
+    r = collect(stack.inference.Generate(chat("Name a large planet.", 4), metadata=md(keys["alice"])))
+    assert r["finished"] is not None
