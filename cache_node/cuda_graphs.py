@@ -59,6 +59,18 @@ if TYPE_CHECKING:
 PREFILL_MIN_BUCKET = 16
 
 
+def smallest_bucket(buckets: list[int], size: int, what: str) -> int:
+    """The smallest of ``buckets`` (ascending) >= ``size``.
+
+    Raises:
+        ValueError: ``size`` exceeds the largest (``what`` names it in the message).
+    """
+    for b in buckets:
+        if b >= size:
+            return b
+    raise ValueError(f"{what} exceeds the largest graph bucket {buckets[-1]}")
+
+
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes graphs are captured for: powers of two below ``max_num_seqs``, then it."""
     buckets, b = [], 1
@@ -161,10 +173,7 @@ class DecodeGraphs:
 
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket >= ``batch_size``; ValueError past the largest."""
-        for b in self.buckets:
-            if b >= batch_size:
-                return b
-        raise ValueError(f"decode batch of {batch_size} exceeds the largest graph bucket {self.max_batch}")
+        return smallest_bucket(self.buckets, batch_size, f"decode batch of {batch_size}")
 
     def host_arrays(self, batch: ScheduledBatch, bucket: int) -> dict[str, np.ndarray]:
         """The step's inputs padded to ``bucket`` rows (int64): ``input_ids``, ``positions``,
@@ -279,10 +288,7 @@ class PrefillGraphs:
 
     def bucket(self, num_tokens: int) -> int:
         """The smallest bucket >= ``num_tokens``; ValueError past the largest."""
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        raise ValueError(f"prefill chunk of {num_tokens} tokens exceeds the largest graph bucket {self.max_tokens}")
+        return smallest_bucket(self.buckets, num_tokens, f"prefill chunk of {num_tokens} tokens")
 
     def host_arrays(self, batch: ScheduledBatch, bucket: int) -> dict[str, np.ndarray]:
         """The chunk's inputs padded to ``bucket`` rows, the real ones last (int64):
