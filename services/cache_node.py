@@ -116,6 +116,9 @@ class CacheNode(Streams, Commands, Health, Admin):
             max_num_seqs=config.max_num_seqs,
             dtype=config.dtype,
             device=config.device,
+            cuda_graphs=config.cuda_graphs,
+            prefill_graph_max_tokens=config.prefill_graph_max_tokens,
+            fused_kernels=config.fused_kernels,
             scheduling_policy=scheduler,
         ).resolved()
         lm = load_model(config.model_path, engine_config.torch_dtype, engine_config.torch_device)

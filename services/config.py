@@ -52,6 +52,11 @@ class NodeConfig(BaseModel):
     # progress included); past it the tenant with the most queued loses its oldest writes (later
     # spill misses, kvstrata:spill_put_dropped_blocks_total): a stalled spill node costs no more
     spill_put_backlog_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # CUDA only: decode-step graphs, one-sequence prefill-chunk graphs up to this many tokens
+    # (0: none) and the fused Triton RMSNorm / SiLU-and-mul / RoPE kernels (``EngineConfig``)
+    cuda_graphs: bool = True
+    prefill_graph_max_tokens: int = Field(256, ge=0)
+    fused_kernels: bool = True
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
     # Most characters of chat messages one tenant's sessions keep on a node (to render their next

@@ -401,3 +401,25 @@ def test_kvstrata_up_device_option_overrides_the_config(tmp_path, capsys) -> Non
         _up_config(cfg_file, "", "cuda:3")
     assert exc.value.exit_code == 2 and exc.value.param_hint == "'--device'"
     assert exc.value.message.startswith("device must be one of ('auto', 'cpu', 'cuda')")
+
+
+def test_node_config_carries_the_cuda_step_options_to_the_engine_config() -> None:
+    """``node: {cuda_graphs, prefill_graph_max_tokens, fused_kernels}`` in the YAML reach the
+    cache node's EngineConfig (the README's way to turn off the GPU paths not yet run on a GPU);
+    a negative token count is refused."""
+    pytest.importorskip("pydantic")
+    pytest.importorskip("zmq")
+    from services.cache_node import CacheNode
+    from services.config import NodeConfig
+    from tests.loop_plane import BLOCK_SIZE, POOL_BLOCKS, block_bytes, tiny_checkpoint
+
+    cfg = NodeConfig(model_path=str(tiny_checkpoint()), block_size=BLOCK_SIZE, kv_pool_bytes=POOL_BLOCKS * block_bytes(),
+                     host_bytes=0, cuda_graphs=False, prefill_graph_max_tokens=0, fused_kernels=False)
+    node = CacheNode("n-cfg", cfg, num_threads=1)
+    try:
+        engine = node.engine.config
+        assert (engine.cuda_graphs, engine.prefill_graph_max_tokens, engine.fused_kernels) == (False, 0, False)
+    finally:
+        node.shutdown()
+    with pytest.raises(ValueError):
+        NodeConfig(prefill_graph_max_tokens=-1)
