@@ -26,6 +26,7 @@ from cache_node.block import KVBlock
 from cache_node.block_pool import BlockPool
 from cache_node.compaction import can_rewrite, gather_kv, merge_kv, rewrite_kv, sequence_slots
 from cache_node.kv_pool import KVPool
+from cache_node.query_spans import attend_spans
 from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -172,9 +173,15 @@ class SequenceKV:
         n = q.shape[0]
         s = ctx_slots.shape[0]
         q_pos = self.positions[layer_idx, s - n : s]
+        stats = self.stats
+        cuts = self.policy.query_spans(self, n)
+        if cuts is not None:  # a prompt step under a query-dependent policy: span by span
+            out, probs = attend_spans(self, layer_idx, q, q_pos, k_cache, v_cache, ctx_slots, cuts)
+            if stats is not None:
+                stats.record(layer_idx, probs, q.float(), q_pos)
+            return out
         self.policy.before_attend(self, layer_idx, q, q_pos)
         extra = self.policy.extra_kv(self, layer_idx)
-        stats = self.stats
         probs = None
         if (self.dense and n == 1 and (stats is None or not stats.needs.attention)
                 and (extra is None or hasattr(extra, "dense_kv"))):
@@ -186,11 +193,13 @@ class SequenceKV:
         return out
 
     def attend_all(self, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, ctx_slots: torch.Tensor, extra: ExtraKV | None
+                   v_cache: torch.Tensor, ctx_slots: torch.Tensor, extra: ExtraKV | None, causal: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``attend``'s general path: logits over the pool's valid slots (causal mask, the
         support's log added) and ``extra``'s, one softmax, the outputs summed. Returns the
-        output (n, H, d) and the pool part's probabilities (H_kv, g, n, S) float32."""
+        output (n, H, d) and the pool part's probabilities (H_kv, g, n, S) float32.
+        ``causal``: mask even a lone query over a dense layout (a span of a step's queries,
+        not necessarily in the last slot: ``attend_spans``)."""
         n, h, d = q.shape
         s = ctx_slots.shape[0]
         pos = self.positions[layer_idx, :s]
@@ -198,7 +207,7 @@ class SequenceKV:
         h_kv = k.shape[1]
         qh = q.view(n, h_kv, h // h_kv, d).permute(1, 2, 0, 3)  # (H_kv, g, n, d)
         logits = qh @ k.permute(1, 2, 0).unsqueeze(1) * self.scaling  # (H_kv, g, n, S)
-        if not (self.dense and n == 1):  # a lone query in the last slot sees every earlier slot
+        if causal or not (self.dense and n == 1):  # a lone query in the last slot sees every earlier slot
             allowed = (pos.view(1, -1) >= 0) & (pos.view(1, -1) <= q_pos.view(-1, 1))  # (n, S)
             logits = logits + self.support[layer_idx, :s].clamp(min=1e-6).log().to(q.dtype)
             logits = logits.masked_fill(~allowed, float("-inf"))

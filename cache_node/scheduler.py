@@ -187,6 +187,7 @@ class Scheduler(Preemption):
         batch: ScheduledBatch = []
         if seq in self.running:
             n = min(seq.num_uncomputed_tokens, budget)
+            n = seq.chunk_tokens(seq.num_computed_tokens, n, n, budget)  # a span is never split
             # a compaction put off at its last step runs first, as in ``_fill`` (regression,
             # hangs review 20 W4: the isolated step laid its tokens out over an uncompacted layout)
             if self._compact_due(seq, batch) and self._reserve(seq, n, batch):
@@ -230,12 +231,16 @@ class Scheduler(Preemption):
                 n = min(n, capped)
                 if n == 0:
                     continue
+            hard = min(seq.num_uncomputed_tokens, budget)
+            n = seq.chunk_tokens(seq.num_computed_tokens, n, hard, self.config.max_num_batched_tokens)
+            if n == 0:  # its prompt's next span does not fit what the step has left
+                continue
             if not self._compact_due(seq, batch) or not self._reserve(seq, n, batch):
                 continue
             batch.append((seq, n))
             budget -= n
             if held_back:
-                capped -= n
+                capped = max(0, capped - n)
             if decode:
                 self._last_decode_s[seq.request_id] = now
         self._admit_waiting(batch, budget, now, urgent_only, capped)
@@ -387,7 +392,10 @@ class Scheduler(Preemption):
             computed = computed[: self._reusable_blocks(seq)]
             num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
-        n = min(seq.compute_end(start) - start, budget)
+        n = seq.chunk_tokens(start, min(seq.compute_end(start) - start, budget), budget,
+                             self.config.max_num_batched_tokens)  # a prompt span is never split
+        if n == 0:
+            return None
         if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, computed):
             return None
         if not self._room_to_compact(seq, computed):

@@ -162,6 +162,31 @@ class Sequence:
             end = min(end, self.isolate_at)
         return end
 
+    def chunk_tokens(self, start: int, soft: int, hard: int, step_max: int) -> int:
+        """Tokens a step computing from ``start`` takes, given ``soft`` (its share of the step)
+        and ``hard`` (the step's tokens left, >= ``soft``): ``soft``, except for a prompt
+        under a KV policy with a ``prompt_span`` (its attention depends on the step's
+        queries), whose chunk may end only at a span cut (``Policy.query_spans``: the
+        prompt's length less a multiple of the span) or at ``compute_end``: the last cut within
+        ``soft``, else the first within ``hard``, else 0 (it waits for a step with room). A
+        span longer than ``step_max`` (the node's ``max_num_batched_tokens``) can never fit
+        a step: ``soft`` then, and chunk invariance does not hold below that budget.
+
+        Regression (hangs review 20 W3): SentenceKV selected a session turn's recalled
+        sentences once per prefill chunk, so the same turn decoded other tokens under
+        another ``max_num_batched_tokens`` or beside other tenants' requests."""
+        span = 0 if self.kv is None else self.kv.policy.prompt_span(self.kv)
+        end, p = self.compute_end(start), self.num_prompt_tokens
+        if not span or start >= p or start + soft >= end:
+            return soft
+        cut = start + soft - (start + soft - p) % span  # cuts: p - k * span
+        if cut > start:
+            return cut - start
+        nxt = min(start + ((p - start) % span or span), end)
+        if nxt - start <= hard:
+            return nxt - start
+        return soft if nxt - start > step_max else 0
+
     def restart(self) -> None:
         """Its KV is gone (preempted, or its waiting blocks taken): compute again from token
         0, or, for a session turn whose session kept its history's KV (``kept``), from the

@@ -171,7 +171,8 @@ def missed_mass(state, store, layer: int, q: torch.Tensor, q_pos: torch.Tensor) 
         attended.append(torch.tensor([[sid in resident[h] or sid in over_sids[h]] for h in range(h_kv)])
                         .expand(h_kv, len(store.positions[sid])))
     k, p, a = torch.cat(keys).double(), torch.cat(positions), torch.cat(attended, 1)
-    assert sorted(p.tolist()) == list(range(int(q_pos[-1]) + 1))  # the full KV: every token once
+    # the full KV, every token once (a span of a step's queries: the step's later tokens too, masked)
+    assert sorted(p.tolist()) == list(range(len(p))) and len(p) > int(q_pos[-1])
     n, h, d = q.shape
     logits = torch.einsum("nhgd,thd->nhgt", q.double().view(n, h_kv, h // h_kv, d), k) * state.scaling
     logits = logits.masked_fill((p.view(1, -1) > q_pos.view(-1, 1)).view(n, 1, 1, -1), -math.inf)

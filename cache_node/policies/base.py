@@ -276,6 +276,33 @@ class Policy:
     def before_attend(self, state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
         """Called before layer ``layer_idx`` attends with queries ``q`` (n, H, d); may recall KV."""
 
+    def prompt_span(self, state: SequenceKV) -> int:
+        """Chunk invariance for a policy whose attention depends on the step's queries (the
+        KV ``before_attend`` selects from them). 0 (the default): none needed. ``w`` > 0:
+        while the prompt is prefilled, ``SequenceKV.attend`` cuts the step's queries into
+        spans at the absolute positions ``P - w``, ``P - 2w``, ... (``P`` the prompt's
+        length; ``query_spans``: the last span is the prompt's last ``w`` tokens, the query
+        the first output token is sampled from among them), each span's queries attending after their own
+        ``before_attend``; and the scheduler ends a prompt chunk only at such a cut
+        (``Sequence.chunk_tokens``), so no span is ever split across steps. The tokens a
+        request decodes then do not depend on how its prompt was chunked, i.e. on
+        ``max_num_batched_tokens`` or on the other requests sharing its steps (chunked
+        prefill: Agrawal et al., Sarathi-Serve, OSDI'24; vLLM's scheduler, which chunks a
+        prompt by what the step's token budget leaves)."""
+        return 0
+
+    def query_spans(self, state: SequenceKV, num_queries: int) -> list[int] | None:
+        """For a step's ``num_queries`` queries from absolute position
+        ``state.seq.num_computed_tokens``: None when they attend together (a decode step,
+        or ``prompt_span`` 0); else the indices before which they are cut into spans
+        (``prompt_span``; [] = one span, still attended apart from the step's fused paths, so
+        a span gets the same arithmetic whatever else its step computes)."""
+        span, seq = self.prompt_span(state), state.seq
+        start, end = seq.num_computed_tokens, seq.num_prompt_tokens
+        if not span or start >= end:
+            return None
+        return list(range((end - start) % span or span, num_queries, span))
+
     def extra_kv(self, state: SequenceKV, layer_idx: int) -> ExtraKV | None:
         """KV outside the pool that layer ``layer_idx`` also attends to (None = none): by
         default the cold tier's codes (``cold_bits``)."""

@@ -14,10 +14,13 @@ charged to the device pool then) and only its index stays on the device tier (in
 region are charged to the pool as whole blocks: ``SequenceKV.charge_blocks``). Before each layer attends,
 the step's queries score every sentence per KV head (best over the step's queries and the
 head's query group) and each head promotes its best sentences into its own R region slots; in
-a multi-token chunk the last query (the one sampled from) picks first, up to
-``last_query_share`` of R. KV is copied from the host only for heads whose selection changed;
-decoding one token per step, recall follows every decode step (every k-th with
-``recall_every``). Budget = the pool blocks (sinks + window + ``headroom_blocks`` blocks) + R +
+a multi-token step the last query picks first, up to ``last_query_share`` of R. KV is copied
+from the host only for heads whose selection changed; decoding one token per step, recall
+follows every decode step (every k-th with ``recall_every``). A prompt prefilled over demoted
+sentences (a session turn, a compressed prefix's fork) selects per span of 16 positions
+counted back from the prompt's end, never per scheduler chunk, and the scheduler never
+splits a span (``SentenceRecall.prompt_span``, ``cache_node.query_spans``): the output does
+not depend on the token budget or on other requests. Budget = the pool blocks (sinks + window + ``headroom_blocks`` blocks) + R +
 the index, in token-equivalent bytes. Fields a spec leaves out come from a preset chosen by the
 budget (``SentenceKV.preset``: "compact" at 1/8 of the prompt or less, "standard" above).
 

@@ -53,7 +53,8 @@ class SentenceKV(SentenceRecall, SentenceBudget, Policy):
     ``region_key_scale`` 1 centres and scales keys per channel before coding them (KIVI §3;
     ``SentenceCodes``).
     ``recall_every`` k > 1: a decode step re-selects a layer's region only when the sequence's
-    computed-token count is a multiple of k (prefill chunks always do); between, the region
+    computed-token count is a multiple of k (a prompt's spans always do:
+    ``SentenceRecall.prompt_span``); between, the region
     keeps the sentences the last selection chose, as Quest and ShadowKV reuse a page selection
     over nearby decode queries. It divides the sketch scoring, selection and loads by ~k.
 

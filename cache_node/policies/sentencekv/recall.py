@@ -21,6 +21,10 @@ from cache_node.policies.sentencekv.store import HostSentenceStore
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
 
+# prompt tokens per recall span while a prompt is prefilled over demoted sentences
+# (``SentenceRecall.prompt_span``): a selection per 16 tokens, a decode step's recall each
+PROMPT_SPAN = 16
+
 
 class SentenceRecall:
     """Recall methods of ``SentenceKV`` (its fields; ``_store`` and ``deep_start`` are its own)."""
@@ -55,12 +59,27 @@ class SentenceRecall:
         if layer_idx == state.pool.num_layers - 1:
             state.seq.policy_stats.update(state.extra["recall_bound"].as_dict())
 
+    def prompt_span(self, state: SequenceKV) -> int:
+        """``PROMPT_SPAN`` once sentences are demoted (a session turn over its history's, a
+        compressed prefix's fork, the prefix's producer past its boundary), else 0 (a first
+        prompt recalls nothing). While such a prompt is prefilled, each span of its queries
+        (``PROMPT_SPAN`` tokens, counted back from the prompt's end: the last span holds the
+        query the first output token is sampled from, which picks first, up to
+        ``last_query_share`` of the region, and the question before it) selects the sentences its tokens
+        attend from its own queries (``cache_node.query_spans``; the paper's §3.3 selection
+        by the current query), never one selection per scheduler chunk: the turn's output
+        does not depend on how its prompt was chunked (hangs review 20 W3: five token budgets
+        gave four different outputs)."""
+        store = state.extra.get("sentences")
+        return PROMPT_SPAN if store is not None and len(store) else 0
+
     def _reuse_selection(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor) -> bool:
         """Whether this decode step keeps the layer's last selection (``recall_every``, or
-        ``deep_recall_every`` in the deep layers)."""
+        ``deep_recall_every`` in the deep layers); a prompt's span never does."""
         every = self.deep_recall_every if layer_idx >= self.deep_start(state.pool.num_layers) else self.recall_every
+        seq = state.seq
         return (every > 1 and q.shape[0] == 1 and layer_idx in store.resident
-                and state.seq.num_computed_tokens % every != 0)
+                and seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_computed_tokens % every != 0)
 
     def _region(self, state: SequenceKV, layer_idx: int) -> SentenceRegion | QuantSentenceRegion | None:
         store = state.extra.get("sentences")
