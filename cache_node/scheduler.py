@@ -212,7 +212,7 @@ class Scheduler(Preemption):
         if joinable and self.policy.prefill_chunk_share < 1.0:
             chunk_cap = max(1, int(budget * self.policy.prefill_chunk_share))
         for seq in running:
-            if budget == 0:
+            if budget <= 0:  # (a prompt span may have taken it past 0)
                 break
             if seq not in self.running:  # preempted by an earlier iteration
                 continue
@@ -231,11 +231,13 @@ class Scheduler(Preemption):
                 n = min(n, capped)
                 if n == 0:
                     continue
-            hard = min(seq.num_uncomputed_tokens, budget)
-            n = seq.chunk_tokens(seq.num_computed_tokens, n, hard, self.config.max_num_batched_tokens)
-            if n == 0:  # its prompt's next span does not fit what the step has left
+            # a compaction put off at its last step runs before the chunk is sized: it may give
+            # the sequence its prompt spans (review 21c, F5)
+            if not self._compact_due(seq, batch):
                 continue
-            if not self._compact_due(seq, batch) or not self._reserve(seq, n, batch):
+            hard = min(seq.num_uncomputed_tokens, self._step_left(batch))  # a span may pass ``budget``
+            n = seq.chunk_tokens(seq.num_computed_tokens, n, max(hard, n), self.config.max_num_batched_tokens)
+            if not self._reserve(seq, n, batch):
                 continue
             batch.append((seq, n))
             budget -= n
@@ -311,14 +313,14 @@ class Scheduler(Preemption):
             if held_back and capped == 0:
                 continue
             limit = (lambda b, c=capped: min(b, c)) if held_back else (lambda b: b)
-            n = self._admit(seq, limit(budget))
+            n = self._admit(seq, limit(budget), self._step_left(batch))
             while n is None and self.policy.preempts_for_class:
                 victims = self._victims_to_start(seq)  # only victims that let it start
                 if not victims:
                     break
                 for victim in victims:
                     budget += self._preempt_from_batch(victim, batch, seq)
-                n = self._admit(seq, limit(budget))
+                n = self._admit(seq, limit(budget), self._step_left(batch))
             if n is None:
                 if head_blocked and self.policy.skip_blocked:
                     continue
@@ -383,8 +385,14 @@ class Scheduler(Preemption):
         self.running.append(head)
         batch.append((head, n))
 
-    def _admit(self, seq: Sequence, budget: int) -> int | None:
-        """Reserve blocks for a waiting sequence's first chunk; None when it cannot start."""
+    def _step_left(self, batch: ScheduledBatch) -> int:
+        """Tokens the step can still take: ``max_num_batched_tokens`` less its batch's."""
+        return self.config.max_num_batched_tokens - sum(n for _, n in batch)
+
+    def _admit(self, seq: Sequence, budget: int, step_left: int | None = None) -> int | None:
+        """Reserve blocks for a waiting sequence's first chunk of at most ``budget`` tokens (a
+        prompt span may take it up to ``step_left``, the step's tokens left); None when it
+        cannot start."""
         computed, num_cached = ([], 0)
         if not seq.block_table:  # a session turn arrives with its blocks attached
             computed, num_cached = self.kv_manager.get_computed_blocks(seq)
@@ -392,10 +400,9 @@ class Scheduler(Preemption):
             computed = computed[: self._reusable_blocks(seq)]
             num_cached = len(computed) * self.kv_manager.block_size
         start = seq.num_computed_tokens + num_cached
-        n = seq.chunk_tokens(start, min(seq.compute_end(start) - start, budget), budget,
-                             self.config.max_num_batched_tokens)  # a prompt span is never split
-        if n == 0:
-            return None
+        soft = min(seq.compute_end(start) - start, budget)
+        n = seq.chunk_tokens(start, soft, max(soft, step_left if step_left is not None else budget),
+                             self.config.max_num_batched_tokens)  # a prompt span is not split if it fits
         if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, computed):
             return None
         if not self._room_to_compact(seq, computed):

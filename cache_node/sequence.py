@@ -163,14 +163,18 @@ class Sequence:
         return end
 
     def chunk_tokens(self, start: int, soft: int, hard: int, step_max: int) -> int:
-        """Tokens a step computing from ``start`` takes, given ``soft`` (its share of the step)
-        and ``hard`` (the step's tokens left, >= ``soft``): ``soft``, except for a prompt
-        under a KV policy with a ``prompt_span`` (its attention depends on the step's
-        queries), whose chunk may end only at a span cut (``Policy.query_spans``: the
-        prompt's length less a multiple of the span) or at ``compute_end``: the last cut within
-        ``soft``, else the first within ``hard``, else 0 (it waits for a step with room). A
-        span longer than ``step_max`` (the node's ``max_num_batched_tokens``) can never fit
-        a step: ``soft`` then, and chunk invariance does not hold below that budget.
+        """Tokens a step computing from ``start`` takes, given ``soft`` (its share of the step,
+        >= 1) and ``hard`` (the most the step can still take, >= ``soft``): ``soft``, except for
+        a prompt under a KV policy with a ``prompt_span`` (its attention depends on the step's
+        queries), whose chunk ends at a span cut (``Policy.query_spans``: the prompt's length
+        less a multiple of the span) or at ``compute_end`` when one is in reach: the last cut
+        within ``soft``, else the first within ``hard`` (past ``soft`` by less than a span).
+        When none is (a step with fewer than a span's tokens left, or a span longer than
+        ``step_max``, the node's ``max_num_batched_tokens``) it takes ``soft`` anyway and
+        counts ``policy_stats["prefill_unaligned_chunks"]``: that chunk's recall then depends
+        on the chunking. Never 0: a request never waits, nor makes others wait or be
+        preempted, for a span (review 21c: waiting for one starved a batch-class turn behind
+        interactive decodes, preempted lower classes for tokens, and blocked FCFS admission).
 
         Regression (hangs review 20 W3): SentenceKV selected a session turn's recalled
         sentences once per prefill chunk, so the same turn decoded other tokens under
@@ -183,9 +187,10 @@ class Sequence:
         if cut > start:
             return cut - start
         nxt = min(start + ((p - start) % span or span), end)
-        if nxt - start <= hard:
+        if nxt - start <= min(hard, step_max):
             return nxt - start
-        return soft if nxt - start > step_max else 0
+        self.policy_stats["prefill_unaligned_chunks"] = self.policy_stats.get("prefill_unaligned_chunks", 0.0) + 1
+        return soft
 
     def restart(self) -> None:
         """Its KV is gone (preempted, or its waiting blocks taken): compute again from token

@@ -75,9 +75,50 @@ def test_chunk_tokens_end_at_span_cuts() -> None:
     # cuts at 100 - 16 k: 4, 20, 36, 52, 68, 84 and the prompt's end
     assert seq.chunk_tokens(37, 40, 40, 64) == 31  # back to the cut at 68
     assert seq.chunk_tokens(37, 5, 40, 64) == 15  # no cut within the share: the first within the step
-    assert seq.chunk_tokens(37, 5, 5, 64) == 0  # none within the step: it waits
+    # none within the step: it takes its share anyway (never waits: review 21c, F1-F3), counted
+    assert seq.chunk_tokens(37, 5, 5, 64) == 5 and seq.policy_stats["prefill_unaligned_chunks"] == 1
     assert seq.chunk_tokens(37, 5, 5, 10) == 5  # a span over the node's budget: cut anyway
-    assert seq.chunk_tokens(80, 10, 10, 64) == 4 and seq.chunk_tokens(90, 6, 6, 64) == 0
+    assert seq.chunk_tokens(80, 10, 10, 64) == 4 and seq.chunk_tokens(90, 6, 6, 64) == 6
     assert seq.chunk_tokens(99, 1, 1, 64) == 1 and seq.chunk_tokens(90, 10, 10, 64) == 10  # the end
+    assert seq.policy_stats["prefill_unaligned_chunks"] == 3
     seq.kv = None
     assert seq.chunk_tokens(37, 5, 5, 64) == 5
+
+
+def test_a_turn_never_waits_preempts_or_blocks_for_a_prompt_span(tiny) -> None:
+    """Review 21c, F1-F3: while other requests' decodes left fewer tokens of the step than
+    the turn's next 16-token span, the turn waited (a batch-class turn starved behind
+    interactive decodes), its admission preempted batch-class requests for want of tokens
+    (8 preemptions with 4,073 blocks free), and FCFS admission stopped behind it. It now
+    starts in the first step (its chunk then not span-aligned, counted), preempting no one."""
+    from cache_node.scheduling.base import TenantShare
+
+    e = make_engine(tiny, kv_pool_bytes=4096 * 8192, max_num_batched_tokens=20, max_num_seqs=16,
+                    scheduling_policy="priority")
+    e.policy_env = PolicyEnv(frozenset({13}))
+    e.scheduler.policy.set_tenant("A", TenantShare("interactive", ttft_slo_ms=1000.0, weight=4.0))
+    e.scheduler.policy.set_tenant("B", TenantShare("batch", ttft_slo_ms=60000.0))
+
+    def finish(rid: str) -> None:
+        for _ in range(2000):
+            if any(o.finished and o.request_id == rid for o in e.step()):
+                return
+        raise AssertionError(f"{rid} never finished")
+
+    finish(e.add_request(prompt(81, 291), SamplingParams(max_tokens=4, ignore_eos=True), request_id="t0",
+                         session_id="s", policy="sentencekv-64", tenant="A"))
+    hist = e.session_history("s")
+    for i in range(6):
+        e.add_request(prompt(10, 50 + i), SamplingParams(max_tokens=60, ignore_eos=True), request_id=f"b{i}",
+                      tenant="B")
+    for _ in range(40):
+        e.step()
+        if len(e.scheduler.running) == 6 and all(s.output_token_ids for s in e.scheduler.running):
+            break
+    before = e.scheduler.num_preemptions
+    e.add_request(hist + prompt(31, 874), SamplingParams(max_tokens=4, ignore_eos=True), request_id="t1",
+                  session_id="s", policy="sentencekv-64", tenant="A")
+    e.step()
+    assert "t1" in {s.request_id for s in e.scheduler.running}
+    assert e.scheduler.num_preemptions == before
+    finish("t1")
