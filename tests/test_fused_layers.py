@@ -34,15 +34,24 @@ STOCK = {cls: cls.forward for cls in (llama.LlamaRMSNorm, llama.LlamaMLP, llama.
 STOCK_ROPE = llama.apply_rotary_pos_emb
 
 
+def _sdpa_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy that runs transformers' SDPA attention: the session's ``tiny`` model may have
+    served an engine already, which set its attention to the engine's paged one (usable only
+    inside an engine step: the suite failed here in that order, and passed alone)."""
+    out = copy.deepcopy(model)
+    out.config._attn_implementation = "sdpa"
+    return out
+
+
 def _patched_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
-    fused = copy.deepcopy(model)
+    fused = _sdpa_copy(model)
     return fused, patch_model(fused)
 
 
 def test_patched_tiny_llama_matches_stock_modules_and_model(tiny) -> None:
     """Every decoder module and the whole decoder (sdpa attention, 13 tokens) give the stock
     outputs; the stock classes and the rotary function stay transformers' own."""
-    ref = copy.deepcopy(tiny.model)  # made before patching: the transformers peer
+    ref = _sdpa_copy(tiny.model)  # made before patching: the transformers peer
     fused, count = _patched_copy(tiny.model)
     layers = len(fused.model.layers)
     assert count == 4 * layers + 1  # 2 norms, MLP, attention per layer; the final norm
