@@ -46,10 +46,10 @@ def steps(out: Path) -> list[Step]:
     py = sys.executable
     return [
         Step("pytest", (py, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=",
-                        "--timeout", "120", "--continue-on-collection-errors", f"--junitxml={out / 'pytest-gpu.xml'}", "tests"), 140.0, None),
+                        "--timeout", "120", "--continue-on-collection-errors", f"--junitxml={out / 'pytest-gpu.xml'}", "tests"), 200.0, None),
         Step("engine", (py, "-m", "bench.engine", "--device", "cuda", "--model-shape", "llama-3.1-8b",
-                        "--quick"), 210.0, "engine.json"),
-        Step("tiers", (py, "-m", "bench.tiers", "--device", "cuda", "--quick"), 120.0, "tiers.json"),
+                        "--quick"), 180.0, "engine.json"),
+        Step("tiers", (py, "-m", "bench.tiers", "--device", "cuda", "--quick"), 90.0, "tiers.json"),
     ]
 
 
