@@ -71,25 +71,24 @@ def smallest_bucket(buckets: list[int], size: int, what: str) -> int:
     raise ValueError(f"{what} exceeds the largest graph bucket {buckets[-1]}")
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes graphs are captured for: powers of two below ``max_num_seqs``, then it."""
-    buckets, b = [], 1
-    while b < max_num_seqs:
+def _doubling(first: int, largest: int) -> list[int]:
+    """``first``, twice it, ... below ``largest``, then ``largest``."""
+    buckets, b = [], first
+    while b < largest:
         buckets.append(b)
         b *= 2
-    return [*buckets, max_num_seqs]
+    return [*buckets, largest]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes graphs are captured for: powers of two below ``max_num_seqs``, then it."""
+    return _doubling(1, max_num_seqs)
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Chunk lengths prefill graphs are captured for: 16, 32, 64, ... below ``max_tokens``,
     then it; [] when ``max_tokens`` < 2 (no chunk of >= 2 tokens fits)."""
-    if max_tokens < 2:
-        return []
-    buckets, b = [], PREFILL_MIN_BUCKET
-    while b < max_tokens:
-        buckets.append(b)
-        b *= 2
-    return [*buckets, max_tokens]
+    return _doubling(PREFILL_MIN_BUCKET, max_tokens) if max_tokens >= 2 else []
 
 
 def run_decoder(runner: ModelRunner, md: AttentionMetadata, input_ids: torch.Tensor,
@@ -131,6 +130,31 @@ class GraphSet(Protocol):
     def capture(self, bucket: int) -> None: ...
 
 
+class _Graphs:
+    """What decode and prefill graph sets share: one graph per bucket over static buffers
+    (``_forward``), captured into ``graph_pool``, replayed."""
+
+    graph_pool: GraphPool
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def capture(self, bucket: int) -> None:
+        """Capture ``bucket``'s graph over the static buffers as they stand (at build they
+        hold padded rows only, which write the scratch slot)."""
+        self.graphs[bucket] = self.graph_pool.capture(lambda: self._forward(bucket))
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Replay ``bucket``'s graph over the loaded static buffers (capturing it first if it
+        was not); returns its output, (bucket, hidden_size), valid until the next replay."""
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        graph, hidden = self.graphs[bucket]
+        graph.replay()
+        return hidden
+
+
 def capture_largest_first(*sets: GraphSet) -> None:
     """Capture every bucket not captured yet of every set, largest token count first."""
     order = sorted(((b, i) for i, s in enumerate(sets) for b in s.buckets), reverse=True)
@@ -139,7 +163,7 @@ def capture_largest_first(*sets: GraphSet) -> None:
             sets[i].capture(bucket)
 
 
-class DecodeGraphs:
+class DecodeGraphs(_Graphs):
     """Captured decode graphs of one model runner (see the module docstring).
 
     Args:
@@ -211,24 +235,10 @@ class DecodeGraphs:
         self.block_tables[:bucket, :width].copy_(dev["block_tables"])
         return bucket
 
-    def capture_all(self) -> None:
-        """Capture every bucket's graph not captured yet, largest first. The warm-ups and
-        captures run the static buffers' padded rows: they write only the scratch slot."""
-        capture_largest_first(self)
-
-    def capture(self, bucket: int) -> None:
-        """Capture ``bucket``'s graph over the static buffers as they stand."""
-        self.graphs[bucket] = self.graph_pool.capture(lambda: self._forward(bucket))
-
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Decode one token of every sequence in ``batch`` (plain sequences, one new token
         each); returns their last hidden states, (len(batch), hidden_size), in batch order."""
-        bucket = self.load(batch)
-        if bucket not in self.graphs:
-            self.capture(bucket)
-        graph, hidden = self.graphs[bucket]
-        graph.replay()
-        return hidden[: len(batch)]
+        return self.replay(self.load(batch))[: len(batch)]
 
     def _forward(self, bucket: int) -> torch.Tensor:
         """The decoder over the static buffers' first ``bucket`` rows: (bucket, hidden)."""
@@ -237,7 +247,7 @@ class DecodeGraphs:
         return run_decoder(self.runner, md, self.input_ids[:bucket], self.positions[:bucket])
 
 
-class PrefillGraphs:
+class PrefillGraphs(_Graphs):
     """Captured single-sequence prefill graphs of one model runner (see the module docstring).
 
     Args:
@@ -323,30 +333,11 @@ class PrefillGraphs:
         self.block_tables[:, : dev["block_tables"].shape[1]].copy_(dev["block_tables"])
         return bucket
 
-    def capture_all(self) -> None:
-        """Capture every bucket's graph not captured yet, largest first."""
-        capture_largest_first(self)
-
-    def capture(self, bucket: int) -> None:
-        """Capture ``bucket``'s graph over the static buffers as they stand. At build they
-        hold no step: ``bucket`` padded rows at positions ``max_tokens - bucket`` onwards
-        (``seq_lens`` = ``max_tokens``), each writing the scratch slot and reading block 0."""
-        self.graphs[bucket] = self.graph_pool.capture(lambda: self._forward(bucket))
-
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the chunk of ``batch``'s one sequence; returns the hidden state of its last
         token (the bucket's last row), (1, hidden_size)."""
         bucket = self.load(batch)
         return self.replay(bucket)[bucket - 1 : bucket]
-
-    def replay(self, bucket: int) -> torch.Tensor:
-        """Replay ``bucket``'s graph over the loaded static buffers (capturing it first if it
-        was not); returns its output, (bucket, hidden_size), valid until the next replay."""
-        if bucket not in self.graphs:
-            self.capture(bucket)
-        graph, hidden = self.graphs[bucket]
-        graph.replay()
-        return hidden
 
     def _forward(self, bucket: int) -> torch.Tensor:
         """The decoder over the static buffers' first ``bucket`` rows as one sequence of

@@ -18,12 +18,11 @@ import torch
 from cache_node.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
-    ForwardContext,
     PolicyChunk,
-    forward_context,
 )
 from cache_node.attention_backends import DeviceArrays, HostArrays, SeqStep, get_backend
 from cache_node.config import EngineConfig
+from cache_node.cuda_graphs import run_decoder
 from cache_node.fused_layers import apply_fused_kernels
 from cache_node.kv_pool import KVPool, block_slots
 from cache_node.outputs import SequenceFault
@@ -209,11 +208,7 @@ class ModelRunner:
             return self.model.lm_head(hidden).float()
         host = self.plan(batch, all_logits)
         dev = to_device(host.arrays, self.device)
-        with forward_context(ForwardContext(self.pool, self.metadata(host, dev), self.backend)):
-            hidden = self.model.model(
-                input_ids=dev["input_ids"].unsqueeze(0), position_ids=dev["positions"].unsqueeze(0),
-                use_cache=False,
-            ).last_hidden_state[0]
+        hidden = run_decoder(self, self.metadata(host, dev), dev["input_ids"], dev["positions"])
         if not len(host.arrays["sample_idx"]):
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
         return self.model.lm_head(hidden.index_select(0, dev["sample_idx"])).float()
