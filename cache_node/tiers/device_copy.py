@@ -146,14 +146,17 @@ class DeviceCopier:
             copy_view_to_view(host, slots, pool, block_ids)
             return None
         plan = self._pitched_plan(host, slots, pool, block_ids)
-        if plan is None or self.max_inflight_bytes is None:
+        if plan is None:
             return CopyTicket(self._async(host, slots, pool, block_ids, wait_after=False))
         ticket = CopyTicket()
         ticket.pieces_left = len(plan)
         self.pending.extend((c, ticket, host, pool) for c in plan)
         if not plan:
             ticket.event = self._record()
-        self.pump()
+        if self.max_inflight_bytes is None:
+            self.flush()  # unpaced: enqueued whole, now
+        else:
+            self.pump()
         return ticket
 
     def pump(self) -> int:
