@@ -195,9 +195,7 @@ class StepProfile:
     def summary(self) -> dict[str, Any]:
         full = [t for t, n in self.steps if n >= self.full]
         rest = [t for t, n in self.steps if n < self.full]
-        runner = getattr(self.engine, "runner", None) or getattr(self.engine, "model_runner", None)
-        graphs = getattr(runner, "graphs", None)
-        prefill = getattr(runner, "prefill_graphs", None)
+        graphs, prefill = self.engine.runner.graphs, self.engine.runner.prefill_graphs
         return {"steps": len(self.steps), "full_batch_decode_steps": len(full),
                 "full_batch_decode_step_ms_median": round(median(full) * 1000, 3) if full else None,
                 "other_steps": len(rest), "other_steps_s": round(sum(rest), 3),
