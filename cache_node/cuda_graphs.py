@@ -25,10 +25,11 @@ reaches a real row. Regression (review 21b, P1): with the padded rows after the 
 ``seq_lens = [computed + Q]`` the real rows' KV tiles held stale slots (the last block's
 unwritten tail, block 0) at weight 0, and one non-finite stale value made every real row NaN
 (``0 * inf``). The step samples hidden row Q-1. What the capture bakes in is fixed per bucket:
-the unified kernel's grid (``Q // BLOCK_Q + 1``, KV heads) and tile config come from shapes
-alone (Q tokens, one sequence: never the split-KV decode path, which needs one query per
-sequence), the context loop's bound is read on the device from ``seq_lens``, and the block
-table is a static (1, max_blocks + Q_max / block_size) buffer.
+the unified kernel's grid (``Q // BLOCK_Q + 1``, KV heads, KV splits), its tile config and
+its number of context ranges (split-KV, as a prefix hit's short chunk after a long cached
+prefix needs) come from shapes alone (Q tokens, one sequence, the table's width), the context
+loop's bounds are read on the device from ``seq_lens``, and the block table is a static
+(1, max_blocks + Q_max / block_size) buffer.
 The eager step's metadata differs only in ``[0, q]`` and a narrower table.
 
 Every bucket's graph, decode and prefill, is captured when the runner is built, largest token

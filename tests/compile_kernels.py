@@ -4,7 +4,7 @@
 front end to ptxas, for the launch configurations the engine uses on the acceptance shapes:
 the Llama-3.1-8B shape in bf16 (32 heads, 8 KV heads, head_dim 128) and SmolLM2-135M in fp32
 and bf16 (9 heads, 3 KV heads, head_dim 64); prefill-heavy and decode-heavy unified launches,
-split-KV decode and its merge. The interpreter tests check what the kernels compute; this
+split-KV decode, a split-KV prefill chunk, and the merge. The interpreter tests check what the kernels compute; this
 checks that the GPU compiler accepts them (dot shapes, loop-carried types, shared memory) and
 that no configuration spills registers (cuobjdump, also bundled). Prints one line per kernel
 and exits non-zero on the first failure.
@@ -88,13 +88,14 @@ def _report(name: str, kernel) -> None:
 
 def main() -> None:
     for shape, (heads, kv_heads, head_dim, dtype) in SHAPES.items():
-        for label, tokens, seqs in (("prefill", 2048, 4), ("decode", 32, 32)):
-            config = pa.unified_config(tokens, seqs, heads, kv_heads, head_dim, 16, dtype)
+        # (label, tokens, sequences, splits): a prefill-heavy and a decode-heavy batch, split-KV
+        # decode, and a 64-token chunk after a long cached prefix (a prefix-cache hit), split
+        for label, tokens, seqs, splits in (("prefill", 2048, 4, 1), ("decode", 32, 32, 1),
+                                            ("split-kv decode", 4, 4, 8),
+                                            ("split-kv chunk", 64, 1, 8)):
+            config = pa.unified_config(tokens, seqs, heads, kv_heads, head_dim, 16, dtype, splits)
             _report(f"{shape} unified/{label}", compile_one(
                 kernels._unified_attention_kernel, dtype, config, **pa.launch_options(config)))
-        config = pa.split_kv_config(heads, kv_heads, head_dim, 16, dtype, 8)
-        _report(f"{shape} split-kv decode", compile_one(
-            kernels._split_kv_decode_kernel, dtype, config, **pa.launch_options(config)))
         merge = {"NUM_SPLITS": 8, "SPLITS_PAD": 8, "HEAD_DIM": head_dim,
                  "HEAD_DIM_PAD": triton.next_power_of_2(head_dim)}
         _report(f"{shape} merge", compile_one(kernels._merge_splits_kernel, dtype, merge,

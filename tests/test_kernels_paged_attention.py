@@ -86,11 +86,29 @@ def test_more_splits_than_context_tiles() -> None:
     _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=8))
 
 
-def test_chunked_prefill_over_1500_token_context() -> None:
-    """A 12-token chunk after 1488 cached tokens, next to a 1500-token decode, one launch."""
+@pytest.mark.parametrize("num_kv_splits", [1, 5, None])
+def test_chunked_prefill_over_1500_token_context(num_kv_splits: int | None) -> None:
+    """A 12-token chunk after 1488 cached tokens, next to a 1500-token decode, one launch;
+    unsplit, cut into 5 context ranges per query tile, and as chosen (split: 3 sequences' tiles
+    on 2 KV heads do not fill 132 SMs)."""
     batch = make_batch([(1500, 12), (1500, 1), (40, 5)], num_heads=8, num_kv_heads=2,
                        head_dim=128, block_size=32, device=DEVICE, seed=4)
-    _check(batch, pa.paged_attention(*batch.args()))
+    _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=num_kv_splits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_hit_chunk_split_kv(dtype: torch.dtype) -> None:
+    """A prefix-cache hit: a 53-token chunk (four query tiles) after 2064 cached tokens, one
+    sequence. Its few programs are split over the context; a split holding only positions past
+    a query's own (the tile's last range, for its first rows) gives that row lse -inf, which
+    the merge must skip."""
+    batch = make_batch([(2117, 53)], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                       dtype=dtype, device=DEVICE, seed=9)
+    config = pa.unified_config(53, 1, 8, 2, 64, 16, dtype)
+    tiles = pa.num_query_tiles(53, 1, config["BLOCK_Q"])
+    assert pa.choose_num_kv_splits(tiles, 2, batch.block_tables.shape[1] * 16, 132) > 1
+    atol, rtol = (FP32_ATOL, 0.0) if dtype == torch.float32 else (BF16_ATOL, BF16_RTOL)
+    _check(batch, pa.paged_attention(*batch.args()), atol, rtol)
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
@@ -132,8 +150,7 @@ def test_random_small_batches(case) -> None:
     batch = make_batch(specs, num_heads=group, num_kv_heads=1, head_dim=head_dim,
                        block_size=block_size, device=DEVICE, seed=seed)
     _check(batch, pa.paged_attention(*batch.args()))
-    if all(q_len == 1 for _, q_len in specs):
-        _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=2))
+    _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=2))
 
 
 def test_q_with_strided_token_and_head_dims() -> None:
@@ -185,6 +202,11 @@ def test_choose_num_kv_splits() -> None:
     assert pa.choose_num_kv_splits(4, 8, 1024, 132) == 4  # capacity 1024 // 256
     assert pa.choose_num_kv_splits(32, 8, 4096, 132) == 1  # 256 pairs fill 132 SMs
     assert pa.choose_num_kv_splits(1, 8, 512, 132) == 1  # short contexts: not worth it
+    # a prefix-cache hit: a 53-token chunk of one sequence is 4 query tiles of 16 (GQA 4)
+    assert pa.num_query_tiles(53, 1, 16) == 4
+    assert pa.choose_num_kv_splits(4, 8, 4096, 132) == 9
+    assert pa.num_query_tiles(4, 4, 4) == 4  # decodes: one tile per sequence
+    assert pa.choose_num_kv_splits(pa.num_query_tiles(2048, 4, 16), 8, 4096, 132) == 1
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -197,7 +219,7 @@ def test_kernels_compile_for_sm90() -> None:
     done = subprocess.run([sys.executable, "-m", "tests.compile_kernels"], check=False,
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count(" 0 B stack") == 12, done.stdout
+    assert done.stdout.count(" 0 B stack") == 15, done.stdout
 
 
 # ---- on the GPU: fp32/bf16 equivalence on real shapes, and kernel vs reference timings ----
@@ -210,12 +232,14 @@ SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
 @pytest.mark.parametrize("shape", [LLAMA_8B, SMOLLM2], ids=["llama-3.1-8b", "smollm2-135m"])
 def test_gpu_matches_reference_on_model_shapes(shape: dict[str, int]) -> None:
     """Compiled (not interpreted) kernels: fp32 with IEEE dot products to 1e-4, bf16 within
-    the stated tolerance; mixed batch, decode batch through split-KV, 1500-token contexts."""
+    the stated tolerance; mixed batch, decode batch through split-KV, 1500-token contexts, a
+    prefix-hit chunk through split-KV."""
     mixed = [*MIXED, (1500, 1), (1500, 64)]
     decode = [(1500, 1), (700, 1), (37, 1), (1, 1)]
+    hit = [(2117, 53)]
     for dtype, atol, rtol in ((torch.float32, FP32_ATOL, 0.0),
                               (torch.bfloat16, BF16_ATOL, BF16_RTOL)):
-        for specs, splits in ((mixed, None), (decode, 8)):
+        for specs, splits in ((mixed, None), (decode, 8), (hit, None), (mixed, 4)):
             batch = make_batch(specs, **shape, block_size=16, dtype=dtype, device="cuda")
             _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=splits), atol, rtol)
 
@@ -243,6 +267,7 @@ def test_gpu_kernel_vs_reference_timing(record_property) -> None:
         "decode 32 x 256-1024": [(int(n), 1) for n in torch.randint(256, 1025, (32,),
                                                                     generator=g)],
         "decode 1 x 4096 (split-KV)": [(4096, 1)],
+        "prefix hit: 53 after 2064 (split-KV)": [(2117, 53)],
         "prefill 4 x 512": [(512, 512)] * 4,
         "mixed 8 chunks of 256 after 1024 + 24 decodes of 1024": [(1280, 256)] * 8
         + [(1024, 1)] * 24,

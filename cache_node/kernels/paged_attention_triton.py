@@ -1,7 +1,8 @@
 """The Triton programs behind ``cache_node.kernels.paged_attention`` (which launches them).
 
-``_unified_attention_kernel``: grid (query tiles, KV heads), prefill chunks and decodes alike;
-``_split_kv_decode_kernel`` + ``_merge_splits_kernel``: Flash-Decoding for one-query sequences.
+``_unified_attention_kernel``: grid (query tiles, KV heads, KV splits), prefill chunks and
+decodes alike; with more than one split each program attends one range of its tile's context
+and ``_merge_splits_kernel`` merges the ranges (Flash-Decoding, generalized to query tiles).
 All accumulate in fp32 with the online softmax of FlashAttention-2 (Dao 2023, §3.1) in base 2
 (``qk_scale`` = softmax scale * log2(e)). Block tables map a context position p to slot
 ``block_tables[seq, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE`` (PagedAttention, Kwon et
@@ -69,18 +70,50 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
 
 
 @triton.jit
+def _attend_range(q, q_pos, row_valid, kv_start, kv_end, k_ptr, v_ptr, table_row_ptr, kv_head,
+                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, dims, dim_valid,
+                  qk_scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr):
+    """Attend ``q`` (ROWS, HEAD_DIM_PAD) at positions ``q_pos`` (ROWS,) to context positions
+    [kv_start, kv_end), causally; returns FlashAttention-2's unnormalized (acc, m_i, l_i)."""
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    for start in range(kv_start, kv_end, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        kv_valid = positions < kv_end
+        k, v = _load_kv_tile(k_ptr, v_ptr, table_row_ptr, positions, kv_valid, kv_head,
+                             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                             dims, dim_valid, BLOCK_SIZE)
+        allowed = (row_valid[:, None] & kv_valid[None, :]
+                   & (positions[None, :] <= q_pos[:, None]))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
+                                             DOT_PRECISION, UPCAST_DOT)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _unified_attention_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, num_seqs,
+    out_ptr, partial_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr,
+    seq_lens_ptr, qk_scale, num_seqs,
     stride_q_token, stride_q_head, stride_o_token, stride_o_head,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Program (tile, kv_head): BLOCK_Q queries of one sequence x the GROUP heads of kv_head."""
+    """Program (tile, kv_head, split): BLOCK_Q queries of one sequence x the GROUP heads of
+    kv_head, over the split-th of NUM_SPLITS ranges of the tile's causal context.
+
+    NUM_SPLITS == 1 writes ``out``; else (Flash-Decoding, generalized to query tiles) it writes
+    ``partial``: (num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, normalized, and
+    ``lse``: (num_tokens, num_heads, NUM_SPLITS) fp32 log2-sum-exp, -inf where a row's range
+    holds nothing it may attend to, for ``_merge_splits_kernel``.
+    """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -98,77 +131,32 @@ def _unified_attention_kernel(
         io_mask = row_valid[:, None] & dim_valid[None, :]
         q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
                     + dims[None, :], mask=io_mask, other=0.0)
-        q_pos = context_len + q_idx
-        kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
-        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+        tile_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
+        # ranges of whole KV tiles; one range (NUM_SPLITS == 1) covers [0, tile_end)
+        split_len = tl.cdiv(tl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = split * split_len
+        kv_end = tl.minimum(tile_end, kv_start + split_len)
         table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-        for start in range(0, kv_end, BLOCK_N):
-            positions = start + tl.arange(0, BLOCK_N)
-            kv_valid = positions < kv_end
-            k, v = _load_kv_tile(k_ptr, v_ptr, table_row_ptr, positions, kv_valid, kv_head,
-                                 stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                                 dims, dim_valid, BLOCK_SIZE)
-            allowed = (row_valid[:, None] & kv_valid[None, :]
-                       & (positions[None, :] <= q_pos[:, None]))
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
-                                                 DOT_PRECISION, UPCAST_DOT)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def _split_kv_decode_kernel(
-    partial_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, qk_scale,
-    stride_q_token, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_table,
-    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):
-    """Program (seq, kv_head, split): one query, GROUP heads, one range of the context.
-
-    Writes ``partial``: (num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, normalized, and
-    ``lse``: (num_tokens, num_heads, NUM_SPLITS) fp32 log2-sum-exp, -inf for an empty range.
-    """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
-    kv_end = tl.minimum(seq_len, kv_start + split_len)
-    rows = tl.arange(0, GROUP_ROWS)
-    head = kv_head * GROUP + rows
-    row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-    q = tl.load(q_ptr + token * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    acc = tl.zeros([GROUP_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUP_ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_ROWS], dtype=tl.float32)
-    table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    for start in range(kv_start, kv_end, BLOCK_N):
-        positions = start + tl.arange(0, BLOCK_N)
-        kv_valid = positions < kv_end
-        k, v = _load_kv_tile(k_ptr, v_ptr, table_row_ptr, positions, kv_valid, kv_head,
-                             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                             dims, dim_valid, BLOCK_SIZE)
-        allowed = row_valid[:, None] & kv_valid[None, :]
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, allowed, qk_scale,
-                                             DOT_PRECISION, UPCAST_DOT)
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    head_split = (token * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
-    tl.store(lse_ptr + head_split, lse, mask=row_valid)
-    tl.store(partial_ptr + head_split[:, None] * HEAD_DIM_PAD + dims[None, :], out,
-             mask=row_valid[:, None])
+        acc, m_i, l_i = _attend_range(
+            q, context_len + q_idx, row_valid, kv_start, kv_end, k_ptr, v_ptr, table_row_ptr,
+            kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, dims,
+            dim_valid, qk_scale, BLOCK_Q * GROUP_PAD, BLOCK_N, BLOCK_SIZE, HEAD_DIM_PAD,
+            DOT_PRECISION, UPCAST_DOT)
+        nonempty = l_i > 0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head
+                     + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+            # (token, head, split) = the tile's first token's rows (64-bit, scalar) + this row's
+            # offset (32-bit: a split batch has < 132 tiles of <= 64 rows)
+            num_heads = tl.num_programs(1) * GROUP
+            first = (q_start + q_tile * BLOCK_Q).to(tl.int64) * num_heads * NUM_SPLITS
+            row = ((rows // GROUP_PAD) * num_heads + head) * NUM_SPLITS + split
+            tl.store(lse_ptr + first + row, lse, mask=row_valid)
+            tl.store(partial_ptr + first * HEAD_DIM_PAD + row[:, None] * HEAD_DIM_PAD
+                     + dims[None, :], out, mask=row_valid[:, None])
 
 
 @triton.jit
