@@ -14,13 +14,18 @@ request in one of two ways:
 
 A request's ``started`` event is sent when the engine first schedules it, before that step's
 forward pass, so the first token is not queued behind it.
+
+Where its parts live: ``services.cache_node_streams``, ``services.cache_node_commands``,
+``services.cache_node_health``, ``services.cache_node_admin`` and
+``services.cache_node_requests`` (``SessionGone`` and ``SessionTextBudget``, re-exported
+here). This module keeps ``CacheNode`` (the engine, describing the node, the step thread) and
+the Ray actor ``CacheNodeActor`` (``CacheNodeRemote``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
@@ -34,8 +39,6 @@ import torch
 
 from cache_node.config import EngineConfig
 from cache_node.policies.base import PolicyEnv
-from cache_node.sampling_params import SamplingParams
-from cache_node.scheduling import TenantShare
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
@@ -43,12 +46,16 @@ from services.actor_refs import resolve
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
 from services.cache_node_health import Health
+from services.cache_node_requests import (  # noqa: F401 - SessionGone, SessionTextBudget re-exported
+    Requests,
+    SessionGone,
+    SessionTextBudget,
+)
 from services.cache_node_streams import Event, SessionTexts, Streams, _Stream
-from services.chat import ChatTemplater, content_chars
+from services.chat import ChatTemplater
 from services.config import NodeConfig
 from services.data_plane_auth import Security, secure_push
 from services.metrics import MetricsEndpoint, MetricsServer, NodeMetrics
-from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +64,16 @@ FAILED_EXIT_DELAY_S = 0.5
 events and its health answer leave before it exits (and Ray restarts it)."""
 
 
-class SessionGone(Exception):
-    """A turn routed to its session's node finds no session there (``NodeRequest.continues_session``).
-
-    Regression: a turn admitted before a CloseSession that overtook it on the node was
-    computed from its new tokens alone (its answer silently ignored the conversation), and
-    the closed session was opened again, holding KV until its TTL."""
-
-
-class SessionTextBudget(Exception):
-    """A session turn would take its tenant's kept messages on this node past
-    ``NodeConfig.max_session_text_chars_per_tenant`` (RESOURCE_EXHAUSTED)."""
-
-
-class CacheNode(Streams, Commands, Health, Admin):
+class CacheNode(Streams, Commands, Health, Admin, Requests):
     """Owns one model replica and its KV pool; streams generations.
 
     Its parts, one concept each: ``Streams`` (``services.cache_node_streams``: opening
     streams, delivering each step's events), ``Commands`` (``services.cache_node_commands``:
     the data-plane command inbox, ``abort``), ``Health`` (``services.cache_node_health``:
     health, and the failed step loop), ``Admin`` (``services.cache_node_admin``: stats,
-    flush, drain, closing a session). This class holds the engine and runs the step thread.
+    flush, drain, closing a session), ``Requests`` (``services.cache_node_requests``:
+    starting each opened stream's request in the engine, or refusing it). This class holds
+    the engine and runs the step thread.
 
     Args:
         node_id: stable name of the node (also its Ray actor name).
@@ -221,132 +217,6 @@ class CacheNode(Streams, Commands, Health, Admin):
     def restarts(self) -> int:
         """How often this node was restarted (0 outside Ray)."""
         return 0
-
-    def _start_incoming(self) -> None:
-        """Step thread: queue every newly opened stream's request in the engine."""
-        while self._incoming:
-            stream = self._incoming.popleft()
-            req = stream.request
-            if self._streams.get(req.request_id) is not stream:
-                continue  # aborted before it started
-            error = None
-            try:
-                if req.continues_session and self.engine.session_history(req.session_id) is None:
-                    raise SessionGone("the session ended (closed, expired or its first turn failed) before "
-                                      "this turn started; its history is gone: send the turn again to start it anew")
-                self._check_session_text_budget(req)
-                prompt = self._prompt_of(stream)
-                sampling = self._sampling(req, len(prompt))
-                if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
-                    raise ValueError(
-                        f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the "
-                        f"tenant's max_context_tokens ({req.max_context_tokens})"
-                    )
-                self._set_tenant_share(req)
-                stream.prompt_tokens = len(prompt)
-                self.engine.add_request(
-                    prompt, sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
-                    session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
-                    prefetch=req.prefetch, priority=req.priority, prefix_tokens=req.prefix_tokens,
-                )
-                if req.session_id:
-                    self._session_turns[req.request_id] = stream
-            except PermissionError as exc:
-                error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
-            except SessionGone as exc:
-                error = {"type": "error", "code": "ABORTED", "message": str(exc)}
-            except SessionTextBudget as exc:
-                error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}
-            except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
-                text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}
-            except Exception as exc:  # one request's fault never stops the step loop
-                log.exception("cache node %s: request %s could not start", self.node_id, req.request_id)
-                self.engine.abort_request(req.request_id)  # whatever it took, if it got that far
-                error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
-            if error is not None:
-                self._dispatch([(stream, error)])
-
-    def _check_session_text_budget(self, req: NodeRequest) -> None:
-        """Refuse a session turn whose messages would take its tenant's kept messages on this
-        node (``SessionTexts.tenant_chars``) past ``max_session_text_chars_per_tenant``.
-
-        Raises:
-            SessionTextBudget: they would.
-        """
-        if not (req.session_id and req.messages):
-            return
-        budget = self.config.max_session_text_chars_per_tenant
-        kept, chars = self._session_messages.tenant_chars.get(req.tenant, 0), content_chars(req.messages)
-        if kept + chars > budget:
-            raise SessionTextBudget(
-                f"this turn's {chars} characters of messages would take the tenant's sessions on this node past "
-                f"max_session_text_chars_per_tenant ({budget}; they keep {kept}): close sessions (CloseSession) "
-                "or let idle ones expire")
-
-    def _sampling(self, req: NodeRequest, num_prompt_tokens: int) -> SamplingParams:
-        """``req.sampling``; a request without max_tokens (``extra["fill_context"]``) gets what
-        the context limit, the model and this node's pool leave after its whole prompt
-        (session history included)."""
-        if req.extra.get("fill_context") != "1":
-            return req.sampling
-        limit = min(req.max_context_tokens or self.engine.max_model_len, self.engine.max_model_len,
-                    self.engine.scheduler.pool_tokens)
-        return dataclasses.replace(req.sampling, max_tokens=max(1, limit - num_prompt_tokens))
-
-    def _set_tenant_share(self, req: NodeRequest) -> None:
-        extra = req.extra
-        if "slo_class" not in extra:
-            return
-        quota_blocks = int(extra.get("kv_quota_bytes", 0)) // self.engine.pool.bytes_per_block
-        self.engine.scheduler.policy.set_tenant(req.tenant, TenantShare(
-            extra["slo_class"], float(extra["ttft_slo_ms"]), float(extra.get("min_tokens_per_s", 0)),
-            float(extra.get("weight", 1)), quota_blocks,
-        ))
-
-    def _prompt_of(self, stream: _Stream) -> list[int]:
-        """Step thread: ``stream``'s prompt token ids, as the renderer made them when its
-        session is as it was then (its history and messages), else made now. Sets
-        ``stream.history`` (the session's history before this turn)."""
-        req = stream.request
-        history = self.engine.session_history(req.session_id) if req.session_id else None
-        stream.history = history
-        rendered, stream.rendered = stream.rendered, None
-        if rendered is not None and rendered[:2] == (history, len(self._session_messages.get(req.session_id, ()))):
-            return rendered[2]
-        return self._prompt(req, history)
-
-    def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:
-        """``req``'s prompt token ids after its session's ``history`` (None: none).
-
-        A session's messages are kept on the node for its next turns, so its whole text (the
-        history's and this turn's) must fit ``room`` tokens as one turn's does, and a turn's
-        text must come to the tokens it can stand for (``ChatTemplater.check_tokens_cover``).
-        Regression (security review F3): only each turn's text was bounded, so a session of
-        turns the tokenizer turns into next to no tokens kept ~112 MB of text on the node.
-
-        Raises:
-            ValueError: a chat on a node without a tokenizer, or text that can never fit.
-        """
-        if req.token_ids:
-            return (history or []) + list(req.token_ids)
-        templater = self.templater
-        if templater is None:
-            raise ValueError("this node's model has no tokenizer; send token ids")
-        room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)
-        templater.check_messages_fit(req.messages, room)
-        chars = content_chars(req.messages)
-        if history:
-            templater.check_fits(self._session_messages.chars(req.session_id) + chars, room,
-                                 "the session's messages (its history's and this turn's)")
-            prompt = templater.continuation(self._session_messages.get(req.session_id, []), history, req.messages)
-            added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
-        else:
-            prompt = templater.first_turn(req.messages)
-            added = len(prompt)
-        if req.session_id:  # its messages are kept
-            templater.check_tokens_cover(chars, added)
-        return prompt
 
     # ---- the step thread ------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,0 +1,171 @@
+"""A cache node's requests: starting each opened stream's request in the engine.
+
+On the step thread, between steps, every stream opened since the last step (``_incoming``) has
+its request checked and queued in the engine (``_start_incoming``): a session turn whose session
+is gone is refused (``SessionGone``, ABORTED), as is one that would take its tenant's kept session
+messages past its budget (``SessionTextBudget``, RESOURCE_EXHAUSTED); its prompt is the one the
+renderer made when its session is unchanged since, else rendered now (``_prompt_of``,
+``_prompt``); a request without max_tokens gets what its context leaves (``_sampling``); its
+tenant's promises set its share (``_set_tenant_share``). A refusal ends that stream alone with
+its error event, never the step loop.
+
+``Requests`` is a part of ``services.cache_node.CacheNode``; it uses the node's ``node_id``,
+``engine``, ``config``, ``templater``, ``_streams``, ``_incoming``, ``_session_turns``,
+``_session_messages`` and ``_dispatch`` (``Streams``').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from cache_node.sampling_params import SamplingParams
+from cache_node.scheduling import TenantShare
+from services.cache_node_streams import _Stream
+from services.chat import content_chars
+from services.node_request import NodeRequest
+
+log = logging.getLogger(__name__)
+
+
+class SessionGone(Exception):
+    """A turn routed to its session's node finds no session there (``NodeRequest.continues_session``).
+
+    Regression: a turn admitted before a CloseSession that overtook it on the node was
+    computed from its new tokens alone (its answer silently ignored the conversation), and
+    the closed session was opened again, holding KV until its TTL."""
+
+
+class SessionTextBudget(Exception):
+    """A session turn would take its tenant's kept messages on this node past
+    ``NodeConfig.max_session_text_chars_per_tenant`` (RESOURCE_EXHAUSTED)."""
+
+
+class Requests:
+    """The requests part of ``CacheNode``: starting opened streams' requests (step thread)."""
+
+    def _start_incoming(self) -> None:
+        """Step thread: queue every newly opened stream's request in the engine."""
+        while self._incoming:
+            stream = self._incoming.popleft()
+            req = stream.request
+            if self._streams.get(req.request_id) is not stream:
+                continue  # aborted before it started
+            error = None
+            try:
+                if req.continues_session and self.engine.session_history(req.session_id) is None:
+                    raise SessionGone("the session ended (closed, expired or its first turn failed) before "
+                                      "this turn started; its history is gone: send the turn again to start it anew")
+                self._check_session_text_budget(req)
+                prompt = self._prompt_of(stream)
+                sampling = self._sampling(req, len(prompt))
+                if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
+                    raise ValueError(
+                        f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the "
+                        f"tenant's max_context_tokens ({req.max_context_tokens})"
+                    )
+                self._set_tenant_share(req)
+                stream.prompt_tokens = len(prompt)
+                self.engine.add_request(
+                    prompt, sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
+                    session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
+                    prefetch=req.prefetch, priority=req.priority, prefix_tokens=req.prefix_tokens,
+                )
+                if req.session_id:
+                    self._session_turns[req.request_id] = stream
+            except PermissionError as exc:
+                error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
+            except SessionGone as exc:
+                error = {"type": "error", "code": "ABORTED", "message": str(exc)}
+            except SessionTextBudget as exc:
+                error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}
+            except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
+                text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}
+            except Exception as exc:  # one request's fault never stops the step loop
+                log.exception("cache node %s: request %s could not start", self.node_id, req.request_id)
+                self.engine.abort_request(req.request_id)  # whatever it took, if it got that far
+                error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
+            if error is not None:
+                self._dispatch([(stream, error)])
+
+    def _check_session_text_budget(self, req: NodeRequest) -> None:
+        """Refuse a session turn whose messages would take its tenant's kept messages on this
+        node (``SessionTexts.tenant_chars``) past ``max_session_text_chars_per_tenant``.
+
+        Raises:
+            SessionTextBudget: they would.
+        """
+        if not (req.session_id and req.messages):
+            return
+        budget = self.config.max_session_text_chars_per_tenant
+        kept, chars = self._session_messages.tenant_chars.get(req.tenant, 0), content_chars(req.messages)
+        if kept + chars > budget:
+            raise SessionTextBudget(
+                f"this turn's {chars} characters of messages would take the tenant's sessions on this node past "
+                f"max_session_text_chars_per_tenant ({budget}; they keep {kept}): close sessions (CloseSession) "
+                "or let idle ones expire")
+
+    def _sampling(self, req: NodeRequest, num_prompt_tokens: int) -> SamplingParams:
+        """``req.sampling``; a request without max_tokens (``extra["fill_context"]``) gets what
+        the context limit, the model and this node's pool leave after its whole prompt
+        (session history included)."""
+        if req.extra.get("fill_context") != "1":
+            return req.sampling
+        limit = min(req.max_context_tokens or self.engine.max_model_len, self.engine.max_model_len,
+                    self.engine.scheduler.pool_tokens)
+        return dataclasses.replace(req.sampling, max_tokens=max(1, limit - num_prompt_tokens))
+
+    def _set_tenant_share(self, req: NodeRequest) -> None:
+        extra = req.extra
+        if "slo_class" not in extra:
+            return
+        quota_blocks = int(extra.get("kv_quota_bytes", 0)) // self.engine.pool.bytes_per_block
+        self.engine.scheduler.policy.set_tenant(req.tenant, TenantShare(
+            extra["slo_class"], float(extra["ttft_slo_ms"]), float(extra.get("min_tokens_per_s", 0)),
+            float(extra.get("weight", 1)), quota_blocks,
+        ))
+
+    def _prompt_of(self, stream: _Stream) -> list[int]:
+        """Step thread: ``stream``'s prompt token ids, as the renderer made them when its
+        session is as it was then (its history and messages), else made now. Sets
+        ``stream.history`` (the session's history before this turn)."""
+        req = stream.request
+        history = self.engine.session_history(req.session_id) if req.session_id else None
+        stream.history = history
+        rendered, stream.rendered = stream.rendered, None
+        if rendered is not None and rendered[:2] == (history, len(self._session_messages.get(req.session_id, ()))):
+            return rendered[2]
+        return self._prompt(req, history)
+
+    def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:
+        """``req``'s prompt token ids after its session's ``history`` (None: none).
+
+        A session's messages are kept on the node for its next turns, so its whole text (the
+        history's and this turn's) must fit ``room`` tokens as one turn's does, and a turn's
+        text must come to the tokens it can stand for (``ChatTemplater.check_tokens_cover``).
+        Regression (security review F3): only each turn's text was bounded, so a session of
+        turns the tokenizer turns into next to no tokens kept ~112 MB of text on the node.
+
+        Raises:
+            ValueError: a chat on a node without a tokenizer, or text that can never fit.
+        """
+        if req.token_ids:
+            return (history or []) + list(req.token_ids)
+        templater = self.templater
+        if templater is None:
+            raise ValueError("this node's model has no tokenizer; send token ids")
+        room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)
+        templater.check_messages_fit(req.messages, room)
+        chars = content_chars(req.messages)
+        if history:
+            templater.check_fits(self._session_messages.chars(req.session_id) + chars, room,
+                                 "the session's messages (its history's and this turn's)")
+            prompt = templater.continuation(self._session_messages.get(req.session_id, []), history, req.messages)
+            added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
+        else:
+            prompt = templater.first_turn(req.messages)
+            added = len(prompt)
+        if req.session_id:  # its messages are kept
+            templater.check_tokens_cover(chars, added)
+        return prompt
