@@ -26,7 +26,11 @@ keeps running stock transformers code. Per instance:
 The concatenated weights (gate|up, q|k|v) are built once and registered on the module as
 non-persistent buffers; the original ``weight`` (and ``bias``) parameters are rebound to views
 of them, so both hold the same values in the same memory (no second copy of the weights) and
-the stock forwards and anything reading ``gate_proj.weight`` see the same numbers.
+the stock forwards and anything reading ``gate_proj.weight`` see the same numbers. A later
+``model.to(...)`` (or ``.cuda()``, ``.half()``: ``Module._apply``) converts the parameters and
+the buffer separately; the patched module's ``_apply`` then rebinds the parameters to views of
+the converted buffer, so they stay one copy and a ``load_state_dict`` after the move still
+reaches the fused GEMMs.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ if TYPE_CHECKING:  # annotations only
     from transformers import PreTrainedModel
 
 FUSED_ATTR = "_kvstrata_fused"  # set on a patched module (and the model): True
+FUSED_LINEARS_ATTR = "_kvstrata_fused_linears"  # (fused name, child linear names)
 
 
 def fused_kernels_apply(config: EngineConfig) -> bool:
@@ -77,10 +82,10 @@ def patch_model(model: PreTrainedModel) -> int:
         if kind is llama.LlamaRMSNorm:
             patched += _patch(module, _rms_norm_forward)
         elif kind is llama.LlamaMLP and getattr(module.config, "hidden_act", None) == "silu":
-            _fuse_linears(module, "gate_up", [module.gate_proj, module.up_proj])
+            _fuse_linears(module, "gate_up", ["gate_proj", "up_proj"])
             patched += _patch(module, _mlp_forward)
         elif kind is llama.LlamaAttention:
-            _fuse_linears(module, "qkv", [module.q_proj, module.k_proj, module.v_proj])
+            _fuse_linears(module, "qkv", ["q_proj", "k_proj", "v_proj"])
             patched += _patch(module, _attention_forward)
     setattr(model, FUSED_ATTR, True)
     return patched
@@ -97,24 +102,50 @@ def _patch(module: torch.nn.Module, forward: Any) -> int:
     return 1
 
 
-def _fuse_linears(module: torch.nn.Module, name: str, linears: list[torch.nn.Linear]) -> None:
-    """Register ``_kvstrata_<name>_weight`` (and ``_bias``) = the linears' rows concatenated, and
-    rebind each linear's parameters to its rows of it (same values, one copy in memory)."""
+def _fuse_linears(module: torch.nn.Module, name: str, linears: list[str]) -> None:
+    """Register ``_kvstrata_<name>_weight`` (and ``_bias``) = the rows of the linears named
+    ``linears`` (children of ``module``) concatenated, and rebind each linear's parameters to its
+    rows of it (same values, one copy in memory), now and after every ``module._apply`` (a
+    ``.to()`` of the model).
+
+    Raises:
+        ValueError: some of the linears have a bias and others not.
+    """
+    children = [getattr(module, child) for child in linears]
     with torch.no_grad():
-        weight = torch.cat([lin.weight for lin in linears])
-        biases = [lin.bias for lin in linears]
+        weight = torch.cat([lin.weight for lin in children])
+        biases = [lin.bias for lin in children]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
         if bias is None and any(b is not None for b in biases):
             raise ValueError(f"{type(module).__name__}: some of its projections have a bias, others not")
+    module.register_buffer(f"_kvstrata_{name}_weight", weight, persistent=False)
+    module.register_buffer(f"_kvstrata_{name}_bias", bias, persistent=False)
+    module.__dict__[FUSED_LINEARS_ATTR] = (name, tuple(linears))
+    _bind_views(module)
+    module._apply = types.MethodType(_apply_and_rebind, module)  # type: ignore[method-assign]
+
+
+def _apply_and_rebind(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+    """``Module._apply`` (children first, then this module's buffers), then ``_bind_views``."""
+    out = type(self)._apply(self, fn, recurse)
+    _bind_views(self)
+    return out
+
+
+def _bind_views(module: torch.nn.Module) -> None:
+    """Point each fused linear's ``weight``/``bias`` at its rows of the module's fused buffers."""
+    name, linears = module.__dict__[FUSED_LINEARS_ATTR]
+    weight = getattr(module, f"_kvstrata_{name}_weight")
+    bias = getattr(module, f"_kvstrata_{name}_bias")
+    with torch.no_grad():
         start = 0
-        for lin in linears:
+        for child in linears:
+            lin = getattr(module, child)
             rows = slice(start, start + lin.weight.shape[0])
             lin.weight.data = weight[rows]
             if bias is not None:
                 lin.bias.data = bias[rows]
             start = rows.stop
-    module.register_buffer(f"_kvstrata_{name}_weight", weight, persistent=False)
-    module.register_buffer(f"_kvstrata_{name}_bias", bias, persistent=False)
 
 
 def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,31 @@ def test_patching_is_per_instance_and_keeps_weights(tiny) -> None:
     assert patch_model(fused) == 0  # idempotent
 
 
+def test_weights_stay_one_copy_after_the_model_moves(tiny) -> None:
+    """Review 21b F1: a ``.to()`` after patching converted the parameters and the fused buffer
+    apart, so weights loaded afterwards (``load_state_dict`` copies into the parameters) never
+    reached the fused GEMMs, which kept computing with the old ones."""
+    fused = copy.deepcopy(_patched_copy(tiny.model)[0])  # a copy rebinds its own linears
+    fused.to(torch.float16)
+    ref = _sdpa_copy(tiny.model).to(torch.float16)
+    with torch.no_grad():  # new weights, loaded after the move
+        for p in ref.parameters():
+            p.mul_(1.5).add_(0.01)
+    fused.load_state_dict(ref.state_dict())
+    mlp, attn = fused.model.layers[0].mlp, fused.model.layers[0].self_attn
+    assert mlp._kvstrata_gate_up_weight.dtype == torch.float16
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp._kvstrata_gate_up_weight.untyped_storage().data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn._kvstrata_qkv_weight.untyped_storage().data_ptr()
+    x = torch.randn(1, 9, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.float16)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), ref.model.layers[0].mlp(x), atol=2e-3, rtol=2e-3)
+        ids = torch.randint(1, 500, (1, 9), generator=torch.Generator().manual_seed(1))
+        want = ref.model(input_ids=ids).last_hidden_state
+        got = fused.model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_engine_with_patched_model_generates_stock_tokens(tiny) -> None:
     """Through the engine's paged attention (CPU, torch backend: prefill chunks, decodes, a
     prefix hit), a patched model's greedy tokens equal the stock model's."""
