@@ -263,6 +263,10 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
     doc = shared_document(tok, corpus, cfg.prefix_doc_tokens, seed=cfg.seed + 1)
     prefix = attempt("prefix", lambda: run_prefix_case(engine, tok, doc, cfg.prefix_rounds,
                                                         cfg.prefix_hits_per_round, 1), errors)
+    prefix_eager = None
+    if engine.runner.prefill_graphs is not None:  # the same case with the hit's chunk run eagerly
+        prefix_eager = attempt("prefix_eager", lambda: _without_prefill_graphs(engine, lambda: run_prefix_case(
+            engine, tok, doc, cfg.prefix_rounds, cfg.prefix_hits_per_round, 1)), errors)
     attempt("integrity", lambda: (engine.wait_for_transfers(), engine.check_integrity()), errors)
     questions = [chat_prompt(tok, f"{doc}\n\nQuestion: {q}") for q in PREFIX_QUESTIONS[:2]]
     profile = attempt("profile", lambda: profile_engine(engine, prompts, (questions[0], questions[1])), errors)
@@ -276,9 +280,18 @@ def run_device_bench(tok: PreTrainedTokenizerBase, lm: LoadedModel, cfg: GpuBenc
         device, lambda: run_hf_continuous_batching(ref, prompts, gen, cbc)), errors)
     done = {n: r for n, r in runs.items() if r is not None}
     result = device_result({n: r[0] for n, r in done.items()}, {n: r[1] for n, r in done.items()}, prompts,
-                           single, prefix, wbytes, cfg)
+                           single, prefix, wbytes, cfg, prefix_eager)
     return result | {"model_shape": shape, "dtype": str(dtype).removeprefix("torch."), "quick": quick,
                      "errors": errors, "kvstrata_steps": steps.summary(), "profile": profile}
+
+
+def _without_prefill_graphs(engine: LLMEngine, run: Callable[[], T]) -> T:
+    """``run()`` with the engine's prefill graphs off (eager prefill steps), then back on."""
+    graphs, engine.runner.prefill_graphs = engine.runner.prefill_graphs, None
+    try:
+        return run()
+    finally:
+        engine.runner.prefill_graphs = graphs
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -287,9 +300,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def device_result(outs: dict[str, list[list[int]]], wall: dict[str, float], prompts: Sequence[Sequence[int]],
                   single: dict[str, float] | None, prefix: PrefixCase | None, wbytes: int,
-                  cfg: GpuBenchConfig) -> dict[str, Any]:
+                  cfg: GpuBenchConfig, prefix_eager: PrefixCase | None = None) -> dict[str, Any]:
     """The JSON result of a device run from what finished (pure: tested on the CPU). A ratio
-    whose inputs are missing is None, and a target that cannot be judged is not met."""
+    whose inputs are missing is None, and a target that cannot be judged is not met.
+    ``prefix_eager``: the prefix case again with prefill graphs off (reported, not judged)."""
     tps = {n: sum(len(o) for o in outs[n]) / wall[n] for n in outs}
     step_s = wbytes / cfg.hbm_bandwidth
     roof_batch = cfg.num_requests / step_s
@@ -312,6 +326,8 @@ def device_result(outs: dict[str, list[list[int]]], wall: dict[str, float], prom
         "prefix_cold_ttft_s": median(prefix.cold_ttft_s) if prefix is not None else None,
         "prefix_hit_ttft_s": median(prefix.hit_ttft_s) if prefix is not None else None,
         "prefix_hit_ttft_ratio": prefix_ratio,
+        "prefix_hit_ttft_eager_s": median(prefix_eager.hit_ttft_s) if prefix_eager is not None else None,
+        "prefix_hit_ttft_ratio_eager": prefix_eager.ratio if prefix_eager is not None else None,
         "weight_bytes": wbytes, "hbm_bandwidth": cfg.hbm_bandwidth,
         "roofline_tokens_per_s": {"batch": round(roof_batch, 1), "single": round(1 / step_s, 1)},
         "roofline_fraction": {"batch": _ratio(tps.get("kvstrata"), roof_batch),

@@ -121,7 +121,8 @@ def summarize(results: dict[str, StepResult], tests: dict[str, int], engine: dic
     figures: dict[str, Any] = {}
     if engine:
         figures["engine"] = {k: engine.get(k) for k in (
-            "tokens_per_s", "speedup_vs_hf_continuous_batching", "prefix_hit_ttft_ratio", "roofline_fraction",
+            "tokens_per_s", "speedup_vs_hf_continuous_batching", "prefix_hit_ttft_ratio",
+            "prefix_hit_ttft_ratio_eager", "prefix_cold_ttft_s", "prefix_hit_ttft_s", "roofline_fraction",
             "all_full_length", "prompt_tokens", "errors")}
         figures["engine"]["single_stream"] = engine.get("single_stream")
     if tiers:

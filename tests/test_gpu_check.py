@@ -179,3 +179,21 @@ def test_device_result_from_a_partial_run_leaves_unjudged_targets_unmet() -> Non
     assert r["targets_met"] == {"kvstrata_ge_5x_continuous_batching": False, "single_stream_ge_100_tok_s": True,
                                 "prefix_hit_ttft_le_0.1x_cold": False}
     assert json.loads(json.dumps(r, allow_nan=False)) == r
+
+
+def test_device_result_reports_the_eager_prefix_case_beside_the_judged_one() -> None:
+    """The prefix case runs twice on the GPU, with prefill graphs and without; only the first
+    is judged against the 0.1x target."""
+    from bench.engine_gpu import GpuBenchConfig, device_result
+    from bench.engine_systems import PrefixCase
+
+    cfg = GpuBenchConfig(num_requests=2, max_tokens=3)
+    graphs = PrefixCase(2074, [0.08], [0.006, 0.007, 0.009], [2064] * 3)
+    eager = PrefixCase(2074, [0.08], [0.02, 0.024, 0.03], [2064] * 3)
+    r = device_result({"kvstrata": [[1, 2, 3]]}, {"kvstrata": 0.5}, [[1] * 300], None, graphs,
+                      4_800_000_000, cfg, eager)
+    assert r["prefix_hit_ttft_ratio"] == pytest.approx(0.0875)
+    assert r["prefix_hit_ttft_eager_s"] == pytest.approx(0.024)
+    assert r["prefix_hit_ttft_ratio_eager"] == pytest.approx(0.3)
+    assert r["targets_met"]["prefix_hit_ttft_le_0.1x_cold"] is True
+    assert json.loads(json.dumps(r, allow_nan=False)) == r
