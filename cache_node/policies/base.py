@@ -80,7 +80,9 @@ def top_k_stable(score: torch.Tensor, k: int) -> torch.Tensor:
     from the same scores, so the same request decoded differently on the two devices.
     O(n): one ``topk`` for the k-th value, then the ties below it in index order (a stable
     argsort was 4-9x slower than ``topk`` on the CPU at 131k tokens). Indices come in index
-    order; a NaN score counts as -inf."""
+    order; a NaN score counts as -inf. No host sync on an accelerator: the kept indices are
+    scattered to their ranks (exactly k are kept: a stable partition), not gathered by
+    ``nonzero``, which waits for the device to know its output's size."""
     n = score.shape[0]
     if k >= n:
         return torch.arange(n, device=score.device)
@@ -91,7 +93,19 @@ def top_k_stable(score: torch.Tensor, k: int) -> torch.Tensor:
     above = score > kth
     ties = score == kth  # of these, the lowest indices fill the remaining places
     keep = above | (ties & (ties.cumsum(0) <= k - above.sum()))
-    return keep.nonzero().flatten()
+    if score.device.type == "cpu":  # no device to wait for; nonzero is ~2.5x faster here
+        return keep.nonzero().flatten()
+    return kept_in_order(keep, k)
+
+
+def kept_in_order(keep: torch.Tensor, k: int) -> torch.Tensor:
+    """``keep.nonzero().flatten()`` for a (n,) bool mask with exactly ``k`` set, without a host
+    sync: a stable partition scatters kept entries to ranks 0..k-1 and the rest after them
+    (each place written once), and the first k places are returned."""
+    n = keep.shape[0]
+    rank = torch.where(keep, keep.cumsum(0), k + (~keep).cumsum(0)) - 1
+    out = torch.empty(n, dtype=torch.long, device=keep.device)
+    return out.scatter_(0, rank, torch.arange(n, device=keep.device))[:k]
 
 
 def protected_mask(positions: torch.Tensor, sink_tokens: int, window_tokens: int) -> torch.Tensor:
