@@ -1,0 +1,216 @@
+"""What the gateway reads off the data plane: its nodes' event messages and the scheduler's
+admission replies, each value checked.
+
+A node's event message is ``[[request_id, event], ...]`` (``checked_event_items``; each event
+checked by ``check_event``, a bad one failing its own request alone); a scheduler's reply is
+``{"id", "adm"}`` or ``{"id", "error"}`` (``admission_reply``; ``BadReply`` when its envelope is
+sound and its admission is not). Limits and field checks are ``services.data_plane_wire``'s.
+
+A part of ``services.data_plane``, which re-exports its public names.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Collection
+from typing import Any
+
+from services.data_plane_wire import (
+    MAX_COUNT,
+    MAX_ID_CHARS,
+    MAX_NAME_CHARS,
+    MAX_RETRY_AFTER_S,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    _check_fields,
+    _check_len,
+    _check_range,
+    _check_type,
+    _cut,
+)
+from services.node_request import check_priority
+
+_NUMBER = (int, float)
+_EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
+    "started": {"request_id": str, "node_id": str, "prompt_tokens": int},
+    "delta": {"token_ids": list, "text": str},
+    "finished": {"finish_reason": (str, type(None)), "prompt_tokens": int, "completion_tokens": int},
+    "error": {"code": str, "message": str},
+}
+_EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
+    "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER, "priority": int,
+    "policy_stats": dict,
+}
+
+_ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "node_id": str, "code": str, "message": str, "retry_after_s": (int, float), "spill_blocks": int,
+    "reason": str, "continues_session": bool,
+}
+
+
+class BadReply(ValueError):
+    """An admission reply whose envelope (its correlation id ``corr``) is sound and whose
+    values are not: the admission it answers fails (``NodeStreams``)."""
+
+    def __init__(self, corr: Any, message: str) -> None:
+        super().__init__(message)
+        self.corr = corr
+
+
+_EVENT_COUNTS = ("prompt_tokens", "completion_tokens")
+_EVENT_TIMES = ("queue_ms", "ttft_ms", "tpot_ms", "prefill_tokens_per_s", "step_s")
+
+
+def check_event(event: Any) -> dict[str, Any]:
+    """``event`` (a node event as in ``services.node_request``) checked: its type's fields
+    with their types, and their values: counts, token ids and ``cached_tokens`` in
+    [0, ``MAX_COUNT``], times finite and >= 0, ``priority`` in range, ids and names bounded,
+    an error's ``code`` a gRPC status name other than OK. Returns it (an error's ``message``
+    cut to ``MAX_TEXT_CHARS``).
+
+    Raises:
+        TypeError, ValueError: naming the bad field.
+
+    Regression (security review D): only types were checked: a negative count or token id
+    failed later, in the stream's protobuf (uint32) or metrics counter, and one bad event
+    dropped its whole message, leaving every stream in it waiting for events that never came.
+    """
+    _check_type("event", event, dict)
+    schema = _EVENT_FIELDS.get(event.get("type"))
+    if schema is None:
+        raise ValueError(f"unknown event type {event.get('type')!r}")
+    for name, kind in schema.items():
+        _check_type(f"event.{name}", event.get(name), kind)
+    for name, kind in _EVENT_OPTIONAL.items():
+        if name in event:
+            _check_type(f"event.{name}", event[name], kind)
+    tokens = event.get("token_ids", ())
+    if not all(type(t) is int for t in tokens):
+        raise TypeError("event.token_ids must be integers")
+    if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
+        raise ValueError(f"event.token_ids must lie in [0, {MAX_TOKEN_ID}]")
+    cached = event.get("cached_tokens", {})
+    if not all(isinstance(k, str) and type(v) is int for k, v in cached.items()):
+        raise TypeError("event.cached_tokens must map tier names to integers")
+    if len(cached) > 16 or not all(len(k) <= MAX_NAME_CHARS and 0 <= v <= MAX_COUNT for k, v in cached.items()):
+        raise ValueError(f"event.cached_tokens must map at most 16 tier names to counts in [0, {MAX_COUNT}]")
+    for name in _EVENT_COUNTS:
+        if name in event:
+            _check_range(f"event.{name}", event[name], 0, MAX_COUNT)
+    for name in _EVENT_TIMES:
+        if name in event:
+            _check_range(f"event.{name}", event[name], 0, math.inf)
+            if math.isinf(event[name]):
+                raise ValueError(f"event.{name} must be finite")
+    if "priority" in event:
+        check_priority(event["priority"])
+    for name in ("request_id", "node_id"):
+        if name in event:
+            _check_len(f"event.{name}", event[name], MAX_ID_CHARS)
+    if isinstance(event.get("finish_reason"), str):
+        _check_len("event.finish_reason", event["finish_reason"], MAX_NAME_CHARS)
+    if event["type"] == "error":
+        if event["code"] not in status_names() or event["code"] == "OK":
+            raise ValueError(f"event.code must be a gRPC status name other than OK, got {event['code']!r}")
+        if len(event["message"]) > MAX_TEXT_CHARS:
+            event = {**event, "message": _cut(event["message"])}
+    return event
+
+
+def checked_event_items(data: Any) -> list[tuple[str, dict[str, Any] | TypeError | ValueError]]:
+    """The non-empty ``[[request_id, event], ...]`` of a node's event message, in order, each
+    event checked (``check_event``) and replaced by the error that refused it when bad: a bad
+    event fails its own request alone.
+
+    Raises:
+        TypeError, ValueError: ``data`` is not such a list (the whole message is bad).
+    """
+    _check_type("events", data, list)
+    if not data:
+        raise ValueError("an event message holds at least one event")
+    items: list[tuple[str, dict[str, Any] | TypeError | ValueError]] = []
+    for item in data:
+        if not isinstance(item, list) or len(item) != 2:
+            raise TypeError("an event item must be [request_id, event]")
+        request_id, event = item
+        _check_type("request_id", request_id, str)
+        try:
+            items.append((request_id, check_event(event)))
+        except (TypeError, ValueError) as exc:
+            items.append((request_id, exc))
+    return items
+
+
+def event_items(data: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``checked_event_items`` of a message whose every event is good.
+
+    Raises:
+        TypeError, ValueError: ``data`` is not such a list, or an event in it is bad.
+    """
+    items = []
+    for request_id, event in checked_event_items(data):
+        if isinstance(event, Exception):
+            raise event
+        items.append((request_id, event))
+    return items
+
+
+def admission_reply(data: Any, nodes: Collection[str] | None = None) -> tuple[Any, dict[str, Any] | str]:
+    """The correlation id and the admission fields (or the error text, cut to
+    ``MAX_TEXT_CHARS``) of a scheduler reply, values checked: ``code`` a gRPC status name,
+    ``node_id`` one of ``nodes`` when admitted (None: any), ``retry_after_s`` finite in
+    [0, ``MAX_RETRY_AFTER_S``], ``spill_blocks`` in [0, ``MAX_COUNT``], ``reason`` "" or one
+    of ``global_scheduler_checks.REJECT_REASONS`` (a metric label), ``node_id`` bounded (``message``
+    cut to ``MAX_TEXT_CHARS``).
+
+    Raises:
+        BadReply: a sound envelope with bad admission fields (the admission ``corr`` fails);
+        TypeError, ValueError: a malformed envelope.
+
+    Regression (security review D): only types were checked, and the gateway trusted the
+    values: ``retry_after_s`` inf or NaN raised there (an internal error instead of the
+    RESOURCE_EXHAUSTED), a negative one went out as a negative ``retry-after-ms``, and an OK
+    naming a node the gateway does not know left its stream waiting forever (its cancel then
+    raised KeyError).
+    """
+    _check_fields("reply", data, {"id": (int, type(None)), "adm": dict, "error": str}, ("id",))
+    if "error" in data:
+        return data["id"], _cut(data["error"])
+    if "adm" not in data:
+        raise TypeError("reply: neither adm nor error")
+    try:
+        adm = _admission_fields(data["adm"], nodes)
+    except (TypeError, ValueError) as exc:
+        raise BadReply(data["id"], f"{type(exc).__name__}: {exc}") from exc
+    return data["id"], adm
+
+
+def _admission_fields(adm: Any, nodes: Collection[str] | None) -> dict[str, Any]:
+    _check_fields("reply.adm", adm, _ADMISSION_FIELDS, tuple(_ADMISSION_FIELDS))
+    if adm["code"] not in status_names():
+        raise ValueError(f"unknown status {adm['code']!r}")
+    if adm["code"] == "OK" and nodes is not None and adm["node_id"] not in nodes:
+        raise ValueError(f"reply.adm.node_id {adm['node_id'][:MAX_NAME_CHARS]!r} is no node of this gateway")
+    _check_len("reply.adm.node_id", adm["node_id"], MAX_ID_CHARS)
+    _check_range("reply.adm.retry_after_s", adm["retry_after_s"], 0, MAX_RETRY_AFTER_S)
+    _check_range("reply.adm.spill_blocks", adm["spill_blocks"], 0, MAX_COUNT)
+    if adm["reason"] and adm["reason"] not in _reject_reasons():
+        raise ValueError(f"reply.adm.reason {adm['reason'][:MAX_NAME_CHARS]!r} is none of REJECT_REASONS")
+    return {**adm, "message": _cut(adm["message"])}
+
+
+@functools.cache
+def _reject_reasons() -> frozenset[str]:
+    from services.global_scheduler_checks import REJECT_REASONS  # loaded when first needed
+
+    return frozenset(REJECT_REASONS)
+
+
+@functools.cache
+def status_names() -> frozenset[str]:
+    """gRPC status code names (what error events and admissions carry)."""
+    import grpc
+
+    return frozenset(c.name for c in grpc.StatusCode)

@@ -1,0 +1,140 @@
+"""What crosses the data plane, bounded: the wire's limits, the field checks its readers use,
+and a request's wire form.
+
+``request_to_wire`` turns a ``NodeRequest`` into msgpack-ready fields; ``request_from_wire``
+turns them back, checking every field's type and value, since they come off the network (the
+scheduler reads them from the gateway, a node from the scheduler). The limits (``MAX_*``) and
+the checks (``_check_type``, ``_check_fields``, ``_check_range``, ``_check_len``, ``_cut``)
+serve the event and admission readers too (``services.data_plane_replies``).
+
+A part of ``services.data_plane``, which re-exports its public names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cache_node.sampling_params import SamplingParams
+from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
+from tenants.model import POLICY_PATTERN
+
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_COUNT = (1 << 31) - 1
+"""Largest token count (or block count) a message may carry."""
+MAX_RETRY_AFTER_S = 86400.0
+"""Longest ``retry_after_s`` an admission reply may carry."""
+MAX_TEXT_CHARS = 4096
+"""Free text (an admission's or an error event's ``message``, a scheduler's error) past this is
+cut: it becomes a gRPC status' details, which the client's metadata limit bounds."""
+MAX_NAME_CHARS = 64
+"""Longest ``finish_reason``, admission ``reason`` or tier name in ``cached_tokens``."""
+MAX_ID_CHARS = 1024
+"""Longest request id or tenant id on the wire (the gateway's scoped ids are far shorter)."""
+
+_REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
+    "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
+    "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)), "priority": int,
+    "prefix_tokens": int, "continues_session": bool,
+}
+_REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
+_SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' fields
+    "max_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": (int, type(None)),
+    "stop_token_ids": (list, tuple), "ignore_eos": bool, "stop": (list, tuple),
+}
+
+
+def request_to_wire(req: NodeRequest) -> dict[str, Any]:
+    """``req`` as msgpack-ready fields (shallow: ``dataclasses.asdict`` deep-copies every token
+    id, ~1 ms for an 800-token prompt here)."""
+    fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+    fields["sampling"] = {f.name: getattr(req.sampling, f.name) for f in dataclasses.fields(req.sampling)}
+    return fields
+
+
+def _check_type(what: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) and kind in (int, (int, float)):
+        raise TypeError(f"{what} must be {kind}, got a bool")
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} must be {kind}, got {type(value).__name__}")
+
+
+def _check_fields(what: str, data: Any, schema: dict[str, Any], required: tuple[str, ...]) -> None:
+    """``data`` is a dict whose known keys have the schema's types; no unknown key, no missing
+    required one. Raises TypeError."""
+    _check_type(what, data, dict)
+    unknown = set(data) - set(schema)
+    if unknown:
+        raise TypeError(f"{what}: unknown fields {sorted(map(str, unknown))}")
+    for name in required:
+        if name not in data:
+            raise TypeError(f"{what}: missing field {name!r}")
+    for name, value in data.items():
+        _check_type(f"{what}.{name}", value, schema[name])
+
+
+def _check_str_map(what: str, value: dict[Any, Any]) -> None:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise TypeError(f"{what} must map strings to strings")
+
+
+def request_from_wire(data: Any) -> NodeRequest:
+    """Inverse of ``request_to_wire`` (msgpack turns tuples into lists), checking every field's
+    type: ``data`` comes off the network.
+
+    Raises:
+        ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
+            [-1000, 1000], ``prefix_tokens`` outside [0, len(token_ids)], sampling parameters, ``SamplingParams``),
+            a ``session_id`` over ``MAX_ID_CHARS`` or a ``policy`` off the policy pattern (63
+            characters at most: the node parses it on its step thread; security review 19 H2);
+            TypeError: unknown, missing or mistyped fields.
+    """
+    _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
+    fields = dict(data)
+    for name in ("request_id", "tenant"):
+        if not 0 < len(fields[name]) <= MAX_ID_CHARS:
+            raise ValueError(f"request.{name} must have 1 to {MAX_ID_CHARS} characters")
+    if len(fields.get("session_id", "")) > MAX_ID_CHARS:
+        raise ValueError(f"request.session_id must have at most {MAX_ID_CHARS} characters")
+    policy = fields.get("policy", "")
+    if policy and POLICY_PATTERN.fullmatch(policy) is None:  # parsed on the node's step thread
+        raise ValueError(f"request.policy must match {POLICY_PATTERN.pattern}, got {policy[:80]!r}")
+    tokens = fields.get("token_ids", [])
+    if not all(type(t) is int for t in tokens):
+        raise TypeError("request.token_ids must be integers")
+    if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
+        raise ValueError(f"request.token_ids must lie in [0, {MAX_TOKEN_ID}]")
+    for message in fields.get("messages", []):
+        _check_type("request.messages[]", message, dict)
+        _check_str_map("request.messages[]", message)
+    _check_str_map("request.extra", fields.get("extra", {}))
+    check_priority(fields.get("priority", 0))
+    if fields.get("prefix_tokens", 0):  # of token_ids only (a node renders messages whole)
+        resolve_prefix_tokens(fields["prefix_tokens"], 0, fields.get("messages") or tokens, tokens, None)
+    sampling = fields["sampling"]  # each field its exact type (regression: "0.5" for top_p
+    _check_fields("request.sampling", sampling, _SAMPLING_FIELDS, ())  # passed, and raised in
+    for value in sampling.get("stop_token_ids", ()):  # the step for every request in it)
+        _check_type("request.sampling.stop_token_ids[]", value, int)
+    for value in sampling.get("stop", ()):
+        _check_type("request.sampling.stop[]", value, str)
+    if isinstance(sampling.get("seed"), bool):
+        raise TypeError("request.sampling.seed must be an integer, got a bool")
+    fields["sampling"] = SamplingParams(**sampling)
+    fields["messages"] = tuple(dict(m) for m in fields.get("messages", ()))
+    fields["token_ids"] = tuple(fields.get("token_ids", ()))
+    return NodeRequest(**fields)
+
+
+def _check_range(what: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:  # NaN fails too
+        raise ValueError(f"{what} must lie in [{low}, {high}], got {value!r}")
+
+
+def _check_len(what: str, value: str, high: int, low: int = 0) -> None:
+    if not low <= len(value) <= high:
+        raise ValueError(f"{what} must have {low} to {high} characters, got {len(value)}")
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_CHARS else text[: MAX_TEXT_CHARS - 1] + "\u2026"
