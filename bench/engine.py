@@ -318,6 +318,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, bool, ar
     p.add_argument("--hbm-bandwidth", type=float, default=4.8e12, help="bytes/s for the decode roofline")
     for name in ("min_prompt_tokens", "max_prompt_tokens", "hf_generate_requests"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
+    p.add_argument("--prefill-graph-max-tokens", type=int, dest="prefill_graph_max_tokens",
+                   help="device mode: the engine's largest prefill graph (0: none; default 256)")
+    p.add_argument("--fused-kernels", type=int, choices=[0, 1], dest="fused_kernels",
+                   help="device mode: fused Triton RMSNorm/SiLU/RoPE on CUDA (default 1)")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK.num_requests} requests, max_tokens {QUICK.max_tokens} (about 3 minutes)")
     for name in ("num_requests", "max_tokens", "min_words", "max_words", "repeats", "max_num_batched_tokens",

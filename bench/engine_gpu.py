@@ -84,6 +84,8 @@ class GpuBenchConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     seed: int = 0
+    prefill_graph_max_tokens: int = 256  # EngineConfig's; 0: no prefill graphs
+    fused_kernels: int = 1  # EngineConfig's, as 0/1 (a command-line integer)
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "min_prompt_tokens", "max_tokens", "hf_generate_requests",
@@ -152,7 +154,9 @@ def _engine(lm: LoadedModel, prompts: Sequence[Sequence[int]], cfg: GpuBenchConf
     config = EngineConfig(block_size=cfg.block_size, kv_pool_bytes=int(tokens * per_token * 1.25),
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           max_num_seqs=max(cfg.num_requests, 8), device=str(device),
-                          dtype=str(dtype).removeprefix("torch."))
+                          dtype=str(dtype).removeprefix("torch."),
+                          prefill_graph_max_tokens=cfg.prefill_graph_max_tokens,
+                          fused_kernels=bool(cfg.fused_kernels))
     return LLMEngine(lm.model, config, lm.model_id, lm.eos_token_ids)
 
 
@@ -329,6 +333,8 @@ def device_result(outs: dict[str, list[list[int]]], wall: dict[str, float], prom
         "prefix_hit_ttft_eager_s": median(prefix_eager.hit_ttft_s) if prefix_eager is not None else None,
         "prefix_hit_ttft_ratio_eager": prefix_eager.ratio if prefix_eager is not None else None,
         "weight_bytes": wbytes, "hbm_bandwidth": cfg.hbm_bandwidth,
+        "engine_features": {"prefill_graph_max_tokens": cfg.prefill_graph_max_tokens,
+                            "fused_kernels": bool(cfg.fused_kernels)},
         "roofline_tokens_per_s": {"batch": round(roof_batch, 1), "single": round(1 / step_s, 1)},
         "roofline_fraction": {"batch": _ratio(tps.get("kvstrata"), roof_batch),
                               "single": None if decode is None else decode * step_s},

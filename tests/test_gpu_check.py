@@ -139,8 +139,10 @@ def test_device_engine_bench_runs_end_to_end_on_a_tiny_shape(capsys: pytest.Capt
 
     bench_engine.main(["--device", "cpu", "--model-shape", "tiny", "--quick", "--num-requests", "3",
                        "--max-tokens", "5", "--min-prompt-tokens", "32", "--max-prompt-tokens", "64",
-                       "--prefix-doc-tokens", "64", "--hf-generate-requests", "1"])
+                       "--prefix-doc-tokens", "64", "--hf-generate-requests", "1",
+                       "--prefill-graph-max-tokens", "0", "--fused-kernels", "0"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["engine_features"] == {"prefill_graph_max_tokens": 0, "fused_kernels": False}
     assert result["mode"] == "device" and result["all_full_length"] is True and result["errors"] == {}
     assert result["generated_tokens"] == {"hf_generate": 5, "hf_continuous_batching": 15, "kvstrata": 15}
     assert set(result["targets_met"]) == {"kvstrata_ge_5x_continuous_batching", "single_stream_ge_100_tok_s",
@@ -152,6 +154,7 @@ def test_device_engine_bench_runs_end_to_end_on_a_tiny_shape(capsys: pytest.Capt
     assert prof["prefix_hit"]["ttft_ms"] > 0 and prof["prefix_hit"]["phases"]["runner.execute"]["calls"] >= 1
     assert result["kvstrata_steps"]["steps"] > 0
     assert result["kvstrata_steps"]["prefill_graph_buckets"] is None  # CPU: no graphs
+    assert result["prefix_hit_ttft_ratio_eager"] is None  # no prefill graphs to turn off
 
 
 @pytest.mark.slow
