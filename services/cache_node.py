@@ -63,6 +63,10 @@ FAILED_EXIT_DELAY_S = 0.5
 """A failed node actor's process lives this long after failing its streams, so their error
 events and its health answer leave before it exits (and Ray restarts it)."""
 
+SETTLE_WAIT_S = 0.002
+"""An idle node's wait between ``settle_transfers`` calls while a paced demotion is still
+pending (one lot of ``DeviceCopier.max_inflight_bytes``, 256 MiB, lands in ~5 ms)."""
+
 
 class CacheNode(Streams, Commands, Health, Admin, Requests):
     """Owns one model replica and its KV pool; streams generations.
@@ -247,8 +251,9 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             self._start_incoming()
             self._send_outbox()
             if not self.engine.has_unfinished_requests():
-                self.engine.settle_transfers()  # paced demotions move on without steps
-                self._wake.wait(self.config.step_idle_wait_s)
+                settling = self.engine.settle_transfers()  # paced demotions move on without steps
+                self._wake.wait(min(SETTLE_WAIT_S, self.config.step_idle_wait_s) if settling
+                                else self.config.step_idle_wait_s)
                 self._wake.clear()
             else:
                 self._deliver_step(self.engine.step(self._announce))

@@ -263,12 +263,29 @@ def test_paced_watermark_demotion_keeps_the_prefix_cache_and_returns_every_block
                 copier.copy_stream.land()  # a fast copy engine: each lot lands within its step
                 peak = max(peak, copier.num_held)
         pool = eng.kv_manager.pool
-        eng.settle_transfers()  # idle: the rest of a paced batch is enqueued
-        copier.copy_stream.land()
-        eng.settle_transfers()
+        while eng.settle_transfers():  # idle: the rest of a paced batch, a lot at a time
+            copier.copy_stream.land()
         assert not copier.pending and copier.num_held == 0
         eng.check_integrity()
         results[lot] = (sum(1 for b in pool.free_queue if b.block_hash is not None), peak)
     (unpaced_cached, _), (paced_cached, paced_peak) = results[None], results[2]
     assert paced_peak <= 8  # at most one watermark batch held at a time
     assert paced_cached >= unpaced_cached - 8, results
+
+
+def test_an_idle_engine_advances_a_paced_demotion_a_lot_at_a_time() -> None:
+    """An idle node enqueued every pending piece at once (``flush``), so a request arriving
+    just after waited behind the whole demotion on the copy engine (its sampled-token readback
+    queues there); now each idle call enqueues one lot, after the last one landed, and says
+    whether to come back."""
+    eng, copier, block = _paced_engine(2)
+    copier.max_copy_bytes = block
+    # 12 one-block pieces from every other device block (no two adjacent: one piece each)
+    copier.demote(eng.tiers.host.data, list(range(12)), eng.tiers.pool.blocks_view(), list(range(0, 24, 2)))
+    assert copier.copy_stream.copies_queued() <= 2 and len(copier.pending) >= 10
+    lots = 0
+    while eng.settle_transfers():
+        assert copier.copy_stream.copies_queued() <= 2  # one lot in flight at most
+        copier.copy_stream.land()
+        lots += 1
+    assert not copier.pending and lots >= 5

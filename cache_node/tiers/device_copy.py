@@ -22,8 +22,8 @@ built on). The ordering rules, as in vLLM's and LMCache's swap paths:
   before it is overwritten), then copied to the device on the copy stream;
 - **paced demotion**: a pitched demotion (``memcpy2d``) is split into pieces of at most
   ``max_copy_bytes`` and only ``max_inflight_bytes`` of them are enqueued at a time: the rest
-  wait in ``pending`` and ``pump`` (called once per step, ``TierManager.maybe_demote``) enqueues
-  the next ones once the last lot has landed. A copy engine serves its queue in order, so a
+  wait in ``pending`` and ``pump`` (called once per step, ``TierManager.maybe_demote``, and by
+  an idle node, ``settle_transfers``) enqueues the next ones once the last lot has landed. A copy engine serves its queue in order, so a
   step's own small device->host copy (its sampled token ids) queued behind a whole 1 GiB
   demotion waited for all of it: on the H200 (2026-12-04) the step that enqueued one took
   23 ms against 8.5 ms, with whole runs or 256/64 MiB pieces alike, and 311 ms with 8 MiB

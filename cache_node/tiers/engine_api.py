@@ -103,14 +103,17 @@ class EngineTiersMixin:
         prefer ``take_tier_events``)."""
         return [(e.event, e.block_hash) for e in self.take_tier_events() if e.tier == TIER_DEVICE]
 
-    def settle_transfers(self) -> int:
-        """On an idle engine (no step to keep from waiting): enqueue every pending demotion
-        piece now and return held blocks whose copy has landed to the free queue. Paced
-        demotion advances a lot per step (``DeviceCopier.pump``), so without steps it would
-        stand still. Returns blocks released."""
+    def settle_transfers(self) -> bool:
+        """On an idle engine: advance paced demotion by one lot (``DeviceCopier.pump``: once
+        the last lot has landed) and return held blocks whose copy has landed to the free
+        queue. Paced demotion advances a lot per step, so without steps it would stand still;
+        a lot at a time (not every pending piece at once) so a request that arrives meanwhile
+        waits behind one lot on the copy engine at most, not a whole demotion. Returns True
+        while pieces are pending or blocks held: call again soon."""
         with self._lock:
-            self.tiers.copier.flush()
-            return self.tiers.release_held()
+            self.tiers.copier.pump()
+            self.tiers.release_held()
+            return bool(self.tiers.copier.pending) or self.tiers.copier.num_held > 0
 
     def wait_for_transfers(self, timeout_s: float = 30.0) -> bool:
         """Block until queued spill puts and prefetches are done and every device block held
