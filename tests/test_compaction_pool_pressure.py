@@ -124,13 +124,13 @@ def test_a_prefix_compression_waits_at_its_boundary_for_blocks(tiny, monkeypatch
     review's runs, its document blocks shared with a running request). Now it waits at its
     boundary and the scheduler runs the compression before its next step. The pool's answer
     is forced here: "no room" the first time."""
-    from cache_node import kv_state
+    from cache_node import kv_state_compaction  # where SequenceKV.can_rewrite looks it up
 
     doc, question = _doc_and_question(1)
     alone, alone_stats = _with_neighbour(tiny, 256, doc, question, "none", prefix_tokens=96)
     answers = iter([False])
-    real = kv_state.can_rewrite
-    monkeypatch.setattr(kv_state, "can_rewrite", lambda *a: next(answers, None) is not False and real(*a))
+    real = kv_state_compaction.can_rewrite
+    monkeypatch.setattr(kv_state_compaction, "can_rewrite", lambda *a: next(answers, None) is not False and real(*a))
     tight, stats = _with_neighbour(tiny, 256, doc, question, "none", prefix_tokens=96)
     assert stats["compactions_deferred"] == 1  # the path ran
     assert stats["compressed_prefix_stores"] == alone_stats["compressed_prefix_stores"] == 1
