@@ -1,0 +1,175 @@
+"""Admission of waiting sequences for the step scheduler: which of them start this step, with
+how many tokens, and on what blocks.
+
+Waiting sequences start in the policy's order while the step's token budget, sequence slots
+and blocks allow (``_admit_waiting``); a sequence's first chunk reserves its blocks past its
+prefix-cache hit, of which only the part its own prefill would have compressed the same way is
+reused (``_admit``, ``_reusable_blocks``). A sequence whose blocks are on their way up from the
+spill tier is passed over while waiting for them beats recomputing (``_awaits_prefetch``: ski
+rental). When nothing runs and nothing starts, the queue's head gets every block that is not
+its own or is given up (``_unwedge``). ``WaitingAdmission`` is a part of
+``cache_node.scheduler.Scheduler``; it preempts through ``Preemption``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from cache_node.scheduling.base import PREFETCH_TTFT_SHARE, order_by_priority
+from cache_node.scheduling.preemption import Preemption
+from cache_node.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from cache_node.model_runner import ScheduledBatch
+    from cache_node.scheduling.admission import Ewma
+
+
+class WaitingAdmission(Preemption):
+    """Admission methods of ``Scheduler`` (its queues, policy, KV manager and speeds)."""
+
+    step_s: Ewma
+    _step_left: Callable[[ScheduledBatch], int]
+
+    def _start(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        """A waiting sequence admitted with ``n`` tokens (``_admit``) joins ``batch``."""
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.append((seq, n))
+
+    def _note_device_hits(self) -> None:
+        """``device_hit_tokens`` of every waiting sequence: its device prefix hit (a lookup, no
+        side effects), or the blocks a session turn or a preempted swap-in arrives with."""
+        bs = self.kv_manager.block_size
+        for seq in self.waiting:
+            if seq.block_table:
+                seq.device_hit_tokens = len(seq.block_table) * bs
+            else:
+                hit = self.kv_manager.get_computed_blocks(seq)[1]
+                seq.device_hit_tokens = min(hit, self._reusable_blocks(seq) * bs)
+
+    def _awaits_prefetch(self, seq: Sequence, now: float) -> bool:
+        """``seq``'s blocks are on their way up from the spill tier and it waits for them: until
+        ``prefetch_until_s``, or, under a policy that ``bounds_prefetch_wait``, only while it has
+        waited (since its arrival, when its prefetch started) less than recomputing its prompt
+        past its device prefix hit would take at the measured prefill speed, and less than
+        ``PREFETCH_TTFT_SHARE`` of its TTFT target. Ski rental (the 2-competitive rule: wait at
+        most what the alternative costs): a prefetch that has not landed by then can only lose
+        against recomputing, and a slow spill read (a busy spill node, a put ahead of it) no
+        longer spends a request's TTFT target. (The recompute cost counts host-tier tokens too,
+        which come back by copy; the TTFT share bounds the wait of a long turn whose history
+        sits in the host tier.) A request passed over waits for the whole step about to run,
+        so it waits only while its next chance, a step (``step_s``) later, is still within
+        the bound: a bound shorter than a step is never waited (issue 21: the interactive
+        tenant's short first turns and its reads waited a 0.2-0.5 s step for a spill lookup
+        worth 0.1-0.2 s of recompute)."""
+        if seq.prefetch_until_s <= now:
+            return False
+        if not self.policy.bounds_prefetch_wait:
+            return True
+        tokens = seq.num_tokens - max(seq.num_computed_tokens, seq.device_hit_tokens)
+        limit_s = min(tokens / self.prefill_speed.tokens_per_s,
+                      PREFETCH_TTFT_SHARE * self.policy.share(seq).ttft_slo_ms / 1000.0)
+        return now - seq.arrival_time_s + self.step_s.value < limit_s
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, now: float,
+                       urgent_only: bool = False, capped: int | None = None) -> None:
+        """Admit waiting sequences in policy order. The first one that does not fit either ends
+        admission, or (``skip_blocked``) is passed over until it has aged; later ones that do
+        not fit are passed over without aging. ``urgent_only``: interactive ones only.
+        ``capped``: the most tokens non-interactive ones may start with (floor-sized step)."""
+        head_blocked = False
+        for seq in order_by_priority(self.policy.order(self.waiting, now)):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if urgent_only and self.policy.rank(seq) > 0:
+                continue
+            if self._awaits_prefetch(seq, now):  # its blocks are on their way up; others go first
+                continue
+            if self._held(seq):  # preempted for one still waiting: that one goes first
+                continue
+            held_back = capped is not None and self.policy.rank(seq) > 0
+            if held_back and capped == 0:
+                continue
+            limit = (lambda b, c=capped: min(b, c)) if held_back else (lambda b: b)
+            n = self._admit(seq, limit(budget), self._step_left(batch))
+            while n is None and self.policy.preempts_for_class:
+                victims = self._victims_to_start(seq)  # only victims that let it start
+                if not victims:
+                    break
+                for victim in victims:
+                    budget += self._preempt_from_batch(victim, batch, seq)
+                n = self._admit(seq, limit(budget), self._step_left(batch))
+            if n is None:
+                if head_blocked and self.policy.skip_blocked:
+                    continue
+                head_blocked = True
+                if self.policy.passed_over(seq):
+                    continue
+                break
+            self._start(seq, n, batch)
+            budget -= n
+            if held_back:
+                capped -= n
+
+    def _unwedge(self, batch: ScheduledBatch, budget: int, now: float) -> None:
+        """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
+        requests waiting on a prefetch) every block that is not its own and admit it; a head
+        that still cannot start never will, and is given up (``rejected``)."""
+        ready = [s for s in order_by_priority(self.policy.order(self.waiting, now)) if not self._awaits_prefetch(s, now)]
+        if not ready:
+            return  # prefetches in flight: their blocks land and the queue moves
+        head = ready[0]
+        pool, need = self.kv_manager.pool, self._blocks_to_first_token(head)
+        self._free_held_elsewhere(head, lambda: pool.num_free_blocks() >= need)
+        n = self._admit(head, budget)
+        if n is None:  # the estimate fell short (e.g. a hit it counted went): free the rest
+            self._free_held_elsewhere(head, lambda: False)
+            n = self._admit(head, budget)
+        self.waiting.remove(head)
+        if n is None:
+            self.rejected.append(head)
+            return
+        head.status = SequenceStatus.RUNNING
+        self.running.append(head)
+        batch.append((head, n))
+
+    def _admit(self, seq: Sequence, budget: int, step_left: int | None = None) -> int | None:
+        """Reserve blocks for a waiting sequence's first chunk of at most ``budget`` tokens (a
+        prompt span may take it up to ``step_left``, the step's tokens left); None when it
+        cannot start."""
+        computed, num_cached = ([], 0)
+        if not seq.block_table:  # a session turn arrives with its blocks attached
+            computed, num_cached = self.kv_manager.get_computed_blocks(seq)
+            computed = computed + self.kv_manager.promote_blocks(seq, computed)
+            computed = computed[: self._reusable_blocks(seq)]
+            num_cached = len(computed) * self.kv_manager.block_size
+        start = seq.num_computed_tokens + num_cached
+        soft = min(seq.compute_end(start) - start, budget)
+        n = seq.chunk_tokens(start, soft, max(soft, step_left if step_left is not None else budget),
+                             self.config.max_num_batched_tokens)  # a prompt span is not split if it fits
+        if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, computed):
+            return None
+        if not self._room_to_compact(seq, computed):
+            return None
+        if self.kv_manager.allocate_slots(seq, n, computed) is None:
+            return None
+        seq.num_computed_tokens = start
+        if seq.num_preemptions == 0 and not seq.output_token_ids:
+            seq.num_cached_tokens = max(seq.num_cached_tokens, start)
+        return n
+
+    def _reusable_blocks(self, seq: Sequence) -> int:
+        """Blocks of a new sequence's tokens a prefix-cache hit may cover: a reusable prefix
+        is compressed from its own prefill, its step ending at the boundary (at least its
+        last token is computed), and a KV policy gets the queries its statistics need
+        computed (``SequenceKV.reusable_prompt_tokens``)."""
+        limit = seq.num_tokens
+        if seq.prefix_stop:
+            limit = seq.prefix_stop - 1
+        if seq.kv is not None:
+            limit = min(limit, seq.kv.reusable_prompt_tokens())
+        if seq.isolate_at is not None:  # a batched step computes up to it (``compute_end``)
+            limit = min(limit, max(0, seq.isolate_at - 1))
+        return limit // self.kv_manager.block_size
