@@ -80,9 +80,13 @@ class Probe:
         return child
 
     def compress(self, seq: Sequence, spec: str) -> Sequence:
-        """Fork ``seq`` under policy ``spec`` and compress it once (question-agnostic)."""
+        """Fork ``seq`` under policy ``spec`` and compress it once (question-agnostic).
+
+        Raises:
+            RuntimeError: the compressed state lost tokens for want of host-tier room."""
         child = self.fork(seq, make_policy(spec))
         child.kv.after_step()
+        _check_kept(child, spec)
         return child
 
     def teacher_force(self, seq: Sequence, prompt: list[int], forced: list[int], decode: bool = False) -> torch.Tensor:
@@ -92,7 +96,10 @@ class Probe:
         ``decode=False``: one chunk (the fast path; the full-cache reference). ``decode=True``:
         the serving path: the prompt as one prefill chunk, then one decode step per forced
         token, with the policy's ``after_step`` (compression, recall) after every step, so a
-        recall policy selects per decode step and no policy holds more than its budget."""
+        recall policy selects per decode step and no policy holds more than its budget.
+
+        Raises:
+            RuntimeError: (``decode=True``) the state lost tokens for want of host-tier room."""
         if decode:
             return self._decode_forced(seq, prompt, forced)
         tokens = prompt + forced
@@ -128,6 +135,7 @@ class Probe:
             seq.output_token_ids.append(tok)
             out.append(self._run(seq, 1))
         seq.kv.after_step()
+        _check_kept(seq, seq.kv.policy.name)
         return torch.stack(out)
 
     def greedy(self, seq: Sequence, prompt: list[int], max_tokens: int, stop: set[int]) -> list[int]:
@@ -161,3 +169,12 @@ def _own_stats(stats: AttentionStats, policy: Policy) -> AttentionStats:
     stats.queries = [None if q is None or not w else q[-w:] for q in stats.queries]
     stats.query_pos = [None if p is None or not w else p[-w:] for p in stats.query_pos]
     return stats
+
+
+def _check_kept(seq: Sequence, spec: str) -> None:
+    """Raise RuntimeError when ``seq``'s state lost tokens for want of host-tier room (SentenceKV
+    sentences the tier refused): the harness sizes its tier to hold every state it asks of, and
+    a row computed without them would measure the tier, not the policy."""
+    lost = seq.kv.policy.lost_tokens(seq.kv)
+    if lost:
+        raise RuntimeError(f"quality probe {spec!r}: the state lost {lost} tokens (host tier full)")

@@ -14,8 +14,17 @@ what the server runs, ``LLMEngine.add_request(session_id=..., policy=spec)`` and
 Each question gets its own session whose turn 1 is the same document (compression is
 deterministic, so every session holds the same stored state), in a cache namespace of its own
 so that no prefix-cache hit shortens its prefill (the probe computes the whole document too).
+Those namespaces are salts of one namespace (``SERVED_NAMESPACE#salt=<session>``), so every
+session counts as one holder in the host tier's fair shares (``cache_node.tiers.fair_lru``):
+the cached documents of the sessions already closed are that holder's own entries, which its
+next session's SentenceKV reservation evicts. With a bare namespace per session each closed
+session stayed a holder of its own; once they filled the host tier, a new session's share was
+the tier over their number, and SentenceKV dropped the demoted sentences past it (the tier's
+documented fair share, docs/architecture.md, 'Tiers', "Tenant shares below the device").
 A question turn that does not continue from the stored state raises: the served path would
-then be a re-prefill, not the agent case it is meant to measure.
+then be a re-prefill, not the agent case it is meant to measure. A session whose stored or
+question-turn state lost tokens for want of host room (``Policy.lost_tokens``) raises too:
+its logits would measure the harness's host tier, not the policy.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ from dataclasses import dataclass, field
 import torch
 
 from cache_node.engine import LLMEngine
+from cache_node.kv_state import SequenceKV
 from cache_node.model_runner import ScheduledBatch
 from cache_node.sampling_params import SamplingParams
 from cache_node.sequence import Sequence
 
 _ids = itertools.count()
+SERVED_NAMESPACE = "quality-served"  # every session's namespace is a salt of it: one host-tier holder
 
 
 @dataclass
@@ -66,14 +77,16 @@ class ServedAsker:
 
         Raises:
             RuntimeError: the question turn did not continue from the session's stored state
-                (it would have prefilled the history again).
+                (it would have prefilled the history again), or the session's state lost tokens
+                for want of host-tier room (after the document turn or the question turn).
         """
         eng = self.engine
         sid = f"served-{next(_ids)}"
         policy = "" if spec == "full" else spec
-        kw = {"session_id": sid, "policy": policy, "cache_namespace": sid}
+        kw = {"session_id": sid, "policy": policy, "cache_namespace": f"{SERVED_NAMESPACE}#salt={sid}"}
         self._run(eng.add_request(context, SamplingParams(max_tokens=1), **kw), [])
         sess = eng.sessions.sessions[sid]
+        _check_kept(sess.kv, spec, "document turn")
         history = list(sess.token_ids)
         stored = len(sess.blocks) * eng.pool.bytes_per_block
         if sess.kv is not None:
@@ -86,6 +99,7 @@ class ServedAsker:
                 raise RuntimeError(f"served question turn of {spec!r} re-prefilled the history "
                                    f"({seq.num_cached_tokens} of {sess.num_computed_tokens} tokens kept)")
             rows, peak, recall_s = self._run(rid, forced)
+            _check_kept(eng.sessions.sessions[sid].kv, spec, "question turn")
         finally:
             eng.close_session(sid)
         return Answer(torch.stack(rows), stored, peak, history[len(context):], recall_s)
@@ -124,3 +138,11 @@ def _device_bytes(eng: LLMEngine, seq: Sequence) -> int:
     if seq.kv is not None:
         return seq.kv.device_bytes()
     return len(seq.block_table) * eng.pool.bytes_per_block
+
+
+def _check_kept(kv: SequenceKV | None, spec: str, turn: str) -> None:
+    """Raise RuntimeError when the session state ``kv`` lost tokens for want of host-tier room."""
+    lost = 0 if kv is None else kv.policy.lost_tokens(kv)
+    if lost:
+        raise RuntimeError(f"served {spec!r}: the session lost {lost} tokens of its state after the {turn} "
+                           f"(host tier full); its logits would measure the tier, not the policy")

@@ -10,6 +10,7 @@ import torch
 from bench.quality import build_items, kl_and_agreement, reference
 from bench.quality_probe import Probe
 from bench.quality_served import ServedAsker
+from bench.quality_trace import kv_bytes_per_token
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.policies import PolicyEnv
@@ -51,5 +52,49 @@ def test_served_session_answers_equal_the_probes_compress_once_ask_many(real_mod
         assert abs(kl_probe - kl_served) < 1e-5
     assert engine.sessions.num_fallbacks == 0 and not engine.sessions.sessions
     probe.release(comp)
+    probe.release(ref.base)
+    engine.check_integrity()
+
+
+def test_served_and_probe_keep_their_answers_once_earlier_sessions_fill_the_host_tier(real_model) -> None:
+    """The case ``bench.quality --quick --lengths 1024 --contexts 2 --served`` reproduced: after
+    the earlier questions' sessions (full cache here) had filled the host tier with their
+    cached documents, sentencekv-0.25 answered other logits than on a fresh engine (served KL
+    0.83 against the probe's 0.037, needle 0.50 against 1.00), as each closed session's
+    namespace was a host-tier holder of its own and a new state's fair share of the tier was
+    too small for its demoted sentences, which were dropped. Now the sessions' namespaces are
+    salts of one (one holder, whose next reservation evicts its own dead documents): both paths
+    give the fresh engine's logits, the probe's and the served one's agree, nothing is dropped."""
+    tok = real_model.tokenizer
+    slot_bytes = 16 * kv_bytes_per_token(real_model.model)
+    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=256),
+                       real_model.model_id, real_model.eos_token_ids,
+                       tier_config=TierConfig(host_bytes=3 * 34 * slot_bytes))  # three served histories
+    engine.policy_env = PolicyEnv.from_tokenizer(tok)
+    probe, asker = Probe(engine, chunk_tokens=256), ServedAsker(engine)
+    item = build_items(tok, [512], [0.5])[0]
+    ref = reference(probe, tok, item, served=True)
+    _kind, q, gen, _need, _ref_logits, _ok = ref.answers[0]
+    prompt = q[len(item["reply"]):]
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        comp = probe.compress(ref.base, "sentencekv-0.25")
+        seq = probe.fork(comp)
+        probed = probe.teacher_force(seq, q, gen, decode=True)
+        probe.release(seq)
+        probe.release(comp)
+        return probed, asker.ask("sentencekv-0.25", item["context"], prompt, gen).logits
+
+    fresh_probed, fresh_served = both()
+    for _ in range(6):
+        asker.ask("full", item["context"], prompt, gen)
+        engine.tiers.demote_all()
+    host = engine.tiers.host
+    assert len(host.entries) + len(host._free_slots) == host.num_slots and len(host._free_slots) < 4
+    probed, served = both()
+    assert engine.tiers.counters["policy_dropped_tokens"] == 0
+    assert torch.allclose(probed, fresh_probed, atol=1e-4)
+    assert torch.allclose(served, fresh_served, atol=1e-4)
+    assert torch.allclose(served, probed, atol=1e-4)
     probe.release(ref.base)
     engine.check_integrity()
