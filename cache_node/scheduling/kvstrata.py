@@ -155,7 +155,10 @@ class KvstrataPolicy(SchedulingPolicy):
 
     def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
         """Lowest class, then most over its tenant's device quota, then largest VTC counter,
-        then newest. For a waiting ``incoming``: a strictly lower class, or, when
+        then newest. For a running ``incoming`` (it needs blocks for its next chunk, token or
+        compaction): a strictly lower class, a request of its class or a higher one that has
+        had its turn (``_had_its_turn``), or ``incoming`` itself. For a waiting ``incoming``: a
+        strictly lower class, or, when
         ``incoming``'s tenant is below its floor, a sequence of the same class whose tenant is
         not below its floor (floors come first; at most one such victim per tenant per step,
         recorded when returned, so a tenant climbs to its floor without emptying the batch),
@@ -178,7 +181,12 @@ class KvstrataPolicy(SchedulingPolicy):
         floor after the 2 s window and preempted the other before its prefill (longer than the
         window) ended, whose KV the new allocation then evicted (310 preemptions and nothing
         finished in 600 simulated seconds; 72 preemptions in 555 steps of the tiny engine
-        without a host tier)."""
+        without a host tier). Regression (review 22a, F3): a running request in prefill that
+        needed blocks took the other tenant's request that had just finished its prefill (its
+        demoted sentences, charged to the pool on a node without a host tier, made it the most
+        over quota), which re-prefilled and took the first back the same way: 3,978 and 3,972
+        preemptions in 12,000 steps with 2 and 1 tokens out, both tenants' queued requests never
+        admitted. Now it takes only a run that has had its turn, or itself."""
         if not running:
             return None
         held: dict[str, int] = {}
@@ -189,8 +197,11 @@ class KvstrataPolicy(SchedulingPolicy):
             over = held[s.tenant] - self.share(s).kv_quota_blocks
             return (self.rank(s), over, self.vtc.counter(s.tenant), running.index(s))
 
-        if incoming is None or incoming in running:
+        if incoming is None:
             return max(running, key=badness)
+        if incoming in running:  # it needs blocks: never take a run of its class before its turn
+            return max((s for s in running if s is incoming or self.rank(s) > self.rank(incoming)
+                        or self._had_its_turn(s)), key=badness)
         lower = [s for s in running if self.rank(s) > self.rank(incoming)]
         if lower:
             return max(lower, key=badness)
