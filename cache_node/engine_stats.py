@@ -74,6 +74,7 @@ class EngineStatsMixin:
                                       if s.active_request is None),
                 "session_policy_continuations": self.sessions.num_policy_continuations,
                 "session_policy_fallbacks": self.sessions.num_fallbacks,
+                "session_states_dropped": self.sessions.num_states_dropped,
                 "policy_bytes": sum(kv.outside_pool_bytes() for kv in charged),
                 "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
                 "compaction_released_hashes": pool.num_released_hashes,

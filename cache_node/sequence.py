@@ -109,7 +109,7 @@ class Sequence:
     prefix_tokens: int = 0
     isolate_at: int | None = None
     kept: KeptHistory | None = None
-    continues_state: bool = False  # a session turn continuing its history's policy state
+    continues_state: bool = False  # a session turn under a compressing policy continuing its history's KV
 
     @property
     def cache_namespace(self) -> str:
@@ -212,9 +212,16 @@ class Sequence:
         if self.continues_state:  # the kept history went (the engine's last resort for blocks):
             # it compresses history and prompt at once now, so it may decode other tokens than
             # never preempted; its usage says so (hangs review 20 N-a: nothing did)
-            self.policy_stats["session_state_dropped"] = 1.0
+            self.mark_state_dropped()
         if self.prefix_tokens and not self.prefix_stop:
             self.prefix_stop = self.prefix_tokens
+
+    def mark_state_dropped(self) -> None:
+        """This session turn computes its history again instead of continuing from the KV its
+        session kept (dropped: ``SessionTable.lose``, or taken back while it waited), so it may
+        decode other tokens than on a node that kept it: its usage carries
+        ``policy_stats["session_state_dropped"]`` (docs/architecture.md, 'Cache node step loop')."""
+        self.policy_stats["session_state_dropped"] = 1.0
 
     @property
     def in_prefill(self) -> bool:

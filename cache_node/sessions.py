@@ -15,6 +15,14 @@ waiting blocks taken) restarts from that history (``Sequence.restart``, ``Sessio
 it recomputes only its own tokens and decodes as never preempted; an aborted turn leaves the
 history as it was, KV included. Only the engine's last resort for blocks drops a kept history
 (``SessionKept.drop``).
+
+Every path that drops a session's history KV for another reason than the session's close (an
+idle session unpinned or demoted for another request, its host-tier state reclaimed, a turn's
+compaction that could not settle, a kept history taken back, a fork that failed, an undo whose
+kept history went) goes through ``SessionTable.lose``, which records it on the session
+(``Session.lost``); the next turn that would have continued from that KV carries
+``policy_stats["session_state_dropped"]``, as a restarted turn does (``Sequence.restart``).
+docs/architecture.md, 'Cache node step loop' says which turns are marked and why.
 """
 
 from __future__ import annotations
@@ -49,6 +57,16 @@ class History:
     namespace: str
 
 
+@dataclass(frozen=True)
+class LostState:
+    """A session history's KV dropped while the session kept it (``SessionTable.lose``): its
+    last turn's policy spec ``policy``, and whether the KV was that policy's compacted layout
+    (``compacted``: usable only by a turn of the same policy)."""
+
+    policy: str
+    compacted: bool
+
+
 @dataclass
 class Session:
     """What a session keeps between turns.
@@ -61,6 +79,8 @@ class Session:
     no longer in them) and its charge blocks stay held, so the pool and the tenant still pay
     for what the policy keeps while the session is idle. ``kept_for``: the running turn under
     a compressing policy that borrows ``blocks`` and ``kv`` while the session keeps them.
+    ``lost``: the history's KV was dropped (``SessionTable.lose``) and no turn has run since;
+    ``previous_lost``: the same for the history kept to undo the last turn (``rewind``).
     """
 
     session_id: str
@@ -76,6 +96,8 @@ class Session:
     kept_for: Sequence | None = None
     namespace: str = ""  # the cache namespace of the turn whose KV ``blocks`` hold
     previous: History | None = None  # the history before the turn that just ended (``detach``)
+    lost: LostState | None = None
+    previous_lost: LostState | None = None
 
     @property
     def num_held_blocks(self) -> int:
@@ -97,6 +119,7 @@ class SessionTable:
         self._parked: set[str] = set()  # sessions holding a ``previous`` history (``drop_previous``)
         self.num_policy_continuations = 0  # turns that continued from a compacted policy state
         self.num_fallbacks = 0  # turns that found a compacted state they could not continue
+        self.num_states_dropped = 0  # turns that ended marked ``session_state_dropped``
 
     def attach(self, seq: Sequence) -> None:
         """Give ``seq`` its session's pinned blocks when its prompt extends the history.
@@ -115,6 +138,9 @@ class SessionTable:
         sess.active_request = seq.request_id
         history = sess.token_ids
         extends = seq.prompt_token_ids[: len(history)] == history and len(seq.prompt_token_ids) > len(history)
+        lost = sess.lost  # (kept until a turn's end replaces the history: an aborted turn leaves it)
+        if lost is not None and extends and seq.kv is not None and (not lost.compacted or seq.policy == lost.policy):
+            seq.mark_state_dropped()  # it would have continued from the KV ``lost`` records
         if sess.compacted:
             if extends and seq.policy == sess.policy:
                 if self._keep_for(sess, seq):
@@ -142,8 +168,11 @@ class SessionTable:
         (with the new turn in view), so it decoded other tokens than never preempted.
         """
         sess.kept_for, seq.kept = seq, SessionKept(self, sess)
-        seq.continues_state = sess.kv is not None
-        return self.lend(sess, seq)
+        seq.continues_state = True  # (plain history KV too: recomputed cold it decodes otherwise)
+        if self.lend(sess, seq):
+            return True
+        seq.mark_state_dropped()
+        return False
 
     def lend(self, sess: Session, seq: Sequence) -> bool:
         """Give ``seq`` (holding no blocks) one more reference on each of the session's blocks
@@ -170,7 +199,7 @@ class SessionTable:
                 kv.reset()
             pool.free(seq.block_table[::-1])
             seq.block_table, seq.num_evicted_tokens = [], 0
-            self._release(sess)
+            self.lose(sess)
             return False
         if kv is not None:
             seq.kv = kv
@@ -192,6 +221,8 @@ class SessionTable:
         turn's end became the new session's history (the new turn's lost) and cleared its
         running turn, letting a second turn attach alongside it.
         """
+        if seq.policy_stats.get("session_state_dropped"):
+            self.num_states_dropped += 1
         sess = self.sessions.get(seq.session_id or "")
         if sess is None or sess.active_request != seq.request_id:
             return False
@@ -209,6 +240,7 @@ class SessionTable:
                 del self.sessions[sess.session_id]
             return False
         self._park(sess)
+        sess.lost = None  # (a kept history dropped while the turn ran: the turn's KV replaces it)
         sess.token_ids = seq.all_token_ids
         sess.num_computed_tokens = seq.num_computed_tokens
         sess.num_evicted_tokens = seq.num_evicted_tokens
@@ -248,9 +280,12 @@ class SessionTable:
             sess.kv, sess.policy, sess.namespace = previous.kv, previous.policy, previous.namespace
             if sess.kv is not None:  # it handed its charge blocks over to the turn (``lend``)
                 sess.kv.settle_charge()
+            sess.lost = sess.previous_lost = None
             return True
         if previous is not None:
             self._free_history(previous)
+        # without its KV: marked when the undo's kept history was dropped (``_free_previous``)
+        sess.lost, sess.previous_lost = sess.previous_lost, None
         sess.token_ids, sess.num_computed_tokens = list(history), 0
         return True
 
@@ -268,7 +303,20 @@ class SessionTable:
                 self._free_previous(sess)
 
     def drop_history(self, sess: Session) -> None:
-        """Free the history KV ``sess`` keeps (its turn holds its own references)."""
+        """Free the history KV ``sess`` keeps (its turn holds its own references): ``lose``."""
+        self.lose(sess)
+
+    def lose(self, sess: Session) -> None:
+        """Drop the history KV of ``sess`` (blocks, policy state, its undo's kept history) for
+        another reason than the session's close, and record it (``Session.lost``): the next
+        turn whose prompt extends the history under a compressing policy (the same one when the
+        KV was a compacted layout) would have continued from that KV, and carries
+        ``policy_stats["session_state_dropped"]`` (``attach``). Every path that drops a
+        session's KV but its close, the fallback of a turn that cannot use it, a finished
+        turn's new history and an undone turn's own KV calls this, so none leaves a turn
+        unmarked. A session holding no KV keeps the loss it recorded before."""
+        if sess.blocks or sess.kv is not None:
+            sess.lost = LostState(sess.policy, sess.compacted)
         self._release(sess)
 
     def close(self, session_id: str) -> int:
@@ -289,14 +337,15 @@ class SessionTable:
         The history stays: the next turn finds its KV through the prefix cache and the tiers
         below. A compacted policy state is not moved to a lower tier: its blocks match no
         token prefix, so it is dropped whole (blocks, charge blocks, host-tier sentences) and
-        [] is returned; the next turn prefills the history again. Returns [] for an unknown
-        session or one with a turn running.
+        [] is returned; the next turn prefills the history again. Either way the session no
+        longer keeps its KV (``lose``): its next turn under a compressing policy is marked.
+        Returns [] for an unknown session or one with a turn running.
         """
         sess = self.sessions.get(session_id)
         if sess is None or sess.active_request is not None:
             return []
         blocks = [] if sess.compacted else sess.blocks
-        self._release(sess)
+        self.lose(sess)
         return blocks
 
     def idle_policy_states(self) -> list[SequenceKV]:
@@ -328,7 +377,8 @@ class SessionTable:
         """Keep the history as it is now (``Session.previous``) until the next engine step
         (``drop_previous``) instead of freeing it, and clear it from ``sess``; a history without
         blocks (a full-cache turn took them over) has nothing to keep and is released."""
-        if not sess.blocks:
+        if not sess.blocks:  # (an undo restores it without KV, with the loss it recorded)
+            sess.previous_lost = sess.lost
             self._release(sess)
             return
         if sess.kept_for is not None:
@@ -336,13 +386,16 @@ class SessionTable:
         self._free_previous(sess)
         sess.previous = History(sess.token_ids, sess.num_computed_tokens, sess.num_evicted_tokens, sess.blocks,
                                 sess.kv, sess.policy, sess.namespace)
+        sess.previous_lost = None
         self._parked.add(sess.session_id)
         sess.blocks, sess.kv, sess.num_evicted_tokens = [], None, 0
 
     def _free_previous(self, sess: Session) -> None:
-        """Free the history ``sess`` keeps for an undo, if any."""
+        """Free the history ``sess`` keeps for an undo, if any: an undo after this restores
+        the history without KV, marked (``Session.previous_lost``)."""
         if sess.previous is not None:
             previous, sess.previous = sess.previous, None
+            sess.previous_lost = LostState(previous.policy, previous.kv is not None and previous.kv.compacted)
             self._free_history(previous)
 
     def _free_history(self, history: History) -> None:

@@ -45,6 +45,7 @@ NODE_FAMILIES = {
     "kvstrata:compressed_prefixes": "gauge", "kvstrata:compressed_prefix_lossy_skipped": "counter",
     "kvstrata:session_policy_continuations": "counter",
     "kvstrata:session_policy_fallbacks": "counter", "kvstrata:compactions_deferred": "counter",
+    "kvstrata:session_states_dropped": "counter",
     "kvstrata:compaction_released_hashes": "counter",
     **{f"kvstrata:kv_{move}_{unit}": "counter" for move in ("demoted", "promoted", "prefetched", "spilled")
        for unit in ("blocks", "bytes")},

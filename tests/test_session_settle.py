@@ -121,7 +121,7 @@ def test_a_compaction_that_can_never_run_leaves_the_session_its_tokens_not_its_k
     eng.abort_request("R")
     o2 = finish(eng, eng.add_request(sess.token_ids + prompt_of(20, 3), SamplingParams(max_tokens=4, ignore_eos=True),
                                      request_id="t2", session_id="s", policy="snapkv-0.5"))
-    assert len(o2.output_token_ids) == 4
+    assert len(o2.output_token_ids) == 4 and o2.policy_stats.get("session_state_dropped") == 1.0
     drain(eng)
     assert not eng.check_integrity()
 

@@ -140,6 +140,10 @@ class NodeMetrics(Collector):
         yield counter("session_policy_fallbacks", "Session turns that found compressed KV they could not "
                       "continue (another policy, or not extending the history): the history was prefilled again.",
                       s["session_policy_fallbacks"])
+        yield counter("session_states_dropped", "Session turns that computed their history again because "
+                      "the node dropped the KV they would have continued from (an idle session's, for "
+                      "another request; marked session_state_dropped in their usage).",
+                      s.get("session_states_dropped", 0))
         for stem, key in TRANSFERS:
             yield counter(f"{stem}_blocks", f"KV blocks moved ({key}).", s[key])
             yield counter(f"{stem}_bytes", f"KV bytes moved ({key}).", s[key] * self.block_nbytes)
