@@ -147,7 +147,7 @@ class SequenceKV(SequenceKVAttention, SequenceKVCompaction):
         self.positions = torch.cat([self.positions[:, :phys], new], 1)
         self.support = torch.cat([self.support[:, :phys], torch.ones(new.shape, device=dev)], 1)
         if self.stats is not None:
-            self.stats.begin_step(self.frontier)
+            self.stats.begin_step(self.frontier, start, num_new, self.seq.num_prompt_tokens)
 
     def after_step(self) -> bool:
         """Compress when the prompt is done and a layer is over budget; True if compacted."""

@@ -184,15 +184,22 @@ def test_sentencekv_shortlist_is_each_heads_top_k_by_cosine() -> None:
     assert got is not None and got.tolist() == sorted(want)
 
 
-def test_gkv_cumulative_attention_decays_per_step(tiny) -> None:
+def test_gkv_cumulative_attention_decays_per_token(tiny) -> None:
+    """One decay per token past the prompt (a unit, ``AttentionStats.begin_step``), none for
+    another chunk of the prompt already opened."""
     eng = make_engine(tiny)
     rid = eng.add_request(list(range(1, 61)), SamplingParams(max_tokens=12, ignore_eos=True),
                           policy="gkv-200-decay_0.5")
     seq = run_to(eng, rid, 1)
     stats = seq.kv.stats
     before = stats.cum[:, :, :60].clone()
-    stats.begin_step(61)
+    stats.begin_step(61, 60, 1, 60)  # the first decode token
     assert torch.allclose(stats.cum[:, :, :60], before * 0.5)
+    stats.begin_step(63, 61, 2, 61)  # two tokens past a (new, e.g. next turn's) prompt: two units
+    assert torch.allclose(stats.cum[:, :, :60], before * 0.5**3)
+    stats.begin_step(64, 63, 1, 80)  # a prompt's first chunk opens its unit, its next chunk does not
+    stats.begin_step(65, 64, 1, 80)
+    assert torch.allclose(stats.cum[:, :, :60], before * 0.5**4)
 
 
 def _sentencekv_engine(tiny, host_blocks: int):

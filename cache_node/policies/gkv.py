@@ -20,8 +20,9 @@ def _unit_max(x: torch.Tensor) -> torch.Tensor:
 class GKV(Policy):
     """Score = ``lam * max recent attention + (1 - lam) * decayed cumulative attention``, each
     normalized to [0, 1] per KV head, summed over KV heads. The cumulative term decays by
-    ``decay`` per step, so a token that was pivotal long ago fades slowly instead of being
-    evicted on a transient dip (the failure of recent-only scores).
+    ``decay`` per unit of the token stream (once for the prompt, however it was chunked, then
+    once per token: ``AttentionStats``), so a token that was pivotal long ago fades slowly
+    instead of being evicted on a transient dip (the failure of recent-only scores).
 
     Keys a query attends (``Policy``): sinks (positions < ``sink_tokens``), the
     ``window_tokens`` most recent positions, and the highest global scores up to ``B`` per

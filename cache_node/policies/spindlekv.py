@@ -15,8 +15,10 @@ from cache_node.policies.registry import register
 @dataclass
 class SpindleKV(Policy):
     """Deep layers (index >= ``shallow_fraction * L``) keep the entries with the highest max
-    attention over the last T steps. Shallow layers, whose attention is flat and evicts badly,
-    keep the same top entries but *merge* each evicted entry whose key has cosine similarity
+    attention over the last T units of the token stream (the prompt is one unit, its max over
+    all its queries however it was chunked; each later token one: ``AttentionStats``).
+    Shallow layers, whose attention is flat and evicts badly, keep the same top entries but
+    *merge* each evicted entry whose key has cosine similarity
     > ``merge_threshold`` with a kept key into it (support-weighted mean of K and V; the entry's
     support count becomes a log-count bias in attention), so the entry acts as a codebook
     vector standing for several tokens; dissimilar entries are dropped.
