@@ -34,12 +34,20 @@ def attend_spans(state: SequenceKV, layer_idx: int, q: torch.Tensor, q_pos: torc
     indices ``cuts``: each span runs the policy's ``before_attend`` on its own queries, then
     ``attend_all`` (causal, even for a lone query: never the fused decode path, so a span
     computes the same whichever step it is in) with the extra KV the policy then gives.
+    What does not depend on the span is made once for the layer: the pool's K/V and causal
+    bias (``SequenceKV.pool_part``) and what the policy keeps in ``Policy.span_scope``
+    (SentenceKV: the unpacked key sketch); a whole span's pool products run per KV head
+    (``attend_all``). Every span's selection and output are bit for bit those of the span
+    computed alone (tests/test_query_spans_shared.py).
     Returns the output (n, H, d) and the pool part's probabilities (H_kv, g, n, S)."""
     policy, outs, probs = state.policy, [], []
-    for a, b in pairwise([0, *cuts, q.shape[0]]):
-        policy.before_attend(state, layer_idx, q[a:b], q_pos[a:b])
-        out, p = state.attend_all(layer_idx, q[a:b], q_pos[a:b], k_cache, v_cache, ctx_slots,
-                                  policy.extra_kv(state, layer_idx), causal=True)
-        outs.append(out)
-        probs.append(p)
+    k, v, bias = state.pool_part(layer_idx, q_pos, k_cache, v_cache, ctx_slots, q.dtype, causal=True)
+    with policy.span_scope(state, layer_idx):
+        for a, b in pairwise([0, *cuts, q.shape[0]]):
+            policy.before_attend(state, layer_idx, q[a:b], q_pos[a:b])
+            out, p = state.attend_all(layer_idx, q[a:b], q_pos[a:b], k_cache, v_cache, ctx_slots,
+                                      policy.extra_kv(state, layer_idx), causal=True,
+                                      pool=(k, v, None if bias is None else bias[a:b]))
+            outs.append(out)
+            probs.append(p)
     return torch.cat(outs), torch.cat(probs, 2)

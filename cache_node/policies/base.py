@@ -9,6 +9,7 @@ Idea: NVIDIA kvpress presses (one method per press, plumbing once in a base clas
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -316,6 +317,12 @@ class Policy:
         if not span or start >= end:
             return None
         return list(range((end - start) % span or span, num_queries, span))
+
+    def span_scope(self, state: SequenceKV, layer_idx: int) -> contextlib.AbstractContextManager[None]:
+        """A context around layer ``layer_idx``'s spans of one step (``query_spans``), in which
+        the policy may keep what its ``before_attend`` prepares once for all of them (the
+        same values: a span's arithmetic must not change). None kept by default."""
+        return contextlib.nullcontext()
 
     def extra_kv(self, state: SequenceKV, layer_idx: int) -> ExtraKV | None:
         """KV outside the pool that layer ``layer_idx`` also attends to (None = none): by

@@ -7,6 +7,7 @@ it) to attention as extra KV. The design and sources are in the package docstrin
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,14 @@ class SentenceRecall:
         gave four different outputs)."""
         store = state.extra.get("sentences")
         return PROMPT_SPAN if store is not None and len(store) else 0
+
+    def span_scope(self, state: SequenceKV, layer_idx: int) -> contextlib.AbstractContextManager[None]:
+        """While a layer's spans select one after the other, the key sketch keeps the layer's
+        unpacked codes (``KeySketch.held``) instead of unpacking them for every span."""
+        store = state.extra.get("sentences")
+        if store is None or store.sketch is None:
+            return contextlib.nullcontext()
+        return store.sketch.held()
 
     def _reuse_selection(self, state: SequenceKV, store: HostSentenceStore, layer_idx: int, q: torch.Tensor) -> bool:
         """Whether this decode step keeps the layer's last selection (``recall_every``, or

@@ -4,7 +4,9 @@ low-rank principal basis (Loki)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -45,6 +47,21 @@ class KeySketch:
         self.zero: torch.Tensor | None = None
         self.sentence_of = torch.zeros(0, dtype=torch.long)
         self._last: tuple[torch.Tensor, tuple[int, float, int], torch.Tensor] | None = None
+        self._hold = False  # ``held``: keep a layer's unpacked codes for the next call
+        self._held: tuple[tuple[int, bool], torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within the block, ``head_logits`` keeps the last layer's unpacked codes (or its
+        dequantized keys) and reuses them while the codes are unchanged: a prompt step's spans
+        (``cache_node.query_spans``) score one layer one after the other, each on the same
+        codes. The same tensors, so the same scores; dropped at the block's end (one layer's
+        (H_kv, N, c) float32 transient, which a call makes anyway)."""
+        self._hold = True
+        try:
+            yield
+        finally:
+            self._hold, self._held = False, None
 
     def fit(self, keys: torch.Tensor) -> None:
         """Fit the low-rank basis (``rank`` > 0) on keys (L, n, H_kv, d): per layer and KV head
@@ -141,13 +158,10 @@ class KeySketch:
         c = qf.shape[-1]
         groups = c // channel_group(self.group_size, c)
         if groups > 1 and n * g >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize the codes once
-            keys = dequantize(packed, self.scale[layer].permute(1, 0, 2).float(),
-                              self.zero[layer].permute(1, 0, 2).float(), self.bits)  # (H_kv, N, c)
+            (keys,) = self._layer_codes(layer, packed, True)  # (H_kv, N, c)
             logits = torch.bmm(qf, keys.transpose(1, 2))  # (H_kv, n g, N)
         else:
-            codes = unpack_bits_float(packed, self.bits)  # (H_kv, N, c)
-            scale = self.scale[layer].permute(1, 2, 0).float()  # (H_kv, G, N)
-            zero = self.zero[layer].permute(1, 2, 0).float()
+            codes, scale, zero = self._layer_codes(layer, packed, False)  # (H_kv, N, c), (H_kv, G, N) x2
             qsum = qf.view(h_kv, n * g, groups, -1).sum(-1)  # (H_kv, n g, G)
             if groups == 1:
                 logits = torch.bmm(qf, codes.transpose(1, 2)).mul_(scale)  # (H_kv, n g, N)
@@ -161,6 +175,25 @@ class KeySketch:
         logits = logits.view(h_kv, n, g, num)
         self._last = (q, key, logits)
         return logits
+
+    def _layer_codes(self, layer: int, packed: torch.Tensor, dequant: bool) -> tuple[torch.Tensor, ...]:
+        """``head_logits``' operands for ``layer`` (``packed``: its codes (H_kv, N, c bits / 8)):
+        the dequantized keys (H_kv, N, c), or the unpacked codes (H_kv, N, c) with the scales
+        and zeros (H_kv, G, N) float32; kept within ``held`` while the codes are the same."""
+        assert self.scale is not None and self.zero is not None
+        key = (layer, dequant)
+        if self._held is not None and self._held[0] == key and self._held[1] is self.codes:
+            return self._held[2]
+        if dequant:
+            parts: tuple[torch.Tensor, ...] = (dequantize(packed, self.scale[layer].permute(1, 0, 2).float(),
+                                                          self.zero[layer].permute(1, 0, 2).float(), self.bits),)
+        else:
+            parts = (unpack_bits_float(packed, self.bits), self.scale[layer].permute(1, 2, 0).float(),
+                     self.zero[layer].permute(1, 2, 0).float())
+        if self._hold:
+            assert self.codes is not None
+            self._held = (key, self.codes, parts)
+        return parts
 
     def log_mass(self, layer: int, q: torch.Tensor, scaling: float, num_sentences: int) -> torch.Tensor:
         """(n, H_kv, g, S) ``logsumexp`` over each sentence's tokens of ``scaling * q . k``
@@ -194,6 +227,14 @@ class LayeredSketch:
         if not parts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
             raise ValueError(f"parts must start at layer 0 with increasing first layers, got {starts}")
         self.parts = parts
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """``KeySketch.held`` for every part."""
+        with contextlib.ExitStack() as stack:
+            for _, sketch in self.parts:
+                stack.enter_context(sketch.held())
+            yield
 
     def part(self, layer: int) -> tuple[KeySketch, int]:
         """The part holding ``layer`` and the layer's index in it."""
