@@ -64,7 +64,8 @@ class LayerView:
         return torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(1)
 
     def recent_attention(self) -> torch.Tensor:
-        """(H_kv, n) max attention received over the last T steps."""
+        """(H_kv, n) max attention received over the last T units of the token stream (the
+        prompt is one unit, each later token one: ``AttentionStats``, chunk-invariant)."""
         assert self.stats is not None
         return self.stats.recent_max(self.layer_idx, int(self.slots.max()) + 1)[:, self.slots]
 

@@ -156,8 +156,10 @@ class KvstrataPolicy(SchedulingPolicy):
     def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
         """Lowest class, then most over its tenant's device quota, then largest VTC counter,
         then newest. For a running ``incoming`` (it needs blocks for its next chunk, token or
-        compaction): a strictly lower class, a request of its class or a higher one that has
-        had its turn (``_had_its_turn``), or ``incoming`` itself. For a waiting ``incoming``: a
+        compaction): a strictly lower class, a request of its class that has had its turn
+        (``_had_its_turn``) or that has computed fewer tokens than ``incoming`` and was never
+        preempted (so the least work is thrown away, and a request loses a run before its turn
+        this way at most once), or ``incoming`` itself. For a waiting ``incoming``: a
         strictly lower class, or, when
         ``incoming``'s tenant is below its floor, a sequence of the same class whose tenant is
         not below its floor (floors come first; at most one such victim per tenant per step,
@@ -200,8 +202,11 @@ class KvstrataPolicy(SchedulingPolicy):
         if incoming is None:
             return max(running, key=badness)
         if incoming in running:  # it needs blocks: never take a run of its class before its turn
+            def lesser(s: Sequence) -> bool:  # holds less work, and never lost a run before
+                return s.num_preemptions == 0 and s.num_computed_tokens < incoming.num_computed_tokens
+
             return max((s for s in running if s is incoming or self.rank(s) > self.rank(incoming)
-                        or self._had_its_turn(s)), key=badness)
+                        or self._had_its_turn(s) or lesser(s)), key=badness)
         lower = [s for s in running if self.rank(s) > self.rank(incoming)]
         if lower:
             return max(lower, key=badness)
