@@ -14,7 +14,6 @@ variants, aborts, forced demotions); seeds 11, 15 and 23 hung under kvstrata.
 from __future__ import annotations
 
 import random
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,29 +63,31 @@ def _workload(lm: LoadedModel, seed: int, scheduler: str, spill_dir: str) -> tup
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("seed", [11, 15, 23])
-def test_sentencekv_tenants_without_a_host_tier_all_finish(tiny: LoadedModel, seed: int, scheduler: str) -> None:
-    with tempfile.TemporaryDirectory() as spill_dir:
-        eng, reqs, rng = _workload(tiny, seed, scheduler, spill_dir)
-        pending = sorted(reqs, key=lambda r: r["at"])
-        finished: dict[str, int] = {}
-        step = 0
-        while pending or eng.has_unfinished_requests():
-            while pending and pending[0]["at"] <= step:
-                r = pending.pop(0)
-                eng.add_request(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
-                                request_id=r["id"], cache_namespace=r["tenant"], tenant=r["tenant"],
-                                policy=r["policy"])
-            for out in eng.step():
-                if out.finished:
-                    finished[out.request_id] = out.num_preemptions
-            if rng.random() < 0.1:
-                eng.demote_all(to_spill=rng.random() < 0.5)
-            for r in reqs:
-                if r["abort"] and r["id"] in eng.requests and step == r["at"] + 3:
-                    eng.abort_request(r["id"])
-            eng.check_integrity()
-            step += 1
-            assert step <= MAX_STEPS, (
-                f"still running after {MAX_STEPS} steps: " + str({s.request_id: (len(s.output_token_ids), s.num_preemptions)
-                                                               for s in eng.requests.values() if not s.is_finished}))
-        assert set(finished) == {r["id"] for r in reqs}
+def test_sentencekv_tenants_without_a_host_tier_all_finish(tiny: LoadedModel, seed: int, scheduler: str,
+                                                          tmp_path: Path) -> None:
+    """The workload ends under every scheduler (tmp_path: the spill store's files)."""
+    eng, reqs, rng = _workload(tiny, seed, scheduler, str(tmp_path))
+    pending = sorted(reqs, key=lambda r: r["at"])
+    finished: dict[str, int] = {}
+    step = 0
+    while pending or eng.has_unfinished_requests():
+        while pending and pending[0]["at"] <= step:
+            r = pending.pop(0)
+            eng.add_request(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
+                            request_id=r["id"], cache_namespace=r["tenant"], tenant=r["tenant"],
+                            policy=r["policy"])
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out.num_preemptions
+        if rng.random() < 0.1:
+            eng.demote_all(to_spill=rng.random() < 0.5)
+        for r in reqs:
+            if r["abort"] and r["id"] in eng.requests and step == r["at"] + 3:
+                eng.abort_request(r["id"])
+        eng.check_integrity()
+        step += 1
+        assert step <= MAX_STEPS, (
+            f"still running after {MAX_STEPS} steps: " + str({s.request_id: (len(s.output_token_ids), s.num_preemptions)
+                                                           for s in eng.requests.values() if not s.is_finished}))
+    assert set(finished) == {r["id"] for r in reqs}
+    eng.wait_for_transfers()
