@@ -150,7 +150,7 @@ def _unified_attention_kernel(
         else:
             lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
             # (token, head, split) = the tile's first token's rows (64-bit, scalar) + this row's
-            # offset (32-bit: a split batch has < 132 tiles of <= 64 rows)
+            # offset within the tile (32-bit: < BLOCK_Q * num_heads * NUM_SPLITS)
             num_heads = tl.num_programs(1) * GROUP
             first = (q_start + q_tile * BLOCK_Q).to(tl.int64) * num_heads * NUM_SPLITS
             row = ((rows // GROUP_PAD) * num_heads + head) * NUM_SPLITS + split
