@@ -79,7 +79,8 @@ class Session:
     no longer in them) and its charge blocks stay held, so the pool and the tenant still pay
     for what the policy keeps while the session is idle. ``kept_for``: the running turn under
     a compressing policy that borrows ``blocks`` and ``kv`` while the session keeps them.
-    ``lost``: the history's KV was dropped (``SessionTable.lose``) and no turn has run since;
+    ``lost``: the history's KV was dropped (``SessionTable.lose``) and no turn has run since,
+    or the last turn was marked and its policy state, rebuilt, descends from that loss;
     ``previous_lost``: the same for the history kept to undo the last turn (``rewind``).
     """
 
@@ -240,13 +241,18 @@ class SessionTable:
                 del self.sessions[sess.session_id]
             return False
         self._park(sess)
-        sess.lost = None  # (a kept history dropped while the turn ran: the turn's KV replaces it)
         sess.token_ids = seq.all_token_ids
         sess.num_computed_tokens = seq.num_computed_tokens
         sess.num_evicted_tokens = seq.num_evicted_tokens
         sess.blocks, seq.block_table = seq.block_table, []
         sess.kv, seq.kv, sess.policy = seq.kv, None, seq.policy
         sess.namespace = seq.cache_namespace
+        # the turn's KV replaces the history's; a marked turn rebuilt its policy state, so the
+        # state it hands on descends from the loss and the turns continuing from it are marked
+        # too (verification 22: a marked turn with the same tokens, then an unmarked one with
+        # others)
+        marked = seq.policy_stats.get("session_state_dropped") and sess.kv is not None
+        sess.lost = LostState(sess.policy, sess.compacted) if marked else None
         return True
 
     def rewind(self, session_id: str, history: list[int] | None, prompt_len: int, output: tuple[int, ...]) -> bool:

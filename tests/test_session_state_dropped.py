@@ -144,3 +144,33 @@ def test_a_closed_session_reopened_is_not_marked(tiny: LoadedModel) -> None:
     o2 = eng.generate([p1 + list(o1.output_token_ids) + prompt_of(10, 5)], TWELVE, session_id="s",
                       policy="snapkv-0.5")[0]
     assert MARK not in o2.policy_stats and eng.stats()["session_states_dropped"] == 0
+
+
+@pytest.mark.parametrize("policy", ["snapkv-40", "h2o-0.5"])
+def test_turns_continuing_from_a_rebuilt_state_stay_marked(tiny: LoadedModel, policy: str) -> None:
+    """Verification 22: the turn after the loss rebuilt its policy state cold over the history
+    and was marked; the next turn continued from that rebuilt state unmarked and, though the
+    marked turn's tokens were the same as undisturbed, decoded other tokens (snapkv-40 and
+    h2o-0.5, seed 12: ``(238, 305, 341, 27)`` undisturbed, ``(367, 27, 426, 312)`` after the
+    loss). Every turn descending from the loss is marked; an undisturbed chain's are not."""
+    import random
+
+    rng = random.Random(12)
+    parts = [[rng.randrange(1, 500) for _ in range(rng.randrange(20, 60))] for _ in range(3)]
+    params = SamplingParams(max_tokens=rng.randrange(4, 12), ignore_eos=True)
+    chains = {}
+    for drop in (False, True):
+        eng = LLMEngine(tiny.model, EngineConfig(block_size=16, kv_pool_bytes=200 * 8192, max_num_batched_tokens=64,
+                                                 max_num_seqs=4), tiny.model_id, tiny.eos_token_ids)
+        kw = {"session_id": "A/s", "tenant": "A", "cache_namespace": "A", "policy": policy}
+        prompt, outs = [], []
+        for i, part in enumerate(parts):
+            if drop and i == 1:
+                eng.demote_session("A/s")
+            prompt = prompt + (list(outs[-1].output_token_ids) if outs else []) + part
+            outs.append(eng.generate([prompt], params, **kw)[0])
+        chains[drop] = outs
+    assert not any(MARK in o.policy_stats for o in chains[False])
+    assert [MARK in o.policy_stats for o in chains[True]] == [False, True, True]
+    assert chains[True][1].output_token_ids == chains[False][1].output_token_ids  # the case
+    assert chains[True][2].output_token_ids != chains[False][2].output_token_ids
