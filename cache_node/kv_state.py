@@ -146,8 +146,8 @@ class SequenceKV(SequenceKVAttention, SequenceKVCompaction):
         new = torch.arange(start, start + num_new, device=dev).expand(self.pool.num_layers, -1)
         self.positions = torch.cat([self.positions[:, :phys], new], 1)
         self.support = torch.cat([self.support[:, :phys], torch.ones(new.shape, device=dev)], 1)
-        if self.stats is not None:
-            self.stats.begin_step(self.frontier, start, num_new, self.seq.num_prompt_tokens)
+        if self.stats is not None:  # a compressed prefix's boundary ends a unit (review 22c)
+            self.stats.begin_step(self.frontier, start, num_new, self.seq.prefix_stop or self.seq.num_prompt_tokens)
 
     def after_step(self) -> bool:
         """Compress when the prompt is done and a layer is over budget; True if compacted."""

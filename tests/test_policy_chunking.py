@@ -104,3 +104,38 @@ def test_attention_statistics_do_not_depend_on_prompt_chunking(tiny, spec: str, 
         for layer in range(got.num_layers):
             torch.testing.assert_close(got.recent_max(layer, n), ref.recent_max(layer, n), rtol=1e-5, atol=1e-6)
         assert got.step == ref.step, (batched, other)  # the units opened: the prompt and each later token
+
+
+def _prefix_consumer(tiny, spec: str, producer_question: int) -> tuple[tuple[int, float], tuple[int, ...]]:
+    """A 300-token document stored as a compressed prefix by a producer asking a question of
+    ``producer_question`` tokens, then a consumer's 6-token question forking it: the
+    consumer's (units opened, cumulative-score sum) after its prompt, and its tokens."""
+    doc = [(7 * i) % 500 + 1 for i in range(300)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eng = make_engine(tiny, kv_pool_bytes=4 << 20)
+    eng.generate([doc + [(13 * i) % 400 + 5 for i in range(producer_question)]], params, policy=spec,
+                 prefix_tokens=len(doc))
+    eng.add_request(doc + [(11 * i) % 400 + 3 for i in range(6)], params, request_id="B", policy=spec,
+                    prefix_tokens=len(doc))
+    seen = None
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        seq = eng.requests.get("B")
+        if seen is None and seq is not None and seq.num_computed_tokens == len(doc) + 6:
+            seen = (seq.kv.stats.step, round(float(seq.kv.stats.cum.sum()), 3))
+        done = [o for o in outs if o.request_id == "B" and o.finished]
+        if done:
+            assert eng.stats()["compressed_prefix_hits"] == 1
+            assert seen is not None
+            return seen, tuple(done[0].output_token_ids)
+    raise AssertionError("the consumer did not finish")
+
+
+@pytest.mark.parametrize("spec", ["gkv-0.1", "spindlekv-0.1"])
+def test_a_compressed_prefix_fork_does_not_depend_on_the_producers_prompt(tiny, spec: str) -> None:
+    """Review 22c: the producer's prefix steps kept its whole prompt's length as their unit's
+    end, and the fork inherited that open unit, so a consumer whose prompt had the producer's
+    length continued it (no new unit, no decay) and another opened one: spindlekv-0.1 decoded
+    other tokens from the 9th on. The prefix's boundary ends its unit."""
+    same, other = (_prefix_consumer(tiny, spec, n) for n in (6, 7))
+    assert same == other
