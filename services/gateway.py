@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -50,6 +51,8 @@ from services.gateway_tracking import StreamWriter, _RecordedAbort, _Seen
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
 
+log = logging.getLogger(__name__)
+
 _CODES = {c.name: c for c in grpc.StatusCode}
 
 RETRY_S = 1.0
@@ -66,6 +69,9 @@ def set_retry_after(context: Any, retry_after_s: float) -> None:
     """Give the refusal ``context`` is about to send the ``retry-after-ms`` trailer (the HTTP
     API's ``Retry-After``, ``services.openai_api.context``)."""
     context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000))),))
+
+NODE_CLOSE_TIMEOUT_S = 30.0
+"""How long ``CloseSession`` waits for the session's node (``InferenceServicer._close_on_node``)."""
 
 TOKENIZER_THREADS = 4
 """Worker threads parsing, rendering and tokenizing prompts (``InferenceServicer.off_loop``;
@@ -304,6 +310,24 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         freed = await self.close_session(context, request.session_id)
         return inference_pb2.CloseSessionResponse(freed_tokens=freed)
 
+    async def _close_on_node(self, node_id: str, scoped: str, tenant_id: str, turns: list[str]) -> int:
+        """The node's answer to closing ``scoped`` (tokens freed, -1 for none by that id), or
+        0, as for a node known down, when its call fails (its step loop failed, the actor died:
+        the session's KV went with them) or takes over ``NODE_CLOSE_TIMEOUT_S`` (the close it
+        was sent frees the session when it lands; its TTL otherwise). The scheduler has dropped
+        the route by then, so the close is done either way.
+
+        Regression (review 22d): a close reaching a node whose step loop had failed before the
+        monitor marked it down raised here: HTTP 500 in plain text (gRPC UNKNOWN), and the
+        client's retry got NOT_FOUND."""
+        try:
+            return int(await asyncio.wait_for(self.nodes[node_id].close_session.remote(scoped, tenant_id, turns),
+                                              NODE_CLOSE_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - a failed, dead or slow node frees nothing now
+            log.warning("closing session %s on node %s: %s: %s; answered as freed 0", scoped, node_id,
+                        type(exc).__name__, exc)
+            return 0
+
     async def close_session(self, context: Any, session_id: str) -> int:
         """Close the caller's session ``session_id`` (another tenant's equal id is another
         session); returns the tokens freed. NOT_FOUND (``context.abort``) when the caller has
@@ -320,7 +344,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             freed = 0
         else:  # its turns still in flight are refused there (never open it again)
             node_id, turns = closing
-            freed = await self.nodes[node_id].close_session.remote(scoped, tenant.tenant_id, turns)
+            freed = await self._close_on_node(node_id, scoped, tenant.tenant_id, turns)
         if freed < 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} for this tenant")
         return freed
