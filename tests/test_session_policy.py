@@ -363,22 +363,31 @@ def test_idle_holders_give_their_host_slots_to_a_running_request(tiny) -> None:
     eng.check_integrity()
 
 
+def sentence_prompt(n: int, off: int) -> list[int]:
+    """``n`` tokens in sentences of 12 (token 13 ends one: ``host_reclaim_engine``'s env)."""
+    return [13 if i % 12 == 11 else (7 * i + off) % 400 + 20 for i in range(n)]
+
+
+def host_reclaim_engine(tiny) -> LLMEngine:
+    """A 4 MiB pool and a 60-block host tier, token 13 ending a sentence: two tenants' 200-token
+    SentenceKV-64 sessions hold 16 host slots each, and a 400-token request of one of them
+    needs room that only an idle state can give back (``_reclaim_host``)."""
+    from cache_node.tiers.manager import TierConfig
+
+    probe = make_engine(tiny, kv_pool_bytes=4 << 20, max_num_batched_tokens=128)
+    eng = LLMEngine(tiny.model, probe.config, tiny.model_id, tiny.eos_token_ids,
+                    tier_config=TierConfig(host_bytes=60 * probe.pool.bytes_per_block))
+    eng.policy_env = PolicyEnv(frozenset({13}))
+    return eng
+
+
 def test_a_tenants_reservation_drops_its_own_idle_states_before_anothers(tiny) -> None:
     """Regression: a reservation that did not fit dropped the least recently used idle state of
     any tenant: tenant A's request took tenant B's idle session (16 host slots, B's whole
     holding) while A's own idle session held as much. Now the largest holder's idle states go
     first, and another tenant's only while it holds more than the reserving one would."""
-    from cache_node.tiers.manager import TierConfig
-
     spec, two = "sentencekv-64", SamplingParams(max_tokens=2, ignore_eos=True)
-
-    def prompt(n: int, off: int) -> list[int]:  # sentences of 12 tokens
-        return [13 if i % 12 == 11 else (7 * i + off) % 400 + 20 for i in range(n)]
-
-    probe = make_engine(tiny, kv_pool_bytes=4 << 20, max_num_batched_tokens=128)
-    eng = LLMEngine(tiny.model, probe.config, tiny.model_id, tiny.eos_token_ids,
-                    tier_config=TierConfig(host_bytes=60 * probe.pool.bytes_per_block))
-    eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
+    prompt, eng = sentence_prompt, host_reclaim_engine(tiny)
     eng.generate([prompt(200, 3)], two, session_id="B/s", tenant="B", cache_namespace="tenant:B", policy=spec)
     eng.generate([prompt(200, 5)], two, session_id="A/s", tenant="A", cache_namespace="tenant:A", policy=spec)
     assert eng.tiers.host.reserved_by == {"tenant:B": 16, "tenant:A": 16}

@@ -15,10 +15,9 @@ import pytest
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel
-from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
-from cache_node.tiers.manager import TierConfig
 from tests.conftest import make_engine, node_metric
+from tests.test_session_policy import host_reclaim_engine, sentence_prompt
 from tests.test_session_rewind_state import drain, second_turn
 from tests.test_tier_engine import prompt_of
 
@@ -73,14 +72,7 @@ def test_an_idle_state_reclaimed_for_host_slots_marks_its_next_turn_only(tiny: L
     """``_reclaim_host``: tenant A's reservation drops A's own idle SentenceKV session (the
     larger holder's on a tie); A's next turn is marked, B's (kept) is not."""
     spec, two = "sentencekv-64", SamplingParams(max_tokens=2, ignore_eos=True)
-
-    def prompt(n: int, off: int) -> list[int]:  # sentences of 12 tokens
-        return [13 if i % 12 == 11 else (7 * i + off) % 400 + 20 for i in range(n)]
-
-    probe = make_engine(tiny, kv_pool_bytes=4 << 20, max_num_batched_tokens=128)
-    eng = LLMEngine(tiny.model, probe.config, tiny.model_id, tiny.eos_token_ids,
-                    tier_config=TierConfig(host_bytes=60 * probe.pool.bytes_per_block))
-    eng.policy_env = PolicyEnv(frozenset({13}))  # token 13 ends a sentence
+    prompt, eng = sentence_prompt, host_reclaim_engine(tiny)
     firsts = {}
     for tenant, off in (("B", 3), ("A", 5)):
         out = eng.generate([prompt(200, off)], two, session_id=f"{tenant}/s", tenant=tenant,
