@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.key_ids import KeyDirectory, SuspectKeyIds
+from services.peers import peer_network
 from tenants.keys import fingerprint, parse_key_id
 from tenants.ratelimit import ExpiringSet, WindowLimiter
 
@@ -25,9 +26,13 @@ _PEER_CHECKS_IN_FLIGHT = 4
 
 
 def _peer_host(context: grpc.aio.ServicerContext) -> str:
-    """The client's address without its port (``ipv4:10.0.0.1:53412`` -> ``ipv4:10.0.0.1``)."""
-    peer = context.peer() or ""
-    return peer.rpartition(":")[0] or peer
+    """The client network the failure limits count under (``services.peers.peer_network``: an
+    IPv4 address, an IPv6 /64).
+
+    Regression: the limits keyed on the whole address, so a client rotating through the IPv6
+    addresses of its /64 (2^64 of them, one host's usual share) had each address's allowance of
+    wrong secrets per key id and of checks of unknown key ids anew."""
+    return peer_network(context.peer() or "")
 
 
 _REFUSALS = {"tenant": "missing or unknown API key", "admin": "this call needs the admin key"}

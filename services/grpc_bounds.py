@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import ipaddress
 import logging
 import resource
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +38,7 @@ from services.grpc_messages import (
     MAX_GENERATE_REQUEST_BYTES,
     channel_options,
 )
+from services.peers import peer_network
 
 log = logging.getLogger(__name__)
 
@@ -154,28 +153,6 @@ class GrpcLimits:
             ("grpc.max_allowed_incoming_connections", self.connection_cap(nofile)),
             *channel_options(self.max_message_bytes),
         ]
-
-
-def peer_network(peer: str) -> str:
-    """The client network a gRPC peer string counts under: its IPv4 address (an IPv4-mapped
-    IPv6 address counts as its IPv4 one), its IPv6 /64 (one host commonly holds a whole /64),
-    the string itself otherwise (``unix:``, unparsable).
-
-    Regression (review of ddf59ab, R4): grpc writes an IPv6 peer percent-encoded
-    (``ipv6:%5B::1%5D:47808``), which was not decoded: each IPv6 connection, port included,
-    counted as a network of its own, and one host filled the gateway-wide caps."""
-    kind, _, rest = urllib.parse.unquote(peer).partition(":")
-    host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else ""
-    host = host.strip("[]").split("%", 1)[0]
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return peer
-    if address.version == 6 and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.version == 6:
-        return f"ipv6:{ipaddress.ip_network(f'{address}/64', strict=False)}"
-    return f"ipv4:{address}"
 
 
 async def _refuse_busy(context: Any, message: str) -> None:

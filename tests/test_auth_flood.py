@@ -502,3 +502,54 @@ def test_the_http_api_refuses_through_the_same_limits() -> None:
     assert len(scheduler.calls) == statuses.count(401) == _PEER_CHECKS
     assert statuses[_PEER_CHECKS:] == [429] * (200 - _PEER_CHECKS)
     assert all("retry-after" in {k.lower() for k in headers} for status, headers in answers if status == 429)
+
+
+class _Ctx6(_Ctx):
+    """A call from an IPv6 address, its peer written as grpc writes it (percent-encoded)."""
+
+    def peer(self) -> str:
+        return f"ipv6:%5B{self.host}%5D:4242"
+
+
+def test_rotating_ipv6_addresses_of_one_network_share_its_failure_limits(no_key_cache) -> None:
+    """Regression: the failure limits keyed on the whole client address, so a client rotating
+    through the addresses of its IPv6 /64 had every allowance anew: wrong secrets for a known key
+    id were checked without end, and each new address spent another ``failures_per_peer``
+    scheduler checks of unknown key ids (2000 calls for 2000 keys). Now one /64 is one client
+    network: another /64, and ann's own key from the attacked /64, are unaffected."""
+    ann_key = new_api_key()
+    ann = _tenant("ann")
+    scheduler = _CountingScheduler({ann_key: ann})
+    auth = Authenticator(scheduler)
+    attacker = [f"2001:db8:7:7::{i:x}" for i in range(1, 2001)]
+
+    async def run() -> tuple[list[grpc.StatusCode], Counter, list[grpc.StatusCode]]:
+        assert await auth.tenant(_Ctx6(ann_key, "2001:db8:1:1::1")) is ann
+        wrong = [await _code(auth.tenant, _Ctx6(_wrong_secret(ann_key), host)) for host in attacker[:100]]
+        unknown = Counter([await _code(auth.tenant, _Ctx6(new_api_key(), host)) for host in attacker])
+        after = [await _code(auth.tenant, _Ctx6(ann_key, "2001:db8:7:7::ffff")),
+                 await _code(auth.tenant, _Ctx6(_wrong_secret(ann_key), "2001:db8:1:2::1"))]
+        return wrong, unknown, after
+
+    wrong, unknown, after = asyncio.run(run())
+    flood_calls = [k for k in scheduler.calls if k != ann_key]
+
+    limit = auth.failures_per_peer_key
+    assert wrong[:limit] == [grpc.StatusCode.UNAUTHENTICATED] * limit
+    assert set(wrong[limit:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # 100 UNAUTHENTICATED before
+    assert len(flood_calls) <= _PEER_CHECKS  # 2000 before
+    assert unknown[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 2000 - _PEER_CHECKS
+    assert after == [grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED]  # another /64: its own limit
+
+
+def test_http_clients_are_counted_under_the_networks_grpc_peers_are() -> None:
+    """The HTTP API's calls reach the authenticator with the client's address in gRPC's peer
+    form, an IPv6 one bracketed, so both front ends count a client under one network."""
+    from services.peers import grpc_peer, peer_network
+
+    assert grpc_peer("203.0.113.9", 5000) == "ipv4:203.0.113.9:5000"
+    assert grpc_peer("2001:db8:7:7::1", 5000) == "ipv6:[2001:db8:7:7::1]:5000"
+    assert peer_network(grpc_peer("2001:db8:7:7::1", 5000)) == peer_network("ipv6:%5B2001:db8:7:7::9%5D:1") \
+        == "ipv6:2001:db8:7:7::/64"
+    assert peer_network(grpc_peer("::ffff:203.0.113.9", 1)) == peer_network("ipv4:203.0.113.9:2") == "ipv4:203.0.113.9"
+    assert grpc_peer("/run/kvstrata.sock", 0) == "unix:/run/kvstrata.sock"

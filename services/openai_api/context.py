@@ -46,6 +46,8 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from services.peers import grpc_peer
+
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
@@ -195,7 +197,7 @@ class HttpCallContext:
     def __init__(self, request: Request) -> None:
         self._authorization = request.headers.get("authorization", "")
         client = request.client
-        self._peer = f"ipv4:{client.host}:{client.port}" if client is not None else ""
+        self._peer = grpc_peer(client.host, client.port) if client is not None else ""
         self._retry_after_ms: int | None = None
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
