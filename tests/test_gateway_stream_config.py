@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -451,12 +452,25 @@ def test_a_real_grpc_client_that_stops_reading_gets_resource_exhausted() -> None
     asyncio.run(run())
 
 
-def test_a_real_http_client_that_stops_reading_has_its_stream_ended() -> None:
+class _Records(logging.Handler):
+    """The log records at ``level`` or above that reach the logger it is added to."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_real_http_client_that_stops_reading_has_its_stream_ended(protocol: str) -> None:
     """End to end over the real HTTP server (uvicorn): a client posts a streamed completion,
     reads the first bytes and then nothing (a 4 KiB receive buffer) while 16 MiB of deltas
     arrive, then more, whose writes uvicorn holds (its buffer full). At the idle timeout the request is aborted
     on its node, the tenant's stream is free, and the server closes the connection after what it
-    held: the response ends unfinished (no finish reason, no ``[DONE]``)."""
+    held: the response ends unfinished (no finish reason, no ``[DONE]``). Nothing is logged as an
+    error: the end is the gateway's, counted in ``idle_ends`` (regression: uvicorn logged
+    "ASGI callable returned without completing response" at ERROR for each such stream)."""
 
     async def run() -> None:
         gw = await Gateway().start(StreamLimits(max_undelivered_bytes=1 << 30, idle_timeout_s=10.0))
@@ -464,6 +478,8 @@ def test_a_real_http_client_that_stops_reading_has_its_stream_ended() -> None:
         edge = OpenAIEdge(gw.servicer, "tiny", lambda text: [1, 2, 3], lambda: 1)
         http = HttpServer(create_app(edge))
         port = await http.start("127.0.0.1", 0)
+        errors = _Records(logging.ERROR)
+        logging.getLogger("uvicorn.error").addHandler(errors)  # uvicorn's loggers do not reach the root
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))
@@ -488,7 +504,9 @@ def test_a_real_http_client_that_stops_reading_has_its_stream_ended() -> None:
             tail = b"".join(received)[-200:]  # what uvicorn held went out; the response is unfinished
             assert b"[DONE]" not in tail and b"finish_reason\":\"" not in tail
             assert tail.endswith(b"}\n\n\r\n")  # a whole chunk, then no last (empty) chunk
+            assert [r.getMessage() for r in errors.records] == []
         finally:
+            logging.getLogger("uvicorn.error").removeHandler(errors)
             sock.close()
             await http.stop()
             gw.plane.close()

@@ -213,7 +213,7 @@ class _Guarded:
             return
         super().connection_made(transport)  # type: ignore[misc]
         self._started = True
-        self.app = _marking(self.app, self._authenticated)  # type: ignore[has-type]
+        self.app = _marking(self.app, self._authenticated, self._end_unfinished)  # type: ignore[has-type]
         self._await("head")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -231,6 +231,15 @@ class _Guarded:
     def _authenticated(self) -> None:
         if self._admitted:
             self.guard.authenticated(self)
+
+    def _end_unfinished(self) -> None:
+        """``end_unfinished``: the response under way stays unfinished; uvicorn's request cycle
+        counts its client as gone (so it neither logs the response as broken nor writes more) and
+        the connection closes once its held bytes are written."""
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None:
+            cycle.disconnected = True
+        self.transport.close()
 
     def sheddable(self) -> bool:
         """Receiving a request (its head or body), or idle between requests (kept alive), with
@@ -317,13 +326,29 @@ AUTHENTICATED = "kvstrata.authenticated"
 valid API key (``authenticated``)."""
 
 
-def _marking(app: Any, mark: Callable[[], None]) -> Any:
-    """``app`` with ``mark`` in each request's scope (``AUTHENTICATED``)."""
+END_UNFINISHED = "kvstrata.end_unfinished"
+"""A request scope's key for its connection's ``_Guarded._end_unfinished``."""
+
+
+def _marking(app: Any, mark: Callable[[], None], end_unfinished: Callable[[], None]) -> Any:
+    """``app`` with ``mark`` (``AUTHENTICATED``) and ``end_unfinished`` (``END_UNFINISHED``) in
+    each request's scope."""
 
     async def marked(scope: Any, receive: Any, send: Any) -> None:
         scope[AUTHENTICATED] = mark
+        scope[END_UNFINISHED] = end_unfinished
         await app(scope, receive, send)
     return marked
+
+
+def end_unfinished(scope: Any) -> None:
+    """The app ends the response of ``scope`` unfinished, on purpose, and returns: its connection,
+    when served by a guarded protocol, is closed after what its transport holds, as uvicorn closes
+    it for an app that returns mid-response, but without uvicorn's ERROR log ("ASGI callable
+    returned without completing response"), which is for a broken app."""
+    end = scope.get(END_UNFINISHED)
+    if end is not None:
+        end()
 
 
 def authenticated(scope: Any) -> None:

@@ -17,6 +17,7 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import StreamWriter
+from services.openai_api.connections import end_unfinished
 from services.openai_api.context import CallAborted
 from services.openai_api.errors import _gone
 from services.openai_api.responses import Generation, sse
@@ -69,8 +70,10 @@ class _ClosingStream(StreamingResponse):
     ``writer`` (the task running this response) is stopped when the client takes none of the
     stream's waiting events for the gateway's ``stream_idle_timeout_s``
     (``InferenceServicer.generate``): the response ends there, unfinished (the client, which
-    reads nothing, could not take a last event either), and the server closes the connection.
-    Regression (secrev18 B residue): such a response was never ended."""
+    reads nothing, could not take a last event either), and the server closes the connection
+    (``end_unfinished``). Regression (secrev18 B residue): such a response was never ended.
+    Regression: uvicorn logged each such end at ERROR ("ASGI callable returned without
+    completing response")."""
 
     def __init__(self, *args: Any, writer: StreamWriter, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -82,6 +85,7 @@ class _ClosingStream(StreamingResponse):
         except asyncio.CancelledError:
             if not self.writer.withdraw():
                 raise
+            end_unfinished(scope)
         finally:
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
