@@ -49,6 +49,7 @@ from services.data_plane_replies import (  # noqa: F401 - re-exported
     status_names,
 )
 from services.data_plane_wire import (  # noqa: F401 - re-exported
+    FINISH_REASONS,
     MAX_COUNT,
     MAX_ID_CHARS,
     MAX_NAME_CHARS,

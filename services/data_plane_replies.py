@@ -16,7 +16,9 @@ import math
 from collections.abc import Collection
 from typing import Any
 
+from services.block_index import TIERS
 from services.data_plane_wire import (
+    FINISH_REASONS,
     MAX_COUNT,
     MAX_ID_CHARS,
     MAX_NAME_CHARS,
@@ -66,9 +68,10 @@ _EVENT_TIMES = ("queue_ms", "ttft_ms", "tpot_ms", "prefill_tokens_per_s", "step_
 def check_event(event: Any) -> dict[str, Any]:
     """``event`` (a node event as in ``services.node_request``) checked: its type's fields
     with their types, and their values: counts, token ids and ``cached_tokens`` in
-    [0, ``MAX_COUNT``], times finite and >= 0, ``priority`` in range, ids and names bounded,
-    an error's ``code`` a gRPC status name other than OK. Returns it (an error's ``message``
-    cut to ``MAX_TEXT_CHARS``).
+    [0, ``MAX_COUNT``], times finite and >= 0, ``priority`` in range, ids bounded, tier names
+    in ``TIERS`` and a ``finish_reason`` in ``FINISH_REASONS`` (both become metric labels or
+    API values), an error's ``code`` a gRPC status name other than OK. Returns it (an error's
+    ``message`` cut to ``MAX_TEXT_CHARS``).
 
     Raises:
         TypeError, ValueError: naming the bad field.
@@ -76,6 +79,9 @@ def check_event(event: Any) -> dict[str, Any]:
     Regression (security review D): only types were checked: a negative count or token id
     failed later, in the stream's protobuf (uint32) or metrics counter, and one bad event
     dropped its whole message, leaving every stream in it waiting for events that never came.
+    Regression: any ``finish_reason`` of up to 64 characters passed, a new metric series per
+    value (``kvstrata:request_success_total{finished_reason}``) and the OpenAI API's value; an
+    unknown tier in ``cached_tokens`` passed here and failed the scheduler's usage record.
     """
     _check_type("event", event, dict)
     schema = _EVENT_FIELDS.get(event.get("type"))
@@ -94,8 +100,8 @@ def check_event(event: Any) -> dict[str, Any]:
     cached = event.get("cached_tokens", {})
     if not all(isinstance(k, str) and type(v) is int for k, v in cached.items()):
         raise TypeError("event.cached_tokens must map tier names to integers")
-    if len(cached) > 16 or not all(len(k) <= MAX_NAME_CHARS and 0 <= v <= MAX_COUNT for k, v in cached.items()):
-        raise ValueError(f"event.cached_tokens must map at most 16 tier names to counts in [0, {MAX_COUNT}]")
+    if not all(k in TIERS and 0 <= v <= MAX_COUNT for k, v in cached.items()):
+        raise ValueError(f"event.cached_tokens must map tier names of {TIERS} to counts in [0, {MAX_COUNT}]")
     for name in _EVENT_COUNTS:
         if name in event:
             _check_range(f"event.{name}", event[name], 0, MAX_COUNT)
@@ -109,8 +115,9 @@ def check_event(event: Any) -> dict[str, Any]:
     for name in ("request_id", "node_id"):
         if name in event:
             _check_len(f"event.{name}", event[name], MAX_ID_CHARS)
-    if isinstance(event.get("finish_reason"), str):
-        _check_len("event.finish_reason", event["finish_reason"], MAX_NAME_CHARS)
+    if event.get("finish_reason") is not None and event["finish_reason"] not in FINISH_REASONS:
+        raise ValueError(f"event.finish_reason must be one of {FINISH_REASONS}, got "
+                         f"{event['finish_reason'][:MAX_NAME_CHARS]!r}")
     if event["type"] == "error":
         if event["code"] not in status_names() or event["code"] == "OK":
             raise ValueError(f"event.code must be a gRPC status name other than OK, got {event['code']!r}")

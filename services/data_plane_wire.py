@@ -29,6 +29,10 @@ MAX_TEXT_CHARS = 4096
 cut: it becomes a gRPC status' details, which the client's metadata limit bounds."""
 MAX_NAME_CHARS = 64
 """Longest ``finish_reason``, admission ``reason`` or tier name in ``cached_tokens``."""
+FINISH_REASONS = ("stop", "length", "abort")
+"""The ``finish_reason`` of a node's ``finished`` event (``LLMEngine``'s finishes other than
+"error" and "rejected", which a node sends as ``error`` events): a metric label and the OpenAI
+API's ``finish_reason``, so no other value passes the wire."""
 MAX_ID_CHARS = 1024
 """Longest request id or tenant id on the wire (the gateway's scoped ids are far shorter)."""
 

@@ -132,6 +132,9 @@ BAD_EVENTS = {
     "completion_tokens -1": {**FINISHED, "completion_tokens": -1},
     "ttft_ms inf": {**FINISHED, "ttft_ms": math.inf},
     "cached_tokens -1": {**FINISHED, "cached_tokens": {"device": -1}},
+    "cached_tokens of an unknown tier": {**FINISHED, "cached_tokens": {"gpu9": 3}},
+    "a made-up finish_reason": {**FINISHED, "finish_reason": "x" * 40},
+    "finish_reason error": {**FINISHED, "finish_reason": "error"},
     "error code OK": {"type": "error", "code": "OK", "message": "fine"},
 }
 
@@ -189,3 +192,20 @@ def test_every_reason_the_scheduler_gives_is_one_the_gateway_accepts() -> None:
     for path in Path("services").glob("global_scheduler*.py"):
         named |= set(re.findall(r'reason="([a-z_]+)"', path.read_text()))
     assert named and named <= set(REJECT_REASONS), named - set(REJECT_REASONS)
+
+
+def test_every_finish_reason_a_node_sends_is_one_the_gateway_accepts() -> None:
+    """``check_event`` refuses a ``finish_reason`` outside ``FINISH_REASONS`` (a metric label
+    and the OpenAI API's value): every finish the engine's code names (``_finish(seq, ...)``,
+    ``_stop_reason``'s returns, ``abort_request``'s reasons), but the two a node sends as
+    ``error`` events, must be in it; and every tier a node counts cached tokens in in ``TIERS``."""
+    from cache_node.tiers.manager import TIERS as NODE_TIERS
+    from services.block_index import TIERS
+
+    pattern = r'_finish\(seq, "([a-z_]+)"|reason(?:: str)? ?= ?"([a-z_]+)"|return "([a-z_]+)"'
+    named = set()
+    for path in [*Path("cache_node").glob("engine*.py"), Path("services/cache_node_streams.py")]:
+        named |= {name for match in re.findall(pattern, path.read_text()) for name in match if name}
+    assert {"stop", "length", "abort", "error"} <= named
+    assert named - {"error", "rejected"} <= set(data_plane.FINISH_REASONS)
+    assert set(NODE_TIERS) == set(TIERS)
