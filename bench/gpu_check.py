@@ -7,7 +7,9 @@ budget; the whole run stays under ``BUDGET_S``):
 1. ``pytest -m gpu tests`` (JUnit XML kept; test modules that need a module the GPU machine
    lacks, ``OPTIONAL_MODULES``, are skipped at collection by ``tests/conftest.py``);
 2. ``bench.engine --device cuda --model-shape llama-3.1-8b --quick``;
-3. ``bench.tiers --device cuda --quick``.
+3. ``bench.tiers --device cuda --quick``;
+4. only when step 2 crashed (printed no JSON) and time is left: step 2 again without fused
+   kernels and prefill graphs (``engine_safe``), so one broken part costs not every figure.
 
 Everything lands in ``$OUT`` (default ``./gpu-check-out``): ``gpu-check.log`` (every step's
 output), ``<step>.log``, ``pytest-gpu.xml``, ``engine.json``, ``tiers.json`` and
@@ -51,6 +53,20 @@ def steps(out: Path) -> list[Step]:
                         "--quick"), 180.0, "engine.json"),
         Step("tiers", (py, "-m", "bench.tiers", "--device", "cuda", "--quick"), 90.0, "tiers.json"),
     ]
+
+
+SAFE_ENGINE_ARGS = ("--fused-kernels", "0", "--prefill-graph-max-tokens", "0")
+"""The engine step again without the parts first run on the device in this check (fused Triton
+kernels, prefill CUDA graphs): ``engine_safe``, run only when the engine step printed no JSON
+(a crash) and ``SAFE_ENGINE_MIN_S`` of the budget are left, so one broken part does not cost
+the run every engine figure."""
+SAFE_ENGINE_MIN_S = 100.0
+
+
+def safe_engine_step(plan: list[Step]) -> Step:
+    """``plan``'s engine step with ``SAFE_ENGINE_ARGS``, its JSON saved as ``engine-safe.json``."""
+    engine = next(s for s in plan if s.name == "engine")
+    return Step("engine_safe", engine.argv + SAFE_ENGINE_ARGS, engine.timeout_s, "engine-safe.json")
 
 
 @dataclass
@@ -112,19 +128,23 @@ def junit_counts(path: Path) -> dict[str, int]:
 
 
 def summarize(results: dict[str, StepResult], tests: dict[str, int], engine: dict[str, Any] | None,
-              tiers: dict[str, Any] | None, seconds: float) -> dict[str, Any]:
-    """The final summary line (pure: tested on the CPU)."""
+              tiers: dict[str, Any] | None, seconds: float,
+              engine_safe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The final summary line (pure: tested on the CPU). ``engine_safe``: the engine step's
+    rerun without fused kernels and prefill graphs, when the engine step crashed; its figures
+    and targets are reported under ``engine_safe``, and ``ok`` stays false (a step failed)."""
     targets: dict[str, bool] = {}
-    for name, res in (("engine", engine), ("tiers", tiers)):
+    for name, res in (("engine", engine), ("tiers", tiers), ("engine_safe", engine_safe)):
         for key, met in ((res or {}).get("targets_met") or {}).items():
             targets[f"{name}.{key}"] = bool(met)
     figures: dict[str, Any] = {}
-    if engine:
-        figures["engine"] = {k: engine.get(k) for k in (
-            "tokens_per_s", "speedup_vs_hf_continuous_batching", "prefix_hit_ttft_ratio",
-            "prefix_hit_ttft_ratio_eager", "prefix_cold_ttft_s", "prefix_hit_ttft_s", "roofline_fraction",
-            "all_full_length", "prompt_tokens", "errors")}
-        figures["engine"]["single_stream"] = engine.get("single_stream")
+    for name, res in (("engine", engine), ("engine_safe", engine_safe)):
+        if res:
+            figures[name] = {k: res.get(k) for k in (
+                "tokens_per_s", "speedup_vs_hf_continuous_batching", "prefix_hit_ttft_ratio",
+                "prefix_hit_ttft_ratio_eager", "prefix_cold_ttft_s", "prefix_hit_ttft_s", "roofline_fraction",
+                "all_full_length", "prompt_tokens", "errors")}
+            figures[name]["single_stream"] = res.get("single_stream")
     if tiers:
         figures["tiers"] = {k: tiers.get(k) for k in (
             "restore_gbps", "pinned_memcpy_gbps", "restore_over_memcpy", "decode_with_over_without")}
@@ -136,7 +156,8 @@ def summarize(results: dict[str, StepResult], tests: dict[str, int], engine: dic
         "steps": {n: {"rc": r.rc, "timed_out": r.timed_out, "seconds": round(r.seconds, 1)}
                   for n, r in results.items()},
         "figures": figures, "targets_met": targets,
-        "all_targets_met": bool(targets) and all(targets.values()) and engine is not None and tiers is not None,
+        "all_targets_met": (bool(targets) and all(targets.values()) and engine is not None and tiers is not None
+                            and engine_safe is None),
     }
 
 
@@ -174,8 +195,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     env, t0, results = _env(root), time.monotonic(), {}
     with open(out / "gpu-check.log", "w") as log:
-        for step in steps(out):
+        plan = steps(out)
+        for step in [*plan, safe_engine_step(plan)]:
             left = BUDGET_S - (time.monotonic() - t0) - 5
+            if step.name == "engine_safe" and (last_json(results["engine"].output) is not None
+                                               or left < SAFE_ENGINE_MIN_S):
+                continue
             res = run_step(step, min(step.timeout_s, left), env, out / f"{step.name}.log", root)
             results[step.name] = res
             log.write(f"==== {step.name}: rc={res.rc} {res.seconds:.1f}s: {' '.join(step.argv)}\n{res.output}\n")
@@ -184,7 +209,8 @@ def main() -> int:
                 (out / step.json_out).write_text(json.dumps(value, indent=1, sort_keys=True))
     engine = last_json(results["engine"].output)
     tiers = last_json(results["tiers"].output)
-    summary = summarize(results, junit_counts(out / "pytest-gpu.xml"), engine, tiers, time.monotonic() - t0)
+    safe = last_json(results["engine_safe"].output) if "engine_safe" in results else None
+    summary = summarize(results, junit_counts(out / "pytest-gpu.xml"), engine, tiers, time.monotonic() - t0, safe)
     summary["machine"] = machine()
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     print(json.dumps(summary, sort_keys=True), flush=True)

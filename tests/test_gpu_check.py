@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_carry
-from bench.gpu_check import StepResult, junit_counts, last_json, steps, summarize
+from bench.gpu_check import (
+    SAFE_ENGINE_ARGS,
+    StepResult,
+    junit_counts,
+    last_json,
+    safe_engine_step,
+    steps,
+    summarize,
+)
 from tests.conftest import OPTIONAL_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +127,10 @@ def test_summary_counts_tests_and_merges_targets(tmp_path: Path) -> None:
     assert summarize(ok, tests, engine, tiers, 1.0)["ok"] is True
     assert summarize(ok, tests, engine, tiers | {"errors": {"decode": "RuntimeError: x"}}, 1.0)["ok"] is False
     assert json.loads(json.dumps(s)) == s  # one JSON line
+    crashed = ok | {"engine": StepResult(1, 30.0, "Traceback"), "engine_safe": StepResult(0, 100.0, "")}
+    s = summarize(crashed, tests, None, tiers, 300.0, engine | {"targets_met": {"a": True}})
+    assert s["ok"] is False and s["targets_met"] == {"tiers.c": True, "engine_safe.a": True}
+    assert s["all_targets_met"] is False and s["figures"]["engine_safe"]["tokens_per_s"] == {}
 
 
 def test_gpu_check_steps_fit_the_budget(tmp_path: Path) -> None:
@@ -128,6 +140,8 @@ def test_gpu_check_steps_fit_the_budget(tmp_path: Path) -> None:
     assert [s.name for s in plan] == ["pytest", "engine", "tiers"]
     assert sum(s.timeout_s for s in plan) <= BUDGET_S < 480
     assert "--device" in plan[1].argv and "cuda" in plan[2].argv
+    safe = safe_engine_step(plan)
+    assert safe.argv[:len(plan[1].argv)] == plan[1].argv and safe.argv[-4:] == SAFE_ENGINE_ARGS
 
 
 @pytest.mark.slow
