@@ -91,3 +91,44 @@ def test_sentencekv_tenants_without_a_host_tier_all_finish(tiny: LoadedModel, se
                                                            for s in eng.requests.values() if not s.is_finished}))
     assert set(finished) == {r["id"] for r in reqs}
     eng.wait_for_transfers()
+
+
+# review 23c G1 (fuzz seed 77): tenant B's r4 outgrows a 10-block pool once its sentences are
+# demoted (charged to the pool, no host tier); tenant A's r5 arrives 3 steps later.
+_R4 = [63, 180, 480, 272, 29, 425, 432, 396, 499, 207, 385, 299, 485, 311, 272, 127, 113, 294, 242, 207, 378, 71,
+       394, 412, 197, 7, 485, 18, 27, 254, 324, 21, 382, 184, 390, 222, 61, 132, 259, 464, 289, 353, 251, 29, 334,
+       242, 422, 355, 336, 49, 76, 153, 272, 48, 9, 432, 249, 469, 181, 473, 418, 385, 213, 295, 1, 32, 407, 247, 75,
+       390, 425, 388, 464, 14, 359, 5, 123, 46, 342, 474, 239, 59, 443, 200, 499, 244, 53, 453, 438, 70, 123, 134,
+       108, 396, 429, 45, 83, 85, 77, 13, 495, 330, 220, 98, 258, 257, 181, 402, 330, 110, 131, 182, 408, 116, 481,
+       81, 177, 344, 75, 426, 136, 270]
+_R5 = [167, 102, 124, 99, 422, 482, 59, 150, 244, 488, 286, 314, 122, 75, 285, 323, 339, 257, 2, 436, 144, 15, 428,
+       491, 255, 89, 406, 417, 98, 260, 428, 199, 94, 170, 165, 61, 45, 283, 399, 134, 274, 241, 105, 116, 99, 37, 42,
+       433, 413, 442, 278, 183, 243, 251, 469, 196, 458, 87, 198, 199, 445, 284, 220, 314, 385, 134, 13, 496, 305,
+       157, 485, 146, 225, 262, 446, 227, 349]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_request_outgrowing_the_pool_beside_another_is_cut_short_not_ping_ponged(tiny: LoadedModel,
+                                                                                   scheduler: str) -> None:
+    """Regression (review 23c, G1): under fcfs and priority, r4 (needing its next slot, the pool
+    full of its own demoted sentences) preempted r5, then itself; both were readmitted and did
+    it again: 249 preemptions each in 2,000 steps and r5, another tenant's, never got a token.
+    Alone r4 is cut short at 1 token in 10 steps. Now, left alone by its preemptions, it takes
+    the alone path: cut short, and r5 finishes."""
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=10 * _block_bytes(tiny), max_num_batched_tokens=16,
+                       max_num_seqs=4, scheduling_policy=scheduler)
+    eng = LLMEngine(tiny.model, cfg, tiny.model_id, tiny.eos_token_ids)
+    eng.add_request(_R4, SamplingParams(max_tokens=10, ignore_eos=True), request_id="r4", tenant="B",
+                    cache_namespace="B", policy="sentencekv")
+    done = {}
+    for step in range(200):
+        if step == 3:
+            eng.add_request(_R5, SamplingParams(max_tokens=19, ignore_eos=True), request_id="r5", tenant="A",
+                            cache_namespace="A", policy="sentencekv")
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+        eng.check_integrity()
+        if step >= 3 and not eng.has_unfinished_requests():
+            break
+    assert set(done) == {"r4", "r5"}, {s.request_id: s.num_preemptions for s in eng.requests.values()}
+    assert done["r4"].policy_stats.get("cut_short") == 1.0
+    assert len(done["r5"].output_token_ids) == 19 and done["r5"].finish_reason == "length"

@@ -345,18 +345,32 @@ class Preemption:
         Regression (hangs review H1): such a sequence preempted itself, was readmitted (its
         prompt fits) and preempted itself again at the same point, every step, forever: a
         SentenceKV request on a node without a host tier, whose demoted sentences are charged
-        to the pool, past what the admission bound counts.
+        to the pool, past what the admission bound counts. Regression (review 23c, G1): the
+        same when another request ran beside it: under fcfs and priority it preempted that one
+        (another tenant's), then itself, both were readmitted, and so on for ever (249
+        preemptions each in 2,000 steps, the other tenant's request never got a token). A
+        sequence left alone by its preemptions now takes the alone path.
         """
-        if self.kv_manager.allocate_slots(seq, n) is not None:
+        got = False
+
+        def ready() -> bool:  # allocates once
+            nonlocal got
+            got = got or self.kv_manager.allocate_slots(seq, n) is not None
+            return got
+
+        if ready():
             return True
-        if self.running == [seq]:
-            if self._free_held_elsewhere(seq, lambda: self.kv_manager.allocate_slots(seq, n) is not None):
+        if self.running != [seq]:
+            if not self._preempt_until(seq, batch, lambda: ready() or self.running == [seq]):
+                return False  # the policy's victim while others ran: it waits for them
+            if got:
                 return True
-            self.running.remove(seq)
-            self.kv_manager.free(seq)
-            self.rejected.append(seq)
-            return False
-        return self._preempt_until(seq, batch, lambda: self.kv_manager.allocate_slots(seq, n) is not None)
+        if self._free_held_elsewhere(seq, ready):  # alone now
+            return True
+        self.running.remove(seq)
+        self.kv_manager.free(seq)
+        self.rejected.append(seq)
+        return False
 
     def preempt(self, seq: Sequence) -> None:
         """Free the blocks (demoting them when swapping is cheaper) and re-queue at the front."""
