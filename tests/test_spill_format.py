@@ -104,6 +104,44 @@ def test_write_rejects_mismatched_blocks(tmp_path: Path) -> None:
         write_group(tmp_path / "x.kvs", [block_hash(0)], make_blocks(2), "ns", FMT)
 
 
+class _ShortReads:
+    """An unbuffered file whose every read returns at most 7 bytes, as a read past 2 GiB - 4 KiB
+    does on Linux (one ``read`` never returns more)."""
+
+    def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
+        self.f = f
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def readinto(self, view) -> int:  # type: ignore[no-untyped-def]
+        return self.f.readinto(memoryview(view)[:7])
+
+    def read(self, n: int) -> bytes:
+        return self.f.read(min(n, 7))
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.f, name)
+
+
+def test_short_reads_are_read_on_not_taken_for_truncation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review 23a, F1): one ``readinto`` of a run of blocks returning fewer bytes
+    than asked was taken for a truncated file, so any run over 2 GiB (Linux's most per read)
+    of a sound file raised SpillCorruptError and the store quarantined the file. Reads go on
+    until the run is whole; a real truncation is still refused."""
+    path, hashes, blocks = write_four(tmp_path)
+    real_open = open
+    monkeypatch.setattr(spill_format, "open", lambda *a, **k: _ShortReads(real_open(*a, **k)), raising=False)
+    assert read_header(path).block_hashes == tuple(hashes)
+    assert read_blocks(path, FMT, hashes).tobytes() == blocks.tobytes()
+    os.truncate(path, path.stat().st_size - 1)
+    with pytest.raises(SpillCorruptError):
+        read_blocks(path, FMT, hashes)
+
+
 def test_truncated_file_raises_corrupt(tmp_path: Path) -> None:
     """Fault: a file cut short (crash, full disk) must not be read as blocks."""
     path, hashes, _ = write_four(tmp_path)

@@ -208,7 +208,7 @@ def _read_run(
 ) -> None:
     f.seek(header.payload_offset + index * fmt.block_nbytes)
     view = out.view(np.uint8).reshape(-1).data
-    if f.readinto(view) != len(view):
+    if _read_fully(f, view) != len(view):
         raise SpillCorruptError(f"{path}: truncated in blocks {index}..{index + len(out) - 1}")
     for k in range(len(out)):
         block = view[k * fmt.block_nbytes : (k + 1) * fmt.block_nbytes]
@@ -248,14 +248,37 @@ def _pack_header(
     )
 
 
+def _read_fully(f: Any, view: memoryview) -> int:
+    """Read from unbuffered ``f`` into ``view`` until it is full or the file ends; the bytes
+    read. One ``readinto`` may return fewer bytes than asked without the file ending (Linux
+    returns at most 2 GiB - 4 KiB per read): only a read of 0 bytes is the end.
+
+    Regression (review 23a, F1): a run of blocks over 2 GiB (40 MiB blocks of a 70B-shaped pool,
+    52 in a row) always came back short, so a sound group file was reported corrupt,
+    quarantined and its blocks dropped."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return done
+
+
+def _read_exact(f: Any, n: int) -> bytes:
+    """``n`` bytes from unbuffered ``f`` (fewer only where the file ends: ``_read_fully``)."""
+    buf = bytearray(n)
+    return bytes(buf[: _read_fully(f, memoryview(buf))])
+
+
 def _read_header(f: Any, path: Path) -> GroupHeader:
-    prefix = f.read(_PREFIX.size)
+    prefix = _read_exact(f, _PREFIX.size)
     if len(prefix) != _PREFIX.size:
         raise SpillCorruptError(f"{path}: truncated before the header")
     magic, header_len, digest = _PREFIX.unpack(prefix)
     if magic != _MAGIC or header_len > MAX_HEADER_BYTES:
         raise SpillCorruptError(f"{path}: bad magic or header length {header_len}")
-    raw = f.read(header_len)
+    raw = _read_exact(f, header_len)
     if len(raw) != header_len or xxhash.xxh3_128_digest(raw) != digest:
         raise SpillCorruptError(f"{path}: header truncated or digest mismatch")
     header = _decode_header(raw, _PREFIX.size + header_len, path)
