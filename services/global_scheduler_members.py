@@ -37,10 +37,30 @@ class Membership:
 
         Args:
             inboxes: node id -> ZeroMQ address.
-            sender: has ``send(address, message)``; default ``data_plane.PushSockets``.
+            sender: has ``send(address, message)``, and ``forget(address)`` when it keeps a
+                socket per address; default ``data_plane.PushSockets``. Attaching again keeps
+                the sender in use (or closes it for a new ``sender``) and forgets the
+                addresses no longer attached.
         """
+        if sender is None and self.commands is not None:
+            for address in set(self.node_inboxes.values()) - set(inboxes.values()):
+                self._forget_inbox(address)
+        else:
+            if self.commands is not None and hasattr(self.commands, "close"):
+                self.commands.close()
+            self.commands = sender or data_plane.PushSockets(secure_push(self.security, "node"))
         self.node_inboxes = dict(inboxes)
-        self.commands = sender or data_plane.PushSockets(secure_push(self.security, "node"))
+
+    def _forget_inbox(self, address: str) -> None:
+        """Close the command socket to ``address``, a node inbox no longer in use (its process
+        is gone): what it still queued for that process is dropped.
+
+        Regression (review 23b F1): a restarted node's old inbox kept its PUSH socket for the
+        life of the scheduler, reconnecting to the dead port every 100 ms with the commands
+        queued since the node died; one more socket per restart, without bound."""
+        forget = getattr(self.commands, "forget", None)
+        if forget is not None:
+            forget(address)
 
     # ---- gateways: where a restarted one serves again, and a dead one's requests -------------
     def gateway_address(self, gateway_id: str) -> str:
@@ -105,7 +125,8 @@ class Membership:
 
     def node_up(self, node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0,
                 restarts: int = -1, previous_restarts: int = -1) -> None:
-        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart).
+        """Route to ``node_id`` again; its command inbox is now ``inbox`` (new after a restart:
+        the socket to the old one is closed).
         The process is told by ``pid`` (0: unknown, taken as a new process) and Ray's count of
         the actor's ``restarts`` (-1: unknown); ``previous_pid``/``previous_restarts``: those
         the caller knew it by, for a node no ``node_up`` reported yet. From a new process (its
@@ -137,5 +158,8 @@ class Membership:
             for sid, (tenant_id, turns) in closed.items():
                 self.commands.send(inbox, {"op": "close_session", "session": sid, "tenant": tenant_id,
                                            "turns": turns})
+        previous = self.node_inboxes.get(node_id)
+        if previous is not None and previous != inbox:
+            self._forget_inbox(previous)
         self.node_inboxes[node_id] = inbox
         self.down.pop(node_id, None)
