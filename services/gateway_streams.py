@@ -115,6 +115,7 @@ class NodeStreams:
         self._opened_at: dict[str, int] = {}  # request id -> ``_failures`` when it was opened
         self._failed_at: dict[str, int] = {}  # node id -> ``_failures`` at its last failure
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.scheduler_failure = ""  # ``scheduler_failed``
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[str, asyncio.Task[None]] = {}  # node id -> its connection watch
@@ -174,14 +175,25 @@ class NodeStreams:
         ``gateway_gone`` while this gateway runs, it is sent once more after ``on_gone``.
 
         Raises:
-            RuntimeError: the scheduler failed on it; TimeoutError: no answer in time.
+            RuntimeError: the scheduler failed on it, or is down (``scheduler_failed``);
+                TimeoutError: no answer in time.
         """
         adm = await self._admit_once(req, hashes)
         if adm.reason == "gateway_gone" and self.on_gone is not None and await self.on_gone():
             adm = await self._admit_once(req, hashes)  # refused before it ran: nothing to undo
         return adm
 
+    def scheduler_failed(self, reason: str) -> None:
+        """The scheduler is down for good (``NodeMonitor``): every admission waiting for it, and
+        every later one, fails at once with RuntimeError(``reason``), not at its timeout."""
+        self.scheduler_failure = reason
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+
     async def _admit_once(self, req: NodeRequest, hashes: list[bytes]) -> Admission:
+        if self.scheduler_failure:
+            raise RuntimeError(self.scheduler_failure)
         self._next_id += 1
         corr = self._next_id
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()

@@ -15,6 +15,7 @@ import ray
 from services import data_plane
 from services.global_scheduler import GlobalScheduler
 from services.node_request import NodeRequest
+from services.ray_errors import actor_died
 from tenants.model import Tenant, TenantSpec
 from tenants.store_key_ids import KeyIdsDelta
 
@@ -30,10 +31,6 @@ GATEWAY_RETRY_S = 1.0
 """Wait before polling again after a failed poll."""
 
 
-def _actor_died(exc: BaseException) -> bool:
-    """Ray says the actor is dead for good (``ActorDiedError``); any other failure (restarting,
-    unreachable for a moment, a slow loop) may pass."""
-    return isinstance(exc, ray.exceptions.ActorDiedError)
 
 
 class GlobalSchedulerService(GlobalScheduler):
@@ -79,7 +76,7 @@ class GlobalSchedulerService(GlobalScheduler):
                 failures += 1
                 log.warning("gateway %s did not answer (%d in a row): %s: %.200s", subscriber, failures,
                             type(exc).__name__, exc)
-                died = _actor_died(exc)
+                died = actor_died(exc)
                 if not died and failures < GATEWAY_POLL_FAILURES:
                     await asyncio.sleep(GATEWAY_RETRY_S)
                     continue

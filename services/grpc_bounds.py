@@ -39,6 +39,7 @@ from services.grpc_messages import (
     channel_options,
 )
 from services.peers import peer_network
+from services.ray_errors import PROCESS_UNREACHABLE, RayActorError
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,9 @@ class CallGate(grpc.aio.ServerInterceptor):
        follows its headers at once, so what waits long is what never sends one).
     3. Waits at most ``message_timeout_s`` for the request message (DEADLINE_EXCEEDED), then
        runs the method's own handler with it; the handler authenticates fully as before.
+    4. A call failed by a Ray actor error (the scheduler or a node it asked died or is being
+       restarted) ends UNAVAILABLE with ``ray_errors.PROCESS_UNREACHABLE``. Regression (review
+       23b, F2): it ended UNKNOWN with Ray's exception text.
 
     A valid client's calls are unchanged: their message follows their headers at once, and
     nothing here bounds how long a call runs once it has its message.
@@ -255,20 +259,29 @@ class CallGate(grpc.aio.ServerInterceptor):
             inner = handler.unary_stream
             if inspect.isasyncgenfunction(inner):
                 async def stream_gen(requests: Any, context: Any) -> Any:
-                    request = await self._first(requests, context, keyless, role)
-                    async for reply in inner(request, context):
-                        yield reply
+                    try:
+                        request = await self._first(requests, context, keyless, role)
+                        async for reply in inner(request, context):
+                            yield reply
+                    except RayActorError:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
                 behavior: Behavior = stream_gen
             else:
                 async def stream_coro(requests: Any, context: Any) -> Any:
-                    return await inner(await self._first(requests, context, keyless, role), context)
+                    try:
+                        return await inner(await self._first(requests, context, keyless, role), context)
+                    except RayActorError:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
                 behavior = stream_coro
             return grpc.stream_stream_rpc_method_handler(
                 behavior, handler.request_deserializer, handler.response_serializer)
         unary = handler.unary_unary
 
         async def single(requests: Any, context: Any) -> Any:
-            return await unary(await self._first(requests, context, keyless, role), context)
+            try:
+                return await unary(await self._first(requests, context, keyless, role), context)
+            except RayActorError:  # the scheduler (or a node) a servicer asked is down
+                await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
         return grpc.stream_unary_rpc_method_handler(single, handler.request_deserializer,
                                                     handler.response_serializer)
 

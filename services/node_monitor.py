@@ -9,6 +9,14 @@ routing to it (``node_down``), then its open streams end with UNAVAILABLE. A nod
 healthy again from a new process (Ray restarted it: ``max_restarts``) has a new data-plane
 address: it is opened if needed, the gateway reconnects, and the scheduler routes to it again
 (``node_up``). ``on_change`` hears the number of healthy nodes whenever it changes (gRPC health).
+
+The monitor also long-polls the GlobalScheduler (``down_nodes``): once Ray says its process died
+(``ActorDiedError``; the scheduler is not restarted), the gateway serves nothing that needs it:
+``num_healthy`` is 0 (gRPC health NOT_SERVING, the HTTP API's /health 503) and the gateway's
+admissions, waiting or new, fail UNAVAILABLE at once (``NodeStreams.scheduler_failed``).
+Regression (review 23b, F2): health stayed SERVING for ever, the first request waited the 30 s
+admission timeout and was told to retry in 1 s, and every later call ended UNKNOWN with Ray's
+``ActorDiedError`` text.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from services.ray_errors import SCHEDULER_DOWN, actor_died
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +67,12 @@ class NodeMonitor:
                       for nid, info in node_info.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
+        self.scheduler_failure = ""  # why the scheduler is down for good ("": it is not)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch(nid)) for nid in self.nodes]
+        self._tasks.append(loop.create_task(self._watch_scheduler()))
         self.streams.on_disconnect = self._disconnected
 
     def _disconnected(self, node_id: str) -> None:
@@ -74,7 +86,27 @@ class NodeMonitor:
             task.cancel()
 
     def num_healthy(self) -> int:
-        return sum(h.healthy for h in self.state.values())
+        """Healthy nodes that can be routed to: 0 once the scheduler is down."""
+        return 0 if self.scheduler_failure else sum(h.healthy for h in self.state.values())
+
+    async def _watch_scheduler(self) -> None:
+        """Ask the scheduler every ``poll_s`` until Ray says its process died; then fail what
+        needs it (module docstring). Other failures (a busy or restarting scheduler) pass:
+        admissions keep their own timeout."""
+        while True:
+            try:
+                await asyncio.wait_for(self.scheduler.down_nodes.remote(), self.poll_s + self.timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - only a death counts
+                if actor_died(exc):
+                    self.scheduler_failure = SCHEDULER_DOWN
+                    log.error("%s (%s)", SCHEDULER_DOWN, _first_line(exc))
+                    self.streams.scheduler_failed(SCHEDULER_DOWN)
+                    self._changed()
+                    return
+                log.warning("the global scheduler did not answer a health poll: %s", _first_line(exc))
+            await asyncio.sleep(self.poll_s)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """node id -> ``NodeHealth`` fields (Admin ``Stats`` JSON, ``health``)."""

@@ -441,3 +441,52 @@ def test_a_streaming_call_runs_past_the_message_timeout() -> None:
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_call_failed_by_a_dead_actor_ends_unavailable_with_a_plain_message() -> None:
+    """Regression (review 23b, F2): a servicer whose scheduler call failed with Ray's
+    ``ActorDiedError`` (the scheduler's process died) ended the call UNKNOWN with Ray's
+    exception text; unary and both kinds of server-streaming calls now end UNAVAILABLE with
+    ``PROCESS_UNREACHABLE``, and an unrelated error is still the handler's own."""
+    import ray.exceptions
+
+    from services.ray_errors import PROCESS_UNREACHABLE
+
+    async def unary(request: bytes, context: Any) -> bytes:
+        if request == b"bug":
+            raise ValueError("a bug")
+        raise ray.exceptions.ActorDiedError()
+
+    async def as_generator(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        yield b"first"
+        raise ray.exceptions.ActorDiedError()
+
+    async def with_write(request: bytes, context: Any) -> None:
+        await context.write(b"first")
+        raise ray.exceptions.ActorDiedError()
+
+    async def run() -> None:
+        server = grpc.aio.server(interceptors=[CallGate(_Passing(), QUICK, frozenset())])  # type: ignore[arg-type]
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Gen": grpc.unary_stream_rpc_method_handler(as_generator),
+            "Write": grpc.unary_stream_rpc_method_handler(with_write)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as died:
+                    await channel.unary_unary("/t.T/Unary")(b"r", timeout=5)
+                assert (died.value.code(), died.value.details()) == (grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+                with pytest.raises(grpc.aio.AioRpcError) as bug:
+                    await channel.unary_unary("/t.T/Unary")(b"bug", timeout=5)
+                assert bug.value.code() == grpc.StatusCode.UNKNOWN
+                for method in ("/t.T/Gen", "/t.T/Write"):
+                    call = channel.unary_stream(method)(b"r", timeout=5)
+                    assert await call.read() == b"first"
+                    assert await call.code() == grpc.StatusCode.UNAVAILABLE
+                    assert await call.details() == PROCESS_UNREACHABLE
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())

@@ -6,6 +6,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from services import data_plane
 from services.global_scheduler import GlobalScheduler
 from services.node_monitor import NodeMonitor
 from tests.known_tenants import know_tenants
@@ -68,3 +71,118 @@ def test_a_node_the_scheduler_holds_down_rejoins_from_a_monitor_that_never_saw_i
     assert not sched.down and streams.reconnected == ["n0"] and healthy[-1] == 1
     back = sched.admit("t1", "t1/c", session_id="t1/s")
     assert (back.code, back.continues_session) == ("OK", True)  # the same process: history there
+
+
+def test_a_dead_scheduler_makes_the_gateway_unhealthy_and_fails_admissions_at_once() -> None:
+    """Regression (review 23b, F2): after the scheduler's process died the gateway's health
+    stayed SERVING, a Generate waiting for its admission waited the whole 30 s and was told to
+    retry in 1 s, and later calls ended UNKNOWN. Now the monitor's poll of the scheduler gets
+    Ray's ``ActorDiedError``: the healthy count is 0 (``on_change``), the admission waiting on a
+    scheduler that no longer answers ends UNAVAILABLE at once with ``SCHEDULER_DOWN`` and no
+    retry hint, and so does the next call, before anything is sent."""
+    import grpc
+    import ray.exceptions
+
+    from kvstrata.v1 import inference_pb2
+    from services.gateway import InferenceServicer, input_from_pb
+    from services.ray_errors import SCHEDULER_DOWN
+    from tenants.model import Tenant, TenantSpec
+    from tests.gateway_harness import NODE_INFO
+    from tests.test_gateway_stream_bounds import Auth, Plane, Refused
+    from tests.test_gateway_wire_values import Trailing
+
+    class Silent(Plane):
+        async def _answer(self, sock: Any) -> None:  # the admissions are never answered
+            while True:
+                self.admitted.append(data_plane.unpack((await sock.recv_multipart())[1])["req"]["request_id"])
+
+    polls = []
+
+    async def down_nodes() -> dict[str, str]:
+        polls.append(1)
+        if len(polls) > 1:
+            raise ray.exceptions.ActorDiedError()
+        return {}
+
+    async def run() -> None:
+        plane = await Silent().start()
+        scheduler = SimpleNamespace(down_nodes=SimpleNamespace(remote=down_nodes),
+                                    release=SimpleNamespace(remote=lambda *a: None))
+        auth = Auth()
+        servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
+                                     None, plane.sched_address)
+        plane.streams = servicer.streams  # the plane's own was never started
+        await servicer.streams.start()
+        pb = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, 2, 3]),
+                                           sampling=inference_pb2.SamplingParams(max_tokens=2))
+
+        async def generate() -> tuple[Refused, Trailing, float]:
+            context = Trailing()
+            context.trailing = ()
+            auth.tenant_of[id(context)] = Tenant("a1", TenantSpec(name="ann"), 0.0)
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(Refused) as refused:
+                await servicer.generate(context, lambda: input_from_pb(pb)).__anext__()
+            return refused.value, context, asyncio.get_running_loop().time() - t0
+
+        healthy: list[int] = []
+        monitor = NodeMonitor({"n0": _Node()}, {"n0": {"pid": 41, "restarts": 0}}, servicer.streams, scheduler,
+                              on_change=healthy.append, poll_s=0.3, timeout_s=1.0, retry_s=0.01)
+        waiting = asyncio.ensure_future(generate())
+        for _ in range(500):  # its admission reached the scheduler's socket: it waits for an answer
+            if plane.admitted:
+                break
+            await asyncio.sleep(0.01)
+        monitor.start()
+        try:
+            refused, context, waited_s = await asyncio.wait_for(waiting, 5)
+            assert plane.admitted and not waiting.cancelled()
+            assert (refused.code, str(refused), waited_s < 3) == (grpc.StatusCode.UNAVAILABLE, SCHEDULER_DOWN, True)
+            assert context.trailing == ()  # no retry hint: retrying cannot help
+            sent = len(plane.admitted)
+            refused, _, waited_s = await generate()
+            assert (refused.code, str(refused), waited_s < 1) == (grpc.StatusCode.UNAVAILABLE, SCHEDULER_DOWN, True)
+            assert len(plane.admitted) == sent and monitor.num_healthy() == 0 and healthy[-1] == 0
+        finally:
+            monitor.stop()
+            plane.close()
+
+    asyncio.run(run())
+
+
+def test_the_http_api_answers_a_dead_actor_with_a_503_error_body() -> None:
+    """Regression (review 23b, F2): over the HTTP API a call whose scheduler call failed with
+    Ray's ``ActorDiedError`` was a 500 in plain text ("Internal Server Error"); it is now
+    UNAVAILABLE's 503 with an OpenAI error body naming ``PROCESS_UNREACHABLE``."""
+    import json
+
+    import ray.exceptions
+
+    from services.openai_api.app import OpenAIEdge, create_app
+    from services.ray_errors import PROCESS_UNREACHABLE
+
+    async def tenant(context: Any) -> Any:
+        raise ray.exceptions.ActorDiedError()
+
+    edge = OpenAIEdge(servicer=SimpleNamespace(auth=SimpleNamespace(tenant=tenant)), model_id="m@0:f16",  # type: ignore[arg-type]
+                      encode=list, num_healthy=lambda: 1)
+    app = create_app(edge)
+    sent: list[dict] = []
+
+    async def run() -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                 "path": "/v1/models", "raw_path": b"/v1/models", "query_string": b"", "scheme": "http",
+                 "headers": [(b"authorization", b"Bearer k")], "client": ("203.0.113.9", 5000),
+                 "server": ("127.0.0.1", 8000), "root_path": ""}
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    asyncio.run(run())
+    body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert sent[0]["status"] == 503 and body["error"]["message"] == PROCESS_UNREACHABLE

@@ -78,6 +78,7 @@ from services.openai_api.streaming import (
     unless_gone,
     until_gone,  # noqa: F401 - re-exported
 )
+from services.ray_errors import PROCESS_UNREACHABLE, RayActorError
 
 
 class OpenAIEdge:
@@ -203,6 +204,12 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     async def _client_gone(request: Request, exc: ClientGone) -> Response:
         return _gone()
 
+    @app.exception_handler(RayActorError)
+    async def _unreachable(request: Request, exc: RayActorError) -> Response:
+        """The scheduler (or a node) the call asked died or is being restarted: UNAVAILABLE's
+        503, not a 500 in plain text (review 23b, F2)."""
+        return CallAborted(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE, None).response()
+
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         return framework_error(request, exc)
@@ -247,7 +254,8 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     async def health() -> Response:
         healthy = edge.num_healthy()
         if healthy == 0:
-            return error_response(503, "no cache node is healthy", "service_unavailable", "unavailable")
+            return error_response(503, "no cache node can be routed to (none is healthy, or the global scheduler "
+                                  "is down)", "service_unavailable", "unavailable")
         return JSONResponse({"status": "ok", "healthy_nodes": healthy})
 
     return app
