@@ -117,7 +117,8 @@ def test_put_is_idempotent_and_does_not_rewrite(tmp_path: Path) -> None:
 def test_namespace_is_recorded_per_file(tmp_path: Path) -> None:
     store = SpillStore(tmp_path, FMT, ram_bytes=3 * BLOCK, disk_bytes=DISK, demote_low_watermark=0)
     store.put(hashes_of([0, 1]), make_blocks([0, 1]), "tenant-a")
-    store.put(hashes_of([2, 3]), make_blocks([2, 3]), "tenant-b")  # demotes all 4
+    store.put(hashes_of([2, 3]), make_blocks([2, 3]), "tenant-b")  # makes room: demotes a's 2
+    store.put(hashes_of([4, 5]), make_blocks([4, 5]), "tenant-c")  # and b's
     by_namespace = {
         read_header(f).namespace: read_header(f).block_hashes for f in files_in(tmp_path)
     }
@@ -250,3 +251,30 @@ def test_files_of_an_older_format_version_are_ignored_not_deleted(
     stats = restarted.stats()
     assert (stats["skipped_files"], stats["quarantined_files"], stats["files"]) == (1, 0, 0)
     assert os.listdir(tmp_path) == [old.name] and old.read_bytes() == before
+
+
+@pytest.mark.parametrize("per_file", [4, 64])
+def test_ram_tier_demotion_stays_within_its_budget(tmp_path: Path, per_file: int) -> None:
+    """Regression (review 23a): ``put`` copied its blocks into RAM, then demoted 25% of the
+    budget by stacking the whole batch into one more copy before writing: a 1 GiB RAM tier
+    peaked at 1.44 GiB, and a spill node sized by ``spill_ram_bytes`` could be OOM-killed. Now
+    a put makes room first and a demotion writes each file from the entries themselves: the
+    traced peak, the caller's blocks apart, stays within the budget and a few blocks, with one
+    file per 4 blocks or the default 64."""
+    import tracemalloc
+
+    fmt = BlockFormat(shape=(32, 1024), dtype="int16", kv_format="x")  # 64 KiB blocks
+    budget = 64 * fmt.block_nbytes
+    store = SpillStore(tmp_path / str(per_file), fmt, ram_bytes=budget, disk_bytes=DISK, max_blocks_per_file=per_file)
+    blocks = np.ones((8, *fmt.shape), np.int16)  # the caller's, outside the trace
+    tracemalloc.start()
+    try:
+        for k in range(24):  # 192 blocks in puts of 8: past the RAM budget twice
+            store.put(hashes_of(range(8 * k, 8 * k + 8)), blocks, "ns")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert store.stats()["ram_bytes"] <= budget
+    assert peak <= budget + 8 * fmt.block_nbytes, peak / budget  # 1.09x now, 1.60x before
+    hits = store.get(hashes_of(range(192)))
+    assert len(hits.hashes) == 192 and hits.blocks.tobytes() == np.ones((192, *fmt.shape), np.int16).tobytes()

@@ -104,10 +104,11 @@ class DiskTier:
         return len(self._files)
 
     def write(
-        self, namespace: str, hashes: Sequence[bytes], blocks: np.ndarray, tokens: Sequence[bytes]
+        self, namespace: str, hashes: Sequence[bytes], blocks: np.ndarray | Sequence[np.ndarray],
+        tokens: Sequence[bytes],
     ) -> None:
-        """Write ``blocks`` (n, *shape), with each block's ``token_bytes`` ``tokens[i]``, as group
-        files of at most ``max_blocks_per_file``."""
+        """Write ``blocks`` ((n, *shape), or n arrays of the block shape), with each block's
+        ``token_bytes`` ``tokens[i]``, as group files of at most ``max_blocks_per_file``."""
         step = self.max_blocks_per_file
         for start in range(0, len(hashes), step):
             end = start + step
@@ -141,7 +142,7 @@ class DiskTier:
         self.unserved.forget_unindexed()
 
     def _write_file(
-        self, namespace: str, hashes: list[bytes], blocks: np.ndarray, tokens: list[bytes]
+        self, namespace: str, hashes: list[bytes], blocks: np.ndarray | Sequence[np.ndarray], tokens: list[bytes]
     ) -> None:
         if self.budget_bytes == 0:
             return

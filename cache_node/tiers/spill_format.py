@@ -141,29 +141,33 @@ class GroupHeader:
 def write_group(
     path: Path,
     block_hashes: Sequence[bytes],
-    blocks: np.ndarray,
+    blocks: np.ndarray | Sequence[np.ndarray],
     namespace: str,
     block_format: BlockFormat,
     block_tokens: Sequence[bytes] | None = None,
 ) -> int:
     """Atomically write ``blocks`` as one group file at ``path``; returns its size in bytes.
 
-    ``blocks``: ``(len(block_hashes), *block_format.shape)`` of ``block_format.dtype``;
-    ``block_tokens``: each block's ``token_bytes`` (None: unknown); ``namespace`` is
-    recorded in the header. Raises ValueError when blocks or tokens do not match, OSError
-    when the write, fsync or rename fails (no partial file is left).
+    ``blocks``: ``(len(block_hashes), *block_format.shape)`` of ``block_format.dtype``, or one
+    ``block_format.shape`` array per block (written one after the other, never stacked into
+    one more copy); ``block_tokens``: each block's ``token_bytes`` (None: unknown);
+    ``namespace`` is recorded in the header. Raises ValueError when blocks or tokens do not
+    match, OSError when the write, fsync or rename fails (no partial file is left).
     """
-    expected = (len(block_hashes), *block_format.shape)
-    if blocks.shape != expected or blocks.dtype != block_format.np_dtype:
-        raise ValueError(f"blocks {blocks.shape}/{blocks.dtype} do not match {expected}")
+    if isinstance(blocks, np.ndarray) and (blocks.ndim != 1 + len(block_format.shape) or len(blocks) != len(block_hashes)):
+        raise ValueError(f"blocks {blocks.shape} do not match {(len(block_hashes), *block_format.shape)}")
+    if len(blocks) != len(block_hashes) or any(b.shape != block_format.shape or b.dtype != block_format.np_dtype
+                                               for b in blocks):
+        raise ValueError(f"blocks do not match {len(block_hashes)} x {block_format.shape}/{block_format.dtype}")
     tokens = [b""] * len(block_hashes) if block_tokens is None else [bytes(t) for t in block_tokens]
     if len(tokens) != len(block_hashes):
         raise ValueError(f"{len(tokens)} block_tokens for {len(block_hashes)} blocks")
-    payload = np.ascontiguousarray(blocks, dtype=block_format.np_dtype.newbyteorder("<"))
-    header = _pack_header(block_hashes, tokens, payload, namespace, block_format)
+    little = block_format.np_dtype.newbyteorder("<")
+    rows = [np.ascontiguousarray(b, dtype=little).reshape(-1).view(np.uint8) for b in blocks]
+    header = _pack_header(block_hashes, tokens, rows, little, namespace, block_format)
     prefix = _PREFIX.pack(_MAGIC, len(header), xxhash.xxh3_128_digest(header))
-    _atomic_write(path, [prefix, header, payload.reshape(-1).view(np.uint8).data])
-    return len(prefix) + len(header) + payload.nbytes
+    _atomic_write(path, [prefix, header, *(row.data for row in rows)])
+    return len(prefix) + len(header) + sum(row.nbytes for row in rows)
 
 
 def read_header(path: Path) -> GroupHeader:
@@ -226,11 +230,12 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 def _pack_header(
     block_hashes: Sequence[bytes],
     block_tokens: list[bytes],
-    payload: np.ndarray,
+    rows: list[np.ndarray],
+    dtype: np.dtype,
     namespace: str,
     fmt: BlockFormat,
 ) -> bytes:
-    rows = payload.reshape(len(block_hashes), -1).view(np.uint8)
+    """The header of a group file of ``rows`` (each block's little-endian bytes, uint8)."""
     return msgpack.packb(
         {
             "version": FORMAT_VERSION,
@@ -238,9 +243,9 @@ def _pack_header(
             "block_tokens": block_tokens,
             "namespace": namespace,
             "shape": list(fmt.shape),
-            "dtype": payload.dtype.str,
+            "dtype": dtype.str,
             "kv_format": fmt.kv_format,
-            "payload_bytes": payload.nbytes,
+            "payload_bytes": sum(row.nbytes for row in rows),
             "checksum": CHECKSUM_ALGO,
             "block_checksums": [xxhash.xxh3_128_digest(row.data) for row in rows],
         },
