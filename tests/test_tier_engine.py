@@ -259,3 +259,29 @@ def test_kvstrata_demotes_the_over_quota_tenants_blocks_first(tiny) -> None:
     assert hog.num_cached_tokens_by_tier == by_tier(host=192)
     assert hog.output_token_ids == cold["hog"].output_token_ids
     assert run(eng, g, tenant="guest").output_token_ids == cold["guest"].output_token_ids
+
+
+def test_a_prefetch_asks_for_a_long_prompt_in_batches(tiny, tmp_path) -> None:
+    """Review 23a: a prefetch asked the spill node for all of a prompt's spilled blocks in one
+    ``get`` (a 128k-token prompt of an 8B model: 16 GiB held at once on the spill node and
+    here). With ``spill_get_batch_blocks`` 5 the 12 blocks come in gets of 5, 5 and 2, each
+    installed before the next, and the output is the cold run's."""
+    asked: list[int] = []
+
+    class Counting(SpillStore):
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
+            asked.append(len(hashes))
+            return super().get(hashes, token_ids)
+
+    probe = tiered(tiny)
+    store = Counting(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 30, 1 << 30)
+    eng = tiered(tiny, spill=store, spill_get_batch_blocks=5)
+    p = prompt_of(200, 3)
+    cold = run(eng, p)
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    asked.clear()
+    again = run(eng, p)
+    assert asked == [5, 5, 2]  # [12] before
+    assert again.num_cached_tokens_by_tier == by_tier(spill_ram=192)
+    assert again.output_token_ids == cold.output_token_ids

@@ -69,6 +69,10 @@ class TierConfig:
         prefetch_wait_s: longest a queued request waits for its prefetch before it recomputes.
         auto_prefetch: start a prefetch for every new request (when a spill client exists).
         spill_put_batch_blocks: most blocks per spill ``put`` call.
+        spill_get_batch_blocks: most blocks per spill ``get`` call of a prefetch: a long
+            prompt's spilled blocks come in batches, each installed before the next is asked
+            for, so neither the spill node nor this process holds a whole prompt's blocks at
+            once (a 128k-token prompt of an 8B model is 16 GiB).
         spill_put_backlog_bytes: most KV bytes of host victims queued in this process for
             spill puts, the batch being written included; past it the holder with the most
             queued loses its oldest (``spill_backlog.SpillBacklog``), a later spill miss. A
@@ -82,6 +86,7 @@ class TierConfig:
     prefetch_wait_s: float = 10.0
     auto_prefetch: bool = True
     spill_put_batch_blocks: int = 256
+    spill_get_batch_blocks: int = 256
     spill_put_backlog_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -89,8 +94,8 @@ class TierConfig:
             raise ValueError(f"host_bytes must be >= 0, got {self.host_bytes}")
         if not 0 <= self.demote_low_watermark <= self.demote_high_watermark <= 1:
             raise ValueError("need 0 <= demote_low_watermark <= demote_high_watermark <= 1")
-        if min(self.demote_batch_blocks, self.spill_put_batch_blocks) < 1:
-            raise ValueError("demote_batch_blocks and spill_put_batch_blocks must be >= 1")
+        if min(self.demote_batch_blocks, self.spill_put_batch_blocks, self.spill_get_batch_blocks) < 1:
+            raise ValueError("demote_batch_blocks, spill_put_batch_blocks and spill_get_batch_blocks must be >= 1")
         if self.prefetch_wait_s < 0:
             raise ValueError("prefetch_wait_s must be >= 0")
         if self.spill_put_backlog_bytes < 1:

@@ -181,14 +181,20 @@ class TransferWorker:
                 start, hashes = self.tiers.spill_candidates(seq)
                 bs, prompt = self.tiers.kv.block_size, seq.all_token_ids
                 tokens = [list(prompt[j * bs : (j + 1) * bs]) for j in range(start, start + len(hashes))]
-            if not hashes:
-                return
-            rows, tiers = self._get(hashes, tokens, epoch)
-            if not tiers:
-                return
-            with self.tiers.lock:
-                if not seq.is_finished and epoch == self.epoch:
-                    self.tiers.install(seq, start, from_numpy(rows, self.tiers.pool.kv.dtype), tiers)
+            step = self.tiers.config.spill_get_batch_blocks
+            for k in range(0, len(hashes), step):  # batches: a long prompt is never asked for at once
+                rows, tiers = self._get(hashes[k : k + step], tokens[k : k + step], epoch)
+                if not tiers:
+                    return
+                with self.tiers.lock:
+                    if seq.is_finished or epoch != self.epoch:
+                        return
+                    self.tiers.install(seq, start + k, from_numpy(rows, self.tiers.pool.kv.dtype), tiers)
+                    if not self.tiers.blocks.num_free_blocks():  # the pool is full: the rest would not stay
+                        return
+                del rows
+                if len(tiers) < min(step, len(hashes) - k):  # a miss ends the prefix
+                    return
         finally:
             seq.prefetch_until_s = 0.0
 
