@@ -8,6 +8,7 @@ import torch
 
 from cache_node.policies import make_policy
 from cache_node.policies.quant import (
+    SPAN_DEQUANT_MIN_ROWS,
     QuantLayerKV,
     QuantSegment,
     pack_bits,
@@ -71,6 +72,10 @@ def test_attention_on_codes_equals_attention_on_dequantized_kv(bits: int, group:
     torch.testing.assert_close(layer.logits(qh, 0.125), want_logits, atol=1e-4, rtol=1e-4)
     probs = torch.softmax(want_logits, -1)
     torch.testing.assert_close(layer.output(probs), probs @ v.permute(1, 0, 2).unsqueeze(1), atol=1e-4, rtol=1e-4)
+    # a SentenceKV span's rows (SPAN_DEQUANT_MIN_ROWS): dequantized from 2 rows, the same values
+    torch.testing.assert_close(layer.logits(qh, 0.125, SPAN_DEQUANT_MIN_ROWS), want_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer.output(probs, SPAN_DEQUANT_MIN_ROWS), probs @ v.permute(1, 0, 2).unsqueeze(1),
+                               atol=1e-4, rtol=1e-4)
     per_token = L * 2 * h_kv * (d * bits // 8 + 2 * 2 * (d // group))
     assert seg.nbytes == n * per_token
 

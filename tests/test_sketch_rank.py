@@ -124,9 +124,9 @@ def test_basis_spans_the_top_singular_directions_and_scales_to_long_demotions() 
 
 @pytest.mark.parametrize("rank,bits,group", [(0, 2, 16), (32, 4, 16), (32, 4, 32)])
 def test_a_long_chunk_scores_the_dequantized_codes_as_the_codes(monkeypatch, rank: int, bits: int, group: int) -> None:
-    """A prefill chunk of >= quant.DEQUANT_MIN_ROWS query rows (a long text appended to a
-    session) scores a dequantized copy of the codes in one bmm; it must give the scores the
-    computation on the codes gives (float rounding apart), with and without a rank."""
+    """A prompt's span or chunk of >= quant.SPAN_DEQUANT_MIN_ROWS query rows scores a
+    dequantized copy of the codes in one bmm; it must give the scores the computation on the
+    codes gives (float rounding apart), with and without a rank."""
     import cache_node.policies.sentencekv.sketch as sketch_mod
 
     gen = torch.Generator().manual_seed(rank + bits)
@@ -137,7 +137,7 @@ def test_a_long_chunk_scores_the_dequantized_codes_as_the_codes(monkeypatch, ran
     sketch.append(keys[:, 170:], 1)
     q = torch.randn(200, 3 * h_kv, d, generator=gen)  # 600 query rows per KV head
     fast = sketch.head_logits(1, q, 0.125).clone()
-    monkeypatch.setattr(sketch_mod, "DEQUANT_MIN_ROWS", 1 << 30)
+    monkeypatch.setattr(sketch_mod, "SPAN_DEQUANT_MIN_ROWS", 1 << 30)
     sketch._last = None
     on_codes = sketch.head_logits(1, q, 0.125)
     torch.testing.assert_close(fast, on_codes, atol=1e-3, rtol=1e-4)

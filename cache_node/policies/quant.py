@@ -123,6 +123,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
 # (rows, N, groups) product. Decode steps and short question chunks (< 171 tokens at 3 query
 # heads per KV head) keep the computation on the codes (HACK §4).
 DEQUANT_MIN_ROWS = 512
+# Query rows from which SentenceKV's prompt spans (``cache_node.query_spans``: 16 queries at
+# most, each span a fixed shape whatever the chunking) score its key sketch and attend its
+# recalled region on dequantized keys and values: a span's rows would otherwise materialise the
+# same (rows, N, groups) product per span, and the sketch's dequantized keys are kept for the
+# layer's every span (``KeySketch.held``). A decode step's one query stays on the codes.
+SPAN_DEQUANT_MIN_ROWS = 2
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -189,11 +195,12 @@ class QuantLayerKV:
         # (2, N, H, k, G): integer values
         self.codes = unpack_bits_float(codes, bits).unflatten(-1, (self.scale.shape[-1], -1))
 
-    def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(H_kv, g, n, N) ``scaling * q . k`` of ``qh`` (H_kv, g, n, d) on the codes."""
+    def logits(self, qh: torch.Tensor, scaling: float, dequant_min_rows: int = DEQUANT_MIN_ROWS) -> torch.Tensor:
+        """(H_kv, g, n, N) ``scaling * q . k`` of ``qh`` (H_kv, g, n, d) on the codes; on the
+        keys dequantized once from ``dequant_min_rows`` query rows (g n) with several groups."""
         qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)
         h, g, n, d = qh.shape
-        if qg.shape[3] > 1 and g * n >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize once
+        if qg.shape[3] > 1 and g * n >= dequant_min_rows:  # a long chunk: dequantize once
             keys = self.dequantized(0)  # (h, N, d)
             return torch.bmm(qh.reshape(h, g * n, d), keys.transpose(1, 2)).view(h, g, n, -1) * scaling
         if qg.shape[3] == 1:  # one group per head: the einsum's product as one bmm over the heads
@@ -212,10 +219,11 @@ class QuantLayerKV:
         x = self.codes[kv] * self.scale[kv].unsqueeze(-1) + self.zero[kv].unsqueeze(-1)  # (N, H, k, G)
         return x.flatten(-2).transpose(0, 1)
 
-    def output(self, probs: torch.Tensor) -> torch.Tensor:
-        """(H_kv, g, n, d) ``sum_N probs v`` of ``probs`` (H_kv, g, n, N) on the codes."""
+    def output(self, probs: torch.Tensor, dequant_min_rows: int = DEQUANT_MIN_ROWS) -> torch.Tensor:
+        """(H_kv, g, n, d) ``sum_N probs v`` of ``probs`` (H_kv, g, n, N) on the codes (on the
+        values dequantized once from ``dequant_min_rows`` rows, as ``logits``)."""
         h, g, n, num = probs.shape
-        if self.codes.shape[-2] > 1 and g * n >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize once
+        if self.codes.shape[-2] > 1 and g * n >= dequant_min_rows:  # a long chunk: dequantize once
             return torch.bmm(probs.reshape(h, g * n, num), self.dequantized(1)).view(h, g, n, -1)
         scale, zero = self.scale[1].permute(1, 0, 2), self.zero[1].permute(1, 0, 2)  # (h, N, k)
         ps = probs.unsqueeze(-1) * scale[:, None, None]  # (h, g, n, N, k)

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache_node.policies.quant import QuantLayerKV, dequantize, pack_bits, quantize
+from cache_node.policies.quant import (
+    SPAN_DEQUANT_MIN_ROWS,
+    QuantLayerKV,
+    dequantize,
+    pack_bits,
+    quantize,
+)
 
 if TYPE_CHECKING:
     from cache_node.policies.sentencekv.store import HostSentenceStore
@@ -178,15 +184,15 @@ class QuantSentenceRegion:
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
         """(H_kv, g, n, R) logits of ``qh`` (H_kv, g, n, d) on the region's codes."""
         if self.key_scale is None or self.key_shift is None:
-            out = self.kv.logits(qh, scaling)
+            out = self.kv.logits(qh, scaling, SPAN_DEQUANT_MIN_ROWS)
         else:
             shift, scale = (t[:, None, None, :].to(qh.dtype) for t in (self.key_shift, self.key_scale))
             base = (qh * shift).sum(-1, keepdim=True) * scaling  # (H_kv, g, n, 1)
-            out = self.kv.logits(qh * scale, scaling) + base
+            out = self.kv.logits(qh * scale, scaling, SPAN_DEQUANT_MIN_ROWS) + base
         return out.masked_fill(self.empty[:, None, None, :], float("-inf"))
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
-        return self.kv.output(probs)
+        return self.kv.output(probs, SPAN_DEQUANT_MIN_ROWS)
 
     def dense_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K and V (H_kv, R, d) in ``dtype``, dequantized (keys scaled back and shifted by the

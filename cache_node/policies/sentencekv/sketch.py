@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from cache_node.policies.quant import (
-    DEQUANT_MIN_ROWS,
+    SPAN_DEQUANT_MIN_ROWS,
     channel_group,
     dequantize,
     pack_bits,
@@ -132,8 +132,9 @@ class KeySketch:
         sum_G s_G (q_G . c_G) + z_G sum(q_G)``, never a dequantized key tensor; one batched
         matmul over the KV heads, ``(H_kv, n g, c) @ (H_kv, c, N)``, tokens last (the sentence
         sums in ``log_mass`` run along the last dim). ``q``: (n, H, d). With several channel
-        groups and at least ``quant.DEQUANT_MIN_ROWS`` query rows (a long prefill chunk) the
-        codes are dequantized once into a transient (H_kv, N, c) buffer instead.
+        groups and at least ``quant.SPAN_DEQUANT_MIN_ROWS`` query rows (a prompt's span: not a
+        decode step's one query) the codes are dequantized into an (H_kv, N, c) float32 buffer
+        instead, kept for the layer's next spans within ``held``.
 
         The last result is kept (with ``q`` itself, so the same query tensor is recognised and
         no other can take its address): the recall's scores (``log_mass``) and the recall
@@ -157,7 +158,7 @@ class KeySketch:
                 qf = qf * self.spread[layer].unsqueeze(1)
         c = qf.shape[-1]
         groups = c // channel_group(self.group_size, c)
-        if groups > 1 and n * g >= DEQUANT_MIN_ROWS:  # a long chunk: dequantize the codes once
+        if groups > 1 and n * g >= SPAN_DEQUANT_MIN_ROWS:  # a span or a long chunk: dequantize the codes once
             (keys,) = self._layer_codes(layer, packed, True)  # (H_kv, N, c)
             logits = torch.bmm(qf, keys.transpose(1, 2))  # (H_kv, n g, N)
         else:
