@@ -295,11 +295,15 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             logits, rows = logits[keep], [rows[i] for i in keep]
             for seq in faulted:
                 self._fail(seq, outputs)
-        tokens = sample(logits, rows)
+        failed: list[int] = []  # a failed draw fails its request alone; the others keep theirs
+        tokens = sample(logits, rows, failed)
+        for i in failed:
+            log.error("request %s: its token could not be drawn (sampling failed)", rows[i].request_id)
+            self._fail(rows[i], outputs)
         # a token's time is when the step hands it out: after the policies' compression
         # (``after_step``) and the sampling, which a caller waits for as well
         now = time.monotonic()
-        for seq, token in zip(rows, tokens):
+        for seq, token in ((seq, token) for i, (seq, token) in enumerate(zip(rows, tokens)) if i not in failed):
             seq.output_token_ids.append(token)
             seq.first_token_time_s = seq.first_token_time_s or now
             seq.last_token_time_s = now

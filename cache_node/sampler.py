@@ -34,20 +34,23 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum()
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], failed: list[int] | None = None) -> list[int]:
     """Pick one token per row.
 
     Args:
         logits: (num_seqs, vocab_size) float32, on any device.
         seqs: the row's sequences (their ``sampling_params`` and ``generator``, which lives
             on ``logits``' device).
+        failed: given, a row whose draw fails is appended to it (its token is then
+            meaningless) and the other rows are still drawn, instead of raising.
 
     Returns:
         num_seqs token ids: argmax for greedy rows; for the others, one draw from
         softmax(logits / temperature) after top-p filtering, with the sequence's generator.
 
     Raises:
-        SequenceFault: a sampled row's draw failed (e.g. non-finite logits); names its request.
+        SequenceFault: without ``failed``, a sampled row's draw failed (e.g. non-finite
+            logits); names its request.
     """
     if not seqs:
         return []
@@ -60,5 +63,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             probs = top_p_filter(torch.softmax(logits[i] / params.temperature, dim=-1), params.top_p)
             tokens[i : i + 1] = torch.multinomial(probs, 1, generator=seq.generator)
         except Exception as exc:  # e.g. non-finite logits: this request's fault alone
-            raise SequenceFault(seq.request_id) from exc
+            if failed is None:
+                raise SequenceFault(seq.request_id) from exc
+            failed.append(i)
     return tokens.tolist()

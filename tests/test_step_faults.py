@@ -10,6 +10,7 @@ produces exactly the tokens it produces alone, and every block goes back.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cache_node.engine import LLMEngine
 from cache_node.engine_recovery import MAX_FAILED_STEPS
@@ -283,6 +284,48 @@ def test_a_sampling_fault_fails_its_request_alone(tiny) -> None:
     final = run(eng)
     assert final["sampled"].finish_reason == "error"
     assert list(final["plain"].output_token_ids) == alone(tiny, "plain")
+    assert eng.stats()["used_blocks"] == 0
+
+
+class _FailsAtDraw:
+    """A generator whose ``at``-th draw raises (a row whose draw fails mid-stream)."""
+
+    def __init__(self, at: int) -> None:
+        self.gen, self.at, self.draws = torch.Generator().manual_seed(7), at, 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.gen, name)
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_a_sampling_fault_does_not_shift_another_requests_seeded_stream(tiny, monkeypatch, fail_at: int) -> None:
+    """Regression (review 23c, G2): a request whose draw failed raised out of the step after
+    the rows before it had drawn; the others were preempted and drew that position again from
+    their advanced generators: tenant A's seeded stream lost a token and every later one
+    shifted, unmarked. Now the failed row alone fails and the others keep the step's tokens."""
+    import cache_node.sampler as sampler_mod
+
+    seeded = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=1234)
+    want = list(engine(tiny).generate([PROMPTS["plain"]], seeded)[0].output_token_ids)
+    multinomial = torch.multinomial
+
+    def draw(probs, n, generator=None):  # type: ignore[no-untyped-def]
+        if isinstance(generator, _FailsAtDraw):
+            generator.draws += 1
+            if generator.draws > generator.at:
+                raise RuntimeError("probability tensor contains inf, nan or element < 0")
+            generator = generator.gen
+        return multinomial(probs, n, generator=generator)
+
+    monkeypatch.setattr(sampler_mod.torch, "multinomial", draw)
+    eng = engine(tiny)
+    eng.add_request(PROMPTS["plain"], seeded, request_id="a", tenant="A")  # drawn first in each step
+    eng.add_request(PROMPTS["snapkv"], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=1),
+                    request_id="b", tenant="B")
+    eng.requests["b"].generator = _FailsAtDraw(fail_at)
+    final = run(eng)
+    assert final["b"].finish_reason == "error"
+    assert list(final["a"].output_token_ids) == want and final["a"].num_preemptions == 0
     assert eng.stats()["used_blocks"] == 0
 
 
