@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -130,9 +133,23 @@ class Gateway:
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
+        self._grpc_started = False
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Start serving; returns the bound port."""
+        """Serve gRPC on ``host:port`` (0: any free port), and beside it the OpenAI-compatible
+        API and ``/metrics`` when configured; returns the bound gRPC port.
+
+        All or nothing: when a step after the gRPC bind fails, what the earlier steps made
+        (gRPC server, ``NodeStreams``, ``NodeMonitor``, HTTP and metrics servers) is stopped
+        and its ports freed before the error is raised, so that a retry can bind them again.
+
+        Raises:
+            OSError: a port is taken. RuntimeError: the HTTP server did not come up. Any
+                failure of the nodes' or the scheduler's calls.
+
+        Regression (review 23b F3): a failed HTTP start left the gRPC port bound (and a
+        NodeMonitor polling and NodeStreams reading), so every retry of a restarted gateway
+        failed on its own gRPC port and it never served again."""
         infos = await asyncio.gather(*(node.describe.remote() for node in self.nodes.values()))
         scheduler_address = await self.scheduler.open_data_plane.remote()
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
@@ -144,23 +161,47 @@ class Gateway:
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
             f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits,
         )
-        self.streams = inference.streams
-        if self.http_port is not None:
-            room = min(infos[0]["max_model_len"], infos[0]["pool_tokens"])
-
-            def encode(text: str) -> list[int]:  # a text that can never fit is refused untokenized
-                if templater is not None:
-                    templater.check_fits(len(text), room)
-                return encode_text(tokenizer, text)
-            self.http = HttpServer(create_app(OpenAIEdge(inference, infos[0]["model_id"], encode,
-                                                         self.monitor.num_healthy, self.body_limits)),
-                                   self.http_forwarded_allow_ips, self.http_limits)
-            await self.http.start(host, self.http_port)
-        if self.metrics_endpoint is not None and self.metrics_server is None:
-            self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_endpoint)
-        await self.server.start()
-        await set_health(health, self.monitor.num_healthy() > 0)
+        self.streams, self._grpc_started = inference.streams, False
+        try:
+            if self.http_port is not None:
+                await self._start_http(host, self.http_port, inference, self.monitor.num_healthy, infos[0],
+                                       tokenizer, templater)
+            if self.metrics_endpoint is not None and self.metrics_server is None:
+                self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_endpoint)
+            await self.server.start()
+            self._grpc_started = True
+            await set_health(health, self.monitor.num_healthy() > 0)
+        except BaseException:
+            await self._unwind(health)
+            raise
         return bound
+
+    async def _start_http(self, host: str, port: int, inference: InferenceServicer, num_healthy: Callable[[], int],
+                          info: dict[str, Any], tokenizer: Any, templater: ChatTemplater | None) -> None:
+        """The OpenAI-compatible API on ``host:port`` (``info``: a node's ``describe()``)."""
+        room = min(info["max_model_len"], info["pool_tokens"])
+
+        def encode(text: str) -> list[int]:  # a text that can never fit is refused untokenized
+            if templater is not None:
+                templater.check_fits(len(text), room)
+            return encode_text(tokenizer, text)
+        self.http = HttpServer(create_app(OpenAIEdge(inference, info["model_id"], encode,
+                                                     num_healthy, self.body_limits)),
+                               self.http_forwarded_allow_ips, self.http_limits)
+        await self.http.start(host, port)
+
+    async def _unwind(self, health: BoundedHealthServicer) -> None:
+        """Stop what a failed ``start`` made and free its ports. grpc.aio frees the port of a
+        server only when a started one stops (``stop`` of one never started keeps the port
+        bound for the life of the process), so one not started yet is started first, for that
+        instant, its ``health`` NOT_SERVING."""
+        if self.server is not None and not self._grpc_started:
+            try:
+                await set_health(health, False)
+                await self.server.start()
+            except Exception:  # stopping anyway
+                log.warning("gateway: starting the half-made gRPC server to free its port failed", exc_info=True)
+        await self.stop(0)
 
     async def serves(self, subscriber: str, wait_s: float = 0.0) -> bool:
         """Whether this gateway's event inbox is ``subscriber``, answered after ``wait_s``
@@ -179,21 +220,26 @@ class Gateway:
         return self.metrics_server.address if self.metrics_server is not None else ""
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving (calls in flight get ``grace_s`` seconds) and drop what was served."""
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.http is not None:
             await self.http.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
-            self.metrics_server = None
-        if self.monitor is not None:
-            self.monitor.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.streams is not None:
             self.streams.shutdown()
+        if self.monitor is not None:  # again, after those awaits: Python 3.11's wait_for drops a
+            self.monitor.stop()       # cancel that lands as its call completes (a task polls on)
+        self.http, self.metrics_server, self.monitor, self.server, self.streams = None, None, None, None, None
 
 
 RESTART_BIND_TRIES = 20
-"""Tries to bind the old port again after a restart (0.25 s apart), while the OS frees it."""
+"""Tries to serve again after a restart (``RESTART_RETRY_S`` apart), while the OS frees the ports."""
+RESTART_RETRY_S = 0.25
+"""Pause between two of those tries."""
 
 
 class RayGateway(Gateway):
@@ -222,12 +268,17 @@ class RayGateway(Gateway):
             self.restarted = asyncio.get_running_loop().create_task(self._serve_again())
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """``Gateway.start``, then tell the scheduler (``attach_gateway``); returns the port."""
+        """``Gateway.start``, then tell the scheduler (``attach_gateway``); returns the port.
+        All or nothing, as ``Gateway.start``: when the scheduler's call fails, the gateway stops."""
         bound = await super().start(host, port)
-        self.served_address = f"{host}:{bound}"
-        subscriber = self.streams.subscriber if self.streams is not None else ""
-        await self.scheduler.attach_gateway.remote(
-            self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+        try:
+            self.served_address = f"{host}:{bound}"
+            subscriber = self.streams.subscriber if self.streams is not None else ""
+            await self.scheduler.attach_gateway.remote(
+                self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+        except BaseException:
+            await self.stop(0)
+            raise
         if self.streams is not None:
             self.streams.on_gone = self.reattach
         return bound
@@ -268,18 +319,33 @@ class RayGateway(Gateway):
         return True
 
     async def _serve_again(self) -> int:
-        """After a restart: serve on the address this gateway served on before its crash
-        (retried while the OS frees the port); returns the port."""
+        """After a restart: serve on the address this gateway served on before its crash;
+        returns the port. A failed try (the port not free yet, the HTTP server slow to come
+        up, the scheduler not answering) is retried ``RESTART_BIND_TRIES`` times in all,
+        ``RESTART_RETRY_S`` apart; after the last the process exits, so that Ray restarts the
+        actor again (``max_restarts``) rather than keep one that serves nothing.
+
+        Regression (review 23b F3): only OSError was retried, and a try that failed after the
+        gRPC bind kept that port, so every later one failed on it; the restart task then ended
+        and the live actor never served again."""
+        for tries in range(1, RESTART_BIND_TRIES + 1):
+            try:
+                return await self._start_again()
+            except Exception as exc:  # noqa: BLE001 - any failure: retried, then exit
+                log.warning("restarted gateway %s: start %d of %d failed: %s: %.300s", self.gateway_id, tries,
+                            RESTART_BIND_TRIES, type(exc).__name__, exc)
+            if tries < RESTART_BIND_TRIES:
+                await asyncio.sleep(RESTART_RETRY_S)
+        log.error("restarted gateway %s could not serve again: exiting, for Ray to restart it", self.gateway_id)
+        sys.stderr.flush()
+        os._exit(1)
+
+    async def _start_again(self) -> int:
+        """One try of ``_serve_again``: ``start`` on the scheduler's record of this gateway."""
         address = await self.scheduler.gateway_address.remote(self.gateway_id)
         if not address:
-            raise RuntimeError("restarted gateway: the scheduler knows no address it served on")
+            raise RuntimeError("the scheduler knows no address this gateway served on")
         host, port = address.rsplit(":", 1)
-        for _ in range(RESTART_BIND_TRIES - 1):
-            try:
-                return await self.start(host, int(port))
-            except OSError:
-                log.warning("restarted gateway: %s is not free yet", address)
-                await asyncio.sleep(0.25)
         return await self.start(host, int(port))
 
 
