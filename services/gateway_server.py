@@ -4,6 +4,7 @@ the Gateway Ray actor that hosts both on one event loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -135,9 +136,12 @@ class Gateway:
         self.monitor: NodeMonitor | None = None
         self._grpc_started = False
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
+                    metrics_port: int | None = None) -> int:
         """Serve gRPC on ``host:port`` (0: any free port), and beside it the OpenAI-compatible
-        API and ``/metrics`` when configured; returns the bound gRPC port.
+        API and ``/metrics`` when configured; returns the bound gRPC port. ``http_port`` and
+        ``metrics_port``, when given, take the place of the configured ports this time (a
+        restarted gateway's old ones); ignored for an API that is off.
 
         All or nothing: when a step after the gRPC bind fails, what the earlier steps made
         (gRPC server, ``NodeStreams``, ``NodeMonitor``, HTTP and metrics servers) is stopped
@@ -164,10 +168,13 @@ class Gateway:
         self.streams, self._grpc_started = inference.streams, False
         try:
             if self.http_port is not None:
-                await self._start_http(host, self.http_port, inference, self.monitor.num_healthy, infos[0],
-                                       tokenizer, templater)
+                await self._start_http(host, self.http_port if http_port is None else http_port, inference,
+                                       self.monitor.num_healthy, infos[0], tokenizer, templater)
             if self.metrics_endpoint is not None and self.metrics_server is None:
-                self.metrics_server = MetricsServer(self.metrics.registry, self.metrics_endpoint)
+                endpoint = self.metrics_endpoint
+                if metrics_port is not None:
+                    endpoint = dataclasses.replace(endpoint, port=metrics_port)
+                self.metrics_server = MetricsServer(self.metrics.registry, endpoint)
             await self.server.start()
             self._grpc_started = True
             await set_health(health, self.monitor.num_healthy() > 0)
@@ -267,15 +274,19 @@ class RayGateway(Gateway):
         if context.was_current_actor_reconstructed:  # the constructor runs on the actor's loop
             self.restarted = asyncio.get_running_loop().create_task(self._serve_again())
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """``Gateway.start``, then tell the scheduler (``attach_gateway``); returns the port.
-        All or nothing, as ``Gateway.start``: when the scheduler's call fails, the gateway stops."""
-        bound = await super().start(host, port)
+    async def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
+                    metrics_port: int | None = None) -> int:
+        """``Gateway.start``, then tell the scheduler where it serves (``attach_gateway``,
+        ``attach_gateway_apis``); returns the gRPC port. All or nothing, as ``Gateway.start``:
+        when the scheduler's calls fail, the gateway stops."""
+        bound = await super().start(host, port, http_port, metrics_port)
         try:
             self.served_address = f"{host}:{bound}"
             subscriber = self.streams.subscriber if self.streams is not None else ""
             await self.scheduler.attach_gateway.remote(
                 self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+            await self.scheduler.attach_gateway_apis.remote(self.gateway_id, self.http_address(),
+                                                            self.metrics_address())
         except BaseException:
             await self.stop(0)
             raise
@@ -319,18 +330,21 @@ class RayGateway(Gateway):
         return True
 
     async def _serve_again(self) -> int:
-        """After a restart: serve on the address this gateway served on before its crash;
-        returns the port. A failed try (the port not free yet, the HTTP server slow to come
-        up, the scheduler not answering) is retried ``RESTART_BIND_TRIES`` times in all,
-        ``RESTART_RETRY_S`` apart; after the last the process exits, so that Ray restarts the
-        actor again (``max_restarts``) rather than keep one that serves nothing.
+        """After a restart: serve gRPC, the OpenAI API and ``/metrics`` on the addresses this
+        gateway served them on before its crash (the scheduler's record); returns the gRPC
+        port. A failed try (a port not free yet, the HTTP server slow to come up, the scheduler
+        not answering) is retried ``RESTART_BIND_TRIES`` times in all, ``RESTART_RETRY_S``
+        apart; the last takes the configured HTTP and metrics ports (0: any free one), in case
+        another process holds the old ones for good. After it the process exits, so that Ray
+        restarts the actor again (``max_restarts``) rather than keep one that serves nothing.
 
         Regression (review 23b F3): only OSError was retried, and a try that failed after the
         gRPC bind kept that port, so every later one failed on it; the restart task then ended
-        and the live actor never served again."""
+        and the live actor never served again. Regression (review 23b F4): with port 0 the
+        HTTP API and /metrics came back on new ports (the saved addresses went dead)."""
         for tries in range(1, RESTART_BIND_TRIES + 1):
             try:
-                return await self._start_again()
+                return await self._start_again(old_api_ports=tries < RESTART_BIND_TRIES)
             except Exception as exc:  # noqa: BLE001 - any failure: retried, then exit
                 log.warning("restarted gateway %s: start %d of %d failed: %s: %.300s", self.gateway_id, tries,
                             RESTART_BIND_TRIES, type(exc).__name__, exc)
@@ -340,13 +354,22 @@ class RayGateway(Gateway):
         sys.stderr.flush()
         os._exit(1)
 
-    async def _start_again(self) -> int:
-        """One try of ``_serve_again``: ``start`` on the scheduler's record of this gateway."""
-        address = await self.scheduler.gateway_address.remote(self.gateway_id)
-        if not address:
+    async def _start_again(self, old_api_ports: bool) -> int:
+        """One try of ``_serve_again``: ``start`` on the scheduler's record of this gateway
+        (its HTTP and metrics ports too with ``old_api_ports``; else the configured ones)."""
+        addresses = await self.scheduler.gateway_addresses.remote(self.gateway_id)
+        if not addresses["grpc"]:
             raise RuntimeError("the scheduler knows no address this gateway served on")
-        host, port = address.rsplit(":", 1)
-        return await self.start(host, int(port))
+        host, port = addresses["grpc"].rsplit(":", 1)
+        if not old_api_ports:
+            log.warning("restarted gateway %s: last try, on the configured HTTP and metrics ports", self.gateway_id)
+            return await self.start(host, int(port))
+        return await self.start(host, int(port), _port_of(addresses["http"]), _port_of(addresses["metrics"]))
+
+
+def _port_of(address: str) -> int | None:
+    """The port of ``host:port``; None for "" (not served)."""
+    return int(address.rsplit(":", 1)[1]) if address else None
 
 
 GatewayActor = ray.remote(RayGateway)

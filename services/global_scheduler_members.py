@@ -7,6 +7,7 @@ one serves again, and what happens to a dead one's requests (``gateway_gone``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +22,13 @@ GONE_GATEWAYS_MAX = 1024
 
 @dataclass(frozen=True)
 class GatewayRecord:
-    """A gateway as the scheduler knows it: its gRPC ``host:port`` and its event inbox."""
+    """A gateway as the scheduler knows it: its gRPC ``host:port``, its event inbox, and the
+    ``host:port`` of its OpenAI-compatible API and of its ``/metrics`` ("" when it serves none)."""
 
     address: str
     subscriber: str
+    http_address: str = ""
+    metrics_address: str = ""
 
 
 class Membership:
@@ -64,10 +68,31 @@ class Membership:
 
     # ---- gateways: where a restarted one serves again, and a dead one's requests -------------
     def gateway_address(self, gateway_id: str) -> str:
-        """The ``host:port`` the gateway ``gateway_id`` (its Ray actor id) last served on, ""
-        if it never did: a gateway Ray restarted serves on it again (``attach_gateway``)."""
+        """The ``host:port`` the gateway ``gateway_id`` (its Ray actor id) last served gRPC on,
+        "" if it never did: a gateway Ray restarted serves on it again (``attach_gateway``)."""
+        return self.gateway_addresses(gateway_id)["grpc"]
+
+    def gateway_addresses(self, gateway_id: str) -> dict[str, str]:
+        """Where the gateway ``gateway_id`` last served: ``grpc``, ``http`` (the OpenAI API)
+        and ``metrics``, each a ``host:port`` ("" if it did not): a gateway Ray restarted
+        serves on them again (``attach_gateway``, ``attach_gateway_apis``)."""
+        record = self.gateways.get(gateway_id, GatewayRecord("", ""))
+        return {"grpc": record.address, "http": record.http_address, "metrics": record.metrics_address}
+
+    def attach_gateway_apis(self, gateway_id: str, http_address: str, metrics_address: str) -> bool:
+        """Gateway ``gateway_id``, attached (``attach_gateway``), serves its OpenAI API on
+        ``http_address`` and ``/metrics`` on ``metrics_address`` ("": none). False (nothing
+        recorded) for a gateway not attached.
+
+        Regression (review 23b F4): only the gRPC address was kept, so with port 0 a
+        restarted gateway moved its HTTP API and /metrics to new ports, and the addresses
+        ``kvstrata up`` saved and the Prometheus targets pointed at dead ones."""
         record = self.gateways.get(gateway_id)
-        return record.address if record is not None else ""
+        if record is None:
+            return False
+        self.gateways[gateway_id] = dataclasses.replace(record, http_address=http_address,
+                                                        metrics_address=metrics_address)
+        return True
 
     def attach_gateway(self, gateway_id: str, address: str, subscriber: str) -> str:
         """Gateway ``gateway_id`` serves gRPC on ``address`` with its event inbox at
@@ -79,7 +104,10 @@ class Membership:
             # count the live inbox as gone (review 21b, G2)
             log.warning("gateway %s: a stale attach with its old inbox %s was ignored", gateway_id, subscriber)
             return ""
-        self.gateways[gateway_id] = GatewayRecord(address, subscriber)
+        # the API addresses stay until ``attach_gateway_apis``: a gateway that dies in between
+        # serves them again
+        self.gateways[gateway_id] = (dataclasses.replace(previous, address=address, subscriber=subscriber)
+                                     if previous is not None else GatewayRecord(address, subscriber))
         # a gateway counted as gone that attaches again still serves that inbox: what it had
         # admitted was released, and from now on it is served again (``Gateway`` re-attaches
         # when it is refused ``gateway_gone``)
