@@ -229,7 +229,7 @@ class Gateway:
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving (calls in flight get ``grace_s`` seconds) and drop what was served."""
         if self.monitor is not None:
-            self.monitor.stop()
+            await self.monitor.aclose()
         if self.http is not None:
             await self.http.stop()
         if self.metrics_server is not None:
@@ -238,8 +238,6 @@ class Gateway:
             await self.server.stop(grace_s)
         if self.streams is not None:
             self.streams.shutdown()
-        if self.monitor is not None:  # again, after those awaits: Python 3.11's wait_for drops a
-            self.monitor.stop()       # cancel that lands as its call completes (a task polls on)
         self.http, self.metrics_server, self.monitor, self.server, self.streams = None, None, None, None, None
 
 

@@ -68,6 +68,7 @@ class NodeMonitor:
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
         self.scheduler_failure = ""  # why the scheduler is down for good ("": it is not)
+        self.stopped = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -82,8 +83,21 @@ class NodeMonitor:
         task.add_done_callback(self._pending.discard)
 
     def stop(self) -> None:
+        """Cancel every watch. Sticky: a task whose cancel Python 3.11's ``wait_for`` dropped (it
+        landed as the call completed) ends at its next turn, as ``stopped`` is checked there."""
+        self.stopped = True
         for task in self._tasks:
             task.cancel()
+
+    async def aclose(self) -> None:
+        """``stop``, then wait until every watch has ended, cancelling again one that let a
+        cancel pass (Python 3.11's ``wait_for`` drops a cancel that lands as its call
+        completes: the task would poll on until its next turn)."""
+        self.stop()
+        while pending := [t for t in self._tasks if not t.done()]:
+            await asyncio.wait(pending, timeout=0.05)
+            for task in pending:
+                task.cancel()
 
     def num_healthy(self) -> int:
         """Healthy nodes that can be routed to: 0 once the scheduler is down."""
@@ -93,7 +107,7 @@ class NodeMonitor:
         """Ask the scheduler every ``poll_s`` until Ray says its process died; then fail what
         needs it (module docstring). Other failures (a busy or restarting scheduler) pass:
         admissions keep their own timeout."""
-        while True:
+        while not self.stopped:
             try:
                 await asyncio.wait_for(self.scheduler.down_nodes.remote(), self.poll_s + self.timeout_s)
             except asyncio.CancelledError:
@@ -115,7 +129,7 @@ class NodeMonitor:
     async def _watch(self, node_id: str) -> None:
         node = self.nodes[node_id]
         await self._learn_down(node_id)
-        while True:
+        while not self.stopped:
             wait_s = self.poll_s if self.state[node_id].healthy else 0.0
             try:
                 answer = await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s)

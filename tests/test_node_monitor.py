@@ -186,3 +186,35 @@ def test_the_http_api_answers_a_dead_actor_with_a_503_error_body() -> None:
     asyncio.run(run())
     body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
     assert sent[0]["status"] == 503 and body["error"]["message"] == PROCESS_UNREACHABLE
+
+
+def test_aclose_ends_a_watch_that_let_a_cancel_pass() -> None:
+    """Python 3.11's ``wait_for`` drops a cancel that lands as its call completes, and the
+    watch polled on after ``stop`` (found by the gateway-restart tests: a failed start left a
+    NodeMonitor of its own running). A poll that swallows one cancel stands for it here:
+    ``aclose`` cancels again until every watch has ended, and ``stop`` is sticky."""
+    swallowed = []
+
+    async def health(wait_s: float) -> dict[str, Any]:
+        try:
+            await asyncio.sleep(wait_s)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(1)  # the cancel is lost once
+        return {"healthy": True, "failure": "", "pid": 41, "restarts": 0, "data_address": "tcp://127.0.0.1:9"}
+
+    async def down_nodes() -> dict[str, str]:
+        return {}
+
+    scheduler = SimpleNamespace(down_nodes=SimpleNamespace(remote=down_nodes))
+
+    async def run() -> bool:
+        node = SimpleNamespace(health=SimpleNamespace(remote=health))
+        monitor = NodeMonitor({"n0": node}, {"n0": {"pid": 41, "restarts": 0}}, _Streams(), scheduler, poll_s=0.2)
+        monitor.start()
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(monitor.aclose(), 5)
+        return all(task.done() for task in monitor._tasks) and monitor.stopped
+
+    assert asyncio.run(run()) and swallowed == [1]
