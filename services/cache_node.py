@@ -56,6 +56,7 @@ from services.chat import ChatTemplater
 from services.config import NodeConfig
 from services.data_plane_auth import Security, secure_push
 from services.metrics import MetricsEndpoint, MetricsServer, NodeMetrics
+from services.metrics.server import serve_again
 
 log = logging.getLogger(__name__)
 
@@ -202,11 +203,12 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             "metrics_address": self.metrics_address,
         }
 
-    def serve_metrics(self, endpoint: MetricsEndpoint) -> str:
-        """Serve this node's Prometheus ``/metrics`` at ``endpoint`` (once); returns
+    def serve_metrics(self, endpoint: MetricsEndpoint, previous_port: int = 0) -> str:
+        """Serve this node's Prometheus ``/metrics`` at ``endpoint`` (once; with port 0, on
+        ``previous_port`` while it is free: ``metrics.server.serve_again``); returns
         ``metrics_address``. Raises OSError when the port is taken."""
         if self.metrics_server is None:
-            self.metrics_server = MetricsServer(self.metrics.registry, endpoint)
+            self.metrics_server = serve_again(self.metrics.registry, endpoint, previous_port)
         return self.metrics_address
 
     @property
@@ -318,8 +320,10 @@ class CacheNodeActor(CacheNode):
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
         self._restarts = _actor_restarts()
-        if metrics is not None:  # a restarted node serves its metrics again
-            self.serve_metrics(metrics)
+        if metrics is not None:  # a restarted node serves its metrics again, on its port of before
+            self.serve_metrics(metrics, _previous_metrics_port(scheduler, node_id) if self._restarts else 0)
+            if scheduler and metrics.port == 0 and self.metrics_server is not None:
+                scheduler.record_metrics_port.remote(node_id, self.metrics_server.port)
         if scheduler:
             self.session_sink = lambda node_id, ids: scheduler.sessions_ended.remote(node_id, ids)
 
@@ -332,6 +336,18 @@ class CacheNodeActor(CacheNode):
         time.sleep(FAILED_EXIT_DELAY_S)
         self._pusher.close(linger_s=FAILED_EXIT_DELAY_S)
         os._exit(1)
+
+
+def _previous_metrics_port(scheduler: Any, node_id: str) -> int:
+    """The port this node served ``/metrics`` on before its restart (the scheduler's
+    ``metrics_port_of``; 0 when unknown or the scheduler does not answer within 5 s)."""
+    if not scheduler:
+        return 0
+    try:
+        return int(ray.get(scheduler.metrics_port_of.remote(node_id), timeout=5.0))
+    except Exception as exc:  # noqa: BLE001 - any free port then
+        log.warning("cache node %s: the port of its last /metrics is unknown: %s", node_id, exc)
+        return 0
 
 
 def _actor_restarts() -> int:

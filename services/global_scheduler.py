@@ -140,6 +140,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         self.node_inboxes: dict[str, str] = {}  # node id -> data-plane command inbox (attach_nodes)
         self.down: dict[str, str] = {}  # node id -> why it is not routed to (node_down .. node_up)
         self.node_pids: dict[str, tuple[int, int]] = {}  # node id -> (pid, restarts) at its last ``node_up``
+        self.metrics_ports: dict[str, int] = {}  # node id -> the port of its /metrics (``record_metrics_port``)
         # node id -> {session: (tenant, its turns in flight)} closed while the node was down:
         # sent on at its ``node_up``
         self.closed_while_down: dict[str, dict[str, tuple[str, list[str]]]] = {}

@@ -34,6 +34,20 @@ class GatewayRecord:
 class Membership:
     """The membership part of ``GlobalScheduler``."""
 
+    # ---- where a restarted cache node serves its /metrics again ------------------------------
+    def record_metrics_port(self, node_id: str, port: int) -> bool:
+        """Cache node ``node_id`` serves ``/metrics`` on ``port``: after a restart it serves there
+        again while the port is free (``metrics_port_of``; ``metrics.server.serve_again``).
+        False (nothing recorded) for an unknown node or a port outside 1..65535."""
+        if node_id not in self.nodes or type(port) is not int or not 0 < port <= 65535:
+            return False
+        self.metrics_ports[node_id] = port
+        return True
+
+    def metrics_port_of(self, node_id: str) -> int:
+        """The port ``record_metrics_port`` recorded for ``node_id`` (0: none)."""
+        return self.metrics_ports.get(node_id, 0)
+
     # ---- nodes' command inboxes -------------------------------------------------------------
     def attach_nodes(self, inboxes: dict[str, str], sender: Any = None) -> None:
         """The cache nodes' command inboxes (``CacheNode.open_data_plane``), so

@@ -32,6 +32,7 @@ from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 from services.actor_refs import ActorRef, resolve
 from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
+from services.metrics.server import serve_again
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class ReportToScheduler:
             self.scheduler.report_events.remote(node_id, events, reset)
         except Exception as exc:  # noqa: BLE001 - a dead scheduler must not fail the store
             logger.warning("spill node %s: %d block events not reported: %s", node_id, len(events), exc)
+
+
+METRICS_PORT_FILE = "metrics_port"
+"""The port a spill node served ``/metrics`` on, in its directory (``SpillNode._serve_metrics``)."""
 
 
 class SpillNode:
@@ -86,7 +91,23 @@ class SpillNode:
         self._sink_lock = threading.Lock()  # events leave in order even from a threaded actor
         self._push(reset=True)
         self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
-        self.metrics_server = MetricsServer(self.metrics.registry, metrics) if metrics is not None else None
+        self.metrics_server = self._serve_metrics(Path(root_dir), metrics) if metrics is not None else None
+
+    def _serve_metrics(self, root_dir: Path, endpoint: MetricsEndpoint) -> MetricsServer:
+        """``/metrics`` at ``endpoint``; with port 0, on the port this node served on before a
+        restart (kept in its directory, ``METRICS_PORT_FILE``) while that is free."""
+        path = root_dir / METRICS_PORT_FILE
+        try:
+            previous = int(path.read_text().strip() or 0)
+        except (OSError, ValueError):  # none yet, or unreadable: any free port
+            previous = 0
+        server = serve_again(self.metrics.registry, endpoint, previous)
+        if endpoint.port == 0 and server.port != previous:
+            try:
+                path.write_text(f"{server.port}\n")
+            except OSError as exc:
+                logger.warning("spill node %s: could not keep its metrics port in %s: %s", self.node_id, path, exc)
+        return server
 
     def metrics_address(self) -> str:
         """``host:port`` of this node's ``/metrics`` ("" when it serves none)."""

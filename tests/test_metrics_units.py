@@ -131,6 +131,36 @@ def test_a_taken_metrics_port_is_an_oserror(tmp_path) -> None:
         MetricsEndpoint("127.0.0.1", 70000)
 
 
+def test_a_restarted_node_serves_its_metrics_on_its_port_of_before(tmp_path) -> None:
+    """Regression (review 23b F4, cache and spill nodes): with the default port 0 a restarted
+    node served ``/metrics`` on a new port, and the Prometheus target ``kvstrata up`` wrote went
+    stale. A spill node keeps its port in its directory, a cache node's is the scheduler's
+    record (``record_metrics_port``); ``serve_again`` binds it again, or any free port while
+    it is taken."""
+    from prometheus_client import CollectorRegistry
+
+    from services.metrics.server import serve_again
+
+    first = SpillNode(tmp_path / "spill", FMT, 4 * BLOCK, DISK, node_id="spill_node_0",
+                      metrics=MetricsEndpoint("127.0.0.1", 0))
+    address = first.metrics_address()
+    first.metrics_server.close()  # the process died
+    again = SpillNode(tmp_path / "spill", FMT, 4 * BLOCK, DISK, node_id="spill_node_0",
+                      metrics=MetricsEndpoint("127.0.0.1", 0))
+    try:
+        assert again.metrics_address() == address  # a new port before
+        elsewhere = serve_again(CollectorRegistry(), MetricsEndpoint("127.0.0.1", 0), again.metrics_server.port)
+        assert elsewhere.port not in (0, again.metrics_server.port)  # taken: any free port
+        elsewhere.close()
+    finally:
+        again.metrics_server.close()
+    sched = GlobalScheduler(str(tmp_path / "state"), {"n0": 4})
+    assert sched.metrics_port_of("n0") == 0
+    assert sched.record_metrics_port("n0", 9401) and sched.metrics_port_of("n0") == 9401
+    assert not sched.record_metrics_port("nX", 9402) and not sched.record_metrics_port("n0", 70000)
+    assert sched.metrics_port_of("nX") == 0 and sched.metrics_port_of("n0") == 9401
+
+
 def test_admission_refusals_carry_their_reason(tmp_path) -> None:
     """The ``reason`` label of ``kvstrata:admission_rejections`` comes from the scheduler."""
     clock = Clock()

@@ -190,6 +190,7 @@ def test_kill9_node_mid_stream_client_retries_and_node_rejoins(stack) -> None:
     node = stack.services.nodes[victim]
     pid = ray.get(node.pid.remote())
     assert pid == before[victim]["pid"]
+    metrics_address = ray.get(node.describe.remote())["metrics_address"]
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -205,6 +206,8 @@ def test_kill9_node_mid_stream_client_retries_and_node_rejoins(stack) -> None:
 
     wait_for(lambda: node_healthy(stack, victim, before[victim]["restarts"] + 1), 180, "victim rejoined", every_s=0.5)
     assert ray.get(node.pid.remote()) not in (pid, 0)
+    # its /metrics is back on the port its Prometheus target names (review 23b F4: a new one)
+    assert metrics_address and ray.get(node.describe.remote())["metrics_address"] == metrics_address
     assert serve_on_every_node(stack, key) == set(stack.services.nodes)
     names = [t.spec.name for t in stack.tenants.ListTenants(tenant_pb2.ListTenantsRequest(), metadata=stack.admin_md()).tenants]
     assert "fault4-kill" in names

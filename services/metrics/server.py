@@ -15,6 +15,7 @@ threads of the process (200 connections, 200 threads) of a cache node, gateway o
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+
+log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
 """Connections ``/metrics`` serves at once (a scraper needs one or two)."""
@@ -71,6 +74,23 @@ class MetricsServer:
         """Stop serving and free the port."""
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+def serve_again(registry: CollectorRegistry, endpoint: MetricsEndpoint, previous_port: int = 0) -> MetricsServer:
+    """A ``MetricsServer`` at ``endpoint``; with port 0 and the port a restarted actor served on
+    before (``previous_port``), that port again while it is free (else any free port, logged),
+    so the Prometheus targets ``kvstrata up`` wrote stay good across the actor's restarts.
+
+    Regression (review 23b F4, cache and spill nodes): with the default port 0 a restarted node
+    served ``/metrics`` on a new port and its target went stale, just when its metrics mattered.
+    """
+    if endpoint.port == 0 and 0 < previous_port <= 65535:
+        try:
+            return MetricsServer(registry, MetricsEndpoint(endpoint.host, previous_port))
+        except OSError as exc:
+            log.warning("metrics: port %d of this actor's last start is taken (%s); serving on a new one",
+                        previous_port, exc)
+    return MetricsServer(registry, endpoint)
 
 
 class _BoundedServer(ThreadingMixIn, WSGIServer):
