@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -25,6 +26,7 @@ from cli import state
 from cli.options import GatewayOpt, validation_message
 from cli.output import console, die, fail, say
 from cli.processes import stop_processes
+from cli.ray_auth import new_token_file, token_env, use_token
 from cli.state import admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
@@ -96,9 +98,10 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
     return cfg.model_copy(update={"detached": True})
 
 
-def _start_local_ray(cfg: ServiceConfig) -> tuple[int, str]:
+def _start_local_ray(cfg: ServiceConfig, token: Path) -> tuple[int, str]:
     """``ray start --head`` on a free port under a new temp directory, offering the config's
-    cache- and spill-node resources; returns (GCS port, temp directory).
+    cache- and spill-node resources, with Ray's token authentication on (the token at
+    ``token``: ``cli.ray_auth``); returns (GCS port, temp directory).
 
     Raises:
         RuntimeError: ``ray start`` failed; the message ends with its last line of output.
@@ -110,7 +113,8 @@ def _start_local_ray(cfg: ServiceConfig) -> tuple[int, str]:
                             cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
     done = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
                            f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
-                           "--disable-usage-stats"], check=False, capture_output=True, text=True)
+                           "--disable-usage-stats"], check=False, capture_output=True, text=True,
+                          env={**os.environ, **token_env(token)})
     if done.returncode:
         _stop_local_ray(temp_dir, ray_port)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -149,7 +153,8 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     targets file.
 
     Without `--address` it starts a local Ray cluster of its own (under a temp directory that
-    `kvstrata down` uses to stop exactly that cluster).
+    `kvstrata down` uses to stop exactly that cluster), with Ray's token authentication on (the
+    token in the state directory's `ray_token`, 0600): Ray's ports listen on every interface.
     """
     import ray
 
@@ -163,14 +168,16 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         die(f"port {cfg.gateway_port} on {cfg.gateway_host} is taken; set gateway_port in the config "
             "(0 = any free port)")
     started_ray = address is None
-    temp_dir = ""
+    temp_dir, token = "", None
     if started_ray:
         try:
-            ray_port, temp_dir = _start_local_ray(cfg)
-        except RuntimeError as exc:
+            token = new_token_file(cfg.state_path)
+            ray_port, temp_dir = _start_local_ray(cfg, token)
+        except (RuntimeError, OSError) as exc:
             console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(1) from None
         address = f"127.0.0.1:{ray_port}"
+        use_token(token)
     try:
         ray.init(address=address, namespace=cfg.namespace, **RAY_QUIET)
         with console.status("loading the model on every cache node ..."):
@@ -190,6 +197,7 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         "address": services.address, "ray_address": address, "started_ray": started_ray,
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
         "http_address": services.http_address, "grpc_max_message_bytes": cfg.grpc_max_message_bytes,
+        "ray_token_path": str(token) if token is not None else "",
     }))
     targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
@@ -275,6 +283,8 @@ def down() -> None:
     try:
         target = _ray_target(saved)
         if target is not None:
+            if saved.get("ray_token_path"):  # the local cluster `up` started: its token
+                use_token(saved["ray_token_path"])
             try:
                 ray.init(address=target, namespace=saved["namespace"], **RAY_QUIET)
             except (ConnectionError, RuntimeError) as exc:
@@ -290,6 +300,8 @@ def down() -> None:
         if saved.get("started_ray") and saved.get("ray_temp_dir"):
             _stop_local_ray(saved["ray_temp_dir"], int(saved["ray_address"].rpartition(":")[2] or 0))
             shutil.rmtree(saved["ray_temp_dir"], ignore_errors=True)
+            if saved.get("ray_token_path"):  # the cluster it opened is gone
+                Path(saved["ray_token_path"]).unlink(missing_ok=True)
         elif saved.get("started_ray"):
             console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
                           "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")

@@ -1,0 +1,64 @@
+"""Ray's token authentication for the local cluster a plain ``kvstrata up`` starts.
+
+Ray's control ports (GCS, raylet, the client server) listen on every interface, and a Ray
+cluster without authentication runs any task a connecting driver submits: whoever reaches the
+machine would run code as the service's user and read the admin key, the tenant store and the
+data plane's CURVE keys. So ``up`` starts its cluster with ``RAY_AUTH_MODE=token``: a fresh
+256-bit token in ``<state_dir>/ray_token`` (mode 0600), which ``up`` and ``down`` present
+(``use_token``) and which every process of that cluster inherits from ``ray start``. Ray
+refuses a driver without it (``ConnectionError``). A cluster joined with ``--address`` keeps
+its own settings (``RAY_AUTH_MODE`` as the environment sets it).
+
+Regression (review 23d, A): the embedded cluster ran with ``RAY_AUTH_MODE=disabled``, and a
+driver connecting to the machine's non-loopback address read the admin key and listed every
+tenant.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+TOKEN_FILE = "ray_token"
+"""The token's file in the service's state directory."""
+
+
+def new_token_file(state_dir: Path) -> Path:
+    """Write a new random token (256 bits, hex) to ``state_dir/TOKEN_FILE``, readable by the
+    owner only, replacing an older one; returns its path.
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = state_dir / TOKEN_FILE
+    temp = path.with_name(f".{TOKEN_FILE}.{secrets.token_hex(4)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def token_env(path: Path | str) -> dict[str, str]:
+    """The environment of a process of a cluster authenticated by the token at ``path``."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+
+
+def use_token(path: Path | str) -> None:
+    """Present the token at ``path`` to the Ray cluster this process connects to next (set
+    the environment, and refresh Ray's configuration when Ray was imported already: it reads
+    ``RAY_AUTH_MODE`` once, and ``cli`` sets it to "disabled" by default)."""
+    os.environ.update(token_env(path))
+    if "ray._raylet" in sys.modules:
+        from ray._raylet import Config  # what Ray's own token setup calls to refresh the mode
+
+        Config.initialize("")

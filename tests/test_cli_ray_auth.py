@@ -1,0 +1,63 @@
+"""The local Ray cluster a plain ``kvstrata up`` starts refuses drivers without its token
+(``cli.ray_auth``).
+
+Regression (review 23d, A): it ran with ``RAY_AUTH_MODE=disabled``; its GCS listens on every
+interface, and a driver connecting to the machine's address ran a task that read the 0600
+admin key, which then listed every tenant.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ray.util
+
+from cli import lifecycle
+from cli.ray_auth import TOKEN_FILE, new_token_file, token_env
+from services.config import ServiceConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST_FAIL = {"RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_timeout_s": "3"}
+"""Ray settings that end a refused driver's retries in seconds, not a minute."""
+
+DRIVER = textwrap.dedent("""
+    import os, sys
+    if sys.argv[2]:
+        from cli.ray_auth import use_token
+        import ray  # imported first, as other modules may: use_token refreshes Ray's mode
+        use_token(sys.argv[2])
+    import ray
+    try:
+        ray.init(address=sys.argv[1], log_to_driver=False)
+    except ConnectionError:
+        print("refused")
+        raise SystemExit(0)
+    print("task ran" if ray.get(ray.remote(lambda: 1).remote(), timeout=60) == 1 else "?")
+""")
+
+
+def _driver(address: str, token: str) -> str:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), **FAST_FAIL}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    done = subprocess.run([sys.executable, "-c", DRIVER, address, token], check=False, env=env, capture_output=True,
+                          text=True, timeout=180)
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+
+
+def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path: Path) -> None:
+    token = new_token_file(tmp_path / "state")
+    assert token.name == TOKEN_FILE and stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert len(token.read_text()) == 64 and token_env(token)["RAY_AUTH_MODE"] == "token"
+    port, temp_dir = lifecycle._start_local_ray(ServiceConfig(), token)
+    try:
+        ip = ray.util.get_node_ip_address()  # the machine's address, as a peer reaches it
+        for host in {ip, "127.0.0.1"}:
+            assert _driver(f"{host}:{port}", "") == "refused", host  # "task ran" before
+        assert _driver(f"127.0.0.1:{port}", str(token)) == "task ran"
+    finally:
+        lifecycle._stop_local_ray(temp_dir, port)
