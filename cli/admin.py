@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import typer
 
 from cli.options import GatewayOpt, finite
 from cli.output import console, die, fail
-from cli.state import admin_key_file, admin_metadata, gateway_channel
+from cli.state import admin_key, admin_key_file, admin_metadata, gateway_channel
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from tenants.keys import new_api_key, write_key_file
 
@@ -23,10 +25,12 @@ def admin_rotate_key(
 ) -> None:
     """Replace the admin key and save the new one to the state dir's admin_key file (0600).
 
-    Over gRPC with the current admin key by default; `--local` needs no key: it writes the
-    new key file first, then commits its hash to the tenant database.
+    Over gRPC with the current admin key by default: the saved deployment's key file is read
+    and rewritten; with KVSTRATA_ADMIN_KEY (another deployment's gateway) no file is touched
+    and the new key is printed once. `--local` needs no key: it writes the new key file first,
+    then commits its hash to the tenant database.
     """
-    path = admin_key_file()
+    path: Path | None = admin_key_file()
     if local:
         db = path.parent / "tenants.sqlite"
         if not db.exists():
@@ -41,12 +45,17 @@ def admin_rotate_key(
         finally:
             store.close()
     else:
+        current, path = admin_key(gateway)  # path: where it came from (None: the environment)
         with gateway_channel(gateway) as ch:
             try:
                 key = admin_pb2_grpc.AdminServiceStub(ch).RotateAdminKey(
-                    admin_pb2.RotateAdminKeyRequest(), metadata=admin_metadata(), timeout=30).api_key
+                    admin_pb2.RotateAdminKeyRequest(), metadata=(("authorization", f"Bearer {current}"),),
+                    timeout=30).api_key
             except grpc.RpcError as err:
                 fail(err)
+        if path is None:
+            console.print(f"admin key rotated; the new key (shown once; the old one no longer works): {key}")
+            return
         try:
             write_key_file(path, key)
         except OSError as exc:
@@ -61,7 +70,7 @@ def admin_flush(gateway: str | None = GatewayOpt) -> None:
     the blocks freed, in all and per tier."""
     with gateway_channel(gateway) as ch:
         try:
-            resp = admin_pb2_grpc.AdminServiceStub(ch).Flush(admin_pb2.FlushRequest(), metadata=admin_metadata(),
+            resp = admin_pb2_grpc.AdminServiceStub(ch).Flush(admin_pb2.FlushRequest(), metadata=admin_metadata(gateway),
                                                              timeout=120)
         except grpc.RpcError as err:
             fail(err)
@@ -86,7 +95,7 @@ def admin_drain(
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Drain(admin_pb2.DrainRequest(timeout_s=timeout_s),
-                                                             metadata=admin_metadata(), timeout=timeout_s + 120)
+                                                             metadata=admin_metadata(gateway), timeout=timeout_s + 120)
         except grpc.RpcError as err:
             fail(err)
     console.print(f"drained: {resp.aborted} requests aborted")

@@ -318,7 +318,7 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
-                admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(), timeout=30)
+                admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(gateway), timeout=30)
         except grpc.RpcError as err:
             fail(err)
     console.print(status_table(resp, integrity))

@@ -74,14 +74,14 @@ def run_deepresearch(
         with grpc.insecure_channel(address, options=channel_options()) as ch:
             try:
                 resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
-                    admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(), timeout=30)
+                    admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(gateway), timeout=30)
             except grpc.RpcError as err:
                 fail(err)
         running = json.loads(resp.stats_json)["scheduler"]["scheduler"]
         if running != scheduler:
             die(f"the gateway runs the {running} scheduler, not {scheduler}: `kvstrata down` then "
                 f"`kvstrata up --scheduler {scheduler}`")
-    admin_key = admin_metadata()[0][1].split(" ", 1)[1]
+    admin_key = admin_metadata(gateway)[0][1].split(" ", 1)[1]
 
     async def go() -> int:
         async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:

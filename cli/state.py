@@ -62,12 +62,31 @@ def admin_key_file() -> Path:
     return Path(read_state().get("state_dir", state_dir())) / "admin_key"
 
 
-def admin_metadata() -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying the admin key; exits 1 when there is none."""
-    key = os.environ.get("KVSTRATA_ADMIN_KEY") or read_key_file(admin_key_file())
+def admin_key(gateway: str | None) -> tuple[str, Path | None]:
+    """The admin key for the gateway ``gateway_address(gateway)``, and the file it came from
+    (None: KVSTRATA_ADMIN_KEY). The saved deployment's key file serves only that deployment's
+    gateway (the address ``kvstrata up`` saved): a key goes only where it belongs. Exits 1
+    when there is none.
+
+    Regression (review 23d, B): the saved key went, in the clear, to whatever --gateway or
+    KVSTRATA_GATEWAY named, and ``admin rotate-key`` against another gateway wrote that
+    gateway's new key over the saved deployment's only key file."""
+    key = os.environ.get("KVSTRATA_ADMIN_KEY")
+    if key:
+        return key, None
+    address, saved = gateway_address(gateway), read_state().get("address", "")
+    if address != saved:
+        die(f"no admin key for {address}: the saved admin key is {saved or 'nobody'}'s; set KVSTRATA_ADMIN_KEY")
+    path = admin_key_file()
+    key = read_key_file(path)
     if not key:
         die("no admin key: set KVSTRATA_ADMIN_KEY (lost? `kvstrata admin rotate-key --local`)")
-    return (("authorization", f"Bearer {key}"),)
+    return key, path
+
+
+def admin_metadata(gateway: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying ``admin_key(gateway)``; exits 1 when there is none."""
+    return (("authorization", f"Bearer {admin_key(gateway)[0]}"),)
 
 
 def reachable(address: str, timeout_s: float = 2.0) -> bool:

@@ -24,9 +24,9 @@ OwnKeyOpt = typer.Option(None, "--api-key", help="authorize with the tenant's ow
                          "tenant; default: the admin key)")
 
 
-def key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    """``api_key`` as gRPC metadata, else the admin key's."""
-    return (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata()
+def key_metadata(api_key: str | None, gateway: str | None) -> tuple[tuple[str, str], ...]:
+    """``api_key`` as gRPC metadata, else the admin key's for ``gateway``."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else admin_metadata(gateway)
 
 
 class SloClass(str, Enum):
@@ -80,7 +80,7 @@ def tenant_add(
     with gateway_channel(gateway) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
-                tenant_pb2.RegisterTenantRequest(spec=spec), metadata=admin_metadata())
+                tenant_pb2.RegisterTenantRequest(spec=spec), metadata=admin_metadata(gateway))
         except grpc.RpcError as err:
             fail(err)
     console.print(f"tenant {resp.tenant.spec.name} ({resp.tenant.tenant_id})")
@@ -92,7 +92,7 @@ def tenant_list(gateway: str | None = GatewayOpt) -> None:
     """List the tenants: SLO class, TTFT and TPOT targets, floor, weight, cache namespace, KV policy."""
     with gateway_channel(gateway) as ch:
         try:
-            resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata())
+            resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata(gateway))
         except grpc.RpcError as err:
             fail(err)
     console.print(tenants_table(resp.tenants))
@@ -164,7 +164,7 @@ def tenant_show(
     """One tenant's settings, usage counters (since the services started) and the KV blocks it
     holds now on the healthy nodes: its requests' and its idle sessions' (`status` counts the
     latter "by sessions", for every tenant together)."""
-    md = key_metadata(api_key)
+    md = key_metadata(api_key, gateway)
     with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
@@ -197,7 +197,7 @@ def tenant_update(
     with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
-            spec = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata()).tenant.spec
+            spec = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata(gateway)).tenant.spec
             given = {"ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms, "min_tokens_per_s": min_tokens_per_s,
                      "weight": weight, "kv_quota_bytes": kv_quota_bytes, "max_context_tokens": max_context_tokens,
                      "cache_namespace": namespace, "policy": policy}
@@ -209,7 +209,7 @@ def tenant_update(
             if allow_policy is not None:
                 spec.ClearField("allowed_policies")
                 spec.allowed_policies.extend(allow_policy)
-            stub.UpdateTenant(tenant_pb2.UpdateTenantRequest(name=name, spec=spec), metadata=admin_metadata())
+            stub.UpdateTenant(tenant_pb2.UpdateTenantRequest(name=name, spec=spec), metadata=admin_metadata(gateway))
         except grpc.RpcError as err:
             fail(err)
     changed = [f for f, v in given.items() if v is not None]
@@ -223,7 +223,7 @@ def tenant_rm(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> No
     """Delete a tenant: its API keys stop working at once."""
     with gateway_channel(gateway) as ch:
         try:
-            tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata())
+            tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata(gateway))
         except grpc.RpcError as err:
             fail(err)
     console.print(f"deleted {name}")
@@ -236,7 +236,7 @@ def tenant_rotate_key(
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
-    md = key_metadata(api_key)
+    md = key_metadata(api_key, gateway)
     with gateway_channel(gateway) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md)

@@ -6,6 +6,7 @@ typer's CliRunner.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from pathlib import Path
@@ -32,6 +33,8 @@ def gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("KVSTRATA_ADMIN_KEY", raising=False)
     with serve(tmp_path) as gw:
         write_key_file(tmp_path / "admin_key", gw.admin_key)
+        # what `kvstrata up` saves: the deployment whose key file this is
+        (tmp_path / "gateway.json").write_text(json.dumps({"address": gw.address, "state_dir": str(tmp_path)}))
         yield gw
 
 
@@ -79,6 +82,34 @@ def test_cli_admin_rotate_key_over_grpc_writes_the_key_file(gateway, tmp_path: P
     assert new is not None and new != gateway.admin_key
     assert gateway.scheduler.store.verify_admin_key(new) is True
     assert gateway.scheduler.store.verify_admin_key(gateway.admin_key) is False
+
+
+def test_the_saved_admin_key_goes_only_to_its_own_deployment(gateway, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review 23d, B): the saved deployment's admin key went, in the clear, to
+    whatever --gateway named, and `admin rotate-key` against another deployment (its key in
+    KVSTRATA_ADMIN_KEY) wrote that deployment's new key over this one's only key file. Now a
+    call to another gateway without KVSTRATA_ADMIN_KEY exits 1 before anything is sent, and a
+    rotation with KVSTRATA_ADMIN_KEY prints the new key and leaves the saved file alone."""
+    import socket
+
+    with socket.socket() as other:  # a listener that records whether anything was sent
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        other.settimeout(0.5)
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        result = CliRunner().invoke(cli.app, ["tenant", "list", "--gateway", address])
+        with pytest.raises(TimeoutError):
+            other.accept()
+    assert result.exit_code == 1 and f"no admin key for {address}" in result.output, result.output
+
+    saved = read_key_file(tmp_path / "admin_key")
+    monkeypatch.setenv("KVSTRATA_ADMIN_KEY", gateway.admin_key)  # as another deployment's operator
+    result = CliRunner().invoke(cli.app, ["admin", "rotate-key", "--gateway", gateway.address])
+    assert result.exit_code == 0, result.output
+    [new] = re.findall(r"kvs_[0-9a-f]{12}_[A-Za-z0-9_-]{43}", result.output)
+    assert gateway.scheduler.store.verify_admin_key(new) is True
+    assert read_key_file(tmp_path / "admin_key") == saved  # overwritten before
 
 
 def test_cli_admin_rotate_key_local_when_the_key_is_lost(gateway, tmp_path: Path) -> None:
