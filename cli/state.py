@@ -14,6 +14,9 @@ from cli.output import die
 from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from tenants.keys import read_key_file
 
+RPC_TIMEOUT_S = 30.0
+"""Deadline of the CLI's unary calls to the gateway (a gateway that never answers ends them)."""
+
 STATE_DIR: Path | None = None  # pinned by tests; else ``state_dir()`` reads the environment
 
 

@@ -13,15 +13,16 @@ from rich.table import Table
 
 from cli.options import MAX_UINT32, GatewayOpt, TenantNameArg, finite, uint64
 from cli.output import console, fail
-from cli.state import admin_metadata, gateway_channel
+from cli.state import RPC_TIMEOUT_S, admin_metadata, gateway_channel
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from tenants.model import SLO_CLASS_DEFAULTS
 
 tenant_app = typer.Typer(help="Manage tenants: add, list, show, update, rm, rotate-key.",
                          no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
-OwnKeyOpt = typer.Option(None, "--api-key", help="authorize with the tenant's own key (it reaches only its own "
-                         "tenant; default: the admin key)")
+OwnKeyOpt = typer.Option(None, "--api-key", envvar="KVSTRATA_API_KEY",
+                         help="authorize with the tenant's own key (it reaches only its own tenant; default: the "
+                         "admin key); prefer KVSTRATA_API_KEY: a command line is visible to every local user")
 
 
 def key_metadata(api_key: str | None, gateway: str | None) -> tuple[tuple[str, str], ...]:
@@ -80,7 +81,7 @@ def tenant_add(
     with gateway_channel(gateway) as ch:
         try:
             resp = tenant_pb2_grpc.TenantServiceStub(ch).RegisterTenant(
-                tenant_pb2.RegisterTenantRequest(spec=spec), metadata=admin_metadata(gateway))
+                tenant_pb2.RegisterTenantRequest(spec=spec), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     console.print(f"tenant {resp.tenant.spec.name} ({resp.tenant.tenant_id})")
@@ -92,7 +93,7 @@ def tenant_list(gateway: str | None = GatewayOpt) -> None:
     """List the tenants: SLO class, TTFT and TPOT targets, floor, weight, cache namespace, KV policy."""
     with gateway_channel(gateway) as ch:
         try:
-            resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata(gateway))
+            resp = tenant_pb2_grpc.TenantServiceStub(ch).ListTenants(tenant_pb2.ListTenantsRequest(), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     console.print(tenants_table(resp.tenants))
@@ -168,8 +169,8 @@ def tenant_show(
     with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
-            t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=md).tenant
-            u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=md).usage
+            t = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S).tenant
+            u = stub.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S).usage
         except grpc.RpcError as err:
             fail(err)
     console.print(tenant_table(t, u))
@@ -197,7 +198,7 @@ def tenant_update(
     with gateway_channel(gateway) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         try:
-            spec = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata(gateway)).tenant.spec
+            spec = stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S).tenant.spec
             given = {"ttft_slo_ms": ttft_slo_ms, "tpot_slo_ms": tpot_slo_ms, "min_tokens_per_s": min_tokens_per_s,
                      "weight": weight, "kv_quota_bytes": kv_quota_bytes, "max_context_tokens": max_context_tokens,
                      "cache_namespace": namespace, "policy": policy}
@@ -209,7 +210,7 @@ def tenant_update(
             if allow_policy is not None:
                 spec.ClearField("allowed_policies")
                 spec.allowed_policies.extend(allow_policy)
-            stub.UpdateTenant(tenant_pb2.UpdateTenantRequest(name=name, spec=spec), metadata=admin_metadata(gateway))
+            stub.UpdateTenant(tenant_pb2.UpdateTenantRequest(name=name, spec=spec), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     changed = [f for f, v in given.items() if v is not None]
@@ -223,7 +224,7 @@ def tenant_rm(name: str = TenantNameArg, gateway: str | None = GatewayOpt) -> No
     """Delete a tenant: its API keys stop working at once."""
     with gateway_channel(gateway) as ch:
         try:
-            tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata(gateway))
+            tenant_pb2_grpc.TenantServiceStub(ch).DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     console.print(f"deleted {name}")
@@ -239,7 +240,7 @@ def tenant_rotate_key(
     md = key_metadata(api_key, gateway)
     with gateway_channel(gateway) as ch:
         try:
-            resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md)
+            resp = tenant_pb2_grpc.TenantServiceStub(ch).RotateKey(tenant_pb2.RotateKeyRequest(name=name), metadata=md, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     console.print(f"new API key for {name} (shown once): [bold]{resp.api_key}[/bold]")

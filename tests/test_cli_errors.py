@@ -90,7 +90,8 @@ def test_every_server_refusal_exits_1(tmp_path: Path, args: list[str], status: s
     with serve(tmp_path) as gw:
         gw.scheduler.store.register(TenantSpec("ann"))
         admin = KEY if status == "UNAUTHENTICATED" else gw.admin_key
-        code, output = _run(*args, "--gateway", gw.address, KVSTRATA_ADMIN_KEY=admin)
+        # no tenant key in the environment: `tenant show` would present it (KVSTRATA_API_KEY)
+        code, output = _run(*args, "--gateway", gw.address, KVSTRATA_ADMIN_KEY=admin, KVSTRATA_API_KEY=None)  # type: ignore[arg-type]
 
     lines = [line for line in output.splitlines() if line.strip()]
     assert code == 1, output
@@ -165,3 +166,27 @@ def test_a_deepresearch_plan_without_a_session_is_refused_before_anything_runs(t
     # 45 s has a session: it goes on to connect, and the failed connection is one line, exit 1
     # (registering the tenants raised AioRpcError out of asyncio.run: a traceback)
     assert code == 1 and output.startswith("UNAVAILABLE:") and len(output.strip().splitlines()) == 1, output
+
+
+def test_every_unary_cli_call_has_a_deadline() -> None:
+    """Regression (review 23d, D): the tenant commands' calls had no deadline, so one against a
+    gateway that accepts and never answers hung for good. Every unary stub call of the CLI passes
+    ``timeout=`` (``Generate``, a stream the user watches and ends, excepted)."""
+    import ast
+
+    missing = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr[:1].isupper()
+                    and any(k.arg == "metadata" for k in node.keywords) and node.func.attr != "Generate"
+                    and not any(k.arg == "timeout" for k in node.keywords)):
+                missing.append(f"{path.name}:{node.lineno} {node.func.attr}")
+    assert not missing, missing
+
+
+def test_a_tenants_own_key_may_come_from_the_environment() -> None:
+    """Regression (review 23d, D): `tenant show` / `rotate-key` took the tenant's key only as
+    --api-key, visible to every local user in ps; KVSTRATA_API_KEY now gives it too."""
+    from cli.tenant import OwnKeyOpt
+
+    assert OwnKeyOpt.envvar == "KVSTRATA_API_KEY"
