@@ -186,6 +186,10 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     except Exception as exc:  # noqa: BLE001 -- leave nothing half-started behind, whatever failed
         if temp_dir:
             _stop_local_ray(temp_dir, ray_port)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        elif ray.is_initialized():  # a joined cluster: the detached actors placed so far (review 23d, H)
+            with contextlib.suppress(Exception):
+                _kill_services(cfg.namespace, "")
         console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}",
                       soft_wrap=True)
         raise typer.Exit(1) from None

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import ray
+import yaml
 
 from cli.lifecycle import _ray_target, _service_actor_names
 
@@ -91,3 +92,26 @@ def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster,
     assert all(n["Alive"] for n in ray.nodes())  # the user's cluster is still up
     assert not (tmp_path / "gateway.json").exists() and not (tmp_path / "prometheus_targets.json").exists()
     ray.kill(bystander)
+
+
+def test_a_failed_up_on_an_existing_cluster_leaves_no_actor_behind(ray_cluster, tmp_path: Path) -> None:
+    """Regression (review 23d, H): `up --address` whose cache nodes could not be placed left
+    the detached scheduler (holding the tenant store) and the pending cache node behind, wrote
+    no state for `down` ("nothing to stop"), and every later `up` failed on Ray's name
+    collision. Now a failed `up` on a joined cluster kills what it placed."""
+    namespace = "kvstrata-failed-up-test"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "namespace": namespace, "state_dir": str(tmp_path / "state"), "num_spill_nodes": 0,
+        "cache_node_resource": "kvstrata_test_no_such_resource", "start_timeout_s": 3,
+        "gateway_port": 0, "http_port": 0, "metrics_enabled": False}))
+    env = dict(os.environ, KVSTRATA_STATE_DIR=str(tmp_path / "cli"), RAY_ADDRESS=ray_cluster.address)
+
+    done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--config", str(config), "--address",
+                           ray_cluster.address], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+    assert done.returncode == 1 and "kvstrata up failed" in done.stdout, done.stdout + done.stderr
+    left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    assert left == [], left  # ['global_scheduler', 'cache_node_0'] before
+    assert not (tmp_path / "cli" / "gateway.json").exists()
