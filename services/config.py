@@ -180,7 +180,7 @@ class ServiceConfig(BaseModel):
     gateway_metrics_port: int = Field(0, ge=0, le=65535)
     node_metrics_port: int = Field(0, ge=0, le=65535)
     spill_metrics_port: int = Field(0, ge=0, le=65535)
-    state_dir: str = Field(default_factory=default_state_dir)  # a YAML value wins
+    state_dir: str = Field(default_factory=default_state_dir, validate_default=True)  # a YAML value wins
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)
     # open sessions one tenant may hold across the cluster; a new one past it is refused
@@ -216,6 +216,16 @@ class ServiceConfig(BaseModel):
     @classmethod
     def _known_scheduler(cls, value: str) -> str:
         return check_policy_name(value)
+
+    @field_validator("state_dir", "spill_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        """``~`` expanded and made absolute where the config is loaded (the CLI's directory):
+        the actors, the saved state and every later command then name the same directory.
+        Regression (review 23d, C): a relative state_dir was saved as it was, so a command run
+        from another directory found no admin key, and on a joined cluster each actor resolved
+        it against its own worker's directory. "" (spill_dir's default) stays."""
+        return str(Path(value).expanduser().absolute()) if value else value
 
     @property
     def state_path(self) -> Path:

@@ -131,6 +131,23 @@ def test_the_state_dir_follows_kvstrata_state_dir_unless_the_config_names_one(
     assert ServiceConfig().state_path == Path("~/.kvstrata").expanduser()
 
 
+def test_a_relative_state_or_spill_dir_is_made_absolute_where_the_config_is_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review 23d, C): a relative state_dir (config or KVSTRATA_STATE_DIR) was
+    saved relative, so a command run from another directory found no admin key, and on a
+    joined cluster the actors resolved it against their own directories."""
+    from services.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVSTRATA_STATE_DIR", "relstate")
+    assert ServiceConfig().state_dir == str(tmp_path / "relstate")
+    named = tmp_path / "my.yaml"
+    named.write_text(yaml.safe_dump({"state_dir": "a/b", "spill_dir": "sp"}))
+    cfg = load_config(named)
+    assert (cfg.state_dir, cfg.spill_dir) == (str(tmp_path / "a" / "b"), str(tmp_path / "sp"))
+    assert ServiceConfig(spill_dir="").spill_dir == ""  # the default: <state_dir>/spill
+
+
 def test_status_says_what_holds_the_used_blocks(tiny) -> None:
     """A fresh-user trial saw 39 blocks used with nothing running and no session: stored
     compressed prefixes held them, which nothing showed. The engine counts what idle sessions
