@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 
 ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
+
+
+def own_namespace(tenant_id: str) -> str:
+    """The cache namespace a tenant without a shared one hashes its blocks in
+    (``tenants.model.Tenant.kv_namespace``)."""
+    return f"tenant:{tenant_id}"
 
 
 OPS_BY_ROLE = {"gateway": ("abort",),
@@ -183,11 +190,17 @@ class Commands:
         return close
 
     def end_tenant(self, tenant: str) -> int:
-        """``tenant`` was deleted: each of its streams gets an ABORTED error and its request is
-        aborted (blocks freed at the next step boundary), and each of its sessions is closed
-        there (regression: a deleted tenant's running request ran to its end and its sessions
-        held their KV until their TTL, with no key left to close them). Returns the streams
-        ended."""
+        """``tenant`` (its id) was deleted: each of its streams gets an ABORTED error and its
+        request is aborted (blocks freed at the next step boundary), and each of its sessions is
+        closed there (regression: a deleted tenant's running request ran to its end and its
+        sessions held their KV until their TTL, with no key left to close them). Then the cached
+        KV of its own namespace (``own_namespace``, salted variants too) is dropped on every
+        tier: device, host, stored compressed prefixes here, and the spill nodes' RAM and group
+        files (``LLMEngine.drop_namespace``; the spill part on a thread of its own, off the step
+        thread). Regression (review 23d, E): the deleted tenant's blocks stayed cached, and its
+        prompts' token ids stayed in the spill files across restarts. A tenant whose spec names
+        a shared ``cache_namespace`` never hashed a block under its own namespace: the shared
+        namespace's blocks are the other tenants' too and stay. Returns the streams ended."""
         ids = [rid for rid, stream in list(self._streams.items()) if stream.request.tenant == tenant]
         for rid in ids:
             self._end_stream(rid, "ABORTED", "the tenant was deleted")
@@ -196,6 +209,7 @@ class Commands:
             ids = [sid for sid, sess in self.engine.sessions.sessions.items() if sess.tenant == tenant]
             for sid in ids:
                 self._close_session(sid)
+            self._drop_own_namespace(tenant)
             return len(ids)
 
         self._admin.append((close_sessions, concurrent.futures.Future()))
@@ -203,6 +217,17 @@ class Commands:
         if ids:
             log.warning("cache node %s: ended %d requests of deleted tenant %s", self.node_id, len(ids), tenant)
         return len(ids)
+
+    def _drop_own_namespace(self, tenant: str) -> None:
+        """Step thread, between steps: drop ``tenant``'s own namespace's cached KV here, then
+        on the spill nodes from a thread (it may wait on them)."""
+        while self._aborts:  # its requests' aborts may have come after this step's: their
+            self.engine.abort_request(self._aborts.popleft())  # blocks go free, then dropped
+        namespace = own_namespace(tenant)
+        dropped = self.engine.drop_namespace(namespace, spill=False)
+        threading.Thread(target=self.engine.drop_spill_namespace, args=(namespace,),
+                         name=f"drop-{namespace}", daemon=True).start()
+        log.info("cache node %s: dropped %s cached blocks of deleted tenant %s", self.node_id, dropped, tenant)
 
     def _end_stream(self, request_id: str, code: str, message: str) -> None:
         """Send ``request_id``'s stream its last event, an error ``code``, and abort the request

@@ -140,6 +140,13 @@ class RaySpillClient:
         refs = {i: node.flush.remote() for i, node in enumerate(self.nodes)}
         return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "flush").values())
 
+    def drop_namespace(self, namespace: str) -> int:
+        """Drop ``namespace``'s blocks (salted variants too) on every node (a block's node
+        follows its hash, not its namespace); returns blocks dropped by the nodes that
+        answered (a failed node is logged and counted in ``drop_namespace_failures``)."""
+        refs = {i: node.drop_namespace.remote(namespace) for i, node in enumerate(self.nodes)}
+        return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "drop_namespace").values())
+
     def take_events(self) -> list[SpillEvent]:
         """Every node's events since the last call (a failed node contributes none)."""
         refs = {i: node.take_events.remote() for i, node in enumerate(self.nodes)}

@@ -150,6 +150,14 @@ class SpillNode:
         self._push()
         return dropped
 
+    def drop_namespace(self, namespace: str) -> int:
+        """``SpillStore.drop_namespace``: drop ``namespace``'s blocks (its salted variants
+        too) from RAM and delete its group files; returns how many (a deleted tenant's own
+        namespace)."""
+        dropped = self._store.drop_namespace(namespace)
+        self._push()
+        return dropped
+
     def stats(self) -> dict[str, int]:
         """``SpillStore.stats``."""
         return self._store.stats()

@@ -278,3 +278,35 @@ def test_ram_tier_demotion_stays_within_its_budget(tmp_path: Path, per_file: int
     assert peak <= budget + 8 * fmt.block_nbytes, peak / budget  # 1.09x now, 1.60x before
     hits = store.get(hashes_of(range(192)))
     assert len(hits.hashes) == 192 and hits.blocks.tobytes() == np.ones((192, *fmt.shape), np.int16).tobytes()
+
+
+def test_drop_namespace_deletes_its_ram_blocks_and_group_files(tmp_path: Path) -> None:
+    """Review 23d, E: a deleted tenant's blocks stayed in spill RAM and in group files (whose
+    headers hold the prompt token ids) for good, across restarts. ``drop_namespace`` drops the
+    namespace's and its salted variants' blocks on both tiers and deletes their files; another
+    namespace's blocks and files stay, and a restart indexes none of the dropped ones."""
+    store = SpillStore(tmp_path, FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK, demote_low_watermark=0)
+    tokens = [[i] * 4 for i in range(8)]
+    store.put(hashes_of([0, 1]), make_blocks([0, 1]), "tenant:gone", tokens[0:2])
+    store.put(hashes_of([2, 3]), make_blocks([2, 3]), "tenant:gone#salt=x", tokens[2:4])
+    store.put(hashes_of([4, 5]), make_blocks([4, 5]), "tenant:kept", tokens[4:6])
+    store.demote_to_disk()
+    store.put(hashes_of([6]), make_blocks([6]), "tenant:gone", tokens[6:7])
+    store.put(hashes_of([7]), make_blocks([7]), "tenant:kept", tokens[7:8])
+    assert store.contains(hashes_of(range(8))) == ["spill_disk"] * 6 + ["spill_ram"] * 2
+    assert sorted(read_header(f).namespace for f in files_in(tmp_path)) == [
+        "tenant:gone", "tenant:gone#salt=x", "tenant:kept"]
+    store.take_events()
+    assert store.drop_namespace("tenant:gone") == 5
+    assert store.contains(hashes_of(range(8))) == [None] * 4 + ["spill_disk"] * 2 + [None, "spill_ram"]
+    assert [read_header(f).namespace for f in files_in(tmp_path)] == ["tenant:kept"]
+    assert sorted(store.take_events()) == sorted(
+        [SpillEvent("removed", h, "spill_disk") for h in hashes_of(range(4))]
+        + [SpillEvent("removed", block_hash(6), "spill_ram")])
+    assert store.get(hashes_of([4, 5, 7]), tokens[4:6] + tokens[7:8]).blocks.tobytes() == (
+        make_blocks([4, 5, 7]).tobytes())
+    stats = store.stats()
+    assert (stats["blocks_spill_ram"], stats["blocks_spill_disk"], stats["files"]) == (1, 2, 1)
+    assert stats["disk_bytes"] == sum(f.stat().st_size for f in files_in(tmp_path))
+    restarted = SpillStore(tmp_path, FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK)
+    assert restarted.contains(hashes_of(range(6))) == [None] * 4 + ["spill_disk"] * 2

@@ -285,3 +285,35 @@ def test_a_prefetch_asks_for_a_long_prompt_in_batches(tiny, tmp_path) -> None:
     assert asked == [5, 5, 2]  # [12] before
     assert again.num_cached_tokens_by_tier == by_tier(spill_ram=192)
     assert again.output_token_ids == cold.output_token_ids
+
+
+def test_drop_namespace_empties_every_tier_of_it(tiny, tmp_path) -> None:
+    """Review 23d, E: a deleted tenant's cached KV stayed on every tier (its prompts' token ids
+    in the spill files, across restarts). ``drop_namespace`` (the cache node's ``end_tenant``)
+    drops the namespace's and its salted variants' blocks on device, host, spill RAM and spill
+    disk, deleting its group files; another namespace's blocks stay and still hit."""
+    probe = tiered(tiny)
+    store = store_for(probe, tmp_path)
+    eng = tiered(tiny, spill=store)
+    gone = {"tenant:gone": prompt_of(70, 1), "tenant:gone#salt=s": prompt_of(70, 2)}
+    kept = prompt_of(70, 3)  # 4 full blocks each
+    for ns, p in [*gone.items(), ("tenant:kept", kept)]:
+        run(eng, p, cache_namespace=ns)
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    assert store.demote_to_disk() == 12  # 3 files: gone, gone#salt=s, kept
+    on_host, on_ram, on_device = prompt_of(70, 4), prompt_of(70, 5), prompt_of(70, 6)
+    run(eng, on_ram, cache_namespace="tenant:gone")
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    run(eng, on_host, cache_namespace="tenant:gone#salt=s")
+    eng.demote_all()
+    run(eng, on_device, cache_namespace="tenant:gone")
+    assert eng.drop_namespace("tenant:gone") == {"prefixes": 0, "device": 4, "host": 4, "spill": 12}
+    assert {read_header(f).namespace for f in tmp_path.glob("*.kvs")} == {"tenant:kept"}
+    assert (store.stats()["blocks_spill_ram"], store.stats()["blocks_spill_disk"]) == (0, 4)
+    assert eng.stats()["host_blocks"] == 0
+    for ns, p in [*gone.items(), ("tenant:gone", on_ram), ("tenant:gone#salt=s", on_host),
+                  ("tenant:gone", on_device)]:
+        assert run(eng, p, cache_namespace=ns).num_cached_tokens == 0
+    assert run(eng, kept, cache_namespace="tenant:kept").num_cached_tokens_by_tier == by_tier(spill_disk=64)

@@ -2,11 +2,13 @@
 
 These are the calls the Ray layer makes on a cache node besides requests and steps. Every
 method takes the engine lock; none waits on a spill transfer except ``flush`` (which waits
-for a spill call in progress) and ``wait_for_transfers``.
+for a spill call in progress), ``drop_namespace`` with ``spill``, ``drop_spill_namespace`` and
+``wait_for_transfers``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -16,9 +18,12 @@ from cache_node.block import KVBlock
 from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
 from cache_node.sessions import SessionTable
+from cache_node.tiers.fair_lru import holder_of
 from cache_node.tiers.host import TIER_DEVICE, TierEvent
 from cache_node.tiers.manager import TierManager
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
+
+logger = logging.getLogger(__name__)
 
 
 class EngineTiersMixin:
@@ -31,6 +36,7 @@ class EngineTiersMixin:
     requests: dict[str, Sequence]
     sessions: SessionTable
     scheduler: Any  # cache_node.scheduler.Scheduler
+    prefixes: Any  # cache_node.compressed_prefix.CompressedPrefixCache
 
     def prefetch(self, request_id: str) -> bool:
         """Start copying a queued request's blocks from spill into device blocks, overlapping
@@ -88,6 +94,47 @@ class EngineTiersMixin:
         """Flush the spill tier only; blocks dropped there. May wait on the spill node (up to
         its client's timeouts): call it off the step thread."""
         return self.tiers.flush_spill()
+
+    def drop_namespace(self, namespace: str, spill: bool = True) -> dict[str, int]:
+        """Drop the cached KV of ``namespace``'s holder (the namespace without its salt, so its
+        salted variants too) on every tier, as ``flush_by_tier`` drops everyone's: its stored
+        compressed prefixes (``prefixes``: their blocks, charge blocks included), its cached
+        device blocks no request holds (``device``), its host blocks (``host``) and, with
+        ``spill``, its spill blocks and group files (``spill``: ``drop_spill_namespace``, which
+        may wait on the spill nodes: without ``spill`` the caller runs it off the step thread).
+        Blocks in use by running requests or pinned by sessions stay. Other namespaces' blocks
+        are untouched. Returns the blocks dropped per kind. For a deleted tenant's own
+        namespace (``services.cache_node_commands.end_tenant``)."""
+        holder = holder_of(namespace)
+        with self._lock:
+            stored = [k for k, e in self.prefixes.entries.items() if holder_of(e.seq.cache_namespace) == holder]
+            prefixes = sum(self.prefixes.entries[k].seq.num_held_blocks for k in stored)
+            for key in stored:
+                self.prefixes.evict(key)  # its blocks go to the free queue, still cached
+            self.tiers.release_held(wait=True)
+            pool = self.tiers.blocks
+            cached = [b for b in pool.free_queue if b.block_hash is not None and holder_of(b.namespace) == holder]
+            pool.uncache(cached)
+            host = self.tiers.host
+            in_host = [h for h in host.entries if host.entries.holder(h) == holder]
+            host.release(host.take(in_host))
+        dropped = {"prefixes": prefixes, "device": len(cached), "host": len(in_host)}
+        return dropped | {"spill": self.drop_spill_namespace(namespace) if spill else 0}
+
+    def drop_spill_namespace(self, namespace: str, wait_s: float = 10.0) -> int:
+        """Drop ``namespace``'s blocks (salted variants too) on the spill nodes, after the
+        queued spill puts have gone out (``wait_s`` at most, so none of its blocks lands
+        after the drop). Returns blocks dropped there; 0 without a spill client or on a
+        failed call (logged). Takes no engine lock while it waits: call it off the step thread."""
+        worker, spill = self.tiers.worker, self.tiers.spill
+        if worker is None or spill is None:
+            return 0
+        worker.wait_idle(wait_s)
+        try:
+            return int(spill.drop_namespace(namespace))
+        except Exception as exc:  # noqa: BLE001 - a dead spill node: its files stay (logged)
+            logger.warning("dropping namespace %s on the spill tier failed: %s", namespace, exc)
+            return 0
 
     def take_tier_events(self) -> list[TierEvent]:
         """(event, block_hash, tier) changes of the device and host tiers since the last call.

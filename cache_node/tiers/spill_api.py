@@ -55,6 +55,8 @@ class SpillClient(Protocol):
 
     def flush(self) -> int: ...
 
+    def drop_namespace(self, namespace: str) -> int: ...
+
 
 class SpillBlockSpec(NamedTuple):
     """How a node's blocks look in the spill tier (build the store's ``BlockFormat`` from it)."""

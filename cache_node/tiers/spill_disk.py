@@ -141,6 +141,17 @@ class DiskTier:
             fmt.remove_file(path)
         self.unserved.forget_unindexed()
 
+    def drop_holder(self, holder: str) -> int:
+        """Delete every indexed file of ``holder`` (a namespace without its salt: ``holder_of``),
+        with their blocks' "removed" events; returns the blocks dropped. Files it does not serve
+        (unindexed, quarantined) are not opened and stay until the budget evicts them."""
+        names = [name for name in self._files if self._files.holder(name) == holder]
+        dropped = 0
+        for name in names:
+            dropped += len(self._files[name].live)
+            self._drop_file(name)
+        return dropped
+
     def _write_file(
         self, namespace: str, hashes: list[bytes], blocks: np.ndarray | Sequence[np.ndarray], tokens: list[bytes]
     ) -> None:

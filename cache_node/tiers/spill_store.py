@@ -201,6 +201,20 @@ class SpillStore:
             self._disk.flush()
             return dropped
 
+    def drop_namespace(self, namespace: str) -> int:
+        """Drop every block of ``namespace``'s holder (the namespace without its salt, so its
+        salted variants ``<namespace>#salt=...`` too) from RAM, and delete its group files
+        (their headers hold the blocks' token ids); "removed" events for each block. Other
+        namespaces' blocks are untouched. Returns blocks dropped (a deleted tenant's own
+        namespace: ``services.cache_node_commands.end_tenant``)."""
+        holder = holder_of(namespace)
+        with self._lock:
+            in_ram = [h for h in self._ram if self._ram.holder(h) == holder]
+            for block_hash in in_ram:
+                self._ram.pop(block_hash)
+                self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
+            return len(in_ram) + self._disk.drop_holder(holder)
+
     def stats(self) -> dict[str, int]:
         """Sizes, block counts per tier, files, hits per tier, misses and fault counters.
 
