@@ -37,7 +37,7 @@ class SlowSpillNode(SpillNode):
         return super().get(hashes, token_ids)
 
 
-def spill_blocks_indexed(scheduler, want: int, timeout_s: float = 10.0) -> dict[str, int]:
+def spill_blocks_indexed(scheduler, want: int, timeout_s: float = 30.0) -> dict[str, int]:
     """The scheduler's per-tier block counts once its spill RAM count is ``want`` (events
     arrive asynchronously), or at the deadline."""
     deadline = time.monotonic() + timeout_s
