@@ -303,7 +303,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         # a token's time is when the step hands it out: after the policies' compression
         # (``after_step``) and the sampling, which a caller waits for as well
         now = time.monotonic()
-        for seq, token in ((seq, token) for i, (seq, token) in enumerate(zip(rows, tokens)) if i not in failed):
+        drawn = [(seq, token) for i, (seq, token) in enumerate(zip(rows, tokens)) if i not in failed]
+        for seq, token in drawn:
             seq.output_token_ids.append(token)
             seq.first_token_time_s = seq.first_token_time_s or now
             seq.last_token_time_s = now

@@ -19,17 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from services import data_plane
+from tenants.model import own_namespace
 
 log = logging.getLogger(__name__)
 
 ABORTED_EARLY_MAX = 4096
 """Ids of aborts that arrived before their request, remembered (oldest dropped first)."""
-
-
-def own_namespace(tenant_id: str) -> str:
-    """The cache namespace a tenant without a shared one hashes its blocks in
-    (``tenants.model.Tenant.kv_namespace``)."""
-    return f"tenant:{tenant_id}"
 
 
 OPS_BY_ROLE = {"gateway": ("abort",),

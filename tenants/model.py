@@ -213,7 +213,14 @@ class Tenant:
         which no other tenant can name (":" is outside the namespace pattern), not even one
         registered later under the same name (regression: the default was the name, so a new
         tenant "alice" saw the cached prompts of a deleted "alice" in its ``cached_tokens``)."""
-        return self.spec.cache_namespace or f"tenant:{self.tenant_id}"
+        return self.spec.cache_namespace or own_namespace(self.tenant_id)
+
+
+def own_namespace(tenant_id: str) -> str:
+    """The cache namespace of the tenant ``tenant_id`` when its spec names no shared one
+    (``Tenant.kv_namespace``); a deleted tenant's is purged on every tier
+    (``services.cache_node_commands.end_tenant``)."""
+    return f"tenant:{tenant_id}"
 
 
 def _or(value: Any, default: Any) -> Any:

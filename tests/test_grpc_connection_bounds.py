@@ -408,6 +408,21 @@ class _Passing:
         return True
 
 
+@contextlib.asynccontextmanager
+async def _gated(limits: GrpcLimits, handlers: dict[str, Any]) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a server of service ``t.T`` with ``handlers`` behind a ``CallGate`` whose
+    authenticator passes every key."""
+    server = grpc.aio.server(interceptors=[CallGate(_Passing(), limits, frozenset())])  # type: ignore[arg-type]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(0)
+
+
 def test_a_streaming_call_runs_past_the_message_timeout() -> None:
     """``message_timeout_s`` (0.3 s) bounds only the wait for the request message: a
     server-streaming call, written by an async generator or with ``context.write``, streams
@@ -424,21 +439,13 @@ def test_a_streaming_call_runs_past_the_message_timeout() -> None:
 
     async def run() -> None:
         limits = GrpcLimits(**{**QUICK.__dict__, "message_timeout_s": 0.3})
-        server = grpc.aio.server(interceptors=[CallGate(_Passing(), limits, frozenset())])  # type: ignore[arg-type]
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
-            "Gen": grpc.unary_stream_rpc_method_handler(as_generator),
-            "Write": grpc.unary_stream_rpc_method_handler(with_write)}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                for method in ("/t.T/Gen", "/t.T/Write"):
-                    start = time.monotonic()
-                    call = channel.unary_stream(method)(b"r", timeout=5)
-                    assert [reply async for reply in call] == [b"r\x00", b"r\x01", b"r\x02", b"r\x03"]
-                    assert await call.code() == grpc.StatusCode.OK and time.monotonic() - start > 0.7
-        finally:
-            await server.stop(0)
+        async with _gated(limits, {"Gen": grpc.unary_stream_rpc_method_handler(as_generator),
+                                   "Write": grpc.unary_stream_rpc_method_handler(with_write)}) as channel:
+            for method in ("/t.T/Gen", "/t.T/Write"):
+                start = time.monotonic()
+                call = channel.unary_stream(method)(b"r", timeout=5)
+                assert [reply async for reply in call] == [b"r\x00", b"r\x01", b"r\x02", b"r\x03"]
+                assert await call.code() == grpc.StatusCode.OK and time.monotonic() - start > 0.7
 
     asyncio.run(run())
 
@@ -466,27 +473,19 @@ def test_a_call_failed_by_a_dead_actor_ends_unavailable_with_a_plain_message() -
         raise ray.exceptions.ActorDiedError()
 
     async def run() -> None:
-        server = grpc.aio.server(interceptors=[CallGate(_Passing(), QUICK, frozenset())])  # type: ignore[arg-type]
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
-            "Unary": grpc.unary_unary_rpc_method_handler(unary),
-            "Gen": grpc.unary_stream_rpc_method_handler(as_generator),
-            "Write": grpc.unary_stream_rpc_method_handler(with_write)}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                with pytest.raises(grpc.aio.AioRpcError) as died:
-                    await channel.unary_unary("/t.T/Unary")(b"r", timeout=5)
-                assert (died.value.code(), died.value.details()) == (grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
-                with pytest.raises(grpc.aio.AioRpcError) as bug:
-                    await channel.unary_unary("/t.T/Unary")(b"bug", timeout=5)
-                assert bug.value.code() == grpc.StatusCode.UNKNOWN
-                for method in ("/t.T/Gen", "/t.T/Write"):
-                    call = channel.unary_stream(method)(b"r", timeout=5)
-                    assert await call.read() == b"first"
-                    assert await call.code() == grpc.StatusCode.UNAVAILABLE
-                    assert await call.details() == PROCESS_UNREACHABLE
-        finally:
-            await server.stop(0)
+        async with _gated(QUICK, {"Unary": grpc.unary_unary_rpc_method_handler(unary),
+                                  "Gen": grpc.unary_stream_rpc_method_handler(as_generator),
+                                  "Write": grpc.unary_stream_rpc_method_handler(with_write)}) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as died:
+                await channel.unary_unary("/t.T/Unary")(b"r", timeout=5)
+            assert (died.value.code(), died.value.details()) == (grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+            with pytest.raises(grpc.aio.AioRpcError) as bug:
+                await channel.unary_unary("/t.T/Unary")(b"bug", timeout=5)
+            assert bug.value.code() == grpc.StatusCode.UNKNOWN
+            for method in ("/t.T/Gen", "/t.T/Write"):
+                call = channel.unary_stream(method)(b"r", timeout=5)
+                assert await call.read() == b"first"
+                assert await call.code() == grpc.StatusCode.UNAVAILABLE
+                assert await call.details() == PROCESS_UNREACHABLE
 
     asyncio.run(run())

@@ -192,7 +192,7 @@ class TransferWorker:
                     self.tiers.install(seq, start + k, from_numpy(rows, self.tiers.pool.kv.dtype), tiers)
                     if not self.tiers.blocks.num_free_blocks():  # the pool is full: the rest would not stay
                         return
-                del rows
+                del rows  # not held while the next batch is fetched
                 if len(tiers) < min(step, len(hashes) - k):  # a miss ends the prefix
                     return
         finally:

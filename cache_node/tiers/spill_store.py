@@ -277,7 +277,7 @@ class SpillStore:
                 part = [group.popleft() for _ in range(min(self._disk.max_blocks_per_file, len(group)))]
                 self._disk.write(namespace, [h for h, _ in part], [entry.block for _, entry in part],
                                  [entry.tokens for _, entry in part])
-                del part
+                del part  # its blocks go before the next file's are gathered
 
     def _tokens_match(self, block_hash: bytes, asked: bytes) -> bool:
         """False (counted) when ``block_hash`` is held with other or unknown tokens."""
