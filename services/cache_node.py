@@ -166,6 +166,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self._render_queue: dict[str, deque[_Stream]] = {}
         self._render_lock = threading.Lock()
         self._aborts: deque[str] = deque()
+        self._purges: set[str] = set()  # deleted tenants whose own namespace is still to drop
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._stats: dict[str, Any] = {**self.engine.stats(), "time_s": time.monotonic()}  # ``stats``
@@ -250,6 +251,8 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             while self._gone_subscribers:
                 self._forget_subscriber(self._gone_subscribers.popleft())
             self._run_admin()
+            for tenant in list(self._purges):  # once its last request has ended (``end_tenant``)
+                self._drop_own_namespace(tenant)
             self._start_incoming()
             self._send_outbox()
             if not self.engine.has_unfinished_requests():
