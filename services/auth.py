@@ -147,6 +147,7 @@ class Authenticator(KnownKeys, CheckLimits):
         self._suspects = SuspectKeyIds(max(1, unknown_checks_per_s // 2), max(1, unknown_checks_in_flight // 2),
                                        SUSPECT_TTL_S, clock)
         self._pending: dict[bytes, asyncio.Future[Tenant | None]] = {}  # fingerprint -> its check
+        self._forgets = 0  # forgettings so far: a check that saw one begin after it caches nothing
         self.directory = KeyDirectory(scheduler, directory_refreshes_per_s, self._forget_key_ids)
 
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
@@ -171,12 +172,12 @@ class Authenticator(KnownKeys, CheckLimits):
         wait_s = await self._refuse_known_bad(context, "tenant", key)
         mine: asyncio.Future[Tenant | None] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(fp, mine)
-        tenant = None
+        tenant, since = None, self._forgets
         try:
             async with self._check_slot(context, "tenant", key, wait_s) as unknown:
                 tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
             if tenant is not None:
-                self._remember_tenant(key, tenant)
+                self._remember_tenant(key, tenant, since)
         finally:
             if self._pending.get(fp) is mine:
                 del self._pending[fp]
@@ -208,9 +209,10 @@ class Authenticator(KnownKeys, CheckLimits):
         await self._refuse(context, "admin", key, wait_s, unknown)
 
     async def _is_tenant_key(self, key: str, allow_pbkdf2: bool) -> bool:
+        since = self._forgets
         tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=allow_pbkdf2)
         if tenant is not None:
-            self._remember_tenant(key, tenant)
+            self._remember_tenant(key, tenant, since)
         return tenant is not None
 
     async def admin_or_tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
@@ -236,6 +238,7 @@ class Authenticator(KnownKeys, CheckLimits):
         try_tenant = ("tenant", fp) not in self._failed
         over = wait_s > 0 or self._wait_s(context, "admin", key) > 0
         tenant: Any = None  # a Tenant once one passed
+        since = self._forgets
         async with self._check_slot(context, "tenant", key, wait_s) as unknown:
             if try_admin and await self._is_admin(key, allow_pbkdf2=not over):
                 return None
@@ -247,7 +250,7 @@ class Authenticator(KnownKeys, CheckLimits):
             if not try_tenant:
                 await self._refuse_known_bad(context, "tenant", key)
             await self._refuse(context, "tenant", key, wait_s)
-        self._remember_tenant(key, tenant)
+        self._remember_tenant(key, tenant, since)
         return tenant
 
     def is_verified(self, context: grpc.aio.ServicerContext) -> bool:
@@ -276,14 +279,28 @@ class Authenticator(KnownKeys, CheckLimits):
         hit = self._admins.get(fp)
         return hit is not None and hit[0] > self.clock()
 
-    def _remember_tenant(self, key: str, tenant: Tenant) -> None:
+    def _remember_tenant(self, key: str, tenant: Tenant, since: int) -> None:
+        """Cache ``key`` as ``tenant``'s for ``_CACHE_TTL_S`` and know its id, unless a key or
+        tenant was forgotten since its check began (``since``: ``_forgets`` then).
+
+        Regression (review 23d, rotation race): a check in flight at the scheduler when its
+        key was rotated away (or its tenant deleted or changed) answered with the old state
+        after ``forget_tenant`` ran, and cached the rotated-away key for ``_CACHE_TTL_S``. The
+        call that asked still gets that answer (its check began first); nothing is cached.
+        """
+        if since != self._forgets:
+            return
         self._tenants[fingerprint(key)] = (tenant, self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, tenant.spec.name)
 
     async def _is_admin(self, key: str, allow_pbkdf2: bool) -> bool:
-        """Ask the scheduler whether ``key`` is the admin key (cached when it is)."""
+        """Ask the scheduler whether ``key`` is the admin key (cached when it is, unless a key
+        was forgotten meanwhile: ``_remember_tenant``)."""
+        since = self._forgets
         if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
             return False
+        if since != self._forgets:
+            return True
         self._admins[fingerprint(key)] = (self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, _ADMIN_OWNER)
         return True

@@ -36,6 +36,7 @@ class KnownKeys:
     _known: dict[str, tuple[bytes, float, str]]
     _known_by_owner: dict[str, OrderedDict[str, None]]
     _suspects: SuspectKeyIds
+    _forgets: int
 
     def forget_tenant(self, name: str, keys_gone: bool = False) -> None:
         """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
@@ -50,6 +51,7 @@ class KnownKeys:
         tenant refused RESOURCE_EXHAUSTED there. (A valid key now passes over the failure
         limit anyway: see ``services.auth``'s module docstring.)
         """
+        self._forgets += 1
         for fp in [fp for fp, (tenant, _, _) in self._tenants.items() if tenant.spec.name == name]:
             del self._tenants[fp]
         if keys_gone:
@@ -63,6 +65,7 @@ class KnownKeys:
         Regression (secrev18 E residue): a key of a tenant deleted through another gateway (or
         before the scheduler restarted) stayed cached here for its TTL, each call refused at
         admission instead of at the key check."""
+        self._forgets += 1
         gone = [(fp, tenant.spec.name) for fp, (tenant, _, _) in self._tenants.items() if tenant.tenant_id == tenant_id]
         for fp, _ in gone:
             del self._tenants[fp]
@@ -72,11 +75,13 @@ class KnownKeys:
 
     def forget_admin(self) -> None:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
+        self._forgets += 1
         self._admins.clear()
 
     def _forget_key_ids(self, key_ids: set[str]) -> None:
         """Forget every key of ``key_ids`` (the key directory found them removed: a deleted
         tenant's or a rotated key's): known ids, cached tenant and admin keys."""
+        self._forgets += 1
         for key_id in key_ids:
             self._unknow(key_id)
             self._suspects.cleared(key_id)
