@@ -103,16 +103,21 @@ def _start_local_ray(cfg: ServiceConfig, token: Path) -> tuple[int, str]:
     cache- and spill-node resources, with Ray's token authentication on (the token at
     ``token``: ``cli.ray_auth``); returns (GCS port, temp directory).
 
+    Ray's own temp directory is ``<temp directory>/ray``: Ray makes it and its ``sockets/``
+    world-writable (0777, no sticky bit), so another local user could replace the raylet's and
+    the object store's socket files for workers started later. The temp directory around it is
+    ``mkdtemp``'s (0700, this user's alone), so no one else reaches into it (review 23d).
+
     Raises:
         RuntimeError: ``ray start`` failed; the message ends with its last line of output.
             Whatever it started is stopped and the temp directory removed.
     """
     ray_port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")
+    temp_dir = tempfile.mkdtemp(prefix="kvstrata-ray-")  # 0700; Ray's own under it (docstring)
     resources = json.dumps({cfg.cache_node_resource: cfg.num_cache_nodes,
                             cfg.spill_node_resource: max(1, cfg.num_spill_nodes)})
     done = subprocess.run([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={ray_port}",
-                           f"--temp-dir={temp_dir}", f"--resources={resources}", "--include-dashboard=false",
+                           f"--temp-dir={Path(temp_dir) / 'ray'}", f"--resources={resources}", "--include-dashboard=false",
                            "--disable-usage-stats"], check=False, capture_output=True, text=True,
                           env={**os.environ, **token_env(token)})
     if done.returncode:

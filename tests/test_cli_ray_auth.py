@@ -55,6 +55,10 @@ def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path: Path) ->
     assert len(token.read_text()) == 64 and token_env(token)["RAY_AUTH_MODE"] == "token"
     port, temp_dir = lifecycle._start_local_ray(ServiceConfig(), token)
     try:
+        # Ray makes its temp dir 0777; ours around it stays the user's alone (review 23d)
+        assert stat.S_IMODE(Path(temp_dir).stat().st_mode) == 0o700
+        sockets = list(Path(temp_dir).glob("ray/session_*/sockets"))
+        assert sockets and all(s.resolve().is_relative_to(Path(temp_dir).resolve()) for s in sockets)
         ip = ray.util.get_node_ip_address()  # the machine's address, as a peer reaches it
         for host in {ip, "127.0.0.1"}:
             assert _driver(f"{host}:{port}", "") == "refused", host  # "task ran" before
