@@ -180,6 +180,9 @@ class ServiceConfig(BaseModel):
     gateway_metrics_port: int = Field(0, ge=0, le=65535)
     node_metrics_port: int = Field(0, ge=0, le=65535)
     spill_metrics_port: int = Field(0, ge=0, le=65535)
+    # each /metrics renders its registry at most once per interval and serves those bytes to
+    # every scrape in it (review 23d, I: unauthenticated scrapes must not cost a render each)
+    metrics_render_interval_s: float = Field(1.0, gt=0, le=3600.0)
     state_dir: str = Field(default_factory=default_state_dir, validate_default=True)  # a YAML value wins
     queue_limit: int = Field(256, ge=1)  # requests waiting beyond running capacity, all tenants
     session_ttl_s: float = Field(900.0, gt=0)

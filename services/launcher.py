@@ -153,7 +153,8 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
 
 def metrics_endpoint(config: ServiceConfig, port: int) -> MetricsEndpoint | None:
     """Where an actor serves ``/metrics`` (None with ``metrics_enabled`` off)."""
-    return MetricsEndpoint(config.metrics_host, port) if config.metrics_enabled else None
+    return (MetricsEndpoint(config.metrics_host, port, config.metrics_render_interval_s)
+            if config.metrics_enabled else None)
 
 
 def metrics_addresses(gateway: Any, nodes: dict[str, Any], spill_nodes: list[Any]) -> dict[str, str]:

@@ -79,7 +79,9 @@ def start_stack(cluster: Cluster, state_dir: str | None = None, **overrides: obj
         node=NodeConfig(kv_pool_bytes=64 << 20, max_num_seqs=16, torch_threads=1, fault_injection=True),
         gateway_port=0, http_port=0,
         state_dir=state_dir or tempfile.mkdtemp(prefix="kvstrata-state-"),
-        **{"scheduler": "fcfs", **overrides},  # mechanics tests: no estimate-based early rejection
+        # mechanics tests: no estimate-based early rejection; /metrics renders on each scrape
+        # (a test reads a counter right after the requests it counts)
+        **{"scheduler": "fcfs", "metrics_render_interval_s": 0.001, **overrides},
     )
     services = start_services(cfg)
     channel = grpc.insecure_channel(services.address)

@@ -11,6 +11,10 @@ each; a connection past that is closed at once) and a connection that sends noth
 ``READ_TIMEOUT_S`` is closed. Regression (security review G): ``start_http_server`` gave every
 connection its own thread with no cap and no read timeout, so idle half-sent requests grew the
 threads of the process (200 connections, 200 threads) of a cache node, gateway or spill node.
+
+A scrape costs the server O(1): the registry is rendered at most once per
+``MetricsEndpoint.render_interval_s`` (config ``metrics_render_interval_s``), one render at a
+time, and every scrape in between gets the cached bytes (``services.metrics.exposition``).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+
+from services.metrics.exposition import DEFAULT_RENDER_INTERVAL_S, CachedExposition
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +47,17 @@ NODE_IP = "node_ip"
 class MetricsEndpoint:
     """Where an actor serves ``/metrics``: ``host`` to bind (an address, or ``NODE_IP``: the
     actor's Ray node IP, for a Prometheus on another machine of the cluster), ``port`` (0: any
-    free port)."""
+    free port), ``render_interval_s`` (how long one render of the registry is served)."""
 
     host: str = "127.0.0.1"
     port: int = 0
+    render_interval_s: float = DEFAULT_RENDER_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"metrics port must be in 0..65535, got {self.port}")
+        if not self.render_interval_s > 0:
+            raise ValueError(f"metrics render interval must be > 0 s, got {self.render_interval_s}")
 
 
 class MetricsServer:
@@ -63,7 +72,8 @@ class MetricsServer:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, endpoint.port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
         server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family})
-        self._httpd: WSGIServer = make_server(sockaddr[0], endpoint.port, make_wsgi_app(registry),
+        self.exposition = CachedExposition(registry, endpoint.render_interval_s)
+        self._httpd: WSGIServer = make_server(sockaddr[0], endpoint.port, self.exposition.wsgi_app(),
                                               server_class, handler_class=_QuietHandler)
         threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True).start()
         self.port: int = self._httpd.server_port
@@ -86,7 +96,7 @@ def serve_again(registry: CollectorRegistry, endpoint: MetricsEndpoint, previous
     """
     if endpoint.port == 0 and 0 < previous_port <= 65535:
         try:
-            return MetricsServer(registry, MetricsEndpoint(endpoint.host, previous_port))
+            return MetricsServer(registry, replace(endpoint, port=previous_port))
         except OSError as exc:
             log.warning("metrics: port %d of this actor's last start is taken (%s); serving on a new one",
                         previous_port, exc)
