@@ -11,7 +11,7 @@ import typer
 
 from cli.options import GatewayOpt, positive
 from cli.output import EXIT_USAGE, console, die, fail
-from cli.state import admin_metadata, gateway_address, openai_api_url
+from cli.state import admin_metadata, gateway_address, openai_api_url, state_dir
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.grpc_messages import channel_options
 
@@ -53,8 +53,11 @@ def run_deepresearch(
 ) -> None:
     """Run the DeepResearch multi-agent workload against a running gateway.
 
-    Registers the demo tenants (chat, analyst, indexer, noisy) afresh: tenants of those names
-    already in the store are deleted and re-registered with new keys. A plan without a research
+    Registers the demo tenants (chat, analyst, indexer, noisy) afresh. A tenant of those names
+    that an earlier run from here registered (its key, kept in the CLI's state directory's
+    workload_keys.json, 0600, still works) is deleted and registered again with a new key; a
+    tenant of such a name that someone else registered is left alone and the run stops (exit
+    1) before sending any request. A plan without a research
     session (a --duration too short for --sessions-per-s under --seed) is refused before
     anything runs, as a usage error (exit 2).
     """
@@ -62,7 +65,13 @@ def run_deepresearch(
     from workloads.deepresearch.demo_config import demo_tenants
     from workloads.deepresearch.generator import generate_plan, no_session_message
     from workloads.deepresearch.job import run_deepresearch_grpc
-    from workloads.deepresearch.register import register_tenants
+    from workloads.deepresearch.register import (
+        KEYS_FILE,
+        TenantNameTaken,
+        load_keys,
+        register_tenants,
+        save_keys,
+    )
 
     profiles = demo_tenants(sessions_per_s)[:tenants]
     cfg = WorkloadConfig(seed=seed, duration_s=duration, tenants=profiles, max_subagents=max_subagents)
@@ -82,10 +91,17 @@ def run_deepresearch(
             die(f"the gateway runs the {running} scheduler, not {scheduler}: `kvstrata down` then "
                 f"`kvstrata up --scheduler {scheduler}`")
     admin_key = admin_metadata(gateway)[0][1].split(" ", 1)[1]
+    keys_file = state_dir() / KEYS_FILE
 
     async def go() -> int:
         async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
-            keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy)
+            try:
+                keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy,
+                                              earlier_keys=load_keys(keys_file, address))
+            except TenantNameTaken as err:
+                save_keys(keys_file, address, err.registered)
+                die(str(err))
+        save_keys(keys_file, address, keys)  # profile names are the tenants' (no suffix)
         out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
                                           policy=policy, replay=replay or None, openai_url=url)
         return out.exit_code

@@ -78,7 +78,8 @@ async def _run(args: argparse.Namespace, services: Services, console: Console, r
     config = workload_config(args)
     address, admin_key = services.address, services.admin_key
     async with grpc.aio.insecure_channel(address, options=channel_options(services.config.grpc_max_message_bytes)) as channel:
-        keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy)
+        keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy,
+                                      replace_any=True)  # a deployment of its own (_serve_and_run)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
     url = f"http://{services.http_address}/v1" if args.api == "openai" else ""
     return await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=reports,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import grpc
 
@@ -30,14 +34,34 @@ def profile_to_spec(profile: TenantProfile, name: str, policy: str = "") -> tena
     )
 
 
+class TenantNameTaken(RuntimeError):
+    """A workload's tenant name is taken by a tenant the workload did not register;
+    ``registered`` (tenant name -> key) holds the tenants registered before it was met."""
+
+    def __init__(self, message: str, registered: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.registered = dict(registered)
+
+
 async def register_tenants(
     channel: grpc.aio.Channel, admin_key: str, profiles: Iterable[TenantProfile], name_suffix: str = "",
-    policy: str = "",
+    policy: str = "", earlier_keys: Mapping[str, str] | None = None, replace_any: bool = False,
 ) -> dict[str, str]:
     """Register each profile as tenant ``<name><name_suffix>``; returns profile name -> API key.
 
-    An existing tenant of that name is deleted and registered again (its old key stops working),
-    so a run always starts from the profile's exact promises.
+    A tenant of that name that exists already is replaced (deleted and registered again, its
+    old key stops working, so a run starts from the profile's exact promises) only when this
+    workload registered it: ``earlier_keys`` (tenant name -> the key an earlier run got) holds
+    a key that is still that tenant's (``GetTenant`` with it passes), or ``replace_any`` is set
+    (a deployment the caller started for itself). Otherwise the name belongs to someone else,
+    whose key and cached KV a replacement would take away (review 23d: the demo pointed at a
+    production gateway deleted its tenants of those names).
+
+    Raises:
+        TenantNameTaken: a name is taken by a tenant this workload did not register; that
+            tenant is untouched, and those registered before it stay (``registered``: their
+            keys, for the caller to save as ``earlier_keys`` of the next run).
+        grpc.aio.AioRpcError: a registration failed otherwise.
     """
     stub = tenant_pb2_grpc.TenantServiceStub(channel)
     md = (("authorization", f"Bearer {admin_key}"),)
@@ -50,7 +74,68 @@ async def register_tenants(
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                 raise
+            if not replace_any and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
+                raise TenantNameTaken(
+                    f"a tenant named {name!r} exists and this workload did not register it (no key of it from "
+                    f"an earlier run here still works): replacing it would take its key and cached KV away. "
+                    f"Delete it yourself if it is yours (`kvstrata tenant delete {name}`), or use another "
+                    "deployment", registered={f"{p}{name_suffix}": k for p, k in keys.items()}) from None
             await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md)
             resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
         keys[profile.name] = resp.api_key
     return keys
+
+
+async def _holds_key_of(stub: tenant_pb2_grpc.TenantServiceStub, name: str, key: str) -> bool:
+    """Whether ``key`` is tenant ``name``'s own working key (``GetTenant`` with it passes)."""
+    if not key:
+        return False
+    try:
+        await stub.GetTenant(tenant_pb2.GetTenantRequest(name=name), metadata=(("authorization", f"Bearer {key}"),),
+                             timeout=30)
+    except grpc.aio.AioRpcError as err:
+        if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+            return False
+        raise
+    return True
+
+
+KEYS_FILE = "workload_keys.json"
+"""Where the CLI keeps the keys of the tenants its workloads registered (in its state dir, 0600),
+per deployment (its gateway address): tenant names are per deployment."""
+
+
+def load_keys(path: Path, deployment: str) -> dict[str, str]:
+    """Tenant name -> key that ``save_keys`` saved at ``path`` for ``deployment``; {} when
+    there is none, or the file is absent or unreadable."""
+    entry = _load_all(path).get(deployment)
+    if not isinstance(entry, dict):
+        return {}
+    return {k: v for k, v in entry.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def save_keys(path: Path, deployment: str, keys: Mapping[str, str]) -> None:
+    """Merge ``keys`` (tenant name -> key) into ``deployment``'s at ``path``: the file written
+    whole to a 0600 temp file in its directory (made 0700 when absent), then renamed over it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    every = _load_all(path)
+    every[deployment] = {**load_keys(path, deployment), **keys}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(every, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_all(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
