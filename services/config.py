@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_node.config import DTYPE_NAMES
 from cache_node.scheduling import check_policy_name
@@ -16,6 +16,7 @@ from services.grpc_messages import (
     MAX_GENERATE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES_LIMIT,
 )
+from services.tls import check_certificates, check_server_settings
 
 NODE_DEVICES = ("auto", "cpu", "cuda")
 
@@ -101,6 +102,18 @@ class ServiceConfig(BaseModel):
     node: NodeConfig = NodeConfig()
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(50051, ge=0, le=65535)
+    # TLS on the gateway's gRPC port and its OpenAI-compatible API (services.tls): the server's
+    # PEM certificate (chain) and private key, both or neither ("": plaintext; a gateway_host
+    # other than loopback then logs a WARNING that API keys cross the network in cleartext).
+    # tls_client_ca_file: mutual TLS, only clients with a certificate signed by a CA in this PEM
+    # bundle are served. tls_ca_file: the PEM CA bundle kvstrata's own clients (the CLI after
+    # `kvstrata up`, the demo, the benchmarks) verify the gateway's certificate with ("": the
+    # system's trust roots). Made absolute where the config is loaded and checked there: a
+    # missing or unreadable file, a bad PEM or a key not the certificate's is an error naming it.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    tls_ca_file: str = ""
     # The OpenAI-compatible HTTP API (services.openai_api) on gateway_host; 0 = a free port,
     # None = off.
     http_port: int | None = Field(8000, ge=0, le=65535)
@@ -220,15 +233,24 @@ class ServiceConfig(BaseModel):
     def _known_scheduler(cls, value: str) -> str:
         return check_policy_name(value)
 
-    @field_validator("state_dir", "spill_dir")
+    @field_validator("state_dir", "spill_dir", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_ca_file")
     @classmethod
     def _absolute(cls, value: str) -> str:
         """``~`` expanded and made absolute where the config is loaded (the CLI's directory):
         the actors, the saved state and every later command then name the same directory.
         Regression (review 23d, C): a relative state_dir was saved as it was, so a command run
         from another directory found no admin key, and on a joined cluster each actor resolved
-        it against its own worker's directory. "" (spill_dir's default) stays."""
+        it against its own worker's directory. "" (spill_dir's and the TLS files' default) stays."""
         return str(Path(value).expanduser().absolute()) if value else value
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> ServiceConfig:
+        """The TLS settings as a whole, their files read and parsed (``services.tls``): a bad
+        one fails here, naming the file, not later as a gateway that never serves."""
+        check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        if self.tls_ca_file:
+            check_certificates("tls_ca_file", self.tls_ca_file)
+        return self
 
     @property
     def state_path(self) -> Path:

@@ -32,6 +32,7 @@ from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
+from services.tls import ServerTls, warn_cleartext
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ async def create_server(
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
     security: Security | None = None, metrics: GatewayMetrics | None = None,
     stream_limits: StreamLimits | None = None, grpc_limits: GrpcLimits | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, BoundedHealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
@@ -73,6 +75,8 @@ async def create_server(
             defaults). Regression (secrev19 H4/H5): connections that completed the handshake
             and sent nothing were held forever with no cap, and calls that sent headers alone
             were held before any key check with no deadline (``services.grpc_bounds``).
+        credentials: serve TLS with these (``services.tls.ServerTls.grpc_credentials``); None:
+            plaintext.
     """
     grpc_limits = grpc_limits or GrpcLimits()
     auth = Authenticator(scheduler)
@@ -89,7 +93,8 @@ async def create_server(
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth, nodes, monitor), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError:  # grpc raises, or returns 0, when the address is taken
         port = 0
     if port == 0:
@@ -114,7 +119,8 @@ class Gateway:
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
                  http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
-                 grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None) -> None:
+                 grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None,
+                 tls: ServerTls | None = None) -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
@@ -123,8 +129,10 @@ class Gateway:
         ``stream_limits``: what both APIs' slow or idle readers may hold (None: ``StreamLimits``'
         defaults); ``grpc_limits``: the gRPC connections' bounds (None: ``GrpcLimits``' defaults);
         ``body_limits``: the HTTP request body bytes read at once, per tenant and in all (None:
-        ``BodyLimits``' defaults)."""
+        ``BodyLimits``' defaults); ``tls``: the certificate both APIs serve TLS with (its files
+        read at each start; None: plaintext, with a warning on a non-loopback host)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
+        self.tls = tls
         self.security, self.http_port = security, http_port
         self.http_forwarded_allow_ips, self.http_limits = http_forwarded_allow_ips, http_limits
         self.stream_limits, self.grpc_limits, self.body_limits = stream_limits, grpc_limits, body_limits
@@ -148,12 +156,16 @@ class Gateway:
         and its ports freed before the error is raised, so that a retry can bind them again.
 
         Raises:
-            OSError: a port is taken. RuntimeError: the HTTP server did not come up. Any
-                failure of the nodes' or the scheduler's calls.
+            OSError: a port is taken. RuntimeError: the HTTP server did not come up.
+                ValueError: a TLS file cannot be read or is not what it should be (before
+                anything is bound). Any failure of the nodes' or the scheduler's calls.
 
         Regression (review 23b F3): a failed HTTP start left the gRPC port bound (and a
         NodeMonitor polling and NodeStreams reading), so every retry of a restarted gateway
         failed on its own gRPC port and it never served again."""
+        credentials = self.tls.grpc_credentials() if self.tls is not None else None
+        if self.tls is None:
+            warn_cleartext(host, "the gateway's gRPC and OpenAI-compatible APIs")
         infos = await asyncio.gather(*(node.describe.remote() for node in self.nodes.values()))
         scheduler_address = await self.scheduler.open_data_plane.remote()
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
@@ -163,7 +175,7 @@ class Gateway:
             _ = templater.max_token_chars, templater.conversation_overhead
         self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
-            f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits,
+            f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits, credentials,
         )
         self.streams, self._grpc_started = inference.streams, False
         try:
@@ -194,7 +206,7 @@ class Gateway:
             return encode_text(tokenizer, text)
         self.http = HttpServer(create_app(OpenAIEdge(inference, info["model_id"], encode,
                                                      num_healthy, self.body_limits)),
-                               self.http_forwarded_allow_ips, self.http_limits)
+                               self.http_forwarded_allow_ips, self.http_limits, self.tls)
         await self.http.start(host, port)
 
     async def _unwind(self, health: BoundedHealthServicer) -> None:
@@ -258,9 +270,10 @@ class RayGateway(Gateway):
                  security: Security | None = None, metrics: MetricsEndpoint | None = None,
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
                  http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
-                 grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None) -> None:
+                 grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None,
+                 tls: ServerTls | None = None) -> None:
         super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
-                         http_limits, stream_limits, grpc_limits, body_limits)
+                         http_limits, stream_limits, grpc_limits, body_limits, tls)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

@@ -29,6 +29,7 @@ from services.metrics import MetricsEndpoint
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.spill_node import create_spill_node
+from services.tls import ServerTls
 from tenants.keys import new_api_key, read_key_file, write_key_file
 
 SCHEDULER_NAME = "global_scheduler"
@@ -144,7 +145,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host),
         metrics_endpoint(config, config.gateway_metrics_port), config.http_port,
         config.http_forwarded_allow_ips, ConnectionLimits.of(config), StreamLimits.of(config),
-        GrpcLimits.of(config), BodyLimits.of(config),
+        GrpcLimits.of(config), BodyLimits.of(config), ServerTls.of(config),
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,

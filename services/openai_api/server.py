@@ -16,6 +16,7 @@ from services.openai_api.connections import (
     ConnectionLimits,
     guarded_protocol,
 )
+from services.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class HttpServer:
             /48; these proxies exempt) and without a valid API key (the oldest unfinished one
             shed for a new one), and the time a connection has to deliver a request's head and
             body.
+        tls: serve HTTPS with this certificate (client certificates required when it names a
+            client CA: ``services.tls.ServerTls``); None: plain HTTP.
 
     Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
     127.0.0.1, so any client connecting over loopback chose its own address (the key of the
@@ -52,8 +55,8 @@ class HttpServer:
     """
 
     def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None,
-                 limits: ConnectionLimits | None = None) -> None:
-        self.app = app
+                 limits: ConnectionLimits | None = None, tls: ServerTls | None = None) -> None:
+        self.app, self.tls = app, tls
         self.forwarded_allow_ips = forwarded_allow_ips or None
         self.limits = limits or ConnectionLimits()
         self.guard: ConnectionGuard | None = None
@@ -73,6 +76,7 @@ class HttpServer:
         Raises:
             OSError: the address cannot be bound.
             RuntimeError: uvicorn did not come up within ``start_timeout_s``.
+            ssl.SSLError: a TLS file is no longer what ``ServerTls.check`` found (nothing stays bound).
         """
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -84,14 +88,19 @@ class HttpServer:
             raise
         sock.listen(self.limits.backlog)
         sock.setblocking(False)
-        self.host, self.port = host, sock.getsockname()[1]
-        self.guard = ConnectionGuard(self.limits, self.forwarded_allow_ips)
         # no ws: an upgraded connection would leave the guarded protocol uncounted
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=1, ws="none", backlog=self.limits.backlog,
                                 proxy_headers=self.forwarded_allow_ips is not None,
-                                forwarded_allow_ips=self.forwarded_allow_ips)
-        config.load()
+                                forwarded_allow_ips=self.forwarded_allow_ips,
+                                **(self.tls.uvicorn_options() if self.tls is not None else {}))
+        try:
+            config.load()  # reads the TLS files
+        except BaseException:
+            sock.close()
+            raise
+        self.host, self.port = host, sock.getsockname()[1]
+        self.guard = ConnectionGuard(self.limits, self.forwarded_allow_ips)
         config.http_protocol_class = guarded_protocol(config.http_protocol_class, self.guard)
         self.server = uvicorn.Server(config)
         self.accept_log = AcceptErrorLog(asyncio.get_running_loop(), sock.fileno())
