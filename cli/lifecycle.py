@@ -31,6 +31,7 @@ from cli.state import admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
 from services.metrics.targets import TARGETS_FILE, write_targets
+from services.tls import ServerTls, http_scheme, is_loopback
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
                          help="service YAML config (fields of services/config.py; default: all defaults)")
@@ -207,6 +208,7 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
         "http_address": services.http_address, "grpc_max_message_bytes": cfg.grpc_max_message_bytes,
         "ray_token_path": str(token) if token is not None else "",
+        "tls": bool(cfg.tls_cert_file), "tls_ca_file": cfg.tls_ca_file,  # later commands: cli.state.client_tls
     }))
     targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
@@ -220,11 +222,17 @@ def up_summary(cfg: ServiceConfig, address: str, http_address: str, metrics: dic
     """What ``up`` prints once the services answer, one line per item so that no address is
     ever split: the gateway, the OpenAI API, what the nodes run (``cfg`` as started, its device
     and dtype resolved), the admin key file, then each ``/metrics`` address (``metrics``: actor
-    name -> host:port) and the Prometheus targets file (``targets``; None without metrics)."""
-    node = cfg.node
-    lines = [f"gateway: [bold]{address}[/bold]"]
+    name -> host:port) and the Prometheus targets file (``targets``; None without metrics).
+    With TLS on, the gateway line says so (and whether client certificates are required) and
+    the API's URL is https; without it, a gateway bound beyond loopback gets a warning line."""
+    node, tls = cfg.node, ServerTls.of(cfg)
+    lines = [f"gateway: [bold]{address}[/bold]" + (f" (TLS{', client certificates required' if tls.mutual else ''})"
+                                                   if tls is not None else "")]
+    if tls is None and not is_loopback(cfg.gateway_host):
+        lines.append(f"[yellow]warning: no TLS on {cfg.gateway_host}: API keys cross the network in cleartext "
+                     "(set tls_cert_file and tls_key_file)[/yellow]")
     if http_address:
-        lines.append(f"OpenAI-compatible API: [bold]http://{http_address}/v1[/bold]")
+        lines.append(f"OpenAI-compatible API: [bold]{http_scheme(tls)}://{http_address}/v1[/bold]")
     lines.append(f"scheduler: {cfg.scheduler} on {cfg.num_cache_nodes} cache node"
                  f"{'s' if cfg.num_cache_nodes != 1 else ''} ({node.device}, {node.dtype}); KV policy: "
                  "per tenant or request (default: full)")

@@ -13,6 +13,7 @@ import re
 
 import typer
 
+from cli import state
 from cli.admin import admin_app
 from cli.generate import close_session, generate
 from cli.lifecycle import down, status, up
@@ -22,6 +23,23 @@ from cli.tenant import tenant_app
 
 app = typer.Typer(help="kvstrata: multi-tenant tiered KV-cache serving on Ray.\n\n" + EXIT_CODES_HELP,
                   no_args_is_help=True)
+
+
+@app.callback()
+def tls_options(
+    tls_ca: str = typer.Option("", "--tls-ca", envvar="KVSTRATA_TLS_CA", metavar="PEM",
+                               help="CA bundle that verifies the gateway's TLS certificate: the commands then "
+                               "use TLS for any gateway (default: TLS with the CA of the config `kvstrata up` "
+                               "ran, when it turned TLS on)"),
+    tls_cert: str = typer.Option("", "--tls-cert", envvar="KVSTRATA_TLS_CERT", metavar="PEM",
+                                 help="client certificate for a gateway that requires one (mutual TLS); "
+                                 "with --tls-key"),
+    tls_key: str = typer.Option("", "--tls-key", envvar="KVSTRATA_TLS_KEY", metavar="PEM",
+                                help="the private key of --tls-cert"),
+) -> None:
+    state.TLS_OPTIONS = state.TlsOptions(tls_ca, tls_cert, tls_key)
+
+
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(admin_app, name="admin")
 app.add_typer(run_app, name="run")

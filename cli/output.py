@@ -16,6 +16,7 @@ Exit codes (``kvstrata --help`` lists them):
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import grpc
 import typer
@@ -46,14 +47,14 @@ def say(text: str) -> None:
     console.print(text, soft_wrap=True)
 
 
-def die(message: str, code: int = EXIT_FAILED) -> None:
+def die(message: str, code: int = EXIT_FAILED) -> NoReturn:
     """Print ``message`` in red (one unwrapped line; not markup) and exit ``code``
     (``EXIT_FAILED``, or ``EXIT_USAGE`` for options that make no sense together)."""
     console.print(f"[red]{escape(message)}[/red]", soft_wrap=True)
     raise typer.Exit(code)
 
 
-def fail(err: grpc.RpcError) -> None:
+def fail(err: grpc.RpcError) -> NoReturn:
     """Print a failed call as one line, ``CODE: details``, and exit ``EXIT_FAILED`` whatever
     the status: the server refused or failed it (a usage error never reaches the server)."""
     details = (err.details() or "").splitlines()

@@ -1,23 +1,39 @@
-"""Where the commands find the gateway and the admin key: flags, the environment
-(KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY) or the state ``kvstrata up`` wrote to ``state_dir()``."""
+"""Where the commands find the gateway, how they reach it (plaintext or TLS) and the admin
+key: flags, the environment (KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY, KVSTRATA_TLS_CA,
+KVSTRATA_TLS_CERT, KVSTRATA_TLS_KEY) or the state ``kvstrata up`` wrote to ``state_dir()``."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from cli.output import die
+from cli.output import EXIT_USAGE, die
 from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.tls import ClientTls, open_aio_channel, open_channel
 from tenants.keys import read_key_file
 
 RPC_TIMEOUT_S = 30.0
 """Deadline of the CLI's unary calls to the gateway (a gateway that never answers ends them)."""
 
 STATE_DIR: Path | None = None  # pinned by tests; else ``state_dir()`` reads the environment
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """The ``kvstrata --tls-ca/--tls-cert/--tls-key`` options (or KVSTRATA_TLS_*); "": not given."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+
+TLS_OPTIONS = TlsOptions()
+"""Set by the app's callback (``cli.main``) on each invocation."""
 
 
 def state_dir() -> Path:
@@ -41,20 +57,58 @@ def gateway_address(address: str | None) -> str:
     return addr
 
 
-def gateway_channel(address: str | None) -> grpc.Channel:
-    """A channel to ``gateway_address(address)`` whose messages may be as large as the gateway's
-    ``grpc_max_message_bytes`` (saved by ``kvstrata up``) or the default, whichever is larger:
-    either takes the largest valid request (``services.grpc_messages``)."""
+def client_tls(address: str) -> ClientTls | None:
+    """How to reach the gateway at ``address`` (None: plaintext). TLS when ``kvstrata up`` saved
+    this address with TLS on (verified with the CA bundle its config named, ``tls_ca_file``,
+    unless ``--tls-ca`` names another), or when ``--tls-ca`` or ``--tls-cert`` is given (for any
+    gateway); the client certificate (mutual TLS) is ``--tls-cert``/``--tls-key``'s. Exits 2
+    when only one of those two is given.
+
+    Regression (security review: no TLS anywhere): every command opened a plaintext channel,
+    so the admin and tenant keys crossed the network in cleartext."""
+    options, saved = TLS_OPTIONS, read_state()
+    ours = address == saved.get("address") and bool(saved.get("tls"))
+    if not (ours or options.ca_file or options.cert_file or options.key_file):
+        return None
+    ca_file = options.ca_file or (saved.get("tls_ca_file", "") if ours else "")
+    try:
+        return ClientTls(ca_file, options.cert_file, options.key_file)
+    except ValueError as exc:
+        die(f"--tls-cert / --tls-key: {exc}", EXIT_USAGE)
+
+
+def _message_cap() -> int:
+    """The gateway's ``grpc_max_message_bytes`` (saved by ``kvstrata up``) or the default,
+    whichever is larger: either takes the largest valid request (``services.grpc_messages``)."""
     saved = read_state().get("grpc_max_message_bytes")
-    cap = max(saved if isinstance(saved, int) else 0, DEFAULT_MAX_MESSAGE_BYTES)
-    return grpc.insecure_channel(gateway_address(address), options=channel_options(cap))
+    return max(saved if isinstance(saved, int) else 0, DEFAULT_MAX_MESSAGE_BYTES)
+
+
+def gateway_channel(address: str | None) -> grpc.Channel:
+    """A channel to ``gateway_address(address)``, secure as ``client_tls`` says, whose messages
+    may be as large as ``_message_cap()``. Exits 1 when a TLS file cannot be read."""
+    target = gateway_address(address)
+    try:
+        return open_channel(target, client_tls(target), channel_options(_message_cap()))
+    except ValueError as exc:
+        die(str(exc))
+
+
+def gateway_aio_channel(address: str | None) -> grpc.aio.Channel:
+    """``gateway_channel`` for ``grpc.aio`` (run on a running event loop)."""
+    target = gateway_address(address)
+    try:
+        return open_aio_channel(target, client_tls(target), channel_options(_message_cap()))
+    except ValueError as exc:
+        die(str(exc))
 
 
 def openai_api_url(url: str) -> str:
-    """``url``, else KVSTRATA_OPENAI_URL, else ``http://<the saved HTTP address>/v1``; exits 1
-    when there is none."""
-    saved = read_state().get("http_address")
-    url = url or os.environ.get("KVSTRATA_OPENAI_URL") or (f"http://{saved}/v1" if saved else "")
+    """``url``, else KVSTRATA_OPENAI_URL, else the saved HTTP address's ``/v1`` (``https://``
+    when ``kvstrata up`` saved TLS on, else ``http://``); exits 1 when there is none."""
+    state = read_state()
+    saved, scheme = state.get("http_address"), "https" if state.get("tls") else "http"
+    url = url or os.environ.get("KVSTRATA_OPENAI_URL") or (f"{scheme}://{saved}/v1" if saved else "")
     if not url:
         die("no OpenAI-compatible API address: pass --openai-url (http://host:port/v1) or `kvstrata up` "
             "with http_port set")

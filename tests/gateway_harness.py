@@ -69,9 +69,11 @@ class Gateway:
 
 
 @contextmanager
-def serve(state_dir: Path, templater: Any = None) -> Iterator[Gateway]:
+def serve(state_dir: Path, templater: Any = None,
+          credentials: grpc.ServerCredentials | None = None) -> Iterator[Gateway]:
     """A gateway (TenantService + AdminService) on 127.0.0.1:<free port>; ``templater``: the
-    InferenceService's ``services.chat.ChatTemplater`` (None: chats go to the node unrendered)."""
+    InferenceService's ``services.chat.ChatTemplater`` (None: chats go to the node unrendered);
+    ``credentials``: serve TLS with these (None: plaintext)."""
     scheduler = GlobalSchedulerService(str(state_dir), {"n0": 1})
     admin_key = scheduler.store.ensure_admin_key()
     assert admin_key is not None
@@ -87,7 +89,8 @@ def serve(state_dir: Path, templater: Any = None) -> Iterator[Gateway]:
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(handle, auth, {}), server)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(handle, auth, {}, {"n0": NODE_INFO}, templater, "tcp://127.0.0.1:9"), server)
-        box["port"] = server.add_insecure_port("127.0.0.1:0")
+        box["port"] = (server.add_insecure_port("127.0.0.1:0") if credentials is None
+                       else server.add_secure_port("127.0.0.1:0", credentials))
         await server.start()
         box["server"], box["auth"] = server, auth
         started.set()
