@@ -90,7 +90,8 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler,
                           on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
-    tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(scheduler, auth, nodes, monitor), server)
+    tenant_pb2_grpc.add_TenantServiceServicer_to_server(
+        TenantServicer(scheduler, auth, nodes, monitor, metrics=inference.metrics), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
     try:
         port = (server.add_insecure_port(address) if credentials is None

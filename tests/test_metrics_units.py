@@ -32,7 +32,7 @@ def samples(registry_or_text) -> dict[tuple[str, tuple], float]:
 
 def tracked(metrics: GatewayMetrics, clock: Clock, slo_ms: float = 1000.0, floor: float = 4.0) -> RequestTracker:
     spec = SimpleNamespace(name="acme", ttft_slo_ms=slo_ms, min_tokens_per_s=floor)
-    track = metrics.track(SimpleNamespace(spec=spec))
+    track = metrics.track(SimpleNamespace(tenant_id="00000000000000a1", spec=spec))  # a Tenant's fields
     track.clock, track.arrival_s = clock, clock()
     return track
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
 
@@ -94,27 +95,81 @@ class GatewayMetrics:
         self.floor_tokens_per_s = Gauge(f"{PREFIX}tenant_token_rate_floor", "The tenant's token-rate floor, "
                                         "tokens/s (0: none).", t, registry=reg)
         self._series: dict[str, SimpleNamespace] = {}  # tenant name -> its TENANT_SERIES children
+        self._forgotten_ids: OrderedDict[str, None] = OrderedDict()  # the newest FORGOTTEN_IDS_KEPT
 
     def track(self, tenant: Any) -> RequestTracker:
-        """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now."""
+        """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now;
+        one that records nothing when ``forget_tenant`` forgot that tenant (its id)."""
         spec = tenant.spec
+        if tenant.tenant_id in self._forgotten_ids:
+            return RequestTracker(self, _FORGOTTEN, spec.name, spec.ttft_slo_ms / 1000.0, spec.min_tokens_per_s)
         series = self._series.get(spec.name)
         if series is None:  # the tenant's children, resolved once (``labels`` takes a lock)
-            series = self._series[spec.name] = SimpleNamespace(**{
+            series = self._series[spec.name] = SimpleNamespace(tenant_id=tenant.tenant_id, forgotten=False, **{
                 name: getattr(self, name).labels(spec.name) for name in TENANT_SERIES})
         series.ttft_slo_s.set(spec.ttft_slo_ms / 1000.0)  # the tenant's current targets
         series.floor_tokens_per_s.set(spec.min_tokens_per_s)
         return RequestTracker(self, series, spec.name, spec.ttft_slo_ms / 1000.0, spec.min_tokens_per_s)
 
+    def forget_tenant(self, name: str, tenant_id: str = "") -> None:
+        """Stop exporting tenant ``name`` (deleted): every child of every metric labelled with
+        it (each ``status``, ``reason`` and ``finished_reason`` too) goes, and so does its
+        ``_series`` entry.
+
+        Its requests still in flight record nothing from now on (their trackers' series is
+        marked forgotten; ``finish`` and ``rejected`` create no child), nor does a request of
+        that tenant tracked later: its id (``tenant_id``, and the id its series was made for)
+        is remembered, the newest ``FORGOTTEN_IDS_KEPT`` of them, so the series stay gone.
+        That bound is the documented limit: a request of a deleted tenant tracked after that
+        many later deletions would export its series again (the scheduler refuses such a
+        request at admission, so none lives that long). A new tenant of the same name (a new
+        id) gets new series.
+
+        Regression (security review 23d, F): no series was ever removed, so a deleted
+        tenant's name, request counts and latencies were exported until the gateway
+        restarted, and the series grew with every tenant ever served."""
+        series = self._series.pop(name, None)
+        for forgotten in {tenant_id, getattr(series, "tenant_id", "")} - {""}:
+            self._forgotten_ids[forgotten] = None
+            self._forgotten_ids.move_to_end(forgotten)
+        while len(self._forgotten_ids) > FORGOTTEN_IDS_KEPT:
+            self._forgotten_ids.popitem(last=False)
+        if series is not None:
+            series.forgotten = True
+        for metric in TENANT_SERIES + TENANT_LABELLED:
+            getattr(self, metric).remove_by_labels({"tenant": name})
+
 
 TENANT_SERIES = ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "slo_requests", "slo_met",
                  "floor_requests", "floor_met", "ttft_slo_s", "floor_tokens_per_s")
 """``GatewayMetrics`` attributes labelled by tenant alone (attainment counters start at 0)."""
+TENANT_LABELLED = ("requests", "success", "rejections")
+"""``GatewayMetrics`` attributes labelled by tenant and one more label (a child per value)."""
+FORGOTTEN_IDS_KEPT = 4096
+"""Ids of forgotten (deleted) tenants ``GatewayMetrics`` remembers, the newest."""
+
+
+class _Nowhere:
+    """A metric child that records nothing."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+
+_FORGOTTEN = SimpleNamespace(tenant_id="", forgotten=True, **{name: _Nowhere() for name in TENANT_SERIES})
+"""The series of a forgotten tenant's request tracked after ``forget_tenant``."""
 
 
 class RequestTracker:
     """One request's observations; ``finish`` once, when it has ended. ``series``: its
-    tenant's children of the ``TENANT_SERIES`` metrics."""
+    tenant's children of the ``TENANT_SERIES`` metrics (``series.forgotten``: the tenant was
+    forgotten, nothing more is recorded for it)."""
 
     def __init__(self, metrics: GatewayMetrics, series: Any, tenant: str, ttft_slo_s: float,
                  floor_tokens_per_s: float, clock: Any = time.monotonic) -> None:
@@ -155,7 +210,8 @@ class RequestTracker:
 
     def rejected(self, reason: str) -> None:
         """The admission refused it (``Admission.reason``); ``finish`` still follows."""
-        self.m.rejections.labels(self.tenant, reason or "unknown").inc()
+        if not self.s.forgotten:
+            self.m.rejections.labels(self.tenant, reason or "unknown").inc()
 
     def finish(self, status: str) -> None:
         """It ended with gRPC status name ``status`` ("OK" once its ``finished`` event came);
@@ -163,6 +219,8 @@ class RequestTracker:
         if self.done:
             return
         self.done = True
+        if self.s.forgotten:  # a forgotten tenant's children are not made again
+            return
         self.m.requests.labels(self.tenant, status).inc()
         if status != "OK" or not self.finished_reason:
             return
