@@ -54,7 +54,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # The in-process peer runs with the environment the launcher gives cache node workers.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import grpc
 import openai
 import ray
 
@@ -67,7 +66,9 @@ from services.config import NodeConfig, ServiceConfig
 from services.grpc_messages import channel_options
 from services.launcher import start_services, stop_services
 from services.node_request import NodeRequest
+from services.tls import ClientTls, http_scheme, open_aio_channel
 from workloads.corpus import load_corpus
+from workloads.deepresearch.openai_client import openai_http_client
 
 ORDERS = list(itertools.permutations(("in_process", "service", "in_process_aa")))
 
@@ -147,8 +148,10 @@ async def _rounds(
     max_tokens: int,
     rounds: int,
     probes: int,
+    tls: ClientTls | None = None,
 ) -> dict[str, Any]:
-    """Measure both paths in alternating order so machine noise hits both alike.
+    """Measure both paths in alternating order so machine noise hits both alike (both APIs of
+    the gateway over TLS with ``tls``: ``ClientTls.of_config`` of the config it was started with).
 
     Per round ``r`` (round 0 warms up and is not reported), in the cache namespace ``bench-r<r>``
     on both paths (the service path through a tenant registered with that namespace):
@@ -170,8 +173,9 @@ async def _rounds(
         "http_pairs": [],
         "http_probe_pairs": [],
     }
-    http = openai.AsyncOpenAI(base_url=f"http://{http_address}/v1", api_key="-", max_retries=0)
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
+    http = openai.AsyncOpenAI(base_url=f"{http_scheme(tls)}://{http_address}/v1", api_key="-", max_retries=0,
+                              http_client=openai_http_client(tls))
+    async with open_aio_channel(address, tls, channel_options()) as ch:
         admin = (("authorization", f"Bearer {admin_key}"),)
         tenants = tenant_pb2_grpc.TenantServiceStub(ch)
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         res = asyncio.run(
             _rounds(
                 node, services.address, services.http_address, services.admin_key, prompts, max_tokens, rounds,
-                args.probes,
+                args.probes, ClientTls.of_config(services.config),
             )
         )
     finally:

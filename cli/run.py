@@ -11,9 +11,16 @@ import typer
 
 from cli.options import GatewayOpt, positive
 from cli.output import EXIT_USAGE, console, die, fail
-from cli.state import admin_metadata, gateway_address, openai_api_url, state_dir
+from cli.state import (
+    admin_metadata,
+    client_tls,
+    gateway_address,
+    gateway_aio_channel,
+    gateway_channel,
+    openai_api_url,
+    state_dir,
+)
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
-from services.grpc_messages import channel_options
 
 
 class Api(str, Enum):
@@ -80,7 +87,7 @@ def run_deepresearch(
     address = gateway_address(gateway)
     url = openai_api_url(openai_url) if api == Api.openai else ""
     if scheduler:
-        with grpc.insecure_channel(address, options=channel_options()) as ch:
+        with gateway_channel(gateway) as ch:
             try:
                 resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
                     admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(gateway), timeout=30)
@@ -94,7 +101,7 @@ def run_deepresearch(
     keys_file = state_dir() / KEYS_FILE
 
     async def go() -> int:
-        async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
+        async with gateway_aio_channel(gateway) as ch:
             try:
                 keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy,
                                               earlier_keys=load_keys(keys_file, address))
@@ -103,7 +110,8 @@ def run_deepresearch(
                 die(str(err))
         save_keys(keys_file, address, keys)  # profile names are the tenants' (no suffix)
         out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
-                                          policy=policy, replay=replay or None, openai_url=url)
+                                          policy=policy, replay=replay or None, openai_url=url,
+                                          tls=client_tls(address))
         return out.exit_code
 
     try:

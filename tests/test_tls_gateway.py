@@ -27,6 +27,8 @@ from services.tls import ClientTls, ServerTls, open_aio_channel
 from tests.gateway_harness import LocalActor
 from tests.test_gateway_restart_start import free_port, is_free, nodes, scheduler
 from tests.tls_certs import TlsMaterial, issue, make_ca, make_tls_material
+from workloads.deepresearch.grpc_client import GrpcInferenceClient
+from workloads.deepresearch.openai_client import OpenAIInferenceClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,3 +168,28 @@ def test_a_gateway_beyond_loopback_without_tls_warns_once(
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("the gateway's gRPC and OpenAI-compatible APIs listen on 0.0.0.0 without TLS")
     assert "cleartext" in warnings[0]
+
+
+def test_the_workload_clients_reach_a_tls_gateway(tmp_path: Path, certs: TlsMaterial) -> None:
+    """The DeepResearch workload's clients (gRPC, and the openai package over https) given the
+    CA: the gateway answers their calls (an unknown key: UNAUTHENTICATED); without it they get
+    no connection (UNAVAILABLE), as every client did before."""
+    right = ClientTls(str(certs.ca))
+    call = {"session_id": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "temperature": 0.0, "request_id": "r1", "api_key": "sk-nobody"}
+
+    async def status(client: GrpcInferenceClient | OpenAIInferenceClient) -> str:
+        try:
+            return (await client.generate(**call)).status
+        finally:
+            await client.close()
+
+    async def go() -> None:
+        async with serving(tmp_path, ServerTls(str(certs.server.cert), str(certs.server.key))) as (gw, port, _):
+            target, url = f"127.0.0.1:{port}", f"https://{gw.http_address()}/v1"
+            assert await status(GrpcInferenceClient(target, timeout_s=5, tls=right)) == "UNAUTHENTICATED"
+            assert await status(GrpcInferenceClient(target, timeout_s=5)) == "UNAVAILABLE"
+            assert await status(OpenAIInferenceClient(url, model="tiny", timeout_s=5, tls=right)) == "UNAUTHENTICATED"
+            assert await status(OpenAIInferenceClient(url, model="tiny", timeout_s=5)) == "UNAVAILABLE"
+
+    asyncio.run(go())

@@ -21,7 +21,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import grpc
 import ray
 from rich.console import Console
 
@@ -29,6 +28,7 @@ from cache_node.scheduling import SCHEDULING_POLICIES
 from services.config import NodeConfig, ServiceConfig
 from services.grpc_messages import channel_options
 from services.launcher import Services, start_services, stop_services
+from services.tls import ClientTls, http_scheme, open_aio_channel
 from workloads.deepresearch.compare import append_comparison, print_comparison
 from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.demo_config import demo_tenants
@@ -76,15 +76,15 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 async def _run(args: argparse.Namespace, services: Services, console: Console, replay: str,
                reports: str) -> JobOutcome:
     config = workload_config(args)
-    address, admin_key = services.address, services.admin_key
-    async with grpc.aio.insecure_channel(address, options=channel_options(services.config.grpc_max_message_bytes)) as channel:
+    address, admin_key, tls = services.address, services.admin_key, ClientTls.of_config(services.config)
+    async with open_aio_channel(address, tls, channel_options(services.config.grpc_max_message_bytes)) as channel:
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy,
                                       replace_any=True)  # a deployment of its own (_serve_and_run)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")
-    url = f"http://{services.http_address}/v1" if args.api == "openai" else ""
+    url = f"{http_scheme(tls)}://{services.http_address}/v1" if args.api == "openai" else ""
     return await run_deepresearch_grpc(config, address, keys, admin_key=admin_key, root=reports,
                                        console=console, policy=args.policy,
-                                       replay=replay or None, openai_url=url)
+                                       replay=replay or None, openai_url=url, tls=tls)
 
 
 def _serve_and_run(args: argparse.Namespace, scheduler: str, console: Console, replay: str,

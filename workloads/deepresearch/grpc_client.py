@@ -16,6 +16,7 @@ import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services.grpc_messages import channel_options
+from services.tls import ClientTls, open_aio_channel
 from workloads.deepresearch.client import OK, CallResult, StreamAccumulator, retry_after_from
 
 
@@ -60,9 +61,11 @@ class GrpcInferenceClient:
     """Talks to a kvstrata gateway.
 
     Args:
-        target: ``host:port`` of the gateway (an insecure channel is opened), or
+        target: ``host:port`` of the gateway (a channel is opened: secure with ``tls``,
+            plaintext without), or
         channel: an existing ``grpc.aio.Channel`` (not closed by :meth:`close`).
         timeout_s: per-call deadline; None for no deadline.
+        tls: how to verify a TLS gateway at ``target`` (``services.tls.ClientTls``).
 
     Raises:
         ValueError: neither or both of ``target`` and ``channel`` given.
@@ -74,11 +77,12 @@ class GrpcInferenceClient:
         *,
         channel: grpc.aio.Channel | None = None,
         timeout_s: float | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         if (target is None) == (channel is None):
             raise ValueError("give exactly one of target and channel")
         self._owns_channel = channel is None
-        self._channel = channel if channel is not None else grpc.aio.insecure_channel(target, options=channel_options())
+        self._channel = channel if channel is not None else open_aio_channel(target, tls, channel_options())
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._timeout_s = timeout_s
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 from rich.console import Console
 
 from services.grpc_messages import channel_options
+from services.tls import ClientTls, open_aio_channel
 from workloads.deepresearch.client import InferenceClient, StatsProbe
 from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.generator import generate_plan
@@ -110,16 +110,18 @@ async def run_deepresearch_grpc(
     replay: str | Path | None = None,
     policy: str = "",
     openai_url: str = "",
+    tls: ClientTls | None = None,
 ) -> JobOutcome:
     """:func:`run_deepresearch` against the gateway at ``target`` (``host:port``).
 
     With ``admin_key``, ``AdminService.Stats`` is sampled for the time series and names the
     gateway's scheduler for the report. With ``openai_url`` (``http://host:port/v1``) the calls
     go through the gateway's OpenAI-compatible API with the ``openai`` package
-    (``OpenAIInferenceClient``) instead of gRPC; the admin calls stay on gRPC.
+    (``OpenAIInferenceClient``) instead of gRPC; the admin calls stay on gRPC. With ``tls``
+    both APIs are reached over TLS (``services.tls.ClientTls``; ``openai_url`` then https).
     """
-    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
-        client: InferenceClient = (OpenAIInferenceClient(openai_url, timeout_s=timeout_s) if openai_url
+    async with open_aio_channel(target, tls, channel_options()) as channel:
+        client: InferenceClient = (OpenAIInferenceClient(openai_url, timeout_s=timeout_s, tls=tls) if openai_url
                                    else GrpcInferenceClient(channel=channel, timeout_s=timeout_s))
         probe = grpc_stats_probe(channel, admin_key) if admin_key else None
         scheduler = await gateway_scheduler(channel, admin_key) if admin_key else ""

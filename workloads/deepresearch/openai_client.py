@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import openai
 
+from services.tls import ClientTls
 from workloads.deepresearch.client import OK, TIERS, CallResult, StreamAccumulator, retry_after_from
 
 _HTTP_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
@@ -62,17 +63,26 @@ class _Stream(StreamAccumulator):
                            server_ttft_ms=server.get("ttft_ms"), server_tpot_ms=server.get("tpot_ms"),
                            preempted=bool(server.get("preempted", False)))
 
+def openai_http_client(tls: ClientTls | None) -> openai.DefaultAsyncHttpxClient | None:
+    """The ``http_client`` of an ``AsyncOpenAI`` verifying with ``tls`` (None: its default)."""
+    return openai.DefaultAsyncHttpxClient(verify=tls.ssl_context()) if tls is not None else None
+
+
 class OpenAIInferenceClient:
     """Talks to a kvstrata gateway's OpenAI-compatible API.
 
     Args:
-        base_url: the API root, ``http://host:port/v1``.
+        base_url: the API root, ``http://host:port/v1`` (``https://`` for a TLS gateway).
         model: the model name to send (None: the first of ``GET /v1/models``, asked once).
         timeout_s: per-call timeout; None for none.
+        tls: how to verify a TLS gateway and, for mutual TLS, the client certificate
+            (``services.tls.ClientTls``); None: the ``openai`` package's defaults (the
+            system's trust roots for https).
     """
 
-    def __init__(self, base_url: str, *, model: str | None = None, timeout_s: float | None = None) -> None:
-        self.base_url, self.model, self.timeout_s = base_url, model, timeout_s
+    def __init__(self, base_url: str, *, model: str | None = None, timeout_s: float | None = None,
+                 tls: ClientTls | None = None) -> None:
+        self.base_url, self.model, self.timeout_s, self.tls = base_url, model, timeout_s, tls
         self._clients: dict[str, openai.AsyncOpenAI] = {}
 
     def _client(self, api_key: str) -> openai.AsyncOpenAI:
@@ -80,7 +90,8 @@ class OpenAIInferenceClient:
         if api_key not in self._clients:
             first = next(iter(self._clients.values()), None)
             self._clients[api_key] = (
-                openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=self.timeout_s)
+                openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=self.timeout_s,
+                                   http_client=openai_http_client(self.tls))
                 if first is None else first.with_options(api_key=api_key)
             )
         return self._clients[api_key]
