@@ -12,7 +12,8 @@ system's trust roots) and, for mutual TLS, a client certificate and key; ``open_
 ``open_aio_channel`` give a secure gRPC channel with it, or a plaintext one without.
 
 A gateway bound on a non-loopback address without TLS serves, but says once per process that
-API keys cross the network in cleartext (``warn_cleartext``).
+API keys cross the network in cleartext (``warn_cleartext``). docs/architecture.md, 'Tenancy
+and security'.
 
 Regression (security review: no TLS anywhere): the gateway listened with
 ``add_insecure_port`` and plain HTTP, and every client opened an insecure channel, so the
