@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -74,7 +75,7 @@ def test_local_cluster_validates_with_ray() -> None:
             "max_workers": 2,
         }
     }
-    assert prepared["file_mounts"] == {"~/kvstrata": "."}
+    assert prepared["file_mounts"] == {"~/kvstrata": ".", "~/.ray/auth_token": "~/.ray/auth_token"}
     assert "~/kvstrata-venv/bin/pip install -q -e ~/kvstrata" in prepared["worker_setup_commands"]
 
 
@@ -183,15 +184,106 @@ def test_launcher_configs_cite_the_architecture_section_they_follow(name: str) -
     assert "RAY_AUTH_MODE" in section, f"docs/architecture.md has no section {PROCESS_ENVIRONMENT!r}"
 
 
-def test_kuberay_containers_set_the_ray_auth_mode() -> None:
-    """Every process must agree on RAY_AUTH_MODE (docs/architecture.md, 'Process environment')."""
+# ---------------------------------------------------------------- Ray token authentication
+#
+# Regression (review 23d, A): every deploy file ran Ray with RAY_AUTH_MODE=disabled, so whoever
+# reached the GCS or client port (any pod, any host of the network) ran code on the cluster and
+# read the admin key, the tenant store and the CURVE keys.
+
+RAY_TOKEN_SECRET = {"name": "kvstrata-ray-auth", "key": "auth_token"}
+"""The Kubernetes Secret (and its key) the operator creates with Ray's token."""
+
+_AUTH_MODE = re.compile(r"RAY_AUTH_MODE\s*(?:=|,\s*value:)\s*[\"']?([A-Za-z_]*)")
+
+
+def auth_modes(text: str) -> list[str]:
+    """Every value a deploy file gives ``RAY_AUTH_MODE`` (shell or Dockerfile ``=``, a
+    Kubernetes ``{name: RAY_AUTH_MODE, value: ...}``)."""
+    return _AUTH_MODE.findall(text)
+
+
+def kuberay_auth_problems(manifest: dict[str, Any]) -> list[str]:
+    """What in a RayCluster leaves a Ray process without token auth: each container and the
+    autoscaler need RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from ``RAY_TOKEN_SECRET`` (a
+    secretKeyRef, never a literal)."""
+    spec = manifest["spec"]
+    envs = {group.get("groupName", "head"): env
+            for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+            for env in [c.get("env", []) for c in group["template"]["spec"]["containers"]]}
+    envs["autoscaler"] = spec.get("autoscalerOptions", {}).get("env", [])
+    problems = []
+    for where, env in envs.items():
+        items = {item["name"]: item for item in env}
+        if items.get("RAY_AUTH_MODE", {}).get("value") != "token":
+            problems.append(f"{where}: RAY_AUTH_MODE is not token")
+        token = items.get("RAY_AUTH_TOKEN", {})
+        if "value" in token or token.get("valueFrom", {}).get("secretKeyRef") != RAY_TOKEN_SECRET:
+            problems.append(f"{where}: RAY_AUTH_TOKEN is not from the Secret {RAY_TOKEN_SECRET}")
+    return problems
+
+
+def test_no_deploy_file_runs_ray_without_token_auth() -> None:
+    """Every deploy file that sets RAY_AUTH_MODE sets it to token, and every file that starts
+    Ray sets it (the README names no other mode either)."""
+    for path in sorted(DEPLOY.iterdir()):
+        if path.is_file():
+            assert set(auth_modes(path.read_text())) <= {"token"}, path.name
+    for name in ("cluster.yaml", "cluster-aws.yaml", "kuberay-raycluster.yaml", "Dockerfile"):
+        assert auth_modes((DEPLOY / name).read_text()), name
+
+
+def test_the_auth_mode_check_finds_a_disabled_setting() -> None:
+    """The checks above can fail: each way a deploy file sets the mode, set to disabled."""
+    assert auth_modes("export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0") == ["disabled"]
+    assert auth_modes("ENV RAY_AUTH_MODE=disabled \\") == ["disabled"]
+    assert auth_modes("- {name: RAY_AUTH_MODE, value: disabled}") == ["disabled"]
+    assert auth_modes('- {name: RAY_AUTH_MODE, value: "token"}') == ["token"]
+    manifest = _load("kuberay-raycluster.yaml")
+    manifest["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]["env"][0]["value"] = "disabled"
+    del manifest["spec"]["autoscalerOptions"]["env"]
+    manifest["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"][1] = {
+        "name": "RAY_AUTH_TOKEN", "value": "a-token-in-the-manifest"}
+    assert kuberay_auth_problems(manifest) == [
+        "head: RAY_AUTH_TOKEN is not from the Secret " + str(RAY_TOKEN_SECRET),
+        "cpu-spill: RAY_AUTH_MODE is not token",
+        "autoscaler: RAY_AUTH_MODE is not token",
+        "autoscaler: RAY_AUTH_TOKEN is not from the Secret " + str(RAY_TOKEN_SECRET),
+    ]
+
+
+def test_kuberay_containers_and_autoscaler_take_the_token_from_the_secret() -> None:
+    """Every process must agree on RAY_AUTH_MODE (docs/architecture.md, 'Process environment'):
+    token everywhere, the token from the Secret the README has the operator create."""
     assert "RAY_AUTH_MODE" in _architecture_section(PROCESS_ENVIRONMENT)
-    spec = _load("kuberay-raycluster.yaml")["spec"]
-    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
-    for group in groups:
-        (container,) = group["template"]["spec"]["containers"]
-        env = {item["name"]: item["value"] for item in container["env"]}
-        assert env["RAY_AUTH_MODE"] == "disabled", group.get("groupName", "head")
+    assert kuberay_auth_problems(_load("kuberay-raycluster.yaml")) == []
+    readme = (DEPLOY / "README.md").read_text()
+    create = (f"kubectl -n kvstrata create secret generic {RAY_TOKEN_SECRET['name']} \\\n"
+              f"  --from-literal={RAY_TOKEN_SECRET['key']}=")
+    assert create in readme
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
+def test_launcher_setup_gives_every_shell_token_auth_with_the_mounted_token(tmp_path: Path, name: str) -> None:
+    """The `ray up` setup commands, run in a scratch home that already has the old
+    ``RAY_AUTH_MODE=disabled`` line of an earlier deploy in its .bashrc: a login shell (as
+    Ray's command runner uses for `ray start`) gets RAY_AUTH_MODE=token and the token file
+    that file_mounts copies, mode 0600."""
+    config = _load(name)
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("0" * 64)
+    token.chmod(0o644)
+    (tmp_path / ".bashrc").write_text("source ~/kvstrata-venv/bin/activate\n"
+                                      "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1\n")
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
+    for command in config["setup_commands"]:
+        if "auth_token" in command or "kvstrata_env" in command:
+            subprocess.run(["bash", "-c", command], env=env, check=True)
+    shell = subprocess.run(["bash", "-c", "source ~/.bashrc 2>/dev/null; echo $RAY_AUTH_MODE $RAY_AUTH_TOKEN_PATH"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert shell.stdout.split() == ["token", str(token)]
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
 
 
 def test_readme_walks_through_a_real_cluster() -> None:
