@@ -41,3 +41,18 @@ def resolve(peer: Any) -> Any:
     """``peer`` looked up when it is an :class:`ActorRef`, else ``peer`` itself (a handle, or
     None)."""
     return peer.resolve() if isinstance(peer, ActorRef) else peer
+
+
+def actor_restarts() -> int:
+    """How often Ray restarted the current actor: 0 for a first start and outside an actor;
+    its GCS record's count after a restart (1 when that record is unreadable)."""
+    context = ray.get_runtime_context()
+    actor_id = context.get_actor_id()
+    if actor_id is None or not context.was_current_actor_reconstructed:
+        return 0
+    try:
+        from ray._private import state  # no public API reads an actor's restart count
+
+        return max(1, int(state.actors(actor_id).get("NumRestarts", 1)))
+    except Exception:  # noqa: BLE001 - an internal API: fall back to the public flag
+        return 1

@@ -42,7 +42,7 @@ from cache_node.policies.base import PolicyEnv
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
-from services.actor_refs import resolve
+from services.actor_refs import actor_restarts, resolve
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
 from services.cache_node_health import Health
@@ -322,7 +322,7 @@ class CacheNodeActor(CacheNode):
             raise RuntimeError(
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
-        self._restarts = _actor_restarts()
+        self._restarts = actor_restarts()
         if metrics is not None:  # a restarted node serves its metrics again, on its port of before
             self.serve_metrics(metrics, _previous_metrics_port(scheduler, node_id) if self._restarts else 0)
             if scheduler and metrics.port == 0 and self.metrics_server is not None:
@@ -351,17 +351,6 @@ def _previous_metrics_port(scheduler: Any, node_id: str) -> int:
     except Exception as exc:  # noqa: BLE001 - any free port then
         log.warning("cache node %s: the port of its last /metrics is unknown: %s", node_id, exc)
         return 0
-
-
-def _actor_restarts() -> int:
-    """How often Ray restarted the current actor (its GCS record; 0 or 1 when that is unreadable)."""
-    context = ray.get_runtime_context()
-    try:
-        from ray._private import state  # no public API reads an actor's restart count
-
-        return int(state.actors(context.get_actor_id()).get("NumRestarts", 0))
-    except Exception:  # noqa: BLE001 - an internal API: fall back to the public flag
-        return int(context.was_current_actor_reconstructed)
 
 
 CacheNodeRemote = ray.remote(CacheNodeActor)

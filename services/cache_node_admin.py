@@ -1,4 +1,5 @@
-"""A cache node's admin calls: stats, flush, drain, closing a session.
+"""A cache node's admin calls: stats, flush, drain, closing a session, and the report a
+restarted global scheduler rebuilds its state from.
 
 Admin calls never take the engine lock on the caller's thread (a step holds it for its whole
 forward pass, and on the actor that would stall its event loop): ``stats`` reads the snapshot
@@ -107,6 +108,33 @@ class Admin:
             return ended
 
         return await self._between_steps(abort_left)
+
+    async def recovery_report(self) -> dict[str, Any]:
+        """What a restarted global scheduler re-learns from this node
+        (``services.global_scheduler_recovery``): its health as ``health`` answers it
+        (``healthy``, ``failure``, ``pid``, ``restarts``, ``data_address``), ``metrics_address``,
+        and, taken together at the next step boundary, ``blocks`` (``(block_hash, tier)`` held
+        on the device and in the host tier), ``sessions`` (``(session_id, tenant, kept)``,
+        ``kept``: a turn of it finished here, so the node holds its history) and ``requests``
+        (``(request_id, tenant, session_id, subscriber)`` of each request a gateway's data
+        plane opened here that has not ended). A node whose step loop failed reports its
+        health alone."""
+        report = {"healthy": not self.failure, "failure": self.failure, "pid": os.getpid(),
+                  "restarts": self.restarts(), "data_address": self.data_address,
+                  "metrics_address": self.metrics_address}
+        if self.failure:
+            return report
+        return report | await self._between_steps(self._held_now)
+
+    def _held_now(self) -> dict[str, Any]:
+        """Step thread: ``recovery_report``'s blocks, sessions and requests."""
+        blocks = self.engine.tier_block_hashes()
+        with self.engine._lock:  # an abort on another thread may end a session meanwhile
+            sessions = [(s.session_id, s.tenant, bool(s.token_ids))
+                        for s in self.engine.sessions.sessions.values()]
+        requests = [(rid, stream.request.tenant, stream.request.session_id, stream.subscriber)
+                    for rid, stream in list(self._streams.items()) if stream.subscriber]
+        return {"blocks": blocks, "sessions": sessions, "requests": requests}
 
     def _between_steps(self, call: Callable[[], Any]) -> asyncio.Future[Any]:
         """``call()`` run by the step thread at its next step boundary, as an awaitable.

@@ -162,6 +162,11 @@ class SpillNode:
         """``SpillStore.stats``."""
         return self._store.stats()
 
+    def held_blocks(self) -> list[tuple[bytes, str]]:
+        """``SpillStore.held``: every block held now and its tier (a restarted global scheduler
+        rebuilds its index from it: ``services.global_scheduler_recovery``)."""
+        return self._store.held()
+
     def take_events(self) -> list[SpillEvent]:
         """``SpillStore.take_events``: changes since the last call, oldest first (always
         empty with an ``event_sink``, which receives them instead)."""

@@ -145,6 +145,12 @@ class EngineTiersMixin:
         with self._lock:
             return self.tiers.take_events()
 
+    def tier_block_hashes(self) -> list[tuple[bytes, str]]:
+        """``(block_hash, tier)`` of every block the device and host tiers hold now
+        (``TierManager.held_hashes``)."""
+        with self._lock:
+            return self.tiers.held_hashes()
+
     def take_events(self) -> list[tuple[str, bytes]]:
         """Device-tier (event, block_hash) changes since the last call (drains host events too;
         prefer ``take_tier_events``)."""

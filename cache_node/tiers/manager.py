@@ -387,6 +387,13 @@ class TierManager:
         out[TIER_DEVICE] = seq.num_cached_tokens - sum(out.values())
         return out
 
+    def held_hashes(self) -> list[tuple[bytes, str]]:
+        """``(block_hash, tier)`` of every block held now on the device (prefix-cached) and in
+        the host tier: what ``take_events`` has reported, summed up (a restarted global
+        scheduler's index is rebuilt from it)."""
+        return ([(h, TIER_DEVICE) for h in self.blocks.cached]
+                + [(h, TIER_HOST) for h in self.host.entries])
+
     def take_events(self) -> list[TierEvent]:
         """Device and host stored/removed events since the last call (spill nodes keep theirs)."""
         device = [TierEvent(e, h, TIER_DEVICE) for e, h in self.blocks.take_events()]

@@ -215,6 +215,12 @@ class SpillStore:
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             return len(in_ram) + self._disk.drop_holder(holder)
 
+    def held(self) -> list[tuple[bytes, str]]:
+        """``(block_hash, tier)`` of every block held now, tiers ``spill_ram`` and
+        ``spill_disk``: what ``take_events`` has reported, summed up."""
+        with self._lock:
+            return [(h, TIER_RAM) for h in self._ram] + [(h, TIER_DISK) for h in self._disk.index]
+
     def stats(self) -> dict[str, int]:
         """Sizes, block counts per tier, files, hits per tier, misses and fault counters.
 
