@@ -206,6 +206,12 @@ class ServiceConfig(BaseModel):
     cache_node_max_restarts: int = Field(-1, ge=-1)
     # Ray restarts a gateway whose process died; it serves again on the same host:port: -1 = always.
     gateway_max_restarts: int = Field(-1, ge=-1)
+    # Ray restarts the global scheduler whose process died: -1 = always. The restarted one
+    # rebuilds routes, sessions, requests in flight and the block index from the nodes' reports
+    # (services.global_scheduler_recovery), waiting at most scheduler_report_timeout_s for them;
+    # a cache node silent that long counts as down until it rejoins.
+    scheduler_max_restarts: int = Field(-1, ge=-1)
+    scheduler_report_timeout_s: float = Field(10.0, gt=0, le=600.0)
     # Where data-plane sockets bind (services.data_plane_auth; CURVE-encrypted either way):
     # "loopback" (127.0.0.1), "node_ip" (each Ray node's IP: a cluster of several machines),
     # or "auto": loopback for the embedded cluster of `kvstrata up` (no --address; every Ray

@@ -50,6 +50,7 @@ from services.gateway_streams import NodeStreams
 from services.gateway_tracking import StreamWriter, _RecordedAbort, _Seen
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
+from services.ray_errors import SchedulerRestarting
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +259,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                 usage = {}  # reply included: ``data_plane.admission_reply``): UNAVAILABLE
                 for node_id in self.streams.node_inboxes:  # admitted late, it must not run unseen:
                     self.streams.abort(node_id, req.request_id)  # its id is this attempt's alone
-                if isinstance(exc, asyncio.TimeoutError):  # a scheduler fault (RuntimeError) has
-                    set_retry_after(context, RETRY_S)  # no hint: no wait is known to undo it
+                if isinstance(exc, (asyncio.TimeoutError, SchedulerRestarting)):  # a scheduler fault
+                    set_retry_after(context, RETRY_S)  # (RuntimeError) has none: no wait is known to undo it
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) or "the global scheduler did not answer")
             if adm.code != "OK":
                 usage = {}

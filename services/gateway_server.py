@@ -304,7 +304,21 @@ class RayGateway(Gateway):
             raise
         if self.streams is not None:
             self.streams.on_gone = self.reattach
+        if self.monitor is not None:  # the scheduler Ray restarted rebuilt its state: attach to it
+            self.monitor.on_scheduler_back = self._scheduler_back
         return bound
+
+    async def _scheduler_back(self) -> None:
+        """The scheduler answers again after it was unreachable (Ray restarted it, or the link
+        broke): attach again (a restarted one knows no gateway: ``attach_gateway``,
+        ``attach_gateway_apis``), and tell it which requests this gateway still waits for
+        (``reconcile_gateway``: it releases the others it rebuilt, ended while it was down)."""
+        subscriber = self.streams.subscriber if self.streams is not None else ""
+        await self.scheduler.attach_gateway.remote(
+            self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
+        await self.scheduler.attach_gateway_apis.remote(self.gateway_id, self.http_address(), self.metrics_address())
+        open_requests = self.streams.open_request_ids() if self.streams is not None else []
+        await self.scheduler.reconcile_gateway.remote(subscriber, open_requests)
 
     async def reattach(self) -> bool:
         """Attach to the scheduler again with this gateway's inbox, after it refused one of its

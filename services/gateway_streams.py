@@ -27,6 +27,7 @@ from services.gateway_stream_bounds import (
 )
 from services.global_scheduler_checks import Admission
 from services.node_request import NodeRequest
+from services.ray_errors import SchedulerRestarting
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,15 @@ class NodeStreams:
         self.on_gone: Callable[[], Awaitable[bool]] | None = None
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
+        self.on_scheduler_disconnect: Callable[[], Any] | None = None  # (``_connect_scheduler``)
+        self._scheduler_tasks: list[asyncio.Task[None]] = []
         self._queues: dict[str, _Entry] = {}  # request id -> its open stream
         self._failures = 0  # ``fail_node`` calls so far
         self._opened_at: dict[str, int] = {}  # request id -> ``_failures`` when it was opened
         self._failed_at: dict[str, int] = {}  # node id -> ``_failures`` at its last failure
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.scheduler_failure = ""  # ``scheduler_failed``
+        self._scheduler_error: type[RuntimeError] = RuntimeError
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[str, asyncio.Task[None]] = {}  # node id -> its connection watch
@@ -125,17 +129,60 @@ class NodeStreams:
         self._context = ctx = data_plane.context(asyncio_=True)
         self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
         inbox, self.subscriber = data_plane.serving_socket(ctx, zmq.PULL, self.security)
-        self._admission = ctx.socket(zmq.DEALER)
-        self._admission.setsockopt(zmq.MAXMSGSIZE, data_plane.MAX_MESSAGE_BYTES)
-        if self.security is not None:
-            self.security.connect_to(self._admission, "scheduler")
-        self._admission.connect(self.scheduler_address)
         self._commands = {}
         for node_id, address in self.node_inboxes.items():
             self._connect_node(node_id, address)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._read_admissions()),
-                       loop.create_task(self._sweep_idle())]
+        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._sweep_idle())]
+        self._connect_scheduler(self.scheduler_address)
+
+    def _connect_scheduler(self, address: str) -> None:
+        """A ``DEALER`` to the scheduler's admission socket at ``address``, its replies read by
+        a task, and its connection watched: when the scheduler's process dies its TCP connection
+        closes and ``on_scheduler_disconnect()`` hears of it at once (``NodeMonitor``)."""
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, data_plane.MAX_MESSAGE_BYTES)
+        events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self.security is not None:
+            self.security.connect_to(sock, "scheduler")
+        sock.connect(address)
+        self._admission, self.scheduler_address = sock, address
+        loop = asyncio.get_running_loop()
+        self._scheduler_tasks = [loop.create_task(self._read_admissions(sock)),
+                                 loop.create_task(self._watch_scheduler_connection(sock, events))]
+
+    async def _watch_scheduler_connection(self, sock: Any, events: Any) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await events.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.on_scheduler_disconnect is not None:
+                    self.on_scheduler_disconnect()
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            events.close(linger=0)
+
+    def reconnect_scheduler(self, address: str) -> None:
+        """The scheduler serves admissions at ``address`` (new after Ray restarted it): a new
+        ``DEALER`` there; the old one, and what it still queued, is closed."""
+        if address == self.scheduler_address:
+            return
+        for task in self._scheduler_tasks:
+            task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            self._admission.disable_monitor()  # closing it is no news
+        self._admission.close(linger=0)
+        self._connect_scheduler(address)
+
+    def scheduler_recovered(self) -> None:
+        """The scheduler serves again (``NodeMonitor``): admissions are sent to it again."""
+        self.scheduler_failure = ""
+
+    def open_request_ids(self) -> list[str]:
+        """The requests this gateway still waits for (opened and not closed), whatever their
+        admission's state (a restarted scheduler releases the others it rebuilt:
+        ``reconcile_gateway``)."""
+        return list(self._queues)
 
     def _connect_node(self, node_id: str, address: str) -> None:
         """Connect the command socket to ``node_id``'s inbox, and watch the connection: when
@@ -163,7 +210,7 @@ class NodeStreams:
 
     def shutdown(self) -> None:
         """Stop reading and close every socket."""
-        for task in [*self._tasks, *self._connections.values()]:
+        for task in [*self._tasks, *self._scheduler_tasks, *self._connections.values()]:
             task.cancel()
         if self._authenticator is not None:
             self._authenticator.stop()
@@ -183,17 +230,20 @@ class NodeStreams:
             adm = await self._admit_once(req, hashes)  # refused before it ran: nothing to undo
         return adm
 
-    def scheduler_failed(self, reason: str) -> None:
-        """The scheduler is down for good (``NodeMonitor``): every admission waiting for it, and
-        every later one, fails at once with RuntimeError(``reason``), not at its timeout."""
+    def scheduler_failed(self, reason: str, restarting: bool = False) -> None:
+        """The scheduler is down (``NodeMonitor``): every admission waiting for it, and every
+        later one until ``scheduler_recovered``, fails at once with RuntimeError(``reason``)
+        (``SchedulerRestarting``, which carries a retry hint, while Ray may restart it), not at
+        its timeout: no reply to one sent to a dead process ever comes."""
         self.scheduler_failure = reason
+        self._scheduler_error = SchedulerRestarting if restarting else RuntimeError
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(RuntimeError(reason))
+                fut.set_exception(self._scheduler_error(reason))
 
     async def _admit_once(self, req: NodeRequest, hashes: list[bytes]) -> Admission:
         if self.scheduler_failure:
-            raise RuntimeError(self.scheduler_failure)
+            raise self._scheduler_error(self.scheduler_failure)
         self._next_id += 1
         corr = self._next_id
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -209,9 +259,9 @@ class NodeStreams:
             raise RuntimeError(f"the global scheduler failed to admit the request: {reply['error']}")
         return Admission(**reply["adm"])
 
-    async def _read_admissions(self) -> None:
+    async def _read_admissions(self, sock: Any) -> None:
         while True:
-            payload = await self._admission.recv()
+            payload = await sock.recv()
             try:
                 corr, body = data_plane.admission_reply(data_plane.unpack(payload), self.node_inboxes)
             except data_plane.BadReply as exc:  # its admission fails now, not at its timeout

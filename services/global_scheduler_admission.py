@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import ray
 
 from services import data_plane
+from services.actor_refs import actor_restarts
 from services.global_scheduler import GlobalScheduler
+from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
 from tenants.model import Tenant, TenantSpec
@@ -33,18 +36,42 @@ GATEWAY_RETRY_S = 1.0
 
 
 
-class GlobalSchedulerService(GlobalScheduler):
+class GlobalSchedulerService(Recovery, GlobalScheduler):
     """The actor's class: a GlobalScheduler that also answers admissions on the data plane.
 
     It has an async method, so Ray runs every method on one event loop thread, and the
     admission socket served on that loop never runs concurrently with a Ray method call.
+
+    Args:
+        peers: where its cache and spill nodes are found by name. With it, an actor that Ray
+            restarted (``scheduler_max_restarts``) rebuilds its state before it serves
+            (``services.global_scheduler_recovery``): it attaches the nodes, reopens its
+            admission socket (same keys) and asks every node to report again. None (tests of
+            the plain class, a first start): nothing to rebuild; the launcher attaches.
+        Other arguments: ``GlobalScheduler``'s.
     """
 
     data_address = ""  # the admission socket, once open
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, peers: RecoveryPeers | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
+        self.recovered_requests = {}
+        self.restarts = actor_restarts() if peers is not None else 0
+        if self.restarts:  # Ray restarted this actor (the constructor runs on its event loop)
+            self.attach_nodes({})
+            self.recover(peers)
+            self._bind_admissions()
+            loop = asyncio.get_running_loop()
+            loop.call_later(GATEWAY_REATTACH_S, lambda: self.forget_unattached(
+                {g.subscriber for g in self.gateways.values()}))
+
+    def health(self) -> dict[str, Any]:
+        """Who answers, for a gateway's ``NodeMonitor``: ``pid`` and ``restarts`` (Ray's count
+        of this actor's restarts: a new value means a new process, whose state was rebuilt),
+        ``data_address`` (the admission socket, "" until open) and ``down`` (``down_nodes``)."""
+        return {"pid": os.getpid(), "restarts": self.restarts, "data_address": self.data_address,
+                "down": self.down_nodes()}
 
     async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
         """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch
@@ -134,6 +161,10 @@ class GlobalSchedulerService(GlobalScheduler):
     async def open_data_plane(self) -> str:
         """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting
         gateways only, with ``security``) and serve it; returns its address (idempotent)."""
+        return self._bind_admissions()
+
+    def _bind_admissions(self) -> str:
+        """``open_data_plane`` on the running loop (a restarted actor's constructor calls it)."""
         if self.data_address:
             return self.data_address
         self._admission_context = ctx = data_plane.context(asyncio_=True)
@@ -203,3 +234,4 @@ def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[byte
 
 
 GlobalSchedulerActor = ray.remote(GlobalSchedulerService)
+"""The actor: the launcher gives it ``peers`` and ``max_restarts`` (``scheduler_max_restarts``)."""

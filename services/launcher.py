@@ -24,6 +24,7 @@ from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
 from services.gateway_stream_bounds import StreamLimits
 from services.global_scheduler_admission import GlobalSchedulerActor
+from services.global_scheduler_recovery import RecoveryPeers
 from services.grpc_bounds import GrpcLimits
 from services.metrics import MetricsEndpoint
 from services.openai_api.connections import ConnectionLimits
@@ -109,11 +110,15 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     # data-plane keys for this start, handed to each actor as a constructor argument (a
     # restarted actor gets the same ones); CURVE on every socket (services.data_plane_auth)
     keys, host = DataPlaneKeys.generate(tuple(node_ids)), data_plane_host(config, joined=address is not None)
+    # a restarted scheduler (max_restarts) rebuilds its state from these peers, found by name
+    peers = RecoveryPeers(config.namespace, tuple(f"spill_node_{i}" for i in range(config.num_spill_nodes)),
+                          config.scheduler_report_timeout_s)
     scheduler = GlobalSchedulerActor.options(
-        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control
+        name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
+        max_restarts=config.scheduler_max_restarts,
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size,
-             security=keys.security("scheduler", host), **session_limits(config))
+             security=keys.security("scheduler", host), peers=peers, **session_limits(config))
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     spec = spill_block_spec(config)
     spill_nodes = _start_spill_nodes(config, spec)

@@ -10,10 +10,17 @@ healthy again from a new process (Ray restarted it: ``max_restarts``) has a new 
 address: it is opened if needed, the gateway reconnects, and the scheduler routes to it again
 (``node_up``). ``on_change`` hears the number of healthy nodes whenever it changes (gRPC health).
 
-The monitor also long-polls the GlobalScheduler (``down_nodes``): once Ray says its process died
-(``ActorDiedError``; the scheduler is not restarted), the gateway serves nothing that needs it:
-``num_healthy`` is 0 (gRPC health NOT_SERVING, the HTTP API's /health 503) and the gateway's
-admissions, waiting or new, fail UNAVAILABLE at once (``NodeStreams.scheduler_failed``).
+The monitor also polls the GlobalScheduler (``health``). It is unreachable when its admission
+connection closes (its process died: ``NodeStreams.on_scheduler_disconnect``, at once) or a poll
+fails: then the gateway serves nothing that needs it, ``num_healthy`` is 0 (gRPC health
+NOT_SERVING, the HTTP API's /health 503) and the gateway's admissions, waiting or new, fail
+UNAVAILABLE at once with a retry hint (``NodeStreams.scheduler_failed``), and it is polled every
+``retry_s``. When it answers again (Ray restarted it, ``scheduler_max_restarts``, and it rebuilt
+its state: ``services.global_scheduler_recovery``; or the same process is reachable again) the
+gateway connects to its admission socket, attaches again and says which requests it still waits
+for (``on_scheduler_back``), reports the nodes it holds down and rejoins those the scheduler
+holds down, then serves again. Once Ray says it died for good (``ActorDiedError``:
+``scheduler_max_restarts`` 0 or used up) it stays down (``SCHEDULER_DOWN``).
 Regression (review 23b, F2): health stayed SERVING for ever, the first request waited the 30 s
 admission timeout and was told to retry in 1 s, and every later call ended UNKNOWN with Ray's
 ``ActorDiedError`` text.
@@ -22,12 +29,13 @@ admission timeout and was told to retry in 1 s, and every later call ended UNKNO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.ray_errors import SCHEDULER_DOWN, actor_died
+from services.ray_errors import SCHEDULER_DOWN, SCHEDULER_RESTARTING, actor_died
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,11 @@ class NodeMonitor:
                       for nid, info in node_info.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
-        self.scheduler_failure = ""  # why the scheduler is down for good ("": it is not)
+        self.scheduler_failure = ""  # why the scheduler is unreachable or down ("": it serves)
+        self.scheduler_identity: tuple[int, int] | None = None  # its (pid, restarts) as last seen
+        # awaited when the scheduler answers again (the gateway attaches again: ``RayGateway``)
+        self.on_scheduler_back: Callable[[], Awaitable[Any]] | None = None
+        self._poll_scheduler = asyncio.Event()
         self.stopped = False
 
     def start(self) -> None:
@@ -75,6 +87,7 @@ class NodeMonitor:
         self._tasks = [loop.create_task(self._watch(nid)) for nid in self.nodes]
         self._tasks.append(loop.create_task(self._watch_scheduler()))
         self.streams.on_disconnect = self._disconnected
+        self.streams.on_scheduler_disconnect = self._scheduler_disconnected
 
     def _disconnected(self, node_id: str) -> None:
         reason = f"cache node {node_id}: its data-plane connection closed (the process died)"
@@ -104,23 +117,72 @@ class NodeMonitor:
         return 0 if self.scheduler_failure else sum(h.healthy for h in self.state.values())
 
     async def _watch_scheduler(self) -> None:
-        """Ask the scheduler every ``poll_s`` until Ray says its process died; then fail what
-        needs it (module docstring). Other failures (a busy or restarting scheduler) pass:
-        admissions keep their own timeout."""
+        """Poll the scheduler's ``health`` every ``poll_s`` (at once after its connection
+        closed, then every ``retry_s`` while it is unreachable); see the module docstring."""
         while not self.stopped:
             try:
-                await asyncio.wait_for(self.scheduler.down_nodes.remote(), self.poll_s + self.timeout_s)
+                answer = await asyncio.wait_for(self.scheduler.health.remote(), self.poll_s + self.timeout_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - only a death counts
+            except Exception as exc:  # noqa: BLE001 - dead, restarting, unreachable or slow
                 if actor_died(exc):
-                    self.scheduler_failure = SCHEDULER_DOWN
-                    log.error("%s (%s)", SCHEDULER_DOWN, _first_line(exc))
-                    self.streams.scheduler_failed(SCHEDULER_DOWN)
-                    self._changed()
+                    self._scheduler_lost(SCHEDULER_DOWN, f"{_first_line(exc)}", restarting=False)
                     return
-                log.warning("the global scheduler did not answer a health poll: %s", _first_line(exc))
-            await asyncio.sleep(self.poll_s)
+                self._scheduler_lost(SCHEDULER_RESTARTING, f"a health poll failed: {_first_line(exc)}")
+                await asyncio.sleep(self.retry_s)
+                continue
+            identity = (int(answer["pid"]), int(answer["restarts"]))
+            if self.scheduler_identity is None and not self.scheduler_failure:
+                self.scheduler_identity = identity
+            elif (self.scheduler_failure or identity != self.scheduler_identity) and \
+                    not await self._scheduler_back(answer, identity):
+                await asyncio.sleep(self.retry_s)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._poll_scheduler.wait(), self.poll_s)
+            self._poll_scheduler.clear()
+
+    def _scheduler_disconnected(self) -> None:
+        """The admission connection closed: the scheduler's process died, or the link broke (no
+        reply to an admission sent before can come back either way); poll it now."""
+        self._scheduler_lost(SCHEDULER_RESTARTING, "its admission connection closed")
+        self._poll_scheduler.set()
+
+    def _scheduler_lost(self, reason: str, why: str, restarting: bool = True) -> None:
+        """Fail what needs the scheduler (``reason``) until ``_scheduler_back``."""
+        if self.scheduler_failure == reason:
+            return
+        self.scheduler_failure = reason
+        log.error("%s (%s)", reason, why)
+        self.streams.scheduler_failed(reason, restarting)
+        self._changed()
+
+    async def _scheduler_back(self, answer: dict[str, Any], identity: tuple[int, int]) -> bool:
+        """The scheduler answers again, or from a new process (its state rebuilt): connect to its
+        admission socket, ``on_scheduler_back``, tell it which nodes this gateway holds down and
+        take down those it holds down (they rejoin at their next healthy answer, ``_rejoin``),
+        then serve again. False (retried) when a step fails."""
+        try:
+            self.streams.reconnect_scheduler(answer["data_address"] or await self.scheduler.open_data_plane.remote())
+            if self.on_scheduler_back is not None:
+                await asyncio.wait_for(self.on_scheduler_back(), self.timeout_s)
+            for node_id, state in self.state.items():
+                if not state.healthy:
+                    await asyncio.wait_for(self.scheduler.node_down.remote(node_id, state.failure), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - it may have died again: retried
+            log.warning("the global scheduler answered, but rejoining it failed: %s", _first_line(exc))
+            return False
+        for node_id in answer["down"]:
+            state = self.state.get(node_id)
+            if state is not None and state.healthy:
+                state.healthy, state.failure = False, answer["down"][node_id]
+        self.scheduler_identity = identity
+        if self.scheduler_failure:
+            self.scheduler_failure = ""
+            self.streams.scheduler_recovered()
+            log.warning("the global scheduler serves again (pid %d, restarts %d)", *identity)
+        self._changed()
+        return True
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """node id -> ``NodeHealth`` fields (Admin ``Stats`` JSON, ``health``)."""

@@ -23,7 +23,18 @@ PROCESS_UNREACHABLE = "a kvstrata process this call needs is unreachable (it die
 
 SCHEDULER_DOWN = ("the global scheduler is down: its process died and is not restarted; "
                   "the service must be started again (kvstrata up)")
-"""Why every call that needs the scheduler fails once the gateway saw it die (``NodeMonitor``)."""
+"""Why every call that needs the scheduler fails once Ray says it died for good (``NodeMonitor``:
+``scheduler_max_restarts`` 0, or its restarts used up)."""
+
+SCHEDULER_RESTARTING = ("the global scheduler is unreachable: its process died or is being restarted; "
+                        "retry shortly")
+"""Why a call that needs the scheduler fails while it is unreachable and may come back
+(``NodeMonitor``; Ray restarts it: ``scheduler_max_restarts``)."""
+
+
+class SchedulerRestarting(RuntimeError):
+    """An admission failed because the scheduler is unreachable and may come back: UNAVAILABLE
+    with a retry hint (a plain RuntimeError, a fault no wait undoes, has none)."""
 
 
 def actor_died(exc: BaseException) -> bool:

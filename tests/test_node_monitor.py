@@ -21,6 +21,11 @@ def _remote(fn: Any) -> SimpleNamespace:
     return SimpleNamespace(remote=call)
 
 
+def _health(down: dict[str, str]) -> dict[str, Any]:
+    """The scheduler's ``health`` answer: one process all along, and the nodes it holds down."""
+    return {"pid": 7, "restarts": 0, "data_address": "", "down": dict(down)}
+
+
 class _Node:
     """A node that answers its health poll healthy, from the process it was described with."""
 
@@ -53,7 +58,7 @@ def test_a_node_the_scheduler_holds_down_rejoins_from_a_monitor_that_never_saw_i
     sched.node_down("n0", "did not answer within 15 s")  # the dead gateway's last word
     assert sched.admit("t1", "t1/b", session_id="t1/s").reason == "session_node_down"
     scheduler = SimpleNamespace(down_nodes=_remote(sched.down_nodes), node_up=_remote(sched.node_up),
-                                node_down=_remote(sched.node_down))
+                                node_down=_remote(sched.node_down), health=_remote(lambda: _health(sched.down)))
     streams = _Streams()
     healthy: list[int] = []
 
@@ -98,15 +103,15 @@ def test_a_dead_scheduler_makes_the_gateway_unhealthy_and_fails_admissions_at_on
 
     polls = []
 
-    async def down_nodes() -> dict[str, str]:
+    async def health() -> dict[str, Any]:
         polls.append(1)
         if len(polls) > 1:
             raise ray.exceptions.ActorDiedError()
-        return {}
+        return _health({})
 
     async def run() -> None:
         plane = await Silent().start()
-        scheduler = SimpleNamespace(down_nodes=SimpleNamespace(remote=down_nodes),
+        scheduler = SimpleNamespace(down_nodes=_remote(dict), health=SimpleNamespace(remote=health),
                                     release=SimpleNamespace(remote=lambda *a: None))
         auth = Auth()
         servicer = InferenceServicer(scheduler, auth, {"n0": None}, {"n0": {**NODE_INFO, "data_address": plane.node_address}},
@@ -207,7 +212,7 @@ def test_aclose_ends_a_watch_that_let_a_cancel_pass() -> None:
     async def down_nodes() -> dict[str, str]:
         return {}
 
-    scheduler = SimpleNamespace(down_nodes=SimpleNamespace(remote=down_nodes))
+    scheduler = SimpleNamespace(down_nodes=SimpleNamespace(remote=down_nodes), health=_remote(lambda: _health({})))
 
     async def run() -> bool:
         node = SimpleNamespace(health=SimpleNamespace(remote=health))

@@ -1,0 +1,331 @@
+"""A restarted global scheduler rebuilds what lived only in its memory (docs/architecture.md,
+'Failure handling', 'Scheduler restart').
+
+Ray restarts the scheduler's actor (``scheduler_max_restarts``) with its constructor arguments:
+the tenant store (SQLite) and the data-plane keys are the same, but routes, sessions, requests
+in flight and the block index are gone. Before it serves anything (in its constructor) it asks
+every cache node for a ``CacheNode.recovery_report`` and every spill node for its
+``SpillNode.held_blocks``, waits at most ``RecoveryPeers.report_timeout_s`` for them, and feeds
+them through the paths a rejoining node already takes: ``node_up`` (command inbox, process
+identity), ``node_down`` (a node that does not answer in time, is unhealthy or sends a bad
+report), ``report_events(..., reset=True)`` (its blocks, as a restarted spill node reports its
+disk tier). Sessions and requests in flight are rebuilt from the reports; each gateway, once it
+sees the scheduler back, attaches again and says which of the rebuilt requests it still waits
+for (``reconcile_gateway``); the others are released.
+
+Every report is untrusted input: each field is checked (types, sizes, ids scoped to their
+tenant, tenants of the store), and what fails a check is dropped and counted in
+``bad_messages``.
+
+``Recovery`` is a part of ``services.global_scheduler_admission.GlobalSchedulerService``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from services.actor_refs import ActorRef
+from services.block_index import NODE_TIERS, SPILL_TIERS
+from services.data_plane_wire import MAX_ID_CHARS
+
+if TYPE_CHECKING:
+    from collections import Counter
+
+    from services.global_scheduler_checks import NodeLoad
+
+log = logging.getLogger(__name__)
+
+MAX_REPORTED_BLOCKS = 1 << 22
+"""Block hashes one holder may report (a larger report is refused whole)."""
+
+MAX_HASH_BYTES = 64
+"""Longest block hash a report may carry (the nodes' hashes are 32 bytes)."""
+
+MAX_ADDRESS_CHARS = 256
+"""Longest data-plane address (``tcp://host:port``) a report may carry."""
+
+MAX_SCOPED_ID_CHARS = 2 * MAX_ID_CHARS + 64
+"""Longest request or session id a report may carry: ``<tenant>/<client id>[#<attempt>]``."""
+
+GATEWAY_REATTACH_S = 60.0
+"""How long requests rebuilt for a gateway wait for it to attach again; past it, it counts as
+gone (``gateway_gone``: its requests released, aborted on the nodes)."""
+
+
+@dataclass(frozen=True)
+class RecoveryPeers:
+    """Where a restarted scheduler finds the actors it rebuilds its state from (by name: a
+    restart never depends on handles the creating driver owned, ``services.actor_refs``).
+
+    ``namespace``: the Ray namespace of the deployment (its cache nodes are named by their
+    ids); ``spill_nodes``: the spill nodes' actor names; ``report_timeout_s``: how long the
+    restarted scheduler waits for their reports before a cache node that has not answered
+    counts as down (it rejoins through a gateway's ``NodeMonitor``, as any down node)."""
+
+    namespace: str
+    spill_nodes: tuple[str, ...] = ()
+    report_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.report_timeout_s) or self.report_timeout_s <= 0:
+            raise ValueError(f"report_timeout_s must be a finite number > 0, got {self.report_timeout_s}")
+
+
+class BadReport(ValueError):
+    """A recovery report that fails a check (its holder is then treated as not answering)."""
+
+
+class Recovery:
+    """The recovery part of ``GlobalSchedulerService`` (which provides these attributes)."""
+
+    nodes: dict[str, NodeLoad]
+    session_nodes: dict[str, tuple[str, str]]
+    kept_sessions: set[str]
+    sessions_per_tenant: Counter[str]
+    max_sessions_per_tenant: int
+    queue_limit: int
+    requests: dict[str, tuple[str, str, str, str]]
+    request_gateways: dict[str, str]
+    bad_messages: int
+    down: dict[str, str]
+    index: Any
+
+    if TYPE_CHECKING:
+        def knows_tenant(self, tenant_id: str) -> bool: ...
+        def node_down(self, node_id: str, reason: str) -> None: ...
+        def node_up(self, node_id: str, inbox: str, pid: int = 0, previous_pid: int = 0,
+                    restarts: int = -1, previous_restarts: int = -1) -> None: ...
+        def report_events(self, holder_id: str, events: Any, reset: bool = False) -> int: ...
+        def record_metrics_port(self, node_id: str, port: int) -> bool: ...
+        def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None: ...
+        def gateway_gone(self, subscriber: str) -> list[str]: ...
+        def _urgent(self, tenant_id: str) -> bool: ...
+
+    # the requests rebuilt from the nodes' reports, by id -> their gateway's event inbox, until
+    # released or reconciled (``reconcile_gateway``)
+    recovered_requests: dict[str, str]
+
+    # ---- gathering the reports (Ray) ---------------------------------------------------------
+    def recover(self, peers: RecoveryPeers) -> None:
+        """Ask every cache node and spill node for its report, wait at most
+        ``peers.report_timeout_s`` for all of them, and apply each (``apply_node_report``,
+        ``apply_spill_report``). A cache node that is not found, fails the call, does not answer
+        in time or sends a bad report is down (``node_down``); a spill node's blocks are then
+        unknown until it reports new ones. Blocks the caller (the actor's constructor: nothing
+        is served before the state is rebuilt)."""
+        import ray  # only the actor recovers; the plain class is tested without Ray
+
+        self.recovered_requests = {}
+        asked: dict[Any, tuple[str, str]] = {}  # ref -> (kind, name)
+        for kind, names in (("node", list(self.nodes)), ("spill", list(peers.spill_nodes))):
+            for name in names:
+                try:
+                    actor = ActorRef(name, peers.namespace).resolve()
+                    ref = actor.recovery_report.remote() if kind == "node" else actor.held_blocks.remote()
+                except Exception as exc:  # noqa: BLE001 - not placed, or gone: it is down
+                    self._not_reported(kind, name, f"not found: {type(exc).__name__}: {exc}")
+                    continue
+                asked[ref] = (kind, name)
+        ready, late = ray.wait(list(asked), num_returns=len(asked), timeout=peers.report_timeout_s)
+        for ref in late:
+            kind, name = asked[ref]
+            self._not_reported(kind, name, f"did not answer within {peers.report_timeout_s:g} s")
+            ray.cancel(ref)
+        for ref in ready:
+            kind, name = asked[ref]
+            try:
+                report = ray.get(ref)
+                if kind == "node":
+                    self.apply_node_report(name, report)
+                else:
+                    self.apply_spill_report(name, report)
+            except BadReport as exc:
+                self.bad_messages += 1
+                self._not_reported(kind, name, f"sent a bad report: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a failed call: as no answer
+                self._not_reported(kind, name, f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+        log.warning("restarted global scheduler: %d sessions, %d requests in flight, %d blocks rebuilt; down: %s",
+                    len(self.session_nodes), len(self.requests), len(self.index), self.down or "none")
+
+    def _not_reported(self, kind: str, name: str, why: str) -> None:
+        if kind == "node":
+            self.node_down(name, f"cache node {name} {why} (scheduler restart)")
+        log.warning("restarted global scheduler: %s %s %s", "cache node" if kind == "node" else "spill node", name, why)
+
+    # ---- applying them (plain) --------------------------------------------------------------
+    def apply_node_report(self, node_id: str, report: Any) -> None:
+        """Rebuild what cache node ``node_id`` holds from its ``CacheNode.recovery_report``:
+        an unhealthy node is down (``node_down``); a healthy one is routed to again
+        (``node_up`` with its inbox and process identity), its device- and host-tier blocks
+        replace what the index held for it, its sessions are routed to it again (a session
+        some turn of which finished there ``continues_session``), and its requests in flight
+        are admitted again, released when their gateway does (or does not, at
+        ``reconcile_gateway``). Sessions of another node already routed, and those past their
+        tenant's ``max_sessions_per_tenant``, are left out (counted in ``bad_messages``).
+
+        Raises:
+            BadReport: a field fails its check (nothing applied); KeyError: an unknown node.
+        """
+        if node_id not in self.nodes:
+            raise KeyError(f"unknown cache node {node_id!r}")
+        if not isinstance(report, dict):
+            raise BadReport(f"a report is a dict, got {type(report).__name__}")
+        if report.get("healthy") is not True:
+            failure = report.get("failure")
+            self.node_down(node_id, failure[:500] if isinstance(failure, str) and failure
+                           else f"cache node {node_id} reported itself unhealthy")
+            return
+        pid, restarts = _int(report, "pid", 0), _int(report, "restarts", 0)
+        inbox = _address(report.get("data_address"), "data_address")
+        events = _blocks(report.get("blocks"), NODE_TIERS)
+        sessions = _rows(report.get("sessions"), 3, "sessions", _session_row)
+        requests = _rows(report.get("requests"), 4, "requests", _request_row)
+        limit = self.nodes[node_id].capacity + 2 * self.queue_limit  # what admission ever lets in
+        if len(requests) > limit:
+            raise BadReport(f"{len(requests)} requests in flight, more than the {limit} admission allows")
+        self.node_up(node_id, inbox, pid, pid, restarts, restarts)
+        self.report_events(node_id, events, reset=True)
+        metrics = report.get("metrics_address")
+        if isinstance(metrics, str) and metrics.rpartition(":")[2].isdigit():
+            self.record_metrics_port(node_id, int(metrics.rpartition(":")[2]))
+        for session_id, tenant_id, kept in sessions:
+            self._route_session(node_id, session_id, tenant_id, kept)
+        for request_id, tenant_id, session_id, subscriber in requests:
+            self._readmit(node_id, request_id, tenant_id, session_id, subscriber)
+
+    def _route_session(self, node_id: str, session_id: str, tenant_id: str, kept: bool) -> bool:
+        """Route ``session_id`` to ``node_id`` again (``kept``: a turn of it finished there)."""
+        if not self.knows_tenant(tenant_id) or session_id in self.session_nodes \
+                or self.sessions_per_tenant[tenant_id] >= self.max_sessions_per_tenant:
+            self.bad_messages += 1
+            log.warning("restarted global scheduler: session %.100s on %s left out", session_id, node_id)
+            return False
+        self.session_nodes[session_id] = (tenant_id, node_id)
+        self.sessions_per_tenant[tenant_id] += 1
+        if kept:
+            self.kept_sessions.add(session_id)
+        return True
+
+    def _readmit(self, node_id: str, request_id: str, tenant_id: str, session_id: str, subscriber: str) -> None:
+        """Count ``request_id``, running on ``node_id`` for the gateway at ``subscriber``, as
+        admitted (as ``admit`` does; its usage is recorded at its release). A session turn whose
+        session has no route yet (its first turn) opens it, as at admission."""
+        if not self.knows_tenant(tenant_id) or request_id in self.requests or (
+                session_id and self.session_nodes.get(session_id, (tenant_id, node_id)) != (tenant_id, node_id)):
+            self.bad_messages += 1
+            log.warning("restarted global scheduler: request %.100s on %s left out", request_id, node_id)
+            return
+        opened = session_id if session_id and session_id not in self.session_nodes else ""
+        if opened and not self._route_session(node_id, session_id, tenant_id, kept=False):
+            return
+        self.requests[request_id] = (tenant_id, node_id, opened, session_id)
+        self.request_gateways[request_id] = subscriber
+        self.recovered_requests[request_id] = subscriber
+        self.nodes[node_id].in_flight.add(request_id)
+        if self._urgent(tenant_id):
+            self.nodes[node_id].urgent.add(request_id)
+
+    def apply_spill_report(self, holder_id: str, blocks: Any) -> None:
+        """Replace what the index held for spill node ``holder_id`` by ``blocks``, its
+        ``SpillNode.held_blocks`` (``(block_hash, tier)`` pairs, tiers ``spill_ram`` and
+        ``spill_disk``).
+
+        Raises:
+            BadReport: a malformed list (nothing applied).
+        """
+        self.report_events(holder_id, _blocks(blocks, SPILL_TIERS), reset=True)
+
+    def reconcile_gateway(self, subscriber: str, open_requests: Sequence[str]) -> list[str]:
+        """The gateway whose event inbox is ``subscriber`` attached again after this scheduler's
+        restart and still waits for ``open_requests``: each request rebuilt for it
+        (``apply_node_report``) that is not among them ended while the scheduler was down (its
+        release was lost) and is released now, without usage. Returns those released."""
+        if not isinstance(subscriber, str) or not isinstance(open_requests, (list, tuple)):
+            self.bad_messages += 1
+            return []
+        still = {rid for rid in open_requests if isinstance(rid, str)}
+        ended = [rid for rid, sub in self.recovered_requests.items() if sub == subscriber and rid not in still]
+        for rid in ended:
+            self.release(rid)
+        for rid in [rid for rid, sub in self.recovered_requests.items() if sub == subscriber]:
+            del self.recovered_requests[rid]
+        return ended
+
+    def forget_unattached(self, attached: set[str]) -> list[str]:
+        """Gateways that have requests rebuilt for them and did not attach again (their event
+        inboxes are not in ``attached``) are gone (``gateway_gone``); returns their inboxes."""
+        gone = sorted({sub for sub in self.recovered_requests.values() if sub not in attached})
+        for subscriber in gone:
+            log.warning("gateway %s did not attach again after the scheduler restart: gone", subscriber)
+            self.gateway_gone(subscriber)
+            for rid in [rid for rid, sub in self.recovered_requests.items() if sub == subscriber]:
+                del self.recovered_requests[rid]
+        return gone
+
+
+def _int(report: dict[str, Any], key: str, default: int) -> int:
+    value = report.get(key, default)
+    if type(value) is not int or not 0 <= value < 1 << 62:
+        raise BadReport(f"{key} must be a non-negative int, got {value!r:.100}")
+    return value
+
+
+def _address(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.startswith("tcp://") or len(value) > MAX_ADDRESS_CHARS:
+        raise BadReport(f"{key} must be a tcp:// address of at most {MAX_ADDRESS_CHARS} characters")
+    return value
+
+
+def _blocks(value: Any, tiers: tuple[str, ...]) -> list[tuple[str, bytes, str]]:
+    """``("stored", hash, tier)`` events of a report's ``(hash, tier)`` pairs."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTED_BLOCKS:
+        raise BadReport(f"blocks must be a list of at most {MAX_REPORTED_BLOCKS} (hash, tier) pairs")
+    events = []
+    for item in value:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2 or type(item[0]) is not bytes
+                or not 0 < len(item[0]) <= MAX_HASH_BYTES or item[1] not in tiers):
+            raise BadReport(f"a block is (hash of at most {MAX_HASH_BYTES} bytes, one of {list(tiers)})")
+        events.append(("stored", item[0], item[1]))
+    return events
+
+
+def _rows(value: Any, width: int, key: str, check: Any) -> list[tuple[Any, ...]]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTED_BLOCKS:
+        raise BadReport(f"{key} must be a list")
+    rows = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != width:
+            raise BadReport(f"each of {key} has {width} fields")
+        rows.append(check(*item))
+    return rows
+
+
+def _scoped(value: Any, tenant_id: str, key: str) -> str:
+    """A request or session id of ``tenant_id`` (``gateway_inputs.scoped_id``)."""
+    if (not isinstance(value, str) or len(value) > MAX_SCOPED_ID_CHARS
+            or not value.startswith(f"{tenant_id}/") or len(value) == len(tenant_id) + 1):
+        raise BadReport(f"{key} must be an id of its tenant ('<tenant>/<id>', at most {MAX_SCOPED_ID_CHARS} characters)")
+    return value
+
+
+def _tenant(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or "/" in value:
+        raise BadReport("a tenant id must be a non-empty string without '/'")
+    return value
+
+
+def _session_row(session_id: Any, tenant_id: Any, kept: Any) -> tuple[str, str, bool]:
+    tenant = _tenant(tenant_id)
+    if type(kept) is not bool:
+        raise BadReport("a session's kept flag must be a bool")
+    return _scoped(session_id, tenant, "session_id"), tenant, kept
+
+
+def _request_row(request_id: Any, tenant_id: Any, session_id: Any, subscriber: Any) -> tuple[str, str, str, str]:
+    tenant = _tenant(tenant_id)
+    session = _scoped(session_id, tenant, "session_id") if session_id != "" else ""
+    return _scoped(request_id, tenant, "request_id"), tenant, session, _address(subscriber, "subscriber")

@@ -1,0 +1,86 @@
+"""The global scheduler comes back after its process is killed (kill -9), on a real cluster with
+the real model: Ray restarts it (``scheduler_max_restarts``), it rebuilds its state from the nodes'
+reports (``services.global_scheduler_recovery``), and the gateway serves again
+(docs/architecture.md, 'Failure handling', 'Scheduler restart')."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2
+
+from tests.service_fixtures import chat, collect
+from tests.test_node_failure import SERVICES, Stream, health_of, md, stats_json, wait_for
+
+pytestmark = pytest.mark.slow
+
+RECOVERY_S = 60.0  # the gateway serves again within this after the kill (measured: see the log line)
+PROMPT = ("You are a careful research assistant. Read the notes below and answer briefly. Notes: the river "
+          "rises in the northern hills, runs past three mills and a stone bridge, and meets the sea at a "
+          "harbour town known for its lighthouse and its winter fish market. Question: where does it end?")
+
+
+def scheduler_process(stack) -> tuple[int, int]:
+    """The scheduler actor's (pid, restarts) as Ray's GCS records them."""
+    from ray._private import state
+
+    record = state.actors(stack.services.scheduler._actor_id.hex())
+    return int(record["Pid"]), int(record["NumRestarts"])
+
+
+def cached(finished) -> int:
+    tiers = finished.cached_tokens
+    return tiers.device + tiers.host + tiers.spill_ram + tiers.spill_disk
+
+
+def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
+    """Regression: the GlobalScheduler had no ``max_restarts``; after its process died the
+    gateway was NOT_SERVING and every call UNAVAILABLE until ``kvstrata up`` ran again. Now,
+    after a kill -9 of its process: an admission sent meanwhile ends UNAVAILABLE at once (with
+    a retry hint), a stream already running on a node finishes, the gateway is SERVING again
+    within ``RECOVERY_S``, a tenant registered before the crash is served, the second turn of
+    a session started before it goes to the node holding its history and reuses its KV
+    (cached tokens > 0), and no request stays counted in flight at the scheduler."""
+    key = stack.register("sched-restart")
+    first = collect(stack.inference.Generate(chat(PROMPT, 8, session_id="s1"), metadata=md(key), timeout=120))
+    node_id = first["started"].node_id
+    assert first["finished"].completion_tokens == 8
+    pid, restarts = scheduler_process(stack)
+    running = Stream(stack, key, "Tell me a long story about a lighthouse keeper.", 120)
+    assert running.started.wait(90) and running.code is None, (running.code, running.details)
+
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    time.sleep(0.3)  # the gateway sees the admission connection close at once
+    during = stack.inference.Generate(chat("Anyone there?", 4), metadata=md(key), timeout=60)
+    with pytest.raises(grpc.RpcError) as refused:
+        collect(during)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert time.monotonic() - t0 < 10, "an admission waited on the dead scheduler"
+    assert ("retry-after-ms", "1000") in (refused.value.trailing_metadata() or ())
+
+    serving = {name: health_pb2.HealthCheckResponse.SERVING for name in SERVICES}
+    wait_for(lambda: health_of(stack) == serving, RECOVERY_S, "health SERVING again", every_s=0.2)
+    recovered_s = time.monotonic() - t0
+    assert scheduler_process(stack) == (ray.get(stack.services.scheduler.health.remote())["pid"], restarts + 1)
+    assert scheduler_process(stack)[0] != pid
+    print(f"scheduler recovery: SERVING {recovered_s:.1f} s after the kill")
+
+    running.join(120)
+    assert (running.code, running.completion_tokens) == (grpc.StatusCode.OK, 120), (running.code, running.details)
+    fresh = collect(stack.inference.Generate(chat("Say hello.", 4), metadata=md(key), timeout=120))
+    assert fresh["finished"].completion_tokens == 4
+    second = collect(stack.inference.Generate(chat("And where does it begin?", 8, session_id="s1"),
+                                              metadata=md(key), timeout=120))
+    assert second["started"].node_id == node_id  # the session's route was rebuilt from its node
+    assert cached(second["finished"]) >= first["finished"].prompt_tokens - 16 > 0  # its history's KV
+
+    def idle() -> bool:
+        return not any(stats_json(stack)["scheduler"]["in_flight"].values())
+    wait_for(idle, 30, "no request left in flight at the scheduler", every_s=0.5)
+    assert stats_json(stack)["scheduler"]["indexed_blocks"] > 0  # the block index was rebuilt
