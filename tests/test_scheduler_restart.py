@@ -5,6 +5,7 @@ reports (``services.global_scheduler_recovery``), and the gateway serves again
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -84,3 +85,47 @@ def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
         return not any(stats_json(stack)["scheduler"]["in_flight"].values())
     wait_for(idle, 30, "no request left in flight at the scheduler", every_s=0.5)
     assert stats_json(stack)["scheduler"]["indexed_blocks"] > 0  # the block index was rebuilt
+
+
+@ray.remote(num_cpus=0)
+class _Answering:
+    def recovery_report(self) -> dict:
+        return {"healthy": True, "failure": "", "pid": 5, "restarts": 0, "data_address": "tcp://127.0.0.1:9100",
+                "metrics_address": "", "blocks": [(b"\x01" * 32, "device")], "sessions": [], "requests": []}
+
+
+@ray.remote(num_cpus=0)
+class _Silent:
+    async def recovery_report(self) -> dict:
+        await asyncio.sleep(3600)  # a hung node: its report never comes
+        return {}
+
+
+@ray.remote(num_cpus=0)
+class _Spill:
+    def held_blocks(self) -> list:
+        return [(b"\x03" * 32, "spill_ram")]
+
+
+def test_a_node_that_never_reports_does_not_hold_up_the_restart(ray_cluster, tmp_path) -> None:
+    """A restarted scheduler waits at most ``report_timeout_s`` for the reports: a node that
+    never answers is down (it rejoins through a gateway's monitor, as any down node), a spill
+    node that does not exist is skipped, and the others' reports are applied."""
+    from services.global_scheduler_admission import GlobalSchedulerService
+    from services.global_scheduler_recovery import RecoveryPeers
+
+    namespace = "kvstrata-recovery-test"
+    actors = [_Answering.options(name="n0", namespace=namespace).remote(),
+              _Silent.options(name="n1", namespace=namespace).remote(),
+              _Spill.options(name="spill_node_0", namespace=namespace).remote()]
+    try:
+        sched = GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4})
+        t0 = time.monotonic()
+        sched.recover(RecoveryPeers(namespace, ("spill_node_0", "spill_node_1"), report_timeout_s=1.0))
+        assert time.monotonic() - t0 < 5
+        assert list(sched.down) == ["n1"] and "did not answer within 1 s" in sched.down["n1"]
+        assert sched.node_inboxes == {"n0": "tcp://127.0.0.1:9100"} and sched.node_pids == {"n0": (5, 0)}
+        assert sched.index.pairs_per_tier() == {"device": 1, "host": 0, "spill_ram": 1, "spill_disk": 0}
+    finally:
+        for actor in actors:
+            ray.kill(actor)

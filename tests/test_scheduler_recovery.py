@@ -1,0 +1,128 @@
+"""A restarted global scheduler rebuilding its state from the nodes' reports, on the plain class
+(``services.global_scheduler_recovery``; the kill -9 on a real cluster is
+tests/test_scheduler_restart.py). Reports are untrusted: each check is exercised."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.global_scheduler_admission import GlobalSchedulerService
+from services.global_scheduler_recovery import BadReport, RecoveryPeers
+from tests.known_tenants import know_tenants
+
+H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+GW = "tcp://127.0.0.1:7001"
+FINISHED = {"prompt_tokens": 40, "completion_tokens": 8, "cached_tokens": {"device": 32}, "prefill_tokens_per_s": 900.0}
+
+
+def report(**fields: Any) -> dict[str, Any]:
+    """A healthy node's ``recovery_report``: session t1/s kept, its turn t1/r2 running; t1/r1
+    (no session) running; three blocks."""
+    base = {"healthy": True, "failure": "", "pid": 41, "restarts": 0, "data_address": "tcp://127.0.0.1:9100",
+            "metrics_address": "127.0.0.1:9300", "blocks": [(H1, "device"), (H2, "host")],
+            "sessions": [("t1/s", "t1", True)],
+            "requests": [("t1/r1#a", "t1", "", GW), ("t1/r2#b", "t1", "t1/s", GW)]}
+    return base | fields
+
+
+@pytest.fixture
+def sched(tmp_path: Path) -> GlobalSchedulerService:
+    s = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}), "t1", "t2")
+    s.recovered_requests = {}
+    return s
+
+
+def test_a_report_rebuilds_routes_requests_blocks_and_the_node(sched: GlobalSchedulerService) -> None:
+    """The node is routed to with its inbox and identity; its blocks are indexed per tier; its
+    session's next turn goes back to it and continues the history; its requests count in
+    flight and their release (from the gateway, as usual) records their usage."""
+    sched.node_down("n0", "not answered yet")
+    sched.apply_node_report("n0", report())
+    sched.apply_spill_report("spill_node_0", [(H3, "spill_disk")])
+    assert (sched.down, sched.node_inboxes, sched.node_pids) == ({}, {"n0": "tcp://127.0.0.1:9100"}, {"n0": (41, 0)})
+    assert sched.metrics_port_of("n0") == 9300
+    assert sched.index.holders(H1) == {("n0", "device")} and sched.index.holders(H2) == {("n0", "host")}
+    assert sched.index.holders(H3) == {("spill_node_0", "spill_disk")}
+    assert sched.nodes["n0"].in_flight == {"t1/r1#a", "t1/r2#b"} and sched.request_gateways["t1/r2#b"] == GW
+    assert sched.session_nodes == {"t1/s": ("t1", "n0")} and sched.sessions_per_tenant["t1"] == 1
+    sched.release("t1/r2#b", FINISHED)
+    turn = sched.admit("t1", "t1/r3", session_id="t1/s")
+    assert (turn.code, turn.node_id, turn.continues_session) == ("OK", "n0", True)
+    assert sched.usage.snapshot("t1").completion_tokens == 8
+
+
+def test_a_first_turn_in_flight_opens_its_session_and_its_failure_drops_it(sched: GlobalSchedulerService) -> None:
+    """A session whose first turn runs (no kept history) is routed to the node running it, as
+    at admission; if that turn ends without finishing, the route goes, as ``release`` does for
+    any first turn."""
+    sched.apply_node_report("n1", report(sessions=[("t1/s", "t1", False)], requests=[("t1/r#a", "t1", "t1/s", GW)]))
+    assert sched.requests["t1/r#a"] == ("t1", "n1", "", "t1/s") and sched.session_nodes["t1/s"] == ("t1", "n1")
+    sched.apply_node_report("n0", report(sessions=[], requests=[("t1/q#a", "t1", "t1/new", GW)]))
+    assert sched.requests["t1/q#a"] == ("t1", "n0", "t1/new", "t1/new")
+    sched.release("t1/q#a", {"finish_reason": "abort"})
+    assert "t1/new" not in sched.session_nodes
+
+
+def test_an_unhealthy_report_takes_the_node_down(sched: GlobalSchedulerService) -> None:
+    sched.apply_node_report("n1", {"healthy": False, "failure": "cache node n1: step loop failed"})
+    assert sched.down == {"n1": "cache node n1: step loop failed"}
+
+
+@pytest.mark.parametrize("bad", [
+    {"data_address": "ipc:///tmp/x"},
+    {"data_address": ""},
+    {"pid": -1},
+    {"pid": "41"},
+    {"blocks": [(H1, "spill_ram")]},  # a cache node holds no spill tier
+    {"blocks": [("ab", "device")]},
+    {"blocks": [(b"\x01" * 65, "device")]},
+    {"blocks": "nope"},
+    {"sessions": [("t2/s", "t1", True)]},  # another tenant's id
+    {"sessions": [("t1/", "t1", True)]},
+    {"sessions": [("t1/s", "t1", 1)]},
+    {"sessions": [("t1/s", "t1")]},
+    {"requests": [("t1/r#a", "t1", "", "inproc://x")]},
+    {"requests": [("t1/r#a", "t1/x", "", GW)]},
+    {"requests": [("t1/" + "r" * 3000, "t1", "", GW)]},
+    {"requests": [(f"t1/r{i}", "t1", "", GW) for i in range(4 + 2 * 256 + 1)]},  # past what admission lets in
+])
+def test_a_bad_report_is_refused_whole(sched: GlobalSchedulerService, bad: dict[str, Any]) -> None:
+    """Every field is checked before anything is applied (a report is untrusted input)."""
+    with pytest.raises(BadReport):
+        sched.apply_node_report("n0", report(**bad))
+    assert not sched.requests and not sched.session_nodes and len(sched.index) == 0 and not sched.node_inboxes
+
+
+def test_sessions_of_unknown_tenants_and_past_the_limit_are_left_out(tmp_path: Path) -> None:
+    """A session of a tenant not in the store, one already routed to another node, and those
+    past ``max_sessions_per_tenant`` are not routed (counted in ``bad_messages``)."""
+    sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}, max_sessions_per_tenant=2), "t1")
+    sched.recovered_requests = {}
+    sched.apply_node_report("n1", report(sessions=[("t1/a", "t1", True)], requests=[]))
+    sessions = [("t1/a", "t1", True), ("gone/x", "gone", True), ("t1/b", "t1", True), ("t1/c", "t1", True)]
+    sched.apply_node_report("n0", report(sessions=sessions, requests=[("t1/r#a", "t1", "t1/a", GW)]))
+    assert sched.session_nodes == {"t1/a": ("t1", "n1"), "t1/b": ("t1", "n0")}
+    assert "t1/r#a" not in sched.requests  # a turn of a session routed to another node
+    assert sched.bad_messages == 4
+
+
+def test_reconcile_releases_the_rebuilt_requests_a_gateway_no_longer_waits_for(sched: GlobalSchedulerService) -> None:
+    """Their release was lost while the scheduler was down: without this they counted in flight
+    for ever (the queue limit, load routing). A request admitted since is never touched."""
+    sched.apply_node_report("n0", report(requests=[("t1/r1#a", "t1", "", GW), ("t1/r2#a", "t1", "", GW),
+                                                   ("t2/r#a", "t2", "", "tcp://127.0.0.1:7002")]))
+    assert sched.admit("t1", "t1/new").code == "OK"
+    assert sched.reconcile_gateway(GW, ["t1/r2#a", "t1/new"]) == ["t1/r1#a"]
+    assert set(sched.requests) == {"t1/r2#a", "t2/r#a", "t1/new"}
+    assert sched.reconcile_gateway(GW, []) == []  # once only
+    assert sched.forget_unattached({GW}) == ["tcp://127.0.0.1:7002"]
+    assert set(sched.requests) == {"t1/r2#a", "t1/new"}
+
+
+def test_peers_refuse_a_timeout_that_is_no_deadline() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="report_timeout_s"):
+            RecoveryPeers("ns", (), bad)
