@@ -1,5 +1,5 @@
 """A restarted global scheduler rebuilds what lived only in its memory (docs/architecture.md,
-'Failure handling', 'Scheduler restart').
+'Failure handling': Scheduler gone and back).
 
 Ray restarts the scheduler's actor (``scheduler_max_restarts``) with its constructor arguments:
 the tenant store (SQLite) and the data-plane keys are the same, but routes, sessions, requests

@@ -1,7 +1,7 @@
 """The global scheduler comes back after its process is killed (kill -9), on a real cluster with
 the real model: Ray restarts it (``scheduler_max_restarts``), it rebuilds its state from the nodes'
 reports (``services.global_scheduler_recovery``), and the gateway serves again
-(docs/architecture.md, 'Failure handling', 'Scheduler restart')."""
+(docs/architecture.md, 'Failure handling': Scheduler gone and back)."""
 
 from __future__ import annotations
 
