@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.ray_errors import SCHEDULER_DOWN, SCHEDULER_RESTARTING, actor_died
+from services.ray_errors import SCHEDULER_DOWN, SCHEDULER_RESTARTING, RayActorError, actor_died
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,15 @@ class NodeMonitor:
                 answer = await asyncio.wait_for(self.scheduler.health.remote(), self.poll_s + self.timeout_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - dead, restarting, unreachable or slow
+            except RayActorError as exc:  # its process died: for good, or Ray restarts it
                 if actor_died(exc):
                     self._scheduler_lost(SCHEDULER_DOWN, f"{_first_line(exc)}", restarting=False)
                     return
                 self._scheduler_lost(SCHEDULER_RESTARTING, f"a health poll failed: {_first_line(exc)}")
+                await asyncio.sleep(self.retry_s)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a busy scheduler: admissions keep their timeout
+                log.warning("the global scheduler did not answer a health poll: %s", _first_line(exc))
                 await asyncio.sleep(self.retry_s)
                 continue
             identity = (int(answer["pid"]), int(answer["restarts"]))

@@ -223,3 +223,69 @@ def test_aclose_ends_a_watch_that_let_a_cancel_pass() -> None:
         return all(task.done() for task in monitor._tasks) and monitor.stopped
 
     assert asyncio.run(run()) and swallowed == [1]
+
+
+class _SchedulerStreams(_Streams):
+    """``_Streams`` with the scheduler's side of ``NodeStreams``, recording each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def scheduler_failed(self, reason: str, restarting: bool = False) -> None:
+        self.calls.append(("failed", reason, restarting))
+
+    def scheduler_recovered(self) -> None:
+        self.calls.append(("recovered",))
+
+    def reconnect_scheduler(self, address: str) -> None:
+        self.calls.append(("reconnect", address))
+
+
+def test_a_restarted_scheduler_is_rejoined_and_the_gateway_serves_again() -> None:
+    """Regression: the scheduler was never restarted and the monitor took it for down for good.
+    Now its admission connection closing fails admissions at once with a retry hint
+    (``scheduler_failed(..., restarting=True)``) and health is 0; when it answers from a new
+    process (Ray restarted it) the gateway connects to its new admission socket, attaches again
+    (``on_scheduler_back``), takes down the node the restarted scheduler holds down (it rejoins
+    at its next healthy answer: ``node_up``) and serves again."""
+    from services.ray_errors import SCHEDULER_RESTARTING
+
+    process = {"pid": 7, "restarts": 0, "data_address": "tcp://127.0.0.1:9001", "down": {}}
+    ups: list[str] = []
+    backs: list[int] = []
+
+    async def back() -> None:
+        backs.append(1)
+
+    scheduler = SimpleNamespace(health=_remote(lambda: dict(process)), down_nodes=_remote(dict),
+                                node_up=_remote(lambda node_id, *a: ups.append(node_id)),
+                                node_down=_remote(lambda *a: None))
+    streams = _SchedulerStreams()
+    healthy: list[int] = []
+
+    async def wait(predicate: Any) -> None:
+        for _ in range(300):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("not within 3 s")
+
+    async def run() -> NodeMonitor:
+        monitor = NodeMonitor({"n0": _Node()}, {"n0": {"pid": 41, "restarts": 0}}, streams, scheduler,
+                              on_change=healthy.append, poll_s=0.05, timeout_s=1.0, retry_s=0.01)
+        monitor.on_scheduler_back = back
+        monitor.start()
+        await wait(lambda: monitor.scheduler_identity == (7, 0))
+        process.update(pid=8, restarts=1, data_address="tcp://127.0.0.1:9002", down={"n0": "did not report"})
+        streams.on_scheduler_disconnect()  # its process died: at once, before any poll
+        assert monitor.num_healthy() == 0 and healthy[-1] == 0
+        await wait(lambda: not monitor.scheduler_failure and ups)
+        await wait(lambda: monitor.num_healthy() == 1)
+        monitor.stop()
+        return monitor
+
+    monitor = asyncio.run(run())
+    assert streams.calls[:3] == [("failed", SCHEDULER_RESTARTING, True), ("reconnect", "tcp://127.0.0.1:9002"),
+                                 ("recovered",)]
+    assert backs == [1] and ups == ["n0"] and monitor.scheduler_identity == (8, 1)
