@@ -11,6 +11,7 @@ from cli.options import GatewayOpt, finite
 from cli.output import console, die, fail
 from cli.state import admin_key, admin_key_file, admin_metadata, gateway_channel
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
+from services.private_dir import UnsafeDirectoryError, check_private_dir
 from tenants.keys import new_api_key, write_key_file
 
 admin_app = typer.Typer(help="Operator tasks: rotate the admin key, flush cached KV, drain the nodes.",
@@ -35,6 +36,10 @@ def admin_rotate_key(
         db = path.parent / "tenants.sqlite"
         if not db.exists():
             die(f"no tenant database at {db}")
+        try:  # a key file and database another user could replace are not ours to write
+            check_private_dir(path.parent)
+        except UnsafeDirectoryError as exc:
+            die(str(exc))
         from tenants.store import TenantStore
 
         key = new_api_key()

@@ -31,6 +31,7 @@ from cli.state import admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
 from services.metrics.targets import TARGETS_FILE, write_targets
+from services.private_dir import ensure_private_dir
 from services.tls import ServerTls, http_scheme, is_loopback
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
@@ -167,6 +168,11 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     from services.launcher import start_services
 
     cfg = _up_config(config, scheduler, device)
+    try:  # whoever can write these replaces the tenants, keys and saved state: refused first
+        ensure_private_dir(cfg.state_path)
+        ensure_private_dir(state.state_dir())
+    except OSError as exc:
+        die(f"kvstrata up failed: {exc}")
     saved = read_state()
     if saved.get("address") and reachable(saved["address"]):
         die(f"kvstrata is already up at {saved['address']}; run `kvstrata down` first")

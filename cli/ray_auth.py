@@ -21,6 +21,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from services.private_dir import ensure_private_dir
+
 TOKEN_FILE = "ray_token"
 """The token's file in the service's state directory."""
 
@@ -30,9 +32,10 @@ def new_token_file(state_dir: Path) -> Path:
     owner only, replacing an older one; returns its path.
 
     Raises:
-        OSError: the directory cannot be written.
+        OSError: the directory cannot be written; UnsafeDirectoryError (a PermissionError): another
+            user could change it (``services.private_dir``).
     """
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ensure_private_dir(state_dir)
     path = state_dir / TOKEN_FILE
     temp = path.with_name(f".{TOKEN_FILE}.{secrets.token_hex(4)}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

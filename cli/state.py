@@ -14,6 +14,7 @@ import grpc
 
 from cli.output import EXIT_USAGE, die
 from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.private_dir import UnsafeDirectoryError, check_private_dir
 from services.tls import ClientTls, open_aio_channel, open_channel
 from tenants.keys import read_key_file
 
@@ -43,9 +44,17 @@ def state_dir() -> Path:
 
 
 def read_state() -> dict:
-    """What ``kvstrata up`` saved (``STATE_DIR/gateway.json``); {} when nothing is up."""
+    """What ``kvstrata up`` saved (``STATE_DIR/gateway.json``); {} when nothing is up. Exits 1
+    when another user could have written it (``services.private_dir``): it names the gateway
+    the admin key is sent to."""
     path = state_dir() / "gateway.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        check_private_dir(path.parent)
+    except UnsafeDirectoryError as exc:
+        die(str(exc))
+    return json.loads(path.read_text())
 
 
 def gateway_address(address: str | None) -> str:

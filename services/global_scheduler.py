@@ -44,6 +44,7 @@ from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
 from services.global_scheduler_sessions import Sessions
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
+from services.private_dir import ensure_private_dir
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
@@ -67,7 +68,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     (``services.global_scheduler_routing``).
 
     Args:
-        state_dir: where the tenant database lives (survives restarts).
+        state_dir: where the tenant database lives (survives restarts); this user's alone, else
+            UnsafeDirectoryError (``services.private_dir``).
         nodes: node id -> running capacity (max_num_seqs).
         queue_limit: requests allowed to wait beyond the nodes' running capacity. A full queue
             still admits a tenant holding less than its fair share of the whole (running
@@ -94,7 +96,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     ) -> None:
         self.security = security
         self.bad_messages = 0  # data-plane messages dropped as malformed
-        Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants, keys: the owner's alone
+        ensure_private_dir(state_dir)  # tenants, keys: the owner's alone (another user's or a writable one: refused)
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
         self.usage = UsageLedger()
         self.own_rotations = self.own_rotation_limiter(clock)

@@ -33,6 +33,7 @@ from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 from services.actor_refs import ActorRef, resolve
 from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
 from services.metrics.server import serve_again
+from services.private_dir import ensure_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class SpillNode:
             them for ``take_events``.
         metrics: where to serve Prometheus ``/metrics`` (``services.metrics.spill``; None:
             nowhere). Raises OSError when its port is taken.
+
+    Raises:
+        UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
+            (``services.private_dir``).
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class SpillNode:
     ) -> None:
         if event_sink is not None and not node_id:
             raise ValueError("a spill node with an event_sink needs a node_id")
+        ensure_private_dir(root_dir)  # prompts' KV and token ids: another user's or a writable one is refused
         self._store = SpillStore(root_dir, block_format, ram_bytes, disk_bytes, **store_options)
         self.node_id = node_id
         self._sink = event_sink
