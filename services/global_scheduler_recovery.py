@@ -130,7 +130,8 @@ class Recovery:
                     self._not_reported(kind, name, f"not found: {type(exc).__name__}: {exc}")
                     continue
                 asked[ref] = (kind, name)
-        ready, late = ray.wait(list(asked), num_returns=len(asked), timeout=peers.report_timeout_s)
+        ready, late = (ray.wait(list(asked), num_returns=len(asked), timeout=peers.report_timeout_s)
+                       if asked else ([], []))
         for ref in late:
             kind, name = asked[ref]
             self._not_reported(kind, name, f"did not answer within {peers.report_timeout_s:g} s")
