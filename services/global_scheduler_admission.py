@@ -58,7 +58,7 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
         self.recovered_requests = {}
         self.restarts = actor_restarts() if peers is not None else 0
-        if self.restarts:  # Ray restarted this actor (the constructor runs on its event loop)
+        if peers is not None and self.restarts:  # Ray restarted this actor (the constructor runs on its loop)
             self.attach_nodes({})
             self.recover(peers)
             self._bind_admissions()

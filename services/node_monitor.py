@@ -176,10 +176,10 @@ class NodeMonitor:
         except Exception as exc:  # noqa: BLE001 - it may have died again: retried
             log.warning("the global scheduler answered, but rejoining it failed: %s", _first_line(exc))
             return False
-        for node_id in answer["down"]:
-            state = self.state.get(node_id)
-            if state is not None and state.healthy:
-                state.healthy, state.failure = False, answer["down"][node_id]
+        for node_id, why in answer["down"].items():
+            held = self.state.get(node_id)
+            if held is not None and held.healthy:
+                held.healthy, held.failure = False, why
         self.scheduler_identity = identity
         if self.scheduler_failure:
             self.scheduler_failure = ""
