@@ -119,13 +119,19 @@ class ServerTls:
         roots = read_pem("tls_client_ca_file", self.client_ca_file) if self.mutual else None
         return grpc.ssl_server_credentials([(key, chain)], root_certificates=roots, require_client_auth=self.mutual)
 
-    def uvicorn_options(self) -> dict[str, Any]:
-        """``uvicorn.Config`` arguments serving HTTPS with these files (client certificates
-        required with ``client_ca_file``)."""
-        options: dict[str, Any] = {"ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
+    def ssl_context(self) -> ssl.SSLContext:
+        """The HTTPS server's context from the files as they are now (checked first); it verifies
+        client certificates (required) with ``client_ca_file``.
+
+        Raises:
+            ValueError: as ``check``."""
+        self.check()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_file, self.key_file, password=_encrypted_key)
         if self.mutual:
-            options |= {"ssl_ca_certs": self.client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        return options
+            context.load_verify_locations(cafile=self.client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
 
 def check_server_settings(cert_file: str, key_file: str, client_ca_file: str) -> None:

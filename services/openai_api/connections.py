@@ -7,7 +7,9 @@ a request's first byte), ``limit_concurrency`` answers 503 only once a request's
 so a client that sends a partial request and nothing more holds its connection (a file
 descriptor of the gateway process, shared with gRPC, ZeroMQ and Ray) forever. The bounds live in a
 uvicorn protocol subclass (``guarded_protocol``), which sees every connection from
-``connection_made`` on, before any byte or ASGI app.
+``connection_made`` on, before any byte or ASGI app. With HTTPS it terminates TLS itself
+(``loop.start_tls`` on the accepted TCP connection), so a connection is counted from its accept
+and its handshake runs under the head deadline.
 
 Regression (secrev18 fault F): with none of them, one unauthenticated client holding partial
 requests open exhausted the gateway's file descriptors: under a NOFILE limit of 300, 297 such
@@ -15,6 +17,12 @@ connections were still held after 35 s, another client's request timed out, and 
 75,680 EMFILE accept errors, each with a traceback, in the ~70 s run. Now 150 are admitted
 (half the limit), the rest answered 503 at accept, all closed 10 s after they opened (408), the
 other client served (200), and the failed accept logged once.
+
+Regression (HTTPS handshakes escaped these bounds): uvicorn served HTTPS through
+``loop.create_server(ssl=...)``, whose SSL layer runs the handshake before the protocol's
+``connection_made`` (and calls no ``connection_lost`` for a failed one), so a connection still
+in its handshake was not counted and lived until asyncio's 60 s ``ssl_handshake_timeout``: any
+number of TCP connections that never finished it held file descriptors uncounted.
 """
 
 from __future__ import annotations
@@ -23,11 +31,12 @@ import asyncio
 import ipaddress
 import logging
 import resource
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import h11
 from uvicorn.middleware.proxy_headers import _TrustedHosts
@@ -47,8 +56,9 @@ class ConnectionLimits:
     """What one connection, and all of them, may hold (``ServiceConfig``'s ``http_*`` settings).
 
     Attributes:
-        head_timeout_s: from a connection's opening, or from the first byte of its next request,
-            until the request's whole head (request line and headers) has arrived.
+        head_timeout_s: from a connection's opening (its accept: an HTTPS connection's TLS
+            handshake runs within it), or from the first byte of its next request, until the
+            request's whole head (request line and headers) has arrived.
         body_timeout_s: from a request's head until its whole body has arrived. Neither deadline
             covers sending the response: a streamed (SSE) response runs as long as it needs.
         max_connections: open connections in all (clamped to half the process's NOFILE soft
@@ -179,6 +189,12 @@ class ConnectionGuard:
             if counts[key] <= 0:
                 del counts[key]
 
+    def end_handshakes(self) -> None:
+        """Close the connections whose TLS handshake is still under way (the server stops: they
+        are no uvicorn connection yet, so its shutdown does not see them)."""
+        for conn in list(self.unauthenticated):
+            conn.end_handshake()
+
     def _shed_one(self) -> bool:
         """Close the oldest unauthenticated connection still receiving its request or idle
         (``_Guarded.sheddable``); False when there is none."""
@@ -192,9 +208,15 @@ class ConnectionGuard:
 class _Guarded:
     """Mixin over a uvicorn HTTP protocol: the caps at ``connection_made`` and the receive
     deadlines. Subclasses report a request's head and its end (``_head_received``,
-    ``_request_received``)."""
+    ``_request_received``).
+
+    With ``tls_context`` the protocol is given the accepted TCP connection and terminates TLS on
+    it (``_handshake``): the connection is counted from its accept, and the head deadline, armed
+    there, bounds the handshake and then the head (phase ``"handshake"``, then ``"head"``).
+    uvicorn sees the connection only once the handshake is done, on the TLS transport."""
 
     guard: ConnectionGuard  # set on the class by ``guarded_protocol``
+    tls_context: ssl.SSLContext | None = None  # set on the class by ``guarded_protocol``: HTTPS
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
     cycle: Any
@@ -202,26 +224,78 @@ class _Guarded:
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
         self._peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self._accepted = transport  # the TCP connection (beneath the TLS transport with HTTPS)
         self._deadline: asyncio.TimerHandle | None = None
-        self._phase: str | None = None  # "head", "body", or None: not receiving a request
+        self._phase: str | None = None  # "handshake", "head", "body", or None: not receiving a request
         self._head_bytes = 0
+        self._early = bytearray()  # bytes decrypted before uvicorn saw the connection
         self._started = False  # the uvicorn protocol saw the connection
         self._admitted = self.guard.admit(self, self._peer)  # counted by the guard
         if not self._admitted:
-            transport.write(_REFUSED)
+            if self.tls_context is None:  # (a TLS client could not read it)
+                transport.write(_REFUSED)
             transport.abort() if transport.get_write_buffer_size() else transport.close()
             return
+        if self.tls_context is None:
+            self._serve(transport)
+            return
+        self._await("handshake")
+        transport.pause_reading()  # no byte reaches this protocol before start_tls takes it
+        self._handshaking = self.loop.create_task(self._handshake(transport, self.tls_context))
+
+    def _serve(self, transport: asyncio.Transport) -> None:
+        """HTTP on ``transport`` (under TLS, the handshake's deadline runs on for the head)."""
         super().connection_made(transport)  # type: ignore[misc]
         self._started = True
         self.app = _marking(self.app, self._authenticated, self._end_unfinished)  # type: ignore[has-type]
-        self._await("head")
+        if self._phase == "handshake":
+            self._phase = "head"
+        else:
+            self._await("head")
+        if self._early:
+            early, self._early = bytes(self._early), bytearray()
+            self.data_received(early)
+
+    async def _handshake(self, tcp: asyncio.Transport, context: ssl.SSLContext) -> None:
+        """TLS with ``context`` on the accepted ``tcp`` (server side), then ``_serve``.
+
+        A failed handshake closes the connection; asyncio (CPython 3.11 ``sslproto``) then calls
+        this protocol's ``connection_lost`` for a handshake error, but not for a connection cut
+        while the handshake is under way (the deadline, a shed, a reset), so the count is
+        released here too (``_uncount`` runs once). ``ssl_handshake_timeout`` is the head
+        deadline: asyncio's own bound, behind the guard's."""
+        tls: asyncio.Transport | None = None
+        try:
+            tls = await self.loop.start_tls(tcp, cast(asyncio.Protocol, self), context, server_side=True,
+                                            ssl_handshake_timeout=self.guard.limits.head_timeout_s)
+        except OSError:  # ssl.SSLError, a reset, asyncio's own timeout; the connection is closed
+            if self._phase == "handshake":
+                self.guard.stats["handshake_failed"] += 1
+        finally:
+            if tls is None or self._phase != "handshake":  # failed, cancelled, or closed meanwhile
+                self._phase = None
+                self._disarm()
+                self._uncount()
+                (tls or tcp).abort()
+        if self._phase == "handshake" and tls is not None:
+            self._serve(tls)
+
+    def end_handshake(self) -> None:
+        """Close the connection if its TLS handshake is still under way."""
+        if self._phase == "handshake":
+            self._close("handshake_ended", b"")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._uncount()
+        self._disarm()
         if self._started:
             self._started = False
-            self._disarm()
             super().connection_lost(exc)  # type: ignore[misc]
+
+    @property
+    def _current(self) -> asyncio.Transport:
+        """The transport HTTP runs on, or before that (a TLS handshake) the accepted one."""
+        return self.transport if self._started else self._accepted
 
     def _uncount(self) -> None:
         if self._admitted:
@@ -249,7 +323,7 @@ class _Guarded:
         Regression (review of f7a24d1, R2): a keyless connection idle between requests could
         not be shed; 8 of them (re-sending ``GET /health`` within the keep-alive) held the
         keyless share, and every new connection, a keyed client's too, was refused 503."""
-        if self.transport.is_closing() or self._answering():
+        if self._current.is_closing() or self._answering():
             return False
         if self._phase is not None:
             return True
@@ -263,6 +337,9 @@ class _Guarded:
 
     def data_received(self, data: bytes) -> None:
         if not self._admitted:
+            return
+        if not self._started:  # decrypted with the handshake's last bytes, before ``_serve``
+            self._early += data
             return
         if self._phase is None:  # the first bytes of the connection's next request
             self._await("head")
@@ -285,7 +362,8 @@ class _Guarded:
         self._phase = phase
         if phase == "head":
             self._head_bytes = 0
-        timeout_s = self.guard.limits.head_timeout_s if phase == "head" else self.guard.limits.body_timeout_s
+        limits = self.guard.limits
+        timeout_s = limits.body_timeout_s if phase == "body" else limits.head_timeout_s  # "handshake" too
         self._deadline = self.loop.call_later(timeout_s, self._expired)
 
     def _disarm(self) -> None:
@@ -302,7 +380,7 @@ class _Guarded:
 
     def _expired(self) -> None:
         self._deadline = None
-        if self._phase is None or self.transport.is_closing():
+        if self._phase is None or self._current.is_closing():
             return
         if self._answering():  # never cut a response; look again once it may have ended
             self._deadline = self.loop.call_later(self.guard.limits.head_timeout_s, self._expired)
@@ -310,15 +388,16 @@ class _Guarded:
         self._close(f"{self._phase}_timeout", _TIMED_OUT if self._phase == "head" else b"")
 
     def _close(self, reason: str, reply: bytes) -> None:
-        if self.transport.is_closing():
+        transport = self._current
+        if transport.is_closing():
             return
         self.guard.stats[reason] += 1
         self._phase = None
         self._disarm()
         if reply:
-            self.transport.write(reply)
+            transport.write(reply)
         # a peer that reads nothing must not keep the socket open through close()'s flush
-        self.transport.abort() if self.transport.get_write_buffer_size() else self.transport.close()
+        transport.abort() if transport.get_write_buffer_size() else transport.close()
 
 
 AUTHENTICATED = "kvstrata.authenticated"
@@ -359,16 +438,19 @@ def authenticated(scope: Any) -> None:
         mark()
 
 
-def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> type[asyncio.Protocol]:
-    """``base`` (uvicorn's ``HttpToolsProtocol`` or ``H11Protocol``) under ``guard``'s bounds."""
+def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard,
+                     tls_context: ssl.SSLContext | None = None) -> type[asyncio.Protocol]:
+    """``base`` (uvicorn's ``HttpToolsProtocol`` or ``H11Protocol``) under ``guard``'s bounds;
+    with ``tls_context`` it serves HTTPS on plain TCP connections (the server gets no ``ssl``)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    attributes = {"guard": guard, "tls_context": tls_context}
     if issubclass(base, H11Protocol):
-        return type("GuardedH11Protocol", (_GuardedH11, base), {"guard": guard})
+        return type("GuardedH11Protocol", (_GuardedH11, base), attributes)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     if issubclass(base, HttpToolsProtocol):
-        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base), {"guard": guard})
+        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base), attributes)
     raise ValueError(f"no connection guard for the HTTP protocol {base.__name__}")
 
 

@@ -36,7 +36,10 @@ class HttpServer:
             shed for a new one), and the time a connection has to deliver a request's head and
             body.
         tls: serve HTTPS with this certificate (client certificates required when it names a
-            client CA: ``services.tls.ServerTls``); None: plain HTTP.
+            client CA: ``services.tls.ServerTls``); None: plain HTTP. The guarded protocol
+            terminates TLS on the accepted connection (``connections._Guarded``), so the caps
+            count it from its accept and ``head_timeout_s`` bounds its handshake; uvicorn itself
+            is given no ``ssl``.
 
     Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
     127.0.0.1, so any client connecting over loopback chose its own address (the key of the
@@ -52,6 +55,10 @@ class HttpServer:
     other client got 503. They count client networks now, and keyless connections may hold only
     ``unauthenticated_share`` of the slots, the oldest unfinished one shed for a newcomer
     (``ConnectionGuard``).
+
+    Regression (HTTPS handshakes escaped the connection caps): uvicorn's ``ssl_certfile`` made
+    asyncio's SSL layer run each handshake before the guarded protocol saw the connection, for
+    up to 60 s, uncounted.
     """
 
     def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None,
@@ -76,8 +83,9 @@ class HttpServer:
         Raises:
             OSError: the address cannot be bound.
             RuntimeError: uvicorn did not come up within ``start_timeout_s``.
-            ssl.SSLError: a TLS file is no longer what ``ServerTls.check`` found (nothing stays bound).
+            ValueError: a TLS file is no longer what ``ServerTls.check`` found (nothing is bound).
         """
+        tls_context = self.tls.ssl_context() if self.tls is not None else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -92,16 +100,15 @@ class HttpServer:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=1, ws="none", backlog=self.limits.backlog,
                                 proxy_headers=self.forwarded_allow_ips is not None,
-                                forwarded_allow_ips=self.forwarded_allow_ips,
-                                **(self.tls.uvicorn_options() if self.tls is not None else {}))
+                                forwarded_allow_ips=self.forwarded_allow_ips)
         try:
-            config.load()  # reads the TLS files
+            config.load()
         except BaseException:
             sock.close()
             raise
         self.host, self.port = host, sock.getsockname()[1]
         self.guard = ConnectionGuard(self.limits, self.forwarded_allow_ips)
-        config.http_protocol_class = guarded_protocol(config.http_protocol_class, self.guard)
+        config.http_protocol_class = guarded_protocol(config.http_protocol_class, self.guard, tls_context)
         self.server = uvicorn.Server(config)
         self.accept_log = AcceptErrorLog(asyncio.get_running_loop(), sock.fileno())
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
@@ -120,6 +127,8 @@ class HttpServer:
         if self.server is None or self.task is None:
             return
         self.server.should_exit = True
+        if self.guard is not None:
+            self.guard.end_handshakes()
         try:
             await asyncio.wait_for(self.task, 5.0)
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
