@@ -26,12 +26,12 @@ from cli import state
 from cli.options import GatewayOpt, validation_message
 from cli.output import console, die, fail, say
 from cli.processes import stop_processes
-from cli.ray_auth import new_token_file, token_env, use_token
 from cli.state import admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
 from services.metrics.targets import TARGETS_FILE, write_targets
 from services.private_dir import ensure_private_dir
+from services.ray_auth import new_token_file, token_env, use_token
 from services.tls import ServerTls, http_scheme, is_loopback
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
@@ -103,7 +103,7 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
 def _start_local_ray(cfg: ServiceConfig, token: Path) -> tuple[int, str]:
     """``ray start --head`` on a free port under a new temp directory, offering the config's
     cache- and spill-node resources, with Ray's token authentication on (the token at
-    ``token``: ``cli.ray_auth``); returns (GCS port, temp directory).
+    ``token``: ``services.ray_auth``); returns (GCS port, temp directory).
 
     Ray's own temp directory is ``<temp directory>/ray``: Ray makes it and its ``sockets/``
     world-writable (0777, no sticky bit), so another local user could replace the raylet's and

@@ -29,6 +29,7 @@ from services.grpc_bounds import GrpcLimits
 from services.metrics import MetricsEndpoint
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
+from services.ray_auth import new_token_file, use_token
 from services.spill_node import create_spill_node
 from services.tls import ServerTls
 from tenants.keys import new_api_key, read_key_file, write_key_file
@@ -96,8 +97,14 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     Args:
         config: service configuration.
         address: Ray cluster to join ("auto", "ray://..."); None starts/uses a local cluster.
+            A local cluster this call starts (no ``address``, Ray not initialized: the demo's,
+            the benches') runs with Ray's token authentication, its token a new one in the
+            state directory (``services.ray_auth``): its ports listen on the machine's
+            address, and one without authentication runs any connecting driver's tasks.
     """
     if not ray.is_initialized():
+        if address is None:
+            use_token(new_token_file(config.state_path))
         ray.init(address=address or "local", namespace=config.namespace, include_dashboard=False,
                  log_to_driver=False)
     node = resolve_node_config(config.node, ray.cluster_resources().get("GPU", 0))

@@ -1,5 +1,5 @@
 """The local Ray cluster a plain ``kvstrata up`` starts refuses drivers without its token
-(``cli.ray_auth``).
+(``services.ray_auth``).
 
 Regression (review 23d, A): it ran with ``RAY_AUTH_MODE=disabled``; its GCS listens on every
 interface, and a driver connecting to the machine's address ran a task that read the 0600
@@ -8,6 +8,7 @@ admin key, which then listed every tenant.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -18,8 +19,8 @@ from pathlib import Path
 import ray.util
 
 from cli import lifecycle
-from cli.ray_auth import TOKEN_FILE, new_token_file, token_env
 from services.config import ServiceConfig
+from services.ray_auth import TOKEN_FILE, new_token_file, token_env
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_FAIL = {"RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_timeout_s": "3"}
@@ -28,7 +29,7 @@ FAST_FAIL = {"RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_ti
 DRIVER = textwrap.dedent("""
     import os, sys
     if sys.argv[2]:
-        from cli.ray_auth import use_token
+        from services.ray_auth import use_token
         import ray  # imported first, as other modules may: use_token refreshes Ray's mode
         use_token(sys.argv[2])
     import ray
@@ -65,3 +66,35 @@ def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path: Path) ->
         assert _driver(f"127.0.0.1:{port}", str(token)) == "task ran"
     finally:
         lifecycle._stop_local_ray(temp_dir, port)
+
+
+START_SERVICES = textwrap.dedent("""
+    import json, os, sys
+    import ray
+    from services import launcher
+    from services.config import ServiceConfig
+
+    def init(**kwargs):
+        print(json.dumps({"address": kwargs.get("address"), "mode": os.environ.get("RAY_AUTH_MODE"),
+                          "token": os.environ.get("RAY_AUTH_TOKEN_PATH")}))
+        raise SystemExit(0)
+
+    ray.init = init
+    launcher.start_services(ServiceConfig(state_dir=sys.argv[1]))
+""")
+
+
+def test_the_local_cluster_start_services_starts_is_token_authenticated(tmp_path: Path) -> None:
+    """The demo (``python -m workloads.demo``) and the benches start their own local cluster
+    through ``start_services``; it listens on the machine's address too. Before, it ran with
+    ``RAY_AUTH_MODE=disabled`` (the modules' default): any driver reaching it ran tasks. Now
+    ``ray.init`` runs with a new token in the state dir (the cluster then refuses a driver
+    without it: ``test_the_local_cluster_refuses_a_driver_without_its_token``)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    done = subprocess.run([sys.executable, "-c", START_SERVICES, str(tmp_path / "state")], check=True, env=env,
+                          capture_output=True, text=True, timeout=180)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    token = tmp_path / "state" / TOKEN_FILE
+    assert seen == {"address": "local", "mode": "token", "token": str(token)}
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64

@@ -22,10 +22,10 @@ from typer.testing import CliRunner
 
 from cli import lifecycle
 from cli import main as cli
-from cli.ray_auth import TOKEN_FILE, new_token_file
 from services import private_dir
 from services.global_scheduler import GlobalScheduler
 from services.private_dir import UnsafeDirectoryError, ensure_private_dir
+from services.ray_auth import TOKEN_FILE, new_token_file
 from services.spill_node import SpillNode
 from tests.test_spill_store import BLOCK, DISK, FMT
 

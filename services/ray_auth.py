@@ -1,4 +1,6 @@
-"""Ray's token authentication for the local cluster a plain ``kvstrata up`` starts.
+"""Ray's token authentication for the local clusters kvstrata starts: a plain ``kvstrata up``'s
+(``ray start``), and the one ``services.launcher.start_services`` starts for a process that has
+none (the demo's, the benches').
 
 Ray's control ports (GCS, raylet, the client server) listen on every interface, and a Ray
 cluster without authentication runs any task a connecting driver submits: whoever reaches the
