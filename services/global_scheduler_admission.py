@@ -20,6 +20,7 @@ from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, Rec
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
 from tenants.model import Tenant, TenantSpec
+from tenants.store import DELETED_PAGE
 from tenants.store_key_ids import KeyIdsDelta
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,10 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.delete_tenant``: the store's commit in a worker thread, then
         ``end_deleted_tenant`` on this loop (a request admitted meanwhile is ended by it)."""
         self.end_deleted_tenant(await asyncio.to_thread(self.delete_stored_tenant, name))
+
+    async def deleted_tenants_after(self, seq: int, limit: int = DELETED_PAGE) -> list[tuple[int, str]]:
+        """``GlobalScheduler.deleted_tenants_after`` in a worker thread (a SQLite read)."""
+        return await asyncio.to_thread(super().deleted_tenants_after, seq, limit)
 
     async def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """``GlobalScheduler.key_ids_since`` in a worker thread (a full answer reads every key

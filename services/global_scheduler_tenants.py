@@ -15,7 +15,7 @@ from services.global_scheduler_routing import RoutingKeys
 from tenants.errors import TenantNotFoundError, TooManyRotationsError
 from tenants.model import Tenant, TenantSpec
 from tenants.ratelimit import WindowLimiter
-from tenants.store import MAX_DELETED_TENANTS, TenantStore
+from tenants.store import DELETED_PAGE, MAX_DELETED_TENANTS, TenantStore
 from tenants.store_key_ids import KeyIdsDelta
 from tenants.usage import UsageLedger
 
@@ -120,6 +120,19 @@ class Tenants:
             TenantNotFoundError: no tenant is called ``name``.
         """
         self.end_deleted_tenant(self.delete_stored_tenant(name))
+
+    def deleted_tenants_after(self, seq: int, limit: int = DELETED_PAGE) -> list[tuple[int, str]]:
+        """``TenantStore.deleted_tenants_after``: the tenants deleted after deletion ``seq``,
+        ``(seq, tenant_id)``, oldest first, at most ``limit`` (clamped to 1..``DELETED_PAGE``).
+        Spill nodes page through it to purge deleted tenants' own namespaces, whatever they
+        missed while down (``services.spill_node.DeletedTenantSweep``).
+
+        Raises:
+            TypeError: ``seq`` or ``limit`` is not an int.
+        """
+        if type(seq) is not int or type(limit) is not int:
+            raise TypeError("seq and limit must be ints")
+        return self.store.deleted_tenants_after(max(seq, 0), min(max(limit, 1), DELETED_PAGE))
 
     def delete_stored_tenant(self, name: str) -> str:
         """Delete ``name`` and its keys from the store; returns its tenant id (the store alone:

@@ -34,6 +34,7 @@ from services.actor_refs import ActorRef, resolve
 from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
 from services.metrics.server import serve_again
 from services.private_dir import ensure_private_dir
+from services.spill_sweep import SWEEP_INTERVAL_S, AskScheduler, DeletedTenants, DeletedTenantSweep
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class SpillNode:
             them for ``take_events``.
         metrics: where to serve Prometheus ``/metrics`` (``services.metrics.spill``; None:
             nowhere). Raises OSError when its port is taken.
+        deleted_tenants: where to learn of deleted tenants (``services.spill_sweep``); their
+            own namespaces are dropped at start and every ``sweep_interval_s`` (None: never).
 
     Raises:
         UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
@@ -86,6 +89,8 @@ class SpillNode:
         node_id: str = "",
         event_sink: EventSink | None = None,
         metrics: MetricsEndpoint | None = None,
+        deleted_tenants: DeletedTenants | None = None,
+        sweep_interval_s: float = SWEEP_INTERVAL_S,
         **store_options: Any,
     ) -> None:
         if event_sink is not None and not node_id:
@@ -98,6 +103,10 @@ class SpillNode:
         self._push(reset=True)
         self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
         self.metrics_server = self._serve_metrics(Path(root_dir), metrics) if metrics is not None else None
+        self._sweep = None
+        if deleted_tenants is not None:
+            self._sweep = DeletedTenantSweep(self._store, deleted_tenants, self._push, node_id, sweep_interval_s)
+            self._sweep.start()
 
     def _serve_metrics(self, root_dir: Path, endpoint: MetricsEndpoint) -> MetricsServer:
         """``/metrics`` at ``endpoint``; with port 0, on the port this node served on before a
@@ -165,8 +174,9 @@ class SpillNode:
         return dropped
 
     def stats(self) -> dict[str, int]:
-        """``SpillStore.stats``."""
-        return self._store.stats()
+        """``SpillStore.stats``, and the deleted tenants' sweep's counters (``sweeps``,
+        ``sweep_failures``, ``sweep_bad_answers``, ``swept_blocks``) when it runs."""
+        return self._store.stats() | (dict(self._sweep.counters) if self._sweep is not None else {})
 
     def held_blocks(self) -> list[tuple[bytes, str]]:
         """``SpillStore.held``: every block held now and its tier (a restarted global scheduler
@@ -224,7 +234,9 @@ def create_spill_node(
         namespace: Ray namespace of the name (None: the driver's); two deployments on one
             cluster keep their spill nodes apart by namespace, as their other actors.
         scheduler: the GlobalScheduler actor whose block index receives this node's events
-            (holder id ``name``); None keeps them for ``take_events``. Pass an ``ActorRef``
+            (holder id ``name``), and whose tenant store's deletions the node sweeps
+            (``services.spill_sweep``); None keeps the events for ``take_events`` and sweeps
+            nothing. Pass an ``ActorRef``
             (``services.actor_refs``): a handle in a restartable actor's arguments makes Ray
             log an error.
         metrics: where the node serves Prometheus ``/metrics`` (None: nowhere); a restarted
@@ -247,5 +259,7 @@ def create_spill_node(
     )
     sink = ReportToScheduler(scheduler) if scheduler is not None else None
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,
-                            event_sink=sink, metrics=metrics, **store_options)
+                            event_sink=sink, metrics=metrics,
+                            deleted_tenants=AskScheduler(scheduler) if scheduler is not None else None,
+                            **store_options)
     return cast("ActorHandle[SpillNode]", handle)

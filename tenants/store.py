@@ -32,6 +32,8 @@ from tenants.store_schema import _TENANT_COLUMNS, _spec_json, _tenant, migrate
 
 MAX_DELETED_TENANTS = 65536
 """Deleted tenants' ids kept (``deleted_tenant_ids``; the oldest forgotten first)."""
+DELETED_PAGE = 4096
+"""Deleted tenants per ``deleted_tenants_after`` answer at most (the scheduler's clamp)."""
 
 
 class TenantStore(ApiKeys, KeyIdLog):
@@ -136,6 +138,15 @@ class TenantStore(ApiKeys, KeyIdLog):
         with self._lock:
             rows = self._conn.execute("SELECT tenant_id FROM deleted_tenants ORDER BY seq").fetchall()
         return tuple(tenant_id for (tenant_id,) in rows)
+
+    def deleted_tenants_after(self, seq: int, limit: int = 4096) -> list[tuple[int, str]]:
+        """``(seq, tenant_id)`` of the tenants deleted after the deletion numbered ``seq`` (0:
+        all kept), oldest first, at most ``limit``: a reader pages through deletions it has
+        not seen by passing the last ``seq`` it got (the spill nodes' sweep)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT seq, tenant_id FROM deleted_tenants WHERE seq > ? ORDER BY seq LIMIT ?",
+                                      (int(seq), int(limit))).fetchall()
+        return [(int(s), str(t)) for s, t in rows]
 
     def get(self, name: str) -> Tenant:
         """Return tenant ``name``. Raises ``TenantNotFoundError`` if absent."""

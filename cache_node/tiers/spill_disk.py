@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -141,11 +141,12 @@ class DiskTier:
             fmt.remove_file(path)
         self.unserved.forget_unindexed()
 
-    def drop_holder(self, holder: str) -> int:
-        """Delete every indexed file of ``holder`` (a namespace without its salt: ``holder_of``),
-        with their blocks' "removed" events; returns the blocks dropped. Files it does not serve
-        (unindexed, quarantined) are not opened and stay until the budget evicts them."""
-        names = [name for name in self._files if self._files.holder(name) == holder]
+    def drop_holders(self, holders: Collection[str]) -> int:
+        """Delete every indexed file of each of ``holders`` (namespaces without their salt:
+        ``holder_of``), with their blocks' "removed" events; returns the blocks dropped. Files
+        it does not serve (unindexed, quarantined) are not opened and stay until the budget
+        evicts them."""
+        names = [name for name in self._files if self._files.holder(name) in holders]
         dropped = 0
         for name in names:
             dropped += len(self._files[name].live)

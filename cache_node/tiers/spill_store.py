@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -207,13 +207,20 @@ class SpillStore:
         (their headers hold the blocks' token ids); "removed" events for each block. Other
         namespaces' blocks are untouched. Returns blocks dropped (a deleted tenant's own
         namespace: ``services.cache_node_commands.end_tenant``)."""
-        holder = holder_of(namespace)
+        return self.drop_namespaces([namespace])
+
+    def drop_namespaces(self, namespaces: Iterable[str]) -> int:
+        """``drop_namespace`` of each of ``namespaces``, in one pass over what is held (a spill
+        node's sweep of deleted tenants: ``services.spill_node.DeletedTenantSweep``)."""
+        holders = {holder_of(ns) for ns in namespaces}
+        if not holders:
+            return 0
         with self._lock:
-            in_ram = [h for h in self._ram if self._ram.holder(h) == holder]
+            in_ram = [h for h in self._ram if self._ram.holder(h) in holders]
             for block_hash in in_ram:
                 self._ram.pop(block_hash)
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
-            return len(in_ram) + self._disk.drop_holder(holder)
+            return len(in_ram) + self._disk.drop_holders(holders)
 
     def held(self) -> list[tuple[bytes, str]]:
         """``(block_hash, tier)`` of every block held now, tiers ``spill_ram`` and
