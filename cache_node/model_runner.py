@@ -88,6 +88,12 @@ class ModelRunner:
         self.backend = get_backend(self.config.attention_backend)(pool.block_size)
         model.config._attn_implementation = ATTN_IMPLEMENTATION
         model.eval()
+        # Serving never trains: no forward of this model records autograd, wherever it runs.
+        # Regression (review 24g F1): the graph captures ran with grad on over weights that
+        # required it; with fused kernels off, the pool's K/V writes made ``pool.kv`` require
+        # grad, keeping every capture's activations alive (~4.7 GiB on Llama-3.1-8B) and
+        # chaining each tier copy onto it.
+        model.requires_grad_(False)
         self.fused_modules = apply_fused_kernels(model, self.config)  # before graphs capture
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -107,7 +113,8 @@ class ModelRunner:
         largest = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens)
         if largest >= 2:
             self.prefill_graphs = cg.PrefillGraphs(self, largest, max_blocks, scratch_slot, graph_pool)
-        cg.capture_largest_first(*(g for g in (self.graphs, self.prefill_graphs) if g is not None))
+        with torch.no_grad():  # as ``execute``: a capture records no autograd (above)
+            cg.capture_largest_first(*(g for g in (self.graphs, self.prefill_graphs) if g is not None))
 
     @staticmethod
     def uses_cuda_graphs(config: EngineConfig) -> bool:

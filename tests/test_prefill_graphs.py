@@ -257,3 +257,23 @@ def test_prefill_graph_replay_equals_eager(tiny, shape) -> None:
     assert runs[True][0] == runs[False][0]
     # every prefix hit replays; so does the 700-token base's last chunk (188 tokens after 512)
     assert runs[False][1] == 0 and runs[True][1] == len(suffixes) + (shape != "tiny")
+
+
+def test_graph_capture_records_no_autograd(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 24g F1: ``_build_graphs`` ran its 33 capture forwards with autograd on (only
+    ``execute`` was under inference mode) over weights that require grad, so with fused kernels
+    off the pool's K/V writes made ``pool.kv`` require grad, its autograd chain kept every
+    capture's activations alive (~4.7 GiB on the Llama-3.1-8B shape) and grew with each tier
+    copy. Emulated on CPU: the capture's forwards run as ``GraphPool.capture`` runs them."""
+    import cache_node.cuda_graphs as cg
+
+    monkeypatch.setattr(TritonBackend, "kernel", staticmethod(paged_attention_reference))
+    monkeypatch.setattr(cg.GraphPool, "capture", lambda self, forward: (None, [forward() for _ in range(3)][-1]))
+    eng = engine_on(tiny, prefill_graph_max_tokens=48, fused_kernels=False)
+    assert torch.is_grad_enabled()  # as at a node's start
+    eng.runner._build_graphs((eng.pool.num_blocks - 1) * eng.pool.block_size)
+    assert not eng.pool.kv.requires_grad and eng.pool.kv.grad_fn is None
+    assert not any(p.requires_grad for p in eng.runner.model.parameters())
+    eng.runner.graphs = eng.runner.prefill_graphs = None  # the stub captured no graph: run eagerly
+    out = eng.generate([prompt_of(40)], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 4 and not eng.pool.kv.requires_grad
