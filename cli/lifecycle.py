@@ -210,11 +210,9 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     cfg.state_path.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants, keys: the owner's alone
     state.state_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
     (state.state_dir() / "gateway.json").write_text(json.dumps({
-        "address": services.address, "ray_address": address, "started_ray": started_ray,
-        "ray_temp_dir": temp_dir, "namespace": cfg.namespace, "state_dir": str(cfg.state_path),
-        "http_address": services.http_address, "grpc_max_message_bytes": cfg.grpc_max_message_bytes,
-        "ray_token_path": str(token) if token is not None else "",
-        "tls": bool(cfg.tls_cert_file), "tls_ca_file": cfg.tls_ca_file,  # later commands: cli.state.client_tls
+        "ray_address": address, "started_ray": started_ray, "ray_temp_dir": temp_dir, "namespace": cfg.namespace,
+        "state_dir": str(cfg.state_path), "ray_token_path": str(token) if token is not None else "",
+        **gateway_state(cfg, services.address, services.http_address),
     }))
     targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
@@ -223,17 +221,31 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         say(line)
 
 
+def gateway_state(cfg: ServiceConfig, address: str, http_address: str) -> dict[str, object]:
+    """What ``up`` saves (gateway.json) for later commands to reach the gateway (``cli.state``):
+    ``address`` and ``http_address``, where a client dials it (``Services``: loopback for a
+    wildcard ``gateway_host``), its message cap, and whether it serves TLS, with the CA and the
+    certificate name (``tls_server_name``) to verify it with (``cli.state.client_tls``)."""
+    return {"address": address, "http_address": http_address, "grpc_max_message_bytes": cfg.grpc_max_message_bytes,
+            "tls": bool(cfg.tls_cert_file), "tls_ca_file": cfg.tls_ca_file, "tls_server_name": cfg.tls_server_name}
+
+
 def up_summary(cfg: ServiceConfig, address: str, http_address: str, metrics: dict[str, str],
                targets: Path | None) -> list[str]:
     """What ``up`` prints once the services answer, one line per item so that no address is
     ever split: the gateway, the OpenAI API, what the nodes run (``cfg`` as started, its device
     and dtype resolved), the admin key file, then each ``/metrics`` address (``metrics``: actor
     name -> host:port) and the Prometheus targets file (``targets``; None without metrics).
-    With TLS on, the gateway line says so (and whether client certificates are required) and
+    With TLS on, the gateway line says so (whether client certificates are required, and the
+    certificate name clients verify when it is not the host dialed: ``tls_server_name``) and
     the API's URL is https; without it, a gateway bound beyond loopback gets a warning line."""
     node, tls = cfg.node, ServerTls.of(cfg)
-    lines = [f"gateway: [bold]{address}[/bold]" + (f" (TLS{', client certificates required' if tls.mutual else ''})"
-                                                   if tls is not None else "")]
+    notes = ["TLS"] if tls is not None else []
+    if tls is not None and tls.mutual:
+        notes.append("client certificates required")
+    if tls is not None and cfg.tls_server_name:
+        notes.append(f"certificate name {cfg.tls_server_name}")
+    lines = [f"gateway: [bold]{address}[/bold]" + (f" ({', '.join(notes)})" if notes else "")]
     if tls is None and not is_loopback(cfg.gateway_host):
         lines.append(f"[yellow]warning: no TLS on {cfg.gateway_host}: API keys cross the network in cleartext "
                      "(set tls_cert_file and tls_key_file)[/yellow]")

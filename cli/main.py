@@ -36,8 +36,12 @@ def tls_options(
                                  "with --tls-key"),
     tls_key: str = typer.Option("", "--tls-key", envvar="KVSTRATA_TLS_KEY", metavar="PEM",
                                 help="the private key of --tls-cert"),
+    tls_server_name: str = typer.Option("", "--tls-server-name", envvar="KVSTRATA_TLS_SERVER_NAME",
+                                        metavar="NAME", help="the name the gateway's certificate must carry "
+                                        "(default: the config's tls_server_name for the gateway `kvstrata up` "
+                                        "started, else the host dialed)"),
 ) -> None:
-    state.TLS_OPTIONS = state.TlsOptions(tls_ca, tls_cert, tls_key)
+    state.TLS_OPTIONS = state.TlsOptions(tls_ca, tls_cert, tls_key, tls_server_name)
 
 
 app.add_typer(tenant_app, name="tenant")

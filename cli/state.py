@@ -1,6 +1,7 @@
 """Where the commands find the gateway, how they reach it (plaintext or TLS) and the admin
 key: flags, the environment (KVSTRATA_GATEWAY, KVSTRATA_ADMIN_KEY, KVSTRATA_TLS_CA,
-KVSTRATA_TLS_CERT, KVSTRATA_TLS_KEY) or the state ``kvstrata up`` wrote to ``state_dir()``."""
+KVSTRATA_TLS_CERT, KVSTRATA_TLS_KEY, KVSTRATA_TLS_SERVER_NAME) or the state ``kvstrata up``
+wrote to ``state_dir()``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class TlsOptions:
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
+    server_name: str = ""
 
 
 TLS_OPTIONS = TlsOptions()
@@ -69,9 +71,10 @@ def gateway_address(address: str | None) -> str:
 def client_tls(address: str) -> ClientTls | None:
     """How to reach the gateway at ``address`` (None: plaintext). TLS when ``kvstrata up`` saved
     this address with TLS on (verified with the CA bundle its config named, ``tls_ca_file``,
-    unless ``--tls-ca`` names another), or when ``--tls-ca`` or ``--tls-cert`` is given (for any
-    gateway); the client certificate (mutual TLS) is ``--tls-cert``/``--tls-key``'s. Exits 2
-    when only one of those two is given.
+    unless ``--tls-ca`` names another, and for the name its ``tls_server_name`` gave, unless
+    ``--tls-server-name`` gives another; none: the host dialed), or when ``--tls-ca`` or
+    ``--tls-cert`` is given (for any gateway); the client certificate (mutual TLS) is
+    ``--tls-cert``/``--tls-key``'s. Exits 2 when only one of those two is given.
 
     Regression (security review: no TLS anywhere): every command opened a plaintext channel,
     so the admin and tenant keys crossed the network in cleartext."""
@@ -80,8 +83,9 @@ def client_tls(address: str) -> ClientTls | None:
     if not (ours or options.ca_file or options.cert_file or options.key_file):
         return None
     ca_file = options.ca_file or (saved.get("tls_ca_file", "") if ours else "")
+    server_name = options.server_name or (saved.get("tls_server_name", "") if ours else "")
     try:
-        return ClientTls(ca_file, options.cert_file, options.key_file)
+        return ClientTls(ca_file, options.cert_file, options.key_file, server_name)
     except ValueError as exc:
         die(f"--tls-cert / --tls-key: {exc}", EXIT_USAGE)
 

@@ -16,7 +16,7 @@ from services.grpc_messages import (
     MAX_GENERATE_REQUEST_BYTES,
     MAX_MESSAGE_BYTES_LIMIT,
 )
-from services.tls import check_certificates, check_server_settings
+from services.tls import check_certificates, check_server_name, check_server_settings
 
 NODE_DEVICES = ("auto", "cpu", "cuda")
 
@@ -110,10 +110,14 @@ class ServiceConfig(BaseModel):
     # `kvstrata up`, the demo, the benchmarks) verify the gateway's certificate with ("": the
     # system's trust roots). Made absolute where the config is loaded and checked there: a
     # missing or unreadable file, a bad PEM or a key not the certificate's is an error naming it.
+    # tls_server_name: the name in the gateway's certificate that kvstrata's own clients verify
+    # (and send as SNI) wherever they dial it ("": the host dialed; `kvstrata up` saves
+    # 127.0.0.1 for a wildcard gateway_host, so a certificate naming only a DNS name needs it).
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
     tls_ca_file: str = ""
+    tls_server_name: str = ""
     # The OpenAI-compatible HTTP API (services.openai_api) on gateway_host; 0 = a free port,
     # None = off.
     http_port: int | None = Field(8000, ge=0, le=65535)
@@ -248,6 +252,11 @@ class ServiceConfig(BaseModel):
         from another directory found no admin key, and on a joined cluster each actor resolved
         it against its own worker's directory. "" (spill_dir's and the TLS files' default) stays."""
         return str(Path(value).expanduser().absolute()) if value else value
+
+    @field_validator("tls_server_name")
+    @classmethod
+    def _server_name(cls, value: str) -> str:
+        return check_server_name(value)
 
     @model_validator(mode="after")
     def _tls_files(self) -> ServiceConfig:

@@ -31,7 +31,7 @@ from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.ray_auth import new_token_file, use_token
 from services.spill_node import create_spill_node
-from services.tls import ServerTls
+from services.tls import ServerTls, dial_address
 from tenants.keys import new_api_key, read_key_file, write_key_file
 
 SCHEDULER_NAME = "global_scheduler"
@@ -52,11 +52,16 @@ class Services:
     spill_nodes: list[Any] = field(default_factory=list)
     data_plane_keys: DataPlaneKeys | None = None  # every role's keys (fault tests, bench.chaos)
     metrics: dict[str, str] = field(default_factory=dict)  # actor name -> its /metrics host:port
-    http_address: str = ""  # host:port of the OpenAI-compatible API ("" when off)
+    http_address: str = ""  # host:port a client dials for the OpenAI-compatible API ("" when off)
+
+    def __post_init__(self) -> None:
+        self.http_address = dial_address(self.http_address)  # the gateway says where it is bound
 
     @property
     def address(self) -> str:
-        return f"{self.config.gateway_host}:{self.port}"
+        """``host:port`` a client on this machine dials for the gateway's gRPC port (loopback
+        for a wildcard ``gateway_host``: ``services.tls.dial_address``)."""
+        return dial_address(f"{self.config.gateway_host}:{self.port}")
 
 
 def admin_key_path(config: ServiceConfig) -> Path:

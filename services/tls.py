@@ -8,8 +8,12 @@ certificate's fails ``kvstrata up`` with an error naming the file) and read agai
 gateway start, so a restarted gateway serves the files as they are then.
 
 Client side, ``ClientTls``: the CA bundle that verifies the gateway's certificate (none: the
-system's trust roots) and, for mutual TLS, a client certificate and key; ``open_channel`` and
-``open_aio_channel`` give a secure gRPC channel with it, or a plaintext one without.
+system's trust roots), the name that certificate must carry (``server_name``: ``ServiceConfig``'s
+``tls_server_name``; none: the host dialed) and, for mutual TLS, a client certificate and key;
+``open_channel`` and ``open_aio_channel`` give a secure gRPC channel with it, or a plaintext one
+without, and ``http_client_options`` an httpx client's. ``dial_address``: where a client on the
+gateway's machine dials a server bound on a wildcard address (loopback, which a certificate can
+name, rather than ``0.0.0.0``, which none does).
 
 A gateway bound on a non-loopback address without TLS serves, but says once per process that
 API keys cross the network in cleartext (``warn_cleartext``). docs/architecture.md, 'Tenancy
@@ -158,6 +162,41 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def dial_address(address: str) -> str:
+    """The ``host:port`` a client on this machine dials for a server bound on ``address``
+    (``host:port``): a wildcard host (``0.0.0.0``, ``::``) becomes loopback (``127.0.0.1``,
+    ``[::1]``), which that bind serves too and a certificate can name; an IPv6 address is
+    bracketed; anything else ("", a name) is unchanged.
+
+    Regression (a wildcard gateway_host with TLS): ``kvstrata up`` saved ``0.0.0.0:port`` and
+    the CLI verified the gateway's certificate against ``0.0.0.0``, which no certificate names."""
+    host, sep, port = address.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]")) if sep else None
+    except ValueError:
+        ip = None
+    if ip is None:
+        return address
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def check_server_name(name: str) -> str:
+    """``name`` (``tls_server_name``) when it is a host name or IP address (no port, scheme or path).
+
+    Raises:
+        ValueError: it is not."""
+    bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if name and not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?", name):
+        raise ValueError(f"tls_server_name {name!r}: not a host name or IP address (no port, scheme or path)")
+    return name
+
+
 def warn_cleartext(host: str, apis: str) -> bool:
     """Log a WARNING, once per process and host, that ``apis`` bound on the non-loopback ``host``
     without TLS carry API keys in cleartext; returns whether it logged now."""
@@ -176,6 +215,9 @@ class ClientTls:
     Attributes:
         ca_file: PEM CA bundle the gateway's certificate must chain to ("": the system's roots).
         cert_file / key_file: the client's certificate (chain) and key, PEM ("": none).
+        server_name: the name the gateway's certificate must carry, also sent as SNI ("": the
+            host dialed). gRPC: ``grpc.ssl_target_name_override`` and ``grpc.default_authority``;
+            httpx: the ``sni_hostname`` request extension (``http_client_options``).
 
     Raises:
         ValueError: only one of ``cert_file`` and ``key_file``."""
@@ -183,6 +225,7 @@ class ClientTls:
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
+    server_name: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
@@ -191,8 +234,30 @@ class ClientTls:
     @classmethod
     def of_config(cls, config: Any) -> ClientTls | None:
         """What kvstrata's in-process clients of a gateway started with ``config`` (a
-        ``ServiceConfig``) use: its ``tls_ca_file``; None when its TLS is off."""
-        return cls(ca_file=config.tls_ca_file) if config.tls_cert_file else None
+        ``ServiceConfig``) use: its ``tls_ca_file`` and ``tls_server_name``; None when its TLS is off."""
+        return cls(ca_file=config.tls_ca_file, server_name=config.tls_server_name) if config.tls_cert_file else None
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """gRPC channel options verifying (and asking for) ``server_name``, when set."""
+        if not self.server_name:
+            return []
+        return [("grpc.ssl_target_name_override", self.server_name), ("grpc.default_authority", self.server_name)]
+
+    def http_client_options(self) -> dict[str, Any]:
+        """Arguments of an ``httpx.AsyncClient`` (``openai.DefaultAsyncHttpxClient``) verifying
+        with this: ``verify``, and with ``server_name`` a request hook setting each request's
+        ``sni_hostname`` extension (the name httpcore sends as SNI and checks the certificate for).
+
+        Raises:
+            ValueError: as ``ssl_context``."""
+        options: dict[str, Any] = {"verify": self.ssl_context()}
+        if self.server_name:
+            name = self.server_name
+
+            async def verify_as(request: Any) -> None:
+                request.extensions["sni_hostname"] = name
+            options["event_hooks"] = {"request": [verify_as]}
+        return options
 
     def grpc_credentials(self) -> grpc.ChannelCredentials:
         """Raises ValueError: a file cannot be read (naming it)."""
@@ -220,10 +285,10 @@ class ClientTls:
 
 
 def open_channel(target: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A channel to ``target``: secure with ``tls``, plaintext without."""
+    """A channel to ``target``: secure with ``tls`` (verifying its ``server_name``), plaintext without."""
     if tls is None:
         return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, tls.grpc_credentials(), options=options)
+    return grpc.secure_channel(target, tls.grpc_credentials(), options=[*options, *tls.channel_options()])
 
 
 def open_aio_channel(target: str, tls: ClientTls | None,
@@ -231,7 +296,7 @@ def open_aio_channel(target: str, tls: ClientTls | None,
     """``open_channel`` for ``grpc.aio``."""
     if tls is None:
         return grpc.aio.insecure_channel(target, options=options)
-    return grpc.aio.secure_channel(target, tls.grpc_credentials(), options=options)
+    return grpc.aio.secure_channel(target, tls.grpc_credentials(), options=[*options, *tls.channel_options()])
 
 
 def http_scheme(tls: ClientTls | ServerTls | None) -> str:

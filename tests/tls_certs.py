@@ -63,17 +63,30 @@ def make_ca(directory: Path, name: str = "ca") -> tuple[Path, ec.EllipticCurvePr
     return path, key
 
 
-def issue(directory: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_name: str, server: bool) -> Pair:
+SERVER_NAMES = ("localhost", "127.0.0.1", "::1")
+"""The names a server certificate carries by default: DNS names and IP addresses."""
+
+
+def _san(names: tuple[str, ...]) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            entries.append(x509.DNSName(name))
+    return x509.SubjectAlternativeName(entries)
+
+
+def issue(directory: Path, name: str, ca_key: ec.EllipticCurvePrivateKey, ca_name: str, server: bool,
+          names: tuple[str, ...] = SERVER_NAMES) -> Pair:
     """A certificate signed by the CA ``ca_name`` (``make_ca``) at ``directory/<name>.pem`` and its
-    key at ``<name>.key``: a server's names 127.0.0.1, ::1 and localhost; a client's is for
-    client authentication."""
+    key at ``<name>.key``: a server's names ``names`` (default 127.0.0.1, ::1 and localhost); a
+    client's is for client authentication."""
     key = ec.generate_private_key(ec.SECP256R1())
     builder = _builder(name, f"kvstrata test {ca_name}", key.public_key()).add_extension(
         x509.BasicConstraints(ca=False, path_length=None), critical=True)
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("::1"))]), critical=False).add_extension(
+        builder = builder.add_extension(_san(names), critical=False).add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     else:
         builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)

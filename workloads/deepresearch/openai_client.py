@@ -64,8 +64,9 @@ class _Stream(StreamAccumulator):
                            preempted=bool(server.get("preempted", False)))
 
 def openai_http_client(tls: ClientTls | None) -> openai.DefaultAsyncHttpxClient | None:
-    """The ``http_client`` of an ``AsyncOpenAI`` verifying with ``tls`` (None: its default)."""
-    return openai.DefaultAsyncHttpxClient(verify=tls.ssl_context()) if tls is not None else None
+    """The ``http_client`` of an ``AsyncOpenAI`` verifying with ``tls`` (its CA and server name;
+    None: the package's default)."""
+    return openai.DefaultAsyncHttpxClient(**tls.http_client_options()) if tls is not None else None
 
 
 class OpenAIInferenceClient:
