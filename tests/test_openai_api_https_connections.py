@@ -200,3 +200,40 @@ def test_a_request_that_arrives_with_the_handshakes_end_is_served(certs: TlsMate
         return await asyncio.to_thread(_request_with_the_last_handshake_bytes, port, certs.ca)
 
     assert asyncio.run(_serving(certs, ConnectionLimits(), body)) == b"HTTP/1.1 200 OK"
+
+
+def _partial_head_then_deaf(port: int, ca: Path) -> float:
+    """A TLS client that completes the handshake, sends half a request head, then reads raw
+    bytes only (it never answers the server's close_notify); returns the seconds from its
+    connect until the server closed the TCP connection."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context(cafile=str(ca)).wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        start = time.monotonic()
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(65536) or b"")
+        tls.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+        sock.sendall(outgoing.read())
+        while sock.recv(65536):
+            pass
+        return time.monotonic() - start
+
+
+def test_a_tls_connection_closed_at_its_deadline_does_not_wait_for_close_notify(certs: TlsMaterial) -> None:
+    """A head deadline's close on a TLS connection ends with TLS's close_notify, which asyncio
+    waits for from the peer up to ``ssl_shutdown_timeout`` (default 30 s, the socket held):
+    bounded by the head deadline too, the connection is gone 2 deadlines after it opened (31 s
+    before) and uncounted."""
+    async def body(server: HttpServer, port: int) -> None:
+        lived = await asyncio.to_thread(_partial_head_then_deaf, port, certs.ca)
+        assert 0.5 <= lived < 4.0, lived
+        assert server.guard is not None
+        await _until(lambda: server.guard.open == 0, f"uncounted, got {server.guard.open}")
+        assert dict(server.guard.stats) == {"head_timeout": 1}
+
+    asyncio.run(_serving(certs, ConnectionLimits(head_timeout_s=1.0), body))

@@ -263,11 +263,14 @@ class _Guarded:
         this protocol's ``connection_lost`` for a handshake error, but not for a connection cut
         while the handshake is under way (the deadline, a shed, a reset), so the count is
         released here too (``_uncount`` runs once). ``ssl_handshake_timeout`` is the head
-        deadline: asyncio's own bound, behind the guard's."""
+        deadline: asyncio's own bound, behind the guard's. ``ssl_shutdown_timeout`` too: a
+        closed connection (a deadline's 408, a shed) waits that long at most for the peer's
+        close_notify (asyncio's default: 30 s, the socket held all along)."""
         tls: asyncio.Transport | None = None
         try:
+            timeout_s = self.guard.limits.head_timeout_s
             tls = await self.loop.start_tls(tcp, cast(asyncio.Protocol, self), context, server_side=True,
-                                            ssl_handshake_timeout=self.guard.limits.head_timeout_s)
+                                            ssl_handshake_timeout=timeout_s, ssl_shutdown_timeout=timeout_s)
         except OSError:  # ssl.SSLError, a reset, asyncio's own timeout; the connection is closed
             if self._phase == "handshake":
                 self.guard.stats["handshake_failed"] += 1
