@@ -265,6 +265,9 @@ def up_summary(cfg: ServiceConfig, address: str, http_address: str, metrics: dic
     return lines
 
 
+SCHEDULER_ACTOR = "global_scheduler"
+"""``services.launcher.SCHEDULER_NAME`` (not imported: the launcher imports torch)."""
+
 SERVICE_ACTOR_NAME = re.compile(r"gateway|global_scheduler|(cache|spill)_node_\d+")
 """Names of the actors ``start_services`` places (``services.launcher``)."""
 
@@ -295,6 +298,11 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     import ray
 
     names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
+    if SCHEDULER_ACTOR in names:  # its usage counters since its last periodic store
+        try:
+            ray.get(ray.get_actor(SCHEDULER_ACTOR, namespace=namespace).flush_usage.remote(), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck scheduler: kill it anyway
+            console.print(f"usage counters of the last seconds not stored: {escape(type(exc).__name__)}")
     for name in names:
         with contextlib.suppress(ValueError):  # gone meanwhile
             ray.kill(ray.get_actor(name, namespace=namespace))

@@ -98,7 +98,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         self.bad_messages = 0  # data-plane messages dropped as malformed
         ensure_private_dir(state_dir)  # tenants, keys: the owner's alone (another user's or a writable one: refused)
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
-        self.usage = UsageLedger()
+        self.usage = UsageLedger()  # its counters as stored at the last flush (``flush_usage``)
+        self.usage.restore(self.store.load_usage())
         self.own_rotations = self.own_rotation_limiter(clock)
         self.scheduler = check_policy_name(scheduler)
         self.clock = clock

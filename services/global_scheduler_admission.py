@@ -34,6 +34,10 @@ GATEWAY_POLL_FAILURES = 3
 GATEWAY_RETRY_S = 1.0
 """Wait before polling again after a failed poll."""
 
+USAGE_FLUSH_S = 5.0
+"""Seconds between the scheduler's flushes of changed usage counters to the tenant store: what
+a crash may lose of ``GetUsage`` (``kvstrata down`` and ``stop_services`` flush first)."""
+
 
 
 
@@ -158,6 +162,20 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.deleted_tenants_after`` in a worker thread (a SQLite read)."""
         return await asyncio.to_thread(super().deleted_tenants_after, seq, limit)
 
+    async def flush_usage(self) -> int:
+        """``GlobalScheduler.flush_usage`` in a worker thread (a SQLite commit); a failed write
+        is logged and left for the next flush (returns 0)."""
+        try:
+            return await asyncio.to_thread(super().flush_usage)
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop admissions
+            log.warning("usage counters not stored (next flush retries): %s", exc)
+            return 0
+
+    async def _flush_usage_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.flush_usage()
+
     async def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """``GlobalScheduler.key_ids_since`` in a worker thread (a full answer reads every key
         id of the store), as ``authenticate``."""
@@ -176,6 +194,8 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
         sock, self.data_address = data_plane.serving_socket(ctx, data_plane.zmq.ROUTER, self.security)
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
+        if getattr(self, "_usage_flushes", None) is None:  # serving: usage counts from now on
+            self._usage_flushes = asyncio.get_running_loop().create_task(self._flush_usage_every(USAGE_FLUSH_S))
         return self.data_address
 
     def close_data_plane(self) -> None:

@@ -134,6 +134,27 @@ class Tenants:
             raise TypeError("seq and limit must be ints")
         return self.store.deleted_tenants_after(max(seq, 0), min(max(limit, 1), DELETED_PAGE))
 
+    def flush_usage(self) -> int:
+        """Store the usage counters changed since the last flush in the tenant store (one
+        transaction), so that ``GetUsage`` survives a restart of this scheduler or of the
+        service (loaded at start); returns the tenants stored. A failed write hands them back
+        for the next flush.
+
+        Regression: the counters lived only in this actor's memory, so a crashed (and now
+        restarted) scheduler, or ``kvstrata down``/``up``, reset every tenant's usage to zero.
+
+        Raises:
+            sqlite3.Error: the write failed (the counters stay marked for the next flush).
+        """
+        rows = self.usage.take_dirty()
+        if not rows:
+            return 0
+        try:
+            return self.store.save_usage(rows)
+        except Exception:
+            self.usage.mark_dirty(rows)
+            raise
+
     def delete_stored_tenant(self, name: str) -> str:
         """Delete ``name`` and its keys from the store; returns its tenant id (the store alone:
         may run in a worker thread).

@@ -266,10 +266,15 @@ def _wait_placed(refs: list[Any], config: ServiceConfig, resource: str, what: st
 
 
 def stop_services(services: Services) -> None:
-    """Stop the gateway and kill every actor of the deployment."""
+    """Stop the gateway, store the scheduler's usage counters, and kill every actor of the
+    deployment."""
     try:
         ray.get(services.gateway.stop.remote(), timeout=10)
     except Exception as exc:  # noqa: BLE001 - best effort: the actor may already be gone
         log.debug("gateway stop: %s", exc)
+    try:
+        ray.get(services.scheduler.flush_usage.remote(), timeout=10)
+    except Exception as exc:  # noqa: BLE001 - best effort: a crash loses at most USAGE_FLUSH_S of it
+        log.warning("usage counters not stored at stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:
         ray.kill(handle)

@@ -7,9 +7,10 @@ Tables (schema version 2, in ``PRAGMA user_version``)::
     api_keys(key_id PK, role 'tenant'|'admin', tenant_id -> tenants ON DELETE CASCADE,
              salt, iterations, digest, created_at_s)
     deleted_tenants(seq PK, tenant_id UNIQUE, deleted_at_s)   -- the newest MAX_DELETED_TENANTS
+    usage(tenant_id PK -> tenants ON DELETE CASCADE, counters_json, updated_at_s)
 
-``deleted_tenants`` was added within version 2: opening a file without it creates it (an
-earlier version reading a file with it ignores it).
+``deleted_tenants`` and ``usage`` were added within version 2: opening a file without them
+creates them (an earlier version reading a file with them ignores them).
 
 Part of ``tenants.store`` (``TenantStore``).
 """
@@ -44,6 +45,11 @@ CREATE TABLE IF NOT EXISTS deleted_tenants (
     seq INTEGER PRIMARY KEY,
     tenant_id TEXT NOT NULL UNIQUE,
     deleted_at_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS usage (
+    tenant_id TEXT PRIMARY KEY REFERENCES tenants(tenant_id) ON DELETE CASCADE,
+    counters_json TEXT NOT NULL,
+    updated_at_s REAL NOT NULL
 );
 """
 _TENANT_COLUMNS = "t.tenant_id, t.spec_json, t.created_at_s"

@@ -2,16 +2,23 @@
 
 ``UsageLedger`` keeps running counters keyed by ``tenant_id`` in memory; ``snapshot``
 returns immutable ``TenantUsage`` values. Counters only grow, except ``blocks_held``,
-which is a gauge the scheduler sets.
+which is a gauge the scheduler sets. The counters (``COUNTERS``, not the gauges) are made
+durable by the tenant store: ``take_dirty`` hands over those changed since it was last
+called, ``restore`` loads them at start (``services.global_scheduler``: a restarted or
+restarted-up scheduler keeps counting where the last flush left them).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 
 TIERS = ("device", "host", "spill_ram", "spill_disk")
+COUNTERS = ("prompt_tokens", "completion_tokens", "requests", "rejected", "preempted",
+            *(f"cached_tokens_{tier}" for tier in TIERS))
+"""The durable counters of a tenant's usage, flat (``UsageLedger.counters``): every field of
+``TenantUsage`` but its id and its gauges (``blocks_held``, ``session_blocks_held``)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,41 @@ class UsageLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._usage: dict[str, TenantUsage] = {}
+        self._dirty: set[str] = set()  # tenants whose counters changed since ``take_dirty``
+
+    def counters(self, tenant_id: str) -> dict[str, int]:
+        """``tenant_id``'s durable counters (``COUNTERS``), flat."""
+        with self._lock:
+            return _counters(self._get(tenant_id))
+
+    def take_dirty(self) -> dict[str, dict[str, int]]:
+        """The counters of every tenant changed since the last call (tenant id -> ``counters``),
+        now marked clean. A caller that failed to store them hands them back (``mark_dirty``)."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            return {tid: _counters(self._usage[tid]) for tid in sorted(dirty) if tid in self._usage}
+
+    def mark_dirty(self, tenant_ids: Iterable[str]) -> None:
+        """Mark ``tenant_ids`` changed again (their counters were not stored)."""
+        with self._lock:
+            self._dirty.update(tid for tid in tenant_ids if tid in self._usage)
+
+    def restore(self, rows: Mapping[str, Mapping[str, int]]) -> int:
+        """Set the counters of each tenant in ``rows`` (tenant id -> ``counters``, as stored),
+        keeping its gauges; returns the tenants restored. A row naming an unknown counter or a
+        bad count is skipped whole (logged by the caller's count), never half applied."""
+        restored = 0
+        for tenant_id, row in rows.items():
+            try:
+                usage = _from_counters(tenant_id, row)
+            except (TypeError, ValueError):
+                continue
+            with self._lock:
+                held = self._get(tenant_id)
+                self._usage[tenant_id] = replace(usage, blocks_held=held.blocks_held,
+                                                 session_blocks_held=held.session_blocks_held)
+            restored += 1
+        return restored
 
     def record_request(
         self,
@@ -153,6 +195,7 @@ class UsageLedger:
                 prompt_tokens=usage.prompt_tokens + prompt_tokens,
                 cached_tokens=usage.cached_tokens + cached,
             )
+            self._dirty.add(tenant_id)
 
     def record_completion_tokens(self, tenant_id: str, tokens: int) -> None:
         """Count ``tokens`` generated tokens (call per delta or once at the end)."""
@@ -186,17 +229,38 @@ class UsageLedger:
         """Drop a tenant's counters (e.g. after it is deleted); unknown ids are a no-op."""
         with self._lock:
             self._usage.pop(tenant_id, None)
+            self._dirty.discard(tenant_id)
 
     def _add(self, tenant_id: str, **deltas: int) -> None:
         with self._lock:
             usage = self._get(tenant_id)
             changes = {name: getattr(usage, name) + delta for name, delta in deltas.items()}
             self._usage[tenant_id] = replace(usage, **changes)
+            self._dirty.add(tenant_id)
 
     def _get(self, tenant_id: str) -> TenantUsage:
         """Current usage (zeros if unseen); validates the id. Caller holds the lock."""
         usage = self._usage.get(tenant_id)
         return usage if usage is not None else TenantUsage(tenant_id)
+
+
+def _counters(usage: TenantUsage) -> dict[str, int]:
+    flat = {name: getattr(usage, name) for name in COUNTERS if not name.startswith("cached_tokens_")}
+    return flat | {f"cached_tokens_{tier}": n for tier, n in usage.cached_tokens.as_dict().items()}
+
+
+def _from_counters(tenant_id: str, row: Mapping[str, int]) -> TenantUsage:
+    """The ``TenantUsage`` of stored ``counters`` (absent ones 0).
+
+    Raises:
+        ValueError: an unknown counter or a bad count; TypeError: ``row`` is not a mapping.
+    """
+    unknown = set(row) - set(COUNTERS)
+    if unknown:
+        raise ValueError(f"unknown usage counters {sorted(unknown)}")
+    cached = TierTokens(**{tier: row.get(f"cached_tokens_{tier}", 0) for tier in TIERS})
+    return TenantUsage(tenant_id, cached_tokens=cached,
+                       **{name: row.get(name, 0) for name in COUNTERS if not name.startswith("cached_tokens_")})
 
 
 def _tier_tokens(value: TierTokens | Mapping[str, int] | None) -> TierTokens:

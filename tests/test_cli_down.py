@@ -38,6 +38,18 @@ class _PortHolder:
         return self.sock.getsockname()[1]
 
 
+@ray.remote(num_cpus=0)
+class _Scheduler:
+    """Stands in for the GlobalScheduler: notes that ``down`` asked it to store its usage."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def flush_usage(self) -> int:
+        Path(self.marker).write_text("flushed")
+        return 1
+
+
 def _listening(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -69,7 +81,10 @@ def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster,
     gateway = _PortHolder.options(name="gateway", namespace=namespace, lifetime="detached").remote()
     node = _PortHolder.options(name="cache_node_0", namespace=namespace, lifetime="detached").remote()
     bystander = _PortHolder.options(name="gateway", namespace="someone-else", lifetime="detached").remote()
+    scheduler = _Scheduler.options(name="global_scheduler", namespace=namespace, lifetime="detached").remote(
+        str(tmp_path / "flushed"))
     port = ray.get(gateway.port.remote())
+    ray.get(scheduler.__ray_ready__.remote())
     ray.get([node.port.remote(), bystander.port.remote()])
     assert _listening(port)
     (tmp_path / "gateway.json").write_text(json.dumps({
@@ -88,6 +103,8 @@ def test_down_after_up_on_an_existing_cluster_stops_our_actors_only(ray_cluster,
     assert not _listening(port)
     names = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
     assert (namespace, "gateway") not in names and (namespace, "cache_node_0") not in names
+    assert (namespace, "global_scheduler") not in names
+    assert (tmp_path / "flushed").read_text() == "flushed"  # usage stored before the kill
     assert ("someone-else", "gateway") in names  # another namespace's actor is left alone
     assert all(n["Alive"] for n in ray.nodes())  # the user's cluster is still up
     assert not (tmp_path / "gateway.json").exists() and not (tmp_path / "prometheus_targets.json").exists()

@@ -15,6 +15,7 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2
 
+from kvstrata.v1 import tenant_pb2
 from tests.service_fixtures import chat, collect
 from tests.test_node_failure import SERVICES, Stream, health_of, md, stats_json, wait_for
 
@@ -32,6 +33,10 @@ def scheduler_process(stack) -> tuple[int, int]:
 
     record = state.actors(stack.services.scheduler._actor_id.hex())
     return int(record["Pid"]), int(record["NumRestarts"])
+
+
+def usage_of(stack, name: str, key: str):  # type: ignore[no-untyped-def]
+    return stack.tenants.GetUsage(tenant_pb2.GetUsageRequest(name=name), metadata=md(key), timeout=30).usage
 
 
 def cached(finished) -> int:
@@ -54,6 +59,9 @@ def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
     pid, restarts = scheduler_process(stack)
     running = Stream(stack, key, "Tell me a long story about a lighthouse keeper.", 120)
     assert running.started.wait(90) and running.code is None, (running.code, running.details)
+    ray.get(stack.services.scheduler.flush_usage.remote())  # as its periodic flush (USAGE_FLUSH_S)
+    before = usage_of(stack, "sched-restart", key)
+    assert (before.requests, before.completion_tokens) == (2, 8)  # the running one counts at its end
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -80,6 +88,9 @@ def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
                                               metadata=md(key), timeout=120))
     assert second["started"].node_id == node_id  # the session's route was rebuilt from its node
     assert cached(second["finished"]) >= first["finished"].prompt_tokens - 16 > 0  # its history's KV
+    after = usage_of(stack, "sched-restart", key)  # the counters stored before the crash, and on
+    assert after.requests == 2 + 2 and after.completion_tokens == 8 + 120 + 4 + 8  # (were 2 and 132)
+    assert after.prompt_tokens > before.prompt_tokens
 
     def idle() -> bool:
         return not any(stats_json(stack)["scheduler"]["in_flight"].values())
