@@ -231,6 +231,11 @@ class Gateway:
             await asyncio.sleep(wait_s)
         return self.streams is not None and self.streams.subscriber == subscriber
 
+    def node_ip(self) -> str:
+        """The address of the Ray node this gateway runs on (``services.launcher.Services``
+        dials it for a wildcard bind when that is not the driver's machine)."""
+        return ray.util.get_node_ip_address()
+
     def http_address(self) -> str:
         """``host:port`` of the OpenAI-compatible API ("" when it is off)."""
         return self.http.address if self.http is not None else ""

@@ -53,15 +53,18 @@ class Services:
     data_plane_keys: DataPlaneKeys | None = None  # every role's keys (fault tests, bench.chaos)
     metrics: dict[str, str] = field(default_factory=dict)  # actor name -> its /metrics host:port
     http_address: str = ""  # host:port a client dials for the OpenAI-compatible API ("" when off)
+    gateway_ip: str = ""  # the gateway's node address when it is not this machine's ("": here)
 
     def __post_init__(self) -> None:
-        self.http_address = dial_address(self.http_address)  # the gateway says where it is bound
+        # the gateway says where it is bound
+        self.http_address = dial_address(self.http_address, self.gateway_ip)
 
     @property
     def address(self) -> str:
-        """``host:port`` a client on this machine dials for the gateway's gRPC port (loopback
-        for a wildcard ``gateway_host``: ``services.tls.dial_address``)."""
-        return dial_address(f"{self.config.gateway_host}:{self.port}")
+        """``host:port`` a client on this machine dials for the gateway's gRPC port (for a
+        wildcard ``gateway_host``: loopback, or the gateway's node address when Ray placed it
+        on another machine: ``services.tls.dial_address``)."""
+        return dial_address(f"{self.config.gateway_host}:{self.port}", self.gateway_ip)
 
 
 def admin_key_path(config: ServiceConfig) -> Path:
@@ -165,8 +168,10 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         GrpcLimits.of(config), BodyLimits.of(config), ServerTls.of(config),
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
+    gateway_ip = ray.get(gateway.node_ip.remote())
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,
-                    metrics_addresses(gateway, nodes, spill_nodes), ray.get(gateway.http_address.remote()))
+                    metrics_addresses(gateway, nodes, spill_nodes), ray.get(gateway.http_address.remote()),
+                    gateway_ip if gateway_ip != ray.util.get_node_ip_address() else "")
 
 
 def metrics_endpoint(config: ServiceConfig, port: int) -> MetricsEndpoint | None:

@@ -162,11 +162,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def dial_address(address: str) -> str:
+def dial_address(address: str, server_ip: str = "") -> str:
     """The ``host:port`` a client on this machine dials for a server bound on ``address``
-    (``host:port``): a wildcard host (``0.0.0.0``, ``::``) becomes loopback (``127.0.0.1``,
+    (``host:port``): a wildcard host (``0.0.0.0``, ``::``) becomes ``server_ip`` when the
+    server runs on another machine (its node's address), else loopback (``127.0.0.1``,
     ``[::1]``), which that bind serves too and a certificate can name; an IPv6 address is
     bracketed; anything else ("", a name) is unchanged.
+
+    Regression: on a joined cluster whose gateway actor Ray placed on another machine, a
+    wildcard bind was saved as loopback (before that, as ``0.0.0.0``), which reaches this
+    machine, where no gateway listens.
 
     Regression (a wildcard gateway_host with TLS): ``kvstrata up`` saved ``0.0.0.0:port`` and
     the CLI verified the gateway's certificate against ``0.0.0.0``, which no certificate names."""
@@ -178,7 +183,7 @@ def dial_address(address: str) -> str:
     if ip is None:
         return address
     if ip.is_unspecified:
-        ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+        ip = ipaddress.ip_address(server_ip or ("127.0.0.1" if ip.version == 4 else "::1"))
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 

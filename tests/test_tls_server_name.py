@@ -176,3 +176,17 @@ def test_up_summary_names_the_certificate_name(tmp_path: Path) -> None:
     lines = [re.sub(r"\[/?bold\]", "", line) for line in up_summary(cfg, "127.0.0.1:1", "127.0.0.1:2", {}, None)]
     assert lines[:2] == ["gateway: 127.0.0.1:1 (TLS, certificate name localhost)",
                          "OpenAI-compatible API: https://127.0.0.1:2/v1"]
+
+
+def test_a_wildcard_bind_on_another_machine_is_dialled_at_its_node() -> None:
+    """Regression: on a joined cluster whose gateway Ray placed on another machine, the saved
+    address of a wildcard bind was loopback (before, ``0.0.0.0``): this machine, not the
+    gateway's. ``start_services`` passes the gateway's node address when it is not the driver's."""
+    assert dial_address("0.0.0.0:50051", "10.0.0.9") == "10.0.0.9:50051"
+    assert dial_address(":::8000", "fd00::9") == "[fd00::9]:8000"
+    assert dial_address("10.0.0.7:50051", "10.0.0.9") == "10.0.0.7:50051"  # a named bind stays
+    cfg = ServiceConfig(gateway_host="0.0.0.0", gateway_port=0)
+    services = Services(None, {}, None, 50051, "", cfg, http_address="0.0.0.0:8000", gateway_ip="10.0.0.9")
+    assert (services.address, services.http_address) == ("10.0.0.9:50051", "10.0.0.9:8000")
+    here = Services(None, {}, None, 50051, "", cfg, http_address="0.0.0.0:8000")
+    assert (here.address, here.http_address) == ("127.0.0.1:50051", "127.0.0.1:8000")
