@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, Request
 
-from services.openai_api.connections import ConnectionLimits, authenticated, client_networks
+from services.openai_api.connections import ConnectionLimits, client_networks
+from services.openai_api.protocol import authenticated
 from services.openai_api.server import HttpServer
 
 PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"

@@ -48,7 +48,7 @@ def test_a_restarted_spill_node_purges_a_tenant_deleted_while_it_was_down(tmp_pa
     bob, _ = scheduler.register_tenant(TenantSpec("bob"))
     ann, _ = scheduler.register_tenant(TenantSpec("ann"))
     root = tmp_path / "spill"
-    _fill(root, {own_namespace(bob.tenant_id): range(0, 3), f"{own_namespace(bob.tenant_id)}#salt=s": range(3, 5),
+    _fill(root, {own_namespace(bob.tenant_id): range(3), f"{own_namespace(bob.tenant_id)}#salt=s": range(3, 5),
                  own_namespace(ann.tenant_id): range(5, 8)})
     scheduler.delete_tenant("bob")  # while the spill node is down: no cache node reached it
 

@@ -52,7 +52,6 @@ from services.openai_api.bodies import (
     load_json,
     read_body,
 )
-from services.openai_api.connections import authenticated
 from services.openai_api.context import (
     BodyBudget,
     BodyLimits,
@@ -67,6 +66,7 @@ from services.openai_api.errors import (
     invalid,
     refusal_about,
 )
+from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
 from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest

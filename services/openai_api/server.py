@@ -10,12 +10,8 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
-from services.openai_api.connections import (
-    AcceptErrorLog,
-    ConnectionGuard,
-    ConnectionLimits,
-    guarded_protocol,
-)
+from services.openai_api.connections import AcceptErrorLog, ConnectionGuard, ConnectionLimits
+from services.openai_api.protocol import guarded_protocol
 from services.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -37,7 +33,7 @@ class HttpServer:
             body.
         tls: serve HTTPS with this certificate (client certificates required when it names a
             client CA: ``services.tls.ServerTls``); None: plain HTTP. The guarded protocol
-            terminates TLS on the accepted connection (``connections._Guarded``), so the caps
+            terminates TLS on the accepted connection (``protocol.Guarded``), so the caps
             count it from its accept and ``head_timeout_s`` bounds its handshake; uvicorn itself
             is given no ``ssl``.
 

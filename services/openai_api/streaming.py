@@ -17,9 +17,9 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import StreamWriter
-from services.openai_api.connections import end_unfinished
 from services.openai_api.context import CallAborted
 from services.openai_api.errors import _gone
+from services.openai_api.protocol import end_unfinished
 from services.openai_api.responses import Generation, sse
 
 T = TypeVar("T")
