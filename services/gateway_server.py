@@ -52,6 +52,11 @@ ADMIN_METHODS = frozenset(
 """Methods only the admin key may call: a call of one with a missing or unknown key is refused
 at its headers with the admin refusal's message (``CallGate``), as its handler would."""
 
+TENANT_METHODS = frozenset(f"/kvstrata.v1.InferenceService/{m}" for m in ("Generate", "CloseSession"))
+"""Methods only a tenant's key may call (their handlers check ``Authenticator.tenant``; the other
+TenantService methods take the admin key too): ``CallGate`` checks a key so before refusing a
+malformed message, as the handler would before a well-formed one's fields."""
+
 
 async def create_server(
     scheduler: Any, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]],
@@ -81,7 +86,7 @@ async def create_server(
     grpc_limits = grpc_limits or GrpcLimits()
     auth = Authenticator(scheduler)
     server = grpc.aio.server(options=grpc_limits.server_options(MAX_CONCURRENT_STREAMS),
-                             interceptors=[CallGate(auth, grpc_limits, ADMIN_METHODS)])
+                             interceptors=[CallGate(auth, grpc_limits, ADMIN_METHODS, TENANT_METHODS)])
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,
                                   metrics, stream_limits)
     await inference.streams.start()

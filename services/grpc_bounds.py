@@ -38,6 +38,7 @@ from services.grpc_messages import (
     MAX_GENERATE_REQUEST_BYTES,
     channel_options,
 )
+from services.grpc_wire import RequestDecoder
 from services.peers import peer_network
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError
 
@@ -231,21 +232,33 @@ class CallGate(grpc.aio.ServerInterceptor):
        follows its headers at once, so what waits long is what never sends one).
     3. Waits at most ``message_timeout_s`` for the request message (DEADLINE_EXCEEDED), then
        runs the method's own handler with it; the handler authenticates fully as before.
+       The message arrives as raw bytes (the replacement handler has no deserializer) and is
+       decoded here (``services.grpc_wire.RequestDecoder``): a repeated field past its limit
+       or bytes that are not a valid message end INVALID_ARGUMENT with a plain message, after
+       the key's full check (``_authenticate``: a bad key is UNAUTHENTICATED first, as for a
+       well-formed message). Regression (review 24h G1, G2): grpc's deserializer raised
+       ``DecodeError`` here (UNKNOWN with its text, before the key check), and a message of
+       4.19M empty chat messages was parsed whole on the event loop before any count.
     4. A call failed by a Ray actor error (the scheduler or a node it asked died or is being
        restarted) ends UNAVAILABLE with ``ray_errors.PROCESS_UNREACHABLE``. Regression (review
        23b, F2): it ended UNKNOWN with Ray's exception text.
 
     A valid client's calls are unchanged: their message follows their headers at once, and
     nothing here bounds how long a call runs once it has its message.
+
+    ``admin_methods``' handlers check ``Authenticator.admin``, ``tenant_methods``'
+    ``Authenticator.tenant``, any other method's ``Authenticator.admin_or_tenant``.
     """
 
-    def __init__(self, auth: Authenticator, limits: GrpcLimits, admin_methods: frozenset[str]) -> None:
+    def __init__(self, auth: Authenticator, limits: GrpcLimits, admin_methods: frozenset[str],
+                 tenant_methods: frozenset[str] = frozenset()) -> None:
         self.auth, self.limits, self.admin_methods = auth, limits, admin_methods
+        self.tenant_methods = tenant_methods
         self.unverified = _Counts(limits.max_unverified_calls, UNVERIFIED_CALLS_PER_ADDRESS)
         # the unverified calls waiting for their message, oldest first: each one's "shed" future
         # and its network
         self.waiting: dict[asyncio.Future[None], str] = {}
-        self.timeouts = self.shed = 0
+        self.timeouts = self.shed = self.bad_messages = 0
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: Any) -> Any:
@@ -254,13 +267,17 @@ class CallGate(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         keyless = method.startswith(f"/{HEALTH_SERVICE}/")
-        role = "admin" if method in self.admin_methods else "tenant"
+        role = "admin" if method in self.admin_methods else "tenant" if method in self.tenant_methods else "any"
+        decode = RequestDecoder(handler.request_deserializer)
+
+        async def first(requests: Any, context: Any) -> Any:
+            return await self._first(requests, context, keyless, role, decode)
         if handler.response_streaming:
             inner = handler.unary_stream
             if inspect.isasyncgenfunction(inner):
                 async def stream_gen(requests: Any, context: Any) -> Any:
                     try:
-                        request = await self._first(requests, context, keyless, role)
+                        request = await first(requests, context)
                         async for reply in inner(request, context):
                             yield reply
                     except RayActorError:
@@ -269,26 +286,44 @@ class CallGate(grpc.aio.ServerInterceptor):
             else:
                 async def stream_coro(requests: Any, context: Any) -> Any:
                     try:
-                        return await inner(await self._first(requests, context, keyless, role), context)
+                        return await inner(await first(requests, context), context)
                     except RayActorError:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
                 behavior = stream_coro
-            return grpc.stream_stream_rpc_method_handler(
-                behavior, handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(behavior, None, handler.response_serializer)
         unary = handler.unary_unary
 
         async def single(requests: Any, context: Any) -> Any:
             try:
-                return await unary(await self._first(requests, context, keyless, role), context)
+                return await unary(await first(requests, context), context)
             except RayActorError:  # the scheduler (or a node) a servicer asked is down
                 await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
-        return grpc.stream_unary_rpc_method_handler(single, handler.request_deserializer,
-                                                    handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(single, None, handler.response_serializer)
 
-    async def _first(self, requests: Any, context: Any, keyless: bool, role: str) -> Any:
+    async def _first(self, requests: Any, context: Any, keyless: bool, role: str, decode: RequestDecoder) -> Any:
         """The call's request message, after the checks above (aborts the call otherwise)."""
+        data = await self._receive(requests, context, keyless, role)
+        try:
+            return decode(data)
+        except ValueError as exc:
+            self.bad_messages += 1
+            if not keyless:
+                await self._authenticate(context, role)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _authenticate(self, context: Any, role: str) -> None:
+        """The key check the method's handler makes first (aborts the call for a bad key)."""
+        if role == "admin":
+            await self.auth.admin(context)
+        elif role == "tenant":
+            await self.auth.tenant(context)
+        else:
+            await self.auth.admin_or_tenant(context)
+
+    async def _receive(self, requests: Any, context: Any, keyless: bool, role: str) -> Any:
+        """The call's request message's bytes, after checks 1 and 2 within check 3's wait."""
         if not keyless:
-            await self.auth.refuse_unknown_key(context, role)
+            await self.auth.refuse_unknown_key(context, "admin" if role == "admin" else "tenant")
         network, shed = peer_network(context.peer() or ""), None
         if keyless or not self.auth.is_verified(context):
             shed = self._wait_slot(network)
