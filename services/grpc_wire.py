@@ -44,7 +44,7 @@ REPEATED_LIMITS: dict[str, int] = {
     "kvstrata.v1.TenantSpec.allowed_policies": MAX_ALLOWED_POLICIES,
 }
 """Elements a repeated request field may hold (full field name -> count): the limits ``convert``
-and ``TenantSpec`` check after parsing (docs/architecture.md, 'Input bounds')."""
+and ``TenantSpec`` check after parsing (docs/architecture.md, 'Tenancy and security')."""
 
 DEFAULT_REPEATED_LIMIT = 1024
 """Elements of a repeated request field with no limit of its own."""
