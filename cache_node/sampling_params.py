@@ -10,6 +10,12 @@ GREEDY_BELOW = 1e-5
 MAX_SEED = 2**64 - 1
 """Largest ``seed`` (a torch generator's seed is an unsigned 64-bit integer)."""
 
+MAX_REQUEST_TEMPERATURE = 2.0
+"""Largest ``temperature`` a client's request may ask, on both front ends (OpenAI's range is
+[0, 2]; ``services.convert`` and ``services.openai_api.schemas`` check it). Internal callers may
+go up to 100 (``SamplingParams``). Regression (review 24h M1): gRPC took up to 100 while HTTP
+refused over 2."""
+
 MAX_STOP_TOKEN_IDS = 64
 """Most ``stop_token_ids`` one request may name (each is checked on every decode step)."""
 

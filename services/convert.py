@@ -13,6 +13,7 @@ default (``min_tokens_per_s`` has explicit presence, so 0 means "no floor"), and
 ``SamplingParams.top_p`` of 0 means 1.0.
 
 Bounds on a ``GenerateRequest`` (past one: ``ValueError`` naming the field and the limit):
+``sampling.temperature`` in [0, ``MAX_REQUEST_TEMPERATURE``] (2, as the HTTP API);
 ``sampling.stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` (64) ids; ``sampling.stop`` at
 most ``MAX_STOP_STRINGS`` (4) strings of 1 to ``MAX_STOP_STRING_CHARS`` (256) characters;
 ``tokens.ids`` at most ``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most
@@ -32,12 +33,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from cache_node.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from cache_node.sampling_params import MAX_REQUEST_TEMPERATURE, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
 from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
 from tenants.usage import TenantUsage, TierTokens
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Roles a chat message may have; ``developer`` (OpenAI's newer name for ``system``) is passed on
+as ``system``, as the HTTP API does (review 24h M1: gRPC refused it)."""
 FLOAT32_DIGITS = 6  # decimal digits a float32 always round-trips (FLT_DIG)
 MAX_PROMPT_TOKEN_IDS = 131_072
 MAX_CHAT_MESSAGES = 1024
@@ -213,10 +216,14 @@ def sampling_params_from_pb(
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"{prefix}.stop_token_ids holds {len(msg.stop_token_ids)} ids; "
                          f"at most {MAX_STOP_TOKEN_IDS} are allowed")
+    temperature = _from_float32(msg.temperature)
+    if not 0.0 <= temperature <= MAX_REQUEST_TEMPERATURE:  # NaN too
+        raise ValueError(f"{prefix}.temperature must be a number in [0, {MAX_REQUEST_TEMPERATURE:g}], "
+                         f"got {temperature!r}")
     with _field_path(prefix):
         return SamplingParams(
             max_tokens=msg.max_tokens,
-            temperature=_from_float32(msg.temperature),
+            temperature=temperature,
             top_p=_from_float32(msg.top_p) if msg.top_p != 0 else 1.0,
             seed=msg.seed if msg.HasField("seed") else None,
             stop_token_ids=tuple(msg.stop_token_ids),
@@ -265,7 +272,7 @@ def chat_messages_from_pb(
                 f"{prefix}.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
                 f"got {message.role!r}"
             )
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in msg.messages]
 
 
 def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> inference_pb2.ChatMessages:

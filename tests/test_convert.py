@@ -221,7 +221,7 @@ def test_sampling_all_fields_and_float32_rounding() -> None:
         ),
         (
             inference_pb2.SamplingParams(max_tokens=8, temperature=-1.0),
-            "sampling.temperature must be in [0, 100], got -1.0",
+            "sampling.temperature must be a number in [0, 2], got -1.0",
         ),
         (
             inference_pb2.SamplingParams(max_tokens=8, stop=["a"] * 5),
@@ -278,7 +278,7 @@ def test_chat_validation() -> None:
     with pytest.raises(ValueError) as excinfo:
         convert.chat_messages_from_pb(bad)
     assert str(excinfo.value) == (
-        "chat.messages[1].role must be one of system, user, assistant, tool, got 'User'"
+        "chat.messages[1].role must be one of system, developer, user, assistant, tool, got 'User'"
     )
 
 
@@ -309,3 +309,26 @@ def test_prompt_from_request() -> None:
         convert.prompt_from_pb(inference_pb2.GenerateRequest())
     with pytest.raises(ValueError, match=r"^tokens.ids must hold at least one token id$"):
         convert.prompt_from_pb(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds()))
+
+
+@pytest.mark.parametrize("temperature", [2.5, 50.0, 100.0, float("nan"), float("inf")])
+def test_temperature_past_the_http_bound_is_refused_as_on_http(temperature: float) -> None:
+    """Regression (review 24h M1): gRPC took a temperature up to 100 while the HTTP API
+    refused over 2 (OpenAI's range); both refuse past ``MAX_REQUEST_TEMPERATURE`` now."""
+    from cache_node.sampling_params import MAX_REQUEST_TEMPERATURE
+    from services.openai_api.schemas import _Sampling
+
+    assert MAX_REQUEST_TEMPERATURE == 2.0 == _Sampling.model_fields["temperature"].metadata[1].le
+    with pytest.raises(ValueError, match=r"^sampling.temperature must be a number in \[0, 2\], got "):
+        convert.sampling_params_from_pb(inference_pb2.SamplingParams(max_tokens=8, temperature=temperature))
+    edge = convert.sampling_params_from_pb(inference_pb2.SamplingParams(max_tokens=8, temperature=2.0))
+    assert edge.temperature == 2.0
+
+
+def test_the_developer_role_is_a_system_message_as_on_http() -> None:
+    """Regression (review 24h M1): role ``developer`` (OpenAI's newer name for ``system``)
+    was refused INVALID_ARGUMENT on gRPC while the HTTP API sent it as ``system``."""
+    chat = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="developer", content="be brief"),
+                                               inference_pb2.ChatMessage(role="user", content="hi")])
+    assert convert.chat_messages_from_pb(chat) == [{"role": "system", "content": "be brief"},
+                                                   {"role": "user", "content": "hi"}]

@@ -121,6 +121,17 @@ def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None
     assert error["code"] == "invalid_argument"  # as every 400 (was invalid_value here, invalid_argument after)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_nan_or_infinite_sampling_value_is_refused_as_not_finite(field: str) -> None:
+    """Regression (review 24h M1): a NaN temperature was refused "temperature: Input should be
+    less than or equal to 2", which it is not; it is now "should be a finite number"."""
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValidationError) as info:
+            _chat(**{field: value})
+        error = json.loads(invalid(info.value).body)["error"]
+        assert (error["param"], error["message"]) == (field, f"{field}: Input should be a finite number")
+
+
 @pytest.mark.parametrize(("messages", "field", "message"), [
     ([{"role": "user", "content": None}], "messages.0.content", "Input should be a valid string or a valid list"),
     ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text", "Field required"),

@@ -37,7 +37,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from cache_node.sampling_params import (
+    MAX_REQUEST_TEMPERATURE,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 from services.convert import (
     MAX_CHAT_MESSAGES,
     MAX_PROMPT_CHARS,
@@ -148,8 +153,10 @@ class _Sampling(_Strict):
     })
 
     model: str = Field(min_length=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # allow_inf_nan=False: NaN is refused as "not a finite number" (review 24h M1: the refusal
+    # said "less than or equal to 2"); the bound is gRPC's too (MAX_REQUEST_TEMPERATURE)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_REQUEST_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | _bounded_list(str) | None = None  # type: ignore[valid-type]
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # negative: as seed % 2**64
     stream: bool = False
