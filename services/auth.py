@@ -263,7 +263,7 @@ class Authenticator(KnownKeys, CheckLimits):
         is missing, malformed, or of an id that exists nowhere (``_refuse_malformed``,
         ``_refuse_absent``), asking the scheduler nothing; returns for any other key (its
         handler's ``tenant``/``admin`` check follows). Regression (secrev19 H5): the gateway's
-        interceptor (``services.grpc_bounds.CallGate``) runs this on a call's headers, before
+        interceptor (``services.grpc_call_gate.CallGate``) runs this on a call's headers, before
         its request message, which a keyless call held unchecked by never sending."""
         if self.is_verified(context):
             return

@@ -26,7 +26,8 @@ from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
-from services.grpc_bounds import BoundedHealthServicer, CallGate, GrpcLimits
+from services.grpc_bounds import GrpcLimits
+from services.grpc_call_gate import BoundedHealthServicer, CallGate
 from services.metrics import GatewayMetrics, MetricsEndpoint, MetricsServer
 from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
@@ -79,7 +80,7 @@ async def create_server(
         grpc_limits: the gRPC connections' bounds and those of calls not yet running (None: the
             defaults). Regression (secrev19 H4/H5): connections that completed the handshake
             and sent nothing were held forever with no cap, and calls that sent headers alone
-            were held before any key check with no deadline (``services.grpc_bounds``).
+            were held before any key check with no deadline (``services.grpc_call_gate``).
         credentials: serve TLS with these (``services.tls.ServerTls.grpc_credentials``); None:
             plaintext.
     """

@@ -1,6 +1,6 @@
 """A gRPC request's raw bytes -> its message, refusing bad input before protobuf builds it.
 
-``CallGate`` (``services.grpc_bounds``) gives grpc.aio no request deserializer, so its handlers
+``CallGate`` (``services.grpc_call_gate``) gives grpc.aio no request deserializer, so its handlers
 receive the message's raw bytes, and decodes them with ``RequestDecoder``:
 
 1. ``check_wire_shape`` walks the protobuf wire format (tags, varints, lengths) of the message

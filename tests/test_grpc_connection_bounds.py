@@ -28,7 +28,8 @@ from kvstrata.v1 import admin_pb2, inference_pb2, tenant_pb2, tenant_pb2_grpc
 from services import gateway_server
 from services.config import ServiceConfig, load_config
 from services.global_scheduler_admission import GlobalSchedulerService
-from services.grpc_bounds import UNVERIFIED_CALLS_PER_ADDRESS, CallGate, GrpcLimits, peer_network
+from services.grpc_bounds import GrpcLimits
+from services.grpc_call_gate import UNVERIFIED_CALLS_PER_ADDRESS, CallGate, peer_network
 from tenants.model import TenantSpec
 from tests.gateway_harness import NODE_INFO, LocalActor
 
