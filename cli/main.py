@@ -39,9 +39,12 @@ def tls_options(
     tls_server_name: str = typer.Option("", "--tls-server-name", envvar="KVSTRATA_TLS_SERVER_NAME",
                                         metavar="NAME", help="the name the gateway's certificate must carry "
                                         "(default: the config's tls_server_name for the gateway `kvstrata up` "
-                                        "started, else the host dialed)"),
+                                        "started, else the host dialed); implies TLS"),
+    tls: bool = typer.Option(False, "--tls", envvar="KVSTRATA_TLS",
+                             help="use TLS for any gateway, verified with the system's CA roots (any other "
+                             "--tls-* option implies TLS too)"),
 ) -> None:
-    state.TLS_OPTIONS = state.TlsOptions(tls_ca, tls_cert, tls_key, tls_server_name)
+    state.TLS_OPTIONS = state.TlsOptions(tls_ca, tls_cert, tls_key, tls_server_name, tls)
 
 
 app.add_typer(tenant_app, name="tenant")

@@ -33,6 +33,11 @@ class TlsOptions:
     cert_file: str = ""
     key_file: str = ""
     server_name: str = ""
+    tls: bool = False  # ``--tls``: TLS for any gateway, verified with the system's roots
+
+    def any(self) -> bool:
+        """Whether anything of TLS was asked for (then never plaintext)."""
+        return bool(self.tls or self.ca_file or self.cert_file or self.key_file or self.server_name)
 
 
 TLS_OPTIONS = TlsOptions()
@@ -72,15 +77,18 @@ def client_tls(address: str) -> ClientTls | None:
     """How to reach the gateway at ``address`` (None: plaintext). TLS when ``kvstrata up`` saved
     this address with TLS on (verified with the CA bundle its config named, ``tls_ca_file``,
     unless ``--tls-ca`` names another, and for the name its ``tls_server_name`` gave, unless
-    ``--tls-server-name`` gives another; none: the host dialed), or when ``--tls-ca`` or
-    ``--tls-cert`` is given (for any gateway); the client certificate (mutual TLS) is
-    ``--tls-cert``/``--tls-key``'s. Exits 2 when only one of those two is given.
+    ``--tls-server-name`` gives another; none: the host dialed), or when any TLS option is given
+    (``--tls``, ``--tls-ca``, ``--tls-cert``/``--tls-key``, ``--tls-server-name``: for any
+    gateway; without a CA, the system's roots verify it); the client certificate (mutual TLS)
+    is ``--tls-cert``/``--tls-key``'s. Exits 2 when only one of those two is given.
 
     Regression (security review: no TLS anywhere): every command opened a plaintext channel,
-    so the admin and tenant keys crossed the network in cleartext."""
+    so the admin and tenant keys crossed the network in cleartext. Regression (review 24r F7):
+    ``--tls-server-name`` alone, or a gateway not spelled as the saved address, still got a
+    plaintext channel, and whoever answered plaintext there received the key."""
     options, saved = TLS_OPTIONS, read_state()
     ours = address == saved.get("address") and bool(saved.get("tls"))
-    if not (ours or options.ca_file or options.cert_file or options.key_file):
+    if not (ours or options.any()):
         return None
     ca_file = options.ca_file or (saved.get("tls_ca_file", "") if ours else "")
     server_name = options.server_name or (saved.get("tls_server_name", "") if ours else "")

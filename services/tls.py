@@ -278,9 +278,13 @@ class ClientTls:
 
         Raises:
             ValueError: a file cannot be read or is not PEM (naming it)."""
-        context = ssl.create_default_context()
+        # only ``ca_file``'s CAs when given, as gRPC's credentials (review 24r F8: the system's
+        # roots were trusted besides, so any public CA's certificate for the name passed)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and host name
         if self.ca_file:
             context.load_verify_locations(cadata=check_certificates("CA file", self.ca_file).decode("ascii"))
+        else:
+            context.load_default_certs()
         if self.cert_file:
             try:
                 context.load_cert_chain(self.cert_file, self.key_file, password=_encrypted_key)

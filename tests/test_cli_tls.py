@@ -41,7 +41,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cli_state, "STATE_DIR", tmp_path)
     for name in ("KVSTRATA_ADMIN_KEY", "KVSTRATA_GATEWAY", "KVSTRATA_TLS_CA", "KVSTRATA_TLS_CERT",
-                 "KVSTRATA_TLS_KEY", "KVSTRATA_OPENAI_URL"):
+                 "KVSTRATA_TLS_KEY", "KVSTRATA_OPENAI_URL", "KVSTRATA_TLS_SERVER_NAME", "KVSTRATA_TLS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -164,3 +164,26 @@ def test_up_says_tls_is_on_or_warns_of_cleartext(certs: TlsMaterial, tmp_path: P
         "warning: no TLS on 0.0.0.0: API keys cross the network in cleartext (set tls_cert_file and tls_key_file)",
         "OpenAI-compatible API: http://h:2/v1"]
     assert summary()[:2] == ["gateway: h:1", "OpenAI-compatible API: http://h:2/v1"]
+
+
+def test_any_tls_option_means_tls_never_plaintext(tmp_path: Path, certs: TlsMaterial) -> None:
+    """Review 24r F7: ``--tls-server-name`` (or KVSTRATA_TLS_SERVER_NAME) alone gave a plaintext
+    channel, and a plaintext server at the address received the admin key (the tenant list
+    came back, exit 0). Now it, and ``--tls`` (the system's roots), mean TLS: a plaintext
+    gateway's answer is never read (UNAVAILABLE), the key never sent in clear."""
+    with serve(tmp_path / "plain") as plain:
+        env = {"KVSTRATA_GATEWAY": plain.address, "KVSTRATA_ADMIN_KEY": plain.admin_key}
+        assert run("tenant", "list", **env)[0] == 0  # plaintext asked for: plaintext
+        for args, extra in ((["--tls-server-name", "localhost"], {}), ([], {"KVSTRATA_TLS_SERVER_NAME": "localhost"}),
+                            (["--tls"], {}), ([], {"KVSTRATA_TLS": "1"})):
+            code, output = run(*args, "tenant", "list", **env, **extra)
+            assert code == 1 and output.startswith("UNAVAILABLE: "), (args, extra, output)
+
+
+def test_the_https_client_trusts_only_the_given_ca(certs: TlsMaterial) -> None:
+    """Review 24r F8: with ``tls_ca_file`` the HTTPS clients (workload, demo, benches) trusted
+    every system root besides (145 CAs); gRPC's credentials trust only the file. Now the same."""
+    from services.tls import ClientTls
+
+    assert len(ClientTls(ca_file=str(certs.ca)).ssl_context().get_ca_certs()) == 1
+    assert ClientTls().ssl_context().verify_mode.name == "CERT_REQUIRED"
