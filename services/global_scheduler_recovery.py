@@ -162,11 +162,19 @@ class Recovery:
         """Rebuild what cache node ``node_id`` holds from its ``CacheNode.recovery_report``:
         an unhealthy node is down (``node_down``); a healthy one is routed to again
         (``node_up`` with its inbox and process identity), its device- and host-tier blocks
-        replace what the index held for it, its sessions are routed to it again (a session
-        some turn of which finished there ``continues_session``), and its requests in flight
-        are admitted again, released when their gateway does (or does not, at
-        ``reconcile_gateway``). Sessions of another node already routed, and those past their
-        tenant's ``max_sessions_per_tenant``, are left out (counted in ``bad_messages``).
+        replace what the index held for it, its sessions some turn of which finished there
+        are routed to it again (their next turn ``continues_session``), and its requests in
+        flight are admitted again, released when their gateway does (or does not, at
+        ``reconcile_gateway``). A session no turn of which finished there is routed only when
+        a turn of it is among those requests: that turn opened it, as at admission, so its
+        failure drops the route (``release``); without one the node holds no history of it.
+        Sessions of another node already routed, and those past their tenant's
+        ``max_sessions_per_tenant``, are left out (counted in ``bad_messages``).
+
+        Regression (review 24r F1): every reported session was routed before the requests were
+        rebuilt, so a first turn in flight (a node reports its session, created when the turn
+        started) was not recorded as the one that opened it; when it failed, its route stayed
+        for the scheduler's lifetime and counted against ``max_sessions_per_tenant``.
 
         Raises:
             BadReport: a field fails its check (nothing applied); KeyError: an unknown node.
@@ -194,7 +202,8 @@ class Recovery:
         if isinstance(metrics, str) and metrics.rpartition(":")[2].isdigit():
             self.record_metrics_port(node_id, int(metrics.rpartition(":")[2]))
         for session_id, tenant_id, kept in sessions:
-            self._route_session(node_id, session_id, tenant_id, kept)
+            if kept:  # one whose first turn runs is opened by that turn (``_readmit``), as at admission
+                self._route_session(node_id, session_id, tenant_id, kept)
         for request_id, tenant_id, session_id, subscriber in requests:
             self._readmit(node_id, request_id, tenant_id, session_id, subscriber)
 

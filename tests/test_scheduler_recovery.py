@@ -5,10 +5,12 @@ tests/test_scheduler_restart.py). Reports are untrusted: each check is exercised
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from cache_node.sessions import SessionTable
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.global_scheduler_recovery import BadReport, RecoveryPeers
 from tests.known_tenants import know_tenants
@@ -54,16 +56,56 @@ def test_a_report_rebuilds_routes_requests_blocks_and_the_node(sched: GlobalSche
     assert sched.usage.snapshot("t1").completion_tokens == 8
 
 
+def first_turn_sessions(*session_ids: str) -> list[tuple[str, str, bool]]:
+    """The ``sessions`` a real node reports while the first turn of each of ``session_ids`` runs
+    (``CacheNode._held_now`` over a ``SessionTable`` whose ``attach`` created the session)."""
+    table = SessionTable(kv_manager=None)
+    for sid in session_ids:
+        table.attach(SimpleNamespace(session_id=sid, tenant=sid.partition("/")[0], request_id=f"{sid}#first"))
+    return [(s.session_id, s.tenant, bool(s.token_ids)) for s in table.sessions.values()]
+
+
 def test_a_first_turn_in_flight_opens_its_session_and_its_failure_drops_it(sched: GlobalSchedulerService) -> None:
     """A session whose first turn runs (no kept history) is routed to the node running it, as
     at admission; if that turn ends without finishing, the route goes, as ``release`` does for
-    any first turn."""
-    sched.apply_node_report("n1", report(sessions=[("t1/s", "t1", False)], requests=[("t1/r#a", "t1", "t1/s", GW)]))
-    assert sched.requests["t1/r#a"] == ("t1", "n1", "", "t1/s") and sched.session_nodes["t1/s"] == ("t1", "n1")
+    any first turn.
+
+    Regression (review 24r F1): the node reports that session (kept False) and its turn; the
+    session was routed first, the turn rebuilt as not the one that opened it, and after its
+    failure the route stayed for good."""
+    assert first_turn_sessions("t1/s") == [("t1/s", "t1", False)]  # what a node reports, as here
+    sched.apply_node_report("n1", report(sessions=first_turn_sessions("t1/s"), requests=[("t1/r#a", "t1", "t1/s", GW)]))
+    assert sched.requests["t1/r#a"] == ("t1", "n1", "t1/s", "t1/s") and sched.session_nodes["t1/s"] == ("t1", "n1")
+    sched.release("t1/r#a", {"finish_reason": "abort"})
+    assert sched.session_nodes == {} and sched.sessions_per_tenant["t1"] == 0
     sched.apply_node_report("n0", report(sessions=[], requests=[("t1/q#a", "t1", "t1/new", GW)]))
     assert sched.requests["t1/q#a"] == ("t1", "n0", "t1/new", "t1/new")
     sched.release("t1/q#a", {"finish_reason": "abort"})
     assert "t1/new" not in sched.session_nodes
+
+
+def test_a_first_turn_in_flight_that_finishes_keeps_its_session(sched: GlobalSchedulerService) -> None:
+    """The same turn finishing on its node keeps the route, and the next turn continues it."""
+    sched.apply_node_report("n1", report(sessions=first_turn_sessions("t1/s"), requests=[("t1/r#a", "t1", "t1/s", GW)]))
+    sched.release("t1/r#a", FINISHED)
+    turn = sched.admit("t1", "t1/r2#a", session_id="t1/s")
+    assert (turn.code, turn.node_id, turn.continues_session) == ("OK", "n1", True)
+
+
+def test_failed_first_turns_after_a_restart_leave_the_session_quota_free(tmp_path: Path) -> None:
+    """Regression (review 24r F1): with ``max_sessions_per_tenant`` 3, three first turns in flight
+    at the restart that then failed refused the tenant's next new session too_many_sessions
+    for the scheduler's lifetime. A session reported with no turn of it in flight and no turn
+    finished holds no history: it is not routed at all."""
+    sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}, max_sessions_per_tenant=3), "t1")
+    sids = [f"t1/s{i}" for i in range(3)]
+    sched.apply_node_report("n0", report(sessions=first_turn_sessions(*sids, "t1/idle"),
+                                         requests=[(f"{sid}#a", "t1", sid, GW) for sid in sids]))
+    assert set(sched.session_nodes) == set(sids)  # t1/idle: no turn in flight, none finished
+    for sid in sids:
+        sched.release(f"{sid}#a", {"finish_reason": "abort", "completion_tokens": 0})
+    assert sched.session_nodes == {} and sched.sessions_per_tenant["t1"] == 0
+    assert sched.admit("t1", "t1/new#a", session_id="t1/new").code == "OK"
 
 
 def test_an_unhealthy_report_takes_the_node_down(sched: GlobalSchedulerService) -> None:
