@@ -28,6 +28,7 @@ but never decides what is reused: the cache node's token-checked prefix cache do
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -100,6 +101,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
         self.usage = UsageLedger()  # its counters as stored at the last flush (``flush_usage``)
         self.usage.restore(self.store.load_usage())
+        self.usage_flush_lock = threading.Lock()  # one flush at a time, in the order taken
         self.own_rotations = self.own_rotation_limiter(clock)
         self.scheduler = check_policy_name(scheduler)
         self.clock = clock

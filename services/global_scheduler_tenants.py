@@ -7,6 +7,7 @@ tenant store (``tenants.store``) and the usage ledger. ``Tenants`` is a part of
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -38,6 +39,7 @@ class Tenants:
 
     store: TenantStore
     usage: UsageLedger
+    usage_flush_lock: threading.Lock
     own_rotations: WindowLimiter
     specs: dict[str, TenantSpec]
     deleted_tenants: OrderedDict[str, None]
@@ -146,14 +148,19 @@ class Tenants:
         Raises:
             sqlite3.Error: the write failed (the counters stay marked for the next flush).
         """
-        rows = self.usage.take_dirty()
-        if not rows:
-            return 0
-        try:
-            return self.store.save_usage(rows)
-        except Exception:
-            self.usage.mark_dirty(rows)
-            raise
+        # Regression (review 24r F5): the periodic flush and stop's could overlap in two worker
+        # threads; the later snapshot committed first and the older one last (5 requests in
+        # memory, 2 stored), and stop's found nothing dirty and returned while the periodic
+        # write could still be killed. Now one at a time: stop's waits, then writes what is left.
+        with self.usage_flush_lock:
+            rows = self.usage.take_dirty()
+            if not rows:
+                return 0
+            try:
+                return self.store.save_usage(rows)
+            except Exception:
+                self.usage.mark_dirty(rows)
+                raise
 
     def delete_stored_tenant(self, name: str) -> str:
         """Delete ``name`` and its keys from the store; returns its tenant id (the store alone:

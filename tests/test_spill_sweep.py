@@ -128,3 +128,23 @@ def test_the_scheduler_refuses_non_int_arguments(tmp_path: Path) -> None:
         scheduler.deleted_tenants_after("0")  # type: ignore[arg-type]
     assert scheduler.deleted_tenants_after(-5, 10**9) == []
     scheduler.store.close()
+
+
+def test_a_deleted_tenants_late_put_is_refused(tmp_path: Path) -> None:
+    """Review 24r F6: blocks of a deleted tenant offloaded after the sweep passed its deletion
+    were stored (then demoted to disk with their token ids) and never swept again (the cursor
+    was past it). Now a namespace dropped for good refuses later puts."""
+    scheduler = GlobalScheduler(str(tmp_path / "state"), {"n0": 1})
+    bob, _ = scheduler.register_tenant(TenantSpec("bob"))
+    ann, _ = scheduler.register_tenant(TenantSpec("ann"))
+    node = SpillNode(tmp_path / "spill", FMT, ram_bytes=64 * BLOCK, disk_bytes=DISK)
+    node.put(hashes_of([0]), make_blocks([0]), own_namespace(bob.tenant_id), [[0] * 4])
+    scheduler.delete_tenant("bob")
+    sweep = DeletedTenantSweep(node._store, scheduler.deleted_tenants_after)
+    assert sweep.sweep() == 1
+    late = f"{own_namespace(bob.tenant_id)}#salt=s"  # its salted variants too
+    assert node.put(hashes_of([1, 2]), make_blocks([1, 2]), late, [[1] * 4, [2] * 4]) == 0
+    assert node.put(hashes_of([3]), make_blocks([3]), own_namespace(ann.tenant_id), [[3] * 4]) == 1
+    assert node.contains(hashes_of(range(4))) == [None, None, None, "spill_ram"]
+    assert node.stats()["put_refused_dropped"] == 2
+    scheduler.store.close()

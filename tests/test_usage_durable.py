@@ -100,3 +100,38 @@ def test_counters_round_trip() -> None:
     other = UsageLedger()
     other.restore({"t": row})
     assert other.snapshot("t") == ledger.snapshot("t") and other.take_dirty() == {}
+
+
+def test_overlapping_flushes_store_the_newest_counts(tmp_path: Path) -> None:
+    """Review 24r F5: the periodic flush and stop's ran in two worker threads at once; the
+    older snapshot committed last (5 requests in memory, 2 stored), and stop's flush found
+    nothing dirty and returned while the periodic write was still under way. Now the second
+    flush waits for the first, then stores what changed meanwhile."""
+    import threading
+
+    sched = _scheduler(tmp_path)
+    ann, _ = sched.register_tenant(TenantSpec("ann"))
+    for _ in range(2):
+        sched.usage.record_request(ann.tenant_id)
+    save, entered, release = sched.store.save_usage, threading.Event(), threading.Event()
+
+    def slow_save(rows):  # type: ignore[no-untyped-def]
+        if not entered.is_set():  # the periodic flush's write, held up
+            entered.set()
+            assert release.wait(10)
+        return save(rows)
+
+    sched.store.save_usage = slow_save  # type: ignore[method-assign]
+    periodic = threading.Thread(target=sched.flush_usage)
+    periodic.start()
+    assert entered.wait(10)
+    for _ in range(3):
+        sched.usage.record_request(ann.tenant_id)
+    stopping = threading.Thread(target=sched.flush_usage)  # stop's flush, while the first writes
+    stopping.start()
+    stopping.join(0.3)
+    assert stopping.is_alive()  # it waits for the first (before: returned, or wrote first)
+    release.set()
+    periodic.join(10)
+    stopping.join(10)
+    assert sched.store.load_usage()[ann.tenant_id]["requests"] == 5

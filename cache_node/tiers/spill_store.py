@@ -16,7 +16,7 @@ tiers check tokens on every hit: a block key is a hash, and a hash is not proof 
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +36,13 @@ _HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
 STAT_COUNTERS = _HITS + (
     "corrupt_reads", "quarantined_files", "io_errors", "io_retries", "missing_files",
     "skipped_files", "token_mismatches", "evicted_files", "events_dropped",
-    "removed_unindexed_files", "removed_quarantined_files",
+    "removed_unindexed_files", "removed_quarantined_files", "put_refused_dropped",
 )
 
+
+MAX_DROPPED_HOLDERS = 65536
+"""Holders dropped for good that a store remembers (``tenants.store.MAX_DELETED_TENANTS``: as many
+as the deletions the sweep can learn of), so that a late put of theirs stores nothing."""
 
 class SpillEvent(NamedTuple):
     """``event`` "stored"|"removed" in ``tier``; a demotion is removed/ram then stored/disk."""
@@ -107,6 +111,9 @@ class SpillStore:
         self._ram: FairLRU[bytes, _RamEntry] = FairLRU()
         self._events: deque[SpillEvent] = deque(maxlen=max_events)
         self._counters: Counter[str] = Counter()
+        # holders dropped for good (``drop_namespaces``: deleted tenants' own namespaces), newest
+        # last, at most MAX_DROPPED_HOLDERS: a later put of theirs is refused
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         with self._lock:
             self._disk = DiskTier(
                 self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters
@@ -121,7 +128,9 @@ class SpillStore:
         ``blocks``: ``(len(hashes), *block_format.shape)`` of the store's dtype;
         ``token_ids[i]``: block i's token ids (None: unknown, never served to a token-checked
         ``get``); ``namespace`` is recorded in file headers. A hash already held (either
-        tier) is touched, not rewritten. May demote to disk and evict files.
+        tier) is touched, not rewritten. May demote to disk and evict files. Nothing is
+        stored for a namespace dropped for good (``drop_namespaces``: a deleted tenant's; its
+        blocks counted in ``put_refused_dropped``).
         Raises ValueError for a hash that is not 32 bytes, a wrong shape/dtype or a
         ``token_ids`` of another length than ``hashes``.
         """
@@ -131,6 +140,9 @@ class SpillStore:
             raise ValueError(f"blocks must be {want}, got {(blocks.shape, blocks.dtype)}")
         tokens = self._token_bytes(hashes, token_ids)
         with self._lock:
+            if holder_of(namespace) in self._dropped:  # a deleted tenant's, arriving late
+                self._counters["put_refused_dropped"] += len(hashes)
+                return 0
             incoming = len({h for h in hashes if self._tier_of(h) is None}) * self.block_format.block_nbytes
             if self._ram_bytes() + incoming > self.ram_budget_bytes:  # room first: RAM stays in budget
                 self._demote(max(0, self._demote_target_bytes - incoming))  # to the low watermark after
@@ -211,11 +223,21 @@ class SpillStore:
 
     def drop_namespaces(self, namespaces: Iterable[str]) -> int:
         """``drop_namespace`` of each of ``namespaces``, in one pass over what is held (a spill
-        node's sweep of deleted tenants: ``services.spill_node.DeletedTenantSweep``)."""
+        node's sweep of deleted tenants: ``services.spill_sweep.DeletedTenantSweep``), for good:
+        a later ``put`` of one of them stores nothing (the last ``MAX_DROPPED_HOLDERS`` kept).
+
+        Regression (review 24r F6): a deleted tenant's blocks offloaded by a cache node after
+        the sweep had passed its deletion were stored, demoted to disk with their token ids, and
+        never swept again (its cursor was past the deletion) until the node restarted."""
         holders = {holder_of(ns) for ns in namespaces}
         if not holders:
             return 0
         with self._lock:
+            for holder in holders:
+                self._dropped.pop(holder, None)
+                self._dropped[holder] = None
+            while len(self._dropped) > MAX_DROPPED_HOLDERS:
+                self._dropped.popitem(last=False)
             in_ram = [h for h in self._ram if self._ram.holder(h) in holders]
             for block_hash in in_ram:
                 self._ram.pop(block_hash)
