@@ -90,6 +90,8 @@ class Recovery:
     queue_limit: int
     requests: dict[str, tuple[str, str, str, str]]
     request_gateways: dict[str, str]
+    node_inboxes: dict[str, str]
+    commands: Any
     bad_messages: int
     down: dict[str, str]
     index: Any
@@ -252,15 +254,25 @@ class Recovery:
     def reconcile_gateway(self, subscriber: str, open_requests: Sequence[str]) -> list[str]:
         """The gateway whose event inbox is ``subscriber`` attached again after this scheduler's
         restart and still waits for ``open_requests``: each request rebuilt for it
-        (``apply_node_report``) that is not among them ended while the scheduler was down (its
-        release was lost) and is released now, without usage. Returns those released."""
+        (``apply_node_report``) that is not among them is released now, without usage, and
+        aborted on its node (as ``gateway_gone`` aborts a gone gateway's): it ended while the
+        scheduler was down (its release was lost; the abort is a no-op), or it still runs for
+        a gateway that no longer waits for it. Returns those released.
+
+        Regression (review 24r F4): they were released here and left running on their nodes:
+        a request whose submit reached its node but whose admission the gateway failed at the
+        crash ran to ``max_tokens`` uncounted and unbilled (its client had retried)."""
         if not isinstance(subscriber, str) or not isinstance(open_requests, (list, tuple)):
             self.bad_messages += 1
             return []
         still = {rid for rid in open_requests if isinstance(rid, str)}
-        ended = [rid for rid, sub in self.recovered_requests.items() if sub == subscriber and rid not in still]
+        ended = [rid for rid, sub in self.recovered_requests.items()
+                 if sub == subscriber and rid not in still and rid in self.requests]
         for rid in ended:
+            inbox = self.node_inboxes.get(self.requests[rid][1])
             self.release(rid)
+            if inbox is not None and self.commands is not None:
+                self.commands.send(inbox, {"op": "abort", "id": rid})
         for rid in [rid for rid, sub in self.recovered_requests.items() if sub == subscriber]:
             del self.recovered_requests[rid]
         return ended

@@ -164,6 +164,35 @@ def test_reconcile_releases_the_rebuilt_requests_a_gateway_no_longer_waits_for(s
     assert set(sched.requests) == {"t1/r2#a", "t1/new"}
 
 
+class Inboxes:
+    """A command channel (``attach_nodes``) that keeps ``(address, message)`` of each send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, address: str, msg: dict[str, Any]) -> bool:
+        self.sent.append((address, msg))
+        return True
+
+
+def test_reconcile_aborts_on_their_nodes_the_requests_it_releases(sched: GlobalSchedulerService) -> None:
+    """Regression (review 24r F4): a rebuilt request the gateway no longer waits for (its submit
+    reached the node, its admission failed at the crash) was released here and ran on to
+    ``max_tokens`` on its node, uncounted. Now its node is told to abort it, as
+    ``gateway_gone`` aborts a gone gateway's; one released normally before is left alone."""
+    sched.attach_nodes({}, sender=(inboxes := Inboxes()))
+    sched.apply_node_report("n0", report(sessions=[], requests=[("t1/orphan#a", "t1", "", GW),
+                                                                ("t1/done#a", "t1", "", GW),
+                                                                ("t1/kept#a", "t1", "", GW)]))
+    sched.apply_node_report("n1", report(data_address="tcp://127.0.0.1:9101", sessions=[],
+                                         requests=[("t2/orphan#a", "t2", "", GW)]))
+    sched.release("t1/done#a", FINISHED)  # its release came before the gateway attached again
+    assert sched.reconcile_gateway(GW, ["t1/kept#a"]) == ["t1/orphan#a", "t2/orphan#a"]
+    assert inboxes.sent == [("tcp://127.0.0.1:9100", {"op": "abort", "id": "t1/orphan#a"}),
+                            ("tcp://127.0.0.1:9101", {"op": "abort", "id": "t2/orphan#a"})]
+    assert set(sched.requests) == {"t1/kept#a"} and sched.nodes["n0"].in_flight == {"t1/kept#a"}
+
+
 def test_peers_refuse_a_timeout_that_is_no_deadline() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="report_timeout_s"):
