@@ -166,8 +166,8 @@ class Recovery:
         (``node_up`` with its inbox and process identity), its device- and host-tier blocks
         replace what the index held for it, its sessions some turn of which finished there
         are routed to it again (their next turn ``continues_session``), and its requests in
-        flight are admitted again, released when their gateway does (or does not, at
-        ``reconcile_gateway``). A session no turn of which finished there is routed only when
+        flight are admitted again (at most ``request_share``; the rest run on uncounted),
+        released when their gateway does (or does not, at ``reconcile_gateway``). A session no turn of which finished there is routed only when
         a turn of it is among those requests: that turn opened it, as at admission, so its
         failure drops the route (``release``); without one the node holds no history of it.
         Sessions of another node already routed, and those past their tenant's
@@ -206,8 +206,25 @@ class Recovery:
         for session_id, tenant_id, kept in sessions:
             if kept:  # one whose first turn runs is opened by that turn (``_readmit``), as at admission
                 self._route_session(node_id, session_id, tenant_id, kept)
-        for request_id, tenant_id, session_id, subscriber in requests:
+        share = self.request_share(node_id)
+        for i, (request_id, tenant_id, session_id, subscriber) in enumerate(requests):
+            if len(self.nodes[node_id].in_flight) >= share:  # a flood, or a queue past the share at the crash
+                log.warning("restarted global scheduler: %d requests on %s past its share of %d left out",
+                            len(requests) - i, node_id, share)
+                break
             self._readmit(node_id, request_id, tenant_id, session_id, subscriber)
+
+    def request_share(self, node_id: str) -> int:
+        """How many rebuilt requests ``node_id`` may hold: its running capacity and its share of
+        ``queue_limit``, by capacity (rounded down). All nodes' shares together queue at most
+        ``queue_limit``, where admission's fair share starts: no one report fills the queue.
+
+        Regression (review 24r F3): a report was bounded by what admission lets in overall
+        (capacity + twice ``queue_limit``), so one node's made-up requests filled the global
+        queue and every tenant was refused ``queue_full`` until ``GATEWAY_REATTACH_S``."""
+        capacity = self.nodes[node_id].capacity
+        total = sum(node.capacity for node in self.nodes.values())
+        return capacity + self.queue_limit * capacity // max(1, total)
 
     def _route_session(self, node_id: str, session_id: str, tenant_id: str, kept: bool) -> bool:
         """Route ``session_id`` to ``node_id`` again (``kept``: a turn of it finished there)."""

@@ -164,6 +164,20 @@ def test_reconcile_releases_the_rebuilt_requests_a_gateway_no_longer_waits_for(s
     assert set(sched.requests) == {"t1/r2#a", "t1/new"}
 
 
+def test_one_report_queues_no_more_than_its_nodes_share(tmp_path: Path) -> None:
+    """Regression (review 24r F3): a report was bounded per node by what admission lets in
+    overall (capacity + 2 * queue_limit), so one node reporting that many requests (a made-up
+    gateway inbox) filled the global queue: every tenant was refused ``queue_full`` for
+    ``GATEWAY_REATTACH_S``. A node's rebuilt requests are now at most its capacity and its
+    share of ``queue_limit`` by capacity (n1: 4 + 8 * 4 // 12 = 6); the rest are left out."""
+    sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 8, "n1": 4}, queue_limit=8), "t1", "t2")
+    flood = [(f"t2/r{i}#a", "t2", "", "tcp://10.9.9.9:1") for i in range(4 + 2 * 8)]
+    sched.apply_node_report("n1", report(data_address="tcp://127.0.0.1:9101", sessions=[], requests=flood))
+    assert sched.nodes["n1"].in_flight == {f"t2/r{i}#a" for i in range(6)} and sched._queued() == 2
+    assert sched.request_share("n1") == 6 and sched.request_share("n0") == 8 + 5
+    assert sched.admit("t1", "t1/x#a").code == "OK" and sched.admit("t2", "t2/x#a").code == "OK"
+
+
 class Inboxes:
     """A command channel (``attach_nodes``) that keeps ``(address, message)`` of each send."""
 
