@@ -133,6 +133,9 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.session_ttl_s = session_ttl_s
         self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
+        # tenant -> its routes rebuilt from a node's report (``route_unconfirmed``) that no
+        # turn confirmed yet -> when, oldest first: dropped ``session_ttl_s`` later
+        self.unconfirmed_sessions: dict[str, dict[str, float]] = {}
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, per tenant
         self.routing_keys = RoutingKeys()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already
@@ -195,6 +198,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         refused = self._unknown_tenant(tenant_id)
         if refused is not None:
             return refused
+        self.expire_unconfirmed(tenant_id)
         if len(self.down) == len(self.nodes):
             return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
                              reason="no_healthy_node", retry_after_s=NODE_RETRY_S)
@@ -251,6 +255,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         if session_id and sticky is None:
             self.session_nodes[session_id] = (tenant_id, node_id)
             self.sessions_per_tenant[tenant_id] += 1
+        elif sticky is not None:
+            self.confirm_session(session_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill,
                          continues_session=sticky is not None and session_id in self.kept_sessions)

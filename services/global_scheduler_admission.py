@@ -61,7 +61,7 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
     def __init__(self, *args: Any, peers: RecoveryPeers | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
-        self.recovered_requests = {}
+        self.recovered_requests, self.contested_sessions = {}, set()
         self.restarts = actor_restarts() if peers is not None else 0
         if peers is not None and self.restarts:  # Ray restarted this actor (the constructor runs on its loop)
             self.attach_nodes({})

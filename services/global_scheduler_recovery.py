@@ -106,10 +106,18 @@ class Recovery:
         def release(self, request_id: str, usage: dict[str, Any] | None = None) -> None: ...
         def gateway_gone(self, subscriber: str) -> list[str]: ...
         def _urgent(self, tenant_id: str) -> bool: ...
+        def route_unconfirmed(self, tenant_id: str, session_id: str, node_id: str) -> None: ...
+        def confirm_session(self, session_id: str) -> None: ...
+        def drop_session_route(self, session_id: str) -> None: ...
+        def _detach_turns(self, session_id: str, node_id: str) -> list[str]: ...
+        def mark_lost(self, tenant_id: str, session_id: str) -> None: ...
+        def lost_of(self, tenant_id: str) -> dict[str, float]: ...
 
     # the requests rebuilt from the nodes' reports, by id -> their gateway's event inbox, until
     # released or reconciled (``reconcile_gateway``)
     recovered_requests: dict[str, str]
+    # sessions two reports claimed (``_claim``): routed to no node
+    contested_sessions: set[str]
 
     # ---- gathering the reports (Ray) ---------------------------------------------------------
     def recover(self, peers: RecoveryPeers) -> None:
@@ -121,7 +129,7 @@ class Recovery:
         is served before the state is rebuilt)."""
         import ray  # only the actor recovers; the plain class is tested without Ray
 
-        self.recovered_requests = {}
+        self.recovered_requests, self.contested_sessions = {}, set()
         asked: dict[Any, tuple[str, str]] = {}  # ref -> (kind, name)
         for kind, names in (("node", list(self.nodes)), ("spill", list(peers.spill_nodes))):
             for name in names:
@@ -153,6 +161,7 @@ class Recovery:
                 self._not_reported(kind, name, f"failed: {type(exc).__name__}: {str(exc)[:200]}")
         log.warning("restarted global scheduler: %d sessions, %d requests in flight, %d blocks rebuilt; down: %s",
                     len(self.session_nodes), len(self.requests), len(self.index), self.down or "none")
+        self.contested_sessions = set()  # no report comes after these
 
     def _not_reported(self, kind: str, name: str, why: str) -> None:
         if kind == "node":
@@ -170,8 +179,10 @@ class Recovery:
         released when their gateway does (or does not, at ``reconcile_gateway``). A session no turn of which finished there is routed only when
         a turn of it is among those requests: that turn opened it, as at admission, so its
         failure drops the route (``release``); without one the node holds no history of it.
-        Sessions of another node already routed, and those past their tenant's
-        ``max_sessions_per_tenant``, are left out (counted in ``bad_messages``).
+        Sessions that another node claims too (both are refused: ``_claim``), and those past
+        their tenant's ``max_sessions_per_tenant``, are left out (counted in
+        ``bad_messages``); the routes rebuilt last ``session_ttl_s`` unless a turn confirms
+        them (``route_unconfirmed``).
 
         Regression (review 24r F1): every reported session was routed before the requests were
         rebuilt, so a first turn in flight (a node reports its session, created when the turn
@@ -227,24 +238,50 @@ class Recovery:
         return capacity + self.queue_limit * capacity // max(1, total)
 
     def _route_session(self, node_id: str, session_id: str, tenant_id: str, kept: bool) -> bool:
-        """Route ``session_id`` to ``node_id`` again (``kept``: a turn of it finished there)."""
-        if not self.knows_tenant(tenant_id) or session_id in self.session_nodes \
-                or self.sessions_per_tenant[tenant_id] >= self.max_sessions_per_tenant:
+        """Route ``session_id`` to ``node_id`` again (``kept``: a turn of it finished there),
+        unconfirmed (``route_unconfirmed``: a report is a node's word alone), unless another
+        node claims it (``_claim``) or the tenant has ``max_sessions_per_tenant`` sessions,
+        its lost ones included."""
+        if not self.knows_tenant(tenant_id) or not self._claim(node_id, session_id, tenant_id) or (
+                session_id not in self.session_nodes
+                and self.sessions_per_tenant[tenant_id] + len(self.lost_of(tenant_id)) >= self.max_sessions_per_tenant):
             self.bad_messages += 1
             log.warning("restarted global scheduler: session %.100s on %s left out", session_id, node_id)
             return False
-        self.session_nodes[session_id] = (tenant_id, node_id)
-        self.sessions_per_tenant[tenant_id] += 1
+        if session_id not in self.session_nodes:
+            self.route_unconfirmed(tenant_id, session_id, node_id)
         if kept:
             self.kept_sessions.add(session_id)
         return True
+
+    def _claim(self, node_id: str, session_id: str, tenant_id: str) -> bool:
+        """Whether ``node_id``'s report may route ``session_id`` (or a turn of it) there: it is
+        routed nowhere, or there. Claimed by a second node, it is routed to neither: the route
+        the first claim made goes (its turns in flight detached from it), the session is lost
+        (``mark_lost``: its next turn is refused until it is closed or ``session_ttl_s``
+        passed, never run on either node's word), and every later claim is refused.
+
+        Regression (review 24r F2): the first report to arrive won, so a node could take
+        another node's sessions (their tenant's next turns were sent to it as continuations)."""
+        if session_id in self.contested_sessions:
+            return False
+        routed = self.session_nodes.get(session_id)
+        if routed is None or routed[1] == node_id:
+            return True
+        log.warning("restarted global scheduler: session %.100s claimed by %s and %s: lost", session_id,
+                    routed[1], node_id)
+        self.contested_sessions.add(session_id)
+        self.drop_session_route(session_id)
+        self._detach_turns(session_id, routed[1])
+        self.mark_lost(tenant_id, session_id)
+        return False
 
     def _readmit(self, node_id: str, request_id: str, tenant_id: str, session_id: str, subscriber: str) -> None:
         """Count ``request_id``, running on ``node_id`` for the gateway at ``subscriber``, as
         admitted (as ``admit`` does; its usage is recorded at its release). A session turn whose
         session has no route yet (its first turn) opens it, as at admission."""
         if not self.knows_tenant(tenant_id) or request_id in self.requests or (
-                session_id and self.session_nodes.get(session_id, (tenant_id, node_id)) != (tenant_id, node_id)):
+                session_id and not self._claim(node_id, session_id, tenant_id)):
             self.bad_messages += 1
             log.warning("restarted global scheduler: request %.100s on %s left out", request_id, node_id)
             return
@@ -283,6 +320,9 @@ class Recovery:
             self.bad_messages += 1
             return []
         still = {rid for rid in open_requests if isinstance(rid, str)}
+        for rid in still:  # a turn its tenant sent: its session is no node's word alone
+            if self.recovered_requests.get(rid) == subscriber and rid in self.requests and self.requests[rid][3]:
+                self.confirm_session(self.requests[rid][3])
         ended = [rid for rid, sub in self.recovered_requests.items()
                  if sub == subscriber and rid not in still and rid in self.requests]
         for rid in ended:

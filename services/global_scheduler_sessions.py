@@ -1,7 +1,9 @@
 """The global scheduler's sessions: where each session's turns are routed (the node holding its
 history), the sessions whose history went with a restarted node's process (``lost_of``: their
-turns are refused until closed or ``session_ttl_s`` passed), closing a session (its turns in
-flight detached from it, the close kept for a node that is down), and a node's expired sessions.
+turns are refused until closed or ``session_ttl_s`` passed), routes a restarted scheduler
+rebuilt from a node's report that no turn confirmed (``expire_unconfirmed``), closing a session
+(its turns in flight detached from it, the close kept for a node that is down), and a node's
+expired sessions.
 ``Sessions`` is a part of ``services.global_scheduler.GlobalScheduler``.
 """
 
@@ -18,6 +20,7 @@ class Sessions:
     kept_sessions: set[str]
     lost_sessions: dict[str, dict[str, float]]
     sessions_per_tenant: Counter[str]
+    unconfirmed_sessions: dict[str, dict[str, float]]
     session_ttl_s: float
     requests: dict[str, tuple[str, str, str, str]]
     down: dict[str, str]
@@ -110,9 +113,42 @@ class Sessions:
             del self.lost_sessions[tenant_id]
         return True
 
+    def route_unconfirmed(self, tenant_id: str, session_id: str, node_id: str) -> None:
+        """Route ``session_id`` of ``tenant_id`` to ``node_id`` on a node's word alone (a
+        restarted scheduler's ``Recovery``): until a turn of it is admitted or its gateway
+        says it waits for one (``confirm_session``) the route lasts ``session_ttl_s``, as the
+        node's own idle session does (``expire_unconfirmed``)."""
+        self.session_nodes[session_id] = (tenant_id, node_id)
+        self.sessions_per_tenant[tenant_id] += 1
+        self.unconfirmed_sessions.setdefault(tenant_id, {})[session_id] = self.clock()
+
+    def confirm_session(self, session_id: str) -> None:
+        """A turn of ``session_id`` came from its tenant: its route stays (``route_unconfirmed``)."""
+        entry = self.session_nodes.get(session_id)
+        rebuilt = self.unconfirmed_sessions.get(entry[0]) if entry is not None else None
+        if rebuilt is not None and rebuilt.pop(session_id, None) is not None and not rebuilt:
+            del self.unconfirmed_sessions[entry[0]]
+
+    def expire_unconfirmed(self, tenant_id: str) -> None:
+        """Drop ``tenant_id``'s routes rebuilt ``session_ttl_s`` or longer ago that no turn
+        confirmed: an honest node expired each such idle session by then and said so
+        (``sessions_ended``); a made-up one stops counting against the tenant's
+        ``max_sessions_per_tenant``.
+
+        Regression (review 24r F2): a node's report could fill a tenant's session quota with
+        made-up sessions that nothing at the scheduler ever expired (only ``sessions_ended``
+        from that node dropped them): every new session of the tenant was refused."""
+        rebuilt = self.unconfirmed_sessions.get(tenant_id, {})
+        horizon = self.clock() - self.session_ttl_s
+        while rebuilt and next(iter(rebuilt.values())) <= horizon:
+            self.drop_session_route(next(iter(rebuilt)))
+
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
         tenant_id, _ = self.session_nodes.pop(session_id)
+        rebuilt = self.unconfirmed_sessions.get(tenant_id)
+        if rebuilt is not None and rebuilt.pop(session_id, None) is not None and not rebuilt:
+            del self.unconfirmed_sessions[tenant_id]
         self.kept_sessions.discard(session_id)
         self.sessions_per_tenant[tenant_id] -= 1
         if self.sessions_per_tenant[tenant_id] <= 0:

@@ -139,16 +139,58 @@ def test_a_bad_report_is_refused_whole(sched: GlobalSchedulerService, bad: dict[
 
 
 def test_sessions_of_unknown_tenants_and_past_the_limit_are_left_out(tmp_path: Path) -> None:
-    """A session of a tenant not in the store, one already routed to another node, and those
-    past ``max_sessions_per_tenant`` are not routed (counted in ``bad_messages``)."""
+    """A session of a tenant not in the store, one claimed by two nodes (routed to neither,
+    lost: ``_claim``), those past ``max_sessions_per_tenant`` (lost ones included) and a turn
+    of the claimed one are not routed (counted in ``bad_messages``)."""
     sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}, max_sessions_per_tenant=2), "t1")
-    sched.recovered_requests = {}
     sched.apply_node_report("n1", report(sessions=[("t1/a", "t1", True)], requests=[]))
     sessions = [("t1/a", "t1", True), ("gone/x", "gone", True), ("t1/b", "t1", True), ("t1/c", "t1", True)]
     sched.apply_node_report("n0", report(sessions=sessions, requests=[("t1/r#a", "t1", "t1/a", GW)]))
-    assert sched.session_nodes == {"t1/a": ("t1", "n1"), "t1/b": ("t1", "n0")}
-    assert "t1/r#a" not in sched.requests  # a turn of a session routed to another node
+    assert sched.session_nodes == {"t1/b": ("t1", "n0")} and set(sched.lost_of("t1")) == {"t1/a"}
+    assert "t1/r#a" not in sched.requests  # a turn of a session two nodes claim
     assert sched.bad_messages == 4
+
+
+def test_a_session_two_nodes_claim_is_routed_to_neither(tmp_path: Path) -> None:
+    """Regression (review 24r F2a): the first report won, so a node answering first took
+    another node's session: its tenant's next turns went to it as continuations. Now a second
+    claim takes the route from the first (its turn in flight detached), the session is lost
+    (its next turn refused ABORTED until closed, never run on either node's word), and a third
+    claim is refused too."""
+    sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4, "n2": 4}), "t1", "t2")
+    sched.apply_node_report("n1", report(data_address="tcp://127.0.0.1:9101", sessions=[("t2/chat", "t2", True)],
+                                         requests=[("t2/lie#a", "t2", "t2/chat", GW)]))
+    sched.apply_node_report("n0", report(sessions=[("t2/chat", "t2", True)], requests=[("t2/t#a", "t2", "t2/chat", GW)]))
+    sched.apply_node_report("n2", report(data_address="tcp://127.0.0.1:9102", sessions=[("t2/chat", "t2", True)],
+                                         requests=[]))
+    assert sched.session_nodes == {} and sched.sessions_per_tenant["t2"] == 0 and set(sched.lost_of("t2")) == {"t2/chat"}
+    assert sched.requests == {"t2/lie#a": ("t2", "n1", "", "")}  # n0's turn left out, n1's detached
+    turn = sched.admit("t2", "t2/next#a", session_id="t2/chat")
+    assert (turn.code, turn.reason) == ("ABORTED", "session_lost")
+    assert sched.bad_messages == 3  # n0's session and turn, n2's session
+
+
+def test_made_up_sessions_expire_unless_a_turn_confirms_them(tmp_path: Path) -> None:
+    """Regression (review 24r F2b): a report's made-up sessions filled a tenant's
+    ``max_sessions_per_tenant`` for good (only ``sessions_ended`` from that node dropped them),
+    so each new session of the tenant was refused. A route rebuilt from a report now lasts
+    ``session_ttl_s`` (as the node's idle session does) unless a turn of it is admitted or its
+    gateway says it waits for one (``reconcile_gateway``)."""
+    now = [1000.0]
+    sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}, max_sessions_per_tenant=4,
+                                                session_ttl_s=900.0, clock=lambda: now[0]), "t1", "t2")
+    made_up = [(f"t2/x{i}", "t2", True) for i in range(2)]
+    sched.apply_node_report("n1", report(data_address="tcp://127.0.0.1:9101", requests=[("t2/r#a", "t2", "t2/s", GW)],
+                                         sessions=[*made_up, ("t2/real", "t2", True), ("t2/s", "t2", True)]))
+    assert sched.admit("t2", "t2/new#a", session_id="t2/new").reason == "too_many_sessions"
+    assert sched.admit("t2", "t2/turn#a", session_id="t2/real").continues_session  # confirms t2/real
+    sched.reconcile_gateway(GW, ["t2/r#a"])  # confirms t2/s
+    now[0] += 899.0
+    assert sched.admit("t2", "t2/new#a", session_id="t2/new").reason == "too_many_sessions"
+    now[0] += 1.0
+    assert sched.admit("t2", "t2/new#a", session_id="t2/new").code == "OK"
+    assert set(sched.session_nodes) == {"t2/real", "t2/s", "t2/new"} and sched.sessions_per_tenant["t2"] == 3
+    assert sched.unconfirmed_sessions == {}
 
 
 def test_reconcile_releases_the_rebuilt_requests_a_gateway_no_longer_waits_for(sched: GlobalSchedulerService) -> None:
