@@ -61,7 +61,8 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
     def __init__(self, *args: Any, peers: RecoveryPeers | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
-        self.recovered_requests, self.contested_sessions = {}, set()
+        self.recovered_requests, self.contested_sessions, self.released_unattached = {}, set(), {}
+        self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
         self.restarts = actor_restarts() if peers is not None else 0
         if peers is not None and self.restarts:  # Ray restarted this actor (the constructor runs on its loop)
             self.attach_nodes({})
@@ -82,8 +83,18 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch
         it: once it no longer serves ``subscriber`` (its process died: the call fails; or Ray
         restarted it with a new inbox) its requests are released (``gateway_gone``), so the
-        nodes' slots never depend on a dead gateway's ``release``."""
+        nodes' slots never depend on a dead gateway's ``release``. A gateway that attaches
+        after ``forget_unattached`` counted it gone is told which requests were released
+        (``counted_gone``: it ends their streams).
+
+        Regression (review 24r A2): such a gateway was never told; the streams of its released
+        requests (aborted on their nodes without an event) waited for their own deadlines."""
         previous = super().attach_gateway(gateway_id, address, subscriber)
+        released = self.released_unattached.pop(subscriber, None)
+        if released and handle is not None:
+            tell = asyncio.get_running_loop().create_task(self._tell_counted_gone(handle, subscriber, released))
+            self._tells.add(tell)  # held until done (the loop keeps weak references)
+            tell.add_done_callback(self._tells.discard)
         running = self._gateway_watches.get(subscriber)
         if handle is not None and (running is None or running.done()):
             task = asyncio.get_running_loop().create_task(self._watch_gateway(handle, subscriber))

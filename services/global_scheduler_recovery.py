@@ -116,6 +116,8 @@ class Recovery:
     # the requests rebuilt from the nodes' reports, by id -> their gateway's event inbox, until
     # released or reconciled (``reconcile_gateway``)
     recovered_requests: dict[str, str]
+    # event inbox -> the requests rebuilt for it that ``forget_unattached`` released
+    released_unattached: dict[str, list[str]]
     # sessions two reports claimed (``_claim``): routed to no node
     contested_sessions: set[str]
 
@@ -336,11 +338,13 @@ class Recovery:
 
     def forget_unattached(self, attached: set[str]) -> list[str]:
         """Gateways that have requests rebuilt for them and did not attach again (their event
-        inboxes are not in ``attached``) are gone (``gateway_gone``); returns their inboxes."""
+        inboxes are not in ``attached``) are gone (``gateway_gone``); returns their inboxes.
+        What each had released is kept for it (``released_unattached``): should it attach
+        later, it is told (``GlobalSchedulerService.attach_gateway``)."""
         gone = sorted({sub for sub in self.recovered_requests.values() if sub not in attached})
         for subscriber in gone:
             log.warning("gateway %s did not attach again after the scheduler restart: gone", subscriber)
-            self.gateway_gone(subscriber)
+            self.released_unattached[subscriber] = self.gateway_gone(subscriber)
             for rid in [rid for rid, sub in self.recovered_requests.items() if sub == subscriber]:
                 del self.recovered_requests[rid]
         return gone

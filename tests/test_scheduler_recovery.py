@@ -4,6 +4,7 @@ tests/test_scheduler_restart.py). Reports are untrusted: each check is exercised
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -247,6 +248,46 @@ def test_reconcile_aborts_on_their_nodes_the_requests_it_releases(sched: GlobalS
     assert inboxes.sent == [("tcp://127.0.0.1:9100", {"op": "abort", "id": "t1/orphan#a"}),
                             ("tcp://127.0.0.1:9101", {"op": "abort", "id": "t2/orphan#a"})]
     assert set(sched.requests) == {"t1/kept#a"} and sched.nodes["n0"].in_flight == {"t1/kept#a"}
+
+
+class GatewayHandle:
+    """A gateway actor's handle as ``attach_gateway`` uses it: ``serves`` waits (the watch's
+    long poll), ``counted_gone`` records what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, list[str]]] = []
+        self.serves = SimpleNamespace(remote=self._serves)
+        self.counted_gone = SimpleNamespace(remote=self._counted_gone)
+
+    async def _serves(self, subscriber: str, timeout_s: float) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+    async def _counted_gone(self, subscriber: str, request_ids: list[str]) -> bool:
+        self.told.append((subscriber, request_ids))
+        return True
+
+
+def test_a_gateway_attaching_after_the_reattach_timeout_is_told_what_was_released(
+        sched: GlobalSchedulerService) -> None:
+    """Regression (review 24r A2): a gateway that attached after ``forget_unattached`` had
+    counted it gone was never told its rebuilt requests were released (and aborted on their
+    nodes without an event): their streams waited for their own deadlines. It is told once
+    (``counted_gone``); a gateway never forgotten is told nothing."""
+    sched.apply_node_report("n0", report())
+    assert sched.forget_unattached(set()) == [GW] and not sched.requests
+    late, other = GatewayHandle(), GatewayHandle()
+
+    async def attach() -> None:
+        await sched.attach_gateway("g1", "127.0.0.1:50051", GW, late)
+        await sched.attach_gateway("g2", "127.0.0.1:50052", "tcp://127.0.0.1:7002", other)
+        await sched.attach_gateway("g1", "127.0.0.1:50051", GW, late)  # its reattach: told once
+        await asyncio.sleep(0.05)
+        for task in list(sched._gateway_watches.values()):
+            task.cancel()
+
+    asyncio.run(attach())
+    assert late.told == [(GW, ["t1/r1#a", "t1/r2#b"])] and other.told == []
 
 
 def test_peers_refuse_a_timeout_that_is_no_deadline() -> None:
