@@ -123,6 +123,7 @@ class RequestPreparation:
                 f"requested {len(tokens) + sampling.max_tokens} tokens ({len(tokens)} in the {what}, "
                 f"{sampling.max_tokens} in the completion). Please reduce the length of the {what} or completion.",
             )
+        await self._check_pool_fits(len(tokens), sampling.max_tokens, policy, what, context)
         try:
             def prefix() -> int:
                 return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
@@ -192,6 +193,26 @@ class RequestPreparation:
                                 f"under a KV policy that keeps every token (its KV pool holds {pool_tokens} "
                                 f"tokens). {requested}: that can never fit. Please reduce the length of the "
                                 "messages or completion.")
+
+    async def _check_pool_fits(self, prompt: int, max_tokens: int, policy: str, what: str, context: Any) -> None:
+        """Refuse (INVALID_ARGUMENT) a prompt of ``prompt`` tokens + ``max_tokens`` past a cache
+        node's KV pool under a policy that keeps every token (``policy`` "" or not compressing):
+        it can never run, on any node, whatever the load.
+
+        Regression (fresh-user trial 24): 3,000 prompt tokens + 4,000 completion tokens (past the
+        4,368-token pool, within the 8,192-token context) went on to admission, where an
+        interactive tenant's early rejection (its estimated TTFT) answered first as often as the
+        node's refusal did: RESOURCE_EXHAUSTED with a 125 ms retry hint (HTTP 429) for a request
+        that no retry can ever serve, and INVALID_ARGUMENT (400) the other times.
+        """
+        pool_tokens = self.info["pool_tokens"]
+        if prompt + max_tokens > pool_tokens and not (policy and convert.policy_compresses(policy)):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"This model's maximum context length is {pool_tokens} tokens on a cache node under a KV "
+                f"policy that keeps every token (its KV pool holds {pool_tokens} tokens). However, you "
+                f"requested {prompt + max_tokens} tokens ({prompt} in the {what}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {what} or completion.")
 
     def _whose(self, limit: int) -> str:
         """How a context-overflow message names a ``limit`` below the model's own."""

@@ -70,3 +70,13 @@ def test_context_overflow_is_worded_as_openais_with_its_numbers(tmp_path: Path, 
             "This model's maximum context length is 512 tokens on a cache node (its KV pool holds 512 tokens: the "
             f"prompt and at least one generated token). However, you requested {words_tokens} tokens in the "
             "messages. Please reduce the length of the messages.")
+        # prompt + completion past the pool, within the context (fresh-user trial 24: it went on
+        # to admission, where an interactive tenant's early rejection answered RESOURCE_EXHAUSTED
+        # with a retry hint as often as the node's INVALID_ARGUMENT did)
+        for _ in range(3):
+            assert refusal(ann, 400, ids=[1] * 300) == (
+                "This model's maximum context length is 512 tokens on a cache node under a KV policy that keeps "
+                "every token (its KV pool holds 512 tokens). However, you requested 700 tokens (300 in the prompt, "
+                "400 in the completion). Please reduce the length of the prompt or completion.")
+            assert refusal(ann, 400, [{"role": "user", "content": " ".join(["hello"] * 200)}]).startswith(
+                "This model's maximum context length is 512 tokens on a cache node under a KV policy")
