@@ -64,7 +64,7 @@ def run_deepresearch(
     that an earlier run from here registered (its key, kept in the CLI's state directory's
     workload_keys.json, 0600, still works) is deleted and registered again with a new key; a
     tenant of such a name that someone else registered is left alone and the run stops (exit
-    1) before sending any request. A plan without a research
+    1) before changing any tenant or sending any request. A plan without a research
     session (a --duration too short for --sessions-per-s under --seed) is refused before
     anything runs, as a usage error (exit 2).
     """

@@ -162,7 +162,7 @@ def tenant_show(
     api_key: str | None = OwnKeyOpt,
     gateway: str | None = GatewayOpt,
 ) -> None:
-    """One tenant's settings, usage counters (since the services started) and the KV blocks it
+    """One tenant's settings, usage counters (stored across restarts) and the KV blocks it
     holds now on the healthy nodes: its requests' and its idle sessions' (`status` counts the
     latter "by sessions", for every tenant together)."""
     md = key_metadata(api_key, gateway)

@@ -34,8 +34,22 @@ def test_a_tenant_the_workload_did_not_register_is_left_alone(tmp_path: Path) ->
         with pytest.raises(TenantNameTaken, match="'analyst' exists") as err:
             _register(gw.address, gw.admin_key)
         assert gw.scheduler.store.authenticate(theirs).spec.weight == 3.0  # untouched, key works
-        assert set(err.value.registered) == {PROFILES[0].name}  # chat went in before it
-        assert gw.scheduler.store.authenticate(err.value.registered["chat"]).spec.name == "chat"
+        assert err.value.registered == {} and "kvstrata tenant rm analyst" in str(err.value)
+        assert [t.spec.name for t in gw.scheduler.store.list()] == ["analyst"]  # nothing registered
+
+
+def test_a_refused_run_changes_nothing(tmp_path: Path) -> None:
+    """Fresh-user trial 24: with an earlier run's ``chat`` and the operator's ``analyst``, the
+    run replaced ``chat`` (its key and usage gone), then stopped at ``analyst``. Now every
+    taken name is checked first: ``chat``'s key still works."""
+    with serve(tmp_path) as gw:
+        first = _register(gw.address, gw.admin_key)
+        gw.scheduler.store.delete("analyst")
+        _, theirs = gw.scheduler.store.register(TenantSpec("analyst", weight=3.0))
+        with pytest.raises(TenantNameTaken):
+            _register(gw.address, gw.admin_key, earlier_keys=first)
+        assert gw.scheduler.store.authenticate(first["chat"]).spec.name == "chat"  # not replaced
+        assert gw.scheduler.store.authenticate(theirs).spec.weight == 3.0
 
 
 def test_tenants_of_an_earlier_run_are_replaced(tmp_path: Path) -> None:
@@ -64,8 +78,7 @@ def test_saved_keys_merge_per_deployment_and_stay_private(tmp_path: Path) -> Non
 
 def test_the_cli_stops_at_a_foreign_tenant_and_keeps_the_keys_it_got(tmp_path: Path) -> None:
     """``kvstrata run deepresearch`` against a gateway holding the operator's ``analyst``: exit 1
-    naming it, before any request; ``chat`` (registered first) is saved in the CLI's state dir
-    for the next run, and the operator's tenant keeps its key."""
+    naming it, before any request and any registration; the operator's tenant keeps its key."""
     from typer.testing import CliRunner
 
     import cli.main as cli
@@ -78,5 +91,5 @@ def test_the_cli_stops_at_a_foreign_tenant_and_keeps_the_keys_it_got(tmp_path: P
         assert result.exit_code == 1, result.output
         assert "a tenant named 'analyst' exists and this workload did not register it" in result.output
         assert gw.scheduler.store.authenticate(theirs).spec.weight == 3.0
-        saved = load_keys(tmp_path / "cli" / "workload_keys.json", gw.address)
-        assert set(saved) == {"chat"} and gw.scheduler.store.authenticate(saved["chat"]).spec.name == "chat"
+        assert load_keys(tmp_path / "cli" / "workload_keys.json", gw.address) == {}
+        assert [t.spec.name for t in gw.scheduler.store.list()] == ["analyst"]  # nothing registered

@@ -57,14 +57,27 @@ async def register_tenants(
     whose key and cached KV a replacement would take away (review 23d: the demo pointed at a
     production gateway deleted its tenants of those names).
 
+    Every taken name is checked before any tenant is registered or replaced, so a refused run
+    changes nothing. Regression (fresh-user trial 24): the run replaced ``chat`` (its key and
+    usage gone) before it found ``analyst`` taken and stopped.
+
     Raises:
-        TenantNameTaken: a name is taken by a tenant this workload did not register; that
-            tenant is untouched, and those registered before it stay (``registered``: their
-            keys, for the caller to save as ``earlier_keys`` of the next run).
+        TenantNameTaken: a name is taken by a tenant this workload did not register; nothing
+            was registered, replaced or deleted (``registered`` is empty; it holds the keys of
+            those registered before a name taken meanwhile, for the caller to save as
+            ``earlier_keys`` of the next run).
         grpc.aio.AioRpcError: a registration failed otherwise.
     """
     stub = tenant_pb2_grpc.TenantServiceStub(channel)
     md = (("authorization", f"Bearer {admin_key}"),)
+    profiles = list(profiles)
+    if not replace_any:
+        taken = {t.spec.name for t in (await stub.ListTenants(tenant_pb2.ListTenantsRequest(), metadata=md,
+                                                              timeout=30)).tenants}
+        for profile in profiles:
+            name = f"{profile.name}{name_suffix}"
+            if name in taken and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
+                raise TenantNameTaken(_taken_message(name), registered={})
     keys: dict[str, str] = {}
     for profile in profiles:
         name = f"{profile.name}{name_suffix}"
@@ -75,15 +88,18 @@ async def register_tenants(
             if err.code() != grpc.StatusCode.ALREADY_EXISTS:
                 raise
             if not replace_any and not await _holds_key_of(stub, name, (earlier_keys or {}).get(name, "")):
-                raise TenantNameTaken(
-                    f"a tenant named {name!r} exists and this workload did not register it (no key of it from "
-                    f"an earlier run here still works): replacing it would take its key and cached KV away. "
-                    f"Delete it yourself if it is yours (`kvstrata tenant delete {name}`), or use another "
-                    "deployment", registered={f"{p}{name_suffix}": k for p, k in keys.items()}) from None
+                raise TenantNameTaken(_taken_message(name),  # taken since the check above
+                                      registered={f"{p}{name_suffix}": k for p, k in keys.items()}) from None
             await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md)
             resp = await stub.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=spec), metadata=md)
         keys[profile.name] = resp.api_key
     return keys
+
+
+def _taken_message(name: str) -> str:
+    return (f"a tenant named {name!r} exists and this workload did not register it (no key of it from an "
+            "earlier run here still works): replacing it would take its key and cached KV away. Nothing was "
+            f"changed. Remove it yourself if it is yours (`kvstrata tenant rm {name}`), or use another deployment")
 
 
 async def _holds_key_of(stub: tenant_pb2_grpc.TenantServiceStub, name: str, key: str) -> bool:
