@@ -14,8 +14,8 @@ sees the scheduler back, attaches again and says which of the rebuilt requests i
 for (``reconcile_gateway``); the others are released.
 
 Every report is untrusted input: each field is checked (types, sizes, ids scoped to their
-tenant, tenants of the store), and what fails a check is dropped and counted in
-``bad_messages``.
+tenant, tenants of the store: ``services.recovery_report``), and what fails a check is dropped
+and counted in ``bad_messages``.
 
 ``Recovery`` is a part of ``services.global_scheduler_admission.GlobalSchedulerService``.
 """
@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 from services.actor_refs import ActorRef
 from services.block_index import NODE_TIERS, SPILL_TIERS
-from services.data_plane_wire import MAX_ID_CHARS
+from services.recovery_report import (
+    BadReport,
+    address,
+    block_events,
+    int_field,
+    request_row,
+    rows,
+    session_row,
+)
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -38,18 +46,6 @@ if TYPE_CHECKING:
     from services.global_scheduler_checks import NodeLoad
 
 log = logging.getLogger(__name__)
-
-MAX_REPORTED_BLOCKS = 1 << 22
-"""Block hashes one holder may report (a larger report is refused whole)."""
-
-MAX_HASH_BYTES = 64
-"""Longest block hash a report may carry (the nodes' hashes are 32 bytes)."""
-
-MAX_ADDRESS_CHARS = 256
-"""Longest data-plane address (``tcp://host:port``) a report may carry."""
-
-MAX_SCOPED_ID_CHARS = 2 * MAX_ID_CHARS + 64
-"""Longest request or session id a report may carry: ``<tenant>/<client id>[#<attempt>]``."""
 
 GATEWAY_REATTACH_S = 60.0
 """How long requests rebuilt for a gateway wait for it to attach again; past it, it counts as
@@ -73,10 +69,6 @@ class RecoveryPeers:
     def __post_init__(self) -> None:
         if not math.isfinite(self.report_timeout_s) or self.report_timeout_s <= 0:
             raise ValueError(f"report_timeout_s must be a finite number > 0, got {self.report_timeout_s}")
-
-
-class BadReport(ValueError):
-    """A recovery report that fails a check (its holder is then treated as not answering)."""
 
 
 class Recovery:
@@ -203,11 +195,11 @@ class Recovery:
             self.node_down(node_id, failure[:500] if isinstance(failure, str) and failure
                            else f"cache node {node_id} reported itself unhealthy")
             return
-        pid, restarts = _int(report, "pid", 0), _int(report, "restarts", 0)
-        inbox = _address(report.get("data_address"), "data_address")
-        events = _blocks(report.get("blocks"), NODE_TIERS)
-        sessions = _rows(report.get("sessions"), 3, "sessions", _session_row)
-        requests = _rows(report.get("requests"), 4, "requests", _request_row)
+        pid, restarts = int_field(report, "pid", 0), int_field(report, "restarts", 0)
+        inbox = address(report.get("data_address"), "data_address")
+        events = block_events(report.get("blocks"), NODE_TIERS)
+        sessions = rows(report.get("sessions"), 3, "sessions", session_row)
+        requests = rows(report.get("requests"), 4, "requests", request_row)
         limit = self.nodes[node_id].capacity + 2 * self.queue_limit  # what admission ever lets in
         if len(requests) > limit:
             raise BadReport(f"{len(requests)} requests in flight, more than the {limit} admission allows")
@@ -305,7 +297,7 @@ class Recovery:
         Raises:
             BadReport: a malformed list (nothing applied).
         """
-        self.report_events(holder_id, _blocks(blocks, SPILL_TIERS), reset=True)
+        self.report_events(holder_id, block_events(blocks, SPILL_TIERS), reset=True)
 
     def reconcile_gateway(self, subscriber: str, open_requests: Sequence[str]) -> list[str]:
         """The gateway whose event inbox is ``subscriber`` attached again after this scheduler's
@@ -348,67 +340,3 @@ class Recovery:
             for rid in [rid for rid, sub in self.recovered_requests.items() if sub == subscriber]:
                 del self.recovered_requests[rid]
         return gone
-
-
-def _int(report: dict[str, Any], key: str, default: int) -> int:
-    value = report.get(key, default)
-    if type(value) is not int or not 0 <= value < 1 << 62:
-        raise BadReport(f"{key} must be a non-negative int, got {value!r:.100}")
-    return value
-
-
-def _address(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value.startswith("tcp://") or len(value) > MAX_ADDRESS_CHARS:
-        raise BadReport(f"{key} must be a tcp:// address of at most {MAX_ADDRESS_CHARS} characters")
-    return value
-
-
-def _blocks(value: Any, tiers: tuple[str, ...]) -> list[tuple[str, bytes, str]]:
-    """``("stored", hash, tier)`` events of a report's ``(hash, tier)`` pairs."""
-    if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTED_BLOCKS:
-        raise BadReport(f"blocks must be a list of at most {MAX_REPORTED_BLOCKS} (hash, tier) pairs")
-    events = []
-    for item in value:
-        if (not isinstance(item, (list, tuple)) or len(item) != 2 or type(item[0]) is not bytes
-                or not 0 < len(item[0]) <= MAX_HASH_BYTES or item[1] not in tiers):
-            raise BadReport(f"a block is (hash of at most {MAX_HASH_BYTES} bytes, one of {list(tiers)})")
-        events.append(("stored", item[0], item[1]))
-    return events
-
-
-def _rows(value: Any, width: int, key: str, check: Any) -> list[tuple[Any, ...]]:
-    if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTED_BLOCKS:
-        raise BadReport(f"{key} must be a list")
-    rows = []
-    for item in value:
-        if not isinstance(item, (list, tuple)) or len(item) != width:
-            raise BadReport(f"each of {key} has {width} fields")
-        rows.append(check(*item))
-    return rows
-
-
-def _scoped(value: Any, tenant_id: str, key: str) -> str:
-    """A request or session id of ``tenant_id`` (``gateway_inputs.scoped_id``)."""
-    if (not isinstance(value, str) or len(value) > MAX_SCOPED_ID_CHARS
-            or not value.startswith(f"{tenant_id}/") or len(value) == len(tenant_id) + 1):
-        raise BadReport(f"{key} must be an id of its tenant ('<tenant>/<id>', at most {MAX_SCOPED_ID_CHARS} characters)")
-    return value
-
-
-def _tenant(value: Any) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or "/" in value:
-        raise BadReport("a tenant id must be a non-empty string without '/'")
-    return value
-
-
-def _session_row(session_id: Any, tenant_id: Any, kept: Any) -> tuple[str, str, bool]:
-    tenant = _tenant(tenant_id)
-    if type(kept) is not bool:
-        raise BadReport("a session's kept flag must be a bool")
-    return _scoped(session_id, tenant, "session_id"), tenant, kept
-
-
-def _request_row(request_id: Any, tenant_id: Any, session_id: Any, subscriber: Any) -> tuple[str, str, str, str]:
-    tenant = _tenant(tenant_id)
-    session = _scoped(session_id, tenant, "session_id") if session_id != "" else ""
-    return _scoped(request_id, tenant, "request_id"), tenant, session, _address(subscriber, "subscriber")
