@@ -15,6 +15,7 @@ Exit codes (``kvstrata --help`` lists them):
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import NoReturn
 
@@ -54,9 +55,21 @@ def die(message: str, code: int = EXIT_FAILED) -> NoReturn:
     raise typer.Exit(code)
 
 
+TLS_HINT = ("; if the gateway serves TLS, give its CA (kvstrata --tls-ca CA.pem, or --tls for the system's "
+            "roots), and if it requires client certificates, --tls-cert and --tls-key")
+"""Appended to an UNAVAILABLE whose connection was closed or refused during the TLS handshake.
+Regression (fresh-user trial 24): a call without the CA, or without a client certificate to a
+gateway that requires one, said only "Socket closed"."""
+_HANDSHAKE_FAILURE = re.compile(r"Socket closed|handshake|SSL|certificate|Connection reset", re.IGNORECASE)
+
+
 def fail(err: grpc.RpcError) -> NoReturn:
     """Print a failed call as one line, ``CODE: details``, and exit ``EXIT_FAILED`` whatever
-    the status: the server refused or failed it (a usage error never reaches the server)."""
+    the status: the server refused or failed it (a usage error never reaches the server). An
+    UNAVAILABLE that reads as a failed TLS handshake says which options fix it (``TLS_HINT``)."""
     details = (err.details() or "").splitlines()
-    console.print(f"[red]{err.code().name}[/red]: {escape(details[0] if details else '')}", soft_wrap=True)
+    line = details[0] if details else ""
+    if err.code() == grpc.StatusCode.UNAVAILABLE and _HANDSHAKE_FAILURE.search(line):
+        line += TLS_HINT
+    console.print(f"[red]{err.code().name}[/red]: {escape(line)}", soft_wrap=True)
     raise typer.Exit(EXIT_FAILED)

@@ -98,6 +98,7 @@ def test_tls_ca_option_and_environment_verify_any_gateway(gateway: Gateway, cert
     env = {"KVSTRATA_GATEWAY": gateway.address, "KVSTRATA_ADMIN_KEY": gateway.admin_key}
     code, output = run("tenant", "list", **env)
     assert code == 1 and output.startswith("UNAVAILABLE: "), output
+    assert "kvstrata --tls-ca CA.pem" in output  # fresh-user trial 24: it said only "Socket closed"
     code, output = run("--tls-ca", str(certs.ca), "tenant", "list", **env)
     assert code == 0, output
     code, output = run("tenant", "list", **env, KVSTRATA_TLS_CA=str(certs.ca))
@@ -125,6 +126,7 @@ def test_mutual_tls_needs_the_client_certificate(mutual_gateway: Gateway, certs:
     save_up_state(tmp_path, mutual_gateway, tls=True, tls_ca_file=str(certs.ca))
     code, output = run("tenant", "list")
     assert code == 1 and output.startswith("UNAVAILABLE: "), output
+    assert "--tls-cert and --tls-key" in output, output  # fresh-user trial 24: "Socket closed" alone
     code, output = run("--tls-cert", str(certs.client.cert), "--tls-key", str(certs.client.key), "tenant", "list")
     assert code == 0, output
     code, output = run("tenant", "list", KVSTRATA_TLS_CERT=str(certs.client.cert),
