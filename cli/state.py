@@ -154,7 +154,8 @@ def admin_key(gateway: str | None) -> tuple[str, Path | None]:
         return key, None
     address, saved = gateway_address(gateway), read_state().get("address", "")
     if address != saved:
-        die(f"no admin key for {address}: the saved admin key is {saved or 'nobody'}'s; set KVSTRATA_ADMIN_KEY")
+        whose = f"the saved admin key is for {saved} only" if saved else "no deployment was started here (`kvstrata up`)"
+        die(f"no admin key for {address}: {whose}; set KVSTRATA_ADMIN_KEY")
     path = admin_key_file()
     key = read_key_file(path)
     if not key:
