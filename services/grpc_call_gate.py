@@ -27,7 +27,7 @@ from services.auth import Authenticator
 from services.grpc_bounds import GrpcLimits
 from services.grpc_wire import RequestDecoder
 from services.peers import peer_network
-from services.ray_errors import PROCESS_UNREACHABLE, RayActorError
+from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,19 @@ async def _refuse_busy(context: Any, message: str) -> None:
     """End the call RESOURCE_EXHAUSTED with ``message`` and the ``BUSY_RETRY_MS`` hint."""
     context.set_trailing_metadata((("retry-after-ms", str(BUSY_RETRY_MS)),))
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+async def _refuse_unreachable(context: Any, exc: BaseException) -> None:
+    """End a call failed by a Ray actor error UNAVAILABLE with ``PROCESS_UNREACHABLE``, and the
+    ``retry-after-ms`` hint while the actor may come back (``ray_errors.retry_after_ms``).
+
+    Regression (bench.chaos ``kill_scheduler``): a call whose key check reached the scheduler
+    while Ray restarted it (a key not checked here in the last 10 s) ended UNAVAILABLE with no
+    hint, unlike the admissions refused meanwhile, though a retry a second later succeeds."""
+    hint = retry_after_ms(exc)
+    if hint is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(hint)),))
+    await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
 
 
 class _Counts:
@@ -129,8 +142,9 @@ class CallGate(grpc.aio.ServerInterceptor):
        ``DecodeError`` here (UNKNOWN with its text, before the key check), and a message of
        4.19M empty chat messages was parsed whole on the event loop before any count.
     4. A call failed by a Ray actor error (the scheduler or a node it asked died or is being
-       restarted) ends UNAVAILABLE with ``ray_errors.PROCESS_UNREACHABLE``. Regression (review
-       23b, F2): it ended UNKNOWN with Ray's exception text.
+       restarted) ends UNAVAILABLE with ``ray_errors.PROCESS_UNREACHABLE``, with a retry hint
+       while Ray may bring the actor back (``_refuse_unreachable``). Regression (review 23b,
+       F2): it ended UNKNOWN with Ray's exception text.
 
     A valid client's calls are unchanged: their message follows their headers at once, and
     nothing here bounds how long a call runs once it has its message.
@@ -169,15 +183,15 @@ class CallGate(grpc.aio.ServerInterceptor):
                         request = await first(requests, context)
                         async for reply in inner(request, context):
                             yield reply
-                    except RayActorError:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+                    except RayActorError as exc:
+                        await _refuse_unreachable(context, exc)
                 behavior: Behavior = stream_gen
             else:
                 async def stream_coro(requests: Any, context: Any) -> Any:
                     try:
                         return await inner(await first(requests, context), context)
-                    except RayActorError:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+                    except RayActorError as exc:
+                        await _refuse_unreachable(context, exc)
                 behavior = stream_coro
             return grpc.stream_stream_rpc_method_handler(behavior, None, handler.response_serializer)
         unary = handler.unary_unary
@@ -185,8 +199,8 @@ class CallGate(grpc.aio.ServerInterceptor):
         async def single(requests: Any, context: Any) -> Any:
             try:
                 return await unary(await first(requests, context), context)
-            except RayActorError:  # the scheduler (or a node) a servicer asked is down
-                await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+            except RayActorError as exc:  # the scheduler (or a node) a servicer asked is down
+                await _refuse_unreachable(context, exc)
         return grpc.stream_unary_rpc_method_handler(single, None, handler.response_serializer)
 
     async def _first(self, requests: Any, context: Any, keyless: bool, role: str, decode: RequestDecoder) -> Any:

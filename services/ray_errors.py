@@ -32,6 +32,11 @@ SCHEDULER_RESTARTING = ("the global scheduler is unreachable: its process died o
 (``NodeMonitor``; Ray restarts it: ``scheduler_max_restarts``)."""
 
 
+RESTART_RETRY_MS = 1000
+"""The ``retry-after-ms`` hint of a call failed by an actor Ray may still bring back
+(``retry_after_ms``): the gateway's own hint while the scheduler is restarting."""
+
+
 class SchedulerRestarting(RuntimeError):
     """An admission failed because the scheduler is unreachable and may come back: UNAVAILABLE
     with a retry hint (a plain RuntimeError, a fault no wait undoes, has none)."""
@@ -41,3 +46,10 @@ def actor_died(exc: BaseException) -> bool:
     """Ray says the actor is dead for good (``ActorDiedError``); any other failure (restarting,
     unreachable for a moment, a slow loop) may pass."""
     return isinstance(exc, ActorDiedError)
+
+
+def retry_after_ms(exc: BaseException) -> int | None:
+    """The retry hint of a call failed by ``exc`` (a ``RayActorError``): ``RESTART_RETRY_MS``
+    while the actor may come back (Ray raises ``ActorUnavailableError`` for calls to an actor it
+    is restarting), None once Ray says it died for good (``actor_died``)."""
+    return None if actor_died(exc) else RESTART_RETRY_MS

@@ -451,6 +451,48 @@ def test_a_streaming_call_runs_past_the_message_timeout() -> None:
     asyncio.run(run())
 
 
+def test_a_call_failed_by_a_restarting_actor_carries_the_retry_hint() -> None:
+    """Regression (bench.chaos ``kill_scheduler``): while Ray restarted the killed scheduler, a
+    call whose key check reached it (a key not checked in the last 10 s) failed with Ray's
+    ``ActorUnavailableError`` and ended UNAVAILABLE with no ``retry-after-ms``, unlike the
+    admissions refused meanwhile (1000), though a retry a second later succeeds. Unary and both
+    kinds of server-streaming calls now carry the hint; a dead-for-good actor's do not (above)."""
+    import ray.exceptions
+
+    from services.ray_errors import PROCESS_UNREACHABLE
+
+    def restarting() -> Exception:
+        return ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable", None)
+
+    async def unary(request: bytes, context: Any) -> bytes:
+        raise restarting()
+
+    async def as_generator(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        yield b"first"
+        raise restarting()
+
+    async def with_write(request: bytes, context: Any) -> None:
+        await context.write(b"first")
+        raise restarting()
+
+    async def run() -> None:
+        async with _gated(QUICK, {"Unary": grpc.unary_unary_rpc_method_handler(unary),
+                                  "Gen": grpc.unary_stream_rpc_method_handler(as_generator),
+                                  "Write": grpc.unary_stream_rpc_method_handler(with_write)}) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await channel.unary_unary("/t.T/Unary")(b"r", timeout=5)
+            assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.UNAVAILABLE,
+                                                                       PROCESS_UNREACHABLE)
+            assert dict(refused.value.trailing_metadata())["retry-after-ms"] == "1000"
+            for method in ("/t.T/Gen", "/t.T/Write"):
+                call = channel.unary_stream(method)(b"r", timeout=5)
+                assert await call.read() == b"first"
+                assert await call.code() == grpc.StatusCode.UNAVAILABLE
+                assert dict(await call.trailing_metadata())["retry-after-ms"] == "1000"
+
+    asyncio.run(run())
+
+
 def test_a_call_failed_by_a_dead_actor_ends_unavailable_with_a_plain_message() -> None:
     """Regression (review 23b, F2): a servicer whose scheduler call failed with Ray's
     ``ActorDiedError`` (the scheduler's process died) ended the call UNKNOWN with Ray's
@@ -480,6 +522,7 @@ def test_a_call_failed_by_a_dead_actor_ends_unavailable_with_a_plain_message() -
             with pytest.raises(grpc.aio.AioRpcError) as died:
                 await channel.unary_unary("/t.T/Unary")(b"r", timeout=5)
             assert (died.value.code(), died.value.details()) == (grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+            assert "retry-after-ms" not in dict(died.value.trailing_metadata() or ())  # dead for good
             with pytest.raises(grpc.aio.AioRpcError) as bug:
                 await channel.unary_unary("/t.T/Unary")(b"bug", timeout=5)
             assert bug.value.code() == grpc.StatusCode.UNKNOWN

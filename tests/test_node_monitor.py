@@ -155,10 +155,14 @@ def test_a_dead_scheduler_makes_the_gateway_unhealthy_and_fails_admissions_at_on
     asyncio.run(run())
 
 
-def test_the_http_api_answers_a_dead_actor_with_a_503_error_body() -> None:
+@pytest.mark.parametrize("restarting", [False, True], ids=["dead", "restarting"])
+def test_the_http_api_answers_a_dead_actor_with_a_503_error_body(restarting: bool) -> None:
     """Regression (review 23b, F2): over the HTTP API a call whose scheduler call failed with
     Ray's ``ActorDiedError`` was a 500 in plain text ("Internal Server Error"); it is now
-    UNAVAILABLE's 503 with an OpenAI error body naming ``PROCESS_UNREACHABLE``."""
+    UNAVAILABLE's 503 with an OpenAI error body naming ``PROCESS_UNREACHABLE``. Regression
+    (bench.chaos ``kill_scheduler``): one failed with ``ActorUnavailableError`` (Ray restarts
+    the scheduler) had no ``Retry-After``, unlike the gRPC API's admissions; it has 1 s now,
+    and a dead-for-good actor's has none."""
     import json
 
     import ray.exceptions
@@ -167,6 +171,8 @@ def test_the_http_api_answers_a_dead_actor_with_a_503_error_body() -> None:
     from services.ray_errors import PROCESS_UNREACHABLE
 
     async def tenant(context: Any) -> Any:
+        if restarting:
+            raise ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable", None)
         raise ray.exceptions.ActorDiedError()
 
     edge = OpenAIEdge(servicer=SimpleNamespace(auth=SimpleNamespace(tenant=tenant)), model_id="m@0:f16",  # type: ignore[arg-type]
@@ -191,6 +197,8 @@ def test_the_http_api_answers_a_dead_actor_with_a_503_error_body() -> None:
     asyncio.run(run())
     body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
     assert sent[0]["status"] == 503 and body["error"]["message"] == PROCESS_UNREACHABLE
+    headers = dict(sent[0]["headers"])
+    assert (headers.get(b"retry-after"), headers.get(b"retry-after-ms")) == ((b"1", b"1000") if restarting else (None, None))
 
 
 def test_aclose_ends_a_watch_that_let_a_cancel_pass() -> None:

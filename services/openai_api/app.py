@@ -78,7 +78,7 @@ from services.openai_api.streaming import (
     unless_gone,
     until_gone,  # noqa: F401 - re-exported
 )
-from services.ray_errors import PROCESS_UNREACHABLE, RayActorError
+from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
 
 
 class OpenAIEdge:
@@ -207,8 +207,9 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.exception_handler(RayActorError)
     async def _unreachable(request: Request, exc: RayActorError) -> Response:
         """The scheduler (or a node) the call asked died or is being restarted: UNAVAILABLE's
-        503, not a 500 in plain text (review 23b, F2)."""
-        return CallAborted(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE, None).response()
+        503, not a 500 in plain text (review 23b, F2), with ``Retry-After`` while Ray may bring
+        it back (``ray_errors.retry_after_ms``), as the gRPC API."""
+        return CallAborted(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE, retry_after_ms(exc)).response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
