@@ -15,6 +15,11 @@ b. ``spill_faults``: EIO/ENOSPC injected at the OS-call level inside the spill n
 c. ``kill_gateway``: ``SIGKILL`` of the gateway with streams in flight; Ray restarts it on the
    same port: in-flight calls fail fast with UNAVAILABLE; tenants, keys, usage survive; the
    dead gateway's streams are aborted on the nodes and its scheduler slots released;
+f. ``kill_scheduler``: ``SIGKILL`` of the GlobalScheduler under streams, new requests and
+   session turns (``bench.chaos_scheduler``); Ray restarts it and it rebuilds from the nodes'
+   reports: every call ends OK or UNAVAILABLE with a retry hint, running streams finish,
+   retries succeed once the gateway serves again, tenants, keys, sessions (on their node, with
+   their KV) and stored usage survive, nothing stays counted;
 e. ``soak``: mixed requests (sessions, aborts, every registered policy, two tenants, two
    kinds designed to fail): zero unexpected failures, zero leaked blocks;
 d. ``fuzz``: hypothesis messages for every RPC and garbage into every data-plane socket
@@ -45,6 +50,7 @@ from rich.console import Console
 
 from bench.chaos_kills import kill_cache_node, kill_gateway, spill_faults
 from bench.chaos_load import fuzz_data_plane, fuzz_rpcs, soak, stream
+from bench.chaos_scheduler import REFUSAL_LIMIT_S, kill_scheduler
 from bench.chaos_stack import ChaosStack, actor_pid, chaos_config, gen_request, ray_local, wait_idle
 
 console = Console(stderr=True)
@@ -57,9 +63,9 @@ def _no_leaks(fig: dict[str, Any]) -> bool:
 
 
 def checks(figures: dict[str, dict[str, Any]]) -> dict[str, bool]:
-    """Each acceptance check of issue 18's reliability suite, by name."""
+    """Each acceptance check of issue 18's reliability suite (and of the scheduler's restart), by name."""
     a, b, c = figures.get("kill_cache_node", {}), figures.get("spill_faults", {}), figures.get("kill_gateway", {})
-    d, e = figures.get("fuzz", {}), figures.get("soak", {})
+    d, e, f = figures.get("fuzz", {}), figures.get("soak", {}), figures.get("kill_scheduler", {})
     out = {}
     if a:
         out |= {
@@ -91,7 +97,26 @@ def checks(figures: dict[str, dict[str, Any]]) -> dict[str, bool]:
         out |= {"e_no_unexpected_failures": e["failed_unexpected"] == 0,
                 "e_no_leaks": all(v == 0 for v in e["leaked_blocks"].values()) and e["integrity_ok"]
                 and e["sessions_left"] == 0}
+    if f:
+        out |= _scheduler_checks(f)
     return out
+
+
+def _scheduler_checks(f: dict[str, Any]) -> dict[str, bool]:
+    return {
+        "f_calls_ok_or_unavailable_with_hint": f["calls_undefined"] == 0 and f["unavailable_without_hint"] == 0
+        and f["unavailable_before_kill"] == 0 and f["time_to_detect_s"] is not None
+        and f["slowest_refusal_s"] <= REFUSAL_LIMIT_S,
+        "f_running_streams_finish": f["streams_running_at_kill"] > 0 and f["stream_codes"] == ["OK"]
+        and f["streams_finished"] == len(f["stream_tokens"]),
+        "f_back_and_retries_succeed": f["scheduler_restarted"] and f["time_to_recover_s"] is not None
+        and f["retries_failed"] == 0,
+        "f_tenants_keys_intact": f["tenants_intact"] and set(f["keys_work"].values()) == {"OK"},
+        "f_session_continues_on_its_node": f["sessions_continue"],
+        "f_usage_not_back": f["usage_not_back"],
+        "f_no_leaks": all(v == 0 for v in f["leaked_blocks"].values()) and f["integrity_ok"],
+        "f_in_flight_back_to_0": bool(f["scheduler_in_flight"]) and not any(f["scheduler_in_flight"].values()),
+    }
 
 
 def _pids(stack: ChaosStack) -> dict[str, int | None]:
@@ -131,6 +156,7 @@ def run(quick: bool, soak_requests: int | None, only: list[str] | None) -> dict[
         "kill_cache_node": lambda st: kill_cache_node(st, max_tokens=200 if quick else 400),
         "spill_faults": lambda st: spill_faults(st, prompts=24 if quick else 60),
         "kill_gateway": kill_gateway,
+        "kill_scheduler": lambda st: kill_scheduler(st, max_tokens=256 if quick else 400),
         "soak": lambda st: soak(st, n_soak, progress=lambda k: console.log(f"soak: {k}/{n_soak}")),
         "fuzz": lambda st: fuzz(st, examples=20 if quick else 150, messages=60 if quick else 500),
     }
@@ -184,7 +210,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few hundred soak requests, small fuzz (minutes)")
     parser.add_argument("--soak", type=int, default=None, help="soak requests (default 300 quick, 10,000 full)")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="scenarios to run: kill_cache_node spill_faults kill_gateway soak fuzz")
+                        help="scenarios to run: kill_cache_node spill_faults kill_gateway kill_scheduler soak fuzz")
     args = parser.parse_args()
     t0 = time.monotonic()
     figures = run(args.quick, args.soak, args.only)

@@ -27,7 +27,7 @@ from cache_node.tiers.spill_format import FILE_SUFFIX
 RESTART_TIMEOUT_S = 60.0
 
 
-def _leak_figures(stack: ChaosStack) -> dict[str, Any]:
+def leak_figures(stack: ChaosStack) -> dict[str, Any]:
     try:
         idle = wait_idle(stack)
     except grpc.RpcError as exc:  # a fault the figures must show, not a crashed scenario
@@ -40,7 +40,7 @@ def _leak_figures(stack: ChaosStack) -> dict[str, Any]:
     }
 
 
-def _keys_work(stack: ChaosStack) -> dict[str, str]:
+def keys_work(stack: ChaosStack) -> dict[str, str]:
     return {t: stream(stack, t, gen_request(f"still {t}?", 2), timeout_s=30).code for t in ("chaos-a", "chaos-b")}
 
 
@@ -64,7 +64,7 @@ def _load(stack: ChaosStack, clients: int, max_tokens: int, started: dict[str, i
     return futures
 
 
-def _wait_for(cond: Any, timeout_s: float, step_s: float = 0.05) -> bool:
+def wait_for(cond: Any, timeout_s: float, step_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
@@ -93,7 +93,7 @@ def kill_cache_node(stack: ChaosStack, victim: str = "cache_node_0", clients: in
     tenants_before = stack.tenant_names()
     started: dict[str, int] = {}
     futures = _load(stack, clients, max_tokens, started)
-    _wait_for(lambda: started.get(victim, 0) >= 2 and len(started) == 2, 30)
+    wait_for(lambda: started.get(victim, 0) >= 2 and len(started) == 2, 30)
     time.sleep(0.3)
     pid = kill9(handle)
     t_kill = time.monotonic()
@@ -118,8 +118,8 @@ def kill_cache_node(stack: ChaosStack, victim: str = "cache_node_0", clients: in
         "restarted": new_pid is not None,
         "time_to_recover_s": round(t_back - t_kill, 3) if t_back else None,
         "tenants_intact": stack.tenant_names() == tenants_before,
-        "keys_work": _keys_work(stack),
-        **_leak_figures(stack),
+        "keys_work": keys_work(stack),
+        **leak_figures(stack),
     }
 
 
@@ -149,7 +149,7 @@ def spill_faults(stack: ChaosStack, prompts: int = 40) -> dict[str, Any]:
     texts = [f"doc {i}: " + prompt(rng, 180) for i in range(prompts)]
     root = _spill_root(stack)
     warm = _run_prompts(stack, texts)
-    _wait_for(lambda: _spill_stats(stack)["blocks_spill_disk"] > 0, 10, 0.2)
+    wait_for(lambda: _spill_stats(stack)["blocks_spill_disk"] > 0, 10, 0.2)
     # committed group files only: a ``.tmp-*.part`` is a write in progress, renamed or gone later
     before_files = {n: size for n, size in dir_snapshot(root).items() if n.endswith(FILE_SUFFIX)}
     stats_before = _spill_stats(stack)
@@ -166,7 +166,7 @@ def spill_faults(stack: ChaosStack, prompts: int = 40) -> dict[str, Any]:
     t_kill = time.monotonic()
     while_dead = _run_prompts(stack, texts[:8])
     new_pid = wait_new_pid(_spill(stack), pid, RESTART_TIMEOUT_S)
-    ok = new_pid is not None and _wait_for(lambda: _try_stats(stack) is not None, 60, 0.5)
+    ok = new_pid is not None and wait_for(lambda: _try_stats(stack) is not None, 60, 0.5)
     t_back = time.monotonic() if ok else None
     after_restart = _run_prompts(stack, texts)
     stats_after = _try_stats(stack) or {}
@@ -192,7 +192,7 @@ def spill_faults(stack: ChaosStack, prompts: int = 40) -> dict[str, Any]:
         "spill_blocks_disk_after_restart": stats_after.get("blocks_spill_disk"),
         "restarted": new_pid is not None,
         "time_to_recover_s": round(t_back - t_kill, 3) if t_back else None,
-        **_leak_figures(stack),
+        **leak_figures(stack),
     }
 
 
@@ -211,7 +211,7 @@ def _nodes_idle_at(stack: ChaosStack, timeout_s: float) -> float | None:
     def idle() -> bool:
         return all(s["running"] == s["waiting"] == 0 for s in ray.get([n.stats.remote() for n in nodes], timeout=10))
 
-    return time.monotonic() if _wait_for(idle, timeout_s, 0.1) else None
+    return time.monotonic() if wait_for(idle, timeout_s, 0.1) else None
 
 
 def gateway_serves_again(stack: ChaosStack, old_pid: int, timeout_s: float = RESTART_TIMEOUT_S) -> bool:
@@ -253,7 +253,7 @@ def kill_gateway(stack: ChaosStack, clients: int = 6, max_tokens: int = 400) -> 
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(stream, stack, ("chaos-a", "chaos-b")[i % 2], gen_request(f"long {i}", max_tokens),
                                120, on_started) for i in range(clients)]
-        _wait_for(lambda: sum(started.values()) >= clients, 30)
+        wait_for(lambda: sum(started.values()) >= clients, 30)
         pid = kill9(stack.services.gateway)
         t_kill = time.monotonic()
         in_flight = [f.result() for f in futures]
@@ -274,8 +274,8 @@ def kill_gateway(stack: ChaosStack, clients: int = 6, max_tokens: int = 400) -> 
         "restarted": back,
         "time_to_recover_s": round(t_back - t_kill, 3) if back else None,
         "tenants_intact": stack.tenant_names() == tenants_before,
-        "keys_work": _keys_work(stack),
+        "keys_work": keys_work(stack),
         "usage_requests_before": usage_before, "usage_requests_after": after,
         "usage_survived": all(after[t] >= usage_before[t] > 0 for t in after),
-        **_leak_figures(stack),
+        **leak_figures(stack),
     }

@@ -40,7 +40,9 @@ WORDS = ["cache", "block", "tier", "spill", "node", "tenant", "gateway", "token"
 @dataclass
 class CallResult:
     """One streaming call: final status name, the node that served it ("" before started),
-    completion tokens, and the monotonic times it started and ended."""
+    completion tokens, the monotonic times it started and ended, the prompt tokens whose KV was
+    reused (every tier, from its ``finished`` event) and the ``retry-after-ms`` trailer of a
+    refusal (None without one)."""
 
     code: str
     node_id: str = ""
@@ -48,6 +50,8 @@ class CallResult:
     t_start: float = 0.0
     t_end: float = 0.0
     message: str = ""
+    cached_tokens: int = 0
+    retry_after_ms: int | None = None
 
 
 def stream(stack: ChaosStack, tenant: str, request: Any, timeout_s: float = 60.0,
@@ -68,8 +72,13 @@ def stream(stack: ChaosStack, tenant: str, request: Any, timeout_s: float = 60.0
                     call.cancel()
                     res.code = "CANCELLED_BY_CLIENT"
                     break
+            elif kind == "finished":
+                tiers = msg.finished.cached_tokens
+                res.cached_tokens = tiers.device + tiers.host + tiers.spill_ram + tiers.spill_disk
     except grpc.RpcError as exc:
         res.code, res.message = exc.code().name, exc.details() or ""
+        hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
+        res.retry_after_ms = int(hint) if hint is not None and hint.isdigit() else None
     res.t_end = time.monotonic()
     return res
 

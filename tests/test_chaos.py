@@ -1,7 +1,8 @@
 """The heavy reliability scenarios of issue 18 ("Fault tests to add") on a real local stack:
 real ``SIGKILL``s of actor processes, disk faults injected inside the spill node, a soak.
 Marked ``chaos``: ``make chaos`` runs them, ``make test`` does not. Each scenario is the one
-``python -m bench.chaos`` runs (bench/chaos_kills.py, bench/chaos_load.py), asserted here."""
+``python -m bench.chaos`` runs (bench/chaos_kills.py, bench/chaos_scheduler.py, bench/chaos_load.py),
+asserted here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from bench.chaos_kills import kill_cache_node, kill_gateway, spill_faults
 from bench.chaos_load import soak
+from bench.chaos_scheduler import REFUSAL_LIMIT_S, kill_scheduler
 from bench.chaos_stack import ChaosStack, chaos_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -95,4 +97,24 @@ def test_kill9_cache_node_under_load_fails_fast_retries_succeed_node_rejoins(cha
     assert fig["failed_unexpected"] == 0 and "cache_node_1" in fig["retried_ok_nodes"], fig
     assert fig["restarted"] and fig["time_to_recover_s"] is not None, fig
     assert fig["tenants_intact"] and fig["keys_work"] == {"chaos-a": "OK", "chaos-b": "OK"}, fig
+    _no_leaks(fig)
+
+
+def test_kill9_scheduler_under_load_refuses_with_a_hint_and_comes_back_whole(chaos_stack) -> None:
+    """The scheduler's restart (docs/architecture.md, 'Scheduler gone and back') under load:
+    SIGKILL of the GlobalScheduler with streams running, clients sending new requests and
+    session turns, and a tenant whose key the gateway first sees during the outage. Every call
+    ends OK or UNAVAILABLE with ``retry-after-ms`` (a key check reaching the restarting
+    scheduler had no hint before ``grpc_call_gate._refuse_unreachable``), the running streams
+    finish, retries succeed once the gateway serves again, sessions go on on their node with
+    their KV, tenants, keys and stored usage survive, and nothing stays counted."""
+    fig = kill_scheduler(chaos_stack)
+    assert fig["scheduler_restarted"] and fig["time_to_recover_s"] is not None, fig
+    assert fig["calls_undefined"] == 0 and fig["unavailable_without_hint"] == 0, fig["undefined_examples"]
+    assert fig["retry_hints_ms"] == [1000] and fig["unavailable_before_kill"] == 0, fig
+    assert fig["time_to_detect_s"] is not None and fig["slowest_refusal_s"] <= REFUSAL_LIMIT_S, fig
+    assert fig["streams_running_at_kill"] == fig["streams_finished"] == 4, fig
+    assert fig["retries_failed"] == 0 and fig["late_key_calls"].get("OK", 0) >= 1, fig
+    assert fig["sessions_continue"] and fig["tenants_intact"] and fig["usage_not_back"], fig
+    assert fig["keys_work"] == {"chaos-a": "OK", "chaos-b": "OK"}
     _no_leaks(fig)
