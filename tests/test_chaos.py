@@ -101,7 +101,7 @@ def test_kill9_cache_node_under_load_fails_fast_retries_succeed_node_rejoins(cha
 
 
 def test_kill9_scheduler_under_load_refuses_with_a_hint_and_comes_back_whole(chaos_stack) -> None:
-    """The scheduler's restart (docs/architecture.md, 'Scheduler gone and back') under load:
+    """The scheduler's restart (docs/architecture.md, 'Failure handling': Scheduler gone and back) under load:
     SIGKILL of the GlobalScheduler with streams running, clients sending new requests and
     session turns, and a tenant whose key the gateway first sees during the outage. Every call
     ends OK or UNAVAILABLE with ``retry-after-ms`` (a key check reaching the restarting
