@@ -300,7 +300,7 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
     if SCHEDULER_ACTOR in names:  # its usage counters since its last periodic store
         try:
-            ray.get(ray.get_actor(SCHEDULER_ACTOR, namespace=namespace).flush_usage.remote(), timeout=timeout_s)
+            ray.get(ray.get_actor(SCHEDULER_ACTOR, namespace=namespace).flush_durable.remote(), timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a dead or stuck scheduler: kill it anyway
             console.print(f"usage counters of the last seconds not stored: {escape(type(exc).__name__)}")
     for name in names:

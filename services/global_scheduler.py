@@ -130,8 +130,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         # (``max_sessions_per_tenant``), so each tenant's are bounded and none is ever dropped
         # for another's
         self.lost_sessions: dict[str, dict[str, float]] = {}
+        self.lost_changes: dict[tuple[str, str], float | None] = {}  # not stored yet (``flush_lost_sessions``)
+        self.lost_changes_lock = threading.Lock()
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.session_ttl_s = session_ttl_s
+        self.restore_lost_sessions()  # a previous process's marks: its sessions stay refused
         self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
         # tenant -> its routes rebuilt from a node's report (``route_unconfirmed``) that no
         # turn confirmed yet -> when, oldest first: dropped ``session_ttl_s`` later

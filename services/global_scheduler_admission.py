@@ -35,8 +35,9 @@ GATEWAY_RETRY_S = 1.0
 """Wait before polling again after a failed poll."""
 
 USAGE_FLUSH_S = 5.0
-"""Seconds between the scheduler's flushes of changed usage counters to the tenant store: what
-a crash may lose of ``GetUsage`` (``kvstrata down`` and ``stop_services`` flush first)."""
+"""Seconds between the scheduler's flushes of changed usage counters and lost-session marks to
+the tenant store (``flush_durable``): what a crash may lose of them (``kvstrata down`` and
+``stop_services`` flush first)."""
 
 
 
@@ -173,19 +174,23 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.deleted_tenants_after`` in a worker thread (a SQLite read)."""
         return await asyncio.to_thread(super().deleted_tenants_after, seq, limit)
 
-    async def flush_usage(self) -> int:
-        """``GlobalScheduler.flush_usage`` in a worker thread (a SQLite commit); a failed write
-        is logged and left for the next flush (returns 0)."""
-        try:
-            return await asyncio.to_thread(super().flush_usage)
-        except Exception as exc:  # noqa: BLE001 - a full disk must not stop admissions
-            log.warning("usage counters not stored (next flush retries): %s", exc)
-            return 0
+    async def flush_durable(self) -> int:
+        """Store what a restarted scheduler must find again, in a worker thread (SQLite commits):
+        the usage counters (``flush_usage``) and the lost-session marks
+        (``flush_lost_sessions``) changed since the last flush; returns the rows stored. A failed
+        write is logged and left for the next flush."""
+        stored = 0
+        for flush, what in ((self.flush_usage, "usage counters"), (self.flush_lost_sessions, "lost-session marks")):
+            try:
+                stored += await asyncio.to_thread(flush)
+            except Exception as exc:  # noqa: BLE001 - a full disk must not stop admissions
+                log.warning("%s not stored (next flush retries): %s", what, exc)
+        return stored
 
-    async def _flush_usage_every(self, interval_s: float) -> None:
+    async def _flush_durable_every(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await self.flush_usage()
+            await self.flush_durable()
 
     async def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """``GlobalScheduler.key_ids_since`` in a worker thread (a full answer reads every key
@@ -206,7 +211,7 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         sock, self.data_address = data_plane.serving_socket(ctx, data_plane.zmq.ROUTER, self.security)
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
         if getattr(self, "_usage_flushes", None) is None:  # serving: usage counts from now on
-            self._usage_flushes = asyncio.get_running_loop().create_task(self._flush_usage_every(USAGE_FLUSH_S))
+            self._usage_flushes = asyncio.get_running_loop().create_task(self._flush_durable_every(USAGE_FLUSH_S))
         return self.data_address
 
     def close_data_plane(self) -> None:

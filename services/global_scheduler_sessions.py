@@ -9,6 +9,8 @@ expired sessions.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,10 @@ class Sessions:
     session_nodes: dict[str, tuple[str, str]]
     kept_sessions: set[str]
     lost_sessions: dict[str, dict[str, float]]
+    lost_changes: dict[tuple[str, str], float | None]  # marks made (wall time) or removed (None) since the last flush
+    lost_changes_lock: threading.Lock
+    usage_flush_lock: threading.Lock
+    store: Any
     sessions_per_tenant: Counter[str]
     unconfirmed_sessions: dict[str, dict[str, float]]
     session_ttl_s: float
@@ -98,10 +104,12 @@ class Sessions:
     def mark_lost(self, tenant_id: str, session_id: str) -> None:
         """``session_id``'s history went with its node's process: refuse its turns until it is
         closed (its route must be dropped first: the mark takes its place in the tenant's
-        ``max_sessions_per_tenant``)."""
+        ``max_sessions_per_tenant``). Stored at the next ``flush_lost_sessions``."""
         lost = self.lost_sessions.setdefault(tenant_id, {})
         lost.pop(session_id, None)
         lost[session_id] = self.clock()
+        with self.lost_changes_lock:
+            self.lost_changes[(tenant_id, session_id)] = time.time()
 
     def forget_lost(self, tenant_id: str, session_id: str) -> bool:
         """Unmark ``tenant_id``'s lost ``session_id``; whether it was marked."""
@@ -111,7 +119,46 @@ class Sessions:
         del lost[session_id]
         if not lost:
             del self.lost_sessions[tenant_id]
+        with self.lost_changes_lock:
+            self.lost_changes[(tenant_id, session_id)] = None
         return True
+
+    def flush_lost_sessions(self) -> int:
+        """Store the lost-session marks made or removed since the last flush (one transaction);
+        returns how many changes. A failed write hands them back for the next flush (a change
+        made meanwhile wins).
+
+        Regression: the marks lived only in this actor's memory, so after a crash of the
+        scheduler a session whose node had restarted (its history gone) was unknown, and its
+        next turn opened it anew and ran without its history, silently.
+
+        Raises:
+            sqlite3.Error: the write failed.
+        """
+        with self.usage_flush_lock:  # one flush at a time, in the order taken
+            with self.lost_changes_lock:
+                changes, self.lost_changes = self.lost_changes, {}
+            if not changes:
+                return 0
+            try:
+                self.store.save_lost_sessions(changes)
+            except Exception:
+                with self.lost_changes_lock:
+                    self.lost_changes = changes | self.lost_changes
+                raise
+            return len(changes)
+
+    def restore_lost_sessions(self) -> int:
+        """Load the lost-session marks a previous process stored, those younger than
+        ``session_ttl_s`` (older ones are dropped), for tenants that still exist; returns how
+        many. Their ages carry over (wall clock then, this process's ``clock`` now)."""
+        now_wall, now = time.time(), self.clock()
+        restored = 0
+        for tenant_id, session_id, lost_at in self.store.load_lost_sessions(now_wall - self.session_ttl_s):
+            if self.knows_tenant(tenant_id):
+                self.lost_sessions.setdefault(tenant_id, {})[session_id] = now - max(now_wall - lost_at, 0.0)
+                restored += 1
+        return restored
 
     def route_unconfirmed(self, tenant_id: str, session_id: str, node_id: str) -> None:
         """Route ``session_id`` of ``tenant_id`` to ``node_id`` on a node's word alone (a

@@ -278,7 +278,7 @@ def stop_services(services: Services) -> None:
     except Exception as exc:  # noqa: BLE001 - best effort: the actor may already be gone
         log.debug("gateway stop: %s", exc)
     try:
-        ray.get(services.scheduler.flush_usage.remote(), timeout=10)
+        ray.get(services.scheduler.flush_durable.remote(), timeout=10)
     except Exception as exc:  # noqa: BLE001 - best effort: a crash loses at most USAGE_FLUSH_S of it
         log.warning("usage counters not stored at stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:

@@ -45,7 +45,7 @@ class _Scheduler:
     def __init__(self, marker: str) -> None:
         self.marker = marker
 
-    def flush_usage(self) -> int:
+    def flush_durable(self) -> int:
         Path(self.marker).write_text("flushed")
         return 1
 

@@ -59,7 +59,7 @@ def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
     pid, restarts = scheduler_process(stack)
     running = Stream(stack, key, "Tell me a long story about a lighthouse keeper.", 120)
     assert running.started.wait(90) and running.code is None, (running.code, running.details)
-    ray.get(stack.services.scheduler.flush_usage.remote())  # as its periodic flush (USAGE_FLUSH_S)
+    ray.get(stack.services.scheduler.flush_durable.remote())  # as its periodic flush (USAGE_FLUSH_S)
     before = usage_of(stack, "sched-restart", key)
     assert (before.requests, before.completion_tokens) == (2, 8)  # the running one counts at its end
 

@@ -78,3 +78,38 @@ def test_the_launcher_gives_the_scheduler_the_nodes_session_ttl(tmp_path) -> Non
     assert sched.admit("a", "a/again", session_id=sid).reason == "session_lost"
     now[0] += 61.0  # the nodes' TTL, not 900 s
     assert sched.admit("a", "a/after", session_id=sid).code == "OK"
+
+
+def test_a_restarted_scheduler_still_refuses_a_lost_sessions_turn(tmp_path, monkeypatch) -> None:
+    """Regression: the lost-session marks lived only in the scheduler's memory. After a crash
+    of the scheduler (Ray restarts it) a session whose node had restarted was unknown, and its
+    next turn opened it anew and ran without its history, silently. Now the marks are stored
+    (``flush_lost_sessions``, every USAGE_FLUSH_S and at stop) and a new scheduler on the same
+    state dir refuses the turn, until the session is closed or its TTL passed since the loss."""
+    import services.global_scheduler_sessions as sessions
+
+    wall = [1_000_000.0]
+    monkeypatch.setattr(sessions.time, "time", lambda: wall[0])
+    first = GlobalScheduler(str(tmp_path), {"n0": 8}, session_ttl_s=900.0)
+    ann = first.register_tenant(TenantSpec("ann", "standard"))[0].tenant_id
+    gone = first.register_tenant(TenantSpec("gone", "standard"))[0].tenant_id
+    lost, closed = open_sessions(first, ann, 2)
+    (theirs,) = open_sessions(first, gone, 1)
+    first.node_down("n0", "restarting")
+    first.node_up("n0", "inbox2", pid=0)  # a new process: the three histories are gone
+    assert first.close_session(closed, ann) == ("", [])  # closed by its client: no longer lost
+    assert first.flush_lost_sessions() == 3 and first.flush_lost_sessions() == 0  # the close undid one
+    first.delete_tenant("gone")  # its marks go with it
+    first.store.close()
+
+    wall[0] += 600.0  # the scheduler crashed and came back 10 minutes later
+    second = GlobalScheduler(str(tmp_path), {"n0": 8}, session_ttl_s=900.0)
+    refused = second.admit(ann, "next-turn", session_id=lost)
+    assert (refused.code, refused.reason) == ("ABORTED", "session_lost")  # before: OK, no history
+    assert second.admit(ann, "reopened", session_id=closed).code == "OK"
+    assert set(second.lost_sessions) == {ann}
+    second.store.close()
+
+    wall[0] += 301.0  # 901 s after the loss: it would have expired on its node too
+    third = GlobalScheduler(str(tmp_path), {"n0": 8}, session_ttl_s=900.0)
+    assert not third.lost_sessions and third.admit(ann, "late", session_id=lost).code == "OK"
