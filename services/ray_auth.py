@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from services.private_dir import ensure_private_dir
+from tenants.keys import write_private_file
 
 TOKEN_FILE = "ray_token"
 """The token's file in the service's state directory."""
@@ -39,17 +40,7 @@ def new_token_file(state_dir: Path) -> Path:
     """
     ensure_private_dir(state_dir)
     path = state_dir / TOKEN_FILE
-    temp = path.with_name(f".{TOKEN_FILE}.{secrets.token_hex(4)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    write_private_file(path, secrets.token_hex(32))
     return path
 
 

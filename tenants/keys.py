@@ -125,12 +125,7 @@ def fingerprint(api_key: str) -> bytes:
 
 
 def write_key_file(path: str | Path, api_key: str) -> None:
-    """Write ``api_key`` to ``path`` atomically, readable by the owner only (mode 0600).
-
-    The key goes to a temp file in the same directory (created 0600), is fsynced, and
-    replaces ``path`` with ``os.replace``; the directory is fsynced after. A crash at any
-    point leaves either the old file whole or the new one whole (plus, at worst, a stray
-    ``.<name>.*`` temp file), never a partial key.
+    """Write ``api_key`` to ``path`` atomically, readable by the owner only (``write_private_file``).
 
     Raises:
         ValueError: ``api_key`` is not a well-formed key.
@@ -138,12 +133,27 @@ def write_key_file(path: str | Path, api_key: str) -> None:
     """
     if parse_key_id(api_key) is None:
         raise ValueError("refusing to write a malformed API key")
+    write_private_file(path, api_key + "\n")
+
+
+def write_private_file(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, readable by the owner only (mode 0600): a secret
+    (an API key, a token, keys a workload keeps).
+
+    The text goes to a temp file in the same directory (created 0600), is fsynced, and
+    replaces ``path`` with ``os.replace``; the directory is fsynced after. A crash at any
+    point leaves either the old file whole or the new one whole (plus, at worst, a stray
+    ``.<name>.*`` temp file), never a partial one.
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(api_key + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import grpc
 
 from kvstrata.v1 import common_pb2, tenant_pb2, tenant_pb2_grpc
+from tenants.keys import write_private_file
 from workloads.deepresearch.config import TenantProfile
 
 _CLASSES = {
@@ -137,16 +136,7 @@ def save_keys(path: Path, deployment: str, keys: Mapping[str, str]) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     every = _load_all(path)
     every[deployment] = {**load_keys(path, deployment), **keys}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(every, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_private_file(path, json.dumps(every))
 
 
 def _load_all(path: Path) -> dict:
