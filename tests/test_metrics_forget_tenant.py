@@ -29,21 +29,11 @@ from services.metrics import MetricsEndpoint
 from services.metrics import requests as request_metrics
 from services.metrics.requests import GatewayMetrics
 from tenants.model import Tenant, TenantSpec
-from tests.gateway_harness import NODE_INFO, LocalActor
+from tests.gateway_harness import LocalActor
 from tests.service_fixtures import chat
+from tests.test_gateway_restart_start import FakeNode
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class FakeNode:
-    """A healthy cache node as the gateway sees it (``describe``, ``health``' long poll)."""
-
-    async def describe(self) -> dict[str, Any]:
-        return dict(NODE_INFO, pid=1, restarts=0)
-
-    async def health(self, wait_s: float) -> dict[str, Any]:
-        await asyncio.sleep(wait_s)
-        return {"healthy": True, "failure": "", "pid": 1, "restarts": 0, "data_address": NODE_INFO["data_address"]}
 
 
 def serve_one_request(metrics: GatewayMetrics, tenant: Tenant) -> None:
