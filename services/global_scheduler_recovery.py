@@ -212,12 +212,28 @@ class Recovery:
             if kept:  # one whose first turn runs is opened by that turn (``_readmit``), as at admission
                 self._route_session(node_id, session_id, tenant_id, kept)
         share = self.request_share(node_id)
-        for i, (request_id, tenant_id, session_id, subscriber) in enumerate(requests):
-            if len(self.nodes[node_id].in_flight) >= share:  # a flood, or a queue past the share at the crash
-                log.warning("restarted global scheduler: %d requests on %s past its share of %d left out",
-                            len(requests) - i, node_id, share)
-                break
-            self._readmit(node_id, request_id, tenant_id, session_id, subscriber)
+        left_out = 0
+        for request_id, tenant_id, session_id, subscriber in requests:
+            # a flood, or a queue past the share at the crash: not counted, so aborted
+            counted = len(self.nodes[node_id].in_flight) < share
+            if not (counted and self._readmit(node_id, request_id, tenant_id, session_id, subscriber)):
+                left_out += 1
+                self._abort_on(node_id, request_id)
+        if left_out:
+            log.warning("restarted global scheduler: %d of %d requests on %s left out and aborted (share %d)",
+                        left_out, len(requests), node_id, share)
+
+    def _abort_on(self, node_id: str, request_id: str) -> None:
+        """Tell ``node_id`` to abort ``request_id``: a rebuilt request this scheduler does not
+        count must not run on (its client gets the abort and retries).
+
+        Regression (review 24s S1): requests past a node's share were left out but ran on; a
+        first session turn among them finished with its session's history on the node and no
+        route to it here, so the session's next turn went elsewhere by load and ran without its
+        history, silently."""
+        inbox = self.node_inboxes.get(node_id)
+        if inbox is not None and self.commands is not None:
+            self.commands.send(inbox, {"op": "abort", "id": request_id})
 
     def request_share(self, node_id: str) -> int:
         """How many rebuilt requests ``node_id`` may hold: its running capacity and its share of
@@ -234,9 +250,12 @@ class Recovery:
     def _route_session(self, node_id: str, session_id: str, tenant_id: str, kept: bool) -> bool:
         """Route ``session_id`` to ``node_id`` again (``kept``: a turn of it finished there),
         unconfirmed (``route_unconfirmed``: a report is a node's word alone), unless another
-        node claims it (``_claim``) or the tenant has ``max_sessions_per_tenant`` sessions,
-        its lost ones included."""
-        if not self.knows_tenant(tenant_id) or not self._claim(node_id, session_id, tenant_id) or (
+        node claims it (``_claim``), it is marked lost (its mark restored from the store: review
+        24s S2, a close and a reopen elsewhere in the seconds before a crash brought the mark
+        back beside the new route, counted twice against the cap), or the tenant has
+        ``max_sessions_per_tenant`` sessions, its lost ones included."""
+        if not self.knows_tenant(tenant_id) or session_id in self.lost_of(tenant_id) or (
+                not self._claim(node_id, session_id, tenant_id)) or (
                 session_id not in self.session_nodes
                 and self.sessions_per_tenant[tenant_id] + len(self.lost_of(tenant_id)) >= self.max_sessions_per_tenant):
             self.bad_messages += 1
@@ -270,24 +289,25 @@ class Recovery:
         self.mark_lost(tenant_id, session_id)
         return False
 
-    def _readmit(self, node_id: str, request_id: str, tenant_id: str, session_id: str, subscriber: str) -> None:
+    def _readmit(self, node_id: str, request_id: str, tenant_id: str, session_id: str, subscriber: str) -> bool:
         """Count ``request_id``, running on ``node_id`` for the gateway at ``subscriber``, as
-        admitted (as ``admit`` does; its usage is recorded at its release). A session turn whose
-        session has no route yet (its first turn) opens it, as at admission."""
+        admitted (as ``admit`` does; its usage is recorded at its release); whether it was. A
+        session turn whose session has no route yet (its first turn) opens it, as at admission."""
         if not self.knows_tenant(tenant_id) or request_id in self.requests or (
                 session_id and not self._claim(node_id, session_id, tenant_id)):
             self.bad_messages += 1
             log.warning("restarted global scheduler: request %.100s on %s left out", request_id, node_id)
-            return
+            return False
         opened = session_id if session_id and session_id not in self.session_nodes else ""
         if opened and not self._route_session(node_id, session_id, tenant_id, kept=False):
-            return
+            return False
         self.requests[request_id] = (tenant_id, node_id, opened, session_id)
         self.request_gateways[request_id] = subscriber
         self.recovered_requests[request_id] = subscriber
         self.nodes[node_id].in_flight.add(request_id)
         if self._urgent(tenant_id):
             self.nodes[node_id].urgent.add(request_id)
+        return True
 
     def apply_spill_report(self, holder_id: str, blocks: Any) -> None:
         """Replace what the index held for spill node ``holder_id`` by ``blocks``, its

@@ -64,6 +64,7 @@ class Sessions:
         if entry is None or entry[0] != tenant_id:
             return ("", []) if self.forget_lost(tenant_id, session_id) else None
         self.drop_session_route(session_id)
+        self.forget_lost(tenant_id, session_id)  # a mark beside a route (review 24s S2): closed too
         turns = self._detach_turns(session_id, entry[1])
         if entry[1] in self.down:  # told at its ``node_up``, if the same process comes back
             # bounded as the sessions routed to the node when it went down are (no session is
@@ -138,10 +139,10 @@ class Sessions:
         with self.usage_flush_lock:  # one flush at a time, in the order taken
             with self.lost_changes_lock:
                 changes, self.lost_changes = self.lost_changes, {}
-            if not changes:
+            if not changes:  # (stale rows then wait for the next change, or a restart's load)
                 return 0
-            try:
-                self.store.save_lost_sessions(changes)
+            try:  # and the marks past their TTL, forgotten here by ``lost_of`` (review 24s S3)
+                self.store.save_lost_sessions(changes, prune_before_s=time.time() - self.session_ttl_s)
             except Exception:
                 with self.lost_changes_lock:
                     self.lost_changes = changes | self.lost_changes

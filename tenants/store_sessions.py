@@ -20,15 +20,19 @@ class LostSessionRows:
     _conn: sqlite3.Connection
     _lock: threading.Lock
 
-    def save_lost_sessions(self, changes: Mapping[tuple[str, str], float | None]) -> None:
+    def save_lost_sessions(self, changes: Mapping[tuple[str, str], float | None],
+                           prune_before_s: float | None = None) -> None:
         """Apply ``changes`` ((tenant id, session id) -> when it was lost, wall-clock seconds;
         None: no longer lost) in one transaction; marks of tenants no longer in the store are
-        skipped.
+        skipped. With ``prune_before_s``, marks made before it are deleted too (past their TTL:
+        the scheduler forgot them; without it they were deleted only at a restart).
 
         Raises:
             sqlite3.Error: the write failed (nothing of ``changes`` is applied).
         """
         with self._lock, self._conn:
+            if prune_before_s is not None:
+                self._conn.execute("DELETE FROM lost_sessions WHERE lost_at_s < ?", (prune_before_s,))
             for (tenant_id, session_id), lost_at_s in changes.items():
                 if lost_at_s is None:
                     self._conn.execute("DELETE FROM lost_sessions WHERE tenant_id = ? AND session_id = ?",

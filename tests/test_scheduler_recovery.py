@@ -14,6 +14,7 @@ import pytest
 from cache_node.sessions import SessionTable
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.global_scheduler_recovery import BadReport, RecoveryPeers
+from tenants.model import TenantSpec
 from tests.known_tenants import know_tenants
 
 H1, H2, H3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -294,3 +295,56 @@ def test_peers_refuse_a_timeout_that_is_no_deadline() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="report_timeout_s"):
             RecoveryPeers("ns", (), bad)
+
+
+def test_requests_left_out_are_aborted_so_no_first_turn_runs_on_unrouted(tmp_path: Path) -> None:
+    """Review 24s S1: requests past a node's share were left out but ran on; a first session
+    turn among them finished with its history on n0 and no route here, so the session's next
+    turn went to n1 by load and ran without its history (``continues_session`` False). Now
+    every rebuilt request not counted is aborted on its node (its client retries)."""
+    s = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 1, "n1": 1}, queue_limit=2), "t1")
+    s.recovered_requests = {}
+    s.attach_nodes({}, sender=(inboxes := Inboxes()))
+    assert s.request_share("n0") == 2
+    reqs = [("t1/a#1", "t1", "", GW), ("t1/b#1", "t1", "", GW), ("t1/first#1", "t1", "t1/s", GW)]
+    s.apply_node_report("n0", report(sessions=first_turn_sessions("t1/s"), requests=reqs))
+    assert inboxes.sent == [("tcp://127.0.0.1:9100", {"op": "abort", "id": "t1/first#1"})]
+    assert "t1/s" not in s.session_nodes and s.nodes["n0"].in_flight == {"t1/a#1", "t1/b#1"}
+
+
+def test_a_restored_lost_mark_keeps_a_reported_session_unrouted_and_a_close_clears_both(tmp_path: Path) -> None:
+    """Review 24s S2: a lost session closed and reopened on another node in the seconds before
+    a crash came back both marked lost (the close was not stored yet) and routed (that node's
+    report): it counted twice against the cap, and after the client closed it a reopen was
+    refused ``session_lost``. Now a marked session is not routed from a report, and a close
+    clears a mark beside a route."""
+    s = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}, max_sessions_per_tenant=2), "t1")
+    s.recovered_requests = {}
+    s.mark_lost("t1", "t1/s")  # as restored from the store
+    s.apply_node_report("n1", report(data_address="tcp://127.0.0.1:9101", sessions=[("t1/s", "t1", True)],
+                                     requests=[]))
+    assert "t1/s" not in s.session_nodes and s.admit("t1", "t1/new#1", session_id="t1/n").code == "OK"
+    assert s.admit("t1", "t1/again#1", session_id="t1/s").reason == "session_lost"
+    assert s.close_session("t1/s", "t1") == ("", [])  # the client closes it: reopened fresh
+    assert s.admit("t1", "t1/reopen#1", session_id="t1/s").code == "OK"
+    s.mark_lost("t1", "t1/s")  # a mark beside a route: the close clears both
+    assert s.close_session("t1/s", "t1") is not None and "t1/s" not in s.lost_of("t1")
+
+
+def test_flushes_prune_marks_past_their_ttl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 24s S3: a mark that aged out in memory kept its row until the next restart
+    (100, 200, 300 rows with none left in memory). A flush now deletes rows past the TTL."""
+    import services.global_scheduler_sessions as sessions
+
+    wall = [1_000_000.0]
+    monkeypatch.setattr(sessions.time, "time", lambda: wall[0])
+    s = GlobalSchedulerService(str(tmp_path), {"n0": 4}, session_ttl_s=60.0)
+    tenant_id = s.store.register(TenantSpec("ann"))[0].tenant_id  # stored: its marks' rows go in
+    for i in range(3):
+        s.mark_lost(tenant_id, f"s{i}")
+    s.flush_lost_sessions()
+    wall[0] += 61.0
+    s.mark_lost(tenant_id, "late")
+    s.flush_lost_sessions()
+    rows = s.store._conn.execute("SELECT session_id FROM lost_sessions").fetchall()
+    assert rows == [("late",)]
