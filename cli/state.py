@@ -85,17 +85,40 @@ def client_tls(address: str) -> ClientTls | None:
     Regression (security review: no TLS anywhere): every command opened a plaintext channel,
     so the admin and tenant keys crossed the network in cleartext. Regression (review 24r F7):
     ``--tls-server-name`` alone, or a gateway not spelled as the saved address, still got a
-    plaintext channel, and whoever answered plaintext there received the key."""
+    plaintext channel, and whoever answered plaintext there received the key. Regression
+    (review 24s): the saved TLS gateway spelled otherwise (``localhost:p`` for the saved
+    ``127.0.0.1:p``) got a plaintext channel; an address that resolves to the saved one's is
+    the saved gateway (verified for the name the saved address was, when none was given)."""
     options, saved = TLS_OPTIONS, read_state()
-    ours = address == saved.get("address") and bool(saved.get("tls"))
+    saved_address = saved.get("address", "")
+    ours = bool(saved.get("tls")) and same_endpoint(address, saved_address)
     if not (ours or options.any()):
         return None
     ca_file = options.ca_file or (saved.get("tls_ca_file", "") if ours else "")
     server_name = options.server_name or (saved.get("tls_server_name", "") if ours else "")
+    if ours and not server_name and address != saved_address:
+        server_name = saved_address.rpartition(":")[0].strip("[]")
     try:
         return ClientTls(ca_file, options.cert_file, options.key_file, server_name)
     except ValueError as exc:
         die(f"--tls-cert / --tls-key: {exc}", EXIT_USAGE)
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    """Whether ``host:port`` addresses ``a`` and ``b`` reach the same place: spelled alike, or
+    the same port on hosts that resolve to a shared address (``localhost`` and ``127.0.0.1``).
+    An address that does not resolve is the same only as itself."""
+    if a == b:
+        return True
+    (host_a, _, port_a), (host_b, _, port_b) = a.rpartition(":"), b.rpartition(":")
+    if not (port_a and port_a == port_b and host_a and host_b):
+        return False
+    try:
+        ips = [{info[4][0] for info in socket.getaddrinfo(h.strip("[]"), int(port_a), type=socket.SOCK_STREAM)}
+               for h in (host_a, host_b)]
+    except (OSError, ValueError):
+        return False
+    return bool(ips[0] & ips[1])
 
 
 def _message_cap() -> int:

@@ -26,6 +26,7 @@ from cli.lifecycle import up_summary
 from services.config import ServiceConfig
 from services.tls import ServerTls
 from tenants.keys import write_key_file
+from tenants.model import TenantSpec
 from tests.gateway_harness import Gateway, serve
 from tests.tls_certs import TlsMaterial, make_tls_material
 
@@ -189,3 +190,20 @@ def test_the_https_client_trusts_only_the_given_ca(certs: TlsMaterial) -> None:
 
     assert len(ClientTls(ca_file=str(certs.ca)).ssl_context().get_ca_certs()) == 1
     assert ClientTls().ssl_context().verify_mode.name == "CERT_REQUIRED"
+
+
+def test_the_saved_tls_gateway_spelled_otherwise_is_still_tls(gateway: Gateway, certs: TlsMaterial,
+                                                              tmp_path: Path) -> None:
+    """Review 24s: ``localhost:<port>`` for the saved TLS gateway ``127.0.0.1:<port>`` got a
+    plaintext channel (a tenant's key, from KVSTRATA_API_KEY, went to whoever answered there in
+    clear). An address resolving to the saved one's is the saved gateway: TLS with its CA,
+    verified for the saved host (the certificate names it)."""
+    save_up_state(tmp_path, gateway, tls=True, tls_ca_file=str(certs.ca))
+    port = gateway.address.rpartition(":")[2]
+    assert cli_state.same_endpoint(f"localhost:{port}", gateway.address)
+    assert not cli_state.same_endpoint(f"localhost:{int(port) + 1}", gateway.address)
+    tls = cli_state.client_tls(f"localhost:{port}")
+    assert tls is not None and tls.ca_file == str(certs.ca) and tls.server_name == "127.0.0.1"
+    _, key = gateway.scheduler.store.register(TenantSpec("ann"))
+    code, output = run("tenant", "show", "ann", "--gateway", f"localhost:{port}", KVSTRATA_API_KEY=key)
+    assert code == 0 and "ann" in output, output
