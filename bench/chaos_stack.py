@@ -35,6 +35,7 @@ from kvstrata.v1 import (
 from services.config import NodeConfig, ServiceConfig
 from services.grpc_messages import channel_options
 from services.launcher import Services, start_services, stop_services
+from services.ray_auth import init_local_cluster
 
 TINY_NAME = "kvstrata-chaos-tiny-llama"
 BLOCK_SIZE = 16
@@ -225,8 +226,8 @@ def gen_request(text: str, max_tokens: int, session_id: str = "", policy: str = 
 def ray_local(resources: dict[str, float], namespace: str = "kvstrata") -> None:
     """A one-node local Ray cluster offering ``resources`` (2 CPUs), unless Ray is already up."""
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, resources=resources, namespace=namespace, include_dashboard=False,
-                 log_to_driver=False)
+        init_local_cluster(num_cpus=2, resources=resources, namespace=namespace, include_dashboard=False,
+                           log_to_driver=False)  # token-authenticated: its ports face the network
 
 
 def stack_on_cluster(cluster: Any, prefix: str, state_dir: str) -> Iterator[ChaosStack]:

@@ -66,6 +66,7 @@ from services.config import NodeConfig, ServiceConfig
 from services.grpc_messages import channel_options
 from services.launcher import start_services, stop_services
 from services.node_request import NodeRequest
+from services.ray_auth import init_local_cluster
 from services.tls import ClientTls, http_scheme, open_aio_channel
 from workloads.corpus import load_corpus
 from workloads.deepresearch.openai_client import openai_http_client
@@ -285,8 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [list(r.prompt_token_ids) for r in wiki_chat_requests(tok, load_corpus(), n, seed=1)]
     threads = os.cpu_count() or 2
     cfg = NodeConfig(kv_pool_bytes=256 << 20, torch_threads=threads, max_num_seqs=32)
-    ray.init(
-        address="local",
+    init_local_cluster(  # token-authenticated: its ports face the network
         namespace="kvstrata-bench",
         include_dashboard=False,
         log_to_driver=False,

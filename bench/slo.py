@@ -48,6 +48,7 @@ from cache_node.model_loader import load_model
 from services.config import NodeConfig, ServiceConfig
 from services.grpc_messages import channel_options
 from services.launcher import Services, start_services, stop_services
+from services.ray_auth import init_local_cluster
 from tenants.model import SLO_CLASS_DEFAULTS, SloClass
 from workloads.corpus import load_corpus
 from workloads.deepresearch.config import TenantProfile
@@ -117,8 +118,8 @@ def peak_load(arrivals: list[tuple[float, str, int]], capacity_rps: float, windo
 
 def deploy(scheduler: str, node: NodeConfig) -> Services:
     if not ray.is_initialized():
-        ray.init(address="local", namespace="kvstrata-bench-slo", include_dashboard=False,
-                 log_to_driver=False, resources={"cache_node": 1, "spill_node": 1})
+        init_local_cluster(namespace="kvstrata-bench-slo", include_dashboard=False,  # token-authenticated
+                           log_to_driver=False, resources={"cache_node": 1, "spill_node": 1})
     cfg = ServiceConfig(num_cache_nodes=1, node=node, gateway_port=0, http_port=0, scheduler=scheduler,
                         queue_limit=10_000, state_dir=tempfile.mkdtemp(prefix="kvstrata-slo-"))
     return start_services(cfg)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from services.private_dir import ensure_private_dir
 from tenants.keys import write_private_file
@@ -58,3 +60,20 @@ def use_token(path: Path | str) -> None:
         from ray._raylet import Config  # what Ray's own token setup calls to refresh the mode
 
         Config.initialize("")
+
+
+def init_local_cluster(token_dir: Path | None = None, **ray_init_args: Any) -> Path:
+    """``ray.init(address="local", **ray_init_args)`` with Ray's token authentication: a new
+    token in ``token_dir`` (None: a new private temp directory) presented first (``use_token``);
+    returns the token's path. For the benches that start a local cluster of their own: its ports
+    listen on the machine's address, and without a token any driver reaching them runs tasks.
+
+    Raises:
+        OSError: the token cannot be written; whatever ``ray.init`` raises.
+    """
+    import ray
+
+    token = new_token_file(Path(token_dir) if token_dir is not None else Path(tempfile.mkdtemp(prefix="kvstrata-ray-")))
+    use_token(token)
+    ray.init(address="local", **ray_init_args)
+    return token

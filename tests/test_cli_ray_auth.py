@@ -98,3 +98,35 @@ def test_the_local_cluster_start_services_starts_is_token_authenticated(tmp_path
     token = tmp_path / "state" / TOKEN_FILE
     assert seen == {"address": "local", "mode": "token", "token": str(token)}
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+
+
+BENCH_LOCAL = textwrap.dedent("""
+    import json, os, sys
+    import ray
+    from bench import chaos_stack
+
+    def init(**kwargs):
+        print(json.dumps({"address": kwargs.get("address"), "mode": os.environ.get("RAY_AUTH_MODE"),
+                          "token": os.environ.get("RAY_AUTH_TOKEN_PATH")}))
+        raise SystemExit(0)
+
+    ray.init = init
+    chaos_stack.ray_local({"cache_node": 1})
+""")
+
+
+def test_the_benches_local_clusters_are_token_authenticated(tmp_path: Path) -> None:
+    """bench.chaos, bench.service and bench.slo start their own local cluster with ``ray.init``
+    before ``start_services`` (which then starts none): it ran with RAY_AUTH_MODE=disabled on
+    the machine's address for the bench's duration. Now ``services.ray_auth.init_local_cluster``
+    presents a new token in a private directory first."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    done = subprocess.run([sys.executable, "-c", BENCH_LOCAL], check=True, env=env, capture_output=True, text=True,
+                          timeout=180)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    token = Path(seen["token"])
+    assert seen["address"] == "local" and seen["mode"] == "token" and token.name == TOKEN_FILE
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    for bench in ("service", "slo"):  # the same call in the others
+        assert "init_local_cluster(" in (ROOT / "bench" / f"{bench}.py").read_text()
