@@ -28,6 +28,7 @@ but never decides what is reused: the cache node's token-checked prefix cache do
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -49,6 +50,8 @@ from services.private_dir import ensure_private_dir
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
+
+log = logging.getLogger(__name__)
 
 NODE_RETRY_S = 1.0
 """The retry hint (``Admission.retry_after_s``, the gateway's ``retry-after-ms``) of a refusal
@@ -97,6 +100,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     ) -> None:
         self.security = security
         self.bad_messages = 0  # data-plane messages dropped as malformed
+        self.ignored_speeds: Counter[str] = Counter()  # a node's speeds out of range (``NodeLoad.take_speeds``)
         ensure_private_dir(state_dir)  # tenants, keys: the owner's alone (another user's or a writable one: refused)
         self.store = TenantStore(Path(state_dir) / "tenants.sqlite")
         self.usage = UsageLedger()  # its counters as stored at the last flush (``flush_usage``)
@@ -336,10 +340,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             self.nodes[node_id].in_flight.discard(request_id)
             self.nodes[node_id].urgent.discard(request_id)
         if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one
-            node = self.nodes[node_id]
-            node.prefill.set(float(usage["prefill_tokens_per_s"]))
-            if usage.get("step_s"):
-                node.step_s.update(float(usage["step_s"]))
+            for name in self.nodes[node_id].take_speeds(usage):  # a number out of range: ignored
+                self.ignored_speeds[name] += 1
+                if self.ignored_speeds[name] & (self.ignored_speeds[name] - 1) == 0:  # 1, 2, 4, ...: bounded
+                    log.warning("ignored cache node %s's %s %.100r (%d ignored so far)", node_id, name,
+                                usage[name], self.ignored_speeds[name])
         if usage and self.knows_tenant(tenant_id):  # not one deleted since its admission
             self.usage.record_completion_tokens(tenant_id, int(usage.get("completion_tokens", 0)))
             if "prompt_tokens" in usage:
@@ -383,7 +388,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
 
     def stats(self) -> dict[str, Any]:
         """Queue and load per node, sessions, and the index: ``indexed_blocks`` distinct
-        hashes, ``indexed_blocks_by_tier`` block copies per tier (summed over holders)."""
+        hashes, ``indexed_blocks_by_tier`` block copies per tier (summed over holders).
+        ``ignored_speeds``: speeds nodes reported out of range, by name (``release``)."""
         return {
             "queued": self._queued(),
             "in_flight": {nid: len(n.in_flight) for nid, n in self.nodes.items()},
@@ -391,6 +397,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             "prefill_tokens_per_s": {nid: n.prefill.tokens_per_s for nid, n in self.nodes.items()},
             "sessions": len(self.session_nodes),
             "bad_messages": self.bad_messages,
+            "ignored_speeds": dict(self.ignored_speeds),
             "down": dict(self.down),
             "indexed_blocks": len(self.index),
             "indexed_blocks_by_tier": self.index.pairs_per_tier(),

@@ -9,6 +9,7 @@ does not allow (``_slo_admission``, on ``NodeLoad`` and the prompt's cached toke
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,25 @@ from cache_node.scheduling.admission import (
     estimate_ttft_s,
 )
 from services.block_index import PrefixTiers
+from services.data_plane_wire import MAX_RETRY_AFTER_S
 from tenants.model import TenantSpec
+
+PREFILL_TOKENS_PER_S_RANGE = (1.0, 1e7)
+"""Prefill speeds (tokens/s) taken from a node's ``finished`` event (``NodeLoad.take_speeds``);
+one outside is ignored and counted. The slowest real node prefills hundreds of tokens a second,
+the fastest well under ten million."""
+
+MAX_STEP_S = 60.0
+"""Longest step (s) taken from a node's ``finished`` event; one outside (0, this] is ignored and
+counted."""
+
+
+def _in_range(value: Any, low: float, high: float, low_open: bool = False) -> bool:
+    """Whether ``value`` is a real number (no bool) in [low, high] ((low, high] with
+    ``low_open``)."""
+    if type(value) not in (int, float) or not math.isfinite(value):
+        return False
+    return (low < value if low_open else low <= value) and value <= high
 
 
 @dataclass
@@ -37,6 +56,29 @@ class NodeLoad:
     backlog: FluidBacklog = field(default_factory=FluidBacklog)
     prefill: SpeedMeter = field(default_factory=SpeedMeter)
     step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
+
+    def take_speeds(self, usage: dict[str, Any]) -> list[str]:
+        """Take the node's measured ``prefill_tokens_per_s`` and ``step_s`` (its ``finished``
+        event, as the gateway forwards it) into ``prefill`` and ``step_s``; returns the names of
+        those present and ignored: not a number in ``PREFILL_TOKENS_PER_S_RANGE`` or (0,
+        ``MAX_STEP_S``].
+
+        Regression (review 25a E): they were taken as they came (the gateway checks only that
+        they are finite and >= 0); a node reporting 1e-300 tokens/s made every later TTFT
+        estimate on it ~1e305 ms, refusals whose ``retry_after_s`` (8e302) the gateway refused as
+        a malformed reply (UNAVAILABLE, no hint), and its backlog never drained again."""
+        ignored = []
+        speed = usage.get("prefill_tokens_per_s")
+        if _in_range(speed, *PREFILL_TOKENS_PER_S_RANGE):
+            self.prefill.set(float(speed))
+        else:
+            ignored.append("prefill_tokens_per_s")
+        if "step_s" in usage:
+            if _in_range(usage["step_s"], 0.0, MAX_STEP_S, low_open=True):
+                self.step_s.update(float(usage["step_s"]))
+            else:
+                ignored.append("step_s")
+        return ignored
 
 
 @dataclass(frozen=True)
@@ -55,6 +97,15 @@ class Admission:
     spill_blocks: int = 0
     reason: str = ""
     continues_session: bool = False  # routed to the node holding the request's session
+
+    def __post_init__(self) -> None:
+        """``retry_after_s`` within [0, ``MAX_RETRY_AFTER_S``], what the gateway takes
+        (``data_plane.admission_reply``): a hint past it (a deep backlog on a slow node) says
+        "a day", and is never a reply the scheduler's own gateway refuses as malformed
+        (regression, review 25a E: 8e302 s made an admission UNAVAILABLE with no hint)."""
+        retry = self.retry_after_s
+        if not 0.0 <= retry <= MAX_RETRY_AFTER_S:  # NaN too: no wait is known to end it
+            object.__setattr__(self, "retry_after_s", 0.0 if retry < 0 else MAX_RETRY_AFTER_S)
 
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",

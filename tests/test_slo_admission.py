@@ -77,3 +77,52 @@ def test_step_model_fits_steps_held_at_one_bound() -> None:
     assert base == 0.0 and per_token == per_decode == pytest.approx(0.248 / 60, rel=0.01)
     decodes, prefill = model.step_budget(0.25, decodes=4, least_decodes=0, cap=512)
     assert decodes == 4 and 50 <= prefill <= 60
+
+
+FINISHED = {"type": "finished", "finish_reason": "stop", "prompt_tokens": 100, "completion_tokens": 5,
+            "prefill_tokens_per_s": 1000.0, "step_s": 0.05, "queue_ms": 1.0}
+
+
+def _gateway_takes(adm) -> None:
+    """Raises ``data_plane.BadReply`` when the gateway refuses ``adm`` as a malformed reply."""
+    import dataclasses
+
+    from services import data_plane
+
+    data_plane.admission_reply({"id": 1, "adm": dataclasses.asdict(adm)}, {"n0"})
+
+
+@pytest.mark.parametrize("bad", [
+    {"prefill_tokens_per_s": 1e-300}, {"prefill_tokens_per_s": 0.5}, {"prefill_tokens_per_s": 0.0},
+    {"prefill_tokens_per_s": 1e12}, {"prefill_tokens_per_s": True}, {"prefill_tokens_per_s": "900"},
+    {"step_s": 0.0}, {"step_s": 1e9}, {"step_s": float("nan")},
+])
+def test_a_nodes_speeds_out_of_range_are_ignored_and_counted(tmp_path, bad) -> None:
+    """Regression (review 25a E): a node's finished event (which the gateway checks only for
+    finite values >= 0) set the node's prefill speed as it came: 1e-300 tokens/s made the next
+    refusal's ``retry_after_s`` 8e302, which the gateway refused as a malformed admission reply
+    (UNAVAILABLE, no hint), and the backlog never drained again."""
+    gs, ids, clock = scheduler(tmp_path, "kvstrata")
+    assert gs.admit(ids["live"], "r1", prompt_tokens=800).code == "OK"
+    gs.release("r1", FINISHED | bad)
+    clock.t += 1.0  # the backlog drained
+    assert gs.admit(ids["live"], "r2", prompt_tokens=800).code == "OK"
+    adm = gs.admit(ids["live"], "r3", prompt_tokens=800)
+    _gateway_takes(adm)
+    assert (adm.code, adm.retry_after_s) == ("RESOURCE_EXHAUSTED", pytest.approx(0.625))
+    assert (gs.nodes["n0"].prefill.tokens_per_s, gs.nodes["n0"].step_s.value) == (1000.0, 0.05)
+    name, = bad
+    assert gs.stats()["ignored_speeds"] == {name: 1}
+
+
+def test_a_slow_nodes_deep_backlog_gives_a_hint_the_gateway_takes(tmp_path) -> None:
+    """An honest slow node (2 tokens/s, its lowest sane speed is 1) behind a deep batch backlog:
+    the hint is capped at ``MAX_RETRY_AFTER_S`` (a day), never a reply the gateway refuses."""
+    from services.data_plane import MAX_RETRY_AFTER_S
+
+    gs, ids, _ = scheduler(tmp_path, "kvstrata")
+    gs.nodes["n0"].prefill.set(2.0)
+    gs.nodes["n0"].backlog.add(0, 10_000_000.0)  # interactive tokens ahead: ~58 days at 2/s
+    adm = gs.admit(ids["live"], "r1", prompt_tokens=10)
+    assert (adm.code, adm.retry_after_s) == ("RESOURCE_EXHAUSTED", MAX_RETRY_AFTER_S)
+    _gateway_takes(adm)
