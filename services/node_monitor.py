@@ -24,6 +24,17 @@ holds down, then serves again. Once Ray says it died for good (``ActorDiedError`
 Regression (review 23b, F2): health stayed SERVING for ever, the first request waited the 30 s
 admission timeout and was told to retry in 1 s, and every later call ended UNKNOWN with Ray's
 ``ActorDiedError`` text.
+
+Every Ray answer the monitor reads is untrusted input, checked before use (``node_answer``,
+``scheduler_answer``, ``down_map``, ``recovery_report.address``): a malformed node answer is a
+failed poll (the node is down, "malformed health answer", counted in its ``bad_answers``), a
+malformed scheduler answer is logged, counted in ``scheduler_bad_answers`` and asked again
+after ``retry_s``. Whatever else fails in a turn of a watch is logged and the watch goes on:
+none ends before ``stop()`` (but the scheduler's, once Ray says it died for good).
+Regression (review 25a A): the answers were read outside the ``try`` blocks; one malformed
+answer (a missing key, a non-dict, ``"restarts": "0"``) ended that watch for good: the node was
+never reported down or up again, and after a later scheduler restart the gateway stayed
+NOT_SERVING, refusing every tenant UNAVAILABLE until the gateway itself restarted.
 """
 
 from __future__ import annotations
@@ -35,9 +46,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from services.data_plane_wire import MAX_ID_CHARS, _cut
 from services.ray_errors import SCHEDULER_DOWN, SCHEDULER_RESTARTING, RayActorError, actor_died
+from services.recovery_report import BadReport, address, int_field
 
 log = logging.getLogger(__name__)
+
+MAX_DOWN_NODES = 4096
+"""Most entries the scheduler's map of down nodes (``health``'s ``down``, ``down_nodes``) may
+hold: one per cache node it routes to."""
 
 
 @dataclass
@@ -48,6 +65,7 @@ class NodeHealth:
     failure: str = ""
     pid: int = 0
     restarts: int = 0
+    bad_answers: int = 0  # malformed health answers it sent (each a failed poll)
 
 
 class NodeMonitor:
@@ -71,12 +89,13 @@ class NodeMonitor:
         self.nodes, self.streams, self.scheduler = nodes, streams, scheduler
         self.on_change = on_change
         self.poll_s, self.timeout_s, self.retry_s, self.notify_s = poll_s, timeout_s, retry_s, notify_s
-        self.state = {nid: NodeHealth(pid=int(info.get("pid", 0)), restarts=int(info.get("restarts", 0)))
+        self.state = {nid: NodeHealth(pid=int_field(info, "pid", 0), restarts=int_field(info, "restarts", 0))
                       for nid, info in node_info.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
         self.scheduler_failure = ""  # why the scheduler is unreachable or down ("": it serves)
         self.scheduler_identity: tuple[int, int] | None = None  # its (pid, restarts) as last seen
+        self.scheduler_bad_answers = 0  # malformed answers of the scheduler (each asked again)
         # awaited when the scheduler answers again (the gateway attaches again: ``RayGateway``)
         self.on_scheduler_back: Callable[[], Awaitable[Any]] | None = None
         self._poll_scheduler = asyncio.Event()
@@ -118,33 +137,50 @@ class NodeMonitor:
 
     async def _watch_scheduler(self) -> None:
         """Poll the scheduler's ``health`` every ``poll_s`` (at once after its connection
-        closed, then every ``retry_s`` while it is unreachable); see the module docstring."""
+        closed, then every ``retry_s`` while it is unreachable); see the module docstring.
+        Ends at ``stop()``, or once Ray says the scheduler died for good."""
         while not self.stopped:
             try:
-                answer = await asyncio.wait_for(self.scheduler.health.remote(), self.poll_s + self.timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except RayActorError as exc:  # its process died: for good, or Ray restarts it
-                if actor_died(exc):
-                    self._scheduler_lost(SCHEDULER_DOWN, f"{_first_line(exc)}", restarting=False)
+                if not await self._scheduler_turn():
                     return
-                self._scheduler_lost(SCHEDULER_RESTARTING, f"a health poll failed: {_first_line(exc)}")
+            except Exception:  # one failed turn never ends the watch
+                log.exception("a turn of the global scheduler's health watch failed; the watch goes on")
                 await asyncio.sleep(self.retry_s)
-                continue
-            except Exception as exc:  # noqa: BLE001 - a busy scheduler: admissions keep their timeout
-                log.warning("the global scheduler did not answer a health poll: %s", _first_line(exc))
-                await asyncio.sleep(self.retry_s)
-                continue
-            identity = (int(answer["pid"]), int(answer["restarts"]))
-            if self.scheduler_identity is None and not self.scheduler_failure:
-                self.scheduler_identity = identity
-            elif (self.scheduler_failure or identity != self.scheduler_identity) and \
-                    not await self._scheduler_back(answer, identity):
-                await asyncio.sleep(self.retry_s)
-                continue
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._poll_scheduler.wait(), self.poll_s)
-            self._poll_scheduler.clear()
+
+    async def _scheduler_turn(self) -> bool:
+        """One poll of the scheduler and what follows from its answer. False: it died for good."""
+        try:
+            answer = scheduler_answer(
+                await asyncio.wait_for(self.scheduler.health.remote(), self.poll_s + self.timeout_s))
+        except asyncio.CancelledError:
+            raise
+        except RayActorError as exc:  # its process died: for good, or Ray restarts it
+            if actor_died(exc):
+                self._scheduler_lost(SCHEDULER_DOWN, f"{_first_line(exc)}", restarting=False)
+                return False
+            self._scheduler_lost(SCHEDULER_RESTARTING, f"a health poll failed: {_first_line(exc)}")
+            await asyncio.sleep(self.retry_s)
+            return True
+        except BadReport as exc:  # asked again, as an unanswered poll
+            self.scheduler_bad_answers += 1
+            log.warning("the global scheduler sent a malformed health answer: %.300s", exc)
+            await asyncio.sleep(self.retry_s)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a busy scheduler: admissions keep their timeout
+            log.warning("the global scheduler did not answer a health poll: %s", _first_line(exc))
+            await asyncio.sleep(self.retry_s)
+            return True
+        identity = (answer["pid"], answer["restarts"])
+        if self.scheduler_identity is None and not self.scheduler_failure:
+            self.scheduler_identity = identity
+        elif (self.scheduler_failure or identity != self.scheduler_identity) and \
+                not await self._scheduler_back(answer, identity):
+            await asyncio.sleep(self.retry_s)
+            return True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._poll_scheduler.wait(), self.poll_s)
+        self._poll_scheduler.clear()
+        return True
 
     def _scheduler_disconnected(self) -> None:
         """The admission connection closed: the scheduler's process died, or the link broke (no
@@ -162,12 +198,14 @@ class NodeMonitor:
         self._changed()
 
     async def _scheduler_back(self, answer: dict[str, Any], identity: tuple[int, int]) -> bool:
-        """The scheduler answers again, or from a new process (its state rebuilt): connect to its
-        admission socket, ``on_scheduler_back``, tell it which nodes this gateway holds down and
-        take down those it holds down (they rejoin at their next healthy answer, ``_rejoin``),
-        then serve again. False (retried) when a step fails."""
+        """The scheduler answers again (``answer``: checked, ``scheduler_answer``), or from a new
+        process (its state rebuilt): connect to its admission socket, ``on_scheduler_back``,
+        tell it which nodes this gateway holds down and take down those it holds down (they
+        rejoin at their next healthy answer, ``_rejoin``), then serve again. False (retried)
+        when a step fails."""
         try:
-            self.streams.reconnect_scheduler(answer["data_address"] or await self.scheduler.open_data_plane.remote())
+            self.streams.reconnect_scheduler(answer["data_address"] or address(
+                await self.scheduler.open_data_plane.remote(), "the scheduler's open_data_plane answer"))
             if self.on_scheduler_back is not None:
                 await asyncio.wait_for(self.on_scheduler_back(), self.timeout_s)
             for node_id, state in self.state.items():
@@ -193,28 +231,46 @@ class NodeMonitor:
         return {nid: asdict(h) for nid, h in self.state.items()}
 
     async def _watch(self, node_id: str) -> None:
-        node = self.nodes[node_id]
-        await self._learn_down(node_id)
+        """Poll ``node_id`` until ``stop()``; see the module docstring."""
+        try:
+            await self._learn_down(node_id)
+        except Exception:  # the first poll decides
+            log.exception("cache node %s: learning whether the scheduler holds it down failed", node_id)
         while not self.stopped:
-            wait_s = self.poll_s if self.state[node_id].healthy else 0.0
             try:
-                answer = await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except asyncio.TimeoutError:
-                await self._down(node_id, f"cache node {node_id} did not answer within {wait_s + self.timeout_s:g} s")
-                continue
-            except Exception as exc:  # noqa: BLE001 - a dead or unreachable node is down
-                await self._down(node_id, f"cache node {node_id} is unreachable: {_first_line(exc)}")
+                await self._node_turn(node_id)
+            except Exception:  # one failed turn never ends the watch
+                log.exception("a turn of cache node %s's health watch failed; the watch goes on", node_id)
                 await asyncio.sleep(self.retry_s)
-                continue
-            if not answer["healthy"]:
-                await self._down(node_id, answer["failure"])
-                await asyncio.sleep(self.retry_s)
-            elif _new_process(answer, self.state[node_id]) or not self.state[node_id].healthy:
-                await self._rejoin(node_id, answer)
-            else:
-                self.state[node_id].restarts = answer["restarts"]
+
+    async def _node_turn(self, node_id: str) -> None:
+        """One poll of ``node_id`` and what follows from its answer."""
+        node, state = self.nodes[node_id], self.state[node_id]
+        wait_s = self.poll_s if state.healthy else 0.0
+        try:
+            answer = node_answer(await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s))
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError:
+            await self._down(node_id, f"cache node {node_id} did not answer within {wait_s + self.timeout_s:g} s")
+            return
+        except BadReport as exc:  # a failed poll: the node is down until it answers soundly
+            state.bad_answers += 1
+            log.warning("cache node %s sent a malformed health answer: %.300s", node_id, exc)
+            await self._down(node_id, f"cache node {node_id}: malformed health answer")
+            await asyncio.sleep(self.retry_s)
+            return
+        except Exception as exc:  # noqa: BLE001 - a dead or unreachable node is down
+            await self._down(node_id, f"cache node {node_id} is unreachable: {_first_line(exc)}")
+            await asyncio.sleep(self.retry_s)
+            return
+        if not answer["healthy"]:
+            await self._down(node_id, answer["failure"] or f"cache node {node_id} says it failed")
+            await asyncio.sleep(self.retry_s)
+        elif _new_process(answer, state) or not state.healthy:
+            await self._rejoin(node_id, answer)
+        else:
+            state.restarts = answer["restarts"]
 
     async def _learn_down(self, node_id: str) -> None:
         """At start: a node the scheduler holds down (another gateway's monitor reported it, or
@@ -226,7 +282,11 @@ class NodeMonitor:
         scheduler kept the node out of routing for good, and every turn of its sessions
         was refused ``session_node_down``."""
         try:
-            down = await asyncio.wait_for(self.scheduler.down_nodes.remote(), self.timeout_s)
+            down = down_map(await asyncio.wait_for(self.scheduler.down_nodes.remote(), self.timeout_s), "down_nodes")
+        except BadReport as exc:  # the first poll decides
+            self.scheduler_bad_answers += 1
+            log.warning("the global scheduler sent a malformed down_nodes answer: %.300s", exc)
+            return
         except Exception:  # the first poll decides, as before
             log.warning("could not ask the scheduler which cache nodes are down", exc_info=True)
             return
@@ -248,16 +308,18 @@ class NodeMonitor:
         self._changed()
 
     async def _rejoin(self, node_id: str, answer: dict[str, Any]) -> None:
-        """A healthy answer from a node known down or from a new process: (re)connect to its
-        command inbox and let the scheduler route to it. A failure leaves it down (retried)."""
+        """A healthy answer (checked: ``node_answer``) from a node known down or from a new
+        process: (re)connect to its command inbox and let the scheduler route to it. A failure
+        leaves it down (retried)."""
         node, state = self.nodes[node_id], self.state[node_id]
         if _new_process(answer, state):
             await self._down(node_id, state.failure or f"cache node {node_id} restarted")
         try:
-            address = answer["data_address"] or await node.open_data_plane.remote()
-            self.streams.reconnect(node_id, address)
+            inbox = answer["data_address"] or address(await node.open_data_plane.remote(),
+                                                      f"cache node {node_id}'s open_data_plane answer")
+            self.streams.reconnect(node_id, inbox)
             await asyncio.wait_for(self.scheduler.node_up.remote(
-                node_id, address, answer["pid"], state.pid, answer["restarts"], state.restarts),
+                node_id, inbox, answer["pid"], state.pid, answer["restarts"], state.restarts),
                                    self.timeout_s)
         except Exception:
             log.exception("cache node %s could not rejoin", node_id)
@@ -270,6 +332,64 @@ class NodeMonitor:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self.num_healthy())
+
+
+def node_answer(answer: Any) -> dict[str, Any]:
+    """A cache node's ``health`` answer (``CacheNode.health``), checked: a dict with ``healthy``
+    a bool, ``failure`` a str (cut to ``MAX_TEXT_CHARS``), ``pid`` and ``restarts`` ints >= 0
+    and ``data_address`` "" or a ``tcp://`` address. Returns those fields alone.
+
+    Raises:
+        BadReport: naming the bad field.
+    """
+    _check_dict(answer, ("healthy", "failure", "pid", "restarts", "data_address"), "a cache node's health answer")
+    if type(answer["healthy"]) is not bool:
+        raise BadReport(f"healthy must be a bool, got {type(answer['healthy']).__name__}")
+    if not isinstance(answer["failure"], str):
+        raise BadReport(f"failure must be a str, got {type(answer['failure']).__name__}")
+    return {"healthy": answer["healthy"], "failure": _cut(answer["failure"]), "pid": int_field(answer, "pid", 0),
+            "restarts": int_field(answer, "restarts", 0), "data_address": _inbox(answer["data_address"])}
+
+
+def scheduler_answer(answer: Any) -> dict[str, Any]:
+    """The GlobalScheduler's ``health`` answer, checked: a dict with ``pid`` and ``restarts``
+    ints >= 0, ``data_address`` "" or a ``tcp://`` address and ``down`` a ``down_map``.
+    Returns those fields alone.
+
+    Raises:
+        BadReport: naming the bad field.
+    """
+    _check_dict(answer, ("pid", "restarts", "data_address", "down"), "the scheduler's health answer")
+    return {"pid": int_field(answer, "pid", 0), "restarts": int_field(answer, "restarts", 0),
+            "data_address": _inbox(answer["data_address"]), "down": down_map(answer["down"], "down")}
+
+
+def down_map(value: Any, key: str) -> dict[str, str]:
+    """``value``, the scheduler's node id -> why it is down: a dict of at most
+    ``MAX_DOWN_NODES`` ids of at most ``MAX_ID_CHARS`` characters, each to a str (cut to
+    ``MAX_TEXT_CHARS``).
+
+    Raises:
+        BadReport: naming ``key``.
+    """
+    if not isinstance(value, dict) or len(value) > MAX_DOWN_NODES:
+        raise BadReport(f"{key} must be a dict of at most {MAX_DOWN_NODES} entries")
+    if not all(isinstance(k, str) and len(k) <= MAX_ID_CHARS and isinstance(v, str) for k, v in value.items()):
+        raise BadReport(f"{key} must map node ids of at most {MAX_ID_CHARS} characters to reasons (str)")
+    return {k: _cut(v) for k, v in value.items()}
+
+
+def _check_dict(answer: Any, keys: tuple[str, ...], what: str) -> None:
+    if not isinstance(answer, dict):
+        raise BadReport(f"{what} must be a dict, got {type(answer).__name__}")
+    missing = [k for k in keys if k not in answer]
+    if missing:
+        raise BadReport(f"{what} lacks {missing}")
+
+
+def _inbox(value: Any) -> str:
+    """A health answer's ``data_address``: "" (not open yet) or a ``tcp://`` address."""
+    return "" if type(value) is str and not value else address(value, "data_address")
 
 
 def _new_process(answer: dict[str, Any], state: NodeHealth) -> bool:

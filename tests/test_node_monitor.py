@@ -297,3 +297,214 @@ def test_a_restarted_scheduler_is_rejoined_and_the_gateway_serves_again() -> Non
     assert streams.calls[:3] == [("failed", SCHEDULER_RESTARTING, True), ("reconnect", "tcp://127.0.0.1:9002"),
                                  ("recovered",)]
     assert backs == [1] and ups == ["n0"] and monitor.scheduler_identity == (8, 1)
+
+
+async def _until(predicate: Any, what: str, within_s: float = 3.0) -> None:
+    for _ in range(int(within_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {within_s:g} s: {what}")
+
+
+_SOUND = {"healthy": True, "failure": "", "pid": 41, "restarts": 0, "data_address": "tcp://127.0.0.1:9"}
+_BAD_NODE_ANSWERS = {
+    "none": None, "a list": [True], "no pid": {"healthy": True}, "restarts a str": {**_SOUND, "restarts": "0"},
+    "pid a bool": {**_SOUND, "pid": True}, "pid negative": {**_SOUND, "pid": -1},
+    "healthy a str": {**_SOUND, "healthy": "yes"}, "failure an int": {**_SOUND, "failure": 5},
+    "address not tcp": {**_SOUND, "data_address": "http://127.0.0.1:9"},
+    "address too long": {**_SOUND, "data_address": "tcp://" + "a" * 300},
+}
+
+
+class _ScriptedNode:
+    """A node whose health poll answers ``answer`` (set by the test) after 10 ms; ``served``:
+    every answer it gave, in order."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer, self.served = answer, []
+
+        async def health(wait_s: float) -> Any:
+            await asyncio.sleep(0.01)
+            self.served.append(self.answer)
+            return self.answer
+
+        async def open_data_plane() -> str:
+            return "tcp://127.0.0.1:9"
+
+        self.health, self.open_data_plane = SimpleNamespace(remote=health), SimpleNamespace(remote=open_data_plane)
+
+
+class _RecordingScheduler(SimpleNamespace):
+    """The scheduler's side a node watch calls: ``node_down`` and ``node_up`` recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        super().__init__(calls=self.calls, down_nodes=_remote(dict), health=_remote(lambda: _health({})),
+                         node_down=_remote(lambda *a: self.calls.append(("down", *a))),
+                         node_up=_remote(lambda *a: self.calls.append(("up", *a))))
+
+
+class _FailingStreams(_Streams):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: list[tuple[str, str]] = []
+
+    def fail_node(self, node_id: str, reason: str) -> None:
+        self.failed.append((node_id, reason))
+
+
+@pytest.mark.parametrize("bad", list(_BAD_NODE_ANSWERS.values()), ids=list(_BAD_NODE_ANSWERS))
+def test_a_malformed_node_answer_is_a_failed_poll_and_the_watch_goes_on(bad: Any) -> None:
+    """Regression (review 25a A): the node watch read the answer outside its ``try``; one
+    malformed answer ended it for good, so the node's later failure (``healthy: False``) was
+    never reported and the scheduler kept routing every tenant to a failed node. Now the
+    malformed answer is a failed poll (the node is down, "malformed health answer", counted)
+    and the watch goes on: the node rejoins at its next sound answer and its failure is
+    reported."""
+    node, scheduler, streams = _ScriptedNode(dict(_SOUND)), _RecordingScheduler(), _FailingStreams()
+    healthy: list[int] = []
+
+    async def run() -> NodeMonitor:
+        monitor = NodeMonitor({"n0": node}, {"n0": {"pid": 41, "restarts": 0}}, streams, scheduler,
+                              on_change=healthy.append, poll_s=0.01, timeout_s=1.0, retry_s=0.01)
+        monitor.start()
+        try:
+            await _until(lambda: node.served, "a first answer")
+            node.answer = bad
+            await _until(lambda: ("down", "n0", "cache node n0: malformed health answer") in scheduler.calls,
+                         "node_down for the malformed answer")
+            assert streams.failed == [("n0", "cache node n0: malformed health answer")] and monitor.num_healthy() == 0
+            node.answer = dict(_SOUND)
+            await _until(lambda: monitor.num_healthy() == 1, "the node back at its sound answer")
+            node.answer = {**_SOUND, "healthy": False, "failure": "step loop failed: boom"}
+            await _until(lambda: ("down", "n0", "step loop failed: boom") in scheduler.calls, "node_down for its failure")
+            assert not monitor._tasks[0].done()
+        finally:
+            await monitor.aclose()
+        return monitor
+
+    monitor = asyncio.run(run())
+    assert [c[0] for c in scheduler.calls] == ["down", "up", "down"] and healthy[-1] == 0
+    assert monitor.state["n0"].bad_answers >= 1 and monitor.state["n0"].failure == "step loop failed: boom"
+
+
+@pytest.mark.parametrize("bad", [None, {"healthy": True}, {**_SOUND, "restarts": "0"}], ids=["none", "no pid", "restarts a str"])
+def test_a_node_that_answered_malformed_rejoins_after_a_restart(bad: Any) -> None:
+    """Regression (review 25a A): after one malformed answer the node watch was gone, so a node
+    whose process then died and came back (Ray restarted it) was never reported up again: its
+    capacity was lost for as long as the gateway ran. Now it rejoins from its new process."""
+    node, scheduler, streams = _ScriptedNode(dict(_SOUND)), _RecordingScheduler(), _FailingStreams()
+
+    async def run() -> NodeMonitor:
+        monitor = NodeMonitor({"n0": node}, {"n0": {"pid": 41, "restarts": 0}}, streams, scheduler,
+                              poll_s=0.01, timeout_s=1.0, retry_s=0.01)
+        monitor.start()
+        try:
+            await _until(lambda: node.served, "a first answer")
+            node.answer = bad
+            await _until(lambda: bad in node.served, "the malformed answer")
+            node.answer = {**_SOUND, "pid": 42, "restarts": 1, "data_address": "tcp://127.0.0.1:10"}
+            streams.on_disconnect("n0")  # its process died: at once
+            await _until(lambda: monitor.num_healthy() == 1 and monitor.state["n0"].pid == 42, "the node back")
+        finally:
+            await monitor.aclose()
+        return monitor
+
+    asyncio.run(run())
+    assert ("up", "n0", "tcp://127.0.0.1:10", 42, 41, 1, 0) in scheduler.calls
+    assert streams.reconnected[-1] == "n0"
+
+
+_SCHEDULER_SOUND = {"pid": 7, "restarts": 0, "data_address": "tcp://127.0.0.1:9001", "down": {}}
+_BAD_SCHEDULER_ANSWERS = {
+    "none": None, "no restarts": {"pid": 7}, "pid a str": {**_SCHEDULER_SOUND, "pid": "x"},
+    "restarts negative": {**_SCHEDULER_SOUND, "restarts": -1}, "down a list": {**_SCHEDULER_SOUND, "down": ["n0"]},
+    "down to an int": {**_SCHEDULER_SOUND, "down": {"n0": 5}},
+    "address an int": {**_SCHEDULER_SOUND, "data_address": 5},
+    "address not tcp": {**_SCHEDULER_SOUND, "data_address": "udp://127.0.0.1:9"},
+}
+
+
+@pytest.mark.parametrize("bad", list(_BAD_SCHEDULER_ANSWERS.values()), ids=list(_BAD_SCHEDULER_ANSWERS))
+def test_a_malformed_scheduler_answer_is_asked_again_and_a_restart_still_serves_again(bad: Any) -> None:
+    """Regression (review 25a A): the scheduler watch read the answer outside its ``try``; one
+    malformed answer ended it, and after the scheduler's next restart the gateway stayed
+    NOT_SERVING, refusing every tenant's admissions UNAVAILABLE until the gateway itself
+    restarted. Now the answer is logged, counted and asked again after ``retry_s``; the
+    restarted scheduler is rejoined and the gateway serves again."""
+    answer: dict[str, Any] = {"now": dict(_SCHEDULER_SOUND)}
+    served: list[Any] = []
+
+    def health() -> Any:
+        served.append(answer["now"])
+        return answer["now"]
+
+    scheduler = SimpleNamespace(health=_remote(health), down_nodes=_remote(dict), node_up=_remote(lambda *a: None),
+                                node_down=_remote(lambda *a: None))
+    streams = _SchedulerStreams()
+    healthy: list[int] = []
+
+    async def run() -> NodeMonitor:
+        monitor = NodeMonitor({"n0": _Node()}, {"n0": {"pid": 41, "restarts": 0}}, streams, scheduler,
+                              on_change=healthy.append, poll_s=0.01, timeout_s=1.0, retry_s=0.01)
+        monitor.start()
+        try:
+            await _until(lambda: monitor.scheduler_identity == (7, 0), "the first answer")
+            answer["now"] = bad
+            await _until(lambda: served.count(bad) >= 2, "the malformed answer, asked again")
+            answer["now"] = {**_SCHEDULER_SOUND, "pid": 8, "restarts": 1, "data_address": "tcp://127.0.0.1:9002"}
+            streams.on_scheduler_disconnect()  # it restarts: its admission connection closes
+            assert monitor.num_healthy() == 0
+            await _until(lambda: not monitor.scheduler_failure and monitor.num_healthy() == 1, "serving again")
+        finally:
+            await monitor.aclose()
+        return monitor
+
+    monitor = asyncio.run(run())
+    assert ("reconnect", "tcp://127.0.0.1:9002") in streams.calls and streams.calls[-1] == ("recovered",)
+    assert monitor.scheduler_identity == (8, 1) and monitor.scheduler_bad_answers >= 2 and healthy[-1] == 1
+
+
+def test_a_turn_that_raises_ends_no_watch() -> None:
+    """Whatever else fails in a turn of a watch (here the gateway's ``on_change`` raising once,
+    as the node goes down) is logged and the watch goes on: the node still rejoins."""
+    node, scheduler, streams = _ScriptedNode(dict(_SOUND)), _RecordingScheduler(), _FailingStreams()
+    raised: list[int] = []
+
+    def on_change(num_healthy: int) -> None:
+        if not raised:
+            raised.append(num_healthy)
+            raise RuntimeError("a bug in a health callback")
+
+    async def run() -> NodeMonitor:
+        monitor = NodeMonitor({"n0": node}, {"n0": {"pid": 41, "restarts": 0}}, streams, scheduler,
+                              on_change=on_change, poll_s=0.01, timeout_s=1.0, retry_s=0.01)
+        monitor.start()
+        try:
+            await _until(lambda: node.served, "a first answer")
+            node.answer = {**_SOUND, "healthy": False, "failure": "step loop failed: boom"}
+            await _until(lambda: raised, "the failing callback")
+            node.answer = dict(_SOUND)
+            await _until(lambda: monitor.num_healthy() == 1, "the node back")
+        finally:
+            await monitor.aclose()
+        return monitor
+
+    asyncio.run(run())
+    assert [c[0] for c in scheduler.calls] == ["down", "up"] and raised == [0]
+
+
+def test_health_answers_are_checked_field_by_field() -> None:
+    """The checkers keep what they pass bounded: free text cut to ``MAX_TEXT_CHARS``, only the
+    known fields, an unopened inbox ("") allowed."""
+    from services.data_plane_wire import MAX_TEXT_CHARS
+    from services.node_monitor import MAX_DOWN_NODES, down_map, node_answer, scheduler_answer
+    from services.recovery_report import BadReport
+
+    checked = node_answer({**_SOUND, "failure": "x" * 10_000, "data_address": "", "extra": [1]})
+    assert len(checked["failure"]) == MAX_TEXT_CHARS and checked["data_address"] == "" and "extra" not in checked
+    assert scheduler_answer({**_SCHEDULER_SOUND, "down": {"n0": "y" * 10_000}})["down"]["n0"][-1] == "\u2026"
+    for bad in ({str(i): "" for i in range(MAX_DOWN_NODES + 1)}, {"n" * 2000: "why"}, {1: "why"}):
+        with pytest.raises(BadReport):
+            down_map(bad, "down")
