@@ -39,11 +39,13 @@ class PrefixTiers(NamedTuple):
 
 
 class BlockIndex:
-    """Block hash -> set of ``(holder_id, tier)`` pairs, with per-tier pair counts."""
+    """Block hash -> set of ``(holder_id, tier)`` pairs, with pair counts per tier and per
+    holder."""
 
     def __init__(self) -> None:
         self._pairs: dict[bytes, set[tuple[str, str]]] = {}
         self._per_tier: Counter[str] = Counter()
+        self._per_holder: Counter[str] = Counter()
 
     def __len__(self) -> int:
         """Distinct block hashes held anywhere."""
@@ -74,9 +76,31 @@ class BlockIndex:
                 self._discard(block_hash, (holder_id, tier))
         return len(checked)
 
+    def pairs_of(self, holder_id: str) -> int:
+        """The ``(holder_id, tier)`` pairs held: the blocks ``holder_id`` holds, a block in two
+        of its tiers counted twice."""
+        return self._per_holder[holder_id]
+
+    def pairs_after(self, holder_id: str, events: Iterable[tuple[str, bytes, str]], reset: bool = False) -> int:
+        """``pairs_of(holder_id)`` once ``events`` (checked ``(event, block_hash, tier)``
+        triples) were applied, after a ``forget`` with ``reset``; the index is not changed.
+        O(len(events))."""
+        present: dict[tuple[bytes, str], bool] = {}
+        count = 0 if reset else self._per_holder[holder_id]
+        for kind, block_hash, tier in events:
+            key = (block_hash, tier)
+            held = present.get(key)
+            if held is None:
+                held = not reset and (holder_id, tier) in self._pairs.get(block_hash, ())
+            present[key] = kind == "stored"
+            count += present[key] - held
+        return count
+
     def forget(self, holder_id: str) -> int:
         """Drop every pair of ``holder_id`` (a restarted holder re-reports). Returns pairs
-        dropped; O(indexed blocks)."""
+        dropped; O(indexed blocks), nothing for a holder that holds none."""
+        if not self._per_holder[holder_id]:
+            return 0
         dropped = 0
         for block_hash in list(self._pairs):
             for pair in [p for p in self._pairs[block_hash] if p[0] == holder_id]:
@@ -87,6 +111,7 @@ class BlockIndex:
     def clear(self) -> None:
         self._pairs.clear()
         self._per_tier.clear()
+        self._per_holder.clear()
 
     def pairs_per_tier(self) -> dict[str, int]:
         """Block copies per tier, summed over holders (every tier of ``TIERS`` present)."""
@@ -123,19 +148,23 @@ class BlockIndex:
         return PrefixTiers(counts[TIER_DEVICE], counts[TIER_HOST], counts["spill"])
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError when the per-tier counts disagree with the pairs, or a hash
-        is kept with no pair (a removal that did not clean up)."""
+        """Raise RuntimeError when the per-tier or per-holder counts disagree with the pairs,
+        or a hash is kept with no pair (a removal that did not clean up)."""
         actual: Counter[str] = Counter(tier for pairs in self._pairs.values() for _, tier in pairs)
         if any(not pairs for pairs in self._pairs.values()):
             raise RuntimeError("block index keeps a hash that no holder has")
         if dict(actual) != {tier: n for tier, n in self._per_tier.items() if n}:
             raise RuntimeError(f"per-tier counts {dict(self._per_tier)} != pairs {dict(actual)}")
+        holders = Counter(holder for pairs in self._pairs.values() for holder, _ in pairs)
+        if +holders != +self._per_holder:
+            raise RuntimeError(f"per-holder counts {dict(self._per_holder)} != pairs {dict(holders)}")
 
     def _add(self, block_hash: bytes, pair: tuple[str, str]) -> None:
         pairs = self._pairs.setdefault(block_hash, set())
         if pair not in pairs:
             pairs.add(pair)
             self._per_tier[pair[1]] += 1
+            self._per_holder[pair[0]] += 1
 
     def _discard(self, block_hash: bytes, pair: tuple[str, str]) -> None:
         pairs = self._pairs.get(block_hash)
@@ -143,6 +172,9 @@ class BlockIndex:
             return
         pairs.remove(pair)
         self._per_tier[pair[1]] -= 1
+        self._per_holder[pair[0]] -= 1
+        if not self._per_holder[pair[0]]:
+            del self._per_holder[pair[0]]
         if not pairs:
             del self._pairs[block_hash]
 

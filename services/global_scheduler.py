@@ -32,13 +32,15 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cache_node.scheduling import check_policy_name
 from cache_node.scheduling.admission import FluidBacklog
 from services import data_plane
-from services.block_index import BlockIndex, CommonPrefix
+from services.block_index import NODE_TIERS, SPILL_TIERS, BlockIndex, CommonPrefix
 from services.data_plane_auth import Security
 from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad
 from services.global_scheduler_members import GatewayRecord, Membership
@@ -47,6 +49,7 @@ from services.global_scheduler_sessions import Sessions
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
 from services.private_dir import ensure_private_dir
+from services.recovery_report import MAX_REPORTED_BLOCKS, BadReport, block_changes
 from tenants.model import TenantSpec
 from tenants.store import TenantStore
 from tenants.usage import UsageLedger
@@ -60,6 +63,26 @@ session's node is down (``session_node_down``), the chosen node does not read it
 (``node_not_reading``). A gateway's ``NodeMonitor`` asks a down node again every ``retry_s``
 (0.5 s) and has it routed to at its first healthy answer; a second covers that poll and its
 ``node_up``."""
+
+
+@dataclass(frozen=True)
+class IndexHolders:
+    """Who reports block events to the scheduler's index (``report_events``), and how many
+    ``(holder, tier)`` pairs each may hold there: its capacity.
+
+    ``node_blocks``: device pool blocks + host-tier slots of one cache node (every node of a
+    deployment has the same sizing; the launcher derives it from ``NodeConfig``);
+    ``spill_blocks``: spill node id -> its RAM + disk budgets in blocks. The cache nodes are the
+    scheduler's ``nodes``. The default (tests of the plain class): no spill node, and a cache
+    node at most ``MAX_REPORTED_BLOCKS``, what a restarted scheduler takes from one report.
+    """
+
+    node_blocks: int = MAX_REPORTED_BLOCKS
+    spill_blocks: Mapping[str, int] = field(default_factory=dict)
+
+
+REPORT_REFUSALS = ("unknown_holder", "malformed", "over_capacity")
+"""Why ``report_events`` refused a batch (the keys of ``stats()["refused_block_reports"]``)."""
 
 
 class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
@@ -91,14 +114,19 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             and not closed) past which a new one is refused.
         session_ttl_s: the nodes' session TTL: how long a session lost with its node's
             process stays refused (``lost_of``).
+        holders: who may report block events, and each one's capacity (``IndexHolders``;
+            None: its defaults).
     """
 
     def __init__(
         self, state_dir: str, nodes: dict[str, int], queue_limit: int = 256, affinity_min_blocks: int = 4,
         scheduler: str = "fcfs", block_size: int = 16, clock: Any = time.monotonic,
         security: Security | None = None, max_sessions_per_tenant: int = 1024, session_ttl_s: float = 900.0,
+        holders: IndexHolders | None = None,
     ) -> None:
         self.security = security
+        self.holders = holders or IndexHolders()
+        self.refused_reports: Counter[str] = Counter()  # ``report_events`` batches refused, by why
         self.bad_messages = 0  # data-plane messages dropped as malformed
         self.ignored_speeds: Counter[str] = Counter()  # a node's speeds out of range (``NodeLoad.take_speeds``)
         ensure_private_dir(state_dir)  # tenants, keys: the owner's alone (another user's or a writable one: refused)
@@ -361,6 +389,26 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     ) -> int:
         """Apply a holder's block events to the index; returns how many were applied.
 
+        Every batch is untrusted input, checked whole before anything is applied, as a restarted
+        scheduler checks a holder's report (``recovery_report.block_changes``: hashes of at most
+        ``MAX_HASH_BYTES`` bytes, at most ``MAX_REPORTED_BLOCKS`` events). A batch is refused
+        (nothing applied, 0 returned, counted in ``stats()["refused_block_reports"]`` and logged:
+        the 1st, 2nd, 4th, ... of each kind) when ``holder_id`` is none of ``nodes`` and
+        ``holders.spill_blocks`` ("unknown_holder"), an event is malformed or names a tier not
+        the holder's own ("malformed"), or the holder would then hold more pairs than its
+        capacity ("over_capacity": ``IndexHolders``). It never raises: a holder calls this
+        fire-and-forget, and a refusal is its answer.
+
+        A Ray call carries no caller identity, so a holder is known by the id it gives: a
+        process inside the cluster (Ray, token-authenticated, is the trust boundary) can report
+        as another known holder, its ``reset`` included. What is bounded is the index: known
+        holders only, each within its capacity, so a wrong report costs routing quality (the
+        index steers; the node's token-checked cache decides), never scheduler memory.
+
+        Regression (review 25a D): any holder id, tier, hash length and number of events was
+        taken: one call stored a 16 MiB hash, another 4,194,305 events (+2.2 GB), and a holder
+        that never reported removals grew the index without end.
+
         Args:
             holder_id: a cache node id (tiers "device", "host") or a spill node id (tiers
                 "spill_ram", "spill_disk").
@@ -368,14 +416,30 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
                 "stored" or "removed"; a 2-tuple ``(event, block_hash)`` means tier "device".
             reset: forget everything ``holder_id`` held first (it restarted and reports its
                 surviving blocks as stored).
-
-        Raises:
-            ValueError: an unknown event or tier, or a malformed event; TypeError: a hash
-                that is not bytes (nothing applied either way).
         """
+        try:
+            if type(holder_id) is not str or (holder_id not in self.nodes
+                                              and holder_id not in self.holders.spill_blocks):
+                raise _Refused("unknown_holder", "not a cache node or spill node of this scheduler")
+            node = holder_id in self.nodes
+            try:
+                checked = block_changes(events, NODE_TIERS if node else SPILL_TIERS)
+            except BadReport as exc:
+                raise _Refused("malformed", str(exc)) from None
+            capacity = self.holders.node_blocks if node else self.holders.spill_blocks[holder_id]
+            held = self.index.pairs_after(holder_id, checked, reset)
+            if held > capacity:
+                raise _Refused("over_capacity", f"it would hold {held} blocks, its capacity is {capacity}")
+        except _Refused as refused:
+            self.refused_reports[refused.why] += 1
+            n = self.refused_reports[refused.why]
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood of them logs little
+                log.warning("refused block events reported as %.100r (%s, %d refused so far): %s", holder_id,
+                            refused.why, n, refused.detail)
+            return 0
         if reset:
             self.index.forget(holder_id)
-        return self.index.apply(holder_id, events)
+        return self.index.apply(holder_id, checked)
 
     def flush_index(self) -> None:
         """Forget every block in every tier.
@@ -389,7 +453,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     def stats(self) -> dict[str, Any]:
         """Queue and load per node, sessions, and the index: ``indexed_blocks`` distinct
         hashes, ``indexed_blocks_by_tier`` block copies per tier (summed over holders).
-        ``ignored_speeds``: speeds nodes reported out of range, by name (``release``)."""
+        ``ignored_speeds``: speeds nodes reported out of range, by name (``release``);
+        ``refused_block_reports``: batches of block events refused, by why (``report_events``)."""
         return {
             "queued": self._queued(),
             "in_flight": {nid: len(n.in_flight) for nid, n in self.nodes.items()},
@@ -401,5 +466,15 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             "down": dict(self.down),
             "indexed_blocks": len(self.index),
             "indexed_blocks_by_tier": self.index.pairs_per_tier(),
+            "refused_block_reports": dict(self.refused_reports),
             "time_s": time.time(),
         }
+
+
+class _Refused(Exception):
+    """A batch of block events ``report_events`` refuses: ``why`` (one of
+    ``REPORT_REFUSALS``) and its ``detail``."""
+
+    def __init__(self, why: str, detail: str) -> None:
+        super().__init__(why, detail)
+        self.why, self.detail = why, detail

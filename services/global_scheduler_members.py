@@ -175,7 +175,8 @@ class Membership:
         KV, sessions included, is gone) each session routed there is lost: its next turns are
         refused ABORTED until it is closed or the nodes' session TTL passed (``admit``,
         ``lost_of``); it keeps its place in its tenant's ``max_sessions_per_tenant``. When the same process is back (it
-        missed a health poll), its sessions go on there. Idempotent: every gateway's monitor
+        missed a health poll), its sessions go on there; from a new one, its index entries are
+        forgotten too (as at ``node_down``). Idempotent: every gateway's monitor
         reports it; a report of an older process (fewer restarts than one reported already,
         from a gateway that learnt late) is ignored.
 
@@ -191,6 +192,9 @@ class Membership:
         restarted = not pid or known != (pid, restarts)  # a pid may repeat in a new process
         self.node_pids[node_id] = (pid, restarts)
         if restarted:
+            # the old process's blocks went with it; kept, they would count against the new
+            # one's capacity in the index (``report_events``) and its reports be refused for good
+            self.index.forget(node_id)
             for sid, (tenant_id, _) in [(sid, e) for sid, e in self.session_nodes.items() if e[1] == node_id]:
                 self.drop_session_route(sid)
                 self.mark_lost(tenant_id, sid)  # in its route's place: bounded per tenant

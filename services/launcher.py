@@ -23,6 +23,7 @@ from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
 from services.gateway_server import GatewayActor
 from services.gateway_stream_bounds import StreamLimits
+from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.global_scheduler_recovery import RecoveryPeers
 from services.grpc_bounds import GrpcLimits
@@ -128,14 +129,15 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     # a restarted scheduler (max_restarts) rebuilds its state from these peers, found by name
     peers = RecoveryPeers(config.namespace, tuple(f"spill_node_{i}" for i in range(config.num_spill_nodes)),
                           config.scheduler_report_timeout_s)
+    spec = spill_block_spec(config)
     scheduler = GlobalSchedulerActor.options(
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
         max_restarts=config.scheduler_max_restarts,
     ).remote(state_dir, {nid: config.node.max_num_seqs for nid in node_ids}, config.queue_limit,
              scheduler=config.scheduler, block_size=config.node.block_size,
-             security=keys.security("scheduler", host), peers=peers, **session_limits(config))
+             security=keys.security("scheduler", host), peers=peers, holders=index_holders(config, spec),
+             **session_limits(config))
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
-    spec = spill_block_spec(config)
     spill_nodes = _start_spill_nodes(config, spec)
     # peers by name, not by handle: the restartable actors look them up themselves on each
     # (re)start (services.actor_refs: a handle in their arguments made Ray log an error)
@@ -172,6 +174,17 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,
                     metrics_addresses(gateway, nodes, spill_nodes), ray.get(gateway.http_address.remote()),
                     gateway_ip if gateway_ip != ray.util.get_node_ip_address() else "")
+
+
+def index_holders(config: ServiceConfig, spec: SpillBlockSpec) -> IndexHolders:
+    """Who reports block events to the scheduler's index, and the most blocks each holds: a
+    cache node its device pool and host tier, each spill node (``spill_node_<i>``) its RAM and
+    disk budgets, in blocks of the nodes' KV layout (``spec``: a device block, a host-tier slot
+    and a spill block are the same bytes)."""
+    block = BlockFormat(spec.shape, spec.dtype, spec.kv_format).block_nbytes
+    spill = config.spill_ram_bytes // block + config.spill_disk_bytes // block
+    return IndexHolders(config.node.kv_pool_bytes // block + config.node.host_bytes // block,
+                        {f"spill_node_{i}": spill for i in range(config.num_spill_nodes)})
 
 
 def metrics_endpoint(config: ServiceConfig, port: int) -> MetricsEndpoint | None:

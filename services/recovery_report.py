@@ -1,17 +1,20 @@
 """A restarted global scheduler's reports, checked field by field before anything is applied
 (``services.global_scheduler_recovery``): a cache node's ``recovery_report`` and a spill
 node's ``held_blocks`` are untrusted input. Each check raises ``BadReport`` (the holder is then
-treated as not answering).
+treated as not answering). The block checks (``check_block``) serve the live path too: every
+batch of block events a holder reports (``block_changes``, ``GlobalScheduler.report_events``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from services.block_index import EVENTS, TIER_DEVICE
 from services.data_plane_wire import MAX_ID_CHARS
 
 MAX_REPORTED_BLOCKS = 1 << 22
-"""Block hashes one holder may report (a larger report is refused whole)."""
+"""Block hashes one holder may report (a larger report is refused whole), and block events one
+live batch may carry."""
 
 MAX_HASH_BYTES = 64
 """Longest block hash a report may carry (the nodes' hashes are 32 bytes)."""
@@ -42,16 +45,38 @@ def address(value: Any, key: str) -> str:
     return value
 
 
+def check_block(block_hash: Any, tier: Any, tiers: tuple[str, ...]) -> tuple[bytes, str]:
+    """``(block_hash, tier)``: a hash of 1 to ``MAX_HASH_BYTES`` bytes, in one of ``tiers`` (the
+    holder's own: ``block_index.NODE_TIERS`` for a cache node, ``SPILL_TIERS`` for a spill node)."""
+    if type(block_hash) is not bytes or not 0 < len(block_hash) <= MAX_HASH_BYTES or tier not in tiers:
+        raise BadReport(f"a block is (hash of at most {MAX_HASH_BYTES} bytes, one of {list(tiers)})")
+    return block_hash, tier
+
+
 def block_events(value: Any, tiers: tuple[str, ...]) -> list[tuple[str, bytes, str]]:
     """``("stored", hash, tier)`` events of a report's ``(hash, tier)`` pairs."""
     if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTED_BLOCKS:
         raise BadReport(f"blocks must be a list of at most {MAX_REPORTED_BLOCKS} (hash, tier) pairs")
     events = []
     for item in value:
-        if (not isinstance(item, (list, tuple)) or len(item) != 2 or type(item[0]) is not bytes
-                or not 0 < len(item[0]) <= MAX_HASH_BYTES or item[1] not in tiers):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadReport(f"a block is (hash of at most {MAX_HASH_BYTES} bytes, one of {list(tiers)})")
-        events.append(("stored", item[0], item[1]))
+        events.append(("stored", *check_block(item[0], item[1], tiers)))
+    return events
+
+
+def block_changes(value: Any, tiers: tuple[str, ...]) -> list[tuple[str, bytes, str]]:
+    """A live batch of a holder's block events: ``(event, hash, tier)`` items, ``event`` one of
+    ``block_index.EVENTS``, a block as ``check_block`` takes it; ``(event, hash)`` is tier
+    "device". At most ``MAX_REPORTED_BLOCKS`` items."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTED_BLOCKS:
+        raise BadReport(f"events must be a list of at most {MAX_REPORTED_BLOCKS} (event, hash, tier) items")
+    events = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) not in (2, 3) or type(item[0]) is not str or (
+                item[0] not in EVENTS):
+            raise BadReport(f"an event is (one of {list(EVENTS)}, block hash[, tier])")
+        events.append((item[0], *check_block(item[1], item[2] if len(item) == 3 else TIER_DEVICE, tiers)))
     return events
 
 

@@ -10,7 +10,7 @@ import pytest
 from cache_node.tiers.manager import TIERS
 from services.block_index import TIERS as INDEX_TIERS
 from services.block_index import BlockIndex, PrefixTiers
-from services.global_scheduler import GlobalScheduler
+from services.global_scheduler import GlobalScheduler, IndexHolders
 from services.spill_node import SpillNode
 from tenants.model import TenantSpec
 from tests.known_tenants import know_tenants
@@ -32,8 +32,13 @@ def removed(tier: str, hashes: list[bytes]) -> list[tuple[str, bytes, str]]:
     return [("removed", h, tier) for h in hashes]
 
 
+SPILL_NODES = IndexHolders(spill_blocks=dict.fromkeys(("spill_node_0", "spill_node_1", "s0"), 1000))
+
+
 def plain(tmp_path: Path, nodes: tuple[str, ...] = ("n0", "n1"), **kw: object) -> GlobalScheduler:
-    """A scheduler with these tests' tenants ("t", "noisy", "quiet", "third", "mallory", "alice")."""
+    """A scheduler with these tests' tenants ("t", "noisy", "quiet", "third", "mallory", "alice")
+    and spill nodes ("spill_node_0", "spill_node_1", "s0")."""
+    kw.setdefault("holders", SPILL_NODES)
     gs = GlobalScheduler(str(tmp_path), dict.fromkeys(nodes, 4), **kw)  # type: ignore[arg-type]
     return know_tenants(gs, "t", "noisy", "quiet", "third", "mallory", "alice")
 
@@ -104,15 +109,116 @@ def test_reset_forgets_what_a_restarted_holder_held(tmp_path) -> None:
     gs.index.check_integrity()
 
 
-def test_bad_events_raise_and_change_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("holder, events", [
+    ("n0", stored("device", H[:1]) + stored("gpu", H[1:2])),
+    ("n0", [("evicted", H[0], "device")]),
+    ("n0", [("stored", "ab", "device")]),
+    ("n0", [("stored", b"", "device")]),
+    ("n0", [("stored", b"x" * 65, "device")]),  # a hash past MAX_HASH_BYTES (the review's was 16 MiB)
+    ("n0", stored("device", H[:1]) + stored("spill_disk", H[1:2])),  # a cache node holds no spill tier
+    ("s0", [("stored", H[0])]),  # (event, hash): tier device, no spill node's
+    ("s0", stored("host", H[:1])),
+    ("n0", [("stored", H[0], "device", "extra")]),
+    ("n0", [["stored"]]),
+    ("n0", "stored"),
+    ("n0", {"stored": H[0]}),
+])
+def test_bad_events_are_refused_whole_counted_and_never_raise(tmp_path, holder, events) -> None:
+    """A batch is untrusted input, checked whole as a restarted scheduler checks a report
+    (``recovery_report.block_changes``): a bad one applies nothing, returns 0 and is counted;
+    it never raises (a holder calls fire-and-forget).
+
+    Regression (review 25a D): a 16 MiB hash was stored, a cache node could report spill tiers."""
     gs = plain(tmp_path)
-    with pytest.raises(ValueError, match=r"unknown tier 'gpu'; known: \['device', 'host'"):
-        gs.report_events("n0", stored("device", H[:1]) + stored("gpu", H[1:2]))
-    with pytest.raises(ValueError, match="unknown event 'evicted'"):
-        gs.report_events("n0", [("evicted", H[0], "device")])
-    with pytest.raises(TypeError, match="block_hash must be bytes"):
-        gs.report_events("n0", [("stored", "ab", "device")])  # type: ignore[arg-type]
-    assert len(gs.index) == 0
+    gs.report_events("n0", stored("device", H[5:7]))
+    gs.report_events("s0", stored("spill_ram", H[8:9]))
+    assert gs.report_events(holder, events) == 0  # type: ignore[arg-type]
+    assert gs.report_events(holder, events, reset=True) == 0  # type: ignore[arg-type]
+    assert gs.stats()["refused_block_reports"] == {"malformed": 2}
+    assert gs.stats()["indexed_blocks_by_tier"] == by_tier(device=2, spill_ram=1)
+    gs.index.check_integrity()
+
+
+def test_only_known_holders_report(tmp_path) -> None:
+    """Regression (review 25a D): any holder id was taken, so any caller could add a holder
+    (each one more set of entries, unbounded) or reset one that is no holder here. Only the
+    scheduler's cache nodes and its spill nodes (``IndexHolders.spill_blocks``) report."""
+    gs = plain(tmp_path)
+    gs.report_events("n0", stored("device", H[:4]))
+    for holder in ("no-such-holder", "", "spill_node_9", None, ("n0",), b"n0"):
+        assert gs.report_events(holder, stored("spill_disk", H[4:5])) == 0  # type: ignore[arg-type]
+        assert gs.report_events(holder, stored("device", H[4:5]), reset=True) == 0  # type: ignore[arg-type]
+    assert gs.stats()["refused_block_reports"] == {"unknown_holder": 12}
+    assert gs.index.node_prefix("n0", H) == 4 and len(gs.index) == 4
+    assert gs.report_events("spill_node_1", stored("spill_disk", H[4:5])) == 1  # a known spill node
+
+
+def test_a_holder_holds_at_most_its_capacity(tmp_path) -> None:
+    """Regression (review 25a D): nothing bounded what one holder reported (one call added
+    4,194,305 hashes, +2.2 GB); a holder that never reported removals grew the index without
+    end. A batch after which its holder would hold more pairs than its capacity is refused
+    whole; moves between its tiers, in either event order, pass at capacity."""
+    gs = plain(tmp_path, holders=IndexHolders(node_blocks=4, spill_blocks={"s0": 3}))
+    assert gs.report_events("n0", stored("device", H[:4])) == 4
+    assert gs.report_events("n0", stored("device", H[4:5])) == 0  # a 5th block
+    assert gs.report_events("n0", removed("device", H[:2]) + stored("host", H[:2])) == 4  # demotion
+    assert gs.report_events("n0", stored("device", H[:1]) + removed("host", H[:1])) == 2  # promotion
+    assert gs.report_events("n0", removed("device", H[3:4]) + stored("device", H[4:5])) == 2  # a swap
+    assert gs.report_events("n0", stored("device", H[4:9]), reset=True) == 0  # 5 after a reset
+    assert gs.report_events("n0", stored("host", H[5:9]), reset=True) == 4  # 4 after a reset
+    assert gs.report_events("n1", stored("device", H[:4])) == 4  # each cache node its own
+    assert gs.report_events("s0", stored("spill_ram", H[:2]) + stored("spill_disk", H[:2])) == 0  # 4 pairs
+    assert gs.report_events("s0", stored("spill_ram", H[:2]) + stored("spill_disk", H[:1])) == 3
+    assert gs.stats()["refused_block_reports"] == {"over_capacity": 3}
+    assert (gs.index.pairs_of("n0"), gs.index.pairs_of("n1"), gs.index.pairs_of("s0")) == (4, 4, 3)
+    gs.index.check_integrity()
+
+
+def test_a_restarted_nodes_old_blocks_do_not_count_against_its_capacity(tmp_path) -> None:
+    """A node restarted between two health polls (``node_up`` from a new process, no
+    ``node_down``): its old process's blocks are forgotten, else they would hold its capacity
+    and every report of the new process be refused for good. The same process back keeps them."""
+    gs = plain(tmp_path, holders=IndexHolders(node_blocks=4))
+    gs.attach_nodes({"n0": "tcp://n0:1", "n1": "tcp://n1:1"}, _Recorder())
+    gs.node_up("n0", "tcp://n0:1", pid=10, restarts=0)
+    assert gs.report_events("n0", stored("device", H[:4])) == 4
+    gs.node_up("n0", "tcp://n0:1", pid=10, restarts=0)  # it missed a poll: the same process
+    assert gs.index.node_prefix("n0", H) == 4
+    gs.node_up("n0", "tcp://n0:2", pid=11, restarts=1)  # a new process
+    assert gs.index.pairs_of("n0") == 0
+    assert gs.report_events("n0", stored("device", H[4:8])) == 4
+    assert gs.stats()["refused_block_reports"] == {}
+
+
+def test_a_batch_past_the_report_limit_is_refused(tmp_path, monkeypatch) -> None:
+    """At most ``MAX_REPORTED_BLOCKS`` events a batch, as a restarted scheduler takes from one
+    report (the review's batch was 4,194,305 events; here the limit is made 8)."""
+    import services.recovery_report
+
+    monkeypatch.setattr(services.recovery_report, "MAX_REPORTED_BLOCKS", 8)
+    gs = plain(tmp_path)
+    assert gs.report_events("n0", stored("device", H[:4]) + removed("device", H[:4])) == 8
+    assert gs.report_events("n0", stored("device", H[:5]) + removed("device", H[:4])) == 0
+    assert gs.stats()["refused_block_reports"] == {"malformed": 1} and len(gs.index) == 0
+
+
+def test_pairs_after_predicts_what_apply_leaves() -> None:
+    """``BlockIndex.pairs_after`` (the capacity check) agrees with applying, in any order of
+    stores and removals over two tiers, with and without a reset."""
+    import random
+
+    rng = random.Random(25)
+    index = BlockIndex()
+    for _ in range(300):
+        batch = [(rng.choice(("stored", "removed")), H[rng.randrange(6)], rng.choice(("device", "host")))
+                 for _ in range(rng.randrange(12))]
+        reset = rng.random() < 0.1
+        predicted = index.pairs_after("n0", batch, reset)
+        if reset:
+            index.forget("n0")
+        index.apply("n0", batch)
+        assert index.pairs_of("n0") == predicted
+        index.check_integrity()
 
 
 def test_flush_clears_every_tier(tmp_path) -> None:
@@ -130,7 +236,8 @@ def test_routing_prefers_the_longer_device_plus_host_prefix(tmp_path) -> None:
     gs.report_events("n0", stored("device", H[:5]))
     gs.report_events("n1", stored("device", H[:3]) + stored("host", H[3:6]))
     assert gs.admit("t", "r1", block_hashes=H).node_id == "n1"  # 6 blocks (3 in host) > 5
-    gs.report_events("n1", removed("host", H[3:6]) + stored("spill_ram", H[3:6]))
+    gs.report_events("n1", removed("host", H[3:6]))  # spilled: a spill node reports them
+    assert gs.report_events("spill_node_0", stored("spill_ram", H[3:6])) == 3
     assert gs.admit("t", "r2", block_hashes=H).node_id == "n0"  # n1 keeps 3 of its own
 
 
@@ -344,3 +451,25 @@ def test_a_submit_the_node_cannot_take_is_refused_not_left_waiting(tmp_path) -> 
     adm = gs.admit_and_submit(req, "gw", [])
     assert (adm.code, adm.reason) == ("UNAVAILABLE", "node_not_reading")
     assert not gs.requests and all(not n.in_flight for n in gs.nodes.values()) and not gs.session_nodes
+
+
+def test_the_launchers_capacities_are_the_nodes_blocks() -> None:
+    """``launcher.index_holders``: a cache node's capacity is its device pool's blocks (as the
+    engine sizes it) plus its host tier's slots; a spill node's its RAM and disk in blocks."""
+    import torch
+    from transformers import AutoConfig
+
+    from cache_node.kv_pool import KVPool
+    from cache_node.model_files import resolve_model_dir
+    from services.config import NodeConfig, ServiceConfig
+    from services.launcher import index_holders, spill_block_spec
+
+    config = ServiceConfig(node=NodeConfig(device="cpu", dtype="float32", kv_pool_bytes=3 << 20, host_bytes=5 << 20),
+                           num_spill_nodes=2, spill_ram_bytes=7 << 20, spill_disk_bytes=12 << 20)
+    mc = AutoConfig.from_pretrained(str(resolve_model_dir(config.node.model_path)))
+    per_block = config.node.block_size * KVPool.bytes_per_token(
+        mc.num_hidden_layers, mc.num_key_value_heads, mc.hidden_size // mc.num_attention_heads, torch.float32)
+    holders = index_holders(config, spill_block_spec(config))
+    assert holders.node_blocks == (3 << 20) // per_block + (5 << 20) // per_block
+    assert holders.spill_blocks == dict.fromkeys(("spill_node_0", "spill_node_1"),
+                                                 (7 << 20) // per_block + (12 << 20) // per_block)

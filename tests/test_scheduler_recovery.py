@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cache_node.sessions import SessionTable
+from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.global_scheduler_recovery import BadReport, RecoveryPeers
 from tenants.model import TenantSpec
@@ -34,7 +35,8 @@ def report(**fields: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def sched(tmp_path: Path) -> GlobalSchedulerService:
-    s = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}), "t1", "t2")
+    s = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4},
+                                            holders=IndexHolders(spill_blocks={"spill_node_0": 100})), "t1", "t2")
     s.recovered_requests = {}
     return s
 

@@ -122,6 +122,7 @@ def test_a_node_that_never_reports_does_not_hold_up_the_restart(ray_cluster, tmp
     """A restarted scheduler waits at most ``report_timeout_s`` for the reports: a node that
     never answers is down (it rejoins through a gateway's monitor, as any down node), a spill
     node that does not exist is skipped, and the others' reports are applied."""
+    from services.global_scheduler import IndexHolders
     from services.global_scheduler_admission import GlobalSchedulerService
     from services.global_scheduler_recovery import RecoveryPeers
 
@@ -133,7 +134,8 @@ def test_a_node_that_never_reports_does_not_hold_up_the_restart(ray_cluster, tmp
         # up before the clock starts: a worker process's start under load (seconds on 2 shared
         # cores) is not the report window under test (it made n0 miss the 1 s window at times)
         ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=120)
-        sched = GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4})
+        sched = GlobalSchedulerService(str(tmp_path), {"n0": 4, "n1": 4}, holders=IndexHolders(
+            spill_blocks=dict.fromkeys(("spill_node_0", "spill_node_1"), 100)))
         t0 = time.monotonic()
         sched.recover(RecoveryPeers(namespace, ("spill_node_0", "spill_node_1"), report_timeout_s=1.0))
         assert time.monotonic() - t0 < 10  # the 1 s window, not the silent node's hour

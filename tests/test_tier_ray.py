@@ -15,6 +15,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray
 
 from cache_node.tiers.spill_format import BlockFormat
+from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.spill_client import RaySpillClient
 from services.spill_node import SpillNode, create_spill_node
@@ -52,7 +53,8 @@ def test_engine_round_trip_through_two_sharded_spill_nodes(tiny, tmp_path) -> No
     probe = tiered(tiny)
     spec = probe.spill_block_spec()
     fmt = BlockFormat(*spec)
-    scheduler = GlobalSchedulerActor.options(num_cpus=0).remote(str(tmp_path / "state"), {"n0": 4})
+    shards = IndexHolders(spill_blocks=dict.fromkeys(("tier-shard-0", "tier-shard-1"), 1 << 12))
+    scheduler = GlobalSchedulerActor.options(num_cpus=0).remote(str(tmp_path / "state"), {"n0": 4}, holders=shards)
     nodes = [create_spill_node(f"tier-shard-{i}", tmp_path / str(i), fmt, 1 << 24, 1 << 26,
                                scheduler=scheduler)
              for i in range(2)]
