@@ -18,13 +18,15 @@ nodes must then reach each other on those ports as they already must on Ray's wo
 Every socket is CURVE-authenticated and encrypted, and serves only the roles that send to it
 (``services.data_plane_auth``).
 
-Every byte that arrives is untrusted, our own processes' too: each reader checks a message's
-shape, types and values (``request_from_wire``, ``event_items``, ``admission_reply``) and drops
-and counts a bad one (``bad_messages`` in the owner's stats), never ending its loop on it.
+Every byte that arrives is untrusted, our own processes' too: each message is decoded within
+its socket's limits (``unpack``, ``MessageLimits``: what it may expand to is bounded before it is
+built), and each reader checks a message's shape, types and values (``request_from_wire``,
+``event_items``, ``admission_reply``) and drops and counts a bad one (``bad_messages`` in the
+owner's stats), never ending its loop on it.
 
-Where its parts live: ``services.data_plane_wire`` (the wire's limits, ``MAX_*``, and a
-request's wire form, ``request_to_wire``, ``request_from_wire``), ``services.data_plane_replies``
-(node events and admission replies: ``check_event``, ``checked_event_items``, ``event_items``,
+Where its parts live: ``services.data_plane_wire`` (the wire's limits, ``MAX_*`` and
+``MessageLimits``, and a request's wire form, ``request_to_wire``, ``request_from_wire``),
+``services.data_plane_replies`` (node events and admission replies: ``check_event``, ``checked_event_items``, ``event_items``,
 ``admission_reply``, ``BadReply``, ``status_names``). This module keeps the sockets (``context``,
 ``bind_random``, ``serving_socket``, ``PushSockets``) and msgpack (``pack``, ``unpack``), and
 re-exports those names, so ``data_plane.request_to_wire`` and the like keep working.
@@ -49,13 +51,18 @@ from services.data_plane_replies import (  # noqa: F401 - re-exported
     status_names,
 )
 from services.data_plane_wire import (  # noqa: F401 - re-exported
+    EVENT_LIMITS,
     FINISH_REASONS,
     MAX_COUNT,
     MAX_ID_CHARS,
+    MAX_MESSAGE_BYTES,
     MAX_NAME_CHARS,
     MAX_RETRY_AFTER_S,
     MAX_TEXT_CHARS,
     MAX_TOKEN_ID,
+    REPLY_LIMITS,
+    REQUEST_LIMITS,
+    MessageLimits,
     request_from_wire,
     request_to_wire,
 )
@@ -64,9 +71,6 @@ log = logging.getLogger(__name__)
 
 SEND_HWM = 1 << 20
 """Messages a PUSH socket queues for a slow peer before dropping (see ``PushSockets``)."""
-
-MAX_MESSAGE_BYTES = 64 << 20
-"""Largest message a serving socket accepts (ZeroMQ drops the connection of a peer sending more)."""
 
 
 def host_ip() -> str:
@@ -80,8 +84,48 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False)
+class _Budget:
+    """The arrays and maps a message may still build, and their elements (``MessageLimits``):
+    msgpack calls ``array`` and ``map`` as each one is complete, innermost first, so a message
+    of many small containers stops at the first past the bound, not after building them all."""
+
+    __slots__ = ("containers", "elements")
+
+    def __init__(self, limits: MessageLimits) -> None:
+        self.containers, self.elements = limits.max_containers, limits.max_elements
+
+    def array(self, value: list[Any]) -> list[Any]:
+        self._spend(len(value))
+        return value
+
+    def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        self._spend(2 * len(value))
+        return value
+
+    def _spend(self, elements: int) -> None:
+        self.containers -= 1
+        self.elements -= elements
+        if self.containers < 0 or self.elements < 0:
+            raise ValueError("the message holds more arrays, maps or elements than any message of its kind")
+
+
+def unpack(data: bytes, limits: MessageLimits = REQUEST_LIMITS) -> Any:
+    """The msgpack message ``data`` (str as str, bin as bytes), decoded within ``limits``
+    (``MessageLimits``; the default is a request's or a node command's, the widest in elements).
+
+    Raises:
+        ValueError: ``data`` is larger or holds more than ``limits`` allow (caught before the
+            objects past the bound are built), or an extension type;
+        msgpack's errors (``ValueError`` subclasses, ``StackError``...): it is not msgpack.
+    """
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"a message of {len(data)} bytes (at most {limits.max_bytes})")
+    budget = _Budget(limits)
+    return msgpack.unpackb(
+        data, raw=False, max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
+        max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len, max_ext_len=0,
+        list_hook=budget.array, object_hook=budget.map,
+    )
 
 
 class _Context(zmq.Context):

@@ -13,6 +13,7 @@ A part of ``services.data_plane``, which re-exports its public names.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
@@ -35,6 +36,102 @@ FINISH_REASONS = ("stop", "length", "abort")
 API's ``finish_reason``, so no other value passes the wire."""
 MAX_ID_CHARS = 1024
 """Longest request id or tenant id on the wire (the gateway's scoped ids are far shorter)."""
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest message a serving socket accepts (ZeroMQ drops the connection of a peer sending more).
+Not lower, on any socket: the largest admission is tens of MiB (``MAX_WIRE_TOKENS`` token ids of
+up to 5 bytes and as many block hashes at ``block_size`` 1), and a step's event message grows
+with the node's ``max_num_seqs`` and its ids, which nothing bounds below this; a message over
+the cap loses every stream's events in it. What a message may expand to is bounded while it is
+decoded instead (``MessageLimits``)."""
+
+UTF8_MAX_BYTES = 4
+# services.convert's MAX_PROMPT_CHARS and MAX_CHAT_MESSAGES (a test ties them), not imported:
+# that module loads the protobufs, which neither a node nor the scheduler needs
+_PROMPT_CHARS = 1 << 20
+_CHAT_MESSAGES = 1024
+
+MAX_WIRE_TOKENS = UTF8_MAX_BYTES * _PROMPT_CHARS + 64 * _CHAT_MESSAGES + (1 << 16)
+"""Most token ids, and most block hashes, one request on the wire may carry (4,325,376). A token
+prompt holds at most ``MAX_PROMPT_TOKEN_IDS`` (131,072); a chat's first turn goes as the tokens
+of its rendered text: at most 1 Mi characters of content of at most 4 UTF-8 bytes each, and
+every token of a byte-level or byte-fallback tokenizer covers at least one byte, plus the
+template's own tokens (64 a message and 64 Ki for its fixed text, generously). A prompt has at
+most one block hash a token (``block_size`` 1)."""
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """What one data-plane message may hold, checked while msgpack decodes it
+    (``services.data_plane.unpack``): each array's and map's length, each string's and
+    binary's bytes (``max_ext_len`` is 0: no message has an extension type), and over the
+    whole message the arrays and maps (``max_containers``) and their elements
+    (``max_elements``, a map's entry counting two). Each is sized from what the real senders
+    send on that socket (``REQUEST_LIMITS``, ``EVENT_LIMITS``, ``REPLY_LIMITS``).
+
+    msgpack's own defaults allow as many elements as the message has bytes, and one byte
+    (``0x80``, an empty map) becomes a 64-byte dict: every object was built before any reader
+    looked at the message's shape. A message now costs at most its bytes plus
+    ``max_containers`` containers and ``max_elements`` (+ one array's ``max_array_len``, built
+    before its count is taken) elements, about the cost of the largest real message.
+
+    Regression (review 25a B): one 32 MiB message of empty maps to the gateway's event inbox
+    became 2.3 GiB of Python objects and stalled its event loop (every tenant's streams and
+    admissions) for 5.7 s; at the 64 MiB cap ~4.6 GiB and ~11 s.
+    """
+
+    max_bytes: int
+    max_array_len: int
+    max_map_len: int
+    max_str_len: int
+    max_bin_len: int
+    max_containers: int
+    max_elements: int
+
+
+REQUEST_LIMITS = MessageLimits(
+    max_bytes=MAX_MESSAGE_BYTES,
+    max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
+    max_map_len=32,  # a request's 15 fields, sampling's 7, extra's 8, an envelope's 4
+    max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,  # one chat message's content, 4 MiB
+    max_bin_len=64,  # a block hash (32 bytes)
+    max_containers=_CHAT_MESSAGES + 64,  # a map a chat message ({role, content}), the fixed ones
+    max_elements=2 * MAX_WIRE_TOKENS + 8 * _CHAT_MESSAGES + 1024,  # tokens, hashes, messages
+)
+"""An admission (gateway -> the scheduler's admission socket: ``{"id", "req", "sub",
+"hashes"}``) and a node's commands (the scheduler's ``submit`` of the same request, ``abort``,
+``abort_subscriber``, ``end_tenant``, ``close_session``; the gateway's ``abort``): the default of
+``data_plane.unpack``."""
+
+MAX_EVENTS_PER_MESSAGE = 1 << 15
+"""Most events one node message to a gateway may hold: a step's message has at most three per
+stream of that gateway on the node (a delta, a held-back tail, its end; or a ``started``):
+room for 10,922 streams, ten times vLLM's largest usual ``max_num_seqs``."""
+
+EVENT_LIMITS = MessageLimits(
+    max_bytes=MAX_MESSAGE_BYTES,
+    max_array_len=MAX_EVENTS_PER_MESSAGE,  # the items; a delta's token ids are one step's
+    max_map_len=32,  # an event's <= 11 fields, policy_stats' figures, cached_tokens' 4 tiers
+    max_str_len=1 << 20,  # ids <= MAX_ID_CHARS; texts are one step's, or a node's error text
+    max_bin_len=0,
+    max_containers=4 * MAX_EVENTS_PER_MESSAGE + 1,  # an item, its event, 2 maps (or token ids)
+    # 96 a stream (a third of the items): a delta 9, a tail 8, its end 32 + 2 a policy figure (<= 16)
+    max_elements=32 * MAX_EVENTS_PER_MESSAGE,
+)
+"""A node's event message to a gateway's event inbox: ``[[request_id, event], ...]``."""
+
+REPLY_LIMITS = MessageLimits(
+    max_bytes=MAX_MESSAGE_BYTES,
+    max_array_len=0,  # a reply holds no array
+    max_map_len=8,  # the envelope {"id", "adm" | "error"}; an admission's 7 fields
+    # a node id, and texts the gateway cuts to MAX_TEXT_CHARS (an error's is the scheduler's
+    # exception text, not cut at its source: a longer one fails its admission at its timeout)
+    max_str_len=1 << 20,
+    max_bin_len=0,
+    max_containers=2,
+    max_elements=2 * 2 + 2 * 7,
+)
+"""The scheduler's admission reply to a gateway (``{"id", "adm"}`` or ``{"id", "error"}``)."""
 
 _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),

@@ -84,7 +84,8 @@ class NodeStreams:
     ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
     stream with UNAVAILABLE (its request aborted on its node: ``_attempt``), the others of its
     message are routed; a reply with bad admission fields fails its admission at once
-    (UNAVAILABLE for that request); any other bad message is dropped.
+    (UNAVAILABLE for that request); any other bad message is dropped. Each message is decoded
+    within its socket's ``data_plane.MessageLimits`` (``EVENT_LIMITS``, ``REPLY_LIMITS``).
     """
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
@@ -263,7 +264,8 @@ class NodeStreams:
         while True:
             payload = await sock.recv()
             try:
-                corr, body = data_plane.admission_reply(data_plane.unpack(payload), self.node_inboxes)
+                corr, body = data_plane.admission_reply(data_plane.unpack(payload, data_plane.REPLY_LIMITS),
+                                                        self.node_inboxes)
             except data_plane.BadReply as exc:  # its admission fails now, not at its timeout
                 self._drop("admission", exc)
                 corr, body = exc.corr, f"a malformed admission reply: {exc}"
@@ -436,7 +438,7 @@ class NodeStreams:
         while True:
             frame = await inbox.recv(copy=False)
             try:
-                items = data_plane.checked_event_items(data_plane.unpack(frame.bytes))
+                items = data_plane.checked_event_items(data_plane.unpack(frame.bytes, data_plane.EVENT_LIMITS))
             except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
                 self._drop("event", exc)
                 continue
