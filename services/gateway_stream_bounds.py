@@ -21,12 +21,45 @@ MAX_UNDELIVERED_BYTES = 1 << 20
 """Most a stream may hold undelivered (``StreamBuffer.undelivered_bytes``) before it is ended
 RESOURCE_EXHAUSTED and its request aborted on its node: ~50K tokens of English text behind."""
 
+UNBOUND_STREAMS_HELD = 4
+"""What a gateway holds of the events that arrive for streams whose node is not known yet
+(``NodeStreams.bind``: a node's first events may overtake the scheduler's admission reply),
+per sending node: at most ``max_undelivered_bytes`` for one stream, and this many times that
+for all (4 MiB by default; a real node's are a few events a stream, for a few milliseconds)."""
+
 STREAM_IDLE_TIMEOUT_S = 300.0
 """Longest a stream's undelivered events may wait with its client taking none of them before
 it is ended RESOURCE_EXHAUSTED and its request aborted on its node (``StreamLimits``)."""
 
 TERMINAL = ("finished", "error")
 """Event types that end a stream: nothing after one is kept."""
+
+EVENT_BYTES = 64
+"""What a held event other than a delta counts in ``undelivered_bytes`` besides its values."""
+
+
+def event_bytes(event: dict[str, Any]) -> int:
+    """What ``event`` counts in ``StreamBuffer.undelivered_bytes``: a delta 4 per token id and
+    per character (as ``_Delta``), any other ``EVENT_BYTES`` + 4 per character of its strings
+    (keys included), 8 per other value and per entry of a map or list, nested values included
+    (a node's ``policy_stats`` values are not checked)."""
+    if event.get("type") == "delta":
+        return 4 * (len(event["token_ids"]) + len(event["text"]))
+    size, pending = EVENT_BYTES, [event]
+    while pending:  # iterative: nesting as deep as msgpack allows never recurses here
+        value = pending.pop()
+        if isinstance(value, str):
+            size += 4 * len(value)
+        elif isinstance(value, dict):
+            size += 8 * len(value)
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            size += 8 * len(value)
+            pending.extend(value)
+        else:
+            size += 8 + (len(value) if isinstance(value, bytes) else 0)
+    return size
 
 
 @dataclass(frozen=True)
@@ -39,7 +72,8 @@ class StreamLimits:
         max_streams_per_tenant: Generate calls (gRPC or HTTP) a tenant may have open at the
             gateway, each counted until its client has taken its last event or gone; past it a
             call is refused RESOURCE_EXHAUSTED (``InferenceServicer``).
-        max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``) is ended
+        max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``: every
+            event it holds counts; its end event on its own, ``past_bound``) is ended
             RESOURCE_EXHAUSTED and its request aborted on its node (``NodeStreams``).
         idle_timeout_s: a stream whose reader has taken nothing this long without waiting for
             events (it is stuck handing the last one to a client that takes nothing) is ended
@@ -69,6 +103,16 @@ class StreamLimits:
 
 TEXT_PIECES_JOINED = 64
 """A pending delta joins its text pieces into one string each time it holds this many."""
+
+
+def past_bound(held: int, event: dict[str, Any], size: int, bound: int) -> bool:
+    """Whether a stream holding ``held`` bytes (``event``'s ``size`` included) is past ``bound``
+    (``max_undelivered_bytes``) with ``event``: what it holds before its end counts, and its end
+    event on its own. So a stream's last event never ends it for size when it is no larger than
+    the bound (a node's ``finished`` or error, the gateway's UNAVAILABLE: it replaced the end
+    and the pending deltas with RESOURCE_EXHAUSTED), and a stream holds at most twice the bound.
+    """
+    return size > bound if event["type"] in TERMINAL else held > bound
 
 
 class _Delta:
@@ -104,20 +148,23 @@ class StreamBuffer:
     """One stream's events not yet taken by its reader, in order and bounded.
 
     Consecutive delta events coalesce into one pending delta (token ids and texts
-    concatenated), and nothing is kept after a terminal event (``finished`` or ``error``: the
-    reader stops there), so a stream holds at most three messages (``started``, a delta, its
-    end) whatever its length; a reader that keeps up takes each event as it came, unchanged.
-    ``undelivered_bytes`` (4 per pending token id and per pending character) is what
-    ``NodeStreams`` bounds by ``max_undelivered_bytes``, and ``idle_s`` (how long its reader
-    has taken nothing without waiting in ``get``, on ``clock``) what it bounds by the idle
-    timeout.
+    concatenated), a stream takes one ``started`` event (a second is dropped), and nothing is
+    kept after a terminal event (``finished`` or ``error``: the reader stops there), so a
+    stream holds at most three messages (``started``, a delta, its end) whatever its length; a
+    reader that keeps up takes each event as it came, unchanged. ``undelivered_bytes``
+    (``event_bytes`` of each held event: 4 per pending token id and per pending character, and
+    the size of ``started`` and the end) is what ``NodeStreams`` bounds by
+    ``max_undelivered_bytes``, and ``idle_s`` (how long its reader has taken nothing without
+    waiting in ``get``, on ``clock``) what it bounds by the idle timeout.
 
     The ``asyncio.Queue`` calls its reader uses: ``get``, ``get_nowait``, ``empty``, ``qsize``.
 
     Regression (security review B): each stream was an unbounded ``asyncio.Queue`` of every
     event (~400 bytes a delta): a client that never read its streams (HTTP/2 window never
     granted) made the gateway keep every token its requests produced, growing with the
-    nodes' throughput for as long as it held a connection.
+    nodes' throughput for as long as it held a connection. Regression (review 25a C): only
+    deltas were counted and any number of ``started`` events was kept: a node's 200,000 of them
+    (1 KiB ``node_id`` each) held 484 MiB for a client that did not read, counted as 0 bytes.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -125,13 +172,19 @@ class StreamBuffer:
         self._waiter: asyncio.Future[None] | None = None
         self.undelivered_bytes = 0
         self.ended = False  # a terminal event is in: later ones are dropped
+        self.started = False  # its ``started`` event is in (or was taken): another is dropped
         self.clock = clock
         self._taken_at = clock()  # its reader's last take (its opening before any)
 
-    def put_nowait(self, event: dict[str, Any]) -> None:
-        """Add ``event`` (dropped after a terminal event)."""
-        if self.ended:
-            return
+    def takes(self, event: dict[str, Any]) -> bool:
+        """Whether ``put_nowait`` keeps ``event``: not after a terminal event, and not a second
+        ``started`` (whether or not the first was taken)."""
+        return not (self.ended or (event["type"] == "started" and self.started))
+
+    def put_nowait(self, event: dict[str, Any]) -> bool:
+        """Add ``event``; False when it was dropped (``takes``)."""
+        if not self.takes(event):
+            return False
         if event["type"] == "delta":
             last = self._items[-1] if self._items else None
             if not isinstance(last, _Delta):
@@ -140,16 +193,19 @@ class StreamBuffer:
             self.undelivered_bytes += last.add(event)
         else:
             self._items.append(event)
+            self.undelivered_bytes += event_bytes(event)
             self.ended = event["type"] in TERMINAL
+            self.started = self.started or event["type"] == "started"
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        return True
 
     def end(self, event: dict[str, Any]) -> None:
         """Drop the pending deltas and the pending end, if any, and end the stream with
         ``event`` (an error)."""
         self._items = deque(item for item in self._items
                             if not isinstance(item, _Delta) and item["type"] not in TERMINAL)
-        self.undelivered_bytes = 0
+        self.undelivered_bytes = sum(event_bytes(item) for item in self._items)  # its ``started``
         self.ended = False
         self.put_nowait(event)
 
@@ -162,6 +218,7 @@ class StreamBuffer:
         if isinstance(item, _Delta):
             self.undelivered_bytes -= item.size()
             return item.event()
+        self.undelivered_bytes -= event_bytes(item)
         return item
 
     async def get(self) -> dict[str, Any]:

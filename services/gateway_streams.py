@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -23,7 +24,10 @@ from services.data_plane_auth import Security
 from services.gateway_stream_bounds import (
     MAX_UNDELIVERED_BYTES,
     STREAM_IDLE_TIMEOUT_S,
+    UNBOUND_STREAMS_HELD,
     StreamBuffer,
+    event_bytes,
+    past_bound,
 )
 from services.global_scheduler_checks import Admission
 from services.node_request import NodeRequest
@@ -50,6 +54,17 @@ class _Entry:
     ended_unread: bool = False  # ended RESOURCE_EXHAUSTED: aborted on its node (at ``bind`` if not bound)
     idle: bool = False  # ended by ``expire_idle`` (once)
     finished: bool = False  # its ``finished`` event came: nothing runs on its node
+    warned: bool = False  # a second ``started`` was logged (each one is counted)
+
+
+@dataclass
+class _Held:
+    """The events of a stream whose node is not known yet, held for ``bind`` per sender (each a
+    ``StreamBuffer``: deltas coalesced, one ``started``, nothing after an end), and the senders
+    some of whose events were dropped past the bounds (``NodeStreams._hold``)."""
+
+    buffers: dict[str | None, StreamBuffer] = field(default_factory=dict)
+    lost: set[str | None] = field(default_factory=set)
 
 
 class NodeStreams:
@@ -73,8 +88,10 @@ class NodeStreams:
         security: the gateway's data-plane identity (``services.data_plane_auth``): its event
             inbox admits only nodes. None: plaintext on loopback (unit tests only).
         max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``; its client
-            reads too slowly or not at all) is ended with RESOURCE_EXHAUSTED and its request
-            aborted on its node; counted in ``overflows``.
+            reads too slowly or not at all; its end event counts on its own: ``past_bound``) is
+            ended with RESOURCE_EXHAUSTED and its request aborted on its node; counted in
+            ``overflows``. Events for a stream whose node is not known yet are held per sending
+            node, at most this much a stream and ``UNBOUND_STREAMS_HELD`` times it in all (``_hold``).
         stream_idle_timeout_s: a bound stream whose reader has taken nothing this long without
             waiting for events (``StreamBuffer.idle_s``) is ended the same way, and its
             ``on_idle`` called; counted in ``idle_ends`` (``expire_idle``).
@@ -85,7 +102,9 @@ class NodeStreams:
     stream with UNAVAILABLE (its request aborted on its node: ``_attempt``), the others of its
     message are routed; a reply with bad admission fields fails its admission at once
     (UNAVAILABLE for that request); any other bad message is dropped. Each message is decoded
-    within its socket's ``data_plane.MessageLimits`` (``EVENT_LIMITS``, ``REPLY_LIMITS``).
+    within its socket's ``data_plane.MessageLimits`` (``EVENT_LIMITS``, ``REPLY_LIMITS``). A
+    stream's second ``started`` event, and an event held before ``bind`` past its bound, are
+    dropped and counted in ``bad_messages`` too.
     """
 
     def __init__(self, nodes: dict[str, Any], node_inboxes: dict[str, str], scheduler_address: str,
@@ -96,11 +115,13 @@ class NodeStreams:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
         self._key_names = security.key_names() if security is not None else {}
-        self._unbound: dict[str, list[tuple[str | None, dict[str, Any]]]] = {}  # events before ``bind``
+        self._unbound: dict[str, _Held] = {}  # events before ``bind`` (``_hold``)
+        self._unbound_bytes: Counter[str | None] = Counter()  # sender -> its events held (bytes)
         self.bad_messages = 0
         self.overflows = 0  # streams ended for holding over ``max_undelivered_bytes``
         self.idle_ends = 0  # streams ended for ``stream_idle_timeout_s`` without a take
         self.max_undelivered_bytes = max_undelivered_bytes
+        self.max_unbound_bytes = UNBOUND_STREAMS_HELD * max_undelivered_bytes
         self.stream_idle_timeout_s, self.clock = stream_idle_timeout_s, clock
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
@@ -305,12 +326,19 @@ class NodeStreams:
         return buffer
 
     def _put(self, request_id: str, entry: _Entry, event: dict[str, Any]) -> None:
+        if event["type"] == "started" and not entry.buffer.takes(event):  # one a stream, never seen
+            # by ``on_event`` (regression, review 25a C: each was kept, and not counted as held)
+            if not entry.buffer.ended:
+                self._drop("event", ValueError(f"a second started event for {request_id[:200]!r}"), not entry.warned)
+                entry.warned = True
+            return
         if entry.on_event is not None:
             entry.on_event(event)
         entry.finished = entry.finished or (event["type"] == "finished" and not entry.buffer.ended)
-        entry.buffer.put_nowait(event)
+        if not entry.buffer.put_nowait(event):  # after its end
+            return
         held = entry.buffer.undelivered_bytes
-        if held > self.max_undelivered_bytes:
+        if past_bound(held, event, event_bytes(event), self.max_undelivered_bytes):
             self.overflows += 1
             self._end_unread(request_id, entry, f"{held} bytes of it were waiting at the gateway "
                                                 f"(at most {self.max_undelivered_bytes})")
@@ -385,11 +413,20 @@ class NodeStreams:
             entry.node_id = node_id
             if entry.ended_unread and not entry.finished:  # ended before its node was known
                 self.abort(node_id, request_id)
-            for sender, event in self._unbound.pop(request_id, []):  # in order, from it alone
-                if sender == node_id:
-                    self._put(request_id, entry, event)
-                else:
-                    self._drop("event", PermissionError(f"{sender} sent an event for a request on {node_id}"))
+            held = self._pop_unbound(request_id)
+            if held is not None:
+                for sender, buffer in held.buffers.items():  # in order, from it alone
+                    if sender == node_id:
+                        while not buffer.empty():
+                            self._put(request_id, entry, buffer.get_nowait())
+                    else:
+                        self._drop("event", PermissionError(f"{sender} sent {buffer.qsize()} events for a "
+                                                            f"request on {node_id}"), count=buffer.qsize())
+                if node_id in held.lost:
+                    self._put(request_id, entry, _unavailable(
+                        f"cache node {node_id} sent more of this request's events than the gateway holds "
+                        f"before it knows the request's node ({self.max_undelivered_bytes} bytes a request, "
+                        f"{self.max_unbound_bytes} a node); the ones past it were lost"))
             if node_id in self.down:
                 self._put(request_id, entry, _unavailable(self.down[node_id]))
             elif self._failed_at.get(node_id, -1) >= self._opened_at.get(request_id, 0):
@@ -431,7 +468,7 @@ class NodeStreams:
     def close(self, request_id: str) -> None:
         """Stop routing ``request_id``'s events (later ones are dropped)."""
         self._queues.pop(request_id, None)
-        self._unbound.pop(request_id, None)
+        self._pop_unbound(request_id)
         self._opened_at.pop(request_id, None)
 
     async def _read_events(self, inbox: Any) -> None:
@@ -456,7 +493,7 @@ class NodeStreams:
                     f"a cache node sent a malformed event for this request ({type(checked).__name__}: "
                     f"{str(checked)[:200]})")
                 if self._per_node_keys and not entry.node_id:  # its node is not known yet: held
-                    self._unbound.setdefault(request_id, []).append((sender, event))  # for ``bind``
+                    self._hold(request_id, sender, event)  # for ``bind``
                     continue
                 if self._per_node_keys and sender != entry.node_id:
                     self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
@@ -464,9 +501,47 @@ class NodeStreams:
                     continue
                 self._put(request_id, entry, event)
 
-    def _drop(self, what: str, exc: BaseException) -> None:
-        self.bad_messages += 1
-        log.warning("gateway data plane: dropped a bad %s message: %s: %.200s", what, type(exc).__name__, exc)
+    def _hold(self, request_id: str, sender: str | None, event: dict[str, Any]) -> None:
+        """Hold ``event`` from ``sender`` for ``request_id``'s ``bind``, bounded per sender (one
+        node's events cannot crowd out another's): at most ``max_undelivered_bytes`` a request
+        and ``max_unbound_bytes`` over all requests (``event_bytes``; deltas coalesce, one
+        ``started``, nothing after an end). An event past a bound is dropped and counted
+        (``bad_messages``); if its sender is the request's node, the stream ends UNAVAILABLE at
+        ``bind`` (it lost events: the gateway aborts its request on its node and retries it).
+
+        Regression (review 25a C): every event before ``bind`` was kept, without a bound."""
+        held = self._unbound.setdefault(request_id, _Held())
+        buffer = held.buffers.get(sender)
+        if buffer is None:
+            buffer = held.buffers[sender] = StreamBuffer(self.clock)
+        if not buffer.takes(event):  # a second ``started``, or after its end
+            self._drop("event", ValueError(f"a {event['type']} event for {request_id[:200]!r} after its "
+                                           "started or end event"), False)
+            return
+        size = event_bytes(event)
+        if (past_bound(buffer.undelivered_bytes + size, event, size, self.max_undelivered_bytes)
+                or self._unbound_bytes[sender] + size > self.max_unbound_bytes):
+            self._drop("event", ValueError(f"{sender or 'an unknown node'} sent more events for "
+                                           f"{request_id[:200]!r} than are held before its node is known"),
+                       sender not in held.lost)
+            held.lost.add(sender)
+            return
+        buffer.put_nowait(event)
+        self._unbound_bytes[sender] += size
+
+    def _pop_unbound(self, request_id: str) -> _Held | None:
+        """The events held for ``request_id`` (``_hold``), no longer counted."""
+        held = self._unbound.pop(request_id, None)
+        for sender, buffer in held.buffers.items() if held is not None else ():
+            self._unbound_bytes[sender] -= buffer.undelivered_bytes
+            if not self._unbound_bytes[sender]:
+                del self._unbound_bytes[sender]
+        return held
+
+    def _drop(self, what: str, exc: BaseException, log_it: bool = True, count: int = 1) -> None:
+        self.bad_messages += count
+        if log_it:
+            log.warning("gateway data plane: dropped a bad %s message: %s: %.200s", what, type(exc).__name__, exc)
 
 
 def _unavailable(reason: str) -> dict[str, Any]:

@@ -17,8 +17,9 @@ import zmq
 
 from kvstrata.v1 import inference_pb2
 from services import data_plane, gateway_server
+from services.data_plane_auth import DataPlaneKeys
 from services.gateway import InferenceServicer, input_from_pb
-from services.gateway_stream_bounds import StreamLimits
+from services.gateway_stream_bounds import UNBOUND_STREAMS_HELD, StreamLimits, event_bytes
 from services.gateway_streams import NodeStreams
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
@@ -101,7 +102,8 @@ def test_a_never_read_stream_holds_three_messages_whatever_its_length() -> None:
         await plane.send([["r", FINISHED], ["r", delta(9999)]], lambda: len(seen) == 2003)
         assert seen.count("delta") == 2001  # ``on_event`` still sees every event as it arrives
         assert buffer.qsize() == 3
-        assert plane.streams.undelivered() == (1, 3, 4 * (2000 + sum(len(f" w{i}") for i in range(2000))))
+        text_bytes = 4 * (2000 + sum(len(f" w{i}") for i in range(2000)))  # 4 a token id and a character
+        assert plane.streams.undelivered() == (1, 3, text_bytes + event_bytes(STARTED) + event_bytes(FINISHED))
         assert buffer.get_nowait() == STARTED
         whole = buffer.get_nowait()
         assert whole == {"type": "delta", "token_ids": [1000 + i for i in range(2000)],
@@ -159,6 +161,129 @@ def test_a_stream_past_its_byte_bound_ends_resource_exhausted_and_is_aborted_on_
         assert await plane.aborts() == [{"op": "abort", "id": "b"}]
         await plane.send([["a", delta(1)], ["a", FINISHED]], lambda: seen[-1] == FINISHED)  # the node's end
         assert plane.streams.undelivered() == (2, 0, 0) and plane.streams.overflows == 2
+        plane.close()
+
+    asyncio.run(run())
+
+
+def test_a_stream_takes_one_started_event_and_counts_every_event_it_holds() -> None:
+    """Regression (review 25a C): only deltas counted toward ``max_undelivered_bytes`` and
+    every ``started`` event was kept: the serving node's 200,000 of them (1 KiB ``node_id``
+    each) held 484 MiB for a client that did not read, counted as 0 bytes. Now a stream takes
+    one (each other one is dropped before ``on_event`` and counted in ``bad_messages``, however
+    long after the first), and what it holds counts every held event (``event_bytes``)."""
+
+    async def run() -> None:
+        plane = await Plane().start()
+        await plane.streams.start()
+        seen: list[dict[str, Any]] = []
+        buffer = plane.streams.open("r", seen.append)
+        plane.streams.bind("r", "n0")
+        flood = [{**STARTED, "node_id": f"{i:06d}" + "n" * 1018} for i in range(10_000)]
+        for k in range(0, len(flood), 500):
+            plane.push.send(plane.streams.subscriber, [["r", event] for event in flood[k:k + 500]])
+        await plane.send([["r", delta(1)]], lambda: len(seen) == 2)
+        assert plane.streams.bad_messages == 9_999 and [e["type"] for e in seen] == ["started", "delta"]
+        assert buffer.qsize() == 2 and plane.streams.overflows == 0
+        assert plane.streams.undelivered() == (1, 2, event_bytes(flood[0]) + event_bytes(delta(1)))
+        assert event_bytes(flood[0]) > 4 * 1024
+        assert buffer.get_nowait() == flood[0]  # taken: a later one is still a second one
+        await plane.send([["r", flood[1]], ["r", FINISHED]], lambda: seen[-1] == FINISHED)
+        assert plane.streams.bad_messages == 10_000 and [e["type"] for e in seen].count("started") == 1
+        assert plane.streams.undelivered() == (1, 2, event_bytes(delta(1)) + event_bytes(FINISHED))
+        plane.close()
+
+    asyncio.run(run())
+
+
+def test_a_started_event_past_the_byte_bound_ends_the_stream() -> None:
+    """A ``started`` event counts what it holds: one of 4 KiB and more (its 1 KiB ``node_id``)
+    ends a stream whose bound is 4,000 bytes RESOURCE_EXHAUSTED, aborted on its node."""
+
+    async def run() -> None:
+        plane = await Plane().start(max_undelivered_bytes=4000)
+        await plane.streams.start()
+        buffer = plane.streams.open("r")
+        plane.streams.bind("r", "n0")
+        await plane.send([["r", {**STARTED, "node_id": "n" * 1024}]], lambda: plane.streams.overflows == 1)
+        assert buffer.get_nowait()["type"] == "started" and buffer.get_nowait()["code"] == "RESOURCE_EXHAUSTED"
+        assert await plane.aborts() == [{"op": "abort", "id": "r"}]
+        plane.close()
+
+    asyncio.run(run())
+
+
+class KeyedPlane:
+    """A ``NodeStreams`` with CURVE keys, each of nodes n0 and n1 its own (as the launcher), and
+    a PUSH socket of each node's key to its event inbox (``send``)."""
+
+    async def start(self, max_undelivered_bytes: int) -> KeyedPlane:
+        self.keys = DataPlaneKeys.generate(("n0", "n1"))
+        self.streams = NodeStreams({"n0": None, "n1": None}, {}, "tcp://127.0.0.1:9",
+                                   security=self.keys.security("gateway"), max_undelivered_bytes=max_undelivered_bytes)
+        await self.streams.start()
+        self.ctx = zmq.Context()
+        self.push = {}
+        for node in ("n0", "n1"):
+            sock = self.push[node] = self.ctx.socket(zmq.PUSH)
+            self.keys.security("node", node_id=node).connect_to(sock, "gateway")
+            sock.connect(self.streams.subscriber)
+        return self
+
+    async def send(self, node: str, items: list[list[Any]], routed: Any) -> None:
+        self.push[node].send(data_plane.pack(items))
+        for _ in range(500):
+            if routed():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the events were never routed")
+
+    def held(self) -> dict[str | None, int]:
+        return dict(self.streams._unbound_bytes)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+        self.streams.shutdown()
+
+
+def test_events_before_bind_are_held_bounded_per_node() -> None:
+    """Regression (review 25a C): the events a request's node sent before ``bind`` (they may
+    overtake the scheduler's reply) were all kept, without a bound. Now they are held per
+    sender as a stream holds them (deltas coalesce, one ``started``), at most
+    ``max_undelivered_bytes`` a request and ``UNBOUND_STREAMS_HELD`` times that a node; past
+    it they are dropped and counted. Another node's flood cannot crowd out a request's own
+    node; a stream whose own node's events were dropped ends UNAVAILABLE at ``bind`` (never
+    silently missing tokens); nothing stays held after ``bind`` or ``close``."""
+
+    async def run() -> None:
+        plane = await KeyedPlane().start(max_undelivered_bytes=4000)
+        streams = plane.streams
+        rids = [f"r{i}" for i in range(6)]
+        buffers = {rid: streams.open(rid) for rid in rids}
+        piece = {"type": "delta", "token_ids": [7], "text": "x" * 99}  # 400 bytes
+        # n1 floods every unbound request: 4,000 bytes a request, 16,000 for n1 in all
+        await plane.send("n1", [[rid, piece] for rid in rids for _ in range(20)],
+                         lambda: streams.bad_messages == 120 - 40)
+        assert plane.held() == {"n1": 16_000} == {"n1": UNBOUND_STREAMS_HELD * 4000}
+        # n0's own events for r0 are held in full whatever n1 sent, coalesced
+        tokens = [[rid, delta(i)] for rid in ("r0",) for i in range(50)]
+        await plane.send("n0", [["r0", STARTED], ["r0", STARTED], *tokens, ["r0", FINISHED]],
+                         lambda: plane.held().get("n0", 0) > 0)
+        assert streams.bad_messages == 81  # the second started
+        streams.bind("r0", "n0")  # n1's held events for r0 dropped and counted
+        assert streams.bad_messages == 82 and buffers["r0"].get_nowait() == STARTED
+        assert buffers["r0"].get_nowait() == {"type": "delta", "token_ids": [1000 + i for i in range(50)],
+                                              "text": "".join(f" w{i}" for i in range(50))}
+        assert buffers["r0"].get_nowait() == FINISHED and buffers["r0"].empty()
+        # n0 sends r1 more than a request may hold before bind: its stream ends UNAVAILABLE
+        await plane.send("n0", [["r1", STARTED], *[["r1", piece]] * 20], lambda: streams.bad_messages == 82 + 11)
+        streams.bind("r1", "n0")
+        got = [buffers["r1"].get_nowait() for _ in range(buffers["r1"].qsize())]
+        assert [e["type"] for e in got] == ["started", "delta", "error"] and got[-1]["code"] == "UNAVAILABLE"
+        assert len(got[1]["token_ids"]) == 9 and "were lost" in got[-1]["message"]
+        for rid in rids:
+            streams.close(rid)
+        assert streams._unbound == {} and plane.held() == {}
         plane.close()
 
     asyncio.run(run())
