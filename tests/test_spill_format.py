@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+import xxhash
 
 from cache_node.tiers import spill_format
 from cache_node.tiers.spill_format import (
@@ -200,3 +205,75 @@ def test_list_group_files_is_oldest_first_and_drops_temp_files(tmp_path: Path) -
     (tmp_path / ".tmp-1.part").write_bytes(b"half")
     assert [p.name for p in list_group_files(tmp_path)] == ["b.kvs", "a.kvs", "c.kvs"]
     assert not (tmp_path / ".tmp-1.part").exists()
+
+
+def crafted(path: Path, header: bytes) -> Path:
+    """A group file whose header is ``header`` under a valid prefix and digest (as one with
+    write access to the private spill directory could make)."""
+    path.write_bytes(b"KVSP" + struct.pack("<I", len(header)) + xxhash.xxh3_128_digest(header) + header)
+    return path
+
+
+def traced_peak(work: Any) -> tuple[BaseException | None, int]:
+    tracemalloc.start()
+    try:
+        work()
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        raised = exc
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return raised, peak
+
+
+def test_a_crafted_header_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """Regression (review 25a G): a header of up to 64 MiB was unpacked with msgpack's default
+    limits: a crafted 16 MiB one of empty maps cost 1.16 GiB at a spill node's start before it
+    was found corrupt (64 MiB: ~4.6 GiB). Now a header is at most ``MAX_HEADER_BYTES`` (what
+    ``write_group`` writes at its bounds) and is decoded within what it writes: the review's
+    file is refused by its length, unread, and a nested one within the length (each array
+    within ``MAX_BLOCKS_PER_FILE``) after 8 containers; each costs about its bytes."""
+    n = (16 << 20) - 5
+    big = crafted(tmp_path / "big.kvs", b"\xdd" + struct.pack(">I", n) + b"\x80" * n)
+    raised, peak = traced_peak(lambda: read_header(big))
+    assert isinstance(raised, SpillCorruptError) and "header length" in str(raised) and peak < 1 << 20
+    width = spill_format.MAX_BLOCKS_PER_FILE
+    nested = msgpack.packb([[{}] * width] * ((spill_format.MAX_HEADER_BYTES - 16) // (width + 3)))
+    assert len(nested) <= spill_format.MAX_HEADER_BYTES
+    path = crafted(tmp_path / "nested.kvs", nested)
+    raised, peak = traced_peak(lambda: read_header(path))
+    assert isinstance(raised, SpillCorruptError) and "malformed header" in str(raised)
+    assert peak < 4 * len(nested)  # the file's bytes, read (the old decode: ~70 times them)
+    for header in (msgpack.packb({"version": msgpack.ExtType(1, b"xx")}),  # no extension type
+                   msgpack.packb({"namespace": "n" * (spill_format.MAX_LABEL_BYTES + 1)}),
+                   msgpack.packb({f"k{i}": 0 for i in range(17)})):
+        with pytest.raises(SpillCorruptError, match="malformed header"):
+            read_header(crafted(tmp_path / "small.kvs", header))
+
+
+def test_the_largest_header_write_group_writes_is_read_and_no_larger_one_is_written(tmp_path: Path) -> None:
+    """The bounds hold every file a store writes: ``MAX_BLOCKS_PER_FILE`` blocks of
+    ``MAX_FILE_TOKENS`` token ids in all, a namespace of ``MAX_LABEL_BYTES``, or one block of
+    every token id, read back whole; one block, one token id or one byte more is refused by the
+    writer (ValueError), never written to be quarantined."""
+    fmt = BlockFormat(shape=(1,), dtype="int8", kv_format="k" * spill_format.MAX_LABEL_BYTES)
+    per_block = spill_format.MAX_FILE_TOKENS // spill_format.MAX_BLOCKS_PER_FILE
+    count = spill_format.MAX_BLOCKS_PER_FILE
+    hashes = [block_hash(i) for i in range(count)]
+    tokens = [spill_format.token_bytes(range(i, i + per_block)) for i in range(count)]
+    blocks = np.zeros((count, 1), np.int8)
+    namespace = "\U0001f600" * (spill_format.MAX_LABEL_BYTES // 4)
+    path = tmp_path / "max.kvs"
+    size = write_group(path, hashes, blocks, namespace, fmt, tokens)
+    assert size - count > spill_format.MAX_HEADER_BYTES * 0.95
+    header = read_header(path)
+    assert header.block_tokens == tuple(tokens) and header.namespace == namespace
+    write_group(path, hashes[:1], blocks[:1], "ns", fmt, [b"".join(tokens)])
+    assert read_header(path).block_tokens == (b"".join(tokens),)
+    for args, bound in (((hashes + [block_hash(-1)], np.zeros((count + 1, 1), np.int8), namespace, fmt,
+                          tokens + [b""]), "blocks"),
+                        ((hashes[:1], blocks[:1], "ns", fmt, [b"".join(tokens) + bytes(8)]), "token ids"),
+                        ((hashes[:1], blocks[:1], namespace + "n", fmt, None), "namespace")):
+        with pytest.raises(ValueError, match=bound):
+            write_group(tmp_path / "over.kvs", *args)
+    assert not (tmp_path / "over.kvs").exists()

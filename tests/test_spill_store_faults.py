@@ -273,3 +273,33 @@ def test_concurrent_puts_and_gets_keep_bytes_exact(tmp_path: Path) -> None:
     stats = store.stats()
     assert stats["blocks_spill_ram"] + stats["blocks_spill_disk"] == 160
     assert np.array_equal(store.get(hashes_of([3036])).blocks, make_blocks([3036]))
+
+
+def test_restart_quarantines_a_crafted_header_at_the_cost_of_its_bytes(tmp_path: Path) -> None:
+    """Regression (review 25a G): a spill node's start unpacked every group file's header (up
+    to 64 MiB) with msgpack's default limits: a crafted 16 MiB header of empty maps cost
+    1.16 GiB before its file was quarantined. Now the review's file is refused by its length
+    and a crafted header within it (nested empty maps, each array within the bounds) after a
+    handful of containers: both are quarantined, the store's own file still serves, and the
+    start's Python memory stays within a few times the largest header read."""
+    import struct
+    import tracemalloc
+
+    import msgpack
+    import xxhash
+
+    disk_store(tmp_path)
+    n = (16 << 20) - 5
+    width = spill_format.MAX_BLOCKS_PER_FILE
+    for name, header in (("big", b"\xdd" + struct.pack(">I", n) + b"\x80" * n),
+                         ("nested", msgpack.packb([[{}] * width] * (spill_format.MAX_HEADER_BYTES // (width + 3))))):
+        prefix = b"KVSP" + struct.pack("<I", len(header)) + xxhash.xxh3_128_digest(header)
+        (tmp_path / (name + spill_format.FILE_SUFFIX)).write_bytes(prefix + header)
+    tracemalloc.start()
+    restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=1 << 30)  # a quarantine of 128 MiB
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (restarted.stats()["corrupt_reads"], restarted.stats()["quarantined_files"]) == (2, 2)
+    assert restarted.match_prefix(hashes_of(range(4))) == 4
+    assert sorted(os.listdir(tmp_path / "quarantine")) == ["big.kvs", "nested.kvs"]
+    assert peak < 4 * spill_format.MAX_HEADER_BYTES  # the old start: ~1.7 GiB

@@ -51,7 +51,28 @@ FILE_SUFFIX = ".kvs"
 TEMP_PREFIX = ".tmp-"
 HASH_BYTES = 32
 CHECKSUM_ALGO = "xxh3_128"
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+CHECKSUM_BYTES = 16
+MAX_BLOCKS_PER_FILE = 1024
+"""Most blocks one group file holds (``write_group`` refuses more; a store writes at most its
+``max_blocks_per_file``, 64 by default)."""
+MAX_FILE_TOKENS = 1 << 20
+"""Most token ids the blocks of one group file record together (``block_tokens``, 8 bytes each):
+1,024 blocks of 1,024 tokens (a store's default file is 64 blocks of ``block_size`` 16)."""
+MAX_LABEL_BYTES = 16 * 1024
+"""Longest UTF-8 ``namespace``, ``kv_format`` or ``dtype`` a header records (a tenant's namespace
+with a cache salt is far shorter)."""
+MAX_SHAPE_DIMS = 64
+"""Most dimensions of a block's shape a header records (5 in every store here)."""
+MAX_HEADER_BYTES = (
+    4096 + 3 * MAX_LABEL_BYTES  # the map, its keys, numbers, shape; namespace, kv_format, dtype
+    + MAX_BLOCKS_PER_FILE * ((2 + HASH_BYTES) + (2 + CHECKSUM_BYTES) + 5)  # bin8, bin8, bin32 heads
+    + 8 * MAX_FILE_TOKENS  # the token ids
+)
+"""Largest header ``write_group`` writes (8.1 MiB; 64 blocks of 16 tokens take ~12 KiB): one past it
+is corrupt, read no further. Regression (review 25a G): the bound was 64 MiB, unpacked with
+msgpack's default limits, so a crafted 16 MiB header (empty maps) cost 1.16 GiB at a spill node's
+start before it was quarantined (64 MiB: ~4.6 GiB, past a small node's memory, into a restart
+loop on the same file)."""
 QUARANTINE_DIR = "quarantine"  # subfolder of the store's root holding corrupt files
 
 logger = logging.getLogger(__name__)
@@ -162,12 +183,29 @@ def write_group(
     tokens = [b""] * len(block_hashes) if block_tokens is None else [bytes(t) for t in block_tokens]
     if len(tokens) != len(block_hashes):
         raise ValueError(f"{len(tokens)} block_tokens for {len(block_hashes)} blocks")
+    _check_group_bounds(len(block_hashes), sum(map(len, tokens)), namespace, block_format)
     little = block_format.np_dtype.newbyteorder("<")
     rows = [np.ascontiguousarray(b, dtype=little).reshape(-1).view(np.uint8) for b in blocks]
     header = _pack_header(block_hashes, tokens, rows, little, namespace, block_format)
+    if len(header) > MAX_HEADER_BYTES:  # past the checks above: never, but never a file we refuse
+        raise ValueError(f"a group file header of {len(header)} bytes: at most {MAX_HEADER_BYTES}")
     prefix = _PREFIX.pack(_MAGIC, len(header), xxhash.xxh3_128_digest(header))
     _atomic_write(path, [prefix, header, *(row.data for row in rows)])
     return len(prefix) + len(header) + sum(row.nbytes for row in rows)
+
+
+def _check_group_bounds(blocks: int, token_bytes: int, namespace: str, fmt: BlockFormat) -> None:
+    """A group file of these fits what ``read_header`` reads (``MAX_HEADER_BYTES`` and the
+    decoding limits, ``_unpack_header``). Raises ValueError naming the bound."""
+    if blocks > MAX_BLOCKS_PER_FILE:
+        raise ValueError(f"{blocks} blocks in one group file: at most {MAX_BLOCKS_PER_FILE}")
+    if token_bytes > 8 * MAX_FILE_TOKENS:
+        raise ValueError(f"{token_bytes // 8} token ids in one group file: at most {MAX_FILE_TOKENS}")
+    for name, label in (("namespace", namespace), ("kv_format", fmt.kv_format)):
+        if len(label.encode()) > MAX_LABEL_BYTES:
+            raise ValueError(f"a {name} of {len(label.encode())} bytes: at most {MAX_LABEL_BYTES}")
+    if len(fmt.shape) > MAX_SHAPE_DIMS:
+        raise ValueError(f"a block shape of {len(fmt.shape)} dimensions: at most {MAX_SHAPE_DIMS}")
 
 
 def read_header(path: Path) -> GroupHeader:
@@ -293,9 +331,42 @@ def _read_header(f: Any, path: Path) -> GroupHeader:
     return header
 
 
+class _HeaderBudget:
+    """The arrays and maps a header may build: the map, its 3 block lists and the shape
+    (msgpack calls ``array`` and ``map`` as each is complete, innermost first)."""
+
+    def __init__(self) -> None:
+        self.containers, self.elements = 8, 3 * MAX_BLOCKS_PER_FILE + MAX_SHAPE_DIMS + 64
+
+    def array(self, value: list[Any]) -> list[Any]:
+        self._spend(len(value))
+        return value
+
+    def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        self._spend(2 * len(value))
+        return value
+
+    def _spend(self, elements: int) -> None:
+        self.containers -= 1
+        self.elements -= elements
+        if self.containers < 0 or self.elements < 0:
+            raise ValueError("more arrays, maps or elements than a header holds")
+
+
+def _unpack_header(raw: bytes) -> Any:
+    """``raw`` decoded within what ``write_group`` writes: each array at most
+    ``MAX_BLOCKS_PER_FILE`` long, a map 16 entries, a string ``MAX_LABEL_BYTES``, a binary at
+    most ``MAX_FILE_TOKENS`` token ids, no extension type, and 8 arrays and maps in all (``_HeaderBudget``):
+    a header never costs much more than its bytes. Raises ValueError past a bound."""
+    budget = _HeaderBudget()
+    return msgpack.unpackb(raw, raw=False, max_array_len=MAX_BLOCKS_PER_FILE, max_map_len=16,
+                           max_str_len=MAX_LABEL_BYTES, max_bin_len=8 * MAX_FILE_TOKENS, max_ext_len=0,
+                           list_hook=budget.array, object_hook=budget.map)
+
+
 def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
     try:
-        fields = msgpack.unpackb(raw, raw=False)
+        fields = _unpack_header(raw)
         if fields["version"] != FORMAT_VERSION:
             raise SpillFormatMismatch(f"{path}: version {fields['version']!r}, not {FORMAT_VERSION}")
         header = GroupHeader(
