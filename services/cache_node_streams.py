@@ -207,11 +207,23 @@ class Streams:
 
         A request refused at once (INVALID_ARGUMENT, PERMISSION_DENIED), cancelled before it
         arrived (``abort``: CANCELLED), of a session closed before it arrived (ABORTED,
-        ``Commands._closing``), or whose id is running here already (ALREADY_EXISTS; ids are scoped
-        to their tenant by the gateway), gets its error event pushed like any other event.
+        ``Commands._closing``), or whose id another gateway's request runs here already
+        (ALREADY_EXISTS; ids are scoped to their tenant by the gateway), gets its error event
+        pushed like any other event.
+
+        Raises:
+            ValueError: the same gateway's request of this id runs here already: a repeated
+                submit (ids are per attempt, so no sound sender repeats one) is dropped, and
+                counted by the caller, with no event. Regression (review 25a F): it was
+                answered ALREADY_EXISTS under the running request's own id, so its gateway
+                ended that request's call and released it while it ran on here to
+                ``max_tokens``, unseen and unbilled.
         """
         error = self._aborted_early.pop(req.request_id, None)  # cancelled, or its session closed
-        if error is None and req.request_id in self._streams:
+        running = self._streams.get(req.request_id) if error is None else None
+        if running is not None:
+            if running.subscriber == subscriber:
+                raise ValueError(f"a repeated submit of running request {req.request_id!r}")
             error = ("ALREADY_EXISTS", "a request with this id is running already")
         if error is not None:  # the running stream of that id is not touched
             self._outbox.append((subscriber, req.request_id, {"type": "error", "code": error[0], "message": error[1]}))

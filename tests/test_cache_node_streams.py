@@ -168,6 +168,34 @@ def test_abort_stops_events_and_frees_blocks(node) -> None:
     assert fresh["used_blocks"] == 0 and fresh["running"] == 0 and fresh["integrity_ok"]
 
 
+def test_a_repeated_submit_leaves_the_running_request_alone(node) -> None:
+    """Review 25a F: the same submit again (ids are per attempt: no sound scheduler repeats
+    one) was answered ALREADY_EXISTS under the running request's own id, so its gateway ended
+    that request's call and released it while the node ran it on, unseen and unbilled. Now
+    the repeat is dropped and counted, and the request's stream carries on to its end; a
+    submit of that id from another gateway is still refused there alone."""
+    bad_before = node.bad_messages
+
+    async def run():
+        address = await node.open_data_plane()
+        gw, other = Gateway(address), Gateway(address)  # two gateways' event inboxes
+        await gw.submit(request("dup", max_tokens=24))
+        first: list = []
+        while not first:  # its first step's events
+            first = await asyncio.wait_for(gw.poll(60.0), 120.0)
+        assert first[0][0] == "dup" and first[-1][1]["type"] != "finished"
+        await gw.submit(request("dup", max_tokens=24))  # the same message again
+        await other.submit(request("dup", max_tokens=2))  # another gateway's, same id
+        return first, await gw.drain({"dup"}), await other.drain({"dup"})
+
+    first, got, elsewhere = asyncio.run(run())
+    events = [ev for _, ev in first] + got["dup"]
+    assert [ev["type"] for ev in events if ev["type"] not in ("started", "delta")] == ["finished"]
+    assert events[-1]["completion_tokens"] == 24
+    assert [(ev["type"], ev.get("code")) for ev in elsewhere["dup"]] == [("error", "ALREADY_EXISTS")]
+    assert node.bad_messages == bad_before + 1
+
+
 def test_an_abort_that_overtakes_its_request_cancels_it(node) -> None:
     """The gateway aborts while the scheduler is still forwarding the request."""
     assert not node.abort("early")
