@@ -43,6 +43,7 @@ from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
 from services.actor_refs import actor_restarts, resolve
+from services.block_reports import BlockReporter
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
 from services.cache_node_health import Health
@@ -293,13 +294,6 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
 
 
 
-def _event_sink(scheduler: Any) -> Any:
-    def sink(node_id: str, events: list[tuple[str, bytes, str]]) -> None:
-        scheduler.report_events.remote(node_id, events)
-
-    return sink
-
-
 class CacheNodeActor(CacheNode):
     """Ray actor: a CacheNode whose block events flow to the named GlobalScheduler."""
 
@@ -311,7 +305,7 @@ class CacheNodeActor(CacheNode):
     ) -> None:
         scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
         spill_nodes = [resolve(node) for node in spill_nodes or []]
-        sink = _event_sink(scheduler) if scheduler else None
+        sink = BlockReporter(scheduler) if scheduler else None
         spill = None
         if spill_nodes and spill_spec is not None:
             from services.spill_client import RaySpillClient

@@ -11,9 +11,9 @@ why ``create_spill_node`` sets ``max_restarts``.
 
 With an ``event_sink`` (``create_spill_node(..., scheduler=...)``) the node pushes
 its stored/removed events to the global scheduler's block index after every call
-that changed the store: one fire-and-forget message per batch, none for a clean
-read. Construction pushes with ``reset=True``, so a restarted node replaces what
-the index believed it held by its rebuilt disk tier.
+that changed the store, in order (``services.block_reports``: one call at a time,
+none for a clean read). Construction pushes with ``reset=True``, so a restarted
+node replaces what the index believed it held by its rebuilt disk tier.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from ray.actor import ActorHandle
 
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
-from services.actor_refs import ActorRef, resolve
+from services.actor_refs import ActorRef
+from services.block_reports import BlockReporter
 from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
 from services.metrics.server import serve_again
 from services.private_dir import ensure_private_dir
@@ -42,23 +43,6 @@ DEFAULT_RESOURCES: dict[str, float] = {"spill_node": 1}
 
 # (node_id, [(event, block_hash, tier), ...], reset) -> None; GlobalScheduler.report_events
 EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
-
-
-class ReportToScheduler:
-    """An ``EventSink`` calling ``report_events`` on a scheduler actor, fire-and-forget.
-
-    A failed submission is logged and dropped: the index is a hint, never worth a failed put.
-    """
-
-    def __init__(self, scheduler: ActorHandle | ActorRef) -> None:
-        self.scheduler = scheduler  # an ActorRef is looked up at the first call
-
-    def __call__(self, node_id: str, events: list[tuple[str, bytes, str]], reset: bool) -> None:
-        try:
-            self.scheduler = resolve(self.scheduler)
-            self.scheduler.report_events.remote(node_id, events, reset)
-        except Exception as exc:  # noqa: BLE001 - a dead scheduler must not fail the store
-            logger.warning("spill node %s: %d block events not reported: %s", node_id, len(events), exc)
 
 
 METRICS_PORT_FILE = "metrics_port"
@@ -257,7 +241,7 @@ def create_spill_node(
         lifetime=lifetime,
         **({"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}),
     )
-    sink = ReportToScheduler(scheduler) if scheduler is not None else None
+    sink = BlockReporter(scheduler) if scheduler is not None else None
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,
                             event_sink=sink, metrics=metrics,
                             deleted_tenants=AskScheduler(scheduler) if scheduler is not None else None,

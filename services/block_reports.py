@@ -1,0 +1,132 @@
+"""Block events to the global scheduler's index, delivered in the order they happened.
+
+Cache nodes (device and host tiers) and spill nodes (RAM and disk tiers) report each change of
+what they hold to ``GlobalScheduler.report_events``; a spill node's first report resets what
+the index believed it held (``reset=True``). The scheduler is an async Ray actor, and Ray runs
+an async or threaded actor's calls in no guaranteed order, even calls of one submitter ("Actor
+Task Execution Order", Ray docs). Fire-and-forget calls could therefore be applied out of
+order: a spill node's start-up reset applied after its first stores wiped them from the index
+(``tests/test_tier_ray.py`` saw 7 of 19 blocks indexed, for good), and a block's "removed"
+applied before its "stored" left it indexed where it is not.
+
+``BlockReporter`` keeps the order on the sending side: one thread sends one call at a time and
+waits for it to be applied before the next, merging what piled up meanwhile into one call. The
+index is a routing hint (every tier checks token ids on a hit), so a failed call is logged,
+counted and dropped, never retried into a later order, and never fails the store or the step
+that made the events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+import ray
+
+from services.actor_refs import resolve
+
+logger = logging.getLogger(__name__)
+
+REPORT_TIMEOUT_S = 30.0
+"""How long one ``report_events`` call may take (a restarting scheduler answers once it is back)."""
+
+MAX_PENDING_EVENTS = 1 << 20
+"""Events waiting to be sent at most; past it the oldest batches are dropped (counted)."""
+
+Event = tuple[str, bytes, str]
+
+
+class BlockReporter:
+    """An event sink ``(holder_id, events, reset=False)`` that sends to a scheduler's
+    ``report_events`` in order, from its own daemon thread.
+
+    Args:
+        scheduler: the GlobalScheduler's handle or ``ActorRef`` (looked up at the first send,
+            and again after a failed one).
+        timeout_s: the wait for one call.
+        max_pending: events queued at most (``MAX_PENDING_EVENTS``).
+
+    Attributes:
+        counters: ``sent_calls``, ``sent_events``, ``failed_calls``, ``dropped_events``.
+    """
+
+    def __init__(self, scheduler: Any, timeout_s: float = REPORT_TIMEOUT_S,
+                 max_pending: int = MAX_PENDING_EVENTS) -> None:
+        self.scheduler, self.timeout_s, self.max_pending = scheduler, timeout_s, max_pending
+        self._handle: Any = None
+        self._pending: deque[tuple[str, list[Event], bool]] = deque()
+        self._queued = 0  # events in ``_pending``
+        self._busy = False  # a call is in flight
+        self._cond = threading.Condition()
+        self._closed = False
+        self.counters = {"sent_calls": 0, "sent_events": 0, "failed_calls": 0, "dropped_events": 0}
+        self._thread = threading.Thread(target=self._run, name="block-reports", daemon=True)
+        self._thread.start()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to an actor's constructor) as a new reporter of the same scheduler."""
+        return (BlockReporter, (self.scheduler, self.timeout_s, self.max_pending))
+
+    def __call__(self, holder_id: str, events: list[Event], reset: bool = False) -> None:
+        """Queue ``events`` of ``holder_id`` (after everything queued before); never blocks."""
+        with self._cond:
+            if reset:  # what was queued before a reset is forgotten by it anyway
+                self._pending = deque(b for b in self._pending if b[0] != holder_id)
+                self._queued = sum(len(b[1]) for b in self._pending)
+            self._pending.append((holder_id, list(events), reset))
+            self._queued += len(events)
+            while self._queued > self.max_pending and len(self._pending) > 1:
+                _, dropped, _ = self._pending.popleft()
+                self._queued -= len(dropped)
+                self.counters["dropped_events"] += len(dropped)
+            self._cond.notify()
+
+    def flush(self, timeout_s: float = REPORT_TIMEOUT_S) -> bool:
+        """Wait until everything queued was sent (or failed); False at ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread; what is still queued is dropped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _take(self) -> tuple[str, list[Event], bool] | None:
+        """The next call: the oldest batch merged with the batches of its holder right after
+        it. None once closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending or self._closed)
+            if self._closed:
+                return None
+            holder, events, reset = self._pending.popleft()
+            while self._pending and self._pending[0][0] == holder and not self._pending[0][2]:
+                events = events + self._pending.popleft()[1]
+            self._queued -= len(events)
+            self._busy = True
+            return holder, events, reset
+
+    def _run(self) -> None:
+        while (call := self._take()) is not None:
+            holder, events, reset = call
+            try:
+                self._send(holder, events, reset)
+            except Exception as exc:  # noqa: BLE001 - a hint: logged and dropped, never fatal
+                self._handle = None  # look the scheduler up again (it may have restarted)
+                self.counters["failed_calls"] += 1
+                self.counters["dropped_events"] += len(events)
+                logger.warning("%s: %d block events not reported: %s: %.200s",
+                               holder, len(events), type(exc).__name__, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _send(self, holder: str, events: list[Event], reset: bool) -> None:
+        if self._handle is None:
+            self._handle = resolve(self.scheduler)
+        ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
+        self.counters["sent_calls"] += 1
+        self.counters["sent_events"] += len(events)
