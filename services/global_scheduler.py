@@ -4,7 +4,8 @@ One named Ray actor. Gateways call ``authenticate`` and ``release`` per request 
 send admissions on the data plane (``GlobalSchedulerService``, ``services.data_plane``;
 ``services.global_scheduler_admission``).
 Cache nodes push their device- and host-tier block events and spill nodes their RAM- and
-disk-tier events (``report_events``, batched, fire-and-forget) into one tier-aware
+disk-tier events (``report_events``, batched, one call in flight per holder so they apply in
+order: ``services.block_reports``) into one tier-aware
 ``BlockIndex``: block hash -> the ``(holder, tier)`` pairs holding it.
 
 - Admission is a bounded queue across all nodes. With the ``kvstrata`` scheduler it also
@@ -396,8 +397,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         the 1st, 2nd, 4th, ... of each kind) when ``holder_id`` is none of ``nodes`` and
         ``holders.spill_blocks`` ("unknown_holder"), an event is malformed or names a tier not
         the holder's own ("malformed"), or the holder would then hold more pairs than its
-        capacity ("over_capacity": ``IndexHolders``). It never raises: a holder calls this
-        fire-and-forget, and a refusal is its answer.
+        capacity ("over_capacity": ``IndexHolders``). It never raises: a holder's reporter
+        (``services.block_reports``) only logs a failed call, and a refusal is its answer.
 
         A Ray call carries no caller identity, so a holder is known by the id it gives: a
         process inside the cluster (Ray, token-authenticated, is the trust boundary) can report
