@@ -251,12 +251,14 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
             req, subscriber, hashes = _admission_request(msg)
         except (TypeError, ValueError) as exc:
             self.bad_messages += 1
-            return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"}
+            return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
         try:
             adm = self.admit_and_submit(req, subscriber, hashes)
         except Exception as exc:
             log.exception("admission failed")
-            return {"id": corr, "error": f"{type(exc).__name__}: {exc}"}
+            # cut to what the gateway reads: a longer reply is refused whole by its decode
+            # limits (``REPLY_LIMITS``), and the admission would wait out its timeout instead
+            return {"id": corr, "error": f"{type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
         return {"id": corr, "adm": dataclasses.asdict(adm)}
 
 

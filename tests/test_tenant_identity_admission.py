@@ -155,3 +155,24 @@ def test_the_actor_refuses_an_unknown_tenants_admission_message_on_the_wire(tmp_
     corr, adm = data_plane.admission_reply(scheduler._answer(message(2, ann.tenant_id)), {"n0"})
     assert (corr, adm["code"], adm["node_id"]) == (2, "OK", "n0")
     assert [m["op"] for m in scheduler.commands.sent] == ["submit"]
+
+
+def test_a_failed_admissions_error_text_is_cut_to_what_the_gateway_reads(tmp_path: Path, monkeypatch) -> None:
+    """An exception text of any length (here 2 MiB) comes back cut, in a reply the gateway's
+    decode limits and ``admission_reply`` take: before, a reply past ``REPLY_LIMITS`` was
+    refused whole and its admission waited out its timeout (review 25a, follow-up of B)."""
+    scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 4})
+    scheduler.attach_nodes({"n0": "tcp://127.0.0.1:9"}, Sender())
+    ann, _ = asyncio.run(scheduler.register_tenant(TenantSpec("ann")))
+
+    def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("x" * (2 << 20))
+
+    monkeypatch.setattr(scheduler, "admit_and_submit", fails)
+    req = NodeRequest(request_id=f"{ann.tenant_id}/r", tenant=ann.tenant_id, cache_namespace="ns",
+                      token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=2))
+    reply = scheduler._answer(data_plane.pack({"id": 7, "req": data_plane.request_to_wire(req),
+                                               "sub": "tcp://127.0.0.1:8", "hashes": []}))
+    wire = data_plane.pack(reply)
+    corr, error = data_plane.admission_reply(data_plane.unpack(wire, data_plane.REPLY_LIMITS), {"n0"})
+    assert corr == 7 and error.startswith("RuntimeError: xxx") and len(error) <= data_plane.MAX_TEXT_CHARS
