@@ -161,6 +161,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 the pool's capacity in tokens), unknown stop token, duplicate id,
                 ``prefix_tokens`` not an int in [0, prompt length].
             PermissionError: ``session_id`` belongs to another tenant.
+            SessionBusy: ``session_id`` has a turn running.
         """
         params = sampling_params or SamplingParams()
         tokens = [int(t) for t in prompt_token_ids]

@@ -43,6 +43,22 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses (bad prompt, sampling or limits); nothing was allocated."""
 
 
+class SessionBusy(Exception):
+    """A turn reaches its session while another turn of it is running (``SessionTable.attach``):
+    a transient conflict (the node answers ABORTED, HTTP 409), which the same turn sent after
+    the running one ends does not meet. ``client_session_id`` is the session id as the client
+    sent it (the tenant scope stripped).
+
+    Regression (review 25b R1): it was a plain ValueError, answered INVALID_ARGUMENT (HTTP 400
+    "invalid_argument", as for a malformed request) and naming the tenant-scoped id
+    ``'<tenant_id>/<session>'``."""
+
+    def __init__(self, client_session_id: str) -> None:
+        super().__init__(f"session {client_session_id!r} already has a turn running: one turn at a time per "
+                         "session; send this turn again after that one ends")
+        self.client_session_id = client_session_id
+
+
 class SequenceFault(RuntimeError):
     """An exception raised while computing one sequence's part of a step (its KV policy's
     ``begin_step``, ``attend``, ``after_step`` or prefix store, or its sampling), tagged with

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from cache_node.block import KVBlock
 from cache_node.kv_cache_manager import KVCacheManager
+from cache_node.outputs import SessionBusy
 from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -111,6 +112,13 @@ class Session:
         return self.kv is not None and self.kv.compacted
 
 
+def client_session_id(session_id: str, tenant: str) -> str:
+    """``session_id`` as its client named it: without the ``<tenant>/`` scope the gateway adds
+    (``services.gateway_inputs.scoped_id``); unchanged when it has none."""
+    scope = f"{tenant}/"
+    return session_id[len(scope):] if tenant and session_id.startswith(scope) else session_id
+
+
 class SessionTable:
     """Per-node session registry; the engine calls it when turns start and end."""
 
@@ -126,7 +134,8 @@ class SessionTable:
         """Give ``seq`` its session's pinned blocks when its prompt extends the history.
 
         Raises:
-            ValueError: the session belongs to another tenant or already has a turn running.
+            PermissionError: the session belongs to another tenant.
+            SessionBusy: the session already has a turn running.
         """
         sess = self.sessions.get(seq.session_id or "")
         if sess is None:
@@ -135,7 +144,7 @@ class SessionTable:
         if sess.tenant != seq.tenant:
             raise PermissionError(f"session {seq.session_id!r} belongs to another tenant")
         if sess.active_request is not None:
-            raise ValueError(f"session {seq.session_id!r} already has a turn running")
+            raise SessionBusy(client_session_id(seq.session_id, seq.tenant))
         sess.active_request = seq.request_id
         history = sess.token_ids
         extends = seq.prompt_token_ids[: len(history)] == history and len(seq.prompt_token_ids) > len(history)

@@ -2,8 +2,10 @@
 
 On the step thread, between steps, every stream opened since the last step (``_incoming``) has
 its request checked and queued in the engine (``_start_incoming``): a session turn whose session
-is gone is refused (``SessionGone``, ABORTED), as is one that would take its tenant's kept session
-messages past its budget (``SessionTextBudget``, RESOURCE_EXHAUSTED); its prompt is the one the
+is gone is refused (``SessionGone``, ABORTED), so is one whose session has a turn running
+(``cache_node.outputs.SessionBusy``, ABORTED: a conflict the same turn sent later does not
+meet), and one that would take its tenant's kept session messages past its budget
+(``SessionTextBudget``, RESOURCE_EXHAUSTED); its prompt is the one the
 renderer made when its session is unchanged since, else rendered now (``_prompt_of``,
 ``_prompt``); a request without max_tokens gets what its context leaves (``_sampling``); its
 tenant's promises set its share (``_set_tenant_share``). A refusal ends that stream alone with
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from cache_node.outputs import SessionBusy
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
 from services.cache_node_streams import _Stream
@@ -75,7 +78,7 @@ class Requests:
                     self._session_turns[req.request_id] = stream
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
-            except SessionGone as exc:
+            except (SessionGone, SessionBusy) as exc:
                 error = {"type": "error", "code": "ABORTED", "message": str(exc)}
             except SessionTextBudget as exc:
                 error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}

@@ -313,6 +313,39 @@ def test_a_turn_overtaken_by_its_sessions_close_is_aborted_never_run_without_his
     node.engine.check_integrity()
 
 
+def test_a_turn_reaching_its_session_while_a_turn_runs_is_aborted_naming_the_clients_id(node) -> None:
+    """Review 25b R1: a second turn reaching a session while its turn ran was refused
+    INVALID_ARGUMENT (HTTP 400 ``invalid_argument``, as for a malformed request) naming the
+    tenant-scoped id ``'<tenant>/<session>'``. Now it is ABORTED (HTTP 409, a transient
+    conflict) naming the client's id; the running turn goes on, the refused one takes nothing,
+    and the same turn sent after the running one ends runs from the session's history."""
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("b1", max_tokens=200, tenant="cow", session_id="cow/busy-1"))
+        assert await gw.poll(30.0)  # started
+        await gw.submit(request("b2", max_tokens=3, tenant="cow", session_id="cow/busy-1"))
+        refused = await gw.drain({"b2"})
+        first = await gw.drain({"b1"})
+        history = node.engine.session_history("cow/busy-1")
+        await gw.submit(request("b2", max_tokens=3, tenant="cow", session_id="cow/busy-1"))
+        return refused, first, history, await gw.drain({"b2"})
+
+    refused, first, history, again = asyncio.run(run())
+    assert refused["b2"] == [{"type": "error", "code": "ABORTED", "message":
+                              "session 'busy-1' already has a turn running: one turn at a time per session; "
+                              "send this turn again after that one ends"}]
+    assert first["b1"][-1]["type"] == "finished" and first["b1"][-1]["completion_tokens"] == 200
+    assert again["b2"][-1]["type"] == "finished"
+    assert again["b2"][-1]["prompt_tokens"] == len(history) + len(PROMPT)
+    assert asyncio.run(node.close_session("cow/busy-1", "cow")) > 0
+    for _ in range(100):
+        if node.stats()["used_blocks"] == 0:
+            break
+        time.sleep(0.1)
+    assert node.stats()["used_blocks"] == 0
+    node.engine.check_integrity()
+
+
 def test_a_policy_fault_in_a_step_fails_that_request_alone(node, monkeypatch) -> None:
     """Regression: a KV policy's exception inside the step stopped the node's step loop and
     failed every tenant's requests on it. Now that request gets INTERNAL and the request in

@@ -9,7 +9,7 @@ import pytest
 
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
-from cache_node.outputs import InvalidRequestError
+from cache_node.outputs import InvalidRequestError, SessionBusy
 from cache_node.policies import PolicyEnv
 from cache_node.sampling_params import SamplingParams
 from cache_node.tiers.manager import TierConfig
@@ -137,7 +137,7 @@ def test_soak_sessions_policies_and_prefixes_on_a_tight_pool_always_finish(tiny,
                 prompt = new
             try:
                 rid = eng.add_request(prompt, sp, **kw)
-            except (InvalidRequestError, ValueError):
+            except (InvalidRequestError, SessionBusy):
                 continue  # longer than the pool holds, or a turn while the session runs one
             except PermissionError:
                 assert owner.get(kw["session_id"]) not in (None, kw["tenant"])

@@ -18,6 +18,7 @@ import grpc
 import openai
 import pytest
 
+from cache_node.outputs import SessionBusy
 from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.context import CallAborted
 from services.openai_api.server import HttpServer
@@ -209,6 +210,7 @@ STREAM_CAP = "the tenant has 1 calls open at this gateway (max_streams_per_tenan
 STEP_FAILED = "this request's step failed on the cache node (see its log); the node's other requests went on"
 SESSION_GONE = ("the session ended (closed, expired or its first turn failed) before this turn started; its "
                 "history is gone: send the turn again to start it anew")
+SESSION_BUSY = str(SessionBusy("conc-1"))
 
 
 @pytest.mark.parametrize(("code", "message", "retry_after_ms", "status", "retry"), [
@@ -221,6 +223,7 @@ SESSION_GONE = ("the session ended (closed, expired or its first turn failed) be
     (grpc.StatusCode.RESOURCE_EXHAUSTED, STREAM_CAP, None, 429, None),
     (grpc.StatusCode.UNAVAILABLE, "no cache node is healthy: n0: marked down", None, 503, None),
     (grpc.StatusCode.ABORTED, SESSION_GONE, None, 409, None),  # sending the turn again starts it anew
+    (grpc.StatusCode.ABORTED, SESSION_BUSY, None, 409, None),  # sent again after the running turn, it runs
 ])
 def test_refusals_a_retry_cannot_fix_say_so(code: grpc.StatusCode, message: str, retry_after_ms: int | None,
                                             status: int, retry: str | None) -> None:

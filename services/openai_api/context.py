@@ -18,7 +18,7 @@ ALREADY_EXISTS         409   invalid_request_error
 UNAUTHENTICATED        401   authentication_error
 PERMISSION_DENIED      403   permission_error
 NOT_FOUND              404   not_found_error
-ABORTED                409   conflict_error (a session turn whose history is gone)
+ABORTED                409   conflict_error (a session turn whose history is gone, or whose session is busy)
 RESOURCE_EXHAUSTED     429   rate_limit_error (+ ``Retry-After`` seconds, rounded up)
 UNAVAILABLE            503   service_unavailable
 DEADLINE_EXCEEDED      504   timeout
