@@ -24,6 +24,7 @@ import logging
 from cache_node.outputs import SessionBusy
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
+from services import convert
 from services.cache_node_streams import _Stream
 from services.chat import content_chars
 from services.node_request import NodeRequest
@@ -62,7 +63,8 @@ class Requests:
                 self._check_session_text_budget(req)
                 prompt = self._prompt_of(stream)
                 sampling = self._sampling(req, len(prompt))
-                if req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens:
+                if (req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens
+                        and not self._pool_binds(req)):  # else the engine's pool check names the pool
                     raise ValueError(
                         f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the "
                         f"tenant's max_context_tokens ({req.max_context_tokens})"
@@ -91,6 +93,18 @@ class Requests:
                 error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
             if error is not None:
                 self._dispatch([(stream, error)])
+
+    def _pool_binds(self, req: NodeRequest) -> bool:
+        """``req``'s KV policy keeps every token and this node's pool holds fewer tokens than
+        its context limit: the pool is its bound, and a request past both is refused naming the
+        pool (``LLMEngine._check_fits``), as the gateway refuses it (review 25b R2: a session
+        turn past both was told the context, then, trimmed to it, the pool).
+
+        Raises:
+            ValueError: ``req.policy`` is no KV policy spec.
+        """
+        return (self.engine.scheduler.pool_tokens < req.max_context_tokens
+                and not (req.policy and convert.policy_compresses(req.policy)))
 
     def _check_session_text_budget(self, req: NodeRequest) -> None:
         """Refuse a session turn whose messages would take its tenant's kept messages on this

@@ -116,6 +116,11 @@ class RequestPreparation:
                 f"pool holds {pool_tokens} tokens: the prompt and at least one generated token). However, "
                 f"you requested {len(tokens)} tokens in the {what}. Please reduce the length of the {what}.",
             )
+        # under a policy that keeps every token the bound is the smaller of the context and the
+        # pool, and the refusal names it (review 25b R2: past both, such a request was told the
+        # 8192-token context, then, trimmed to it, the 4368-token pool; /v1/models says 4368)
+        if self.info["pool_tokens"] < limit:
+            await self._check_pool_fits(len(tokens), sampling.max_tokens, policy, what, context)
         if len(tokens) + sampling.max_tokens > limit:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -123,7 +128,6 @@ class RequestPreparation:
                 f"requested {len(tokens) + sampling.max_tokens} tokens ({len(tokens)} in the {what}, "
                 f"{sampling.max_tokens} in the completion). Please reduce the length of the {what} or completion.",
             )
-        await self._check_pool_fits(len(tokens), sampling.max_tokens, policy, what, context)
         try:
             def prefix() -> int:
                 return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
@@ -182,17 +186,19 @@ class RequestPreparation:
         need = own + max_tokens
         requested = (f"However, you requested at least {need} tokens ({own} at least in the messages, with the "
                      f"session's history on top, {max_tokens} in the completion)")
-        if need > limit:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. "
-                                f"{requested}. Please reduce the length of the messages or completion.")
         pool_tokens = self.info["pool_tokens"]
-        if need > pool_tokens and not (policy and convert.policy_compresses(policy)):
+        # under a policy that keeps every token the bound is the smaller of the context and the
+        # pool, and the refusal names it (review 25b R2, as in ``_prepare``)
+        if need > pool_tokens and pool_tokens < limit and not (policy and convert.policy_compresses(policy)):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"This model's maximum context length is {pool_tokens} tokens on a cache node "
                                 f"under a KV policy that keeps every token (its KV pool holds {pool_tokens} "
                                 f"tokens). {requested}: that can never fit. Please reduce the length of the "
                                 "messages or completion.")
+        if need > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"This model's maximum context length is {limit} tokens{self._whose(limit)}. "
+                                f"{requested}. Please reduce the length of the messages or completion.")
 
     async def _check_pool_fits(self, prompt: int, max_tokens: int, policy: str, what: str, context: Any) -> None:
         """Refuse (INVALID_ARGUMENT) a prompt of ``prompt`` tokens + ``max_tokens`` past a cache

@@ -119,6 +119,31 @@ def test_a_refused_request_gets_its_error_as_an_event(node) -> None:
     assert got["fine"][-1]["type"] == "finished"
 
 
+def test_a_request_past_its_context_and_the_smaller_pool_is_told_the_pool(node) -> None:
+    """Review 25b R2: a request (a session turn with its history, which only the node sees)
+    past both its context limit and the node's smaller pool, under a policy that keeps every
+    token, was told the context limit, then, trimmed to it, the pool. Now the pool, its bound;
+    under a compressing policy, which may outgrow the pool, the context limit."""
+    pool = node.engine.scheduler.pool_tokens
+    assert pool + 100 < node.engine.max_model_len
+    over = pool + 100 - len(PROMPT) + 1  # prompt + max_tokens: one past the context limit
+
+    async def run():
+        gw = await connect(node)
+        await gw.submit(request("full", max_tokens=over, max_context_tokens=pool + 100))
+        await gw.submit(request("snap", max_tokens=over, max_context_tokens=pool + 100, policy="snapkv-0.5"))
+        return await gw.drain({"full", "snap"})
+
+    got = asyncio.run(run())
+    assert got["full"] == [{"type": "error", "code": "INVALID_ARGUMENT", "message":
+                            f"prompt ({len(PROMPT)} tokens) + max_tokens ({over}) needs {pool + 101} tokens of KV "
+                            f"at once; this node's KV pool holds {pool} tokens"}]
+    assert got["snap"] == [{"type": "error", "code": "INVALID_ARGUMENT", "message":
+                            f"prompt ({len(PROMPT)}) + max_tokens ({over}) exceeds the tenant's "
+                            f"max_context_tokens ({pool + 100})"}]
+    node.engine.check_integrity()
+
+
 def test_an_unexpected_fault_in_starting_a_request_fails_it_alone(node, monkeypatch) -> None:
     """Regression class: an exception of a kind ``_start_incoming`` did not expect (e.g. an
     OverflowError from a policy value) escaped into the step loop, which failed the node and

@@ -45,16 +45,26 @@ def test_context_overflow_is_worded_as_openais_with_its_numbers(tmp_path: Path, 
             spec=tenant_pb2.TenantSpec(name="bob", max_context_tokens=100)), metadata=admin).api_key
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
 
-        def refusal(key: str, max_tokens: int, messages: list[dict] | None = None, ids: list[int] | None = None) -> str:
+        def refusal(key: str, max_tokens: int, messages: list[dict] | None = None, ids: list[int] | None = None,
+                    policy: str = "") -> str:
             prompt = ({"tokens": inference_pb2.TokenIds(ids=ids)} if ids is not None else
                       {"chat": inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(**m) for m in messages])})
-            req = inference_pb2.GenerateRequest(**prompt, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
+            req = inference_pb2.GenerateRequest(**prompt, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens),
+                                                policy=policy)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(req, metadata=(("authorization", f"Bearer {key}"),), timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
             return err.value.details()
 
+        # past both the 2048-token context and the 512-token pool: the pool, the bound under a policy
+        # that keeps every token, is named (review 25b R2: the context was, then, trimmed to it, the pool)
         assert refusal(ann, 3000, HI) == (
+            "This model's maximum context length is 512 tokens on a cache node under a KV policy that keeps "
+            f"every token (its KV pool holds 512 tokens). However, you requested {hi_tokens + 3000} tokens "
+            f"({hi_tokens} in the messages, 3000 in the completion). Please reduce the length of the messages or "
+            "completion.")
+        # a compressing policy may outgrow the pool: the context is its bound
+        assert refusal(ann, 3000, HI, policy="snapkv-0.5") == (
             f"This model's maximum context length is 2048 tokens. However, you requested {hi_tokens + 3000} tokens "
             f"({hi_tokens} in the messages, 3000 in the completion). Please reduce the length of the messages or "
             "completion.")

@@ -148,6 +148,26 @@ def test_a_session_turn_of_characters_the_tokenizer_drops_is_refused(templater: 
     templater.check_tokens_cover(len(few), len(templater.first_turn([{"role": "user", "content": few}])))
 
 
+def test_a_session_turn_past_the_context_and_the_pool_is_told_the_smaller(
+        tmp_path: Path, templater: ChatTemplater, monkeypatch) -> None:
+    """Review 25b R2: a full-cache turn past both the context limit and the (smaller) pool was
+    told the context, then, trimmed to it, the pool. Now the first refusal names the pool; under
+    a compressing policy, which may outgrow the pool, the context."""
+    monkeypatch.setitem(NODE_INFO, "pool_tokens", 1024)
+    monkeypatch.setitem(NODE_INFO, "max_model_len", 1500)
+    words = " ".join(["hello"] * 700)  # ~700 tokens: with 900 more, past both 1024 and 1500
+    with ann_generate(tmp_path, templater) as send:
+        code, message = send(words, "s1", 900)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and re.fullmatch(
+            r"This model's maximum context length is 1024 tokens on a cache node under a KV policy that keeps "
+            r"every token \(its KV pool holds 1024 tokens\)\. However, you requested at least \d+ tokens "
+            r"\(\d+ at least in the messages, with the session's history on top, 900 in the completion\): that "
+            r"can never fit\. Please reduce the length of the messages or completion\.", message), message
+        code, message = send(words, "s1", 900, "snapkv-0.5")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(
+            "This model's maximum context length is 1500 tokens. However, you requested at least"), message
+
+
 @pytest.mark.parametrize("content", [
     "Name a colour.", " " * 300 + "x", "\U0001F600" * 50, "def f():\n" + "        pass\n" * 20,
     "a" + "\x04" * 2000, "\x1d" * 20 + "ok",

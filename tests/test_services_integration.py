@@ -116,14 +116,23 @@ def test_bad_input_gets_precise_status_and_others_finish(stack, keys) -> None:
     with pytest.raises(grpc.RpcError) as over_pool:
         collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 2000),
                                                   sampling=inference_pb2.SamplingParams(max_tokens=4)), metadata=k))
-    assert re.fullmatch(r"This model's maximum context length is (\d+) tokens on a cache node \(its KV pool holds "
-                        r"\1 tokens: the prompt and at least one generated token\)\. However, you requested 2000 "
-                        r"tokens in the prompt\. Please reduce the length of the prompt\.", over_pool.value.details())
-    with pytest.raises(grpc.RpcError) as over_context:
-        collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 1000),
+    pooled = re.fullmatch(r"This model's maximum context length is (\d+) tokens on a cache node \(its KV pool holds "
+                          r"\1 tokens: the prompt and at least one generated token\)\. However, you requested 2000 "
+                          r"tokens in the prompt\. Please reduce the length of the prompt\.", over_pool.value.details())
+    assert pooled
+    over_pool_tokens = int(pooled.group(1))
+    with pytest.raises(grpc.RpcError) as over_context:  # a compressing policy's bound is the context
+        collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 1000), policy="snapkv-0.5",
                                                   sampling=inference_pb2.SamplingParams(max_tokens=8000)), metadata=k))
     assert over_context.value.details().startswith("This model's maximum context length is 8192 tokens. However, "
                                                    "you requested 9000 tokens (1000 in the prompt, 8000 in the completion).")
+    with pytest.raises(grpc.RpcError) as over_both:  # the full cache's is the smaller pool (review 25b R2)
+        collect(gen(inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[100] * 1000),
+                                                  sampling=inference_pb2.SamplingParams(max_tokens=8000)), metadata=k))
+    assert over_both.value.details().startswith(
+        f"This model's maximum context length is {over_pool_tokens} tokens on a cache node under a KV policy that "
+        f"keeps every token (its KV pool holds {over_pool_tokens} tokens). However, you requested 9000 tokens (1000 "
+        "in the prompt, 8000 in the completion).")
     for ids in ([2**31], [49152], [2**32 - 1]):  # outside the vocabulary (49152): was UNAVAILABLE
         out_of_vocab = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=[1, *ids]),
                                                      sampling=inference_pb2.SamplingParams(max_tokens=2))
