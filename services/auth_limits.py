@@ -10,6 +10,7 @@ docstring for the whole scheme).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -199,5 +200,8 @@ class CheckLimits:
     @staticmethod
     async def _abort_over_limit(context: grpc.aio.ServicerContext, wait_s: float,
                                 why: str = "too many failed API-key checks from this address") -> None:
-        context.set_trailing_metadata((("retry-after-ms", str(int(wait_s * 1000) + 1)),))
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry in {wait_s:.0f} s")
+        wait_ms = int(wait_s * 1000) + 1
+        context.set_trailing_metadata((("retry-after-ms", str(wait_ms)),))
+        # the whole seconds the HTTP API's Retry-After says for this trailer (rounded up, at least
+        # 1); regression (review 25b N1): "retry in 0 s" beside Retry-After: 1 (rounded down)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry in {max(1, math.ceil(wait_ms / 1000))} s")

@@ -35,8 +35,8 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
         return await ref
     except TooManyRotationsError as exc:
         cause = getattr(exc, "cause", None)
-        retry_after_s = (cause if isinstance(cause, TooManyRotationsError) else exc).retry_after_s
-        context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000) + 1)),))
+        retry_after_ms = (cause if isinstance(cause, TooManyRotationsError) else exc).retry_after_ms
+        context.set_trailing_metadata((("retry-after-ms", str(retry_after_ms)),))
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc))
     except TenantExistsError as exc:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS, _message(exc))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class TenantError(Exception):
     """Base class for tenant registry errors that are not bad input (bad input is ValueError).
@@ -44,8 +46,16 @@ class TooManyRotationsError(TenantError):
     """
 
     def __init__(self, name: str, retry_after_s: float = 0.0) -> None:
-        super().__init__(name, f"tenant {name!r} rotated its own key too often; retry in {retry_after_s:.0f} s")
         self.retry_after_s = retry_after_s
+        # the whole seconds a Retry-After header says for the trailer (rounded up, at least 1);
+        # regression (review 25b N1): the message rounded down ("retry in 0 s")
+        super().__init__(name, f"tenant {name!r} rotated its own key too often; retry in "
+                               f"{max(1, math.ceil(self.retry_after_ms / 1000))} s")
+
+    @property
+    def retry_after_ms(self) -> int:
+        """The ``retry-after-ms`` trailer the gateway sends with it (never 0)."""
+        return int(self.retry_after_s * 1000) + 1
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.retry_after_s))
