@@ -10,7 +10,11 @@ import grpc
 import typer
 from rich.markup import escape
 
-from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from cache_node.sampling_params import (
+    MAX_REQUEST_TEMPERATURE,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
 from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import gateway_channel
@@ -112,7 +116,7 @@ def generate(
                                 help="the tenant's API key (from `kvstrata tenant add`)"),
     max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32,
                                    help="most tokens to generate (finish reason `length` when reached)"),
-    temperature: float = typer.Option(0.0, min=0, max=100, callback=finite,
+    temperature: float = typer.Option(0.0, min=0, max=MAX_REQUEST_TEMPERATURE, callback=finite,
                                       help="sampling temperature; 0: greedy (deterministic)"),
     session: str = typer.Option("", help="a session id of your choice: turns of one session reuse the "
                                 "previous turns' KV cache (default: no session)"),

@@ -149,6 +149,24 @@ def test_generate_sends_priority_and_stop_strings() -> None:
     assert default.priority == 0 and list(default.sampling.stop) == [] and default.sampling.temperature == 0
 
 
+@pytest.mark.parametrize(("value", "exit_code"), [("2", 0), ("2.5", 2), ("5", 2), ("-0.1", 2)])
+def test_generate_bounds_temperature_as_the_server_does(value: str, exit_code: int) -> None:
+    """Review 25b N2: ``--temperature`` took 0..100 while the server takes [0, 2]
+    (``MAX_REQUEST_TEMPERATURE``): ``--temperature 5`` reached the server and exited 1 with its
+    INVALID_ARGUMENT. Now it is a usage error (exit 2) before any call; 2 itself is sent."""
+    server, servicer = grpc.server(futures.ThreadPoolExecutor(max_workers=2)), RecordingInference()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        result = CliRunner().invoke(cli.app, ["generate", "hi", "--temperature", value, "--gateway",
+                                              f"127.0.0.1:{port}"], env={"KVSTRATA_API_KEY": "k"})
+    finally:
+        server.stop(grace=None)
+    assert result.exit_code == exit_code, result.output
+    assert [r.sampling.temperature for r in servicer.requests] == ([float(value)] if exit_code == 0 else [])
+
+
 def test_a_stop_finish_with_stop_strings_does_not_claim_the_model_ended_it() -> None:
     """A fresh-user trial: `generate ... --stop 5` cut at the stop string ended with "stop: the
     model ended its answer." GenerateFinished says `stop` both when the model ended its answer
