@@ -28,21 +28,21 @@ from services.data_plane_wire import MAX_RETRY_AFTER_S
 from tenants.model import TenantSpec
 
 PREFILL_TOKENS_PER_S_RANGE = (1.0, 1e7)
-"""Prefill speeds (tokens/s) taken from a node's ``finished`` event (``NodeLoad.take_speeds``);
-one outside is ignored and counted. The slowest real node prefills hundreds of tokens a second,
-the fastest well under ten million."""
-
-MAX_STEP_S = 60.0
-"""Longest step (s) taken from a node's ``finished`` event; one outside (0, this] is ignored and
+"""Prefill speeds (tokens/s) taken from a node's ``finished`` event (``NodeLoad.take_speeds``):
+a positive one outside is taken at the nearer end (a tiny model on a fast GPU can prefill past
+ten million tokens a second: review 25c); one that is no positive real number is ignored and
 counted."""
 
+MAX_STEP_S = 60.0
+"""Longest step (s) taken from a node's ``finished`` event; a longer one is taken as this, and
+one that is no positive real number is ignored and counted."""
 
-def _in_range(value: Any, low: float, high: float, low_open: bool = False) -> bool:
-    """Whether ``value`` is a real number (no bool) in [low, high] ((low, high] with
-    ``low_open``)."""
-    if type(value) not in (int, float) or not math.isfinite(value):
-        return False
-    return (low < value if low_open else low <= value) and value <= high
+
+def _clamped(value: Any, low: float, high: float) -> float | None:
+    """``value`` put into [low, high] when it is a positive real number (no bool), else None."""
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        return None
+    return min(max(float(value), low), high)
 
 
 @dataclass
@@ -60,22 +60,23 @@ class NodeLoad:
     def take_speeds(self, usage: dict[str, Any]) -> list[str]:
         """Take the node's measured ``prefill_tokens_per_s`` and ``step_s`` (its ``finished``
         event, as the gateway forwards it) into ``prefill`` and ``step_s``; returns the names of
-        those present and ignored: not a number in ``PREFILL_TOKENS_PER_S_RANGE`` or (0,
-        ``MAX_STEP_S``].
+        those present and ignored: no positive real number. One past its range is taken at
+        the nearer end (``PREFILL_TOKENS_PER_S_RANGE``, ``MAX_STEP_S``).
 
         Regression (review 25a E): they were taken as they came (the gateway checks only that
         they are finite and >= 0); a node reporting 1e-300 tokens/s made every later TTFT
         estimate on it ~1e305 ms, refusals whose ``retry_after_s`` (8e302) the gateway refused as
         a malformed reply (UNAVAILABLE, no hint), and its backlog never drained again."""
         ignored = []
-        speed = usage.get("prefill_tokens_per_s")
-        if _in_range(speed, *PREFILL_TOKENS_PER_S_RANGE):
-            self.prefill.set(float(speed))
+        speed = _clamped(usage.get("prefill_tokens_per_s"), *PREFILL_TOKENS_PER_S_RANGE)
+        if speed is not None:
+            self.prefill.set(speed)
         else:
             ignored.append("prefill_tokens_per_s")
         if "step_s" in usage:
-            if _in_range(usage["step_s"], 0.0, MAX_STEP_S, low_open=True):
-                self.step_s.update(float(usage["step_s"]))
+            step_s = _clamped(usage["step_s"], 0.0, MAX_STEP_S)
+            if step_s is not None:
+                self.step_s.update(step_s)
             else:
                 ignored.append("step_s")
         return ignored

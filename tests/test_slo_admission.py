@@ -93,11 +93,11 @@ def _gateway_takes(adm) -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    {"prefill_tokens_per_s": 1e-300}, {"prefill_tokens_per_s": 0.5}, {"prefill_tokens_per_s": 0.0},
-    {"prefill_tokens_per_s": 1e12}, {"prefill_tokens_per_s": True}, {"prefill_tokens_per_s": "900"},
-    {"step_s": 0.0}, {"step_s": 1e9}, {"step_s": float("nan")},
+    {"prefill_tokens_per_s": 0.0}, {"prefill_tokens_per_s": -5.0}, {"prefill_tokens_per_s": True},
+    {"prefill_tokens_per_s": "900"}, {"prefill_tokens_per_s": float("inf")},
+    {"step_s": 0.0}, {"step_s": float("nan")}, {"step_s": False},
 ])
-def test_a_nodes_speeds_out_of_range_are_ignored_and_counted(tmp_path, bad) -> None:
+def test_a_nodes_speeds_that_are_no_positive_numbers_are_ignored_and_counted(tmp_path, bad) -> None:
     """Regression (review 25a E): a node's finished event (which the gateway checks only for
     finite values >= 0) set the node's prefill speed as it came: 1e-300 tokens/s made the next
     refusal's ``retry_after_s`` 8e302, which the gateway refused as a malformed admission reply
@@ -113,6 +113,30 @@ def test_a_nodes_speeds_out_of_range_are_ignored_and_counted(tmp_path, bad) -> N
     assert (gs.nodes["n0"].prefill.tokens_per_s, gs.nodes["n0"].step_s.value) == (1000.0, 0.05)
     name, = bad
     assert gs.stats()["ignored_speeds"] == {name: 1}
+
+
+@pytest.mark.parametrize(("reported", "taken"), [
+    ({"prefill_tokens_per_s": 1e-300}, (1.0, 0.05)), ({"prefill_tokens_per_s": 0.5}, (1.0, 0.05)),
+    ({"prefill_tokens_per_s": 1.2e7}, (1e7, 0.05)), ({"prefill_tokens_per_s": 1e12}, (1e7, 0.05)),
+    ({"step_s": 1e9}, (1000.0, 12.04)),  # 60 s into the step-time average (0.05 s before)
+])
+def test_a_nodes_speeds_past_their_range_are_taken_at_its_end(tmp_path, reported, taken) -> None:
+    """Review 25c (5): a speed past its range was ignored, so an honest node prefilling 1.2e7
+    tokens/s (a tiny model on a fast GPU) kept the 1,000 tokens/s prior and its interactive
+    admissions were refused ``ttft_estimate``. A positive speed is now taken at the range's
+    nearer end, and every refusal it leads to is one the gateway takes (1e-300 tokens/s, the
+    review 25a E case, is a 1 token/s node: a day's hint at most)."""
+    gs, ids, clock = scheduler(tmp_path, "kvstrata")
+    assert gs.admit(ids["live"], "r1", prompt_tokens=800).code == "OK"
+    gs.release("r1", FINISHED | reported)
+    assert (gs.nodes["n0"].prefill.tokens_per_s, gs.nodes["n0"].step_s.value) == pytest.approx(taken)
+    assert gs.stats()["ignored_speeds"] == {}
+    clock.t += 1.0
+    for i in range(3):
+        adm = gs.admit(ids["live"], f"q{i}", prompt_tokens=2000)
+        _gateway_takes(adm)
+    if taken[0] == 1e7:  # the fast node admits what the prior would have refused
+        assert gs.admit(ids["live"], "fast", prompt_tokens=2000).code == "OK"
 
 
 def test_a_slow_nodes_deep_backlog_gives_a_hint_the_gateway_takes(tmp_path) -> None:
