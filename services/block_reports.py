@@ -10,10 +10,13 @@ order: a spill node's start-up reset applied after its first stores wiped them f
 applied before its "stored" left it indexed where it is not.
 
 ``BlockReporter`` keeps the order on the sending side: one thread sends one call at a time and
-waits for it to be applied before the next, merging what piled up meanwhile into one call. The
-index is a routing hint (every tier checks token ids on a hit), so a failed call is logged,
-counted and dropped, never retried into a later order, and never fails the store or the step
-that made the events.
+waits for it to be applied before the next; what piles up meanwhile goes out as one call. The
+index also bounds each holder by its capacity (``GlobalScheduler.report_events``), so a lost
+call (failed, timed out, or dropped past ``MAX_PENDING_EVENTS``) would leave entries the holder
+no longer has for as long as it lives, and the bound would then refuse its honest batches. So a
+loss sets ``needs_resync``: the holder's next report is everything it holds, with ``reset``
+(``CacheNode``'s ``Streams._flush_events``, ``SpillNode._push``), and the index is whole again.
+A failed call never fails the store or the step that made the events.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ Event = tuple[str, bytes, str]
 
 class BlockReporter:
     """An event sink ``(holder_id, events, reset=False)`` that sends to a scheduler's
-    ``report_events`` in order, from its own daemon thread.
+    ``report_events`` in order, from its own daemon thread (started at the first report).
 
     Args:
         scheduler: the GlobalScheduler's handle or ``ActorRef`` (looked up at the first send,
@@ -49,6 +52,8 @@ class BlockReporter:
         max_pending: events queued at most (``MAX_PENDING_EVENTS``).
 
     Attributes:
+        needs_resync: events were lost since the last report with ``reset``: the holder should
+            next report everything it holds, with ``reset=True``.
         counters: ``sent_calls``, ``sent_events``, ``failed_calls``, ``dropped_events``.
     """
 
@@ -56,31 +61,42 @@ class BlockReporter:
                  max_pending: int = MAX_PENDING_EVENTS) -> None:
         self.scheduler, self.timeout_s, self.max_pending = scheduler, timeout_s, max_pending
         self._handle: Any = None
+        # batches to send, oldest first: (holder, events, reset); a batch is extended in place
+        # while it waits (each call takes the whole queue's first batch, not a join of many)
         self._pending: deque[tuple[str, list[Event], bool]] = deque()
         self._queued = 0  # events in ``_pending``
         self._busy = False  # a call is in flight
         self._cond = threading.Condition()
         self._closed = False
+        self._thread: threading.Thread | None = None
+        self.needs_resync = False
         self.counters = {"sent_calls": 0, "sent_events": 0, "failed_calls": 0, "dropped_events": 0}
-        self._thread = threading.Thread(target=self._run, name="block-reports", daemon=True)
-        self._thread.start()
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (to an actor's constructor) as a new reporter of the same scheduler."""
         return (BlockReporter, (self.scheduler, self.timeout_s, self.max_pending))
 
     def __call__(self, holder_id: str, events: list[Event], reset: bool = False) -> None:
-        """Queue ``events`` of ``holder_id`` (after everything queued before); never blocks."""
+        """Queue ``events`` of ``holder_id`` (after everything queued before); never blocks on
+        the scheduler. ``reset``: ``events`` are all the holder holds (what was queued before
+        is dropped, and ``needs_resync`` cleared)."""
         with self._cond:
+            if self._closed:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="block-reports", daemon=True)
+                self._thread.start()
             if reset:  # what was queued before a reset is forgotten by it anyway
                 self._pending = deque(b for b in self._pending if b[0] != holder_id)
                 self._queued = sum(len(b[1]) for b in self._pending)
-            self._pending.append((holder_id, list(events), reset))
+                self.needs_resync = False
+            if not reset and self._pending and self._pending[-1][0] == holder_id:
+                self._pending[-1][1].extend(events)  # goes out with the batch it follows
+            else:
+                self._pending.append((holder_id, list(events), reset))
             self._queued += len(events)
             while self._queued > self.max_pending and len(self._pending) > 1:
-                _, dropped, _ = self._pending.popleft()
-                self._queued -= len(dropped)
-                self.counters["dropped_events"] += len(dropped)
+                self._lose(self._pending.popleft()[1])
             self._cond.notify()
 
     def flush(self, timeout_s: float = REPORT_TIMEOUT_S) -> bool:
@@ -94,16 +110,19 @@ class BlockReporter:
             self._closed = True
             self._cond.notify_all()
 
+    def _lose(self, events: list[Event]) -> None:
+        """Under the lock: ``events`` will never be applied."""
+        self._queued -= len(events)
+        self.counters["dropped_events"] += len(events)
+        self.needs_resync = True
+
     def _take(self) -> tuple[str, list[Event], bool] | None:
-        """The next call: the oldest batch merged with the batches of its holder right after
-        it. None once closed."""
+        """The next call: the oldest batch. None once closed."""
         with self._cond:
             self._cond.wait_for(lambda: self._pending or self._closed)
             if self._closed:
                 return None
             holder, events, reset = self._pending.popleft()
-            while self._pending and self._pending[0][0] == holder and not self._pending[0][2]:
-                events = events + self._pending.popleft()[1]
             self._queued -= len(events)
             self._busy = True
             return holder, events, reset
@@ -115,10 +134,15 @@ class BlockReporter:
                 self._send(holder, events, reset)
             except Exception as exc:  # noqa: BLE001 - a hint: logged and dropped, never fatal
                 self._handle = None  # look the scheduler up again (it may have restarted)
-                self.counters["failed_calls"] += 1
-                self.counters["dropped_events"] += len(events)
-                logger.warning("%s: %d block events not reported: %s: %.200s",
-                               holder, len(events), type(exc).__name__, exc)
+                with self._cond:
+                    self._queued += len(events)  # (``_lose`` counts them out)
+                    self._lose(events)
+                    self.counters["failed_calls"] += 1
+                    failed = self.counters["failed_calls"]
+                if failed & (failed - 1) == 0:  # the 1st, 2nd, 4th, ... (a dead scheduler)
+                    logger.warning("%s: %d block events not reported (%d failed calls so far; the "
+                                   "next report resends all it holds): %s: %.200s",
+                                   holder, len(events), failed, type(exc).__name__, exc)
             finally:
                 with self._cond:
                     self._busy = False
@@ -128,5 +152,6 @@ class BlockReporter:
         if self._handle is None:
             self._handle = resolve(self.scheduler)
         ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
-        self.counters["sent_calls"] += 1
-        self.counters["sent_events"] += len(events)
+        with self._cond:
+            self.counters["sent_calls"] += 1
+            self.counters["sent_events"] += len(events)

@@ -305,7 +305,8 @@ class CacheNodeActor(CacheNode):
     ) -> None:
         scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
         spill_nodes = [resolve(node) for node in spill_nodes or []]
-        sink = BlockReporter(scheduler) if scheduler else None
+        self._reporter = BlockReporter(scheduler) if scheduler else None
+        sink = self._report_blocks if self._reporter is not None else None
         spill = None
         if spill_nodes and spill_spec is not None:
             from services.spill_client import RaySpillClient
@@ -323,6 +324,17 @@ class CacheNodeActor(CacheNode):
                 scheduler.record_metrics_port.remote(node_id, self.metrics_server.port)
         if scheduler:
             self.session_sink = lambda node_id, ids: scheduler.sessions_ended.remote(node_id, ids)
+
+    def _report_blocks(self, node_id: str, events: list[tuple[str, bytes, str]]) -> None:
+        """The step thread's block events, to the scheduler's index in order; after a lost
+        report (``BlockReporter.needs_resync``) every block the device and host tiers hold,
+        with ``reset``, instead (events after that snapshot still follow it)."""
+        reporter = self._reporter
+        assert reporter is not None
+        if reporter.needs_resync:
+            reporter(node_id, [("stored", h, tier) for h, tier in self.engine.tier_block_hashes()], True)
+        else:
+            reporter(node_id, events)
 
     def restarts(self) -> int:
         return self._restarts

@@ -177,6 +177,9 @@ class SpillNode:
             return
         with self._sink_lock:
             events = [(e.event, e.block_hash, e.tier) for e in self._store.take_events()]
+            if getattr(self._sink, "needs_resync", False):  # a report was lost: all it holds,
+                # taken after the drain (an event between both is in it and follows it again)
+                events, reset = [("stored", h, tier) for h, tier in self._store.held()], True
             if events or reset:
                 self._sink(self.node_id, events, reset)
 
