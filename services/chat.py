@@ -22,8 +22,11 @@ DROPPED_CHARS_SLACK = 64
 
 
 def content_chars(messages: Messages) -> int:
-    """Characters of the content of chat ``messages``."""
-    return sum(len(m.get("content") or "") for m in messages)
+    """Characters of the text of chat ``messages``: their content, and their ``name`` and
+    ``tool_call_id`` where given (text the chat template may render, and that a session keeps:
+    every character bound counts them, review 25b N3)."""
+    return sum(len(m.get("content") or "") + len(m.get("name") or "") + len(m.get("tool_call_id") or "")
+               for m in messages)
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -18,7 +18,8 @@ Bounds on a ``GenerateRequest`` (past one: ``ValueError`` naming the field and t
 most ``MAX_STOP_STRINGS`` (4) strings of 1 to ``MAX_STOP_STRING_CHARS`` (256) characters;
 ``tokens.ids`` at most ``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most
 ``MAX_CHAT_MESSAGES`` (1,024) messages holding at most ``MAX_PROMPT_CHARS`` (1,048,576)
-characters together; ``policy`` a name of the tenant policy pattern (at most 63 characters);
+characters together (content, ``name`` and ``tool_call_id``: ``services.chat.content_chars``),
+a message's ``name`` and a tool message's ``tool_call_id`` at most ``MAX_MESSAGE_ID_CHARS`` (256); ``policy`` a name of the tenant policy pattern (at most 63 characters);
 ``request_id`` and ``session_id`` at most 256 characters, ``priority`` in [-1000, 1000],
 ``prefix_tokens`` in [0, prompt tokens] of a token prompt (0 with chat) and
 ``prefix_messages`` in [0, messages] of a chat (0 with tokens; its rendering must be a token
@@ -46,6 +47,8 @@ MAX_PROMPT_TOKEN_IDS = 131_072
 MAX_CHAT_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1 << 20
 MAX_REQUEST_ID_CHARS = 256  # request_id, session_id (services.gateway.MAX_ID_CHARS checks them)
+MAX_MESSAGE_ID_CHARS = 256
+"""Longest ``name`` or ``tool_call_id`` of a chat message (gRPC and HTTP alike)."""
 
 _SLO_CLASS_TO_PB: dict[SloClass, common_pb2.SloClass] = {
     SloClass.INTERACTIVE: common_pb2.SLO_CLASS_INTERACTIVE,
@@ -246,22 +249,50 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
     return msg
 
 
+def chat_message(role: str, content: str, name: str = "", tool_call_id: str = "") -> dict[str, str]:
+    """One message as the chat template takes it (transformers' ``apply_chat_template``):
+    ``role`` (``developer`` as ``system``) and ``content``, and ``name`` and ``tool_call_id``
+    when given, as vLLM passes them on (``vllm.entrypoints.chat_utils``)."""
+    message = {"role": "system" if role == "developer" else role, "content": content}
+    if name:
+        message["name"] = name
+    if tool_call_id:
+        message["tool_call_id"] = tool_call_id
+    return message
+
+
+def check_message_ids(where: str, role: str, name: str, tool_call_id: str) -> None:
+    """A message's ``name`` and ``tool_call_id`` ("": not given).
+
+    Raises:
+        ValueError: one is longer than ``MAX_MESSAGE_ID_CHARS``, or ``tool_call_id`` is on a
+            message whose role is not ``tool`` (``where`` names the message).
+    """
+    for field, value in (("name", name), ("tool_call_id", tool_call_id)):
+        if len(value) > MAX_MESSAGE_ID_CHARS:
+            raise ValueError(f"{where}.{field} is longer than {MAX_MESSAGE_ID_CHARS} characters")
+    if tool_call_id and role != "tool":
+        raise ValueError(f"{where}.tool_call_id applies to tool messages (role \"tool\"), not to role {role!r}")
+
+
 def chat_messages_from_pb(
     msg: inference_pb2.ChatMessages, prefix: str = "chat"
 ) -> list[dict[str, str]]:
-    """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` for the chat template.
+    """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` (with ``name`` and
+    ``tool_call_id`` where given: ``chat_message``) for the chat template.
 
     Raises:
         ValueError: no messages or more than ``MAX_CHAT_MESSAGES``, more than
-            ``MAX_PROMPT_CHARS`` characters of content together, a role outside
-            ``CHAT_ROLES`` (named by index), or every message's content is blank.
+            ``MAX_PROMPT_CHARS`` characters of text together (content, names, tool call ids),
+            a role outside ``CHAT_ROLES``, a bad ``name`` or ``tool_call_id``
+            (``check_message_ids``; named by index), or every message's content is blank.
     """
     if not msg.messages:
         raise ValueError(f"{prefix}.messages must hold at least one message")
     if len(msg.messages) > MAX_CHAT_MESSAGES:
         raise ValueError(f"{prefix}.messages holds {len(msg.messages)} messages; "
                          f"at most {MAX_CHAT_MESSAGES} are allowed")
-    chars = sum(len(m.content) for m in msg.messages)
+    chars = sum(len(m.content) + len(m.name) + len(m.tool_call_id) for m in msg.messages)
     if chars > MAX_PROMPT_CHARS:
         raise ValueError(f"{prefix}.messages hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
     if not any(m.content.strip() for m in msg.messages):
@@ -272,23 +303,29 @@ def chat_messages_from_pb(
                 f"{prefix}.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
                 f"got {message.role!r}"
             )
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in msg.messages]
+        check_message_ids(f"{prefix}.messages[{index}]", message.role, message.name, message.tool_call_id)
+    return [chat_message(m.role, m.content, m.name, m.tool_call_id) for m in msg.messages]
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
 
 
 def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> inference_pb2.ChatMessages:
-    """``[{"role", "content"}, ...]`` -> wire chat (clients); validated like the server does.
+    """``[{"role", "content"[, "name"][, "tool_call_id"]}, ...]`` -> wire chat (clients);
+    validated like the server does.
 
     Raises:
-        ValueError: a message lacks ``role``/``content`` or has an unknown role.
+        ValueError: a message lacks ``role``/``content``, has another key, an unknown role or a
+            bad ``name``/``tool_call_id``.
     """
     msg = inference_pb2.ChatMessages()
     for index, message in enumerate(messages):
-        if set(message) != {"role", "content"}:
+        if not {"role", "content"} <= set(message) <= _MESSAGE_KEYS:
             raise ValueError(
-                f"chat.messages[{index}] must have exactly the keys role and content, "
-                f"got {sorted(message)}"
+                f"chat.messages[{index}] must have the keys role and content, and may have name and "
+                f"tool_call_id; got {sorted(message)}"
             )
-        msg.messages.add(role=message["role"], content=message["content"])
+        msg.messages.add(**message)
     chat_messages_from_pb(msg)
     return msg
 

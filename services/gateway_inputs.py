@@ -31,7 +31,8 @@ class GenerateInput:
     API's edge; the gateway bounds them against the tenant and the model).
 
     Attributes:
-        prompt: chat messages ``[{"role", "content"}]`` or prompt token ids.
+        prompt: chat messages ``[{"role", "content"}]`` (with ``name`` and ``tool_call_id``
+            where given: ``convert.chat_message``) or prompt token ids.
         policy: the KV policy override ("" = the tenant's policy).
         cache_salt: partitions the tenant's prefix cache further ("" = none): requests share
             cached blocks only with requests of the same tenant namespace and salt.

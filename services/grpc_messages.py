@@ -3,7 +3,7 @@
 grpc core refuses a received message over 4 MiB unless told otherwise, before any handler runs
 (RESOURCE_EXHAUSTED "received message larger than max"). The largest request ``convert``'s bounds
 admit is larger: a chat of ``MAX_PROMPT_CHARS`` characters, up to 4 UTF-8 bytes each, plus its
-messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.03 MiB). So
+messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.04 MiB). So
 the cap is a setting, ``ServiceConfig.grpc_max_message_bytes`` (``DEFAULT_MAX_MESSAGE_BYTES``,
 8 MiB, as the HTTP API's body cap), never below that request, set on the server for both
 directions (``GrpcLimits.server_options``) and on every channel our clients open to the gateway
@@ -32,7 +32,9 @@ def _string_field(max_bytes: int) -> int:
 
 
 def _largest_chat_bytes() -> int:
-    message = _string_field(_LONGEST_ROLE_BYTES) + _TAG + _VARINT_32  # role, content's key and length
+    # role; content's, name's and tool_call_id's keys and lengths (their characters count
+    # together against MAX_PROMPT_CHARS)
+    message = _string_field(_LONGEST_ROLE_BYTES) + 3 * (_TAG + _VARINT_32)
     messages = MAX_CHAT_MESSAGES * (_TAG + _VARINT_32 + message) + MAX_PROMPT_CHARS * UTF8_MAX_BYTES
     return _TAG + _VARINT_32 + messages
 
@@ -57,7 +59,7 @@ MAX_GENERATE_REQUEST_BYTES = (
     + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
 )
 """An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
-largest request of any call): 4,228,601 bytes, ~4.03 MiB."""
+largest request of any call): 4,240,889 bytes, ~4.04 MiB."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 """``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""

@@ -570,6 +570,32 @@ def test_a_session_turn_of_characters_the_tokenizer_drops_is_refused_and_the_ses
     node.engine.check_integrity()
 
 
+def test_a_tool_result_turn_keeps_its_tool_call_id_through_the_data_plane(node) -> None:
+    """Review 25b N3: a session turn of a tool result (role "tool", with the ``tool_call_id``
+    and ``name`` OpenAI's tool messages carry) crosses the data plane, renders as the chat
+    template renders it with them, and is kept with them for the next turn; their characters
+    count against the tenant's kept session text."""
+    sid = "tt/s"
+    tool = {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"}
+
+    async def run():
+        gw = await connect(node)
+        await gw.submit(_chat_turn("t1", "What is 2+2? Call add.", "tt", sid))
+        first = await gw.drain({"t1"})
+        await gw.submit(request("t2", max_tokens=3, tokens=(), tenant="tt", session_id=sid, messages=(tool,)))
+        return first, await gw.drain({"t2"})
+
+    first, got = asyncio.run(run())
+    assert first["t1"][-1]["type"] == "finished" and got["t2"][-1]["type"] == "finished", got
+    kept = node._session_messages[sid]
+    assert kept[0] == {"role": "user", "content": "What is 2+2? Call add."} and kept[2] == tool
+    assert kept[1]["role"] == "assistant" and len(kept) == 4
+    assert node._session_messages.chars(sid) == sum(
+        len(m["content"]) + len(m.get("name", "")) + len(m.get("tool_call_id", "")) for m in kept)
+    assert asyncio.run(node.close_session(sid, "tt")) > 0
+    node.engine.check_integrity()
+
+
 def test_a_sessions_whole_text_is_bounded_by_what_its_tokens_can_stand_for(node) -> None:
     """Regression (security review F3): only each turn's text was bounded (room x
     max_token_chars); now the session's kept messages and the new turn's together are."""

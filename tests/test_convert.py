@@ -293,8 +293,40 @@ def test_chat_to_wire() -> None:
     with pytest.raises(ValueError) as excinfo:
         convert.chat_messages_to_pb([{"role": "user"}])
     assert str(excinfo.value) == (
-        "chat.messages[0] must have exactly the keys role and content, got ['role']"
+        "chat.messages[0] must have the keys role and content, and may have name and tool_call_id; got ['role']"
     )
+
+
+def test_a_tool_result_carries_its_tool_call_id_to_the_chat_template() -> None:
+    """Review 25b N3: a tool message could not say which call it answers (OpenAI's
+    ``tool_call_id``; the HTTP API refused it as an unsupported field, gRPC had no field). Now
+    ``name`` and a tool message's ``tool_call_id`` travel over gRPC and reach the chat template
+    as transformers' ``apply_chat_template`` reads them (vLLM's way); both are bounded, and a
+    ``tool_call_id`` on another role is refused naming it."""
+    messages = [{"role": "user", "content": "2+2?", "name": "ann"},
+                {"role": "assistant", "content": "add(2, 2)"},
+                {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"}]
+    msg = convert.chat_messages_to_pb(messages)
+    assert msg.messages[2] == inference_pb2.ChatMessage(role="tool", content="4", name="add", tool_call_id="call_1")
+    assert convert.chat_messages_from_pb(msg) == messages
+    bad = [
+        ([{"role": "user", "content": "hi", "tool_call_id": "call_1"}],
+         "chat.messages[0].tool_call_id applies to tool messages (role \"tool\"), not to role 'user'"),
+        ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "4", "tool_call_id": "c" * 257}],
+         "chat.messages[1].tool_call_id is longer than 256 characters"),
+        ([{"role": "user", "content": "hi", "name": "n" * 257}], "chat.messages[0].name is longer than 256 characters"),
+        ([{"role": "tool", "content": "4", "tool_calls": "[]"}],
+         ("chat.messages[0] must have the keys role and content, and may have name and tool_call_id; got "
+          "['content', 'role', 'tool_calls']")),
+    ]
+    for chat, error in bad:
+        with pytest.raises(ValueError) as excinfo:
+            convert.chat_messages_to_pb(chat)
+        assert str(excinfo.value) == error
+    big = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(
+        role="tool", content="x" * (convert.MAX_PROMPT_CHARS - 5), tool_call_id="call_1")])
+    with pytest.raises(ValueError, match="hold 1048577 characters"):  # the id counts as text
+        convert.chat_messages_from_pb(big)
 
 
 def test_prompt_from_request() -> None:

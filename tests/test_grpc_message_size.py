@@ -48,13 +48,14 @@ WIDE = "\U0001f600"  # 4 bytes in UTF-8
 
 def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateRequest:
     """A GenerateRequest at every bound ``services.convert`` checks, each string of 4-byte
-    characters: 1,024 chat messages holding 1 Mi characters, 4 stop strings of 256, 64 stop ids,
+    characters: 1,024 chat messages holding 1 Mi characters (1,023 of them tool results, each
+    with a ``name`` and a ``tool_call_id``: review 25b N3), 4 stop strings of 256, 64 stop ids,
     256-character request and session ids, a policy of the pattern's 63 characters (no real
     policy's spec is longer), priority -1000."""
     chat = inference_pb2.ChatMessages()
-    chat.messages.add(role="assistant", content=WIDE * (MAX_PROMPT_CHARS - MAX_CHAT_MESSAGES + 1))
+    chat.messages.add(role="assistant", content=WIDE * (MAX_PROMPT_CHARS - 3 * (MAX_CHAT_MESSAGES - 1)))
     for _ in range(MAX_CHAT_MESSAGES - 1):
-        chat.messages.add(role="assistant", content=WIDE)
+        chat.messages.add(role="tool", content=WIDE, name=WIDE, tool_call_id=WIDE)
     sampling = inference_pb2.SamplingParams(
         max_tokens=(1 << 32) - 1, temperature=1.5, top_p=0.5, seed=(1 << 64) - 1,
         stop_token_ids=[(1 << 32) - 1] * MAX_STOP_TOKEN_IDS, ignore_eos=True,

@@ -83,6 +83,61 @@ def test_text_parts_are_joined_with_newlines_as_vllm_joins_them() -> None:
     assert one == [{"role": "user", "content": "Hello"}]  # one part: no separator
 
 
+TOOL_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}{% if m.name %} name={{ m.name }}{% endif %}"
+                 "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}]{{ m['content'] }}\n{% endfor %}")
+"""A chat template that renders ``name`` and ``tool_call_id`` where a message has them (as
+tool-calling models' templates read them: ``message.tool_call_id``)."""
+
+
+def test_a_tool_result_with_its_tool_call_id_reaches_the_chat_template() -> None:
+    """Review 25b N3: an OpenAI ``tool`` message with ``tool_call_id`` (how an agent returns a
+    tool's result) was a 400 "unsupported field", and ``name`` was dropped. Now both reach the
+    chat template as transformers' ``apply_chat_template`` takes them (vLLM's way); a
+    ``tool_call_id`` on another role, or past 256 characters, is a 400 naming it."""
+    from transformers import AutoTokenizer
+
+    from cache_node.model_loader import resolve_model_dir
+    from services.chat import ChatTemplater
+
+    messages = [{"role": "user", "content": "2+2?", "name": "ann"},
+                {"role": "assistant", "content": "add(2, 2)"},
+                {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"}]
+    prompt = _chat(messages=messages).to_input().prompt
+    assert prompt == messages
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer.chat_template = TOOL_TEMPLATE
+    assert ChatTemplater(tokenizer).render(prompt, add_generation_prompt=False) == (
+        "[user name=ann]2+2?\n[assistant]add(2, 2)\n[tool name=add id=call_1]4\n")
+    for bad, field, message in [
+        ({"role": "user", "content": "hi", "tool_call_id": "call_1"}, "messages.0.tool_call_id",
+         "applies to tool messages (role \"tool\"), not to role 'user'"),
+        ({"role": "tool", "content": "4", "tool_call_id": "c" * 257}, "messages.0.tool_call_id",
+         "String should have at most 256 characters"),
+        ({"role": "user", "content": "hi", "name": "n" * 257}, "messages.0.name",
+         "String should have at most 256 characters"),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            _chat(messages=[bad])
+        error = json.loads(invalid(info.value).body)["error"]
+        assert (error["param"], error["message"]) == (field, f"{field}: {message}")
+
+
+@pytest.mark.parametrize("call", [{"tool_calls": [{"id": "call_1", "type": "function",
+                                                   "function": {"name": "add", "arguments": "{}"}}]},
+                                  {"function_call": {"name": "add", "arguments": "{}"}}])
+def test_assistant_tool_calls_are_refused_naming_the_field(call: dict) -> None:
+    """The served model's chat template renders no tool calls, and a session keeps text only:
+    an assistant's ``tool_calls`` (``function_call``) are a 400 naming that field, also when
+    ``content`` is null, as OpenAI's assistant tool-call messages have it (which was named
+    instead: ``messages.1.content: Input should be a valid string ...``)."""
+    field = next(iter(call))
+    with pytest.raises(ValidationError) as info:
+        _chat(messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, **call}])
+    error = json.loads(invalid(info.value).body)["error"]
+    assert error["param"] == f"messages.1.{field}"
+    assert error["message"].startswith(f"messages.1.{field}: assistant tool calls are not served")
+
+
 def test_values_that_ask_for_what_the_server_does_are_accepted() -> None:
     """Regression (oairev20 O5): ``response_format: {"type": "text"}``, ``tool_choice: "none"``,
     ``store: false`` and a negative ``seed`` were 400s; each asks for what the request gets

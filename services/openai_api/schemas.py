@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cache_node.sampling_params import (
     MAX_REQUEST_TEMPERATURE,
@@ -43,10 +43,13 @@ from cache_node.sampling_params import (
     MAX_STOP_STRINGS,
     SamplingParams,
 )
+from services.chat import content_chars
 from services.convert import (
     MAX_CHAT_MESSAGES,
+    MAX_MESSAGE_ID_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKEN_IDS,
+    chat_message,
     check_policy_spec,
 )
 from services.gateway import MAX_ID_CHARS, GenerateInput
@@ -124,24 +127,54 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One message; ``developer`` is OpenAI's newer name for ``system``."""
+    """One message; ``developer`` is OpenAI's newer name for ``system``. ``name`` (any role)
+    and a tool message's ``tool_call_id`` (the call it answers) reach the chat template as
+    given. An assistant's ``tool_calls`` (or ``function_call``) are refused naming the field:
+    a session's kept messages hold text only, and the served model's chat template takes no
+    tool calls; an agent sends its call as the assistant's text content instead."""
 
-    _unserved = frozenset({"tool_calls", "function_call", "tool_call_id", "refusal", "audio"})
+    _unserved = frozenset({"refusal", "audio"})
 
+    # declared first, so that its refusal is the one reported, whatever else is wrong with the
+    # message (an assistant message with tool calls usually has ``content`` null)
+    tool_calls: Any = None
+    function_call: Any = None
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | _bounded_list(TextPart, MAX_CONTENT_PARTS)  # type: ignore[valid-type]
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
+    tool_call_id: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        if value is not None:  # (null is dropped before: not given)
+            raise ValueError("assistant tool calls are not served: the model's chat template cannot render "
+                             "them; send the call as the assistant message's content (tool results, role "
+                             "\"tool\" with tool_call_id, are served)")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _on_tool_messages_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")  # (declared before: absent when it was bad)
+        if value is not None and role not in (None, "tool"):  # as the gRPC API's check_message_ids
+            raise ValueError(f"applies to tool messages (role \"tool\"), not to role {role!r}")
+        return value
 
     def as_dict(self) -> dict[str, str]:
-        """The message as the chat template takes it: a list of text parts is their texts
+        """The message as the chat template takes it (``convert.chat_message``: ``name`` and
+        ``tool_call_id`` when given, as vLLM passes them): a list of text parts is their texts
         joined with "\n", as vLLM joins them (``vllm.entrypoints.chat_utils``,
         ``_parse_chat_message_content_parts``: ``"\n".join(texts)``).
 
         Regression (oairev20 O1): parts were joined with nothing, so words at part boundaries
         merged ("Hello" + "World" reached the model as "HelloWorld"): another prompt, other
-        tokens and other prefix-cache keys than on vLLM."""
+        tokens and other prefix-cache keys than on vLLM.
+
+        Regression (review 25b N3): ``tool_call_id`` was an unsupported field (400) and
+        ``name`` was dropped."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return chat_message(self.role, content, self.name or "", self.tool_call_id or "")
 
 
 class _Sampling(_Strict):
@@ -254,7 +287,7 @@ class ChatCompletionRequest(_Sampling):
         if not self.messages:
             raise ValueError("messages: must hold at least one message")
         messages = [m.as_dict() for m in self.messages]
-        chars = sum(len(m["content"]) for m in messages)
+        chars = content_chars(messages)  # names and tool call ids too
         if chars > MAX_PROMPT_CHARS:
             raise ValueError(f"messages: hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
         if not any(m["content"].strip() for m in messages):
