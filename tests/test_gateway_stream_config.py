@@ -364,7 +364,8 @@ def test_an_http_stream_whose_client_stops_reading_is_ended_and_frees_its_slot()
             writer = StreamWriter()
             events = gw.servicer.generate(gw.context(Context()), lambda: input_from_pb(PB), writer)
             started = await anext(events)
-            response = _ClosingStream(_stream(Generation(events, started, False, "m"), False),
+            # a chat: its first chunk (the role) goes out before any delta
+            response = _ClosingStream(_stream(Generation(events, started, True, "m"), False),
                                       media_type="text/event-stream", writer=writer)
             await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
 

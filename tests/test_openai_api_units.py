@@ -17,8 +17,10 @@ from pydantic import ValidationError
 from cache_node.stop_strings import StopMatcher
 from services.openai_api.app import MAX_BODY_BYTES, OpenAIEdge, create_app, invalid
 from services.openai_api.context import CallAborted, HttpCallContext
+from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.server import HttpServer
+from services.openai_api.streaming import _stream
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
@@ -136,6 +138,37 @@ def test_assistant_tool_calls_are_refused_naming_the_field(call: dict) -> None:
     error = json.loads(invalid(info.value).body)["error"]
     assert error["param"] == f"messages.1.{field}"
     assert error["message"].startswith(f"messages.1.{field}: assistant tool calls are not served")
+
+
+def _streamed(chat: bool) -> list[dict]:
+    """The SSE chunks of a stream of two text deltas ending "length", with its usage chunk."""
+    async def events():
+        for text in ("Hel", "lo"):
+            yield {"type": "delta", "token_ids": [1], "text": text}
+        yield {"type": "finished", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2}
+
+    async def run() -> list[bytes]:
+        started = {"type": "started", "prompt_tokens": 3}
+        return [b async for b in _stream(Generation(events(), started, chat, "m", "r1"), True)]
+
+    raw = b"".join(asyncio.run(run())).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    return [json.loads(event.removeprefix("data: ")) for event in raw.split("\n\n")[:-2]]
+
+
+def test_a_text_completion_stream_starts_with_its_text_as_vllms() -> None:
+    """Review 25b N5: a ``/v1/completions`` stream began with a chunk of empty text (a chat's
+    role chunk has no counterpart in a text completion; vLLM sends none). It now starts with
+    the first text; the finish reason comes in a chunk of its own (see ``_stream``), then the
+    usage chunk. A chat stream still starts with its role chunk."""
+    chunks = _streamed(chat=False)
+    assert [[(c["text"], c["finish_reason"]) for c in chunk["choices"]] for chunk in chunks] == [
+        [("Hel", None)], [("lo", None)], [("", "length")], []]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 and {c["object"] for c in chunks} == {"text_completion"}
+    chat = _streamed(chat=True)
+    assert [c["choices"][0]["delta"] for c in chat[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
+    assert chat[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_values_that_ask_for_what_the_server_does_are_accepted() -> None:

@@ -92,14 +92,23 @@ class _ClosingStream(StreamingResponse):
 
 async def _stream(generation: Generation, include_usage: bool,
                   about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> AsyncIterator[bytes]:
-    """The SSE body: a first chunk with the role, text chunks, a chunk with the finish
-    reason, the usage chunk when asked for, ``[DONE]``. A failure after the first chunk is an
-    ``{"error": ...}`` event (the status line went out already), worded by ``about`` as a
-    whole response's refusal is (review of 6b09071, L4: a size refusal was
-    ``context_length_exceeded`` in a whole response, ``invalid_argument`` in a stream)."""
+    """The SSE body: for a chat, a first chunk with the role (``content`` ""); text chunks; a
+    chunk with the finish reason; the usage chunk when asked for; ``[DONE]``. A failure after
+    the status line went out is an ``{"error": ...}`` event, worded by ``about`` as a whole
+    response's refusal is (review of 6b09071, L4: a size refusal was
+    ``context_length_exceeded`` in a whole response, ``invalid_argument`` in a stream).
+
+    As vLLM's (``serving_completion.completion_stream_generator``), a text completion's stream
+    starts with its first text: it has no role to announce (review 25b N5: it began with a
+    chunk of empty text). The finish reason has a chunk of its own, with empty text: the node
+    reports a request's end as its own event after its last text, and the edge never reads an
+    event ahead of what its client has taken (a stream's idle-reader deadline counts events not
+    taken). vLLM puts it on the last token's chunk, but sends it alone as well when the last
+    token has no text (an EOS), so clients take both."""
     pieces = generation.pieces()
     try:
-        yield sse(generation.chunk("" if generation.chat else None, first=True, include_usage=include_usage))
+        if generation.chat:
+            yield sse(generation.chunk("", first=True, include_usage=include_usage))
         async for text in pieces:
             yield sse(generation.chunk(text, include_usage=include_usage))
         yield sse(generation.chunk(None, generation.finish_reason, include_usage=include_usage))
