@@ -10,6 +10,8 @@ import asyncio
 import os
 from typing import Any
 
+from services.data_plane_wire import _cut
+
 
 class Health:
     """The health part of ``CacheNode``."""
@@ -52,7 +54,10 @@ class Health:
     def _fail(self, reason: str) -> None:
         """Step thread, after the loop died: mark the node unhealthy, wake ``health`` waiters,
         then end every stream (open or arriving later) with UNAVAILABLE until ``shutdown``;
-        ``_after_failure`` runs once the first streams are failed."""
+        ``_after_failure`` runs once the first streams are failed. ``reason`` (an exception's
+        text) is cut to ``MAX_TEXT_CHARS``: past ``EVENT_LIMITS.max_str_len`` it made every
+        UNAVAILABLE message undecodable at its gateway (review 25c 1)."""
+        reason = _cut(reason)
         self.failure = reason
         for waiter in list(self._health_waiters):
             waiter.get_loop().call_soon_threadsafe(_set_done, waiter)

@@ -3,7 +3,8 @@
 Each engine step's events are handed from the step thread to the event loop in one batch, and
 reach a request in one of two ways: ``generate`` (in-process callers: an async generator over
 the request's own queue) or, for a stream opened by ``submit``, pushed by the step thread to
-its gateway's event inbox, one message per gateway per step. A request's ``started`` event is
+its gateway's event inbox, one message per gateway per step (split where it would not fit
+``EVENT_LIMITS``, ``PushSockets.send_events``). A request's ``started`` event is
 sent when the engine first schedules it, before that step's forward pass.
 
 Stop strings (``SamplingParams.stop``) are matched here, where the output is detokenized
@@ -232,9 +233,12 @@ class Streams:
         self._open(_Stream(None, None, req, 0, subscriber))
 
     def _send_outbox(self) -> None:
+        pushed: dict[str, list[list[Any]]] = {}  # each gateway's in their order
         while self._outbox:
             subscriber, request_id, event = self._outbox.popleft()
-            self._pusher.send(subscriber, [[request_id, event]])
+            pushed.setdefault(subscriber, []).append([request_id, event])
+        for subscriber, items in pushed.items():
+            self._pusher.send_events(subscriber, items)
 
     def _announce(self, batch: list[tuple[Any, int]]) -> None:
         """Step thread, after scheduling and before the forward pass: a ``started`` event for
@@ -305,8 +309,8 @@ class Streams:
             if event["type"] in ("finished", "error"):
                 self._streams.pop(stream.request.request_id, None)
             pushed.setdefault(stream.subscriber, []).append([stream.request.request_id, event])
-        for subscriber, items in pushed.items():
-            self._pusher.send(subscriber, items)
+        for subscriber, items in pushed.items():  # split to what its inbox decodes (EVENT_LIMITS)
+            self._pusher.send_events(subscriber, items)
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(self._deliver, batch)
 

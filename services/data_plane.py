@@ -10,7 +10,8 @@ engine core, or SGLang's tokenizer manager and scheduler):
 2. scheduler -> the chosen node's command inbox, ``PUSH`` -> ``PULL``: ``{"op": "submit",
    "req", "sub"}``; the gateway's aborts go to the same inbox as ``{"op": "abort", "id"}``;
 3. node -> gateway event inbox, ``PUSH`` -> ``PULL``: one message per engine step and gateway,
-   ``[[request_id, event], ...]`` (event dicts as in ``services.node_request``).
+   ``[[request_id, event], ...]`` (event dicts as in ``services.node_request``), split into
+   consecutive messages where it would not fit ``EVENT_LIMITS`` (``PushSockets.send_events``).
 
 ``sub`` (the subscriber) is the gateway's event inbox address. Messages are msgpack. Every
 socket binds a random port on loopback (a cluster on one machine) or on its Ray node's IP; Ray
@@ -28,14 +29,15 @@ Where its parts live: ``services.data_plane_wire`` (the wire's limits, ``MAX_*``
 ``MessageLimits``, and a request's wire form, ``request_to_wire``, ``request_from_wire``),
 ``services.data_plane_replies`` (node events and admission replies: ``check_event``, ``checked_event_items``, ``event_items``,
 ``admission_reply``, ``BadReply``, ``status_names``). This module keeps the sockets (``context``,
-``bind_random``, ``serving_socket``, ``PushSockets``) and msgpack (``pack``, ``unpack``), and
-re-exports those names, so ``data_plane.request_to_wire`` and the like keep working.
+``bind_random``, ``serving_socket``, ``PushSockets``) and msgpack (``pack``, ``unpack``,
+``event_messages``), and re-exports those names, so ``data_plane.request_to_wire`` and the like
+keep working.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -128,6 +130,67 @@ def unpack(data: bytes, limits: MessageLimits = REQUEST_LIMITS) -> Any:
     )
 
 
+def event_messages(items: list[Any], limits: MessageLimits = EVENT_LIMITS) -> Iterator[bytes]:
+    """``items`` (a node's events for one gateway, ``[[request_id, event], ...]``) packed as
+    consecutive messages, in their order, each of which ``unpack(message, limits)`` decodes:
+    at most ``max_array_len`` items and ``max_bytes`` bytes, and within ``max_containers`` and
+    ``max_elements`` as ``_Budget`` counts them. One message when it fits (a message of at
+    most that many bytes does: every container and element takes a byte or more); else
+    items are grouped by their exact cost, and a group over ``max_bytes`` is halved. An item
+    too large on its own (a string past ``max_str_len``, a container past ``max_map_len``) is
+    its sender's to bound: it goes alone.
+
+    Regression (review 25c 1): a step's one message per gateway, or a failed node's
+    UNAVAILABLE for every stream, past ``MAX_EVENTS_PER_MESSAGE`` events (16,385 streams
+    ending in one step, which ``max_num_seqs`` allows) was refused whole at the gateway, and
+    every stream in it waited for ever."""
+    data = pack(items)
+    if len(items) <= limits.max_array_len and len(data) <= min(limits.max_bytes, limits.max_containers,
+                                                                limits.max_elements):
+        yield data
+        return
+    chunk: list[Any] = []
+    containers, elements = 1, 0  # the message's own array
+    for item in items:
+        item_containers, item_elements = _cost(item)
+        if chunk and (len(chunk) == limits.max_array_len or containers + item_containers > limits.max_containers
+                      or elements + 1 + item_elements > limits.max_elements):
+            yield from _within_bytes(chunk, limits.max_bytes)
+            chunk, containers, elements = [], 1, 0
+        chunk.append(item)
+        containers += item_containers
+        elements += 1 + item_elements
+    if chunk:
+        yield from _within_bytes(chunk, limits.max_bytes)
+
+
+def _cost(obj: Any) -> tuple[int, int]:
+    """The arrays and maps ``obj`` is, or holds, and their elements, as ``_Budget`` counts
+    them when it is decoded (map keys are strings in every event)."""
+    if isinstance(obj, dict):
+        containers, elements, values = 1, 2 * len(obj), obj.values()
+    elif isinstance(obj, (list, tuple)):
+        containers, elements, values = 1, len(obj), obj
+    else:
+        return 0, 0
+    for value in values:
+        if isinstance(value, (dict, list, tuple)):
+            more_containers, more_elements = _cost(value)
+            containers += more_containers
+            elements += more_elements
+    return containers, elements
+
+
+def _within_bytes(items: list[Any], max_bytes: int) -> Iterator[bytes]:
+    data = pack(items)
+    if len(data) <= max_bytes or len(items) == 1:
+        yield data
+        return
+    half = len(items) // 2
+    yield from _within_bytes(items[:half], max_bytes)
+    yield from _within_bytes(items[half:], max_bytes)
+
+
 class _Context(zmq.Context):
     """A context the garbage collector never terminates (``destroy`` ends it; whoever makes
     one destroys it). pyzmq's ``Context.__del__`` calls ``destroy``, whose ``term`` waits
@@ -197,6 +260,20 @@ class PushSockets:
         self._socks: dict[str, zmq.Socket] = {}
 
     def send(self, address: str, obj: Any) -> bool:
+        """Push ``obj`` (one message, as it is: a node command) to ``address``; False if it
+        was dropped."""
+        return self._send(address, pack(obj))
+
+    def send_events(self, address: str, items: list[Any]) -> bool:
+        """Push a node's events ``items`` (``[[request_id, event], ...]``) to the gateway event
+        inbox ``address``, as many messages as ``EVENT_LIMITS`` needs (``event_messages``), in
+        order on the one socket; False if any was dropped."""
+        sent = True
+        for data in event_messages(items):
+            sent = self._send(address, data) and sent
+        return sent
+
+    def _send(self, address: str, data: bytes) -> bool:
         sock = self._socks.get(address)
         if sock is None:
             sock = self.context.socket(zmq.PUSH)
@@ -206,7 +283,7 @@ class PushSockets:
             sock.connect(address)
             self._socks[address] = sock
         try:
-            sock.send(pack(obj), flags=zmq.NOBLOCK, copy=False)
+            sock.send(data, flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             log.warning("data plane: %s is not reading; a message was dropped", address)

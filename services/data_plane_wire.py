@@ -40,10 +40,9 @@ MAX_ID_CHARS = 1024
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest message a serving socket accepts (ZeroMQ drops the connection of a peer sending more).
 Not lower, on any socket: the largest admission is tens of MiB (``MAX_WIRE_TOKENS`` token ids of
-up to 5 bytes and as many block hashes at ``block_size`` 1), and a step's event message grows
-with the node's ``max_num_seqs`` and its ids, which nothing bounds below this; a message over
-the cap loses every stream's events in it. What a message may expand to is bounded while it is
-decoded instead (``MessageLimits``)."""
+up to 5 bytes and as many block hashes at ``block_size`` 1); a node's events are split into
+messages within ``EVENT_LIMITS`` (``data_plane.event_messages``). What a message may expand to
+is bounded while it is decoded instead (``MessageLimits``)."""
 
 UTF8_MAX_BYTES = 4
 # services.convert's MAX_PROMPT_CHARS and MAX_CHAT_MESSAGES (a test ties them), not imported:
@@ -106,7 +105,9 @@ REQUEST_LIMITS = MessageLimits(
 MAX_EVENTS_PER_MESSAGE = 1 << 15
 """Most events one node message to a gateway may hold: a step's message has at most three per
 stream of that gateway on the node (a delta, a held-back tail, its end; or a ``started``):
-room for 10,922 streams, ten times vLLM's largest usual ``max_num_seqs``."""
+room for 10,922 streams, ten times vLLM's largest usual ``max_num_seqs``. Nothing bounds a
+node's streams to that (``max_num_seqs``, ``queue_limit``), so a node splits what it sends past
+``EVENT_LIMITS`` into consecutive messages (``data_plane.event_messages``)."""
 
 EVENT_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,

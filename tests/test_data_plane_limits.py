@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 import time
 import tracemalloc
+import types
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +24,17 @@ import msgpack
 import pytest
 import zmq
 
+from cache_node.outputs import RequestOutput
 from cache_node.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from cache_node.scheduling.admission import Ewma, SpeedMeter
 from services import convert, data_plane, data_plane_wire
+from services.cache_node_health import Health
+from services.cache_node_streams import Streams, _Stream
 from services.data_plane_wire import MAX_EVENTS_PER_MESSAGE, MAX_WIRE_TOKENS, MessageLimits
 from services.gateway_streams import NodeStreams
 from services.node_request import NodeRequest
@@ -186,3 +193,105 @@ def test_a_bomb_at_the_gateways_event_inbox_costs_little_and_delays_no_one() -> 
         streams.shutdown()
 
     asyncio.run(run())
+
+
+class _Node(Streams, Health):
+    """A cache node's stream delivery and failure path (the real ``Streams`` and ``Health``)
+    pushing over real ZeroMQ: no engine, no model."""
+
+    def __init__(self) -> None:
+        self.node_id, self.tokenizer, self.failure = "cache_node_0", None, ""
+        scheduler = types.SimpleNamespace(prefill_speed=SpeedMeter(), step_s=Ewma(0.05))
+        self.engine = types.SimpleNamespace(scheduler=scheduler)
+        self.config = types.SimpleNamespace(step_idle_wait_s=0.0)
+        self._streams, self._session_turns, self._outbox = {}, {}, deque()
+        self._incoming, self._aborts, self._admin, self._health_waiters = deque(), deque(), deque(), []
+        self._wake, self._stopped = threading.Event(), False
+        self._pusher = data_plane.PushSockets()
+
+    def open_stream(self, rid: str, subscriber: str) -> None:
+        req = NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", sampling=SamplingParams(max_tokens=8))
+        self._streams[rid] = _Stream(None, None, req, 5, subscriber)
+
+    def _after_failure(self) -> None:
+        self._stopped = True  # one round of ``_fail`` (the actor would exit here)
+
+
+def test_a_nodes_messages_past_the_event_limits_reach_the_gateway_whole() -> None:
+    """Review 25c 1 on the real gateway inbox (``NodeStreams``): a step that ends more streams
+    than one message of ``MAX_EVENTS_PER_MESSAGE`` events holds (a delta and ``finished`` each),
+    and a failed node's UNAVAILABLE for more streams than that (``Health._fail``, with refusals
+    waiting in its outbox), reach every stream, in order. Before, each went as one message,
+    which the inbox refused whole (``max_array_len``): every stream in it waited for ever."""
+    ending, failing = MAX_EVENTS_PER_MESSAGE // 2 + 1, MAX_EVENTS_PER_MESSAGE + 1
+
+    async def run() -> None:
+        streams = NodeStreams({}, {}, "tcp://127.0.0.1:1", security=None)
+        await streams.start()
+        node = _Node()
+        try:
+            ids = [f"t/r#{i}" for i in range(failing + 1)]
+            buffers = {rid: streams.open(rid) for rid in ids}
+            for rid in ids[:ending]:
+                node.open_stream(rid, streams.subscriber)
+            node._deliver_step([RequestOutput(rid, (7,), True, "length", 5, 8, 0, 0, 0.01, tuple(range(8)),
+                                              {"device": 0}, 0, {}) for rid in ids[:ending]])
+            for rid in ids[:ending]:
+                delta = await asyncio.wait_for(buffers[rid].get(), 30)
+                assert delta["type"] == "delta" and delta["token_ids"] == [7]
+                assert (await buffers[rid].get())["type"] == "finished"
+            for rid in ids[ending:failing]:
+                node.open_stream(rid, streams.subscriber)
+            node._outbox.append((streams.subscriber, ids[failing], {"type": "error", "code": "ABORTED", "message": "m"}))
+            node._fail("cache node cache_node_0: step loop failed: RuntimeError: CUDA error")
+            for rid in ids[ending:failing]:
+                assert (await asyncio.wait_for(buffers[rid].get(), 30))["code"] == "UNAVAILABLE"
+            assert (await asyncio.wait_for(buffers[ids[failing]].get(), 30))["code"] == "ABORTED"
+            assert streams.bad_messages == 0
+        finally:
+            node._pusher.close()
+            streams.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_failed_nodes_reason_is_cut_so_its_unavailable_events_decode() -> None:
+    """A step loop's exception text past ``EVENT_LIMITS.max_str_len`` (1 MiB) is cut at the node
+    (``Health._fail``): it made the node's every UNAVAILABLE message undecodable at its gateway."""
+
+    async def run() -> None:
+        streams = NodeStreams({}, {}, "tcp://127.0.0.1:1", security=None)
+        await streams.start()
+        node = _Node()
+        try:
+            buffers = {rid: streams.open(rid) for rid in ("t/r#1", "t/r#2")}
+            for rid in buffers:
+                node.open_stream(rid, streams.subscriber)
+            node._fail("cache node cache_node_0: step loop failed: RuntimeError: " + "x" * (2 << 20))
+            for buffer in buffers.values():
+                event = await asyncio.wait_for(buffer.get(), 30)
+                assert event["code"] == "UNAVAILABLE" and event["message"].startswith("cache node cache_node_0")
+            assert len(node.failure) <= data_plane.MAX_TEXT_CHARS and streams.bad_messages == 0
+        finally:
+            node._pusher.close()
+            streams.shutdown()
+
+    asyncio.run(run())
+
+
+def test_event_messages_split_within_every_bound_of_the_limits_in_order() -> None:
+    """``event_messages`` under small limits: each message decodes within them (items, arrays
+    and maps, elements, bytes), the messages hold the items in order, and a message that fits
+    goes whole."""
+    delta = {"type": "delta", "token_ids": [1, 2], "text": "ab"}
+    finished = {"type": "finished", "cached_tokens": {"device": 1}, "policy_stats": {f"k{j}": 1.0 for j in range(9)}}
+    items = [[f"r{i}", delta if i % 3 else finished] for i in range(500)]
+    for limits in (MessageLimits(1 << 20, 50, 32, 1 << 10, 0, 1 << 20, 1 << 20),  # items
+                   MessageLimits(1 << 20, 1 << 10, 32, 1 << 10, 0, 30, 1 << 20),  # arrays and maps
+                   MessageLimits(1 << 20, 1 << 10, 32, 1 << 10, 0, 1 << 20, 300),  # elements
+                   MessageLimits(2000, 1 << 10, 32, 1 << 10, 0, 1 << 20, 1 << 20)):  # bytes
+        messages = list(data_plane.event_messages(items, limits))
+        assert len(messages) > 2
+        decoded = [data_plane.unpack(message, limits) for message in messages]
+        assert [item for message in decoded for item in message] == items
+    assert list(data_plane.event_messages(items[:40])) == [data_plane.pack(items[:40])]
