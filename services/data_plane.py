@@ -44,6 +44,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from cache_node.msgpack_bounds import unpackb_within
 from services.data_plane_replies import (  # noqa: F401 - re-exported
     BadReply,
     admission_reply,
@@ -86,31 +87,6 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-class _Budget:
-    """The arrays and maps a message may still build, and their elements (``MessageLimits``):
-    msgpack calls ``array`` and ``map`` as each one is complete, innermost first, so a message
-    of many small containers stops at the first past the bound, not after building them all."""
-
-    __slots__ = ("containers", "elements")
-
-    def __init__(self, limits: MessageLimits) -> None:
-        self.containers, self.elements = limits.max_containers, limits.max_elements
-
-    def array(self, value: list[Any]) -> list[Any]:
-        self._spend(len(value))
-        return value
-
-    def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
-        self._spend(2 * len(value))
-        return value
-
-    def _spend(self, elements: int) -> None:
-        self.containers -= 1
-        self.elements -= elements
-        if self.containers < 0 or self.elements < 0:
-            raise ValueError("the message holds more arrays, maps or elements than any message of its kind")
-
-
 def unpack(data: bytes, limits: MessageLimits = REQUEST_LIMITS) -> Any:
     """The msgpack message ``data`` (str as str, bin as bytes), decoded within ``limits``
     (``MessageLimits``; the default is a request's or a node command's, the widest in elements).
@@ -122,19 +98,14 @@ def unpack(data: bytes, limits: MessageLimits = REQUEST_LIMITS) -> Any:
     """
     if len(data) > limits.max_bytes:
         raise ValueError(f"a message of {len(data)} bytes (at most {limits.max_bytes})")
-    budget = _Budget(limits)
-    return msgpack.unpackb(
-        data, raw=False, max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
-        max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len, max_ext_len=0,
-        list_hook=budget.array, object_hook=budget.map,
-    )
+    return unpackb_within(data, limits, "any message of its kind")
 
 
 def event_messages(items: list[Any], limits: MessageLimits = EVENT_LIMITS) -> Iterator[bytes]:
     """``items`` (a node's events for one gateway, ``[[request_id, event], ...]``) packed as
     consecutive messages, in their order, each of which ``unpack(message, limits)`` decodes:
     at most ``max_array_len`` items and ``max_bytes`` bytes, and within ``max_containers`` and
-    ``max_elements`` as ``_Budget`` counts them. One message when it fits (a message of at
+    ``max_elements`` as ``unpackb_within`` counts them. One message when it fits (a message of at
     most that many bytes does: every container and element takes a byte or more); else
     items are grouped by their exact cost, and a group over ``max_bytes`` is halved. An item
     too large on its own (a string past ``max_str_len``, a container past ``max_map_len``) is
@@ -165,7 +136,7 @@ def event_messages(items: list[Any], limits: MessageLimits = EVENT_LIMITS) -> It
 
 
 def _cost(obj: Any) -> tuple[int, int]:
-    """The arrays and maps ``obj`` is, or holds, and their elements, as ``_Budget`` counts
+    """The arrays and maps ``obj`` is, or holds, and their elements, as ``unpackb_within`` counts
     them when it is decoded (map keys are strings in every event)."""
     if isinstance(obj, dict):
         containers, elements, values = 1, 2 * len(obj), obj.values()

@@ -286,10 +286,10 @@ def test_event_messages_split_within_every_bound_of_the_limits_in_order() -> Non
     delta = {"type": "delta", "token_ids": [1, 2], "text": "ab"}
     finished = {"type": "finished", "cached_tokens": {"device": 1}, "policy_stats": {f"k{j}": 1.0 for j in range(9)}}
     items = [[f"r{i}", delta if i % 3 else finished] for i in range(500)]
-    for limits in (MessageLimits(1 << 20, 50, 32, 1 << 10, 0, 1 << 20, 1 << 20),  # items
-                   MessageLimits(1 << 20, 1 << 10, 32, 1 << 10, 0, 30, 1 << 20),  # arrays and maps
-                   MessageLimits(1 << 20, 1 << 10, 32, 1 << 10, 0, 1 << 20, 300),  # elements
-                   MessageLimits(2000, 1 << 10, 32, 1 << 10, 0, 1 << 20, 1 << 20)):  # bytes
+    for limits in (MessageLimits(50, 32, 1 << 10, 0, 1 << 20, 1 << 20, max_bytes=1 << 20),  # items
+                   MessageLimits(1 << 10, 32, 1 << 10, 0, 30, 1 << 20, max_bytes=1 << 20),  # arrays and maps
+                   MessageLimits(1 << 10, 32, 1 << 10, 0, 1 << 20, 300, max_bytes=1 << 20),  # elements
+                   MessageLimits(1 << 10, 32, 1 << 10, 0, 1 << 20, 1 << 20, max_bytes=2000)):  # bytes
         messages = list(data_plane.event_messages(items, limits))
         assert len(messages) > 2
         decoded = [data_plane.unpack(message, limits) for message in messages]

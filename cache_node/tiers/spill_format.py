@@ -44,6 +44,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
 from cache_node.tiers.runs import runs
 
 FORMAT_VERSION = 2
@@ -331,37 +332,21 @@ def _read_header(f: Any, path: Path) -> GroupHeader:
     return header
 
 
-class _HeaderBudget:
-    """The arrays and maps a header may build: the map, its 3 block lists and the shape
-    (msgpack calls ``array`` and ``map`` as each is complete, innermost first)."""
-
-    def __init__(self) -> None:
-        self.containers, self.elements = 8, 3 * MAX_BLOCKS_PER_FILE + MAX_SHAPE_DIMS + 64
-
-    def array(self, value: list[Any]) -> list[Any]:
-        self._spend(len(value))
-        return value
-
-    def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
-        self._spend(2 * len(value))
-        return value
-
-    def _spend(self, elements: int) -> None:
-        self.containers -= 1
-        self.elements -= elements
-        if self.containers < 0 or self.elements < 0:
-            raise ValueError("more arrays, maps or elements than a header holds")
+HEADER_BOUNDS = UnpackBounds(
+    max_array_len=MAX_BLOCKS_PER_FILE, max_map_len=16, max_str_len=MAX_LABEL_BYTES,
+    max_bin_len=8 * MAX_FILE_TOKENS, max_containers=8,  # the map, its 3 block lists, the shape
+    max_elements=3 * MAX_BLOCKS_PER_FILE + MAX_SHAPE_DIMS + 64,
+)
+"""What ``write_group`` writes in a header (``_unpack_header``)."""
 
 
 def _unpack_header(raw: bytes) -> Any:
     """``raw`` decoded within what ``write_group`` writes: each array at most
     ``MAX_BLOCKS_PER_FILE`` long, a map 16 entries, a string ``MAX_LABEL_BYTES``, a binary at
-    most ``MAX_FILE_TOKENS`` token ids, no extension type, and 8 arrays and maps in all (``_HeaderBudget``):
-    a header never costs much more than its bytes. Raises ValueError past a bound."""
-    budget = _HeaderBudget()
-    return msgpack.unpackb(raw, raw=False, max_array_len=MAX_BLOCKS_PER_FILE, max_map_len=16,
-                           max_str_len=MAX_LABEL_BYTES, max_bin_len=8 * MAX_FILE_TOKENS, max_ext_len=0,
-                           list_hook=budget.array, object_hook=budget.map)
+    most ``MAX_FILE_TOKENS`` token ids, no extension type, and 8 arrays and maps in all
+    (``HEADER_BOUNDS``): a header never costs much more than its bytes. Raises ValueError past
+    a bound."""
+    return unpackb_within(raw, HEADER_BOUNDS, "a header")
 
 
 def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
