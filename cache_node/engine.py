@@ -297,7 +297,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             for seq in faulted:
                 self._fail(seq, outputs)
         failed: list[int] = []  # a failed draw fails its request alone; the others keep theirs
-        tokens = sample(logits, rows, failed)
+        tokens = sample(logits, rows, failed, self.eos_token_ids)
         for i in failed:
             log.error("request %s: its token could not be drawn (sampling failed)", rows[i].request_id)
             self._fail(rows[i], outputs)
@@ -337,7 +337,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling_params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stoppable = len(seq.output_token_ids) > params.min_tokens  # (the sampler masks them before)
+        if stoppable and ((token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -1,16 +1,101 @@
-"""Next-token selection: greedy, or temperature + top-p (nucleus) sampling with per-request seeds.
+"""Next-token selection: greedy, or temperature + top-k + top-p sampling with per-request seeds,
+after the requests' penalties and ``min_tokens``.
 
-Everything runs on the logits' device: greedy rows take one batched argmax, each sampled
-row draws from its request's own generator (created on that device, ``LLMEngine.add_request``),
-and the chosen ids come back to the host in one ``tolist()``, the step's only host sync.
+Everything runs on the logits' device: the penalties and ``min_tokens`` mask are applied to
+the rows that ask for them in a few batched ops (nothing at all when no row does), greedy rows
+take one batched argmax, each sampled row draws from its request's own generator (created on
+that device, ``LLMEngine.add_request``), and the chosen ids come back to the host in one
+``tolist()``, the step's only host sync (the token ids the penalties count go host -> device).
+
+The order is vLLM's (``vllm.v1.sample.sampler``): repetition, frequency and presence penalties
+and the ``min_tokens`` mask on the raw logits, then temperature, then top-k, then top-p.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
 from cache_node.outputs import SequenceFault
 from cache_node.sequence import Sequence
+
+
+def _seen(ids: list[list[int]], vocab: int, device: torch.device, counts: bool) -> torch.Tensor:
+    """(len(ids), vocab): per row, how often each token id occurs in its list (``counts``,
+    float32) or whether it does (bool). One padded host -> device copy and one scatter; the
+    padding lands in an extra column that is cut off."""
+    width = max(1, max(len(row) for row in ids))
+    index = torch.tensor([row + [vocab] * (width - len(row)) for row in ids], dtype=torch.long, device=device)
+    if counts:
+        out = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
+        out.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    else:
+        out = torch.zeros(len(ids), vocab + 1, dtype=torch.bool, device=device)
+        out.scatter_(1, index, True)
+    return out[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """``logits`` after each row's repetition, frequency and presence penalties and its
+    ``min_tokens`` mask; ``logits`` itself when no row asks for any (the default costs one
+    pass over the rows' parameters).
+
+    - repetition (CTRL; vLLM's and transformers' ``RepetitionPenaltyLogitsProcessor``): over
+      the prompt and output tokens, a positive logit is divided by the penalty, a negative
+      one multiplied;
+    - frequency and presence (OpenAI's): over the output tokens only,
+      ``logit -= frequency * count + presence * (count > 0)``;
+    - ``min_tokens``: while a row has generated fewer, its stop token ids and (unless
+      ``ignore_eos``) the model's EOS ids are -inf (vLLM's ``MinTokensLogitsProcessor``).
+    """
+    rep, pen, masked = [], [], []
+    for i, seq in enumerate(seqs):
+        params = seq.sampling_params
+        if params.repetition_penalty != 1.0:
+            rep.append(i)
+        if params.presence_penalty or params.frequency_penalty:
+            pen.append(i)
+        if len(seq.output_token_ids) < params.min_tokens:
+            masked.append(i)
+    if not (rep or pen or masked):
+        return logits
+    logits = logits.float().clone()
+    vocab, device = logits.shape[1], logits.device
+    if rep:
+        seen = _seen([seqs[i].prompt_token_ids + seqs[i].output_token_ids for i in rep], vocab, device, counts=False)
+        penalty = torch.tensor([seqs[i].sampling_params.repetition_penalty for i in rep], device=device)[:, None]
+        rows = torch.tensor(rep, dtype=torch.long, device=device)
+        sub = logits[rows]
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[rows] = torch.where(seen, penalized, sub)
+    if pen:
+        count = _seen([seqs[i].output_token_ids for i in pen], vocab, device, counts=True)
+        params = [seqs[i].sampling_params for i in pen]
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        rows = torch.tensor(pen, dtype=torch.long, device=device)
+        logits[rows] -= frequency * count + presence * (count > 0).float()
+    if masked:
+        cells = []
+        for i in masked:
+            params = seqs[i].sampling_params
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            cells.extend((i, t) for t in stops if 0 <= t < vocab)
+        if cells:
+            index = torch.tensor(cells, dtype=torch.long, device=device)
+            logits[index[:, 0], index[:, 1]] = float("-inf")
+    return logits
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Every logit under the ``top_k``-th largest set to -inf; (V,) -> (V,). 0, or a
+    ``top_k`` at least the vocabulary, keeps all (vLLM clamps it so). Ties at the k-th value
+    are all kept (as transformers' ``TopKLogitsWarper``)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -34,7 +119,12 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum()
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], failed: list[int] | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    failed: list[int] | None = None,
+    eos_token_ids: Collection[int] = (),
+) -> list[int]:
     """Pick one token per row.
 
     Args:
@@ -43,10 +133,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], failed: list[int] | None 
             on ``logits``' device).
         failed: given, a row whose draw fails is appended to it (its token is then
             meaningless) and the other rows are still drawn, instead of raising.
+        eos_token_ids: the model's EOS ids, which ``min_tokens`` masks.
 
     Returns:
-        num_seqs token ids: argmax for greedy rows; for the others, one draw from
-        softmax(logits / temperature) after top-p filtering, with the sequence's generator.
+        num_seqs token ids: after each row's penalties and ``min_tokens`` mask
+        (``apply_penalties``), argmax for greedy rows; for the others, one draw from
+        softmax(logits / temperature) after top-k and top-p filtering, with the sequence's
+        generator.
 
     Raises:
         SequenceFault: without ``failed``, a sampled row's draw failed (e.g. non-finite
@@ -54,13 +147,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], failed: list[int] | None 
     """
     if not seqs:
         return []
+    logits = apply_penalties(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
         if params.greedy:
             continue
         try:
-            probs = top_p_filter(torch.softmax(logits[i] / params.temperature, dim=-1), params.top_p)
+            scaled = top_k_filter(logits[i] / params.temperature, params.top_k)
+            probs = top_p_filter(torch.softmax(scaled, dim=-1), params.top_p)
             tokens[i : i + 1] = torch.multinomial(probs, 1, generator=seq.generator)
         except Exception as exc:  # e.g. non-finite logits: this request's fault alone
             if failed is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5
@@ -25,6 +26,20 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_STRING_CHARS = 256
 """Longest ``stop`` string (the node searches the text it holds back for each, every step)."""
 
+MAX_PENALTY = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's
+and vLLM's range)."""
+
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+"""``repetition_penalty`` lies in [0.01, 2]. vLLM asks only > 0, but a penalty that is 0 in
+float32 (e.g. 1e-50) divides a positive logit to inf, whose softmax is NaN (a failed draw);
+values past 2 are not used in practice (CTRL's paper suggests 1.2)."""
+
+MAX_TOP_K = 2**31 - 1
+"""Largest ``top_k`` (an int32 on the wire); a ``top_k`` over the vocabulary keeps every token
+(the sampler clamps it, as vLLM does)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,6 +59,23 @@ class SamplingParams:
             request at the token whose text completes one, with finish_reason "stop", and
             sends the text only up to it (``cache_node.stop_strings.StopMatcher``); at most
             ``MAX_STOP_STRINGS``, each 1 to ``MAX_STOP_STRING_CHARS`` characters.
+        top_k: keep only the ``top_k`` most probable tokens when sampling (0 = all; vLLM's -1
+            is taken and stored as 0); in [0, ``MAX_TOP_K``].
+        min_tokens: generate at least this many tokens before the model's EOS (unless
+            ``ignore_eos``) or a ``stop_token_ids`` token may be drawn: their logits are -inf
+            until then (vLLM's ``min_tokens``; the cache node does not look for stop strings
+            in the text of these first tokens either, as vLLM's detokenizer); in
+            [0, ``max_tokens``].
+        presence_penalty: OpenAI's: subtracted once from the logit of every token the
+            request generated so far; in [-2, 2].
+        frequency_penalty: OpenAI's: subtracted from a token's logit once per time the
+            request generated it; in [-2, 2].
+        repetition_penalty: CTRL's (Keskar et al. 2019), as vLLM and transformers apply it:
+            the logit of every token in the prompt or the output is divided by it when
+            positive, multiplied when negative; 1 = off; in [0.01, 2].
+
+        Penalties and ``min_tokens`` apply to greedy requests too; then temperature, top-k and
+        top-p, in that order (``cache_node.sampler``).
 
     Raises:
         ValueError: any field out of range, with the field name in the message.
@@ -56,6 +88,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    top_k: int = 0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -73,6 +110,34 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop!r}")
         object.__setattr__(self, "stop_token_ids", stop)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        """top_k, min_tokens and the penalties (vLLM's and OpenAI's ranges)."""
+        top_k = self.top_k
+        if not _is_int(top_k) or not -1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 or -1 = off), got {top_k!r}")
+        object.__setattr__(self, "top_k", max(int(top_k), 0))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+            object.__setattr__(self, name, value)
+        value = _number("repetition_penalty", self.repetition_penalty)
+        if not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {value!r}"
+            )
+        object.__setattr__(self, "repetition_penalty", value)
+
+    @property
+    def penalized(self) -> bool:
+        """Any of presence, frequency or repetition penalty is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +145,17 @@ class SamplingParams:
         logits by them overflows float32 to inf, whose softmax is NaN (regression: a request
         with temperature 1e-300 raised inside the step)."""
         return self.temperature < GREEDY_BELOW
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value: object) -> float:
+    """``value`` as a finite float; ValueError naming ``name`` otherwise (NaN, inf, bool, str)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:

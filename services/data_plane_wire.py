@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cache_node.msgpack_bounds import UnpackBounds
 from cache_node.sampling_params import SamplingParams
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from tenants.model import POLICY_PATTERN
@@ -61,10 +60,10 @@ most one block hash a token (``block_size`` 1)."""
 
 
 @dataclass(frozen=True)
-class MessageLimits(UnpackBounds):
-    """What one data-plane message may hold (``UnpackBounds``, and ``max_bytes`` in all),
-    checked while msgpack decodes it (``services.data_plane.unpack``): each array's and map's
-    length, each string's and binary's bytes (``max_ext_len`` is 0: no message has an extension type), and over the
+class MessageLimits:
+    """What one data-plane message may hold, checked while msgpack decodes it
+    (``services.data_plane.unpack``): each array's and map's length, each string's and
+    binary's bytes (``max_ext_len`` is 0: no message has an extension type), and over the
     whole message the arrays and maps (``max_containers``) and their elements
     (``max_elements``, a map's entry counting two). Each is sized from what the real senders
     send on that socket (``REQUEST_LIMITS``, ``EVENT_LIMITS``, ``REPLY_LIMITS``).
@@ -80,13 +79,19 @@ class MessageLimits(UnpackBounds):
     admissions) for 5.7 s; at the 64 MiB cap ~4.6 GiB and ~11 s.
     """
 
-    max_bytes: int = MAX_MESSAGE_BYTES
+    max_bytes: int
+    max_array_len: int
+    max_map_len: int
+    max_str_len: int
+    max_bin_len: int
+    max_containers: int
+    max_elements: int
 
 
 REQUEST_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,
     max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
-    max_map_len=32,  # a request's 15 fields, sampling's 7, extra's 8, an envelope's 4
+    max_map_len=32,  # a request's 15 fields, sampling's 12, extra's 8, an envelope's 4
     max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,  # one chat message's content, 4 MiB
     max_bin_len=64,  # a block hash (32 bytes)
     max_containers=_CHAT_MESSAGES + 64,  # a map a chat message ({role, content}), the fixed ones
@@ -138,8 +143,10 @@ _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
 _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' fields
     "max_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": (int, type(None)),
-    "stop_token_ids": (list, tuple), "ignore_eos": bool, "stop": (list, tuple),
-}
+    "stop_token_ids": (list, tuple), "ignore_eos": bool, "stop": (list, tuple), "top_k": int,
+    "min_tokens": int, "presence_penalty": (int, float), "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+}  # (bools are refused by ``SamplingParams``, which checks every range too)
 
 
 def request_to_wire(req: NodeRequest) -> dict[str, Any]:

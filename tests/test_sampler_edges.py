@@ -1,7 +1,7 @@
 """The sampler at the edges of its valid inputs (OpenAI API review 20, O7): every ``top_p`` in
 (0, 1] and every temperature in [0, 100] draws a token, never a failed step, however the
-values round in float32 and whatever the logits' scale (-inf entries included). The engine
-has no top-k or min-p to check (``SamplingParams`` holds neither)."""
+values round in float32 and whatever the logits' scale (-inf entries included). Top-k and the
+penalties: ``tests/test_sampler_penalties.py``."""
 
 from __future__ import annotations
 
