@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cache_node.msgpack_bounds import UnpackBounds
 from cache_node.sampling_params import SamplingParams
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from tenants.model import POLICY_PATTERN
@@ -60,10 +61,10 @@ most one block hash a token (``block_size`` 1)."""
 
 
 @dataclass(frozen=True)
-class MessageLimits:
-    """What one data-plane message may hold, checked while msgpack decodes it
-    (``services.data_plane.unpack``): each array's and map's length, each string's and
-    binary's bytes (``max_ext_len`` is 0: no message has an extension type), and over the
+class MessageLimits(UnpackBounds):
+    """What one data-plane message may hold (``UnpackBounds``, and ``max_bytes`` in all),
+    checked while msgpack decodes it (``services.data_plane.unpack``): each array's and map's
+    length, each string's and binary's bytes (``max_ext_len`` is 0: no message has an extension type), and over the
     whole message the arrays and maps (``max_containers``) and their elements
     (``max_elements``, a map's entry counting two). Each is sized from what the real senders
     send on that socket (``REQUEST_LIMITS``, ``EVENT_LIMITS``, ``REPLY_LIMITS``).
@@ -79,13 +80,7 @@ class MessageLimits:
     admissions) for 5.7 s; at the 64 MiB cap ~4.6 GiB and ~11 s.
     """
 
-    max_bytes: int
-    max_array_len: int
-    max_map_len: int
-    max_str_len: int
-    max_bin_len: int
-    max_containers: int
-    max_elements: int
+    max_bytes: int = MAX_MESSAGE_BYTES
 
 
 REQUEST_LIMITS = MessageLimits(
