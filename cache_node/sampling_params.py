@@ -64,7 +64,8 @@ class SamplingParams:
         min_tokens: generate at least this many tokens before the model's EOS (unless
             ``ignore_eos``) or a ``stop_token_ids`` token may be drawn: their logits are -inf
             until then (vLLM's ``min_tokens``; the cache node does not look for stop strings
-            in the text of these first tokens either, as vLLM's detokenizer); in
+            in the text of these first tokens either, as vLLM's detokenizer:
+            ``services.cache_node_streams``, ``StopMatcher.feed``); in
             [0, ``max_tokens``].
         presence_penalty: OpenAI's: subtracted once from the logit of every token the
             request generated so far; in [-2, 2].

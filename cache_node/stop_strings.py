@@ -24,13 +24,20 @@ class StopMatcher:
         self.stopped = False
         self._held = ""
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, search: bool = True) -> str:
         """The part of ``held + text`` that may be sent now; sets ``stopped`` (and drops
-        everything from the stop string on) when a stop string appeared."""
+        everything from the stop string on) when a stop string appeared.
+
+        ``search`` False: ``held + text`` is sent whole and never searched, nor can a stop
+        string begin in it: the text of a request's first ``min_tokens`` tokens, as vLLM's
+        detokenizer skips it (its ``stop_check_offset``)."""
         if self.stopped:
             return ""
         if not self.stops:
             return text
+        if not search:
+            held, self._held = self._held, ""
+            return held + text
         buffer = self._held + text
         cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:

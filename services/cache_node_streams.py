@@ -111,6 +111,7 @@ class _Stream:
     sent: list[str] = field(default_factory=list)
     started: bool = False
     stops: StopMatcher | None = None
+    generated: int = 0  # tokens generated so far (stop strings wait for ``min_tokens`` of them)
     first_token_s: float | None = None  # this node's clock, when its first token went out
     # (its session's history, the session's message count, its prompt's token ids) as the
     # renderer made them (``Streams._render``); None: not rendered ahead
@@ -329,8 +330,9 @@ class Streams:
             if stream.first_token_s is None:
                 stream.first_token_s = time.monotonic()
             delta = self._detokenize(stream, out.new_token_ids, out.finished)
-            if stops is not None:
-                delta = stops.feed(delta)
+            stream.generated += len(out.new_token_ids)
+            if stops is not None:  # none in the text of the first min_tokens tokens (vLLM's)
+                delta = stops.feed(delta, search=stream.generated > stream.request.sampling.min_tokens)
                 if stops.stopped and not out.finished:  # this token completed a stop string
                     self.engine.abort_request(out.request_id, reason="stop")
             stream.sent.append(delta)

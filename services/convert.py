@@ -207,8 +207,9 @@ def sampling_params_from_pb(
 ) -> SamplingParams:
     """Wire sampling -> validated ``SamplingParams``.
 
-    ``top_p`` 0 means 1.0; an unset ``seed`` means None. ``temperature`` and ``top_p``
-    travel as float32 and are rounded to 6 significant digits, so 0.7 arrives as 0.7.
+    ``top_p`` and ``repetition_penalty`` 0 mean 1.0; an unset ``seed`` means None; ``top_k``
+    -1 is 0 (off, vLLM's). ``temperature``, ``top_p`` and the penalties travel as float32 and
+    are rounded to 6 significant digits, so 0.7 arrives as 0.7.
 
     Raises:
         ValueError: ``max_tokens`` is 0 (unset) or another field is out of range, e.g.
@@ -232,6 +233,11 @@ def sampling_params_from_pb(
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             stop=tuple(msg.stop),
+            top_k=msg.top_k,
+            min_tokens=msg.min_tokens,
+            presence_penalty=_from_float32(msg.presence_penalty),
+            frequency_penalty=_from_float32(msg.frequency_penalty),
+            repetition_penalty=_from_float32(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
         )
 
 
@@ -243,6 +249,11 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         stop=params.stop,
+        top_k=params.top_k,
+        min_tokens=params.min_tokens,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed

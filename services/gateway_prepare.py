@@ -101,7 +101,7 @@ class RequestPreparation:
             # from the whole prompt, session history included: regression, every chat call
             # without max_tokens was refused, asking for more than the pool holds)
             room = min(limit, self.info["pool_tokens"]) - len(tokens)
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, room, sampling.min_tokens))
             fill = {"fill_context": "1"}
         # a refusal for size reads as OpenAI's and vLLM's ("This model's maximum context length is
         # N tokens. However, you requested M tokens (P in the messages, K in the completion)"), which

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from cache_node.sampling_params import SamplingParams
+from cache_node.stop_strings import StopMatcher
 from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.node_request import NodeRequest
@@ -26,10 +27,11 @@ def node():
 
 
 def run(node: CacheNode, rid: str, tokens: tuple[int, ...] = PROMPT, stop: tuple[str, ...] = (),
-        max_tokens: int = MAX_TOKENS, session_id: str = "") -> dict:
+        max_tokens: int = MAX_TOKENS, session_id: str = "", min_tokens: int = 0) -> dict:
     """One request through ``CacheNode.generate``: its events, text and token ids."""
     req = NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", token_ids=tokens, session_id=session_id,
-                      sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=stop))
+                      sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=stop,
+                                              min_tokens=min_tokens))
 
     async def collect() -> list[dict]:
         return [event async for event in node.generate(req)]
@@ -138,3 +140,24 @@ def test_a_step_decodes_a_few_tokens_however_long_the_output(node) -> None:
         node.tokenizer = real
     assert "".join(deltas) == text and len(ids) > 500
     assert max(lengths) <= 6, max(lengths)
+
+
+def test_no_stop_string_is_looked_for_in_the_first_min_tokens_tokens(node, free) -> None:
+    """vLLM's detokenizer searches for stop strings only in the text after the first
+    ``min_tokens`` tokens' (review 25b N4): with ``min_tokens`` at the token completing the
+    stop string, the request goes on past it (the text keeps it) and ends as without stop
+    strings, unless the stop string comes again later."""
+    out = run(node, "min", stop=(free["stop"],), min_tokens=free["upto"])
+    assert out["text"].startswith(free["cut"] + free["stop"]) and len(out["tokens"]) > free["upto"]
+    assert out["tokens"] == free["tokens"][:len(out["tokens"])]
+    again = free["stop"] in free["text"][len(free["cut"]) + len(free["stop"]):]
+    assert again or (out["text"] == free["text"] and out["finished"]["finish_reason"] == "length")
+    before = run(node, "min-1", stop=(free["stop"],), min_tokens=free["upto"] - 1)
+    assert before["text"] == free["cut"] and before["finished"]["finish_reason"] == "stop"
+
+
+def test_a_matcher_that_does_not_search_sends_everything_held() -> None:
+    matcher = StopMatcher(("END",))
+    assert matcher.feed("abcEN") == "abc"  # "EN" held: it may begin END
+    assert matcher.feed("D x", search=False) == "END x" and not matcher.stopped
+    assert matcher.feed("yEND") == "y" and matcher.stopped

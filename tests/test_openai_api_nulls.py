@@ -24,7 +24,7 @@ COMPLETION = {"model": "m", "prompt": [1, 2, 3]}
 
 OPTIONAL = ["temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user", "logprobs",
             "top_logprobs", "frequency_penalty", "presence_penalty", "max_tokens", "session_id", "policy",
-            "cache_salt", "prompt_cache_key", "priority",
+            "cache_salt", "prompt_cache_key", "priority", "top_k", "min_tokens", "repetition_penalty", "ignore_eos",
             "tools", "tool_choice", "response_format", "logit_bias"]  # OpenAI's, not served: null only
 CHAT_ONLY = ["max_completion_tokens", "parallel_tool_calls", "prefix_messages"]
 COMPLETION_ONLY = ["echo", "best_of", "suffix", "prefix_tokens"]
@@ -132,8 +132,11 @@ BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
     ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs",
      "logprobs: not supported (send false or null, or leave it out), got true"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "top_logprobs: only 0 is supported"),
-    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 0.5}, "frequency_penalty",
-     "frequency_penalty: only 0 is supported"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 2.5}, "frequency_penalty",
+     "frequency_penalty: Input should be less than or equal to 2"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+     "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
+    ("/v1/completions", {**COMPLETION, "top_k": -3}, "top_k", "top_k: Input should be greater than or equal to -1"),
     ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": True}, "parallel_tool_calls",
      "parallel_tool_calls: not supported (send null, or leave it out), got true"),
     ("/v1/completions", {**COMPLETION, "echo": True}, "echo", "echo: not supported"),

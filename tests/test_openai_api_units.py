@@ -182,7 +182,7 @@ def test_values_that_ask_for_what_the_server_does_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(("body", "field"), [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
     ({"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"), ({"messages": []}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "auto"}, "tool_choice"),
@@ -198,6 +198,10 @@ def test_unsupported_values_name_their_field(body: dict, field: str) -> None:
     ({"temperature": 3}, "temperature"), ({"stop": ["a"] * 5}, "stop"), ({"seed": -(1 << 63) - 1}, "seed"),
     ({"seed": 1 << 64}, "seed"),
     ({"stop": ["x" * 257]}, "stop"), ({"priority": "5"}, "priority"), ({"priority": 1.5}, "priority"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_tokens": -1}, "min_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None:
     with pytest.raises(ValidationError) as info:
@@ -209,7 +213,8 @@ def test_invalid_bodies_are_400_naming_the_field(body: dict, field: str) -> None
     assert error["code"] == "invalid_argument"  # as every 400 (was invalid_value here, invalid_argument after)
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "frequency_penalty", "presence_penalty",
+                                   "repetition_penalty"])
 def test_a_nan_or_infinite_sampling_value_is_refused_as_not_finite(field: str) -> None:
     """Regression (review 24h M1): a NaN temperature was refused "temperature: Input should be
     less than or equal to 2", which it is not; it is now "should be a finite number"."""

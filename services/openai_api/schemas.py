@@ -3,7 +3,7 @@
 Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
 (``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
-accepted (``n`` = 1, ``logprobs`` false, zero penalties, ``response_format`` ``{"type":
+accepted (``n`` = 1, ``logprobs`` false, ``response_format`` ``{"type":
 "text"}``, ``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
 accepts them) and any other value is refused naming the field. ``seed`` is any 64-bit integer,
 as OpenAI and vLLM take it; a negative one is used as its two's complement (``seed % 2**64``),
@@ -18,7 +18,9 @@ a reusable document prefix, compressed once under a compressing KV policy and re
 requests starting with it (bounded by the gateway: 400), and OpenAI's own
 ``prompt_cache_key`` is a routing hint (same key, same cache node while it has room).
 ``stop`` strings travel to the node in ``SamplingParams.stop``; the node ends the request at
-the token that completes one.
+the token that completes one. OpenAI's ``frequency_penalty`` and ``presence_penalty`` ([-2, 2])
+and vLLM's extra sampling parameters ``top_k`` (0 or -1: off), ``min_tokens``,
+``repetition_penalty`` ([0.01, 2]) and ``ignore_eos`` go to ``SamplingParams`` as they are.
 
 A JSON ``null`` for any field that is not required means "not given", as with OpenAI, vLLM
 and SGLang: the field takes its default (``max_tokens: null`` on ``/v1/completions`` is 16,
@@ -38,9 +40,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cache_node.sampling_params import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_REQUEST_TEMPERATURE,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
     SamplingParams,
 )
 from services.chat import content_chars
@@ -58,8 +64,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "frequency_penalty": (0,), "presence_penalty": (0,),
-    "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
     "response_format": ({"type": "text"},), "tool_choice": ("none",), "store": (False,),
 }
 """OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
@@ -198,8 +203,14 @@ class _Sampling(_Strict):
     n: int = 1
     logprobs: Any = None
     top_logprobs: Any = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    # OpenAI's penalties, and vLLM's extra sampling parameters as vLLM names them (review 25b N4)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # 0 or -1: off
+    min_tokens: int = Field(0, ge=0)  # at most max_tokens (SamplingParams)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                      allow_inf_nan=False)
+    ignore_eos: bool = False
     response_format: Any = None
     tool_choice: Any = None
     store: Any = None
@@ -257,9 +268,13 @@ class _Sampling(_Strict):
         """This body as the gateway's ``GenerateInput`` (``max_tokens`` None: up to the
         context limit). Raises ValueError naming the field."""
         self.check_supported()
-        sampling = SamplingParams(max_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                                  seed=None if self.seed is None else self.seed % (1 << 64),
-                                  stop=self.stop_strings())
+        # without max_tokens the gateway sizes it (at least min_tokens: else the size check refuses)
+        sampling = SamplingParams(max_tokens=max_tokens or max(1, self.min_tokens), temperature=self.temperature,
+                                  top_p=self.top_p, seed=None if self.seed is None else self.seed % (1 << 64),
+                                  stop=self.stop_strings(), top_k=self.top_k, min_tokens=self.min_tokens,
+                                  presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos)
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
