@@ -72,8 +72,9 @@ class NodeStreams:
 
     - ``admit``: a request's admission by the GlobalScheduler, which hands an admitted request
       straight to its node;
-    - the event inbox: each node pushes one message per engine step with every event for this
-      gateway's streams, routed here to per-request queues (``open``);
+    - the event inbox: each node pushes every event of an engine step for this gateway's
+      streams in one message, or in several in order where one would pass ``EVENT_LIMITS``
+      (``data_plane.event_messages``), routed here to per-request queues (``open``);
     - ``abort``: straight to the node's command inbox.
 
     A node found down (``services.node_monitor.NodeMonitor`` calls ``fail_node``) ends each
