@@ -136,11 +136,6 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", value)
 
     @property
-    def penalized(self) -> bool:
-        """Any of presence, frequency or repetition penalty is on."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    @property
     def greedy(self) -> bool:
         """Temperatures under ``GREEDY_BELOW`` decode greedily, as vLLM's do: dividing the
         logits by them overflows float32 to inf, whose softmax is NaN (regression: a request

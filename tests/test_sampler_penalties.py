@@ -131,7 +131,7 @@ def test_out_of_range_fields_are_refused_naming_the_field(field: str, value: obj
 def test_vllms_top_k_minus_one_means_off_and_is_stored_as_zero() -> None:
     assert SamplingParams(top_k=-1).top_k == 0
     p = SamplingParams(max_tokens=8, min_tokens=8, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01)
-    assert (p.min_tokens, p.presence_penalty, p.repetition_penalty) == (8, -2.0, 0.01) and p.penalized
+    assert (p.min_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (8, -2.0, 2.0, 0.01)
 
 
 def test_engine_greedy_repetition_penalty_matches_transformers_generate(tiny) -> None:
