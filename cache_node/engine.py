@@ -27,9 +27,9 @@ from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool, kv_format_name
 from cache_node.model_runner import ModelRunner, ScheduledBatch
-from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.outputs import InvalidRequestError, RequestOutput, TokenLogprobs
 from cache_node.policies import PolicyEnv, attach_policy
-from cache_node.sampler import sample
+from cache_node.sampler import draw
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence, SequenceStatus
@@ -297,22 +297,22 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             for seq in faulted:
                 self._fail(seq, outputs)
         failed: list[int] = []  # a failed draw fails its request alone; the others keep theirs
-        tokens = sample(logits, rows, failed, self.eos_token_ids)
+        tokens, logprobs = draw(logits, rows, failed, self.eos_token_ids)
         for i in failed:
             log.error("request %s: its token could not be drawn (sampling failed)", rows[i].request_id)
             self._fail(rows[i], outputs)
         # a token's time is when the step hands it out: after the policies' compression
         # (``after_step``) and the sampling, which a caller waits for as well
         now = time.monotonic()
-        drawn = [(seq, token) for i, (seq, token) in enumerate(zip(rows, tokens)) if i not in failed]
-        for seq, token in drawn:
+        drawn = [row for i, row in enumerate(zip(rows, tokens, logprobs)) if i not in failed]
+        for seq, token, lp in drawn:
             seq.output_token_ids.append(token)
             seq.first_token_time_s = seq.first_token_time_s or now
             seq.last_token_time_s = now
             reason = self._stop_reason(seq, token)
             if reason:
                 self._finish(seq, reason)
-            outputs.append(self._output(seq, (token,)))
+            outputs.append(self._output(seq, (token,), () if lp is None else (lp,)))
         self.num_steps += 1
         self._settle_finished_turns()  # after every row's output: preempting one is safe now
 
@@ -361,7 +361,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self._hand_over(seq, dropped)
         self.requests.pop(seq.request_id, None)
 
-    def _output(self, seq: Sequence, new: tuple[int, ...]) -> RequestOutput:
+    def _output(self, seq: Sequence, new: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestOutput:
         ttft = None if seq.first_token_time_s is None else seq.first_token_time_s - seq.arrival_time_s
         return RequestOutput(
             request_id=seq.request_id,
@@ -377,6 +377,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             num_cached_tokens_by_tier=self.tiers.cached_tokens_by_tier(seq),
             policy_bytes=seq.peak_policy_bytes,
             policy_stats=dict(seq.policy_stats) if seq.is_finished else {},
+            logprobs=logprobs,
         )
 
     def generate(

@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log probabilities (``SamplingParams.logprobs``): those of the
+    model's raw distribution at that position (log_softmax of its logits before penalties,
+    temperature and filters: vLLM V1's ``raw_logprobs``).
+
+    Attributes:
+        logprob: the generated token's.
+        top: the ``logprobs`` most probable tokens as ``(token_id, logprob)``, most probable
+            first (the generated token among them or not).
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One request's increment from one step.
 
@@ -22,6 +38,8 @@ class RequestOutput:
             pool as whole blocks while held (``SequenceKV.charge_blocks``).
         policy_stats: per-request figures of the KV policy (``Sequence.policy_stats``), set
             on the finished output only.
+        logprobs: one ``TokenLogprobs`` per token of ``new_token_ids`` when the request asks
+            for them (``SamplingParams.logprobs``), else empty.
     """
 
     request_id: str
@@ -37,6 +55,7 @@ class RequestOutput:
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     policy_bytes: int = 0
     policy_stats: dict[str, float] = field(default_factory=dict)
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class InvalidRequestError(ValueError):

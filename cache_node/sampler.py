@@ -1,5 +1,6 @@
-"""Next-token selection: greedy, or temperature + top-k + top-p sampling with per-request seeds,
-after the requests' penalties and ``min_tokens``.
+"""Next-token selection: greedy, or temperature + min-p + top-k + top-p sampling with
+per-request seeds, after the requests' penalties and ``min_tokens``; and the log probabilities
+of the rows that ask for them.
 
 Everything runs on the logits' device: the penalties and ``min_tokens`` mask are applied to
 the rows that ask for them in a few batched ops (nothing at all when no row does), greedy rows
@@ -8,7 +9,13 @@ that device, ``LLMEngine.add_request``), and the chosen ids come back to the hos
 ``tolist()``, the step's only host sync (the token ids the penalties count go host -> device).
 
 The order is vLLM's (``vllm.v1.sample.sampler``): repetition, frequency and presence penalties
-and the ``min_tokens`` mask on the raw logits, then temperature, then top-k, then top-p.
+and the ``min_tokens`` mask on the raw logits, then temperature, then min-p (one of vLLM's
+argmax-invariant logits processors, applied before top-k/top-p), then top-k, then top-p.
+
+Log probabilities (``SamplingParams.logprobs``) are vLLM V1's default ``raw_logprobs``: the
+log_softmax of the model's raw logits, before penalties, temperature and filters, taken for
+the rows that ask in one batched log_softmax, gather and topk, and brought to the host in the
+same ``tolist()`` as the chosen ids (``draw``); a step where no row asks computes none.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Collection
 
 import torch
 
-from cache_node.outputs import SequenceFault
+from cache_node.outputs import SequenceFault, TokenLogprobs
 from cache_node.sequence import Sequence
 
 
@@ -98,6 +105,17 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Every logit whose probability (softmax of ``logits``) is under ``min_p`` times the
+    largest set to -inf; (V,) -> (V,). 0 keeps all; the most probable token is always kept.
+    vLLM's ``MinPLogitsProcessor``, applied to the temperature-scaled logits, before top-k and
+    top-p (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024)."""
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest set of tokens whose mass reaches ``top_p``; (V,) -> (V,).
     The most probable token is always kept (vLLM's ``apply_top_k_top_p`` keeps "at least
@@ -125,7 +143,17 @@ def sample(
     failed: list[int] | None = None,
     eos_token_ids: Collection[int] = (),
 ) -> list[int]:
-    """Pick one token per row.
+    """The token ids of ``draw`` (its log probabilities left out)."""
+    return draw(logits, seqs, failed, eos_token_ids)[0]
+
+
+def draw(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    failed: list[int] | None = None,
+    eos_token_ids: Collection[int] = (),
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row, with the log probabilities of the rows that ask.
 
     Args:
         logits: (num_seqs, vocab_size) float32, on any device.
@@ -138,27 +166,60 @@ def sample(
     Returns:
         num_seqs token ids: after each row's penalties and ``min_tokens`` mask
         (``apply_penalties``), argmax for greedy rows; for the others, one draw from
-        softmax(logits / temperature) after top-k and top-p filtering, with the sequence's
-        generator.
+        softmax(logits / temperature) after min-p, top-k and top-p filtering, with the
+        sequence's generator. And per row its ``TokenLogprobs`` (the chosen token's log
+        probability and the ``logprobs`` most probable tokens', of the raw logits:
+        ``token_logprobs``) when its request asks for them, else None.
 
     Raises:
         SequenceFault: without ``failed``, a sampled row's draw failed (e.g. non-finite
             logits); names its request.
     """
     if not seqs:
-        return []
+        return [], []
+    raw = logits
     logits = apply_penalties(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)
+    asking: list[int] = []
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
+        if params.logprobs is not None:
+            asking.append(i)
         if params.greedy:
             continue
         try:
-            scaled = top_k_filter(logits[i] / params.temperature, params.top_k)
+            scaled = top_k_filter(min_p_filter(logits[i] / params.temperature, params.min_p), params.top_k)
             probs = top_p_filter(torch.softmax(scaled, dim=-1), params.top_p)
             tokens[i : i + 1] = torch.multinomial(probs, 1, generator=seq.generator)
         except Exception as exc:  # e.g. non-finite logits: this request's fault alone
             if failed is None:
                 raise SequenceFault(seq.request_id) from exc
             failed.append(i)
-    return tokens.tolist()
+    if not asking:
+        return tokens.tolist(), [None] * len(seqs)
+    ks = [seqs[i].sampling_params.logprobs or 0 for i in asking]
+    packed = token_logprobs(raw, tokens, asking, max(ks))
+    values = torch.cat([tokens.to(torch.float64), packed.flatten()]).tolist()  # the one host sync
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    width, top = packed.shape[1], (packed.shape[1] - 1) // 2
+    for j, (i, k) in enumerate(zip(asking, ks)):
+        row = values[len(seqs) + j * width: len(seqs) + (j + 1) * width]
+        out[i] = TokenLogprobs(row[0], tuple(zip(map(int, row[1: 1 + k]), row[1 + top: 1 + top + k])))
+    return [int(t) for t in values[: len(seqs)]], out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int) -> torch.Tensor:
+    """Log probabilities of ``rows`` of ``logits`` (num_seqs, vocab), batched on its device:
+    one log_softmax over those rows, the chosen ``tokens``' (num_seqs,) values gathered, and
+    their ``k`` largest (at most the vocabulary) with their ids. Returns (len(rows), 1 + 2k')
+    float64: per row the chosen token's log probability, the k' ids (exact as float64) and
+    their log probabilities, most probable first (``torch.topk``'s order)."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[index][:, None])
+    k = min(k, logprobs.shape[1])
+    if not k:
+        return chosen.to(torch.float64)
+    top = logprobs.topk(k, dim=-1)
+    parts = (chosen, top.indices, top.values)  # each to float64 first: float32 loses ids past 2^24
+    return torch.cat([part.to(torch.float64) for part in parts], dim=1)

@@ -40,6 +40,10 @@ MAX_TOP_K = 2**31 - 1
 """Largest ``top_k`` (an int32 on the wire); a ``top_k`` over the vocabulary keeps every token
 (the sampler clamps it, as vLLM does)."""
 
+MAX_LOGPROBS = 20
+"""Most alternatives ``logprobs`` may ask for per token (OpenAI's ``top_logprobs`` maximum,
+vLLM's default ``max_logprobs``)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -74,9 +78,17 @@ class SamplingParams:
         repetition_penalty: CTRL's (Keskar et al. 2019), as vLLM and transformers apply it:
             the logit of every token in the prompt or the output is divided by it when
             positive, multiplied when negative; 1 = off; in [0.01, 2].
+        logprobs: None = off; k in [0, ``MAX_LOGPROBS``]: each generated token comes with its
+            own log probability and the k most probable tokens' (``TokenLogprobs``). They are
+            those of the model's raw distribution, log_softmax of its logits before penalties,
+            temperature and any filter (vLLM V1's default ``logprobs_mode="raw_logprobs"``),
+            whatever the token was drawn with.
+        min_p: vLLM's: when sampling, tokens whose probability (after temperature) is under
+            ``min_p`` times the most probable token's are dropped; 0 = off; in [0, 1]. It does
+            not change a greedy request's token.
 
-        Penalties and ``min_tokens`` apply to greedy requests too; then temperature, top-k and
-        top-p, in that order (``cache_node.sampler``).
+        Penalties and ``min_tokens`` apply to greedy requests too; then temperature, min-p,
+        top-k and top-p, in that order, as vLLM's (``cache_node.sampler``).
 
     Raises:
         ValueError: any field out of range, with the field name in the message.
@@ -94,6 +106,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -114,7 +128,7 @@ class SamplingParams:
         self._check_extras()
 
     def _check_extras(self) -> None:
-        """top_k, min_tokens and the penalties (vLLM's and OpenAI's ranges)."""
+        """top_k, min_tokens, the penalties, logprobs and min_p (vLLM's and OpenAI's ranges)."""
         top_k = self.top_k
         if not _is_int(top_k) or not -1 <= top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 or -1 = off), got {top_k!r}")
@@ -134,6 +148,12 @@ class SamplingParams:
                 f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {value!r}"
             )
         object.__setattr__(self, "repetition_penalty", value)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {self.logprobs!r}")
+        min_p = _number("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+        object.__setattr__(self, "min_p", min_p)
 
     @property
     def greedy(self) -> bool:

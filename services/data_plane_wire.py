@@ -86,7 +86,7 @@ class MessageLimits(UnpackBounds):
 REQUEST_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,
     max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
-    max_map_len=32,  # a request's 15 fields, sampling's 12, extra's 8, an envelope's 4
+    max_map_len=32,  # a request's 15 fields, sampling's 14, extra's 8, an envelope's 4
     max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,  # one chat message's content, 4 MiB
     max_bin_len=64,  # a block hash (32 bytes)
     max_containers=_CHAT_MESSAGES + 64,  # a map a chat message ({role, content}), the fixed ones
@@ -140,7 +140,7 @@ _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' 
     "max_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": (int, type(None)),
     "stop_token_ids": (list, tuple), "ignore_eos": bool, "stop": (list, tuple), "top_k": int,
     "min_tokens": int, "presence_penalty": (int, float), "frequency_penalty": (int, float),
-    "repetition_penalty": (int, float),
+    "repetition_penalty": (int, float), "logprobs": (int, type(None)), "min_p": (int, float),
 }  # (bools are refused by ``SamplingParams``, which checks every range too)
 
 
