@@ -15,7 +15,9 @@ history ends with it), and the text is cut before the stop string. A tail still 
 when the request ends otherwise goes out as a last delta without token ids. A character whose
 bytes span tokens is held back until its last token (its first bytes decode as U+FFFD). The
 output is detokenized incrementally (``cache_node.detokenizer``): a step decodes the last few
-tokens, not the whole output, and sends exactly what decoding the whole output would.
+tokens, not the whole output, and sends exactly what decoding the whole output would. A
+request asking for log probabilities gets them in its deltas, one entry per token id
+(``services.node_request.logprobs_entry``), whatever text the delta holds back.
 
 A request's last output and an abort each claim its stream once (``_deliver_step``): a
 session turn cancelled while the step that finished it computed is undone in the engine too, so
@@ -40,7 +42,7 @@ from cache_node.detokenizer import IncrementalDetokenizer
 from cache_node.outputs import RequestOutput
 from cache_node.stop_strings import StopMatcher
 from services.chat import Messages, content_chars
-from services.node_request import NodeRequest
+from services.node_request import NodeRequest, logprobs_entry
 
 Event = dict[str, Any]
 
@@ -336,7 +338,10 @@ class Streams:
                 if stops.stopped and not out.finished:  # this token completed a stop string
                     self.engine.abort_request(out.request_id, reason="stop")
             stream.sent.append(delta)
-            events.append({"type": "delta", "token_ids": list(out.new_token_ids), "text": delta})
+            event: Event = {"type": "delta", "token_ids": list(out.new_token_ids), "text": delta}
+            if out.logprobs:  # (the request asked: SamplingParams.logprobs)
+                event["logprobs"] = [logprobs_entry(lp.logprob, lp.top) for lp in out.logprobs]
+            events.append(event)
         if out.finished and out.finish_reason == "rejected":
             events.append({"type": "error", "code": "INVALID_ARGUMENT",
                            "message": "the request can never fit this node's KV pool "

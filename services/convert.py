@@ -36,6 +36,7 @@ from typing import Any
 
 from cache_node.sampling_params import MAX_REQUEST_TEMPERATURE, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
+from services.node_request import entry_logprobs
 from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
 from tenants.usage import TenantUsage, TierTokens
 
@@ -207,8 +208,9 @@ def sampling_params_from_pb(
 ) -> SamplingParams:
     """Wire sampling -> validated ``SamplingParams``.
 
-    ``top_p`` and ``repetition_penalty`` 0 mean 1.0; an unset ``seed`` means None; ``top_k``
-    -1 is 0 (off, vLLM's). ``temperature``, ``top_p`` and the penalties travel as float32 and
+    ``top_p`` and ``repetition_penalty`` 0 mean 1.0; an unset ``seed`` means None, an unset
+    ``logprobs`` None (none asked; 0 asks for the generated token's alone); ``top_k`` -1 is 0
+    (off, vLLM's). ``temperature``, ``top_p``, ``min_p`` and the penalties travel as float32 and
     are rounded to 6 significant digits, so 0.7 arrives as 0.7.
 
     Raises:
@@ -238,6 +240,8 @@ def sampling_params_from_pb(
             presence_penalty=_from_float32(msg.presence_penalty),
             frequency_penalty=_from_float32(msg.frequency_penalty),
             repetition_penalty=_from_float32(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            min_p=_from_float32(msg.min_p),
         )
 
 
@@ -254,9 +258,12 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -425,9 +432,12 @@ def generate_event_to_pb(event: Mapping[str, Any]) -> inference_pb2.GenerateResp
             )
         )
     if kind == "delta":
-        return inference_pb2.GenerateResponse(
-            delta=inference_pb2.GenerateDelta(token_ids=event["token_ids"], text=event["text"])
-        )
+        delta = inference_pb2.GenerateDelta(token_ids=event["token_ids"], text=event["text"])
+        for entry in event.get("logprobs") or ():  # (checked at the gateway: data_plane.check_event)
+            logprob, top = entry_logprobs(entry)
+            delta.logprobs.add(logprob=logprob,
+                               top=[inference_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in top])
+        return inference_pb2.GenerateResponse(delta=delta)
     if kind == "finished":
         return inference_pb2.GenerateResponse(
             finished=inference_pb2.GenerateFinished(

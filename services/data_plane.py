@@ -49,6 +49,7 @@ from services.data_plane_replies import (  # noqa: F401 - re-exported
     BadReply,
     admission_reply,
     check_event,
+    check_logprobs_asked,
     checked_event_items,
     event_items,
     status_names,

@@ -12,10 +12,12 @@ A part of ``services.data_plane``, which re-exports its public names.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Collection
 from typing import Any
 
+from cache_node.sampling_params import MAX_LOGPROBS
 from services.block_index import TIERS
 from services.data_plane_wire import (
     FINISH_REASONS,
@@ -43,7 +45,7 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
 _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
     "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER, "priority": int,
-    "policy_stats": dict,
+    "policy_stats": dict, "logprobs": list,
 }
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -97,6 +99,8 @@ def check_event(event: Any) -> dict[str, Any]:
         raise TypeError("event.token_ids must be integers")
     if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
         raise ValueError(f"event.token_ids must lie in [0, {MAX_TOKEN_ID}]")
+    if "logprobs" in event:
+        _check_logprobs(event)
     cached = event.get("cached_tokens", {})
     if not all(isinstance(k, str) and type(v) is int for k, v in cached.items()):
         raise TypeError("event.cached_tokens must map tier names to integers")
@@ -124,6 +128,44 @@ def check_event(event: Any) -> dict[str, Any]:
         if len(event["message"]) > MAX_TEXT_CHARS:
             event = {**event, "message": _cut(event["message"])}
     return event
+
+
+def _check_logprobs(event: dict[str, Any]) -> None:
+    """A delta's ``logprobs``: one ``services.node_request.logprobs_entry`` per token id, each
+    ``[logprob, id_1, logprob_1, ...]`` with at most ``MAX_LOGPROBS`` distinct ids in
+    [0, ``MAX_TOKEN_ID``] and log probabilities that are floats in [-inf, 0] (no NaN), the top
+    ones most probable first. Raises TypeError, ValueError naming ``event.logprobs``."""
+    entries = event["logprobs"]
+    if event["type"] != "delta" or len(entries) != len(event["token_ids"]):
+        raise ValueError("event.logprobs must be a delta's, one entry per token id")
+    for entry in entries:
+        if not isinstance(entry, list) or not len(entry) % 2 or len(entry) > 1 + 2 * MAX_LOGPROBS:
+            raise TypeError(f"event.logprobs entries must be [logprob, id, logprob, ...] of at most "
+                            f"{MAX_LOGPROBS} ids")
+        ids, values = entry[1::2], entry[0::2]
+        if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"event.logprobs ids must be distinct integers in [0, {MAX_TOKEN_ID}]")
+        if not all(type(v) is float and v <= 0.0 for v in values):  # NaN fails too
+            raise ValueError("event.logprobs values must be floats in [-inf, 0]")
+        if any(a < b for a, b in itertools.pairwise(values[1:])):  # the top ones
+            raise ValueError("event.logprobs top entries must come most probable first")
+
+
+def check_logprobs_asked(event: dict[str, Any], logprobs: int | None) -> None:
+    """``event`` (checked: ``check_event``) gives what its request asked: a delta's token ids
+    each with ``logprobs`` top entries when it is set, and no logprobs when it is None.
+
+    Raises:
+        ValueError: naming ``event.logprobs``.
+    """
+    if event["type"] != "delta":
+        return
+    entries = event.get("logprobs") or ()
+    if logprobs is None:
+        if entries:
+            raise ValueError("event.logprobs for a request that asked for none")
+    elif len(entries) != len(event["token_ids"]) or any(len(e) != 1 + 2 * logprobs for e in entries):
+        raise ValueError(f"event.logprobs must hold {logprobs} top entries for each token id, as its request asked")
 
 
 def checked_event_items(data: Any) -> list[tuple[str, dict[str, Any] | TypeError | ValueError]]:

@@ -114,7 +114,13 @@ EVENT_LIMITS = MessageLimits(
     # 96 a stream (a third of the items): a delta 9, a tail 8, its end 32 + 2 a policy figure (<= 16)
     max_elements=32 * MAX_EVENTS_PER_MESSAGE,
 )
-"""A node's event message to a gateway's event inbox: ``[[request_id, event], ...]``."""
+"""A node's event message to a gateway's event inbox: ``[[request_id, event], ...]``.
+
+A delta with log probabilities (``SamplingParams.logprobs``) is the largest item of a step: 5
+containers (the item, its event, its token ids, its ``logprobs`` and the one token's entry) and
+at most 53 elements (``1 + 2 * MAX_LOGPROBS`` numbers in the entry), well within every bound
+alone; a step of many such streams goes out in more messages (``data_plane.event_messages``
+groups items by their exact cost) rather than past these bounds."""
 
 REPLY_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,

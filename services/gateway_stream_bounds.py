@@ -40,11 +40,12 @@ EVENT_BYTES = 64
 
 def event_bytes(event: dict[str, Any]) -> int:
     """What ``event`` counts in ``StreamBuffer.undelivered_bytes``: a delta 4 per token id and
-    per character (as ``_Delta``), any other ``EVENT_BYTES`` + 4 per character of its strings
-    (keys included), 8 per other value and per entry of a map or list, nested values included
-    (a node's ``policy_stats`` values are not checked)."""
+    per character, and 8 per number and 4 per entry of its ``logprobs`` (as ``_Delta``), any
+    other ``EVENT_BYTES`` + 4 per character of its strings (keys included), 8 per other value
+    and per entry of a map or list, nested values included (a node's ``policy_stats`` values
+    are not checked)."""
     if event.get("type") == "delta":
-        return 4 * (len(event["token_ids"]) + len(event["text"]))
+        return 4 * (len(event["token_ids"]) + len(event["text"])) + _logprobs_bytes(event.get("logprobs") or ())
     size, pending = EVENT_BYTES, [event]
     while pending:  # iterative: nesting as deep as msgpack allows never recurses here
         value = pending.pop()
@@ -115,33 +116,60 @@ def past_bound(held: int, event: dict[str, Any], size: int, bound: int) -> bool:
     return size > bound if event["type"] in TERMINAL else held > bound
 
 
+def _logprobs_bytes(entries: Any) -> int:
+    """What a delta's ``logprobs`` entries count: 8 per number and 4 per entry (``_Delta``'s
+    arrays)."""
+    return sum(8 * len(entry) + 4 for entry in entries)
+
+
 class _Delta:
     """Consecutive delta events not delivered yet, as one: token ids in a 4-byte array, text
-    pieces joined every ``TEXT_PIECES_JOINED`` (amortised, never quadratic)."""
+    pieces joined every ``TEXT_PIECES_JOINED`` (amortised, never quadratic), and the tokens'
+    ``logprobs`` entries (``services.node_request.logprobs_entry``, checked for what their
+    request asked before they get here) flat in an 8-byte array with each entry's width."""
 
-    __slots__ = ("chars", "ids", "pieces")
+    __slots__ = ("chars", "ids", "logprobs", "pieces", "widths")
 
     def __init__(self) -> None:
         self.ids = array("i")
         self.pieces: list[str] = []
         self.chars = 0
+        self.logprobs: array[float] | None = None
+        self.widths = array("i")
 
     def add(self, event: dict[str, Any]) -> int:
-        """Append ``event``'s tokens and text; returns the bytes this added (4 per token id, 4
-        per character: what the array and a UCS-4 string hold at most, and UTF-8 at most)."""
+        """Append ``event``'s tokens, text and logprobs; returns the bytes this added (4 per
+        token id, 4 per character: what the array and a UCS-4 string hold at most, and UTF-8
+        at most; 8 per logprobs number and 4 per entry)."""
         self.ids.extend(event["token_ids"])
         if event["text"]:
             self.pieces.append(event["text"])
             self.chars += len(event["text"])
             if len(self.pieces) >= TEXT_PIECES_JOINED:
                 self.pieces = ["".join(self.pieces)]
-        return 4 * (len(event["token_ids"]) + len(event["text"]))
+        entries = event.get("logprobs") or ()
+        if entries:
+            if self.logprobs is None:
+                self.logprobs = array("d")
+            for entry in entries:
+                self.logprobs.extend(entry)  # (ids < 2^31: exact as doubles)
+                self.widths.append(len(entry))
+        return 4 * (len(event["token_ids"]) + len(event["text"])) + _logprobs_bytes(entries)
 
     def event(self) -> dict[str, Any]:
-        return {"type": "delta", "token_ids": self.ids.tolist(), "text": "".join(self.pieces)}
+        event = {"type": "delta", "token_ids": self.ids.tolist(), "text": "".join(self.pieces)}
+        if self.logprobs is not None:
+            flat, entries, start = self.logprobs.tolist(), [], 0
+            for width in self.widths:
+                entry = flat[start: start + width]
+                entry[1::2] = [int(t) for t in entry[1::2]]
+                entries.append(entry)
+                start += width
+            event["logprobs"] = entries
+        return event
 
     def size(self) -> int:
-        return 4 * (len(self.ids) + self.chars)
+        return 4 * (len(self.ids) + self.chars) + 8 * len(self.logprobs or ()) + 4 * len(self.widths)
 
 
 class StreamBuffer:

@@ -55,6 +55,7 @@ class _Entry:
     idle: bool = False  # ended by ``expire_idle`` (once)
     finished: bool = False  # its ``finished`` event came: nothing runs on its node
     warned: bool = False  # a second ``started`` was logged (each one is counted)
+    logprobs: int | None = None  # what its request's sampling asked (each delta is checked for it)
 
 
 @dataclass
@@ -308,13 +309,15 @@ class NodeStreams:
         sock.send(data_plane.pack({"op": "abort", "id": request_id}))
 
     def open(self, request_id: str, on_event: OnEvent | None = None,
-             on_idle: Callable[[str], None] | None = None) -> StreamBuffer:
+             on_idle: Callable[[str], None] | None = None, logprobs: int | None = None) -> StreamBuffer:
         """A buffer for ``request_id``'s events; open it before the request reaches a node.
         ``on_event(event)`` sees each event as it arrives, whether or not the buffer's reader
         keeps up (a client that stops reading), and the RESOURCE_EXHAUSTED error that ends a
         stream its client does not read (``_end_unread``); ``on_idle(message)`` is called
         after that error when it was for ``stream_idle_timeout_s``: its reader, stuck writing
         to a client that takes nothing, takes no error, so whoever runs it must stop it.
+        ``logprobs``: the request's ``SamplingParams.logprobs``; a delta whose log probabilities
+        are not what it asked is a bad event (``data_plane.check_logprobs_asked``).
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
@@ -322,7 +325,7 @@ class NodeStreams:
         if request_id in self._queues:
             raise KeyError(request_id)
         buffer = StreamBuffer(self.clock)
-        self._queues[request_id] = _Entry("", buffer, on_event, on_idle)
+        self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs)
         self._opened_at[request_id] = self._failures
         return buffer
 
@@ -490,6 +493,12 @@ class NodeStreams:
                 entry = self._queues.get(request_id)
                 if entry is None:
                     continue
+                if isinstance(checked, dict):
+                    try:
+                        data_plane.check_logprobs_asked(checked, entry.logprobs)
+                    except ValueError as exc:
+                        self._drop("event", exc)
+                        checked = exc
                 event = checked if isinstance(checked, dict) else _unavailable(
                     f"a cache node sent a malformed event for this request ({type(checked).__name__}: "
                     f"{str(checked)[:200]})")

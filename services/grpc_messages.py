@@ -47,6 +47,9 @@ def _largest_sampling_bytes() -> int:
         + _TAG + _VARINT_32 + MAX_STOP_TOKEN_IDS * _VARINT_32       # stop_token_ids, packed
         + _TAG + 1                                                  # ignore_eos
         + MAX_STOP_STRINGS * _string_field(MAX_STOP_STRING_CHARS * UTF8_MAX_BYTES)
+        + _TAG + _VARINT_64 + _TAG + _VARINT_32                     # top_k (int32: -1), min_tokens
+        + 3 * (_TAG + _FLOAT)                                       # the three penalties
+        + _TAG + _VARINT_32 + _TAG + _FLOAT                         # logprobs, min_p
     )
     return _TAG + _VARINT_32 + fields
 
@@ -59,7 +62,7 @@ MAX_GENERATE_REQUEST_BYTES = (
     + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
 )
 """An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
-largest request of any call): 4,240,889 bytes, ~4.04 MiB."""
+largest request of any call): 4,240,932 bytes, ~4.04 MiB."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 """``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""

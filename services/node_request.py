@@ -97,7 +97,23 @@ class NodeRequest:
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):
 #   {"type": "started", "request_id", "node_id", "prompt_tokens", "cached_tokens": {tier: n}, "queue_ms",
 #    "priority" (as the node's engine queued the request)}
-#   {"type": "delta", "token_ids": [...], "text": str}
+#   {"type": "delta", "token_ids": [...], "text": str, "logprobs" (only when the request's sampling asks
+#    for them: ``logprobs_entry`` of each token id's ``TokenLogprobs``)}
 #   {"type": "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
 #    "ttft_ms", "tpot_ms", "preempted"}
 #   {"type": "error", "code": grpc status name, "message": str}
+
+
+def logprobs_entry(logprob: float, top: Sequence[tuple[int, float]]) -> list[float | int]:
+    """One token's log probabilities (``cache_node.outputs.TokenLogprobs``) as a delta event's
+    ``logprobs`` holds them, flat: ``[logprob, id_1, logprob_1, ..., id_k, logprob_k]``, its
+    top k most probable first (one array per token on the data plane, not k + 1 of them)."""
+    entry: list[float | int] = [logprob]
+    for token_id, value in top:
+        entry += (token_id, value)
+    return entry
+
+
+def entry_logprobs(entry: Sequence[float | int]) -> tuple[float, list[tuple[int, float]]]:
+    """``logprobs_entry``'s inverse: the token's logprob and its top ``(id, logprob)``."""
+    return float(entry[0]), [(int(entry[i]), float(entry[i + 1])) for i in range(1, len(entry), 2)]
