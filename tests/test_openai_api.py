@@ -155,7 +155,7 @@ def test_errors_in_openai_shape(stack: Stack, client: openai.OpenAI, model: str)
         client.chat.completions.create(model=model, messages=[], max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=ask("hi"), max_tokens=2)
-    for kwargs, field in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+    for kwargs, field in (({"n": 2}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
                           ({"response_format": {"type": "json_object"}}, "response_format"),
                           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
         with pytest.raises(openai.BadRequestError) as info:

@@ -24,7 +24,7 @@ COMPLETION = {"model": "m", "prompt": [1, 2, 3]}
 
 OPTIONAL = ["temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user", "logprobs",
             "top_logprobs", "frequency_penalty", "presence_penalty", "max_tokens", "session_id", "policy",
-            "cache_salt", "prompt_cache_key", "priority", "top_k", "min_tokens", "repetition_penalty", "ignore_eos",
+            "cache_salt", "prompt_cache_key", "priority", "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "min_p",
             "tools", "tool_choice", "response_format", "logit_bias"]  # OpenAI's, not served: null only
 CHAT_ONLY = ["max_completion_tokens", "parallel_tool_calls", "prefix_messages"]
 COMPLETION_ONLY = ["echo", "best_of", "suffix", "prefix_tokens"]
@@ -129,9 +129,13 @@ BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
 
 @pytest.mark.parametrize(("path", "body", "param", "message"), [
     ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "n: only 1 is supported (send 1 or null, or leave it out), got 2"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs",
-     "logprobs: not supported (send false or null, or leave it out), got true"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "top_logprobs: only 0 is supported"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs", "logprobs: Input should be a valid boolean"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "top_logprobs: needs logprobs true"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs: Input should be less than or equal to 20"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs", "logprobs: Input should be less than or equal to 20"),
+    ("/v1/completions", {**COMPLETION, "top_logprobs": 0}, "top_logprobs", "top_logprobs: "),
+    ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, "min_p", "min_p: Input should be less than or equal to 1"),
     ("/v1/chat/completions", {**CHAT, "frequency_penalty": 2.5}, "frequency_penalty",
      "frequency_penalty: Input should be less than or equal to 2"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens",

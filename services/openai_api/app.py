@@ -66,6 +66,7 @@ from services.openai_api.errors import (
     invalid,
     refusal_about,
 )
+from services.openai_api.logprobs import Logprobs, token_id_text
 from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
 from services.openai_api.responses import Generation
@@ -92,13 +93,17 @@ class OpenAIEdge:
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
         body_limits: the request-body bytes being read and parsed that one tenant, and all of
             them, may hold (``BodyBudget``; None: ``BodyLimits``' defaults).
+        token_text: a token id's text for log probabilities (the model's tokenizer decoding that
+            id alone; None: ``token_id:<id>``).
 
     ``created`` (the model card's) is when this edge was made: the gateway's start.
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
-                 num_healthy: Callable[[], int], body_limits: BodyLimits | None = None) -> None:
+                 num_healthy: Callable[[], int], body_limits: BodyLimits | None = None,
+                 token_text: Callable[[int], str] | None = None) -> None:
         self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
+        self.token_text = token_text or token_id_text
         self.model_name = model_id.split("@", 1)[0]
         self.bodies = BodyBudget(body_limits)
         self.created = int(time.time())
@@ -149,6 +154,11 @@ class OpenAIEdge:
             raise self.no_such_model(body.model)  # type: ignore[attr-defined]
         return body
 
+    def logprobs(self, body: ChatCompletionRequest | CompletionRequest) -> Logprobs | None:
+        """Where one choice of ``body`` collects its log probabilities (None: not asked)."""
+        top = body.asked_logprobs()
+        return None if top is None else Logprobs(isinstance(body, ChatCompletionRequest), top, self.token_text)
+
     def no_such_model(self, model: str) -> CallAborted:
         """OpenAI's 404 for an unknown model: ``model_not_found``, ``param`` "model"."""
         return CallAborted(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist; this server serves "
@@ -183,7 +193,7 @@ class OpenAIEdge:
         except ClientGone:  # cancelled at its await: the gateway's path aborted and released it
             await events.aclose()  # type: ignore[attr-defined]
             return _gone()
-        generation = Generation(events, started, chat, self.model_name, rid)
+        generation = Generation(events, started, chat, self.model_name, rid, self.logprobs(body))
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
                                   media_type="text/event-stream",

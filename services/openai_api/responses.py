@@ -7,7 +7,8 @@ tier), plus the extension ``prompt_tokens_details.cached_tokens_per_tier``
 (``{"device", "host", "spill_ram", "spill_disk"}``). The non-streamed body and the usage chunk
 also carry the extension ``kvstrata``: ``node_id``, ``queue_ms``, ``priority`` (as the node
 queued the request) and the server's ``ttft_ms``, ``tpot_ms`` and ``preempted`` (what gRPC's
-started and finished events say).
+started and finished events say). A choice's ``logprobs`` is null unless the request asked for
+them (``services.openai_api.logprobs``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.openai_api.logprobs import Logprobs
 from tenants.usage import TierTokens
 
 
@@ -50,14 +52,18 @@ class Generation:
         request_id: the request's id (``request_ids``); the response's ``id`` is
             ``chatcmpl-<request_id>`` (``cmpl-`` for a text completion), as vLLM builds it
             (None: a new uuid).
+        logprobs: the request's log probabilities in the endpoint's shape, when it asked for
+            them (``services.openai_api.logprobs``): each delta's entries are added to it as it
+            is read, a streamed chunk carries those since the previous chunk, the whole
+            response all of them.
 
     Stop strings are the node's (``SamplingParams.stop``): its text arrives cut before one,
     with finish_reason "stop", and is relayed as it comes.
     """
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], started: dict[str, Any], chat: bool,
-                 model: str, request_id: str | None = None) -> None:
-        self.events, self.chat, self.model = events, chat, model
+                 model: str, request_id: str | None = None, logprobs: Logprobs | None = None) -> None:
+        self.events, self.chat, self.model, self.logprobs = events, chat, model, logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_tokens = int(started["prompt_tokens"])
@@ -75,6 +81,8 @@ class Generation:
             async for event in self.events:
                 if event["type"] == "delta":
                     self.completion_tokens += len(event["token_ids"])
+                    if self.logprobs is not None and event.get("logprobs"):
+                        self.logprobs.add(event["token_ids"], event["logprobs"])
                     if event["text"]:
                         yield event["text"]
                 elif event["type"] == "finished":
@@ -90,7 +98,10 @@ class Generation:
 
     def _choice(self, text: str | None, finish_reason: str | None, first: bool = False,
                 whole: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        logprobs = None
+        if self.logprobs is not None:  # (a streamed chunk: those since the previous chunk)
+            logprobs = self.logprobs.whole() if whole else self.logprobs.take()
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
         if not self.chat:
             choice["text"] = text or ""
         elif whole:

@@ -3,7 +3,7 @@
 Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
 (``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
-accepted (``n`` = 1, ``logprobs`` false, ``response_format`` ``{"type":
+accepted (``n`` = 1, ``response_format`` ``{"type":
 "text"}``, ``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
 accepts them) and any other value is refused naming the field. ``seed`` is any 64-bit integer,
 as OpenAI and vLLM take it; a negative one is used as its two's complement (``seed % 2**64``),
@@ -20,7 +20,12 @@ requests starting with it (bounded by the gateway: 400), and OpenAI's own
 ``stop`` strings travel to the node in ``SamplingParams.stop``; the node ends the request at
 the token that completes one. OpenAI's ``frequency_penalty`` and ``presence_penalty`` ([-2, 2])
 and vLLM's extra sampling parameters ``top_k`` (0 or -1: off), ``min_tokens``,
-``repetition_penalty`` ([0.01, 2]) and ``ignore_eos`` go to ``SamplingParams`` as they are.
+``repetition_penalty`` ([0.01, 2]), ``min_p`` ([0, 1]) and ``ignore_eos`` go to ``SamplingParams``
+as they are. Log probabilities (``services.openai_api.logprobs``): a chat's ``logprobs`` (a
+boolean) with ``top_logprobs`` (an integer in [0, 20]; past 0 only with ``logprobs`` true, as
+vLLM), a text completion's ``logprobs`` (an integer in [0, 20]: vLLM's bound, past OpenAI's
+legacy 5); each is ``SamplingParams.logprobs`` (a completion's ``top_logprobs``, which OpenAI's
+completions do not have, is taken as null only).
 
 A JSON ``null`` for any field that is not required means "not given", as with OpenAI, vLLM
 and SGLang: the field takes its default (``max_tokens: null`` on ``/v1/completions`` is 16,
@@ -40,6 +45,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cache_node.sampling_params import (
+    MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_REQUEST_TEMPERATURE,
@@ -64,7 +70,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
+    "n": (1,), "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
     "response_format": ({"type": "text"},), "tool_choice": ("none",), "store": (False,),
 }
 """OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
@@ -201,8 +207,6 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; not used
     n: int = 1
-    logprobs: Any = None
-    top_logprobs: Any = None
     # OpenAI's penalties, and vLLM's extra sampling parameters as vLLM names them (review 25b N4)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
@@ -210,6 +214,7 @@ class _Sampling(_Strict):
     min_tokens: int = Field(0, ge=0)  # at most max_tokens (SamplingParams)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
                                       allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's
     ignore_eos: bool = False
     response_format: Any = None
     tool_choice: Any = None
@@ -241,6 +246,10 @@ class _Sampling(_Strict):
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def asked_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: the alternatives asked per token, None for none."""
+        return None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -274,7 +283,8 @@ class _Sampling(_Strict):
                                   stop=self.stop_strings(), top_k=self.top_k, min_tokens=self.min_tokens,
                                   presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty,
-                                  repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos)
+                                  repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                                  logprobs=self.asked_logprobs(), min_p=self.min_p)
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
@@ -295,6 +305,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, gt=0)
     parallel_tool_calls: Any = None
     prefix_messages: int = 0  # kvstrata: bounded by the gateway (400)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def asked_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_input(self) -> GenerateInput:
         """Raises ValueError: no message, every message empty, too much text, or an
@@ -309,6 +324,9 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("messages: every message is empty; the prompt needs some text")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens: give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs and not self.logprobs:  # (0 without it is accepted, as vLLM's)
+            raise ValueError(f"top_logprobs: needs logprobs true (got top_logprobs {self.top_logprobs} "
+                             "with logprobs false)")
         return self.generate_input(messages, self.max_completion_tokens or self.max_tokens,
                                    prefix_messages=self.prefix_messages)
 
@@ -323,6 +341,12 @@ class CompletionRequest(_Sampling):
     best_of: int = 1
     suffix: str | None = None
     prefix_tokens: int = 0  # kvstrata: of the prompt's tokens; gateway-bounded (400)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's bound (OpenAI's legacy one is 5)
+
+    _unserved = _Sampling._unserved | {"top_logprobs"}  # a chat's field: null only
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
