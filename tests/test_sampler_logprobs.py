@@ -236,3 +236,32 @@ def test_the_node_request_wire_checks_logprobs_and_min_p(bad: dict) -> None:
     wire = _wire(SamplingParams(max_tokens=9))
     with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
         data_plane_wire.request_from_wire({**wire, "sampling": {**wire["sampling"], **bad}})
+
+
+@pytest.mark.slow
+def test_the_engine_logprobs_equal_transformers_on_the_real_model(real_model) -> None:
+    """SmolLM2-135M: a greedy request asking for 5 logprobs; each token's entry equals the
+    log_softmax of transformers' own forward (sdpa, float32) over the prompt and the output so
+    far within 1e-3, the top 5 are its top 5 in order and the greedy token's logprob is their
+    max; the tokens are transformers' greedy ones."""
+    tok = real_model.tokenizer
+    prompt = tok("The capital of France is").input_ids
+    engine = make_engine(real_model, kv_pool_bytes=32 << 20)
+    engine.add_request(prompt, SamplingParams(max_tokens=5, logprobs=5, ignore_eos=True), request_id="r")
+    tokens: list[int] = []
+    entries: list[TokenLogprobs] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            entries.extend(out.logprobs)
+    reference = type(real_model.model).from_pretrained(real_model.model.name_or_path, dtype=torch.float32)
+    reference.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + tokens])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: -1]
+    assert rows.argmax(-1).tolist() == tokens and len(entries) == 5
+    for step, (token, entry) in enumerate(zip(tokens, entries)):
+        want = rows[step].topk(5)
+        assert [t for t, _ in entry.top] == want.indices.tolist() and entry.top[0][0] == token
+        assert [v for _, v in entry.top] == pytest.approx(want.values.tolist(), abs=1e-3)
+        assert entry.logprob == pytest.approx(float(rows[step, token]), abs=1e-3) == entry.top[0][1]
