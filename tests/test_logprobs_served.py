@@ -241,3 +241,29 @@ def test_min_p_and_top_logprobs_zero_are_taken(served: Served) -> None:
     assert status == 200 and body["choices"][0]["logprobs"] is None
     status, body = served.post("/chat/completions", {**base, "logprobs": True})
     assert status == 200 and [e["top_logprobs"] for e in body["choices"][0]["logprobs"]["content"]] == [[], []]
+
+
+def test_the_official_openai_client_reads_the_logprobs(served: Served, reference: Any) -> None:
+    """The unmodified ``openai`` package: a chat's ``choices[0].logprobs.content`` and a
+    completion's ``choices[0].logprobs`` read as its own types, whole and streamed."""
+    import openai
+
+    tokens, rows = reference
+    client = openai.OpenAI(base_url=served.base, api_key=served.key, max_retries=0)
+    chat = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=4,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 4 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob and c.bytes == list(c.token.encode()) for c in content)
+    streamed = [c for chunk in client.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=4, stream=True, extra_body={"ignore_eos": True})
+        if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    completion = client.completions.create(model=served.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                           temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == [served.tokenizer.decode([t]) for t in tokens]
+    assert logprobs.token_logprobs == pytest.approx([float(rows[i, t]) for i, t in enumerate(tokens)], abs=1e-3)
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
