@@ -290,21 +290,31 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                 yield event
         finally:
             self.streams.close(req.request_id)  # ``seen`` holds every event that arrived
-            if usage is None and not released:  # cancelled or past its deadline
-                if adm is None:  # while being admitted: abort once the node is known
-                    asyncio.get_running_loop().create_task(self._abort_admitted(admission, req.request_id))
-                else:
-                    self.streams.abort(adm.node_id, req.request_id)
+            if usage is None and not released and adm is None:  # cancelled while being admitted:
+                released = True  # abort and release once the admission's answer is here
+                asyncio.get_running_loop().create_task(self._abort_admitted(admission, req.request_id, seen))
+            elif usage is None and not released:  # cancelled or past its deadline
+                self.streams.abort(adm.node_id, req.request_id)  # type: ignore[union-attr]
             if adm is None or adm.code == "OK":
                 release(usage or seen.usage())
 
-    async def _abort_admitted(self, admission: Any, request_id: str) -> None:
+    async def _abort_admitted(self, admission: Any, request_id: str, seen: _Seen) -> None:
+        """Abort on its node, and release at the scheduler, a request whose call ended while
+        it was being admitted, once its admission is answered: admitted, it runs there.
+
+        Regression: the release was sent when the call ended, and reached the scheduler (a Ray
+        call) before the admission (the data plane) often enough: a no-op there, after which the
+        admission held its place in its node's ``in_flight`` and its tenant's share for as long
+        as the scheduler ran (``max_num_seqs`` such calls filled a node for good). The
+        admission's answer comes after the scheduler admitted, so a release sent then lands
+        after it."""
         try:
             adm = await admission
         except Exception:  # noqa: BLE001 - nothing was admitted, nothing runs
             return
         if adm.code == "OK":
             self.streams.abort(adm.node_id, request_id)
+            self.scheduler.release.remote(request_id, seen.usage())
 
     async def CloseSession(self, request, context):
         """Close the caller's session ``session_id`` (``close_session``)."""

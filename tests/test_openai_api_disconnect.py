@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -108,3 +109,34 @@ def test_a_client_gone_while_its_request_is_queued_leaves_the_queue_at_once(edge
     edge.run(call(streams.close, blocker.request_id))
     wait_for(lambda: edge.stats() == (0, 0), 10.0)
     assert took < 2.0
+
+
+def test_a_client_gone_while_being_admitted_is_released_after_its_admission(edge: Edge) -> None:
+    """Regression (seen as n > 1's all-or-nothing refusals leaving a choice in flight: a choice
+    whose sibling was refused ends while its own admission is on its way): a call that ended
+    while being admitted sent its release at once, which reached the scheduler before the
+    admission (another channel): a no-op there, and the admission then held its node's place
+    (``in_flight``) for as long as the scheduler ran, while the node, told to abort it, ran
+    nothing. The release now goes once the admission is answered. The admission is delayed
+    here as if in transit."""
+    real, sent, admitted = edge.servicer.streams.admit, threading.Event(), threading.Event()
+
+    async def late_admit(req: NodeRequest, hashes: list[bytes]) -> Any:
+        sent.set()
+        await asyncio.sleep(0.3)  # still on its way to the scheduler
+        adm = await real(req, hashes)
+        if adm.code == "OK":
+            admitted.set()
+        return adm
+
+    edge.servicer.streams.admit = late_admit  # type: ignore[method-assign]
+    try:
+        sock = edge.post("/v1/completions", {"model": edge.model, "prompt": [5] * 20, "max_tokens": 8})
+        assert sent.wait(10.0)
+        sock.close()  # gone while being admitted
+        assert admitted.wait(10.0)  # admitted after its client left
+        wait_for(lambda: edge.run(call(edge.scheduler.stats))["in_flight"]["n0"] == 0, 5.0)
+    finally:
+        del edge.servicer.streams.admit
+    assert edge.scheduler.requests == {}
+    wait_for(lambda: edge.stats() == (0, 0), 5.0)
