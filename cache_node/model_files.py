@@ -92,18 +92,31 @@ def resolve_model_dir(path: str | Path | None = None) -> Path:
     return path
 
 
+def _file_key(f: Path) -> list[str | int]:
+    """What the identity cache is keyed by for one file (see ``model_identity``)."""
+    st = f.stat()
+    return [f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
 def model_identity(path: str | Path) -> str:
     """``<dir name>@<32 hex>``: BLAKE2b-128 of the config and weight files of checkpoint ``path``.
 
-    Cached in ``path / IDENTITY_FILE`` keyed by each file's name, size and mtime (hashing
-    SmolLM2's weights takes about a second, once); an unwritable directory recomputes it per
-    load. Raises FileNotFoundError when ``path`` has no config.json.
+    Cached in ``path / IDENTITY_FILE`` keyed by each file's name, size, mtime, ctime, inode
+    and device (hashing SmolLM2's weights takes about a second, once); an unwritable directory
+    recomputes it per load. Raises FileNotFoundError when ``path`` has no config.json.
+
+    Regression (review 26b F1): the key was name, size and mtime only. A checkpoint rewritten
+    in place at the same size (any fine-tune of one shape) with its mtime kept (``cp -p``,
+    ``rsync -a``, images built with normalized timestamps) kept its old identity, and a node
+    restarted on the new weights was served the old weights' KV from the spill tier. A file's
+    ctime and inode cannot be set from user space: every write, ``utime``, copy or rename
+    changes one of them, so any such change recomputes the digest.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
     files = sorted({f for pattern in _IDENTITY_PATTERNS for f in path.glob(pattern) if f.is_file()})
-    key = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    key = [_file_key(f) for f in files]
     cache = path / IDENTITY_FILE
     try:
         cached = json.loads(cache.read_text())

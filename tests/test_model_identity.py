@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -79,3 +81,37 @@ def test_tiny_llama_identity_differs_per_seed_and_config() -> None:
     ]
     assert len(set(ids)) == 4
     assert tiny_llama(seed=0).model_id == ids[0]
+
+
+def _rewrite_in_place_keeping_mtime(f: Path) -> None:
+    """Flip one byte near the end of ``f`` (same size) and restore its atime and mtime, as
+    ``cp -p``, ``rsync -a`` or a build with normalized timestamps leaves a rewritten file."""
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        fh.seek(st.st_size - 3)
+        byte = fh.read(1)
+        fh.seek(st.st_size - 3)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_weights_rewritten_at_the_same_size_and_mtime_get_a_new_identity(tmp_path: Path) -> None:
+    """review 26b F1: the identity cache was keyed by name, size and mtime; weights rewritten
+    in place at the same size with the mtime restored kept the old identity (and a node on
+    the new weights was served the old weights' KV from the spill tier)."""
+    path = save_checkpoint(tmp_path, seed=1)
+    first = model_identity(path)
+    _rewrite_in_place_keeping_mtime(path / "model.safetensors")
+    assert model_identity(path) != first
+
+
+def test_a_copied_checkpoint_with_its_identity_file_is_hashed_anew(tmp_path: Path) -> None:
+    """review 26b F1: ``cp -rp`` carries the identity file along with size and mtime; the copy
+    (a new inode) must not take the cached identity on trust once its weights differ."""
+    path = save_checkpoint(tmp_path / "a", seed=1)
+    first = model_identity(path)
+    copy = tmp_path / "b" / "ckpt"
+    shutil.copytree(path, copy)  # copy2: sizes and mtimes kept, identity file included
+    _rewrite_in_place_keeping_mtime(copy / "model.safetensors")
+    assert model_identity(copy) != first
