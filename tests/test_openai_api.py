@@ -132,6 +132,34 @@ def test_completions_endpoint(client: openai.OpenAI, model: str) -> None:
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
+def test_n_seeded_choices_whole_and_streamed(client: openai.OpenAI, model: str) -> None:
+    """n=3 with a seed (the official client; OpenAI's ``n``): three choices, index 0..2, each
+    with its finish_reason; the same texts again (choice i seeded seed + i), different from
+    each other; on one of the two nodes, choices 1 and 2 reusing choice 0's prompt KV; usage the
+    prompt once. Streamed: each chunk one choice, a finish chunk per choice, each choice's text
+    the whole response's, the usage chunk's completion tokens the whole response's."""
+    kwargs = {"model": model, "messages": ask("Write one sentence about the sea."), "max_tokens": 10, "n": 3,
+              "seed": 1234, "temperature": 1.0}
+    whole = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len(set(texts)) == 3, texts
+    assert all(c.finish_reason in ("stop", "length") for c in whole.choices)
+    assert [c.message.content for c in client.chat.completions.create(**kwargs).choices] == texts
+    one = client.chat.completions.create(**{**kwargs, "n": 1, "seed": 1235})
+    assert one.choices[0].message.content == texts[1] and whole.usage.prompt_tokens == one.usage.prompt_tokens
+    assert 3 <= whole.usage.completion_tokens <= 30
+    ran = whole.model_extra["kvstrata"]["choices"]
+    assert len({c["node_id"] for c in ran}) == 1
+    assert all(c["cached_tokens"] >= 16 for c in ran[1:]), ran  # choice 0's prompt blocks
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    *deltas, usage = chunks
+    assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(len(c.choices) == 1 for c in deltas)
+    assert ["".join(c.choices[0].delta.content or "" for c in deltas if c.choices[0].index == i)
+            for i in range(3)] == texts
+    assert sorted(c.choices[0].index for c in deltas if c.choices[0].finish_reason) == [0, 1, 2]
+
+
 def test_two_turn_session_reports_cached_prompt_tokens(client: openai.OpenAI, model: str) -> None:
     doc = " ".join(a.extract for a in load_corpus()[100:102])
     first = client.chat.completions.create(model=model, messages=ask(doc + "\nSummarize."), max_tokens=6,
@@ -155,7 +183,7 @@ def test_errors_in_openai_shape(stack: Stack, client: openai.OpenAI, model: str)
         client.chat.completions.create(model=model, messages=[], max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=ask("hi"), max_tokens=2)
-    for kwargs, field in (({"n": 2}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
+    for kwargs, field in (({"n": 17}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
                           ({"response_format": {"type": "json_object"}}, "response_format"),
                           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
         with pytest.raises(openai.BadRequestError) as info:

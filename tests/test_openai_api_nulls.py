@@ -128,7 +128,7 @@ BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
 
 
 @pytest.mark.parametrize(("path", "body", "param", "message"), [
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n", "n: only 1 is supported (send 1 or null, or leave it out), got 2"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, "n", "n: must be an integer in [1, 16], got 17"),
     ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs", "logprobs: Input should be a valid boolean"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "top_logprobs: needs logprobs true"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",

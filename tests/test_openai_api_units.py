@@ -182,7 +182,7 @@ def test_values_that_ask_for_what_the_server_does_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(("body", "field"), [
-    ({"n": 2}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"n": 2, "session_id": "s"}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
     ({"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"), ({"messages": []}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "auto"}, "tool_choice"),

@@ -22,7 +22,8 @@ queued on its node, prefilling or generating; ``unless_gone``).
 
 Where its parts live: ``bodies`` (reading and parsing a body within bounds), ``errors`` (the
 error responses in OpenAI's shape that the handlers return), ``streaming`` (writing a response,
-streamed or whole, and watching for the client leaving). This module keeps the edge
+streamed or whole, and watching for the client leaving), ``choices`` (a body with ``n`` > 1:
+n requests, started all or none, in one response). This module keeps the edge
 (``OpenAIEdge``) and the routes (``create_app``), and re-exports those modules' names, so
 ``from services.openai_api.app import ...`` keeps working.
 """
@@ -52,6 +53,7 @@ from services.openai_api.bodies import (
     load_json,
     read_body,
 )
+from services.openai_api.choices import Choices
 from services.openai_api.context import (
     BodyBudget,
     BodyLimits,
@@ -185,6 +187,9 @@ class OpenAIEdge:
             return dataclasses.replace(call, request_id=rid)
 
         writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
+        if body.n > 1:  # n requests, started all or none, in one response (``choices``)
+            return await Choices(self.servicer, request, body, parse, writer, self.model_name, rid,
+                                 lambda: self.logprobs(body)).respond()
         events = self.servicer.generate(context, parse, writer)
         try:  # admitted and started: the status is known
             started = await unless_gone(request, anext(events))

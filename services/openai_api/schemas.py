@@ -3,15 +3,20 @@
 Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
 (``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
-accepted (``n`` = 1, ``response_format`` ``{"type":
+accepted (``response_format`` ``{"type":
 "text"}``, ``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
 accepts them) and any other value is refused naming the field. ``seed`` is any 64-bit integer,
 as OpenAI and vLLM take it; a negative one is used as its two's complement (``seed % 2**64``),
-so each seed names one stream of samples. kvstrata's extension fields ride in the body, as
-vLLM's extra parameters do: ``session_id`` (append the messages to that session's history,
-whose KV the node keeps), ``policy`` (the KV policy override), ``cache_salt`` (partitions the
-tenant's prefix cache further), ``priority`` (vLLM's: an integer in [-1000, 1000], lower is
-served earlier, default 0; it reorders only the caller's own waiting requests on the node,
+so each seed names one stream of samples. ``n`` (OpenAI's choices) is an integer in [1,
+``MAX_N``] (16; else a 400 naming it): past 1 the body is served as ``n`` requests with the same
+prompt, started all or none, choice ``i`` seeded ``(seed + i) mod 2**64`` when a seed is given
+(``choices``); greedy (``temperature`` 0) choices are the same text, as OpenAI's; with a
+``session_id`` (one history, one continuation) only 1 is taken (400 naming ``n``).
+kvstrata's extension fields ride in the body, as vLLM's extra parameters do: ``session_id``
+(append the messages to that session's history, whose KV the node keeps), ``policy`` (the KV
+policy override), ``cache_salt`` (partitions the tenant's prefix cache further), ``priority``
+(vLLM's: an integer in [-1000, 1000], lower is served earlier, default 0; it reorders only the
+caller's own waiting requests on the node,
 never ahead of another tenant's), ``prefix_tokens`` (``/v1/completions``) and
 ``prefix_messages`` (``/v1/chat/completions``): the prompt's leading tokens or messages form
 a reusable document prefix, compressed once under a compressing KV policy and reused by later
@@ -69,8 +74,13 @@ from services.gateway import MAX_ID_CHARS, GenerateInput
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
 
+MAX_N = 16
+"""Most choices (``n``) one body may ask for (OpenAI takes up to 128, vLLM any number): each is
+a request of its own (``choices``), with its own slot on a node and its own stream in the
+tenant's ``max_streams_per_tenant``."""
+
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
+    "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
     "response_format": ({"type": "text"},), "tool_choice": ("none",), "store": (False,),
 }
 """OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
@@ -206,7 +216,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; not used
-    n: int = 1
+    n: int = 1  # in [1, MAX_N]; more than 1: ``choices``
     # OpenAI's penalties, and vLLM's extra sampling parameters as vLLM names them (review 25b N4)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
@@ -225,6 +235,13 @@ class _Sampling(_Strict):
     cache_salt: str = Field("", max_length=MAX_ID_CHARS)
     prompt_cache_key: str = Field("", max_length=MAX_ID_CHARS)
     priority: int = 0  # bounded by the gateway (INVALID_ARGUMENT: 400)
+
+    @field_validator("n")
+    @classmethod
+    def _n_in_range(cls, value: int) -> int:
+        if not 1 <= value <= MAX_N:
+            raise ValueError(f"must be an integer in [1, {MAX_N}], got {value}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -267,6 +284,9 @@ class _Sampling(_Strict):
             raise ValueError(f"{name}: {what} (send {send}, or leave it out), got {_json_brief(value)}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.n > 1 and self.session_id:
+            raise ValueError(f"n: must be 1 with a session_id (a session keeps one history, which one choice "
+                             f"continues), got {self.n}")
         try:
             check_policy_spec(self.policy)
         except ValueError as exc:

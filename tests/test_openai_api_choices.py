@@ -1,0 +1,358 @@
+"""OpenAI's ``n`` > 1 (``services.openai_api.choices``) on the real call path without Ray: a
+real CacheNode (the tiny Llama, ``SLOTS`` running slots), the GlobalScheduler's admission
+server, the gateway's ``InferenceServicer`` and the OpenAI app served by uvicorn, all on one
+event loop thread (``tests.loop_plane``); clients are plain HTTP connections and raw sockets.
+
+Before: ``n`` was accepted at 1 only (any other value a 400 naming it)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import json
+import re
+import socket
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from bench.chaos_stack import BLOCK_SIZE
+from cache_node.sampling_params import SamplingParams
+from services.auth import Authenticator
+from services.gateway import InferenceServicer
+from services.gateway_stream_bounds import StreamLimits
+from services.node_request import NodeRequest
+from services.openai_api.app import OpenAIEdge, create_app
+from services.openai_api.choices import ChoiceInputs, choice_seed, shared_routing_key
+from services.openai_api.schemas import MAX_N, CompletionRequest
+from services.openai_api.server import HttpServer
+from tenants.model import TenantSpec
+from tests.known_tenants import know_tenants
+from tests.loop_plane import LoopPlane, call, wait_for
+
+SLOTS = 3
+PROMPT = list(range(300, 340))  # 40 tokens: 2 full blocks (32 tokens) can be reused
+REUSED = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+class Actor:
+    """``obj`` as a Ray actor handle: ``h.m.remote(...)`` runs the call on the loop whether or
+    not it is awaited (the gateway's ``release`` is fire-and-forget)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.obj, name)
+        return SimpleNamespace(remote=lambda *args, **kw: asyncio.ensure_future(call(fn, *args, **kw)))
+
+
+class Edge(LoopPlane):
+    """One node (``SLOTS`` running slots), the scheduler, a gateway servicer and its HTTP API."""
+
+    def __init__(self) -> None:
+        super().__init__(SLOTS, "kvstrata-choices-")
+        self.servicer, self.http, self.port = self.gateway()
+        tenant, self.key = self.run(call(self.scheduler.register_tenant, TenantSpec(name="choices")))
+        self.tenant_id = tenant.tenant_id
+        know_tenants(self.scheduler, "other")  # the blockers' tenant (sent past the gateway)
+        self.model = self.node.describe()["model_id"].split("@", 1)[0]
+
+    def gateway(self, limits: StreamLimits | None = None) -> tuple[InferenceServicer, HttpServer, int]:
+        """A gateway's servicer (``limits``: its stream bounds) and its HTTP API on a free port."""
+        info, handle = self.node.describe(), Actor(self.scheduler)
+        servicer = InferenceServicer(handle, Authenticator(handle), {"n0": None}, {"n0": info}, None,
+                                     self.sched_address, security=self.keys.security("gateway"), limits=limits)
+        self.run(servicer.streams.start())
+        http = HttpServer(create_app(OpenAIEdge(servicer, info["model_id"], list, lambda: 1)))
+        return servicer, http, self.run(http.start("127.0.0.1", 0))
+
+    def body(self, **fields: Any) -> dict[str, Any]:
+        return {"model": self.model, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, **fields}
+
+    def post(self, body: dict[str, Any], path: str = "/v1/completions",
+             port: int | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One request (to ``port``'s gateway; None: this one's); its status, headers (lower-case
+        names) and body."""
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {self.key}",
+                                                          "Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def post_raw(self, body: dict[str, Any]) -> socket.socket:
+        """Send one request on a new connection; the socket, its reply unread."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        data = json.dumps(body)
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.key}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n{data}").encode())
+        return sock
+
+    def stats(self) -> tuple[int, int]:
+        """The node's (running, waiting) requests."""
+        stats = self.node.stats()
+        return stats["running"], stats["waiting"]
+
+    def in_flight(self) -> int:
+        return self.run(call(self.scheduler.stats))["in_flight"]["n0"]
+
+    def usage(self) -> dict[str, int]:
+        return self.scheduler.usage.counters(self.tenant_id)
+
+    def block(self, name: str) -> NodeRequest:
+        """Admit a request of another tenant (the scheduler counts it in flight until
+        ``unblock``), which runs on the node."""
+        blocker = NodeRequest(request_id=f"other/{name}", tenant="other", cache_namespace="ns",
+                              token_ids=tuple(range(100, 140)),
+                              sampling=SamplingParams(max_tokens=200, ignore_eos=True))
+        self.run(call(self.servicer.streams.open, blocker.request_id))
+        assert self.run(self.servicer.streams.admit(blocker, [])).code == "OK"
+        return blocker
+
+    def unblock(self, blocker: NodeRequest) -> None:
+        streams = self.servicer.streams
+        self.run(call(streams.abort, "n0", blocker.request_id))
+        self.run(call(self.scheduler.release, blocker.request_id))
+        self.run(call(streams.close, blocker.request_id))
+
+    def holds_nothing(self, blockers: int = 0) -> bool:
+        """Nothing of this tenant is being admitted at the gateway, in flight at the scheduler
+        (besides ``blockers`` of another tenant's) or on the node."""
+        return (not self.servicer.streams._pending and self.in_flight() == blockers
+                and not self.servicer.open_streams and not self.servicer._in_flight
+                and not any(rid.startswith(f"{self.tenant_id}/") for rid in self.node._streams)
+                and self.node.tenant_blocks(self.tenant_id)["requests"] == 0)
+
+    def assert_all_freed(self) -> None:
+        """Nothing runs or waits, the scheduler holds nothing, the gateway no stream, and every
+        pool block is free (cached ones included), the pool's integrity checked."""
+        wait_for(lambda: self.stats() == (0, 0) and self.holds_nothing(), 10.0)
+        stats = self.run(self.node.integrity_stats())
+        assert stats["integrity_ok"], stats
+        assert stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"] == 0, stats
+
+    async def close_gateways(self) -> None:
+        await self.http.stop()
+        self.servicer.streams.shutdown()
+
+
+@pytest.fixture(scope="module")
+def edge() -> Iterator[Edge]:
+    e = Edge()
+    yield e
+    e.close()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """A server-sent event body's ``data`` values (JSON, or ``[DONE]``)."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_seeded_choices_are_reproducible_differ_and_reuse_the_prompts_kv(edge: Edge) -> None:
+    """n=3 with a seed: three choices (index 0..2, each its own finish_reason), the same texts
+    on a second call, choice i sampled with seed + i (a single request seeded 8 is choice 1 of
+    seed 7), OpenAI's usage (the prompt once, completions summed), and choices 1 and 2 ran on
+    choice 0's node with the prompt's full blocks from its prefix cache. The tenant's usage
+    counts each choice as a request with its own tokens."""
+    before = edge.usage()
+    status, _, raw = edge.post(edge.body(n=3, seed=7))
+    assert status == 200, raw
+    whole = json.loads(raw)
+    assert whole["object"] == "text_completion" and whole["id"].startswith("cmpl-")
+    choices = whole["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["finish_reason"] for c in choices] == ["length"] * 3
+    texts = [c["text"] for c in choices]
+    assert len(set(texts)) == 3, texts  # different seeds, different samples
+    assert whole["usage"]["prompt_tokens"] == len(PROMPT)
+    assert whole["usage"]["completion_tokens"] == 18
+    assert whole["usage"]["total_tokens"] == len(PROMPT) + 18
+    ran = whole["kvstrata"]["choices"]
+    assert [c["node_id"] for c in ran] == ["n0"] * 3
+    assert [c["cached_tokens"] for c in ran[1:]] == [REUSED, REUSED]  # choice 0's prompt KV
+    wait_for(lambda: edge.usage()["completion_tokens"] - before["completion_tokens"] == 18, 10.0)
+    after = edge.usage()
+    assert after["requests"] - before["requests"] == 3
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 3 * len(PROMPT)
+
+    status, _, raw = edge.post(edge.body(n=3, seed=7))
+    assert status == 200 and [c["text"] for c in json.loads(raw)["choices"]] == texts  # reproducible
+    status, _, raw = edge.post(edge.body(seed=8))
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == texts[1]  # choice 1: seed 7 + 1
+    edge.assert_all_freed()
+
+
+def test_a_stream_interleaves_the_choices_then_finishes_each_then_sums_usage(edge: Edge) -> None:
+    """Streamed, n=3: every chunk holds one choice with its index, the choices' text chunks
+    interleave as they arrive, each choice ends with one finish chunk after its text, and the
+    usage chunk (no choices) comes last, before [DONE], with the completions summed; each
+    choice's text is the whole response's for the same seed."""
+    body = edge.body(n=3, seed=11, max_tokens=16)
+    status, _, raw = edge.post(body)
+    assert status == 200
+    whole = [c["text"] for c in json.loads(raw)["choices"]]
+    status, headers, raw = edge.post({**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 48
+    assert usage["usage"]["prompt_tokens"] == len(PROMPT) and len(usage["kvstrata"]["choices"]) == 3
+    assert all(len(c["choices"]) == 1 and c["usage"] is None and c["object"] == "text_completion" for c in chunks)
+    assert len({c["id"] for c in events[:-1]}) == 1
+    order = [c["choices"][0]["index"] for c in chunks]
+    texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)]
+    assert texts == whole
+    finishes = [(k, c["choices"][0]) for k, c in enumerate(chunks) if c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for _, f in finishes) == [0, 1, 2]
+    for k, finish in finishes:
+        assert finish["finish_reason"] == "length" and finish["text"] == ""
+        assert finish["index"] not in order[k + 1:]  # nothing of that choice after its finish
+    text_order = [i for i, c in zip(order, chunks) if c["choices"][0]["text"]]
+    assert text_order != sorted(text_order), text_order  # interleaved, not one choice after another
+    edge.assert_all_freed()
+
+
+def test_each_choice_has_its_own_logprobs_whole_and_streamed(edge: Edge) -> None:
+    """n=2 with a completion's ``logprobs`` 2: each choice's log probabilities are its own
+    tokens' (as many as it generated, different choices' differ), and a stream's chunks of
+    one choice join to that choice's whole list."""
+    body = edge.body(n=2, seed=5, logprobs=2)
+    status, _, raw = edge.post(body)
+    assert status == 200, raw
+    whole = [c["logprobs"] for c in json.loads(raw)["choices"]]
+    assert [len(w["tokens"]) for w in whole] == [6, 6] and whole[0]["tokens"] != whole[1]["tokens"]
+    assert all(len(top) <= 3 for w in whole for top in w["top_logprobs"])
+    status, _, raw = edge.post({**body, "stream": True})
+    chunks = [e["choices"][0] for e in sse_events(raw)[:-1]]
+    streamed = [[t for c in chunks if c["index"] == i and c["logprobs"] for t in c["logprobs"]["tokens"]]
+                for i in range(2)]
+    assert streamed == [w["tokens"] for w in whole]
+    edge.assert_all_freed()
+
+
+@pytest.mark.parametrize("refusal", ["queue_full", "max_streams_per_tenant"])
+def test_a_choice_refused_aborts_the_admitted_ones_and_is_the_response(edge: Edge, refusal: str) -> None:
+    """All or nothing: n=3 where the third choice cannot be admitted: the scheduler's queue is
+    full (two of the 3 slots are another tenant's and queue_limit is 1: choices 0 and 1 are
+    admitted, and choice 2 would pass the tenant's fair share of the places), or the tenant's
+    streams at the gateway are capped at 2. The response is that refusal (429 with
+    Retry-After), and the choices admitted before it are aborted: nothing of the tenant's runs,
+    waits or holds a block on the node, and the scheduler and the gateway hold nothing of it."""
+    before = edge.usage()
+    blockers = [edge.block(f"refusal-{i}") for i in range(2 if refusal == "queue_full" else 0)]
+    queue_limit, streams = edge.scheduler.queue_limit, edge.servicer.max_streams_per_tenant
+    if refusal == "queue_full":
+        edge.scheduler.queue_limit = 1
+    else:
+        edge.servicer.max_streams_per_tenant = 2
+    try:
+        status, headers, raw = edge.post(edge.body(n=3, seed=1, max_tokens=200))
+    finally:
+        edge.scheduler.queue_limit, edge.servicer.max_streams_per_tenant = queue_limit, streams
+    error = json.loads(raw)["error"]
+    assert status == 429 and error["type"] == "rate_limit_error" and int(headers["retry-after"]) >= 1, raw
+    assert ("queue full" if refusal == "queue_full" else "max_streams_per_tenant") in error["message"]
+    # admitted before the refusal: choices 0 and 1 (the scheduler's); choice 0, and choice 1 when
+    # its admission went out before the gateway's cap refused choice 2 (started with it) at once
+    admitted = edge.usage()["requests"] - before["requests"]
+    assert admitted == 2 if refusal == "queue_full" else admitted in (1, 2)
+    assert edge.usage()["rejected"] - before["rejected"] == (refusal == "queue_full")
+    wait_for(lambda: edge.holds_nothing(len(blockers)), 10.0)
+    for blocker in blockers:
+        edge.unblock(blocker)
+    edge.assert_all_freed()
+
+
+@pytest.mark.parametrize("when", ["queued", "streaming"])
+def test_a_client_gone_aborts_every_choice(edge: Edge, when: str) -> None:
+    """A client that disconnects aborts all n: while its fourth choice waits in the node's queue
+    (the first three run in its 3 slots; the whole response was asked), or mid-stream once
+    every choice has sent text. Every choice leaves the node at once and every block is freed."""
+    n = SLOTS + 1 if when == "queued" else 3
+    sock = edge.post_raw(edge.body(n=n, max_tokens=400, stream=when == "streaming"))
+    if when == "queued":
+        wait_for(lambda: edge.stats() == (SLOTS, 1), 10.0)  # choices 0-2 run, choice 3 waits
+    else:
+        seen, raw = set(), b""
+        while seen != {0, 1, 2}:
+            data = sock.recv(65536)
+            assert data, raw
+            raw += data
+            seen |= {int(i) for i in re.findall(rb'"index":(\d)', raw)}
+    sock.close()
+    took = wait_for(lambda: edge.stats() == (0, 0), 10.0)
+    assert took < 3.0
+    edge.assert_all_freed()
+
+
+def test_choices_that_cannot_all_start_within_the_idle_deadline_are_refused(edge: Edge) -> None:
+    """A started choice's events wait unread while the others wait to start; past the gateway's
+    ``stream_idle_timeout_s`` (0.5 s here) its stream is ended and the response's writer
+    stopped: the response is a 429 saying so (retryable), and every choice is aborted. Here n=4
+    on 3 slots: choice 3 waits for a slot while choices 0-2 run 400 tokens."""
+    servicer, http_server, port = edge.gateway(StreamLimits(idle_timeout_s=0.5))
+    try:
+        status, headers, raw = edge.post(edge.body(n=SLOTS + 1, max_tokens=400), port=port)
+        error = json.loads(raw)["error"]
+        assert status == 429 and error["type"] == "rate_limit_error" and headers["retry-after"] == "1", raw
+        assert error["message"].startswith(f"n: the {SLOTS + 1} choices did not all start in time: "), error
+        assert "stream_idle_timeout_s 0.5" in error["message"]
+        wait_for(lambda: not servicer.open_streams and not servicer._in_flight and not servicer.streams._pending, 10.0)
+        edge.assert_all_freed()
+    finally:
+        async def stop() -> None:
+            await http_server.stop()
+            servicer.streams.shutdown()
+
+        edge.run(stop())
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"n": MAX_N + 1}, f"n: must be an integer in [1, {MAX_N}], got {MAX_N + 1}"),
+    ({"n": 0}, f"n: must be an integer in [1, {MAX_N}], got 0"),
+    ({"n": 3, "session_id": "s"}, ("n: must be 1 with a session_id (a session keeps one history, which one "
+                                  "choice continues), got 3")),
+])
+def test_n_out_of_range_or_with_a_session_is_a_400_naming_n(edge: Edge, fields: dict, message: str) -> None:
+    before = edge.usage()["requests"]
+    status, _, raw = edge.post(edge.body(**fields))
+    error = json.loads(raw)["error"]
+    assert (status, error["param"], error["code"], error["message"]) == (400, "n", "invalid_argument", message)
+    assert edge.usage()["requests"] == before  # nothing was admitted
+
+
+def test_each_choice_has_its_own_id_and_seed_and_the_shared_routing_key() -> None:
+    """``ChoiceInputs``: the body is parsed once; choice i is ``<i>_<id>``, seeded
+    ``(seed + i) mod 2**64`` (None stays None), and routed by the body's ``prompt_cache_key``
+    or, without one, by a key made from the prompt (the same prompt, the same key)."""
+    parsed = []
+
+    def parse(**fields: Any) -> Any:
+        def run() -> Any:
+            parsed.append(1)
+            body = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3], "n": 3, **fields})
+            return dataclasses.replace(body.to_input(list), request_id="rid")
+        return run
+
+    inputs = ChoiceInputs(parse(seed=(1 << 64) - 2))
+    calls = [inputs.parse_for(i)() for i in range(3)]
+    assert len(parsed) == 1
+    assert [c.request_id for c in calls] == ["0_rid", "1_rid", "2_rid"]
+    assert [c.sampling.seed for c in calls] == [(1 << 64) - 2, (1 << 64) - 1, 0]
+    assert len({c.routing_key for c in calls}) == 1 and calls[0].routing_key == shared_routing_key(calls[0])
+    assert ChoiceInputs(parse()).parse_for(2)().sampling.seed is None and choice_seed(None, 5) is None
+    assert ChoiceInputs(parse(prompt_cache_key="k")).parse_for(1)().routing_key == "k"
+    other = ChoiceInputs(parse(prompt=[1, 2, 4])).parse_for(0)()
+    assert other.routing_key != calls[0].routing_key
