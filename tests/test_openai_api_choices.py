@@ -193,6 +193,17 @@ def test_seeded_choices_are_reproducible_differ_and_reuse_the_prompts_kv(edge: E
     edge.assert_all_freed()
 
 
+def test_greedy_choices_are_served_and_equal(edge: Edge) -> None:
+    """n > 1 at temperature 0 is served, as OpenAI serves it: n equal greedy texts, the same
+    as a single greedy request's."""
+    status, _, raw = edge.post(edge.body(n=3, temperature=0))
+    assert status == 200, raw
+    texts = [c["text"] for c in json.loads(raw)["choices"]]
+    status, _, raw = edge.post(edge.body(temperature=0))
+    assert texts == [json.loads(raw)["choices"][0]["text"]] * 3
+    edge.assert_all_freed()
+
+
 def test_a_stream_interleaves_the_choices_then_finishes_each_then_sums_usage(edge: Edge) -> None:
     """Streamed, n=3: every chunk holds one choice with its index, the choices' text chunks
     interleave as they arrive, each choice ends with one finish chunk after its text, and the
