@@ -9,7 +9,9 @@ pages through the deletions the tenant store keeps (``GlobalScheduler.deleted_te
 at its start and every ``interval_s``, from the last one it saw: a deletion it missed is
 purged at its next sweep, at the latest ``interval_s`` after it is back. The answer is checked
 like any message from the network (types, sizes, order); a bad or failed answer is logged,
-counted and asked again at the next sweep.
+counted and asked again at the next sweep. Each sweep also deletes the quarantined files past
+their age limit (``SpillStore.expire_quarantine``): a file whose corrupt header names no
+tenant is not kept longer than that, even on an idle node.
 """
 
 from __future__ import annotations
@@ -80,11 +82,15 @@ class DeletedTenantSweep:
     def sweep(self) -> int:
         """One sweep: every deletion after ``cursor``, page by page; returns blocks dropped. A
         failed or malformed answer ends the sweep (counted, logged); ``cursor`` stays at the
-        last page applied, so the next sweep asks again from there."""
+        last page applied, so the next sweep asks again from there. Then the quarantined files
+        past their age limit are deleted, whatever the answer."""
         try:
             return self._sweep()
         finally:
-            self.counters["sweeps"] += 1  # ended (a reader waiting for one sees its drops)
+            try:
+                self.store.expire_quarantine()
+            finally:
+                self.counters["sweeps"] += 1  # ended (a reader waiting for one sees its drops)
 
     def _sweep(self) -> int:
         dropped = 0

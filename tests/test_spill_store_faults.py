@@ -1,8 +1,9 @@
 """SpillStore data faults and restarts: every fault is a miss, never an error or wrong bytes.
 
-Only a verified checksum or format failure quarantines a file (moved aside, not deleted: the
-quarantine's bounds are in tests/test_spill_unserved.py); a transient OSError is retried,
-counted and a miss, and leaves the file where it was.
+A block failing its checksum is dropped alone, its file serving the rest; a file whose header,
+length or format fails is quarantined (moved aside, not deleted: the quarantine's bounds are in
+tests/test_spill_unserved.py); a transient OSError is retried, counted and a miss, and leaves
+the file where it was.
 """
 
 from __future__ import annotations
@@ -30,22 +31,24 @@ def disk_store(root: Path, num_blocks: int = 4) -> tuple[SpillStore, Path]:
     return store, path
 
 
-def assert_all_miss(store: SpillStore, path: Path, fault: str) -> None:
-    """Every block of ``path`` misses and is dropped from the index, counted as ``fault``."""
+def assert_all_miss(store: SpillStore, path: Path, fault: str, faults: int = 1) -> None:
+    """Every block of ``path`` misses and is dropped from the index, ``faults`` counted as
+    ``fault``."""
+    misses = store.stats()["misses"] + 4
     hits = store.get(hashes_of(range(4)))
     assert (hits.hashes, hits.tiers, hits.blocks.shape) == ([], [], (0, *FMT.shape))
     assert store.contains(hashes_of(range(4))) == [None] * 4
     stats = store.stats()
-    assert (stats[fault], stats["misses"], stats["files"], stats["disk_bytes"]) == (1, 4, 0, 0)
+    assert (stats[fault], stats["misses"], stats["files"], stats["disk_bytes"]) == (faults, misses, 0, 0)
     assert not path.exists()
     assert sorted(store.take_events()) == sorted(
         SpillEvent("removed", h, "spill_disk") for h in hashes_of(range(4))
     )
 
 
-def assert_quarantined(store: SpillStore, path: Path, damaged: bytes) -> None:
+def assert_quarantined(store: SpillStore, path: Path, damaged: bytes, corrupt_reads: int = 1) -> None:
     """``path``'s blocks miss; the file is moved, byte for byte, into the quarantine folder."""
-    assert_all_miss(store, path, "corrupt_reads")
+    assert_all_miss(store, path, "corrupt_reads", corrupt_reads)
     moved = path.parent / spill_format.QUARANTINE_DIR / path.name
     assert moved.read_bytes() == damaged
     assert store.stats()["quarantined_files"] == 1
@@ -65,14 +68,82 @@ def test_truncated_file_is_quarantined(tmp_path: Path) -> None:
     assert_quarantined(store, path, path.read_bytes())
 
 
-def test_flipped_bytes_are_caught_by_checksum_and_quarantined(tmp_path: Path) -> None:
-    """issue 18 fault 5: a really corrupt file (bit rot in block 3's payload) is moved aside
-    into the quarantine folder and counted, not deleted, and never returned as KV."""
-    store, path = disk_store(tmp_path)
+def flip_blocks(path: Path, blocks: list[int]) -> bytes:
+    """Flip 10 bytes inside the payload of each of ``blocks`` (of 4) of group file ``path``;
+    returns the file's new bytes."""
     data = bytearray(path.read_bytes())
-    data[-20:-10] = bytes(b ^ 0x5A for b in data[-20:-10])  # inside block 3
+    payload = len(data) - 4 * BLOCK
+    for k in blocks:
+        at = payload + k * BLOCK + 50
+        data[at : at + 10] = bytes(b ^ 0x5A for b in data[at : at + 10])
     path.write_bytes(bytes(data))
-    assert_quarantined(store, path, bytes(data))
+    return bytes(data)
+
+
+def test_a_block_failing_its_checksum_is_dropped_and_its_file_keeps_serving(tmp_path: Path) -> None:
+    """issue 18 fault 5: bit rot in block 3's payload is caught by its checksum and never
+    returned as KV. Regression (review 26b F3): the whole file was quarantined, so blocks 0-2,
+    intact under their own checksums, were dropped with it (up to 1,024 blocks a file). Now only
+    block 3 is dropped (counted, its "removed" event), and the file stays, unchanged, serving
+    the others, with no second corrupt read."""
+    store, path = disk_store(tmp_path)
+    damaged = flip_blocks(path, [3])
+    hits = store.get(hashes_of(range(4)))
+    assert (hits.hashes, hits.tiers) == (hashes_of(range(3)), ["spill_disk"] * 3)
+    assert hits.blocks.tobytes() == make_blocks(range(3)).tobytes()
+    assert store.take_events() == [SpillEvent("removed", hashes_of([3])[0], "spill_disk")]
+    assert store.contains(hashes_of(range(4))) == ["spill_disk"] * 3 + [None]
+    hits = store.get(hashes_of([2, 9, 0, 1]))  # rows 0, 2, 3: read through a staging buffer
+    assert hits.blocks.tobytes() == make_blocks([2, 0, 1]).tobytes()
+    stats = store.stats()
+    assert (stats["corrupt_reads"], stats["corrupt_blocks"], stats["quarantined_files"]) == (1, 1, 0)
+    assert (stats["files"], stats["blocks_spill_disk"], stats["disk_bytes"]) == (1, 3, len(damaged))
+    assert (stats["hits_spill_disk"], stats["misses"]) == (6, 2)
+    assert path.read_bytes() == damaged and not (tmp_path / spill_format.QUARANTINE_DIR).exists()
+
+
+def test_blocks_failing_in_a_scattered_read_are_dropped_and_the_rest_served(tmp_path: Path) -> None:
+    """F3 through the staging path (rows not contiguous): blocks 1 and 3 fail, 0 and 2 come
+    back exact in their rows, between a RAM hit and a miss."""
+    store, path = disk_store(tmp_path)
+    flip_blocks(path, [1, 3])
+    store.put(hashes_of([7]), make_blocks([7]), "ns")  # RAM budget 0: a file of its own
+    hits = store.get(hashes_of([3, 7, 0, 9, 1, 2]))
+    assert hits.hashes == hashes_of([7, 0, 2])
+    assert hits.blocks.tobytes() == make_blocks([7, 0, 2]).tobytes()
+    stats = store.stats()
+    assert (stats["corrupt_reads"], stats["corrupt_blocks"], stats["blocks_spill_disk"]) == (1, 2, 3)
+
+
+def test_a_file_whose_every_block_failed_is_quarantined(tmp_path: Path) -> None:
+    """F3: a file left with no block it can serve (blocks 0 and 2 failed at one read, 1 and 3
+    at the next) is moved aside into the quarantine folder, byte for byte, counted once."""
+    store, path = disk_store(tmp_path)
+    damaged = flip_blocks(path, [0, 1, 2, 3])
+    assert store.get(hashes_of([0, 2])).hashes == []
+    assert path.exists() and store.stats()["blocks_spill_disk"] == 2
+    assert_quarantined(store, path, damaged, corrupt_reads=2)
+    assert store.stats()["corrupt_blocks"] == 4
+
+
+def test_a_block_written_again_after_failing_is_served_from_its_new_file_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """F3 and a restart: the old file still lists the block that failed. The restarted index
+    takes each block from the newest file holding it, so the block put again later is a hit,
+    and the old file's intact blocks too."""
+    store, path = disk_store(tmp_path)
+    flip_blocks(path, [3])
+    assert len(store.get(hashes_of(range(4))).hashes) == 3
+    store.put(hashes_of([3]), make_blocks([3]), "ns")
+    (new,) = [p for p in files_in(tmp_path) if p != path]
+    os.utime(path, ns=(10**18, 10**18))  # write order, whatever the clock's resolution
+    os.utime(new, ns=(10**18 + 1, 10**18 + 1))
+    restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    hits = restarted.get(hashes_of(range(4)))
+    assert hits.hashes == hashes_of(range(4))
+    assert hits.blocks.tobytes() == make_blocks(range(4)).tobytes()
+    assert (restarted.stats()["corrupt_reads"], restarted.stats()["files"]) == (0, 2)
 
 
 def test_header_garbage_is_quarantined(tmp_path: Path) -> None:

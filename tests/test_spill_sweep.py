@@ -19,7 +19,8 @@ import pytest
 
 import services.spill_sweep
 import tenants.store
-from cache_node.tiers.spill_format import read_header
+from cache_node.tiers import spill_unserved
+from cache_node.tiers.spill_format import QUARANTINE_DIR, read_header
 from services.global_scheduler import GlobalScheduler
 from services.spill_node import SpillNode
 from services.spill_sweep import DeletedTenantSweep
@@ -148,3 +149,30 @@ def test_a_deleted_tenants_late_put_is_refused(tmp_path: Path) -> None:
     assert node.contains(hashes_of(range(4))) == [None, None, None, "spill_ram"]
     assert node.stats()["put_refused_dropped"] == 2
     scheduler.store.close()
+
+
+def test_every_sweep_expires_old_quarantined_files_even_when_the_ask_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 26b F5: a quarantined file whose corrupt header names no tenant is kept at most
+    ``QUARANTINE_MAX_AGE_S``; an idle node's sweeps delete it past that, whether or not the
+    scheduler answers."""
+    root = tmp_path / "spill"
+    node = SpillNode(root, FMT, ram_bytes=0, disk_bytes=DISK)
+    node.put(hashes_of([0, 1]), make_blocks([0, 1]), own_namespace("bob"), [[0] * 4, [1] * 4])
+    (path,) = files_in(root)
+    path.write_bytes(b"\xff" * 64 + path.read_bytes()[64:])  # its header
+    assert node.get(hashes_of([0, 1])).hashes == []
+    assert len(list((root / QUARANTINE_DIR).iterdir())) == 1
+
+    def down(seq: int) -> list[tuple[int, str]]:
+        raise ConnectionError("scheduler restarting")
+
+    sweep = DeletedTenantSweep(node._store, down)
+    sweep.sweep()
+    assert len(list((root / QUARANTINE_DIR).iterdir())) == 1  # younger than the limit
+    monkeypatch.setattr(spill_unserved, "QUARANTINE_MAX_AGE_S", 0.0)
+    sweep.sweep()
+    assert list((root / QUARANTINE_DIR).iterdir()) == []
+    assert (sweep.counters["sweeps"], sweep.counters["sweep_failures"]) == (2, 2)
+    assert node.stats()["removed_quarantined_files"] == 1

@@ -4,6 +4,7 @@ and are deleted first, oldest first; nothing outside the spill directory is ever
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,91 @@ def test_nothing_outside_the_spill_directory_is_deleted(tmp_path: Path) -> None:
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     assert (store.stats()["quarantined_files"], store.stats()["removed_unindexed_files"]) == (0, 1)
     assert not (root / ("bad" + spill_format.FILE_SUFFIX)).is_symlink()  # the link went, as unindexed
+
+
+def corrupt_file_of(store: SpillStore, root: Path, namespace: str, indices: list[int], header: bool = False) -> str:
+    """Put ``indices`` under ``namespace`` into their own group file (RAM budget 0), damage it
+    (every block's payload, or ``header``: its header) and read it, so the store quarantines
+    it; returns its name."""
+    before = set(files_in(root))
+    store.put(hashes_of(indices), make_blocks(indices), namespace, [[i] * 4 for i in indices])
+    (path,) = set(files_in(root)) - before
+    data = bytearray(path.read_bytes())
+    for at in [30] if header else [len(data) - (k + 1) * BLOCK + 7 for k in range(len(indices))]:
+        data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert store.get(hashes_of(indices)).hashes == []
+    assert (root / spill_format.QUARANTINE_DIR / path.name).exists()
+    return path.name
+
+
+def holding(root: Path, text: bytes) -> list[str]:
+    """Names of the files under ``root`` (quarantine included) whose bytes contain ``text``."""
+    return sorted(p.name for p in root.rglob("*") if p.is_file() and text in p.read_bytes())
+
+
+def test_a_flush_deletes_the_quarantined_files(tmp_path: Path) -> None:
+    """Regression (review 26b F5): a flush (admin Flush) deleted the group files but kept the
+    quarantine folder, whose files' headers hold the prompts' token ids and namespace: the
+    review's repro found ``tenant:secret`` on disk after flush and after its namespace drop."""
+    root = tmp_path / "spill"
+    store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
+    corrupt_file_of(store, root, "tenant:secret", [0, 1, 2, 3])
+    corrupt_file_of(store, root, "tenant:secret", [4, 5], header=True)
+    store.put(hashes_of([6]), make_blocks([6]), "tenant:secret")
+    assert len(holding(root, b"tenant:secret")) == 3
+    assert store.flush() == 1
+    assert holding(root, b"tenant:secret") == [] and os.listdir(root / spill_format.QUARANTINE_DIR) == []
+    stats = store.stats()
+    assert (stats["quarantined_files"], stats["removed_quarantined_files"], stats["quarantined_bytes"]) == (2, 2, 0)
+    assert du(root) == 0
+
+
+def test_a_dropped_namespace_takes_its_unserved_files_with_it(tmp_path: Path) -> None:
+    """Regression (review 26b F5): dropping a deleted tenant's namespace deleted only the files
+    the store served; its quarantined files and the unindexed ones (another block format) kept
+    its prompts' token ids until the disk budget needed room. Now each unserved file whose
+    verified header names the namespace (salted too) goes with it; another tenant's stay, and
+    so does a file whose header is corrupt (it names no one: the age limit or a flush)."""
+    root = tmp_path / "spill"
+    old = SpillStore(root, OTHER, ram_bytes=0, disk_bytes=DISK)  # the block format before a change
+    old.put(hashes_of([50]), make_blocks([50]), "tenant:a#salt=s")
+    old.put(hashes_of([51]), make_blocks([51]), "tenant:b")
+    store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
+    assert store.stats()["skipped_files"] == 2
+    a_bad = corrupt_file_of(store, root, "tenant:a", [0, 1])
+    b_bad = corrupt_file_of(store, root, "tenant:b", [2, 3])
+    garbled = corrupt_file_of(store, root, "tenant:a", [4, 5], header=True)
+    store.put(hashes_of([6, 7]), make_blocks([6, 7]), "tenant:a")
+    assert len(holding(root, b"tenant:a")) == 4
+    assert store.drop_namespace("tenant:a") == 2
+    quarantine = root / spill_format.QUARANTINE_DIR
+    assert sorted(os.listdir(quarantine)) == sorted([b_bad, garbled])
+    assert a_bad not in os.listdir(quarantine)
+    assert [spill_format.read_header(p).namespace for p in files_in(root)] == ["tenant:b"]
+    assert holding(root, b"tenant:a") == [garbled]  # its header does not verify: not attributed
+    stats = store.stats()
+    assert (stats["removed_quarantined_files"], stats["removed_unindexed_files"]) == (1, 1)
+    (b_old,) = files_in(root)
+    assert (stats["quarantined_bytes"], stats["unindexed_bytes"], stats["disk_bytes"]) == (
+        du(quarantine), b_old.stat().st_size, 0)
+
+
+def test_quarantined_files_are_kept_at_most_their_age_limit(tmp_path: Path) -> None:
+    """F5: a quarantined file whose header names no one is deleted ``QUARANTINE_MAX_AGE_S`` after
+    it was moved aside (its mtime is set then, so a restart keeps counting from there)."""
+    root = tmp_path / "spill"
+    store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
+    before = time.time_ns()
+    name = corrupt_file_of(store, root, "tenant:a", [0, 1], header=True)
+    moved_at = (root / spill_format.QUARANTINE_DIR / name).stat().st_mtime_ns
+    assert before <= moved_at <= time.time_ns()
+    limit = int(spill_unserved.QUARANTINE_MAX_AGE_S * 1e9)
+    assert store.expire_quarantine(moved_at + limit) == 0
+    restarted = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
+    assert restarted.stats()["quarantined_bytes"] > 0
+    assert restarted.expire_quarantine(moved_at + limit - 1) == 0
+    assert restarted.expire_quarantine(moved_at + limit + 1) == 1
+    assert os.listdir(root / spill_format.QUARANTINE_DIR) == []
+    stats = restarted.stats()
+    assert (stats["removed_quarantined_files"], stats["quarantined_bytes"]) == (1, 0)

@@ -66,14 +66,17 @@ def test_truncated_spill_file_is_a_miss(tiny, tmp_path) -> None:
 
 
 def test_flipped_bytes_in_spill_file_are_a_miss(tiny, tmp_path) -> None:
-    """Fault: bit rot in the last file's payload; its checksum turns it into a miss."""
+    """Fault: bit rot in the last file's payload (block 11, its last); that block's checksum
+    turns it into a miss, and the output equals the cold run. Regression (review 26b F3): the
+    whole file (blocks 8-11) was dropped; now blocks 8-10 still hit from it."""
     eng, store, cold = disk_engine(tiny, tmp_path)
     path = file_of_block(eng, tmp_path, 8)
     data = bytearray(path.read_bytes())
     data[-50:-40] = bytes(b ^ 0xFF for b in data[-50:-40])
     path.write_bytes(bytes(data))
-    assert_recomputed(eng, cold, 8 * 16)
-    assert store.stats()["corrupt_reads"] == 1
+    assert_recomputed(eng, cold, 11 * 16)
+    stats = store.stats()
+    assert (stats["corrupt_reads"], stats["corrupt_blocks"], stats["quarantined_files"]) == (1, 1, 0)
 
 
 def test_transient_disk_error_recomputes_and_keeps_the_files(tiny, tmp_path, monkeypatch) -> None:

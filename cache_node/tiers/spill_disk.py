@@ -6,18 +6,28 @@ tenant holding the most bytes first (``fair_lru``; a file holds one namespace's 
 headers on construction, so a restarted spill node keeps its disk hits. Not thread-safe: the
 owning ``SpillStore`` serializes calls.
 
-Faults: only a verified checksum or format failure (``SpillCorruptError``) takes a file out
-of service, and it is moved into the quarantine folder (``UnservedFiles.quarantine``). Any
+Faults: a block that fails its checksum in a file whose header verified
+(``SpillBlocksCorrupt``) is dropped from the index alone (``corrupt_blocks``): every block has
+its own checksum, so the file's other blocks are still served, and a file left with no block
+is moved into the quarantine folder. Regression (review 26b F3): one bad block quarantined its
+whole file, up to ``MAX_BLOCKS_PER_FILE`` blocks of a tenant's batch. A fault of the file as a
+whole (header, length, format: ``SpillCorruptError``) takes it out of service, moved into the
+quarantine folder (``UnservedFiles.quarantine``). Any
 other ``OSError`` (EIO, EMFILE, EACCES, ENOSPC...) is transient: it is retried
 ``READ_ATTEMPTS`` times with a short backoff, then counted (``io_errors``) and the read is a
 miss, the file staying on disk and in the index; a file whose header cannot be read at a
 restart stays on disk unindexed. A file that is gone (ENOENT) is dropped from the index
 (``missing_files``). A file of another format version or block format is skipped at a restart
-(``skipped_files``): left on disk, never indexed.
+(``skipped_files``): left on disk, never indexed. At a restart a block held by several
+files is indexed from the newest (a block dropped as corrupt that was written again later is
+served from its new copy); a block that failed its checksum before is indexed again from its
+file, and dropped again at its next read.
 
 The budget bounds the whole directory: unindexed and quarantined files count against it
 (``spill_unserved``), and unindexed ones, which can never be served, are deleted (oldest
-first) before any indexed file is evicted; the quarantine keeps only its newest files.
+first) before any indexed file is evicted; the quarantine keeps only its newest files, none
+older than ``QUARANTINE_MAX_AGE_S``. A flush deletes every file, quarantined ones too; dropping
+holders deletes their files, served or not (``UnservedFiles.drop_holders``).
 """
 
 from __future__ import annotations
@@ -35,7 +45,13 @@ import numpy as np
 
 from cache_node.tiers import spill_format as fmt
 from cache_node.tiers.fair_lru import FairLRU, holder_of
-from cache_node.tiers.spill_format import BlockFormat, SpillCorruptError, SpillFormatMismatch
+from cache_node.tiers.spill_format import (
+    BlockFormat,
+    GroupHeader,
+    SpillBlocksCorrupt,
+    SpillCorruptError,
+    SpillFormatMismatch,
+)
 from cache_node.tiers.spill_unserved import UnservedFiles
 
 logger = logging.getLogger(__name__)
@@ -64,9 +80,11 @@ class DiskTier:
         budget_bytes: bytes of files kept (0: writes are dropped).
         max_blocks_per_file: most blocks per group file.
         emit: receives "stored"/"removed" events of this tier.
-        counters: shared fault counters (``corrupt_reads``, ``quarantined_files``, ``io_errors``,
-            ``io_retries``, ``missing_files``, ``skipped_files``, ``evicted_files``,
-            ``removed_unindexed_files``, ``removed_quarantined_files``).
+        counters: shared fault counters (``corrupt_reads``: reads that found a file or blocks
+            corrupt; ``corrupt_blocks``: blocks dropped alone for a failed checksum;
+            ``quarantined_files``, ``io_errors``, ``io_retries``, ``missing_files``,
+            ``skipped_files``, ``evicted_files``, ``removed_unindexed_files``,
+            ``removed_quarantined_files``).
     """
 
     def __init__(
@@ -119,39 +137,47 @@ class DiskTier:
         """Read ``hashes`` (all held) into ``out[rows]``; returns the rows read successfully.
 
         The rows of a file that cannot be read miss: a corrupt file is quarantined and a gone
-        file dropped from the index; a transient OSError (after retries) keeps the file.
+        file dropped from the index; a transient OSError (after retries) keeps the file. A
+        block that fails its checksum misses and is dropped; the file's other rows are read.
         """
         by_file: dict[str, list[int]] = {}
         for k, block_hash in enumerate(hashes):
             by_file.setdefault(self.index[block_hash], []).append(k)
         done: list[int] = []
         for name, ks in by_file.items():
-            if self._read_file(name, [hashes[k] for k in ks], out, [rows[k] for k in ks]):
-                done.extend(rows[k] for k in ks)
+            read = self._read_file(name, [hashes[k] for k in ks], out, [rows[k] for k in ks])
+            done.extend(rows[ks[j]] for j in read)
         return sorted(done)
 
     def touch(self, block_hash: bytes) -> None:
         self._files.touch(self.index[block_hash])
 
     def flush(self) -> None:
-        """Drop every file, including files in ``root_dir`` not in the index."""
+        """Drop every file: the indexed ones, the others in ``root_dir`` and the quarantined
+        ones (their headers hold prompts' token ids)."""
         for name in list(self._files):
             self._drop_file(name)
         for path in fmt.list_group_files(self.root_dir):
             fmt.remove_file(path)
         self.unserved.forget_unindexed()
+        self.unserved.clear_quarantine()
 
     def drop_holders(self, holders: Collection[str]) -> int:
         """Delete every indexed file of each of ``holders`` (namespaces without their salt:
         ``holder_of``), with their blocks' "removed" events; returns the blocks dropped. Files
-        it does not serve (unindexed, quarantined) are not opened and stay until the budget
-        evicts them."""
+        it does not serve (unindexed, quarantined) whose verified header names one of them
+        are deleted too (``UnservedFiles.drop_holders``; counted as removed files)."""
         names = [name for name in self._files if self._files.holder(name) in holders]
         dropped = 0
         for name in names:
             dropped += len(self._files[name].live)
             self._drop_file(name)
+        self.unserved.drop_holders(holders)
         return dropped
+
+    def expire_quarantine(self, now_ns: int | None = None) -> int:
+        """``UnservedFiles.expire``: delete quarantined files past their age limit."""
+        return self.unserved.expire(now_ns)
 
     def _write_file(
         self, namespace: str, hashes: list[bytes], blocks: np.ndarray | Sequence[np.ndarray], tokens: list[bytes]
@@ -182,6 +208,7 @@ class DiskTier:
     def _evict_over_budget(self) -> None:
         """Free what passes the budget: unindexed files first (they can never be served), then
         indexed files by ``fair_lru``."""
+        self.unserved.expire()
         need = self.bytes_used + self.unserved.bytes - self.budget_bytes
         need -= self.unserved.free(need)
         for name in self._files.victims(need):
@@ -201,32 +228,65 @@ class DiskTier:
             self._emit("removed", block_hash, TIER_DISK)
         return spill_file
 
-    def _read_file(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> bool:
+    def _read_file(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> list[int]:
+        """Read ``hashes`` of file ``name`` into ``out[rows]``; returns the positions j (in
+        ``hashes``) read and verified."""
         path = self._files[name].path
         try:
             self._retry(lambda: self._read_into(path, hashes, out, rows))
+        except SpillBlocksCorrupt as exc:
+            self._drop_corrupt_blocks(name, [hashes[j] for j in exc.positions], exc)
+            bad = set(exc.positions)
+            return [j for j in range(len(hashes)) if j not in bad]
         except SpillCorruptError as exc:
             self._quarantine(path, exc)
             self._forget(name)
-            return False
+            return []
         except FileNotFoundError as exc:
             logger.warning("spill file %s is gone, its blocks dropped: %s", path, exc)
             self._counters["missing_files"] += 1
             self._drop_file(name)
-            return False
+            return []
         except OSError as exc:
             logger.warning("spill read of %s failed %d times (a miss; file kept): %s",
                            path, READ_ATTEMPTS, exc)
             self._counters["io_errors"] += 1
-            return False
+            return []
         self._files.touch(name)
-        return True
+        return list(range(len(hashes)))
 
     def _read_into(self, path: Path, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> None:
+        """``fmt.read_blocks`` of ``hashes`` into ``out[rows]``; on ``SpillBlocksCorrupt`` the
+        verified rows are in place before it propagates."""
         if rows == list(range(rows[0], rows[0] + len(rows))):  # read straight into place
             fmt.read_blocks(path, self.block_format, hashes, out[rows[0] : rows[0] + len(rows)])
+            return
+        staged = np.empty((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
+        try:
+            fmt.read_blocks(path, self.block_format, hashes, staged)
+        except SpillBlocksCorrupt:
+            out[rows] = staged
+            raise
+        out[rows] = staged
+
+    def _drop_corrupt_blocks(self, name: str, bad: list[bytes], exc: SpillBlocksCorrupt) -> None:
+        """Take the blocks ``bad`` of file ``name`` out of the index ("removed" events); the
+        file keeps serving its other blocks, or is quarantined when none is left."""
+        spill_file = self._files[name]
+        logger.warning("spill file %s: %d blocks failed their checksums and were dropped, its other "
+                       "%d kept: %s", spill_file.path, len(bad), len(spill_file.live) - len(bad), exc)
+        self._counters["corrupt_reads"] += 1
+        self._counters["corrupt_blocks"] += len(bad)
+        for block_hash in bad:
+            spill_file.live.discard(block_hash)
+            del self.index[block_hash]
+            del self.tokens[block_hash]
+            self._emit("removed", block_hash, TIER_DISK)
+        if spill_file.live:
+            self._files.touch(name)
         else:
-            out[rows] = fmt.read_blocks(path, self.block_format, hashes)
+            self._forget(name)
+            self._set_aside(spill_file.path)
 
     def _retry(self, call: Callable[[], _T]) -> _T:
         """``call()``, retried on a transient OSError (not ENOENT) up to ``READ_ATTEMPTS`` times."""
@@ -252,44 +312,54 @@ class DiskTier:
             self._counters["io_errors"] += 1
             return
         self.unserved.scan_quarantine()  # first: files quarantined below are its newest
-        for path in paths:
-            self._index_file(path)
+        headers = [(path, header) for path in paths if (header := self._read_index_header(path))]
+        newest: dict[bytes, Path] = {}  # block_hash -> the newest file holding it
+        for path, header in headers:
+            newest.update(dict.fromkeys(header.block_hashes, path))
+        for path, header in headers:  # oldest first: the newest file is the most recently used
+            blocks = zip(header.block_hashes, header.block_tokens)
+            live = {h: tokens for h, tokens in blocks if newest[h] == path}
+            if not live:
+                fmt.remove_file(path)  # every block is held by a newer file
+                continue
+            self._add_file(path.name, path, header.file_bytes, live, header.namespace)
         self._evict_over_budget()
 
-    def _index_file(self, path: Path) -> None:
+    def _read_index_header(self, path: Path) -> GroupHeader | None:
+        """``path``'s header when the file can be indexed; else None, the file quarantined,
+        counted as unindexed, or gone."""
         try:
             header = self._retry(lambda: fmt.read_header(path))
         except SpillCorruptError as exc:
             self._quarantine(path, exc)
-            return
+            return None
         except SpillFormatMismatch as exc:
             logger.warning("skipping spill file %s: %s", path, exc)
             self._counters["skipped_files"] += 1
             self.unserved.add_unindexed(path)
-            return
+            return None
         except FileNotFoundError:
-            return  # vanished since the listing
+            return None  # vanished since the listing
         except OSError as exc:
             logger.warning("spill file %s not indexed (left on disk for the next restart, "
                            "deleted first when the disk budget needs room): %s", path, exc)
             self._counters["io_errors"] += 1
             self.unserved.add_unindexed(path)
-            return
+            return None
         if not header.matches(self.block_format):
             logger.warning("skipping spill file %s of another block format", path)
             self._counters["skipped_files"] += 1
             self.unserved.add_unindexed(path)
-            return
-        blocks = zip(header.block_hashes, header.block_tokens)
-        live = {h: tokens for h, tokens in blocks if h not in self.index}
-        if not live:
-            fmt.remove_file(path)  # every block is held by an older file
-            return
-        self._add_file(path.name, path, header.file_bytes, live, header.namespace)
+            return None
+        return header
 
     def _quarantine(self, path: Path, exc: SpillCorruptError) -> None:
-        """Count a verified corruption and move the file aside (``UnservedFiles.quarantine``)."""
+        """Count a verified corruption and move the file aside (``_set_aside``)."""
         logger.warning("spill file %s is corrupt, quarantined: %s", path, exc)
         self._counters["corrupt_reads"] += 1
+        self._set_aside(path)
+
+    def _set_aside(self, path: Path) -> None:
+        """Move a corrupt file into the quarantine folder (``UnservedFiles.quarantine``)."""
         if self.unserved.quarantine(path):
             self._counters["quarantined_files"] += 1

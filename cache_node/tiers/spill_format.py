@@ -23,8 +23,11 @@ the disk budget and deleted first when that needs room, or by a ``flush``) exact
 of another block format. Writes go to a temp file
 in the same directory, fsync, then ``os.replace``. Every read verifies the
 header digest, the file length and each returned block's checksum; any fault
-raises ``SpillCorruptError``. A corrupt file is moved aside into ``QUARANTINE_DIR``
-for an operator to inspect, the newest few kept (``spill_unserved``).
+raises ``SpillCorruptError``. A block whose checksum fails, in a file whose header verified,
+raises its subclass ``SpillBlocksCorrupt`` naming the bad blocks after every asked block was
+read: the others are intact (each has its own checksum), so a store drops only those. A file
+whose header, length or format is bad is moved aside into ``QUARANTINE_DIR`` for an operator
+to inspect, within bounds (``spill_unserved``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -85,6 +89,15 @@ _PREFIX = struct.Struct("<4sI16s")
 
 class SpillCorruptError(Exception):
     """A spill file is truncated, has a bad header, or fails its checksum."""
+
+
+class SpillBlocksCorrupt(SpillCorruptError):
+    """Blocks of a file whose header verified failed their checksums; ``positions`` index the
+    ``block_hashes`` asked of ``read_blocks``. Every other asked block was read and verified."""
+
+    def __init__(self, message: str, positions: list[int]) -> None:
+        super().__init__(message)
+        self.positions = positions
 
 
 class SpillFormatMismatch(Exception):
@@ -228,8 +241,10 @@ def read_blocks(
     Returns ``(len(block_hashes), *block_format.shape)``, row i = ``block_hashes[i]``
     (written into ``out`` when given, which must have that shape and the format's dtype).
     Blocks stored next to each other in the file are read with one ``readinto``.
-    Raises SpillCorruptError for a bad header, truncation, another block format, a
-    hash not in the file or a checksum mismatch; OSError when it cannot be read.
+    Raises SpillBlocksCorrupt (after reading every block: the rows not named in its
+    ``positions`` are verified) when blocks fail their checksums, SpillCorruptError for a bad
+    header, truncation, another block format or a hash not in the file; OSError when it
+    cannot be read.
     """
     if out is None:
         out = np.empty((len(block_hashes), *block_format.shape), dtype=block_format.np_dtype)
@@ -241,24 +256,30 @@ def read_blocks(
         for block_hash in block_hashes:
             if block_hash not in position:
                 raise SpillCorruptError(f"{path}: block {block_hash.hex()} not in file")
+        bad: list[int] = []
         for row, index, n in runs(range(len(block_hashes)), [position[h] for h in block_hashes]):
-            _read_run(f, path, header, index, out[row : row + n], block_format)
+            bad += [row + k for k in _read_run(f, path, header, index, out[row : row + n], block_format)]
+    if bad:
+        blocks = sorted(position[block_hashes[k]] for k in bad)
+        raise SpillBlocksCorrupt(f"{path}: checksum mismatch in blocks {blocks}", sorted(bad))
     return out
 
 
 def _read_run(
     f: Any, path: Path, header: GroupHeader, index: int, out: np.ndarray, fmt: BlockFormat
-) -> None:
+) -> list[int]:
+    """Read blocks ``index..index + len(out) - 1`` into ``out``; returns the offsets k (in
+    ``out``) of those whose checksum fails. Raises SpillCorruptError when the file ends early."""
     f.seek(header.payload_offset + index * fmt.block_nbytes)
     view = out.view(np.uint8).reshape(-1).data
     if _read_fully(f, view) != len(view):
         raise SpillCorruptError(f"{path}: truncated in blocks {index}..{index + len(out) - 1}")
-    for k in range(len(out)):
-        block = view[k * fmt.block_nbytes : (k + 1) * fmt.block_nbytes]
-        if xxhash.xxh3_128_digest(block) != header.block_checksums[index + k]:
-            raise SpillCorruptError(f"{path}: checksum mismatch in block {index + k}")
+    bad = [k for k in range(len(out))
+           if xxhash.xxh3_128_digest(view[k * fmt.block_nbytes : (k + 1) * fmt.block_nbytes])
+           != header.block_checksums[index + k]]
     if _BIG_ENDIAN_HOST:
         out.byteswap(inplace=True)  # the payload is little-endian on every host
+    return bad
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -315,7 +336,29 @@ def _read_exact(f: Any, n: int) -> bytes:
     return bytes(buf[: _read_fully(f, memoryview(buf))])
 
 
-def _read_header(f: Any, path: Path) -> GroupHeader:
+def read_namespace(path: Path) -> str | None:
+    """The ``namespace`` that ``path``'s header records, when ``path`` is a regular file (a
+    link is not followed) whose header digest verifies, whatever its format version, block
+    format or payload (a file a store does not serve: unindexed or quarantined); None when it
+    cannot be opened or read, or its header is corrupt or records no namespace."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        with open(fd, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = _read_raw_header(f, path)
+        fields = _unpack_header(raw)
+    except Exception:  # noqa: BLE001 - unreadable, or any decode fault of untrusted bytes
+        return None
+    namespace = fields.get("namespace") if isinstance(fields, dict) else None
+    return namespace if isinstance(namespace, str) else None
+
+
+def _read_raw_header(f: Any, path: Path) -> bytes:
+    """The header bytes after the prefix, their digest verified. Raises SpillCorruptError."""
     prefix = _read_exact(f, _PREFIX.size)
     if len(prefix) != _PREFIX.size:
         raise SpillCorruptError(f"{path}: truncated before the header")
@@ -325,7 +368,12 @@ def _read_header(f: Any, path: Path) -> GroupHeader:
     raw = _read_exact(f, header_len)
     if len(raw) != header_len or xxhash.xxh3_128_digest(raw) != digest:
         raise SpillCorruptError(f"{path}: header truncated or digest mismatch")
-    header = _decode_header(raw, _PREFIX.size + header_len, path)
+    return raw
+
+
+def _read_header(f: Any, path: Path) -> GroupHeader:
+    raw = _read_raw_header(f, path)
+    header = _decode_header(raw, _PREFIX.size + len(raw), path)
     size_bytes = os.fstat(f.fileno()).st_size
     if size_bytes != header.file_bytes:
         raise SpillCorruptError(f"{path}: {size_bytes} bytes, header says {header.file_bytes}")

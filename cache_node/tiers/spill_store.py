@@ -34,7 +34,7 @@ EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
 _HITS: tuple[str, ...] = ("hits_spill_ram", "hits_spill_disk", "misses")
 STAT_COUNTERS = _HITS + (
-    "corrupt_reads", "quarantined_files", "io_errors", "io_retries", "missing_files",
+    "corrupt_reads", "corrupt_blocks", "quarantined_files", "io_errors", "io_retries", "missing_files",
     "skipped_files", "token_mismatches", "evicted_files", "events_dropped",
     "removed_unindexed_files", "removed_quarantined_files", "put_refused_dropped",
 )
@@ -71,7 +71,8 @@ class SpillStore:
     """Content-addressed block store: RAM tier, then disk tier.
 
     Reads never raise for data faults: missing, truncated, unreadable or corrupt files are
-    misses. A corrupt file is quarantined (moved aside; the newest few kept); a transient
+    misses. A block failing its checksum is dropped, its file's other blocks still served; a
+    file corrupt as a whole is quarantined (moved aside; the newest few kept); a transient
     OSError is retried, then a miss that keeps the file (see ``spill_disk``). One lock guards all state, so a threaded
     actor may call it concurrently; disk I/O happens under that lock.
 
@@ -203,7 +204,7 @@ class SpillStore:
             return len(hashes)
 
     def flush(self) -> int:
-        """Clear RAM, delete every group file in ``root_dir`` (the quarantine folder is kept);
+        """Clear RAM, delete every group file in ``root_dir`` and every quarantined file;
         returns blocks dropped."""
         with self._lock:
             dropped = len(self._ram) + len(self._disk)
@@ -216,8 +217,9 @@ class SpillStore:
     def drop_namespace(self, namespace: str) -> int:
         """Drop every block of ``namespace``'s holder (the namespace without its salt, so its
         salted variants ``<namespace>#salt=...`` too) from RAM, and delete its group files
-        (their headers hold the blocks' token ids); "removed" events for each block. Other
-        namespaces' blocks are untouched. Returns blocks dropped (a deleted tenant's own
+        (their headers hold the blocks' token ids), and the files it does not serve whose
+        verified header names it (unindexed, quarantined); "removed" events for each block.
+        Other namespaces' blocks are untouched. Returns blocks dropped (a deleted tenant's own
         namespace: ``services.cache_node_commands.end_tenant``)."""
         return self.drop_namespaces([namespace])
 
@@ -243,6 +245,13 @@ class SpillStore:
                 self._ram.pop(block_hash)
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             return len(in_ram) + self._disk.drop_holders(holders)
+
+    def expire_quarantine(self, now_ns: int | None = None) -> int:
+        """Delete the quarantined files kept longer than ``spill_unserved.QUARANTINE_MAX_AGE_S``
+        before ``now_ns`` (wall clock, ns; None: now); returns how many (a spill node calls it
+        at every sweep, so an idle store keeps none past the limit either)."""
+        with self._lock:
+            return self._disk.expire_quarantine(now_ns)
 
     def held(self) -> list[tuple[bytes, str]]:
         """``(block_hash, tier)`` of every block held now, tiers ``spill_ram`` and

@@ -7,7 +7,12 @@ its checksum or format check, moved unchanged into ``QUARANTINE_DIR`` for an ope
 is ever served, but both take disk, so both count against the disk tier's byte budget
 (``spill_disk_bytes``): ``DiskTier`` deletes unindexed files, oldest first, before it evicts a
 file it serves (``free``), and the quarantine keeps only its newest ``QUARANTINE_MAX_FILES``
-files within ``QUARANTINE_BUDGET_SHARE`` of the budget. Every deletion is logged and counted
+files within ``QUARANTINE_BUDGET_SHARE`` of the budget, none older than
+``QUARANTINE_MAX_AGE_S`` (``expire``). Their headers hold prompts' token ids, so a flush deletes
+both kinds (``clear_quarantine``; the root's group files are the disk tier's to delete), and
+dropping a holder (a deleted tenant's namespace) deletes each of them whose verified header
+names it (``drop_holders``); a file whose header cannot be read names no one and waits for the
+budget, the age limit or a flush. Every deletion is logged and counted
 (``removed_unindexed_files``, ``removed_quarantined_files``).
 
 Only plain names listed in the spill directory or in its quarantine folder are ever deleted,
@@ -17,18 +22,26 @@ listed, moved into or emptied (the corrupt file then stays in the root, unindexe
 
 Regression (security review secrev20 S5): these files counted against no budget, so each
 change of block format left up to another ``spill_disk_bytes`` behind for good (1.90x the
-budget in the review's repro) and the quarantine grew forever.
+budget in the review's repro) and the quarantine grew forever. Regression (review 26b F5): a
+flush and a deleted tenant's namespace drop left the quarantined files (and a drop the
+unindexed ones), their headers naming the tenant's prompt token ids, until the budget needed
+room: a store with room kept them for good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
-from cache_node.tiers.spill_format import QUARANTINE_DIR
+from cache_node.tiers.fair_lru import holder_of
+from cache_node.tiers.spill_format import QUARANTINE_DIR, read_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +50,19 @@ QUARANTINE_MAX_FILES = 16
 
 QUARANTINE_BUDGET_SHARE = 0.125
 """Share of the disk budget the quarantine may take, the newest files kept."""
+
+QUARANTINE_MAX_AGE_S = 24 * 3600.0
+"""Longest a quarantined file is kept for an operator, from when it was moved aside (its
+mtime, set then): older ones are deleted by ``expire`` (each write, each sweep of a spill node)."""
+
+_UNREAD = "\0unread"  # a holder not looked up yet (no namespace holds a NUL)
+
+
+@dataclass
+class _File:
+    size: int
+    mtime_ns: int  # quarantined: when it was moved aside
+    holder: str | None = _UNREAD  # holder_of its header's namespace; None: unreadable
 
 
 class UnservedFiles:
@@ -55,8 +81,8 @@ class UnservedFiles:
         self.quarantine_dir = root_dir / QUARANTINE_DIR
         self.quarantine_max_bytes = int(budget_bytes * QUARANTINE_BUDGET_SHARE)
         self._counters = counters
-        self.unindexed: OrderedDict[str, int] = OrderedDict()  # name in root_dir -> bytes
-        self.quarantined: OrderedDict[str, int] = OrderedDict()  # name in quarantine_dir -> bytes
+        self.unindexed: OrderedDict[str, _File] = OrderedDict()  # name in root_dir, oldest first
+        self.quarantined: OrderedDict[str, _File] = OrderedDict()  # name in quarantine_dir, oldest first
         self.unindexed_bytes = 0
         self.quarantined_bytes = 0
 
@@ -69,8 +95,9 @@ class UnservedFiles:
         unindexed file; a directory, device or vanished path is not counted."""
         size = _own_size(path)
         if size is not None and path.parent == self.root_dir and _plain(path.name):
-            self.unindexed_bytes += size - self.unindexed.pop(path.name, 0)
-            self.unindexed[path.name] = size
+            old = self.unindexed.pop(path.name, None)
+            self.unindexed_bytes += size - (old.size if old else 0)
+            self.unindexed[path.name] = _File(size, 0)
 
     def forget_unindexed(self) -> None:
         """Every unindexed file is gone (``DiskTier.flush`` deleted the root's group files)."""
@@ -82,11 +109,63 @@ class UnservedFiles:
         returns the bytes freed (0 when ``need`` <= 0)."""
         freed = 0
         while freed < need and self.unindexed:
-            name, size = self.unindexed.popitem(last=False)
-            self.unindexed_bytes -= size
-            self._remove(self.root_dir / name, size, "unindexed", "removed_unindexed_files")
-            freed += size
+            name, entry = self.unindexed.popitem(last=False)
+            self.unindexed_bytes -= entry.size
+            self._remove(self.root_dir / name, entry.size, "unindexed", "to keep the disk budget")
+            freed += entry.size
         return freed
+
+    def drop_holders(self, holders: Collection[str]) -> int:
+        """Delete every unindexed and quarantined file whose verified header names a namespace of
+        one of ``holders`` (``holder_of``; each header read once, ``read_namespace``); returns
+        how many. A file whose header cannot be read is kept (the budget, ``expire`` or a flush
+        deletes it)."""
+        removed = 0
+        for kind, folder, files in (("unindexed", self.root_dir, self.unindexed),
+                                    ("quarantined", self.quarantine_dir, self.quarantined)):
+            for name, entry in list(files.items()):
+                if entry.holder == _UNREAD:
+                    namespace = read_namespace(folder / name)
+                    entry.holder = None if namespace is None else holder_of(namespace)
+                if entry.holder in holders:
+                    self._pop(kind, name)
+                    self._remove(folder / name, entry.size, kind, "its namespace was dropped")
+                    removed += 1
+        return removed
+
+    def clear_quarantine(self) -> int:
+        """Delete every file in the quarantine folder (a flush), those not counted yet too;
+        returns how many. A folder that is a link or not a directory is not touched."""
+        removed = 0
+        if self._quarantine_dir_usable(create=False):
+            found: list[tuple[str, os.stat_result | None]]
+            try:
+                found = [(e.name, e.stat(follow_symlinks=False)) for e in os.scandir(self.quarantine_dir)
+                         if _plain(e.name)]
+            except OSError as exc:
+                logger.warning("cannot list spill quarantine %s: %s", self.quarantine_dir, exc)
+                self._counters["io_errors"] += 1
+                found = [(name, None) for name in self.quarantined]
+            for name, st in found:
+                if st is None or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    size = st.st_size if st is not None else self.quarantined[name].size
+                    removed += self._remove(self.quarantine_dir / name, size, "quarantined", "by a flush")
+        self.quarantined.clear()
+        self.quarantined_bytes = 0
+        return removed
+
+    def expire(self, now_ns: int | None = None) -> int:
+        """Delete the quarantined files moved aside more than ``QUARANTINE_MAX_AGE_S`` before
+        ``now_ns`` (wall clock, ns; None: now); returns how many."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        oldest = now_ns - int(QUARANTINE_MAX_AGE_S * 1e9)
+        removed = 0
+        for name, entry in list(self.quarantined.items()):
+            if entry.mtime_ns < oldest:
+                self._pop("quarantined", name)
+                removed += self._remove(self.quarantine_dir / name, entry.size, "quarantined",
+                                        f"older than {QUARANTINE_MAX_AGE_S:g} s")
+        return removed
 
     def quarantine(self, path: Path) -> bool:
         """Move the corrupt group file ``path`` (in ``root_dir``) unchanged into the quarantine
@@ -101,7 +180,10 @@ class UnservedFiles:
             logger.warning("could not quarantine spill file %s (left in place, unindexed): %s", path, exc)
             self.add_unindexed(path)
             return False
-        self._add_quarantined(path.name, _own_size(target) or 0)
+        now_ns = time.time_ns()
+        with contextlib.suppress(OSError):  # the age limit counts from here, at a restart too
+            os.utime(target, ns=(now_ns, now_ns), follow_symlinks=False)
+        self._add_quarantined(path.name, _own_size(target) or 0, now_ns)
         self._trim_quarantine()
         return True
 
@@ -119,21 +201,34 @@ class UnservedFiles:
             return
         owned = [(st.st_mtime_ns, name, st.st_size) for st, name in found
                  if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)]
-        for _, name, size in sorted(owned):
-            self._add_quarantined(name, size)
+        for mtime_ns, name, size in sorted(owned):
+            self._add_quarantined(name, size, mtime_ns)
         self._trim_quarantine()
 
-    def _add_quarantined(self, name: str, size: int) -> None:
+    def _add_quarantined(self, name: str, size: int, mtime_ns: int) -> None:
         """``name`` is the newest quarantined file (one of the same name was replaced)."""
-        self.quarantined_bytes += size - self.quarantined.pop(name, 0)
-        self.quarantined[name] = size
+        self._pop("quarantined", name)
+        self.quarantined_bytes += size
+        self.quarantined[name] = _File(size, mtime_ns)
+
+    def _pop(self, kind: str, name: str) -> None:
+        """Forget ``name`` of ``kind`` ("unindexed" or "quarantined"), if counted."""
+        files = self.unindexed if kind == "unindexed" else self.quarantined
+        entry = files.pop(name, None)
+        if entry is not None and kind == "unindexed":
+            self.unindexed_bytes -= entry.size
+        elif entry is not None:
+            self.quarantined_bytes -= entry.size
 
     def _trim_quarantine(self) -> None:
+        """Delete the oldest quarantined files past the folder's count and byte bounds, and
+        any past its age limit (``expire``)."""
         while self.quarantined and (len(self.quarantined) > QUARANTINE_MAX_FILES
                                     or self.quarantined_bytes > self.quarantine_max_bytes):
-            name, size = self.quarantined.popitem(last=False)
-            self.quarantined_bytes -= size
-            self._remove(self.quarantine_dir / name, size, "quarantined", "removed_quarantined_files")
+            name, entry = self.quarantined.popitem(last=False)
+            self.quarantined_bytes -= entry.size
+            self._remove(self.quarantine_dir / name, entry.size, "quarantined", "to keep the quarantine's bounds")
+        self.expire()
 
     def _quarantine_dir_usable(self, create: bool) -> bool:
         """Whether the quarantine folder is a directory and not a link (made when ``create``
@@ -152,16 +247,18 @@ class UnservedFiles:
         logger.warning("spill quarantine %s is not a plain directory: not used", self.quarantine_dir)
         return False
 
-    def _remove(self, path: Path, size: int, kind: str, counter: str) -> None:
+    def _remove(self, path: Path, size: int, kind: str, why: str) -> int:
+        """Unlink the ``kind`` file ``path`` (1, counted in ``removed_<kind>_files``; 0 when it
+        could not be deleted, counted in ``io_errors``)."""
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:
             logger.warning("could not delete %s spill file %s (%d B): %s", kind, path, size, exc)
             self._counters["io_errors"] += 1
-            return
-        logger.warning("deleted %s spill file %s (%d B) to keep the spill directory within its budget",
-                       kind, path, size)
-        self._counters[counter] += 1
+            return 0
+        logger.warning("deleted %s spill file %s (%d B) %s", kind, path, size, why)
+        self._counters[f"removed_{kind}_files"] += 1
+        return 1
 
 
 def _own_size(path: Path) -> int | None:

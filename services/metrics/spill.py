@@ -54,14 +54,18 @@ class SpillMetrics(Collector):
                                      labels=["node", "kind"])
         for kind, key in SPILL_READ_ERRORS.items():
             errors.add_metric([nid, kind], s[key])
+        corrupt = CounterMetricFamily(PREFIX + "spill_corrupt_blocks", "Blocks dropped alone for a failed "
+                                      "checksum, their file's other blocks still served.", labels=["node"])
+        corrupt.add_metric([nid], s["corrupt_blocks"])
         used = GaugeMetricFamily(PREFIX + "spill_bytes_used", "Bytes held, by tier.", labels=["node", "tier"])
         used.add_metric([nid, "spill_ram"], s["ram_bytes"])
         used.add_metric([nid, "spill_disk"], s["disk_bytes"])
         unserved = GaugeMetricFamily(PREFIX + "spill_unserved_bytes", "Bytes of spill files never served, "
                                      "by kind (counted in the disk budget).", labels=["node", "kind"])
         removed = CounterMetricFamily(PREFIX + "spill_removed_files", "Spill files never served that were "
-                                      "deleted to keep the disk budget, by kind.", labels=["node", "kind"])
+                                      "deleted (disk budget, quarantine bounds and age, flush, a dropped "
+                                      "namespace), by kind.", labels=["node", "kind"])
         for kind in ("unindexed", "quarantined"):
             unserved.add_metric([nid, kind], s[f"{kind}_bytes"])
             removed.add_metric([nid, kind], s[f"removed_{kind}_files"])
-        yield from (blocks, capacity, hits, misses, errors, used, unserved, removed)
+        yield from (blocks, capacity, hits, misses, errors, corrupt, used, unserved, removed)
