@@ -31,6 +31,7 @@ from services.metrics import MetricsEndpoint
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.ray_auth import new_token_file, use_token
+from services.spill_dirs import remove_retired_spill_dirs
 from services.spill_node import create_spill_node
 from services.tls import ServerTls, dial_address
 from tenants.keys import new_api_key, read_key_file, write_key_file
@@ -247,8 +248,14 @@ def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:
 def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]:
     """Spill node actors (``spill_node`` resource), each with its own directory, reporting
     their block events to the GlobalScheduler's index (``SCHEDULER_NAME``, looked up by the
-    node) under their names (``spill_node_<i>``)."""
+    node) under their names (``spill_node_<i>``).
+
+    The directories of spill nodes this start does not run (``<root>/<j>``, j >=
+    ``num_spill_nodes``: a start with fewer than the last) are deleted first, here and by each
+    spill node on its own machine (``services.spill_dirs``). Regression (review 26b F4): they
+    were kept for good, never swept nor budgeted, with tenants' prompt token ids."""
     root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
+    remove_retired_spill_dirs(root, config.num_spill_nodes)
     handles = [
         create_spill_node(
             f"spill_node_{i}", root / str(i), BlockFormat(spec.shape, spec.dtype, spec.kv_format),
@@ -258,6 +265,7 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
             scheduler=ActorRef(SCHEDULER_NAME, config.namespace),
             namespace=config.namespace, metrics=metrics_endpoint(config, config.spill_metrics_port),
             env_vars=config.control_env_vars,  # restores wait on it: normal priority
+            num_spill_nodes=config.num_spill_nodes,
         )
         for i in range(config.num_spill_nodes)
     ]

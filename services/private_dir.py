@@ -43,6 +43,12 @@ def ensure_private_dir(path: str | Path) -> Path:
     return path
 
 
+def is_private(st: os.stat_result) -> bool:
+    """Whether the directory whose status is ``st`` passes ``check_private_dir``: owned by this
+    user, writable by neither its group nor others."""
+    return st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o022
+
+
 def check_private_dir(path: str | Path) -> None:
     """Refuse the existing directory ``path`` if another user could change what is in it.
 

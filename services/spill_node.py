@@ -35,6 +35,7 @@ from services.block_reports import BlockReporter
 from services.metrics import MetricsEndpoint, MetricsServer, SpillMetrics
 from services.metrics.server import serve_again
 from services.private_dir import ensure_private_dir
+from services.spill_dirs import METRICS_PORT_FILE, remove_retired_spill_dirs
 from services.spill_sweep import SWEEP_INTERVAL_S, AskScheduler, DeletedTenants, DeletedTenantSweep
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,6 @@ DEFAULT_RESOURCES: dict[str, float] = {"spill_node": 1}
 
 # (node_id, [(event, block_hash, tier), ...], reset) -> None; GlobalScheduler.report_events
 EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
-
-
-METRICS_PORT_FILE = "metrics_port"
-"""The port a spill node served ``/metrics`` on, in its directory (``SpillNode._serve_metrics``)."""
 
 
 class SpillNode:
@@ -61,6 +58,10 @@ class SpillNode:
             nowhere). Raises OSError when its port is taken.
         deleted_tenants: where to learn of deleted tenants (``services.spill_sweep``); their
             own namespaces are dropped at start and every ``sweep_interval_s`` (None: never).
+        num_spill_nodes: the deployment's spill node count, ``root_dir`` being
+            ``<spill root>/<index>`` (the launcher's layout): at start the node deletes the
+            directories of retired nodes, ``<spill root>/<j>`` for j >= it, on its own machine
+            (``services.spill_dirs``; None: none).
 
     Raises:
         UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
@@ -75,11 +76,14 @@ class SpillNode:
         metrics: MetricsEndpoint | None = None,
         deleted_tenants: DeletedTenants | None = None,
         sweep_interval_s: float = SWEEP_INTERVAL_S,
+        num_spill_nodes: int | None = None,
         **store_options: Any,
     ) -> None:
         if event_sink is not None and not node_id:
             raise ValueError("a spill node with an event_sink needs a node_id")
         ensure_private_dir(root_dir)  # prompts' KV and token ids: another user's or a writable one is refused
+        if num_spill_nodes is not None:
+            remove_retired_spill_dirs(Path(root_dir).parent, num_spill_nodes)
         self._store = SpillStore(root_dir, block_format, ram_bytes, disk_bytes, **store_options)
         self.node_id = node_id
         self._sink = event_sink
@@ -203,6 +207,7 @@ def create_spill_node(
     namespace: str | None = None,
     metrics: MetricsEndpoint | None = None,
     env_vars: dict[str, str] | None = None,
+    num_spill_nodes: int | None = None,
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -230,6 +235,8 @@ def create_spill_node(
             node serves it again.
         env_vars: environment of the node's worker process (the launcher passes
             ``ServiceConfig.control_env_vars``: normal priority, not Ray's nice 15).
+        num_spill_nodes: see ``SpillNode`` (the launcher passes its count: the node deletes
+            retired nodes' directories next to ``root_dir`` on its machine).
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.
@@ -248,5 +255,5 @@ def create_spill_node(
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,
                             event_sink=sink, metrics=metrics,
                             deleted_tenants=AskScheduler(scheduler) if scheduler is not None else None,
-                            **store_options)
+                            num_spill_nodes=num_spill_nodes, **store_options)
     return cast("ActorHandle[SpillNode]", handle)
