@@ -298,11 +298,12 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     import ray
 
     names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
-    if SCHEDULER_ACTOR in names:  # its usage counters since its last periodic store
+    if SCHEDULER_ACTOR in names:  # its usage counters and session routes since its last periodic store
         try:
             ray.get(ray.get_actor(SCHEDULER_ACTOR, namespace=namespace).flush_durable.remote(), timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a dead or stuck scheduler: kill it anyway
-            console.print(f"usage counters of the last seconds not stored: {escape(type(exc).__name__)}")
+            console.print(f"usage counters and session routes of the last seconds not stored: "
+                          f"{escape(type(exc).__name__)}")
     for name in names:
         with contextlib.suppress(ValueError):  # gone meanwhile
             ray.kill(ray.get_actor(name, namespace=namespace))

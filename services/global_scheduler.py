@@ -65,6 +65,10 @@ session's node is down (``session_node_down``), the chosen node does not read it
 (0.5 s) and has it routed to at its first healthy answer; a second covers that poll and its
 ``node_up``."""
 
+SESSION_LOST = ("this session's history was lost (its cache node or the service restarted): close the "
+                "session (CloseSession) and start it again")
+"""The message of an ABORTED ``session_lost`` refusal (``lost_of``)."""
+
 
 @dataclass(frozen=True)
 class IndexHolders:
@@ -117,13 +121,16 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             process stays refused (``lost_of``).
         holders: who may report block events, and each one's capacity (``IndexHolders``;
             None: its defaults).
+        recovering: a restarted scheduler's recovery follows (``Recovery``): the sessions a
+            previous process stored are marked lost after the nodes' reports
+            (``lose_stored_sessions``), not here.
     """
 
     def __init__(
         self, state_dir: str, nodes: dict[str, int], queue_limit: int = 256, affinity_min_blocks: int = 4,
         scheduler: str = "fcfs", block_size: int = 16, clock: Any = time.monotonic,
         security: Security | None = None, max_sessions_per_tenant: int = 1024, session_ttl_s: float = 900.0,
-        holders: IndexHolders | None = None,
+        holders: IndexHolders | None = None, recovering: bool = False,
     ) -> None:
         self.security = security
         self.holders = holders or IndexHolders()
@@ -163,7 +170,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         # (``max_sessions_per_tenant``), so each tenant's are bounded and none is ever dropped
         # for another's
         self.lost_sessions: dict[str, dict[str, float]] = {}
-        self.lost_changes: dict[tuple[str, str], float | None] = {}  # not stored yet (``flush_lost_sessions``)
+        self.lost_changes: dict[tuple[str, str], float | None] = {}  # not stored yet (``flush_sessions``)
+        self.open_changes: dict[tuple[str, str], float | None] = {}  # routes, not stored yet (``note_route``)
         self.lost_changes_lock = threading.Lock()
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.session_ttl_s = session_ttl_s
@@ -172,6 +180,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         # tenant -> its routes rebuilt from a node's report (``route_unconfirmed``) that no
         # turn confirmed yet -> when, oldest first: dropped ``session_ttl_s`` later
         self.unconfirmed_sessions: dict[str, dict[str, float]] = {}
+        # a previous process's routes: those no node reports are lost (``lose_stored_sessions``)
+        self.stored_sessions: dict[str, tuple[str, float]] = {}
+        self.restore_open_sessions()
+        if not recovering:  # a first start: no node holds any session yet
+            self.lose_stored_sessions()
         # routing key (OpenAI's prompt_cache_key, tenant-scoped) -> node, per tenant
         self.routing_keys = RoutingKeys()
         # request -> (tenant_id, node_id, the session it opened: "" when none or already
@@ -250,9 +263,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         lost = self.lost_of(tenant_id)
         if sticky is None and session_id in lost:
             self.usage.record_rejected(tenant_id)
-            return Admission(code="ABORTED", reason="session_lost",
-                             message="this session's history was lost when its cache node restarted: "
-                             "close the session (CloseSession) and start it again")
+            return Admission(code="ABORTED", reason="session_lost", message=SESSION_LOST)
         if (session_id and sticky is None
                 and self.sessions_per_tenant[tenant_id] + len(lost) >= self.max_sessions_per_tenant):
             # regression (security review): every new session id kept its history, a route
@@ -266,7 +277,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             self.usage.record_rejected(tenant_id)
             return Admission(code="RESOURCE_EXHAUSTED", reason="too_many_sessions",
                              message=f"the tenant has {self.max_sessions_per_tenant} open sessions "
-                             f"(max_sessions_per_tenant; {len(lost)} of them lost with a restarted cache node): "
+                             f"(max_sessions_per_tenant; {len(lost)} of them lost in a restart): "
                              "close one (CloseSession) or let an idle one expire")
         queued = self._queued()
         if self._over_queue(tenant_id, queued):
@@ -291,8 +302,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         if session_id and sticky is None:
             self.session_nodes[session_id] = (tenant_id, node_id)
             self.sessions_per_tenant[tenant_id] += 1
+            self.note_route(tenant_id, session_id)
+            self.sessions_store_due()  # the actor stores it at once (in a worker thread)
         elif sticky is not None:
             self.confirm_session(session_id)
+            self.note_route(tenant_id, session_id)
         self.usage.record_request(tenant_id)  # prompt and cached tokens: at release, from the node
         return Admission(node_id=node_id, spill_blocks=prefix.spill,
                          continues_session=sticky is not None and session_id in self.kept_sessions)
@@ -365,6 +379,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             self.forget_lost(tenant_id, opened)
         if kept and session and self.session_nodes.get(session) == (tenant_id, node_id):
             self.kept_sessions.add(session)
+            self.note_route(tenant_id, session)  # its node's TTL counts from the turn's end
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
             self.nodes[node_id].urgent.discard(request_id)

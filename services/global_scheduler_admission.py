@@ -35,9 +35,13 @@ GATEWAY_RETRY_S = 1.0
 """Wait before polling again after a failed poll."""
 
 USAGE_FLUSH_S = 5.0
-"""Seconds between the scheduler's flushes of changed usage counters and lost-session marks to
-the tenant store (``flush_durable``): what a crash may lose of them (``kvstrata down`` and
-``stop_services`` flush first)."""
+"""Seconds between the scheduler's flushes of changed usage counters, session routes and
+lost-session marks to the tenant store (``flush_durable``): what a crash may lose of them
+(``kvstrata down`` and ``stop_services`` flush first). A route opened and a session marked lost
+are stored at once besides (``sessions_store_due``)."""
+
+STORE_RETRY_S = 1.0
+"""Pause of the at-once session store after a failed write (one log line a second at most)."""
 
 
 
@@ -58,16 +62,19 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
     """
 
     data_address = ""  # the admission socket, once open
+    _sessions_due: asyncio.Event | None = None  # set: store the session changes (``_store_sessions``)
 
     def __init__(self, *args: Any, peers: RecoveryPeers | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        self.restarts = actor_restarts() if peers is not None else 0
+        recovering = peers is not None and self.restarts > 0  # Ray restarted this actor
+        super().__init__(*args, recovering=recovering, **kwargs)
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
         self.recovered_requests, self.contested_sessions, self.released_unattached = {}, set(), {}
         self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
-        self.restarts = actor_restarts() if peers is not None else 0
-        if peers is not None and self.restarts:  # Ray restarted this actor (the constructor runs on its loop)
+        if peers is not None and recovering:  # (the constructor runs on its loop)
             self.attach_nodes({})
             self.recover(peers)
+            self.lose_stored_sessions()  # the stored routes no node reported
             self._bind_admissions()
             loop = asyncio.get_running_loop()
             loop.call_later(GATEWAY_REATTACH_S, lambda: self.forget_unattached(
@@ -176,11 +183,11 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
 
     async def flush_durable(self) -> int:
         """Store what a restarted scheduler must find again, in a worker thread (SQLite commits):
-        the usage counters (``flush_usage``) and the lost-session marks
-        (``flush_lost_sessions``) changed since the last flush; returns the rows stored. A failed
+        the usage counters (``flush_usage``), the session routes and the lost-session marks
+        (``flush_sessions``) changed since the last flush; returns the rows stored. A failed
         write is logged and left for the next flush."""
         stored = 0
-        for flush, what in ((self.flush_usage, "usage counters"), (self.flush_lost_sessions, "lost-session marks")):
+        for flush, what in ((self.flush_usage, "usage counters"), (self.flush_sessions, "sessions")):
             try:
                 stored += await asyncio.to_thread(flush)
             except Exception as exc:  # noqa: BLE001 - a full disk must not stop admissions
@@ -191,6 +198,26 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         while True:
             await asyncio.sleep(interval_s)
             await self.flush_durable()
+
+    def sessions_store_due(self) -> None:
+        """A route was opened or a session marked lost: ``_store_sessions`` stores it now, not
+        at the next periodic flush (a crash of the scheduler and of the session's node within
+        those seconds would otherwise lose the route: its next turn would run as a first)."""
+        if self._sessions_due is not None:
+            self._sessions_due.set()
+
+    async def _store_sessions(self, due: asyncio.Event) -> None:
+        """``flush_sessions`` in a worker thread each time ``due`` was set since the last (the
+        routes opened meanwhile go in one transaction, off this loop). A failed write is
+        logged and left to the next (the periodic flush retries it)."""
+        while True:
+            await due.wait()
+            due.clear()
+            try:
+                await asyncio.to_thread(self.flush_sessions)
+            except Exception as exc:  # noqa: BLE001 - a full disk must not stop admissions
+                log.warning("sessions not stored (the next flush retries): %s", exc)
+                await asyncio.sleep(STORE_RETRY_S)
 
     async def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """``GlobalScheduler.key_ids_since`` in a worker thread (a full answer reads every key
@@ -212,6 +239,9 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
         if getattr(self, "_usage_flushes", None) is None:  # serving: usage counts from now on
             self._usage_flushes = asyncio.get_running_loop().create_task(self._flush_durable_every(USAGE_FLUSH_S))
+            self._sessions_due = due = asyncio.Event()
+            self._session_stores = asyncio.get_running_loop().create_task(self._store_sessions(due))
+            due.set()  # the changes made before (a start's lost sessions)
         return self.data_address
 
     def close_data_plane(self) -> None:

@@ -3,7 +3,10 @@ history), the sessions whose history went with a restarted node's process (``los
 turns are refused until closed or ``session_ttl_s`` passed), routes a restarted scheduler
 rebuilt from a node's report that no turn confirmed (``expire_unconfirmed``), closing a session
 (its turns in flight detached from it, the close kept for a node that is down), and a node's
-expired sessions.
+expired sessions. The routes and the marks are stored in the tenant store (``flush_sessions``):
+a new scheduler process marks lost every stored route that no node reports
+(``lose_stored_sessions``), so a session's next turn after ``kvstrata down``/``up``, or after a
+crash of the scheduler together with its node, is refused, never run without its history.
 ``Sessions`` is a part of ``services.global_scheduler.GlobalScheduler``.
 """
 
@@ -14,6 +17,12 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+STORE_LAG_S = 5.0
+"""How much older than a session's last use its stored last use may be: the scheduler stores a
+route's uses with its periodic flush (``USAGE_FLUSH_S``). A stored route counts as open that
+much past ``session_ttl_s`` after its stored use (``lose_stored_sessions``): refused a few
+seconds too long rather than run a few seconds too early without its history."""
+
 
 class Sessions:
     """Session routing of ``GlobalScheduler`` (which provides these attributes)."""
@@ -22,7 +31,12 @@ class Sessions:
     kept_sessions: set[str]
     lost_sessions: dict[str, dict[str, float]]
     lost_changes: dict[tuple[str, str], float | None]  # marks made (wall time) or removed (None) since the last flush
-    lost_changes_lock: threading.Lock
+    # routes opened or used (wall time of the use) or dropped (None) since the last flush
+    open_changes: dict[tuple[str, str], float | None]
+    lost_changes_lock: threading.Lock  # guards both change maps (the flush runs in a worker thread)
+    # session -> (tenant, last use, wall time) of the routes a previous process stored, until
+    # ``lose_stored_sessions``
+    stored_sessions: dict[str, tuple[str, float]]
     usage_flush_lock: threading.Lock
     store: Any
     sessions_per_tenant: Counter[str]
@@ -105,12 +119,13 @@ class Sessions:
     def mark_lost(self, tenant_id: str, session_id: str) -> None:
         """``session_id``'s history went with its node's process: refuse its turns until it is
         closed (its route must be dropped first: the mark takes its place in the tenant's
-        ``max_sessions_per_tenant``). Stored at the next ``flush_lost_sessions``."""
+        ``max_sessions_per_tenant``). Stored at the next ``flush_sessions``."""
         lost = self.lost_sessions.setdefault(tenant_id, {})
         lost.pop(session_id, None)
         lost[session_id] = self.clock()
         with self.lost_changes_lock:
             self.lost_changes[(tenant_id, session_id)] = time.time()
+        self.sessions_store_due()
 
     def forget_lost(self, tenant_id: str, session_id: str) -> bool:
         """Unmark ``tenant_id``'s lost ``session_id``; whether it was marked."""
@@ -124,30 +139,88 @@ class Sessions:
             self.lost_changes[(tenant_id, session_id)] = None
         return True
 
-    def flush_lost_sessions(self) -> int:
-        """Store the lost-session marks made or removed since the last flush (one transaction);
-        returns how many changes. A failed write hands them back for the next flush (a change
-        made meanwhile wins).
+    def sessions_store_due(self) -> None:
+        """A route was opened or a session lost: store it soon. The plain class leaves it to
+        the caller's ``flush_sessions``; the actor stores them at once, in a worker thread
+        (``GlobalSchedulerService``)."""
+
+    def note_route(self, tenant_id: str, session_id: str, open_: bool = True) -> None:
+        """Note for the next ``flush_sessions`` that ``session_id`` is routed and was used now
+        (``open_``), or no longer routed."""
+        with self.lost_changes_lock:
+            self.open_changes[(tenant_id, session_id)] = time.time() if open_ else None
+
+    def flush_sessions(self) -> int:
+        """Store the lost-session marks and the routes made, used or removed since the last
+        flush (one transaction); returns how many changes. A failed write hands them back for
+        the next flush (a change made meanwhile wins).
 
         Regression: the marks lived only in this actor's memory, so after a crash of the
         scheduler a session whose node had restarted (its history gone) was unknown, and its
         next turn opened it anew and ran without its history, silently.
+
+        Regression (review 26b F2): the routes lived only in memory, so after ``kvstrata
+        down``/``up`` (or a node restarting while the scheduler was down) a session's next
+        turn was admitted as its first and answered from its new tokens alone, with OK.
 
         Raises:
             sqlite3.Error: the write failed.
         """
         with self.usage_flush_lock:  # one flush at a time, in the order taken
             with self.lost_changes_lock:
-                changes, self.lost_changes = self.lost_changes, {}
-            if not changes:  # (stale rows then wait for the next change, or a restart's load)
+                lost, self.lost_changes = self.lost_changes, {}
+                opened, self.open_changes = self.open_changes, {}
+            if not lost and not opened:  # (stale rows then wait for the next change, or a restart's load)
                 return 0
             try:  # and the marks past their TTL, forgotten here by ``lost_of`` (review 24s S3)
-                self.store.save_lost_sessions(changes, prune_before_s=time.time() - self.session_ttl_s)
+                self.store.save_sessions(lost, opened, prune_before_s=time.time() - self.session_ttl_s)
             except Exception:
                 with self.lost_changes_lock:
-                    self.lost_changes = changes | self.lost_changes
+                    self.lost_changes = lost | self.lost_changes
+                    self.open_changes = opened | self.open_changes
                 raise
-            return len(changes)
+            return len(lost) + len(opened)
+
+    def restore_open_sessions(self) -> int:
+        """Load the routes a previous process stored (``stored_sessions``), those used within
+        ``session_ttl_s`` (+ ``STORE_LAG_S``), of tenants that still exist; returns how many.
+        ``lose_stored_sessions`` then marks lost those no node reports."""
+        since = time.time() - self.session_ttl_s - STORE_LAG_S
+        self.stored_sessions = {sid: (tenant_id, used_at) for tenant_id, sid, used_at
+                                in self.store.load_open_sessions(since) if self.knows_tenant(tenant_id)}
+        return len(self.stored_sessions)
+
+    def lose_stored_sessions(self) -> int:
+        """Mark lost (``lost_sessions``, stored at the next flush) every route a previous
+        process stored (``restore_open_sessions``) that is not routed now: no node reported
+        holding it (after ``kvstrata down``/``up`` no node holds any; after a crash of the
+        scheduler, a node that restarted meanwhile or did not report in time). Its turns are
+        refused until it is closed or ``session_ttl_s`` (+ ``STORE_LAG_S``) passed since its
+        stored last use, when it would have expired on its node too. Returns how many; called
+        once, after the nodes' reports (``GlobalScheduler``'s ``recovering``).
+
+        Regression (review 26b F2): such a session's next turn was admitted as its first and
+        answered from its new tokens alone, with OK: the client, which sends only a turn's new
+        messages, never learnt that the history was gone."""
+        now_wall, now = time.time(), self.clock()
+        marked: Counter[str] = Counter()
+        for session_id, (tenant_id, used_at) in self.stored_sessions.items():
+            if session_id in self.session_nodes:  # a node reported it: routed there again
+                continue
+            self.note_route(tenant_id, session_id, open_=False)
+            if not self.knows_tenant(tenant_id) or session_id in self.lost_sessions.get(tenant_id, {}):
+                continue
+            lost_at = used_at + STORE_LAG_S
+            self.lost_sessions.setdefault(tenant_id, {})[session_id] = now - max(now_wall - lost_at, 0.0)
+            with self.lost_changes_lock:
+                self.lost_changes[(tenant_id, session_id)] = lost_at
+            marked[tenant_id] += 1
+        for tenant_id in marked:  # ``lost_of`` expects each tenant's marks oldest first
+            self.lost_sessions[tenant_id] = dict(sorted(self.lost_sessions[tenant_id].items(), key=lambda m: m[1]))
+        if self.stored_sessions:
+            self.sessions_store_due()
+        self.stored_sessions = {}
+        return marked.total()
 
     def restore_lost_sessions(self) -> int:
         """Load the lost-session marks a previous process stored, those younger than
@@ -169,6 +242,9 @@ class Sessions:
         self.session_nodes[session_id] = (tenant_id, node_id)
         self.sessions_per_tenant[tenant_id] += 1
         self.unconfirmed_sessions.setdefault(tenant_id, {})[session_id] = self.clock()
+        if session_id not in self.stored_sessions:  # opened in the seconds before the crash
+            self.note_route(tenant_id, session_id)
+            self.sessions_store_due()
 
     def confirm_session(self, session_id: str) -> None:
         """A turn of ``session_id`` came from its tenant: its route stays (``route_unconfirmed``)."""
@@ -194,6 +270,7 @@ class Sessions:
     def drop_session_route(self, session_id: str) -> None:
         """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
         tenant_id, _ = self.session_nodes.pop(session_id)
+        self.note_route(tenant_id, session_id, open_=False)
         rebuilt = self.unconfirmed_sessions.get(tenant_id)
         if rebuilt is not None and rebuilt.pop(session_id, None) is not None and not rebuilt:
             del self.unconfirmed_sessions[tenant_id]

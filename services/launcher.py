@@ -292,8 +292,9 @@ def _wait_placed(refs: list[Any], config: ServiceConfig, resource: str, what: st
 
 
 def stop_services(services: Services) -> None:
-    """Stop the gateway, store the scheduler's usage counters, and kill every actor of the
-    deployment."""
+    """Stop the gateway, store the scheduler's usage counters and sessions (the next start
+    refuses the turns of the sessions open now: their histories go with the nodes), and kill
+    every actor of the deployment."""
     try:
         ray.get(services.gateway.stop.remote(), timeout=10)
     except Exception as exc:  # noqa: BLE001 - best effort: the actor may already be gone
@@ -301,6 +302,6 @@ def stop_services(services: Services) -> None:
     try:
         ray.get(services.scheduler.flush_durable.remote(), timeout=10)
     except Exception as exc:  # noqa: BLE001 - best effort: a crash loses at most USAGE_FLUSH_S of it
-        log.warning("usage counters not stored at stop: %s", exc)
+        log.warning("usage counters and session routes of the last seconds not stored at stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:
         ray.kill(handle)

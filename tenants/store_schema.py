@@ -9,9 +9,11 @@ Tables (schema version 2, in ``PRAGMA user_version``)::
     deleted_tenants(seq PK, tenant_id UNIQUE, deleted_at_s)   -- the newest MAX_DELETED_TENANTS
     usage(tenant_id PK -> tenants ON DELETE CASCADE, counters_json, updated_at_s)
     lost_sessions(tenant_id -> tenants ON DELETE CASCADE, session_id, lost_at_s; PK both)
+    open_sessions(tenant_id -> tenants ON DELETE CASCADE, session_id, used_at_s; PK both)
 
-``deleted_tenants``, ``usage`` and ``lost_sessions`` were added within version 2: opening a file without them
-creates them (an earlier version reading a file with them ignores them).
+``deleted_tenants``, ``usage``, ``lost_sessions`` and ``open_sessions`` were added within version
+2: opening a file without them creates them (an earlier version reading a file with them ignores
+them).
 
 Part of ``tenants.store`` (``TenantStore``).
 """
@@ -51,6 +53,12 @@ CREATE TABLE IF NOT EXISTS lost_sessions (
     tenant_id TEXT NOT NULL REFERENCES tenants(tenant_id) ON DELETE CASCADE,
     session_id TEXT NOT NULL,
     lost_at_s REAL NOT NULL,
+    PRIMARY KEY (tenant_id, session_id)
+);
+CREATE TABLE IF NOT EXISTS open_sessions (
+    tenant_id TEXT NOT NULL REFERENCES tenants(tenant_id) ON DELETE CASCADE,
+    session_id TEXT NOT NULL,
+    used_at_s REAL NOT NULL,
     PRIMARY KEY (tenant_id, session_id)
 );
 CREATE TABLE IF NOT EXISTS usage (

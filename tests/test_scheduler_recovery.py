@@ -344,9 +344,9 @@ def test_flushes_prune_marks_past_their_ttl(tmp_path: Path, monkeypatch: pytest.
     tenant_id = s.store.register(TenantSpec("ann"))[0].tenant_id  # stored: its marks' rows go in
     for i in range(3):
         s.mark_lost(tenant_id, f"s{i}")
-    s.flush_lost_sessions()
+    s.flush_sessions()
     wall[0] += 61.0
     s.mark_lost(tenant_id, "late")
-    s.flush_lost_sessions()
+    s.flush_sessions()
     rows = s.store._conn.execute("SELECT session_id FROM lost_sessions").fetchall()
     assert rows == [("late",)]
