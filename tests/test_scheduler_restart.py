@@ -65,7 +65,12 @@ def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    time.sleep(0.3)  # the gateway sees the admission connection close at once
+    # the gateway sees the admission connection close at once: NOT_SERVING (review 26b: health
+    # read SERVING right after the kill while admissions were refused; a read within ms of it)
+    not_serving = {name: health_pb2.HealthCheckResponse.NOT_SERVING for name in SERVICES}
+    wait_for(lambda: health_of(stack) == not_serving, 2.0, "health NOT_SERVING after the kill", every_s=0.01)
+    print(f"scheduler kill: NOT_SERVING {time.monotonic() - t0:.3f} s after it")
+    time.sleep(0.3)
     during = stack.inference.Generate(chat("Anyone there?", 4), metadata=md(key), timeout=60)
     with pytest.raises(grpc.RpcError) as refused:
         collect(during)
