@@ -13,14 +13,22 @@ entry (its own copy of the device part; the host-tier sentences' slots shared, r
 ``TierHostKV.fork``) and prefills only its tokens after N,
 which attend through the policy over the stored state; as a session's next turn
 (``cache_node.sessions``), its budget is recomputed from its whole prompt at the prompt's
-end, when it is compressed as any prefill is (the producer continues the same way), so its
-answer is the question-agnostic path's: the document compressed before any question, then
-the question asked as a new turn. Requests that
-arrive while the prefix is being computed wait (parked, outside the scheduler) and fork the
-entry once it is stored, so N tokens are compressed once however many requests share them.
-A prefix whose compression lost KV for want of room (``Policy.lost_tokens``: SentenceKV
-sentences demoted to a full host tier) is not stored: its producer and the requests parked on
-it go on from their own computations, and a later request computes it again.
+end, when it is compressed as any prefill is (the request that computed the prefix continues
+the same way), so its answer is the question-agnostic path's: the document compressed before
+any question, then the question asked as a new turn.
+
+Every such request waits in the scheduler's queue like any other, holding nothing; what it
+does is decided when the scheduler starts it (``Scheduler._fork_prefix``), in the policy's
+order: it forks the stored entry, its copy taken then under admission's free-block checks
+(``fork_blocks``: copy, charge blocks and its first chunk); or, while a request the scheduler
+runs, of its SLO class or a higher one, is computing the prefix (``computing``), it is passed
+over and forks the entry once stored; else it computes the prefix itself. So N tokens are
+compressed once however many requests share them, no request waits for one the scheduler
+has not started (still queued, or preempted: the first of them it starts computes), and no
+queued request holds blocks. A prefix whose compression lost KV for want of room
+(``Policy.lost_tokens``: SentenceKV sentences demoted to a full host tier) is not stored:
+the request that computed it goes on from its own state, the requests waiting for it compute
+it themselves (``alone``), and a later request computes it again.
 
 Key: the chained hash of the prefix's full blocks (``cache_node.hashing``; its first block
 covers the cache namespace, model and KV format) extended over the tail's tokens, plus N and
@@ -29,10 +37,12 @@ next compaction anyway) and the host slots it shares are refcounted, so no reque
 on an entry: entries are evicted least recently used first whenever the engine needs
 blocks (with idle sessions, ``LLMEngine._unpin_idle_sessions``), freeing their blocks and
 charge blocks, and their host slots once no fork holds them either.
-A preempted request recomputes its prompt (its copy is gone with its blocks): up to the
-prefix, compressed there as its producer did (and stored again if the entry was evicted
-meanwhile), then the rest (``Sequence.restart``); a preempted session turn recomputes only
-its own tokens, over the history KV its session kept (``cache_node.sessions``). A prefix of the whole prompt (N = prompt length) is stored
+A preempted request (its copy gone with its blocks) is decided again when the scheduler
+restarts it: it forks the entry while one is stored, else recomputes its prompt up to the
+prefix, compressed there as its first computation was (and stored again), then the rest
+(``Sequence.restart``); a preempted session turn recomputes only its own tokens, over the
+history KV its session kept (``cache_node.sessions``). A prefix of the whole prompt (N =
+prompt length) is stored
 but not forked by a request of that same length: it would have no token to sample from.
 """
 
@@ -45,11 +55,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cache_node.hashing import hash_block_tokens
-from cache_node.kv_cache_manager import KVCacheManager
+from cache_node.kv_cache_manager import KVCacheManager, cdiv
 from cache_node.kv_pool import KVPool
 from cache_node.outputs import InvalidRequestError
 from cache_node.sampling_params import SamplingParams
-from cache_node.sequence import Sequence
+from cache_node.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
@@ -86,7 +96,7 @@ class PrefixEntry:
 
 
 class CompressedPrefixCache:
-    """The node's compressed prefixes, their producers and the requests parked on them.
+    """The node's compressed prefixes and the live requests that named one.
 
     Not thread-safe: the engine calls it under its lock.
 
@@ -99,9 +109,11 @@ class CompressedPrefixCache:
     def __init__(self, pool: KVPool, kv_manager: KVCacheManager) -> None:
         self.pool, self.kv_manager, self.block_pool = pool, kv_manager, kv_manager.pool
         self.entries: OrderedDict[PrefixKey, PrefixEntry] = OrderedDict()
-        self.producing: dict[str, PrefixKey] = {}  # request id -> the prefix it computes
-        self.producers: dict[PrefixKey, Sequence] = {}  # the request others wait for
-        self.parked: dict[PrefixKey, list[Sequence]] = {}
+        self.keys: dict[str, PrefixKey] = {}  # request id -> the prefix it named (live requests)
+        self.members: dict[PrefixKey, list[Sequence]] = {}  # live requests per prefix
+        # waiting requests that compute their prefix themselves: a computation they waited
+        # for stored nothing (``store``), so they no longer wait for one another
+        self.alone: set[str] = set()
         self.num_hits = self.num_stores = self.num_lossy_skipped = 0
 
     def key(self, seq: Sequence, n: int) -> PrefixKey:
@@ -114,52 +126,116 @@ class CompressedPrefixCache:
                                    self.kv_manager.hash_fn)
         return digest, n, seq.policy
 
-    # ---- arrival, boundary, finish -----------------------------------------------------------
-    def admit(self, seq: Sequence, n: int) -> bool:
-        """Give a new request its prefix: fork the stored entry, or make it the producer, or
-        park it behind the producer in flight. False when parked (the engine schedules it
-        when ``store`` or ``on_finish`` returns it). A request without a compressing policy,
-        with ``n`` 0 or continuing a session's blocks is left alone."""
+    # ---- arrival, admission, boundary, finish -----------------------------------------------
+    def admit(self, seq: Sequence, n: int) -> None:
+        """Note a new request's prefix (its key; ``prefix_stop`` at ``n``): nothing is taken
+        and nothing waits here. The scheduler decides, when it starts the request, whether it
+        forks the stored prefix (``fork``), waits for a running request computing it
+        (``computing``) or computes it itself. A request without a compressing policy, with
+        ``n`` 0 or continuing a session's blocks is left alone.
+
+        Regression (review 26a, F2): the fork of a stored prefix was copied here, at arrival,
+        before the scheduler saw the request: queued requests held a copy each (~57 blocks),
+        outside the scheduler's free-block checks and the running requests' accounting, so
+        the pool went to 0 free, stored prefixes were evicted and running requests preempted."""
         if n <= 0 or seq.kv is None or seq.block_table or seq.num_computed_tokens:
-            return True
-        seq.prefix_tokens = n
+            return
+        seq.prefix_tokens = seq.prefix_stop = n
         key = self.key(seq, n)
-        entry = self.entries.get(key)
-        forkable = n < seq.num_prompt_tokens
-        if entry is not None and forkable and self._fork_or_log(entry, seq):
-            return True
-        if entry is None and forkable and key in self.producers:
-            self.parked.setdefault(key, []).append(seq)
+        self.keys[seq.request_id] = key
+        self.members.setdefault(key, []).append(seq)
+
+    def _pending(self, seq: Sequence) -> PrefixKey | None:
+        """The key of the prefix ``seq`` may fork: a request that named one, holds no KV yet
+        (new, or restarted) and has a token past it."""
+        key = self.keys.get(seq.request_id)
+        if key is None or seq.block_table or seq.num_computed_tokens or key[1] >= seq.num_prompt_tokens:
+            return None
+        return key
+
+    def computing(self, seq: Sequence) -> list[Sequence]:
+        """The requests the scheduler runs that are computing the prefix waiting ``seq`` may
+        fork (short of their boundary, or compressing there): [] when none, or when ``seq``
+        computes it itself (a computation it waited for stored nothing). Only started
+        requests count: one still waiting, or preempted, computes nothing.
+
+        Regression (review 26a, F1): a request was parked, outside the scheduler, behind
+        whichever request had arrived first with the same prefix, also while that one still
+        waited for a slot: an interactive tenant waited 21.0 s (1.83 s without it) behind a
+        batch tenant's queued request for the same document, and a priority -1000 request
+        behind its own tenant's queued priority 1000 one."""
+        key = self._pending(seq)
+        if key is None or seq.request_id in self.alone:
+            return []
+        return [s for s in self.members[key]
+                if s is not seq and s.status is SequenceStatus.RUNNING and s.prefix_stop]
+
+    def stored_entry(self, seq: Sequence) -> PrefixEntry | None:
+        """The stored prefix waiting ``seq`` forks when the scheduler starts it (None: it
+        computes its prefix, or has none)."""
+        key = self._pending(seq)
+        return None if key is None else self.entries.get(key)
+
+    def fork_blocks(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Pool blocks a fork of the stored prefix takes for waiting ``seq`` with
+        ``num_new_tokens`` more tokens laid out past the prefix: the copy of the entry's
+        blocks, the charge blocks its policy state pays (``SequenceKV.settle_charge``) and the
+        blocks the new tokens need past the copy's last slot. None when ``seq`` forks
+        nothing (``stored_entry``)."""
+        entry = self.stored_entry(seq)
+        if entry is None:
+            return None
+        src = entry.seq
+        phys = src.num_computed_tokens - src.num_evicted_tokens
+        charge = len(src.kv.charge_blocks) + src.kv.charge_debt if src.kv is not None else 0
+        return charge + max(len(src.block_table), cdiv(phys + num_new_tokens, self.kv_manager.block_size))
+
+    def fork(self, seq: Sequence) -> bool:
+        """Give waiting ``seq`` its copy of the stored prefix (``stored_entry``): the scheduler
+        starts it now, its free-block checks passed (``Scheduler._fork_prefix``). False, with
+        nothing held, when there is none or the copy failed (the pool short, or the policy's
+        ``fork`` raised): ``seq`` then computes the prefix itself."""
+        entry = self.stored_entry(seq)
+        if entry is None or not self._fork_or_log(entry, seq):
             return False
-        seq.prefix_stop = n
-        self.producing[seq.request_id] = key
-        self.producers.setdefault(key, seq)
+        seq.prefix_stop = 0
         return True
 
-    def store(self, seq: Sequence) -> list[Sequence]:
+    def unfork(self, seq: Sequence) -> None:
+        """Undo ``fork``: the scheduler could not start ``seq`` after all (its first chunk did
+        not fit beside the copy). Its copy, charge blocks and shared host slots go back
+        (``SequenceKV.reset``), and it waits with no KV, as before."""
+        self.kv_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.policy_stats.pop("inherited_dropped_tokens", None)
+        seq.prefix_stop = seq.prefix_tokens
+        entry = self.entries.get(self.keys[seq.request_id])
+        if entry is not None:
+            entry.num_hits -= 1
+        self.num_hits -= 1
+
+    def store(self, seq: Sequence) -> None:
         """``seq`` computed its prefix (``num_computed_tokens == prefix_stop``): compress it
-        (question-agnostic) unless its prompt ended there (the engine's ``after_step`` did),
-        store a copy and return the requests parked on it, forked from it (or, when nothing
-        could be stored, each to compute the prefix itself). A request recomputing after a
-        preemption (``Sequence.restart``) is no producer: it stores the prefix only when the
-        entry is gone. A state whose policy lost KV for want of room (``Policy.lost_tokens``:
-        SentenceKV sentences demoted to a full host tier) is not stored
-        (``num_lossy_skipped``): the next request computes the prefix again.
+        (question-agnostic) unless its prompt ended there (the engine's ``after_step`` did)
+        and store a copy, unless one is stored already (another request computed it first).
+        The requests waiting for it fork it when the scheduler starts them; when nothing could
+        be stored, those waiting now compute it themselves, side by side (``alone``). A state
+        whose policy lost KV for want of room (``Policy.lost_tokens``: SentenceKV sentences
+        demoted to a full host tier) is not stored (``num_lossy_skipped``): the next request
+        computes the prefix again.
 
         Regression (hangs review 20 W5): a prefix compressed while the host tier was full was
         stored with its sentences dropped, and every later request forked it, decoding other
         tokens than on a node that had room and reporting nothing in its ``policy_stats``."""
-        key = self.producing.pop(seq.request_id, None) or self.key(seq, seq.prefix_stop)
+        key = self.keys.get(seq.request_id) or self.key(seq, seq.prefix_stop)
         boundary, seq.prefix_stop = seq.prefix_stop, 0
         kv = seq.kv
         if kv.budget is None:
-            try:
-                kv.budget = kv.policy.budget_tokens(seq.num_computed_tokens)
-                kv.policy.compress(kv)
-                kv.settle_charge()
-            except Exception:  # the engine fails ``seq``: ``on_finish`` hands the prefix on
-                self.producing[seq.request_id] = key  # (regression: its parked requests hung)
-                raise
+            # a compression that raises fails ``seq`` (the engine's ``_fail``): it then runs no
+            # more, and those waiting for it go on (``computing``); regression: they hung
+            kv.budget = kv.policy.budget_tokens(seq.num_computed_tokens)
+            kv.policy.compress(kv)
+            kv.settle_charge()
             kv.budget = None  # the rest of the prompt is a new turn's (recomputed at its end)
             if kv.compaction_due:  # ``can_rewrite`` found the pool too full
                 # Regression (hangs review R1b): a compression the pool had no free blocks
@@ -168,51 +244,26 @@ class CompressedPrefixCache:
                 # and stored nothing. It now stays at its boundary until the compression runs
                 # (the scheduler retries it before the request's next step: ``retry``).
                 seq.prefix_stop = boundary
-                self.producing[seq.request_id] = key
-                return []
+                return
         if key in self.entries:
             self.entries.move_to_end(key)
         elif kv.compacted and kv.policy.lost_tokens(kv):
             self.num_lossy_skipped += 1
         elif kv.compacted and self._store(key, seq):
             self.num_stores += 1
-        if self.producers.get(key) is seq:
-            del self.producers[key]
-        ready = self.parked.pop(key, [])
-        entry = self.entries.get(key)
-        for other in ready:
-            if entry is None or not self._fork_or_log(entry, other):
-                other.prefix_stop = key[1]
-                self.producing[other.request_id] = key
-        return ready
+        if key not in self.entries:  # those waiting for it must not wait for one another now
+            self.alone.update(s.request_id for s in self.members.get(key, ()) if s.status is SequenceStatus.WAITING)
 
-    def on_finish(self, seq: Sequence) -> list[Sequence]:
-        """``seq`` ended (any reason). A producer that ended before its boundary hands the
-        prefix to the first request parked on it, returned for scheduling."""
-        key = self.producing.pop(seq.request_id, None)
-        if key is None or self.producers.get(key) is not seq:
-            return []
-        del self.producers[key]
-        waiting = self.parked.pop(key, [])
-        if not waiting:
-            return []
-        head, rest = waiting[0], waiting[1:]
-        head.prefix_stop = key[1]
-        self.producing[head.request_id] = key
-        self.producers[key] = head
-        if rest:
-            self.parked[key] = rest
-        return [head]
-
-    def unpark(self, seq: Sequence) -> bool:
-        """Drop ``seq`` from the parked requests (it ended there). False if not parked."""
-        for key, waiting in self.parked.items():
-            if seq in waiting:
-                waiting.remove(seq)
-                if not waiting:
-                    del self.parked[key]
-                return True
-        return False
+    def on_finish(self, seq: Sequence) -> None:
+        """``seq`` ended (any reason): forget its prefix. Those waiting for its computation
+        (``computing``) go on: one of them computes it when the scheduler starts it."""
+        key = self.keys.pop(seq.request_id, None)
+        self.alone.discard(seq.request_id)
+        members = self.members.get(key) if key is not None else None
+        if members is not None:
+            members.remove(seq)
+            if not members:
+                del self.members[key]  # type: ignore[arg-type]
 
     # ---- copies --------------------------------------------------------------------------
     def _copy_blocks(self, src: Sequence, dst: Sequence) -> bool:
@@ -251,7 +302,7 @@ class CompressedPrefixCache:
 
     def _fork_or_log(self, entry: PrefixEntry, seq: Sequence) -> bool:
         """``_fork``, or False when the policy's fork raised (``seq`` then computes the
-        prefix itself: one policy fault never leaves a parked request waiting)."""
+        prefix itself: one policy fault never leaves a request waiting)."""
         try:
             return self._fork(entry, seq)
         except Exception:
@@ -265,7 +316,7 @@ class CompressedPrefixCache:
         try:
             if not self._copy_state(seq, owner):
                 return False
-        except Exception:  # nothing stored; the producer continues from its own state
+        except Exception:  # nothing stored; ``seq`` continues from its own state
             log.exception("compressed prefix: request %s could not store its prefix", seq.request_id)
             return False
         self.entries[key] = PrefixEntry(key, owner)
@@ -275,7 +326,6 @@ class CompressedPrefixCache:
         n = entry.key[1]
         if seq.prompt_token_ids[:n] != entry.seq.prompt_token_ids or not self._copy_state(entry.seq, seq):
             return False
-        seq.num_cached_tokens = n
         seq.kv.budget = None  # recomputed from the whole prompt at its end, as a session turn's
         entry.num_hits += 1
         entry.last_used_s = time.monotonic()
@@ -317,6 +367,5 @@ class CompressedPrefixCache:
             "compressed_prefix_stores": self.num_stores,
             "compressed_prefixes": len(self.entries),
             "compressed_prefix_blocks": sum(e.seq.num_held_blocks for e in self.entries.values()),
-            "compressed_prefix_parked": sum(len(v) for v in self.parked.values()),
             "compressed_prefix_lossy_skipped": self.num_lossy_skipped,
         }

@@ -32,7 +32,7 @@ from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import draw
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
-from cache_node.sequence import Sequence, SequenceStatus
+from cache_node.sequence import Sequence
 from cache_node.sessions import SessionTable
 from cache_node.tiers.engine_api import EngineTiersMixin
 from cache_node.tiers.manager import TierConfig, TierManager
@@ -106,6 +106,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.sessions = SessionTable(self.kv_manager)
         self.scheduler.session_tenants = self.sessions.tenants
         self.prefixes = CompressedPrefixCache(self.pool, self.kv_manager)
+        self.scheduler.prefixes = self.prefixes
         self.requests: dict[str, Sequence] = {}
         self._lock = threading.RLock()
         self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
@@ -190,10 +191,10 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             if seq.session_id:
                 self.sessions.attach(seq)
             self.requests[seq.request_id] = seq
-            if not self.prefixes.admit(seq, prefix_tokens):
-                return seq.request_id  # parked until the prefix it shares is stored
+            self.prefixes.admit(seq, prefix_tokens)  # its prefix's KV is taken when it starts
             self.scheduler.add(seq)
-            if self.tiers.config.auto_prefetch if prefetch is None else prefetch:
+            reuses = self.prefixes.stored_entry(seq) is not None or self.prefixes.computing(seq)
+            if (self.tiers.config.auto_prefetch if prefetch is None else prefetch) and not reuses:
                 self.tiers.prefetch(seq, time.monotonic())
         return seq.request_id
 
@@ -327,11 +328,11 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self._store_prefix(seq)
 
     def _store_prefix(self, seq: Sequence) -> None:
-        """``seq`` reached its prefix boundary: compress the prefix, store it, fork the requests
-        parked on it. A compression put off for want of free blocks keeps ``seq`` at its
-        boundary; the scheduler runs this again before its next step (``SequenceKV.retry``)."""
-        for ready in self.prefixes.store(seq):
-            self.scheduler.add(ready)
+        """``seq`` reached its prefix boundary: compress the prefix and store it (the requests
+        waiting for it fork it when the scheduler starts them). A compression put off for want
+        of free blocks keeps ``seq`` at its boundary; the scheduler runs this again before its
+        next step (``SequenceKV.retry``)."""
+        self.prefixes.store(seq)
         if seq.kv is not None and seq.kv.compaction_due and seq.prefix_stop:
             seq.kv.retry = lambda: self._store_prefix(seq)
 
@@ -345,12 +346,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if self.prefixes.unpark(seq):
-            seq.status = SequenceStatus.FINISHED  # never reached the scheduler
-        else:
-            self.scheduler.finish(seq)
-        for ready in self.prefixes.on_finish(seq):  # a producer's prefix passes on
-            self.scheduler.add(ready)
+        self.scheduler.finish(seq)
+        self.prefixes.on_finish(seq)  # those waiting for its prefix's computation go on
         seq.finish_reason = reason
         # a session keeps the turn's blocks, with its policy state when a policy compacted them
         # (the next turn of that policy continues from it: cache_node.sessions)

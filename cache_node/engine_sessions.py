@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from cache_node.compressed_prefix import CompressedPrefixCache
@@ -124,17 +125,27 @@ class EngineSessionsMixin:
         if not self.scheduler.waiting:
             return
         head = self.scheduler.waiting[0]
-        need = max(self.pool.num_blocks // 10, -(-(head.num_tokens + 1) // self.pool.block_size))
-        self._unpin_idle_sessions(need, holder_of(head.cache_namespace))
+        # a head that forks a stored compressed prefix needs its copy and the tokens past it
+        fork = self.prefixes.fork_blocks(head, head.num_tokens - head.prefix_tokens + 1)
+        tokens_need = -(-(head.num_tokens + 1) // self.pool.block_size) if fork is None else fork
+        need = max(self.pool.num_blocks // 10, tokens_need)
+        # the stored prefixes waiting requests fork stay: a fork takes its copy only when it
+        # starts (review 26a, F2), so dropping its prefix here would make it compute the whole
+        # prefix again (seen: another tenant's queued request dropped the prefix a queued fork
+        # was about to copy, and the fork recomputed 1,000 tokens)
+        keep = {e.key for e in map(self.prefixes.stored_entry, self.scheduler.waiting) if e is not None}
+        self._unpin_idle_sessions(need, holder_of(head.cache_namespace), keep)
 
-    def _unpin_idle_sessions(self, need: int, holder: str = "") -> None:
+    def _unpin_idle_sessions(self, need: int, holder: str = "", keep: Collection[object] = ()) -> None:
         """Unpin (demote) idle sessions and drop stored compressed prefixes until ``need``
         blocks are free or none is left, for a request of ``holder`` (a cache namespace
         without its salt): the idle states of the holder then holding the most device blocks
         in idle states go first (``holder``'s own on a tie), least recently used first within
         it, sessions before prefixes on a tie. That is the max-min fair order of the tiers
         below (``tiers.fair_lru``) and of ``_reclaim_host``; every idle state may still go, so
-        the waiting request always gets its blocks.
+        the waiting request always gets its blocks, but the stored prefixes ``keep`` (those
+        waiting requests fork; the scheduler's last resort, ``_free_held_elsewhere``, may still
+        drop them).
 
         Regression (security review 20 S1): one least-recently-used order over every tenant
         let a tenant holding 18 idle blocks send one request that took all of another tenant's
@@ -157,6 +168,8 @@ class EngineSessionsMixin:
                 by_holder.setdefault(holder_of(sess.namespace), []).append(
                     (sess.last_used_s, 0, sess.session_id, sess.num_held_blocks))
         for key, entry in self.prefixes.entries.items():
+            if key in keep:
+                continue
             kv = entry.seq.kv
             blocks = len(entry.seq.block_table) + (len(kv.charge_blocks) if kv is not None else 0)
             by_holder.setdefault(holder_of(entry.seq.cache_namespace), []).append((entry.last_used_s, 1, key, blocks))

@@ -79,4 +79,6 @@ class EngineStatsMixin:
                 "policy_blocks": sum(len(kv.charge_blocks) for kv in charged),
                 "compaction_released_hashes": pool.num_released_hashes,
                 "compactions_deferred": pool.num_deferred_rewrites,
+                # waiting requests passed over while a running request computes their prefix
+                "compressed_prefix_parked": self.scheduler.num_awaiting_prefix(),
             } | self.tiers.stats() | self.prefixes.stats()

@@ -2,7 +2,8 @@
 
 Each step: running sequences first (decodes take 1 token, unfinished prefills take a chunk),
 then waiting sequences in the policy's order while budget, sequence slots and blocks allow (a
-sequence whose prefetch is in flight is passed over until it lands). When a running sequence
+sequence whose prefetch is in flight is passed over until it lands, one whose compressed
+prefix a running request computes until it is stored). When a running sequence
 cannot get a block, the policy's victim is preempted (its blocks are freed, or demoted to the
 host tier when the policy swaps, and it re-queues at the front; the prefix cache recovers its
 KV). The policy (``cache_node.scheduling``, ``EngineConfig.scheduling_policy``) also decides
@@ -38,7 +39,7 @@ from cache_node.scheduling.admission import Ewma, SpeedMeter, StepTimeModel
 from cache_node.scheduling.base import requeue_by_priority
 from cache_node.scheduling.preemption import DemoteFn
 from cache_node.scheduling.step_size import StepSizing
-from cache_node.scheduling.waiting import WaitingAdmission
+from cache_node.scheduling.waiting import PrefixReuse, WaitingAdmission
 from cache_node.sequence import Sequence, SequenceStatus
 
 
@@ -63,6 +64,9 @@ class Scheduler(WaitingAdmission, StepSizing):
             sessions keep for running turns when the third is True; None: nothing to free.
         session_tenants: the tenants with a session open on this node (its next turn comes
             here), handed to ``policy.keep_active`` each step; None: no sessions.
+        prefixes: the engine's compressed prefixes (``waiting.PrefixReuse``): a waiting
+            sequence forks a stored one when it starts (``_fork_prefix``) and waits for a
+            running computation of one (``_awaits_prefix``); None: none.
         prefill_speed: prefill tokens per second of step time, measured online.
     """
 
@@ -80,6 +84,7 @@ class Scheduler(WaitingAdmission, StepSizing):
         self.max_seq_tokens: int | None = None
         self.reclaim: Callable[[int, str, bool], None] | None = None
         self.session_tenants: Callable[[], Iterable[str]] | None = None
+        self.prefixes: PrefixReuse | None = None
         self.prefill_speed = SpeedMeter()
         self.step_s = Ewma(prior=0.05)
         self.step_model = StepTimeModel()  # step seconds vs prefill tokens and decodes

@@ -66,7 +66,7 @@ class Sequence:
             (``cache_node.scheduling.base.order_by_priority``).
         prefix_stop: computing stops at this many tokens (no step crosses it), where the
             engine compresses and stores the request's reusable prefix
-            (``cache_node.compressed_prefix``); 0 once stored, or when there is none.
+            (``cache_node.compressed_prefix``); 0 once stored or forked, or when there is none.
         prefix_tokens: the reusable compressed prefix the request named (``prefix_tokens`` of
             ``LLMEngine.add_request``) under a compressing policy, kept for a recomputation
             (``restart``); 0 when none.
@@ -195,9 +195,10 @@ class Sequence:
     def restart(self) -> None:
         """Its KV is gone (preempted, or its waiting blocks taken): compute again from token
         0, or, for a session turn whose session kept its history's KV (``kept``), from the
-        history's end, over that KV as it was when the turn started. A request that reused a
-        compressed prefix stops at the prefix again, where it is compressed and stored as its
-        producer did (``CompressedPrefixCache.store``).
+        history's end, over that KV as it was when the turn started. A request that named a
+        compressed prefix forks it again when the scheduler restarts it while it is stored
+        (``Scheduler._fork_prefix``), else stops at the prefix again, where it is compressed
+        and stored as its first computation was (``CompressedPrefixCache.store``).
 
         Regression: a preempted fork of a compressed prefix recomputed its whole prompt and
         compressed it at the prompt's end, with the question seen: it kept other KV and

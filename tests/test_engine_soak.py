@@ -182,8 +182,9 @@ def test_preempted_fork_of_a_compressed_prefix_decodes_as_never_preempted(tiny, 
     (``cache_node.compressed_prefix``), preempted after some output tokens, recomputed its
     whole prompt and compressed it at the prompt's end: the document was no longer
     compressed before the question was seen, so it kept other KV and decoded other tokens
-    than never preempted. Now it recomputes the prefix, compresses it there as the producer
-    did (storing it again when it was evicted meanwhile: ``evict``), then the rest."""
+    than never preempted. Now, restarted, it forks the stored prefix again, or, when it was
+    evicted meanwhile (``evict``), recomputes it, compresses it there as its first
+    computation did and stores it again, then the rest."""
     doc = [(7 * i + 2) % 400 + 1 for i in range(80)]
     first, second = doc + [11, 12, 13, 14, 15], doc + [21, 22, 23, 24, 25, 26, 27]
     sp = SamplingParams(max_tokens=14, ignore_eos=True)
@@ -195,6 +196,8 @@ def test_preempted_fork_of_a_compressed_prefix_decodes_as_never_preempted(tiny, 
     eng.generate([first], sp, policy=policy, prefix_tokens=len(doc))
     rid = eng.add_request(second, sp, policy=policy, prefix_tokens=len(doc))
     seq, out = eng.requests[rid], None
+    assert (seq.num_cached_tokens, seq.block_table) == (0, [])  # it forks when it starts (26a F2)
+    eng.step()
     assert seq.num_cached_tokens == len(doc)  # forked
     while len(seq.output_token_ids) < 5:
         eng.step()
@@ -206,6 +209,7 @@ def test_preempted_fork_of_a_compressed_prefix_decodes_as_never_preempted(tiny, 
     assert out is not None and out.num_preemptions == 1
     assert out.output_token_ids == ref
     assert eng.prefixes.stats()["compressed_prefixes"] == 1  # stored again once evicted
+    assert (eng.prefixes.num_stores, eng.prefixes.num_hits) == ((2, 1) if evict else (1, 2))
     eng.check_integrity()
 
 

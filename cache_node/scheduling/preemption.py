@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from cache_node.model_runner import ScheduledBatch
     from cache_node.scheduling.admission import SpeedMeter
     from cache_node.scheduling.base import SchedulingPolicy
+    from cache_node.scheduling.waiting import PrefixReuse
 
 DemoteFn = Callable[[list[KVBlock]], int]
 
@@ -46,6 +47,8 @@ class Preemption:
     _bytes_per_block: int
     _swap_bytes_per_s: float
     _reusable_blocks: Callable[[Sequence], int]
+    _awaits_prefix: Callable[[Sequence], bool]
+    prefixes: PrefixReuse | None
     _held_for: dict[str, tuple[Sequence, int]]
     rejected: list[Sequence]
 
@@ -98,7 +101,7 @@ class Preemption:
         for seq in order_by_priority(self.policy.order(self.waiting, now)):
             if len(self.running) < self.config.max_num_seqs:
                 return
-            if self._held(seq):
+            if self._held(seq) or self._awaits_prefix(seq):
                 continue  # it waits for another: a slot freed for it would stay empty
             victim = self.policy.victim(self.running, seq)
             if victim is None:
@@ -106,10 +109,22 @@ class Preemption:
             if self._starts_after(seq, [victim]):
                 self.preempt_for(victim, seq)
 
+    def _fork_need(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Blocks waiting ``seq``'s fork of a stored compressed prefix takes with
+        ``num_new_tokens`` laid out past it (``PrefixReuse.fork_blocks``); None when it forks
+        none."""
+        if seq.block_table or self.prefixes is None:
+            return None
+        return self.prefixes.fork_blocks(seq, num_new_tokens)
+
     def _blocks_to_first_token(self, seq: Sequence) -> int:
         """Blocks ``seq`` still has to allocate to hold its tokens plus the next output one
         (past the tokens a session's kept policy state already compacted away:
-        ``num_evicted_tokens``)."""
+        ``num_evicted_tokens``; for a waiting sequence that forks a stored compressed prefix,
+        its copy, charge blocks and the tokens past the prefix: ``_fork_need``)."""
+        fork = self._fork_need(seq, seq.num_tokens - seq.prefix_tokens + 1)
+        if fork is not None:
+            return fork
         need = cdiv(seq.num_tokens - seq.num_evicted_tokens + 1, self.kv_manager.block_size)
         return max(0, need - len(seq.block_table))
 
@@ -122,8 +137,9 @@ class Preemption:
 
     def _hit_blocks(self, seq: Sequence) -> list[KVBlock]:
         """The device prefix-cache blocks ``_admit`` would reuse for waiting ``seq`` (a lookup,
-        no side effects; none for one that arrives with its blocks attached)."""
-        if seq.block_table:
+        no side effects; none for one that arrives with its blocks attached, nor for one that
+        forks a stored compressed prefix)."""
+        if seq.block_table or self._fork_need(seq, 0) is not None:
             return []
         return self.kv_manager.get_computed_blocks(seq)[0][: self._reusable_blocks(seq)]
 

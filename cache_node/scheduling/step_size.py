@@ -37,13 +37,15 @@ class StepSizing:
     _last_decode_s: dict[str, float]
     _last_step: tuple[float, int, int] | None
     _awaits_prefetch: Callable[[Sequence, float], bool]
+    _awaits_prefix: Callable[[Sequence], bool]
 
     def _urgent_prefill_pending(self, now: float) -> bool:
         """An interactive request waits (and may start) or has prompt tokens left, under a
         policy that isolates such prefills (``isolates_urgent_prefill``)."""
         if not self.policy.isolates_urgent_prefill:
             return False
-        if any(self.policy.rank(s) == 0 and not self._awaits_prefetch(s, now) for s in self.waiting):
+        if any(self.policy.rank(s) == 0 and not self._awaits_prefetch(s, now) and not self._awaits_prefix(s)
+               for s in self.waiting):
             return True
         return any(self.policy.rank(s) == 0 and s.num_uncomputed_tokens > 1
                    for s in self.running)

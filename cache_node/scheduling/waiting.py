@@ -6,15 +6,18 @@ and blocks allow (``_admit_waiting``); a sequence's first chunk reserves its blo
 prefix-cache hit, of which only the part its own prefill would have compressed the same way is
 reused (``_admit``, ``_reusable_blocks``). A sequence whose blocks are on their way up from the
 spill tier is passed over while waiting for them beats recomputing (``_awaits_prefetch``: ski
-rental). When nothing runs and nothing starts, the queue's head gets every block that is not
-its own or is given up (``_unwedge``). ``WaitingAdmission`` is a part of
+rental). A sequence that reuses a compressed prefix (``cache_node.compressed_prefix``) takes
+its copy of the stored prefix when it starts, under the same block checks (``_fork_prefix``),
+and is passed over while a running request of its class or a higher one computes that prefix
+(``_awaits_prefix``). When nothing runs and nothing starts, the queue's head gets every block
+that is not its own or is given up (``_unwedge``). ``WaitingAdmission`` is a part of
 ``cache_node.scheduler.Scheduler``; it preempts through ``Preemption``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cache_node.scheduling.base import PREFETCH_TTFT_SHARE, order_by_priority
 from cache_node.scheduling.preemption import Preemption
@@ -23,6 +26,24 @@ from cache_node.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from cache_node.model_runner import ScheduledBatch
     from cache_node.scheduling.admission import Ewma
+
+
+class PrefixReuse(Protocol):
+    """The engine's compressed prefixes as admission sees them
+    (``cache_node.compressed_prefix.CompressedPrefixCache``)."""
+
+    def computing(self, seq: Sequence) -> list[Sequence]:
+        """Running sequences computing the prefix waiting ``seq`` would fork ([] if none)."""
+
+    def fork_blocks(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Blocks a fork of the stored prefix takes for waiting ``seq`` with ``num_new_tokens``
+        laid out past it; None when ``seq`` forks nothing."""
+
+    def fork(self, seq: Sequence) -> bool:
+        """Copy the stored prefix into waiting ``seq``; False (nothing held) when it did not."""
+
+    def unfork(self, seq: Sequence) -> None:
+        """Give back what ``fork`` took."""
 
 
 class WaitingAdmission(Preemption):
@@ -45,6 +66,8 @@ class WaitingAdmission(Preemption):
         for seq in self.waiting:
             if seq.block_table:
                 seq.device_hit_tokens = len(seq.block_table) * bs
+            elif self._fork_need(seq, 0) is not None:  # a stored compressed prefix to fork
+                seq.device_hit_tokens = seq.prefix_tokens
             else:
                 hit = self.kv_manager.get_computed_blocks(seq)[1]
                 seq.device_hit_tokens = min(hit, self._reusable_blocks(seq) * bs)
@@ -88,6 +111,8 @@ class WaitingAdmission(Preemption):
             if self._awaits_prefetch(seq, now):  # its blocks are on their way up; others go first
                 continue
             if self._held(seq):  # preempted for one still waiting: that one goes first
+                continue
+            if self._awaits_prefix(seq):  # forks the prefix a running request computes
                 continue
             held_back = capped is not None and self.policy.rank(seq) > 0
             if held_back and capped == 0:
@@ -137,10 +162,23 @@ class WaitingAdmission(Preemption):
 
     def _admit(self, seq: Sequence, budget: int, step_left: int | None = None) -> int | None:
         """Reserve blocks for a waiting sequence's first chunk of at most ``budget`` tokens (a
-        prompt span may take it up to ``step_left``, the step's tokens left); None when it
-        cannot start."""
+        prompt span may take it up to ``step_left``, the step's tokens left), after its copy of
+        a stored compressed prefix (``_fork_prefix``); None, with nothing held, when it cannot
+        start."""
+        forked = self._fork_prefix(seq, budget, step_left)
+        if forked is None:
+            return None
+        n = self._admit_chunk(seq, budget, step_left)
+        if n is None and forked:
+            assert self.prefixes is not None
+            self.prefixes.unfork(seq)
+        return n
+
+    def _admit_chunk(self, seq: Sequence, budget: int, step_left: int | None) -> int | None:
+        """``_admit`` past the fork: the first chunk's blocks, past a device prefix-cache hit
+        for a sequence that arrives with no blocks."""
         computed, num_cached = ([], 0)
-        if not seq.block_table:  # a session turn arrives with its blocks attached
+        if not seq.block_table:  # a session turn arrives with its blocks attached (a fork has its copy)
             computed, num_cached = self.kv_manager.get_computed_blocks(seq)
             computed = computed + self.kv_manager.promote_blocks(seq, computed)
             computed = computed[: self._reusable_blocks(seq)]
@@ -159,6 +197,52 @@ class WaitingAdmission(Preemption):
         if seq.num_preemptions == 0 and not seq.output_token_ids:
             seq.num_cached_tokens = max(seq.num_cached_tokens, start)
         return n
+
+    def _fork_prefix(self, seq: Sequence, budget: int, step_left: int | None) -> bool | None:
+        """A waiting sequence that reuses a stored compressed prefix takes its copy now, as
+        the scheduler starts it, under admission's block checks: the copy (its charge blocks
+        included) and the most its first chunk may take must fit the free blocks, and, under a
+        policy that ``admits_whole_prompt``, its whole prompt past the copy
+        (``_whole_prompt_fits``). True: forked; False: nothing to fork (it computes its prefix,
+        or has none); None: it does not fit (nothing taken).
+
+        Regression (review 26a, F2): the copy was taken when the request arrived at the node,
+        before the scheduler saw it: queued requests each held a copy of the prefix (~57
+        blocks), the pool went to 0 free, stored prefixes were evicted and running requests
+        preempted, none of it counted by admission."""
+        first = min(seq.num_prompt_tokens - seq.prefix_tokens, max(budget, step_left or 0))
+        need = self._fork_need(seq, first)
+        if need is None:
+            return False
+        if need > self.kv_manager.pool.num_free_blocks():
+            return None
+        if self.policy.admits_whole_prompt and not self._whole_prompt_fits(seq, []):
+            return None
+        assert self.prefixes is not None
+        return self.prefixes.fork(seq)
+
+    def _awaits_prefix(self, seq: Sequence) -> bool:
+        """Waiting ``seq`` reuses a compressed prefix that a running request of its SLO class
+        or a higher one is computing now: it is passed over and forks the prefix once stored
+        (compressed once, however many requests share it). A request the scheduler has not
+        started (queued, or preempted) computes nothing, so nothing waits for it: the first
+        that starts computes the prefix (``_admit``: no stored prefix to fork). Nor does
+        ``seq`` wait for a lower class's computation, which the policy may run behind its own
+        (isolated interactive steps, capped prefills): it computes the prefix itself, and the
+        first to reach the boundary stores it.
+
+        Regression (review 26a, F1): a request was parked outside the scheduler behind the
+        first request of its prefix, whatever that one's state: an interactive tenant's
+        request (5 s TTFT target) waited 21.0 s behind a batch tenant's queued one (1.83 s
+        without it), a priority -1000 request behind its tenant's queued priority 1000 one."""
+        if self.prefixes is None:
+            return False
+        rank = self.policy.rank(seq)
+        return any(self.policy.rank(p) <= rank for p in self.prefixes.computing(seq))
+
+    def num_awaiting_prefix(self) -> int:
+        """Waiting sequences passed over for a running computation of their prefix."""
+        return sum(1 for seq in self.waiting if self._awaits_prefix(seq))
 
     def _reusable_blocks(self, seq: Sequence) -> int:
         """Blocks of a new sequence's tokens a prefix-cache hit may cover: a reusable prefix
