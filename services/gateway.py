@@ -307,10 +307,20 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         admission held its place in its node's ``in_flight`` and its tenant's share for as long
         as the scheduler ran (``max_num_seqs`` such calls filled a node for good). The
         admission's answer comes after the scheduler admitted, so a release sent then lands
-        after it."""
+        after it.
+
+        An admission that fails (its reply late past ``admit_timeout_s``, malformed, or the
+        scheduler restarting) may still have been admitted, as the connected path in
+        ``_attempt`` has it: the request is aborted on every node (its id is this attempt's
+        alone) and released (a no-op at a scheduler that never admitted it). Regression
+        (review 26c F3): such a request was taken as never admitted, and held its place in
+        its node's ``in_flight`` while the node ran it, unseen, to its end."""
         try:
             adm = await admission
-        except Exception:  # noqa: BLE001 - nothing was admitted, nothing runs
+        except Exception:  # noqa: BLE001 - admitted late, maybe: it must not run unseen
+            for node_id in self.streams.node_inboxes:
+                self.streams.abort(node_id, request_id)
+            self.scheduler.release.remote(request_id, seen.usage())
             return
         if adm.code == "OK":
             self.streams.abort(adm.node_id, request_id)

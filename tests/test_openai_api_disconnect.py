@@ -140,3 +140,36 @@ def test_a_client_gone_while_being_admitted_is_released_after_its_admission(edge
         del edge.servicer.streams.admit
     assert edge.scheduler.requests == {}
     wait_for(lambda: edge.stats() == (0, 0), 5.0)
+
+
+@pytest.mark.parametrize("failure", [asyncio.TimeoutError, RuntimeError])
+def test_a_client_gone_while_being_admitted_whose_admission_fails_is_aborted_and_released(
+        edge: Edge, failure: type[Exception]) -> None:
+    """Review 26c F3: the scheduler admits the request, but its answer fails at the gateway
+    (late past ``admit_timeout_s``, or malformed) after the client left. The call's path took
+    that as "nothing was admitted": the scheduler kept it in flight (its node's place held)
+    and the node ran it, unseen, to max_tokens. Now it is aborted on every node and released,
+    as a connected call's failed admission is."""
+    real, sent, admitted = edge.servicer.streams.admit, threading.Event(), threading.Event()
+
+    async def failed_admit(req: NodeRequest, hashes: list[bytes]) -> Any:
+        sent.set()
+        await asyncio.sleep(0.3)  # the client leaves meanwhile
+        assert (await real(req, hashes)).code == "OK"  # the scheduler admits it ...
+        admitted.set()
+        raise failure("the admission's reply did not come in time")  # ... its answer fails here
+
+    edge.servicer.streams.admit = failed_admit  # type: ignore[method-assign]
+    try:
+        sock = edge.post("/v1/completions", {"model": edge.model, "prompt": [5] * 20, "max_tokens": 400,
+                                             "ignore_eos": True})
+        assert sent.wait(10.0)
+        sock.close()  # gone while being admitted
+        assert admitted.wait(10.0)
+        wait_for(lambda: edge.run(call(edge.scheduler.stats))["in_flight"]["n0"] == 0, 5.0)
+        wait_for(lambda: edge.stats() == (0, 0), 5.0)  # aborted on its node: not run to its end
+    finally:
+        del edge.servicer.streams.admit
+        for rid in list(edge.scheduler.requests):  # (a failure above: the next case starts clean)
+            edge.run(call(edge.scheduler.release, rid))
+    assert edge.scheduler.requests == {}
