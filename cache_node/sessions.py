@@ -83,6 +83,7 @@ class Session:
     ``lost``: the history's KV was dropped (``SessionTable.lose``) and no turn has run since,
     or the last turn was marked and its policy state, rebuilt, descends from that loss;
     ``previous_lost``: the same for the history kept to undo the last turn (``rewind``).
+    ``opened_by``: the request id of the turn that opened the session here (its first).
     """
 
     session_id: str
@@ -100,6 +101,7 @@ class Session:
     previous: History | None = None  # the history before the turn that just ended (``detach``)
     lost: LostState | None = None
     previous_lost: LostState | None = None
+    opened_by: str = ""
 
     @property
     def num_held_blocks(self) -> int:
@@ -139,7 +141,8 @@ class SessionTable:
         """
         sess = self.sessions.get(seq.session_id or "")
         if sess is None:
-            self.sessions[seq.session_id] = Session(seq.session_id, seq.tenant, active_request=seq.request_id)
+            self.sessions[seq.session_id] = Session(seq.session_id, seq.tenant, active_request=seq.request_id,
+                                                    opened_by=seq.request_id)
             return
         if sess.tenant != seq.tenant:
             raise PermissionError(f"session {seq.session_id!r} belongs to another tenant")

@@ -245,32 +245,39 @@ class Commands:
             stream.loop.call_soon_threadsafe(stream.deliver, event)
         self.abort(request_id)
 
-    def _end_pending_turns(self, session_id: str, tenant: str) -> int:
-        """Step thread: end with ABORTED the turns of ``tenant``'s session that reached this
-        node and have not started (``_incoming``); returns how many."""
+    def _end_pending_turns(self, session_id: str, tenant: str, before: str = "",
+                           why: str = "the session was closed") -> int:
+        """Step thread: end with ABORTED (message ``why``) the turns of ``tenant``'s session
+        that reached this node and have not started (``_incoming``); with ``before`` (a
+        request id) only those that reached it before that request; returns how many."""
+        arrived = list(self._streams)  # (a C copy) in the order the streams opened
+        earlier = set(arrived[: arrived.index(before)]) if before in arrived else None
         ids = {s.request.request_id: None for s in [*self._incoming, *list(self._rendering)]  # (C copies)
                if s.request.session_id == session_id and s.request.tenant == tenant
-               and self._streams.get(s.request.request_id) is s}  # one a stream (in both for a moment)
+               and self._streams.get(s.request.request_id) is s  # one a stream (in both for a moment)
+               and (not before or (earlier is not None and s.request.request_id in earlier))}
         for rid in ids:
-            self._end_stream(rid, "ABORTED", "the session was closed")
+            self._end_stream(rid, "ABORTED", why)
         return len(ids)
 
-    def _close_session(self, session_id: str) -> int:
+    def _close_session(self, session_id: str, before: str = "", why: str = "the session was closed") -> int:
         """Step thread, between steps: close a session. A turn running in it ends first with
         ABORTED (regression: a session closed during its turn answered "0 tokens freed", the turn
-        ran on, and its blocks were freed only at its end). Returns the tokens freed: the
-        history's, or the running turn's (its prompt holds the history)."""
+        ran on, and its blocks were freed only at its end), and so do its turns not started
+        (with ``before``: those that reached the node before that request; ``why``: their
+        error's message). Returns the tokens freed: the history's, or the running turn's (its
+        prompt holds the history)."""
         sess = self.engine.sessions.sessions.get(session_id)
         if sess is None:
             return 0
-        self._end_pending_turns(session_id, sess.tenant)
+        self._end_pending_turns(session_id, sess.tenant, before, why)
         self._session_messages.pop(session_id, None)
         turn = sess.active_request
         tokens = 0
         if turn is not None:
             seq = self.engine.requests.get(turn)
             tokens = seq.num_tokens if seq is not None else 0
-            self._end_stream(turn, "ABORTED", "the session was closed")
+            self._end_stream(turn, "ABORTED", why)
             self.engine.abort_request(turn)
         return max(tokens, self.engine.close_session(session_id))
 

@@ -5,7 +5,8 @@ its request checked and queued in the engine (``_start_incoming``): a session tu
 is gone is refused (``SessionGone``, ABORTED), so is one whose session has a turn running
 (``cache_node.outputs.SessionBusy``, ABORTED: a conflict the same turn sent later does not
 meet), and one that would take its tenant's kept session messages past its budget
-(``SessionTextBudget``, RESOURCE_EXHAUSTED); its prompt is the one the
+(``SessionTextBudget``, RESOURCE_EXHAUSTED); a turn opening its session first closes a stale
+session of its id held here (``_drop_stale_session``); its prompt is the one the
 renderer made when its session is unchanged since, else rendered now (``_prompt_of``,
 ``_prompt``); a request without max_tokens gets what its context leaves (``_sampling``); its
 tenant's promises set its share (``_set_tenant_share``). A refusal ends that stream alone with
@@ -40,6 +41,11 @@ class SessionGone(Exception):
     the closed session was opened again, holding KV until its TTL."""
 
 
+class RepeatedOpen(Exception):
+    """A submit of the very turn that opened its session here arrives again
+    (``NodeRequest.opens_session``; ALREADY_EXISTS): the session it opened stays."""
+
+
 class SessionTextBudget(Exception):
     """A session turn would take its tenant's kept messages on this node past
     ``NodeConfig.max_session_text_chars_per_tenant`` (RESOURCE_EXHAUSTED)."""
@@ -57,6 +63,8 @@ class Requests:
                 continue  # aborted before it started
             error = None
             try:
+                if req.opens_session:
+                    self._drop_stale_session(req)
                 if req.continues_session and self.engine.session_history(req.session_id) is None:
                     raise SessionGone("the session ended (closed, expired or its first turn failed) before "
                                       "this turn started; its history is gone: send the turn again to start it anew")
@@ -82,6 +90,8 @@ class Requests:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
             except (SessionGone, SessionBusy) as exc:
                 error = {"type": "error", "code": "ABORTED", "message": str(exc)}
+            except RepeatedOpen as exc:
+                error = {"type": "error", "code": "ALREADY_EXISTS", "message": str(exc)}
             except SessionTextBudget as exc:
                 error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
@@ -93,6 +103,38 @@ class Requests:
                 error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
             if error is not None:
                 self._dispatch([(stream, error)])
+
+    def _drop_stale_session(self, req: NodeRequest) -> None:
+        """Step thread, between steps: ``req`` opens its session (``NodeRequest.opens_session``:
+        the scheduler routed that id nowhere), so a session of its id and tenant held here is
+        stale (closed, expired or lost at the scheduler, its close never reaching this node):
+        it is closed as a CloseSession would close it (its KV blocks freed, its kept messages'
+        budget given back) before ``req`` starts. Its turn still running, and its turns that
+        reached this node before ``req`` and have not started, end ABORTED: the scheduler
+        routes no turn of that session any more, and its client closed it or was told it is
+        lost, so no answer of it is still owed; a refusal of ``req`` would instead lose the
+        turn the client sends now, and let the turns sent after it meet the stale history.
+        Turns that reached the node after ``req`` are the new session's and stay. Another
+        tenant's session of that id is left to the engine's refusal (PERMISSION_DENIED).
+
+        Regression: such a turn was appended to the stale history and answered from a
+        conversation the client had closed, with OK.
+
+        Raises:
+            RepeatedOpen: ``req`` is the very turn that opened the session held here (a
+                repeated submit): the session stays.
+        """
+        sess = self.engine.sessions.sessions.get(req.session_id)
+        if sess is None or sess.tenant != req.tenant:
+            return
+        if sess.opened_by == req.request_id:
+            raise RepeatedOpen("this turn opened its session on this node already: a repeated submit "
+                               "does not open it anew")
+        freed = self._close_session(req.session_id, before=req.request_id,
+                                    why="a later turn opened this session anew: the scheduler no longer routed it "
+                                    "here (closed, expired or lost), so its history is gone")
+        log.warning("cache node %s: turn %.100s opens session %.100s anew: dropped the stale one held here "
+                    "(%d tokens)", self.node_id, req.request_id, req.session_id, freed)
 
     def _pool_binds(self, req: NodeRequest) -> bool:
         """``req``'s KV policy keeps every token and this node's pool holds fewer tokens than

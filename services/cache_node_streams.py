@@ -175,8 +175,10 @@ class Streams:
         req = stream.request
         try:
             if self._streams.get(req.request_id) is stream:  # not aborted meanwhile
-                count = len(self._session_messages.get(req.session_id, ()))  # before the history: a
-                history = self.engine.session_history(req.session_id) if req.session_id else None
+                # an opening turn has no history: a stale one here goes first (``_drop_stale_session``)
+                session = req.session_id if not req.opens_session else ""
+                count = len(self._session_messages.get(session, ())) if session else 0  # before the history: a
+                history = self.engine.session_history(session) if session else None
                 stream.rendered = (history, count, self._prompt(req, history))  # turn ending now misses
         except Exception:  # noqa: BLE001 - the step thread renders it again and reports the error
             stream.rendered = None

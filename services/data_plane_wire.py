@@ -86,7 +86,7 @@ class MessageLimits(UnpackBounds):
 REQUEST_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,
     max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
-    max_map_len=32,  # a request's 15 fields, sampling's 14, extra's 8, an envelope's 4
+    max_map_len=32,  # a request's 16 fields, sampling's 14, extra's 8, an envelope's 4
     max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,  # one chat message's content, 4 MiB
     max_bin_len=64,  # a block hash (32 bytes)
     max_containers=_CHAT_MESSAGES + 64,  # a map a chat message ({role, content}), the fixed ones
@@ -139,7 +139,7 @@ _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
     "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
     "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)), "priority": int,
-    "prefix_tokens": int, "continues_session": bool,
+    "prefix_tokens": int, "continues_session": bool, "opens_session": bool,
 }
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
 _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' fields
@@ -192,7 +192,8 @@ def request_from_wire(data: Any) -> NodeRequest:
         ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
             [-1000, 1000], ``prefix_tokens`` outside [0, len(token_ids)], sampling parameters, ``SamplingParams``),
             a ``session_id`` over ``MAX_ID_CHARS`` or a ``policy`` off the policy pattern (63
-            characters at most: the node parses it on its step thread; security review 19 H2);
+            characters at most: the node parses it on its step thread; security review 19 H2),
+            ``opens_session`` without a ``session_id`` or with ``continues_session``;
             TypeError: unknown, missing or mistyped fields.
     """
     _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
@@ -215,6 +216,10 @@ def request_from_wire(data: Any) -> NodeRequest:
         _check_str_map("request.messages[]", message)
     _check_str_map("request.extra", fields.get("extra", {}))
     check_priority(fields.get("priority", 0))
+    if fields.get("opens_session") and (fields.get("continues_session") or not fields.get("session_id")):
+        # an opening turn drops a stale session of its id on the node: only a session turn
+        # the scheduler routed nowhere before opens one, and it continues nothing
+        raise ValueError("request.opens_session needs a session_id and excludes continues_session")
     if fields.get("prefix_tokens", 0):  # of token_ids only (a node renders messages whole)
         resolve_prefix_tokens(fields["prefix_tokens"], 0, fields.get("messages") or tokens, tokens, None)
     sampling = fields["sampling"]  # each field its exact type (regression: "0.5" for top_p

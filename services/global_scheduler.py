@@ -317,7 +317,9 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
 
         The node hears of the request from here (a data-plane message to its command inbox),
         one hop sooner than if the gateway waited for this reply and sent it on. A session-less
-        prompt the index places partly in the spill tier is marked for prefetch.
+        prompt the index places partly in the spill tier is marked for prefetch. A session turn's
+        ``continues_session`` and ``opens_session`` (``NodeRequest``) are set here from the
+        admission, whatever the gateway sent.
 
         Raises:
             KeyError: the chosen node was never attached (``attach_nodes``).
@@ -333,8 +335,13 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             self.request_gateways[req.request_id] = subscriber
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
-            if req.continues_session != adm.continues_session:  # ours to say, not the gateway's
-                req = dataclasses.replace(req, continues_session=adm.continues_session)
+            # ours to say, not the gateway's: a turn opens its session when this admission
+            # made its route (``requests``' opened session), and a node drops a stale session
+            # of that id for it (regression: such a turn was appended there to the history of
+            # a session the client had closed, or the scheduler had expired or lost)
+            opens = bool(self.requests[req.request_id][2])
+            if (req.continues_session, req.opens_session) != (adm.continues_session, opens):
+                req = dataclasses.replace(req, continues_session=adm.continues_session, opens_session=opens)
             sent = self.commands.send(self.node_inboxes[adm.node_id], {
                 "op": "submit", "req": data_plane.request_to_wire(req), "sub": subscriber})
             if sent is False:  # the node's inbox is full: nothing will ever answer this request

@@ -52,10 +52,17 @@ class Sessions:
 
     def sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
         """``node_id`` closed these sessions (expired): forget their routing there (an id
-        routed to another node stays)."""
+        routed to another node stays, and so does a route whose opening turn is still in
+        flight there: the node's session of that id that expired was a stale one, never this
+        route's, which is not idle or not there yet).
+
+        Regression: a stale session (its close never reached the node) that expired as a new
+        session of its id opened there dropped the new session's route; its next turn opened it
+        anew elsewhere and was answered without its history."""
+        opening = {opened for _, node, opened, _ in self.requests.values() if node == node_id and opened}
         for sid in session_ids:
             entry = self.session_nodes.get(sid)
-            if entry is not None and entry[1] == node_id:
+            if entry is not None and entry[1] == node_id and sid not in opening:
                 self.drop_session_route(sid)
 
     def close_session(self, session_id: str, tenant_id: str) -> tuple[str, list[str]] | None:

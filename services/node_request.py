@@ -75,6 +75,13 @@ class NodeRequest:
     ``continues_session``: set by the global scheduler when it routed this turn to the node
     holding its session; such a turn finding no session there is refused (ABORTED), never
     computed without its history.
+    ``opens_session``: set by the global scheduler when this turn opened its session's route
+    (no route led anywhere: a new session id, or one closed, expired, lost or whose first turn
+    failed): a session of that id the node still holds is stale (its close never reached the
+    node, or the scheduler forgot it) and is dropped before this turn starts, never continued
+    (``services.cache_node_requests.Requests._drop_stale_session``). Both flags are the
+    scheduler's to say (``GlobalScheduler.admit_and_submit`` overrides a gateway's); never
+    both set.
     """
 
     request_id: str
@@ -92,6 +99,7 @@ class NodeRequest:
     priority: int = 0
     prefix_tokens: int = 0
     continues_session: bool = False
+    opens_session: bool = False
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):
