@@ -66,8 +66,12 @@ session's node is down (``session_node_down``), the chosen node does not read it
 ``node_up``."""
 
 SESSION_LOST = ("this session's history was lost (its cache node or the service restarted): close the "
-                "session (CloseSession) and start it again")
-"""The message of an ABORTED ``session_lost`` refusal (``lost_of``)."""
+                "session (gRPC CloseSession, HTTP DELETE /v1/sessions/{session_id}, or `kvstrata "
+                "close-session`) and start it again; its turns are refused until then, or until "
+                "session_ttl_s has passed since its last turn")
+"""The message of an ABORTED ``session_lost`` refusal (``lost_of``). It names the close of each
+API (fresh-user trial 26d: HTTP clients were told only the gRPC method) and when the refusal
+ends by itself."""
 
 
 @dataclass(frozen=True)
