@@ -149,7 +149,7 @@ class SamplingParams:
             )
         object.__setattr__(self, "repetition_penalty", value)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (unset or null: off), got {self.logprobs!r}")
         min_p = _number("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
