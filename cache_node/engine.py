@@ -213,6 +213,9 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"unknown stop token ids {bad}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:  # (review 26c F4)
+            raise InvalidRequestError(f"logprobs: asks for {params.logprobs} alternatives per token; the "
+                                      f"model's vocabulary has {self.vocab_size} tokens")
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
 

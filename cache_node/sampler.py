@@ -20,6 +20,7 @@ same ``tolist()`` as the chosen ids (``draw``); a step where no row asks compute
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import torch
@@ -213,9 +214,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], 
     one log_softmax over those rows, the chosen ``tokens``' (num_seqs,) values gathered, and
     their ``k`` largest (at most the vocabulary) with their ids. Returns (len(rows), 1 + 2k')
     float64: per row the chosen token's log probability, the k' ids (exact as float64) and
-    their log probabilities, most probable first (``torch.topk``'s order)."""
+    their log probabilities, most probable first (``torch.topk``'s order).
+
+    A value that is not finite (a row whose logits hold NaN or +inf: its log_softmax is NaN)
+    is -inf, what the gateway accepts for "no probability" (the API floors it at -9999.0):
+    the alternatives are then the finite ones first. Regression (review 26c F5): a greedy row
+    with such logits, served its tokens without logprobs, sent NaN with them, which the
+    gateway refuses as a malformed event (UNAVAILABLE, blaming the node)."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    logprobs = torch.nan_to_num(logprobs, nan=-math.inf, posinf=-math.inf)
     chosen = logprobs.gather(1, tokens[index][:, None])
     k = min(k, logprobs.shape[1])
     if not k:

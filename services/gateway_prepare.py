@@ -77,6 +77,12 @@ class RequestPreparation:
         messages: tuple[dict[str, str], ...] = ()
         tokens: tuple[int, ...] = ()
         prompt, sampling = call.prompt, call.sampling
+        vocab = self.info.get("vocab_size")
+        if vocab and sampling.logprobs is not None and sampling.logprobs > vocab:  # the node's rule too
+            # (``LLMEngine._validate``). Regression (review 26c F4): the sampler gave the
+            # vocabulary's k, the gateway's check wanted the k asked: UNAVAILABLE, "malformed"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"logprobs: asks for {sampling.logprobs} "
+                                f"alternatives per token; the model's vocabulary has {vocab} tokens")
         limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
         room = min(limit, self.info["pool_tokens"])  # the most prompt tokens that can ever run
         templater = self.templater
@@ -92,7 +98,6 @@ class RequestPreparation:
                 messages = ()
         else:
             tokens = tuple(prompt)
-            vocab = self.info.get("vocab_size")
             if vocab and not all(type(t) is int and 0 <= t < vocab for t in tokens):  # regression:
                 # ids past the data plane's int32 got UNAVAILABLE (a scheduler "failure") or a 500
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must lie in [0, {vocab})")

@@ -265,3 +265,47 @@ def test_the_engine_logprobs_equal_transformers_on_the_real_model(real_model) ->
         assert [t for t, _ in entry.top] == want.indices.tolist() and entry.top[0][0] == token
         assert [v for _, v in entry.top] == pytest.approx(want.values.tolist(), abs=1e-3)
         assert entry.logprob == pytest.approx(float(rows[step, token]), abs=1e-3) == entry.top[0][1]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_row_of_non_finite_logits_sends_logprobs_the_gateway_accepts(bad: float) -> None:
+    """Review 26c F5: a greedy row whose logits hold NaN or +inf (served its tokens without
+    logprobs: a greedy row is not drawn) sent a NaN logprob, refused at the gateway as a
+    malformed event (UNAVAILABLE, blaming the node). Its non-finite values are now -inf (the
+    API's -9999.0), the finite rows' unchanged, and each entry passes the gateway's checks."""
+    from services.data_plane_replies import check_event, check_logprobs_asked
+    from services.node_request import logprobs_entry
+
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    logits[0, 7] = bad  # log_softmax of the whole row is NaN
+    logits[1, :5] = bad
+    seqs = [_seq("one", logprobs=4), _seq("five", logprobs=4), _seq("finite", logprobs=4)]
+    plain = sample(logits, [_seq(s.request_id) for s in seqs])
+    tokens, logprobs = draw(logits, seqs)
+    assert tokens == plain  # asking changes no token
+    for i in (0, 1):
+        got = logprobs[i]
+        assert got is not None and got.logprob == -math.inf and len(got.top) == 4
+        assert all(v == -math.inf for _, v in got.top) and len({t for t, _ in got.top}) == 4
+    _check_row(logprobs[2], logits[2], tokens[2], 4)  # type: ignore[arg-type]
+    for i, got in enumerate(logprobs):
+        assert got is not None
+        event = {"type": "delta", "text": "", "token_ids": [tokens[i]],
+                 "logprobs": [logprobs_entry(got.logprob, got.top)]}
+        check_logprobs_asked(check_event(event), 4)
+
+
+def test_logprobs_past_the_vocabulary_are_refused_at_the_node(tiny) -> None:
+    """Review 26c F4: a request asking for more alternatives than the vocabulary holds got
+    the vocabulary's (the sampler's topk bound) and its stream ended UNAVAILABLE at the
+    gateway, which wants exactly k. The rule is k <= vocabulary, refused InvalidRequestError
+    naming logprobs (the gateway refuses it first, INVALID_ARGUMENT:
+    ``tests/test_logprobs_served.py``)."""
+    from cache_node.outputs import InvalidRequestError
+
+    engine = make_engine(tiny)
+    engine.vocab_size = 12  # a model with a vocabulary under MAX_LOGPROBS
+    with pytest.raises(InvalidRequestError, match=r"^logprobs: asks for 13 alternatives per token; the "
+                                                  r"model's vocabulary has 12 tokens"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, logprobs=13), request_id="r")
+    assert engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, logprobs=12), request_id="ok") == "ok"
