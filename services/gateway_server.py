@@ -33,7 +33,7 @@ from services.node_monitor import NodeMonitor
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
-from services.openai_api.logprobs import tokenizer_token_text
+from services.openai_api.logprobs import TokenTexts
 from services.tls import ServerTls, warn_cleartext
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class Gateway:
                 templater.check_fits(len(text), room)
             return encode_text(tokenizer, text)
         self.http = HttpServer(create_app(OpenAIEdge(inference, info["model_id"], encode,
-                                                     num_healthy, self.body_limits, tokenizer_token_text(tokenizer))),
+                                                     num_healthy, self.body_limits, TokenTexts(tokenizer))),
                                self.http_forwarded_allow_ips, self.http_limits, self.tls)
         await self.http.start(host, port)
 

@@ -24,7 +24,7 @@ from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services.chat import ChatTemplater
 from services.gateway_server import create_server
 from services.openai_api import HttpServer, OpenAIEdge, create_app
-from services.openai_api.logprobs import tokenizer_token_text
+from services.openai_api.logprobs import TokenTexts
 from tenants.model import TenantSpec
 from tests.loop_plane import LoopPlane, call
 from tests.test_openai_api_disconnect import Actor
@@ -51,7 +51,7 @@ class Served(LoopPlane):
         self.key = self.run(call(self.scheduler.register_tenant, TenantSpec(name="logprobs")))[1]
         self.model = info["model_id"].split("@", 1)[0]
         self.http = HttpServer(create_app(OpenAIEdge(self.servicer, info["model_id"], list, lambda: 1,
-                                                     token_text=tokenizer_token_text(self.tokenizer))))
+                                                     tokens=TokenTexts(self.tokenizer))))
         self.base = f"http://127.0.0.1:{self.run(self.http.start('127.0.0.1', 0))}/v1"
 
     def generate(self, **sampling: Any) -> list[inference_pb2.GenerateResponse]:
@@ -195,12 +195,13 @@ def test_a_chat_completion_has_openais_logprobs_content(served: Served) -> None:
     assert status == 200, whole
     content = whole["choices"][0]["logprobs"]["content"]
     assert len(content) == whole["usage"]["completion_tokens"] == MAX_TOKENS
+    # the tokens' bytes join to the text's UTF-8 (review 26c F1: the rule for split characters)
+    assert b"".join(bytes(e["bytes"]) for e in content) == whole["choices"][0]["message"]["content"].encode()
     for entry in content:
-        assert entry["bytes"] == list(entry["token"].encode())
         tops = entry["top_logprobs"]
         assert len(tops) == 2 and tops[0]["logprob"] >= tops[1]["logprob"]
         assert entry["logprob"] == tops[0]["logprob"] == max(t["logprob"] for t in tops)
-        assert entry["token"] == tops[0]["token"] and all(t["bytes"] == list(t["token"].encode()) for t in tops)
+        assert entry["token"] == tops[0]["token"] and entry["bytes"] == tops[0]["bytes"]
     status, chunks = served.post("/chat/completions", {**body, "stream": True})
     assert status == 200
     assert chunks[0]["choices"][0]["logprobs"] is None  # the role chunk
@@ -255,7 +256,8 @@ def test_the_official_openai_client_reads_the_logprobs(served: Served, reference
                                           extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 4 for c in content)
-    assert all(c.logprob == c.top_logprobs[0].logprob and c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert b"".join(bytes(c.bytes) for c in content) == chat.choices[0].message.content.encode()
     streamed = [c for chunk in client.chat.completions.create(
         model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
         logprobs=True, top_logprobs=4, stream=True, extra_body={"ignore_eos": True})
@@ -267,3 +269,32 @@ def test_the_official_openai_client_reads_the_logprobs(served: Served, reference
     assert logprobs.tokens == [served.tokenizer.decode([t]) for t in tokens]
     assert logprobs.token_logprobs == pytest.approx([float(rows[i, t]) for i, t in enumerate(tokens)], abs=1e-3)
     assert all(len(top) <= 3 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
+
+
+def test_a_whole_response_past_the_logprobs_bound_is_400_before_it_runs(served: Served) -> None:
+    """Review 26c F2, served: n 16 x top_logprobs 20 without max_tokens (the context's worth
+    each) is a 400 naming top_logprobs, saying to stream (refused with the body, before any choice is admitted)."""
+    status, body = served.post("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 16,
+                                                     "logprobs": True, "top_logprobs": 20})
+    assert status == 400, body
+    assert body["error"]["param"] == "top_logprobs" and "stream it (stream: true)" in body["error"]["message"]
+    status, body = served.post("/completions", {"prompt": PROMPT, "n": 16, "logprobs": 20, "max_tokens": 1000})
+    assert status == 400 and body["error"]["param"] == "logprobs", body
+
+
+def test_logprobs_past_the_vocabulary_are_invalid_argument_at_the_gateway(served: Served) -> None:
+    """Review 26c F4: k over the model's vocabulary (a model under 20 tokens) ended its stream
+    UNAVAILABLE, "a cache node sent a malformed event"; the gateway now refuses it first,
+    INVALID_ARGUMENT naming logprobs (the node's own rule: ``tests/test_sampler_logprobs.py``)."""
+    info = served.servicer.info
+    vocab = info["vocab_size"]
+    info["vocab_size"] = 4
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            served.generate(max_tokens=2, logprobs=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "logprobs: asks for 5 alternatives per token; the model's vocabulary has 4 tokens"
+        status, body = served.post("/completions", {"prompt": [1, 2], "max_tokens": 2, "logprobs": 5})
+        assert status == 400 and body["error"]["param"] == "logprobs", body
+    finally:
+        info["vocab_size"] = vocab

@@ -68,7 +68,12 @@ from services.openai_api.errors import (
     invalid,
     refusal_about,
 )
-from services.openai_api.logprobs import Logprobs, token_id_text
+from services.openai_api.logprobs import (
+    OFF_LOOP_LOGPROBS,
+    Logprobs,
+    TokenTexts,
+    check_whole_logprobs,
+)
 from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
 from services.openai_api.responses import Generation
@@ -95,17 +100,17 @@ class OpenAIEdge:
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
         body_limits: the request-body bytes being read and parsed that one tenant, and all of
             them, may hold (``BodyBudget``; None: ``BodyLimits``' defaults).
-        token_text: a token id's text for log probabilities (the model's tokenizer decoding that
-            id alone; None: ``token_id:<id>``).
+        tokens: a token id's text and bytes for log probabilities (``TokenTexts`` over the
+            model's tokenizer; None: ``token_id:<id>``).
 
     ``created`` (the model card's) is when this edge was made: the gateway's start.
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
                  num_healthy: Callable[[], int], body_limits: BodyLimits | None = None,
-                 token_text: Callable[[int], str] | None = None) -> None:
+                 tokens: TokenTexts | None = None) -> None:
         self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
-        self.token_text = token_text or token_id_text
+        self.tokens = tokens or TokenTexts()
         self.model_name = model_id.split("@", 1)[0]
         self.bodies = BodyBudget(body_limits)
         self.created = int(time.time())
@@ -131,7 +136,8 @@ class OpenAIEdge:
     async def parse(self, request: Request, kind: type[BaseModel]) -> Any:
         """Authenticate (401), then the body (413 over ``MAX_BODY_BYTES``; 429 / 503 with
         ``Retry-After`` past its tenant's or the gateway's ``BodyBudget``, before it is read),
-        as ``kind`` (400), then its model (404). Raises ``CallAborted``, ``HTTPException`` (413),
+        as ``kind`` (400), then its model (404), then the log probabilities a whole response
+        would hold (400: ``check_whole``). Raises ``CallAborted``, ``HTTPException`` (413),
         ``ValidationError`` for a bad body, or ``ClientGone`` (a big body's parse on a thread
         is not waited for once the client has gone).
 
@@ -154,12 +160,49 @@ class OpenAIEdge:
             hold.release()
         if not self.serves(body.model):  # type: ignore[attr-defined]
             raise self.no_such_model(body.model)  # type: ignore[attr-defined]
+        self.check_whole(body, tenant)
+        request.state.tenant_id = tenant.tenant_id  # (``render``'s turn on a worker thread)
         return body
+
+    def check_whole(self, body: Any, tenant: Any) -> None:
+        """A non-streamed body asking for log probabilities may hold at most
+        ``MAX_WHOLE_LOGPROBS`` of them (``check_whole_logprobs``): else a 400 naming its
+        ``top_logprobs`` (a completion's ``logprobs``) and telling the client to stream. A chat
+        without ``max_tokens`` counts what the context leaves: ``max_model_len`` of its
+        tenant's model card, less one prompt token (unknown: not bounded here).
+        Regression (review 26c F2): nothing bounded it; n 16 x 8192 tokens x 21 built ~1 GiB."""
+        top = body.asked_logprobs()
+        if top is None or body.stream:
+            return
+        chat = isinstance(body, ChatCompletionRequest)
+        max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        given = max_tokens is not None
+        if max_tokens is None:
+            context = self.model_card(tenant).get("max_model_len")
+            if context is None:
+                return
+            max_tokens = max(1, context - 1)
+        try:
+            check_whole_logprobs(body.n, max_tokens, top, "top_logprobs" if chat else "logprobs", given)
+        except ValueError as exc:
+            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                              param="top_logprobs" if chat else "logprobs") from exc
+
+    async def render(self, request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
+        """A whole response's ``JSONResponse`` of ``build()``: on a worker thread, one at a time
+        per tenant (``InferenceServicer.off_loop``), when it holds more than
+        ``OFF_LOOP_LOGPROBS`` log probabilities, else here. Regression (review 26c F2): a body of
+        192 MiB was built on the event loop every tenant's calls share, for 7.9 s."""
+        if logprobs <= OFF_LOOP_LOGPROBS:
+            return JSONResponse(build())
+        tenant_id = getattr(request.state, "tenant_id", "")
+        return await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
 
     def logprobs(self, body: ChatCompletionRequest | CompletionRequest) -> Logprobs | None:
         """Where one choice of ``body`` collects its log probabilities (None: not asked)."""
         top = body.asked_logprobs()
-        return None if top is None else Logprobs(isinstance(body, ChatCompletionRequest), top, self.token_text)
+        return None if top is None else Logprobs(isinstance(body, ChatCompletionRequest), top, self.tokens,
+                                                 streamed=body.stream)
 
     def no_such_model(self, model: str) -> CallAborted:
         """OpenAI's 404 for an unknown model: ``model_not_found``, ``param`` "model"."""
@@ -189,7 +232,7 @@ class OpenAIEdge:
         writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
         if body.n > 1:  # n requests, started all or none, in one response (``choices``)
             return await Choices(self.servicer, request, body, parse, writer, self.model_name, rid,
-                                 lambda: self.logprobs(body)).respond()
+                                 lambda: self.logprobs(body), self.render).respond()
         events = self.servicer.generate(context, parse, writer)
         try:  # admitted and started: the status is known
             started = await unless_gone(request, anext(events))
@@ -203,7 +246,7 @@ class OpenAIEdge:
             return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
                                   media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"}, writer=writer)
-        return await _whole(generation, request, lambda exc: refusal_about(exc, body))
+        return await _whole(generation, request, lambda exc: refusal_about(exc, body), self.render)
 
 
 def create_app(edge: OpenAIEdge) -> FastAPI:

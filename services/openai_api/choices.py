@@ -58,7 +58,7 @@ from typing import Any
 
 import grpc
 from fastapi import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from services.gateway import RETRY_S, GenerateInput, InferenceServicer, StreamWriter
 from services.openai_api.context import CallAborted, HttpCallContext
@@ -66,7 +66,13 @@ from services.openai_api.errors import _gone, refusal_about
 from services.openai_api.logprobs import Logprobs
 from services.openai_api.responses import Generation, sse, usage_dict
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
-from services.openai_api.streaming import ClientGone, _ClosingStream, unless_gone
+from services.openai_api.streaming import (
+    ClientGone,
+    Render,
+    _ClosingStream,
+    _render_here,
+    unless_gone,
+)
 
 SEED_SPACE = 1 << 64
 """A seed is an unsigned 64-bit integer (``SamplingParams.seed``)."""
@@ -142,6 +148,8 @@ class Choices:
         model: the model name the response reports; request_id: the request's id.
         logprobs: a new collector of one choice's log probabilities (``OpenAIEdge.logprobs``;
             None: not asked), called once per choice.
+        render: builds the whole response's body (``OpenAIEdge.render``: on a worker thread
+            when it holds many log probabilities).
 
     Every read of a choice's events runs as a task of ``reads`` (the choices are read
     together), and one ``close`` ends them all: cancels the reads, waits for them to land,
@@ -151,9 +159,9 @@ class Choices:
 
     def __init__(self, servicer: InferenceServicer, request: Request, body: ChatCompletionRequest | CompletionRequest,
                  parse: Callable[[], GenerateInput], writer: StreamWriter, model: str, request_id: str,
-                 logprobs: Callable[[], Logprobs | None] = lambda: None) -> None:
+                 logprobs: Callable[[], Logprobs | None] = lambda: None, render: Render = _render_here) -> None:
         self.servicer, self.request, self.body, self.writer = servicer, request, body, writer
-        self.logprobs = logprobs
+        self.logprobs, self.render = logprobs, render
         self.inputs = ChoiceInputs(parse)
         self.chat = isinstance(body, ChatCompletionRequest)
         self.model, self.request_id = model, request_id
@@ -302,9 +310,13 @@ class Choices:
             return _gone()
         except CallAborted as exc:
             return self._about(exc).response()
-        body = gens[0]._envelope("chat.completion" if self.chat else "text_completion",
-                                 [g._choice(t, g.finish_reason, whole=True) for g, t in zip(gens, texts)])
-        return JSONResponse({**body, **_usage(gens)})
+
+        def build() -> dict[str, Any]:
+            body = gens[0]._envelope("chat.completion" if self.chat else "text_completion",
+                                     [g._choice(t, g.finish_reason, whole=True) for g, t in zip(gens, texts)])
+            return {**body, **_usage(gens)}
+
+        return await self.render(self.request, sum(len(g.logprobs) for g in gens if g.logprobs is not None), build)
 
 
 def _usage(gens: list[ChoiceGeneration]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.openai_api.logprobs import Logprobs
+from services.openai_api.logprobs import LOGPROB_TOKENS_PER_CHUNK, Logprobs
 from tenants.usage import TierTokens
 
 
@@ -83,6 +83,11 @@ class Generation:
                     self.completion_tokens += len(event["token_ids"])
                     if self.logprobs is not None and event.get("logprobs"):
                         self.logprobs.add(event["token_ids"], event["logprobs"])
+                        # a stream's chunk carries at most LOGPROB_TOKENS_PER_CHUNK tokens'
+                        # entries: more go first in chunks of empty text (review 26c F2: held
+                        # back, or coalesced, tokens' entries all went in the next text's chunk)
+                        while self.logprobs.streamed and self.logprobs.pending() > LOGPROB_TOKENS_PER_CHUNK:
+                            yield ""
                     if event["text"]:
                         yield event["text"]
                 elif event["type"] == "finished":

@@ -122,10 +122,20 @@ async def _stream(generation: Generation, include_usage: bool,
     yield sse("[DONE]")
 
 
+Render = Callable[[Request, int, Callable[[], dict[str, Any]]], Awaitable[Response]]
+"""Builds a whole response's body from its log probabilities' count and a builder
+(``OpenAIEdge.render``: on a worker thread when they are many)."""
+
+
+async def _render_here(request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
+    return JSONResponse(build())
+
+
 async def _whole(generation: Generation, request: Request,
-                 about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> Response:
-    """The non-streamed body; a client gone before it is ready aborts the request (499); a
-    refusal after the request started goes out as ``about`` words it."""
+                 about: Callable[[CallAborted], CallAborted] = lambda exc: exc,
+                 render: Render = _render_here) -> Response:
+    """The non-streamed body (built by ``render``); a client gone before it is ready aborts
+    the request (499); a refusal after the request started goes out as ``about`` words it."""
 
     async def collect() -> str:
         return "".join([text async for text in generation.pieces()])
@@ -136,5 +146,6 @@ async def _whole(generation: Generation, request: Request,
         return _gone()
     except CallAborted as exc:
         return about(exc).response()
-    return JSONResponse(generation.response(text))
+    held = len(generation.logprobs) if generation.logprobs is not None else 0
+    return await render(request, held, lambda: generation.response(text))
 
