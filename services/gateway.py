@@ -159,6 +159,24 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             if not refusal.recorded:
                 track.finish(status)
 
+    async def hold_call(self, context: Any, client_id: str) -> Callable[[], None]:
+        """Hold ``client_id``, the id of a call of ``context``'s tenant served as several
+        requests (an HTTP body with ``n`` > 1: ``services.openai_api.choices``), in flight as a
+        call's own id is held; its requests name it in ``GenerateInput.call_id`` and hold
+        nothing. The function returned releases it. One in flight already (any call's, of
+        either API, whatever its ``n``) is ALREADY_EXISTS naming ``client_id``, counted as a
+        refused request.
+
+        Regression (review 26d P1, P2): each choice held only its own ``<i>_<id>``, so a call
+        with the same id and another ``n`` ran beside it, and a duplicate's 409 named ``0_<id>``."""
+        tenant = await self.auth.tenant(context)
+        scoped = scoped_id(tenant.tenant_id, client_id)
+        if scoped in self._in_flight:
+            await _RecordedAbort(context, self.metrics.track(tenant)).abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
+        self._in_flight.add(scoped)
+        return lambda: self._in_flight.discard(scoped)
+
     async def _generate(self, context: Any, parse: Callable[[], GenerateInput], tenant: Any,
                         track: RequestTracker, writer: StreamWriter) -> AsyncIterator[dict[str, Any]]:
         """``generate`` past authentication; ``track`` sees every event and the refusal.
@@ -185,16 +203,22 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             req, hashes = await self._prepare(call, tenant, context)
-            client_id = req.request_id.split("/", 1)[1]
-            if req.request_id in self._in_flight:
+            own = req.request_id
+            client_id = own.split("/", 1)[1]
+            if call.call_id:  # one of a call's requests (an n>1 body's choice): the call holds its id
+                if scoped_id(tenant_id, call.call_id) not in self._in_flight:
+                    raise RuntimeError(f"request {client_id!r} is a part of call {call.call_id!r}, whose id "
+                                       "is not held in flight (hold_call)")
+            elif own in self._in_flight:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
-            scoped = req.request_id
-            self._in_flight.add(scoped)
+            else:
+                scoped = own
+                self._in_flight.add(scoped)
         # each attempt has its own id past this gateway (scheduler, node, events, aborts).
         # Regression: a client id reused right after a cancel got the cancelled attempt's
         # "abort" ending while its own attempt ran on, unseen and unabortable, on the node;
         # and a late abort of a finished attempt refused the id's next use (CANCELLED)
-            req = dataclasses.replace(req, request_id=f"{scoped}#{uuid.uuid4().hex[:16]}")
+            req = dataclasses.replace(req, request_id=f"{own}#{uuid.uuid4().hex[:16]}")
             # closed here, at once: its ``finally`` releases and aborts the attempt
             async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track, writer)) as events:
                 async for event in events:

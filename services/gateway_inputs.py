@@ -45,6 +45,11 @@ class GenerateInput:
         prefix_tokens / prefix_messages: the prompt's reusable document prefix, as tokens of a
             token prompt or leading messages of a chat (``node_request.resolve_prefix_tokens``;
             out of bounds: INVALID_ARGUMENT).
+        call_id: "" for a call of its own, whose ``request_id`` the gateway holds in flight
+            while it runs; else the client's id of the call this request is one part of (a
+            choice of an HTTP body with ``n`` > 1), which that call holds in flight
+            (``InferenceServicer.hold_call``): this request holds nothing of its own. Set by
+            the edge's code, never from a client's field.
     """
 
     prompt: list[dict[str, str]] | list[int]
@@ -58,6 +63,7 @@ class GenerateInput:
     priority: int = 0
     prefix_tokens: int = 0
     prefix_messages: int = 0
+    call_id: str = ""
 
 
 def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:

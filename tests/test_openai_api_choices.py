@@ -17,12 +17,13 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 
 from bench.chaos_stack import BLOCK_SIZE
 from cache_node.sampling_params import SamplingParams
 from services.auth import Authenticator
-from services.gateway import InferenceServicer
+from services.gateway import GenerateInput, InferenceServicer
 from services.gateway_stream_bounds import StreamLimits
 from services.node_request import NodeRequest
 from services.openai_api.app import OpenAIEdge, create_app
@@ -73,24 +74,28 @@ class Edge(LoopPlane):
     def body(self, **fields: Any) -> dict[str, Any]:
         return {"model": self.model, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, **fields}
 
-    def post(self, body: dict[str, Any], path: str = "/v1/completions",
-             port: int | None = None) -> tuple[int, dict[str, str], bytes]:
-        """One request (to ``port``'s gateway; None: this one's); its status, headers (lower-case
-        names) and body."""
+    def post(self, body: dict[str, Any], path: str = "/v1/completions", port: int | None = None,
+             request_id: str = "") -> tuple[int, dict[str, str], bytes]:
+        """One request (to ``port``'s gateway; None: this one's; with ``request_id`` its
+        ``X-Request-Id``); its status, headers (lower-case names) and body."""
         conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
+        headers = {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}
+        if request_id:
+            headers["X-Request-Id"] = request_id
         try:
-            conn.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {self.key}",
-                                                          "Content-Type": "application/json"})
+            conn.request("POST", path, json.dumps(body), headers)
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
         finally:
             conn.close()
 
-    def post_raw(self, body: dict[str, Any]) -> socket.socket:
-        """Send one request on a new connection; the socket, its reply unread."""
+    def post_raw(self, body: dict[str, Any], request_id: str = "") -> socket.socket:
+        """Send one request (with ``request_id`` its ``X-Request-Id``) on a new connection; the
+        socket, its reply unread."""
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
         data = json.dumps(body)
-        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.key}\r\n"
+        rid = f"X-Request-Id: {request_id}\r\n" if request_id else ""
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.key}\r\n{rid}"
                       f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n{data}").encode())
         return sock
 
@@ -98,6 +103,14 @@ class Edge(LoopPlane):
         """The node's (running, waiting) requests."""
         stats = self.node.stats()
         return stats["running"], stats["waiting"]
+
+    def grpc_call(self, request_id: str, max_tokens: int = 400) -> Any:
+        """A Generate call as the gRPC servicer makes it (``generate`` with a gRPC-shaped context
+        and ``request_id`` as the client's own), of this tenant, on ``PROMPT``: its events
+        (``anext`` them with ``self.run``; a refusal raises ``Refused``)."""
+        call_input = GenerateInput(prompt=PROMPT, request_id=request_id,
+                                   sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return self.servicer.generate(GrpcContext(self.key), lambda: call_input)
 
     def in_flight(self) -> int:
         return self.run(call(self.scheduler.stats))["in_flight"]["n0"]
@@ -140,6 +153,34 @@ class Edge(LoopPlane):
     async def close_gateways(self) -> None:
         await self.http.stop()
         self.servicer.streams.shutdown()
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class GrpcContext:
+    """What ``InferenceServicer.generate`` calls on a gRPC servicer context, with ``key``."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.key}"),)
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5"
+
+    async def send_initial_metadata(self, _metadata: Any) -> None:
+        return None
+
+    def set_trailing_metadata(self, _metadata: Any) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, message: str = "") -> None:
+        raise Refused(code, message)
 
 
 @pytest.fixture(scope="module")
@@ -258,16 +299,20 @@ def test_a_choice_refused_aborts_the_admitted_ones_and_is_the_response(edge: Edg
     """All or nothing: n=3 where the third choice cannot be admitted: the scheduler's queue is
     full (two of the 3 slots are another tenant's and queue_limit is 1: choices 0 and 1 are
     admitted, and choice 2 would pass the tenant's fair share of the places), or the tenant's
-    streams at the gateway are capped at 2. The response is that refusal (429 with
-    Retry-After), and the choices admitted before it are aborted: nothing of the tenant's runs,
-    waits or holds a block on the node, and the scheduler and the gateway hold nothing of it."""
-    before = edge.usage()
+    streams at the gateway are capped at 3 and one of its calls is open already. The response
+    is that refusal (429 with Retry-After), and the choices admitted before it are aborted:
+    nothing of the tenant's runs, waits or holds a block on the node, and the scheduler and the
+    gateway hold nothing of it (but the call open before, closed at the end)."""
     blockers = [edge.block(f"refusal-{i}") for i in range(2 if refusal == "queue_full" else 0)]
     queue_limit, streams = edge.scheduler.queue_limit, edge.servicer.max_streams_per_tenant
+    open_call = None
     if refusal == "queue_full":
         edge.scheduler.queue_limit = 1
     else:
-        edge.servicer.max_streams_per_tenant = 2
+        edge.servicer.max_streams_per_tenant = 3
+        open_call = edge.post_raw(edge.body(max_tokens=400))
+        wait_for(lambda: edge.stats() == (1, 0), 10.0)
+    before = edge.usage()
     try:
         status, headers, raw = edge.post(edge.body(n=3, seed=1, max_tokens=200))
     finally:
@@ -280,6 +325,9 @@ def test_a_choice_refused_aborts_the_admitted_ones_and_is_the_response(edge: Edg
     admitted = edge.usage()["requests"] - before["requests"]
     assert admitted == 2 if refusal == "queue_full" else admitted in (1, 2)
     assert edge.usage()["rejected"] - before["rejected"] == (refusal == "queue_full")
+    if open_call is not None:
+        wait_for(lambda: edge.stats() == (1, 0), 10.0)  # only the call open before runs
+        open_call.close()
     wait_for(lambda: edge.holds_nothing(len(blockers)), 10.0)
     for blocker in blockers:
         edge.unblock(blocker)
@@ -344,6 +392,81 @@ def test_n_out_of_range_or_with_a_session_is_a_400_naming_n(edge: Edge, fields: 
     assert edge.usage()["requests"] == before  # nothing was admitted
 
 
+def test_n_above_max_streams_per_tenant_is_a_400_naming_n(edge: Edge) -> None:
+    """Regression (review 26d P4): with the gateway's ``max_streams_per_tenant`` at 2, n=3 (its
+    choices could never all be open) was the cap's retryable 429 (Retry-After 1), saying the
+    tenant "has 2 calls open" when it had none. Now a 400 naming ``n`` and the cap, before any
+    choice starts; n=2 is served."""
+    before, refused = edge.usage()["requests"], edge.servicer.streams_refused
+    streams, edge.servicer.max_streams_per_tenant = edge.servicer.max_streams_per_tenant, 2
+    try:
+        status, headers, raw = edge.post(edge.body(n=3))
+        served, _, served_raw = edge.post(edge.body(n=2))
+    finally:
+        edge.servicer.max_streams_per_tenant = streams
+    error = json.loads(raw)["error"]
+    assert (status, error["param"], error["code"], error["message"]) == (
+        400, "n", "invalid_argument", ("n: must be at most 2 at this gateway (its max_streams_per_tenant: "
+                                       "each choice is one of the tenant's calls open at once), got 3")), raw
+    assert "retry-after" not in headers and edge.servicer.streams_refused == refused
+    assert served == 200 and len(json.loads(served_raw)["choices"]) == 2, served_raw
+    assert edge.usage()["requests"] - before == 2  # the refused body admitted nothing
+    edge.assert_all_freed()
+
+
+@pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2), (2, 2), (2, "grpc")])
+def test_a_request_id_in_flight_is_refused_409_naming_it_whatever_the_n_or_api(edge: Edge, first: int,
+                                                                                second: int | str) -> None:
+    """Regression (review 26d P1, P2): each choice of an n>1 call held only its own id
+    ``<i>_<id>``, so an n=1 call and an n=2 call with the same ``X-Request-Id`` ran at once
+    (both 200, one response id), and an n=2 duplicate's 409 named ``0_<id>``, an id the client
+    never sent. Now, while a call with the id runs (any n), a second with that id (n 1 or 2, or
+    a gRPC call) is refused ALREADY_EXISTS (409) naming the client's id, admitting nothing; the
+    id is free again once the first call has ended."""
+    rid = f"dup-{first}-{second}"
+    sock = edge.post_raw(edge.body(n=first, max_tokens=400), request_id=rid)
+    wait_for(lambda: edge.stats() == (first, 0), 10.0)
+    before = edge.usage()["requests"]
+    message = f"request {rid!r} is in flight already"
+    if second == "grpc":
+        with pytest.raises(Refused) as refused:
+            edge.run(anext(edge.grpc_call(rid)))
+        assert (refused.value.code, refused.value.message) == (grpc.StatusCode.ALREADY_EXISTS, message)
+    else:
+        status, headers, raw = edge.post(edge.body(n=second), request_id=rid)
+        error = json.loads(raw)["error"]
+        assert (status, error["code"], error["message"], headers["x-request-id"]) == (
+            409, "already_exists", message, rid), raw
+    assert edge.usage()["requests"] == before and edge.stats() == (first, 0)
+    sock.close()
+    edge.assert_all_freed()
+    status, _, raw = edge.post(edge.body(n=2), request_id=rid)  # the id is free again
+    assert status == 200 and json.loads(raw)["id"] == f"cmpl-{rid}", raw
+    edge.assert_all_freed()
+
+
+def test_a_choices_id_never_collides_with_a_clients_own_id(edge: Edge) -> None:
+    """Regression (review 26d P1): a gRPC client's own id ``0_abc`` collided with choice 0 of
+    an HTTP n=2 call with id ``abc`` (whichever came second was refused, naming ``0_abc``).
+    Choices' ids are no call's: both run, in either order."""
+    grpc_call = edge.grpc_call("0_abc")
+    started = edge.run(anext(grpc_call))
+    assert started["type"] == "started" and started["request_id"] == "0_abc"
+    status, _, raw = edge.post(edge.body(n=2), request_id="abc")
+    assert status == 200 and len(json.loads(raw)["choices"]) == 2, raw
+    edge.run(grpc_call.aclose())
+    edge.assert_all_freed()
+
+    sock = edge.post_raw(edge.body(n=2, max_tokens=400), request_id="xyz")
+    wait_for(lambda: edge.stats() == (2, 0), 10.0)
+    grpc_call = edge.grpc_call("1_xyz", max_tokens=4)
+    events = [edge.run(anext(grpc_call)) for _ in range(2)]
+    assert [e["type"] for e in events] == ["started", "delta"], events
+    edge.run(grpc_call.aclose())
+    sock.close()
+    edge.assert_all_freed()
+
+
 def test_each_choice_has_its_own_id_and_seed_and_the_shared_routing_key() -> None:
     """``ChoiceInputs``: the body is parsed once; choice i is ``<i>_<id>``, seeded
     ``(seed + i) mod 2**64`` (None stays None), and routed by the body's ``prompt_cache_key``
@@ -361,6 +484,7 @@ def test_each_choice_has_its_own_id_and_seed_and_the_shared_routing_key() -> Non
     calls = [inputs.parse_for(i)() for i in range(3)]
     assert len(parsed) == 1
     assert [c.request_id for c in calls] == ["0_rid", "1_rid", "2_rid"]
+    assert [c.call_id for c in calls] == ["rid"] * 3  # the body holds "rid" (``hold_call``), not they
     assert [c.sampling.seed for c in calls] == [(1 << 64) - 2, (1 << 64) - 1, 0]
     assert len({c.routing_key for c in calls}) == 1 and calls[0].routing_key == shared_routing_key(calls[0])
     assert ChoiceInputs(parse()).parse_for(2)().sampling.seed is None and choice_seed(None, 5) is None

@@ -5,9 +5,15 @@ merged into one response whose ``choices`` hold index 0..n-1.
 Each choice is a request of its own through ``InferenceServicer.generate``: authenticated,
 bounded, admitted, counted and streamed as any request is, with the body's prompt and sampling
 and its own id, ``<i>_<request id>`` (as vLLM names a parallel-sampling child; the response's
-``id`` is still ``chatcmpl-<request id>``). With a ``seed``, choice ``i`` samples with
-``(seed + i) mod 2**64`` (vLLM's ``seed + index``; ``choice_seed``), so the response is
-reproducible and its choices differ; without one each choice draws from its node's generator.
+``id`` is still ``chatcmpl-<request id>``). The body holds its request id in flight for its
+tenant from before choice 0 starts until every choice has ended
+(``InferenceServicer.hold_call``), as a call with ``n`` 1 holds its own: another call with that
+id, of either API and any ``n``, is refused 409 naming it. The choices' ids are held by nobody
+(``GenerateInput.call_id``), so a client's own id (a gRPC client may send ``0_<id>``) never
+collides with one, and a duplicate never names one (past the gateway each attempt's id is
+unique). With a ``seed``, choice ``i`` samples with ``(seed + i) mod 2**64`` (vLLM's ``seed +
+index``; ``choice_seed``), so the response is reproducible and its choices differ; without one
+each choice draws from its node's generator.
 ``temperature`` 0 with ``n`` > 1 is served, as OpenAI and vLLM serve it: n equal greedy texts.
 The prompt is parsed (a completion's tokenized) once for all choices (``ChoiceInputs``); a
 chat's messages are rendered by the gateway for each choice, on the tenant's worker-thread turn.
@@ -30,10 +36,10 @@ choice that fails mid-response aborts the others, and its error is the response 
 error event).
 
 Accounting: each choice is one request to admission, the metrics, ``max_streams_per_tenant``
-and its tenant's usage (its prompt tokens, the reused ones counted as cached, and its
-completion tokens). The response's ``usage`` is OpenAI's: ``prompt_tokens`` once (with choice
-0's cached counts: what the prompt reused from before this request), ``completion_tokens``
-summed over the choices.
+(an ``n`` above it is a 400 naming ``n``: its choices could never all be open) and its tenant's
+usage (its prompt tokens, the reused ones counted as cached, and its completion tokens). The
+response's ``usage`` is OpenAI's: ``prompt_tokens`` once (with choice 0's cached counts: what
+the prompt reused from before this request), ``completion_tokens`` summed over the choices.
 
 Shapes (vLLM's): a whole response's ``choices`` each have their own text and
 ``finish_reason``; a stream sends a chat's role chunk for each choice first, then each chunk
@@ -96,8 +102,9 @@ class ChoiceInputs:
     """The ``GenerateInput`` of each choice from one ``parse`` (the edge's: the body's, with the
     request id), called once, on the first choice's worker-thread turn (the others reuse it).
 
-    Choice ``i`` has id ``<i>_<request id>``, seed ``choice_seed(seed, i)`` and the routing key
-    of ``shared_routing_key`` when the body has none. A ``ValueError`` of ``parse`` is raised to
+    Choice ``i`` has id ``<i>_<request id>`` (its ``call_id`` the request id, which the body
+    holds), seed ``choice_seed(seed, i)`` and the routing key of ``shared_routing_key`` when
+    the body has none. A ``ValueError`` of ``parse`` is raised to
     the first choice that asks (the gateway answers it INVALID_ARGUMENT)."""
 
     def __init__(self, parse: Callable[[], GenerateInput]) -> None:
@@ -116,7 +123,8 @@ class ChoiceInputs:
         def parse() -> GenerateInput:
             call = self._shared()
             sampling = dataclasses.replace(call.sampling, seed=choice_seed(call.sampling.seed, index))
-            return dataclasses.replace(call, request_id=f"{index}_{call.request_id}", sampling=sampling)
+            return dataclasses.replace(call, request_id=f"{index}_{call.request_id}", call_id=call.request_id,
+                                       sampling=sampling)
 
         return parse
 
@@ -169,6 +177,7 @@ class Choices:
         self.pieces: list[AsyncIterator[str]] = []
         self.reads: dict[asyncio.Future[Any], int] = {}  # a read in flight -> its choice
         self._closing: asyncio.Future[None] | None = None
+        self._release: Callable[[], None] | None = None  # the request id's hold (``hold_call``)
 
     def _open(self, index: int) -> AsyncIterator[dict[str, Any]]:
         events = self.servicer.generate(HttpCallContext(self.request), self.inputs.parse_for(index), self.writer)
@@ -185,6 +194,7 @@ class Choices:
         first refusal (the lowest index among those failed by then) is raised as soon as one
         fails, after ``close``; so is a cancellation."""
         try:
+            self._release = await self.servicer.hold_call(HttpCallContext(self.request), self.request_id)
             started = [await self._read(0, self._open(0))]
             tasks = [self._read(i, self._open(i)) for i in range(1, self.body.n)]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -212,8 +222,12 @@ class Choices:
             await asyncio.wait(reads)
         for task in reads:  # retrieved: none is logged as "never retrieved"
             _ = task.cancelled() or task.exception()
-        for iterator in [*self.pieces, *self.events]:  # a text never read did not close its events
-            await iterator.aclose()  # type: ignore[attr-defined]
+        try:
+            for iterator in [*self.pieces, *self.events]:  # a text never read did not close its events
+                await iterator.aclose()  # type: ignore[attr-defined]
+        finally:  # the id is free once no choice runs
+            if self._release is not None:
+                self._release()
 
     async def _merged(self, gens: list[ChoiceGeneration]) -> AsyncIterator[tuple[int, str | None]]:
         """The choices' text as it arrives: ``(i, text)`` for a piece of choice ``i``'s text,
@@ -244,7 +258,15 @@ class Choices:
 
     async def respond(self) -> Response:
         """Start every choice, then the response (streamed or whole); a refusal's error
-        response, or 499 when the client went first."""
+        response, or 499 when the client went first. An ``n`` above ``max_streams_per_tenant``
+        (its choices could never all be open) is a 400 naming ``n``, before anything starts.
+        Regression (review 26d P4): it was the cap's retryable 429, saying the tenant had calls
+        open when it had none."""
+        cap = self.servicer.max_streams_per_tenant
+        if self.body.n > cap:
+            return CallAborted(grpc.StatusCode.INVALID_ARGUMENT, f"n: must be at most {cap} at this gateway (its "
+                               "max_streams_per_tenant: each choice is one of the tenant's calls open at once), "
+                               f"got {self.body.n}", param="n").response()
         try:
             started = await unless_gone(self.request, self._start())
         except CallAborted as exc:
