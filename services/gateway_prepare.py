@@ -106,7 +106,13 @@ class RequestPreparation:
             # from the whole prompt, session history included: regression, every chat call
             # without max_tokens was refused, asking for more than the pool holds)
             room = min(limit, self.info["pool_tokens"]) - len(tokens)
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, room, sampling.min_tokens))
+            if sampling.min_tokens > room:  # regression (fresh-user trial 26d): this was refused as
+                # the messages' context overflow ("100000 in the completion"), naming messages
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"min_tokens: asks for at least {sampling.min_tokens} generated tokens, but the context "
+                    f"leaves room for {max(room, 0)} after the prompt's {len(tokens)} tokens; lower min_tokens")
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
             fill = {"fill_context": "1"}
         # a refusal for size reads as OpenAI's and vLLM's ("This model's maximum context length is
         # N tokens. However, you requested M tokens (P in the messages, K in the completion)"), which

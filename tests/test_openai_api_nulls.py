@@ -161,6 +161,10 @@ BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
      "prompt_cache_key: "),
     ("/v1/chat/completions", {**CHAT, "temperature": 3}, "temperature", "temperature: "),
     ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream", "stream: Input should be a valid boolean"),
+    # fresh-user trial 26d: a chat without max_tokens whose min_tokens the context cannot hold was
+    # refused as the messages' context overflow ("100000 in the completion", param "messages")
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 100000}, "min_tokens",
+     "min_tokens: asks for at least 100000 generated tokens, but the context leaves room for"),
 ])
 def test_400s_name_their_field_with_one_code(path: str, body: dict, param: str | None, message: str) -> None:
     """Fault: refusals made after the schema (the edge's own checks, the gateway's bounds) had

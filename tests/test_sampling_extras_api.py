@@ -99,10 +99,12 @@ def test_grpc_out_of_range_extras_are_invalid_argument_naming_the_field(fields: 
 
 def test_a_min_tokens_past_the_room_left_is_refused_for_size_through_the_gateway() -> None:
     """Without max_tokens the gateway sizes the request to the room the context leaves; a
-    min_tokens past that room is OpenAI's ``context_length_exceeded`` naming ``messages``, as
-    a max_tokens past it would be (the gateway's replace of max_tokens raised ValueError)."""
+    min_tokens past that room is a 400 naming ``min_tokens`` (the gateway's replace of
+    max_tokens raised ValueError). Fresh-user trial 26d: it was ``context_length_exceeded``
+    naming ``messages``, "N in the completion", where only a smaller min_tokens helps."""
     from tests.gateway_harness import NODE_INFO
     from tests.test_openai_api_nulls import _post
 
     status, out = _post("/v1/chat/completions", {**CHAT, "min_tokens": NODE_INFO["max_model_len"] + 1})
-    assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+    assert status == 400 and (out["error"]["code"], out["error"]["param"]) == ("invalid_argument", "min_tokens"), out
+    assert "lower min_tokens" in out["error"]["message"]
