@@ -45,6 +45,7 @@ from services.block_index import NODE_TIERS, SPILL_TIERS, BlockIndex, CommonPref
 from services.data_plane_auth import Security
 from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad
 from services.global_scheduler_members import GatewayRecord, Membership
+from services.global_scheduler_pending import PendingRows
 from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
 from services.global_scheduler_sessions import Sessions
 from services.global_scheduler_tenants import Tenants
@@ -174,10 +175,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         # (``max_sessions_per_tenant``), so each tenant's are bounded and none is ever dropped
         # for another's
         self.lost_sessions: dict[str, dict[str, float]] = {}
-        self.lost_changes: dict[tuple[str, str], float | None] = {}  # not stored yet (``flush_sessions``)
-        self.open_changes: dict[tuple[str, str], float | None] = {}  # routes, not stored yet (``note_route``)
-        self.lost_changes_lock = threading.Lock()
         self.max_sessions_per_tenant = max_sessions_per_tenant
+        # not stored yet (``flush_sessions``): marks, and routes (``note_route``)
+        self.lost_changes = PendingRows(max_sessions_per_tenant)
+        self.open_changes = PendingRows(max_sessions_per_tenant)
+        self.lost_changes_lock = threading.Lock()
         self.session_ttl_s = session_ttl_s
         self.restore_lost_sessions()  # a previous process's marks: its sessions stay refused
         self.sessions_per_tenant: Counter[str] = Counter()  # routes in ``session_nodes``
@@ -306,7 +308,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         if session_id and sticky is None:
             self.session_nodes[session_id] = (tenant_id, node_id)
             self.sessions_per_tenant[tenant_id] += 1
-            self.note_route(tenant_id, session_id)
+            self.note_route(tenant_id, session_id, new=True)
             self.sessions_store_due()  # the actor stores it at once (in a worker thread)
         elif sticky is not None:
             self.confirm_session(session_id)

@@ -37,8 +37,9 @@ GATEWAY_RETRY_S = 1.0
 USAGE_FLUSH_S = 5.0
 """Seconds between the scheduler's flushes of changed usage counters, session routes and
 lost-session marks to the tenant store (``flush_durable``): what a crash may lose of them
-(``kvstrata down`` and ``stop_services`` flush first). A route opened and a session marked lost
-are stored at once besides (``sessions_store_due``)."""
+(``kvstrata down`` and ``stop_services`` flush first). A route opened or dropped and a session
+marked lost or unmarked are stored at once besides (``sessions_store_due``): the flush carries
+only the routes' later uses."""
 
 STORE_RETRY_S = 1.0
 """Pause of the at-once session store after a failed write (one log line a second at most)."""
@@ -200,9 +201,12 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
             await self.flush_durable()
 
     def sessions_store_due(self) -> None:
-        """A route was opened or a session marked lost: ``_store_sessions`` stores it now, not
-        at the next periodic flush (a crash of the scheduler and of the session's node within
-        those seconds would otherwise lose the route: its next turn would run as a first)."""
+        """A route was opened or dropped, or a session marked lost or unmarked:
+        ``_store_sessions`` stores it now, not at the next periodic flush (a crash of the
+        scheduler within those seconds would otherwise lose an opened route, and its next
+        turn would run as a first had its node restarted too, or bring a closed session back
+        as lost). Only sets an event, on this loop: the write runs in a worker thread, with
+        every change made until it starts."""
         if self._sessions_due is not None:
             self._sessions_due.set()
 

@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from services.global_scheduler_pending import PendingRows
+
 STORE_LAG_S = 5.0
 """How much older than a session's last use its stored last use may be: the scheduler stores a
 route's uses with its periodic flush (``USAGE_FLUSH_S``). A stored route counts as open that
@@ -30,9 +32,9 @@ class Sessions:
     session_nodes: dict[str, tuple[str, str]]
     kept_sessions: set[str]
     lost_sessions: dict[str, dict[str, float]]
-    lost_changes: dict[tuple[str, str], float | None]  # marks made (wall time) or removed (None) since the last flush
+    lost_changes: PendingRows  # marks made (wall time) or removed (None) since the last flush
     # routes opened or used (wall time of the use) or dropped (None) since the last flush
-    open_changes: dict[tuple[str, str], float | None]
+    open_changes: PendingRows
     lost_changes_lock: threading.Lock  # guards both change maps (the flush runs in a worker thread)
     # session -> (tenant, last use, wall time) of the routes a previous process stored, until
     # ``lose_stored_sessions``
@@ -128,14 +130,15 @@ class Sessions:
         closed (its route must be dropped first: the mark takes its place in the tenant's
         ``max_sessions_per_tenant``). Stored at the next ``flush_sessions``."""
         lost = self.lost_sessions.setdefault(tenant_id, {})
-        lost.pop(session_id, None)
+        new = lost.pop(session_id, None) is None  # (a mark ``lost_of`` forgot: past its TTL, pruned)
         lost[session_id] = self.clock()
         with self.lost_changes_lock:
-            self.lost_changes[(tenant_id, session_id)] = time.time()
+            self.lost_changes.put((tenant_id, session_id), time.time(), new=new)
         self.sessions_store_due()
 
     def forget_lost(self, tenant_id: str, session_id: str) -> bool:
-        """Unmark ``tenant_id``'s lost ``session_id``; whether it was marked."""
+        """Unmark ``tenant_id``'s lost ``session_id`` (stored at once, as ``mark_lost``); whether
+        it was marked."""
         lost = self.lost_sessions.get(tenant_id)
         if lost is None or session_id not in lost:
             return False
@@ -143,19 +146,24 @@ class Sessions:
         if not lost:
             del self.lost_sessions[tenant_id]
         with self.lost_changes_lock:
-            self.lost_changes[(tenant_id, session_id)] = None
+            self.lost_changes.remove((tenant_id, session_id))
+        self.sessions_store_due()
         return True
 
     def sessions_store_due(self) -> None:
-        """A route was opened or a session lost: store it soon. The plain class leaves it to
-        the caller's ``flush_sessions``; the actor stores them at once, in a worker thread
-        (``GlobalSchedulerService``)."""
+        """A route was opened or dropped, or a session marked lost or unmarked: store it soon.
+        The plain class leaves it to the caller's ``flush_sessions``; the actor stores them at
+        once, in a worker thread, those made meanwhile together (``GlobalSchedulerService``)."""
 
-    def note_route(self, tenant_id: str, session_id: str, open_: bool = True) -> None:
+    def note_route(self, tenant_id: str, session_id: str, open_: bool = True, new: bool = False) -> None:
         """Note for the next ``flush_sessions`` that ``session_id`` is routed and was used now
-        (``open_``), or no longer routed."""
+        (``open_``; ``new``: it opened now, where no route of its id was), or no longer routed
+        (a route that opened since the last successful flush leaves nothing to store)."""
         with self.lost_changes_lock:
-            self.open_changes[(tenant_id, session_id)] = time.time() if open_ else None
+            if open_:
+                self.open_changes.put((tenant_id, session_id), time.time(), new=new)
+            else:
+                self.open_changes.remove((tenant_id, session_id))
 
     def flush_sessions(self) -> int:
         """Store the lost-session marks and the routes made, used or removed since the last
@@ -175,17 +183,16 @@ class Sessions:
         """
         with self.usage_flush_lock:  # one flush at a time, in the order taken
             with self.lost_changes_lock:
-                lost, self.lost_changes = self.lost_changes, {}
-                opened, self.open_changes = self.open_changes, {}
-            if not lost and not opened:  # (stale rows then wait for the next change, or a restart's load)
-                return 0
+                lost, opened = self.lost_changes.take(), self.open_changes.take()
+            stored = False
             try:  # and the marks past their TTL, forgotten here by ``lost_of`` (review 24s S3)
-                self.store.save_sessions(lost, opened, prune_before_s=time.time() - self.session_ttl_s)
-            except Exception:
+                if lost or opened:  # (else stale marks wait for the next change, or a restart's load)
+                    self.store.save_sessions(lost, opened, prune_before_s=time.time() - self.session_ttl_s)
+                stored = True
+            finally:
                 with self.lost_changes_lock:
-                    self.lost_changes = lost | self.lost_changes
-                    self.open_changes = opened | self.open_changes
-                raise
+                    self.lost_changes.done(stored)
+                    self.open_changes.done(stored)
             return len(lost) + len(opened)
 
     def restore_open_sessions(self) -> int:
@@ -219,8 +226,8 @@ class Sessions:
                 continue
             lost_at = used_at + STORE_LAG_S
             self.lost_sessions.setdefault(tenant_id, {})[session_id] = now - max(now_wall - lost_at, 0.0)
-            with self.lost_changes_lock:
-                self.lost_changes[(tenant_id, session_id)] = lost_at
+            with self.lost_changes_lock:  # (the marks a previous process stored are all loaded)
+                self.lost_changes.put((tenant_id, session_id), lost_at, new=True)
             marked[tenant_id] += 1
         for tenant_id in marked:  # ``lost_of`` expects each tenant's marks oldest first
             self.lost_sessions[tenant_id] = dict(sorted(self.lost_sessions[tenant_id].items(), key=lambda m: m[1]))
@@ -250,7 +257,7 @@ class Sessions:
         self.sessions_per_tenant[tenant_id] += 1
         self.unconfirmed_sessions.setdefault(tenant_id, {})[session_id] = self.clock()
         if session_id not in self.stored_sessions:  # opened in the seconds before the crash
-            self.note_route(tenant_id, session_id)
+            self.note_route(tenant_id, session_id, new=True)  # (a stored route was loaded)
             self.sessions_store_due()
 
     def confirm_session(self, session_id: str) -> None:
@@ -275,9 +282,16 @@ class Sessions:
             self.drop_session_route(next(iter(rebuilt)))
 
     def drop_session_route(self, session_id: str) -> None:
-        """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes)."""
+        """Forget where ``session_id`` lives (its next turn opens it anew wherever it goes);
+        stored at once (``sessions_store_due``), as an opened route is.
+
+        Regression (review 26e F3): a dropped route (closed, expired on its node, its first
+        turn failed, lost) waited for the 5-s flush, so a crash of the scheduler in those
+        seconds brought the sessions its client had closed back as lost: refused, and holding
+        the tenant's ``max_sessions_per_tenant`` for ``session_ttl_s``."""
         tenant_id, _ = self.session_nodes.pop(session_id)
         self.note_route(tenant_id, session_id, open_=False)
+        self.sessions_store_due()
         rebuilt = self.unconfirmed_sessions.get(tenant_id)
         if rebuilt is not None and rebuilt.pop(session_id, None) is not None and not rebuilt:
             del self.unconfirmed_sessions[tenant_id]
