@@ -129,11 +129,15 @@ class EngineSessionsMixin:
         fork = self.prefixes.fork_blocks(head, head.num_tokens - head.prefix_tokens + 1)
         tokens_need = -(-(head.num_tokens + 1) // self.pool.block_size) if fork is None else fork
         need = max(self.pool.num_blocks // 10, tokens_need)
-        # the stored prefixes waiting requests fork stay: a fork takes its copy only when it
-        # starts (review 26a, F2), so dropping its prefix here would make it compute the whole
-        # prefix again (seen: another tenant's queued request dropped the prefix a queued fork
-        # was about to copy, and the fork recomputed 1,000 tokens)
-        keep = {e.key for e in map(self.prefixes.stored_entry, self.scheduler.waiting) if e is not None}
+        if self.kv_manager.pool.num_free_blocks() >= need:
+            return
+        # the stored prefixes that the head and the requests admission starts next fork stay:
+        # a fork takes its copy only when it starts (review 26a, F2), and, dropped, its prefix
+        # would be computed again (seen: another tenant's queued request dropped the prefix a
+        # queued fork was about to copy, and the fork recomputed 1,000 tokens); at most
+        # ``max_num_seqs`` + 1 of them, counted in their holder's idle blocks (review 26e, F1)
+        starting = [head, *self.scheduler.next_to_start()]
+        keep = {e.key for e in map(self.prefixes.stored_entry, starting) if e is not None}
         self._unpin_idle_sessions(need, holder_of(head.cache_namespace), keep)
 
     def _unpin_idle_sessions(self, need: int, holder: str = "", keep: Collection[object] = ()) -> None:
@@ -142,16 +146,24 @@ class EngineSessionsMixin:
         without its salt): the idle states of the holder then holding the most device blocks
         in idle states go first (``holder``'s own on a tie), least recently used first within
         it, sessions before prefixes on a tie. That is the max-min fair order of the tiers
-        below (``tiers.fair_lru``) and of ``_reclaim_host``; every idle state may still go, so
-        the waiting request always gets its blocks, but the stored prefixes ``keep`` (those
-        waiting requests fork; the scheduler's last resort, ``_free_held_elsewhere``, may still
-        drop them).
+        below (``tiers.fair_lru``) and of ``_reclaim_host``. Every idle state may go, so the
+        waiting request gets its blocks, but the stored prefixes ``keep`` (those the requests
+        admission starts next fork; the scheduler's last resort, ``_free_held_elsewhere``, may
+        still drop them). Those count in their holder's idle blocks, and nothing more goes
+        once the holder holding the most has only them left: no other holder gives up idle
+        state for a holder's kept prefixes.
 
         Regression (security review 20 S1): one least-recently-used order over every tenant
         let a tenant holding 18 idle blocks send one request that took all of another tenant's
         (3-6 blocks) and none of its own; the other tenant's next turn reused 32 (full cache)
         or 0 (snapkv-40, whose compacted state went whole, so its output changed) of 104
         prompt tokens instead of 87.
+
+        Regression (review 26e, F1): every stored prefix any queued request would fork was
+        kept, and left out of its holder's count: a tenant holding 30 idle blocks in three
+        stored prefixes, with a fork of each queued, made another tenant's whole compacted
+        session (7 blocks) go instead, and too few blocks came free (20 of 25). Queueing
+        requests let a tenant pin idle state without bound, at the others' expense.
         """
         pool = self.kv_manager.pool
         if pool.num_free_blocks() >= need:
@@ -163,25 +175,31 @@ class EngineSessionsMixin:
         if pool.num_free_blocks() >= need:
             return
         by_holder: dict[str, list[tuple[float, int, object, int]]] = {}
+        held: dict[str, int] = {}
         for sess in self.sessions.sessions.values():
             if sess.active_request is None and sess.num_held_blocks:
                 by_holder.setdefault(holder_of(sess.namespace), []).append(
                     (sess.last_used_s, 0, sess.session_id, sess.num_held_blocks))
         for key, entry in self.prefixes.entries.items():
-            if key in keep:
-                continue
             kv = entry.seq.kv
             blocks = len(entry.seq.block_table) + (len(kv.charge_blocks) if kv is not None else 0)
-            by_holder.setdefault(holder_of(entry.seq.cache_namespace), []).append((entry.last_used_s, 1, key, blocks))
-        held = {owner: sum(item[3] for item in items) for owner, items in by_holder.items()}
+            owner = holder_of(entry.seq.cache_namespace)
+            items = by_holder.setdefault(owner, [])
+            if key in keep:  # stays, but counts
+                held[owner] = held.get(owner, 0) + blocks
+            else:
+                items.append((entry.last_used_s, 1, key, blocks))
+        for owner, items in by_holder.items():
+            held[owner] = held.get(owner, 0) + sum(item[3] for item in items)
         queues = {owner: deque(sorted(items, key=lambda item: item[:2])) for owner, items in by_holder.items()}
         while pool.num_free_blocks() < need and queues:
-            owner = max(queues, key=lambda o: (held[o], o == holder, -queues[o][0][0]))
-            _, kind, key, blocks = queues[owner].popleft()
-            held[owner] -= blocks
+            owner = max(queues, key=lambda o: (held[o], o == holder, bool(queues[o]),
+                                               -queues[o][0][0] if queues[o] else 0.0))
             if not queues[owner]:
-                del queues[owner]
+                break  # the holder holding the most has only kept prefixes left
+            _, kind, state, blocks = queues[owner].popleft()
+            held[owner] -= blocks
             if kind == 0:
-                self.demote_session(key)  # type: ignore[arg-type]
+                self.demote_session(state)  # type: ignore[arg-type]
             else:
-                self.prefixes.evict(key)  # type: ignore[arg-type]
+                self.prefixes.evict(state)  # type: ignore[arg-type]

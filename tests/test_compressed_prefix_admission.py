@@ -12,6 +12,7 @@ from cache_node.engine import LLMEngine
 from cache_node.outputs import RequestOutput
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling.base import TenantShare
+from cache_node.sequence import Sequence, SequenceStatus
 from tests.conftest import make_engine
 from tests.test_compressed_prefix import agnostic_answers, count_computed, doc_of, questions
 
@@ -52,7 +53,8 @@ def prefix_blocks_of_waiting(eng: LLMEngine) -> list[int]:
 def end_clean(eng: LLMEngine) -> None:
     """Every request done: nothing waits for a prefix, every block is free once the stored
     prefixes go, and the pool's invariants hold."""
-    assert eng.stats()["compressed_prefix_parked"] == 0 and not eng.prefixes.keys and not eng.prefixes.members
+    assert eng.stats()["compressed_prefix_parked"] == 0
+    assert not eng.prefixes.keys and not eng.prefixes.members and not eng.prefixes.starts
     eng.prefixes.clear()
     assert eng.stats()["used_blocks"] == 0
     eng.check_integrity()
@@ -242,4 +244,51 @@ def test_a_queued_forks_prefix_is_not_dropped_to_make_room_for_another_queued_re
     out = drain(eng)
     assert out["fork"].num_cached_tokens == len(DOC)
     assert (eng.prefixes.num_stores, eng.prefixes.num_hits) == (2, 1)
+    end_clean(eng)
+
+
+class CountingStatus:
+    """``Sequence.status`` as a descriptor that counts its reads (``reads``)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __get__(self, obj: Sequence | None, owner: type | None = None) -> SequenceStatus:
+        if obj is None:
+            return SequenceStatus.WAITING
+        self.reads += 1
+        return obj.__dict__["status"]
+
+    def __set__(self, obj: Sequence, value: SequenceStatus) -> None:
+        obj.__dict__["status"] = value
+
+
+def test_the_work_per_step_grows_linearly_with_the_requests_waiting_for_one_prefix(tiny, monkeypatch) -> None:
+    """Regression (review 26e, F2): ``computing`` scanned every live request of the prefix
+    for each waiting one, in admission, slot preemption, the urgent check and the stats:
+    quadratic in the requests waiting for one prefix (a kvstrata step 16.7 ms with 256
+    waiters, the stats 59 ms with 800). Counted here as reads of a request's status: with 96
+    waiters on one running computation, one kvstrata step read 18,432 and the stats 9,216
+    (2n² and n²); now at most 2 and 1 per waiter. The waiters still wait for the
+    computation, then fork it one by one."""
+    counter = CountingStatus()
+    monkeypatch.setattr(Sequence, "status", counter)
+    eng = make_engine(tiny, kv_pool_bytes=16 << 20, max_num_seqs=1, scheduling_policy="kvstrata")  # type: ignore[arg-type]
+    eng.scheduler.policy.set_tenant("t", TenantShare("interactive", ttft_slo_ms=5_000.0))
+    add_doc(eng, "r", QS[0], tenant="t")
+    eng.step()
+    n = 96
+    for k in range(n):
+        eng.add_request(DOC + QS[k % 4] + [k + 1], GREEDY, request_id=f"w{k}", policy=SPEC,
+                        prefix_tokens=len(DOC), tenant="t")
+    counter.reads = 0
+    eng.step()
+    assert counter.reads <= 2 * n + 16
+    counter.reads = 0
+    assert eng.stats()["compressed_prefix_parked"] == n
+    assert counter.reads <= n + 8
+    assert [s.request_id for s in eng.scheduler.running] == ["r"] and 0 < eng.requests["r"].num_computed_tokens
+    out = drain(eng)
+    assert [out[f"w{k}"].num_cached_tokens for k in range(n)] == [len(DOC)] * n
+    assert (eng.prefixes.num_stores, eng.prefixes.num_hits) == (1, n)
     end_clean(eng)

@@ -69,3 +69,79 @@ def test_other_holders_idle_states_still_give_way_largest_first(tiny: LoadedMode
     assert held(eng, "C") == c_before  # B still held more than C after each of its sessions went
     assert not sessions["B/s0"].blocks and sessions["B/s2"].blocks  # least recently used first
     assert not eng.check_integrity()
+
+
+SPEC = "snapkv-0.25"
+DOCS = [[(7 * i + 13 * d) % 500 + 1 for i in range(640)] for d in range(3)]  # 10 blocks each, compressed
+Q = [5, 6, 7, 8, 9, 10]
+
+
+def reclaim_with_forks_queued(tiny: LoadedModel, queue_forks: bool,
+                              max_num_seqs: int = 2) -> tuple[int, list[int], int, LLMEngine]:
+    """B keeps one compacted session idle (7 blocks), A stores three compressed prefixes (10
+    blocks each); two long decodes of C leave 13 of 256 blocks free. B's next request is the
+    queue's head (it needs 25) and, when ``queue_forks``, one fork of each of A's prefixes
+    queues behind it. The head's reclaim runs. Returns B's session blocks, the indexes (in
+    ``DOCS``) of A's prefixes still stored, the free blocks after it, and the engine."""
+    from tests.test_compressed_prefix_admission import drain
+
+    eng = make_engine(tiny, kv_pool_bytes=2 << 20, max_num_seqs=max_num_seqs, max_num_batched_tokens=128)
+    pool = eng.kv_manager.pool
+    eng.add_request([(3 * i) % 400 + 2 for i in range(400)] + Q, P, request_id="b1", session_id="sb", tenant="B",
+                    cache_namespace="b", policy=SPEC)
+    drain(eng)
+    keys = []
+    for d, doc in enumerate(DOCS):
+        eng.add_request(doc + Q, P, request_id=f"a{d}", tenant="A", cache_namespace="a", policy=SPEC,
+                        prefix_tokens=len(doc))
+        keys.append(eng.prefixes.keys[f"a{d}"])
+        drain(eng)
+    assert eng.sessions.sessions["sb"].num_held_blocks == 7 and eng.stats()["compressed_prefix_blocks"] == 30
+    each = (pool.num_free_blocks() - 6) // 2
+    for k in range(2):
+        eng.add_request([200 + k] * (each * 16 - 62), SamplingParams(max_tokens=60, ignore_eos=True),
+                        request_id=f"c{k}", tenant="C", cache_namespace="c")
+    while any(eng.requests[f"c{k}"].in_prefill for k in range(2)):
+        eng.step()
+    assert (pool.num_blocks, pool.num_free_blocks()) == (256, 13)
+    eng.add_request([9] * 20, P, request_id="bhead", tenant="B", cache_namespace="b")
+    if queue_forks:
+        for d, doc in enumerate(DOCS):
+            eng.add_request(doc + [11, 12], P, request_id=f"af{d}", tenant="A", cache_namespace="a", policy=SPEC,
+                            prefix_tokens=len(doc))
+    eng._release_idle_sessions()
+    stored = [d for d, key in enumerate(keys) if key in eng.prefixes.entries]
+    return eng.sessions.sessions["sb"].num_held_blocks, stored, pool.num_free_blocks(), eng
+
+
+def test_queued_forks_pin_no_idle_state_past_their_holders_fair_share(tiny: LoadedModel) -> None:
+    """Regression (review 26e, F1): every stored prefix a queued request would fork was kept
+    from the reclaim and left out of its holder's count, so A (30 idle blocks in three stored
+    prefixes, a fork of each queued) made B's whole compacted session (7 blocks) go instead of
+    its own prefixes, and only 20 blocks came free for a need of 25. Now A's prefixes go as
+    without the forks queued, B's session stays, and the one A keeps is the prefix of the fork
+    admission starts next (two slots: the head, then it); the later forks compute theirs."""
+    from tests.test_compressed_prefix_admission import drain
+
+    b_control, stored_control, free_control, _ = reclaim_with_forks_queued(tiny, False)
+    b_blocks, stored, free, eng = reclaim_with_forks_queued(tiny, True)
+    assert (b_control, free_control) == (7, 33) and len(stored_control) == 1
+    assert (b_blocks, stored, free) == (7, [0], 33)
+    out = drain(eng)
+    assert [out[f"af{d}"].num_cached_tokens > 0 for d in range(3)] == [True, False, False]
+    assert out["af0"].num_cached_tokens == len(DOCS[0])
+    assert not eng.check_integrity()
+
+
+def test_no_other_holder_gives_up_idle_state_for_a_holders_kept_prefixes(tiny: LoadedModel) -> None:
+    """Four slots: all three of A's queued forks start next, so all of A's prefixes stay. A
+    still holds the most idle blocks (30, counted), so B's session stays too, and the head
+    waits for the running requests' blocks (before, review 26e F1: B's session went)."""
+    from tests.test_compressed_prefix_admission import drain
+
+    b_blocks, stored, free, eng = reclaim_with_forks_queued(tiny, True, max_num_seqs=4)
+    assert (b_blocks, stored, free) == (7, [0, 1, 2], 13)
+    out = drain(eng)
+    assert [out[f"af{d}"].num_cached_tokens for d in range(3)] == [len(doc) for doc in DOCS]
+    assert len(out["bhead"].output_token_ids) == P.max_tokens
+    assert not eng.check_integrity()

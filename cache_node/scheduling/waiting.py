@@ -35,6 +35,9 @@ class PrefixReuse(Protocol):
     def computing(self, seq: Sequence) -> list[Sequence]:
         """Running sequences computing the prefix waiting ``seq`` would fork ([] if none)."""
 
+    def started(self, seq: Sequence) -> None:
+        """The scheduler started waiting ``seq`` (it runs now)."""
+
     def fork_blocks(self, seq: Sequence, num_new_tokens: int) -> int | None:
         """Blocks a fork of the stored prefix takes for waiting ``seq`` with ``num_new_tokens``
         laid out past it; None when ``seq`` forks nothing."""
@@ -50,6 +53,7 @@ class WaitingAdmission(Preemption):
     """Admission methods of ``Scheduler`` (its queues, policy, KV manager and speeds)."""
 
     step_s: Ewma
+    clock: Callable[[], float]
     _step_left: Callable[[ScheduledBatch], int]
 
     def _start(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
@@ -58,6 +62,8 @@ class WaitingAdmission(Preemption):
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         batch.append((seq, n))
+        if self.prefixes is not None:
+            self.prefixes.started(seq)
 
     def _note_device_hits(self) -> None:
         """``device_hit_tokens`` of every waiting sequence: its device prefix hit (a lookup, no
@@ -159,6 +165,8 @@ class WaitingAdmission(Preemption):
         head.status = SequenceStatus.RUNNING
         self.running.append(head)
         batch.append((head, n))
+        if self.prefixes is not None:
+            self.prefixes.started(head)
 
     def _admit(self, seq: Sequence, budget: int, step_left: int | None = None) -> int | None:
         """Reserve blocks for a waiting sequence's first chunk of at most ``budget`` tokens (a
@@ -239,6 +247,12 @@ class WaitingAdmission(Preemption):
             return False
         rank = self.policy.rank(seq)
         return any(self.policy.rank(p) <= rank for p in self.prefixes.computing(seq))
+
+    def next_to_start(self) -> list[Sequence]:
+        """The waiting sequences admission considers first, in its order (the policy's, then
+        each tenant's priorities): as many as one step may start (``max_num_seqs``)."""
+        now = self.clock()
+        return order_by_priority(self.policy.order(self.waiting, now))[: self.config.max_num_seqs]
 
     def num_awaiting_prefix(self) -> int:
         """Waiting sequences passed over for a running computation of their prefix."""
