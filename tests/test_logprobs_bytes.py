@@ -83,6 +83,20 @@ def test_the_reviews_example_has_exact_bytes_and_offsets(smollm2: Any) -> None:
     assert "日本語 😀 café"[5:] == " café"
 
 
+def test_a_token_after_a_broken_character_is_offset_past_its_replacement(smollm2: Any) -> None:
+    """Review 26f F1: a token holding only the start of a character ([230, 181], 2 of 3 bytes)
+    followed by an ASCII token: the text is "x\ufffdarks" and "arks" starts at 2, but its
+    offset was 1 (the U+FFFD was counted only when the next token's bytes were decoded, after
+    its offset was taken), so ``text[offset:]`` of "arks" began with the U+FFFD."""
+    tokens = TokenTexts(smollm2)
+    broken = next(t for t in range(len(smollm2)) if tokens(t).data == b"\xe6\xb5")
+    ids = [*smollm2.encode("x", add_special_tokens=False), broken, *smollm2.encode("arks", add_special_tokens=False)]
+    text = b"".join(tokens(t).data for t in ids).decode("utf-8", "replace")
+    assert text == "x\ufffdarks"
+    offsets = _collect(False, tokens, ids)["text_offset"]
+    assert offsets == [0, 1, 2] and text[offsets[2]:] == "arks"
+
+
 def test_special_tokens_keep_their_text_and_add_no_offset(smollm2: Any) -> None:
     """A special token (the text skips it: the node decodes with skip_special_tokens) keeps its
     text and that text's bytes (vLLM's), and moves no later token's offset; an id past the

@@ -151,6 +151,12 @@ def token_bytes_scheme(tokenizer: Any) -> str | None:
     return None
 
 
+def _continues(data: bytes) -> bool:
+    """``data`` starts with a UTF-8 continuation byte (10xxxxxx): it may complete a character
+    that earlier bytes began."""
+    return bool(data) and data[0] & 0xC0 == 0x80
+
+
 class Logprobs:
     """One choice's log probabilities, collected from its deltas and handed out in its
     endpoint's shape: all of them (``whole``) or those not handed out yet (``take``).
@@ -181,6 +187,11 @@ class Logprobs:
         ``[logprob, id, logprob, ...]``)."""
         for token_id, entry in zip(token_ids, entries):
             token = self.tokens(token_id)
+            if token.in_text and self._utf8.getstate()[0] and not _continues(token.data):
+                # the bytes left by earlier tokens end there: their U+FFFD comes before this
+                # token's text. Regression (review 26f F1): counted after the offset was taken,
+                # the token's offset pointed at that U+FFFD ("\ufffdarks" for "arks")
+                self._chars += len(self._utf8.decode(b"", final=True))
             self._offsets.append(self._chars)
             if token.in_text:
                 self._chars += len(self._utf8.decode(token.data))
