@@ -31,8 +31,8 @@ PHASES = ("_settle_finished_turns", "_release_idle_sessions", "_schedule", "_exe
 
 class PhaseTimer:
     """Wall time of ``PHASES``, of ``runner.execute`` (with its device time from CUDA events
-    on CUDA) and of ``sample`` while installed (``with``); ``steps`` holds each step's wall
-    time (seconds) when the caller steps through ``step``."""
+    on CUDA) and of the sampler's ``draw`` (label "sample") while installed (``with``);
+    ``steps`` holds each step's wall time (seconds) when the caller steps through ``step``."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -67,7 +67,7 @@ class PhaseTimer:
         for name in PHASES:
             self._wrap(self.engine, name, name.lstrip("_"))
         self._wrap(self.engine.runner, "execute", "runner.execute", events=True)
-        self._wrap(engine_module, "sample", "sample")
+        self._wrap(engine_module, "draw", "sample")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -161,7 +161,7 @@ def test_flipped_payload_byte_raises_corrupt(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # last byte of block 3
     path.write_bytes(bytes(data))
-    with pytest.raises(SpillCorruptError, match="checksum mismatch in block 3"):
+    with pytest.raises(SpillCorruptError, match=r"checksum mismatch in blocks \[3\]"):
         read_blocks(path, FMT, hashes[3:])
     assert read_blocks(path, FMT, hashes[:1]).tobytes() == blocks[:1].tobytes()
 
