@@ -9,6 +9,7 @@ import inspect
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from bench.chaos_stack import BLOCK_SIZE, POOL_BLOCKS, block_bytes, tiny_checkpoint
@@ -69,3 +70,15 @@ def wait_for(predicate: Any, timeout_s: float = 10.0) -> float:
         assert time.monotonic() - t0 < timeout_s, "timed out"
         time.sleep(0.01)
     return time.monotonic() - t0
+
+
+class Actor:
+    """``obj`` as a Ray actor handle: ``h.m.remote(...)`` runs the call on the loop whether or
+    not it is awaited (the gateway's ``release`` is fire-and-forget)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.obj, name)
+        return SimpleNamespace(remote=lambda *args, **kw: asyncio.ensure_future(call(fn, *args, **kw)))

@@ -7,14 +7,12 @@ Before: ``n`` was accepted at 1 only (any other value a 400 naming it)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import http.client
 import json
 import re
 import socket
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -32,23 +30,11 @@ from services.openai_api.schemas import MAX_N, CompletionRequest
 from services.openai_api.server import HttpServer
 from tenants.model import TenantSpec
 from tests.known_tenants import know_tenants
-from tests.loop_plane import LoopPlane, call, wait_for
+from tests.loop_plane import Actor, LoopPlane, call, wait_for
 
 SLOTS = 3
 PROMPT = list(range(300, 340))  # 40 tokens: 2 full blocks (32 tokens) can be reused
 REUSED = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
-class Actor:
-    """``obj`` as a Ray actor handle: ``h.m.remote(...)`` runs the call on the loop whether or
-    not it is awaited (the gateway's ``release`` is fire-and-forget)."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self.obj, name)
-        return SimpleNamespace(remote=lambda *args, **kw: asyncio.ensure_future(call(fn, *args, **kw)))
 
 
 class Edge(LoopPlane):

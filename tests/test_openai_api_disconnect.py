@@ -10,7 +10,6 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,19 +23,7 @@ from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.server import HttpServer
 from tenants.model import TenantSpec
 from tests.known_tenants import know_tenants
-from tests.loop_plane import LoopPlane, call, wait_for
-
-
-class Actor:
-    """``obj`` as a Ray actor handle: ``h.m.remote(...)`` runs the call on the loop whether or
-    not it is awaited (the gateway's ``release`` is fire-and-forget)."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self.obj, name)
-        return SimpleNamespace(remote=lambda *args, **kw: asyncio.ensure_future(call(fn, *args, **kw)))
+from tests.loop_plane import Actor, LoopPlane, call, wait_for
 
 
 class Edge(LoopPlane):
