@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_node.tiers import spill_disk, spill_format
+from cache_node.tiers import spill_disk_faults, spill_format
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_store import SpillEvent, SpillStore
 from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, make_blocks
@@ -185,12 +185,12 @@ def test_transient_read_error_is_a_miss_and_keeps_the_file(
     failed = fail_opens_of(monkeypatch, path, err, times=10**6)
     hits = store.get(hashes_of(range(4)))
     assert (hits.hashes, hits.tiers) == ([], [])
-    assert len(failed) == spill_disk.READ_ATTEMPTS
+    assert len(failed) == spill_disk_faults.READ_ATTEMPTS
     assert path.read_bytes() == before
     assert store.contains(hashes_of(range(4))) == ["spill_disk"] * 4
     stats = store.stats()
     counts = (stats["io_errors"], stats["io_retries"], stats["misses"], stats["files"])
-    assert counts == (1, spill_disk.READ_ATTEMPTS - 1, 4, 1)
+    assert counts == (1, spill_disk_faults.READ_ATTEMPTS - 1, 4, 1)
     assert (stats["corrupt_reads"], stats["quarantined_files"]) == (0, 0)
     assert store.take_events() == []  # the global index is not told the blocks are gone
     monkeypatch.undo()  # the fault clears
@@ -223,7 +223,7 @@ def test_transient_error_during_restart_reindex_keeps_the_file(
     before = path.read_bytes()
     failed = fail_opens_of(monkeypatch, path, err, times=10**6)
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
-    assert len(failed) == spill_disk.READ_ATTEMPTS
+    assert len(failed) == spill_disk_faults.READ_ATTEMPTS
     assert restarted.contains(hashes_of(range(4))) == [None] * 4
     stats = restarted.stats()
     assert (stats["io_errors"], stats["corrupt_reads"], stats["files"]) == (1, 0, 0)

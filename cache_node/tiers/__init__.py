@@ -8,8 +8,9 @@
 - ``device_copy``: on a CUDA pool, those copies async on a copy stream, ordered by events;
 - ``prefetch``: the transfer worker (spill puts, prefetch gets) on a background thread;
 - ``spill_api``: the engine's narrow view of the spill tier (``SpillClient``);
-- ``spill_store``, ``spill_disk``, ``spill_format``: the spill storage engine (a RAM tier, disk
-  group files and their format), served by the ``SpillNode`` actor in ``services/``.
+- ``spill_store``, ``spill_disk``, ``spill_disk_faults``, ``spill_unserved``, ``spill_format``:
+  the spill storage engine (a RAM tier, disk group files, their faults, the files it does not
+  serve, and their format), served by the ``SpillNode`` actor in ``services/``.
 
 Nothing here imports Ray, gRPC or ``services``.
 """

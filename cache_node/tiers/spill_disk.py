@@ -6,22 +6,19 @@ tenant holding the most bytes first (``fair_lru``; a file holds one namespace's 
 headers on construction, so a restarted spill node keeps its disk hits. Not thread-safe: the
 owning ``SpillStore`` serializes calls.
 
-Faults: a block that fails its checksum in a file whose header verified
-(``SpillBlocksCorrupt``) is dropped from the index alone (``corrupt_blocks``): every block has
-its own checksum, so the file's other blocks are still served, and a file left with no block
-is moved into the quarantine folder. Regression (review 26b F3): one bad block quarantined its
-whole file, up to ``MAX_BLOCKS_PER_FILE`` blocks of a tenant's batch. A fault of the file as a
-whole (header, length, format: ``SpillCorruptError``) takes it out of service, moved into the
-quarantine folder (``UnservedFiles.quarantine``). Any
-other ``OSError`` (EIO, EMFILE, EACCES, ENOSPC...) is transient: it is retried
-``READ_ATTEMPTS`` times with a short backoff, then counted (``io_errors``) and the read is a
-miss, the file staying on disk and in the index; a file whose header cannot be read at a
-restart stays on disk unindexed. A file that is gone (ENOENT) is dropped from the index
-(``missing_files``). A file of another format version or block format is skipped at a restart
-(``skipped_files``): left on disk, never indexed. At a restart a block held by several
-files is indexed from the newest (a block dropped as corrupt that was written again later is
-served from its new copy); a block that failed its checksum before is indexed again from its
-file, and dropped again at its next read.
+Faults (which are retried, which quarantine a file, which leave it unindexed:
+``spill_disk_faults``), as the index sees them: a block that fails its checksum in a file
+whose header verified (``SpillBlocksCorrupt``) is dropped from the index alone
+(``corrupt_blocks``): every block has its own checksum, so the file's other blocks are still
+served, and a file left with no block is moved into the quarantine folder. Regression (review
+26b F3): one bad block quarantined its whole file, up to ``MAX_BLOCKS_PER_FILE`` blocks of a
+tenant's batch. A file corrupt as a whole (``SpillCorruptError``) is taken out of the index
+and quarantined. A transient ``OSError`` that outlasts its retries is counted
+(``io_errors``) and the read is a miss, the file staying on disk and in the index. A file
+that is gone (ENOENT) is dropped from the index (``missing_files``). At a restart a block
+held by several files is indexed from the newest (a block dropped as corrupt that was written
+again later is served from its new copy); a block that failed its checksum before is indexed
+again from its file, and dropped again at its next read.
 
 The budget bounds the whole directory: unindexed and quarantined files count against it
 (``spill_unserved``), and unindexed ones, which can never be served, are deleted (oldest
@@ -33,34 +30,24 @@ holders deletes their files, served or not (``UnservedFiles.drop_holders``).
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
 from cache_node.tiers import spill_format as fmt
 from cache_node.tiers.fair_lru import FairLRU, holder_of
-from cache_node.tiers.spill_format import (
-    BlockFormat,
-    GroupHeader,
-    SpillBlocksCorrupt,
-    SpillCorruptError,
-    SpillFormatMismatch,
-)
+from cache_node.tiers.spill_disk_faults import READ_ATTEMPTS, DiskFaults
+from cache_node.tiers.spill_format import BlockFormat, SpillBlocksCorrupt, SpillCorruptError
 from cache_node.tiers.spill_unserved import UnservedFiles
 
 logger = logging.getLogger(__name__)
 
 TIER_DISK = "spill_disk"
-READ_ATTEMPTS = 3  # tries of one file read or header read before a transient OSError is a miss
-RETRY_BACKOFF_S = 0.005  # sleep before retry k (k = 1, 2, ...): RETRY_BACKOFF_S * 2**(k - 1)
 Emit = Callable[[str, bytes, str], None]  # (event, block_hash, tier)
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -109,6 +96,7 @@ class DiskTier:
         self._files: FairLRU[str, _SpillFile] = FairLRU()
         self.bytes_used = 0  # bytes of the files in the index
         self.unserved = UnservedFiles(root_dir, budget_bytes, counters)
+        self._faults = DiskFaults(block_format, self.unserved, counters)
         self._rebuild()
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -233,13 +221,13 @@ class DiskTier:
         ``hashes``) read and verified."""
         path = self._files[name].path
         try:
-            self._retry(lambda: self._read_into(path, hashes, out, rows))
+            self._faults.retry(lambda: self._read_into(path, hashes, out, rows))
         except SpillBlocksCorrupt as exc:
             self._drop_corrupt_blocks(name, [hashes[j] for j in exc.positions], exc)
             bad = set(exc.positions)
             return [j for j in range(len(hashes)) if j not in bad]
         except SpillCorruptError as exc:
-            self._quarantine(path, exc)
+            self._faults.quarantine(path, exc)
             self._forget(name)
             return []
         except FileNotFoundError as exc:
@@ -286,33 +274,19 @@ class DiskTier:
             self._files.touch(name)
         else:
             self._forget(name)
-            self._set_aside(spill_file.path)
-
-    def _retry(self, call: Callable[[], _T]) -> _T:
-        """``call()``, retried on a transient OSError (not ENOENT) up to ``READ_ATTEMPTS`` times."""
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                return call()
-            except FileNotFoundError:
-                raise
-            except OSError:
-                if attempt == READ_ATTEMPTS:
-                    raise
-                self._counters["io_retries"] += 1
-                time.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+            self._faults.set_aside(spill_file.path)
 
     def _rebuild(self) -> None:
         self.root_dir.mkdir(parents=True, exist_ok=True)
         try:
-            paths = self._retry(lambda: fmt.list_group_files(self.root_dir))
+            paths = self._faults.retry(lambda: fmt.list_group_files(self.root_dir))
         except OSError as exc:
             logger.warning("cannot list spill dir %s (starting with an empty index): %s",
                            self.root_dir, exc)
             self._counters["io_errors"] += 1
             return
         self.unserved.scan_quarantine()  # first: files quarantined below are its newest
-        headers = [(path, header) for path in paths if (header := self._read_index_header(path))]
+        headers = [(path, header) for path in paths if (header := self._faults.read_index_header(path))]
         newest: dict[bytes, Path] = {}  # block_hash -> the newest file holding it
         for path, header in headers:
             newest.update(dict.fromkeys(header.block_hashes, path))
@@ -324,42 +298,3 @@ class DiskTier:
                 continue
             self._add_file(path.name, path, header.file_bytes, live, header.namespace)
         self._evict_over_budget()
-
-    def _read_index_header(self, path: Path) -> GroupHeader | None:
-        """``path``'s header when the file can be indexed; else None, the file quarantined,
-        counted as unindexed, or gone."""
-        try:
-            header = self._retry(lambda: fmt.read_header(path))
-        except SpillCorruptError as exc:
-            self._quarantine(path, exc)
-            return None
-        except SpillFormatMismatch as exc:
-            logger.warning("skipping spill file %s: %s", path, exc)
-            self._counters["skipped_files"] += 1
-            self.unserved.add_unindexed(path)
-            return None
-        except FileNotFoundError:
-            return None  # vanished since the listing
-        except OSError as exc:
-            logger.warning("spill file %s not indexed (left on disk for the next restart, "
-                           "deleted first when the disk budget needs room): %s", path, exc)
-            self._counters["io_errors"] += 1
-            self.unserved.add_unindexed(path)
-            return None
-        if not header.matches(self.block_format):
-            logger.warning("skipping spill file %s of another block format", path)
-            self._counters["skipped_files"] += 1
-            self.unserved.add_unindexed(path)
-            return None
-        return header
-
-    def _quarantine(self, path: Path, exc: SpillCorruptError) -> None:
-        """Count a verified corruption and move the file aside (``_set_aside``)."""
-        logger.warning("spill file %s is corrupt, quarantined: %s", path, exc)
-        self._counters["corrupt_reads"] += 1
-        self._set_aside(path)
-
-    def _set_aside(self, path: Path) -> None:
-        """Move a corrupt file into the quarantine folder (``UnservedFiles.quarantine``)."""
-        if self.unserved.quarantine(path):
-            self._counters["quarantined_files"] += 1
