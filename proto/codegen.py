@@ -10,7 +10,9 @@ For every ``<name>.proto`` protoc writes ``<name>_pb2.py``, ``<name>_pb2_grpc.py
 ``<name>_pb2.pyi``. Hand-written files in the package (``__init__.py``) are left alone.
 The output is byte-for-byte what
 ``python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. ...``
-produces with the installed ``grpcio-tools``.
+produces with the installed ``grpcio-tools``, which ``pyproject.toml`` pins (the dev extra) to
+the release that generated the checked-in files: each release writes its own version into the
+stubs (``GRPC_GENERATED_VERSION``, the oldest grpcio they accept).
 """
 
 from __future__ import annotations
