@@ -23,6 +23,7 @@ from services.gateway_stream_bounds import UNBOUND_STREAMS_HELD, StreamLimits, e
 from services.gateway_streams import NodeStreams
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
+from tests.grpc_context import GrpcContext, Refused
 
 STARTED = {"type": "started", "request_id": "r", "node_id": "n0", "prompt_tokens": 3}
 FINISHED = {"type": "finished", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2,
@@ -289,28 +290,6 @@ def test_events_before_bind_are_held_bounded_per_node() -> None:
     asyncio.run(run())
 
 
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Context:
-    """What ``InferenceServicer.generate`` calls on a gRPC servicer context."""
-
-    def invocation_metadata(self) -> tuple[()]:
-        return ()
-
-    async def send_initial_metadata(self, _metadata: Any) -> None:
-        return None
-
-    def set_trailing_metadata(self, _metadata: Any) -> None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, message: str = "") -> None:
-        raise Refused(code, message)
-
-
 class Auth:
     def __init__(self) -> None:
         self.tenant_of: dict[int, Tenant] = {}
@@ -341,7 +320,7 @@ def test_a_tenant_holds_at_most_its_cap_of_streams_until_its_client_reads_their_
                                            sampling=inference_pb2.SamplingParams(max_tokens=2))
 
         def call(tenant: Tenant) -> Any:
-            context = Context()
+            context = GrpcContext()
             auth.tenant_of[id(context)] = tenant
             calls.append(context)
             return servicer.generate(context, lambda: input_from_pb(pb))
@@ -358,7 +337,7 @@ def test_a_tenant_holds_at_most_its_cap_of_streams_until_its_client_reads_their_
                              lambda: rid in released)
             return await asyncio.wait_for(first, 5)
 
-        calls: list[Context] = []
+        calls: list[GrpcContext] = []
         served: list[str] = []
         ann1, ann2 = call(ann), call(ann)
         assert (await started(ann1))["type"] == (await started(ann2))["type"] == "started"

@@ -29,6 +29,7 @@ from services.openai_api.choices import ChoiceInputs, choice_seed, shared_routin
 from services.openai_api.schemas import MAX_N, CompletionRequest
 from services.openai_api.server import HttpServer
 from tenants.model import TenantSpec
+from tests.grpc_context import GrpcContext, Refused
 from tests.known_tenants import know_tenants
 from tests.loop_plane import Actor, LoopPlane, call, wait_for
 
@@ -139,34 +140,6 @@ class Edge(LoopPlane):
     async def close_gateways(self) -> None:
         await self.http.stop()
         self.servicer.streams.shutdown()
-
-
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class GrpcContext:
-    """What ``InferenceServicer.generate`` calls on a gRPC servicer context, with ``key``."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.key}"),)
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:5"
-
-    async def send_initial_metadata(self, _metadata: Any) -> None:
-        return None
-
-    def set_trailing_metadata(self, _metadata: Any) -> None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, message: str = "") -> None:
-        raise Refused(code, message)
 
 
 @pytest.fixture(scope="module")

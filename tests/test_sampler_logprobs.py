@@ -8,6 +8,7 @@ engine streams them per token without changing any token it draws."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -174,6 +175,20 @@ def test_in_range_values_are_kept() -> None:
     assert (SamplingParams().logprobs, SamplingParams().min_p) == (None, 0.0)
 
 
+def _generate(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[TokenLogprobs]]:
+    """Run one request ``prompt`` to its end on ``engine``: its tokens and their entries (one
+    per token when ``params.logprobs`` is set, none otherwise: checked at every step)."""
+    engine.add_request(prompt, params, request_id="r")
+    tokens: list[int] = []
+    entries: list[TokenLogprobs] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            entries.extend(out.logprobs)
+            assert len(out.logprobs) == (len(out.new_token_ids) if params.logprobs is not None else 0)
+    return tokens, entries
+
+
 def test_the_engine_streams_one_entry_per_token_and_draws_the_same_tokens(tiny) -> None:
     """On the tiny model: a greedy request asking for 4 logprobs gets one ``TokenLogprobs`` per
     step's token, whose logprob is the max of its top (greedy, no penalty) and equals a direct
@@ -182,16 +197,7 @@ def test_the_engine_streams_one_entry_per_token_and_draws_the_same_tokens(tiny) 
     prompt = [5, 17, 42, 99, 7, 3]
 
     def run(logprobs: int | None) -> tuple[list[int], list[TokenLogprobs]]:
-        engine = make_engine(tiny)
-        engine.add_request(prompt, SamplingParams(max_tokens=6, logprobs=logprobs, ignore_eos=True), request_id="r")
-        tokens: list[int] = []
-        entries: list[TokenLogprobs] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens.extend(out.new_token_ids)
-                entries.extend(out.logprobs)
-                assert len(out.logprobs) == (len(out.new_token_ids) if logprobs is not None else 0)
-        return tokens, entries
+        return _generate(make_engine(tiny), prompt, SamplingParams(max_tokens=6, logprobs=logprobs, ignore_eos=True))
 
     tokens, entries = run(4)
     assert run(None) == (tokens, []) and len(entries) == 6
@@ -246,14 +252,8 @@ def test_the_engine_logprobs_equal_transformers_on_the_real_model(real_model) ->
     max; the tokens are transformers' greedy ones."""
     tok = real_model.tokenizer
     prompt = tok("The capital of France is").input_ids
-    engine = make_engine(real_model, kv_pool_bytes=32 << 20)
-    engine.add_request(prompt, SamplingParams(max_tokens=5, logprobs=5, ignore_eos=True), request_id="r")
-    tokens: list[int] = []
-    entries: list[TokenLogprobs] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-            entries.extend(out.logprobs)
+    tokens, entries = _generate(make_engine(real_model, kv_pool_bytes=32 << 20), prompt,
+                                SamplingParams(max_tokens=5, logprobs=5, ignore_eos=True))
     reference = type(real_model.model).from_pretrained(real_model.model.name_or_path, dtype=torch.float32)
     reference.config._attn_implementation = "sdpa"
     with torch.no_grad():
