@@ -36,7 +36,8 @@ from services.openai_api.app import _ClosingStream, _stream
 from services.openai_api.responses import Generation
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
-from tests.test_gateway_stream_bounds import FINISHED, STARTED, Auth, Context, Plane, delta
+from tests.grpc_context import GrpcContext
+from tests.test_gateway_stream_bounds import FINISHED, STARTED, Auth, Plane, delta
 
 
 async def until(condition: Any) -> None:
@@ -189,7 +190,7 @@ def test_a_client_that_reads_slowly_but_steadily_is_never_ended() -> None:
     asyncio.run(run())
 
 
-class StalledClient(Context):
+class StalledClient(GrpcContext):
     """A gRPC call context whose client takes ``takes`` messages, then none (its writes hang,
     as under HTTP/2 flow control); each take advances ``clock`` by ``step_s`` and runs the
     idle sweep (``expire``) while the next event waits."""
@@ -295,7 +296,7 @@ def test_a_grpc_call_whose_client_stops_reading_ends_resource_exhausted_and_free
     asyncio.run(run())
 
 
-class SlowClient(Context):
+class SlowClient(GrpcContext):
     """A gRPC call context whose client takes each message when the test permits it."""
 
     def __init__(self) -> None:
@@ -362,7 +363,7 @@ def test_an_http_stream_whose_client_stops_reading_is_ended_and_frees_its_slot()
 
         async def respond() -> None:  # the HTTP edge's task (``OpenAIEdge.complete``)
             writer = StreamWriter()
-            events = gw.servicer.generate(gw.context(Context()), lambda: input_from_pb(PB), writer)
+            events = gw.servicer.generate(gw.context(GrpcContext()), lambda: input_from_pb(PB), writer)
             started = await anext(events)
             # a chat: its first chunk (the role) goes out before any delta
             response = _ClosingStream(_stream(Generation(events, started, True, "m"), False),

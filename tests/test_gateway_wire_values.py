@@ -23,19 +23,18 @@ from services.gateway import InferenceServicer, input_from_pb
 from services.global_scheduler_checks import REJECT_REASONS
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
+from tests.grpc_context import GrpcContext, Refused
 from tests.test_gateway_stream_bounds import (
     ADMITTED,
     FINISHED,
     STARTED,
     Auth,
-    Context,
     Plane,
-    Refused,
     delta,
 )
 
 
-class Trailing(Context):
+class Trailing(GrpcContext):
     def set_trailing_metadata(self, metadata: Any) -> None:
         self.trailing = tuple(metadata)
 

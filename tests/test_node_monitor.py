@@ -93,7 +93,8 @@ def test_a_dead_scheduler_makes_the_gateway_unhealthy_and_fails_admissions_at_on
     from services.ray_errors import SCHEDULER_DOWN
     from tenants.model import Tenant, TenantSpec
     from tests.gateway_harness import NODE_INFO
-    from tests.test_gateway_stream_bounds import Auth, Plane, Refused
+    from tests.grpc_context import Refused
+    from tests.test_gateway_stream_bounds import Auth, Plane
     from tests.test_gateway_wire_values import Trailing
 
     class Silent(Plane):
