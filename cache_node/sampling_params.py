@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cache_node.structured_output import StructuredOutputSpec
+
 GREEDY_BELOW = 1e-5
 """Temperatures under this decode greedily (vLLM's ``_SAMPLING_EPS``)."""
 
@@ -90,6 +92,12 @@ class SamplingParams:
         Penalties and ``min_tokens`` apply to greedy requests too; then temperature, min-p,
         top-k and top-p, in that order, as vLLM's (``cache_node.sampler``).
 
+        structured_output: None = off; else what the output must match (a JSON object or
+            schema, a regex, a choice, an EBNF grammar: ``StructuredOutputSpec``). The engine
+            compiles it before the request is scheduled and masks each step's logits to the
+            tokens it allows, before everything else (vLLM V1's order: ``cache_node.grammars``);
+            the request ends "stop" when the grammar is complete and allows no more text.
+
     Raises:
         ValueError: any field out of range, with the field name in the message.
     """
@@ -108,6 +116,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     min_p: float = 0.0
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -154,6 +163,9 @@ class SamplingParams:
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
         object.__setattr__(self, "min_p", min_p)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            raise ValueError(f"structured_output must be a StructuredOutputSpec or None, got "
+                             f"{type(self.structured_output).__name__}")
 
     @property
     def greedy(self) -> bool:
