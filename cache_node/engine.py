@@ -216,8 +216,26 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         if params.logprobs is not None and params.logprobs > self.vocab_size:  # (review 26c F4)
             raise InvalidRequestError(f"logprobs: asks for {params.logprobs} alternatives per token; the "
                                       f"model's vocabulary has {self.vocab_size} tokens")
+        self._validate_constraints(params)
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+
+    def _validate_constraints(self, params: SamplingParams) -> None:
+        """``logit_bias`` and ``allowed_token_ids`` name ids in the vocabulary, and an allowed
+        set leaves ``min_tokens`` a token to draw (else every logit of the row is -inf while
+        EOS and the stop ids are held off: greedy would pick id 0, sampling fail)."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        allowed = params.allowed_token_ids
+        if allowed is not None and params.min_tokens:
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if held.issuperset(allowed):
+                raise InvalidRequestError(f"allowed_token_ids: every allowed token ends the request, which min_tokens "
+                                          f"({params.min_tokens}) forbids for its first tokens; allow another token")
 
     def _check_fits(self, seq: Sequence) -> None:
         """Refuse a request whose KV can never fit the pool (it would wedge the queue)."""

@@ -1,15 +1,18 @@
 """Next-token selection: greedy, or temperature + min-p + top-k + top-p sampling with
-per-request seeds, after the requests' penalties and ``min_tokens``; and the log probabilities
-of the rows that ask for them.
+per-request seeds, after the requests' ``allowed_token_ids``, ``logit_bias``, penalties and
+``min_tokens``; and the log probabilities of the rows that ask for them.
 
-Everything runs on the logits' device: the penalties and ``min_tokens`` mask are applied to
-the rows that ask for them in a few batched ops (nothing at all when no row does), greedy rows
-take one batched argmax, each sampled row draws from its request's own generator (created on
-that device, ``LLMEngine.add_request``), and the chosen ids come back to the host in one
-``tolist()``, the step's only host sync (the token ids the penalties count go host -> device).
+Everything runs on the logits' device: the allowed-token masks, logit biases, penalties and
+``min_tokens`` mask are applied to the rows that ask for them in a few batched ops (nothing at
+all when no row does), greedy rows take one batched argmax, each sampled row draws from its
+request's own generator (created on that device, ``LLMEngine.add_request``), and the chosen ids
+come back to the host in one ``tolist()``, the step's only host sync (the token ids the
+penalties count, the allowed ids and the biases go host -> device).
 
-The order is vLLM's (``vllm.v1.sample.sampler``): repetition, frequency and presence penalties
-and the ``min_tokens`` mask on the raw logits, then temperature, then min-p (one of vLLM's
+The order is vLLM V1's (``vllm.v1.sample.sampler``): on the raw logits the
+``allowed_token_ids`` mask, then the ``logit_bias`` and the ``min_tokens`` mask (non
+argmax-invariant logits processors), then the repetition, frequency and presence penalties;
+greedy rows take their argmax there; then temperature, then min-p (one of vLLM's
 argmax-invariant logits processors, applied before top-k/top-p), then top-k, then top-p.
 
 Log probabilities (``SamplingParams.logprobs``) are vLLM V1's default ``raw_logprobs``: the
@@ -42,6 +45,48 @@ def _seen(ids: list[list[int]], vocab: int, device: torch.device, counts: bool) 
         out = torch.zeros(len(ids), vocab + 1, dtype=torch.bool, device=device)
         out.scatter_(1, index, True)
     return out[:, :vocab]
+
+
+def _entries(rows: list[int], columns: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors of every ``columns[j]`` entry of row ``rows[j]``: one
+    host -> device copy."""
+    counts = torch.tensor([len(c) for c in columns])
+    index = torch.stack([torch.repeat_interleave(torch.tensor(rows), counts),
+                         torch.tensor([t for c in columns for t in c], dtype=torch.long)])
+    index = index.to(device)
+    return index[0], index[1]
+
+
+def apply_token_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``logits`` after each row's ``allowed_token_ids`` mask (every other token -inf) and then
+    its ``logit_bias`` (added to its tokens' logits); ``logits`` itself when no row asks for
+    either (the default costs one pass over the rows' parameters). The first two of vLLM V1's
+    logits steps after the raw log probabilities (its allowed-token mask and
+    ``LogitBiasLogitsProcessor``); a request's ids lie in the vocabulary (``LLMEngine``
+    refuses others), an id past it here is dropped.
+
+    Cost, per step: the asking rows' entries (each at most ``MAX_ALLOWED_TOKEN_IDS`` /
+    ``MAX_LOGIT_BIAS_TOKENS``) copied host -> device (an index per kind, and the biases) and
+    scattered in one op per kind; the allowed rows' mask is one (rows, vocab) boolean."""
+    allowed = [i for i, seq in enumerate(seqs) if seq.sampling_params.allowed_token_ids is not None]
+    biased = [i for i, seq in enumerate(seqs) if seq.sampling_params.logit_bias]
+    if not (allowed or biased):
+        return logits
+    logits = logits.float().clone()
+    vocab, device = logits.shape[1], logits.device
+    if allowed:
+        ids = [[t for t in seqs[i].sampling_params.allowed_token_ids or () if t < vocab] for i in allowed]
+        rows, cols = _entries(list(range(len(allowed))), ids, device)
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
+        keep[rows, cols] = True
+        index = torch.tensor(allowed, dtype=torch.long, device=device)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    if biased:
+        pairs = [[p for p in seqs[i].sampling_params.logit_bias if p[0] < vocab] for i in biased]
+        rows, cols = _entries(biased, [[t for t, _ in row] for row in pairs], device)
+        bias = torch.tensor([b for row in pairs for _, b in row], dtype=torch.float32).to(device)
+        logits[rows, cols] += bias  # (ids are unique per row: no two adds to one cell)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
@@ -165,7 +210,8 @@ def draw(
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks.
 
     Returns:
-        num_seqs token ids: after each row's penalties and ``min_tokens`` mask
+        num_seqs token ids: after each row's ``allowed_token_ids`` and ``logit_bias``
+        (``apply_token_constraints``), then its penalties and ``min_tokens`` mask
         (``apply_penalties``), argmax for greedy rows; for the others, one draw from
         softmax(logits / temperature) after min-p, top-k and top-p filtering, with the
         sequence's generator. And per row its ``TokenLogprobs`` (the chosen token's log
@@ -179,7 +225,7 @@ def draw(
     if not seqs:
         return [], []
     raw = logits
-    logits = apply_penalties(logits, seqs, eos_token_ids)
+    logits = apply_penalties(apply_token_constraints(logits, seqs), seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)
     asking: list[int] = []
     for i, seq in enumerate(seqs):

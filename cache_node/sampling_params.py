@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from cache_node.structured_output import StructuredOutputSpec
 
@@ -45,6 +47,23 @@ MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20
 """Most alternatives ``logprobs`` may ask for per token (OpenAI's ``top_logprobs`` maximum,
 vLLM's default ``max_logprobs``)."""
+
+MAX_LOGIT_BIAS = 100.0
+"""A ``logit_bias`` value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's documented range;
+-100 in effect bans a token, +100 makes it the only one drawn)."""
+
+MAX_LOGIT_BIAS_TOKENS = 4096
+"""Most token ids one request's ``logit_bias`` may name. The sampler pays per entry on every
+step of the request (one scatter into its logits row), so the count is bounded; 4,096 covers
+banning or favouring every spelling of hundreds of words."""
+
+MAX_ALLOWED_TOKEN_IDS = 4096
+"""Most ids one request's ``allowed_token_ids`` may list (duplicates counted), for the same
+reason: each step scatters them into the request's mask row."""
+
+MAX_SAMPLING_TOKEN_ID = (1 << 31) - 1
+"""Largest token id ``logit_bias`` and ``allowed_token_ids`` may name here (an int32, as on
+the data plane); the engine refuses ids past its vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +108,20 @@ class SamplingParams:
             ``min_p`` times the most probable token's are dropped; 0 = off; in [0, 1]. It does
             not change a greedy request's token.
 
-        Penalties and ``min_tokens`` apply to greedy requests too; then temperature, min-p,
-        top-k and top-p, in that order, as vLLM's (``cache_node.sampler``).
+        logit_bias: OpenAI's: (token id, bias) pairs, added to those tokens' logits before
+            anything else but ``allowed_token_ids`` (greedy requests too); each bias a finite
+            number in [-100, 100], ids in [0, 2^31) (the engine: in its vocabulary), at most
+            ``MAX_LOGIT_BIAS_TOKENS``, none twice. Given as a mapping id -> bias (or pairs);
+            kept as pairs sorted by id. Empty: off.
+        allowed_token_ids: vLLM's: None = off; else only these token ids may be generated
+            (every other logit is -inf, greedy requests too); non-empty, ids in [0, 2^31) (the
+            engine: in its vocabulary), at most ``MAX_ALLOWED_TOKEN_IDS``; kept sorted and
+            unique. The model's EOS stops the request only when it is allowed.
+
+        The order is vLLM V1's (``cache_node.sampler``): ``allowed_token_ids``, then
+        ``logit_bias`` and the ``min_tokens`` mask, then the penalties (all of these apply to
+        greedy requests too); then temperature, min-p, top-k and top-p. Log probabilities are
+        taken before all of them.
 
         structured_output: None = off; else what the output must match (a JSON object or
             schema, a regex, a choice, an EBNF grammar: ``StructuredOutputSpec``). The engine
@@ -116,6 +147,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] | None = None
     structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
@@ -137,7 +170,8 @@ class SamplingParams:
         self._check_extras()
 
     def _check_extras(self) -> None:
-        """top_k, min_tokens, the penalties, logprobs and min_p (vLLM's and OpenAI's ranges)."""
+        """top_k, min_tokens, the penalties, logprobs, min_p, logit_bias and allowed_token_ids
+        (vLLM's and OpenAI's ranges)."""
         top_k = self.top_k
         if not _is_int(top_k) or not -1 <= top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 or -1 = off), got {top_k!r}")
@@ -163,6 +197,9 @@ class SamplingParams:
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
         object.__setattr__(self, "min_p", min_p)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
             raise ValueError(f"structured_output must be a StructuredOutputSpec or None, got "
                              f"{type(self.structured_output).__name__}")
@@ -184,6 +221,51 @@ def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _token_id(name: str, value: object) -> int:
+    """``value`` as a token id in [0, ``MAX_SAMPLING_TOKEN_ID``]; ValueError naming ``name``."""
+    if not _is_int(value) or not 0 <= value <= MAX_SAMPLING_TOKEN_ID:  # type: ignore[operator]
+        raise ValueError(f"{name} takes token ids that are integers in [0, {MAX_SAMPLING_TOKEN_ID}], got {value!r:.40}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``value`` (a mapping id -> bias, or a list of (id, bias) pairs) as pairs sorted by id.
+    Raises ValueError naming ``logit_bias``: too many entries, an id twice, a bad id or bias."""
+    if isinstance(value, Mapping):
+        items: list[Any] | tuple[Any, ...] = list(value.items()) if len(value) <= MAX_LOGIT_BIAS_TOKENS else ()
+        count = len(value)
+    elif isinstance(value, (tuple, list)):
+        items, count = value, len(value)
+    else:  # a ValueError like every bad field here: callers map it to INVALID_ARGUMENT
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")  # noqa: TRY004
+    if count > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias holds {count} token ids; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {item!r:.40}")
+        token, bias = _token_id("logit_bias", item[0]), item[1]
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {bias!r:.40} for token id {token}")  # (NaN fails the range)
+        if token in pairs:
+            raise ValueError(f"logit_bias names token id {token} twice")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _allowed_token_ids(value: object) -> tuple[int, ...]:
+    """``value`` as sorted unique token ids. Raises ValueError naming ``allowed_token_ids``:
+    empty, too many, or a bad id."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (tuple, list)):
+        raise ValueError(f"allowed_token_ids must be a list of token ids, got {type(value).__name__}")  # noqa: TRY004
+    if not value:
+        raise ValueError("allowed_token_ids must hold at least one token id (leave it unset to allow all)")
+    if len(value) > MAX_ALLOWED_TOKEN_IDS:
+        raise ValueError(f"allowed_token_ids holds {len(value)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+    return tuple(sorted({_token_id("allowed_token_ids", t) for t in value}))
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:

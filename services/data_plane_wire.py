@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_node.msgpack_bounds import UnpackBounds
-from cache_node.sampling_params import SamplingParams
+from cache_node.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from tenants.model import POLICY_PATTERN
 
@@ -86,11 +86,12 @@ class MessageLimits(UnpackBounds):
 REQUEST_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,
     max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
-    max_map_len=32,  # a request's 16 fields, sampling's 14, extra's 8, an envelope's 4
+    max_map_len=32,  # a request's 16 fields, sampling's 16, extra's 8, an envelope's 4
     max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,  # one chat message's content, 4 MiB
     max_bin_len=64,  # a block hash (32 bytes)
     max_containers=_CHAT_MESSAGES + 64,  # a map a chat message ({role, content}), the fixed ones
-    max_elements=2 * MAX_WIRE_TOKENS + 8 * _CHAT_MESSAGES + 1024,  # tokens, hashes, messages
+    # tokens, hashes, messages; logit_bias' ids and biases (two arrays), allowed_token_ids
+    max_elements=2 * MAX_WIRE_TOKENS + 8 * _CHAT_MESSAGES + 1024 + 2 * MAX_LOGIT_BIAS_TOKENS + MAX_ALLOWED_TOKEN_IDS,
 )
 """An admission (gateway -> the scheduler's admission socket: ``{"id", "req", "sub",
 "hashes"}``) and a node's commands (the scheduler's ``submit`` of the same request, ``abort``,
@@ -147,6 +148,7 @@ _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' 
     "stop_token_ids": (list, tuple), "ignore_eos": bool, "stop": (list, tuple), "top_k": int,
     "min_tokens": int, "presence_penalty": (int, float), "frequency_penalty": (int, float),
     "repetition_penalty": (int, float), "logprobs": (int, type(None)), "min_p": (int, float),
+    "logit_bias": (list, tuple), "allowed_token_ids": (list, tuple, type(None)),
 }  # (bools are refused by ``SamplingParams``, which checks every range too)
 
 
@@ -154,8 +156,22 @@ def request_to_wire(req: NodeRequest) -> dict[str, Any]:
     """``req`` as msgpack-ready fields (shallow: ``dataclasses.asdict`` deep-copies every token
     id, ~1 ms for an 800-token prompt here)."""
     fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
-    fields["sampling"] = {f.name: getattr(req.sampling, f.name) for f in dataclasses.fields(req.sampling)}
+    sampling = {f.name: getattr(req.sampling, f.name) for f in dataclasses.fields(req.sampling)}
+    # two flat arrays, not a container per entry: [[id, ...], [bias, ...]]
+    sampling["logit_bias"] = [[t for t, _ in req.sampling.logit_bias], [b for _, b in req.sampling.logit_bias]]
+    fields["sampling"] = sampling
     return fields
+
+
+def _logit_bias_from_wire(value: list[Any] | tuple[Any, ...]) -> list[tuple[int, float]]:
+    """``[[id, ...], [bias, ...]]`` (``request_to_wire``) as pairs; ``SamplingParams`` checks
+    their ranges and count. Raises TypeError: another shape, or mistyped elements."""
+    if len(value) != 2 or not all(isinstance(part, (list, tuple)) for part in value) or len(value[0]) != len(value[1]):
+        raise TypeError("request.sampling.logit_bias must be two arrays of equal length (token ids, biases)")
+    for token, bias in zip(value[0], value[1]):
+        _check_type("request.sampling.logit_bias ids[]", token, int)
+        _check_type("request.sampling.logit_bias biases[]", bias, (int, float))
+    return list(zip(value[0], value[1]))
 
 
 def _check_type(what: str, value: Any, kind: type | tuple[type, ...]) -> None:
@@ -228,6 +244,10 @@ def request_from_wire(data: Any) -> NodeRequest:
         _check_type("request.sampling.stop_token_ids[]", value, int)
     for value in sampling.get("stop", ()):
         _check_type("request.sampling.stop[]", value, str)
+    for value in sampling.get("allowed_token_ids") or ():
+        _check_type("request.sampling.allowed_token_ids[]", value, int)
+    if "logit_bias" in sampling:
+        sampling = {**sampling, "logit_bias": _logit_bias_from_wire(sampling["logit_bias"])}
     if isinstance(sampling.get("seed"), bool):
         raise TypeError("request.sampling.seed must be an integer, got a bool")
     fields["sampling"] = SamplingParams(**sampling)

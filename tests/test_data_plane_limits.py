@@ -26,6 +26,8 @@ import zmq
 
 from cache_node.outputs import RequestOutput
 from cache_node.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -112,7 +114,9 @@ def test_the_limits_are_the_gateways_own_bounds() -> None:
 
 def largest_request(**fields: Any) -> NodeRequest:
     sampling = SamplingParams(max_tokens=5, stop=("\U0001f600" * MAX_STOP_STRING_CHARS,) * MAX_STOP_STRINGS,
-                              stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)))
+                              stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)),
+                              logit_bias={(1 << 30) + i: -99.5 for i in range(MAX_LOGIT_BIAS_TOKENS)},
+                              allowed_token_ids=tuple(range(1 << 30, (1 << 30) + MAX_ALLOWED_TOKEN_IDS)))
     extra = {"slo_class": "x", "ttft_slo_ms": "1", "min_tokens_per_s": "1", "weight": "1", "kv_quota_bytes": "1",
              "fill_context": "1", "routing_key": "r" * 1024, "prompt_tokens_estimate": "1"}
     return NodeRequest(request_id="t/" + "r" * 1000, tenant="t" * 1000, cache_namespace="n#salt=" + "s" * 1000,
