@@ -224,12 +224,10 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         """``logit_bias`` and ``allowed_token_ids`` name ids in the vocabulary, and an allowed
         set leaves ``min_tokens`` a token to draw (else every logit of the row is -inf while
         EOS and the stop ids are held off: greedy would pick id 0, sampling fail)."""
-        vocab = self.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        try:
+            params.check_vocabulary(self.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         allowed = params.allowed_token_ids
         if allowed is not None and params.min_tokens:
             held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))

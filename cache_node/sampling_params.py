@@ -204,6 +204,15 @@ class SamplingParams:
             raise ValueError(f"structured_output must be a StructuredOutputSpec or None, got "
                              f"{type(self.structured_output).__name__}")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError naming ``logit_bias`` or ``allowed_token_ids`` when either names a
+        token id past a vocabulary of ``vocab_size`` tokens (the engine's check, and the
+        gateway's with its nodes' vocabulary)."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("allowed_token_ids",
+                                                                             self.allowed_token_ids or ())):
+            if ids and max(ids) >= vocab_size:
+                raise ValueError(f"{name}: token id {max(ids)} is outside the model's vocabulary [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         """Temperatures under ``GREEDY_BELOW`` decode greedily, as vLLM's do: dividing the
@@ -226,7 +235,7 @@ def _number(name: str, value: object) -> float:
 def _token_id(name: str, value: object) -> int:
     """``value`` as a token id in [0, ``MAX_SAMPLING_TOKEN_ID``]; ValueError naming ``name``."""
     if not _is_int(value) or not 0 <= value <= MAX_SAMPLING_TOKEN_ID:  # type: ignore[operator]
-        raise ValueError(f"{name} takes token ids that are integers in [0, {MAX_SAMPLING_TOKEN_ID}], got {value!r:.40}")
+        raise ValueError(f"{name} must hold token ids in [0, {MAX_SAMPLING_TOKEN_ID}] (integers), got {value!r:.40}")
     return int(value)  # type: ignore[call-overload]
 
 
@@ -241,7 +250,7 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     else:  # a ValueError like every bad field here: callers map it to INVALID_ARGUMENT
         raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")  # noqa: TRY004
     if count > MAX_LOGIT_BIAS_TOKENS:
-        raise ValueError(f"logit_bias holds {count} token ids; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {count}")
     pairs: dict[int, float] = {}
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -264,7 +273,7 @@ def _allowed_token_ids(value: object) -> tuple[int, ...]:
     if not value:
         raise ValueError("allowed_token_ids must hold at least one token id (leave it unset to allow all)")
     if len(value) > MAX_ALLOWED_TOKEN_IDS:
-        raise ValueError(f"allowed_token_ids holds {len(value)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+        raise ValueError(f"allowed_token_ids must hold at most {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(value)}")
     return tuple(sorted({_token_id("allowed_token_ids", t) for t in value}))
 
 

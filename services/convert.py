@@ -34,7 +34,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from cache_node.sampling_params import MAX_REQUEST_TEMPERATURE, MAX_STOP_TOKEN_IDS, SamplingParams
+from cache_node.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_REQUEST_TEMPERATURE,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
 from services.node_request import entry_logprobs
 from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
@@ -210,8 +216,10 @@ def sampling_params_from_pb(
 
     ``top_p`` and ``repetition_penalty`` 0 mean 1.0; an unset ``seed`` means None, an unset
     ``logprobs`` None (none asked; 0 asks for the generated token's alone); ``top_k`` -1 is 0
-    (off, vLLM's). ``temperature``, ``top_p``, ``min_p`` and the penalties travel as float32 and
-    are rounded to 6 significant digits, so 0.7 arrives as 0.7.
+    (off, vLLM's); an empty ``allowed_token_ids`` None (all allowed). ``temperature``,
+    ``top_p``, ``min_p``, the penalties and the ``logit_bias`` values travel as float32 and are
+    rounded to 6 significant digits, so 0.7 arrives as 0.7. ``logit_bias`` and
+    ``allowed_token_ids`` are counted before either is read (a message may hold ~1M entries).
 
     Raises:
         ValueError: ``max_tokens`` is 0 (unset) or another field is out of range, e.g.
@@ -222,6 +230,9 @@ def sampling_params_from_pb(
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"{prefix}.stop_token_ids holds {len(msg.stop_token_ids)} ids; "
                          f"at most {MAX_STOP_TOKEN_IDS} are allowed")
+    for name, bound in (("logit_bias", MAX_LOGIT_BIAS_TOKENS), ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)):
+        if len(getattr(msg, name)) > bound:
+            raise ValueError(f"{prefix}.{name} must hold at most {bound} token ids, got {len(getattr(msg, name))}")
     temperature = _from_float32(msg.temperature)
     if not 0.0 <= temperature <= MAX_REQUEST_TEMPERATURE:  # NaN too
         raise ValueError(f"{prefix}.temperature must be a number in [0, {MAX_REQUEST_TEMPERATURE:g}], "
@@ -242,6 +253,8 @@ def sampling_params_from_pb(
             repetition_penalty=_from_float32(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
             min_p=_from_float32(msg.min_p),
+            logit_bias={token: _from_float32(bias) for token, bias in msg.logit_bias.items()},
+            allowed_token_ids=tuple(msg.allowed_token_ids) or None,
         )
 
 
@@ -259,6 +272,8 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=params.allowed_token_ids or (),
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -83,6 +83,11 @@ class RequestPreparation:
             # vocabulary's k, the gateway's check wanted the k asked: UNAVAILABLE, "malformed"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"logprobs: asks for {sampling.logprobs} "
                                 f"alternatives per token; the model's vocabulary has {vocab} tokens")
+        try:  # logit_bias' and allowed_token_ids' ids (the node's rule too)
+            if vocab:
+                sampling.check_vocabulary(vocab)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         limit = min(spec.max_context_tokens or 1 << 30, self.info["max_model_len"])
         room = min(limit, self.info["pool_tokens"])  # the most prompt tokens that can ever run
         templater = self.templater

@@ -3,7 +3,7 @@
 grpc core refuses a received message over 4 MiB unless told otherwise, before any handler runs
 (RESOURCE_EXHAUSTED "received message larger than max"). The largest request ``convert``'s bounds
 admit is larger: a chat of ``MAX_PROMPT_CHARS`` characters, up to 4 UTF-8 bytes each, plus its
-messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.04 MiB). So
+messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.11 MiB). So
 the cap is a setting, ``ServiceConfig.grpc_max_message_bytes`` (``DEFAULT_MAX_MESSAGE_BYTES``,
 8 MiB, as the HTTP API's body cap), never below that request, set on the server for both
 directions (``GrpcLimits.server_options``) and on every channel our clients open to the gateway
@@ -13,13 +13,19 @@ of 4-byte characters was refused for its size with nothing naming the limit.
 
 from __future__ import annotations
 
-from cache_node.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from cache_node.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_REQUEST_ID_CHARS
 
 UTF8_MAX_BYTES = 4
 """Bytes of the longest UTF-8 encoding of one character (a code point past U+FFFF)."""
 
-_TAG = 1  # every GenerateRequest field number is below 16: a one-byte key
+_TAG = 1  # every GenerateRequest field number is below 16: a one-byte key (SamplingParams' 16 is counted)
 _VARINT_32 = 5  # the longest varint of a uint32 / length prefix under 4 GiB
 _VARINT_64 = 10  # the longest varint of a uint64, or of a negative int32
 _FLOAT = 4
@@ -50,6 +56,9 @@ def _largest_sampling_bytes() -> int:
         + _TAG + _VARINT_64 + _TAG + _VARINT_32                     # top_k (int32: -1), min_tokens
         + 3 * (_TAG + _FLOAT)                                       # the three penalties
         + _TAG + _VARINT_32 + _TAG + _FLOAT                         # logprobs, min_p
+        # logit_bias: an entry a map key {key varint, value float} of <= 11 bytes
+        + MAX_LOGIT_BIAS_TOKENS * (_TAG + 1 + _TAG + _VARINT_32 + _TAG + _FLOAT)
+        + 2 + _VARINT_32 + MAX_ALLOWED_TOKEN_IDS * _VARINT_32       # allowed_token_ids (field 16: a 2-byte key)
     )
     return _TAG + _VARINT_32 + fields
 
@@ -62,7 +71,7 @@ MAX_GENERATE_REQUEST_BYTES = (
     + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
 )
 """An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
-largest request of any call): 4,240,932 bytes, ~4.04 MiB."""
+largest request of any call): 4,314,667 bytes, ~4.11 MiB."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 """``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""

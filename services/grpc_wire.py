@@ -32,7 +32,12 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from cache_node.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from cache_node.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_TOKEN_IDS
 from tenants.model import MAX_ALLOWED_POLICIES
 
@@ -41,6 +46,8 @@ REPEATED_LIMITS: dict[str, int] = {
     "kvstrata.v1.TokenIds.ids": MAX_PROMPT_TOKEN_IDS,
     "kvstrata.v1.SamplingParams.stop_token_ids": MAX_STOP_TOKEN_IDS,
     "kvstrata.v1.SamplingParams.stop": MAX_STOP_STRINGS,
+    "kvstrata.v1.SamplingParams.logit_bias": MAX_LOGIT_BIAS_TOKENS,  # a map: an entry message each
+    "kvstrata.v1.SamplingParams.allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
     "kvstrata.v1.TenantSpec.allowed_policies": MAX_ALLOWED_POLICIES,
 }
 """Elements a repeated request field may hold (full field name -> count): the limits ``convert``

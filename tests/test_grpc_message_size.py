@@ -19,6 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_node.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -51,7 +53,8 @@ def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateReque
     """A GenerateRequest at every bound ``services.convert`` checks, each string of 4-byte
     characters: 1,024 chat messages holding 1 Mi characters (1,023 of them tool results, each
     with a ``name`` and a ``tool_call_id``: review 25b N3), 4 stop strings of 256, 64 stop ids,
-    every numeric sampling field set (top_k -1 a 10-byte varint, logprobs, min_p),
+    every numeric sampling field set (top_k -1 a 10-byte varint, logprobs, min_p), 4,096
+    logit_bias entries and 4,096 allowed_token_ids, all ids of 5-byte varints,
     256-character request and session ids, a policy of the pattern's 63 characters (no real
     policy's spec is longer), priority -1000."""
     chat = inference_pb2.ChatMessages()
@@ -62,7 +65,9 @@ def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateReque
         max_tokens=(1 << 32) - 1, temperature=1.5, top_p=0.5, seed=(1 << 64) - 1,
         stop_token_ids=[(1 << 32) - 1] * MAX_STOP_TOKEN_IDS, ignore_eos=True,
         stop=[WIDE * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, top_k=-1, min_tokens=(1 << 32) - 1,
-        presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=2.0, logprobs=MAX_LOGPROBS, min_p=0.5)
+        presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=2.0, logprobs=MAX_LOGPROBS, min_p=0.5,
+        logit_bias={(1 << 31) - 1 - i: -99.5 for i in range(MAX_LOGIT_BIAS_TOKENS)},
+        allowed_token_ids=range((1 << 31) - MAX_ALLOWED_TOKEN_IDS, 1 << 31))
     return inference_pb2.GenerateRequest(
         chat=chat, sampling=sampling, session_id=WIDE * MAX_REQUEST_ID_CHARS,
         request_id=WIDE * MAX_REQUEST_ID_CHARS, policy=policy, priority=-1000)

@@ -30,7 +30,11 @@ as they are. Log probabilities (``services.openai_api.logprobs``): a chat's ``lo
 boolean) with ``top_logprobs`` (an integer in [0, 20]; past 0 only with ``logprobs`` true, as
 vLLM), a text completion's ``logprobs`` (an integer in [0, 20]: vLLM's bound, past OpenAI's
 legacy 5); each is ``SamplingParams.logprobs`` (a completion's ``top_logprobs``, which OpenAI's
-completions do not have, is taken as null only).
+completions do not have, is taken as null only). OpenAI's ``logit_bias`` (an object of token ids,
+as strings of decimal digits, to biases in [-100, 100]; at most 4,096; any other key is a 400
+naming ``logit_bias``) and vLLM's extra ``allowed_token_ids`` (a non-empty list of at most 4,096
+ids) go to ``SamplingParams`` (every choice of ``n`` > 1 too); the gateway refuses ids past the
+model's vocabulary (400 naming the field).
 
 A JSON ``null`` for any field that is not required means "not given", as with OpenAI, vLLM
 and SGLang: the field takes its default (``max_tokens: null`` on ``/v1/completions`` is 16,
@@ -45,15 +49,20 @@ float (``"temperature": 1``). Errors name their field; ``app`` turns them into 4
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cache_node.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_REQUEST_TEMPERATURE,
+    MAX_SAMPLING_TOKEN_ID,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_K,
@@ -84,6 +93,11 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tool_choice": ("none",), "store": (False,),
 }
 """OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
+"""A ``logit_bias`` key: a token id in decimal ASCII digits (``int()`` would also take signs,
+spaces, underscores and other scripts' digits); its range is ``SamplingParams``' and the
+gateway's (the vocabulary)."""
 
 MAX_CONTENT_PARTS = 1024
 """Most ``{"type": "text"}`` parts in one message's content."""
@@ -202,7 +216,7 @@ class _Sampling(_Strict):
     """Fields both endpoints share: sampling, streaming, and kvstrata's extensions."""
 
     _unserved = frozenset({
-        "tools", "functions", "function_call", "logit_bias", "service_tier",
+        "tools", "functions", "function_call", "service_tier",
         "metadata", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
     })
 
@@ -225,6 +239,8 @@ class _Sampling(_Strict):
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
                                       allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's
+    logit_bias: dict[int, float] | None = None  # OpenAI's: {"<token id>": bias}, checked by _biases
+    allowed_token_ids: _bounded_list(int) | None = None  # type: ignore[valid-type]  # vLLM's
     ignore_eos: bool = False
     response_format: Any = None
     tool_choice: Any = None
@@ -241,6 +257,42 @@ class _Sampling(_Strict):
     def _n_in_range(cls, value: int) -> int:
         if not 1 <= value <= MAX_N:
             raise ValueError(f"must be an integer in [1, {MAX_N}], got {value}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _biases(cls, value: Any) -> Any:
+        """OpenAI's object of token ids (JSON keys: strings of decimal digits) to biases in
+        [-100, 100], at most ``MAX_LOGIT_BIAS_TOKENS`` of them, counted before any is read."""
+        if not isinstance(value, dict):
+            # a ValueError, as pydantic reports a validator's (a TypeError is not caught)
+            raise ValueError(f"must be an object mapping token ids to biases, got {_json_brief(value)}")  # noqa: TRY004
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"holds {len(value)} token ids; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
+        biases = {}
+        for key, bias in value.items():
+            if not isinstance(key, str) or _TOKEN_ID_KEY.fullmatch(key) is None:
+                raise ValueError(f"keys must be token ids (non-negative integers, as strings), got {_json(key)}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                                 f"{_json_brief(bias)} for token id {key}")  # (NaN and infinities fail the range)
+            if len(key) > 10 or int(key) > MAX_SAMPLING_TOKEN_ID:
+                raise ValueError(f"token id {key:.20} is past the largest token id, {MAX_SAMPLING_TOKEN_ID}")
+            biases[int(key)] = float(bias)
+        return biases
+
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _allowed(cls, value: Any) -> Any:
+        """vLLM's: a non-empty list of at most ``MAX_ALLOWED_TOKEN_IDS`` ids, counted before any is
+        read (each must be a non-negative integer)."""
+        if isinstance(value, list) and not value:
+            raise ValueError("must hold at least one token id (leave it out to allow every token)")
+        if isinstance(value, list) and len(value) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"holds {len(value)} token ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+        if isinstance(value, list) and any(isinstance(t, int) and not isinstance(t, bool)
+                                           and not 0 <= t <= MAX_SAMPLING_TOKEN_ID for t in value):
+            raise ValueError(f"token ids must be integers in [0, {MAX_SAMPLING_TOKEN_ID}]")
         return value
 
     @field_validator("stop", mode="before")
@@ -304,7 +356,8 @@ class _Sampling(_Strict):
                                   presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-                                  logprobs=self.asked_logprobs(), min_p=self.min_p)
+                                  logprobs=self.asked_logprobs(), min_p=self.min_p,
+                                  logit_bias=self.logit_bias or {}, allowed_token_ids=self.allowed_token_ids)
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
