@@ -253,7 +253,7 @@ def sampling_params_from_pb(
             repetition_penalty=_from_float32(msg.repetition_penalty) if msg.repetition_penalty != 0 else 1.0,
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
             min_p=_from_float32(msg.min_p),
-            logit_bias={token: _from_float32(bias) for token, bias in msg.logit_bias.items()},
+            logit_bias=tuple((token, _from_float32(bias)) for token, bias in msg.logit_bias.items()),
             allowed_token_ids=tuple(msg.allowed_token_ids) or None,
         )
 

@@ -357,7 +357,7 @@ class _Sampling(_Strict):
                                   frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
                                   logprobs=self.asked_logprobs(), min_p=self.min_p,
-                                  logit_bias=self.logit_bias or {}, allowed_token_ids=self.allowed_token_ids)
+                                  logit_bias=tuple((self.logit_bias or {}).items()), allowed_token_ids=self.allowed_token_ids)
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
