@@ -188,6 +188,9 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
             )
         with self._lock:
+            share = self.scheduler.policy.tenants.get(tenant)
+            if share is not None:  # the tiers' fair shares weigh its holder as its tenant
+                self.tiers.note_weight(seq.cache_namespace, share.weight)
             if seq.session_id:
                 self.sessions.attach(seq)
             self.requests[seq.request_id] = seq

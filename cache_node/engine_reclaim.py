@@ -2,7 +2,7 @@
 from idle sessions, compressed prefixes and the histories that sessions keep for running turns
 (``_reclaim``, the scheduler's last resort), host-tier slots from idle holders' policy states
 (``_reclaim_host``), the running requests a host reservation may preempt (``_host_contenders``,
-max-min fair across holders), and a request cut short when nothing more can be freed
+weighted max-min fair across holders, as the tiers' eviction), and a request cut short when nothing more can be freed
 (``_cut_short``).
 """
 
@@ -84,10 +84,11 @@ class EngineReclaimMixin:
         """A policy's host-tier reservation of ``need`` slots for ``holder`` (a cache
         namespace without its salt) does not fit: drop the policy states that idle holders keep
         there (sessions between turns, stored compressed prefixes) until it fits or none may
-        go. The states of the holder then holding the most go first, least recently used first
-        within it (sessions before prefixes on a tie); another holder's only while it holds
-        more than ``holder`` would with the reservation (max-min fair, as the tier's eviction:
-        ``tiers.fair_lru``). A dropped session's next turn prefills its history again; a
+        go. The states of the holder then holding the most per unit of its weight go first,
+        least recently used first within it (sessions before prefixes on a tie); another
+        holder's only while it holds more per weight than ``holder`` would with the reservation
+        (weighted max-min fair, as the tier's eviction: ``tiers.fair_lru``; the weights are
+        ``TierManager.weights``, a holder's latest known). A dropped session's next turn prefills its history again; a
         dropped prefix is compressed again.
 
         Regressions (security reviews): one tenant's idle SentenceKV sessions or stored
@@ -98,18 +99,20 @@ class EngineReclaimMixin:
         recently used first, so one tenant's running requests took the whole tier.
         """
         host = self.tiers.host
+        share = host.entries.share  # (holder, size) -> size per unit of the holder's weight
         while not host.can_reserve(need, holder):
             holdings = Counter(host.entries.held()) + host.reserved_by
             idle = [(s.kv, s.last_used_s, 0, s.session_id) for s in self.sessions.sessions.values()
                     if s.active_request is None and s.kv is not None and s.kv.policy.host_slots(s.kv)]
             idle += [(e.seq.kv, e.last_used_s, 1, key) for key, e in self.prefixes.entries.items()
                      if e.seq.kv is not None and e.seq.kv.policy.host_slots(e.seq.kv)]
-            mine = holdings[holder] + need
+            mine = share(holder, holdings[holder] + need)
             candidates = []
             for kv, last_used_s, kind, key in idle:
                 owner = holder_of(kv.seq.cache_namespace)
-                if owner == holder or holdings[owner] > mine:
-                    candidates.append((-holdings[owner], owner != holder, last_used_s, kind, key))
+                theirs = share(owner, holdings[owner])
+                if owner == holder or theirs > mine:
+                    candidates.append((-theirs, owner != holder, last_used_s, kind, key))
             if not candidates:
                 return
             *_, kind, key = min(candidates)
@@ -125,21 +128,23 @@ class EngineReclaimMixin:
         may take, by preempting them (``Scheduler._compact_due``): of ``incoming``'s SLO class
         or a lower one (the scheduling policy's ``rank``: a batch tenant's compaction never
         preempts an interactive tenant's request), and the request's holder holds more
-        (entries and reservations) than ``holder`` would with ``need`` more (max-min fair,
-        as the tier's eviction), and keeps at least what ``holder`` holds now without the
-        request's slots. The second condition keeps a preempted request's restart from
-        preempting back the request it gave way to (a ping-pong of restarts: a request of
-        30 slots preempted for one slot). Largest holder first, then the request holding the
-        most slots."""
+        (entries and reservations) per unit of its weight than ``holder`` would with ``need``
+        more (weighted max-min fair, as the tier's eviction), and keeps at least what
+        ``holder`` holds now per weight without the request's slots. The second condition
+        keeps a preempted request's restart from preempting back the request it gave way to
+        (a ping-pong of restarts: a request of 30 slots preempted for one slot). Largest
+        holder per weight first, then the request holding the most slots."""
         host = self.tiers.host
         holdings = Counter(host.entries.held()) + host.reserved_by
-        mine = holdings[holder] + need
+        share = host.entries.share  # (holder, size) -> size per unit of the holder's weight
+        mine, now = share(holder, holdings[holder] + need), share(holder, holdings[holder])
         found, rank = [], self.scheduler.policy.rank
         for seq in self.scheduler.running:
             if rank(seq) < rank(incoming):
                 continue
             owner = holder_of(seq.cache_namespace)
             slots = seq.kv.policy.host_slots(seq.kv) if seq.kv is not None else 0
-            if slots and owner != holder and holdings[owner] > mine and holdings[owner] - slots >= holdings[holder]:
-                found.append((-holdings[owner], -slots, seq.arrival_time_s, seq))
+            if slots and owner != holder and share(owner, holdings[owner]) > mine \
+                    and share(owner, holdings[owner] - slots) >= now:
+                found.append((-share(owner, holdings[owner]), -slots, seq.arrival_time_s, seq))
         return [seq for *_, seq in sorted(found, key=lambda f: f[:3])]

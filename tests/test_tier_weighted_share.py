@@ -11,10 +11,19 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import LoadedModel
+from cache_node.sampling_params import SamplingParams
+from cache_node.scheduling.base import TenantShare
 from cache_node.tiers.fair_lru import MAX_HOLDER_WEIGHTS, FairLRU, HolderWeights, check_weight
+from cache_node.tiers.host import BlockMeta, HostTier
+from cache_node.tiers.manager import TierConfig
+from services.gateway import salted_namespace
 
 
 def fill(lru: FairLRU[str, int], capacity: int, rounds: int, holders: str = "AB") -> None:
@@ -208,3 +217,102 @@ def test_a_full_tier_keeps_each_active_holder_near_its_weighted_share(
     if sum(b for h, b in puts if h == "A") >= capacity and sum(b for h, b in puts if h == "B") >= capacity:
         fair_a = capacity * weight_a / (weight_a + 1)
         assert abs(held.get("A", 0) - fair_a) <= 4 and len(lru) == capacity
+
+
+# ---- host tier reservations -------------------------------------------------------------------
+
+
+def test_a_reservation_takes_room_per_weight() -> None:
+    """A weight-3 tenant may reserve host slots until it holds 3 per slot a weight-1 tenant
+    keeps (its own entries going first); unweighted, until it holds as many."""
+    weights = HolderWeights()
+    weights.set("tenant:a", 3)
+    shape, block = (1, 2, 8, 1, 1, 1), 2 * 4  # (L, 2, num_blocks, block_size, H_kv, d) float32
+    src = torch.zeros(shape)
+
+    def tier(w: HolderWeights | None) -> HostTier:
+        host = HostTier(shape, torch.float32, budget_bytes=8 * block, weights=w)
+        host.put([BlockMeta(bytes([i]) * 32, (i,), "tenant:b") for i in range(4)], src, list(range(4)))
+        host.put([BlockMeta(bytes([9 + i]) * 32, (i,), "tenant:a") for i in range(2)], src, [4, 5])
+        return host
+
+    host = tier(weights)
+    assert not host.can_reserve(7, "tenant:a")  # 7 reserved of weight 3 vs b's 2 left: over
+    slots, victims = host.reserve(6, "tenant:a")  # 6 of weight 3 (2 a unit) vs b's 2
+    assert slots is not None and [m.block_hash[0] for m in victims.metas] == [0, 1, 9, 10]
+    assert host.entries.held() == {"tenant:b": 2} and host.reserved_by == {"tenant:a": 6}
+    unweighted = tier(None)
+    assert not unweighted.can_reserve(5, "tenant:a") and unweighted.can_reserve(4, "tenant:a")
+
+
+# ---- host tier through the engine -----------------------------------------------------------
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama float32 block (block_size 16)
+
+
+def weighted_engine(tiny: LoadedModel, host_blocks: int, weights: dict[str, float]) -> LLMEngine:
+    cfg = EngineConfig(block_size=16, kv_pool_bytes=64 * BLOCK_BYTES, max_num_batched_tokens=64, max_num_seqs=8)
+    eng = LLMEngine(tiny.model, cfg, tiny.model_id, tiny.eos_token_ids,
+                    tier_config=TierConfig(host_bytes=host_blocks * BLOCK_BYTES))
+    for tenant, weight in weights.items():  # as ``services.cache_node_requests`` sets them
+        eng.scheduler.policy.set_tenant(tenant, TenantShare(weight=weight))
+    return eng
+
+
+def run_and_demote(eng: LLMEngine, tenant: str, k: int) -> list[int]:
+    """One request of ``tenant`` (namespace ``tenant:<tenant>``) with a fresh 6-block prompt,
+    its blocks then demoted to the host tier; returns its output tokens."""
+    prompt = [(7 * i + 31 * k + (0 if tenant == "a" else 200)) % 400 + 3 for i in range(100)]
+    out = eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), tenant=tenant,
+                       cache_namespace=f"tenant:{tenant}")[0]
+    eng.demote_all()
+    return out.output_token_ids
+
+
+def host_holders(eng: LLMEngine) -> dict[str, int]:
+    return eng.tiers.host.entries.held()
+
+
+def test_two_tenants_of_weights_3_and_1_share_the_host_tier_3_to_1(tiny: LoadedModel) -> None:
+    """Through the engine: tenant a (weight 3) and b (weight 1) each run 6-block prompts in
+    turn; the 12-slot host tier ends at 9:3 (it was 6:6 before weights counted), and a's
+    newest prompt is served whole from the host tier."""
+    eng = weighted_engine(tiny, 12, {"a": 3.0, "b": 1.0})
+    for k in range(3):
+        run_and_demote(eng, "a", k)
+        run_and_demote(eng, "b", k)
+        eng.check_integrity()
+    assert host_holders(eng) == {"tenant:a": 9, "tenant:b": 3}
+    assert eng.tiers.weights.known() == {"tenant:a": 3.0}
+    prompt = [(7 * i + 31 * 2) % 400 + 3 for i in range(100)]
+    again = eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), tenant="a",
+                         cache_namespace="tenant:a")[0]
+    assert again.num_cached_tokens_by_tier["host"] == 96
+
+
+def test_a_tenants_changed_weight_reaches_the_host_tier_with_its_next_request(tiny: LoadedModel) -> None:
+    """The node learns a weight from the requests it runs: a's weight falls from 3 to 1 (the
+    scheduler sends the new spec with a's next request); nothing is evicted at the change, and
+    b's next prompts take a's room until both hold 6."""
+    eng = weighted_engine(tiny, 12, {"a": 3.0, "b": 1.0})
+    for k in range(2):
+        run_and_demote(eng, "a", k)
+        run_and_demote(eng, "b", k)
+    assert host_holders(eng) == {"tenant:a": 9, "tenant:b": 3}
+    eng.scheduler.policy.set_tenant("a", TenantShare(weight=1.0))
+    run_and_demote(eng, "b", 5)  # b's request carries no news of a: a still weighs 3
+    assert host_holders(eng) == {"tenant:a": 9, "tenant:b": 3}
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=1), tenant="a", cache_namespace="tenant:a")
+    assert eng.tiers.weights.of("tenant:a") == 1.0 and host_holders(eng)["tenant:a"] == 9
+    run_and_demote(eng, "b", 6)
+    assert host_holders(eng) == {"tenant:a": 6, "tenant:b": 6}
+
+
+def test_a_salted_or_unknown_tenant_weighs_as_its_holder(tiny: LoadedModel) -> None:
+    """A tenant the node has no share for weighs 1; a salted namespace counts as its
+    holder's, weight included."""
+    eng = weighted_engine(tiny, 12, {"a": 3.0})
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=1), tenant="a",
+                 cache_namespace=salted_namespace("tenant:a", "s1"))
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=1), tenant="stranger", cache_namespace="tenant:x")
+    assert eng.tiers.weights.known() == {"tenant:a": 3.0} and eng.tiers.weights.of("tenant:x") == 1.0

@@ -11,8 +11,10 @@ speed, asynchronously on the copier's stream (``device_copy.DeviceCopier``): ``p
 the event of its copy in ``last_put_event``, and every CPU read or write of ``data`` (victims,
 reserved slots) waits for the copies in flight first. Entries keep their tokens (every hit is token-checked, as on the device) and their
 cache namespace (recorded in spill file headers). Eviction takes the least recently used block
-of the tenant holding the most slots (``fair_lru``), so no tenant pushes out another's blocks
-while it holds more than they do; slots ``reserve``d by a policy are outside this count.
+of the tenant holding the most slots per unit of its weight (``fair_lru``; the weights the
+engine learns from the requests it runs, ``TierManager.weights``), so no tenant pushes out
+another's blocks while it holds more per weight than they do; slots ``reserve``d by a policy
+count as their tenant's holding but are never evicted.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from cache_node.hashing import BlockHash
 from cache_node.tiers.block_copy import view_to_stack
 from cache_node.tiers.device_copy import CopyTicket, DeviceCopier
-from cache_node.tiers.fair_lru import FairLRU, holder_of
+from cache_node.tiers.fair_lru import FairLRU, HolderWeights, holder_of
 
 TIER_DEVICE = "device"
 TIER_HOST = "host"
@@ -64,7 +66,7 @@ class Victims(NamedTuple):
 
 
 class HostTier:
-    """Block store in host RAM, LRU within each tenant, largest holder evicted first.
+    """Block store in host RAM, LRU within each tenant, largest holder per weight evicted first.
 
     Args:
         pool_shape: the device pool view's shape ``(L, 2, num_blocks, block_size, H_kv, d)``
@@ -73,11 +75,12 @@ class HostTier:
         budget_bytes: host RAM budget; 0 disables the tier (every put becomes a victim).
         pin: page-lock the tensor; None = only when CUDA is available.
         copier: how blocks are copied in (async on CUDA); None = synchronous CPU copies.
+        weights: each holder's weight (``fair_lru.HolderWeights``); None: every holder weighs 1.
     """
 
     def __init__(
         self, pool_shape: Sequence[int], dtype: torch.dtype, budget_bytes: int, pin: bool | None = None,
-        copier: DeviceCopier | None = None,
+        copier: DeviceCopier | None = None, weights: HolderWeights | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"host budget_bytes must be >= 0, got {budget_bytes}")
@@ -87,8 +90,9 @@ class HostTier:
         pin = torch.cuda.is_available() if pin is None else pin
         self.data = torch.zeros((L, two, self.num_slots, bs, h, d), dtype=dtype, pin_memory=pin)
         # Regression: one LRU over all tenants let a tenant streaming new prefixes push every
-        # other tenant's host blocks out; eviction now takes the largest holder's LRU first.
-        self.entries: FairLRU[BlockHash, HostEntry] = FairLRU()
+        # other tenant's host blocks out; eviction now takes the largest holder's LRU first,
+        # largest per weight (regression: a weight-4 tenant kept no more than a weight-1 one).
+        self.entries: FairLRU[BlockHash, HostEntry] = FairLRU(weights)
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.num_reserved = 0  # slots a policy holds (``reserve``), outside the LRU index
         self.reserved_by: Counter[str] = Counter()  # those slots per holder (``holder_of``)
@@ -113,7 +117,7 @@ class HostTier:
         """Copy blocks ``src[:, :, src_ids[i]]`` (a pool view) in under ``metas[i]``.
 
         A hash already held is touched (moved to MRU), not copied. Room is made by the largest
-        holder first, counting the batch's blocks as their tenants' newest
+        holder per weight first, counting the batch's blocks as their tenants' newest
         (``fair_lru.FairLRU.plan``): held entries so picked are evicted and returned, with their
         bytes, for the spill tier; incoming blocks so picked (a tenant's oldest in the batch
         first) are returned as victims straight from ``src``, as are the oldest of a batch
@@ -130,7 +134,7 @@ class HostTier:
         for m in metas:
             if m.block_hash in self.entries:
                 self.entries.touch(m.block_hash)
-        # Who goes: the largest holder's LRU entries, counting each tenant's incoming blocks as
+        # Who goes: the largest holder's (per weight) LRU entries, counting each tenant's incoming blocks as
         # its newest; an incoming block so picked is not copied in but returned as a victim
         # straight from ``src`` (also when the batch exceeds the free and evictable slots).
         plan = self.entries.plan(
@@ -177,10 +181,11 @@ class HostTier:
         """Hold ``n`` slots outside the LRU index for KV a policy owns (SentenceKV's demoted
         sentences) until ``release_slots``, counted as ``holder``'s (a cache namespace without
         its salt). Free slots are taken first; LRU entries are evicted for the rest as for a
-        ``put`` of ``holder``'s (the largest holder first, reserved slots counted as holdings,
-        ``FairLRU.plan``) and returned as victims (for the spill tier). Returns (None, no
-        victims), nothing evicted, when that eviction would pick any of the ``n`` (the holder
-        would be over the others' holdings) or even every entry would not free ``n`` slots.
+        ``put`` of ``holder``'s (the largest holder per weight first, reserved slots counted as
+        holdings, ``FairLRU.plan``) and returned as victims (for the spill tier). Returns (None,
+        no victims), nothing evicted, when that eviction would pick any of the ``n`` (the holder
+        would be over the others' holdings per weight) or even every entry would not free
+        ``n`` slots.
 
         Regression: reserved slots belonged to no holder and a reservation evicted the LRU
         entries of every tenant alike, so one tenant's SentenceKV requests pushed the other

@@ -43,6 +43,7 @@ from cache_node.kv_pool import KVPool
 from cache_node.sequence import Sequence
 from cache_node.tiers.block_copy import view_to_stack
 from cache_node.tiers.device_copy import CopyTicket, DeviceCopier
+from cache_node.tiers.fair_lru import HolderWeights, holder_of
 from cache_node.tiers.host import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
 from cache_node.tiers.prefetch import TransferWorker
 from cache_node.tiers.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
@@ -134,8 +135,11 @@ class TierManager:
         self.block_shape = (L, two, bs, h, d)  # one block in the spill tier
         self.spill_np_dtype: np.dtype = numpy_dtype_of(pool.kv.dtype)
         self.copier = DeviceCopier(pool.kv.device)
+        # each holder's latest known weight, for the fair shares of the host tier, the spill-put
+        # backlog and (sent with each put) the spill tier; the engine learns them from requests
+        self.weights = HolderWeights()
         self.host = HostTier(pool.blocks_view().shape, pool.kv.dtype, config.host_bytes,
-                             pin=pool.kv.is_cuda, copier=self.copier)
+                             pin=pool.kv.is_cuda, copier=self.copier, weights=self.weights)
         self.spill = spill
         self.counters: Counter[str] = Counter()
         self.worker = (TransferWorker(self, spill, config.spill_put_backlog_bytes // self.host.block_nbytes)
@@ -154,6 +158,13 @@ class TierManager:
         if self.enabled:
             self.blocks.evict_hook = self.demote_blocks
             kv_manager.promote_hook = self.promote
+
+    def note_weight(self, namespace: str, weight: float) -> None:
+        """``weight`` is now the weight of ``namespace``'s holder (its tenant's, from a request
+        it runs): the host tier, the spill-put backlog and the spill puts of its blocks count
+        its holding per unit of it from the next eviction on (``fair_lru``). Raises ValueError
+        for a weight ``fair_lru.check_weight`` refuses."""
+        self.weights.set(holder_of(namespace), weight)
 
     # ---- demotion ---------------------------------------------------------------------------
     def demote_blocks(self, blocks: Seq[KVBlock]) -> None:

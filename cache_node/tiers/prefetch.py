@@ -5,7 +5,7 @@ one ``put`` per namespace and batch; a prefetch reads a queued request's blocks 
 ``get`` while steps run, then installs them into device blocks under the engine lock.
 Prefetches run before puts, each kind in submission order. Queued puts hold a copy of their
 KV in this process: ``SpillBacklog`` bounds them (``TierConfig.spill_put_backlog_bytes``) and
-drops the largest holder's oldest ones past it, counted in ``spill_put_dropped_blocks``.
+drops the largest holder's (per weight) oldest ones past it, counted in ``spill_put_dropped_blocks``.
 
 Faults: any exception from the client, or a reply that fails validation, is a miss (get) or
 a dropped write (put), counted in ``TierManager.counters``. Timeouts are the client's (the
@@ -56,7 +56,7 @@ class TransferWorker:
         self.tiers = tiers
         self.spill = spill
         self.epoch = 0
-        self.backlog = SpillBacklog(max_put_blocks)
+        self.backlog = SpillBacklog(max_put_blocks, tiers.weights)
         self._prefetches: deque[tuple[Sequence, int]] = deque()  # (queued request, epoch)
         self._busy = False  # a job is running
         self._cond = threading.Condition()  # guards the backlog, the prefetches and ``_busy``

@@ -8,10 +8,10 @@ victims wait here, in the cache node's RAM; ``TierConfig.spill_put_backlog_bytes
 bytes this backlog keeps alive never exceed it.
 
 Over the bound, queued blocks are dropped as ``fair_lru.FairLRU`` evicts: from the holder
-(cache namespace without its salt) with the most blocks queued or being written, oldest first
-within it; an arriving batch counts as its holder's newest blocks, so a holder flooding the
-node drops its own queued writes, never another holder's while it has more queued than they
-do. A dropped write is only a later spill miss: nothing claims the block is in the spill tier
+(cache namespace without its salt) with the most blocks queued or being written per unit of its
+weight, oldest first within it; an arriving batch counts as its holder's newest blocks, so a
+holder flooding the node drops its own queued writes, never another holder's while it has more
+queued per weight than they do. A dropped write is only a later spill miss: nothing claims the block is in the spill tier
 until a spill node stores it (its own events), and the host tier already reported it removed.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_node.tiers.fair_lru import FairLRU, holder_of
+from cache_node.tiers.fair_lru import FairLRU, HolderWeights, holder_of
 from cache_node.tiers.host import BlockMeta, Victims
 from cache_node.tiers.spill_api import SPILL_HASH_BYTES
 
@@ -47,16 +47,17 @@ class SpillBacklog:
     Args:
         max_blocks: blocks this backlog may hold, the batch being written included
             (``spill_put_backlog_bytes // block_nbytes``); 0 drops every write.
+        weights: each holder's weight (``fair_lru.HolderWeights``); None: every holder weighs 1.
 
     Raises ValueError for a negative ``max_blocks``.
     """
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, weights: HolderWeights | None = None) -> None:
         if max_blocks < 0:
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         self.max_blocks = max_blocks
         self._batches: OrderedDict[int, _Batch] = OrderedDict()  # oldest first
-        self._queued: FairLRU[_Key, None] = FairLRU()  # every queued block, by holder
+        self._queued: FairLRU[_Key, None] = FairLRU(weights)  # every queued block, by holder
         self._in_flight: Counter[str] = Counter()  # holder -> blocks of the batch being written
         self._ids = itertools.count()
 
@@ -72,7 +73,7 @@ class SpillBacklog:
     def add(self, victims: Victims) -> int:
         """Queue ``victims``' spillable blocks (32-byte hashes; the others are never written)
         as their holders' newest; over ``max_blocks``, drop queued or arriving blocks, largest
-        holder first, oldest first within it. Returns blocks dropped."""
+        holder per weight first, oldest first within it. Returns blocks dropped."""
         rows = [i for i, m in enumerate(victims.metas) if len(m.block_hash) == SPILL_HASH_BYTES]
         holders = [holder_of(victims.metas[i].namespace) for i in rows]
         need = self.num_blocks + len(rows) - self.max_blocks
