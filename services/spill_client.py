@@ -74,14 +74,15 @@ class RaySpillClient:
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
     ) -> int:
-        """Store ``blocks[i]`` (token ids ``token_ids[i]``) under ``hashes[i]``; returns blocks
-        newly stored (failures: 0)."""
+        """Store ``blocks[i]`` (token ids ``token_ids[i]``) under ``hashes[i]``, ``weight``
+        being the namespace's tenant's (the nodes' fair shares); returns blocks newly stored
+        (failures, a node refusing the weight among them: 0)."""
         shards = {i: rows for i, rows in self._split(hashes).items() if not self._busy(i)}
         refs: dict[int, Any] = {
             i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace,
-                                        _pick(token_ids, rows))
+                                        _pick(token_ids, rows), weight)
             for i, rows in shards.items()}
         replies = self._gather(refs, self.put_timeout_s, "put")
         self._late_puts.update({i: ref for i, ref in refs.items() if i not in replies})

@@ -122,11 +122,12 @@ class SpillNode:
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
     ) -> int:
-        """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block;
-        returns blocks newly stored."""
-        stored = self._store.put(hashes, blocks, namespace, token_ids)
+        """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block,
+        ``weight`` the namespace's tenant's (a positive finite number, else ValueError and
+        nothing stored); returns blocks newly stored."""
+        stored = self._store.put(hashes, blocks, namespace, token_ids, weight)
         self._push()
         return stored
 

@@ -138,7 +138,7 @@ def test_a_flush_behind_a_stalled_spill_node_never_holds_the_streams() -> None:
     slow_s = 3.0
 
     class StalledSpill:  # each call takes slow_s, as a stalled spill node up to its timeouts
-        def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+        def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
             time.sleep(slow_s)
             return 0
 

@@ -36,10 +36,10 @@ class Stalled(SpillStore):
         super().__init__(*args, **kwargs)
         self.gate, self.entered = threading.Event(), threading.Event()
 
-    def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+    def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
         self.entered.set()
         self.gate.wait(60)
-        return super().put(hashes, blocks, namespace, token_ids)
+        return super().put(hashes, blocks, namespace, token_ids, weight)
 
 
 def stalled_engine(tiny, root: Path, bound_blocks: int, host_blocks: int = 16):

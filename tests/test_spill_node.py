@@ -15,6 +15,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray
 
 from cache_node.tiers.spill_store import SpillEvent
+from services.spill_client import RaySpillClient
 from services.spill_node import create_spill_node
 from tests.test_spill_store import BLOCK, DISK, FMT, hashes_of, make_blocks
 
@@ -59,6 +60,29 @@ def test_restarted_actor_serves_disk_hits(tmp_path: Path) -> None:
     assert sorted(events) == sorted(  # the rebuild announces what it holds
         SpillEvent("stored", h, "spill_disk") for h in hashes_of(range(128))
     )
+    ray.kill(node, no_restart=True)
+
+
+def test_a_put_carries_its_tenants_weight_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    """The weight of a put's namespace crosses the actor boundary (``RaySpillClient`` ->
+    ``SpillNode``) as untrusted input: a positive finite number is its holder's weight in the
+    node's fair shares; NaN, infinity, zero, a negative or a non-number is refused with
+    ValueError naming ``weight`` and nothing is stored (the client counts a failed put)."""
+    node = create_spill_node("spill-weight", tmp_path, FMT, ram_bytes=16 * BLOCK, disk_bytes=DISK,
+                             demote_low_watermark=1.0)
+    client = RaySpillClient([node], FMT.shape, FMT.dtype)
+    for k, bad in enumerate((float("nan"), float("inf"), 0.0, -1.0, "3")):
+        assert client.put(hashes_of([k]), make_blocks([k]), "tenant:a", None, bad) == 0  # type: ignore[arg-type]
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"weight must be a positive finite number"):
+            ray.get(node.put.remote(hashes_of([k]), make_blocks([k]), "tenant:a", None, bad))
+    assert client.stats() == {"put_failures": 5}
+    assert ray.get(node.stats.remote())["blocks_spill_ram"] == 0
+    # weight 3 for a, 1 for b: a 16-block RAM tier ends 12:4 (its room made per weight)
+    for k in range(8):
+        assert client.put(hashes_of(range(100 + 4 * k, 104 + 4 * k)), make_blocks(range(4)), "tenant:a", None, 3.0) == 4
+        assert client.put(hashes_of(range(200 + 4 * k, 204 + 4 * k)), make_blocks(range(4)), "tenant:b", None, 1.0) == 4
+    tiers = client.contains(hashes_of(range(100, 132)) + hashes_of(range(200, 232)))
+    assert (tiers[:32].count("spill_ram"), tiers[32:].count("spill_ram")) == (12, 4)
     ray.kill(node, no_restart=True)
 
 

@@ -109,9 +109,9 @@ def test_host_eviction_pushes_batches_to_spill(tiny, tmp_path) -> None:
     calls: list[int] = []
 
     class Counting(SpillStore):
-        def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+        def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
             calls.append(len(hashes))
-            return super().put(hashes, blocks, namespace, token_ids)
+            return super().put(hashes, blocks, namespace, token_ids, weight)
 
     probe = tiered(tiny)
     store = Counting(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 30, 1 << 30)

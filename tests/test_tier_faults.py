@@ -211,9 +211,9 @@ def test_identical_prompts_while_first_is_being_written_equal_cold(tiny, tmp_pat
     gate = threading.Event()
 
     class SlowPut(SpillStore):
-        def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+        def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
             gate.wait(5)
-            return super().put(hashes, blocks, namespace, token_ids)
+            return super().put(hashes, blocks, namespace, token_ids, weight)
 
     probe = tiered(tiny)
     store = SlowPut(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 20, 1 << 30)

@@ -112,11 +112,11 @@ class StalledPutNode(SpillNode):
         super().__init__(*args, **kwargs)
         self.puts = 0
 
-    def put(self, hashes, blocks, namespace, token_ids=None):  # type: ignore[no-untyped-def]
+    def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
         self.puts += 1
         if self.puts == 1:
             time.sleep(3.0)
-        return super().put(hashes, blocks, namespace, token_ids)
+        return super().put(hashes, blocks, namespace, token_ids, weight)
 
     def num_puts(self) -> int:
         return self.puts

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cache_node.tiers.fair_lru import holder_of
 from cache_node.tiers.host import Victims
 from cache_node.tiers.spill_api import (
     SPILL_HASH_BYTES,
@@ -166,7 +167,7 @@ class TransferWorker:
             if epoch != self.epoch:
                 return
             try:
-                self.spill.put(hashes, rows, namespace, tokens)
+                self.spill.put(hashes, rows, namespace, tokens, self.tiers.weights.of(holder_of(namespace)))
             except Exception as exc:  # noqa: BLE001 - any client fault drops the write
                 logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)
                 self._count("spill_put_errors", len(hashes))

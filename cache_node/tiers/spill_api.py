@@ -39,12 +39,14 @@ class SpillClient(Protocol):
     """Batched, content-addressed block store (see ``SpillStore`` for the full contract).
 
     Faults are the client's to absorb or raise: the engine turns any exception from a call
-    into a miss (``get``) or a dropped write (``put``).
+    into a miss (``get``) or a dropped write (``put``). A ``put``'s ``weight`` is the weight of
+    ``namespace``'s tenant (``fair_lru``: the spill tiers' weighted fair shares); a store
+    refuses (ValueError) one that is not a positive finite number.
     """
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
     ) -> int: ...
 
     def get(

@@ -2,8 +2,10 @@
 
 A file's recency is the last touch of any of its blocks; eviction drops whole files (evicting
 single blocks of a partly live file would free no bytes), the least recently used file of the
-tenant holding the most bytes first (``fair_lru``; a file holds one namespace's blocks). The index is rebuilt from the file
-headers on construction, so a restarted spill node keeps its disk hits. Not thread-safe: the
+tenant holding the most bytes per unit of its weight first (``fair_lru``; a file holds one
+namespace's blocks; the weights are the store's, learnt from puts, so after a restart a tenant
+counts as weight 1 until its next put). The index is rebuilt from the file headers on
+construction, so a restarted spill node keeps its disk hits. Not thread-safe: the
 owning ``SpillStore`` serializes calls.
 
 Faults (which are retried, which quarantine a file, which leave it unindexed:
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_node.tiers import spill_format as fmt
-from cache_node.tiers.fair_lru import FairLRU, holder_of
+from cache_node.tiers.fair_lru import FairLRU, HolderWeights, holder_of
 from cache_node.tiers.spill_disk_faults import READ_ATTEMPTS, DiskFaults
 from cache_node.tiers.spill_format import BlockFormat, SpillBlocksCorrupt, SpillCorruptError
 from cache_node.tiers.spill_unserved import UnservedFiles
@@ -82,6 +84,7 @@ class DiskTier:
         max_blocks_per_file: int,
         emit: Emit,
         counters: Counter[str],
+        weights: HolderWeights | None = None,
     ) -> None:
         self.root_dir = root_dir
         self.block_format = block_format
@@ -93,7 +96,7 @@ class DiskTier:
         self.tokens: dict[bytes, bytes] = {}  # block_hash -> its token_bytes (b"": unknown)
         # file name -> file, per tenant in LRU order (regression: one LRU over all tenants let
         # one tenant's writes delete every other tenant's files)
-        self._files: FairLRU[str, _SpillFile] = FairLRU()
+        self._files: FairLRU[str, _SpillFile] = FairLRU(weights)
         self.bytes_used = 0  # bytes of the files in the index
         self.unserved = UnservedFiles(root_dir, budget_bytes, counters)
         self._faults = DiskFaults(block_format, self.unserved, counters)

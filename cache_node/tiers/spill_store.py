@@ -4,8 +4,11 @@
 disk group files (``spill_format``), kept by ``DiskTier`` (``spill_disk``: whole files
 evicted, index rebuilt from file headers on construction, so a restart keeps disk hits). Both
 tiers evict the least recently used of the tenant (cache namespace without its salt) holding
-the most first (``fair_lru``): one tenant streaming new blocks pushes out its own, not
-another's, while it holds more than they do. Disk hits are not promoted to RAM:
+the most per unit of its weight first (``fair_lru``): one tenant streaming new blocks pushes
+out its own, not another's, while it holds more per weight than they do. A tenant's weight
+comes with its puts (its cache node's latest known, checked as untrusted input:
+``fair_lru.check_weight``); a holder none of whose puts this store has seen since it started
+(files rebuilt from disk) weighs 1. Disk hits are not promoted to RAM:
 the caller keeps what it reads.
 
 Every block keeps the token ids it was put with (RAM entry, group file header); a ``get``
@@ -25,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cache_node.tiers import spill_format as fmt
-from cache_node.tiers.fair_lru import FairLRU, holder_of
+from cache_node.tiers.fair_lru import FairLRU, HolderWeights, check_weight, holder_of
 from cache_node.tiers.spill_disk import TIER_DISK, DiskTier
 from cache_node.tiers.spill_format import BlockFormat
 
@@ -108,8 +111,10 @@ class SpillStore:
         self._demote_target_bytes = int(ram_bytes * demote_low_watermark)
         self._lock = threading.RLock()
         # Regression: one LRU over every tenant let a tenant streaming new blocks demote (and
-        # on disk, delete) the others'; eviction takes the largest holder's LRU first.
-        self._ram: FairLRU[bytes, _RamEntry] = FairLRU()
+        # on disk, delete) the others'; eviction takes the largest holder's LRU first, largest
+        # per weight (regression: a weight-4 tenant kept no more than a weight-1 one).
+        self.weights = HolderWeights()  # each holder's latest weight, from its puts
+        self._ram: FairLRU[bytes, _RamEntry] = FairLRU(self.weights)
         self._events: deque[SpillEvent] = deque(maxlen=max_events)
         self._counters: Counter[str] = Counter()
         # holders dropped for good (``drop_namespaces``: deleted tenants' own namespaces), newest
@@ -117,12 +122,13 @@ class SpillStore:
         self._dropped: OrderedDict[str, None] = OrderedDict()
         with self._lock:
             self._disk = DiskTier(
-                self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters
+                self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters,
+                self.weights,
             )
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
     ) -> int:
         """Store ``blocks[i]`` under ``hashes[i]`` in RAM; returns how many were new.
 
@@ -131,11 +137,15 @@ class SpillStore:
         ``get``); ``namespace`` is recorded in file headers. A hash already held (either
         tier) is touched, not rewritten. May demote to disk and evict files. Nothing is
         stored for a namespace dropped for good (``drop_namespaces``: a deleted tenant's; its
-        blocks counted in ``put_refused_dropped``).
-        Raises ValueError for a hash that is not 32 bytes, a wrong shape/dtype or a
-        ``token_ids`` of another length than ``hashes``.
+        blocks counted in ``put_refused_dropped``). ``weight``: the namespace's tenant's weight
+        (the sender's latest known), from now on its holder's in both tiers' fair shares.
+        Raises ValueError for a hash that is not 32 bytes, a wrong shape/dtype, a
+        ``token_ids`` of another length than ``hashes`` or a ``weight`` that is not a positive
+        finite number (a tenant spec's bounds: ``fair_lru.check_weight``); nothing is stored
+        then, and the holder's weight is unchanged.
         """
         self._check_hashes(hashes)
+        weight = check_weight(weight)
         want = ((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
         if (blocks.shape, blocks.dtype) != want:
             raise ValueError(f"blocks must be {want}, got {(blocks.shape, blocks.dtype)}")
@@ -144,19 +154,27 @@ class SpillStore:
             if holder_of(namespace) in self._dropped:  # a deleted tenant's, arriving late
                 self._counters["put_refused_dropped"] += len(hashes)
                 return 0
-            incoming = len({h for h in hashes if self._tier_of(h) is None}) * self.block_format.block_nbytes
-            if self._ram_bytes() + incoming > self.ram_budget_bytes:  # room first: RAM stays in budget
-                self._demote(max(0, self._demote_target_bytes - incoming))  # to the low watermark after
-            stored = 0
+            holder = holder_of(namespace)
+            self.weights.set(holder, weight)  # before the room is made
+            new: dict[bytes, int] = {}  # each hash held in neither tier -> its first row
             for i, block_hash in enumerate(hashes):
-                if self._touch(block_hash):
-                    continue
+                if not self._touch(block_hash):
+                    new.setdefault(block_hash, i)
+            rows = list(new.values())
+            to_disk = 0
+            if self._ram_bytes() + len(rows) * self.block_format.block_nbytes > self.ram_budget_bytes:
+                # room first (RAM stays in budget), down to the low watermark after the put; the
+                # batch counts as its holder's newest, and the rows picked of it go straight to disk
+                to_disk = self._demote(self._demote_target_bytes, holder, len(rows))
+            if to_disk:
+                first = rows[:to_disk]  # the batch's first rows: a cache node writes heads first
+                self._disk.write(namespace, [hashes[i] for i in first], blocks[first], [tokens[i] for i in first])
+            for i in rows[to_disk:]:
                 block = np.array(blocks[i], copy=True)
-                self._ram.put(block_hash, _RamEntry(block, namespace, tokens[i]), holder_of(namespace))
-                self._emit(EVENT_STORED, block_hash, TIER_RAM)
-                stored += 1
+                self._ram.put(hashes[i], _RamEntry(block, namespace, tokens[i]), holder)
+                self._emit(EVENT_STORED, hashes[i], TIER_RAM)
             self._demote_if_over_budget()
-            return stored
+            return len(rows) - to_disk + sum(hashes[i] in self._disk for i in rows[:to_disk])
 
     def get(
         self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
@@ -238,6 +256,7 @@ class SpillStore:
             for holder in holders:
                 self._dropped.pop(holder, None)
                 self._dropped[holder] = None
+                self.weights.forget(holder)
             while len(self._dropped) > MAX_DROPPED_HOLDERS:
                 self._dropped.popitem(last=False)
             in_ram = [h for h in self._ram if self._ram.holder(h) in holders]
@@ -300,19 +319,27 @@ class SpillStore:
         if self._ram_bytes() > self.ram_budget_bytes:
             self._demote(self._demote_target_bytes)
 
-    def _demote(self, target_bytes: int) -> None:
-        """Write RAM entries to disk, least recently used first (fair across holders), until
-        RAM holds at most ``target_bytes``: one group file (``max_blocks_per_file`` blocks) at a
-        time, its blocks written from the entries (no stacked copy) and let go once written.
+    def _demote(self, target_bytes: int, holder: str = "", incoming: int = 0) -> int:
+        """Write RAM entries to disk, least recently used first (fair across holders per
+        weight), until RAM holds at most ``target_bytes`` once ``incoming`` blocks of
+        ``holder`` are in, counted as its newest (``FairLRU.plan``): one group file
+        (``max_blocks_per_file`` blocks) at a time, its blocks written from the entries (no
+        stacked copy) and let go once written. Returns how many of the incoming blocks were
+        picked: they should go to disk, not RAM.
+
+        Regression: an incoming batch did not count toward its holder's holding, so a holder
+        at its share demoted another holder's blocks to make room for its own (two holders of
+        weights 3 and 1 ended at 9:7 of a 16-block RAM tier instead of 12:4).
 
         Regression (review 23a): the whole batch (25% of the RAM budget) was stacked into one
         copy before the first write, so a 1 GiB RAM tier peaked at 1.44 GiB (with ``put``
         copying its blocks in before demoting); a spill node sized by ``spill_ram_bytes``
         could be OOM-killed, losing every tenant's spill-RAM blocks."""
-        over = self._ram_bytes() - target_bytes
+        over = self._ram_bytes() + incoming * self.block_format.block_nbytes - target_bytes
         need = -(-over // self.block_format.block_nbytes) if over > 0 else 0
+        plan = self._ram.plan(need, {holder: incoming} if incoming else None)
         by_namespace: dict[str, deque[tuple[bytes, _RamEntry]]] = {}
-        for block_hash in self._ram.victims(need):
+        for block_hash in plan.keys:
             entry = self._ram.pop(block_hash)
             self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             by_namespace.setdefault(entry.namespace, deque()).append((block_hash, entry))
@@ -322,6 +349,7 @@ class SpillStore:
                 self._disk.write(namespace, [h for h, _ in part], [entry.block for _, entry in part],
                                  [entry.tokens for _, entry in part])
                 del part  # its blocks go before the next file's are gathered
+        return plan.refused.get(holder, 0)
 
     def _tokens_match(self, block_hash: bytes, asked: bytes) -> bool:
         """False (counted) when ``block_hash`` is held with other or unknown tokens."""
