@@ -158,10 +158,10 @@ class SequenceKVCompaction:
         """Whether the compaction must wait for ``num_slots`` host-tier slots (the sentences
         a SentenceKV compaction demotes) that ``holder`` (its cache namespace without the
         salt) cannot reserve now, even after idle holders gave theirs back, while running
-        requests of other holders hold more of the tier than ``holder`` would with them
-        (``TierManager.host_contenders``). True marks the compaction due
+        requests of other holders hold more of the tier per weight than ``holder`` would with
+        them (``TierManager.host_contenders``). True marks the compaction due
         (``compaction_due``, ``host_wait``, counted as ``can_rewrite``'s deferrals): the
-        scheduler preempts those requests, largest holder first, and runs it again before
+        scheduler preempts those requests, largest holder per weight first, and runs it again before
         this sequence's next step (``Scheduler._compact_due``). False (room enough, or no
         such request: the tier is too small for ``holder``'s share) lets the compaction
         go on, dropping what the tier cannot hold (``dropped_tokens``).

@@ -272,7 +272,7 @@ class Preemption:
 
         A compaction put off for host-tier room (``SequenceKV.wait_for_host``) preempts the
         requests of the tenants holding the tier over their share instead
-        (``TierManager.host_contenders``), largest holder first, until it runs; the policy's
+        (``TierManager.host_contenders``), largest holder per weight first, until it runs; the policy's
         victims would free pool blocks, not host slots. Only requests of ``seq``'s class or a
         lower one give way (``rank``): a batch tenant's compaction never preempts an
         interactive tenant's request (review of e3eb2b5, F2: it did, and the interactive
