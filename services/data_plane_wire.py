@@ -18,6 +18,7 @@ from typing import Any
 
 from cache_node.msgpack_bounds import UnpackBounds
 from cache_node.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
+from cache_node.structured_output import StructuredOutputSpec
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from tenants.model import POLICY_PATTERN
 
@@ -86,12 +87,15 @@ class MessageLimits(UnpackBounds):
 REQUEST_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,
     max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
-    max_map_len=32,  # a request's 16 fields, sampling's 16, extra's 8, an envelope's 4
-    max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,  # one chat message's content, 4 MiB
+    max_map_len=32,  # a request's 16 fields, sampling's 17, extra's 8, an envelope's 4
+    # one chat message's content, 4 MiB (a structured_output spec: <= MAX_STRUCTURED_SPEC_BYTES)
+    max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,
     max_bin_len=64,  # a block hash (32 bytes)
     max_containers=_CHAT_MESSAGES + 64,  # a map a chat message ({role, content}), the fixed ones
-    # tokens, hashes, messages; logit_bias' ids and biases (two arrays), allowed_token_ids
-    max_elements=2 * MAX_WIRE_TOKENS + 8 * _CHAT_MESSAGES + 1024 + 2 * MAX_LOGIT_BIAS_TOKENS + MAX_ALLOWED_TOKEN_IDS,
+    # tokens, hashes, messages; logit_bias' ids and biases (two arrays), allowed_token_ids;
+    # structured_output's [kind, spec]
+    max_elements=2 * MAX_WIRE_TOKENS + 8 * _CHAT_MESSAGES + 1024 + 2 * MAX_LOGIT_BIAS_TOKENS + MAX_ALLOWED_TOKEN_IDS
+    + 2,
 )
 """An admission (gateway -> the scheduler's admission socket: ``{"id", "req", "sub",
 "hashes"}``) and a node's commands (the scheduler's ``submit`` of the same request, ``abort``,
@@ -149,6 +153,7 @@ _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' 
     "min_tokens": int, "presence_penalty": (int, float), "frequency_penalty": (int, float),
     "repetition_penalty": (int, float), "logprobs": (int, type(None)), "min_p": (int, float),
     "logit_bias": (list, tuple), "allowed_token_ids": (list, tuple, type(None)),
+    "structured_output": (list, tuple, type(None)),
 }  # (bools are refused by ``SamplingParams``, which checks every range too)
 
 
@@ -159,6 +164,8 @@ def request_to_wire(req: NodeRequest) -> dict[str, Any]:
     sampling = {f.name: getattr(req.sampling, f.name) for f in dataclasses.fields(req.sampling)}
     # two flat arrays, not a container per entry: [[id, ...], [bias, ...]]
     sampling["logit_bias"] = [[t for t, _ in req.sampling.logit_bias], [b for _, b in req.sampling.logit_bias]]
+    constraint = req.sampling.structured_output
+    sampling["structured_output"] = None if constraint is None else [constraint.kind, constraint.spec]
     fields["sampling"] = sampling
     return fields
 
@@ -172,6 +179,19 @@ def _logit_bias_from_wire(value: list[Any] | tuple[Any, ...]) -> list[tuple[int,
         _check_type("request.sampling.logit_bias ids[]", token, int)
         _check_type("request.sampling.logit_bias biases[]", bias, (int, float))
     return list(zip(value[0], value[1]))
+
+
+def _structured_output_from_wire(value: list[Any] | tuple[Any, ...] | None) -> StructuredOutputSpec | None:
+    """``[kind, spec]`` (``request_to_wire``; None: off) as a ``StructuredOutputSpec``, which
+    checks the kind, the spec's size and its JSON. Raises TypeError: another shape, or a kind or
+    spec that is not a string; ValueError: the spec's refusal (naming ``structured_output``)."""
+    if value is None:
+        return None
+    if len(value) != 2:
+        raise TypeError("request.sampling.structured_output must be [kind, spec]")
+    _check_type("request.sampling.structured_output kind", value[0], str)
+    _check_type("request.sampling.structured_output spec", value[1], str)
+    return StructuredOutputSpec(value[0], value[1])
 
 
 def _check_type(what: str, value: Any, kind: type | tuple[type, ...]) -> None:
@@ -248,6 +268,8 @@ def request_from_wire(data: Any) -> NodeRequest:
         _check_type("request.sampling.allowed_token_ids[]", value, int)
     if "logit_bias" in sampling:
         sampling = {**sampling, "logit_bias": _logit_bias_from_wire(sampling["logit_bias"])}
+    if "structured_output" in sampling:
+        sampling = {**sampling, "structured_output": _structured_output_from_wire(sampling["structured_output"])}
     if isinstance(sampling.get("seed"), bool):
         raise TypeError("request.sampling.seed must be an integer, got a bool")
     fields["sampling"] = SamplingParams(**sampling)

@@ -34,6 +34,7 @@ from cache_node.sampling_params import (
     SamplingParams,
 )
 from cache_node.scheduling.admission import Ewma, SpeedMeter
+from cache_node.structured_output import MAX_STRUCTURED_SPEC_BYTES, StructuredOutputSpec
 from services import convert, data_plane, data_plane_wire
 from services.cache_node_health import Health
 from services.cache_node_streams import Streams, _Stream
@@ -116,7 +117,8 @@ def largest_request(**fields: Any) -> NodeRequest:
     sampling = SamplingParams(max_tokens=5, stop=("\U0001f600" * MAX_STOP_STRING_CHARS,) * MAX_STOP_STRINGS,
                               stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)),
                               logit_bias={(1 << 30) + i: -99.5 for i in range(MAX_LOGIT_BIAS_TOKENS)},
-                              allowed_token_ids=tuple(range(1 << 30, (1 << 30) + MAX_ALLOWED_TOKEN_IDS)))
+                              allowed_token_ids=tuple(range(1 << 30, (1 << 30) + MAX_ALLOWED_TOKEN_IDS)),
+                              structured_output=StructuredOutputSpec("grammar", "\U0001f600" * (MAX_STRUCTURED_SPEC_BYTES // 4)))
     extra = {"slo_class": "x", "ttft_slo_ms": "1", "min_tokens_per_s": "1", "weight": "1", "kv_quota_bytes": "1",
              "fill_context": "1", "routing_key": "r" * 1024, "prompt_tokens_estimate": "1"}
     return NodeRequest(request_id="t/" + "r" * 1000, tenant="t" * 1000, cache_namespace="n#salt=" + "s" * 1000,
