@@ -84,11 +84,13 @@ class HolderWeights:
     def set(self, holder: str, weight: object) -> None:
         """Record ``holder``'s weight. Raises ValueError for a weight ``check_weight`` refuses."""
         value = check_weight(weight)
-        self._weights.pop(holder, None)
-        if value != 1.0:  # weight 1 is what an unknown holder weighs: nothing to remember
-            self._weights[holder] = value
-            while len(self._weights) > self.max_holders:
-                self._weights.popitem(last=False)
+        if value == 1.0:  # what an unknown holder weighs: nothing to remember
+            self._weights.pop(holder, None)
+            return
+        self._weights[holder] = value  # replaced in place: a reader never sees it missing
+        self._weights.move_to_end(holder)
+        while len(self._weights) > self.max_holders:
+            self._weights.popitem(last=False)
 
     def of(self, holder: str) -> float:
         """``holder``'s weight (1.0 when unknown)."""
