@@ -172,7 +172,7 @@ class ServiceConfig(BaseModel):
     # for their message at once (64 per client network); grpc_max_health_watchers Health/Watch
     # streams may be open (16 per client network), for the gateway's service names alone.
     # grpc_max_message_bytes caps a message received or sent (a larger request ends
-    # RESOURCE_EXHAUSTED); never below the largest valid request, ~4.04 MiB
+    # RESOURCE_EXHAUSTED); never below the largest valid request, ~4.18 MiB
     # (services.grpc_messages.MAX_GENERATE_REQUEST_BYTES; grpc's own default, 4 MiB, refused it).
     # Regression (secrev19 H4/H5): none of these existed; idle connections and header-only
     # calls were held forever.

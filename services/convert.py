@@ -16,6 +16,8 @@ Bounds on a ``GenerateRequest`` (past one: ``ValueError`` naming the field and t
 ``sampling.temperature`` in [0, ``MAX_REQUEST_TEMPERATURE``] (2, as the HTTP API);
 ``sampling.stop_token_ids`` at most ``MAX_STOP_TOKEN_IDS`` (64) ids; ``sampling.stop`` at
 most ``MAX_STOP_STRINGS`` (4) strings of 1 to ``MAX_STOP_STRING_CHARS`` (256) characters;
+``sampling.structured_output`` one constraint of at most 64 KiB (``StructuredOutputSpec``; a
+``choice`` at most 256 strings);
 ``tokens.ids`` at most ``MAX_PROMPT_TOKEN_IDS`` (131,072) ids; ``chat.messages`` at most
 ``MAX_CHAT_MESSAGES`` (1,024) messages holding at most ``MAX_PROMPT_CHARS`` (1,048,576)
 characters together (content, ``name`` and ``tool_call_id``: ``services.chat.content_chars``),
@@ -30,6 +32,7 @@ further (the gateway).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +44,7 @@ from cache_node.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from cache_node.structured_output import STRUCTURED_OUTPUT_KINDS, StructuredOutputSpec
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
 from services.node_request import entry_logprobs
 from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
@@ -220,6 +224,7 @@ def sampling_params_from_pb(
     ``top_p``, ``min_p``, the penalties and the ``logit_bias`` values travel as float32 and are
     rounded to 6 significant digits, so 0.7 arrives as 0.7. ``logit_bias`` and
     ``allowed_token_ids`` are counted before either is read (a message may hold ~1M entries).
+    An unset ``structured_output`` is None (``structured_output_from_pb``).
 
     Raises:
         ValueError: ``max_tokens`` is 0 (unset) or another field is out of range, e.g.
@@ -255,7 +260,38 @@ def sampling_params_from_pb(
             min_p=_from_float32(msg.min_p),
             logit_bias=tuple((token, _from_float32(bias)) for token, bias in msg.logit_bias.items()),
             allowed_token_ids=tuple(msg.allowed_token_ids) or None,
+            structured_output=structured_output_from_pb(msg.structured_output)
+            if msg.HasField("structured_output") else None,
         )
+
+
+def structured_output_from_pb(msg: inference_pb2.StructuredOutput) -> StructuredOutputSpec:
+    """The one constraint ``msg`` sets -> ``StructuredOutputSpec`` (a ``choice`` list becomes
+    its JSON array text), which checks its size, JSON and choices.
+
+    Raises:
+        ValueError: no member set, ``json_object`` false, or the spec's refusal; the message
+            starts with ``structured_output`` (``sampling_params_from_pb`` prefixes its path).
+    """
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError(f"structured_output must set one of {', '.join(STRUCTURED_OUTPUT_KINDS)} "
+                         "(leave it unset for no constraint)")
+    if kind == "json_object" and not msg.json_object:
+        raise ValueError("structured_output.json_object must be true (leave structured_output unset for no "
+                         "constraint)")
+    if kind == "choice":  # at most MAX_CHOICES strings (grpc_wire counts them before parsing)
+        return StructuredOutputSpec("choice", json.dumps(list(msg.choice.choices), ensure_ascii=False))
+    return StructuredOutputSpec(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
+def structured_output_to_pb(spec: StructuredOutputSpec) -> inference_pb2.StructuredOutput:
+    """Inverse of ``structured_output_from_pb`` (a ``choice`` spec as its list)."""
+    if spec.kind == "json_object":
+        return inference_pb2.StructuredOutput(json_object=True)
+    if spec.kind == "choice":
+        return inference_pb2.StructuredOutput(choice=inference_pb2.ChoiceList(choices=spec.choices))
+    return inference_pb2.StructuredOutput(**{spec.kind: spec.spec})
 
 
 def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
@@ -279,6 +315,8 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_pb(params.structured_output))
     return msg
 
 

@@ -3,7 +3,7 @@
 grpc core refuses a received message over 4 MiB unless told otherwise, before any handler runs
 (RESOURCE_EXHAUSTED "received message larger than max"). The largest request ``convert``'s bounds
 admit is larger: a chat of ``MAX_PROMPT_CHARS`` characters, up to 4 UTF-8 bytes each, plus its
-messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.11 MiB). So
+messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.18 MiB). So
 the cap is a setting, ``ServiceConfig.grpc_max_message_bytes`` (``DEFAULT_MAX_MESSAGE_BYTES``,
 8 MiB, as the HTTP API's body cap), never below that request, set on the server for both
 directions (``GrpcLimits.server_options``) and on every channel our clients open to the gateway
@@ -20,12 +20,13 @@ from cache_node.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from cache_node.structured_output import MAX_CHOICES, MAX_STRUCTURED_SPEC_BYTES
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_REQUEST_ID_CHARS
 
 UTF8_MAX_BYTES = 4
 """Bytes of the longest UTF-8 encoding of one character (a code point past U+FFFF)."""
 
-_TAG = 1  # every GenerateRequest field number is below 16: a one-byte key (SamplingParams' 16 is counted)
+_TAG = 1  # every GenerateRequest field number is below 16: a one-byte key (SamplingParams' 16, 17 are counted)
 _VARINT_32 = 5  # the longest varint of a uint32 / length prefix under 4 GiB
 _VARINT_64 = 10  # the longest varint of a uint64, or of a negative int32
 _FLOAT = 4
@@ -45,6 +46,14 @@ def _largest_chat_bytes() -> int:
     return _TAG + _VARINT_32 + messages
 
 
+def _largest_structured_output_bytes() -> int:
+    # its one member: a text of MAX_STRUCTURED_SPEC_BYTES, or a choice list whose strings' JSON
+    # array (longer than their bytes) fits in as many, each string with its key and length
+    text = _string_field(MAX_STRUCTURED_SPEC_BYTES)
+    choices = _TAG + _VARINT_32 + MAX_STRUCTURED_SPEC_BYTES + MAX_CHOICES * (_TAG + _VARINT_32)
+    return max(text, choices)
+
+
 def _largest_sampling_bytes() -> int:
     fields = (
         _TAG + _VARINT_32                                           # max_tokens
@@ -59,6 +68,7 @@ def _largest_sampling_bytes() -> int:
         # logit_bias: an entry a map key {key varint, value float} of <= 11 bytes
         + MAX_LOGIT_BIAS_TOKENS * (_TAG + 1 + _TAG + _VARINT_32 + _TAG + _FLOAT)
         + 2 + _VARINT_32 + MAX_ALLOWED_TOKEN_IDS * _VARINT_32       # allowed_token_ids (field 16: a 2-byte key)
+        + 2 + _VARINT_32 + _largest_structured_output_bytes()       # structured_output (field 17)
     )
     return _TAG + _VARINT_32 + fields
 
@@ -71,7 +81,7 @@ MAX_GENERATE_REQUEST_BYTES = (
     + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
 )
 """An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
-largest request of any call): 4,314,667 bytes, ~4.11 MiB."""
+largest request of any call): 4,381,752 bytes, ~4.18 MiB."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 """``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""

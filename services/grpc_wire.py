@@ -38,6 +38,7 @@ from cache_node.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from cache_node.structured_output import MAX_CHOICES
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_TOKEN_IDS
 from tenants.model import MAX_ALLOWED_POLICIES
 
@@ -48,6 +49,7 @@ REPEATED_LIMITS: dict[str, int] = {
     "kvstrata.v1.SamplingParams.stop": MAX_STOP_STRINGS,
     "kvstrata.v1.SamplingParams.logit_bias": MAX_LOGIT_BIAS_TOKENS,  # a map: an entry message each
     "kvstrata.v1.SamplingParams.allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
+    "kvstrata.v1.ChoiceList.choices": MAX_CHOICES,  # SamplingParams.structured_output.choice
     "kvstrata.v1.TenantSpec.allowed_policies": MAX_ALLOWED_POLICIES,
 }
 """Elements a repeated request field may hold (full field name -> count): the limits ``convert``

@@ -10,6 +10,7 @@ largest valid request) caps both directions on the server and on every channel o
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from cache_node.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from cache_node.structured_output import MAX_CHOICES, MAX_STRUCTURED_SPEC_BYTES
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import gateway
 from services.config import ServiceConfig
@@ -48,14 +50,18 @@ from tests.test_grpc_connection_bounds import QUICK, serve
 REPO = Path(__file__).resolve().parents[1]
 WIDE = "\U0001f600"  # 4 bytes in UTF-8
 
+# the JSON array's framing is 4 bytes a string (quotes, ", ") less 2: 63 4-byte characters each
+CHOICES = [WIDE * 62 + chr(0x1F600 + i) for i in range(MAX_CHOICES)]
+assert len(json.dumps(CHOICES, ensure_ascii=False).encode()) == MAX_STRUCTURED_SPEC_BYTES
+
 
 def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateRequest:
     """A GenerateRequest at every bound ``services.convert`` checks, each string of 4-byte
     characters: 1,024 chat messages holding 1 Mi characters (1,023 of them tool results, each
     with a ``name`` and a ``tool_call_id``: review 25b N3), 4 stop strings of 256, 64 stop ids,
     every numeric sampling field set (top_k -1 a 10-byte varint, logprobs, min_p), 4,096
-    logit_bias entries and 4,096 allowed_token_ids, all ids of 5-byte varints,
-    256-character request and session ids, a policy of the pattern's 63 characters (no real
+    logit_bias entries and 4,096 allowed_token_ids, all ids of 5-byte varints, a structured
+    output's 256 choices whose JSON array is 64 KiB (its largest member on the wire), 256-character request and session ids, a policy of the pattern's 63 characters (no real
     policy's spec is longer), priority -1000."""
     chat = inference_pb2.ChatMessages()
     chat.messages.add(role="assistant", content=WIDE * (MAX_PROMPT_CHARS - 3 * (MAX_CHAT_MESSAGES - 1)))
@@ -67,7 +73,8 @@ def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateReque
         stop=[WIDE * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, top_k=-1, min_tokens=(1 << 32) - 1,
         presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=2.0, logprobs=MAX_LOGPROBS, min_p=0.5,
         logit_bias={(1 << 31) - 1 - i: -99.5 for i in range(MAX_LOGIT_BIAS_TOKENS)},
-        allowed_token_ids=range((1 << 31) - MAX_ALLOWED_TOKEN_IDS, 1 << 31))
+        allowed_token_ids=range((1 << 31) - MAX_ALLOWED_TOKEN_IDS, 1 << 31),
+        structured_output=inference_pb2.StructuredOutput(choice=inference_pb2.ChoiceList(choices=CHOICES)))
     return inference_pb2.GenerateRequest(
         chat=chat, sampling=sampling, session_id=WIDE * MAX_REQUEST_ID_CHARS,
         request_id=WIDE * MAX_REQUEST_ID_CHARS, policy=policy, priority=-1000)
