@@ -19,6 +19,7 @@ import torch
 
 from cache_node.compressed_prefix import CompressedPrefixCache, check_prefix_tokens
 from cache_node.config import EngineConfig
+from cache_node.engine_grammars import NO_TOKENIZER, EngineGrammarsMixin
 from cache_node.engine_reclaim import EngineReclaimMixin
 from cache_node.engine_recovery import EngineRecoveryMixin
 from cache_node.engine_sessions import EngineSessionsMixin
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, EngineStatsMixin,
-                EngineTiersMixin):
+                EngineTiersMixin, EngineGrammarsMixin):
     """A model replica over a paged KV pool it owns, with continuous batching.
 
     Thread-safe for one stepping thread plus callers of ``add_request``/``abort_request``.
@@ -130,6 +131,10 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         # request named: that step runs alone (``_recover``, ``Sequence.isolate_at``)
         self._suspects: dict[str, int] = {}
         self._alone = False  # the step running is a suspect's step alone
+        # structured outputs (``engine_grammars``): off until ``enable_structured_output``
+        self.grammars = None
+        self.grammars_off = NO_TOKENIZER
+        self._compiling: list[Sequence] = []  # waiting requests whose grammar compiles
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -183,6 +188,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
         self._check_fits(seq)
+        self._attach_grammar(seq)  # its compilation starts; the scheduler passes it over till done
         if not params.greedy:
             seq.generator = torch.Generator(device=self.pool.kv.device).manual_seed(
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
@@ -196,6 +202,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self.requests[seq.request_id] = seq
             self.prefixes.admit(seq, prefix_tokens)  # its prefix's KV is taken when it starts
             self.scheduler.add(seq)
+            if seq.grammar is not None:
+                self._compiling.append(seq)
             reuses = self.prefixes.stored_entry(seq) is not None or self.prefixes.computing(seq)
             if (self.tiers.config.auto_prefetch if prefetch is None else prefetch) and not reuses:
                 self.tiers.prefetch(seq, time.monotonic())
@@ -279,6 +287,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self.release_undo()  # the cache node undid (``rewind_session``) what it had to
             outputs = [self._output(s, ()) for s in self._aborted]
             self._aborted = []
+            self._poll_grammars(outputs)  # a grammar that failed to compile refuses its request
             for seq in self.scheduler.take_rejected():  # can never fit the pool
                 if seq.output_token_ids:
                     self._cut_short(seq)
@@ -319,6 +328,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             logits, rows = logits[keep], [rows[i] for i in keep]
             for seq in faulted:
                 self._fail(seq, outputs)
+        logits, rows = self._constrain(logits, rows, outputs)  # the grammars' masks (structured outputs)
         failed: list[int] = []  # a failed draw fails its request alone; the others keep theirs
         tokens, logprobs = draw(logits, rows, failed, self.eos_token_ids)
         for i in failed:
@@ -332,7 +342,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             seq.output_token_ids.append(token)
             seq.first_token_time_s = seq.first_token_time_s or now
             seq.last_token_time_s = now
-            reason = self._stop_reason(seq, token)
+            reason = self._grammar_reason(seq, token) or self._stop_reason(seq, token)
             if reason:
                 self._finish(seq, reason)
             outputs.append(self._output(seq, (token,), () if lp is None else (lp,)))

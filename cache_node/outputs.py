@@ -40,6 +40,8 @@ class RequestOutput:
             on the finished output only.
         logprobs: one ``TokenLogprobs`` per token of ``new_token_ids`` when the request asks
             for them (``SamplingParams.logprobs``), else empty.
+        error: why a request finished "rejected" was refused, naming the request's field
+            (its ``structured_output`` does not compile); None: it can never fit the pool.
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class RequestOutput:
     policy_bytes: int = 0
     policy_stats: dict[str, float] = field(default_factory=dict)
     logprobs: tuple[TokenLogprobs, ...] = ()
+    error: str | None = None
 
 
 class InvalidRequestError(ValueError):

@@ -136,6 +136,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self.tokenizer = lm.tokenizer
         if lm.tokenizer is not None:
             self.engine.policy_env = PolicyEnv.from_tokenizer(lm.tokenizer)  # sentence boundaries
+            self.engine.enable_structured_output(lm.tokenizer)  # off (requests refused) without xgrammar
         self.templater = ChatTemplater(lm.tokenizer) if lm.tokenizer is not None else None
         if self.templater is not None:
             _ = self.templater.max_token_chars  # once, here, not on the step thread

@@ -344,10 +344,10 @@ class Streams:
             if out.logprobs:  # (the request asked: SamplingParams.logprobs)
                 event["logprobs"] = [logprobs_entry(lp.logprob, lp.top) for lp in out.logprobs]
             events.append(event)
-        if out.finished and out.finish_reason == "rejected":
+        if out.finished and out.finish_reason == "rejected":  # (``error``: e.g. its grammar does not compile)
             events.append({"type": "error", "code": "INVALID_ARGUMENT",
-                           "message": "the request can never fit this node's KV pool "
-                                      f"({self.engine.scheduler.pool_tokens} tokens)"})
+                           "message": out.error or "the request can never fit this node's KV pool "
+                                                   f"({self.engine.scheduler.pool_tokens} tokens)"})
         elif out.finished and out.finish_reason == "error":
             events.append({"type": "error", "code": "INTERNAL",
                            "message": "this request's step failed on the cache node (see its log); "

@@ -114,6 +114,8 @@ class WaitingAdmission(Preemption):
                 break
             if urgent_only and self.policy.rank(seq) > 0:
                 continue
+            if seq.grammar is not None and not seq.grammar.ready:  # its grammar compiles; it holds no KV
+                continue
             if self._awaits_prefetch(seq, now):  # its blocks are on their way up; others go first
                 continue
             if self._held(seq):  # preempted for one still waiting: that one goes first
@@ -148,9 +150,10 @@ class WaitingAdmission(Preemption):
         """Nothing runs and nothing was admitted: give the queue's head (in policy order, past
         requests waiting on a prefetch) every block that is not its own and admit it; a head
         that still cannot start never will, and is given up (``rejected``)."""
-        ready = [s for s in order_by_priority(self.policy.order(self.waiting, now)) if not self._awaits_prefetch(s, now)]
+        ready = [s for s in order_by_priority(self.policy.order(self.waiting, now))
+                 if not self._awaits_prefetch(s, now) and (s.grammar is None or s.grammar.ready)]
         if not ready:
-            return  # prefetches in flight: their blocks land and the queue moves
+            return  # prefetches in flight, grammars compiling: they land and the queue moves
         head = ready[0]
         pool, need = self.kv_manager.pool, self._blocks_to_first_token(head)
         self._free_held_elsewhere(head, lambda: pool.num_free_blocks() >= need)

@@ -1,0 +1,130 @@
+"""``LLMEngine``'s structured outputs: a request's grammar from arrival to its last token.
+
+- ``add_request``: a request with ``SamplingParams.structured_output`` gets a
+  ``GrammarState`` whose compilation starts on ``Grammars``' workers; it is queued, but the
+  scheduler passes it over (it holds no KV) until its matcher exists. A node whose
+  structured outputs are off (no tokenizer, or xgrammar not installed) refuses it at once
+  (``InvalidRequestError`` naming ``structured_output``).
+- each step, first: the compilations that ended are polled (``_poll_grammars``); one that
+  failed finishes its request "rejected" with the compiler's message (``RequestOutput.error``:
+  the node answers INVALID_ARGUMENT), with nothing held. An abort while it compiles finishes it
+  like any waiting request; the compilation ends on its worker and stays cached.
+- before the draw (``_constrain``): the constrained rows' logits are masked to their grammars
+  (``grammars.constrain``). A row left with nothing to draw (every token -inf: the grammar
+  allows none of what ``min_tokens`` and ``allowed_token_ids`` leave) is never drawn (a NaN
+  draw fails, on a GPU fatally): when its grammar may end there (e.g. it allows only EOS,
+  which ``min_tokens`` holds back) it finishes "stop", short of ``min_tokens``, its output
+  complete (the grammar wins: any other token would break it); else it finishes "error"
+  (its ``allowed_token_ids`` leave the grammar no way on; logged).
+- after the draw (``_grammar_reason``): the token is fed to its matcher once, when it joins the
+  output. A matcher that terminates (it accepted EOS) ends the request "stop", with
+  ``ignore_eos`` too (nothing may follow a complete grammar). A token the matcher refuses
+  cannot follow from the mask; should it, the request finishes "error" (logged, counted in
+  ``num_failed_requests``), never with a broken output marked complete.
+
+Everything else stays as without a grammar: ``max_tokens`` ends it "length" (the output may be
+incomplete, as in vLLM), a stop string or stop token the grammar allows ends it "stop", and a
+session turn's grammar applies to that turn's output only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cache_node.grammars import Grammars, GrammarState, constrain
+from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.sequence import Sequence
+
+if TYPE_CHECKING:
+    from cache_node.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+NO_TOKENIZER = "this cache node cannot constrain output: it has no tokenizer (structured_output needs one)"
+
+
+class EngineGrammarsMixin:
+    grammars: Grammars | None
+    grammars_off: str  # why ``grammars`` is None
+    _compiling: list[Sequence]
+
+    def enable_structured_output(self: LLMEngine, tokenizer: Any) -> bool:
+        """Serve ``structured_output`` requests with ``tokenizer``'s vocabulary (the cache node
+        calls it with the model's tokenizer). False, with ``grammars_off`` saying why, when
+        xgrammar is not installed."""
+        made = Grammars.create(tokenizer, self.vocab_size, self.eos_token_ids, self.config.max_num_seqs)
+        if isinstance(made, str):
+            self.grammars_off = made
+            log.warning("%s", made)
+            return False
+        self.grammars = made
+        return True
+
+    def _attach_grammar(self: LLMEngine, seq: Sequence) -> None:
+        """Start compiling ``seq``'s grammar (add_request; ``InvalidRequestError`` when off)."""
+        spec = seq.sampling_params.structured_output
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise InvalidRequestError(f"structured_output: {self.grammars_off}")
+        seq.grammar = GrammarState(self.grammars, spec)
+
+    def _poll_grammars(self: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Step start: forget finished requests' compilations, refuse those that failed."""
+        if not self._compiling:
+            return
+        pending = []
+        for seq in self._compiling:
+            if seq.is_finished:
+                continue
+            if not seq.grammar.poll():
+                pending.append(seq)
+            elif seq.grammar.error is not None:
+                self._finish(seq, "rejected")
+                outputs.append(dataclasses.replace(self._output(seq, ()), error=seq.grammar.error))
+        self._compiling = pending
+
+    def _constrain(self: LLMEngine, logits: torch.Tensor, rows: list[Sequence],
+                   outputs: list[RequestOutput]) -> tuple[torch.Tensor, list[Sequence]]:
+        """``logits`` of ``rows`` masked to their grammars (in place); rows with nothing left to
+        draw are finished "stop" and taken out. Free when no row has a grammar."""
+        states = [seq.grammar for seq in rows]
+        if self.grammars is None or not any(s is not None for s in states):
+            return logits, rows
+        held = [self._held_back(seq) if s is not None else () for seq, s in zip(rows, states)]
+        allowed = [seq.sampling_params.allowed_token_ids for seq in rows]
+        complete, stuck = constrain(self.grammars, logits, states, held, allowed)
+        if not (complete or stuck):
+            return logits, rows
+        for i in complete:
+            self._finish(rows[i], "stop")
+            outputs.append(self._output(rows[i], ()))
+        for i in stuck:
+            log.error("request %s: its grammar allows none of the tokens its allowed_token_ids and min_tokens "
+                      "leave", rows[i].request_id)
+            self._fail(rows[i], outputs)
+        keep = [i for i in range(len(rows)) if i not in complete and i not in stuck]
+        return logits[keep], [rows[i] for i in keep]
+
+    def _held_back(self: LLMEngine, seq: Sequence) -> frozenset[int]:
+        """Tokens ``min_tokens`` holds back from ``seq`` this step (the sampler's mask)."""
+        params = seq.sampling_params
+        if len(seq.output_token_ids) >= params.min_tokens:
+            return frozenset()
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+
+    def _grammar_reason(self: LLMEngine, seq: Sequence, token: int) -> str | None:
+        """Feed ``token`` (just appended to ``seq``'s output) to its matcher: "stop" when the
+        grammar is complete, "error" when it refuses the token, else None."""
+        if seq.grammar is None:
+            return None
+        matcher = seq.grammar.matcher
+        if not matcher.accept_token(token):
+            log.error("request %s: its grammar refused token %d drawn under its mask", seq.request_id, token)
+            self.num_failed_requests += 1
+            return "error"
+        return "stop" if matcher.is_terminated() else None

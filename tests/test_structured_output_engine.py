@@ -1,0 +1,227 @@
+"""Structured outputs in the engine (xgrammar) on the real SmolLM2-135M: JSON schema, regex,
+choice, json_object; unconstrained rows unchanged; a grammar that does not compile refuses its
+request alone; a request waiting for its grammar holds nothing and aborts cleanly."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import pytest
+
+from cache_node.engine import LLMEngine
+from cache_node.grammars import Grammars
+from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.sampling_params import SamplingParams
+from cache_node.structured_output import StructuredOutputSpec
+from tests.conftest import make_engine
+
+pytest.importorskip("xgrammar")
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _engine(lm: Any, **overrides: int) -> LLMEngine:
+    eng = make_engine(lm, **{"kv_pool_bytes": 32 << 20, "max_num_batched_tokens": 256, **overrides})
+    assert eng.enable_structured_output(lm.tokenizer)
+    return eng
+
+
+def _prompt(lm: Any, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, RequestOutput]:
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final: dict[str, RequestOutput] = {}
+    for _ in range(2000):
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        if len(final) == len(ids):
+            break
+    return {i: final[i] for i in ids}
+
+
+def _text(lm: Any, out: RequestOutput) -> str:
+    return lm.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+
+
+def _spec(kind: str, spec: object = "") -> StructuredOutputSpec:
+    return StructuredOutputSpec(kind, spec if isinstance(spec, str) else json.dumps(spec))
+
+
+def _check_schema(value: object) -> None:
+    """``value`` against ``SCHEMA`` (no jsonschema dependency: the schema is small)."""
+    assert isinstance(value, dict) and set(value) == {"name", "age"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert type(value["age"]) is int and 0 <= value["age"] <= 150
+
+
+def test_constrained_rows_match_their_grammars_and_greedy_rows_beside_them_are_unchanged(real_model) -> None:
+    """One batch: a JSON-schema row, a regex row, a choice row and two unconstrained greedy rows.
+    The constrained outputs parse / match / are a choice and end "stop" (the grammar's end); the
+    unconstrained rows' tokens equal those of the same requests run without the others."""
+    lm = real_model
+    eng = _engine(lm)
+    person = _prompt(lm, "Give me a person as JSON with a name and an age.")
+    date = _prompt(lm, "What is today's date?")
+    color = _prompt(lm, "Is the sky blue or green?")
+    free = [_prompt(lm, "Write a haiku about the sea."), _prompt(lm, "Name three fruits.")]
+    free_params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    alone = _run(eng, free, free_params)
+    constrained = [
+        SamplingParams(max_tokens=60, structured_output=_spec("json_schema", SCHEMA)),
+        SamplingParams(max_tokens=20, structured_output=_spec("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")),
+        SamplingParams(max_tokens=10, structured_output=_spec("choice", ["blue", "green", "red"])),
+    ]
+    outs = list(_run(eng, [person, date, color, *free], constrained + free_params).values())
+    _check_schema(json.loads(_text(lm, outs[0])))
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", _text(lm, outs[1]))
+    assert _text(lm, outs[2]) in ("blue", "green", "red")
+    assert [o.finish_reason for o in outs[:3]] == ["stop"] * 3
+    assert [o.output_token_ids for o in outs[3:]] == [o.output_token_ids for o in alone.values()]
+    assert eng.grammars is not None and eng.grammars.num_compiled == 3
+    assert not eng.requests and eng.kv_manager.pool.num_free_blocks() == eng.kv_manager.pool.num_blocks
+    eng.kv_manager.pool.check_integrity()
+
+
+def test_sampled_json_object_rows_parse_as_objects(real_model) -> None:
+    """json_object at temperature 1 (two seeds): the text is one JSON object."""
+    lm = real_model
+    eng = _engine(lm)
+    prompt = _prompt(lm, "Describe a cat as a JSON object.")
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, top_k=20,
+                             structured_output=_spec("json_object")) for s in (1, 2)]
+    for out in _run(eng, [prompt, prompt], params).values():
+        if out.finish_reason == "stop":  # (80 tokens may cut a long object: "length")
+            assert isinstance(json.loads(_text(lm, out)), dict)
+        else:
+            assert out.finish_reason == "length"
+
+
+def test_a_grammar_that_does_not_compile_refuses_its_request_alone(real_model) -> None:
+    """A regex with an unclosed parenthesis: that request finishes "rejected" with the
+    compiler's message naming structured_output and no tokens; a request beside it completes."""
+    lm = real_model
+    eng = _engine(lm)
+    prompt = _prompt(lm, "Hello")
+    outs = list(_run(eng, [prompt, prompt], [
+        SamplingParams(max_tokens=4, structured_output=_spec("regex", "(abc")),
+        SamplingParams(max_tokens=4, ignore_eos=True),
+    ]).values())
+    assert outs[0].finish_reason == "rejected" and outs[0].output_token_ids == ()
+    assert outs[0].error is not None and outs[0].error.startswith("structured_output regex does not compile: ")
+    assert "parenthesis is not closed" in outs[0].error and ".cc:" not in outs[0].error
+    assert outs[1].finish_reason == "length" and len(outs[1].output_token_ids) == 4
+    assert not eng.requests and not eng.scheduler.has_work()
+
+
+def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, monkeypatch) -> None:
+    """The compilation is held on its worker: the request waits unscheduled with no blocks; an
+    abort finishes it "abort"; the engine then holds nothing, and the late compilation is cached
+    for the next request."""
+    lm = real_model
+    eng = _engine(lm)
+    gate = threading.Event()
+    compile_ = Grammars._compile
+
+    def held(self: Grammars, spec: StructuredOutputSpec) -> object:
+        gate.wait(30)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(Grammars, "_compile", held)
+    free_before = eng.kv_manager.pool.num_free_blocks()
+    rid = eng.add_request(_prompt(lm, "Hi"), SamplingParams(max_tokens=8, structured_output=_spec("regex", "[a-z]+")))
+    for _ in range(3):
+        assert eng.step() == []
+    seq = eng.requests[rid]
+    assert seq in eng.scheduler.waiting and seq.block_table == [] and seq.num_computed_tokens == 0
+    assert eng.kv_manager.pool.num_free_blocks() == free_before
+    assert eng.abort_request(rid)
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    assert not eng.requests and not eng.scheduler.has_work() and not eng._compiling
+    assert eng.kv_manager.pool.num_free_blocks() == free_before
+    gate.set()
+    assert eng.step() == []
+
+
+def test_a_node_without_the_grammar_library_refuses_structured_requests_naming_the_field(real_model) -> None:
+    """No ``enable_structured_output`` (no tokenizer), or xgrammar missing: refused at once."""
+    lm = real_model
+    eng = make_engine(lm, kv_pool_bytes=32 << 20)
+    with pytest.raises(InvalidRequestError, match="structured_output: this cache node cannot constrain output"):
+        eng.add_request([1, 2, 3], SamplingParams(structured_output=_spec("json_object")))
+    import sys
+    saved = sys.modules.get("xgrammar")
+    sys.modules["xgrammar"] = None  # type: ignore[assignment]  (import raises ImportError)
+    try:
+        assert not eng.enable_structured_output(lm.tokenizer)
+    finally:
+        sys.modules["xgrammar"] = saved  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match="xgrammar library is not installed"):
+        eng.add_request([1, 2, 3], SamplingParams(structured_output=_spec("json_object")))
+    assert not eng.requests and not eng.scheduler.has_work()
+
+
+def test_a_complete_grammar_ends_its_request_short_of_min_tokens(real_model) -> None:
+    """choice ["yes"] with min_tokens 10: after "yes" the grammar allows only EOS, which
+    min_tokens holds back; the request ends "stop" with "yes" (no NaN, no garbage token)."""
+    lm = real_model
+    eng = _engine(lm)
+    for temperature in (0.0, 1.0):
+        out = next(iter(_run(eng, [_prompt(lm, "Say yes.")], [SamplingParams(
+            max_tokens=20, min_tokens=10, temperature=temperature, seed=3,
+            structured_output=_spec("choice", ["yes"]))]).values()))
+        assert (_text(lm, out), out.finish_reason) == ("yes", "stop")
+
+
+def test_preempted_constrained_request_keeps_its_grammar_state(real_model) -> None:
+    """A pool so small that the JSON request is preempted and recomputed: its matcher is never
+    fed a token twice (the output still parses against the schema) and it equals the run that
+    was never preempted."""
+    lm = real_model
+    prompt = _prompt(lm, "Give me a person as JSON with a name and an age.")
+    params = SamplingParams(max_tokens=40, structured_output=_spec("json_schema", SCHEMA))
+    roomy_engine = _engine(lm)
+    roomy = next(iter(_run(roomy_engine, [prompt], [params]).values()))
+    other_prompt = _prompt(lm, "Count from one to twenty.")
+    blocks = -(-(max(len(prompt), len(other_prompt)) + 40) // 16)  # each fits alone, not both
+    tight = _engine(lm, kv_pool_bytes=blocks * roomy_engine.pool.bytes_per_block)
+    other = SamplingParams(max_tokens=40, ignore_eos=True)
+    other_out, out = _run(tight, [other_prompt, prompt], [other, params]).values()  # newest: preempted first
+    assert out.num_preemptions >= 1 and other_out.finish_reason == "length"
+    assert out.output_token_ids == roomy.output_token_ids and out.finish_reason == "stop"
+    _check_schema(json.loads(_text(lm, out)))
+
+
+def test_allowed_token_ids_that_leave_the_grammar_nothing_never_draw_a_nan(real_model) -> None:
+    """choice ["yes"] under allowed_token_ids: allowing "yes"'s tokens but not EOS, the request
+    ends "stop" with "yes" once only EOS is left; allowing only a token the grammar never takes,
+    it ends "error" before any draw (greedy and sampled: no garbage token, no NaN draw)."""
+    lm = real_model
+    eng = _engine(lm)
+    yes = lm.tokenizer.encode("yes")
+    other = lm.tokenizer.encode(" maybe")[0]
+    prompt = _prompt(lm, "Say yes.")
+    for temperature in (0.0, 1.0):
+        done, stuck = _run(eng, [prompt, prompt], [
+            SamplingParams(max_tokens=8, temperature=temperature, seed=1, allowed_token_ids=yes,
+                           structured_output=_spec("choice", ["yes"])),
+            SamplingParams(max_tokens=8, temperature=temperature, seed=1, allowed_token_ids=[other],
+                           structured_output=_spec("choice", ["yes"])),
+        ]).values()
+        assert (_text(lm, done), done.finish_reason) == ("yes", "stop")
+        assert (stuck.output_token_ids, stuck.finish_reason) == ((), "error")
+    assert not eng.requests and not eng.scheduler.has_work()
