@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from cache_node.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -79,6 +79,7 @@ from services.convert import (
     check_policy_spec,
 )
 from services.gateway import MAX_ID_CHARS, GenerateInput
+from services.openai_api.strict import Strict, bounded_list, json_brief, json_text, same_json
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
@@ -103,65 +104,18 @@ MAX_CONTENT_PARTS = 1024
 """Most ``{"type": "text"}`` parts in one message's content."""
 
 
-def _bounded_list(item: Any, max_length: int | None = None) -> Any:
-    """``list[item]`` whose validation stops at its first bad element (``fail_fast``).
-
-    Regression (security review): every list collected one error per bad element and per
-    union member, and formatting the 400 ran on the gateway's event loop: a 160 KiB
-    ``prompt`` of alternating ints and strings made 131,041 errors and froze every tenant's
-    streams for 5.8 s (a 640 KiB body: 13.9 s). Now a body's errors are a handful at most."""
-    return Annotated[list[item], Field(fail_fast=True, max_length=max_length)]
-
-
-def _json_brief(value: Any, limit: int = 80) -> str:
-    """``_json`` without serializing a large container (a list or object of any size: its
-    kind and length), so echoing a bad value costs nothing whatever its size."""
-    if isinstance(value, (list, dict)) and len(value) > 8:
-        return f"{'an array' if isinstance(value, list) else 'an object'} of {len(value)} items"
-    return _json(value, limit)
-
-
-def _same(value: Any, accepted: Any) -> bool:
-    """``value`` is ``accepted`` as JSON sees it (``False`` is not ``0``, ``0`` is ``0.0``)."""
-    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
-
-
-class _Strict(BaseModel):
-    """Undeclared fields refused, no coercion of strings to booleans or numbers, and a JSON
-    ``null`` for a field that is not required taken as the field left out."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    _unserved: ClassVar[frozenset[str]] = frozenset()
-    """OpenAI fields of this object that this server does not declare: ``null`` (not given)
-    is dropped, any other value refused as an unsupported field."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_given(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        kept = {k: v for k, v in data.items()
-                if v is not None or (k in fields and fields[k].is_required())
-                or (k not in fields and k not in cls._unserved)}
-        # one undeclared field is refused (the first): not one error per key of a huge object
-        first = next((k for k in kept if k not in fields), None)
-        return {k: v for k, v in kept.items() if k in fields or k == first}
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     """One ``{"type": "text", "text": ...}`` part of a message's content."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """One message; ``developer`` is OpenAI's newer name for ``system``. ``name`` (any role)
     and a tool message's ``tool_call_id`` (the call it answers) reach the chat template as
     given. An assistant's ``tool_calls`` (or ``function_call``) are refused naming the field:
@@ -175,7 +129,7 @@ class ChatMessage(_Strict):
     tool_calls: Any = None
     function_call: Any = None
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | _bounded_list(TextPart, MAX_CONTENT_PARTS)  # type: ignore[valid-type]
+    content: str | bounded_list(TextPart, MAX_CONTENT_PARTS)  # type: ignore[valid-type]
     name: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
     tool_call_id: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
 
@@ -212,7 +166,7 @@ class ChatMessage(_Strict):
         return chat_message(self.role, content, self.name or "", self.tool_call_id or "")
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Fields both endpoints share: sampling, streaming, and kvstrata's extensions."""
 
     _unserved = frozenset({
@@ -225,7 +179,7 @@ class _Sampling(_Strict):
     # said "less than or equal to 2"); the bound is gRPC's too (MAX_REQUEST_TEMPERATURE)
     temperature: float = Field(1.0, ge=0.0, le=MAX_REQUEST_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    stop: str | _bounded_list(str) | None = None  # type: ignore[valid-type]
+    stop: str | bounded_list(str) | None = None  # type: ignore[valid-type]
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # negative: as seed % 2**64
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -240,7 +194,7 @@ class _Sampling(_Strict):
                                       allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's
     logit_bias: dict[int, float] | None = None  # OpenAI's: {"<token id>": bias}, checked by _biases
-    allowed_token_ids: _bounded_list(int) | None = None  # type: ignore[valid-type]  # vLLM's
+    allowed_token_ids: bounded_list(int) | None = None  # type: ignore[valid-type]  # vLLM's
     ignore_eos: bool = False
     response_format: Any = None
     tool_choice: Any = None
@@ -266,16 +220,16 @@ class _Sampling(_Strict):
         [-100, 100], at most ``MAX_LOGIT_BIAS_TOKENS`` of them, counted before any is read."""
         if not isinstance(value, dict):
             # a ValueError, as pydantic reports a validator's (a TypeError is not caught)
-            raise ValueError(f"must be an object mapping token ids to biases, got {_json_brief(value)}")  # noqa: TRY004
+            raise ValueError(f"must be an object mapping token ids to biases, got {json_brief(value)}")  # noqa: TRY004
         if len(value) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"holds {len(value)} token ids; at most {MAX_LOGIT_BIAS_TOKENS} are allowed")
         biases = {}
         for key, bias in value.items():
             if not isinstance(key, str) or _TOKEN_ID_KEY.fullmatch(key) is None:
-                raise ValueError(f"keys must be token ids (non-negative integers, as strings), got {_json(key)}")
+                raise ValueError(f"keys must be token ids (non-negative integers, as strings), got {json_text(key)}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
-                                 f"{_json_brief(bias)} for token id {key}")  # (NaN and infinities fail the range)
+                                 f"{json_brief(bias)} for token id {key}")  # (NaN and infinities fail the range)
             if len(key) > 10 or int(key) > MAX_SAMPLING_TOKEN_ID:
                 raise ValueError(f"token id {key:.20} is past the largest token id, {MAX_SAMPLING_TOKEN_ID}")
             biases[int(key)] = float(bias)
@@ -329,11 +283,11 @@ class _Sampling(_Strict):
         tenant's allowed policies)."""
         for name, accepted in _NO_OP_VALUES.items():
             value = getattr(self, name, None)
-            if value is None or any(_same(value, a) for a in accepted):
+            if value is None or any(same_json(value, a) for a in accepted):
                 continue
             send = " or ".join([json.dumps(a) for a in accepted] + ["null"])
-            what = "not supported" if all(a is False for a in accepted) else f"only {_json(accepted[0])} is supported"
-            raise ValueError(f"{name}: {what} (send {send}, or leave it out), got {_json_brief(value)}")
+            what = "not supported" if all(a is False for a in accepted) else f"only {json_text(accepted[0])} is supported"
+            raise ValueError(f"{name}: {what} (send {send}, or leave it out), got {json_brief(value)}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.n > 1 and self.session_id:
@@ -364,16 +318,10 @@ class _Sampling(_Strict):
                              prefix_tokens=prefix_tokens, prefix_messages=prefix_messages)
 
 
-def _json(value: Any, limit: int = 80) -> str:
-    """``value`` as the client sent it (JSON), cut to ``limit`` characters."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: _bounded_list(ChatMessage, MAX_CHAT_MESSAGES)  # type: ignore[valid-type]
+    messages: bounded_list(ChatMessage, MAX_CHAT_MESSAGES)  # type: ignore[valid-type]
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
     parallel_tool_calls: Any = None
@@ -407,8 +355,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, as text or token ids (a list of one is accepted)."""
 
-    prompt: (str | _bounded_list(int, MAX_PROMPT_TOKEN_IDS)  # type: ignore[valid-type]
-             | _bounded_list(str) | _bounded_list(_bounded_list(int, MAX_PROMPT_TOKEN_IDS)))  # type: ignore[valid-type]
+    prompt: (str | bounded_list(int, MAX_PROMPT_TOKEN_IDS)  # type: ignore[valid-type]
+             | bounded_list(str) | bounded_list(bounded_list(int, MAX_PROMPT_TOKEN_IDS)))  # type: ignore[valid-type]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, gt=0)
     echo: bool = False
     best_of: int = 1
