@@ -291,7 +291,9 @@ def structured_output_to_pb(spec: StructuredOutputSpec) -> inference_pb2.Structu
         return inference_pb2.StructuredOutput(json_object=True)
     if spec.kind == "choice":
         return inference_pb2.StructuredOutput(choice=inference_pb2.ChoiceList(choices=spec.choices))
-    return inference_pb2.StructuredOutput(**{spec.kind: spec.spec})
+    msg = inference_pb2.StructuredOutput()
+    setattr(msg, spec.kind, spec.spec)  # json_schema, regex or grammar: a string member
+    return msg
 
 
 def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:

@@ -184,7 +184,8 @@ def test_errors_in_openai_shape(stack: Stack, client: openai.OpenAI, model: str)
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=ask("hi"), max_tokens=2)
     for kwargs, field in (({"n": 17}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+                           "response_format.json_schema.name"),
                           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model, messages=ask("hi"), max_tokens=2, **kwargs)

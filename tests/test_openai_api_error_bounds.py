@@ -63,9 +63,13 @@ def test_a_huge_bad_body_is_one_400_from_a_handful_of_errors(kind, body, field, 
 
 
 def test_a_huge_no_op_field_is_not_echoed_back() -> None:
-    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": [0] * 500_000})
-    with pytest.raises(ValueError, match=r"^response_format: only .* got an array of 500000 items$"):
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "tool_choice": [0] * 500_000})
+    with pytest.raises(ValueError, match=r"^tool_choice: only .* got an array of 500000 items$"):
         body.to_input(lambda text: [1])
+    with pytest.raises(ValidationError) as info:  # a served field now: its discriminator's message
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": [0] * 500_000})
+    assert json.loads(invalid(info.value).body)["error"]["message"] == \
+        'response_format: type must be "text", "json_object" or "json_schema"'
 
 
 def test_the_largest_valid_bodies_still_validate() -> None:

@@ -25,8 +25,9 @@ COMPLETION = {"model": "m", "prompt": [1, 2, 3]}
 OPTIONAL = ["temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user", "logprobs",
             "top_logprobs", "frequency_penalty", "presence_penalty", "max_tokens", "session_id", "policy",
             "cache_salt", "prompt_cache_key", "priority", "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "min_p",
-            "logit_bias", "allowed_token_ids",
-            "tools", "tool_choice", "response_format"]  # OpenAI's, not served: null only
+            "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
+            "guided_choice", "guided_grammar",
+            "tools", "tool_choice"]  # OpenAI's, not served: null only
 CHAT_ONLY = ["max_completion_tokens", "parallel_tool_calls", "prefix_messages"]
 COMPLETION_ONLY = ["echo", "best_of", "suffix", "prefix_tokens"]
 

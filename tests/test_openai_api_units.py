@@ -185,7 +185,8 @@ def test_values_that_ask_for_what_the_server_does_are_accepted() -> None:
     ({"n": 2, "session_id": "s"}, "n"), ({"top_logprobs": 3}, "top_logprobs"),
     ({"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"), ({"messages": []}, "messages"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),  # two constraints
+    ({"tool_choice": "auto"}, "tool_choice"),
     ({"store": True}, "store"),
 ])
 def test_unsupported_values_name_their_field(body: dict, field: str) -> None:

@@ -84,11 +84,17 @@ def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequ
     """``exc`` with what it is about in ``body``'s terms: a refusal for size as OpenAI's
     ``context_length_exceeded`` naming the field at fault (``CallAborted.about_context``: the
     ``max_tokens`` or ``max_completion_tokens`` the client sent, else "messages" / "prompt"),
-    another 400 naming the field its message starts with (``CallAborted.naming``)."""
+    another 400 naming the field its message starts with (``CallAborted.naming``); the node's
+    refusal of a constraint that does not compile ("structured_output regex does not compile:
+    ...") names the body's field that gave it (``StructuredFields.constraint_field``), first
+    in its message too."""
     sent = [f for f in ("max_completion_tokens", "max_tokens") if f in body.model_fields_set]
     prompt_field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if not exc.about_context(prompt_field, sent[0] if sent else None):
         exc.naming(type(body).model_fields)
+        field = body.constraint_field()
+        if exc.param is None and field is not None and exc.message.startswith("structured_output"):
+            exc.param, exc.message = field, f"{field}: {exc.message}"
     return exc
 
 

@@ -3,8 +3,7 @@
 Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
 (``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
-accepted (``response_format`` ``{"type":
-"text"}``, ``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
+accepted (``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
 accepts them) and any other value is refused naming the field. ``seed`` is any 64-bit integer,
 as OpenAI and vLLM take it; a negative one is used as its two's complement (``seed % 2**64``),
 so each seed names one stream of samples. ``n`` (OpenAI's choices) is an integer in [1,
@@ -34,12 +33,14 @@ completions do not have, is taken as null only). OpenAI's ``logit_bias`` (an obj
 as strings of decimal digits, to biases in [-100, 100]; at most 4,096; any other key is a 400
 naming ``logit_bias``) and vLLM's extra ``allowed_token_ids`` (a non-empty list of at most 4,096
 ids) go to ``SamplingParams`` (every choice of ``n`` > 1 too); the gateway refuses ids past the
-model's vocabulary (400 naming the field).
+model's vocabulary (400 naming the field). Structured outputs (OpenAI's ``response_format``,
+vLLM's ``structured_outputs`` and older ``guided_*`` extras: one constraint a body) become
+``SamplingParams.structured_output`` (``services.openai_api.structured``).
 
 A JSON ``null`` for any field that is not required means "not given", as with OpenAI, vLLM
 and SGLang: the field takes its default (``max_tokens: null`` on ``/v1/completions`` is 16,
 OpenAI's default, not "up to the context limit"); so does ``null`` for an OpenAI field this
-server does not serve (``tools``, ``response_format``, ...: any other value of one is refused
+server does not serve (``tools``, ``functions``, ...: any other value of one is refused
 naming it). Types are strict: no string is read as a boolean or a number (``"stream": "yes"``
 is a 400), nor a number as a boolean, nor a decimal as an integer; a JSON integer is a valid
 float (``"temperature": 1``). Errors name their field; ``app`` turns them into 400s with
@@ -80,6 +81,7 @@ from services.convert import (
 )
 from services.gateway import MAX_ID_CHARS, GenerateInput
 from services.openai_api.strict import Strict, bounded_list, json_brief, json_text, same_json
+from services.openai_api.structured import StructuredFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
@@ -91,7 +93,7 @@ tenant's ``max_streams_per_tenant``."""
 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "best_of": (1,), "suffix": (), "parallel_tool_calls": (),
-    "response_format": ({"type": "text"},), "tool_choice": ("none",), "store": (False,),
+    "tool_choice": ("none",), "store": (False,),
 }
 """OpenAI fields accepted at these values only (what the request gets anyway), and at null."""
 
@@ -166,8 +168,9 @@ class ChatMessage(Strict):
         return chat_message(self.role, content, self.name or "", self.tool_call_id or "")
 
 
-class _Sampling(Strict):
-    """Fields both endpoints share: sampling, streaming, and kvstrata's extensions."""
+class _Sampling(StructuredFields):
+    """Fields both endpoints share: sampling, streaming, structured outputs (declared by
+    ``StructuredFields``), and kvstrata's extensions."""
 
     _unserved = frozenset({
         "tools", "functions", "function_call", "service_tier",
@@ -196,7 +199,6 @@ class _Sampling(Strict):
     logit_bias: dict[int, float] | None = None  # OpenAI's: {"<token id>": bias}, checked by _biases
     allowed_token_ids: bounded_list(int) | None = None  # type: ignore[valid-type]  # vLLM's
     ignore_eos: bool = False
-    response_format: Any = None
     tool_choice: Any = None
     store: Any = None
     # kvstrata extensions
@@ -311,7 +313,8 @@ class _Sampling(Strict):
                                   frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
                                   logprobs=self.asked_logprobs(), min_p=self.min_p,
-                                  logit_bias=tuple((self.logit_bias or {}).items()), allowed_token_ids=self.allowed_token_ids)
+                                  logit_bias=tuple((self.logit_bias or {}).items()), allowed_token_ids=self.allowed_token_ids,
+                                  structured_output=self.structured_output())
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,

@@ -48,7 +48,7 @@ class Strict(BaseModel):
     def _null_is_not_given(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
+        fields = {field.alias or name: field for name, field in cls.model_fields.items()}  # as the client names them
         kept = {k: v for k, v in data.items()
                 if v is not None or (k in fields and fields[k].is_required())
                 or (k not in fields and k not in cls._unserved)}
