@@ -115,3 +115,36 @@ def test_a_copied_checkpoint_with_its_identity_file_is_hashed_anew(tmp_path: Pat
     shutil.copytree(path, copy)  # copy2: sizes and mtimes kept, identity file included
     _rewrite_in_place_keeping_mtime(copy / "model.safetensors")
     assert model_identity(copy) != first
+
+
+def test_kv_of_another_kv_code_version_is_never_served(tmp_path: Path, monkeypatch) -> None:
+    """Regression (review 27b O1): how KV is computed keyed nothing, so spill files written by
+    an older kvstrata (same weights, dtype, shape) would be served after an upgrade that
+    changed, say, the RoPE convention. ``KV_CODE_VERSION`` is in ``kv_format``: a node of
+    another version gets no hit from the old files (they are skipped as another format), while
+    a restart at the same version is served all 12 blocks."""
+    from cache_node import kv_pool
+
+    lm = tiny_llama(seed=3)
+    spill_dir = tmp_path / "spill"
+    block_format = BlockFormat(*tiered(lm).spill_block_spec())
+    assert block_format.kv_format.startswith(f"kv{kv_pool.KV_CODE_VERSION}/")
+    store = SpillStore(spill_dir, block_format, 0, 1 << 30, max_blocks_per_file=4)
+    eng = tiered(lm, spill=store)
+    cold = run(eng, P)
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    assert store.stats()["blocks_spill_disk"] == 12
+
+    same = SpillStore(spill_dir, block_format, 0, 1 << 30, max_blocks_per_file=4)  # a restart
+    assert run(tiered(lm, spill=same), P).num_cached_tokens_by_tier == by_tier(spill_disk=192)
+
+    monkeypatch.setattr(kv_pool, "KV_CODE_VERSION", kv_pool.KV_CODE_VERSION + 1)
+    newer = tiered(lm)
+    new_format = BlockFormat(*newer.spill_block_spec())
+    assert new_format.kv_format != block_format.kv_format
+    upgraded = SpillStore(spill_dir, new_format, 0, 1 << 30, max_blocks_per_file=4)
+    assert upgraded.stats()["blocks_spill_disk"] == 0  # the old files are another format
+    out = run(tiered(lm, spill=upgraded), P)
+    assert out.num_cached_tokens_by_tier == by_tier()
+    assert out.output_token_ids == cold.output_token_ids
