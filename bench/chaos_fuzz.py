@@ -90,6 +90,21 @@ def _repeated(field: FD, depth: int) -> st.SearchStrategy[list[Any]]:
     return st.one_of(small, st.tuples(element, st.integers(0, most)).map(lambda t: [t[0]] * t[1]))
 
 
+def _is_map(field: FD) -> bool:
+    return field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+def _map(field: FD, depth: int) -> st.SearchStrategy[dict[Any, Any]]:
+    """A map field (``map<K, V>``, e.g. ``SamplingParams.logit_bias``): small dicts of any keys
+    and values anywhere; in the top-level message also one with many distinct integer keys."""
+    key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+    small = st.dictionaries(_scalar(key, depth + 1), _value(value, depth + 1), max_size=8)
+    if depth > 0 or key.type not in _INTS or value.type == FD.TYPE_MESSAGE:
+        return small
+    many = st.tuples(_scalar(value, depth + 1), st.integers(0, 20_000)).map(lambda t: dict.fromkeys(range(t[1]), t[0]))
+    return st.one_of(small, many)
+
+
 def _value(field: FD, depth: int) -> st.SearchStrategy[Any]:
     if field.type == FD.TYPE_MESSAGE:
         return message_strategy(field.message_type._concrete_class, depth + 1)
@@ -97,7 +112,14 @@ def _value(field: FD, depth: int) -> st.SearchStrategy[Any]:
 
 
 def _assign(msg: Any, field: FD, value: Any) -> None:
-    if _is_repeated(field):
+    if _is_map(field):
+        target = getattr(msg, field.name)
+        for k, v in value.items():
+            if field.message_type.fields_by_name["value"].type == FD.TYPE_MESSAGE:
+                target[k].CopyFrom(v)
+            else:
+                target[k] = v
+    elif _is_repeated(field):
         target = getattr(msg, field.name)
         if field.type == FD.TYPE_MESSAGE:
             for item in value:
@@ -121,7 +143,8 @@ def message_strategy(cls: type, depth: int = 0) -> st.SearchStrategy[Any]:
         for field in cls.DESCRIPTOR.fields:
             if field.containing_oneof is not None or not draw(st.booleans()):
                 continue
-            strat = _repeated(field, depth) if _is_repeated(field) else _value(field, depth)
+            strat = (_map(field, depth) if _is_map(field) else _repeated(field, depth) if _is_repeated(field)
+                     else _value(field, depth))
             _assign(msg, field, draw(strat))
         for oneof in cls.DESCRIPTOR.oneofs:
             field = draw(st.sampled_from([None, *oneof.fields]))
