@@ -85,6 +85,15 @@ class EngineConfig:
             kernels (``cache_node.kernels.fused_ops``), patched into the engine's model instance
             only (``cache_node.fused_layers``); False, CPU, the torch backend or another model
             family: transformers' stock modules.
+        grammar_compile_timeout_s: wall-clock limit of one structured-output grammar compile
+            (in a compiler process, killed past it; its request is refused naming this limit).
+        grammar_compile_workers: compiler processes (each ~270 MiB resident, started on first use).
+        grammar_compile_queue_per_tenant: most grammar compiles one tenant may have queued or
+            running on the node; past it a structured request is refused (retryable).
+        grammar_cache_bytes: most bytes of compiled grammars kept (also at most 256 of them).
+        grammar_worker_memory_bytes: what a compiler process's compiles may allocate past its
+            import (its ``RLIMIT_DATA`` headroom; 0: no cap).
+        (``cache_node.grammars.CompileLimits``.)
 
     ``resolved()`` gives the concrete device, dtype and backend; the engine runs on that.
     """
@@ -102,6 +111,11 @@ class EngineConfig:
     cache_namespace_default: str = "default"
     scheduling_policy: str = "fcfs"
     fused_kernels: bool = True
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_workers: int = 2
+    grammar_compile_queue_per_tenant: int = 8
+    grammar_cache_bytes: int = 256 << 20
+    grammar_worker_memory_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -117,12 +131,24 @@ class EngineConfig:
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         check_device_name(self.device)
+        self._check_grammar_limits()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                              f"{self.attention_backend!r}")
         from cache_node.scheduling import check_policy_name
 
         check_policy_name(self.scheduling_policy)
+
+    def _check_grammar_limits(self) -> None:
+        if not 0 < self.grammar_compile_timeout_s <= 3600:
+            raise ValueError(f"grammar_compile_timeout_s must be in (0, 3600], got {self.grammar_compile_timeout_s}")
+        if not 1 <= self.grammar_compile_workers <= 64:
+            raise ValueError(f"grammar_compile_workers must be in [1, 64], got {self.grammar_compile_workers}")
+        if self.grammar_compile_queue_per_tenant < 1:
+            raise ValueError("grammar_compile_queue_per_tenant must be >= 1, got "
+                             f"{self.grammar_compile_queue_per_tenant}")
+        if self.grammar_cache_bytes < 0 or self.grammar_worker_memory_bytes < 0:
+            raise ValueError("grammar_cache_bytes and grammar_worker_memory_bytes must be >= 0")
 
     def resolved(self) -> EngineConfig:
         """This config with ``device`` concrete ("cpu" or "cuda:N"), ``dtype`` a dtype name and

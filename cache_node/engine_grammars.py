@@ -1,14 +1,17 @@
 """``LLMEngine``'s structured outputs: a request's grammar from arrival to its last token.
 
 - ``add_request``: a request with ``SamplingParams.structured_output`` gets a
-  ``GrammarState`` whose compilation starts on ``Grammars``' workers; it is queued, but the
-  scheduler passes it over (it holds no KV) until its matcher exists. A node whose
-  structured outputs are off (no tokenizer, or xgrammar not installed) refuses it at once
-  (``InvalidRequestError`` naming ``structured_output``).
+  ``GrammarState`` whose compilation is queued for its tenant (``seq.tenant``, else its cache
+  namespace) on ``Grammars``' compiler processes; it is queued, but the scheduler passes it
+  over (it holds no KV) until its matcher exists. A node whose structured outputs are off (no
+  tokenizer, or xgrammar not installed) refuses it at once (``InvalidRequestError`` naming
+  ``structured_output``), as it does one whose tenant has ``grammar_compile_queue_per_tenant``
+  compiles pending (``GrammarQueueFull``, a retryable refusal).
 - each step, first: the compilations that ended are polled (``_poll_grammars``); one that
-  failed finishes its request "rejected" with the compiler's message (``RequestOutput.error``:
-  the node answers INVALID_ARGUMENT), with nothing held. An abort while it compiles finishes it
-  like any waiting request; the compilation ends on its worker and stays cached.
+  failed (the compiler's message, or past ``grammar_compile_timeout_s``) finishes its request
+  "rejected" with that message (``RequestOutput.error``: the node answers INVALID_ARGUMENT),
+  with nothing held. An abort while it compiles finishes it like any waiting request; the
+  compilation ends on its process and stays cached.
 - before the draw (``_constrain``): the constrained rows' logits are masked to their grammars
   (``grammars.constrain``). A row left with nothing to draw (every token -inf: the grammar
   allows none of what ``min_tokens`` and ``allowed_token_ids`` leave) is never drawn (a NaN
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cache_node.grammars import Grammars, GrammarState, constrain
+from cache_node.grammars import CompileLimits, Grammars, GrammarState, constrain
 from cache_node.outputs import InvalidRequestError, RequestOutput
 from cache_node.sequence import Sequence
 
@@ -56,13 +59,29 @@ class EngineGrammarsMixin:
         """Serve ``structured_output`` requests with ``tokenizer``'s vocabulary (the cache node
         calls it with the model's tokenizer). False, with ``grammars_off`` saying why, when
         xgrammar is not installed."""
-        made = Grammars.create(tokenizer, self.vocab_size, self.eos_token_ids, self.config.max_num_seqs)
+        cfg = self.config
+        limits = CompileLimits(timeout_s=cfg.grammar_compile_timeout_s, workers=cfg.grammar_compile_workers,
+                               queue_per_tenant=cfg.grammar_compile_queue_per_tenant,
+                               cache_bytes=cfg.grammar_cache_bytes, worker_memory_bytes=cfg.grammar_worker_memory_bytes)
+        made = Grammars.create(tokenizer, self.vocab_size, self.eos_token_ids, cfg.max_num_seqs, limits)
         if isinstance(made, str):
             self.grammars_off = made
             log.warning("%s", made)
             return False
+        if self.grammars is not None:
+            self.grammars.close()
         self.grammars = made
         return True
+
+    def close_structured_output(self: LLMEngine) -> None:
+        """Stop the grammar compiler processes (waiting compiles fail, running ones are killed,
+        every process reaped); structured requests are refused from then on. Also done when the
+        engine is collected and at interpreter exit; a killed node's processes end with it
+        (``cache_node.grammar_worker``)."""
+        if self.grammars is not None:
+            self.grammars.close()
+        self.grammars = None
+        self.grammars_off = "this cache node's structured outputs were closed"
 
     def _attach_grammar(self: LLMEngine, seq: Sequence) -> None:
         """Start compiling ``seq``'s grammar (add_request; ``InvalidRequestError`` when off)."""
@@ -71,7 +90,7 @@ class EngineGrammarsMixin:
             return
         if self.grammars is None:
             raise InvalidRequestError(f"structured_output: {self.grammars_off}")
-        seq.grammar = GrammarState(self.grammars, spec)
+        seq.grammar = GrammarState(self.grammars, spec, seq.tenant or seq.cache_namespace)
 
     def _poll_grammars(self: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Step start: forget finished requests' compilations, refuse those that failed."""

@@ -1,14 +1,24 @@
 """Grammar-constrained decoding (structured outputs) with xgrammar.
 
 A request with ``SamplingParams.structured_output`` gets a ``GrammarState``: its grammar is
-compiled by ``Grammars`` on a small worker pool, off the step loop (compiled grammars are
-cached by (kind, spec), least recently used first out); the request waits in the queue,
-holding no KV, until the compilation ends (``GrammarState.ready``); one that fails to compile
-is refused (the engine finishes it "rejected" with the compiler's message). Each step, for the
-rows that have a matcher only, ``constrain`` fills their rows of one host bitmask (xgrammar's
-``fill_next_token_bitmask``), copies it to the logits' device and sets every token the grammar
-does not allow to -inf there (``apply_token_bitmask_inplace``); after the draw ``accept`` feeds
-each constrained row its token. A step with no constrained row does nothing of this.
+compiled by ``Grammars``, off the step loop and out of the node's process; the request waits
+in the queue, holding no KV, until the compilation ends (``GrammarState.ready``); one that
+fails is refused (the engine finishes it "rejected" with the message: the compiler's, or the
+time limit's). Each step, for the rows that have a matcher only, ``constrain`` fills their rows
+of one host bitmask (xgrammar's ``fill_next_token_bitmask``), copies it to the logits' device
+and sets every token the grammar does not allow to -inf there (``apply_token_bitmask_inplace``);
+after the draw ``accept`` feeds each constrained row its token. A step with no constrained row
+does nothing of this.
+
+Compilation (a spec's cost is its sender's to choose: a JSON schema pattern ``(x|y){1,3000}``
+takes 3-5 s, and a 64 KiB spec holds dozens of those): ``CompileLimits.workers`` compiler
+processes (``cache_node.grammar_process``, started on first use and kept), each compile at most
+``timeout_s`` (past it its process is killed, the request refused naming the limit, and a fresh
+process started), each process's compiles capped at ``worker_memory_bytes``; waiting compiles
+are queued per tenant and served round-robin, one running per tenant
+(``cache_node.grammar_queue``), at most ``queue_per_tenant`` pending per tenant (past it
+``GrammarQueueFull``). Compiled grammars are cached by (kind, spec), bounded by entries and
+bytes; a spec that failed is refused at once for ``FAILED_SPEC_TTL_S`` (``cache_node.grammar_cache``).
 
 The order of the logits steps is vLLM V1's: the grammar mask is applied to the model's logits
 before the sampler (``vllm.v1.worker.gpu_model_runner``), so its log probabilities
@@ -26,27 +36,55 @@ tokens are precomputed per state, leaving few tokens to check at runtime.
 from __future__ import annotations
 
 import json
-import re
+import logging
 import threading
-from collections import OrderedDict
+import time
+import weakref
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from cache_node.grammar_cache import GrammarCache, Key
+from cache_node.grammar_process import CompilerDied, CompilerProcess, CompileTimeout
+from cache_node.grammar_queue import FairCompileQueue
+from cache_node.outputs import GrammarQueueFull
 from cache_node.structured_output import StructuredOutputSpec
 
-COMPILE_WORKERS = 2
-"""Threads compiling grammars (xgrammar's compiler releases the GIL while it works)."""
-
 GRAMMAR_CACHE_ENTRIES = 256
-"""Most compiled grammars kept (by (kind, spec)); a JSON schema's is a few hundred KiB at most."""
+"""Most compiled grammars kept (by (kind, spec)); their bytes are bounded by
+``CompileLimits.cache_bytes`` too."""
+
+FAILED_SPEC_TTL_S = 60.0
+"""How long a spec whose compile failed (did not compile, ran past the time limit, killed its
+compiler) is refused at once, without compiling it again."""
 
 XGRAMMAR_VERSION = "0.2.9"
 
-_LOG_PREFIX = re.compile(r"^(\[[\d:]+\] )?\S+\.cc:\d+: ")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """What compiling grammars may cost the node (``EngineConfig``'s ``grammar_*`` fields).
+
+    Attributes:
+        timeout_s: wall-clock limit of one compile (its process is killed past it).
+        workers: compiler processes (each ~270 MiB resident: xgrammar imports torch).
+        queue_per_tenant: most compiles one tenant may have queued or running.
+        cache_bytes: most bytes of compiled grammars kept (``grammar_cache.grammar_bytes``).
+        worker_memory_bytes: what one process's compiles may allocate past its import
+            (``RLIMIT_DATA`` headroom; 0: no cap).
+    """
+
+    timeout_s: float = 10.0
+    workers: int = 2
+    queue_per_tenant: int = 8
+    cache_bytes: int = 256 << 20
+    worker_memory_bytes: int = 2 << 30
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -56,8 +94,24 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
 
 
+def compile_request(spec: StructuredOutputSpec) -> tuple[str, str]:
+    """What a compiler process is asked for ``spec``: ``(method, text)`` (``grammar_worker.METHODS``)."""
+    if spec.kind == "json_object":
+        return "builtin_json", ""
+    if spec.kind == "choice":
+        return "grammar", choice_grammar(spec.choices)
+    return {"json_schema": "json_schema", "regex": "regex"}.get(spec.kind, "grammar"), spec.spec
+
+
+@dataclass
+class _Job:
+    key: Key
+    spec: StructuredOutputSpec
+    future: Future[Any]
+
+
 class Grammars:
-    """Compiles specs to xgrammar grammars off the step loop, and keeps the compiled ones.
+    """Compiles specs to xgrammar grammars in compiler processes, and keeps the compiled ones.
 
     Args:
         xgr: the ``xgrammar`` module.
@@ -65,87 +119,245 @@ class Grammars:
         vocab_size: the model's logits width (``config.vocab_size``, padding included).
         stop_token_ids: the tokens that end a grammar's output (the engine's EOS ids).
         max_num_seqs: most rows a step samples (the host bitmask's rows).
+        limits: time, memory, fairness and cache bounds of compiling.
     """
 
     def __init__(self, xgr: Any, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int],
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, limits: CompileLimits | None = None) -> None:
         self.xgr = xgr
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.limits = limits or CompileLimits()
         self._tokenizer = tokenizer
-        self._compiler: Any = None  # built on the first compilation (0.1 s: a worker pays it)
+        self._info: Any = None  # TokenizerInfo, built by the first compile (0.5-0.8 s)
+        self._info_json = ""  # its serialize_json(), sent to each process started
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._info_lock = threading.Lock()
+        self._cache = GrammarCache(GRAMMAR_CACHE_ENTRIES, self.limits.cache_bytes, FAILED_SPEC_TTL_S)
+        self._compiling: dict[Key, Future[Any]] = {}
+        self._queue: FairCompileQueue[_Job] = FairCompileQueue(self.limits.queue_per_tenant)
+        self.processes: list[CompilerProcess | None] = [None] * self.limits.workers
+        # the threads hold the queue and the processes, not ``self``: a ``Grammars`` no longer
+        # referenced (its engine dropped) is collected, and its finalizer stops them
+        self._threads = [threading.Thread(target=_serve, args=(weakref.ref(self), self._queue, self.processes, i),
+                                          name=f"grammar-compile-{i}", daemon=True)
+                         for i in range(self.limits.workers)]
+        for thread in self._threads:
+            thread.start()
+        # close(), garbage collection or interpreter exit: no compiler process is left behind
+        self._finalizer = weakref.finalize(self, _stop, self._queue, self.processes, self._threads)
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)  # (rows, ceil(V / 32)) int32, host
         self.num_compiled = 0
+        self.num_timeouts = 0  # compiles killed at the time limit
+        self.num_compiler_deaths = 0  # compiler processes that ended mid-compile (memory cap, crash)
 
     @classmethod
     def create(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int],
-               max_num_seqs: int) -> Grammars | str:
+               max_num_seqs: int, limits: CompileLimits | None = None) -> Grammars | str:
         """``Grammars`` for this tokenizer, or why there cannot be (xgrammar missing)."""
         try:
             import xgrammar
         except ImportError as exc:
             return (f"this cache node cannot constrain output: the xgrammar library is not installed ({exc}); "
                     f"pip install xgrammar=={XGRAMMAR_VERSION}")
-        return cls(xgrammar, tokenizer, vocab_size, stop_token_ids, max_num_seqs)
+        return cls(xgrammar, tokenizer, vocab_size, stop_token_ids, max_num_seqs, limits)
 
-    def compile(self, spec: StructuredOutputSpec) -> Future[Any]:
-        """The compiled grammar of ``spec`` (a future: a cached one, or one queued on the
-        workers). A failed compilation's future holds a ValueError naming ``structured_output``
-        and is not kept."""
+    def compile(self, spec: StructuredOutputSpec, tenant: str = "") -> Future[Any]:
+        """The compiled grammar of ``spec`` (a future: a cached one, one compiling, or one
+        queued for ``tenant``). A failed compile's future holds a ValueError naming
+        ``structured_output``; the same spec is then refused at once for ``FAILED_SPEC_TTL_S``.
+
+        Raises:
+            GrammarQueueFull: ``tenant`` has ``queue_per_tenant`` compiles pending.
+        """
         key = (spec.kind, spec.spec)
         with self._lock:
-            fut = self._cache.get(key)
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                return _resolved(compiled)
+            failed = self._cache.failed(key, time.monotonic())
+            if failed is not None:
+                return _resolved(error=ValueError(
+                    f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
+            fut = self._compiling.get(key)
             if fut is not None:
-                self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, spec)
-            self._cache[key] = fut
-            while len(self._cache) > GRAMMAR_CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        fut.add_done_callback(lambda f: f.exception() is not None and self._forget(key, f))
-        return fut
+            if self._queue.closed:
+                return _resolved(error=ValueError("structured_output: the cache node is shutting down"))
+            fut = Future()
+            if not self._queue.put(tenant, _Job(key, spec, fut)):
+                raise GrammarQueueFull(
+                    f"structured_output: this tenant already has {self.limits.queue_per_tenant} grammars compiling "
+                    f"or queued on this cache node (grammar_compile_queue_per_tenant); retry when they finish")
+            self._compiling[key] = fut
+            return fut
 
-    def _forget(self, key: tuple[str, str], fut: Future[Any]) -> None:
-        with self._lock:
-            if self._cache.get(key) is fut:
-                del self._cache[key]
-
-    def _compile(self, spec: StructuredOutputSpec) -> Any:
-        compiler = self._get_compiler()
+    def _run(self, slot: int, job: _Job) -> bool:
+        """Compile ``job`` on process ``slot`` (started if need be) and finish its future.
+        True when the process was killed (the caller starts another once the tenant's turn is
+        given back: a restart's import is no compile of that tenant)."""
+        kind = job.spec.kind
         try:
-            if spec.kind == "json_object":
-                out = compiler.compile_builtin_json_grammar()
-            elif spec.kind == "json_schema":
-                out = compiler.compile_json_schema(spec.spec)
-            elif spec.kind == "regex":
-                out = compiler.compile_regex(spec.spec)
-            elif spec.kind == "choice":
-                out = compiler.compile_grammar(choice_grammar(spec.choices))
-            else:
-                out = compiler.compile_grammar(spec.spec)
-        except (RuntimeError, ValueError, TypeError) as exc:  # its parse errors are RuntimeErrors
-            detail = _LOG_PREFIX.sub("", str(exc).strip())  # "[03:41:03] /project/cpp/x.cc:94: "
-            raise ValueError(f"structured_output {spec.kind} does not compile: {detail[:300]}") from None
+            process = self._process(slot)
+            if process.pid is None:
+                process.start()
+        except CompilerDied as exc:
+            log.error("grammar compiler %d could not start: %s", slot, exc)
+            self._finish(job, error=f"structured_output: this cache node's grammar compiler could not start ({exc})")
+            return False
+        try:
+            ok, text = process.compile(*compile_request(job.spec), self.limits.timeout_s)
+        except CompileTimeout:
+            self.num_timeouts += 1
+            self._finish(job, failed=(
+                f"structured_output {kind}: its grammar did not compile within the cache node's limit of "
+                f"{self.limits.timeout_s:g} s (grammar_compile_timeout_s); simplify it (fewer or smaller "
+                "repetition counts, patterns and alternatives)"))
+            return True
+        except CompilerDied as exc:
+            if self._queue.closed:  # ``close`` killed it
+                self._finish(job, error="structured_output: the cache node is shutting down")
+                return False
+            self.num_compiler_deaths += 1
+            self._finish(job, failed=(
+                f"structured_output {kind}: its grammar compiler failed on it ({exc}); a compile may use at most "
+                f"{self.limits.worker_memory_bytes} bytes of memory (grammar_worker_memory_bytes)"))
+            return True
+        if not ok and "bad_alloc" in text:  # the memory cap; the process is replaced to be safe
+            self._finish(job, failed=(
+                f"structured_output {kind}: its grammar needs more memory to compile than the cache node allows "
+                f"({self.limits.worker_memory_bytes} bytes, grammar_worker_memory_bytes)"))
+            process.kill()
+            return True
+        if not ok:
+            self._finish(job, failed=f"structured_output {kind} does not compile: {text[:300]}")
+            return False
+        try:
+            compiled = self.xgr.CompiledGrammar.deserialize_json(text, self._info)
+        except Exception as exc:  # noqa: BLE001 - the process's bytes are untrusted like any other
+            log.error("grammar compiler %d sent a grammar that does not load: %s", slot, exc)
+            self._finish(job, error="structured_output: the compiled grammar could not be loaded")
+            process.kill()
+            return True
         self.num_compiled += 1
-        return out
+        self._finish(job, compiled=compiled)
+        return False
 
-    def _get_compiler(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                info = self.xgr.TokenizerInfo.from_huggingface(
+    def _process(self, slot: int) -> CompilerProcess:
+        """Slot ``slot``'s compiler process handle (the tokenizer's info built on first use)."""
+        with self._info_lock:  # not ``_lock``: ``compile`` (the step thread) never waits for this
+            if self._info is None:
+                self._info = self.xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-                # our own cache bounds what is kept; xgrammar's would keep every grammar
-                self._compiler = self.xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+                self._info_json = self._info.serialize_json()
+        process = self.processes[slot]
+        if process is None:
+            process = self.processes[slot] = CompilerProcess(self._info_json, self.limits.worker_memory_bytes)
+        return process
+
+    def _warm(self, slot: int) -> None:
+        """Start ``slot``'s process ahead of its first compile (a failure is left to that compile)."""
+        try:
+            self._process(slot).start()
+        except CompilerDied as exc:
+            if not self._queue.closed:
+                log.error("grammar compiler %d could not start: %s", slot, exc)
+
+    def _restart(self, slot: int) -> None:
+        """Start ``slot``'s process again at once (it was killed), so that the next compile
+        does not wait for the import; a failed start is left to the next compile."""
+        process = self.processes[slot]
+        if self._queue.closed or process is None or process.pid is not None:
+            return
+        try:
+            process.start()
+        except CompilerDied as exc:
+            if not self._queue.closed:  # (else ``close`` killed it)
+                log.error("grammar compiler %d could not restart: %s", slot, exc)
+
+    def _finish(self, job: _Job, compiled: Any = None, failed: str | None = None, error: str | None = None) -> None:
+        """End ``job``: its grammar kept (``compiled``), or its spec remembered as failed
+        (``failed``: the spec's fault) or not (``error``: the node's)."""
+        with self._lock:
+            if self._compiling.get(job.key) is job.future:
+                del self._compiling[job.key]
+            if compiled is not None:
+                self._cache.put(job.key, compiled)
+            elif failed is not None:
+                self._cache.put_failed(job.key, failed, time.monotonic())
+        if compiled is not None:
+            job.future.set_result(compiled)
+        else:
+            job.future.set_exception(ValueError(failed or error))
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop compiling: queued compiles fail, running ones' processes are killed, and every
+        compiler process is reaped (within ``STOP_TIMEOUT_S``). Idempotent; also run when this
+        object is collected and at interpreter exit."""
+        self._finalizer()
+
+
+STOP_TIMEOUT_S = 5.0
+"""Longest ``Grammars.close`` waits for its compile threads to reap their processes."""
+
+
+def _serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
+           slot: int) -> None:
+    """Compile thread ``slot``: start its process when the first compile is queued (every
+    slot then, so that no request after the first waits for an import), run the queue's jobs
+    on it until the queue closes, then reap it."""
+    if queue.wait_used():
+        grammars = ref()
+        if grammars is not None:
+            grammars._warm(slot)
+        del grammars
+    while (taken := queue.take()) is not None:
+        tenant, job = taken
+        grammars = ref()
+        killed = False
+        try:
+            if grammars is None:
+                job.future.set_exception(ValueError("structured_output: the cache node is shutting down"))
+            else:
+                killed = grammars._run(slot, job)
+        except Exception as exc:  # a bug here must not stop the thread nor strand the request
+            log.exception("grammar compile thread %d", slot)
+            if grammars is not None:
+                grammars._finish(job, error=f"structured_output: the grammar compiler failed ({type(exc).__name__})")
+        finally:
+            queue.done(tenant)
+        if killed and grammars is not None:
+            grammars._restart(slot)
+        del grammars
+    process = processes[slot]
+    if process is not None:
+        process.kill()
+
+
+def _stop(queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
+          threads: list[threading.Thread]) -> None:
+    """``Grammars.close``: fail the queued compiles, kill the running ones, reap every process."""
+    for job in queue.close():
+        job.future.set_exception(ValueError("structured_output: the cache node is shutting down"))
+    for process in processes:
+        if process is not None:
+            process.signal_kill()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _resolved(result: Any = None, error: BaseException | None = None) -> Future[Any]:
+    fut: Future[Any] = Future()
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+    return fut
 
 
 class GrammarState:
@@ -153,9 +365,10 @@ class GrammarState:
     every output token so far; fed each token once, when it is appended to the output, so a
     preempted request, recomputed or swapped, continues from the same state)."""
 
-    def __init__(self, grammars: Grammars, spec: StructuredOutputSpec) -> None:
+    def __init__(self, grammars: Grammars, spec: StructuredOutputSpec, tenant: str = "") -> None:
+        """Raises ``GrammarQueueFull`` (``Grammars.compile``)."""
         self.grammars = grammars
-        self.future = grammars.compile(spec)
+        self.future = grammars.compile(spec, tenant)
         self.matcher: Any = None
         self.error: str | None = None
 

@@ -65,6 +65,13 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses (bad prompt, sampling or limits); nothing was allocated."""
 
 
+class GrammarQueueFull(InvalidRequestError):
+    """A structured-output request whose tenant already has ``grammar_compile_queue_per_tenant``
+    grammars compiling or queued on this node (``cache_node.grammars``): refused before anything
+    is held; the same request sent after those compiles end is taken. (An ``InvalidRequestError``,
+    so a node that does not tell it apart still refuses it with its message.)"""
+
+
 class SessionBusy(Exception):
     """A turn reaches its session while another turn of it is running (``SessionTable.attach``):
     a transient conflict (the node answers ABORTED, HTTP 409), which the same turn sent after

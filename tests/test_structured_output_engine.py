@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from typing import Any
 
 import pytest
 
 from cache_node.engine import LLMEngine
-from cache_node.grammars import Grammars
+from cache_node.grammar_process import CompilerProcess
 from cache_node.outputs import InvalidRequestError, RequestOutput
 from cache_node.sampling_params import SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
@@ -44,12 +45,14 @@ def _prompt(lm: Any, text: str) -> list[int]:
 def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, RequestOutput]:
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     final: dict[str, RequestOutput] = {}
-    for _ in range(2000):
-        for out in eng.step():
+    deadline = time.monotonic() + 300  # a first grammar waits for its compiler process to start (~2-10 s)
+    while len(final) < len(ids) and time.monotonic() < deadline:
+        outs = eng.step()
+        for out in outs:
             if out.finished:
                 final[out.request_id] = out
-        if len(final) == len(ids):
-            break
+        if not outs:
+            time.sleep(0.002)  # waiting for a compile: leave the CPU to the compiler
     return {i: final[i] for i in ids}
 
 
@@ -128,19 +131,19 @@ def test_a_grammar_that_does_not_compile_refuses_its_request_alone(real_model) -
 
 
 def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, monkeypatch) -> None:
-    """The compilation is held on its worker: the request waits unscheduled with no blocks; an
+    """The compilation is held on its compiler: the request waits unscheduled with no blocks; an
     abort finishes it "abort"; the engine then holds nothing, and the late compilation is cached
     for the next request."""
     lm = real_model
     eng = _engine(lm)
     gate = threading.Event()
-    compile_ = Grammars._compile
+    compile_ = CompilerProcess.compile
 
-    def held(self: Grammars, spec: StructuredOutputSpec) -> object:
+    def held(self: CompilerProcess, method: str, text: str, timeout_s: float) -> tuple[bool, str]:
         gate.wait(30)
-        return compile_(self, spec)
+        return compile_(self, method, text, timeout_s)
 
-    monkeypatch.setattr(Grammars, "_compile", held)
+    monkeypatch.setattr(CompilerProcess, "compile", held)
     free_before = eng.kv_manager.pool.num_free_blocks()
     rid = eng.add_request(_prompt(lm, "Hi"), SamplingParams(max_tokens=8, structured_output=_spec("regex", "[a-z]+")))
     for _ in range(3):
@@ -155,6 +158,8 @@ def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, 
     assert eng.kv_manager.pool.num_free_blocks() == free_before
     gate.set()
     assert eng.step() == []
+    compiled = eng.grammars.compile(_spec("regex", "[a-z]+")).result(timeout=60)  # the late compilation
+    assert eng.grammars.compile(_spec("regex", "[a-z]+")).result() is compiled  # kept
 
 
 def test_a_node_without_the_grammar_library_refuses_structured_requests_naming_the_field(real_model) -> None:
@@ -200,6 +205,7 @@ def test_preempted_constrained_request_keeps_its_grammar_state(real_model) -> No
     blocks = -(-(max(len(prompt), len(other_prompt)) + 40) // 16)  # each fits alone, not both
     tight = _engine(lm, kv_pool_bytes=blocks * roomy_engine.pool.bytes_per_block)
     other = SamplingParams(max_tokens=40, ignore_eos=True)
+    tight.grammars.compile(params.structured_output).result(timeout=300)  # cached: both start at once
     other_out, out = _run(tight, [other_prompt, prompt], [other, params]).values()  # newest: preempted first
     assert out.num_preemptions >= 1 and other_out.finish_reason == "length"
     assert out.output_token_ids == roomy.output_token_ids and out.finish_reason == "stop"

@@ -1,0 +1,194 @@
+"""One grammar-compiler process, seen from the cache node (``cache_node.grammar_worker`` is
+the child's side and the wire).
+
+``CompilerProcess.compile`` sends one (method, text) and waits for the reply at most its time
+limit; past it the process is killed (a compile cannot be interrupted any other way) and
+``CompileTimeout`` raised; a process that ends mid-compile (its memory cap, a crash) raises
+``CompilerDied``. The next ``compile`` starts a fresh process (``start``: ~6-10 s, the
+xgrammar import; not counted in any compile's limit). Replies are untrusted bytes: a frame
+over ``MAX_REPLY_BYTES`` or of another shape kills the process (``CompilerDied``).
+
+The child is started with ``subprocess`` (a fork followed by exec: nothing of the node's
+threads or CUDA state is copied), never ``os.fork`` of the node; it ends with its parent
+(``grammar_worker._die_with_parent``) and with ``kill``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
+from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
+
+MAX_REPLY_BYTES = 64 << 20
+"""Largest reply frame read (a compiled grammar's JSON: 25 KB for a small schema, 2.2 MB for
+the regex ``[a-z]{5000}``); a larger one fails its compile."""
+
+START_TIMEOUT_S = 120.0
+"""Longest wait for a new process to say it is ready (its import takes ~6-10 s here)."""
+
+_REPLY_BOUNDS = UnpackBounds(max_array_len=2, max_map_len=0, max_str_len=MAX_REPLY_BYTES, max_bin_len=0,
+                             max_containers=1, max_elements=2)
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class CompileTimeout(Exception):
+    """A compile ran past its time limit; its process was killed."""
+
+
+class CompilerDied(Exception):
+    """The compiler process ended, could not start or answered out of protocol (killed)."""
+
+
+class CompilerProcess:
+    """A compiler process for one tokenizer (started on the first ``compile``).
+
+    Args:
+        tokenizer_info_json: xgrammar's ``TokenizerInfo.serialize_json()`` for the model.
+        memory_bytes: what the child's compiles may allocate past its import (its
+            ``RLIMIT_DATA`` headroom; 0: no cap).
+        argv: the child's command, to which the node's pid is appended (tests give a
+            misbehaving one).
+        start_timeout_s: longest wait for a new child's ``ready``.
+    """
+
+    def __init__(self, tokenizer_info_json: str, memory_bytes: int,
+                 argv: tuple[str, ...] = (sys.executable, "-m", "cache_node.grammar_worker"),
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self._info = tokenizer_info_json
+        self.argv = argv
+        self.start_timeout_s = start_timeout_s
+        self.memory_bytes = memory_bytes
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = False  # the running child said ``ready`` (its compiler exists)
+        self.num_starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self) -> None:
+        """Start the child (reaping one that ended) and wait for its ``ready`` (raises
+        ``CompilerDied``)."""
+        self.kill()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen(
+            [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, close_fds=True,
+        )
+        self.num_starts += 1
+        try:
+            self._send(["init", self._info, self.memory_bytes])
+            reply = self._reply(self.start_timeout_s)
+        except CompileTimeout:
+            self.kill()
+            raise CompilerDied(f"the grammar compiler did not start within {self.start_timeout_s:g} s") from None
+        if reply[0] != "ready":
+            self.kill()
+            raise CompilerDied("the grammar compiler answered its start out of protocol")
+        self.ready = True
+
+    def compile(self, method: str, text: str, timeout_s: float) -> tuple[bool, str]:
+        """``(True, compiled_grammar_json)`` or ``(False, the compiler's message)``.
+
+        Raises:
+            CompileTimeout: no reply within ``timeout_s`` (the process is killed).
+            CompilerDied: the process ended, or replied out of protocol (killed).
+        """
+        if self.pid is None:
+            self.start()
+        self._send([method, text])
+        kind, value = self._reply(timeout_s)
+        if kind not in ("ok", "error"):
+            self.kill()
+            raise CompilerDied("the grammar compiler replied out of protocol")
+        return kind == "ok", value
+
+    def signal_kill(self) -> None:
+        """SIGKILL the child from another thread (``Grammars.close``): the thread using this
+        process then reads the end of its stdout (``CompilerDied``) and reaps it."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def kill(self) -> None:
+        """End the child (SIGKILL) and reap it; a no-op when there is none. The using
+        thread's call (its pipes are closed here)."""
+        proc, self.proc = self.proc, None
+        self.ready = False
+        if proc is None:
+            return
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+    def _send(self, message: list[Any]) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(frame(message))
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            raise CompilerDied(self._ended("before it read its request")) from None
+
+    def _reply(self, timeout_s: float) -> list[str]:
+        """The next reply frame, decoded and checked: a list of two strings."""
+        deadline = time.monotonic() + timeout_s
+        header = self._read(HEADER_BYTES, deadline)
+        size = header_size(header)
+        if size > MAX_REPLY_BYTES:
+            self.kill()
+            raise CompilerDied(f"the grammar compiler's reply has {size} bytes; at most {MAX_REPLY_BYTES}")
+        body = self._read(size, deadline)
+        try:
+            reply = unpackb_within(body, _REPLY_BOUNDS, "a grammar compiler's reply")
+        except Exception:  # noqa: BLE001 - msgpack raises several kinds; all mean a bad reply
+            reply = None
+        if not (isinstance(reply, list) and len(reply) == 2 and all(isinstance(v, str) for v in reply)):
+            self.kill()
+            raise CompilerDied("the grammar compiler's reply is malformed")
+        return reply
+
+    def _read(self, size: int, deadline: float) -> bytes:
+        """``size`` bytes of the child's stdout by ``deadline`` (monotonic), else kill it."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        chunks = bytearray()
+        while len(chunks) < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise CompileTimeout()
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if not poller.poll(left * 1000):
+                continue
+            chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+            if not chunk:
+                raise CompilerDied(self._ended("mid-reply" if chunks else "before replying"))
+            chunks += chunk
+        return bytes(chunks)
+
+    def _ended(self, when: str) -> str:
+        """Why the child is gone (it is reaped): its exit status, for a ``CompilerDied``."""
+        proc = self.proc
+        code = None
+        if proc is not None:
+            try:
+                code = proc.wait(timeout=1.0)  # its stdout ended: it is ending
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return f"the grammar compiler process ended {when} ({how})"

@@ -1,0 +1,101 @@
+"""The grammar compilations waiting for a compiler process, per tenant, served round-robin.
+
+A compile's cost is its spec's to choose, up to the time limit; a queue in arrival order let
+one tenant's burst of slow specs hold every compiler while other tenants' requests waited
+behind it. Here each tenant (the request's tenant, else its cache namespace) has its own
+queue; a free compiler takes the head of the next tenant in turn that has none compiling, so
+a tenant has at most one compile running, and any other tenant's next compile starts within
+one compile time limit of a compiler coming free. A tenant has at most ``max_per_tenant``
+compiles queued or running (``put`` refuses more).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class FairCompileQueue(Generic[T]):
+    """Per-tenant FIFO queues served round-robin, one job running per tenant. Thread-safe."""
+
+    def __init__(self, max_per_tenant: int) -> None:
+        self.max_per_tenant = max_per_tenant
+        self._queues: OrderedDict[str, deque[T]] = OrderedDict()  # turn order: next first
+        self._running: dict[str, int] = {}  # tenant -> jobs taken and not done (0 or 1)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._used = False  # a job was ever put
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pending(self, tenant: str) -> int:
+        """``tenant``'s jobs queued or running."""
+        with self._cond:
+            return len(self._queues.get(tenant, ())) + self._running.get(tenant, 0)
+
+    def put(self, tenant: str, job: T) -> bool:
+        """Queue ``job`` at the end of ``tenant``'s queue; False (not queued) when the tenant
+        has ``max_per_tenant`` pending already, or the queue is closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            queue = self._queues.get(tenant)
+            if len(queue or ()) + self._running.get(tenant, 0) >= self.max_per_tenant:
+                return False
+            if queue is None:
+                queue = self._queues[tenant] = deque()
+            queue.append(job)
+            self._used = True
+            self._cond.notify_all()
+            return True
+
+    def wait_used(self) -> bool:
+        """Block until the first job is put (True) or the queue closes (False)."""
+        with self._cond:
+            while not (self._used or self._closed):
+                self._cond.wait()
+            return not self._closed
+
+    def take(self) -> tuple[str, T] | None:
+        """Block until a job can run, and give it with its tenant: the head of the first tenant
+        in turn with none running (that tenant then goes last in the turn order). None once
+        closed."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                picked = self._next()
+                if picked is not None:
+                    return picked
+                self._cond.wait()
+
+    def _next(self) -> tuple[str, T] | None:
+        for tenant, queue in self._queues.items():
+            if not self._running.get(tenant):
+                job = queue.popleft()
+                del self._queues[tenant]
+                if queue:
+                    self._queues[tenant] = queue  # back in line, last
+                self._running[tenant] = 1
+                return tenant, job
+        return None
+
+    def done(self, tenant: str) -> None:
+        """The job ``take`` gave for ``tenant`` ended: its next may run."""
+        with self._cond:
+            self._running.pop(tenant, None)
+            self._cond.notify_all()
+
+    def close(self) -> list[T]:
+        """Stop: ``take`` returns None from now on. Returns the jobs still queued."""
+        with self._cond:
+            self._closed = True
+            left = [job for queue in self._queues.values() for job in queue]
+            self._queues.clear()
+            self._cond.notify_all()
+            return left

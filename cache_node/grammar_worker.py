@@ -1,0 +1,186 @@
+"""The grammar compiler's own process (``python -m cache_node.grammar_worker``), and its wire.
+
+A cache node compiles structured-output grammars here, never in its own process: a compile's
+time and memory are the spec's to choose (a 64 KiB JSON schema can ask for minutes of work),
+and a compile running in a thread cannot be stopped; a process can be killed
+(``cache_node.grammar_process.CompilerProcess`` kills one past its time limit and starts
+another). The process lives on across compiles: importing xgrammar (which imports torch)
+costs ~6-10 s.
+
+The wire: frames of a 4-byte big-endian length and a msgpack array, on the child's stdin
+(requests) and on a copy of its stdout (replies; fd 1 itself is pointed at stderr, so that
+nothing a library prints there can mix into the replies).
+
+- first, parent -> child: ``["init", tokenizer_info_json, memory_bytes]`` (xgrammar's
+  ``TokenizerInfo.serialize_json()``, ~1.6 MB for a 49,152-token vocabulary; sent once per
+  process); child -> parent ``["ready", xgrammar_version]`` once its compiler exists. Then its
+  data segment is capped (``RLIMIT_DATA``) at what it holds plus ``memory_bytes``: a compile
+  that needs more fails (an allocation error, or the process ends) instead of growing the
+  node's memory.
+- then per compile, parent -> child: ``[method, text]`` (``METHODS``); child -> parent
+  ``["ok", compiled_grammar_json]`` (``CompiledGrammar.serialize_json()``) or
+  ``["error", message]``.
+
+The child (``python -m cache_node.grammar_worker <parent pid>``) ends when its stdin closes,
+and when its parent dies (``PR_SET_PDEATHSIG`` and a thread watching its parent's pid), so no
+compile outlives the node that asked for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import struct
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+import msgpack
+
+METHODS = ("builtin_json", "json_schema", "regex", "grammar")
+"""What a compile request asks: xgrammar's built-in JSON grammar (``text`` unused), or
+``compile_json_schema`` / ``compile_regex`` / ``compile_grammar`` (EBNF) of ``text``."""
+
+MAX_REQUEST_BYTES = 8 << 20
+"""Largest request frame the child reads (the init frame: ~1.6 MB of tokenizer info)."""
+
+_HEADER = struct.Struct(">I")
+_LOG_PREFIX = re.compile(r"^(\[[\d:]+\] )?\S+\.cc:\d+: ")
+
+
+def frame(message: list[Any]) -> bytes:
+    """``message`` as one frame: its msgpack bytes after their 4-byte big-endian length."""
+    body = msgpack.packb(message, use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def read_frame_blocking(stream: BinaryIO, max_bytes: int) -> bytes | None:
+    """The next frame's body from ``stream`` (None at its end).
+
+    Raises:
+        ValueError: the frame declares more than ``max_bytes``, or the stream ends inside it.
+    """
+    header = stream.read(_HEADER.size)
+    if not header:
+        return None
+    if len(header) < _HEADER.size:
+        raise ValueError("the stream ended inside a frame header")
+    (size,) = _HEADER.unpack(header)
+    if size > max_bytes:
+        raise ValueError(f"a frame of {size} bytes; at most {max_bytes}")
+    body = stream.read(size)
+    if len(body) < size:
+        raise ValueError("the stream ended inside a frame")
+    return body
+
+
+def header_size(header: bytes) -> int:
+    """The body length a frame header declares."""
+    return int(_HEADER.unpack(header)[0])
+
+
+HEADER_BYTES = _HEADER.size
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this process when its parent (pid ``parent``, passed by it: one read here could
+    already be the reaper's) ends: the kernel's ``PR_SET_PDEATHSIG`` (Linux; it fires when the
+    thread that started us ends, which in the node is a compile thread that lives as long as
+    the node's grammars), and a thread that sees the parent pid change (re-parented), for a
+    parent gone before the call and where there is no prctl."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(0)
+
+    if os.getppid() != parent:
+        os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _data_bytes() -> int | None:
+    """This process's data segment now (``VmData``: what ``RLIMIT_DATA`` counts), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cap_memory(memory_bytes: int) -> None:
+    """Cap the data segment at what it holds now (the import, the compiler) plus ``memory_bytes``."""
+    held = _data_bytes()
+    if held is None or memory_bytes <= 0:
+        return
+    limit = held + memory_bytes
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def _compile(compiler: Any, method: str, text: str) -> Any:
+    if method == "builtin_json":
+        return compiler.compile_builtin_json_grammar()
+    if method == "json_schema":
+        return compiler.compile_json_schema(text)
+    if method == "regex":
+        return compiler.compile_regex(text)
+    return compiler.compile_grammar(text)
+
+
+def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    """Answer compile requests until ``requests`` ends (see the module docstring)."""
+    body = read_frame_blocking(requests, MAX_REQUEST_BYTES)
+    if body is None:
+        return
+    kind, info_json, memory_bytes = msgpack.unpackb(body, raw=False)
+    if kind != "init":
+        raise ValueError(f"expected an init frame, got {kind!r}")
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.deserialize_json(info_json)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the node caches
+    del info_json, body
+    _cap_memory(int(memory_bytes))
+    replies.write(frame(["ready", getattr(xgrammar, "__version__", "")]))
+    replies.flush()
+    while (body := read_frame_blocking(requests, MAX_REQUEST_BYTES)) is not None:
+        method, text = msgpack.unpackb(body, raw=False)
+        if method not in METHODS:
+            reply = ["error", f"unknown compile method {method!r}"]
+        else:
+            try:
+                reply = ["ok", _compile(compiler, method, text).serialize_json()]
+            except MemoryError:
+                reply = ["error", "it needs more memory than the grammar compiler may use"]
+            except (RuntimeError, ValueError, TypeError) as exc:  # its parse errors are RuntimeErrors
+                reply = ["error", _LOG_PREFIX.sub("", str(exc).strip())[:300]]  # "[03:41:03] /x.cc:94: "
+        replies.write(frame(reply))
+        replies.flush()
+
+
+def main() -> None:
+    _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a library's prints go to stderr, never into the replies
+    sys.stdout = sys.stderr
+    serve(sys.stdin.buffer, replies)
+
+
+if __name__ == "__main__":
+    main()

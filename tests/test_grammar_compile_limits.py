@@ -1,0 +1,346 @@
+"""Grammar compilation's bounds (cross-tenant denial of service, lead's finding, session 27): a
+compile runs in a compiler process with a time limit (killed past it, a fresh process started),
+tenants' compiles are served round-robin with one running each and a bounded queue, compiled
+grammars are cached within a byte budget, a failed spec is refused at once for a while, and no
+compiler process outlives its engine or its node's process.
+
+Regression: compiles ran on two threads of the node's process, FIFO across tenants, with no
+limit: the JSON schema ``{"type": "string", "pattern": "(x|y){1,3000}"}`` took 3-5 s, a 64 KiB
+spec can hold dozens of such patterns, so one tenant held both threads for minutes while every
+other tenant's structured requests waited (and a thread's compile cannot be stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_node.grammar_cache import GrammarCache, grammar_bytes
+from cache_node.grammar_queue import FairCompileQueue
+from cache_node.outputs import GrammarQueueFull
+from cache_node.sampling_params import SamplingParams
+from cache_node.structured_output import StructuredOutputSpec
+
+SLOW_SCHEMA = json.dumps({"type": "string", "pattern": "(x|y){1,3000}"})  # 3-5 s to compile here
+SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["n"], "additionalProperties": False}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _slow(n: int = 3000) -> StructuredOutputSpec:
+    return StructuredOutputSpec("json_schema", json.dumps({"type": "string", "pattern": f"(x|y){{1,{n}}}"}))
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` is a live process (a zombie, ended and not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---- the queue and the cache alone ------------------------------------------------------
+
+def test_queue_serves_tenants_round_robin_one_running_each_within_their_bound() -> None:
+    """Tenant a queues a1..a3 before b1 and c1: with two compilers the order taken is a1, b1
+    (a is running), then c1, a2, a3 as each is done; a tenant's fourth pending job is refused
+    while another tenant's is taken."""
+    q: FairCompileQueue[str] = FairCompileQueue(max_per_tenant=3)
+    assert [q.put("a", j) for j in ("a1", "a2", "a3")] == [True, True, True]
+    assert q.put("a", "a4") is False and q.pending("a") == 3
+    assert q.put("b", "b1") and q.put("c", "c1")
+    assert q.take() == ("a", "a1")
+    assert q.take() == ("b", "b1")  # a has one running: the next tenant's head
+    assert q.put("a", "a4") is False  # a1 running + a2, a3 queued
+    q.done("b")
+    assert q.take() == ("c", "c1")  # a still running
+    q.done("a")
+    assert q.take() == ("a", "a2")
+    assert q.put("a", "a4")  # a2 running + a3 queued: room for one
+    q.done("c")
+    q.done("a")
+    assert q.take() == ("a", "a3")
+    assert q.close() == ["a4"] and q.take() is None and q.put("b", "b2") is False
+
+
+class _Grammar:
+    def __init__(self, size: int) -> None:
+        self.memory_size_bytes = size
+
+
+def test_cache_is_bounded_by_bytes_and_entries_and_remembers_failures_for_a_while() -> None:
+    """Bytes: keys (k, s) cost their grammar's memory_size_bytes + 2; 1,000 + 1,000 + 1,000
+    bytes in a 2,500-byte cache keep the newest two (the least recently used out, a get
+    refreshes); a grammar over the whole budget is not kept. Entries: at most max_entries.
+    Failures: refused until their TTL passes."""
+    cache = GrammarCache(max_entries=3, max_bytes=2_500, failed_ttl_s=10.0)
+    a, b, c = _Grammar(998), _Grammar(998), _Grammar(998)
+    assert cache.put(("k", "a"), a) and cache.put(("k", "b"), b)
+    assert cache.get(("k", "a")) is a  # a is now the most recent
+    assert cache.put(("k", "c"), c)
+    assert cache.get(("k", "b")) is None and cache.get(("k", "a")) is a and cache.get(("k", "c")) is c
+    assert (len(cache), cache.num_bytes) == (2, 2_000)
+    assert grammar_bytes(("k", "a"), a) == 1_000
+    assert cache.put(("k", "huge"), _Grammar(3_000)) is False and len(cache) == 2
+    small = GrammarCache(max_entries=2, max_bytes=1 << 20, failed_ttl_s=10.0)
+    for name in "xyz":
+        small.put(("k", name), _Grammar(10))
+    assert [small.get(("k", n)) is not None for n in "xyz"] == [False, True, True]
+    small.check_integrity()
+    cache.check_integrity()
+    cache.put_failed(("k", "bad"), "structured_output regex does not compile: x", now=100.0)
+    assert cache.failed(("k", "bad"), now=109.9) == "structured_output regex does not compile: x"
+    assert cache.failed(("k", "bad"), now=110.0) is None  # expired: compiled again next time
+
+
+# ---- a compiler process's replies are untrusted bytes --------------------------------------
+
+_FAKE_CHILD = """
+import sys, time
+from cache_node.grammar_worker import frame, read_frame_blocking
+read_frame_blocking(sys.stdin.buffer, 1 << 23)  # the init frame
+out = sys.stdout.buffer
+mode = sys.argv[1]
+if mode == "hang":
+    time.sleep(60)
+if mode == "huge":
+    out.write((1 << 31).to_bytes(4, "big")); out.flush(); time.sleep(60)
+out.write(frame(["ready", "fake"])); out.flush()
+read_frame_blocking(sys.stdin.buffer, 1 << 23)
+if mode == "dict":
+    out.write(frame([{"ok": 1}, "x"]))
+elif mode == "garbage":
+    out.write(b"\\x00\\x00\\x00\\x03\\xc1\\xc1\\xc1")  # 0xc1: never valid msgpack
+elif mode == "exit":
+    sys.exit(3)
+out.flush(); time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("hang", "the grammar compiler did not start within 0.5 s"),
+    ("huge", "the grammar compiler's reply has 2147483648 bytes; at most 67108864"),
+    ("dict", "the grammar compiler's reply is malformed"),
+    ("garbage", "the grammar compiler's reply is malformed"),
+    ("exit", "the grammar compiler process ended before replying (exit status 3)"),
+])
+def test_a_compiler_that_misbehaves_is_killed_and_named(mode: str, message: str) -> None:
+    """A child that never says ready, declares a 2 GiB reply, replies a map or bytes that are
+    not msgpack, or exits mid-compile: ``CompilerDied`` with what it did, the child reaped
+    (nothing of its reply is built)."""
+    from cache_node.grammar_process import CompilerDied, CompilerProcess
+
+    proc = CompilerProcess("{}", 0, argv=(sys.executable, "-c", _FAKE_CHILD, mode), start_timeout_s=0.5)
+    with pytest.raises(CompilerDied) as raised:
+        proc.compile("regex", "[ab]", timeout_s=10.0)
+    assert str(raised.value) == message
+    assert proc.proc is None and not proc.ready
+
+
+# ---- compiler processes (the real xgrammar, SmolLM2's tokenizer) ------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from cache_node.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def _grammars(tokenizer: Any, **limits: Any) -> Any:
+    from cache_node.grammars import CompileLimits, Grammars
+
+    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
+    assert isinstance(made, Grammars), made
+    return made
+
+
+def _warm(g: Any) -> list[int]:
+    """Compile a trivial regex (every process starts on the first compile) and wait until
+    every process is ready; their pids."""
+    g.compile(StructuredOutputSpec("regex", "[ab]"), "warm").result(timeout=120)
+    deadline = time.monotonic() + 120
+    while any(p is None or not p.ready for p in g.processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p.pid for p in g.processes]
+
+
+@pytest.mark.slow
+def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compiles(tokenizer) -> None:
+    """Limit 1 s, two compiler processes. Tenant "evil"'s 3,000-repetition pattern is refused
+    after ~1 s naming structured_output and the limit; tenant "good"'s schema, sent just after,
+    compiles meanwhile (well inside the limit, a valid grammar). The same spec sent again is
+    refused at once (remembered), the killed process is replaced, and evil's next (simple) spec
+    compiles on it. Per tenant at most 2 pending: evil's third slow spec is refused at once
+    (GrammarQueueFull), while good's compile goes on."""
+    g = _grammars(tokenizer, timeout_s=1.0, workers=2, queue_per_tenant=2)
+    try:
+        before = _warm(g)
+        t0 = time.monotonic()
+        evil = g.compile(_slow(), "evil")
+        good = g.compile(StructuredOutputSpec("json_schema", json.dumps(SMALL_SCHEMA)), "good")
+        compiled = good.result(timeout=10)
+        good_s = time.monotonic() - t0
+        assert good_s < 1.0 and not evil.done()
+        matcher = g.matcher(compiled)
+        assert all(matcher.accept_token(t) for t in tokenizer.encode('{"n": 7}', add_special_tokens=False))
+        exc = evil.exception(timeout=10)
+        evil_s = time.monotonic() - t0
+        assert isinstance(exc, ValueError) and 1.0 <= evil_s < 3.0, evil_s
+        assert str(exc).startswith("structured_output json_schema: its grammar did not compile within the cache "
+                                   "node's limit of 1 s (grammar_compile_timeout_s)")
+        t1 = time.monotonic()
+        again = g.compile(_slow(), "evil")
+        assert "refused without compiling" in str(again.exception(timeout=1)) and time.monotonic() - t1 < 0.1
+        assert g.num_timeouts == 1
+        after = _warm(g)
+        assert len(set(after) - set(before)) == 1  # the killed one replaced, the other kept
+        assert not _alive(next(iter(set(before) - set(after))))
+        regex = g.compile(StructuredOutputSpec("regex", "[0-9]{3}"), "evil").result(timeout=30)
+        assert g.matcher(regex).accept_string("123")
+        # the per-tenant bound: two pending (one running, one queued), the third refused
+        slow1, slow2 = g.compile(_slow(2999), "evil"), g.compile(_slow(2998), "evil")
+        with pytest.raises(GrammarQueueFull, match="structured_output: this tenant already has 2 grammars "
+                                                  "compiling or queued .*retry when they finish"):
+            g.compile(_slow(2997), "evil")
+        other = g.compile(StructuredOutputSpec("regex", "[a-f]{4}"), "good").result(timeout=10)
+        assert g.matcher(other).accept_string("beef")
+        for fut in (slow1, slow2):
+            assert "grammar_compile_timeout_s" in str(fut.exception(timeout=30))
+    finally:
+        g.close()
+
+
+@pytest.mark.slow
+def test_cache_keeps_compiled_grammars_within_its_bytes(tokenizer) -> None:
+    """cache_bytes 125,000: the built-in JSON grammar (123,407 bytes with its key) and a small
+    schema's (5,921) do not both fit, so the older is dropped; each kept entry is counted
+    exactly, and the dropped one is compiled again when asked for."""
+    from cache_node.grammar_cache import grammar_bytes as cost
+
+    g = _grammars(tokenizer, cache_bytes=125_000, workers=1)
+    try:
+        json_obj = StructuredOutputSpec("json_object", "")
+        schema = StructuredOutputSpec("json_schema", json.dumps(SMALL_SCHEMA))
+        first = g.compile(json_obj, "t").result(timeout=120)
+        second = g.compile(schema, "t").result(timeout=30)
+        size1, size2 = cost(("json_object", ""), first), cost(("json_schema", schema.spec), second)
+        assert (size1, size2) == (123_407, 5_921) and size1 + size2 > 125_000
+        assert (len(g._cache), g._cache.num_bytes) == (1, size2)
+        g._cache.check_integrity()
+        assert g.compile(schema, "t").result() is second  # kept
+        assert g.compile(json_obj, "t").result(timeout=30) is not first and g.num_compiled == 3  # compiled again
+    finally:
+        g.close()
+
+
+@pytest.mark.slow
+def test_no_compiler_process_outlives_close_or_a_killed_node_process(tokenizer) -> None:
+    """close() during a slow compile: every compiler process is reaped and the compile fails
+    naming the shutdown. A node process SIGKILLed mid-compile (as ``ray.kill`` ends an actor):
+    its compiler processes end within seconds (PR_SET_PDEATHSIG / the parent watch)."""
+    g = _grammars(tokenizer, timeout_s=30.0, workers=2)
+    pids = _warm(g)
+    slow = g.compile(_slow(), "t")
+    time.sleep(0.2)
+    g.close()
+    assert "shutting down" in str(slow.exception(timeout=10))
+    assert _gone_within(pids, 2.0)
+    script = textwrap.dedent(f"""
+        import sys, time, json
+        from transformers import AutoTokenizer
+        from cache_node.model_loader import resolve_model_dir
+        from cache_node.grammars import CompileLimits, Grammars
+        from cache_node.structured_output import StructuredOutputSpec
+        g = Grammars.create(AutoTokenizer.from_pretrained(str(resolve_model_dir(None))), 49152, [2], 4,
+                            CompileLimits(timeout_s=60.0))
+        g.compile(StructuredOutputSpec("regex", "[ab]"), "w").result(timeout=120)
+        while any(p is None or not p.ready for p in g.processes):
+            time.sleep(0.05)
+        g.compile(StructuredOutputSpec("json_schema", {json.dumps(SLOW_SCHEMA)}), "t")
+        print(json.dumps([p.pid for p in g.processes]), flush=True)
+        time.sleep(120)
+    """)
+    node = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        line = node.stdout.readline()  # type: ignore[union-attr]
+        children = json.loads(line)
+        assert len(children) == 2 and all(_alive(p) for p in children)
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait()
+        assert _gone_within(children, 3.0), [p for p in children if _alive(p)]
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+# ---- through the engine (the real SmolLM2-135M) ------------------------------------------
+
+@pytest.mark.slow
+def test_engine_refuses_a_pathological_grammar_at_the_limit_while_another_tenant_is_served(real_model) -> None:
+    """Through ``LLMEngine`` with grammar_compile_timeout_s 1: tenant "evil"'s 3,000-repetition
+    pattern ends "rejected" naming structured_output and the limit, holding nothing; tenant
+    "good"'s JSON-schema request, sent after it, gets its grammar before evil's is refused and
+    completes with valid JSON; evil's next request (a regex) then completes on the restarted
+    compiler. Engine close leaves no compiler process."""
+    from tests.conftest import make_engine
+
+    lm = real_model
+    eng = make_engine(lm, kv_pool_bytes=32 << 20, max_num_batched_tokens=256, grammar_compile_timeout_s=1.0)
+    assert eng.enable_structured_output(lm.tokenizer)
+    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Give me a digit as JSON."}],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+    try:
+        pids = _warm(eng.grammars)
+        evil = eng.add_request(prompt, SamplingParams(max_tokens=8, structured_output=_slow()), tenant="evil")
+        good = eng.add_request(prompt, SamplingParams(max_tokens=30, structured_output=StructuredOutputSpec(
+            "json_schema", json.dumps(SMALL_SCHEMA))), tenant="good")
+        good_seq = eng.requests[good]
+        final: dict[str, Any] = {}
+        good_ready_before_refusal = None
+        while len(final) < 2:
+            for out in eng.step():
+                if out.request_id == evil and out.finished and good_ready_before_refusal is None:
+                    good_ready_before_refusal = good_seq.grammar.ready
+                if out.finished:
+                    final[out.request_id] = out
+        assert good_ready_before_refusal is True
+        assert final[evil].finish_reason == "rejected" and final[evil].output_token_ids == ()
+        assert final[evil].error.startswith("structured_output json_schema: its grammar did not compile within the "
+                                            "cache node's limit of 1 s (grammar_compile_timeout_s)")
+        assert final[good].finish_reason == "stop"
+        value = json.loads(lm.tokenizer.decode(final[good].output_token_ids, skip_special_tokens=True))
+        assert set(value) == {"n"} and 0 <= value["n"] <= 9
+        again = eng.add_request(prompt, SamplingParams(max_tokens=8, structured_output=StructuredOutputSpec(
+            "regex", "[0-9]{2}")), tenant="evil")
+        while again in eng.requests:
+            for out in eng.step():
+                if out.request_id == again and out.finished:
+                    assert out.finish_reason == "stop" and len(out.output_token_ids) >= 1
+        assert not eng.requests and eng.kv_manager.pool.num_free_blocks() == eng.kv_manager.pool.num_blocks
+        pids += [p.pid for p in eng.grammars.processes if p is not None and p.pid is not None]
+    finally:
+        eng.close_structured_output()
+    assert _gone_within(pids, 2.0)
