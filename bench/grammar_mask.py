@@ -1,5 +1,5 @@
 """``python -m bench.grammar_mask``: the host cost structured outputs add to a step, on this
-machine: median ``grammars.constrain`` (fill the constrained rows' bitmask, copy it to the
+machine: median ``grammar_mask.constrain`` (fill the constrained rows' bitmask, copy it to the
 logits' device, apply it) for a 4-row batch with 0, 2 and 4 constrained rows, and median
 ``accept_token``; SmolLM2-135M's tokenizer (vocabulary 49,152). One JSON line per figure."""
 
@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from cache_node.grammars import Grammars, GrammarState, constrain
+from cache_node.grammar_mask import GrammarState, constrain
+from cache_node.grammars import Grammars
 from cache_node.model_loader import load_model
 from cache_node.structured_output import StructuredOutputSpec
 

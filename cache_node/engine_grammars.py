@@ -13,7 +13,7 @@
   with nothing held. An abort while it compiles finishes it like any waiting request; the
   compilation ends on its process and stays cached.
 - before the draw (``_constrain``): the constrained rows' logits are masked to their grammars
-  (``grammars.constrain``). A row left with nothing to draw (every token -inf: the grammar
+  (``grammar_mask.constrain``). A row left with nothing to draw (every token -inf: the grammar
   allows none of what ``min_tokens`` and ``allowed_token_ids`` leave) is never drawn (a NaN
   draw fails, on a GPU fatally): when its grammar may end there (e.g. it allows only EOS,
   which ``min_tokens`` holds back) it finishes "stop", short of ``min_tokens``, its output
@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cache_node.grammars import CompileLimits, Grammars, GrammarState, constrain
+from cache_node.grammar_mask import GrammarState, constrain
+from cache_node.grammars import CompileLimits, Grammars
 from cache_node.outputs import InvalidRequestError, RequestOutput
 from cache_node.sequence import Sequence
 

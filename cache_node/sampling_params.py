@@ -126,7 +126,7 @@ class SamplingParams:
         structured_output: None = off; else what the output must match (a JSON object or
             schema, a regex, a choice, an EBNF grammar: ``StructuredOutputSpec``). The engine
             compiles it before the request is scheduled and masks each step's logits to the
-            tokens it allows, before everything else (vLLM V1's order: ``cache_node.grammars``);
+            tokens it allows, before everything else (vLLM V1's order: ``cache_node.grammar_mask``);
             the request ends "stop" when the grammar is complete and allows no more text.
 
     Raises:

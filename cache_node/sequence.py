@@ -110,7 +110,7 @@ class Sequence:
     isolate_at: int | None = None
     kept: KeptHistory | None = None
     continues_state: bool = False  # a session turn under a compressing policy continuing its history's KV
-    grammar: Any = None  # its structured output's ``cache_node.grammars.GrammarState``; None: unconstrained
+    grammar: Any = None  # its structured output's ``cache_node.grammar_mask.GrammarState``; None: unconstrained
 
     @property
     def cache_namespace(self) -> str:
