@@ -40,9 +40,9 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-METHODS = ("builtin_json", "json_schema", "regex", "grammar")
-"""What a compile request asks: xgrammar's built-in JSON grammar (``text`` unused), or
-``compile_json_schema`` / ``compile_regex`` / ``compile_grammar`` (EBNF) of ``text``."""
+METHODS = ("json_schema", "regex", "grammar")
+"""What a compile request asks: ``compile_json_schema`` / ``compile_regex`` /
+``compile_grammar`` (EBNF) of ``text``."""
 
 MAX_REQUEST_BYTES = 8 << 20
 """Largest request frame the child reads (the init frame: ~1.6 MB of tokenizer info)."""
@@ -134,8 +134,6 @@ def _cap_memory(memory_bytes: int) -> None:
 
 
 def _compile(compiler: Any, method: str, text: str) -> Any:
-    if method == "builtin_json":
-        return compiler.compile_builtin_json_grammar()
     if method == "json_schema":
         return compiler.compile_json_schema(text)
     if method == "regex":

@@ -82,10 +82,15 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+"""What ``json_object`` compiles: any JSON object, as in vLLM (xgrammar's built-in JSON grammar,
+``compile_builtin_json_grammar``, also admits an array at the top level)."""
+
+
 def compile_request(spec: StructuredOutputSpec) -> tuple[str, str]:
     """What a compiler process is asked for ``spec``: ``(method, text)`` (``grammar_worker.METHODS``)."""
     if spec.kind == "json_object":
-        return "builtin_json", ""
+        return "json_schema", JSON_OBJECT_SCHEMA
     if spec.kind == "choice":
         return "grammar", choice_grammar(spec.choices)
     return {"json_schema": "json_schema", "regex": "regex"}.get(spec.kind, "grammar"), spec.spec

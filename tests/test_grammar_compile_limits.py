@@ -186,6 +186,32 @@ def _warm(g: Any) -> list[int]:
     return [p.pid for p in g.processes]
 
 
+def test_json_object_admits_objects_only(tokenizer) -> None:
+    """``json_object`` (any JSON object: OpenAI's json_object mode, the spec's promise) compiles to
+    a grammar whose first token may be "{" and never "[": a whole object with an array inside
+    is accepted, a top-level array refused.
+
+    Regression: it compiled xgrammar's built-in JSON grammar, whose root is an object or an
+    array, so a request for a JSON object could get a list."""
+    import xgrammar as xgr
+
+    from cache_node.grammar_worker import _compile
+    from cache_node.grammars import compile_request
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2])
+    compiled = _compile(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False),
+                        *compile_request(StructuredOutputSpec("json_object", "")))
+    (bracket,), (brace,) = (tokenizer.encode(c, add_special_tokens=False) for c in "[{")
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, 49152)
+    matcher.fill_next_token_bitmask(bitmask)
+    words = bitmask[0].numpy().view("uint32")  # bit t % 32 of word t // 32: token t allowed
+    assert [int(words[t >> 5] >> (t & 31)) & 1 for t in (brace, bracket)] == [1, 0]
+    assert not matcher.accept_token(bracket)
+    assert matcher.accept_string('{"a": [1, {"b": null}]}') and matcher.accept_token(2) and matcher.is_terminated()
+    assert not xgr.GrammarMatcher(compiled).accept_string("[1, 2]")
+
+
 @pytest.mark.slow
 def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compiles(tokenizer) -> None:
     """Limit 1 s, two compiler processes. Tenant "evil"'s 3,000-repetition pattern is refused
@@ -234,19 +260,19 @@ def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compile
 
 @pytest.mark.slow
 def test_cache_keeps_compiled_grammars_within_its_bytes(tokenizer) -> None:
-    """cache_bytes 125,000: the built-in JSON grammar (123,407 bytes with its key) and a small
+    """cache_bytes 65,000: json_object's grammar (61,943 bytes with its key) and a small
     schema's (5,921) do not both fit, so the older is dropped; each kept entry is counted
     exactly, and the dropped one is compiled again when asked for."""
     from cache_node.grammar_cache import grammar_bytes as cost
 
-    g = _grammars(tokenizer, cache_bytes=125_000, workers=1)
+    g = _grammars(tokenizer, cache_bytes=65_000, workers=1)
     try:
         json_obj = StructuredOutputSpec("json_object", "")
         schema = StructuredOutputSpec("json_schema", json.dumps(SMALL_SCHEMA))
         first = g.compile(json_obj, "t").result(timeout=120)
         second = g.compile(schema, "t").result(timeout=30)
         size1, size2 = cost(("json_object", ""), first), cost(("json_schema", schema.spec), second)
-        assert (size1, size2) == (123_407, 5_921) and size1 + size2 > 125_000
+        assert (size1, size2) == (61_943, 5_921) and size1 + size2 > 65_000
         assert (len(g._cache), g._cache.num_bytes) == (1, size2)
         g._cache.check_integrity()
         assert g.compile(schema, "t").result() is second  # kept

@@ -217,17 +217,26 @@ def test_http_bad_constraints_are_400_naming_the_field(served: Served, path: str
     assert body["error"]["message"].startswith(param) and message in body["error"]["message"], body
 
 
-def test_http_text_and_json_object_formats_are_taken(served: Served) -> None:
-    """``{"type": "text"}`` is no constraint (the same greedy text as none); ``json_object`` is
-    served (its content's shape is the engine's: see the report on ``grammars``)."""
+def test_http_text_and_json_object_formats_are_taken(served: Served, no_whitespace: dict[int, float]) -> None:
+    """``{"type": "text"}`` is no constraint (the same greedy text as none); ``json_object``'s
+    content is one JSON object on both endpoints, though ``logit_bias`` makes "[" the model's
+    first choice (greedy: the sampled random model writes a key that runs to ``max_tokens``).
+
+    Regression: json_object compiled xgrammar's built-in JSON grammar, whose root is an object
+    or an array (this request got ``[[[[...`` to ``max_tokens``); this test checked only the status."""
     status, plain = served.post("/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
     assert status == 200, plain
     status, text = served.post("/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
                                                 "response_format": {"type": "text"}})
     assert status == 200 and text["choices"][0]["text"] == plain["choices"][0]["text"], text
-    status, reply = served.post("/chat/completions", {**CHAT, "max_tokens": 3,
-                                                      "response_format": {"type": "json_object"}})
-    assert status == 200, reply
+    (bracket,) = served.tokenizer.encode("[", add_special_tokens=False)
+    bias = {**{str(i): b for i, b in no_whitespace.items()}, str(bracket): 100.0}
+    for path in ("/chat/completions", "/completions"):
+        status, reply = served.post(path, {**_prompt(path), "max_tokens": 40, "temperature": 0, "logit_bias": bias,
+                                           "response_format": {"type": "json_object"}})
+        assert status == 200, reply
+        text = _content(path, reply)[0]
+        assert reply["choices"][0]["finish_reason"] == "stop" and isinstance(json.loads(text), dict), text
 
 
 def test_the_official_openai_client_sends_response_format(served: Served, no_whitespace: dict[int, float]) -> None:
