@@ -68,8 +68,11 @@ class InvalidRequestError(ValueError):
 class GrammarQueueFull(InvalidRequestError):
     """A structured-output request whose tenant already has ``grammar_compile_queue_per_tenant``
     grammars compiling or queued on this node (``cache_node.grammars``): refused before anything
-    is held; the same request sent after those compiles end is taken. (An ``InvalidRequestError``,
-    so a node that does not tell it apart still refuses it with its message.)"""
+    is held; the same request sent after those compiles end is taken. The cache node answers it
+    RESOURCE_EXHAUSTED (HTTP 429), a retryable overload. (An ``InvalidRequestError``, so a
+    caller that does not tell it apart still refuses it with its message.)
+
+    Regression: the node answered it INVALID_ARGUMENT (HTTP 400), as for a malformed request."""
 
 
 class SessionBusy(Exception):

@@ -5,7 +5,10 @@ its request checked and queued in the engine (``_start_incoming``): a session tu
 is gone is refused (``SessionGone``, ABORTED), so is one whose session has a turn running
 (``cache_node.outputs.SessionBusy``, ABORTED: a conflict the same turn sent later does not
 meet), and one that would take its tenant's kept session messages past its budget
-(``SessionTextBudget``, RESOURCE_EXHAUSTED); a turn opening its session first closes a stale
+(``SessionTextBudget``, RESOURCE_EXHAUSTED), and a structured request whose tenant has
+``grammar_compile_queue_per_tenant`` grammar compiles pending here
+(``cache_node.outputs.GrammarQueueFull``, RESOURCE_EXHAUSTED: an overload that passes as they
+end, not a bad request); a turn opening its session first closes a stale
 session of its id held here (``_drop_stale_session``); its prompt is the one the
 renderer made when its session is unchanged since, else rendered now (``_prompt_of``,
 ``_prompt``); a request without max_tokens gets what its context leaves (``_sampling``); its
@@ -22,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from cache_node.outputs import SessionBusy
+from cache_node.outputs import GrammarQueueFull, SessionBusy
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
 from services import convert
@@ -92,7 +95,7 @@ class Requests:
                 error = {"type": "error", "code": "ABORTED", "message": str(exc)}
             except RepeatedOpen as exc:
                 error = {"type": "error", "code": "ALREADY_EXISTS", "message": str(exc)}
-            except SessionTextBudget as exc:
+            except (SessionTextBudget, GrammarQueueFull) as exc:  # (GrammarQueueFull is a ValueError)
                 error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
                 text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -109,6 +111,39 @@ def test_grpc_bad_constraints_are_invalid_argument_naming_the_field(served: Serv
         served.generate(max_tokens=4, structured_output=constraint)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(details), err.value.details()
+
+
+def test_a_tenant_past_its_compile_queue_is_resource_exhausted_and_429(served: Served) -> None:
+    """A structured request whose tenant has ``grammar_compile_queue_per_tenant`` compiles pending
+    on its node (``GrammarQueueFull``; the bound set to 0 here, on the node's live queue) is
+    RESOURCE_EXHAUSTED over gRPC with the node's message, and a 429 ``rate_limit_error`` over
+    HTTP that the client may retry (no ``x-should-retry: false``); the same request is served
+    once there is room.
+
+    Regression: the node answered it INVALID_ARGUMENT (HTTP 400), as a malformed request that a
+    retry cannot fix."""
+    queue = served.node.engine.grammars._queue
+    bound = queue.max_per_tenant
+    full = f"this tenant already has {bound} grammars compiling or queued on this cache node (grammar_compile_queue"
+    queue.max_per_tenant = 0
+    try:
+        with pytest.raises(grpc.RpcError) as err:  # a spec compiled nowhere yet: it must be queued
+            served.generate(max_tokens=4, structured_output=pb.StructuredOutput(regex="[0-9]{4}x"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details().startswith(f"structured_output: {full}"), err.value.details()
+        req = urllib.request.Request(
+            f"{served.base}/completions",
+            json.dumps({"model": served.model, "prompt": PROMPT, "max_tokens": 4, "guided_regex": "[0-9]{4}y"}).encode(),
+            {"Authorization": f"Bearer {served.key}", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(req, timeout=60)
+        body = json.loads(http.value.read())
+        assert http.value.code == 429 and body["error"]["type"] == "rate_limit_error", body
+        assert full in body["error"]["message"] and "x-should-retry" not in http.value.headers, body
+    finally:
+        queue.max_per_tenant = bound
+    text, end = _text_and_end(served.generate(max_tokens=8, structured_output=pb.StructuredOutput(regex="[0-9]{4}x")))
+    assert end == "stop" and re.fullmatch("[0-9]{4}x", text), text
 
 
 def _content(path: str, body: Any) -> list[str]:
