@@ -122,6 +122,11 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             prefill_graph_max_tokens=config.prefill_graph_max_tokens,
             fused_kernels=config.fused_kernels,
             scheduling_policy=scheduler,
+            grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+            grammar_compile_workers=config.grammar_compile_workers,
+            grammar_compile_queue_per_tenant=config.grammar_compile_queue_per_tenant,
+            grammar_cache_bytes=config.grammar_cache_bytes,
+            grammar_worker_memory_bytes=config.grammar_worker_memory_bytes,
         ).resolved()
         lm = load_model(config.model_path, engine_config.torch_dtype, engine_config.torch_device)
         self.engine = LLMEngine(

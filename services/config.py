@@ -64,6 +64,17 @@ class NodeConfig(BaseModel):
     # turns; RESOURCE_EXHAUSTED naming it past that): 64 Mi, ~16x what 1024 sessions of 4096
     # tokens of English text keep
     max_session_text_chars_per_tenant: int = Field(64 * 1024 * 1024, ge=1)
+    # Structured outputs' grammar compiles (``EngineConfig``'s ``grammar_*``; docs/architecture.md,
+    # "Cache node step loop"): the wall-clock limit of one compile (its compiler process killed
+    # past it, the request refused naming it), compiler processes (each ~270 MiB resident),
+    # compiles one tenant may have queued or running (past it RESOURCE_EXHAUSTED), bytes of
+    # compiled grammars kept, and what one process's compiles may allocate past its import (0: no
+    # cap)
+    grammar_compile_timeout_s: float = Field(10.0, gt=0, le=3600)
+    grammar_compile_workers: int = Field(2, ge=1, le=64)
+    grammar_compile_queue_per_tenant: int = Field(8, ge=1)
+    grammar_cache_bytes: int = Field(256 << 20, ge=0)
+    grammar_worker_memory_bytes: int = Field(2 << 30, ge=0)
     # Test-only: lets ``CacheNode.inject_step_fault`` make the step loop raise (fault tests).
     fault_injection: bool = False
     # Environment of the node's worker process, set before torch loads:
