@@ -198,7 +198,12 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             if share is not None:  # the tiers' fair shares weigh its holder as its tenant
                 self.tiers.note_weight(seq.cache_namespace, share.weight)
             if seq.session_id:
-                self.sessions.attach(seq)
+                try:
+                    self.sessions.attach(seq)
+                except Exception:
+                    if seq.grammar is not None:
+                        seq.grammar.release()  # its queued compile is nobody's
+                    raise
             self.requests[seq.request_id] = seq
             self.prefixes.admit(seq, prefix_tokens)  # its prefix's KV is taken when it starts
             self.scheduler.add(seq)
@@ -379,6 +384,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
+        if seq.grammar is not None:
+            seq.grammar.release()  # aborted while compiling: a compile only it waits on is dropped
         self.prefixes.on_finish(seq)  # those waiting for its prefix's computation go on
         seq.finish_reason = reason
         # a session keeps the turn's blocks, with its policy state when a policy compacted them

@@ -10,8 +10,11 @@
 - each step, first: the compilations that ended are polled (``_poll_grammars``); one that
   failed (the compiler's message, or past ``grammar_compile_timeout_s``) finishes its request
   "rejected" with that message (``RequestOutput.error``: the node answers INVALID_ARGUMENT),
-  with nothing held. An abort while it compiles finishes it like any waiting request; the
-  compilation ends on its process and stays cached.
+  with nothing held. An abort while it compiles finishes it like any waiting request
+  (``_finish`` releases its ``GrammarState``): a compilation still queued that no other
+  request waits on is dropped, freeing its tenant's slot at once; a running one ends on its
+  process and is cached. So is one whose request ``add_request`` refuses after queuing it
+  (``SessionBusy``).
 - before the draw (``_constrain``): the constrained rows' logits are masked to their grammars
   (``grammar_mask.constrain``). A row left with nothing to draw (every token -inf: the grammar
   allows none of what ``min_tokens`` and ``allowed_token_ids`` leave) is never drawn (a NaN

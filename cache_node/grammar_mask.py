@@ -34,9 +34,18 @@ class GrammarState:
     def __init__(self, grammars: Grammars, spec: StructuredOutputSpec, tenant: str = "") -> None:
         """Raises ``GrammarQueueFull`` (``Grammars.compile``)."""
         self.grammars = grammars
+        self.spec = spec
         self.future = grammars.compile(spec, tenant)
         self.matcher: Any = None
         self.error: str | None = None
+        self._released = False
+
+    def release(self) -> None:
+        """Its request ended: it waits on its compilation no more (``Grammars.release``: a queued
+        compile no other request waits on is dropped). Idempotent; nothing once it compiled."""
+        if not self._released and not self.future.done():
+            self._released = True
+            self.grammars.release(self.spec, self.future)
 
     @property
     def ready(self) -> bool:
@@ -49,6 +58,9 @@ class GrammarState:
             return True
         if not self.future.done():
             return False
+        if self.future.cancelled():  # dropped: every request waiting on it was released
+            self.error = "structured_output: its compile was dropped (its request ended)"
+            return True
         exc = self.future.exception()
         if exc is not None:
             self.error = str(exc) if isinstance(exc, ValueError) else f"structured_output: {type(exc).__name__}: {exc}"

@@ -6,7 +6,8 @@ behind it. Here each tenant (the request's tenant, else its cache namespace) has
 queue; a free compiler takes the head of the next tenant in turn that has none compiling, so
 a tenant has at most one compile running, and any other tenant's next compile starts within
 one compile time limit of a compiler coming free. A tenant has at most ``max_per_tenant``
-compiles queued or running (``put`` refuses more).
+compiles queued or running (``put`` refuses more); a queued one no request waits on any more
+is taken out (``remove``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ class FairCompileQueue(Generic[T]):
                 self._running[tenant] = 1
                 return tenant, job
         return None
+
+    def remove(self, tenant: str, job: T) -> bool:
+        """Take ``job`` (by identity) out of ``tenant``'s queue; False when it is not queued
+        there (taken already: running or done, or never put)."""
+        with self._cond:
+            queue = self._queues.get(tenant)
+            for i, queued in enumerate(queue or ()):
+                if queued is job:
+                    del queue[i]  # type: ignore[union-attr]
+                    if not queue:
+                        del self._queues[tenant]  # ``_next`` takes from non-empty queues only
+                    return True
+            return False
 
     def done(self, tenant: str) -> None:
         """The job ``take`` gave for ``tenant`` ended: its next may run."""

@@ -14,8 +14,10 @@ processes (``cache_node.grammar_process``, started on first use and kept), each 
 process started), each process's compiles capped at ``worker_memory_bytes``; waiting compiles
 are queued per tenant and served round-robin, one running per tenant
 (``cache_node.grammar_queue``), at most ``queue_per_tenant`` pending per tenant (past it
-``GrammarQueueFull``). Compiled grammars are cached by (kind, spec), bounded by entries and
-bytes; a spec that failed is refused at once for ``FAILED_SPEC_TTL_S`` (``cache_node.grammar_cache``).
+``GrammarQueueFull``); a queued compile that no request waits on any more (each ``release``d:
+aborted, refused) is dropped, a running one finishes and is cached. Compiled grammars are
+cached by (kind, spec), bounded by entries and bytes; a spec that failed is refused at once
+for ``FAILED_SPEC_TTL_S`` (``cache_node.grammar_cache``).
 
 xgrammar is imported only when a node enables structured outputs (``Grammars.create``); a
 node without it refuses structured requests with a message saying so.
@@ -96,11 +98,13 @@ def compile_request(spec: StructuredOutputSpec) -> tuple[str, str]:
     return {"json_schema": "json_schema", "regex": "regex"}.get(spec.kind, "grammar"), spec.spec
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     key: Key
     spec: StructuredOutputSpec
     future: Future[Any]
+    tenant: str
+    waiters: int = 1  # requests that ``compile`` gave its future and did not ``release``
 
 
 class Grammars:
@@ -127,7 +131,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._info_lock = threading.Lock()
         self._cache = GrammarCache(GRAMMAR_CACHE_ENTRIES, self.limits.cache_bytes, FAILED_SPEC_TTL_S)
-        self._compiling: dict[Key, Future[Any]] = {}
+        self._compiling: dict[Key, _Job] = {}  # queued or running
         self._queue: FairCompileQueue[_Job] = FairCompileQueue(self.limits.queue_per_tenant)
         self.processes: list[CompilerProcess | None] = [None] * self.limits.workers
         # the threads hold the queue and the processes, not ``self``: a ``Grammars`` no longer
@@ -143,6 +147,7 @@ class Grammars:
         self.num_compiled = 0
         self.num_timeouts = 0  # compiles killed at the time limit
         self.num_compiler_deaths = 0  # compiler processes that ended mid-compile (memory cap, crash)
+        self.num_dropped = 0  # queued compiles dropped: no request waited on them any more
 
     @classmethod
     def create(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int],
@@ -159,6 +164,7 @@ class Grammars:
         """The compiled grammar of ``spec`` (a future: a cached one, one compiling, or one
         queued for ``tenant``). A failed compile's future holds a ValueError naming
         ``structured_output``; the same spec is then refused at once for ``FAILED_SPEC_TTL_S``.
+        A caller that stops waiting on it calls ``release``.
 
         Raises:
             GrammarQueueFull: ``tenant`` has ``queue_per_tenant`` compiles pending.
@@ -172,18 +178,39 @@ class Grammars:
             if failed is not None:
                 return _resolved(error=ValueError(
                     f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
-            fut = self._compiling.get(key)
-            if fut is not None:
-                return fut
+            job = self._compiling.get(key)
+            if job is not None:
+                job.waiters += 1
+                return job.future
             if self._queue.closed:
                 return _resolved(error=ValueError("structured_output: the cache node is shutting down"))
-            fut = Future()
-            if not self._queue.put(tenant, _Job(key, spec, fut)):
+            job = _Job(key, spec, Future(), tenant)
+            if not self._queue.put(tenant, job):
                 raise GrammarQueueFull(
                     f"structured_output: this tenant already has {self.limits.queue_per_tenant} grammars compiling "
                     f"or queued on this cache node (grammar_compile_queue_per_tenant); retry when they finish")
-            self._compiling[key] = fut
-            return fut
+            self._compiling[key] = job
+            return job.future
+
+    def release(self, spec: StructuredOutputSpec, future: Future[Any]) -> None:
+        """A request given ``future`` by ``compile(spec)`` waits on it no more (it finished:
+        aborted, or refused after ``compile``). When no request waits on that compile and it is
+        still queued, it is dropped (``num_dropped``): no compiler runs it, it no longer counts
+        against its tenant's ``queue_per_tenant``, and its future is cancelled. A running one
+        goes on, and its grammar is cached. Call it once per ``compile`` that returned a
+        pending future; one that returned a done future (cached, failed) is ignored.
+
+        Regression: an aborted request's queued compile still ran, holding its tenant's slot."""
+        with self._lock:
+            job = self._compiling.get((spec.kind, spec.spec))
+            if job is None or job.future is not future:
+                return
+            job.waiters -= 1
+            if job.waiters > 0 or not self._queue.remove(job.tenant, job):
+                return
+            del self._compiling[job.key]
+            self.num_dropped += 1
+        job.future.cancel()
 
     def _run(self, slot: int, job: _Job) -> bool:
         """Compile ``job`` on process ``slot`` (started if need be) and finish its future.
@@ -272,7 +299,7 @@ class Grammars:
         """End ``job``: its grammar kept (``compiled``), or its spec remembered as failed
         (``failed``: the spec's fault) or not (``error``: the node's)."""
         with self._lock:
-            if self._compiling.get(job.key) is job.future:
+            if self._compiling.get(job.key) is job:
                 del self._compiling[job.key]
             if compiled is not None:
                 self._cache.put(job.key, compiled)

@@ -82,6 +82,22 @@ def test_queue_serves_tenants_round_robin_one_running_each_within_their_bound() 
     assert q.close() == ["a4"] and q.take() is None and q.put("b", "b2") is False
 
 
+def test_queue_remove_takes_out_a_queued_job_only() -> None:
+    """``remove`` takes a queued job out (its tenant's bound freed; a tenant left with none
+    drops out of the turn order, so ``take`` goes on to the next), never a job taken already."""
+    q: FairCompileQueue[list[str]] = FairCompileQueue(max_per_tenant=2)
+    a1, a2, b1 = ["a1"], ["a2"], ["b1"]
+    assert q.put("a", a1) and q.put("a", a2) and q.put("b", b1)
+    assert q.take() == ("a", a1)
+    assert q.remove("a", ["a2"]) is False  # by identity, not equality
+    assert q.remove("a", a1) is False and q.remove("b", a2) is False  # running; another tenant's
+    assert q.remove("a", a2) is True and q.pending("a") == 1 and q.remove("a", a2) is False
+    assert q.put("a", ["a3"])  # a's bound: a1 running + a3
+    assert q.remove("b", b1) is True and q.pending("b") == 0
+    q.done("a")
+    assert q.take() == ("a", ["a3"])  # b's empty queue is gone from the turn order
+
+
 class _Grammar:
     def __init__(self, size: int) -> None:
         self.memory_size_bytes = size

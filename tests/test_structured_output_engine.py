@@ -14,7 +14,7 @@ import pytest
 
 from cache_node.engine import LLMEngine
 from cache_node.grammar_process import CompilerProcess
-from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.outputs import GrammarQueueFull, InvalidRequestError, RequestOutput, SessionBusy
 from cache_node.sampling_params import SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
 from tests.conftest import make_engine
@@ -130,22 +130,30 @@ def test_a_grammar_that_does_not_compile_refuses_its_request_alone(real_model) -
     assert not eng.requests and not eng.scheduler.has_work()
 
 
-def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, monkeypatch) -> None:
-    """The compilation is held on its compiler: the request waits unscheduled with no blocks; an
-    abort finishes it "abort"; the engine then holds nothing, and the late compilation is cached
-    for the next request."""
-    lm = real_model
-    eng = _engine(lm)
-    gate = threading.Event()
+def _hold_compiles(monkeypatch: Any) -> tuple[threading.Event, threading.Event]:
+    """Compiles wait on the compiler (for ``gate``) once running; ``running`` is set then."""
+    gate, running = threading.Event(), threading.Event()
     compile_ = CompilerProcess.compile
 
     def held(self: CompilerProcess, method: str, text: str, timeout_s: float) -> tuple[bool, str]:
-        gate.wait(30)
+        running.set()
+        gate.wait(60)
         return compile_(self, method, text, timeout_s)
 
     monkeypatch.setattr(CompilerProcess, "compile", held)
+    return gate, running
+
+
+def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, monkeypatch) -> None:
+    """The compilation is held on its compiler (running): the request waits unscheduled with no
+    blocks; an abort finishes it "abort"; the engine then holds nothing, and the late
+    compilation (it was running: not dropped) is cached for the next request."""
+    lm = real_model
+    eng = _engine(lm)
+    gate, running = _hold_compiles(monkeypatch)
     free_before = eng.kv_manager.pool.num_free_blocks()
     rid = eng.add_request(_prompt(lm, "Hi"), SamplingParams(max_tokens=8, structured_output=_spec("regex", "[a-z]+")))
+    assert running.wait(120)  # its compiler process started and took it
     for _ in range(3):
         assert eng.step() == []
     seq = eng.requests[rid]
@@ -160,6 +168,53 @@ def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, 
     assert eng.step() == []
     compiled = eng.grammars.compile(_spec("regex", "[a-z]+")).result(timeout=60)  # the late compilation
     assert eng.grammars.compile(_spec("regex", "[a-z]+")).result() is compiled  # kept
+    assert (eng.grammars.num_compiled, eng.grammars.num_dropped) == (1, 0)
+
+
+def test_a_queued_compile_no_request_waits_on_is_dropped(real_model, monkeypatch) -> None:
+    """grammar_compile_queue_per_tenant 2, tenant t: its first compile runs (held), its second
+    (two requests, one spec) waits queued, so a third spec is refused (GrammarQueueFull).
+    Aborting one of the two keeps the compile queued (the other waits on it); aborting the
+    other drops it: t's slot is free at once, the compile never runs and only the compiles
+    still wanted are compiled. A session turn refused SessionBusy after its compile was queued
+    drops it too; the third spec is then taken.
+
+    Regression: a queued compile whose requests were aborted still ran, counted against its
+    tenant's bound until it ended (a tenant aborting slow specs kept its queue full)."""
+    lm = real_model
+    eng = _engine(lm, grammar_compile_queue_per_tenant=2)
+    gate, running = _hold_compiles(monkeypatch)
+    prompt = _prompt(lm, "Hi")
+
+    def add(pattern: str, **kw: Any) -> str:
+        return eng.add_request(prompt, SamplingParams(max_tokens=4, structured_output=_spec("regex", pattern)),
+                               tenant="t", **kw)
+
+    first = add("[a-c]+", session_id="s")
+    assert running.wait(120)
+    queued = [add("[d-f]+"), add("[d-f]+")]
+    future = eng.requests[queued[0]].grammar.future
+    assert eng.requests[queued[1]].grammar.future is future and eng.grammars._queue.pending("t") == 2
+    with pytest.raises(GrammarQueueFull):
+        add("[g-i]+")
+    assert eng.abort_request(queued[0])
+    assert eng.grammars._queue.pending("t") == 2 and not future.done()
+    assert eng.abort_request(queued[1])
+    assert eng.grammars._queue.pending("t") == 1 and future.cancelled()
+    assert ("regex", "[d-f]+") not in eng.grammars._compiling and eng.grammars.num_dropped == 1
+    with pytest.raises(SessionBusy):
+        add("[j-l]+", session_id="s")  # its compile was queued, then the turn refused
+    assert eng.grammars._queue.pending("t") == 1 and eng.grammars.num_dropped == 2
+    third = add("[g-i]+")  # t's freed slot
+    assert eng.grammars._queue.pending("t") == 2
+    gate.set()
+    final: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + 120
+    while len(final) < 4 and time.monotonic() < deadline:
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert {r: final[r].finish_reason for r in queued} == {queued[0]: "abort", queued[1]: "abort"}
+    assert final[first].finish_reason in ("stop", "length") and final[third].finish_reason in ("stop", "length")
+    assert eng.grammars.num_compiled == 2 and not eng.grammars._compiling and eng.grammars._queue.pending("t") == 0
 
 
 def test_a_node_without_the_grammar_library_refuses_structured_requests_naming_the_field(real_model) -> None:
