@@ -139,12 +139,14 @@ class ServiceConfig(BaseModel):
     http_forwarded_allow_ips: list[str] = []
     # Bounds on the HTTP API's connections (services.openai_api.connections.ConnectionLimits):
     # a connection has http_head_timeout_s from its opening (or its next request's first byte) to
-    # deliver a request's head, then http_body_timeout_s for the body, or it is closed (sending
-    # the response has no deadline: streams run while their client reads, stream_idle_timeout_s
-    # below). Open connections in all,
+    # deliver a request's head, then http_body_timeout_s for the body, or it is closed. One whose
+    # client holds the server's writes up (the transport buffering past its high-water mark)
+    # and takes less than 64 KiB of them within http_send_stall_timeout_s is aborted (a stream is
+    # left to stream_idle_timeout_s below). Open connections in all,
     # and per socket peer address (the proxies above exempt), past which one is refused at accept.
     http_head_timeout_s: float = Field(10.0, gt=0)
     http_body_timeout_s: float = Field(60.0, gt=0)
+    http_send_stall_timeout_s: float = Field(60.0, gt=0)
     http_max_connections: int = Field(4096, ge=1)
     http_max_connections_per_address: int = Field(256, ge=1)
     # ... and per client network (an IPv4 /24 or IPv6 /48; a client is an IPv4 address or an
@@ -157,6 +159,11 @@ class ServiceConfig(BaseModel):
     # whole body (8 MiB) each.
     http_max_body_bytes_per_tenant: int = Field(32 << 20, ge=8 << 20)
     http_max_body_bytes_total: int = Field(256 << 20, ge=8 << 20)
+    # Bytes of one tenant's whole (non-streamed) responses handed to their connections and not
+    # yet written out (BodyLimits.response_bytes_per_tenant): a non-streamed request is refused
+    # 429 while they reach it, a built response that would pass it 429 unless the tenant holds
+    # none.
+    http_max_response_bytes_per_tenant: int = Field(64 << 20, ge=1 << 20)
     # Bounds on what clients that read their streams slowly or not at all hold at the gateway
     # (services.gateway_stream_bounds.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may
     # have open at a gateway, each counted until its client has taken its last event (past it:

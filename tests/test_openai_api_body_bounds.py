@@ -173,7 +173,8 @@ def test_body_limits_from_settings() -> None:
     from services.config import ServiceConfig
 
     assert BodyLimits.of(ServiceConfig()) == BodyLimits() == BodyLimits(32 << 20, 256 << 20)
-    got = BodyLimits.of(types.SimpleNamespace(http_max_body_bytes_per_tenant=5, http_max_body_bytes_total=7))
-    assert (got.per_tenant_bytes, got.total_bytes) == (5, 7)
+    got = BodyLimits.of(types.SimpleNamespace(http_max_body_bytes_per_tenant=5, http_max_body_bytes_total=7,
+                                              http_max_response_bytes_per_tenant=9))
+    assert (got.per_tenant_bytes, got.total_bytes, got.response_bytes_per_tenant) == (5, 7, 9)
     with pytest.raises(ValueError):
         ServiceConfig(http_max_body_bytes_per_tenant=1 << 20)  # less than one whole body

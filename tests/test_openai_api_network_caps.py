@@ -189,10 +189,10 @@ def test_limits_from_settings() -> None:
     from services.config import ServiceConfig
 
     base = {"http_head_timeout_s": 1, "http_body_timeout_s": 2, "http_max_connections": 30,
-            "http_max_connections_per_address": 4}
+            "http_max_connections_per_address": 4, "http_send_stall_timeout_s": 3}
     assert ConnectionLimits.of(ServiceConfig()) == ConnectionLimits()
     got = ConnectionLimits.of(types.SimpleNamespace(**base, http_max_connections_per_network=9,
                                                     http_unauthenticated_share=0.25))
-    assert (got.max_connections_per_network, got.unauthenticated_share) == (9, 0.25)
+    assert (got.max_connections_per_network, got.unauthenticated_share, got.send_stall_timeout_s) == (9, 0.25, 3)
     with pytest.raises(ValueError, match="unauthenticated_share"):
         ConnectionLimits(unauthenticated_share=1.5)

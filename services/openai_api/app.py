@@ -76,6 +76,7 @@ from services.openai_api.logprobs import (
 )
 from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
+from services.openai_api.response_budget import HeldResponse, ResponseBudget
 from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.streaming import (
@@ -99,7 +100,8 @@ class OpenAIEdge:
         encode: text -> token ids with the model's tokenizer (``/v1/completions`` prompts).
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
         body_limits: the request-body bytes being read and parsed that one tenant, and all of
-            them, may hold (``BodyBudget``; None: ``BodyLimits``' defaults).
+            them, may hold (``BodyBudget``), and the whole-response bytes not yet written out
+            that one tenant may hold (``ResponseBudget``); None: ``BodyLimits``' defaults.
         tokens: a token id's text and bytes for log probabilities (``TokenTexts`` over the
             model's tokenizer; None: ``token_id:<id>``).
 
@@ -113,6 +115,8 @@ class OpenAIEdge:
         self.tokens = tokens or TokenTexts()
         self.model_name = model_id.split("@", 1)[0]
         self.bodies = BodyBudget(body_limits)
+        self.responses = ResponseBudget(self.bodies.limits.response_bytes_per_tenant,
+                                        self.bodies.limits.retry_after_ms)
         self.created = int(time.time())
 
     def serves(self, model: str) -> bool:
@@ -137,7 +141,8 @@ class OpenAIEdge:
         """Authenticate (401), then the body (413 over ``MAX_BODY_BYTES``; 429 / 503 with
         ``Retry-After`` past its tenant's or the gateway's ``BodyBudget``, before it is read),
         as ``kind`` (400), then its model (404), then the log probabilities a whole response
-        would hold (400: ``check_whole``). Raises ``CallAborted``, ``HTTPException`` (413),
+        would hold (400: ``check_whole``) and, for a whole response, room in its tenant's
+        ``ResponseBudget`` (429). Raises ``CallAborted``, ``HTTPException`` (413),
         ``ValidationError`` for a bad body, or ``ClientGone`` (a big body's parse on a thread
         is not waited for once the client has gone).
 
@@ -161,6 +166,8 @@ class OpenAIEdge:
         if not self.serves(body.model):  # type: ignore[attr-defined]
             raise self.no_such_model(body.model)  # type: ignore[attr-defined]
         self.check_whole(body, tenant)
+        if not body.stream:  # type: ignore[attr-defined]
+            self.responses.check_room(tenant.tenant_id)
         request.state.tenant_id = tenant.tenant_id  # (``render``'s turn on a worker thread)
         return body
 
@@ -189,14 +196,25 @@ class OpenAIEdge:
                               param="top_logprobs" if chat else "logprobs") from exc
 
     async def render(self, request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
-        """A whole response's ``JSONResponse`` of ``build()``: on a worker thread, one at a time
-        per tenant (``InferenceServicer.off_loop``), when it holds more than
-        ``OFF_LOOP_LOGPROBS`` log probabilities, else here. Regression (review 26c F2): a body of
-        192 MiB was built on the event loop every tenant's calls share, for 7.9 s."""
-        if logprobs <= OFF_LOOP_LOGPROBS:
-            return JSONResponse(build())
+        """A whole response's JSON body of ``build()``: on a worker thread, one at a time per
+        tenant (``InferenceServicer.off_loop``), when it holds more than ``OFF_LOOP_LOGPROBS``
+        log probabilities, else here. Its bytes are held in its tenant's ``ResponseBudget`` until
+        its connection has written them out (``HeldResponse``). Regression (review 26c F2): a
+        body of 192 MiB was built on the event loop every tenant's calls share, for 7.9 s.
+
+        When the tenant's unwritten responses leave no room for it (``ResponseBudget.hold``), the
+        response is that refusal instead: a 429 with ``Retry-After``.
+        """
         tenant_id = getattr(request.state, "tenant_id", "")
-        return await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
+        if logprobs <= OFF_LOOP_LOGPROBS:
+            response = JSONResponse(build())
+        else:
+            response = await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
+        try:
+            hold = self.responses.hold(tenant_id, len(response.body))
+        except CallAborted as exc:
+            return exc.response()
+        return HeldResponse(bytes(response.body), hold)
 
     def logprobs(self, body: ChatCompletionRequest | CompletionRequest) -> Logprobs | None:
         """Where one choice of ``body`` collects its log probabilities (None: not asked)."""

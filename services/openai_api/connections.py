@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 
 _ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (base_events)
 
+SEND_PROGRESS_BYTES = 64 * 1024
+"""Bytes a client must take from a connection's held-up writes within each
+``send_stall_timeout_s`` (asyncio's default write high-water mark: what a transport buffers
+before it holds its writer up)."""
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """What one connection, and all of them, may hold (``ServiceConfig``'s ``http_*`` settings).
@@ -54,7 +59,7 @@ class ConnectionLimits:
             handshake runs within it), or from the first byte of its next request, until the
             request's whole head (request line and headers) has arrived.
         body_timeout_s: from a request's head until its whole body has arrived. Neither deadline
-            covers sending the response: a streamed (SSE) response runs as long as it needs.
+            covers sending the response (``send_stall_timeout_s`` does).
         max_connections: open connections in all (clamped to half the process's NOFILE soft
             limit, which gRPC, ZeroMQ and Ray share).
         max_connections_per_address: open connections from one client network: an IPv4
@@ -67,6 +72,14 @@ class ConnectionLimits:
             IPv6 /48 (one site's allocation); the trusted proxies are exempt.
         unauthenticated_share: the fraction of ``max_connections`` that connections which have
             not yet presented a valid API key may hold; the rest is kept for those that have.
+        send_stall_timeout_s: how long a connection's writes may stay held up by its client (the
+            transport's buffer over its high-water mark, the client taking less than
+            ``SEND_PROGRESS_BYTES`` of it meanwhile) before it is aborted. A streamed (SSE)
+            response is exempt while nothing is pipelined behind it: its stream's
+            ``stream_idle_timeout_s`` ends it (``Guarded``).
+        max_pipelined_requests: requests one connection may have queued behind the response
+            under way (HTTP/1.1 pipelining); one more closes the connection, as do queued
+            requests holding more than ``max_head_bytes`` in all.
     """
 
     head_timeout_s: float = 10.0
@@ -77,10 +90,13 @@ class ConnectionLimits:
     max_head_bytes: int = 64 * 1024
     max_connections_per_network: int = 1024
     unauthenticated_share: float = 0.5
+    send_stall_timeout_s: float = 60.0
+    max_pipelined_requests: int = 8
 
     def __post_init__(self) -> None:
         for name in ("head_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_address",
-                     "backlog", "max_head_bytes", "max_connections_per_network", "unauthenticated_share"):
+                     "backlog", "max_head_bytes", "max_connections_per_network", "unauthenticated_share",
+                     "send_stall_timeout_s", "max_pipelined_requests"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ConnectionLimits.{name} must be > 0, got {getattr(self, name)!r}")
         if self.unauthenticated_share > 1:
@@ -92,7 +108,8 @@ class ConnectionLimits:
         return cls(config.http_head_timeout_s, config.http_body_timeout_s,
                    config.http_max_connections, config.http_max_connections_per_address,
                    max_connections_per_network=config.http_max_connections_per_network,
-                   unauthenticated_share=config.http_unauthenticated_share)
+                   unauthenticated_share=config.http_unauthenticated_share,
+                   send_stall_timeout_s=config.http_send_stall_timeout_s)
 
 
 def client_networks(address: str) -> tuple[str, str]:
@@ -117,9 +134,10 @@ class ConnectionGuard:
     A new connection is refused (503 at accept) when its client network (``client_networks``)
     or its wider network holds its cap. When the connections without a valid API key hold
     their share of the slots (``unauthenticated_share``), or all slots are taken, the oldest
-    such connection that is still receiving a request (head or body, no response under way) or
-    idle between requests is shed (closed; 503 to a partial head) to make room; only when there
-    is none is the new one refused.
+    such connection that is still receiving a request (head or body, no response under way),
+    idle between requests, or whose client holds up the server's writes (it reads nothing) is
+    shed (closed; 503 to a partial head) to make room; only when there is none is the new one
+    refused.
 
     The per-network counts key on the socket peer, never on X-Forwarded-For: the header arrives
     after the connection is accepted, and only trusted proxies may set it (``HttpServer``).
@@ -190,8 +208,8 @@ class ConnectionGuard:
             conn.end_handshake()
 
     def _shed_one(self) -> bool:
-        """Close the oldest unauthenticated connection still receiving its request or idle
-        (``Guarded.sheddable``); False when there is none."""
+        """Close the oldest unauthenticated connection still receiving its request, idle, or
+        held up by its client (``Guarded.sheddable``); False when there is none."""
         for conn in self.unauthenticated:
             if conn.sheddable():
                 conn.shed()

@@ -30,7 +30,8 @@ session's history, a failed step) carries ``x-should-retry: false``, which the o
 ``openai`` client obeys instead of retrying its 409s, 429s and 5xx; a 429 or 503 with
 ``Retry-After`` stays retryable.
 
-Also the bound on request-body bytes being read, per tenant and in all (``BodyBudget``).
+Also the bound on request-body bytes being read, per tenant and in all (``BodyBudget``), and
+the limits of whole-response bytes being written (``BodyLimits``; ``response_budget``).
 """
 
 from __future__ import annotations
@@ -220,26 +221,32 @@ class HttpCallContext:
 
 @dataclass(frozen=True)
 class BodyLimits:
-    """Bytes of request bodies the HTTP API may hold while they are read and parsed.
+    """Bytes of request bodies the HTTP API may hold while they are read and parsed, and of whole
+    response bodies while they are written (``response_budget.ResponseBudget``).
 
     Attributes:
         per_tenant_bytes: of one tenant's requests (4 bodies of the largest size by default).
         total_bytes: of all tenants' requests at this gateway.
         retry_after_ms: the ``Retry-After`` of a refusal.
+        response_bytes_per_tenant: of one tenant's whole (non-streamed) responses handed to
+            their connections and not yet written out (3 of the largest with log
+            probabilities, ~19 MB each, by default).
     """
 
     per_tenant_bytes: int = 32 << 20
     total_bytes: int = 256 << 20
     retry_after_ms: int = 1000
+    response_bytes_per_tenant: int = 64 << 20
 
     @classmethod
     def of(cls, config: Any) -> BodyLimits:
         """The limits a ``ServiceConfig`` sets (``http_max_body_bytes_per_tenant``,
-        ``http_max_body_bytes_total``)."""
-        return cls(config.http_max_body_bytes_per_tenant, config.http_max_body_bytes_total)
+        ``http_max_body_bytes_total``, ``http_max_response_bytes_per_tenant``)."""
+        return cls(config.http_max_body_bytes_per_tenant, config.http_max_body_bytes_total,
+                   response_bytes_per_tenant=config.http_max_response_bytes_per_tenant)
 
     def __post_init__(self) -> None:
-        for name in ("per_tenant_bytes", "total_bytes", "retry_after_ms"):
+        for name in ("per_tenant_bytes", "total_bytes", "retry_after_ms", "response_bytes_per_tenant"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"BodyLimits.{name} must be > 0, got {getattr(self, name)!r}")
 

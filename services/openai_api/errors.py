@@ -67,14 +67,28 @@ def invalid(exc: ValidationError | RequestValidationError) -> JSONResponse:
     return error_response(400, f"{field}: {message}", "invalid_request_error", INVALID, param=field)
 
 
+MAX_SHOWN_PATH = 256
+"""Characters of a request's path that a 404 / 405 message echoes."""
+
+
+def _shown(path: str) -> str:
+    """``path`` as an error message shows it: its first ``MAX_SHOWN_PATH`` characters, and how
+    long it was past them."""
+    if len(path) <= MAX_SHOWN_PATH:
+        return path
+    return f"{path[:MAX_SHOWN_PATH]}... ({len(path)} characters)"
+
+
 def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own HTTP errors (404 no such path, 405 wrong method, ...) in OpenAI's shape,
-    keeping their headers (405's ``Allow``)."""
+    keeping their headers (405's ``Allow``). The path they echo is cut to ``MAX_SHOWN_PATH``
+    characters (review 27a, F2: a 404 echoed up to 64 KiB of it, so a few unread pipelined
+    requests filled the server's buffers)."""
     kind, code = _HTTP_ERRORS.get(exc.status_code, ("invalid_request_error", None))
     if exc.status_code == 404:
-        message = f"no such endpoint: {request.url.path}"
+        message = f"no such endpoint: {_shown(request.url.path)}"
     elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
+        message = f"method {request.method} is not allowed on {_shown(request.url.path)}"
     else:
         message = str(exc.detail)
     return error_response(exc.status_code, message, kind, code, dict(exc.headers or {}))

@@ -1,23 +1,25 @@
 """The uvicorn HTTP protocol under ``services.openai_api.connections``' bounds: a mixin over
-uvicorn's ``HttpToolsProtocol`` / ``H11Protocol`` (``guarded_protocol``) that sees each connection
-from its accept, counts it with the ``ConnectionGuard``, arms the head and body deadlines, and
-with HTTPS terminates TLS itself on the accepted TCP connection (``loop.start_tls``), so the
-handshake runs counted and under the head deadline (see ``connections``' module docstring for
-the regressions these bounds fix). The app marks a request's connection as authenticated
-(``authenticated``) or ends a response unfinished on purpose (``end_unfinished``) through its
-ASGI scope.
+uvicorn's ``HttpToolsProtocol`` / ``H11Protocol`` (``protocol_parsers.guarded_protocol``) that
+sees each connection from its accept, counts it with the ``ConnectionGuard``, arms the head and
+body deadlines and the send-stall deadline, and with HTTPS terminates TLS itself on the accepted
+TCP connection (``loop.start_tls``), so the handshake runs counted and under the head deadline
+(see ``connections``' module docstring for the regressions these bounds fix). The app reaches a
+request's connection through its ASGI scope (``scope_hooks``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
 from typing import Any, cast
 
-import h11
-
-from services.openai_api.connections import ConnectionGuard
+from services.openai_api.connections import SEND_PROGRESS_BYTES, ConnectionGuard
+from services.openai_api.scope_hooks import (
+    IS_STREAMED,
+    authenticated,  # noqa: F401 - re-exported
+    end_unfinished,  # noqa: F401 - re-exported
+    marking,
+)
 
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\n"
             b"connection: close\r\n\r\n")
@@ -27,8 +29,8 @@ _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 
 
 
 class Guarded:
-    """Mixin over a uvicorn HTTP protocol: the caps at ``connection_made`` and the receive
-    deadlines. Subclasses report a request's head and its end (``_head_received``,
+    """Mixin over a uvicorn HTTP protocol: the caps at ``connection_made``, the receive
+    deadlines and the send-stall deadline (``_send_stalled``). Subclasses report a request's head and its end (``_head_received``,
     ``_request_received``).
 
     With ``tls_context`` the protocol is given the accepted TCP connection and terminates TLS on
@@ -51,6 +53,8 @@ class Guarded:
         self._head_bytes = 0
         self._early = bytearray()  # bytes decrypted before uvicorn saw the connection
         self._started = False  # the uvicorn protocol saw the connection
+        self._stall: asyncio.TimerHandle | None = None  # armed while the client holds writes up
+        self._stall_mark = 0  # the write buffer's size when the stall deadline was (re)armed
         self._admitted = self.guard.admit(self, self._peer)  # counted by the guard
         if not self._admitted:
             if self.tls_context is None:  # (a TLS client could not read it)
@@ -68,7 +72,9 @@ class Guarded:
         """HTTP on ``transport`` (under TLS, the handshake's deadline runs on for the head)."""
         super().connection_made(transport)  # type: ignore[misc]
         self._started = True
-        self.app = _marking(self.app, self._authenticated, self._end_unfinished)  # type: ignore[has-type]
+        self._serving()
+        self.app = marking(self.app, self._authenticated, self._end_unfinished,  # type: ignore[has-type]
+                            self._written)
         if self._phase == "handshake":
             self._phase = "head"
         else:
@@ -112,6 +118,7 @@ class Guarded:
     def connection_lost(self, exc: Exception | None) -> None:
         self._uncount()
         self._disarm()
+        self._unstall()
         if self._started:
             self._started = False
             super().connection_lost(exc)  # type: ignore[misc]
@@ -141,13 +148,22 @@ class Guarded:
 
     def sheddable(self) -> bool:
         """Receiving a request (its head or body), or idle between requests (kept alive), with
-        no response under way and no request in the app: what the guard may close to make room
-        (for a connection without a valid API key).
+        no response under way and no request in the app, or with its writes held up by its
+        client: what the guard may close to make room (for a connection without a valid API
+        key).
 
         Regression (review of f7a24d1, R2): a keyless connection idle between requests could
         not be shed; 8 of them (re-sending ``GET /health`` within the keep-alive) held the
-        keyless share, and every new connection, a keyed client's too, was refused 503."""
-        if self._current.is_closing() or self._answering():
+        keyless share, and every new connection, a keyed client's too, was refused 503.
+
+        Regression (review 27a, F2): a keyless connection answering requests it pipelined and
+        never read could not be shed either (it was "answering"); 8 of them held the keyless
+        share for good."""
+        if self._current.is_closing():
+            return False
+        if self._stall is not None:  # its client, not the server, holds it up
+            return True
+        if self._answering():
             return False
         if self._phase is not None:
             return True
@@ -173,6 +189,12 @@ class Guarded:
         # counted before parsing, judged after: a head that ended in these bytes is never refused
         if self._phase == "head" and self._head_bytes > self.guard.limits.max_head_bytes:
             self._close("head_too_large", _TOO_LARGE)
+        elif self._unserved_bytes() > self.guard.limits.max_head_bytes:
+            self._close("pipeline_too_large", b"")
+
+    def _unserved_bytes(self) -> int:
+        """Bytes of requests received and waiting behind the response under way (pipelined)."""
+        return 0
 
     def _head_received(self) -> None:
         self._await("body")
@@ -196,8 +218,8 @@ class Guarded:
             self._deadline = None
 
     def _answering(self) -> bool:
-        """A response is being sent, or a request waits behind one (pipelined: the server, not
-        the client, holds up its bytes)."""
+        """A response is being sent, or a request waits behind one (pipelined; at most
+        ``max_pipelined_requests``)."""
         cycle = self.cycle
         sending = cycle is not None and cycle.response_started and not cycle.response_complete
         return sending or bool(getattr(self, "pipeline", None))
@@ -211,6 +233,62 @@ class Guarded:
             return
         self._close(f"{self._phase}_timeout", _TIMED_OUT if self._phase == "head" else b"")
 
+    def pause_writing(self) -> None:
+        """The transport buffers past its high-water mark: the client holds the server's writes
+        up. Arms the send-stall deadline (``_send_stalled``)."""
+        if self._started:
+            super().pause_writing()  # type: ignore[misc]
+        if self._stall is None and not self._current.is_closing():
+            self._stall_mark = self._current.get_write_buffer_size()
+            self._stall = self.loop.call_later(self.guard.limits.send_stall_timeout_s, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        if self._started:
+            super().resume_writing()  # type: ignore[misc]
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _send_stalled(self) -> None:
+        """``send_stall_timeout_s`` with the writes held up: abort the connection (what its
+        transport and its requests hold is freed, a stream's request aborted as for any client
+        gone), unless the client took ``SEND_PROGRESS_BYTES`` meanwhile or a streamed response
+        is under way with nothing pipelined behind it (its ``stream_idle_timeout_s`` governs):
+        then look again after another ``send_stall_timeout_s``.
+
+        Regression (review 27a, F2 and F3): sending had no deadline; a whole response, or
+        pipelined requests' responses, that the client never read held the connection, its
+        transport's bytes and the response forever (uvicorn waits in ``drain()``)."""
+        self._stall = None
+        transport = self._current
+        if transport.is_closing():
+            return
+        size = transport.get_write_buffer_size()
+        if self._stall_mark - size >= SEND_PROGRESS_BYTES or self._streaming():
+            self._stall_mark = size
+            self._stall = self.loop.call_later(self.guard.limits.send_stall_timeout_s, self._send_stalled)
+            return
+        self._close("send_stalled", b"")
+
+    def _streaming(self) -> bool:
+        """A streamed response (``streamed``) is under way, with no request pipelined behind it."""
+        cycle = self.cycle
+        return (cycle is not None and not cycle.response_complete and bool(cycle.scope.get(IS_STREAMED))
+                and not getattr(self, "pipeline", None))
+
+    async def _written(self) -> None:
+        """Return once the transport holds at most its low-water mark of unsent bytes (uvicorn's
+        ``FlowControl``), or the connection is gone."""
+        flow = getattr(self, "flow", None)
+        if flow is not None:
+            await flow.drain()
+
+    def _serving(self) -> None:
+        """The uvicorn protocol has seen the connection (its ``flow`` exists)."""
+
     def _close(self, reason: str, reply: bytes) -> None:
         transport = self._current
         if transport.is_closing():
@@ -218,96 +296,8 @@ class Guarded:
         self.guard.stats[reason] += 1
         self._phase = None
         self._disarm()
+        self._unstall()
         if reply:
             transport.write(reply)
         # a peer that reads nothing must not keep the socket open through close()'s flush
         transport.abort() if transport.get_write_buffer_size() else transport.close()
-
-
-AUTHENTICATED = "kvstrata.authenticated"
-"""The ASGI scope key of a callable that marks the request's connection as having presented a
-valid API key (``authenticated``)."""
-
-
-END_UNFINISHED = "kvstrata.end_unfinished"
-"""A request scope's key for its connection's ``Guarded._end_unfinished``."""
-
-
-def _marking(app: Any, mark: Callable[[], None], end_unfinished: Callable[[], None]) -> Any:
-    """``app`` with ``mark`` (``AUTHENTICATED``) and ``end_unfinished`` (``END_UNFINISHED``) in
-    each request's scope."""
-
-    async def marked(scope: Any, receive: Any, send: Any) -> None:
-        scope[AUTHENTICATED] = mark
-        scope[END_UNFINISHED] = end_unfinished
-        await app(scope, receive, send)
-    return marked
-
-
-def end_unfinished(scope: Any) -> None:
-    """The app ends the response of ``scope`` unfinished, on purpose, and returns: its connection,
-    when served by a guarded protocol, is closed after what its transport holds, as uvicorn closes
-    it for an app that returns mid-response, but without uvicorn's ERROR log ("ASGI callable
-    returned without completing response"), which is for a broken app."""
-    end = scope.get(END_UNFINISHED)
-    if end is not None:
-        end()
-
-
-def authenticated(scope: Any) -> None:
-    """The request of ``scope`` presented a valid API key: its connection, when served by a
-    guarded protocol, leaves the unauthenticated pool (``ConnectionGuard``)."""
-    mark = scope.get(AUTHENTICATED)
-    if mark is not None:
-        mark()
-
-
-def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard,
-                     tls_context: ssl.SSLContext | None = None) -> type[asyncio.Protocol]:
-    """``base`` (uvicorn's ``HttpToolsProtocol`` or ``H11Protocol``) under ``guard``'s bounds;
-    with ``tls_context`` it serves HTTPS on plain TCP connections (the server gets no ``ssl``)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    attributes = {"guard": guard, "tls_context": tls_context}
-    if issubclass(base, H11Protocol):
-        return type("GuardedH11Protocol", (_GuardedH11, base), attributes)
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    if issubclass(base, HttpToolsProtocol):
-        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools, base), attributes)
-    raise ValueError(f"no connection guard for the HTTP protocol {base.__name__}")
-
-
-class _GuardedHttpTools(Guarded):
-    """httptools reports a request's parts by callback."""
-
-    def on_message_begin(self) -> None:
-        if self._phase is None:  # a pipelined request begun in the bytes of the one before
-            self._await("head")
-        super().on_message_begin()  # type: ignore[misc]
-
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()  # type: ignore[misc]
-        self._head_received()
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()  # type: ignore[misc]
-        self._request_received()
-
-
-class _GuardedH11(Guarded):
-    """h11 is asked its peer's state after each batch of events."""
-
-    conn: Any
-
-    def handle_events(self) -> None:
-        super().handle_events()  # type: ignore[misc]
-        state = self.conn.their_state
-        if state is h11.IDLE:  # bytes of a next request buffered (pipelined): its head is due
-            if self.conn.trailing_data[0] and self._phase != "head":
-                self._await("head")
-        elif state is h11.SEND_BODY:
-            if self._phase != "body":
-                self._head_received()
-        elif self._phase is not None:  # DONE, MUST_CLOSE, CLOSED, ERROR: nothing more to receive
-            self._request_received()

@@ -11,7 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from services.openai_api.connections import AcceptErrorLog, ConnectionGuard, ConnectionLimits
-from services.openai_api.protocol import guarded_protocol
+from services.openai_api.protocol_parsers import guarded_protocol
 from services.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ class HttpServer:
             terminates TLS on the accepted connection (``protocol.Guarded``), so the caps
             count it from its accept and ``head_timeout_s`` bounds its handshake; uvicorn itself
             is given no ``ssl``.
+        http: uvicorn's HTTP/1.1 implementation (``"auto"``: httptools when installed, else h11;
+            both are guarded alike, ``protocol_parsers``).
 
     Regression (secrev16 fault B): uvicorn's proxy headers were on by default, trusting
     127.0.0.1, so any client connecting over loopback chose its own address (the key of the
@@ -58,8 +60,9 @@ class HttpServer:
     """
 
     def __init__(self, app: FastAPI, forwarded_allow_ips: str | list[str] | None = None,
-                 limits: ConnectionLimits | None = None, tls: ServerTls | None = None) -> None:
-        self.app, self.tls = app, tls
+                 limits: ConnectionLimits | None = None, tls: ServerTls | None = None,
+                 http: str = "auto") -> None:
+        self.app, self.tls, self.http = app, tls, http
         self.forwarded_allow_ips = forwarded_allow_ips or None
         self.limits = limits or ConnectionLimits()
         self.guard: ConnectionGuard | None = None
@@ -94,7 +97,7 @@ class HttpServer:
         sock.setblocking(False)
         # no ws: an upgraded connection would leave the guarded protocol uncounted
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=1, ws="none", backlog=self.limits.backlog,
+                                timeout_graceful_shutdown=1, ws="none", backlog=self.limits.backlog, http=self.http,
                                 proxy_headers=self.forwarded_allow_ips is not None,
                                 forwarded_allow_ips=self.forwarded_allow_ips)
         try:

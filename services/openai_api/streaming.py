@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from services.gateway import StreamWriter
 from services.openai_api.context import CallAborted
 from services.openai_api.errors import _gone
-from services.openai_api.protocol import end_unfinished
 from services.openai_api.responses import Generation, sse
+from services.openai_api.scope_hooks import end_unfinished, streamed
 
 T = TypeVar("T")
 
@@ -80,6 +80,7 @@ class _ClosingStream(StreamingResponse):
         self.writer = writer
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        streamed(scope)  # its client's reading is judged by the stream's idle deadline
         try:
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
