@@ -224,6 +224,28 @@ def test_keyless_connections_that_never_read_are_shed_and_timed_out() -> None:
     asyncio.run(asyncio.wait_for(_serving(limits, body), 30))
 
 
+def test_a_connection_closing_after_an_unread_response_is_aborted() -> None:
+    """A response whose connection uvicorn closes once it is written (``Connection: close``;
+    likewise at its 5 s keep-alive timeout) is still aborted at the send-stall deadline: asyncio's
+    ``close`` waits for the held bytes to be written, for as long as the client takes. Found
+    on a live gateway (60 s deadline, past the keep-alive): two unread whole responses held
+    their connections and 2.2 MB of Send-Q each for good."""
+    limits = ConnectionLimits(send_stall_timeout_s=1.0)
+
+    async def body(server: HttpServer, port: int) -> None:
+        guard = server.guard
+        assert guard is not None
+        sock = await _connect(port, rcvbuf=4096)
+        await asyncio.get_running_loop().sock_sendall(sock, b"GET /big HTTP/1.1\r\nHost: x\r\n"
+                                                            b"Connection: close\r\n\r\n")
+        assert await _until(lambda: any(c._current.is_closing() and _held_up(c) for c in guard.unauthenticated), 5)
+        assert await _until(lambda: guard.open == 0, 3 * limits.send_stall_timeout_s), dict(guard.stats)
+        assert guard.stats["send_stalled"] == 1
+        sock.close()
+
+    asyncio.run(asyncio.wait_for(_serving(limits, body), 30))
+
+
 def test_a_stream_is_left_to_its_idle_deadline() -> None:
     """A streamed response whose client reads nothing is not cut by the send-stall deadline:
     the stream's ``stream_idle_timeout_s`` governs it (``scope_hooks.streamed``)."""

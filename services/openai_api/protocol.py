@@ -159,11 +159,9 @@ class Guarded:
         Regression (review 27a, F2): a keyless connection answering requests it pipelined and
         never read could not be shed either (it was "answering"); 8 of them held the keyless
         share for good."""
-        if self._current.is_closing():
-            return False
-        if self._stall is not None:  # its client, not the server, holds it up
+        if self._stall is not None:  # its client, not the server, holds it up (closing or not)
             return True
-        if self._answering():
+        if self._current.is_closing() or self._answering():
             return False
         if self._phase is not None:
             return True
@@ -261,12 +259,13 @@ class Guarded:
 
         Regression (review 27a, F2 and F3): sending had no deadline; a whole response, or
         pipelined requests' responses, that the client never read held the connection, its
-        transport's bytes and the response forever (uvicorn waits in ``drain()``)."""
+        transport's bytes and the response forever (uvicorn waits in ``drain()``, or, once it
+        has closed the connection at its keep-alive timeout, asyncio waits to write them)."""
         self._stall = None
         transport = self._current
-        if transport.is_closing():
-            return
         size = transport.get_write_buffer_size()
+        if not size and transport.is_closing():
+            return
         if self._stall_mark - size >= SEND_PROGRESS_BYTES or self._streaming():
             self._stall_mark = size
             self._stall = self.loop.call_later(self.guard.limits.send_stall_timeout_s, self._send_stalled)
@@ -274,10 +273,11 @@ class Guarded:
         self._close("send_stalled", b"")
 
     def _streaming(self) -> bool:
-        """A streamed response (``streamed``) is under way, with no request pipelined behind it."""
+        """A streamed response (``streamed``) is under way, with no request pipelined behind it
+        and the connection not closing (a stream ended unfinished closes it: ``end_unfinished``)."""
         cycle = self.cycle
         return (cycle is not None and not cycle.response_complete and bool(cycle.scope.get(IS_STREAMED))
-                and not getattr(self, "pipeline", None))
+                and not getattr(self, "pipeline", None) and not self._current.is_closing())
 
     async def _written(self) -> None:
         """Return once the transport holds at most its low-water mark of unsent bytes (uvicorn's
@@ -290,14 +290,19 @@ class Guarded:
         """The uvicorn protocol has seen the connection (its ``flow`` exists)."""
 
     def _close(self, reason: str, reply: bytes) -> None:
+        """Close the connection with ``reply``, counted as ``reason``; one already closing is
+        aborted if its transport still holds bytes (``close`` waits for them to be written, for
+        as long as the client takes: uvicorn closes a connection that way at its keep-alive
+        timeout, or after a response to ``Connection: close``)."""
         transport = self._current
-        if transport.is_closing():
+        closing = transport.is_closing()
+        if closing and not transport.get_write_buffer_size():
             return
         self.guard.stats[reason] += 1
         self._phase = None
         self._disarm()
         self._unstall()
-        if reply:
+        if reply and not closing:
             transport.write(reply)
         # a peer that reads nothing must not keep the socket open through close()'s flush
         transport.abort() if transport.get_write_buffer_size() else transport.close()
