@@ -10,7 +10,10 @@ request's connection through its ASGI scope (``scope_hooks``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import struct
 from typing import Any, cast
 
 from services.openai_api.connections import SEND_PROGRESS_BYTES, ConnectionGuard
@@ -26,6 +29,16 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-aft
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
               b"connection: close\r\n\r\n")
+
+
+def _reset_on_close(tcp: asyncio.Transport) -> None:
+    """Closing ``tcp``'s socket resets the connection (``SO_LINGER`` 0): the kernel drops what it
+    still holds to send, instead of keeping the socket, orphaned, while it tries to deliver it
+    to a peer that reads nothing (megabytes of send queue, for minutes)."""
+    sock = tcp.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 class Guarded:
@@ -304,5 +317,8 @@ class Guarded:
         self._unstall()
         if reply and not closing:
             transport.write(reply)
-        # a peer that reads nothing must not keep the socket open through close()'s flush
-        transport.abort() if transport.get_write_buffer_size() else transport.close()
+        if transport.get_write_buffer_size():  # a peer that reads nothing: no flush, a reset
+            _reset_on_close(self._accepted)
+            transport.abort()
+        else:
+            transport.close()
