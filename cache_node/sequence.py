@@ -111,6 +111,7 @@ class Sequence:
     kept: KeptHistory | None = None
     continues_state: bool = False  # a session turn under a compressing policy continuing its history's KV
     grammar: Any = None  # its structured output's ``cache_node.grammar_mask.GrammarState``; None: unconstrained
+    token_constraints: Any = None  # its ``cache_node.sampler.TokenConstraints``, built on its first constrained step
 
     @property
     def cache_namespace(self) -> str:
