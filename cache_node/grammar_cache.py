@@ -1,9 +1,16 @@
 """Compiled grammars kept by (kind, spec), bounded by entries and bytes, and specs that failed.
 
-``GrammarCache`` is a least-recently-used map of compiled grammars: at most ``max_entries``,
-and at most ``max_bytes`` counting each grammar's ``memory_size_bytes`` plus its key's spec
-text (a grammar larger than the whole budget is used by its requests but not kept). A spec
-whose compilation failed (it does not compile, ran past the time limit, or the compiler
+``GrammarCache`` is a map of compiled grammars, at most ``max_entries``, and at most
+``max_bytes`` counting each grammar's ``memory_size_bytes`` plus its key's spec text (a grammar
+larger than the whole budget is used by its requests but not kept), fair per tenant: each
+tenant that put or got an entry holds a claim on it, kept in that tenant's own
+least-recently-used order, and is charged the entry's full bytes and one entry for it (an entry
+several tenants use counts for each of them). Past either bound, the tenant charged the most in
+that bound (entries or bytes) gives up its least recently used claim; an entry is dropped when
+no tenant claims it any more. So a tenant filling the cache evicts its own grammars first, and
+another tenant's grammar stays while that tenant holds no more than its share. Regression
+(review 27c F2): one shared LRU, which one tenant flushed in 1.9 s with 256 trivial regexes.
+A spec whose compilation failed (it does not compile, ran past the time limit, or the compiler
 process died on it) is remembered with its message for ``failed_ttl_s`` (at most
 ``max_entries`` of them, oldest out first), so the same spec sent again is refused at once
 instead of costing the compiler another full time limit. Not thread-safe: ``Grammars`` holds
@@ -13,6 +20,7 @@ its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 Key = tuple[str, str]
@@ -34,39 +42,82 @@ class GrammarCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.failed_ttl_s = failed_ttl_s
-        self._kept: OrderedDict[Key, tuple[Any, int]] = OrderedDict()  # key -> (grammar, bytes)
+        self._kept: dict[Key, tuple[Any, int, set[str]]] = {}  # key -> (grammar, bytes, claiming tenants)
+        self._claims: dict[str, OrderedDict[Key, None]] = {}  # tenant -> its claims, least recent first
+        self._tenant_bytes: dict[str, int] = {}  # tenant -> bytes of the entries it claims
         self._failed: OrderedDict[Key, tuple[float, str]] = OrderedDict()  # key -> (until, message)
         self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def get(self, key: Key) -> Any | None:
-        """The kept grammar of ``key`` (now the most recently used), or None."""
+    def held(self, tenant: str) -> tuple[int, int]:
+        """What ``tenant`` is charged: (entries, bytes) it claims."""
+        return len(self._claims.get(tenant, ())), self._tenant_bytes.get(tenant, 0)
+
+    def get(self, key: Key, tenant: str = "") -> Any | None:
+        """The kept grammar of ``key`` (now ``tenant``'s most recently used), or None."""
         entry = self._kept.get(key)
         if entry is None:
             return None
-        self._kept.move_to_end(key)
+        self._claim(tenant, key, entry)
         return entry[0]
 
-    def put(self, key: Key, compiled: Any) -> bool:
-        """Keep ``compiled``, evicting the least recently used past either bound. False when
-        it alone is over ``max_bytes`` (not kept)."""
+    def put(self, key: Key, compiled: Any, tenants: Iterable[str] = ("",)) -> bool:
+        """Keep ``compiled``, claimed by each of ``tenants`` (the most recently used of each),
+        then give up claims past either bound (the most charged tenant's least recently used
+        first). False when it is not kept: alone over ``max_bytes``, or its claims given up."""
         size = grammar_bytes(key, compiled)
         if size > self.max_bytes:
             return False
+        before = self._kept.get(key)
+        tenants = [*(before[2] if before is not None else ()), *tenants]  # its claims stay
         self._drop(key)
-        self._kept[key] = (compiled, size)
+        entry = self._kept[key] = (compiled, size, set())
         self.num_bytes += size
+        for tenant in tenants:
+            self._claim(tenant, key, entry)
+        if not entry[2]:
+            self._drop(key)
+            return False
         while len(self._kept) > self.max_entries or self.num_bytes > self.max_bytes:
-            self._drop(next(iter(self._kept)))
-        return True
+            if len(self._kept) > self.max_entries:
+                victim = max(self._claims, key=lambda t: len(self._claims[t]))
+            else:
+                victim = max(self._claims, key=self._tenant_bytes.__getitem__)
+            self._unclaim(victim, next(iter(self._claims[victim])))
+        return key in self._kept
 
-    def _drop(self, key: Key) -> None:
-        entry = self._kept.pop(key, None)
-        if entry is not None:
+    def _claim(self, tenant: str, key: Key, entry: tuple[Any, int, set[str]]) -> None:
+        claims = self._claims.setdefault(tenant, OrderedDict())
+        if key in claims:
+            claims.move_to_end(key)
+            return
+        claims[key] = None
+        entry[2].add(tenant)
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + entry[1]
+
+    def _unclaim(self, tenant: str, key: Key) -> None:
+        """``tenant`` gives up ``key``; the entry is dropped once no tenant claims it."""
+        claims = self._claims[tenant]
+        del claims[key]
+        entry = self._kept[key]
+        entry[2].discard(tenant)
+        self._tenant_bytes[tenant] -= entry[1]
+        if not claims:
+            del self._claims[tenant], self._tenant_bytes[tenant]
+        if not entry[2]:
+            del self._kept[key]
             self.num_bytes -= entry[1]
 
+    def _drop(self, key: Key) -> None:
+        entry = self._kept.get(key)
+        if entry is not None:
+            for tenant in list(entry[2]):
+                self._unclaim(tenant, key)
+            if key in self._kept:  # claimed by no tenant
+                del self._kept[key]
+                self.num_bytes -= entry[1]
     def failed(self, key: Key, now: float) -> str | None:
         """The message of ``key``'s failure within the last ``failed_ttl_s``, else None."""
         entry = self._failed.get(key)
@@ -87,8 +138,16 @@ class GrammarCache:
             self._failed.popitem(last=False)
 
     def check_integrity(self) -> None:
-        """``num_bytes`` is the sum of the kept entries' bytes, within both bounds."""
-        total = sum(size for _, size in self._kept.values())
+        """``num_bytes`` is the sum of the kept entries' bytes, within both bounds; every entry
+        is claimed, and each tenant's claims and bytes match the entries'."""
+        total = sum(size for _, size, _ in self._kept.values())
+        for key, (_, _, tenants) in self._kept.items():
+            if not tenants or any(key not in self._claims.get(t, ()) for t in tenants):
+                raise AssertionError(f"grammar cache entry {key[0]} claimed by {sorted(tenants)} inconsistently")
+        for tenant, claims in self._claims.items():
+            if not claims or any(key not in self._kept or tenant not in self._kept[key][2] for key in claims) \
+                    or sum(self._kept[key][1] for key in claims) != self._tenant_bytes.get(tenant):
+                raise AssertionError(f"grammar cache charges tenant {tenant!r} inconsistently")
         if total != self.num_bytes:
             raise AssertionError(f"grammar cache counts {self.num_bytes} bytes, its entries hold {total}")
         if total > self.max_bytes or len(self._kept) > self.max_entries:

@@ -15,9 +15,12 @@ process started), each process's compiles capped at ``worker_memory_bytes``; wai
 are queued per tenant and served round-robin, one running per tenant
 (``cache_node.grammar_queue``), at most ``queue_per_tenant`` pending per tenant (past it
 ``GrammarQueueFull``); a queued compile that no request waits on any more (each ``release``d:
-aborted, refused) is dropped, a running one finishes and is cached. Compiled grammars are
-cached by (kind, spec), bounded by entries and bytes; a spec that failed is refused at once
-for ``FAILED_SPEC_TTL_S`` (``cache_node.grammar_cache``).
+aborted, refused) is dropped, a running one finishes and is cached. One compile serves every
+request for its spec, and is queued under each tenant waiting on it (each tenant's request
+holds a future of its own), so it runs at the earliest turn of any of them: no tenant waits on
+another's queue. Compiled grammars are cached by (kind, spec), bounded by entries and bytes and
+fair per tenant (a tenant past its share evicts its own least recently used first); a spec
+that failed is refused at once for ``FAILED_SPEC_TTL_S`` (``cache_node.grammar_cache``).
 
 xgrammar is imported only when a node enables structured outputs (``Grammars.create``); a
 node without it refuses structured requests with a message saying so.
@@ -35,7 +38,7 @@ import time
 import weakref
 from collections.abc import Collection
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cache_node.grammar_cache import GrammarCache, Key
@@ -100,11 +103,21 @@ def compile_request(spec: StructuredOutputSpec) -> tuple[str, str]:
 
 @dataclass(eq=False)
 class _Job:
+    """One compile of ``key``, waited on by requests of one or more tenants: each tenant's requests get
+    that tenant's future (so ``release`` knows whose request stopped waiting); all are
+    finished together."""
+
     key: Key
     spec: StructuredOutputSpec
-    future: Future[Any]
-    tenant: str
-    waiters: int = 1  # requests that ``compile`` gave its future and did not ``release``
+    futures: dict[str, Future[Any]] = field(default_factory=dict)  # tenant -> its requests' future
+    waiters: dict[str, int] = field(default_factory=dict)  # tenant -> requests given it, not released
+
+    def add(self, tenant: str) -> Future[Any]:
+        future = self.futures.get(tenant)
+        if future is None:
+            future = self.futures[tenant] = Future()
+        self.waiters[tenant] = self.waiters.get(tenant, 0) + 1
+        return future
 
 
 class Grammars:
@@ -142,7 +155,7 @@ class Grammars:
         for thread in self._threads:
             thread.start()
         # close(), garbage collection or interpreter exit: no compiler process is left behind
-        self._finalizer = weakref.finalize(self, _stop, self._queue, self.processes, self._threads)
+        self._finalizer = weakref.finalize(self, _stop, self._lock, self._queue, self.processes, self._threads)
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)  # (rows, ceil(V / 32)) int32, host
         self.num_compiled = 0
         self.num_timeouts = 0  # compiles killed at the time limit
@@ -171,46 +184,55 @@ class Grammars:
         """
         key = (spec.kind, spec.spec)
         with self._lock:
-            compiled = self._cache.get(key)
+            compiled = self._cache.get(key, tenant)
             if compiled is not None:
                 return _resolved(compiled)
             failed = self._cache.failed(key, time.monotonic())
             if failed is not None:
                 return _resolved(error=ValueError(
                     f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
-            job = self._compiling.get(key)
-            if job is not None:
-                job.waiters += 1
-                return job.future
             if self._queue.closed:
                 return _resolved(error=ValueError("structured_output: the cache node is shutting down"))
-            job = _Job(key, spec, Future(), tenant)
-            if not self._queue.put(tenant, job):
-                raise GrammarQueueFull(
-                    f"structured_output: this tenant already has {self.limits.queue_per_tenant} grammars compiling "
-                    f"or queued on this cache node (grammar_compile_queue_per_tenant); retry when they finish")
-            self._compiling[key] = job
-            return job.future
+            job = self._compiling.get(key)
+            if job is None:
+                job = _Job(key, spec)
+                if not self._queue.put(tenant, job):
+                    raise self._full()
+                self._compiling[key] = job
+            elif tenant not in job.futures and self._queue.join(tenant, job) is False:
+                # queued under other tenants: queued under this one too, so it runs at the
+                # earliest turn of any of them (a running one is just waited on)
+                raise self._full()
+            return job.add(tenant)
+
+    def _full(self) -> GrammarQueueFull:
+        return GrammarQueueFull(
+            f"structured_output: this tenant already has {self.limits.queue_per_tenant} grammars compiling "
+            f"or queued on this cache node (grammar_compile_queue_per_tenant); retry when they finish")
 
     def release(self, spec: StructuredOutputSpec, future: Future[Any]) -> None:
         """A request given ``future`` by ``compile(spec)`` waits on it no more (it finished:
-        aborted, or refused after ``compile``). When no request waits on that compile and it is
-        still queued, it is dropped (``num_dropped``): no compiler runs it, it no longer counts
-        against its tenant's ``queue_per_tenant``, and its future is cancelled. A running one
+        aborted, or refused after ``compile``). When no request of its tenant waits on that
+        compile and it is still queued, it leaves that tenant's queue (no longer counting
+        against its ``queue_per_tenant``) and that tenant's future is cancelled; once it is
+        queued for no tenant it is dropped (``num_dropped``): no compiler runs it. A running one
         goes on, and its grammar is cached. Call it once per ``compile`` that returned a
         pending future; one that returned a done future (cached, failed) is ignored.
 
         Regression: an aborted request's queued compile still ran, holding its tenant's slot."""
         with self._lock:
             job = self._compiling.get((spec.kind, spec.spec))
-            if job is None or job.future is not future:
+            tenant = next((t for t, f in job.futures.items() if f is future), None) if job is not None else None
+            if job is None or tenant is None:
                 return
-            job.waiters -= 1
-            if job.waiters > 0 or not self._queue.remove(job.tenant, job):
+            job.waiters[tenant] -= 1
+            if job.waiters[tenant] > 0 or not self._queue.remove(tenant, job):
                 return
-            del self._compiling[job.key]
-            self.num_dropped += 1
-        job.future.cancel()
+            del job.futures[tenant], job.waiters[tenant]
+            if not job.futures:
+                del self._compiling[job.key]
+                self.num_dropped += 1
+        future.cancel()
 
     def _run(self, slot: int, job: _Job) -> bool:
         """Compile ``job`` on process ``slot`` (started if need be) and finish its future.
@@ -301,14 +323,12 @@ class Grammars:
         with self._lock:
             if self._compiling.get(job.key) is job:
                 del self._compiling[job.key]
+            futures = list(job.futures.items())  # no tenant joins it any more
             if compiled is not None:
-                self._cache.put(job.key, compiled)
+                self._cache.put(job.key, compiled, [tenant for tenant, _ in futures])
             elif failed is not None:
                 self._cache.put_failed(job.key, failed, time.monotonic())
-        if compiled is not None:
-            job.future.set_result(compiled)
-        else:
-            job.future.set_exception(ValueError(failed or error))
+        _settle([f for _, f in futures], compiled, None if compiled is not None else ValueError(failed or error))
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
@@ -340,7 +360,7 @@ def _serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes:
         killed = False
         try:
             if grammars is None:
-                job.future.set_exception(ValueError("structured_output: the cache node is shutting down"))
+                _settle(list(job.futures.values()), error=ValueError("structured_output: the cache node is shutting down"))
             else:
                 killed = grammars._run(slot, job)
         except Exception as exc:  # a bug here must not stop the thread nor strand the request
@@ -357,11 +377,12 @@ def _serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes:
         process.kill()
 
 
-def _stop(queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
+def _stop(lock: threading.Lock, queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
           threads: list[threading.Thread]) -> None:
     """``Grammars.close``: fail the queued compiles, kill the running ones, reap every process."""
-    for job in queue.close():
-        job.future.set_exception(ValueError("structured_output: the cache node is shutting down"))
+    with lock:  # ``compile`` adds a tenant's future to a job under it, and joins none once closed
+        futures = [f for job in queue.close() for f in job.futures.values()]
+    _settle(futures, error=ValueError("structured_output: the cache node is shutting down"))
     for process in processes:
         if process is not None:
             process.signal_kill()
@@ -369,6 +390,16 @@ def _stop(queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None]
     for thread in threads:
         if thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _settle(futures: list[Future[Any]], result: Any = None, error: BaseException | None = None) -> None:
+    """Finish each of ``futures`` (one cancelled or finished meanwhile is skipped)."""
+    for future in futures:
+        if not future.done() and future.set_running_or_notify_cancel():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
 
 def _resolved(result: Any = None, error: BaseException | None = None) -> Future[Any]:

@@ -98,6 +98,27 @@ def test_queue_remove_takes_out_a_queued_job_only() -> None:
     assert q.take() == ("a", ["a3"])  # b's empty queue is gone from the turn order
 
 
+def test_queue_a_job_queued_under_several_tenants_runs_once_at_the_earliest_turn() -> None:
+    """Tenant a has a1 running and j queued behind a2; tenant b joins j: j is taken at b's turn
+    (a is running), once, and leaves a's queue (a's bound freed); a job taken already cannot be
+    joined. Each holder counts it once against its bound.
+
+    Regression (review 27c F2): j kept its place in a's queue only, so b waited a's turn."""
+    q: FairCompileQueue[str] = FairCompileQueue(max_per_tenant=3)
+    assert q.put("a", "a1") and q.put("a", "a2") and q.put("a", "j")
+    assert q.take() == ("a", "a1")
+    assert q.join("b", "j") is True and q.join("b", "j") is True and q.pending("b") == 1
+    assert sorted(q.queued("j")) == ["a", "b"] and q.join("c", "a1") is None
+    assert q.take() == ("b", "j")  # b's turn: a has a1 running
+    assert q.pending("a") == 2 and q.queued("j") == [] and q.join("c", "j") is None
+    q.done("a")
+    q.done("b")
+    assert q.take() == ("a", "a2")
+    q.done("a")
+    assert q.put("x", "k") and q.join("y", "k") and q.remove("x", "k") and q.queued("k") == ["y"]
+    assert q.take() == ("y", "k") and q.close() == []
+
+
 class _Grammar:
     def __init__(self, size: int) -> None:
         self.memory_size_bytes = size
@@ -126,6 +147,38 @@ def test_cache_is_bounded_by_bytes_and_entries_and_remembers_failures_for_a_whil
     cache.put_failed(("k", "bad"), "structured_output regex does not compile: x", now=100.0)
     assert cache.failed(("k", "bad"), now=109.9) == "structured_output regex does not compile: x"
     assert cache.failed(("k", "bad"), now=110.0) is None  # expired: compiled again next time
+
+
+def test_cache_is_fair_per_tenant_one_tenant_filling_it_evicts_its_own_first() -> None:
+    """256 entries: b uses one grammar, a and b share another; a then puts 300 of its own.
+    Each eviction takes the most charged tenant's least recently used claim, so b's grammar
+    and the shared one stay (the shared one counts for both) and a keeps its newest 254.
+    Bytes alike: a over the byte bound evicts its own. A shared entry given up by one tenant
+    stays while another claims it.
+
+    Regression (review 27c F2): one LRU for all tenants, which a flushed with trivial specs."""
+    cache = GrammarCache(max_entries=256, max_bytes=1 << 30, failed_ttl_s=10.0)
+    mine, shared = _Grammar(10), _Grammar(10)
+    assert cache.put(("k", "b-own"), mine, ["b"]) and cache.put(("k", "shared"), shared, ["a"])
+    assert cache.get(("k", "shared"), "b") is shared
+    for i in range(300):
+        assert cache.put(("k", f"a{i}"), _Grammar(10), ["a"])
+    assert cache.get(("k", "b-own"), "b") is mine and cache.get(("k", "shared"), "b") is shared
+    assert len(cache) == 256 and cache.held("b") == (2, 16 + 17) and cache.held("a")[0] == 254
+    assert cache.get(("k", "a299"), "a") is not None and cache.get(("k", "a45"), "a") is None
+    cache.check_integrity()
+    by_bytes = GrammarCache(max_entries=100, max_bytes=5_100, failed_ttl_s=10.0)
+    assert by_bytes.put(("k", "b"), _Grammar(998), ["b"])
+    for i in range(10):
+        assert by_bytes.put(("k", f"a{i}"), _Grammar(998), ["a"])
+    assert by_bytes.get(("k", "b"), "b") is not None and by_bytes.held("a") == (4, 4 * 1_001)
+    by_bytes.check_integrity()
+    two = GrammarCache(max_entries=2, max_bytes=1 << 20, failed_ttl_s=10.0)
+    assert two.put(("k", "s"), _Grammar(10), ["a", "b"]) and two.put(("k", "a1"), _Grammar(10), ["a"])
+    assert two.put(("k", "a2"), _Grammar(10), ["a"])  # a gives up "s" (its LRU), b still holds it
+    assert two.get(("k", "s"), "b") is not None and two.get(("k", "a1"), "a") is None
+    assert two.held("a") == (1, 13) and two.held("b") == (1, 12)
+    two.check_integrity()
 
 
 # ---- a compiler process's replies are untrusted bytes --------------------------------------
@@ -226,6 +279,53 @@ def test_json_object_admits_objects_only(tokenizer) -> None:
     assert not matcher.accept_token(bracket)
     assert matcher.accept_string('{"a": [1, {"b": null}]}') and matcher.accept_token(2) and matcher.is_terminated()
     assert not xgr.GrammarMatcher(compiled).accept_string("[1, 2]")
+
+
+def test_a_tenant_never_waits_on_another_tenants_queue_and_cannot_flush_its_grammars(tokenizer, monkeypatch) -> None:
+    """Two compilers. Tenant a has three compiles held on a compiler (running, then queued)
+    and then json_object queued; tenant b's json_object joins that compile in b's own queue,
+    so it runs at b's turn on the free compiler, at once, and finishes a's waiters too (one
+    compile); a's queue no longer holds it. Then a's flood of trivial regexes past the cache's
+    entries evicts a's own grammars, not json_object, which b uses.
+
+    Regression (review 27c F2): b's json_object waited a's whole queue (18.9 s with a 2 s
+    limit; over 70 s at the defaults), and a flushed the one shared LRU in 1.9 s."""
+    import threading
+
+    from cache_node.grammar_process import CompilerProcess
+
+    gate = threading.Event()
+    compile_ = CompilerProcess.compile
+
+    def held(self: Any, method: str, text: str, timeout_s: float) -> Any:
+        if "held" in text:
+            gate.wait(60)
+        return compile_(self, method, text, timeout_s)
+
+    g = _grammars(tokenizer, timeout_s=30.0, workers=2, queue_per_tenant=8)
+    try:
+        _warm(g)
+        monkeypatch.setattr(CompilerProcess, "compile", held)
+        slow = [g.compile(StructuredOutputSpec("regex", f"held{i}"), "a") for i in range(3)]
+        shared = StructuredOutputSpec("json_object", "")
+        fa = g.compile(shared, "a")
+        t0 = time.monotonic()
+        fb = g.compile(shared, "b")
+        compiled = fb.result(timeout=20)
+        assert time.monotonic() - t0 < 10 and fa.result(timeout=1) is compiled
+        assert not any(f.done() for f in slow) and g._queue.pending("a") == 3 and g.num_compiled == 2
+        g._cache.max_entries = 4
+        gate.set()
+        for f in slow:
+            f.result(timeout=30)
+        for i in range(6):
+            g.compile(StructuredOutputSpec("regex", f"a{{{i + 1}}}"), "a").result(timeout=30)
+        assert g.compile(shared, "b").result() is compiled and g._cache.held("b")[0] == 1
+        assert len(g._cache) == 4 and g.num_compiled == 2 + 3 + 6
+        g._cache.check_integrity()
+    finally:
+        gate.set()
+        g.close()
 
 
 @pytest.mark.slow
