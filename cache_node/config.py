@@ -93,6 +93,11 @@ class EngineConfig:
         grammar_cache_bytes: most bytes of compiled grammars kept (also at most 256 of them).
         grammar_worker_memory_bytes: what a compiler process's compiles may allocate past its
             import (its ``RLIMIT_DATA`` headroom; 0: no cap).
+        grammar_step_budget_ms: most matcher time (CPU time of the step thread: the mask fill
+            plus the last token's accept) one structured-output request may take in one step;
+            past it the request is refused naming structured_output and this limit (a normal
+            grammar takes ~10-50 us a step; an ambiguous one can take tens of ms, more with
+            every token, holding every tenant's step).
         (``cache_node.grammars.CompileLimits``.)
 
     ``resolved()`` gives the concrete device, dtype and backend; the engine runs on that.
@@ -116,6 +121,7 @@ class EngineConfig:
     grammar_compile_queue_per_tenant: int = 8
     grammar_cache_bytes: int = 256 << 20
     grammar_worker_memory_bytes: int = 2 << 30
+    grammar_step_budget_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -149,6 +155,8 @@ class EngineConfig:
                              f"{self.grammar_compile_queue_per_tenant}")
         if self.grammar_cache_bytes < 0 or self.grammar_worker_memory_bytes < 0:
             raise ValueError("grammar_cache_bytes and grammar_worker_memory_bytes must be >= 0")
+        if not 0 < self.grammar_step_budget_ms <= 60_000:
+            raise ValueError(f"grammar_step_budget_ms must be in (0, 60000], got {self.grammar_step_budget_ms}")
 
     def resolved(self) -> EngineConfig:
         """This config with ``device`` concrete ("cpu" or "cuda:N"), ``dtype`` a dtype name and

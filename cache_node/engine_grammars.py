@@ -17,11 +17,16 @@
   (``SessionBusy``).
 - before the draw (``_constrain``): the constrained rows' logits are masked to their grammars
   (``grammar_mask.constrain``). A row left with nothing to draw (every token -inf: the grammar
-  allows none of what ``min_tokens`` and ``allowed_token_ids`` leave) is never drawn (a NaN
-  draw fails, on a GPU fatally): when its grammar may end there (e.g. it allows only EOS,
-  which ``min_tokens`` holds back) it finishes "stop", short of ``min_tokens``, its output
-  complete (the grammar wins: any other token would break it); else it finishes "error"
-  (its ``allowed_token_ids`` leave the grammar no way on; logged).
+  allows none of what ``min_tokens`` and ``allowed_token_ids`` leave) is never drawn (greedy
+  would take token 0; a NaN draw fails, on a GPU fatally): when its grammar may end there
+  (e.g. it allows only EOS, which ``min_tokens`` holds back) it finishes "stop", short of
+  ``min_tokens``, its output complete (the grammar wins: any other token would break it); else
+  (a grammar with a dead end, e.g. ``root ::= "a" b`` / ``b ::= b "c"``, or
+  ``allowed_token_ids`` disjoint from it) it finishes "rejected" with a message naming
+  ``structured_output`` (INVALID_ARGUMENT: the client's spec, not a node failure), no token
+  drawn. So does a row whose matcher work in one step (its fill plus its last
+  ``accept_token``, CPU time) passes ``grammar_step_budget_ms``: an ambiguous grammar whose
+  matcher slows with every token would hold every tenant's step; its blocks are freed.
 - after the draw (``_grammar_reason``): the token is fed to its matcher once, when it joins the
   output. A matcher that terminates (it accepted EOS) ends the request "stop", with
   ``ignore_eos`` too (nothing may follow a complete grammar). A token the matcher refuses
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,17 +126,18 @@ class EngineGrammarsMixin:
             return logits, rows
         held = [self._held_back(seq) if s is not None else () for seq, s in zip(rows, states)]
         allowed = [seq.sampling_params.allowed_token_ids for seq in rows]
-        complete, stuck = constrain(self.grammars, logits, states, held, allowed)
-        if not (complete or stuck):
+        budget_s = self.config.grammar_step_budget_ms / 1e3
+        complete, refused = constrain(self.grammars, logits, states, held, allowed, budget_s)
+        if not (complete or refused):
             return logits, rows
         for i in complete:
             self._finish(rows[i], "stop")
             outputs.append(self._output(rows[i], ()))
-        for i in stuck:
-            log.error("request %s: its grammar allows none of the tokens its allowed_token_ids and min_tokens "
-                      "leave", rows[i].request_id)
-            self._fail(rows[i], outputs)
-        keep = [i for i in range(len(rows)) if i not in complete and i not in stuck]
+        for i, why in refused.items():  # the client's spec: INVALID_ARGUMENT, nothing drawn
+            log.info("request %s refused: %s", rows[i].request_id, why)
+            self._finish(rows[i], "rejected")
+            outputs.append(dataclasses.replace(self._output(rows[i], ()), error=why))
+        keep = [i for i in range(len(rows)) if i not in complete and i not in refused]
         return logits[keep], [rows[i] for i in keep]
 
     def _held_back(self: LLMEngine, seq: Sequence) -> frozenset[int]:
@@ -146,7 +153,11 @@ class EngineGrammarsMixin:
         if seq.grammar is None:
             return None
         matcher = seq.grammar.matcher
-        if not matcher.accept_token(token):
+        start = time.thread_time()
+        accepted = matcher.accept_token(token)
+        seq.grammar.accept_s = time.thread_time() - start  # counted in the next step's budget
+        seq.grammar.num_accepted += 1
+        if not accepted:
             log.error("request %s: its grammar refused token %d drawn under its mask", seq.request_id, token)
             self.num_failed_requests += 1
             return "error"

@@ -7,6 +7,13 @@ every token the grammar does not allow to -inf there (``apply_token_bitmask_inpl
 the draw the engine feeds each constrained row its token (``cache_node.engine_grammars``). A
 step with no constrained row does nothing of this. Compiling is ``cache_node.grammars``'.
 
+The matcher's work runs on the step thread, so it is bounded per row and step: its fill plus
+its last ``accept_token``, measured in CPU time of this thread (``time.thread_time``: a thread
+descheduled on a busy host is not charged), past ``grammar_step_budget_ms`` refuses the request
+(an ambiguous grammar's Earley matcher can take tens of milliseconds a step and more with each
+token; a normal grammar takes ~10-50 us). Every constrained row's host bitmask is checked for a
+row with nothing to draw (a few microseconds) before the mask reaches the device.
+
 The order of the logits steps is vLLM V1's: the grammar mask is applied to the model's logits
 before the sampler (``vllm.v1.worker.gpu_model_runner``), so its log probabilities
 (``raw_logprobs``) are those of the masked distribution: a token the grammar forbids has
@@ -16,6 +23,7 @@ log probability -inf. Everything else (``allowed_token_ids``, ``logit_bias``, pe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -39,6 +47,8 @@ class GrammarState:
         self.matcher: Any = None
         self.error: str | None = None
         self._released = False
+        self.num_accepted = 0  # tokens fed to the matcher (this turn's output tokens)
+        self.accept_s = 0.0  # the last ``accept_token``'s CPU time (counted in the next step's budget)
 
     def release(self) -> None:
         """Its request ended: it waits on its compilation no more (``Grammars.release``: a queued
@@ -78,37 +88,61 @@ def _bits(ids: Collection[int], words: int) -> np.ndarray:
 
 
 def constrain(grammars: Grammars, logits: torch.Tensor, states: list[GrammarState | None],
-              held: list[Collection[int]], allowed: list[Collection[int] | None]) -> tuple[list[int], list[int]]:
+              held: list[Collection[int]], allowed: list[Collection[int] | None],
+              budget_s: float = float("inf")) -> tuple[list[int], dict[int, str]]:
     """Mask each constrained row of ``logits`` (num_rows, vocab), in place, to its grammar.
 
     Args:
         states: per row, its ``GrammarState`` (ready) or None (unconstrained: untouched).
         held: per row, the token ids ``min_tokens`` holds back this step (empty when none).
         allowed: per row, its ``allowed_token_ids`` (None: all).
+        budget_s: the most matcher time (CPU seconds of this thread: its fill now plus its
+            last ``accept_token``, ``GrammarState.accept_s``) one row may take in one step.
 
     Returns:
-        ``(complete, stuck)``: the constrained rows with no token that the grammar, ``held`` and
-        ``allowed`` all let through (their masked logits would be all -inf: nothing to draw,
-        and a NaN draw on a GPU is fatal): those whose grammar may end here (it allows its stop
-        token: the output is complete), and the others. Checked on the host bitmask, only for
-        rows with ``held`` or ``allowed``: no device sync.
+        ``(complete, refused)``. ``complete``: the constrained rows with no token that the
+        grammar, ``held`` and ``allowed`` all let through, whose grammar may end here (it
+        allows its stop token, which ``min_tokens`` holds back: the output is complete).
+        ``refused``: row -> why (a message naming ``structured_output``): rows past
+        ``budget_s``, and rows with nothing to draw otherwise (the grammar allows no token at
+        all, or none of those ``allowed_token_ids`` leave; their masked logits would be all
+        -inf: greedy would take token 0, and a NaN draw on a GPU is fatal). Checked on the host
+        bitmask, every constrained row (a few microseconds): no device sync.
     """
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
-        return [], []
+        return [], {}
     bitmask = grammars.bitmask
     complete: list[int] = []
-    stuck: list[int] = []
+    refused: dict[int, str] = {}
     for i in rows:
-        states[i].matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
-        if held[i] or allowed[i] is not None:
-            grammar = bitmask[i].numpy().view(np.uint32)
-            words = grammar & ~_bits(held[i], grammar.shape[0])
-            if allowed[i] is not None:
-                words &= _bits(allowed[i], grammar.shape[0])  # type: ignore[arg-type]
-            if not words.any():
-                ends = (grammar & _bits(grammars.stop_token_ids, grammar.shape[0])).any()
-                (complete if ends else stuck).append(i)
+        state = states[i]
+        start = time.thread_time()
+        state.matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
+        spent = time.thread_time() - start + state.accept_s  # type: ignore[union-attr]
+        if spent > budget_s:
+            refused[i] = (f"structured_output: its grammar took {spent * 1e3:.1f} ms of matcher time in one step, "
+                          f"past this node's limit of {budget_s * 1e3:g} ms (grammar_step_budget_ms); use a less "
+                          "ambiguous grammar (e.g. no nested or left-recursive repetition)")
+    table = bitmask.numpy().view(np.uint32)  # (the same memory: no copy)
+    empty = ~table[rows].any(axis=1)  # one pass over every constrained row's words
+    for i, grammar_empty in zip(rows, empty.tolist()):
+        if i in refused or not (grammar_empty or held[i] or allowed[i] is not None):
+            continue
+        grammar = table[i]
+        words = grammar & ~_bits(held[i], grammar.shape[0])
+        if allowed[i] is not None:
+            words &= _bits(allowed[i], grammar.shape[0])  # type: ignore[arg-type]
+        if not words.any():
+            n = states[i].num_accepted  # type: ignore[union-attr]
+            if grammar_empty:
+                refused[i] = (f"structured_output: the grammar allows no token after {n} output tokens "
+                              "(it cannot complete)")
+            elif (grammar & _bits(grammars.stop_token_ids, grammar.shape[0])).any():
+                complete.append(i)
+            else:
+                refused[i] = (f"structured_output: the grammar allows none of the tokens allowed_token_ids "
+                              f"leaves after {n} output tokens")
     mask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
     grammars.xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=grammars.vocab_size, indices=rows)
-    return complete, stuck
+    return complete, refused

@@ -127,6 +127,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             grammar_compile_queue_per_tenant=config.grammar_compile_queue_per_tenant,
             grammar_cache_bytes=config.grammar_cache_bytes,
             grammar_worker_memory_bytes=config.grammar_worker_memory_bytes,
+            grammar_step_budget_ms=config.grammar_step_budget_ms,
         ).resolved()
         lm = load_model(config.model_path, engine_config.torch_dtype, engine_config.torch_device)
         self.engine = LLMEngine(

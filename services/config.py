@@ -75,6 +75,9 @@ class NodeConfig(BaseModel):
     grammar_compile_queue_per_tenant: int = Field(8, ge=1)
     grammar_cache_bytes: int = Field(256 << 20, ge=0)
     grammar_worker_memory_bytes: int = Field(2 << 30, ge=0)
+    # Most matcher time (ms of the step thread's CPU: mask fill plus accept) one structured
+    # request may take in one step; past it the request is refused INVALID_ARGUMENT
+    grammar_step_budget_ms: float = Field(2.0, gt=0, le=60_000)
     # Test-only: lets ``CacheNode.inject_step_fault`` make the step loop raise (fault tests).
     fault_injection: bool = False
     # Environment of the node's worker process, set before torch loads:

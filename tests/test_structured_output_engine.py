@@ -270,7 +270,8 @@ def test_preempted_constrained_request_keeps_its_grammar_state(real_model) -> No
 def test_allowed_token_ids_that_leave_the_grammar_nothing_never_draw_a_nan(real_model) -> None:
     """choice ["yes"] under allowed_token_ids: allowing "yes"'s tokens but not EOS, the request
     ends "stop" with "yes" once only EOS is left; allowing only a token the grammar never takes,
-    it ends "error" before any draw (greedy and sampled: no garbage token, no NaN draw)."""
+    it is refused ("rejected", INVALID_ARGUMENT, naming structured_output and allowed_token_ids)
+    before any draw (greedy and sampled: no garbage token, no NaN draw; not a node failure)."""
     lm = real_model
     eng = _engine(lm)
     yes = lm.tokenizer.encode("yes")
@@ -284,5 +285,7 @@ def test_allowed_token_ids_that_leave_the_grammar_nothing_never_draw_a_nan(real_
                            structured_output=_spec("choice", ["yes"])),
         ]).values()
         assert (_text(lm, done), done.finish_reason) == ("yes", "stop")
-        assert (stuck.output_token_ids, stuck.finish_reason) == ((), "error")
-    assert not eng.requests and not eng.scheduler.has_work()
+        assert (stuck.output_token_ids, stuck.finish_reason) == ((), "rejected")
+        assert stuck.error == ("structured_output: the grammar allows none of the tokens allowed_token_ids leaves "
+                               "after 0 output tokens")
+    assert not eng.requests and not eng.scheduler.has_work() and eng.num_failed_requests == 0

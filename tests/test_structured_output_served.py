@@ -104,6 +104,9 @@ def test_grpc_unconstrained_requests_are_unchanged(served: Served) -> None:
      "sampling.structured_output.choice.choices holds more than 256 elements"),
     (pb.StructuredOutput(regex="(abc"), "structured_output regex does not compile"),  # the node's compiler
     (pb.StructuredOutput(grammar="root ::= nothing"), "structured_output grammar does not compile"),
+    # a grammar with a dead end (after "a" nothing may follow): refused at that step, no token drawn
+    (pb.StructuredOutput(grammar='root ::= "a" b\nb ::= b "c"'),
+     "structured_output: the grammar allows no token after 1 output tokens (it cannot complete)"),
 ])
 def test_grpc_bad_constraints_are_invalid_argument_naming_the_field(served: Served, constraint: pb.StructuredOutput,
                                                                     details: str) -> None:
@@ -242,6 +245,8 @@ def test_http_schema_given_as_vllms_json_and_guided_json(served: Served, no_whit
     ({"structured_outputs": {"regex": REGEX}, "guided_choice": ["a"], "guided_json": SCHEMA}, "structured_outputs",
      "give one structured output constraint, not 3 (got structured_outputs and guided_json and guided_choice)"),
     ({"guided_regex": "(abc"}, "guided_regex", "structured_output regex does not compile"),  # the node's compiler
+    ({"guided_grammar": 'root ::= "a" b\nb ::= b "c"'}, "guided_grammar",  # a dead end, at its step
+     "the grammar allows no token after 1 output tokens (it cannot complete)"),
 ])
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
 def test_http_bad_constraints_are_400_naming_the_field(served: Served, path: str, fields: dict[str, Any], param: str,
