@@ -55,8 +55,8 @@ def test_grpc_forces_bans_and_restricts_tokens(served: Served) -> None:
 
 @pytest.mark.parametrize(("fields", "details"), [
     ({"logit_bias": {49152: 1.0}}, "logit_bias: token id 49152 is outside the model's vocabulary [0, 49152)"),
-    ({"allowed_token_ids": [5, 10**6]}, "allowed_token_ids: token id 1000000 is outside the model's vocabulary "
-                                        "[0, 49152)"),
+    ({"allowed_token_ids": [5, 10**6]}, ("allowed_token_ids: token id 1000000 is outside the model's vocabulary "
+                                         "[0, 49152)")),
     ({"logit_bias": {5: 100.5}}, "sampling.logit_bias values must be finite numbers in [-100, 100], got 100.5"),
     ({"logit_bias": {5: float("nan")}}, "sampling.logit_bias values must be finite numbers in [-100, 100], got nan"),
     ({"logit_bias": {5: float("-inf")}}, "sampling.logit_bias values must be finite numbers"),
