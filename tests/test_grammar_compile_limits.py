@@ -30,13 +30,15 @@ from cache_node.outputs import GrammarQueueFull
 from cache_node.sampling_params import SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
 
-SLOW_SCHEMA = json.dumps({"type": "string", "pattern": "(x|y){1,3000}"})  # 3-5 s to compile here
+SLOW_SCHEMA = json.dumps({"type": "string", "pattern": "(x|y){1,12000}"})  # ~23 s to compile here (``_slow``)
 SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
                 "required": ["n"], "additionalProperties": False}
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _slow(n: int = 3000) -> StructuredOutputSpec:
+def _slow(n: int = 12000) -> StructuredOutputSpec:
+    """A spec that compiles for far longer than the tests' limits (n = 3,000: 1.0-3.2 s, which a
+    quiet machine finished inside a 1 s limit in a clean-clone CI; 12,000: ~23 s here)."""
     return StructuredOutputSpec("json_schema", json.dumps({"type": "string", "pattern": f"(x|y){{1,{n}}}"}))
 
 
@@ -330,7 +332,7 @@ def test_a_tenant_never_waits_on_another_tenants_queue_and_cannot_flush_its_gram
 
 @pytest.mark.slow
 def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compiles(tokenizer) -> None:
-    """Limit 1 s, two compiler processes. Tenant "evil"'s 3,000-repetition pattern is refused
+    """Limit 1 s, two compiler processes. Tenant "evil"'s 12,000-repetition pattern is refused
     after ~1 s naming structured_output and the limit; tenant "good"'s schema, sent just after,
     compiles meanwhile (well inside the limit, a valid grammar). The same spec sent again is
     refused at once (remembered), the killed process is replaced, and evil's next (simple) spec
@@ -362,10 +364,10 @@ def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compile
         regex = g.compile(StructuredOutputSpec("regex", "[0-9]{3}"), "evil").result(timeout=30)
         assert g.matcher(regex).accept_string("123")
         # the per-tenant bound: two pending (one running, one queued), the third refused
-        slow1, slow2 = g.compile(_slow(2999), "evil"), g.compile(_slow(2998), "evil")
+        slow1, slow2 = g.compile(_slow(11999), "evil"), g.compile(_slow(11998), "evil")
         with pytest.raises(GrammarQueueFull, match="structured_output: this tenant already has 2 grammars "
                                                   "compiling or queued .*retry when they finish"):
-            g.compile(_slow(2997), "evil")
+            g.compile(_slow(11997), "evil")
         other = g.compile(StructuredOutputSpec("regex", "[a-f]{4}"), "good").result(timeout=10)
         assert g.matcher(other).accept_string("beef")
         for fut in (slow1, slow2):
@@ -442,7 +444,7 @@ def test_no_compiler_process_outlives_close_or_a_killed_node_process(tokenizer) 
 
 @pytest.mark.slow
 def test_engine_refuses_a_pathological_grammar_at_the_limit_while_another_tenant_is_served(real_model) -> None:
-    """Through ``LLMEngine`` with grammar_compile_timeout_s 1: tenant "evil"'s 3,000-repetition
+    """Through ``LLMEngine`` with grammar_compile_timeout_s 1: tenant "evil"'s 12,000-repetition
     pattern ends "rejected" naming structured_output and the limit, holding nothing; tenant
     "good"'s JSON-schema request, sent after it, gets its grammar before evil's is refused and
     completes with valid JSON; evil's next request (a regex) then completes on the restarted
