@@ -23,30 +23,22 @@ from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.openai_api.errors import MAX_SHOWN_PATH
-from services.openai_api.protocol import authenticated
 from services.openai_api.scope_hooks import streamed
 from services.openai_api.server import HttpServer
 from services.tls import ServerTls
+from tests.test_openai_api_network_caps import GET, KEYED
+from tests.test_openai_api_network_caps import _app as _caps_app
 from tests.tls_certs import make_tls_material
 
-GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-KEYED = b"GET /keyed HTTP/1.1\r\nHost: x\r\n\r\n"
 BIG = b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n"
 BIG_BYTES = 4 << 20  # past the kernel's buffers on loopback (~2 MB each way)
 PARSERS = ("httptools", "h11")
 
 
 def _app() -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health() -> dict[str, bool]:
-        return {"ok": True}
-
-    @app.get("/keyed")
-    async def keyed(request: Request) -> dict[str, bool]:  # as the edge does once a key passes
-        authenticated(request.scope)
-        return {"ok": True}
+    """The connection-cap tests' app (``/health``, ``/keyed``) with a big response and an
+    endless stream."""
+    app = _caps_app()
 
     @app.get("/big")
     async def big() -> Response:
