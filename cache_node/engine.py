@@ -135,6 +135,13 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.grammars = None
         self.grammars_off = NO_TOKENIZER
         self._compiling: list[Sequence] = []  # waiting requests whose grammar compiles
+        # what a step passed over became ready (a grammar compiled, a prefetch landed): the
+        # cache node sets its wake event here, so a step that scheduled nothing waits for this
+        # instead of stepping again at once (``scheduled_nothing``)
+        self.on_ready: Callable[[], None] = _nothing
+        if self.tiers.worker is not None:
+            self.tiers.worker.on_ready = self._ready
+        self.scheduled_nothing = False  # the last step ran no batch while requests waited
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -209,10 +216,15 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self.scheduler.add(seq)
             if seq.grammar is not None:
                 self._compiling.append(seq)
+                seq.grammar.future.add_done_callback(self._ready)
             reuses = self.prefixes.stored_entry(seq) is not None or self.prefixes.computing(seq)
             if (self.tiers.config.auto_prefetch if prefetch is None else prefetch) and not reuses:
                 self.tiers.prefetch(seq, time.monotonic())
         return seq.request_id
+
+    def _ready(self, *_: Any) -> None:
+        """A passed-over request may be schedulable now: tell whoever waits (``on_ready``)."""
+        self.on_ready()
 
     def _validate(self, tokens: list[int], params: SamplingParams, request_id: str | None) -> None:
         if not tokens:
@@ -311,8 +323,12 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                     self._recover(batch, exc, outputs)
                 else:
                     self._failed_steps = 0
+                self.scheduled_nothing = False
                 return outputs
             waiting = bool(self.scheduler.waiting)
+            # nothing runs and every waiting request was passed over (its grammar compiles,
+            # its prefetch is in flight, its blocks are held by a demotion copy)
+            self.scheduled_nothing = waiting and not outputs and not self.scheduler.running
         if waiting:  # e.g. every queued request waits on a prefetch: let it land
             time.sleep(0.0005)
         return outputs
@@ -429,3 +445,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def _nothing() -> None:
+    """``LLMEngine.on_ready`` until a cache node sets it."""

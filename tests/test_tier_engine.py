@@ -317,3 +317,35 @@ def test_drop_namespace_empties_every_tier_of_it(tiny, tmp_path) -> None:
                   ("tenant:gone", on_device)]:
         assert run(eng, p, cache_namespace=ns).num_cached_tokens == 0
     assert run(eng, kept, cache_namespace="tenant:kept").num_cached_tokens_by_tier == by_tier(spill_disk=64)
+
+
+def test_a_landed_prefetch_tells_the_engines_waiter(tiny, tmp_path) -> None:
+    """While the only request waits on its prefetch the step schedules nothing
+    (``scheduled_nothing``, so a cache node waits instead of stepping again at once); the
+    prefetch's end calls ``on_ready`` (the node's wake event), and the request then runs."""
+
+    class Slow(SpillStore):
+        def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)
+            return super().get(hashes, token_ids)
+
+    probe = tiered(tiny)
+    eng = tiered(tiny, spill=Slow(tmp_path, BlockFormat(*probe.spill_block_spec()), 1 << 30, 1 << 30))
+    p = prompt_of(200, 21)
+    cold = run(eng, p)
+    eng.demote_all(to_spill=True)
+    eng.wait_for_transfers()
+    ready: list[float] = []
+    eng.on_ready = lambda: ready.append(time.monotonic())
+    rid = eng.add_request(p, PARAMS)
+    assert eng.step() == [] and eng.scheduled_nothing and not ready
+    deadline = time.monotonic() + 10
+    while not ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready, "the prefetch landed without telling the engine's waiter"
+    final = None
+    while final is None:
+        final = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
+        assert not eng.scheduled_nothing
+    assert final.num_cached_tokens_by_tier == by_tier(spill_ram=192)
+    assert final.output_token_ids == cold.output_token_ids

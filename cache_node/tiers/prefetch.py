@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +64,7 @@ class TransferWorker:
         self._cond = threading.Condition()  # guards the backlog, the prefetches and ``_busy``
         self._io_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.on_ready: Callable[[], None] = _nothing  # a prefetch ended: the engine's waiter
 
     def submit_put(self, victims: Victims) -> int:
         """Queue victims for a spill put; returns blocks dropped to keep the backlog bounded."""
@@ -129,6 +131,8 @@ class TransferWorker:
                     if kind == "put":
                         self.backlog.done()
                     self._cond.notify_all()
+                if kind == "prefetch":  # landed, or given up: its request is schedulable again
+                    self.on_ready()
 
     def _next_job(self) -> tuple[str, Any, int]:
         """(kind, payload, epoch) of the next job, waiting for one: prefetches first."""
@@ -228,3 +232,7 @@ def _claims_first(reply: Any, first: bytes) -> bool:
         return bool(len(reply.hashes)) and reply.hashes[0] == first
     except Exception:  # noqa: BLE001 - not a reply: malformed
         return True
+
+
+def _nothing() -> None:
+    """``TransferWorker.on_ready`` until an engine sets it."""
