@@ -8,7 +8,8 @@ compilation ends (``GrammarState.ready``); one that fails is refused (the engine
 ``cache_node.grammar_mask.constrain``.
 
 Compilation (a spec's cost is its sender's to choose: a JSON schema pattern ``(x|y){1,3000}``
-takes 3-5 s, and a 64 KiB spec holds dozens of those): ``CompileLimits.workers`` compiler
+takes 3-5 s, and a 64 KiB spec holds dozens of those; one compile and the compile threads are
+``cache_node.grammar_compile``'s): ``CompileLimits.workers`` compiler
 processes (``cache_node.grammar_process``, started on first use and kept), each compile at most
 ``timeout_s`` (past it its process is killed, the request refused naming the limit, and a fresh
 process started), each process's compiles capped at ``worker_memory_bytes``; waiting compiles
@@ -31,7 +32,6 @@ tokens are precomputed per state, leaving few tokens to check at runtime.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -42,10 +42,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_node.grammar_cache import GrammarCache, Key
-from cache_node.grammar_process import CompilerDied, CompilerProcess, CompileTimeout
+from cache_node.grammar_compile import (
+    JSON_OBJECT_SCHEMA,
+    SHUTTING_DOWN,
+    STOP_TIMEOUT_S,
+    CompileLimits,
+    choice_grammar,
+    compile_request,
+    resolved,
+    run_compile,
+    serve,
+    settle,
+    stop,
+)
+from cache_node.grammar_process import CompilerDied, CompilerProcess
 from cache_node.grammar_queue import FairCompileQueue
 from cache_node.outputs import GrammarQueueFull
 from cache_node.structured_output import StructuredOutputSpec
+
+__all__ = ["FAILED_SPEC_TTL_S", "GRAMMAR_CACHE_ENTRIES", "JSON_OBJECT_SCHEMA", "STOP_TIMEOUT_S", "XGRAMMAR_VERSION",
+           "CompileLimits", "Grammars", "choice_grammar", "compile_request"]  # (some defined in grammar_compile)
 
 GRAMMAR_CACHE_ENTRIES = 256
 """Most compiled grammars kept (by (kind, spec)); their bytes are bounded by
@@ -58,47 +74,6 @@ compiler) is refused at once, without compiling it again."""
 XGRAMMAR_VERSION = "0.2.9"
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CompileLimits:
-    """What compiling grammars may cost the node (``EngineConfig``'s ``grammar_*`` fields).
-
-    Attributes:
-        timeout_s: wall-clock limit of one compile (its process is killed past it).
-        workers: compiler processes (each ~270 MiB resident: xgrammar imports torch).
-        queue_per_tenant: most compiles one tenant may have queued or running.
-        cache_bytes: most bytes of compiled grammars kept (``grammar_cache.grammar_bytes``).
-        worker_memory_bytes: what one process's compiles may allocate past its import
-            (``RLIMIT_DATA`` headroom; 0: no cap).
-    """
-
-    timeout_s: float = 10.0
-    workers: int = 2
-    queue_per_tenant: int = 8
-    cache_bytes: int = 256 << 20
-    worker_memory_bytes: int = 2 << 30
-
-
-def choice_grammar(choices: tuple[str, ...]) -> str:
-    """An EBNF grammar (xgrammar's GBNF dialect) whose language is exactly ``choices``:
-    ``root ::= "a" | "b"``, each string a quoted literal with JSON's escapes, which the dialect
-    reads the same way (backslash, quote, control characters, \\uXXXX)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
-
-
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-"""What ``json_object`` compiles: any JSON object, as in vLLM (xgrammar's built-in JSON grammar,
-``compile_builtin_json_grammar``, also admits an array at the top level)."""
-
-
-def compile_request(spec: StructuredOutputSpec) -> tuple[str, str]:
-    """What a compiler process is asked for ``spec``: ``(method, text)`` (``grammar_worker.METHODS``)."""
-    if spec.kind == "json_object":
-        return "json_schema", JSON_OBJECT_SCHEMA
-    if spec.kind == "choice":
-        return "grammar", choice_grammar(spec.choices)
-    return {"json_schema": "json_schema", "regex": "regex"}.get(spec.kind, "grammar"), spec.spec
 
 
 @dataclass(eq=False)
@@ -149,13 +124,13 @@ class Grammars:
         self.processes: list[CompilerProcess | None] = [None] * self.limits.workers
         # the threads hold the queue and the processes, not ``self``: a ``Grammars`` no longer
         # referenced (its engine dropped) is collected, and its finalizer stops them
-        self._threads = [threading.Thread(target=_serve, args=(weakref.ref(self), self._queue, self.processes, i),
+        self._threads = [threading.Thread(target=serve, args=(weakref.ref(self), self._queue, self.processes, i),
                                           name=f"grammar-compile-{i}", daemon=True)
                          for i in range(self.limits.workers)]
         for thread in self._threads:
             thread.start()
         # close(), garbage collection or interpreter exit: no compiler process is left behind
-        self._finalizer = weakref.finalize(self, _stop, self._lock, self._queue, self.processes, self._threads)
+        self._finalizer = weakref.finalize(self, stop, self._lock, self._queue, self.processes, self._threads)
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)  # (rows, ceil(V / 32)) int32, host
         self.num_compiled = 0
         self.num_timeouts = 0  # compiles killed at the time limit
@@ -186,13 +161,13 @@ class Grammars:
         with self._lock:
             compiled = self._cache.get(key, tenant)
             if compiled is not None:
-                return _resolved(compiled)
+                return resolved(compiled)
             failed = self._cache.failed(key, time.monotonic())
             if failed is not None:
-                return _resolved(error=ValueError(
+                return resolved(error=ValueError(
                     f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
             if self._queue.closed:
-                return _resolved(error=ValueError("structured_output: the cache node is shutting down"))
+                return resolved(error=ValueError(SHUTTING_DOWN))
             job = self._compiling.get(key)
             if job is None:
                 job = _Job(key, spec)
@@ -238,7 +213,6 @@ class Grammars:
         """Compile ``job`` on process ``slot`` (started if need be) and finish its future.
         True when the process was killed (the caller starts another once the tenant's turn is
         given back: a restart's import is no compile of that tenant)."""
-        kind = job.spec.kind
         try:
             process = self._process(slot)
             if process.pid is None:
@@ -247,35 +221,16 @@ class Grammars:
             log.error("grammar compiler %d could not start: %s", slot, exc)
             self._finish(job, error=f"structured_output: this cache node's grammar compiler could not start ({exc})")
             return False
+        outcome = run_compile(process, job.spec, self.limits, lambda: self._queue.closed)
+        self.num_timeouts += outcome.timeout
+        self.num_compiler_deaths += outcome.died
+        if outcome.text is None:
+            self._finish(job, failed=outcome.failed, error=outcome.error)
+            if outcome.kill:
+                process.kill()
+            return outcome.killed
         try:
-            ok, text = process.compile(*compile_request(job.spec), self.limits.timeout_s)
-        except CompileTimeout:
-            self.num_timeouts += 1
-            self._finish(job, failed=(
-                f"structured_output {kind}: its grammar did not compile within the cache node's limit of "
-                f"{self.limits.timeout_s:g} s (grammar_compile_timeout_s); simplify it (fewer or smaller "
-                "repetition counts, patterns and alternatives)"))
-            return True
-        except CompilerDied as exc:
-            if self._queue.closed:  # ``close`` killed it
-                self._finish(job, error="structured_output: the cache node is shutting down")
-                return False
-            self.num_compiler_deaths += 1
-            self._finish(job, failed=(
-                f"structured_output {kind}: its grammar compiler failed on it ({exc}); a compile may use at most "
-                f"{self.limits.worker_memory_bytes} bytes of memory (grammar_worker_memory_bytes)"))
-            return True
-        if not ok and "bad_alloc" in text:  # the memory cap; the process is replaced to be safe
-            self._finish(job, failed=(
-                f"structured_output {kind}: its grammar needs more memory to compile than the cache node allows "
-                f"({self.limits.worker_memory_bytes} bytes, grammar_worker_memory_bytes)"))
-            process.kill()
-            return True
-        if not ok:
-            self._finish(job, failed=f"structured_output {kind} does not compile: {text[:300]}")
-            return False
-        try:
-            compiled = self.xgr.CompiledGrammar.deserialize_json(text, self._info)
+            compiled = self.xgr.CompiledGrammar.deserialize_json(outcome.text, self._info)
         except Exception as exc:  # noqa: BLE001 - the process's bytes are untrusted like any other
             log.error("grammar compiler %d sent a grammar that does not load: %s", slot, exc)
             self._finish(job, error="structured_output: the compiled grammar could not be loaded")
@@ -328,7 +283,7 @@ class Grammars:
                 self._cache.put(job.key, compiled, [tenant for tenant, _ in futures])
             elif failed is not None:
                 self._cache.put_failed(job.key, failed, time.monotonic())
-        _settle([f for _, f in futures], compiled, None if compiled is not None else ValueError(failed or error))
+        settle([f for _, f in futures], compiled, None if compiled is not None else ValueError(failed or error))
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
@@ -338,74 +293,3 @@ class Grammars:
         compiler process is reaped (within ``STOP_TIMEOUT_S``). Idempotent; also run when this
         object is collected and at interpreter exit."""
         self._finalizer()
-
-
-STOP_TIMEOUT_S = 5.0
-"""Longest ``Grammars.close`` waits for its compile threads to reap their processes."""
-
-
-def _serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
-           slot: int) -> None:
-    """Compile thread ``slot``: start its process when the first compile is queued (every
-    slot then, so that no request after the first waits for an import), run the queue's jobs
-    on it until the queue closes, then reap it."""
-    if queue.wait_used():
-        grammars = ref()
-        if grammars is not None:
-            grammars._warm(slot)
-        del grammars
-    while (taken := queue.take()) is not None:
-        tenant, job = taken
-        grammars = ref()
-        killed = False
-        try:
-            if grammars is None:
-                _settle(list(job.futures.values()), error=ValueError("structured_output: the cache node is shutting down"))
-            else:
-                killed = grammars._run(slot, job)
-        except Exception as exc:  # a bug here must not stop the thread nor strand the request
-            log.exception("grammar compile thread %d", slot)
-            if grammars is not None:
-                grammars._finish(job, error=f"structured_output: the grammar compiler failed ({type(exc).__name__})")
-        finally:
-            queue.done(tenant)
-        if killed and grammars is not None:
-            grammars._restart(slot)
-        del grammars
-    process = processes[slot]
-    if process is not None:
-        process.kill()
-
-
-def _stop(lock: threading.Lock, queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
-          threads: list[threading.Thread]) -> None:
-    """``Grammars.close``: fail the queued compiles, kill the running ones, reap every process."""
-    with lock:  # ``compile`` adds a tenant's future to a job under it, and joins none once closed
-        futures = [f for job in queue.close() for f in job.futures.values()]
-    _settle(futures, error=ValueError("structured_output: the cache node is shutting down"))
-    for process in processes:
-        if process is not None:
-            process.signal_kill()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for thread in threads:
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _settle(futures: list[Future[Any]], result: Any = None, error: BaseException | None = None) -> None:
-    """Finish each of ``futures`` (one cancelled or finished meanwhile is skipped)."""
-    for future in futures:
-        if not future.done() and future.set_running_or_notify_cancel():
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-
-def _resolved(result: Any = None, error: BaseException | None = None) -> Future[Any]:
-    fut: Future[Any] = Future()
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-    return fut
