@@ -10,11 +10,21 @@ that bound (entries or bytes) gives up its least recently used claim; an entry i
 no tenant claims it any more. So a tenant filling the cache evicts its own grammars first, and
 another tenant's grammar stays while that tenant holds no more than its share. Regression
 (review 27c F2): one shared LRU, which one tenant flushed in 1.9 s with 256 trivial regexes.
-A spec whose compilation failed (it does not compile, ran past the time limit, or the compiler
-process died on it) is remembered with its message for ``failed_ttl_s`` (at most
-``max_entries`` of them, oldest out first), so the same spec sent again is refused at once
-instead of costing the compiler another full time limit. Not thread-safe: ``Grammars`` holds
-its lock around every call.
+
+``FailedSpecs``: a spec whose compilation failed (it does not compile, ran past the time limit,
+or the compiler process died on it) is remembered with its message for ``ttl_s``, per tenant
+(each tenant whose request waited on that compile), so the same tenant sending it again is
+refused at once instead of costing the compiler another full time limit; at most
+``max_per_tenant`` per tenant (its oldest out first) and ``max_total`` in all (the tenant
+holding the most gives up its oldest). Another tenant's identical spec is compiled (in its own
+queue turn): a failure that depends on the moment (a time limit passed on a loaded host, a
+compiler that died) is not visited on a tenant whose request did not meet it, and no tenant's
+flood of failing specs flushes another tenant's memory of its own. Regression: one list for
+all tenants, 256 entries, oldest out first: one tenant's 256 cheap failing regexes let another
+tenant's slow spec compile again to its limit, and a spec that timed out for one tenant was
+refused to every tenant for 60 s.
+
+Not thread-safe: ``Grammars`` holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -33,19 +43,16 @@ def grammar_bytes(key: Key, compiled: Any) -> int:
 
 class GrammarCache:
     """Args:
-        max_entries: most compiled grammars kept (and most failed specs remembered).
+        max_entries: most compiled grammars kept.
         max_bytes: most bytes of compiled grammars kept (``grammar_bytes``).
-        failed_ttl_s: how long a failed spec is refused without compiling.
     """
 
-    def __init__(self, max_entries: int, max_bytes: int, failed_ttl_s: float) -> None:
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.failed_ttl_s = failed_ttl_s
         self._kept: dict[Key, tuple[Any, int, set[str]]] = {}  # key -> (grammar, bytes, claiming tenants)
         self._claims: dict[str, OrderedDict[Key, None]] = {}  # tenant -> its claims, least recent first
         self._tenant_bytes: dict[str, int] = {}  # tenant -> bytes of the entries it claims
-        self._failed: OrderedDict[Key, tuple[float, str]] = OrderedDict()  # key -> (until, message)
         self.num_bytes = 0
 
     def __len__(self) -> int:
@@ -118,24 +125,6 @@ class GrammarCache:
             if key in self._kept:  # claimed by no tenant
                 del self._kept[key]
                 self.num_bytes -= entry[1]
-    def failed(self, key: Key, now: float) -> str | None:
-        """The message of ``key``'s failure within the last ``failed_ttl_s``, else None."""
-        entry = self._failed.get(key)
-        if entry is None:
-            return None
-        if entry[0] <= now:
-            del self._failed[key]
-            return None
-        return entry[1]
-
-    def put_failed(self, key: Key, message: str, now: float) -> None:
-        """Remember that ``key`` failed with ``message`` until ``now + failed_ttl_s``."""
-        if self.failed_ttl_s <= 0:
-            return
-        self._failed.pop(key, None)
-        self._failed[key] = (now + self.failed_ttl_s, message)
-        while len(self._failed) > self.max_entries:
-            self._failed.popitem(last=False)
 
     def check_integrity(self) -> None:
         """``num_bytes`` is the sum of the kept entries' bytes, within both bounds; every entry
@@ -152,3 +141,57 @@ class GrammarCache:
             raise AssertionError(f"grammar cache counts {self.num_bytes} bytes, its entries hold {total}")
         if total > self.max_bytes or len(self._kept) > self.max_entries:
             raise AssertionError(f"grammar cache past its bounds: {len(self._kept)} entries, {total} bytes")
+
+
+class FailedSpecs:
+    """Specs whose compile failed, per tenant, for a while (the module's docstring).
+
+    Args:
+        max_per_tenant: most failed specs remembered for one tenant.
+        max_total: most remembered for all tenants together.
+        ttl_s: how long a failed spec is refused to its tenant without compiling (0: never).
+    """
+
+    def __init__(self, max_per_tenant: int, max_total: int, ttl_s: float) -> None:
+        self.max_per_tenant, self.max_total, self.ttl_s = max_per_tenant, max_total, ttl_s
+        self._by_tenant: dict[str, OrderedDict[Key, tuple[float, str]]] = {}  # oldest first: (until, message)
+        self.num_entries = 0
+
+    def held(self, tenant: str) -> int:
+        """Failed specs remembered for ``tenant`` (expired ones included until looked up or pushed out)."""
+        return len(self._by_tenant.get(tenant, ()))
+
+    def failed(self, key: Key, tenant: str, now: float) -> str | None:
+        """The message of ``key``'s failure for ``tenant`` within the last ``ttl_s``, else None."""
+        entries = self._by_tenant.get(tenant)
+        entry = entries.get(key) if entries is not None else None
+        if entry is None:
+            return None
+        if entry[0] <= now:
+            self._forget(tenant, key)
+            return None
+        return entry[1]
+
+    def put(self, key: Key, tenants: Iterable[str], message: str, now: float) -> None:
+        """Remember that ``key`` failed with ``message`` for each of ``tenants`` (those whose
+        requests waited on the compile) until ``now + ttl_s``, then give up the oldest past
+        either bound (a tenant's own first; in all, the tenant holding the most)."""
+        if self.ttl_s <= 0:
+            return
+        for tenant in tenants:
+            entries = self._by_tenant.setdefault(tenant, OrderedDict())
+            self.num_entries -= entries.pop(key, None) is not None
+            entries[key] = (now + self.ttl_s, message)
+            self.num_entries += 1
+            while len(entries) > self.max_per_tenant:
+                self._forget(tenant, next(iter(entries)))
+        while self.num_entries > self.max_total:
+            victim = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
+            self._forget(victim, next(iter(self._by_tenant[victim])))
+
+    def _forget(self, tenant: str, key: Key) -> None:
+        entries = self._by_tenant[tenant]
+        del entries[key]
+        self.num_entries -= 1
+        if not entries:
+            del self._by_tenant[tenant]

@@ -21,7 +21,8 @@ request for its spec, and is queued under each tenant waiting on it (each tenant
 holds a future of its own), so it runs at the earliest turn of any of them: no tenant waits on
 another's queue. Compiled grammars are cached by (kind, spec), bounded by entries and bytes and
 fair per tenant (a tenant past its share evicts its own least recently used first); a spec
-that failed is refused at once for ``FAILED_SPEC_TTL_S`` (``cache_node.grammar_cache``).
+that failed is refused at once for ``FAILED_SPEC_TTL_S`` to the tenants that met the failure
+(``cache_node.grammar_cache``).
 
 xgrammar is imported only when a node enables structured outputs (``Grammars.create``); a
 node without it refuses structured requests with a message saying so.
@@ -41,7 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_node.grammar_cache import GrammarCache, Key
+from cache_node.grammar_cache import FailedSpecs, GrammarCache, Key
 from cache_node.grammar_compile import (
     JSON_OBJECT_SCHEMA,
     SHUTTING_DOWN,
@@ -69,7 +70,11 @@ GRAMMAR_CACHE_ENTRIES = 256
 
 FAILED_SPEC_TTL_S = 60.0
 """How long a spec whose compile failed (did not compile, ran past the time limit, killed its
-compiler) is refused at once, without compiling it again."""
+compiler) is refused at once to the tenants whose requests waited on that compile, without
+compiling it again."""
+
+FAILED_SPECS_PER_TENANT = 32
+"""Most failed specs remembered for one tenant (``GRAMMAR_CACHE_ENTRIES`` for all tenants)."""
 
 XGRAMMAR_VERSION = "0.2.9"
 
@@ -118,7 +123,8 @@ class Grammars:
         self._info_json = ""  # its serialize_json(), sent to each process started
         self._lock = threading.Lock()
         self._info_lock = threading.Lock()
-        self._cache = GrammarCache(GRAMMAR_CACHE_ENTRIES, self.limits.cache_bytes, FAILED_SPEC_TTL_S)
+        self._cache = GrammarCache(GRAMMAR_CACHE_ENTRIES, self.limits.cache_bytes)
+        self._failed = FailedSpecs(FAILED_SPECS_PER_TENANT, GRAMMAR_CACHE_ENTRIES, FAILED_SPEC_TTL_S)
         self._compiling: dict[Key, _Job] = {}  # queued or running
         self._queue: FairCompileQueue[_Job] = FairCompileQueue(self.limits.queue_per_tenant)
         self.processes: list[CompilerProcess | None] = [None] * self.limits.workers
@@ -151,8 +157,8 @@ class Grammars:
     def compile(self, spec: StructuredOutputSpec, tenant: str = "") -> Future[Any]:
         """The compiled grammar of ``spec`` (a future: a cached one, one compiling, or one
         queued for ``tenant``). A failed compile's future holds a ValueError naming
-        ``structured_output``; the same spec is then refused at once for ``FAILED_SPEC_TTL_S``.
-        A caller that stops waiting on it calls ``release``.
+        ``structured_output``; the same spec is then refused at once to each tenant that waited
+        on it, for ``FAILED_SPEC_TTL_S``. A caller that stops waiting on it calls ``release``.
 
         Raises:
             GrammarQueueFull: ``tenant`` has ``queue_per_tenant`` compiles pending.
@@ -162,7 +168,7 @@ class Grammars:
             compiled = self._cache.get(key, tenant)
             if compiled is not None:
                 return resolved(compiled)
-            failed = self._cache.failed(key, time.monotonic())
+            failed = self._failed.failed(key, tenant, time.monotonic())
             if failed is not None:
                 return resolved(error=ValueError(
                     f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
@@ -282,7 +288,7 @@ class Grammars:
             if compiled is not None:
                 self._cache.put(job.key, compiled, [tenant for tenant, _ in futures])
             elif failed is not None:
-                self._cache.put_failed(job.key, failed, time.monotonic())
+                self._failed.put(job.key, [tenant for tenant, _ in futures], failed, time.monotonic())
         settle([f for _, f in futures], compiled, None if compiled is not None else ValueError(failed or error))
 
     def matcher(self, compiled: Any) -> Any:

@@ -126,12 +126,12 @@ class _Grammar:
         self.memory_size_bytes = size
 
 
-def test_cache_is_bounded_by_bytes_and_entries_and_remembers_failures_for_a_while() -> None:
+def test_cache_is_bounded_by_bytes_and_entries() -> None:
     """Bytes: keys (k, s) cost their grammar's memory_size_bytes + 2; 1,000 + 1,000 + 1,000
     bytes in a 2,500-byte cache keep the newest two (the least recently used out, a get
     refreshes); a grammar over the whole budget is not kept. Entries: at most max_entries.
-    Failures: refused until their TTL passes."""
-    cache = GrammarCache(max_entries=3, max_bytes=2_500, failed_ttl_s=10.0)
+    (Failed specs: ``tests/test_grammar_tenant_limits.py``.)"""
+    cache = GrammarCache(max_entries=3, max_bytes=2_500)
     a, b, c = _Grammar(998), _Grammar(998), _Grammar(998)
     assert cache.put(("k", "a"), a) and cache.put(("k", "b"), b)
     assert cache.get(("k", "a")) is a  # a is now the most recent
@@ -140,15 +140,12 @@ def test_cache_is_bounded_by_bytes_and_entries_and_remembers_failures_for_a_whil
     assert (len(cache), cache.num_bytes) == (2, 2_000)
     assert grammar_bytes(("k", "a"), a) == 1_000
     assert cache.put(("k", "huge"), _Grammar(3_000)) is False and len(cache) == 2
-    small = GrammarCache(max_entries=2, max_bytes=1 << 20, failed_ttl_s=10.0)
+    small = GrammarCache(max_entries=2, max_bytes=1 << 20)
     for name in "xyz":
         small.put(("k", name), _Grammar(10))
     assert [small.get(("k", n)) is not None for n in "xyz"] == [False, True, True]
     small.check_integrity()
     cache.check_integrity()
-    cache.put_failed(("k", "bad"), "structured_output regex does not compile: x", now=100.0)
-    assert cache.failed(("k", "bad"), now=109.9) == "structured_output regex does not compile: x"
-    assert cache.failed(("k", "bad"), now=110.0) is None  # expired: compiled again next time
 
 
 def test_cache_is_fair_per_tenant_one_tenant_filling_it_evicts_its_own_first() -> None:
@@ -159,7 +156,7 @@ def test_cache_is_fair_per_tenant_one_tenant_filling_it_evicts_its_own_first() -
     stays while another claims it.
 
     Regression (review 27c F2): one LRU for all tenants, which a flushed with trivial specs."""
-    cache = GrammarCache(max_entries=256, max_bytes=1 << 30, failed_ttl_s=10.0)
+    cache = GrammarCache(max_entries=256, max_bytes=1 << 30)
     mine, shared = _Grammar(10), _Grammar(10)
     assert cache.put(("k", "b-own"), mine, ["b"]) and cache.put(("k", "shared"), shared, ["a"])
     assert cache.get(("k", "shared"), "b") is shared
@@ -169,13 +166,13 @@ def test_cache_is_fair_per_tenant_one_tenant_filling_it_evicts_its_own_first() -
     assert len(cache) == 256 and cache.held("b") == (2, 16 + 17) and cache.held("a")[0] == 254
     assert cache.get(("k", "a299"), "a") is not None and cache.get(("k", "a45"), "a") is None
     cache.check_integrity()
-    by_bytes = GrammarCache(max_entries=100, max_bytes=5_100, failed_ttl_s=10.0)
+    by_bytes = GrammarCache(max_entries=100, max_bytes=5_100)
     assert by_bytes.put(("k", "b"), _Grammar(998), ["b"])
     for i in range(10):
         assert by_bytes.put(("k", f"a{i}"), _Grammar(998), ["a"])
     assert by_bytes.get(("k", "b"), "b") is not None and by_bytes.held("a") == (4, 4 * 1_001)
     by_bytes.check_integrity()
-    two = GrammarCache(max_entries=2, max_bytes=1 << 20, failed_ttl_s=10.0)
+    two = GrammarCache(max_entries=2, max_bytes=1 << 20)
     assert two.put(("k", "s"), _Grammar(10), ["a", "b"]) and two.put(("k", "a1"), _Grammar(10), ["a"])
     assert two.put(("k", "a2"), _Grammar(10), ["a"])  # a gives up "s" (its LRU), b still holds it
     assert two.get(("k", "s"), "b") is not None and two.get(("k", "a1"), "a") is None

@@ -1,0 +1,94 @@
+"""Structured outputs' per-tenant bounds on a cache node (session 28): the memory of specs that
+failed to compile is per tenant, bounded per tenant and in all (``FailedSpecs``).
+
+Regression: one list of failed specs for all tenants (256, oldest out first): a spec that
+failed for one tenant was refused to every tenant for 60 s, and one tenant's 256 cheap failing
+regexes flushed every other tenant's entries, letting a slow spec compile to its limit again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cache_node.grammar_cache import FailedSpecs
+from cache_node.structured_output import StructuredOutputSpec
+
+REFUSED = "refused without compiling"
+
+
+def test_failed_specs_are_remembered_per_tenant_within_their_bounds() -> None:
+    """A failure put for tenants a and b is refused to them until its TTL passes, never to c;
+    a's 5th failure pushes out a's oldest (per-tenant bound 4); past the total bound (6) the
+    tenant holding the most gives up its oldest, so b's entry stays while a floods."""
+    failed = FailedSpecs(max_per_tenant=4, max_total=6, ttl_s=10.0)
+    failed.put(("regex", "bad"), ["a", "b"], "structured_output regex does not compile: x", now=100.0)
+    assert failed.failed(("regex", "bad"), "a", now=109.9) == "structured_output regex does not compile: x"
+    assert failed.failed(("regex", "bad"), "c", now=100.0) is None
+    assert failed.failed(("regex", "bad"), "b", now=110.0) is None and failed.held("b") == 0  # expired
+    for i in range(5):
+        failed.put(("regex", f"a{i}"), ["a"], "m", now=101.0 + i)
+    assert failed.held("a") == 4 and failed.failed(("regex", "bad"), "a", now=106.0) is None  # its oldest out
+    failed.put(("regex", "b0"), ["b"], "m", now=107.0)
+    failed.put(("regex", "c0"), ["c"], "m", now=107.0)
+    assert failed.num_entries == 6
+    failed.put(("regex", "a9"), ["a"], "m", now=108.0)  # 7 in all: a (the most) gives up a1
+    assert failed.num_entries == 6 and failed.held("a") == 4 and failed.failed(("regex", "a1"), "a", 108.0) is None
+    assert failed.failed(("regex", "b0"), "b", 108.0) == "m" and failed.failed(("regex", "c0"), "c", 108.0) == "m"
+    failed.put(("regex", "a9"), ["a"], "again", now=109.0)  # refreshed, not counted twice
+    assert failed.num_entries == 6 and failed.failed(("regex", "a9"), "a", 109.0) == "again"
+    off = FailedSpecs(max_per_tenant=4, max_total=6, ttl_s=0.0)
+    off.put(("regex", "bad"), ["a"], "m", now=1.0)
+    assert off.failed(("regex", "bad"), "a", now=1.0) is None and off.num_entries == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from cache_node.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def _grammars(tokenizer: Any, **limits: Any) -> Any:
+    from cache_node.grammars import CompileLimits, Grammars
+
+    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
+    assert isinstance(made, Grammars), made
+    return made
+
+
+def _error(future: Any) -> str:
+    return str(future.exception(timeout=60))
+
+
+def test_a_failed_spec_is_refused_at_once_to_its_tenant_only_and_no_tenant_flushes_anothers(tokenizer) -> None:
+    """Tenant a's regex "(abc" fails to compile; a sending it again is refused at once (not
+    compiled: the compile count stays), tenant b's identical spec is compiled and fails with the
+    compiler's message in its own right. Then a sends 40 distinct failing regexes (past its 32):
+    b's memory of "(abc" stays, a's own oldest are pushed out.
+
+    Regression: b's "(abc" was refused "without compiling" on a's failure, and a's flood
+    (256 in all) emptied the one shared list."""
+    g = _grammars(tokenizer, workers=1, queue_per_tenant=64)
+    try:
+        bad = StructuredOutputSpec("regex", "(abc")
+        first = _error(g.compile(bad, "a"))
+        assert first.startswith("structured_output regex does not compile") and REFUSED not in first
+        t0 = time.monotonic()
+        again = _error(g.compile(bad, "a"))
+        assert REFUSED in again and time.monotonic() - t0 < 0.1
+        b_first = _error(g.compile(bad, "b"))
+        assert b_first.startswith("structured_output regex does not compile") and REFUSED not in b_first
+        assert REFUSED in _error(g.compile(bad, "b"))
+        flood = [g.compile(StructuredOutputSpec("regex", f"(a{i}"), "a") for i in range(40)]
+        assert all("does not compile" in _error(f) for f in flood)
+        assert g._failed.held("a") == 32 and g._failed.held("b") == 1
+        assert REFUSED in _error(g.compile(bad, "b"))
+        assert REFUSED not in _error(g.compile(bad, "a"))  # a's own flood pushed it out: compiled again
+    finally:
+        g.close()
