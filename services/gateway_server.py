@@ -128,7 +128,7 @@ class Gateway:
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
                  http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
                  grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None,
-                 tls: ServerTls | None = None) -> None:
+                 tls: ServerTls | None = None, tool_call_parser: str = "") -> None:
         """``security``: the gateway's data-plane identity (``services.data_plane_auth``);
         ``metrics``: where ``start`` serves its Prometheus ``/metrics`` (None: nowhere);
         ``http_port``: where the OpenAI-compatible API listens (0: any free port; None: off);
@@ -138,9 +138,11 @@ class Gateway:
         defaults); ``grpc_limits``: the gRPC connections' bounds (None: ``GrpcLimits``' defaults);
         ``body_limits``: the HTTP request body bytes read at once, per tenant and in all (None:
         ``BodyLimits``' defaults); ``tls``: the certificate both APIs serve TLS with (its files
-        read at each start; None: plaintext, with a warning on a non-loopback host)."""
+        read at each start; None: plaintext, with a warning on a non-loopback host);
+        ``tool_call_parser``: how the HTTP API reads tool_choice "auto"'s calls ("": off;
+        ``OpenAIEdge``)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
-        self.tls = tls
+        self.tls, self.tool_call_parser = tls, tool_call_parser
         self.security, self.http_port = security, http_port
         self.http_forwarded_allow_ips, self.http_limits = http_forwarded_allow_ips, http_limits
         self.stream_limits, self.grpc_limits, self.body_limits = stream_limits, grpc_limits, body_limits
@@ -213,9 +215,11 @@ class Gateway:
                 templater.check_fits(len(text), room)
             return encode_text(tokenizer, text)
         self.http = HttpServer(create_app(OpenAIEdge(inference, info["model_id"], encode,
-                                                     num_healthy, self.body_limits, TokenTexts(tokenizer))),
+                                                     num_healthy, self.body_limits, TokenTexts(tokenizer),
+                                                     self.tool_call_parser)),
                                self.http_forwarded_allow_ips, self.http_limits, self.tls)
         await self.http.start(host, port)
+        self.metrics.watch_http(lambda: self.http.guard if self.http is not None else None)
 
     async def _unwind(self, health: BoundedHealthServicer) -> None:
         """Stop what a failed ``start`` made and free its ports. grpc.aio frees the port of a
@@ -284,9 +288,9 @@ class RayGateway(Gateway):
                  http_port: int | None = None, http_forwarded_allow_ips: list[str] | None = None,
                  http_limits: ConnectionLimits | None = None, stream_limits: StreamLimits | None = None,
                  grpc_limits: GrpcLimits | None = None, body_limits: BodyLimits | None = None,
-                 tls: ServerTls | None = None) -> None:
+                 tls: ServerTls | None = None, tool_call_parser: str = "") -> None:
         super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
-                         http_limits, stream_limits, grpc_limits, body_limits, tls)
+                         http_limits, stream_limits, grpc_limits, body_limits, tls, tool_call_parser)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}

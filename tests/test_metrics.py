@@ -32,7 +32,8 @@ GATEWAY_FAMILIES = {  # family -> kind, as prometheus_client.parser names them
     "kvstrata:admission_rejections": "counter", "kvstrata:ttft_slo_requests": "counter",
     "kvstrata:ttft_slo_met": "counter", "kvstrata:token_rate_floor_requests": "counter",
     "kvstrata:token_rate_floor_met": "counter", "kvstrata:tenant_ttft_slo_seconds": "gauge",
-    "kvstrata:tenant_token_rate_floor": "gauge",
+    "kvstrata:tenant_token_rate_floor": "gauge", "kvstrata:http_connections_open": "gauge",
+    "kvstrata:http_connections_unauthenticated": "gauge", "kvstrata:http_connections_refused_or_closed": "counter",
 }
 NODE_FAMILIES = {
     "kvstrata:num_requests_running": "gauge", "kvstrata:num_requests_waiting": "gauge",

@@ -35,11 +35,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from services.metrics.http import HttpConnectionsCollector
 
 PREFIX = "kvstrata:"
 
@@ -96,6 +100,18 @@ class GatewayMetrics:
                                         "tokens/s (0: none).", t, registry=reg)
         self._series: dict[str, SimpleNamespace] = {}  # tenant name -> its TENANT_SERIES children
         self._forgotten_ids: OrderedDict[str, None] = OrderedDict()  # the newest FORGOTTEN_IDS_KEPT
+        self._http: HttpConnectionsCollector | None = None  # ``watch_http``
+
+    def watch_http(self, guard_of: Callable[[], Any]) -> None:
+        """Export the HTTP API's connection guard (``guard_of()``, None while it serves none)
+        at each scrape (``services.metrics.http``); a later call replaces the earlier source."""
+        if self._http is None:
+            # (a local import: services.metrics.http imports PREFIX from here)
+            from services.metrics.http import HttpConnectionsCollector
+
+            self._http = HttpConnectionsCollector(guard_of)
+            self.registry.register(self._http)
+        self._http.guard_of = guard_of
 
     def track(self, tenant: Any) -> RequestTracker:
         """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now;
