@@ -56,7 +56,7 @@ class EngineReclaimMixin:
     def _reclaim(self, need: int, holder: str = "", keep_kept: bool = False) -> None:
         """The scheduler's last resort for blocks (``Preemption._free_held_elsewhere``: a
         lone running sequence short of them, or the queue's head when nothing runs), for a
-        request of ``holder``: idle sessions and compressed prefixes, largest holder first
+        request of ``holder``: idle sessions and compressed prefixes, the holder holding most per weight first
         (``_unpin_idle_sessions``), then, unless ``keep_kept``, the history KV that
         sessions keep for their running turns (``Sequence.kept``). A waiting turn whose kept
         history goes frees what it was lent and will compute its whole prompt, as every

@@ -144,7 +144,7 @@ class EngineSessionsMixin:
         """Unpin (demote) idle sessions and drop stored compressed prefixes until ``need``
         blocks are free or none is left, for a request of ``holder`` (a cache namespace
         without its salt): the idle states of the holder then holding the most device blocks
-        in idle states go first (``holder``'s own on a tie), least recently used first within
+        in idle states per unit of its weight (``TierManager.weights``, its tenant's) go first (``holder``'s own on a tie), least recently used first within
         it, sessions before prefixes on a tie. That is the max-min fair order of the tiers
         below (``tiers.fair_lru``) and of ``_reclaim_host``. Every idle state may go, so the
         waiting request gets its blocks, but the stored prefixes ``keep`` (those the requests
@@ -192,8 +192,9 @@ class EngineSessionsMixin:
         for owner, items in by_holder.items():
             held[owner] = held.get(owner, 0) + sum(item[3] for item in items)
         queues = {owner: deque(sorted(items, key=lambda item: item[:2])) for owner, items in by_holder.items()}
+        weight = self.tiers.weights.of  # per unit of its tenant's weight, as the tiers below
         while pool.num_free_blocks() < need and queues:
-            owner = max(queues, key=lambda o: (held[o], o == holder, bool(queues[o]),
+            owner = max(queues, key=lambda o: (held[o] / weight(o), o == holder, bool(queues[o]),
                                                -queues[o][0][0] if queues[o] else 0.0))
             if not queues[owner]:
                 break  # the holder holding the most has only kept prefixes left

@@ -145,3 +145,22 @@ def test_no_other_holder_gives_up_idle_state_for_a_holders_kept_prefixes(tiny: L
     assert [out[f"af{d}"].num_cached_tokens for d in range(3)] == [len(doc) for doc in DOCS]
     assert len(out["bhead"].output_token_ids) == P.max_tokens
     assert not eng.check_integrity()
+
+
+def test_idle_reclaim_weighs_each_holders_blocks_by_its_tenants_weight(tiny: LoadedModel) -> None:
+    """B (weight 8) holds 5x C's idle blocks (weight 1), but less per unit of weight: a third
+    tenant's request unpins C's session first, as the host tier and spill evict (held / weight).
+    Regression: the device reclaim compared raw blocks, so a tenant's weight bought it nothing
+    here: B's sessions went and C's stayed."""
+    eng = make_engine(tiny, kv_pool_bytes=30 * BLOCK)
+    eng.tiers.note_weight("tenant:B", 8.0)  # as a request of B's tenant (weight 8) tells it
+    eng.generate([prompt_of(40, 7)], P, session_id="C/s0", tenant="C", cache_namespace="tenant:C")
+    for i in range(3):
+        eng.generate([prompt_of(60, 100 + i)], P, session_id=f"B/s{i}", tenant="B", cache_namespace="tenant:B")
+    c_before, b_before = held(eng, "C"), held(eng, "B")
+    assert 0 < c_before < b_before < 8 * c_before and eng.kv_manager.pool.num_free_blocks() < 13
+    done = eng.generate([prompt_of(190, 999)], P, tenant="A", cache_namespace="tenant:A")[0]
+    assert len(done.output_token_ids) == 8
+    assert held(eng, "C") == 0  # C held more per weight: its session went first
+    assert held(eng, "B") == b_before  # C's 3 blocks were enough
+    assert not eng.check_integrity()
