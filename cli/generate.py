@@ -15,6 +15,7 @@ from cache_node.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
+from cli.constraints import NO_CONSTRAINTS, Constraints, constraints
 from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import gateway_channel
@@ -100,14 +101,18 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
 
 
 def generate_request(prompt: str, max_tokens: int, temperature: float, session: str, policy: str,
-                     priority: int = 0, stop: list[str] | None = None) -> inference_pb2.GenerateRequest:
+                     priority: int = 0, stop: list[str] | None = None,
+                     constrained: Constraints = NO_CONSTRAINTS) -> inference_pb2.GenerateRequest:
     """The ``Generate`` request of one ``kvstrata generate`` call: one user message, its
-    sampling (``stop`` in ``SamplingParams.stop``) and ``GenerateRequest.priority``."""
-    return inference_pb2.GenerateRequest(
+    sampling (``stop`` in ``SamplingParams.stop``, ``constrained``'s fields) and
+    ``GenerateRequest.priority``."""
+    req = inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
         sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or []),
         session_id=session, policy=policy, priority=priority,
     )
+    constrained.apply(req.sampling)
+    return req
 
 
 def generate(
@@ -128,16 +133,32 @@ def generate(
     stop: list[str] | None = typer.Option(None, "--stop", metavar="TEXT", callback=stop_strings,
                                           help=f"end the answer before this text (repeat, up to "
                                           f"{MAX_STOP_STRINGS}; finish reason `stop`)"),
+    json_object: bool = typer.Option(False, "--json", help="answer with a JSON object (structured output)"),
+    json_schema: str | None = typer.Option(None, "--json-schema", metavar="SCHEMA",
+                                           help="answer with JSON matching this schema (its text, or @FILE)"),
+    regex: str | None = typer.Option(None, metavar="REGEX", help="answer with text matching this regex"),
+    choice: list[str] | None = typer.Option(None, "--choice", metavar="TEXT",
+                                            help="answer with exactly one of these (repeat, up to 256)"),
+    grammar: str | None = typer.Option(None, metavar="EBNF",
+                                       help="answer in this EBNF grammar with a root rule (its text, or @FILE)"),
+    logit_bias: list[str] | None = typer.Option(None, "--logit-bias", metavar="ID=BIAS",
+                                                help="add BIAS in [-100, 100] to token ID's logit (repeat)"),
+    allowed_token_ids: list[int] | None = typer.Option(None, "--allowed-token-id", metavar="ID",
+                                                       help="only these token ids may be generated (repeat)"),
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Stream a chat completion to the terminal; the last line says why it ended and how fast it was.
+
+    One structured output at most (`--json`, `--json-schema`, `--regex`, `--choice`, `--grammar`);
+    the node compiles it (a schema or regex it cannot compile is refused, naming it).
 
     Greedy by default (`--temperature 0`; the HTTP API's default is OpenAI's 1). Finish reasons:
     `stop` (the model ended its answer, or a `--stop` string matched: the server reports both as
     `stop`, so with --stop the line names both), `length` (max_tokens reached), `abort` (the
     server aborted it). Ctrl-C cancels the request (exit code 130).
     """
-    req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop)
+    constrained = constraints(json_object, json_schema, regex, choice, grammar, logit_bias, allowed_token_ids)
+    req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop, constrained)
     with gateway_channel(gateway) as ch:
         try:
             stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(

@@ -46,7 +46,8 @@ class Served(LoopPlane):
             security=self.keys.security("gateway")))
         monitor.stop()
         self.run(self.server.start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.address = f"127.0.0.1:{port}"  # the gateway's gRPC address
+        self.channel = grpc.insecure_channel(self.address)
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
         self.key = self.run(call(self.scheduler.register_tenant, TenantSpec(name="logprobs")))[1]
         self.model = info["model_id"].split("@", 1)[0]
