@@ -93,6 +93,9 @@ class EngineConfig:
         grammar_cache_bytes: most bytes of compiled grammars kept (also at most 256 of them).
         grammar_worker_memory_bytes: what a compiler process's compiles may allocate past its
             import (its ``RLIMIT_DATA`` headroom; 0: no cap).
+        grammar_max_active_per_tenant: most structured-output requests one tenant may have on
+            the node at once (queued, compiling or decoding); past it one is refused
+            RESOURCE_EXHAUSTED (retryable) naming this setting, holding nothing.
         grammar_step_budget_ms: most matcher time (CPU time of the step thread: the mask fill
             plus the last token's accept) one structured-output request may take in one step;
             past it the request is refused naming structured_output and this limit (a normal
@@ -122,6 +125,7 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 << 20
     grammar_worker_memory_bytes: int = 2 << 30
     grammar_step_budget_ms: float = 2.0
+    grammar_max_active_per_tenant: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -157,6 +161,9 @@ class EngineConfig:
             raise ValueError("grammar_cache_bytes and grammar_worker_memory_bytes must be >= 0")
         if not 0 < self.grammar_step_budget_ms <= 60_000:
             raise ValueError(f"grammar_step_budget_ms must be in (0, 60000], got {self.grammar_step_budget_ms}")
+        if self.grammar_max_active_per_tenant < 1:
+            raise ValueError("grammar_max_active_per_tenant must be >= 1, got "
+                             f"{self.grammar_max_active_per_tenant}")
 
     def resolved(self) -> EngineConfig:
         """This config with ``device`` concrete ("cpu" or "cuda:N"), ``dtype`` a dtype name and

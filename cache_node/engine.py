@@ -135,6 +135,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.grammars = None
         self.grammars_off = NO_TOKENIZER
         self._compiling: list[Sequence] = []  # waiting requests whose grammar compiles
+        self._grammar_active: dict[str, int] = {}  # tenant -> its structured requests here (engine_grammars)
         # what a step passed over became ready (a grammar compiled, a prefetch landed): the
         # cache node sets its wake event here, so a step that scheduled nothing waits for this
         # instead of stepping again at once (``scheduled_nothing``)
@@ -195,11 +196,11 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
         self._check_fits(seq)
-        self._attach_grammar(seq)  # its compilation starts; the scheduler passes it over till done
         if not params.greedy:
             seq.generator = torch.Generator(device=self.pool.kv.device).manual_seed(
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
             )
+        self._attach_grammar(seq)  # its compilation starts; the scheduler passes it over till done
         with self._lock:
             share = self.scheduler.policy.tenants.get(tenant)
             if share is not None:  # the tiers' fair shares weigh its holder as its tenant
@@ -210,6 +211,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 except Exception:
                     if seq.grammar is not None:
                         seq.grammar.release()  # its queued compile is nobody's
+                        self._uncount_grammar(seq)
                     raise
             self.requests[seq.request_id] = seq
             self.prefixes.admit(seq, prefix_tokens)  # its prefix's KV is taken when it starts
@@ -402,6 +404,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.scheduler.finish(seq)
         if seq.grammar is not None:
             seq.grammar.release()  # aborted while compiling: a compile only it waits on is dropped
+            self._uncount_grammar(seq)
         self.prefixes.on_finish(seq)  # those waiting for its prefix's computation go on
         seq.finish_reason = reason
         # a session keeps the turn's blocks, with its policy state when a policy compacted them

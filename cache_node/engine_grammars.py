@@ -6,7 +6,12 @@
   over (it holds no KV) until its matcher exists. A node whose structured outputs are off (no
   tokenizer, or xgrammar not installed) refuses it at once (``InvalidRequestError`` naming
   ``structured_output``), as it does one whose tenant has ``grammar_compile_queue_per_tenant``
-  compiles pending (``GrammarQueueFull``, a retryable refusal).
+  compiles pending (``GrammarQueueFull``, a retryable refusal), or
+  ``grammar_max_active_per_tenant`` structured requests here already, queued, compiling or
+  decoding (``GrammarActiveFull``, retryable too: one tenant cannot fill every row of a step
+  with grammar work). Each refusal comes before anything is held (no compile queued, no
+  block, no matcher); a request counts from its queuing to its ``_finish``
+  (``_grammar_active``).
 - each step, first: the compilations that ended are polled (``_poll_grammars``); one that
   failed (the compiler's message, or past ``grammar_compile_timeout_s``) finishes its request
   "rejected" with that message (``RequestOutput.error``: the node answers INVALID_ARGUMENT),
@@ -49,7 +54,7 @@ import torch
 
 from cache_node.grammar_mask import GrammarState, constrain
 from cache_node.grammars import CompileLimits, Grammars
-from cache_node.outputs import InvalidRequestError, RequestOutput
+from cache_node.outputs import GrammarActiveFull, InvalidRequestError, RequestOutput
 from cache_node.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -64,6 +69,7 @@ class EngineGrammarsMixin:
     grammars: Grammars | None
     grammars_off: str  # why ``grammars`` is None
     _compiling: list[Sequence]
+    _grammar_active: dict[str, int]
 
     def enable_structured_output(self: LLMEngine, tokenizer: Any) -> bool:
         """Serve ``structured_output`` requests with ``tokenizer``'s vocabulary (the cache node
@@ -100,7 +106,31 @@ class EngineGrammarsMixin:
             return
         if self.grammars is None:
             raise InvalidRequestError(f"structured_output: {self.grammars_off}")
-        seq.grammar = GrammarState(self.grammars, spec, seq.tenant or seq.cache_namespace)
+        tenant = seq.tenant or seq.cache_namespace
+        cap = self.config.grammar_max_active_per_tenant
+        with self._lock:  # checked and counted at once: ``add_request`` may come from several threads
+            active = self._grammar_active.get(tenant, 0)
+            if active >= cap:
+                raise GrammarActiveFull(
+                    f"structured_output: this tenant already has {cap} structured-output requests on this cache "
+                    "node (grammar_max_active_per_tenant); retry when one of them finishes")
+            seq.grammar = GrammarState(self.grammars, spec, tenant)  # (may raise GrammarQueueFull)
+            self._grammar_active[tenant] = active + 1
+            seq.grammar.counted = True
+
+    def _uncount_grammar(self: LLMEngine, seq: Sequence) -> None:
+        """``seq`` finished (or was refused after ``_attach_grammar``): it counts no more in its
+        tenant's ``grammar_max_active_per_tenant`` (once, whatever path ended it)."""
+        with self._lock:
+            if not seq.grammar.counted:
+                return
+            seq.grammar.counted = False
+            tenant = seq.grammar.tenant
+            left = self._grammar_active[tenant] - 1
+            if left:
+                self._grammar_active[tenant] = left
+            else:
+                del self._grammar_active[tenant]
 
     def _poll_grammars(self: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Step start: forget finished requests' compilations, refuse those that failed."""

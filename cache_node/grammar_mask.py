@@ -43,6 +43,8 @@ class GrammarState:
         """Raises ``GrammarQueueFull`` (``Grammars.compile``)."""
         self.grammars = grammars
         self.spec = spec
+        self.tenant = tenant  # whose compile queue and ``grammar_max_active_per_tenant`` it counts in
+        self.counted = False  # counted in its tenant's active structured requests (the engine's)
         self.future = grammars.compile(spec, tenant)
         self.matcher: Any = None
         self.error: str | None = None

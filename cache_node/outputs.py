@@ -75,6 +75,17 @@ class GrammarQueueFull(InvalidRequestError):
     Regression: the node answered it INVALID_ARGUMENT (HTTP 400), as for a malformed request."""
 
 
+class GrammarActiveFull(GrammarQueueFull):
+    """A structured-output request whose tenant already has ``grammar_max_active_per_tenant``
+    structured-output requests on this node (queued, compiling or decoding;
+    ``cache_node.engine_grammars``): refused before anything is held, like ``GrammarQueueFull``
+    (RESOURCE_EXHAUSTED, HTTP 429; a subclass, so every caller that refuses that refuses this
+    alike); the same request sent after one of them ends is taken.
+
+    Regression: no such bound: one tenant's constrained requests could fill every row of a step
+    with grammar work (each row's matcher bounded, their number not)."""
+
+
 class SessionBusy(Exception):
     """A turn reaches its session while another turn of it is running (``SessionTable.attach``):
     a transient conflict (the node answers ABORTED, HTTP 409), which the same turn sent after

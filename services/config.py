@@ -78,6 +78,9 @@ class NodeConfig(BaseModel):
     # Most matcher time (ms of the step thread's CPU: mask fill plus accept) one structured
     # request may take in one step; past it the request is refused INVALID_ARGUMENT
     grammar_step_budget_ms: float = Field(2.0, gt=0, le=60_000)
+    # Most structured-output requests one tenant may have on a node at once (queued, compiling or
+    # decoding); past it RESOURCE_EXHAUSTED (HTTP 429) naming it
+    grammar_max_active_per_tenant: int = Field(16, ge=1)
     # Test-only: lets ``CacheNode.inject_step_fault`` make the step loop raise (fault tests).
     fault_injection: bool = False
     # Environment of the node's worker process, set before torch loads:

@@ -92,3 +92,67 @@ def test_a_failed_spec_is_refused_at_once_to_its_tenant_only_and_no_tenant_flush
         assert REFUSED not in _error(g.compile(bad, "a"))  # a's own flood pushed it out: compiled again
     finally:
         g.close()
+
+
+# ---- grammar_max_active_per_tenant, through the engine (the real SmolLM2-135M) ---------------
+
+@pytest.mark.slow
+def test_a_tenant_past_its_active_structured_requests_is_refused_holding_nothing(real_model) -> None:
+    """grammar_max_active_per_tenant 2: tenant a's third structured request, while its first two
+    are queued or decoding, is refused ``GrammarActiveFull`` (a ``GrammarQueueFull``: the node
+    answers RESOURCE_EXHAUSTED) naming the setting, holding nothing (no request, no compile
+    queued, no block); tenant b's structured request and a's unconstrained one are taken. Once
+    one of a's ends (aborted) its next is taken; when all have ended no count, block or
+    compile is left. A request refused after its grammar was counted (a busy session) and one
+    whose grammar fails to compile count no more either.
+
+    Regression: no such bound: one tenant's constrained requests could fill every row of a step."""
+    from cache_node.outputs import GrammarActiveFull, GrammarQueueFull, SessionBusy
+    from cache_node.sampling_params import SamplingParams
+    from tests.conftest import make_engine
+
+    lm = real_model
+    eng = make_engine(lm, kv_pool_bytes=32 << 20, max_num_batched_tokens=256, grammar_max_active_per_tenant=2)
+    assert eng.enable_structured_output(lm.tokenizer)
+    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Pick a digit."}],
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def params(regex: str = "[0-9]{3}", n: int = 6) -> SamplingParams:
+        return SamplingParams(max_tokens=n, structured_output=StructuredOutputSpec("regex", regex))
+
+    try:
+        a1 = eng.add_request(prompt, params(), tenant="a")
+        eng.step()
+        a2 = eng.add_request(prompt, params("[a-f]{3}"), tenant="a")
+        free, pending = eng.kv_manager.pool.num_free_blocks(), eng.grammars._queue.pending("a")
+        with pytest.raises(GrammarActiveFull, match=r"structured_output: this tenant already has 2 structured-output "
+                                                    r"requests on this cache node \(grammar_max_active_per_tenant\)"):
+            eng.add_request(prompt, params("[x-z]{3}"), request_id="a3", tenant="a")
+        assert issubclass(GrammarActiveFull, GrammarQueueFull)
+        assert "a3" not in eng.requests and eng.grammars._queue.pending("a") == pending
+        assert eng.kv_manager.pool.num_free_blocks() == free and eng._grammar_active == {"a": 2}
+        b1 = eng.add_request(prompt, params(), tenant="b")
+        free_a = eng.add_request(prompt, SamplingParams(max_tokens=2), tenant="a")
+        assert eng._grammar_active == {"a": 2, "b": 1}
+        assert eng.abort_request(a2)
+        a3 = eng.add_request(prompt, params("[x-z]{3}"), tenant="a")  # a2's place
+        eng.add_request(prompt, SamplingParams(max_tokens=4), request_id="s1", session_id="s", tenant="c")
+        with pytest.raises(SessionBusy):  # after its grammar was counted: uncounted
+            eng.add_request(prompt, params(), request_id="s2", session_id="s", tenant="c")
+        assert "c" not in eng._grammar_active
+        eng.abort_request(a3)
+        bad = eng.add_request(prompt, params("(abc"), tenant="a")  # fails to compile: rejected
+        final: dict[str, Any] = {}
+        deadline = time.monotonic() + 300
+        while eng.requests and time.monotonic() < deadline:
+            for out in eng.step():
+                if out.finished:
+                    final[out.request_id] = out
+            time.sleep(0.001)
+        assert final[bad].finish_reason == "rejected" and final[a1].finish_reason in ("stop", "length")
+        assert final[b1].finish_reason in ("stop", "length") and free_a in final
+        assert eng._grammar_active == {} and not eng.requests
+        eng.close_session("s")
+        assert eng.kv_manager.pool.num_free_blocks() == eng.kv_manager.pool.num_blocks
+    finally:
+        eng.close_structured_output()
