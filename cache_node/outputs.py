@@ -74,6 +74,12 @@ class GrammarQueueFull(InvalidRequestError):
 
     Regression: the node answered it INVALID_ARGUMENT (HTTP 400), as for a malformed request."""
 
+    retry_after_s = 1.0
+    """The retry hint the node sends with it (the gateway's ``retry-after-ms``, HTTP
+    ``Retry-After``): a compile ends within milliseconds to ``grammar_compile_timeout_s``, a
+    request within its ``max_tokens``; neither is known here, so the gateway's own hint
+    (``services.gateway.RETRY_S``)."""
+
 
 class GrammarActiveFull(GrammarQueueFull):
     """A structured-output request whose tenant already has ``grammar_max_active_per_tenant``

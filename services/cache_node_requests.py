@@ -7,8 +7,10 @@ is gone is refused (``SessionGone``, ABORTED), so is one whose session has a tur
 meet), and one that would take its tenant's kept session messages past its budget
 (``SessionTextBudget``, RESOURCE_EXHAUSTED), and a structured request whose tenant has
 ``grammar_compile_queue_per_tenant`` grammar compiles pending here
-(``cache_node.outputs.GrammarQueueFull``, RESOURCE_EXHAUSTED: an overload that passes as they
-end, not a bad request); a turn opening its session first closes a stale
+(``cache_node.outputs.GrammarQueueFull``), or ``grammar_max_active_per_tenant`` structured
+requests here (``GrammarActiveFull``, a ``GrammarQueueFull``), RESOURCE_EXHAUSTED: an overload
+that passes as they end, not a bad request, sent with its retry hint (the error event's
+``retry_after_s``, which the gateway passes on as ``retry-after-ms``, HTTP ``Retry-After``); a turn opening its session first closes a stale
 session of its id held here (``_drop_stale_session``); its prompt is the one the
 renderer made when its session is unchanged since, else rendered now (``_prompt_of``,
 ``_prompt``); a request without max_tokens gets what its context leaves (``_sampling``); its
@@ -95,7 +97,10 @@ class Requests:
                 error = {"type": "error", "code": "ABORTED", "message": str(exc)}
             except RepeatedOpen as exc:
                 error = {"type": "error", "code": "ALREADY_EXISTS", "message": str(exc)}
-            except (SessionTextBudget, GrammarQueueFull) as exc:  # (GrammarQueueFull is a ValueError)
+            except GrammarQueueFull as exc:  # (a ValueError)
+                error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc),
+                         "retry_after_s": exc.retry_after_s}
+            except SessionTextBudget as exc:  # (no hint: it stands until a session of its tenant ends)
                 error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": str(exc)}
             except (ValueError, KeyError, TypeError) as exc:  # bad values, e.g. in ``extra``
                 text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

@@ -45,7 +45,7 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
 _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
     "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER, "priority": int,
-    "policy_stats": dict, "logprobs": list,
+    "policy_stats": dict, "logprobs": list, "retry_after_s": _NUMBER,
 }
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -72,7 +72,8 @@ def check_event(event: Any) -> dict[str, Any]:
     with their types, and their values: counts, token ids and ``cached_tokens`` in
     [0, ``MAX_COUNT``], times finite and >= 0, ``priority`` in range, ids bounded, tier names
     in ``TIERS`` and a ``finish_reason`` in ``FINISH_REASONS`` (both become metric labels or
-    API values), an error's ``code`` a gRPC status name other than OK. Returns it (an error's
+    API values), an error's ``code`` a gRPC status name other than OK and its optional
+    ``retry_after_s`` in [0, ``MAX_RETRY_AFTER_S``] (finite, no NaN). Returns it (an error's
     ``message`` cut to ``MAX_TEXT_CHARS``).
 
     Raises:
@@ -116,6 +117,10 @@ def check_event(event: Any) -> dict[str, Any]:
                 raise ValueError(f"event.{name} must be finite")
     if "priority" in event:
         check_priority(event["priority"])
+    if "retry_after_s" in event:  # an error's retry hint (the gateway's ``retry-after-ms``)
+        if event["type"] != "error":
+            raise ValueError("event.retry_after_s belongs to an error event only")
+        _check_range("event.retry_after_s", event["retry_after_s"], 0, MAX_RETRY_AFTER_S)
     for name in ("request_id", "node_id"):
         if name in event:
             _check_len(f"event.{name}", event[name], MAX_ID_CHARS)

@@ -62,8 +62,10 @@ call past ``max_streams_per_tenant`` (the cap frees as the tenant's streams end)
 the scheduler did not answer in time (busy, or being restarted), a stream its node ended
 UNAVAILABLE (down or drained: the scheduler routes the retry elsewhere, or to the node once it
 is back). Those that stand until the client acts carry none: a node's RESOURCE_EXHAUSTED
-(``max_session_text_chars_per_tenant``: until a session is closed or expires), a stream ended
-for not being read."""
+for ``max_session_text_chars_per_tenant`` (until a session is closed or expires), a stream ended
+for not being read. A node's refusal that passes with time carries its own hint (the error
+event's ``retry_after_s``: a tenant's full grammar compile queue or its
+``grammar_max_active_per_tenant``), passed on as is."""
 
 
 def set_retry_after(context: Any, retry_after_s: float) -> None:
@@ -306,6 +308,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                         # unseen, and a session's history took a turn its client never got
                         self.streams.abort(adm.node_id, req.request_id)
                         set_retry_after(context, RETRY_S)
+                    elif event.get("retry_after_s"):  # the node's hint (``check_event`` bounded it)
+                        set_retry_after(context, event["retry_after_s"])
                     await context.abort(_CODES[event["code"]], event["message"])
                 if event["type"] == "finished":
                     usage = event

@@ -156,3 +156,26 @@ def test_a_tenant_past_its_active_structured_requests_is_refused_holding_nothing
         assert eng.kv_manager.pool.num_free_blocks() == eng.kv_manager.pool.num_blocks
     finally:
         eng.close_structured_output()
+
+
+# ---- the retry hint of a node's grammar refusals, on the data plane -------------------------
+
+def test_an_error_event_s_retry_hint_is_checked() -> None:
+    """A node's error event may carry ``retry_after_s`` (a ``GrammarQueueFull``'s, 1 s), which the
+    gateway turns into ``retry-after-ms``; it is bytes from the network: a value outside
+    [0, 86400] (NaN and inf included), or on an event other than an error, fails that event."""
+    import math
+
+    from cache_node.outputs import GrammarActiveFull, GrammarQueueFull
+    from services.data_plane import check_event
+
+    error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": "m"}
+    assert check_event({**error, "retry_after_s": 1.0})["retry_after_s"] == 1.0
+    assert GrammarQueueFull.retry_after_s == GrammarActiveFull.retry_after_s == 1.0
+    for bad in (-1, 86401, math.nan, math.inf):
+        with pytest.raises(ValueError, match="event.retry_after_s"):
+            check_event({**error, "retry_after_s": bad})
+    with pytest.raises(TypeError):
+        check_event({**error, "retry_after_s": "1"})
+    with pytest.raises(ValueError, match="error event only"):
+        check_event({"type": "delta", "token_ids": [1], "text": "a", "retry_after_s": 1.0})

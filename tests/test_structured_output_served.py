@@ -18,8 +18,10 @@ request crossing the data plane was refused "request.sampling: unknown fields
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -119,12 +121,12 @@ def test_grpc_bad_constraints_are_invalid_argument_naming_the_field(served: Serv
 def test_a_tenant_past_its_compile_queue_is_resource_exhausted_and_429(served: Served) -> None:
     """A structured request whose tenant has ``grammar_compile_queue_per_tenant`` compiles pending
     on its node (``GrammarQueueFull``; the bound set to 0 here, on the node's live queue) is
-    RESOURCE_EXHAUSTED over gRPC with the node's message, and a 429 ``rate_limit_error`` over
-    HTTP that the client may retry (no ``x-should-retry: false``); the same request is served
-    once there is room.
+    RESOURCE_EXHAUSTED over gRPC with the node's message and a ``retry-after-ms`` trailer of
+    1000, and a 429 ``rate_limit_error`` over HTTP with ``Retry-After: 1`` that the client may
+    retry (no ``x-should-retry: false``); the same request is served once there is room.
 
     Regression: the node answered it INVALID_ARGUMENT (HTTP 400), as a malformed request that a
-    retry cannot fix."""
+    retry cannot fix; then (session 28) its 429 had no ``Retry-After``."""
     queue = served.node.engine.grammars._queue
     bound = queue.max_per_tenant
     full = f"this tenant already has {bound} grammars compiling or queued on this cache node (grammar_compile_queue"
@@ -134,19 +136,61 @@ def test_a_tenant_past_its_compile_queue_is_resource_exhausted_and_429(served: S
             served.generate(max_tokens=4, structured_output=pb.StructuredOutput(regex="[0-9]{4}x"))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert err.value.details().startswith(f"structured_output: {full}"), err.value.details()
-        req = urllib.request.Request(
-            f"{served.base}/completions",
-            json.dumps({"model": served.model, "prompt": PROMPT, "max_tokens": 4, "guided_regex": "[0-9]{4}y"}).encode(),
-            {"Authorization": f"Bearer {served.key}", "Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as http:
-            urllib.request.urlopen(req, timeout=60)
-        body = json.loads(http.value.read())
-        assert http.value.code == 429 and body["error"]["type"] == "rate_limit_error", body
-        assert full in body["error"]["message"] and "x-should-retry" not in http.value.headers, body
+        assert ("retry-after-ms", "1000") in err.value.trailing_metadata()
+        _http_429(served, "[0-9]{4}y", full)
     finally:
         queue.max_per_tenant = bound
     text, end = _text_and_end(served.generate(max_tokens=8, structured_output=pb.StructuredOutput(regex="[0-9]{4}x")))
     assert end == "stop" and re.fullmatch("[0-9]{4}x", text), text
+
+
+def _http_429(served: Served, regex: str, message: str) -> None:
+    """A completion constrained to ``regex`` is a retryable 429 naming ``message``, with
+    ``Retry-After: 1`` (and ``retry-after-ms``)."""
+    req = urllib.request.Request(
+        f"{served.base}/completions",
+        json.dumps({"model": served.model, "prompt": PROMPT, "max_tokens": 4, "guided_regex": regex}).encode(),
+        {"Authorization": f"Bearer {served.key}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(req, timeout=60)
+    body = json.loads(http.value.read())
+    assert http.value.code == 429 and body["error"]["type"] == "rate_limit_error", body
+    assert message in body["error"]["message"] and "x-should-retry" not in http.value.headers, body
+    assert (http.value.headers["Retry-After"], http.value.headers["retry-after-ms"]) == ("1", "1000")
+
+
+def test_a_tenant_past_its_active_structured_requests_is_resource_exhausted_and_429(served: Served) -> None:
+    """grammar_max_active_per_tenant set to 1 on the node's live engine: while the tenant's
+    structured request streams, its next is RESOURCE_EXHAUSTED over gRPC naming the setting,
+    with ``retry-after-ms`` 1000, and a 429 with ``Retry-After: 1`` over HTTP; once the first is
+    cancelled (aborted on the node) the count is back to none and the next is served.
+
+    Regression: no such bound (one tenant's grammars could take every row of a step), and no
+    ``Retry-After`` on the node's 429s."""
+    engine = served.node.engine
+    config = engine.config
+    full = "this tenant already has 1 structured-output requests on this cache node (grammar_max_active_per_tenant)"
+    engine.config = dataclasses.replace(config, grammar_max_active_per_tenant=1)
+    try:
+        request = pb.GenerateRequest(tokens=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+            max_tokens=400, structured_output=pb.StructuredOutput(regex="[0-9]{400}")))
+        first = served.stub.Generate(request, metadata=(("authorization", f"Bearer {served.key}"),), timeout=60)
+        assert next(r for r in first if r.WhichOneof("event") == "delta").delta.text  # it decodes
+        with pytest.raises(grpc.RpcError) as err:
+            served.generate(max_tokens=4, structured_output=pb.StructuredOutput(regex="[0-9]{2}"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == f"structured_output: {full}; retry when one of them finishes"
+        assert ("retry-after-ms", "1000") in err.value.trailing_metadata()
+        _http_429(served, "[0-9]{3}", full)
+        first.cancel()
+        deadline = time.monotonic() + 30
+        while engine._grammar_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._grammar_active == {}
+    finally:
+        engine.config = config
+    text, end = _text_and_end(served.generate(max_tokens=8, structured_output=pb.StructuredOutput(regex="[0-9]{2}")))
+    assert end == "stop" and re.fullmatch("[0-9]{2}", text), text
 
 
 def _content(path: str, body: Any) -> list[str]:
