@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # an annotation alone: importing transformers costs ~1 s
     from transformers import PreTrainedTokenizerBase
@@ -119,9 +119,12 @@ class ChatTemplater:
         header, the generation prompt; a bound from above)."""
         return len(self.first_turn([{"role": "user", "content": ""}]))
 
-    def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Messages, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``messages`` as the template writes them; ``tools`` (OpenAI's shape) go to it too (a
+        template that does not use them leaves them out)."""
         return self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
     def encode(self, text: str) -> list[int]:
@@ -134,9 +137,10 @@ class ChatTemplater:
         once (a default system prompt, if the template has one)."""
         return len(self.first_turn(messages))
 
-    def first_turn(self, messages: Messages) -> list[int]:
-        """Token ids of a whole conversation, ending with the assistant generation prompt."""
-        return self.encode(self.render(messages))
+    def first_turn(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a whole conversation (with ``tools``), ending with the assistant
+        generation prompt."""
+        return self.encode(self.render(messages, tools=tools))
 
     def continuation(
         self, history_messages: Messages, history_tokens: list[int], new_messages: Messages

@@ -9,6 +9,7 @@ Part of the gateway's inference servicer (``services.gateway``, which re-exports
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2
@@ -50,6 +51,9 @@ class GenerateInput:
             choice of an HTTP body with ``n`` > 1), which that call holds in flight
             (``InferenceServicer.hold_call``): this request holds nothing of its own. Set by
             the edge's code, never from a client's field.
+        tools: the tools a chat's template renders (``apply_chat_template(tools=...)``;
+            OpenAI's shape, checked by the HTTP edge: ``services.openai_api.tools``); None: none.
+            Only for a chat rendered by the gateway (no session, no ``prefix_messages``).
     """
 
     prompt: list[dict[str, str]] | list[int]
@@ -64,6 +68,7 @@ class GenerateInput:
     prefix_tokens: int = 0
     prefix_messages: int = 0
     call_id: str = ""
+    tools: list[dict[str, Any]] | None = None
 
 
 def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:

@@ -98,8 +98,11 @@ class RequestPreparation:
                     templater.check_messages_fit(messages, room)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if (call.tools or any("tool_calls" in m for m in messages)) and (call.session_id or call.prefix_messages):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools: tools and tool calls are not served "
+                                    "with a session_id or prefix_messages")  # (the HTTP edge refuses them first)
             if not call.session_id and templater is not None:
-                tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt)))
+                tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt, call.tools)))
                 messages = ()
         else:
             tokens = tuple(prompt)

@@ -168,7 +168,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         scheduler_ref, {nid: ActorRef(nid, config.namespace) for nid in nodes}, config.node.model_path, keys.security("gateway", host),
         metrics_endpoint(config, config.gateway_metrics_port), config.http_port,
         config.http_forwarded_allow_ips, ConnectionLimits.of(config), StreamLimits.of(config),
-        GrpcLimits.of(config), BodyLimits.of(config), ServerTls.of(config),
+        GrpcLimits.of(config), BodyLimits.of(config), ServerTls.of(config), config.tool_call_parser,
     )
     port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
     gateway_ip = ray.get(gateway.node_ip.remote())

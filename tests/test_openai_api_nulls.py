@@ -27,7 +27,7 @@ OPTIONAL = ["temperature", "top_p", "n", "stream", "stream_options", "stop", "se
             "cache_salt", "prompt_cache_key", "priority", "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "min_p",
             "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
             "guided_choice", "guided_grammar",
-            "tools", "tool_choice"]  # OpenAI's, not served: null only
+            "tools", "tool_choice"]  # a completion's: null only
 CHAT_ONLY = ["max_completion_tokens", "parallel_tool_calls", "prefix_messages"]
 COMPLETION_ONLY = ["echo", "best_of", "suffix", "prefix_tokens"]
 
@@ -143,8 +143,12 @@ BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
     ("/v1/chat/completions", {**CHAT, "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
     ("/v1/completions", {**COMPLETION, "top_k": -3}, "top_k", "top_k: Input should be greater than or equal to -1"),
-    ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": True}, "parallel_tool_calls",
-     "parallel_tool_calls: not supported (send null, or leave it out), got true"),
+    ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": "yes"}, "parallel_tool_calls",
+     "parallel_tool_calls: Input should be a valid boolean"),
+    ("/v1/completions", {**COMPLETION, "parallel_tool_calls": True}, "parallel_tool_calls",
+     "parallel_tool_calls: unsupported field"),
+    ("/v1/completions", {**COMPLETION, "tool_choice": "auto"}, "tool_choice",
+     'tool_choice: only "none" is supported'),
     ("/v1/completions", {**COMPLETION, "echo": True}, "echo", "echo: not supported"),
     ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of", "best_of: only 1 is supported"),
     ("/v1/completions", {**COMPLETION, "suffix": "x"}, "suffix",

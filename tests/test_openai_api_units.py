@@ -124,20 +124,23 @@ def test_a_tool_result_with_its_tool_call_id_reaches_the_chat_template() -> None
         assert (error["param"], error["message"]) == (field, f"{field}: {message}")
 
 
-@pytest.mark.parametrize("call", [{"tool_calls": [{"id": "call_1", "type": "function",
-                                                   "function": {"name": "add", "arguments": "{}"}}]},
-                                  {"function_call": {"name": "add", "arguments": "{}"}}])
-def test_assistant_tool_calls_are_refused_naming_the_field(call: dict) -> None:
-    """The served model's chat template renders no tool calls, and a session keeps text only:
-    an assistant's ``tool_calls`` (``function_call``) are a 400 naming that field, also when
-    ``content`` is null, as OpenAI's assistant tool-call messages have it (which was named
-    instead: ``messages.1.content: Input should be a valid string ...``)."""
-    field = next(iter(call))
+def test_assistant_tool_calls_reach_the_template_and_function_call_is_refused() -> None:
+    """An assistant's ``tool_calls`` with ``content`` null (OpenAI's shape) are taken: the
+    message reaches the template with content "" and its calls, ``arguments`` as an object
+    (vLLM's way; ``services.openai_api.tools``). They were a 400 before tool calling was served.
+    The deprecated ``function_call`` is a 400 naming it, also when ``content`` is null (which
+    was named instead: ``messages.1.content: Input should be a valid string ...``)."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]
+    prompt = _chat(messages=[{"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": None, "tool_calls": calls}]).to_input().prompt
+    assert prompt[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]}
     with pytest.raises(ValidationError) as info:
-        _chat(messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, **call}])
+        _chat(messages=[{"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": "{}"}}])
     error = json.loads(invalid(info.value).body)["error"]
-    assert error["param"] == f"messages.1.{field}"
-    assert error["message"].startswith(f"messages.1.{field}: assistant tool calls are not served")
+    assert error["param"] == "messages.1.function_call"
+    assert error["message"].startswith("messages.1.function_call: the deprecated function_call is not served")
 
 
 def _streamed(chat: bool) -> list[dict]:

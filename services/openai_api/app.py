@@ -87,6 +87,7 @@ from services.openai_api.streaming import (
     unless_gone,
     until_gone,  # noqa: F401 - re-exported
 )
+from services.openai_api.tools import TOOL_PARSERS
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
 
 
@@ -104,14 +105,20 @@ class OpenAIEdge:
             that one tenant may hold (``ResponseBudget``); None: ``BodyLimits``' defaults.
         tokens: a token id's text and bytes for log probabilities (``TokenTexts`` over the
             model's tokenizer; None: ``token_id:<id>``).
+        tool_call_parser: how ``tool_choice`` "auto" reads tool calls from the text
+            (``tools.TOOL_PARSERS``: "hermes"); "" (off): "auto" is refused, a 400 naming
+            ``tool_choice`` (``check_tools``).
 
     ``created`` (the model card's) is when this edge was made: the gateway's start.
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
                  num_healthy: Callable[[], int], body_limits: BodyLimits | None = None,
-                 tokens: TokenTexts | None = None) -> None:
+                 tokens: TokenTexts | None = None, tool_call_parser: str = "") -> None:
+        if tool_call_parser not in ("", *TOOL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} or \"\" (off), got {tool_call_parser!r}")
         self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
+        self.tool_call_parser = tool_call_parser
         self.tokens = tokens or TokenTexts()
         self.model_name = model_id.split("@", 1)[0]
         self.bodies = BodyBudget(body_limits)
@@ -166,6 +173,8 @@ class OpenAIEdge:
         if not self.serves(body.model):  # type: ignore[attr-defined]
             raise self.no_such_model(body.model)  # type: ignore[attr-defined]
         self.check_whole(body, tenant)
+        if isinstance(body, ChatCompletionRequest):
+            self.check_tools(body)
         if not body.stream:  # type: ignore[attr-defined]
             self.responses.check_room(tenant.tenant_id)
         request.state.tenant_id = tenant.tenant_id  # (``render``'s turn on a worker thread)
@@ -194,6 +203,21 @@ class OpenAIEdge:
         except ValueError as exc:
             raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                               param="top_logprobs" if chat else "logprobs") from exc
+
+    def check_tools(self, body: ChatCompletionRequest) -> None:
+        """A 400 naming ``tool_choice`` for "auto" (the default with tools) while the server reads
+        no tool calls (``tool_call_parser`` off), as vLLM refuses it without
+        ``--enable-auto-tool-choice --tool-call-parser``; or for a choice ``tools`` do not allow."""
+        try:
+            mode = body.tool_mode()
+        except ValueError as exc:
+            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param="tool_choice") from None
+        if mode == "auto" and not self.tool_call_parser:
+            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, (
+                "tool_choice: \"auto\" (the default when tools are given) needs the server's tool call parser, "
+                "which is off: set tool_call_parser: hermes in the kvstrata config (vLLM's --enable-auto-tool-choice "
+                "--tool-call-parser); or send tool_choice \"none\", \"required\" or a named function"),
+                param="tool_choice")
 
     async def render(self, request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
         """A whole response's JSON body of ``build()``: on a worker thread, one at a time per
@@ -259,7 +283,8 @@ class OpenAIEdge:
         except ClientGone:  # cancelled at its await: the gateway's path aborted and released it
             await events.aclose()  # type: ignore[attr-defined]
             return _gone()
-        generation = Generation(events, started, chat, self.model_name, rid, self.logprobs(body))
+        generation = Generation(events, started, chat, self.model_name, rid, self.logprobs(body),
+                                body.tool_output() if chat else None)  # type: ignore[union-attr]
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
                                   media_type="text/event-stream",

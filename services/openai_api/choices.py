@@ -282,7 +282,8 @@ class Choices:
             return CallAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"n: the {self.body.n} choices did not all start in time: {self.writer.stopped}",
                                int(RETRY_S * 1000)).response()
-        gens = [ChoiceGeneration(e, s, self.chat, self.model, self.request_id, self.logprobs(), index=i)
+        gens = [ChoiceGeneration(e, s, self.chat, self.model, self.request_id, self.logprobs(), index=i,
+                                 tools=self.body.tool_output() if self.chat else None)  # type: ignore[union-attr]
                 for i, (e, s) in enumerate(zip(self.events, started))]
         for g in gens[1:]:
             g.created = gens[0].created

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.openai_api.logprobs import LOGPROB_TOKENS_PER_CHUNK, Logprobs
+from services.openai_api.tool_calls import ToolOutput
 from tenants.usage import TierTokens
 
 
@@ -56,14 +57,17 @@ class Generation:
             them (``services.openai_api.logprobs``): each delta's entries are added to it as it
             is read, a streamed chunk carries those since the previous chunk, the whole
             response all of them.
+        tools: a chat's text read as tool calls (``services.openai_api.tool_calls``; None:
+            its text is the message's content).
 
     Stop strings are the node's (``SamplingParams.stop``): its text arrives cut before one,
     with finish_reason "stop", and is relayed as it comes.
     """
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], started: dict[str, Any], chat: bool,
-                 model: str, request_id: str | None = None, logprobs: Logprobs | None = None) -> None:
-        self.events, self.chat, self.model, self.logprobs = events, chat, model, logprobs
+                 model: str, request_id: str | None = None, logprobs: Logprobs | None = None,
+                 tools: ToolOutput | None = None) -> None:
+        self.events, self.chat, self.model, self.logprobs, self.tools = events, chat, model, logprobs, tools
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_tokens = int(started["prompt_tokens"])
@@ -110,10 +114,20 @@ class Generation:
         if not self.chat:
             choice["text"] = text or ""
         elif whole:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:  # content and tool_calls; finish_reason tool_calls when called
+                fields, choice["finish_reason"] = self.tools.message(text or "", finish_reason)
+                message.update(fields)
+            choice["message"] = message
         else:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
+            if self.tools is not None and not first:  # text held back or read as tool calls
+                if text is not None:
+                    delta.update(self.tools.delta(text))
+                else:  # the finish chunk: what was held, and the calls
+                    fields, choice["finish_reason"] = self.tools.end(finish_reason)
+                    delta.update(fields)
+            elif text is not None:
                 delta["content"] = text
             choice["delta"] = delta
         return choice

@@ -3,8 +3,9 @@
 Fields follow OpenAI's API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``. Any field not declared here is refused with a 400 naming it
 (``extra="forbid"``); a few OpenAI fields are declared only so that their no-op value is
-accepted (``tool_choice`` "none", ``store`` false: frameworks send these defaults, and vLLM
-accepts them) and any other value is refused naming the field. ``seed`` is any 64-bit integer,
+accepted (``store`` false, a completion's ``tool_choice`` "none": frameworks send these
+defaults, and vLLM accepts them) and any other value is refused naming the field. A chat's
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` are served (``services.openai_api.tools``). ``seed`` is any 64-bit integer,
 as OpenAI and vLLM take it; a negative one is used as its two's complement (``seed % 2**64``),
 so each seed names one stream of samples. ``n`` (OpenAI's choices) is an integer in [1,
 ``MAX_N``] (16; else a 400 naming it): past 1 the body is served as ``n`` requests with the same
@@ -40,7 +41,7 @@ vLLM's ``structured_outputs`` and older ``guided_*`` extras: one constraint a bo
 A JSON ``null`` for any field that is not required means "not given", as with OpenAI, vLLM
 and SGLang: the field takes its default (``max_tokens: null`` on ``/v1/completions`` is 16,
 OpenAI's default, not "up to the context limit"); so does ``null`` for an OpenAI field this
-server does not serve (``tools``, ``functions``, ...: any other value of one is refused
+server does not serve (``functions``, a completion's ``tools``, ...: any other value of one is refused
 naming it). Types are strict: no string is read as a boolean or a number (``"stream": "yes"``
 is a 400), nor a number as a boolean, nor a decimal as an integer; a JSON integer is a valid
 float (``"temperature": 1``). Errors name their field; ``app`` turns them into 400s with
@@ -51,9 +52,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from cache_node.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -82,6 +83,7 @@ from services.convert import (
 from services.gateway import MAX_ID_CHARS, GenerateInput
 from services.openai_api.strict import Strict, bounded_list, json_brief, json_text, same_json
 from services.openai_api.structured import StructuredFields
+from services.openai_api.tools import MAX_TOOL_CALLS, ToolCall, ToolFields, check_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
@@ -120,28 +122,41 @@ class TextPart(Strict):
 class ChatMessage(Strict):
     """One message; ``developer`` is OpenAI's newer name for ``system``. ``name`` (any role)
     and a tool message's ``tool_call_id`` (the call it answers) reach the chat template as
-    given. An assistant's ``tool_calls`` (or ``function_call``) are refused naming the field:
-    a session's kept messages hold text only, and the served model's chat template takes no
-    tool calls; an agent sends its call as the assistant's text content instead."""
+    given; so do an assistant's ``tool_calls`` (``services.openai_api.tools``: its ``content``
+    may then be null, taken as ""). The deprecated ``function_call`` is refused naming it."""
 
     _unserved = frozenset({"refusal", "audio"})
 
     # declared first, so that its refusal is the one reported, whatever else is wrong with the
-    # message (an assistant message with tool calls usually has ``content`` null)
-    tool_calls: Any = None
+    # message (such a message usually has ``content`` null)
     function_call: Any = None
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: bounded_list(ToolCall, MAX_TOOL_CALLS) | None = None  # type: ignore[valid-type]  # after role
     content: str | bounded_list(TextPart, MAX_CONTENT_PARTS)  # type: ignore[valid-type]
     name: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
     tool_call_id: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
 
-    @field_validator("tool_calls", "function_call")
+    @model_validator(mode="before")
     @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
+    def _calls_without_content(cls, data: Any) -> Any:
+        """An assistant message with tool calls may have ``content`` null or left out ("")."""
+        if isinstance(data, dict) and data.get("content") is None and data.get("tool_calls"):
+            return {**data, "content": ""}
+        return data
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: Any) -> Any:
         if value is not None:  # (null is dropped before: not given)
-            raise ValueError("assistant tool calls are not served: the model's chat template cannot render "
-                             "them; send the call as the assistant message's content (tool results, role "
-                             "\"tool\" with tool_call_id, are served)")
+            raise ValueError("the deprecated function_call is not served; send the call in tool_calls")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        role = info.data.get("role")
+        if value is not None and role not in (None, "assistant"):
+            raise ValueError(f"applies to assistant messages, not to role {role!r}")
         return value
 
     @field_validator("tool_call_id")
@@ -152,7 +167,7 @@ class ChatMessage(Strict):
             raise ValueError(f"applies to tool messages (role \"tool\"), not to role {role!r}")
         return value
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         """The message as the chat template takes it (``convert.chat_message``: ``name`` and
         ``tool_call_id`` when given, as vLLM passes them): a list of text parts is their texts
         joined with "\n", as vLLM joins them (``vllm.entrypoints.chat_utils``,
@@ -165,7 +180,14 @@ class ChatMessage(Strict):
         Regression (review 25b N3): ``tool_call_id`` was an unsupported field (400) and
         ``name`` was dropped."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return chat_message(self.role, content, self.name or "", self.tool_call_id or "")
+        message: dict[str, Any] = chat_message(self.role, content, self.name or "", self.tool_call_id or "")
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template() for call in self.tool_calls]
+        return message
+
+    def call_chars(self) -> int:
+        """Characters of the message's tool calls (ids, names, arguments)."""
+        return sum(call.chars() for call in self.tool_calls or ())
 
 
 class _Sampling(StructuredFields):
@@ -173,7 +195,7 @@ class _Sampling(StructuredFields):
     ``StructuredFields``), and kvstrata's extensions."""
 
     _unserved = frozenset({
-        "tools", "functions", "function_call", "service_tier",
+        "functions", "function_call", "service_tier",
         "metadata", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
     })
 
@@ -201,6 +223,7 @@ class _Sampling(StructuredFields):
     ignore_eos: bool = False
     tool_choice: Any = None
     store: Any = None
+    _no_op: ClassVar[dict[str, tuple[Any, ...]]] = _NO_OP_VALUES
     # kvstrata extensions
     session_id: str = Field("", max_length=MAX_ID_CHARS)
     policy: str = Field("", max_length=63)  # the policy spec pattern (secrev19 H2)
@@ -283,7 +306,7 @@ class _Sampling(StructuredFields):
         """Raise ValueError naming the first field set to a value this server cannot honour,
         or a KV ``policy`` no cache node would build (the gateway checks it again, with the
         tenant's allowed policies)."""
-        for name, accepted in _NO_OP_VALUES.items():
+        for name, accepted in self._no_op.items():
             value = getattr(self, name, None)
             if value is None or any(same_json(value, a) for a in accepted):
                 continue
@@ -318,32 +341,58 @@ class _Sampling(StructuredFields):
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
-                             prefix_tokens=prefix_tokens, prefix_messages=prefix_messages)
+                             prefix_tokens=prefix_tokens, prefix_messages=prefix_messages,
+                             tools=self.template_tools())
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (None: none)."""
+        return None
 
 
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(ToolFields, _Sampling):
+    """``POST /v1/chat/completions``; tool calling: ``ToolFields``."""
 
     messages: bounded_list(ChatMessage, MAX_CHAT_MESSAGES)  # type: ignore[valid-type]
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
-    parallel_tool_calls: Any = None
     prefix_messages: int = 0  # kvstrata: bounded by the gateway (400)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    _no_op: ClassVar[dict[str, tuple[Any, ...]]] = {
+        k: v for k, v in _NO_OP_VALUES.items() if k not in ("tool_choice", "parallel_tool_calls")}
+
     def asked_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _check_tool_turn(self) -> None:
+        """Tools and tool calls render on the gateway with the whole conversation: not in a
+        session's turn (the node renders it from its kept text messages) nor with a
+        ``prefix_messages`` prefix (rendered without them). Raises ValueError naming the field."""
+        calls = next((i for i, m in enumerate(self.messages) if m.tool_calls), None)
+        if not self.tools and calls is None:
+            return
+        what = "tools" if self.tools else f"messages.{calls}.tool_calls"
+        if self.session_id:
+            raise ValueError(f"{what}: not served with a session_id (a session keeps its history as text "
+                             "messages on its node); send the whole conversation without one")
+        if self.prefix_messages:
+            raise ValueError(f"prefix_messages: not served with {what} (a document prefix renders without them)")
 
     def to_input(self) -> GenerateInput:
         """Raises ValueError: no message, every message empty, too much text, or an
         unsupported field."""
         if not self.messages:
             raise ValueError("messages: must hold at least one message")
+        self.tool_mode()  # a tool_choice without tools, or naming none of them: 400
+        self._check_tool_turn()
         messages = [m.as_dict() for m in self.messages]
-        chars = content_chars(messages)  # names and tool call ids too
+        # names and tool call ids too; the history's tool calls and the tools the template renders
+        chars = content_chars(messages) + sum(m.call_chars() for m in self.messages) + (
+            check_tools(self.tools) if self.tools else 0)
         if chars > MAX_PROMPT_CHARS:
-            raise ValueError(f"messages: hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
+            raise ValueError(f"messages: hold {chars} characters{' with the tools' if self.tools else ''}; at most "
+                             f"{MAX_PROMPT_CHARS} are allowed")
         if not any(m["content"].strip() for m in messages):
             raise ValueError("messages: every message is empty; the prompt needs some text")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -367,7 +416,7 @@ class CompletionRequest(_Sampling):
     prefix_tokens: int = 0  # kvstrata: of the prompt's tokens; gateway-bounded (400)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's bound (OpenAI's legacy one is 5)
 
-    _unserved = _Sampling._unserved | {"top_logprobs"}  # a chat's field: null only
+    _unserved = _Sampling._unserved | {"top_logprobs", "tools"}  # a chat's fields: null only
 
     def asked_logprobs(self) -> int | None:
         return self.logprobs

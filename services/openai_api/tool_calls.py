@@ -1,0 +1,155 @@
+"""One choice's generated text read as OpenAI tool calls (``message.tool_calls`` of a whole
+response, ``delta.tool_calls`` of a stream), as vLLM reads it; the request side is
+``services.openai_api.tools``.
+
+A call is ``{"id": "chatcmpl-tool-<hex>", "type": "function", "function": {"name", "arguments"}}``
+with ``arguments`` a JSON text. Per ``tool_choice`` (``ToolOutput.mode``):
+
+- ``named``: the text (constrained to the function's parameters' schema) is the one call's
+  ``arguments``. Streamed: the call's id, type and name with the first text, then each text as
+  an ``arguments`` delta (vLLM's).
+- ``required``: the text (constrained to a JSON array of ``{"name", "parameters"}``) is parsed;
+  each item a call, ``parameters`` as ``arguments``. Streamed: the calls come whole in the last
+  chunk (vLLM streams partial JSON instead).
+- ``auto`` (the ``hermes`` parser, as vLLM's ``--tool-call-parser hermes``): each
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text is a call (a last one
+  left unclosed counts too), the text before the first is ``content`` (null when empty), text
+  after the last is dropped. Streamed: text goes out as ``content`` until ``<tool_call>`` starts
+  (what may be its beginning is held back), the rest is held and its calls come in the last
+  chunk.
+
+``content`` is null when calls came. Text that does not read as calls (an unparsable
+``required`` array or ``<tool_call>`` body: the model ran out of tokens, say) is the
+``content``, with no calls, as vLLM falls back. ``finish_reason`` is ``tool_calls`` when calls
+came and the model ended (``stop``); ``length`` stays ``length`` (the arguments may be cut).
+With ``parallel_tool_calls`` false only the first call is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+def tool_call_id() -> str:
+    """A new call's id, as vLLM makes them."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def parse_required(text: str) -> list[dict[str, Any]] | None:
+    """The calls of a ``required`` choice's JSON array text, None when it is not one."""
+    try:
+        items = json.loads(text)
+        if not isinstance(items, list) or not items:
+            return None
+        if not all(isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i for i in items):
+            return None
+        return [_call(i["name"], _arguments(i["parameters"])) for i in items]
+    except (ValueError, RecursionError):
+        return None
+
+
+def parse_hermes(text: str) -> list[dict[str, Any]] | None:
+    """The calls of the ``<tool_call>`` blocks in ``text`` (None when there is none, or one does
+    not hold a JSON object with a string ``name``). Linear in ``text``."""
+    calls, at = [], text.find(START)
+    if at < 0:
+        return None
+    try:
+        while at >= 0:
+            begin = at + len(START)
+            end = text.find(END, begin)
+            body = text[begin:] if end < 0 else text[begin:end]
+            call = json.loads(body)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            calls.append(_call(call["name"], _arguments(call.get("arguments", {}))))
+            at = -1 if end < 0 else text.find(START, end + len(END))
+    except (ValueError, RecursionError):
+        return None
+    return calls
+
+
+def _held(text: str) -> int:
+    """Characters at the end of ``text`` that may begin ``START``."""
+    for keep in range(min(len(text), len(START) - 1), 0, -1):
+        if START.startswith(text[-keep:]):
+            return keep
+    return 0
+
+
+class ToolOutput:
+    """One choice's text as tool calls (module docstring). ``mode``: ``named`` (``name`` the
+    function), ``required`` or ``auto``; ``parallel``: several calls may be kept."""
+
+    def __init__(self, mode: str, name: str | None = None, parallel: bool = True) -> None:
+        if mode not in ("named", "required", "auto"):
+            raise ValueError(f"no tool calls are read for tool_choice mode {mode!r}")
+        self.mode, self.name, self.parallel = mode, name, parallel
+        self.held = ""  # streamed text not sent yet
+        self.calling = False  # auto: a <tool_call> began (the rest is held)
+        self.named_id: str | None = None  # named: the call's id, once its first delta went
+
+    def _calls(self, text: str) -> list[dict[str, Any]] | None:
+        if self.mode == "named":
+            return [_call(self.name or "", text)]
+        calls = parse_required(text) if self.mode == "required" else parse_hermes(text)
+        return calls if calls is None or self.parallel else calls[:1]
+
+    @staticmethod
+    def _finish(finish_reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole response's ``content`` and ``tool_calls``, and its finish reason."""
+        calls = self._calls(text)
+        if not calls:
+            return {"content": text}, finish_reason
+        content = text[: text.find(START)] if self.mode == "auto" else ""
+        return {"content": content or None, "tool_calls": calls}, self._finish(finish_reason, True)
+
+    def delta(self, text: str) -> dict[str, Any]:
+        """A streamed chunk's delta fields for the next ``text`` ({} while it is held)."""
+        if self.mode == "named":
+            if not text:
+                return {}
+            if self.named_id is None:
+                call = _call(self.name or "", text)
+                self.named_id = call["id"]
+                return {"tool_calls": [{"index": 0, **call}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        if self.mode == "required" or self.calling:
+            self.held += text
+            return {}
+        text, self.held = self.held + text, ""
+        at = text.find(START)
+        if at >= 0:
+            self.calling, self.held, text = True, text[at:], text[:at]
+        else:
+            keep = _held(text)
+            if keep:
+                text, self.held = text[:-keep], text[-keep:]
+        return {"content": text} if text else {}
+
+    def end(self, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The last chunk's delta fields (what was held) and the finish reason."""
+        if self.mode == "named":
+            if self.named_id is None:  # no text came: the call, with empty arguments
+                return {"tool_calls": [{"index": 0, **_call(self.name or "", "")}]}, self._finish(finish_reason, True)
+            return {}, self._finish(finish_reason, True)
+        held, self.held = self.held, ""
+        calls = self._calls(held) if (self.mode == "required" or self.calling) else None
+        if not calls:
+            return ({"content": held} if held else {}), finish_reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, self._finish(finish_reason, True)

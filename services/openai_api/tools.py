@@ -1,0 +1,241 @@
+"""Tool calling on ``POST /v1/chat/completions``, as vLLM serves it: OpenAI's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (``ToolFields``, the chat body's base), and
+assistant messages' ``tool_calls`` in the history (``ToolCall``); the request side, the
+response side is ``services.openai_api.tool_calls``.
+
+- ``tools``: 1 to ``MAX_TOOLS`` ``{"type": "function", "function": {"name", "description",
+  "parameters", "strict"}}``, each name OpenAI's pattern ``^[a-zA-Z0-9_-]{1,64}$`` and unique,
+  each ``parameters`` a JSON schema object at most ``MAX_SCHEMA_DEPTH`` deep, all of them at most
+  ``MAX_TOOLS_CHARS`` characters as JSON. They go to the chat template
+  (``apply_chat_template(tools=...)``, rendered on the gateway's worker thread): a template that
+  renders tools shows them to the model, one that does not (SmolLM2's) leaves them out, as
+  vLLM does; they count against the prompt's ``MAX_PROMPT_CHARS``.
+- ``tool_choice``: ``"none"`` (tools rendered, no calls parsed), ``"auto"`` (the default when
+  tools are given; needs the server's ``tool_call_parser``, ``hermes``: else a 400 naming it, as
+  vLLM needs ``--enable-auto-tool-choice --tool-call-parser``), ``"required"`` (the output is
+  constrained to a JSON array of 1+ ``{"name", "parameters"}`` objects, each one tool's name and
+  its parameters' schema: vLLM's schema), or ``{"type": "function", "function": {"name"}}``
+  (the output is constrained to that tool's parameters' schema). A constraint is a
+  ``StructuredOutputSpec`` like ``response_format``'s, so it cannot go with one (400).
+- ``parallel_tool_calls`` false: at most one call (``required``: an array of one).
+- An assistant message's ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+  "arguments"}}]``, at most ``MAX_TOOL_CALLS``; its ``content`` may then be null) reach the
+  template with ``arguments`` as an object when they are a JSON object's text (vLLM's way:
+  templates write ``arguments | tojson``); a tool message's ``tool_call_id`` as before.
+
+Not served with tools or tool calls: ``session_id`` (a session's history, kept on its node,
+holds text messages) and ``prefix_messages`` (a prefix renders without the tools): 400s.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from cache_node.structured_output import MAX_SCHEMA_DEPTH, StructuredOutputSpec
+from services.convert import MAX_MESSAGE_ID_CHARS
+from services.openai_api.strict import Strict, bounded_list
+from services.openai_api.structured import StructuredFields, _depth, spec_of
+from services.openai_api.tool_calls import ToolOutput
+
+MAX_TOOLS = 128
+"""Most tools one body may list (OpenAI's bound)."""
+
+MAX_TOOLS_CHARS = 256 << 10
+"""Most characters of a body's ``tools`` as JSON (compact): text the chat template may render
+and the ``required`` schema is built from."""
+
+MAX_TOOL_CALLS = 128
+"""Most ``tool_calls`` in one assistant message of the history."""
+
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's pattern for a function's name."""
+
+TOOL_PARSERS = ("hermes",)
+"""The server's ``tool_call_parser`` values ("" = off: ``tool_choice`` "auto" is refused)."""
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the output is constrained (named / required) either way
+
+    @field_validator("parameters")
+    @classmethod
+    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if _depth(value) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
+        return value
+
+    def params_schema(self) -> dict[str, Any]:
+        """The parameters' schema (none given: any JSON object)."""
+        return self.parameters if self.parameters is not None else {"type": "object"}
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    arguments: str
+
+
+class ToolCall(Strict):
+    """One call of an assistant message in the history."""
+
+    id: str = Field(min_length=1, max_length=MAX_MESSAGE_ID_CHARS)
+    type: Literal["function"]
+    function: FunctionCall
+
+    def chars(self) -> int:
+        return len(self.id) + len(self.function.name) + len(self.function.arguments)
+
+    def as_template(self) -> dict[str, Any]:
+        """As chat templates take it: ``arguments`` an object when it is a JSON object's text."""
+        arguments: Any = self.function.arguments
+        try:
+            parsed = json.loads(arguments)
+        except (ValueError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+def check_tools(tools: list[Tool]) -> int:
+    """The characters of ``tools`` as JSON. Raises ValueError (worded for ``tools``): none, a
+    name listed twice, or more than ``MAX_TOOLS_CHARS`` characters."""
+    if not tools:
+        raise ValueError("must hold at least one tool (leave it out for none)")
+    names = [t.function.name for t in tools]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"names the function {twice!r} twice; names must be unique")
+    chars = len(json.dumps(template_tools(tools), ensure_ascii=False, separators=(",", ":")))
+    if chars > MAX_TOOLS_CHARS:
+        raise ValueError(f"hold {chars} characters as JSON; at most {MAX_TOOLS_CHARS} are allowed")
+    return chars
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """``tools`` as ``apply_chat_template(tools=...)`` takes them (OpenAI's shape, nulls left out)."""
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+
+
+def choice_mode(tool_choice: str | NamedToolChoice | None, tools: list[Tool] | None) -> str:
+    """``"none"``, ``"auto"``, ``"required"`` or ``"named"`` for a body's ``tool_choice`` and
+    ``tools`` (no tools: "none"). Raises ValueError (worded ``tool_choice: ...``): a choice
+    other than "none" without tools, or a named function that is not one of them."""
+    if not tools:
+        if tool_choice is not None and tool_choice != "none":
+            raise ValueError("tool_choice: needs tools (when using tool_choice other than \"none\", tools must "
+                             "be set)")
+        return "none"
+    if isinstance(tool_choice, NamedToolChoice):
+        name = tool_choice.function.name
+        if all(t.function.name != name for t in tools):
+            raise ValueError(f"tool_choice: names the function {name!r}, which is not in tools (they are "
+                             f"{', '.join(repr(t.function.name) for t in tools[:8])}{', ...' if len(tools) > 8 else ''})")
+        return "named"
+    return tool_choice or "auto"
+
+
+def tool_constraint(mode: str, tools: list[Tool], named: str | None, parallel: bool) -> StructuredOutputSpec | None:
+    """The output constraint of a ``named`` or ``required`` choice (None for the others):
+    the named tool's parameters' schema, or vLLM's array of ``{"name", "parameters"}`` objects
+    (at most one with ``parallel`` false), the tools' ``$defs`` lifted to its top. Raises
+    ValueError (``tool_choice: ...``): the schema is refused (too deep, too long, two tools
+    defining one ``$defs`` name differently)."""
+    if mode == "named":
+        schema = next(t.function.params_schema() for t in tools if t.function.name == named)
+    elif mode == "required":
+        defs: dict[str, Any] = {}
+        options = []
+        for tool in tools:
+            params = dict(tool.function.params_schema())
+            for key, value in (params.pop("$defs", None) or {}).items():
+                if key in defs and defs[key] != value:
+                    raise ValueError(f"tool_choice: tools define $defs {key!r} differently; a \"required\" "
+                                     "choice needs one definition of each")
+                defs[key] = value
+            options.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                           "parameters": params}, "required": ["name", "parameters"]})
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+        if not parallel:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+    else:
+        return None
+    try:
+        return spec_of("json_schema", schema)
+    except ValueError as exc:
+        raise ValueError(f"tool_choice: the {mode} tool call's schema is refused: {exc}") from None
+
+
+class ToolFields(StructuredFields):
+    """A chat body's tool-calling fields (``ChatCompletionRequest``'s base, before the
+    sampling fields): what they ask for, the constraint they give, how the text is read."""
+
+    tools: bounded_list(Tool, MAX_TOOLS) | None = None  # type: ignore[valid-type]
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[Tool]) -> list[Tool]:
+        check_tools(value)
+        return value
+
+    def tool_mode(self) -> str:
+        """``"none"``, ``"auto"``, ``"required"`` or ``"named"`` (``tools.choice_mode``).
+        Raises ValueError naming ``tool_choice``."""
+        return choice_mode(self.tool_choice, self.tools)
+
+    def _named(self) -> str | None:
+        choice = self.tool_choice
+        return None if isinstance(choice, str) or choice is None else choice.function.name
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return template_tools(self.tools) if self.tools else None
+
+    def tool_output(self) -> ToolOutput | None:
+        """How a choice's text is read as tool calls (None: it is the content)."""
+        mode = self.tool_mode()
+        return None if mode == "none" else ToolOutput(mode, self._named(), self.parallel_tool_calls is not False)
+
+    def constraint_fields(self) -> list[str]:
+        fields = super().constraint_fields()
+        try:
+            constrains = bool(self.tools) and self.tool_mode() in ("named", "required")
+        except ValueError:  # (refused by to_input: this names no constraint)
+            constrains = False
+        return ["tool_choice", *fields] if constrains else fields
+
+    def structured_output(self) -> Any:
+        """A ``named`` or ``required`` tool choice's constraint (``tools.tool_constraint``), or
+        the structured-output fields' (two: a 400 naming the first)."""
+        given = self.constraint_fields()
+        if given[:1] != ["tool_choice"]:
+            return super().structured_output()
+        if len(given) > 1:
+            raise ValueError(f"tool_choice: a {self.tool_mode()} tool choice constrains the output; it cannot go "
+                             f"with {' or '.join(given[1:])}")
+        return tool_constraint(self.tool_mode(), self.tools or [], self._named(), self.parallel_tool_calls is not False)
