@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cache_node import prompt_logprobs
 from cache_node.compressed_prefix import CompressedPrefixCache, check_prefix_tokens
 from cache_node.config import EngineConfig
 from cache_node.engine_grammars import NO_TOKENIZER, EngineGrammarsMixin
@@ -28,7 +29,7 @@ from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool, kv_format_name
 from cache_node.model_runner import ModelRunner, ScheduledBatch
-from cache_node.outputs import InvalidRequestError, RequestOutput, TokenLogprobs
+from cache_node.outputs import InvalidRequestError, PromptLogprob, RequestOutput, TokenLogprobs
 from cache_node.policies import PolicyEnv, attach_policy
 from cache_node.sampler import draw
 from cache_node.sampling_params import SamplingParams
@@ -181,6 +182,9 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         tokens = [int(t) for t in prompt_token_ids]
         self._validate(tokens, params, request_id)
         check_prefix_tokens(prefix_tokens, len(tokens))
+        if prefix_tokens and params.prompt_logprobs is not None:  # a fork computes none of its prefix
+            raise InvalidRequestError("prompt_logprobs: not served with prefix_tokens (a reused compressed prefix "
+                                      "computes no logits for its tokens); leave one of them unset")
         seq = Sequence(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=tokens,
@@ -220,6 +224,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 self._compiling.append(seq)
                 seq.grammar.future.add_done_callback(self._ready)
             reuses = self.prefixes.stored_entry(seq) is not None or self.prefixes.computing(seq)
+            reuses = reuses or params.prompt_logprobs is not None  # it computes its whole prompt
             if (self.tiers.config.auto_prefetch if prefetch is None else prefetch) and not reuses:
                 self.tiers.prefetch(seq, time.monotonic())
         return seq.request_id
@@ -246,6 +251,9 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         if params.logprobs is not None and params.logprobs > self.vocab_size:  # (review 26c F4)
             raise InvalidRequestError(f"logprobs: asks for {params.logprobs} alternatives per token; the "
                                       f"model's vocabulary has {self.vocab_size} tokens")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
+            raise InvalidRequestError(f"prompt_logprobs: asks for {params.prompt_logprobs} alternatives per token; "
+                                      f"the model's vocabulary has {self.vocab_size} tokens")
         self._validate_constraints(params)
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
@@ -336,7 +344,9 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         return outputs
 
     def _execute(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        logits = self.runner.execute(batch)  # one row per sequence reaching its last token
+        todo = prompt_logprobs.spans(batch)  # (SamplingParams.prompt_logprobs)
+        prompts = prompt_logprobs.PromptLogprobsStep(self.runner.model.lm_head, todo) if todo else None
+        logits = self.runner.execute(batch, on_hidden=prompts)  # one row per sequence reaching its last token
         rows = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
         faulted = []
         for seq, n in batch:
@@ -360,6 +370,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         # a token's time is when the step hands it out: after the policies' compression
         # (``after_step``) and the sampling, which a caller waits for as well
         now = time.monotonic()
+        mid_prompt = prompts.commit() if prompts is not None else []  # (after the draw's host sync)
         drawn = [row for i, row in enumerate(zip(rows, tokens, logprobs)) if i not in failed]
         for seq, token, lp in drawn:
             seq.output_token_ids.append(token)
@@ -369,6 +380,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             if reason:
                 self._finish(seq, reason)
             outputs.append(self._output(seq, (token,), () if lp is None else (lp,)))
+        # a mid-prompt chunk's prompt logprobs go out with no token (a request failed this step has ended)
+        outputs.extend(self._output(seq, ()) for seq in mid_prompt if seq.prompt_logprobs_out and not seq.is_finished)
         self.num_steps += 1
         self._settle_finished_turns()  # after every row's output: preempting one is safe now
 
@@ -433,7 +446,15 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             policy_bytes=seq.peak_policy_bytes,
             policy_stats=dict(seq.policy_stats) if seq.is_finished else {},
             logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(seq),
         )
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple[PromptLogprob, ...]:
+        """The prompt logprobs ``seq`` took that no output carried yet (``cache_node.prompt_logprobs``)."""
+        out = tuple(seq.prompt_logprobs_out)
+        seq.prompt_logprobs_out.clear()
+        return out
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -9,6 +9,7 @@ sampler's (``sampler.sample``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -185,10 +186,14 @@ class ModelRunner:
         return self.prefill_graphs is not None and not all_logits and self.prefill_graphs.fits(batch)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, all_logits: bool = False,
+                on_hidden: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Compute ``n`` tokens of each scheduled sequence and return logits to sample from.
 
         ``all_logits=True`` (quality harness): one row per computed token instead.
+        ``on_hidden``: called with the step's final hidden states (num_tokens, hidden), one row
+        per computed token in batch order, before the sampled rows' logits; the step then runs
+        eager, not a CUDA graph (prompt logprobs: ``cache_node.prompt_logprobs``).
 
         Returns:
             (num_sampling_seqs, vocab_size) float32 logits on the pool's device, one row per
@@ -205,17 +210,20 @@ class ModelRunner:
                     seq.kv.begin_step(seq.num_computed_tokens, n)
                 except Exception as exc:
                     raise SequenceFault(seq.request_id) from exc
-        if self.decode_only(batch, all_logits):
+        eager = all_logits or on_hidden is not None
+        if self.decode_only(batch, eager):
             assert self.graphs is not None
             hidden = self.graphs.run(batch)  # every decode samples: rows in batch order
             return self.model.lm_head(hidden).float()
-        if self.single_prefill(batch, all_logits):
+        if self.single_prefill(batch, eager):
             assert self.prefill_graphs is not None
             hidden = self.prefill_graphs.run(batch)  # the chunk's last row: its one sample
             return self.model.lm_head(hidden).float()
         host = self.plan(batch, all_logits)
         dev = to_device(host.arrays, self.device)
         hidden = run_decoder(self, self.metadata(host, dev), dev["input_ids"], dev["positions"])
+        if on_hidden is not None:
+            on_hidden(hidden)
         if not len(host.arrays["sample_idx"]):
             return torch.empty((0, self.model.config.vocab_size), device=self.device)
         return self.model.lm_head(hidden.index_select(0, dev["sample_idx"])).float()

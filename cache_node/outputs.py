@@ -22,6 +22,26 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log probabilities (``SamplingParams.prompt_logprobs``): those of the
+    model's distribution at the position before it (log_softmax of that position's logits, as
+    vLLM's ``prompt_logprobs``), from the forward the request ran (``cache_node.prompt_logprobs``).
+
+    Attributes:
+        token_id: the prompt token.
+        logprob: its log probability.
+        rank: its rank in that distribution (1 = the most probable; ties share the better rank).
+        top: the ``prompt_logprobs`` most probable tokens as ``(token_id, logprob)``, most
+            probable first (the prompt token among them or not).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One request's increment from one step.
 
@@ -40,6 +60,12 @@ class RequestOutput:
             on the finished output only.
         logprobs: one ``TokenLogprobs`` per token of ``new_token_ids`` when the request asks
             for them (``SamplingParams.logprobs``), else empty.
+        prompt_logprobs: the ``PromptLogprob`` of the prompt tokens whose positions this step
+            computed, when the request asks for them (``SamplingParams.prompt_logprobs``), in
+            prompt order and continuing the previous outputs': over a request's outputs, one
+            per prompt token after the first (which has none), each once (a recomputation after
+            a preemption sends none again), all of them by the output with its first token; a
+            mid-prompt step's output carries them with no token.
         error: why a request finished "rejected" was refused, naming the request's field
             (its ``structured_output`` does not compile); None: it can never fit the pool.
     """
@@ -59,6 +85,7 @@ class RequestOutput:
     policy_stats: dict[str, float] = field(default_factory=dict)
     logprobs: tuple[TokenLogprobs, ...] = ()
     error: str | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 class InvalidRequestError(ValueError):

@@ -104,6 +104,12 @@ class SamplingParams:
             those of the model's raw distribution, log_softmax of its logits before penalties,
             temperature and any filter (vLLM V1's default ``logprobs_mode="raw_logprobs"``),
             whatever the token was drawn with.
+        prompt_logprobs: vLLM's: None = off; k in [0, ``MAX_LOGPROBS``]: each prompt token after
+            the first (which has none) comes with its own log probability, its rank and the k
+            most probable tokens' at its position (``PromptLogprob``), the log_softmax of the
+            logits of the position before it. Computing them needs every prompt position's
+            logits, so such a request reads no prefix cache and continues no session's KV: it
+            computes its whole prompt (``cache_node.prompt_logprobs``).
         min_p: vLLM's: when sampling, tokens whose probability (after temperature) is under
             ``min_p`` times the most probable token's are dropped; 0 = off; in [0, 1]. It does
             not change a greedy request's token.
@@ -150,6 +156,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     allowed_token_ids: tuple[int, ...] | None = None
     structured_output: StructuredOutputSpec | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -193,6 +200,9 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", value)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (unset or null: off), got {self.logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (unset or null: off), got {k!r}")
         min_p = _number("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")

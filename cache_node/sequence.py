@@ -112,6 +112,11 @@ class Sequence:
     continues_state: bool = False  # a session turn under a compressing policy continuing its history's KV
     grammar: Any = None  # its structured output's ``cache_node.grammar_mask.GrammarState``; None: unconstrained
     token_constraints: Any = None  # its ``cache_node.sampler.TokenConstraints``, built on its first constrained step
+    # prompt logprobs (``SamplingParams.prompt_logprobs``, ``cache_node.prompt_logprobs``): the
+    # prompt positions whose logprobs were taken (0 .. n-1: prompt tokens 1 .. n), and those
+    # taken that its next output carries
+    prompt_logprobs_done: int = 0
+    prompt_logprobs_out: list[Any] = field(default_factory=list)
 
     @property
     def cache_namespace(self) -> str:

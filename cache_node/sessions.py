@@ -151,6 +151,12 @@ class SessionTable:
         sess.active_request = seq.request_id
         history = sess.token_ids
         extends = seq.prompt_token_ids[: len(history)] == history and len(seq.prompt_token_ids) > len(history)
+        if extends and seq.sampling_params.prompt_logprobs is not None:
+            # it needs every prompt position's logits: it computes its history again (a
+            # compressing policy's turn that would have continued from the kept state says so)
+            if sess.compacted and seq.policy == sess.policy:
+                seq.mark_state_dropped()
+            extends = False
         lost = sess.lost  # (kept until a turn's end replaces the history: an aborted turn leaves it)
         if lost is not None and extends and seq.kv is not None and (not lost.compacted or seq.policy == lost.policy):
             seq.mark_state_dropped()  # it would have continued from the KV ``lost`` records

@@ -87,7 +87,7 @@ class MessageLimits(UnpackBounds):
 REQUEST_LIMITS = MessageLimits(
     max_bytes=MAX_MESSAGE_BYTES,
     max_array_len=MAX_WIRE_TOKENS,  # token_ids, hashes; messages <= 1,024, stop lists <= 64
-    max_map_len=32,  # a request's 16 fields, sampling's 17, extra's 8, an envelope's 4
+    max_map_len=32,  # a request's 16 fields, sampling's 18, extra's 8, an envelope's 4
     # one chat message's content, 4 MiB (a structured_output spec: <= MAX_STRUCTURED_SPEC_BYTES)
     max_str_len=UTF8_MAX_BYTES * _PROMPT_CHARS,
     max_bin_len=64,  # a block hash (32 bytes)
@@ -153,7 +153,7 @@ _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' 
     "min_tokens": int, "presence_penalty": (int, float), "frequency_penalty": (int, float),
     "repetition_penalty": (int, float), "logprobs": (int, type(None)), "min_p": (int, float),
     "logit_bias": (list, tuple), "allowed_token_ids": (list, tuple, type(None)),
-    "structured_output": (list, tuple, type(None)),
+    "structured_output": (list, tuple, type(None)), "prompt_logprobs": (int, type(None)),
 }  # (bools are refused by ``SamplingParams``, which checks every range too)
 
 

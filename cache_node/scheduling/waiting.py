@@ -189,7 +189,9 @@ class WaitingAdmission(Preemption):
         """``_admit`` past the fork: the first chunk's blocks, past a device prefix-cache hit
         for a sequence that arrives with no blocks."""
         computed, num_cached = ([], 0)
-        if not seq.block_table:  # a session turn arrives with its blocks attached (a fork has its copy)
+        # a session turn arrives with its blocks attached (a fork has its copy); a request taking
+        # prompt logprobs reuses no block of positions it has not taken (``_reusable_blocks``)
+        if not seq.block_table and (seq.sampling_params.prompt_logprobs is None or self._reusable_blocks(seq)):
             computed, num_cached = self.kv_manager.get_computed_blocks(seq)
             computed = computed + self.kv_manager.promote_blocks(seq, computed)
             computed = computed[: self._reusable_blocks(seq)]
@@ -265,7 +267,8 @@ class WaitingAdmission(Preemption):
         """Blocks of a new sequence's tokens a prefix-cache hit may cover: a reusable prefix
         is compressed from its own prefill, its step ending at the boundary (at least its
         last token is computed), and a KV policy gets the queries its statistics need
-        computed (``SequenceKV.reusable_prompt_tokens``)."""
+        computed (``SequenceKV.reusable_prompt_tokens``); a request taking prompt logprobs
+        computes each prompt position it has not taken (``cache_node.prompt_logprobs``)."""
         limit = seq.num_tokens
         if seq.prefix_stop:
             limit = seq.prefix_stop - 1
@@ -273,4 +276,6 @@ class WaitingAdmission(Preemption):
             limit = min(limit, seq.kv.reusable_prompt_tokens())
         if seq.isolate_at is not None:  # a batched step computes up to it (``compute_end``)
             limit = min(limit, max(0, seq.isolate_at - 1))
+        if seq.sampling_params.prompt_logprobs is not None:  # every prompt position's logits are needed
+            limit = min(limit, seq.prompt_logprobs_done)  # (those taken before a preemption: reusable)
         return limit // self.kv_manager.block_size
