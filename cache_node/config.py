@@ -93,6 +93,11 @@ class EngineConfig:
         grammar_cache_bytes: most bytes of compiled grammars kept (also at most 256 of them).
         grammar_worker_memory_bytes: what a compiler process's compiles may allocate past its
             import (its ``RLIMIT_DATA`` headroom; 0: no cap).
+        grammar_request_budget_ms: most matcher time (CPU time of the step thread, as above) one
+            structured-output request may take over all its steps; past it the request is
+            refused naming structured_output and this limit. It bounds the matcher's memory
+            (xgrammar keeps every output byte's parser states, at most ~0.2 MB per ms of
+            matcher time measured: ``cache_node.grammar_mask``); a JSON schema takes ~4 us a token.
         grammar_max_active_per_tenant: most structured-output requests one tenant may have on
             the node at once (queued, compiling or decoding); past it one is refused
             RESOURCE_EXHAUSTED (retryable) naming this setting, holding nothing.
@@ -126,6 +131,7 @@ class EngineConfig:
     grammar_worker_memory_bytes: int = 2 << 30
     grammar_step_budget_ms: float = 2.0
     grammar_max_active_per_tenant: int = 16
+    grammar_request_budget_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -161,6 +167,9 @@ class EngineConfig:
             raise ValueError("grammar_cache_bytes and grammar_worker_memory_bytes must be >= 0")
         if not 0 < self.grammar_step_budget_ms <= 60_000:
             raise ValueError(f"grammar_step_budget_ms must be in (0, 60000], got {self.grammar_step_budget_ms}")
+        if not 0 < self.grammar_request_budget_ms <= 3_600_000:
+            raise ValueError("grammar_request_budget_ms must be in (0, 3600000], got "
+                             f"{self.grammar_request_budget_ms}")
         if self.grammar_max_active_per_tenant < 1:
             raise ValueError("grammar_max_active_per_tenant must be >= 1, got "
                              f"{self.grammar_max_active_per_tenant}")

@@ -31,7 +31,9 @@
   ``structured_output`` (INVALID_ARGUMENT: the client's spec, not a node failure), no token
   drawn. So does a row whose matcher work in one step (its fill plus its last
   ``accept_token``, CPU time) passes ``grammar_step_budget_ms``: an ambiguous grammar whose
-  matcher slows with every token would hold every tenant's step; its blocks are freed.
+  matcher slows with every token would hold every tenant's step; its blocks are freed. So
+  does one whose matcher time over all its steps passes ``grammar_request_budget_ms``, which
+  bounds the matcher's memory too (``cache_node.grammar_mask``).
 - after the draw (``_grammar_reason``): the token is fed to its matcher once, when it joins the
   output. A matcher that terminates (it accepted EOS) ends the request "stop", with
   ``ignore_eos`` too (nothing may follow a complete grammar). A token the matcher refuses
@@ -156,8 +158,9 @@ class EngineGrammarsMixin:
             return logits, rows
         held = [self._held_back(seq) if s is not None else () for seq, s in zip(rows, states)]
         allowed = [seq.sampling_params.allowed_token_ids for seq in rows]
-        budget_s = self.config.grammar_step_budget_ms / 1e3
-        complete, refused = constrain(self.grammars, logits, states, held, allowed, budget_s)
+        cfg = self.config
+        complete, refused = constrain(self.grammars, logits, states, held, allowed, cfg.grammar_step_budget_ms / 1e3,
+                                      cfg.grammar_request_budget_ms / 1e3)
         if not (complete or refused):
             return logits, rows
         for i in complete:

@@ -11,7 +11,17 @@ The matcher's work runs on the step thread, so it is bounded per row and step: i
 its last ``accept_token``, measured in CPU time of this thread (``time.thread_time``: a thread
 descheduled on a busy host is not charged), past ``grammar_step_budget_ms`` refuses the request
 (an ambiguous grammar's Earley matcher can take tens of milliseconds a step and more with each
-token; a normal grammar takes ~10-50 us). Every constrained row's host bitmask is checked for a
+token; a normal grammar takes ~10-50 us), and per request: its matcher time summed over its
+steps past ``grammar_request_budget_ms`` refuses it too. That sum is also what bounds the
+matcher's memory: xgrammar (0.2.9) keeps every input byte's parser states for rollback for the
+matcher's whole life (``max_rollback_tokens`` is deprecated, always unlimited) and exposes no
+size of them, and a grammar can stay far under the step budget while its history grows by tens
+of KB a token (measured: 256 ``[a-z]*`` in a row, 0.23 ms and ~26-41 KB a token, ~200-330 MB
+over 8,192 tokens). Building a state costs matcher time, so the history grows at most as fast
+as the matcher works: at most ~190 MB per CPU second in the worst grammars measured (JSON
+~100, ambiguous ones 4-25), so a request's matcher holds at most ~0.2 MB per ms of
+``grammar_request_budget_ms`` (~200 MB at the default 1,000 ms; a JSON schema's matcher takes
+~4 us and ~0.4 KB a token). Every constrained row's host bitmask is checked for a
 row with nothing to draw (a few microseconds) before the mask reaches the device.
 
 The order of the logits steps is vLLM V1's: the grammar mask is applied to the model's logits
@@ -51,6 +61,7 @@ class GrammarState:
         self._released = False
         self.num_accepted = 0  # tokens fed to the matcher (this turn's output tokens)
         self.accept_s = 0.0  # the last ``accept_token``'s CPU time (counted in the next step's budget)
+        self.total_s = 0.0  # matcher CPU time charged so far (``grammar_request_budget_ms``)
 
     def release(self) -> None:
         """Its request ended: it waits on its compilation no more (``Grammars.release``: a queued
@@ -91,7 +102,8 @@ def _bits(ids: Collection[int], words: int) -> np.ndarray:
 
 def constrain(grammars: Grammars, logits: torch.Tensor, states: list[GrammarState | None],
               held: list[Collection[int]], allowed: list[Collection[int] | None],
-              budget_s: float = float("inf")) -> tuple[list[int], dict[int, str]]:
+              budget_s: float = float("inf"), total_budget_s: float = float("inf"),
+              ) -> tuple[list[int], dict[int, str]]:
     """Mask each constrained row of ``logits`` (num_rows, vocab), in place, to its grammar.
 
     Args:
@@ -100,13 +112,15 @@ def constrain(grammars: Grammars, logits: torch.Tensor, states: list[GrammarStat
         allowed: per row, its ``allowed_token_ids`` (None: all).
         budget_s: the most matcher time (CPU seconds of this thread: its fill now plus its
             last ``accept_token``, ``GrammarState.accept_s``) one row may take in one step.
+        total_budget_s: the most matcher time one row may take over all its steps
+            (``GrammarState.total_s``, this step's included).
 
     Returns:
         ``(complete, refused)``. ``complete``: the constrained rows with no token that the
         grammar, ``held`` and ``allowed`` all let through, whose grammar may end here (it
         allows its stop token, which ``min_tokens`` holds back: the output is complete).
         ``refused``: row -> why (a message naming ``structured_output``): rows past
-        ``budget_s``, and rows with nothing to draw otherwise (the grammar allows no token at
+        ``budget_s`` or ``total_budget_s``, and rows with nothing to draw otherwise (the grammar allows no token at
         all, or none of those ``allowed_token_ids`` leave; their masked logits would be all
         -inf: greedy would take token 0, and a NaN draw on a GPU is fatal). Checked on the host
         bitmask, every constrained row (a few microseconds): no device sync.
@@ -122,10 +136,17 @@ def constrain(grammars: Grammars, logits: torch.Tensor, states: list[GrammarStat
         start = time.thread_time()
         state.matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
         spent = time.thread_time() - start + state.accept_s  # type: ignore[union-attr]
+        state.total_s = total = state.total_s + spent  # type: ignore[union-attr]
         if spent > budget_s:
             refused[i] = (f"structured_output: its grammar took {spent * 1e3:.1f} ms of matcher time in one step, "
                           f"past this node's limit of {budget_s * 1e3:g} ms (grammar_step_budget_ms); use a less "
                           "ambiguous grammar (e.g. no nested or left-recursive repetition)")
+        elif total > total_budget_s:
+            n = state.num_accepted  # type: ignore[union-attr]
+            refused[i] = (f"structured_output: its grammar took {total * 1e3:.1f} ms of matcher time over {n} output "
+                          f"tokens, past this node's limit of {total_budget_s * 1e3:g} ms "
+                          "per request (grammar_request_budget_ms); use a less ambiguous grammar (fewer "
+                          "alternatives or repetitions that stay open) or fewer max_tokens")
     table = bitmask.numpy().view(np.uint32)  # (the same memory: no copy)
     empty = ~table[rows].any(axis=1)  # one pass over every constrained row's words
     for i, grammar_empty in zip(rows, empty.tolist()):

@@ -133,6 +133,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             grammar_worker_memory_bytes=config.grammar_worker_memory_bytes,
             grammar_step_budget_ms=config.grammar_step_budget_ms,
             grammar_max_active_per_tenant=config.grammar_max_active_per_tenant,
+            grammar_request_budget_ms=config.grammar_request_budget_ms,
         ).resolved()
         lm = load_model(config.model_path, engine_config.torch_dtype, engine_config.torch_device)
         self.engine = LLMEngine(

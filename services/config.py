@@ -81,6 +81,9 @@ class NodeConfig(BaseModel):
     # Most structured-output requests one tenant may have on a node at once (queued, compiling or
     # decoding); past it RESOURCE_EXHAUSTED (HTTP 429) naming it
     grammar_max_active_per_tenant: int = Field(16, ge=1)
+    # Most matcher time (ms of the step thread's CPU) one structured request may take over all its
+    # steps; past it refused INVALID_ARGUMENT. Bounds its matcher's memory (~0.2 MB per ms at most)
+    grammar_request_budget_ms: float = Field(1000.0, gt=0, le=3_600_000)
     # Test-only: lets ``CacheNode.inject_step_fault`` make the step loop raise (fault tests).
     fault_injection: bool = False
     # Environment of the node's worker process, set before torch loads:

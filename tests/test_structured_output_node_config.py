@@ -1,7 +1,7 @@
 """A cache node's grammar-compile settings come from its ``NodeConfig`` (``kvstrata up --config``'s
 ``node:``): ``grammar_compile_timeout_s``, ``grammar_compile_workers``,
 ``grammar_compile_queue_per_tenant``, ``grammar_cache_bytes``, ``grammar_worker_memory_bytes``,
-``grammar_step_budget_ms`` and ``grammar_max_active_per_tenant`` reach the engine's ``EngineConfig`` (the compile settings also its
+``grammar_step_budget_ms``, ``grammar_max_active_per_tenant`` and ``grammar_request_budget_ms`` reach the engine's ``EngineConfig`` (the compile settings also its
 compiler's ``CompileLimits``); out-of-range values are
 refused when the config is read, naming the field.
 
@@ -22,10 +22,10 @@ from services.config import NodeConfig, load_config
 
 GRAMMAR_FIELDS = ("grammar_compile_timeout_s", "grammar_compile_workers", "grammar_compile_queue_per_tenant",
                   "grammar_cache_bytes", "grammar_worker_memory_bytes", "grammar_step_budget_ms",
-                  "grammar_max_active_per_tenant")
+                  "grammar_max_active_per_tenant", "grammar_request_budget_ms")
 SETTINGS = {"grammar_compile_timeout_s": 2.5, "grammar_compile_workers": 1, "grammar_compile_queue_per_tenant": 3,
             "grammar_cache_bytes": 1 << 20, "grammar_worker_memory_bytes": 512 << 20, "grammar_step_budget_ms": 5.5,
-            "grammar_max_active_per_tenant": 5}
+            "grammar_max_active_per_tenant": 5, "grammar_request_budget_ms": 250.0}
 
 
 def test_node_defaults_are_the_engines() -> None:
@@ -45,7 +45,7 @@ def test_yaml_node_settings_are_read(tmp_path: Path) -> None:
     ("grammar_compile_timeout_s", 0), ("grammar_compile_timeout_s", 3601), ("grammar_compile_workers", 0),
     ("grammar_compile_workers", 65), ("grammar_compile_queue_per_tenant", 0), ("grammar_cache_bytes", -1),
     ("grammar_worker_memory_bytes", -1), ("grammar_step_budget_ms", 0), ("grammar_step_budget_ms", 60001),
-    ("grammar_max_active_per_tenant", 0),
+    ("grammar_max_active_per_tenant", 0), ("grammar_request_budget_ms", 0), ("grammar_request_budget_ms", 3600001),
 ])
 def test_out_of_range_settings_are_refused_naming_the_field(tmp_path: Path, field: str, value: float) -> None:
     """The bounds are ``EngineConfig``'s own (which would otherwise refuse them in the node's
