@@ -17,7 +17,10 @@ bytes span tokens is held back until its last token (its first bytes decode as U
 output is detokenized incrementally (``cache_node.detokenizer``): a step decodes the last few
 tokens, not the whole output, and sends exactly what decoding the whole output would. A
 request asking for log probabilities gets them in its deltas, one entry per token id
-(``services.node_request.logprobs_entry``), whatever text the delta holds back.
+(``services.node_request.logprobs_entry``), whatever text the delta holds back; one asking
+for prompt logprobs gets them in deltas with no token id as its prompt's chunks compute
+(``services.node_request.prompt_logprobs_entry``, ``PROMPT_LOGPROBS_PER_EVENT`` a delta), all
+before its first token's.
 
 A request's last output and an abort each claim its stream once (``_deliver_step``): a
 session turn cancelled while the step that finished it computed is undone in the engine too, so
@@ -42,7 +45,7 @@ from cache_node.detokenizer import IncrementalDetokenizer
 from cache_node.outputs import RequestOutput
 from cache_node.stop_strings import StopMatcher
 from services.chat import Messages, content_chars
-from services.node_request import NodeRequest, logprobs_entry
+from services.node_request import NodeRequest, logprobs_entry, prompt_logprobs_entry
 
 Event = dict[str, Any]
 
@@ -328,7 +331,7 @@ class Streams:
     def _events(self, out: RequestOutput, stream: _Stream) -> list[Event]:
         """Step thread: one step's output of ``stream``'s request as events (see the module
         docstring for stop strings)."""
-        events: list[Event] = []
+        events: list[Event] = _prompt_logprobs_events(out)  # (each before the delta with the first token)
         stops = stream.stops
         if out.new_token_ids:
             if stream.first_token_s is None:
@@ -406,6 +409,20 @@ class Streams:
         events = self.engine.take_tier_events()
         if events:  # plain tuples: the scheduler need not import the cache node's types
             self.event_sink(self.node_id, [(e.event, e.block_hash, e.tier) for e in events])
+
+
+PROMPT_LOGPROBS_PER_EVENT = 512
+"""Most prompt tokens' entries one delta event carries (a step computing more sends several):
+with 20 alternatives each ~22K msgpack elements and ~230 KB, far within ``EVENT_LIMITS``
+whatever ``max_num_batched_tokens`` is."""
+
+
+def _prompt_logprobs_events(out: RequestOutput) -> list[Event]:
+    """``out``'s prompt logprobs (``SamplingParams.prompt_logprobs``) as deltas with no token, of
+    at most ``PROMPT_LOGPROBS_PER_EVENT`` entries each."""
+    entries = [prompt_logprobs_entry(e.token_id, e.logprob, e.rank, e.top) for e in out.prompt_logprobs]
+    return [{"type": "delta", "token_ids": [], "text": "", "prompt_logprobs": entries[i: i + PROMPT_LOGPROBS_PER_EVENT]}
+            for i in range(0, len(entries), PROMPT_LOGPROBS_PER_EVENT)]
 
 
 def _tiers(out: RequestOutput) -> dict[str, int]:

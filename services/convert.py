@@ -46,7 +46,7 @@ from cache_node.sampling_params import (
 )
 from cache_node.structured_output import STRUCTURED_OUTPUT_KINDS, StructuredOutputSpec
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
-from services.node_request import entry_logprobs
+from services.node_request import entry_logprobs, entry_prompt_logprobs
 from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
 from tenants.usage import TenantUsage, TierTokens
 
@@ -219,7 +219,8 @@ def sampling_params_from_pb(
     """Wire sampling -> validated ``SamplingParams``.
 
     ``top_p`` and ``repetition_penalty`` 0 mean 1.0; an unset ``seed`` means None, an unset
-    ``logprobs`` None (none asked; 0 asks for the generated token's alone); ``top_k`` -1 is 0
+    ``logprobs`` None (none asked; 0 asks for the generated token's alone), an unset
+    ``prompt_logprobs`` None likewise; ``top_k`` -1 is 0
     (off, vLLM's); an empty ``allowed_token_ids`` None (all allowed). ``temperature``,
     ``top_p``, ``min_p``, the penalties and the ``logit_bias`` values travel as float32 and are
     rounded to 6 significant digits, so 0.7 arrives as 0.7. ``logit_bias`` and
@@ -262,6 +263,7 @@ def sampling_params_from_pb(
             allowed_token_ids=tuple(msg.allowed_token_ids) or None,
             structured_output=structured_output_from_pb(msg.structured_output)
             if msg.HasField("structured_output") else None,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         )
 
 
@@ -317,6 +319,8 @@ def sampling_params_to_pb(params: SamplingParams) -> inference_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.structured_output is not None:
         msg.structured_output.CopyFrom(structured_output_to_pb(params.structured_output))
     return msg
@@ -492,6 +496,10 @@ def generate_event_to_pb(event: Mapping[str, Any]) -> inference_pb2.GenerateResp
             logprob, top = entry_logprobs(entry)
             delta.logprobs.add(logprob=logprob,
                                top=[inference_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in top])
+        for entry in event.get("prompt_logprobs") or ():  # (checked there too)
+            token, logprob, rank, top = entry_prompt_logprobs(entry)
+            delta.prompt_logprobs.add(token_id=token, logprob=logprob, rank=rank,
+                                      top=[inference_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in top])
         return inference_pb2.GenerateResponse(delta=delta)
     if kind == "finished":
         return inference_pb2.GenerateResponse(

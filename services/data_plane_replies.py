@@ -45,7 +45,7 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {  # all required
 _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
     "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER, "priority": int,
-    "policy_stats": dict, "logprobs": list, "retry_after_s": _NUMBER,
+    "policy_stats": dict, "logprobs": list, "retry_after_s": _NUMBER, "prompt_logprobs": list,
 }
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -102,6 +102,8 @@ def check_event(event: Any) -> dict[str, Any]:
         raise ValueError(f"event.token_ids must lie in [0, {MAX_TOKEN_ID}]")
     if "logprobs" in event:
         _check_logprobs(event)
+    if "prompt_logprobs" in event:
+        _check_prompt_logprobs(event)
     cached = event.get("cached_tokens", {})
     if not all(isinstance(k, str) and type(v) is int for k, v in cached.items()):
         raise TypeError("event.cached_tokens must map tier names to integers")
@@ -156,15 +158,44 @@ def _check_logprobs(event: dict[str, Any]) -> None:
             raise ValueError("event.logprobs top entries must come most probable first")
 
 
-def check_logprobs_asked(event: dict[str, Any], logprobs: int | None) -> None:
+def _check_prompt_logprobs(event: dict[str, Any]) -> None:
+    """A delta's ``prompt_logprobs``: ``services.node_request.prompt_logprobs_entry`` each,
+    ``[token_id, logprob, rank, id_1, logprob_1, ...]``: the token and the ids integers in
+    [0, ``MAX_TOKEN_ID``] (the top ones distinct), the values floats in [-inf, 0] with the top
+    ones most probable first, the rank an integer in [1, ``MAX_TOKEN_ID`` + 1]. Raises
+    TypeError, ValueError naming ``event.prompt_logprobs``."""
+    if event["type"] != "delta":
+        raise ValueError("event.prompt_logprobs must be a delta's")
+    for entry in event["prompt_logprobs"]:
+        if not isinstance(entry, list) or len(entry) < 3 or not len(entry) % 2 or len(entry) > 3 + 2 * MAX_LOGPROBS:
+            raise TypeError(f"event.prompt_logprobs entries must be [token_id, logprob, rank, id, logprob, ...] of "
+                            f"at most {MAX_LOGPROBS} ids")
+        ids, values = entry[3::2], [entry[1], *entry[4::2]]
+        if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in (entry[0], *ids)) or len(set(ids)) != len(ids):
+            raise ValueError(f"event.prompt_logprobs token ids must be integers in [0, {MAX_TOKEN_ID}], the top "
+                             "ones distinct")
+        if type(entry[2]) is not int or not 1 <= entry[2] <= MAX_TOKEN_ID + 1:
+            raise ValueError(f"event.prompt_logprobs ranks must be integers in [1, {MAX_TOKEN_ID + 1}]")
+        if not all(type(v) is float and v <= 0.0 for v in values):  # NaN fails too
+            raise ValueError("event.prompt_logprobs values must be floats in [-inf, 0]")
+        if any(a < b for a, b in itertools.pairwise(values[1:])):
+            raise ValueError("event.prompt_logprobs top entries must come most probable first")
+
+
+def check_logprobs_asked(event: dict[str, Any], logprobs: int | None, prompt_logprobs: int | None = None) -> None:
     """``event`` (checked: ``check_event``) gives what its request asked: a delta's token ids
-    each with ``logprobs`` top entries when it is set, and no logprobs when it is None.
+    each with ``logprobs`` top entries when it is set, and no logprobs when it is None; its
+    prompt entries each with ``prompt_logprobs`` top entries, none when that is None.
 
     Raises:
-        ValueError: naming ``event.logprobs``.
+        ValueError: naming ``event.logprobs`` or ``event.prompt_logprobs``.
     """
     if event["type"] != "delta":
         return
+    prompt = event.get("prompt_logprobs") or ()
+    if prompt and (prompt_logprobs is None or any(len(e) != 3 + 2 * prompt_logprobs for e in prompt)):
+        raise ValueError("event.prompt_logprobs must hold " + ("none: its request asked for none" if prompt_logprobs
+                         is None else f"{prompt_logprobs} top entries for each prompt token, as its request asked"))
     entries = event.get("logprobs") or ()
     if logprobs is None:
         if entries:

@@ -83,6 +83,15 @@ class RequestPreparation:
             # vocabulary's k, the gateway's check wanted the k asked: UNAVAILABLE, "malformed"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"logprobs: asks for {sampling.logprobs} "
                                 f"alternatives per token; the model's vocabulary has {vocab} tokens")
+        if sampling.prompt_logprobs is not None:  # the node's rules too (``LLMEngine.add_request``)
+            if vocab and sampling.prompt_logprobs > vocab:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_logprobs: asks for "
+                                    f"{sampling.prompt_logprobs} alternatives per token; the model's vocabulary has "
+                                    f"{vocab} tokens")
+            if call.prefix_tokens or call.prefix_messages:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs: not served with prefix_tokens "
+                                    "or prefix_messages (a reused compressed prefix computes no logits for its "
+                                    "tokens); leave one of them unset")
         try:  # logit_bias' and allowed_token_ids' ids (the node's rule too)
             if vocab:
                 sampling.check_vocabulary(vocab)

@@ -40,12 +40,14 @@ EVENT_BYTES = 64
 
 def event_bytes(event: dict[str, Any]) -> int:
     """What ``event`` counts in ``StreamBuffer.undelivered_bytes``: a delta 4 per token id and
-    per character, and 8 per number and 4 per entry of its ``logprobs`` (as ``_Delta``), any
+    per character, and 8 per number and 4 per entry of its ``logprobs`` and ``prompt_logprobs``
+    (as ``_Delta``), any
     other ``EVENT_BYTES`` + 4 per character of its strings (keys included), 8 per other value
     and per entry of a map or list, nested values included (a node's ``policy_stats`` values
     are not checked)."""
     if event.get("type") == "delta":
-        return 4 * (len(event["token_ids"]) + len(event["text"])) + _logprobs_bytes(event.get("logprobs") or ())
+        return (4 * (len(event["token_ids"]) + len(event["text"])) + _logprobs_bytes(event.get("logprobs") or ())
+                + _logprobs_bytes(event.get("prompt_logprobs") or ()))
     size, pending = EVENT_BYTES, [event]
     while pending:  # iterative: nesting as deep as msgpack allows never recurses here
         value = pending.pop()
@@ -117,8 +119,8 @@ def past_bound(held: int, event: dict[str, Any], size: int, bound: int) -> bool:
 
 
 def _logprobs_bytes(entries: Any) -> int:
-    """What a delta's ``logprobs`` entries count: 8 per number and 4 per entry (``_Delta``'s
-    arrays)."""
+    """What a delta's ``logprobs`` (or ``prompt_logprobs``) entries count: 8 per number and 4
+    per entry (``_Delta``'s arrays)."""
     return sum(8 * len(entry) + 4 for entry in entries)
 
 
@@ -128,7 +130,7 @@ class _Delta:
     ``logprobs`` entries (``services.node_request.logprobs_entry``, checked for what their
     request asked before they get here) flat in an 8-byte array with each entry's width."""
 
-    __slots__ = ("chars", "ids", "logprobs", "pieces", "widths")
+    __slots__ = ("chars", "ids", "logprobs", "pieces", "prompt", "widths")
 
     def __init__(self) -> None:
         self.ids = array("i")
@@ -136,6 +138,7 @@ class _Delta:
         self.chars = 0
         self.logprobs: array[float] | None = None
         self.widths = array("i")
+        self.prompt: _Entries | None = None  # its ``prompt_logprobs`` entries, likewise
 
     def add(self, event: dict[str, Any]) -> int:
         """Append ``event``'s tokens, text and logprobs; returns the bytes this added (4 per
@@ -154,7 +157,11 @@ class _Delta:
             for entry in entries:
                 self.logprobs.extend(entry)  # (ids < 2^31: exact as doubles)
                 self.widths.append(len(entry))
-        return 4 * (len(event["token_ids"]) + len(event["text"])) + _logprobs_bytes(entries)
+        prompt = event.get("prompt_logprobs") or ()
+        if prompt:
+            self.prompt = self.prompt or _Entries()
+            self.prompt.add(prompt)
+        return 4 * (len(event["token_ids"]) + len(event["text"])) + _logprobs_bytes(entries) + _logprobs_bytes(prompt)
 
     def event(self) -> dict[str, Any]:
         event = {"type": "delta", "token_ids": self.ids.tolist(), "text": "".join(self.pieces)}
@@ -166,10 +173,43 @@ class _Delta:
                 entries.append(entry)
                 start += width
             event["logprobs"] = entries
+        if self.prompt is not None:
+            event["prompt_logprobs"] = self.prompt.entries()
         return event
 
     def size(self) -> int:
-        return 4 * (len(self.ids) + self.chars) + 8 * len(self.logprobs or ()) + 4 * len(self.widths)
+        prompt = self.prompt.size() if self.prompt is not None else 0
+        return 4 * (len(self.ids) + self.chars) + 8 * len(self.logprobs or ()) + 4 * len(self.widths) + prompt
+
+
+class _Entries:
+    """Coalesced ``prompt_logprobs`` entries (``services.node_request.prompt_logprobs_entry``:
+    ``[token_id, logprob, rank, id, logprob, ...]``), flat in an 8-byte array with each entry's
+    width."""
+
+    __slots__ = ("flat", "widths")
+
+    def __init__(self) -> None:
+        self.flat = array("d")
+        self.widths = array("i")
+
+    def add(self, entries: Any) -> None:
+        for entry in entries:
+            self.flat.extend(entry)  # (ids and ranks <= 2^31: exact as doubles)
+            self.widths.append(len(entry))
+
+    def entries(self) -> list[list[Any]]:
+        flat, out, start = self.flat.tolist(), [], 0
+        for width in self.widths:
+            entry = flat[start: start + width]
+            entry[0], entry[2] = int(entry[0]), int(entry[2])
+            entry[3::2] = [int(t) for t in entry[3::2]]
+            out.append(entry)
+            start += width
+        return out
+
+    def size(self) -> int:
+        return 8 * len(self.flat) + 4 * len(self.widths)
 
 
 class StreamBuffer:

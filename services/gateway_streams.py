@@ -56,6 +56,23 @@ class _Entry:
     finished: bool = False  # its ``finished`` event came: nothing runs on its node
     warned: bool = False  # a second ``started`` was logged (each one is counted)
     logprobs: int | None = None  # what its request's sampling asked (each delta is checked for it)
+    prompt_logprobs: int | None = None  # likewise (``check_prompt_count`` too)
+    prompt_left: int = 0  # prompt entries still due: its ``started`` event's prompt tokens - 1
+    tokens_seen: bool = False  # a delta with token ids came (no prompt entry may follow)
+
+    def check_prompt_count(self, event: dict[str, Any]) -> None:
+        """A request asking for prompt logprobs gets at most one entry per prompt token after
+        the first, after its ``started`` event and before its first token id. Raises ValueError
+        naming ``event.prompt_logprobs``."""
+        if event["type"] == "started":
+            self.prompt_left = max(0, event["prompt_tokens"] - 1)
+        elif event["type"] == "delta":
+            n = len(event.get("prompt_logprobs") or ())
+            if n and (self.tokens_seen or n > self.prompt_left):
+                raise ValueError("event.prompt_logprobs past its prompt's tokens (one entry per prompt token after "
+                                 "the first, before the first token id)")
+            self.prompt_left -= n
+            self.tokens_seen = self.tokens_seen or bool(event["token_ids"])
 
 
 @dataclass
@@ -309,7 +326,8 @@ class NodeStreams:
         sock.send(data_plane.pack({"op": "abort", "id": request_id}))
 
     def open(self, request_id: str, on_event: OnEvent | None = None,
-             on_idle: Callable[[str], None] | None = None, logprobs: int | None = None) -> StreamBuffer:
+             on_idle: Callable[[str], None] | None = None, logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> StreamBuffer:
         """A buffer for ``request_id``'s events; open it before the request reaches a node.
         ``on_event(event)`` sees each event as it arrives, whether or not the buffer's reader
         keeps up (a client that stops reading), and the RESOURCE_EXHAUSTED error that ends a
@@ -317,7 +335,8 @@ class NodeStreams:
         after that error when it was for ``stream_idle_timeout_s``: its reader, stuck writing
         to a client that takes nothing, takes no error, so whoever runs it must stop it.
         ``logprobs``: the request's ``SamplingParams.logprobs``; a delta whose log probabilities
-        are not what it asked is a bad event (``data_plane.check_logprobs_asked``).
+        are not what it asked is a bad event (``data_plane.check_logprobs_asked``); likewise
+        ``prompt_logprobs`` (and their count: ``_Entry.check_prompt_count``).
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
@@ -325,7 +344,8 @@ class NodeStreams:
         if request_id in self._queues:
             raise KeyError(request_id)
         buffer = StreamBuffer(self.clock)
-        self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs)
+        self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs)
         self._opened_at[request_id] = self._failures
         return buffer
 
@@ -495,7 +515,8 @@ class NodeStreams:
                     continue
                 if isinstance(checked, dict):
                     try:
-                        data_plane.check_logprobs_asked(checked, entry.logprobs)
+                        data_plane.check_logprobs_asked(checked, entry.logprobs, entry.prompt_logprobs)
+                        entry.check_prompt_count(checked)
                     except ValueError as exc:
                         self._drop("event", exc)
                         checked = exc

@@ -69,6 +69,7 @@ def _largest_sampling_bytes() -> int:
         + MAX_LOGIT_BIAS_TOKENS * (_TAG + 1 + _TAG + _VARINT_32 + _TAG + _FLOAT)
         + 2 + _VARINT_32 + MAX_ALLOWED_TOKEN_IDS * _VARINT_32       # allowed_token_ids (field 16: a 2-byte key)
         + 2 + _VARINT_32 + _largest_structured_output_bytes()       # structured_output (field 17)
+        + 2 + _VARINT_32                                            # prompt_logprobs (field 18)
     )
     return _TAG + _VARINT_32 + fields
 
@@ -81,7 +82,7 @@ MAX_GENERATE_REQUEST_BYTES = (
     + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
 )
 """An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
-largest request of any call): 4,381,752 bytes, ~4.18 MiB."""
+largest request of any call): 4,381,759 bytes, ~4.18 MiB."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 """``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""

@@ -106,7 +106,10 @@ class NodeRequest:
 #   {"type": "started", "request_id", "node_id", "prompt_tokens", "cached_tokens": {tier: n}, "queue_ms",
 #    "priority" (as the node's engine queued the request)}
 #   {"type": "delta", "token_ids": [...], "text": str, "logprobs" (only when the request's sampling asks
-#    for them: ``logprobs_entry`` of each token id's ``TokenLogprobs``)}
+#    for them: ``logprobs_entry`` of each token id's ``TokenLogprobs``),
+#    and "prompt_logprobs" (only when its sampling asks for them: ``prompt_logprobs_entry`` of the
+#    next prompt tokens' ``PromptLogprob``, continuing the previous deltas'; such a delta may have
+#    no token id, as a prompt chunk computes)}
 #   {"type": "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
 #    "ttft_ms", "tpot_ms", "preempted"}
 #   {"type": "error", "code": grpc status name, "message": str}
@@ -125,3 +128,17 @@ def logprobs_entry(logprob: float, top: Sequence[tuple[int, float]]) -> list[flo
 def entry_logprobs(entry: Sequence[float | int]) -> tuple[float, list[tuple[int, float]]]:
     """``logprobs_entry``'s inverse: the token's logprob and its top ``(id, logprob)``."""
     return float(entry[0]), [(int(entry[i]), float(entry[i + 1])) for i in range(1, len(entry), 2)]
+
+
+def prompt_logprobs_entry(token_id: int, logprob: float, rank: int,
+                          top: Sequence[tuple[int, float]]) -> list[float | int]:
+    """One prompt token's log probabilities (``cache_node.outputs.PromptLogprob``) as a delta
+    event's ``prompt_logprobs`` holds them, flat: ``[token_id, logprob, rank, id_1, logprob_1,
+    ..., id_k, logprob_k]``."""
+    return [token_id, logprob, rank, *logprobs_entry(logprob, top)[1:]]
+
+
+def entry_prompt_logprobs(entry: Sequence[float | int]) -> tuple[int, float, int, list[tuple[int, float]]]:
+    """``prompt_logprobs_entry``'s inverse: the token, its logprob and rank, its top ``(id, logprob)``."""
+    return (int(entry[0]), float(entry[1]), int(entry[2]),
+            [(int(entry[i]), float(entry[i + 1])) for i in range(3, len(entry), 2)])

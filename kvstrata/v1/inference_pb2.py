@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstrata.v1 import common_pb2 as kvstrata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstrata/v1/inference.proto\x12\x0bkvstrata.v1\x1a\x18kvstrata/v1/common.proto\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.kvstrata.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8c\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.kvstrata.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.kvstrata.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9d\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x97\x02\n\x0fGenerateRequest\x12)\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x19.kvstrata.v1.ChatMessagesH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.kvstrata.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvstrata.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x15\n\rprefix_tokens\x18\x08 \x01(\x05\x12\x17\n\x0fprefix_messages\x18\t \x01(\x05\x42\x07\n\x05input\"\xa1\x01\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12.\n\rcached_tokens\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.TierTokens\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.kvstrata.v1.TokenLogprob\"^\n\rGenerateDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.kvstrata.v1.TokenLogprobs\"\xc0\x01\n\x10GenerateFinished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12.\n\rcached_tokens\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.TierTokens\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x06 \x01(\x01\x12\x11\n\tpreempted\x18\x07 \x01(\x08\"\xac\x01\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.kvstrata.v1.GenerateStartedH\x00\x12+\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1a.kvstrata.v1.GenerateDeltaH\x00\x12\x31\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1d.kvstrata.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\",\n\x14\x43loseSessionResponse\x12\x14\n\x0c\x66reed_tokens\x18\x01 \x01(\r2\xb2\x01\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.kvstrata.v1.GenerateRequest\x1a\x1d.kvstrata.v1.GenerateResponse0\x01\x12S\n\x0c\x43loseSession\x12 .kvstrata.v1.CloseSessionRequest\x1a!.kvstrata.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstrata/v1/inference.proto\x12\x0bkvstrata.v1\x1a\x18kvstrata/v1/common.proto\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.kvstrata.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbe\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.kvstrata.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.kvstrata.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x9d\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x97\x02\n\x0fGenerateRequest\x12)\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x19.kvstrata.v1.ChatMessagesH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.kvstrata.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.kvstrata.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x15\n\rprefix_tokens\x18\x08 \x01(\x05\x12\x17\n\x0fprefix_messages\x18\t \x01(\x05\x42\x07\n\x05input\"\xa1\x01\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12.\n\rcached_tokens\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.TierTokens\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"H\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.kvstrata.v1.TokenLogprob\"h\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.kvstrata.v1.TokenLogprob\"\x93\x01\n\rGenerateDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.kvstrata.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.kvstrata.v1.PromptLogprob\"\xc0\x01\n\x10GenerateFinished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12.\n\rcached_tokens\x18\x04 \x01(\x0b\x32\x17.kvstrata.v1.TierTokens\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x06 \x01(\x01\x12\x11\n\tpreempted\x18\x07 \x01(\x08\"\xac\x01\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.kvstrata.v1.GenerateStartedH\x00\x12+\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1a.kvstrata.v1.GenerateDeltaH\x00\x12\x31\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1d.kvstrata.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\",\n\x14\x43loseSessionResponse\x12\x14\n\x0c\x66reed_tokens\x18\x01 \x01(\r2\xb2\x01\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.kvstrata.v1.GenerateRequest\x1a\x1d.kvstrata.v1.GenerateResponse0\x01\x12S\n\x0c\x43loseSession\x12 .kvstrata.v1.CloseSessionRequest\x1a!.kvstrata.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=212
   _globals['_TOKENIDS']._serialized_end=235
   _globals['_SAMPLINGPARAMS']._serialized_start=238
-  _globals['_SAMPLINGPARAMS']._serialized_end=762
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=692
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=740
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=765
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=922
-  _globals['_CHOICELIST']._serialized_start=924
-  _globals['_CHOICELIST']._serialized_end=953
-  _globals['_GENERATEREQUEST']._serialized_start=956
-  _globals['_GENERATEREQUEST']._serialized_end=1235
-  _globals['_GENERATESTARTED']._serialized_start=1238
-  _globals['_GENERATESTARTED']._serialized_end=1399
-  _globals['_TOKENLOGPROB']._serialized_start=1401
-  _globals['_TOKENLOGPROB']._serialized_end=1450
-  _globals['_TOKENLOGPROBS']._serialized_start=1452
-  _globals['_TOKENLOGPROBS']._serialized_end=1524
-  _globals['_GENERATEDELTA']._serialized_start=1526
-  _globals['_GENERATEDELTA']._serialized_end=1620
-  _globals['_GENERATEFINISHED']._serialized_start=1623
-  _globals['_GENERATEFINISHED']._serialized_end=1815
-  _globals['_GENERATERESPONSE']._serialized_start=1818
-  _globals['_GENERATERESPONSE']._serialized_end=1990
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1992
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2033
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2035
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2079
-  _globals['_INFERENCESERVICE']._serialized_start=2082
-  _globals['_INFERENCESERVICE']._serialized_end=2260
+  _globals['_SAMPLINGPARAMS']._serialized_end=812
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=722
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=770
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=815
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=972
+  _globals['_CHOICELIST']._serialized_start=974
+  _globals['_CHOICELIST']._serialized_end=1003
+  _globals['_GENERATEREQUEST']._serialized_start=1006
+  _globals['_GENERATEREQUEST']._serialized_end=1285
+  _globals['_GENERATESTARTED']._serialized_start=1288
+  _globals['_GENERATESTARTED']._serialized_end=1449
+  _globals['_TOKENLOGPROB']._serialized_start=1451
+  _globals['_TOKENLOGPROB']._serialized_end=1500
+  _globals['_TOKENLOGPROBS']._serialized_start=1502
+  _globals['_TOKENLOGPROBS']._serialized_end=1574
+  _globals['_PROMPTLOGPROB']._serialized_start=1576
+  _globals['_PROMPTLOGPROB']._serialized_end=1680
+  _globals['_GENERATEDELTA']._serialized_start=1683
+  _globals['_GENERATEDELTA']._serialized_end=1830
+  _globals['_GENERATEFINISHED']._serialized_start=1833
+  _globals['_GENERATEFINISHED']._serialized_end=2025
+  _globals['_GENERATERESPONSE']._serialized_start=2028
+  _globals['_GENERATERESPONSE']._serialized_end=2200
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2202
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2243
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2245
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2289
+  _globals['_INFERENCESERVICE']._serialized_start=2292
+  _globals['_INFERENCESERVICE']._serialized_end=2470
 # @@protoc_insertion_point(module_scope)
