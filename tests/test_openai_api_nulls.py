@@ -26,7 +26,7 @@ OPTIONAL = ["temperature", "top_p", "n", "stream", "stream_options", "stop", "se
             "top_logprobs", "frequency_penalty", "presence_penalty", "max_tokens", "session_id", "policy",
             "cache_salt", "prompt_cache_key", "priority", "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "min_p",
             "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", "guided_json", "guided_regex",
-            "guided_choice", "guided_grammar",
+            "guided_choice", "guided_grammar", "prompt_logprobs",
             "tools", "tool_choice"]  # a completion's: null only
 CHAT_ONLY = ["max_completion_tokens", "parallel_tool_calls", "prefix_messages"]
 COMPLETION_ONLY = ["echo", "best_of", "suffix", "prefix_tokens"]
@@ -149,7 +149,8 @@ BEYOND = {"max_tokens": NODE_INFO["max_model_len"] + 1}
      "parallel_tool_calls: unsupported field"),
     ("/v1/completions", {**COMPLETION, "tool_choice": "auto"}, "tool_choice",
      'tool_choice: only "none" is supported'),
-    ("/v1/completions", {**COMPLETION, "echo": True}, "echo", "echo: not supported"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo", "echo: unsupported field"),  # (a completion's is served)
+    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", "max_tokens: must be > 0, or 0 with echo"),
     ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of", "best_of: only 1 is supported"),
     ("/v1/completions", {**COMPLETION, "suffix": "x"}, "suffix",
      'suffix: not supported (send null, or leave it out), got "x"'),

@@ -310,8 +310,13 @@ def test_completion_prompt_forms() -> None:
     assert CompletionRequest(model="m", prompt="a").to_input(encode).sampling.max_tokens == 16  # OpenAI's default
     with pytest.raises(ValueError, match="only one prompt per request is supported, got 2"):
         CompletionRequest(model="m", prompt=["a", "b"])  # refused before either is validated
-    with pytest.raises(ValueError, match="^echo:"):
-        CompletionRequest(model="m", prompt="a", echo=True).to_input(encode)
+    # echo is served: an echoed prompt's logprobs ask the node for prompt logprobs (at least k)
+    assert CompletionRequest(model="m", prompt="a", echo=True).to_input(encode).sampling.prompt_logprobs is None
+    assert CompletionRequest(model="m", prompt="a", echo=True, logprobs=2,
+                             prompt_logprobs=1).to_input(encode).sampling.prompt_logprobs == 2
+    assert CompletionRequest(model="m", prompt="a", echo=True, max_tokens=0).to_input(encode).sampling.max_tokens == 1
+    with pytest.raises(ValueError, match="^max_tokens:"):
+        CompletionRequest(model="m", prompt="a", max_tokens=0).to_input(encode)
 
 
 def test_statuses_as_openai_errors() -> None:

@@ -74,6 +74,7 @@ from services.openai_api.logprobs import (
     TokenTexts,
     check_whole_logprobs,
 )
+from services.openai_api.prompt_logprobs import PromptExtras
 from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
 from services.openai_api.response_budget import HeldResponse, ResponseBudget
@@ -246,6 +247,21 @@ class OpenAIEdge:
         return None if top is None else Logprobs(isinstance(body, ChatCompletionRequest), top, self.tokens,
                                                  streamed=body.stream)
 
+    def prompt_extras(self, body: ChatCompletionRequest | CompletionRequest, call: Any) -> PromptExtras | None:
+        """Where one choice of ``body`` collects its echo and prompt logprobs (None: neither
+        asked); ``call``: the body's parsed ``GenerateInput`` (a completion's token prompt)."""
+        echo = isinstance(body, CompletionRequest) and body.echo
+        if call is None or (body.prompt_logprobs is None and not echo):
+            return None
+        tokens: list[int] = list(call.prompt) if echo else [0]
+        text = None
+        if echo:
+            prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+            tokenizer = self.tokens.tokenizer
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(tokens) if tokenizer is not None else ""
+        return PromptExtras(tokens[0], body.prompt_logprobs, text, body.logprobs if echo else None,  # type: ignore[union-attr]
+                            echo and body.max_tokens == 0, self.tokens)  # type: ignore[union-attr]
+
     def no_such_model(self, model: str) -> CallAborted:
         """OpenAI's 404 for an unknown model: ``model_not_found``, ``param`` "model"."""
         return CallAborted(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist; this server serves "
@@ -267,14 +283,20 @@ class OpenAIEdge:
         chat = isinstance(body, ChatCompletionRequest)
         rid = request_id(request.scope)
 
+        parsed: list[Any] = []  # the body's input, once parsed (``prompt_extras``)
+
         def parse() -> Any:
             call = body.to_input() if chat else body.to_input(self.encode)  # type: ignore[union-attr, call-arg]
+            parsed.append(call)
             return dataclasses.replace(call, request_id=rid)
+
+        def prompt() -> PromptExtras | None:
+            return self.prompt_extras(body, parsed[0] if parsed else None)
 
         writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
         if body.n > 1:  # n requests, started all or none, in one response (``choices``)
             return await Choices(self.servicer, request, body, parse, writer, self.model_name, rid,
-                                 lambda: self.logprobs(body), self.render).respond()
+                                 lambda: self.logprobs(body), self.render, prompt).respond()
         events = self.servicer.generate(context, parse, writer)
         try:  # admitted and started: the status is known
             started = await unless_gone(request, anext(events))
@@ -284,7 +306,7 @@ class OpenAIEdge:
             await events.aclose()  # type: ignore[attr-defined]
             return _gone()
         generation = Generation(events, started, chat, self.model_name, rid, self.logprobs(body),
-                                body.tool_output() if chat else None)  # type: ignore[union-attr]
+                                body.tool_output() if chat else None, prompt())  # type: ignore[union-attr]
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
                                   media_type="text/event-stream",

@@ -70,6 +70,7 @@ from services.gateway import RETRY_S, GenerateInput, InferenceServicer, StreamWr
 from services.openai_api.context import CallAborted, HttpCallContext
 from services.openai_api.errors import _gone, refusal_about
 from services.openai_api.logprobs import Logprobs
+from services.openai_api.prompt_logprobs import PromptExtras
 from services.openai_api.responses import Generation, sse, usage_dict
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.streaming import (
@@ -158,6 +159,8 @@ class Choices:
             None: not asked), called once per choice.
         render: builds the whole response's body (``OpenAIEdge.render``: on a worker thread
             when it holds many log probabilities).
+        prompt: a new collector of one choice's echo and prompt logprobs
+            (``OpenAIEdge.prompt_extras``; None: neither asked), called once per choice.
 
     Every read of a choice's events runs as a task of ``reads`` (the choices are read
     together), and one ``close`` ends them all: cancels the reads, waits for them to land,
@@ -167,9 +170,10 @@ class Choices:
 
     def __init__(self, servicer: InferenceServicer, request: Request, body: ChatCompletionRequest | CompletionRequest,
                  parse: Callable[[], GenerateInput], writer: StreamWriter, model: str, request_id: str,
-                 logprobs: Callable[[], Logprobs | None] = lambda: None, render: Render = _render_here) -> None:
+                 logprobs: Callable[[], Logprobs | None] = lambda: None, render: Render = _render_here,
+                 prompt: Callable[[], PromptExtras | None] = lambda: None) -> None:
         self.servicer, self.request, self.body, self.writer = servicer, request, body, writer
-        self.logprobs, self.render = logprobs, render
+        self.logprobs, self.render, self.prompt = logprobs, render, prompt
         self.inputs = ChoiceInputs(parse)
         self.chat = isinstance(body, ChatCompletionRequest)
         self.model, self.request_id = model, request_id
@@ -283,7 +287,8 @@ class Choices:
                                f"n: the {self.body.n} choices did not all start in time: {self.writer.stopped}",
                                int(RETRY_S * 1000)).response()
         gens = [ChoiceGeneration(e, s, self.chat, self.model, self.request_id, self.logprobs(), index=i,
-                                 tools=self.body.tool_output() if self.chat else None)  # type: ignore[union-attr]
+                                 tools=self.body.tool_output() if self.chat else None,  # type: ignore[union-attr]
+                                 prompt=self.prompt())
                 for i, (e, s) in enumerate(zip(self.events, started))]
         for g in gens[1:]:
             g.created = gens[0].created
@@ -337,9 +342,9 @@ class Choices:
         def build() -> dict[str, Any]:
             body = gens[0]._envelope("chat.completion" if self.chat else "text_completion",
                                      [g._choice(t, g.finish_reason, whole=True) for g, t in zip(gens, texts)])
-            return {**body, **_usage(gens)}
+            return {**body, **_usage(gens), **gens[0].body_fields()}
 
-        return await self.render(self.request, sum(len(g.logprobs) for g in gens if g.logprobs is not None), build)
+        return await self.render(self.request, sum(g.held() for g in gens), build)
 
 
 def _usage(gens: list[ChoiceGeneration]) -> dict[str, Any]:

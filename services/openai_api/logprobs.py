@@ -47,6 +47,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import math
 import re
 from array import array
 from collections.abc import Callable
@@ -234,13 +235,17 @@ class Logprobs:
                                  "top_logprobs": [_entry(tokens(t), v) for t, v in self._alternatives(i)]}
                                 for i in span], "refusal": None}
         texts = [tokens(self._ids[i]).text for i in span]
-        top: list[dict[str, float]] = []
+        top: list[dict[str, float] | None] = []
         for text, i in zip(texts, span):
+            if math.isnan(self._values[i]):  # an echoed prompt's first token: none (``prompt_logprobs``)
+                top.append(None)
+                continue
             alternatives = {text: _floor(self._values[i])}
             for t, v in self._alternatives(i):
                 alternatives.setdefault(tokens(t).text, _floor(v))
             top.append(alternatives)
-        return {"tokens": texts, "token_logprobs": [_floor(self._values[i]) for i in span],
+        values = [None if math.isnan(self._values[i]) else _floor(self._values[i]) for i in span]
+        return {"tokens": texts, "token_logprobs": values,
                 "top_logprobs": top, "text_offset": list(self._offsets[start:stop])}
 
 

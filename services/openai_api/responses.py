@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.openai_api.logprobs import LOGPROB_TOKENS_PER_CHUNK, Logprobs
+from services.openai_api.prompt_logprobs import PromptExtras
 from services.openai_api.tool_calls import ToolOutput
 from tenants.usage import TierTokens
 
@@ -59,6 +60,8 @@ class Generation:
             response all of them.
         tools: a chat's text read as tool calls (``services.openai_api.tool_calls``; None:
             its text is the message's content).
+        prompt: a completion's ``echo`` and either endpoint's ``prompt_logprobs``
+            (``services.openai_api.prompt_logprobs``; None: neither asked).
 
     Stop strings are the node's (``SamplingParams.stop``): its text arrives cut before one,
     with finish_reason "stop", and is relayed as it comes.
@@ -66,8 +69,9 @@ class Generation:
 
     def __init__(self, events: AsyncIterator[dict[str, Any]], started: dict[str, Any], chat: bool,
                  model: str, request_id: str | None = None, logprobs: Logprobs | None = None,
-                 tools: ToolOutput | None = None) -> None:
+                 tools: ToolOutput | None = None, prompt: PromptExtras | None = None) -> None:
         self.events, self.chat, self.model, self.logprobs, self.tools = events, chat, model, logprobs, tools
+        self.prompt = prompt
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_tokens = int(started["prompt_tokens"])
@@ -83,6 +87,14 @@ class Generation:
         counts are final once this ends. Raises ``CallAborted`` when the request fails."""
         try:
             async for event in self.events:
+                if event["type"] == "delta" and self.prompt is not None:  # its prompt's part
+                    if event.get("prompt_logprobs"):
+                        self.prompt.feed(event["prompt_logprobs"], self.logprobs)
+                    if event["token_ids"] and self.prompt.echo_now(self.logprobs):
+                        async for piece in self._echo():
+                            yield piece
+                    if self.prompt.echo_only:
+                        continue
                 if event["type"] == "delta":
                     self.completion_tokens += len(event["token_ids"])
                     if self.logprobs is not None and event.get("logprobs"):
@@ -95,12 +107,35 @@ class Generation:
                     if event["text"]:
                         yield event["text"]
                 elif event["type"] == "finished":
+                    if self.prompt is not None and self.prompt.echo_now(self.logprobs):
+                        async for piece in self._echo():
+                            yield piece
                     self.prompt_tokens, self.completion_tokens = event["prompt_tokens"], event["completion_tokens"]
                     self.cached, self.finish_reason = dict(event.get("cached_tokens", {})), event["finish_reason"]
+                    if self.prompt is not None and self.prompt.echo_only:  # max_tokens 0: the prompt alone
+                        self.completion_tokens, self.finish_reason = 0, "length"
                     self.server.update(ttft_ms=event.get("ttft_ms"), tpot_ms=event.get("tpot_ms"),
                                        preempted=bool(event.get("preempted", False)))
         finally:
             await self.events.aclose()  # type: ignore[attr-defined]
+
+    async def _echo(self) -> AsyncIterator[str]:
+        """The echoed prompt's text, after chunks of empty text carrying its tokens' entries
+        past ``LOGPROB_TOKENS_PER_CHUNK`` (as ``pieces``)."""
+        while self.logprobs is not None and self.logprobs.streamed and self.logprobs.pending() > LOGPROB_TOKENS_PER_CHUNK:
+            yield ""
+        yield self.prompt.echo or ""  # type: ignore[union-attr]
+
+    def held(self) -> int:
+        """The log probabilities a whole response holds (``OpenAIEdge.render``)."""
+        return (len(self.logprobs) if self.logprobs is not None else 0) + (len(self.prompt) if self.prompt else 0)
+
+    def body_fields(self) -> dict[str, Any]:
+        """A chat body's ``prompt_logprobs`` when asked (vLLM's, on the body: the choices share
+        the prompt)."""
+        if self.chat and self.prompt is not None and self.prompt.prompt_k is not None:
+            return {"prompt_logprobs": self.prompt.field()}
+        return {}
 
     def usage(self) -> dict[str, Any]:
         return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached)
@@ -113,6 +148,8 @@ class Generation:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
         if not self.chat:
             choice["text"] = text or ""
+            if whole and self.prompt is not None and self.prompt.prompt_k is not None:  # vLLM's, on the choice
+                choice["prompt_logprobs"] = self.prompt.field()
         elif whole:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tools is not None:  # content and tool_calls; finish_reason tool_calls when called
@@ -155,4 +192,4 @@ class Generation:
         body = self._envelope("chat.completion" if self.chat else "text_completion",
                               [self._choice(text, self.finish_reason, whole=True)])
         body["usage"], body["kvstrata"] = self.usage(), self.server
-        return body
+        return body | self.body_fields()

@@ -81,6 +81,7 @@ from services.convert import (
     check_policy_spec,
 )
 from services.gateway import MAX_ID_CHARS, GenerateInput
+from services.openai_api.prompt_logprobs import check_prompt_logprobs
 from services.openai_api.strict import Strict, bounded_list, json_brief, json_text, same_json
 from services.openai_api.structured import StructuredFields
 from services.openai_api.tools import MAX_TOOL_CALLS, ToolCall, ToolFields, check_tools
@@ -221,6 +222,7 @@ class _Sampling(StructuredFields):
     logit_bias: dict[int, float] | None = None  # OpenAI's: {"<token id>": bias}, checked by _biases
     allowed_token_ids: bounded_list(int) | None = None  # type: ignore[valid-type]  # vLLM's
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's (``openai_api.prompt_logprobs``)
     tool_choice: Any = None
     store: Any = None
     _no_op: ClassVar[dict[str, tuple[Any, ...]]] = _NO_OP_VALUES
@@ -299,6 +301,10 @@ class _Sampling(StructuredFields):
         """``SamplingParams.logprobs``: the alternatives asked per token, None for none."""
         return None
 
+    def asked_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs``: the alternatives asked per prompt token (None: none)."""
+        return self.prompt_logprobs
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -315,6 +321,8 @@ class _Sampling(StructuredFields):
             raise ValueError(f"{name}: {what} (send {send}, or leave it out), got {json_brief(value)}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:  # (vLLM's refusal too)
+            raise ValueError("prompt_logprobs: not available with stream true; send stream false, or leave it out")
         if self.n > 1 and self.session_id:
             raise ValueError(f"n: must be 1 with a session_id (a session keeps one history, which one choice "
                              f"continues), got {self.n}")
@@ -337,7 +345,8 @@ class _Sampling(StructuredFields):
                                   repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
                                   logprobs=self.asked_logprobs(), min_p=self.min_p,
                                   logit_bias=tuple((self.logit_bias or {}).items()), allowed_token_ids=self.allowed_token_ids,
-                                  structured_output=self.structured_output())
+                                  structured_output=self.structured_output(),
+                                  prompt_logprobs=self.asked_prompt_logprobs())
         return GenerateInput(prompt=prompt, sampling=sampling, session_id=self.session_id, policy=self.policy,
                              cache_salt=self.cache_salt, routing_key=self.prompt_cache_key,
                              fill_context=max_tokens is None, priority=self.priority,
@@ -409,17 +418,23 @@ class CompletionRequest(_Sampling):
 
     prompt: (str | bounded_list(int, MAX_PROMPT_TOKEN_IDS)  # type: ignore[valid-type]
              | bounded_list(str) | bounded_list(bounded_list(int, MAX_PROMPT_TOKEN_IDS)))  # type: ignore[valid-type]
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, gt=0)
-    echo: bool = False
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)  # 0: with echo only
+    echo: bool = False  # the prompt's text (and logprobs) first (``openai_api.prompt_logprobs``)
     best_of: int = 1
     suffix: str | None = None
     prefix_tokens: int = 0  # kvstrata: of the prompt's tokens; gateway-bounded (400)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's bound (OpenAI's legacy one is 5)
 
     _unserved = _Sampling._unserved | {"top_logprobs", "tools"}  # a chat's fields: null only
+    _no_op: ClassVar[dict[str, tuple[Any, ...]]] = {k: v for k, v in _NO_OP_VALUES.items() if k != "echo"}
 
     def asked_logprobs(self) -> int | None:
         return self.logprobs
+
+    def asked_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, and at least ``logprobs`` for an echoed prompt's tokens (vLLM's)."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -451,4 +466,12 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"prompt: holds {len(prompt)} tokens; at most {MAX_PROMPT_TOKEN_IDS} are allowed")
         if any(t < 0 for t in prompt):
             raise ValueError("prompt: token ids must be non-negative")
-        return self.generate_input(list(prompt), self.max_tokens, prefix_tokens=self.prefix_tokens)
+        max_tokens = self.max_tokens
+        if max_tokens == 0:  # (vLLM's: the node generates one token, left out of the response)
+            if not self.echo:
+                raise ValueError("max_tokens: must be > 0, or 0 with echo true (the prompt alone), got 0")
+            max_tokens = 1
+        if not self.stream and (self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)):
+            check_prompt_logprobs(self.n, len(prompt), max_tokens or 1, self.prompt_logprobs,
+                                  self.logprobs if self.echo else None)
+        return self.generate_input(list(prompt), max_tokens, prefix_tokens=self.prefix_tokens)

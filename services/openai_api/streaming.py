@@ -147,6 +147,5 @@ async def _whole(generation: Generation, request: Request,
         return _gone()
     except CallAborted as exc:
         return about(exc).response()
-    held = len(generation.logprobs) if generation.logprobs is not None else 0
-    return await render(request, held, lambda: generation.response(text))
+    return await render(request, generation.held(), lambda: generation.response(text))
 

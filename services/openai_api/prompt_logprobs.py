@@ -1,0 +1,121 @@
+"""A completion's ``echo`` and vLLM's ``prompt_logprobs`` on the OpenAI API, from a request's
+prompt logprobs (``SamplingParams.prompt_logprobs``: delta events' ``prompt_logprobs`` entries,
+``services.node_request.prompt_logprobs_entry``, checked at the gateway).
+
+- ``prompt_logprobs`` k in [0, 20] (both endpoints, vLLM's extra; not with ``stream``, as
+  vLLM refuses it): the response's ``prompt_logprobs`` (a completion's on each choice, a chat's
+  on the body, as vLLM's) is one item per prompt token, the first null, each other a map
+  token id (a JSON key) -> ``{"logprob", "rank", "decoded_token"}`` of the prompt token and the
+  k most probable tokens at its position (k or k + 1 entries: the prompt token may be among
+  them), the top ones ranked 1..k.
+- ``echo`` (``/v1/completions``): the choice's text is the prompt's (the prompt string as sent,
+  or its token ids decoded) followed by the completion's; with ``logprobs`` k, the prompt's
+  tokens come first in the choice's ``logprobs`` (the first with a null ``token_logprobs`` and
+  ``top_logprobs``, as OpenAI and vLLM), each with the k most probable at its position, and the
+  request asks the node for prompt logprobs of at least k. ``max_tokens`` 0 is taken with
+  ``echo`` only (vLLM's): the node generates one token, which the response leaves out (the
+  prompt alone, ``completion_tokens`` 0, ``finish_reason`` "length").
+
+The values are floored at -9999.0, as every logprob the API reports. A whole response holds
+at most ``MAX_WHOLE_LOGPROBS`` log probabilities: a completion's prompt counts before it runs
+(``check_prompt_logprobs``), a chat's rendered prompt as its entries arrive (``PromptExtras``:
+past the bound the request ends with a 400 naming ``prompt_logprobs``).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from services.openai_api.context import CallAborted
+from services.openai_api.logprobs import MAX_WHOLE_LOGPROBS, Logprobs, Token, _floor
+
+
+def check_prompt_logprobs(n: int, prompt_tokens: int, max_tokens: int, prompt_k: int | None,
+                          echo_k: int | None) -> None:
+    """Refuse a whole completion whose prompt logprobs (``prompt_logprobs`` and an echoed
+    prompt's ``logprobs``) with its tokens' may hold more than ``MAX_WHOLE_LOGPROBS``. Raises
+    ValueError naming ``prompt_logprobs`` (or ``logprobs`` for an echo's)."""
+    held = n * (prompt_tokens * ((1 + prompt_k if prompt_k is not None else 0) + (1 + echo_k if echo_k is not None
+                                                                                   else 0))
+                + max_tokens * (1 + (echo_k or 0)))
+    if held > MAX_WHOLE_LOGPROBS:
+        field = "prompt_logprobs" if prompt_k is not None else "logprobs"
+        raise ValueError(f"{field}: a response may hold at most {MAX_WHOLE_LOGPROBS} log probabilities; with the "
+                         f"prompt's {prompt_tokens} tokens this one may hold {held}: ask for fewer alternatives, "
+                         "or send a shorter prompt")
+
+
+class PromptExtras:
+    """One choice's echo and prompt logprobs, fed from its deltas (``Generation.pieces``).
+
+    Args:
+        first_token: the prompt's first token id (its echoed logprobs entry, null).
+        prompt_k: ``prompt_logprobs`` asked (None: the response has no such field).
+        echo: the echoed prompt's text (None: no echo).
+        echo_k: with ``echo``, the ``logprobs`` k of the echoed prompt tokens (None: none).
+        echo_only: ``max_tokens`` 0: the generated token is left out.
+        tokens: a token id's ``Token`` (its ``decoded_token``).
+        budget: the most log probabilities the prompt's may add (``MAX_WHOLE_LOGPROBS``).
+    """
+
+    def __init__(self, first_token: int, prompt_k: int | None, echo: str | None, echo_k: int | None,
+                 echo_only: bool, tokens: Callable[[int], Token], budget: int = MAX_WHOLE_LOGPROBS) -> None:
+        self.first_token, self.prompt_k, self.echo, self.echo_k = first_token, prompt_k, echo, echo_k
+        self.echo_only, self.tokens, self.budget = echo_only, tokens, budget
+        self._flat, self._widths = array("d"), array("i")  # the entries kept for ``prompt_logprobs``
+        self._first = True  # the first entry fed is the prompt's second token's
+        self.echoed = echo is None
+
+    def __len__(self) -> int:
+        return len(self._flat)
+
+    def feed(self, entries: list[list[Any]], logprobs: Logprobs | None) -> None:
+        """A delta's prompt entries (``[token_id, logprob, rank, id, logprob, ...]``): kept for
+        ``prompt_logprobs``, and added to ``logprobs`` for an echo asking for them."""
+        if self.echo_k is not None and logprobs is not None:
+            if self._first:
+                logprobs.add([self.first_token], [[math.nan]])
+            logprobs.add([int(e[0]) for e in entries], [e[1:2] + e[3: 3 + 2 * self.echo_k] for e in entries])
+        self._first = False
+        if self.prompt_k is not None:
+            for entry in entries:
+                self._flat.extend(entry[: 3 + 2 * self.prompt_k])
+                self._widths.append(min(len(entry), 3 + 2 * self.prompt_k))
+        held = len(self._flat) + (len(logprobs) if logprobs is not None else 0)
+        if held > self.budget:
+            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"prompt_logprobs: a response may hold at most {self.budget} log probabilities; this prompt's "
+                "exceed it: ask for fewer alternatives, or send a shorter prompt"), param="prompt_logprobs")
+
+    def echo_now(self, logprobs: Logprobs | None) -> bool:
+        """Whether the echo is due now (once: its prompt's entries are all in, before the first
+        token's text); with ``logprobs`` and no prompt entry (a one-token prompt), the first
+        token's null entry goes in first."""
+        if self.echoed:
+            return False
+        self.echoed = True
+        if self._first and self.echo_k is not None and logprobs is not None:
+            logprobs.add([self.first_token], [[math.nan]])
+            self._first = False
+        return True
+
+    def field(self) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: null for the first prompt token, then a map per token."""
+        flat, out, start = self._flat.tolist(), [None], 0
+        for width in self._widths:
+            entry = flat[start: start + width]
+            start += width
+            token = int(entry[0])
+            item = {str(token): self._logprob(token, entry[1], int(entry[2]))}
+            for rank, i in enumerate(range(3, width, 2), 1):
+                item.setdefault(str(int(entry[i])), self._logprob(int(entry[i]), entry[i + 1], rank))
+            out.append(item)
+        return out
+
+    def _logprob(self, token: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": _floor(logprob), "rank": rank, "decoded_token": self.tokens(token).text}
