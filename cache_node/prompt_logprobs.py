@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache_node.outputs import PromptLogprob
+from cache_node.outputs import PromptLogprob, SequenceFault
 
 if TYPE_CHECKING:
     from cache_node.model_runner import ScheduledBatch
@@ -67,9 +67,9 @@ def spans(batch: ScheduledBatch) -> list[Span]:
         if seq.sampling_params.prompt_logprobs is not None:
             start = seq.num_computed_tokens
             lo, hi = max(start, seq.prompt_logprobs_done), min(start + n, seq.num_prompt_tokens - 1)
-            if hi > lo > seq.prompt_logprobs_done:  # (admission never lets it skip a position)
-                raise RuntimeError(f"request {seq.request_id}: prompt logprobs would skip positions "
-                                   f"{seq.prompt_logprobs_done} to {lo - 1}")
+            if hi > lo > seq.prompt_logprobs_done:  # (admission never lets it skip a position): it fails alone
+                raise SequenceFault(seq.request_id) from RuntimeError(
+                    f"prompt logprobs would skip positions {seq.prompt_logprobs_done} to {lo - 1}")
             if hi > lo:
                 out.append(Span(seq, flat + lo - start, lo, hi - lo))
         flat += n

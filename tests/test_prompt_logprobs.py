@@ -166,3 +166,17 @@ def test_under_a_kv_policy_they_are_those_of_the_forward_it_ran(real_model, refe
         ref = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         assert torch.isfinite(got).all()
         assert float((got - ref).abs().max()) <= 1e-4, (policy, chunk)
+
+
+def test_a_request_that_would_skip_prompt_positions_fails_alone(tiny) -> None:
+    """The guard: a sequence asked to compute past positions it has not taken (which admission
+    never allows) fails with "error" alone; the request beside it runs on."""
+    engine = make_engine(tiny, max_num_batched_tokens=8)
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=2, prompt_logprobs=0), request_id="a")
+    engine.add_request(list(range(40, 50)), SamplingParams(max_tokens=2), request_id="b")
+    engine.step()
+    engine.requests["a"].prompt_logprobs_done = 0  # as if positions had been skipped
+    ends = {}
+    while engine.has_unfinished_requests():
+        ends.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    assert ends == {"a": "error", "b": "length"}
