@@ -57,7 +57,7 @@ class _Entry:
     warned: bool = False  # a second ``started`` was logged (each one is counted)
     logprobs: int | None = None  # what its request's sampling asked (each delta is checked for it)
     prompt_logprobs: int | None = None  # likewise (``check_prompt_count`` too)
-    prompt_left: int = 0  # prompt entries still due: its ``started`` event's prompt tokens - 1
+    prompt_left: int = -1  # prompt entries still due: its first ``started`` event's prompt tokens - 1
     tokens_seen: bool = False  # a delta with token ids came (no prompt entry may follow)
 
     def check_prompt_count(self, event: dict[str, Any]) -> None:
@@ -65,7 +65,8 @@ class _Entry:
         the first, after its ``started`` event and before its first token id. Raises ValueError
         naming ``event.prompt_logprobs``."""
         if event["type"] == "started":
-            self.prompt_left = max(0, event["prompt_tokens"] - 1)
+            if self.prompt_left < 0:  # (a second one, dropped by the buffer, counts nothing)
+                self.prompt_left = max(0, event["prompt_tokens"] - 1)
         elif event["type"] == "delta":
             n = len(event.get("prompt_logprobs") or ())
             if n and (self.tokens_seen or n > self.prompt_left):

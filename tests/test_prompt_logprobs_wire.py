@@ -84,8 +84,12 @@ def test_entries_on_another_event_or_not_asked_are_refused() -> None:
 
 def test_the_gateway_takes_no_more_entries_than_the_prompt_has_nor_after_a_token() -> None:
     entry = _Entry("n", StreamBuffer(), None, prompt_logprobs=2)
-    entry.check_prompt_count({"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 3})
+    with pytest.raises(ValueError, match="event.prompt_logprobs past"):  # none before its started event
+        entry.check_prompt_count(_delta(ENTRY))
+    started = {"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 3}
+    entry.check_prompt_count(started)
     entry.check_prompt_count(_delta(ENTRY))
+    entry.check_prompt_count(started)  # a second one (the buffer drops it) counts nothing
     with pytest.raises(ValueError, match="event.prompt_logprobs past"):
         entry.check_prompt_count(_delta(ENTRY, ENTRY))
     entry.check_prompt_count(_delta(ENTRY, tokens=[5]))
