@@ -10,9 +10,10 @@ order: ``services.block_reports``) into one tier-aware
 
 - Admission is a bounded queue across all nodes. With the ``kvstrata`` scheduler it also
   estimates each request's TTFT on its node (a fluid model of the node's prefill backlog by
-  class, the request's cached prompt tokens per tier from the index, the node's measured
-  prefill speed; ``cache_node.scheduling.admission``) and rejects early with
-  RESOURCE_EXHAUSTED and a retry hint when its class allows.
+  class and tenant, weighted as the node interleaves tenants; the request's cached prompt
+  tokens per tier from the index; the node's measured prefill speed;
+  ``cache_node.scheduling.admission``) and rejects early with RESOURCE_EXHAUSTED and a retry
+  hint when its class allows.
 - Routing: a session's turns stick to the node holding its KV; otherwise the node with the
   longest prefix held on its device or in its host tier wins when that prefix is at least
   ``affinity_min_blocks`` long and longer than the prefix most recent traffic shares

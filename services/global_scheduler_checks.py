@@ -23,6 +23,7 @@ from cache_node.scheduling.admission import (
     decide,
     estimate_ttft_s,
 )
+from cache_node.scheduling.base import DEFAULT_SHARE
 from services.block_index import PrefixTiers
 from services.data_plane_wire import MAX_RETRY_AFTER_S
 from tenants.model import TenantSpec
@@ -156,14 +157,18 @@ class AdmissionChecks:
         return CachedTokens(device=tokens[0], host=tokens[1], spill=tokens[2], miss=left)
 
     def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens) -> Admission | None:
-        """Queue the request's uncached tokens on the node's backlog, or reject it (kvstrata
-        only) when its estimated TTFT misses what its class allows. None = admitted."""
+        """Queue the request's uncached tokens on the node's backlog (under its tenant and
+        weight), or reject it (kvstrata only) when its estimated TTFT misses what its class
+        allows. None = admitted."""
         spec = self._spec_by_id(tenant_id)
         node = self.nodes[node_id]
         rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
+        weight = spec.weight if spec else DEFAULT_SHARE.weight
         node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
         if self.scheduler == "kvstrata" and spec is not None:
-            ahead = node.backlog.ahead(rank)
+            # the node's order: better classes, then its class interleaved across tenants by
+            # weight (VTC): its own tenant's backlog and the others' weighted share meanwhile
+            ahead = node.backlog.ahead(rank, tenant_id, cached.miss, weight)
             # an interactive prefill runs in a step of its own (isolates_urgent_prefill): it
             # waits for the step in progress, half of one on average, not for a whole one
             wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
@@ -173,7 +178,7 @@ class AdmissionChecks:
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
                                  retry_after_s=decision.retry_after_s, reason="ttft_estimate")
-        node.backlog.add(rank, cached.miss)
+        node.backlog.add(rank, tenant_id, cached.miss, weight)
         return None
 
     def _over_queue(self, tenant_id: str, queued: int) -> bool:

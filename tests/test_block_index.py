@@ -285,7 +285,7 @@ def test_spill_held_prefix_turns_a_rejection_into_an_admission(tmp_path) -> None
     gs.authenticate(key)
     gs.nodes["n0"].prefill.set(1000.0)
     gs.nodes["n0"].step_s.update(0.05)
-    gs.nodes["n0"].backlog.add(0, 100.0)
+    gs.nodes["n0"].backlog.add(0, tenant.tenant_id, 100.0, 4.0)  # its own earlier request
     gs.nodes["n0"].backlog.updated_s = clock()
     hashes = hashes_of(range(100, 175))  # 75 blocks = 1200 tokens
     assert gs.admit(tenant.tenant_id, "cold", block_hashes=hashes, prompt_tokens=1200).code == (

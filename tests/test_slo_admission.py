@@ -146,7 +146,7 @@ def test_a_slow_nodes_deep_backlog_gives_a_hint_the_gateway_takes(tmp_path) -> N
 
     gs, ids, _ = scheduler(tmp_path, "kvstrata")
     gs.nodes["n0"].prefill.set(2.0)
-    gs.nodes["n0"].backlog.add(0, 10_000_000.0)  # interactive tokens ahead: ~58 days at 2/s
+    gs.nodes["n0"].backlog.add(0, ids["live"], 10_000_000.0, 4.0)  # its own: ~58 days at 2/s
     adm = gs.admit(ids["live"], "r1", prompt_tokens=10)
     assert (adm.code, adm.retry_after_s) == ("RESOURCE_EXHAUSTED", MAX_RETRY_AFTER_S)
     _gateway_takes(adm)

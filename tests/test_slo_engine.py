@@ -95,12 +95,13 @@ def test_ttft_estimate_counts_queue_tiers_and_step() -> None:
 
 def test_fluid_backlog_drains_higher_classes_first() -> None:
     q = FluidBacklog(class_order=True)
-    q.add(2, 1000.0)
-    q.add(0, 300.0)
+    q.add(2, "b", 1000.0, 1.0)
+    q.add(0, "i", 300.0, 4.0)
     q.drain(now_s=1.0, tokens_per_s=200.0)  # updated_s starts at 0: 200 tokens drained
     assert q.by_rank == {2: 1000.0, 0: 100.0}
-    assert q.ahead(0) == 100.0 and q.ahead(2) == 1100.0
-    assert FluidBacklog(class_order=False, by_rank={0: 5.0, 2: 7.0}).ahead(0) == 12.0
+    assert q.ahead(0, "i", 10.0, 4.0) == 100.0 and q.ahead(2, "b", 10.0, 1.0) == 1100.0
+    fcfs = FluidBacklog(class_order=False, by_tenant={(0, "i"): 5.0, (2, "b"): 7.0})
+    assert fcfs.ahead(0, "i", 10.0, 4.0) == 12.0
 
 
 def test_admission_interactive_rejects_standard_at_twice_batch_queues() -> None:

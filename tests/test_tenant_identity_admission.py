@@ -49,7 +49,7 @@ def test_an_id_that_is_no_tenants_is_refused_and_touches_nothing(tmp_path: Path,
     assert (hijack.code, hijack.reason) == ("UNAUTHENTICATED", "unknown_tenant")
     assert "unknown_tenant" in REJECT_REASONS
     assert state() == before and "forged" not in gs.sessions_per_tenant
-    assert before[4] == {"n0": ({"ann/r1"}, {1: 0.0}), "n1": (set(), {})}
+    assert before[4] == {"n0": ({"ann/r1"}, {}), "n1": (set(), {})}  # no uncached tokens queued
 
 
 def test_a_tenant_deleted_before_a_restart_stays_refused_as_deleted(tmp_path: Path,

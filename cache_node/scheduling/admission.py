@@ -8,14 +8,17 @@ TTFT estimate (docs/architecture.md, 'Admission and SLO floors')::
 
 ``tokens_ahead`` comes from a fluid model of each node's prefill backlog (``FluidBacklog``),
 drained at the speed the node measures online (``SpeedMeter``), highest class first when the
-node schedules by class. A request whose estimate exceeds ``REJECT_FACTOR[class] * ttft_slo``
-is rejected early with a retry hint (the class allows rejection: interactive at its SLO,
-standard at twice it); batch always queues. A request that misses its limit on its own (no
+node schedules by class and within a class across tenants by weight, as the node's VTC order
+serves them: a request counts its own tenant's backlog and of each other tenant of its class
+only the weighted share served meanwhile (``FluidBacklog.ahead``). A request whose estimate
+exceeds ``REJECT_FACTOR[class] * ttft_slo`` is rejected early with a retry hint (the class
+allows rejection: interactive at its SLO, standard at twice it); batch always queues. A request that misses its limit on its own (no
 queue ahead would let it meet it) is admitted when nothing is ahead of it (``decide``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -191,36 +194,117 @@ def estimate_ttft_s(
     return prefill + promote + step_s
 
 
+BACKLOG_EPS_TOKENS = 1e-6
+"""A (class, tenant) entry of ``FluidBacklog`` with at most this many tokens left is dropped."""
+
+BACKLOG_WEIGHT_RANGE = (1e-6, 1e6)
+"""Tenant weights as ``FluidBacklog`` uses them: a spec's weight is any positive finite number,
+and sums and ratios of extreme ones (1e308, 1e-300) would overflow to inf and NaN."""
+
+
+def _backlog_weight(weight: float) -> float:
+    if not weight > 0:
+        raise ValueError(f"weight must be positive, got {weight}")
+    return min(max(weight, BACKLOG_WEIGHT_RANGE[0]), BACKLOG_WEIGHT_RANGE[1])
+
+
 @dataclass
 class FluidBacklog:
-    """A node's pending prefill tokens per class rank, drained at a speed, lowest rank first.
+    """A node's pending prefill tokens per (class rank, tenant), drained at a speed as the
+    ``kvstrata`` node serves them: lower ranks first, and within a rank across tenants in
+    proportion to their weights (the fluid form of the node's weighted VTC interleaving: each
+    tenant with tokens left gets ``w / sum(w)`` of the rank's share, a drained tenant's part
+    going to the others). Entries drained to nothing are dropped, with their tenant's weight,
+    so the state is at most one entry per (class, tenant) with tokens pending.
 
     Attributes:
-        by_rank: pending tokens per class rank (0 = interactive).
-        class_order: the node serves lower ranks first; False: one FCFS pool (every rank waits
-            behind everything).
+        class_order: the node serves lower ranks first; False: one FCFS pool (every request
+            waits behind everything).
+        by_tenant: pending tokens per ``(rank, tenant)`` (rank 0 = interactive).
+        weights: each tenant's weight as of its latest ``add`` (within
+            ``BACKLOG_WEIGHT_RANGE``).
     """
 
     class_order: bool = True
-    by_rank: dict[int, float] = field(default_factory=dict)
+    by_tenant: dict[tuple[int, str], float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
     updated_s: float = 0.0
 
+    @property
+    def by_rank(self) -> dict[int, float]:
+        """Pending tokens per class rank, all tenants together."""
+        out: dict[int, float] = {}
+        for (rank, _), tokens in self.by_tenant.items():
+            out[rank] = out.get(rank, 0.0) + tokens
+        return out
+
     def drain(self, now_s: float, tokens_per_s: float) -> None:
+        """Take away what the node served since the last call, at ``tokens_per_s``."""
         budget = max(0.0, now_s - self.updated_s) * tokens_per_s
         self.updated_s = now_s
         for rank in sorted(self.by_rank):
-            take = min(budget, self.by_rank[rank])
-            self.by_rank[rank] -= take
-            budget -= take
+            if budget <= 0:
+                break
+            budget -= self._drain_rank(rank, budget)
+        for key in [k for k, v in self.by_tenant.items() if v <= BACKLOG_EPS_TOKENS]:
+            del self.by_tenant[key]
+        held = {tenant for _, tenant in self.by_tenant}
+        for tenant in [t for t in self.weights if t not in held]:
+            del self.weights[tenant]
 
-    def ahead(self, rank: int) -> float:
-        """Tokens served before a new request of class ``rank``."""
+    def _drain_rank(self, rank: int, budget: float) -> float:
+        """Serve up to ``budget`` tokens of ``rank``'s tenants, weighted fair (water-filling:
+        each tenant gets ``min(its tokens, level * weight)`` for the level the budget reaches);
+        returns the tokens served."""
+        entries = sorted(((tokens / self.weights.get(tenant, 1.0), tenant, tokens)
+                          for (r, tenant), tokens in self.by_tenant.items() if r == rank))
+        weight_left = sum(self.weights.get(tenant, 1.0) for _, tenant, _ in entries)
+        level = served = 0.0
+        for ratio, tenant, _ in entries:  # raise the level to where this tenant runs dry
+            cost = (ratio - level) * weight_left
+            if served + cost >= budget:
+                level += (budget - served) / weight_left
+                break
+            served, level = served + cost, ratio
+            weight_left -= self.weights.get(tenant, 1.0)
+        else:
+            level = math.inf  # the budget drains the whole rank
+        taken = 0.0
+        for _, tenant, tokens in entries:
+            take = min(tokens, level * self.weights.get(tenant, 1.0))
+            self.by_tenant[(rank, tenant)] = tokens - take
+            taken += take
+        return taken
+
+    def ahead(self, rank: int, tenant: str, tokens: float, weight: float) -> float:
+        """Tokens served before a new request of ``tokens`` uncached tokens of ``tenant``
+        (weight ``weight``) of class ``rank``: every better class's, the tenant's own of its
+        class, and of each other tenant ``u`` of its class ``min(u's tokens, (own + tokens) *
+        w_u / weight)``, what weighted fair interleaving serves of ``u`` while the tenant's
+        own backlog and this request are served. A tenant's flood thus delays that tenant's
+        next request, and another tenant's of its class only by the flood's weighted share.
+
+        Regression (review 28b F1): every same-class tenant's tokens counted as ahead (FCFS
+        within a class, weights ignored): an interactive tenant's flood of 1,300-token prompts
+        got another interactive tenant's 60-token requests refused 84% of the time, though the
+        node's VTC order would have served them first."""
         if not self.class_order:
-            return sum(self.by_rank.values())
-        return sum(v for r, v in self.by_rank.items() if r <= rank)
+            return sum(self.by_tenant.values())
+        level = (self.by_tenant.get((rank, tenant), 0.0) + max(0.0, tokens)) / _backlog_weight(weight)
+        out = 0.0
+        for (r, u), pending in self.by_tenant.items():
+            if r < rank or (r == rank and u == tenant):
+                out += pending
+            elif r == rank:
+                out += min(pending, level * self.weights.get(u, 1.0))
+        return out
 
-    def add(self, rank: int, tokens: float) -> None:
-        self.by_rank[rank] = self.by_rank.get(rank, 0.0) + tokens
+    def add(self, rank: int, tenant: str, tokens: float, weight: float) -> None:
+        """Queue ``tokens`` of ``tenant`` (weight ``weight``, > 0) in class ``rank``."""
+        weight = _backlog_weight(weight)
+        if tokens > 0:
+            self.by_tenant[(rank, tenant)] = self.by_tenant.get((rank, tenant), 0.0) + tokens
+            self.weights[tenant] = weight
 
 
 @dataclass(frozen=True)
