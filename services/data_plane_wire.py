@@ -38,6 +38,10 @@ FINISH_REASONS = ("stop", "length", "abort")
 API's ``finish_reason``, so no other value passes the wire."""
 MAX_ID_CHARS = 1024
 """Longest request id or tenant id on the wire (the gateway's scoped ids are far shorter)."""
+MAX_NAMESPACE_CHARS = 2 * MAX_ID_CHARS
+"""Longest ``cache_namespace`` on the wire: a tenant's namespace, with ``#salt=`` and its cache
+salt (``gateway_inputs.salted_namespace``: far shorter). It reaches the spill tier's file headers
+(``spill_format.MAX_LABEL_BYTES``, 16 KiB: 2,048 characters are at most 8 KiB of UTF-8)."""
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest message a serving socket accepts (ZeroMQ drops the connection of a peer sending more).
@@ -227,7 +231,8 @@ def request_from_wire(data: Any) -> NodeRequest:
     Raises:
         ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
             [-1000, 1000], ``prefix_tokens`` outside [0, len(token_ids)], sampling parameters, ``SamplingParams``),
-            a ``session_id`` over ``MAX_ID_CHARS`` or a ``policy`` off the policy pattern (63
+            a ``session_id`` over ``MAX_ID_CHARS``, a ``cache_namespace`` over
+            ``MAX_NAMESPACE_CHARS``, or a ``policy`` off the policy pattern (63
             characters at most: the node parses it on its step thread; security review 19 H2),
             ``opens_session`` without a ``session_id`` or with ``continues_session``;
             TypeError: unknown, missing or mistyped fields.
@@ -237,6 +242,8 @@ def request_from_wire(data: Any) -> NodeRequest:
     for name in ("request_id", "tenant"):
         if not 0 < len(fields[name]) <= MAX_ID_CHARS:
             raise ValueError(f"request.{name} must have 1 to {MAX_ID_CHARS} characters")
+    if len(fields["cache_namespace"]) > MAX_NAMESPACE_CHARS:  # (review 28a F3)
+        raise ValueError(f"request.cache_namespace must have at most {MAX_NAMESPACE_CHARS} characters")
     if len(fields.get("session_id", "")) > MAX_ID_CHARS:
         raise ValueError(f"request.session_id must have at most {MAX_ID_CHARS} characters")
     policy = fields.get("policy", "")

@@ -86,6 +86,12 @@ def test_request_wire_format_round_trips() -> None:
     assert data_plane.request_from_wire(data_plane.unpack(data_plane.pack(data_plane.request_to_wire(req)))) == req
     with pytest.raises(ValueError, match="max_tokens"):
         data_plane.request_from_wire({**data_plane.request_to_wire(req), "sampling": {"max_tokens": 0}})
+    # review 28a F3: a namespace was bounded only by msgpack's 4 MiB string limit; it reaches the
+    # spill tier's file headers (16 KiB at most), where a long one failed another tenant's put
+    long = {**data_plane.request_to_wire(req), "cache_namespace": "n" * 2049}
+    with pytest.raises(ValueError, match="cache_namespace must have at most 2048 characters"):
+        data_plane.request_from_wire(long)
+    assert data_plane.request_from_wire({**long, "cache_namespace": "n" * 2048}).cache_namespace == "n" * 2048
 
 
 def test_the_data_plane_carries_the_same_tokens_as_generate(node) -> None:

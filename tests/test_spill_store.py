@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -311,3 +312,25 @@ def test_drop_namespace_deletes_its_ram_blocks_and_group_files(tmp_path: Path) -
     assert stats["disk_bytes"] == sum(f.stat().st_size for f in files_in(tmp_path))
     restarted = SpillStore(tmp_path, FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(6))) == [None] * 4 + ["spill_disk"] * 2
+
+
+@pytest.mark.parametrize(("namespace", "token_ids", "says"), [
+    ("n" * (spill_format.MAX_LABEL_BYTES + 1), None, "a namespace of 16385 bytes"),
+    ("ns", [list(range(4))] * 3 + [list(range(2_000))], "holds 2000 ids: at most 1024"),
+    ("ns", [[0, 1, 2, 3.5]] * 4, "integers in [0, 2**31)"),
+    ("ns", [[0, 1, 2, -1]] * 4, "integers in [0, 2**31)"),
+    ("ns", [[0, 1, 2, 1 << 31]] * 4, "integers in [0, 2**31)"),
+])
+def test_a_put_with_a_bad_namespace_or_token_ids_stores_nothing(tmp_path: Path, namespace: str, token_ids,
+                                                                 says: str) -> None:
+    """Review 28a F3: a put's namespace and token ids were unchecked: a 20 KB namespace was kept
+    in RAM and failed the later demotion inside another tenant's put (that put raised and stored
+    nothing), and 4 blocks of 2,000,000 token ids each took 167 MiB outside the RAM budget. Now
+    the put itself is refused, stores nothing, and other puts go on."""
+    store = SpillStore(tmp_path, FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        store.put(hashes_of(range(4)), make_blocks(range(4)), namespace, token_ids)
+    assert store.stats()["blocks_spill_ram"] == 0 and not files_in(tmp_path)
+    assert store.put(hashes_of(range(10, 18)), make_blocks(range(10, 18)), "other",
+                     [list(range(4))] * 8) == 8  # another tenant's put, past the RAM budget: demotes
+    assert store.get(hashes_of(range(10, 18)), [list(range(4))] * 8) is not None

@@ -47,6 +47,23 @@ MAX_DROPPED_HOLDERS = 65536
 """Holders dropped for good that a store remembers (``tenants.store.MAX_DELETED_TENANTS``: as many
 as the deletions the sweep can learn of), so that a late put of theirs stores nothing."""
 
+MAX_BLOCK_TOKEN_IDS = fmt.MAX_FILE_TOKENS // fmt.MAX_BLOCKS_PER_FILE
+"""Most token ids one block's ``token_ids`` may hold (1,024): any group file of such blocks fits
+``MAX_FILE_TOKENS``. A cache node's block holds ``block_size`` (16 by default)."""
+
+
+def _check_namespace(namespace: object) -> None:
+    """A put's namespace is text a group file's header can record. Raises ValueError."""
+    if not isinstance(namespace, str):
+        raise ValueError(f"namespace must be a string, got {type(namespace).__name__}")  # noqa: TRY004
+    try:
+        size = len(namespace.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("namespace is not valid Unicode") from None
+    if size > fmt.MAX_LABEL_BYTES:
+        raise ValueError(f"a namespace of {size} bytes: at most {fmt.MAX_LABEL_BYTES}")
+
+
 class SpillEvent(NamedTuple):
     """``event`` "stored"|"removed" in ``tier``; a demotion is removed/ram then stored/disk."""
 
@@ -140,12 +157,15 @@ class SpillStore:
         blocks counted in ``put_refused_dropped``). ``weight``: the namespace's tenant's weight
         (the sender's latest known), from now on its holder's in both tiers' fair shares.
         Raises ValueError for a hash that is not 32 bytes, a wrong shape/dtype, a
-        ``token_ids`` of another length than ``hashes`` or a ``weight`` that is not a positive
-        finite number (a tenant spec's bounds: ``fair_lru.check_weight``); nothing is stored
-        then, and the holder's weight is unchanged.
+        ``token_ids`` of another length than ``hashes`` or with a bad block (``_token_bytes``),
+        a ``namespace`` that is not text of at most ``MAX_LABEL_BYTES`` UTF-8 bytes (what a file
+        header records) or a ``weight`` that is not a positive finite number (a tenant spec's
+        bounds: ``fair_lru.check_weight``); nothing is stored then, and the holder's weight is
+        unchanged.
         """
         self._check_hashes(hashes)
         weight = check_weight(weight)
+        _check_namespace(namespace)
         want = ((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
         if (blocks.shape, blocks.dtype) != want:
             raise ValueError(f"blocks must be {want}, got {(blocks.shape, blocks.dtype)}")
@@ -368,11 +388,26 @@ class SpillStore:
     def _token_bytes(
         hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None
     ) -> list[bytes]:
+        """Each block's token ids as stored (``fmt.token_bytes``). Raises ValueError for
+        another number of blocks than ``hashes``, a block of more than
+        ``MAX_BLOCK_TOKEN_IDS`` ids, or ids that are not integers in [0, 2**31): they come
+        from a peer. Regression (review 28a F3): unchecked, 4 blocks of 2,000,000 ids each
+        took 167 MiB outside the RAM budget, and the demotion that wrote them failed inside
+        another tenant's put."""
         if token_ids is None:
             return [b""] * len(hashes)
         if len(token_ids) != len(hashes):
             raise ValueError(f"token_ids has {len(token_ids)} blocks for {len(hashes)} hashes")
-        return [fmt.token_bytes(ids) for ids in token_ids]
+        for ids in token_ids:
+            if len(ids) > MAX_BLOCK_TOKEN_IDS:
+                raise ValueError(f"a block's token_ids holds {len(ids)} ids: at most {MAX_BLOCK_TOKEN_IDS}")
+        out = []
+        for ids in token_ids:
+            arr = np.asarray(ids)
+            if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= 1 << 31)):
+                raise ValueError("token_ids must be lists of integers in [0, 2**31)")
+            out.append(fmt.token_bytes(arr))
+        return out
 
     def _touch(self, block_hash: bytes) -> bool:
         if block_hash in self._ram:
