@@ -15,7 +15,9 @@
 - each step, first: the compilations that ended are polled (``_poll_grammars``); one that
   failed (the compiler's message, or past ``grammar_compile_timeout_s``) finishes its request
   "rejected" with that message (``RequestOutput.error``: the node answers INVALID_ARGUMENT),
-  with nothing held. An abort while it compiles finishes it like any waiting request
+  with nothing held; so does one whose matcher cannot be built ("could not be used", the
+  node's fault, logged), and one whose poll raises anything else ends "error" (INTERNAL) alone:
+  no request's grammar can end the step loop. An abort while it compiles finishes it like any waiting request
   (``_finish`` releases its ``GrammarState``): a compilation still queued that no other
   request waits on is dropped, freeing its tenant's slot at once; a running one ends on its
   process and is cached. So is one whose request ``add_request`` refuses after queuing it
@@ -142,11 +144,18 @@ class EngineGrammarsMixin:
         for seq in self._compiling:
             if seq.is_finished:
                 continue
-            if not seq.grammar.poll():
-                pending.append(seq)
-            elif seq.grammar.error is not None:
-                self._finish(seq, "rejected")
-                outputs.append(dataclasses.replace(self._output(seq, ()), error=seq.grammar.error))
+            try:
+                if not seq.grammar.poll():
+                    pending.append(seq)
+                elif seq.grammar.error is not None:
+                    self._finish(seq, "rejected")
+                    outputs.append(dataclasses.replace(self._output(seq, ()), error=seq.grammar.error))
+            except Exception:  # one request's failure ends it alone, never the step loop
+                log.exception("request %s: its grammar could not be polled", seq.request_id)
+                self.num_failed_requests += 1
+                if not seq.is_finished:
+                    self._finish(seq, "error")
+                    outputs.append(self._output(seq, ()))
         self._compiling = pending
 
     def _constrain(self: LLMEngine, logits: torch.Tensor, rows: list[Sequence],

@@ -33,6 +33,7 @@ log probability -inf. Everything else (``allowed_token_ids``, ``logit_bias``, pe
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection
 from typing import Any
@@ -42,6 +43,8 @@ import torch
 
 from cache_node.grammars import Grammars
 from cache_node.structured_output import StructuredOutputSpec
+
+log = logging.getLogger(__name__)
 
 
 class GrammarState:
@@ -88,7 +91,12 @@ class GrammarState:
         if exc is not None:
             self.error = str(exc) if isinstance(exc, ValueError) else f"structured_output: {type(exc).__name__}: {exc}"
         else:
-            self.matcher = self.grammars.matcher(self.future.result())
+            try:  # (``Grammars`` built one of this grammar already: a failure here is the node's)
+                self.matcher = self.grammars.matcher(self.future.result())
+            except Exception as exc:  # noqa: BLE001 - this request alone is refused, never the step
+                log.error("structured_output: a compiled grammar could not make a matcher: %s: %s",
+                          type(exc).__name__, exc)
+                self.error = "structured_output: the compiled grammar could not be used (see the cache node's log)"
         return True
 
 

@@ -12,7 +12,9 @@ takes 3-5 s, and a 64 KiB spec holds dozens of those; one compile and the compil
 ``cache_node.grammar_compile``'s): ``CompileLimits.workers`` compiler
 processes (``cache_node.grammar_process``, started on first use and kept), each compile at most
 ``timeout_s`` (past it its process is killed, the request refused naming the limit, and a fresh
-process started), each process's compiles capped at ``worker_memory_bytes``; waiting compiles
+process started), each process's compiles capped at ``worker_memory_bytes``; a grammar a
+process sends is loaded and made into a probe matcher on the compile thread (``_probe``: a
+failure refuses it, the process replaced, nothing cached); waiting compiles
 are queued per tenant and served round-robin, one running per tenant
 (``cache_node.grammar_queue``), at most ``queue_per_tenant`` pending per tenant (past it
 ``GrammarQueueFull``); a queued compile that no request waits on any more (each ``release``d:
@@ -237,6 +239,7 @@ class Grammars:
             return outcome.killed
         try:
             compiled = self.xgr.CompiledGrammar.deserialize_json(outcome.text, self._info)
+            self._probe(compiled)
         except Exception as exc:  # noqa: BLE001 - the process's bytes are untrusted like any other
             log.error("grammar compiler %d sent a grammar that does not load: %s", slot, exc)
             self._finish(job, error="structured_output: the compiled grammar could not be loaded")
@@ -293,6 +296,18 @@ class Grammars:
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
+
+    def _probe(self, compiled: Any) -> None:
+        """Build a matcher of ``compiled`` and fill one row of a scratch bitmask with it, on the
+        compile thread: a grammar a compiler process sent that loads (``deserialize_json``)
+        but cannot make a matcher or a mask raises here, before it is cached or reaches a
+        request's ``GrammarState.poll`` on the step thread.
+
+        Regression (review 28a F1): a loadable grammar whose ``GrammarMatcher`` raised (the
+        child's reply with its ``optimized`` flag cleared) ended the node's step loop, every
+        tenant's streams with it."""
+        scratch = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher(compiled).fill_next_token_bitmask(scratch, 0)
 
     def close(self) -> None:
         """Stop compiling: queued compiles fail, running ones' processes are killed, and every
