@@ -348,9 +348,9 @@ def test_temperature_past_the_http_bound_is_refused_as_on_http(temperature: floa
     """Regression (review 24h M1): gRPC took a temperature up to 100 while the HTTP API
     refused over 2 (OpenAI's range); both refuse past ``MAX_REQUEST_TEMPERATURE`` now."""
     from cache_node.sampling_params import MAX_REQUEST_TEMPERATURE
-    from services.openai_api.schemas import _Sampling
+    from services.openai_api.sampling_fields import SamplingFields
 
-    assert MAX_REQUEST_TEMPERATURE == 2.0 == _Sampling.model_fields["temperature"].metadata[1].le
+    assert MAX_REQUEST_TEMPERATURE == 2.0 == SamplingFields.model_fields["temperature"].metadata[1].le
     with pytest.raises(ValueError, match=r"^sampling.temperature must be a number in \[0, 2\], got "):
         convert.sampling_params_from_pb(inference_pb2.SamplingParams(max_tokens=8, temperature=temperature))
     edge = convert.sampling_params_from_pb(inference_pb2.SamplingParams(max_tokens=8, temperature=2.0))

@@ -1,0 +1,93 @@
+"""A chat body's messages (``ChatMessage``, its ``TextPart`` content parts), as the chat
+template takes them (``services.openai_api.schemas``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from services.convert import MAX_MESSAGE_ID_CHARS, chat_message
+from services.openai_api.strict import Strict, bounded_list
+from services.openai_api.tools import MAX_TOOL_CALLS, ToolCall
+
+MAX_CONTENT_PARTS = 1024
+"""Most ``{"type": "text"}`` parts in one message's content."""
+
+
+class TextPart(Strict):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    """One message; ``developer`` is OpenAI's newer name for ``system``. ``name`` (any role)
+    and a tool message's ``tool_call_id`` (the call it answers) reach the chat template as
+    given; so do an assistant's ``tool_calls`` (``services.openai_api.tools``: its ``content``
+    may then be null, taken as ""). The deprecated ``function_call`` is refused naming it."""
+
+    _unserved = frozenset({"refusal", "audio"})
+
+    # declared first, so that its refusal is the one reported, whatever else is wrong with the
+    # message (such a message usually has ``content`` null)
+    function_call: Any = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: bounded_list(ToolCall, MAX_TOOL_CALLS) | None = None  # type: ignore[valid-type]  # after role
+    content: str | bounded_list(TextPart, MAX_CONTENT_PARTS)  # type: ignore[valid-type]
+    name: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
+    tool_call_id: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_content(cls, data: Any) -> Any:
+        """An assistant message with tool calls may have ``content`` null or left out ("")."""
+        if isinstance(data, dict) and data.get("content") is None and data.get("tool_calls"):
+            return {**data, "content": ""}
+        return data
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: Any) -> Any:
+        if value is not None:  # (null is dropped before: not given)
+            raise ValueError("the deprecated function_call is not served; send the call in tool_calls")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        role = info.data.get("role")
+        if value is not None and role not in (None, "assistant"):
+            raise ValueError(f"applies to assistant messages, not to role {role!r}")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _on_tool_messages_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")  # (declared before: absent when it was bad)
+        if value is not None and role not in (None, "tool"):  # as the gRPC API's check_message_ids
+            raise ValueError(f"applies to tool messages (role \"tool\"), not to role {role!r}")
+        return value
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (``convert.chat_message``: ``name`` and
+        ``tool_call_id`` when given, as vLLM passes them): a list of text parts is their texts
+        joined with "\n", as vLLM joins them (``vllm.entrypoints.chat_utils``,
+        ``_parse_chat_message_content_parts``: ``"\n".join(texts)``).
+
+        Regression (oairev20 O1): parts were joined with nothing, so words at part boundaries
+        merged ("Hello" + "World" reached the model as "HelloWorld"): another prompt, other
+        tokens and other prefix-cache keys than on vLLM.
+
+        Regression (review 25b N3): ``tool_call_id`` was an unsupported field (400) and
+        ``name`` was dropped."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        message: dict[str, Any] = chat_message(self.role, content, self.name or "", self.tool_call_id or "")
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template() for call in self.tool_calls]
+        return message
+
+    def call_chars(self) -> int:
+        """Characters of the message's tool calls (ids, names, arguments)."""
+        return sum(call.chars() for call in self.tool_calls or ())
