@@ -75,6 +75,8 @@ class Requests:
                                       "this turn started; its history is gone: send the turn again to start it anew")
                 self._check_session_text_budget(req)
                 prompt = self._prompt_of(stream)
+                if prompt is None:
+                    continue  # rendered again, then back here
                 sampling = self._sampling(req, len(prompt))
                 if (req.max_context_tokens and len(prompt) + sampling.max_tokens > req.max_context_tokens
                         and not self._pool_binds(req)):  # else the engine's pool check names the pool
@@ -193,16 +195,30 @@ class Requests:
             float(extra.get("weight", 1)), quota_blocks,
         ))
 
-    def _prompt_of(self, stream: _Stream) -> list[int]:
+    def _prompt_of(self, stream: _Stream) -> list[int] | None:
         """Step thread: ``stream``'s prompt token ids, as the renderer made them when its
-        session is as it was then (its history and messages), else made now. Sets
-        ``stream.history`` (the session's history before this turn)."""
+        session is as it was then (its history and messages); None when its session changed
+        since (a turn of it ended): it is queued to be rendered again, off this thread. Sets
+        ``stream.history`` (the session's history before this turn).
+
+        Regression (review 28a F4): a stale render was redone here, on the step thread: a
+        tenant sending a short turn and a 640K-character turn of one session together (the
+        short one ending while the long one rendered) had the long one rendered on the step
+        thread, which stopped every tenant's streams for 0.25-1.9 s.
+
+        Raises:
+            ValueError: what rendering raised (``_prompt``).
+        """
         req = stream.request
         history = self.engine.session_history(req.session_id) if req.session_id else None
         stream.history = history
         rendered, stream.rendered = stream.rendered, None
         if rendered is not None and rendered[:2] == (history, len(self._session_messages.get(req.session_id, ()))):
+            if isinstance(rendered[2], Exception):
+                raise rendered[2]
             return rendered[2]
+        if req.messages and self.templater is not None and self._queue_render(stream):
+            return None
         return self._prompt(req, history)
 
     def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:

@@ -118,9 +118,10 @@ class _Stream:
     stops: StopMatcher | None = None
     generated: int = 0  # tokens generated so far (stop strings wait for ``min_tokens`` of them)
     first_token_s: float | None = None  # this node's clock, when its first token went out
-    # (its session's history, the session's message count, its prompt's token ids) as the
-    # renderer made them (``Streams._render``); None: not rendered ahead
-    rendered: tuple[list[int] | None, int, list[int]] | None = None
+    # (its session's history, the session's message count, its prompt's token ids or the
+    # error rendering it raised) as the renderer made them (``Streams._render``); None: not
+    # rendered ahead
+    rendered: tuple[list[int] | None, int, list[int] | Exception] | None = None
     history: list[int] | None = None  # its session's history when it started (None: none)
 
     def __post_init__(self) -> None:
@@ -137,19 +138,25 @@ class Streams:
         engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
         PERMISSION_DENIED) arrives as an error event on the stream."""
         self._streams[stream.request.request_id] = stream
-        if stream.request.messages and self.templater is not None:
-            self._rendering.add(stream)
-            with self._render_lock:
-                self._render_queue.setdefault(stream.request.tenant, deque()).append(stream)
-            try:
-                self._renderer.submit(self._render_next)  # one task per queued stream
-                return
-            except RuntimeError:  # shut down
-                with self._render_lock:
-                    self._render_queue[stream.request.tenant].remove(stream)
-                self._rendering.discard(stream)
+        if stream.request.messages and self.templater is not None and self._queue_render(stream):
+            return
         self._incoming.append(stream)
         self._wake.set()
+
+    def _queue_render(self, stream: _Stream) -> bool:
+        """Queue a chat request for the renderer thread (``_render_next``), which hands it to
+        the step thread when done; False when the renderer is shut down."""
+        self._rendering.add(stream)
+        with self._render_lock:
+            self._render_queue.setdefault(stream.request.tenant, deque()).append(stream)
+        try:
+            self._renderer.submit(self._render_next)  # one task per queued stream
+        except RuntimeError:  # shut down
+            with self._render_lock:
+                self._render_queue[stream.request.tenant].remove(stream)
+            self._rendering.discard(stream)
+            return False
+        return True
 
     def _render_next(self) -> None:
         """Renderer thread: render the next chat request, round-robin over the tenants with
@@ -182,8 +189,11 @@ class Streams:
                 session = req.session_id if not req.opens_session else ""
                 count = len(self._session_messages.get(session, ())) if session else 0  # before the history: a
                 history = self.engine.session_history(session) if session else None
-                stream.rendered = (history, count, self._prompt(req, history))  # turn ending now misses
-        except Exception:  # noqa: BLE001 - the step thread renders it again and reports the error
+                try:
+                    stream.rendered = (history, count, self._prompt(req, history))  # turn ending now misses
+                except Exception as exc:  # noqa: BLE001 - the step thread reports it (``_prompt_of``)
+                    stream.rendered = (history, count, exc)
+        except Exception:  # noqa: BLE001 - the step thread renders it again
             stream.rendered = None
         finally:  # regression: a close between leaving ``_rendering`` and reaching ``_incoming``
             # missed the turn, which then opened the closed session; now it is in one or both

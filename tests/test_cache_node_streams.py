@@ -470,11 +470,17 @@ def test_chat_turns_render_off_the_step_thread_as_the_step_thread_would(node, mo
     assert got[-1]["type"] == "finished" and got[-1]["prompt_tokens"] == len(expected)
     assert threads and all(t.startswith("kvstrata-render") for t in threads), threads
 
-    # rendered ahead for a session that changed since: made again from the session as it is
+    # rendered ahead for a session that changed since: queued to be rendered again, off the
+    # step thread (review 28a F4: the step thread rendered it again itself)
     now = node.engine.session_history("chat/s")
     stale = _Stream(None, None, turn("c3", "A third?"), 0)
     stale.rendered = (history, 2, [1, 2, 3])
-    assert node._prompt_of(stale) == node._prompt(stale.request, now) != [1, 2, 3]
+    threads.clear()
+    assert node._prompt_of(stale) is None and stale.rendered is None
+    deadline = time.monotonic() + 10
+    while stale in node._rendering and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stale not in node._rendering and not threads  # (not a stream the node holds: not rendered)
     fresh = _Stream(None, None, turn("c4", "A fourth?"), 0)
     fresh.rendered = (now, len(node._session_messages["chat/s"]), [4, 5, 6])
     assert node._prompt_of(fresh) == [4, 5, 6]

@@ -107,7 +107,7 @@ def test_a_character_split_over_tokens_is_streamed_whole(node) -> None:
     deltas = []
     for token in ids:
         out = SimpleNamespace(request_id="u", new_token_ids=[token], finished=False, finish_reason=None,
-                              logprobs=None)
+                              logprobs=None, prompt_logprobs=())
         deltas += [e["text"] for e in node._events(out, stream) if e["type"] == "delta"]
     assert "".join(deltas) == text and not any(INCOMPLETE in d for d in deltas)
 
@@ -136,7 +136,7 @@ def test_a_step_decodes_a_few_tokens_however_long_the_output(node) -> None:
     try:
         for token in ids:
             out = SimpleNamespace(request_id="long", new_token_ids=[token], finished=False, finish_reason=None,
-                                  logprobs=None)
+                                  logprobs=None, prompt_logprobs=())
             deltas += [e["text"] for e in node._events(out, stream) if e["type"] == "delta"]
     finally:
         node.tokenizer = real

@@ -1,0 +1,73 @@
+"""A chat turn whose off-thread render went stale (a turn of its session ended meanwhile) is
+rendered again on the renderer thread, never on the node's step thread.
+
+Regression (review 28a F4): the step thread rendered and tokenized such a turn itself: a tenant
+sending a short turn and a 567,000-character turn of one session together had the long one
+rendered on the step thread, which stopped every tenant's streams for 0.25-1.9 s. Real model
+(SmolLM2) and chat template; no Ray. The first render of the long turn is held until the short
+turn has finished, so it is stale for sure."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cache_node.sampling_params import SamplingParams
+from services.cache_node import CacheNode
+from services.config import NodeConfig
+from services.node_request import NodeRequest
+
+SESSION = "t/s"
+
+
+@pytest.fixture(scope="module")
+def node():
+    n = CacheNode("stale", NodeConfig(kv_pool_bytes=64 << 20, host_bytes=0), num_threads=1)
+    yield n
+    n.shutdown()
+
+
+def turn(rid: str, text: str, max_tokens: int) -> NodeRequest:
+    return NodeRequest(request_id=rid, tenant="t", cache_namespace="tenant:t", session_id=SESSION,
+                       messages=({"role": "user", "content": text},),
+                       sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_a_stale_render_is_redone_off_the_step_thread(node, monkeypatch) -> None:
+    calls: list[tuple[str, str]] = []  # (thread name, request id) of every render
+    short_done = threading.Event()
+    real = CacheNode._prompt
+
+    def prompt(self, req, history):  # type: ignore[no-untyped-def]
+        thread = threading.current_thread().name
+        calls.append((thread, req.request_id))
+        if req.request_id == "long" and thread.startswith("kvstrata-render") and not short_done.is_set():
+            short_done.wait(60)  # the short turn ends meanwhile: this render is stale
+        return real(self, req, history)
+
+    monkeypatch.setattr(CacheNode, "_prompt", prompt)
+
+    async def collect(req: NodeRequest) -> list[dict]:
+        events = [e async for e in node.generate(req)]
+        if req.request_id == "short":
+            short_done.set()
+        return events
+
+    async def scenario() -> tuple[list[dict], list[dict], list[dict]]:
+        opened = await collect(turn("open", "Hi.", 2))
+        short, long = await asyncio.gather(collect(turn("short", "Ok?", 2)),
+                                           collect(turn("long", "Tell me about lighthouses. " * 100, 2)))
+        return opened, short, long
+
+    opened, short, long = asyncio.run(scenario())
+    assert opened[-1]["type"] == short[-1]["type"] == long[-1]["type"] == "finished", (short[-1], long[-1])
+    renders = [thread for thread, rid in calls if rid == "long"]
+    assert len(renders) == 2, calls  # the stale one, then again
+    assert not any(thread.endswith("-steps") for thread in renders), calls
+    # the long turn continues the history the short turn left
+    assert long[0]["prompt_tokens"] > short[0]["prompt_tokens"] + 2
+    history = node.engine.session_history(SESSION)
+    assert history is not None and len(history) == long[0]["prompt_tokens"] + 2
+    asyncio.run(node.close_session(SESSION, "t"))
