@@ -165,9 +165,13 @@ class RequestPreparation:
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
+        # a request asking for prompt logprobs reads no prefix cache on its node (every prompt
+        # position's logits are computed): no hashes, so admission counts its whole prompt as
+        # work and routing gives it no prefix affinity (review 28c F6: its cached prefix was
+        # counted as free, undercounting the node's backlog for every tenant behind it)
         hashes = hash_prompt_blocks(
             tokens, self.info["block_size"], (namespace, self.info["model_id"], self.info["kv_format"])
-        ) if tokens else []
+        ) if tokens and sampling.prompt_logprobs is None else []
         extra = {"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
                  "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
                  "kv_quota_bytes": str(spec.kv_quota_bytes)} | fill

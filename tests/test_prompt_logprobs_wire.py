@@ -9,8 +9,11 @@ cache warm, and bad values INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import math
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -25,9 +28,14 @@ from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2
 from services import cache_node_streams, data_plane, data_plane_wire
 from services.convert import generate_event_to_pb, sampling_params_from_pb, sampling_params_to_pb
+from services.gateway_inputs import GenerateInput
+from services.gateway_prepare import RequestPreparation
 from services.gateway_stream_bounds import StreamBuffer, event_bytes
 from services.gateway_streams import _Entry
+from services.global_scheduler_routing import prompt_size
 from services.node_request import NodeRequest, entry_prompt_logprobs, prompt_logprobs_entry
+from tenants.model import TenantSpec
+from tests.gateway_harness import NODE_INFO
 from tests.test_logprobs_served import PROMPT, Served
 
 ENTRY = [42, -0.5, 2, 7, -0.25, 42, -0.5]  # token 42 (rank 2) and the top 2
@@ -165,3 +173,35 @@ def test_grpc_bad_prompt_logprobs_are_invalid_argument_naming_the_field(served: 
         list(served.stub.Generate(request, metadata=(("authorization", f"Bearer {served.key}"),), timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(start)
+
+
+class _Preparation(RequestPreparation):
+    """The gateway's request preparation alone (``InferenceServicer``'s attributes it reads)."""
+
+    def __init__(self) -> None:
+        self.info = {**NODE_INFO, "vocab_size": 1000}
+        self.templater = None
+        self._tokenizing = {}
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1)
+
+
+def test_the_gateway_sends_no_block_hashes_for_prompt_logprobs() -> None:
+    """A prompt-logprobs request reads no prefix cache on its node: admission and routing get no
+    block hashes for it (a full miss), so its cached prefix is not counted as free work
+    (review 28c F6)."""
+    tenant = SimpleNamespace(spec=TenantSpec("t"), tenant_id="t", kv_namespace="t")
+    preparation = _Preparation()
+
+    def prepare(prompt_logprobs: int | None) -> tuple[NodeRequest, list[bytes]]:
+        call = GenerateInput(prompt=list(range(1, 65)),
+                             sampling=SamplingParams(max_tokens=2, prompt_logprobs=prompt_logprobs))
+        return asyncio.run(preparation._prepare(call, tenant, None))
+
+    try:
+        req, hashes = prepare(None)
+        assert len(hashes) == 64 // NODE_INFO["block_size"] and len(req.token_ids) == 64
+        for k in (0, 5):
+            req, hashes = prepare(k)
+            assert hashes == [] and len(req.token_ids) == 64 and prompt_size(req) == 64
+    finally:
+        preparation._tokenizer_pool.shutdown()
