@@ -102,6 +102,26 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(served: Served, forward: An
     assert "prompt_logprobs" not in choice  # (echo's logprobs are the choice's own)
 
 
+def test_echo_offsets_index_the_echoed_text_with_special_tokens(served: Served) -> None:
+    """Every token's ``text_offset`` points at its text in the echoed prompt and the completion
+    after it, also for a prompt holding special tokens, which the echo keeps (review 28c F2:
+    every offset after ``<|im_start|>`` fell 12 characters short)."""
+    chat = "<|im_start|>user\nThe capital of France is<|im_end|>\n"
+    ids = served.tokenizer(chat, add_special_tokens=False).input_ids
+    assert any(served.tokenizer.decode([t], skip_special_tokens=True) == "" for t in ids)  # special ones
+    for prompt in (chat, ids, TEXT):
+        status, body = served.post("/completions", {"prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 1,
+                                                    "temperature": 0})
+        assert status == 200, body
+        text, logprobs = body["choices"][0]["text"], body["choices"][0]["logprobs"]
+        assert len(logprobs["tokens"]) > 4
+        echoed = len(ids) if prompt is not TEXT else len(served.tokenizer(TEXT).input_ids)
+        for i, (token, offset) in enumerate(zip(logprobs["tokens"], logprobs["text_offset"])):
+            if i >= echoed and token in served.tokenizer.all_special_tokens:
+                continue  # a generated special token: the completion's text skips it
+            assert text[offset:].startswith(token), (prompt, token, offset, text)
+
+
 def test_echo_with_max_tokens_zero_is_the_prompt_alone(served: Served) -> None:
     status, body = served.post("/completions", {"prompt": TEXT, "max_tokens": 0, "echo": True, "logprobs": 0})
     assert status == 200, body

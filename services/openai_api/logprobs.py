@@ -28,7 +28,8 @@ byte NN, ``▁`` is a space); an added token's bytes are its text's. Any other t
 one, WordPiece, ...) gets its decoded text's UTF-8 (U+FFFD's for a partial character), as
 before. ``text_offset`` is the character offset, in the returned text, of the character that a
 token's first byte belongs to: the characters completed by the bytes of the tokens before it
-(tokens the text skips, special ones such as an end-of-sequence, add none).
+(tokens the text skips, special ones such as an end-of-sequence, add none; an echoed prompt's
+text keeps its special tokens, so each of them adds its text's characters).
 
 A stream's chunk carries the entries of the tokens that arrived since the previous chunk (a
 token whose text is held back, by a stop string's possible start or an incomplete character,
@@ -183,11 +184,16 @@ class Logprobs:
         self._chars = 0  # characters completed by the bytes of the tokens so far
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def add(self, token_ids: list[int], entries: list[list[float | int]]) -> None:
+    def add(self, token_ids: list[int], entries: list[list[float | int]], echo: bool = False) -> None:
         """A delta's tokens and their entries (one each: ``logprobs_entry``'s
-        ``[logprob, id, logprob, ...]``)."""
+        ``[logprob, id, logprob, ...]``). ``echo``: an echoed prompt's tokens, whose text keeps
+        every token (special ones included): each adds its bytes' characters to the offsets.
+        Regression (review 28c F2): an echoed prompt's special tokens (``<|im_start|>``) added
+        none, so every later offset fell short of the echoed text by their length."""
         for token_id, entry in zip(token_ids, entries):
             token = self.tokens(token_id)
+            if echo and not token.in_text:
+                token = token._replace(in_text=True)
             if token.in_text and self._utf8.getstate()[0] and not _continues(token.data):
                 # the bytes left by earlier tokens end there: their U+FFFD comes before this
                 # token's text. Regression (review 26f F1): counted after the offset was taken,

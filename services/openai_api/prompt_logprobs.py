@@ -79,8 +79,8 @@ class PromptExtras:
         ``prompt_logprobs``, and added to ``logprobs`` for an echo asking for them."""
         if self.echo_k is not None and logprobs is not None:
             if self._first:
-                logprobs.add([self.first_token], [[math.nan]])
-            logprobs.add([int(e[0]) for e in entries], [e[1:2] + e[3: 3 + 2 * self.echo_k] for e in entries])
+                logprobs.add([self.first_token], [[math.nan]], echo=True)
+            logprobs.add([int(e[0]) for e in entries], [e[1:2] + e[3: 3 + 2 * self.echo_k] for e in entries], echo=True)
         self._first = False
         if self.prompt_k is not None:
             for entry in entries:
@@ -100,7 +100,7 @@ class PromptExtras:
             return False
         self.echoed = True
         if self._first and self.echo_k is not None and logprobs is not None:
-            logprobs.add([self.first_token], [[math.nan]])
+            logprobs.add([self.first_token], [[math.nan]], echo=True)
             self._first = False
         return True
 
