@@ -298,7 +298,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         node_id = (sticky[1] if sticky is not None
                    else self._keyed_route(routing_key, block_hashes or [], urgent, tenant_id))
         prefix = self.index.prefix_tiers(node_id, block_hashes or [])
-        rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens))
+        rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens), request_id)
         if rejected is not None:
             self.usage.record_rejected(tenant_id)
             return rejected
@@ -397,6 +397,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
             self.nodes[node_id].urgent.discard(request_id)
+            # what the fluid backlog has not drained of it yet: never prefilled now (cancelled,
+            # refused on its node, an ``n`` > 1 body's choice rolled back) or already done
+            # (regression, review 28b F3/F4: only the clock took it out, and a tenant dropping
+            # its requests, or one client's refused n > 1 bodies, kept others refused)
+            self.nodes[node_id].backlog.release(request_id)
         if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one
             for name in self.nodes[node_id].take_speeds(usage):  # a number out of range: ignored
                 self.ignored_speeds[name] += 1

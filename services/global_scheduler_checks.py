@@ -156,10 +156,12 @@ class AdmissionChecks:
             left -= n
         return CachedTokens(device=tokens[0], host=tokens[1], spill=tokens[2], miss=left)
 
-    def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens) -> Admission | None:
+    def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens,
+                       request_id: str = "") -> Admission | None:
         """Queue the request's uncached tokens on the node's backlog (under its tenant and
-        weight), or reject it (kvstrata only) when its estimated TTFT misses what its class
-        allows. None = admitted."""
+        weight, as ``request_id``'s part: ``release`` takes out what is left of it), or reject
+        it (kvstrata only) when its estimated TTFT misses what its class allows. None =
+        admitted."""
         spec = self._spec_by_id(tenant_id)
         node = self.nodes[node_id]
         rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
@@ -178,7 +180,7 @@ class AdmissionChecks:
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
                                  retry_after_s=decision.retry_after_s, reason="ttft_estimate")
-        node.backlog.add(rank, tenant_id, cached.miss, weight)
+        node.backlog.add(rank, tenant_id, cached.miss, weight, request_id)
         return None
 
     def _over_queue(self, tenant_id: str, queued: int) -> bool:

@@ -10,7 +10,8 @@ TTFT estimate (docs/architecture.md, 'Admission and SLO floors')::
 drained at the speed the node measures online (``SpeedMeter``), highest class first when the
 node schedules by class and within a class across tenants by weight, as the node's VTC order
 serves them: a request counts its own tenant's backlog and of each other tenant of its class
-only the weighted share served meanwhile (``FluidBacklog.ahead``). A request whose estimate
+only the weighted share served meanwhile (``FluidBacklog.ahead``); a request that ends takes
+what the model has not drained of it out (``FluidBacklog.release``). A request whose estimate
 exceeds ``REJECT_FACTOR[class] * ttft_slo`` is rejected early with a retry hint (the class
 allows rejection: interactive at its SLO, standard at twice it); batch always queues. A request that misses its limit on its own (no
 queue ahead would let it meet it) is admitted when nothing is ahead of it (``decide``).
@@ -19,7 +20,7 @@ queue ahead would let it meet it) is admitted when nothing is ahead of it (``dec
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,18 +218,31 @@ class FluidBacklog:
     going to the others). Entries drained to nothing are dropped, with their tenant's weight,
     so the state is at most one entry per (class, tenant) with tokens pending.
 
+    Each entry's tokens are also kept per request (``parts``), drained in arrival order within
+    the entry, so a request that ends (``release``: finished, cancelled, refused on its node,
+    one of an ``n`` > 1 body rolled back) takes out the part of it not yet drained: what it
+    will never ask the node to prefill. A request's part is dropped once drained or released,
+    so the parts are bounded by the admitted requests in flight.
+
     Attributes:
         class_order: the node serves lower ranks first; False: one FCFS pool (every request
             waits behind everything).
-        by_tenant: pending tokens per ``(rank, tenant)`` (rank 0 = interactive).
+        by_tenant: pending tokens per ``(rank, tenant)`` (rank 0 = interactive); each the sum
+            of its ``parts`` (up to rounding).
         weights: each tenant's weight as of its latest ``add`` (within
             ``BACKLOG_WEIGHT_RANGE``).
+        parts: per ``(rank, tenant)``, each request's undrained tokens, oldest first (a
+            request added with no id has a key of its own that nothing releases).
+        holder: the ``(rank, tenant)`` holding each request id's part.
     """
 
     class_order: bool = True
     by_tenant: dict[tuple[int, str], float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     updated_s: float = 0.0
+    parts: dict[tuple[int, str], OrderedDict[str | int, float]] = field(default_factory=dict)
+    holder: dict[str, tuple[int, str]] = field(default_factory=dict)
+    _anonymous: int = 0
 
     @property
     def by_rank(self) -> dict[int, float]:
@@ -246,11 +260,31 @@ class FluidBacklog:
             if budget <= 0:
                 break
             budget -= self._drain_rank(rank, budget)
-        for key in [k for k, v in self.by_tenant.items() if v <= BACKLOG_EPS_TOKENS]:
-            del self.by_tenant[key]
+        for key in [k for k, v in self.by_tenant.items() if v <= BACKLOG_EPS_TOKENS or not self.parts.get(k)]:
+            self._drop(key)
         held = {tenant for _, tenant in self.by_tenant}
         for tenant in [t for t in self.weights if t not in held]:
             del self.weights[tenant]
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        """Forget the entry ``key`` and its requests' parts."""
+        self.by_tenant.pop(key, None)
+        for request_id in self.parts.pop(key, {}):
+            if isinstance(request_id, str):
+                self.holder.pop(request_id, None)
+
+    def _take(self, key: tuple[int, str], tokens: float) -> None:
+        """``tokens`` of entry ``key`` were served: its oldest requests' parts first."""
+        parts = self.parts.get(key)
+        while parts and tokens > 0:
+            request_id, part = next(iter(parts.items()))
+            if part > tokens + BACKLOG_EPS_TOKENS:
+                parts[request_id] = part - tokens
+                break
+            del parts[request_id]
+            if isinstance(request_id, str):
+                self.holder.pop(request_id, None)
+            tokens -= part
 
     def _drain_rank(self, rank: int, budget: float) -> float:
         """Serve up to ``budget`` tokens of ``rank``'s tenants, weighted fair (water-filling:
@@ -273,6 +307,7 @@ class FluidBacklog:
         for _, tenant, tokens in entries:
             take = min(tokens, level * self.weights.get(tenant, 1.0))
             self.by_tenant[(rank, tenant)] = tokens - take
+            self._take((rank, tenant), take)
             taken += take
         return taken
 
@@ -299,12 +334,50 @@ class FluidBacklog:
                 out += min(pending, level * self.weights.get(u, 1.0))
         return out
 
-    def add(self, rank: int, tenant: str, tokens: float, weight: float) -> None:
-        """Queue ``tokens`` of ``tenant`` (weight ``weight``, > 0) in class ``rank``."""
+    def add(self, rank: int, tenant: str, tokens: float, weight: float, request_id: str = "") -> None:
+        """Queue ``tokens`` of ``tenant`` (weight ``weight``, > 0) in class ``rank``, as the part
+        of request ``request_id`` (``release`` takes out what is left of it; "" = a part that
+        only the drain takes). An id that already holds a part keeps its place and grows (one
+        held in another entry moves here whole)."""
         weight = _backlog_weight(weight)
-        if tokens > 0:
-            self.by_tenant[(rank, tenant)] = self.by_tenant.get((rank, tenant), 0.0) + tokens
-            self.weights[tenant] = weight
+        if not tokens > 0:
+            return
+        key = (rank, tenant)
+        if request_id and self.holder.get(request_id, key) != key:
+            tokens += self.release(request_id)
+        self.by_tenant[key] = self.by_tenant.get(key, 0.0) + tokens
+        self.weights[tenant] = weight
+        parts = self.parts.setdefault(key, OrderedDict())
+        if not request_id:
+            self._anonymous += 1
+        part_id: str | int = request_id or self._anonymous
+        parts[part_id] = parts.get(part_id, 0.0) + tokens
+        if request_id:
+            self.holder[request_id] = key
+
+    def release(self, request_id: str) -> float:
+        """Request ``request_id`` ended: take its tokens not yet drained out of the backlog
+        (it will not be prefilled, or its prefill is done); returns them (0 for an id holding
+        none: drained, released before, never added).
+
+        Regression (review 28b F3, F4): nothing but the clock took an ended request's tokens
+        out. A tenant dropping each request right after admission kept another tenant of its
+        class 76% refused on an idle node, and an ``n`` > 1 body whose choices were admitted one
+        by one and then all aborted (a later choice refused) left every admitted choice's
+        prompt in the backlog: a client served nothing kept another tenant 78% refused."""
+        key = self.holder.pop(request_id, None)
+        if key is None:
+            return 0.0
+        parts = self.parts.get(key, {})
+        part = parts.pop(request_id, 0.0)
+        left = self.by_tenant.get(key, 0.0) - part
+        if left <= BACKLOG_EPS_TOKENS or not parts:
+            self._drop(key)
+            if not any(t == key[1] for _, t in self.by_tenant):
+                self.weights.pop(key[1], None)
+        else:
+            self.by_tenant[key] = left
+        return part
 
 
 @dataclass(frozen=True)
