@@ -532,6 +532,14 @@ class NodeStreams:
                                                         f"for a request on {entry.node_id}"))
                     continue
                 self._put(request_id, entry, event)
+                if event.get("prompt_logprobs"):
+                    # one step's prompt entries come as several deltas in one frame (~134 KB
+                    # each at 20 alternatives): let a waiting reader take each before the next,
+                    # so a reader that keeps up never holds the step's whole output at once.
+                    # Regression (review 28c F7): a 4,000-token chunk's ~1.07 MB passed the
+                    # stream's 1 MiB bound before the HTTP edge's reader ran, and the request
+                    # failed 429 "the client did not read this stream" after its prefill.
+                    await asyncio.sleep(0)
 
     def _hold(self, request_id: str, sender: str | None, event: dict[str, Any]) -> None:
         """Hold ``event`` from ``sender`` for ``request_id``'s ``bind``, bounded per sender (one

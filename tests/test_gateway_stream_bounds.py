@@ -373,3 +373,38 @@ def test_the_grpc_server_bounds_the_streams_of_one_connection(monkeypatch: pytes
         asyncio.run(gateway_server.create_server(None, {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9"))
     assert built[0]["grpc.max_concurrent_streams"] == gateway_server.MAX_CONCURRENT_STREAMS == 256
 
+
+
+def test_a_reader_that_keeps_up_takes_a_steps_prompt_logprobs_delta_by_delta() -> None:
+    """One step's prompt logprobs (4,096 prompt tokens, 20 alternatives each) arrive as 8 deltas
+    in one node message, ~1.4 MB together against the stream's 1 MiB bound: a reader waiting on
+    the stream takes each delta before the next is routed, so the stream never holds them all.
+    Regression (review 28c F7): the whole message was routed before the reader ran, and a
+    request within every API limit failed RESOURCE_EXHAUSTED ("the client did not read this
+    stream", 429 on HTTP) after its prefill."""
+    from services.node_request import prompt_logprobs_entry
+
+    entry = prompt_logprobs_entry(7, -1.5, 3, [(1000 + j, -0.25 * j) for j in range(20)])
+    steps = [{"type": "delta", "token_ids": [], "text": "", "prompt_logprobs": [entry] * 512} for _ in range(8)]
+    assert sum(map(event_bytes, steps)) > StreamLimits().max_undelivered_bytes
+
+    async def run() -> None:
+        plane = await Plane().start()
+        await plane.streams.start()
+        buffer = plane.streams.open("r", prompt_logprobs=20)
+        plane.streams.bind("r", "n0")
+        got: list[dict[str, Any]] = []
+
+        async def read() -> None:
+            while not got or got[-1]["type"] not in ("finished", "error"):
+                got.append(await buffer.get())
+
+        reader = asyncio.ensure_future(read())
+        await plane.send([["r", {**STARTED, "prompt_tokens": 4097}]], lambda: len(got) == 1)
+        await plane.send([["r", step] for step in steps] + [["r", delta(1)], ["r", FINISHED]],
+                         lambda: reader.done())
+        assert [e["type"] for e in got] == ["started", *["delta"] * 9, "finished"], got[-1]
+        assert sum(len(e.get("prompt_logprobs", ())) for e in got) == 4096
+        plane.close()
+
+    asyncio.run(run())
