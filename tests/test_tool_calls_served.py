@@ -253,6 +253,24 @@ def test_auto_reads_hermes_tool_calls(hermes: openai.OpenAI, served: Served) -> 
     assert (content, calls, finish) == (plain.message.content, {}, "length")
 
 
+def test_tool_call_arguments_are_json_text(hermes: openai.OpenAI, served: Served,
+                                           no_whitespace: dict[str, float]) -> None:
+    """auto: ``"arguments": "Paris"`` (a str) is the call's arguments as JSON text, ``"Paris"``
+    with its quotes (before: ``Paris``, not JSON, with ``tool_calls``). named: a stop string
+    that cuts the constrained JSON gives no call (whole: the text is the content) and the
+    node's ``stop`` (before: arguments ``{`` and ``tool_calls``)."""
+    forced = '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'
+    choice = _create(hermes, served, tools=TOOLS, extra_body={"structured_outputs": {"choice": [forced]}}).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_weather", '"Paris"')]
+    cut = {"tools": TOOLS, "tool_choice": WEATHER, "stop": ['"c'], "logit_bias": no_whitespace, "temperature": 0.0}
+    choice = _create(hermes, served, **cut).choices[0]
+    text = choice.message.content
+    assert (choice.finish_reason, text.strip(), choice.message.tool_calls) == ("stop", "{", None), choice
+    _, calls, finish = _streamed(_create(hermes, served, stream=True, **cut))
+    assert finish == "stop" and [c["arguments"] for c in calls.values()] == [text]
+
+
 def _fn(name: str, **more: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, **more}}
 
@@ -267,6 +285,10 @@ def _fn(name: str, **more: Any) -> dict[str, Any]:
     ({"tools": [_fn("f", parameters={"a": {"b": 1}} | {"x": json.loads("[" * 40 + "]" * 40)})]},
      "tools.0.function.parameters", "the schema nests more than 32 levels deep"),
     ({"tools": [_fn(f"f{i}", description="d" * 4000) for i in range(70)]}, "tools", "at most 262144 are allowed"),
+    ({"tools": [_fn("f", parameters={"type": "object"}), _fn("g", parameters={"type": "string", "enum": ["hi"]})]},
+     "tools.1.function.parameters", 'must be an object\'s schema (OpenAI\'s): its "type" is "string", not "object"'),
+    ({"tools": [_fn("f", parameters={"type": ["object", "null"]})], "tool_choice": "required"},
+     "tools.0.function.parameters", 'its "type" is ["object", "null"], not "object"'),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "tool_choice: names the function 'nope', which is not in tools"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice: needs tools"),

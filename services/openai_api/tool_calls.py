@@ -6,22 +6,32 @@ A call is ``{"id": "chatcmpl-tool-<hex>", "type": "function", "function": {"name
 with ``arguments`` a JSON text. Per ``tool_choice`` (``ToolOutput.mode``):
 
 - ``named``: the text (constrained to the function's parameters' schema) is the one call's
-  ``arguments``. Streamed: the call's id, type and name with the first text, then each text as
-  an ``arguments`` delta (vLLM's).
+  ``arguments`` when it is JSON text; else (a ``stop`` string or ``max_tokens`` cut it) it is
+  the ``content``, with no call and the node's finish reason. Streamed: the call's id, type and
+  name with the first text, then each text as an ``arguments`` delta (vLLM's); the finish
+  reason is ``tool_calls`` only when the whole text parses (the deltas already went; no text:
+  no call).
 - ``required``: the text (constrained to a JSON array of ``{"name", "parameters"}``) is parsed;
   each item a call, ``parameters`` as ``arguments``. Streamed: the calls come whole in the last
   chunk (vLLM streams partial JSON instead).
 - ``auto`` (the ``hermes`` parser, as vLLM's ``--tool-call-parser hermes``): each
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the text is a call (a last one
-  left unclosed counts too), the text before the first is ``content`` (null when empty), text
-  after the last is dropped. Streamed: text goes out as ``content`` until ``<tool_call>`` starts
-  (what may be its beginning is held back), the rest is held and its calls come in the last
-  chunk.
+  left unclosed counts too; ``arguments`` left out is ``{}``), the text before the first is
+  ``content`` (null when empty), text after the last is dropped. Streamed: text goes out as
+  ``content`` until ``<tool_call>`` starts (what may be its beginning is held back), the rest
+  is held and its calls come in the last chunk.
 
-``content`` is null when calls came. Text that does not read as calls (an unparsable
-``required`` array or ``<tool_call>`` body: the model ran out of tokens, say) is the
-``content``, with no calls, as vLLM falls back. ``finish_reason`` is ``tool_calls`` when calls
-came and the model ended (``stop``); ``length`` stays ``length`` (the arguments may be cut).
+A call's ``arguments`` is always the JSON text of the value the model wrote
+(``json.dumps(value, ensure_ascii=False)``, as vLLM's hermes and required readers write it):
+``"arguments": "Paris"`` is the text ``"Paris"`` with its quotes, never ``Paris``, so
+``json.loads(arguments)`` holds for every call (a value that is not an object is kept as vLLM
+keeps it, not refused: ``required`` and named outputs are constrained to the tools' parameters,
+object schemas, ``tools.FunctionDef``). ``content`` is null when calls came. Text that does not
+read as calls (an unparsable ``required`` array, ``<tool_call>`` body or named JSON: the model
+ran out of tokens or a ``stop`` string cut it, say) is the ``content``, with no calls, as vLLM
+falls back (vLLM's named mode returns the cut text as the call instead). ``finish_reason`` is
+``tool_calls`` when calls came and the model ended (``stop``); ``length`` stays ``length`` (a
+streamed named call's arguments may be cut).
 With ``parallel_tool_calls`` false only the first call is kept.
 """
 
@@ -44,7 +54,16 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 def _arguments(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    """A call's ``arguments``: the value's JSON text, whatever its type (a str too)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def parse_required(text: str) -> list[dict[str, Any]] | None:
@@ -97,13 +116,14 @@ class ToolOutput:
         if mode not in ("named", "required", "auto"):
             raise ValueError(f"no tool calls are read for tool_choice mode {mode!r}")
         self.mode, self.name, self.parallel = mode, name, parallel
-        self.held = ""  # streamed text not sent yet
+        self.tail = ""  # auto, before a <tool_call>: streamed text that may begin one, not sent yet
+        self.parts: list[str] = []  # the text read at the end (named: sent already), joined once
         self.calling = False  # auto: a <tool_call> began (the rest is held)
         self.named_id: str | None = None  # named: the call's id, once its first delta went
 
     def _calls(self, text: str) -> list[dict[str, Any]] | None:
         if self.mode == "named":
-            return [_call(self.name or "", text)]
+            return [_call(self.name or "", text)] if _is_json(text) else None
         calls = parse_required(text) if self.mode == "required" else parse_hermes(text)
         return calls if calls is None or self.parallel else calls[:1]
 
@@ -120,35 +140,38 @@ class ToolOutput:
         return {"content": content or None, "tool_calls": calls}, self._finish(finish_reason, True)
 
     def delta(self, text: str) -> dict[str, Any]:
-        """A streamed chunk's delta fields for the next ``text`` ({} while it is held)."""
+        """A streamed chunk's delta fields for the next ``text`` ({} while it is held). Linear in
+        the whole stream: held text is kept as pieces, joined once by ``end``."""
         if self.mode == "named":
             if not text:
                 return {}
+            self.parts.append(text)
             if self.named_id is None:
                 call = _call(self.name or "", text)
                 self.named_id = call["id"]
                 return {"tool_calls": [{"index": 0, **call}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
         if self.mode == "required" or self.calling:
-            self.held += text
+            self.parts.append(text)
             return {}
-        text, self.held = self.held + text, ""
+        text, self.tail = self.tail + text, ""  # the tail is shorter than START
         at = text.find(START)
         if at >= 0:
-            self.calling, self.held, text = True, text[at:], text[:at]
+            self.calling = True
+            self.parts.append(text[at:])
+            text = text[:at]
         else:
             keep = _held(text)
             if keep:
-                text, self.held = text[:-keep], text[-keep:]
+                text, self.tail = text[:-keep], text[-keep:]
         return {"content": text} if text else {}
 
     def end(self, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The last chunk's delta fields (what was held) and the finish reason."""
-        if self.mode == "named":
-            if self.named_id is None:  # no text came: the call, with empty arguments
-                return {"tool_calls": [{"index": 0, **_call(self.name or "", "")}]}, self._finish(finish_reason, True)
-            return {}, self._finish(finish_reason, True)
-        held, self.held = self.held, ""
+        held, self.parts = "".join(self.parts), []
+        if self.mode == "named":  # the text went as arguments deltas; tool_calls only when it is JSON
+            return {}, self._finish(finish_reason, _is_json(held))
+        held, self.tail = self.tail + held, ""
         calls = self._calls(held) if (self.mode == "required" or self.calling) else None
         if not calls:
             return ({"content": held} if held else {}), finish_reason

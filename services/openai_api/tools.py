@@ -5,7 +5,8 @@ response side is ``services.openai_api.tool_calls``.
 
 - ``tools``: 1 to ``MAX_TOOLS`` ``{"type": "function", "function": {"name", "description",
   "parameters", "strict"}}``, each name OpenAI's pattern ``^[a-zA-Z0-9_-]{1,64}$`` and unique,
-  each ``parameters`` a JSON schema object at most ``MAX_SCHEMA_DEPTH`` deep, all of them at most
+  each ``parameters`` a JSON schema object at most ``MAX_SCHEMA_DEPTH`` deep whose top-level
+  ``"type"``, when given, is ``"object"`` (a call's arguments are an object), all of them at most
   ``MAX_TOOLS_CHARS`` characters as JSON. They go to the chat template
   (``apply_chat_template(tools=...)``, rendered on the gateway's worker thread): a template that
   renders tools shows them to the model, one that does not (SmolLM2's) leaves them out, as
@@ -68,6 +69,10 @@ class FunctionDef(Strict):
     def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
         if _depth(value) > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
+        if "type" in value and value["type"] != "object":  # a call's arguments are a JSON object
+            given = json.dumps(value["type"], ensure_ascii=False)
+            given = given if len(given) <= 64 else given[:61] + "..."
+            raise ValueError(f'must be an object\'s schema (OpenAI\'s): its "type" is {given}, not "object"')
         return value
 
     def params_schema(self) -> dict[str, Any]:
