@@ -7,16 +7,21 @@ are 400s naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from bench.chaos_stack import tiny_checkpoint
 from services.openai_api import HttpServer, OpenAIEdge, create_app
-from services.openai_api.logprobs import TokenTexts
+from services.openai_api.context import CallAborted
+from services.openai_api.logprobs import MAX_WHOLE_LOGPROBS, Logprobs, TokenTexts
+from services.openai_api.prompt_logprobs import PromptExtras, check_prompt_logprobs
+from services.openai_api.responses import Generation
 from tests.test_logprobs_served import PROMPT, Served
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
@@ -158,3 +163,63 @@ def test_bad_prompt_logprobs_are_400_naming_the_field(served: Served, path: str,
     body = {"prompt": PROMPT} if path == "/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     status, reply = served.post(path, {**body, "max_tokens": 2, **fields})
     assert status == 400 and reply["error"]["param"] == "prompt_logprobs", reply
+
+
+def _entry(k: int) -> list:
+    return [5, -1.0, 1] + [x for i in range(k) for x in (i + 6, -1.0 - i)]
+
+
+@pytest.mark.parametrize(("prompt_k", "echo_k"), [(20, None), (0, None), (3, 5), (None, 20), (20, 20)])
+def test_a_prompt_the_up_front_check_accepts_is_never_refused_by_its_entries(prompt_k: int | None,
+                                                                              echo_k: int | None) -> None:
+    """``check_prompt_logprobs``, ``PromptExtras.check_prompt`` and ``feed`` count the same unit
+    (1 + k per prompt token): the longest prompt accepted up front takes all its entries; one
+    token more is refused up front and at its ``started`` event (review 28c F3: the feed counted
+    3 + 2k numbers per entry, so with k 20 prompts of 6,097..12,483 tokens ran their whole
+    prefill, then were refused)."""
+    per = sum(1 + k for k in (prompt_k, echo_k) if k is not None)
+    longest = (MAX_WHOLE_LOGPROBS - (1 + (echo_k or 0))) // per  # max_tokens 1
+    check_prompt_logprobs(1, longest, 1, prompt_k, echo_k)
+    with pytest.raises(ValueError):
+        check_prompt_logprobs(1, longest + 1, 1, prompt_k, echo_k)
+    extras = PromptExtras(1, prompt_k, "x" if echo_k is not None else None, echo_k, False, TokenTexts())
+    logprobs = Logprobs(False, echo_k, TokenTexts()) if echo_k is not None else None
+    entry = _entry(max(prompt_k or 0, echo_k or 0))
+    for start in range(0, longest - 1, 512):  # the node's deltas
+        extras.feed([list(entry) for _ in range(min(512, longest - 1 - start))], logprobs)
+    extras.check_prompt(longest)
+    extras.check_prompt(MAX_WHOLE_LOGPROBS // per)  # (without the completion's tokens)
+    with pytest.raises(CallAborted) as info:
+        extras.check_prompt(MAX_WHOLE_LOGPROBS // per + 1)
+    assert info.value.param == "prompt_logprobs" and info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(CallAborted):  # the guard: a node sending more than the budget
+        extras.feed([entry] * (MAX_WHOLE_LOGPROBS // per), logprobs)
+
+
+def test_a_chats_prompt_past_the_budget_is_refused_before_its_entries_are_read() -> None:
+    """A chat's rendered length is known from its ``started`` event: past the budget its
+    response is refused there, before any prompt entry is read, and its events are closed (its
+    request aborted on its node) (review 28c F3: it ran its whole prefill first)."""
+    read, closed = [], []
+
+    async def events() -> Any:
+        try:
+            read.append(1)
+            yield {"type": "delta", "token_ids": [], "text": "", "prompt_logprobs": [_entry(20)]}
+        finally:
+            closed.append(1)
+
+    async def run(prompt_tokens: int) -> None:
+        stream = events()
+        await stream.__anext__()  # (started: its generator runs)
+        read.clear()
+        extras = PromptExtras(0, 20, None, None, False, TokenTexts())
+        generation = Generation(stream, {"type": "started", "prompt_tokens": prompt_tokens}, True, "m",
+                                prompt=extras)
+        async for _ in generation.pieces():
+            pass
+
+    with pytest.raises(CallAborted) as info:
+        asyncio.run(run(MAX_WHOLE_LOGPROBS // 21 + 1))
+    assert info.value.param == "prompt_logprobs" and "prompt's 12484 tokens" in info.value.message
+    assert not read and closed

@@ -17,9 +17,15 @@ prompt logprobs (``SamplingParams.prompt_logprobs``: delta events' ``prompt_logp
   prompt alone, ``completion_tokens`` 0, ``finish_reason`` "length").
 
 The values are floored at -9999.0, as every logprob the API reports. A whole response holds
-at most ``MAX_WHOLE_LOGPROBS`` log probabilities: a completion's prompt counts before it runs
-(``check_prompt_logprobs``), a chat's rendered prompt as its entries arrive (``PromptExtras``:
-past the bound the request ends with a 400 naming ``prompt_logprobs``).
+at most ``MAX_WHOLE_LOGPROBS`` log probabilities, counted as ``prompt_values``: 1 + k per prompt
+token for each of ``prompt_logprobs`` and an echo's ``logprobs``. A completion's prompt counts
+before it is admitted (``check_prompt_logprobs``); a chat's rendered prompt when its ``started``
+event tells its length, before any prompt entry is read (``PromptExtras.check_prompt``: the
+request ends with a 400 naming ``prompt_logprobs`` and is aborted on its node). The entries
+that arrive are counted in the same unit (``PromptExtras.feed``), a guard against a node
+sending more than its prompt has. Regression (review 28c F3): the up-front check counted 1 + k
+per token, the feed the 3 + 2k numbers of each entry, so a completion with 6,097..12,483 prompt
+tokens and k 20 ran its whole prefill and was then refused; a chat was checked only then.
 """
 
 from __future__ import annotations
@@ -35,14 +41,18 @@ from services.openai_api.context import CallAborted
 from services.openai_api.logprobs import MAX_WHOLE_LOGPROBS, Logprobs, Token, _floor
 
 
+def prompt_values(prompt_tokens: int, prompt_k: int | None, echo_k: int | None) -> int:
+    """The most log probabilities one choice's prompt adds: 1 + k per prompt token for
+    ``prompt_logprobs`` k and for an echo's ``logprobs`` k (None: not asked)."""
+    return prompt_tokens * sum(1 + k for k in (prompt_k, echo_k) if k is not None)
+
+
 def check_prompt_logprobs(n: int, prompt_tokens: int, max_tokens: int, prompt_k: int | None,
                           echo_k: int | None) -> None:
     """Refuse a whole completion whose prompt logprobs (``prompt_logprobs`` and an echoed
     prompt's ``logprobs``) with its tokens' may hold more than ``MAX_WHOLE_LOGPROBS``. Raises
     ValueError naming ``prompt_logprobs`` (or ``logprobs`` for an echo's)."""
-    held = n * (prompt_tokens * ((1 + prompt_k if prompt_k is not None else 0) + (1 + echo_k if echo_k is not None
-                                                                                   else 0))
-                + max_tokens * (1 + (echo_k or 0)))
+    held = n * (prompt_values(prompt_tokens, prompt_k, echo_k) + max_tokens * (1 + (echo_k or 0)))
     if held > MAX_WHOLE_LOGPROBS:
         field = "prompt_logprobs" if prompt_k is not None else "logprobs"
         raise ValueError(f"{field}: a response may hold at most {MAX_WHOLE_LOGPROBS} log probabilities; with the "
@@ -68,29 +78,46 @@ class PromptExtras:
         self.first_token, self.prompt_k, self.echo, self.echo_k = first_token, prompt_k, echo, echo_k
         self.echo_only, self.tokens, self.budget = echo_only, tokens, budget
         self._flat, self._widths = array("d"), array("i")  # the entries kept for ``prompt_logprobs``
+        self._values = 0  # the log probabilities those hold (1 + alternatives kept, per entry)
+        self._echoed_values = 0  # those added to an echo's ``Logprobs``
         self._first = True  # the first entry fed is the prompt's second token's
         self.echoed = echo is None
 
     def __len__(self) -> int:
-        return len(self._flat)
+        """The log probabilities held for ``prompt_logprobs`` (an echo's are its ``Logprobs``')."""
+        return self._values
+
+    def check_prompt(self, prompt_tokens: int) -> None:
+        """Refuse (a 400 naming ``prompt_logprobs``) a prompt of ``prompt_tokens`` tokens (its
+        ``started`` event's) whose log probabilities may pass ``budget`` (``prompt_values``),
+        before any of its entries is read: a chat's rendered length is known only then."""
+        held = prompt_values(prompt_tokens, self.prompt_k, self.echo_k)
+        if held > self.budget:
+            raise self._refusal(f"with the prompt's {prompt_tokens} tokens this one may hold {held}")
 
     def feed(self, entries: list[list[Any]], logprobs: Logprobs | None) -> None:
         """A delta's prompt entries (``[token_id, logprob, rank, id, logprob, ...]``): kept for
         ``prompt_logprobs``, and added to ``logprobs`` for an echo asking for them."""
         if self.echo_k is not None and logprobs is not None:
+            before = len(logprobs)
             if self._first:
                 logprobs.add([self.first_token], [[math.nan]], echo=True)
             logprobs.add([int(e[0]) for e in entries], [e[1:2] + e[3: 3 + 2 * self.echo_k] for e in entries], echo=True)
+            self._echoed_values += len(logprobs) - before
         self._first = False
         if self.prompt_k is not None:
             for entry in entries:
-                self._flat.extend(entry[: 3 + 2 * self.prompt_k])
-                self._widths.append(min(len(entry), 3 + 2 * self.prompt_k))
-        held = len(self._flat) + (len(logprobs) if logprobs is not None else 0)
-        if held > self.budget:
-            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, (
-                f"prompt_logprobs: a response may hold at most {self.budget} log probabilities; this prompt's "
-                "exceed it: ask for fewer alternatives, or send a shorter prompt"), param="prompt_logprobs")
+                width = min(len(entry), 3 + 2 * self.prompt_k)
+                self._flat.extend(entry[:width])
+                self._widths.append(width)
+                self._values += 1 + (width - 3) // 2
+        if self._values + self._echoed_values > self.budget:  # (a node sending more than its prompt has)
+            raise self._refusal("this prompt's exceed it")
+
+    def _refusal(self, why: str) -> CallAborted:
+        return CallAborted(grpc.StatusCode.INVALID_ARGUMENT, (
+            f"prompt_logprobs: a response may hold at most {self.budget} log probabilities; {why}: ask for fewer "
+            "alternatives, or send a shorter prompt"), param="prompt_logprobs")
 
     def echo_now(self, logprobs: Logprobs | None) -> bool:
         """Whether the echo is due now (once: its prompt's entries are all in, before the first

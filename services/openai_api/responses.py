@@ -86,6 +86,8 @@ class Generation:
         """The generated text in the increments it may be sent in; ``finish_reason`` and the
         counts are final once this ends. Raises ``CallAborted`` when the request fails."""
         try:
+            if self.prompt is not None:  # refused before its prompt's entries are read (and its node
+                self.prompt.check_prompt(self.prompt_tokens)  # computes them all): review 28c F3
             async for event in self.events:
                 if event["type"] == "delta" and self.prompt is not None:  # its prompt's part
                     if event.get("prompt_logprobs"):
