@@ -272,7 +272,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             context.record(grpc.StatusCode.RESOURCE_EXHAUSTED)
             writer.stop(message)
 
-        queue = self.streams.open(req.request_id, on_event, on_idle, req.sampling.logprobs, req.sampling.prompt_logprobs)
+        queue = self.streams.open(req.request_id, on_event, on_idle, req.sampling.logprobs, req.sampling.prompt_logprobs,
+                                  () if req.session_id else req.token_ids)  # (a session's turn: its history's too)
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         admission = asyncio.ensure_future(self.streams.admit(req, hashes))

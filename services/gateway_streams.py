@@ -59,20 +59,38 @@ class _Entry:
     prompt_logprobs: int | None = None  # likewise (``check_prompt_count`` too)
     prompt_left: int = -1  # prompt entries still due: its first ``started`` event's prompt tokens - 1
     tokens_seen: bool = False  # a delta with token ids came (no prompt entry may follow)
+    prompt: tuple[int, ...] = ()  # its prompt's token ids when the gateway knows them (else empty)
 
     def check_prompt_count(self, event: dict[str, Any]) -> None:
         """A request asking for prompt logprobs gets at most one entry per prompt token after
-        the first, after its ``started`` event and before its first token id. Raises ValueError
-        naming ``event.prompt_logprobs``."""
+        the first, after its ``started`` event and before its first token id. When its prompt's
+        token ids are known (``prompt``), the ``started`` event must count them, entry i must be
+        prompt token i + 1's, and all of them must have come by the first token id. Raises
+        ValueError naming the event's field.
+
+        Regression (review 28c F5): the count was the node's own ``prompt_tokens``, and a node
+        skipping or repeating positions gave clients a short or shifted ``prompt_logprobs``."""
         if event["type"] == "started":
             if self.prompt_left < 0:  # (a second one, dropped by the buffer, counts nothing)
+                if self.prompt and self.prompt_logprobs is not None and event["prompt_tokens"] != len(self.prompt):
+                    raise ValueError(f"event.prompt_tokens {event['prompt_tokens']} is not its prompt's "
+                                     f"{len(self.prompt)} tokens")
                 self.prompt_left = max(0, event["prompt_tokens"] - 1)
         elif event["type"] == "delta":
-            n = len(event.get("prompt_logprobs") or ())
+            entries = event.get("prompt_logprobs") or ()
+            n = len(entries)
             if n and (self.tokens_seen or n > self.prompt_left):
                 raise ValueError("event.prompt_logprobs past its prompt's tokens (one entry per prompt token after "
                                  "the first, before the first token id)")
+            if n and self.prompt:
+                first = len(self.prompt) - self.prompt_left  # the prompt position of the first entry
+                if any(int(e[0]) != self.prompt[first + i] for i, e in enumerate(entries)):
+                    raise ValueError("event.prompt_logprobs: an entry's token_id is not its prompt position's token")
             self.prompt_left -= n
+            if event["token_ids"] and not self.tokens_seen and self.prompt and self.prompt_logprobs is not None \
+                    and self.prompt_left != 0:
+                raise ValueError(f"event.prompt_logprobs: {self.prompt_left} of its prompt's entries missing before "
+                                 "its first token id")
             self.tokens_seen = self.tokens_seen or bool(event["token_ids"])
 
 
@@ -328,7 +346,7 @@ class NodeStreams:
 
     def open(self, request_id: str, on_event: OnEvent | None = None,
              on_idle: Callable[[str], None] | None = None, logprobs: int | None = None,
-             prompt_logprobs: int | None = None) -> StreamBuffer:
+             prompt_logprobs: int | None = None, prompt: tuple[int, ...] = ()) -> StreamBuffer:
         """A buffer for ``request_id``'s events; open it before the request reaches a node.
         ``on_event(event)`` sees each event as it arrives, whether or not the buffer's reader
         keeps up (a client that stops reading), and the RESOURCE_EXHAUSTED error that ends a
@@ -337,7 +355,8 @@ class NodeStreams:
         to a client that takes nothing, takes no error, so whoever runs it must stop it.
         ``logprobs``: the request's ``SamplingParams.logprobs``; a delta whose log probabilities
         are not what it asked is a bad event (``data_plane.check_logprobs_asked``); likewise
-        ``prompt_logprobs`` (and their count: ``_Entry.check_prompt_count``).
+        ``prompt_logprobs`` (and their count and tokens, against ``prompt``, its prompt's token
+        ids when the gateway knows them: ``_Entry.check_prompt_count``).
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
@@ -346,7 +365,7 @@ class NodeStreams:
             raise KeyError(request_id)
         buffer = StreamBuffer(self.clock)
         self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs)
+                                          prompt_logprobs=prompt_logprobs, prompt=prompt)
         self._opened_at[request_id] = self._failures
         return buffer
 

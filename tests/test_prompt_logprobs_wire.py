@@ -205,3 +205,41 @@ def test_the_gateway_sends_no_block_hashes_for_prompt_logprobs() -> None:
             assert hashes == [] and len(req.token_ids) == 64 and prompt_size(req) == 64
     finally:
         preparation._tokenizer_pool.shutdown()
+
+
+def test_the_gateway_checks_the_entries_against_the_prompt_it_sent() -> None:
+    """With the prompt's token ids known, the started event must count them, entry i must be
+    prompt token i + 1's, and all must come before the first token id (review 28c F5: a node's
+    short or shifted entries reached clients as a short or shifted ``prompt_logprobs``)."""
+    prompt = (3, 42, 7, 42)
+
+    def entry(token: int) -> list:
+        return [token, *ENTRY[1:]]
+
+    def opened() -> _Entry:
+        e = _Entry("n", StreamBuffer(), None, prompt_logprobs=2, prompt=prompt)
+        e.check_prompt_count({"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 4})
+        return e
+
+    good = opened()
+    good.check_prompt_count(_delta(entry(42), entry(7)))
+    good.check_prompt_count(_delta(entry(42), tokens=[5]))
+    with pytest.raises(ValueError, match="event.prompt_tokens 5"):
+        _Entry("n", StreamBuffer(), None, prompt_logprobs=2, prompt=prompt).check_prompt_count(
+            {"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 5})
+    with pytest.raises(ValueError, match="not its prompt position's token"):  # shifted
+        opened().check_prompt_count(_delta(entry(7), entry(42)))
+    shifted = opened()
+    shifted.check_prompt_count(_delta(entry(42)))
+    with pytest.raises(ValueError, match="not its prompt position's token"):  # repeated
+        shifted.check_prompt_count(_delta(entry(42)))
+    short = opened()
+    short.check_prompt_count(_delta(entry(42), entry(7)))
+    with pytest.raises(ValueError, match="1 of its prompt's entries missing"):
+        short.check_prompt_count(_delta(tokens=[5]))
+    unknown = _Entry("n", StreamBuffer(), None, prompt_logprobs=2)  # (a session's turn: not known)
+    unknown.check_prompt_count({"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 4})
+    unknown.check_prompt_count(_delta(entry(1), tokens=[5]))
+    plain = _Entry("n", StreamBuffer(), None, prompt=prompt)  # no prompt logprobs asked: no count needed
+    plain.check_prompt_count({"type": "started", "request_id": "r", "node_id": "n", "prompt_tokens": 4})
+    plain.check_prompt_count(_delta(tokens=[5]))
