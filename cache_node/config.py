@@ -85,8 +85,10 @@ class EngineConfig:
             kernels (``cache_node.kernels.fused_ops``), patched into the engine's model instance
             only (``cache_node.fused_layers``); False, CPU, the torch backend or another model
             family: transformers' stock modules.
-        grammar_compile_timeout_s: wall-clock limit of one structured-output grammar compile
-            (in a compiler process, killed past it; its request is refused naming this limit).
+        grammar_compile_timeout_s: limit of one structured-output grammar compile, in CPU
+            seconds of its compiler process (which runs at niceness 19; killed past it, its
+            request refused naming this limit), and 6 times it of wall time (a compiler the
+            node's load starves: refused as the load, retry later).
         grammar_compile_workers: compiler processes (each ~270 MiB resident, started on first use).
         grammar_compile_queue_per_tenant: most grammar compiles one tenant may have queued or
             running on the node; past it a structured request is refused (retryable).

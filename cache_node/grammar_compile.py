@@ -42,7 +42,8 @@ class CompileLimits:
     """What compiling grammars may cost the node (``EngineConfig``'s ``grammar_*`` fields).
 
     Attributes:
-        timeout_s: wall-clock limit of one compile (its process is killed past it).
+        timeout_s: CPU-time limit of one compile (the compiler process's CPU seconds; it is
+            killed past it), and ``grammar_process.WALL_LIMIT_FACTOR`` times it of wall time.
         workers: compiler processes (each ~270 MiB resident: xgrammar imports torch).
         queue_per_tenant: most compiles one tenant may have queued or running.
         cache_bytes: most bytes of compiled grammars kept (``grammar_cache.grammar_bytes``).
@@ -102,11 +103,17 @@ def run_compile(process: CompilerProcess, spec: StructuredOutputSpec, limits: Co
     kind = spec.kind
     try:
         ok, text = process.compile(*compile_request(spec), limits.timeout_s)
-    except CompileTimeout:
+    except CompileTimeout as exc:
+        if exc.starved:  # the node's load, not the spec's cost: not remembered against the spec
+            used = f"{exc.cpu_s:.1f} s" if exc.cpu_s is not None else "too little"
+            return Outcome(error=(
+                f"structured_output {kind}: its grammar compiler had {used} of CPU time in {exc.wall_s:.0f} s "
+                f"(its limit {limits.timeout_s:g} s, grammar_compile_timeout_s): this cache node is too busy to "
+                f"compile it now; retry later"), killed=True, timeout=True)
         return Outcome(failed=(
             f"structured_output {kind}: its grammar did not compile within the cache node's limit of "
-            f"{limits.timeout_s:g} s (grammar_compile_timeout_s); simplify it (fewer or smaller "
-            "repetition counts, patterns and alternatives)"), killed=True, timeout=True)
+            f"{limits.timeout_s:g} s (grammar_compile_timeout_s) of compiler CPU time; simplify it (fewer or "
+            "smaller repetition counts, patterns and alternatives)"), killed=True, timeout=True)
     except CompilerDied as exc:
         if closed():
             return Outcome(error=SHUTTING_DOWN)

@@ -1,9 +1,13 @@
 """One grammar-compiler process, seen from the cache node (``cache_node.grammar_worker`` is
 the child's side and the wire).
 
-``CompilerProcess.compile`` sends one (method, text) and waits for the reply at most its time
-limit; past it the process is killed (a compile cannot be interrupted any other way) and
-``CompileTimeout`` raised; a process that ends mid-compile (its memory cap, a crash) raises
+``CompilerProcess.compile`` sends one (method, text) and waits for the reply while the child
+has used at most its time limit of CPU time (read from ``/proc/<pid>/stat`` while waiting; the
+child runs at the lowest CPU priority, ``grammar_worker._lower_priority``, so a busy node
+starves it and wall time would count the node's load against the spec), and at most
+``WALL_LIMIT_FACTOR`` times that limit of wall time (a stopped or starved child cannot hold a
+request forever); past either the process is killed (a compile cannot be interrupted any other
+way) and ``CompileTimeout`` raised, saying which; a process that ends mid-compile (its memory cap, a crash) raises
 ``CompilerDied``. The next ``compile`` starts a fresh process (``start``: ~6-10 s, the
 xgrammar import; not counted in any compile's limit). Replies are untrusted bytes: a frame
 over ``MAX_REPLY_BYTES`` or of another shape kills the process (``CompilerDied``).
@@ -33,13 +37,39 @@ the regex ``[a-z]{5000}``); a larger one fails its compile."""
 START_TIMEOUT_S = 120.0
 """Longest wait for a new process to say it is ready (its import takes ~6-10 s here)."""
 
+WALL_LIMIT_FACTOR = 6.0
+"""A compile's wall-clock bound, in multiples of its CPU-time limit: past it a child starved of
+CPU (a busy node: it runs at niceness 19), or stopped, is killed with its compile refused as the
+node's load (not remembered as the spec's failure)."""
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
 _REPLY_BOUNDS = UnpackBounds(max_array_len=2, max_map_len=0, max_str_len=MAX_REPLY_BYTES, max_bin_len=0,
                              max_containers=1, max_elements=2)
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class CompileTimeout(Exception):
-    """A compile ran past its time limit; its process was killed."""
+    """A compile ran past its time limit; its process was killed. ``starved``: it was the
+    wall-clock bound (the child had used ``cpu_s`` of CPU time in ``wall_s``), not the CPU-time
+    limit."""
+
+    def __init__(self, cpu_s: float | None = None, wall_s: float = 0.0, starved: bool = False) -> None:
+        super().__init__()
+        self.cpu_s = cpu_s
+        self.wall_s = wall_s
+        self.starved = starved
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user and system, all threads) process ``pid`` has used, from ``/proc/<pid>/stat``;
+    None where it cannot be read (no procfs, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class CompilerDied(Exception):
@@ -99,13 +129,20 @@ class CompilerProcess:
         """``(True, compiled_grammar_json)`` or ``(False, the compiler's message)``.
 
         Raises:
-            CompileTimeout: no reply within ``timeout_s`` (the process is killed).
+            CompileTimeout: no reply before the child used ``timeout_s`` of CPU time on it, or
+                within ``WALL_LIMIT_FACTOR * timeout_s`` of wall time (``starved``); the process
+                is killed. Where the child's CPU time cannot be read, ``timeout_s`` of wall time.
             CompilerDied: the process ended, or replied out of protocol (killed).
         """
         if self.pid is None:
             self.start()
+        pid = self.proc.pid  # type: ignore[union-attr]
+        cpu_start = cpu_seconds(pid)
         self._send([method, text])
-        kind, value = self._reply(timeout_s)
+        if cpu_start is None:
+            kind, value = self._reply(timeout_s)
+        else:
+            kind, value = self._reply(timeout_s * WALL_LIMIT_FACTOR, cpu=(pid, cpu_start, timeout_s))
         if kind not in ("ok", "error"):
             self.kill()
             raise CompilerDied("the grammar compiler replied out of protocol")
@@ -142,9 +179,11 @@ class CompilerProcess:
         except (BrokenPipeError, OSError, ValueError):
             raise CompilerDied(self._ended("before it read its request")) from None
 
-    def _reply(self, timeout_s: float) -> list[str]:
-        """The next reply frame, decoded and checked: a list of two strings."""
-        deadline = time.monotonic() + timeout_s
+    def _reply(self, timeout_s: float, cpu: tuple[int, float, float] | None = None) -> list[str]:
+        """The next reply frame, decoded and checked: a list of two strings. Within ``timeout_s``
+        of wall time, and with ``cpu`` = (pid, its CPU seconds at the start, limit) while that
+        child has used at most the limit of CPU time since."""
+        deadline = (time.monotonic(), time.monotonic() + timeout_s, cpu)
         header = self._read(HEADER_BYTES, deadline)
         size = header_size(header)
         if size > MAX_REPLY_BYTES:
@@ -160,16 +199,30 @@ class CompilerProcess:
             raise CompilerDied("the grammar compiler's reply is malformed")
         return reply
 
-    def _read(self, size: int, deadline: float) -> bytes:
-        """``size`` bytes of the child's stdout by ``deadline`` (monotonic), else kill it."""
+    def _read(self, size: int, deadline: tuple[float, float, tuple[int, float, float] | None]) -> bytes:
+        """``size`` bytes of the child's stdout within ``deadline`` (``_reply``'s: its start and
+        wall deadline, monotonic, and its CPU-time bound), else kill it (``CompileTimeout``)."""
         assert self.proc is not None and self.proc.stdout is not None
+        started, wall_deadline, cpu = deadline
         fd = self.proc.stdout.fileno()
         chunks = bytearray()
         while len(chunks) < size:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = wall_deadline - now
+            used = None
+            if cpu is not None:
+                pid, cpu_start, cpu_limit = cpu
+                now_cpu = cpu_seconds(pid)
+                used = None if now_cpu is None else now_cpu - cpu_start
+                if used is not None and used > cpu_limit:
+                    self.kill()
+                    raise CompileTimeout(used, now - started)
+                # a single-threaded compile uses CPU no faster than wall time: look again when it
+                # could have used the rest of its limit (at least every 0.25 s)
+                left = min(left, max(cpu_limit - (used or 0.0), 0.01), 0.25) if left > 0 else left
             if left <= 0:
                 self.kill()
-                raise CompileTimeout()
+                raise CompileTimeout(used, now - started, starved=cpu is not None)
             poller = select.poll()
             poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
             if not poller.poll(left * 1000):

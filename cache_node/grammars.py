@@ -10,9 +10,10 @@ compilation ends (``GrammarState.ready``); one that fails is refused (the engine
 Compilation (a spec's cost is its sender's to choose: a JSON schema pattern ``(x|y){1,3000}``
 takes 3-5 s, and a 64 KiB spec holds dozens of those; one compile and the compile threads are
 ``cache_node.grammar_compile``'s): ``CompileLimits.workers`` compiler
-processes (``cache_node.grammar_process``, started on first use and kept), each compile at most
-``timeout_s`` (past it its process is killed, the request refused naming the limit, and a fresh
-process started), each process's compiles capped at ``worker_memory_bytes``; a grammar a
+processes (``cache_node.grammar_process``, started on first use and kept, at niceness 19), each
+compile at most ``timeout_s`` of its process's CPU time and ``WALL_LIMIT_FACTOR`` times it of wall
+time (past either its process is killed, the request refused naming the limit, or the node's load,
+and a fresh process started), each process's compiles capped at ``worker_memory_bytes``; a grammar a
 process sends is loaded and made into a probe matcher on the compile thread (``_probe``: a
 failure refuses it, the process replaced, nothing cached); waiting compiles
 are queued per tenant and served round-robin, one running per tenant

@@ -348,7 +348,7 @@ def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compile
         assert all(matcher.accept_token(t) for t in tokenizer.encode('{"n": 7}', add_special_tokens=False))
         exc = evil.exception(timeout=10)
         evil_s = time.monotonic() - t0
-        assert isinstance(exc, ValueError) and 1.0 <= evil_s < 3.0, evil_s
+        assert isinstance(exc, ValueError) and 1.0 <= evil_s < 6.0, evil_s  # 1 s of CPU, within the wall bound
         assert str(exc).startswith("structured_output json_schema: its grammar did not compile within the cache "
                                    "node's limit of 1 s (grammar_compile_timeout_s)")
         t1 = time.monotonic()

@@ -1,0 +1,145 @@
+"""Grammar compiler processes yield the CPU to the node's model, and their time limit counts
+their own CPU time (review 28b F2).
+
+A compiler process runs at niceness 19 (``grammar_worker._lower_priority``, from its start);
+``grammar_compile_timeout_s`` is the CPU seconds the process spends on a compile
+(``grammar_process.cpu_seconds``), so a compile the node's load starves is not refused as the
+spec's cost, and ``WALL_LIMIT_FACTOR`` times the limit of wall time still ends a stopped or
+starved one (refused as the node's load, not remembered against the spec).
+
+Regression: the workers ran at the node's own priority (on a 2-core node two tenants' slow
+compiles, all refused at the limit, slowed every tenant's decode 3-16x), and the limit was wall
+time, which a busy node's load used up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from cache_node.structured_output import StructuredOutputSpec
+
+SMALL_SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                           "required": ["n"], "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from cache_node.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def _grammars(tokenizer: Any, **limits: Any) -> Any:
+    from cache_node.grammars import CompileLimits, Grammars
+
+    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
+    assert isinstance(made, Grammars), made
+    return made
+
+
+def _ready_pid(g: Any, slot: int = 0) -> int:
+    """Start compiling (a trivial regex) and wait until process ``slot`` is ready; its pid."""
+    g.compile(StructuredOutputSpec("regex", "[ab]"), "warm").result(timeout=120)
+    deadline = time.monotonic() + 120
+    while not (g.processes[slot] is not None and g.processes[slot].ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = g.processes[slot].pid
+    assert pid is not None
+    return pid
+
+
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+
+def test_a_compiler_process_runs_at_niceness_19(tokenizer) -> None:
+    """Every compiler process, a restarted one too, at niceness 19; the node's own unchanged."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    g = _grammars(tokenizer, workers=2)
+    try:
+        _ready_pid(g, 0)
+        _ready_pid(g, 1)
+        pids = [p.pid for p in g.processes]
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [19, 19]
+        assert [_nice(pid) for pid in pids] == [19, 19]
+        assert os.getpriority(os.PRIO_PROCESS, 0) == own
+        g.processes[0].kill()
+        g.processes[0].start()
+        assert os.getpriority(os.PRIO_PROCESS, g.processes[0].pid) == 19
+    finally:
+        g.close()
+
+
+def test_a_compile_starved_of_cpu_is_not_refused_by_the_cpu_limit(tokenizer) -> None:
+    """Limit 1 s: a small schema's compile sent to a process stopped (SIGSTOP) for 2.5 s of wall
+    time, then let go, compiles (it used ~0.01 s of CPU), and nothing is counted a timeout."""
+    g = _grammars(tokenizer, timeout_s=1.0, workers=1)
+    try:
+        pid = _ready_pid(g)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            fut = g.compile(StructuredOutputSpec("json_schema", SMALL_SCHEMA), "t")
+            time.sleep(2.5)
+            assert not fut.done()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        compiled = fut.result(timeout=30)
+        assert time.monotonic() - t0 >= 2.5
+        assert g.matcher(compiled).accept_string('{"n": 7}')
+        assert g.num_timeouts == 0 and g.processes[0].pid == pid
+    finally:
+        g.close()
+
+
+def test_a_stopped_compiler_is_ended_by_the_wall_clock_bound_and_not_held_against_the_spec(tokenizer) -> None:
+    """Limit 1 s, so a wall bound of 6 s: a compile sent to a stopped process is refused after
+    ~6 s as the node's load ("too busy ... retry later", not "simplify it"), its process
+    replaced; the same spec is compiled when sent again (not remembered as failed)."""
+    from cache_node.grammar_process import WALL_LIMIT_FACTOR
+
+    g = _grammars(tokenizer, timeout_s=1.0, workers=1)
+    try:
+        pid = _ready_pid(g)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        spec = StructuredOutputSpec("json_schema", SMALL_SCHEMA)
+        exc = g.compile(spec, "t").exception(timeout=30)
+        waited = time.monotonic() - t0
+        assert WALL_LIMIT_FACTOR * 1.0 <= waited < WALL_LIMIT_FACTOR * 1.0 + 5, waited
+        assert str(exc).startswith("structured_output json_schema: its grammar compiler had 0.0 s of CPU time in 6 s "
+                                   "(its limit 1 s, grammar_compile_timeout_s): this cache node is too busy"), exc
+        assert g.num_timeouts == 1
+        compiled = g.compile(spec, "t").result(timeout=120)  # on the restarted process
+        assert g.matcher(compiled).accept_string('{"n": 3}') and g.processes[0].pid != pid
+    finally:
+        g.close()
+
+
+@pytest.mark.slow
+def test_a_spec_that_needs_more_cpu_than_the_limit_is_still_refused(tokenizer) -> None:
+    """The 12,000-repetition pattern (~23 s of CPU) under a 1 s limit: refused naming the limit as
+    CPU time, after at least 1 s and before the wall bound, and remembered for its tenant."""
+    g = _grammars(tokenizer, timeout_s=1.0, workers=1)
+    try:
+        _ready_pid(g)
+        t0 = time.monotonic()
+        slow = StructuredOutputSpec("json_schema", json.dumps({"type": "string", "pattern": "(x|y){1,12000}"}))
+        exc = g.compile(slow, "t").exception(timeout=30)
+        waited = time.monotonic() - t0
+        assert 1.0 <= waited < 6.0, waited
+        assert str(exc).startswith("structured_output json_schema: its grammar did not compile within the cache "
+                                   "node's limit of 1 s (grammar_compile_timeout_s) of compiler CPU time; simplify it")
+        assert "refused without compiling" in str(g.compile(slow, "t").exception(timeout=1))
+    finally:
+        g.close()
