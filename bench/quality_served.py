@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -112,8 +113,8 @@ class ServedAsker:
         rows: list[torch.Tensor] = []
         real = eng.runner.execute
 
-        def execute(batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
-            out = real(batch, all_logits)
+        def execute(batch: ScheduledBatch, all_logits: bool = False, **kw: Any) -> torch.Tensor:
+            out = real(batch, all_logits, **kw)  # (``on_hidden``: prompt logprobs)
             rows.extend(out)  # one request runs: a row only when its chunk ends the known tokens
             return out
 
