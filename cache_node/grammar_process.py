@@ -23,6 +23,7 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,11 +108,9 @@ class CompilerProcess:
         """Start the child (reaping one that ended) and wait for its ``ready`` (raises
         ``CompilerDied``)."""
         self.kill()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
             [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, close_fds=True,
+            env=child_env(os.environ), close_fds=True, cwd=Path(tempfile.gettempdir()),
         )
         self.num_starts += 1
         try:
@@ -245,3 +244,20 @@ class CompilerProcess:
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return f"the grammar compiler process ended {when} ({how})"
+
+
+CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
+                             "PYTHONHOME", "OMP_NUM_THREADS"})
+"""What of the node's environment a compiler process gets, with ``CHILD_ENV_PREFIXES``' names."""
+CHILD_ENV_PREFIXES = ("LC_", "XGRAMMAR_", "TVM_FFI_")
+
+
+def child_env(environ: Any) -> dict[str, str]:
+    """A compiler process's environment: the few variables its interpreter and xgrammar read,
+    and ``PYTHONPATH`` with the repository first; nothing else of the node's (its Ray token,
+    admin key, TLS and cloud settings). It runs tenants' specs through a C++ compiler, so it
+    gets what it needs and no credential (review 28a F5; it still runs as the node's user)."""
+    env = {name: value for name, value in environ.items()
+           if name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, environ.get("PYTHONPATH", "")) if p)
+    return env
