@@ -149,7 +149,9 @@ class EngineGrammarsMixin:
                     pending.append(seq)
                 elif seq.grammar.error is not None:
                     self._finish(seq, "rejected")
-                    outputs.append(dataclasses.replace(self._output(seq, ()), error=seq.grammar.error))
+                    outputs.append(dataclasses.replace(self._output(seq, ()), error=seq.grammar.error,
+                                                       error_code=seq.grammar.error_code,
+                                                       retry_after_s=seq.grammar.retry_after_s))
             except Exception:  # one request's failure ends it alone, never the step loop
                 log.exception("request %s: its grammar could not be polled", seq.request_id)
                 self.num_failed_requests += 1

@@ -33,6 +33,24 @@ log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "structured_output: the cache node is shutting down"
 
+BUSY_RETRY_S = 1.0
+"""The retry hint of a compile the node's load starved (as a full compile queue's)."""
+
+
+class GrammarUnavailable(ValueError):
+    """A compile that failed for the node's reasons, not the spec's (its load starved the
+    compiler, the node is shutting down, the compiler failed): the request is refused
+    ``code`` (RESOURCE_EXHAUSTED with a ``retry_after_s`` hint when the node is too busy,
+    else UNAVAILABLE), never INVALID_ARGUMENT, since the same spec may compile on a retry.
+
+    Regression (review 28b F2 follow-up): such refusals were INVALID_ARGUMENT, which clients
+    and the HTTP edge (400) take as "do not retry this body"."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.code = "RESOURCE_EXHAUSTED" if busy else "UNAVAILABLE"
+        self.retry_after_s = BUSY_RETRY_S if busy else 0.0
+
 STOP_TIMEOUT_S = 5.0
 """Longest ``Grammars.close`` waits for its compile threads to reap their processes."""
 
@@ -93,6 +111,7 @@ class Outcome:
     killed: bool = False
     kill: bool = False
     timeout: bool = False
+    busy: bool = False  # (``error``) the node's load starved the compile: retryable soon
     died: bool = False
 
 
@@ -109,7 +128,7 @@ def run_compile(process: CompilerProcess, spec: StructuredOutputSpec, limits: Co
             return Outcome(error=(
                 f"structured_output {kind}: its grammar compiler had {used} of CPU time in {exc.wall_s:.0f} s "
                 f"(its limit {limits.timeout_s:g} s, grammar_compile_timeout_s): this cache node is too busy to "
-                f"compile it now; retry later"), killed=True, timeout=True)
+                f"compile it now; retry later"), killed=True, timeout=True, busy=True)
         return Outcome(failed=(
             f"structured_output {kind}: its grammar did not compile within the cache node's limit of "
             f"{limits.timeout_s:g} s (grammar_compile_timeout_s) of compiler CPU time; simplify it (fewer or "
@@ -145,7 +164,7 @@ def serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes: 
         killed = False
         try:
             if grammars is None:
-                settle(list(job.futures.values()), error=ValueError(SHUTTING_DOWN))
+                settle(list(job.futures.values()), error=GrammarUnavailable(SHUTTING_DOWN))
             else:
                 killed = grammars._run(slot, job)
         except Exception as exc:  # a bug here must not stop the thread nor strand the request
@@ -167,7 +186,7 @@ def stop(lock: threading.Lock, queue: FairCompileQueue[_Job], processes: list[Co
     """``Grammars.close``: fail the queued compiles, kill the running ones, reap every process."""
     with lock:  # ``compile`` adds a tenant's future to a job under it, and joins none once closed
         futures = [f for job in queue.close() for f in job.futures.values()]
-    settle(futures, error=ValueError(SHUTTING_DOWN))
+    settle(futures, error=GrammarUnavailable(SHUTTING_DOWN))
     for process in processes:
         if process is not None:
             process.signal_kill()

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cache_node.grammar_compile import GrammarUnavailable
 from cache_node.grammars import Grammars
 from cache_node.structured_output import StructuredOutputSpec
 
@@ -61,6 +62,8 @@ class GrammarState:
         self.future = grammars.compile(spec, tenant)
         self.matcher: Any = None
         self.error: str | None = None
+        self.error_code = ""  # with ``error``: the status a node-side failure takes ("": INVALID_ARGUMENT)
+        self.retry_after_s = 0.0  # with ``error_code``: the retry hint, s
         self._released = False
         self.num_accepted = 0  # tokens fed to the matcher (this turn's output tokens)
         self.accept_s = 0.0  # the last ``accept_token``'s CPU time (counted in the next step's budget)
@@ -90,6 +93,8 @@ class GrammarState:
         exc = self.future.exception()
         if exc is not None:
             self.error = str(exc) if isinstance(exc, ValueError) else f"structured_output: {type(exc).__name__}: {exc}"
+            if isinstance(exc, GrammarUnavailable):  # the node's fault: a retry may compile it
+                self.error_code, self.retry_after_s = exc.code, exc.retry_after_s
         else:
             try:  # (``Grammars`` built one of this grammar already: a failure here is the node's)
                 self.matcher = self.grammars.matcher(self.future.result())

@@ -51,6 +51,7 @@ from cache_node.grammar_compile import (
     SHUTTING_DOWN,
     STOP_TIMEOUT_S,
     CompileLimits,
+    GrammarUnavailable,
     choice_grammar,
     compile_request,
     resolved,
@@ -176,7 +177,7 @@ class Grammars:
                 return resolved(error=ValueError(
                     f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
             if self._queue.closed:
-                return resolved(error=ValueError(SHUTTING_DOWN))
+                return resolved(error=GrammarUnavailable(SHUTTING_DOWN))
             job = self._compiling.get(key)
             if job is None:
                 job = _Job(key, spec)
@@ -234,7 +235,7 @@ class Grammars:
         self.num_timeouts += outcome.timeout
         self.num_compiler_deaths += outcome.died
         if outcome.text is None:
-            self._finish(job, failed=outcome.failed, error=outcome.error)
+            self._finish(job, failed=outcome.failed, error=outcome.error, busy=outcome.busy)
             if outcome.kill:
                 process.kill()
             return outcome.killed
@@ -282,9 +283,11 @@ class Grammars:
             if not self._queue.closed:  # (else ``close`` killed it)
                 log.error("grammar compiler %d could not restart: %s", slot, exc)
 
-    def _finish(self, job: _Job, compiled: Any = None, failed: str | None = None, error: str | None = None) -> None:
+    def _finish(self, job: _Job, compiled: Any = None, failed: str | None = None, error: str | None = None,
+                busy: bool = False) -> None:
         """End ``job``: its grammar kept (``compiled``), or its spec remembered as failed
-        (``failed``: the spec's fault) or not (``error``: the node's)."""
+        (``failed``: the spec's fault, INVALID_ARGUMENT) or not (``error``: the node's, a
+        ``GrammarUnavailable``; ``busy``: its load starved the compile)."""
         with self._lock:
             if self._compiling.get(job.key) is job:
                 del self._compiling[job.key]
@@ -293,7 +296,9 @@ class Grammars:
                 self._cache.put(job.key, compiled, [tenant for tenant, _ in futures])
             elif failed is not None:
                 self._failed.put(job.key, [tenant for tenant, _ in futures], failed, time.monotonic())
-        settle([f for _, f in futures], compiled, None if compiled is not None else ValueError(failed or error))
+        exc = None if compiled is not None else (
+            ValueError(failed) if failed is not None else GrammarUnavailable(error or "structured_output: not compiled", busy))
+        settle([f for _, f in futures], compiled, exc)
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)

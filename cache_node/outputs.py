@@ -68,6 +68,10 @@ class RequestOutput:
             mid-prompt step's output carries them with no token.
         error: why a request finished "rejected" was refused, naming the request's field
             (its ``structured_output`` does not compile); None: it can never fit the pool.
+        error_code: with ``error``, the gRPC status name when the refusal is the node's, not
+            the request's ("RESOURCE_EXHAUSTED": its load starved the grammar's compile,
+            "UNAVAILABLE": shutting down, the compiler failed); "": INVALID_ARGUMENT.
+        retry_after_s: with ``error_code``, the retry hint (s; 0: none).
     """
 
     request_id: str
@@ -86,6 +90,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] = ()
     error: str | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    error_code: str = ""
+    retry_after_s: float = 0.0
 
 
 class InvalidRequestError(ValueError):

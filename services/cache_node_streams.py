@@ -358,9 +358,12 @@ class Streams:
                 event["logprobs"] = [logprobs_entry(lp.logprob, lp.top) for lp in out.logprobs]
             events.append(event)
         if out.finished and out.finish_reason == "rejected":  # (``error``: e.g. its grammar does not compile)
-            events.append({"type": "error", "code": "INVALID_ARGUMENT",
-                           "message": out.error or "the request can never fit this node's KV pool "
-                                                   f"({self.engine.scheduler.pool_tokens} tokens)"})
+            refusal: Event = {"type": "error", "code": out.error_code or "INVALID_ARGUMENT",
+                              "message": out.error or "the request can never fit this node's KV pool "
+                                                      f"({self.engine.scheduler.pool_tokens} tokens)"}
+            if out.retry_after_s:  # (the node's load: ``GrammarUnavailable``)
+                refusal["retry_after_s"] = out.retry_after_s
+            events.append(refusal)
         elif out.finished and out.finish_reason == "error":
             events.append({"type": "error", "code": "INTERNAL",
                            "message": "this request's step failed on the cache node (see its log); "

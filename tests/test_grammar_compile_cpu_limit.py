@@ -119,6 +119,10 @@ def test_a_stopped_compiler_is_ended_by_the_wall_clock_bound_and_not_held_agains
         assert WALL_LIMIT_FACTOR * 1.0 <= waited < WALL_LIMIT_FACTOR * 1.0 + 5, waited
         assert str(exc).startswith("structured_output json_schema: its grammar compiler had 0.0 s of CPU time in 6 s "
                                    "(its limit 1 s, grammar_compile_timeout_s): this cache node is too busy"), exc
+        # the node's load, not the spec: a retryable status with a hint, not INVALID_ARGUMENT
+        from cache_node.grammar_compile import GrammarUnavailable
+
+        assert isinstance(exc, GrammarUnavailable) and (exc.code, exc.retry_after_s) == ("RESOURCE_EXHAUSTED", 1.0)
         assert g.num_timeouts == 1
         compiled = g.compile(spec, "t").result(timeout=120)  # on the restarted process
         assert g.matcher(compiled).accept_string('{"n": 3}') and g.processes[0].pid != pid
@@ -140,6 +144,7 @@ def test_a_spec_that_needs_more_cpu_than_the_limit_is_still_refused(tokenizer) -
         assert 1.0 <= waited < 6.0, waited
         assert str(exc).startswith("structured_output json_schema: its grammar did not compile within the cache "
                                    "node's limit of 1 s (grammar_compile_timeout_s) of compiler CPU time; simplify it")
+        assert type(exc) is ValueError  # the spec's cost: INVALID_ARGUMENT
         assert "refused without compiling" in str(g.compile(slow, "t").exception(timeout=1))
     finally:
         g.close()
