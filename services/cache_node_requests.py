@@ -38,6 +38,12 @@ from services.node_request import NodeRequest
 log = logging.getLogger(__name__)
 
 
+MAX_RERENDERS = 2
+"""Times a chat request whose render went stale is queued to render again, off the step thread
+(``Requests._prompt_of``); past it the step thread renders it (each needs a turn of its session to
+end meanwhile, so a request is stale this often only when sent with its session's other turns)."""
+
+
 class SessionGone(Exception):
     """A turn routed to its session's node finds no session there (``NodeRequest.continues_session``).
 
@@ -204,7 +210,10 @@ class Requests:
         Regression (review 28a F4): a stale render was redone here, on the step thread: a
         tenant sending a short turn and a 640K-character turn of one session together (the
         short one ending while the long one rendered) had the long one rendered on the step
-        thread, which stopped every tenant's streams for 0.25-1.9 s.
+        thread, which stopped every tenant's streams for 0.25-1.9 s. At most
+        ``MAX_RERENDERS`` times a request, then here (review 28l F1: an opening turn whose id
+        another tenant's session holds never matched its render, and went round ~8,500 times
+        a second, never answered).
 
         Raises:
             ValueError: what rendering raised (``_prompt``).
@@ -217,7 +226,9 @@ class Requests:
             if isinstance(rendered[2], Exception):
                 raise rendered[2]
             return rendered[2]
-        if req.messages and self.templater is not None and self._queue_render(stream):
+        if (req.messages and self.templater is not None and stream.rerenders < MAX_RERENDERS
+                and self._queue_render(stream)):
+            stream.rerenders += 1
             return None
         return self._prompt(req, history)
 

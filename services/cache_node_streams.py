@@ -123,6 +123,7 @@ class _Stream:
     # rendered ahead
     rendered: tuple[list[int] | None, int, list[int] | Exception] | None = None
     history: list[int] | None = None  # its session's history when it started (None: none)
+    rerenders: int = 0  # times its render went stale and it was queued to render again
 
     def __post_init__(self) -> None:
         if self.request.sampling.stop:

@@ -462,7 +462,7 @@ class NodeStreams:
                 for sender, buffer in held.buffers.items():  # in order, from it alone
                     if sender == node_id:
                         while not buffer.empty():
-                            self._put(request_id, entry, buffer.get_nowait())
+                            self._put(request_id, entry, self._counted(entry, buffer.get_nowait()))
                     else:
                         self._drop("event", PermissionError(f"{sender} sent {buffer.qsize()} events for a "
                                                             f"request on {node_id}"), count=buffer.qsize())
@@ -536,13 +536,10 @@ class NodeStreams:
                 if isinstance(checked, dict):
                     try:
                         data_plane.check_logprobs_asked(checked, entry.logprobs, entry.prompt_logprobs)
-                        entry.check_prompt_count(checked)
                     except ValueError as exc:
                         self._drop("event", exc)
                         checked = exc
-                event = checked if isinstance(checked, dict) else _unavailable(
-                    f"a cache node sent a malformed event for this request ({type(checked).__name__}: "
-                    f"{str(checked)[:200]})")
+                event = checked if isinstance(checked, dict) else _malformed(checked)
                 if self._per_node_keys and not entry.node_id:  # its node is not known yet: held
                     self._hold(request_id, sender, event)  # for ``bind``
                     continue
@@ -550,6 +547,7 @@ class NodeStreams:
                     self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
                                                         f"for a request on {entry.node_id}"))
                     continue
+                event = self._counted(entry, event)
                 self._put(request_id, entry, event)
                 if event.get("prompt_logprobs"):
                     # one step's prompt entries come as several deltas in one frame (~134 KB
@@ -559,6 +557,19 @@ class NodeStreams:
                     # stream's 1 MiB bound before the HTTP edge's reader ran, and the request
                     # failed 429 "the client did not read this stream" after its prefill.
                     await asyncio.sleep(0)
+
+    def _counted(self, entry: _Entry, event: dict[str, Any]) -> dict[str, Any]:
+        """``event`` from the node serving the request, past ``_Entry.check_prompt_count``
+        (which keeps count of the prompt's entries), else the malformed-event error. Counted
+        only once its sender is known to be that node. Regression (review 28l F5): the count
+        ran before the sender check, so another node's forged event, though dropped, moved it,
+        and the serving node's correct entries then failed as malformed."""
+        try:
+            entry.check_prompt_count(event)
+        except ValueError as exc:
+            self._drop("event", exc)
+            return _malformed(exc)
+        return event
 
     def _hold(self, request_id: str, sender: str | None, event: dict[str, Any]) -> None:
         """Hold ``event`` from ``sender`` for ``request_id``'s ``bind``, bounded per sender (one
@@ -605,3 +616,9 @@ class NodeStreams:
 
 def _unavailable(reason: str) -> dict[str, Any]:
     return {"type": "error", "code": "UNAVAILABLE", "message": f"{reason}; retry the request"}
+
+
+def _malformed(exc: BaseException) -> dict[str, Any]:
+    """The UNAVAILABLE error that ends a stream a cache node sent a malformed event for."""
+    return _unavailable(f"a cache node sent a malformed event for this request ({type(exc).__name__}: "
+                        f"{str(exc)[:200]})")

@@ -415,3 +415,47 @@ def test_a_node_cannot_write_into_another_nodes_streams(plane: Plane) -> None:
     events, dropped = plane.run(go())
     assert events[-1]["type"] == "finished" and dropped == 2
     assert all("PWNED" not in e.get("text", "") for e in events)
+
+
+def test_another_nodes_event_does_not_move_a_streams_prompt_logprobs_count(plane: Plane) -> None:
+    """Review 28l F5: the gateway counted an event's prompt-logprobs entries before it checked
+    the event's sender, so another node's event, though dropped, used up the stream's count and
+    the serving node's correct entries then ended the stream as malformed (UNAVAILABLE). Now
+    only the serving node's events are counted."""
+    from services.node_request import prompt_logprobs_entry
+
+    prompt = (3, 42, 7, 42)
+
+    def entries(*tokens: int) -> list[list[Any]]:
+        return [prompt_logprobs_entry(t, -1.0, 1, [(t, -1.0), (9, -2.0)]) for t in tokens]
+
+    def delta(*tokens: int) -> dict[str, Any]:
+        return {"type": "delta", "token_ids": [], "text": "", "prompt_logprobs": entries(*tokens)}
+
+    async def send(node_id: str, items: list[list[Any]]) -> None:
+        sock = data_plane.context(asyncio_=True).socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        plane.keys.security("node", node_id=node_id).connect_to(sock, "gateway")
+        sock.connect(plane.streams.subscriber)
+        await asyncio.wait_for(sock.send(data_plane.pack(items)), 60)
+        await asyncio.sleep(0.3)
+        sock.close(linger=0)
+
+    async def go() -> list[dict[str, Any]]:
+        queue = plane.streams.open("pl", prompt_logprobs=2, prompt=prompt)
+        try:
+            plane.streams.bind("pl", "n0")  # (never admitted: only these sockets send for it)
+            started = {"type": "started", "request_id": "pl", "node_id": "n0", "prompt_tokens": 4}
+            await send("n0", [["pl", started]])
+            await send("n1", [["pl", delta(42, 7, 42)]])  # another node's: dropped, counts nothing
+            await send("n0", [["pl", delta(42, 7, 42)], ["pl", {"type": "delta", "token_ids": [5], "text": "x"}]])
+            got = [await asyncio.wait_for(queue.get(), 30)]  # (deltas the reader did not take coalesce)
+            while got[-1]["type"] != "error" and 5 not in got[-1].get("token_ids", ()):
+                got.append(await asyncio.wait_for(queue.get(), 30))
+            return got
+        finally:
+            plane.streams.close("pl")
+
+    got = plane.run(go())
+    assert got[0]["type"] == "started" and all(e["type"] == "delta" for e in got[1:]), got
+    assert [e[0] for d in got[1:] for e in d.get("prompt_logprobs", ())] == [42, 7, 42]

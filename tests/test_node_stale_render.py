@@ -71,3 +71,38 @@ def test_a_stale_render_is_redone_off_the_step_thread(node, monkeypatch) -> None
     history = node.engine.session_history(SESSION)
     assert history is not None and len(history) == long[0]["prompt_tokens"] + 2
     asyncio.run(node.close_session(SESSION, "t"))
+
+
+def test_a_turn_whose_render_never_matches_is_rendered_again_a_bounded_number_of_times(node, monkeypatch) -> None:
+    """Review 28l F1: an opening turn whose session id another tenant's session holds never
+    matched its render (rendered without history, compared with the held session's), and was
+    queued to the renderer again ~8,500 times a second, never answered. Now at most
+    ``MAX_RERENDERS`` times; then the step thread renders it and the engine refuses it
+    PERMISSION_DENIED, as before the requeue."""
+    from services.cache_node_requests import MAX_RERENDERS
+
+    renders: list[str] = []
+    real = CacheNode._prompt
+
+    def prompt(self, req, history):  # type: ignore[no-untyped-def]
+        renders.append(req.request_id)
+        return real(self, req, history)
+
+    monkeypatch.setattr(CacheNode, "_prompt", prompt)
+
+    def opening(rid: str, tenant: str) -> NodeRequest:
+        return NodeRequest(request_id=rid, tenant=tenant, cache_namespace=f"tenant:{tenant}", session_id="shared",
+                           messages=({"role": "user", "content": "Hello there."},), opens_session=True,
+                           sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+
+    async def run(req: NodeRequest) -> list[dict]:
+        return [e async for e in node.generate(req)]
+
+    async def scenario() -> list[dict]:
+        assert (await run(opening("a1", "a")))[-1]["type"] == "finished"
+        return await asyncio.wait_for(run(opening("b1", "b")), 30)
+
+    events = asyncio.run(scenario())
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "PERMISSION_DENIED", events[-1]
+    assert renders.count("b1") == 1 + MAX_RERENDERS + 1, renders  # first, again twice, then on the step thread
+    asyncio.run(node.close_session("shared", "a"))
