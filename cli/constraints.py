@@ -91,14 +91,19 @@ def constraints(json_object: bool, json_schema: str | None, regex: str | None, c
     chosen = [option for option, value in given.items() if value is not None]
     if len(chosen) > 1:
         raise typer.BadParameter(f"give one structured output, got {' and '.join(chosen)}")
-    try:
-        spec = None
-        if chosen:
-            option = chosen[0]
+    spec = None
+    if chosen:
+        option = chosen[0]
+        try:
             spec = StructuredOutputSpec(KINDS[option], spec_text(option, given[option] or ""))
-        params = SamplingParams(logit_bias=logit_bias_pairs(logit_bias or []),
-                                allowed_token_ids=list(allowed_token_ids) if allowed_token_ids else None,
-                                structured_output=spec)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=option) from None
+    fields = {"--logit-bias": {"logit_bias": logit_bias_pairs(logit_bias or [])},
+              "--allowed-token-id": {"allowed_token_ids": list(allowed_token_ids) if allowed_token_ids else None}}
+    for option, field in fields.items():  # each checked alone, so an error names its option
+        try:
+            SamplingParams(**field)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint=option) from None
+    params = SamplingParams(**fields["--logit-bias"], **fields["--allowed-token-id"], structured_output=spec)
     return Constraints(params.structured_output, params.logit_bias, params.allowed_token_ids or ())

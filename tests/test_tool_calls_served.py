@@ -253,6 +253,17 @@ def test_auto_reads_hermes_tool_calls(hermes: openai.OpenAI, served: Served) -> 
     assert (content, calls, finish) == (plain.message.content, {}, "length")
 
 
+def test_a_streamed_auto_answer_sends_no_chunk_that_says_nothing(hermes: openai.OpenAI, served: Served) -> None:
+    """Trial 28k F1: text the hermes parser held back (a call being read) went out as a chunk
+    with ``delta: {}``, one per token (58 before one call's finish chunk); vLLM sends none."""
+    forced = {"tools": TOOLS, "extra_body": {"structured_outputs": {"regex": CALL_REGEX}}, "max_tokens": 80,
+              "temperature": 0.0, "stream": True}
+    chunks = list(_create(hermes, served, **forced))
+    silent = [c for c in chunks if c.choices and c.choices[0].finish_reason is None
+              and c.choices[0].logprobs is None and c.choices[0].delta.model_dump(exclude_none=True) == {}]
+    assert not silent and chunks[-1].choices[0].finish_reason == "tool_calls", len(silent)
+
+
 def test_tool_call_arguments_are_json_text(hermes: openai.OpenAI, served: Served,
                                            no_whitespace: dict[str, float]) -> None:
     """auto: ``"arguments": "Paris"`` (a str) is the call's arguments as JSON text, ``"Paris"``

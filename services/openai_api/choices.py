@@ -71,7 +71,7 @@ from services.openai_api.context import CallAborted, HttpCallContext
 from services.openai_api.errors import _gone, refusal_about
 from services.openai_api.logprobs import Logprobs
 from services.openai_api.prompt_logprobs import PromptExtras
-from services.openai_api.responses import Generation, sse, usage_dict
+from services.openai_api.responses import Generation, says_nothing, sse, usage_dict
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.streaming import (
     ClientGone,
@@ -309,7 +309,8 @@ class Choices:
                 g = gens[i]
                 chunk = g.chunk(None, g.finish_reason, include_usage=include_usage) if text is None else (
                     g.chunk(text, include_usage=include_usage))
-                yield sse(chunk)
+                if not says_nothing(chunk):
+                    yield sse(chunk)
             if include_usage:
                 body = gens[0]._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
                 yield sse({**body, **_usage(gens)})

@@ -195,3 +195,13 @@ class Generation:
                               [self._choice(text, self.finish_reason, whole=True)])
         body["usage"], body["kvstrata"] = self.usage(), self.server
         return body | self.body_fields()
+
+
+def says_nothing(chunk: dict[str, Any]) -> bool:
+    """A streamed chat chunk whose one choice has an empty delta, no logprobs and no finish
+    reason (text a tool-call parser holds back): not sent, as vLLM sends none. Regression (trial
+    28k F1): a streamed ``tool_choice: "auto"`` answer sent a ``delta: {}`` chunk for every
+    token held back, 58 before one call's finish chunk."""
+    choices = chunk.get("choices") or ()
+    return (len(choices) == 1 and choices[0].get("delta") == {} and choices[0].get("logprobs") is None
+            and choices[0].get("finish_reason") is None)

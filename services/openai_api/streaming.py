@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from services.gateway import StreamWriter
 from services.openai_api.context import CallAborted
 from services.openai_api.errors import _gone
-from services.openai_api.responses import Generation, sse
+from services.openai_api.responses import Generation, says_nothing, sse
 from services.openai_api.scope_hooks import end_unfinished, streamed
 
 T = TypeVar("T")
@@ -111,7 +111,9 @@ async def _stream(generation: Generation, include_usage: bool,
         if generation.chat:
             yield sse(generation.chunk("", first=True, include_usage=include_usage))
         async for text in pieces:
-            yield sse(generation.chunk(text, include_usage=include_usage))
+            chunk = generation.chunk(text, include_usage=include_usage)
+            if not says_nothing(chunk):
+                yield sse(chunk)
         yield sse(generation.chunk(None, generation.finish_reason, include_usage=include_usage))
         if include_usage:
             yield sse(generation.usage_chunk())
