@@ -21,8 +21,9 @@ nothing a library prints there can mix into the replies).
   ``["ok", compiled_grammar_json]`` (``CompiledGrammar.serialize_json()``) or
   ``["error", message]``.
 
-The child runs at niceness 19 (``_lower_priority``): its compiles take only CPU the node's
-model leaves, and their time limit counts its CPU time (``grammar_process``).
+The child compiles at niceness 19 (``_lower_priority``, once its import is done): its compiles
+take only CPU the node's model leaves, and their time limit counts its CPU time
+(``grammar_process``).
 
 The child (``python -m cache_node.grammar_worker <parent pid>``) ends when its stdin closes,
 and when its parent dies (``PR_SET_PDEATHSIG`` and a thread watching its parent's pid), so no
@@ -117,12 +118,15 @@ WORKER_NICENESS = 19
 
 
 def _lower_priority() -> None:
-    """Run at niceness ``WORKER_NICENESS`` from the start (the import too), so that compiles, which
+    """Run at niceness ``WORKER_NICENESS`` from the end of the import on, so that compiles, which
     any tenant can ask for, take only CPU the node's model leaves (review 28b F2: at the node's
-    priority, two workers compiling on a 2-core node slowed every tenant's decode 3-16x).
-    ``SCHED_IDLE`` is not used: it starved the import ~1.7x more than niceness 19 on a loaded
-    host, for little more yield. The compile's time limit counts this process's CPU time
-    (``grammar_process``), so a compile slowed by the node's load is not refused for it."""
+    priority, two workers compiling on a 2-core node slowed every tenant's decode 3-16x). The
+    import (xgrammar, torch: a few CPU seconds, once per process) runs at the node's priority:
+    niced, a busy node starved it 30-45 s after each refusal that replaced a process, and
+    every tenant's compiles waited (review 28l F3). ``SCHED_IDLE`` is not used: it starved work
+    ~1.7x more than niceness 19 on a loaded host, for little more yield. The compile's time
+    limit counts this process's CPU time (``grammar_process``), so a compile slowed by the
+    node's load is not refused for it."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICENESS)
     except (AttributeError, OSError):  # no such call here, or not permitted: at the node's priority
@@ -175,6 +179,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the node caches
     del info_json, body
     _cap_memory(int(memory_bytes))
+    _lower_priority()  # (the import above ran at the node's priority: review 28l F3)
     replies.write(frame(["ready", getattr(xgrammar, "__version__", "")]))
     replies.flush()
     while (body := read_frame_blocking(requests, MAX_REQUEST_BYTES)) is not None:
@@ -194,7 +199,6 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
 
 def main() -> None:
     _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
-    _lower_priority()
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a library's prints go to stderr, never into the replies
     sys.stdout = sys.stderr

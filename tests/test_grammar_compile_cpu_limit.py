@@ -63,7 +63,8 @@ def _nice(pid: int) -> int:
 
 
 def test_a_compiler_process_runs_at_niceness_19(tokenizer) -> None:
-    """Every compiler process, a restarted one too, at niceness 19; the node's own unchanged."""
+    """Every compiler process, a restarted one too, at niceness 19 once ready; the node's own
+    unchanged."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
     g = _grammars(tokenizer, workers=2)
     try:
@@ -78,6 +79,27 @@ def test_a_compiler_process_runs_at_niceness_19(tokenizer) -> None:
         assert os.getpriority(os.PRIO_PROCESS, g.processes[0].pid) == 19
     finally:
         g.close()
+
+
+def test_a_compiler_process_imports_at_the_nodes_priority() -> None:
+    """Its start (the import, before the ``init`` frame and the ``ready`` reply) runs at the
+    node's niceness; only its compiles at 19. Regression (review 28l F3): niced from the start,
+    the import (a few CPU seconds) took 30-45 s on a busy node after each refusal that replaced
+    a process, and every tenant's compiles waited."""
+    import subprocess
+    import sys
+
+    from cache_node.grammar_process import child_env
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    proc = subprocess.Popen([sys.executable, "-m", "cache_node.grammar_worker", str(os.getpid())],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(os.environ))
+    try:
+        time.sleep(2.0)  # started, waiting for its init frame (nothing imported yet)
+        assert proc.poll() is None and _nice(proc.pid) == own
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_a_compile_starved_of_cpu_is_not_refused_by_the_cpu_limit(tokenizer) -> None:
