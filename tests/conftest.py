@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -98,6 +99,27 @@ def make_engine(lm: LoadedModel, **overrides: int) -> LLMEngine:
     cfg = {"block_size": 16, "kv_pool_bytes": 1 << 20, "max_num_batched_tokens": 64, "max_num_seqs": 8}
     cfg.update(overrides)
     return LLMEngine(lm.model, EngineConfig(**cfg), lm.model_id, lm.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def grammar_tokenizer() -> Any:
+    """SmolLM2's tokenizer, for the grammar compiler tests (skipped without xgrammar)."""
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from cache_node.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def make_grammars(tokenizer: Any, **limits: Any) -> Any:
+    """A ``Grammars`` for SmolLM2's vocabulary with ``CompileLimits(**limits)`` (real compiler
+    processes); the caller closes it."""
+    from cache_node.grammars import CompileLimits, Grammars
+
+    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
+    assert isinstance(made, Grammars), made
+    return made
 
 
 def node_metric(eng: LLMEngine, sample: str) -> float:

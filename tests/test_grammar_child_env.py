@@ -13,18 +13,8 @@ from typing import Any
 import pytest
 
 from cache_node.grammar_process import child_env
-from tests.test_grammar_compile_cpu_limit import _grammars, _ready_pid
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    pytest.importorskip("xgrammar")
-    from transformers import AutoTokenizer
-
-    from cache_node.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
-
+from tests.conftest import make_grammars
+from tests.test_grammar_compile_cpu_limit import _ready_pid
 
 SECRETS = {"KVSTRATA_ADMIN_KEY": "admin-secret", "RAY_AUTH_TOKEN": "ray-secret", "AWS_SECRET_ACCESS_KEY": "aws"}
 
@@ -38,10 +28,10 @@ def test_child_env_keeps_what_the_interpreter_needs_and_nothing_else() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
-def test_a_compiler_process_holds_no_credential_of_the_node(hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_compiler_process_holds_no_credential_of_the_node(grammar_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    g = _grammars(hf_tokenizer, timeout_s=30.0, workers=1)
+    g = make_grammars(grammar_tokenizer, timeout_s=30.0, workers=1)
     try:
         pid = _ready_pid(g)
         environ = dict(item.split("=", 1) for item in

@@ -23,27 +23,19 @@ from typing import Any
 import pytest
 
 from cache_node.structured_output import StructuredOutputSpec
+from tests.conftest import make_grammars
 
 SMALL_SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
                            "required": ["n"], "additionalProperties": False})
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    pytest.importorskip("xgrammar")
-    from transformers import AutoTokenizer
-
-    from cache_node.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+def tokenizer(grammar_tokenizer: Any) -> Any:
+    return grammar_tokenizer
 
 
 def _grammars(tokenizer: Any, **limits: Any) -> Any:
-    from cache_node.grammars import CompileLimits, Grammars
-
-    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
-    assert isinstance(made, Grammars), made
-    return made
+    return make_grammars(tokenizer, **limits)
 
 
 def _ready_pid(g: Any, slot: int = 0) -> int:

@@ -29,6 +29,7 @@ from cache_node.grammar_queue import FairCompileQueue
 from cache_node.outputs import GrammarQueueFull
 from cache_node.sampling_params import SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
+from tests.conftest import make_grammars
 
 SLOW_SCHEMA = json.dumps({"type": "string", "pattern": "(x|y){1,12000}"})  # ~23 s to compile here (``_slow``)
 SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -227,21 +228,12 @@ def test_a_compiler_that_misbehaves_is_killed_and_named(mode: str, message: str)
 # ---- compiler processes (the real xgrammar, SmolLM2's tokenizer) ------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    pytest.importorskip("xgrammar")
-    from transformers import AutoTokenizer
-
-    from cache_node.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+def tokenizer(grammar_tokenizer: Any) -> Any:
+    return grammar_tokenizer
 
 
 def _grammars(tokenizer: Any, **limits: Any) -> Any:
-    from cache_node.grammars import CompileLimits, Grammars
-
-    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
-    assert isinstance(made, Grammars), made
-    return made
+    return make_grammars(tokenizer, **limits)
 
 
 def _warm(g: Any) -> list[int]:

@@ -15,6 +15,7 @@ import pytest
 
 from cache_node.grammar_cache import FailedSpecs
 from cache_node.structured_output import StructuredOutputSpec
+from tests.conftest import make_grammars
 
 REFUSED = "refused without compiling"
 
@@ -45,21 +46,12 @@ def test_failed_specs_are_remembered_per_tenant_within_their_bounds() -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    pytest.importorskip("xgrammar")
-    from transformers import AutoTokenizer
-
-    from cache_node.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+def tokenizer(grammar_tokenizer: Any) -> Any:
+    return grammar_tokenizer
 
 
 def _grammars(tokenizer: Any, **limits: Any) -> Any:
-    from cache_node.grammars import CompileLimits, Grammars
-
-    made = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(**limits))
-    assert isinstance(made, Grammars), made
-    return made
+    return make_grammars(tokenizer, **limits)
 
 
 def _error(future: Any) -> str:
