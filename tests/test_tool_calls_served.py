@@ -293,6 +293,10 @@ def _fn(name: str, **more: Any) -> dict[str, Any]:
     ({"tools": [_fn(f"f{i}") for i in range(129)]}, "tools", "List should have at most 128 items"),
     ({"tools": []}, "tools", "must hold at least one tool"),
     ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type", "Input should be 'function'"),
+    ({"tools": [_fn("f", parameters={"enum": ["Paris", "Rome"]})]}, "tools.0.function.parameters",
+     "must be an object's schema (OpenAI's: the root is an object, not 'enum')"),  # (review 28l F4)
+    ({"tools": [_fn("f", parameters={"type": "object", "anyOf": [{"type": "integer"}]})]},
+     "tools.0.function.parameters", "not 'anyOf'"),
     ({"tools": [_fn("f", parameters={"a": {"b": 1}} | {"x": json.loads("[" * 40 + "]" * 40)})]},
      "tools.0.function.parameters", "the schema nests more than 32 levels deep"),
     ({"tools": [_fn(f"f{i}", description="d" * 4000) for i in range(70)]}, "tools", "at most 262144 are allowed"),

@@ -6,7 +6,8 @@ response side is ``services.openai_api.tool_calls``.
 - ``tools``: 1 to ``MAX_TOOLS`` ``{"type": "function", "function": {"name", "description",
   "parameters", "strict"}}``, each name OpenAI's pattern ``^[a-zA-Z0-9_-]{1,64}$`` and unique,
   each ``parameters`` a JSON schema object at most ``MAX_SCHEMA_DEPTH`` deep whose top-level
-  ``"type"``, when given, is ``"object"`` (a call's arguments are an object), all of them at most
+  ``"type"``, when given, is ``"object"`` and that uses none of ``NOT_OBJECT_KEYWORDS`` at its
+  root (``enum``, ``anyOf``, ...: a call's arguments are an object), all of them at most
   ``MAX_TOOLS_CHARS`` characters as JSON. They go to the chat template
   (``apply_chat_template(tools=...)``, rendered on the gateway's worker thread): a template that
   renders tools shows them to the model, one that does not (SmolLM2's) leaves them out, as
@@ -58,6 +59,11 @@ TOOL_PARSERS = ("hermes",)
 """The server's ``tool_call_parser`` values ("" = off: ``tool_choice`` "auto" is refused)."""
 
 
+NOT_OBJECT_KEYWORDS = frozenset({"enum", "const", "anyOf", "oneOf", "allOf", "not", "items", "prefixItems"})
+"""Top-level schema keywords a tool's ``parameters`` may not use: each makes the root something
+other than one object (the compiler honours them over ``"type"``), as OpenAI refuses them there."""
+
+
 class FunctionDef(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -73,6 +79,10 @@ class FunctionDef(Strict):
             given = json.dumps(value["type"], ensure_ascii=False)
             given = given if len(given) <= 64 else given[:61] + "..."
             raise ValueError(f'must be an object\'s schema (OpenAI\'s): its "type" is {given}, not "object"')
+        other = sorted(NOT_OBJECT_KEYWORDS & set(value))
+        if other:  # (review 28l F4: {"enum": ["Paris"]} passed, and a named call's arguments were "Paris")
+            raise ValueError(f"must be an object's schema (OpenAI's: the root is an object, not {other[0]!r}); "
+                             "put the alternatives inside its properties")
         return value
 
     def params_schema(self) -> dict[str, Any]:
