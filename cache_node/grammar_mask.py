@@ -102,6 +102,7 @@ class GrammarState:
                 log.error("structured_output: a compiled grammar could not make a matcher: %s: %s",
                           type(exc).__name__, exc)
                 self.error = "structured_output: the compiled grammar could not be used (see the cache node's log)"
+                self.error_code = "INTERNAL"  # the node's fault, not the request's
         return True
 
 
