@@ -100,10 +100,11 @@ def constraints(json_object: bool, json_schema: str | None, regex: str | None, c
             raise typer.BadParameter(str(exc), param_hint=option) from None
     fields = {"--logit-bias": {"logit_bias": logit_bias_pairs(logit_bias or [])},
               "--allowed-token-id": {"allowed_token_ids": list(allowed_token_ids) if allowed_token_ids else None}}
+    checked = {}
     for option, field in fields.items():  # each checked alone, so an error names its option
         try:
-            SamplingParams(**field)
+            checked[option] = SamplingParams(**field)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint=option) from None
-    params = SamplingParams(**fields["--logit-bias"], **fields["--allowed-token-id"], structured_output=spec)
-    return Constraints(params.structured_output, params.logit_bias, params.allowed_token_ids or ())
+    return Constraints(spec, checked["--logit-bias"].logit_bias,
+                       checked["--allowed-token-id"].allowed_token_ids or ())

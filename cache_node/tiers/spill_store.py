@@ -398,11 +398,10 @@ class SpillStore:
             return [b""] * len(hashes)
         if len(token_ids) != len(hashes):
             raise ValueError(f"token_ids has {len(token_ids)} blocks for {len(hashes)} hashes")
-        for ids in token_ids:
-            if len(ids) > MAX_BLOCK_TOKEN_IDS:
-                raise ValueError(f"a block's token_ids holds {len(ids)} ids: at most {MAX_BLOCK_TOKEN_IDS}")
         out = []
         for ids in token_ids:
+            if len(ids) > MAX_BLOCK_TOKEN_IDS:  # (counted before it is converted)
+                raise ValueError(f"a block's token_ids holds {len(ids)} ids: at most {MAX_BLOCK_TOKEN_IDS}")
             arr = np.asarray(ids)
             if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= 1 << 31)):
                 raise ValueError("token_ids must be lists of integers in [0, 2**31)")
