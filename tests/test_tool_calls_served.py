@@ -282,6 +282,13 @@ def test_tool_call_arguments_are_json_text(hermes: openai.OpenAI, served: Served
     assert finish == "stop" and [c["arguments"] for c in calls.values()] == [text]
 
 
+def _calling(*ids: str) -> dict[str, Any]:
+    """An assistant message of the history calling ``get_weather`` once per id."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        for i in ids]}
+
+
 def _fn(name: str, **more: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, **more}}
 
@@ -317,12 +324,32 @@ def _fn(name: str, **more: Any) -> dict[str, Any]:
      "messages.0.tool_calls", "applies to assistant messages, not to role 'user'"),
     ({"messages": [*MESSAGES, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
      "messages.1.function_call", "the deprecated function_call is not served"),
+    # OpenAI's: a tool message names the call it answers, one of an earlier assistant message's
+    ({"messages": [*MESSAGES, {"role": "tool", "content": "sunny"}]}, "messages.1.tool_call_id",
+     "required on a tool message"),
+    ({"messages": [*MESSAGES, {"role": "tool", "content": "sunny", "tool_call_id": None}]},
+     "messages.1.tool_call_id", "required on a tool message"),
+    ({"messages": [*MESSAGES, _calling("call_1"), {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}]},
+     "messages.2.tool_call_id", "'call_2' answers no tool call of an earlier assistant message"),
+    ({"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, _calling("call_1")]},
+     "messages.1.tool_call_id", "'call_1' answers no tool call of an earlier assistant message"),
 ])
 def test_bad_tool_input_is_a_400_naming_the_field(served: Served, fields: dict[str, Any], param: str,
                                                   message: str) -> None:
     status, body = served.post("/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **fields})
     assert status == 400, body
     assert body["error"]["param"] == param and message in body["error"]["message"], body
+
+
+def test_a_tool_result_is_matched_only_against_the_requests_own_calls(served: Served) -> None:
+    """A tool message answering a call of any earlier assistant message is served (not only the
+    one just before it); with no assistant tool calls in the request (a client that trimmed its
+    history, as vLLM serves it) its ``tool_call_id`` is not matched against anything."""
+    for messages in ([*MESSAGES, _calling("call_1", "call_2"), {"role": "tool", "tool_call_id": "call_2", "content": "a"},
+                      {"role": "user", "content": "and?"}, {"role": "tool", "tool_call_id": "call_1", "content": "b"}],
+                     [*MESSAGES, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]):
+        status, body = served.post("/chat/completions", {"messages": messages, "max_tokens": 1})
+        assert status == 200, body
 
 
 def test_completions_still_refuse_tools(served: Served) -> None:

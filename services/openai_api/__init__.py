@@ -6,6 +6,7 @@ actor's event loop, a thin edge over the same call path as gRPC's ``Generate``.
 - ``errors``: OpenAI-shaped error responses.
 - ``streaming``: writing responses, and noticing a client that has gone.
 - ``schemas``: request bodies (pydantic) -> ``services.gateway_inputs.GenerateInput``.
+- ``tokenize``: vLLM's ``/tokenize`` and ``/detokenize`` bodies and answers.
 - ``responses``: node events -> OpenAI response bodies, chunks and usage.
 - ``context``: the call context the gateway's path uses, and OpenAI-shaped errors.
 - ``server``: uvicorn on the running loop.

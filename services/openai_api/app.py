@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` and
-the extension ``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``).
+``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
+vLLM's ``POST /tokenize`` and ``POST /detokenize`` (``tokenize``) and the extension
+``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``).
 Every response carries its request's id in ``X-Request-Id`` (the client's, when it sent a
 valid one: ``request_ids``).
 
@@ -23,7 +24,8 @@ queued on its node, prefilling or generating; ``unless_gone``).
 Where its parts live: ``bodies`` (reading and parsing a body within bounds), ``errors`` (the
 error responses in OpenAI's shape that the handlers return), ``streaming`` (writing a response,
 streamed or whole, and watching for the client leaving), ``choices`` (a body with ``n`` > 1:
-n requests, started all or none, in one response). This module keeps the edge
+n requests, started all or none, in one response), ``tokenize`` (``/tokenize`` and
+``/detokenize``: the gateway's tokenizer, no node asked). This module keeps the edge
 (``OpenAIEdge``) and the routes (``create_app``), and re-exports those modules' names, so
 ``from services.openai_api.app import ...`` keeps working.
 """
@@ -64,6 +66,7 @@ from services.openai_api.context import (
 from services.openai_api.errors import (
     INVALID,  # noqa: F401 - re-exported
     _gone,
+    field_refusal,
     framework_error,
     invalid,
     refusal_about,
@@ -74,6 +77,7 @@ from services.openai_api.logprobs import (
     TokenTexts,
     check_whole_logprobs,
 )
+from services.openai_api.messages import check_tool_answers
 from services.openai_api.prompt_logprobs import PromptExtras
 from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
@@ -88,6 +92,7 @@ from services.openai_api.streaming import (
     unless_gone,
     until_gone,  # noqa: F401 - re-exported
 )
+from services.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, tokenize_answer
 from services.openai_api.tools import TOOL_PARSERS
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
 
@@ -171,14 +176,17 @@ class OpenAIEdge:
                 body = kind.model_validate(load_json(data))
         finally:
             hold.release()
-        if not self.serves(body.model):  # type: ignore[attr-defined]
-            raise self.no_such_model(body.model)  # type: ignore[attr-defined]
-        self.check_whole(body, tenant)
+        model = body.model  # type: ignore[attr-defined]
+        if model is not None and not self.serves(model):  # (None: /tokenize's default, this model)
+            raise self.no_such_model(model)
+        if isinstance(body, (ChatCompletionRequest, CompletionRequest)):
+            self.check_whole(body, tenant)
         if isinstance(body, ChatCompletionRequest):
             self.check_tools(body)
-        if not body.stream:  # type: ignore[attr-defined]
+        if not getattr(body, "stream", False):
             self.responses.check_room(tenant.tenant_id)
         request.state.tenant_id = tenant.tenant_id  # (``render``'s turn on a worker thread)
+        request.state.tenant = tenant  # (``tokenize``'s max_model_len)
         return body
 
     def check_whole(self, body: Any, tenant: Any) -> None:
@@ -208,7 +216,13 @@ class OpenAIEdge:
     def check_tools(self, body: ChatCompletionRequest) -> None:
         """A 400 naming ``tool_choice`` for "auto" (the default with tools) while the server reads
         no tool calls (``tool_call_parser`` off), as vLLM refuses it without
-        ``--enable-auto-tool-choice --tool-call-parser``; or for a choice ``tools`` do not allow."""
+        ``--enable-auto-tool-choice --tool-call-parser``; or for a choice ``tools`` do not allow.
+        A 400 naming ``messages.N.tool_call_id`` for a tool message answering no earlier
+        assistant message's tool call (``messages.check_tool_answers``)."""
+        try:
+            check_tool_answers(body.messages)
+        except ValueError as exc:
+            raise field_refusal(exc) from None
         try:
             mode = body.tool_mode()
         except ValueError as exc:
@@ -261,6 +275,39 @@ class OpenAIEdge:
             text = prompt if isinstance(prompt, str) else tokenizer.decode(tokens) if tokenizer is not None else ""
         return PromptExtras(tokens[0], body.prompt_logprobs, text, body.logprobs if echo else None,  # type: ignore[union-attr]
                             echo and body.max_tokens == 0, self.tokens)  # type: ignore[union-attr]
+
+    async def tokenize(self, request: Request, body: TokenizeRequest) -> Response:
+        """``/tokenize``'s answer (``services.openai_api.tokenize``): the ids of ``body``'s
+        prompt or chat, tokenized on the tenant's worker-thread turn; its bad input a 400
+        naming the field."""
+        tokenizer, templater = self.tokens.tokenizer, getattr(self.servicer, "templater", None)
+        if tokenizer is None:
+            raise CallAborted(grpc.StatusCode.UNAVAILABLE, "this server has no tokenizer to tokenize with")
+        max_model_len = self.model_card(request.state.tenant).get("max_model_len")
+        try:
+            body.check()
+            answer = await unless_gone(request, self.servicer.off_loop(request.state.tenant_id, lambda: tokenize_answer(
+                body.token_ids(tokenizer, templater), max_model_len, tokenizer, body.return_token_strs)))
+        except ValueError as exc:
+            raise field_refusal(exc) from None
+        return await self.render(request, answer["count"] * (2 if body.return_token_strs else 1), lambda: answer)
+
+    async def detokenize(self, request: Request, body: DetokenizeRequest) -> Response:
+        """``/detokenize``'s answer: ``body``'s ids decoded together (special tokens kept, as
+        vLLM), on the tenant's worker-thread turn; an id outside the vocabulary (the model's,
+        as generation's ids are checked against it) a 400 naming ``tokens.N``."""
+        tokenizer = self.tokens.tokenizer
+        if tokenizer is None:
+            raise CallAborted(grpc.StatusCode.UNAVAILABLE, "this server has no tokenizer to detokenize with")
+        info = getattr(self.servicer, "info", None)
+        vocab = (info.get("vocab_size") if isinstance(info, dict) else None) or len(tokenizer)
+        try:
+            body.check_vocabulary(vocab)
+        except ValueError as exc:
+            raise field_refusal(exc) from None
+        text = await unless_gone(request, self.servicer.off_loop(
+            request.state.tenant_id, lambda: tokenizer.decode(body.tokens)))
+        return await self.render(request, len(body.tokens), lambda: {"prompt": text})
 
     def no_such_model(self, model: str) -> CallAborted:
         """OpenAI's 404 for an unknown model: ``model_not_found``, ``param`` "model"."""
@@ -350,6 +397,14 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await edge.complete(request, await edge.parse(request, CompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await edge.tokenize(request, await edge.parse(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await edge.detokenize(request, await edge.parse(request, DetokenizeRequest))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

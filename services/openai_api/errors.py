@@ -112,6 +112,15 @@ def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequ
     return exc
 
 
+def field_refusal(exc: ValueError) -> CallAborted:
+    """A 400 for ``exc``, a check's ``ValueError`` worded ``<field path>: ...``, with ``param``
+    that path (``messages.2.tool_call_id``, ``tokens.5``)."""
+    message = str(exc)
+    path = message.split(":", 1)[0] if ":" in message else ""
+    return CallAborted(grpc.StatusCode.INVALID_ARGUMENT, message,
+                       param=path if path and re.fullmatch(r"[A-Za-z0-9_.]+", path) else None)
+
+
 def _gone() -> JSONResponse:
     """The answer to a client that went away (nobody reads it): 499, code ``cancelled``."""
     return error_response(499, "the client closed the request", "invalid_request_error", "cancelled")

@@ -3,6 +3,7 @@ template takes them (``services.openai_api.schemas``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -24,9 +25,11 @@ class TextPart(Strict):
 
 class ChatMessage(Strict):
     """One message; ``developer`` is OpenAI's newer name for ``system``. ``name`` (any role)
-    and a tool message's ``tool_call_id`` (the call it answers) reach the chat template as
-    given; so do an assistant's ``tool_calls`` (``services.openai_api.tools``: its ``content``
-    may then be null, taken as ""). The deprecated ``function_call`` is refused naming it."""
+    and a tool message's ``tool_call_id`` (the call it answers: required, as OpenAI requires
+    it; matched against the request's assistant calls by ``check_tool_answers``) reach the chat
+    template as given; so do an assistant's ``tool_calls`` (``services.openai_api.tools``: its
+    ``content`` may then be null, taken as ""). The deprecated ``function_call`` is refused
+    naming it."""
 
     _unserved = frozenset({"refusal", "audio"})
 
@@ -37,7 +40,7 @@ class ChatMessage(Strict):
     tool_calls: bounded_list(ToolCall, MAX_TOOL_CALLS) | None = None  # type: ignore[valid-type]  # after role
     content: str | bounded_list(TextPart, MAX_CONTENT_PARTS)  # type: ignore[valid-type]
     name: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
-    tool_call_id: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS)
+    tool_call_id: str | None = Field(None, max_length=MAX_MESSAGE_ID_CHARS, validate_default=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -65,9 +68,15 @@ class ChatMessage(Strict):
     @field_validator("tool_call_id")
     @classmethod
     def _on_tool_messages_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Only on a tool message, and required there, as OpenAI requires it (a 400 naming
+        ``messages.N.tool_call_id``). Regression: a tool message without one was accepted and
+        rendered as an answer to no call."""
         role = info.data.get("role")  # (declared before: absent when it was bad)
         if value is not None and role not in (None, "tool"):  # as the gRPC API's check_message_ids
             raise ValueError(f"applies to tool messages (role \"tool\"), not to role {role!r}")
+        if value is None and role == "tool":
+            raise ValueError("required on a tool message (role \"tool\"): the id of the assistant's tool call it "
+                             "answers, as OpenAI requires it")
         return value
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,3 +100,33 @@ class ChatMessage(Strict):
     def call_chars(self) -> int:
         """Characters of the message's tool calls (ids, names, arguments)."""
         return sum(call.chars() for call in self.tool_calls or ())
+
+
+def check_tool_answers(messages: Sequence[ChatMessage]) -> None:
+    """Each tool message answers a call of an earlier assistant message of ``messages``, when
+    any assistant message of them carries ``tool_calls``.
+
+    OpenAI refuses a tool message whose ``tool_call_id`` answers no preceding assistant tool
+    call; vLLM checks nothing. The check is as strict as OpenAI's where the request itself
+    holds the calls: there a ``tool_call_id`` that matches none of them is a client's mistake
+    (a typo, a call id from another conversation) that the model would otherwise see as an
+    answer to nothing. It is skipped when no assistant message carries ``tool_calls``: a
+    client that trims its history to the latest tool results, or sends a tool message in a
+    session turn (whose assistant turns live on the node, and which take no ``tool_calls``
+    here), works on vLLM, and refusing it would break it for no gain (there is nothing to
+    match the id against). "Earlier" is any earlier assistant message, not only the one
+    just before (OpenAI's rule): a result that arrives after another turn still answers its
+    call, as templates render it.
+
+    Raises:
+        ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the first such message).
+    """
+    if not any(m.tool_calls for m in messages):
+        return
+    ids: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.tool_calls:
+            ids.update(call.id for call in message.tool_calls)
+        elif message.role == "tool" and message.tool_call_id not in ids:
+            raise ValueError(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers no tool call of an "
+                             "earlier assistant message (their tool_calls ids); a tool message must answer one")

@@ -67,7 +67,7 @@ from services.openai_api.sampling_fields import (  # noqa: F401 - MAX_N, StreamO
     StreamOptions,
 )
 from services.openai_api.strict import bounded_list
-from services.openai_api.tools import ToolFields, check_tools
+from services.openai_api.tools import Tool, ToolFields, check_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``/v1/completions``' ``max_tokens`` when none is given (OpenAI's default)."""
@@ -110,13 +110,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
             raise ValueError("messages: must hold at least one message")
         self.tool_mode()  # a tool_choice without tools, or naming none of them: 400
         self._check_tool_turn()
-        messages = [m.as_dict() for m in self.messages]
-        # names and tool call ids too; the history's tool calls and the tools the template renders
-        chars = content_chars(messages) + sum(m.call_chars() for m in self.messages) + (
-            check_tools(self.tools) if self.tools else 0)
-        if chars > MAX_PROMPT_CHARS:
-            raise ValueError(f"messages: hold {chars} characters{' with the tools' if self.tools else ''}; at most "
-                             f"{MAX_PROMPT_CHARS} are allowed")
+        messages = template_messages(self.messages, self.tools)
         if not any(m["content"].strip() for m in messages):
             raise ValueError("messages: every message is empty; the prompt needs some text")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -126,6 +120,24 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
                              "with logprobs false)")
         return self.generate_input(messages, self.max_completion_tokens or self.max_tokens,
                                    prefix_messages=self.prefix_messages)
+
+
+def template_messages(messages: list[ChatMessage], tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """``messages`` as the chat template takes them (``ChatMessage.as_dict``), bounded as a
+    chat's prompt: at most ``MAX_PROMPT_CHARS`` characters with their names, tool call ids,
+    the history's tool calls and ``tools`` as JSON. The one conversion of a chat completion's
+    messages and of ``/tokenize``'s (``services.openai_api.tokenize``), so both render the same.
+
+    Raises ValueError naming ``messages``: none, or too many characters."""
+    if not messages:
+        raise ValueError("messages: must hold at least one message")
+    dicts = [m.as_dict() for m in messages]
+    # names and tool call ids too; the history's tool calls and the tools the template renders
+    chars = content_chars(dicts) + sum(m.call_chars() for m in messages) + (check_tools(tools) if tools else 0)
+    if chars > MAX_PROMPT_CHARS:
+        raise ValueError(f"messages: hold {chars} characters{' with the tools' if tools else ''}; at most "
+                         f"{MAX_PROMPT_CHARS} are allowed")
+    return dicts
 
 
 class CompletionRequest(SamplingFields):
