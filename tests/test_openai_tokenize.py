@@ -209,3 +209,49 @@ def test_the_key_and_the_model_are_checked(tk: Tokenizing, path: str) -> None:
         assert status == 401 and answer["error"]["code"] == "invalid_api_key", answer
     status, answer = tk.post(path, {**body, "model": "gpt-4o"})
     assert status == 404 and (answer["error"]["code"], answer["error"]["param"]) == ("model_not_found", "model")
+
+
+class CountingTemplater(ChatTemplater):
+    """A ``ChatTemplater`` counting its ``first_turn`` calls (a chat rendered for a request)."""
+
+    renders = 0
+
+    def first_turn(self, messages: Any, tools: Any = None) -> list[int]:
+        type(self).renders += 1
+        return super().first_turn(messages, tools)
+
+
+def test_a_chat_with_n_choices_is_rendered_once_and_each_node_request_is_unchanged(tk: Tokenizing) -> None:
+    """``n`` 4: the chat is rendered once (it was 4 times, one per choice), every choice's
+    request reaches the node as n 1's does (the same ``token_ids``, no messages: the gateway
+    renders a chat to tokens either way), its ``prompt_tokens`` is ``/tokenize``'s count, and a
+    refusal for size reads as n 1's ("in the messages")."""
+    s = tk.s
+    servicer = s.servicer
+    sent: list[Any] = []
+    prepare = servicer._prepare
+
+    async def recording(call: Any, tenant: Any, context: Any) -> Any:
+        req, hashes = await prepare(call, tenant, context)
+        sent.append((req.token_ids, req.messages, tuple(hashes), req.prefix_tokens))
+        return req, hashes
+
+    kept = servicer.templater
+    servicer.templater, servicer._prepare = CountingTemplater(s.tokenizer), recording
+    try:
+        messages = [{"role": "user", "content": _articles(3000)[0]}]
+        status, one = s.post("/chat/completions", {"messages": messages, "max_tokens": 2, "temperature": 0.0})
+        assert status == 200 and CountingTemplater.renders == 1 and len(sent) == 1, one
+        status, four = s.post("/chat/completions", {"messages": messages, "max_tokens": 2, "temperature": 0.0,
+                                                    "n": 4})
+        assert status == 200 and CountingTemplater.renders == 2 and len(sent) == 5, four
+        assert all(request == sent[0] and request[0] and not request[1] for request in sent[1:])
+        assert four["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"] == \
+            tk.ok("/tokenize", {"messages": messages})["count"]
+        assert [c["message"]["content"] for c in four["choices"]] == [one["choices"][0]["message"]["content"]] * 4
+        refusals = [s.post("/chat/completions", {"messages": messages, "max_tokens": 1 << 20, "n": n}) for n in (1, 2)]
+        assert refusals[0] == refusals[1] and refusals[0][0] == 400, refusals
+        assert "in the messages" in refusals[0][1]["error"]["message"] and "prompt" not in refusals[0][1]["error"][
+            "message"], refusals
+    finally:
+        servicer.templater, servicer._prepare = kept, prepare

@@ -309,6 +309,31 @@ class OpenAIEdge:
             request.state.tenant_id, lambda: tokenizer.decode(body.tokens)))
         return await self.render(request, len(body.tokens), lambda: {"prompt": text})
 
+    def rendered(self, call: Any, tenant: Any) -> Any:
+        """``call`` (a chat's ``GenerateInput``) with its messages rendered and tokenized by the
+        gateway's templater, as the gateway's ``_prepare`` would render them for each request:
+        the token prompt ``first_turn(messages, tools)``, after the same free bound on their
+        characters (``check_messages_fit`` against the tenant's prompt room, ``model_card``'s
+        ``max_model_len``: ``_prepare``'s ``room``). For the ``n`` choices of one body
+        (``choices.ChoiceInputs`` parses once), so the chat is rendered once, not once per
+        choice; each node gets the same ``token_ids`` as before (a chat the gateway renders
+        reaches its node as tokens). A chat the gateway does not render (a session turn, a
+        ``prefix_messages`` prefix, no templater) is left as it is. Runs on the tenant's
+        worker-thread turn (``InferenceServicer.generate``'s parse); raises ValueError naming
+        ``messages`` (the gateway answers INVALID_ARGUMENT). A size refusal of the token prompt
+        says "prompt" where the chat's said "messages": ``errors.refusal_about`` words it back.
+
+        Regression: a body with ``n`` 16 rendered and tokenized its chat 16 times, one after
+        another on its tenant's one worker-thread turn."""
+        templater = getattr(self.servicer, "templater", None)
+        if templater is None or call.session_id or call.prefix_messages or not call.prompt \
+                or not isinstance(call.prompt[0], dict):
+            return call
+        room = self.model_card(tenant).get("max_model_len")
+        if room:
+            templater.check_messages_fit(call.prompt, room)
+        return dataclasses.replace(call, prompt=templater.first_turn(call.prompt, call.tools), tools=None)
+
     def no_such_model(self, model: str) -> CallAborted:
         """OpenAI's 404 for an unknown model: ``model_not_found``, ``param`` "model"."""
         return CallAborted(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist; this server serves "
@@ -342,7 +367,8 @@ class OpenAIEdge:
 
         writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
         if body.n > 1:  # n requests, started all or none, in one response (``choices``)
-            return await Choices(self.servicer, request, body, parse, writer, self.model_name, rid,
+            shared = (lambda: self.rendered(parse(), request.state.tenant)) if chat else parse
+            return await Choices(self.servicer, request, body, shared, writer, self.model_name, rid,
                                  lambda: self.logprobs(body), self.render, prompt).respond()
         events = self.servicer.generate(context, parse, writer)
         try:  # admitted and started: the status is known

@@ -15,8 +15,9 @@ unique). With a ``seed``, choice ``i`` samples with ``(seed + i) mod 2**64`` (vL
 index``; ``choice_seed``), so the response is reproducible and its choices differ; without one
 each choice draws from its node's generator.
 ``temperature`` 0 with ``n`` > 1 is served, as OpenAI and vLLM serve it: n equal greedy texts.
-The prompt is parsed (a completion's tokenized) once for all choices (``ChoiceInputs``); a
-chat's messages are rendered by the gateway for each choice, on the tenant's worker-thread turn.
+The prompt is parsed (a completion's tokenized, a chat's rendered and tokenized by the
+gateway's templater: ``OpenAIEdge.rendered``) once for all choices (``ChoiceInputs``), on the
+first choice's turn on the tenant's worker thread.
 
 Prompt KV is reused: choice 0 is started first, and the others are submitted once its
 ``started`` event came (its node has scheduled its first step), all with one routing key: the
@@ -156,7 +157,8 @@ class Choices:
             any choice's idle-reader deadline stops it.
         model: the model name the response reports; request_id: the request's id.
         logprobs: a new collector of one choice's log probabilities (``OpenAIEdge.logprobs``;
-            None: not asked), called once per choice.
+            None: not asked), called once per choice (the parse itself, a chat's rendering
+            included, runs once: ``ChoiceInputs``).
         render: builds the whole response's body (``OpenAIEdge.render``: on a worker thread
             when it holds many log probabilities).
         prompt: a new collector of one choice's echo and prompt logprobs

@@ -97,14 +97,20 @@ def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
 def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequest) -> CallAborted:
     """``exc`` with what it is about in ``body``'s terms: a refusal for size as OpenAI's
     ``context_length_exceeded`` naming the field at fault (``CallAborted.about_context``: the
-    ``max_tokens`` or ``max_completion_tokens`` the client sent, else "messages" / "prompt"),
+    ``max_tokens`` or ``max_completion_tokens`` the client sent, else "messages" / "prompt";
+    a chat's saying "messages" where the gateway said "prompt"),
     another 400 naming the field its message starts with (``CallAborted.naming``); the node's
     refusal of a constraint that does not compile ("structured_output regex does not compile:
     ...") names the body's field that gave it (``StructuredFields.constraint_field``), first
     in its message too."""
     sent = [f for f in ("max_completion_tokens", "max_tokens") if f in body.model_fields_set]
     prompt_field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    if not exc.about_context(prompt_field, sent[0] if sent else None):
+    if exc.about_context(prompt_field, sent[0] if sent else None):
+        if prompt_field == "messages":  # a chat rendered once for its n choices went as a token
+            # prompt (``OpenAIEdge.rendered``): its refusal names the messages, as n 1's does
+            exc.message = exc.message.replace(" in the prompt", " in the messages").replace(
+                " of the prompt", " of the messages")
+    else:
         exc.naming(type(body).model_fields)
         field = body.constraint_field()
         if exc.param is None and field is not None and exc.message.startswith("structured_output"):
