@@ -21,6 +21,13 @@ DROPPED_CHARS_SLACK = 64
 (``ChatTemplater.check_tokens_cover``): a few control characters the tokenizer drops."""
 
 
+class TemplateRefusal(ValueError):
+    """The model's chat template refused a request's messages (its words, cut to 512
+    characters): the request's fault, INVALID_ARGUMENT / HTTP 400 naming ``messages``.
+    Regression: the template's ``jinja2.TemplateError`` was no ValueError, so the gateway
+    answered UNKNOWN / HTTP 500 and a session turn the node renders ended INTERNAL."""
+
+
 def content_chars(messages: Messages) -> int:
     """Characters of the text of chat ``messages``: their content, and their ``name`` and
     ``tool_call_id`` where given (text the chat template may render, and that a session keeps:
@@ -122,10 +129,22 @@ class ChatTemplater:
     def render(self, messages: Messages, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:
         """``messages`` as the template writes them; ``tools`` (OpenAI's shape) go to it too (a
-        template that does not use them leaves them out)."""
-        return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        template that does not use them leaves them out).
+
+        Raises:
+            TemplateRefusal: the template refused the messages (its ``raise_exception``, e.g.
+                "Conversation roles must alternate", or a runtime error on their values).
+        """
+        import jinja2  # (transformers' own dependency, imported by it already)
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except jinja2.TemplateSyntaxError:  # the deployment's template, not the request: the node's fault
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateRefusal(f"messages: the model's chat template refused them: {str(exc)[:512]}") from exc
 
     def encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
@@ -134,8 +153,14 @@ class ChatTemplater:
         """Prompt tokens ``messages`` add, for admission's TTFT estimate when the node renders
         them (a session turn: the gateway does not hold the history). Exact for a session's
         first turn; for a later turn it overstates by what the template adds to a conversation
-        once (a default system prompt, if the template has one)."""
-        return len(self.first_turn(messages))
+        once (a default system prompt, if the template has one). A later turn's messages alone
+        may be what the template refuses (e.g. one that must start with a system message):
+        then their text's tokens plus ``conversation_overhead``, and the node, rendering them
+        after their history, decides."""
+        try:
+            return len(self.first_turn(messages))
+        except TemplateRefusal:
+            return len(self.encode("\n".join(m.get("content") or "" for m in messages))) + self.conversation_overhead
 
     def first_turn(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a whole conversation (with ``tools``), ending with the assistant

@@ -22,7 +22,7 @@ import grpc
 
 from cache_node.hashing import hash_prompt_blocks
 from services import convert
-from services.chat import ChatTemplater, content_chars, estimate_message_tokens
+from services.chat import ChatTemplater, TemplateRefusal, content_chars, estimate_message_tokens
 from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
@@ -111,7 +111,11 @@ class RequestPreparation:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools: tools and tool calls are not served "
                                     "with a session_id or prefix_messages")  # (the HTTP edge refuses them first)
             if not call.session_id and templater is not None:
-                tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: templater.first_turn(prompt, call.tools)))
+                try:
+                    tokens = tuple(await self.off_loop(tenant.tenant_id,
+                                                       lambda: templater.first_turn(prompt, call.tools)))
+                except TemplateRefusal as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 messages = ()
         else:
             tokens = tuple(prompt)
@@ -178,8 +182,11 @@ class RequestPreparation:
         if call.routing_key:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         if messages:  # the node renders them: admission still needs their size
-            estimate, overhead = await self.off_loop(tenant.tenant_id, lambda: (
-                estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
+            try:
+                estimate, overhead = await self.off_loop(tenant.tenant_id, lambda: (
+                    estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
+            except TemplateRefusal as exc:  # (the template refusing even one empty user message)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if templater is not None and estimate - overhead >= room:
                 await context.abort(  # whatever the history, the turn can never fit: the node is spared it
                     grpc.StatusCode.INVALID_ARGUMENT,
