@@ -36,8 +36,10 @@ def content_chars(messages: Messages) -> int:
                for m in messages)
 
 
-def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens added: ``tokenizer(text).input_ids``.
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``, without special tokens added unless ``add_special_tokens`` (a
+    BOS, where the tokenizer's post-processor adds one: vLLM's ``/tokenize`` of a prompt):
+    ``tokenizer(text).input_ids``.
 
     A fast tokenizer's Rust backend is called through ``encode_batch_fast``, which releases
     the GIL while it works and builds no character offsets. Regression (diff review): through
@@ -47,8 +49,8 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):
-        return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-    return tokenizer(text, add_special_tokens=False).input_ids
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
 class ChatTemplater:

@@ -109,7 +109,7 @@ class TokenizeRequest(Strict):
             if templater is not None:
                 templater.check_fits(len(text), MAX_PROMPT_TOKEN_IDS)
             special = self.add_special_tokens is not False
-        ids = encode_special(tokenizer, text) if special else encode_text(tokenizer, text)
+        ids = encode_text(tokenizer, text, add_special_tokens=special)
         if len(ids) > MAX_PROMPT_TOKEN_IDS:
             raise ValueError(f"{self.field}: comes to {len(ids)} tokens; at most {MAX_PROMPT_TOKEN_IDS} are allowed")
         return ids
@@ -127,16 +127,6 @@ class DetokenizeRequest(Strict):
         if bad is not None:
             raise ValueError(f"tokens.{bad}: {self.tokens[bad]} is not a token id of this model (they lie in "
                              f"[0, {vocab}))")
-
-
-def encode_special(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` with the tokenizer's special tokens added (a BOS, where its
-    post-processor adds one): ``tokenizer(text).input_ids``, through the fast backend's
-    ``encode_batch_fast`` as ``encode_text`` does (no GIL held, no offsets built)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "encode_batch_fast"):
-        return backend.encode_batch_fast([text], add_special_tokens=True)[0].ids
-    return tokenizer(text, add_special_tokens=True).input_ids
 
 
 def tokenize_answer(ids: list[int], max_model_len: int | None, tokenizer: Any, token_strs: bool) -> dict[str, Any]:
