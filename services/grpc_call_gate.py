@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -63,6 +64,19 @@ async def _refuse_unreachable(context: Any, exc: BaseException) -> None:
     if hint is not None:
         context.set_trailing_metadata((("retry-after-ms", str(hint)),))
     await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+
+
+async def _refuse_failed(context: Any, method: str, exc: Exception) -> None:
+    """End a call its handler failed with an exception no check expected (a bug, or a library
+    raising something its callers do not catch) INTERNAL with an incident id, the exception
+    logged here with that id. Regression: grpc.aio ended such a call UNKNOWN with
+    "Unexpected <class '...'>: <the exception's text>", the server's internals (class paths,
+    library messages) in the client's hands, and no status a client could act on
+    (jinja2's ``TemplateError`` from a chat template, before ``services.chat.TemplateRefusal``)."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("gRPC %s failed (incident %s)", method, incident, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}): the server's log has "
+                        "its details")
 
 
 class _Counts:
@@ -145,6 +159,9 @@ class CallGate(grpc.aio.ServerInterceptor):
        restarted) ends UNAVAILABLE with ``ray_errors.PROCESS_UNREACHABLE``, with a retry hint
        while Ray may bring the actor back (``_refuse_unreachable``). Regression (review 23b,
        F2): it ended UNKNOWN with Ray's exception text.
+    5. A call failed by any other exception its handler did not turn into a status ends
+       INTERNAL with an incident id, the exception logged with it (``_refuse_failed``), not
+       UNKNOWN with the exception's class and text.
 
     A valid client's calls are unchanged: their message follows their headers at once, and
     nothing here bounds how long a call runs once it has its message.
@@ -185,6 +202,10 @@ class CallGate(grpc.aio.ServerInterceptor):
                             yield reply
                     except RayActorError as exc:
                         await _refuse_unreachable(context, exc)
+                    except grpc.aio.BaseError:  # (an abort: the status is set)
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - logged with an incident id, INTERNAL
+                        await _refuse_failed(context, method, exc)
                 behavior: Behavior = stream_gen
             else:
                 async def stream_coro(requests: Any, context: Any) -> Any:
@@ -192,6 +213,10 @@ class CallGate(grpc.aio.ServerInterceptor):
                         return await inner(await first(requests, context), context)
                     except RayActorError as exc:
                         await _refuse_unreachable(context, exc)
+                    except grpc.aio.BaseError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - logged with an incident id, INTERNAL
+                        await _refuse_failed(context, method, exc)
                 behavior = stream_coro
             return grpc.stream_stream_rpc_method_handler(behavior, None, handler.response_serializer)
         unary = handler.unary_unary
@@ -201,6 +226,10 @@ class CallGate(grpc.aio.ServerInterceptor):
                 return await unary(await first(requests, context), context)
             except RayActorError as exc:  # the scheduler (or a node) a servicer asked is down
                 await _refuse_unreachable(context, exc)
+            except grpc.aio.BaseError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - logged with an incident id, INTERNAL
+                await _refuse_failed(context, method, exc)
         return grpc.stream_unary_rpc_method_handler(single, None, handler.response_serializer)
 
     async def _first(self, requests: Any, context: Any, keyless: bool, role: str, decode: RequestDecoder) -> Any:

@@ -497,7 +497,8 @@ def test_a_call_failed_by_a_dead_actor_ends_unavailable_with_a_plain_message() -
     """Regression (review 23b, F2): a servicer whose scheduler call failed with Ray's
     ``ActorDiedError`` (the scheduler's process died) ended the call UNKNOWN with Ray's
     exception text; unary and both kinds of server-streaming calls now end UNAVAILABLE with
-    ``PROCESS_UNREACHABLE``, and an unrelated error is still the handler's own."""
+    ``PROCESS_UNREACHABLE``. An unrelated error ended UNKNOWN with its class and text; now
+    INTERNAL with an incident id (``CallGate``'s point 5)."""
     import ray.exceptions
 
     from services.ray_errors import PROCESS_UNREACHABLE
@@ -525,7 +526,10 @@ def test_a_call_failed_by_a_dead_actor_ends_unavailable_with_a_plain_message() -
             assert "retry-after-ms" not in dict(died.value.trailing_metadata() or ())  # dead for good
             with pytest.raises(grpc.aio.AioRpcError) as bug:
                 await channel.unary_unary("/t.T/Unary")(b"bug", timeout=5)
-            assert bug.value.code() == grpc.StatusCode.UNKNOWN
+            # an unrelated error: INTERNAL with an incident id, its text and class kept in the log
+            assert bug.value.code() == grpc.StatusCode.INTERNAL, bug.value
+            assert "a bug" not in bug.value.details() and "ValueError" not in bug.value.details()
+            assert bug.value.details().startswith("internal error (incident ")
             for method in ("/t.T/Gen", "/t.T/Write"):
                 call = channel.unary_stream(method)(b"r", timeout=5)
                 assert await call.read() == b"first"
