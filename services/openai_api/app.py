@@ -33,7 +33,9 @@ n requests, started all or none, in one response), ``tokenize`` (``/tokenize`` a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +97,8 @@ from services.openai_api.streaming import (
 from services.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, tokenize_answer
 from services.openai_api.tools import TOOL_PARSERS
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIEdge:
@@ -410,6 +414,17 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         return framework_error(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, exc: Exception) -> Response:
+        """Any other exception (a bug): OpenAI's error shape, 500 ``internal_error`` with an
+        incident id, the exception logged with it, as the gRPC API's ``CallGate`` answers
+        INTERNAL. Regression: Starlette's plain-text "Internal Server Error", no JSON a client
+        library reads, no id to find it in the log by."""
+        incident = uuid.uuid4().hex[:12]
+        log.error("HTTP %s %s failed (incident %s)", request.method, request.url.path[:256], incident, exc_info=exc)
+        return error_response(500, f"internal error (incident {incident}): the server's log has its details",
+                              "internal_error")
 
     @app.exception_handler(ValidationError)
     @app.exception_handler(RequestValidationError)

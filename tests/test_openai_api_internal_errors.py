@@ -1,0 +1,54 @@
+"""An exception no check turned into a status (a bug) on the OpenAI API: a 500 in OpenAI's
+error shape (``internal_error``) with an incident id, the exception's text and class only in
+the server's log, through the real ``HttpServer``. Regression: Starlette's plain-text
+"Internal Server Error", which client libraries cannot read as an OpenAI error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from services.openai_api import HttpServer, create_app
+
+
+class _Failing:
+    """An edge whose every parse fails as a bug would."""
+
+    async def parse(self, request: Any, model: Any) -> Any:
+        raise RuntimeError("secret detail /srv/kvstrata/state")
+
+
+def test_an_unexpected_exception_is_an_openai_500_with_an_incident_id(caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> tuple[int, dict[str, Any], dict[str, Any]]:
+        server = HttpServer(create_app(_Failing()))  # type: ignore[arg-type]
+        port = await server.start("127.0.0.1", 0)
+        try:
+            def post() -> tuple[int, dict[str, Any], dict[str, Any]]:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", b"{}",
+                                             {"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=30)
+                except urllib.error.HTTPError as err:
+                    return err.code, dict(err.headers), json.loads(err.read())
+                raise AssertionError("no error")
+            first = await asyncio.to_thread(post)
+            second = await asyncio.to_thread(post)  # the server goes on
+            assert second[0] == 500
+            return first
+        finally:
+            await server.stop()
+
+    with caplog.at_level(logging.ERROR, logger="services.openai_api.app"):
+        status, headers, body = asyncio.run(run())
+    assert status == 500 and headers["content-type"].startswith("application/json"), (status, headers)
+    error = body["error"]
+    assert error["type"] == "internal_error" and error["message"].startswith("internal error (incident "), body
+    assert "secret" not in json.dumps(body) and "RuntimeError" not in json.dumps(body)
+    incident = error["message"].split("incident ", 1)[1].split(")", 1)[0]
+    assert any(incident in r.getMessage() and r.exc_info for r in caplog.records), caplog.records
