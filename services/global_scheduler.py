@@ -11,9 +11,9 @@ order: ``services.block_reports``) into one tier-aware
 - Admission is a bounded queue across all nodes. With the ``kvstrata`` scheduler it also
   estimates each request's TTFT on its node (a fluid model of the node's prefill backlog by
   class and tenant, weighted as the node interleaves tenants; the request's cached prompt
-  tokens per tier from the index; the node's measured prefill speed;
-  ``cache_node.scheduling.admission``) and rejects early with RESOURCE_EXHAUSTED and a retry
-  hint when its class allows.
+  tokens per tier from the index; the node's measured prefill speed, slowed by the pace its
+  finished requests' first tokens showed; ``cache_node.scheduling.admission``) and rejects
+  early with RESOURCE_EXHAUSTED and a retry hint when its class allows.
 - Routing: a session's turns stick to the node holding its KV; otherwise the node with the
   longest prefix held on its device or in its host tier wins when that prefix is at least
   ``affinity_min_blocks`` long and longer than the prefix most recent traffic shares
@@ -340,6 +340,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":
             self.request_gateways[req.request_id] = subscriber
+            if req.sampling.structured_output is not None:  # its first token waits for its grammar's
+                self.nodes[adm.node_id].pace.forget(req.request_id)  # compile: it says nothing of the pace
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
             # ours to say, not the gateway's: a turn opens its session when this admission
@@ -402,6 +404,12 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             # (regression, review 28b F3/F4: only the clock took it out, and a tenant dropping
             # its requests, or one client's refused n > 1 bodies, kept others refused)
             self.nodes[node_id].backlog.release(request_id)
+            # its first token's time, against what admission predicted, is how much slower than
+            # its meter the node's prefill queue runs (``NodePace``; the node's word, bounded)
+            if kept and usage is not None:
+                self.nodes[node_id].pace.finished(request_id, usage.get("ttft_ms"), self.clock())
+            else:
+                self.nodes[node_id].pace.forget(request_id)
         if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one
             for name in self.nodes[node_id].take_speeds(usage):  # a number out of range: ignored
                 self.ignored_speeds[name] += 1

@@ -19,6 +19,7 @@ from cache_node.scheduling.admission import (
     CachedTokens,
     Ewma,
     FluidBacklog,
+    NodePace,
     SpeedMeter,
     decide,
     estimate_ttft_s,
@@ -48,7 +49,8 @@ def _clamped(value: Any, low: float, high: float) -> float | None:
 
 @dataclass
 class NodeLoad:
-    """A node as admission sees it: in-flight requests, prefill backlog, measured speeds."""
+    """A node as admission sees it: in-flight requests, prefill backlog, measured speeds, and
+    how much slower than its meter its prefill queue runs (``pace``)."""
 
     node_id: str
     capacity: int
@@ -57,6 +59,12 @@ class NodeLoad:
     backlog: FluidBacklog = field(default_factory=FluidBacklog)
     prefill: SpeedMeter = field(default_factory=SpeedMeter)
     step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
+    pace: NodePace = field(default_factory=NodePace)
+
+    def prefill_tokens_per_s(self, now_s: float) -> float:
+        """The speed its prefill queue runs at now: the meter's, slowed by ``pace`` at its load
+        (its requests in flight)."""
+        return self.prefill.tokens_per_s / self.pace.factor(now_s, len(self.in_flight))
 
     def take_speeds(self, usage: dict[str, Any]) -> list[str]:
         """Take the node's measured ``prefill_tokens_per_s`` and ``step_s`` (its ``finished``
@@ -166,7 +174,11 @@ class AdmissionChecks:
         node = self.nodes[node_id]
         rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
         weight = spec.weight if spec else DEFAULT_SHARE.weight
-        node.backlog.drain(self.clock(), node.prefill.tokens_per_s)
+        now = self.clock()
+        speed = node.prefill_tokens_per_s(now)  # regression (review 28b): the meter's, however slow
+        # the node really served (busy decoding, or slower than it says): the backlog drained on
+        # paper while its requests waited, and admission under-estimated every TTFT
+        node.backlog.drain(now, speed)
         if self.scheduler == "kvstrata" and spec is not None:
             # the node's order: better classes, then its class interleaved across tenants by
             # weight (VTC): its own tenant's backlog and the others' weighted share meanwhile
@@ -174,12 +186,16 @@ class AdmissionChecks:
             # an interactive prefill runs in a step of its own (isolates_urgent_prefill): it
             # waits for the step in progress, half of one on average, not for a whole one
             wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
-            est_ms = 1000.0 * estimate_ttft_s(ahead, cached, node.prefill.tokens_per_s, wait_s)
-            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms,
-                              1000.0 * ahead / node.prefill.tokens_per_s)
+            est_ms = 1000.0 * estimate_ttft_s(ahead, cached, speed, wait_s)
+            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms, 1000.0 * ahead / speed)
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
                                  retry_after_s=decision.retry_after_s, reason="ttft_estimate")
+            # what its first token will say of the node's pace (``release``): its prefill at
+            # the meter's speed, and the rest of its estimate (promotion, step wait)
+            prefill_s = (ahead + cached.miss) / node.prefill.tokens_per_s
+            rest_s = est_ms / 1000.0 - (ahead + cached.miss) / speed
+            node.pace.admitted(request_id, tenant_id, prefill_s, rest_s, len(node.in_flight), est_ms)
         node.backlog.add(rank, tenant_id, cached.miss, weight, request_id)
         return None
 

@@ -7,10 +7,12 @@ TTFT estimate (docs/architecture.md, 'Admission and SLO floors')::
            + step_s                                                     # the sampling step
 
 ``tokens_ahead`` comes from a fluid model of each node's prefill backlog (``FluidBacklog``),
-drained at the speed the node measures online (``SpeedMeter``), highest class first when the
-node schedules by class and within a class across tenants by weight, as the node's VTC order
-serves them: a request counts its own tenant's backlog and of each other tenant of its class
-only the weighted share served meanwhile (``FluidBacklog.ahead``); a request that ends takes
+drained at the speed the node measures online (``SpeedMeter``) slowed by the pace its finished
+requests' first tokens showed (``NodePace``; the estimate divides by the same speed), highest
+class first when the node schedules by class and within a class across tenants by weight, as
+the node's VTC order serves them: a request counts its own tenant's backlog and of each other
+tenant of its class only the weighted share served meanwhile (``FluidBacklog.ahead``); a
+request that ends takes
 what the model has not drained of it out (``FluidBacklog.release``). A request whose estimate
 exceeds ``REJECT_FACTOR[class] * ttft_slo`` is rejected early with a retry hint (the class
 allows rejection: interactive at its SLO, standard at twice it); batch always queues. A request that misses its limit on its own (no
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -378,6 +381,123 @@ class FluidBacklog:
         else:
             self.by_tenant[key] = left
         return part
+
+
+PACE_RANGE = (1.0, 8.0)
+"""How much slower than its meter a node's prefill queue may be taken to run (``NodePace``):
+never faster than the meter says, at most eight times slower, whatever a node reports."""
+
+PACE_MIN_PREDICTED_S = 0.1
+"""A finished request whose admission predicted less prefill than this (its queue and its own
+uncached tokens at the metered speed) is no sample: its first token's time is mostly the step
+it landed in."""
+
+PACE_WINDOW_S = 60.0
+"""A tenant's pace counts while its latest sample is at most this old (then the node's pace
+falls back to the meter's, unless another tenant's samples say otherwise)."""
+
+PACE_MIN_SAMPLES = 3
+"""Samples a tenant needs before its pace counts."""
+
+PACE_MAX_TENANTS = 256
+"""Tenants whose pace a node keeps (the least recently sampled go first)."""
+
+
+@dataclass
+class _TenantPace:
+    """One tenant's samples of a node's pace: averages (EWMA) of the node's load ``L`` at each
+    sample's admission, of its pace ``r``, ``L * L`` and ``L * r``, for the line ``r = a + b L``."""
+
+    moments: list[float]
+    last_s: float
+    samples: int = 0
+
+    def update(self, load: float, pace: float, alpha: float, now_s: float) -> None:
+        x = (load, pace, load * load, load * pace)
+        a = 1.0 if not self.samples else alpha
+        self.moments = [m + a * (v - m) for m, v in zip(self.moments, x)]
+        self.last_s, self.samples = now_s, self.samples + 1
+
+    def at(self, load: float) -> float:
+        """The pace the line gives at ``load``: with loads too alike to tell a slope, or a
+        falling one, the average pace."""
+        mean_l, mean_r, mean_ll, mean_lr = self.moments
+        var = mean_ll - mean_l * mean_l
+        slope = max(0.0, (mean_lr - mean_l * mean_r) / var) if var > 1e-6 else 0.0
+        return mean_r + slope * (load - mean_l)
+
+
+class NodePace:
+    """How much slower a node's prefill queue really runs than its meter says, learnt from the
+    first tokens of finished requests: what the fluid backlog is drained at
+    (``prefill_tokens_per_s / factor``) and what a new request's estimate divides by.
+
+    A node's meter (``SpeedMeter``, fed by the node's own ``prefill_tokens_per_s``) counts
+    prefill and decode tokens per second of the steps that carried them; a node busy decoding
+    a big batch, or slower than it says, serves its prefill queue slower, and the backlog
+    drained on paper while requests waited in reality. The scheduler hears of a request's
+    first token only in its ``finished`` event (``ttft_ms``, the gateway's ``release``): each
+    admitted request's predicted prefill (its ``ahead`` and own uncached tokens at the metered
+    speed, ``admitted``) is compared with what it took (``finished``: ``ttft_ms`` less its
+    promotion and step wait). Their ratio, the pace, is fitted per tenant as a line in the
+    node's load (its requests in flight at the admission: the more of them decode, the slower
+    it prefills), so that the factor follows the load now rather than the load of the
+    samples, which end a decode later. The node's factor is the least pace, at the load now,
+    among the tenants with ``PACE_MIN_SAMPLES`` samples within ``PACE_WINDOW_S``, within
+    ``PACE_RANGE``: every ``ttft_ms`` is the node's word (untrusted: a sample's pace is held
+    within [0, ``PACE_RANGE[1]``]), and a tenant whose first tokens come late for its own
+    reasons (a prefix the index missed; structured requests are no samples at all) slows no
+    other tenant's estimates while another tenant's requests run at pace. A node's factor
+    touches only that node.
+
+    Attributes:
+        pending: request id -> ``(tenant, predicted prefill s, rest s, load, estimate ms)`` of
+            each admitted request not yet ended (``finished`` or ``forget`` takes it).
+        tenants: per tenant, its samples' averages, oldest sampled first.
+    """
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.pending: dict[str, tuple[str, float, float, int, float]] = {}
+        self.tenants: OrderedDict[str, _TenantPace] = OrderedDict()
+
+    def factor(self, now_s: float, load: int) -> float:
+        """The node's prefill runs ``factor`` times slower than its meter at ``load`` requests
+        in flight (within ``PACE_RANGE``)."""
+        for tenant in [t for t, p in self.tenants.items() if now_s - p.last_s > PACE_WINDOW_S]:
+            del self.tenants[tenant]
+        paces = [p.at(load) for p in self.tenants.values() if p.samples >= PACE_MIN_SAMPLES]
+        return min(max(min(paces, default=1.0), PACE_RANGE[0]), PACE_RANGE[1])
+
+    def admitted(self, request_id: str, tenant: str, predicted_s: float, rest_s: float, load: int,
+                 estimate_ms: float) -> None:
+        """Request ``request_id`` was admitted at ``load`` requests in flight with
+        ``predicted_s`` of prefill at the metered speed before its first token, and ``rest_s``
+        besides (promotion, step wait)."""
+        if request_id:
+            self.pending[request_id] = (tenant, predicted_s, rest_s, load, estimate_ms)
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    def finished(self, request_id: str, ttft_ms: Any, now_s: float) -> bool:
+        """Request ``request_id`` ended with its first token ``ttft_ms`` after it reached the
+        node: a sample of its tenant's pace when it is a number and the prediction was long
+        enough (``PACE_MIN_PREDICTED_S``); a sample's pace is held within [0,
+        ``PACE_RANGE[1]``]. Returns whether it was taken."""
+        entry = self.pending.pop(request_id, None)
+        if entry is None or type(ttft_ms) not in (int, float) or not math.isfinite(ttft_ms):
+            return False
+        tenant, predicted_s, rest_s, load, _ = entry
+        if predicted_s < PACE_MIN_PREDICTED_S:
+            return False
+        pace = min(max(0.0, ttft_ms / 1000.0 - rest_s) / predicted_s, PACE_RANGE[1])
+        sampled = self.tenants.pop(tenant, None) or _TenantPace([0.0] * 4, now_s)
+        sampled.update(load, pace, self.alpha, now_s)
+        self.tenants[tenant] = sampled  # the most recently sampled last
+        while len(self.tenants) > PACE_MAX_TENANTS:
+            self.tenants.popitem(last=False)
+        return True
 
 
 @dataclass(frozen=True)
