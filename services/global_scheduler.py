@@ -11,7 +11,8 @@ order: ``services.block_reports``) into one tier-aware
 - Admission is a bounded queue across all nodes. With the ``kvstrata`` scheduler it also
   estimates each request's TTFT on its node (a fluid model of the node's prefill backlog by
   class and tenant, weighted as the node interleaves tenants; the request's cached prompt
-  tokens per tier from the index; the node's measured prefill speed, slowed by the pace its
+  tokens per tier from the index, a prompt of the tenant in flight on the node counted once:
+  an ``n`` > 1 body's later choices; the node's measured prefill speed, slowed by the pace its
   finished requests' first tokens showed; ``cache_node.scheduling.admission``) and rejects
   early with RESOURCE_EXHAUSTED and a retry hint when its class allows.
 - Routing: a session's turns stick to the node holding its KV; otherwise the node with the
@@ -44,7 +45,7 @@ from cache_node.scheduling.admission import FluidBacklog
 from services import data_plane
 from services.block_index import NODE_TIERS, SPILL_TIERS, BlockIndex, CommonPrefix
 from services.data_plane_auth import Security
-from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad
+from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad, prompt_key
 from services.global_scheduler_members import GatewayRecord, Membership
 from services.global_scheduler_pending import PendingRows
 from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
@@ -298,11 +299,15 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         node_id = (sticky[1] if sticky is not None
                    else self._keyed_route(routing_key, block_hashes or [], urgent, tenant_id))
         prefix = self.index.prefix_tiers(node_id, block_hashes or [])
-        rejected = self._slo_admission(tenant_id, node_id, self._cached_tokens(prefix, prompt_tokens), request_id)
+        prompt = prompt_key(tenant_id, block_hashes or []) if sticky is None else None
+        cached = self._sibling_cached(self.nodes[node_id], prompt, len(block_hashes or []),
+                                      self._cached_tokens(prefix, prompt_tokens))
+        rejected = self._slo_admission(tenant_id, node_id, cached, request_id)
         if rejected is not None:
             self.usage.record_rejected(tenant_id)
             return rejected
         self.nodes[node_id].in_flight.add(request_id)
+        self.nodes[node_id].hold_prompt(request_id, prompt)
         if urgent:
             self.nodes[node_id].urgent.add(request_id)
         self.requests[request_id] = (tenant_id, node_id, session_id if sticky is None else "", session_id)
@@ -399,6 +404,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)
             self.nodes[node_id].urgent.discard(request_id)
+            self.nodes[node_id].drop_prompt(request_id)
             # what the fluid backlog has not drained of it yet: never prefilled now (cancelled,
             # refused on its node, an ``n`` > 1 body's choice rolled back) or already done
             # (regression, review 28b F3/F4: only the clock took it out, and a tenant dropping

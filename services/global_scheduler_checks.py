@@ -9,6 +9,7 @@ does not allow (``_slo_admission``, on ``NodeLoad`` and the prompt's cached toke
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -40,6 +41,16 @@ MAX_STEP_S = 60.0
 one that is no positive real number is ignored and counted."""
 
 
+def prompt_key(tenant_id: str, block_hashes: list[bytes]) -> tuple[str, bytes] | None:
+    """A prompt as ``NodeLoad.prompts`` keeps it: its tenant and a digest of its block chain
+    (the last hash chains every block before it; digested: 16 bytes whatever the gateway
+    sent). None without a full block."""
+    if not block_hashes:
+        return None
+    chain = len(block_hashes).to_bytes(8, "little") + block_hashes[-1]
+    return tenant_id, hashlib.blake2b(chain, digest_size=16).digest()
+
+
 def _clamped(value: Any, low: float, high: float) -> float | None:
     """``value`` put into [low, high] when it is a positive real number (no bool), else None."""
     if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
@@ -60,6 +71,23 @@ class NodeLoad:
     prefill: SpeedMeter = field(default_factory=SpeedMeter)
     step_s: Ewma = field(default_factory=lambda: Ewma(prior=0.05))
     pace: NodePace = field(default_factory=NodePace)
+    # the prompts of its admitted requests in flight (``prompt_key``: tenant and block chain),
+    # how many of them each; and each such request's key
+    prompts: Counter[tuple[str, bytes]] = field(default_factory=Counter)
+    prompt_of: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+
+    def hold_prompt(self, request_id: str, key: tuple[str, bytes] | None) -> None:
+        """Request ``request_id`` (admitted here) has the prompt ``key`` (None: no full block)."""
+        if key is not None and request_id:
+            self.prompts[key] += 1
+            self.prompt_of[request_id] = key
+
+    def drop_prompt(self, request_id: str) -> None:
+        key = self.prompt_of.pop(request_id, None)
+        if key is not None:
+            self.prompts[key] -= 1
+            if self.prompts[key] <= 0:
+                del self.prompts[key]
 
     def prefill_tokens_per_s(self, now_s: float) -> float:
         """The speed its prefill queue runs at now: the meter's, slowed by ``pace`` at its load
@@ -163,6 +191,26 @@ class AdmissionChecks:
             tokens.append(n)
             left -= n
         return CachedTokens(device=tokens[0], host=tokens[1], spill=tokens[2], miss=left)
+
+    def _sibling_cached(self, node: NodeLoad, key: tuple[str, bytes] | None, num_blocks: int,
+                        cached: CachedTokens) -> CachedTokens:
+        """``cached``, or with every full block of the prompt on the device when a request of
+        the same tenant with the same blocks (``prompt_key``) is in flight on ``node``: a
+        later choice of an ``n`` > 1 body, which the gateway starts once choice 0 has been
+        scheduled there and which reads the prompt's KV from choice 0's prefix cache. Its
+        prompt's full blocks are counted once, in choice 0's part of the backlog.
+
+        Regression: each choice's whole prompt was counted again (the index hears of choice
+        0's blocks only after the step that computes them); choice 1 of a 600-token prompt
+        waited on paper for choice 0's 600 tokens, refused on an idle 1,000 tokens/s node
+        with a 1 s interactive target, and so was every retry of the body (choice 0 started
+        and aborted each time): an interactive ``n`` = 4 body of a 300-token prompt or more was
+        never served."""
+        if key is None or not node.prompts.get(key):
+            return cached
+        total = cached.device + cached.host + cached.spill + cached.miss
+        device = min(total, num_blocks * self.block_size)
+        return CachedTokens(device=device, miss=total - device)
 
     def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens,
                        request_id: str = "") -> Admission | None:
