@@ -14,16 +14,24 @@ over ``MAX_REPLY_BYTES`` or of another shape kills the process (``CompilerDied``
 
 The child is started with ``subprocess`` (a fork followed by exec: nothing of the node's
 threads or CUDA state is copied), never ``os.fork`` of the node; it ends with its parent
-(``grammar_worker._die_with_parent``) and with ``kill``.
+(``grammar_worker._die_with_parent``) and with ``kill``. It runs in a directory of its own
+(``mkdtemp``: 0700, also its ``TMPDIR``; ``kill`` removes it), never the shared temporary
+directory, which ``python -m`` would put first on its ``sys.path``. Once its import is done it
+confines itself (``cache_node.sandbox``) and its ``ready`` reply says how (``sandbox``,
+``confined``); a process not fully confined is logged once per node process, at warning level,
+and compiles as before (review 28l F6).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +56,19 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _REPLY_BOUNDS = UnpackBounds(max_array_len=2, max_map_len=0, max_str_len=MAX_REPLY_BYTES, max_bin_len=0,
                              max_containers=1, max_elements=2)
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+log = logging.getLogger(__name__)
+_unconfined_warned = threading.Event()
+
+
+def _report_sandbox(report: str) -> None:
+    """Log, once per node process, a compiler process that is not fully confined."""
+    if report.startswith("confined:") or _unconfined_warned.is_set():
+        return
+    _unconfined_warned.set()
+    log.warning("grammar compiler processes run without their full sandbox (%s): a spec that took one over "
+                "could read what the node's user can read and reach its processes", report or "no report")
 
 
 class CompileTimeout(Exception):
@@ -99,6 +120,13 @@ class CompilerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready = False  # the running child said ``ready`` (its compiler exists)
         self.num_starts = 0
+        self.workdir: str | None = None  # the child's private working directory (and TMPDIR)
+        self.sandbox = ""  # the running child's ``cache_node.sandbox.confine`` report
+
+    @property
+    def confined(self) -> bool:
+        """The running child said it is fully confined (``cache_node.sandbox``)."""
+        return self.sandbox.startswith("confined:")
 
     @property
     def pid(self) -> int | None:
@@ -108,9 +136,12 @@ class CompilerProcess:
         """Start the child (reaping one that ended) and wait for its ``ready`` (raises
         ``CompilerDied``)."""
         self.kill()
+        self.workdir = tempfile.mkdtemp(prefix="kvstrata-grammar-")  # 0700, ours; kill removes it
+        env = child_env(os.environ)
+        env["TMPDIR"] = self.workdir
         self.proc = subprocess.Popen(
             [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=child_env(os.environ), close_fds=True, cwd=Path(tempfile.gettempdir()),
+            env=env, close_fds=True, cwd=self.workdir,
         )
         self.num_starts += 1
         try:
@@ -122,6 +153,8 @@ class CompilerProcess:
         if reply[0] != "ready":
             self.kill()
             raise CompilerDied("the grammar compiler answered its start out of protocol")
+        self.sandbox = "".join(c if c.isprintable() else "?" for c in reply[1][:500])
+        _report_sandbox(self.sandbox)
         self.ready = True
 
     def compile(self, method: str, text: str, timeout_s: float) -> tuple[bool, str]:
@@ -158,17 +191,20 @@ class CompilerProcess:
         """End the child (SIGKILL) and reap it; a no-op when there is none. The using
         thread's call (its pipes are closed here)."""
         proc, self.proc = self.proc, None
+        workdir, self.workdir = self.workdir, None
         self.ready = False
-        if proc is None:
-            return
-        proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        self.sandbox = ""
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def _send(self, message: list[Any]) -> None:
         assert self.proc is not None and self.proc.stdin is not None
@@ -256,7 +292,8 @@ def child_env(environ: Any) -> dict[str, str]:
     """A compiler process's environment: the few variables its interpreter and xgrammar read,
     and ``PYTHONPATH`` with the repository first; nothing else of the node's (its Ray token,
     admin key, TLS and cloud settings). It runs tenants' specs through a C++ compiler, so it
-    gets what it needs and no credential (review 28a F5; it still runs as the node's user)."""
+    gets what it needs and no credential (review 28a F5; it still runs as the node's user, and
+    ``cache_node.sandbox`` keeps it from the node's files, ``/proc`` and sockets: review 28l F6)."""
     env = {name: value for name, value in environ.items()
            if name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, environ.get("PYTHONPATH", "")) if p)

@@ -13,10 +13,11 @@ nothing a library prints there can mix into the replies).
 
 - first, parent -> child: ``["init", tokenizer_info_json, memory_bytes]`` (xgrammar's
   ``TokenizerInfo.serialize_json()``, ~1.6 MB for a 49,152-token vocabulary; sent once per
-  process); child -> parent ``["ready", xgrammar_version]`` once its compiler exists. Then its
-  data segment is capped (``RLIMIT_DATA``) at what it holds plus ``memory_bytes``: a compile
-  that needs more fails (an allocation error, or the process ends) instead of growing the
-  node's memory.
+  process); child -> parent ``["ready", sandbox_report]`` once its compiler exists (the
+  report: ``cache_node.sandbox.confine``'s). Before it, its data segment is capped
+  (``RLIMIT_DATA``) at what it holds plus ``memory_bytes``: a compile that needs more fails
+  (an allocation error, or the process ends) instead of growing the node's memory; and the
+  process is confined (``cache_node.sandbox``).
 - then per compile, parent -> child: ``[method, text]`` (``METHODS``); child -> parent
   ``["ok", compiled_grammar_json]`` (``CompiledGrammar.serialize_json()``) or
   ``["error", message]``.
@@ -25,8 +26,14 @@ The child compiles at niceness 19 (``_lower_priority``, once its import is done)
 take only CPU the node's model leaves, and their time limit counts its CPU time
 (``grammar_process``).
 
+The child is confined once its import is done, before its ``ready`` (``cache_node.sandbox``:
+Landlock and seccomp, where the kernel has them): a spec that took over the compiler can read
+the Python installation and write its private working directory, and reach no file, socket or
+process of the node's (review 28l F6). For that the process stays single-threaded until then
+(``OPENBLAS_NUM_THREADS=1``; no parent-watch thread where ``PR_SET_PDEATHSIG`` works).
+
 The child (``python -m cache_node.grammar_worker <parent pid>``) ends when its stdin closes,
-and when its parent dies (``PR_SET_PDEATHSIG`` and a thread watching its parent's pid), so no
+and when its parent dies (``PR_SET_PDEATHSIG``, else a thread watching its parent's pid), so no
 compile outlives the node that asked for it.
 """
 
@@ -43,6 +50,8 @@ import time
 from typing import Any, BinaryIO
 
 import msgpack
+
+from cache_node.sandbox import confine
 
 METHODS = ("json_schema", "regex", "grammar")
 """What a compile request asks: ``compile_json_schema`` / ``compile_regex`` /
@@ -93,13 +102,16 @@ def _die_with_parent(parent: int) -> None:
     """End this process when its parent (pid ``parent``, passed by it: one read here could
     already be the reaper's) ends: the kernel's ``PR_SET_PDEATHSIG`` (Linux; it fires when the
     thread that started us ends, which in the node is a compile thread that lives as long as
-    the node's grammars), and a thread that sees the parent pid change (re-parented), for a
-    parent gone before the call and where there is no prctl."""
+    the node's grammars), a check of the parent pid after it (a parent gone before the call)
+    and, only where the prctl is missing or refused, a thread that sees the parent pid change
+    (re-parented). With the prctl the process starts no thread: ``cache_node.sandbox``'s
+    Landlock rules cover only the threads started after them."""
+    death_signal = False
     if sys.platform.startswith("linux"):
         try:
             import ctypes
 
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+            death_signal = ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL) == 0  # PR_SET_PDEATHSIG
         except OSError:
             pass
 
@@ -110,7 +122,8 @@ def _die_with_parent(parent: int) -> None:
 
     if os.getppid() != parent:
         os._exit(0)
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if not death_signal:  # (with it, the process stays single-threaded: ``cache_node.sandbox``)
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 WORKER_NICENESS = 19
@@ -180,7 +193,8 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     del info_json, body
     _cap_memory(int(memory_bytes))
     _lower_priority()  # (the import above ran at the node's priority: review 28l F3)
-    replies.write(frame(["ready", getattr(xgrammar, "__version__", "")]))
+    sandbox = confine(os.getcwd())  # from here on, the tenants' specs: review 28l F6
+    replies.write(frame(["ready", sandbox]))
     replies.flush()
     while (body := read_frame_blocking(requests, MAX_REQUEST_BYTES)) is not None:
         method, text = msgpack.unpackb(body, raw=False)
@@ -198,6 +212,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
 
 
 def main() -> None:
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS (torch imports it) starts no threads (sandbox)
     _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a library's prints go to stderr, never into the replies

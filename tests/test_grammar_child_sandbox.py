@@ -1,0 +1,274 @@
+"""A grammar compiler process is confined once its import is done (review 28l F6): it parses
+tenants' schemas, regexes and EBNF in a C++ library as the node's user, and could read the
+node's ``/proc/<pid>/environ`` (its Ray token, admin key), any file of the user's, connect to
+the node's and Ray's sockets and signal the node. ``cache_node.sandbox`` (Landlock and
+seccomp) leaves it the Python installation to read and its private working directory to
+write.
+
+Real compiler processes, started by ``CompilerProcess`` as the node starts them; a probe runs
+inside one after its ``ready``: ``PROBE_CHILD`` is ``grammar_worker``'s own ``main`` with one
+more compile method, ``probe``, that the test's child alone has (the node's worker has no
+such method). Skipped where the kernel has no Landlock.
+
+Regression: the process ran unconfined, its working directory the shared temporary directory
+(where ``python -m`` also imported modules planted there before its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_node import grammar_process
+from cache_node.grammar_process import CompilerProcess
+from cache_node.sandbox import landlock_abi
+from cache_node.structured_output import StructuredOutputSpec
+from tests.conftest import make_grammars
+
+ABI = landlock_abi()
+REPO = Path(__file__).resolve().parent.parent
+needs_landlock = pytest.mark.skipif(ABI < 1, reason="this kernel has no Landlock (or it is off): the compiler "
+                                                    "process runs unconfined here")
+
+PROBE_CHILD = """
+import errno, json, os, socket, sys
+from cache_node import grammar_worker, sandbox
+
+if os.environ.get("PROBE_NO_LANDLOCK"):
+    sandbox.landlock_abi = lambda: 0  # as on a kernel without Landlock
+if os.environ.get("PROBE_NO_SECCOMP"):
+    def refused():
+        raise OSError(errno.EINVAL, "seccomp")
+    sandbox._seccomp = refused  # as where a container's seccomp profile refuses another filter
+
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+
+def read(path):
+    with open(path, "rb") as f:
+        f.read(1)
+
+def write(path):
+    with open(path, "wb") as f:
+        f.write(b"x")
+
+def connect(family, address):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.settimeout(2)
+        s.connect(address)
+    finally:
+        s.close()
+
+def probe(text):
+    ask = json.loads(text)
+    out = {"read": {p: attempt(lambda p=p: read(p)) for p in ask["read"]},
+           "write": {p: attempt(lambda p=p: write(p)) for p in ask["write"]}}
+    if "tcp" in ask:
+        out["tcp"] = attempt(lambda: connect(socket.AF_INET, tuple(ask["tcp"])))
+    if "unix" in ask:
+        out["unix"] = attempt(lambda: connect(socket.AF_UNIX, ask["unix"]))
+    if "abstract" in ask:
+        out["abstract"] = attempt(lambda: connect(socket.AF_UNIX, "\\0" + ask["abstract"]))
+    out["signal"] = attempt(lambda: os.kill(os.getppid(), 0))
+    out["cwd"] = os.getcwd()
+    return out
+
+class Probed:
+    def __init__(self, result):
+        self.result = result
+    def serialize_json(self):
+        return json.dumps(self.result)
+
+real_compile = grammar_worker._compile
+grammar_worker.METHODS = (*grammar_worker.METHODS, "probe")
+grammar_worker._compile = lambda c, m, t: Probed(probe(t)) if m == "probe" else real_compile(c, m, t)
+grammar_worker.main()
+"""
+
+
+@pytest.fixture(scope="module")
+def info_json(grammar_tokenizer: Any) -> str:
+    import xgrammar
+
+    return xgrammar.TokenizerInfo.from_huggingface(grammar_tokenizer, vocab_size=49152).serialize_json()
+
+
+def _child_env_with(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Children started from here on get ``name=1`` in their environment (``PROBE_CHILD``)."""
+    real_child_env = grammar_process.child_env
+    monkeypatch.setattr(grammar_process, "child_env", lambda environ: {**real_child_env(environ), name: "1"})
+
+
+def _probe_process(info_json: str) -> CompilerProcess:
+    process = CompilerProcess(info_json, 2 << 30, argv=(sys.executable, "-c", PROBE_CHILD))
+    process.start()
+    return process
+
+
+def _probe(process: CompilerProcess, **ask: Any) -> dict[str, Any]:
+    ok, reply = process.compile("probe", json.dumps({"read": [], "write": [], **ask}), 60.0)
+    assert ok, reply
+    return json.loads(reply)
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+@needs_landlock
+def test_a_ready_compiler_process_reaches_nothing_of_the_node(info_json: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTRATA_ADMIN_KEY", "admin-secret")
+    secret_dir = tmp_path / "state"
+    secret_dir.mkdir()
+    (secret_dir / "keys.json").write_text("secret")
+    listener = socket.create_server(("127.0.0.1", 0))
+    unix_path = str(tmp_path / "node.sock")
+    unix_listener = socket.socket(socket.AF_UNIX)
+    unix_listener.bind(unix_path)
+    unix_listener.listen()
+    abstract = f"kvstrata-test-{os.getpid()}"
+    abstract_listener = socket.socket(socket.AF_UNIX)
+    abstract_listener.bind("\0" + abstract)
+    abstract_listener.listen()
+    process = _probe_process(info_json)
+    try:
+        workdir = getattr(process, "workdir", None) or os.readlink(f"/proc/{process.pid}/cwd")
+        inside = str(Path(workdir) / "scratch")
+        got = _probe(process,
+                     read=[f"/proc/{os.getpid()}/environ", f"/proc/{os.getpid()}/mem", str(secret_dir / "keys.json"),
+                           os.__file__, json.__file__, str(REPO / "pyproject.toml"),
+                           str(REPO / "cache_node" / "sandbox.py")],
+                     write=[str(tmp_path / "written"), str(secret_dir / "keys.json"), inside],
+                     tcp=list(listener.getsockname()), unix=unix_path, abstract=abstract)
+        assert got["read"] == {f"/proc/{os.getpid()}/environ": "EACCES", f"/proc/{os.getpid()}/mem": "EACCES",
+                               str(secret_dir / "keys.json"): "EACCES", os.__file__: "ok", json.__file__: "ok",
+                               str(REPO / "pyproject.toml"): "EACCES",  # the repository: its packages alone
+                               str(REPO / "cache_node" / "sandbox.py"): "ok"}
+        assert got["write"] == {str(tmp_path / "written"): "EACCES", str(secret_dir / "keys.json"): "EACCES",
+                                inside: "ok"}
+        assert not (tmp_path / "written").exists() and (secret_dir / "keys.json").read_text() == "secret"
+        assert Path(inside).read_bytes() == b"x"
+        assert got["tcp"] != "ok" and got["unix"] != "ok" and got["abstract"] != "ok", got
+        if ABI >= 6:
+            assert got["signal"] == "EPERM"
+        assert got["cwd"] == workdir
+        assert process.confined, process.sandbox
+        status = _status(process.pid or 0)
+        assert (status["Threads"], status["NoNewPrivs"], status["Seccomp"]) == ("1", "1", "2")
+        # and it still compiles
+        assert process.compile("regex", "[a-z]{3}", 30.0)[0]
+        assert process.compile("json", "{}", 30.0)[0] is False  # (no such method: refused, process lives)
+        assert process.pid is not None
+    finally:
+        process.kill()
+        for s in (listener, unix_listener, abstract_listener):
+            s.close()
+
+
+@needs_landlock
+def test_the_working_directory_is_private_and_removed(info_json: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m`` puts its working directory first on ``sys.path``: in the shared temporary
+    directory, a ``msgpack.py`` anyone planted there ran in the compiler process."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    marker = tmp_path / "planted-ran"
+    (tmp_path / "msgpack.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(7)\n")
+    process = CompilerProcess(info_json, 2 << 30)
+    try:
+        process.start()
+        assert not marker.exists()
+        workdir = process.workdir
+        assert workdir is not None and Path(workdir).parent == tmp_path
+        assert stat.S_IMODE(os.stat(workdir).st_mode) == 0o700
+        assert Path(os.readlink(f"/proc/{process.pid}/cwd")) == Path(workdir)
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+        assert f"TMPDIR={workdir}".encode() in environ
+        assert process.compile("grammar", 'root ::= "a" | "b"', 30.0)[0]
+    finally:
+        process.kill()
+    assert not Path(workdir).exists()
+
+
+@needs_landlock
+def test_grammars_compile_every_kind_in_confined_processes(grammar_tokenizer: Any) -> None:
+    g = make_grammars(grammar_tokenizer, timeout_s=30.0, workers=1)
+    try:
+        specs = [StructuredOutputSpec("json_schema", json.dumps({
+                     "type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"},
+                                                      "age": {"type": "integer", "minimum": 0}},
+                     "required": ["name"]})),
+                 StructuredOutputSpec("regex", r"[a-z]+@[a-z]+\.com"),
+                 StructuredOutputSpec("grammar", 'root ::= "yes" | "no" | [0-9]+')]
+        for spec in specs:
+            compiled = g.compile(spec, "t").result(timeout=120)
+            assert compiled is not None
+        process = g.processes[0]
+        assert process is not None and process.confined, process.sandbox
+        with pytest.raises(ValueError, match="parenthesis"):  # still the compiler's error, not a crash
+            g.compile(StructuredOutputSpec("regex", "("), "t").result(timeout=120)
+        assert g.processes[0] is process and process.pid is not None
+    finally:
+        g.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Landlock and seccomp are Linux's")
+def test_without_landlock_compiles_go_on_and_the_node_warns_once(info_json: str, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    _child_env_with(monkeypatch, "PROBE_NO_LANDLOCK")
+    monkeypatch.setattr(grammar_process, "_unconfined_warned", threading.Event())
+    caplog.set_level(logging.WARNING, logger=grammar_process.__name__)
+    processes = [_probe_process(info_json), _probe_process(info_json)]
+    try:
+        for process in processes:
+            assert process.sandbox.startswith(("partial:", "unconfined:")), process.sandbox
+            assert "without Landlock" in process.sandbox and not process.confined
+            assert process.compile("regex", "[ab]+", 30.0)[0]
+        if process.sandbox.startswith("partial:"):  # seccomp alone still refuses sockets
+            assert _probe(process, tcp=["127.0.0.1", 9])["tcp"] == "EPERM"
+        warnings = [r for r in caplog.records if "without their full sandbox" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+    finally:
+        for process in processes:
+            process.kill()
+
+
+@pytest.mark.skipif(ABI < 6, reason="Landlock's TCP rules need ABI 4 and its socket and signal scopes ABI 6; "
+                                    f"this kernel has ABI {ABI}")
+def test_landlock_alone_refuses_tcp_abstract_sockets_and_signals(info_json: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where seccomp is refused, Landlock alone still stops TCP, abstract unix sockets, signals
+    and files (a pathname unix socket it does not cover: seccomp's ``socket`` rule does)."""
+    _child_env_with(monkeypatch, "PROBE_NO_SECCOMP")
+    listener = socket.create_server(("127.0.0.1", 0))
+    abstract = f"kvstrata-test-{os.getpid()}-b"
+    abstract_listener = socket.socket(socket.AF_UNIX)
+    abstract_listener.bind("\0" + abstract)
+    abstract_listener.listen()
+    process = _probe_process(info_json)
+    try:
+        assert process.sandbox.startswith("partial:") and "without seccomp" in process.sandbox, process.sandbox
+        got = _probe(process, read=[f"/proc/{os.getpid()}/environ"], tcp=list(listener.getsockname()),
+                     abstract=abstract)
+        assert (got["read"][f"/proc/{os.getpid()}/environ"], got["tcp"], got["abstract"], got["signal"]) == (
+            "EACCES", "EACCES", "EPERM", "EPERM")
+    finally:
+        process.kill()
+        listener.close()
+        abstract_listener.close()
