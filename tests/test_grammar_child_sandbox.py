@@ -16,11 +16,13 @@ Regression: the process ran unconfined, its working directory the shared tempora
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
 import stat
+import struct
 import sys
 import tempfile
 import threading
@@ -29,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from cache_node import grammar_process
+from cache_node import grammar_process, sandbox
 from cache_node.grammar_process import CompilerProcess
 from cache_node.sandbox import landlock_abi
 from cache_node.structured_output import StructuredOutputSpec
@@ -272,3 +274,40 @@ def test_landlock_alone_refuses_tcp_abstract_sockets_and_signals(info_json: str,
         process.kill()
         listener.close()
         abstract_listener.close()
+
+
+def _run_bpf(program: bytes, arch: int, nr: int) -> int:
+    """What classic-BPF ``program`` returns for a ``seccomp_data`` of ``arch`` and ``nr`` (the
+    loads, ``jeq``/``jge`` and ``ret`` that ``seccomp_program`` uses)."""
+    insns = [struct.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    data = {0: nr, 4: arch}
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc = data[k]
+        elif code in (0x15, 0x35):
+            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected BPF op {code:#x}")
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_seccomp_filter_refuses_its_syscalls_and_foreign_abis(machine: str) -> None:
+    """The filter's logic on both architectures (only the host's can run here)."""
+    arch, _, denied = sandbox._SECCOMP_ARCH[machine]
+    program = sandbox.seccomp_program(machine)
+    assert program is not None
+    eperm, allow, kill = 0x00050000 | errno.EPERM, 0x7FFF0000, 0x80000000
+    for nr in denied.values():
+        assert _run_bpf(program, arch, nr) == eperm
+    for nr in (0, 1, 3, 9, 63, 202, 231, 435):  # read, write, close, mmap, ..., futex, exit_group, clone3
+        if nr not in denied.values():
+            assert _run_bpf(program, arch, nr) == allow
+    assert _run_bpf(program, 0x40000003, 102) == kill  # i386 (int 0x80): socketcall
+    if machine == "x86_64":
+        assert _run_bpf(program, arch, 0x40000000 | 41) == eperm  # x32's socket
+    assert sandbox.seccomp_program("riscv64") is None
