@@ -14,11 +14,13 @@ Two kernel mechanisms, each applied where the kernel has it:
   stops it tracing any process outside its domain (``ptrace``, ``/proc/<pid>/mem``); ABI 4+
   denies every TCP bind and connect; ABI 6+ denies connecting to abstract unix sockets and
   signalling processes outside its domain.
-- seccomp (all threads, ``SECCOMP_FILTER_FLAG_TSYNC``): ``socket``, ``io_uring_setup``,
-  ``ptrace``, ``process_vm_readv``/``writev`` and ``pidfd_getfd`` fail with ``EPERM``, on
-  x86-64 and aarch64 (a syscall of another ABI, such as i386's ``int 0x80``, kills the
-  process). Landlock does not cover pathname unix sockets (Ray's raylet and plasma sockets)
-  or UDP; without ``socket`` none can be made. It also keeps the no-ptrace rule on a kernel
+- seccomp (all threads, ``SECCOMP_FILTER_FLAG_TSYNC``): ``socket``, ``fork``/``vfork`` and a
+  ``clone`` without ``CLONE_THREAD``, ``io_uring_setup``, ``ptrace``,
+  ``process_vm_readv``/``writev`` and ``pidfd_getfd`` fail with ``EPERM`` (``clone3``:
+  ``ENOSYS``), on x86-64 and aarch64 (a syscall of another ABI, such as i386's ``int 0x80``,
+  kills the process). Landlock does not cover pathname unix sockets (Ray's raylet and plasma
+  sockets) or UDP; without ``socket`` none can be made. No new process: one would outlive the
+  compiler's ``kill`` (threads may still start). It also keeps the no-ptrace rule on a kernel
   without Landlock.
 
 Both need ``PR_SET_NO_NEW_PRIVS``, which is set first. The Landlock ruleset applies to the
@@ -89,13 +91,15 @@ _SECCOMP_RET_KILL_PROCESS = 0x80000000
 _SECCOMP_RET_ERRNO = 0x00050000
 _SECCOMP_RET_ALLOW = 0x7FFF0000
 
-# per architecture: AUDIT_ARCH_*, the seccomp syscall's number, and the syscalls refused
+# per architecture: AUDIT_ARCH_*, the seccomp syscall's number, the syscalls refused, and
+# clone's and clone3's numbers
 _SECCOMP_ARCH = {
-    "x86_64": (0xC000003E, 317, {"socket": 41, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-                                 "io_uring_setup": 425, "pidfd_getfd": 438}),
+    "x86_64": (0xC000003E, 317, {"socket": 41, "fork": 57, "vfork": 58, "ptrace": 101, "process_vm_readv": 310,
+                                 "process_vm_writev": 311, "io_uring_setup": 425, "pidfd_getfd": 438}, 56, 435),
     "aarch64": (0xC00000B7, 277, {"socket": 198, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                                  "io_uring_setup": 425, "pidfd_getfd": 438}),
+                                  "io_uring_setup": 425, "pidfd_getfd": 438}, 220, 435),
 }
+_CLONE_THREAD = 0x00010000
 _X32_SYSCALL_BIT = 0x40000000
 
 
@@ -249,19 +253,32 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 def seccomp_program(machine: str) -> bytes | None:
     """The seccomp filter (classic BPF) for ``machine``: the syscalls in ``_SECCOMP_ARCH`` fail
-    with EPERM, as does every x32 syscall on x86-64; a syscall of another architecture's ABI
-    kills the process; the rest are allowed. None for an architecture not listed."""
+    with EPERM, as does every x32 syscall on x86-64, and ``clone`` of a process (not of a
+    thread: no new process could outlive the compiler's ``kill``); ``clone3`` fails ENOSYS
+    (its flags are behind a pointer; glibc then starts a thread with ``clone``); a syscall of
+    another architecture's ABI kills the process; the rest are allowed. None for an
+    architecture not listed."""
     if machine not in _SECCOMP_ARCH:
         return None
-    arch, _, denied = _SECCOMP_ARCH[machine]
-    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
-    checks = [(jge_k, _X32_SYSCALL_BIT)] if machine == "x86_64" else []
-    checks += [(jeq_k, nr) for nr in sorted(denied.values())]
-    prog = [_bpf(ld_w_abs, 4), _bpf(jeq_k, arch, 0, len(checks) + 3), _bpf(ld_w_abs, 0)]  # arch; else to KILL
-    for i, (op, k) in enumerate(checks):
-        prog.append(_bpf(op, k, len(checks) - i, 0))  # to ERRNO
-    prog += [_bpf(ret_k, _SECCOMP_RET_ALLOW), _bpf(ret_k, _SECCOMP_RET_ERRNO | errno.EPERM),
-             _bpf(ret_k, _SECCOMP_RET_KILL_PROCESS)]
+    arch, _, denied, clone, clone3 = _SECCOMP_ARCH[machine]
+    ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06
+    # (op, k, true target, false target): a target is a label or None (the next instruction)
+    code: list[tuple[int, int, str | None, str | None]] = [(ld_w_abs, 4, None, None), (jeq_k, arch, None, "kill"),
+                                                           (ld_w_abs, 0, None, None)]
+    if machine == "x86_64":
+        code.append((jge_k, _X32_SYSCALL_BIT, "eperm", None))
+    code += [(jeq_k, nr, "eperm", None) for nr in sorted(denied.values())]
+    code += [(jeq_k, clone3, "enosys", None), (jeq_k, clone, None, "allow"),
+             (ld_w_abs, 16, None, None), (jset_k, _CLONE_THREAD, "allow", "eperm")]  # clone's flags (args[0])
+    returns = {"allow": _SECCOMP_RET_ALLOW, "eperm": _SECCOMP_RET_ERRNO | errno.EPERM,
+               "enosys": _SECCOMP_RET_ERRNO | errno.ENOSYS, "kill": _SECCOMP_RET_KILL_PROCESS}
+    at = {label: len(code) + i for i, label in enumerate(returns)}
+
+    def offset(pc: int, target: str | None) -> int:
+        return 0 if target is None else at[target] - pc - 1  # (classic BPF jumps forward only)
+
+    prog = [_bpf(op, k, offset(pc, jt), offset(pc, jf)) for pc, (op, k, jt, jf) in enumerate(code)]
+    prog += [_bpf(ret_k, value) for value in returns.values()]
     return b"".join(prog)
 
 
@@ -279,7 +296,7 @@ def _seccomp() -> str:
     if rc != 0:
         raise OSError(ctypes.get_errno() if rc < 0 else errno.EBUSY,
                       "seccomp" if rc < 0 else f"seccomp: thread {rc} could not take the filter")
-    return "seccomp (no socket, io_uring, ptrace, process_vm_*, pidfd_getfd)"
+    return "seccomp (no socket, process, io_uring, ptrace, process_vm_*, pidfd_getfd)"
 
 
 def _threads() -> int | None:

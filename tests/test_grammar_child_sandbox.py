@@ -76,6 +76,21 @@ def connect(family, address):
     finally:
         s.close()
 
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+def thread():
+    import threading
+    ran = []
+    t = threading.Thread(target=lambda: ran.append(1))
+    t.start()
+    t.join()
+    if ran != [1]:
+        raise OSError(errno.EIO, "the thread did not run")
+
 def probe(text):
     ask = json.loads(text)
     out = {"read": {p: attempt(lambda p=p: read(p)) for p in ask["read"]},
@@ -87,6 +102,8 @@ def probe(text):
     if "abstract" in ask:
         out["abstract"] = attempt(lambda: connect(socket.AF_UNIX, "\\0" + ask["abstract"]))
     out["signal"] = attempt(lambda: os.kill(os.getppid(), 0))
+    out["fork"] = attempt(fork)
+    out["thread"] = attempt(thread)
     out["cwd"] = os.getcwd()
     return out
 
@@ -171,6 +188,7 @@ def test_a_ready_compiler_process_reaches_nothing_of_the_node(info_json: str, tm
         if ABI >= 6:
             assert got["signal"] == "EPERM"
         assert got["cwd"] == workdir
+        assert (got["fork"], got["thread"]) == ("EPERM", "ok")  # no process that outlives its kill
         assert process.confined, process.sandbox
         status = _status(process.pid or 0)
         assert (status["Threads"], status["NoNewPrivs"], status["Seccomp"]) == ("1", "1", "2")
@@ -276,18 +294,19 @@ def test_landlock_alone_refuses_tcp_abstract_sockets_and_signals(info_json: str,
         abstract_listener.close()
 
 
-def _run_bpf(program: bytes, arch: int, nr: int) -> int:
-    """What classic-BPF ``program`` returns for a ``seccomp_data`` of ``arch`` and ``nr`` (the
-    loads, ``jeq``/``jge`` and ``ret`` that ``seccomp_program`` uses)."""
+def _run_bpf(program: bytes, arch: int, nr: int, arg0: int = 0) -> int:
+    """What classic-BPF ``program`` returns for a ``seccomp_data`` of ``arch``, ``nr`` and first
+    argument ``arg0`` (its low word; the loads, ``jeq``/``jge``/``jset`` and ``ret`` that
+    ``seccomp_program`` uses)."""
     insns = [struct.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
-    data = {0: nr, 4: arch}
+    data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
     acc, pc = 0, 0
     while True:
         code, jt, jf, k = insns[pc]
         if code == 0x20:
             acc = data[k]
-        elif code in (0x15, 0x35):
-            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        elif code in (0x15, 0x35, 0x45):
+            pc += jt if {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code] else jf
         elif code == 0x06:
             return k
         else:
@@ -298,15 +317,18 @@ def _run_bpf(program: bytes, arch: int, nr: int) -> int:
 @pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
 def test_the_seccomp_filter_refuses_its_syscalls_and_foreign_abis(machine: str) -> None:
     """The filter's logic on both architectures (only the host's can run here)."""
-    arch, _, denied = sandbox._SECCOMP_ARCH[machine]
+    arch, _, denied, clone, clone3 = sandbox._SECCOMP_ARCH[machine]
     program = sandbox.seccomp_program(machine)
     assert program is not None
-    eperm, allow, kill = 0x00050000 | errno.EPERM, 0x7FFF0000, 0x80000000
+    eperm, enosys, allow, kill = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS, 0x7FFF0000, 0x80000000
     for nr in denied.values():
         assert _run_bpf(program, arch, nr) == eperm
-    for nr in (0, 1, 3, 9, 63, 202, 231, 435):  # read, write, close, mmap, ..., futex, exit_group, clone3
+    for nr in (0, 1, 3, 9, 63, 202, 231):  # read, write, close, mmap, ...
         if nr not in denied.values():
             assert _run_bpf(program, arch, nr) == allow
+    assert _run_bpf(program, arch, clone, 0x3D0F00) == allow  # glibc's pthread_create flags (CLONE_THREAD...)
+    assert _run_bpf(program, arch, clone, 0x01200011) == eperm  # glibc's fork: a process
+    assert _run_bpf(program, arch, clone3, 0x3D0F00) == enosys  # (glibc then uses clone)
     assert _run_bpf(program, 0x40000003, 102) == kill  # i386 (int 0x80): socketcall
     if machine == "x86_64":
         assert _run_bpf(program, arch, 0x40000000 | 41) == eperm  # x32's socket
