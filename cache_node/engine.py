@@ -25,6 +25,7 @@ from cache_node.engine_reclaim import EngineReclaimMixin
 from cache_node.engine_recovery import EngineRecoveryMixin
 from cache_node.engine_sessions import EngineSessionsMixin
 from cache_node.engine_stats import EngineStatsMixin
+from cache_node.grammar_stats import GrammarCounters
 from cache_node.hashing import HashFn, blake2b_256
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool, kv_format_name
@@ -135,6 +136,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         # structured outputs (``engine_grammars``): off until ``enable_structured_output``
         self.grammars = None
         self.grammars_off = NO_TOKENIZER
+        self.grammar_counters = GrammarCounters()  # the node's grammar_* metrics
         self._compiling: list[Sequence] = []  # waiting requests whose grammar compiles
         self._grammar_active: dict[str, int] = {}  # tenant -> its structured requests here (engine_grammars)
         # what a step passed over became ready (a grammar compiled, a prefetch landed): the
@@ -325,6 +327,10 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self.tiers.maybe_demote()
             batch = self._schedule()
             if batch:
+                now = time.monotonic()
+                for seq, _ in batch:
+                    if seq.scheduled_time_s is None:  # (a preempted request keeps its first)
+                        seq.scheduled_time_s = now
                 if on_scheduled is not None:
                     on_scheduled(batch)
                 try:
@@ -445,6 +451,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             num_cached_tokens_by_tier=self.tiers.cached_tokens_by_tier(seq),
             policy_bytes=seq.peak_policy_bytes,
             policy_stats=dict(seq.policy_stats) if seq.is_finished else {},
+            phase_s=_phases(seq) if seq.is_finished else {},
             logprobs=logprobs,
             prompt_logprobs=self._take_prompt_logprobs(seq),
         )
@@ -473,3 +480,15 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
 
 def _nothing() -> None:
     """``LLMEngine.on_ready`` until a cache node sets it."""
+
+
+def _phases(seq: Sequence) -> dict[str, float]:
+    """A finished request's phases, s, as vLLM's request histograms time them: ``queue``
+    (arrival to its first step), ``prefill`` (first step to first token), ``decode`` (first
+    to last token), ``inference`` (first step to last token: prefill + decode); empty when it
+    drew no token (never scheduled, or ended before its first token)."""
+    scheduled, first, last = seq.scheduled_time_s, seq.first_token_time_s, seq.last_token_time_s
+    if scheduled is None or first is None or last is None:
+        return {}
+    return {"queue": scheduled - seq.arrival_time_s, "prefill": first - scheduled, "decode": last - first,
+            "inference": last - scheduled}

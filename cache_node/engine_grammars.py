@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cache_node.grammar_mask import GrammarState, constrain
+from cache_node.grammar_stats import GrammarCounters
 from cache_node.grammars import CompileLimits, Grammars
 from cache_node.outputs import GrammarActiveFull, InvalidRequestError, RequestOutput
 from cache_node.sequence import Sequence
@@ -72,6 +73,7 @@ NO_TOKENIZER = "this cache node cannot constrain output: it has no tokenizer (st
 class EngineGrammarsMixin:
     grammars: Grammars | None
     grammars_off: str  # why ``grammars`` is None
+    grammar_counters: GrammarCounters  # every ``Grammars`` this engine made counts here
     _compiling: list[Sequence]
     _grammar_active: dict[str, int]
 
@@ -83,7 +85,8 @@ class EngineGrammarsMixin:
         limits = CompileLimits(timeout_s=cfg.grammar_compile_timeout_s, workers=cfg.grammar_compile_workers,
                                queue_per_tenant=cfg.grammar_compile_queue_per_tenant,
                                cache_bytes=cfg.grammar_cache_bytes, worker_memory_bytes=cfg.grammar_worker_memory_bytes)
-        made = Grammars.create(tokenizer, self.vocab_size, self.eos_token_ids, cfg.max_num_seqs, limits)
+        made = Grammars.create(tokenizer, self.vocab_size, self.eos_token_ids, cfg.max_num_seqs, limits,
+                               self.grammar_counters)
         if isinstance(made, str):
             self.grammars_off = made
             log.warning("%s", made)
@@ -103,6 +106,17 @@ class EngineGrammarsMixin:
         self.grammars = None
         self.grammars_off = "this cache node's structured outputs were closed"
 
+    def grammar_stats(self: LLMEngine) -> dict[str, Any]:
+        """What the node's grammar compiling did and holds, for its metrics (read at scrape
+        time, never waiting for a step): ``Grammars.stats`` while structured outputs are on;
+        else the counts so far (``GrammarCounters.snapshot``), nothing queued, running or kept."""
+        grammars = self.grammars
+        if grammars is not None:
+            return grammars.stats()
+        return self.grammar_counters.snapshot() | {
+            "compiles_queued": 0, "compiles_running": 0, "compiler_processes": 0, "cache_entries": 0,
+            "cache_bytes": 0, "failed_specs": 0}
+
     def _attach_grammar(self: LLMEngine, seq: Sequence) -> None:
         """Start compiling ``seq``'s grammar (add_request; ``InvalidRequestError`` when off)."""
         spec = seq.sampling_params.structured_output
@@ -115,6 +129,7 @@ class EngineGrammarsMixin:
         with self._lock:  # checked and counted at once: ``add_request`` may come from several threads
             active = self._grammar_active.get(tenant, 0)
             if active >= cap:
+                self.grammar_counters.refused("active_full")
                 raise GrammarActiveFull(
                     f"structured_output: this tenant already has {cap} structured-output requests on this cache "
                     "node (grammar_max_active_per_tenant); retry when one of them finishes")
@@ -179,6 +194,7 @@ class EngineGrammarsMixin:
             outputs.append(self._output(rows[i], ()))
         for i, why in refused.items():  # the client's spec: INVALID_ARGUMENT, nothing drawn
             log.info("request %s refused: %s", rows[i].request_id, why)
+            self.grammar_counters.refused(rows[i].grammar.refusal or "no_token")
             self._finish(rows[i], "rejected")
             outputs.append(dataclasses.replace(self._output(rows[i], ()), error=why))
         keep = [i for i in range(len(rows)) if i not in complete and i not in refused]

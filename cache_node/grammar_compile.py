@@ -114,6 +114,23 @@ class Outcome:
     busy: bool = False  # (``error``) the node's load starved the compile: retryable soon
     died: bool = False
 
+    @property
+    def result(self) -> str:
+        """How it is counted (``grammar_stats.COMPILE_RESULTS``)."""
+        if self.text is not None:
+            return "compiled"
+        if self.busy:
+            return "busy_refused"
+        if self.timeout:
+            return "timeout"
+        if self.died:
+            return "compiler_died"
+        if self.kill:
+            return "out_of_memory"
+        if self.failed is not None:
+            return "spec_error"
+        return "shutdown" if self.error == SHUTTING_DOWN else "failed"
+
 
 def run_compile(process: CompilerProcess, spec: StructuredOutputSpec, limits: CompileLimits,
                 closed: Callable[[], bool]) -> Outcome:

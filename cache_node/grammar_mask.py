@@ -68,6 +68,7 @@ class GrammarState:
         self.num_accepted = 0  # tokens fed to the matcher (this turn's output tokens)
         self.accept_s = 0.0  # the last ``accept_token``'s CPU time (counted in the next step's budget)
         self.total_s = 0.0  # matcher CPU time charged so far (``grammar_request_budget_ms``)
+        self.refusal = ""  # why ``constrain`` refused it (``grammar_stats.REFUSAL_REASONS``)
 
     def release(self) -> None:
         """Its request ended: it waits on its compilation no more (``Grammars.release``: a queued
@@ -152,10 +153,12 @@ def constrain(grammars: Grammars, logits: torch.Tensor, states: list[GrammarStat
         spent = time.thread_time() - start + state.accept_s  # type: ignore[union-attr]
         state.total_s = total = state.total_s + spent  # type: ignore[union-attr]
         if spent > budget_s:
+            state.refusal = "step_budget"  # type: ignore[union-attr]
             refused[i] = (f"structured_output: its grammar took {spent * 1e3:.1f} ms of matcher time in one step, "
                           f"past this node's limit of {budget_s * 1e3:g} ms (grammar_step_budget_ms); use a less "
                           "ambiguous grammar (e.g. no nested or left-recursive repetition)")
         elif total > total_budget_s:
+            state.refusal = "request_budget"  # type: ignore[union-attr]
             n = state.num_accepted  # type: ignore[union-attr]
             refused[i] = (f"structured_output: its grammar took {total * 1e3:.1f} ms of matcher time over {n} output "
                           f"tokens, past this node's limit of {total_budget_s * 1e3:g} ms "

@@ -49,6 +49,11 @@ class FairCompileQueue(Generic[T]):
         with self._cond:
             return len(self._queues.get(tenant, ())) + self._running.get(tenant, 0)
 
+    def counts(self) -> tuple[int, int]:
+        """(jobs queued, each once however many tenants' queues hold it; jobs running)."""
+        with self._cond:
+            return len(self._holders), sum(self._running.values())
+
     def put(self, tenant: str, job: T) -> bool:
         """Queue ``job`` at the end of ``tenant``'s queue; False (not queued) when the tenant
         has ``max_per_tenant`` pending already, or the queue is closed. A job queued under

@@ -62,6 +62,7 @@ from cache_node.grammar_compile import (
 )
 from cache_node.grammar_process import CompilerDied, CompilerProcess
 from cache_node.grammar_queue import FairCompileQueue
+from cache_node.grammar_stats import GrammarCounters
 from cache_node.outputs import GrammarQueueFull
 from cache_node.structured_output import StructuredOutputSpec
 
@@ -95,6 +96,7 @@ class _Job:
     spec: StructuredOutputSpec
     futures: dict[str, Future[Any]] = field(default_factory=dict)  # tenant -> its requests' future
     waiters: dict[str, int] = field(default_factory=dict)  # tenant -> requests given it, not released
+    ended: bool = False  # ``Grammars._finish`` ran (counted)
 
     def add(self, tenant: str) -> Future[Any]:
         future = self.futures.get(tenant)
@@ -114,11 +116,15 @@ class Grammars:
         stop_token_ids: the tokens that end a grammar's output (the engine's EOS ids).
         max_num_seqs: most rows a step samples (the host bitmask's rows).
         limits: time, memory, fairness and cache bounds of compiling.
+        counters: where its compiles, refusals and cache look-ups are counted
+            (``cache_node.grammar_stats``; the engine's, which outlive this object).
     """
 
     def __init__(self, xgr: Any, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int],
-                 max_num_seqs: int, limits: CompileLimits | None = None) -> None:
+                 max_num_seqs: int, limits: CompileLimits | None = None,
+                 counters: GrammarCounters | None = None) -> None:
         self.xgr = xgr
+        self.counters = counters or GrammarCounters()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
         self.limits = limits or CompileLimits()
@@ -142,21 +148,51 @@ class Grammars:
         # close(), garbage collection or interpreter exit: no compiler process is left behind
         self._finalizer = weakref.finalize(self, stop, self._lock, self._queue, self.processes, self._threads)
         self.bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)  # (rows, ceil(V / 32)) int32, host
-        self.num_compiled = 0
-        self.num_timeouts = 0  # compiles killed at the time limit
-        self.num_compiler_deaths = 0  # compiler processes that ended mid-compile (memory cap, crash)
-        self.num_dropped = 0  # queued compiles dropped: no request waited on them any more
+
+    # (these read ``counters``: one count of each compile's end)
+    @property
+    def num_compiled(self) -> int:
+        return self.counters.results["compiled"]
+
+    @property
+    def num_timeouts(self) -> int:
+        """Compiles killed at the time limit (starved by the node's load or not)."""
+        return self.counters.results["timeout"] + self.counters.results["busy_refused"]
+
+    @property
+    def num_compiler_deaths(self) -> int:
+        """Compiler processes that ended mid-compile (memory cap, crash)."""
+        return self.counters.results["compiler_died"]
+
+    @property
+    def num_dropped(self) -> int:
+        """Queued compiles dropped: no request waited on them any more."""
+        return self.counters.results["dropped"]
+
+    def stats(self) -> dict[str, Any]:
+        """``counters.snapshot()`` and what is held now: ``compiles_queued`` (compiles
+        waiting for a compiler, each once however many tenants it is queued under),
+        ``compiles_running``, ``compiler_processes`` (alive), ``cache_entries`` and
+        ``cache_bytes`` (the compiled grammars kept), ``failed_specs`` (remembered)."""
+        alive = sum(1 for p in list(self.processes) if p is not None and p.pid is not None)
+        with self._lock:
+            queued, running = self._queue.counts()
+            held = {"compiles_queued": queued, "compiles_running": running, "compiler_processes": alive,
+                    "cache_entries": len(self._cache), "cache_bytes": self._cache.num_bytes,
+                    "failed_specs": self._failed.num_entries}
+        return self.counters.snapshot() | held
 
     @classmethod
     def create(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int],
-               max_num_seqs: int, limits: CompileLimits | None = None) -> Grammars | str:
+               max_num_seqs: int, limits: CompileLimits | None = None,
+               counters: GrammarCounters | None = None) -> Grammars | str:
         """``Grammars`` for this tokenizer, or why there cannot be (xgrammar missing)."""
         try:
             import xgrammar
         except ImportError as exc:
             return (f"this cache node cannot constrain output: the xgrammar library is not installed ({exc}); "
                     f"pip install xgrammar=={XGRAMMAR_VERSION}")
-        return cls(xgrammar, tokenizer, vocab_size, stop_token_ids, max_num_seqs, limits)
+        return cls(xgrammar, tokenizer, vocab_size, stop_token_ids, max_num_seqs, limits, counters)
 
     def compile(self, spec: StructuredOutputSpec, tenant: str = "") -> Future[Any]:
         """The compiled grammar of ``spec`` (a future: a cached one, one compiling, or one
@@ -170,10 +206,12 @@ class Grammars:
         key = (spec.kind, spec.spec)
         with self._lock:
             compiled = self._cache.get(key, tenant)
+            self.counters.looked_up(compiled is not None)
             if compiled is not None:
                 return resolved(compiled)
             failed = self._failed.failed(key, tenant, time.monotonic())
             if failed is not None:
+                self.counters.refused("failed_spec")
                 return resolved(error=ValueError(
                     f"{failed} (this spec failed within the last {FAILED_SPEC_TTL_S:g} s: refused without compiling)"))
             if self._queue.closed:
@@ -191,6 +229,7 @@ class Grammars:
             return job.add(tenant)
 
     def _full(self) -> GrammarQueueFull:
+        self.counters.refused("queue_full")
         return GrammarQueueFull(
             f"structured_output: this tenant already has {self.limits.queue_per_tenant} grammars compiling "
             f"or queued on this cache node (grammar_compile_queue_per_tenant); retry when they finish")
@@ -216,7 +255,7 @@ class Grammars:
             del job.futures[tenant], job.waiters[tenant]
             if not job.futures:
                 del self._compiling[job.key]
-                self.num_dropped += 1
+                self.counters.ended("dropped")
         future.cancel()
 
     def _run(self, slot: int, job: _Job) -> bool:
@@ -229,13 +268,14 @@ class Grammars:
                 process.start()
         except CompilerDied as exc:
             log.error("grammar compiler %d could not start: %s", slot, exc)
-            self._finish(job, error=f"structured_output: this cache node's grammar compiler could not start ({exc})")
+            self._finish(job, error=f"structured_output: this cache node's grammar compiler could not start ({exc})",
+                         result="failed")
             return False
+        start = time.monotonic()
         outcome = run_compile(process, job.spec, self.limits, lambda: self._queue.closed)
-        self.num_timeouts += outcome.timeout
-        self.num_compiler_deaths += outcome.died
         if outcome.text is None:
-            self._finish(job, failed=outcome.failed, error=outcome.error, busy=outcome.busy)
+            self._finish(job, failed=outcome.failed, error=outcome.error, busy=outcome.busy, result=outcome.result,
+                         seconds=time.monotonic() - start)
             if outcome.kill:
                 process.kill()
             return outcome.killed
@@ -244,11 +284,11 @@ class Grammars:
             self._probe(compiled)
         except Exception as exc:  # noqa: BLE001 - the process's bytes are untrusted like any other
             log.error("grammar compiler %d sent a grammar that does not load: %s", slot, exc)
-            self._finish(job, error="structured_output: the compiled grammar could not be loaded")
+            self._finish(job, error="structured_output: the compiled grammar could not be loaded", result="failed",
+                         seconds=time.monotonic() - start)
             process.kill()
             return True
-        self.num_compiled += 1
-        self._finish(job, compiled=compiled)
+        self._finish(job, compiled=compiled, result="compiled", seconds=time.monotonic() - start)
         return False
 
     def _process(self, slot: int) -> CompilerProcess:
@@ -284,11 +324,16 @@ class Grammars:
                 log.error("grammar compiler %d could not restart: %s", slot, exc)
 
     def _finish(self, job: _Job, compiled: Any = None, failed: str | None = None, error: str | None = None,
-                busy: bool = False) -> None:
+                busy: bool = False, result: str = "failed", seconds: float | None = None) -> None:
         """End ``job``: its grammar kept (``compiled``), or its spec remembered as failed
         (``failed``: the spec's fault, INVALID_ARGUMENT) or not (``error``: the node's, a
-        ``GrammarUnavailable``; ``busy``: its load starved the compile)."""
+        ``GrammarUnavailable``; ``busy``: its load starved the compile). Counted as ``result``
+        (``grammar_stats.COMPILE_RESULTS``) after ``seconds`` on a compiler process (None: it
+        ran on none)."""
         with self._lock:
+            if not job.ended:  # (a failure after its end, in ``serve``, is not counted again)
+                job.ended = True
+                self.counters.ended(result, seconds)
             if self._compiling.get(job.key) is job:
                 del self._compiling[job.key]
             futures = list(job.futures.items())  # no tenant joins it any more

@@ -72,6 +72,9 @@ class RequestOutput:
             the request's ("RESOURCE_EXHAUSTED": its load starved the grammar's compile,
             "UNAVAILABLE": shutting down, the compiler failed); "": INVALID_ARGUMENT.
         retry_after_s: with ``error_code``, the retry hint (s; 0: none).
+        phase_s: on the finished output of a request that drew a token, its ``queue``,
+            ``prefill``, ``decode`` and ``inference`` seconds (``engine._phases``: vLLM's
+            request phase histograms), measured on the node's clock; else empty.
     """
 
     request_id: str
@@ -92,6 +95,7 @@ class RequestOutput:
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
     error_code: str = ""
     retry_after_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 class InvalidRequestError(ValueError):

@@ -93,6 +93,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     arrival_time_s: float = field(default_factory=time.monotonic)
+    scheduled_time_s: float | None = None  # its first step's (its queue time ends: vLLM's scheduled_ts)
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
     num_preemptions: int = 0

@@ -187,7 +187,8 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self._tenant_blocks: dict[str, dict[str, int]] = {}  # ``tenant_blocks``, with ``_stats``
         # Prometheus: the stats snapshot read at scrape time (served by ``serve_metrics``)
         self.metrics = NodeMetrics(node_id, lambda: self._stats, lambda: self.engine.scheduler.num_preemptions,
-                                   self.engine.tiers.host.block_nbytes)
+                                   self.engine.tiers.host.block_nbytes, self.engine.max_model_len,
+                                   self.engine.grammar_stats)
         self.metrics_server: MetricsServer | None = None
         self._wake = threading.Event()
         self.engine.on_ready = self._wake.set  # a passed-over request became schedulable

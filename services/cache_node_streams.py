@@ -298,6 +298,8 @@ class Streams:
             if not out.finished:
                 stream = self._streams.get(out.request_id)
             else:
+                if out.phase_s:  # it drew a token: its phases, whoever claims its stream (vLLM's histograms)
+                    self.metrics.request_finished(out.phase_s, out.num_prompt_tokens, out.num_output_tokens)
                 stream = self._streams.pop(out.request_id, None)  # the claim: this or an abort
                 turn = self._session_turns.pop(out.request_id, None)
                 if stream is None and turn is not None:

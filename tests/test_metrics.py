@@ -48,6 +48,15 @@ NODE_FAMILIES = {
     "kvstrata:session_policy_fallbacks": "counter", "kvstrata:compactions_deferred": "counter",
     "kvstrata:session_states_dropped": "counter",
     "kvstrata:compaction_released_hashes": "counter",
+    **{f"kvstrata:{name}": "histogram" for name in (
+        "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+        "request_inference_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+        "grammar_compile_seconds")},
+    **{f"kvstrata:{name}": "counter" for name in (
+        "grammar_compiles", "grammar_cache_queries", "grammar_cache_hits", "grammar_requests_refused")},
+    **{f"kvstrata:{name}": "gauge" for name in (
+        "grammar_compiles_queued", "grammar_compiles_running", "grammar_compiler_processes",
+        "grammar_cache_entries", "grammar_cache_bytes", "grammar_failed_specs")},
     **{f"kvstrata:kv_{move}_{unit}": "counter" for move in ("demoted", "promoted", "prefetched", "spilled")
        for unit in ("blocks", "bytes")},
 }
@@ -102,6 +111,7 @@ def test_every_metric_is_exported_and_counts_match_the_requests_sent(stack: Stac
     key = stack.register("metrics-count")
     queries0, hits0 = nodes_value(stack, "kvstrata:prefix_cache_queries_total"), nodes_value(
         stack, "kvstrata:prefix_cache_hits_total")
+    phases0 = nodes_value(stack, "kvstrata:request_inference_time_seconds_count")
     runs = [run(stack, key, text) for text in ("Name a prime number.", "Name a prime number.", "Say hi.")]
     with pytest.raises(grpc.RpcError) as bad:  # refused before admission: counted by its status
         list(stack.inference.Generate(chat("too long", max_tokens=10**6), metadata=md(key)))
@@ -127,6 +137,8 @@ def test_every_metric_is_exported_and_counts_match_the_requests_sent(stack: Stac
     assert nodes_value(stack, "kvstrata:prefix_cache_queries_total") - queries0 == sum(
         r["started"].prompt_tokens for r in runs)
     assert nodes_value(stack, "kvstrata:prefix_cache_hits_total") - hits0 == sum(cached.values())
+    # each finished request's phases, once, on the node that ran it (the refused one has none)
+    assert nodes_value(stack, "kvstrata:request_inference_time_seconds_count") - phases0 == 3
     for n in NODES:
         families = scrape(metrics[n])
         for name, kind in NODE_FAMILIES.items():

@@ -14,6 +14,16 @@ vLLM's names where one exists (``num_requests_running``, ``num_requests_waiting`
 (``cached_tokens_total{tier=device|host|spill_ram|spill_disk}``). The reuse of compressed KV
 (``compressed_prefix_hits``/``_stores``, ``session_policy_continuations``/``_fallbacks``) is
 counted by the engine (``cache_node.compressed_prefix``, ``cache_node.sessions``).
+
+vLLM's request phase histograms (``request_queue_time_seconds``, ``request_prefill_time_seconds``,
+``request_decode_time_seconds``, ``request_inference_time_seconds``, ``request_prompt_tokens``,
+``request_generation_tokens``, vLLM's buckets) are observed here, not at the gateway, since only
+the node sees when a request is first scheduled and when its tokens are drawn: once per request
+the node finished after its first token (``request_finished``, from ``RequestOutput.phase_s``).
+
+Structured outputs (``grammar_*``): what ``LLMEngine.grammar_stats`` reads at scrape time from
+the grammar compiler (``cache_node.grammar_stats`` counts; the queue, processes and cache as
+they are now). Labels are fixed sets (``result``, ``reason``); like every node metric, no tenant.
 """
 
 from __future__ import annotations
@@ -21,11 +31,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from services.metrics.requests import PREFIX
+from services.metrics.requests import E2E_BUCKETS_S, PREFIX
 
 TRANSFERS = (  # (metric stem, the tier counter in blocks)
     ("kv_demoted", "demoted_blocks"),  # device -> host (or spill when there is no host tier)
@@ -34,6 +44,30 @@ TRANSFERS = (  # (metric stem, the tier counter in blocks)
     ("kv_spilled", "spill_put_blocks"),  # written to the spill tier
 )
 NODE_READ_ERRORS = {"get_error": "spill_get_errors", "bad_reply": "spill_bad_replies"}
+PHASES = (  # (RequestOutput.phase_s key, metric stem, help)
+    ("queue", "request_queue_time_seconds", ("Node arrival to the request's first scheduled step (time "
+     "WAITING, a grammar's compile included), s.")),
+    ("prefill", "request_prefill_time_seconds", ("First scheduled step to the first token (time in "
+     "PREFILL), s.")),
+    ("decode", "request_decode_time_seconds", "First token to the last token (time in DECODE), s."),
+    ("inference", "request_inference_time_seconds", ("First scheduled step to the last token (time "
+     "RUNNING: prefill + decode), s.")),
+)
+DEFAULT_MAX_MODEL_LEN = 131072
+"""The token histograms' top bucket when the node's context length is not given."""
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``, the
+    buckets of its ``request_prompt_tokens`` / ``request_generation_tokens``)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return out
+            out.append(value)
+        exponent += 1
 
 
 class NodeMetrics(Collector):
@@ -44,10 +78,13 @@ class NodeMetrics(Collector):
         stats: the node's latest ``LLMEngine.stats()`` snapshot (never waits for a step).
         preemptions: the scheduler's preemptions so far.
         block_nbytes: bytes of one KV block moved between tiers (the host tier's block size).
+        max_model_len: the node's context length (the token histograms' top bucket).
+        grammars: ``LLMEngine.grammar_stats`` (None: no ``grammar_*`` metrics).
     """
 
     def __init__(self, node_id: str, stats: Callable[[], dict[str, Any]], preemptions: Callable[[], int],
-                 block_nbytes: int) -> None:
+                 block_nbytes: int, max_model_len: int = 0,
+                 grammars: Callable[[], dict[str, Any]] | None = None) -> None:
         # imports torch: here, not in every importer of this package (a spill node needs none)
         from cache_node.tiers.manager import TIERS
 
@@ -60,6 +97,18 @@ class NodeMetrics(Collector):
         cached = Counter(f"{PREFIX}cached_tokens", "Prompt tokens found cached, by the tier they came from.",
                          ["node", "tier"], registry=self.registry)
         self.cached = {tier: cached.labels(node_id, tier) for tier in TIERS}
+        self.phases = {key: Histogram(PREFIX + stem, doc + " One observation per request the node finished "
+                                      "after its first token (any finish reason).", ["node"],
+                                      buckets=E2E_BUCKETS_S, registry=self.registry).labels(node_id)
+                       for key, stem, doc in PHASES}
+        token_buckets = buckets_1_2_5(max_model_len or DEFAULT_MAX_MODEL_LEN)
+        self.request_prompt_tokens = Histogram(
+            f"{PREFIX}request_prompt_tokens", "Prompt tokens per request (those in the phase histograms).",
+            ["node"], buckets=token_buckets, registry=self.registry).labels(node_id)
+        self.request_generation_tokens = Histogram(
+            f"{PREFIX}request_generation_tokens", "Generated tokens per request (those in the phase histograms).",
+            ["node"], buckets=token_buckets, registry=self.registry).labels(node_id)
+        self.grammars = grammars
         self.registry.register(self)
 
     def request_started(self, prompt_tokens: int, cached_tokens: dict[str, int]) -> None:
@@ -70,6 +119,16 @@ class NodeMetrics(Collector):
         for tier, n in cached_tokens.items():
             if n and tier in self.cached:
                 self.cached[tier].inc(n)
+
+    def request_finished(self, phase_s: dict[str, float], prompt_tokens: int, generation_tokens: int) -> None:
+        """A request ended on this node after its first token: its ``RequestOutput.phase_s``
+        and token counts (step thread). Nothing for one that drew no token (empty ``phase_s``)."""
+        if not phase_s:
+            return
+        for key, histogram in self.phases.items():
+            histogram.observe(max(0.0, phase_s[key]))
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     def describe(self) -> list[Any]:
         return []  # families are read at scrape time; nothing to check at registration
@@ -152,3 +211,51 @@ class NodeMetrics(Collector):
         for kind, key in NODE_READ_ERRORS.items():
             errors.add_metric([self.node_id, kind], s[key])
         yield errors
+        if self.grammars is not None:
+            yield from self._grammar_families(self.grammars())
+
+    def _grammar_families(self, g: dict[str, Any]) -> Iterator[Any]:
+        node = self.node_id
+        compiles = CounterMetricFamily(PREFIX + "grammar_compiles", "Structured-output grammar compiles ended, by "
+                                       "result: compiled, spec_error (does not compile), timeout (past "
+                                       "grammar_compile_timeout_s of CPU), out_of_memory, compiler_died, busy_refused "
+                                       "(the node's load starved it: RESOURCE_EXHAUSTED), failed (node-side), shutdown, "
+                                       "dropped (queued, then no request waited on it). One compile serves every "
+                                       "request for its spec.", labels=["node", "result"])
+        for result, n in g["compiles"].items():
+            compiles.add_metric([node, result], n)
+        yield compiles
+        seconds = g["compile_seconds"]
+        histogram = HistogramMetricFamily(PREFIX + "grammar_compile_seconds", "Wall time of a grammar compile on "
+                                          "its compiler process (the compiled grammar's load and check included), s; "
+                                          "every compile that ran on one, whatever its result.", labels=["node"])
+        histogram.add_metric([node], seconds["buckets"], seconds["sum"])
+        yield histogram
+        queries = CounterMetricFamily(PREFIX + "grammar_cache_queries", "Structured-output requests whose spec "
+                                      "was looked up in the compiled-grammar cache.", labels=["node"])
+        queries.add_metric([node], g["cache_queries"])
+        hits = CounterMetricFamily(PREFIX + "grammar_cache_hits", "Of those, requests that found their grammar "
+                                   "compiled (no compile).", labels=["node"])
+        hits.add_metric([node], g["cache_hits"])
+        refused = CounterMetricFamily(PREFIX + "grammar_requests_refused", "Structured-output requests refused "
+                                      "other than by their compile's result, by reason: queue_full "
+                                      "(grammar_compile_queue_per_tenant) and active_full "
+                                      "(grammar_max_active_per_tenant), RESOURCE_EXHAUSTED; failed_spec (its spec "
+                                      "failed for its tenant within the last minute: refused without compiling), "
+                                      "step_budget (grammar_step_budget_ms), request_budget "
+                                      "(grammar_request_budget_ms) and no_token (the grammar left no token to "
+                                      "draw), INVALID_ARGUMENT.", labels=["node", "reason"])
+        for reason, n in g["refusals"].items():
+            refused.add_metric([node, reason], n)
+        yield from (queries, hits, refused)
+        for stem, key, doc in (
+                ("grammar_compiles_queued", "compiles_queued", "Grammar compiles waiting for a compiler process."),
+                ("grammar_compiles_running", "compiles_running", "Grammar compiles running now."),
+                ("grammar_compiler_processes", "compiler_processes", "Grammar compiler processes alive."),
+                ("grammar_cache_entries", "cache_entries", "Compiled grammars kept."),
+                ("grammar_cache_bytes", "cache_bytes", "Bytes of the compiled grammars kept."),
+                ("grammar_failed_specs", "failed_specs", ("Failed specs remembered (refused at once to "
+                                                         "their tenants for a minute)."))):
+            gauge = GaugeMetricFamily(PREFIX + stem, doc, labels=["node"])
+            gauge.add_metric([node], g[key])
+            yield gauge
