@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from cache_node.model_files import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
+from services.actor_calls import SCHEDULER_CALL_TIMEOUT_S, BoundedActor
 from services.actor_refs import resolve
 from services.auth import Authenticator
 from services.chat import ChatTemplater, encode_text
@@ -65,7 +66,7 @@ async def create_server(
     templater: ChatTemplater | None, scheduler_address: str, address: str = "127.0.0.1:0",
     security: Security | None = None, metrics: GatewayMetrics | None = None,
     stream_limits: StreamLimits | None = None, grpc_limits: GrpcLimits | None = None,
-    credentials: grpc.ServerCredentials | None = None,
+    credentials: grpc.ServerCredentials | None = None, scheduler_timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
 ) -> tuple[grpc.aio.Server, int, BoundedHealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
@@ -84,8 +85,11 @@ async def create_server(
             were held before any key check with no deadline (``services.grpc_call_gate``).
         credentials: serve TLS with these (``services.tls.ServerTls.grpc_credentials``); None:
             plaintext.
+        scheduler_timeout_s: the most any of the gateway's calls waits for the scheduler's answer
+            (``services.actor_calls.BoundedActor``; past it UNAVAILABLE with a retry hint).
     """
     grpc_limits = grpc_limits or GrpcLimits()
+    scheduler = BoundedActor(scheduler, scheduler_timeout_s)  # every awaited call within it (review 29a F2)
     auth = Authenticator(scheduler)
     server = grpc.aio.server(options=grpc_limits.server_options(MAX_CONCURRENT_STREAMS),
                              interceptors=[CallGate(auth, grpc_limits, ADMIN_METHODS, TENANT_METHODS)])

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1._async import HealthServicer
 
+from services.actor_calls import ActorSilent
 from services.auth import Authenticator
 from services.grpc_bounds import GrpcLimits
 from services.grpc_wire import RequestDecoder
@@ -63,7 +64,7 @@ async def _refuse_unreachable(context: Any, exc: BaseException) -> None:
     hint = retry_after_ms(exc)
     if hint is not None:
         context.set_trailing_metadata((("retry-after-ms", str(hint)),))
-    await context.abort(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE)
+    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) if isinstance(exc, ActorSilent) else PROCESS_UNREACHABLE)
 
 
 async def _refuse_failed(context: Any, method: str, exc: Exception) -> None:
@@ -158,7 +159,8 @@ class CallGate(grpc.aio.ServerInterceptor):
     4. A call failed by a Ray actor error (the scheduler or a node it asked died or is being
        restarted) ends UNAVAILABLE with ``ray_errors.PROCESS_UNREACHABLE``, with a retry hint
        while Ray may bring the actor back (``_refuse_unreachable``). Regression (review 23b,
-       F2): it ended UNKNOWN with Ray's exception text.
+       F2): it ended UNKNOWN with Ray's exception text. A scheduler that does not answer in
+       time (``services.actor_calls.ActorSilent``) is answered the same way, naming that.
     5. A call failed by any other exception its handler did not turn into a status ends
        INTERNAL with an incident id, the exception logged with it (``_refuse_failed``), not
        UNKNOWN with the exception's class and text.
@@ -200,7 +202,7 @@ class CallGate(grpc.aio.ServerInterceptor):
                         request = await first(requests, context)
                         async for reply in inner(request, context):
                             yield reply
-                    except RayActorError as exc:
+                    except (RayActorError, ActorSilent) as exc:
                         await _refuse_unreachable(context, exc)
                     except grpc.aio.BaseError:  # (an abort: the status is set)
                         raise
@@ -211,7 +213,7 @@ class CallGate(grpc.aio.ServerInterceptor):
                 async def stream_coro(requests: Any, context: Any) -> Any:
                     try:
                         return await inner(await first(requests, context), context)
-                    except RayActorError as exc:
+                    except (RayActorError, ActorSilent) as exc:
                         await _refuse_unreachable(context, exc)
                     except grpc.aio.BaseError:
                         raise
@@ -224,7 +226,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         async def single(requests: Any, context: Any) -> Any:
             try:
                 return await unary(await first(requests, context), context)
-            except RayActorError as exc:  # the scheduler (or a node) a servicer asked is down
+            except (RayActorError, ActorSilent) as exc:  # the scheduler (or a node) a servicer asked is down
                 await _refuse_unreachable(context, exc)
             except grpc.aio.BaseError:
                 raise

@@ -23,6 +23,9 @@ class _Failing:
     async def parse(self, request: Any, model: Any) -> Any:
         raise RuntimeError("secret detail /srv/kvstrata/state")
 
+    async def complete(self, request: Any, body: Any) -> Any:  # (the route names it first)
+        raise AssertionError("never reached: parse failed")
+
 
 def test_an_unexpected_exception_is_an_openai_500_with_an_incident_id(caplog: pytest.LogCaptureFixture) -> None:
     async def run() -> tuple[int, dict[str, Any], dict[str, Any]]:
@@ -51,4 +54,42 @@ def test_an_unexpected_exception_is_an_openai_500_with_an_incident_id(caplog: py
     assert error["type"] == "internal_error" and error["message"].startswith("internal error (incident "), body
     assert "secret" not in json.dumps(body) and "RuntimeError" not in json.dumps(body)
     incident = error["message"].split("incident ", 1)[1].split(")", 1)[0]
-    assert any(incident in r.getMessage() and r.exc_info for r in caplog.records), caplog.records
+    logged = [r for r in caplog.records if incident in r.getMessage() and r.exc_info]
+    assert logged and "secret detail" in str(logged[0].exc_info[1]), caplog.records  # the bug itself
+
+
+class _SchedulerSilent:
+    """An edge whose parse meets a scheduler that did not answer in time."""
+
+    async def parse(self, request: Any, model: Any) -> Any:
+        from services.actor_calls import ActorSilent
+
+        raise ActorSilent("the global scheduler did not answer in 30 s")
+
+    async def complete(self, request: Any, body: Any) -> Any:
+        raise AssertionError("never reached: parse failed")
+
+
+def test_a_silent_scheduler_is_a_503_with_retry_after() -> None:
+    """Review 29a F2: the HTTP API's calls whose key the gateway had not cached waited for a
+    stopped scheduler with no bound; past the gateway's deadline they are a 503 with
+    ``Retry-After``, as the gRPC API's UNAVAILABLE."""
+    async def run() -> tuple[int, dict[str, Any], dict[str, Any]]:
+        server = HttpServer(create_app(_SchedulerSilent()))  # type: ignore[arg-type]
+        port = await server.start("127.0.0.1", 0)
+        try:
+            def post() -> tuple[int, dict[str, Any], dict[str, Any]]:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", b"{}",
+                                             {"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=30)
+                except urllib.error.HTTPError as err:
+                    return err.code, dict(err.headers), json.loads(err.read())
+                raise AssertionError("no error")
+            return await asyncio.to_thread(post)
+        finally:
+            await server.stop()
+
+    status, headers, body = asyncio.run(run())
+    assert status == 503 and headers.get("retry-after") == "1", (status, headers, body)
+    assert "did not answer" in body["error"]["message"], body

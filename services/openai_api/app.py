@@ -46,6 +46,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from services.actor_calls import ActorSilent
 from services.gateway import InferenceServicer, StreamWriter
 from services.openai_api.bodies import (
     MAX_BODY_BYTES,
@@ -410,6 +411,13 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
         503, not a 500 in plain text (review 23b, F2), with ``Retry-After`` while Ray may bring
         it back (``ray_errors.retry_after_ms``), as the gRPC API."""
         return CallAborted(grpc.StatusCode.UNAVAILABLE, PROCESS_UNREACHABLE, retry_after_ms(exc)).response()
+
+    @app.exception_handler(ActorSilent)
+    async def _silent(request: Request, exc: ActorSilent) -> Response:
+        """The scheduler did not answer in time (``services.actor_calls``): 503 with
+        ``Retry-After``, as the gRPC API's UNAVAILABLE (review 29a F2: the call waited with no
+        bound)."""
+        return CallAborted(grpc.StatusCode.UNAVAILABLE, str(exc), retry_after_ms(exc)).response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -1,0 +1,93 @@
+"""Deadlines on the gateway's calls to the global scheduler (``BoundedActor``).
+
+A Ray actor call awaited with no deadline waits for as long as the actor does not answer: a
+scheduler that is alive but silent (stopped, deadlocked, its event loop blocked) is no failure
+Ray reports, so every such call hangs for the whole silence. Every awaited call the gateway
+makes to the scheduler goes through ``BoundedActor``: past ``SCHEDULER_CALL_TIMEOUT_S`` it
+fails with ``ActorSilent``, which the gateway answers as it answers a call Ray failed
+(UNAVAILABLE / HTTP 503 with a retry hint: ``services.grpc_call_gate``, the OpenAI app).
+
+Regression (review 29a F2): with the scheduler SIGSTOPped, every call whose key was not in the
+gateway's 10-s key cache (``services.auth``), every CloseSession, every Tenant/Admin call
+(``kvstrata status`` included) and the HTTP API for such keys waited, with no bound, until the
+scheduler ran again (89 s of a 90-s stop; an hour's stop, an hour); only admissions, which have
+their own deadline (``NodeStreams.admit_timeout_s``), ended at 30 s.
+
+A call that is not awaited (a fire-and-forget ``release``) is sent as before: the call leaves
+when ``.remote()`` runs, and only the wait for its answer is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from typing import Any
+
+SCHEDULER_CALL_TIMEOUT_S = 30.0
+"""The most the gateway waits for the scheduler's answer to one call (as admissions wait,
+``NodeStreams.admit_timeout_s``)."""
+
+
+class ActorSilent(Exception):
+    """An actor did not answer a call within its deadline (it may be stopped, deadlocked or
+    overloaded, not dead): UNAVAILABLE with a retry hint."""
+
+
+class _TimedRef:
+    """The answer of one call, awaitable once, within ``timeout_s`` (else ``ActorSilent``)."""
+
+    __slots__ = ("_ref", "_timeout_s", "_what")
+
+    def __init__(self, ref: Any, timeout_s: float, what: str) -> None:
+        self._ref, self._timeout_s, self._what = ref, timeout_s, what
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> Any:
+        try:
+            return await asyncio.wait_for(_awaited(self._ref), self._timeout_s)
+        except asyncio.TimeoutError:
+            raise ActorSilent(f"{self._what} did not answer in {self._timeout_s:g} s") from None
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+class _BoundedMethod:
+    __slots__ = ("_method", "_timeout_s", "_what")
+
+    def __init__(self, method: Any, timeout_s: float, what: str) -> None:
+        self._method, self._timeout_s, self._what = method, timeout_s, what
+
+    def remote(self, *args: Any, **kwargs: Any) -> _TimedRef:
+        """Send the call now (as the handle's ``remote``); awaiting the result waits at most
+        the deadline."""
+        return _TimedRef(self._method.remote(*args, **kwargs), self._timeout_s, self._what)
+
+
+class BoundedActor:
+    """An actor handle whose calls' answers are awaited at most ``timeout_s`` seconds
+    (``ActorSilent`` past it); ``what`` names the actor in that error ("the global scheduler").
+
+    ``handle.method.remote(...)`` sends the call at once, as the plain handle does; only the
+    wait for its answer is bounded. Attributes other than methods are the handle's own.
+    """
+
+    def __init__(self, handle: Any, timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
+                 what: str = "the global scheduler") -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self._handle, self._timeout_s, self._what = handle, timeout_s, what
+
+    @property
+    def handle(self) -> Any:
+        """The plain handle (for what must pass it on, e.g. to another actor)."""
+        return self._handle
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._handle, name)
+        if hasattr(attr, "remote"):
+            return _BoundedMethod(attr, self._timeout_s, self._what)
+        return attr
