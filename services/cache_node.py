@@ -167,6 +167,9 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self.data_address = ""  # the command inbox (open_data_plane)
         self._aborted_early: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (code, message)
         self._session_messages = SessionTexts()  # per session: its turns' messages
+        # session turns whose conversation was rendered anew, not continued (other tools than
+        # the history's, a reply kept as tool calls the template writes otherwise, ...)
+        self.session_rerenders = 0
         # the step thread's: session turns the engine runs, by id, until their last output
         # (a turn an abort claimed as its last step computed is rewound: ``Streams._deliver_step``)
         self._session_turns: dict[str, _Stream] = {}

@@ -56,7 +56,7 @@ class Admin:
         return {"node_id": self.node_id, "healthy": not self.failure, "failure": self.failure,
                 "pid": os.getpid(), "restarts": self.restarts(), "metrics_address": self.metrics_address,
                 **{k: v for k, v in engine.items() if k != "time_s"},
-                "stats_age_s": time.monotonic() - engine["time_s"],
+                "stats_age_s": time.monotonic() - engine["time_s"], "session_rerenders": self.session_rerenders,
                 "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}
 
     async def flush(self) -> int:

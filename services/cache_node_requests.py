@@ -33,6 +33,7 @@ from cache_node.scheduling import TenantShare
 from services import convert
 from services.cache_node_streams import _Stream
 from services.chat import content_chars
+from services.chat_tools import check_wire_tools
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class Requests:
                         f"tenant's max_context_tokens ({req.max_context_tokens})"
                     )
                 self._set_tenant_share(req)
+                history = stream.history
+                if history and prompt[: len(history)] != history:  # the conversation rendered anew
+                    self.session_rerenders += 1  # (``ChatTemplater.continue_session``)
                 stream.prompt_tokens = len(prompt)
                 self.engine.add_request(
                     prompt, sampling, request_id=req.request_id, cache_namespace=req.cache_namespace,
@@ -166,7 +170,10 @@ class Requests:
 
     def _check_session_text_budget(self, req: NodeRequest) -> None:
         """Refuse a session turn whose messages would take its tenant's kept messages on this
-        node (``SessionTexts.tenant_chars``) past ``max_session_text_chars_per_tenant``.
+        node (``SessionTexts.tenant_chars``) past ``max_session_text_chars_per_tenant``: their
+        text, their tool calls' (ids, names, arguments) and the turn's tools', which the session
+        keeps to render its next turns. Regression: tool calls and tools were served in no
+        session; counted as content alone they would have let a tenant keep any amount of text.
 
         Raises:
             SessionTextBudget: they would.
@@ -174,10 +181,11 @@ class Requests:
         if not (req.session_id and req.messages):
             return
         budget = self.config.max_session_text_chars_per_tenant
-        kept, chars = self._session_messages.tenant_chars.get(req.tenant, 0), content_chars(req.messages)
+        kept = self._session_messages.tenant_chars.get(req.tenant, 0)
+        chars = self._session_messages.added_chars(req.session_id, req.messages, req.tools)  # tool calls, tools too
         if kept + chars > budget:
             raise SessionTextBudget(
-                f"this turn's {chars} characters of messages would take the tenant's sessions on this node past "
+                f"this turn's {chars} characters of messages (tools and tool calls included) would take the tenant's sessions on this node past "
                 f"max_session_text_chars_per_tenant ({budget}; they keep {kept}): close sessions (CloseSession) "
                 "or let idle ones expire")
 
@@ -233,7 +241,14 @@ class Requests:
         return self._prompt(req, history)
 
     def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:
-        """``req``'s prompt token ids after its session's ``history`` (None: none).
+        """``req``'s prompt token ids after its session's ``history`` (None: none), its messages
+        rendered with its tools (``NodeRequest.tools``). A session turn continues its history
+        when the template renders the history as its tokens hold it
+        (``ChatTemplater.continue_session``), else the whole conversation is rendered anew, as a
+        first turn with this turn's tools (counted: ``session_rerenders`` in the node's stats):
+        other tools than the history's, or a last reply kept as tool calls that the template
+        writes otherwise than the model did. Never a continuation whose tokens differ from the
+        whole conversation's rendering.
 
         A session's messages are kept on the node for its next turns, so its whole text (the
         history's and this turn's) must fit ``room`` tokens as one turn's does, and a turn's
@@ -252,13 +267,21 @@ class Requests:
         room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)
         templater.check_messages_fit(req.messages, room)
         chars = content_chars(req.messages)
+        tools = check_wire_tools(req.tools)  # (checked when it came off the wire)
         if history:
-            templater.check_fits(self._session_messages.chars(req.session_id) + chars, room,
+            sid = req.session_id
+            templater.check_fits(self._session_messages.chars(sid) + chars, room,
                                  "the session's messages (its history's and this turn's)")
-            prompt = templater.continuation(self._session_messages.get(req.session_id, []), history, req.messages)
-            added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
+            kept = self._session_messages.get(sid, [])
+            prompt, continued = templater.continue_session(
+                kept, history, req.messages, tools, same_tools=self._session_messages.tools(sid) == req.tools,
+                tool_reply=self._session_messages.tool_reply(sid))
+            if not continued:  # the whole conversation rendered anew: its whole text against its tokens
+                chars, added = chars + content_chars(kept), len(prompt)
+            else:
+                added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
         else:
-            prompt = templater.first_turn(req.messages)
+            prompt = templater.first_turn(req.messages, tools)
             added = len(prompt)
         if req.session_id:  # its messages are kept
             templater.check_tokens_cover(chars, added)

@@ -33,6 +33,7 @@ a session's token history and its kept messages always hold the same turns.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -45,6 +46,7 @@ from cache_node.detokenizer import IncrementalDetokenizer
 from cache_node.outputs import RequestOutput
 from cache_node.stop_strings import StopMatcher
 from services.chat import Messages, content_chars
+from services.chat_tools import check_tool_output, template_call
 from services.node_request import NodeRequest, logprobs_entry, prompt_logprobs_entry
 
 Event = dict[str, Any]
@@ -54,8 +56,11 @@ log = logging.getLogger(__name__)
 
 class SessionTexts:
     """The chat messages each session on this node keeps to render its next turn
-    (``ChatTemplater.continuation``), and the characters of their content per session and per
-    tenant (``CacheNode`` bounds both before a turn starts: ``NodeConfig.max_session_text_chars_per_tenant``).
+    (``ChatTemplater.continue_session``), the tools its history was rendered with (JSON text,
+    ``NodeRequest.tools``), the text of its last reply when that was kept as tool calls (the
+    model's own text, which the history's tokens hold: ``tool_reply``), and the characters of
+    their text (messages, tool calls and tools) per session and per tenant (``CacheNode``
+    bounds both before a turn starts: ``NodeConfig.max_session_text_chars_per_tenant``).
 
     Read on the renderer thread, changed on the step thread (a dict's ``get`` and one turn's
     ``add`` are each atomic under the GIL, as before this class)."""
@@ -63,6 +68,8 @@ class SessionTexts:
     def __init__(self) -> None:
         self._messages: dict[str, list[dict[str, str]]] = {}
         self._owner: dict[str, tuple[str, int]] = {}  # session -> (tenant, its characters)
+        self._tools: dict[str, str] = {}  # session -> its history's tools (absent: none)
+        self._tool_reply: dict[str, str] = {}  # session -> its last reply's text, kept as tool calls
         self.tenant_chars: Counter[str] = Counter()
 
     def get(self, session_id: str, default: Any = None) -> Any:
@@ -78,21 +85,47 @@ class SessionTexts:
         return len(self._messages)
 
     def chars(self, session_id: str) -> int:
-        """Characters of the content ``session_id`` keeps (0: none)."""
+        """Characters of the text ``session_id`` keeps (0: none), its tools' included."""
         owner = self._owner.get(session_id)
         return owner[1] if owner is not None else 0
 
-    def add(self, session_id: str, tenant: str, messages: Messages) -> None:
-        """Append one turn's ``messages`` to ``session_id``'s history, charged to ``tenant``."""
-        added = content_chars(messages)
+    def tools(self, session_id: str) -> str:
+        """The tools (JSON text; "" none) ``session_id``'s history was rendered with."""
+        return self._tools.get(session_id, "")
+
+    def tool_reply(self, session_id: str) -> str | None:
+        """The text the model generated for ``session_id``'s last reply when it is kept as tool
+        calls (None: it is kept as that text)."""
+        return self._tool_reply.get(session_id)
+
+    def added_chars(self, session_id: str, messages: Messages, tools: str) -> int:
+        """Characters a turn of ``messages`` rendered with ``tools`` adds to what ``session_id``
+        keeps (other tools replace its tools)."""
+        return content_chars(messages) + len(tools) - len(self.tools(session_id))
+
+    def add(self, session_id: str, tenant: str, messages: Messages, tools: str = "",
+            tool_reply: str | None = None) -> None:
+        """Append one turn's ``messages`` (rendered with ``tools``; its reply kept as tool calls:
+        ``tool_reply``, the text generated) to ``session_id``'s history, charged to ``tenant``."""
+        added = self.added_chars(session_id, messages, tools)
         owner, chars = self._owner.get(session_id, (tenant, 0))
         self._messages.setdefault(session_id, []).extend(messages)
         self._owner[session_id] = (owner, chars + added)
         self.tenant_chars[owner] += added
+        if tools:
+            self._tools[session_id] = tools
+        else:
+            self._tools.pop(session_id, None)
+        if tool_reply is not None:
+            self._tool_reply[session_id] = tool_reply
+        else:
+            self._tool_reply.pop(session_id, None)
 
     def pop(self, session_id: str, default: Any = None) -> Any:
         """Forget ``session_id``'s messages (closed or expired); returns them, or ``default``."""
         owner = self._owner.pop(session_id, None)
+        self._tools.pop(session_id, None)
+        self._tool_reply.pop(session_id, None)
         if owner is not None:
             self.tenant_chars[owner[0]] -= owner[1]
             if self.tenant_chars[owner[0]] <= 0:
@@ -399,8 +432,11 @@ class Streams:
         req = stream.request
         if not req.session_id or out.finish_reason == "abort" or not req.messages:
             return
-        answer = {"role": "assistant", "content": "".join(stream.sent)}
-        self._session_messages.add(req.session_id, req.tenant, [*req.messages, answer])
+        text = "".join(stream.sent)
+        answer, tool_reply = _kept_reply(req.tool_output, text, out.finish_reason), None
+        if "tool_calls" in answer:
+            tool_reply = text
+        self._session_messages.add(req.session_id, req.tenant, [*req.messages, answer], req.tools, tool_reply)
 
     def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
         ttft_ms = (out.ttft_s or 0.0) * 1000.0
@@ -425,6 +461,29 @@ class Streams:
         events = self.engine.take_tier_events()
         if events:  # plain tuples: the scheduler need not import the cache node's types
             self.event_sink(self.node_id, [(e.event, e.block_hash, e.tier) for e in events])
+
+
+def _kept_reply(tool_output: str, text: str, finish_reason: str | None) -> dict[str, str]:
+    """A session turn's reply ``text`` as its session keeps it: as the HTTP edge hands it to the
+    client (``NodeRequest.tool_output``: read as tool calls, with the ids the client got, in the
+    form chat templates take them, ``chat_tools.template_call``; "": the text as content), so the
+    next turns render the conversation the client holds. Regression: a reply read as tool calls
+    was kept as the model's text (the bare arguments of a named call), another conversation than
+    the client's, which it sends the calls' results against."""
+    spec = check_tool_output(tool_output)  # (checked when it came off the wire)
+    if spec is None:
+        return {"role": "assistant", "content": text}
+    # the edge's reader (loaded by the first session turn with tools: it imports no web framework
+    # itself, but its package's __init__ does)
+    from services.openai_api.tool_calls import ToolOutput
+
+    mode, name, parallel, seed = spec
+    fields, _ = ToolOutput(mode, name or None, parallel, seed).message(text, finish_reason)
+    if not fields.get("tool_calls"):
+        return {"role": "assistant", "content": text}
+    calls = [template_call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields["tool_calls"]]
+    return {"role": "assistant", "content": fields.get("content") or "",
+            "tool_calls": json.dumps(calls, ensure_ascii=False, separators=(",", ":"))}
 
 
 PROMPT_LOGPROBS_PER_EVENT = 512

@@ -11,10 +11,12 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from services.chat_tools import template_message, tool_calls_chars
+
 if TYPE_CHECKING:  # an annotation alone: importing transformers costs ~1 s
     from transformers import PreTrainedTokenizerBase
 
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]
 
 DROPPED_CHARS_SLACK = 64
 """Characters a turn's text may hold beyond what its tokens can stand for
@@ -29,11 +31,13 @@ class TemplateRefusal(ValueError):
 
 
 def content_chars(messages: Messages) -> int:
-    """Characters of the text of chat ``messages``: their content, and their ``name`` and
-    ``tool_call_id`` where given (text the chat template may render, and that a session keeps:
-    every character bound counts them, review 25b N3)."""
+    """Characters of the text of chat ``messages``: their content, and their ``name``,
+    ``tool_call_id`` and ``tool_calls`` (ids, names, arguments: ``chat_tools.tool_calls_chars``)
+    where given (text the chat template may render, and that a session keeps: every character
+    bound counts them, review 25b N3; a session's kept tool calls counted nowhere let a tenant
+    keep any amount of text on a node)."""
     return sum(len(m.get("content") or "") + len(m.get("name") or "") + len(m.get("tool_call_id") or "")
-               for m in messages)
+               + tool_calls_chars(m.get("tool_calls")) for m in messages)
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -141,7 +145,7 @@ class ChatTemplater:
 
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+                [template_message(m) for m in messages], tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except jinja2.TemplateSyntaxError:  # the deployment's template, not the request: the node's fault
             raise
@@ -172,19 +176,60 @@ class ChatTemplater:
     def continuation(
         self, history_messages: Messages, history_tokens: list[int], new_messages: Messages
     ) -> list[int]:
-        """Prompt for the next turn: ``history_tokens`` + the new messages' tokens.
+        """Prompt for the next turn: ``history_tokens`` + the new messages' tokens
+        (``continue_session`` without tools)."""
+        return self.continue_session(history_messages, history_tokens, new_messages)[0]
+
+    def continue_session(
+        self, history_messages: Messages, history_tokens: list[int], new_messages: Messages,
+        tools: list[dict[str, Any]] | None = None, same_tools: bool = True, tool_reply: str | None = None,
+    ) -> tuple[list[int], bool]:
+        """Prompt for the next turn, and whether it continues the history: ``history_tokens`` +
+        the new messages' tokens, rendered with ``tools`` as the template renders the whole
+        conversation; else (False) the whole conversation rendered as a first turn
+        (``first_turn(history + new, tools)``: exact, its history's KV past the common prefix
+        computed again).
 
         ``history_tokens`` ends with the assistant's last generated token (EOS when it stopped,
-        otherwise EOS is appended as the template would close the message).
+        otherwise EOS is appended as the template would close the message). It continues only
+        when the template renders the history as its tokens hold it: the whole conversation's
+        rendering starts with the history's, the history was rendered with the same tools
+        (``same_tools``: templates put tools in the system prompt, so other tools are another
+        prefix), and a last reply kept as tool calls (``tool_reply``: the text the model
+        generated, whose tokens the history holds) renders as that very text (a template
+        writes calls its own way: ``<tool_call>{...}</tool_call>`` where a named choice
+        generated the bare arguments); so does a last reply kept as its text (a template whose
+        generation prompt is not how it opens an assistant message, e.g. one without the
+        newline it writes after the role). Regression: a continuation of such a history was the
+        generated tokens followed by text rendered after the template's form of the call (or of
+        the message), a prompt no rendering of the conversation gives; one more rendering (the
+        history before its last reply) per turn checks it.
         """
-        prev = self.render(history_messages, add_generation_prompt=False)
-        full = self.render(list(history_messages) + list(new_messages))
-        if not full.startswith(prev):
-            return self.first_turn(list(history_messages) + list(new_messages))
+        whole = list(history_messages) + list(new_messages)
+        if not same_tools:
+            return self.first_turn(whole, tools), False
+        prev = self.render(history_messages, add_generation_prompt=False, tools=tools)
+        full = self.render(whole, tools=tools)
+        last = history_messages[-1] if history_messages else {}
+        reply = tool_reply if tool_reply is not None else (
+            last.get("content") if last.get("role") == "assistant" and not last.get("tool_calls") else None)
+        if not full.startswith(prev) or (reply is not None and not self._renders_as(
+                history_messages, prev, reply, tools, strict=tool_reply is not None)):
+            return self.first_turn(whole, tools), False
         glue = prev[prev.rfind(self.eos_token) + len(self.eos_token) :] if self.eos_token else ""
         closed = history_tokens if history_tokens[-1:] == [self.eos_token_id] else history_tokens + [self.eos_token_id]
-        return closed + self.encode(glue + full[len(prev) :])
+        return closed + self.encode(glue + full[len(prev) :]), True
 
+    def _renders_as(self, history_messages: Messages, prev: str, reply: str, tools: list[dict[str, Any]] | None,
+                    strict: bool) -> bool:
+        """The template renders the last of ``history_messages`` (the assistant's reply; ``prev``
+        the history's rendering) as ``reply`` closed by EOS: the rendering before it with the
+        generation prompt, then ``reply``, then EOS and what follows it. Without an EOS token to
+        find the reply's end by: ``not strict`` (a reply kept as its text continues as before)."""
+        if not self.eos_token:
+            return not strict
+        before = self.render(history_messages[:-1], add_generation_prompt=True, tools=tools)
+        return prev[: prev.rfind(self.eos_token)] == before + reply
 
 CHARS_PER_TOKEN = 4
 """Fallback for ``estimate_message_tokens`` without a template (English text averages ~4)."""

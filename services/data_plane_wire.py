@@ -19,6 +19,7 @@ from typing import Any
 from cache_node.msgpack_bounds import UnpackBounds
 from cache_node.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
+from services.chat_tools import check_tool_output, check_wire_tool_calls, check_wire_tools
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from tenants.model import POLICY_PATTERN
 
@@ -55,6 +56,10 @@ UTF8_MAX_BYTES = 4
 # that module loads the protobufs, which neither a node nor the scheduler needs
 _PROMPT_CHARS = 1 << 20
 _CHAT_MESSAGES = 1024
+
+MAX_TOOL_CALLS_CHARS = _PROMPT_CHARS
+"""Most characters of JSON the ``tool_calls`` of one request's messages hold together (a chat's
+text, tool calls included, is at most ``MAX_PROMPT_CHARS``: ``services.chat.content_chars``)."""
 
 MAX_WIRE_TOKENS = UTF8_MAX_BYTES * _PROMPT_CHARS + 64 * _CHAT_MESSAGES + (1 << 16)
 """Most token ids, and most block hashes, one request on the wire may carry (4,325,376). A token
@@ -148,7 +153,7 @@ _REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "request_id": str, "tenant": str, "cache_namespace": str, "sampling": dict, "messages": (list, tuple),
     "token_ids": (list, tuple), "session_id": str, "policy": str, "max_context_tokens": int,
     "arrival_time_s": (int, float), "extra": dict, "prefetch": (bool, type(None)), "priority": int,
-    "prefix_tokens": int, "continues_session": bool, "opens_session": bool,
+    "prefix_tokens": int, "continues_session": bool, "opens_session": bool, "tools": str, "tool_output": str,
 }
 _REQUIRED = ("request_id", "tenant", "cache_namespace", "sampling")
 _SAMPLING_FIELDS: dict[str, type | tuple[type, ...]] = {  # ``SamplingParams``' fields
@@ -226,7 +231,9 @@ def _check_str_map(what: str, value: dict[Any, Any]) -> None:
 
 def request_from_wire(data: Any) -> NodeRequest:
     """Inverse of ``request_to_wire`` (msgpack turns tuples into lists), checking every field's
-    type: ``data`` comes off the network.
+    type: ``data`` comes off the network. ``tools``, ``tool_output`` and a message's
+    ``tool_calls`` are JSON text, bounded (``MAX_TOOLS_CHARS``, ``MAX_TOOL_CALLS_CHARS``) before
+    they are parsed and checked (``services.chat_tools``).
 
     Raises:
         ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
@@ -234,7 +241,8 @@ def request_from_wire(data: Any) -> NodeRequest:
             a ``session_id`` over ``MAX_ID_CHARS``, a ``cache_namespace`` over
             ``MAX_NAMESPACE_CHARS``, or a ``policy`` off the policy pattern (63
             characters at most: the node parses it on its step thread; security review 19 H2),
-            ``opens_session`` without a ``session_id`` or with ``continues_session``;
+            ``opens_session`` without a ``session_id`` or with ``continues_session``, tools or
+            tool calls out of bounds or of another shape;
             TypeError: unknown, missing or mistyped fields.
     """
     _check_fields("request", data, _REQUEST_FIELDS, _REQUIRED)
@@ -254,9 +262,23 @@ def request_from_wire(data: Any) -> NodeRequest:
         raise TypeError("request.token_ids must be integers")
     if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
         raise ValueError(f"request.token_ids must lie in [0, {MAX_TOKEN_ID}]")
-    for message in fields.get("messages", []):
+    call_chars = 0
+    for i, message in enumerate(fields.get("messages", [])):
         _check_type("request.messages[]", message, dict)
         _check_str_map("request.messages[]", message)
+        if "tool_calls" in message:  # JSON text (``chat_tools.wire_messages``), bounded before it is parsed
+            call_chars += len(message["tool_calls"])
+            if call_chars > MAX_TOOL_CALLS_CHARS:
+                raise ValueError(f"request.messages: their tool_calls hold more than {MAX_TOOL_CALLS_CHARS} "
+                                 "characters of JSON")
+            if message.get("role") != "assistant":
+                raise ValueError(f"request.messages[{i}].tool_calls applies to assistant messages")
+            check_wire_tool_calls(message["tool_calls"], f"request.messages[{i}].tool_calls")
+    if fields.get("tools") or fields.get("tool_output"):
+        if not fields.get("messages"):
+            raise ValueError("request.tools and request.tool_output apply to chat messages the node renders")
+        check_wire_tools(fields.get("tools", ""))
+        check_tool_output(fields.get("tool_output", ""))
     _check_str_map("request.extra", fields.get("extra", {}))
     check_priority(fields.get("priority", 0))
     if fields.get("opens_session") and (fields.get("continues_session") or not fields.get("session_id")):

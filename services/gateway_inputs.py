@@ -53,7 +53,10 @@ class GenerateInput:
             the edge's code, never from a client's field.
         tools: the tools a chat's template renders (``apply_chat_template(tools=...)``;
             OpenAI's shape, checked by the HTTP edge: ``services.openai_api.tools``); None: none.
-            Only for a chat rendered by the gateway (no session, no ``prefix_messages``).
+            A session turn's go to its node, which renders the turn with them.
+        tool_output: how the HTTP edge reads a session turn's reply as tool calls
+            (``services.chat_tools.tool_output_spec``; "" none): its node keeps such a reply as
+            those calls. Set by the edge's code.
     """
 
     prompt: list[dict[str, str]] | list[int]
@@ -69,6 +72,7 @@ class GenerateInput:
     prefix_messages: int = 0
     call_id: str = ""
     tools: list[dict[str, Any]] | None = None
+    tool_output: str = ""
 
 
 def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:

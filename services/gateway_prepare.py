@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import grpc
 from cache_node.hashing import hash_prompt_blocks
 from services import convert
 from services.chat import ChatTemplater, TemplateRefusal, content_chars, estimate_message_tokens
+from services.chat_tools import wire_messages
 from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
@@ -107,9 +109,7 @@ class RequestPreparation:
                     templater.check_messages_fit(messages, room)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if (call.tools or any("tool_calls" in m for m in messages)) and (call.session_id or call.prefix_messages):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools: tools and tool calls are not served "
-                                    "with a session_id or prefix_messages")  # (the HTTP edge refuses them first)
+            messages = wire_messages(messages)  # as a node takes them: tool calls as JSON text (``chat_tools``)
             if not call.session_id and templater is not None:
                 try:
                     tokens = tuple(await self.off_loop(tenant.tenant_id,
@@ -162,7 +162,8 @@ class RequestPreparation:
             )
         try:
             def prefix() -> int:
-                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater)
+                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater,
+                                             call.tools)
 
             # only a chat prefix renders (the hot path of a token prompt takes no thread hop)
             prefix_tokens = await self.off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
@@ -209,6 +210,8 @@ class RequestPreparation:
             session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
             policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
             priority=call.priority, prefix_tokens=prefix_tokens,
+            tools=json.dumps(call.tools, ensure_ascii=False, separators=(",", ":")) if messages and call.tools else "",
+            tool_output=call.tool_output if messages else "",
         )
         return req, hashes
 

@@ -23,12 +23,13 @@ def check_priority(value: object) -> int:
 
 
 def resolve_prefix_tokens(prefix_tokens: int, prefix_messages: int, prompt: Sequence[Any],
-                          tokens: Sequence[int], templater: Any) -> int:
+                          tokens: Sequence[int], templater: Any, tools: list[dict[str, Any]] | None = None) -> int:
     """The prompt tokens forming a request's reusable document prefix
     (``cache_node.compressed_prefix``): ``prefix_tokens`` of a token prompt, or, for a chat
     ``prompt`` rendered to ``tokens`` here, the tokens of its first ``prefix_messages``
     messages rendered by ``templater`` (a ``services.chat.ChatTemplater``) without the
-    generation prompt, which must be a token prefix of ``tokens``.
+    generation prompt, with the chat's ``tools`` (templates put them in the system prompt, so
+    the prefix renders them as the whole chat does), which must be a token prefix of ``tokens``.
 
     Raises:
         ValueError: naming the field: a bound (``prefix_tokens`` in [0, prompt tokens],
@@ -52,7 +53,7 @@ def resolve_prefix_tokens(prefix_tokens: int, prefix_messages: int, prompt: Sequ
         return 0
     if not tokens or templater is None:
         raise ValueError("prefix_messages needs a chat the gateway renders: not a session turn")
-    ids = templater.encode(templater.render(list(prompt[:prefix_messages]), add_generation_prompt=False))
+    ids = templater.encode(templater.render(list(prompt[:prefix_messages]), add_generation_prompt=False, tools=tools))
     if list(tokens[: len(ids)]) != ids:
         raise ValueError(f"prefix_messages={prefix_messages}: those messages rendered without a generation "
                          "prompt are not a token prefix of the whole chat's rendering")
@@ -82,6 +83,11 @@ class NodeRequest:
     (``services.cache_node_requests.Requests._drop_stale_session``). Both flags are the
     scheduler's to say (``GlobalScheduler.admit_and_submit`` overrides a gateway's); never
     both set.
+    ``tools``: the tools the node renders ``messages`` with (a session turn: JSON text of
+    OpenAI's tools list, ``services.chat_tools.check_wire_tools``; "" none); a message's
+    ``tool_calls`` is JSON text too (``chat_tools.wire_messages``). ``tool_output``: how the
+    HTTP edge reads a session turn's reply as tool calls (``chat_tools.tool_output_spec``; ""
+    none): the node keeps such a reply in the session's messages as the calls the client got.
     """
 
     request_id: str
@@ -100,6 +106,8 @@ class NodeRequest:
     prefix_tokens: int = 0
     continues_session: bool = False
     opens_session: bool = False
+    tools: str = ""
+    tool_output: str = ""
 
 
 # Event dicts streamed back by CacheNode.generate (kept as plain dicts so they cross Ray cheaply):

@@ -11,7 +11,8 @@ own). Tools and the history's tool calls reach the chat template (a tool-renderi
 swapped in shows it in ``prompt_tokens``). Bad input is a 400 naming its field.
 
 Before this, ``tools`` was a 400 "unsupported field", ``tool_choice`` anything but "none" a
-400, and an assistant message's ``tool_calls`` a 400."""
+400, and an assistant message's ``tool_calls`` a 400. Tools in session turns and with
+``prefix_messages``: ``test_session_tool_calls``."""
 
 from __future__ import annotations
 
@@ -317,8 +318,6 @@ def _fn(name: str, **more: Any) -> dict[str, Any]:
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "Input should be"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "tool_choice: a required tool choice constrains the output; it cannot go with response_format"),
-    ({"tools": TOOLS, "tool_choice": "none", "session_id": "s1"}, "tools", "tools: not served with a session_id"),
-    ({"tools": TOOLS, "tool_choice": "none", "prefix_messages": 1}, "prefix_messages", "not served with tools"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages.0.tool_calls", "applies to assistant messages, not to role 'user'"),

@@ -362,10 +362,15 @@ class OpenAIEdge:
 
         parsed: list[Any] = []  # the body's input, once parsed (``prompt_extras``)
 
+        # a session turn's tool call ids come from a seed its node derives them from too: the
+        # session keeps its replies' calls with the ids the client got (``ToolOutput.spec``)
+        seed = uuid.uuid4().hex if chat and body.session_id else ""  # type: ignore[union-attr]
+
         def parse() -> Any:
             call = body.to_input() if chat else body.to_input(self.encode)  # type: ignore[union-attr, call-arg]
             parsed.append(call)
-            return dataclasses.replace(call, request_id=rid)
+            tools = body.tool_output(seed) if seed else None  # type: ignore[union-attr]
+            return dataclasses.replace(call, request_id=rid, tool_output=tools.spec() if tools else "")
 
         def prompt() -> PromptExtras | None:
             return self.prompt_extras(body, parsed[0] if parsed else None)
@@ -384,7 +389,7 @@ class OpenAIEdge:
             await events.aclose()  # type: ignore[attr-defined]
             return _gone()
         generation = Generation(events, started, chat, self.model_name, rid, self.logprobs(body),
-                                body.tool_output() if chat else None, prompt())  # type: ignore[union-attr]
+                                body.tool_output(seed) if chat else None, prompt())  # type: ignore[union-attr]
         if body.stream:
             return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
                                   media_type="text/event-stream",

@@ -97,10 +97,6 @@ class ChatMessage(Strict):
             message["tool_calls"] = [call.as_template() for call in self.tool_calls]
         return message
 
-    def call_chars(self) -> int:
-        """Characters of the message's tool calls (ids, names, arguments)."""
-        return sum(call.chars() for call in self.tool_calls or ())
-
 
 def check_tool_answers(messages: Sequence[ChatMessage]) -> None:
     """Each tool message answers a call of an earlier assistant message of ``messages``, when
@@ -112,8 +108,8 @@ def check_tool_answers(messages: Sequence[ChatMessage]) -> None:
     (a typo, a call id from another conversation) that the model would otherwise see as an
     answer to nothing. It is skipped when no assistant message carries ``tool_calls``: a
     client that trims its history to the latest tool results, or sends a tool message in a
-    session turn (whose assistant turns live on the node, and which take no ``tool_calls``
-    here), works on vLLM, and refusing it would break it for no gain (there is nothing to
+    session turn (answering a call of the session's earlier reply, which its node keeps), works
+    on vLLM, and refusing it would break it for no gain (there is nothing to
     match the id against). "Earlier" is any earlier assistant message, not only the one
     just before (OpenAI's rule): a result that arrives after another turn still answers its
     call, as templates render it.

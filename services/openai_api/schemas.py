@@ -89,27 +89,12 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
     def asked_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def _check_tool_turn(self) -> None:
-        """Tools and tool calls render on the gateway with the whole conversation: not in a
-        session's turn (the node renders it from its kept text messages) nor with a
-        ``prefix_messages`` prefix (rendered without them). Raises ValueError naming the field."""
-        calls = next((i for i, m in enumerate(self.messages) if m.tool_calls), None)
-        if not self.tools and calls is None:
-            return
-        what = "tools" if self.tools else f"messages.{calls}.tool_calls"
-        if self.session_id:
-            raise ValueError(f"{what}: not served with a session_id (a session keeps its history as text "
-                             "messages on its node); send the whole conversation without one")
-        if self.prefix_messages:
-            raise ValueError(f"prefix_messages: not served with {what} (a document prefix renders without them)")
-
     def to_input(self) -> GenerateInput:
         """Raises ValueError: no message, every message empty, too much text, or an
         unsupported field."""
         if not self.messages:
             raise ValueError("messages: must hold at least one message")
         self.tool_mode()  # a tool_choice without tools, or naming none of them: 400
-        self._check_tool_turn()
         messages = template_messages(self.messages, self.tools)
         if not any(m["content"].strip() for m in messages):
             raise ValueError("messages: every message is empty; the prompt needs some text")
@@ -132,8 +117,8 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None) -> 
     if not messages:
         raise ValueError("messages: must hold at least one message")
     dicts = [m.as_dict() for m in messages]
-    # names and tool call ids too; the history's tool calls and the tools the template renders
-    chars = content_chars(dicts) + sum(m.call_chars() for m in messages) + (check_tools(tools) if tools else 0)
+    # names, tool call ids and the history's tool calls too; the tools the template renders
+    chars = content_chars(dicts) + (check_tools(tools) if tools else 0)
     if chars > MAX_PROMPT_CHARS:
         raise ValueError(f"messages: hold {chars} characters{' with the tools' if tools else ''}; at most "
                          f"{MAX_PROMPT_CHARS} are allowed")

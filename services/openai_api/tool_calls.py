@@ -33,6 +33,11 @@ falls back (vLLM's named mode returns the cut text as the call instead). ``finis
 ``tool_calls`` when calls came and the model ended (``stop``); ``length`` stays ``length`` (a
 streamed named call's arguments may be cut).
 With ``parallel_tool_calls`` false only the first call is kept.
+
+A call's id is random (vLLM's), or, given a ``seed`` (a session turn's), derived from it and the
+call's index (``services.chat_tools.seeded_call_id``): the cache node keeps the reply in the
+session's messages with the ids the client got (``ToolOutput.spec``), so a template that renders
+ids renders the session as the client's whole conversation.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+
+from services.chat_tools import seeded_call_id, tool_output_spec
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -112,20 +119,32 @@ class ToolOutput:
     """One choice's text as tool calls (module docstring). ``mode``: ``named`` (``name`` the
     function), ``required`` or ``auto``; ``parallel``: several calls may be kept."""
 
-    def __init__(self, mode: str, name: str | None = None, parallel: bool = True) -> None:
+    def __init__(self, mode: str, name: str | None = None, parallel: bool = True, seed: str = "") -> None:
         if mode not in ("named", "required", "auto"):
             raise ValueError(f"no tool calls are read for tool_choice mode {mode!r}")
         self.mode, self.name, self.parallel = mode, name, parallel
+        self.seed = seed  # the calls' ids come from it (``chat_tools.seeded_call_id``); "": random
         self.tail = ""  # auto, before a <tool_call>: streamed text that may begin one, not sent yet
         self.parts: list[str] = []  # the text read at the end (named: sent already), joined once
         self.calling = False  # auto: a <tool_call> began (the rest is held)
         self.named_id: str | None = None  # named: the call's id, once its first delta went
 
+    def spec(self) -> str:
+        """How this reads a session turn's reply, for its cache node (``NodeRequest.tool_output``):
+        the node keeps a reply read as calls as those very calls, ids included."""
+        return tool_output_spec(self.mode, self.name, self.parallel, self.seed)
+
+    def _id(self, call: dict[str, Any], index: int) -> dict[str, Any]:
+        if self.seed:
+            call["id"] = seeded_call_id(self.seed, index)
+        return call
+
     def _calls(self, text: str) -> list[dict[str, Any]] | None:
         if self.mode == "named":
-            return [_call(self.name or "", text)] if _is_json(text) else None
+            return [self._id(_call(self.name or "", text), 0)] if _is_json(text) else None
         calls = parse_required(text) if self.mode == "required" else parse_hermes(text)
-        return calls if calls is None or self.parallel else calls[:1]
+        calls = calls if calls is None or self.parallel else calls[:1]
+        return calls if calls is None else [self._id(c, i) for i, c in enumerate(calls)]
 
     @staticmethod
     def _finish(finish_reason: str | None, called: bool) -> str | None:
@@ -147,7 +166,7 @@ class ToolOutput:
                 return {}
             self.parts.append(text)
             if self.named_id is None:
-                call = _call(self.name or "", text)
+                call = self._id(_call(self.name or "", text), 0)
                 self.named_id = call["id"]
                 return {"tool_calls": [{"index": 0, **call}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}

@@ -25,8 +25,13 @@ response side is ``services.openai_api.tool_calls``.
   template with ``arguments`` as an object when they are a JSON object's text (vLLM's way:
   templates write ``arguments | tojson``); a tool message's ``tool_call_id`` as before.
 
-Not served with tools or tool calls: ``session_id`` (a session's history, kept on its node,
-holds text messages) and ``prefix_messages`` (a prefix renders without the tools): 400s.
+With a ``session_id`` the turn's tools, and its messages' tool calls, go to the session's cache
+node (JSON text, checked there: ``services.chat_tools``), which renders the turn with them as
+the template renders the whole conversation, and keeps a reply read as tool calls as those calls
+(their ids derived from one seed at the edge and the node: ``ToolOutput.spec``); a later turn
+whose tools differ from the history's renders the whole conversation anew
+(``ChatTemplater.continue_session``). A ``prefix_messages`` prefix renders with the tools, as
+the whole chat does (``node_request.resolve_prefix_tokens``).
 """
 
 from __future__ import annotations
@@ -37,21 +42,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from cache_node.structured_output import MAX_SCHEMA_DEPTH, StructuredOutputSpec
+from services.chat_tools import MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_CHARS, template_call  # noqa: F401 (re-exported)
 from services.convert import MAX_MESSAGE_ID_CHARS
 from services.openai_api.strict import Strict, bounded_list
 from services.openai_api.structured import StructuredFields, _depth, spec_of
 from services.openai_api.tool_calls import ToolOutput
 
-MAX_TOOLS = 128
-"""Most tools one body may list (OpenAI's bound)."""
-
-MAX_TOOLS_CHARS = 256 << 10
-"""Most characters of a body's ``tools`` as JSON (compact): text the chat template may render
-and the ``required`` schema is built from."""
-
-MAX_TOOL_CALLS = 128
-"""Most ``tool_calls`` in one assistant message of the history."""
-
+# MAX_TOOLS, MAX_TOOLS_CHARS, MAX_TOOL_CALLS: bounds shared with the cache node's checks of the
+# wire (``services.chat_tools``)
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 """OpenAI's pattern for a function's name."""
 
@@ -123,15 +121,9 @@ class ToolCall(Strict):
         return len(self.id) + len(self.function.name) + len(self.function.arguments)
 
     def as_template(self) -> dict[str, Any]:
-        """As chat templates take it: ``arguments`` an object when it is a JSON object's text."""
-        arguments: Any = self.function.arguments
-        try:
-            parsed = json.loads(arguments)
-        except (ValueError, RecursionError):
-            parsed = None
-        if isinstance(parsed, dict):
-            arguments = parsed
-        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        """As chat templates take it: ``arguments`` an object when it is a JSON object's text
+        (``chat_tools.template_call``, as the cache node keeps a session's generated calls)."""
+        return template_call(self.id, self.function.name, self.function.arguments)
 
 
 def check_tools(tools: list[Tool]) -> int:
@@ -231,10 +223,11 @@ class ToolFields(StructuredFields):
     def template_tools(self) -> list[dict[str, Any]] | None:
         return template_tools(self.tools) if self.tools else None
 
-    def tool_output(self) -> ToolOutput | None:
-        """How a choice's text is read as tool calls (None: it is the content)."""
+    def tool_output(self, seed: str = "") -> ToolOutput | None:
+        """How a choice's text is read as tool calls (None: it is the content); ``seed``: the
+        calls' ids come from it (a session turn's: ``tool_calls.ToolOutput.spec``)."""
         mode = self.tool_mode()
-        return None if mode == "none" else ToolOutput(mode, self._named(), self.parallel_tool_calls is not False)
+        return None if mode == "none" else ToolOutput(mode, self._named(), self.parallel_tool_calls is not False, seed)
 
     def constraint_fields(self) -> list[str]:
         fields = super().constraint_fields()

@@ -1,0 +1,189 @@
+"""Tools and tool calls as a cache node takes them: a session turn's ``tools`` and its
+messages' ``tool_calls`` cross the data plane as JSON text (``NodeRequest.tools``, a message's
+``"tool_calls"`` string), so a message stays a map of strings and the wire's container bounds
+stay those of plain chat; the node checks that text (``check_wire_tools``,
+``check_wire_tool_calls``: it comes off the network) and renders it with the chat template
+(``template_message``). Plain ``json``, no pydantic: the HTTP edge's own checks are
+``services.openai_api.tools``.
+
+A generated reply the HTTP edge reads as tool calls is kept in the session's messages in the
+form the edge hands it to the client (``template_call``), with the same call ids: the edge and
+the node derive them from one seed (``seeded_call_id``, the turn's ``NodeRequest.tool_output``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+MAX_TOOLS = 128
+"""Most tools one body may list (OpenAI's bound)."""
+
+MAX_TOOLS_CHARS = 256 << 10
+"""Most characters of a body's ``tools`` as JSON (compact): text the chat template may render
+and the ``required`` schema is built from."""
+
+MAX_TOOL_CALLS = 128
+"""Most ``tool_calls`` in one assistant message of the history."""
+
+MAX_CALL_ID_CHARS = 256
+"""Longest tool call id (``services.convert.MAX_MESSAGE_ID_CHARS``, not imported: protobuf)."""
+
+MAX_TOOL_DEPTH = 64
+"""Deepest nesting of the JSON of ``tools`` or of one message's ``tool_calls`` on the wire (a
+tool's ``parameters`` at most ``MAX_SCHEMA_DEPTH`` (32) below its envelope; arguments as deep as
+a model writes them): past it the node refuses the request before rendering (the template's
+``tojson`` recurses)."""
+
+NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""OpenAI's pattern for a function's name."""
+
+_TOOL_OUTPUT_MODES = ("named", "required", "auto")
+
+
+def _depth(value: Any) -> int:
+    """Nesting of objects and arrays in ``value``, without recursion, past ``MAX_TOOL_DEPTH``
+    not further."""
+    deepest, level = 0, [value]
+    while level and deepest <= MAX_TOOL_DEPTH:
+        deepest += 1
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(v, (dict, list))]
+    return deepest
+
+
+def _loads(what: str, text: str, limit: int) -> Any:
+    if len(text) > limit:
+        raise ValueError(f"{what} holds {len(text)} characters of JSON; at most {limit} are allowed")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{what} must be JSON text") from None
+    if _depth(value) > MAX_TOOL_DEPTH:
+        raise ValueError(f"{what} nests more than {MAX_TOOL_DEPTH} levels deep")
+    return value
+
+
+def _name(what: str, value: Any) -> None:
+    if not isinstance(value, str) or NAME_PATTERN.fullmatch(value) is None:
+        raise ValueError(f"{what} must match ^[a-zA-Z0-9_-]{{1,64}}$")
+
+
+def check_wire_tools(text: str) -> list[dict[str, Any]] | None:
+    """``NodeRequest.tools`` (JSON text of OpenAI's tools list; "" none) as the template takes
+    them. Raises ValueError naming ``request.tools``: more than ``MAX_TOOLS_CHARS`` characters,
+    more than ``MAX_TOOLS`` tools, or not ``[{"type": "function", "function": {"name", ...}}]``
+    (a name off OpenAI's pattern, ``description`` not text, ``parameters`` not an object)."""
+    if not text:
+        return None
+    tools = _loads("request.tools", text, MAX_TOOLS_CHARS)
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ValueError(f"request.tools must be a list of 1 to {MAX_TOOLS} tools")
+    for i, tool in enumerate(tools):
+        where = f"request.tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) != {"type", "function"} \
+                or not isinstance(tool["function"], dict):
+            raise ValueError(f'{where} must be {{"type": "function", "function": {{...}}}}')
+        function = tool["function"]
+        if not set(function) <= {"name", "description", "parameters", "strict"}:
+            raise ValueError(f"{where}.function has unknown fields {sorted(set(function) - {'name', 'description', 'parameters', 'strict'})}")
+        _name(f"{where}.function.name", function.get("name"))
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            if key in function and not isinstance(function[key], kind):
+                raise ValueError(f"{where}.function.{key} must be {kind.__name__}")
+    return tools
+
+
+def check_wire_tool_calls(text: str, where: str) -> list[dict[str, Any]]:
+    """A message's ``"tool_calls"`` (JSON text of ``template_call``'s dicts) as the template takes
+    them. Raises ValueError naming ``where``: not a list of 1 to ``MAX_TOOL_CALLS`` calls
+    ``{"id", "type": "function", "function": {"name", "arguments"}}`` (an id of 1 to
+    ``MAX_CALL_ID_CHARS`` characters, a name of OpenAI's pattern, arguments an object or text)."""
+    calls = _loads(where, text, len(text))  # (the message's characters are bounded with its content)
+    if not isinstance(calls, list) or not 0 < len(calls) <= MAX_TOOL_CALLS:
+        raise ValueError(f"{where} must be a list of 1 to {MAX_TOOL_CALLS} tool calls")
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict) or set(call) != {"id", "type", "function"} or call["type"] != "function" \
+                or not isinstance(call["function"], dict) or set(call["function"]) != {"name", "arguments"}:
+            raise ValueError(f'{where}[{i}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+        if not isinstance(call["id"], str) or not 0 < len(call["id"]) <= MAX_CALL_ID_CHARS:
+            raise ValueError(f"{where}[{i}].id must have 1 to {MAX_CALL_ID_CHARS} characters")
+        _name(f"{where}[{i}].function.name", call["function"]["name"])
+        if not isinstance(call["function"]["arguments"], (dict, str)):
+            raise ValueError(f"{where}[{i}].function.arguments must be an object or text")  # noqa: TRY004 (a 400)
+    return calls
+
+
+def template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """One tool call as chat templates take it (vLLM's way: templates write ``arguments |
+    tojson``): ``arguments`` an object when it is a JSON object's text, else the text."""
+    value: Any = arguments
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict):
+        value = parsed
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
+
+
+def wire_messages(messages: Sequence[dict[str, Any]]) -> tuple[dict[str, str], ...]:
+    """Chat ``messages`` (a message's ``tool_calls`` a list, as the template takes them) as a
+    ``NodeRequest`` holds them: each a map of strings, ``tool_calls`` as compact JSON text."""
+    return tuple({**m, "tool_calls": json.dumps(m["tool_calls"], ensure_ascii=False, separators=(",", ":"))}
+                 if not isinstance(m.get("tool_calls", ""), str) else dict(m) for m in messages)
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` as the chat template takes it: a wire message's ``tool_calls`` text as its list
+    (checked when it came off the wire: ``check_wire_tool_calls``)."""
+    calls = message.get("tool_calls")
+    return {**message, "tool_calls": json.loads(calls)} if isinstance(calls, str) else message
+
+
+def tool_calls_chars(calls: Any) -> int:
+    """Characters of a message's ``tool_calls``: their JSON text's, or for a list the ids,
+    names and arguments (an object's as compact JSON)."""
+    if not calls:
+        return 0
+    if isinstance(calls, str):
+        return len(calls)
+    total = 0
+    for call in calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+        total += len(call.get("id") or "") + len(function.get("name") or "") + len(arguments)
+    return total
+
+
+def seeded_call_id(seed: str, index: int) -> str:
+    """The id of the ``index``-th tool call of a reply whose ids come from ``seed`` (the HTTP edge
+    and the cache node derive the same: the client's ids are the ones the session keeps)."""
+    return "chatcmpl-tool-" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:32]
+
+
+def tool_output_spec(mode: str, name: str | None, parallel: bool, seed: str) -> str:
+    """``NodeRequest.tool_output``: how the edge reads a session turn's reply as tool calls, for
+    the node to keep the reply as the edge hands it out."""
+    return json.dumps([mode, name or "", parallel, seed])
+
+
+def check_tool_output(text: str) -> tuple[str, str, bool, str] | None:
+    """``tool_output_spec``'s inverse ("": None). Raises ValueError naming
+    ``request.tool_output``: another shape, a mode other than named/required/auto, a named mode
+    without a name of OpenAI's pattern, a seed not of 1 to 64 characters."""
+    if not text:
+        return None
+    spec = _loads("request.tool_output", text, 256)
+    if not (isinstance(spec, list) and len(spec) == 4 and spec[0] in _TOOL_OUTPUT_MODES
+            and isinstance(spec[1], str) and isinstance(spec[2], bool) and isinstance(spec[3], str)
+            and 0 < len(spec[3]) <= 64):
+        raise ValueError("request.tool_output must be [mode (named, required or auto), name, parallel, seed]")
+    if spec[0] == "named":
+        _name("request.tool_output's name", spec[1])
+    return spec[0], spec[1], spec[2], spec[3]
