@@ -6,7 +6,8 @@ CacheNode (xgrammar's compiler processes, the tiny Llama) behind the gateway's g
   ``grammar_compile_seconds`` observation; the same spec again is a cache hit (no compile); a
   spec that does not compile counts ``spec_error``, and again (the same tenant, within a
   minute) ``grammar_requests_refused_total{reason="failed_spec"}``; a grammar left with no token
-  to draw ``no_token``; a tenant past its compile queue ``queue_full``.
+  to draw ``no_token``; a tenant past its compile queue ``queue_full``; a matcher past
+  ``grammar_request_budget_ms`` ``request_budget``.
 - a finished request lands once in each of vLLM's phase histograms (``request_queue_time_
   seconds``, ``request_prefill_time_seconds``, ``request_decode_time_seconds``,
   ``request_inference_time_seconds``) and the token histograms, with values that add up:
@@ -18,6 +19,7 @@ where a request's time went on the node)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -114,6 +116,21 @@ def test_compiles_cache_hits_and_refusals_are_counted_by_result_and_reason(serve
     assert refused(full, "queue_full") - refused(dead_end, "queue_full") == 1
     assert compiles(full, "busy_refused") == compiles(full, "timeout") == compiles(full, "failed") == 0
     assert value(full, "grammar_compiles_queued") == value(full, "grammar_compiles_running") == 0
+
+
+def test_a_matcher_past_its_request_budget_is_counted(served: Served) -> None:
+    before = samples(served)
+    engine = served.node.engine
+    config = engine.config
+    engine.config = dataclasses.replace(config, grammar_request_budget_ms=1e-6)  # read each step
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            served.generate(max_tokens=4, structured_output=pb.StructuredOutput(regex="[a-c]{3}-budget"))
+    finally:
+        engine.config = config
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "grammar_request_budget_ms" in err.value.details()
+    assert refused(samples(served), "request_budget") - refused(before, "request_budget") == 1
 
 
 def test_a_finished_request_lands_once_in_each_phase_histogram_with_times_that_add_up(served: Served) -> None:
