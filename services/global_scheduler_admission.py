@@ -34,6 +34,10 @@ GATEWAY_POLL_FAILURES = 3
 GATEWAY_RETRY_S = 1.0
 """Wait before polling again after a failed poll."""
 
+GATEWAY_ANSWER_SLACK_S = 5.0
+"""How much later than its ``GATEWAY_POLL_S`` long poll a gateway's answer may come before the
+poll counts as failed (``_watch_gateway``)."""
+
 USAGE_FLUSH_S = 5.0
 """Seconds between the scheduler's flushes of changed usage counters, session routes and
 lost-session marks to the tenant store (``flush_durable``): what a crash may lose of them
@@ -118,11 +122,15 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
 
         Regression: one failed poll (a slow or briefly unreachable gateway) counted a live
         gateway as gone, and every request it sent from then on was refused ``gateway_gone``
-        for as long as it ran."""
+        for as long as it ran. A poll not answered within ``GATEWAY_POLL_S`` +
+        ``GATEWAY_ANSWER_SLACK_S`` fails: regression (review 29a F3), a stopped or deadlocked
+        gateway's poll never returned, so it was never counted gone and its admitted requests
+        kept their slots and queue share (and their nodes decoding them) for as long as it hung."""
         failures, died = 0, False
         while subscriber not in self.gone_gateways:
             try:
-                serves = await handle.serves.remote(subscriber, GATEWAY_POLL_S)
+                serves = await asyncio.wait_for(handle.serves.remote(subscriber, GATEWAY_POLL_S),
+                                                GATEWAY_POLL_S + GATEWAY_ANSWER_SLACK_S)
                 failures = 0
             except Exception as exc:  # noqa: BLE001 - a dead, restarting or slow gateway's call fails
                 failures += 1

@@ -151,6 +151,8 @@ class FlakyGateway:
             a = self.answers.pop(0)
             if isinstance(a, BaseException):
                 raise a
+            if a == "silent":  # a stopped gateway: the call is never answered
+                await asyncio.Event().wait()
             return bool(a)
         return answer()
 
@@ -173,6 +175,14 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
     plane.run(watch(down, "tcp://gw-down"))
     assert down.answers == [True] and "tcp://gw-down" in plane.scheduler.gone_gateways
     assert down.told == [("tcp://gw-down", [])]  # it may still run: told, with what was released
+
+    # review 29a F3: a stopped gateway's poll never returned, so it never counted as gone
+    monkeypatch.setattr(admission, "GATEWAY_POLL_S", 0.05)
+    monkeypatch.setattr(admission, "GATEWAY_ANSWER_SLACK_S", 0.05)
+    stopped = FlakyGateway(["silent"] * admission.GATEWAY_POLL_FAILURES + [True])
+    plane.run(asyncio.wait_for(watch(stopped, "tcp://gw-stopped"), 10))
+    assert stopped.answers == [True] and "tcp://gw-stopped" in plane.scheduler.gone_gateways
+    assert len(stopped.told) == 1  # it may run again: told (within its own bound)
 
     dead = FlakyGateway([ray.exceptions.ActorDiedError(), True])
     plane.run(watch(dead, "tcp://gw-dead"))
