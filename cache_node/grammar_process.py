@@ -15,7 +15,8 @@ over ``MAX_REPLY_BYTES`` or of another shape kills the process (``CompilerDied``
 The child is started with ``subprocess`` (a fork followed by exec: nothing of the node's
 threads or CUDA state is copied), never ``os.fork`` of the node; it ends with its parent
 (``grammar_worker._die_with_parent``) and with ``kill``. It runs in a directory of its own
-(``mkdtemp``: 0700, also its ``TMPDIR``; ``kill`` removes it), never the shared temporary
+(``mkdtemp``: 0700, also its ``TMPDIR``; ``kill`` removes it, else the interpreter's exit;
+a node killed outright leaves it, empty), never the shared temporary
 directory, which ``python -m`` would put first on its ``sys.path``. Once its import is done it
 confines itself (``cache_node.sandbox``) and its ``ready`` reply says how (``sandbox``,
 ``confined``); a process not fully confined is logged once per node process, at warning level,
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,7 @@ class CompilerProcess:
         self.ready = False  # the running child said ``ready`` (its compiler exists)
         self.num_starts = 0
         self.workdir: str | None = None  # the child's private working directory (and TMPDIR)
+        self._remove_workdir: weakref.finalize | None = None
         self.sandbox = ""  # the running child's ``cache_node.sandbox.confine`` report
 
     @property
@@ -137,6 +140,7 @@ class CompilerProcess:
         ``CompilerDied``)."""
         self.kill()
         self.workdir = tempfile.mkdtemp(prefix="kvstrata-grammar-")  # 0700, ours; kill removes it
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # or exit, or GC
         env = child_env(os.environ)
         env["TMPDIR"] = self.workdir
         self.proc = subprocess.Popen(
@@ -191,7 +195,7 @@ class CompilerProcess:
         """End the child (SIGKILL) and reap it; a no-op when there is none. The using
         thread's call (its pipes are closed here)."""
         proc, self.proc = self.proc, None
-        workdir, self.workdir = self.workdir, None
+        remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
         self.ready = False
         self.sandbox = ""
         if proc is not None:
@@ -203,8 +207,8 @@ class CompilerProcess:
                         pipe.close()
                     except OSError:
                         pass
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+        if remove_workdir is not None:
+            remove_workdir()
 
     def _send(self, message: list[Any]) -> None:
         assert self.proc is not None and self.proc.stdin is not None

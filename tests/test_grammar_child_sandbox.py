@@ -333,3 +333,29 @@ def test_the_seccomp_filter_refuses_its_syscalls_and_foreign_abis(machine: str) 
     if machine == "x86_64":
         assert _run_bpf(program, arch, 0x40000000 | 41) == eperm  # x32's socket
     assert sandbox.seccomp_program("riscv64") is None
+
+
+_READY_CHILD = """
+import sys
+from cache_node.grammar_worker import frame, read_frame_blocking
+read_frame_blocking(sys.stdin.buffer, 1 << 23)
+sys.stdout.buffer.write(frame(["ready", "fake"])); sys.stdout.buffer.flush()
+sys.stdin.buffer.read()
+"""
+
+
+def test_a_node_that_exits_without_killing_its_compiler_leaves_no_directory(tmp_path: Path) -> None:
+    script = f"""
+import sys, tempfile
+tempfile.tempdir = {str(tmp_path)!r}
+from cache_node.grammar_process import CompilerProcess
+p = CompilerProcess("{{}}", 0, argv=(sys.executable, "-c", {_READY_CHILD!r}))
+p.start()
+print(p.workdir)
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.split()
+    assert out and Path(out[-1]).parent == tmp_path
+    assert not Path(out[-1]).exists() and not list(tmp_path.iterdir())
