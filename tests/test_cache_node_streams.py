@@ -444,7 +444,7 @@ def test_chat_turns_render_off_the_step_thread_as_the_step_thread_would(node, mo
     from services.cache_node_streams import _Stream
 
     threads: list[str] = []
-    for name in ("first_turn", "continuation"):
+    for name in ("first_turn", "continue_session"):
         real = getattr(node.templater, name)
 
         def spy(*a, _real=real, **kw):  # type: ignore[no-untyped-def]
