@@ -276,8 +276,9 @@ class Requests:
             prompt, continued = templater.continue_session(
                 kept, history, req.messages, tools, same_tools=self._session_messages.tools(sid) == req.tools,
                 tool_reply=self._session_messages.tool_reply(sid))
-            if not continued:  # the whole conversation rendered anew: its whole text against its tokens
-                chars, added = chars + content_chars(kept), len(prompt)
+            if not continued:  # the whole conversation rendered anew: this turn's text against all its tokens
+                added = len(prompt)  # (the kept text was checked when it came; a template may leave the
+                # model's tool calls out of the rendering, so the history's text need not come to tokens)
             else:
                 added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
         else:

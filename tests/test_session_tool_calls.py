@@ -26,7 +26,7 @@ import pytest
 
 from cache_node.sampling_params import SamplingParams
 from services.chat import ChatTemplater, content_chars
-from services.chat_tools import wire_messages
+from services.chat_tools import template_call, wire_messages
 from services.data_plane_wire import request_from_wire, request_to_wire
 from services.node_request import NodeRequest
 from services.openai_api import HttpServer, OpenAIEdge, create_app
@@ -241,6 +241,28 @@ def test_prefix_messages_render_with_the_tools(client: openai.OpenAI, served: Se
                                            extra_body={"prefix_messages": 1})
     assert reply.usage.prompt_tokens == len(served.templater.first_turn([USER, {"role": "user", "content": "hi"}],
                                                                          TOOLS))
+
+
+def test_tool_calls_a_template_leaves_out_do_not_refuse_the_next_turn(served: Served) -> None:
+    """SmolLM2's template renders no tool calls: a kept reply's long call is text without tokens
+    in the conversation's rendering. The next turn (rendered anew: the reply's text is not what
+    the template writes) is bounded by its own text against its tokens, as a continuation is,
+    not refused for the kept call's text (the session text budget counts that)."""
+    templater = ChatTemplater(served.tokenizer)
+    kept, served.node.templater = served.node.templater, templater
+    texts, sid = served.node._session_messages, "t/long-call"
+    try:
+        arguments = json.dumps({"q": "x" * 20_000})
+        call_message = {"role": "assistant", "content": "",
+                        "tool_calls": json.dumps([template_call("c1", "search", arguments)])}
+        history = templater.first_turn([USER]) + templater.encode(arguments)
+        texts.add(sid, "t", [USER, call_message], tool_reply=arguments)
+        result = {"role": "tool", "tool_call_id": "c1", "content": "found it"}
+        req = NodeRequest("long", "t", "ns", SamplingParams(max_tokens=1), messages=(result,), session_id=sid)
+        assert served.node._prompt(req, history) == templater.first_turn([USER, call_message, result])
+    finally:
+        served.node.templater = kept
+        texts.pop(sid)
 
 
 # ---- the node's checks of what the data plane brings ----------------------------------------
