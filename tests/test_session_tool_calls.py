@@ -35,7 +35,7 @@ from services.openai_api.tools import MAX_TOOLS_CHARS
 from tenants.model import TenantSpec
 from tests.loop_plane import call
 from tests.test_logprobs_served import Served
-from tests.test_tool_calls_served import CALL_REGEX, TOOL_TEMPLATE, TOOLS, WEATHER
+from tests.test_tool_calls_served import CALL_REGEX, TOOL_TEMPLATE, TOOLS, WEATHER, _streamed
 
 USER = {"role": "user", "content": "What is the weather in Paris?"}
 
@@ -43,6 +43,10 @@ SESSION_TEMPLATE = TOOL_TEMPLATE.replace("<|im_start|>assistant\n{%- endif %}", 
 """``TOOL_TEMPLATE`` with a generation prompt that opens the assistant's message as the template
 writes one (``TOOL_TEMPLATE``'s strips its newline): a history of it can be continued."""
 assert SESSION_TEMPLATE != TOOL_TEMPLATE
+
+IDS_TEMPLATE = SESSION_TEMPLATE.replace('<tool_call>{"name": ', '<tool_call>{"id": "{{ call.id }}", "name": ')
+"""``SESSION_TEMPLATE`` writing each call's id too (as Mistral's templates do)."""
+assert IDS_TEMPLATE != SESSION_TEMPLATE
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +149,43 @@ def test_a_tool_calling_session_renders_each_turn_as_the_whole_conversation(
     assert _last_prompt(served, session) == templater.first_turn(conversation, TOOLS)
     assert _rerenders(served) == rerenders + 1  # continued
     assert third.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 16, third.usage
+
+
+def test_streamed_calls_are_kept_with_the_ids_the_client_got(client: openai.OpenAI, served: Served,
+                                                             no_whitespace: dict[str, float]) -> None:
+    """Streamed named and ``required`` calls of a session turn: the node keeps them with the ids
+    the stream gave (derived from one seed at the edge and the node), so the next turn's
+    ``tool`` messages answer them and its prompt is the whole conversation's rendering."""
+    tokenizer = copy.deepcopy(served.tokenizer)
+    tokenizer.chat_template = IDS_TEMPLATE
+    templater = ChatTemplater(tokenizer)
+    kept = served.node.templater, served.servicer.templater
+    served.node.templater = served.servicer.templater = templater
+    try:
+        _stream_turns(client, served, templater, no_whitespace)
+    finally:
+        served.node.templater, served.servicer.templater = kept
+
+
+def _stream_turns(client: openai.OpenAI, served: Served, templater: ChatTemplater,
+                  no_whitespace: dict[str, float]) -> None:
+    for choice in (WEATHER, "required"):
+        session = f"tools-stream-{'named' if choice is WEATHER else choice}"
+        stream = _turn(client, served, session, [USER], tools=TOOLS, tool_choice=choice, max_tokens=60,
+                       logit_bias=no_whitespace, parallel_tool_calls=False, stream=True)
+        content, calls, finish = _streamed(stream)
+        assert finish == "tool_calls" and len(calls) == 1, (content, calls, finish)
+        [call] = calls.values()
+        assert call["id"].startswith("chatcmpl-tool-")
+        result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21"}
+        _turn(client, served, session, [result], tools=TOOLS, tool_choice="none", max_tokens=1)
+        assistant = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}]}
+        assert _last_prompt(served, session) == templater.first_turn([USER, assistant, result], TOOLS)
+        other = copy.deepcopy(assistant)
+        other["tool_calls"][0]["id"] = "chatcmpl-tool-0"
+        assert templater.first_turn([USER, other, result], TOOLS) != templater.first_turn([USER, assistant, result], TOOLS)
 
 
 def test_a_tool_call_the_template_writes_as_the_model_did_continues(served: Served) -> None:
