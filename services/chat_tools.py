@@ -44,7 +44,7 @@ NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _TOOL_OUTPUT_MODES = ("named", "required", "auto")
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """Nesting of objects and arrays in ``value``, without recursion, past ``MAX_TOOL_DEPTH``
     not further."""
     deepest, level = 0, [value]
@@ -62,7 +62,7 @@ def _loads(what: str, text: str, limit: int) -> Any:
         value = json.loads(text)
     except (ValueError, RecursionError):
         raise ValueError(f"{what} must be JSON text") from None
-    if _depth(value) > MAX_TOOL_DEPTH:
+    if json_depth(value) > MAX_TOOL_DEPTH:
         raise ValueError(f"{what} nests more than {MAX_TOOL_DEPTH} levels deep")
     return value
 
@@ -117,15 +117,23 @@ def check_wire_tool_calls(text: str, where: str) -> list[dict[str, Any]]:
     return calls
 
 
+MAX_ARGUMENTS_DEPTH = MAX_TOOL_DEPTH - 4
+"""Deepest nesting of a call's ``arguments`` handed to the template as an object (a message's
+``tool_calls`` list adds 4 levels: the list, the call, its function, the arguments)."""
+
+
 def template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     """One tool call as chat templates take it (vLLM's way: templates write ``arguments |
-    tojson``): ``arguments`` an object when it is a JSON object's text, else the text."""
+    tojson``): ``arguments`` an object when it is a JSON object's text nesting at most
+    ``MAX_ARGUMENTS_DEPTH`` deep, else the text. Regression: arguments ~500 deep (a history's
+    call, or a session's reply a regex made the model write) went to the template as an object,
+    whose ``tojson`` recursed past Python's limit: RecursionError on every render of it."""
     value: Any = arguments
     try:
         parsed = json.loads(arguments)
     except (ValueError, RecursionError):
         parsed = None
-    if isinstance(parsed, dict):
+    if isinstance(parsed, dict) and json_depth(parsed) <= MAX_ARGUMENTS_DEPTH:
         value = parsed
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
 

@@ -306,6 +306,25 @@ def test_tool_calls_a_template_leaves_out_do_not_refuse_the_next_turn(served: Se
         texts.pop(sid)
 
 
+def test_a_calls_arguments_nested_past_the_bound_render_as_their_text(client: openai.OpenAI, served: Served) -> None:
+    """A history's call whose arguments nest 500 deep reaches the template as its text, not as an
+    object whose ``tojson`` recursed past Python's limit (before: a RecursionError on the
+    gateway's render, a 500; in a session, on the node's, every turn): stateless and in a
+    session turn alike."""
+    deep = json.dumps({"a": json.loads("[" * 500 + "]" * 500)})
+    calling = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    as_text = {**calling, "content": "", "tool_calls": [template_call("c1", "get_weather", deep)]}
+    assert as_text["tool_calls"][0]["function"]["arguments"] == deep
+    expected = served.templater.first_turn([USER, as_text, result], TOOLS)
+    for extra in ({}, {"session_id": "tools-deep"}):
+        reply = client.chat.completions.create(model=served.model, messages=[USER, calling, result], tools=TOOLS,
+                                               tool_choice="none", max_tokens=1, extra_body=extra)
+        assert reply.usage.prompt_tokens == len(expected), extra
+    assert _last_prompt(served, "tools-deep") == expected
+
+
 # ---- the node's checks of what the data plane brings ----------------------------------------
 
 def _wire(**fields: Any) -> dict[str, Any]:
