@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 import weakref
@@ -132,10 +133,27 @@ class Outcome:
         return "shutdown" if self.error == SHUTTING_DOWN else "failed"
 
 
+KILLED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM})
+"""The signals whose death of a compiler process mid-compile is the node's fault, not the spec's
+(``run_compile``): SIGTERM is never the child's own doing; SIGKILL comes from an operator, the
+node's shutdown, ``PR_SET_PDEATHSIG`` (``grammar_worker._die_with_parent``) or the kernel's OOM
+killer under the node's (or its container's) memory pressure. A spec cannot bring the OOM killer
+on its own: a compile's memory is capped by ``RLIMIT_DATA`` (``grammar_worker._cap_memory``), so
+past ``grammar_worker_memory_bytes`` its allocation fails (``bad_alloc``, or the child aborts:
+SIGABRT / SIGSEGV, which stay the spec's fault) well before the node runs out; and the child has
+no CPU rlimit (its time limit is the node's kill, ``CompileTimeout``). A spec wrongly let off
+this way costs one bounded compile per retry (its time and memory limits still hold)."""
+
+
 def run_compile(process: CompilerProcess, spec: StructuredOutputSpec, limits: CompileLimits,
                 closed: Callable[[], bool]) -> Outcome:
     """Compile ``spec`` on ``process`` (started already) within ``limits``; ``closed`` tells
-    whether the node is shutting down (a process that died then was killed by ``stop``)."""
+    whether the node is shutting down (a process that died then was killed by ``stop``).
+
+    A process that ended mid-compile is the spec's failure (remembered, INVALID_ARGUMENT),
+    unless a signal of ``KILLED_FROM_OUTSIDE`` ended it: then the node's (UNAVAILABLE, not
+    remembered). Regression (review 29a F4): a child killed by ``kill -9`` refused the valid
+    request INVALID_ARGUMENT and its tenant's retries for ``FAILED_SPEC_TTL_S``."""
     kind = spec.kind
     try:
         ok, text = process.compile(*compile_request(spec), limits.timeout_s)
@@ -153,6 +171,10 @@ def run_compile(process: CompilerProcess, spec: StructuredOutputSpec, limits: Co
     except CompilerDied as exc:
         if closed():
             return Outcome(error=SHUTTING_DOWN)
+        if exc.signal in KILLED_FROM_OUTSIDE:  # the node's fault: retryable, not remembered
+            return Outcome(error=(
+                f"structured_output {kind}: this cache node's grammar compiler was killed while compiling it "
+                f"({exc}); retry"), killed=True, died=True)
         return Outcome(failed=(
             f"structured_output {kind}: its grammar compiler failed on it ({exc}); a compile may use at most "
             f"{limits.worker_memory_bytes} bytes of memory (grammar_worker_memory_bytes)"), killed=True, died=True)

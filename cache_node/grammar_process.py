@@ -7,8 +7,13 @@ child runs at the lowest CPU priority, ``grammar_worker._lower_priority``, so a 
 starves it and wall time would count the node's load against the spec), and at most
 ``WALL_LIMIT_FACTOR`` times that limit of wall time (a stopped or starved child cannot hold a
 request forever); past either the process is killed (a compile cannot be interrupted any other
-way) and ``CompileTimeout`` raised, saying which; a process that ends mid-compile (its memory cap, a crash) raises
-``CompilerDied``. The next ``compile`` starts a fresh process (``start``: ~6-10 s, the
+way) and ``CompileTimeout`` raised, saying which. That deadline starts before the request is
+written, and every write to the child and every read from it is under it (its stdin is
+non-blocking, ``_write``; a frame larger than the pipe's buffer is written only as fast as the
+child reads it); so is ``start``'s ``init`` frame and ``ready`` reply, under
+``start_timeout_s``. A process that ends mid-compile raises ``CompilerDied`` with the signal
+that ended it (``signal``: ``grammar_compile.run_compile`` tells the node's kill from the
+spec's crash). The next ``compile`` starts a fresh process (``start``: ~6-10 s, the
 xgrammar import; not counted in any compile's limit). Replies are untrusted bytes: a frame
 over ``MAX_REPLY_BYTES`` or of another shape kills the process (``CompilerDied``).
 
@@ -96,8 +101,23 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+_Deadline = tuple[float, float, tuple[int, float, float] | None]
+"""A request's bound: its start and wall deadline (monotonic), and its CPU-time bound (pid, its
+CPU seconds at the start, limit) or None."""
+
+
+def _deadline(wall_s: float, cpu: tuple[int, float, float] | None = None) -> _Deadline:
+    now = time.monotonic()
+    return now, now + wall_s, cpu
+
+
 class CompilerDied(Exception):
-    """The compiler process ended, could not start or answered out of protocol (killed)."""
+    """The compiler process ended, could not start or answered out of protocol (killed).
+    ``signal``: the signal that ended it, where one did (``_ended``); else 0."""
+
+    def __init__(self, message: str, signal: int = 0) -> None:
+        super().__init__(message)
+        self.signal = signal
 
 
 class CompilerProcess:
@@ -132,12 +152,22 @@ class CompilerProcess:
         return self.sandbox.startswith("confined:")
 
     @property
+    def sandbox_state(self) -> str | None:
+        """How the running child is confined (``grammar_stats.SANDBOX_STATES``): ``full``
+        (``confined``), ``partial`` or ``none``; None while no child is ready."""
+        if not self.ready or self.pid is None:
+            return None
+        if self.confined:
+            return "full"
+        return "partial" if self.sandbox.startswith("partial:") else "none"
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     def start(self) -> None:
-        """Start the child (reaping one that ended) and wait for its ``ready`` (raises
-        ``CompilerDied``)."""
+        """Start the child (reaping one that ended), send its ``init`` frame and wait for its
+        ``ready``, all within ``start_timeout_s`` (raises ``CompilerDied``)."""
         self.kill()
         self.workdir = tempfile.mkdtemp(prefix="kvstrata-grammar-")  # 0700, ours; kill removes it
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # or exit, or GC
@@ -147,10 +177,12 @@ class CompilerProcess:
             [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=env, close_fds=True, cwd=self.workdir,
         )
+        os.set_blocking(self.proc.stdin.fileno(), False)  # type: ignore[union-attr]  # ``_write``: within a deadline
         self.num_starts += 1
         try:
-            self._send(["init", self._info, self.memory_bytes])
-            reply = self._reply(self.start_timeout_s)
+            deadline = _deadline(self.start_timeout_s)
+            self._write(frame(["init", self._info, self.memory_bytes]), deadline)
+            reply = self._reply(deadline)
         except CompileTimeout:
             self.kill()
             raise CompilerDied(f"the grammar compiler did not start within {self.start_timeout_s:g} s") from None
@@ -165,20 +197,24 @@ class CompilerProcess:
         """``(True, compiled_grammar_json)`` or ``(False, the compiler's message)``.
 
         Raises:
-            CompileTimeout: no reply before the child used ``timeout_s`` of CPU time on it, or
-                within ``WALL_LIMIT_FACTOR * timeout_s`` of wall time (``starved``); the process
-                is killed. Where the child's CPU time cannot be read, ``timeout_s`` of wall time.
+            CompileTimeout: the request not written and its reply not read before the child
+                used ``timeout_s`` of CPU time on it, or within ``WALL_LIMIT_FACTOR * timeout_s``
+                of wall time (``starved``: a stopped child too); the process is killed. Where
+                the child's CPU time cannot be read, ``timeout_s`` of wall time.
             CompilerDied: the process ended, or replied out of protocol (killed).
         """
         if self.pid is None:
             self.start()
         pid = self.proc.pid  # type: ignore[union-attr]
         cpu_start = cpu_seconds(pid)
-        self._send([method, text])
+        # one deadline for the request's write and the reply's read: a request frame larger
+        # than the pipe's buffer is written only as fast as the child reads it
         if cpu_start is None:
-            kind, value = self._reply(timeout_s)
+            deadline = _deadline(timeout_s)
         else:
-            kind, value = self._reply(timeout_s * WALL_LIMIT_FACTOR, cpu=(pid, cpu_start, timeout_s))
+            deadline = _deadline(timeout_s * WALL_LIMIT_FACTOR, (pid, cpu_start, timeout_s))
+        self._write(frame([method, text]), deadline)
+        kind, value = self._reply(deadline)
         if kind not in ("ok", "error"):
             self.kill()
             raise CompilerDied("the grammar compiler replied out of protocol")
@@ -210,19 +246,29 @@ class CompilerProcess:
         if remove_workdir is not None:
             remove_workdir()
 
-    def _send(self, message: list[Any]) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(frame(message))
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            raise CompilerDied(self._ended("before it read its request")) from None
+    def _write(self, data: bytes, deadline: _Deadline) -> None:
+        """Write ``data`` to the child's stdin (non-blocking: ``start``) within ``deadline``, else
+        kill it (``CompileTimeout``): a child that is stopped, or starved of CPU, reads no more
+        of a frame larger than the pipe's buffer (64 KiB; the ``init`` frame is ~1.6 MB, a
+        choice spec's frame up to ~12 times its spec).
 
-    def _reply(self, timeout_s: float, cpu: tuple[int, float, float] | None = None) -> list[str]:
-        """The next reply frame, decoded and checked: a list of two strings. Within ``timeout_s``
-        of wall time, and with ``cpu`` = (pid, its CPU seconds at the start, limit) while that
-        child has used at most the limit of CPU time since."""
-        deadline = (time.monotonic(), time.monotonic() + timeout_s, cpu)
+        Regression (review 29a F1): a blocking write, before any deadline, held the compile
+        thread for as long as the child was stopped."""
+        assert self.proc is not None and self.proc.stdin is not None
+        fd = self.proc.stdin.fileno()
+        view = memoryview(data)
+        while view:
+            self._wait(fd, select.POLLOUT, deadline)
+            try:
+                written = os.write(fd, view[:1 << 20])
+            except BlockingIOError:
+                continue
+            except OSError:  # EPIPE: it ended
+                raise self._ended("before it read its request") from None
+            view = view[written:]
+
+    def _reply(self, deadline: _Deadline) -> list[str]:
+        """The next reply frame within ``deadline``, decoded and checked: a list of two strings."""
         header = self._read(HEADER_BYTES, deadline)
         size = header_size(header)
         if size > MAX_REPLY_BYTES:
@@ -238,14 +284,26 @@ class CompilerProcess:
             raise CompilerDied("the grammar compiler's reply is malformed")
         return reply
 
-    def _read(self, size: int, deadline: tuple[float, float, tuple[int, float, float] | None]) -> bytes:
-        """``size`` bytes of the child's stdout within ``deadline`` (``_reply``'s: its start and
-        wall deadline, monotonic, and its CPU-time bound), else kill it (``CompileTimeout``)."""
+    def _read(self, size: int, deadline: _Deadline) -> bytes:
+        """``size`` bytes of the child's stdout within ``deadline``, else kill it (``CompileTimeout``)."""
         assert self.proc is not None and self.proc.stdout is not None
-        started, wall_deadline, cpu = deadline
         fd = self.proc.stdout.fileno()
         chunks = bytearray()
         while len(chunks) < size:
+            self._wait(fd, select.POLLIN, deadline)
+            chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+            if not chunk:
+                raise self._ended("mid-reply" if chunks else "before replying")
+            chunks += chunk
+        return bytes(chunks)
+
+    def _wait(self, fd: int, event: int, deadline: _Deadline) -> None:
+        """Until ``fd`` is ready for ``event`` (or has hung up: the read or write then says
+        so), within ``deadline`` (its start and wall deadline, monotonic, and its CPU-time
+        bound: (pid, its CPU seconds at the start, limit)); past it kill the child
+        (``CompileTimeout``; ``starved`` when the wall bound of a CPU-bounded deadline)."""
+        started, wall_deadline, cpu = deadline
+        while True:
             now = time.monotonic()
             left = wall_deadline - now
             used = None
@@ -263,17 +321,13 @@ class CompilerProcess:
                 self.kill()
                 raise CompileTimeout(used, now - started, starved=cpu is not None)
             poller = select.poll()
-            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-            if not poller.poll(left * 1000):
-                continue
-            chunk = os.read(fd, min(size - len(chunks), 1 << 20))
-            if not chunk:
-                raise CompilerDied(self._ended("mid-reply" if chunks else "before replying"))
-            chunks += chunk
-        return bytes(chunks)
+            poller.register(fd, event | select.POLLHUP | select.POLLERR)
+            if poller.poll(left * 1000):
+                return
 
-    def _ended(self, when: str) -> str:
-        """Why the child is gone (it is reaped): its exit status, for a ``CompilerDied``."""
+    def _ended(self, when: str) -> CompilerDied:
+        """The child is gone (it is reaped): a ``CompilerDied`` saying how (its exit status, and
+        the signal that ended it)."""
         proc = self.proc
         code = None
         if proc is not None:
@@ -283,7 +337,8 @@ class CompilerProcess:
                 pass
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        return f"the grammar compiler process ended {when} ({how})"
+        return CompilerDied(f"the grammar compiler process ended {when} ({how})",
+                            -code if code is not None and code < 0 else 0)
 
 
 CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "VIRTUAL_ENV",

@@ -24,7 +24,8 @@ COMPILE_RESULTS = (
     "spec_error",  # the spec does not compile (INVALID_ARGUMENT, remembered per tenant)
     "timeout",  # past grammar_compile_timeout_s of compiler CPU time (INVALID_ARGUMENT, remembered)
     "out_of_memory",  # past grammar_worker_memory_bytes (INVALID_ARGUMENT, remembered)
-    "compiler_died",  # its compiler process ended mid-compile (INVALID_ARGUMENT, remembered)
+    "compiler_died",  # its compiler process ended mid-compile: a crash, the memory cap (INVALID_ARGUMENT,
+    # remembered), or killed by SIGKILL/SIGTERM (the node's: UNAVAILABLE, not remembered)
     "busy_refused",  # the node's load starved its compiler (RESOURCE_EXHAUSTED, not remembered)
     "failed",  # the node's failure: no compiler could start, its reply did not load (UNAVAILABLE)
     "shutdown",  # the node shut down while it ran (UNAVAILABLE)
@@ -38,6 +39,13 @@ REFUSAL_REASONS = (
     "request_budget",  # its matcher passed grammar_request_budget_ms over its steps
     "no_token",  # its grammar (with allowed_token_ids) left no token to draw
 )
+SANDBOX_STATES = (
+    "full",  # every mechanism of cache_node.sandbox applied ("confined: ...")
+    "partial",  # some did ("partial: ...")
+    "none",  # none could ("unconfined: ...", or no report)
+)
+"""How a ready compiler process is confined (``CompilerProcess.sandbox_state``), the label of
+the gauge of compiler processes by sandbox (``Grammars.stats``' ``compiler_sandbox``)."""
 COMPILE_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 """Upper bounds of the compile-time histogram, s: a cached-schema compile takes milliseconds,
 a costly spec up to the CPU limit (``grammar_compile_timeout_s``, 10 s by default) and the

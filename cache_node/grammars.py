@@ -62,7 +62,7 @@ from cache_node.grammar_compile import (
 )
 from cache_node.grammar_process import CompilerDied, CompilerProcess
 from cache_node.grammar_queue import FairCompileQueue
-from cache_node.grammar_stats import GrammarCounters
+from cache_node.grammar_stats import SANDBOX_STATES, GrammarCounters
 from cache_node.outputs import GrammarQueueFull
 from cache_node.structured_output import StructuredOutputSpec
 
@@ -161,7 +161,7 @@ class Grammars:
 
     @property
     def num_compiler_deaths(self) -> int:
-        """Compiler processes that ended mid-compile (memory cap, crash)."""
+        """Compiler processes that ended mid-compile (memory cap, crash, killed from outside)."""
         return self.counters.results["compiler_died"]
 
     @property
@@ -172,12 +172,19 @@ class Grammars:
     def stats(self) -> dict[str, Any]:
         """``counters.snapshot()`` and what is held now: ``compiles_queued`` (compiles
         waiting for a compiler, each once however many tenants it is queued under),
-        ``compiles_running``, ``compiler_processes`` (alive), ``cache_entries`` and
-        ``cache_bytes`` (the compiled grammars kept), ``failed_specs`` (remembered)."""
-        alive = sum(1 for p in list(self.processes) if p is not None and p.pid is not None)
+        ``compiles_running``, ``compiler_processes`` (alive), ``compiler_sandbox`` (the ready
+        ones by ``grammar_stats.SANDBOX_STATES``), ``cache_entries`` and ``cache_bytes`` (the
+        compiled grammars kept), ``failed_specs`` (remembered)."""
+        processes = [p for p in list(self.processes) if p is not None]
+        alive = sum(1 for p in processes if p.pid is not None)
+        sandbox = dict.fromkeys(SANDBOX_STATES, 0)
+        for state in (p.sandbox_state for p in processes):
+            if state is not None:
+                sandbox[state] += 1
         with self._lock:
             queued, running = self._queue.counts()
             held = {"compiles_queued": queued, "compiles_running": running, "compiler_processes": alive,
+                    "compiler_sandbox": sandbox,
                     "cache_entries": len(self._cache), "cache_bytes": self._cache.num_bytes,
                     "failed_specs": self._failed.num_entries}
         return self.counters.snapshot() | held

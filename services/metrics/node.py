@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from cache_node.grammar_stats import SANDBOX_STATES
 from services.metrics.requests import E2E_BUCKETS_S, PREFIX
 
 TRANSFERS = (  # (metric stem, the tier counter in blocks)
@@ -259,3 +260,11 @@ class NodeMetrics(Collector):
             gauge = GaugeMetricFamily(PREFIX + stem, doc, labels=["node"])
             gauge.add_metric([node], g[key])
             yield gauge
+        by_sandbox = g.get("compiler_sandbox", {})  # (none while structured outputs are off)
+        sandbox = GaugeMetricFamily(PREFIX + "grammar_compiler_processes_by_sandbox", "Grammar compiler processes "
+                                    "ready, by how they are confined (cache_node.sandbox): full (every mechanism "
+                                    "applied), partial, none (they compile unconfined; the node logs a warning).",
+                                    labels=["node", "sandbox"])
+        for state in SANDBOX_STATES:
+            sandbox.add_metric([node, state], by_sandbox.get(state, 0))
+        yield sandbox
