@@ -199,6 +199,9 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self.failure = ""  # why the step loop died ("" while it runs): the node is unhealthy
         self._fault_injected = False
         self._health_waiters: list[asyncio.Future[None]] = []
+        # the step loop's heartbeat: monotonic time its latest turn began (``Health.stalled``)
+        self.step_progress_s = time.monotonic()
+        self._stall_noted = False  # a stall was logged (once per stall)
         self._thread = threading.Thread(target=self._run, name=f"{node_id}-steps", daemon=True)
         self._thread.start()
 
@@ -263,6 +266,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
     def _steps(self) -> None:
         last_expiry = time.monotonic()
         while not self._stopped:
+            self.step_progress_s = time.monotonic()  # a turn (and the step before it) completed
             if self._fault_injected:
                 raise RuntimeError("injected step fault (NodeConfig.fault_injection)")
             while self._aborts:  # before new requests, which may reuse an aborted one's id

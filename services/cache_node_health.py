@@ -1,5 +1,14 @@
-"""A cache node's health: ``ping``, ``health`` (a long poll a gateway waits on), and what
-happens once the step loop fails (every stream ends with UNAVAILABLE).
+"""A cache node's health: ``ping``, ``health`` (a long poll a gateway waits on), a stalled
+step loop, and what happens once the step loop fails (every stream ends with UNAVAILABLE).
+
+A node is unhealthy while its step loop has failed (``failure``) or while it is stalled: it has
+work (open streams, commands or admin calls for the step thread) and no turn of the loop has
+begun for ``NodeConfig.step_stall_timeout_s`` (the loop stamps ``step_progress_s`` each turn;
+an idle loop turns every ``step_idle_wait_s``). A stall is not a failure: the node is healthy
+again once its steps resume, and its gateways' monitors rejoin it (``node_up``).
+Regression (review 29a F5): only a loop that raised made the node unhealthy; a step thread
+stuck in a forward pass, a driver call or a lock while the actor answered kept health
+"healthy", and its streams and every request routed to it hung without bound (60 s observed).
 
 ``Health`` is a part of ``services.cache_node.CacheNode``.
 """
@@ -7,38 +16,75 @@ happens once the step loop fails (every stream ends with UNAVAILABLE).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import time
 from typing import Any
 
 from services.data_plane_wire import _cut
+
+log = logging.getLogger(__name__)
+
+STALL_CHECK_S = 0.5
+"""Most seconds a ``health`` long poll waits between looks at the step loop's heartbeat (less
+with a ``step_stall_timeout_s`` under 2 s)."""
 
 
 class Health:
     """The health part of ``CacheNode``."""
 
     def ping(self) -> bool:
-        """True while the step loop runs; False once it has failed (see ``health``)."""
-        return not self.failure
+        """True while the step loop runs; False once it has failed or while it is stalled
+        (see ``health``)."""
+        return not (self.failure or self.stalled())
 
     async def health(self, wait_s: float = 0.0) -> dict[str, Any]:
         """The node's health, answered at once or, with ``wait_s`` > 0, as soon as the step
-        loop fails and at the latest after ``wait_s`` seconds (a gateway's long poll).
+        loop fails or stalls (``stalled``; seen within ``STALL_CHECK_S``) and at the latest
+        after ``wait_s`` seconds (a gateway's long poll).
 
         Returns:
             ``healthy`` (bool), ``failure`` (why not, "" when healthy), ``pid``, ``restarts``
             and ``data_address`` (the command inbox, "" until ``open_data_plane``).
         """
-        if wait_s > 0 and not self.failure:
+        if wait_s > 0 and not (self.failure or self.stalled()):
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._health_waiters.append(waiter)
+            deadline = time.monotonic() + wait_s
+            check_s = min(STALL_CHECK_S, self.config.step_stall_timeout_s / 4)
             try:
-                await asyncio.wait_for(asyncio.shield(waiter), wait_s)
-            except asyncio.TimeoutError:
-                pass
+                while not waiter.done() and not self.stalled() and (left := deadline - time.monotonic()) > 0:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(waiter), min(left, check_s))
             finally:
                 self._health_waiters.remove(waiter)
-        return {"healthy": not self.failure, "failure": self.failure, "pid": os.getpid(),
+        failure = self.failure or self.stalled()
+        return {"healthy": not failure, "failure": failure, "pid": os.getpid(),
                 "restarts": self.restarts(), "data_address": self.data_address}
+
+    def stalled(self) -> str:
+        """Why the step loop counts as stalled ("" when it does not): it has work and no turn
+        of it began for ``step_stall_timeout_s``. Logged once per stall, and once it ends."""
+        age = time.monotonic() - self.step_progress_s
+        limit = self.config.step_stall_timeout_s
+        if age < limit or self._stopped or not self._has_work():
+            if self._stall_noted and age < limit:
+                self._stall_noted = False
+                log.warning("cache node %s: its step loop makes progress again", self.node_id)
+            return ""
+        why = (f"cache node {self.node_id}: its step loop has completed no step for {age:.0f} s while it has "
+               f"work (step_stall_timeout_s {limit:g} s: a forward pass, driver call or lock that does not "
+               "return); retry the request")
+        if not self._stall_noted:
+            self._stall_noted = True
+            log.error("%s", why)
+        return why
+
+    def _has_work(self) -> bool:
+        """Anything waits on the step thread: open streams, requests or aborts to start, or
+        admin calls between steps."""
+        return bool(self._streams or self._incoming or self._aborts or self._admin)
 
     def inject_step_fault(self) -> None:
         """Test hook: the step loop raises at its next iteration, as a bug in a step would.

@@ -60,6 +60,13 @@ class NodeConfig(BaseModel):
     fused_kernels: bool = True
     torch_threads: int = Field(0, ge=0)  # 0 = cpu_count // num_cache_nodes
     step_idle_wait_s: float = Field(0.05, gt=0)
+    # A node whose step loop has work (open streams, commands, admin calls) and has completed no
+    # step for this long answers ``health`` unhealthy, naming the stall: the gateways end its
+    # streams UNAVAILABLE and the scheduler routes elsewhere until its steps resume (it rejoins
+    # then). Generous: the longest legitimate step stays under it (a long CPU prefill chunk of
+    # ``max_num_batched_tokens`` on a loaded machine, the first step's kernel compiles and CUDA
+    # graph replays; the model load and graph capture happen before the loop starts)
+    step_stall_timeout_s: float = Field(60.0, gt=0, le=86_400)
     # Most characters of chat messages one tenant's sessions keep on a node (to render their next
     # turns; RESOURCE_EXHAUSTED naming it past that): 64 Mi, ~16x what 1024 sessions of 4096
     # tokens of English text keep
