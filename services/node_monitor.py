@@ -4,7 +4,8 @@ One task per node long-polls ``CacheNode.health(wait_s)``, which answers as soon
 step loop fails. A node is down when it says it failed, when its data-plane connection closes
 (its process died: ``NodeStreams.on_disconnect``, at once), when the call fails (Ray fails a
 killed actor's calls 1-2 s later) or when no answer comes within ``poll_s + timeout_s`` (hung,
-or being restarted: Ray queues calls to a restarting actor). On down: the GlobalScheduler stops
+or being restarted: Ray queues calls to a restarting actor; a poll whose deadline passed while
+this gateway's own loop stalled is asked again first: ``LoopLag``). On down: the GlobalScheduler stops
 routing to it (``node_down``), then its open streams end with UNAVAILABLE. A node that answers
 healthy again from a new process (Ray restarted it: ``max_restarts``) has a new data-plane
 address: it is opened if needed, the gateway reconnects, and the scheduler routes to it again
@@ -42,6 +43,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -68,6 +71,48 @@ class NodeHealth:
     bad_answers: int = 0  # malformed health answers it sent (each a failed poll)
 
 
+LAG_TICK_S = 0.25
+"""The monitor's loop-lag clock (``LoopLag``) ticks this often."""
+
+LAG_STALL_S = 1.0
+"""Seconds a tick may come late before the event loop counts as stalled for that long: a
+health poll that timed out across more stall than this is asked again (``NodeMonitor``)."""
+
+
+class LoopLag:
+    """How long this process's event loop was stalled (a tick came late: the gateway paused by
+    SIGSTOP or a VM pause, swapped, a long GC or a blocking call on the loop). ``run`` ticks
+    every ``tick_s``; ``since(t0)`` sums the stalls seen after ``t0``, the one going on now
+    included (a timer that fired as the loop resumed may run before the tick).
+
+    Regression (review 29a F6): a gateway paused past ``poll_s + timeout_s`` (15 s) declared
+    every healthy node down on resume: the health polls' deadlines run on the gateway's own
+    clock and fired before the answers waiting in its sockets were read, ending every stream
+    UNAVAILABLE."""
+
+    def __init__(self, tick_s: float = LAG_TICK_S, stall_s: float = LAG_STALL_S) -> None:
+        self.tick_s, self.stall_s = tick_s, stall_s
+        self.last = time.monotonic()
+        self.stalls: deque[tuple[float, float]] = deque(maxlen=256)  # (when it ended, seconds)
+
+    async def run(self) -> None:
+        self.last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = time.monotonic()
+            late = now - self.last - self.tick_s
+            if late > self.stall_s:
+                self.stalls.append((now, late))
+                log.warning("this process's event loop was stalled for %.1f s", late)
+            self.last = now
+
+    def since(self, t0: float) -> float:
+        """Seconds of stall (each longer than ``stall_s``) seen since ``t0`` (monotonic)."""
+        now = time.monotonic()
+        going_on = now - self.last - self.tick_s
+        return sum(late for end, late in self.stalls if end > t0) + (going_on if going_on > self.stall_s else 0.0)
+
+
 class NodeMonitor:
     """Args:
         nodes: node id -> CacheNode actor handle.
@@ -78,6 +123,10 @@ class NodeMonitor:
         poll_s: length of one long poll of a healthy node.
         timeout_s: silence past ``poll_s`` before a node counts as down (hung). Generous: a
             busy machine may answer late, and a killed or failed node is seen sooner anyway.
+            A poll that timed out while this gateway's own event loop stalled (``LoopLag``) is
+            no evidence against the node: it is asked once more, with a fresh ``timeout_s``,
+            before it counts as down (a hung node is then down after at most
+            ``poll_s + 2 * timeout_s`` plus the stall).
         retry_s: pause before asking a down node again.
         notify_s: longest wait for the scheduler's ``node_down`` before the streams end anyway.
     """
@@ -100,11 +149,14 @@ class NodeMonitor:
         self.on_scheduler_back: Callable[[], Awaitable[Any]] | None = None
         self._poll_scheduler = asyncio.Event()
         self.stopped = False
+        self.loop_lag = LoopLag()
+        self.lag_retries = 0  # health polls asked again because this loop stalled during them
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch(nid)) for nid in self.nodes]
         self._tasks.append(loop.create_task(self._watch_scheduler()))
+        self._tasks.append(loop.create_task(self.loop_lag.run()))
         self.streams.on_disconnect = self._disconnected
         self.streams.on_scheduler_disconnect = self._scheduler_disconnected
 
@@ -248,7 +300,7 @@ class NodeMonitor:
         node, state = self.nodes[node_id], self.state[node_id]
         wait_s = self.poll_s if state.healthy else 0.0
         try:
-            answer = node_answer(await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s))
+            answer = node_answer(await self._ask_health(node_id, node, wait_s))
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError:
@@ -271,6 +323,27 @@ class NodeMonitor:
             await self._rejoin(node_id, answer)
         else:
             state.restarts = answer["restarts"]
+
+    async def _ask_health(self, node_id: str, node: Any, wait_s: float) -> Any:
+        """``node.health(wait_s)``'s answer within ``wait_s + timeout_s``; when that deadline
+        passed while this process's loop stalled for more than ``LAG_STALL_S`` (the deadline
+        ran on a clock that jumped; the answer may be waiting unread), once more with
+        ``health(0)`` and a fresh ``timeout_s``.
+
+        Raises:
+            asyncio.TimeoutError: no answer (the second one, after a stall).
+        """
+        t0 = time.monotonic()
+        try:
+            return await asyncio.wait_for(node.health.remote(wait_s), wait_s + self.timeout_s)
+        except asyncio.TimeoutError:
+            stalled = self.loop_lag.since(t0)
+            if stalled <= self.loop_lag.stall_s:
+                raise
+        self.lag_retries += 1
+        log.warning("cache node %s: a health poll timed out while this gateway's event loop was stalled for "
+                    "%.1f s; asking it again before counting it down", node_id, stalled)
+        return await asyncio.wait_for(node.health.remote(0.0), self.timeout_s)
 
     async def _learn_down(self, node_id: str) -> None:
         """At start: a node the scheduler holds down (another gateway's monitor reported it, or
