@@ -164,11 +164,27 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.RotateKeyResponse(api_key=key)
 
 
+def _unanswered(answers: dict[str, Any]) -> list[str]:
+    """The nodes of ``ask_live``'s ``answers`` that did not answer within its timeout (alive,
+    maybe stopped or stuck: what they hold is still there), in order."""
+    return [nid for nid, answer in answers.items() if isinstance(answer, asyncio.TimeoutError)]
+
+
+def _nodes_text(node_ids: list[str]) -> str:
+    shown = ", ".join(node_ids[:8]) + (f" and {len(node_ids) - 8} more" if len(node_ids) > 8 else "")
+    return f"cache node{'s' if len(node_ids) > 1 else ''} {shown}"
+
+
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Operator calls. A node the ``monitor`` (``services.node_monitor``) knows down is not
-    asked (Stats lists it with ``healthy`` false and why; Flush and Drain skip it: its KV and
-    requests died with it), and a node that does not answer within ``node_timeout_s`` counts
-    as down for that call."""
+    asked (Stats lists it with ``healthy`` false and why; Flush and Drain skip it), and a node
+    that does not answer within ``node_timeout_s`` counts as down for Stats. Flush and Drain
+    are not done until every node asked has done its part: one that did not answer in time
+    (stopped, its step loop stuck, or its own wait on a spill node that does not answer) fails
+    the call UNAVAILABLE naming it and what the others did, on one line (``kvstrata admin``
+    prints it); run it again once the node answers.
+    Regression (review 29a F7): Flush and Drain answered OK with zeros when a node did not
+    answer, and a spill tier not flushed was reported flushed."""
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  monitor: Any = None, node_timeout_s: float = 30.0) -> None:
@@ -205,6 +221,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         freed = {kind: sum(int(a.get(kind, 0)) for a in answers.values() if isinstance(a, dict))
                  for kind in ("device", "prefixes", "host", "spill")}
         await self.scheduler.flush_index.remote()
+        if late := _unanswered(answers):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                f"flush incomplete: {_nodes_text(late)} did not answer within {self.node_timeout_s:g} s, so the "
+                "KV blocks cached there (and on the spill tier, which those nodes flush) may still be stored; the "
+                f"nodes that answered freed {sum(freed.values())} KV blocks (device {freed['device']}, compressed "
+                f"prefixes {freed['prefixes']}, host {freed['host']}, spill {freed['spill']}); run the flush "
+                "again once every node answers (kvstrata status shows their health)"))
         return admin_pb2.FlushResponse(freed_blocks=sum(freed.values()), device_blocks=freed["device"],
                                        prefix_blocks=freed["prefixes"], host_blocks=freed["host"],
                                        spill_blocks=freed["spill"])
@@ -216,7 +239,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0 seconds, got {timeout_s}")
         # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
         answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
-        return admin_pb2.DrainResponse(aborted=sum(a for a in answers.values() if isinstance(a, int)))
+        aborted = sum(a for a in answers.values() if type(a) is int and a >= 0)
+        if late := _unanswered(answers):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                f"drain incomplete: {_nodes_text(late)} did not answer within {self.node_timeout_s + timeout_s:g} s, "
+                f"so requests may still run there; the nodes that answered aborted {aborted} requests; run the "
+                "drain again once every node answers (kvstrata status shows their health)"))
+        return admin_pb2.DrainResponse(aborted=aborted)
 
     async def RotateAdminKey(self, request, context):
         await self.auth.admin(context)

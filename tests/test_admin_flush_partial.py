@@ -1,0 +1,104 @@
+"""Admin Flush and Drain with a node that does not answer (review 29a F7).
+
+Before: both answered OK with the other nodes' counts (zeros with one node), so an operator
+purging KV was told it was gone while the silent node (and the spill tier it flushes) still held
+it. Now the call ends UNAVAILABLE naming the node and what the others did, on one line (the
+CLI prints the first line of a failed call's details).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstrata.v1 import admin_pb2
+from services.gateway_admin import AdminServicer
+
+_FREED = {"device": 5, "prefixes": 2, "host": 7, "spill": 6}
+
+
+class _Method:
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    async def remote(self, *args: Any) -> Any:
+        if self.answer is None:  # stopped, or its step loop stuck: never answers
+            await asyncio.Event().wait()
+        return self.answer
+
+
+class _Node:
+    def __init__(self, freed: dict[str, int] | None, aborted: int | None) -> None:
+        self.flush_by_tier, self.drain = _Method(freed), _Method(aborted)
+
+
+class _Scheduler:
+    def __init__(self) -> None:
+        self.flushed = 0
+        self.flush_index = self
+
+    async def remote(self) -> None:
+        self.flushed += 1
+
+
+class _Auth:
+    async def admin(self, context: Any) -> None:
+        return None
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """``ServicerContext.abort``: records the status and raises, as grpc.aio's does."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+
+def _servicer(*nodes: _Node) -> tuple[AdminServicer, _Scheduler]:
+    scheduler = _Scheduler()
+    servicer = AdminServicer(scheduler, _Auth(), {f"n{i}": n for i, n in enumerate(nodes)},  # type: ignore[arg-type]
+                             node_timeout_s=0.3)
+    return servicer, scheduler
+
+
+def test_a_flush_a_node_did_not_answer_is_unavailable_naming_it() -> None:
+    servicer, scheduler = _servicer(_Node(_FREED, 0), _Node(None, None))
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(servicer.Flush(admin_pb2.FlushRequest(), context))
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.details.startswith("flush incomplete: cache node n1 did not answer within 0.3 s")
+    assert "n0" not in context.details and "freed 20 KV blocks (device 5, compressed prefixes 2, host 7, spill 6)" \
+        in context.details
+    assert "\n" not in context.details  # `kvstrata admin flush` prints the first line alone
+    assert scheduler.flushed == 1  # the index forgets what the nodes that answered dropped
+
+
+def test_a_drain_a_node_did_not_answer_is_unavailable_naming_it() -> None:
+    servicer, _ = _servicer(_Node(_FREED, 3), _Node(None, None), _Node(None, None))
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0.2), context))
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.details.startswith("drain incomplete: cache nodes n1, n2 did not answer within 0.5 s")
+    assert "aborted 3 requests" in context.details and "\n" not in context.details
+
+
+def test_every_node_answering_is_ok() -> None:
+    servicer, scheduler = _servicer(_Node(_FREED, 2), _Node({"device": 1, "prefixes": 0, "host": 0, "spill": 0}, 1))
+    context = _Context()
+    flushed = asyncio.run(servicer.Flush(admin_pb2.FlushRequest(), context))
+    drained = asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0.0), context))
+    assert (flushed.freed_blocks, flushed.device_blocks, drained.aborted) == (21, 6, 3)
+    assert context.code is None and scheduler.flushed == 1
