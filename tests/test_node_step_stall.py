@@ -91,7 +91,7 @@ def test_a_stuck_step_thread_is_declared_down_and_rejoins_when_it_moves_again(pl
     queue = plane.run(first_token("a"))
     plane.gate.clear()
     assert plane.blocked.wait(30)
-    t0 = time.monotonic()
+    last_step = plane.node.step_progress_s  # the turn that runs the stuck step began then
 
     async def end_of(q: asyncio.Queue[dict[str, Any]]) -> dict[str, Any]:
         while (event := await asyncio.wait_for(q.get(), 30))["type"] == "delta":
@@ -99,10 +99,10 @@ def test_a_stuck_step_thread_is_declared_down_and_rejoins_when_it_moves_again(pl
         return event
 
     end = plane.run(end_of(queue))
-    took = time.monotonic() - t0
+    took = time.monotonic() - last_step
     assert (end["type"], end["code"]) == ("error", "UNAVAILABLE"), end
     assert "its step loop has completed no step" in end["message"]
-    assert STALL_S <= took < STALL_S + 4.0, took
+    assert STALL_S <= took < STALL_S + 6.0, took  # not before the bound, and soon after it
     assert "step loop" in plane.down()["n0"]  # the scheduler routes elsewhere
     assert plane.monitor.state["n0"].healthy is False and plane.healthy[-1] == 0
     health = plane.run(call(plane.node.health))
