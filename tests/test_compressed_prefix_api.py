@@ -78,8 +78,8 @@ def test_chat_prefix_is_the_rendering_of_its_leading_messages() -> None:
     assert resolve_prefix_tokens(0, 0, chat, tokens, templater) == 0
 
     class Rewording:  # a template that renders a conversation's start differently alone
-        def render(self, messages: list, add_generation_prompt: bool = True) -> str:
-            return "x" + templater.render(messages, add_generation_prompt)
+        def render(self, messages: list, add_generation_prompt: bool = True, tools: list | None = None) -> str:
+            return "x" + templater.render(messages, add_generation_prompt, tools)
 
         def encode(self, text: str) -> list[int]:
             return templater.encode(text)

@@ -146,6 +146,9 @@ TURN_POOL = ("This model's maximum context length is 4368 tokens on a cache node
              "every token (its KV pool holds 4368 tokens). However, you requested at least 9040 tokens (40 at "
              "least in the messages, with the session's history on top, 9000 in the completion): that can never "
              "fit. Please reduce the length of the messages or completion.")
+OVER_CONTEXT_CHAT = OVER_CONTEXT.replace("prompt", "messages")
+"""``OVER_CONTEXT`` as a chat's refusal reads: the gateway renders a chat at the edge and refuses it
+as a token prompt; ``errors.refusal_about`` names the messages (what the client sent)."""
 REWORDED = ("This model's maximum context length is 8192 tokens. However, you requested 9031 tokens "
             "(31 in the messages, 9000 in the completion).")
 
@@ -171,7 +174,8 @@ def test_context_overflow_is_context_length_exceeded(message: str, fields: dict,
     error = out["error"]
     assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == param
     assert error["type"] == "invalid_request_error"
-    assert error["message"].startswith("This model's maximum context length is") and message in error["message"]
+    shown = OVER_CONTEXT_CHAT if message == OVER_CONTEXT and path.endswith("chat/completions") else message
+    assert error["message"].startswith("This model's maximum context length is") and shown in error["message"]
     assert error["message"].count("maximum context length") == 1
 
 
