@@ -161,7 +161,8 @@ class Admin:
     def _publish_stats(self) -> None:
         """Step thread: refresh the ``stats`` snapshot (at most every ``STATS_EVERY_S``)."""
         if time.monotonic() - self._stats["time_s"] >= STATS_EVERY_S:
-            self._stats = {**self.engine.stats(), "time_s": time.monotonic()}
+            self._stats = {**self.engine.stats(), "time_s": time.monotonic(),
+                           "session_rerenders": self.session_rerenders}
             self._tenant_blocks = self._blocks_by_tenant()
 
     def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:

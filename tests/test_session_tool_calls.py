@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -248,6 +249,18 @@ def test_other_tools_in_a_later_turn_render_the_conversation_anew(client: openai
         assert _last_prompt(served, session) == templater.first_turn(conversation, tools)
         assert _rerenders(served) == rerenders + rendered_anew
         rerenders += rendered_anew
+    # and on the node's /metrics (its stats snapshot, refreshed by the step loop)
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def exported() -> float:
+        text = generate_latest(served.node.metrics.registry).decode()
+        return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+                   if x.name == "kvstrata:session_rerenders_total")
+    deadline = time.monotonic() + 10
+    while exported() != rerenders and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exported() == rerenders
 
 
 def test_another_tenants_session_of_that_id_is_its_own(client: openai.OpenAI, served: Served) -> None:

@@ -200,6 +200,10 @@ class NodeMetrics(Collector):
         yield counter("session_policy_fallbacks", "Session turns that found compressed KV they could not "
                       "continue (another policy, or not extending the history): the history was prefilled again.",
                       s["session_policy_fallbacks"])
+        yield counter("session_rerenders", "Chat session turns the node rendered whole, as a first turn, "
+                      "instead of continuing their history's tokens (other tools than the history's, or a "
+                      "template that does not render the history as its tokens hold it): exact, the history "
+                      "past the common prefix computed again.", s.get("session_rerenders", 0))
         yield counter("session_states_dropped", "Session turns that computed their history again because "
                       "the node dropped the KV they would have continued from (an idle session's, for "
                       "another request; marked session_state_dropped in their usage).",
