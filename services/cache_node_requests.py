@@ -32,7 +32,7 @@ from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
 from services import convert
 from services.cache_node_streams import _Stream
-from services.chat import content_chars
+from services.chat import content_chars, covered_chars
 from services.chat_tools import check_wire_tools
 from services.node_request import NodeRequest
 
@@ -284,6 +284,6 @@ class Requests:
         else:
             prompt = templater.first_turn(req.messages, tools)
             added = len(prompt)
-        if req.session_id:  # its messages are kept
-            templater.check_tokens_cover(chars, added)
+        if req.session_id:  # its messages are kept (their tool calls bounded by the text budget)
+            templater.check_tokens_cover(covered_chars(req.messages), added)
         return prompt

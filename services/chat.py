@@ -40,6 +40,18 @@ def content_chars(messages: Messages) -> int:
                + tool_calls_chars(m.get("tool_calls")) for m in messages)
 
 
+def covered_chars(messages: Messages) -> int:
+    """Characters of chat ``messages`` that ``ChatTemplater.check_tokens_cover`` asks to come to
+    tokens: ``content_chars`` without their ``tool_calls``, which a template may leave out of
+    the rendering (SmolLM2's does) or render only in part (no ids); the calls' text is bounded
+    by ``content_chars`` in every character bound and the session text budget instead.
+    Regression (review 29i F1): a session turn whose messages held an assistant call with
+    5,412 characters of arguments was refused "5530 characters came to only 25 tokens ...
+    control characters: remove them", while the same body without ``session_id`` was served."""
+    return sum(len(m.get("content") or "") + len(m.get("name") or "") + len(m.get("tool_call_id") or "")
+               for m in messages)
+
+
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
     """Token ids of ``text``, without special tokens added unless ``add_special_tokens`` (a
     BOS, where the tokenizer's post-processor adds one: vLLM's ``/tokenize`` of a prompt):

@@ -23,7 +23,7 @@ import grpc
 
 from cache_node.hashing import hash_prompt_blocks
 from services import convert
-from services.chat import ChatTemplater, TemplateRefusal, content_chars, estimate_message_tokens
+from services.chat import ChatTemplater, TemplateRefusal, covered_chars, estimate_message_tokens
 from services.chat_tools import wire_messages
 from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
@@ -200,7 +200,7 @@ class RequestPreparation:
             if templater is not None:
                 try:  # as the node's check of the turn's own tokens (``CacheNode._prompt``), which are at
                     # least these: regression (security review F3), text the tokenizer drops was kept there
-                    templater.check_tokens_cover(content_chars(messages), max(estimate - overhead, 0))
+                    templater.check_tokens_cover(covered_chars(messages), max(estimate - overhead, 0))
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             extra["prompt_tokens_estimate"] = str(estimate)

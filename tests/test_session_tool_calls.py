@@ -319,6 +319,34 @@ def test_tool_calls_a_template_leaves_out_do_not_refuse_the_next_turn(served: Se
         texts.pop(sid)
 
 
+def test_a_session_turn_holding_a_long_call_the_template_leaves_out_is_served(client: openai.OpenAI,
+                                                                             served: Served) -> None:
+    """Review 29i F1: a session opened with a prior conversation whose assistant call has long
+    arguments (SmolLM2's template renders no calls) was refused "... characters came to only
+    ... tokens ... control characters: remove them" by the gateway's and the node's check of a
+    turn's text against its tokens, which counted the calls' text; the same body without
+    ``session_id`` was served. The check covers the text a template renders (``covered_chars``);
+    the calls' text stays bounded by the session text budget."""
+    plain = ChatTemplater(served.tokenizer)
+    kept = served.node.templater, served.servicer.templater
+    served.node.templater = served.servicer.templater = plain
+    try:
+        arguments = json.dumps({"text": "lorem ipsum dolor sit amet " * 200})
+        messages = [{"role": "user", "content": "Save my document."},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "save_doc", "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "saved"},
+                    {"role": "user", "content": "Did it work?"}]
+        tools = [{"type": "function", "function": {"name": "save_doc", "parameters": {
+            "type": "object", "properties": {"text": {"type": "string"}}}}}]
+        stateless = client.chat.completions.create(model=served.model, messages=messages, tools=tools,
+                                                   tool_choice="none", max_tokens=1)
+        reply = _turn(client, served, "long-call-first", messages, tools=tools, tool_choice="none", max_tokens=1)
+        assert reply.usage.prompt_tokens == stateless.usage.prompt_tokens
+    finally:
+        served.node.templater, served.servicer.templater = kept
+
+
 def test_a_calls_arguments_nested_past_the_bound_render_as_their_text(client: openai.OpenAI, served: Served) -> None:
     """A history's call whose arguments nest 500 deep reaches the template as its text, not as an
     object whose ``tojson`` recursed past Python's limit (before: a RecursionError on the
