@@ -15,6 +15,11 @@ their own deadline (``NodeStreams.admit_timeout_s``), ended at 30 s.
 
 A call that is not awaited (a fire-and-forget ``release``) is sent as before: the call leaves
 when ``.remote()`` runs, and only the wait for its answer is bounded.
+
+A wait that passed its deadline while the gateway's own event loop stalled (SIGSTOP, a VM
+pause, a long GC: ``services.loop_lag``) waits once more, ``timeout_s`` again, before the
+actor counts as silent: its answer may be waiting unread (helper 29h, the kind of review 29a
+F6: on resume every call in flight failed UNAVAILABLE, naming a scheduler that had answered).
 """
 
 from __future__ import annotations
@@ -23,23 +28,40 @@ import asyncio
 from collections.abc import Generator
 from typing import Any
 
+from services.loop_lag import running_lag, wait_past_stall
+
 SCHEDULER_CALL_TIMEOUT_S = 30.0
 """The most the gateway waits for the scheduler's answer to one call (as admissions wait,
 ``NodeStreams.admit_timeout_s``)."""
 
 
+SCHEDULER_CHANGES = frozenset({"register_tenant", "update_tenant", "delete_tenant", "rotate_tenant_key",
+                               "rotate_admin_key"})
+"""The scheduler's methods that change what it stores: one the gateway stopped waiting for may
+still be carried out when the scheduler runs again (``ActorSilent.may_apply``)."""
+
+
 class ActorSilent(Exception):
     """An actor did not answer a call within its deadline (it may be stopped, deadlocked or
-    overloaded, not dead): UNAVAILABLE with a retry hint."""
+    overloaded, not dead): UNAVAILABLE, with a retry hint unless the call changes state
+    (``may_apply``: the call was sent and may still be carried out when the actor runs again,
+    so a blind retry could do it twice, and a rotated key's new value is lost: the message says
+    to check first, and no ``retry-after-ms`` is given). Regression (review 29i F4): a key
+    rotation cut at 30 s was answered "retry in 1 s", ran when the scheduler resumed, and the
+    tenant's old key was refused with the new one never shown."""
+
+    def __init__(self, message: str, may_apply: bool = False) -> None:
+        super().__init__(message)
+        self.may_apply = may_apply
 
 
 class _TimedRef:
     """The answer of one call, awaitable once, within ``timeout_s`` (else ``ActorSilent``)."""
 
-    __slots__ = ("_ref", "_timeout_s", "_what")
+    __slots__ = ("_may_apply", "_ref", "_timeout_s", "_what")
 
-    def __init__(self, ref: Any, timeout_s: float, what: str) -> None:
-        self._ref, self._timeout_s, self._what = ref, timeout_s, what
+    def __init__(self, ref: Any, timeout_s: float, what: str, may_apply: bool = False) -> None:
+        self._ref, self._timeout_s, self._what, self._may_apply = ref, timeout_s, what, may_apply
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._wait().__await__()
@@ -48,6 +70,10 @@ class _TimedRef:
         try:
             return await asyncio.wait_for(_awaited(self._ref), self._timeout_s)
         except asyncio.TimeoutError:
+            if self._may_apply:
+                raise ActorSilent(f"{self._what} did not answer in {self._timeout_s:g} s; the change was sent and "
+                                  "may still be made when it answers again: check (e.g. kvstrata tenants list / "
+                                  "GetTenant) before you repeat it", may_apply=True) from None
             raise ActorSilent(f"{self._what} did not answer in {self._timeout_s:g} s") from None
 
 
@@ -56,30 +82,31 @@ async def _awaited(ref: Any) -> Any:
 
 
 class _BoundedMethod:
-    __slots__ = ("_method", "_timeout_s", "_what")
+    __slots__ = ("_may_apply", "_method", "_timeout_s", "_what")
 
-    def __init__(self, method: Any, timeout_s: float, what: str) -> None:
-        self._method, self._timeout_s, self._what = method, timeout_s, what
+    def __init__(self, method: Any, timeout_s: float, what: str, may_apply: bool) -> None:
+        self._method, self._timeout_s, self._what, self._may_apply = method, timeout_s, what, may_apply
 
     def remote(self, *args: Any, **kwargs: Any) -> _TimedRef:
         """Send the call now (as the handle's ``remote``); awaiting the result waits at most
         the deadline."""
-        return _TimedRef(self._method.remote(*args, **kwargs), self._timeout_s, self._what)
+        return _TimedRef(self._method.remote(*args, **kwargs), self._timeout_s, self._what, self._may_apply)
 
 
 class BoundedActor:
     """An actor handle whose calls' answers are awaited at most ``timeout_s`` seconds
-    (``ActorSilent`` past it); ``what`` names the actor in that error ("the global scheduler").
+    (``ActorSilent`` past it); ``what`` names the actor in that error ("the global scheduler");
+    ``changes`` are its methods that change state (their ``ActorSilent`` has ``may_apply``).
 
     ``handle.method.remote(...)`` sends the call at once, as the plain handle does; only the
     wait for its answer is bounded. Attributes other than methods are the handle's own.
     """
 
     def __init__(self, handle: Any, timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
-                 what: str = "the global scheduler") -> None:
+                 what: str = "the global scheduler", changes: frozenset[str] = SCHEDULER_CHANGES) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self._handle, self._timeout_s, self._what = handle, timeout_s, what
+        self._handle, self._timeout_s, self._what, self._changes = handle, timeout_s, what, changes
 
     @property
     def handle(self) -> Any:
@@ -89,5 +116,5 @@ class BoundedActor:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._handle, name)
         if hasattr(attr, "remote"):
-            return _BoundedMethod(attr, self._timeout_s, self._what)
+            return _BoundedMethod(attr, self._timeout_s, self._what, name in self._changes)
         return attr

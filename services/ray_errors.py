@@ -51,5 +51,6 @@ def actor_died(exc: BaseException) -> bool:
 def retry_after_ms(exc: BaseException) -> int | None:
     """The retry hint of a call failed by ``exc`` (a ``RayActorError``): ``RESTART_RETRY_MS``
     while the actor may come back (Ray raises ``ActorUnavailableError`` for calls to an actor it
-    is restarting), None once Ray says it died for good (``actor_died``)."""
-    return None if actor_died(exc) else RESTART_RETRY_MS
+    is restarting), None once Ray says it died for good (``actor_died``) or the call changes
+    state and may still be carried out (``services.actor_calls.ActorSilent.may_apply``)."""
+    return None if actor_died(exc) or getattr(exc, "may_apply", False) else RESTART_RETRY_MS

@@ -19,7 +19,14 @@ from typing import Any
 import grpc
 import pytest
 
-from kvstrata.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from kvstrata.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    tenant_pb2,
+    tenant_pb2_grpc,
+)
 from services import gateway_server
 from services.actor_calls import ActorSilent, BoundedActor
 from services.global_scheduler_admission import GlobalSchedulerService
@@ -37,12 +44,14 @@ class Silenceable:
     def __init__(self, obj: Any) -> None:
         self.obj, self.awake = obj, asyncio.Event()
         self.awake.set()
+        self.only: set[str] | None = None  # the methods that get no answer (None: every one)
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.obj, name)
 
         async def run(*args: Any, **kwargs: Any) -> Any:
-            await self.awake.wait()
+            if self.only is None or name in self.only:
+                await self.awake.wait()
             result = fn(*args, **kwargs)
             return await result if asyncio.iscoroutine(result) else result
 
@@ -109,6 +118,16 @@ def test_calls_to_a_silent_scheduler_end_unavailable_within_the_deadline(tmp_pat
                     assert "the global scheduler did not answer" in err.value.details(), (name, err.value)
                     assert dict(err.value.trailing_metadata() or ())["retry-after-ms"] == "1000", name
                     assert took < 10 * TIMEOUT_S + 3, (name, took)
+                # a call that changes state may still be made when the scheduler runs again: no
+                # retry hint, and the message says to check first (review 29i F4)
+                tenants = tenant_pb2_grpc.TenantServiceStub(channel)
+                handle.only = {"rotate_tenant_key"}  # silent once the rotation itself is sent
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="t"), metadata=admin_md, timeout=30)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert "may still be made" in err.value.details(), err.value
+                assert "retry-after-ms" not in dict(err.value.trailing_metadata() or ()), err.value
+                handle.only = None
                 handle.awake.set()  # it answers again: nothing was cached as a refusal
                 stats = await admin.Stats(admin_pb2.StatsRequest(), metadata=admin_md, timeout=30)
                 assert stats is not None
