@@ -68,7 +68,9 @@ class _TimedRef:
 
     async def _wait(self) -> Any:
         try:
-            return await asyncio.wait_for(_awaited(self._ref), self._timeout_s)
+            answer, _ = await wait_past_stall(asyncio.ensure_future(_awaited(self._ref)), self._timeout_s,
+                                              running_lag(), self._timeout_s)
+            return answer
         except asyncio.TimeoutError:
             if self._may_apply:
                 raise ActorSilent(f"{self._what} did not answer in {self._timeout_s:g} s; the change was sent and "

@@ -48,6 +48,7 @@ from services.gateway_prepare import RequestPreparation
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
 from services.gateway_tracking import StreamWriter, _RecordedAbort, _Seen
+from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
 from services.ray_errors import SchedulerRestarting
@@ -371,8 +372,9 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         monitor marked it down raised here: HTTP 500 in plain text (gRPC UNKNOWN), and the
         client's retry got NOT_FOUND."""
         try:
-            return int(await asyncio.wait_for(self.nodes[node_id].close_session.remote(scoped, tenant_id, turns),
-                                              NODE_CLOSE_TIMEOUT_S))
+            closing = asyncio.ensure_future(self.nodes[node_id].close_session.remote(scoped, tenant_id, turns))
+            # (once more when this gateway's own loop stalled meanwhile: ``services.loop_lag``)
+            return int((await wait_past_stall(closing, NODE_CLOSE_TIMEOUT_S, running_lag(), NODE_CLOSE_TIMEOUT_S))[0])
         except Exception as exc:  # noqa: BLE001 - a failed, dead or slow node frees nothing now
             log.warning("closing session %s on node %s: %s: %s; answered as freed 0", scoped, node_id,
                         type(exc).__name__, exc)

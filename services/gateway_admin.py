@@ -18,6 +18,7 @@ import grpc
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import convert
 from services.auth import Authenticator
+from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics
 from tenants.errors import TenantExistsError, TenantNotFoundError, TooManyRotationsError
 
@@ -48,10 +49,16 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
 async def ask_live(nodes: dict[str, Any], monitor: Any, call: Any, timeout_s: float) -> dict[str, Any]:
     """node id -> ``call(node)`` awaited, for every node the ``monitor`` knows healthy (every
     node without one); an exception in place of the answer of a node that failed or did not
-    answer within ``timeout_s``."""
+    answer within ``timeout_s`` (``asyncio.TimeoutError``; ``timeout_s`` once more when this
+    gateway's own event loop stalled meanwhile: ``services.loop_lag``. Regression (helper 29h):
+    a gateway paused past it reported Flush and Drain incomplete, naming nodes that answered)."""
     live = {nid: n for nid, n in nodes.items() if monitor is None or monitor.state[nid].healthy}
-    answers = await asyncio.gather(*(asyncio.wait_for(call(n), timeout_s) for n in live.values()),
-                                   return_exceptions=True)
+    lag = running_lag()
+
+    async def ask(node: Any) -> Any:
+        return (await wait_past_stall(asyncio.ensure_future(call(node)), timeout_s, lag, timeout_s))[0]
+
+    answers = await asyncio.gather(*(ask(n) for n in live.values()), return_exceptions=True)
     return dict(zip(live, answers))
 
 

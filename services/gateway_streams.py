@@ -30,6 +30,7 @@ from services.gateway_stream_bounds import (
     past_bound,
 )
 from services.global_scheduler_checks import Admission
+from services.loop_lag import LoopLag, wait_past_stall
 from services.node_request import NodeRequest
 from services.ray_errors import SchedulerRestarting
 
@@ -122,7 +123,12 @@ class NodeStreams:
         nodes: node id -> CacheNode actor handle.
         node_inboxes: node id -> the node's command inbox address.
         scheduler_address: the GlobalScheduler's admission socket address.
-        admit_timeout_s: an admission not answered by then fails with UNAVAILABLE.
+        admit_timeout_s: an admission not answered by then fails with UNAVAILABLE. One whose
+            wait spanned a stall of this gateway's own event loop (``LoopLag``: its reply may be
+            waiting unread in the socket) is waited for once more, ``admit_timeout_s`` again
+            (counted in ``admit_lag_waits``): a silent scheduler fails it after
+            ``admit_timeout_s``, or ``2 * admit_timeout_s`` plus the stall when this gateway
+            stalled meanwhile (one that is down fails it at once: ``scheduler_failed``).
         security: the gateway's data-plane identity (``services.data_plane_auth``): its event
             inbox admits only nodes. None: plaintext on loopback (unit tests only).
         max_undelivered_bytes: a stream holding more undelivered (``StreamBuffer``; its client
@@ -132,8 +138,11 @@ class NodeStreams:
             node, at most this much a stream and ``UNBOUND_STREAMS_HELD`` times it in all (``_hold``).
         stream_idle_timeout_s: a bound stream whose reader has taken nothing this long without
             waiting for events (``StreamBuffer.idle_s``) is ended the same way, and its
-            ``on_idle`` called; counted in ``idle_ends`` (``expire_idle``).
-        clock: seconds, monotonic (``time.monotonic``; tests pass their own).
+            ``on_idle`` called; counted in ``idle_ends`` (``expire_idle``). The stalls of this
+            gateway's own event loop (``LoopLag``) in that time are not the client's and do not
+            count: the client's reads waiting unread in the socket meanwhile could not be seen.
+        clock: seconds, monotonic (``time.monotonic``; tests pass their own: then no stall of
+            this loop is taken off a stream's idle time, the test's clock being all there is).
 
     Every message read is checked, values included (``data_plane.checked_event_items``,
     ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
@@ -158,6 +167,8 @@ class NodeStreams:
         self.bad_messages = 0
         self.overflows = 0  # streams ended for holding over ``max_undelivered_bytes``
         self.idle_ends = 0  # streams ended for ``stream_idle_timeout_s`` without a take
+        self.loop_lag = LoopLag()  # this gateway's own stalls (``start`` runs it)
+        self.admit_lag_waits = 0  # admissions answered in their second wait (this loop stalled in the first)
         self.max_undelivered_bytes = max_undelivered_bytes
         self.max_unbound_bytes = UNBOUND_STREAMS_HELD * max_undelivered_bytes
         self.stream_idle_timeout_s, self.clock = stream_idle_timeout_s, clock
@@ -193,7 +204,8 @@ class NodeStreams:
         for node_id, address in self.node_inboxes.items():
             self._connect_node(node_id, address)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._sweep_idle())]
+        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._sweep_idle()),
+                       loop.create_task(self.loop_lag.run())]
         self._connect_scheduler(self.scheduler_address)
 
     def _connect_scheduler(self, address: str) -> None:
@@ -312,9 +324,17 @@ class NodeStreams:
             await self._admission.send(data_plane.pack({
                 "id": corr, "req": data_plane.request_to_wire(req), "sub": self.subscriber,
                 "hashes": hashes}))
-            reply = await asyncio.wait_for(fut, self.admit_timeout_s)
+            # Regression (helper 29h): a gateway paused past ``admit_timeout_s`` refused, on
+            # resume, the admissions whose OK replies were waiting unread in its socket (the
+            # deadline's timer ran first); the scheduler had admitted them (they were aborted
+            # on the nodes and released: ``InferenceServicer._attempt``)
+            reply, graced = await wait_past_stall(fut, self.admit_timeout_s, self.loop_lag, self.admit_timeout_s)
         finally:
             self._pending.pop(corr, None)
+        if graced:
+            self.admit_lag_waits += 1
+            log.warning("gateway data plane: an admission's wait passed admit_timeout_s while this gateway's event "
+                        "loop was stalled; its reply came in the second wait")
         if "error" in reply:
             raise RuntimeError(f"the global scheduler failed to admit the request: {reply['error']}")
         return Admission(**reply["adm"])
@@ -406,7 +426,10 @@ class NodeStreams:
         """End each bound stream whose reader has taken nothing for ``stream_idle_timeout_s``
         without waiting for events (``StreamBuffer.idle_s``):
         ``_end_unread``, then its ``on_idle``. Returns their request ids. Run every
-        ``IDLE_SWEEP_S`` at most by ``start``'s sweep; a stream is ended so at most once.
+        ``IDLE_SWEEP_S`` at most by ``start``'s sweep; a stream is ended so at most once. The
+        stalls of this gateway's own event loop during that time (``LoopLag``) are not counted:
+        they are not the client's (a write its reader was stuck in may have been taken by the
+        client meanwhile, its flow-control window update waiting unread in the socket).
 
         This covers every way a stream sits unread: its reader stuck writing an event, the
         stream's last included, with events pending here or none; events still coming (the
@@ -422,6 +445,11 @@ class NodeStreams:
         for request_id, entry in list(self._queues.items()):
             waited = entry.buffer.idle_s()
             if entry.idle or not entry.node_id or waited < self.stream_idle_timeout_s:
+                continue
+            # Regression (helper 29h): a gateway paused past the timeout ended, on resume, the
+            # streams whose readers were mid-write to clients that were reading
+            waited -= self.loop_lag.since(time.monotonic() - waited) if self.clock is time.monotonic else 0.0
+            if waited < self.stream_idle_timeout_s:
                 continue
             entry.idle = True
             self.idle_ends += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +29,7 @@ from services.actor_calls import ActorSilent
 from services.auth import Authenticator
 from services.grpc_bounds import GrpcLimits
 from services.grpc_wire import RequestDecoder
+from services.loop_lag import running_lag
 from services.peers import peer_network
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
 
@@ -147,7 +149,8 @@ class CallGate(grpc.aio.ServerInterceptor):
        in all, the oldest call waiting from that network (from the network waiting with the
        most) is ended RESOURCE_EXHAUSTED to make room (``_wait_slot``: a valid client's message
        follows its headers at once, so what waits long is what never sends one).
-    3. Waits at most ``message_timeout_s`` for the request message (DEADLINE_EXCEEDED), then
+    3. Waits at most ``message_timeout_s`` for the request message (DEADLINE_EXCEEDED; once
+       more when the gateway's own event loop stalled meanwhile: ``services.loop_lag``), then
        runs the method's own handler with it; the handler authenticates fully as before.
        The message arrives as raw bytes (the replacement handler has no deserializer) and is
        decoded here (``services.grpc_wire.RequestDecoder``): a repeated field past its limit
@@ -264,10 +267,16 @@ class CallGate(grpc.aio.ServerInterceptor):
             if shed is None:
                 await _refuse_busy(context, "too many calls waiting for their request message")
         message = asyncio.ensure_future(anext(requests))
+        lag, t0 = running_lag(), time.monotonic()
         try:
             waits = {message} if shed is None else {message, shed}
             done, _ = await asyncio.wait(waits, timeout=self.limits.message_timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
+            if not done and lag.since(t0) > lag.stall_s:  # this gateway stalled: not the client's
+                # time (its message may be waiting unread); once more. Regression (helper 29h):
+                # a gateway paused past the timeout ended such calls DEADLINE_EXCEEDED on resume
+                done, _ = await asyncio.wait(waits, timeout=self.limits.message_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
             if message in done:
                 return message.result()
             message.cancel()

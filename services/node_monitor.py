@@ -44,12 +44,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from services.data_plane_wire import MAX_ID_CHARS, _cut
+from services.loop_lag import LAG_STALL_S, LAG_TICK_S, LoopLag  # noqa: F401 - the constants: named here before
 from services.ray_errors import SCHEDULER_DOWN, SCHEDULER_RESTARTING, RayActorError, actor_died
 from services.recovery_report import BadReport, address, int_field
 
@@ -69,48 +69,6 @@ class NodeHealth:
     pid: int = 0
     restarts: int = 0
     bad_answers: int = 0  # malformed health answers it sent (each a failed poll)
-
-
-LAG_TICK_S = 0.25
-"""The monitor's loop-lag clock (``LoopLag``) ticks this often."""
-
-LAG_STALL_S = 1.0
-"""Seconds a tick may come late before the event loop counts as stalled for that long: a
-health poll that timed out across more stall than this is asked again (``NodeMonitor``)."""
-
-
-class LoopLag:
-    """How long this process's event loop was stalled (a tick came late: the gateway paused by
-    SIGSTOP or a VM pause, swapped, a long GC or a blocking call on the loop). ``run`` ticks
-    every ``tick_s``; ``since(t0)`` sums the stalls seen after ``t0``, the one going on now
-    included (a timer that fired as the loop resumed may run before the tick).
-
-    Regression (review 29a F6): a gateway paused past ``poll_s + timeout_s`` (15 s) declared
-    every healthy node down on resume: the health polls' deadlines run on the gateway's own
-    clock and fired before the answers waiting in its sockets were read, ending every stream
-    UNAVAILABLE."""
-
-    def __init__(self, tick_s: float = LAG_TICK_S, stall_s: float = LAG_STALL_S) -> None:
-        self.tick_s, self.stall_s = tick_s, stall_s
-        self.last = time.monotonic()
-        self.stalls: deque[tuple[float, float]] = deque(maxlen=256)  # (when it ended, seconds)
-
-    async def run(self) -> None:
-        self.last = time.monotonic()
-        while True:
-            await asyncio.sleep(self.tick_s)
-            now = time.monotonic()
-            late = now - self.last - self.tick_s
-            if late > self.stall_s:
-                self.stalls.append((now, late))
-                log.warning("this process's event loop was stalled for %.1f s", late)
-            self.last = now
-
-    def since(self, t0: float) -> float:
-        """Seconds of stall (each longer than ``stall_s``) seen since ``t0`` (monotonic)."""
-        now = time.monotonic()
-        going_on = now - self.last - self.tick_s
-        return sum(late for end, late in self.stalls if end > t0) + (going_on if going_on > self.stall_s else 0.0)
 
 
 class NodeMonitor:
