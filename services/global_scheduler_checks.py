@@ -236,6 +236,20 @@ class AdmissionChecks:
             wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
             est_ms = 1000.0 * estimate_ttft_s(ahead, cached, speed, wait_s)
             decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms, 1000.0 * ahead / speed)
+            own = None if decision.admit else node.pace.probe(tenant_id, now, len(node.in_flight))
+            if own is not None:
+                # regression (review 29i F3): a tenant with no pace of its own was refused on the
+                # other tenants' for as long as theirs stayed high, and a refused request is no
+                # sample: an interactive tenant got 0 of 59 admitted in 300 s while another
+                # tenant's first tokens came 8 times late for its own reasons. Now one request
+                # per PACE_PROBE_S is estimated on its own few samples (the meter's speed without
+                # any), and admitted if that meets its target: its first token is its sample
+                probe_speed = node.prefill.tokens_per_s / own
+                probe_ms = 1000.0 * estimate_ttft_s(ahead, cached, probe_speed, wait_s)
+                probe = decide(spec.slo_class.value, spec.ttft_slo_ms, probe_ms, 1000.0 * ahead / probe_speed)
+                if probe.admit:
+                    node.pace.probed(tenant_id, request_id, now)
+                    decision, est_ms, speed = probe, probe_ms, probe_speed
             if not decision.admit:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
                                  retry_after_s=decision.retry_after_s, reason="ttft_estimate")

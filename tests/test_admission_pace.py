@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import heapq
 import statistics
+from collections import deque
 
 import pytest
 
 from cache_node.sampling_params import SamplingParams
-from cache_node.scheduling.admission import PACE_MIN_SAMPLES, PACE_RANGE, PACE_WINDOW_S, NodePace
+from cache_node.scheduling.admission import (
+    PACE_MAX_TENANTS,
+    PACE_MIN_SAMPLES,
+    PACE_PROBE_S,
+    PACE_RANGE,
+    PACE_WINDOW_S,
+    NodePace,
+)
 from cache_node.structured_output import StructuredOutputSpec
 from services import global_scheduler_checks
 from services.global_scheduler import GlobalScheduler
@@ -260,3 +268,137 @@ def test_a_structured_request_says_nothing_of_the_pace(tmp_path) -> None:
         gs.release(f"r{i}", _finished(5.0 if i % 2 else 0.325))  # 5 s: the grammar's compile
     assert pace.factor(clock.t, 0) == pytest.approx(1.0)
     assert pace.tenants[ids["a"]].samples == PACE_MIN_SAMPLES
+
+
+def simulate_two_tenants(tmp_path, a_late: float = 8.0, node_slow: float = 1.0, b_every_s: float = 5.0,
+                         seconds: float = 300.0, decode_s: float = 1.0, slow_for_s: float | None = None
+                         ) -> dict[str, float]:
+    """Review 29i F3's scenario over the real admission code: tenant A (interactive, TTFT
+    target 30 s) keeps 3 requests of 300 uncached tokens in flight; tenant B (interactive, 1 s)
+    sends a 300-token prompt every ``b_every_s``. The node prefills at ``METER / node_slow``
+    tokens/s, shared evenly between the tenants with prompts waiting (the node's VTC order;
+    each tenant's own in order of arrival); a request's first token comes half a step after
+    its prefill, an A request's ``a_late`` times later than that for A's own reasons (its queue
+    time and prefill times ``a_late``); each ends ``decode_s`` after its first token (``release``
+    with its ``finished`` event). With ``slow_for_s``, A is late and the node slow only for
+    that long from the start (a transient), then both run at the meter's speed. Returns B's
+    admitted share, the share of B's requests admitted and within its target (TTFT <= 1.1 s),
+    B's first admission (s from the start, -1 for none), B's first admission within its target
+    after the transient (s after its end, -1 for none) and the node's factor at the end."""
+    gs, ids, clock = _scheduler(tmp_path, [TenantSpec("a", "interactive", ttft_slo_ms=30000.0),
+                                           TenantSpec("b", "interactive", ttft_slo_ms=1000.0)])
+    queues: dict[str, deque[list]] = {"a": deque(), "b": deque()}  # [request id, tokens left, arrival]
+    releases: list[tuple[float, str, float]] = []
+    in_flight_a = n_a = b_sent = b_admitted = b_within = 0
+    b_first = b_back = -1.0
+    tick, dt = 0.1, 0.01
+    for step in range(int(seconds / tick)):
+        t0 = 100.0 + step * tick
+        transient = slow_for_s is None or t0 - 100.0 < slow_for_s
+        for sub in range(round(tick / dt)):  # the node's prefill, shared evenly (water-filling)
+            budget = dt * METER_TOKENS_PER_S / (node_slow if transient else 1.0)
+            while budget > 1e-9 and any(queues.values()):
+                busy = [q for q in queues.values() if q]
+                share = min(budget / len(busy), *(q[0][1] for q in busy))
+                for name, q in queues.items():
+                    if not q:
+                        continue
+                    q[0][1] -= share
+                    if q[0][1] <= 1e-9:
+                        rid, _, arrival = q.popleft()
+                        done = t0 + (sub + 1) * dt
+                        ttft = (done - arrival) * (a_late if name == "a" and transient else 1.0) + STEP_S / 2
+                        heapq.heappush(releases, (arrival + ttft + decode_s, rid, ttft))
+                        if name == "b":
+                            b_within += ttft <= 1.1
+                            if ttft <= 1.1 and b_back < 0 and slow_for_s is not None and arrival - 100.0 >= slow_for_s:
+                                b_back = arrival - 100.0 - slow_for_s
+                budget -= share * len(busy)
+        clock.t = t0
+        while releases and releases[0][0] <= clock.t:
+            at, rid, ttft = heapq.heappop(releases)
+            now, clock.t = clock.t, at
+            gs.release(rid, _finished(ttft))
+            clock.t = now
+            in_flight_a -= rid.startswith("a")
+        while in_flight_a < 3:
+            rid, n_a = f"a{n_a}", n_a + 1
+            assert gs.admit(ids["a"], rid, prompt_tokens=300).code == "OK"
+            queues["a"].append([rid, 300.0, clock.t])
+            in_flight_a += 1
+        if step % round(b_every_s / tick) == 0 and step > 0:
+            b_sent += 1
+            rid = f"b{step}"
+            if gs.admit(ids["b"], rid, prompt_tokens=300).code == "OK":
+                b_admitted += 1
+                queues["b"].append([rid, 300.0, clock.t])
+                b_first = clock.t - 100.0 if b_first < 0 else b_first
+    node = gs.nodes["n0"]
+    return {"b_admitted": b_admitted / b_sent, "b_within": b_within / b_sent, "b_first_s": b_first,
+            "b_back_s": b_back, "factor": node.pace.factor(clock.t, len(node.in_flight))}
+
+
+def test_another_tenants_late_first_tokens_lock_no_tenant_out(tmp_path) -> None:
+    """Review 29i F3: A's first tokens come 8 times late for A's own reasons (the node serves
+    everyone else at its meter's speed). B has no samples of its own, was estimated at A's
+    pace, and a refused request is no sample: B was admitted 0 of 59 times in 300 s (59 of 59
+    with the factor pinned to 1). Now a refused request of B, which has no pace of its own, is
+    a probe once per ``PACE_PROBE_S`` (estimated at the meter's speed: admitted), and once its
+    own first tokens count the node's factor is the least of A's and B's: B 59 of 59 admitted,
+    all within its target (the old code: 1 of 59, the one before A's pace counted)."""
+    out = simulate_two_tenants(tmp_path)
+    assert out["b_within"] >= 0.9, out
+    assert 0 <= out["b_first_s"] <= 5.0 + PACE_PROBE_S, out
+
+
+def test_a_node_really_slow_for_everyone_still_refuses_a_new_tenant(tmp_path) -> None:
+    """The other side: the node really is 8 times slower than its meter for every tenant. B
+    without samples is estimated at A's pace, and the probes are what it pays to learn its
+    own: one admitted (late) at a time, then none while its own samples, as slow, count or
+    its few ones say it is slow (7 of 59 admitted in 300 s, all late: 2 before A's pace
+    counted, and a probe about every 75 s; the old code 3 of 59)."""
+    out = simulate_two_tenants(tmp_path, a_late=1.0, node_slow=8.0)
+    assert out["b_admitted"] <= 0.25, out
+    assert out["factor"] >= 4.0, out
+
+
+def test_a_tenant_slowed_by_a_transient_is_admitted_again_once_the_node_is_fast(tmp_path) -> None:
+    """The node is 8 times slower than its meter for everyone for 30 s, then as fast as it
+    (B sends every second, A keeps requests ahead of B's). B's own pace is high after the
+    transient and a refused request is no sample; A's requests, admitted, show the node fast
+    again and the node's factor, the least pace, falls with them (or, with none admitted, every
+    pace expires ``PACE_WINDOW_S`` after its last sample): B is admitted within its target
+    again a bounded time after the cause is gone (8 s here)."""
+    out = simulate_two_tenants(tmp_path, a_late=1.0, node_slow=8.0, b_every_s=1.0, seconds=180.0,
+                               slow_for_s=30.0)
+    assert 0 <= out["b_back_s"] <= PACE_WINDOW_S + PACE_PROBE_S + 10.0, out  # measured: 8 s
+    assert out["b_within"] >= 0.6, out  # of all 179, the transient's 30 s included: 79%
+    assert out["factor"] <= 1.5, out  # 1.09: the fluid model is not quite the node's interleave
+
+
+def test_a_probe_is_due_only_to_a_tenant_without_a_pace_once_its_last_has_said() -> None:
+    """``NodePace.probe``: only for a tenant with no counting pace of its own on a node whose
+    factor (the others') is above the meter's; once per ``PACE_PROBE_S`` and not while its last
+    probe's first token is still to come; at its own fewer samples' pace, the meter's without
+    any; the tenants whose probes a node keeps are bounded."""
+    pace = NodePace()
+    assert pace.probe("b", 0.0, 0) is None  # the factor is the meter's: nothing to probe
+    for i in range(PACE_MIN_SAMPLES):  # a's first tokens 8 times late
+        pace.admitted(f"a{i}", "a", 1.0, 0.0, 0, 1000.0)
+        pace.finished(f"a{i}", 8000.0, 1.0)
+    assert pace.factor(1.0, 0) == PACE_RANGE[1]
+    assert pace.probe("a", 1.0, 0) is None  # a's own pace refuses a
+    assert pace.probe("b", 1.0, 0) == 1.0
+    pace.probed("b", "b0", 1.0)
+    pace.admitted("b0", "b", 1.0, 0.0, 0, 1000.0)
+    assert pace.probe("b", 1.0 + PACE_PROBE_S / 2, 0) is None  # once per PACE_PROBE_S
+    assert pace.probe("b", 1.0 + PACE_PROBE_S, 0) is None  # b0's first token is yet to come
+    pace.finished("b0", 2000.0, 2.0)  # b0 ran at twice the meter's pace
+    assert pace.probe("b", 1.0 + PACE_PROBE_S, 0) == pytest.approx(2.0)  # its own sample's pace
+    for i in range(1, PACE_MIN_SAMPLES):
+        pace.admitted(f"b{i}", "b", 1.0, 0.0, 0, 1000.0)
+        pace.finished(f"b{i}", 2000.0, 2.0)
+    assert pace.probe("b", 10.0, 0) is None and pace.factor(10.0, 0) == pytest.approx(2.0)
+    for i in range(PACE_MAX_TENANTS + 10):
+        pace.probed(f"t{i}", f"t{i}-0", 10.0)
+    assert len(pace.probes) == PACE_MAX_TENANTS

@@ -400,7 +400,15 @@ PACE_MIN_SAMPLES = 3
 """Samples a tenant needs before its pace counts."""
 
 PACE_MAX_TENANTS = 256
-"""Tenants whose pace a node keeps (the least recently sampled go first)."""
+"""Tenants whose pace a node keeps (the least recently sampled go first), and tenants whose
+latest probe it keeps (``NodePace.probe``)."""
+
+PACE_PROBE_S = 5.0
+"""A tenant with no pace of its own on a node (fewer than ``PACE_MIN_SAMPLES`` samples within
+``PACE_WINDOW_S``) that the other tenants' pace would refuse there has one request per this
+many seconds estimated at what its own fewer samples say, or at the meter's speed without any
+(``NodePace.probe``), and admitted if that meets its target: other tenants' evidence alone
+never refuses a tenant for good, and the probe's first token is a sample of its own."""
 
 
 @dataclass
@@ -442,32 +450,84 @@ class NodePace:
     promotion and step wait). Their ratio, the pace, is fitted per tenant as a line in the
     node's load (its requests in flight at the admission: the more of them decode, the slower
     it prefills), so that the factor follows the load now rather than the load of the
-    samples, which end a decode later. The node's factor is the least pace, at the load now,
-    among the tenants with ``PACE_MIN_SAMPLES`` samples within ``PACE_WINDOW_S``, within
-    ``PACE_RANGE``: every ``ttft_ms`` is the node's word (untrusted: a sample's pace is held
-    within [0, ``PACE_RANGE[1]``]), and a tenant whose first tokens come late for its own
-    reasons (a prefix the index missed; structured requests are no samples at all) slows no
-    other tenant's estimates while another tenant's requests run at pace. A node's factor
-    touches only that node.
+    samples, which end a decode later. A tenant's pace counts once it has
+    ``PACE_MIN_SAMPLES`` samples within ``PACE_WINDOW_S``; every ``ttft_ms`` is the node's word
+    (untrusted: a sample's pace is held within [0, ``PACE_RANGE[1]``], a factor within
+    ``PACE_RANGE``), and a node's factor touches only that node.
+
+    The node's factor, what the backlog drains at and every estimate divides by, is the least
+    counting pace at the load now: a node slower than its meter is slower for every tenant,
+    and a tenant whose first tokens come late for its own reasons (a prefix the index missed,
+    its own KV to wait for; structured requests are no samples at all) slows no other
+    tenant's estimates while another tenant's requests run at pace. A refused request is no
+    sample, so a tenant with no pace of its own would be refused on the others' alone for as
+    long as theirs stayed high (review 29i F3: an interactive tenant admitted 1 of 59 times in
+    300 s while another's first tokens came 8 times late for that one's own reasons): its
+    request that the factor refuses is a ``probe`` instead, at most one per ``PACE_PROBE_S`` and
+    none while its last probe is in flight, estimated at its own fewer samples' pace or the
+    meter's, and admitted if that meets its target; its first tokens are its samples, and once
+    they count they are in the least. The least, not the median (one slow tenant of two
+    halves everyone's speed) nor the least of the tenants other than the one asking (a tenant
+    alone on a slow node would never drain slow), nor each tenant's own pace for its estimate
+    (slow samples of a transient held a tenant out until they expired, while another's showed
+    the node fast): tests/test_admission_pace.py and the commit that added the probe measure
+    them.
 
     Attributes:
         pending: request id -> ``(tenant, predicted prefill s, rest s, load, estimate ms)`` of
             each admitted request not yet ended (``finished`` or ``forget`` takes it).
         tenants: per tenant, its samples' averages, oldest sampled first.
+        probes: per tenant without a pace of its own, when its last request admitted on its
+            ``probe`` factor was, and its id (``probed``), oldest first.
     """
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
         self.pending: dict[str, tuple[str, float, float, int, float]] = {}
         self.tenants: OrderedDict[str, _TenantPace] = OrderedDict()
+        self.probes: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def _expire(self, now_s: float) -> None:
+        for tenant in [t for t, p in self.tenants.items() if now_s - p.last_s > PACE_WINDOW_S]:
+            del self.tenants[tenant]
+
+    def own(self, tenant: str, now_s: float, load: int) -> float | None:
+        """``tenant``'s own pace at ``load`` (within ``PACE_RANGE``) when it counts (``PACE_MIN_SAMPLES``
+        samples within ``PACE_WINDOW_S``), else None."""
+        self._expire(now_s)
+        sampled = self.tenants.get(tenant)
+        if sampled is None or sampled.samples < PACE_MIN_SAMPLES:
+            return None
+        return min(max(sampled.at(load), PACE_RANGE[0]), PACE_RANGE[1])
 
     def factor(self, now_s: float, load: int) -> float:
         """The node's prefill runs ``factor`` times slower than its meter at ``load`` requests
-        in flight (within ``PACE_RANGE``)."""
-        for tenant in [t for t, p in self.tenants.items() if now_s - p.last_s > PACE_WINDOW_S]:
-            del self.tenants[tenant]
+        in flight (within ``PACE_RANGE``): the least counting pace of its tenants."""
+        self._expire(now_s)
         paces = [p.at(load) for p in self.tenants.values() if p.samples >= PACE_MIN_SAMPLES]
         return min(max(min(paces, default=1.0), PACE_RANGE[0]), PACE_RANGE[1])
+
+    def probe(self, tenant: str, now_s: float, load: int) -> float | None:
+        """The factor a request of ``tenant`` that its factor refuses may be estimated at
+        instead, once per ``PACE_PROBE_S``, when ``tenant`` has no pace of its own (its factor is
+        the other tenants', above the meter's) and its last probe has ended: its own fewer
+        samples' pace, or the meter's (1) without any. None when no probe is due."""
+        if self.own(tenant, now_s, load) is not None or self.factor(now_s, load) <= PACE_RANGE[0]:
+            return None
+        last_s, request_id = self.probes.get(tenant, (None, ""))
+        if request_id in self.pending or (last_s is not None and 0.0 <= now_s - last_s < PACE_PROBE_S):
+            return None  # its last probe's first token is yet to say
+        sampled = self.tenants.get(tenant)
+        if sampled is None:
+            return PACE_RANGE[0]
+        return min(max(sampled.at(load), PACE_RANGE[0]), PACE_RANGE[1])
+
+    def probed(self, tenant: str, request_id: str, now_s: float) -> None:
+        """Request ``request_id`` of ``tenant`` was admitted at its ``probe`` factor."""
+        self.probes.pop(tenant, None)
+        self.probes[tenant] = (now_s, request_id)
+        while len(self.probes) > PACE_MAX_TENANTS:
+            self.probes.popitem(last=False)
 
     def admitted(self, request_id: str, tenant: str, predicted_s: float, rest_s: float, load: int,
                  estimate_ms: float) -> None:
