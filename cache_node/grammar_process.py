@@ -22,7 +22,10 @@ threads or CUDA state is copied), never ``os.fork`` of the node; it ends with it
 (``grammar_worker._die_with_parent``) and with ``kill``. It runs in a directory of its own
 (``mkdtemp``: 0700, also its ``TMPDIR``; ``kill`` removes it, else the interpreter's exit;
 a node killed outright leaves it, empty), never the shared temporary
-directory, which ``python -m`` would put first on its ``sys.path``. Once its import is done it
+directory, which ``python -m`` would put first on its ``sys.path``. Its stderr (where its
+stdout's prints go too) is a pipe of its own, which a thread of the node reads and logs,
+``STDERR_LINES`` lines at most (``_forward_stderr``): it never holds the node's log file
+(review 29i F5). Once its import is done it
 confines itself (``cache_node.sandbox``) and its ``ready`` reply says how (``sandbox``,
 ``confined``); a process not fully confined is logged once per node process, at warning level,
 and compiles as before (review 28l F6).
@@ -76,6 +79,38 @@ def _report_sandbox(report: str) -> None:
     _unconfined_warned.set()
     log.warning("grammar compiler processes run without their full sandbox (%s): a spec that took one over "
                 "could read what the node's user can read and reach its processes", report or "no report")
+
+
+STDERR_LINES = 50
+"""Most lines of a compiler process's stderr (and stdout's prints: ``grammar_worker``) the node
+logs; the rest are read and dropped."""
+
+STDERR_LINE_CHARS = 300
+"""Longest line logged (longer ones are cut)."""
+
+
+def _forward_stderr(pipe: Any, pid: int) -> None:
+    """Log the first ``STDERR_LINES`` lines the child writes to its stderr, each as one line
+    prefixed with its pid (its ``repr``: no forged log line, no control characters), and read
+    the rest to its end (the child never blocks on a full pipe). The pipe is the child's own:
+    it inherited the node's, and once confined a compile that took it over truncated the
+    node's log and wrote forged lines to it (review 29i F5)."""
+    logged = 0
+    try:
+        while line := pipe.readline(8192):
+            if logged < STDERR_LINES:
+                text = line.decode("utf-8", "replace").rstrip("\n")[:STDERR_LINE_CHARS]
+                log.warning("grammar compiler process %d wrote: %r", pid, text)
+                logged += 1
+                if logged == STDERR_LINES:
+                    log.warning("grammar compiler process %d: its further output is not logged", pid)
+    except (OSError, ValueError):  # closed under us
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 class CompileTimeout(Exception):
@@ -175,8 +210,10 @@ class CompilerProcess:
         env["TMPDIR"] = self.workdir
         self.proc = subprocess.Popen(
             [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, close_fds=True, cwd=self.workdir,
+            stderr=subprocess.PIPE, env=env, close_fds=True, cwd=self.workdir,
         )
+        threading.Thread(target=_forward_stderr, args=(self.proc.stderr, self.proc.pid),
+                         name=f"grammar-compiler-stderr-{self.proc.pid}", daemon=True).start()
         os.set_blocking(self.proc.stdin.fileno(), False)  # type: ignore[union-attr]  # ``_write``: within a deadline
         self.num_starts += 1
         try:

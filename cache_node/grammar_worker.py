@@ -9,15 +9,17 @@ costs ~6-10 s.
 
 The wire: frames of a 4-byte big-endian length and a msgpack array, on the child's stdin
 (requests) and on a copy of its stdout (replies; fd 1 itself is pointed at stderr, so that
-nothing a library prints there can mix into the replies).
+nothing a library prints there can mix into the replies; stderr is a pipe the node reads and
+logs, bounded: ``grammar_process._forward_stderr``).
 
 - first, parent -> child: ``["init", tokenizer_info_json, memory_bytes]`` (xgrammar's
   ``TokenizerInfo.serialize_json()``, ~1.6 MB for a 49,152-token vocabulary; sent once per
   process); child -> parent ``["ready", sandbox_report]`` once its compiler exists (the
   report: ``cache_node.sandbox.confine``'s). Before it, its data segment is capped
   (``RLIMIT_DATA``) at what it holds plus ``memory_bytes``: a compile that needs more fails
-  (an allocation error, or the process ends) instead of growing the node's memory; and the
-  process is confined (``cache_node.sandbox``).
+  (an allocation error, or the process ends) instead of growing the node's memory, the files
+  it writes at ``FILE_BYTES`` (``RLIMIT_FSIZE``), no core file; and the process is confined
+  (``cache_node.sandbox``).
 - then per compile, parent -> child: ``[method, text]`` (``METHODS``); child -> parent
   ``["ok", compiled_grammar_json]`` (``CompiledGrammar.serialize_json()``) or
   ``["error", message]``.
@@ -170,6 +172,27 @@ def _cap_memory(memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
+FILE_BYTES = 4 << 20
+"""Largest file the child may write once its import is done (``RLIMIT_FSIZE``, soft and hard; a
+write past it fails ``EFBIG``: Python ignores ``SIGXFSZ``): it writes none (a compile is
+in memory), only what a library may put in its private directory's scratch (its ``TMPDIR``).
+Its stdout and stderr are pipes (``grammar_process``), which the limit does not count. No
+core file either (``RLIMIT_CORE`` 0: a compile aborted at its memory cap would write ~2 GiB
+into that directory). Review 29i F5."""
+
+
+def _cap_files() -> None:
+    """``RLIMIT_FSIZE`` at ``FILE_BYTES`` and ``RLIMIT_CORE`` at 0, hard limits too (a compile
+    cannot raise them again)."""
+    for limit, value in ((resource.RLIMIT_FSIZE, FILE_BYTES), (resource.RLIMIT_CORE, 0)):
+        hard = resource.getrlimit(limit)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(limit, (value, value))
+        except (OSError, ValueError):
+            pass
+
+
 def _compile(compiler: Any, method: str, text: str) -> Any:
     if method == "json_schema":
         return compiler.compile_json_schema(text)
@@ -192,6 +215,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the node caches
     del info_json, body
     _cap_memory(int(memory_bytes))
+    _cap_files()
     _lower_priority()  # (the import above ran at the node's priority: review 28l F3)
     sandbox = confine(os.getcwd())  # from here on, the tenants' specs: review 28l F6
     replies.write(frame(["ready", sandbox]))

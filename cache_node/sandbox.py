@@ -16,12 +16,23 @@ Two kernel mechanisms, each applied where the kernel has it:
   signalling processes outside its domain.
 - seccomp (all threads, ``SECCOMP_FILTER_FLAG_TSYNC``): ``socket``, ``fork``/``vfork`` and a
   ``clone`` without ``CLONE_THREAD``, ``io_uring_setup``, ``ptrace``,
-  ``process_vm_readv``/``writev`` and ``pidfd_getfd`` fail with ``EPERM`` (``clone3``:
+  ``process_vm_readv``/``writev``, ``pidfd_getfd``/``pidfd_send_signal``, ``process_madvise``,
+  ``process_mrelease``, ``kcmp`` and ``perf_event_open`` fail with ``EPERM`` (``clone3``:
   ``ENOSYS``), on x86-64 and aarch64 (a syscall of another ABI, such as i386's ``int 0x80``,
   kills the process). Landlock does not cover pathname unix sockets (Ray's raylet and plasma
   sockets) or UDP; without ``socket`` none can be made. No new process: one would outlive the
   compiler's ``kill`` (threads may still start). It also keeps the no-ptrace rule on a kernel
-  without Landlock.
+  without Landlock. And the syscalls that act on another process by pid, which Landlock has no
+  hook for, act on this process only (else ``EPERM``; the filter holds its pid: it is built in
+  the process it confines): ``prlimit64``, ``setpriority``, ``ioprio_set``,
+  ``sched_setaffinity``/``setscheduler``/``setparam``/``setattr``, ``migrate_pages``,
+  ``move_pages``, ``get_robust_list`` (pid 0 or its own; ``setpriority`` and ``ioprio_set``:
+  of a process, not a process group or user), and ``kill``, ``tkill``, ``tgkill``,
+  ``rt_sigqueueinfo``, ``rt_tgsigqueueinfo``, ``pidfd_open`` (its own pid only: 0 and negative
+  pids signal process groups, the node's among them). Regression (review 29i F2): a confined
+  compiler set the node's ``RLIMIT_CPU`` to 1 s (the kernel SIGKILLed the node), its
+  ``RLIMIT_NOFILE`` to 16, its niceness to 19, its scheduling to ``SCHED_IDLE``. Reading
+  another process's priority or affinity (``getpriority``, ``sched_get*``) stays allowed.
 
 Both need ``PR_SET_NO_NEW_PRIVS``, which is set first. The Landlock ruleset applies to the
 calling thread and the threads it starts afterwards (the kernel has no way, before Landlock
@@ -91,16 +102,49 @@ _SECCOMP_RET_KILL_PROCESS = 0x80000000
 _SECCOMP_RET_ERRNO = 0x00050000
 _SECCOMP_RET_ALLOW = 0x7FFF0000
 
-# per architecture: AUDIT_ARCH_*, the seccomp syscall's number, the syscalls refused, and
-# clone's and clone3's numbers
-_SECCOMP_ARCH = {
-    "x86_64": (0xC000003E, 317, {"socket": 41, "fork": 57, "vfork": 58, "ptrace": 101, "process_vm_readv": 310,
-                                 "process_vm_writev": 311, "io_uring_setup": 425, "pidfd_getfd": 438}, 56, 435),
-    "aarch64": (0xC00000B7, 277, {"socket": 198, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                                  "io_uring_setup": 425, "pidfd_getfd": 438}, 220, 435),
+# per architecture: AUDIT_ARCH_*, the seccomp syscall's number, and the syscalls the filter
+# looks at, by name (each table is the kernel's: arch/x86/entry/syscalls/syscall_64.tbl,
+# include/uapi/asm-generic/unistd.h for aarch64)
+_SECCOMP_ARCH: dict[str, tuple[int, int, dict[str, int]]] = {
+    "x86_64": (0xC000003E, 317, {
+        "socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace": 101, "rt_sigqueueinfo": 129,
+        "setpriority": 141, "sched_setparam": 142, "sched_setscheduler": 144, "tkill": 200,
+        "sched_setaffinity": 203, "tgkill": 234, "ioprio_set": 251, "migrate_pages": 256,
+        "get_robust_list": 274, "move_pages": 279, "rt_tgsigqueueinfo": 297, "perf_event_open": 298,
+        "prlimit64": 302, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "sched_setattr": 314,
+        "pidfd_send_signal": 424, "io_uring_setup": 425, "pidfd_open": 434, "clone3": 435, "pidfd_getfd": 438,
+        "process_madvise": 440, "process_mrelease": 448}),
+    "aarch64": (0xC00000B7, 277, {
+        "ioprio_set": 30, "get_robust_list": 100, "ptrace": 117, "sched_setparam": 118, "sched_setscheduler": 119,
+        "sched_setaffinity": 122, "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138,
+        "setpriority": 140, "socket": 198, "clone": 220, "migrate_pages": 238, "move_pages": 239,
+        "rt_tgsigqueueinfo": 240, "perf_event_open": 241, "prlimit64": 261, "process_vm_readv": 270,
+        "process_vm_writev": 271, "kcmp": 272, "sched_setattr": 274, "pidfd_send_signal": 424,
+        "io_uring_setup": 425, "pidfd_open": 434, "clone3": 435, "pidfd_getfd": 438, "process_madvise": 440,
+        "process_mrelease": 448}),
 }
+SECCOMP_DENIED = ("socket", "fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "io_uring_setup",
+                  "pidfd_getfd", "pidfd_send_signal", "process_madvise", "process_mrelease", "kcmp",
+                  "perf_event_open")
+"""Syscalls refused whatever their arguments (EPERM; aarch64 has no ``fork``/``vfork``)."""
+SECCOMP_SELF_PID = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
+                    "migrate_pages", "move_pages", "get_robust_list")
+"""Syscalls whose first argument is a pid: allowed only on this process (0 or its own pid), else
+EPERM. Landlock has no hook for them: ``prlimit64`` on the node set its ``RLIMIT_CPU`` to 1 s
+(the kernel SIGKILLed it) or its ``RLIMIT_NOFILE`` to 16; ``sched_*`` starved it (review 29i F2)."""
+SECCOMP_OWN_PID = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+"""Syscalls whose first argument is a pid (a thread group's for ``tgkill``): allowed only with this
+process's own pid, else EPERM; 0 and negative pids are process groups (the node's) or every
+process of the user. (Landlock ABI 6+ scopes signals too; this holds on every ABI.)"""
+SECCOMP_WHICH_WHO = {"setpriority": 0, "ioprio_set": 1}
+"""``(which, who, ...)`` syscalls: allowed only with ``which`` the value here (``PRIO_PROCESS``,
+``IOPRIO_WHO_PROCESS``) and ``who`` this process (0 or its own pid): a process group (the
+node's: 0 is the caller's) or a user (all the node's processes) is refused (EPERM)."""
 _CLONE_THREAD = 0x00010000
 _X32_SYSCALL_BIT = 0x40000000
+_ARG0, _ARG1 = 16, 24
+"""``seccomp_data.args[0]``'s and ``args[1]``'s offsets: their low 32 bits, on a little-endian
+machine (x86-64, aarch64), which is all the kernel reads of an ``int`` or ``pid_t`` argument."""
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -251,41 +295,66 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def seccomp_program(machine: str) -> bytes | None:
-    """The seccomp filter (classic BPF) for ``machine``: the syscalls in ``_SECCOMP_ARCH`` fail
-    with EPERM, as does every x32 syscall on x86-64, and ``clone`` of a process (not of a
-    thread: no new process could outlive the compiler's ``kill``); ``clone3`` fails ENOSYS
-    (its flags are behind a pointer; glibc then starts a thread with ``clone``); a syscall of
-    another architecture's ABI kills the process; the rest are allowed. None for an
-    architecture not listed."""
+def seccomp_program(machine: str, own_pid: int) -> bytes | None:
+    """The seccomp filter (classic BPF) for ``machine`` in the process ``own_pid`` (it is built
+    in the process it confines, which starts no other): ``SECCOMP_DENIED`` fail with EPERM, as
+    does every x32 syscall on x86-64, and ``clone`` of a process (not of a thread: no new process
+    could outlive the compiler's ``kill``); the syscalls that act on a process by pid only on
+    this one (``SECCOMP_SELF_PID``, ``SECCOMP_OWN_PID``, ``SECCOMP_WHICH_WHO``; else EPERM);
+    ``clone3`` fails ENOSYS (its flags are behind a pointer; glibc then starts a thread with
+    ``clone``); a syscall of another architecture's ABI kills the process; the rest are
+    allowed. None for an architecture not listed."""
     if machine not in _SECCOMP_ARCH:
         return None
-    arch, _, denied, clone, clone3 = _SECCOMP_ARCH[machine]
+    arch, _, nrs = _SECCOMP_ARCH[machine]
+    own = own_pid & 0xFFFFFFFF
     ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06
-    # (op, k, true target, false target): a target is a label or None (the next instruction)
-    code: list[tuple[int, int, str | None, str | None]] = [(ld_w_abs, 4, None, None), (jeq_k, arch, None, "kill"),
-                                                           (ld_w_abs, 0, None, None)]
+    # (op, k, true target, false target): a target is a label or None (the next instruction); a
+    # str entry labels the next instruction
+    code: list[tuple[int, int, str | None, str | None] | str] = [
+        (ld_w_abs, 4, None, None), (jeq_k, arch, None, "kill"), (ld_w_abs, 0, None, None)]
     if machine == "x86_64":
         code.append((jge_k, _X32_SYSCALL_BIT, "eperm", None))
-    code += [(jeq_k, nr, "eperm", None) for nr in sorted(denied.values())]
-    code += [(jeq_k, clone3, "enosys", None), (jeq_k, clone, None, "allow"),
-             (ld_w_abs, 16, None, None), (jset_k, _CLONE_THREAD, "allow", "eperm")]  # clone's flags (args[0])
+    code += [(jeq_k, nrs[name], "eperm", None) for name in SECCOMP_DENIED if name in nrs]
+    code += [(jeq_k, nrs["clone3"], "enosys", None), (jeq_k, nrs["clone"], "clone", None)]
+    code += [(jeq_k, nrs[name], "self_pid", None) for name in SECCOMP_SELF_PID]
+    code += [(jeq_k, nrs[name], "own_pid", None) for name in SECCOMP_OWN_PID]
+    code += [(jeq_k, nrs[name], name, None) for name in SECCOMP_WHICH_WHO]
+    code += [(ret_k, _SECCOMP_RET_ALLOW, None, None),  # the rest: allowed
+             "clone", (ld_w_abs, _ARG0, None, None), (jset_k, _CLONE_THREAD, "allow", "eperm"),  # clone's flags
+             "self_pid", (ld_w_abs, _ARG0, None, None), (jeq_k, 0, "allow", None),
+             (jeq_k, own, "allow", "eperm"),
+             "own_pid", (ld_w_abs, _ARG0, None, None), (jeq_k, own, "allow", "eperm")]
+    for name, which in SECCOMP_WHICH_WHO.items():
+        code += [name, (ld_w_abs, _ARG0, None, None), (jeq_k, which, None, "eperm"), (ld_w_abs, _ARG1, None, None),
+                 (jeq_k, 0, "allow", None), (jeq_k, own, "allow", "eperm")]
     returns = {"allow": _SECCOMP_RET_ALLOW, "eperm": _SECCOMP_RET_ERRNO | errno.EPERM,
                "enosys": _SECCOMP_RET_ERRNO | errno.ENOSYS, "kill": _SECCOMP_RET_KILL_PROCESS}
-    at = {label: len(code) + i for i, label in enumerate(returns)}
+    for label, value in returns.items():
+        code += [label, (ret_k, value, None, None)]
+    at: dict[str, int] = {}
+    insns: list[tuple[int, int, str | None, str | None]] = []
+    for entry in code:
+        if isinstance(entry, str):
+            at[entry] = len(insns)
+        else:
+            insns.append(entry)
 
     def offset(pc: int, target: str | None) -> int:
-        return 0 if target is None else at[target] - pc - 1  # (classic BPF jumps forward only)
+        if target is None:
+            return 0
+        jump = at[target] - pc - 1  # (classic BPF jumps forward only, at most 255)
+        assert 0 <= jump <= 255, (target, jump)
+        return jump
 
-    prog = [_bpf(op, k, offset(pc, jt), offset(pc, jf)) for pc, (op, k, jt, jf) in enumerate(code)]
-    prog += [_bpf(ret_k, value) for value in returns.values()]
-    return b"".join(prog)
+    return b"".join(_bpf(op, k, offset(pc, jt), offset(pc, jf)) if op != ret_k else _bpf(op, k)
+                    for pc, (op, k, jt, jf) in enumerate(insns))
 
 
 def _seccomp() -> str:
     """Install ``seccomp_program`` on every thread of this process; what it applied."""
     machine = platform.machine()
-    program = seccomp_program(machine)
+    program = seccomp_program(machine, os.getpid())  # (this process's: built after its fork)
     if program is None:
         raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
     libc = _libc()
@@ -296,7 +365,8 @@ def _seccomp() -> str:
     if rc != 0:
         raise OSError(ctypes.get_errno() if rc < 0 else errno.EBUSY,
                       "seccomp" if rc < 0 else f"seccomp: thread {rc} could not take the filter")
-    return "seccomp (no socket, process, io_uring, ptrace, process_vm_*, pidfd_getfd)"
+    return ("seccomp (no socket, process, io_uring, ptrace, process_vm_*, pidfd_*, kcmp, perf_event_open; "
+            "limits, priority, scheduling and signals on itself only)")
 
 
 def _threads() -> int | None:

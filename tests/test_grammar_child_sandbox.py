@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -32,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from cache_node import grammar_process, sandbox
+from cache_node import grammar_process, grammar_worker, sandbox
 from cache_node.grammar_process import CompilerProcess
 from cache_node.sandbox import landlock_abi
 from cache_node.structured_output import StructuredOutputSpec
@@ -92,8 +93,49 @@ def thread():
     if ran != [1]:
         raise OSError(errno.EIO, "the thread did not run")
 
+def ioprio_set(who, value):
+    import ctypes, platform
+    nr = {"x86_64": 251, "aarch64": 30}[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(nr, 1, who, value) != 0:  # IOPRIO_WHO_PROCESS
+        raise OSError(ctypes.get_errno(), "ioprio_set")
+
+def pidfd_open(pid):
+    os.close(os.pidfd_open(pid))
+
+def on_process(pid, ioprio):
+    # each sets what the process has now (the node's limits, niceness, affinity: harmless
+    # where it is allowed); the I/O priority best-effort at ``ioprio``
+    import resource
+    nofile = resource.RLIMIT_NOFILE
+    return {"prlimit": attempt(lambda: resource.prlimit(pid, nofile, resource.prlimit(pid, nofile))),
+            "setpriority": attempt(lambda: os.setpriority(os.PRIO_PROCESS, pid,
+                                                          os.getpriority(os.PRIO_PROCESS, pid))),
+            "setaffinity": attempt(lambda: os.sched_setaffinity(pid, os.sched_getaffinity(pid))),
+            "ioprio_set": attempt(lambda: ioprio_set(pid, (2 << 13) | ioprio)),
+            "pidfd_open": attempt(lambda: pidfd_open(pid))}
+
+def big_file(size):
+    with open("big", "wb") as f:
+        f.write(b"x" * size)
+
+def output(lines):
+    import resource
+    for i in range(lines):  # half through fd 1 (pointed at stderr by grammar_worker.main)
+        os.write(1 + i % 2, f"2026-12-06 ERROR forged line {i}\\x1b[0m\\n".encode())
+    return {"truncate_stderr": attempt(lambda: os.ftruncate(2, 0)),
+            "big_file": attempt(lambda: big_file(grammar_worker.FILE_BYTES + 1)),
+            "limits": [resource.getrlimit(resource.RLIMIT_FSIZE), resource.getrlimit(resource.RLIMIT_CORE)]}
+
 def probe(text):
     ask = json.loads(text)
+    if "output" in ask:
+        return output(ask["output"])
+    if ask.get("processes"):
+        return {"node": on_process(os.getppid(), 4), "self": on_process(os.getpid(), 7),
+                "self_0": {k: v for k, v in on_process(0, 7).items() if k != "pidfd_open"},
+                "signal_self": attempt(lambda: os.kill(os.getpid(), 0)),
+                "signal_group": attempt(lambda: os.kill(0, 0))}
     out = {"read": {p: attempt(lambda p=p: read(p)) for p in ask["read"]},
            "write": {p: attempt(lambda p=p: write(p)) for p in ask["write"]}}
     if "tcp" in ask:
@@ -208,6 +250,70 @@ def test_a_ready_compiler_process_reaches_nothing_of_the_node(info_json: str, tm
 
 
 @needs_landlock
+def test_a_ready_compiler_process_acts_on_itself_alone(info_json: str) -> None:
+    """Review 29i F2: Landlock has no hook for prlimit64, setpriority, sched_setaffinity or
+    ioprio_set: a confined compiler set its node's RLIMIT_CPU to 1 s (the kernel SIGKILLed the
+    node), its RLIMIT_NOFILE to 16, its niceness to 19. The seccomp filter now lets these act
+    on the compiler process alone, and refuses a signal to its process group (the node's).
+    Regression: every call on the node's pid was allowed."""
+    import resource
+
+    before = (resource.getrlimit(resource.RLIMIT_NOFILE), os.getpriority(os.PRIO_PROCESS, 0),
+              os.sched_getaffinity(0))
+    process = _probe_process(info_json)
+    try:
+        assert process.confined, process.sandbox
+        got = _probe(process, processes=True)
+        assert got["node"] == dict.fromkeys(got["node"], "EPERM") and len(got["node"]) == 5, got
+        assert got["self"] == dict.fromkeys(got["self"], "ok") and len(got["self"]) == 5, got
+        assert got["self_0"] == dict.fromkeys(got["self_0"], "ok") and len(got["self_0"]) == 4, got
+        assert (got["signal_self"], got["signal_group"]) == ("ok", "EPERM"), got
+        assert process.compile("regex", "[a-z]{3}", 30.0)[0]
+    finally:
+        process.kill()
+    assert (resource.getrlimit(resource.RLIMIT_NOFILE), os.getpriority(os.PRIO_PROCESS, 0),
+            os.sched_getaffinity(0)) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/fd")
+def test_a_compiler_process_writes_to_a_pipe_the_node_logs_bounded(info_json: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Review 29i F5: the child inherited the node's stderr (in a node, its Ray log file, fd 1
+    too): once confined, a compile that took it over truncated the node's log and wrote forged
+    lines to it, with no file size limit. Now its stdout and stderr are a pipe of its own; the
+    node logs at most ``STDERR_LINES`` lines of it, each one record with the child's pid, its
+    text quoted; the files it writes stop at ``FILE_BYTES``, and it writes no core file.
+    Regression: fd 1 and 2 were the node's own stderr, and ``ftruncate`` on it succeeded."""
+    caplog.set_level(logging.WARNING, logger=grammar_process.__name__)
+    process = _probe_process(info_json)
+    try:
+        pid = process.pid
+        assert pid is not None
+        child_fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (1, 2)]
+        assert child_fds[0] == child_fds[1] and child_fds[0].startswith("pipe:"), child_fds
+        assert child_fds[0] not in (os.readlink("/proc/self/fd/1"), os.readlink("/proc/self/fd/2"))
+        got = _probe(process, output=400)
+        assert got["truncate_stderr"] == "EINVAL", got  # a pipe
+        assert got["big_file"] == "EFBIG", got
+        assert got["limits"] == [[grammar_worker.FILE_BYTES] * 2, [0, 0]], got
+        assert process.compile("regex", "[a-z]{3}", 30.0)[0]  # (its output never blocks it)
+
+        def logged() -> list[str]:
+            return [r.getMessage() for r in caplog.records if f"grammar compiler process {pid}" in r.getMessage()]
+
+        deadline = time.monotonic() + 30
+        while not any("not logged" in m for m in logged()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = [m for m in logged() if " wrote: " in m]
+        assert len(lines) == grammar_process.STDERR_LINES and any("not logged" in m for m in logged())
+        assert all("\n" not in m and "\x1b" not in m for m in logged())
+        forged = [m for m in lines if "forged line" in m]
+        assert forged and forged[0].endswith(r"ERROR forged line 0\x1b[0m'"), forged[:1]
+    finally:
+        process.kill()
+
+
+@needs_landlock
 def test_the_working_directory_is_private_and_removed(info_json: str, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -m`` puts its working directory first on ``sys.path``: in the shared temporary
@@ -299,12 +405,14 @@ def test_landlock_alone_refuses_tcp_abstract_sockets_and_signals(info_json: str,
         abstract_listener.close()
 
 
-def _run_bpf(program: bytes, arch: int, nr: int, arg0: int = 0) -> int:
-    """What classic-BPF ``program`` returns for a ``seccomp_data`` of ``arch``, ``nr`` and first
-    argument ``arg0`` (its low word; the loads, ``jeq``/``jge``/``jset`` and ``ret`` that
-    ``seccomp_program`` uses)."""
+def _run_bpf(program: bytes, arch: int, nr: int, *args: int) -> int:
+    """What classic-BPF ``program`` returns for a ``seccomp_data`` of ``arch``, ``nr`` and
+    arguments ``args`` (the loads of 32-bit words, ``jeq``/``jge``/``jset`` and ``ret`` that
+    ``seccomp_program`` uses; little-endian: an argument's low word first)."""
     insns = [struct.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
-    data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
+    data = {0: nr, 4: arch}
+    for i, value in enumerate((*args, 0, 0, 0, 0, 0, 0)[:6]):
+        data[16 + 8 * i], data[20 + 8 * i] = value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF
     acc, pc = 0, 0
     while True:
         code, jt, jf, k = insns[pc]
@@ -319,25 +427,82 @@ def _run_bpf(program: bytes, arch: int, nr: int, arg0: int = 0) -> int:
         pc += 1
 
 
+EPERM, ENOSYS, ALLOW, KILL = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS, 0x7FFF0000, 0x80000000
+
+
 @pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
 def test_the_seccomp_filter_refuses_its_syscalls_and_foreign_abis(machine: str) -> None:
     """The filter's logic on both architectures (only the host's can run here)."""
-    arch, _, denied, clone, clone3 = sandbox._SECCOMP_ARCH[machine]
-    program = sandbox.seccomp_program(machine)
+    arch, _, nrs = sandbox._SECCOMP_ARCH[machine]
+    program = sandbox.seccomp_program(machine, 4242)
     assert program is not None
-    eperm, enosys, allow, kill = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS, 0x7FFF0000, 0x80000000
-    for nr in denied.values():
-        assert _run_bpf(program, arch, nr) == eperm
+    for name in sandbox.SECCOMP_DENIED:
+        if name in nrs:
+            assert _run_bpf(program, arch, nrs[name]) == EPERM, name
     for nr in (0, 1, 3, 9, 63, 202, 231):  # read, write, close, mmap, ...
-        if nr not in denied.values():
-            assert _run_bpf(program, arch, nr) == allow
-    assert _run_bpf(program, arch, clone, 0x3D0F00) == allow  # glibc's pthread_create flags (CLONE_THREAD...)
-    assert _run_bpf(program, arch, clone, 0x01200011) == eperm  # glibc's fork: a process
-    assert _run_bpf(program, arch, clone3, 0x3D0F00) == enosys  # (glibc then uses clone)
-    assert _run_bpf(program, 0x40000003, 102) == kill  # i386 (int 0x80): socketcall
+        if nr not in nrs.values():
+            assert _run_bpf(program, arch, nr) == ALLOW
+    clone, clone3 = nrs["clone"], nrs["clone3"]
+    assert _run_bpf(program, arch, clone, 0x3D0F00) == ALLOW  # glibc's pthread_create flags (CLONE_THREAD...)
+    assert _run_bpf(program, arch, clone, 0x01200011) == EPERM  # glibc's fork: a process
+    assert _run_bpf(program, arch, clone3, 0x3D0F00) == ENOSYS  # (glibc then uses clone)
+    assert _run_bpf(program, 0x40000003, 102) == KILL  # i386 (int 0x80): socketcall
     if machine == "x86_64":
-        assert _run_bpf(program, arch, 0x40000000 | 41) == eperm  # x32's socket
-    assert sandbox.seccomp_program("riscv64") is None
+        assert _run_bpf(program, arch, 0x40000000 | 41) == EPERM  # x32's socket
+    assert sandbox.seccomp_program("riscv64", 4242) is None
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_seccomp_filter_lets_a_process_act_on_itself_alone(machine: str) -> None:
+    """Review 29i F2: prlimit64, setpriority, sched_* and ioprio_set on the node's pid (the
+    kernel SIGKILLed the node past an RLIMIT_CPU of 1 s), and signals to process groups, are
+    refused; on the process itself (0 or its pid, 4242 here) they are allowed. Regression: every
+    one of them was allowed with any pid."""
+    arch, _, nrs = sandbox._SECCOMP_ARCH[machine]
+    program = sandbox.seccomp_program(machine, 4242)
+    assert program is not None
+    node = 4241
+    for name in sandbox.SECCOMP_SELF_PID:
+        assert [_run_bpf(program, arch, nrs[name], pid, 7) for pid in (0, 4242, node, -1, 1, 4242 + (1 << 32))] == [
+            ALLOW, ALLOW, EPERM, EPERM, EPERM, ALLOW], name  # (the kernel reads a pid's low 32 bits)
+    for name in sandbox.SECCOMP_OWN_PID:
+        assert [_run_bpf(program, arch, nrs[name], pid, 9) for pid in (4242, 0, node, -1, -4241)] == [
+            ALLOW, EPERM, EPERM, EPERM, EPERM], name  # 0: its process group (the node's), -1: every process
+    prio_process, prio_pgrp, prio_user = 0, 1, 2
+    setpriority = nrs["setpriority"]
+    assert _run_bpf(program, arch, setpriority, prio_process, 0, 19) == ALLOW
+    assert _run_bpf(program, arch, setpriority, prio_process, 4242, 19) == ALLOW
+    assert _run_bpf(program, arch, setpriority, prio_process, node, 19) == EPERM
+    assert _run_bpf(program, arch, setpriority, prio_pgrp, 0, 19) == EPERM  # its group: the node's
+    assert _run_bpf(program, arch, setpriority, prio_user, 0, 19) == EPERM  # the user's processes
+    who_process, who_pgrp, who_user = 1, 2, 3
+    ioprio_set = nrs["ioprio_set"]
+    assert _run_bpf(program, arch, ioprio_set, who_process, 0, 7) == ALLOW
+    assert _run_bpf(program, arch, ioprio_set, who_process, 4242, 7) == ALLOW
+    assert _run_bpf(program, arch, ioprio_set, who_process, node, 7) == EPERM
+    assert _run_bpf(program, arch, ioprio_set, who_pgrp, 0, 7) == EPERM
+    assert _run_bpf(program, arch, ioprio_set, who_user, 0, 7) == EPERM
+    for name in ("kcmp", "process_madvise", "pidfd_send_signal", "perf_event_open"):
+        assert _run_bpf(program, arch, nrs[name], 0) == EPERM, name
+    # reading another process's priority and affinity stays allowed (getpriority, sched_getaffinity)
+    reads = {"x86_64": (140, 204), "aarch64": (141, 123)}[machine]
+    assert [_run_bpf(program, arch, nr, node) for nr in reads] == [ALLOW, ALLOW]
+
+
+def test_the_seccomp_tables_are_the_kernels() -> None:
+    """The syscall numbers against this host's kernel headers, where they are installed."""
+    headers = {"x86_64": Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+               "aarch64": Path("/usr/include/asm-generic/unistd.h")}
+    checked = 0
+    for machine, header in headers.items():
+        if not header.exists():
+            continue
+        defined = dict(re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)", header.read_text()))
+        for name, nr in sandbox._SECCOMP_ARCH[machine][2].items():
+            assert int(defined[name]) == nr, (machine, name)
+            checked += 1
+    if not checked:
+        pytest.skip("no kernel headers here")
 
 
 _READY_CHILD = """
