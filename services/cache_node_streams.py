@@ -48,6 +48,7 @@ from cache_node.stop_strings import StopMatcher
 from services.chat import Messages, content_chars
 from services.chat_tools import check_tool_output, template_call
 from services.node_request import NodeRequest, logprobs_entry, prompt_logprobs_entry
+from services.tool_calls import ToolOutput  # (the edge's reader: no web stack, review 29i F6)
 
 Event = dict[str, Any]
 
@@ -473,10 +474,6 @@ def _kept_reply(tool_output: str, text: str, finish_reason: str | None) -> dict[
     spec = check_tool_output(tool_output)  # (checked when it came off the wire)
     if spec is None:
         return {"role": "assistant", "content": text}
-    # the edge's reader (loaded by the first session turn with tools: it imports no web framework
-    # itself, but its package's __init__ does)
-    from services.openai_api.tool_calls import ToolOutput
-
     mode, name, parallel, seed = spec
     fields, _ = ToolOutput(mode, name or None, parallel, seed).message(text, finish_reason)
     if not fields.get("tool_calls"):
