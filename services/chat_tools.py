@@ -44,11 +44,11 @@ NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _TOOL_OUTPUT_MODES = ("named", "required", "auto")
 
 
-def json_depth(value: Any) -> int:
-    """Nesting of objects and arrays in ``value``, without recursion, past ``MAX_TOOL_DEPTH``
-    not further."""
+def json_depth(value: Any, most: int = MAX_TOOL_DEPTH) -> int:
+    """Nesting of objects and arrays in ``value``, counted without recursion (a body's JSON may
+    nest ~1,000 deep, which ``json.dumps`` would recurse into), past ``most`` not further."""
     deepest, level = 0, [value]
-    while level and deepest <= MAX_TOOL_DEPTH:
+    while level and deepest <= most:
         deepest += 1
         level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
                  if isinstance(v, (dict, list))]

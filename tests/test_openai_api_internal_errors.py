@@ -17,6 +17,30 @@ import pytest
 from services.openai_api import HttpServer, create_app
 
 
+def _post(edge: Any, times: int = 1) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """Status, headers and JSON body of ``POST /v1/completions`` to a real ``HttpServer`` over
+    ``edge``, sent ``times`` times (each must be an error; the first one's answer)."""
+    async def run() -> tuple[int, dict[str, Any], dict[str, Any]]:
+        server = HttpServer(create_app(edge))
+        port = await server.start("127.0.0.1", 0)
+        try:
+            def post() -> tuple[int, dict[str, Any], dict[str, Any]]:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", b"{}",
+                                             {"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=30)
+                except urllib.error.HTTPError as err:
+                    return err.code, dict(err.headers), json.loads(err.read())
+                raise AssertionError("no error")
+            answers = [await asyncio.to_thread(post) for _ in range(times)]
+            assert len({a[0] for a in answers}) == 1, answers  # the server goes on as it did
+            return answers[0]
+        finally:
+            await server.stop()
+
+    return asyncio.run(run())
+
+
 class _Failing:
     """An edge whose every parse fails as a bug would."""
 
@@ -28,27 +52,8 @@ class _Failing:
 
 
 def test_an_unexpected_exception_is_an_openai_500_with_an_incident_id(caplog: pytest.LogCaptureFixture) -> None:
-    async def run() -> tuple[int, dict[str, Any], dict[str, Any]]:
-        server = HttpServer(create_app(_Failing()))  # type: ignore[arg-type]
-        port = await server.start("127.0.0.1", 0)
-        try:
-            def post() -> tuple[int, dict[str, Any], dict[str, Any]]:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", b"{}",
-                                             {"Content-Type": "application/json"})
-                try:
-                    urllib.request.urlopen(req, timeout=30)
-                except urllib.error.HTTPError as err:
-                    return err.code, dict(err.headers), json.loads(err.read())
-                raise AssertionError("no error")
-            first = await asyncio.to_thread(post)
-            second = await asyncio.to_thread(post)  # the server goes on
-            assert second[0] == 500
-            return first
-        finally:
-            await server.stop()
-
     with caplog.at_level(logging.ERROR, logger="services.openai_api.app"):
-        status, headers, body = asyncio.run(run())
+        status, headers, body = _post(_Failing(), times=2)
     assert status == 500 and headers["content-type"].startswith("application/json"), (status, headers)
     error = body["error"]
     assert error["type"] == "internal_error" and error["message"].startswith("internal error (incident "), body
@@ -74,22 +79,6 @@ def test_a_silent_scheduler_is_a_503_with_retry_after() -> None:
     """Review 29a F2: the HTTP API's calls whose key the gateway had not cached waited for a
     stopped scheduler with no bound; past the gateway's deadline they are a 503 with
     ``Retry-After``, as the gRPC API's UNAVAILABLE."""
-    async def run() -> tuple[int, dict[str, Any], dict[str, Any]]:
-        server = HttpServer(create_app(_SchedulerSilent()))  # type: ignore[arg-type]
-        port = await server.start("127.0.0.1", 0)
-        try:
-            def post() -> tuple[int, dict[str, Any], dict[str, Any]]:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", b"{}",
-                                             {"Content-Type": "application/json"})
-                try:
-                    urllib.request.urlopen(req, timeout=30)
-                except urllib.error.HTTPError as err:
-                    return err.code, dict(err.headers), json.loads(err.read())
-                raise AssertionError("no error")
-            return await asyncio.to_thread(post)
-        finally:
-            await server.stop()
-
-    status, headers, body = asyncio.run(run())
+    status, headers, body = _post(_SchedulerSilent())
     assert status == 503 and headers.get("retry-after") == "1", (status, headers, body)
     assert "did not answer" in body["error"]["message"], body

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from cache_node.structured_output import MAX_CHOICES, MAX_SCHEMA_DEPTH, StructuredOutputSpec
+from services.chat_tools import json_depth
 from services.openai_api.strict import Strict, bounded_list
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -64,15 +65,9 @@ def spec_of(kind: str, value: Any) -> StructuredOutputSpec:
 
 
 def _depth(value: Any) -> int:
-    """Nesting of objects and arrays in ``value``, counted without recursion and past
-    ``MAX_SCHEMA_DEPTH`` not further (a body's JSON may nest ~1,000 deep, which
-    ``json.dumps`` would recurse into)."""
-    deepest, level = 0, [value]
-    while level and deepest <= MAX_SCHEMA_DEPTH:
-        deepest += 1
-        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
-                 if isinstance(v, (dict, list))]
-    return deepest
+    """Nesting of objects and arrays in ``value``, past ``MAX_SCHEMA_DEPTH`` not further
+    (``chat_tools.json_depth``)."""
+    return json_depth(value, MAX_SCHEMA_DEPTH)
 
 
 class JsonSchema(Strict):
