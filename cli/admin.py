@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -83,10 +84,24 @@ def admin_flush(gateway: str | None = GatewayOpt) -> None:
 
 
 def flush_summary(resp: admin_pb2.FlushResponse) -> str:
-    """What ``Flush`` dropped, in all and per tier (its fields' sum is ``freed_blocks``)."""
+    """What ``Flush`` dropped, in all and per tier (its fields' sum is ``freed_blocks``), and
+    the nodes it skipped as down (``skipped_note``)."""
     return (f"flushed: {resp.freed_blocks} KV blocks freed, all tiers: {resp.device_blocks} cached on the device "
             f"tier, {resp.prefix_blocks} of stored compressed prefixes (device tier), {resp.host_blocks} on the "
-            f"host tier, {resp.spill_blocks} on the spill tier (RAM and disk)")
+            f"host tier, {resp.spill_blocks} on the spill tier (RAM and disk)"
+            + skipped_note(resp.skipped_nodes, "what a node still running there cached is still stored"))
+
+
+def skipped_note(skipped: Sequence[str], consequence: str) -> str:
+    """``; skipped N cache nodes the gateway holds down (...): <consequence>; run it again once
+    kvstrata status shows them healthy`` ("" when none were skipped). Regression (trial 29k
+    P1): a flush or drain with a node held down printed "0 KV blocks freed" and exited 0, the
+    node's cache still there when it came back."""
+    if not skipped:
+        return ""
+    shown = "; ".join(skipped[:8]) + (f"; and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+    return (f"; skipped {len(skipped)} cache node{'s' if len(skipped) > 1 else ''} the gateway holds down "
+            f"({shown}): {consequence}; run it again once kvstrata status shows them healthy")
 
 
 @admin_app.command("drain")
@@ -103,4 +118,5 @@ def admin_drain(
                                                              metadata=admin_metadata(gateway), timeout=timeout_s + 120)
         except grpc.RpcError as err:
             fail(err)
-    console.print(f"drained: {resp.aborted} requests aborted")
+    console.print(f"drained: {resp.aborted} request{'' if resp.aborted == 1 else 's'} aborted"
+                  + skipped_note(resp.skipped_nodes, "requests may still run there"))

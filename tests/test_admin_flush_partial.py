@@ -102,3 +102,25 @@ def test_every_node_answering_is_ok() -> None:
     drained = asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0.0), context))
     assert (flushed.freed_blocks, flushed.device_blocks, drained.aborted) == (21, 6, 3)
     assert context.code is None and scheduler.flushed == 1
+
+
+def test_a_node_held_down_is_named_as_skipped_by_flush_and_drain() -> None:
+    """Trial 29k P1: with its only node held down by the monitor, ``kvstrata admin flush``
+    printed "0 KV blocks freed" and exited 0; the node, a stalled step loop, still held its
+    cache when it came back. The responses now name each node skipped and why, and the CLI
+    says what that leaves."""
+    import types
+
+    from cli.admin import flush_summary, skipped_note
+    from services.node_monitor import NodeHealth
+
+    servicer, _ = _servicer(_Node(_FREED, 2), _Node(None, None))
+    servicer.monitor = types.SimpleNamespace(state={"n0": NodeHealth(), "n1": NodeHealth(
+        healthy=False, failure="its step loop made no progress for 61 s")})
+    flushed = asyncio.run(servicer.Flush(admin_pb2.FlushRequest(), _Context()))
+    assert flushed.freed_blocks == sum(_FREED.values())
+    assert list(flushed.skipped_nodes) == ["n1: its step loop made no progress for 61 s"]
+    assert "skipped 1 cache node the gateway holds down (n1: its step loop" in flush_summary(flushed)
+    drained = asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0), _Context()))
+    assert (drained.aborted, list(drained.skipped_nodes)) == (2, list(flushed.skipped_nodes))
+    assert skipped_note([], "x") == ""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstrata/v1/admin.proto\x12\x0bkvstrata.v1\"\xcb\x02\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x64\x65vice_bytes_used\x18\x07 \x01(\x04\x12\x17\n\x0fhost_bytes_used\x18\x08 \x01(\x04\x12\x0f\n\x07running\x18\t \x01(\r\x12\x0f\n\x07waiting\x18\n \x01(\r\x12\x14\n\x0cintegrity_ok\x18\x0b \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0c \x01(\t\x12\x16\n\x0esession_blocks\x18\x0e \x01(\r\x12\x15\n\rprefix_blocks\x18\x0f \x01(\rJ\x04\x08\r\x10\x0eR\nhit_tokens\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"l\n\rStatsResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvstrata.v1.NodeStats\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x12\n\nstats_json\x18\x04 \x01(\t\"\x0e\n\x0c\x46lushRequest\"~\n\rFlushResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\r\x12\x15\n\rdevice_blocks\x18\x02 \x01(\r\x12\x15\n\rprefix_blocks\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\r\x12\x14\n\x0cspill_blocks\x18\x05 \x01(\r\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\" \n\rDrainResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x17\n\x15RotateAdminKeyRequest\")\n\x16RotateAdminKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t2\xa9\x02\n\x0c\x41\x64minService\x12>\n\x05Stats\x12\x19.kvstrata.v1.StatsRequest\x1a\x1a.kvstrata.v1.StatsResponse\x12>\n\x05\x46lush\x12\x19.kvstrata.v1.FlushRequest\x1a\x1a.kvstrata.v1.FlushResponse\x12>\n\x05\x44rain\x12\x19.kvstrata.v1.DrainRequest\x1a\x1a.kvstrata.v1.DrainResponse\x12Y\n\x0eRotateAdminKey\x12\".kvstrata.v1.RotateAdminKeyRequest\x1a#.kvstrata.v1.RotateAdminKeyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvstrata/v1/admin.proto\x12\x0bkvstrata.v1\"\xcb\x02\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x15\n\rcached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bused_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x64\x65vice_bytes_used\x18\x07 \x01(\x04\x12\x17\n\x0fhost_bytes_used\x18\x08 \x01(\x04\x12\x0f\n\x07running\x18\t \x01(\r\x12\x0f\n\x07waiting\x18\n \x01(\r\x12\x14\n\x0cintegrity_ok\x18\x0b \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0c \x01(\t\x12\x16\n\x0esession_blocks\x18\x0e \x01(\r\x12\x15\n\rprefix_blocks\x18\x0f \x01(\rJ\x04\x08\r\x10\x0eR\nhit_tokens\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"l\n\rStatsResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.kvstrata.v1.NodeStats\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x10\n\x08sessions\x18\x03 \x01(\r\x12\x12\n\nstats_json\x18\x04 \x01(\t\"\x0e\n\x0c\x46lushRequest\"\x95\x01\n\rFlushResponse\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\r\x12\x15\n\rdevice_blocks\x18\x02 \x01(\r\x12\x15\n\rprefix_blocks\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\r\x12\x14\n\x0cspill_blocks\x18\x05 \x01(\r\x12\x15\n\rskipped_nodes\x18\x06 \x03(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"7\n\rDrainResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\x12\x15\n\rskipped_nodes\x18\x02 \x03(\t\"\x17\n\x15RotateAdminKeyRequest\")\n\x16RotateAdminKeyResponse\x12\x0f\n\x07\x61pi_key\x18\x01 \x01(\t2\xa9\x02\n\x0c\x41\x64minService\x12>\n\x05Stats\x12\x19.kvstrata.v1.StatsRequest\x1a\x1a.kvstrata.v1.StatsResponse\x12>\n\x05\x46lush\x12\x19.kvstrata.v1.FlushRequest\x1a\x1a.kvstrata.v1.FlushResponse\x12>\n\x05\x44rain\x12\x19.kvstrata.v1.DrainRequest\x1a\x1a.kvstrata.v1.DrainResponse\x12Y\n\x0eRotateAdminKey\x12\".kvstrata.v1.RotateAdminKeyRequest\x1a#.kvstrata.v1.RotateAdminKeyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,16 +39,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSRESPONSE']._serialized_end=523
   _globals['_FLUSHREQUEST']._serialized_start=525
   _globals['_FLUSHREQUEST']._serialized_end=539
-  _globals['_FLUSHRESPONSE']._serialized_start=541
-  _globals['_FLUSHRESPONSE']._serialized_end=667
-  _globals['_DRAINREQUEST']._serialized_start=669
-  _globals['_DRAINREQUEST']._serialized_end=702
-  _globals['_DRAINRESPONSE']._serialized_start=704
-  _globals['_DRAINRESPONSE']._serialized_end=736
-  _globals['_ROTATEADMINKEYREQUEST']._serialized_start=738
-  _globals['_ROTATEADMINKEYREQUEST']._serialized_end=761
-  _globals['_ROTATEADMINKEYRESPONSE']._serialized_start=763
-  _globals['_ROTATEADMINKEYRESPONSE']._serialized_end=804
-  _globals['_ADMINSERVICE']._serialized_start=807
-  _globals['_ADMINSERVICE']._serialized_end=1104
+  _globals['_FLUSHRESPONSE']._serialized_start=542
+  _globals['_FLUSHRESPONSE']._serialized_end=691
+  _globals['_DRAINREQUEST']._serialized_start=693
+  _globals['_DRAINREQUEST']._serialized_end=726
+  _globals['_DRAINRESPONSE']._serialized_start=728
+  _globals['_DRAINRESPONSE']._serialized_end=783
+  _globals['_ROTATEADMINKEYREQUEST']._serialized_start=785
+  _globals['_ROTATEADMINKEYREQUEST']._serialized_end=808
+  _globals['_ROTATEADMINKEYRESPONSE']._serialized_start=810
+  _globals['_ROTATEADMINKEYRESPONSE']._serialized_end=851
+  _globals['_ADMINSERVICE']._serialized_start=854
+  _globals['_ADMINSERVICE']._serialized_end=1151
 # @@protoc_insertion_point(module_scope)

@@ -61,18 +61,20 @@ class FlushRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FlushResponse(_message.Message):
-    __slots__ = ("freed_blocks", "device_blocks", "prefix_blocks", "host_blocks", "spill_blocks")
+    __slots__ = ("freed_blocks", "device_blocks", "prefix_blocks", "host_blocks", "spill_blocks", "skipped_nodes")
     FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SPILL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_NODES_FIELD_NUMBER: _ClassVar[int]
     freed_blocks: int
     device_blocks: int
     prefix_blocks: int
     host_blocks: int
     spill_blocks: int
-    def __init__(self, freed_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., spill_blocks: _Optional[int] = ...) -> None: ...
+    skipped_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, freed_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., spill_blocks: _Optional[int] = ..., skipped_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)
@@ -81,10 +83,12 @@ class DrainRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("aborted",)
+    __slots__ = ("aborted", "skipped_nodes")
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_NODES_FIELD_NUMBER: _ClassVar[int]
     aborted: int
-    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+    skipped_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aborted: _Optional[int] = ..., skipped_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RotateAdminKeyRequest(_message.Message):
     __slots__ = ()
