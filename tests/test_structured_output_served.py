@@ -288,7 +288,11 @@ def test_http_schema_given_as_vllms_json_and_guided_json(served: Served, no_whit
      "give one structured output constraint, not 2 (got response_format and guided_regex)"),
     ({"structured_outputs": {"regex": REGEX}, "guided_choice": ["a"], "guided_json": SCHEMA}, "structured_outputs",
      "give one structured output constraint, not 3 (got structured_outputs and guided_json and guided_choice)"),
-    ({"guided_regex": "(abc"}, "guided_regex", "structured_output regex does not compile"),  # the node's compiler
+    ({"guided_regex": "(abc"}, "guided_regex", "guided_regex: regex does not compile"),  # the node's compiler
+    # trial 29k P3: named by the path README gives, not the top-level field
+    ({"structured_outputs": {"regex": "(abc"}}, "structured_outputs.regex", "structured_outputs.regex: regex does not"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema", "response_format.json_schema.schema: json_schema does not compile"),
     ({"guided_grammar": 'root ::= "a" b\nb ::= b "c"'}, "guided_grammar",  # a dead end, at its step
      "the grammar allows no token after 1 output tokens (it cannot complete)"),
 ])

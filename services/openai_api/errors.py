@@ -112,9 +112,11 @@ def refusal_about(exc: CallAborted, body: ChatCompletionRequest | CompletionRequ
                 " of the prompt", " of the messages")
     else:
         exc.naming(type(body).model_fields)
-        field = body.constraint_field()
+        field = body.constraint_path()
         if exc.param is None and field is not None and exc.message.startswith("structured_output"):
-            exc.param, exc.message = field, f"{field}: {exc.message}"
+            # the node's words name its own field ("structured_output regex does not compile: ..."):
+            # the body's path instead ("structured_outputs.regex: regex does not compile: ...")
+            exc.param, exc.message = field, f"{field}: {exc.message.removeprefix('structured_output ')}"
     return exc
 
 

@@ -205,6 +205,21 @@ class StructuredFields(Strict):
         """The field that gives the body's constraint, None for none."""
         return next(iter(self.constraint_fields()), None)
 
+    def constraint_path(self) -> str | None:
+        """The path of the value that gives the body's constraint, as a 400 about it names it
+        (``param``): ``response_format.json_schema.schema``, ``structured_outputs.regex`` (the
+        one given), a ``guided_*`` field; None for none. Regression (trial 29k P3): a spec the
+        node's compiler refused named only the top-level field (``structured_outputs``,
+        ``response_format``), not the path README gives."""
+        field = self.constraint_field()
+        if field == "response_format" and isinstance(self.response_format, JsonSchemaFormat):
+            return "response_format.json_schema.schema"
+        if field == "structured_outputs" and self.structured_outputs is not None:
+            given = next((name for name in ("json_", "regex", "choice", "grammar", "json_object")
+                          if getattr(self.structured_outputs, name) is not None), None)
+            return f"structured_outputs.{given.rstrip('_')}" if given else field
+        return field
+
     def structured_output(self) -> StructuredOutputSpec | None:
         """The one constraint given, None for none (``response_format`` text is none).
 
