@@ -139,3 +139,15 @@ def test_forgotten_ids_are_bounded_and_the_oldest_go_first(monkeypatch: pytest.M
     serve_one_request(metrics, tenants[0])
     names = {s.labels.get("tenant") for f in metrics.registry.collect() for s in f.samples}
     assert names == {"t0"}
+
+
+def test_no_created_series_are_exported() -> None:
+    """Trial 29k P9: every counter and histogram child also exported ``<name>_created`` (53
+    series on a gateway with two tenants), doubling each tenant's series for a value no
+    dashboard reads; ``services.metrics`` turns them off."""
+    from prometheus_client import generate_latest
+
+    metrics = GatewayMetrics()
+    serve_one_request(metrics, Tenant("0" * 16, TenantSpec(name="t0"), 0.0))
+    text = generate_latest(metrics.registry).decode()
+    assert "time_to_first_token_seconds_count" in text and "_created" not in text
