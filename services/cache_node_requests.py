@@ -33,7 +33,7 @@ from cache_node.scheduling import TenantShare
 from services import convert
 from services.cache_node_streams import _Stream
 from services.chat import content_chars, covered_chars
-from services.chat_tools import check_wire_tools
+from services.chat_tools import check_session_tool_answers, check_wire_tools
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,7 @@ class Requests:
             templater.check_fits(self._session_messages.chars(sid) + chars, room,
                                  "the session's messages (its history's and this turn's)")
             kept = self._session_messages.get(sid, [])
+            check_session_tool_answers(kept, req.messages)
             prompt, continued = templater.continue_session(
                 kept, history, req.messages, tools, same_tools=self._session_messages.tools(sid) == req.tools,
                 tool_reply=self._session_messages.tool_reply(sid))

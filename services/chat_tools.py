@@ -152,6 +152,35 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": json.loads(calls)} if isinstance(calls, str) else message
 
 
+def check_session_tool_answers(kept: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> None:
+    """Each ``tool`` message of a session turn's ``new`` messages answers a call of an earlier
+    assistant message, of the session's ``kept`` history or of the turn, when any of them
+    carries ``tool_calls`` (the rule the HTTP edge applies to a whole request,
+    ``openai_api.messages.check_tool_answers``, which cannot see a session's kept calls).
+    Regression (trial 29k P2): in a session a ``tool_call_id`` matching no call was served,
+    while the same mistake without ``session_id`` was a 400.
+
+    Raises:
+        ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the turn's message).
+    """
+    ids: set[str] = set()
+    for message in kept:
+        ids |= _call_ids(message.get("tool_calls"))
+    for i, message in enumerate(new):
+        ids |= _call_ids(message.get("tool_calls"))
+        if message.get("role") == "tool" and ids and message.get("tool_call_id") not in ids:
+            raise ValueError(f"messages.{i}.tool_call_id: {message.get('tool_call_id')!r} answers no tool call "
+                             "of this session's history or this turn (their tool_calls ids); a tool message must "
+                             "answer one")
+
+
+def _call_ids(calls: Any) -> set[str]:
+    """The ids of a message's ``tool_calls`` (a list, or its JSON text as on the wire)."""
+    if isinstance(calls, str):
+        calls = json.loads(calls) if calls else []
+    return {str(c["id"]) for c in calls or () if isinstance(c, dict) and c.get("id")}
+
+
 def tool_calls_chars(calls: Any) -> int:
     """Characters of a message's ``tool_calls``: their JSON text's, or for a list the ids,
     names and arguments (an object's as compact JSON)."""

@@ -152,6 +152,25 @@ def test_a_tool_calling_session_renders_each_turn_as_the_whole_conversation(
     assert third.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - 16, third.usage
 
 
+def test_a_tool_message_answering_no_call_of_the_session_is_a_400(client: openai.OpenAI, served: Served,
+                                                                    no_whitespace: dict[str, float]) -> None:
+    """Trial 29k P2: in a session, a ``tool`` message whose ``tool_call_id`` matches no call of
+    the session's kept history was served (the HTTP edge sees only the turn), while the same
+    mistake without ``session_id`` was a 400. The node checks it against the kept calls; the
+    right id is served, and the refused turn leaves the session as it was."""
+    session = "tools-wrong-id"
+    first = _turn(client, served, session, [USER], tools=TOOLS, tool_choice=WEATHER, max_tokens=60,
+                  logit_bias=no_whitespace)
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
+    wrong = {"role": "tool", "tool_call_id": "call_from_elsewhere", "content": "sunny, 21"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        _turn(client, served, session, [wrong], tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert refused.value.body["param"] == "messages.0.tool_call_id", refused.value.body
+    right = {**wrong, "tool_call_id": first.choices[0].message.tool_calls[0].id}
+    reply = _turn(client, served, session, [right], tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert reply.choices[0].finish_reason in ("length", "stop"), reply
+
+
 def test_streamed_calls_are_kept_with_the_ids_the_client_got(client: openai.OpenAI, served: Served,
                                                              no_whitespace: dict[str, float]) -> None:
     """Streamed named and ``required`` calls of a session turn: the node keeps them with the ids

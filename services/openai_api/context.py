@@ -169,15 +169,16 @@ class CallAborted(Exception):
         return error_response(status, self.message, self.kind or kind, code, headers, self.param)
 
 
-_LEADING_FIELD = re.compile(r"([a-z_][a-z0-9_]*)(?::|=|\s+(?:must|is|applies|needs)\b)")
-"""A message about a field starts with its name: ``n: only 1 ...`` (the edge's own),
-``priority must be in ...``, ``prefix_tokens applies to ...`` (the gateway's)."""
+_LEADING_FIELD = re.compile(r"([a-z_][a-z0-9_]*)((?:\.[A-Za-z0-9_]+)*)(?::|=|\s+(?:must|is|applies|needs)\b)")
+"""A message about a field starts with its name or its path: ``n: only 1 ...`` (the edge's
+own), ``priority must be in ...``, ``prefix_tokens applies to ...`` (the gateway's),
+``messages.0.tool_call_id: ...`` (the node's check of a session turn, trial 29k P2)."""
 
 
 def named_field(message: str, fields: Collection[str]) -> str | None:
     """The field among ``fields`` that ``message`` starts by naming, None when it names none."""
     match = _LEADING_FIELD.match(message)
-    return match.group(1) if match and match.group(1) in fields else None
+    return match.group(1) + match.group(2) if match and match.group(1) in fields else None
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None,
