@@ -10,7 +10,7 @@ import typer
 
 from cli.options import GatewayOpt, finite
 from cli.output import console, die, fail
-from cli.state import admin_key, admin_key_file, admin_metadata, gateway_channel
+from cli.state import RPC_TIMEOUT_S, admin_key, admin_key_file, admin_metadata, gateway_channel
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.private_dir import UnsafeDirectoryError, check_private_dir
 from tenants.keys import new_api_key, write_key_file
@@ -56,7 +56,7 @@ def admin_rotate_key(
             try:
                 key = admin_pb2_grpc.AdminServiceStub(ch).RotateAdminKey(
                     admin_pb2.RotateAdminKeyRequest(), metadata=(("authorization", f"Bearer {current}"),),
-                    timeout=30).api_key
+                    timeout=RPC_TIMEOUT_S).api_key
             except grpc.RpcError as err:
                 fail(err)
         if path is None:

@@ -18,7 +18,7 @@ from cache_node.sampling_params import (
 from cli.constraints import NO_CONSTRAINTS, Constraints, constraints
 from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
-from cli.state import gateway_channel
+from cli.state import RPC_TIMEOUT_S, gateway_channel
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services.node_request import MAX_PRIORITY, MIN_PRIORITY
 
@@ -180,7 +180,7 @@ def close_session(
         try:
             resp = inference_pb2_grpc.InferenceServiceStub(ch).CloseSession(
                 inference_pb2.CloseSessionRequest(session_id=session),
-                metadata=(("authorization", f"Bearer {api_key}"),), timeout=30)
+                metadata=(("authorization", f"Bearer {api_key}"),), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     say(f"closed session {escape(session)}: {resp.freed_tokens} tokens of history freed")

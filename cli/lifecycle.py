@@ -26,7 +26,7 @@ from cli import state
 from cli.options import GatewayOpt, validation_message
 from cli.output import console, die, fail, say
 from cli.processes import stop_processes
-from cli.state import admin_metadata, gateway_channel, reachable, read_state
+from cli.state import RPC_TIMEOUT_S, admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
 from services.config import ServiceConfig, load_config
 from services.metrics.targets import TARGETS_FILE, write_targets
@@ -362,7 +362,7 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
-                admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(gateway), timeout=30)
+                admin_pb2.StatsRequest(check_integrity=integrity), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
     console.print(status_table(resp, integrity))

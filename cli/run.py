@@ -12,6 +12,7 @@ import typer
 from cli.options import GatewayOpt, positive
 from cli.output import EXIT_USAGE, console, die, fail
 from cli.state import (
+    RPC_TIMEOUT_S,
     admin_metadata,
     client_tls,
     gateway_address,
@@ -90,7 +91,7 @@ def run_deepresearch(
         with gateway_channel(gateway) as ch:
             try:
                 resp = admin_pb2_grpc.AdminServiceStub(ch).Stats(
-                    admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(gateway), timeout=30)
+                    admin_pb2.StatsRequest(check_integrity=False), metadata=admin_metadata(gateway), timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as err:
                 fail(err)
         running = json.loads(resp.stats_json)["scheduler"]["scheduler"]

@@ -14,13 +14,17 @@ from pathlib import Path
 import grpc
 
 from cli.output import EXIT_USAGE, die
+from services.actor_calls import SCHEDULER_CALL_TIMEOUT_S
 from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from services.private_dir import UnsafeDirectoryError, check_private_dir
 from services.tls import ClientTls, open_aio_channel, open_channel
 from tenants.keys import read_key_file
 
-RPC_TIMEOUT_S = 30.0
-"""Deadline of the CLI's unary calls to the gateway (a gateway that never answers ends them)."""
+RPC_TIMEOUT_S = SCHEDULER_CALL_TIMEOUT_S + 15.0
+"""Deadline of the CLI's unary calls to the gateway (a gateway that never answers ends them):
+past the gateway's own deadline on a call to the global scheduler (``SCHEDULER_CALL_TIMEOUT_S``),
+so a stalled scheduler is reported with the gateway's UNAVAILABLE and its message, not a bare
+DEADLINE_EXCEEDED. Regression (trial 29k P6): both were 30 s, and the client's fired first."""
 
 STATE_DIR: Path | None = None  # pinned by tests; else ``state_dir()`` reads the environment
 

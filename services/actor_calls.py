@@ -25,7 +25,7 @@ F6: on resume every call in flight failed UNAVAILABLE, naming a scheduler that h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from services.loop_lag import running_lag, wait_past_stall
@@ -56,17 +56,25 @@ class ActorSilent(Exception):
 
 
 class _TimedRef:
-    """The answer of one call, awaitable once, within ``timeout_s`` (else ``ActorSilent``)."""
+    """The answer of one call, awaitable once, within ``timeout_s`` (else ``ActorSilent``); at
+    once ``ActorSilent`` when ``silent`` is set (``BoundedActor.silent``)."""
 
-    __slots__ = ("_may_apply", "_ref", "_timeout_s", "_what")
+    __slots__ = ("_may_apply", "_ref", "_silent", "_timeout_s", "_what")
 
-    def __init__(self, ref: Any, timeout_s: float, what: str, may_apply: bool = False) -> None:
+    def __init__(self, ref: Any, timeout_s: float, what: str, may_apply: bool = False, silent: str = "") -> None:
         self._ref, self._timeout_s, self._what, self._may_apply = ref, timeout_s, what, may_apply
+        self._silent = silent
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._wait().__await__()
 
     async def _wait(self) -> Any:
+        if self._silent:  # known silent: no wait for an answer that is not coming (the call was sent)
+            if self._may_apply:
+                raise ActorSilent(f"{self._silent}; the change was sent and may still be made when it answers "
+                                  "again: check (e.g. kvstrata tenants list / GetTenant) before you repeat it",
+                                  may_apply=True)
+            raise ActorSilent(self._silent)
         try:
             answer, _ = await wait_past_stall(asyncio.ensure_future(_awaited(self._ref)), self._timeout_s,
                                               running_lag(), self._timeout_s)
@@ -84,15 +92,17 @@ async def _awaited(ref: Any) -> Any:
 
 
 class _BoundedMethod:
-    __slots__ = ("_may_apply", "_method", "_timeout_s", "_what")
+    __slots__ = ("_actor", "_may_apply", "_method")
 
-    def __init__(self, method: Any, timeout_s: float, what: str, may_apply: bool) -> None:
-        self._method, self._timeout_s, self._what, self._may_apply = method, timeout_s, what, may_apply
+    def __init__(self, method: Any, actor: BoundedActor, may_apply: bool) -> None:
+        self._method, self._actor, self._may_apply = method, actor, may_apply
 
     def remote(self, *args: Any, **kwargs: Any) -> _TimedRef:
         """Send the call now (as the handle's ``remote``); awaiting the result waits at most
-        the deadline."""
-        return _TimedRef(self._method.remote(*args, **kwargs), self._timeout_s, self._what, self._may_apply)
+        the deadline (not at all while the actor is known to be silent: ``BoundedActor.silent``)."""
+        actor = self._actor
+        return _TimedRef(self._method.remote(*args, **kwargs), actor._timeout_s, actor._what, self._may_apply,
+                         actor.silent() if actor.silent is not None else "")
 
 
 class BoundedActor:
@@ -102,7 +112,13 @@ class BoundedActor:
 
     ``handle.method.remote(...)`` sends the call at once, as the plain handle does; only the
     wait for its answer is bounded. Attributes other than methods are the handle's own.
+
+    ``silent``, when set, says why the actor is known not to answer now ("" while it answers:
+    ``NodeMonitor.scheduler_silence``); a call awaited meanwhile fails ``ActorSilent`` with that
+    message at once instead of after ``timeout_s`` (review trial 29k P5).
     """
+
+    silent: Callable[[], str] | None = None
 
     def __init__(self, handle: Any, timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
                  what: str = "the global scheduler", changes: frozenset[str] = SCHEDULER_CHANGES) -> None:
@@ -118,5 +134,5 @@ class BoundedActor:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._handle, name)
         if hasattr(attr, "remote"):
-            return _BoundedMethod(attr, self._timeout_s, self._what, name in self._changes)
+            return _BoundedMethod(attr, self, name in self._changes)
         return attr

@@ -12,11 +12,13 @@ address: it is opened if needed, the gateway reconnects, and the scheduler route
 (``node_up``). ``on_change`` hears the number of healthy nodes whenever it changes (gRPC health).
 
 The monitor also polls the GlobalScheduler (``health``). It is unreachable when its admission
-connection closes (its process died: ``NodeStreams.on_scheduler_disconnect``, at once) or a poll
-fails: then the gateway serves nothing that needs it, ``num_healthy`` is 0 (gRPC health
-NOT_SERVING, the HTTP API's /health 503) and the gateway's admissions, waiting or new, fail
-UNAVAILABLE at once with a retry hint (``NodeStreams.scheduler_failed``), and it is polled every
-``retry_s``. When it answers again (Ray restarted it, ``scheduler_max_restarts``, and it rebuilt
+connection closes (its process died: ``NodeStreams.on_scheduler_disconnect``, at once), a poll
+fails, or it is alive but silent (stopped, deadlocked: ``silent_polls`` polls in a row unanswered,
+a poll across a stall of this gateway's own loop left out; ``SCHEDULER_SILENT``, and every other
+call the gateway awaits from it fails at once too: ``BoundedActor.silent``): then the gateway
+serves nothing that needs it, ``num_healthy`` is 0 (gRPC health NOT_SERVING, the HTTP API's
+/health 503) and the gateway's admissions, waiting or new, fail UNAVAILABLE at once with a retry
+hint (``NodeStreams.scheduler_failed``), and it is polled every ``retry_s``. When it answers again (Ray restarted it, ``scheduler_max_restarts``, and it rebuilt
 its state: ``services.global_scheduler_recovery``; or the same process is reachable again) the
 gateway connects to its admission socket, attaches again and says which requests it still waits
 for (``on_scheduler_back``), reports the nodes it holds down and rejoins those the scheduler
@@ -55,6 +57,14 @@ from services.recovery_report import BadReport, address, int_field
 
 log = logging.getLogger(__name__)
 
+SCHEDULER_SILENT = ("the global scheduler has not answered for {seconds} s (alive but silent: stopped, "
+                    "deadlocked or overloaded); retry shortly")
+"""Why calls that need the scheduler fail at once (UNAVAILABLE with a retry hint) while it is
+alive but answers no health poll (``NodeMonitor.silent_polls``); Ray reports no failure then.
+Regression (trial 29k P5): gRPC health said SERVING and /health 200 while every call that
+needed the scheduler waited its 30-s deadline for a 503 (92 s for an OpenAI client's retries),
+and load balancers kept sending traffic."""
+
 MAX_DOWN_NODES = 4096
 """Most entries the scheduler's map of down nodes (``health``'s ``down``, ``down_nodes``) may
 hold: one per cache node it routes to."""
@@ -87,12 +97,15 @@ class NodeMonitor:
             ``poll_s + 2 * timeout_s`` plus the stall).
         retry_s: pause before asking a down node again.
         notify_s: longest wait for the scheduler's ``node_down`` before the streams end anyway.
+        silent_polls: the scheduler's health polls (each ``poll_s + timeout_s``) unanswered in a
+            row, a poll across a stall of this gateway's own loop left out, before the scheduler
+            counts as unreachable (``SCHEDULER_SILENT``: about 30 s with the defaults).
     """
 
     def __init__(self, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]], streams: Any,
                  scheduler: Any, on_change: Callable[[int], Any] | None = None,
                  poll_s: float = 5.0, timeout_s: float = 10.0, retry_s: float = 0.5,
-                 notify_s: float = 1.0) -> None:
+                 notify_s: float = 1.0, silent_polls: int = 2) -> None:
         self.nodes, self.streams, self.scheduler = nodes, streams, scheduler
         self.on_change = on_change
         self.poll_s, self.timeout_s, self.retry_s, self.notify_s = poll_s, timeout_s, retry_s, notify_s
@@ -109,6 +122,9 @@ class NodeMonitor:
         self.stopped = False
         self.loop_lag = LoopLag()
         self.lag_retries = 0  # health polls asked again because this loop stalled during them
+        self.silent_polls = silent_polls
+        self._silent_polls = 0  # the scheduler's health polls unanswered in a row (stalls left out)
+        self._silent_since: float | None = None  # when the first of them was sent (monotonic)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -159,27 +175,31 @@ class NodeMonitor:
 
     async def _scheduler_turn(self) -> bool:
         """One poll of the scheduler and what follows from its answer. False: it died for good."""
+        t0 = time.monotonic()
         try:
             answer = scheduler_answer(
                 await asyncio.wait_for(self.scheduler.health.remote(), self.poll_s + self.timeout_s))
         except asyncio.CancelledError:
             raise
         except RayActorError as exc:  # its process died: for good, or Ray restarts it
+            self._silent_polls, self._silent_since = 0, None
             if actor_died(exc):
                 self._scheduler_lost(SCHEDULER_DOWN, f"{_first_line(exc)}", restarting=False)
                 return False
             self._scheduler_lost(SCHEDULER_RESTARTING, f"a health poll failed: {_first_line(exc)}")
             await asyncio.sleep(self.retry_s)
             return True
-        except BadReport as exc:  # asked again, as an unanswered poll
+        except BadReport as exc:  # asked again, as an unanswered poll (but its process answers)
+            self._silent_polls, self._silent_since = 0, None
             self.scheduler_bad_answers += 1
             log.warning("the global scheduler sent a malformed health answer: %.300s", exc)
             await asyncio.sleep(self.retry_s)
             return True
-        except Exception as exc:  # noqa: BLE001 - a busy scheduler: admissions keep their timeout
-            log.warning("the global scheduler did not answer a health poll: %s", _first_line(exc))
+        except Exception as exc:  # noqa: BLE001 - a busy or silent scheduler: ``_unanswered``
+            self._unanswered(t0, exc)
             await asyncio.sleep(self.retry_s)
             return True
+        self._silent_polls, self._silent_since = 0, None
         identity = (answer["pid"], answer["restarts"])
         if self.scheduler_identity is None and not self.scheduler_failure:
             self.scheduler_identity = identity
@@ -191,6 +211,34 @@ class NodeMonitor:
             await asyncio.wait_for(self._poll_scheduler.wait(), self.poll_s)
         self._poll_scheduler.clear()
         return True
+
+    def _unanswered(self, t0: float, exc: BaseException) -> None:
+        """A health poll sent at ``t0`` got no answer in time. Not counted when this gateway's
+        own loop stalled meanwhile for more than ``LoopLag.stall_s`` (its answer may be waiting
+        unread: asked again); after ``silent_polls`` in a row the scheduler is unreachable
+        (``scheduler_silence``)."""
+        stalled = self.loop_lag.since(t0)
+        if stalled > self.loop_lag.stall_s:
+            self.lag_retries += 1
+            log.warning("a health poll of the global scheduler timed out while this gateway's event loop was "
+                        "stalled for %.1f s; not counted against the scheduler", stalled)
+            return
+        if self._silent_since is None:
+            self._silent_since = t0
+        self._silent_polls += 1
+        silent_s = time.monotonic() - self._silent_since
+        log.warning("the global scheduler did not answer a health poll (%d in a row, %.0f s): %s",
+                    self._silent_polls, silent_s, _first_line(exc))
+        if self._silent_polls >= self.silent_polls and not self.scheduler_failure:
+            self._scheduler_lost(SCHEDULER_SILENT.format(seconds=round(silent_s)),
+                                 f"{self._silent_polls} health polls in a row unanswered")
+
+    def scheduler_silence(self) -> str:
+        """Why calls that need the scheduler fail at once while it is alive but does not answer
+        (``SCHEDULER_SILENT``), "" otherwise (it answers, or Ray fails its calls itself:
+        restarting or down). ``BoundedActor.silent``."""
+        failure = self.scheduler_failure
+        return failure if failure and failure not in (SCHEDULER_RESTARTING, SCHEDULER_DOWN) else ""
 
     def _scheduler_disconnected(self) -> None:
         """The admission connection closed: the scheduler's process died, or the link broke (no
