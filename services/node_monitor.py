@@ -263,7 +263,8 @@ class NodeMonitor:
         when a step fails."""
         try:
             self.streams.reconnect_scheduler(answer["data_address"] or address(
-                await self.scheduler.open_data_plane.remote(), "the scheduler's open_data_plane answer"))
+                await asyncio.wait_for(self.scheduler.open_data_plane.remote(), self.timeout_s),
+                "the scheduler's open_data_plane answer"))  # (bounded: the monitor holds the plain handle)
             if self.on_scheduler_back is not None:
                 await asyncio.wait_for(self.on_scheduler_back(), self.timeout_s)
             for node_id, state in self.state.items():

@@ -488,7 +488,7 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
         healthy = edge.num_healthy()
         if healthy == 0:
             return error_response(503, "no cache node can be routed to (none is healthy, or the global scheduler "
-                                  "is down)", "service_unavailable", "unavailable")
+                                  "is down or not answering)", "service_unavailable", "unavailable")
         return JSONResponse({"status": "ok", "healthy_nodes": healthy})
 
     return app
