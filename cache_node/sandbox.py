@@ -107,7 +107,7 @@ _SECCOMP_RET_ALLOW = 0x7FFF0000
 # include/uapi/asm-generic/unistd.h for aarch64)
 _SECCOMP_ARCH: dict[str, tuple[int, int, dict[str, int]]] = {
     "x86_64": (0xC000003E, 317, {
-        "socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace": 101, "rt_sigqueueinfo": 129,
+        "ioctl": 16, "fcntl": 72, "socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace": 101, "rt_sigqueueinfo": 129,
         "setpriority": 141, "sched_setparam": 142, "sched_setscheduler": 144, "tkill": 200,
         "sched_setaffinity": 203, "tgkill": 234, "ioprio_set": 251, "migrate_pages": 256,
         "get_robust_list": 274, "move_pages": 279, "rt_tgsigqueueinfo": 297, "perf_event_open": 298,
@@ -115,7 +115,7 @@ _SECCOMP_ARCH: dict[str, tuple[int, int, dict[str, int]]] = {
         "pidfd_send_signal": 424, "io_uring_setup": 425, "pidfd_open": 434, "clone3": 435, "pidfd_getfd": 438,
         "process_madvise": 440, "process_mrelease": 448}),
     "aarch64": (0xC00000B7, 277, {
-        "ioprio_set": 30, "get_robust_list": 100, "ptrace": 117, "sched_setparam": 118, "sched_setscheduler": 119,
+        "fcntl": 25, "ioctl": 29, "ioprio_set": 30, "get_robust_list": 100, "ptrace": 117, "sched_setparam": 118, "sched_setscheduler": 119,
         "sched_setaffinity": 122, "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138,
         "setpriority": 140, "socket": 198, "clone": 220, "migrate_pages": 238, "move_pages": 239,
         "rt_tgsigqueueinfo": 240, "perf_event_open": 241, "prlimit64": 261, "process_vm_readv": 270,
@@ -320,6 +320,7 @@ def seccomp_program(machine: str, own_pid: int) -> bytes | None:
     code += [(jeq_k, nrs[name], "self_pid", None) for name in SECCOMP_SELF_PID]
     code += [(jeq_k, nrs[name], "own_pid", None) for name in SECCOMP_OWN_PID]
     code += [(jeq_k, nrs[name], name, None) for name in SECCOMP_WHICH_WHO]
+    code += [(jeq_k, nrs["fcntl"], "fcntl", None), (jeq_k, nrs["ioctl"], "ioctl", None)]
     code += [(ret_k, _SECCOMP_RET_ALLOW, None, None),  # the rest: allowed
              "clone", (ld_w_abs, _ARG0, None, None), (jset_k, _CLONE_THREAD, "allow", "eperm"),  # clone's flags
              "self_pid", (ld_w_abs, _ARG0, None, None), (jeq_k, 0, "allow", None),
@@ -328,6 +329,9 @@ def seccomp_program(machine: str, own_pid: int) -> bytes | None:
     for name, which in SECCOMP_WHICH_WHO.items():
         code += [name, (ld_w_abs, _ARG0, None, None), (jeq_k, which, None, "eperm"), (ld_w_abs, _ARG1, None, None),
                  (jeq_k, 0, "allow", None), (jeq_k, own, "allow", "eperm")]
+    code += ["fcntl", (ld_w_abs, _ARG1, None, None), (jeq_k, 8, "eperm", None), (jeq_k, 10, "eperm", None),
+             (jeq_k, 15, "eperm", "allow"),  # F_SETOWN, F_SETSIG, F_SETOWN_EX: a signal to another process
+             "ioctl", (ld_w_abs, _ARG1, None, None), (jeq_k, 0x8901, "eperm", None), (jeq_k, 0x8902, "eperm", "allow")]
     returns = {"allow": _SECCOMP_RET_ALLOW, "eperm": _SECCOMP_RET_ERRNO | errno.EPERM,
                "enosys": _SECCOMP_RET_ERRNO | errno.ENOSYS, "kill": _SECCOMP_RET_KILL_PROCESS}
     for label, value in returns.items():

@@ -115,6 +115,22 @@ def on_process(pid, ioprio):
             "ioprio_set": attempt(lambda: ioprio_set(pid, (2 << 13) | ioprio)),
             "pidfd_open": attempt(lambda: pidfd_open(pid))}
 
+def sigio_owner(pid):
+    # a pipe of its own whose I/O signal would go to ``pid`` (review 29o F2: F_SETOWN to the
+    # node and F_SETSIG SIGKILL, then one write, killed the node where Landlock < ABI 6)
+    import fcntl, termios
+    r, w = os.pipe()
+    try:
+        return {"F_SETOWN": attempt(lambda: fcntl.fcntl(r, fcntl.F_SETOWN, pid)),
+                "F_SETSIG": attempt(lambda: fcntl.fcntl(r, 10, 9)),
+                "F_SETOWN_EX": attempt(lambda: fcntl.fcntl(r, 15, bytes(8))),
+                "FIOSETOWN": attempt(lambda: fcntl.ioctl(r, 0x8901, pid.to_bytes(4, "little"))),
+                "F_GETFL": attempt(lambda: fcntl.fcntl(r, fcntl.F_GETFL)),
+                "FIONREAD": attempt(lambda: fcntl.ioctl(r, termios.FIONREAD, bytes(4)))}
+    finally:
+        os.close(r)
+        os.close(w)
+
 def big_file(size):
     with open("big", "wb") as f:
         f.write(b"x" * size)
@@ -135,7 +151,8 @@ def probe(text):
         return {"node": on_process(os.getppid(), 4), "self": on_process(os.getpid(), 7),
                 "self_0": {k: v for k, v in on_process(0, 7).items() if k != "pidfd_open"},
                 "signal_self": attempt(lambda: os.kill(os.getpid(), 0)),
-                "signal_group": attempt(lambda: os.kill(0, 0))}
+                "signal_group": attempt(lambda: os.kill(0, 0)),
+                "sigio_owner": sigio_owner(os.getppid())}
     out = {"read": {p: attempt(lambda p=p: read(p)) for p in ask["read"]},
            "write": {p: attempt(lambda p=p: write(p)) for p in ask["write"]}}
     if "tcp" in ask:
@@ -268,6 +285,9 @@ def test_a_ready_compiler_process_acts_on_itself_alone(info_json: str) -> None:
         assert got["self"] == dict.fromkeys(got["self"], "ok") and len(got["self"]) == 5, got
         assert got["self_0"] == dict.fromkeys(got["self_0"], "ok") and len(got["self_0"]) == 4, got
         assert (got["signal_self"], got["signal_group"]) == ("ok", "EPERM"), got
+        # review 29o F2: no I/O signal aimed at another process; other fcntl/ioctl work
+        assert got["sigio_owner"] == {"F_SETOWN": "EPERM", "F_SETSIG": "EPERM", "F_SETOWN_EX": "EPERM",
+                                      "FIOSETOWN": "EPERM", "F_GETFL": "ok", "FIONREAD": "ok"}, got
         assert process.compile("regex", "[a-z]{3}", 30.0)[0]
     finally:
         process.kill()
