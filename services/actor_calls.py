@@ -92,17 +92,19 @@ async def _awaited(ref: Any) -> Any:
 
 
 class _BoundedMethod:
-    __slots__ = ("_actor", "_may_apply", "_method")
+    __slots__ = ("_actor", "_may_apply", "_method", "_name")
 
-    def __init__(self, method: Any, actor: BoundedActor, may_apply: bool) -> None:
-        self._method, self._actor, self._may_apply = method, actor, may_apply
+    def __init__(self, method: Any, actor: BoundedActor, may_apply: bool, name: str = "") -> None:
+        self._method, self._actor, self._may_apply, self._name = method, actor, may_apply, name
 
     def remote(self, *args: Any, **kwargs: Any) -> _TimedRef:
         """Send the call now (as the handle's ``remote``); awaiting the result waits at most
         the deadline (not at all while the actor is known to be silent: ``BoundedActor.silent``)."""
         actor = self._actor
-        return _TimedRef(self._method.remote(*args, **kwargs), actor._timeout_s, actor._what, self._may_apply,
-                         actor.silent() if actor.silent is not None else "")
+        silent = actor.silent() if actor.silent is not None else ""
+        if silent and self._name not in actor.unawaited:  # known silent: not sent (nothing may apply later)
+            return _TimedRef(None, actor._timeout_s, actor._what, False, silent)
+        return _TimedRef(self._method.remote(*args, **kwargs), actor._timeout_s, actor._what, self._may_apply, silent)
 
 
 class BoundedActor:
@@ -119,6 +121,7 @@ class BoundedActor:
     """
 
     silent: Callable[[], str] | None = None
+    unawaited: frozenset[str] = frozenset({"release"})  # sent even while silent (fire-and-forget)
 
     def __init__(self, handle: Any, timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
                  what: str = "the global scheduler", changes: frozenset[str] = SCHEDULER_CHANGES) -> None:
@@ -134,5 +137,5 @@ class BoundedActor:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._handle, name)
         if hasattr(attr, "remote"):
-            return _BoundedMethod(attr, self, name in self._changes)
+            return _BoundedMethod(attr, self, name in self._changes, name)
         return attr

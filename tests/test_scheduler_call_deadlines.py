@@ -45,11 +45,13 @@ class Silenceable:
         self.obj, self.awake = obj, asyncio.Event()
         self.awake.set()
         self.only: set[str] | None = None  # the methods that get no answer (None: every one)
+        self.sent: list[str] = []  # the calls sent, in order
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.obj, name)
 
         async def run(*args: Any, **kwargs: Any) -> Any:
+            self.sent.append(name)
             if self.only is None or name in self.only:
                 await self.awake.wait()
             result = fn(*args, **kwargs)
