@@ -234,6 +234,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def Flush(self, request, context):
         await self.auth.admin(context)
+        skipped = self._held_down()  # before asking: what ask_live leaves out (review 29o F3)
         answers = await self._ask_live(lambda n: n.flush_by_tier.remote())
         freed = {kind: sum(int(a.get(kind, 0)) for a in answers.values() if isinstance(a, dict))
                  for kind in ("device", "prefixes", "host", "spill")}
@@ -247,7 +248,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 "again once every node answers (kvstrata status shows their health)"))
         return admin_pb2.FlushResponse(freed_blocks=sum(freed.values()), device_blocks=freed["device"],
                                        prefix_blocks=freed["prefixes"], host_blocks=freed["host"],
-                                       spill_blocks=freed["spill"], skipped_nodes=self._held_down())
+                                       spill_blocks=freed["spill"], skipped_nodes=skipped)
 
     async def Drain(self, request, context):
         await self.auth.admin(context)
@@ -255,6 +256,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if not math.isfinite(timeout_s) or timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0 seconds, got {timeout_s}")
         # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
+        skipped = self._held_down()
         answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
         aborted = sum(a for a in answers.values() if type(a) is int and a >= 0)
         if late := _unanswered(answers):
@@ -262,7 +264,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 f"drain incomplete: {_nodes_text(late)} did not answer within {self.node_timeout_s + timeout_s:g} s, "
                 f"so requests may still run there; the nodes that answered aborted {aborted} requests; run the "
                 "drain again once every node answers (kvstrata status shows their health)"))
-        return admin_pb2.DrainResponse(aborted=aborted, skipped_nodes=self._held_down())
+        return admin_pb2.DrainResponse(aborted=aborted, skipped_nodes=skipped)
 
     async def RotateAdminKey(self, request, context):
         await self.auth.admin(context)

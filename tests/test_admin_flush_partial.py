@@ -124,3 +124,28 @@ def test_a_node_held_down_is_named_as_skipped_by_flush_and_drain() -> None:
     drained = asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0), _Context()))
     assert (drained.aborted, list(drained.skipped_nodes)) == (2, list(flushed.skipped_nodes))
     assert skipped_note([], "x") == ""
+
+
+def test_the_cli_exits_1_naming_skipped_nodes_whatever_their_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review 29o F3/F4: ``kvstrata admin flush`` / ``drain`` with nodes skipped exited 0, and a
+    node's reason holding rich markup (``[/x]``, partly the node's own text) crashed the print.
+    Now the line is printed as it is and the command exits 1."""
+    import contextlib
+    import types
+
+    from typer.testing import CliRunner
+
+    import cli.admin as cli_admin
+
+    reason = "n1: step loop stalled [/x] [bold]"
+    stub = types.SimpleNamespace(
+        Flush=lambda *a, **k: admin_pb2.FlushResponse(freed_blocks=3, device_blocks=3, skipped_nodes=[reason]),
+        Drain=lambda *a, **k: admin_pb2.DrainResponse(aborted=1, skipped_nodes=[reason]))
+    monkeypatch.setattr(cli_admin.admin_pb2_grpc, "AdminServiceStub", lambda channel: stub)
+    monkeypatch.setattr(cli_admin, "gateway_channel", lambda gateway: contextlib.nullcontext(None))
+    monkeypatch.setattr(cli_admin, "admin_metadata", lambda gateway: ())
+    for command, words in ((["flush"], "flushed: 3 KV blocks freed"), (["drain"], "drained: 1 request aborted")):
+        result = CliRunner().invoke(cli_admin.admin_app, command)
+        assert result.exit_code == 1, (command, result.output, result.exception)
+        text = " ".join(result.output.split())
+        assert words in text and "skipped 1 cache node" in text and "[/x] [bold]" in text, text
