@@ -69,11 +69,7 @@ class _TimedRef:
         return self._wait().__await__()
 
     async def _wait(self) -> Any:
-        if self._silent:  # known silent: no wait for an answer that is not coming (the call was sent)
-            if self._may_apply:
-                raise ActorSilent(f"{self._silent}; the change was sent and may still be made when it answers "
-                                  "again: check (e.g. kvstrata tenants list / GetTenant) before you repeat it",
-                                  may_apply=True)
+        if self._silent:  # known silent: the call was not sent (``_BoundedMethod.remote``), nothing to wait for
             raise ActorSilent(self._silent)
         try:
             answer, _ = await wait_past_stall(asyncio.ensure_future(_awaited(self._ref)), self._timeout_s,
@@ -116,8 +112,10 @@ class BoundedActor:
     wait for its answer is bounded. Attributes other than methods are the handle's own.
 
     ``silent``, when set, says why the actor is known not to answer now ("" while it answers:
-    ``NodeMonitor.scheduler_silence``); a call awaited meanwhile fails ``ActorSilent`` with that
-    message at once instead of after ``timeout_s`` (review trial 29k P5).
+    ``NodeMonitor.scheduler_silence``); a call made meanwhile is not sent and fails
+    ``ActorSilent`` with that message at once instead of after ``timeout_s`` (trial 29k P5), so
+    nothing queues up at the silent actor and no change is made when it answers again (review
+    29o F1/F6); only the ``unawaited`` methods (``release``, fire-and-forget) are still sent.
     """
 
     silent: Callable[[], str] | None = None
