@@ -12,7 +12,10 @@ no error)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,44 @@ class Silenceable:
         return type("M", (), {"remote": staticmethod(lambda *a, **kw: asyncio.ensure_future(run(*a, **kw)))})()
 
 
+@dataclass
+class SilenceableGateway:
+    """A real gateway (``create_server``) over a real ``GlobalSchedulerService`` behind a
+    ``Silenceable`` handle, a tenant's and the admin's key."""
+
+    scheduler: GlobalSchedulerService
+    handle: Silenceable
+    port: int
+    monitor: Any
+    key: str
+    admin_key: str
+
+
+@contextlib.asynccontextmanager
+async def silenceable_gateway(tmp_path: Path, timeout_s: float,
+                              data_address: str | None = "tcp://127.0.0.1:9") -> AsyncIterator[SilenceableGateway]:
+    """The gateway served and SERVING, its scheduler calls bounded by ``timeout_s``, admitting
+    at ``data_address`` (None: the scheduler's own admission socket); everything stopped (and
+    the scheduler awake) after."""
+    scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+    admin_key = scheduler.store.ensure_admin_key() or ""
+    _tenant, key = await scheduler.register_tenant(TenantSpec("t"))
+    handle = Silenceable(scheduler)
+    server, port, health, inference, monitor = await gateway_server.create_server(
+        handle, {}, {"n0": NODE_INFO}, None, data_address or await scheduler.open_data_plane(), grpc_limits=QUICK,
+        scheduler_timeout_s=timeout_s)
+    await server.start()
+    await gateway_server.set_health(health, True)
+    try:
+        yield SilenceableGateway(scheduler, handle, port, monitor, key, admin_key)
+    finally:
+        handle.awake.set()
+        monitor.stop()
+        await server.stop(0)
+        inference.streams.shutdown()
+        scheduler.store.close()
+
+
 def test_bounded_actor_sends_at_once_and_bounds_only_the_wait() -> None:
     async def run() -> None:
         sent: list[str] = []
@@ -88,16 +129,8 @@ def test_bounded_actor_sends_at_once_and_bounds_only_the_wait() -> None:
 
 def test_calls_to_a_silent_scheduler_end_unavailable_within_the_deadline(tmp_path: Path) -> None:
     async def run() -> None:
-        scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
-        admin_key = scheduler.store.ensure_admin_key() or ""
-        _tenant, key = await scheduler.register_tenant(TenantSpec("t"))
-        handle = Silenceable(scheduler)
-        server, port, health, inference, monitor = await gateway_server.create_server(
-            handle, {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9", grpc_limits=QUICK,
-            scheduler_timeout_s=TIMEOUT_S)
-        await server.start()
-        await gateway_server.set_health(health, True)
-        try:
+        async with silenceable_gateway(tmp_path, TIMEOUT_S) as gw:
+            handle, port, key, admin_key = gw.handle, gw.port, gw.key, gw.admin_key
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 inference_stub = inference_pb2_grpc.InferenceServiceStub(channel)
                 admin = admin_pb2_grpc.AdminServiceStub(channel)
@@ -137,12 +170,6 @@ def test_calls_to_a_silent_scheduler_end_unavailable_within_the_deadline(tmp_pat
                 await _close_session(inference_stub, tenant_md, refused=True)
                 handle.awake.set()
                 await _close_session(inference_stub, tenant_md, refused=False)
-        finally:
-            handle.awake.set()
-            monitor.stop()
-            await server.stop(0)
-            inference.streams.shutdown()
-            scheduler.store.close()
 
     asyncio.run(run())
 

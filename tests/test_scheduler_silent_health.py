@@ -32,12 +32,7 @@ from kvstrata.v1 import (
     tenant_pb2,
     tenant_pb2_grpc,
 )
-from services import gateway_server
-from services.global_scheduler_admission import GlobalSchedulerService
-from tenants.model import TenantSpec
-from tests.gateway_harness import NODE_INFO
-from tests.test_grpc_connection_bounds import QUICK
-from tests.test_scheduler_call_deadlines import Silenceable
+from tests.test_scheduler_call_deadlines import silenceable_gateway
 
 CALL_TIMEOUT_S = 20.0  # the gateway's deadline on one scheduler call: a fast failure is far below it
 POLL_S, POLL_TIMEOUT_S = 0.2, 0.3  # one poll of the scheduler's health: at most 0.5 s
@@ -45,18 +40,11 @@ POLL_S, POLL_TIMEOUT_S = 0.2, 0.3  # one poll of the scheduler's health: at most
 
 def test_a_silent_scheduler_is_not_serving_and_fails_calls_at_once(tmp_path: Path) -> None:
     async def run() -> None:
-        scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
-        admin_key = scheduler.store.ensure_admin_key() or ""
-        _tenant, key = await scheduler.register_tenant(TenantSpec("t"))
-        handle = Silenceable(scheduler)
-        server, port, health, inference, monitor = await gateway_server.create_server(
-            handle, {}, {"n0": NODE_INFO}, None, await scheduler.open_data_plane(), grpc_limits=QUICK,
-            scheduler_timeout_s=CALL_TIMEOUT_S)
-        monitor.poll_s, monitor.timeout_s, monitor.retry_s = POLL_S, POLL_TIMEOUT_S, 0.05
-        monitor._poll_scheduler.set()  # the next poll with these settings
-        await server.start()
-        await gateway_server.set_health(health, True)
-        try:
+        async with silenceable_gateway(tmp_path, CALL_TIMEOUT_S, None) as gw:
+            scheduler, handle, port, monitor = gw.scheduler, gw.handle, gw.port, gw.monitor
+            key, admin_key = gw.key, gw.admin_key
+            monitor.poll_s, monitor.timeout_s, monitor.retry_s = POLL_S, POLL_TIMEOUT_S, 0.05
+            monitor._poll_scheduler.set()  # the next poll with these settings
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 checks = health_pb2_grpc.HealthStub(channel)
                 admin = admin_pb2_grpc.AdminServiceStub(channel)
@@ -123,12 +111,6 @@ def test_a_silent_scheduler_is_not_serving_and_fails_calls_at_once(tmp_path: Pat
                 assert monitor.num_healthy() == 1 and monitor.scheduler_failure == ""
                 assert await admin.Stats(admin_pb2.StatsRequest(), metadata=admin_md, timeout=30) is not None
                 assert await scheduler.authenticate(key) is not None  # the rotation never ran: the key holds
-        finally:
-            handle.awake.set()
-            monitor.stop()
-            await server.stop(0)
-            inference.streams.shutdown()
-            scheduler.store.close()
 
     asyncio.run(run())
 
