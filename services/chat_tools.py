@@ -163,6 +163,8 @@ def check_session_tool_answers(kept: Sequence[dict[str, Any]], new: Sequence[dic
     Raises:
         ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the turn's message).
     """
+    if not any(message.get("role") == "tool" for message in new):  # nothing to check: the kept
+        return  # calls' JSON is not parsed on every turn
     ids: set[str] = set()
     for message in kept:
         ids |= _call_ids(message.get("tool_calls"))
