@@ -2,7 +2,9 @@
 
 - ``add_request``: a request with ``SamplingParams.structured_output`` gets a
   ``GrammarState`` whose compilation is queued for its tenant (``seq.tenant``, else its cache
-  namespace) on ``Grammars``' compiler processes; it is queued, but the scheduler passes it
+  namespace) on ``Grammars``' compiler processes, unless its cache namespace has it compiled or
+  compiling already (grammars are shared within a cache namespace only, as prefix KV is:
+  ``grammars.grammar_key``); it is queued, but the scheduler passes it
   over (it holds no KV) until its matcher exists. A node whose structured outputs are off (no
   tokenizer, or xgrammar not installed) refuses it at once (``InvalidRequestError`` naming
   ``structured_output``), as it does one whose tenant has ``grammar_compile_queue_per_tenant``
@@ -133,9 +135,16 @@ class EngineGrammarsMixin:
                 raise GrammarActiveFull(
                     f"structured_output: this tenant already has {cap} structured-output requests on this cache "
                     "node (grammar_max_active_per_tenant); retry when one of them finishes")
-            seq.grammar = GrammarState(self.grammars, spec, tenant)  # (may raise GrammarQueueFull)
+            seq.grammar = GrammarState(self.grammars, spec, tenant, seq.cache_namespace)  # (may raise GrammarQueueFull)
             self._grammar_active[tenant] = active + 1
             seq.grammar.counted = True
+
+    def forget_tenant_grammars(self: LLMEngine, tenant: str, namespace: str) -> int:
+        """The deleted tenant ``tenant``'s grammars go (``Grammars.forget``: those of its own
+        ``namespace``, salted variants too, its claims, failed specs and queued compiles), as its
+        KV does (``services.cache_node_commands.end_tenant``); returns the cache entries dropped."""
+        grammars = self.grammars
+        return grammars.forget(tenant, namespace) if grammars is not None else 0
 
     def _uncount_grammar(self: LLMEngine, seq: Sequence) -> None:
         """``seq`` finished (or was refused after ``_attach_grammar``): it counts no more in its

@@ -51,6 +51,20 @@ class EngineSessionsMixin:
         with self._lock:
             return self.sessions.rewind(session_id, history, prompt_len, output)
 
+    def cut_session_turn(self, session_id: str, request_id: str, prompt_len: int, output: tuple[int, ...],
+                         keep: int, tail: list[int], lead: tuple[int, ...] | list[int] = ()) -> bool:
+        """The turn ``request_id`` that just finished in ``session_id`` (its prompt of
+        ``prompt_len`` tokens, its ``output``) returned the text of its first ``keep`` output
+        tokens and then that of ``tail`` (the reply its client got, as a rendering of the
+        conversation tokenizes it: the cache node cut it, e.g. at a stop string, or where its
+        tokens are not the rendering's): the history keeps those tokens, its KV past the cut
+        freed (``SessionTable.cut_turn``; a negative ``keep`` cuts into the prompt's last
+        ``lead`` tokens, which it must end with). False when the session is not at that turn's
+        end, or its prompt does not end with ``lead``."""
+        with self._lock:
+            running = next((s for s in self._settling if s.request_id == request_id), None)
+            return self.sessions.cut_turn(session_id, request_id, prompt_len, output, keep, tail, lead, running)
+
     def session_history(self, session_id: str) -> list[int] | None:
         """Token ids of an idle session's history, or None when the session is unknown."""
         with self._lock:

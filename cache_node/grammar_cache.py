@@ -1,7 +1,16 @@
-"""Compiled grammars kept by (kind, spec), bounded by entries and bytes, and specs that failed.
+"""Compiled grammars kept by (cache namespace, kind, spec), bounded by entries and bytes, and specs
+that failed.
+
+Every key names the cache namespace of the requests it serves (``Key``; ``grammars.grammar_key``),
+so a grammar is shared exactly as prefix KV is: by the requests of one namespace (salt included),
+never across namespaces, except ``json_object``'s, which carries nothing of a tenant's. A
+tenant cannot tell from a request's latency (a kept grammar, or a compile it joins) which specs
+another tenant sent, nor whether a deleted tenant did (``GrammarCache.forget``,
+``FailedSpecs.forget``). Regression (review 30b F1): keyed by (kind, spec) alone, a 60-property
+schema another tenant had used answered in ~140 ms against ~1 s for one nobody had.
 
 ``GrammarCache`` is a map of compiled grammars, at most ``max_entries``, and at most
-``max_bytes`` counting each grammar's ``memory_size_bytes`` plus its key's spec text (a grammar
+``max_bytes`` counting each grammar's ``memory_size_bytes`` plus its key's texts (a grammar
 larger than the whole budget is used by its requests but not kept), fair per tenant: each
 tenant that put or got an entry holds a claim on it, kept in that tenant's own
 least-recently-used order, and is charged the entry's full bytes and one entry for it (an entry
@@ -33,12 +42,20 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-Key = tuple[str, str]
+from cache_node.tiers.fair_lru import holder_of
+
+Key = tuple[str, str, str]
+"""(cache namespace, kind, spec): the namespace of the requests it serves ("" for ``json_object``)."""
+
+
+def in_holder(key: Key, holder: str) -> bool:
+    """Whether ``key``'s namespace is ``holder`` or one of its salted variants."""
+    return bool(key[0]) and holder_of(key[0]) == holder
 
 
 def grammar_bytes(key: Key, compiled: Any) -> int:
     """What a kept grammar costs: xgrammar's ``memory_size_bytes`` and its key's text."""
-    return int(compiled.memory_size_bytes) + len(key[0]) + len(key[1])
+    return int(compiled.memory_size_bytes) + sum(len(part) for part in key)
 
 
 class GrammarCache:
@@ -95,6 +112,17 @@ class GrammarCache:
             self._unclaim(victim, next(iter(self._claims[victim])))
         return key in self._kept
 
+    def forget(self, tenant: str, holder: str) -> int:
+        """``tenant`` was deleted and ``holder`` was its own namespace: drop every entry of that
+        namespace (salted variants too), and give up ``tenant``'s claims on the others (an
+        entry it alone claimed goes). Returns the entries dropped."""
+        before = len(self._kept)
+        for key in [k for k in self._kept if in_holder(k, holder)]:
+            self._drop(key)
+        for key in list(self._claims.get(tenant, ())):
+            self._unclaim(tenant, key)
+        return before - len(self._kept)
+
     def _claim(self, tenant: str, key: Key, entry: tuple[Any, int, set[str]]) -> None:
         claims = self._claims.setdefault(tenant, OrderedDict())
         if key in claims:
@@ -132,7 +160,7 @@ class GrammarCache:
         total = sum(size for _, size, _ in self._kept.values())
         for key, (_, _, tenants) in self._kept.items():
             if not tenants or any(key not in self._claims.get(t, ()) for t in tenants):
-                raise AssertionError(f"grammar cache entry {key[0]} claimed by {sorted(tenants)} inconsistently")
+                raise AssertionError(f"grammar cache entry {key[1]} claimed by {sorted(tenants)} inconsistently")
         for tenant, claims in self._claims.items():
             if not claims or any(key not in self._kept or tenant not in self._kept[key][2] for key in claims) \
                     or sum(self._kept[key][1] for key in claims) != self._tenant_bytes.get(tenant):
@@ -188,6 +216,13 @@ class FailedSpecs:
         while self.num_entries > self.max_total:
             victim = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
             self._forget(victim, next(iter(self._by_tenant[victim])))
+
+    def forget(self, tenant: str, holder: str) -> None:
+        """``tenant`` was deleted and ``holder`` was its own namespace: forget its failed specs,
+        and any of that namespace (salted variants too) remembered for another tenant."""
+        for name in list(self._by_tenant):
+            for key in [k for k in self._by_tenant[name] if name == tenant or in_holder(k, holder)]:
+                self._forget(name, key)
 
     def _forget(self, tenant: str, key: Key) -> None:
         entries = self._by_tenant[tenant]

@@ -53,13 +53,14 @@ class GrammarState:
     every output token so far; fed each token once, when it is appended to the output, so a
     preempted request, recomputed or swapped, continues from the same state)."""
 
-    def __init__(self, grammars: Grammars, spec: StructuredOutputSpec, tenant: str = "") -> None:
+    def __init__(self, grammars: Grammars, spec: StructuredOutputSpec, tenant: str = "", namespace: str = "") -> None:
         """Raises ``GrammarQueueFull`` (``Grammars.compile``)."""
         self.grammars = grammars
         self.spec = spec
         self.tenant = tenant  # whose compile queue and ``grammar_max_active_per_tenant`` it counts in
+        self.namespace = namespace  # its request's cache namespace: whose grammars it may share
         self.counted = False  # counted in its tenant's active structured requests (the engine's)
-        self.future = grammars.compile(spec, tenant)
+        self.future = grammars.compile(spec, tenant, namespace)
         self.matcher: Any = None
         self.error: str | None = None
         self.error_code = ""  # with ``error``: the status a node-side failure takes ("": INVALID_ARGUMENT)
@@ -75,7 +76,7 @@ class GrammarState:
         compile no other request waits on is dropped). Idempotent; nothing once it compiled."""
         if not self._released and not self.future.done():
             self._released = True
-            self.grammars.release(self.spec, self.future)
+            self.grammars.release(self.spec, self.future, self.namespace)
 
     @property
     def ready(self) -> bool:

@@ -20,12 +20,21 @@ are queued per tenant and served round-robin, one running per tenant
 (``cache_node.grammar_queue``), at most ``queue_per_tenant`` pending per tenant (past it
 ``GrammarQueueFull``); a queued compile that no request waits on any more (each ``release``d:
 aborted, refused) is dropped, a running one finishes and is cached. One compile serves every
-request for its spec, and is queued under each tenant waiting on it (each tenant's request
+request for its spec in its cache namespace, and is queued under each tenant waiting on it (each tenant's request
 holds a future of its own), so it runs at the earliest turn of any of them: no tenant waits on
-another's queue. Compiled grammars are cached by (kind, spec), bounded by entries and bytes and
-fair per tenant (a tenant past its share evicts its own least recently used first); a spec
-that failed is refused at once for ``FAILED_SPEC_TTL_S`` to the tenants that met the failure
-(``cache_node.grammar_cache``).
+another's queue. Compiled grammars are cached by (cache namespace, kind, spec)
+(``grammar_key``), bounded by entries and bytes and fair per tenant (a tenant past its share
+evicts its own least recently used first); a spec that failed is refused at once for
+``FAILED_SPEC_TTL_S`` to the tenants that met the failure (``cache_node.grammar_cache``).
+
+A compiled grammar, a compile in flight and a failed spec are shared as prefix KV is: only by
+requests of the same cache namespace (salt included; tenants naming one shared
+``cache_namespace`` share them, as they share prefix KV), so no tenant learns from a request's
+latency whether another tenant sent a spec (its JSON schema's property names and enums, its
+choices, its regex). ``json_object`` (one fixed grammar, nothing of a tenant's in it) is
+compiled once per node for everyone. A deleted tenant's own namespace's grammars go with its KV
+(``forget``). Regression (review 30b F1): keyed by (kind, spec), a 60-property schema another
+tenant (even a deleted one) had used answered in ~140 ms, an unused one in ~1 s.
 
 xgrammar is imported only when a node enables structured outputs (``Grammars.create``); a
 node without it refuses structured requests with a message saying so.
@@ -45,7 +54,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_node.grammar_cache import FailedSpecs, GrammarCache, Key
+from cache_node.grammar_cache import FailedSpecs, GrammarCache, Key, in_holder
 from cache_node.grammar_compile import (
     JSON_OBJECT_SCHEMA,
     SHUTTING_DOWN,
@@ -65,12 +74,13 @@ from cache_node.grammar_queue import FairCompileQueue
 from cache_node.grammar_stats import SANDBOX_STATES, GrammarCounters
 from cache_node.outputs import GrammarQueueFull
 from cache_node.structured_output import StructuredOutputSpec
+from cache_node.tiers.fair_lru import holder_of
 
 __all__ = ["FAILED_SPEC_TTL_S", "GRAMMAR_CACHE_ENTRIES", "JSON_OBJECT_SCHEMA", "STOP_TIMEOUT_S", "XGRAMMAR_VERSION",
-           "CompileLimits", "Grammars", "choice_grammar", "compile_request"]  # (some defined in grammar_compile)
+           "CompileLimits", "Grammars", "choice_grammar", "compile_request", "grammar_key"]  # (some defined in grammar_compile)
 
 GRAMMAR_CACHE_ENTRIES = 256
-"""Most compiled grammars kept (by (kind, spec)); their bytes are bounded by
+"""Most compiled grammars kept (by ``grammar_key``); their bytes are bounded by
 ``CompileLimits.cache_bytes`` too."""
 
 FAILED_SPEC_TTL_S = 60.0
@@ -85,6 +95,16 @@ XGRAMMAR_VERSION = "0.2.9"
 
 log = logging.getLogger(__name__)
 
+SHARED_KINDS = frozenset({"json_object"})
+"""Kinds whose grammar is the same for every request (no spec): kept once for all namespaces."""
+
+
+def grammar_key(spec: StructuredOutputSpec, namespace: str) -> Key:
+    """What ``spec``'s compiled grammar, compile in flight and failure are kept under for a
+    request of cache namespace ``namespace`` (``Sequence.cache_namespace``, salt included): its
+    namespace, kind and spec; "" for the namespace of a ``SHARED_KINDS`` spec."""
+    return ("" if spec.kind in SHARED_KINDS else namespace, spec.kind, spec.spec)
+
 
 @dataclass(eq=False)
 class _Job:
@@ -97,6 +117,7 @@ class _Job:
     futures: dict[str, Future[Any]] = field(default_factory=dict)  # tenant -> its requests' future
     waiters: dict[str, int] = field(default_factory=dict)  # tenant -> requests given it, not released
     ended: bool = False  # ``Grammars._finish`` ran (counted)
+    forgotten: bool = False  # its namespace's tenant was deleted (``Grammars.forget``): nothing is kept of it
 
     def add(self, tenant: str) -> Future[Any]:
         future = self.futures.get(tenant)
@@ -201,16 +222,18 @@ class Grammars:
                     f"pip install xgrammar=={XGRAMMAR_VERSION}")
         return cls(xgrammar, tokenizer, vocab_size, stop_token_ids, max_num_seqs, limits, counters)
 
-    def compile(self, spec: StructuredOutputSpec, tenant: str = "") -> Future[Any]:
-        """The compiled grammar of ``spec`` (a future: a cached one, one compiling, or one
-        queued for ``tenant``). A failed compile's future holds a ValueError naming
-        ``structured_output``; the same spec is then refused at once to each tenant that waited
-        on it, for ``FAILED_SPEC_TTL_S``. A caller that stops waiting on it calls ``release``.
+    def compile(self, spec: StructuredOutputSpec, tenant: str = "", namespace: str = "") -> Future[Any]:
+        """The compiled grammar of ``spec`` for a request of ``tenant`` in cache namespace
+        ``namespace`` (a future: one cached for that namespace, one compiling for it, or one
+        queued for ``tenant``; ``grammar_key``). A failed compile's future holds a ValueError
+        naming ``structured_output``; the same spec is then refused at once to each tenant that
+        waited on it, for ``FAILED_SPEC_TTL_S``. A caller that stops waiting on it calls
+        ``release``.
 
         Raises:
             GrammarQueueFull: ``tenant`` has ``queue_per_tenant`` compiles pending.
         """
-        key = (spec.kind, spec.spec)
+        key = grammar_key(spec, namespace)
         with self._lock:
             compiled = self._cache.get(key, tenant)
             self.counters.looked_up(compiled is not None)
@@ -241,8 +264,8 @@ class Grammars:
             f"structured_output: this tenant already has {self.limits.queue_per_tenant} grammars compiling "
             f"or queued on this cache node (grammar_compile_queue_per_tenant); retry when they finish")
 
-    def release(self, spec: StructuredOutputSpec, future: Future[Any]) -> None:
-        """A request given ``future`` by ``compile(spec)`` waits on it no more (it finished:
+    def release(self, spec: StructuredOutputSpec, future: Future[Any], namespace: str = "") -> None:
+        """A request given ``future`` by ``compile(spec, tenant, namespace)`` waits on it no more (it finished:
         aborted, or refused after ``compile``). When no request of its tenant waits on that
         compile and it is still queued, it leaves that tenant's queue (no longer counting
         against its ``queue_per_tenant``) and that tenant's future is cancelled; once it is
@@ -252,7 +275,7 @@ class Grammars:
 
         Regression: an aborted request's queued compile still ran, holding its tenant's slot."""
         with self._lock:
-            job = self._compiling.get((spec.kind, spec.spec))
+            job = self._compiling.get(grammar_key(spec, namespace))
             tenant = next((t for t, f in job.futures.items() if f is future), None) if job is not None else None
             if job is None or tenant is None:
                 return
@@ -344,13 +367,45 @@ class Grammars:
             if self._compiling.get(job.key) is job:
                 del self._compiling[job.key]
             futures = list(job.futures.items())  # no tenant joins it any more
-            if compiled is not None:
+            if job.forgotten:
+                pass  # its namespace's tenant is gone: its requests get it, nothing keeps it
+            elif compiled is not None:
                 self._cache.put(job.key, compiled, [tenant for tenant, _ in futures])
             elif failed is not None:
                 self._failed.put(job.key, [tenant for tenant, _ in futures], failed, time.monotonic())
         exc = None if compiled is not None else (
             ValueError(failed) if failed is not None else GrammarUnavailable(error or "structured_output: not compiled", busy))
         settle([f for _, f in futures], compiled, exc)
+
+    def forget(self, tenant: str, namespace: str) -> int:
+        """``tenant`` (a deleted tenant's id) is gone and ``namespace`` was its own: drop the
+        grammars kept for that namespace (salted variants too) and ``tenant``'s claims on the
+        others (``GrammarCache.forget``), its failed specs, its place in the compile queue (its
+        futures cancelled; a queued compile no other tenant waits on is dropped); a compile of
+        that namespace still running ends with nothing kept. Returns the cache entries dropped.
+        Regression (review 30b F1): a deleted tenant's grammars stayed, and told which specs it
+        had used to any tenant timing a request."""
+        holder = holder_of(namespace)
+        cancelled: list[Future[Any]] = []
+        with self._lock:
+            dropped = self._cache.forget(tenant, holder)
+            self._failed.forget(tenant, holder)
+            for job in list(self._compiling.values()):
+                future = job.futures.pop(tenant, None)
+                if future is not None:
+                    del job.waiters[tenant]
+                    cancelled.append(future)
+                    if self._queue.remove(tenant, job) and not job.futures:  # queued for no one now
+                        del self._compiling[job.key]
+                        job.ended = True
+                        self.counters.ended("dropped")
+                        continue
+                if in_holder(job.key, holder):  # (a running one: ``_finish`` keeps nothing of it)
+                    job.forgotten = True
+                    del self._compiling[job.key]
+        for future in cancelled:
+            future.cancel()
+        return dropped
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)

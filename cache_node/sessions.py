@@ -23,6 +23,17 @@ kept history went) goes through ``SessionTable.lose``, which records it on the s
 (``Session.lost``); the next turn that would have continued from that KV carries
 ``policy_stats["session_state_dropped"]``, as a restarted turn does (``Sequence.restart``).
 docs/architecture.md, 'Cache node step loop' says which turns are marked and why.
+
+A turn's history holds the tokens of the reply its client got, no others: when the cache node
+cut the reply's text (a stop string, whose tokens and the text after it the client never got)
+or a trailing token renders as nothing in the kept reply, it cuts the history to the output's
+tokens the kept text covers and appends the rest of that text tokenized (``SessionTable.cut``,
+``cut_turn``); KV past the cut is freed, never kept for tokens the history no longer holds. A
+chat turn's reply is held as the chat template's rendering of its text tokenizes it (the
+tokens a request sending the conversation without the session gets): the output's longest
+prefix that is those tokens stays, the rest is replaced (review 30a F2: "\\n\\n" generated as one
+token, two in the rendering), and where the reply's first characters tokenize with the
+prompt's last text, the cut reaches into the prompt (``cut_turn``'s ``lead``).
 """
 
 from __future__ import annotations
@@ -84,6 +95,11 @@ class Session:
     or the last turn was marked and its policy state, rebuilt, descends from that loss;
     ``previous_lost``: the same for the history kept to undo the last turn (``rewind``).
     ``opened_by``: the request id of the turn that opened the session here (its first).
+    ``num_computed_tokens`` is less when the history was cut (``SessionTable.cut``): the tokens
+    past it have no KV, and the next turn computes them. ``cut``: a cut of the running turn's
+    history the cache node asked for before the engine handed the turn over (its compaction put
+    off: ``LLMEngine._settling``): (the turn's request id, the history's length to keep, the
+    tokens to append); ``detach`` makes it.
     """
 
     session_id: str
@@ -102,6 +118,7 @@ class Session:
     lost: LostState | None = None
     previous_lost: LostState | None = None
     opened_by: str = ""
+    cut: tuple[str, int, list[int]] | None = None
 
     @property
     def num_held_blocks(self) -> int:
@@ -247,6 +264,7 @@ class SessionTable:
             return False
         sess.active_request = None
         sess.last_used_s = time.monotonic()
+        cut, sess.cut = sess.cut, None
         if sess.kept_for is seq:
             sess.kept_for = seq.kept = None
             if aborted and sess.kv is not None:  # the history pays for its state again
@@ -271,7 +289,69 @@ class SessionTable:
         # others)
         marked = seq.policy_stats.get("session_state_dropped") and sess.kv is not None
         sess.lost = LostState(sess.policy, sess.compacted) if marked else None
+        if cut is not None and cut[0] == seq.request_id:
+            self.cut(sess, cut[1], cut[2])
         return True
+
+    def cut_turn(self, session_id: str, request_id: str, prompt_len: int, output: tuple[int, ...], keep: int,
+                 tail: list[int], lead: tuple[int, ...] | list[int] = (), running: Sequence | None = None) -> bool:
+        """The turn ``request_id`` of ``session_id`` (its prompt of ``prompt_len`` tokens, its
+        ``output``) ended, and its client got the text of its first ``keep`` output tokens and
+        then that of ``tail``: the history keeps those tokens (``cut``), at once when the turn's
+        end is the history, else when the engine hands the turn over (``Session.cut``: its
+        compaction was put off; ``running``, the finished turn's sequence, gives its prompt).
+        ``lead``: the ids the prompt ends with (checked), which a negative ``keep`` cuts into
+        (a reply whose first characters a rendering tokenizes with the text before them).
+        False, changing nothing, when the session is neither, or the prompt does not end with
+        ``lead``.
+        """
+        sess = self.sessions.get(session_id)
+        lead = list(lead)
+        if sess is None or len(lead) > prompt_len or not -len(lead) <= keep <= len(output):
+            return False
+        if sess.active_request == request_id:  # (finished: the engine hands it over later)
+            if lead and (running is None or running.request_id != request_id
+                         or running.prompt_token_ids[prompt_len - len(lead):prompt_len] != lead):
+                return False
+            sess.cut = (request_id, prompt_len + keep, list(tail))
+            return True
+        if (sess.active_request is not None or len(sess.token_ids) != prompt_len + len(output)
+                or sess.token_ids[prompt_len:] != list(output)
+                or sess.token_ids[prompt_len - len(lead):prompt_len] != lead):
+            return False
+        self.cut(sess, prompt_len + keep, tail)
+        return True
+
+    def cut(self, sess: Session, length: int, tail: list[int]) -> None:
+        """Cut idle ``sess``'s history to its first ``length`` tokens and append ``tail`` (no KV).
+
+        KV of the tokens past the cut is freed: the blocks past it go back to the pool (full
+        ones stay cached, their tokens as they were), and so does the block the cut falls in
+        when it is cached or shared (the next turn writes the slots past the cut: a cached
+        block would then match its old tokens with other KV), whose first tokens the next turn
+        computes again. A policy state cannot be cut to a token prefix: the session loses it
+        (``lose``: its next turn of a compressing policy is marked) and keeps the tokens alone.
+        Cut at or past the computed tokens (a stop string within the last output token, whose
+        KV is never computed), the KV stays.
+
+        Regression: the history kept the stop string's tokens, which the client never got, so
+        the next turn attended to them and answered otherwise than the same conversation sent
+        without the session.
+        """
+        if length < sess.num_computed_tokens:
+            if sess.kv is not None:
+                self.lose(sess)
+                sess.num_computed_tokens = 0
+            else:
+                bs = self.kv_manager.block_size
+                kept = min(-(-length // bs), len(sess.blocks))  # (regression, review 30i F1: unpinned)
+                if length % bs and kept and (sess.blocks[kept - 1].block_hash is not None
+                                             or sess.blocks[kept - 1].ref_cnt > 1):
+                    kept -= 1
+                past, sess.blocks = sess.blocks[kept:], sess.blocks[:kept]
+                self.kv_manager.pool.free(past[::-1])
+                sess.num_computed_tokens = min(length, kept * bs)
+        sess.token_ids = sess.token_ids[:length] + list(tail)
 
     def rewind(self, session_id: str, history: list[int] | None, prompt_len: int, output: tuple[int, ...]) -> bool:
         """Undo the turn that just finished in ``session_id`` (its prompt of ``prompt_len``
@@ -395,7 +475,10 @@ class SessionTable:
         self._drop_kv(sess)
         self.kv_manager.pool.free(list(reversed(sess.blocks)))
         sess.blocks = []
-        sess.num_evicted_tokens = 0
+        # no KV left: none of the history is computed (review 30i F1: a stop-string turn's
+        # session unpinned before the next step delivered its end kept its count, and the
+        # node's cut of its history indexed an empty block list: IndexError, the step loop died)
+        sess.num_evicted_tokens = sess.num_computed_tokens = 0
 
     def _park(self, sess: Session) -> None:
         """Keep the history as it is now (``Session.previous``) until the next engine step

@@ -73,7 +73,8 @@ def admin_rotate_key(
 def admin_flush(gateway: str | None = GatewayOpt) -> None:
     """Drop every cached KV block on every healthy node: device, host and spill tiers, and the
     stored compressed prefixes (blocks of running requests and of open sessions stay). Prints
-    the blocks freed, in all and per tier."""
+    the blocks freed, in all and per tier. Exits 1 when it is not all done: nodes held down are
+    skipped (named), and a cache node or spill node that did not answer fails it (named)."""
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Flush(admin_pb2.FlushRequest(), metadata=admin_metadata(gateway),
@@ -114,7 +115,8 @@ def admin_drain(
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Let every healthy node's running requests finish for up to `--timeout-s` seconds, then
-    abort the rest (their clients see finish reason `abort`). Prints how many were aborted."""
+    abort the rest (their clients see finish reason `abort`). Prints how many were aborted. New
+    requests are not stopped: they are admitted as before (stop the clients first)."""
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Drain(admin_pb2.DrainRequest(timeout_s=timeout_s),

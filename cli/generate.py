@@ -19,6 +19,7 @@ from cli.constraints import NO_CONSTRAINTS, Constraints, constraints
 from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import RPC_TIMEOUT_S, gateway_channel
+from cli.tools import apply_tools, tool_call_lines
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services.node_request import MAX_PRIORITY, MIN_PRIORITY
 
@@ -26,6 +27,7 @@ FINISH_REASONS = {
     "stop": "the model ended its answer",
     "length": "max_tokens reached (or the model's context length)",
     "abort": "the server aborted the request (a drain or a node failure)",
+    "tool_calls": "the model called the tools listed above",
 }
 """What each ``GenerateFinished.finish_reason`` means, as ``generate`` prints it."""
 
@@ -59,9 +61,13 @@ def finish_line(finished: inference_pb2.GenerateFinished, stop: Sequence[str] = 
             f"TPOT {finished.tpot_ms:.0f} ms")
 
 
-def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop: Sequence[str] = ()) -> None:
+def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop: Sequence[str] = (),
+              hold: bool = False) -> None:
     """Write the deltas of a ``Generate`` stream to ``out``, then the finish line (``stop``: the
-    request's stop strings, see ``finish_line``).
+    request's stop strings, see ``finish_line``). ``hold`` (a request with tools): the text is
+    written at the end, and a reply read as tool calls is written as its content and one line
+    per call, as the HTTP API's stream holds a call's text back (trial 30n P7: the call's JSON,
+    and with auto its ``<tool_call>`` markup, was streamed, then the call line repeated it).
 
     ``call`` is the stub's response iterator (a ``grpc.Call``). On ``KeyboardInterrupt``
     (Ctrl-C) the call is cancelled, so the gateway aborts the request on its node, the
@@ -73,18 +79,27 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
         typer.Exit: after a cancel (``CANCELLED_EXIT_CODE``), or 1 when the server aborted the
             request (finish reason ``abort``: a drain or a node failure cut the answer off).
     """
-    mid_line = False
+    mid_line, held = False, []
     try:
         for msg in call:
             kind = msg.WhichOneof("event")
             if kind == "delta" and msg.delta.text:
+                if hold:
+                    held.append(msg.delta.text)
+                    continue
                 out.write(msg.delta.text)
                 out.flush()
                 mid_line = not msg.delta.text.endswith("\n")
             elif kind == "finished":
+                if hold:
+                    text = msg.finished.content if msg.finished.tool_calls else "".join(held)
+                    out.write(text)
+                    mid_line = bool(text) and not text.endswith("\n")
                 if mid_line:
                     out.write("\n")
                 mid_line = False
+                out.writelines(line + "\n" for line in tool_call_lines(msg.finished))  # (--tools)
+                out.flush()
                 console.print(f"[dim]{finish_line(msg.finished, stop)}[/dim]", soft_wrap=True)
                 if msg.finished.finish_reason == "abort":  # cut off by the server: not done
                     raise typer.Exit(1)
@@ -92,6 +107,9 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
         cancel = getattr(call, "cancel", None)
         if cancel is not None:
             cancel()
+        if held:  # (hold: what arrived is still shown)
+            out.write("".join(held))
+            mid_line = not held[-1].endswith("\n")
         if mid_line:
             out.write("\n")
         out.flush()
@@ -145,6 +163,13 @@ def generate(
                                                 help="add BIAS in [-100, 100] to token ID's logit (repeat)"),
     allowed_token_ids: list[int] | None = typer.Option(None, "--allowed-token-id", metavar="ID",
                                                        help="only these token ids may be generated (repeat)"),
+    tools: str | None = typer.Option(None, "--tools", metavar="JSON",
+                                     help="tools the model may call: a JSON list in OpenAI's shape "
+                                     "([{\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}]; its "
+                                     "text, or @FILE)"),
+    tool_choice: str | None = typer.Option(None, "--tool-choice", metavar="CHOICE",
+                                           help="none, auto (the default with --tools; needs the server's tool "
+                                           "call parser), required, or a function name of --tools"),
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Stream a chat completion to the terminal; the last line says why it ended and how fast it was.
@@ -155,14 +180,16 @@ def generate(
     Greedy by default (`--temperature 0`; the HTTP API's default is OpenAI's 1). Finish reasons:
     `stop` (the model ended its answer, or a `--stop` string matched: the server reports both as
     `stop`, so with --stop the line names both), `length` (max_tokens reached), `abort` (the
-    server aborted it). Ctrl-C cancels the request (exit code 130).
+    server aborted it), `tool_calls` (with --tools: the reply was read as tool calls, one line
+    each, `tool call ID: NAME(ARGUMENTS)`). Ctrl-C cancels the request (exit code 130).
     """
     constrained = constraints(json_object, json_schema, regex, choice, grammar, logit_bias, allowed_token_ids)
     req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop, constrained)
+    apply_tools(req, tools, tool_choice)
     with gateway_channel(gateway) as ch:
         try:
             stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
-                req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout, stop or ())
+                req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout, stop or (), hold=bool(req.tools))
         except grpc.RpcError as err:
             fail(err)
 

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pydantic
@@ -144,6 +145,35 @@ def _ray_start_error(stderr: str, stdout: str, limit: int = 400) -> str:
                      if line.strip()), "no output")
     return text[:limit]
 
+def _fixed_ports(cfg: Any) -> list[tuple[int, str, str]]:
+    """(port, host, config field) of each fixed port ``kvstrata up`` binds on this machine: the
+    gateway's gRPC and HTTP ports and its metrics port (0 or off: none). Regression (trial 30n
+    P1): only the gRPC port was checked, so with port 8000 (the HTTP API's default, vLLM's and
+    Jupyter's too) taken, ``up`` failed after loading the model, with no cause shown."""
+    ports = [(cfg.gateway_port, cfg.gateway_host, "gateway_port"), (cfg.http_port, cfg.gateway_host, "http_port")]
+    if cfg.metrics_enabled and cfg.metrics_host != "node_ip":
+        ports.append((cfg.gateway_metrics_port, cfg.metrics_host, "gateway_metrics_port"))
+    return [(port, host, field) for port, host, field in ports if port]
+
+
+def failure_text(exc: BaseException) -> str:
+    """One line saying why ``exc`` happened: for an error raised in a Ray actor, its cause's
+    type and message (Ray's own text starts with a ``ray::Actor.method() (pid=...)`` header and
+    the remote traceback). Regression (trial 30n P1): ``kvstrata up failed: ray::RayGateway.start()
+    (pid=..., repr=...)`` was all a taken HTTP port printed; the OSError was dropped."""
+    seen: set[int] = set()
+    while isinstance(getattr(exc, "cause", None), BaseException) and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.cause  # type: ignore[attr-defined]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return repr(exc)
+    if lines[0].startswith("ray::") and len(lines) > 1:  # a remote traceback: its last line is the error
+        return lines[-1]
+    text = lines[0]
+    return text if type(exc).__module__.startswith("ray") else f"{type(exc).__name__}: {text}"
+
+
 
 def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         None, help="join this Ray cluster (e.g. auto); default: start a local one"),
@@ -176,9 +206,9 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     saved = read_state()
     if saved.get("address") and reachable(saved["address"]):
         die(f"kvstrata is already up at {saved['address']}; run `kvstrata down` first")
-    if cfg.gateway_port and reachable(f"{cfg.gateway_host}:{cfg.gateway_port}", 0.5):
-        die(f"port {cfg.gateway_port} on {cfg.gateway_host} is taken; set gateway_port in the config "
-            "(0 = any free port)")
+    for port, host, field in _fixed_ports(cfg):  # refused at once, not after the model loads
+        if reachable(f"{host}:{port}", 0.5):
+            die(f"port {port} on {host} is taken; set {field} in the config (0 = any free port)")
     started_ray = address is None
     temp_dir, token = "", None
     if started_ray:
@@ -202,8 +232,7 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         elif ray.is_initialized():  # a joined cluster: the detached actors placed so far (review 23d, H)
             with contextlib.suppress(Exception):
                 _kill_services(cfg.namespace, "")
-        console.print(f"[red]kvstrata up failed:[/red] {escape(str(exc).splitlines()[0] if str(exc) else repr(exc))}",
-                      soft_wrap=True)
+        console.print(f"[red]kvstrata up failed:[/red] {escape(failure_text(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
     if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`
         address = ray.get_runtime_context().gcs_address

@@ -42,7 +42,7 @@ from cache_node.policies.base import PolicyEnv
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
-from services.actor_refs import actor_restarts, resolve
+from services.actor_refs import ActorRef, actor_restarts, resolve
 from services.block_reports import BlockReporter
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
@@ -335,6 +335,8 @@ class CacheNodeActor(CacheNode):
         security: Security | None = None, metrics: MetricsEndpoint | None = None,
     ) -> None:
         scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
+        spill_names = [node.name if isinstance(node, ActorRef) else f"spill node {i}"
+                       for i, node in enumerate(spill_nodes or [])]
         spill_nodes = [resolve(node) for node in spill_nodes or []]
         self._reporter = BlockReporter(scheduler) if scheduler else None
         sink = self._report_blocks if self._reporter is not None else None
@@ -342,7 +344,7 @@ class CacheNodeActor(CacheNode):
         if spill_nodes and spill_spec is not None:
             from services.spill_client import RaySpillClient
 
-            spill = RaySpillClient(spill_nodes, spill_spec.shape, spill_spec.dtype)
+            spill = RaySpillClient(spill_nodes, spill_spec.shape, spill_spec.dtype, names=spill_names)
         super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill, security)
         if spill_spec is not None and spill_spec != self.engine.spill_block_spec():
             raise RuntimeError(

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cache_node.tiers.spill_api import SpillFlushIncomplete
+
 STATS_EVERY_S = 0.1
 """The step thread refreshes the ``stats`` snapshot at most this often (it walks every block)."""
 
@@ -60,21 +62,47 @@ class Admin:
                 "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}
 
     async def flush(self) -> int:
-        """``flush_by_tier``'s blocks dropped, all tiers together."""
-        return sum((await self.flush_by_tier()).values())
+        """``flush_by_tier``'s blocks dropped, all tiers together.
 
-    async def flush_by_tier(self) -> dict[str, int]:
+        Raises:
+            RuntimeError: a spill node may still hold blocks (``spill_unflushed``).
+        """
+        dropped = await self.flush_by_tier()
+        if dropped.get("spill_unflushed"):
+            raise RuntimeError(f"spill flush incomplete: {dropped['spill_unflushed']}")
+        return sum(dropped[kind] for kind in ("device", "prefixes", "host", "spill"))
+
+    async def flush_by_tier(self, spill_timeout_s: float | None = None) -> dict[str, Any]:
         """Drop every cached block not in use (device and host tiers and the stored compressed
         prefixes at the next step boundary, then the spill tier off the step thread); returns
         the blocks dropped per kind (``LLMEngine.flush_by_tier``: ``device``, ``prefixes``,
         ``host``, ``spill``; the spill nodes are shared by every cache node, so the first to
-        flush them counts their blocks).
+        flush them counts their blocks), and ``spill_unflushed`` (spill node name -> why) when
+        a spill node did not confirm the flush: it may still hold its blocks.
+
+        ``spill_timeout_s``: the whole call, counted from its start, ends within it (None: the
+        spill client's timeouts), so that the caller (the gateway, which waits
+        ``node_timeout_s`` for this node) hears which spill node was silent rather than timing
+        this node out. The step boundary comes first (a stuck step loop is this node's silence).
 
         Regression (hardening review): the spill flush ran on the step thread, behind a spill
         put in progress; a stalled spill node froze every stream on the node for up to both
-        timeouts (~60 s) while its health kept answering."""
-        dropped = await self._between_steps(lambda: self.engine.flush_by_tier(spill=False))
-        return dropped | {"spill": await asyncio.to_thread(self.engine.flush_spill)}
+        timeouts (~60 s) while its health kept answering.
+        Regression (session 30): a spill node that did not answer within the client's 30 s
+        counted as 0 dropped and the flush as done, racing the gateway's own 30 s.
+
+        Raises:
+            ValueError: ``spill_timeout_s`` is negative or not finite.
+        """
+        if spill_timeout_s is not None and not (math.isfinite(spill_timeout_s) and spill_timeout_s >= 0):
+            raise ValueError(f"spill_timeout_s must be a finite number >= 0, got {spill_timeout_s}")
+        start = time.monotonic()
+        dropped: dict[str, Any] = await self._between_steps(lambda: self.engine.flush_by_tier(spill=False))
+        left = None if spill_timeout_s is None else max(0.0, spill_timeout_s - (time.monotonic() - start))
+        try:
+            return dropped | {"spill": await asyncio.to_thread(self.engine.flush_spill, left)}
+        except SpillFlushIncomplete as exc:
+            return dropped | {"spill": exc.dropped, "spill_unflushed": exc.unflushed}
 
     async def drain(self, timeout_s: float = 0.0) -> int:
         """Let the requests running now finish for up to ``timeout_s`` seconds, then abort

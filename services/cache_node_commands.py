@@ -192,8 +192,11 @@ class Commands:
         KV of its own namespace (``own_namespace``, salted variants too) is dropped on every
         tier: device, host, stored compressed prefixes here, and the spill nodes' RAM and group
         files (``LLMEngine.drop_namespace``; the spill part on a thread of its own, off the step
-        thread). Regression (review 23d, E): the deleted tenant's blocks stayed cached, and its
-        prompts' token ids stayed in the spill files across restarts. A tenant whose spec names
+        thread); so are the compiled grammars of that namespace, the tenant's claims on the
+        others and its failed specs (``LLMEngine.forget_tenant_grammars``). Regression (review
+        23d, E): the deleted tenant's blocks stayed cached, and its prompts' token ids stayed
+        in the spill files across restarts; (review 30b F1) its grammars stayed, and told which
+        specs it had used to any tenant timing a request. A tenant whose spec names
         a shared ``cache_namespace`` never hashed a block under its own namespace: the shared
         namespace's blocks are the other tenants' too and stay. Returns the streams ended."""
         ids = [rid for rid, stream in list(self._streams.items()) if stream.request.tenant == tenant]
@@ -228,9 +231,11 @@ class Commands:
         self._purges.discard(tenant)
         namespace = own_namespace(tenant)
         dropped = self.engine.drop_namespace(namespace, spill=False)
+        grammars = self.engine.forget_tenant_grammars(tenant, namespace)
         threading.Thread(target=self.engine.drop_spill_namespace, args=(namespace,),
                          name=f"drop-{namespace}", daemon=True).start()
-        log.info("cache node %s: dropped %s cached blocks of deleted tenant %s", self.node_id, dropped, tenant)
+        log.info("cache node %s: dropped %s cached blocks and %d grammars of deleted tenant %s", self.node_id, dropped,
+                 grammars, tenant)
 
     def _end_stream(self, request_id: str, code: str, message: str) -> None:
         """Send ``request_id``'s stream its last event, an error ``code``, and abort the request

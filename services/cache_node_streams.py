@@ -10,8 +10,9 @@ sent when the engine first schedules it, before that step's forward pass.
 Stop strings (``SamplingParams.stop``) are matched here, where the output is detokenized
 (``cache_node.stop_strings.StopMatcher``): a delta's text holds back a tail that could begin a
 stop string; the token whose text completes one ends the request in the engine at once, with
-finish_reason "stop" (before the next step: no token after it is generated, and a session's
-history ends with it), and the text is cut before the stop string. A tail still held back
+finish_reason "stop" (before the next step: no token after it is generated), and the text is
+cut before the stop string; a chat session's history keeps the tokens of the cut text alone
+(``Streams._cut_session_history``), a token-id session's ends with that token. A tail still held back
 when the request ends otherwise goes out as a last delta without token ids. A character whose
 bytes span tokens is held back until its last token (its first bytes decode as U+FFFD). The
 output is detokenized incrementally (``cache_node.detokenizer``): a step decodes the last few
@@ -45,7 +46,7 @@ from typing import Any
 from cache_node.detokenizer import IncrementalDetokenizer
 from cache_node.outputs import RequestOutput
 from cache_node.stop_strings import StopMatcher
-from services.chat import Messages, content_chars
+from services.chat import Messages, content_chars, encode_text
 from services.chat_tools import check_tool_output, template_call
 from services.node_request import NodeRequest, logprobs_entry, prompt_logprobs_entry
 from services.tool_calls import ToolOutput  # (the edge's reader: no web stack, review 29i F6)
@@ -431,13 +432,77 @@ class Streams:
 
     def _end_session_turn(self, stream: _Stream, out: RequestOutput) -> None:
         req = stream.request
-        if not req.session_id or out.finish_reason == "abort" or not req.messages:
+        if not req.session_id or out.finish_reason == "abort":
             return
         text = "".join(stream.sent)
+        self._cut_session_history(stream, out, text)
+        if not req.messages:
+            return
         answer, tool_reply = _kept_reply(req.tool_output, text, out.finish_reason), None
         if "tool_calls" in answer:
             tool_reply = text
         self._session_messages.add(req.session_id, req.tenant, [*req.messages, answer], req.tools, tool_reply)
+
+    def _cut_session_history(self, stream: _Stream, out: RequestOutput, text: str) -> None:
+        """Step thread, at a session turn's end: make the session's history hold the tokens of
+        the reply its client got (``text``), not the tokens generated past it
+        (``reply_in_history``; ``LLMEngine.cut_session_turn`` frees their KV). A chat turn's
+        history holds its reply as the chat template renders the kept message: no token that
+        renders as nothing there (a special token other than the template's EOS, drawn as a
+        stop token), and a last character cut in its bytes ("\ufffd") as that character's own
+        tokens. A token-id turn's history is not cut: its client got every token id (each
+        delta's ``token_ids``, the stop string's too: tokens in, tokens out), and its history
+        ends with the token that completed a stop string (README, gRPC; review 30i F6: 29f6264
+        cut it to the text, so a client keeping the ids it got held another history than the
+        session, and tests/test_node_stop_strings.py's history check failed).
+
+        Regression: a reply cut at a stop string kept the stop string's tokens (and the text of
+        its last token past the cut) in the history while the client and the kept messages had
+        the cut text, so the next turn attended to tokens the client never saw and answered
+        otherwise than the same conversation sent without the session."""
+        tokenizer, output, req = self.tokenizer, out.output_token_ids, stream.request
+        if tokenizer is None or not output or not req.messages or self._cut_to_rendering(stream, output, text):
+            return
+        # a template whose reply's tokens ``reply_tokens`` cannot tell: the text's own cut
+        stopped = stream.stops is not None and stream.stops.stopped
+        eos = self.templater.eos_token_id if self.templater is not None else None
+        specials = frozenset(tokenizer.all_special_ids) - {eos}
+        cut = reply_in_history(partial(tokenizer.decode, skip_special_tokens=True), partial(encode_text, tokenizer),
+                               output, text, stopped or text.endswith("\ufffd"), specials.__contains__)
+        if cut is not None and not self.engine.cut_session_turn(req.session_id, req.request_id, stream.prompt_tokens,
+                                                                output, *cut):
+            log.warning("cache node %s: session %s changed before its turn %s's history could be cut to its reply",
+                        self.node_id, req.session_id, req.request_id)
+
+    def _cut_to_rendering(self, stream: _Stream, output: tuple[int, ...], text: str) -> bool:
+        """Step thread, at a chat session turn's end: make the history hold the reply its client
+        got (``text``) as the tokens a rendering of the conversation holds for it
+        (``ChatTemplater.reply_tokens``), so the next turn's prompt is token for token the one
+        the same conversation sent without the session gets: the longest prefix of the output
+        that is those tokens stays, with its KV; the rest of them replaces the output's other
+        tokens (``LLMEngine.cut_session_turn``). That covers every end: a reply cut at a stop
+        string, a special stop token (no text), a last character cut in its bytes, an EOS (kept
+        as the reply's close), ``max_tokens``, a reply kept as tool calls (the history holds
+        the text generated, which the template must render as such: ``continue_session``).
+        False when the templater cannot tell the reply's tokens or the prompt does not end as
+        it expects (then ``reply_in_history``). Cost: one tokenizer call on the reply's text
+        (~1.8 us a token for SmolLM2: 11 ms for 6,000 tokens) and a list comparison.
+
+        Regression (review 30a F2): the history kept the tokens the model generated while a
+        request without the session sends the reply's text, which the template tokenizes anew
+        (SmolLM2 generates "\\n\\n" as one token, which encodes as two): 2 of 6 two-turn greedy
+        conversations had other prompts (107 tokens against 108) and other answers."""
+        templater = self.templater
+        eos = templater.eos_token_id if templater is not None else None
+        rendered = templater.reply_tokens(text, eos is not None and output[-1] == eos) if templater else None
+        if rendered is None:
+            return False
+        lead, tokens = rendered
+        cut = rendering_cut(lead, output, tokens)
+        if cut is None:
+            return True
+        req = stream.request
+        return self.engine.cut_session_turn(req.session_id, req.request_id, stream.prompt_tokens, output, *cut, lead)
 
     def _finished_event(self, out: RequestOutput, stream: _Stream) -> Event:
         ttft_ms = (out.ttft_s or 0.0) * 1000.0
@@ -481,6 +546,50 @@ def _kept_reply(tool_output: str, text: str, finish_reason: str | None) -> dict[
     calls = [template_call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields["tool_calls"]]
     return {"role": "assistant", "content": fields.get("content") or "",
             "tool_calls": json.dumps(calls, ensure_ascii=False, separators=(",", ":"))}
+
+
+def reply_in_history(decode: Callable[[list[int]], str], encode: Callable[[str], list[int]], output: tuple[int, ...],
+                     text: str, changed: bool, drop: Callable[[int], bool]) -> tuple[int, list[int]] | None:
+    """How a session's history must hold a turn's ``output`` for its reply to be ``text`` (what
+    its client got): (``keep``, ``tail``), its first ``keep`` tokens and then ``tail``, the rest
+    of ``text`` tokenized; None when ``output`` is that already. ``changed``: ``text`` may not
+    be ``output``'s decoding (cut at a stop string, or ending in a character cut in its bytes);
+    else ``text`` is its decoding and only the trailing tokens ``drop`` names (rendering as
+    nothing in the kept reply) go. ``keep`` is the most tokens whose decoding ``text`` starts
+    with (a character cut in its bytes at ``text``'s end is no part of it), found in O(log n)
+    decodings; ``drop`` tokens before it go as well.
+    """
+    end = len(output)
+    while end and drop(output[end - 1]):
+        end -= 1
+    if not changed:
+        return None if end == len(output) else (end, [])
+    whole = text.removesuffix("\ufffd")  # (a character cut in its bytes: tokenized anew)
+    lo, hi = 0, end  # the decoding of ``output[:lo]`` starts ``whole``
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if whole.startswith(decode(list(output[:mid]))):
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo and drop(output[lo - 1]):
+        lo -= 1
+    rest = text[len(decode(list(output[:lo]))):]
+    if lo == len(output) and not rest:
+        return None
+    return lo, encode(rest) if rest else []
+
+
+def rendering_cut(lead: list[int], output: tuple[int, ...], tokens: list[int]) -> tuple[int, list[int]] | None:
+    """(``keep``, ``tail``): the history of a turn whose prompt ends with ``lead`` and whose
+    ``output`` must read as ``tokens`` (``ChatTemplater.reply_tokens``: ``lead``, then the
+    reply's tokens as a rendering holds them) keeps its first ``keep`` output tokens (negative:
+    it drops the prompt's last ``-keep``) and then ``tail``; None when it holds them already."""
+    have = [*lead, *output]
+    same = next((i for i, (a, b) in enumerate(zip(have, tokens)) if a != b), min(len(have), len(tokens)))
+    if same == len(have) == len(tokens):
+        return None
+    return same - len(lead), tokens[same:]
 
 
 PROMPT_LOGPROBS_PER_EVENT = 512

@@ -167,6 +167,42 @@ class ChatTemplater:
     def encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
 
+    @functools.cached_property
+    def reply_lead(self) -> tuple[str, list[int]] | None:
+        """The text the template writes between the generation prompt's last added token
+        (``<|im_start|>`` for ChatML) and the assistant's reply (``"assistant\\n"``), and its
+        token ids: the tokenizer splits a rendering at added tokens, so the reply's tokens in a
+        rendered conversation are those of this text and the reply together, less this text's
+        (``reply_tokens``). None when the template refuses a one-message conversation or its
+        generation prompt holds no added token (the reply's tokens then depend on the whole
+        conversation before it)."""
+        try:
+            text = self.render([{"role": "user", "content": "x"}])
+        except TemplateRefusal:
+            return None
+        added = [t.content for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values() if t.content]
+        end = max((text.rfind(a) + len(a) for a in added if a in text), default=-1)
+        if end < 0:
+            return None
+        return text[end:], self.encode(text[end:])
+
+    def reply_tokens(self, text: str, eos: bool) -> tuple[list[int], list[int]] | None:
+        """(``lead``, ``tokens``): the token ids a rendering of the conversation holds for an
+        assistant reply of ``text`` (closed by EOS: ``eos``), as a request sending that
+        conversation without its session gets them, after the ``lead`` ids of ``reply_lead``
+        (which its prompt ends with when the template renders it as this templater's own
+        probe does: the engine checks, ``SessionTable.cut_turn``); ``tokens`` starts with them
+        unless the reply's first characters tokenize together with the lead's. None without a
+        ``reply_lead``. One tokenizer call on the reply's text (~1.8 us a token, SmolLM2).
+        """
+        lead = self.reply_lead
+        if lead is None:
+            return None
+        tokens = self.encode(lead[0] + text)
+        if eos and self.eos_token_id is not None:
+            tokens.append(self.eos_token_id)
+        return lead[1], tokens
+
     def estimate_tokens(self, messages: Messages) -> int:
         """Prompt tokens ``messages`` add, for admission's TTFT estimate when the node renders
         them (a session turn: the gateway does not hold the history). Exact for a session's
@@ -202,10 +238,14 @@ class ChatTemplater:
         (``first_turn(history + new, tools)``: exact, its history's KV past the common prefix
         computed again).
 
-        ``history_tokens`` ends with the assistant's last generated token (EOS when it stopped,
-        otherwise EOS is appended as the template would close the message). It continues only
-        when the template renders the history as its tokens hold it: the whole conversation's
-        rendering starts with the history's, the history was rendered with the same tools
+        ``history_tokens`` ends with the assistant's last reply (EOS when it stopped, otherwise
+        EOS is appended as the template would close the message), held as the tokens a
+        rendering of the conversation holds for the reply's text, not as the model generated
+        them (the cache node cuts each turn's history so: ``Streams._cut_to_rendering``,
+        ``reply_tokens``; review 30a F2: SmolLM2's one-token "\\n\\n" is two tokens in the
+        rendering, so a continuation was a token shorter than the conversation's prompt). It
+        continues only when the template renders the history as its text holds it: the whole
+        conversation's rendering starts with the history's, the history was rendered with the same tools
         (``same_tools``: templates put tools in the system prompt, so other tools are another
         prefix), and a last reply kept as tool calls (``tool_reply``: the text the model
         generated, whose tokens the history holds) renders as that very text (a template

@@ -17,7 +17,10 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.chat import ChatTemplater
 
 MAX_TOOLS = 128
 """Most tools one body may list (OpenAI's bound)."""
@@ -41,6 +44,12 @@ a model writes them): past it the node refuses the request before rendering (the
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 """OpenAI's pattern for a function's name."""
 
+LONE_SURROGATE = "holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff unpaired: not UTF-8 text)"
+"""How a JSON text whose value is not UTF-8 text is refused (``lone_surrogate``)."""
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_UNPARSED: Any = object()
+
 _TOOL_OUTPUT_MODES = ("named", "required", "auto")
 
 
@@ -55,6 +64,41 @@ def json_depth(value: Any, most: int = MAX_TOOL_DEPTH) -> int:
     return deepest
 
 
+def lone_surrogate(text: str, value: Any = _UNPARSED) -> bool:
+    """Whether the JSON ``text`` (parsed already: ``value``) holds a string that is no UTF-8
+    text: an escape of a lone UTF-16 surrogate (``"\\ud800"``) is valid JSON, and ``json.loads``
+    makes it a ``str`` that cannot be encoded. Text that does not parse: False. Only text with
+    such an escape is parsed or walked (without recursion: any depth).
+
+    Every JSON text a client sends inside a field (a tool's ``parameters`` and a call's
+    ``arguments`` over gRPC, a call's ``arguments`` over HTTP; the data plane's ``tools`` and
+    ``tool_calls``) is refused when this holds, naming the field, as the HTTP edge refuses such a
+    body (``openai_api.bodies.load_json``). Regression (review 30j F1): ``"\\ud800"`` in them
+    passed every check and ended INTERNAL (``UnicodeEncodeError`` packing a session turn for
+    its node, a ``TypeError`` tokenizing the rendered prompt), a 500 over HTTP."""
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return False
+    if value is _UNPARSED:
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def _loads(what: str, text: str, limit: int) -> Any:
     if len(text) > limit:
         raise ValueError(f"{what} holds {len(text)} characters of JSON; at most {limit} are allowed")
@@ -64,7 +108,18 @@ def _loads(what: str, text: str, limit: int) -> Any:
         raise ValueError(f"{what} must be JSON text") from None
     if json_depth(value) > MAX_TOOL_DEPTH:
         raise ValueError(f"{what} nests more than {MAX_TOOL_DEPTH} levels deep")
+    if lone_surrogate(text, value):
+        raise ValueError(f"{what} {LONE_SURROGATE}")
     return value
+
+
+def check_arguments(where: str, arguments: str) -> str:
+    """A tool call's ``arguments`` as a client sends it (either API), returned as given. Raises
+    ValueError naming ``where``: its JSON holds a lone surrogate (``lone_surrogate``); any
+    other text is taken (``template_call``)."""
+    if lone_surrogate(arguments):
+        raise ValueError(f"{where} {LONE_SURROGATE}")
+    return arguments
 
 
 def _name(what: str, value: Any) -> None:
@@ -127,13 +182,16 @@ def template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     tojson``): ``arguments`` an object when it is a JSON object's text nesting at most
     ``MAX_ARGUMENTS_DEPTH`` deep, else the text. Regression: arguments ~500 deep (a history's
     call, or a session's reply a regex made the model write) went to the template as an object,
-    whose ``tojson`` recursed past Python's limit: RecursionError on every render of it."""
+    whose ``tojson`` recursed past Python's limit: RecursionError on every render of it.
+    Arguments whose object holds a lone surrogate stay text too (a client's are refused before:
+    ``check_arguments``; a session reply's, the model's escapes, are kept as written)."""
     value: Any = arguments
     try:
         parsed = json.loads(arguments)
     except (ValueError, RecursionError):
         parsed = None
-    if isinstance(parsed, dict) and json_depth(parsed) <= MAX_ARGUMENTS_DEPTH:
+    if isinstance(parsed, dict) and json_depth(parsed) <= MAX_ARGUMENTS_DEPTH \
+            and not lone_surrogate(arguments, parsed):
         value = parsed
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
 
@@ -150,6 +208,37 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     (checked when it came off the wire: ``check_wire_tool_calls``)."""
     calls = message.get("tool_calls")
     return {**message, "tool_calls": json.loads(calls)} if isinstance(calls, str) else message
+
+
+def check_tool_answers(messages: Sequence[dict[str, Any]], where: str = "messages.{}.tool_call_id") -> None:
+    """Each tool message of ``messages`` (as the chat template takes them: a message's
+    ``tool_calls`` a list of ``{"id", ...}`` or its JSON text) answers a call of an earlier
+    assistant message, when any message carries ``tool_calls``; both APIs' rule for a whole
+    request (the HTTP edge's ``openai_api.messages.check_tool_answers``, the gRPC API's
+    ``convert.chat_messages_from_pb``).
+
+    OpenAI refuses a tool message whose ``tool_call_id`` answers no preceding assistant tool
+    call; vLLM checks nothing. The check is as strict as OpenAI's where the request itself
+    holds the calls: there a ``tool_call_id`` that matches none of them is a client's mistake
+    (a typo, a call id from another conversation) that the model would otherwise see as an
+    answer to nothing. It is skipped when no message carries ``tool_calls``: a client that
+    trims its history to the latest tool results, or sends a tool message in a session turn
+    (answering a call of the session's earlier reply, which its node keeps:
+    ``check_session_tool_answers``), works on vLLM, and refusing it would break it for no gain.
+    "Earlier" is any earlier assistant message, not only the one just before (OpenAI's rule).
+
+    Raises:
+        ValueError: worded ``<where>: ...``, ``where`` formatted with the first such message's
+            index.
+    """
+    if not any(message.get("tool_calls") for message in messages):
+        return
+    ids: set[str] = set()
+    for i, message in enumerate(messages):
+        ids |= _call_ids(message.get("tool_calls"))
+        if message.get("role") == "tool" and message.get("tool_call_id") not in ids:
+            raise ValueError(f"{where.format(i)}: {message.get('tool_call_id')!r} answers no tool call of an "
+                             "earlier assistant message (their tool_calls ids); a tool message must answer one")
 
 
 def check_session_tool_answers(kept: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> None:
@@ -226,3 +315,30 @@ def check_tool_output(text: str) -> tuple[str, str, bool, str] | None:
     if spec[0] == "named":
         _name("request.tool_output's name", spec[1])
     return spec[0], spec[1], spec[2], spec[3]
+
+
+def estimate_tools_tokens(templater: ChatTemplater | None, messages: Sequence[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None) -> int:
+    """Prompt tokens ``tools`` add to a session's first turn of ``messages``, which the chat
+    template renders with them (the gateway's ``extra["prompt_tokens_tools"]``; admission counts
+    them for a turn that opens its session, ``services.global_scheduler_routing.prompt_size``):
+    that turn rendered with the tools, less without them (0 for a template that leaves them
+    out). Their compact JSON's tokens when the template refuses the messages alone (a later
+    turn's), its characters / ``CHARS_PER_TOKEN`` without a template.
+
+    Regression: admission estimated a session's first turn from its messages alone, so a turn
+    whose template renders thousands of tokens of tools counted its few message tokens and was
+    admitted against a TTFT its node could not meet.
+    """
+    if not tools:
+        return 0
+    # (services.chat imports this module)
+    from services.chat import CHARS_PER_TOKEN, TemplateRefusal
+
+    text = json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+    if templater is None:
+        return len(text) // CHARS_PER_TOKEN + 1
+    try:
+        return max(len(templater.first_turn(messages, tools)) - len(templater.first_turn(messages)), 0)
+    except TemplateRefusal:
+        return len(templater.encode(text))

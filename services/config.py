@@ -181,10 +181,11 @@ class ServiceConfig(BaseModel):
     # 429 while they reach it, a built response that would pass it 429 unless the tenant holds
     # none.
     http_max_response_bytes_per_tenant: int = Field(64 << 20, ge=1 << 20)
-    # How tool_choice "auto" (the default when a chat body gives tools) reads tool calls from the
-    # generated text (services.openai_api.tool_calls): "hermes" (<tool_call>{json}</tool_call>,
-    # vLLM's --tool-call-parser hermes); "" (off, vLLM's default): "auto" is refused, a 400 naming
-    # tool_choice. "none", "required" and a named function are served either way.
+    # How tool_choice "auto" (the default when a chat body, or a gRPC GenerateRequest, gives tools)
+    # reads tool calls from the generated text (services.tool_calls): "hermes"
+    # (<tool_call>{json}</tool_call>, vLLM's --tool-call-parser hermes); "" (off, vLLM's default):
+    # "auto" is refused, a 400 (gRPC: INVALID_ARGUMENT) naming tool_choice. "none", "required" and
+    # a named function are served either way.
     tool_call_parser: Literal["", "hermes"] = ""
     # Bounds on what clients that read their streams slowly or not at all hold at the gateway
     # (services.gateway_stream_bounds.StreamLimits; gRPC and HTTP alike): Generate calls one tenant may

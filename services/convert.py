@@ -44,9 +44,25 @@ from cache_node.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
-from cache_node.structured_output import STRUCTURED_OUTPUT_KINDS, StructuredOutputSpec
+from cache_node.structured_output import (
+    MAX_SCHEMA_DEPTH,
+    STRUCTURED_OUTPUT_KINDS,
+    StructuredOutputSpec,
+)
 from kvstrata.v1 import admin_pb2, common_pb2, inference_pb2, tenant_pb2
+from services.chat_tools import (
+    LONE_SURROGATE,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
+    check_arguments,
+    check_tool_answers,
+    lone_surrogate,
+    template_call,
+)
+from services.chat_tools import NAME_PATTERN as TOOL_NAME_PATTERN
 from services.node_request import entry_logprobs, entry_prompt_logprobs
+from services.tool_requests import check_parameters, check_tools
 from tenants.model import POLICY_PATTERN, SloClass, Tenant, TenantSpec
 from tenants.usage import TenantUsage, TierTokens
 
@@ -60,6 +76,20 @@ MAX_PROMPT_CHARS = 1 << 20
 MAX_REQUEST_ID_CHARS = 256  # request_id, session_id (services.gateway.MAX_ID_CHARS checks them)
 MAX_MESSAGE_ID_CHARS = 256
 """Longest ``name`` or ``tool_call_id`` of a chat message (gRPC and HTTP alike)."""
+MAX_REQUEST_TOOL_CALLS = 1024
+"""Most ``ChatMessage.tool_calls`` of one request's messages together (each message at most
+``chat_tools.MAX_TOOL_CALLS``, 128), counted on the wire before it is parsed
+(``services.grpc_wire``), as ``MAX_CHAT_MESSAGES``: a session turn sends its new messages
+only, the node keeps the history's calls. The HTTP API's bound too (its body's messages'
+``tool_calls`` together: ``openai_api.messages.check_tool_answers``). Regression (review 30j F5):
+it was gRPC's alone, and 9 x 128 calls were served over HTTP, refused over gRPC."""
+MAX_TOOLS_TEXT_CHARS = 6 * MAX_TOOLS_CHARS
+"""Most characters of ``GenerateRequest.tools``' names, descriptions and parameters as sent,
+before any is parsed (``tools_from_pb``): what is counted against ``MAX_TOOLS_CHARS`` is their
+compact JSON (``tool_requests.check_tools``, as the HTTP API counts it), which whitespace and
+``\\uXXXX`` escapes (6 characters for one) do not reach. Regression (review 30j F3): the text as
+sent was held to ``MAX_TOOLS_CHARS``, so tools HTTP serves (pretty-printed, or escaped as
+``json.dumps`` writes by default) were refused over gRPC, with a count the client never wrote."""
 
 _SLO_CLASS_TO_PB: dict[SloClass, common_pb2.SloClass] = {
     SloClass.INTERACTIVE: common_pb2.SLO_CLASS_INTERACTIVE,
@@ -272,7 +302,8 @@ def structured_output_from_pb(msg: inference_pb2.StructuredOutput) -> Structured
     its JSON array text), which checks its size, JSON and choices.
 
     Raises:
-        ValueError: no member set, ``json_object`` false, or the spec's refusal; the message
+        ValueError: no member set, ``json_object`` false, a ``json_schema`` whose JSON holds a
+            lone surrogate (``chat_tools.lone_surrogate``), or the spec's refusal; the message
             starts with ``structured_output`` (``sampling_params_from_pb`` prefixes its path).
     """
     kind = msg.WhichOneof("constraint")
@@ -284,6 +315,8 @@ def structured_output_from_pb(msg: inference_pb2.StructuredOutput) -> Structured
                          "constraint)")
     if kind == "choice":  # at most MAX_CHOICES strings (grpc_wire counts them before parsing)
         return StructuredOutputSpec("choice", json.dumps(list(msg.choice.choices), ensure_ascii=False))
+    if kind == "json_schema" and lone_surrogate(msg.json_schema):  # (review 30j F1, as tools' parameters)
+        raise ValueError(f"structured_output.json_schema {LONE_SURROGATE}")
     return StructuredOutputSpec(kind, "" if kind == "json_object" else getattr(msg, kind))
 
 
@@ -342,69 +375,199 @@ def check_message_ids(where: str, role: str, name: str, tool_call_id: str) -> No
     """A message's ``name`` and ``tool_call_id`` ("": not given).
 
     Raises:
-        ValueError: one is longer than ``MAX_MESSAGE_ID_CHARS``, or ``tool_call_id`` is on a
-            message whose role is not ``tool`` (``where`` names the message).
+        ValueError: one is longer than ``MAX_MESSAGE_ID_CHARS``, ``tool_call_id`` is on a
+            message whose role is not ``tool``, or a tool message has none (``where`` names the
+            message). Regression (session 30): a gRPC tool message without one was served as an
+            answer to no call, which the HTTP API refuses.
     """
     for field, value in (("name", name), ("tool_call_id", tool_call_id)):
         if len(value) > MAX_MESSAGE_ID_CHARS:
             raise ValueError(f"{where}.{field} is longer than {MAX_MESSAGE_ID_CHARS} characters")
     if tool_call_id and role != "tool":
         raise ValueError(f"{where}.tool_call_id applies to tool messages (role \"tool\"), not to role {role!r}")
+    if role == "tool" and not tool_call_id:  # as the HTTP API's ChatMessage (OpenAI requires it)
+        raise ValueError(f"{where}.tool_call_id is required on a tool message (role \"tool\"): the id of the "
+                         "assistant's tool call it answers")
+
+
+def tool_calls_from_pb(calls: Sequence[inference_pb2.ToolCall], where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as the chat template takes them
+    (``chat_tools.template_call``, as the HTTP API's ``ToolCall.as_template``).
+
+    Raises:
+        ValueError: more than ``MAX_TOOL_CALLS``, an id not of 1 to ``MAX_MESSAGE_ID_CHARS``
+            characters, a name off OpenAI's pattern, or ``arguments`` whose JSON holds a lone
+            surrogate (``chat_tools.check_arguments``; ``where.tool_calls[j]`` named).
+    """
+    if len(calls) > MAX_TOOL_CALLS:
+        raise ValueError(f"{where}.tool_calls holds {len(calls)} calls; at most {MAX_TOOL_CALLS} are allowed")
+    for j, call in enumerate(calls):
+        if not 0 < len(call.id) <= MAX_MESSAGE_ID_CHARS:
+            raise ValueError(f"{where}.tool_calls[{j}].id must have 1 to {MAX_MESSAGE_ID_CHARS} characters")
+        if TOOL_NAME_PATTERN.fullmatch(call.name) is None:
+            raise ValueError(f"{where}.tool_calls[{j}].name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {call.name[:80]!r}")
+        check_arguments(f"{where}.tool_calls[{j}].arguments", call.arguments)
+    return [template_call(c.id, c.name, c.arguments) for c in calls]
 
 
 def chat_messages_from_pb(
     msg: inference_pb2.ChatMessages, prefix: str = "chat"
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` (with ``name`` and
-    ``tool_call_id`` where given: ``chat_message``) for the chat template.
+    ``tool_call_id`` where given: ``chat_message``; an assistant's ``tool_calls``:
+    ``tool_calls_from_pb``) for the chat template.
 
     Raises:
         ValueError: no messages or more than ``MAX_CHAT_MESSAGES``, more than
-            ``MAX_PROMPT_CHARS`` characters of text together (content, names, tool call ids),
-            a role outside ``CHAT_ROLES``, a bad ``name`` or ``tool_call_id``
-            (``check_message_ids``; named by index), or every message's content is blank.
+            ``MAX_PROMPT_CHARS`` characters of text together (content, names, tool call ids,
+            the tool calls' ids, names and arguments), a role outside ``CHAT_ROLES``, a bad
+            ``name`` or ``tool_call_id`` (``check_message_ids``; named by index), tool calls on
+            a message not the assistant's or bad ones, a tool message answering no earlier
+            call when any message has calls (``chat_tools.check_tool_answers``), or every
+            message's content is blank.
     """
     if not msg.messages:
         raise ValueError(f"{prefix}.messages must hold at least one message")
     if len(msg.messages) > MAX_CHAT_MESSAGES:
         raise ValueError(f"{prefix}.messages holds {len(msg.messages)} messages; "
                          f"at most {MAX_CHAT_MESSAGES} are allowed")
-    chars = sum(len(m.content) + len(m.name) + len(m.tool_call_id) for m in msg.messages)
+    chars = sum(len(m.content) + len(m.name) + len(m.tool_call_id)
+                + sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls) for m in msg.messages)
     if chars > MAX_PROMPT_CHARS:
         raise ValueError(f"{prefix}.messages hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
     if not any(m.content.strip() for m in msg.messages):
         raise ValueError(f"{prefix}.messages: every message is empty; the prompt needs some text")
+    messages: list[dict[str, Any]] = []
     for index, message in enumerate(msg.messages):
+        where = f"{prefix}.messages[{index}]"
         if message.role not in CHAT_ROLES:
-            raise ValueError(
-                f"{prefix}.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
-                f"got {message.role!r}"
-            )
-        check_message_ids(f"{prefix}.messages[{index}]", message.role, message.name, message.tool_call_id)
-    return [chat_message(m.role, m.content, m.name, m.tool_call_id) for m in msg.messages]
+            raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+        check_message_ids(where, message.role, message.name, message.tool_call_id)
+        converted: dict[str, Any] = chat_message(message.role, message.content, message.name, message.tool_call_id)
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise ValueError(f"{where}.tool_calls applies to assistant messages, not to role {message.role!r}")
+            converted["tool_calls"] = tool_calls_from_pb(message.tool_calls, where)
+        messages.append(converted)
+    check_tool_answers(messages, f"{prefix}.messages[{{}}].tool_call_id")
+    return messages
 
 
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
 
 
-def chat_messages_to_pb(messages: Sequence[Mapping[str, str]]) -> inference_pb2.ChatMessages:
-    """``[{"role", "content"[, "name"][, "tool_call_id"]}, ...]`` -> wire chat (clients);
-    validated like the server does.
+def chat_messages_to_pb(messages: Sequence[Mapping[str, Any]]) -> inference_pb2.ChatMessages:
+    """``[{"role", "content"[, "name"][, "tool_call_id"][, "tool_calls"]}, ...]`` -> wire chat
+    (clients), ``tool_calls`` in OpenAI's shape (``[{"id", "type": "function", "function":
+    {"name", "arguments"}}]``, ``arguments`` its JSON text or a JSON value, and ``content`` may
+    then be None); validated like the server does.
 
     Raises:
         ValueError: a message lacks ``role``/``content``, has another key, an unknown role or a
-            bad ``name``/``tool_call_id``.
+            bad ``name``/``tool_call_id``/``tool_calls``.
     """
     msg = inference_pb2.ChatMessages()
     for index, message in enumerate(messages):
         if not {"role", "content"} <= set(message) <= _MESSAGE_KEYS:
             raise ValueError(
-                f"chat.messages[{index}] must have the keys role and content, and may have name and "
-                f"tool_call_id; got {sorted(message)}"
+                f"chat.messages[{index}] must have the keys role and content, and may have name, "
+                f"tool_call_id and tool_calls; got {sorted(message)}"
             )
-        msg.messages.add(**message)
+        fields = {k: v for k, v in message.items() if k != "tool_calls"}
+        fields["content"] = fields["content"] or ""
+        added = msg.messages.add(**fields)
+        calls = message.get("tool_calls") or ()
+        if isinstance(calls, (str, bytes, Mapping)):
+            raise ValueError(f"chat.messages[{index}].tool_calls must be a list of tool calls")  # noqa: TRY004
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(call.get("id"), str):
+                raise ValueError(f'chat.messages[{index}].tool_calls[{j}] must be {{"id", "type": "function", '  # noqa: TRY004
+                                 '"function": {"name", "arguments"}}')
+            arguments = function.get("arguments", "")
+            added.tool_calls.add(id=call["id"], name=str(function.get("name", "")), arguments=arguments
+                                 if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
     chat_messages_from_pb(msg)
     return msg
+
+
+def tools_from_pb(tools: Sequence[inference_pb2.Tool], prefix: str = "tools") -> list[dict[str, Any]] | None:
+    """Wire tools -> OpenAI's tools list as the chat template takes them (None: none), checked as
+    the HTTP API checks its ``tools`` (``tool_requests.check_parameters``, ``check_tools``).
+
+    Raises:
+        ValueError: more than ``MAX_TOOLS``, more than ``MAX_TOOLS_TEXT_CHARS`` characters as
+            given (before any is parsed), more than ``MAX_TOOLS_CHARS`` as compact JSON, a name
+            off OpenAI's pattern or listed twice, ``parameters`` not the JSON text of an
+            object's schema at most 32 levels deep, or holding a lone surrogate
+            (``chat_tools.lone_surrogate``).
+    """
+    if not tools:
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"{prefix} holds {len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    given = sum(len(t.name) + len(t.description) + len(t.parameters) for t in tools)
+    if given > MAX_TOOLS_TEXT_CHARS:
+        raise ValueError(f"{prefix} hold {given} characters as sent; at most {MAX_TOOLS_TEXT_CHARS} are allowed "
+                         f"(and {MAX_TOOLS_CHARS} as compact JSON)")
+    converted: list[dict[str, Any]] = []
+    for index, tool in enumerate(tools):
+        where = f"{prefix}[{index}]"
+        if TOOL_NAME_PATTERN.fullmatch(tool.name) is None:
+            raise ValueError(f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {tool.name[:80]!r}")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                parameters = json.loads(tool.parameters)
+            except RecursionError:
+                raise ValueError(f"{where}.parameters nests more than {MAX_SCHEMA_DEPTH} levels deep") from None
+            except ValueError:
+                raise ValueError(f"{where}.parameters must be JSON text (a JSON schema)") from None
+            if not isinstance(parameters, dict):
+                raise ValueError(f"{where}.parameters must be a JSON object's text (a JSON schema)")
+            if lone_surrogate(tool.parameters, parameters):
+                raise ValueError(f"{where}.parameters {LONE_SURROGATE}")
+            try:
+                function["parameters"] = check_parameters(parameters)
+            except ValueError as exc:
+                raise ValueError(f"{where}.parameters {exc}") from None
+        converted.append({"type": "function", "function": function})
+    try:
+        check_tools(converted)
+    except ValueError as exc:
+        raise ValueError(f"{prefix} {exc}") from None
+    return converted
+
+
+_TOOL_CHOICE_MODES = {inference_pb2.TOOL_CHOICE_MODE_NONE: "none", inference_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
+                      inference_pb2.TOOL_CHOICE_MODE_REQUIRED: "required"}
+
+
+def tool_choice_from_pb(request: inference_pb2.GenerateRequest) -> tuple[str | None, str | None]:
+    """The request's ``tool_choice``: (a mode of ``tool_requests.TOOL_CHOICE_MODES``, None), (None,
+    a named function) or (None, None) when unset.
+
+    Raises:
+        ValueError: naming ``tool_choice``: neither member set, a mode unspecified or unknown, a
+            function name off OpenAI's pattern.
+    """
+    if not request.HasField("tool_choice"):
+        return None, None
+    choice = request.tool_choice
+    which = choice.WhichOneof("choice")
+    if which == "function":
+        if TOOL_NAME_PATTERN.fullmatch(choice.function) is None:
+            raise ValueError(f"tool_choice.function must match ^[a-zA-Z0-9_-]{{1,64}}$, got {choice.function[:80]!r}")
+        return None, choice.function
+    if which == "mode" and choice.mode in _TOOL_CHOICE_MODES:
+        return _TOOL_CHOICE_MODES[choice.mode], None
+    if which == "mode":
+        raise ValueError(f"tool_choice.mode must be TOOL_CHOICE_MODE_NONE, _AUTO or _REQUIRED, got {choice.mode} "
+                         "(leave tool_choice unset for the default: auto with tools, none without)")
+    raise ValueError("tool_choice must set mode or function (leave it unset for the default: auto with tools, "
+                     "none without)")
 
 
 def prompt_from_pb(request: inference_pb2.GenerateRequest) -> list[dict[str, str]] | list[int]:
@@ -511,6 +674,10 @@ def generate_event_to_pb(event: Mapping[str, Any]) -> inference_pb2.GenerateResp
                 ttft_ms=event.get("ttft_ms", 0.0),
                 tpot_ms=event.get("tpot_ms", 0.0),
                 preempted=bool(event.get("preempted", False)),
+                tool_calls=[inference_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                                   arguments=c["function"]["arguments"])
+                            for c in event.get("tool_calls") or ()],
+                content=event.get("content") or "",
             )
         )
     raise ValueError(f"unknown generate event type {kind!r}")

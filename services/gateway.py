@@ -36,10 +36,12 @@ from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
 from services.auth import Authenticator
 from services.chat import ChatTemplater
+from services.chat_tools import check_tool_output
 from services.data_plane_auth import Security
 from services.gateway_inputs import (
     MAX_ID_CHARS,
     GenerateInput,
+    grpc_refusal,
     input_from_pb,
     salted_namespace,  # noqa: F401 - re-exported
     scoped_id,
@@ -52,6 +54,8 @@ from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
 from services.ray_errors import SchedulerRestarting
+from services.tool_calls import ToolOutput
+from services.tool_requests import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,40 @@ TOKENIZER_THREADS = 4
 one per tenant at a time)."""
 
 
+class _GrpcPaths:
+    """A gRPC call's ``context`` whose INVALID_ARGUMENT refusals name the gRPC API's fields
+    (``gateway_inputs.grpc_refusal``: the shared checks' and the nodes' words name the HTTP
+    API's ``messages.N.field`` and a constraint's ``structured_output``); ``parsed``: the
+    call's ``GenerateInput`` once parsed."""
+
+    def __init__(self, context: Any, parsed: list[GenerateInput]) -> None:
+        self._context, self._parsed = context, parsed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any, **kwargs: Any) -> Any:
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            details = grpc_refusal(details, self._parsed[0] if self._parsed else None)
+        return await self._context.abort(code, details, *args, **kwargs)
+
+
+def _read_tool_calls(tool_output: str, texts: list[str], event: dict[str, Any]) -> dict[str, Any]:
+    """``event`` of a request whose reply is read as tool calls (``tool_output``'s spec): a delta's
+    text is kept in ``texts``; the ``finished`` event gets the calls read from their whole text
+    (``ToolOutput.message``, the HTTP API's whole response's reading), the ``content`` and the
+    finish reason (``tool_calls`` when calls came and the model ended)."""
+    if event["type"] == "delta":
+        texts.append(event.get("text") or "")
+    elif event["type"] == "finished":
+        spec = check_tool_output(tool_output)  # (the gateway's own spec: input_from_pb)
+        fields, reason = ToolOutput(*spec).message("".join(texts), event.get("finish_reason"))  # type: ignore[misc]
+        if fields.get("tool_calls"):
+            return {**event, "finish_reason": reason, "tool_calls": fields["tool_calls"],
+                    "content": fields.get("content") or ""}
+    return event
+
+
 class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceServicer):
     """Generate (server streaming) and CloseSession.
 
@@ -95,12 +133,19 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         limits: what clients that read slowly or not at all may hold here (``StreamLimits``):
             Generate calls per tenant (past it RESOURCE_EXHAUSTED, ``streams_refused``), a
             stream's undelivered bytes, and how long its events may wait unread.
+        tool_call_parser: how ``Generate`` reads tool_choice "auto"'s calls
+            (``tool_requests.TOOL_PARSERS``: "hermes"); "" (off): "auto" is INVALID_ARGUMENT
+            naming ``tool_choice``, as the HTTP API's 400 (``OpenAIEdge`` has its own).
     """
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  node_info: dict[str, dict[str, Any]], templater: ChatTemplater | None,
                  scheduler_address: str, security: Security | None = None,
-                 metrics: GatewayMetrics | None = None, limits: StreamLimits | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, limits: StreamLimits | None = None,
+                 tool_call_parser: str = "") -> None:
+        if tool_call_parser not in ("", *TOOL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} or \"\" (off), got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
         self.limits = limits = limits or StreamLimits()
@@ -123,11 +168,28 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
 
         Regression (secrev18 B residue): written by gRPC from an async generator, a call stuck
         in a write its client never took could only be cancelled, which sent the client no
-        status at all."""
+        status at all.
+
+        A request with tools and a tool choice other than none has its reply read as tool calls
+        as the HTTP API reads a choice's (``services.tool_calls.ToolOutput``): the deltas go as
+        generated, and the ``finished`` event carries the calls read from their whole text, the
+        content and finish reason ``tool_calls`` (``_read_tool_calls``). The calls' ids come from
+        a seed, which a session turn's node keeps them by (``GenerateInput.tool_output``)."""
         writer = StreamWriter()
-        try:
-            async with contextlib.aclosing(self.generate(context, lambda: input_from_pb(request), writer)) as events:
+        seed = uuid.uuid4().hex
+        parsed: list[GenerateInput] = []
+
+        def parse() -> GenerateInput:
+            call = input_from_pb(request, self.tool_call_parser, seed)
+            parsed.append(call)
+            return call
+
+        texts: list[str] = []
+        try:  # refusals worded in this API's field paths (``grpc_refusal``)
+            async with contextlib.aclosing(self.generate(_GrpcPaths(context, parsed), parse, writer)) as events:
                 async for event in events:
+                    if parsed and parsed[0].tool_output:
+                        event = _read_tool_calls(parsed[0].tool_output, texts, event)
                     await context.write(convert.generate_event_to_pb(event))
         except asyncio.CancelledError:
             if not writer.withdraw():

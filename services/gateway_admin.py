@@ -171,10 +171,44 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.RotateKeyResponse(api_key=key)
 
 
-def _unanswered(answers: dict[str, Any]) -> list[str]:
-    """The nodes of ``ask_live``'s ``answers`` that did not answer within its timeout (alive,
-    maybe stopped or stuck: what they hold is still there), in order."""
-    return [nid for nid, answer in answers.items() if isinstance(answer, asyncio.TimeoutError)]
+FLUSH_KINDS = ("device", "prefixes", "host", "spill")
+"""The tiers a cache node's ``flush_by_tier`` answer counts freed KV blocks of."""
+
+
+def _flush_counts(answer: Any) -> dict[str, int] | None:
+    """A cache node's ``flush_by_tier`` answer's counts, one per ``FLUSH_KINDS`` (0 where not
+    given); None for an answer that is not a map of such counts (non-negative ints: the answer
+    is untrusted)."""
+    if not isinstance(answer, dict):
+        return None
+    counts = {kind: answer.get(kind, 0) for kind in FLUSH_KINDS}
+    return counts if all(type(n) is int and n >= 0 for n in counts.values()) else None
+
+
+def _drain_count(answer: Any) -> int | None:
+    """A cache node's ``drain`` answer (requests aborted), None when it is not a count."""
+    return answer if type(answer) is int and answer >= 0 else None
+
+
+def _not_done(answers: dict[str, Any], read: Any, waited_s: float) -> list[str]:
+    """``"<node id> (<why>)"`` of each node of ``ask_live``'s ``answers`` that did not do its
+    part, in order: it did not answer within ``waited_s`` (alive, maybe stopped or stuck), its
+    call failed (it died or restarted between the monitor's check and the call, its step loop
+    failed, ...), or its answer is not one ``read`` reads (None). What such a node holds or runs
+    may still be there. Regression (session 30): a node whose call failed with an error rather
+    than a timeout counted as 0 and was not named, and Flush/Drain answered OK."""
+    out = []
+    for nid, answer in answers.items():
+        if isinstance(answer, asyncio.TimeoutError):
+            why = f"did not answer within {waited_s:g} s"
+        elif isinstance(answer, BaseException):
+            why = f"failed: {_line(_message(answer), 200) or type(answer).__name__}"
+        elif read(answer) is None:
+            why = "sent a malformed answer"
+        else:
+            continue
+        out.append(f"{nid} ({why})")
+    return out
 
 
 def _nodes_text(node_ids: list[str]) -> str:
@@ -182,16 +216,67 @@ def _nodes_text(node_ids: list[str]) -> str:
     return f"cache node{'s' if len(node_ids) > 1 else ''} {shown}"
 
 
+MAX_SPILL_NAMED = 64
+"""Most spill nodes one cache node's flush answer may name as unflushed (the rest are cut)."""
+
+
+def _line(text: object, limit: int) -> str:
+    """``text`` on one line, at most ``limit`` characters (a node's answer is untrusted)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def spill_unflushed(answers: dict[str, Any]) -> dict[str, str]:
+    """Spill node name -> why, of every spill node a cache node's ``flush_by_tier`` answer
+    names as not flushed (``spill_unflushed``: it may still hold blocks), the first cache node's
+    word on each; an answer whose field is not such a map names "the spill tier" as unflushed."""
+    out: dict[str, str] = {}
+    for nid, answer in answers.items():
+        given = answer.get("spill_unflushed") if isinstance(answer, dict) else None
+        if not given:
+            continue
+        if not isinstance(given, dict):
+            out.setdefault("the spill tier", f"cache node {nid} sent a malformed answer about it")
+            continue
+        for name, why in list(given.items())[:MAX_SPILL_NAMED]:
+            out.setdefault(_line(name, 100), f"{_line(why, 200)}, asked by cache node {nid}")
+    return out
+
+
+def _spill_text(unflushed: dict[str, str]) -> str:
+    names = list(unflushed)
+    shown = ", ".join(f"{name} ({unflushed[name]})" for name in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    many = len(names) > 1
+    return (f"spill node{'s' if many else ''} {shown}{more} did not flush, so the KV blocks "
+            f"{'they store' if many else 'it stores'} may still be there")
+
+
+SPILL_REPLY_MARGIN_S = 5.0
+"""How long before the gateway's own deadline on a cache node (``node_timeout_s``) the node's
+flush must end its wait on the spill nodes (at most a fifth of that deadline), so that the node
+answers naming a silent spill node instead of being timed out itself."""
+
+
+def spill_timeout_s(node_timeout_s: float) -> float:
+    """The time a cache node's flush gets in all (``flush_by_tier``'s ``spill_timeout_s``)."""
+    return node_timeout_s - min(SPILL_REPLY_MARGIN_S, node_timeout_s / 5)
+
+
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Operator calls. A node the ``monitor`` (``services.node_monitor``) knows down is not
     asked (Stats lists it with ``healthy`` false and why; Flush and Drain skip it), and a node
     that does not answer within ``node_timeout_s`` counts as down for Stats. Flush and Drain
     are not done until every node asked has done its part: one that did not answer in time
-    (stopped, its step loop stuck, or its own wait on a spill node that does not answer) fails
-    the call UNAVAILABLE naming it and what the others did, on one line (``kvstrata admin``
-    prints it); run it again once the node answers.
+    (stopped, or its step loop stuck) fails the call UNAVAILABLE naming it and what the others
+    did, on one line (``kvstrata admin`` prints it); run it again once the node answers. So does
+    a spill node that did not confirm a cache node's flush of it (silent, or failed): the cache
+    node's wait on it ends ``SPILL_REPLY_MARGIN_S`` before the gateway's on the cache node
+    (``spill_timeout_s``), and its answer names it (``spill_unflushed``).
     Regression (review 29a F7): Flush and Drain answered OK with zeros when a node did not
-    answer, and a spill tier not flushed was reported flushed."""
+    answer, and a spill tier not flushed was reported flushed. Regression (session 30): a spill
+    node silent for the spill client's 30 s was 0 blocks dropped and the flush OK, or, racing
+    the gateway's own 30 s, the cache node was named as not answering."""
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  monitor: Any = None, node_timeout_s: float = 30.0) -> None:
@@ -235,17 +320,22 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def Flush(self, request, context):
         await self.auth.admin(context)
         skipped = self._held_down()  # before asking: what ask_live leaves out (review 29o F3)
-        answers = await self._ask_live(lambda n: n.flush_by_tier.remote())
-        freed = {kind: sum(int(a.get(kind, 0)) for a in answers.values() if isinstance(a, dict))
-                 for kind in ("device", "prefixes", "host", "spill")}
+        spill_s = spill_timeout_s(self.node_timeout_s)  # ends before ours on the node: it names the spill node
+        answers = await self._ask_live(lambda n: n.flush_by_tier.remote(spill_s))
+        counts = [c for a in answers.values() if (c := _flush_counts(a)) is not None]
+        freed = {kind: sum(c[kind] for c in counts) for kind in FLUSH_KINDS}
         await self.scheduler.flush_index.remote()
-        if late := _unanswered(answers):
+        failed, unflushed = _not_done(answers, _flush_counts, self.node_timeout_s), spill_unflushed(answers)
+        if failed or unflushed:
+            parts = [_spill_text(unflushed)] if unflushed else []
+            if failed:
+                parts.insert(0, f"{_nodes_text(failed)} did not flush, so the KV blocks cached there (and on the "
+                                "spill tier, which those nodes flush) may still be stored")
             await context.abort(grpc.StatusCode.UNAVAILABLE, (
-                f"flush incomplete: {_nodes_text(late)} did not answer within {self.node_timeout_s:g} s, so the "
-                "KV blocks cached there (and on the spill tier, which those nodes flush) may still be stored; the "
-                f"nodes that answered freed {sum(freed.values())} KV blocks (device {freed['device']}, compressed "
-                f"prefixes {freed['prefixes']}, host {freed['host']}, spill {freed['spill']}); run the flush "
-                "again once every node answers (kvstrata status shows their health)"))
+                f"flush incomplete: {'; '.join(parts)}; the nodes that answered freed {sum(freed.values())} KV "
+                f"blocks (device {freed['device']}, compressed prefixes {freed['prefixes']}, host {freed['host']}, "
+                f"spill {freed['spill']}); run the flush again once every node answers (kvstrata status shows the "
+                "cache nodes' health)"))
         return admin_pb2.FlushResponse(freed_blocks=sum(freed.values()), device_blocks=freed["device"],
                                        prefix_blocks=freed["prefixes"], host_blocks=freed["host"],
                                        spill_blocks=freed["spill"], skipped_nodes=skipped)
@@ -258,11 +348,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
         skipped = self._held_down()
         answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
-        aborted = sum(a for a in answers.values() if type(a) is int and a >= 0)
-        if late := _unanswered(answers):
+        aborted = sum(n for a in answers.values() if (n := _drain_count(a)) is not None)
+        if failed := _not_done(answers, _drain_count, self.node_timeout_s + timeout_s):
             await context.abort(grpc.StatusCode.UNAVAILABLE, (
-                f"drain incomplete: {_nodes_text(late)} did not answer within {self.node_timeout_s + timeout_s:g} s, "
-                f"so requests may still run there; the nodes that answered aborted {aborted} requests; run the "
+                f"drain incomplete: {_nodes_text(failed)} did not drain, so requests may still run there; the nodes that answered aborted {aborted} requests; run the "
                 "drain again once every node answers (kvstrata status shows their health)"))
         return admin_pb2.DrainResponse(aborted=aborted, skipped_nodes=skipped)
 

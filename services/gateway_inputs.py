@@ -8,12 +8,17 @@ Part of the gateway's inference servicer (``services.gateway``, which re-exports
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2
-from services import convert
+from services import convert, tool_requests
+from services.chat import content_chars
+from services.chat_tools import tool_output_spec
 
 MAX_ID_CHARS = 256
 """Longest client-chosen request or session id."""
@@ -52,11 +57,17 @@ class GenerateInput:
             (``InferenceServicer.hold_call``): this request holds nothing of its own. Set by
             the edge's code, never from a client's field.
         tools: the tools a chat's template renders (``apply_chat_template(tools=...)``;
-            OpenAI's shape, checked by the HTTP edge: ``services.openai_api.tools``); None: none.
-            A session turn's go to its node, which renders the turn with them.
-        tool_output: how the HTTP edge reads a session turn's reply as tool calls
+            OpenAI's shape, checked by the edge: ``services.tool_requests``, the HTTP edge's
+            ``services.openai_api.tools``, gRPC's ``input_from_pb``); None: none. A session
+            turn's go to its node, which renders the turn with them.
+        tool_output: how the edge reads a session turn's reply as tool calls
             (``services.chat_tools.tool_output_spec``; "" none): its node keeps such a reply as
-            those calls. Set by the edge's code.
+            those calls. Set by the edge's code (the gRPC API's for every request whose reply it
+            reads as calls: ``InferenceServicer.Generate`` reads it back).
+        constraint_field: the gRPC field that gave ``sampling.structured_output``
+            (``tool_choice`` or ``sampling.structured_output``; "" none, and for the HTTP edge,
+            which names its own: ``errors.refusal_about``): a node's refusal of the constraint
+            is worded for it (``grpc_refusal``).
     """
 
     prompt: list[dict[str, str]] | list[int]
@@ -73,16 +84,94 @@ class GenerateInput:
     call_id: str = ""
     tools: list[dict[str, Any]] | None = None
     tool_output: str = ""
+    constraint_field: str = ""
 
 
-def input_from_pb(request: inference_pb2.GenerateRequest) -> GenerateInput:
-    """A ``GenerateRequest`` as a ``GenerateInput``. Raises ValueError naming the bad field."""
+def input_from_pb(request: inference_pb2.GenerateRequest, tool_call_parser: str = "",
+                  seed: str = "") -> GenerateInput:
+    """A ``GenerateRequest`` as a ``GenerateInput``. Raises ValueError naming the bad field.
+
+    ``tool_call_parser``: the server's (``tool_requests.auto_refusal``); ``seed``: the tool call
+    ids of a reply read as calls come from it (``tool_calls.ToolOutput``; "": the reply is not
+    read, ``tool_output`` left "")."""
+    prompt = convert.prompt_from_pb(request)
+    sampling = convert.sampling_params_from_pb(request.sampling)
+    given = "sampling.structured_output" if sampling.structured_output is not None else ""
+    tools, sampling, tool_output = _tools_from_pb(request, prompt, sampling, tool_call_parser, seed)
+    constrained = "tool_choice" if sampling.structured_output is not None and not given else given
     return GenerateInput(
-        prompt=convert.prompt_from_pb(request), sampling=convert.sampling_params_from_pb(request.sampling),
+        prompt=prompt, sampling=sampling,
         session_id=request.session_id, request_id=request.request_id, policy=convert.policy_from_pb(request.policy, ""),
         priority=request.priority, prefix_tokens=request.prefix_tokens,
-        prefix_messages=request.prefix_messages,
+        prefix_messages=request.prefix_messages, tools=tools, tool_output=tool_output,
+        constraint_field=constrained,
     )
+
+
+_HTTP_MESSAGE_PATH = re.compile(r"^messages((?:\.\w+)*)(?=[: ])")
+
+
+def grpc_refusal(message: str, call: GenerateInput | None) -> str:
+    """A refusal's words (INVALID_ARGUMENT, from the gateway's checks past ``input_from_pb`` or
+    from a cache node) in the gRPC API's field paths: a chat's ``messages`` / ``messages.N.field``
+    (the HTTP API's paths, which the shared checks write: ``chat_tools.check_session_tool_answers``,
+    ``ChatTemplater.check_fits``) as ``chat.messages`` / ``chat.messages[N].field``, and a
+    constraint the node refuses ("structured_output json_schema does not compile: ...") as the
+    field that gave it (``GenerateInput.constraint_field``). Regressions (review 30j F2, F7): a
+    named tool choice whose schema does not compile was refused naming
+    ``structured_output``, which the client never sent; a session turn's tool message answering
+    no call named ``messages.0.tool_call_id``."""
+    path = _HTTP_MESSAGE_PATH.match(message)
+    if path is not None:
+        return "chat.messages" + re.sub(r"\.(\d+)", r"[\1]", path.group(1)) + message[path.end():]
+    if call is not None and call.constraint_field and message.startswith("structured_output"):
+        if call.constraint_field == "tool_choice":
+            return f"tool_choice: {message.removeprefix('structured_output ')}"
+        return f"sampling.{message}"
+    return message
+
+
+def _tools_from_pb(request: inference_pb2.GenerateRequest, prompt: list[Any], sampling: SamplingParams,
+                   tool_call_parser: str, seed: str) -> tuple[list[dict[str, Any]] | None, SamplingParams, str]:
+    """A request's tool calling as the HTTP edge serves it (``services.openai_api.tools``, with
+    the same checks, ``services.tool_requests``): the tools the template renders, the sampling
+    constrained by a named or required choice, and ``tool_output``'s spec.
+
+    Raises:
+        ValueError: ``tools``, ``tool_choice`` or ``parallel_tool_calls`` with tokens input (a
+            text completion takes none of them; ``tool_choice`` none aside), a bad tool or
+            choice (``convert.tools_from_pb``, ``tool_choice_from_pb``,
+            ``tool_requests.choice_mode``), the chat's characters with the tools past
+            ``MAX_PROMPT_CHARS``, "auto" without the server's tool call parser, or a named or
+            required choice with ``sampling.structured_output``.
+    """
+    choice, named = convert.tool_choice_from_pb(request)
+    if request.WhichOneof("input") != "chat":
+        for field, given in (("tools", bool(request.tools)), ("tool_choice", named is not None or choice
+                             not in (None, "none")), ("parallel_tool_calls", request.HasField("parallel_tool_calls"))):
+            if given:
+                raise ValueError(f"{field} applies to chat input (GenerateRequest.chat), not to tokens: the chat "
+                                 "template renders tools")
+        return None, sampling, ""
+    tools = convert.tools_from_pb(request.tools)
+    # as the HTTP edge counts them: the messages as the template takes them (a call's arguments
+    # as compact JSON, which may be longer than as sent: 1E15 is 1000000000000000.0), and the
+    # tools' compact JSON. Regression (review 30j F4): without tools the arguments were counted
+    # as sent only, so 1 MiB of them came to 3.8 MiB rendered
+    chars = content_chars(prompt) + (len(json.dumps(tools, ensure_ascii=False, separators=(",", ":"))) if tools else 0)
+    if chars > convert.MAX_PROMPT_CHARS:
+        raise ValueError(f"chat.messages hold {chars} characters{' with the tools' if tools else ''} as the chat "
+                         f"template takes them; at most {convert.MAX_PROMPT_CHARS} are allowed")
+    mode = tool_requests.choice_mode(choice, named, tools)
+    refusal = tool_requests.auto_refusal(mode, tool_call_parser)
+    if refusal is not None:
+        raise ValueError(refusal)
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    constraint = tool_requests.tool_constraint(mode, tools or [], named, parallel)
+    if constraint is not None:
+        tool_requests.check_one_constraint(mode, ["sampling.structured_output"] if sampling.structured_output else [])
+        sampling = dataclasses.replace(sampling, structured_output=constraint)
+    return tools, sampling, tool_output_spec(mode, named, parallel, seed) if mode != "none" and seed else ""
 
 
 def salted_namespace(namespace: str, cache_salt: str) -> str:

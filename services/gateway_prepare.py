@@ -24,7 +24,7 @@ import grpc
 from cache_node.hashing import hash_prompt_blocks
 from services import convert
 from services.chat import ChatTemplater, TemplateRefusal, covered_chars, estimate_message_tokens
-from services.chat_tools import wire_messages
+from services.chat_tools import estimate_tools_tokens, wire_messages
 from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 
@@ -184,8 +184,9 @@ class RequestPreparation:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         if messages:  # the node renders them: admission still needs their size
             try:
-                estimate, overhead = await self.off_loop(tenant.tenant_id, lambda: (
-                    estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0))
+                estimate, overhead, tools_tokens = await self.off_loop(tenant.tenant_id, lambda: (
+                    estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0,
+                    estimate_tools_tokens(templater, messages, call.tools)))
             except TemplateRefusal as exc:  # (the template refusing even one empty user message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if templater is not None and estimate - overhead >= room:
@@ -204,6 +205,8 @@ class RequestPreparation:
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             extra["prompt_tokens_estimate"] = str(estimate)
+            if tools_tokens:  # what the template renders of the tools: admission counts them for a first turn
+                extra["prompt_tokens_tools"] = str(tools_tokens)
         req = NodeRequest(
             request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,

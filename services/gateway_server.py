@@ -67,6 +67,7 @@ async def create_server(
     security: Security | None = None, metrics: GatewayMetrics | None = None,
     stream_limits: StreamLimits | None = None, grpc_limits: GrpcLimits | None = None,
     credentials: grpc.ServerCredentials | None = None, scheduler_timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
+    tool_call_parser: str = "",
 ) -> tuple[grpc.aio.Server, int, BoundedHealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
@@ -87,6 +88,8 @@ async def create_server(
             plaintext.
         scheduler_timeout_s: the most any of the gateway's calls waits for the scheduler's answer
             (``services.actor_calls.BoundedActor``; past it UNAVAILABLE with a retry hint).
+        tool_call_parser: how ``Generate`` reads tool_choice "auto"'s calls ("": off, "auto"
+            refused; ``InferenceServicer``).
     """
     grpc_limits = grpc_limits or GrpcLimits()
     scheduler = BoundedActor(scheduler, scheduler_timeout_s)  # every awaited call within it (review 29a F2)
@@ -94,7 +97,7 @@ async def create_server(
     server = grpc.aio.server(options=grpc_limits.server_options(MAX_CONCURRENT_STREAMS),
                              interceptors=[CallGate(auth, grpc_limits, ADMIN_METHODS, TENANT_METHODS)])
     inference = InferenceServicer(scheduler, auth, nodes, node_info, templater, scheduler_address, security,
-                                  metrics, stream_limits)
+                                  metrics, stream_limits, tool_call_parser)
     await inference.streams.start()
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
     health = BoundedHealthServicer(SERVICE_NAMES, grpc_limits.max_health_watchers)
@@ -145,8 +148,8 @@ class Gateway:
         ``body_limits``: the HTTP request body bytes read at once, per tenant and in all (None:
         ``BodyLimits``' defaults); ``tls``: the certificate both APIs serve TLS with (its files
         read at each start; None: plaintext, with a warning on a non-loopback host);
-        ``tool_call_parser``: how the HTTP API reads tool_choice "auto"'s calls ("": off;
-        ``OpenAIEdge``)."""
+        ``tool_call_parser``: how both APIs read tool_choice "auto"'s calls ("": off;
+        ``OpenAIEdge``, ``InferenceServicer``)."""
         self.scheduler, self.nodes, self.model_path = scheduler, nodes, model_path
         self.tls, self.tool_call_parser = tls, tool_call_parser
         self.security, self.http_port = security, http_port
@@ -192,6 +195,7 @@ class Gateway:
         self.server, bound, health, inference, self.monitor = await create_server(
             self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
             f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits, credentials,
+            tool_call_parser=self.tool_call_parser,
         )
         self.streams, self._grpc_started = inference.streams, False
         try:

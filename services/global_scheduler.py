@@ -341,7 +341,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             # L2: a client honouring the hint retried it for ever)
             return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone",
                              reason="gateway_gone")
-        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req),
+        opens = bool(req.session_id) and req.session_id not in self.session_nodes  # (its tools count)
+        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req, opens),
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":
             self.request_gateways[req.request_id] = subscriber

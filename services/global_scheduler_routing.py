@@ -75,21 +75,30 @@ class RoutingKeys:
             del self.by_tenant[tenant_id]
 
 
-def prompt_size(req: NodeRequest) -> int:
+def prompt_size(req: NodeRequest, opens_session: bool = False) -> int:
     """Prompt tokens of ``req`` for admission: its token ids, else the gateway's estimate for
     chat messages the node renders (``extra["prompt_tokens_estimate"]``; a malformed or
-    negative value counts as 0, a huge one is capped at ``MAX_PROMPT_ESTIMATE``).
+    negative value counts as 0, a huge one is capped at ``MAX_PROMPT_ESTIMATE``), with what its
+    chat template renders of its tools when the turn ``opens_session`` (``prompt_tokens_tools``,
+    the same way; a later turn's history holds them: regression, a first turn's tools were never
+    counted).
 
     Regression (issue 21): every session turn reached admission as a 0-token prompt (its
     messages are rendered on the node), so the TTFT estimate and the prefill backlog never saw
     an agent's 500-token read, and admission never refused one that would miss."""
     if req.token_ids:
         return len(req.token_ids)
+    keys = ("prompt_tokens_estimate", "prompt_tokens_tools") if opens_session else ("prompt_tokens_estimate",)
+    return min(sum(_estimate(req.extra.get(key, "0")) for key in keys), MAX_PROMPT_ESTIMATE)
+
+
+def _estimate(text: str) -> int:
+    """A gateway's token estimate (untrusted text): 0 when malformed or negative, at most
+    ``MAX_PROMPT_ESTIMATE``."""
     try:
-        estimate = int(req.extra.get("prompt_tokens_estimate", "0"))
+        return min(max(int(text), 0), MAX_PROMPT_ESTIMATE)
     except ValueError:
         return 0
-    return min(max(estimate, 0), MAX_PROMPT_ESTIMATE)
 
 
 class Routing:

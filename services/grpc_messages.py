@@ -3,7 +3,7 @@
 grpc core refuses a received message over 4 MiB unless told otherwise, before any handler runs
 (RESOURCE_EXHAUSTED "received message larger than max"). The largest request ``convert``'s bounds
 admit is larger: a chat of ``MAX_PROMPT_CHARS`` characters, up to 4 UTF-8 bytes each, plus its
-messages' framing, ids, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~4.18 MiB). So
+messages' framing, ids, tool calls, tools, stop strings and the rest (``MAX_GENERATE_REQUEST_BYTES``, ~5.70 MiB). So
 the cap is a setting, ``ServiceConfig.grpc_max_message_bytes`` (``DEFAULT_MAX_MESSAGE_BYTES``,
 8 MiB, as the HTTP API's body cap), never below that request, set on the server for both
 directions (``GrpcLimits.server_options``) and on every channel our clients open to the gateway
@@ -21,7 +21,14 @@ from cache_node.sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 from cache_node.structured_output import MAX_CHOICES, MAX_STRUCTURED_SPEC_BYTES
-from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_REQUEST_ID_CHARS
+from services.chat_tools import MAX_TOOLS
+from services.convert import (
+    MAX_CHAT_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    MAX_REQUEST_TOOL_CALLS,
+    MAX_TOOLS_TEXT_CHARS,
+)
 
 UTF8_MAX_BYTES = 4
 """Bytes of the longest UTF-8 encoding of one character (a code point past U+FFFF)."""
@@ -39,11 +46,25 @@ def _string_field(max_bytes: int) -> int:
 
 
 def _largest_chat_bytes() -> int:
-    # role; content's, name's and tool_call_id's keys and lengths (their characters count
-    # together against MAX_PROMPT_CHARS)
+    # role; content's, name's and tool_call_id's keys and lengths; each tool call's key, length
+    # and its id's, name's and arguments' keys and lengths (all their characters count together
+    # against MAX_PROMPT_CHARS, the tools' JSON with them)
     message = _string_field(_LONGEST_ROLE_BYTES) + 3 * (_TAG + _VARINT_32)
-    messages = MAX_CHAT_MESSAGES * (_TAG + _VARINT_32 + message) + MAX_PROMPT_CHARS * UTF8_MAX_BYTES
+    # (a call's length, and its arguments', under 256 MiB: 4-byte varints; an id's at most
+    # MAX_MESSAGE_ID_CHARS x 4 bytes: 2; a name's at most 64 bytes: 1)
+    calls = MAX_REQUEST_TOOL_CALLS * (_TAG + 4 + _TAG + 2 + _TAG + 1 + _TAG + 4)
+    messages = MAX_CHAT_MESSAGES * (_TAG + _VARINT_32 + message) + calls + MAX_PROMPT_CHARS * UTF8_MAX_BYTES
     return _TAG + _VARINT_32 + messages
+
+
+def _largest_tools_bytes() -> int:
+    # GenerateRequest.tools: each tool's key, length and its three strings' keys and lengths;
+    # their text's characters count against MAX_PROMPT_CHARS as compact JSON (with the chat's
+    # bytes above), save what compacting drops (whitespace, escapes: ASCII, one byte each, at
+    # most MAX_TOOLS_TEXT_CHARS as given); tool_choice (a function name of 64 ASCII characters) and
+    # parallel_tool_calls
+    tools = MAX_TOOLS * (_TAG + _VARINT_32 + 3 * (_TAG + _VARINT_32)) + MAX_TOOLS_TEXT_CHARS
+    return tools + _TAG + _VARINT_32 + _string_field(64) + _TAG + 1
 
 
 def _largest_structured_output_bytes() -> int:
@@ -76,13 +97,14 @@ def _largest_sampling_bytes() -> int:
 
 MAX_GENERATE_REQUEST_BYTES = (
     _largest_chat_bytes()  # the larger input: MAX_PROMPT_TOKEN_IDS packed ids are <= 640 KiB
+    + _largest_tools_bytes()
     + _largest_sampling_bytes()
     + 2 * _string_field(MAX_REQUEST_ID_CHARS * UTF8_MAX_BYTES)      # session_id, request_id
     + _string_field(_POLICY_CHARS)                                  # policy
     + 3 * (_TAG + _VARINT_64)                                       # priority, prefix_tokens, prefix_messages
 )
 """An upper bound on the encoded size of any ``GenerateRequest`` the gateway accepts (the
-largest request of any call): 4,381,759 bytes, ~4.18 MiB."""
+largest request of any call): 5,973,133 bytes, ~5.70 MiB."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 """``ServiceConfig.grpc_max_message_bytes``' default and our clients' cap: 8 MiB."""

@@ -39,11 +39,14 @@ from cache_node.sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 from cache_node.structured_output import MAX_CHOICES
-from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_TOKEN_IDS
+from services.chat_tools import MAX_TOOLS
+from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_TOKEN_IDS, MAX_REQUEST_TOOL_CALLS
 from tenants.model import MAX_ALLOWED_POLICIES
 
 REPEATED_LIMITS: dict[str, int] = {
     "kvstrata.v1.ChatMessages.messages": MAX_CHAT_MESSAGES,
+    "kvstrata.v1.ChatMessage.tool_calls": MAX_REQUEST_TOOL_CALLS,  # all messages' together
+    "kvstrata.v1.GenerateRequest.tools": MAX_TOOLS,
     "kvstrata.v1.TokenIds.ids": MAX_PROMPT_TOKEN_IDS,
     "kvstrata.v1.SamplingParams.stop_token_ids": MAX_STOP_TOKEN_IDS,
     "kvstrata.v1.SamplingParams.stop": MAX_STOP_STRINGS,
@@ -122,7 +125,13 @@ def _plan(descriptor: Descriptor) -> _Plan | None:
             key = re.escape(bytes([fd.number << 3]))
             run = re.compile(rb"(?:%s[\x80-\xff]{0,9}[\x00-\x7f]){1,%d}+" % (key, limit + 1))
         plan.fields[fd.number] = _Field(fd.name, fd.full_name, limit, width, child, run)
-    plan.max_fields = len(descriptor.fields) + FIELD_SLACK + sum(f.limit or 0 for f in plan.fields.values())
+        if repeated and child is not None and limit:  # up to ``limit`` of its messages: each its fields
+            # (regression: ChatMessage, walked for its tool_calls, was allowed 1,093 fields in all, so
+            # a chat of ~270 messages with a name and a tool_call_id each was refused)
+            child.max_fields = max(child.max_fields, limit * len(fd.message_type.fields) + FIELD_SLACK
+                                   + sum(f.limit or 0 for f in child.fields.values()))
+    plan.max_fields = max(plan.max_fields, len(descriptor.fields) + FIELD_SLACK
+                          + sum(f.limit or 0 for f in plan.fields.values()))
     result = plan if plan.fields else None
     _PLANS[name] = result
     return result

@@ -12,9 +12,10 @@ address: it is opened if needed, the gateway reconnects, and the scheduler route
 (``node_up``). ``on_change`` hears the number of healthy nodes whenever it changes (gRPC health).
 
 The monitor also polls the GlobalScheduler (``health``). It is unreachable when its admission
-connection closes (its process died: ``NodeStreams.on_scheduler_disconnect``, at once), a poll
-fails, or it is alive but silent (stopped, deadlocked: ``silent_polls`` polls in a row unanswered,
-a poll across a stall of this gateway's own loop left out; ``SCHEDULER_SILENT``, and every other
+connection closes (its process died: ``NodeStreams.on_scheduler_disconnect``, at once), Ray fails
+a poll (``RayActorError``: its process died or is being restarted), or it is alive but silent
+(stopped, deadlocked: ``silent_polls`` polls in a row unanswered within their deadline, a poll
+that fails with another error being no silence: ``_poll_failed``; a poll across a stall of this gateway's own loop left out; ``SCHEDULER_SILENT``, and every other
 call the gateway awaits from it fails at once too: ``BoundedActor.silent``): then the gateway
 serves nothing that needs it, ``num_healthy`` is 0 (gRPC health NOT_SERVING, the HTTP API's
 /health 503) and the gateway's admissions, waiting or new, fail UNAVAILABLE at once with a retry
@@ -116,6 +117,7 @@ class NodeMonitor:
         self.scheduler_failure = ""  # why the scheduler is unreachable or down ("": it serves)
         self.scheduler_identity: tuple[int, int] | None = None  # its (pid, restarts) as last seen
         self.scheduler_bad_answers = 0  # malformed answers of the scheduler (each asked again)
+        self.scheduler_error_answers = 0  # health polls that failed with an error, not a timeout
         # awaited when the scheduler answers again (the gateway attaches again: ``RayGateway``)
         self.on_scheduler_back: Callable[[], Awaitable[Any]] | None = None
         self._poll_scheduler = asyncio.Event()
@@ -195,8 +197,12 @@ class NodeMonitor:
             log.warning("the global scheduler sent a malformed health answer: %.300s", exc)
             await asyncio.sleep(self.retry_s)
             return True
-        except Exception as exc:  # noqa: BLE001 - a busy or silent scheduler: ``_unanswered``
+        except asyncio.TimeoutError as exc:  # no answer in time: a busy or silent scheduler
             self._unanswered(t0, exc)
+            await asyncio.sleep(self.retry_s)
+            return True
+        except Exception as exc:  # noqa: BLE001 - an error for an answer: alive (review 29o F7)
+            self._poll_failed(exc)
             await asyncio.sleep(self.retry_s)
             return True
         self._silent_polls, self._silent_since = 0, None
@@ -232,6 +238,20 @@ class NodeMonitor:
         if self._silent_polls >= self.silent_polls and not self.scheduler_failure:
             self._scheduler_lost(SCHEDULER_SILENT.format(seconds=round(silent_s)),
                                  f"{self._silent_polls} health polls in a row unanswered")
+
+    def _poll_failed(self, exc: BaseException) -> None:
+        """A health poll failed with an error that is not Ray's word on the actor's process
+        (``RayActorError``): the scheduler's ``health`` raised (a task error), or the call was
+        refused or lost on its way. The scheduler is no silent one (those answer nothing): the
+        polls unanswered in a row start again from 0, the poll is logged, counted in
+        ``scheduler_error_answers`` and asked again after ``retry_s``, as a malformed answer.
+        Regression (review 29o F7): such a poll counted as unanswered, so a scheduler whose
+        ``health`` failed at once was held silent ("has not answered for 1 s") within
+        ``silent_polls * retry_s``, and every call that needed it was refused UNAVAILABLE."""
+        self._silent_polls, self._silent_since = 0, None
+        self.scheduler_error_answers += 1
+        log.warning("a health poll of the global scheduler failed (asked again; not counted as unanswered): %s",
+                    _first_line(exc))
 
     def scheduler_silence(self) -> str:
         """Why calls that need the scheduler fail at once while it is alive but does not answer

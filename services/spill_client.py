@@ -29,7 +29,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from cache_node.tiers.spill_api import well_formed
+from cache_node.tiers.spill_api import SpillFlushIncomplete, well_formed
 from cache_node.tiers.spill_store import SpillEvent, SpillHits
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,11 @@ class RaySpillClient:
         block_shape: one block's shape ``(num_layers, 2, block_size, num_kv_heads, head_dim)``.
         dtype: numpy dtype name of the blocks.
         get_timeout_s: longest wait for ``get``/``contains``/``flush`` replies (seconds).
-        put_timeout_s: longest wait for a ``put`` (seconds).
+        put_timeout_s: longest wait for a ``put``, and for ``flush`` unless it is given its own
+            (seconds).
+        names: each node's name, as errors name it (its actor name; None: ``spill node <i>``).
 
-    Raises ValueError for no nodes or a non-positive timeout.
+    Raises ValueError for no nodes, a non-positive timeout or not one name per node.
     """
 
     def __init__(
@@ -55,12 +57,17 @@ class RaySpillClient:
         dtype: str,
         get_timeout_s: float = 5.0,
         put_timeout_s: float = 30.0,
+        names: Sequence[str] | None = None,
     ) -> None:
         if not nodes:
             raise ValueError("RaySpillClient needs at least one spill node")
         if min(get_timeout_s, put_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if names is not None and len(names) != len(nodes):
+            raise ValueError(f"{len(names)} names for {len(nodes)} spill nodes")
         self.nodes = list(nodes)
+        self.names = list(names) if names is not None else [f"spill node {i}" for i in range(len(nodes))]
+        self._waiting: dict[int, Any] = {}  # node -> the call of a gather in progress
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = np.dtype(dtype)
         self.get_timeout_s = get_timeout_s
@@ -136,10 +143,40 @@ class RaySpillClient:
                 out[r] = tier
         return out
 
-    def flush(self) -> int:
-        """Flush every node; returns blocks dropped by the nodes that answered."""
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Flush every node, waiting at most ``timeout_s`` (None: ``put_timeout_s``); returns
+        the blocks dropped.
+
+        Raises:
+            SpillFlushIncomplete: a node did not answer in time or failed (it may still hold
+                its blocks: a stopped one, or a dead one whose group files a restart rebuilds
+                from); it names them, with the blocks the others dropped. Before, such a node
+                counted as 0 blocks dropped and the flush as done.
+        """
+        wait_s = self.put_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
         refs = {i: node.flush.remote() for i, node in enumerate(self.nodes)}
-        return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "flush").values())
+        errors: dict[int, str] = {}
+        replies = self._gather(refs, wait_s, "flush", errors)
+        dropped = 0
+        for i, reply in replies.items():
+            if type(reply) is int and reply >= 0:  # an answer crossed a process boundary
+                dropped += reply
+            else:
+                errors[i] = "malformed answer"
+        if errors:
+            raise SpillFlushIncomplete(dropped, {self.names[i]: why for i, why in sorted(errors.items())})
+        return dropped
+
+    def pending(self) -> list[str]:
+        """Names of the nodes a call of this client waits on now (a gather in progress, from
+        another thread) or whose put timed out and still runs: what a caller that waits for
+        this client's call in progress waits on."""
+        refs = {**self._late_puts, **self._waiting}
+        if not refs:
+            return []
+        _, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+        waiting = set(late)
+        return [self.names[i] for i, ref in sorted(refs.items()) if ref in waiting]
 
     def drop_namespace(self, namespace: str) -> int:
         """Drop ``namespace``'s blocks (salted variants too) on every node (a block's node
@@ -165,26 +202,44 @@ class RaySpillClient:
             shards.setdefault(self.shard_of(block_hash), []).append(r)
         return shards
 
-    def _gather(self, refs: dict[int, Any], timeout_s: float, kind: str) -> dict[int, Any]:
-        """Replies of the calls that finished in time; the others are logged and counted."""
+    def _gather(self, refs: dict[int, Any], timeout_s: float, kind: str,
+                errors: dict[int, str] | None = None) -> dict[int, Any]:
+        """Replies of the calls that finished in time; the others are logged and counted (and
+        why each failed in ``errors`` when given)."""
         if not refs:
             return {}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        self._waiting = dict(refs)
+        try:
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        finally:
+            self._waiting = {}
         done = set(ready)
         out: dict[int, Any] = {}
         for i, ref in refs.items():
             if ref not in done:
                 self._fail(kind, i, "timed out")
+                if errors is not None:
+                    errors[i] = f"did not answer within {timeout_s:g} s"
                 continue
             try:
                 out[i] = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - dead actor, crash, task error: a miss
                 self._fail(kind, i, repr(exc))
+                if errors is not None:
+                    errors[i] = f"failed: {_first_line(exc)}"
         return out
 
     def _fail(self, kind: str, node: int, why: str, counter: str = "") -> None:
         logger.warning("spill %s on node %d failed (%s): treated as a miss", kind, node, why)
         self.counters[counter or f"{kind}_failures"] += 1
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of its text`` (Ray's task errors carry a whole remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else exc
+    text = str(shown).strip()
+    return f"{type(shown).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _pick(token_ids: Sequence[Sequence[int]] | None, rows: list[int]) -> list[list[int]] | None:

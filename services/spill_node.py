@@ -28,7 +28,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_format import BlockFormat, open_regular, write_small_file
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 from services.actor_refs import ActorRef
 from services.block_reports import BlockReporter
@@ -41,6 +41,10 @@ from services.spill_sweep import SWEEP_INTERVAL_S, AskScheduler, DeletedTenants,
 logger = logging.getLogger(__name__)
 
 DEFAULT_RESOURCES: dict[str, float] = {"spill_node": 1}
+FIRST_SWEEP_WAIT_S = 10.0
+"""How long a starting node waits for its first sweep of deleted tenants before it serves
+(review 30e F5: a restarted node served a deleted tenant's files that could not be deleted, and
+that its store's list of dropped holders could not record, until that sweep's answer came)."""
 
 # (node_id, [(event, block_hash, tier), ...], reset) -> None; GlobalScheduler.report_events
 EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
@@ -57,7 +61,8 @@ class SpillNode:
         metrics: where to serve Prometheus ``/metrics`` (``services.metrics.spill``; None:
             nowhere). Raises OSError when its port is taken.
         deleted_tenants: where to learn of deleted tenants (``services.spill_sweep``); their
-            own namespaces are dropped at start and every ``sweep_interval_s`` (None: never).
+            own namespaces are dropped at start (the constructor waits for that first sweep, at
+            most ``FIRST_SWEEP_WAIT_S``) and every ``sweep_interval_s`` (None: never).
         num_spill_nodes: the deployment's spill node count, ``root_dir`` being
             ``<spill root>/<index>`` (the launcher's layout): at start the node deletes the
             directories of retired nodes, ``<spill root>/<j>`` for j >= it, on its own machine
@@ -88,26 +93,32 @@ class SpillNode:
         self.node_id = node_id
         self._sink = event_sink
         self._sink_lock = threading.Lock()  # events leave in order even from a threaded actor
-        self._push(reset=True)
-        self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
-        self.metrics_server = self._serve_metrics(Path(root_dir), metrics) if metrics is not None else None
         self._sweep = None
         if deleted_tenants is not None:
             self._sweep = DeletedTenantSweep(self._store, deleted_tenants, self._push, node_id, sweep_interval_s)
             self._sweep.start()
+            # serve nothing a deleted tenant left on disk: the first sweep's end is awaited, within
+            # a bound (a scheduler that does not answer delays the start by FIRST_SWEEP_WAIT_S)
+            if not self._sweep.first_done.wait(FIRST_SWEEP_WAIT_S):
+                logger.warning("spill node %s: the first sweep of deleted tenants has not ended within %g s; "
+                               "serving meanwhile", node_id, FIRST_SWEEP_WAIT_S)
+        self._push(reset=True)
+        self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
+        self.metrics_server = self._serve_metrics(Path(root_dir), metrics) if metrics is not None else None
 
     def _serve_metrics(self, root_dir: Path, endpoint: MetricsEndpoint) -> MetricsServer:
         """``/metrics`` at ``endpoint``; with port 0, on the port this node served on before a
         restart (kept in its directory, ``METRICS_PORT_FILE``) while that is free."""
         path = root_dir / METRICS_PORT_FILE
-        try:
-            previous = int(path.read_text().strip() or 0)
-        except (OSError, ValueError):  # none yet, or unreadable: any free port
+        try:  # a regular file only, never a link followed nor a FIFO waited on (review 30e F1's kind)
+            with open(open_regular(path), "rb", buffering=0) as f:
+                previous = int(f.read(32).decode().strip() or 0)
+        except (OSError, ValueError):  # none yet, unreadable or not a regular file: any free port
             previous = 0
         server = serve_again(self.metrics.registry, endpoint, previous)
         if endpoint.port == 0 and server.port != previous:
             try:
-                path.write_text(f"{server.port}\n")
+                write_small_file(path, f"{server.port}\n".encode())  # never through a link or into a FIFO
             except OSError as exc:
                 logger.warning("spill node %s: could not keep its metrics port in %s: %s", self.node_id, path, exc)
         return server
@@ -182,8 +193,11 @@ class SpillNode:
             return
         with self._sink_lock:
             events = [(e.event, e.block_hash, e.tier) for e in self._store.take_events()]
-            if getattr(self._sink, "needs_resync", False):  # a report was lost: all it holds,
-                # taken after the drain (an event between both is in it and follows it again)
+            if reset or getattr(self._sink, "needs_resync", False):  # a reset, or a report was lost:
+                # all it holds, taken after the drain (an event between both is in it and follows it
+                # again). Regression (review 30m F1): the constructor's reset came after its first
+                # sweep's push, which had carried the rebuild's events, so it went out empty and the
+                # scheduler forgot every block the node held
                 events, reset = [("stored", h, tier) for h, tier in self._store.held()], True
             if events or reset:
                 self._sink(self.node_id, events, reset)

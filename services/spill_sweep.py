@@ -11,7 +11,11 @@ purged at its next sweep, at the latest ``interval_s`` after it is back. The ans
 like any message from the network (types, sizes, order); a bad or failed answer is logged,
 counted and asked again at the next sweep. Each sweep also deletes the quarantined files past
 their age limit (``SpillStore.expire_quarantine``): a file whose corrupt header names no
-tenant is not kept longer than that, even on an idle node.
+tenant is not kept longer than that, even on an idle node; and it tries again the deletions
+that failed (a read-only or failing volume: the files stay counted meanwhile) and the write of
+the store's list of dropped holders, which a restart reads before it indexes anything, so a
+deleted tenant's file that could not be deleted is deleted at the restart, never served, even
+before this sweep's first answer (review 30e F5).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class DeletedTenantSweep:
         self.cursor = 0
         self.counters = {"sweeps": 0, "sweep_failures": 0, "sweep_bad_answers": 0, "swept_blocks": 0}
         self._stop = threading.Event()
+        self.first_done = threading.Event()  # set once the first sweep of ``start`` has ended
         self._thread: threading.Thread | None = None
 
     def sweep(self) -> int:
@@ -145,6 +150,8 @@ class DeletedTenantSweep:
                     self.sweep()
                 except Exception:  # a store fault must not end the sweeps
                     logger.exception("spill node %s: sweep of deleted tenants failed", self.node_id)
+                finally:
+                    self.first_done.set()
                 self._stop.wait(self.interval_s)
 
         self._thread = threading.Thread(target=run, name=f"sweep-{self.node_id}", daemon=True)

@@ -65,8 +65,16 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 def _arguments(value: Any) -> str:
-    """A call's ``arguments``: the value's JSON text, whatever its type (a str too)."""
-    return json.dumps(value, ensure_ascii=False)
+    """A call's ``arguments``: the value's JSON text, whatever its type (a str too); with
+    ``\\uXXXX`` escapes when the value holds a lone surrogate (the model wrote ``"\\ud800"``), so
+    that the text stays UTF-8. Regression (review 30j F1, the generated side): such a call's
+    arguments held the surrogate itself, which no response (JSON or protobuf) can encode."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def _is_json(text: str) -> bool:

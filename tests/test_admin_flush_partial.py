@@ -27,6 +27,8 @@ class _Method:
     async def remote(self, *args: Any) -> Any:
         if self.answer is None:  # stopped, or its step loop stuck: never answers
             await asyncio.Event().wait()
+        if isinstance(self.answer, BaseException):  # the call failed (the node died, its loop failed)
+            raise self.answer
         return self.answer
 
 
@@ -78,7 +80,7 @@ def test_a_flush_a_node_did_not_answer_is_unavailable_naming_it() -> None:
     with pytest.raises(_Aborted):
         asyncio.run(servicer.Flush(admin_pb2.FlushRequest(), context))
     assert context.code == grpc.StatusCode.UNAVAILABLE
-    assert context.details.startswith("flush incomplete: cache node n1 did not answer within 0.3 s")
+    assert context.details.startswith("flush incomplete: cache node n1 (did not answer within 0.3 s) did not flush")
     assert "n0" not in context.details and "freed 20 KV blocks (device 5, compressed prefixes 2, host 7, spill 6)" \
         in context.details
     assert "\n" not in context.details  # `kvstrata admin flush` prints the first line alone
@@ -91,8 +93,34 @@ def test_a_drain_a_node_did_not_answer_is_unavailable_naming_it() -> None:
     with pytest.raises(_Aborted):
         asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0.2), context))
     assert context.code == grpc.StatusCode.UNAVAILABLE
-    assert context.details.startswith("drain incomplete: cache nodes n1, n2 did not answer within 0.5 s")
+    assert context.details.startswith(
+        "drain incomplete: cache nodes n1 (did not answer within 0.5 s), n2 (did not answer within 0.5 s) did not drain")
     assert "aborted 3 requests" in context.details and "\n" not in context.details
+
+
+def test_a_node_whose_call_failed_or_answered_malformed_is_named() -> None:
+    """Session 30: a node whose Flush or Drain call failed with an error rather than a timeout
+    (it died between the monitor's check and the call, its step loop failed) or answered
+    something that is not counts was counted as 0 and not named, and the call answered OK
+    while that node's KV (and the spill tier it flushes) or requests could still be there."""
+    import ray.exceptions
+
+    died = ray.exceptions.RayActorError()
+    servicer, scheduler = _servicer(_Node(_FREED, 3), _Node(died, died), _Node({"device": "9", "host": -1}, -2),
+                                    _Node(RuntimeError("step loop failed: CUDA error"), True))
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(servicer.Flush(admin_pb2.FlushRequest(), context))
+    assert context.code == grpc.StatusCode.UNAVAILABLE and "\n" not in context.details
+    assert context.details.startswith("flush incomplete: cache nodes n1 (failed: ") and "n0" not in context.details
+    assert "n2 (sent a malformed answer), n3 (failed: step loop failed: CUDA error) did not flush" in context.details
+    assert "freed 20 KV blocks" in context.details and scheduler.flushed == 1
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(servicer.Drain(admin_pb2.DrainRequest(timeout_s=0), context))
+    assert context.details.startswith("drain incomplete: cache nodes n1 (failed: ")
+    assert "n2 (sent a malformed answer), n3 (sent a malformed answer) did not drain" in context.details
+    assert "aborted 3 requests" in context.details
 
 
 def test_every_node_answering_is_ok() -> None:

@@ -71,7 +71,7 @@ def test_finish_line_explains_the_reason(reason: str, meaning: str) -> None:
     line = finish_line(finished)
     assert line.startswith(f"{reason}: {meaning}")
     assert "12 prompt tokens (8 cached on the device), 5 generated, TTFT 80 ms, TPOT 22 ms" in line
-    assert set(FINISH_REASONS) == {"stop", "length", "abort"}  # GenerateFinished's documented reasons
+    assert set(FINISH_REASONS) == {"stop", "length", "abort", "tool_calls"}  # GenerateFinished's documented reasons
 
 
 def test_ctrl_c_ends_the_line_says_cancelled_and_cancels_the_call(slow_gateway) -> None:

@@ -205,3 +205,35 @@ def test_up_help_tells_the_order_up_prints_in(tmp_path: Path) -> None:
                for start in ("gateway:", "OpenAI-compatible API:", "scheduler:", "admin key:", "metrics",
                              "prometheus targets:")]
     assert printed == sorted(printed), lines
+
+
+@pytest.mark.parametrize("field", ["gateway_port", "http_port", "gateway_metrics_port"])
+def test_a_taken_fixed_port_is_refused_before_anything_starts(tmp_path: Path, field: str) -> None:
+    """Trial 30n P1: with port 8000 (the HTTP API's default, vLLM's and Jupyter's too) taken,
+    `up` loaded the model for ~40 s and failed 'kvstrata up failed: ray::RayGateway.start()
+    (pid=..., repr=...)'. Each fixed port it binds here is now checked first, naming its field."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({"gateway_port": 0, "http_port": 0, "gateway_metrics_port": 0,
+                                          field: port, "state_dir": str(tmp_path / "state")}))
+        result = CliRunner().invoke(cli.app, ["up", "--config", str(config)],
+                                    env={"KVSTRATA_STATE_DIR": str(tmp_path / "cli"), "COLUMNS": "1000"})
+    assert result.exit_code == 1, result.output
+    assert f"port {port} on 127.0.0.1 is taken; set {field} in the config (0 = any free port)" in result.output
+    assert not (tmp_path / "cli" / "gateway.json").exists()
+
+
+def test_an_actor_error_is_told_by_its_cause() -> None:
+    """Trial 30n P1: an error raised in an actor's method (the gateway's bind failing) was
+    printed as Ray's first line, 'ray::RayGateway.start() (pid=..., repr=...)', its cause dropped."""
+    import ray.exceptions
+
+    cause = OSError(98, "Address already in use")
+    remote = ray.exceptions.RayTaskError("RayGateway.start", "Traceback ...\nOSError: [Errno 98] Address already in use",
+                                         cause)
+    assert lifecycle.failure_text(remote) == "OSError: [Errno 98] Address already in use"
+    assert lifecycle.failure_text(RuntimeError("boom\nmore")) == "RuntimeError: boom"
+    assert lifecycle.failure_text(ValueError()) == "ValueError()"

@@ -254,7 +254,7 @@ def test_chat_messages_from_wire() -> None:
             inference_pb2.ChatMessage(role="system", content="Be brief."),
             inference_pb2.ChatMessage(role="user", content="Capital of France?"),
             inference_pb2.ChatMessage(role="assistant", content=""),
-            inference_pb2.ChatMessage(role="tool", content='{"hits": 3}'),
+            inference_pb2.ChatMessage(role="tool", content='{"hits": 3}', tool_call_id="call_1"),
         ]
     )
 
@@ -262,8 +262,17 @@ def test_chat_messages_from_wire() -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Capital of France?"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": '{"hits": 3}'},
+        {"role": "tool", "content": '{"hits": 3}', "tool_call_id": "call_1"},
     ]
+
+
+def test_a_tool_message_without_its_call_id_is_refused() -> None:
+    """Session 30: a gRPC tool message without ``tool_call_id`` was served as an answer to no
+    call; the HTTP API (as OpenAI) refuses it, and both APIs now do."""
+    msg = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content="hi"),
+                                               inference_pb2.ChatMessage(role="tool", content="3")])
+    with pytest.raises(ValueError, match=r"^chat\.messages\[1\]\.tool_call_id is required on a tool message"):
+        convert.chat_messages_from_pb(msg)
 
 
 def test_chat_validation() -> None:
@@ -293,7 +302,8 @@ def test_chat_to_wire() -> None:
     with pytest.raises(ValueError) as excinfo:
         convert.chat_messages_to_pb([{"role": "user"}])
     assert str(excinfo.value) == (
-        "chat.messages[0] must have the keys role and content, and may have name and tool_call_id; got ['role']"
+        "chat.messages[0] must have the keys role and content, and may have name, tool_call_id and tool_calls; "
+        "got ['role']"
     )
 
 
@@ -315,9 +325,11 @@ def test_a_tool_result_carries_its_tool_call_id_to_the_chat_template() -> None:
         ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "4", "tool_call_id": "c" * 257}],
          "chat.messages[1].tool_call_id is longer than 256 characters"),
         ([{"role": "user", "content": "hi", "name": "n" * 257}], "chat.messages[0].name is longer than 256 characters"),
-        ([{"role": "tool", "content": "4", "tool_calls": "[]"}],
-         ("chat.messages[0] must have the keys role and content, and may have name and tool_call_id; got "
-          "['content', 'role', 'tool_calls']")),
+        ([{"role": "tool", "content": "4", "tool_call_id": "c", "tool_calls": "[]"}],
+         "chat.messages[0].tool_calls must be a list of tool calls"),
+        ([{"role": "tool", "content": "4", "tool_call_id": "c", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+         "chat.messages[0].tool_calls applies to assistant messages, not to role 'tool'"),
     ]
     for chat, error in bad:
         with pytest.raises(ValueError) as excinfo:

@@ -17,7 +17,10 @@ from tests.conftest import make_engine
 def hf_greedy(prompt: list[int], max_new: int) -> list[int]:
     ref = tiny_llama(seed=0).model
     ref.config._attn_implementation = "sdpa"
-    out = ref.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+    ids = torch.tensor([prompt])
+    # the mask given (review 30a N1): without it transformers infers one from pad_token_id, masking
+    # every prompt token of that id once eos_token_id is None
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                        eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

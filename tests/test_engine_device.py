@@ -359,7 +359,8 @@ def test_greedy_equals_transformers_generate_on_smollm2_shape_cuda() -> None:
     assert [outs[i].num_cached_tokens >= hit for i, hit in ((1, 32), (3, 288), (4, 288))] == [True] * 3
     with torch.no_grad():
         for prompt, out in zip(prompts, outs):
-            gen = ref.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
+            ids = torch.tensor([prompt], device="cuda")  # the mask given: else inferred from the pad id
+            gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
             assert list(out.output_token_ids) == gen[0, len(prompt):].tolist()
     eng.check_integrity()

@@ -47,7 +47,8 @@ def test_batch_matches_transformers_generate_and_prefill_logits(real_model) -> N
     want_logits = {}
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         with torch.no_grad():
-            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+            ids = torch.tensor([prompt])  # the mask given: else transformers infers one from the pad id
+            gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                eos_token_id=None, pad_token_id=tok.pad_token_id,
                                output_logits=True, return_dict_in_generate=True)
         assert list(out.output_token_ids) == gen.sequences[0, len(prompt):].tolist()

@@ -295,6 +295,7 @@ class Auth:
         self.tenant_of: dict[int, Tenant] = {}
 
     async def tenant(self, context: Any) -> Tenant:
+        context = getattr(context, "_context", context)  # (a gRPC call's, wrapped by gateway._GrpcPaths)
         return self.tenant_of[id(context)]
 
 

@@ -32,7 +32,7 @@ class Compiled:
     def __init__(self, future: Future) -> None:
         self.future = future
 
-    def compile(self, spec, tenant):  # type: ignore[no-untyped-def]
+    def compile(self, spec, tenant, namespace=""):  # type: ignore[no-untyped-def]
         return self.future
 
 

@@ -31,14 +31,18 @@ from cache_node.sampling_params import (
 from cache_node.structured_output import MAX_CHOICES, MAX_STRUCTURED_SPEC_BYTES
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import gateway
+from services.chat_tools import MAX_TOOL_CALLS
 from services.config import ServiceConfig
 from services.convert import (
     MAX_CHAT_MESSAGES,
     MAX_PROMPT_CHARS,
     MAX_REQUEST_ID_CHARS,
+    MAX_REQUEST_TOOL_CALLS,
+    MAX_TOOLS_TEXT_CHARS,
     prompt_from_pb,
     sampling_params_from_pb,
 )
+from services.gateway_inputs import input_from_pb
 from services.grpc_bounds import GrpcLimits
 from services.grpc_messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -57,15 +61,26 @@ assert len(json.dumps(CHOICES, ensure_ascii=False).encode()) == MAX_STRUCTURED_S
 
 def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateRequest:
     """A GenerateRequest at every bound ``services.convert`` checks, each string of 4-byte
-    characters: 1,024 chat messages holding 1 Mi characters (1,023 of them tool results, each
-    with a ``name`` and a ``tool_call_id``: review 25b N3), 4 stop strings of 256, 64 stop ids,
+    characters: 1,024 chat messages holding 1 Mi characters with the tools' JSON (8 assistant
+    messages of 128 tool calls, the rest but one tool results, each with a ``name`` and a
+    ``tool_call_id``: review 25b N3), a tool of a 64-character name whose parameters take the rest of
+    ``MAX_TOOLS_TEXT_CHARS`` as given (whitespace, which its JSON drops: the text that counts least), 4 stop strings of 256, 64 stop ids,
     every numeric sampling field set (top_k -1 a 10-byte varint, logprobs, min_p), 4,096
     logit_bias entries and 4,096 allowed_token_ids, all ids of 5-byte varints, a structured
     output's 256 choices whose JSON array is 64 KiB (its largest member on the wire), 256-character request and session ids, a policy of the pattern's 63 characters (no real
     policy's spec is longer), priority -1000."""
+    tools = [inference_pb2.Tool(name="t" * 64, parameters="{" + " " * (MAX_TOOLS_TEXT_CHARS - 66) + "}")]
+    tools_chars = len(json.dumps([{"type": "function", "function": {"name": t.name, "parameters": {}}} for t in tools],
+                                 separators=(",", ":")))
+    callers = MAX_REQUEST_TOOL_CALLS // MAX_TOOL_CALLS
+    results = MAX_CHAT_MESSAGES - 1 - callers
     chat = inference_pb2.ChatMessages()
-    chat.messages.add(role="assistant", content=WIDE * (MAX_PROMPT_CHARS - 3 * (MAX_CHAT_MESSAGES - 1)))
-    for _ in range(MAX_CHAT_MESSAGES - 1):
+    chat.messages.add(role="assistant", content=WIDE * (MAX_PROMPT_CHARS - 3 * results - 3 * MAX_REQUEST_TOOL_CALLS
+                                                         - tools_chars))
+    for _ in range(callers):
+        chat.messages.add(role="assistant", tool_calls=[inference_pb2.ToolCall(id=WIDE, name="f", arguments=WIDE)]
+                          * MAX_TOOL_CALLS)
+    for _ in range(results):
         chat.messages.add(role="tool", content=WIDE, name=WIDE, tool_call_id=WIDE)
     sampling = inference_pb2.SamplingParams(
         max_tokens=(1 << 32) - 1, temperature=1.5, top_p=0.5, seed=(1 << 64) - 1,
@@ -77,7 +92,8 @@ def largest_valid_request(policy: str = "p" * 63) -> inference_pb2.GenerateReque
         structured_output=inference_pb2.StructuredOutput(choice=inference_pb2.ChoiceList(choices=CHOICES)))
     return inference_pb2.GenerateRequest(
         chat=chat, sampling=sampling, session_id=WIDE * MAX_REQUEST_ID_CHARS,
-        request_id=WIDE * MAX_REQUEST_ID_CHARS, policy=policy, priority=-1000)
+        request_id=WIDE * MAX_REQUEST_ID_CHARS, policy=policy, priority=-1000, tools=tools,
+        tool_choice=inference_pb2.ToolChoice(mode=inference_pb2.TOOL_CHOICE_MODE_NONE), parallel_tool_calls=False)
 
 
 def test_the_largest_valid_request_is_over_grpcs_default_and_under_the_bound() -> None:
@@ -86,6 +102,7 @@ def test_the_largest_valid_request_is_over_grpcs_default_and_under_the_bound() -
     of it, and the default cap takes it."""
     request = largest_valid_request()
     assert len(prompt_from_pb(request)) == MAX_CHAT_MESSAGES
+    assert input_from_pb(request).tools  # the tools' checks too
     assert isinstance(sampling_params_from_pb(request.sampling), SamplingParams)
     assert MAX_REQUEST_ID_CHARS == gateway.MAX_ID_CHARS
     size = request.ByteSize()

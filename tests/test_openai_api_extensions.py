@@ -99,6 +99,14 @@ def test_two_turn_session_under_a_stop_string(stack: Stack, client: openai.OpenA
     cut, cut_next = turns("stop-cut", [stop])
     assert cut.choices[0].message.content == text[:start] and cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < plain.usage.completion_tokens
-    assert cut_next.usage.prompt_tokens == cut.usage.prompt_tokens + cut.usage.completion_tokens + new_message
     assert gateway_counter(stack, "kvstrata:request_success", finished_reason="stop") == stopped_before + 1
     assert gateway_counter(stack, "kvstrata:requests", status="CANCELLED") == cancelled_before
+    # the history holds the cut reply, not the stop string's tokens: the next turn's prompt is the
+    # same conversation's sent without the session (29f6264, 4e2562d), fewer tokens than the
+    # stopping token's history would give
+    alone = client.chat.completions.create(
+        model=model, messages=[*ask("Write a long story about a dragon."),
+                               {"role": "assistant", "content": cut.choices[0].message.content}, *ask("And then?")],
+        max_tokens=1, temperature=0)
+    assert cut_next.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert cut_next.usage.prompt_tokens <= cut.usage.prompt_tokens + cut.usage.completion_tokens + new_message

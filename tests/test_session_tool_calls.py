@@ -224,6 +224,8 @@ def test_a_tool_call_the_template_writes_as_the_model_did_continues(served: Serv
     assert _rerenders(served) == rerenders
     whole = templater.render([USER, _called(choice.message), result], tools=TOOLS)
     assert templater.tokenizer.decode(_last_prompt(served, session)) == whole
+    # token for token, too (review 30a F2: the history holds the call's text as the rendering's tokens)
+    assert _last_prompt(served, session) == templater.first_turn([USER, _called(choice.message), result], TOOLS)
 
 
 def test_a_reply_the_template_opens_otherwise_renders_the_conversation_anew(

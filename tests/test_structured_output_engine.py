@@ -166,8 +166,9 @@ def test_aborting_a_request_whose_grammar_compiles_frees_everything(real_model, 
     assert eng.kv_manager.pool.num_free_blocks() == free_before
     gate.set()
     assert eng.step() == []
-    compiled = eng.grammars.compile(_spec("regex", "[a-z]+")).result(timeout=60)  # the late compilation
-    assert eng.grammars.compile(_spec("regex", "[a-z]+")).result() is compiled  # kept
+    ns = eng.config.cache_namespace_default  # the request's (grammars are kept per namespace)
+    compiled = eng.grammars.compile(_spec("regex", "[a-z]+"), "", ns).result(timeout=60)  # the late compilation
+    assert eng.grammars.compile(_spec("regex", "[a-z]+"), "", ns).result() is compiled  # kept
     assert (eng.grammars.num_compiled, eng.grammars.num_dropped) == (1, 0)
 
 
@@ -260,7 +261,8 @@ def test_preempted_constrained_request_keeps_its_grammar_state(real_model) -> No
     blocks = -(-(max(len(prompt), len(other_prompt)) + 40) // 16)  # each fits alone, not both
     tight = _engine(lm, kv_pool_bytes=blocks * roomy_engine.pool.bytes_per_block)
     other = SamplingParams(max_tokens=40, ignore_eos=True)
-    tight.grammars.compile(params.structured_output).result(timeout=300)  # cached: both start at once
+    tight.grammars.compile(params.structured_output, "", tight.config.cache_namespace_default).result(
+        timeout=300)  # cached for the requests' namespace: both start at once
     other_out, out = _run(tight, [other_prompt, prompt], [other, params]).values()  # newest: preempted first
     assert out.num_preemptions >= 1 and other_out.finish_reason == "length"
     assert out.output_token_ids == roomy.output_token_ids and out.finish_reason == "stop"

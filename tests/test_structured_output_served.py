@@ -104,11 +104,11 @@ def test_grpc_unconstrained_requests_are_unchanged(served: Served) -> None:
                                                                      "string twice")),
     (pb.StructuredOutput(choice=pb.ChoiceList(choices=[str(i) for i in range(257)])),
      "sampling.structured_output.choice.choices holds more than 256 elements"),
-    (pb.StructuredOutput(regex="(abc"), "structured_output regex does not compile"),  # the node's compiler
-    (pb.StructuredOutput(grammar="root ::= nothing"), "structured_output grammar does not compile"),
+    (pb.StructuredOutput(regex="(abc"), "sampling.structured_output regex does not compile"),  # the node's compiler
+    (pb.StructuredOutput(grammar="root ::= nothing"), "sampling.structured_output grammar does not compile"),
     # a grammar with a dead end (after "a" nothing may follow): refused at that step, no token drawn
     (pb.StructuredOutput(grammar='root ::= "a" b\nb ::= b "c"'),
-     "structured_output: the grammar allows no token after 1 output tokens (it cannot complete)"),
+     "sampling.structured_output: the grammar allows no token after 1 output tokens (it cannot complete)"),
 ])
 def test_grpc_bad_constraints_are_invalid_argument_naming_the_field(served: Served, constraint: pb.StructuredOutput,
                                                                     details: str) -> None:

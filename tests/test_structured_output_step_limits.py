@@ -50,8 +50,9 @@ def test_a_grammar_past_its_step_budget_is_refused_and_its_neighbours_go_on(real
                            structured_output=_spec("grammar", AMBIGUOUS))
             for s in (1, 2)]
     person = SamplingParams(max_tokens=60, structured_output=_spec("json_schema", SCHEMA))
-    eng.grammars.compile(evil[0].structured_output).result(timeout=300)  # all start in one batch
-    eng.grammars.compile(person.structured_output).result(timeout=300)
+    ns = eng.config.cache_namespace_default  # the requests' (grammars are kept per namespace)
+    eng.grammars.compile(evil[0].structured_output, "", ns).result(timeout=300)  # all start in one batch
+    eng.grammars.compile(person.structured_output, "", ns).result(timeout=300)
     words = _prompt(lm, "Write some words.")
     start = time.monotonic()
     *refused, json_out, plain_out = _run(

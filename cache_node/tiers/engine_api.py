@@ -90,10 +90,11 @@ class EngineTiersMixin:
         self.sessions.drop_previous()  # histories kept to undo a turn: their cached blocks go too
         return {"prefixes": held, **self.tiers.flush_by_tier(spill)}
 
-    def flush_spill(self) -> int:
+    def flush_spill(self, timeout_s: float | None = None) -> int:
         """Flush the spill tier only; blocks dropped there. May wait on the spill node (up to
-        its client's timeouts): call it off the step thread."""
-        return self.tiers.flush_spill()
+        ``timeout_s``, None: its client's timeouts): call it off the step thread. Raises
+        ``SpillFlushIncomplete`` naming the spill nodes that may still hold blocks."""
+        return self.tiers.flush_spill(timeout_s)
 
     def drop_namespace(self, namespace: str, spill: bool = True) -> dict[str, int]:
         """Drop the cached KV of ``namespace``'s holder (the namespace without its salt, so its

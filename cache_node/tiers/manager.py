@@ -47,6 +47,7 @@ from cache_node.tiers.fair_lru import HolderWeights, holder_of
 from cache_node.tiers.host import TIER_DEVICE, TIER_HOST, BlockMeta, HostTier, TierEvent, Victims
 from cache_node.tiers.prefetch import TransferWorker
 from cache_node.tiers.spill_api import SPILL_HASH_BYTES, SpillClient, numpy_dtype_of
+from cache_node.tiers.spill_store import MAX_CALL_BLOCKS
 
 TIERS = (TIER_DEVICE, TIER_HOST, "spill_ram", "spill_disk")
 COUNTERS = (  # block counts moved, and faults absorbed as misses or dropped writes
@@ -69,8 +70,10 @@ class TierConfig:
         demote_batch_blocks: most blocks demoted per step by the watermark.
         prefetch_wait_s: longest a queued request waits for its prefetch before it recomputes.
         auto_prefetch: start a prefetch for every new request (when a spill client exists).
-        spill_put_batch_blocks: most blocks per spill ``put`` call.
-        spill_get_batch_blocks: most blocks per spill ``get`` call of a prefetch: a long
+        spill_put_batch_blocks: most blocks per spill ``put`` call (at most the spill nodes'
+            ``spill_store.MAX_CALL_BLOCKS``, which refuse larger calls).
+        spill_get_batch_blocks: most blocks per spill ``get`` call of a prefetch (at most
+            ``MAX_CALL_BLOCKS`` too): a long
             prompt's spilled blocks come in batches, each installed before the next is asked
             for, so neither the spill node nor this process holds a whole prompt's blocks at
             once (a 128k-token prompt of an 8B model is 16 GiB).
@@ -97,6 +100,10 @@ class TierConfig:
             raise ValueError("need 0 <= demote_low_watermark <= demote_high_watermark <= 1")
         if min(self.demote_batch_blocks, self.spill_put_batch_blocks, self.spill_get_batch_blocks) < 1:
             raise ValueError("demote_batch_blocks, spill_put_batch_blocks and spill_get_batch_blocks must be >= 1")
+        if max(self.spill_put_batch_blocks, self.spill_get_batch_blocks) > MAX_CALL_BLOCKS:
+            # a spill node refuses a larger call whole: every spill put or get would fail
+            raise ValueError(f"spill_put_batch_blocks and spill_get_batch_blocks must be <= {MAX_CALL_BLOCKS} "
+                             "(the most blocks a spill node takes per call)")
         if self.prefetch_wait_s < 0:
             raise ValueError("prefetch_wait_s must be >= 0")
         if self.spill_put_backlog_bytes < 1:
@@ -427,10 +434,12 @@ class TierManager:
                 self.worker.new_epoch()
         return dropped | {"spill": self.flush_spill() if spill else 0}
 
-    def flush_spill(self) -> int:
-        """Flush the spill tier (after the put or get in progress); blocks dropped there.
-        Takes no engine lock."""
-        return self.worker.flush_spill() if self.worker is not None else 0
+    def flush_spill(self, timeout_s: float | None = None) -> int:
+        """Flush the spill tier (after the put or get in progress), all within ``timeout_s``
+        (None: the client's timeouts); blocks dropped there. Takes no engine lock. Raises
+        ``SpillFlushIncomplete`` (``TransferWorker.flush_spill``): a spill node may still
+        hold blocks."""
+        return self.worker.flush_spill(timeout_s) if self.worker is not None else 0
 
     def stats(self) -> dict[str, int]:
         """Host tier sizes, the ``COUNTERS``, ``held_demoted_blocks`` (device blocks waiting

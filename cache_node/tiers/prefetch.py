@@ -8,7 +8,8 @@ KV in this process: ``SpillBacklog`` bounds them (``TierConfig.spill_put_backlog
 drops the largest holder's (per weight) oldest ones past it, counted in ``spill_put_dropped_blocks``.
 
 Faults: any exception from the client, or a reply that fails validation, is a miss (get) or
-a dropped write (put), counted in ``TierManager.counters``. Timeouts are the client's (the
+a dropped write (put), counted in ``TierManager.counters``; a flush that a spill node did not
+confirm raises ``SpillFlushIncomplete`` (its blocks may still be there). Timeouts are the client's (the
 Ray client turns a timeout or a dead actor into an empty reply, and sends a spill node no put
 while its last one timed out and still runs). ``flush`` bumps an epoch: jobs submitted
 before it are dropped, and the spill flush waits for a call in progress. No device block is
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ from cache_node.tiers.host import Victims
 from cache_node.tiers.spill_api import (
     SPILL_HASH_BYTES,
     SpillClient,
+    SpillFlushIncomplete,
     from_numpy,
     leading_hits,
     to_numpy,
@@ -105,15 +108,54 @@ class TransferWorker:
             self.backlog.clear()
             self._cond.notify_all()
 
-    def flush_spill(self) -> int:
-        """Flush the spill client after any call in progress. Returns blocks dropped (0 on error)."""
-        with self._io_lock:
-            try:
-                return int(self.spill.flush())
-            except Exception as exc:  # noqa: BLE001 - a dead spill node has nothing to flush
-                logger.warning("spill flush failed: %s", exc)
-                self._count("spill_flush_errors", 1)
-                return 0
+    def flush_spill(self, timeout_s: float | None = None) -> int:
+        """Flush the spill client after any call in progress, all within ``timeout_s`` (None:
+        no bound on the wait for that call, the client's own timeout on the flush). Returns
+        blocks dropped.
+
+        Raises:
+            SpillFlushIncomplete: a spill node did not confirm the flush in time or failed (it
+                may still hold its blocks: a dead one's group files are rebuilt when Ray
+                restarts it), or the call in progress did not end in time (the flush was not
+                sent: the client's ``pending`` nodes are named). Counted in
+                ``spill_flush_errors``. Before, any failure was 0 blocks dropped and the flush
+                done.
+        """
+        lock_wait = -1.0 if timeout_s is None else max(0.0, timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + lock_wait
+        if not self._io_lock.acquire(timeout=lock_wait):
+            self._count("spill_flush_errors", 1)
+            raise SpillFlushIncomplete(0, self._unflushed_behind(lock_wait))
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return int(self.spill.flush() if left is None else self.spill.flush(timeout_s=left))
+        except SpillFlushIncomplete as exc:
+            logger.warning("%s", exc)
+            self._count("spill_flush_errors", 1)
+            raise
+        except Exception as exc:  # a client fault: nothing says what the spill nodes still hold
+            logger.warning("spill flush failed: %s", exc)
+            self._count("spill_flush_errors", 1)
+            raise SpillFlushIncomplete(0, {"the spill tier": f"the flush failed: {exc}"[:300]}) from exc
+        finally:
+            self._io_lock.release()
+
+    def _unflushed_behind(self, timeout_s: float) -> dict[str, str]:
+        """``SpillFlushIncomplete.unflushed`` of a flush not sent because the spill call in
+        progress did not end within ``timeout_s``: the nodes that call waits on (the client's
+        ``pending``, when it tells), then every other node the client names as not asked."""
+        pending = getattr(self.spill, "pending", None)
+        try:
+            waited = list(pending()) if callable(pending) else []
+        except Exception:  # noqa: BLE001 - only a name in a message: a fault of its own is no cause
+            waited = []
+        why = f"a call to it did not answer within {timeout_s:g} s, so the flush was not sent"
+        unflushed = {str(name): why for name in waited}
+        for name in getattr(self.spill, "names", ()):
+            unflushed.setdefault(str(name), f"not asked: the flush waits for the spill call in progress "
+                                            f"(on {', '.join(map(str, waited)) or 'the spill tier'})")
+        return unflushed or {"the spill tier": f"the call in progress did not end within {timeout_s:g} s, so "
+                                               "the flush was not sent"}
 
     def _run(self) -> None:
         while True:
@@ -171,12 +213,15 @@ class TransferWorker:
             if epoch != self.epoch:
                 return
             try:
-                self.spill.put(hashes, rows, namespace, tokens, self.tiers.weights.of(holder_of(namespace)))
+                stored = self.spill.put(hashes, rows, namespace, tokens, self.tiers.weights.of(holder_of(namespace)))
             except Exception as exc:  # noqa: BLE001 - any client fault drops the write
                 logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)
                 self._count("spill_put_errors", len(hashes))
                 return
-        self._count("spill_put_blocks", len(hashes))
+        # only the blocks the spill tier says it stored (review 30e F2: a put whose disk write
+        # failed, or a node that failed or refused it, counted every block as written); the
+        # answer is a peer's: anything but an int in [0, len(hashes)] counts none
+        self._count("spill_put_blocks", stored if type(stored) is int and 0 <= stored <= len(hashes) else 0)
 
     def _prefetch(self, seq: Sequence, epoch: int) -> None:
         try:

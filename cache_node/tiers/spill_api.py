@@ -41,7 +41,9 @@ class SpillClient(Protocol):
     Faults are the client's to absorb or raise: the engine turns any exception from a call
     into a miss (``get``) or a dropped write (``put``). A ``put``'s ``weight`` is the weight of
     ``namespace``'s tenant (``fair_lru``: the spill tiers' weighted fair shares); a store
-    refuses (ValueError) one that is not a positive finite number.
+    refuses (ValueError) one that is not a positive finite number. ``flush`` raises
+    ``SpillFlushIncomplete`` when a node did not confirm it within ``timeout_s`` (None: the
+    client's own timeout; an in-process store answers or raises at once).
     """
 
     def put(
@@ -55,9 +57,25 @@ class SpillClient(Protocol):
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]: ...
 
-    def flush(self) -> int: ...
+    def flush(self, timeout_s: float | None = None) -> int: ...
 
     def drop_namespace(self, namespace: str) -> int: ...
+
+
+class SpillFlushIncomplete(RuntimeError):
+    """A spill flush that some spill nodes did not confirm within its time: they may still hold
+    their blocks (alive but stopped or stuck, or dead with their group files left on disk for
+    the node Ray restarts). ``dropped``: blocks the other nodes dropped; ``unflushed``: spill
+    node name -> why (``"did not answer within 24 s"``, the error it failed with, ...).
+
+    Regression (session 30, after e87d3fe): a spill node that did not answer its flush in time counted as
+    0 blocks dropped and the flush as done, so ``kvstrata admin flush`` said the KV was gone
+    while the spill node still held it."""
+
+    def __init__(self, dropped: int, unflushed: dict[str, str]) -> None:
+        shown = "; ".join(f"{name}: {why}" for name, why in unflushed.items())
+        super().__init__(f"spill flush incomplete ({shown}); the others dropped {dropped} blocks")
+        self.dropped, self.unflushed = dropped, dict(unflushed)
 
 
 class SpillBlockSpec(NamedTuple):

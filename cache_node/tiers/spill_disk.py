@@ -27,23 +27,61 @@ The budget bounds the whole directory: unindexed and quarantined files count aga
 first) before any indexed file is evicted; the quarantine keeps only its newest files, none
 older than ``QUARANTINE_MAX_AGE_S``. A flush deletes every file, quarantined ones too; dropping
 holders deletes their files, served or not (``UnservedFiles.drop_holders``).
+
+The directory is held open from construction (``spill_format.SpillDir``) and every name is
+resolved in it: a FIFO, device or link named like a group file is never opened (F1 of review
+30e: one hung the store's constructor or a ``get`` holding its lock), a directory swapped for
+a link is never followed, and one deleted while running is made again at the next write that
+finds it gone (``dir_recreated``; its index is emptied, since its files went with it; F4).
+
+The volume may fill before the budget does (a shared disk, a budget set too large): before
+each file is written the tier makes room for it on the volume as it does for the budget
+(``fstatvfs``: unindexed files first, then indexed ones by ``fair_lru``, counted in
+``disk_full_evicted_files``), and a write that still fails with ENOSPC/EDQUOT
+(``disk_full_writes``) evicts at least the file's size and is tried once more. Regression
+(review 30e F2): the tier kept its oldest files and dropped every new write for good.
+
+Deletions of many files (``flush``, ``drop_holders``) take the files out of the index and
+return a ``PendingRemoval`` that the caller runs after releasing its lock (F3: 5,000 unlinks
+held another tenant's get of a RAM block for 5.8 s); file names are unique (a uuid each), so a
+late unlink never deletes a file written after. A file whose unlink fails (EROFS, EIO) stays
+counted against the budget and is tried again at each budget pass and ``expire_quarantine``
+(``UnservedFiles.undeleted``, ``unlink_errors``). Holders dropped for good are kept in
+``TOMBSTONE_FILE`` (``save_dropped``): at a restart a file of one of them is deleted, never
+indexed (F5: a deleted tenant's file that could not be deleted was indexed and served again).
+
+A restart indexes each block from the file of the highest write sequence holding it (``seq``
+in the header: each write's is ``max(last + 1, time_ns())``, continued from the largest one
+found at a restart), not by mtime (F6: after a clock step back, an old copy of a block that had
+failed its checksum won over the copy written again after it).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
+import os
+import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
+from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
 from cache_node.tiers import spill_format as fmt
 from cache_node.tiers.fair_lru import FairLRU, HolderWeights, holder_of
 from cache_node.tiers.spill_disk_faults import READ_ATTEMPTS, DiskFaults
-from cache_node.tiers.spill_format import BlockFormat, SpillBlocksCorrupt, SpillCorruptError
+from cache_node.tiers.spill_format import (
+    BlockFormat,
+    SpillBlocksCorrupt,
+    SpillCorruptError,
+    SpillDir,
+)
 from cache_node.tiers.spill_unserved import UnservedFiles
 
 logger = logging.getLogger(__name__)
@@ -51,20 +89,55 @@ logger = logging.getLogger(__name__)
 TIER_DISK = "spill_disk"
 Emit = Callable[[str, bytes, str], None]  # (event, block_hash, tier)
 
+TOMBSTONE_FILE = fmt.TOMBSTONE_FILE
+MAX_TOMBSTONES = 65536
+"""Holders ``TOMBSTONE_FILE`` keeps, the newest (``spill_store.MAX_DROPPED_HOLDERS``)."""
+_TOMBSTONE_BOUNDS = UnpackBounds(
+    max_array_len=MAX_TOMBSTONES, max_map_len=0, max_str_len=0, max_bin_len=32,
+    max_containers=1, max_elements=MAX_TOMBSTONES,
+)
+_MAX_TOMBSTONE_BYTES = 8 + MAX_TOMBSTONES * 34
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
 
 @dataclass
 class _SpillFile:
-    path: Path
+    path: Path  # root_dir / its name (for log lines; every operation goes by name in the directory fd)
     size_bytes: int
     live: set[bytes]  # hashes of this file that the index still points at
 
 
+@dataclass
+class PendingRemoval:
+    """Files taken out of the index, to unlink after the owner's lock is released (``run``):
+    ``(name, size)`` in the directory of ``dir_fd`` (a ``dup``, closed by ``run``)."""
+
+    dir_fd: int | None
+    files: list[tuple[str, int]] = field(default_factory=list)
+
+    def run(self) -> list[tuple[str, int, OSError]]:
+        """Unlink every file (gone already: done); returns those that failed, with the error,
+        for ``DiskTier.unlink_failed``."""
+        failed: list[tuple[str, int, OSError]] = []
+        if self.dir_fd is None:
+            return failed
+        try:
+            for name, size in self.files:
+                error = fmt.unlink_at(self.dir_fd, name)
+                if error is not None:
+                    failed.append((name, size, error))
+        finally:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+        return failed
+
+
 class DiskTier:
     """Group files under ``root_dir`` holding at most ``budget_bytes`` of files, the files it
-    does not serve (``unserved``: unindexed, quarantined) included.
+    does not serve (``unserved``: unindexed, quarantined, undeleted) included.
 
     Args:
-        root_dir: directory of the group files (created if missing).
+        root_dir: directory of the group files (created if missing; held open from here on).
         block_format: shape, dtype and kv_format of every block.
         budget_bytes: bytes of files kept (0: writes are dropped).
         max_blocks_per_file: most blocks per group file.
@@ -73,7 +146,10 @@ class DiskTier:
             corrupt; ``corrupt_blocks``: blocks dropped alone for a failed checksum;
             ``quarantined_files``, ``io_errors``, ``io_retries``, ``missing_files``,
             ``skipped_files``, ``evicted_files``, ``removed_unindexed_files``,
-            ``removed_quarantined_files``).
+            ``removed_quarantined_files``, ``disk_full_writes``, ``disk_full_evicted_files``,
+            ``unlink_errors``, ``dir_recreated``, ``tombstoned_files``).
+
+    Raises ``spill_format.UnsafeSpillDir`` when ``root_dir`` is a link or not a directory.
     """
 
     def __init__(
@@ -98,9 +174,18 @@ class DiskTier:
         # one tenant's writes delete every other tenant's files)
         self._files: FairLRU[str, _SpillFile] = FairLRU(weights)
         self.bytes_used = 0  # bytes of the files in the index
-        self.unserved = UnservedFiles(root_dir, budget_bytes, counters)
+        self.dir = SpillDir(root_dir)
+        self.unserved = UnservedFiles(self.dir, budget_bytes, counters)
         self._faults = DiskFaults(block_format, self.unserved, counters)
+        self._seq = 0  # the last write sequence written or found (``_next_seq``)
+        # SHA-256 of each holder dropped for good, oldest first (``TOMBSTONE_FILE``)
+        self._tombstones: OrderedDict[bytes, None] = OrderedDict()
+        self._tombstone_dirty = False  # a ``save_dropped`` failed: tried again by expire_quarantine
         self._rebuild()
+
+    def __del__(self) -> None:
+        if hasattr(self, "dir"):
+            self.dir.close()
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.index
@@ -128,8 +213,9 @@ class DiskTier:
         """Read ``hashes`` (all held) into ``out[rows]``; returns the rows read successfully.
 
         The rows of a file that cannot be read miss: a corrupt file is quarantined and a gone
-        file dropped from the index; a transient OSError (after retries) keeps the file. A
-        block that fails its checksum misses and is dropped; the file's other rows are read.
+        file (or a name that is no regular file now) dropped from the index; a transient
+        OSError (after retries) keeps the file. A block that fails its checksum misses and is
+        dropped; the file's other rows are read.
         """
         by_file: dict[str, list[int]] = {}
         for k, block_hash in enumerate(hashes):
@@ -143,32 +229,99 @@ class DiskTier:
     def touch(self, block_hash: bytes) -> None:
         self._files.touch(self.index[block_hash])
 
-    def flush(self) -> None:
-        """Drop every file: the indexed ones, the others in ``root_dir`` and the quarantined
-        ones (their headers hold prompts' token ids)."""
+    def flush(self) -> PendingRemoval:
+        """Drop every file from the index (their "removed" events) and the books, delete the
+        quarantined ones (their headers hold prompts' token ids), and return the group files in
+        the directory (the indexed ones, the others, the undeleted) for the caller to unlink
+        outside its lock (``PendingRemoval.run``, then ``unlink_failed``)."""
+        pending = self._pending([])
         for name in list(self._files):
-            self._drop_file(name)
-        for path in fmt.list_group_files(self.root_dir):
-            fmt.remove_file(path)
+            self._forget(name)
+        try:
+            listed = fmt.list_group_names(self.dir.fd, links=True)
+        except OSError as exc:
+            logger.warning("cannot list spill dir %s to flush it: %s", self.root_dir, exc)
+            self._counters["io_errors"] += 1
+            listed = []
+        sizes = dict(self.unserved.unindexed.items())
+        pending.files = [(g.name, sizes[g.name].size if g.name in sizes else 0) for g in listed]
         self.unserved.forget_unindexed()
         self.unserved.clear_quarantine()
+        return pending
 
-    def drop_holders(self, holders: Collection[str]) -> int:
-        """Delete every indexed file of each of ``holders`` (namespaces without their salt:
-        ``holder_of``), with their blocks' "removed" events; returns the blocks dropped. Files
-        it does not serve (unindexed, quarantined) whose verified header names one of them
-        are deleted too (``UnservedFiles.drop_holders``; counted as removed files)."""
+    def drop_holders(self, holders: Collection[str]) -> tuple[int, PendingRemoval]:
+        """Take every indexed file of each of ``holders`` (namespaces without their salt:
+        ``holder_of``) out of the index, with their blocks' "removed" events; returns the blocks
+        dropped and the files, for the caller to unlink outside its lock
+        (``PendingRemoval.run``, then ``unlink_failed``). Files it does not serve (unindexed,
+        quarantined) whose verified header names one of them are deleted now
+        (``UnservedFiles.drop_holders``; counted as removed files)."""
         names = [name for name in self._files if self._files.holder(name) in holders]
         dropped = 0
+        pending = self._pending([])
         for name in names:
-            dropped += len(self._files[name].live)
-            self._drop_file(name)
+            spill_file = self._forget(name)
+            dropped += len(spill_file.live)
+            pending.files.append((name, spill_file.size_bytes))
         self.unserved.drop_holders(holders)
-        return dropped
+        return dropped, pending
+
+    def unlink_failed(self, failed: Sequence[tuple[str, int, OSError]]) -> None:
+        """Files of a ``PendingRemoval`` that could not be deleted: counted against the budget and
+        tried again later (``UnservedFiles.doom``)."""
+        for name, size, error in failed:
+            self.unserved.doom(name, size, error)
+
+    def tombstoned(self, holder: str) -> bool:
+        """Whether ``holder`` was dropped for good (``save_dropped``), before a restart too."""
+        return bool(self._tombstones) and _digest(holder) in self._tombstones
+
+    def save_dropped(self, holders: Collection[str]) -> None:
+        """Add ``holders`` (dropped for good) to ``TOMBSTONE_FILE`` (the newest
+        ``MAX_TOMBSTONES`` kept), so that a restart deletes their files instead of indexing
+        them. A failed write is logged, counted (``io_errors``) and tried again at the next
+        ``expire_quarantine``."""
+        for holder in holders:
+            digest = _digest(holder)
+            self._tombstones.pop(digest, None)
+            self._tombstones[digest] = None
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        self._save_tombstones()
+
+    def _save_tombstones(self) -> None:
+        try:
+            fmt.write_small_file(TOMBSTONE_FILE, msgpack.packb(list(self._tombstones), use_bin_type=True),
+                                 self.dir.fd)
+        except OSError as exc:
+            logger.warning("could not keep the dropped holders in %s (tried again at the next sweep): %s",
+                           self.root_dir / TOMBSTONE_FILE, exc)
+            self._counters["io_errors"] += 1
+            self._tombstone_dirty = True
+            return
+        self._tombstone_dirty = False
 
     def expire_quarantine(self, now_ns: int | None = None) -> int:
-        """``UnservedFiles.expire``: delete quarantined files past their age limit."""
+        """``UnservedFiles.expire``: delete quarantined files past their age limit; also tries
+        again the deletions that failed (``UnservedFiles.retry_removals``) and a failed
+        ``save_dropped``."""
+        self.unserved.retry_removals()
+        if self._tombstone_dirty:
+            self._save_tombstones()
         return self.unserved.expire(now_ns)
+
+    def _pending(self, files: list[tuple[str, int]]) -> PendingRemoval:
+        try:
+            return PendingRemoval(self.dir.dup(), files)
+        except OSError as exc:  # out of descriptors: nothing is deleted, the files stay counted
+            logger.warning("cannot delete spill files now (%s): they are tried again later", exc)
+            return PendingRemoval(None, files)
+
+    def _next_seq(self) -> int:
+        """The next write sequence: rising, past every one found at the restart, and close to
+        the wall clock while the clock does not step back."""
+        self._seq = max(self._seq + 1, time.time_ns())
+        return self._seq
 
     def _write_file(
         self, namespace: str, hashes: list[bytes], blocks: np.ndarray | Sequence[np.ndarray], tokens: list[bytes]
@@ -176,20 +329,84 @@ class DiskTier:
         if self.budget_bytes == 0:
             return
         name = uuid.uuid4().hex + fmt.FILE_SUFFIX
-        path = self.root_dir / name
-        try:
-            size_bytes = fmt.write_group(path, hashes, blocks, namespace, self.block_format, tokens)
-        except OSError as exc:
-            logger.warning("spill write %s failed, %d blocks dropped: %s", path, len(hashes), exc)
-            self._counters["io_errors"] += 1
-            return
-        self._add_file(name, path, size_bytes, dict(zip(hashes, tokens)), namespace)
+        estimate = self._file_estimate(hashes, tokens)
+        self._make_room_on_volume(estimate)
+        for attempt in (1, 2):
+            try:
+                size_bytes = fmt.write_group(Path(name), hashes, blocks, namespace, self.block_format, tokens,
+                                             seq=self._next_seq(), dir_fd=self.dir.fd)
+                break
+            except OSError as exc:
+                if attempt == 1 and self._recover(exc, estimate):
+                    continue
+                logger.warning("spill write %s failed, %d blocks dropped: %s", self.root_dir / name, len(hashes), exc)
+                self._counters["io_errors"] += 1
+                return
+        self._add_file(name, size_bytes, dict(zip(hashes, tokens)), namespace)
 
-    def _add_file(
-        self, name: str, path: Path, size_bytes: int, blocks: dict[bytes, bytes], namespace: str
-    ) -> None:
+    def _recover(self, exc: OSError, estimate: int) -> bool:
+        """Whether the write that failed with ``exc`` is worth one more try: the volume was full
+        (room made, at least the file's size) or the directory was deleted (made again)."""
+        if exc.errno in _NO_ROOM:
+            self._counters["disk_full_writes"] += 1
+            logger.warning("spill volume of %s is full below the budget (%d B held): making room for %d B",
+                           self.root_dir, self.bytes_used + self.unserved.bytes, estimate)
+            return self._evict(estimate, "disk_full_evicted_files") > 0
+        if exc.errno == errno.ENOENT and self.dir.gone():
+            return self._recreate_dir()
+        return False
+
+    def _recreate_dir(self) -> bool:
+        """The directory was deleted while running: empty the index (its files went with it),
+        make it again and hold the new one. False when it cannot be (logged)."""
+        try:
+            self.dir.reopen()
+        except OSError as exc:
+            logger.warning("spill dir %s was deleted and cannot be made again: %s", self.root_dir, exc)
+            return False
+        logger.warning("spill dir %s was deleted while running: made again; its %d files were lost",
+                       self.root_dir, len(self._files))
+        self._counters["dir_recreated"] += 1
+        for name in list(self._files):
+            self._forget(name)
+        self.unserved.forget_all()
+        return True
+
+    def _file_estimate(self, hashes: list[bytes], tokens: list[bytes]) -> int:
+        """An upper bound on the bytes a group file of these blocks takes on the volume."""
+        header = 4096 + len(hashes) * (fmt.HASH_BYTES + fmt.CHECKSUM_BYTES + 16) + sum(map(len, tokens))
+        return header + len(hashes) * self.block_format.block_nbytes
+
+    def _make_room_on_volume(self, need: int) -> None:
+        """Evict (unindexed files first, then ``fair_lru``) until the volume has ``need`` bytes
+        free, if it has not (``fstatvfs`` of the directory; counted in
+        ``disk_full_evicted_files``)."""
+        try:
+            vfs = os.fstatvfs(self.dir.fd)
+        except OSError:
+            return
+        if not vfs.f_blocks:  # a file system that reports no sizes: ENOSPC alone tells (``_recover``)
+            return
+        free = vfs.f_bavail * vfs.f_frsize
+        short = need + vfs.f_frsize - free
+        if short > 0:
+            self._evict(short, "disk_full_evicted_files")
+
+    def _evict(self, need: int, counter: str) -> int:
+        """Free ``need`` bytes: unindexed and undeleted files first, then indexed files by
+        ``fair_lru`` (each counted in ``counter``); returns the bytes freed."""
+        freed = self.unserved.free(need)
+        for name in self._files.victims(need - freed):
+            size = self._files[name].size_bytes
+            if self._drop_file(name):
+                freed += size
+            self._counters[counter] += 1
+        return freed
+
+    def _add_file(self, name: str, size_bytes: int, blocks: dict[bytes, bytes], namespace: str) -> None:
         """Index a file's ``blocks`` (block_hash -> token_bytes) of ``namespace``."""
-        self._files.put(name, _SpillFile(path, size_bytes, set(blocks)), holder_of(namespace), size_bytes)
+        spill_file = _SpillFile(self.root_dir / name, size_bytes, set(blocks))
+        self._files.put(name, spill_file, holder_of(namespace), size_bytes)
         self.bytes_used += size_bytes
         for block_hash, tokens in blocks.items():
             self.index[block_hash] = name
@@ -200,14 +417,17 @@ class DiskTier:
         """Free what passes the budget: unindexed files first (they can never be served), then
         indexed files by ``fair_lru``."""
         self.unserved.expire()
-        need = self.bytes_used + self.unserved.bytes - self.budget_bytes
-        need -= self.unserved.free(need)
-        for name in self._files.victims(need):
-            self._drop_file(name)
-            self._counters["evicted_files"] += 1
+        self._evict(self.bytes_used + self.unserved.bytes - self.budget_bytes, "evicted_files")
 
-    def _drop_file(self, name: str) -> None:
-        fmt.remove_file(self._forget(name).path)  # a no-op when already gone
+    def _drop_file(self, name: str) -> bool:
+        """Forget file ``name`` and unlink it (True; one gone already counts). One that cannot
+        be deleted stays counted and is tried again later (False)."""
+        spill_file = self._forget(name)
+        error = fmt.unlink_at(self.dir.fd, name)
+        if error is not None:
+            self.unserved.doom(name, spill_file.size_bytes, error)
+            return False
+        return True
 
     def _forget(self, name: str) -> _SpillFile:
         """Take a file out of the index (its blocks' "removed" events); the file is untouched."""
@@ -224,13 +444,19 @@ class DiskTier:
         ``hashes``) read and verified."""
         path = self._files[name].path
         try:
-            self._faults.retry(lambda: self._read_into(path, hashes, out, rows))
+            self._faults.retry(lambda: self._read_into(name, hashes, out, rows))
         except SpillBlocksCorrupt as exc:
             self._drop_corrupt_blocks(name, [hashes[j] for j in exc.positions], exc)
             bad = set(exc.positions)
             return [j for j in range(len(hashes)) if j not in bad]
         except SpillCorruptError as exc:
-            self._faults.quarantine(path, exc)
+            self._faults.quarantine(name, exc)
+            self._forget(name)
+            return []
+        except fmt.NotRegularFile as exc:  # not ours: forgotten, never opened, never deleted
+            logger.warning("spill file %s was replaced by something that is no regular file, its blocks "
+                           "dropped (left as it is): %s", path, exc)
+            self._counters["missing_files"] += 1
             self._forget(name)
             return []
         except FileNotFoundError as exc:
@@ -246,15 +472,16 @@ class DiskTier:
         self._files.touch(name)
         return list(range(len(hashes)))
 
-    def _read_into(self, path: Path, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> None:
-        """``fmt.read_blocks`` of ``hashes`` into ``out[rows]``; on ``SpillBlocksCorrupt`` the
-        verified rows are in place before it propagates."""
+    def _read_into(self, name: str, hashes: list[bytes], out: np.ndarray, rows: list[int]) -> None:
+        """``fmt.read_blocks`` of ``hashes`` of file ``name`` into ``out[rows]``; on
+        ``SpillBlocksCorrupt`` the verified rows are in place before it propagates."""
+        fd = self.dir.fd
         if rows == list(range(rows[0], rows[0] + len(rows))):  # read straight into place
-            fmt.read_blocks(path, self.block_format, hashes, out[rows[0] : rows[0] + len(rows)])
+            fmt.read_blocks(name, self.block_format, hashes, out[rows[0] : rows[0] + len(rows)], fd)
             return
         staged = np.empty((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
         try:
-            fmt.read_blocks(path, self.block_format, hashes, staged)
+            fmt.read_blocks(name, self.block_format, hashes, staged, fd)
         except SpillBlocksCorrupt:
             out[rows] = staged
             raise
@@ -277,27 +504,77 @@ class DiskTier:
             self._files.touch(name)
         else:
             self._forget(name)
-            self._faults.set_aside(spill_file.path)
+            self._faults.set_aside(name)
+
+    def _load_tombstones(self) -> None:
+        """The holders ``TOMBSTONE_FILE`` lists (none when it is missing; an unreadable or
+        malformed one is logged, counted in ``io_errors`` and ignored)."""
+        try:
+            fd = fmt.open_regular(TOMBSTONE_FILE, self.dir.fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            logger.warning("cannot read %s: %s", self.root_dir / TOMBSTONE_FILE, exc)
+            self._counters["io_errors"] += 1
+            return
+        try:
+            with open(fd, "rb", buffering=0) as f:
+                raw = f.read(_MAX_TOMBSTONE_BYTES + 1)
+            digests = unpackb_within(raw, _TOMBSTONE_BOUNDS, "the dropped holders") \
+                if len(raw) <= _MAX_TOMBSTONE_BYTES else None
+            if not isinstance(digests, list) or not all(isinstance(d, bytes) and len(d) == 32 for d in digests):
+                raise ValueError("not a list of holder digests")
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring %s (malformed or unreadable): %s", self.root_dir / TOMBSTONE_FILE, exc)
+            self._counters["io_errors"] += 1
+            return
+        self._tombstones = OrderedDict.fromkeys(digests)
 
     def _rebuild(self) -> None:
-        self.root_dir.mkdir(parents=True, exist_ok=True)
         try:
-            paths = self._faults.retry(lambda: fmt.list_group_files(self.root_dir))
+            listed = self._faults.retry(lambda: fmt.list_group_names(self.dir.fd, links=True))
         except OSError as exc:
             logger.warning("cannot list spill dir %s (starting with an empty index): %s",
                            self.root_dir, exc)
             self._counters["io_errors"] += 1
             return
+        self._load_tombstones()
         self.unserved.scan_quarantine()  # first: files quarantined below are its newest
-        headers = [(path, header) for path in paths if (header := self._faults.read_index_header(path))]
-        newest: dict[bytes, Path] = {}  # block_hash -> the newest file holding it
-        for path, header in headers:
-            newest.update(dict.fromkeys(header.block_hashes, path))
-        for path, header in headers:  # oldest first: the newest file is the most recently used
-            blocks = zip(header.block_hashes, header.block_tokens)
-            live = {h: tokens for h, tokens in blocks if newest[h] == path}
-            if not live:
-                fmt.remove_file(path)  # every block is held by a newer file
+        headers = []
+        for name, mtime_ns, link in listed:
+            if link:  # never followed: an unindexed name, deleted first when the budget needs room
+                logger.warning("spill file %s is a symbolic link: not followed, not indexed", self.root_dir / name)
+                self.unserved.add_unindexed(name)
                 continue
-            self._add_file(path.name, path, header.file_bytes, live, header.namespace)
+            header = self._faults.read_index_header(name)
+            if header is None:
+                continue
+            self._seq = max(self._seq, header.seq)
+            if self.tombstoned(holder_of(header.namespace)):  # a holder dropped for good: deleted again
+                self._counters["tombstoned_files"] += 1
+                self._unlink(name, header.file_bytes)
+                continue
+            headers.append((header.seq, mtime_ns, name, header))
+        headers.sort(key=lambda item: item[:3])  # by write sequence (files of before it: by mtime)
+        newest: dict[bytes, str] = {}  # block_hash -> the newest file holding it
+        for _, _, name, header in headers:
+            newest.update(dict.fromkeys(header.block_hashes, name))
+        for _, _, name, header in headers:  # oldest first: the newest file is the most recently used
+            blocks = zip(header.block_hashes, header.block_tokens)
+            live = {h: tokens for h, tokens in blocks if newest[h] == name}
+            if not live:
+                self._unlink(name, header.file_bytes)  # every block is held by a newer file
+                continue
+            self._add_file(name, header.file_bytes, live, header.namespace)
         self._evict_over_budget()
+
+    def _unlink(self, name: str, size: int) -> None:
+        """Unlink an unindexed group file; one that cannot be deleted stays counted and is
+        tried again later."""
+        error = fmt.unlink_at(self.dir.fd, name)
+        if error is not None:
+            self.unserved.doom(name, size, error)
+
+
+def _digest(holder: str) -> bytes:
+    return hashlib.sha256(holder.encode("utf-8", "surrogatepass")).digest()

@@ -13,7 +13,9 @@ it is the caller's to count (``io_errors``): a read is a miss, the file staying 
 in the index. At a restart a file whose header cannot be read stays on disk unindexed, and a
 file of another format version or block format is skipped (``skipped_files``): left on disk,
 never indexed; both count against the disk budget as unindexed files
-(``UnservedFiles.add_unindexed``). A file that vanished since the listing is passed over.
+(``UnservedFiles.add_unindexed``). A file that vanished since the listing, or a name that
+is no regular file (``spill_format.NotRegularFile``: never opened), is passed over. Files are
+named in the tier's directory descriptor (``UnservedFiles.spill_dir``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 from cache_node.tiers import spill_format as fmt
@@ -70,41 +71,42 @@ class DiskFaults:
                 time.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
         raise AssertionError("unreachable")
 
-    def read_index_header(self, path: Path) -> GroupHeader | None:
-        """``path``'s header when the file can be indexed; else None, the file quarantined,
-        counted as unindexed, or gone."""
+    def read_index_header(self, name: str) -> GroupHeader | None:
+        """The header of group file ``name`` when the file can be indexed; else None, the file
+        quarantined, counted as unindexed, or gone (or no regular file)."""
+        path = self.unserved.root_dir / name
         try:
-            header = self.retry(lambda: fmt.read_header(path))
+            header = self.retry(lambda: fmt.read_header(name, self.unserved.spill_dir.fd))
         except SpillCorruptError as exc:
-            self.quarantine(path, exc)
+            self.quarantine(name, exc)
             return None
         except SpillFormatMismatch as exc:
             logger.warning("skipping spill file %s: %s", path, exc)
             self._counters["skipped_files"] += 1
-            self.unserved.add_unindexed(path)
+            self.unserved.add_unindexed(name)
             return None
         except FileNotFoundError:
-            return None  # vanished since the listing
+            return None  # vanished since the listing, or no regular file now
         except OSError as exc:
             logger.warning("spill file %s not indexed (left on disk for the next restart, "
                            "deleted first when the disk budget needs room): %s", path, exc)
             self._counters["io_errors"] += 1
-            self.unserved.add_unindexed(path)
+            self.unserved.add_unindexed(name)
             return None
         if not header.matches(self.block_format):
             logger.warning("skipping spill file %s of another block format", path)
             self._counters["skipped_files"] += 1
-            self.unserved.add_unindexed(path)
+            self.unserved.add_unindexed(name)
             return None
         return header
 
-    def quarantine(self, path: Path, exc: SpillCorruptError) -> None:
+    def quarantine(self, name: str, exc: SpillCorruptError) -> None:
         """Count a verified corruption and move the file aside (``set_aside``)."""
-        logger.warning("spill file %s is corrupt, quarantined: %s", path, exc)
+        logger.warning("spill file %s is corrupt, quarantined: %s", self.unserved.root_dir / name, exc)
         self._counters["corrupt_reads"] += 1
-        self.set_aside(path)
+        self.set_aside(name)
 
-    def set_aside(self, path: Path) -> None:
+    def set_aside(self, name: str) -> None:
         """Move a corrupt file into the quarantine folder (``UnservedFiles.quarantine``)."""
-        if self.unserved.quarantine(path):
+        if self.unserved.quarantine(name):
             self._counters["quarantined_files"] += 1

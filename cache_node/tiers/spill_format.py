@@ -12,9 +12,12 @@ so a 2k-token prefix with ``block_size`` 16 (128 blocks) is a few files. Layout:
 Header keys: ``version``, ``block_hashes`` (32-byte each), ``block_tokens``
 (each block's token ids as little-endian int64 bytes; empty when unknown),
 ``namespace``, ``shape`` (one block's), ``dtype`` (numpy ``dtype.str``, e.g. ``"<f2"``),
-``kv_format``, ``payload_bytes``, ``checksum`` (algorithm) and
+``kv_format``, ``payload_bytes``, ``checksum`` (algorithm),
 ``block_checksums`` (one xxh3_128 digest per block, so a subset of blocks is
-read and verified without reading the whole payload).
+read and verified without reading the whole payload) and ``seq`` (the writer's write
+sequence: ``DiskTier`` keeps it rising across restarts and wall-clock steps, and a restart
+indexes a block from the file of the highest ``seq`` holding it; a header without one, from
+before it was written, counts as 0).
 
 Versions: 2 added ``block_tokens`` (and came with block keys whose model identity is a
 digest of the weights). A file of another version raises ``SpillFormatMismatch``: it is not
@@ -28,21 +31,32 @@ raises its subclass ``SpillBlocksCorrupt`` naming the bad blocks after every ask
 read: the others are intact (each has its own checksum), so a store drops only those. A file
 whose header, length or format is bad is moved aside into ``QUARANTINE_DIR`` for an operator
 to inspect, within bounds (``spill_unserved``).
+
+Only regular files are ever read: every open passes ``O_NOFOLLOW | O_NONBLOCK`` and the file
+is ``fstat``-ed before a byte is read, so a FIFO, socket, device, directory or symbolic link
+named like a group file raises ``NotRegularFile`` at once (a ``FileNotFoundError``: there is
+no group file of that name), and ``list_group_names`` lists regular files only (no link is
+followed). Each function takes an optional ``dir_fd``: the name is then resolved in that
+directory descriptor (a ``DiskTier`` holds its directory open, so a directory swapped for a
+link is never followed). Regression (review 30e F1): a FIFO named ``<x>.kvs`` blocked
+``open()`` for good, in a restarted spill node's constructor (the whole spill tier down) or in
+a ``get`` holding the store's lock (every tenant's put and get on that node hung).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
 import struct
 import sys
-import tempfile
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -79,6 +93,22 @@ msgpack's default limits, so a crafted 16 MiB header (empty maps) cost 1.16 GiB 
 start before it was quarantined (64 MiB: ~4.6 GiB, past a small node's memory, into a restart
 loop on the same file)."""
 QUARANTINE_DIR = "quarantine"  # subfolder of the store's root holding corrupt files
+TOMBSTONE_FILE = "dropped-holders.msgpack"
+"""File in a spill directory listing the holders its store dropped for good
+(``spill_disk.DiskTier.save_dropped``), each as the SHA-256 of its name (no tenant's name is left
+on disk by its deletion)."""
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How a spill directory (or its quarantine folder) is opened: never through a link."""
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused by the fstat next);
+# on a regular file it changes nothing, so it is left set
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+MAX_SEQ = 1 << 62
+"""Largest write sequence a header may hold (``time_ns`` reaches it in 2116): a file claiming
+more is corrupt, so that a restart never carries one forward. Regression (review 30m F2): a
+header's seq of 2**63 - 1 was taken as the largest found, and every later write on the node
+failed (ValueError out of SpillStore.put, spill-RAM blocks dropped with it) for good."""
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +132,33 @@ class SpillBlocksCorrupt(SpillCorruptError):
 
 class SpillFormatMismatch(Exception):
     """A spill file whose verified header has another format version than ``FORMAT_VERSION``."""
+
+
+class NotRegularFile(FileNotFoundError):
+    """A name that is no regular file (a FIFO, socket, device, directory or symbolic link): no
+    group file by that name. Never opened for reading (``open_regular``)."""
+
+
+def open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file ``path`` (in ``dir_fd`` when given), opened
+    without following a link and without waiting (``O_NONBLOCK``: a FIFO's open returns at
+    once). Raises NotRegularFile for anything but a regular file, OSError when it cannot be
+    opened."""
+    try:
+        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a socket (or a FIFO on some systems)
+            raise NotRegularFile(exc.errno, f"{path} is not a regular file") from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(errno.ENOENT, f"{path} is not a regular file (mode {stat.filemode(mode)})")
+    return fd
 
 
 @dataclass(frozen=True)
@@ -158,6 +215,7 @@ class GroupHeader:
     payload_bytes: int
     block_checksums: tuple[bytes, ...]
     payload_offset: int
+    seq: int = 0  # the writer's write sequence (0: a file written before it was recorded)
 
     @property
     def file_bytes(self) -> int:
@@ -180,14 +238,19 @@ def write_group(
     namespace: str,
     block_format: BlockFormat,
     block_tokens: Sequence[bytes] | None = None,
+    *,
+    seq: int = 0,
+    dir_fd: int | None = None,
 ) -> int:
     """Atomically write ``blocks`` as one group file at ``path``; returns its size in bytes.
 
     ``blocks``: ``(len(block_hashes), *block_format.shape)`` of ``block_format.dtype``, or one
     ``block_format.shape`` array per block (written one after the other, never stacked into
     one more copy); ``block_tokens``: each block's ``token_bytes`` (None: unknown);
-    ``namespace`` is recorded in the header. Raises ValueError when blocks or tokens do not
-    match, OSError when the write, fsync or rename fails (no partial file is left).
+    ``namespace`` and ``seq`` (the writer's write sequence, >= 0) are recorded in the header;
+    with ``dir_fd``, ``path`` is a name in that directory descriptor. Raises ValueError when
+    blocks or tokens do not match, OSError when the write, fsync or rename fails (no partial
+    file is left).
     """
     if isinstance(blocks, np.ndarray) and (blocks.ndim != 1 + len(block_format.shape) or len(blocks) != len(block_hashes)):
         raise ValueError(f"blocks {blocks.shape} do not match {(len(block_hashes), *block_format.shape)}")
@@ -200,11 +263,11 @@ def write_group(
     _check_group_bounds(len(block_hashes), sum(map(len, tokens)), namespace, block_format)
     little = block_format.np_dtype.newbyteorder("<")
     rows = [np.ascontiguousarray(b, dtype=little).reshape(-1).view(np.uint8) for b in blocks]
-    header = _pack_header(block_hashes, tokens, rows, little, namespace, block_format)
+    header = _pack_header(block_hashes, tokens, rows, little, namespace, block_format, seq)
     if len(header) > MAX_HEADER_BYTES:  # past the checks above: never, but never a file we refuse
         raise ValueError(f"a group file header of {len(header)} bytes: at most {MAX_HEADER_BYTES}")
     prefix = _PREFIX.pack(_MAGIC, len(header), xxhash.xxh3_128_digest(header))
-    _atomic_write(path, [prefix, header, *(row.data for row in rows)])
+    _atomic_write(Path(path), [prefix, header, *(row.data for row in rows)], dir_fd)
     return len(prefix) + len(header) + sum(row.nbytes for row in rows)
 
 
@@ -222,19 +285,22 @@ def _check_group_bounds(blocks: int, token_bytes: int, namespace: str, fmt: Bloc
         raise ValueError(f"a block shape of {len(fmt.shape)} dimensions: at most {MAX_SHAPE_DIMS}")
 
 
-def read_header(path: Path) -> GroupHeader:
-    """Read and verify a group file's header: magic, digest, fields, exact file length.
+def read_header(path: str | os.PathLike[str], dir_fd: int | None = None) -> GroupHeader:
+    """Read and verify a group file's header: magic, digest, fields, exact file length
+    (``path`` in ``dir_fd`` when given).
 
     Raises SpillCorruptError for a truncated file or a bad/malformed header,
-    SpillFormatMismatch for a file of another format version, and OSError when the file
-    cannot be opened or read (e.g. it is missing).
+    SpillFormatMismatch for a file of another format version, NotRegularFile when ``path`` is
+    no regular file (``open_regular``), and OSError when the file cannot be opened or read
+    (e.g. it is missing).
     """
-    with open(path, "rb") as f:
+    with _open_read(path, dir_fd) as f:
         return _read_header(f, path)
 
 
 def read_blocks(
-    path: Path, block_format: BlockFormat, block_hashes: Sequence[bytes], out: np.ndarray | None = None
+    path: str | os.PathLike[str], block_format: BlockFormat, block_hashes: Sequence[bytes], out: np.ndarray | None = None,
+    dir_fd: int | None = None,
 ) -> np.ndarray:
     """Read and verify the blocks ``block_hashes`` of one group file.
 
@@ -243,12 +309,12 @@ def read_blocks(
     Blocks stored next to each other in the file are read with one ``readinto``.
     Raises SpillBlocksCorrupt (after reading every block: the rows not named in its
     ``positions`` are verified) when blocks fail their checksums, SpillCorruptError for a bad
-    header, truncation, another block format or a hash not in the file; OSError when it
-    cannot be read.
+    header, truncation, another block format or a hash not in the file; NotRegularFile when
+    ``path`` (in ``dir_fd`` when given) is no regular file; OSError when it cannot be read.
     """
     if out is None:
         out = np.empty((len(block_hashes), *block_format.shape), dtype=block_format.np_dtype)
-    with open(path, "rb", buffering=0) as f:
+    with _open_read(path, dir_fd) as f:
         header = _read_header(f, path)
         if not header.matches(block_format):
             raise SpillCorruptError(f"{path}: format {header.shape}/{header.dtype} != store's")
@@ -265,8 +331,13 @@ def read_blocks(
     return out
 
 
+def _open_read(path: str | os.PathLike[str], dir_fd: int | None) -> Any:
+    """``path`` (in ``dir_fd`` when given) opened unbuffered for reading by ``open_regular``."""
+    return open(path, "rb", buffering=0, opener=lambda name, _flags: open_regular(name, dir_fd))
+
+
 def _read_run(
-    f: Any, path: Path, header: GroupHeader, index: int, out: np.ndarray, fmt: BlockFormat
+    f: Any, path: str | os.PathLike[str], header: GroupHeader, index: int, out: np.ndarray, fmt: BlockFormat
 ) -> list[int]:
     """Read blocks ``index..index + len(out) - 1`` into ``out``; returns the offsets k (in
     ``out``) of those whose checksum fails. Raises SpillCorruptError when the file ends early."""
@@ -294,8 +365,11 @@ def _pack_header(
     dtype: np.dtype,
     namespace: str,
     fmt: BlockFormat,
+    seq: int,
 ) -> bytes:
     """The header of a group file of ``rows`` (each block's little-endian bytes, uint8)."""
+    if type(seq) is not int or not 0 <= seq < 1 << 63:
+        raise ValueError(f"seq must be an int in [0, 2**63), got {seq!r}")
     return msgpack.packb(
         {
             "version": FORMAT_VERSION,
@@ -308,6 +382,7 @@ def _pack_header(
             "payload_bytes": sum(row.nbytes for row in rows),
             "checksum": CHECKSUM_ALGO,
             "block_checksums": [xxhash.xxh3_128_digest(row.data) for row in rows],
+            "seq": seq,
         },
         use_bin_type=True,
     )
@@ -336,19 +411,18 @@ def _read_exact(f: Any, n: int) -> bytes:
     return bytes(buf[: _read_fully(f, memoryview(buf))])
 
 
-def read_namespace(path: Path) -> str | None:
-    """The ``namespace`` that ``path``'s header records, when ``path`` is a regular file (a
-    link is not followed) whose header digest verifies, whatever its format version, block
-    format or payload (a file a store does not serve: unindexed or quarantined); None when it
-    cannot be opened or read, or its header is corrupt or records no namespace."""
+def read_namespace(path: str | os.PathLike[str], dir_fd: int | None = None) -> str | None:
+    """The ``namespace`` that ``path``'s header records (``path`` in ``dir_fd`` when given), when
+    ``path`` is a regular file (a link is not followed) whose header digest verifies, whatever
+    its format version, block format or payload (a file a store does not serve: unindexed or
+    quarantined); None when it cannot be opened or read, or its header is corrupt or records no
+    namespace."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        f = _open_read(path, dir_fd)
     except OSError:
         return None
     try:
-        with open(fd, "rb", buffering=0) as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
+        with f:
             raw = _read_raw_header(f, path)
         fields = _unpack_header(raw)
     except Exception:  # noqa: BLE001 - unreadable, or any decode fault of untrusted bytes
@@ -357,7 +431,7 @@ def read_namespace(path: Path) -> str | None:
     return namespace if isinstance(namespace, str) else None
 
 
-def _read_raw_header(f: Any, path: Path) -> bytes:
+def _read_raw_header(f: Any, path: str | os.PathLike[str]) -> bytes:
     """The header bytes after the prefix, their digest verified. Raises SpillCorruptError."""
     prefix = _read_exact(f, _PREFIX.size)
     if len(prefix) != _PREFIX.size:
@@ -371,7 +445,7 @@ def _read_raw_header(f: Any, path: Path) -> bytes:
     return raw
 
 
-def _read_header(f: Any, path: Path) -> GroupHeader:
+def _read_header(f: Any, path: str | os.PathLike[str]) -> GroupHeader:
     raw = _read_raw_header(f, path)
     header = _decode_header(raw, _PREFIX.size + len(raw), path)
     size_bytes = os.fstat(f.fileno()).st_size
@@ -397,7 +471,7 @@ def _unpack_header(raw: bytes) -> Any:
     return unpackb_within(raw, HEADER_BOUNDS, "a header")
 
 
-def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
+def _decode_header(raw: bytes, payload_offset: int, path: str | os.PathLike[str]) -> GroupHeader:
     try:
         fields = _unpack_header(raw)
         if fields["version"] != FORMAT_VERSION:
@@ -413,6 +487,7 @@ def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
             payload_bytes=int(fields["payload_bytes"]),
             block_checksums=tuple(fields["block_checksums"]),
             payload_offset=payload_offset,
+            seq=fields.get("seq", 0),
         )
         _check_header(header, fields["checksum"], path)
     except (SpillCorruptError, SpillFormatMismatch):
@@ -422,9 +497,11 @@ def _decode_header(raw: bytes, payload_offset: int, path: Path) -> GroupHeader:
     return header
 
 
-def _check_header(header: GroupHeader, algo: object, path: Path) -> None:
+def _check_header(header: GroupHeader, algo: object, path: str | os.PathLike[str]) -> None:
     if algo != CHECKSUM_ALGO:
         raise SpillCorruptError(f"{path}: checksum algorithm {algo!r} not supported")
+    if type(header.seq) is not int or not 0 <= header.seq <= MAX_SEQ:
+        raise SpillCorruptError(f"{path}: seq {header.seq!r} is not an int in [0, {MAX_SEQ}]")
     n = len(header.block_hashes)
     kinds = {(type(h), len(h)) for h in header.block_hashes}
     if len(header.block_checksums) != n or kinds - {(bytes, HASH_BYTES)}:
@@ -438,47 +515,167 @@ def _check_header(header: GroupHeader, algo: object, path: Path) -> None:
         raise SpillCorruptError(f"{path}: payload_bytes does not match shape and dtype")
 
 
-def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
-    fd, temp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".part", dir=path.parent)
+def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview], dir_fd: int | None) -> None:
+    """Write ``chunks`` to a temp file (mode 0600, never through a link) in ``path``'s directory
+    (``dir_fd`` when given, ``path`` then a name in it), fsync, rename over ``path``, fsync the
+    directory."""
+    if dir_fd is None:
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _atomic_write(Path(path.name), chunks, parent)
+        finally:
+            os.close(parent)
+        return
+    temp_name = f"{TEMP_PREFIX}{uuid.uuid4().hex}.part"
+    fd = os.open(temp_name, _CREATE_FLAGS, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp_name, path)
+        os.replace(temp_name, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        remove_file(Path(temp_name))  # a failing unlink must not hide the write's error
+        unlink_at(dir_fd, temp_name)  # a failing unlink must not hide the write's error
         raise
     try:
-        _fsync_dir(path.parent)
+        os.fsync(dir_fd)
     except OSError as exc:  # the file is complete and renamed; only its entry's durability is unsure
-        logger.warning("fsync of %s after writing %s failed: %s", path.parent, path.name, exc)
+        logger.warning("fsync of the spill directory after writing %s failed: %s", path, exc)
+
+
+def write_small_file(path: str | os.PathLike[str], data: bytes, dir_fd: int | None = None) -> None:
+    """Atomically write ``data`` as ``path`` (a name in ``dir_fd`` when given): a temp file
+    (created, never through a link), fsync, rename over ``path`` (whatever it was: a link or
+    FIFO there is replaced, never opened). Raises OSError (no partial file is left)."""
+    _atomic_write(Path(path), [data], dir_fd)
+
+
+class GroupName(NamedTuple):
+    """A group file's name in a spill directory; ``link``: a symbolic link named like one."""
+
+    name: str
+    mtime_ns: int
+    link: bool = False
+
+
+def list_group_names(dir_fd: int, links: bool = False) -> list[GroupName]:
+    """The regular group files in ``dir_fd``, oldest mtime first (with ``links``, the symbolic
+    links named like one too, never followed: a store counts them as unindexed and deletes the
+    link, never its target); a FIFO, device or directory named like one is left out. Deletes
+    the temp files of unfinished writes (regular files or links: the names, never a link's
+    target). Raises OSError when the directory cannot be listed."""
+    found: list[GroupName] = []
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if entry.name.startswith(TEMP_PREFIX):
+                if entry.is_symlink() or entry.is_file(follow_symlinks=False):
+                    unlink_at(dir_fd, entry.name)
+                continue
+            if not entry.name.endswith(FILE_SUFFIX):
+                continue
+            link = entry.is_symlink()
+            if (link and links) or entry.is_file(follow_symlinks=False):
+                try:
+                    found.append(GroupName(entry.name, entry.stat(follow_symlinks=False).st_mtime_ns, link))
+                except FileNotFoundError:  # vanished while listing
+                    continue
+    return sorted(found, key=lambda g: (g.mtime_ns, g.name))
 
 
 def list_group_files(root_dir: Path) -> list[Path]:
-    """Group files in ``root_dir``, oldest mtime first; deletes temp files of unfinished writes."""
-    for path in root_dir.glob(TEMP_PREFIX + "*"):
-        remove_file(path)
-    return sorted(root_dir.glob("*" + FILE_SUFFIX), key=_age_key)
-
-
-def remove_file(path: Path) -> None:
-    """Delete ``path`` if it exists; a file that cannot be deleted is left (no error)."""
-    with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)
-
-
-def _age_key(path: Path) -> tuple[int, str]:
+    """Regular group files in ``root_dir``, oldest mtime first; deletes temp files of unfinished
+    writes (``list_group_names``)."""
+    fd = os.open(root_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return (path.stat().st_mtime_ns, path.name)
-    except OSError:  # vanished while listing: sorts first, fails on read
-        return (0, path.name)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
+        return [root_dir / g.name for g in list_group_names(fd)]
     finally:
         os.close(fd)
+
+
+def unlink_at(dir_fd: int, name: str) -> OSError | None:
+    """Unlink ``name`` in ``dir_fd`` (the name itself: a link goes, never its target); returns
+    the error when it could not be deleted (None when done or already gone)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return exc
+    return None
+
+
+class UnsafeSpillDir(OSError):
+    """A spill directory that cannot be used safely: a link, not a directory, or one another
+    user could change."""
+
+
+class SpillDir:
+    """A spill directory held open by a descriptor (``DIR_FLAGS``: never through a link) from
+    construction on: a ``DiskTier`` resolves every name in it (``dir_fd``), so a directory
+    renamed or swapped for a link while a node runs is never followed, and ``flush`` deletes
+    only names in the directory it opened.
+
+    ``reopen`` (after the directory was deleted: ``gone``) makes it again with mode 0700 and
+    opens the new one, refusing a link, a non-directory, one of another user or one its group
+    or others may write (``UnsafeSpillDir``). Regression (review 30e F4): every operation went
+    through ``root_dir / name``, so a directory deleted while running failed every later write
+    until a restart, and one swapped for a link had the writes land in the link's target and
+    ``flush`` delete every ``*.kvs`` there.
+
+    Raises (construction): UnsafeSpillDir when ``path`` is a link or not a directory; OSError
+    when it cannot be made or opened.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.fd = self._open(check_private=False)  # the node checked it (services.private_dir)
+
+    def gone(self) -> bool:
+        """Whether the directory held was deleted (no name links to it any more)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+    def reopen(self) -> None:
+        """Make ``path`` again (mode 0700, its missing parents too) if missing and hold the
+        directory there now; the old descriptor is closed (a caller outside the owner's lock holds its own ``dup``). Raises
+        UnsafeSpillDir or OSError as construction does, and for a directory another user could
+        change; the old descriptor is kept then."""
+        missing = []  # the spill root above it may have gone too (rm -rf <state_dir>/spill): review 30m F3
+        for parent in (self.path, *self.path.parents):
+            if os.path.lexists(parent):
+                break
+            missing.append(parent)
+        for path in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        fd = self._open(check_private=True)
+        os.close(self.fd)
+        self.fd = fd
+
+    def dup(self) -> int:
+        """A descriptor of the same directory that the caller closes."""
+        return os.dup(self.fd)
+
+    def _open(self, check_private: bool) -> int:
+        try:
+            fd = os.open(self.path, DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafeSpillDir(exc.errno, f"spill directory {self.path} is a link or not a directory: "
+                                                "not used (name the directory itself)") from exc
+            raise
+        if check_private:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
+                os.close(fd)
+                raise UnsafeSpillDir(errno.EPERM, f"spill directory {self.path} is owned by uid {st.st_uid} "
+                                                  f"or writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
+        return fd
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)

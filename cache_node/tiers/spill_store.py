@@ -29,7 +29,7 @@ import numpy as np
 
 from cache_node.tiers import spill_format as fmt
 from cache_node.tiers.fair_lru import FairLRU, HolderWeights, check_weight, holder_of
-from cache_node.tiers.spill_disk import TIER_DISK, DiskTier
+from cache_node.tiers.spill_disk import TIER_DISK, DiskTier, PendingRemoval
 from cache_node.tiers.spill_format import BlockFormat
 
 TIER_RAM = "spill_ram"
@@ -40,12 +40,21 @@ STAT_COUNTERS = _HITS + (
     "corrupt_reads", "corrupt_blocks", "quarantined_files", "io_errors", "io_retries", "missing_files",
     "skipped_files", "token_mismatches", "evicted_files", "events_dropped",
     "removed_unindexed_files", "removed_quarantined_files", "put_refused_dropped",
+    "disk_full_writes", "disk_full_evicted_files", "unlink_errors", "dir_recreated", "tombstoned_files",
 )
 
 
 MAX_DROPPED_HOLDERS = 65536
 """Holders dropped for good that a store remembers (``tenants.store.MAX_DELETED_TENANTS``: as many
 as the deletions the sweep can learn of), so that a late put of theirs stores nothing."""
+
+MAX_CALL_BLOCKS = 256
+"""Most hashes one ``put``, ``get``, ``contains`` or ``match_prefix`` may name: what a cache node
+asks in one call (``TierConfig.spill_put_batch_blocks`` / ``spill_get_batch_blocks``, 256 each:
+a long prompt's blocks go in batches). A call naming more is refused (ValueError naming
+``hashes``) before the store's lock is taken: its caller is a peer, and every byte from a peer
+is untrusted. Regression (review 30b F2): unbounded, a ``get`` of 20,000 absent hashes reserved
+13.7 GiB under the lock every put and get waits on, and one of 60,000 raised MemoryError."""
 
 MAX_BLOCK_TOKEN_IDS = fmt.MAX_FILE_TOKENS // fmt.MAX_BLOCKS_PER_FILE
 """Most token ids one block's ``token_ids`` may hold (1,024): any group file of such blocks fits
@@ -94,7 +103,9 @@ class SpillStore:
     misses. A block failing its checksum is dropped, its file's other blocks still served; a
     file corrupt as a whole is quarantined (moved aside; the newest few kept); a transient
     OSError is retried, then a miss that keeps the file (see ``spill_disk``). One lock guards all state, so a threaded
-    actor may call it concurrently; disk I/O happens under that lock.
+    actor may call it concurrently; disk I/O happens under that lock, except the unlinks of a
+    ``flush`` or ``drop_namespaces`` (the files leave the index under it first: regression,
+    review 30e F3, 5,000 unlinks under it held another tenant's get of one RAM block 5.8 s).
 
     Args:
         root_dir: directory of the group files (created if missing).
@@ -156,9 +167,9 @@ class SpillStore:
         stored for a namespace dropped for good (``drop_namespaces``: a deleted tenant's; its
         blocks counted in ``put_refused_dropped``). ``weight``: the namespace's tenant's weight
         (the sender's latest known), from now on its holder's in both tiers' fair shares.
-        Raises ValueError for a hash that is not 32 bytes, a wrong shape/dtype, a
-        ``token_ids`` of another length than ``hashes`` or with a bad block (``_token_bytes``),
-        a ``namespace`` that is not text of at most ``MAX_LABEL_BYTES`` UTF-8 bytes (what a file
+        Raises ValueError for more than ``MAX_CALL_BLOCKS`` hashes, a hash that is not 32 bytes,
+        a wrong shape/dtype, a ``token_ids`` of another length than ``hashes`` or with a bad block
+        (``_token_bytes``), a ``namespace`` that is not text of at most ``MAX_LABEL_BYTES`` UTF-8 bytes (what a file
         header records) or a ``weight`` that is not a positive finite number (a tenant spec's
         bounds: ``fair_lru.check_weight``); nothing is stored then, and the holder's weight is
         unchanged.
@@ -167,11 +178,13 @@ class SpillStore:
         weight = check_weight(weight)
         _check_namespace(namespace)
         want = ((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
-        if (blocks.shape, blocks.dtype) != want:
-            raise ValueError(f"blocks must be {want}, got {(blocks.shape, blocks.dtype)}")
+        if not isinstance(blocks, np.ndarray) or (blocks.shape, blocks.dtype) != want:
+            got = (blocks.shape, blocks.dtype) if isinstance(blocks, np.ndarray) else type(blocks).__name__
+            raise ValueError(f"blocks must be {want}, got {got}")
         tokens = self._token_bytes(hashes, token_ids)
         with self._lock:
-            if holder_of(namespace) in self._dropped:  # a deleted tenant's, arriving late
+            if holder_of(namespace) in self._dropped or self._disk.tombstoned(holder_of(namespace)):
+                # a deleted tenant's, arriving late (before this store's restart too)
                 self._counters["put_refused_dropped"] += len(hashes)
                 return 0
             holder = holder_of(namespace)
@@ -205,52 +218,66 @@ class SpillStore:
         unknown token ids is a miss, counted in ``token_mismatches``. Blocks of a missing,
         truncated, unreadable or corrupt file are misses: never raises for data faults, never
         returns other bytes than were put. A transient read fault (retried, then counted in
-        ``io_errors``) keeps the blocks held.
-        Raises ValueError for a hash that is not 32 bytes or a ``token_ids`` of another
-        length than ``hashes``.
+        ``io_errors``) keeps the blocks held. Output memory is taken for the held blocks only
+        (regression, review 30b F2: for every hash asked, held or not).
+        Raises ValueError for more than ``MAX_CALL_BLOCKS`` hashes, a hash that is not 32 bytes
+        or a ``token_ids`` of another length than ``hashes``.
         """
         self._check_hashes(hashes)
         asked = None if token_ids is None else self._token_bytes(hashes, token_ids)
         with self._lock:
-            out = np.empty((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
-            tiers: list[str | None] = [None] * len(hashes)
-            on_disk: list[int] = []
+            held: list[int] = []  # the rows asked that either tier holds (token-checked), in order
+            in_ram: list[tuple[int, np.ndarray]] = []  # (row of ``out``, its RAM block)
+            on_disk: list[int] = []  # rows of ``out`` read from disk
             for i, block_hash in enumerate(hashes):
                 if asked is not None and not self._tokens_match(block_hash, asked[i]):
                     continue
                 if block_hash in self._ram:
                     self._ram.touch(block_hash)
-                    out[i] = self._ram[block_hash].block
-                    tiers[i] = TIER_RAM
+                    in_ram.append((len(held), self._ram[block_hash].block))
                 elif block_hash in self._disk:
-                    on_disk.append(i)
-            for row in self._disk.read([hashes[i] for i in on_disk], out, on_disk):
+                    on_disk.append(len(held))
+                else:
+                    continue
+                held.append(i)
+            out = np.empty((len(held), *self.block_format.shape), self.block_format.np_dtype)
+            tiers: list[str | None] = [None] * len(held)
+            for row, block in in_ram:
+                out[row] = block
+                tiers[row] = TIER_RAM
+            for row in self._disk.read([hashes[held[row]] for row in on_disk], out, on_disk):
                 tiers[row] = TIER_DISK
-            return self._hits(hashes, out, tiers)
+            return self._hits(hashes, held, out, tiers)
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
-        """Tier holding each hash (``"spill_ram"``, ``"spill_disk"`` or None); no touch."""
+        """Tier holding each hash (``"spill_ram"``, ``"spill_disk"`` or None); no touch.
+        Raises ValueError as ``get`` does (``MAX_CALL_BLOCKS``, a hash's length)."""
+        self._check_hashes(hashes)
         with self._lock:
             return [self._tier_of(h) for h in hashes]
 
     def match_prefix(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading ``hashes`` held in either tier (a prefix hit length); no touch."""
+        """Number of leading ``hashes`` held in either tier (a prefix hit length); no touch.
+        Raises ValueError as ``get`` does (``MAX_CALL_BLOCKS``, a hash's length)."""
+        self._check_hashes(hashes)
         with self._lock:
             for count, block_hash in enumerate(hashes):
                 if self._tier_of(block_hash) is None:
                     return count
             return len(hashes)
 
-    def flush(self) -> int:
+    def flush(self, timeout_s: float | None = None) -> int:
         """Clear RAM, delete every group file in ``root_dir`` and every quarantined file;
-        returns blocks dropped."""
+        returns blocks dropped. ``timeout_s`` is the ``SpillClient`` protocol's (an in-process
+        store answers or raises: unused)."""
         with self._lock:
             dropped = len(self._ram) + len(self._disk)
             for block_hash in self._ram:
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             self._ram.clear()
-            self._disk.flush()
-            return dropped
+            pending = self._disk.flush()
+        self._remove(pending)
+        return dropped
 
     def drop_namespace(self, namespace: str) -> int:
         """Drop every block of ``namespace``'s holder (the namespace without its salt, so its
@@ -258,7 +285,9 @@ class SpillStore:
         (their headers hold the blocks' token ids), and the files it does not serve whose
         verified header names it (unindexed, quarantined); "removed" events for each block.
         Other namespaces' blocks are untouched. Returns blocks dropped (a deleted tenant's own
-        namespace: ``services.cache_node_commands.end_tenant``)."""
+        namespace: ``services.cache_node_commands.end_tenant``). Raises ValueError for a
+        ``namespace`` a put would refuse (``_check_namespace``: it is remembered for good)."""
+        _check_namespace(namespace)
         return self.drop_namespaces([namespace])
 
     def drop_namespaces(self, namespaces: Iterable[str]) -> int:
@@ -273,22 +302,37 @@ class SpillStore:
         if not holders:
             return 0
         with self._lock:
+            new = not holders <= self._dropped.keys()
             for holder in holders:
                 self._dropped.pop(holder, None)
                 self._dropped[holder] = None
                 self.weights.forget(holder)
             while len(self._dropped) > MAX_DROPPED_HOLDERS:
                 self._dropped.popitem(last=False)
+            if new:  # before its files go: a restart then deletes those it finds, never serves them
+                self._disk.save_dropped(holders)
             in_ram = [h for h in self._ram if self._ram.holder(h) in holders]
             for block_hash in in_ram:
                 self._ram.pop(block_hash)
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
-            return len(in_ram) + self._disk.drop_holders(holders)
+            on_disk, pending = self._disk.drop_holders(holders)
+        self._remove(pending)
+        return len(in_ram) + on_disk
+
+    def _remove(self, pending: PendingRemoval) -> None:
+        """Unlink the files ``pending`` names, out of the lock (they left the index under it, and
+        each name is unique: a file written since is never one of them); those that could not
+        be deleted are counted and tried again (``DiskTier.unlink_failed``)."""
+        failed = pending.run()
+        if failed:
+            with self._lock:
+                self._disk.unlink_failed(failed)
 
     def expire_quarantine(self, now_ns: int | None = None) -> int:
         """Delete the quarantined files kept longer than ``spill_unserved.QUARANTINE_MAX_AGE_S``
         before ``now_ns`` (wall clock, ns; None: now); returns how many (a spill node calls it
-        at every sweep, so an idle store keeps none past the limit either)."""
+        at every sweep, so an idle store keeps none past the limit either). Also tries again the
+        deletions that failed (``DiskTier.expire_quarantine``)."""
         with self._lock:
             return self._disk.expire_quarantine(now_ns)
 
@@ -301,15 +345,17 @@ class SpillStore:
     def stats(self) -> dict[str, int]:
         """Sizes, block counts per tier, files, hits per tier, misses and fault counters.
 
-        ``disk_bytes``: the indexed files; ``unindexed_bytes`` and ``quarantined_bytes``: the
-        files in ``root_dir`` it does not serve (``spill_unserved``); the three together stay
-        within ``disk_budget_bytes``."""
+        ``disk_bytes``: the indexed files; ``unindexed_bytes``, ``quarantined_bytes`` and
+        ``undeleted_bytes`` (files whose unlink failed, tried again): the files in ``root_dir``
+        it does not serve (``spill_unserved``); the four together stay within
+        ``disk_budget_bytes``."""
         with self._lock:
             sizes = {
                 "ram_bytes": self._ram_bytes(),
                 "disk_bytes": self._disk.bytes_used,
                 "unindexed_bytes": self._disk.unserved.unindexed_bytes,
                 "quarantined_bytes": self._disk.unserved.quarantined_bytes,
+                "undeleted_bytes": self._disk.unserved.undeleted_bytes,
                 "ram_budget_bytes": self.ram_budget_bytes,
                 "disk_budget_bytes": self.disk_budget_bytes,
                 "blocks_spill_ram": len(self._ram),
@@ -420,14 +466,15 @@ class SpillStore:
             return TIER_RAM
         return TIER_DISK if block_hash in self._disk else None
 
-    def _hits(self, hashes: Sequence[bytes], out: np.ndarray, tiers: list[str | None]) -> SpillHits:
-        found = [i for i, tier in enumerate(tiers) if tier is not None]
-        found_tiers = [str(tiers[i]) for i in found]
+    def _hits(self, hashes: Sequence[bytes], held: list[int], out: np.ndarray, tiers: list[str | None]) -> SpillHits:
+        """``out[row]`` holds ``hashes[held[row]]``'s block, from ``tiers[row]`` (None: its read failed)."""
+        found = [row for row, tier in enumerate(tiers) if tier is not None]
+        found_tiers = [str(tiers[row]) for row in found]
         for tier in found_tiers:
             self._counters["hits_" + tier] += 1
         self._counters["misses"] += len(hashes) - len(found)
-        rows = out if len(found) == len(hashes) else out[found]
-        return SpillHits([hashes[i] for i in found], rows, found_tiers)
+        rows = out if len(found) == len(out) else out[found]
+        return SpillHits([hashes[held[row]] for row in found], rows, found_tiers)
 
     def _emit(self, event: str, block_hash: bytes, tier: str) -> None:
         if len(self._events) == self._events.maxlen:
@@ -436,6 +483,15 @@ class SpillStore:
 
     @staticmethod
     def _check_hashes(hashes: Sequence[bytes]) -> None:
+        """At most ``MAX_CALL_BLOCKS`` hashes of ``HASH_BYTES`` bytes each (counted before any is
+        looked at). Raises ValueError."""
+        try:
+            count = len(hashes)
+        except TypeError:
+            raise ValueError(f"hashes must be a list of block hashes, got {type(hashes).__name__}") from None
+        if count > MAX_CALL_BLOCKS:
+            raise ValueError(f"hashes names {count} blocks: at most {MAX_CALL_BLOCKS} per call "
+                             "(a cache node asks in batches of spill_get_batch_blocks / spill_put_batch_blocks)")
         for block_hash in hashes:
             if not isinstance(block_hash, bytes) or len(block_hash) != fmt.HASH_BYTES:
-                raise ValueError(f"block_hash must be {fmt.HASH_BYTES} bytes, got {block_hash!r}")
+                raise ValueError(f"block_hash must be {fmt.HASH_BYTES} bytes, got {block_hash!r:.80}")

@@ -16,9 +16,19 @@ budget, the age limit or a flush. Every deletion is logged and counted
 (``removed_unindexed_files``, ``removed_quarantined_files``).
 
 Only plain names listed in the spill directory or in its quarantine folder are ever deleted,
-with ``unlink``: a symbolic link goes, never what it points at, and a directory or device is
-neither counted nor touched. A quarantine folder that is a link or not a directory is never
-listed, moved into or emptied (the corrupt file then stays in the root, unindexed).
+with ``unlink`` relative to the directory's descriptor (``spill_format.SpillDir``; the folder
+opened in it with ``O_NOFOLLOW``): a symbolic link goes, never what it points at, and a
+directory, FIFO or device is neither counted nor touched. A quarantine folder that is a link
+or not a directory is never listed, moved into or emptied (the corrupt file then stays in the
+root, unindexed). A file that cannot be deleted (EROFS, EIO, EPERM) is not forgotten: it stays
+counted against the budget as *undeleted* and its deletion is tried again at each budget pass
+and sweep (``retry_removals``; regression, review 30e F5: it left the books at once, so it
+was orphaned outside the budget for good).
+
+Quarantine ages count from the wall-clock time a file was moved aside (its mtime, so a restart
+keeps counting), but one that lies in the future (the clock stepped back since) counts from
+now: a step back never keeps a file past ``QUARANTINE_MAX_AGE_S`` after it was noticed
+(review 30e F6).
 
 Regression (security review secrev20 S5): these files counted against no budget, so each
 change of block format left up to another ``spill_disk_bytes`` behind for good (1.90x the
@@ -31,17 +41,23 @@ room: a store with room kept them for good.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from cache_node.tiers.fair_lru import holder_of
-from cache_node.tiers.spill_format import QUARANTINE_DIR, read_namespace
+from cache_node.tiers.spill_format import (
+    DIR_FLAGS,
+    QUARANTINE_DIR,
+    SpillDir,
+    read_namespace,
+    unlink_at,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +72,7 @@ QUARANTINE_MAX_AGE_S = 24 * 3600.0
 mtime, set then): older ones are deleted by ``expire`` (each write, each sweep of a spill node)."""
 
 _UNREAD = "\0unread"  # a holder not looked up yet (no namespace holds a NUL)
+UNINDEXED, QUARANTINED = "unindexed", "quarantined"
 
 
 @dataclass
@@ -69,50 +86,88 @@ class UnservedFiles:
     """Unindexed and quarantined files of one spill directory: names, sizes, oldest first.
 
     Args:
-        root_dir: the spill directory (its group files' folder).
+        spill_dir: the spill directory (its group files' folder), held open.
         budget_bytes: the disk tier's budget; the quarantine keeps at most
             ``QUARANTINE_BUDGET_SHARE`` of it.
         counters: the store's fault counters (``removed_unindexed_files``,
-            ``removed_quarantined_files``, ``io_errors``).
+            ``removed_quarantined_files``, ``io_errors``, ``unlink_errors``).
     """
 
-    def __init__(self, root_dir: Path, budget_bytes: int, counters: Counter[str]) -> None:
-        self.root_dir = root_dir
-        self.quarantine_dir = root_dir / QUARANTINE_DIR
+    def __init__(self, spill_dir: SpillDir, budget_bytes: int, counters: Counter[str]) -> None:
+        self.spill_dir = spill_dir
+        self.root_dir = spill_dir.path
+        self.quarantine_dir = self.root_dir / QUARANTINE_DIR
         self.quarantine_max_bytes = int(budget_bytes * QUARANTINE_BUDGET_SHARE)
         self._counters = counters
         self.unindexed: OrderedDict[str, _File] = OrderedDict()  # name in root_dir, oldest first
         self.quarantined: OrderedDict[str, _File] = OrderedDict()  # name in quarantine_dir, oldest first
+        # files whose unlink failed, (kind, name) -> size: still on disk, retried (``retry_removals``)
+        self.undeleted: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.unindexed_bytes = 0
         self.quarantined_bytes = 0
+        self.undeleted_bytes = 0
 
     @property
     def bytes(self) -> int:
-        return self.unindexed_bytes + self.quarantined_bytes
+        return self.unindexed_bytes + self.quarantined_bytes + self.undeleted_bytes
 
-    def add_unindexed(self, path: Path) -> None:
-        """Count ``path`` (a group file listed in ``root_dir``, not indexed) as the newest
-        unindexed file; a directory, device or vanished path is not counted."""
-        size = _own_size(path)
-        if size is not None and path.parent == self.root_dir and _plain(path.name):
-            old = self.unindexed.pop(path.name, None)
+    def add_unindexed(self, name: str) -> None:
+        """Count ``name`` (a group file listed in the spill directory, not indexed) as the
+        newest unindexed file; a directory, FIFO, device or vanished name is not counted."""
+        size = _own_size(self.spill_dir.fd, name)
+        if size is not None and _plain(name):
+            old = self.unindexed.pop(name, None)
             self.unindexed_bytes += size - (old.size if old else 0)
-            self.unindexed[path.name] = _File(size, 0)
+            self.unindexed[name] = _File(size, 0)
 
     def forget_unindexed(self) -> None:
         """Every unindexed file is gone (``DiskTier.flush`` deleted the root's group files)."""
         self.unindexed.clear()
         self.unindexed_bytes = 0
+        for key in [key for key in self.undeleted if key[0] == UNINDEXED]:
+            self.undeleted_bytes -= self.undeleted.pop(key)
+
+    def forget_all(self) -> None:
+        """The directory was deleted and made again: nothing of it is left to count."""
+        self.forget_unindexed()
+        self.undeleted.clear()
+        self.quarantined.clear()
+        self.unindexed_bytes = self.quarantined_bytes = self.undeleted_bytes = 0
 
     def free(self, need: int) -> int:
-        """Delete unindexed files, oldest first, until ``need`` bytes are freed or none is left;
-        returns the bytes freed (0 when ``need`` <= 0)."""
-        freed = 0
+        """Delete undeleted files (``retry_removals``), then unindexed files, oldest first, until
+        ``need`` bytes are freed or none is left; returns the bytes freed (0 when ``need`` <= 0)."""
+        if need <= 0:
+            return 0
+        freed = self.retry_removals()
         while freed < need and self.unindexed:
             name, entry = self.unindexed.popitem(last=False)
             self.unindexed_bytes -= entry.size
-            self._remove(self.root_dir / name, entry.size, "unindexed", "to keep the disk budget")
-            freed += entry.size
+            if self._remove(UNINDEXED, name, entry.size, "to keep the disk budget"):
+                freed += entry.size
+        return freed
+
+    def doom(self, name: str, size: int, error: OSError) -> None:
+        """An indexed group file ``name`` of ``size`` bytes whose unlink failed with ``error``:
+        counted as undeleted (against the budget) and deleted again later (``retry_removals``)."""
+        logger.warning("could not delete spill file %s (%d B), kept counted and tried again later: %s",
+                       self.root_dir / name, size, error)
+        self._counters["unlink_errors"] += 1
+        self._add_undeleted(UNINDEXED, name, size)
+
+    def retry_removals(self) -> int:
+        """Try again to delete each file whose unlink failed; returns the bytes freed."""
+        freed = 0
+        for (kind, name), size in list(self.undeleted.items()):
+            with self._folder(kind) as folder:
+                error = None if folder is None else unlink_at(folder, name)
+            if folder is None or error is not None:
+                continue
+            del self.undeleted[kind, name]
+            self.undeleted_bytes -= size
+            freed += size
+            logger.warning("deleted %s spill file %s (%d B) on a later try", kind, name, size)
+            self._counters[f"removed_{kind}_files"] += 1
         return freed
 
     def drop_holders(self, holders: Collection[str]) -> int:
@@ -121,84 +176,93 @@ class UnservedFiles:
         how many. A file whose header cannot be read is kept (the budget, ``expire`` or a flush
         deletes it)."""
         removed = 0
-        for kind, folder, files in (("unindexed", self.root_dir, self.unindexed),
-                                    ("quarantined", self.quarantine_dir, self.quarantined)):
-            for name, entry in list(files.items()):
-                if entry.holder == _UNREAD:
-                    namespace = read_namespace(folder / name)
-                    entry.holder = None if namespace is None else holder_of(namespace)
-                if entry.holder in holders:
-                    self._pop(kind, name)
-                    self._remove(folder / name, entry.size, kind, "its namespace was dropped")
-                    removed += 1
+        for kind, files in ((UNINDEXED, self.unindexed), (QUARANTINED, self.quarantined)):
+            with self._folder(kind) as folder:
+                if folder is None:
+                    continue
+                for name, entry in list(files.items()):
+                    if entry.holder == _UNREAD:
+                        namespace = read_namespace(name, folder)
+                        entry.holder = None if namespace is None else holder_of(namespace)
+                    if entry.holder in holders:
+                        self._pop(kind, name)
+                        removed += self._remove(kind, name, entry.size, "its namespace was dropped", folder)
         return removed
 
     def clear_quarantine(self) -> int:
         """Delete every file in the quarantine folder (a flush), those not counted yet too;
         returns how many. A folder that is a link or not a directory is not touched."""
         removed = 0
-        if self._quarantine_dir_usable(create=False):
-            found: list[tuple[str, os.stat_result | None]]
-            try:
-                found = [(e.name, e.stat(follow_symlinks=False)) for e in os.scandir(self.quarantine_dir)
-                         if _plain(e.name)]
-            except OSError as exc:
-                logger.warning("cannot list spill quarantine %s: %s", self.quarantine_dir, exc)
-                self._counters["io_errors"] += 1
-                found = [(name, None) for name in self.quarantined]
-            for name, st in found:
-                if st is None or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-                    size = st.st_size if st is not None else self.quarantined[name].size
-                    removed += self._remove(self.quarantine_dir / name, size, "quarantined", "by a flush")
+        with self._folder(QUARANTINED) as folder:
+            if folder is not None:
+                found: list[tuple[str, os.stat_result | None]]
+                try:
+                    with os.scandir(folder) as entries:
+                        found = [(e.name, e.stat(follow_symlinks=False)) for e in entries if _plain(e.name)]
+                except OSError as exc:
+                    logger.warning("cannot list spill quarantine %s: %s", self.quarantine_dir, exc)
+                    self._counters["io_errors"] += 1
+                    found = [(name, None) for name in self.quarantined]
+                for name, st in found:
+                    if st is None or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                        size = st.st_size if st is not None else self.quarantined[name].size
+                        removed += self._remove(QUARANTINED, name, size, "by a flush", folder)
         self.quarantined.clear()
         self.quarantined_bytes = 0
         return removed
 
     def expire(self, now_ns: int | None = None) -> int:
         """Delete the quarantined files moved aside more than ``QUARANTINE_MAX_AGE_S`` before
-        ``now_ns`` (wall clock, ns; None: now); returns how many."""
+        ``now_ns`` (wall clock, ns; None: now); returns how many. A file moved aside after
+        ``now_ns`` (the clock stepped back) counts as moved aside at ``now_ns``."""
         now_ns = time.time_ns() if now_ns is None else now_ns
         oldest = now_ns - int(QUARANTINE_MAX_AGE_S * 1e9)
         removed = 0
         for name, entry in list(self.quarantined.items()):
-            if entry.mtime_ns < oldest:
-                self._pop("quarantined", name)
-                removed += self._remove(self.quarantine_dir / name, entry.size, "quarantined",
-                                        f"older than {QUARANTINE_MAX_AGE_S:g} s")
+            if entry.mtime_ns > now_ns:  # the clock stepped back: its age counts from now
+                entry.mtime_ns = now_ns
+                with self._folder(QUARANTINED) as folder, contextlib.suppress(OSError, TypeError):
+                    os.utime(name, ns=(now_ns, now_ns), dir_fd=folder, follow_symlinks=False)
+            elif entry.mtime_ns < oldest:
+                self._pop(QUARANTINED, name)
+                removed += self._remove(QUARANTINED, name, entry.size, f"older than {QUARANTINE_MAX_AGE_S:g} s")
         return removed
 
-    def quarantine(self, path: Path) -> bool:
-        """Move the corrupt group file ``path`` (in ``root_dir``) unchanged into the quarantine
-        folder as its newest file, then delete the oldest past the folder's bounds. Returns
-        False when it could not be moved: it stays where it is, counted as unindexed."""
-        target = self.quarantine_dir / path.name
-        try:
-            if not self._quarantine_dir_usable(create=True):
-                raise OSError(f"{self.quarantine_dir} is not a plain directory")
-            os.replace(path, target)
-        except OSError as exc:
-            logger.warning("could not quarantine spill file %s (left in place, unindexed): %s", path, exc)
-            self.add_unindexed(path)
-            return False
+    def quarantine(self, name: str) -> bool:
+        """Move the corrupt group file ``name`` (in the spill directory) unchanged into the
+        quarantine folder as its newest file, then delete the oldest past the folder's bounds.
+        Returns False when it could not be moved: it stays where it is, counted as unindexed."""
         now_ns = time.time_ns()
-        with contextlib.suppress(OSError):  # the age limit counts from here, at a restart too
-            os.utime(target, ns=(now_ns, now_ns), follow_symlinks=False)
-        self._add_quarantined(path.name, _own_size(target) or 0, now_ns)
+        with self._folder(QUARANTINED, create=True) as folder:
+            try:
+                if folder is None:
+                    raise OSError(f"{self.quarantine_dir} is not a plain directory")
+                os.replace(name, name, src_dir_fd=self.spill_dir.fd, dst_dir_fd=folder)
+            except OSError as exc:
+                logger.warning("could not quarantine spill file %s (left in place, unindexed): %s",
+                               self.root_dir / name, exc)
+                self.add_unindexed(name)
+                return False
+            with contextlib.suppress(OSError):  # the age limit counts from here, at a restart too
+                os.utime(name, ns=(now_ns, now_ns), dir_fd=folder, follow_symlinks=False)
+            size = _own_size(folder, name) or 0
+        self._add_quarantined(name, size, now_ns)
         self._trim_quarantine()
         return True
 
     def scan_quarantine(self) -> None:
         """Count the files already in the quarantine folder (at a restart), oldest first, and
         delete the oldest past its bounds."""
-        if not self._quarantine_dir_usable(create=False):
-            return
-        try:
-            entries = [e for e in os.scandir(self.quarantine_dir) if _plain(e.name)]
-            found = [(e.stat(follow_symlinks=False), e.name) for e in entries]
-        except OSError as exc:
-            logger.warning("cannot list spill quarantine %s: %s", self.quarantine_dir, exc)
-            self._counters["io_errors"] += 1
-            return
+        with self._folder(QUARANTINED) as folder:
+            if folder is None:
+                return
+            try:
+                with os.scandir(folder) as entries:
+                    found = [(e.stat(follow_symlinks=False), e.name) for e in entries if _plain(e.name)]
+            except OSError as exc:
+                logger.warning("cannot list spill quarantine %s: %s", self.quarantine_dir, exc)
+                self._counters["io_errors"] += 1
+                return
         owned = [(st.st_mtime_ns, name, st.st_size) for st, name in found
                  if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)]
         for mtime_ns, name, size in sorted(owned):
@@ -207,15 +271,19 @@ class UnservedFiles:
 
     def _add_quarantined(self, name: str, size: int, mtime_ns: int) -> None:
         """``name`` is the newest quarantined file (one of the same name was replaced)."""
-        self._pop("quarantined", name)
+        self._pop(QUARANTINED, name)
         self.quarantined_bytes += size
         self.quarantined[name] = _File(size, mtime_ns)
 
+    def _add_undeleted(self, kind: str, name: str, size: int) -> None:
+        self.undeleted_bytes += size - self.undeleted.pop((kind, name), 0)
+        self.undeleted[kind, name] = size
+
     def _pop(self, kind: str, name: str) -> None:
         """Forget ``name`` of ``kind`` ("unindexed" or "quarantined"), if counted."""
-        files = self.unindexed if kind == "unindexed" else self.quarantined
+        files = self.unindexed if kind == UNINDEXED else self.quarantined
         entry = files.pop(name, None)
-        if entry is not None and kind == "unindexed":
+        if entry is not None and kind == UNINDEXED:
             self.unindexed_bytes -= entry.size
         elif entry is not None:
             self.quarantined_bytes -= entry.size
@@ -227,45 +295,60 @@ class UnservedFiles:
                                     or self.quarantined_bytes > self.quarantine_max_bytes):
             name, entry = self.quarantined.popitem(last=False)
             self.quarantined_bytes -= entry.size
-            self._remove(self.quarantine_dir / name, entry.size, "quarantined", "to keep the quarantine's bounds")
+            self._remove(QUARANTINED, name, entry.size, "to keep the quarantine's bounds")
         self.expire()
 
-    def _quarantine_dir_usable(self, create: bool) -> bool:
-        """Whether the quarantine folder is a directory and not a link (made when ``create``
-        and missing)."""
+    @contextlib.contextmanager
+    def _folder(self, kind: str, create: bool = False) -> Iterator[int | None]:
+        """The descriptor of ``kind``'s folder: the spill directory's, or the quarantine folder
+        opened in it without following a link (made when ``create`` and missing; closed after).
+        None when the quarantine folder is missing, a link or not a directory."""
+        if kind == UNINDEXED:
+            yield self.spill_dir.fd
+            return
         try:
-            mode = self.quarantine_dir.lstat().st_mode
+            fd = os.open(QUARANTINE_DIR, DIR_FLAGS, dir_fd=self.spill_dir.fd)
         except FileNotFoundError:
-            if not create:
-                return False
-            self.quarantine_dir.mkdir()
-            return True
-        except OSError:
-            return False
-        if stat.S_ISDIR(mode):
-            return True
-        logger.warning("spill quarantine %s is not a plain directory: not used", self.quarantine_dir)
-        return False
-
-    def _remove(self, path: Path, size: int, kind: str, why: str) -> int:
-        """Unlink the ``kind`` file ``path`` (1, counted in ``removed_<kind>_files``; 0 when it
-        could not be deleted, counted in ``io_errors``)."""
-        try:
-            path.unlink(missing_ok=True)
+            fd = None
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=self.spill_dir.fd)
+                with contextlib.suppress(OSError):
+                    fd = os.open(QUARANTINE_DIR, DIR_FLAGS, dir_fd=self.spill_dir.fd)
         except OSError as exc:
-            logger.warning("could not delete %s spill file %s (%d B): %s", kind, path, size, exc)
-            self._counters["io_errors"] += 1
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                logger.warning("spill quarantine %s is not a plain directory: not used", self.quarantine_dir)
+            fd = None
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _remove(self, kind: str, name: str, size: int, why: str, folder: int | None = None) -> int:
+        """Unlink the ``kind`` file ``name`` (in ``folder``, else ``kind``'s folder); returns 1
+        when deleted. One that cannot be deleted (0) is logged, counted in ``unlink_errors`` and
+        kept counted as undeleted, tried again later (``retry_removals``)."""
+        if folder is None:
+            with self._folder(kind) as opened:
+                return self._remove(kind, name, size, why, opened) if opened is not None else 0
+        error = unlink_at(folder, name)
+        if error is not None:
+            logger.warning("could not delete %s spill file %s (%d B), kept counted and tried again later: %s",
+                           kind, name, size, error)
+            self._counters["unlink_errors"] += 1
+            self._add_undeleted(kind, name, size)
             return 0
-        logger.warning("deleted %s spill file %s (%d B) %s", kind, path, size, why)
+        logger.warning("deleted %s spill file %s (%d B) %s", kind, name, size, why)
         self._counters[f"removed_{kind}_files"] += 1
         return 1
 
 
-def _own_size(path: Path) -> int | None:
-    """Bytes of ``path`` itself when it is a regular file or a symbolic link (never followed);
-    None for anything else or a path that is gone."""
+def _own_size(dir_fd: int, name: str) -> int | None:
+    """Bytes of ``name`` in ``dir_fd`` itself when it is a regular file or a symbolic link (never
+    followed); None for anything else or a name that is gone."""
     try:
-        st = path.lstat()
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         return None
     return st.st_size if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode) else None

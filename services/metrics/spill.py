@@ -19,6 +19,16 @@ from services.metrics.requests import PREFIX
 SPILL_READ_ERRORS = {"corrupt": "corrupt_reads", "io_error": "io_errors", "missing_file": "missing_files",
                      "token_mismatch": "token_mismatches"}
 
+SPILL_DISK_EVENTS = {"disk_full_write": "disk_full_writes", "disk_full_evicted_file": "disk_full_evicted_files",
+                     "unlink_error": "unlink_errors", "dir_recreated": "dir_recreated",
+                     "tombstoned_file": "tombstoned_files"}
+"""``spill_disk_events{kind}``: the disk tier's faults and what it did about them
+(``cache_node.tiers.spill_disk``): a write that failed for a full volume (ENOSPC/EDQUOT, tried
+once more after eviction), a file evicted to make room on a volume fuller than the budget says,
+an unlink that failed (the file stays counted in ``spill_undeleted_bytes``, tried again), the
+spill directory made again after it was deleted, a file of a dropped holder deleted at a restart
+instead of indexed."""
+
 
 class SpillMetrics(Collector):
     """Registered in its own ``registry``.
@@ -68,4 +78,12 @@ class SpillMetrics(Collector):
         for kind in ("unindexed", "quarantined"):
             unserved.add_metric([nid, kind], s[f"{kind}_bytes"])
             removed.add_metric([nid, kind], s[f"removed_{kind}_files"])
-        yield from (blocks, capacity, hits, misses, errors, corrupt, used, unserved, removed)
+        events = CounterMetricFamily(PREFIX + "spill_disk_events", "Disk tier faults met and handled, by kind.",
+                                     labels=["node", "kind"])
+        for kind, key in SPILL_DISK_EVENTS.items():
+            events.add_metric([nid, kind], s.get(key, 0))
+        undeleted = GaugeMetricFamily(PREFIX + "spill_undeleted_bytes", "Bytes of spill files whose deletion "
+                                      "failed (read-only volume, EIO), counted in the disk budget and tried "
+                                      "again.", labels=["node"])
+        undeleted.add_metric([nid], s.get("undeleted_bytes", 0))
+        yield from (blocks, capacity, hits, misses, errors, corrupt, used, unserved, removed, events, undeleted)

@@ -98,6 +98,7 @@ from services.openai_api.streaming import (
 from services.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, tokenize_answer
 from services.openai_api.tools import TOOL_PARSERS
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
+from services.tool_requests import auto_refusal
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +233,9 @@ class OpenAIEdge:
             mode = body.tool_mode()
         except ValueError as exc:
             raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, str(exc), param="tool_choice") from None
-        if mode == "auto" and not self.tool_call_parser:
-            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, (
-                "tool_choice: \"auto\" (the default when tools are given) needs the server's tool call parser, "
-                "which is off: set tool_call_parser: hermes in the kvstrata config (vLLM's --enable-auto-tool-choice "
-                "--tool-call-parser); or send tool_choice \"none\", \"required\" or a named function"),
-                param="tool_choice")
+        refusal = auto_refusal(mode, self.tool_call_parser)  # (the gRPC API's too: ``tool_requests``)
+        if refusal is not None:
+            raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, refusal, param="tool_choice")
 
     async def render(self, request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
         """A whole response's JSON body of ``build()``: on a worker thread, one at a time per

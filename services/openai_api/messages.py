@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from services.convert import MAX_MESSAGE_ID_CHARS, chat_message
+from services.chat_tools import check_tool_answers as shared_check_tool_answers
+from services.convert import MAX_MESSAGE_ID_CHARS, MAX_REQUEST_TOOL_CALLS, chat_message
 from services.openai_api.strict import Strict, bounded_list
 from services.openai_api.tools import MAX_TOOL_CALLS, ToolCall
 
@@ -100,29 +101,22 @@ class ChatMessage(Strict):
 
 def check_tool_answers(messages: Sequence[ChatMessage]) -> None:
     """Each tool message answers a call of an earlier assistant message of ``messages``, when
-    any assistant message of them carries ``tool_calls``.
+    any assistant message of them carries ``tool_calls``: the rule both APIs apply to a whole
+    request (``services.chat_tools.check_tool_answers``, where it is told), here on a body's
+    messages (their roles, call ids and ``tool_call_id`` only: nothing else is converted).
 
-    OpenAI refuses a tool message whose ``tool_call_id`` answers no preceding assistant tool
-    call; vLLM checks nothing. The check is as strict as OpenAI's where the request itself
-    holds the calls: there a ``tool_call_id`` that matches none of them is a client's mistake
-    (a typo, a call id from another conversation) that the model would otherwise see as an
-    answer to nothing. It is skipped when no assistant message carries ``tool_calls``: a
-    client that trims its history to the latest tool results, or sends a tool message in a
-    session turn (answering a call of the session's earlier reply, which its node keeps), works
-    on vLLM, and refusing it would break it for no gain (there is nothing to
-    match the id against). "Earlier" is any earlier assistant message, not only the one
-    just before (OpenAI's rule): a result that arrives after another turn still answers its
-    call, as templates render it.
+    The messages' ``tool_calls`` together are at most ``MAX_REQUEST_TOOL_CALLS`` (1,024), the
+    gRPC API's bound (review 30j F5: it was gRPC's alone).
 
     Raises:
-        ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the first such message).
+        ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the first such message), or
+            ``messages: ...`` for more than ``MAX_REQUEST_TOOL_CALLS`` calls.
     """
     if not any(m.tool_calls for m in messages):
         return
-    ids: set[str] = set()
-    for i, message in enumerate(messages):
-        if message.tool_calls:
-            ids.update(call.id for call in message.tool_calls)
-        elif message.role == "tool" and message.tool_call_id not in ids:
-            raise ValueError(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers no tool call of an "
-                             "earlier assistant message (their tool_calls ids); a tool message must answer one")
+    calls = sum(len(m.tool_calls or ()) for m in messages)
+    if calls > MAX_REQUEST_TOOL_CALLS:
+        raise ValueError(f"messages: hold {calls} tool calls together; at most {MAX_REQUEST_TOOL_CALLS} are allowed "
+                         "in one request")
+    shared_check_tool_answers([{"role": m.role, "tool_call_id": m.tool_call_id,
+                                "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]} for m in messages])

@@ -23,15 +23,13 @@ request (400) with the compiler's message.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from cache_node.structured_output import MAX_CHOICES, MAX_SCHEMA_DEPTH, StructuredOutputSpec
-from services.chat_tools import json_depth
+from cache_node.structured_output import MAX_CHOICES, StructuredOutputSpec
 from services.openai_api.strict import Strict, bounded_list
+from services.tool_requests import spec_of
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 """vLLM's older extras, each one constraint kind (``guided_kind``)."""
@@ -39,35 +37,8 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 _GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 _VLLM_KINDS = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-_SPEC_PREFIX = re.compile(r"^structured_output (?:(?:json_object|json_schema|regex|choice|grammar) )?")
-
-
-def spec_of(kind: str, value: Any) -> StructuredOutputSpec:
-    """``value`` as a ``kind`` spec: a schema object (at most ``MAX_SCHEMA_DEPTH`` deep, checked
-    before it is serialized) or text for ``json_schema``, a list of strings for ``choice``,
-    text for ``regex`` and ``grammar``.
-
-    Raises:
-        ValueError: the spec's refusal, worded for the field that holds it (no
-            ``structured_output`` prefix: the caller names the field).
-    """
-    if kind == "json_schema" and isinstance(value, dict):
-        depth = _depth(value)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
-        value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    elif kind == "choice":
-        value = json.dumps(value, ensure_ascii=False)
-    try:
-        return StructuredOutputSpec(kind, value)
-    except ValueError as exc:
-        raise ValueError(_SPEC_PREFIX.sub("", str(exc))) from None
-
-
-def _depth(value: Any) -> int:
-    """Nesting of objects and arrays in ``value``, past ``MAX_SCHEMA_DEPTH`` not further
-    (``chat_tools.json_depth``)."""
-    return json_depth(value, MAX_SCHEMA_DEPTH)
+# spec_of: a constraint's value as a StructuredOutputSpec, one copy for both APIs' tool choices
+# and the structured-output fields here (``services.tool_requests``)
 
 
 class JsonSchema(Strict):

@@ -36,30 +36,32 @@ the whole chat does (``node_request.resolve_prefix_tokens``).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from cache_node.structured_output import MAX_SCHEMA_DEPTH, StructuredOutputSpec
-from services.chat_tools import MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_CHARS, template_call  # noqa: F401 (re-exported)
+from cache_node.structured_output import StructuredOutputSpec
+from services import tool_requests
+from services.chat_tools import (  # noqa: F401 (re-exported)
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
+    check_arguments,
+    template_call,
+)
 from services.convert import MAX_MESSAGE_ID_CHARS
 from services.openai_api.strict import Strict, bounded_list
-from services.openai_api.structured import StructuredFields, _depth, spec_of
+from services.openai_api.structured import StructuredFields
 from services.openai_api.tool_calls import ToolOutput
+from services.tool_requests import NOT_OBJECT_KEYWORDS, TOOL_PARSERS  # noqa: F401 (re-exported)
 
 # MAX_TOOLS, MAX_TOOLS_CHARS, MAX_TOOL_CALLS: bounds shared with the cache node's checks of the
 # wire (``services.chat_tools``)
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 """OpenAI's pattern for a function's name."""
 
-TOOL_PARSERS = ("hermes",)
-"""The server's ``tool_call_parser`` values ("" = off: ``tool_choice`` "auto" is refused)."""
-
-
-NOT_OBJECT_KEYWORDS = frozenset({"enum", "const", "anyOf", "oneOf", "allOf", "not", "items", "prefixItems"})
-"""Top-level schema keywords a tool's ``parameters`` may not use: each makes the root something
-other than one object (the compiler honours them over ``"type"``), as OpenAI refuses them there."""
+# TOOL_PARSERS, NOT_OBJECT_KEYWORDS and the checks of tools and tool choices below are the gRPC
+# API's too: ``services.tool_requests`` (one copy; these wrap it for the pydantic bodies)
 
 
 class FunctionDef(Strict):
@@ -71,17 +73,7 @@ class FunctionDef(Strict):
     @field_validator("parameters")
     @classmethod
     def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if _depth(value) > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
-        if "type" in value and value["type"] != "object":  # a call's arguments are a JSON object
-            given = json.dumps(value["type"], ensure_ascii=False)
-            given = given if len(given) <= 64 else given[:61] + "..."
-            raise ValueError(f'must be an object\'s schema (OpenAI\'s): its "type" is {given}, not "object"')
-        other = sorted(NOT_OBJECT_KEYWORDS & set(value))
-        if other:  # (review 28l F4: {"enum": ["Paris"]} passed, and a named call's arguments were "Paris")
-            raise ValueError(f"must be an object's schema (OpenAI's: the root is an object, not {other[0]!r}); "
-                             "put the alternatives inside its properties")
-        return value
+        return tool_requests.check_parameters(value)
 
     def params_schema(self) -> dict[str, Any]:
         """The parameters' schema (none given: any JSON object)."""
@@ -109,6 +101,15 @@ class FunctionCall(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     arguments: str
 
+    @field_validator("arguments")
+    @classmethod
+    def _utf8(cls, value: str) -> str:
+        """JSON text whose value holds a lone surrogate (``"\\ud800"`` escaped in the text, which
+        the body's own check cannot see) is refused (``chat_tools.check_arguments``, as the gRPC
+        API refuses it). Regression (review 30j F1): it reached the template as an object
+        holding the surrogate, a 500."""
+        return check_arguments("the JSON text", value)
+
 
 class ToolCall(Strict):
     """One call of an assistant message in the history."""
@@ -128,17 +129,8 @@ class ToolCall(Strict):
 
 def check_tools(tools: list[Tool]) -> int:
     """The characters of ``tools`` as JSON. Raises ValueError (worded for ``tools``): none, a
-    name listed twice, or more than ``MAX_TOOLS_CHARS`` characters."""
-    if not tools:
-        raise ValueError("must hold at least one tool (leave it out for none)")
-    names = [t.function.name for t in tools]
-    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if twice is not None:
-        raise ValueError(f"names the function {twice!r} twice; names must be unique")
-    chars = len(json.dumps(template_tools(tools), ensure_ascii=False, separators=(",", ":")))
-    if chars > MAX_TOOLS_CHARS:
-        raise ValueError(f"hold {chars} characters as JSON; at most {MAX_TOOLS_CHARS} are allowed")
-    return chars
+    name listed twice, or more than ``MAX_TOOLS_CHARS`` characters (``tool_requests.check_tools``)."""
+    return tool_requests.check_tools(template_tools(tools))
 
 
 def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
@@ -148,53 +140,17 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
 
 def choice_mode(tool_choice: str | NamedToolChoice | None, tools: list[Tool] | None) -> str:
     """``"none"``, ``"auto"``, ``"required"`` or ``"named"`` for a body's ``tool_choice`` and
-    ``tools`` (no tools: "none"). Raises ValueError (worded ``tool_choice: ...``): a choice
-    other than "none" without tools, or a named function that is not one of them."""
-    if not tools:
-        if tool_choice is not None and tool_choice != "none":
-            raise ValueError("tool_choice: needs tools (when using tool_choice other than \"none\", tools must "
-                             "be set)")
-        return "none"
-    if isinstance(tool_choice, NamedToolChoice):
-        name = tool_choice.function.name
-        if all(t.function.name != name for t in tools):
-            raise ValueError(f"tool_choice: names the function {name!r}, which is not in tools (they are "
-                             f"{', '.join(repr(t.function.name) for t in tools[:8])}{', ...' if len(tools) > 8 else ''})")
-        return "named"
-    return tool_choice or "auto"
+    ``tools`` (``tool_requests.choice_mode``). Raises ValueError (worded ``tool_choice: ...``): a
+    choice other than "none" without tools, or a named function that is not one of them."""
+    named = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
+    names = [{"function": {"name": t.function.name}} for t in tools or ()]  # (all it reads)
+    return tool_requests.choice_mode(None if named else tool_choice, named, names)  # type: ignore[arg-type]
 
 
 def tool_constraint(mode: str, tools: list[Tool], named: str | None, parallel: bool) -> StructuredOutputSpec | None:
-    """The output constraint of a ``named`` or ``required`` choice (None for the others):
-    the named tool's parameters' schema, or vLLM's array of ``{"name", "parameters"}`` objects
-    (at most one with ``parallel`` false), the tools' ``$defs`` lifted to its top. Raises
-    ValueError (``tool_choice: ...``): the schema is refused (too deep, too long, two tools
-    defining one ``$defs`` name differently)."""
-    if mode == "named":
-        schema = next(t.function.params_schema() for t in tools if t.function.name == named)
-    elif mode == "required":
-        defs: dict[str, Any] = {}
-        options = []
-        for tool in tools:
-            params = dict(tool.function.params_schema())
-            for key, value in (params.pop("$defs", None) or {}).items():
-                if key in defs and defs[key] != value:
-                    raise ValueError(f"tool_choice: tools define $defs {key!r} differently; a \"required\" "
-                                     "choice needs one definition of each")
-                defs[key] = value
-            options.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                           "parameters": params}, "required": ["name", "parameters"]})
-        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
-        if not parallel:
-            schema["maxItems"] = 1
-        if defs:
-            schema["$defs"] = defs
-    else:
-        return None
-    try:
-        return spec_of("json_schema", schema)
-    except ValueError as exc:
-        raise ValueError(f"tool_choice: the {mode} tool call's schema is refused: {exc}") from None
+    """The output constraint of a ``named`` or ``required`` choice (None for the others:
+    ``tool_requests.tool_constraint``). Raises ValueError (``tool_choice: ...``)."""
+    return tool_requests.tool_constraint(mode, template_tools(tools), named, parallel)
 
 
 class ToolFields(StructuredFields):
@@ -243,7 +199,5 @@ class ToolFields(StructuredFields):
         given = self.constraint_fields()
         if given[:1] != ["tool_choice"]:
             return super().structured_output()
-        if len(given) > 1:
-            raise ValueError(f"tool_choice: a {self.tool_mode()} tool choice constrains the output; it cannot go "
-                             f"with {' or '.join(given[1:])}")
+        tool_requests.check_one_constraint(self.tool_mode(), given[1:])
         return tool_constraint(self.tool_mode(), self.tools or [], self._named(), self.parallel_tool_calls is not False)
