@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -m 'not chaos'
+	$(PY) -m pytest -q -m 'not chaos' --durations=30
 
 # The reliability suite (issue 18): every fault test, including the kill/disk/gateway ones
 # marked `chaos`, then the full bench.chaos run (its JSON line is recorded in bench/README.md).
