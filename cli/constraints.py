@@ -48,15 +48,16 @@ class Constraints:
 NO_CONSTRAINTS = Constraints()
 
 
-def spec_text(option: str, value: str) -> str:
-    """``value``, or the UTF-8 text of the file ``value`` names after ``@``. Raises
-    ``typer.BadParameter`` naming ``option`` for a file that cannot be read or is too large."""
+def spec_text(option: str, value: str, max_bytes: int = MAX_STRUCTURED_SPEC_BYTES) -> str:
+    """``value``, or the UTF-8 text of the file ``value`` names after ``@``, at most
+    ``max_bytes`` long. Raises ``typer.BadParameter`` naming ``option`` for a file that cannot
+    be read or is too large."""
     if not value.startswith(FILE_PREFIX):
         return value
     path = Path(value[len(FILE_PREFIX):]).expanduser()
     try:
-        if path.stat().st_size > MAX_STRUCTURED_SPEC_BYTES:
-            raise typer.BadParameter(f"{path} is over {MAX_STRUCTURED_SPEC_BYTES} bytes", param_hint=option)
+        if path.stat().st_size > max_bytes:
+            raise typer.BadParameter(f"{path} is over {max_bytes} bytes", param_hint=option)
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint=option) from None

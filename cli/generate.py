@@ -16,6 +16,7 @@ from cache_node.sampling_params import (
     MAX_STOP_STRINGS,
 )
 from cli.constraints import NO_CONSTRAINTS, Constraints, constraints
+from cli.messages import chat, messages_from_text, tool_results
 from cli.options import MAX_UINT32, GatewayOpt, finite
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import RPC_TIMEOUT_S, gateway_channel
@@ -62,12 +63,14 @@ def finish_line(finished: inference_pb2.GenerateFinished, stop: Sequence[str] = 
 
 
 def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop: Sequence[str] = (),
-              hold: bool = False) -> None:
+              hold: bool = False) -> inference_pb2.GenerateFinished | None:
     """Write the deltas of a ``Generate`` stream to ``out``, then the finish line (``stop``: the
     request's stop strings, see ``finish_line``). ``hold`` (a request with tools): the text is
     written at the end, and a reply read as tool calls is written as its content and one line
     per call, as the HTTP API's stream holds a call's text back (trial 30n P7: the call's JSON,
     and with auto its ``<tool_call>`` markup, was streamed, then the call line repeated it).
+
+    Returns the stream's ``GenerateFinished`` (None: the stream ended without one).
 
     ``call`` is the stub's response iterator (a ``grpc.Call``). On ``KeyboardInterrupt``
     (Ctrl-C) the call is cancelled, so the gateway aborts the request on its node, the
@@ -79,7 +82,7 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
         typer.Exit: after a cancel (``CANCELLED_EXIT_CODE``), or 1 when the server aborted the
             request (finish reason ``abort``: a drain or a node failure cut the answer off).
     """
-    mid_line, held = False, []
+    mid_line, held, finished = False, [], None
     try:
         for msg in call:
             kind = msg.WhichOneof("event")
@@ -91,6 +94,7 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
                 out.flush()
                 mid_line = not msg.delta.text.endswith("\n")
             elif kind == "finished":
+                finished = msg.finished
                 if hold:
                     text = msg.finished.content if msg.finished.tool_calls else "".join(held)
                     out.write(text)
@@ -116,16 +120,28 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
         console.print("[yellow]cancelled (Ctrl-C): the request was cancelled; the text above is "
                       "what arrived before[/yellow]", soft_wrap=True)
         raise typer.Exit(CANCELLED_EXIT_CODE) from None
+    return finished
 
 
-def generate_request(prompt: str, max_tokens: int, temperature: float, session: str, policy: str,
-                     priority: int = 0, stop: list[str] | None = None,
+def results_hint(session: str) -> str:
+    """The line after a reply's tool calls: how to send their results back (``--tool-result``)."""
+    if session:
+        return (f"send each result back with: kvstrata generate --session {session} --tools ... "
+                "--tool-result ID=RESULT (ID=@FILE: the file's text)")
+    return ("send each result back with --tool-result ID=RESULT and --messages holding the conversation so far "
+            "with this reply as an assistant message's tool_calls (or continue in a --session)")
+
+
+def generate_request(prompt: str | inference_pb2.ChatMessages, max_tokens: int, temperature: float, session: str,
+                     policy: str, priority: int = 0, stop: list[str] | None = None,
                      constrained: Constraints = NO_CONSTRAINTS) -> inference_pb2.GenerateRequest:
-    """The ``Generate`` request of one ``kvstrata generate`` call: one user message, its
-    sampling (``stop`` in ``SamplingParams.stop``, ``constrained``'s fields) and
-    ``GenerateRequest.priority``."""
+    """The ``Generate`` request of one ``kvstrata generate`` call: its chat (``prompt``: one
+    user message's text, or the messages ``cli.messages.chat`` built), its sampling (``stop``
+    in ``SamplingParams.stop``, ``constrained``'s fields) and ``GenerateRequest.priority``."""
+    if isinstance(prompt, str):
+        prompt = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)])
     req = inference_pb2.GenerateRequest(
-        chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)]),
+        chat=prompt,
         sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or []),
         session_id=session, policy=policy, priority=priority,
     )
@@ -134,7 +150,9 @@ def generate_request(prompt: str, max_tokens: int, temperature: float, session: 
 
 
 def generate(
-    prompt: str = typer.Argument(..., metavar="PROMPT", help="the user message (one chat turn)"),
+    prompt: str | None = typer.Argument(None, metavar="PROMPT", show_default=False,
+                                        help="the user message (one chat turn); may be left out with "
+                                        "--messages or --tool-result"),
     api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
                                 help="the tenant's API key (from `kvstrata tenant add`)"),
     max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32,
@@ -170,6 +188,14 @@ def generate(
     tool_choice: str | None = typer.Option(None, "--tool-choice", metavar="CHOICE",
                                            help="none, auto (the default with --tools; needs the server's tool "
                                            "call parser), required, or a function name of --tools"),
+    messages: str | None = typer.Option(None, "--messages", metavar="JSON",
+                                        help="the conversation so far, sent before the tool results and PROMPT: "
+                                        "an OpenAI messages list ([{\"role\", \"content\", \"tool_calls\"?, "
+                                        "\"tool_call_id\"?}]; its text, or @FILE)"),
+    tool_result: list[str] | None = typer.Option(None, "--tool-result", metavar="ID=TEXT",
+                                                 help="a tool call's result, sent as a tool message answering "
+                                                 "call ID (a `tool call ID:` line's id; ID=@FILE: the file's "
+                                                 "text); repeat for each call; with --session or --messages"),
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Stream a chat completion to the terminal; the last line says why it ended and how fast it was.
@@ -182,16 +208,26 @@ def generate(
     `stop`, so with --stop the line names both), `length` (max_tokens reached), `abort` (the
     server aborted it), `tool_calls` (with --tools: the reply was read as tool calls, one line
     each, `tool call ID: NAME(ARGUMENTS)`). Ctrl-C cancels the request (exit code 130).
+
+    To complete a tool call, send its result back: in a `--session`, whose node keeps the
+    reply's calls, `--session S --tools ... --tool-result ID=RESULT` (no PROMPT needed);
+    without one, `--tool-result` with `--messages` holding the conversation so far, the
+    assistant message with its `tool_calls` included. The messages sent are `--messages`',
+    then one tool message per `--tool-result`, then PROMPT as a user message.
     """
     constrained = constraints(json_object, json_schema, regex, choice, grammar, logit_bias, allowed_token_ids)
-    req = generate_request(prompt, max_tokens, temperature, session, policy, priority, stop, constrained)
+    sent, sources = chat(prompt, [] if messages is None else messages_from_text(messages),
+                         tool_results(tool_result or []), session)
+    req = generate_request(sent, max_tokens, temperature, session, policy, priority, stop, constrained)
     apply_tools(req, tools, tool_choice)
     with gateway_channel(gateway) as ch:
         try:
-            stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
+            finished = stream_to(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
                 req, metadata=(("authorization", f"Bearer {api_key}"),)), sys.stdout, stop or (), hold=bool(req.tools))
         except grpc.RpcError as err:
-            fail(err)
+            fail(err, lambda line: sources.reword(line)[0])
+    if finished is not None and finished.tool_calls:
+        console.print(f"[dim]{escape(results_hint(session))}[/dim]", soft_wrap=True)
 
 
 def close_session(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -63,12 +64,16 @@ gateway that requires one, said only "Socket closed"."""
 _HANDSHAKE_FAILURE = re.compile(r"Socket closed|handshake|SSL|certificate|Connection reset", re.IGNORECASE)
 
 
-def fail(err: grpc.RpcError) -> NoReturn:
+def fail(err: grpc.RpcError, reword: Callable[[str], str] | None = None) -> NoReturn:
     """Print a failed call as one line, ``CODE: details``, and exit ``EXIT_FAILED`` whatever
     the status: the server refused or failed it (a usage error never reaches the server). An
-    UNAVAILABLE that reads as a failed TLS handshake says which options fix it (``TLS_HINT``)."""
+    UNAVAILABLE that reads as a failed TLS handshake says which options fix it (``TLS_HINT``).
+    ``reword``: applied to the details' line (``generate`` names the option that gave a
+    message the server refused, ``cli.messages.ChatSources``)."""
     details = (err.details() or "").splitlines()
     line = details[0] if details else ""
+    if reword is not None:
+        line = reword(line)
     if err.code() == grpc.StatusCode.UNAVAILABLE and _HANDSHAKE_FAILURE.search(line):
         line += TLS_HINT
     console.print(f"[red]{err.code().name}[/red]: {escape(line)}", soft_wrap=True)
