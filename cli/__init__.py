@@ -6,7 +6,12 @@ that ``kvstrata up`` writes (~/.kvstrata).
 
 Modules: ``main`` (the ``kvstrata`` app), ``lifecycle`` (up, down, status), ``tenant``,
 ``admin``, ``generate``, ``run``; ``state`` (gateway address and admin key), ``output``
-(console and errors), ``options`` (option checks), ``processes`` (stopping local processes).
+(console and errors), ``options`` (option checks), ``processes`` (stopping local processes);
+``generate``'s ``tools`` (``--tools``), ``messages`` (``--messages``, ``--tool-result``) and
+``constraints`` (structured outputs).
+
+Importing ``cli.main`` imports no torch, transformers or Ray (``tests/test_cli_imports.py``):
+``up`` and ``down`` import what they need when they run (``services.config`` imports torch).
 """
 
 import os

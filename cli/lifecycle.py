@@ -14,12 +14,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import pydantic
 import typer
-import yaml
 from rich.markup import escape
 from rich.table import Table
 
@@ -29,11 +27,15 @@ from cli.output import console, die, fail, say
 from cli.processes import stop_processes
 from cli.state import RPC_TIMEOUT_S, admin_metadata, gateway_channel, reachable, read_state
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc
-from services.config import ServiceConfig, load_config
-from services.metrics.targets import TARGETS_FILE, write_targets
 from services.private_dir import ensure_private_dir
 from services.ray_auth import new_token_file, token_env, use_token
 from services.tls import ServerTls, http_scheme, is_loopback
+
+# Only `up` reads a config, so only it imports services.config (and with it torch, through
+# cache_node.config: ~1 s, paid by every command before, `--help` included), pydantic and yaml;
+# services.metrics.targets (prometheus_client) is imported by `up` and `down` alone too.
+if TYPE_CHECKING:
+    from services.config import ServiceConfig
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
                          help="service YAML config (fields of services/config.py; default: all defaults)")
@@ -79,6 +81,11 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
             file and its first bad field), or a bad ``--scheduler`` / ``--device``: a usage
             error, exit code 2.
     """
+    import pydantic
+    import yaml
+
+    from services.config import ServiceConfig, load_config
+
     try:
         cfg = load_config(config)
     except pydantic.ValidationError as exc:
@@ -245,6 +252,8 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
     }))
     targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
+        from services.metrics.targets import TARGETS_FILE, write_targets
+
         targets = write_targets(services.metrics, cfg.state_path / TARGETS_FILE, cfg.namespace)
     for line in up_summary(services.config, services.address, services.http_address, services.metrics, targets):
         say(line)
@@ -380,6 +389,8 @@ def down() -> None:
                           "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")
         (state.state_dir() / "gateway.json").unlink(missing_ok=True)
         if saved.get("state_dir"):  # its addresses are gone with the services
+            from services.metrics.targets import TARGETS_FILE
+
             (Path(saved["state_dir"]) / TARGETS_FILE).unlink(missing_ok=True)
     console.print("stopped")
 
