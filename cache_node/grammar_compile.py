@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from cache_node.grammar_process import CompilerDied, CompilerProcess, CompileTimeout
 from cache_node.grammar_queue import FairCompileQueue
-from cache_node.structured_output import StructuredOutputSpec
+from cache_node.structured_output import TOOL_CALLS_KIND, StructuredOutputSpec
 
 if TYPE_CHECKING:
     from cache_node.grammars import Grammars, _Job
@@ -95,7 +95,8 @@ def compile_request(spec: StructuredOutputSpec) -> tuple[str, str]:
         return "json_schema", JSON_OBJECT_SCHEMA
     if spec.kind == "choice":
         return "grammar", choice_grammar(spec.choices)
-    return {"json_schema": "json_schema", "regex": "regex"}.get(spec.kind, "grammar"), spec.spec
+    methods = {"json_schema": "json_schema", "regex": "regex", TOOL_CALLS_KIND: "structural_tag"}
+    return methods.get(spec.kind, "grammar"), spec.spec
 
 
 @dataclass(frozen=True)

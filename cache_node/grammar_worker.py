@@ -55,9 +55,10 @@ import msgpack
 
 from cache_node.sandbox import confine
 
-METHODS = ("json_schema", "regex", "grammar")
+METHODS = ("json_schema", "regex", "grammar", "structural_tag")
 """What a compile request asks: ``compile_json_schema`` / ``compile_regex`` /
-``compile_grammar`` (EBNF) of ``text``."""
+``compile_grammar`` (EBNF) / ``compile_structural_tag`` (its JSON text: a ``tool_choice``
+"auto" constraint, ``structured_output.TOOL_CALLS_KIND``) of ``text``."""
 
 MAX_REQUEST_BYTES = 8 << 20
 """Largest request frame the child reads (the init frame: ~1.6 MB of tokenizer info)."""
@@ -198,6 +199,8 @@ def _compile(compiler: Any, method: str, text: str) -> Any:
         return compiler.compile_json_schema(text)
     if method == "regex":
         return compiler.compile_regex(text)
+    if method == "structural_tag":
+        return compiler.compile_structural_tag(text)
     return compiler.compile_grammar(text)
 
 

@@ -20,6 +20,20 @@ MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
 """Longest ``spec`` (UTF-8 bytes). The engine compiles it off the step loop, but compile time
 and the compiled grammar's memory grow with it; 64 KiB holds any schema written by hand."""
 
+TOOL_CALLS_KIND = "structural_tag"
+"""The kind a ``tool_choice`` "auto" request's constraint takes (``services.chat_tools.auto_constraint``):
+its spec is xgrammar's structural tag as JSON text (``{"type": "structural_tag", "format":
+{"type": "triggered_tags", ...}}``): free text, and from each trigger (``<tool_call>``) on, one
+of the declared tools' calls whose arguments match its parameters' schema. Built by the gateway,
+never named by a client: not in ``STRUCTURED_OUTPUT_KINDS`` (the APIs' kinds), taken off the
+data plane like them."""
+
+MAX_TOOL_CALLS_SPEC_BYTES = (1 << 20) + (64 << 10)
+"""Longest ``TOOL_CALLS_KIND`` spec (UTF-8 bytes): the request's tools (at most
+``chat_tools.MAX_TOOLS_CHARS`` characters of JSON, 256 Ki: at most 1 MiB as UTF-8) in the
+structural tag's envelope (~150 bytes for each of at most 128 tools), so checked tools always
+fit."""
+
 MAX_CHOICES = 256
 """Most strings a ``choice`` spec may list (each one alternative of the compiled grammar)."""
 
@@ -33,7 +47,9 @@ class StructuredOutputSpec:
     """A request's output constraint.
 
     Attributes:
-        kind: one of ``STRUCTURED_OUTPUT_KINDS``.
+        kind: one of ``STRUCTURED_OUTPUT_KINDS``, or ``TOOL_CALLS_KIND`` (the gateway's
+            constraint of a ``tool_choice`` "auto": a structural tag's JSON text, at most
+            ``MAX_TOOL_CALLS_SPEC_BYTES``).
         spec: what the kind needs: "" for ``json_object`` (any JSON object); the JSON schema's
             text (a JSON object, at most ``MAX_SCHEMA_DEPTH`` deep) for ``json_schema``; the
             regex for ``regex`` (xgrammar's syntax: ECMAScript-like); a JSON array of 1 to
@@ -52,7 +68,7 @@ class StructuredOutputSpec:
     spec: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, str) or self.kind not in STRUCTURED_OUTPUT_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in (*STRUCTURED_OUTPUT_KINDS, TOOL_CALLS_KIND):
             raise ValueError(f"structured_output kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
                              f"got {self.kind!r:.60}")
         if not isinstance(self.spec, str):
@@ -61,9 +77,9 @@ class StructuredOutputSpec:
             size = len(self.spec.encode("utf-8"))
         except UnicodeEncodeError:
             raise ValueError(f"structured_output {self.kind} spec is not valid Unicode (a lone surrogate)") from None
-        if size > MAX_STRUCTURED_SPEC_BYTES:
-            raise ValueError(f"structured_output {self.kind} spec is {size} bytes; at most "
-                             f"{MAX_STRUCTURED_SPEC_BYTES} are allowed")
+        most = MAX_TOOL_CALLS_SPEC_BYTES if self.kind == TOOL_CALLS_KIND else MAX_STRUCTURED_SPEC_BYTES
+        if size > most:
+            raise ValueError(f"structured_output {self.kind} spec is {size} bytes; at most {most} are allowed")
         if self.kind == "json_object":
             if self.spec:
                 raise ValueError("structured_output json_object takes no spec (use json_schema for a schema)")
@@ -74,6 +90,8 @@ class StructuredOutputSpec:
             raise ValueError(f"structured_output {self.kind} spec holds a NUL character")
         if self.kind == "json_schema":
             _check_schema(self.spec)
+        elif self.kind == TOOL_CALLS_KIND:
+            _check_structural_tag(self.spec)
         elif self.kind == "choice":
             _check_choices(self.spec)
 
@@ -120,6 +138,21 @@ def _check_schema(text: str) -> None:
     schema = _load("json_schema", text)
     if not isinstance(schema, dict):
         raise ValueError(f"structured_output json_schema must be a JSON object, got {type(schema).__name__}")  # noqa: TRY004
+
+
+def _check_structural_tag(text: str) -> None:
+    depth = _depth(text)  # a tool's parameters (<= MAX_SCHEMA_DEPTH) under the tag's envelope
+    if depth > MAX_SCHEMA_DEPTH + STRUCTURAL_TAG_ENVELOPE_DEPTH:
+        raise ValueError(f"structured_output {TOOL_CALLS_KIND} nests {depth} levels deep; at most "
+                         f"{MAX_SCHEMA_DEPTH + STRUCTURAL_TAG_ENVELOPE_DEPTH} are allowed")
+    tag = _load(TOOL_CALLS_KIND, text)
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise ValueError(f'structured_output {TOOL_CALLS_KIND} must be {{"type": "structural_tag", "format": {{...}}}}')
+
+
+STRUCTURAL_TAG_ENVELOPE_DEPTH = 6
+"""Levels a structural tag adds above a tool's parameters' schema (the tag, its format, its tags
+list, a tag, its content, the schema's own object)."""
 
 
 def _check_choices(text: str) -> None:

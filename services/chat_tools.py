@@ -19,6 +19,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from cache_node.structured_output import TOOL_CALLS_KIND, StructuredOutputSpec
+
 if TYPE_CHECKING:
     from services.chat import ChatTemplater
 
@@ -293,6 +295,44 @@ def seeded_call_id(seed: str, index: int) -> str:
     """The id of the ``index``-th tool call of a reply whose ids come from ``seed`` (the HTTP edge
     and the cache node derive the same: the client's ids are the ones the session keeps)."""
     return "chatcmpl-tool-" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:32]
+
+
+AUTO_CALL_TRIGGER = "<tool_call>"
+"""Where a hermes tool call begins (``tool_calls.START``): the ``auto`` constraint's trigger."""
+
+
+def auto_constraint(tools: Sequence[dict[str, Any]], parallel: bool) -> StructuredOutputSpec:
+    """The output constraint of ``tool_choice`` "auto" with the ``hermes`` parser (both APIs:
+    ``openai_api.tools.ToolFields.structured_output``, ``gateway_inputs``): text is free until
+    the model writes ``<tool_call>``; from there only a call of one of ``tools`` (OpenAI's
+    shape, checked: ``tool_requests.check_tools``) can follow,
+    ``<tool_call>\n{"name": "<a declared name>", "arguments": <an object matching its
+    parameters' schema>}\n</tool_call>``, then free text again (with ``parallel`` false the
+    output ends after the first call). xgrammar's structural tag (``TOOL_CALLS_KIND``), as vLLM
+    constrains a hermes model's auto tool calls (``get_builtin_structural_tag("qwen_3")``'s
+    format), compiled by the cache node like any other constraint (its bounds, cache and
+    per-tenant fairness).
+
+    Regression: "auto" was constrained by nothing and its text parsed afterwards, so a call of a
+    function the request did not declare (or with arguments off its schema, or not JSON) came
+    back as a tool call with finish reason ``tool_calls``; OpenAI's contract is that the model
+    calls only the tools given.
+
+    Raises:
+        ValueError: the spec is refused (``StructuredOutputSpec``: past
+            ``MAX_TOOL_CALLS_SPEC_BYTES`` or nested too deep; not reachable from checked tools).
+    """
+    tags = []
+    for tool in tools:
+        function = tool["function"]
+        params = function.get("parameters")
+        name = json.dumps(function["name"], ensure_ascii=False)
+        tags.append({"type": "tag", "begin": f'{AUTO_CALL_TRIGGER}\n{{"name": {name}, "arguments": ',
+                     "content": {"type": "json_schema", "json_schema": params if params is not None else {"type": "object"}},
+                     "end": "}\n</tool_call>"})
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [AUTO_CALL_TRIGGER],
+                                                 "tags": tags, "at_least_one": False, "stop_after_first": not parallel}}
+    return StructuredOutputSpec(TOOL_CALLS_KIND, json.dumps(tag, ensure_ascii=False, separators=(",", ":")))
 
 
 def tool_output_spec(mode: str, name: str | None, parallel: bool, seed: str) -> str:

@@ -18,7 +18,7 @@ from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2
 from services import convert, tool_requests
 from services.chat import content_chars
-from services.chat_tools import tool_output_spec
+from services.chat_tools import auto_constraint, tool_output_spec
 
 MAX_ID_CHARS = 256
 """Longest client-chosen request or session id."""
@@ -135,7 +135,9 @@ def _tools_from_pb(request: inference_pb2.GenerateRequest, prompt: list[Any], sa
                    tool_call_parser: str, seed: str) -> tuple[list[dict[str, Any]] | None, SamplingParams, str]:
     """A request's tool calling as the HTTP edge serves it (``services.openai_api.tools``, with
     the same checks, ``services.tool_requests``): the tools the template renders, the sampling
-    constrained by a named or required choice, and ``tool_output``'s spec.
+    constrained by a named or required choice, or by an auto one when
+    ``sampling.structured_output`` is not given (``chat_tools.auto_constraint``: only declared
+    tools, with arguments matching their parameters, can be called), and ``tool_output``'s spec.
 
     Raises:
         ValueError: ``tools``, ``tool_choice`` or ``parallel_tool_calls`` with tokens input (a
@@ -168,6 +170,11 @@ def _tools_from_pb(request: inference_pb2.GenerateRequest, prompt: list[Any], sa
         raise ValueError(refusal)
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     constraint = tool_requests.tool_constraint(mode, tools or [], named, parallel)
+    if mode == "auto" and tools and sampling.structured_output is None:  # as the HTTP edge's ToolFields
+        try:
+            constraint = auto_constraint(tools, parallel)
+        except ValueError as exc:
+            raise ValueError(f"tool_choice: the auto tool calls' constraint is refused: {exc}") from None
     if constraint is not None:
         tool_requests.check_one_constraint(mode, ["sampling.structured_output"] if sampling.structured_output else [])
         sampling = dataclasses.replace(sampling, structured_output=constraint)

@@ -23,7 +23,12 @@ with ``arguments`` a JSON text. Per ``tool_choice`` (``ToolOutput.mode``):
   left unclosed counts too; ``arguments`` left out is ``{}``), the text before the first is
   ``content`` (null when empty), text after the last is dropped. Streamed: text goes out as
   ``content`` until ``<tool_call>`` starts (what may be its beginning is held back), the rest
-  is held and its calls come in the last chunk.
+  is held and its calls come in the last chunk. The text is constrained
+  (``services.chat_tools.auto_constraint``: from ``<tool_call>`` on, only a call of a declared
+  tool with arguments its parameters' schema takes can be generated), so every call read here
+  is one of the request's tools; unless the client gave its own constraint beside "auto"
+  (``response_format``, ``structured_outputs``, ``sampling.structured_output``), which is then
+  the only one and whose text is read as before.
 
 A call's ``arguments`` is always the JSON text of the value the model wrote
 (``json.dumps(value, ensure_ascii=False)``, as vLLM's hermes and required readers write it):

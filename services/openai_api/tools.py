@@ -14,7 +14,10 @@ response side is ``services.openai_api.tool_calls``.
   vLLM does; they count against the prompt's ``MAX_PROMPT_CHARS``.
 - ``tool_choice``: ``"none"`` (tools rendered, no calls parsed), ``"auto"`` (the default when
   tools are given; needs the server's ``tool_call_parser``, ``hermes``: else a 400 naming it, as
-  vLLM needs ``--enable-auto-tool-choice --tool-call-parser``), ``"required"`` (the output is
+  vLLM needs ``--enable-auto-tool-choice --tool-call-parser``; the output is free text whose
+  ``<tool_call>`` blocks are constrained to calls of the tools with arguments matching their
+  parameters' schemas, ``chat_tools.auto_constraint``, unless another field gives the body's
+  constraint, which is then the only one), ``"required"`` (the output is
   constrained to a JSON array of 1+ ``{"name", "parameters"}`` objects, each one tool's name and
   its parameters' schema: vLLM's schema), or ``{"type": "function", "function": {"name"}}``
   (the output is constrained to that tool's parameters' schema). A constraint is a
@@ -46,6 +49,7 @@ from services.chat_tools import (  # noqa: F401 (re-exported)
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     MAX_TOOLS_CHARS,
+    auto_constraint,
     check_arguments,
     template_call,
 )
@@ -153,6 +157,15 @@ def tool_constraint(mode: str, tools: list[Tool], named: str | None, parallel: b
     return tool_requests.tool_constraint(mode, template_tools(tools), named, parallel)
 
 
+def auto_tool_constraint(tools: list[Tool], parallel: bool) -> StructuredOutputSpec:
+    """The output constraint of an ``auto`` choice (``chat_tools.auto_constraint``). Raises
+    ValueError (``tool_choice: ...``): the spec is refused (not reachable from checked tools)."""
+    try:
+        return auto_constraint(template_tools(tools), parallel)
+    except ValueError as exc:
+        raise ValueError(f"tool_choice: the auto tool calls' constraint is refused: {exc}") from None
+
+
 class ToolFields(StructuredFields):
     """A chat body's tool-calling fields (``ChatCompletionRequest``'s base, before the
     sampling fields): what they ask for, the constraint they give, how the text is read."""
@@ -188,16 +201,25 @@ class ToolFields(StructuredFields):
     def constraint_fields(self) -> list[str]:
         fields = super().constraint_fields()
         try:
-            constrains = bool(self.tools) and self.tool_mode() in ("named", "required")
+            mode = self.tool_mode() if self.tools else "none"
         except ValueError:  # (refused by to_input: this names no constraint)
-            constrains = False
+            mode = "none"
+        # "auto" is constrained only when no other field is (``chat_tools.auto_constraint``)
+        constrains = mode in ("named", "required") or (mode == "auto" and not fields)
         return ["tool_choice", *fields] if constrains else fields
 
     def structured_output(self) -> Any:
-        """A ``named`` or ``required`` tool choice's constraint (``tools.tool_constraint``), or
-        the structured-output fields' (two: a 400 naming the first)."""
+        """A ``named`` or ``required`` tool choice's constraint (``tools.tool_constraint``), an
+        ``auto`` one's when no other field gives one (``chat_tools.auto_constraint``: only the
+        declared tools, with arguments matching their parameters, can be called), or the
+        structured-output fields' (two: a 400 naming the first). "auto" with
+        ``response_format`` (or another constraint field) is constrained by that field alone,
+        as before."""
         given = self.constraint_fields()
         if given[:1] != ["tool_choice"]:
             return super().structured_output()
-        tool_requests.check_one_constraint(self.tool_mode(), given[1:])
-        return tool_constraint(self.tool_mode(), self.tools or [], self._named(), self.parallel_tool_calls is not False)
+        mode, parallel = self.tool_mode(), self.parallel_tool_calls is not False
+        if mode == "auto":
+            return auto_tool_constraint(self.tools or [], parallel)
+        tool_requests.check_one_constraint(mode, given[1:])
+        return tool_constraint(mode, self.tools or [], self._named(), parallel)
