@@ -513,15 +513,18 @@ def test_a_deleted_spill_root_and_its_node_dir_are_made_again(tmp_path: Path) ->
     assert (store.stats()["dir_recreated"], store.stats()["io_errors"]) == (1, 0)
 
 
-def test_a_header_claiming_a_write_sequence_past_the_bound_is_corrupt(tmp_path: Path) -> None:
+def test_a_header_claiming_a_write_sequence_past_the_bound_is_corrupt(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Review 30m F2: a group file whose header held seq 2**63 - 1 was taken as the largest write
     sequence at a restart, and every later write failed (ValueError out of put) for good, spill-RAM
     blocks of other tenants dropped with it. Such a header is now corrupt (quarantined), and the
     node writes on."""
     root = tmp_path / "0"
     root.mkdir(mode=0o700)
-    spill_format.write_group(root / "aa.kvs", hashes_of([100]), make_blocks([100]), "tenant:x", FMT,
-                             seq=2**63 - 1)
+    with monkeypatch.context() as m:  # the writer refuses it (review 31 F1): crafted past its bound
+        m.setattr(spill_format, "MAX_SEQ", 2**63 - 1)
+        spill_format.write_group(root / "aa.kvs", hashes_of([100]), make_blocks([100]), "tenant:x", FMT,
+                                 seq=2**63 - 1)
     store = SpillStore(root, FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK)
     assert store.contains(hashes_of([100])) == [None]
     assert store.put(hashes_of(range(4)), make_blocks(range(4)), "tenant:bob", tokens(range(4))) == 4

@@ -44,16 +44,22 @@ each file is written the tier makes room for it on the volume as it does for the
 Deletions of many files (``flush``, ``drop_holders``) take the files out of the index and
 return a ``PendingRemoval`` that the caller runs after releasing its lock (F3: 5,000 unlinks
 held another tenant's get of a RAM block for 5.8 s); file names are unique (a uuid each), so a
-late unlink never deletes a file written after. A file whose unlink fails (EROFS, EIO) stays
-counted against the budget and is tried again at each budget pass and ``expire_quarantine``
-(``UnservedFiles.undeleted``, ``unlink_errors``). Holders dropped for good are kept in
-``TOMBSTONE_FILE`` (``save_dropped``): at a restart a file of one of them is deleted, never
-indexed (F5: a deleted tenant's file that could not be deleted was indexed and served again).
+late unlink never deletes a file written after. A file whose unlink fails (EROFS, EIO), or is
+never tried (no descriptor of the directory could be had: EMFILE), stays counted against the
+budget and is tried again at each budget pass and ``expire_quarantine``
+(``UnservedFiles.undeleted``, ``unlink_errors``): a file the index forgot is either deleted or
+on that list (review 31 F2: without a descriptor, or when a flush could not list the
+directory, the files were in no book, and a restart indexed and served them again). Holders
+dropped for good are kept in ``TOMBSTONE_FILE`` (``save_dropped``): at a restart a file of one
+of them is deleted, never indexed (F5: a deleted tenant's file that could not be deleted was
+indexed and served again).
 
 A restart indexes each block from the file of the highest write sequence holding it (``seq``
 in the header: each write's is ``max(last + 1, time_ns())``, continued from the largest one
 found at a restart), not by mtime (F6: after a clock step back, an old copy of a block that had
-failed its checksum won over the copy written again after it).
+failed its checksum won over the copy written again after it). The writer keeps within the
+reader's bound (``spill_format.MAX_SEQ``; ``_next_seq``: review 31 F1, every write after a
+file at the bound was quarantined at the next restart).
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ from cache_node.tiers.spill_format import (
     SpillCorruptError,
     SpillDir,
 )
-from cache_node.tiers.spill_unserved import UnservedFiles
+from cache_node.tiers.spill_unserved import UnservedFiles, own_size
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,13 @@ _TOMBSTONE_BOUNDS = UnpackBounds(
 _MAX_TOMBSTONE_BYTES = 8 + MAX_TOMBSTONES * 34
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
+SEQ_HEADROOM = 1 << 56
+"""Write sequences kept above the clock's reach for counting on (``_next_seq``): 7.2e16, two
+millennia of a million files a second."""
+SEQ_CLOCK_MAX = fmt.MAX_SEQ - SEQ_HEADROOM
+"""Largest clock reading (ns, late 2113) ``_next_seq`` takes as a write sequence: a clock past
+it (an RTC glitch, or 2114) counts on from the last sequence by one, below ``fmt.MAX_SEQ``."""
+
 
 @dataclass
 class _SpillFile:
@@ -110,17 +123,22 @@ class _SpillFile:
 @dataclass
 class PendingRemoval:
     """Files taken out of the index, to unlink after the owner's lock is released (``run``):
-    ``(name, size)`` in the directory of ``dir_fd`` (a ``dup``, closed by ``run``)."""
+    ``(name, size)`` in the directory of ``dir_fd`` (a ``dup``, closed by ``run``). ``dir_fd``
+    None: no descriptor could be had (``error``), so none is deleted and every file is handed
+    back as failed, to be counted and tried again (``DiskTier.unlink_failed``): a file the index
+    forgot is either deleted or on the undeleted list."""
 
     dir_fd: int | None
     files: list[tuple[str, int]] = field(default_factory=list)
+    error: OSError | None = None  # why ``dir_fd`` is None
 
     def run(self) -> list[tuple[str, int, OSError]]:
         """Unlink every file (gone already: done); returns those that failed, with the error,
-        for ``DiskTier.unlink_failed``."""
-        failed: list[tuple[str, int, OSError]] = []
+        for ``DiskTier.unlink_failed`` (every file when there is no ``dir_fd``)."""
         if self.dir_fd is None:
-            return failed
+            error = self.error or OSError(errno.EBADF, "no descriptor of the spill directory")
+            return [(name, size, error) for name, size in self.files]
+        failed: list[tuple[str, int, OSError]] = []
         try:
             for name, size in self.files:
                 error = fmt.unlink_at(self.dir_fd, name)
@@ -178,6 +196,7 @@ class DiskTier:
         self.unserved = UnservedFiles(self.dir, budget_bytes, counters)
         self._faults = DiskFaults(block_format, self.unserved, counters)
         self._seq = 0  # the last write sequence written or found (``_next_seq``)
+        self._seq_saturated = False  # ``_next_seq`` reached ``fmt.MAX_SEQ`` (logged once)
         # SHA-256 of each holder dropped for good, oldest first (``TOMBSTONE_FILE``)
         self._tombstones: OrderedDict[bytes, None] = OrderedDict()
         self._tombstone_dirty = False  # a ``save_dropped`` failed: tried again by expire_quarantine
@@ -232,19 +251,26 @@ class DiskTier:
     def flush(self) -> PendingRemoval:
         """Drop every file from the index (their "removed" events) and the books, delete the
         quarantined ones (their headers hold prompts' token ids), and return the group files in
-        the directory (the indexed ones, the others, the undeleted) for the caller to unlink
-        outside its lock (``PendingRemoval.run``, then ``unlink_failed``)."""
+        the directory (the indexed ones, the others, the undeleted: each name the books hold,
+        and each listed) for the caller to unlink outside its lock (``PendingRemoval.run``, then
+        ``unlink_failed``). Regression (review 31 F2): a listing that failed deleted nothing, and
+        the forgotten files were indexed and served again at a restart."""
         pending = self._pending([])
+        files = {name: self._files[name].size_bytes for name in self._files}  # every name the books hold
+        files.update(self.unserved.root_files())
         for name in list(self._files):
             self._forget(name)
         try:
             listed = fmt.list_group_names(self.dir.fd, links=True)
-        except OSError as exc:
-            logger.warning("cannot list spill dir %s to flush it: %s", self.root_dir, exc)
+        except OSError as exc:  # the files the books hold are still deleted (review 31 F2)
+            logger.warning("cannot list spill dir %s to flush it (deleting the %d files it knows): %s",
+                           self.root_dir, len(files), exc)
             self._counters["io_errors"] += 1
             listed = []
-        sizes = dict(self.unserved.unindexed.items())
-        pending.files = [(g.name, sizes[g.name].size if g.name in sizes else 0) for g in listed]
+        for group in listed:  # a name the books do not hold: put there since
+            if group.name not in files:
+                files[group.name] = own_size(self.dir.fd, group.name) or 0
+        pending.files = list(files.items())
         self.unserved.forget_unindexed()
         self.unserved.clear_quarantine()
         return pending
@@ -268,9 +294,12 @@ class DiskTier:
 
     def unlink_failed(self, failed: Sequence[tuple[str, int, OSError]]) -> None:
         """Files of a ``PendingRemoval`` that could not be deleted: counted against the budget and
-        tried again later (``UnservedFiles.doom``)."""
+        tried again later (``UnservedFiles.doom``; many are logged in one line)."""
+        if len(failed) > 1:
+            logger.warning("could not delete %d spill files of %s (%d B), kept counted and tried again later: %s",
+                           len(failed), self.root_dir, sum(size for _, size, _ in failed), failed[0][2])
         for name, size, error in failed:
-            self.unserved.doom(name, size, error)
+            self.unserved.doom(name, size, error, log=len(failed) == 1)
 
     def tombstoned(self, holder: str) -> bool:
         """Whether ``holder`` was dropped for good (``save_dropped``), before a restart too."""
@@ -311,17 +340,41 @@ class DiskTier:
         return self.unserved.expire(now_ns)
 
     def _pending(self, files: list[tuple[str, int]]) -> PendingRemoval:
+        """A ``PendingRemoval`` of ``files`` holding its own descriptor of the directory. When
+        none can be had (EMFILE), none of its files is deleted by ``run``: each comes back as
+        failed, counted as undeleted (against the budget) and tried again at each budget pass
+        and sweep. Regression (review 31 F2): its files were in no book and never tried again,
+        so a flushed file was indexed and served again at a restart, and a deleted tenant's
+        files (its token ids) stayed."""
         try:
             return PendingRemoval(self.dir.dup(), files)
-        except OSError as exc:  # out of descriptors: nothing is deleted, the files stay counted
-            logger.warning("cannot delete spill files now (%s): they are tried again later", exc)
-            return PendingRemoval(None, files)
+        except OSError as exc:
+            logger.warning("cannot delete spill files of %s now (%s): kept counted, tried again later",
+                           self.root_dir, exc)
+            return PendingRemoval(None, files, exc)
 
     def _next_seq(self) -> int:
-        """The next write sequence: rising, past every one found at the restart, and close to
-        the wall clock while the clock does not step back."""
-        self._seq = max(self._seq + 1, time.time_ns())
-        return self._seq
+        """The next write sequence: rising, past every one found at the restart, close to the
+        wall clock while the clock does not step back, and never past ``fmt.MAX_SEQ`` (what a
+        reader takes as sound).
+
+        A clock reading counts up to ``SEQ_CLOCK_MAX``, so a clock past it counts on by one with
+        ``SEQ_HEADROOM`` sequences left. Only a header found at the bound (no ``DiskTier``
+        writes one there now: a crafted file, or an older writer's) leaves none: the sequence
+        then stays at ``fmt.MAX_SEQ`` (logged once), and a restart orders the files that share
+        it by mtime, then name: a copy of a block may be picked over a newer one (its checksum
+        still guards it), but no write is lost. Regression (review 31 F1): unbounded, every
+        write after a file at ``MAX_SEQ`` (or under a clock past 2116) had a sequence the next
+        restart read as corrupt, and every block spilled since was quarantined at each restart."""
+        seq = max(self._seq + 1, min(time.time_ns(), SEQ_CLOCK_MAX))
+        if seq > fmt.MAX_SEQ:
+            if not self._seq_saturated:
+                logger.warning("spill write sequence of %s is at its bound %d (a file claims it): new files "
+                               "share it, a restart orders them by mtime", self.root_dir, fmt.MAX_SEQ)
+                self._seq_saturated = True
+            seq = fmt.MAX_SEQ
+        self._seq = seq
+        return seq
 
     def _write_file(
         self, namespace: str, hashes: list[bytes], blocks: np.ndarray | Sequence[np.ndarray], tokens: list[bytes]

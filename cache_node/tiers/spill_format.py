@@ -105,10 +105,14 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 MAX_SEQ = 1 << 62
-"""Largest write sequence a header may hold (``time_ns`` reaches it in 2116): a file claiming
-more is corrupt, so that a restart never carries one forward. Regression (review 30m F2): a
-header's seq of 2**63 - 1 was taken as the largest found, and every later write on the node
-failed (ValueError out of SpillStore.put, spill-RAM blocks dropped with it) for good."""
+"""Largest write sequence a header may hold (``time_ns`` reaches it in 2116), for the reader and
+the writer alike: a file claiming more is corrupt, so that a restart never carries one forward,
+and ``write_group`` refuses to write more (a programming error: ``DiskTier`` never asks it,
+``spill_disk.SEQ_CLOCK_MAX``). Regression (review 30m F2): a header's seq of 2**63 - 1 was
+taken as the largest found, and every later write on the node failed (ValueError out of
+SpillStore.put, spill-RAM blocks dropped with it) for good. Regression (review 31 F1): the
+writer wrote up to 2**63 - 1, so after a file at ``MAX_SEQ`` (or under a clock past 2116)
+every write was ``MAX_SEQ + 1``, indexed, then quarantined as corrupt at the next restart."""
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +251,12 @@ def write_group(
     ``blocks``: ``(len(block_hashes), *block_format.shape)`` of ``block_format.dtype``, or one
     ``block_format.shape`` array per block (written one after the other, never stacked into
     one more copy); ``block_tokens``: each block's ``token_bytes`` (None: unknown);
-    ``namespace`` and ``seq`` (the writer's write sequence, >= 0) are recorded in the header;
-    with ``dir_fd``, ``path`` is a name in that directory descriptor. Raises ValueError when
-    blocks or tokens do not match, OSError when the write, fsync or rename fails (no partial
-    file is left).
+    ``namespace`` and ``seq`` (the writer's write sequence, in [0, ``MAX_SEQ``]) are recorded in
+    the header; with ``dir_fd``, ``path`` is a name in that directory descriptor. Raises
+    ValueError for anything ``read_header`` would refuse as corrupt (blocks or tokens that do not
+    match, a hash that is not ``HASH_BYTES`` bytes, token bytes that are not whole int64 ids, a
+    ``seq`` out of its bound, a header past its bounds), OSError when the write, fsync or rename
+    fails (no partial file is left).
     """
     if isinstance(blocks, np.ndarray) and (blocks.ndim != 1 + len(block_format.shape) or len(blocks) != len(block_hashes)):
         raise ValueError(f"blocks {blocks.shape} do not match {(len(block_hashes), *block_format.shape)}")
@@ -260,6 +266,12 @@ def write_group(
     tokens = [b""] * len(block_hashes) if block_tokens is None else [bytes(t) for t in block_tokens]
     if len(tokens) != len(block_hashes):
         raise ValueError(f"{len(tokens)} block_tokens for {len(block_hashes)} blocks")
+    # what ``_check_header`` reads as sound, nothing else (review 31 F1: a file the reader
+    # refuses is written, indexed, then quarantined with its blocks at the next restart)
+    if any(not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES for h in block_hashes):
+        raise ValueError(f"every block hash must be {HASH_BYTES} bytes")
+    if any(len(t) % 8 for t in tokens):
+        raise ValueError("every block's token bytes must be whole int64 ids (a multiple of 8 bytes)")
     _check_group_bounds(len(block_hashes), sum(map(len, tokens)), namespace, block_format)
     little = block_format.np_dtype.newbyteorder("<")
     rows = [np.ascontiguousarray(b, dtype=little).reshape(-1).view(np.uint8) for b in blocks]
@@ -368,8 +380,8 @@ def _pack_header(
     seq: int,
 ) -> bytes:
     """The header of a group file of ``rows`` (each block's little-endian bytes, uint8)."""
-    if type(seq) is not int or not 0 <= seq < 1 << 63:
-        raise ValueError(f"seq must be an int in [0, 2**63), got {seq!r}")
+    if type(seq) is not int or not 0 <= seq <= MAX_SEQ:  # the bound ``_check_header`` reads with
+        raise ValueError(f"seq must be an int in [0, MAX_SEQ = {MAX_SEQ}], got {seq!r}")
     return msgpack.packb(
         {
             "version": FORMAT_VERSION,

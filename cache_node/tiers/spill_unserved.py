@@ -20,10 +20,12 @@ with ``unlink`` relative to the directory's descriptor (``spill_format.SpillDir`
 opened in it with ``O_NOFOLLOW``): a symbolic link goes, never what it points at, and a
 directory, FIFO or device is neither counted nor touched. A quarantine folder that is a link
 or not a directory is never listed, moved into or emptied (the corrupt file then stays in the
-root, unindexed). A file that cannot be deleted (EROFS, EIO, EPERM) is not forgotten: it stays
-counted against the budget as *undeleted* and its deletion is tried again at each budget pass
-and sweep (``retry_removals``; regression, review 30e F5: it left the books at once, so it
-was orphaned outside the budget for good).
+root, unindexed). A file that cannot be deleted (EROFS, EIO, EPERM), or whose quarantine
+folder cannot be opened now (EMFILE), is not forgotten: it stays counted against the budget as
+*undeleted* and its deletion is tried again at each budget pass and sweep (``retry_removals``;
+regression, review 30e F5: it left the books at once, so it was orphaned outside the budget
+for good; review 31 F2: a flush, the age limit or the folder's bounds forgot quarantined files
+undeleted when the folder could not be opened).
 
 Quarantine ages count from the wall-clock time a file was moved aside (its mtime, so a restart
 keeps counting), but one that lies in the future (the clock stepped back since) counts from
@@ -114,11 +116,19 @@ class UnservedFiles:
     def add_unindexed(self, name: str) -> None:
         """Count ``name`` (a group file listed in the spill directory, not indexed) as the
         newest unindexed file; a directory, FIFO, device or vanished name is not counted."""
-        size = _own_size(self.spill_dir.fd, name)
+        size = own_size(self.spill_dir.fd, name)
         if size is not None and _plain(name):
             old = self.unindexed.pop(name, None)
             self.unindexed_bytes += size - (old.size if old else 0)
             self.unindexed[name] = _File(size, 0)
+
+    def root_files(self) -> dict[str, int]:
+        """Every file in the spill directory itself these books hold, name -> bytes: the
+        unindexed ones and those whose unlink failed there (what a flush must delete besides
+        the indexed files)."""
+        files = {name: entry.size for name, entry in self.unindexed.items()}
+        files.update((name, size) for (kind, name), size in self.undeleted.items() if kind == UNINDEXED)
+        return files
 
     def forget_unindexed(self) -> None:
         """Every unindexed file is gone (``DiskTier.flush`` deleted the root's group files)."""
@@ -147,25 +157,36 @@ class UnservedFiles:
                 freed += entry.size
         return freed
 
-    def doom(self, name: str, size: int, error: OSError) -> None:
-        """An indexed group file ``name`` of ``size`` bytes whose unlink failed with ``error``:
-        counted as undeleted (against the budget) and deleted again later (``retry_removals``)."""
-        logger.warning("could not delete spill file %s (%d B), kept counted and tried again later: %s",
-                       self.root_dir / name, size, error)
+    def doom(self, name: str, size: int, error: OSError, log: bool = True) -> None:
+        """A group file ``name`` of ``size`` bytes in the spill directory whose unlink failed with
+        ``error`` (or was never tried: no descriptor): counted as undeleted (against the budget)
+        and deleted again later (``retry_removals``); logged unless ``log`` is False (the caller
+        logged many at once)."""
+        if log:
+            logger.warning("could not delete spill file %s (%d B), kept counted and tried again later: %s",
+                           self.root_dir / name, size, error)
         self._counters["unlink_errors"] += 1
         self._add_undeleted(UNINDEXED, name, size)
 
     def retry_removals(self) -> int:
-        """Try again to delete each file whose unlink failed; returns the bytes freed."""
+        """Try again to delete each file whose unlink failed; returns the bytes freed. One whose
+        folder cannot be opened now (EMFILE) is kept for the next try; one whose quarantine
+        folder is gone (or is no plain directory now) is no longer there: forgotten."""
         freed = 0
         for (kind, name), size in list(self.undeleted.items()):
-            with self._folder(kind) as folder:
-                error = None if folder is None else unlink_at(folder, name)
-            if folder is None or error is not None:
+            try:
+                with self._folder(kind, strict=True) as folder:
+                    error = None if folder is None else unlink_at(folder, name)
+            except OSError:
+                continue
+            if error is not None:
                 continue
             del self.undeleted[kind, name]
             self.undeleted_bytes -= size
             freed += size
+            if folder is None:
+                logger.warning("%s spill file %s (%d B) left with its folder", kind, name, size)
+                continue
             logger.warning("deleted %s spill file %s (%d B) on a later try", kind, name, size)
             self._counters[f"removed_{kind}_files"] += 1
         return freed
@@ -177,7 +198,12 @@ class UnservedFiles:
         deletes it)."""
         removed = 0
         for kind, files in ((UNINDEXED, self.unindexed), (QUARANTINED, self.quarantined)):
-            with self._folder(kind) as folder:
+            with contextlib.ExitStack() as stack:
+                try:
+                    folder = stack.enter_context(self._folder(kind, strict=True))
+                except OSError as exc:  # (EMFILE) the holders' files known so far: undeleted, tried again
+                    self._defer(kind, [name for name, entry in files.items() if entry.holder in holders], exc)
+                    continue
                 if folder is None:
                     continue
                 for name, entry in list(files.items()):
@@ -193,7 +219,12 @@ class UnservedFiles:
         """Delete every file in the quarantine folder (a flush), those not counted yet too;
         returns how many. A folder that is a link or not a directory is not touched."""
         removed = 0
-        with self._folder(QUARANTINED) as folder:
+        with contextlib.ExitStack() as stack:
+            try:
+                folder = stack.enter_context(self._folder(QUARANTINED, strict=True))
+            except OSError as exc:  # (EMFILE) not deleted now, not forgotten: tried again (review 31 F2)
+                self._defer(QUARANTINED, list(self.quarantined), exc)
+                return 0
             if folder is not None:
                 found: list[tuple[str, os.stat_result | None]]
                 try:
@@ -245,7 +276,7 @@ class UnservedFiles:
                 return False
             with contextlib.suppress(OSError):  # the age limit counts from here, at a restart too
                 os.utime(name, ns=(now_ns, now_ns), dir_fd=folder, follow_symlinks=False)
-            size = _own_size(folder, name) or 0
+            size = own_size(folder, name) or 0
         self._add_quarantined(name, size, now_ns)
         self._trim_quarantine()
         return True
@@ -275,6 +306,21 @@ class UnservedFiles:
         self.quarantined_bytes += size
         self.quarantined[name] = _File(size, mtime_ns)
 
+    def _defer(self, kind: str, names: list[str], error: OSError) -> None:
+        """``names`` of ``kind`` (counted) could not be deleted now (``error``: their folder
+        could not be opened): moved to the undeleted files, counted and tried again
+        (``retry_removals``). Logged once, each counted in ``unlink_errors``."""
+        if not names:
+            return
+        logger.warning("could not delete %d %s spill files of %s now, kept counted and tried again later: %s",
+                       len(names), kind, self.root_dir, error)
+        files = self.unindexed if kind == UNINDEXED else self.quarantined
+        for name in names:
+            size = files[name].size
+            self._pop(kind, name)
+            self._counters["unlink_errors"] += 1
+            self._add_undeleted(kind, name, size)
+
     def _add_undeleted(self, kind: str, name: str, size: int) -> None:
         self.undeleted_bytes += size - self.undeleted.pop((kind, name), 0)
         self.undeleted[kind, name] = size
@@ -299,10 +345,13 @@ class UnservedFiles:
         self.expire()
 
     @contextlib.contextmanager
-    def _folder(self, kind: str, create: bool = False) -> Iterator[int | None]:
+    def _folder(self, kind: str, create: bool = False, strict: bool = False) -> Iterator[int | None]:
         """The descriptor of ``kind``'s folder: the spill directory's, or the quarantine folder
         opened in it without following a link (made when ``create`` and missing; closed after).
-        None when the quarantine folder is missing, a link or not a directory."""
+        None when the quarantine folder is missing, a link or not a directory (its files are
+        not there to delete), or could not be opened (EMFILE, EACCES, EIO); with ``strict``
+        that last case raises the OSError instead (its files are there: the caller keeps them
+        counted)."""
         if kind == UNINDEXED:
             yield self.spill_dir.fd
             return
@@ -318,6 +367,8 @@ class UnservedFiles:
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 logger.warning("spill quarantine %s is not a plain directory: not used", self.quarantine_dir)
+            elif strict:
+                raise
             fd = None
         try:
             yield fd
@@ -330,21 +381,29 @@ class UnservedFiles:
         when deleted. One that cannot be deleted (0) is logged, counted in ``unlink_errors`` and
         kept counted as undeleted, tried again later (``retry_removals``)."""
         if folder is None:
-            with self._folder(kind) as opened:
-                return self._remove(kind, name, size, why, opened) if opened is not None else 0
+            try:
+                with self._folder(kind, strict=True) as opened:
+                    return self._remove(kind, name, size, why, opened) if opened is not None else 0
+            except OSError as error:  # its folder could not be opened (EMFILE): not forgotten (review 31 F2)
+                return self._failed(kind, name, size, error)
         error = unlink_at(folder, name)
         if error is not None:
-            logger.warning("could not delete %s spill file %s (%d B), kept counted and tried again later: %s",
-                           kind, name, size, error)
-            self._counters["unlink_errors"] += 1
-            self._add_undeleted(kind, name, size)
-            return 0
+            return self._failed(kind, name, size, error)
         logger.warning("deleted %s spill file %s (%d B) %s", kind, name, size, why)
         self._counters[f"removed_{kind}_files"] += 1
         return 1
 
+    def _failed(self, kind: str, name: str, size: int, error: OSError) -> int:
+        """The ``kind`` file ``name`` could not be deleted (``error``): logged, counted in
+        ``unlink_errors`` and kept counted as undeleted, tried again later. Returns 0."""
+        logger.warning("could not delete %s spill file %s (%d B), kept counted and tried again later: %s",
+                       kind, name, size, error)
+        self._counters["unlink_errors"] += 1
+        self._add_undeleted(kind, name, size)
+        return 0
 
-def _own_size(dir_fd: int, name: str) -> int | None:
+
+def own_size(dir_fd: int, name: str) -> int | None:
     """Bytes of ``name`` in ``dir_fd`` itself when it is a regular file or a symbolic link (never
     followed); None for anything else or a name that is gone."""
     try:
