@@ -291,7 +291,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
 
         ``reason``: its finish reason; "stop" ends it as a completed request (the cache node
         matched a stop string in its text): a session keeps its tokens as history, which an
-        "abort" drops."""
+        "abort" drops, and takes no next turn until the next step reports this end
+        (``SessionTable.hold_until_reported``: the node cuts the history then)."""
         with self._lock:
             seq = self.requests.get(request_id)
             if seq is None or seq.is_finished:
@@ -299,6 +300,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self._finish(seq, reason)
             self._aborted.append(seq)
             self._settle_finished_turns()
+            if seq.session_id is not None and reason not in ("abort", "rejected", "error"):
+                self.sessions.hold_until_reported(seq)
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -315,6 +318,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         with self._lock:
             self.release_undo()  # the cache node undid (``rewind_session``) what it had to
             outputs = [self._output(s, ()) for s in self._aborted]
+            for seq in self._aborted:  # reported: their sessions take a next turn again
+                self.sessions.reported(seq)
             self._aborted = []
             self._poll_grammars(outputs)  # a grammar that failed to compile refuses its request
             for seq in self.scheduler.take_rejected():  # can never fit the pool

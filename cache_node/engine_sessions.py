@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from cache_node.compressed_prefix import CompressedPrefixCache
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
+from cache_node.outputs import SessionBusy
 from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence
-from cache_node.sessions import SessionTable
+from cache_node.sessions import SessionTable, client_session_id
 from cache_node.tiers.fair_lru import holder_of
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,22 @@ class EngineSessionsMixin:
         with self._lock:
             running = next((s for s in self._settling if s.request_id == request_id), None)
             return self.sessions.cut_turn(session_id, request_id, prompt_len, output, keep, tail, lead, running)
+
+    def check_session_free(self, session_id: str, tenant: str) -> None:
+        """Refuse a turn of ``tenant``'s ``session_id`` while the session runs a turn, or one that
+        ended whose end the engine has yet to report (``Session.ending``: its history is cut to
+        the reply its client got when the cache node delivers it), before the cache node renders
+        the turn against a history and kept messages that are about to change. Another tenant's
+        session, or none, is left to ``add_request``.
+
+        Raises:
+            SessionBusy: it does.
+        """
+        with self._lock:
+            sess = self.sessions.sessions.get(session_id)
+            if (sess is not None and sess.tenant == tenant
+                    and (sess.active_request is not None or sess.ending is not None)):
+                raise SessionBusy(client_session_id(session_id, tenant))
 
     def session_history(self, session_id: str) -> list[int] | None:
         """Token ids of an idle session's history, or None when the session is unknown."""

@@ -99,7 +99,11 @@ class Session:
     past it have no KV, and the next turn computes them. ``cut``: a cut of the running turn's
     history the cache node asked for before the engine handed the turn over (its compaction put
     off: ``LLMEngine._settling``): (the turn's request id, the history's length to keep, the
-    tokens to append); ``detach`` makes it.
+    tokens to append); ``detach`` makes it. ``ending``: the request id of the turn that ended
+    here between steps (a stop string: ``LLMEngine.abort_request``) whose last output the engine
+    has yet to report; until it does, the session counts as running that turn (``attach``
+    refuses another: ``SessionBusy``), for the cache node cuts the history to the reply its
+    client got when it delivers that output (``SessionTable.hold_until_reported``).
     """
 
     session_id: str
@@ -119,6 +123,7 @@ class Session:
     previous_lost: LostState | None = None
     opened_by: str = ""
     cut: tuple[str, int, list[int]] | None = None
+    ending: str | None = None
 
     @property
     def num_held_blocks(self) -> int:
@@ -163,7 +168,7 @@ class SessionTable:
             return
         if sess.tenant != seq.tenant:
             raise PermissionError(f"session {seq.session_id!r} belongs to another tenant")
-        if sess.active_request is not None:
+        if sess.active_request is not None or sess.ending is not None:
             raise SessionBusy(client_session_id(seq.session_id, seq.tenant))
         sess.active_request = seq.request_id
         history = sess.token_ids
@@ -292,6 +297,35 @@ class SessionTable:
         if cut is not None and cut[0] == seq.request_id:
             self.cut(sess, cut[1], cut[2])
         return True
+
+    def hold_until_reported(self, seq: Sequence) -> None:
+        """``seq``, a turn its session keeps, ended between steps (``LLMEngine.abort_request``
+        with reason "stop": the cache node matched a stop string in its text), and the engine
+        reports its end with the next step's outputs: until then (``reported``) the session
+        counts as running it (``Session.ending``), and a next turn is refused (``SessionBusy``,
+        ABORTED on the node), as it is while the turn runs. A session whose history is no
+        longer that turn's end (closed meanwhile, opened again) is left alone.
+
+        Regression (F7): a next turn that reached the session in between found it idle, its
+        history holding the whole output, and was started on it; the cut the cache node asks
+        for when the end is reported (``cut_turn``: the stop string's tokens, which the client
+        never got) then found that turn running and was skipped, so it and every later turn
+        attended to tokens no client ever got (and, the node's kept messages not holding the
+        ended turn yet, it was rendered without that turn, or refused as an empty conversation).
+        """
+        sess = self.sessions.get(seq.session_id or "")
+        if sess is None or sess.ending is not None:
+            return
+        if sess.active_request == seq.request_id or (sess.active_request is None
+                                                     and sess.token_ids == seq.all_token_ids):
+            sess.ending = seq.request_id
+
+    def reported(self, seq: Sequence) -> None:
+        """The engine reported the end of ``seq`` (its last output): its session takes a next
+        turn again (``hold_until_reported``)."""
+        sess = self.sessions.get(seq.session_id or "")
+        if sess is not None and sess.ending == seq.request_id:
+            sess.ending = None
 
     def cut_turn(self, session_id: str, request_id: str, prompt_len: int, output: tuple[int, ...], keep: int,
                  tail: list[int], lead: tuple[int, ...] | list[int] = (), running: Sequence | None = None) -> bool:

@@ -2,8 +2,9 @@
 
 On the step thread, between steps, every stream opened since the last step (``_incoming``) has
 its request checked and queued in the engine (``_start_incoming``): a session turn whose session
-is gone is refused (``SessionGone``, ABORTED), so is one whose session has a turn running
-(``cache_node.outputs.SessionBusy``, ABORTED: a conflict the same turn sent later does not
+is gone is refused (``SessionGone``, ABORTED), so is one whose session has a turn running, or one
+ended whose end is still to be reported (``LLMEngine.check_session_free``;
+``cache_node.outputs.SessionBusy``, ABORTED: a conflict the same turn sent later does not
 meet), and one that would take its tenant's kept session messages past its budget
 (``SessionTextBudget``, RESOURCE_EXHAUSTED), and a structured request whose tenant has
 ``grammar_compile_queue_per_tenant`` grammar compiles pending here
@@ -80,6 +81,8 @@ class Requests:
                 if req.continues_session and self.engine.session_history(req.session_id) is None:
                     raise SessionGone("the session ended (closed, expired or its first turn failed) before "
                                       "this turn started; its history is gone: send the turn again to start it anew")
+                if req.session_id:  # (before its render: a turn whose end is still to come changes both)
+                    self.engine.check_session_free(req.session_id, req.tenant)
                 self._check_session_text_budget(req)
                 prompt = self._prompt_of(stream)
                 if prompt is None:
