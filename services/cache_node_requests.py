@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from cache_node.outputs import GrammarQueueFull, SessionBusy
 from cache_node.sampling_params import SamplingParams
@@ -34,7 +36,7 @@ from cache_node.scheduling import TenantShare
 from services import convert
 from services.cache_node_streams import _Stream
 from services.chat import content_chars, covered_chars
-from services.chat_tools import check_session_tool_answers, check_wire_tools
+from services.chat_tools import check_session_tool_answers, check_tool_answers, check_wire_tools
 from services.node_request import NodeRequest
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,27 @@ class RepeatedOpen(Exception):
 class SessionTextBudget(Exception):
     """A session turn would take its tenant's kept messages on this node past
     ``NodeConfig.max_session_text_chars_per_tenant`` (RESOURCE_EXHAUSTED)."""
+
+
+def check_turn_tool_answers(kept: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> None:
+    """Each ``tool`` message of a session turn's ``new`` messages answers a call of an earlier
+    assistant message, of the session's ``kept`` messages or of the turn, when any of them
+    carries ``tool_calls``: the rule of a whole request (``chat_tools.check_tool_answers``) over
+    the conversation the client holds. The edges leave a session turn's answers to this (they
+    see the turn alone); a first turn (``kept`` empty) is checked as a whole request is.
+
+    Regression (F9): the edges checked a session turn's answers against the turn's own calls
+    when it carried any, refusing a turn that added calls and answered an earlier turn's.
+
+    Raises:
+        ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the turn's message).
+    """
+    if not any(message.get("role") == "tool" for message in new):
+        return  # (the kept calls' JSON is not parsed on every turn)
+    if any(message.get("tool_calls") for message in kept):
+        check_session_tool_answers(kept, new)  # (their ids known before the turn's first message)
+    else:  # the turn's calls are the conversation's
+        check_tool_answers(new)
 
 
 class Requests:
@@ -276,7 +299,7 @@ class Requests:
             templater.check_fits(self._session_messages.chars(sid) + chars, room,
                                  "the session's messages (its history's and this turn's)")
             kept = self._session_messages.get(sid, [])
-            check_session_tool_answers(kept, req.messages)
+            check_turn_tool_answers(kept, req.messages)
             prompt, continued = templater.continue_session(
                 kept, history, req.messages, tools, same_tools=self._session_messages.tools(sid) == req.tools,
                 tool_reply=self._session_messages.tool_reply(sid))
@@ -286,6 +309,8 @@ class Requests:
             else:
                 added = len(prompt) - len(history)  # this turn's tokens (an EOS closing the history at most over)
         else:
+            if req.session_id:  # (the edge leaves a session turn's answers to its node)
+                check_turn_tool_answers((), req.messages)
             prompt = templater.first_turn(req.messages, tools)
             added = len(prompt)
         if req.session_id:  # its messages are kept (their tool calls bounded by the text budget)

@@ -411,7 +411,7 @@ def tool_calls_from_pb(calls: Sequence[inference_pb2.ToolCall], where: str) -> l
 
 
 def chat_messages_from_pb(
-    msg: inference_pb2.ChatMessages, prefix: str = "chat"
+    msg: inference_pb2.ChatMessages, prefix: str = "chat", in_session: bool = False
 ) -> list[dict[str, Any]]:
     """Wire chat -> ``[{"role": ..., "content": ...}, ...]`` (with ``name`` and
     ``tool_call_id`` where given: ``chat_message``; an assistant's ``tool_calls``:
@@ -423,7 +423,9 @@ def chat_messages_from_pb(
             the tool calls' ids, names and arguments), a role outside ``CHAT_ROLES``, a bad
             ``name`` or ``tool_call_id`` (``check_message_ids``; named by index), tool calls on
             a message not the assistant's or bad ones, a tool message answering no earlier
-            call when any message has calls (``chat_tools.check_tool_answers``), or every
+            call when any message has calls (``chat_tools.check_tool_answers``; not for a
+            session turn, ``in_session``, whose answers may be to calls of the session's
+            earlier turns: its cache node checks them against those, review F9), or every
             message's content is blank.
     """
     if not msg.messages:
@@ -449,18 +451,20 @@ def chat_messages_from_pb(
                 raise ValueError(f"{where}.tool_calls applies to assistant messages, not to role {message.role!r}")
             converted["tool_calls"] = tool_calls_from_pb(message.tool_calls, where)
         messages.append(converted)
-    check_tool_answers(messages, f"{prefix}.messages[{{}}].tool_call_id")
+    if not in_session:
+        check_tool_answers(messages, f"{prefix}.messages[{{}}].tool_call_id")
     return messages
 
 
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
 
 
-def chat_messages_to_pb(messages: Sequence[Mapping[str, Any]]) -> inference_pb2.ChatMessages:
+def chat_messages_to_pb(messages: Sequence[Mapping[str, Any]], in_session: bool = False) -> inference_pb2.ChatMessages:
     """``[{"role", "content"[, "name"][, "tool_call_id"][, "tool_calls"]}, ...]`` -> wire chat
     (clients), ``tool_calls`` in OpenAI's shape (``[{"id", "type": "function", "function":
     {"name", "arguments"}}]``, ``arguments`` its JSON text or a JSON value, and ``content`` may
-    then be None); validated like the server does.
+    then be None); validated like the server does (``in_session``: a session turn's messages,
+    whose tool messages may answer the session's earlier calls: ``chat_messages_from_pb``).
 
     Raises:
         ValueError: a message lacks ``role``/``content``, has another key, an unknown role or a
@@ -487,7 +491,7 @@ def chat_messages_to_pb(messages: Sequence[Mapping[str, Any]]) -> inference_pb2.
             arguments = function.get("arguments", "")
             added.tool_calls.add(id=call["id"], name=str(function.get("name", "")), arguments=arguments
                                  if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
-    chat_messages_from_pb(msg)
+    chat_messages_from_pb(msg, in_session=in_session)
     return msg
 
 
@@ -579,7 +583,7 @@ def prompt_from_pb(request: inference_pb2.GenerateRequest) -> list[dict[str, str
     """
     which = request.WhichOneof("input")
     if which == "chat":
-        return chat_messages_from_pb(request.chat)
+        return chat_messages_from_pb(request.chat, in_session=bool(request.session_id))
     if which == "tokens":
         if not request.tokens.ids:
             raise ValueError("tokens.ids must hold at least one token id")

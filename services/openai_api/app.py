@@ -224,9 +224,10 @@ class OpenAIEdge:
         no tool calls (``tool_call_parser`` off), as vLLM refuses it without
         ``--enable-auto-tool-choice --tool-call-parser``; or for a choice ``tools`` do not allow.
         A 400 naming ``messages.N.tool_call_id`` for a tool message answering no earlier
-        assistant message's tool call (``messages.check_tool_answers``)."""
+        assistant message's tool call (``messages.check_tool_answers``; a session turn's on its
+        node, which keeps the session's earlier calls)."""
         try:
-            check_tool_answers(body.messages)
+            check_tool_answers(body.messages, in_session=bool(body.session_id))
         except ValueError as exc:
             raise field_refusal(exc) from None
         try:

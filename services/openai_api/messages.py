@@ -99,11 +99,16 @@ class ChatMessage(Strict):
         return message
 
 
-def check_tool_answers(messages: Sequence[ChatMessage]) -> None:
+def check_tool_answers(messages: Sequence[ChatMessage], in_session: bool = False) -> None:
     """Each tool message answers a call of an earlier assistant message of ``messages``, when
     any assistant message of them carries ``tool_calls``: the rule both APIs apply to a whole
     request (``services.chat_tools.check_tool_answers``, where it is told), here on a body's
     messages (their roles, call ids and ``tool_call_id`` only: nothing else is converted).
+    ``in_session``: the messages are a session turn's (``session_id``), whose tool messages may
+    answer calls of the session's earlier turns, which the edge cannot see: its cache node
+    checks them against those and the turn's (``services.cache_node_requests``), and this
+    checks only the bound below. Regression (F9): a session turn adding assistant calls and
+    answering an earlier turn's call, a valid conversation, was a 400.
 
     The messages' ``tool_calls`` together are at most ``MAX_REQUEST_TOOL_CALLS`` (1,024), the
     gRPC API's bound (review 30j F5: it was gRPC's alone).
@@ -118,5 +123,7 @@ def check_tool_answers(messages: Sequence[ChatMessage]) -> None:
     if calls > MAX_REQUEST_TOOL_CALLS:
         raise ValueError(f"messages: hold {calls} tool calls together; at most {MAX_REQUEST_TOOL_CALLS} are allowed "
                          "in one request")
+    if in_session:
+        return
     shared_check_tool_answers([{"role": m.role, "tool_call_id": m.tool_call_id,
                                 "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]} for m in messages])
