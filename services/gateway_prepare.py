@@ -189,15 +189,20 @@ class RequestPreparation:
                     estimate_tools_tokens(templater, messages, call.tools)))
             except TemplateRefusal as exc:  # (the template refusing even one empty user message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if templater is not None and estimate - overhead >= room:
+            # the tools are in every turn's prompt that carries them (rendered anew with the
+            # conversation, or in the history that holds them): its size counts them, first turn or
+            # later (regression F3: a later turn's were counted as 0)
+            own = max(estimate - overhead, 0) + tools_tokens
+            with_tools = f" with their tools ({tools_tokens} tokens)" if tools_tokens else ""
+            if templater is not None and own >= room:
                 await context.abort(  # whatever the history, the turn can never fit: the node is spared it
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"This model's maximum context length is {room} prompt tokens on a cache node. However, "
-                    f"the messages alone take {estimate} tokens: they can never fit, whatever the session's "
-                    "history. Please reduce the length of the messages.",
+                    f"the messages alone take {estimate + tools_tokens} tokens{with_tools}: they can never fit, "
+                    "whatever the session's history. Please reduce the length of the messages.",
                 )
             if templater is not None and not fill:
-                await self._check_turn_fits(max(estimate - overhead, 0), sampling.max_tokens, limit, policy, context)
+                await self._check_turn_fits(own, sampling.max_tokens, limit, policy, context, with_tools)
             if templater is not None:
                 try:  # as the node's check of the turn's own tokens (``CacheNode._prompt``), which are at
                     # least these: regression (security review F3), text the tokenizer drops was kept there
@@ -205,8 +210,8 @@ class RequestPreparation:
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             extra["prompt_tokens_estimate"] = str(estimate)
-            if tools_tokens:  # what the template renders of the tools: admission counts them for a first turn
-                extra["prompt_tokens_tools"] = str(tools_tokens)
+            if tools_tokens:  # what the template renders of the tools: admission counts them unless they
+                extra["prompt_tokens_tools"] = str(tools_tokens)  # are the session's history's (``prompt_size``)
         req = NodeRequest(
             request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
@@ -218,19 +223,21 @@ class RequestPreparation:
         )
         return req, hashes
 
-    async def _check_turn_fits(self, own: int, max_tokens: int, limit: int, policy: str, context: Any) -> None:
+    async def _check_turn_fits(self, own: int, max_tokens: int, limit: int, policy: str, context: Any,
+                               with_tools: str = "") -> None:
         """Refuse (INVALID_ARGUMENT) a session turn whose own tokens (``own``, a lower bound:
-        its messages' estimate without the conversation overhead) + ``max_tokens`` the cache node
-        would refuse whatever the history: past the context ``limit``, or, under a policy that
-        keeps every token (``policy`` "" or not compressing), past the node's pool.
+        its messages' estimate without the conversation overhead, and what the template renders
+        of its tools, ``with_tools`` naming them) + ``max_tokens`` the cache node would refuse
+        whatever the history: past the context ``limit``, or, under a policy that keeps every
+        token (``policy`` "" or not compressing), past the node's pool.
 
         Regression (security review 20 S4): such a turn was rendered and tokenized on the node's
         one render thread (~0.15-0.4 s for 348-648K characters of long vocabulary pieces), then
         refused there for size, while every other tenant's chat turns waited behind it.
         """
         need = own + max_tokens
-        requested = (f"However, you requested at least {need} tokens ({own} at least in the messages, with the "
-                     f"session's history on top, {max_tokens} in the completion)")
+        requested = (f"However, you requested at least {need} tokens ({own} at least in the messages{with_tools}, "
+                     f"with the session's history on top, {max_tokens} in the completion)")
         pool_tokens = self.info["pool_tokens"]
         # under a policy that keeps every token the bound is the smaller of the context and the
         # pool, and the refusal names it (review 25b R2, as in ``_prepare``)

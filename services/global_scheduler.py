@@ -48,7 +48,7 @@ from services.data_plane_auth import Security
 from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad, prompt_key
 from services.global_scheduler_members import GatewayRecord, Membership
 from services.global_scheduler_pending import PendingRows
-from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size
+from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size, tools_digest
 from services.global_scheduler_sessions import Sessions
 from services.global_scheduler_tenants import Tenants
 from services.node_request import NodeRequest
@@ -171,6 +171,12 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         # routed there ``continues_session`` (one of a session whose first turn has not
         # finished does not: its retry would find no session)
         self.kept_sessions: set[str] = set()
+        # session -> ``tools_digest`` of the tools its last finished turn was rendered with (the
+        # tools its node's history holds); request -> that of a session turn in flight, until
+        # its release: admission counts a turn's tools unless they are the session's
+        # (``prompt_size``), as the node renders other tools into the whole conversation anew
+        self.session_tools: dict[str, bytes] = {}
+        self.turn_tools: dict[str, bytes] = {}
         # tenant -> its sessions whose history went with their node's process (``node_up``
         # after a restart) -> when, oldest first: a turn of one is refused until the session
         # is closed or ``session_ttl_s`` passed; they count as the tenant's sessions
@@ -341,10 +347,16 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             # L2: a client honouring the hint retried it for ever)
             return Admission(code="UNAVAILABLE", message="the gateway that sent this request is gone",
                              reason="gateway_gone")
-        opens = bool(req.session_id) and req.session_id not in self.session_nodes  # (its tools count)
-        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req, opens),
+        tools = tools_digest(req.tools)
+        # its tools count unless they are those its session's history holds (a first turn's
+        # never are; regression F3: a later turn's were never counted, whatever they were)
+        new_tools = (not req.session_id or req.session_id not in self.session_nodes
+                     or self.session_tools.get(req.session_id) != tools)
+        adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req, new_tools),
                          req.extra.get("routing_key", ""))
         if adm.code == "OK":
+            if req.session_id:
+                self.turn_tools[req.request_id] = tools
             self.request_gateways[req.request_id] = subscriber
             if req.sampling.structured_output is not None:  # its first token waits for its grammar's
                 self.nodes[adm.node_id].pace.forget(req.request_id)  # compile: it says nothing of the pace
@@ -381,6 +393,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         """
         tenant_id, node_id, opened, session = self.requests.pop(request_id, ("", "", "", ""))
         self.request_gateways.pop(request_id, None)
+        tools = self.turn_tools.pop(request_id, None)
         # finished on its node, not aborted or failed there: its session keeps the turn
         # (``LLMEngine._finish`` keeps no session whose first turn ends so)
         kept = (bool(usage) and "prefill_tokens_per_s" in usage
@@ -401,6 +414,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             self.forget_lost(tenant_id, opened)
         if kept and session and self.session_nodes.get(session) == (tenant_id, node_id):
             self.kept_sessions.add(session)
+            if tools is not None:  # its node's history holds them now (a turn not kept leaves the last's)
+                self.session_tools[session] = tools
             self.note_route(tenant_id, session)  # its node's TTL counts from the turn's end
         if node_id in self.nodes:
             self.nodes[node_id].in_flight.discard(request_id)

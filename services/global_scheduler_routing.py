@@ -10,6 +10,7 @@ interactive requests in flight first. Also how big a request is for admission
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any
 
@@ -75,21 +76,31 @@ class RoutingKeys:
             del self.by_tenant[tenant_id]
 
 
-def prompt_size(req: NodeRequest, opens_session: bool = False) -> int:
+def prompt_size(req: NodeRequest, new_tools: bool = False) -> int:
     """Prompt tokens of ``req`` for admission: its token ids, else the gateway's estimate for
     chat messages the node renders (``extra["prompt_tokens_estimate"]``; a malformed or
     negative value counts as 0, a huge one is capped at ``MAX_PROMPT_ESTIMATE``), with what its
-    chat template renders of its tools when the turn ``opens_session`` (``prompt_tokens_tools``,
-    the same way; a later turn's history holds them: regression, a first turn's tools were never
-    counted).
+    chat template renders of its tools when they are ``new_tools`` (``prompt_tokens_tools``, the
+    same way): a session's first turn's, or a later turn's other than those its session's
+    history holds (its last finished turn's, ``GlobalScheduler.session_tools``), which its node
+    renders into the conversation anew. A later turn with the history's tools adds none.
+    Regressions: a first turn's tools were never counted; then a later turn's were not, whatever
+    they were (F3: a tenant added thousands of tokens of tools in a later turn, counted as 0).
 
     Regression (issue 21): every session turn reached admission as a 0-token prompt (its
     messages are rendered on the node), so the TTFT estimate and the prefill backlog never saw
     an agent's 500-token read, and admission never refused one that would miss."""
     if req.token_ids:
         return len(req.token_ids)
-    keys = ("prompt_tokens_estimate", "prompt_tokens_tools") if opens_session else ("prompt_tokens_estimate",)
+    keys = ("prompt_tokens_estimate", "prompt_tokens_tools") if new_tools else ("prompt_tokens_estimate",)
     return min(sum(_estimate(req.extra.get(key, "0")) for key in keys), MAX_PROMPT_ESTIMATE)
+
+
+def tools_digest(tools: str) -> bytes:
+    """A 16-byte digest of a request's tools (``NodeRequest.tools``: their compact JSON, "" for
+    none), which a cache node compares whole to tell a session turn's tools from its history's:
+    what the scheduler keeps of a session's tools (up to ``MAX_TOOLS_CHARS`` each)."""
+    return hashlib.blake2b(tools.encode(), digest_size=16).digest()
 
 
 def _estimate(text: str) -> int:

@@ -30,6 +30,7 @@ class Sessions:
     """Session routing of ``GlobalScheduler`` (which provides these attributes)."""
 
     session_nodes: dict[str, tuple[str, str]]
+    session_tools: dict[str, bytes]
     kept_sessions: set[str]
     lost_sessions: dict[str, dict[str, float]]
     lost_changes: PendingRows  # marks made (wall time) or removed (None) since the last flush
@@ -296,6 +297,7 @@ class Sessions:
         if rebuilt is not None and rebuilt.pop(session_id, None) is not None and not rebuilt:
             del self.unconfirmed_sessions[tenant_id]
         self.kept_sessions.discard(session_id)
+        self.session_tools.pop(session_id, None)
         self.sessions_per_tenant[tenant_id] -= 1
         if self.sessions_per_tenant[tenant_id] <= 0:
             del self.sessions_per_tenant[tenant_id]

@@ -62,7 +62,7 @@ def test_the_gateway_estimates_the_tools_a_first_turn_renders(templater: ChatTem
     was its messages' alone)."""
     tenant = SimpleNamespace(spec=TenantSpec("t"), tenant_id="t", kv_namespace="t")
     preparation = _Preparation(templater)
-    tools = TOOLS * 20
+    tools = TOOLS * 5  # ~976 tokens (20 times, ~3,900, can never fit the 2,048-token context: refused now)
 
     def prepare(with_tools: bool) -> NodeRequest:
         call = GenerateInput(prompt=[USER], sampling=SamplingParams(max_tokens=2), session_id="s",
@@ -76,7 +76,7 @@ def test_the_gateway_estimates_the_tools_a_first_turn_renders(templater: ChatTem
     first = len(templater.first_turn([USER], tools))
     assert "prompt_tokens_tools" not in plain.extra
     assert with_tools.extra["prompt_tokens_estimate"] == plain.extra["prompt_tokens_estimate"]
-    assert prompt_size(with_tools, opens_session=True) == first > len(templater.first_turn([USER])) + 400
+    assert prompt_size(with_tools, new_tools=True) == first > len(templater.first_turn([USER])) + 400
     assert prompt_size(with_tools) == prompt_size(plain) == len(templater.first_turn([USER]))
 
 
@@ -84,12 +84,15 @@ def test_admission_counts_a_first_turns_tools(tmp_path) -> None:
     """Failed on the old code: behind a 500-token read, a first turn of 20 tokens of messages
     and 300 of tools was estimated at 20 (~1.83 s against 2 s) and admitted, where its 320
     tokens start after ~2.83 s. A later turn of a session is estimated without them (its history
-    holds them)."""
+    holds them: tests/test_session_tools_later_admission.py, its last finished turn's)."""
     gs, ids = scheduler(tmp_path, "kvstrata")  # 300 prompt tokens/s, 2 s TTFT for "chat"
     assert gs.admit_and_submit(turn(ids["chat"], "r1", "s1", "500", None), "gw", []).code == "OK"  # ~1.77 s
     refused = gs.admit_and_submit(turn(ids["chat"], "r2", "s2", "20", "300"), "gw", [])
     assert refused.code == "RESOURCE_EXHAUSTED" and refused.reason == "ttft_estimate"
     assert "s2" not in gs.session_nodes and [m["req"]["request_id"] for _, m in gs.commands.sent] == ["r1"]
+    gs.release("r1", {"finish_reason": "stop", "prompt_tokens": 500, "completion_tokens": 1, "ttft_ms": 50.0,
+                      "prefill_tokens_per_s": 300.0, "step_s": 0.2})  # s1's history holds its turn's tools ("[]") now
+    assert gs.admit_and_submit(turn(ids["chat"], "r4", "s4", "500", None), "gw", []).code == "OK"  # ~1.77 s
     later = gs.admit_and_submit(turn(ids["chat"], "r3", "s1", "20", "300"), "gw", [])
     assert later.code == "OK"  # 20 tokens: the tools are in the session's history (~1.83 s)
 
@@ -98,7 +101,7 @@ def test_a_malformed_or_huge_tools_estimate_is_bounded() -> None:
     """The gateway's text is checked as the messages' estimate is: malformed or negative counts
     0, and the sum is capped at ``MAX_PROMPT_ESTIMATE``."""
     for bad in ("abc", "", "1.5", "-40"):
-        assert prompt_size(turn("t", "r", "s", "100", bad), opens_session=True) == 100
+        assert prompt_size(turn("t", "r", "s", "100", bad), new_tools=True) == 100
     huge = str(10 * MAX_PROMPT_ESTIMATE)
-    assert prompt_size(turn("t", "r", "s", huge, huge), opens_session=True) == MAX_PROMPT_ESTIMATE
+    assert prompt_size(turn("t", "r", "s", huge, huge), new_tools=True) == MAX_PROMPT_ESTIMATE
     assert prompt_size(turn("t", "r", "s", "100", "-5")) == 100
