@@ -238,17 +238,26 @@ class Commands:
                  grammars, tenant)
 
     def _end_stream(self, request_id: str, code: str, message: str) -> None:
-        """Send ``request_id``'s stream its last event, an error ``code``, and abort the request
-        (its blocks are freed at the next step boundary)."""
-        stream = self._streams.get(request_id)
+        """Abort ``request_id`` (its blocks are freed at the next step boundary) and send its
+        stream its last event, an error ``code``.
+
+        The stream is claimed (taken out of ``_streams``) and its abort queued before the
+        event is sent: a local consumer (``generate``) that sees its last event takes the
+        stream out of ``_streams`` and, having seen the end, aborts nothing. Regression (review
+        31, seen in a loaded clean-clone CI): the event went first and ``abort`` after it; when
+        the consumer's loop ran first, ``abort`` found no stream, and the request of a deleted
+        tenant (or of a drained node, a closed session) computed on to its ``max_tokens``,
+        its blocks cached, the tenant's purge put off until then."""
+        stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
+        self._wake.set()
         event = {"type": "error", "code": code, "message": message}
         if stream.subscriber:
             self._outbox.append((stream.subscriber, request_id, event))
         elif stream.loop is not None and stream.deliver is not None:
             stream.loop.call_soon_threadsafe(stream.deliver, event)
-        self.abort(request_id)
 
     def _end_pending_turns(self, session_id: str, tenant: str, before: str = "",
                            why: str = "the session was closed") -> int:
