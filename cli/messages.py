@@ -8,10 +8,14 @@ and the PROMPT as a ``user`` message. In a ``--session`` the node keeps the hist
 model's tool calls included (with the ids ``generate`` printed), so the next turn needs only the
 results: ``kvstrata generate --session S --tools ... --tool-result ID=TEXT``.
 
-Everything is checked here as the gateway checks it (``services.convert.chat_messages_to_pb``),
-and a refusal names the option that gave the message (``--messages``, ``--tool-result``,
-PROMPT), not its index in the wire's ``chat.messages``; so does a refusal of the gateway
-(``ChatSources.reword``: a session turn's tool result answering no call the session holds).
+Everything is checked here as the gateway checks it (``services.convert.chat_messages_to_pb``;
+a ``--session`` turn's with ``in_session``, as the gateway converts a turn with a
+``session_id``), and a refusal names the option that gave the message (``--messages``,
+``--tool-result``, PROMPT), not its index in the wire's ``chat.messages``; so does a refusal of
+the gateway (``ChatSources.reword``). A session turn's tool results may answer calls of the
+session's earlier turns, which only its node holds: they are matched there, against those and
+the turn's own (``services.cache_node_requests.check_turn_tool_answers``), and an id no call
+had comes back as the node's INVALID_ARGUMENT naming the ``--tool-result`` (or ``--messages[i]``).
 """
 
 from __future__ import annotations
@@ -150,23 +154,32 @@ def chat(prompt: str | None, messages: list[dict[str, Any]], results: list[dict[
          session: str) -> tuple[inference_pb2.ChatMessages, ChatSources]:
     """The request's chat: ``messages`` (``--messages``), ``results`` (``--tool-result``), then
     ``prompt`` as a user message (None: none), checked as the gateway checks a chat
-    (``chat_messages_to_pb``), with which option gave each message.
+    (``chat_messages_to_pb``; ``session`` non-empty: as a session turn, ``in_session``), with
+    which option gave each message.
+
+    In a ``session`` the tool messages' ids are not matched here: a turn may answer a call of
+    an earlier turn, which only the session's node holds, and add calls of its own (regression:
+    such a turn, a valid conversation the gateway serves, was refused here, its ID "no tool
+    call of --messages"). The node matches them against the session's kept calls and the
+    turn's (a first turn's against its own) and refuses an unknown one INVALID_ARGUMENT, which
+    ``generate`` words with ``ChatSources.reword`` (exit 1).
 
     Raises:
         typer.BadParameter: nothing to send (no PROMPT, ``--messages`` or ``--tool-result``);
             ``--tool-result`` with neither ``--session`` nor ``--messages`` (no call it could
-            answer: the model would read a result of nothing); a result whose ID is no call of
-            ``--messages``' assistant messages when they hold any; or a message the gateway
-            would refuse (a bad role, name, id or tool call, too many messages or characters),
-            each naming its option.
+            answer: the model would read a result of nothing); without a ``session``, a result
+            whose ID is no call of ``--messages``' assistant messages when they hold any; or a
+            message the gateway would refuse (a bad role, name, id or tool call, too many
+            messages or characters), each naming its option.
     """
     if prompt is None and not messages and not results:
         raise _bad("give a PROMPT, or --messages or --tool-result to continue a conversation", "PROMPT")
     if results and not messages and not session:
         raise _bad("a tool result answers a call of the conversation: give the --session whose reply made "
                    "the call, or --messages holding the assistant message with its tool_calls", "--tool-result")
-    calls = {str(c.get("id")) for m in messages for c in (m.get("tool_calls") or ())
-             if isinstance(m.get("tool_calls"), list) and isinstance(c, dict)}
+    calls = set() if session else {  # (a session turn's results: its node matches them, against all its calls)
+        str(c.get("id")) for m in messages for c in (m.get("tool_calls") or ())
+        if isinstance(m.get("tool_calls"), list) and isinstance(c, dict)}
     for result in results:
         if calls and result["tool_call_id"] not in calls:
             raise _bad(f"{result['tool_call_id']!r:.80} is no tool call of --messages (their ids: "
@@ -179,7 +192,7 @@ def chat(prompt: str | None, messages: list[dict[str, Any]], results: list[dict[
         names.append(("PROMPT", "PROMPT"))
     sources = ChatSources(tuple(names))
     try:
-        return chat_messages_to_pb(turn), sources
+        return chat_messages_to_pb(turn, in_session=bool(session)), sources
     except (ValueError, TypeError) as exc:  # TypeError: a field of the wrong type (protobuf's)
         text, option = sources.reword(str(exc))
         raise _bad(text.replace("chat.messages", "the messages"), option or "--messages, --tool-result, PROMPT") from None

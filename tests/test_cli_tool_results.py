@@ -97,6 +97,57 @@ def test_a_session_sends_a_tool_result_back_and_the_model_reads_it(served: Any, 
                              metadata=(("authorization", f"Bearer {served.key}"),), timeout=30)
 
 
+def test_a_session_turn_adding_calls_may_answer_the_previous_turns_call(
+        served: Any, no_whitespace: dict[str, float], files: Path) -> None:
+    """Turn 1 in a session: the model calls ``get_weather`` (for Paris). Turn 2: ``--messages``
+    adds an assistant message calling it for Rome (``call_rome``), and ``--tool-result`` answers
+    both turn 1's call (an id only the session's node holds) and ``call_rome``: served, the
+    node's prompt token for token the whole conversation's rendering. Failed on the old code:
+    the CLI matched the results against ``--messages``' calls alone (exit 2, "'<id>' is no tool
+    call of --messages"; its conversion, without ``in_session``, refused it too), where the
+    gateway serves the turn. An id no turn issued is still refused, by the node (a turn adding
+    ``call_oslo``): INVALID_ARGUMENT on one line naming the ``--tool-result``, exit 1."""
+    session = "cli-tool-results-adding"
+    base = ["generate", "--api-key", served.key, "--gateway", served.address, "--session", session,
+            "--tools", f"@{files / 'tools.json'}"]
+    first = _invoke([*base, USER["content"], "--tool-choice", "get_weather", "--max-tokens", "60",
+                     *[f"--logit-bias={k}={v:g}" for k, v in no_whitespace.items()]])
+    assert first.exit_code == 0, first.output
+    [line] = [ln for ln in first.output.splitlines() if ln.startswith("tool call ")]
+    call_id, _, rest = line[len("tool call "):].partition(": get_weather(")
+    arguments = json.loads(rest[:-1])
+    rome = {"id": "call_rome", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome", "celsius": true}'}}
+    (files / "rome.json").write_text(json.dumps([{"role": "assistant", "content": None, "tool_calls": [rome]}]))
+    (files / "oslo.json").write_text(json.dumps([{"role": "assistant", "content": None,
+                                                  "tool_calls": [{**rome, "id": "call_oslo"}]}]))
+
+    [sure] = _one_token_reply(served, "Sure")["allowed_token_ids"]
+    second = _invoke([*base, "--tool-choice", "none", "--messages", f"@{files / 'rome.json'}",
+                      "--tool-result", f"{call_id}=sunny, 21", "--tool-result", "call_rome=rainy, 14",
+                      "--max-tokens", "1", "--allowed-token-id", str(sure)])
+    assert second.exit_code == 0, second.output
+    assert second.output.startswith("Sure\n") and "tool call " not in second.output, second.output
+    conversation = [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            template_call(rome["id"], rome["function"]["name"], rome["function"]["arguments"])]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21"},
+        {"role": "tool", "tool_call_id": "call_rome", "content": "rainy, 14"}]
+    assert _last_prompt(served, session) == served.templater.first_turn(conversation, TOOLS)
+
+    never = _invoke([*base, "--tool-choice", "none", "--messages", f"@{files / 'oslo.json'}",
+                     "--tool-result", "call_never_issued=cloudy"])
+    assert never.exit_code == 1, never.output
+    [refusal] = [ln for ln in never.output.splitlines() if ln.strip()]
+    assert refusal.startswith("INVALID_ARGUMENT: --tool-result call_never_issued (its ID): 'call_never_issued' "
+                              "answers no tool call of this session's history or this turn"), refusal
+    served.stub.CloseSession(inference_pb2.CloseSessionRequest(session_id=session),
+                             metadata=(("authorization", f"Bearer {served.key}"),), timeout=30)
+
+
 def test_messages_and_a_tool_result_are_rendered_as_the_conversation(served: Any, files: Path) -> None:
     """Without a session: ``--messages @FILE`` (the question and the assistant's call, content
     null, as OpenAI's API returns it), then ``--tool-result`` (``ID=@FILE``: the result read
@@ -155,6 +206,20 @@ def test_bad_messages_and_tool_results_are_usage_errors_naming_the_option(
     assert result.exit_code == 2, result.output
     text = _words(result.output)
     assert f"Invalid value for '{option}'" in text and words in text, text
+
+
+def test_a_session_turns_results_are_left_to_its_node(files: Path) -> None:
+    """In a ``--session`` a result's ID may be a call of an earlier turn, which only the node
+    holds: ``--messages`` holding other calls does not make it a usage error (the call gets past
+    the CLI's checks and fails UNAVAILABLE at the nowhere gateway, exit 1); without a session it
+    is one. Failed on the old code (exit 2, "'call_earlier' is no tool call of --messages")."""
+    args = ["generate", "--api-key", "k", "--gateway", NOWHERE, "--messages", f"@{files / 'messages.json'}",
+            "--tool-result", "call_earlier=sunny", "--tool-result", "call_1=rainy"]
+    in_session = _invoke([*args, "--session", "s"])
+    assert in_session.exit_code == 1 and "UNAVAILABLE" in in_session.output, in_session.output
+    stateless = _invoke(args)
+    assert stateless.exit_code == 2, stateless.output
+    assert "'call_earlier' is no tool call of --messages" in _words(stateless.output), stateless.output
 
 
 def test_a_plain_prompt_is_still_one_user_message(files: Path) -> None:
