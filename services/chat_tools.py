@@ -219,15 +219,21 @@ def check_tool_answers(messages: Sequence[dict[str, Any]], where: str = "message
     request (the HTTP edge's ``openai_api.messages.check_tool_answers``, the gRPC API's
     ``convert.chat_messages_from_pb``).
 
+    The edges do not check a session turn's messages (``session_id``) with this
+    (``in_session``): they see the turn alone, and its tool messages may answer calls of the
+    session's earlier turns, kept on its cache node. The node matches them
+    (``cache_node_requests.check_turn_tool_answers``) against the kept calls and the turn's
+    (``check_session_tool_answers``) when the kept messages carry any, and else with this, on
+    the turn's messages as a whole request's (a first turn, or a session that made no call yet).
+
     OpenAI refuses a tool message whose ``tool_call_id`` answers no preceding assistant tool
     call; vLLM checks nothing. The check is as strict as OpenAI's where the request itself
     holds the calls: there a ``tool_call_id`` that matches none of them is a client's mistake
     (a typo, a call id from another conversation) that the model would otherwise see as an
     answer to nothing. It is skipped when no message carries ``tool_calls``: a client that
-    trims its history to the latest tool results, or sends a tool message in a session turn
-    (answering a call of the session's earlier reply, which its node keeps:
-    ``check_session_tool_answers``), works on vLLM, and refusing it would break it for no gain.
-    "Earlier" is any earlier assistant message, not only the one just before (OpenAI's rule).
+    trims its history to the latest tool results works on vLLM, and refusing it would break it
+    for no gain. "Earlier" is any earlier assistant message, not only the one just before
+    (OpenAI's rule).
 
     Raises:
         ValueError: worded ``<where>: ...``, ``where`` formatted with the first such message's
@@ -248,8 +254,9 @@ def check_session_tool_answers(kept: Sequence[dict[str, Any]], new: Sequence[dic
     assistant message, of the session's ``kept`` history or of the turn, when any of them
     carries ``tool_calls`` (the rule the HTTP edge applies to a whole request,
     ``openai_api.messages.check_tool_answers``, which cannot see a session's kept calls).
-    Regression (trial 29k P2): in a session a ``tool_call_id`` matching no call was served,
-    while the same mistake without ``session_id`` was a 400.
+    Run on the session's node by ``cache_node_requests.check_turn_tool_answers`` when the kept
+    messages carry calls. Regression (trial 29k P2): in a session a ``tool_call_id`` matching no
+    call was served, while the same mistake without ``session_id`` was a 400.
 
     Raises:
         ValueError: worded ``messages.N.tool_call_id: ...`` (``N`` the turn's message).
