@@ -21,7 +21,8 @@ MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
 and the compiled grammar's memory grow with it; 64 KiB holds any schema written by hand."""
 
 TOOL_CALLS_KIND = "structural_tag"
-"""The kind a ``tool_choice`` "auto" request's constraint takes (``services.chat_tools.auto_constraint``):
+"""The kind a ``tool_choice`` "auto" request's constraint takes when its tools are all ``strict``
+(``services.chat_tools.auto_constraint``):
 its spec is xgrammar's structural tag as JSON text (``{"type": "structural_tag", "format":
 {"type": "triggered_tags", ...}}``): free text, and from each trigger (``<tool_call>``) on, one
 of the declared tools' calls whose arguments match its parameters' schema. Built by the gateway,

@@ -308,7 +308,14 @@ AUTO_CALL_TRIGGER = "<tool_call>"
 """Where a hermes tool call begins (``tool_calls.START``): the ``auto`` constraint's trigger."""
 
 
-def auto_constraint(tools: Sequence[dict[str, Any]], parallel: bool) -> StructuredOutputSpec:
+def strict_tools(tools: Sequence[dict[str, Any]] | None) -> bool:
+    """Whether ``tools`` (OpenAI's shape) is not empty and every one has ``function.strict``
+    true: the client asked that the calls follow the parameters' schemas exactly (OpenAI's
+    strict function calling), which "auto" is then constrained to (``auto_constraint``)."""
+    return bool(tools) and all(tool["function"].get("strict") is True for tool in tools or ())
+
+
+def auto_constraint(tools: Sequence[dict[str, Any]], parallel: bool) -> StructuredOutputSpec | None:
     """The output constraint of ``tool_choice`` "auto" with the ``hermes`` parser (both APIs:
     ``openai_api.tools.ToolFields.structured_output``, ``gateway_inputs``): text is free until
     the model writes ``<tool_call>``; from there only a call of one of ``tools`` (OpenAI's
@@ -320,15 +327,29 @@ def auto_constraint(tools: Sequence[dict[str, Any]], parallel: bool) -> Structur
     format), compiled by the cache node like any other constraint (its bounds, cache and
     per-tenant fairness).
 
-    Regression: "auto" was constrained by nothing and its text parsed afterwards, so a call of a
-    function the request did not declare (or with arguments off its schema, or not JSON) came
-    back as a tool call with finish reason ``tool_calls``; OpenAI's contract is that the model
-    calls only the tools given.
+    Only when every tool is ``strict`` (``strict_tools``; as SGLang applies its auto structural
+    tag to strict tools only): None otherwise, and "auto" is read from free text afterwards, as
+    vLLM's default, so a call of a function the request did not declare can come back as a
+    call. Regression (review 31, of the first version, which constrained every "auto" request):
+    a plain reply that mentioned ``<tool_call>`` was forced into a call of a declared tool with
+    made-up arguments; a tool schema xgrammar cannot compile (``\\p{L}``, a backreference) or
+    compiles for over 10 s (``[a-z]{1,20000}``) failed requests that were served before; every
+    tools request held one of its tenant's 16 grammar slots (``grammar_max_active_per_tenant``)
+    and gave the admission pace no sample (``GlobalScheduler``: structured requests do not), so
+    a tool-calling tenant was refused or locked out of admission. A strict tool's schema is
+    the client's request to be held to it: one that does not compile is refused (OpenAI
+    refuses unsupported strict schemas too).
+
+    Earlier regression: "auto" was constrained by nothing and its text parsed afterwards, so a
+    call of a function the request did not declare (or with arguments off its schema, or not
+    JSON) came back as a tool call with finish reason ``tool_calls``.
 
     Raises:
         ValueError: the spec is refused (``StructuredOutputSpec``: past
             ``MAX_TOOL_CALLS_SPEC_BYTES`` or nested too deep; not reachable from checked tools).
     """
+    if not strict_tools(tools):
+        return None
     tags = []
     for tool in tools:
         function = tool["function"]

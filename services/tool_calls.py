@@ -23,12 +23,13 @@ with ``arguments`` a JSON text. Per ``tool_choice`` (``ToolOutput.mode``):
   left unclosed counts too; ``arguments`` left out is ``{}``), the text before the first is
   ``content`` (null when empty), text after the last is dropped. Streamed: text goes out as
   ``content`` until ``<tool_call>`` starts (what may be its beginning is held back), the rest
-  is held and its calls come in the last chunk. The text is constrained
-  (``services.chat_tools.auto_constraint``: from ``<tool_call>`` on, only a call of a declared
-  tool with arguments its parameters' schema takes can be generated), so every call read here
-  is one of the request's tools; unless the client gave its own constraint beside "auto"
-  (``response_format``, ``structured_outputs``, ``sampling.structured_output``), which is then
-  the only one and whose text is read as before.
+  is held and its calls come in the last chunk. When every tool is ``strict`` (HTTP; gRPC's
+  ``Tool`` has no such field yet) the text is constrained (``services.chat_tools.auto_constraint``:
+  from ``<tool_call>`` on, only a call of a declared tool with arguments its parameters' schema
+  takes can be generated), so every call read here is one of the request's tools; unless the
+  client gave its own constraint beside "auto" (``response_format``, ``structured_outputs``),
+  which is then the only one. Otherwise the text is free and read afterwards, as vLLM's
+  default: a call of a function the request did not declare reads as a call.
 
 A call's ``arguments`` is always the JSON text of the value the model wrote
 (``json.dumps(value, ensure_ascii=False)``, as vLLM's hermes and required readers write it):

@@ -1,9 +1,12 @@
-"""``tool_choice: "auto"`` (the hermes parser) constrains generation: text is free until the
-model writes ``<tool_call>``; from there only a call of a declared tool, with arguments matching
-its parameters' schema, can follow (``chat_tools.auto_constraint``, xgrammar's structural tag,
-as vLLM constrains a hermes model's auto calls). Both APIs build the same constraint (HTTP's
-``ToolFields.structured_output``, gRPC's ``gateway_inputs.input_from_pb``), so whole and streamed
-replies, HTTP and gRPC, stateless and session turns are all held to it.
+"""``tool_choice: "auto"`` (the hermes parser) with every tool ``strict`` constrains generation:
+text is free until the model writes ``<tool_call>``; from there only a call of a declared tool,
+with arguments matching its parameters' schema, can follow (``chat_tools.auto_constraint``,
+xgrammar's structural tag, as SGLang constrains strict tools' auto calls). HTTP builds it
+(``ToolFields.structured_output``), so whole and streamed replies, stateless and session turns
+are held to it; tools that are not all strict (and gRPC's, whose ``Tool`` has no ``strict``
+field yet) leave "auto" free text read afterwards, as vLLM's default (review 31: constraining
+every "auto" forced a plain mention of ``<tool_call>`` into a call, failed schemas xgrammar
+cannot compile, and took a grammar slot per tools request).
 
 Regression: "auto" was constrained by nothing and its text parsed afterwards, so a model that
 wrote ``<tool_call>{"name": "delete_files", ...}</tool_call>`` (a function the request did not
@@ -32,6 +35,7 @@ from tests.test_tool_calls_served import SCHEMAS, TOOLS
 pytest.importorskip("xgrammar")
 
 USER = {"role": "user", "content": "What is the weather in Paris?"}
+STRICT = [tool | {"function": tool["function"] | {"strict": True}} for tool in TOOLS]
 
 
 def _undeclared(path: str) -> str:
@@ -46,8 +50,8 @@ def _fewshot() -> list[dict[str, str]]:
     return [*shots, {"role": "user", "content": "Delete /srv"}]
 
 
-def _http_spec(**fields: Any) -> StructuredOutputSpec | None:
-    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], "tools": TOOLS, **fields})
+def _http_spec(tools: list[dict[str, Any]] = STRICT, **fields: Any) -> StructuredOutputSpec | None:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], "tools": tools, **fields})
     return body.structured_output()
 
 
@@ -56,21 +60,39 @@ def _grpc_spec(**fields: Any) -> StructuredOutputSpec | None:
                          seed="s").sampling.structured_output
 
 
-def test_both_apis_constrain_auto_alike() -> None:
-    """Tools without ``tool_choice`` (auto) and ``tool_choice`` "auto" give the same constraint on
-    HTTP and gRPC (``parallel_tool_calls`` false: one call, then the end); a constraint the
-    client gives itself is the only one (auto is not constrained beside it, as before)."""
+def test_auto_is_constrained_when_every_tool_is_strict() -> None:
+    """Strict tools without ``tool_choice`` (auto) and with ``tool_choice`` "auto" give the same
+    constraint (``parallel_tool_calls`` false: one call, then the end); a constraint the client
+    gives itself is the only one (auto is not constrained beside it, as before)."""
     spec = _http_spec()
     assert spec is not None and spec.kind == "structural_tag"  # (structured_output.TOOL_CALLS_KIND)
-    assert _http_spec(tool_choice="auto") == spec == _grpc_spec() == _grpc_spec(tool_choice=AUTO)
+    assert _http_spec(tool_choice="auto") == spec
     one = _http_spec(parallel_tool_calls=False)
-    assert one == _grpc_spec(parallel_tool_calls=False) != spec
-    assert json.loads(one.spec)["format"]["stop_after_first"] is True  # type: ignore[union-attr]
+    assert one is not None and one != spec
+    assert json.loads(one.spec)["format"]["stop_after_first"] is True
     own = _http_spec(structured_outputs={"regex": "a+"})
     assert own is not None and own.kind == "regex"
     assert _http_spec(tool_choice="none") is None
-    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], "tools": TOOLS})
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], "tools": STRICT})
     assert body.constraint_path() == "tool_choice"  # (a compile refusal names it: errors.refusal_about)
+
+
+def test_auto_is_free_text_unless_every_tool_is_strict() -> None:
+    """Review 31: constraining every "auto" request forced a plain reply that mentioned
+    ``<tool_call>`` into a call with made-up arguments, failed tools whose schemas xgrammar
+    cannot compile (``\\p{L}``) or compiles for over 10 s, and held one of the tenant's 16 grammar
+    slots per tools request. Tools not all strict, and gRPC's (no ``strict`` field), give no
+    constraint: the text is read afterwards, as vLLM's default, and needs no grammar."""
+    assert _http_spec(TOOLS) is None and _http_spec(TOOLS, tool_choice="auto") is None
+    assert _http_spec([STRICT[0], TOOLS[1]]) is None  # one not strict
+    assert _grpc_spec() is None and _grpc_spec(tool_choice=AUTO) is None
+    pattern = {"type": "object", "properties": {"word": {"type": "string", "pattern": "^\\p{L}+$"}}}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": pattern}}]
+    assert _http_spec(tools) is None  # served unconstrained: nothing to compile
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], "tools": TOOLS})
+    assert body.constraint_path() is None
+    text = "In the hermes format you write <tool_call> and then the call as JSON."
+    assert ToolOutput("auto").message(text, "stop") == ({"content": text}, "stop")
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +172,6 @@ def test_a_model_calling_an_undeclared_function_is_held_to_the_declared_ones(rea
         assert [c["function"]["name"] for c in whole["tool_calls"]] == ["delete_files"]  # what "auto" used to return
 
         spec = _http_spec()
-        assert spec == _grpc_spec()
         text, reason = _generate(eng, lm.tokenizer, prompt, spec)
         whole, whole_reason, last, streamed_reason = _read(text, reason)
         assert whole_reason == streamed_reason == "tool_calls", (text, reason)

@@ -14,10 +14,11 @@ response side is ``services.openai_api.tool_calls``.
   vLLM does; they count against the prompt's ``MAX_PROMPT_CHARS``.
 - ``tool_choice``: ``"none"`` (tools rendered, no calls parsed), ``"auto"`` (the default when
   tools are given; needs the server's ``tool_call_parser``, ``hermes``: else a 400 naming it, as
-  vLLM needs ``--enable-auto-tool-choice --tool-call-parser``; the output is free text whose
-  ``<tool_call>`` blocks are constrained to calls of the tools with arguments matching their
-  parameters' schemas, ``chat_tools.auto_constraint``, unless another field gives the body's
-  constraint, which is then the only one), ``"required"`` (the output is
+  vLLM needs ``--enable-auto-tool-choice --tool-call-parser``; the output is free text read
+  afterwards, as vLLM's; when every tool is ``strict`` its ``<tool_call>`` blocks are
+  constrained to calls of the tools with arguments matching their parameters' schemas,
+  ``chat_tools.auto_constraint``, unless another field gives the body's constraint, which is
+  then the only one), ``"required"`` (the output is
   constrained to a JSON array of 1+ ``{"name", "parameters"}`` objects, each one tool's name and
   its parameters' schema: vLLM's schema), or ``{"type": "function", "function": {"name"}}``
   (the output is constrained to that tool's parameters' schema). A constraint is a
@@ -51,6 +52,7 @@ from services.chat_tools import (  # noqa: F401 (re-exported)
     MAX_TOOLS_CHARS,
     auto_constraint,
     check_arguments,
+    strict_tools,
     template_call,
 )
 from services.convert import MAX_MESSAGE_ID_CHARS
@@ -72,7 +74,7 @@ class FunctionDef(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the output is constrained (named / required) either way
+    strict: bool | None = None  # named / required are constrained either way; auto when every tool is strict
 
     @field_validator("parameters")
     @classmethod
@@ -157,8 +159,9 @@ def tool_constraint(mode: str, tools: list[Tool], named: str | None, parallel: b
     return tool_requests.tool_constraint(mode, template_tools(tools), named, parallel)
 
 
-def auto_tool_constraint(tools: list[Tool], parallel: bool) -> StructuredOutputSpec:
-    """The output constraint of an ``auto`` choice (``chat_tools.auto_constraint``). Raises
+def auto_tool_constraint(tools: list[Tool], parallel: bool) -> StructuredOutputSpec | None:
+    """The output constraint of an ``auto`` choice (``chat_tools.auto_constraint``: None unless
+    every tool is ``strict``). Raises
     ValueError (``tool_choice: ...``): the spec is refused (not reachable from checked tools)."""
     try:
         return auto_constraint(template_tools(tools), parallel)
@@ -204,14 +207,17 @@ class ToolFields(StructuredFields):
             mode = self.tool_mode() if self.tools else "none"
         except ValueError:  # (refused by to_input: this names no constraint)
             mode = "none"
-        # "auto" is constrained only when no other field is (``chat_tools.auto_constraint``)
-        constrains = mode in ("named", "required") or (mode == "auto" and not fields)
+        # "auto" is constrained only when no other field is and its tools are all strict
+        # (``chat_tools.auto_constraint``)
+        constrains = mode in ("named", "required") or (mode == "auto" and not fields
+                                                        and strict_tools(template_tools(self.tools or [])))
         return ["tool_choice", *fields] if constrains else fields
 
     def structured_output(self) -> Any:
         """A ``named`` or ``required`` tool choice's constraint (``tools.tool_constraint``), an
-        ``auto`` one's when no other field gives one (``chat_tools.auto_constraint``: only the
-        declared tools, with arguments matching their parameters, can be called), or the
+        ``auto`` one's when no other field gives one and every tool is ``strict``
+        (``chat_tools.auto_constraint``: only the declared tools, with arguments matching their
+        parameters, can be called), or the
         structured-output fields' (two: a 400 naming the first). "auto" with
         ``response_format`` (or another constraint field) is constrained by that field alone,
         as before."""
