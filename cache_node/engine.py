@@ -457,6 +457,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             policy_bytes=seq.peak_policy_bytes,
             policy_stats=dict(seq.policy_stats) if seq.is_finished else {},
             phase_s=_phases(seq) if seq.is_finished else {},
+            grammar_wait_s=seq.grammar.wait_s(seq.arrival_time_s) if seq.grammar is not None else None,
             logprobs=logprobs,
             prompt_logprobs=self._take_prompt_logprobs(seq),
         )

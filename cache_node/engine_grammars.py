@@ -14,6 +14,10 @@
   with grammar work). Each refusal comes before anything is held (no compile queued, no
   block, no matcher); a request counts from its queuing to its ``_finish``
   (``_grammar_active``).
+  When its compile ends is kept (``GrammarState.compiled_s``): its outputs carry its wait
+  from arrival (``RequestOutput.grammar_wait_s``, the tenant's spec's cost, part of its TTFT),
+  which its ``finished`` event reports as ``grammar_wait_ms`` for the scheduler's admission
+  pace (``NodePace.finished`` takes it out).
 - each step, first: the compilations that ended are polled (``_poll_grammars``); one that
   failed (the compiler's message, or past ``grammar_compile_timeout_s``) finishes its request
   "rejected" with that message (``RequestOutput.error``: the node answers INVALID_ARGUMENT),

@@ -61,6 +61,10 @@ class GrammarState:
         self.namespace = namespace  # its request's cache namespace: whose grammars it may share
         self.counted = False  # counted in its tenant's active structured requests (the engine's)
         self.future = grammars.compile(spec, tenant, namespace)
+        # when its compile ended (monotonic s; None: not yet): at once for a grammar its
+        # namespace has compiled, else from the compiler's thread (``wait_s``)
+        self.compiled_s: float | None = None
+        self.future.add_done_callback(self._compiled)
         self.matcher: Any = None
         self.error: str | None = None
         self.error_code = ""  # with ``error``: the status a node-side failure takes ("": INVALID_ARGUMENT)
@@ -70,6 +74,17 @@ class GrammarState:
         self.accept_s = 0.0  # the last ``accept_token``'s CPU time (counted in the next step's budget)
         self.total_s = 0.0  # matcher CPU time charged so far (``grammar_request_budget_ms``)
         self.refusal = ""  # why ``constrain`` refused it (``grammar_stats.REFUSAL_REASONS``)
+
+    def _compiled(self, _: Any) -> None:
+        if self.compiled_s is None:
+            self.compiled_s = time.monotonic()
+
+    def wait_s(self, arrival_s: float) -> float | None:
+        """Seconds from ``arrival_s`` (its request's arrival, monotonic) until its compile ended
+        (>= 0): how long its grammar held its request back, the tenant's spec's cost rather than
+        the node's pace (the scheduler's ``NodePace`` takes it out of its request's TTFT). None
+        while it compiles."""
+        return None if self.compiled_s is None else max(0.0, self.compiled_s - arrival_s)
 
     def release(self) -> None:
         """Its request ended: it waits on its compilation no more (``Grammars.release``: a queued
@@ -89,6 +104,7 @@ class GrammarState:
             return True
         if not self.future.done():
             return False
+        self._compiled(None)  # (its callback may be yet to run in the thread that finished it)
         if self.future.cancelled():  # dropped: every request waiting on it was released
             self.error = "structured_output: its compile was dropped (its request ended)"
             return True

@@ -72,6 +72,9 @@ class RequestOutput:
             the request's ("RESOURCE_EXHAUSTED": its load starved the grammar's compile,
             "UNAVAILABLE": shutting down, the compiler failed); "": INVALID_ARGUMENT.
         retry_after_s: with ``error_code``, the retry hint (s; 0: none).
+        grammar_wait_s: for a structured request whose grammar compiled, seconds from its
+            arrival to that (``GrammarState.wait_s``: part of ``ttft_s``, the spec's cost, which
+            the scheduler's pace takes out); None for others.
         phase_s: on the finished output of a request that drew a token, its ``queue``,
             ``prefill``, ``decode`` and ``inference`` seconds (``engine._phases``: vLLM's
             request phase histograms), measured on the node's clock; else empty.
@@ -96,6 +99,7 @@ class RequestOutput:
     error_code: str = ""
     retry_after_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
+    grammar_wait_s: float | None = None
 
 
 class InvalidRequestError(ValueError):

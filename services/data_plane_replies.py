@@ -46,6 +46,7 @@ _EVENT_OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "cached_tokens": dict, "queue_ms": _NUMBER, "ttft_ms": _NUMBER, "tpot_ms": _NUMBER,
     "preempted": bool, "prefill_tokens_per_s": _NUMBER, "step_s": _NUMBER, "priority": int,
     "policy_stats": dict, "logprobs": list, "retry_after_s": _NUMBER, "prompt_logprobs": list,
+    "grammar_wait_ms": _NUMBER,
 }
 
 _ADMISSION_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -64,7 +65,7 @@ class BadReply(ValueError):
 
 
 _EVENT_COUNTS = ("prompt_tokens", "completion_tokens")
-_EVENT_TIMES = ("queue_ms", "ttft_ms", "tpot_ms", "prefill_tokens_per_s", "step_s")
+_EVENT_TIMES = ("queue_ms", "ttft_ms", "tpot_ms", "prefill_tokens_per_s", "step_s", "grammar_wait_ms")
 
 
 def check_event(event: Any) -> dict[str, Any]:

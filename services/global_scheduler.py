@@ -359,7 +359,10 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
                 self.turn_tools[req.request_id] = tools
             self.request_gateways[req.request_id] = subscriber
             if req.sampling.structured_output is not None:  # its first token waits for its grammar's
-                self.nodes[adm.node_id].pace.forget(req.request_id)  # compile: it says nothing of the pace
+                # compile too: a sample only with that wait taken out (``NodePace.finished``).
+                # Regression (review 31): it was no sample, and a tenant sending only structured
+                # requests was judged by another's pace for ever (admitted on probes alone)
+                self.nodes[adm.node_id].pace.structured(req.request_id)
             if block_hashes and not req.session_id:
                 req = dataclasses.replace(req, prefetch=adm.spill_blocks > 0)
             # ours to say, not the gateway's: a turn opens its session when this admission
@@ -427,9 +430,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             # its requests, or one client's refused n > 1 bodies, kept others refused)
             self.nodes[node_id].backlog.release(request_id)
             # its first token's time, against what admission predicted, is how much slower than
-            # its meter the node's prefill queue runs (``NodePace``; the node's word, bounded)
+            # its meter the node's prefill queue runs (``NodePace``; the node's word, bounded; a
+            # structured request's less its grammar's compile, ``grammar_wait_ms``)
             if kept and usage is not None:
-                self.nodes[node_id].pace.finished(request_id, usage.get("ttft_ms"), self.clock())
+                self.nodes[node_id].pace.finished(request_id, usage.get("ttft_ms"), self.clock(),
+                                                  usage.get("grammar_wait_ms"))
             else:
                 self.nodes[node_id].pace.forget(request_id)
         if usage and node_id in self.nodes and "prefill_tokens_per_s" in usage:  # a finished one

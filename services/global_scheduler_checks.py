@@ -254,10 +254,12 @@ class AdmissionChecks:
                 return Admission(code="RESOURCE_EXHAUSTED", message=decision.reason,
                                  retry_after_s=decision.retry_after_s, reason="ttft_estimate")
             # what its first token will say of the node's pace (``release``): its prefill at
-            # the meter's speed, and the rest of its estimate (promotion, step wait)
+            # the meter's speed (its own uncached tokens' part apart: a structured request's grammar
+            # compiles while the queue ahead drains), and the rest of its estimate (promotion, step wait)
             prefill_s = (ahead + cached.miss) / node.prefill.tokens_per_s
             rest_s = est_ms / 1000.0 - (ahead + cached.miss) / speed
-            node.pace.admitted(request_id, tenant_id, prefill_s, rest_s, len(node.in_flight), est_ms)
+            node.pace.admitted(request_id, tenant_id, prefill_s, rest_s, len(node.in_flight), est_ms,
+                               cached.miss / node.prefill.tokens_per_s)
         node.backlog.add(rank, tenant_id, cached.miss, weight, request_id)
         return None
 

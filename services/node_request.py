@@ -119,7 +119,8 @@ class NodeRequest:
 #    next prompt tokens' ``PromptLogprob``, continuing the previous deltas'; such a delta may have
 #    no token id, as a prompt chunk computes)}
 #   {"type": "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-#    "ttft_ms", "tpot_ms", "preempted"}
+#    "ttft_ms", "tpot_ms", "preempted", "grammar_wait_ms" (a structured request's only: from its arrival
+#    to its grammar compiled, part of ttft_ms)}
 #   {"type": "error", "code": grpc status name, "message": str}
 
 

@@ -250,10 +250,11 @@ class _Outbox:
         pass
 
 
-def test_a_structured_request_says_nothing_of_the_pace(tmp_path) -> None:
+def test_a_structured_request_without_its_grammar_wait_says_nothing_of_the_pace(tmp_path) -> None:
     """A structured request's first token waits for its grammar's compile on the node (seconds,
-    the tenant's choice of grammar): it is no sample, so a tenant alone on a node with hard
-    grammars makes no other tenant's later estimates there slower."""
+    the tenant's choice of grammar): released without the wait its node reports
+    (``grammar_wait_ms``: tests/test_admission_pace_structured.py) it is no sample, so a tenant
+    alone on a node with hard grammars makes no other tenant's later estimates there slower."""
     gs, ids, clock = _scheduler(tmp_path, [TenantSpec("a", "interactive")])
     gs.commands, gs.node_inboxes = _Outbox(), {"n0": "inbox-n0"}
     pace = gs.nodes["n0"].pace
@@ -264,7 +265,7 @@ def test_a_structured_request_says_nothing_of_the_pace(tmp_path) -> None:
                           sampling=SamplingParams(structured_output=schema if i % 2 else None),
                           token_ids=tuple(range(300)))
         assert gs.admit_and_submit(req, "gw", []).code == "OK"
-        assert (f"r{i}" in pace.pending) == (i % 2 == 0)
+        assert f"r{i}" in pace.pending and pace.pending[f"r{i}"][-1] == bool(i % 2)  # structured
         gs.release(f"r{i}", _finished(5.0 if i % 2 else 0.325))  # 5 s: the grammar's compile
     assert pace.factor(clock.t, 0) == pytest.approx(1.0)
     assert pace.tenants[ids["a"]].samples == PACE_MIN_SAMPLES

@@ -458,8 +458,14 @@ class NodePace:
     The node's factor, what the backlog drains at and every estimate divides by, is the least
     counting pace at the load now: a node slower than its meter is slower for every tenant,
     and a tenant whose first tokens come late for its own reasons (a prefix the index missed,
-    its own KV to wait for; structured requests are no samples at all) slows no other
-    tenant's estimates while another tenant's requests run at pace. A refused request is no
+    its own KV to wait for) slows no other tenant's estimates while another tenant's requests
+    run at pace. A structured request's first token waits besides for its grammar's compile
+    (the tenant's spec's cost, seconds for a hard one): its node reports that wait
+    (``grammar_wait_ms``) and its sample is the node's pace with the wait taken out
+    (``structured``, ``finished``); without that report it is no sample (regression, review 31:
+    structured requests were no samples at all, so a tenant sending only structured requests
+    never had a pace of its own, was judged by another's and admitted on probes alone: 67 of
+    299 behind a tenant whose first tokens came 8 times late). A refused request is no
     sample, so a tenant with no pace of its own would be refused on the others' alone for as
     long as theirs stayed high (review 29i F3: an interactive tenant admitted 1 of 59 times in
     300 s while another's first tokens came 8 times late for that one's own reasons): its
@@ -474,8 +480,10 @@ class NodePace:
     them.
 
     Attributes:
-        pending: request id -> ``(tenant, predicted prefill s, rest s, load, estimate ms)`` of
-            each admitted request not yet ended (``finished`` or ``forget`` takes it).
+        pending: request id -> ``(tenant, predicted prefill s, rest s, load, estimate ms, own
+            prefill s, structured)`` of each admitted request not yet ended (``finished`` or
+            ``forget`` takes it); own prefill: the part of the predicted prefill that is its
+            own uncached tokens (the rest is the queue ahead of it).
         tenants: per tenant, its samples' averages, oldest sampled first.
         probes: per tenant without a pace of its own, when its last request admitted on its
             ``probe`` factor was, and its id (``probed``), oldest first.
@@ -483,7 +491,7 @@ class NodePace:
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
-        self.pending: dict[str, tuple[str, float, float, int, float]] = {}
+        self.pending: dict[str, tuple[str, float, float, int, float, float, bool]] = {}
         self.tenants: OrderedDict[str, _TenantPace] = OrderedDict()
         self.probes: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
@@ -530,34 +538,87 @@ class NodePace:
             self.probes.popitem(last=False)
 
     def admitted(self, request_id: str, tenant: str, predicted_s: float, rest_s: float, load: int,
-                 estimate_ms: float) -> None:
+                 estimate_ms: float, own_s: float | None = None) -> None:
         """Request ``request_id`` was admitted at ``load`` requests in flight with
-        ``predicted_s`` of prefill at the metered speed before its first token, and ``rest_s``
+        ``predicted_s`` of prefill at the metered speed before its first token, ``own_s`` of it
+        its own uncached tokens (within [0, ``predicted_s``]; None: all of it), and ``rest_s``
         besides (promotion, step wait)."""
         if request_id:
-            self.pending[request_id] = (tenant, predicted_s, rest_s, load, estimate_ms)
+            own_s = predicted_s if own_s is None else min(max(own_s, 0.0), predicted_s)
+            self.pending[request_id] = (tenant, predicted_s, rest_s, load, estimate_ms, own_s, False)
+
+    def structured(self, request_id: str) -> None:
+        """Admitted request ``request_id`` is structured: its first token waits for its grammar's
+        compile as well, and it is a sample only with that wait reported (``finished``)."""
+        entry = self.pending.get(request_id)
+        if entry is not None:
+            self.pending[request_id] = entry[:6] + (True,)
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
 
-    def finished(self, request_id: str, ttft_ms: Any, now_s: float) -> bool:
+    def finished(self, request_id: str, ttft_ms: Any, now_s: float, grammar_wait_ms: Any = None) -> bool:
         """Request ``request_id`` ended with its first token ``ttft_ms`` after it reached the
         node: a sample of its tenant's pace when it is a number and the prediction was long
         enough (``PACE_MIN_PREDICTED_S``); a sample's pace is held within [0,
-        ``PACE_RANGE[1]``]. Returns whether it was taken."""
+        ``PACE_RANGE[1]``]. Returns whether it was taken.
+
+        A ``structured`` request's ``grammar_wait_ms`` (its node's word: from its arrival to its
+        grammar compiled) is the part of ``ttft_ms`` that is its spec's, not the node's pace. Its
+        grammar compiles while the queue ahead of it drains, so its pace is ``_grammar_paced``'s,
+        not ``ttft_ms`` less the wait over the prediction: that counts the queue drained
+        meanwhile as free, and one tenant's too fast samples would speed every tenant's
+        estimates (the node's factor is the least pace). It is no sample unless its wait is a
+        finite number within [0, ``ttft_ms``] (a first token before its grammar is impossible),
+        nor when the wait held it past its queue and its own prefill was predicted under
+        ``PACE_MIN_PREDICTED_S``. A wait reported for an unstructured request is ignored."""
         entry = self.pending.pop(request_id, None)
-        if entry is None or type(ttft_ms) not in (int, float) or not math.isfinite(ttft_ms):
+        if entry is None or not _finite(ttft_ms):
             return False
-        tenant, predicted_s, rest_s, load, _ = entry
+        tenant, predicted_s, rest_s, load, _, own_s, structured = entry
         if predicted_s < PACE_MIN_PREDICTED_S:
             return False
-        pace = min(max(0.0, ttft_ms / 1000.0 - rest_s) / predicted_s, PACE_RANGE[1])
+        took_s = max(0.0, ttft_ms / 1000.0 - rest_s)
+        if structured:
+            if not _finite(grammar_wait_ms) or not 0.0 <= grammar_wait_ms <= ttft_ms:
+                return False
+            paced = _grammar_paced(took_s, predicted_s - own_s, own_s, grammar_wait_ms / 1000.0)
+            if paced is None:
+                return False
+        else:
+            paced = took_s / predicted_s
+        pace = min(max(0.0, paced), PACE_RANGE[1])
         sampled = self.tenants.pop(tenant, None) or _TenantPace([0.0] * 4, now_s)
         sampled.update(load, pace, self.alpha, now_s)
         self.tenants[tenant] = sampled  # the most recently sampled last
         while len(self.tenants) > PACE_MAX_TENANTS:
             self.tenants.popitem(last=False)
         return True
+
+
+def _finite(value: Any) -> bool:
+    """``value`` is an int or a float (not a bool) and finite."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _grammar_paced(took_s: float, ahead_s: float, own_s: float, wait_s: float) -> float | None:
+    """The pace ``p`` of a node whose structured request took ``took_s`` to its first token
+    (less promotion and step wait), predicted at the meter's speed to wait ``ahead_s`` for the
+    queue ahead of it and ``own_s`` for its own prefill, and whose grammar was compiled
+    ``wait_s`` after its arrival: its prefill starts once the queue ahead is done and its
+    grammar is, ``took_s = max(wait_s, p * ahead_s) + p * own_s`` (increasing in ``p``: one
+    solution). None when the wait held it past its queue and ``own_s`` is under
+    ``PACE_MIN_PREDICTED_S`` (too little of the node's work after it to tell its pace).
+
+    E.g. ahead 2 s, own 0.1 s, a node 3 times slow: a 0.5 s wait gives ``took_s`` 6.3 s (the
+    compile ran while the queue drained) and a 10 s wait 10.3 s; both are pace 3 (``took_s``
+    less the wait over the prediction: 2.76 and 0.14)."""
+    queued = took_s / (ahead_s + own_s)
+    if queued * ahead_s >= wait_s:
+        return queued
+    if own_s < PACE_MIN_PREDICTED_S:
+        return None
+    return (took_s - wait_s) / own_s
 
 
 @dataclass(frozen=True)
