@@ -519,7 +519,10 @@ class Streams:
             "ttft_ms": ttft_ms, "tpot_ms": tpot, "preempted": out.num_preemptions > 0,
             "prefill_tokens_per_s": self.engine.scheduler.prefill_speed.tokens_per_s,
             "step_s": self.engine.scheduler.step_s.value,
-        } | ({"policy_stats": dict(out.policy_stats)} if out.policy_stats else {})
+        } | ({"policy_stats": dict(out.policy_stats)} if out.policy_stats else {}) | (
+            # a structured request's grammar compile, part of its ttft_ms: the scheduler's pace
+            # takes it out (``NodePace.finished``; without it the request is no sample)
+            {"grammar_wait_ms": out.grammar_wait_s * 1000.0} if out.grammar_wait_s is not None else {})
 
     def _flush_events(self) -> None:
         if self.event_sink is None:
