@@ -542,8 +542,8 @@ def _kept_reply(tool_output: str, text: str, finish_reason: str | None) -> dict[
     spec = check_tool_output(tool_output)  # (checked when it came off the wire)
     if spec is None:
         return {"role": "assistant", "content": text}
-    mode, name, parallel, seed = spec
-    fields, _ = ToolOutput(mode, name or None, parallel, seed).message(text, finish_reason)
+    mode, name, parallel, seed, names = spec  # (an "auto" reply calling an undeclared function: content)
+    fields, _ = ToolOutput(mode, name or None, parallel, seed, names).message(text, finish_reason)
     if not fields.get("tool_calls"):
         return {"role": "assistant", "content": text}
     calls = [template_call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields["tool_calls"]]

@@ -363,26 +363,39 @@ def auto_constraint(tools: Sequence[dict[str, Any]], parallel: bool) -> Structur
     return StructuredOutputSpec(TOOL_CALLS_KIND, json.dumps(tag, ensure_ascii=False, separators=(",", ":")))
 
 
-def tool_output_spec(mode: str, name: str | None, parallel: bool, seed: str) -> str:
+TOOL_OUTPUT_CHARS = 256 + MAX_TOOLS * 70
+"""Most characters of ``NodeRequest.tool_output``'s JSON: the mode, a name and a seed (at most
+64 characters each), and ``MAX_TOOLS`` declared names of 64 characters (quoted, separated)."""
+
+
+def tool_output_spec(mode: str, name: str | None, parallel: bool, seed: str, names: Sequence[str]) -> str:
     """``NodeRequest.tool_output``: how the edge reads a session turn's reply as tool calls, for
-    the node to keep the reply as the edge hands it out."""
-    return json.dumps([mode, name or "", parallel, seed])
+    the node to keep the reply as the edge hands it out: ``[mode, name, parallel, seed, names]``,
+    ``names`` the request's declared tools' names (an "auto" reply calling any other function
+    is no call: ``services.tool_calls``)."""
+    return json.dumps([mode, name or "", parallel, seed, list(names)])
 
 
-def check_tool_output(text: str) -> tuple[str, str, bool, str] | None:
-    """``tool_output_spec``'s inverse ("": None). Raises ValueError naming
-    ``request.tool_output``: another shape, a mode other than named/required/auto, a named mode
-    without a name of OpenAI's pattern, a seed not of 1 to 64 characters."""
+def check_tool_output(text: str) -> tuple[str, str, bool, str, tuple[str, ...]] | None:
+    """``tool_output_spec``'s inverse ("": None); ``text`` comes off the network. Raises
+    ValueError naming ``request.tool_output``: over ``TOOL_OUTPUT_CHARS`` characters, another
+    shape (the 4-element ``[mode, name, parallel, seed]`` of before the declared names too: an
+    edge and a node of one version speak the same), a mode other than named/required/auto, a
+    named mode without a name of OpenAI's pattern, a seed not of 1 to 64 characters, ``names``
+    not a list of 1 to ``MAX_TOOLS`` names of OpenAI's pattern."""
     if not text:
         return None
-    spec = _loads("request.tool_output", text, 256)
-    if not (isinstance(spec, list) and len(spec) == 4 and spec[0] in _TOOL_OUTPUT_MODES
+    spec = _loads("request.tool_output", text, TOOL_OUTPUT_CHARS)
+    if not (isinstance(spec, list) and len(spec) == 5 and spec[0] in _TOOL_OUTPUT_MODES
             and isinstance(spec[1], str) and isinstance(spec[2], bool) and isinstance(spec[3], str)
-            and 0 < len(spec[3]) <= 64):
-        raise ValueError("request.tool_output must be [mode (named, required or auto), name, parallel, seed]")
+            and 0 < len(spec[3]) <= 64 and isinstance(spec[4], list) and 0 < len(spec[4]) <= MAX_TOOLS):
+        raise ValueError("request.tool_output must be [mode (named, required or auto), name, parallel, seed, "
+                         f"names (1 to {MAX_TOOLS} declared tools' names)]")
     if spec[0] == "named":
         _name("request.tool_output's name", spec[1])
-    return spec[0], spec[1], spec[2], spec[3]
+    for name in spec[4]:
+        _name("request.tool_output's names", name)
+    return spec[0], spec[1], spec[2], spec[3], tuple(spec[4])
 
 
 def estimate_tools_tokens(templater: ChatTemplater | None, messages: Sequence[dict[str, Any]],

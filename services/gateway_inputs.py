@@ -179,7 +179,8 @@ def _tools_from_pb(request: inference_pb2.GenerateRequest, prompt: list[Any], sa
     if constraint is not None:
         tool_requests.check_one_constraint(mode, ["sampling.structured_output"] if sampling.structured_output else [])
         sampling = dataclasses.replace(sampling, structured_output=constraint)
-    return tools, sampling, tool_output_spec(mode, named, parallel, seed) if mode != "none" and seed else ""
+    names = [tool["function"]["name"] for tool in tools or []]  # (an "auto" reply calling another is content)
+    return tools, sampling, tool_output_spec(mode, named, parallel, seed, names) if mode != "none" and seed else ""
 
 
 def salted_namespace(namespace: str, cache_salt: str) -> str:

@@ -29,14 +29,22 @@ with ``arguments`` a JSON text. Per ``tool_choice`` (``ToolOutput.mode``):
   takes can be generated), so every call read here is one of the request's tools; unless the
   client gave its own constraint beside "auto" (``response_format``, ``structured_outputs``),
   which is then the only one. Otherwise the text is free and read afterwards, as vLLM's
-  default: a call of a function the request did not declare reads as a call.
+  default, held to OpenAI's contract that only declared tools are called: when
+  any block is not a call of a declared tool (``ToolOutput.names``: its ``name`` is none of the
+  request's tools', or its ``arguments`` is not a JSON object) the reply holds no call at all:
+  its whole text as generated is the ``content``, with the node's finish reason, so no part of
+  a set of calls is handed out to be run. Streamed, the text from ``<tool_call>`` on is held
+  already; ``end`` sends it as ``content`` then. Regression: a model that wrote
+  ``<tool_call>{"name": "delete_files", ...}</tool_call>`` for a function the request did not
+  declare got it back as a call, finish reason ``tool_calls``.
 
 A call's ``arguments`` is always the JSON text of the value the model wrote
 (``json.dumps(value, ensure_ascii=False)``, as vLLM's hermes and required readers write it):
 ``"arguments": "Paris"`` is the text ``"Paris"`` with its quotes, never ``Paris``, so
 ``json.loads(arguments)`` holds for every call (a value that is not an object is kept as vLLM
 keeps it, not refused: ``required`` and named outputs are constrained to the tools' parameters,
-object schemas, ``tools.FunctionDef``). ``content`` is null when calls came. Text that does not
+object schemas, ``tools.FunctionDef``; an ``auto`` block's non-object arguments make the reply
+content, as above). ``content`` is null when calls came. Text that does not
 read as calls (an unparsable ``required`` array, ``<tool_call>`` body or named JSON: the model
 ran out of tokens or a ``stop`` string cut it, say) is the ``content``, with no calls, as vLLM
 falls back (vLLM's named mode returns the cut text as the call instead). ``finish_reason`` is
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from services.chat_tools import seeded_call_id, tool_output_spec
@@ -104,9 +113,11 @@ def parse_required(text: str) -> list[dict[str, Any]] | None:
         return None
 
 
-def parse_hermes(text: str) -> list[dict[str, Any]] | None:
+def parse_hermes(text: str, names: Collection[str] | None = None) -> list[dict[str, Any]] | None:
     """The calls of the ``<tool_call>`` blocks in ``text`` (None when there is none, or one does
-    not hold a JSON object with a string ``name``). Linear in ``text``."""
+    not hold a JSON object with a string ``name``; given ``names``, the declared tools', also
+    when one's ``name`` is none of them or its ``arguments`` is not a JSON object). Linear in
+    ``text``."""
     calls, at = [], text.find(START)
     if at < 0:
         return None
@@ -118,6 +129,8 @@ def parse_hermes(text: str) -> list[dict[str, Any]] | None:
             call = json.loads(body)
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return None
+            if names is not None and (call["name"] not in names or not isinstance(call.get("arguments", {}), dict)):
+                return None  # no call of a declared tool: the reply holds none (module docstring)
             calls.append(_call(call["name"], _arguments(call.get("arguments", {}))))
             at = -1 if end < 0 else text.find(START, end + len(END))
     except (ValueError, RecursionError):
@@ -135,12 +148,22 @@ def _held(text: str) -> int:
 
 class ToolOutput:
     """One choice's text as tool calls (module docstring). ``mode``: ``named`` (``name`` the
-    function), ``required`` or ``auto``; ``parallel``: several calls may be kept."""
+    function), ``required`` or ``auto``; ``parallel``: several calls may be kept; ``names``: the
+    request's declared tools' names (needed for ``auto``, whose reply calling any other function,
+    or with arguments that are not an object, is its content).
 
-    def __init__(self, mode: str, name: str | None = None, parallel: bool = True, seed: str = "") -> None:
+    Raises:
+        ValueError: another mode, or ``auto`` without ``names``."""
+
+    def __init__(self, mode: str, name: str | None = None, parallel: bool = True, seed: str = "",
+                 names: Collection[str] | None = None) -> None:
         if mode not in ("named", "required", "auto"):
             raise ValueError(f"no tool calls are read for tool_choice mode {mode!r}")
+        if mode == "auto" and names is None:
+            raise ValueError("tool_choice auto reads calls of the declared tools only: their names must be given")
         self.mode, self.name, self.parallel = mode, name, parallel
+        self.names = tuple(names) if names is not None else ((name,) if name else ())  # (the spec's, in order)
+        self._declared = frozenset(self.names)
         self.seed = seed  # the calls' ids come from it (``chat_tools.seeded_call_id``); "": random
         self.tail = ""  # auto, before a <tool_call>: streamed text that may begin one, not sent yet
         self.parts: list[str] = []  # the text read at the end (named: sent already), joined once
@@ -149,8 +172,9 @@ class ToolOutput:
 
     def spec(self) -> str:
         """How this reads a session turn's reply, for its cache node (``NodeRequest.tool_output``):
-        the node keeps a reply read as calls as those very calls, ids included."""
-        return tool_output_spec(self.mode, self.name, self.parallel, self.seed)
+        the node keeps a reply read as calls as those very calls, ids included (and an "auto"
+        reply calling an undeclared function as its text: ``names`` travel with it)."""
+        return tool_output_spec(self.mode, self.name, self.parallel, self.seed, self.names)
 
     def _id(self, call: dict[str, Any], index: int) -> dict[str, Any]:
         if self.seed:
@@ -160,7 +184,7 @@ class ToolOutput:
     def _calls(self, text: str) -> list[dict[str, Any]] | None:
         if self.mode == "named":
             return [self._id(_call(self.name or "", text), 0)] if _is_json(text) else None
-        calls = parse_required(text) if self.mode == "required" else parse_hermes(text)
+        calls = parse_required(text) if self.mode == "required" else parse_hermes(text, self._declared)
         calls = calls if calls is None or self.parallel else calls[:1]
         return calls if calls is None else [self._id(c, i) for i, c in enumerate(calls)]
 

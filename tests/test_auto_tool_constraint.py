@@ -27,7 +27,7 @@ from cache_node.sampling_params import SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
 from services.gateway_inputs import input_from_pb
 from services.openai_api.schemas import ChatCompletionRequest
-from services.tool_calls import ToolOutput
+from services.tool_calls import ToolOutput, parse_hermes
 from tests.conftest import make_engine, make_grammars
 from tests.test_grpc_tool_calls import AUTO, pb_tools, request
 from tests.test_tool_calls_served import SCHEMAS, TOOLS
@@ -92,7 +92,7 @@ def test_auto_is_free_text_unless_every_tool_is_strict() -> None:
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], "tools": TOOLS})
     assert body.constraint_path() is None
     text = "In the hermes format you write <tool_call> and then the call as JSON."
-    assert ToolOutput("auto").message(text, "stop") == ({"content": text}, "stop")
+    assert ToolOutput("auto", names=SCHEMAS).message(text, "stop") == ({"content": text}, "stop")
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +145,8 @@ def _generate(eng: Any, tokenizer: Any, prompt: list[int], spec: StructuredOutpu
 def _read(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None, dict[str, Any], str | None]:
     """``text`` read as a whole response's message and as a stream (``ToolOutput.delta`` per
     character, then ``end``)."""
-    whole, reason = ToolOutput("auto").message(text, finish_reason)
-    stream = ToolOutput("auto")
+    whole, reason = ToolOutput("auto", names=SCHEMAS).message(text, finish_reason)
+    stream = ToolOutput("auto", names=SCHEMAS)
     for ch in text:
         stream.delta(ch)
     last, streamed_reason = stream.end(finish_reason)
@@ -168,8 +168,7 @@ def test_a_model_calling_an_undeclared_function_is_held_to_the_declared_ones(rea
                                                   return_dict=False)
         free, reason = _generate(eng, lm.tokenizer, prompt, None)
         assert free.startswith(_undeclared("/srv")), free  # the situation is forced: the model calls delete_files
-        whole, _, _, _ = _read(free, reason)
-        assert [c["function"]["name"] for c in whole["tool_calls"]] == ["delete_files"]  # what "auto" used to return
+        assert [c["function"]["name"] for c in parse_hermes(free)] == ["delete_files"]  # "auto" returned it as a call
 
         spec = _http_spec()
         text, reason = _generate(eng, lm.tokenizer, prompt, spec)

@@ -19,7 +19,7 @@ _SCRIPT = """
 import json, sys
 from services.cache_node_streams import _kept_reply
 from services.chat_tools import tool_output_spec
-kept = _kept_reply(tool_output_spec("named", "get_weather", True, "seed-1"), '{"city": "Paris"}', "stop")
+kept = _kept_reply(tool_output_spec("named", "get_weather", True, "seed-1", ["get_weather"]), '{"city": "Paris"}', "stop")
 print(json.dumps({"kept": kept, "loaded": [m for m in ("fastapi", "uvicorn", "starlette", "services.openai_api")
                                             if m in sys.modules]}))
 """

@@ -401,7 +401,7 @@ CALLS = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "a
 def test_tools_and_tool_calls_cross_the_wire_as_checked_json_text() -> None:
     tools = json.dumps(TOOLS)
     messages = wire_messages([USER, {"role": "assistant", "content": "", "tool_calls": CALLS}])
-    req = request_from_wire(_wire(tools=tools, messages=list(messages), tool_output='["named", "get_weather", true, "ab"]'))
+    req = request_from_wire(_wire(tools=tools, messages=list(messages), tool_output='["named", "get_weather", true, "ab", ["get_weather"]]'))
     assert req.tools == tools and json.loads(req.messages[1]["tool_calls"]) == CALLS
 
 
@@ -427,7 +427,7 @@ def test_tools_and_tool_calls_cross_the_wire_as_checked_json_text() -> None:
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": "x" * ((1 << 20) + 1)}]},
      "their tool_calls hold more than"),
     ({"tool_output": '["maybe", "", true, "ab"]'}, "request.tool_output must be"),
-    ({"tool_output": '["named", "bad name", true, "ab"]'}, "request.tool_output's name"),
+    ({"tool_output": '["named", "bad name", true, "ab", ["f"]]'}, "request.tool_output's name"),
     ({"tool_output": '["auto", "", true, ""]'}, "request.tool_output must be"),
 ])
 def test_bad_tools_off_the_wire_are_refused(fields: dict[str, Any], words: str) -> None:

@@ -267,14 +267,20 @@ def test_a_streamed_auto_answer_sends_no_chunk_that_says_nothing(hermes: openai.
 
 def test_tool_call_arguments_are_json_text(hermes: openai.OpenAI, served: Served,
                                            no_whitespace: dict[str, float]) -> None:
-    """auto: ``"arguments": "Paris"`` (a str) is the call's arguments as JSON text, ``"Paris"``
-    with its quotes (before: ``Paris``, not JSON, with ``tool_calls``). named: a stop string
+    """auto: ``"arguments": {...}`` is the call's arguments as JSON text; ``"arguments": "Paris"``
+    (a str, no object) is no call: the reply is its text, with the node's ``stop``
+    (``test_auto_undeclared_calls``; before that, ``"Paris"`` with its quotes and ``tool_calls``,
+    and before that ``Paris``, not JSON). named: a stop string
     that cuts the constrained JSON gives no call (whole: the text is the content) and the
     node's ``stop`` (before: arguments ``{`` and ``tool_calls``)."""
-    forced = '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'
+    forced = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     choice = _create(hermes, served, tools=TOOLS, extra_body={"structured_outputs": {"choice": [forced]}}).choices[0]
     assert choice.finish_reason == "tool_calls", choice
-    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_weather", '"Paris"')]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+    forced = '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'
+    choice = _create(hermes, served, tools=TOOLS, extra_body={"structured_outputs": {"choice": [forced]}}).choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("stop", forced, None), choice
     cut = {"tools": TOOLS, "tool_choice": WEATHER, "stop": ['"c'], "logit_bias": no_whitespace, "temperature": 0.0}
     choice = _create(hermes, served, **cut).choices[0]
     text = choice.message.content

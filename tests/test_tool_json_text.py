@@ -114,7 +114,7 @@ def test_the_data_plane_refuses_it_too() -> None:
     with pytest.raises(ValueError, match=r"^messages.1.tool_calls holds a lone UTF-16 surrogate"):
         check_wire_tool_calls(calls, "messages.1.tool_calls")
     with pytest.raises(ValueError, match=r"^request.tool_output holds a lone UTF-16 surrogate"):
-        check_tool_output(tool_output_spec("auto", None, True, "\ud800").replace("\ud800", "\\ud800"))
+        check_tool_output(tool_output_spec("auto", None, True, "\ud800", ["f"]).replace("\ud800", "\\ud800"))
     assert check_wire_tools(tools.replace("\\ud800", "\\ud83d\\ude00"))
 
 

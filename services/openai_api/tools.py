@@ -15,7 +15,8 @@ response side is ``services.openai_api.tool_calls``.
 - ``tool_choice``: ``"none"`` (tools rendered, no calls parsed), ``"auto"`` (the default when
   tools are given; needs the server's ``tool_call_parser``, ``hermes``: else a 400 naming it, as
   vLLM needs ``--enable-auto-tool-choice --tool-call-parser``; the output is free text read
-  afterwards, as vLLM's; when every tool is ``strict`` its ``<tool_call>`` blocks are
+  afterwards, as vLLM's, a block that is no call of a declared tool making the whole reply its
+  content, ``services.tool_calls``; when every tool is ``strict`` its ``<tool_call>`` blocks are
   constrained to calls of the tools with arguments matching their parameters' schemas,
   ``chat_tools.auto_constraint``, unless another field gives the body's constraint, which is
   then the only one), ``"required"`` (the output is
@@ -196,10 +197,13 @@ class ToolFields(StructuredFields):
         return template_tools(self.tools) if self.tools else None
 
     def tool_output(self, seed: str = "") -> ToolOutput | None:
-        """How a choice's text is read as tool calls (None: it is the content); ``seed``: the
+        """How a choice's text is read as tool calls (None: it is the content), with the body's
+        tools' names (an "auto" reply calling another function is content); ``seed``: the
         calls' ids come from it (a session turn's: ``tool_calls.ToolOutput.spec``)."""
         mode = self.tool_mode()
-        return None if mode == "none" else ToolOutput(mode, self._named(), self.parallel_tool_calls is not False, seed)
+        names = [tool.function.name for tool in self.tools or []]
+        return None if mode == "none" else ToolOutput(mode, self._named(), self.parallel_tool_calls is not False, seed,
+                                                      names)
 
     def constraint_fields(self) -> list[str]:
         fields = super().constraint_fields()
