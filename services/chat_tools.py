@@ -329,8 +329,8 @@ def auto_constraint(tools: Sequence[dict[str, Any]], parallel: bool) -> Structur
 
     Only when every tool is ``strict`` (``strict_tools``; as SGLang applies its auto structural
     tag to strict tools only): None otherwise, and "auto" is read from free text afterwards, as
-    vLLM's default, so a call of a function the request did not declare can come back as a
-    call. Regression (review 31, of the first version, which constrained every "auto" request):
+    vLLM's default, held to the declared tools (``services.tool_calls``: a reply calling another
+    function, or with arguments that are not an object, is its content). Regression (review 31, of the first version, which constrained every "auto" request):
     a plain reply that mentioned ``<tool_call>`` was forced into a call of a declared tool with
     made-up arguments; a tool schema xgrammar cannot compile (``\\p{L}``, a backreference) or
     compiles for over 10 s (``[a-z]{1,20000}``) failed requests that were served before; every
