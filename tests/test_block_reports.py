@@ -89,6 +89,9 @@ def test_a_reset_drops_what_was_queued_before_it_and_a_failed_call_is_dropped_al
 def test_past_its_bound_the_oldest_batches_are_dropped_and_it_pickles_as_a_new_reporter() -> None:
     report = Blocked(max_pending=3)
     report("n9", [])  # in flight, waiting
+    deadline = time.monotonic() + 30  # (regression: on a loaded CI the sender had not taken it
+    while not report._busy and time.monotonic() < deadline:  # yet, so it was one of the queued)
+        time.sleep(0.01)
     for i in range(5):  # two holders' batches alternate: none extends another
         report(f"n{i % 2}", [("stored", bytes([i]) * 32, "device")])
     assert report.counters["dropped_events"] == 2 and report.needs_resync
