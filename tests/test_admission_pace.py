@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 import pytest
 
@@ -48,10 +49,22 @@ class Clock:
         return self.t
 
 
-def _scheduler(tmp_path, specs: list[TenantSpec], nodes: tuple[str, ...] = ("n0",)
+class Outbox:
+    """The nodes' command inboxes, for a simulation that plays the node itself."""
+
+    def send(self, inbox: str, message: dict) -> None:
+        pass
+
+
+def _scheduler(tmp_path, specs: list[TenantSpec], nodes: tuple[str, ...] = ("n0",), outbox: bool = False
                ) -> tuple[GlobalScheduler, dict[str, str], Clock]:
+    """A plain ``GlobalScheduler`` on a simulated clock, ``specs`` registered, each node metered
+    at ``METER_TOKENS_PER_S`` and ``STEP_S``; with ``outbox``, its commands go to ``Outbox``
+    (for ``admit_and_submit``)."""
     clock = Clock()
     gs = GlobalScheduler(str(tmp_path), {n: 64 for n in nodes}, queue_limit=1000, scheduler="kvstrata", clock=clock)
+    if outbox:
+        gs.commands, gs.node_inboxes = Outbox(), {n: "inbox-" + n for n in nodes}
     ids = {}
     for spec in specs:
         tenant, key = gs.register_tenant(spec)
@@ -63,11 +76,31 @@ def _scheduler(tmp_path, specs: list[TenantSpec], nodes: tuple[str, ...] = ("n0"
     return gs, ids, clock
 
 
-def _finished(ttft_s: float) -> dict:
-    """A node's ``finished`` event as the gateway forwards it to ``release``."""
-    return {"type": "finished", "finish_reason": "stop", "prompt_tokens": 200, "completion_tokens": 20,
+def _finished(ttft_s: float, prompt_tokens: int = 200, grammar_wait_s: float | None = None) -> dict:
+    """A node's ``finished`` event as the gateway forwards it to ``release`` (with
+    ``grammar_wait_ms`` for a structured request's)."""
+    return {"type": "finished", "finish_reason": "stop", "prompt_tokens": prompt_tokens, "completion_tokens": 20,
             "cached_tokens": {}, "ttft_ms": ttft_s * 1000.0, "tpot_ms": 50.0, "preempted": False,
-            "prefill_tokens_per_s": METER_TOKENS_PER_S, "step_s": STEP_S}
+            "prefill_tokens_per_s": METER_TOKENS_PER_S, "step_s": STEP_S} | (
+        {} if grammar_wait_s is None else {"grammar_wait_ms": grammar_wait_s * 1000.0})
+
+
+def prefill_evenly(queues: dict[str, deque[list]], budget: float, prefilled: Callable[[str, str, float], None]
+                   ) -> None:
+    """The simulated node's prefill of ``budget`` tokens, shared evenly between the tenants with
+    prompts waiting (water-filling: the node's VTC order; each tenant's own in order of arrival).
+    ``queues`` maps a tenant to its ``[request id, tokens left, arrival]`` entries;
+    ``prefilled(tenant, request id, arrival)`` is called for each prompt done."""
+    while budget > 1e-9 and any(queues.values()):
+        busy = [q for q in queues.values() if q]
+        share = min(budget / len(busy), *(q[0][1] for q in busy))
+        for name, q in queues.items():
+            if q:
+                q[0][1] -= share
+                if q[0][1] <= 1e-9:
+                    rid, _, arrival = q.popleft()
+                    prefilled(name, rid, arrival)
+        budget -= share * len(busy)
 
 
 def simulate(tmp_path, real_tokens_per_s: float, seconds: float = 60.0, every_s: float = 0.4,
@@ -293,28 +326,21 @@ def simulate_two_tenants(tmp_path, a_late: float = 8.0, node_slow: float = 1.0, 
     in_flight_a = n_a = b_sent = b_admitted = b_within = 0
     b_first = b_back = -1.0
     tick, dt = 0.1, 0.01
+
+    def prefilled(name: str, rid: str, arrival: float) -> None:
+        nonlocal b_within, b_back
+        ttft = (t0 + (sub + 1) * dt - arrival) * (a_late if name == "a" and transient else 1.0) + STEP_S / 2
+        heapq.heappush(releases, (arrival + ttft + decode_s, rid, ttft))
+        if name == "b":
+            b_within += ttft <= 1.1
+            if ttft <= 1.1 and b_back < 0 and slow_for_s is not None and arrival - 100.0 >= slow_for_s:
+                b_back = arrival - 100.0 - slow_for_s
+
     for step in range(int(seconds / tick)):
         t0 = 100.0 + step * tick
         transient = slow_for_s is None or t0 - 100.0 < slow_for_s
-        for sub in range(round(tick / dt)):  # the node's prefill, shared evenly (water-filling)
-            budget = dt * METER_TOKENS_PER_S / (node_slow if transient else 1.0)
-            while budget > 1e-9 and any(queues.values()):
-                busy = [q for q in queues.values() if q]
-                share = min(budget / len(busy), *(q[0][1] for q in busy))
-                for name, q in queues.items():
-                    if not q:
-                        continue
-                    q[0][1] -= share
-                    if q[0][1] <= 1e-9:
-                        rid, _, arrival = q.popleft()
-                        done = t0 + (sub + 1) * dt
-                        ttft = (done - arrival) * (a_late if name == "a" and transient else 1.0) + STEP_S / 2
-                        heapq.heappush(releases, (arrival + ttft + decode_s, rid, ttft))
-                        if name == "b":
-                            b_within += ttft <= 1.1
-                            if ttft <= 1.1 and b_back < 0 and slow_for_s is not None and arrival - 100.0 >= slow_for_s:
-                                b_back = arrival - 100.0 - slow_for_s
-                budget -= share * len(busy)
+        for sub in range(round(tick / dt)):
+            prefill_evenly(queues, dt * METER_TOKENS_PER_S / (node_slow if transient else 1.0), prefilled)
         clock.t = t0
         while releases and releases[0][0] <= clock.t:
             at, rid, ttft = heapq.heappop(releases)

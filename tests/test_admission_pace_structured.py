@@ -35,48 +35,15 @@ from services import data_plane
 from services.global_scheduler import GlobalScheduler
 from services.node_request import NodeRequest
 from tenants.model import TenantSpec
+from tests.test_admission_pace import (
+    METER_TOKENS_PER_S,
+    STEP_S,
+    _finished,
+    _scheduler,
+    prefill_evenly,
+)
 
-METER_TOKENS_PER_S = 1000.0
-STEP_S = 0.05
 SCHEMA = StructuredOutputSpec("json_object", "")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class _Outbox:
-    """The nodes' command inboxes: the simulation plays the node itself."""
-
-    def send(self, inbox: str, message: dict) -> None:
-        pass
-
-
-def _scheduler(tmp_path, specs: list[TenantSpec]) -> tuple[GlobalScheduler, dict[str, str], Clock]:
-    clock = Clock()
-    gs = GlobalScheduler(str(tmp_path), {"n0": 64}, queue_limit=1000, scheduler="kvstrata", clock=clock)
-    gs.commands, gs.node_inboxes = _Outbox(), {"n0": "inbox-n0"}
-    ids = {}
-    for spec in specs:
-        tenant, key = gs.register_tenant(spec)
-        gs.authenticate(key)
-        ids[spec.name] = tenant.tenant_id
-    node = gs.nodes["n0"]
-    node.prefill.set(METER_TOKENS_PER_S)
-    node.step_s.update(STEP_S)
-    return gs, ids, clock
-
-
-def _finished(ttft_s: float, grammar_wait_s: float | None = None) -> dict:
-    """A node's ``finished`` event as the gateway forwards it to ``release``."""
-    return {"type": "finished", "finish_reason": "stop", "prompt_tokens": 300, "completion_tokens": 20,
-            "cached_tokens": {}, "ttft_ms": ttft_s * 1000.0, "tpot_ms": 50.0, "preempted": False,
-            "prefill_tokens_per_s": METER_TOKENS_PER_S, "step_s": STEP_S} | (
-        {} if grammar_wait_s is None else {"grammar_wait_ms": grammar_wait_s * 1000.0})
 
 
 def _submit(gs: GlobalScheduler, tenant: str, rid: str, structured: bool) -> str:
@@ -100,38 +67,31 @@ def simulate_structured(tmp_path, a_late: float = 8.0, node_slow: float = 1.0, g
     B's admitted share, the share of B's requests admitted and within its target (TTFT <=
     1.1 s), and the node's factor at the end."""
     gs, ids, clock = _scheduler(tmp_path, [TenantSpec("a", "interactive", ttft_slo_ms=30000.0),
-                                           TenantSpec("b", "interactive", ttft_slo_ms=1000.0)])
+                                           TenantSpec("b", "interactive", ttft_slo_ms=1000.0)], outbox=True)
     queues: dict[str, deque[list]] = {"a": deque(), "b": deque()}  # [request id, tokens left, arrival]
     compiling: deque[list] = deque()  # B's requests whose grammar compiles, in order of arrival
     releases: list[tuple[float, str, float]] = []
     in_flight_a = n_a = b_sent = b_admitted = b_within = 0
     tick, dt = 0.1, 0.01
+
+    def prefilled(name: str, rid: str, arrival: float) -> None:
+        nonlocal b_within
+        ttft = (t0 + (sub + 1) * dt - arrival) * (a_late if name == "a" else 1.0) + STEP_S / 2
+        heapq.heappush(releases, (arrival + ttft + decode_s, rid, ttft))
+        b_within += name == "b" and ttft <= 1.1
+
     for step in range(int(seconds / tick)):
         t0 = 100.0 + step * tick
-        for sub in range(round(tick / dt)):  # the node's prefill, shared evenly (water-filling)
+        for sub in range(round(tick / dt)):
             while compiling and compiling[0][2] + grammar_s <= t0 + sub * dt + 1e-9:
                 queues["b"].append(compiling.popleft())
-            budget = dt * METER_TOKENS_PER_S / node_slow
-            while budget > 1e-9 and any(queues.values()):
-                busy = [q for q in queues.values() if q]
-                share = min(budget / len(busy), *(q[0][1] for q in busy))
-                for name, q in queues.items():
-                    if not q:
-                        continue
-                    q[0][1] -= share
-                    if q[0][1] <= 1e-9:
-                        rid, _, arrival = q.popleft()
-                        done = t0 + (sub + 1) * dt
-                        ttft = (done - arrival) * (a_late if name == "a" else 1.0) + STEP_S / 2
-                        heapq.heappush(releases, (arrival + ttft + decode_s, rid, ttft))
-                        b_within += name == "b" and ttft <= 1.1
-                budget -= share * len(busy)
+            prefill_evenly(queues, dt * METER_TOKENS_PER_S / node_slow, prefilled)
         clock.t = t0
         while releases and releases[0][0] <= clock.t:
             at, rid, ttft = heapq.heappop(releases)
             now, clock.t = clock.t, at
             b = rid.startswith("b")
-            gs.release(rid, _finished(ttft, grammar_s if b and b_structured else None))
+            gs.release(rid, _finished(ttft, 300, grammar_s if b and b_structured else None))
             clock.t = now
             in_flight_a -= not b
         while in_flight_a < a_requests:
@@ -245,18 +205,18 @@ def test_the_scheduler_takes_a_structured_requests_sample_with_its_grammar_wait(
     """Through ``admit_and_submit`` and ``release``: a structured request is pending as such,
     and its ``finished`` event's ``grammar_wait_ms`` is taken out (5 s of TTFT, 4.675 s of it
     the compile: the node at its meter's pace); one released without it is no sample."""
-    gs, ids, clock = _scheduler(tmp_path, [TenantSpec("a", "interactive")])
+    gs, ids, clock = _scheduler(tmp_path, [TenantSpec("a", "interactive")], outbox=True)
     pace = gs.nodes["n0"].pace
     for i in range(PACE_MIN_SAMPLES):
         clock.t += 10.0
         assert _submit(gs, ids["a"], f"r{i}", True) == "OK"
         assert pace.pending[f"r{i}"][-1] is True
-        gs.release(f"r{i}", _finished(5.0, 4.675))
+        gs.release(f"r{i}", _finished(5.0, 300, 4.675))
     assert pace.tenants[ids["a"]].samples == PACE_MIN_SAMPLES
     assert pace.own(ids["a"], clock.t, 0) == pytest.approx(1.0)
     clock.t += 10.0
     assert _submit(gs, ids["a"], "x", True) == "OK"
-    gs.release("x", _finished(5.0))
+    gs.release("x", _finished(5.0, 300))
     assert pace.tenants[ids["a"]].samples == PACE_MIN_SAMPLES and not pace.pending
 
 

@@ -34,6 +34,7 @@ from services.tool_calls import ToolOutput
 from tests import test_session_tool_calls as sessions
 from tests.test_grpc_tool_calls import AUTO, NONE, generate, pb_tools, request
 from tests.test_session_tool_calls import USER, _last_prompt
+from tests.test_tool_call_parsing import _stream
 from tests.test_tool_calls_served import TOOLS
 
 NAMES = ("get_weather", "book_flight")  # TOOLS' names
@@ -43,16 +44,6 @@ DELETE = '<tool_call>\n{"name": "delete_files", "arguments": {"path": "/srv"}}\n
 
 def _block(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-
-
-def _stream(out: ToolOutput, pieces: list[str], finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
-    content, calls = "", []
-    for piece in pieces:
-        delta = out.delta(piece)
-        content += delta.get("content", "")
-        calls += delta.get("tool_calls", [])
-    delta, reason = out.end(finish)
-    return content + delta.get("content", ""), calls + delta.get("tool_calls", []), reason
 
 
 def _both(text: str, finish: str | None = "stop", parallel: bool = True) -> tuple[dict[str, Any], str | None]:

@@ -59,6 +59,20 @@ def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _first_turn_call(served: Any, session: str, no_whitespace: dict[str, float], files: Path
+                     ) -> tuple[list[str], Any, str, Any]:
+    """A session's first turn, the model made to call ``get_weather``: the turns' common
+    arguments, the CLI's result, the call's id as printed and its parsed arguments."""
+    base = ["generate", "--api-key", served.key, "--gateway", served.address, "--session", session,
+            "--tools", f"@{files / 'tools.json'}"]
+    first = _invoke([*base, USER["content"], "--tool-choice", "get_weather", "--max-tokens", "60",
+                     *[f"--logit-bias={k}={v:g}" for k, v in no_whitespace.items()]])
+    assert first.exit_code == 0, first.output
+    [line] = [ln for ln in first.output.splitlines() if ln.startswith("tool call ")]
+    call_id, _, rest = line[len("tool call "):].partition(": get_weather(")
+    return base, first, call_id, json.loads(rest[:-1])
+
+
 def test_a_session_sends_a_tool_result_back_and_the_model_reads_it(served: Any, no_whitespace: dict[str, float],
                                                                    files: Path) -> None:
     """First turn: the model calls ``get_weather`` (its line, and a hint naming
@@ -68,14 +82,7 @@ def test_a_session_sends_a_tool_result_back_and_the_model_reads_it(served: Any, 
     result included. A result answering no call of the session is the gateway's
     INVALID_ARGUMENT, on one line naming ``--tool-result``, exit 1."""
     session = "cli-tool-results-s1"
-    base = ["generate", "--api-key", served.key, "--gateway", served.address, "--session", session,
-            "--tools", f"@{files / 'tools.json'}"]
-    first = _invoke([*base, USER["content"], "--tool-choice", "get_weather", "--max-tokens", "60",
-                     *[f"--logit-bias={k}={v:g}" for k, v in no_whitespace.items()]])
-    assert first.exit_code == 0, first.output
-    [line] = [ln for ln in first.output.splitlines() if ln.startswith("tool call ")]
-    call_id, _, rest = line[len("tool call "):].partition(": get_weather(")
-    arguments = json.loads(rest[:-1])
+    base, first, call_id, arguments = _first_turn_call(served, session, no_whitespace, files)
     assert f"kvstrata generate --session {session} --tools ... --tool-result ID=RESULT" in _words(first.output)
 
     wrong = _invoke([*base, "--tool-choice", "none", "--tool-result", "call_from_elsewhere=sunny, 21"])
@@ -108,14 +115,7 @@ def test_a_session_turn_adding_calls_may_answer_the_previous_turns_call(
     gateway serves the turn. An id no turn issued is still refused, by the node (a turn adding
     ``call_oslo``): INVALID_ARGUMENT on one line naming the ``--tool-result``, exit 1."""
     session = "cli-tool-results-adding"
-    base = ["generate", "--api-key", served.key, "--gateway", served.address, "--session", session,
-            "--tools", f"@{files / 'tools.json'}"]
-    first = _invoke([*base, USER["content"], "--tool-choice", "get_weather", "--max-tokens", "60",
-                     *[f"--logit-bias={k}={v:g}" for k, v in no_whitespace.items()]])
-    assert first.exit_code == 0, first.output
-    [line] = [ln for ln in first.output.splitlines() if ln.startswith("tool call ")]
-    call_id, _, rest = line[len("tool call "):].partition(": get_weather(")
-    arguments = json.loads(rest[:-1])
+    base, _, call_id, arguments = _first_turn_call(served, session, no_whitespace, files)
     rome = {"id": "call_rome", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Rome", "celsius": true}'}}
     (files / "rome.json").write_text(json.dumps([{"role": "assistant", "content": None, "tool_calls": [rome]}]))

@@ -20,7 +20,9 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 NAMES = ("get_weather", "f")  # an "auto" request's declared tools (a call of another is content)
 
 
-def _stream(out: ToolOutput, pieces: list[str], finish: str = "stop") -> tuple[str, list[dict[str, Any]], str | None]:
+def _stream(out: ToolOutput, pieces: list[str], finish: str | None = "stop"
+            ) -> tuple[str, list[dict[str, Any]], str | None]:
+    """``pieces`` fed to ``out`` as a stream, then its end: the content, the calls, the finish reason."""
     content, calls = "", []
     for piece in pieces:
         delta = out.delta(piece)
