@@ -156,14 +156,19 @@ class ServiceConfig(BaseModel):
     http_forwarded_allow_ips: list[str] = []
     # Bounds on the HTTP API's connections (services.openai_api.connections.ConnectionLimits):
     # a connection has http_head_timeout_s from its opening (or its next request's first byte) to
-    # deliver a request's head, then http_body_timeout_s for the body, or it is closed. One whose
-    # client holds the server's writes up (the transport buffering past its high-water mark)
-    # and takes less than 64 KiB of them within http_send_stall_timeout_s is aborted (a stream is
-    # left to stream_idle_timeout_s below). Open connections in all,
+    # deliver a request's head, then http_body_timeout_s for the body, or it is closed. A client
+    # that holds the server's writes up (the transport buffering past its high-water mark) must
+    # take them at http_min_send_rate_bytes_per_s on average; one that falls
+    # http_send_stall_timeout_s behind that (in all: taking nothing, cut after 60 s; taking 1 KiB/s,
+    # after 80 s) is aborted and its request too, streams included (the time a stream is not held
+    # up does not count). http_send_buffer_bytes: each connection's kernel send buffer (SO_SNDBUF;
+    # 0: the kernel's autotuned one, up to net.ipv4.tcp_wmem's max). Open connections in all,
     # and per socket peer address (the proxies above exempt), past which one is refused at accept.
     http_head_timeout_s: float = Field(10.0, gt=0)
     http_body_timeout_s: float = Field(60.0, gt=0)
     http_send_stall_timeout_s: float = Field(60.0, gt=0)
+    http_min_send_rate_bytes_per_s: float = Field(4096.0, gt=0)
+    http_send_buffer_bytes: int = Field(0, ge=0, le=1 << 30)
     http_max_connections: int = Field(4096, ge=1)
     http_max_connections_per_address: int = Field(256, ge=1)
     # ... and per client network (an IPv4 /24 or IPv6 /48; a client is an IPv4 address or an
@@ -193,7 +198,8 @@ class ServiceConfig(BaseModel):
     # RESOURCE_EXHAUSTED); the bytes a stream may hold undelivered; and how long its client may
     # take nothing while an event waits for it. Past either of the last two the stream
     # ends RESOURCE_EXHAUSTED and its request is aborted on its node; a client that reads slowly
-    # but takes something within each stream_idle_timeout_s is never ended.
+    # but takes something within each stream_idle_timeout_s is never ended by this bound (an HTTP
+    # client is also held to http_min_send_rate_bytes_per_s above).
     max_streams_per_tenant: int = Field(256, ge=1, le=1 << 16)
     max_undelivered_bytes: int = Field(1 << 20, ge=1 << 12, le=1 << 30)
     stream_idle_timeout_s: float = Field(300.0, ge=1.0, le=86400.0)

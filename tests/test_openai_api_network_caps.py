@@ -192,7 +192,13 @@ def test_limits_from_settings() -> None:
             "http_max_connections_per_address": 4, "http_send_stall_timeout_s": 3}
     assert ConnectionLimits.of(ServiceConfig()) == ConnectionLimits()
     got = ConnectionLimits.of(types.SimpleNamespace(**base, http_max_connections_per_network=9,
-                                                    http_unauthenticated_share=0.25))
+                                                    http_unauthenticated_share=0.25,
+                                                    http_min_send_rate_bytes_per_s=100.0, http_send_buffer_bytes=8192))
     assert (got.max_connections_per_network, got.unauthenticated_share, got.send_stall_timeout_s) == (9, 0.25, 3)
+    assert (got.min_send_rate_bytes_per_s, got.send_buffer_bytes) == (100.0, 8192)
     with pytest.raises(ValueError, match="unauthenticated_share"):
         ConnectionLimits(unauthenticated_share=1.5)
+    with pytest.raises(ValueError, match="min_send_rate_bytes_per_s"):
+        ConnectionLimits(min_send_rate_bytes_per_s=0)
+    with pytest.raises(ValueError, match="send_buffer_bytes"):
+        ConnectionLimits(send_buffer_bytes=-1)

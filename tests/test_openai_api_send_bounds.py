@@ -23,7 +23,6 @@ from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.openai_api.errors import MAX_SHOWN_PATH
-from services.openai_api.scope_hooks import streamed
 from services.openai_api.server import HttpServer
 from services.tls import ServerTls
 from tests.test_openai_api_network_caps import GET, KEYED
@@ -46,8 +45,6 @@ def _app() -> FastAPI:
 
     @app.get("/stream")
     async def stream(request: Request) -> Response:
-        streamed(request.scope)
-
         async def chunks() -> AsyncIterator[bytes]:
             while True:
                 yield b"data: " + b"x" * (1 << 20) + b"\n\n"
@@ -241,9 +238,10 @@ def test_a_connection_closing_after_an_unread_response_is_aborted() -> None:
     asyncio.run(asyncio.wait_for(_serving(limits, body), 30))
 
 
-def test_a_stream_is_left_to_its_idle_deadline() -> None:
-    """A streamed response whose client reads nothing is not cut by the send-stall deadline:
-    the stream's ``stream_idle_timeout_s`` governs it (``scope_hooks.streamed``)."""
+def test_a_stream_whose_client_reads_nothing_is_cut_at_the_send_stall_deadline() -> None:
+    """A streamed response is held to the same rule as a whole one: its client reads nothing,
+    and the connection is aborted once ``send_stall_timeout_s`` has passed held up (before,
+    a stream was exempt, left to its stream's ``stream_idle_timeout_s``, 300 s by default)."""
     limits = ConnectionLimits(send_stall_timeout_s=0.3)
 
     async def body(server: HttpServer, port: int) -> None:
@@ -252,8 +250,75 @@ def test_a_stream_is_left_to_its_idle_deadline() -> None:
         guard = server.guard
         assert guard is not None
         assert await _until(lambda: any(_held_up(c) for c in guard.unauthenticated), 5)
-        await asyncio.sleep(4 * limits.send_stall_timeout_s)
-        assert guard.open == 1 and "send_stalled" not in guard.stats
+        assert await _until(lambda: guard.open == 0, 10 * limits.send_stall_timeout_s), dict(guard.stats)
+        assert guard.stats["send_stalled"] == 1
+        sock.close()
+
+    asyncio.run(asyncio.wait_for(_serving(limits, body), 30))
+
+
+async def _trickle(sock: socket.socket, bytes_per_s: float, until_s: float, step_s: float = 0.05) -> tuple[int, bool]:
+    """Read from ``sock`` at ``bytes_per_s`` (a slice each ``step_s``) for ``until_s`` or until
+    the server ends the connection; (bytes read, whether it was reset)."""
+    loop = asyncio.get_running_loop()
+    got, start, ahead = 0, time.monotonic(), 0.0
+    while time.monotonic() - start < until_s:
+        await asyncio.sleep(step_s)
+        ahead += bytes_per_s * step_s
+        while ahead >= 1:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(sock, int(ahead)), 1)
+            except ConnectionResetError:
+                return got, True
+            except TimeoutError:
+                break
+            if not data:
+                return got, False
+            got, ahead = got + len(data), ahead - len(data)
+    return got, False
+
+
+@pytest.mark.parametrize("path", ["/big", "/stream"])
+def test_a_trickle_reader_is_cut_below_the_minimum_rate(path: str) -> None:
+    """Regression (a trickle reader): the send-stall deadline asked for only 64 KiB taken within
+    each ``send_stall_timeout_s`` (restarted at each pause), and a stream was exempt; a client
+    taking a little at a time held its connection and the response's bytes for as long as
+    it liked (a 4 MiB response at 64 KiB per 60 s: over an hour). Here the rate is 1 MiB/s
+    and the client takes ~256 KiB/s (4 times the old rule's 64 KiB in each 1 s) of a 4 MiB
+    response, or of an endless stream: it falls 0.75 s behind per second held up, and is
+    cut once 1 s behind (about 1.3 s held up), long before it could have read the response."""
+    limits = ConnectionLimits(send_stall_timeout_s=1.0, min_send_rate_bytes_per_s=1 << 20)
+
+    async def body(server: HttpServer, port: int) -> None:
+        sock = await _connect(port, rcvbuf=4096)
+        await asyncio.get_running_loop().sock_sendall(sock, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        guard = server.guard
+        assert guard is not None
+        assert await _until(lambda: any(_held_up(c) for c in guard.unauthenticated), 5)
+        start = time.monotonic()
+        got, reset = await _trickle(sock, 256 << 10, 12.0)
+        took = time.monotonic() - start
+        assert reset and guard.stats["send_stalled"] == 1, (got, took, dict(guard.stats))
+        assert await _until(lambda: guard.open == 0, 2)
+        assert 1.0 <= took < 6.0 and got < BIG_BYTES // 2, (got, took)
+        sock.close()
+
+    asyncio.run(asyncio.wait_for(_serving(limits, body), 30))
+
+
+def test_a_reader_at_the_minimum_rate_gets_its_whole_response() -> None:
+    """A client that holds the writes up but takes them faster than the minimum rate is never
+    cut, however long the response takes: 4 MiB at ~1.5 MiB/s against a rate of 1 MiB/s and
+    a deadline of 0.3 s (the whole response takes ~3 s held up)."""
+    limits = ConnectionLimits(send_stall_timeout_s=0.3, min_send_rate_bytes_per_s=1 << 20)
+
+    async def body(server: HttpServer, port: int) -> None:
+        sock = await _connect(port, rcvbuf=4096)
+        await asyncio.get_running_loop().sock_sendall(sock, b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        guard = server.guard
+        assert guard is not None
+        got, reset = await _trickle(sock, 3 << 19, 20.0)
+        assert not reset and got > BIG_BYTES and "send_stalled" not in guard.stats, (got, dict(guard.stats))
         sock.close()
 
     asyncio.run(asyncio.wait_for(_serving(limits, body), 30))

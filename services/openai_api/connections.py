@@ -45,11 +45,6 @@ log = logging.getLogger(__name__)
 
 _ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (base_events)
 
-SEND_PROGRESS_BYTES = 64 * 1024
-"""Bytes a client must take from a connection's held-up writes within each
-``send_stall_timeout_s`` (asyncio's default write high-water mark: what a transport buffers
-before it holds its writer up)."""
-
 @dataclass(frozen=True)
 class ConnectionLimits:
     """What one connection, and all of them, may hold (``ServiceConfig``'s ``http_*`` settings).
@@ -72,11 +67,20 @@ class ConnectionLimits:
             IPv6 /48 (one site's allocation); the trusted proxies are exempt.
         unauthenticated_share: the fraction of ``max_connections`` that connections which have
             not yet presented a valid API key may hold; the rest is kept for those that have.
-        send_stall_timeout_s: how long a connection's writes may stay held up by its client (the
-            transport's buffer over its high-water mark, the client taking less than
-            ``SEND_PROGRESS_BYTES`` of it meanwhile) before it is aborted. A streamed (SSE)
-            response is exempt while nothing is pipelined behind it: its stream's
-            ``stream_idle_timeout_s`` ends it (``Guarded``).
+        send_stall_timeout_s: how far, in seconds, a client may fall behind
+            ``min_send_rate_bytes_per_s`` while it holds the connection's writes up (the
+            transport buffering past its high-water mark), in all over the connection's life,
+            before the connection is aborted (``Guarded._send_stalled``): a client that takes
+            nothing is cut after this long, one taking half the rate after twice this long.
+            Streamed (SSE) responses too: time they are not held up (the model has nothing to
+            send, the client keeps up) does not count.
+        min_send_rate_bytes_per_s: the bytes per second a client must take, on average, of
+            writes it holds up. Taking faster pays back what it fell behind, never more (no
+            credit is saved for later).
+        send_buffer_bytes: the kernel's send buffer of each connection (``SO_SNDBUF``; Linux
+            doubles it), which, with the transport's 64 KiB high-water mark, bounds what a
+            connection buffers before its writes are held up; 0: the kernel's own (autotuned,
+            up to ``net.ipv4.tcp_wmem``'s maximum, 4 MiB by default).
         max_pipelined_requests: requests one connection may have queued behind the response
             under way (HTTP/1.1 pipelining); one more closes the connection, as do queued
             requests holding more than ``max_head_bytes`` in all.
@@ -92,13 +96,17 @@ class ConnectionLimits:
     unauthenticated_share: float = 0.5
     send_stall_timeout_s: float = 60.0
     max_pipelined_requests: int = 8
+    min_send_rate_bytes_per_s: float = 4096.0
+    send_buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("head_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_address",
                      "backlog", "max_head_bytes", "max_connections_per_network", "unauthenticated_share",
-                     "send_stall_timeout_s", "max_pipelined_requests"):
+                     "send_stall_timeout_s", "max_pipelined_requests", "min_send_rate_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ConnectionLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.send_buffer_bytes < 0:
+            raise ValueError(f"ConnectionLimits.send_buffer_bytes must be >= 0, got {self.send_buffer_bytes!r}")
         if self.unauthenticated_share > 1:
             raise ValueError(f"ConnectionLimits.unauthenticated_share must be <= 1, got {self.unauthenticated_share!r}")
 
@@ -109,7 +117,9 @@ class ConnectionLimits:
                    config.http_max_connections, config.http_max_connections_per_address,
                    max_connections_per_network=config.http_max_connections_per_network,
                    unauthenticated_share=config.http_unauthenticated_share,
-                   send_stall_timeout_s=config.http_send_stall_timeout_s)
+                   send_stall_timeout_s=config.http_send_stall_timeout_s,
+                   min_send_rate_bytes_per_s=config.http_min_send_rate_bytes_per_s,
+                   send_buffer_bytes=config.http_send_buffer_bytes)
 
 
 def client_networks(address: str) -> tuple[str, str]:

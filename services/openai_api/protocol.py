@@ -1,7 +1,7 @@
 """The uvicorn HTTP protocol under ``services.openai_api.connections``' bounds: a mixin over
 uvicorn's ``HttpToolsProtocol`` / ``H11Protocol`` (``protocol_parsers.guarded_protocol``) that
 sees each connection from its accept, counts it with the ``ConnectionGuard``, arms the head and
-body deadlines and the send-stall deadline, and with HTTPS terminates TLS itself on the accepted
+body deadlines and the reader's minimum rate (the send-stall rule), and with HTTPS terminates TLS itself on the accepted
 TCP connection (``loop.start_tls``), so the handshake runs counted and under the head deadline
 (see ``connections``' module docstring for the regressions these bounds fix). The app reaches a
 request's connection through its ASGI scope (``scope_hooks``).
@@ -14,21 +14,50 @@ import contextlib
 import socket
 import ssl
 import struct
+import sys
 from typing import Any, cast
 
-from services.openai_api.connections import SEND_PROGRESS_BYTES, ConnectionGuard
+from services.openai_api.connections import ConnectionGuard
 from services.openai_api.scope_hooks import (
-    IS_STREAMED,
     authenticated,  # noqa: F401 - re-exported
     end_unfinished,  # noqa: F401 - re-exported
     marking,
 )
+
+if sys.platform == "linux":
+    import fcntl
+    import termios
+
+    _SIOCOUTQ: int | None = termios.TIOCOUTQ  # (the same request number on a TCP socket)
+else:
+    _SIOCOUTQ = None
 
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\n"
             b"connection: close\r\n\r\n")
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
               b"connection: close\r\n\r\n")
+
+
+def _set_send_buffer(tcp: asyncio.Transport, size: int) -> None:
+    """Give ``tcp``'s socket a kernel send buffer of ``size`` bytes (``SO_SNDBUF``; 0: leave
+    the kernel's own)."""
+    sock = tcp.get_extra_info("socket")
+    if size and sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+
+def _kernel_unsent(tcp: asyncio.Transport) -> int:
+    """Bytes in ``tcp``'s kernel send queue that its peer has not acknowledged yet (Linux's
+    ``SIOCOUTQ``); 0 where it cannot be read (another platform, a closed socket)."""
+    sock = tcp.get_extra_info("socket")
+    if sock is None or _SIOCOUTQ is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
 
 
 def _reset_on_close(tcp: asyncio.Transport) -> None:
@@ -43,8 +72,8 @@ def _reset_on_close(tcp: asyncio.Transport) -> None:
 
 class Guarded:
     """Mixin over a uvicorn HTTP protocol: the caps at ``connection_made``, the receive
-    deadlines and the send-stall deadline (``_send_stalled``). Subclasses report a request's head and its end (``_head_received``,
-    ``_request_received``).
+    deadlines and the reader's minimum rate (``_send_stalled``). Subclasses report a request's
+    head and its end (``_head_received``, ``_request_received``).
 
     With ``tls_context`` the protocol is given the accepted TCP connection and terminates TLS on
     it (``_handshake``): the connection is counted from its accept, and the head deadline, armed
@@ -67,13 +96,17 @@ class Guarded:
         self._early = bytearray()  # bytes decrypted before uvicorn saw the connection
         self._started = False  # the uvicorn protocol saw the connection
         self._stall: asyncio.TimerHandle | None = None  # armed while the client holds writes up
-        self._stall_mark = 0  # the write buffer's size when the stall deadline was (re)armed
+        self._stall_mark = 0  # bytes not yet sent at the last account (``_unsent``, ``_account``)
+        self._stall_since = 0.0  # the loop's time of the last account
+        self._stall_due = 0.0  # when ``_stall`` is due
+        self._behind_s = 0.0  # how far the client has fallen behind the minimum rate, s (>= 0)
         self._admitted = self.guard.admit(self, self._peer)  # counted by the guard
         if not self._admitted:
             if self.tls_context is None:  # (a TLS client could not read it)
                 transport.write(_REFUSED)
             transport.abort() if transport.get_write_buffer_size() else transport.close()
             return
+        _set_send_buffer(transport, self.guard.limits.send_buffer_bytes)
         if self.tls_context is None:
             self._serve(transport)
             return
@@ -246,17 +279,48 @@ class Guarded:
 
     def pause_writing(self) -> None:
         """The transport buffers past its high-water mark: the client holds the server's writes
-        up. Arms the send-stall deadline (``_send_stalled``)."""
+        up. Its minimum rate is judged from now until ``resume_writing`` (``_send_stalled``)."""
         if self._started:
             super().pause_writing()  # type: ignore[misc]
         if self._stall is None and not self._current.is_closing():
-            self._stall_mark = self._current.get_write_buffer_size()
-            self._stall = self.loop.call_later(self.guard.limits.send_stall_timeout_s, self._send_stalled)
+            self._stall_since = self.loop.time()
+            self._stall_mark = self._unsent()
+            self._arm_stall()
 
     def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._account()
         self._unstall()
         if self._started:
             super().resume_writing()  # type: ignore[misc]
+
+    def _arm_stall(self) -> None:
+        """Check the client again when, taking nothing more, it would be
+        ``send_stall_timeout_s`` behind the minimum rate."""
+        wait_s = max(self.guard.limits.send_stall_timeout_s - self._behind_s, 0.01)
+        self._stall_due = self._stall_since + wait_s
+        self._stall = self.loop.call_at(self._stall_due, self._send_stalled)
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the client: those the transport buffers and those
+        in the kernel's send queue (``_kernel_unsent``). The kernel's part matters: it holds up
+        to megabytes, and tells the transport it may write again only once about a third of
+        it is free, so the transport's buffer alone moves in bursts far apart for a slow
+        reader (a client taking 4 KiB/s of a 4 MiB queue would move it once in minutes)."""
+        return self._current.get_write_buffer_size() + _kernel_unsent(self._accepted)
+
+    def _account(self) -> None:
+        """Add the time held up since the last account to ``_behind_s``, less the bytes the
+        client took meanwhile (``_unsent`` shrank: nothing is written while the writes are held
+        up) at ``min_send_rate_bytes_per_s``; never below 0. Time past the check's due time
+        is not counted: a check that runs late because the gateway's own loop stalled blames
+        the client for no more than the deadline."""
+        now = self.loop.time()
+        size = self._unsent()
+        held_s = max(0.0, min(now, self._stall_due) - self._stall_since)
+        taken = max(0, self._stall_mark - size)
+        self._behind_s = max(0.0, self._behind_s + held_s - taken / self.guard.limits.min_send_rate_bytes_per_s)
+        self._stall_since, self._stall_mark = now, size
 
     def _unstall(self) -> None:
         if self._stall is not None:
@@ -264,33 +328,32 @@ class Guarded:
             self._stall = None
 
     def _send_stalled(self) -> None:
-        """``send_stall_timeout_s`` with the writes held up: abort the connection (what its
-        transport and its requests hold is freed, a stream's request aborted as for any client
-        gone), unless the client took ``SEND_PROGRESS_BYTES`` meanwhile or a streamed response
-        is under way with nothing pipelined behind it (its ``stream_idle_timeout_s`` governs):
-        then look again after another ``send_stall_timeout_s``.
+        """The client may have fallen ``send_stall_timeout_s`` behind the minimum rate
+        (``min_send_rate_bytes_per_s``) of taking the writes it holds up: abort the connection
+        if it has (what its transport and its requests hold is freed, a stream's request
+        aborted on its node as for any client gone), else look again when it would have,
+        taking nothing more. Streamed responses alike: a stream is held up only when its
+        client reads slower than the model writes.
 
         Regression (review 27a, F2 and F3): sending had no deadline; a whole response, or
         pipelined requests' responses, that the client never read held the connection, its
         transport's bytes and the response forever (uvicorn waits in ``drain()``, or, once it
-        has closed the connection at its keep-alive timeout, asyncio waits to write them)."""
+        has closed the connection at its keep-alive timeout, asyncio waits to write them).
+
+        Regression (a trickle reader): the deadline only asked for 64 KiB taken in each
+        ``send_stall_timeout_s``, restarted at each pause, and a stream was left to its
+        ``stream_idle_timeout_s`` (one event taken per 300 s): a client reading ~1 KiB/s, or
+        taking a few bytes at a time, held its connection, its tenant's stream and megabytes of
+        buffers for hours."""
         self._stall = None
         transport = self._current
-        size = transport.get_write_buffer_size()
-        if not size and transport.is_closing():
+        if not transport.get_write_buffer_size() and transport.is_closing():
             return
-        if self._stall_mark - size >= SEND_PROGRESS_BYTES or self._streaming():
-            self._stall_mark = size
-            self._stall = self.loop.call_later(self.guard.limits.send_stall_timeout_s, self._send_stalled)
+        self._account()
+        if self._behind_s < self.guard.limits.send_stall_timeout_s - 0.001:
+            self._arm_stall()
             return
         self._close("send_stalled", b"")
-
-    def _streaming(self) -> bool:
-        """A streamed response (``streamed``) is under way, with no request pipelined behind it
-        and the connection not closing (a stream ended unfinished closes it: ``end_unfinished``)."""
-        cycle = self.cycle
-        return (cycle is not None and not cycle.response_complete and bool(cycle.scope.get(IS_STREAMED))
-                and not getattr(self, "pipeline", None) and not self._current.is_closing())
 
     async def _written(self) -> None:
         """Return once the transport holds at most its low-water mark of unsent bytes (uvicorn's

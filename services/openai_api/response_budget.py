@@ -4,8 +4,9 @@ connection has written them (``HeldResponse``).
 
 A whole response is built once its request has ended: its stream no longer counts against
 ``max_streams_per_tenant`` and no idle-reader deadline watches it. Its bytes then sit in the
-connection's transport until the client reads them; the connection's send-stall deadline
-(``ConnectionLimits.send_stall_timeout_s``) ends a client that takes nothing, and this budget
+connection's transport until the client reads them; the connection's minimum read rate
+(``ConnectionLimits.min_send_rate_bytes_per_s``, ``send_stall_timeout_s``) ends a client that
+takes them too slowly or not at all, and this budget
 bounds what one tenant's clients hold meanwhile, as ``context.BodyBudget`` bounds its request
 bodies.
 

@@ -20,24 +20,17 @@ END_UNFINISHED = "kvstrata.end_unfinished"
 WRITTEN = "kvstrata.written"
 """A request scope's key for its connection's ``Guarded._written``."""
 
-STREAMED = "kvstrata.streamed"
-"""A request scope's key of a callable that marks its response as streamed (``streamed``)."""
-
-IS_STREAMED = "kvstrata.is_streamed"
-"""Set in the scope uvicorn's request cycle holds once its response is marked streamed."""
-
 
 def marking(app: Any, mark: Callable[[], None], end_unfinished: Callable[[], None],
              written: Callable[[], Awaitable[None]]) -> Any:
-    """``app`` with ``mark`` (``AUTHENTICATED``), ``end_unfinished`` (``END_UNFINISHED``),
-    ``written`` (``WRITTEN``) and a ``STREAMED`` marker in each request's scope (the scope
-    uvicorn's request cycle holds, which middleware may copy)."""
+    """``app`` with ``mark`` (``AUTHENTICATED``), ``end_unfinished`` (``END_UNFINISHED``) and
+    ``written`` (``WRITTEN``) in each request's scope (the scope uvicorn's request cycle holds,
+    which middleware may copy)."""
 
     async def marked(scope: Any, receive: Any, send: Any) -> None:
         scope[AUTHENTICATED] = mark
         scope[END_UNFINISHED] = end_unfinished
         scope[WRITTEN] = written
-        scope[STREAMED] = lambda: scope.__setitem__(IS_STREAMED, True)
         await app(scope, receive, send)
     return marked
 
@@ -49,14 +42,6 @@ async def written(scope: Any) -> None:
     wait = scope.get(WRITTEN)
     if wait is not None:
         await wait()
-
-
-def streamed(scope: Any) -> None:
-    """The response of ``scope`` is a stream: the send-stall deadline leaves it to the stream's
-    own idle-reader deadline (``Guarded._send_stalled``)."""
-    mark = scope.get(STREAMED)
-    if mark is not None:
-        mark()
 
 
 def end_unfinished(scope: Any) -> None:

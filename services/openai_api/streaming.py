@@ -20,7 +20,7 @@ from services.gateway import StreamWriter
 from services.openai_api.context import CallAborted
 from services.openai_api.errors import _gone
 from services.openai_api.responses import Generation, says_nothing, sse
-from services.openai_api.scope_hooks import end_unfinished, streamed
+from services.openai_api.scope_hooks import end_unfinished
 
 T = TypeVar("T")
 
@@ -72,6 +72,9 @@ class _ClosingStream(StreamingResponse):
     (``InferenceServicer.generate``): the response ends there, unfinished (the client, which
     reads nothing, could not take a last event either), and the server closes the connection
     (``end_unfinished``). Regression (secrev18 B residue): such a response was never ended.
+    Its connection's minimum read rate (``protocol.Guarded._send_stalled``) applies as to any
+    response: a client holding the stream's writes up is cut off, and the stream ends as for
+    a client gone.
     Regression: uvicorn logged each such end at ERROR ("ASGI callable returned without
     completing response")."""
 
@@ -80,7 +83,6 @@ class _ClosingStream(StreamingResponse):
         self.writer = writer
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        streamed(scope)  # its client's reading is judged by the stream's idle deadline
         try:
             await super().__call__(scope, receive, send)
         except asyncio.CancelledError:
