@@ -18,8 +18,8 @@ Only what a spill node made is deleted, and no link is followed:
   makes it 0700);
 - it holds only what a spill node writes: group files (``*.kvs``) and temp files of unfinished
   writes (links among them are unlinked, never followed), ``metrics_port``, the store's list
-  of dropped holders (``TOMBSTONE_FILE``), and a ``quarantine`` folder of this user's holding
-  group files. A directory holding anything else
+  of dropped holders (``TOMBSTONE_FILE``) and flush record (``FLUSH_FILE``), and a
+  ``quarantine`` folder of this user's holding group files. A directory holding anything else
   is left whole, and logged.
 
 Everything is deleted through directory descriptors (``unlink``/``rmdir`` with ``dir_fd``), so a
@@ -33,7 +33,13 @@ import os
 import stat
 from pathlib import Path
 
-from cache_node.tiers.spill_format import FILE_SUFFIX, QUARANTINE_DIR, TEMP_PREFIX, TOMBSTONE_FILE
+from cache_node.tiers.spill_format import (
+    FILE_SUFFIX,
+    FLUSH_FILE,
+    QUARANTINE_DIR,
+    TEMP_PREFIX,
+    TOMBSTONE_FILE,
+)
 from services.private_dir import is_private
 
 log = logging.getLogger(__name__)
@@ -120,7 +126,7 @@ def _empty_spill_dir(dir_fd: int, top: bool) -> bool:
             mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
             file = stat.S_ISREG(mode) or stat.S_ISLNK(mode)
             group = (name.endswith(FILE_SUFFIX) or (top and name.startswith(TEMP_PREFIX))) and file
-            own = top and ((name in (METRICS_PORT_FILE, TOMBSTONE_FILE) and stat.S_ISREG(mode))
+            own = top and ((name in (METRICS_PORT_FILE, TOMBSTONE_FILE, FLUSH_FILE) and stat.S_ISREG(mode))
                            or (name == QUARANTINE_DIR and stat.S_ISDIR(mode)))
             if not (group or own):
                 return False

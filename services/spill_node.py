@@ -160,18 +160,22 @@ class SpillNode:
         return self._store.match_prefix(hashes)
 
     def flush(self) -> int:
-        """``SpillStore.flush``: drop every block; returns how many."""
-        dropped = self._store.flush()
-        self._push()
-        return dropped
+        """``SpillStore.flush``: drop every block; returns how many. Raises
+        ``SpillDeletionNotDurable`` when a restart might serve some of them (the caller's flush
+        is then incomplete); the blocks' "removed" events are pushed either way."""
+        try:
+            return self._store.flush()
+        finally:
+            self._push()
 
     def drop_namespace(self, namespace: str) -> int:
         """``SpillStore.drop_namespace``: drop ``namespace``'s blocks (its salted variants
         too) from RAM and delete its group files; returns how many (a deleted tenant's own
-        namespace)."""
-        dropped = self._store.drop_namespace(namespace)
-        self._push()
-        return dropped
+        namespace). Raises ``SpillDeletionNotDurable`` as ``flush`` does."""
+        try:
+            return self._store.drop_namespace(namespace)
+        finally:
+            self._push()
 
     def stats(self) -> dict[str, int]:
         """``SpillStore.stats``, and the deleted tenants' sweep's counters (``sweeps``,

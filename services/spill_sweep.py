@@ -15,7 +15,10 @@ tenant is not kept longer than that, even on an idle node; and it tries again th
 that failed (a read-only or failing volume: the files stay counted meanwhile) and the write of
 the store's list of dropped holders, which a restart reads before it indexes anything, so a
 deleted tenant's file that could not be deleted is deleted at the restart, never served, even
-before this sweep's first answer (review 30e F5).
+before this sweep's first answer (review 30e F5). A page whose drop could neither delete the
+tenants' files nor record the drop (``SpillDeletionNotDurable``: a read-only volume) is asked
+and dropped again at the next sweep, the cursor left before it (session 32: it was passed,
+and a restart served the tenants' files again).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 import ray
 
+from cache_node.tiers.spill_disk import SpillDeletionNotDurable
 from cache_node.tiers.spill_store import SpillStore
 from services.actor_refs import ActorRef, resolve
 from tenants.model import own_namespace
@@ -87,7 +91,9 @@ class DeletedTenantSweep:
     def sweep(self) -> int:
         """One sweep: every deletion after ``cursor``, page by page; returns blocks dropped. A
         failed or malformed answer ends the sweep (counted, logged); ``cursor`` stays at the
-        last page applied, so the next sweep asks again from there. Then the quarantined files
+        last page applied, so the next sweep asks again from there. So does a page whose drop
+        raised ``SpillDeletionNotDurable`` (re-raised: files of its tenants could neither be
+        deleted nor their drop recorded, so a restart might serve them). Then the quarantined files
         past their age limit are deleted, whatever the answer."""
         try:
             return self._sweep()
@@ -114,7 +120,11 @@ class DeletedTenantSweep:
                 return dropped
             if not page:
                 return dropped
-            n = self.store.drop_namespaces(own_namespace(tenant_id) for _, tenant_id in page)
+            try:
+                n = self.store.drop_namespaces(own_namespace(tenant_id) for _, tenant_id in page)
+            except SpillDeletionNotDurable:  # not recorded: this page again at the next sweep; its
+                self.on_dropped()  # blocks left the store all the same (their events go out)
+                raise
             if n:
                 dropped += n
                 self.counters["swept_blocks"] += n

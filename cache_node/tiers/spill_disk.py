@@ -49,10 +49,15 @@ never tried (no descriptor of the directory could be had: EMFILE), stays counted
 budget and is tried again at each budget pass and ``expire_quarantine``
 (``UnservedFiles.undeleted``, ``unlink_errors``): a file the index forgot is either deleted or
 on that list (review 31 F2: without a descriptor, or when a flush could not list the
-directory, the files were in no book, and a restart indexed and served them again). Holders
-dropped for good are kept in ``TOMBSTONE_FILE`` (``save_dropped``): at a restart a file of one
-of them is deleted, never indexed (F5: a deleted tenant's file that could not be deleted was
-indexed and served again).
+directory, the files were in no book, and a restart indexed and served them again). That list
+is in memory, so what a restart must not serve is recorded on disk before any file goes: a
+flush's write sequence in ``FLUSH_FILE`` (``flush``: every group file at or below it is deleted
+at a restart, never indexed; session 32: a restart before the retry, or a node killed among a
+flush's unlinks, served the flushed KV again), and the holders dropped for good in
+``TOMBSTONE_FILE`` (``save_dropped``: a file of one of them is deleted at a restart, never
+indexed; F5: a deleted tenant's file that could not be deleted was indexed and served again).
+A deletion that could record neither and left files behind is not acknowledged
+(``SpillDeletionNotDurable``, raised by the owning ``SpillStore``).
 
 A restart indexes each block from the file of the highest write sequence holding it (``seq``
 in the header: each write's is ``max(last + 1, time_ns())``, continued from the largest one
@@ -103,6 +108,12 @@ _TOMBSTONE_BOUNDS = UnpackBounds(
     max_containers=1, max_elements=MAX_TOMBSTONES,
 )
 _MAX_TOMBSTONE_BYTES = 8 + MAX_TOMBSTONES * 34
+FLUSH_FILE = fmt.FLUSH_FILE
+_FLUSH_BOUNDS = UnpackBounds(
+    max_array_len=0, max_map_len=4, max_str_len=16, max_bin_len=0, max_containers=1, max_elements=8,
+)
+_MAX_FLUSH_BYTES = 64  # {"seq": <uint64>} packs to 15
+_FLUSH_UNKNOWN = fmt.MAX_SEQ  # a ``FLUSH_FILE`` that cannot be read: every file found counts as flushed
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 SEQ_HEADROOM = 1 << 56
@@ -120,17 +131,35 @@ class _SpillFile:
     live: set[bytes]  # hashes of this file that the index still points at
 
 
+class SpillDeletionNotDurable(OSError):
+    """A flush or a holder's drop that left files on disk (their unlink failed, or was never
+    tried) and could not record itself either (``FLUSH_FILE``, ``TOMBSTONE_FILE``: a read-only or
+    failing volume): a restart before a later try deletes them would index and serve them
+    again, so the deletion is not acknowledged. They are out of the index and counted as
+    undeleted meanwhile (tried again at each sweep); calling the flush or drop again records it
+    anew."""
+
+
 @dataclass
 class PendingRemoval:
     """Files taken out of the index, to unlink after the owner's lock is released (``run``):
     ``(name, size)`` in the directory of ``dir_fd`` (a ``dup``, closed by ``run``). ``dir_fd``
     None: no descriptor could be had (``error``), so none is deleted and every file is handed
     back as failed, to be counted and tried again (``DiskTier.unlink_failed``): a file the index
-    forgot is either deleted or on the undeleted list."""
+    forgot is either deleted or on the undeleted list.
+
+    ``recorded``: a restart never serves these files even if they stay on disk (the flush's
+    sequence is in ``FLUSH_FILE``, or the holders dropped are in ``TOMBSTONE_FILE``); when False
+    and some cannot be deleted, the owner raises ``SpillDeletionNotDurable``. A flush's:
+    ``flush_seq`` (what ``FLUSH_FILE`` records) and ``complete`` (its listing of the directory
+    held every group file), for ``DiskTier.flush_done``."""
 
     dir_fd: int | None
     files: list[tuple[str, int]] = field(default_factory=list)
     error: OSError | None = None  # why ``dir_fd`` is None
+    recorded: bool = True
+    flush_seq: int | None = None
+    complete: bool = True
 
     def run(self) -> list[tuple[str, int, OSError]]:
         """Unlink every file (gone already: done); returns those that failed, with the error,
@@ -200,6 +229,7 @@ class DiskTier:
         # SHA-256 of each holder dropped for good, oldest first (``TOMBSTONE_FILE``)
         self._tombstones: OrderedDict[bytes, None] = OrderedDict()
         self._tombstone_dirty = False  # a ``save_dropped`` failed: tried again by expire_quarantine
+        self._flushed_seq: int | None = None  # what ``FLUSH_FILE`` records (None: no such file)
         self._rebuild()
 
     def __del__(self) -> None:
@@ -253,9 +283,19 @@ class DiskTier:
         quarantined ones (their headers hold prompts' token ids), and return the group files in
         the directory (the indexed ones, the others, the undeleted: each name the books hold,
         and each listed) for the caller to unlink outside its lock (``PendingRemoval.run``, then
-        ``unlink_failed``). Regression (review 31 F2): a listing that failed deleted nothing, and
-        the forgotten files were indexed and served again at a restart."""
+        ``unlink_failed`` and ``flush_done``). Regression (review 31 F2): a listing that failed
+        deleted nothing, and the forgotten files were indexed and served again at a restart.
+
+        First the flush takes a write sequence and records it in ``FLUSH_FILE`` (fsync'd, by a
+        rename): every group file written before has a lower one, every later write a higher
+        one, and a restart deletes each file at or below it (``_rebuild``). Regression (session
+        32): a file whose unlink failed was on the undeleted list in memory only, so a restart
+        before the sweep that deleted it (or a node killed among a flush's unlinks) indexed and
+        served the flushed KV again. A record that cannot be written is logged and counted
+        (``io_errors``; ``PendingRemoval.recorded`` False)."""
+        seq = self._record_flush()
         pending = self._pending([])
+        pending.recorded, pending.flush_seq = seq is not None, seq
         files = {name: self._files[name].size_bytes for name in self._files}  # every name the books hold
         files.update(self.unserved.root_files())
         for name in list(self._files):
@@ -266,7 +306,7 @@ class DiskTier:
             logger.warning("cannot list spill dir %s to flush it (deleting the %d files it knows): %s",
                            self.root_dir, len(files), exc)
             self._counters["io_errors"] += 1
-            listed = []
+            listed, pending.complete = [], False
         for group in listed:  # a name the books do not hold: put there since
             if group.name not in files:
                 files[group.name] = own_size(self.dir.fd, group.name) or 0
@@ -292,6 +332,62 @@ class DiskTier:
         self.unserved.drop_holders(holders)
         return dropped, pending
 
+    def flush_done(self, seq: int) -> None:
+        """The flush that recorded ``seq`` deleted every group file of the directory: its
+        ``FLUSH_FILE`` is deleted, after a ``fsync`` of the directory has made those deletions
+        durable, unless a later flush recorded its own since (a flush that left files behind
+        keeps its record). Kept when either fails (a restart then deletes what it covers: no
+        harm, since nothing written after it is covered)."""
+        if self._flushed_seq != seq:
+            return
+        try:
+            os.fsync(self.dir.fd)
+        except OSError:
+            return
+        if fmt.unlink_at(self.dir.fd, FLUSH_FILE) is None:
+            self._flushed_seq = None
+
+    def _record_flush(self) -> int | None:
+        """Take the next write sequence and keep it in ``FLUSH_FILE`` (``write_small_file``:
+        fsync'd, renamed over the old one, the directory fsync'd); returns it, or None when it
+        could not be written (logged, counted in ``io_errors``)."""
+        seq = self._next_seq()
+        try:
+            fmt.write_small_file(FLUSH_FILE, msgpack.packb({"seq": seq}), self.dir.fd)
+        except OSError as exc:
+            logger.warning("could not record the flush of %s in %s (a restart may index again the files it "
+                           "cannot delete): %s", self.root_dir, FLUSH_FILE, exc)
+            self._counters["io_errors"] += 1
+            return None
+        self._flushed_seq = seq
+        return seq
+
+    def _load_flush(self) -> int | None:
+        """The write sequence ``FLUSH_FILE`` records: None when there is none; ``_FLUSH_UNKNOWN``
+        (every file found counts as flushed) when it cannot be read or is malformed, or is no
+        regular file (logged, counted in ``io_errors``): its bytes are untrusted, and what it
+        covered is unknown, so nothing that might have been flushed is served."""
+        try:
+            fd = fmt.open_regular(FLUSH_FILE, self.dir.fd)
+            with open(fd, "rb", buffering=0) as f:
+                raw = f.read(_MAX_FLUSH_BYTES + 1)
+            fields = unpackb_within(raw, _FLUSH_BOUNDS, "a flush record") if len(raw) <= _MAX_FLUSH_BYTES else None
+            seq = fields.get("seq") if isinstance(fields, dict) else None
+            if type(seq) is not int or not 0 <= seq <= fmt.MAX_SEQ:
+                raise ValueError(f"not a flush record ({len(raw)} bytes)")
+        except fmt.NotRegularFile as exc:
+            error: Exception = exc
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # msgpack's errors are ValueErrors
+            error = exc
+        else:
+            return seq
+        logger.warning("%s is unreadable or malformed (%s): every group file found counts as flushed, "
+                       "deleted, none indexed", self.root_dir / FLUSH_FILE, error)
+        self._counters["io_errors"] += 1
+        return _FLUSH_UNKNOWN
+
     def unlink_failed(self, failed: Sequence[tuple[str, int, OSError]]) -> None:
         """Files of a ``PendingRemoval`` that could not be deleted: counted against the budget and
         tried again later (``UnservedFiles.doom``; many are logged in one line)."""
@@ -305,20 +401,25 @@ class DiskTier:
         """Whether ``holder`` was dropped for good (``save_dropped``), before a restart too."""
         return bool(self._tombstones) and _digest(holder) in self._tombstones
 
-    def save_dropped(self, holders: Collection[str]) -> None:
+    @property
+    def tombstones_unsaved(self) -> bool:
+        """Whether the last write of ``TOMBSTONE_FILE`` failed (tried again by each sweep)."""
+        return self._tombstone_dirty
+
+    def save_dropped(self, holders: Collection[str]) -> bool:
         """Add ``holders`` (dropped for good) to ``TOMBSTONE_FILE`` (the newest
         ``MAX_TOMBSTONES`` kept), so that a restart deletes their files instead of indexing
-        them. A failed write is logged, counted (``io_errors``) and tried again at the next
-        ``expire_quarantine``."""
+        them; returns whether it was written. A failed write is logged, counted (``io_errors``)
+        and tried again at the next ``expire_quarantine``."""
         for holder in holders:
             digest = _digest(holder)
             self._tombstones.pop(digest, None)
             self._tombstones[digest] = None
         while len(self._tombstones) > MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
-        self._save_tombstones()
+        return self._save_tombstones()
 
-    def _save_tombstones(self) -> None:
+    def _save_tombstones(self) -> bool:
         try:
             fmt.write_small_file(TOMBSTONE_FILE, msgpack.packb(list(self._tombstones), use_bin_type=True),
                                  self.dir.fd)
@@ -327,8 +428,9 @@ class DiskTier:
                            self.root_dir / TOMBSTONE_FILE, exc)
             self._counters["io_errors"] += 1
             self._tombstone_dirty = True
-            return
+            return False
         self._tombstone_dirty = False
+        return True
 
     def expire_quarantine(self, now_ns: int | None = None) -> int:
         """``UnservedFiles.expire``: delete quarantined files past their age limit; also tries
@@ -559,31 +661,38 @@ class DiskTier:
             self._forget(name)
             self._faults.set_aside(name)
 
-    def _load_tombstones(self) -> None:
-        """The holders ``TOMBSTONE_FILE`` lists (none when it is missing; an unreadable or
-        malformed one is logged, counted in ``io_errors`` and ignored)."""
+    def _load_tombstones(self) -> bool:
+        """Read the holders ``TOMBSTONE_FILE`` lists (none when it is missing); False when it
+        cannot be read, is malformed or is no regular file (logged, counted in ``io_errors``):
+        which holders were dropped is unknown then, so the caller serves nothing it finds
+        (``_rebuild``). Regression (session 32): such a list was ignored, and a restart served
+        the files of every holder it had named."""
         try:
             fd = fmt.open_regular(TOMBSTONE_FILE, self.dir.fd)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            logger.warning("cannot read %s: %s", self.root_dir / TOMBSTONE_FILE, exc)
-            self._counters["io_errors"] += 1
-            return
-        try:
             with open(fd, "rb", buffering=0) as f:
                 raw = f.read(_MAX_TOMBSTONE_BYTES + 1)
             digests = unpackb_within(raw, _TOMBSTONE_BOUNDS, "the dropped holders") \
                 if len(raw) <= _MAX_TOMBSTONE_BYTES else None
             if not isinstance(digests, list) or not all(isinstance(d, bytes) and len(d) == 32 for d in digests):
                 raise ValueError("not a list of holder digests")
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring %s (malformed or unreadable): %s", self.root_dir / TOMBSTONE_FILE, exc)
-            self._counters["io_errors"] += 1
-            return
-        self._tombstones = OrderedDict.fromkeys(digests)
+        except fmt.NotRegularFile as exc:
+            error: Exception = exc
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError) as exc:  # msgpack's errors are ValueErrors
+            error = exc
+        else:
+            self._tombstones = OrderedDict.fromkeys(digests)
+            return True
+        logger.warning("%s is unreadable or malformed (%s): every group file found counts as a dropped "
+                       "holder's, deleted, none indexed", self.root_dir / TOMBSTONE_FILE, error)
+        self._counters["io_errors"] += 1
+        return False
 
     def _rebuild(self) -> None:
+        flushed = self._load_flush()
+        if flushed is not None and flushed != _FLUSH_UNKNOWN:  # every later write is past it
+            self._seq, self._flushed_seq = flushed, flushed
         try:
             listed = self._faults.retry(lambda: fmt.list_group_names(self.dir.fd, links=True))
         except OSError as exc:
@@ -591,7 +700,8 @@ class DiskTier:
                            self.root_dir, exc)
             self._counters["io_errors"] += 1
             return
-        self._load_tombstones()
+        if not self._load_tombstones():  # which holders were dropped is unknown: a flush, in effect
+            flushed = _FLUSH_UNKNOWN
         self.unserved.scan_quarantine()  # first: files quarantined below are its newest
         headers = []
         for name, mtime_ns, link in listed:
@@ -607,6 +717,10 @@ class DiskTier:
                 self._counters["tombstoned_files"] += 1
                 self._unlink(name, header.file_bytes)
                 continue
+            if flushed is not None and header.seq <= flushed:  # flushed before: deleted again
+                self._counters["flushed_files"] += 1
+                self._unlink(name, header.file_bytes)
+                continue
             headers.append((header.seq, mtime_ns, name, header))
         headers.sort(key=lambda item: item[:3])  # by write sequence (files of before it: by mtime)
         newest: dict[bytes, str] = {}  # block_hash -> the newest file holding it
@@ -619,6 +733,11 @@ class DiskTier:
                 self._unlink(name, header.file_bytes)  # every block is held by a newer file
                 continue
             self._add_file(name, header.file_bytes, live, header.namespace)
+        if flushed == _FLUSH_UNKNOWN and self._record_flush() is not None:
+            # recorded past every file found (deleted) and the clock: a file whose unlink failed
+            # stays covered, so the dropped holders' list (its holders unknown: their files are
+            # gone) is written again too, and the next restart reads both as sound
+            self._save_tombstones()
         self._evict_over_budget()
 
     def _unlink(self, name: str, size: int) -> None:

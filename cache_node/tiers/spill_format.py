@@ -97,6 +97,10 @@ TOMBSTONE_FILE = "dropped-holders.msgpack"
 """File in a spill directory listing the holders its store dropped for good
 (``spill_disk.DiskTier.save_dropped``), each as the SHA-256 of its name (no tenant's name is left
 on disk by its deletion)."""
+FLUSH_FILE = "flushed-seq.msgpack"
+"""File in a spill directory recording the write sequence of its store's last flush that may
+have left group files behind (``spill_disk.DiskTier.flush``): a restart deletes every group file
+whose header's ``seq`` is at most it, never indexes it."""
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """How a spill directory (or its quarantine folder) is opened: never through a link."""
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

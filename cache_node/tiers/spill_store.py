@@ -29,7 +29,7 @@ import numpy as np
 
 from cache_node.tiers import spill_format as fmt
 from cache_node.tiers.fair_lru import FairLRU, HolderWeights, check_weight, holder_of
-from cache_node.tiers.spill_disk import TIER_DISK, DiskTier, PendingRemoval
+from cache_node.tiers.spill_disk import TIER_DISK, DiskTier, PendingRemoval, SpillDeletionNotDurable
 from cache_node.tiers.spill_format import BlockFormat
 
 TIER_RAM = "spill_ram"
@@ -41,6 +41,7 @@ STAT_COUNTERS = _HITS + (
     "skipped_files", "token_mismatches", "evicted_files", "events_dropped",
     "removed_unindexed_files", "removed_quarantined_files", "put_refused_dropped",
     "disk_full_writes", "disk_full_evicted_files", "unlink_errors", "dir_recreated", "tombstoned_files",
+    "flushed_files",
 )
 
 
@@ -269,7 +270,18 @@ class SpillStore:
     def flush(self, timeout_s: float | None = None) -> int:
         """Clear RAM, delete every group file in ``root_dir`` and every quarantined file;
         returns blocks dropped. ``timeout_s`` is the ``SpillClient`` protocol's (an in-process
-        store answers or raises: unused)."""
+        store answers or raises: unused).
+
+        Once it returns, no restart serves a flushed block: the flush is recorded on disk
+        before any file is unlinked (``DiskTier.flush``), and a file whose unlink fails is
+        deleted by a later sweep or at the next restart, never indexed again.
+
+        Raises:
+            SpillDeletionNotDurable: some files could not be deleted and the record could not
+                be written (a read-only or failing volume): a restart might serve them. Every
+                block is out of both tiers meanwhile; flush again (a cache node's admin flush
+                then fails naming this node, ``SpillFlushIncomplete``).
+        """
         with self._lock:
             dropped = len(self._ram) + len(self._disk)
             for block_hash in self._ram:
@@ -286,7 +298,8 @@ class SpillStore:
         verified header names it (unindexed, quarantined); "removed" events for each block.
         Other namespaces' blocks are untouched. Returns blocks dropped (a deleted tenant's own
         namespace: ``services.cache_node_commands.end_tenant``). Raises ValueError for a
-        ``namespace`` a put would refuse (``_check_namespace``: it is remembered for good)."""
+        ``namespace`` a put would refuse (``_check_namespace``: it is remembered for good), and
+        ``SpillDeletionNotDurable`` as ``drop_namespaces`` does."""
         _check_namespace(namespace)
         return self.drop_namespaces([namespace])
 
@@ -297,7 +310,13 @@ class SpillStore:
 
         Regression (review 24r F6): a deleted tenant's blocks offloaded by a cache node after
         the sweep had passed its deletion were stored, demoted to disk with their token ids, and
-        never swept again (its cursor was past the deletion) until the node restarted."""
+        never swept again (its cursor was past the deletion) until the node restarted.
+
+        Raises ``SpillDeletionNotDurable`` when some of their files could not be deleted and the
+        list of dropped holders could not be written (``DiskTier.save_dropped``): a restart
+        might serve them (the blocks are out of both tiers meanwhile; a sweep's page is asked
+        and dropped again). Regression (session 32): on a read-only volume such a drop was
+        acknowledged, and a restart indexed and served the deleted tenant's blocks again."""
         holders = {holder_of(ns) for ns in namespaces}
         if not holders:
             return 0
@@ -309,24 +328,36 @@ class SpillStore:
                 self.weights.forget(holder)
             while len(self._dropped) > MAX_DROPPED_HOLDERS:
                 self._dropped.popitem(last=False)
-            if new:  # before its files go: a restart then deletes those it finds, never serves them
-                self._disk.save_dropped(holders)
+            recorded = True
+            if new or self._disk.tombstones_unsaved:  # before its files go: a restart then deletes
+                recorded = self._disk.save_dropped(holders)  # those it finds, never serves them
             in_ram = [h for h in self._ram if self._ram.holder(h) in holders]
             for block_hash in in_ram:
                 self._ram.pop(block_hash)
                 self._emit(EVENT_REMOVED, block_hash, TIER_RAM)
             on_disk, pending = self._disk.drop_holders(holders)
+            pending.recorded = recorded
         self._remove(pending)
         return len(in_ram) + on_disk
 
     def _remove(self, pending: PendingRemoval) -> None:
         """Unlink the files ``pending`` names, out of the lock (they left the index under it, and
         each name is unique: a file written since is never one of them); those that could not
-        be deleted are counted and tried again (``DiskTier.unlink_failed``)."""
+        be deleted are counted and tried again (``DiskTier.unlink_failed``). A flush that
+        deleted every file lets its record go (``DiskTier.flush_done``). Raises
+        ``SpillDeletionNotDurable`` when some could not be deleted and ``pending`` is not
+        recorded on disk."""
         failed = pending.run()
-        if failed:
-            with self._lock:
+        with self._lock:
+            if failed:
                 self._disk.unlink_failed(failed)
+            elif pending.flush_seq is not None and pending.complete:
+                self._disk.flush_done(pending.flush_seq)
+        if failed and not pending.recorded:
+            size = sum(size for _, size, _ in failed)
+            raise SpillDeletionNotDurable(
+                failed[0][2].errno, f"{len(failed)} spill files of {self.root_dir} ({size} B) could not be deleted "
+                f"({failed[0][2]}) nor the deletion recorded: a restart may serve them until a sweep deletes them")
 
     def expire_quarantine(self, now_ns: int | None = None) -> int:
         """Delete the quarantined files kept longer than ``spill_unserved.QUARANTINE_MAX_AGE_S``

@@ -25,7 +25,9 @@ folder cannot be opened now (EMFILE), is not forgotten: it stays counted against
 *undeleted* and its deletion is tried again at each budget pass and sweep (``retry_removals``;
 regression, review 30e F5: it left the books at once, so it was orphaned outside the budget
 for good; review 31 F2: a flush, the age limit or the folder's bounds forgot quarantined files
-undeleted when the folder could not be opened).
+undeleted when the folder could not be opened). The list is in memory only: a restart lists
+the directory again, and ``DiskTier``'s records on disk (its flush record and list of dropped
+holders) keep it from indexing a flushed or dropped file that is still there.
 
 Quarantine ages count from the wall-clock time a file was moved aside (its mtime, so a restart
 keeps counting), but one that lies in the future (the clock stepped back since) counts from
