@@ -161,6 +161,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             security=security, max_undelivered_bytes=limits.max_undelivered_bytes,
             stream_idle_timeout_s=limits.idle_timeout_s,
         )
+        self.metrics.watch_streams(lambda: self.streams)  # streams ended unread
 
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that

@@ -1,6 +1,7 @@
 """The HTTP edge's connection guard is exported to Prometheus (``services.metrics.http``):
-connections open, keyless ones, and every refusal or early close by reason, read from the
-guard at scrape time. Regression: the guard counted refusals, sheds and timeouts
+connections open, keyless ones, and every refusal or early close by reason (each from 0), read
+from the guard at scrape time; and the streams the gateway ended unread, by reason
+(``services.metrics.streams``). Regression: the guard counted refusals, sheds and timeouts
 (``ConnectionGuard.stats``) but nothing exported them, so an operator could not tell a flood
 being shed from real clients being refused. Real uvicorn server, real sockets."""
 
@@ -12,9 +13,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.metrics import GatewayMetrics
-from services.openai_api.connections import ConnectionLimits
+from services.openai_api.connections import CLOSE_REASONS, ConnectionLimits
 from services.openai_api.server import HttpServer
+from tests.test_gateway_stream_bounds import STARTED, Plane, delta
+from tests.test_gateway_stream_config import Clock
 from tests.test_openai_api_network_caps import GET, PARTIAL_HEAD, _app, _open, _settle, _status
+from tests.test_openai_api_send_bounds import BIG, _connect, _until
+from tests.test_openai_api_send_bounds import _app as _send_app
 
 
 def samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -57,3 +62,64 @@ def test_nothing_is_exported_without_an_http_api() -> None:
     metrics = GatewayMetrics()
     metrics.watch_http(lambda: None)
     assert not any(name.startswith("kvstrata:http_") for name, _ in samples(metrics))
+
+
+def test_every_close_reason_is_exported_from_zero_and_counted_when_it_happens() -> None:
+    """Every reason of ``CLOSE_REASONS`` is exported at 0 before it happens (regression: a
+    reason's series appeared at 1 with its first event, which ``rate``/``increase`` cannot
+    see), and a client that reads nothing (``send_stalled``) and one that pipelines too deep
+    (``pipeline_too_deep``) each count once. Real uvicorn server, real sockets."""
+    limits = ConnectionLimits(send_stall_timeout_s=0.3, max_pipelined_requests=1)
+    metrics = GatewayMetrics()
+    server = HttpServer(_send_app(), limits=limits)
+    metrics.watch_http(lambda: server.guard)
+    ended = "kvstrata:http_connections_refused_or_closed_total"
+
+    async def body() -> None:
+        port = await server.start("127.0.0.1", 0)
+        try:
+            seen = samples(metrics)
+            assert {labels[0][1]: v for (name, labels), v in seen.items() if name == ended} == dict.fromkeys(
+                CLOSE_REASONS, 0.0)
+            unread = await _connect(port, rcvbuf=4096)
+            await asyncio.get_running_loop().sock_sendall(unread, BIG)
+            flood = await _connect(port)
+            await asyncio.get_running_loop().sock_sendall(flood, BIG * 64)
+            assert await _until(lambda: samples(metrics)[(ended, (("reason", "send_stalled"),))] == 1, 10)
+            seen = samples(metrics)
+            assert seen[(ended, (("reason", "pipeline_too_deep"),))] == 1
+            assert sum(v for (name, _), v in seen.items() if name == ended) == 2
+            unread.close()
+            flood.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_streams_ended_unread_are_exported_by_reason() -> None:
+    """Regression: the streams the gateway ended because their clients did not read them were
+    counted (``NodeStreams.overflows``, ``idle_ends``) but exported nowhere. A real
+    ``NodeStreams`` over ZeroMQ: one stream passes ``max_undelivered_bytes`` and is then
+    ended idle too; the scrape reads 1 and 1 (0 and 0 before)."""
+    metrics = GatewayMetrics()
+
+    async def body() -> None:
+        clock = Clock()
+        plane = await Plane().start(max_undelivered_bytes=400, stream_idle_timeout_s=10.0, clock=clock)
+        await plane.streams.start()
+        metrics.watch_streams(lambda: plane.streams)
+        name = "kvstrata:streams_ended_unread_total"
+        try:
+            assert [samples(metrics)[(name, (("reason", r),))] for r in ("undelivered_bytes", "idle")] == [0, 0]
+            plane.streams.open("a", None, lambda _message: None)
+            plane.streams.bind("a", "n0")
+            await plane.send([["a", STARTED], *[["a", delta(10 + i)] for i in range(21)]],
+                             lambda: plane.streams.overflows == 1)
+            clock.now_s += 10.0
+            assert plane.streams.expire_idle() == ["a"]
+            assert [samples(metrics)[(name, (("reason", r),))] for r in ("undelivered_bytes", "idle")] == [1, 1]
+        finally:
+            plane.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

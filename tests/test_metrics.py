@@ -34,6 +34,7 @@ GATEWAY_FAMILIES = {  # family -> kind, as prometheus_client.parser names them
     "kvstrata:token_rate_floor_met": "counter", "kvstrata:tenant_ttft_slo_seconds": "gauge",
     "kvstrata:tenant_token_rate_floor": "gauge", "kvstrata:http_connections_open": "gauge",
     "kvstrata:http_connections_unauthenticated": "gauge", "kvstrata:http_connections_refused_or_closed": "counter",
+    "kvstrata:streams_ended_unread": "counter",
 }
 NODE_FAMILIES = {
     "kvstrata:num_requests_running": "gauge", "kvstrata:num_requests_waiting": "gauge",

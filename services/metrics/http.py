@@ -5,12 +5,16 @@ counts: connections open (all, and those without a valid API key yet), and every
 the edge refused at accept or closed early, by reason. Operators see from these whether the
 caps (``http_*`` settings, docs/architecture.md) are refusing real clients or shedding a flood.
 
-Reasons (a fixed set, from the guard's and the protocol's code): ``refused_address``,
-``refused_network``, ``refused_total``, ``refused_unauthenticated`` (at accept: a client
-network's cap, its wider network's, every slot, the keyless share), ``shed`` (closed for a new
-connection), ``handshake_failed``, ``handshake_ended``, ``handshake_timeout``, ``head_timeout``,
-``body_timeout``, ``head_too_large``, ``pipeline_too_large``, ``pipeline_too_deep``,
-``send_stalled``.
+Reasons (the fixed set ``connections.CLOSE_REASONS``, each exported from 0 so that a rate
+sees its first event): ``refused_address``, ``refused_network``, ``refused_total``,
+``refused_unauthenticated`` (at accept: a client network's cap, its wider network's, every
+slot, the keyless share), ``shed`` (closed for a new connection), ``handshake_failed``,
+``handshake_ended``, ``handshake_timeout``, ``head_timeout``, ``body_timeout``,
+``head_too_large``, ``pipeline_too_large``, ``pipeline_too_deep``, ``send_stalled`` (its client
+fell ``http_send_stall_timeout_s`` behind the minimum read rate).
+
+Regression: a reason was exported only once it had been counted, so its series appeared at 1
+and ``rate``/``increase`` missed its first event (a single ``send_stalled`` read as none).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.metrics.requests import PREFIX
+from services.openai_api.connections import CLOSE_REASONS
 
 
 class HttpConnectionsCollector(Collector):
@@ -41,6 +46,9 @@ class HttpConnectionsCollector(Collector):
         ended = CounterMetricFamily(f"{PREFIX}http_connections_refused_or_closed",
                                     "HTTP API connections refused at accept or closed early, by reason.",
                                     labels=["reason"])
-        for reason, count in sorted(dict(guard.stats).items()):
+        stats = dict(guard.stats)
+        for reason in CLOSE_REASONS:
+            ended.add_metric([reason], stats.pop(reason, 0))
+        for reason, count in sorted(stats.items()):  # (none: every reason is listed)
             ended.add_metric([reason], count)
         yield ended

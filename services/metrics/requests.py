@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from services.metrics.http import HttpConnectionsCollector
+    from services.metrics.streams import UnreadStreamsCollector
 
 PREFIX = "kvstrata:"
 
@@ -101,6 +102,7 @@ class GatewayMetrics:
         self._series: dict[str, SimpleNamespace] = {}  # tenant name -> its TENANT_SERIES children
         self._forgotten_ids: OrderedDict[str, None] = OrderedDict()  # the newest FORGOTTEN_IDS_KEPT
         self._http: HttpConnectionsCollector | None = None  # ``watch_http``
+        self._streams: UnreadStreamsCollector | None = None  # ``watch_streams``
 
     def watch_http(self, guard_of: Callable[[], Any]) -> None:
         """Export the HTTP API's connection guard (``guard_of()``, None while it serves none)
@@ -112,6 +114,16 @@ class GatewayMetrics:
             self._http = HttpConnectionsCollector(guard_of)
             self.registry.register(self._http)
         self._http.guard_of = guard_of
+
+    def watch_streams(self, streams_of: Callable[[], Any]) -> None:
+        """Export the streams ended unread by ``streams_of()`` (a ``NodeStreams``) at each
+        scrape (``services.metrics.streams``); a later call replaces the earlier source."""
+        if self._streams is None:
+            from services.metrics.streams import UnreadStreamsCollector
+
+            self._streams = UnreadStreamsCollector(streams_of)
+            self.registry.register(self._streams)
+        self._streams.streams_of = streams_of
 
     def track(self, tenant: Any) -> RequestTracker:
         """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now;

@@ -45,6 +45,15 @@ log = logging.getLogger(__name__)
 
 _ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (base_events)
 
+CLOSE_REASONS = ("refused_address", "refused_network", "refused_total", "refused_unauthenticated", "shed",
+                 "handshake_failed", "handshake_ended", "handshake_timeout", "head_timeout", "body_timeout",
+                 "head_too_large", "pipeline_too_large", "pipeline_too_deep", "send_stalled")
+"""Every reason ``ConnectionGuard.stats`` counts a connection under: refused at accept (a client
+network's cap, its wider network's, every slot taken, the keyless share), shed for a newcomer,
+its TLS handshake failed or cut, a receive deadline passed, a head or pipeline too large or too
+deep, or its client held its writes up past the minimum read rate (``Guarded._send_stalled``)."""
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """What one connection, and all of them, may hold (``ServiceConfig``'s ``http_*`` settings).
@@ -174,7 +183,7 @@ class ConnectionGuard:
         self.per_address: Counter[str] = Counter()  # by client network (an IPv4 address, an IPv6 /64)
         self.per_network: Counter[str] = Counter()  # by IPv4 /24, IPv6 /48
         self.unauthenticated: dict[Guarded, None] = {}  # oldest first
-        self.stats: Counter[str] = Counter()  # refused_total, refused_address, shed, head_timeout, ...
+        self.stats: Counter[str] = Counter()  # by ``CLOSE_REASONS``
 
     def admit(self, conn: Guarded, address: str) -> bool:
         """Count a new connection from ``address``, shedding another when the pool it joins is
