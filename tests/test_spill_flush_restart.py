@@ -27,6 +27,7 @@ import pytest
 from cache_node.tiers import spill_format
 from cache_node.tiers.spill_disk import FLUSH_FILE, SpillDeletionNotDurable
 from cache_node.tiers.spill_store import SpillStore
+from services.metrics.spill import SpillMetrics
 from services.spill_dirs import remove_retired_spill_dirs
 from services.spill_node import SpillNode
 from services.spill_sweep import DeletedTenantSweep
@@ -73,6 +74,9 @@ def test_a_flush_that_could_not_dup_its_dir_fd_is_not_served_after_a_restart(tmp
     restarted = store_at(tmp_path)
     assert restarted.contains(hashes_of(range(4))) == [None] * 4
     assert files_in(tmp_path) == []  # the restart deleted it
+    metrics = SpillMetrics("spill_node_0", restarted.stats, FMT.block_nbytes).registry  # and /metrics says so
+    assert metrics.get_sample_value("kvstrata:spill_disk_events_total",
+                                    {"node": "spill_node_0", "kind": "flushed_file"}) == 1
 
 
 def read_only_record(monkeypatch: pytest.MonkeyPatch) -> None:

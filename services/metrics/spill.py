@@ -21,13 +21,14 @@ SPILL_READ_ERRORS = {"corrupt": "corrupt_reads", "io_error": "io_errors", "missi
 
 SPILL_DISK_EVENTS = {"disk_full_write": "disk_full_writes", "disk_full_evicted_file": "disk_full_evicted_files",
                      "unlink_error": "unlink_errors", "dir_recreated": "dir_recreated",
-                     "tombstoned_file": "tombstoned_files"}
+                     "tombstoned_file": "tombstoned_files", "flushed_file": "flushed_files"}
 """``spill_disk_events{kind}``: the disk tier's faults and what it did about them
 (``cache_node.tiers.spill_disk``): a write that failed for a full volume (ENOSPC/EDQUOT, tried
 once more after eviction), a file evicted to make room on a volume fuller than the budget says,
 an unlink that failed (the file stays counted in ``spill_undeleted_bytes``, tried again), the
 spill directory made again after it was deleted, a file of a dropped holder deleted at a restart
-instead of indexed."""
+instead of indexed, a file written before an acknowledged flush (its ``flushed-seq.msgpack``
+record) deleted at a restart instead of indexed."""
 
 
 class SpillMetrics(Collector):
