@@ -41,7 +41,17 @@ def _post(edge: Any, times: int = 1) -> tuple[int, dict[str, Any], dict[str, Any
     return asyncio.run(run())
 
 
-class _Failing:
+class _Counting:
+    """An edge's ``count_refusal``: the refusals the route counted (``OpenAIEdge.count_refusal``)."""
+
+    def __init__(self) -> None:
+        self.refused: list[BaseException] = []
+
+    def count_refusal(self, request: Any, exc: BaseException) -> None:
+        self.refused.append(exc)
+
+
+class _Failing(_Counting):
     """An edge whose every parse fails as a bug would."""
 
     async def parse(self, request: Any, model: Any) -> Any:
@@ -63,7 +73,7 @@ def test_an_unexpected_exception_is_an_openai_500_with_an_incident_id(caplog: py
     assert logged and "secret detail" in str(logged[0].exc_info[1]), caplog.records  # the bug itself
 
 
-class _SchedulerSilent:
+class _SchedulerSilent(_Counting):
     """An edge whose parse meets a scheduler that did not answer in time."""
 
     async def parse(self, request: Any, model: Any) -> Any:
@@ -79,6 +89,8 @@ def test_a_silent_scheduler_is_a_503_with_retry_after() -> None:
     """Review 29a F2: the HTTP API's calls whose key the gateway had not cached waited for a
     stopped scheduler with no bound; past the gateway's deadline they are a 503 with
     ``Retry-After``, as the gRPC API's UNAVAILABLE."""
-    status, headers, body = _post(_SchedulerSilent())
+    edge = _SchedulerSilent()
+    status, headers, body = _post(edge)
     assert status == 503 and headers.get("retry-after") == "1", (status, headers, body)
+    assert [type(exc).__name__ for exc in edge.refused] == ["ActorSilent"]  # counted once, by the route
     assert "did not answer" in body["error"]["message"], body

@@ -14,6 +14,10 @@ Definitions (what each series counts; the counts differ by design):
 - requests: every request past its key check, counted once when it ends, by gRPC status
   name: OK (its node's ``finished`` event came, whatever the finish reason), CANCELLED (its
   client went away, before or after its first token), or the refusal's or failure's code.
+  An HTTP completion the edge refuses before the gateway's path (``refused_at_edge``: a bad
+  body, model or size, a body budget) counts too, with the status the gRPC API gives the same
+  refusal, and one whose key check failed under tenant ``""`` (UNAUTHENTICATED; gRPC calls
+  refused for their key by the call gate are not counted).
 - TTFT: gateway arrival (``track``) to the first generated token's event at the gateway, s;
   observed once per request that got a token event, whatever its end: a request cancelled or
   refused before its first token is in ``requests`` but not here, one cancelled after it is
@@ -81,7 +85,8 @@ class GatewayMetrics:
         self.requests = Counter(f"{PREFIX}requests",
                                 "Requests past their key check, counted once when they end, by gRPC status name "
                                 "(OK: finished on the node, any finish reason; CANCELLED: the client went away, "
-                                "before or after its first token; else the refusal's or failure's code).",
+                                "before or after its first token; else the refusal's or failure's code), HTTP "
+                                "refusals at the edge included (a failed key check: tenant \"\").",
                                 ["tenant", "status"], registry=reg)
         self.success = Counter(f"{PREFIX}request_success", "Requests that ended OK, by finish reason.",
                                ["tenant", "finished_reason"], registry=reg)
@@ -124,6 +129,16 @@ class GatewayMetrics:
             self._streams = UnreadStreamsCollector(streams_of)
             self.registry.register(self._streams)
         self._streams.streams_of = streams_of
+
+    def refused_at_edge(self, tenant: Any | None, status: str) -> None:
+        """A request the HTTP edge refused before it reached the gateway's request path (whose
+        ``track`` counts every other), counted once in ``requests`` with the gRPC status name
+        the gRPC API gives the same refusal: ``tenant``'s (a ``tenants.model.Tenant``), or, when
+        its key check failed or was never reached (None), tenant ``""``."""
+        if tenant is None:
+            self.requests.labels("", status).inc()
+        else:
+            self.track(tenant).finish(status)
 
     def track(self, tenant: Any) -> RequestTracker:
         """A tracker for one request of ``tenant`` (a ``tenants.model.Tenant``) arriving now;

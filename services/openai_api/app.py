@@ -69,6 +69,7 @@ from services.openai_api.context import (
 from services.openai_api.errors import (
     INVALID,  # noqa: F401 - re-exported
     _gone,
+    edge_status,
     field_refusal,
     framework_error,
     invalid,
@@ -171,6 +172,7 @@ class OpenAIEdge:
         context = HttpCallContext(request)
         tenant = await self.servicer.auth.tenant(context)
         authenticated(request.scope)
+        request.state.tenant = tenant  # (``count_refusal``; ``tokenize``'s max_model_len)
         hold = self.bodies.hold(tenant.tenant_id)
         try:
             data = await read_body(request, MAX_BODY_BYTES, hold)
@@ -192,8 +194,20 @@ class OpenAIEdge:
         if not getattr(body, "stream", False):
             self.responses.check_room(tenant.tenant_id)
         request.state.tenant_id = tenant.tenant_id  # (``render``'s turn on a worker thread)
-        request.state.tenant = tenant  # (``tokenize``'s max_model_len)
         return body
+
+    def count_refusal(self, request: Request, exc: BaseException) -> None:
+        """Count a generation request ``parse`` refused with ``exc`` in the gateway's
+        ``requests_total``, once (it never reaches the gateway's request path, which counts
+        the others): under its tenant, or tenant "" when its key check failed, by the gRPC
+        status name of its refusal (``errors.edge_status``; the scheduler unreachable:
+        UNAVAILABLE). Regression: the edge's refusals (401, 400, 404, 413, 429, 503) were
+        counted nowhere, so ``requests_total`` undercounted a tenant's refused requests."""
+        metrics = getattr(self.servicer, "metrics", None)
+        if metrics is None:
+            return
+        status = "UNAVAILABLE" if isinstance(exc, (RayActorError, ActorSilent)) else edge_status(exc)
+        metrics.refused_at_edge(getattr(request.state, "tenant", None), status)
 
     def check_whole(self, body: Any, tenant: Any) -> None:
         """A non-streamed body asking for log probabilities may hold at most
@@ -443,13 +457,23 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     async def _invalid(request: Request, exc: ValidationError | RequestValidationError) -> Response:
         return invalid(exc)
 
+    async def generation(request: Request, kind: type[ChatCompletionRequest | CompletionRequest]) -> Response:
+        """A completion: its refusal before the gateway's path is counted here, any later one
+        there (``OpenAIEdge.count_refusal``)."""
+        try:
+            body = await edge.parse(request, kind)
+        except BaseException as exc:
+            edge.count_refusal(request, exc)
+            raise
+        return await edge.complete(request, body)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await edge.complete(request, await edge.parse(request, ChatCompletionRequest))
+        return await generation(request, ChatCompletionRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await edge.complete(request, await edge.parse(request, CompletionRequest))
+        return await generation(request, CompletionRequest)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

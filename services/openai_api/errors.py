@@ -9,6 +9,7 @@ Part of ``services.openai_api.app`` (which re-exports these names and installs t
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -127,6 +128,26 @@ def field_refusal(exc: ValueError) -> CallAborted:
     path = message.split(":", 1)[0] if ":" in message else ""
     return CallAborted(grpc.StatusCode.INVALID_ARGUMENT, message,
                        param=path if path and re.fullmatch(r"[A-Za-z0-9_.]+", path) else None)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its call was being served (answered 499)."""
+
+
+def edge_status(exc: BaseException) -> str:
+    """The gRPC status name of the refusal the HTTP edge answers ``exc`` with, as the gRPC API
+    names the same refusal: a ``CallAborted``'s code; INVALID_ARGUMENT for a body the schema
+    refuses (400); RESOURCE_EXHAUSTED for one too large (413, as gRPC refuses a message past
+    its bound); CANCELLED for a client gone (499); else INTERNAL."""
+    if isinstance(exc, CallAborted):
+        return exc.code.name
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        return grpc.StatusCode.INVALID_ARGUMENT.name
+    if isinstance(exc, HTTPException) and exc.status_code == 413:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED.name
+    if isinstance(exc, (ClientGone, asyncio.CancelledError)):
+        return grpc.StatusCode.CANCELLED.name
+    return grpc.StatusCode.INTERNAL.name
 
 
 def _gone() -> JSONResponse:

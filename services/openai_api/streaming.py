@@ -18,15 +18,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway import StreamWriter
 from services.openai_api.context import CallAborted
-from services.openai_api.errors import _gone
+from services.openai_api.errors import ClientGone, _gone
 from services.openai_api.responses import Generation, says_nothing, sse
 from services.openai_api.scope_hooks import end_unfinished
 
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected while its call was being served (answered 499)."""
 
 
 async def until_gone(request: Request) -> None:
