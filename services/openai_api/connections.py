@@ -183,6 +183,7 @@ class ConnectionGuard:
         self.per_address: Counter[str] = Counter()  # by client network (an IPv4 address, an IPv6 /64)
         self.per_network: Counter[str] = Counter()  # by IPv4 /24, IPv6 /48
         self.unauthenticated: dict[Guarded, None] = {}  # oldest first
+        self.lingering: dict[Guarded, None] = {}  # closed, their kernel-held tail counted (``Guarded._linger``)
         self.stats: Counter[str] = Counter()  # by ``CLOSE_REASONS``
 
     def admit(self, conn: Guarded, address: str) -> bool:
@@ -225,6 +226,11 @@ class ConnectionGuard:
         are no uvicorn connection yet, so its shutdown does not see them)."""
         for conn in list(self.unauthenticated):
             conn.end_handshake()
+
+    def end_lingering(self) -> None:
+        """Reset the kernel-held tails of closed connections (the server stops)."""
+        for conn in list(self.lingering):
+            conn.end_lingering()
 
     def _shed_one(self) -> bool:
         """Close the oldest unauthenticated connection still receiving its request, idle, or

@@ -11,26 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 import struct
-import sys
 from typing import Any, cast
 
 from services.openai_api.connections import ConnectionGuard
+from services.openai_api.lingering import Lingering, kernel_unsent
 from services.openai_api.scope_hooks import (
     authenticated,  # noqa: F401 - re-exported
     end_unfinished,  # noqa: F401 - re-exported
     marking,
 )
-
-if sys.platform == "linux":
-    import fcntl
-    import termios
-
-    _SIOCOUTQ: int | None = termios.TIOCOUTQ  # (the same request number on a TCP socket)
-else:
-    _SIOCOUTQ = None
 
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\n"
             b"connection: close\r\n\r\n")
@@ -49,15 +42,10 @@ def _set_send_buffer(tcp: asyncio.Transport, size: int) -> None:
 
 
 def _kernel_unsent(tcp: asyncio.Transport) -> int:
-    """Bytes in ``tcp``'s kernel send queue that its peer has not acknowledged yet (Linux's
-    ``SIOCOUTQ``); 0 where it cannot be read (another platform, a closed socket)."""
+    """Bytes in ``tcp``'s kernel send queue that its peer has not acknowledged yet
+    (``lingering.kernel_unsent``); 0 where it cannot be read."""
     sock = tcp.get_extra_info("socket")
-    if sock is None or _SIOCOUTQ is None:
-        return 0
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0\0\0\0"))[0]
-    except (OSError, ValueError):
-        return 0
+    return 0 if sock is None else kernel_unsent(sock.fileno())
 
 
 def _reset_on_close(tcp: asyncio.Transport) -> None:
@@ -100,6 +88,8 @@ class Guarded:
         self._stall_since = 0.0  # the loop's time of the last account
         self._stall_due = 0.0  # when ``_stall`` is due
         self._behind_s = 0.0  # how far the client has fallen behind the minimum rate, s (>= 0)
+        self._reset = False  # closed by ``_close``'s reset: nothing lingers
+        self._lingering: Lingering | None = None  # its kernel-held tail once closed (``_linger``)
         self._admitted = self.guard.admit(self, self._peer)  # counted by the guard
         if not self._admitted:
             if self.tls_context is None:  # (a TLS client could not read it)
@@ -162,12 +152,53 @@ class Guarded:
             self._close("handshake_ended", b"")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._uncount()
+        if not self._linger(exc):
+            self._uncount()
         self._disarm()
         self._unstall()
         if self._started:
             self._started = False
             super().connection_lost(exc)  # type: ignore[misc]
+
+    def _linger(self, exc: Exception | None) -> bool:
+        """Closed cleanly (uvicorn's close, its keep-alive timeout, ``Connection: close``) with
+        bytes its client has not taken still in the kernel's send queue: keep the kernel socket
+        (a duplicate descriptor), counted, under the minimum read rate, until they are taken
+        (``lingering.Lingering``); True when it does. Not for HTTPS (asyncio's SSL layer has
+        closed the socket by now) nor a connection ``_close`` reset.
+
+        Regression: a whole response small enough for the kernel's send buffer (~2-4 MB) left
+        every count once uvicorn closed its connection, while the kernel held the socket and
+        the response for as long as its client trickled."""
+        if exc is not None or self._reset or not self._admitted or self.tls_context is not None:
+            return False
+        sock = self._accepted.get_extra_info("socket")
+        unsent = 0 if sock is None else kernel_unsent(sock.fileno())
+        if not unsent:
+            return False
+        try:
+            dup = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return False
+        limits = self.guard.limits
+        self.guard.lingering[self] = None
+        self._lingering = Lingering(dup, unsent, self._behind_s, limits.send_stall_timeout_s,
+                                    limits.min_send_rate_bytes_per_s, self._lingered)
+        return True
+
+    def _lingered(self, reason: str | None) -> None:
+        """Its lingering tail ended (``reason``: "send_stalled" when reset for its client's
+        rate): counted, and the connection uncounted."""
+        self._lingering = None
+        self.guard.lingering.pop(self, None)
+        if reason is not None:
+            self.guard.stats[reason] += 1
+        self._uncount()
+
+    def end_lingering(self) -> None:
+        """Reset its kernel-held tail now, if it has one (the server stops)."""
+        if self._lingering is not None:
+            self._lingering.end()
 
     @property
     def _current(self) -> asyncio.Transport:
@@ -205,7 +236,7 @@ class Guarded:
         Regression (review 27a, F2): a keyless connection answering requests it pipelined and
         never read could not be shed either (it was "answering"); 8 of them held the keyless
         share for good."""
-        if self._stall is not None:  # its client, not the server, holds it up (closing or not)
+        if self._stall is not None or self._lingering is not None:  # its client holds it up
             return True
         if self._current.is_closing() or self._answering():
             return False
@@ -216,6 +247,10 @@ class Guarded:
 
     def shed(self) -> None:
         """Closed to make room for a new connection: uncounted now, not when the close lands."""
+        if self._lingering is not None:
+            self.guard.stats["shed"] += 1
+            self._lingering.end()
+            return
         self._close("shed", _REFUSED if self._phase == "head" else b"")
         self._uncount()
 
@@ -382,6 +417,7 @@ class Guarded:
             transport.write(reply)
         if transport.get_write_buffer_size():  # a peer that reads nothing: no flush, a reset
             _reset_on_close(self._accepted)
+            self._reset = True
             transport.abort()
         else:
             transport.close()

@@ -132,5 +132,7 @@ class HttpServer:
             await asyncio.wait_for(self.task, 5.0)
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
             log.warning("HTTP server stop: %s", exc)
+        if self.guard is not None:
+            self.guard.end_lingering()
         if self.accept_log is not None:
             self.accept_log.remove()
