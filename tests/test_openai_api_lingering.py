@@ -71,11 +71,11 @@ def test_an_unread_response_in_the_kernel_stays_counted_and_is_reset() -> None:
 
 
 def test_a_reader_gets_the_whole_response_and_its_end() -> None:
-    """A client that reads the kernel-held response after a pause (0.5 s, within the 1 s
+    """A client that reads the kernel-held response after a pause (0.5 s, within the 2 s
     deadline) gets all of it and then the end of the stream (the FIN follows the data, as
     the close sent it); the connection leaves the counts once the kernel's queue is empty,
     counted as nothing."""
-    limits = ConnectionLimits(send_stall_timeout_s=1.0)
+    limits = ConnectionLimits(send_stall_timeout_s=2.0)
 
     async def body(server: HttpServer, port: int) -> None:
         guard = server.guard
