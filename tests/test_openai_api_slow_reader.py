@@ -5,7 +5,7 @@ raw socket that reads a few bytes at a time.
 
 What such a client holds, measured on this setup (before the fix): not its request's engine
 slot or KV blocks, since the node runs a request to its end whatever its client reads (1,400
-tokens in ~11 s with a reader taking 1 byte/s, its 88 blocks freed at the end), nor beyond
+tokens in ~11-12 s with a reader taking 1 byte/s, its ~89 blocks freed at the end), nor beyond
 ``max_undelivered_bytes`` of its events at the gateway; but its connection, its tenant's
 stream (``max_streams_per_tenant``), the undelivered events and the transport's and kernel's
 buffers, for as long as it trickles: a stream was exempt from the send-stall deadline and left
