@@ -3,6 +3,10 @@
 - A key that worked is remembered for ``_CACHE_TTL_S``. A change of one tenant (its spec, its
   keys, its deletion) forgets that tenant's cached keys alone (``forget_tenant``); a new admin
   key forgets the cached admin key alone (``forget_admin``).
+- So a key deleted or rotated away through *another* gateway may pass here from the cache for
+  up to ``_CACHE_TTL_S`` (until the key directory's next refresh, below, forgets it sooner).
+  The calls that change state or reach a tenant by name (``services.gateway_admin``) therefore
+  confirm their key at the scheduler past the cache (``recheck``), by tenant id, never by name.
 - A key that failed is remembered for ``_CACHE_TTL_S`` and refused with UNAUTHENTICATED
   without asking the scheduler.
 - A key that does not match ``tenants.keys.KEY_PATTERN`` (a missing one included) is refused
@@ -252,6 +256,36 @@ class Authenticator(KnownKeys, CheckLimits):
             await self._refuse(context, "tenant", key, wait_s)
         self._remember_tenant(key, tenant, since)
         return tenant
+
+    async def recheck(self, context: grpc.aio.ServicerContext, caller: Tenant | None) -> Tenant | None:
+        """Confirm at the scheduler now, past this gateway's caches, that the call's key (which
+        passed ``admin``, ``tenant`` or ``admin_or_tenant`` here, maybe from the cache) is still
+        ``caller``'s: the admin key for None, else a key of the tenant whose id is
+        ``caller.tenant_id`` (the id, not the name: a tenant deleted and registered again
+        under its name is another tenant). Returns the tenant as stored now (None for the
+        admin key). A key no longer valid (rotated away, its tenant deleted, through this
+        gateway or another) is forgotten here (its cached success and known id) and the call
+        aborted UNAUTHENTICATED.
+
+        For the calls that change state or reach a tenant by name (``services.gateway_admin``):
+        a key cached here stays valid for up to ``_CACHE_TTL_S`` after a change made at another
+        gateway, which is only told at its next key-directory refresh. Regression (session 32
+        review, cross-tenant takeover): within that window a deleted tenant's key read and
+        rotated the key of a new tenant registered under its name, and a leaked key rotated
+        away by its owner rotated the tenant's key again.
+        """
+        key = bearer_key(context)
+        if caller is None:
+            fresh, ok = None, await self.scheduler.verify_admin_key.remote(key)
+        else:
+            fresh = await self.scheduler.authenticate.remote(key)
+            ok = fresh is not None and fresh.tenant_id == caller.tenant_id
+        if not ok:
+            self.forget_key(key)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "this key is no longer valid: it was rotated away or its tenant deleted "
+                                "(at this or another gateway)")
+        return fresh
 
     def is_verified(self, context: grpc.aio.ServicerContext) -> bool:
         """Whether the call's key passed a check here lately (a cached tenant or admin key)."""

@@ -73,6 +73,18 @@ class KnownKeys:
             for key_id in list(self._known_by_owner.get(name, ())):
                 self._unknow(key_id)
 
+    def forget_key(self, key: str) -> None:
+        """Forget ``key`` alone (the scheduler answered that it is no longer valid: rotated
+        away, or its tenant deleted, through another gateway): its cached success as a tenant's
+        or the admin key, and its id's knowledge here; other keys stay."""
+        key_id = parse_key_id(key)
+        fp = fingerprint(key)
+        self._forgets += 1
+        self._tenants.pop(fp, None)
+        self._admins.pop(fp, None)
+        if key_id is not None:
+            self._unknow(key_id)
+
     def forget_admin(self) -> None:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
         self._forgets += 1

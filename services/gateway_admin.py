@@ -17,10 +17,17 @@ import grpc
 
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import convert
-from services.auth import Authenticator
+from services.auth import Authenticator, bearer_key
 from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics
-from tenants.errors import TenantExistsError, TenantNotFoundError, TooManyRotationsError
+from tenants.errors import (
+    NotOwnTenantError,
+    StaleKeyError,
+    TenantExistsError,
+    TenantNotFoundError,
+    TooManyRotationsError,
+)
+from tenants.model import Tenant
 
 
 def _message(exc: BaseException) -> str:
@@ -30,10 +37,18 @@ def _message(exc: BaseException) -> str:
     return str(cause if isinstance(cause, BaseException) else exc)
 
 
-async def _call(context: grpc.aio.ServicerContext, ref: Any) -> Any:
-    """Await an actor call, mapping tenant errors and bad input to statuses."""
+async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None) -> Any:
+    """Await an actor call, mapping tenant errors and bad input to statuses. ``stale``: called
+    (no arguments) before the call is aborted UNAUTHENTICATED because the scheduler found the
+    caller's key no longer valid (``StaleKeyError``), to forget it here."""
     try:
         return await ref
+    except StaleKeyError as exc:
+        if stale is not None:
+            stale()
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _message(exc))
+    except NotOwnTenantError as exc:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _message(exc))
     except TooManyRotationsError as exc:
         cause = getattr(exc, "cause", None)
         retry_after_ms = (cause if isinstance(cause, TooManyRotationsError) else exc).retry_after_ms
@@ -62,10 +77,25 @@ async def ask_live(nodes: dict[str, Any], monitor: Any, call: Any, timeout_s: fl
     return dict(zip(live, answers))
 
 
+async def fresh_admin(auth: Authenticator, context: Any) -> None:
+    """``auth.admin``, then confirmed at the scheduler past the gateway's key cache
+    (``Authenticator.recheck``): for the calls that change state or read tenants, which an
+    admin key rotated away through another gateway must not make in the seconds this
+    gateway's cache would still accept it."""
+    await auth.admin(context)
+    await auth.recheck(context, None)
+
+
 class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
     """Tenants, their keys and usage. ``nodes`` and ``monitor`` (as ``AdminServicer``'s): the
     cache nodes ``GetUsage`` asks for the blocks a tenant holds now. ``metrics``: the gateway's
-    request metrics, whose series of a deleted tenant ``DeleteTenant`` removes (None: none)."""
+    request metrics, whose series of a deleted tenant ``DeleteTenant`` removes (None: none).
+
+    Every call's key is confirmed at the scheduler, past this gateway's 10-s key cache
+    (``fresh_admin``, ``_own_or_admin``): with several gateways (``attach_gateway``) a key
+    deleted or rotated away through one is still cached at the others for up to that long. A
+    tenant's own calls are matched to it by tenant id, never by name, and pass that id (its key,
+    for a rotation) to the scheduler, which checks it again where it acts."""
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any] | None = None,
                  monitor: Any = None, node_timeout_s: float = 30.0, metrics: GatewayMetrics | None = None) -> None:
@@ -82,7 +112,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def RegisterTenant(self, request, context):
-        await self.auth.admin(context)
+        await fresh_admin(self.auth, context)
         spec = await self._spec(request.spec, context)
         tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec))
         return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
@@ -90,7 +120,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
     async def UpdateTenant(self, request, context):
         """Replace tenant ``name``'s spec; ``spec.name`` may be left empty (it is ``name``).
         An unknown tenant is NOT_FOUND, a differing ``spec.name`` INVALID_ARGUMENT (no renames)."""
-        await self.auth.admin(context)
+        await fresh_admin(self.auth, context)
         wire = request.spec
         if not wire.name:  # regression: an unknown tenant got INVALID_ARGUMENT ("name is empty")
             wire = tenant_pb2.TenantSpec()
@@ -106,7 +136,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         metric series here (``GatewayMetrics.forget_tenant``, told its id so that a request of
         it still in flight exports none again). Regression (security review 23d, F): the
         deleted tenant's series stayed in ``/metrics`` until the gateway restarted."""
-        await self.auth.admin(context)
+        await fresh_admin(self.auth, context)
         tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
         await _call(context, self.scheduler.delete_tenant.remote(request.name))
         self.auth.forget_tenant(request.name, keys_gone=True)
@@ -114,37 +144,56 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
             self.metrics.forget_tenant(request.name, tenant.tenant_id)
         return tenant_pb2.DeleteTenantResponse()
 
-    async def _own_or_admin(self, context: Any, name: str) -> bool:
-        """The admin key (False), or the key of the tenant called ``name`` (True); else
-        PERMISSION_DENIED (another tenant's key) or UNAUTHENTICATED (no valid key)."""
+    async def _own_or_admin(self, context: Any, name: str) -> Tenant | None:
+        """None for the admin key; for a key of the tenant called ``name``, that tenant as the
+        store holds it now. Both confirmed at the scheduler past this gateway's key cache
+        (``Authenticator.recheck``: UNAUTHENTICATED for a key rotated away or of a deleted
+        tenant, through any gateway). PERMISSION_DENIED for another tenant's key,
+        UNAUTHENTICATED (or RESOURCE_EXHAUSTED: ``Authenticator``) for no valid key.
+
+        The caller's tenant id is what the handlers then pass to the scheduler (and compare):
+        a tenant deleted since and registered again under ``name`` is another tenant."""
         caller = await self.auth.admin_or_tenant(context)
-        if caller is not None and caller.name != name:
+        caller = await self.auth.recheck(context, caller)
+        if caller is not None and caller.spec.name != name:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "a tenant key reaches only its own tenant")
-        return caller is not None
+        return caller
+
+    async def _tenant_of(self, context: Any, name: str, caller: Tenant | None) -> Tenant:
+        """Tenant ``name``: for the admin (``caller`` None) whichever it is (NOT_FOUND for
+        none); for a tenant's own call, only while ``name`` is still ``caller``'s tenant id
+        (else UNAUTHENTICATED: the caller's tenant was deleted meanwhile, and its key goes from
+        this gateway's cache)."""
+        if caller is None:
+            return await _call(context, self.scheduler.get_tenant.remote(name))
+        return await _call(context, self.scheduler.get_tenant.remote(name, tenant_id=caller.tenant_id),
+                           stale=lambda: self.auth.forget_tenant_id(caller.tenant_id))
 
     async def GetTenant(self, request, context):
-        """The admin key reads any tenant; a tenant's own key reads only its own."""
-        await self._own_or_admin(context, request.name)
-        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
+        """The admin key reads any tenant; a tenant's own key reads only its own (by its id:
+        ``_own_or_admin``, ``_tenant_of``)."""
+        caller = await self._own_or_admin(context, request.name)
+        tenant = await self._tenant_of(context, request.name, caller)
         return tenant_pb2.GetTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
     async def ListTenants(self, request, context):
-        await self.auth.admin(context)
+        await fresh_admin(self.auth, context)
         tenants = await self.scheduler.list_tenants.remote()
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
     async def GetUsage(self, request, context):
         """The admin key reads any tenant's usage; a tenant's own key reads only its own (a
-        fresh-user trial: a tenant could not see what it had used). ``blocks_held`` and
-        ``session_blocks_held`` are summed over the healthy nodes' ``tenant_blocks`` (a node
-        that does not answer adds nothing).
+        fresh-user trial: a tenant could not see what it had used), by its id (``_tenant_of``:
+        a deleted tenant's key never reads the usage of a tenant registered since under its
+        name). ``blocks_held`` and ``session_blocks_held`` are summed over the healthy nodes'
+        ``tenant_blocks`` (a node that does not answer adds nothing).
 
         Regression (new-user report): ``blocks_held`` was a ledger gauge nothing ever set, so
         ``kvstrata tenant show`` said 0 blocks held while ``kvstrata status`` counted the
         tenant's idle sessions' blocks."""
-        await self._own_or_admin(context, request.name)
-        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
-        usage = await self.scheduler.usage_of.remote(tenant.tenant_id)
+        caller = await self._own_or_admin(context, request.name)
+        tenant = await self._tenant_of(context, request.name, caller)
+        usage = await _call(context, self.scheduler.usage_of.remote(tenant.tenant_id))
         answers = await ask_live(self.nodes, self.monitor, lambda n: n.tenant_blocks.remote(tenant.tenant_id),
                                  self.node_timeout_s)
         held = [a for a in answers.values() if isinstance(a, dict)]
@@ -154,7 +203,11 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
     async def RotateKey(self, request, context):
-        """The admin key rotates any tenant's key; a tenant's own key rotates only its own.
+        """The admin key rotates any tenant's key; a tenant's own key rotates only its own: the
+        scheduler is given the key itself, checks it again and rotates only while it is still
+        one of that tenant's keys (``GlobalScheduler.rotate_tenant_key``: a compare-and-swap
+        by tenant id and key id), so a key rotated away or of a deleted tenant, still in some
+        gateway's key cache, rotates nothing (UNAUTHENTICATED).
 
         Regression (secrev16 fault B): it dropped every tenant's cached key at the gateway
         (``Authenticator.forget``), which let a tenant lock another out; it forgets the
@@ -164,11 +217,19 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         took a place in the gateway's one table of known key ids, so 65,536 of them pushed out
         every other tenant's. A tenant's own key now rotates at most
         ``services.global_scheduler_tenants.OWN_ROTATIONS_PER_WINDOW`` times a minute at the scheduler (past that
-        RESOURCE_EXHAUSTED with ``retry-after-ms``), and its rotated-away ids are forgotten here."""
-        own = await self._own_or_admin(context, request.name)
-        key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, own=own))
+        RESOURCE_EXHAUSTED with ``retry-after-ms``), and its rotated-away ids are forgotten here.
+
+        Regression (session 32 review, cross-tenant takeover): the own rotation was checked
+        against this gateway's cached key and named the tenant alone; a deleted tenant's key
+        cached at a second gateway rotated (took) the key of a new tenant registered under its
+        name, and a leaked key its owner had rotated away at one gateway rotated again at
+        another."""
+        caller = await self._own_or_admin(context, request.name)
+        key = bearer_key(context) if caller is not None else None
+        stale = (lambda: self.auth.forget_key(key)) if key is not None else None
+        new_key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, api_key=key), stale)
         self.auth.forget_tenant(request.name, keys_gone=True)
-        return tenant_pb2.RotateKeyResponse(api_key=key)
+        return tenant_pb2.RotateKeyResponse(api_key=new_key)
 
 
 FLUSH_KINDS = ("device", "prefixes", "host", "spill")
@@ -276,7 +337,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     Regression (review 29a F7): Flush and Drain answered OK with zeros when a node did not
     answer, and a spill tier not flushed was reported flushed. Regression (session 30): a spill
     node silent for the spill client's 30 s was 0 blocks dropped and the flush OK, or, racing
-    the gateway's own 30 s, the cache node was named as not answering."""
+    the gateway's own 30 s, the cache node was named as not answering.
+
+    Flush, Drain and RotateAdminKey confirm the admin key at the scheduler past this gateway's
+    key cache (``fresh_admin``; RotateAdminKey by the scheduler's compare-and-swap on the key
+    presented), so an admin key rotated away through another gateway makes none of them here;
+    Stats takes the cached check."""
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
                  monitor: Any = None, node_timeout_s: float = 30.0) -> None:
@@ -318,7 +384,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
 
     async def Flush(self, request, context):
-        await self.auth.admin(context)
+        await fresh_admin(self.auth, context)
         skipped = self._held_down()  # before asking: what ask_live leaves out (review 29o F3)
         spill_s = spill_timeout_s(self.node_timeout_s)  # ends before ours on the node: it names the spill node
         answers = await self._ask_live(lambda n: n.flush_by_tier.remote(spill_s))
@@ -341,7 +407,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                                        spill_blocks=freed["spill"], skipped_nodes=skipped)
 
     async def Drain(self, request, context):
-        await self.auth.admin(context)
+        await fresh_admin(self.auth, context)
         timeout_s = request.timeout_s
         if not math.isfinite(timeout_s) or timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0 seconds, got {timeout_s}")
@@ -356,7 +422,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.DrainResponse(aborted=aborted, skipped_nodes=skipped)
 
     async def RotateAdminKey(self, request, context):
+        """Replace the admin key. The scheduler is given the key presented, checks it and
+        rotates only while it is still the admin key (a compare-and-swap), so an admin key
+        rotated away through another gateway, still in this one's key cache, rotates nothing
+        (UNAUTHENTICATED): it cannot take the admin key back."""
         await self.auth.admin(context)
-        key = await self.scheduler.rotate_admin_key.remote()
+        presented = bearer_key(context)
+        key = await _call(context, self.scheduler.rotate_admin_key.remote(api_key=presented),
+                          stale=lambda: self.auth.forget_key(presented))
         self.auth.forget_admin()
         return admin_pb2.RotateAdminKeyResponse(api_key=key)

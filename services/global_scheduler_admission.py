@@ -166,11 +166,11 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.verify_admin_key``, in a worker thread (as ``authenticate``)."""
         return await asyncio.to_thread(super().verify_admin_key, key, allow_pbkdf2)
 
-    async def rotate_tenant_key(self, name: str, own: bool = False) -> str:
+    async def rotate_tenant_key(self, name: str, api_key: str | None = None) -> str:
         """``GlobalScheduler.rotate_tenant_key`` in a worker thread (a SQLite commit: 1-12 ms
         on a file store, which a tenant's own rotations made on the loop that serves
         admissions; secrev18 A), as ``authenticate``."""
-        return await asyncio.to_thread(super().rotate_tenant_key, name, own)
+        return await asyncio.to_thread(super().rotate_tenant_key, name, api_key)
 
     async def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
         """``GlobalScheduler.register_tenant`` in a worker thread (a SQLite commit), as

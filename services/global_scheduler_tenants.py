@@ -1,6 +1,8 @@
 """The global scheduler's tenant calls: the admin key, tenants and their keys, usage.
 
-The gateway checks the admin key before any of these (``services.auth``); they delegate to the
+The gateway checks the admin key before any of these (``services.auth``), or the tenant's key
+for a tenant's own calls, which pass what identifies the caller here (its tenant id, or the key
+itself for a rotation: checked again here, past the gateways' key caches); they delegate to the
 tenant store (``tenants.store``) and the usage ledger. ``Tenants`` is a part of
 ``services.global_scheduler.GlobalScheduler``.
 """
@@ -13,7 +15,13 @@ from typing import Any
 
 from services.block_index import CommonPrefix
 from services.global_scheduler_routing import RoutingKeys
-from tenants.errors import TenantNotFoundError, TooManyRotationsError
+from tenants.errors import (
+    NotOwnTenantError,
+    StaleKeyError,
+    TenantNotFoundError,
+    TooManyRotationsError,
+)
+from tenants.keys import parse_key_id
 from tenants.model import Tenant, TenantSpec
 from tenants.ratelimit import WindowLimiter
 from tenants.store import DELETED_PAGE, MAX_DELETED_TENANTS, TenantStore
@@ -28,7 +36,7 @@ OWN_ROTATION_WINDOW_S = 60.0
 class Tenants:
     """The tenant part of ``GlobalScheduler`` (its ``store``, ``usage``, ``specs``,
     ``deleted_tenants`` and ``own_rotations``: a ``WindowLimiter`` of
-    ``OWN_ROTATIONS_PER_WINDOW`` per ``OWN_ROTATION_WINDOW_S`` by tenant name, made by
+    ``OWN_ROTATIONS_PER_WINDOW`` per ``OWN_ROTATION_WINDOW_S`` by tenant id, made by
     ``own_rotation_limiter``).
 
     ``specs`` holds every tenant's spec, kept current here: admission reads nothing else, and
@@ -71,26 +79,65 @@ class Tenants:
         """Commit ``key`` (already saved by the caller) as the admin key; True if rotated."""
         return self.store.set_admin_key(key)
 
-    def rotate_admin_key(self) -> str:
-        return self.store.rotate_admin_key()
+    def rotate_admin_key(self, api_key: str | None = None) -> str:
+        """Replace the admin key; returns the new one. ``api_key``: the admin key the caller
+        presented, checked here now (no gateway's cache) and the rotation made only while it
+        is still the admin key (``TenantStore.rotate_admin_key``'s compare-and-swap), so a key
+        rotated away through another gateway, still in this gateway's key cache, cannot rotate
+        it again (and so take it over). None: unconditional.
 
-    def rotate_tenant_key(self, name: str, own: bool = False) -> str:
-        """Replace tenant ``name``'s keys with a new one; returns it. ``own``: the tenant asked
-        with its own key, which it may do ``OWN_ROTATIONS_PER_WINDOW`` times per
-        ``OWN_ROTATION_WINDOW_S`` (the admin key's rotations are not limited).
+        Raises:
+            StaleKeyError: ``api_key`` is not (or no longer) the admin key (nothing changed).
+        """
+        if api_key is None:
+            return self.store.rotate_admin_key()
+        if not self.store.verify_admin_key(api_key):
+            raise StaleKeyError("")
+        return self.store.rotate_admin_key(key_id=parse_key_id(api_key))
+
+    def rotate_tenant_key(self, name: str, api_key: str | None = None) -> str:
+        """Replace tenant ``name``'s keys with a new one; returns it.
+
+        Args:
+            name: the tenant.
+            api_key: None for the admin's rotation (the gateway checked the admin key). For a
+                tenant's own rotation, the key it presented: checked here now, past every
+                gateway's key cache (``TenantStore.authenticate``), it must be a key of the
+                tenant called ``name`` (its id compared, not its name: a tenant deleted and
+                registered again under ``name`` is another tenant), and the rotation is made
+                only while that key is still one of that tenant's (``TenantStore.rotate_key``'s
+                compare-and-swap). A tenant rotates its own key at most
+                ``OWN_ROTATIONS_PER_WINDOW`` times per ``OWN_ROTATION_WINDOW_S`` (counted by
+                tenant id; the admin key's rotations are not limited).
 
         Regression (secrev18 A): a tenant could rotate its own key without limit, each new key
         taking a place in every gateway's known key ids (65,536 rotations pushed out every
         other tenant's) and each a synchronous SQLite commit on the scheduler's loop
         (``GlobalSchedulerService`` now runs it in a worker thread).
 
+        Regression (session 32 review, cross-tenant takeover): the own rotation named only the
+        tenant, with the key checked from a gateway's 10-s cache by name. A key deleted or
+        rotated away through one gateway, still cached at another, rotated there: a deleted
+        "alice"'s key took the key of a new tenant registered as "alice" (locking its owner
+        out), and a leaked key its owner had rotated away rotated again and took the tenant.
+
         Raises:
-            TooManyRotationsError: ``own`` past the limit (nothing rotated).
-            TenantNotFoundError: no tenant ``name``.
+            StaleKeyError: ``api_key`` is no tenant's key now, or not ``name``'s current one
+                (nothing rotated).
+            NotOwnTenantError: ``api_key`` is another tenant's key (nothing rotated).
+            TooManyRotationsError: an own rotation past the limit (nothing rotated).
+            TenantNotFoundError: no tenant ``name`` (the admin's rotation).
         """
-        if own and not self.own_rotations.try_acquire(name):
-            raise TooManyRotationsError(name, self.own_rotations.retry_after_s(name))
-        return self.store.rotate_key(name)
+        if api_key is None:
+            return self.store.rotate_key(name)
+        caller = self.store.authenticate(api_key)
+        if caller is None:
+            raise StaleKeyError(name)
+        if caller.spec.name != name:
+            raise NotOwnTenantError(name)
+        if not self.own_rotations.try_acquire(caller.tenant_id):
+            raise TooManyRotationsError(name, self.own_rotations.retry_after_s(caller.tenant_id))
+        return self.store.rotate_key(name, tenant_id=caller.tenant_id, key_id=parse_key_id(api_key))
 
     def knows_tenant(self, tenant_id: str) -> bool:
         """Whether ``tenant_id`` is a tenant of the store (``specs``, never a store read).
@@ -199,10 +246,27 @@ class Tenants:
             for inbox in self.node_inboxes.values():
                 self.commands.send(inbox, {"op": "end_tenant", "tenant": tenant_id})
 
-    def get_tenant(self, name: str) -> Tenant:
+    def get_tenant(self, name: str, tenant_id: str = "") -> Tenant:
         """``TenantStore.get``; notes the spec as ``authenticate`` does (a tenant registered
-        in the store by another connection since this scheduler started is then known)."""
-        return self._note(self.store.get(name))
+        in the store by another connection since this scheduler started is then known).
+
+        ``tenant_id``: for a tenant's own call, the caller's tenant id (from its key): a tenant
+        called ``name`` with another id (the caller's was deleted, and ``name`` registered
+        again) or none at all is ``StaleKeyError``, never the other tenant.
+
+        Raises:
+            TenantNotFoundError: no tenant ``name`` (``tenant_id`` empty).
+            StaleKeyError: ``tenant_id`` given and ``name`` is not that tenant now.
+        """
+        if not tenant_id:
+            return self._note(self.store.get(name))
+        try:
+            tenant = self.store.get(name)
+        except TenantNotFoundError:
+            raise StaleKeyError(name) from None
+        if tenant.tenant_id != tenant_id:
+            raise StaleKeyError(name)
+        return self._note(tenant)
 
     def list_tenants(self) -> tuple[Tenant, ...]:
         return tuple(self._note(t) for t in self.store.list())

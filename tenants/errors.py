@@ -59,3 +59,24 @@ class TooManyRotationsError(TenantError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.retry_after_s))
+
+
+class StaleKeyError(TenantError):
+    """The key a call presented is no longer valid (gRPC UNAUTHENTICATED): it was rotated away
+    or its tenant deleted (a tenant registered since under the same name has a new id and new
+    keys), possibly through another gateway whose change this gateway's key cache has not seen
+    yet. Nothing was changed. ``name`` is the tenant named by the call ("" for the admin key's
+    own rotation)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, "this admin key is no longer valid: it was rotated (at this or another gateway)"
+                         if not name else f"this key is no longer valid for tenant {name!r}: it was rotated away "
+                         "or its tenant deleted (at this or another gateway)")
+
+
+class NotOwnTenantError(TenantError):
+    """A tenant's key asked about another tenant (gRPC PERMISSION_DENIED): a tenant key reaches
+    only its own tenant."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, f"a tenant key reaches only its own tenant, not {name!r}")

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tenants.errors import TenantNotFoundError
+from tenants.errors import StaleKeyError, TenantNotFoundError
 from tenants.keys import (
     KeyHash,
     fingerprint,
@@ -93,27 +93,42 @@ class ApiKeys:
             return None
         return _tenant(row[:3])
 
-    def rotate_key(self, name: str) -> str:
+    def rotate_key(self, name: str, tenant_id: str | None = None, key_id: str | None = None) -> str:
         """Replace all of a tenant's keys with a new one; old keys stop working at once.
+
+        Args:
+            name: the tenant's name.
+            tenant_id, key_id: for a tenant's own rotation, the caller's tenant id and the id of
+                the key it presented (already checked by the caller, ``authenticate``): the
+                rotation is made only if, in the same transaction, ``name`` is still that
+                tenant and that key is still one of its keys (a compare-and-swap: a key
+                rotated away, or of a tenant deleted and registered again under ``name``,
+                rotates nothing, even in a race with that change). None: the admin's rotation.
 
         Returns:
             The new plaintext key (shown once).
 
         Raises:
-            TenantNotFoundError: no tenant ``name``.
+            TenantNotFoundError: no tenant ``name`` (the admin's rotation).
+            StaleKeyError: ``tenant_id``/``key_id`` given and ``name`` is no longer that tenant
+                or the key is no longer its (nothing changed).
         """
         api_key, key_hash = generate_api_key()
+        own = tenant_id is not None or key_id is not None
         with self._lock:
             with self._conn:
                 row = self._conn.execute(
                     "SELECT tenant_id FROM tenants WHERE name = ?", (name,)
                 ).fetchone()
                 if row is None:
-                    raise TenantNotFoundError(name)
-                gone = self._conn.execute("SELECT key_id FROM api_keys WHERE tenant_id = ?", row).fetchall()
+                    raise StaleKeyError(name) if own else TenantNotFoundError(name)
+                gone = [key_id for (key_id,) in self._conn.execute(
+                    "SELECT key_id FROM api_keys WHERE tenant_id = ? AND role = 'tenant'", row).fetchall()]
+                if own and (row[0] != tenant_id or key_id not in gone):
+                    raise StaleKeyError(name)
                 self._conn.execute("DELETE FROM api_keys WHERE tenant_id = ?", row)
                 self._insert_key(key_hash, "tenant", row[0], self._clock())
-            self._log_keys(added=[key_hash.key_id], removed=[key_id for (key_id,) in gone])
+            self._log_keys(added=[key_hash.key_id], removed=gone)
         return api_key
 
     def ensure_admin_key(self) -> str | None:
@@ -133,10 +148,20 @@ class ApiKeys:
             self._log_keys(added=[key_hash.key_id])
         return api_key
 
-    def rotate_admin_key(self) -> str:
-        """Replace the admin key (e.g. when lost); returns the new plaintext, shown once."""
+    def rotate_admin_key(self, key_id: str | None = None) -> str:
+        """Replace the admin key (e.g. when lost); returns the new plaintext, shown once.
+
+        Args:
+            key_id: the id of the admin key the caller presented (already verified by the
+                caller): the rotation is made only if it is still the admin key's, in the same
+                transaction (a compare-and-swap: a key rotated away, through any gateway,
+                rotates nothing). None: unconditional (``kvstrata admin rotate-key --local``).
+
+        Raises:
+            StaleKeyError: ``key_id`` is no longer the admin key's (nothing changed).
+        """
         api_key, key_hash = generate_api_key()
-        self._replace_admin_key(key_hash)
+        self._replace_admin_key(key_hash, key_id)
         return api_key
 
     def set_admin_key(self, api_key: str) -> bool:
@@ -158,13 +183,18 @@ class ApiKeys:
         with self._lock:
             return self._conn.execute(_HAS_ADMIN_KEY).fetchone() is not None
 
-    def _replace_admin_key(self, key_hash: KeyHash) -> bool:
+    def _replace_admin_key(self, key_hash: KeyHash, expected_key_id: str | None = None) -> bool:
+        """Make ``key_hash`` the admin key (only if ``expected_key_id``, when given, is the
+        current admin key's id: else ``StaleKeyError``); True when one was replaced."""
         with self._lock:
             with self._conn:
-                gone = self._conn.execute("SELECT key_id FROM api_keys WHERE role = 'admin'").fetchall()
+                gone = [key_id for (key_id,) in
+                        self._conn.execute("SELECT key_id FROM api_keys WHERE role = 'admin'").fetchall()]
+                if expected_key_id is not None and expected_key_id not in gone:
+                    raise StaleKeyError("")
                 self._conn.execute("DELETE FROM api_keys WHERE role = 'admin'")
                 self._insert_key(key_hash, "admin", None, self._clock())
-            self._log_keys(added=[key_hash.key_id], removed=[key_id for (key_id,) in gone])
+            self._log_keys(added=[key_hash.key_id], removed=gone)
         return bool(gone)
 
     def verify_admin_key(self, api_key: str, allow_pbkdf2: bool = True) -> bool:

@@ -6,6 +6,7 @@ typer's CliRunner.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -21,6 +22,7 @@ from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from tenants.keys import KEY_PATTERN, read_key_file, write_key_file
 from tenants.model import TenantSpec
 from tests.gateway_harness import serve
+from tests.test_auth_flood import _Ctx
 
 
 def _md(key: str) -> tuple[tuple[str, str], ...]:
@@ -195,7 +197,10 @@ def test_rotating_a_key_never_unprotects_another_tenants_key(gateway) -> None:
 
 def test_changing_a_tenant_forgets_only_its_own_cached_keys(gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     """secrev16 fault B: RotateKey, UpdateTenant and DeleteTenant of one tenant, and
-    RotateAdminKey, leave every other tenant's cached key in the gateway (no new check)."""
+    RotateAdminKey, leave every other tenant's cached key in the gateway (no new check). The
+    probe is the gateway's cached key check (``Authenticator.tenant``, as inference calls make
+    it): the tenant service's own calls confirm every key at the scheduler anyway
+    (``Authenticator.recheck``, since the session 32 review)."""
     store = gateway.scheduler.store
     _, victim = store.register(TenantSpec("victim"))
     _, other = store.register(TenantSpec("other"))
@@ -211,7 +216,7 @@ def test_changing_a_tenant_forgets_only_its_own_cached_keys(gateway, monkeypatch
     with grpc.insecure_channel(gateway.address) as ch:
         tenants = tenant_pb2_grpc.TenantServiceStub(ch)
         admin = admin_pb2_grpc.AdminServiceStub(ch)
-        get = lambda: tenants.GetTenant(tenant_pb2.GetTenantRequest(name="victim"), metadata=_md(victim))
+        get = lambda: asyncio.run_coroutine_threadsafe(gateway.auth.tenant(_Ctx(victim)), gateway.loop).result(10)
         get()
         other = tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="other"), metadata=_md(other)).api_key
         get()

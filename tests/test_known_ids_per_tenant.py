@@ -131,38 +131,41 @@ def test_a_key_admission_finds_of_no_tenant_is_forgotten_by_its_tenant_id() -> N
 def test_own_rotations_are_limited_per_tenant(tmp_path: Path) -> None:
     """Regression (secrev18 A): a tenant could rotate its own key without limit. Now
     ``OWN_ROTATIONS_PER_WINDOW`` a window pass and the next is refused with the wait; another
-    tenant's and the admin's rotations are not limited by it, and the window passing lifts it."""
+    tenant's and the admin's rotations are not limited by it, and the window passing lifts it.
+    (An own rotation presents the tenant's key: ``rotate_tenant_key``'s ``api_key``.)"""
     now = [0.0]
     gs = GlobalScheduler(str(tmp_path), {"n0": 1}, clock=lambda: now[0])
-    gs.register_tenant(TenantSpec("ann"))
-    gs.register_tenant(TenantSpec("bob"))
+    _, ann = gs.register_tenant(TenantSpec("ann"))
+    _, bob = gs.register_tenant(TenantSpec("bob"))
     for _ in range(OWN_ROTATIONS_PER_WINDOW):
-        gs.rotate_tenant_key("ann", own=True)
+        ann = gs.rotate_tenant_key("ann", api_key=ann)
     now[0] = 10.0
     with pytest.raises(TooManyRotationsError) as err:
-        gs.rotate_tenant_key("ann", own=True)
+        gs.rotate_tenant_key("ann", api_key=ann)
 
     assert err.value.retry_after_s == pytest.approx(OWN_ROTATION_WINDOW_S - 10.0)
-    assert gs.store.authenticate(gs.rotate_tenant_key("ann")).spec.name == "ann"  # the admin's
-    assert gs.store.authenticate(gs.rotate_tenant_key("bob", own=True)).spec.name == "bob"
+    assert gs.store.authenticate(ann) is not None  # the refused rotation changed nothing
+    ann = gs.rotate_tenant_key("ann")  # the admin's
+    assert gs.store.authenticate(ann).spec.name == "ann"
+    assert gs.store.authenticate(gs.rotate_tenant_key("bob", api_key=bob)).spec.name == "bob"
     now[0] = OWN_ROTATION_WINDOW_S + 0.1
-    assert gs.store.authenticate(gs.rotate_tenant_key("ann", own=True)).spec.name == "ann"
+    assert gs.store.authenticate(gs.rotate_tenant_key("ann", api_key=ann)).spec.name == "ann"
 
 
 def test_rotation_commits_in_a_worker_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (secrev18 A): each rotation's SQLite commit (1-12 ms) ran on the scheduler's
     event loop, which answers every admission; it runs in a worker thread now."""
     scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
-    scheduler.store.register(TenantSpec("ann"))
+    _, key = scheduler.store.register(TenantSpec("ann"))
     threads: list[int] = []
     real = scheduler.store.rotate_key
 
-    def rotate_key(name: str) -> str:
+    def rotate_key(name: str, **expected: str) -> str:
         threads.append(threading.get_ident())
-        return real(name)
+        return real(name, **expected)
 
     monkeypatch.setattr(scheduler.store, "rotate_key", rotate_key)
-    key = asyncio.run(scheduler.rotate_tenant_key("ann", own=True))
+    key = asyncio.run(scheduler.rotate_tenant_key("ann", api_key=key))
 
     assert threads and threads[0] != threading.get_ident()
     assert scheduler.store.authenticate(key).spec.name == "ann"
