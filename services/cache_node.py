@@ -320,8 +320,9 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self.close_data_plane()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        if not self._thread.is_alive():  # its sockets are the step thread's alone
+        if not self._thread.is_alive():  # its sockets and its engine's grammars are the step thread's alone
             self._pusher.close()
+            self.engine.close_structured_output()  # its compiler processes end now, not when it is collected
 
 
 
