@@ -154,6 +154,12 @@ class BlockPool:
             self._drop_hash(block)
         self.num_released_hashes += len(hashed)
 
+    def forget_hashes(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop the hashes of ``blocks`` whatever holds them: their KV is about to change
+        (``KVCacheManager._guard_writes``), so no later prefix hit may match them."""
+        for block in blocks:
+            self._drop_hash(block)
+
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

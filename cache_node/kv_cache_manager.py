@@ -6,12 +6,15 @@ Narrow API (vLLM v1 ``KVCacheManager`` / nano-vllm ``BlockManager`` shape):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from cache_node.block import KVBlock
 from cache_node.block_pool import BlockPool
 from cache_node.hashing import HashFn, blake2b_256, extend_block_hashes
 from cache_node.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,6 +35,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.hash_fn = hash_fn
         self.promote_hook: Callable[[Sequence, list[KVBlock]], list[KVBlock]] | None = None
+        self.num_cached_writes = 0  # prefix-cached blocks a sequence was about to write into (a bug)
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """Chained hashes of the sequence's first ``num_full_blocks`` blocks (memoized on seq)."""
@@ -99,6 +103,8 @@ class KVCacheManager:
         debt = seq.kv.charge_debt if seq.kv is not None else 0
         if max(num_new_blocks, 0) + revived + debt > self.pool.num_free_blocks():
             return None
+        held = seq.block_table + computed_blocks if computed_blocks else seq.block_table
+        self._guard_writes(seq, held, num_computed, num_new_tokens)
         self.pool.touch(computed_blocks)  # before allocating: allocation may evict free cached blocks
         seq.block_table.extend(computed_blocks)
         new_blocks = self.pool.allocate(max(num_new_blocks, 0)) or []
@@ -106,6 +112,22 @@ class KVCacheManager:
         if debt:
             seq.kv.pay_debt(self.pool.allocate(debt))
         return new_blocks
+
+    def _guard_writes(self, seq: Sequence, blocks: list[KVBlock], first_slot: int, num_slots: int) -> None:
+        """The invariant: a block whose hash is registered in the prefix cache is never written
+        again (a hit on its tokens would read the new KV). ``seq`` is about to write physical
+        slots ``[first_slot, first_slot + num_slots)`` of ``blocks`` (its block table, the
+        prefix hit included): any of them carrying a hash is a bug upstream (e.g. a session
+        history keeping a block its turn filled and the cache hashed: ``SessionTable._seal``).
+        It is logged and counted (``num_cached_writes``: ``check_integrity`` fails on it), and
+        the hash dropped, so no later hit reads the overwritten KV."""
+        bs = self.block_size
+        hit = [b for b in blocks[first_slot // bs : cdiv(first_slot + num_slots, bs)] if b.block_hash is not None]
+        if hit:
+            log.error("request %s would write into prefix-cached blocks %s: their hashes are dropped",
+                      seq.request_id, [b.block_id for b in hit])
+            self.num_cached_writes += len(hit)
+            self.pool.forget_hashes(hit)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Make every full block whose KV is computed matchable by later prompts."""
@@ -129,4 +151,9 @@ class KVCacheManager:
             seq.kv.reset()
 
     def check_integrity(self) -> None:
+        """Raise RuntimeError when pool bookkeeping is inconsistent (``BlockPool``), or when a
+        sequence was about to write into a prefix-cached block (``_guard_writes``)."""
         self.pool.check_integrity()
+        if self.num_cached_writes:
+            raise RuntimeError(f"{self.num_cached_writes} prefix-cached blocks were about to be written again: a "
+                               f"prefix hit on their tokens would have read other KV")

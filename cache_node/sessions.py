@@ -16,6 +16,12 @@ it recomputes only its own tokens and decodes as never preempted; an aborted tur
 history as it was, KV included. Only the engine's last resort for blocks drops a kept history
 (``SessionKept.drop``).
 
+A block whose hash is registered in the prefix cache is never written again: a turn lent the
+history's partly filled last block fills it with its own tokens, and the cache may hash it; a
+history that keeps such a block (the turn cancelled, undone or restarted) drops it before a
+turn writes past the history (``SessionTable._seal``), as a cut history does (``cut``), and
+computes its tokens in it again.
+
 Every path that drops a session's history KV for another reason than the session's close (an
 idle session unpinned or demoted for another request, its host-tier state reclaimed, a turn's
 compaction that could not settle, a kept history taken back, a fork that failed, an undo whose
@@ -171,6 +177,7 @@ class SessionTable:
         if sess.active_request is not None or sess.ending is not None:
             raise SessionBusy(client_session_id(seq.session_id, seq.tenant))
         sess.active_request = seq.request_id
+        self._seal(sess)  # (a history whatever path left it: the turn writes past its end)
         history = sess.token_ids
         extends = seq.prompt_token_ids[: len(history)] == history and len(seq.prompt_token_ids) > len(history)
         if extends and seq.sampling_params.prompt_logprobs is not None:
@@ -225,6 +232,7 @@ class SessionTable:
         ``fork`` raised."""
         pool = self.kv_manager.pool
         kv = None
+        self._seal(sess)  # (a restarted turn's first run may have filled and cached the last block)
         pool.touch(sess.blocks)
         seq.block_table = list(sess.blocks)
         try:
@@ -280,6 +288,8 @@ class SessionTable:
                 # (a fresh-user trial: sessions of aborted first turns stayed open, empty,
                 # until their TTL)
                 del self.sessions[sess.session_id]
+            else:  # the turn, lent the history's blocks, may have filled and cached its last one
+                self._seal(sess)
             return False
         self._park(sess)
         sess.token_ids = seq.all_token_ids
@@ -419,6 +429,7 @@ class SessionTable:
             if sess.kv is not None:  # it handed its charge blocks over to the turn (``lend``)
                 sess.kv.settle_charge()
             sess.lost = sess.previous_lost = None
+            self._seal(sess)  # the undone turn, lent these blocks, may have filled and cached the last
             return True
         if previous is not None:
             self._free_history(previous)
@@ -513,6 +524,44 @@ class SessionTable:
         # session unpinned before the next step delivered its end kept its count, and the
         # node's cut of its history indexed an empty block list: IndexError, the step loop died)
         sess.num_evicted_tokens = sess.num_computed_tokens = 0
+
+    def _seal(self, sess: Session) -> None:
+        """Drop the blocks of ``sess``'s history that its next turn would write into (from the
+        one holding the first slot past the history's KV) when one of them carries a
+        prefix-cache hash: the cache says that block holds the KV of the tokens it was hashed
+        with, and a write of other tokens' KV into its free slots would hand that KV to every
+        later hit on those tokens (another tenant's, where a namespace is shared). The history's
+        computed tokens in a dropped partial block are computed again by the next turn (at most
+        ``block_size - 1``); the block itself goes back to the pool, still matchable, its KV as
+        cached. An uncompacted policy state is plain KV (a next turn drops it: ``attach``) and
+        goes with the block; a compacted layout is never cached (``LLMEngine._after_forward``),
+        and if it were the history would lose its KV (``lose``). ``cut`` keeps the same rule
+        for a cut history.
+
+        How such a block gets there: a turn continuing from the history is lent its blocks
+        (``lend``), the history's partial last block among them; the turn fills it with its own
+        tokens and the prefix cache hashes it. When that turn is aborted (``detach``), undone
+        (``rewind``) or restarted (``Sequence.restart``), the history keeps the hashed block
+        with its own shorter length.
+
+        Regression (review of session 32): the next turn then wrote its tokens' KV into the
+        hashed block, and a request whose prompt started with the cancelled turn's tokens got
+        a prefix hit on it and decoded other tokens than on an idle node (and the block, demoted,
+        carried that KV to the host tier).
+        """
+        bs = self.kv_manager.block_size
+        first = (sess.num_computed_tokens - sess.num_evicted_tokens) // bs
+        if all(b.block_hash is None for b in sess.blocks[first:]):
+            return
+        if sess.compacted or sess.num_evicted_tokens:  # (not reached: compacted blocks are never cached)
+            log.error("session %s: its compacted history holds a prefix-cached block; its KV is dropped",
+                      sess.session_id)
+            self.lose(sess)
+            return
+        self._drop_kv(sess)
+        past, sess.blocks = sess.blocks[first:], sess.blocks[:first]
+        self.kv_manager.pool.free(past[::-1])
+        sess.num_computed_tokens = first * bs
 
     def _park(self, sess: Session) -> None:
         """Keep the history as it is now (``Session.previous``) until the next engine step
