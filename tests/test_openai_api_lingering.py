@@ -117,3 +117,43 @@ def test_a_lingering_keyless_connection_is_shed_for_a_newcomer() -> None:
         sock.close()
 
     asyncio.run(asyncio.wait_for(_serving(limits, body), 30))
+
+
+def test_a_reader_gets_the_whole_response_across_a_stop() -> None:
+    """Regression (review of c1f4966): ``HttpServer.stop`` (every gateway stop and in-process
+    restart) reset lingering connections (``SO_LINGER`` 0), so a client reading a 1 MiB
+    response at ~256 KiB/s (64x the minimum rate) got ``ConnectionResetError`` after ~170 KiB;
+    before c1f4966 the kernel went on delivering after the close. Now the stop releases them
+    (closed normally): the client gets every byte and then the end of the stream, and the
+    guard counts nothing (neither ``send_stalled`` nor ``shed``)."""
+    async def run() -> None:
+        server = HttpServer(_app(), limits=ConnectionLimits(send_stall_timeout_s=60.0))
+        port = await server.start("127.0.0.1", 0)
+        guard = server.guard
+        assert guard is not None
+        loop = asyncio.get_running_loop()
+        sock = await _connect(port, rcvbuf=4096)
+        got = bytearray()
+
+        async def read() -> None:
+            while data := await asyncio.wait_for(loop.sock_recv(sock, 4096), 10):
+                got.extend(data)
+                await asyncio.sleep(4096 / (256 * 1024))
+
+        try:
+            await loop.sock_sendall(sock, MID)
+            reading = asyncio.create_task(read())
+            assert await _until(lambda: guard.lingering, 5), dict(guard.stats)
+            await asyncio.sleep(0.5)
+            assert guard.lingering and not reading.done()  # stopped mid-download
+        finally:
+            await server.stop()
+        assert not guard.lingering and guard.open == 0 and not guard.stats, dict(guard.stats)
+        try:
+            await reading  # ConnectionResetError on the old code
+        finally:
+            sock.close()
+        assert got.startswith(b"HTTP/1.1 200")
+        assert len(got.split(b"\r\n\r\n", 1)[1]) == MID_BYTES
+
+    asyncio.run(asyncio.wait_for(run(), 30))

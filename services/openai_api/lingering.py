@@ -11,7 +11,9 @@ counts, ``http_connections_open``) and the minimum read rate stopped. A ``Linger
 duplicate of the socket's descriptor so the kernel socket stays this process's, half-closed
 (FIN queued after the data, as the close would have), counted in its guard until the queue is
 empty (then closed) or its client falls ``send_stall_timeout_s`` behind the minimum rate (then
-reset, ``SO_LINGER`` 0: the kernel drops the queue; counted ``send_stalled``).
+reset, ``SO_LINGER`` 0: the kernel drops the queue; counted ``send_stalled``). A newcomer that
+needs its slot resets it too (shed); a graceful stop or restart of the server releases it
+(closed normally: the kernel goes on delivering to its client, bounded by its orphan limits).
 
 Linux only (``SIOCOUTQ``). HTTPS connections are not kept so: asyncio's SSL layer closes the
 TCP socket before the protocol hears of it (``connection_lost`` is scheduled after), so their
@@ -60,7 +62,7 @@ class Lingering:
         behind_s: how far its client was behind ``min_rate`` already (``Guarded._behind_s``).
         grace_s: ``send_stall_timeout_s``; min_rate: ``min_send_rate_bytes_per_s``.
         done: called once when it ends, with ``"send_stalled"`` when it was reset for its
-            client's rate, else None (its queue emptied, or ``end`` was called).
+            client's rate, else None (its queue emptied, or ``end`` or ``release`` was called).
     """
 
     def __init__(self, sock: socket.socket, unsent: int, behind_s: float, grace_s: float, min_rate: float,
@@ -96,8 +98,20 @@ class Lingering:
             self.timer = self.loop.call_later(self._next_wait_s(), self._look)
 
     def end(self) -> None:
-        """Reset it now (the server stops, or its slot is shed)."""
+        """Reset it now (``SO_LINGER`` 0: the kernel drops its queue): its slot is shed for a
+        newcomer."""
         self._end(None, reset=True)
+
+    def release(self) -> None:
+        """Stop counting it now and close the duplicate descriptor normally (the server stops
+        or restarts gracefully): the kernel keeps the orphaned socket and delivers its queue,
+        then the FIN, to a client that reads, bounded by the kernel's orphan limits
+        (``net.ipv4.tcp_max_orphans``, ``tcp_orphan_retries``), as before lingering was kept.
+
+        Regression (review of c1f4966): every gateway stop and in-process restart reset these
+        (``end``), so a well-behaved client mid-download got ``ConnectionResetError`` (174,080
+        of 1,048,576 bytes for one reading ~256 KiB/s) where before it got the whole response."""
+        self._end(None)
 
     def _end(self, reason: str | None, reset: bool = False) -> None:
         if self.timer is not None:

@@ -196,9 +196,11 @@ class Guarded:
         self._uncount()
 
     def end_lingering(self) -> None:
-        """Reset its kernel-held tail now, if it has one (the server stops)."""
+        """Release its kernel-held tail now, if it has one (the server stops): uncounted, its
+        descriptor closed normally so the kernel goes on delivering it (``Lingering.release``),
+        not reset."""
         if self._lingering is not None:
-            self._lingering.end()
+            self._lingering.release()
 
     @property
     def _current(self) -> asyncio.Transport:

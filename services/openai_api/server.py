@@ -122,7 +122,9 @@ class HttpServer:
         return self.port
 
     async def stop(self) -> None:
-        """Stop accepting, let open responses end (1 s at most), then return."""
+        """Stop accepting, let open responses end (1 s at most), release the connections
+        lingering in the kernel's send queue (closed normally, not reset: the kernel goes on
+        delivering to their clients; ``Lingering.release``), then return."""
         if self.server is None or self.task is None:
             return
         self.server.should_exit = True
