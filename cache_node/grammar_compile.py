@@ -215,7 +215,10 @@ def serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes: 
             queue.done(tenant)
         if killed and grammars is not None:
             grammars._restart(slot)
-        del grammars
+        # Hold nothing while waiting for the next job: the last job's futures keep their done
+        # callbacks (the engine's bound methods), so a frame holding it kept the engine, and
+        # through it this ``Grammars``, alive: its finalizer never ran and its processes stayed.
+        del grammars, taken, job
     process = processes[slot]
     if process is not None:
         process.kill()
