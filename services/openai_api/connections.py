@@ -228,7 +228,8 @@ class ConnectionGuard:
             conn.end_handshake()
 
     def end_lingering(self) -> None:
-        """Reset the kernel-held tails of closed connections (the server stops)."""
+        """Release the kernel-held tails of closed connections (the server stops): each is closed
+        gracefully, the kernel delivering what it holds (``Lingering.release``)."""
         for conn in list(self.lingering):
             conn.end_lingering()
 
