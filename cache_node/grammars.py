@@ -334,12 +334,16 @@ class Grammars:
         return process
 
     def _warm(self, slot: int) -> None:
-        """Start ``slot``'s process ahead of its first compile (a failure is left to that compile)."""
+        """Start ``slot``'s process ahead of its first compile (a failure is left to that compile).
+
+        Any failure, not only ``CompilerDied``: an exception here (the tokenizer's vocabulary
+        unreadable by xgrammar, ``Popen``'s EAGAIN/ENOMEM/EMFILE) used to end the compile thread,
+        and every structured request after it waited for its grammar forever."""
         try:
             self._process(slot).start()
-        except CompilerDied as exc:
+        except Exception as exc:  # noqa: BLE001 - logged; the compile meets it again and refuses its request
             if not self._queue.closed:
-                log.error("grammar compiler %d could not start: %s", slot, exc)
+                log.error("grammar compiler %d could not start: %s: %s", slot, type(exc).__name__, exc)
 
     def _restart(self, slot: int) -> None:
         """Start ``slot``'s process again at once (it was killed), so that the next compile
@@ -349,9 +353,9 @@ class Grammars:
             return
         try:
             process.start()
-        except CompilerDied as exc:
+        except Exception as exc:  # noqa: BLE001 - as ``_warm``: the thread must go on
             if not self._queue.closed:  # (else ``close`` killed it)
-                log.error("grammar compiler %d could not restart: %s", slot, exc)
+                log.error("grammar compiler %d could not restart: %s: %s", slot, type(exc).__name__, exc)
 
     def _finish(self, job: _Job, compiled: Any = None, failed: str | None = None, error: str | None = None,
                 busy: bool = False, result: str = "failed", seconds: float | None = None) -> None:
