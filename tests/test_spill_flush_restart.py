@@ -26,6 +26,7 @@ import pytest
 
 from cache_node.tiers import spill_format
 from cache_node.tiers.spill_disk import FLUSH_FILE, SpillDeletionNotDurable
+from cache_node.tiers.spill_disk_faults import READ_ATTEMPTS
 from cache_node.tiers.spill_store import SpillStore
 from services.metrics.spill import SpillMetrics
 from services.spill_dirs import remove_retired_spill_dirs
@@ -310,3 +311,48 @@ def test_a_retired_spill_dir_with_a_flush_record_is_still_deleted(tmp_path: Path
     assert (root / "1" / FLUSH_FILE).is_file()
     assert remove_retired_spill_dirs(root, 1) == ["1"]
     assert os.listdir(root) == []
+
+
+def failing_first_reads(monkeypatch: pytest.MonkeyPatch, name: str, err: int, times: int) -> list[str]:
+    """Make the first ``times`` opens of the spill record ``name`` fail with ``err``; returns
+    the log of those failures."""
+    real = spill_format.open_regular
+    failed: list[str] = []
+
+    def open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
+        if os.fspath(path) == name and len(failed) < times:
+            failed.append(name)
+            raise OSError(err, os.strerror(err))
+        return real(path, dir_fd)
+    monkeypatch.setattr(spill_format, "open_regular", open_regular)
+    return failed
+
+
+@pytest.mark.parametrize("name", [spill_format.TOMBSTONE_FILE, FLUSH_FILE])
+def test_a_transient_read_error_of_a_record_at_startup_keeps_the_spill_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Regression (review s32): one EIO while a restart read the dropped holders' list (or the
+    flush record) counted the list as unknown, and every group file of the directory was
+    deleted: a whole spill tier lost to one transient error. The read is tried again now
+    (``READ_ATTEMPTS``); only an error that persists deletes, as an unreadable record must."""
+    store = store_at(tmp_path)
+    store.put(hashes_of(range(2)), make_blocks(range(2)), own_namespace("bob"), tokens(range(2)))
+    store.put(hashes_of([5]), make_blocks([5]), own_namespace("ann"), tokens([5]))
+    with monkeypatch.context() as m:  # files left behind: the flush record stays
+        failing_unlinks(m, errno.EIO)
+        store.flush()
+    store.put(hashes_of([6]), make_blocks([6]), own_namespace("ann"), tokens([6]))
+    store.put(hashes_of([2]), make_blocks([2]), own_namespace("bob"), tokens([2]))
+    store.drop_namespace(own_namespace("bob"))  # bob's holder on the dropped holders' list
+    store.put(hashes_of([3]), make_blocks([3]), own_namespace("cy"), tokens([3]))
+    assert (tmp_path / name).is_file() and (tmp_path / spill_format.TOMBSTONE_FILE).is_file()
+    with monkeypatch.context() as m:
+        failed = failing_first_reads(m, name, errno.EIO, times=READ_ATTEMPTS - 1)
+        restarted = store_at(tmp_path)
+    assert failed == [name] * (READ_ATTEMPTS - 1)
+    assert restarted.contains(hashes_of([0, 1, 5, 2, 3, 6])) == [None] * 4 + ["spill_disk"] * 2
+    assert restarted.stats()["io_errors"] == 0 and restarted.stats()["io_retries"] == READ_ATTEMPTS - 1
+    with monkeypatch.context() as m:  # an error that persists: nothing that might be covered is served
+        failing_first_reads(m, name, errno.EIO, times=READ_ATTEMPTS)
+        again = store_at(tmp_path)
+    assert again.contains(hashes_of([3, 6])) == [None] * 2 and again.stats()["io_errors"] >= 1

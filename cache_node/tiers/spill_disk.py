@@ -364,17 +364,15 @@ class DiskTier:
 
     def _load_flush(self) -> int | None:
         """The write sequence ``FLUSH_FILE`` records: None when there is none; ``_FLUSH_UNKNOWN``
-        (every file found counts as flushed) when it cannot be read or is malformed, or is no
-        regular file (logged, counted in ``io_errors``): its bytes are untrusted, and what it
-        covered is unknown, so nothing that might have been flushed is served."""
+        (every file found counts as flushed) when it cannot be read (after ``READ_ATTEMPTS``
+        tries of a transient error), is malformed or is no regular file (logged, counted in
+        ``io_errors``): its bytes are untrusted, and what it covered is unknown, so nothing that
+        might have been flushed is served."""
         try:
-            fd = fmt.open_regular(FLUSH_FILE, self.dir.fd)
-            with open(fd, "rb", buffering=0) as f:
-                raw = f.read(_MAX_FLUSH_BYTES + 1)
-            fields = unpackb_within(raw, _FLUSH_BOUNDS, "a flush record") if len(raw) <= _MAX_FLUSH_BYTES else None
+            fields = self._read_record(FLUSH_FILE, _MAX_FLUSH_BYTES, _FLUSH_BOUNDS, "a flush record")
             seq = fields.get("seq") if isinstance(fields, dict) else None
             if type(seq) is not int or not 0 <= seq <= fmt.MAX_SEQ:
-                raise ValueError(f"not a flush record ({len(raw)} bytes)")
+                raise ValueError("not a flush record")
         except fmt.NotRegularFile as exc:
             error: Exception = exc
         except FileNotFoundError:
@@ -383,10 +381,35 @@ class DiskTier:
             error = exc
         else:
             return seq
-        logger.warning("%s is unreadable or malformed (%s): every group file found counts as flushed, "
-                       "deleted, none indexed", self.root_dir / FLUSH_FILE, error)
-        self._counters["io_errors"] += 1
+        self._unsound_record(FLUSH_FILE, error, "every group file found counts as flushed, deleted, none indexed")
         return _FLUSH_UNKNOWN
+
+    def _read_record(self, name: str, max_bytes: int, bounds: UnpackBounds, what: str) -> object:
+        """The msgpack value of the small record file ``name`` of the spill directory (read
+        without following a link, at most ``max_bytes``, unpacked within ``bounds``); a
+        transient OSError is tried again (``DiskFaults.retry``). Regression (review s32): one
+        EIO while reading the dropped holders' list at startup deleted the whole spill tier.
+
+        Raises:
+            FileNotFoundError: there is none (``NotRegularFile``: the name is no regular file).
+            OSError: it cannot be read after ``READ_ATTEMPTS`` tries.
+            ValueError: it is longer than ``max_bytes`` or is no msgpack within ``bounds``.
+        """
+        def read() -> bytes:
+            fd = fmt.open_regular(name, self.dir.fd)
+            with open(fd, "rb", buffering=0) as f:
+                return f.read(max_bytes + 1)
+        raw = self._faults.retry(read)
+        if len(raw) > max_bytes:
+            raise ValueError(f"longer than {max_bytes} bytes")
+        return unpackb_within(raw, bounds, what)
+
+    def _unsound_record(self, name: str, error: Exception, consequence: str) -> None:
+        """Log (naming the error's type, whose message may be empty) and count a record file
+        that cannot be trusted."""
+        logger.warning("%s is unreadable or malformed (%s: %s): %s", self.root_dir / name,
+                       type(error).__name__, error, consequence)
+        self._counters["io_errors"] += 1
 
     def unlink_failed(self, failed: Sequence[tuple[str, int, OSError]]) -> None:
         """Files of a ``PendingRemoval`` that could not be deleted: counted against the budget and
@@ -663,16 +686,14 @@ class DiskTier:
 
     def _load_tombstones(self) -> bool:
         """Read the holders ``TOMBSTONE_FILE`` lists (none when it is missing); False when it
-        cannot be read, is malformed or is no regular file (logged, counted in ``io_errors``):
-        which holders were dropped is unknown then, so the caller serves nothing it finds
-        (``_rebuild``). Regression (session 32): such a list was ignored, and a restart served
-        the files of every holder it had named."""
+        cannot be read (after ``READ_ATTEMPTS`` tries of a transient error), is malformed or is
+        no regular file (logged, counted in ``io_errors``): which holders were dropped is
+        unknown then, so the caller serves nothing it finds (``_rebuild``). Regression
+        (session 32): such a list was ignored, and a restart served the files of every holder
+        it had named."""
         try:
-            fd = fmt.open_regular(TOMBSTONE_FILE, self.dir.fd)
-            with open(fd, "rb", buffering=0) as f:
-                raw = f.read(_MAX_TOMBSTONE_BYTES + 1)
-            digests = unpackb_within(raw, _TOMBSTONE_BOUNDS, "the dropped holders") \
-                if len(raw) <= _MAX_TOMBSTONE_BYTES else None
+            digests = self._read_record(TOMBSTONE_FILE, _MAX_TOMBSTONE_BYTES, _TOMBSTONE_BOUNDS,
+                                        "the dropped holders")
             if not isinstance(digests, list) or not all(isinstance(d, bytes) and len(d) == 32 for d in digests):
                 raise ValueError("not a list of holder digests")
         except fmt.NotRegularFile as exc:
@@ -684,9 +705,8 @@ class DiskTier:
         else:
             self._tombstones = OrderedDict.fromkeys(digests)
             return True
-        logger.warning("%s is unreadable or malformed (%s): every group file found counts as a dropped "
-                       "holder's, deleted, none indexed", self.root_dir / TOMBSTONE_FILE, error)
-        self._counters["io_errors"] += 1
+        self._unsound_record(TOMBSTONE_FILE, error, "every group file found counts as a dropped holder's, "
+                                                    "deleted, none indexed")
         return False
 
     def _rebuild(self) -> None:
