@@ -135,13 +135,17 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         """Delete tenant ``name``: its rows and keys (the scheduler), its cached keys and its
         metric series here (``GatewayMetrics.forget_tenant``, told its id so that a request of
         it still in flight exports none again). Regression (security review 23d, F): the
-        deleted tenant's series stayed in ``/metrics`` until the gateway restarted."""
+        deleted tenant's series stayed in ``/metrics`` until the gateway restarted.
+
+        The id forgotten is the one the delete returns. Regression (session 32 list): it was
+        looked up before the delete, so a tenant deleted and registered again under ``name`` in
+        between (another admin call) had the new tenant deleted and the old one's id forgotten:
+        the new tenant's series stayed exported."""
         await fresh_admin(self.auth, context)
-        tenant = await _call(context, self.scheduler.get_tenant.remote(request.name))
-        await _call(context, self.scheduler.delete_tenant.remote(request.name))
+        tenant_id = await _call(context, self.scheduler.delete_tenant.remote(request.name))
         self.auth.forget_tenant(request.name, keys_gone=True)
         if self.metrics is not None:
-            self.metrics.forget_tenant(request.name, tenant.tenant_id)
+            self.metrics.forget_tenant(request.name, tenant_id)
         return tenant_pb2.DeleteTenantResponse()
 
     async def _own_or_admin(self, context: Any, name: str) -> Tenant | None:

@@ -181,10 +181,13 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.update_tenant`` in a worker thread (a SQLite commit)."""
         return await asyncio.to_thread(super().update_tenant, name, spec)
 
-    async def delete_tenant(self, name: str) -> None:
+    async def delete_tenant(self, name: str) -> str:
         """``GlobalScheduler.delete_tenant``: the store's commit in a worker thread, then
-        ``end_deleted_tenant`` on this loop (a request admitted meanwhile is ended by it)."""
-        self.end_deleted_tenant(await asyncio.to_thread(self.delete_stored_tenant, name))
+        ``end_deleted_tenant`` on this loop (a request admitted meanwhile is ended by it);
+        returns the deleted tenant's id."""
+        tenant_id = await asyncio.to_thread(self.delete_stored_tenant, name)
+        self.end_deleted_tenant(tenant_id)
+        return tenant_id
 
     async def deleted_tenants_after(self, seq: int, limit: int = DELETED_PAGE) -> list[tuple[int, str]]:
         """``GlobalScheduler.deleted_tenants_after`` in a worker thread (a SQLite read)."""

@@ -162,13 +162,17 @@ class Tenants:
         self.specs[tenant.tenant_id] = tenant.spec
         return tenant
 
-    def delete_tenant(self, name: str) -> None:
-        """Delete ``name``: the store's rows (``delete_stored_tenant``), then ``end_deleted_tenant``.
+    def delete_tenant(self, name: str) -> str:
+        """Delete ``name``: the store's rows (``delete_stored_tenant``), then
+        ``end_deleted_tenant``; returns the deleted tenant's id (what its caller forgets: the
+        tenant called ``name`` when the delete ran, not one looked up before it).
 
         Raises:
             TenantNotFoundError: no tenant is called ``name``.
         """
-        self.end_deleted_tenant(self.delete_stored_tenant(name))
+        tenant_id = self.delete_stored_tenant(name)
+        self.end_deleted_tenant(tenant_id)
+        return tenant_id
 
     def deleted_tenants_after(self, seq: int, limit: int = DELETED_PAGE) -> list[tuple[int, str]]:
         """``TenantStore.deleted_tenants_after``: the tenants deleted after deletion ``seq``,

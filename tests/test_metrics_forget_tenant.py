@@ -28,6 +28,7 @@ from services.global_scheduler_admission import GlobalSchedulerService
 from services.metrics import MetricsEndpoint
 from services.metrics import requests as request_metrics
 from services.metrics.requests import GatewayMetrics
+from tenants.errors import TenantNotFoundError
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import LocalActor
 from tests.service_fixtures import chat
@@ -151,3 +152,59 @@ def test_no_created_series_are_exported() -> None:
     serve_one_request(metrics, Tenant("0" * 16, TenantSpec(name="t0"), 0.0))
     text = generate_latest(metrics.registry).decode()
     assert "time_to_first_token_seconds_count" in text and "_created" not in text
+
+
+class RacingScheduler:
+    """The scheduler, with another admin's ``DeleteTenant`` + ``RegisterTenant`` of ``name``
+    landing right after any ``get_tenant(name)`` (the window the gateway's DeleteTenant had
+    between its lookup and its delete)."""
+
+    def __init__(self, sched: GlobalSchedulerService, name: str) -> None:
+        self.sched, self.name = sched, name
+        self.second: Tenant | None = None  # the tenant registered in the window, once raced
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.sched, attr)
+
+    def get_tenant(self, name: str, tenant_id: str = "") -> Tenant:
+        tenant = self.sched.get_tenant(name, tenant_id)
+        if name == self.name and self.second is None:
+            self.sched.end_deleted_tenant(self.sched.delete_stored_tenant(name))
+            self.second, _ = super(GlobalSchedulerService, self.sched).register_tenant(TenantSpec(name=name))
+        return tenant
+
+
+def test_delete_tenant_forgets_the_tenant_it_deleted_not_one_looked_up_before(tmp_path: Path) -> None:
+    """Regression (session 32's open list): DeleteTenant looked the tenant up, then deleted by
+    name. A tenant deleted and registered again under that name in between had the new tenant
+    deleted and the old one's id forgotten: a request of the new tenant authenticated before
+    the delete and tracked after it exported the deleted tenant's series again. The id
+    forgotten is now the one the scheduler's delete returns."""
+
+    async def go() -> None:
+        sched = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+        admin = (("authorization", f"Bearer {sched.store.ensure_admin_key()}"),)
+        racing = RacingScheduler(sched, "gone")
+        gw = gateway_server.Gateway(LocalActor(racing), {"n0": LocalActor(FakeNode())}, str(tiny_checkpoint()),
+                                    metrics=MetricsEndpoint("127.0.0.1", 0, render_interval_s=0.001))
+        port = await gw.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                tenants = tenant_pb2_grpc.TenantServiceStub(channel)
+                await tenants.RegisterTenant(
+                    tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="gone")), metadata=admin)
+                first = sched.get_tenant("gone")
+                await tenants.DeleteTenant(tenant_pb2.DeleteTenantRequest(name="gone"), metadata=admin)
+                with pytest.raises(TenantNotFoundError):  # whichever tenant was called "gone" is deleted
+                    sched.get_tenant("gone")
+                deleted = racing.second or first  # the tenant called "gone" when the delete ran
+                late = gw.metrics.track(deleted)  # authenticated before the delete, tracked after
+                late.rejected("unknown_tenant")
+                late.finish("UNAUTHENTICATED")
+                assert tenant_lines(await scrape(gw), "gone") == []
+        finally:
+            await gw.stop(0)
+            sched.close_data_plane()
+            sched.store.close()
+
+    asyncio.run(go())
