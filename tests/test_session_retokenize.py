@@ -28,7 +28,7 @@ from services.cache_node_streams import rendering_cut
 from services.config import NodeConfig
 from services.node_request import NodeRequest
 from tests.conftest import make_engine
-from tests.test_session_stop_cut import chat, run
+from tests.test_session_stop_cut import chat
 from tests.test_tier_engine import prompt_of
 
 QUESTIONS = ["List three fruits.", "Give two tips for sleeping well.", "Name four planets.",
@@ -39,49 +39,92 @@ FOLLOW = {"role": "user", "content": "Now say the second item again, in one word
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[CacheNode]:
-    n = CacheNode("t", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=0), num_threads=1)
+    # (room for every conversation of the module at once: ``conversations`` runs them together)
+    n = CacheNode("t", NodeConfig(kv_pool_bytes=160 << 20, host_bytes=0), num_threads=1)
     yield n
     n.shutdown()
 
 
-def run_tokens(node: CacheNode, req: NodeRequest) -> tuple[str, dict[str, Any], list[int]]:
-    """``run``, and the output's token ids."""
-    async def go() -> list[dict[str, Any]]:
-        return [ev async for ev in node.generate(req)]
-
-    events = asyncio.run(go())
+async def _events(node: CacheNode, req: NodeRequest) -> tuple[str, dict[str, Any], list[int]]:
+    events = [ev async for ev in node.generate(req)]
     assert events[-1]["type"] == "finished", events[-1]
     return ("".join(ev["text"] for ev in events if ev["type"] == "delta"), events[-1],
             [t for ev in events if ev["type"] == "delta" for t in ev["token_ids"]])
 
 
-def two_turns(node: CacheNode, sid: str, question: str, max_tokens: int = 48,
-              stop: tuple[str, ...] = ()) -> tuple[str, dict[str, Any], bool]:
-    """Turn 1 and 2 of session ``sid``; asserts turn 2's prompt and greedy answer are those of
+def run_tokens(node: CacheNode, req: NodeRequest) -> tuple[str, dict[str, Any], list[int]]:
+    """``run``, and the output's token ids."""
+    return asyncio.run(_events(node, req))
+
+
+def run_together(node: CacheNode, reqs: list[NodeRequest]) -> list[tuple[str, dict[str, Any], list[int]]]:
+    """``run_tokens`` of every request, sent at once (the node batches them: on the CPU a step
+    of n sequences costs little more than one of a single sequence)."""
+    async def go() -> list[tuple[str, dict[str, Any], list[int]]]:
+        return list(await asyncio.gather(*(_events(node, req) for req in reqs)))
+
+    return asyncio.run(go())
+
+
+Turns = dict[str, tuple[str, dict[str, Any], list[int], str, dict[str, Any], str, dict[str, Any], list[int]]]
+"""Per session id: turn 1's text, end and token ids; turn 2's text and end; the stateless
+conversation's text and end; the session's history right after turn 2."""
+
+
+def two_turns_of(node: CacheNode, convs: dict[str, tuple[str, int, tuple[str, ...]]]) -> Turns:
+    """Turn 1 and 2 of each session ``sid`` (``convs``: sid -> question, turn 1's max_tokens,
+    its stop strings), and each conversation sent without the session: all turns 1 at once,
+    then all turns 2 and stateless conversations at once."""
+    users = {sid: {"role": "user", "content": question} for sid, (question, _, _) in convs.items()}
+    firsts = run_together(node, [chat(f"{sid}/1", [users[sid]], sid=sid, stop=stop, max_tokens=max_tokens)
+                                 for sid, (_, max_tokens, stop) in convs.items()])
+    reqs = []
+    for sid, (reply, _, _) in zip(convs, firsts):
+        reqs.append(chat(f"{sid}/2", [FOLLOW], sid=sid, max_tokens=24))
+        reqs.append(chat(f"{sid}/alone", [users[sid], {"role": "assistant", "content": reply}, FOLLOW],
+                         max_tokens=24))
+    seconds = run_together(node, reqs)
+    return {sid: (*firsts[i], *seconds[2 * i][:2], *seconds[2 * i + 1][:2], node.engine.session_history(sid))
+            for i, sid in enumerate(convs)}
+
+
+def two_turns(node: CacheNode, turns: Turns, sid: str, question: str) -> tuple[str, dict[str, Any], bool]:
+    """Asserts session ``sid``'s turn 2 (``two_turns_of``) had the prompt and greedy answer of
     the conversation sent without the session. Returns turn 1's text and end, and whether its
     output's tokens were not the rendering's (the history was cut)."""
+    reply, first, generated, answer, second, stateless, alone, history = turns[sid]
     user = {"role": "user", "content": question}
-    reply, first, generated = run_tokens(node, chat(f"{sid}/1", [user], sid=sid, stop=stop, max_tokens=max_tokens))
     templater = node.templater
     prompt = templater.first_turn([user])
     whole = templater.first_turn([user, {"role": "assistant", "content": reply}, FOLLOW])
-    answer, second = run(node, chat(f"{sid}/2", [FOLLOW], sid=sid, max_tokens=24))
-    stateless, alone = run(node, chat(f"{sid}/alone", [user, {"role": "assistant", "content": reply}, FOLLOW],
-                                      max_tokens=24))
     assert second["prompt_tokens"] == alone["prompt_tokens"] == len(whole)
-    assert node.engine.session_history(sid)[: len(whole)] == whole
+    assert history[: len(whole)] == whole
     assert answer == stateless, (question, answer, stateless)
     assert not node.engine.check_integrity()
     return reply, first, generated != whole[len(prompt): len(prompt) + len(generated)]
 
 
-def test_a_sessions_next_turn_has_the_stateless_prompt_and_answer(node: CacheNode) -> None:
+SLEEP = "Give two tips for sleeping well."
+ENDS = {"eos": (400, ()), "length": (40, ()), "length_at_the_newlines": (32, ()), "stop_string": (48, (" Restful",))}
+"""``test_every_end_of_a_turn_continues_as_the_stateless_conversation``'s turn 1 (``SLEEP``):
+max_tokens and stop strings. (Its 32nd token is "\\n\\n".)"""
+
+
+@pytest.fixture(scope="module")
+def conversations(node: CacheNode) -> Turns:
+    """Both tests' two-turn conversations, run together (``two_turns_of``)."""
+    convs = {f"rt-{i}": (question, 48, ()) for i, question in enumerate(QUESTIONS)}
+    convs.update({f"end-{how}": (SLEEP, max_tokens, stop) for how, (max_tokens, stop) in ENDS.items()})
+    return two_turns_of(node, convs)
+
+
+def test_a_sessions_next_turn_has_the_stateless_prompt_and_answer(node: CacheNode, conversations: Turns) -> None:
     """Failed on the old code: 'Give two tips for sleeping well.' and 'Write two short lines
     about the sea.' replied with "\\n\\n" generated as one token; their session's turn 2 had a
     prompt a token shorter than the stateless one and another answer."""
     cut = []
     for i, question in enumerate(QUESTIONS):
-        reply, _, retokenized = two_turns(node, f"rt-{i}", question)
+        reply, _, retokenized = two_turns(node, conversations, f"rt-{i}", question)
         if retokenized:
             cut.append(question)
             assert "\n\n" in reply
@@ -89,18 +132,16 @@ def test_a_sessions_next_turn_has_the_stateless_prompt_and_answer(node: CacheNod
 
 
 @pytest.mark.parametrize("how", ["eos", "length", "length_at_the_newlines", "stop_string"])
-def test_every_end_of_a_turn_continues_as_the_stateless_conversation(node: CacheNode, how: str) -> None:
+def test_every_end_of_a_turn_continues_as_the_stateless_conversation(
+        node: CacheNode, conversations: Turns, how: str) -> None:
     """A reply holding "\\n\\n" (as the model generated it) ended by EOS, by max_tokens (past the
     "\\n\\n", or right at it), or by a stop string past it ("2. **Creating a" kept)."""
-    question = "Give two tips for sleeping well."
+    reply, first, retokenized = two_turns(node, conversations, f"end-{how}", SLEEP)
     if how == "eos":
-        reply, first, retokenized = two_turns(node, f"end-{how}", question, max_tokens=400)
         assert first["finish_reason"] == "stop" and not reply.endswith("\ufffd")
-    elif how.startswith("length"):  # (its 32nd token is "\n\n")
-        reply, first, retokenized = two_turns(node, f"end-{how}", question, max_tokens=40 if how == "length" else 32)
+    elif how.startswith("length"):
         assert first["finish_reason"] == "length"
     else:
-        reply, first, retokenized = two_turns(node, f"end-{how}", question, stop=(" Restful",))
         assert first["finish_reason"] == "stop"
     # a reply ending with "\n\n" has it as one token in the rendering too (before <|im_end|>)
     assert "\n\n" in reply and retokenized == (how != "length_at_the_newlines")
@@ -140,8 +181,8 @@ def test_special_tokens_inside_a_reply_leave_its_history(node: CacheNode) -> Non
     assert any(t in specials for t in generated[:-1]), generated  # (the case tested)
     kept = [question, {"role": "assistant", "content": reply}]
     whole = node.templater.first_turn([*kept, follow])
-    answer, second, _ = run_tokens(node, ask("mid/2", [follow], "mid", max_tokens=12))
-    stateless, _, _ = run_tokens(node, ask("mid-alone", [*kept, follow], max_tokens=12))
+    (answer, second, _), (stateless, _, _) = run_together(
+        node, [ask("mid/2", [follow], "mid", max_tokens=12), ask("mid-alone", [*kept, follow], max_tokens=12)])
     assert second["prompt_tokens"] == len(whole) and node.engine.session_history("mid")[: len(whole)] == whole
     assert answer == stateless
     assert not node.engine.check_integrity()
