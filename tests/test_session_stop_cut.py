@@ -34,7 +34,8 @@ NEXT = {"role": "user", "content": "And dogs?"}
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[CacheNode]:
-    n = CacheNode("t", NodeConfig(kv_pool_bytes=32 << 20, host_bytes=0), num_threads=1)
+    # (room for every conversation of ``stop_turns`` at once)
+    n = CacheNode("t", NodeConfig(kv_pool_bytes=128 << 20, host_bytes=0), num_threads=1)
     yield n
     n.shutdown()
 
@@ -45,13 +46,24 @@ def chat(rid: str, messages: list[dict[str, str]], sid: str = "", stop: tuple[st
                        messages=tuple(messages), sampling=SamplingParams(max_tokens=max_tokens, stop=stop))
 
 
-def run(node: CacheNode, req: NodeRequest) -> tuple[str, dict[str, Any]]:
-    async def go() -> list[dict[str, Any]]:
-        return [ev async for ev in node.generate(req)]
-
-    events = asyncio.run(go())
+async def _events(node: CacheNode, req: NodeRequest) -> tuple[str, dict[str, Any]]:
+    events = [ev async for ev in node.generate(req)]
     assert events[-1]["type"] == "finished", events[-1]
     return "".join(ev["text"] for ev in events if ev["type"] == "delta"), events[-1]
+
+
+def run(node: CacheNode, req: NodeRequest) -> tuple[str, dict[str, Any]]:
+    """The request's text and its ``finished`` event."""
+    return asyncio.run(_events(node, req))
+
+
+def run_all(node: CacheNode, reqs: list[NodeRequest]) -> list[tuple[str, dict[str, Any]]]:
+    """``run`` of every request, sent at once (the node batches them: on the CPU a step of n
+    sequences costs little more than one of a single sequence)."""
+    async def go() -> list[tuple[str, dict[str, Any]]]:
+        return list(await asyncio.gather(*(_events(node, req) for req in reqs)))
+
+    return asyncio.run(go())
 
 
 def stops(reply: str) -> dict[str, str]:
@@ -66,28 +78,54 @@ def stops(reply: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("how", ["a_word", "inside_a_token", "several_tokens", "past_a_full_block"])
-@pytest.mark.parametrize("policy", ["", "snapkv-0.5"])
+HOWS = ["a_word", "inside_a_token", "several_tokens", "past_a_full_block"]
+POLICIES = ["", "snapkv-0.5"]
+
+
+@pytest.fixture(scope="module")
+def stop_turns(node: CacheNode) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (how, policy): the reference reply (one per policy: the same greedy request), the
+    stop string, turn 1 of session ``s-{how}-{policy}`` cut by it (its text and end; the
+    session's history and computed tokens after it), turn 2 (text and end) and, without a
+    policy, the same conversation sent without the session (text). Each stage's requests run
+    together (``run_all``)."""
+    refs = dict(zip(POLICIES, run_all(node, [chat(f"ref-{policy}", [USER], policy=policy) for policy in POLICIES])))
+    cases = {(how, policy): {"reply": refs[policy][0], "stop": stops(refs[policy][0])[how], "sid": f"s-{how}-{policy}"}
+             for policy in POLICIES for how in HOWS}
+    firsts = run_all(node, [chat(f"{c['sid']}/1", [USER], sid=c["sid"], stop=(c["stop"],), policy=policy)
+                            for (_, policy), c in cases.items()])
+    reqs = []
+    for ((how, policy), c), (cut, first) in zip(cases.items(), firsts):
+        c.update(cut=cut, first=first, history=node.engine.session_history(c["sid"]),
+                 computed=node.engine.sessions.sessions[c["sid"]].num_computed_tokens)
+        reqs.append(chat(f"{c['sid']}/2", [NEXT], sid=c["sid"], policy=policy))
+        if not policy:
+            reqs.append(chat(f"alone-{how}", [USER, {"role": "assistant", "content": cut}, NEXT]))
+    seconds = iter(run_all(node, reqs))
+    for (_, policy), c in cases.items():
+        c["answer"], c["second"] = next(seconds)
+        if not policy:
+            c["stateless"] = next(seconds)[0]
+    return cases
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_the_turn_after_a_stop_string_answers_as_the_conversation_without_a_session(
-        node: CacheNode, how: str, policy: str) -> None:
+        node: CacheNode, stop_turns: dict[tuple[str, str], dict[str, Any]], how: str, policy: str) -> None:
     """Failed on the old code for every cut: the history kept the stop string's tokens (the
     session's next turn 'Cats are incredibly intelligent and can be trained...' where the same
     conversation without a session answers 'Cats are incredibly ')."""
-    reply, _ = run(node, chat(f"ref-{how}-{policy}", [USER], policy=policy))
-    stop = stops(reply)[how]
-    sid = f"s-{how}-{policy}"
-    cut, first = run(node, chat(f"{sid}/1", [USER], sid=sid, stop=(stop,), policy=policy))
+    c = stop_turns[how, policy]
+    reply, stop, sid, cut, first = c["reply"], c["stop"], c["sid"], c["cut"], c["first"]
     assert first["finish_reason"] == "stop" and cut == reply[: reply.index(stop)]
     templater = node.templater
     kept = [USER, {"role": "assistant", "content": cut}]
     prompt = templater.first_turn([USER])
-    history = node.engine.session_history(sid)
-    computed = node.engine.sessions.sessions[sid].num_computed_tokens
-    answer, second = run(node, chat(f"{sid}/2", [NEXT], sid=sid, policy=policy))
+    history, computed, answer, second = c["history"], c["computed"], c["answer"], c["second"]
     if not policy:  # (a compressing policy's turn continuing its history compresses otherwise than a
         # fresh prompt: its answer is not compared)
-        stateless, _ = run(node, chat(f"alone-{how}", [*kept, NEXT]))
-        assert answer == stateless
+        assert answer == c["stateless"]
     # the history was the prompt, then the tokens of the cut reply alone, with KV for no other
     assert history[: len(prompt)] == prompt and node.tokenizer.decode(history[len(prompt):]) == cut
     assert computed <= len(history)
@@ -100,8 +138,9 @@ def test_a_turn_ended_by_its_stop_token_or_its_length_keeps_its_tokens(node: Cac
     """Nothing is cut from a reply the client got whole: ended by EOS (kept as the history's
     close) or by max_tokens."""
     question = {"role": "user", "content": "What is the capital of France?"}  # 'The capital of France is Paris.'
-    for sid, max_tokens in (("whole-eos", 40), ("whole-length", 6)):
-        _, fin = run(node, chat(f"{sid}/1", [question], sid=sid, max_tokens=max_tokens))
+    cases = (("whole-eos", 40), ("whole-length", 6))
+    ends = run_all(node, [chat(f"{sid}/1", [question], sid=sid, max_tokens=max_tokens) for sid, max_tokens in cases])
+    for (sid, max_tokens), (_, fin) in zip(cases, ends):
         history = node.engine.session_history(sid)
         assert len(history) == fin["prompt_tokens"] + fin["completion_tokens"]
         if max_tokens == 40:
