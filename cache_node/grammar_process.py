@@ -13,8 +13,9 @@ non-blocking, ``_write``; a frame larger than the pipe's buffer is written only 
 child reads it); so is ``start``'s ``init`` frame and ``ready`` reply, under
 ``start_timeout_s``. A process that ends mid-compile raises ``CompilerDied`` with the signal
 that ended it (``signal``: ``grammar_compile.run_compile`` tells the node's kill from the
-spec's crash). The next ``compile`` starts a fresh process (``start``: ~6-10 s, the
-xgrammar import; not counted in any compile's limit). Replies are untrusted bytes: a frame
+spec's crash). The next ``compile`` starts a fresh process (``start``: ~0.5 s of CPU time,
+``grammar_worker.import_compiler``; ~1-3 s of wall time on a busy 2-core host; not counted in
+any compile's limit). Replies are untrusted bytes: a frame
 over ``MAX_REPLY_BYTES`` or of another shape kills the process (``CompilerDied``).
 
 The child is started with ``subprocess`` (a fork followed by exec: nothing of the node's
@@ -54,7 +55,8 @@ MAX_REPLY_BYTES = 64 << 20
 the regex ``[a-z]{5000}``); a larger one fails its compile."""
 
 START_TIMEOUT_S = 120.0
-"""Longest wait for a new process to say it is ready (its import takes ~6-10 s here)."""
+"""Longest wait for a new process to say it is ready (its import takes ~0.5 s of CPU time:
+``grammar_worker.import_compiler``; a host under load stretches it)."""
 
 WALL_LIMIT_FACTOR = 6.0
 """A compile's wall-clock bound, in multiples of its CPU-time limit: past it a child starved of

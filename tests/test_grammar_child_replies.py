@@ -14,6 +14,7 @@ node's step loop, every tenant's streams UNAVAILABLE and the node unhealthy.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
@@ -88,6 +89,50 @@ def test_a_loadable_grammar_that_makes_no_matcher_is_refused_on_the_compile_thre
         assert str(again) == str(exc) and g.num_compiled == 0 and len(g._cache) == 0
     finally:
         g.close()
+
+
+LEAN_SPECS = (
+    ("json_schema", json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                                 "age": {"type": "integer", "minimum": 0}},
+                                "required": ["name", "age"]})),
+    ("json_schema", json.dumps({"type": "object"})),
+    ("regex", "20[0-9]{2}-[01][0-9]-[0-3][0-9]"),
+    ("grammar", 'root ::= "yes" | "no" | [a-c]+'),
+    ("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"],
+        "tags": [{"begin": '<tool_call>{"name": "f", "arguments": ', "end": "}</tool_call>",
+                  "content": {"type": "json_schema", "json_schema": {
+                      "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]}})),
+)
+"""One spec of each compile method (``grammar_worker.METHODS``)."""
+
+
+def test_the_child_compiles_what_xgrammar_compiles_without_importing_torch_or_transformers(grammar_tokenizer) -> None:
+    """The child imports only xgrammar's compiler (``grammar_worker.import_compiler``): each of
+    ``LEAN_SPECS`` (every method) compiles there to the very bytes the node's own ``import
+    xgrammar`` compiles, a spec that does not compile is refused with the same message, and
+    the process maps no torch library and holds under 160 MiB resident (~290 MiB with torch)."""
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(grammar_tokenizer, vocab_size=49152, stop_token_ids=[2])
+    here = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    from cache_node.grammar_worker import _compile
+
+    process = CompilerProcess(info.serialize_json(), 1 << 30)
+    try:
+        process.start()
+        for method, text in LEAN_SPECS:
+            assert process.compile(method, text, 60) == (True, _compile(here, method, text).serialize_json()), method
+        ok, message = process.compile("regex", "(abc", 60)
+        assert not ok and message == "Regex parsing error at position 5: The parenthesis is not closed."
+        with open(f"/proc/{process.pid}/maps") as f:
+            maps = f.read()
+        assert "libxgrammar_bindings" in maps and "libtorch" not in maps
+        with open(f"/proc/{process.pid}/status") as f:
+            rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        assert rss_kib < 160 << 10, rss_kib
+    finally:
+        process.kill()
 
 
 def _request(rid: str, tenant: str, max_tokens: int, structured: StructuredOutputSpec | None = None) -> Any:
