@@ -6,7 +6,10 @@
 - So a key deleted or rotated away through *another* gateway may pass here from the cache for
   up to ``_CACHE_TTL_S`` (until the key directory's next refresh, below, forgets it sooner).
   The calls that change state or reach a tenant by name (``services.gateway_admin``) therefore
-  confirm their key at the scheduler past the cache (``recheck``), by tenant id, never by name.
+  confirm their key at the scheduler past the cache (``recheck``), by tenant id, never by name;
+  an inference request's admission carries its key's id, and the scheduler refuses one rotated
+  away or removed through it (UNAUTHENTICATED ``key_revoked``: ``TenantStore.key_removed``),
+  this gateway then forgetting the tenant's cached keys.
 - A key that failed is remembered for ``_CACHE_TTL_S`` and refused with UNAUTHENTICATED
   without asking the scheduler.
 - A key that does not match ``tenants.keys.KEY_PATTERN`` (a missing one included) is refused

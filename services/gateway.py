@@ -34,7 +34,7 @@ import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
-from services.auth import Authenticator
+from services.auth import Authenticator, bearer_key
 from services.chat import ChatTemplater
 from services.chat_tools import check_tool_output
 from services.data_plane_auth import Security
@@ -56,6 +56,7 @@ from services.node_request import NodeRequest
 from services.ray_errors import SchedulerRestarting
 from services.tool_calls import ToolOutput
 from services.tool_requests import TOOL_PARSERS
+from tenants.keys import parse_key_id
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +341,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                                   () if req.session_id else req.token_ids)  # (a session's turn: its history's too)
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
-        admission = asyncio.ensure_future(self.streams.admit(req, hashes))
+        # the key's id goes with it: one rotated away since this gateway cached it is refused
+        admission = asyncio.ensure_future(self.streams.admit(req, hashes, parse_key_id(bearer_key(context)) or ""))
         try:
             # headers now, while admission and prefill run, not with the first token
             await context.send_initial_metadata(())
@@ -356,7 +358,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             if adm.code != "OK":
                 usage = {}
                 track.rejected(adm.reason)
-                if adm.reason in ("tenant_deleted", "unknown_tenant"):  # a stale cached key
+                if adm.reason in ("tenant_deleted", "unknown_tenant", "key_revoked"):  # a stale cached key
                     self.auth.forget_tenant_id(req.tenant)
                 if adm.retry_after_s:
                     set_retry_after(context, adm.retry_after_s)

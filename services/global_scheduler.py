@@ -220,7 +220,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     # ---- admission and routing ------------------------------------------------------------
     def admit(
         self, tenant_id: str, request_id: str, session_id: str = "", block_hashes: list[bytes] | None = None,
-        prompt_tokens: int = 0, routing_key: str = "",
+        prompt_tokens: int = 0, routing_key: str = "", key_id: str = "",
     ) -> Admission:
         """Pick a node for a request or reject it (RESOURCE_EXHAUSTED with a retry hint).
 
@@ -230,13 +230,16 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
                 turn, whose prompt starts with history the gateway does not see).
             prompt_tokens: prompt length in tokens (0 when unknown).
             routing_key: a routing hint (``_keyed_route``); "" = none.
+            key_id: the id of the API key the gateway authenticated the request with ("" =
+                not said): one removed since (``TenantStore.key_removed``) is refused.
 
         Returns:
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
             "RESOURCE_EXHAUSTED" / "PERMISSION_DENIED" / "UNAVAILABLE" (no node is healthy,
             or the session's node is down) / "ABORTED" (the session's history was lost with
             its node's process: ``node_up``) / "UNAUTHENTICATED" (the tenant was deleted:
-            ``delete_tenant``; or it is no tenant of the store at all: ``knows_tenant``) with a
+            ``delete_tenant``; or it is no tenant of the store at all: ``knows_tenant``; or
+            its key was rotated away: ``key_revoked``) with a
             message. A refusal that passes with time has a ``retry_after_s`` > 0: ``queue_full``
             and ``ttft_estimate`` (how long the backlog needs), and every UNAVAILABLE
             (``NODE_RETRY_S``). ``too_many_sessions`` has none: it stands until the tenant
@@ -258,7 +261,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         or never a tenant) was admitted with the default class. Only tenants of the store are
         admitted now (``_unknown_tenant``), and deletions are kept by the store.
         """
-        refused = self._unknown_tenant(tenant_id)
+        refused = self._unknown_tenant(tenant_id) or self._removed_key(key_id)
         if refused is not None:
             return refused
         self.expire_unconfirmed(tenant_id)
@@ -329,7 +332,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         return Admission(node_id=node_id, spill_blocks=prefix.spill,
                          continues_session=sticky is not None and session_id in self.kept_sessions)
 
-    def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes]) -> Admission:
+    def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes],
+                         key_id: str = "") -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
         go to ``subscriber`` (a gateway's event inbox, ``services.data_plane``).
 
@@ -353,7 +357,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         new_tools = (not req.session_id or req.session_id not in self.session_nodes
                      or self.session_tools.get(req.session_id) != tools)
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req, new_tools),
-                         req.extra.get("routing_key", ""))
+                         req.extra.get("routing_key", ""), key_id)
         if adm.code == "OK":
             if req.session_id:
                 self.turn_tools[req.request_id] = tools

@@ -19,6 +19,7 @@ from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
+from tenants.keys import is_key_id
 from tenants.model import Tenant, TenantSpec
 from tenants.store import DELETED_PAGE
 from tenants.store_key_ids import KeyIdsDelta
@@ -293,12 +294,12 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         if type(corr) is not int:
             return None
         try:
-            req, subscriber, hashes = _admission_request(msg)
+            req, subscriber, hashes, key_id = _admission_request(msg)
         except (TypeError, ValueError) as exc:
             self.bad_messages += 1
             return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
         try:
-            adm = self.admit_and_submit(req, subscriber, hashes)
+            adm = self.admit_and_submit(req, subscriber, hashes, key_id)
         except Exception as exc:
             log.exception("admission failed")
             # cut to what the gateway reads: a longer reply is refused whole by its decode
@@ -307,18 +308,22 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         return {"id": corr, "adm": dataclasses.asdict(adm)}
 
 
-def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes]]:
-    """``(request, subscriber, block hashes)`` of an admission message, every field checked.
+def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes], str]:
+    """``(request, subscriber, block hashes, key id)`` of an admission message, every field
+    checked; the key id (``"key"``: that of the API key the gateway authenticated the request
+    with) is "" when the message has none.
 
     Raises:
         TypeError, ValueError: a missing or mistyped field.
     """
-    hashes, subscriber = msg.get("hashes"), msg.get("sub")
+    hashes, subscriber, key_id = msg.get("hashes"), msg.get("sub"), msg.get("key", "")
     if not isinstance(hashes, list) or not all(isinstance(h, bytes) for h in hashes):
         raise TypeError("hashes must be a list of bytes")
     if not isinstance(subscriber, str) or not subscriber.startswith("tcp://"):
         raise TypeError("sub must be a tcp:// address")
-    return data_plane.request_from_wire(msg.get("req")), subscriber, hashes
+    if key_id != "" and not is_key_id(key_id):
+        raise ValueError("key must be a key id")
+    return data_plane.request_from_wire(msg.get("req")), subscriber, hashes, key_id
 
 
 GlobalSchedulerActor = ray.remote(GlobalSchedulerService)

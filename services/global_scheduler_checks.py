@@ -30,6 +30,9 @@ from services.block_index import PrefixTiers
 from services.data_plane_wire import MAX_RETRY_AFTER_S
 from tenants.model import TenantSpec
 
+if TYPE_CHECKING:
+    from tenants.store import TenantStore
+
 PREFILL_TOKENS_PER_S_RANGE = (1.0, 1e7)
 """Prefill speeds (tokens/s) taken from a node's ``finished`` event (``NodeLoad.take_speeds``):
 a positive one outside is taken at the nearer end (a tiny model on a fast GPU can prefill past
@@ -148,7 +151,7 @@ class Admission:
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
                   "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted",
-                  "unknown_tenant")
+                  "unknown_tenant", "key_revoked")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 
@@ -164,6 +167,8 @@ class AdmissionChecks:
     clock: Any
 
     if TYPE_CHECKING:
+        store: TenantStore
+
         def knows_tenant(self, tenant_id: str) -> bool: ...
 
         def _spec_by_id(self, tenant_id: str) -> TenantSpec | None: ...
@@ -180,6 +185,20 @@ class AdmissionChecks:
                              message="this request's tenant was deleted")
         return Admission(code="UNAUTHENTICATED", reason="unknown_tenant",
                          message="this request's tenant is not registered with the scheduler")
+
+    def _removed_key(self, key_id: str) -> Admission | None:
+        """The refusal of a request authenticated with a key removed since (rotated away, or
+        its tenant deleted: ``TenantStore.key_removed``): UNAUTHENTICATED, "key_revoked".
+        None otherwise, or for no key id ("").
+
+        Regression (session 32's open list): a gateway's key cache passed a key rotated away
+        through another gateway (or the CLI through this scheduler) for up to its TTL (10 s),
+        and the requests it authenticated were admitted and ran, billed to the tenant that had
+        revoked that key."""
+        if not key_id or not self.store.key_removed(key_id):
+            return None
+        return Admission(code="UNAUTHENTICATED", reason="key_revoked",
+                         message="this request's API key was rotated away or removed")
 
     def _cached_tokens(self, prefix: PrefixTiers, prompt_tokens: int) -> CachedTokens:
         """Prompt tokens per tier from a prefix in blocks, capped at ``prompt_tokens``

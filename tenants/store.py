@@ -18,7 +18,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +60,7 @@ class TenantStore(ApiKeys, KeyIdLog, UsageRows, LostSessionRows):
         self._key_epoch = secrets.token_hex(8)
         self._key_version = 0
         self._key_log: deque[tuple[str, bool]] = deque(maxlen=KEY_LOG_LENGTH)  # (key id, exists), oldest first
+        self._removed_key_ids: OrderedDict[str, None] = OrderedDict()  # ``key_removed``, oldest first
         self._data_version = -1  # PRAGMA data_version when last read: another connection's write changes it
         if str(path) != ":memory:":  # born 0600: key hashes are never readable by others, not
             os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))  # even until the chmod below

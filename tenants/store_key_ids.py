@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -51,7 +51,19 @@ class KeyIdLog:
     _key_epoch: str
     _key_version: int
     _key_log: deque[tuple[str, bool]]
+    _removed_key_ids: OrderedDict[str, None]
     _data_version: int
+
+    def key_removed(self, key_id: str) -> bool:
+        """Whether key ``key_id`` was removed through this store (rotated away, or its tenant
+        deleted) among its last ``KEY_LOG_LENGTH`` removals: admission refuses a request
+        authenticated with it from a gateway's key cache (``GlobalScheduler.admit``). Key ids
+        are random and never reused, so a removed one never comes back. A read of one dict,
+        without the lock (admission runs on the scheduler's event loop, the store's writes in
+        worker threads). Removals by another connection (``kvstrata admin rotate-key --local``)
+        and before this store instance was opened are not seen: gateways drop those keys at
+        their key directory's next refresh, or their cache's TTL."""
+        return key_id in self._removed_key_ids
 
     def key_ids_since(self, epoch: str, version: int) -> KeyIdsDelta:
         """Which key ids exist (tenants' and the admin key's), for a gateway's key directory.
@@ -85,3 +97,7 @@ class KeyIdLog:
         for key_id, exists in [(k, False) for k in removed] + [(k, True) for k in added]:
             self._key_version += 1
             self._key_log.append((key_id, exists))
+        for key_id in removed:
+            self._removed_key_ids[key_id] = None
+        while len(self._removed_key_ids) > KEY_LOG_LENGTH:
+            self._removed_key_ids.popitem(last=False)

@@ -152,6 +152,9 @@ class _Context:
     def set_trailing_metadata(self, _metadata) -> None:  # type: ignore[no-untyped-def]
         return None
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:  # the key's id goes with the admission
+        return ()
+
 
 class _Track:
     def observe(self, _event) -> None:  # type: ignore[no-untyped-def]

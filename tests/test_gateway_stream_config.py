@@ -196,6 +196,7 @@ class StalledClient(GrpcContext):
     idle sweep (``expire``) while the next event waits."""
 
     def __init__(self, takes: int, clock: Clock | None = None, step_s: float = 0.0) -> None:
+        super().__init__()
         self.takes, self.clock, self.step_s = takes, clock, step_s
         self.written: list[Any] = []
         self.code: grpc.StatusCode | None = None
@@ -300,6 +301,7 @@ class SlowClient(GrpcContext):
     """A gRPC call context whose client takes each message when the test permits it."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.written: list[Any] = []
         self.permits: asyncio.Queue[None] = asyncio.Queue()
         self.code: grpc.StatusCode | None = None

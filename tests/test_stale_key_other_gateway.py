@@ -239,3 +239,71 @@ def test_a_deleted_tenants_cached_key_is_refused_at_admission(tmp_path: Path) ->
     adm = scheduler.admit(cached.tenant_id, f"{cached.tenant_id}/r1", prompt_tokens=8)
     assert (adm.code, adm.reason) == ("UNAUTHENTICATED", "tenant_deleted")
     assert scheduler.admit(new.tenant.tenant_id, f"{new.tenant.tenant_id}/r1", prompt_tokens=8).code != "UNAUTHENTICATED"
+
+
+class _NodeInbox:
+    """The cache node's command inbox as the scheduler sends to it: records each submit."""
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+
+    def send(self, address: str, message: dict[str, Any]) -> bool:
+        if message.get("op") == "submit":
+            self.submitted.append(message["req"]["tenant"])
+        return True
+
+    def forget(self, address: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_rotated_away_key_cached_at_a_gateway_is_refused_at_admission(tmp_path: Path) -> None:
+    """Regression (session 32's open list): a key its owner rotated away through another
+    gateway (here: the scheduler's own ``rotate_tenant_key``, as any other gateway or the CLI
+    reaches it) stayed in this gateway's key cache for up to 10 s, and the inference requests
+    it authenticated were admitted and ran, billed to the tenant that had revoked it. The
+    gateway sends the key's id with each admission now, and the scheduler refuses a removed one
+    (UNAUTHENTICATED ``key_revoked``), the gateway then forgetting the key. Through the real
+    gateway's gRPC server and data plane to the real scheduler; the node's inbox records what
+    was handed on to it (an admitted call then waits for events that never come: its deadline)."""
+    from kvstrata.v1 import inference_pb2_grpc
+    from services import gateway_server
+    from tests.service_fixtures import chat
+    from tests.test_metrics_forget_tenant import FakeNode, tiny_checkpoint
+
+    async def generate(channel: grpc.aio.Channel, key: str) -> tuple[grpc.StatusCode, str]:
+        call = inference_pb2_grpc.InferenceServiceStub(channel).Generate(
+            chat("hello", max_tokens=2), metadata=(("authorization", f"Bearer {key}"),), timeout=3)
+        try:
+            [event async for event in call]
+        except grpc.RpcError as err:
+            return err.code(), err.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    async def go() -> None:
+        sched = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+        inbox = _NodeInbox()
+        sched.attach_nodes({"n0": "tcp://127.0.0.1:9"}, sender=inbox)
+        gw = gateway_server.Gateway(LocalActor(sched), {"n0": LocalActor(FakeNode())}, str(tiny_checkpoint()))
+        port = await gw.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                tenant, leaked = await sched.register_tenant(TenantSpec(name="bob"))
+                assert (await generate(channel, leaked))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert inbox.submitted == [tenant.tenant_id]  # admitted: the key is cached here now
+                owners = await sched.rotate_tenant_key("bob")  # through another gateway
+                code, details = await generate(channel, leaked)
+                assert code == grpc.StatusCode.UNAUTHENTICATED and "rotated away" in details, (code, details)
+                assert inbox.submitted == [tenant.tenant_id]  # never handed on
+                code, details = await generate(channel, leaked)  # forgotten: refused at the key check
+                assert code == grpc.StatusCode.UNAUTHENTICATED and "rotated away" not in details
+                assert (await generate(channel, owners))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert inbox.submitted == [tenant.tenant_id] * 2
+        finally:
+            await gw.stop(0)
+            sched.close_data_plane()
+            sched.store.close()
+
+    asyncio.run(asyncio.wait_for(go(), 120))
