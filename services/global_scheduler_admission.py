@@ -173,6 +173,12 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         admissions; secrev18 A), as ``authenticate``."""
         return await asyncio.to_thread(super().rotate_tenant_key, name, api_key)
 
+    async def rotate_admin_key(self, api_key: str | None = None) -> str:
+        """``GlobalScheduler.rotate_admin_key`` in a worker thread (a key check, up to a PBKDF2
+        run, and a SQLite commit), as ``rotate_tenant_key``. Regression (review s33): it ran
+        on the loop that serves admissions."""
+        return await asyncio.to_thread(super().rotate_admin_key, api_key)
+
     async def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
         """``GlobalScheduler.register_tenant`` in a worker thread (a SQLite commit), as
         ``rotate_tenant_key``."""

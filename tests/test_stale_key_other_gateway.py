@@ -210,7 +210,7 @@ def test_the_scheduler_checks_the_presented_key_itself(tmp_path: Path) -> None:
     with pytest.raises(errors.StaleKeyError):
         scheduler.get_tenant("bob", tenant_id=ann.tenant_id)
     with pytest.raises(errors.StaleKeyError):
-        scheduler.rotate_admin_key(api_key=bob_key)
+        asyncio.run(scheduler.rotate_admin_key(api_key=bob_key))
     assert scheduler.store.verify_admin_key(admin_key)
     for err in (errors.StaleKeyError("ann"), errors.StaleKeyError(""), errors.NotOwnTenantError("bob")):
         back = pickle.loads(pickle.dumps(err))
