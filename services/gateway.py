@@ -54,6 +54,7 @@ from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
 from services.ray_errors import SchedulerRestarting
+from services.tenant_call_slots import TenantCallSlots
 from services.tool_calls import ToolOutput
 from services.tool_requests import TOOL_PARSERS
 from tenants.keys import parse_key_id
@@ -152,6 +153,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         self.limits = limits = limits or StreamLimits()
         self.max_streams_per_tenant = limits.max_streams_per_tenant
         self.open_streams: dict[str, int] = {}  # tenant id -> its Generate calls open here
+        self.close_slots = TenantCallSlots()  # a tenant's CloseSession calls in flight here
         self.streams_refused = 0  # calls refused for ``max_streams_per_tenant``
         self._tokenizing: dict[str, asyncio.Lock] = {}  # tenant id -> its turn on a worker thread
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "kvstrata-tokenize")
@@ -453,6 +455,10 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         if not session_id or len(session_id) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"session_id must have 1 to {MAX_ID_CHARS} characters, got {len(session_id)}")
+        async with self.close_slots.hold(context, tenant.tenant_id):  # (``services.tenant_call_slots``)
+            return await self._close_session(context, tenant, session_id)
+
+    async def _close_session(self, context: Any, tenant: Any, session_id: str) -> int:
         scoped = scoped_id(tenant.tenant_id, session_id)
         closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
         if closing is None:

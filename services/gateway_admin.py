@@ -8,8 +8,10 @@ a CacheNode actor through Ray, and maps failures to precise status codes for tha
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +22,7 @@ from services import convert
 from services.auth import Authenticator, bearer_key
 from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics
+from services.tenant_call_slots import TenantCallSlots
 from tenants.errors import (
     NotOwnTenantError,
     StaleKeyError,
@@ -86,6 +89,20 @@ async def fresh_admin(auth: Authenticator, context: Any) -> None:
     await auth.recheck(context, None)
 
 
+def _one_tenant_call(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A TenantService handler whose tenant callers hold one of their slots while it runs
+    (``TenantServicer.slots``); the caller is found from this gateway's key cache, so a call
+    refused for want of a slot costs the scheduler nothing."""
+    @functools.wraps(handler)
+    async def bounded(self: TenantServicer, request: Any, context: Any) -> Any:
+        caller = await self.auth.admin_or_tenant(context)
+        if caller is None:
+            return await handler(self, request, context)
+        async with self.slots.hold(context, caller.tenant_id):
+            return await handler(self, request, context)
+    return bounded
+
+
 class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
     """Tenants, their keys and usage. ``nodes`` and ``monitor`` (as ``AdminServicer``'s): the
     cache nodes ``GetUsage`` asks for the blocks a tenant holds now. ``metrics``: the gateway's
@@ -101,6 +118,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
                  monitor: Any = None, node_timeout_s: float = 30.0, metrics: GatewayMetrics | None = None) -> None:
         self.scheduler, self.auth, self.metrics = scheduler, auth, metrics
         self.nodes, self.monitor, self.node_timeout_s = nodes or {}, monitor, node_timeout_s
+        self.slots = TenantCallSlots()  # a tenant's own calls in flight here (the admin's uncounted)
 
     async def _spec(self, msg: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -173,6 +191,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return await _call(context, self.scheduler.get_tenant.remote(name, tenant_id=caller.tenant_id),
                            stale=lambda: self.auth.forget_tenant_id(caller.tenant_id))
 
+    @_one_tenant_call
     async def GetTenant(self, request, context):
         """The admin key reads any tenant; a tenant's own key reads only its own (by its id:
         ``_own_or_admin``, ``_tenant_of``)."""
@@ -185,6 +204,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         tenants = await self.scheduler.list_tenants.remote()
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
+    @_one_tenant_call
     async def GetUsage(self, request, context):
         """The admin key reads any tenant's usage; a tenant's own key reads only its own (a
         fresh-user trial: a tenant could not see what it had used), by its id (``_tenant_of``:
@@ -206,6 +226,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         usage = replace(usage, blocks_held=requests + sessions, session_blocks_held=sessions)
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
+    @_one_tenant_call
     async def RotateKey(self, request, context):
         """The admin key rotates any tenant's key; a tenant's own key rotates only its own: the
         scheduler is given the key itself, checks it again and rotates only while it is still

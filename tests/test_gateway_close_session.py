@@ -17,6 +17,7 @@ import pytest
 
 from services import gateway
 from services.gateway import InferenceServicer
+from services.tenant_call_slots import TenantCallSlots
 from tests.gateway_harness import LocalActor
 
 
@@ -54,6 +55,7 @@ class Node:
 def servicer(node: Node) -> InferenceServicer:
     s = InferenceServicer.__new__(InferenceServicer)  # only close_session's parts
     s.scheduler, s.auth, s.nodes = LocalActor(Scheduler()), Auth(), {"n0": LocalActor(node)}
+    s.close_slots = TenantCallSlots()
     return s
 
 
