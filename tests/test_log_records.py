@@ -1,0 +1,69 @@
+"""Client text in this project's log messages cannot forge log lines (``cache_node.log_records``).
+
+Review s33 (suspicion 1): session ids accept ``"\\n"`` and NUL, and were logged with ``%s``
+(``services/gateway.py``'s failed close, ``cache_node_streams``, ``cache_node_requests``,
+``global_scheduler_recovery``): one id wrote a second, forged line into the log. Every record of
+this project's loggers escapes its message's control characters now, whatever the call site;
+other libraries' records and tracebacks are as before.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from cache_node import log_records
+
+
+@pytest.fixture
+def captured() -> Iterator[io.StringIO]:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield out
+    finally:
+        root.removeHandler(handler)
+
+
+def test_an_id_with_newlines_stays_on_its_log_line(captured: io.StringIO) -> None:
+    forged = "s1\nWARNING:services.auth:admin key accepted from 10.0.0.1\x00\u2028\x85"
+    logging.getLogger("services.gateway").warning("closing session %s on node %s", forged, "n0")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("cache_node.engine").exception("request %s: its step failed", "r\r\n1")
+    logging.getLogger("elsewhere.lib").warning("their %s", "a\nb")
+    lines = captured.getvalue().splitlines()
+    assert lines[0] == ("closing session s1\\nWARNING:services.auth:admin key accepted from 10.0.0.1\\x00"
+                        "\\u2028\\x85 on node n0")
+    assert lines[1] == "request r\\r\\n1: its step failed" and lines[2] == "Traceback (most recent call last):"
+    assert lines[-2:] == ["their a", "b"]  # another library's record: untouched
+
+
+def test_installed_over_rays_record_factory_in_a_fresh_process() -> None:
+    """Ray's workers set a record factory of their own before our code loads; it is wrapped,
+    not replaced, and installing twice wraps once."""
+    code = (
+        "import logging, io, ray._private.log as rl\n"
+        "rl._setup_log_record_factory()\n"
+        "ray_factory = logging.getLogRecordFactory()\n"
+        "from cache_node import log_records\n"
+        "log_records.install(); log_records.install()\n"
+        "f = logging.getLogRecordFactory()\n"
+        "r = f('services.x', logging.WARNING, 'x.py', 1, 'id %s', ('a\\nb',), None)\n"
+        "print(type(r).__name__, repr(r.getMessage()), f is not ray_factory)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["EscapedRecord", "'id", "a\\\\nb'", "True"], out.stdout
+
+
+def test_escape_controls_writes_them_as_repr_does() -> None:
+    assert log_records.escape_controls("a\tb\x1bc\x7f") == "a\\tb\\x1bc\\x7f"
+    assert log_records.escape_controls("plain ünïcode") == "plain ünïcode"
