@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AnyStr
 
 from cache_node.structured_output import TOOL_CALLS_KIND, StructuredOutputSpec
 
@@ -36,6 +36,22 @@ MAX_TOOL_CALLS = 128
 
 MAX_CALL_ID_CHARS = 256
 """Longest tool call id (``services.convert.MAX_MESSAGE_ID_CHARS``, not imported: protobuf)."""
+
+MAX_ARGUMENTS_VALUES = 1 << 15
+"""Most JSON values the ``arguments`` of one request's tool calls may hold together (32,768:
+``arguments_values``, counted on the text before it is parsed; both APIs refuse more naming the
+call, a 400 / INVALID_ARGUMENT). A model's calls hold tens; this leaves room for bulk ones.
+Parsing them (``template_call``) costs ~1-5 us a value while holding the GIL: the bound keeps a
+request's to milliseconds. Regression (review s33 F1): they were parsed before any bound, and
+only the prompt's characters bounded them: one 0.75 MB arguments text of 250k empty lists stalled
+the gateway's event loop 250-480 ms, an 8 MiB one 2-3.5 s (the body's shape check sees one
+string), and each session turn's scheduler admission 0.3-0.38 s."""
+
+MAX_WIRE_CALL_VALUES = MAX_ARGUMENTS_VALUES + 8 * 1024
+"""Most JSON values a ``NodeRequest``'s messages' ``tool_calls`` texts hold together
+(``arguments_values``): ``MAX_ARGUMENTS_VALUES`` of arguments and each call's envelope (2
+objects and 4 separators; at most ``services.convert.MAX_REQUEST_TOOL_CALLS``, 1,024, calls a
+request), counted before any is parsed (``services.data_plane_wire.request_from_wire``)."""
 
 MAX_TOOL_DEPTH = 64
 """Deepest nesting of the JSON of ``tools`` or of one message's ``tool_calls`` on the wire (a
@@ -64,6 +80,56 @@ def json_depth(value: Any, most: int = MAX_TOOL_DEPTH) -> int:
         level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
                  if isinstance(v, (dict, list))]
     return deepest
+
+
+def json_shape(text: AnyStr, max_quotes: int) -> tuple[int, int, int]:
+    """``(strings, separators, containers)`` of a JSON text (``str`` or UTF-8 ``bytes``), counted
+    without parsing it: its JSON strings (keys included), the value separators ``,`` and the
+    containers' openings ``[`` ``{`` outside the strings. Scans at memcpy speed: escaped
+    backslashes and quotes dropped, quotes counted, the text outside the strings joined and its
+    separators and brackets counted; long strings cost nothing, only structure counts. For JSON
+    the separators are the sum over arrays and objects of their length less one. Past
+    ``max_quotes`` quotes the text outside the strings is not split (separators and containers
+    0), so the cost stays linear in the text. Text that is no JSON gets counts of the same
+    characters (no error). The HTTP edge's body check (``openai_api.bodies.body_shape``) and
+    the bounds on tool calls' arguments (``arguments_values``) count with this."""
+    if isinstance(text, bytes):
+        plain = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+        quotes = plain.count(b'"')
+        if quotes > max_quotes:
+            return quotes // 2, 0, 0
+        outside = b"".join(plain.split(b'"')[::2]) if quotes else plain
+        return quotes // 2, outside.count(b","), outside.count(b"[") + outside.count(b"{")
+    plain_text = text.replace("\\\\", "").replace('\\"', "")
+    quotes = plain_text.count('"')
+    if quotes > max_quotes:
+        return quotes // 2, 0, 0
+    outside_text = "".join(plain_text.split('"')[::2]) if quotes else plain_text
+    return quotes // 2, outside_text.count(","), outside_text.count("[") + outside_text.count("{")
+
+
+def arguments_values(text: str, most: int = MAX_ARGUMENTS_VALUES) -> int:
+    """The JSON values of ``text`` (a call's ``arguments``, a message's ``tool_calls``) as the
+    bounds count them, before it is parsed: its separators and containers (``json_shape``), an
+    upper bound of its values less one; ``most + 1`` when it holds more than ``2 * most + 2``
+    strings (more than any JSON text of at most ``most`` values holds: an object member is two,
+    an element one), whose separators are not counted. Text that is no JSON is counted the same
+    (a 0.75 MB arguments text of 250k empty lists: 500,000; ``"abc"``: 0)."""
+    strings, separators, containers = json_shape(text, 4 * most + 4)
+    return most + 1 if strings > 2 * most + 2 else separators + containers
+
+
+def check_arguments_values(calls: Iterable[tuple[str, str]]) -> None:
+    """Bound the tool calls' ``arguments`` of one request together, before any is parsed:
+    ``calls`` yields ``(where, arguments text)``. Raises ValueError worded ``<where>: ...``, the
+    call at which they pass ``MAX_ARGUMENTS_VALUES`` values (``arguments_values``)."""
+    total = 0
+    for where, arguments in calls:
+        total += arguments_values(arguments, MAX_ARGUMENTS_VALUES - total)
+        if total > MAX_ARGUMENTS_VALUES:
+            raise ValueError(f"{where}: the tool calls' arguments hold more than {MAX_ARGUMENTS_VALUES} JSON values "
+                             "(elements, members, containers) in one request; at most "
+                             f"{MAX_ARGUMENTS_VALUES} are allowed")
 
 
 def lone_surrogate(text: str, value: Any = _UNPARSED) -> bool:
@@ -117,8 +183,13 @@ def _loads(what: str, text: str, limit: int) -> Any:
 
 def check_arguments(where: str, arguments: str) -> str:
     """A tool call's ``arguments`` as a client sends it (either API), returned as given. Raises
-    ValueError naming ``where``: its JSON holds a lone surrogate (``lone_surrogate``); any
-    other text is taken (``template_call``)."""
+    ValueError naming ``where``: more than ``MAX_ARGUMENTS_VALUES`` JSON values, counted before
+    it is parsed (``arguments_values``; the request's calls together are bounded the same by
+    ``check_arguments_values``), or its JSON holds a lone surrogate (``lone_surrogate``, parsed
+    only then, within that bound); any other text is taken (``template_call``)."""
+    if arguments_values(arguments) > MAX_ARGUMENTS_VALUES:
+        raise ValueError(f"{where} holds more than {MAX_ARGUMENTS_VALUES} JSON values (elements, members, "
+                         f"containers); at most {MAX_ARGUMENTS_VALUES} are allowed")
     if lone_surrogate(arguments):
         raise ValueError(f"{where} {LONE_SURROGATE}")
     return arguments

@@ -55,7 +55,9 @@ from services.chat_tools import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     MAX_TOOLS_CHARS,
+    arguments_values,
     check_arguments,
+    check_arguments_values,
     check_tool_answers,
     lone_surrogate,
     template_call,
@@ -420,7 +422,10 @@ def chat_messages_from_pb(
     Raises:
         ValueError: no messages or more than ``MAX_CHAT_MESSAGES``, more than
             ``MAX_PROMPT_CHARS`` characters of text together (content, names, tool call ids,
-            the tool calls' ids, names and arguments), a role outside ``CHAT_ROLES``, a bad
+            the tool calls' ids, names and arguments), more than ``MAX_ARGUMENTS_VALUES`` JSON
+            values in the calls' arguments together (``chat_tools.check_arguments_values``,
+            counted before any is parsed; review s33 F1: each was parsed, within the characters'
+            bound, 0.25-0.48 s of the GIL for 0.75 MB of empty lists), a role outside ``CHAT_ROLES``, a bad
             ``name`` or ``tool_call_id`` (``check_message_ids``; named by index), tool calls on
             a message not the assistant's or bad ones, a tool message answering no earlier
             call when any message has calls (``chat_tools.check_tool_answers``; not for a
@@ -437,6 +442,9 @@ def chat_messages_from_pb(
                 + sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls) for m in msg.messages)
     if chars > MAX_PROMPT_CHARS:
         raise ValueError(f"{prefix}.messages hold {chars} characters; at most {MAX_PROMPT_CHARS} are allowed")
+    # the calls' arguments' JSON values, counted on their text before any is parsed
+    check_arguments_values((f"{prefix}.messages[{i}].tool_calls[{j}].arguments", c.arguments)
+                           for i, m in enumerate(msg.messages) for j, c in enumerate(m.tool_calls))
     if not any(m.content.strip() for m in msg.messages):
         raise ValueError(f"{prefix}.messages: every message is empty; the prompt needs some text")
     messages: list[dict[str, Any]] = []
@@ -501,7 +509,10 @@ def tools_from_pb(tools: Sequence[inference_pb2.Tool], prefix: str = "tools") ->
 
     Raises:
         ValueError: more than ``MAX_TOOLS``, more than ``MAX_TOOLS_TEXT_CHARS`` characters as
-            given (before any is parsed), more than ``MAX_TOOLS_CHARS`` as compact JSON, a name
+            given, or more than ``MAX_TOOLS_CHARS`` JSON values in the parameters (counted on
+            their text, ``chat_tools.arguments_values``: no compact JSON of that many characters
+            holds more; review s33 F1, the 6x text as sent was parsed whole first), before any
+            is parsed, more than ``MAX_TOOLS_CHARS`` as compact JSON, a name
             off OpenAI's pattern or listed twice, ``parameters`` not the JSON text of an
             object's schema at most 32 levels deep, or holding a lone surrogate
             (``chat_tools.lone_surrogate``).
@@ -514,6 +525,12 @@ def tools_from_pb(tools: Sequence[inference_pb2.Tool], prefix: str = "tools") ->
     if given > MAX_TOOLS_TEXT_CHARS:
         raise ValueError(f"{prefix} hold {given} characters as sent; at most {MAX_TOOLS_TEXT_CHARS} are allowed "
                          f"(and {MAX_TOOLS_CHARS} as compact JSON)")
+    # each value past a container's first needs a separator, each container a bracket: more than
+    # MAX_TOOLS_CHARS of them are more characters of compact JSON than the tools may hold
+    values = sum(arguments_values(t.parameters, MAX_TOOLS_CHARS) for t in tools)
+    if values > MAX_TOOLS_CHARS:
+        raise ValueError(f"{prefix} hold more than {MAX_TOOLS_CHARS} JSON values in their parameters (more than "
+                         f"{MAX_TOOLS_CHARS} characters as compact JSON, which are at most allowed)")
     converted: list[dict[str, Any]] = []
     for index, tool in enumerate(tools):
         where = f"{prefix}[{index}]"

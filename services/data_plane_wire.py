@@ -19,7 +19,14 @@ from typing import Any
 from cache_node.msgpack_bounds import UnpackBounds
 from cache_node.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
-from services.chat_tools import check_tool_output, check_wire_tool_calls, check_wire_tools
+from services.chat_tools import (
+    MAX_TOOLS_CHARS,
+    MAX_WIRE_CALL_VALUES,
+    arguments_values,
+    check_tool_output,
+    check_wire_tool_calls,
+    check_wire_tools,
+)
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from tenants.model import POLICY_PATTERN
 
@@ -229,11 +236,19 @@ def _check_str_map(what: str, value: dict[Any, Any]) -> None:
         raise TypeError(f"{what} must map strings to strings")
 
 
-def request_from_wire(data: Any) -> NodeRequest:
+def request_from_wire(data: Any, parse_tools: bool = True) -> NodeRequest:
     """Inverse of ``request_to_wire`` (msgpack turns tuples into lists), checking every field's
     type: ``data`` comes off the network. ``tools``, ``tool_output`` and a message's
-    ``tool_calls`` are JSON text, bounded (``MAX_TOOLS_CHARS``, ``MAX_TOOL_CALLS_CHARS``) before
-    they are parsed and checked (``services.chat_tools``).
+    ``tool_calls`` are JSON text, bounded (``MAX_TOOLS_CHARS``, ``MAX_TOOL_CALLS_CHARS``; the
+    ``tool_calls`` together to ``chat_tools.MAX_WIRE_CALL_VALUES`` JSON values, counted on the
+    text) before they are parsed and checked (``services.chat_tools``).
+
+    ``parse_tools`` False (the global scheduler, which routes the request and renders nothing):
+    ``tools`` and the messages' ``tool_calls`` are bounded so but not parsed; the node that
+    renders them parses and checks them. Regression (review s33 F1): the scheduler parsed every
+    session turn's calls on its one admission loop, before the tenant was checked, 0.3-0.38 s
+    for a 0.75 MB turn within the characters' bound (empty lists), stalling every gateway's
+    admissions.
 
     Raises:
         ValueError: out-of-range values (token ids outside [0, 2**31), a priority outside
@@ -262,7 +277,7 @@ def request_from_wire(data: Any) -> NodeRequest:
         raise TypeError("request.token_ids must be integers")
     if tokens and not 0 <= min(tokens) <= max(tokens) <= MAX_TOKEN_ID:
         raise ValueError(f"request.token_ids must lie in [0, {MAX_TOKEN_ID}]")
-    call_chars = 0
+    call_chars = call_values = 0
     for i, message in enumerate(fields.get("messages", [])):
         _check_type("request.messages[]", message, dict)
         _check_str_map("request.messages[]", message)
@@ -271,14 +286,25 @@ def request_from_wire(data: Any) -> NodeRequest:
             if call_chars > MAX_TOOL_CALLS_CHARS:
                 raise ValueError(f"request.messages: their tool_calls hold more than {MAX_TOOL_CALLS_CHARS} "
                                  "characters of JSON")
+            call_values += arguments_values(message["tool_calls"], MAX_WIRE_CALL_VALUES - call_values)
+            if call_values > MAX_WIRE_CALL_VALUES:
+                raise ValueError(f"request.messages[{i}].tool_calls: the messages' tool_calls hold more than "
+                                 f"{MAX_WIRE_CALL_VALUES} JSON values together")
             if message.get("role") != "assistant":
                 raise ValueError(f"request.messages[{i}].tool_calls applies to assistant messages")
-            check_wire_tool_calls(message["tool_calls"], f"request.messages[{i}].tool_calls")
+    if parse_tools:  # (all bounded first: a refused request parses nothing)
+        for i, message in enumerate(fields.get("messages", [])):
+            if "tool_calls" in message:
+                check_wire_tool_calls(message["tool_calls"], f"request.messages[{i}].tool_calls")
     if fields.get("tools") or fields.get("tool_output"):
         if not fields.get("messages"):
             raise ValueError("request.tools and request.tool_output apply to chat messages the node renders")
-        check_wire_tools(fields.get("tools", ""))
-        check_tool_output(fields.get("tool_output", ""))
+        if len(fields.get("tools", "")) > MAX_TOOLS_CHARS:
+            raise ValueError(f"request.tools holds {len(fields['tools'])} characters of JSON; at most "
+                             f"{MAX_TOOLS_CHARS} are allowed")
+        if parse_tools:
+            check_wire_tools(fields.get("tools", ""))
+        check_tool_output(fields.get("tool_output", ""))  # (at most ``TOOL_OUTPUT_CHARS``, ~9 K)
     _check_str_map("request.extra", fields.get("extra", {}))
     check_priority(fields.get("priority", 0))
     if fields.get("opens_session") and (fields.get("continues_session") or not fields.get("session_id")):

@@ -329,7 +329,8 @@ def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[byte
         raise TypeError("sub must be a tcp:// address")
     if key_id != "" and not is_key_id(key_id):
         raise ValueError("key must be a key id")
-    return data_plane.request_from_wire(msg.get("req")), subscriber, hashes, key_id
+    # routed, not rendered: the tools' and tool calls' JSON is bounded, parsed by the node only
+    return data_plane.request_from_wire(msg.get("req"), parse_tools=False), subscriber, hashes, key_id
 
 
 GlobalSchedulerActor = ray.remote(GlobalSchedulerService)

@@ -18,6 +18,7 @@ import grpc
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
+from services.chat_tools import json_shape
 from services.convert import MAX_PROMPT_TOKEN_IDS
 from services.openai_api.context import BodyHold, CallAborted
 
@@ -63,13 +64,10 @@ def check_body_shape(data: bytes) -> None:
 def body_shape(data: bytes, max_quotes: int) -> tuple[int, int]:
     """(JSON strings, value separators ``,`` outside strings) of a JSON text; past
     ``max_quotes`` quotes the separators are not counted (0). For JSON, the separators are
-    the sum over arrays and objects of their length less one."""
-    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
-    quotes = plain.count(b'"')
-    if quotes > max_quotes:
-        return quotes // 2, 0
-    outside = b"".join(plain.split(b'"')[::2]) if quotes else plain
-    return quotes // 2, outside.count(b",")
+    the sum over arrays and objects of their length less one (``chat_tools.json_shape``, which
+    bounds tool calls' arguments too)."""
+    strings, separators, _ = json_shape(data, max_quotes)
+    return strings, separators
 
 _LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 

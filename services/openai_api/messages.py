@@ -80,6 +80,16 @@ class ChatMessage(Strict):
                              "answers, as OpenAI requires it")
         return value
 
+    def chars(self) -> int:
+        """Characters of the message as ``services.chat.content_chars`` counts them, read off the
+        model before anything is converted: its content (parts joined with "\n", as ``as_dict``
+        joins them), ``name``, ``tool_call_id`` and its calls' ids, names and ``arguments`` as
+        given (``ToolCall.chars``; as the gRPC API counts them)."""
+        content = len(self.content) if isinstance(self.content, str) else \
+            sum(len(p.text) for p in self.content) + max(len(self.content) - 1, 0)
+        return content + len(self.name or "") + len(self.tool_call_id or "") + \
+            sum(call.chars() for call in self.tool_calls or ())
+
     def as_dict(self) -> dict[str, Any]:
         """The message as the chat template takes it (``convert.chat_message``: ``name`` and
         ``tool_call_id`` when given, as vLLM passes them): a list of text parts is their texts

@@ -56,7 +56,7 @@ from services.chat_tools import (  # noqa: F401 (re-exported)
     strict_tools,
     template_call,
 )
-from services.convert import MAX_MESSAGE_ID_CHARS
+from services.convert import MAX_MESSAGE_ID_CHARS, MAX_PROMPT_CHARS
 from services.openai_api.strict import Strict, bounded_list
 from services.openai_api.structured import StructuredFields
 from services.openai_api.tool_calls import ToolOutput
@@ -106,7 +106,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class FunctionCall(Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    arguments: str
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS)  # (the prompt's bound; the request's: ``schemas``)
 
     @field_validator("arguments")
     @classmethod
@@ -114,7 +114,8 @@ class FunctionCall(Strict):
         """JSON text whose value holds a lone surrogate (``"\\ud800"`` escaped in the text, which
         the body's own check cannot see) is refused (``chat_tools.check_arguments``, as the gRPC
         API refuses it). Regression (review 30j F1): it reached the template as an object
-        holding the surrogate, a 500."""
+        holding the surrogate, a 500. Its JSON values are bounded before (``MAX_ARGUMENTS_VALUES``,
+        counted on the text: the surrogate check parses it)."""
         return check_arguments("the JSON text", value)
 
 
