@@ -31,6 +31,7 @@ from services.openai_api.logprobs import (
     TokenTexts,
     token_bytes_scheme,
 )
+from services.openai_api.response_budget import Held
 from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -238,8 +239,8 @@ def test_a_body_with_many_logprobs_is_built_off_the_event_loop() -> None:
 
     async def both() -> None:
         loop = threading.current_thread()
-        small = await edge.render(_request(), OFF_LOOP_LOGPROBS, build)
-        big = await edge.render(_request(), OFF_LOOP_LOGPROBS + 1, build)
+        small = await edge.render(_request(), Held(OFF_LOOP_LOGPROBS), build)
+        big = await edge.render(_request(), Held(OFF_LOOP_LOGPROBS + 1), build)
         assert small.body == big.body == b'{"ok":1}'
         assert threads[0] is loop and threads[1] is not loop
 

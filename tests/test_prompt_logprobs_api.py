@@ -8,20 +8,23 @@ are 400s naming the field."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 import torch
+from starlette.responses import JSONResponse
 from transformers import LlamaForCausalLM
 
 from bench.chaos_stack import tiny_checkpoint
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.context import CallAborted
-from services.openai_api.logprobs import MAX_WHOLE_LOGPROBS, Logprobs, TokenTexts
+from services.openai_api.logprobs import MAX_WHOLE_LOGPROBS, OFF_LOOP_LOGPROBS, Logprobs, TokenTexts
 from services.openai_api.prompt_logprobs import PromptExtras, check_prompt_logprobs
-from services.openai_api.responses import Generation
+from services.openai_api.response_budget import OFF_LOOP_CHARS, Held
+from services.openai_api.responses import ECHO_CHARS_PER_PIECE, Generation
 from tests.test_logprobs_served import PROMPT, Served
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
@@ -223,3 +226,117 @@ def test_a_chats_prompt_past_the_budget_is_refused_before_its_entries_are_read()
         asyncio.run(run(MAX_WHOLE_LOGPROBS // 21 + 1))
     assert info.value.param == "prompt_logprobs" and "prompt's 12484 tokens" in info.value.message
     assert not read and closed
+
+
+def _im_start(served: Served) -> int:
+    return served.tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_an_echo_is_decoded_once_per_body_off_the_event_loop_and_built_off_it(served: Served,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review s33 F1: each choice of an echo decoded the whole token prompt on the gateway's
+    event loop (n 16: 16 decodes; 32,768 tokens: 0.4-0.7 s of the loop every tenant's calls
+    share), and the whole body (n copies of the echo) was built there too, its text not counted.
+    Now the body's parse decodes it once, on the tenant's worker-thread turn, and a body of
+    more than ``OFF_LOOP_CHARS`` characters is built on a worker thread."""
+    prompt = [_im_start(served)] * 1000  # (12,000 characters echoed: 16 choices are past OFF_LOOP_CHARS)
+    loop, echoed = served.thread, served.tokenizer.decode(prompt)
+    decodes: list[tuple[threading.Thread, int]] = []
+    renders: list[tuple[threading.Thread, int]] = []
+    decode, render = type(served.tokenizer).decode, JSONResponse.render
+
+    def counted_decode(self: Any, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        decodes.append((threading.current_thread(), len(ids) if isinstance(ids, list) else 1))
+        return decode(self, ids, *args, **kwargs)
+
+    def counted_render(self: Any, content: Any) -> bytes:
+        out = render(self, content)
+        renders.append((threading.current_thread(), len(out)))
+        return out
+
+    monkeypatch.setattr(type(served.tokenizer), "decode", counted_decode)
+    monkeypatch.setattr(JSONResponse, "render", counted_render)
+    status, body = served.post("/completions", {"prompt": prompt, "echo": True, "max_tokens": 1, "n": 16})
+    assert status == 200, body
+    assert len(body["choices"]) == 16 and all(c["text"].startswith(echoed) for c in body["choices"])
+    whole = [thread for thread, size in decodes if size == len(prompt)]
+    assert len(whole) == 1 and whole[0] is not loop, decodes
+    big = [thread for thread, size in renders if size > 16 * len(echoed)]
+    assert len(big) == 1 and big[0] is not loop, renders
+    assert OFF_LOOP_CHARS < 16 * len(echoed)
+
+
+def test_a_streamed_echo_is_sent_in_bounded_pieces(served: Served) -> None:
+    """Review s33 F1: a streamed echo was one chunk, up to ``MAX_PROMPT_CHARS`` characters (6 MB
+    of JSON) encoded at once on the event loop, per choice. It goes in pieces of at most
+    ``ECHO_CHARS_PER_PIECE`` characters now, with its logprobs as before."""
+    prompt = [_im_start(served)] * 1400  # 16,800 characters: two pieces
+    status, chunks = served.post("/completions", {"prompt": prompt, "echo": True, "max_tokens": 2, "stream": True,
+                                                  "logprobs": 0, "temperature": 0})
+    assert status == 200, chunks
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    echoed = served.tokenizer.decode(prompt)
+    assert "".join(texts).startswith(echoed) and len(echoed) > ECHO_CHARS_PER_PIECE
+    assert max(len(t) for t in texts) <= ECHO_CHARS_PER_PIECE
+    tokens = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == len(prompt) + 2
+
+
+def test_a_body_is_refused_before_it_is_built_when_its_budget_has_no_room_for_it() -> None:
+    """Review s33 F1: a whole response was built (an echo's n copies, on the event loop) before
+    its tenant's ``ResponseBudget`` was looked at. Its least size (a byte a character and a
+    value) is checked first now; a body that may fit is still held once built."""
+    from tests.test_logprobs_bytes import _edge, _request
+
+    edge = _edge()
+    built: list[int] = []
+
+    def build() -> dict[str, Any]:
+        built.append(1)
+        return {"text": "x" * 100}
+
+    async def run() -> None:
+        hold = edge.responses.hold("t", edge.responses.per_tenant_bytes - 50)
+        refused = await edge.render(_request(), Held(0, 100), build)
+        assert refused.status_code == 429 and not built
+        too_big = await edge.render(_request(), Held(0, 10), build)  # (it may fit: built, then refused)
+        assert too_big.status_code == 429 and built == [1]
+        hold.release()
+        held = await edge.render(_request(), Held(0, 100), build)
+        assert held.status_code == 200 and edge.responses.per_tenant["t"] == len(held.body)
+
+    asyncio.run(run())
+
+
+def test_where_a_body_is_built_counts_its_characters_and_values() -> None:
+    """``Held.off_loop``: past ``OFF_LOOP_LOGPROBS`` values, ``OFF_LOOP_CHARS`` characters, or
+    their shares together; ``Generation.held`` counts its text's characters."""
+    assert not Held(OFF_LOOP_LOGPROBS, 0).off_loop() and Held(OFF_LOOP_LOGPROBS + 1, 0).off_loop()
+    assert not Held(0, OFF_LOOP_CHARS).off_loop() and Held(0, OFF_LOOP_CHARS + 1).off_loop()
+    assert not Held(OFF_LOOP_LOGPROBS // 2, OFF_LOOP_CHARS // 2).off_loop()
+    assert Held(OFF_LOOP_LOGPROBS // 2, OFF_LOOP_CHARS // 2 + 1).off_loop()
+    assert Held.total([Held(1, 2), Held(3, 4)]) == Held(4, 6)
+
+    async def none() -> Any:
+        yield {}
+
+    generation = Generation(none(), {"prompt_tokens": 1}, False, "m")
+    assert generation.held("中" * 10) == Held(0, 10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_prompts_logprobs_are_bounded_across_n_streamed_too(served: Served, stream: bool) -> None:
+    """Review s33 F2: a streamed echo with logprobs was bounded per choice only, so n 16 x 1,400
+    tokens x 21 moved 15 MB through the event loop (stalled up to 4.7 s) where the same body not
+    streamed is a 400. The bound across n holds for a stream too (its prompt's part: its
+    generated tokens' are paced by its node), a 400 naming ``logprobs``."""
+    prompt = list(range(100, 1500))
+    status, reply = served.post("/completions", {"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 1,
+                                                 "n": 16, "stream": stream})
+    assert status == 400 and reply["error"]["param"] == "logprobs", reply
+    assert "n 16" in reply["error"]["message"] and "1400 tokens" in reply["error"]["message"]
+    per = 1 + 20
+    longest = MAX_WHOLE_LOGPROBS // (16 * per)
+    check_prompt_logprobs(16, longest, 1000, None, 20, stream=True)  # (a stream's generated tokens: not counted)
+    with pytest.raises(ValueError, match="^logprobs: .*n 16, logprobs 20"):
+        check_prompt_logprobs(16, longest + 1, 1, None, 20, stream=True)

@@ -76,7 +76,6 @@ from services.openai_api.errors import (
     refusal_about,
 )
 from services.openai_api.logprobs import (
-    OFF_LOOP_LOGPROBS,
     Logprobs,
     TokenTexts,
     check_whole_logprobs,
@@ -85,7 +84,7 @@ from services.openai_api.messages import check_tool_answers
 from services.openai_api.prompt_logprobs import PromptExtras
 from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
-from services.openai_api.response_budget import HeldResponse, ResponseBudget
+from services.openai_api.response_budget import Held, HeldResponse, ResponseBudget
 from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.streaming import (
@@ -252,18 +251,27 @@ class OpenAIEdge:
         if refusal is not None:
             raise CallAborted(grpc.StatusCode.INVALID_ARGUMENT, refusal, param="tool_choice")
 
-    async def render(self, request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
-        """A whole response's JSON body of ``build()``: on a worker thread, one at a time per
-        tenant (``InferenceServicer.off_loop``), when it holds more than ``OFF_LOOP_LOGPROBS``
-        log probabilities, else here. Its bytes are held in its tenant's ``ResponseBudget`` until
-        its connection has written them out (``HeldResponse``). Regression (review 26c F2): a
-        body of 192 MiB was built on the event loop every tenant's calls share, for 7.9 s.
+    async def render(self, request: Request, held: Held, build: Callable[[], dict[str, Any]]) -> Response:
+        """A whole response's JSON body of ``build()``, which will hold ``held`` (its log
+        probabilities and characters): on a worker thread, one at a time per tenant
+        (``InferenceServicer.off_loop``), when they are many (``Held.off_loop``: past
+        ``OFF_LOOP_LOGPROBS`` or ``OFF_LOOP_CHARS``), else here. Its bytes are held in its
+        tenant's ``ResponseBudget`` until its connection has written them out (``HeldResponse``).
+        Regressions: a body of 192 MiB was built on the event loop every tenant's calls share,
+        for 7.9 s (review 26c F2); an echo's text was not counted, so n 16 copies of an echoed
+        prompt (25 MB) were built there too (review s33 F1).
 
-        When the tenant's unwritten responses leave no room for it (``ResponseBudget.hold``), the
-        response is that refusal instead: a 429 with ``Retry-After``.
+        When the tenant's unwritten responses leave no room for it, the response is that
+        refusal instead, a 429 with ``Retry-After``: before it is built when they leave none for
+        its least size (``Held.least_bytes``, ``ResponseBudget.check_fits``), else once built
+        (``ResponseBudget.hold``).
         """
         tenant_id = getattr(request.state, "tenant_id", "")
-        if logprobs <= OFF_LOOP_LOGPROBS:
+        try:
+            self.responses.check_fits(tenant_id, held.least_bytes())
+        except CallAborted as exc:
+            return exc.response()
+        if not held.off_loop():
             response = JSONResponse(build())
         else:
             response = await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
@@ -279,20 +287,33 @@ class OpenAIEdge:
         return None if top is None else Logprobs(isinstance(body, ChatCompletionRequest), top, self.tokens,
                                                  streamed=body.stream)
 
-    def prompt_extras(self, body: ChatCompletionRequest | CompletionRequest, call: Any) -> PromptExtras | None:
-        """Where one choice of ``body`` collects its echo and prompt logprobs (None: neither
-        asked); ``call``: the body's parsed ``GenerateInput`` (a completion's token prompt)."""
-        echo = isinstance(body, CompletionRequest) and body.echo
-        if call is None or (body.prompt_logprobs is None and not echo):
+    def echo_text(self, body: ChatCompletionRequest | CompletionRequest, call: Any) -> str | None:
+        """The text ``body`` echoes (None: no echo): its prompt string as sent, or its token
+        prompt (``call``'s, the parsed ``GenerateInput``) decoded with the model's tokenizer,
+        special tokens kept ("" without a tokenizer). Called by the body's parse, on its
+        tenant's worker-thread turn, once for all its choices (``ChoiceInputs``). Regression
+        (review s33 F1): each choice decoded the whole prompt on the event loop every tenant's
+        calls share (n 16 x 32,768 tokens: 0.4-0.7 s)."""
+        if not (isinstance(body, CompletionRequest) and body.echo):
             return None
-        tokens: list[int] = list(call.prompt) if echo else [0]
-        text = None
-        if echo:
-            prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-            tokenizer = self.tokens.tokenizer
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(tokens) if tokenizer is not None else ""
-        return PromptExtras(tokens[0], body.prompt_logprobs, text, body.logprobs if echo else None,  # type: ignore[union-attr]
-                            echo and body.max_tokens == 0, self.tokens)  # type: ignore[union-attr]
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.tokens.tokenizer
+        return tokenizer.decode(list(call.prompt)) if tokenizer is not None else ""
+
+    def prompt_extras(self, body: ChatCompletionRequest | CompletionRequest, call: Any,
+                      echo: str | None) -> PromptExtras | None:
+        """Where one choice of ``body`` collects its echo and prompt logprobs (None: neither
+        asked); ``call``: the body's parsed ``GenerateInput`` (a completion's token prompt);
+        ``echo``: the text it echoes (``echo_text``, None: no echo). Nothing here grows with
+        the prompt but a reference to its tokens."""
+        if call is None or (body.prompt_logprobs is None and echo is None):
+            return None
+        echoed = echo is not None
+        return PromptExtras(call.prompt[0] if echoed else 0, body.prompt_logprobs, echo,
+                            body.logprobs if echoed else None,  # type: ignore[union-attr]
+                            echoed and body.max_tokens == 0, self.tokens)  # type: ignore[union-attr]
 
     async def tokenize(self, request: Request, body: TokenizeRequest) -> Response:
         """``/tokenize``'s answer (``services.openai_api.tokenize``): the ids of ``body``'s
@@ -308,7 +329,7 @@ class OpenAIEdge:
                 body.token_ids(tokenizer, templater), max_model_len, tokenizer, body.return_token_strs)))
         except ValueError as exc:
             raise field_refusal(exc) from None
-        return await self.render(request, answer["count"] * (2 if body.return_token_strs else 1), lambda: answer)
+        return await self.render(request, Held(answer["count"] * (2 if body.return_token_strs else 1)), lambda: answer)
 
     async def detokenize(self, request: Request, body: DetokenizeRequest) -> Response:
         """``/detokenize``'s answer: ``body``'s ids decoded together (special tokens kept, as
@@ -325,7 +346,7 @@ class OpenAIEdge:
             raise field_refusal(exc) from None
         text = await unless_gone(request, self.servicer.off_loop(
             request.state.tenant_id, lambda: tokenizer.decode(body.tokens)))
-        return await self.render(request, len(body.tokens), lambda: {"prompt": text})
+        return await self.render(request, Held(len(body.tokens), len(text)), lambda: {"prompt": text})
 
     def rendered(self, call: Any, tenant: Any) -> Any:
         """``call`` (a chat's ``GenerateInput``) with its messages rendered and tokenized by the
@@ -373,7 +394,7 @@ class OpenAIEdge:
         chat = isinstance(body, ChatCompletionRequest)
         rid = request_id(request.scope)
 
-        parsed: list[Any] = []  # the body's input, once parsed (``prompt_extras``)
+        parsed: list[tuple[Any, str | None]] = []  # the body's input and echo, once parsed (``prompt_extras``)
 
         # a session turn's tool call ids come from a seed its node derives them from too: the
         # session keeps its replies' calls with the ids the client got (``ToolOutput.spec``)
@@ -381,12 +402,12 @@ class OpenAIEdge:
 
         def parse() -> Any:
             call = body.to_input() if chat else body.to_input(self.encode)  # type: ignore[union-attr, call-arg]
-            parsed.append(call)
+            parsed.append((call, self.echo_text(body, call)))
             tools = body.tool_output(seed) if seed else None  # type: ignore[union-attr]
             return dataclasses.replace(call, request_id=rid, tool_output=tools.spec() if tools else "")
 
         def prompt() -> PromptExtras | None:
-            return self.prompt_extras(body, parsed[0] if parsed else None)
+            return self.prompt_extras(body, *parsed[0]) if parsed else None
 
         writer = StreamWriter()  # this task also runs the streamed response (``_ClosingStream``)
         if body.n > 1:  # n requests, started all or none, in one response (``choices``)

@@ -72,6 +72,7 @@ from services.openai_api.context import CallAborted, HttpCallContext
 from services.openai_api.errors import _gone, refusal_about
 from services.openai_api.logprobs import Logprobs
 from services.openai_api.prompt_logprobs import PromptExtras
+from services.openai_api.response_budget import Held
 from services.openai_api.responses import Generation, says_nothing, sse, usage_dict
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.streaming import (
@@ -347,7 +348,7 @@ class Choices:
                                      [g._choice(t, g.finish_reason, whole=True) for g, t in zip(gens, texts)])
             return {**body, **_usage(gens), **gens[0].body_fields()}
 
-        return await self.render(self.request, sum(g.held() for g in gens), build)
+        return await self.render(self.request, Held.total([g.held(t) for g, t in zip(gens, texts)]), build)
 
 
 def _usage(gens: list[ChoiceGeneration]) -> dict[str, Any]:

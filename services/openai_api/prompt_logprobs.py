@@ -18,8 +18,9 @@ prompt logprobs (``SamplingParams.prompt_logprobs``: delta events' ``prompt_logp
 
 The values are floored at -9999.0, as every logprob the API reports. A whole response holds
 at most ``MAX_WHOLE_LOGPROBS`` log probabilities, counted as ``prompt_values``: 1 + k per prompt
-token for each of ``prompt_logprobs`` and an echo's ``logprobs``. A completion's prompt counts
-before it is admitted (``check_prompt_logprobs``); a chat's rendered prompt when its ``started``
+token for each of ``prompt_logprobs`` and an echo's ``logprobs``; so does a streamed echo's
+prompt over its ``n`` choices. A completion's prompt counts before it is admitted
+(``check_prompt_logprobs``); a chat's rendered prompt when its ``started``
 event tells its length, before any prompt entry is read (``PromptExtras.check_prompt``: the
 request ends with a 400 naming ``prompt_logprobs`` and is aborted on its node). The entries
 that arrive are counted in the same unit (``PromptExtras.feed``), a guard against a node
@@ -48,16 +49,31 @@ def prompt_values(prompt_tokens: int, prompt_k: int | None, echo_k: int | None) 
 
 
 def check_prompt_logprobs(n: int, prompt_tokens: int, max_tokens: int, prompt_k: int | None,
-                          echo_k: int | None) -> None:
-    """Refuse a whole completion whose prompt logprobs (``prompt_logprobs`` and an echoed
-    prompt's ``logprobs``) with its tokens' may hold more than ``MAX_WHOLE_LOGPROBS``. Raises
-    ValueError naming ``prompt_logprobs`` (or ``logprobs`` for an echo's)."""
-    held = n * (prompt_values(prompt_tokens, prompt_k, echo_k) + max_tokens * (1 + (echo_k or 0)))
+                          echo_k: int | None, stream: bool = False) -> None:
+    """Refuse a completion whose prompt logprobs (``prompt_logprobs`` and an echoed prompt's
+    ``logprobs``) over its ``n`` choices may hold more than ``MAX_WHOLE_LOGPROBS``: a whole
+    response's with its tokens' (``max_tokens`` x (1 + ``echo_k``) a choice), a stream's
+    without them (its generated tokens' go out as its node makes them, read by its client; its
+    prompt's all come from one prefill, and the gateway's event loop takes and encodes every
+    choice's). Regression (review s33 F2): a stream was checked only per choice
+    (``PromptExtras``), so n 16 echoed 16 x 262,144 values (15 MB, the event loop stalled up to
+    4.7 s) where the same body not streamed is refused.
+
+    Raises:
+        ValueError: naming ``prompt_logprobs`` (or ``logprobs`` for an echo's), with the
+            values it may hold from ``n``, the prompt's tokens and the alternatives asked.
+    """
+    per_choice = prompt_values(prompt_tokens, prompt_k, echo_k) + (0 if stream else max_tokens * (1 + (echo_k or 0)))
+    held = n * per_choice
     if held > MAX_WHOLE_LOGPROBS:
         field = "prompt_logprobs" if prompt_k is not None else "logprobs"
-        raise ValueError(f"{field}: a response may hold at most {MAX_WHOLE_LOGPROBS} log probabilities; with the "
-                         f"prompt's {prompt_tokens} tokens this one may hold {held}: ask for fewer alternatives, "
-                         "or send a shorter prompt")
+        asked = ", ".join(f"{name} {k}" for name, k in (("prompt_logprobs", prompt_k), ("logprobs", echo_k))
+                          if k is not None)
+        raise ValueError(f"{field}: a response{', streamed or not,' if stream else ''} may hold at most "
+                         f"{MAX_WHOLE_LOGPROBS} log probabilities over its n choices; with the prompt's "
+                         f"{prompt_tokens} tokens this one may hold {held} (n {n}, {asked}"
+                         f"{'' if stream else f', max_tokens {max_tokens}'}): ask for fewer alternatives or "
+                         "choices (n), or send a shorter prompt")
 
 
 class PromptExtras:

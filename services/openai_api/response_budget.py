@@ -18,13 +18,52 @@ response (up to ~19 MB with log probabilities) for as long as they kept their co
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from starlette.responses import Response
 
 from services.openai_api.context import CallAborted
+from services.openai_api.logprobs import OFF_LOOP_LOGPROBS
 from services.openai_api.scope_hooks import written
+
+OFF_LOOP_CHARS = 1 << 17
+"""A whole response holding more characters of text than this (its choices' texts together,
+an echoed prompt's included: 128 KiB to 1.5 MiB of JSON, a character taking 1 to 12 bytes) is
+built on a worker thread, as one past ``OFF_LOOP_LOGPROBS`` is (``Held.off_loop``)."""
+
+
+class Held(NamedTuple):
+    """What a whole response's body will hold, known before it is built (``OpenAIEdge.render``
+    decides from it where to build it, and refuses it first when its tenant's
+    ``ResponseBudget`` has no room for its least size).
+
+    ``values``: its log probabilities (``/tokenize``'s: its token ids and texts), each choice's
+    together. ``chars``: the characters of its text, each choice's together, an echoed
+    prompt's included (``echo`` makes a body of ``n`` copies of a prompt of up to
+    ``MAX_PROMPT_CHARS`` characters, or of a token prompt's decoded text).
+
+    Regression (review s33 F1): only log probabilities were counted, so an echo without them
+    counted 0 and its body (n 16 x 131,072 tokens' text: 25 MB) was built on the event loop
+    every tenant's calls share (187 ms), before its budget was looked at."""
+
+    values: int = 0
+    chars: int = 0
+
+    def off_loop(self) -> bool:
+        """Built on a worker thread: past ``OFF_LOOP_LOGPROBS`` values or ``OFF_LOOP_CHARS``
+        characters, or past the two's shares together (``values / OFF_LOOP_LOGPROBS +
+        chars / OFF_LOOP_CHARS > 1``)."""
+        return self.values * OFF_LOOP_CHARS + self.chars * OFF_LOOP_LOGPROBS > OFF_LOOP_LOGPROBS * OFF_LOOP_CHARS
+
+    def least_bytes(self) -> int:
+        """The fewest bytes its JSON can take: one a character and one a value."""
+        return self.values + self.chars
+
+    @staticmethod
+    def total(parts: list[Held]) -> Held:
+        """``parts`` (one a choice) together."""
+        return Held(sum(p.values for p in parts), sum(p.chars for p in parts))
 
 
 class ResponseBudget:
@@ -49,8 +88,9 @@ class ResponseBudget:
         if self.per_tenant[tenant_id] >= self.per_tenant_bytes:
             raise self._refusal(self.per_tenant[tenant_id])
 
-    def hold(self, tenant_id: str, nbytes: int) -> ResponseHold:
-        """Hold ``nbytes`` of a built response of ``tenant_id``'s.
+    def check_fits(self, tenant_id: str, nbytes: int) -> None:
+        """Before a response of at least ``nbytes`` is built: refused as ``hold`` would refuse
+        it (no body is built that could not be held).
 
         Raises:
             CallAborted: RESOURCE_EXHAUSTED (429) with ``retry_after_ms`` when the tenant holds
@@ -59,6 +99,16 @@ class ResponseBudget:
         held = self.per_tenant[tenant_id]
         if held and held + nbytes > self.per_tenant_bytes:
             raise self._refusal(held)
+
+    def hold(self, tenant_id: str, nbytes: int) -> ResponseHold:
+        """Hold ``nbytes`` of a built response of ``tenant_id``'s.
+
+        Raises:
+            CallAborted: RESOURCE_EXHAUSTED (429) with ``retry_after_ms`` when the tenant holds
+                some already and ``nbytes`` more would pass ``per_tenant_bytes``.
+        """
+        self.check_fits(tenant_id, nbytes)
+        held = self.per_tenant[tenant_id]
         self.per_tenant[tenant_id] = held + nbytes
         return ResponseHold(self, tenant_id, nbytes)
 

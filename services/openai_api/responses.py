@@ -21,8 +21,13 @@ from typing import Any
 
 from services.openai_api.logprobs import LOGPROB_TOKENS_PER_CHUNK, Logprobs
 from services.openai_api.prompt_logprobs import PromptExtras
+from services.openai_api.response_budget import Held
 from services.openai_api.tool_calls import ToolOutput
 from tenants.usage import TierTokens
+
+ECHO_CHARS_PER_PIECE = 1 << 14
+"""The most characters of an echoed prompt one piece of a choice's text holds (a streamed
+chunk: at most ~96 KiB of JSON for 6-byte characters, ~192 KiB for 12-byte ones)."""
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached: dict[str, int]) -> dict[str, Any]:
@@ -123,14 +128,23 @@ class Generation:
 
     async def _echo(self) -> AsyncIterator[str]:
         """The echoed prompt's text, after chunks of empty text carrying its tokens' entries
-        past ``LOGPROB_TOKENS_PER_CHUNK`` (as ``pieces``)."""
+        past ``LOGPROB_TOKENS_PER_CHUNK`` (as ``pieces``), in pieces of at most
+        ``ECHO_CHARS_PER_PIECE`` characters (a stream's chunk each: the event loop encodes
+        one at a time, between its other work). Regression (review s33 F1): the whole echo
+        was one chunk, up to ``MAX_PROMPT_CHARS`` characters (6 MB of JSON) encoded at once
+        on the event loop every tenant's calls share, once per choice."""
         while self.logprobs is not None and self.logprobs.streamed and self.logprobs.pending() > LOGPROB_TOKENS_PER_CHUNK:
             yield ""
-        yield self.prompt.echo or ""  # type: ignore[union-attr]
+        echo = self.prompt.echo or ""  # type: ignore[union-attr]
+        for start in range(0, max(len(echo), 1), ECHO_CHARS_PER_PIECE):
+            yield echo[start: start + ECHO_CHARS_PER_PIECE]
 
-    def held(self) -> int:
-        """The log probabilities a whole response holds (``OpenAIEdge.render``)."""
-        return (len(self.logprobs) if self.logprobs is not None else 0) + (len(self.prompt) if self.prompt else 0)
+    def held(self, text: str) -> Held:
+        """What a whole response's choice of ``text`` (its echo included) holds
+        (``OpenAIEdge.render``): the log probabilities (its own and its ``prompt_logprobs``)
+        and ``text``'s characters."""
+        values = (len(self.logprobs) if self.logprobs is not None else 0) + (len(self.prompt) if self.prompt else 0)
+        return Held(values, len(text))
 
     def body_fields(self) -> dict[str, Any]:
         """A chat body's ``prompt_logprobs`` when asked (vLLM's, on the body: the choices share

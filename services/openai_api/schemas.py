@@ -194,7 +194,8 @@ class CompletionRequest(SamplingFields):
             if not self.echo:
                 raise ValueError("max_tokens: must be > 0, or 0 with echo true (the prompt alone), got 0")
             max_tokens = 1
-        if not self.stream and (self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)):
+        # across n, streamed too (a stream's prompt part: review s33 F2)
+        if self.prompt_logprobs is not None or (self.echo and self.logprobs is not None):
             check_prompt_logprobs(self.n, len(prompt), max_tokens or 1, self.prompt_logprobs,
-                                  self.logprobs if self.echo else None)
+                                  self.logprobs if self.echo else None, stream=self.stream)
         return self.generate_input(list(prompt), max_tokens, prefix_tokens=self.prefix_tokens)

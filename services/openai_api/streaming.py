@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from services.gateway import StreamWriter
 from services.openai_api.context import CallAborted
 from services.openai_api.errors import ClientGone, _gone
+from services.openai_api.response_budget import Held
 from services.openai_api.responses import Generation, says_nothing, sse
 from services.openai_api.scope_hooks import end_unfinished
 
@@ -123,12 +124,12 @@ async def _stream(generation: Generation, include_usage: bool,
     yield sse("[DONE]")
 
 
-Render = Callable[[Request, int, Callable[[], dict[str, Any]]], Awaitable[Response]]
-"""Builds a whole response's body from its log probabilities' count and a builder
-(``OpenAIEdge.render``: on a worker thread when they are many)."""
+Render = Callable[[Request, Held, Callable[[], dict[str, Any]]], Awaitable[Response]]
+"""Builds a whole response's body from what it will hold (``Held``: its log probabilities and
+characters) and a builder (``OpenAIEdge.render``: on a worker thread when they are many)."""
 
 
-async def _render_here(request: Request, logprobs: int, build: Callable[[], dict[str, Any]]) -> Response:
+async def _render_here(request: Request, held: Held, build: Callable[[], dict[str, Any]]) -> Response:
     return JSONResponse(build())
 
 
@@ -147,5 +148,5 @@ async def _whole(generation: Generation, request: Request,
         return _gone()
     except CallAborted as exc:
         return about(exc).response()
-    return await render(request, generation.held(), lambda: generation.response(text))
+    return await render(request, generation.held(text), lambda: generation.response(text))
 
