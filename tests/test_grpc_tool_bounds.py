@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvstrata.v1 import inference_pb2
-from services.chat_tools import MAX_TOOL_CALLS, MAX_TOOLS_CHARS
+from services.chat_tools import MAX_ARGUMENTS_VALUES, MAX_TOOL_CALLS, MAX_TOOLS_CHARS
 from services.convert import (
     MAX_PROMPT_CHARS,
     MAX_REQUEST_TOOL_CALLS,
@@ -87,14 +87,18 @@ def test_tools_past_the_compact_bound_are_refused_on_both_apis_naming_tools() ->
 
 @pytest.mark.parametrize("with_tools", [False, True])
 def test_arguments_are_counted_as_the_template_takes_them_on_both_apis(with_tools: bool) -> None:
-    """``1E15`` numbers come to ~3.8 times their characters as compact JSON."""
+    """``1E15`` numbers come to ~3.8 times their characters as compact JSON: 30 calls of 1,000 of
+    them (within ``MAX_ARGUMENTS_VALUES`` together) beside a long question are under the bound as
+    sent and past it rendered. (Regression, diff review s33: HTTP counted them as sent again.)"""
     arguments = json.dumps({"n": [1e15] * 1000}).replace("1000000000000000.0", "1E15")
-    count = (MAX_PROMPT_CHARS // 2) // len(arguments)  # half the bound as sent, twice it as rendered
-    messages = [USER] + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"c{i}_{j}", "type": "function", "function": {"name": "f", "arguments": arguments}}
-        for j in range(10)]} for i in range(count // 10)]
-    assert sum(len(c["id"]) + 1 + len(c["function"]["arguments"]) for m in messages[1:] for c in m["tool_calls"]) \
-        < MAX_PROMPT_CHARS
+    calls = 30
+    messages = [{"role": "user", "content": "q" * (MAX_PROMPT_CHARS - calls * len(arguments) - 300_000)}] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{i}_{j}", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            for j in range(10)]} for i in range(calls // 10)]
+    assert calls * 1002 < MAX_ARGUMENTS_VALUES
+    assert len(messages[0]["content"]) + sum(len(c["id"]) + 1 + len(c["function"]["arguments"])
+                                             for m in messages[1:] for c in m["tool_calls"]) < MAX_PROMPT_CHARS
     parameters = json.dumps(_schema("x")) if with_tools else ""
     with pytest.raises(ValueError, match=r"^chat.messages hold \d+ characters.* as the chat template takes them"):
         input_from_pb(_grpc(parameters, messages))

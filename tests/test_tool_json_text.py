@@ -90,17 +90,26 @@ def test_grpc_takes_pairs_and_escaped_backslashes(session_id: str) -> None:
 @pytest.mark.parametrize("arguments", [LONE, LONE_KEY])
 def test_http_refuses_a_lone_surrogate_in_arguments_naming_it(session_id: str | None, arguments: str) -> None:
     """The body's own check sees ``\\\\ud800`` (an escaped backslash) in the body's text: the
-    arguments' JSON is another text, checked by the call's model."""
+    arguments' JSON is another text, checked when the request is parsed (on a worker thread),
+    once the request's calls are bounded together (``schemas.template_messages``). Through the
+    real HTTP server; the stand-in servicer parses as ``generate`` does."""
+    from tests.test_tool_arguments_bounds import _post, _serve, _Servicer
+
     extra = {} if session_id is None else {"session_id": session_id}
-    body = _chat_body(messages=[USER, _call_msg(arguments), {"role": "tool", "tool_call_id": "call_1", "content": "21"}],
-                      **extra)
-    status, _, out = _call("POST", "/v1/chat/completions", (json.dumps(body).encode(),))
-    assert status == 400, out
-    assert out["error"]["param"] == "messages.1.tool_calls.0.function.arguments", out
-    assert "lone UTF-16 surrogate" in out["error"]["message"], out
-    good = _chat_body(messages=[USER, _call_msg(PAIR), {"role": "tool", "tool_call_id": "call_1", "content": "21"}],
-                      **extra)
-    assert _call("POST", "/v1/chat/completions", (json.dumps(good).encode(),))[0] == 404  # parsed: the model
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "21"}
+    bad = _chat_body(messages=[USER, _call_msg(arguments), tool], model="m", **extra)
+    good = _chat_body(messages=[USER, _call_msg(PAIR), tool], model="m", **extra)
+    servicer = _Servicer()
+
+    async def body(port: int) -> None:
+        status, out, _ = await _post(port, "/v1/chat/completions", json.dumps(bad).encode())
+        assert status == 400, out
+        assert out["error"]["param"] == "messages.1.tool_calls.0.function.arguments", out
+        assert "lone UTF-16 surrogate" in out["error"]["message"], out
+        assert (await _post(port, "/v1/chat/completions", json.dumps(good).encode()))[0] == 503  # parsed: no node
+        assert len(servicer.parsed) == 1
+
+    _serve(servicer, None, body)
 
 
 def test_the_data_plane_refuses_it_too() -> None:

@@ -55,7 +55,8 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from cache_node.sampling_params import MAX_LOGPROBS
-from services.chat_tools import check_arguments_values
+from services.chat import content_chars
+from services.chat_tools import check_arguments, check_arguments_values
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
 from services.gateway import GenerateInput
 from services.openai_api.messages import MAX_CONTENT_PARTS, ChatMessage, TextPart  # noqa: F401 - re-exported
@@ -113,27 +114,44 @@ def template_messages(messages: list[ChatMessage], tools: list[Tool] | None) -> 
     the history's tool calls and ``tools`` as JSON. The one conversion of a chat completion's
     messages and of ``/tokenize``'s (``services.openai_api.tokenize``), so both render the same.
 
-    Both bounds are checked on the pydantic models, before any message is converted (whose
-    ``as_dict`` parses each call's ``arguments``, ``chat_tools.template_call``): the
-    characters (``ChatMessage.chars``, the calls' arguments as given), then the calls'
-    arguments' JSON values together, counted on their text (``chat_tools.check_arguments_values``,
-    ``MAX_ARGUMENTS_VALUES``). Regression (review s33 F1): the messages were converted first, so
-    an 8 MiB body whose one call's arguments text held 2.6M empty lists (the body's shape check
-    sees one string) was parsed whole before its 1 Mi-character bound refused it, stalling the
-    gateway's event loop 2-3.5 s (``/tokenize`` too).
+    Before any message is converted (whose ``as_dict`` parses each call's ``arguments``,
+    ``chat_tools.template_call``), the work is bounded on the pydantic models: the characters
+    as sent (``ChatMessage.chars``, the calls' arguments as given), then the calls' arguments'
+    JSON values together, counted on their text (``chat_tools.check_arguments_values``,
+    ``MAX_ARGUMENTS_VALUES``), then each call's arguments for a lone surrogate (a parse, within
+    that bound: ``chat_tools.check_arguments``). Regression (review s33 F1): the messages were
+    converted first, so an 8 MiB body whose one call's arguments text held 2.6M empty lists
+    (the body's shape check sees one string) was parsed whole before its 1 Mi-character bound
+    refused it, stalling the gateway's event loop 2-3.5 s (``/tokenize`` too); and the
+    surrogate check parsed each call in the model's validator, before the request's bound.
+
+    Then the converted messages' characters are counted as the template takes them
+    (``chat.content_chars``: the arguments as compact JSON, as the gRPC API counts them): a
+    number written ``1E15`` renders as 18 characters. Regression (diff review s33, of review
+    30j F4): only the count as sent was kept, and a body under the bound rendered past it.
 
     Raises ValueError naming ``messages``: none, or too many characters; or naming the call
-    (``messages.N.tool_calls.J.function.arguments``) at which the arguments pass their bound."""
+    (``messages.N.tool_calls.J.function.arguments``) at which the arguments pass their bound
+    or that holds a lone surrogate."""
     if not messages:
         raise ValueError("messages: must hold at least one message")
+    tools_chars = check_tools(tools) if tools else 0
     # names, tool call ids and the history's tool calls too; the tools the template renders
-    chars = sum(m.chars() for m in messages) + (check_tools(tools) if tools else 0)
+    chars = sum(m.chars() for m in messages) + tools_chars
     if chars > MAX_PROMPT_CHARS:
         raise ValueError(f"messages: hold {chars} characters{' with the tools' if tools else ''}; at most "
                          f"{MAX_PROMPT_CHARS} are allowed")
-    check_arguments_values((f"messages.{i}.tool_calls.{j}.function.arguments", call.function.arguments)
-                           for i, m in enumerate(messages) for j, call in enumerate(m.tool_calls or ()))
-    return [m.as_dict() for m in messages]
+    calls = [(f"messages.{i}.tool_calls.{j}.function.arguments", call.function.arguments)
+             for i, m in enumerate(messages) for j, call in enumerate(m.tool_calls or ())]
+    check_arguments_values(calls)
+    for where, arguments in calls:
+        check_arguments(f"{where}:", arguments)  # (``<field path>: ...``: the 400 names it)
+    dicts = [m.as_dict() for m in messages]
+    chars = content_chars(dicts) + tools_chars
+    if chars > MAX_PROMPT_CHARS:
+        raise ValueError(f"messages: hold {chars} characters{' with the tools' if tools else ''} as the chat "
+                         f"template takes them; at most {MAX_PROMPT_CHARS} are allowed")
+    return dicts
 
 
 class CompletionRequest(SamplingFields):

@@ -108,15 +108,8 @@ class FunctionCall(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     arguments: str = Field(max_length=MAX_PROMPT_CHARS)  # (the prompt's bound; the request's: ``schemas``)
 
-    @field_validator("arguments")
-    @classmethod
-    def _utf8(cls, value: str) -> str:
-        """JSON text whose value holds a lone surrogate (``"\\ud800"`` escaped in the text, which
-        the body's own check cannot see) is refused (``chat_tools.check_arguments``, as the gRPC
-        API refuses it). Regression (review 30j F1): it reached the template as an object
-        holding the surrogate, a 500. Its JSON values are bounded before (``MAX_ARGUMENTS_VALUES``,
-        counted on the text: the surrogate check parses it)."""
-        return check_arguments("the JSON text", value)
+    # its lone surrogate check (review 30j F1) parses it: ``schemas.template_messages`` makes it,
+    # once the request's calls' JSON values together are bounded (review s33)
 
 
 class ToolCall(Strict):
