@@ -89,7 +89,7 @@ class EngineConfig:
             seconds of its compiler process (which runs at niceness 19; killed past it, its
             request refused naming this limit), and 6 times it of wall time (a compiler the
             node's load starves: refused as the load, retry later).
-        grammar_compile_workers: compiler processes (each ~270 MiB resident, started on first use).
+        grammar_compile_workers: compiler processes (each ~76 MiB resident, started on first use).
         grammar_compile_queue_per_tenant: most grammar compiles one tenant may have queued or
             running on the node; past it a structured request is refused (retryable).
         grammar_cache_bytes: most bytes of compiled grammars kept (also at most 256 of them).

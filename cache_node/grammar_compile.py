@@ -63,7 +63,8 @@ class CompileLimits:
     Attributes:
         timeout_s: CPU-time limit of one compile (the compiler process's CPU seconds; it is
             killed past it), and ``grammar_process.WALL_LIMIT_FACTOR`` times it of wall time.
-        workers: compiler processes (each ~270 MiB resident: xgrammar imports torch).
+        workers: compiler processes (each ~76 MiB resident: xgrammar's compiler alone,
+            ``grammar_worker.import_compiler``).
         queue_per_tenant: most compiles one tenant may have queued or running.
         cache_bytes: most bytes of compiled grammars kept (``grammar_cache.grammar_bytes``).
         worker_memory_bytes: what one process's compiles may allocate past its import

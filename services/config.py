@@ -74,7 +74,7 @@ class NodeConfig(BaseModel):
     # Structured outputs' grammar compiles (``EngineConfig``'s ``grammar_*``; docs/architecture.md,
     # "Cache node step loop"): the limit of one compile in its compiler process's CPU seconds (the
     # process runs at niceness 19; killed past it, the request refused naming it; 6x it of wall
-    # time refuses a compile the node's load starves), compiler processes (each ~270 MiB resident),
+    # time refuses a compile the node's load starves), compiler processes (each ~76 MiB resident),
     # compiles one tenant may have queued or running (past it RESOURCE_EXHAUSTED), bytes of
     # compiled grammars kept, and what one process's compiles may allocate past its import (0: no
     # cap)

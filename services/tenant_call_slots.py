@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-TENANT_CALLS_IN_FLIGHT = 8
+TENANT_CALLS_IN_FLIGHT = 32
 """Control calls one tenant may have in flight at one gateway (``TenantCallSlots``)."""
 
 SLOT_RETRY_S = 1.0
