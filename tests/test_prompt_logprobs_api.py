@@ -24,7 +24,7 @@ from services.openai_api.context import CallAborted
 from services.openai_api.logprobs import MAX_WHOLE_LOGPROBS, OFF_LOOP_LOGPROBS, Logprobs, TokenTexts
 from services.openai_api.prompt_logprobs import PromptExtras, check_prompt_logprobs
 from services.openai_api.response_budget import OFF_LOOP_CHARS, Held
-from services.openai_api.responses import ECHO_CHARS_PER_PIECE, Generation
+from services.openai_api.responses import ECHO_CHARS_PER_PIECE, PROMPT_ENTRIES_PER_TURN, Generation
 from tests.test_logprobs_served import PROMPT, Served
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
@@ -340,3 +340,37 @@ def test_the_prompts_logprobs_are_bounded_across_n_streamed_too(served: Served, 
     check_prompt_logprobs(16, longest, 1000, None, 20, stream=True)  # (a stream's generated tokens: not counted)
     with pytest.raises(ValueError, match="^logprobs: .*n 16, logprobs 20"):
         check_prompt_logprobs(16, longest + 1, 1, None, 20, stream=True)
+
+
+def test_a_deltas_many_prompt_entries_are_fed_between_the_loops_other_work() -> None:
+    """Review s33 F2 (the loop's lag at the bound): a delta coalesced while its client read
+    slowly holds up to its whole prompt's entries (12,483 of 20 alternatives at the per-choice
+    bound), all fed into the echo's logprobs in one turn of the event loop. They go in
+    ``PROMPT_ENTRIES_PER_TURN`` at a time now, other tasks running in between; same result."""
+    count = 4 * PROMPT_ENTRIES_PER_TURN + 3
+    turns: list[int] = []
+
+    async def events() -> Any:
+        yield {"type": "delta", "token_ids": [7], "text": "x", "logprobs": [[-1.0] + [9, -2.0] * 20],
+               "prompt_logprobs": [_entry(20) for _ in range(count)]}
+        yield {"type": "finished", "prompt_tokens": count + 1, "completion_tokens": 1, "finish_reason": "length"}
+
+    async def run() -> tuple[list[str], int]:
+        async def tick() -> None:
+            while True:
+                turns.append(1)
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        turns.clear()
+        logprobs = Logprobs(False, 20, TokenTexts())
+        generation = Generation(events(), {"type": "started", "prompt_tokens": count + 1}, False, "m", logprobs=logprobs,
+                                prompt=PromptExtras(1, None, "p" * (count + 1), 20, False, TokenTexts()))
+        pieces = [piece async for piece in generation.pieces()]
+        ticker.cancel()
+        return pieces, len(logprobs)
+
+    pieces, held = asyncio.run(run())
+    assert len(turns) >= count // PROMPT_ENTRIES_PER_TURN, turns
+    assert "".join(pieces) == "p" * (count + 1) + "x" and held == 1 + count * 21 + 21  # (the first token: null)
