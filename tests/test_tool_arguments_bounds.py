@@ -21,7 +21,6 @@ import asyncio
 import json
 import tempfile
 import time
-import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -48,6 +47,7 @@ from services.openai_api.context import CallAborted
 from services.openai_api.logprobs import TokenTexts
 from services.openai_api.server import HttpServer
 from tests.test_openai_api_error_bounds import _JSON, _shape
+from tests.test_openai_api_units import _AnyKey
 
 HUGE = json.dumps({"a": [[]] * 2_600_000}, separators=(",", ":"))  # 7.8 MB: past 1 Mi characters
 BIG = json.dumps({"a": [[]] * 250_000}, separators=(",", ":"))  # 0.75 MB: within them, 500,001 values
@@ -100,7 +100,7 @@ def test_arguments_values_counts_the_reviewers_texts_at_scan_speed() -> None:
 
 # ---- HTTP: /v1/chat/completions and /tokenize ------------------------------------------------
 
-class _Servicer:
+class _Servicer(_AnyKey):  # its ``auth`` and ``off_loop``
     """The servicer parts the edge uses: every key is tenant ``t``; a request is parsed on a
     worker thread (``InferenceServicer.generate``'s ``off_loop``) and, once parsed, refused
     UNAVAILABLE (no node); each parsed input is kept in ``parsed``."""
@@ -109,15 +109,6 @@ class _Servicer:
 
     def __init__(self) -> None:
         self.parsed: list[Any] = []
-
-    class auth:  # stands in for the servicer's ``auth`` attribute
-        @staticmethod
-        async def tenant(context: Any) -> object:
-            return types.SimpleNamespace(tenant_id="t")
-
-    @staticmethod
-    async def off_loop(tenant_id: str, work: Callable[[], object]) -> object:
-        return await asyncio.to_thread(work)
 
     async def generate(self, context: Any, parse: Any, writer: Any) -> AsyncIterator[object]:
         try:
