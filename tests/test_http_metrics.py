@@ -8,6 +8,10 @@ being shed from real clients being refused. Real uvicorn server, real sockets.""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import resource
+import socket
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,6 +57,51 @@ def test_refusals_and_open_connections_are_exported() -> None:
             await _settle()
             assert samples(metrics)[("kvstrata:http_connections_open", ())] == 0
         finally:
+            await server.stop()
+
+    asyncio.run(body())
+
+
+def test_failed_accepts_are_exported_and_the_waiting_client_is_served_after() -> None:
+    """The gateway's process out of file descriptors (its soft limit lowered to what it holds,
+    real EMFILE): a connecting client's accept fails, ``http_accept_failures_total`` counts it
+    (0 before), and once descriptors are free again asyncio's retry accepts the client, which
+    is served. Regression: failed accepts were only logged, no series counted them."""
+    metrics = GatewayMetrics()
+    server = HttpServer(_app())
+    metrics.watch_http(lambda: server.guard)
+    failures = ("kvstrata:http_accept_failures_total", ())
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        port = await server.start("127.0.0.1", 0)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        client = socket.socket()
+        client.setblocking(False)
+        fillers: list[int] = []
+        try:
+            assert samples(metrics)[failures] == 0
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 8, hard))
+            try:
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE
+            await loop.sock_connect(client, ("127.0.0.1", port))  # (the kernel's backlog takes it)
+            await asyncio.sleep(0.3)
+            for fd in fillers:
+                os.close(fd)
+            fillers.clear()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert samples(metrics)[failures] >= 1
+            await loop.sock_sendall(client, GET)
+            reply = await asyncio.wait_for(loop.sock_recv(client, 4096), 5)  # (asyncio retries after 1 s)
+            assert reply.startswith(b"HTTP/1.1 200 OK")
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            client.close()
             await server.stop()
 
     asyncio.run(body())

@@ -11,7 +11,9 @@ sees its first event): ``refused_address``, ``refused_network``, ``refused_total
 slot, the keyless share), ``shed`` (closed for a new connection), ``handshake_failed``,
 ``handshake_ended``, ``handshake_timeout``, ``head_timeout``, ``body_timeout``,
 ``head_too_large``, ``pipeline_too_large``, ``pipeline_too_deep``, ``send_stalled`` (its client
-fell ``http_send_stall_timeout_s`` behind the minimum read rate).
+fell ``http_send_stall_timeout_s`` behind the minimum read rate). And ``http_accept_failures``:
+failed ``accept()`` calls on the listening socket (``connections.AcceptErrorLog``; out of file
+descriptors or memory: clients wait in the kernel's backlog meanwhile).
 
 Regression: a reason was exported only once it had been counted, so its series appeared at 1
 and ``rate``/``increase`` missed its first event (a single ``send_stalled`` read as none).
@@ -52,3 +54,6 @@ class HttpConnectionsCollector(Collector):
         for reason, count in sorted(stats.items()):  # (none: every reason is listed)
             ended.add_metric([reason], count)
         yield ended
+        yield CounterMetricFamily(f"{PREFIX}http_accept_failures", "Failed accept() calls on the HTTP API's listening "
+                                  "socket (EMFILE, ENFILE, ENOBUFS, ENOMEM: the gateway is out of file descriptors or "
+                                  "memory; asyncio retries each second).", getattr(guard, "accept_failures", 0))

@@ -185,6 +185,7 @@ class ConnectionGuard:
         self.unauthenticated: dict[Guarded, None] = {}  # oldest first
         self.lingering: dict[Guarded, None] = {}  # closed, their kernel-held tail counted (``Guarded._linger``)
         self.stats: Counter[str] = Counter()  # by ``CLOSE_REASONS``
+        self.accept_failures = 0  # failed accept() calls on the listening socket (``AcceptErrorLog``)
 
     def admit(self, conn: Guarded, address: str) -> bool:
         """Count a new connection from ``address``, shedding another when the pool it joins is
@@ -246,10 +247,16 @@ class ConnectionGuard:
 class AcceptErrorLog:
     """asyncio logs a traceback for each failed accept (EMFILE: out of file descriptors) and retries
     every second; this loop exception handler logs those of one listening socket at most once per
-    ``interval_s`` with a count, and passes every other context to the handler it replaced."""
+    ``interval_s`` with a count, counts each in ``guard.accept_failures`` (exported as
+    ``kvstrata:http_accept_failures_total``, ``services.metrics.http``), and passes every other
+    context to the handler it replaced.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fileno: int, interval_s: float = 10.0) -> None:
-        self.loop, self.fileno, self.interval_s = loop, fileno, interval_s
+    Regression: a gateway out of file descriptors was seen only in its log (one line per
+    ``interval_s``); no metric counted the failed accepts, so an alert on the scrape missed it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fileno: int, interval_s: float = 10.0,
+                 guard: ConnectionGuard | None = None) -> None:
+        self.loop, self.fileno, self.interval_s, self.guard = loop, fileno, interval_s, guard
         self.previous = loop.get_exception_handler()
         self.suppressed, self.logged, self.last_log = 0, 0, float("-inf")
         loop.set_exception_handler(self)
@@ -262,6 +269,8 @@ class AcceptErrorLog:
             else:
                 loop.default_exception_handler(context)
             return
+        if self.guard is not None:
+            self.guard.accept_failures += 1
         now = time.monotonic()
         if now - self.last_log < self.interval_s:
             self.suppressed += 1

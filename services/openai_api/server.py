@@ -109,7 +109,7 @@ class HttpServer:
         self.guard = ConnectionGuard(self.limits, self.forwarded_allow_ips)
         config.http_protocol_class = guarded_protocol(config.http_protocol_class, self.guard, tls_context)
         self.server = uvicorn.Server(config)
-        self.accept_log = AcceptErrorLog(asyncio.get_running_loop(), sock.fileno())
+        self.accept_log = AcceptErrorLog(asyncio.get_running_loop(), sock.fileno(), guard=self.guard)
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
         deadline = asyncio.get_running_loop().time() + start_timeout_s
         while not self.server.started:
