@@ -81,7 +81,8 @@ def tools_from_text(value: str) -> list[inference_pb2.Tool]:
         out.append(inference_pb2.Tool(
             name=function["name"], description=description or "",
             parameters="" if parameters is None else json.dumps(parameters, ensure_ascii=False,
-                                                                separators=(",", ":"))))
+                                                                separators=(",", ":")),
+            strict=function.get("strict") is True))
     return out
 
 

@@ -554,6 +554,8 @@ def tools_from_pb(tools: Sequence[inference_pb2.Tool], prefix: str = "tools") ->
                 function["parameters"] = check_parameters(parameters)
             except ValueError as exc:
                 raise ValueError(f"{where}.parameters {exc}") from None
+        if tool.strict:
+            function["strict"] = True
         converted.append({"type": "function", "function": function})
     try:
         check_tools(converted)

@@ -137,8 +137,8 @@ def _tools_from_pb(request: inference_pb2.GenerateRequest, prompt: list[Any], sa
     the same checks, ``services.tool_requests``): the tools the template renders, the sampling
     constrained by a named or required choice, or by an auto one when
     ``sampling.structured_output`` is not given and every tool is strict
-    (``chat_tools.auto_constraint``; ``Tool`` has no ``strict`` field yet, so a gRPC "auto" is
-    read from free text, as vLLM's default), and ``tool_output``'s spec.
+    (``Tool.strict``, OpenAI's ``function.strict``; ``chat_tools.auto_constraint``; otherwise a
+    gRPC "auto" is read from free text, as vLLM's default), and ``tool_output``'s spec.
 
     Raises:
         ValueError: ``tools``, ``tool_choice`` or ``parallel_tool_calls`` with tokens input (a

@@ -3,8 +3,8 @@ text is free until the model writes ``<tool_call>``; from there only a call of a
 with arguments matching its parameters' schema, can follow (``chat_tools.auto_constraint``,
 xgrammar's structural tag, as SGLang constrains strict tools' auto calls). HTTP builds it
 (``ToolFields.structured_output``), so whole and streamed replies, stateless and session turns
-are held to it; tools that are not all strict (and gRPC's, whose ``Tool`` has no ``strict``
-field yet) leave "auto" free text read afterwards, as vLLM's default (review 31: constraining
+are held to it, and gRPC builds the same from ``Tool.strict``; tools that are not all strict
+leave "auto" free text read afterwards, as vLLM's default (review 31: constraining
 every "auto" forced a plain mention of ``<tool_call>`` into a call, failed schemas xgrammar
 cannot compile, and took a grammar slot per tools request).
 
@@ -55,8 +55,8 @@ def _http_spec(tools: list[dict[str, Any]] = STRICT, **fields: Any) -> Structure
     return body.structured_output()
 
 
-def _grpc_spec(**fields: Any) -> StructuredOutputSpec | None:
-    return input_from_pb(request([USER], tools=pb_tools(TOOLS), **fields), tool_call_parser="hermes",
+def _grpc_spec(tools: list[dict[str, Any]] = TOOLS, **fields: Any) -> StructuredOutputSpec | None:
+    return input_from_pb(request([USER], tools=pb_tools(tools), **fields), tool_call_parser="hermes",
                          seed="s").sampling.structured_output
 
 
@@ -70,6 +70,10 @@ def test_auto_is_constrained_when_every_tool_is_strict() -> None:
     one = _http_spec(parallel_tool_calls=False)
     assert one is not None and one != spec
     assert json.loads(one.spec)["format"]["stop_after_first"] is True
+    # gRPC's strict tools (``Tool.strict``) give the same constraint (regression: gRPC had no
+    # field for it, so its "auto" was never constrained)
+    assert _grpc_spec(STRICT) == spec and _grpc_spec(STRICT, tool_choice=AUTO) == spec
+    assert _grpc_spec(STRICT, parallel_tool_calls=False) == one
     own = _http_spec(structured_outputs={"regex": "a+"})
     assert own is not None and own.kind == "regex"
     assert _http_spec(tool_choice="none") is None
@@ -81,11 +85,12 @@ def test_auto_is_free_text_unless_every_tool_is_strict() -> None:
     """Review 31: constraining every "auto" request forced a plain reply that mentioned
     ``<tool_call>`` into a call with made-up arguments, failed tools whose schemas xgrammar
     cannot compile (``\\p{L}``) or compiles for over 10 s, and held one of the tenant's 16 grammar
-    slots per tools request. Tools not all strict, and gRPC's (no ``strict`` field), give no
+    slots per tools request. Tools not all strict, over either API, give no
     constraint: the text is read afterwards, as vLLM's default, and needs no grammar."""
     assert _http_spec(TOOLS) is None and _http_spec(TOOLS, tool_choice="auto") is None
     assert _http_spec([STRICT[0], TOOLS[1]]) is None  # one not strict
     assert _grpc_spec() is None and _grpc_spec(tool_choice=AUTO) is None
+    assert _grpc_spec([STRICT[0], TOOLS[1]]) is None
     pattern = {"type": "object", "properties": {"word": {"type": "string", "pattern": "^\\p{L}+$"}}}
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": pattern}}]
     assert _http_spec(tools) is None  # served unconstrained: nothing to compile

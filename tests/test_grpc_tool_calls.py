@@ -44,7 +44,8 @@ RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}
 def pb_tools(tools: list[dict[str, Any]]) -> list[inference_pb2.Tool]:
     """OpenAI's tools list as ``GenerateRequest.tools``."""
     return [inference_pb2.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
-                               parameters=json.dumps(t["function"]["parameters"])) for t in tools]
+                               parameters=json.dumps(t["function"]["parameters"]),
+                               strict=t["function"].get("strict") is True) for t in tools]
 
 
 def request(messages: list[dict[str, Any]], *, max_tokens: int = 8, logit_bias: dict[str, float] | None = None,
@@ -376,7 +377,7 @@ def test_kvstrata_generate_names_a_misspelled_tool_key(tools: list[Any], named: 
 def test_kvstrata_generate_sends_compact_parameters_and_takes_nulls() -> None:
     """``parameters`` go as compact JSON with non-ASCII text as it is (F3: the gateway held the
     text as sent, escapes and spaces included, to the compact bound); a null ``description`` or
-    ``parameters`` is not given, as HTTP takes it; ``strict`` is read (gRPC has no field for it)."""
+    ``parameters`` is not given, as HTTP takes it; ``strict`` is sent (``Tool.strict``)."""
     from cli.tools import tools_from_text
 
     parameters = {"type": "object", "properties": {"ville": {"type": "string", "description": "où"}}}
@@ -385,3 +386,4 @@ def test_kvstrata_generate_sends_compact_parameters_and_takes_nulls() -> None:
         {"name": "h", "description": "d", "parameters": None}]))
     assert tool.parameters == json.dumps(parameters, ensure_ascii=False, separators=(",", ":"))
     assert (tool.name, tool.description, bare.name, bare.description, bare.parameters) == ("g", "", "h", "d", "")
+    assert (tool.strict, bare.strict) == (True, False)
