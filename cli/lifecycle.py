@@ -66,10 +66,25 @@ def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
     themselves ``ray::...``). Other Ray clusters on the machine match none of these, so they
     are left alone (unlike ``ray stop``, which stops every cluster of the user). Returns the
     number of processes stopped.
+
+    The GCS server is stopped last, once every other process has exited. Signalled with the
+    others, it never exited on SIGTERM, so every ``down`` waited out ``stop_processes``'
+    10-s timeout and then SIGKILLed the GCS, the raylet and the autoscaler monitor: the GCS's
+    SIGTERM handler shuts its gRPC server down on its only event loop and waits there for the
+    calls in flight (its clients' long polls), whose replies need that loop, so it waits until
+    killed; meanwhile the raylet (unregistering its node) and the monitor (its SIGTERM handler
+    writes to the GCS's KV store) wait on the GCS. With its clients gone first, each of them
+    exits within about a second and the GCS right after them.
     """
     gcs = f":{gcs_port}" if gcs_port else None
     return stop_processes(lambda cmdline: any(
-        temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs)) for part in cmdline))
+        temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs)) for part in cmdline),
+        last=_is_gcs_server)
+
+
+def _is_gcs_server(cmdline: list[str]) -> bool:
+    """Whether ``cmdline`` runs Ray's GCS server (its executable is ``.../gcs_server``)."""
+    return bool(cmdline) and Path(cmdline[0]).name == "gcs_server"
 
 
 def _up_config(config: Path | None, scheduler: str, device: str = "") -> ServiceConfig:

@@ -1,6 +1,6 @@
 """``cli.processes.stop_processes`` on real child processes: it stops the processes whose
-command line matches and their descendants, SIGKILLs those that ignore SIGTERM, and leaves
-every other process alone."""
+command line matches and their descendants, SIGKILLs those that ignore SIGTERM, signals the
+``last`` ones after the others have exited, and leaves every other process alone."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -91,3 +92,51 @@ def test_stop_processes_kills_what_ignores_sigterm() -> None:
 
 def test_stop_processes_without_matches_stops_nothing() -> None:
     assert stop_processes(lambda cmdline: False, timeout_s=0.1) == 0
+
+
+LAST = """
+import os, signal, sys, time
+first, out = int(sys.argv[2]), sys.argv[3]
+
+def on_term(*_):
+    try:
+        with open(f"/proc/{first}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    with open(out, "w") as f:
+        f.write("first gone" if state in ("gone", "Z", "X") else f"first still running ({state})")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+open(out + ".ready", "w").close()
+while True:
+    time.sleep(1)
+"""
+
+
+def test_stop_processes_signals_the_last_ones_once_the_others_have_exited(tmp_path) -> None:
+    """``last`` (Ray's GCS for ``kvstrata down``): its processes get SIGTERM only after every
+    other match has exited; here the first one takes 0.3 s to exit on SIGTERM."""
+    marker = f"kvstrata-test-{uuid.uuid4().hex}"
+    first = _spawn("trap 'sleep 0.3; exit 0' TERM; sleep 600 & wait", f"{marker}-first")
+    out = tmp_path / "seen"
+    last = subprocess.Popen([sys.executable, "-c", LAST, f"{marker}-last", str(first.pid), str(out)],
+                            start_new_session=True)
+    try:
+        _child(first)
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "seen.ready").exists():
+            assert time.monotonic() < deadline and last.poll() is None, "the last process did not start"
+            time.sleep(0.01)
+        start = time.monotonic()
+
+        stopped = stop_processes(_matching(marker), timeout_s=30.0,
+                                 last=lambda cmdline: any(part.endswith("-last") for part in cmdline))
+
+        assert stopped == 3  # the first shell, its sleep, the last process
+        assert time.monotonic() - start < 10  # each exited on SIGTERM
+        assert out.read_text() == "first gone"  # "first still running (S)" if signalled together
+        assert last.wait(timeout=10) == 0
+    finally:
+        _cleanup(first, last)

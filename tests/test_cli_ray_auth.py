@@ -9,13 +9,16 @@ admin key, which then listed every tenant.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import ray.util
 
 from cli import lifecycle
@@ -23,8 +26,12 @@ from services.config import ServiceConfig
 from services.ray_auth import TOKEN_FILE, new_token_file, token_env
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST_FAIL = {"RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_timeout_s": "3"}
-"""Ray settings that end a refused driver's retries in seconds, not a minute."""
+FAST_FAIL = {"RAY_gcs_rpc_server_connect_timeout_s": "1", "RAY_py_gcs_connect_timeout_s": "3",
+             "RAY_gcs_server_port_wait_time_s": "3"}
+"""Ray settings that end a refused driver's retries in seconds, not a minute: a driver asks
+the GCS for its cluster id once a second, ``RAY_gcs_server_port_wait_time_s`` times (20
+without it: ``ray._private.node.Node._init_gcs_client``); a driver with the token is answered
+at its first try."""
 
 DRIVER = textwrap.dedent("""
     import os, sys
@@ -43,8 +50,9 @@ DRIVER = textwrap.dedent("""
 
 
 def _drivers(runs: list[tuple[str, str]]) -> list[str]:
-    """``DRIVER`` once per (address, token), all at once (a refused driver spends ~20 s in
-    Ray's retries, asleep); each one's last line of output (or its stderr's end)."""
+    """``DRIVER`` once per (address, token), all at once (a refused driver spends its
+    ``FAST_FAIL`` retries asleep); each one's last line of output (or its stderr's end), with
+    " (unauthenticated)" added where Ray logged that the GCS refused its token."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), **FAST_FAIL}
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     procs = [subprocess.Popen([sys.executable, "-c", DRIVER, address, token], env=env, stdout=subprocess.PIPE,
@@ -53,7 +61,8 @@ def _drivers(runs: list[tuple[str, str]]) -> list[str]:
     try:
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=180)
-            outs.append(stdout.strip().splitlines()[-1] if stdout.strip() else stderr[-500:])
+            out = stdout.strip().splitlines()[-1] if stdout.strip() else stderr[-500:]
+            outs.append(out + (" (unauthenticated)" if "InvalidAuthToken" in stderr else ""))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -62,7 +71,11 @@ def _drivers(runs: list[tuple[str, str]]) -> list[str]:
     return outs
 
 
-def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path: Path) -> None:
+def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path: Path, caplog) -> None:
+    """Also: the cluster stops promptly, each of its processes on SIGTERM (what ``kvstrata
+    down`` does to it). Before, its GCS server never exited on SIGTERM while its clients were
+    alive, nor they while it was stuck, so every stop took ``stop_processes``' 10-s timeout and
+    SIGKILLed the GCS, the raylet and the autoscaler monitor."""
     token = new_token_file(tmp_path / "state")
     assert token.name == TOKEN_FILE and stat.S_IMODE(token.stat().st_mode) == 0o600
     assert len(token.read_text()) == 64 and token_env(token)["RAY_AUTH_MODE"] == "token"
@@ -75,10 +88,18 @@ def test_the_local_cluster_refuses_a_driver_without_its_token(tmp_path: Path) ->
         ip = ray.util.get_node_ip_address()  # the machine's address, as a peer reaches it
         hosts = sorted({ip, "127.0.0.1"})
         *refused, ran = _drivers([(f"{host}:{port}", "") for host in hosts] + [(f"127.0.0.1:{port}", str(token))])
-        assert refused == ["refused"] * len(hosts), (hosts, refused)  # "task ran" before
+        assert refused == ["refused (unauthenticated)"] * len(hosts), (hosts, refused)  # "task ran" before
         assert ran == "task ran"
     finally:
-        lifecycle._stop_local_ray(temp_dir, port)
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="cli.processes"):
+            stopped = lifecycle._stop_local_ray(temp_dir, port)
+        took = time.monotonic() - start
+    assert stopped >= 4  # GCS, raylet, monitor, client server, agents, ...
+    assert not [r.getMessage() for r in caplog.records if r.name == "cli.processes"]  # none SIGKILLed
+    assert took < 9, took  # 10.x s before (the SIGTERM timeout, then SIGKILL); ~1 s here
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if any(temp_dir in a for a in p.info["cmdline"] or ())]
+    assert left == []
 
 
 START_SERVICES = textwrap.dedent("""
