@@ -7,7 +7,9 @@ import importlib
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -35,36 +37,75 @@ def _py(code: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
                                                 "PATH": "/usr/bin:/bin", "KVSTRATA_GPU_CHECK": "1"})
 
 
-def test_gpu_code_and_conftest_import_without_ray_zmq_gguf_faiss() -> None:
+GPU_IMPORTS = ("tests.conftest", "bench.engine", "bench.engine_gpu", "bench.tiers", "bench.tiers_gpu", "bench.gpu_check",
+               "bench.gpu_carry", "tests.test_gpu_tiers")
+"""What the GPU check imports (its benches, their helpers, the conftest)."""
+
+
+@dataclass(frozen=True)
+class HiddenRun:
+    """One subprocess with ``HIDE`` applied: ``GPU_IMPORTS`` imported first, in the fresh
+    interpreter (``imports``: "ok" or the traceback's end), then ``pytest -m gpu tests`` run as
+    the GPU check runs it (``stdout``'s last line: pytest's summary; ``junit``: its XML)."""
+
+    imports: str
+    returncode: int
+    stdout: str
+    junit: Path
+
+
+@pytest.fixture(scope="module")
+def hidden_run(tmp_path_factory: pytest.TempPathFactory) -> HiddenRun:
+    """The three checks below share one subprocess: each spent ~10 s importing torch and
+    transformers in a subprocess of its own (the whole collection ~25 s more)."""
+    junit = tmp_path_factory.mktemp("gpu-collection") / "j.xml"
+    r = _py("import traceback\n"
+            f"try:\n    import {', '.join(GPU_IMPORTS)}\n    print('IMPORTS ok', flush=True)\n"
+            "except BaseException:\n    print('IMPORTS ' + traceback.format_exc()[-2000:].replace('\\n', ' | '), flush=True)\n"
+            "import pytest\nsys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-o', 'addopts=', "
+            f"'--junitxml={junit}', 'tests']))")
+    first, _, rest = r.stdout.partition("\n")
+    assert first.startswith("IMPORTS "), r.stdout[-3000:] + r.stderr[-2000:]
+    return HiddenRun(first.removeprefix("IMPORTS "), r.returncode, rest, junit)
+
+
+def test_gpu_code_and_conftest_import_without_ray_zmq_gguf_faiss(hidden_run: HiddenRun) -> None:
     """Regression: the GPU machine has none of these; nothing the GPU check imports may need them."""
-    r = _py("import tests.conftest, bench.engine, bench.engine_gpu, bench.tiers, bench.tiers_gpu, "
-            "bench.gpu_check, bench.gpu_carry, tests.test_gpu_tiers\nprint('ok')")
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert hidden_run.imports == "ok"
 
 
-def test_gpu_collection_skips_modules_that_need_a_missing_optional_module(tmp_path: Path) -> None:
+def _junit_cases(junit: Path) -> dict[str, str]:
+    """Each testcase of a JUnit file (classname.name) -> its skip message and text ("" if not
+    skipped)."""
+    cases = {}
+    for case in ElementTree.parse(junit).iter("testcase"):
+        skipped = case.find("skipped")
+        cases[f"{case.get('classname')}.{case.get('name')}"] = (
+            "" if skipped is None else f"{skipped.get('message', '')} {skipped.text or ''}")
+    return cases
+
+
+def test_gpu_collection_skips_modules_that_need_a_missing_optional_module(hidden_run: HiddenRun) -> None:
     """Regression: ``pytest -m gpu tests`` on the GPU machine must not fail collecting a module
-    that imports Ray: conftest reports it skipped; a module with a real import error still fails."""
-    junit = tmp_path / "j.xml"
-    r = _py("import pytest\nsys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-o', 'addopts=', "
-            f"'--junitxml={junit}', 'tests/test_tier_ray.py', 'tests/test_gpu_tiers.py']))")
-    assert r.returncode in (0, 5), r.stdout[-3000:]
-    assert "error" not in r.stdout.splitlines()[-1]
-    counts = junit_counts(junit)
+    that imports Ray: conftest reports it skipped (tests/test_tier_ray.py here)."""
+    assert hidden_run.returncode in (0, 5), hidden_run.stdout[-3000:]
+    assert "error" not in hidden_run.stdout.splitlines()[-1]
+    counts = junit_counts(hidden_run.junit)
     assert counts["errors"] == counts["failed"] == 0 and counts["skipped"] >= 1
+    tier_ray = [msg for name, msg in _junit_cases(hidden_run.junit).items() if "test_tier_ray" in name]
+    assert tier_ray and all("needs ray, not installed here" in msg for msg in tier_ray), tier_ray
 
 
-def test_whole_gpu_collection_has_no_errors_without_the_modules_the_gpu_machine_lacks() -> None:
+def test_whole_gpu_collection_has_no_errors_without_the_modules_the_gpu_machine_lacks(hidden_run: HiddenRun) -> None:
     """Regression: ``pytest -m gpu tests`` as the GPU check runs it, on a machine without
     pydantic, fastapi, uvicorn, grpc_health, openai, ... (the acceptance GPU's image): before,
     21 test modules failed to import there and pytest stopped at collection ("Interrupted: 21
     errors during collection"), so not one GPU test would have run."""
-    r = _py("import pytest\nsys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-o', 'addopts=', "
-            "'--collect-only', 'tests']))")
-    tail = r.stdout.splitlines()[-1] if r.stdout else ""
-    assert r.returncode == 0, r.stdout[-3000:]
+    tail = hidden_run.stdout.splitlines()[-1] if hidden_run.stdout.strip() else ""
+    assert hidden_run.returncode == 0, hidden_run.stdout[-3000:]
     assert "error" not in tail and "deselected" in tail, tail
-    assert int(tail.split("/")[0]) >= 10, tail  # the GPU tests themselves are collected
+    no_cuda = [name for name, msg in _junit_cases(hidden_run.junit).items() if "needs a CUDA device" in msg]
+    assert len(no_cuda) >= 10, tail  # the GPU tests themselves are collected (and skipped: no CUDA here)
 
 
 def test_carry_folder_holds_tokenizer_and_corpus_without_weights(tmp_path: Path) -> None:
