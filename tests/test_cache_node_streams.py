@@ -352,7 +352,8 @@ def test_a_turn_reaching_its_session_while_a_turn_runs_is_aborted_naming_the_cli
     and the same turn sent after the running one ends runs from the session's history."""
     async def run():
         gw = await connect(node)
-        await gw.submit(request("b1", max_tokens=200, tenant="cow", session_id="cow/busy-1"))
+        # 32 tokens are 32 steps (seconds here); the second turn arrives within milliseconds
+        await gw.submit(request("b1", max_tokens=32, tenant="cow", session_id="cow/busy-1"))
         assert await gw.poll(30.0)  # started
         await gw.submit(request("b2", max_tokens=3, tenant="cow", session_id="cow/busy-1"))
         refused = await gw.drain({"b2"})
@@ -365,7 +366,7 @@ def test_a_turn_reaching_its_session_while_a_turn_runs_is_aborted_naming_the_cli
     assert refused["b2"] == [{"type": "error", "code": "ABORTED", "message":
                               "session 'busy-1' already has a turn running: one turn at a time per session; "
                               "send this turn again after that one ends"}]
-    assert first["b1"][-1]["type"] == "finished" and first["b1"][-1]["completion_tokens"] == 200
+    assert first["b1"][-1]["type"] == "finished" and first["b1"][-1]["completion_tokens"] == 32
     assert again["b2"][-1]["type"] == "finished"
     assert again["b2"][-1]["prompt_tokens"] == len(history) + len(PROMPT)
     assert asyncio.run(node.close_session("cow/busy-1", "cow")) > 0
