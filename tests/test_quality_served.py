@@ -16,9 +16,11 @@ from cache_node.engine import LLMEngine
 from cache_node.policies import PolicyEnv
 from cache_node.tiers.manager import TierConfig
 
+DOC, CHUNK = 256, 128  # the context's tokens, prefilled in two chunks
+
 
 def test_served_session_answers_equal_the_probes_compress_once_ask_many(real_model) -> None:
-    """One 512-token context (prefilled in two 256-token chunks on both paths, as the harness's
+    """One 256-token context (prefilled in two 128-token chunks on both paths, as the harness's
     1k contexts are in two of 512), both questions, sentencekv-0.25: the served path's logits,
     answers and KL equal the probe's, the session stores the bytes the probe's compressed fork holds, and
     each question turn prefills only its own tokens over the stored state (no fallback to a
@@ -26,12 +28,12 @@ def test_served_session_answers_equal_the_probes_compress_once_ask_many(real_mod
     that shortens the document turn, a session turn that re-prefills, or statistics or budgets
     of the probe's fork that the served turn does not have."""
     tok = real_model.tokenizer
-    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=256),
+    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=CHUNK),
                        real_model.model_id, real_model.eos_token_ids, tier_config=TierConfig(host_bytes=1 << 27))
     engine.policy_env = PolicyEnv.from_tokenizer(tok)
-    probe, asker = Probe(engine, chunk_tokens=256), ServedAsker(engine)
-    item = build_items(tok, [512], [0.5])[0]
-    assert len(item["context"]) == 512 and len(item["questions"]) == 2
+    probe, asker = Probe(engine, chunk_tokens=CHUNK), ServedAsker(engine)
+    item = build_items(tok, [DOC], [0.5])[0]
+    assert len(item["context"]) == DOC == 2 * CHUNK and len(item["questions"]) == 2
     ref = reference(probe, tok, item, served=True)
     comp = probe.compress(ref.base, "sentencekv-0.25")
     reply = item["reply"]
@@ -64,15 +66,19 @@ def test_served_and_probe_keep_their_answers_once_earlier_sessions_fill_the_host
     namespace was a host-tier holder of its own and a new state's fair share of the tier was
     too small for its demoted sentences, which were dropped. Now the sessions' namespaces are
     salts of one (one holder, whose next reservation evicts its own dead documents): both paths
-    give the fresh engine's logits, the probe's and the served one's agree, nothing is dropped."""
+    give the fresh engine's logits, the probe's and the served one's agree, nothing is dropped.
+    Here a 256-token document and a host tier of three served histories, filled by three
+    sessions (each asked one forced token: their answers are not checked). With one host-tier
+    holder per session's namespace (the fault) the probe's compressed state loses 109 tokens."""
     tok = real_model.tokenizer
     slot_bytes = 16 * kv_bytes_per_token(real_model.model)
-    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=256),
+    history_slots = DOC // 16 + 2  # the document's blocks and the question turn's
+    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=CHUNK),
                        real_model.model_id, real_model.eos_token_ids,
-                       tier_config=TierConfig(host_bytes=3 * 34 * slot_bytes))  # three served histories
+                       tier_config=TierConfig(host_bytes=3 * history_slots * slot_bytes))  # three served histories
     engine.policy_env = PolicyEnv.from_tokenizer(tok)
-    probe, asker = Probe(engine, chunk_tokens=256), ServedAsker(engine)
-    item = build_items(tok, [512], [0.5])[0]
+    probe, asker = Probe(engine, chunk_tokens=CHUNK), ServedAsker(engine)
+    item = build_items(tok, [DOC], [0.5])[0]
     ref = reference(probe, tok, item, served=True)
     _kind, q, gen, _need, _ref_logits, _ok = ref.answers[0]
     prompt = q[len(item["reply"]):]
@@ -86,8 +92,8 @@ def test_served_and_probe_keep_their_answers_once_earlier_sessions_fill_the_host
         return probed, asker.ask("sentencekv-0.25", item["context"], prompt, gen).logits
 
     fresh_probed, fresh_served = both()
-    for _ in range(6):
-        asker.ask("full", item["context"], prompt, gen)
+    for _ in range(3):
+        asker.ask("full", item["context"], prompt, gen[:1])
         engine.tiers.demote_all()
     host = engine.tiers.host
     assert len(host.entries) + len(host._free_slots) == host.num_slots and len(host._free_slots) < 4
