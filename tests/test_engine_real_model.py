@@ -34,34 +34,38 @@ def test_batch_matches_transformers_generate_and_prefill_logits(real_model) -> N
     """Six prompts (10..600 tokens of Wikipedia text) run as one batch through the engine with a
     128-token step budget, so chunked prefills share steps with other sequences' decodes, and
     the last prompt reuses 240 tokens of the 300-token one from the prefix cache. Each greedy
-    output (8 tokens) equals transformers ``generate``; the last prompt token's logits after a
-    chunked prefill through the pool equal transformers' prefill logits within 1e-4."""
+    output (8 tokens) equals transformers ``generate``; the logits each prompt's first token is
+    sampled from (its last prompt token's, after a prefill through the pool: chunked for the
+    prompts past 128 tokens, over the cached prefix for the last) equal transformers' prefill
+    logits within 1e-4."""
     tok = real_model.tokenizer
     prompts = _prompts(tok)
     assert [len(p) for p in prompts] == [*TARGETS, SHARED + 40]
     eng = make_engine(real_model, kv_pool_bytes=256 << 20, max_num_batched_tokens=128, max_num_seqs=8)
+    first_logits: dict[str, torch.Tensor] = {}  # request id -> the row its first token is sampled from
+    execute = eng.runner.execute
+
+    def recorded(batch, *args, **kw):  # type: ignore[no-untyped-def]
+        logits = execute(batch, *args, **kw)
+        rows = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]  # (execute's rows)
+        assert len(rows) == logits.shape[0]
+        for seq, row in zip(rows, logits):
+            if not seq.output_token_ids:
+                first_logits[seq.request_id] = row.clone()
+        return logits
+
+    eng.runner.execute = recorded  # type: ignore[method-assign]
     outs = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0, 0, SHARED]  # the one prefix hit
+    assert len(first_logits) == len(prompts)
     ref = type(real_model.model).from_pretrained(real_model.model.name_or_path, dtype=torch.float32)
     ref.config._attn_implementation = "sdpa"
-    want_logits = {}
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+    for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ids = torch.tensor([prompt])  # the mask given: else transformers infers one from the pad id
             gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                eos_token_id=None, pad_token_id=tok.pad_token_id,
                                output_logits=True, return_dict_in_generate=True)
         assert list(out.output_token_ids) == gen.sequences[0, len(prompt):].tolist()
-        want_logits[i] = gen.logits[0][0]  # transformers' prefill logits of the last prompt token
-    # prefill logits of the last prompt token, through the pool (chunked for the long one)
-    for i in (0, 4):
-        eng2 = make_engine(real_model, kv_pool_bytes=128 << 20, max_num_batched_tokens=256)
-        eng2.add_request(prompts[i], SamplingParams(max_tokens=1))
-        while True:
-            batch = eng2.scheduler.schedule()
-            logits = eng2.runner.execute(batch)
-            for seq, n in batch:
-                seq.num_computed_tokens += n
-            if logits.shape[0]:
-                break
-        assert (logits[0] - want_logits[i]).abs().max().item() < 1e-4
+        # transformers' prefill logits of the last prompt token
+        assert (first_logits[out.request_id] - gen.logits[0][0]).abs().max().item() < 1e-4
