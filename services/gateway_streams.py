@@ -322,14 +322,16 @@ class NodeStreams:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[corr] = fut
         try:
-            await self._admission.send(data_plane.pack({
+            started = time.monotonic()
+            await self._send_admission(fut, data_plane.pack({
                 "id": corr, "req": data_plane.request_to_wire(req), "sub": self.subscriber,
                 "hashes": hashes, "key": key_id}))
             # Regression (helper 29h): a gateway paused past ``admit_timeout_s`` refused, on
             # resume, the admissions whose OK replies were waiting unread in its socket (the
             # deadline's timer ran first); the scheduler had admitted them (they were aborted
             # on the nodes and released: ``InferenceServicer._attempt``)
-            reply, graced = await wait_past_stall(fut, self.admit_timeout_s, self.loop_lag, self.admit_timeout_s)
+            left = max(0.0, self.admit_timeout_s - (time.monotonic() - started))
+            reply, graced = await wait_past_stall(fut, left, self.loop_lag, self.admit_timeout_s)
         finally:
             self._pending.pop(corr, None)
         if graced:
@@ -339,6 +341,43 @@ class NodeStreams:
         if "error" in reply:
             raise RuntimeError(f"the global scheduler failed to admit the request: {reply['error']}")
         return Admission(**reply["adm"])
+
+    async def _send_admission(self, fut: asyncio.Future[dict[str, Any]], payload: bytes) -> None:
+        """Hand ``payload`` (an admission; ``fut`` its reply) to the scheduler's ``DEALER``
+        within ``admit_timeout_s``. A ``DEALER`` whose peer takes nothing queues ~1,000
+        messages (its send high-water mark) and the kernel's buffers, and then makes a send
+        wait: a send still waiting at the deadline is cancelled (never sent: pyzmq skips a
+        cancelled send), and one waiting when ``scheduler_failed`` fails ``fut``, or when
+        ``reconnect_scheduler`` closed the socket it waited on, ends at once.
+
+        Raises:
+            asyncio.TimeoutError: the scheduler took nothing for ``admit_timeout_s``;
+            RuntimeError (``SchedulerRestarting``): the scheduler failed meanwhile, or was
+                restarted (the request was never sent: a retry is safe).
+
+        Regression (review s34 B F1): the send was awaited before the admission's deadline
+        started, so with the scheduler's process hung (stopped, deadlocked: alive for Ray)
+        every admission past the ~1,000th waited in it for as long as the hang lasted,
+        holding its call and request body, and ``scheduler_failed`` did not end it."""
+        sending = self._admission.send(payload)
+        if not sending.done():
+            waited_out = True
+            try:
+                await asyncio.wait({sending, fut}, timeout=self.admit_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waited_out = not sending.done()
+                if waited_out:  # (no room in time, the scheduler failed, or this call was cancelled)
+                    sending.cancel()  # never sent
+            failed = fut.exception() if fut.done() and not fut.cancelled() else None
+            if failed is not None:  # ``scheduler_failed``
+                raise failed
+            if waited_out:
+                raise asyncio.TimeoutError
+            if sending.cancelled():  # its socket closed under it (``reconnect_scheduler``)
+                raise SchedulerRestarting("the global scheduler's admission socket was replaced (it restarted) "
+                                          "before this request was sent; retry")
+        sending.result()
 
     async def _read_admissions(self, sock: Any) -> None:
         while True:
