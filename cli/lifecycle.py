@@ -60,9 +60,10 @@ def _free_port() -> int:
 def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
     """Terminate the processes of the Ray cluster ``kvstrata up`` started under ``temp_dir``.
 
-    The cluster's processes are those whose command line carries its session directory (under
-    ``temp_dir``: GCS, raylet, workers) or its GCS address (``--address=<ip>:<gcs_port>``: the
-    Ray client server), and their descendants (the dashboard and runtime-env agents rename
+    The cluster's processes are this user's whose command line carries an option naming a path
+    under ``temp_dir`` (``--session-dir=``, ``--log_dir=``, ``--temp-dir=``, ...: GCS, raylet,
+    workers, monitors) or its GCS address (``--address=<ip>:<gcs_port>``: the Ray client
+    server), and their descendants (the dashboard and runtime-env agents rename
     themselves ``ray::...``). Other Ray clusters on the machine match none of these, so they
     are left alone (unlike ``ray stop``, which stops every cluster of the user). Returns the
     number of processes stopped.
@@ -78,8 +79,20 @@ def _stop_local_ray(temp_dir: str, gcs_port: int = 0) -> int:
     """
     gcs = f":{gcs_port}" if gcs_port else None
     return stop_processes(lambda cmdline: any(
-        temp_dir in part or (gcs and part.startswith("--address=") and part.endswith(gcs)) for part in cmdline),
-        last=_is_gcs_server)
+        _option_under(part, temp_dir) or (gcs and part.startswith("--address=") and part.endswith(gcs))
+        for part in cmdline), last=_is_gcs_server)
+
+
+def _option_under(part: str, directory: str) -> bool:
+    """Whether the argument ``part`` is an option ``--name=<path>`` whose path is ``directory``
+    or lies under it, as every process of a Ray cluster names its temp or session directory.
+    A path given as a plain argument (``tail -f <temp_dir>/.../raylet.out``, an editor on a
+    log there) is not: review s34 B F5, ``down`` stopped such processes with the cluster."""
+    if not part.startswith("--") or "=" not in part:
+        return False
+    value = part.split("=", 1)[1].rstrip("/")
+    root = directory.rstrip("/")
+    return value == root or value.startswith(root + "/")
 
 
 def _is_gcs_server(cmdline: list[str]) -> bool:

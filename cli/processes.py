@@ -3,7 +3,6 @@ Ray cluster ``kvstrata up`` started)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -21,8 +20,12 @@ def stop_processes(matches: Callable[[list[str]], bool], timeout_s: float = 10.0
                    last: Callable[[list[str]], bool] | None = None) -> int:
     """Stop every process whose command line ``matches`` accepts, and all their descendants.
 
-    Each gets SIGTERM; those still running after ``timeout_s`` seconds get SIGKILL (and a
-    warning naming them is logged). The processes whose command line ``last`` accepts are
+    Only this user's processes (real uid) are stopped: another user's process that names the
+    same paths is none of ours, and signalling it would fail (review s34 B F5: a process of
+    another user naming the cluster's temp dir made ``down`` raise ``AccessDenied`` before it
+    had signalled the cluster). Each gets SIGTERM; those still running after ``timeout_s``
+    seconds get SIGKILL (and a warning naming them is logged); one that cannot be signalled
+    is logged and skipped, the others still stopped. The processes whose command line ``last`` accepts are
     signalled only once all the others have exited (or been killed), with ``timeout_s`` of
     their own: a server its clients talk to while they shut down (Ray's GCS; see
     ``cli.lifecycle._stop_local_ray``). A process counts as exited once it is a zombie: it
@@ -31,11 +34,14 @@ def stop_processes(matches: Callable[[list[str]], bool], timeout_s: float = 10.0
     be inspected meanwhile are skipped. Returns the number of processes stopped.
     """
     found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    uid = os.getuid()
+    for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
         try:
-            if proc.pid != os.getpid() and matches(list(proc.info["cmdline"] or ())):
+            if proc.pid != os.getpid() and proc.info["uids"] is not None and proc.info["uids"].real == uid \
+                    and matches(list(proc.info["cmdline"] or ())):
                 found[proc.pid] = proc
-                found.update((child.pid, child) for child in proc.children(recursive=True))
+                found.update((child.pid, child) for child in proc.children(recursive=True)
+                             if child.uids().real == uid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     found.pop(os.getpid(), None)
@@ -57,8 +63,7 @@ def _cmdline_matches(proc: psutil.Process, accept: Callable[[list[str]], bool]) 
 def _terminate(procs: list[psutil.Process], timeout_s: float) -> None:
     """SIGTERM to each of ``procs``; SIGKILL to those still running ``timeout_s`` seconds on."""
     for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
+        _signal(proc, proc.terminate)
     deadline = time.monotonic() + timeout_s
     alive = procs
     while alive := [proc for proc in alive if not _exited(proc)]:
@@ -69,8 +74,18 @@ def _terminate(procs: list[psutil.Process], timeout_s: float) -> None:
         log.warning("%d process(es) still running %.0f s after SIGTERM, killed: %s", len(alive), timeout_s,
                     ", ".join(_describe(proc) for proc in alive))
     for proc in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
+        _signal(proc, proc.kill)
+
+
+def _signal(proc: psutil.Process, send: Callable[[], None]) -> None:
+    """``send()`` (``proc.terminate`` or ``proc.kill``); a process gone meanwhile is skipped, one
+    this user may not signal is logged and skipped (the others are still signalled)."""
+    try:
+        send()
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.AccessDenied:
+        log.warning("not allowed to signal process %s; left running", _describe(proc))
 
 
 def _exited(proc: psutil.Process) -> bool:

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import psutil
+import pytest
 
 from cli.processes import stop_processes
 
@@ -140,3 +141,51 @@ def test_stop_processes_signals_the_last_ones_once_the_others_have_exited(tmp_pa
         assert last.wait(timeout=10) == 0
     finally:
         _cleanup(first, last)
+
+
+def test_another_users_process_naming_the_same_paths_is_left_alone() -> None:
+    """Review s34 B F5: every user's process whose command line matched was taken, so one of
+    another user naming the cluster's temp dir made ``terminate`` raise ``AccessDenied`` (for a
+    non-root caller), ``down`` failing before it signalled the cluster. Only this user's
+    processes are stopped now. Needs root to start a process as another user (skipped else)."""
+    if os.getuid() != 0:
+        pytest.skip("starting a process as another user needs root")
+    marker = f"kvstrata-test-{uuid.uuid4().hex}"
+    mine = _spawn("sleep 600 & wait", marker)
+    other = subprocess.Popen(["sh", "-c", "sleep 600 & wait", marker], start_new_session=True,
+                             user=65534, group=65534)
+    try:
+        mine_shell, mine_child, other_shell = psutil.Process(mine.pid), _child(mine), psutil.Process(other.pid)
+        assert other_shell.uids().real == 65534
+
+        assert stop_processes(_matching(marker), timeout_s=10.0) == 2  # mine and its sleep
+
+        assert _gone(mine_shell) and _gone(mine_child)
+        assert other.poll() is None and other_shell.is_running()
+    finally:
+        _cleanup(mine, other)
+
+
+def test_down_stops_options_naming_the_temp_dir_not_a_reader_of_its_logs(tmp_path) -> None:
+    """``kvstrata down``'s match (``cli.lifecycle._stop_local_ray``): a process with an option
+    naming a path under the cluster's temp dir (``--session-dir=...``, as each Ray process has)
+    is the cluster's; one given such a path as a plain argument (``tail -f .../raylet.out``, an
+    editor on a log) is the user's own and left running (review s34 B F5: it was stopped too),
+    as is one naming a sibling directory that shares the prefix."""
+    from cli.lifecycle import _stop_local_ray
+
+    temp_dir = str(tmp_path / "kvstrata-ray-x")
+    ray_like = _spawn("sleep 600 & wait", f"--session-dir={temp_dir}/session_1")
+    reader = _spawn("sleep 600 & wait", f"{temp_dir}/session_1/logs/raylet.out")
+    sibling = _spawn("sleep 600 & wait", f"--temp-dir={temp_dir}-other")
+    try:
+        ray_shell, ray_child = psutil.Process(ray_like.pid), _child(ray_like)
+        reader_child, sibling_child = _child(reader), _child(sibling)
+
+        assert _stop_local_ray(temp_dir) == 2  # the option-bearing shell and its sleep
+
+        assert _gone(ray_shell) and _gone(ray_child)
+        assert reader.poll() is None and reader_child.is_running()
+        assert sibling.poll() is None and sibling_child.is_running()
+    finally:
+        _cleanup(ray_like, reader, sibling)
