@@ -7,10 +7,13 @@ daemon thread. Port 0 asks the OS for a free port; the bound address goes back t
 which ``kvstrata up`` prints and the admin ``Stats`` JSON carries (``metrics_address``).
 
 The server is bounded: at most ``MAX_CONNECTIONS`` connections are served at once (one thread
-each; a connection past that is closed at once) and a connection that sends nothing for
-``READ_TIMEOUT_S`` is closed. Regression (security review G): ``start_http_server`` gave every
+each; a connection past that is closed at once), and each connection has ``CONNECTION_DEADLINE_S``
+in all to send its request and take the reply (every read and write waits at most what is left
+of it), then it is closed. Regression (security review G): ``start_http_server`` gave every
 connection its own thread with no cap and no read timeout, so idle half-sent requests grew the
 threads of the process (200 connections, 200 threads) of a cache node, gateway or spill node.
+Regression (review s34 B F2): the timeout was per read, so 16 peers sending a header byte every
+few seconds held every slot for ever and no scrape was served.
 
 A scrape costs the server O(1): the registry is rendered at most once per
 ``MetricsEndpoint.render_interval_s`` (config ``metrics_render_interval_s``), one render at a
@@ -19,9 +22,11 @@ time, and every scrape in between gets the cached bytes (``services.metrics.expo
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, replace
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -35,8 +40,9 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16
 """Connections ``/metrics`` serves at once (a scraper needs one or two)."""
-READ_TIMEOUT_S = 10.0
-"""A connection idle that long (no request, or a request not finished) is closed."""
+CONNECTION_DEADLINE_S = 10.0
+"""A connection's whole life: its request read and its reply written within it (Prometheus'
+default scrape timeout); past it the connection is closed."""
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 NODE_IP = "node_ip"
@@ -134,12 +140,50 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log; the socket times out after ``READ_TIMEOUT_S`` without data."""
+    """No access log; every read and write of the connection waits at most what is left of its
+    ``CONNECTION_DEADLINE_S`` (``_Deadline``)."""
 
-    timeout = READ_TIMEOUT_S
+    timeout = CONNECTION_DEADLINE_S
+
+    def setup(self) -> None:
+        super().setup()
+        deadline = _Deadline(self.connection, time.monotonic() + CONNECTION_DEADLINE_S)
+        self.rfile = io.BufferedReader(deadline)
+        self.wfile = deadline
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+class _Deadline(io.RawIOBase):
+    """The connection's socket as a raw stream whose every ``recv`` and ``sendall`` waits at most
+    until ``deadline`` (``time.monotonic``); past it, TimeoutError (the handler ends, the
+    connection is closed)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the connection's {CONNECTION_DEADLINE_S:g} s passed")
+        self.sock.settimeout(left)
+        return left
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._left()
+        return self.sock.recv_into(buffer)
+
+    def write(self, data: Any) -> int:
+        self._left()
+        self.sock.sendall(data)  # (its timeout bounds the whole call)
+        return len(memoryview(data))
 
 
 def _node_ip() -> str:
