@@ -49,10 +49,12 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class KeyPair:
-    """A CURVE key pair, Z85-encoded (40 bytes each)."""
+    """A CURVE key pair, Z85-encoded (40 bytes each). Its ``repr`` (and so that of a
+    ``Security`` or ``DataPlaneKeys`` holding it: a log line, a traceback with locals) leaves
+    the secret key out."""
 
     public: bytes
-    secret: bytes
+    secret: bytes = field(repr=False)
 
     @classmethod
     def generate(cls) -> KeyPair:

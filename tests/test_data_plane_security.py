@@ -459,3 +459,17 @@ def test_another_nodes_event_does_not_move_a_streams_prompt_logprobs_count(plane
     got = plane.run(go())
     assert got[0]["type"] == "started" and all(e["type"] == "delta" for e in got[1:]), got
     assert [e[0] for d in got[1:] for e in d.get("prompt_logprobs", ())] == [42, 7, 42]
+
+
+def test_reprs_of_data_plane_identities_leave_the_secret_keys_out() -> None:
+    """A ``repr`` of a key pair, of a deployment's keys or of one process's identity (a log
+    line, a traceback with locals) shows no CURVE secret key (review s34 B: the dataclasses'
+    default ``repr`` printed them)."""
+    from services.data_plane_auth import DataPlaneKeys
+
+    keys = DataPlaneKeys.generate(("n0", "n1"))
+    shown = repr(keys) + "".join(repr(keys.security(role, node_id="n0" if role == "node" else ""))
+                                 for role in keys.pairs)
+    secrets = [pair.secret for pair in [*keys.pairs.values(), *keys.node_clients.values()]]
+    assert all(pair.public.decode() in shown for pair in keys.pairs.values())  # (the reprs are there)
+    assert not [s for s in secrets if s.decode() in shown]
