@@ -14,7 +14,8 @@ waits for it to be applied before the next; what piles up meanwhile goes out as 
 index also bounds each holder by its capacity (``GlobalScheduler.report_events``), so a lost
 call (failed, timed out, or dropped past ``MAX_PENDING_EVENTS``) would leave entries the holder
 no longer has for as long as it lives, and the bound would then refuse its honest batches. So a
-loss sets ``needs_resync``: the holder's next report is everything it holds, with ``reset``
+loss, or a batch the scheduler refused (``report_events`` applied none of it; review s34 B F8:
+it counted as sent), sets ``needs_resync``: the holder's next report is everything it holds, with ``reset``
 (``CacheNode``'s ``Streams._flush_events``, ``SpillNode._push``), and the index is whole again.
 A failed call never fails the store or the step that made the events.
 """
@@ -36,7 +37,8 @@ REPORT_TIMEOUT_S = 30.0
 """How long one ``report_events`` call may take (a restarting scheduler answers once it is back)."""
 
 MAX_PENDING_EVENTS = 1 << 20
-"""Events waiting to be sent at most; past it the oldest batches are dropped (counted)."""
+"""Events waiting to be sent at most; past it the oldest batches are dropped (counted; a
+holder's only batch too, unless it is a reset alone)."""
 
 Event = tuple[str, bytes, str]
 
@@ -95,7 +97,13 @@ class BlockReporter:
             else:
                 self._pending.append((holder_id, list(events), reset))
             self._queued += len(events)
-            while self._queued > self.max_pending and len(self._pending) > 1:
+            # past the bound the oldest batches go, the holder's one batch too (every node and
+            # spill node has a reporter of its own: one holder, one batch, which kept growing
+            # while a call was in flight: review s34 B F8); a reset alone past it is what the
+            # holder holds and goes out whole
+            while self._queued > self.max_pending and self._pending:
+                if reset and len(self._pending) == 1:
+                    break
                 self._lose(self._pending.popleft()[1])
             self._cond.notify()
 
@@ -151,7 +159,9 @@ class BlockReporter:
     def _send(self, holder: str, events: list[Event], reset: bool) -> None:
         if self._handle is None:
             self._handle = resolve(self.scheduler)
-        ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
+        applied = ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
+        if events and applied == 0:  # refused whole (malformed, over capacity: logged there)
+            raise RuntimeError(f"the scheduler refused the batch of {len(events)} events")
         with self._cond:
             self.counters["sent_calls"] += 1
             self.counters["sent_events"] += len(events)

@@ -40,17 +40,24 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list, bool]] = []
         self.fail_next = False
+        self.refuse_next = False
 
     async def report_events(self, holder: str, events: list, reset: bool = False) -> int:
         await asyncio.sleep(random.random() * 0.01)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("the scheduler refused it")
+        if self.refuse_next:  # as ``GlobalScheduler.report_events`` refuses a batch: nothing applied, 0
+            self.refuse_next = False
+            return 0
         self.calls.append((holder, events, reset))
         return len(events)
 
     def fail_once(self) -> None:
         self.fail_next = True
+
+    def refuse_once(self) -> None:
+        self.refuse_next = True
 
     def got(self) -> list[tuple[str, list, bool]]:
         return self.calls
@@ -99,6 +106,45 @@ def test_past_its_bound_the_oldest_batches_are_dropped_and_it_pickles_as_a_new_r
     assert isinstance(copy, BlockReporter) and copy.max_pending == 3 and copy.counters["sent_calls"] == 0
     report.close()
     report.go.set()
+
+
+def test_one_holders_batch_is_bounded_too_and_a_reset_alone_goes_whole() -> None:
+    """Review s34 B F8: a holder's batches extend its last pending one, and only batches past
+    the first were ever dropped, so a node's or spill node's reporter (one holder each) queued
+    without bound while a call was in flight (24,500 events at a bound of 1,000). Now its one
+    batch is dropped past the bound (a full report then asked for); a reset alone, what the
+    holder holds, goes out whole."""
+    report = Blocked(max_pending=3)
+    report("n0", [])  # in flight, waiting
+    deadline = time.monotonic() + 30
+    while not report._busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for i in range(10):
+        report("n0", [("stored", bytes([i]) * 32, "device")])
+        assert report._queued <= 3
+    assert report.counters["dropped_events"] == 8 and report.needs_resync  # (4 at once, twice)
+    full = [("stored", bytes([i]) * 32, "device") for i in range(5)]
+    report("n0", full, reset=True)  # its full report, past the bound alone
+    assert not report.needs_resync and report._queued == 5
+    report.go.set()
+    assert report.flush(30.0)
+    assert report.sent[-1] == ("n0", full, True)
+    report.close()
+
+
+def test_a_batch_the_scheduler_refuses_asks_for_a_full_report() -> None:
+    """Review s34 B F8: a batch ``report_events`` refused (0 applied: malformed, over capacity)
+    counted as sent and left the index wrong; it is a lost batch now (``needs_resync``)."""
+    recorder = Recorder.remote()
+    ray.get(recorder.refuse_once.remote())
+    report = BlockReporter(recorder)
+    report("s0", [("stored", b"a" * 32, "spill_ram")])
+    assert report.flush(30.0)
+    assert report.needs_resync and report.counters["dropped_events"] == 1
+    assert report.counters["sent_calls"] == 0
+    report("s0", [], reset=True)  # an empty reset applies 0 events: not a refusal
+    assert report.flush(30.0) and not report.needs_resync and report.counters["sent_calls"] == 1
+    report.close()
 
 
 class Blocked(BlockReporter):
