@@ -23,8 +23,8 @@ def test_real_prompts_identical_after_device_host_spill_ram_disk_and_back(real_m
     store = SpillStore(tmp_path, BlockFormat(*ref.spill_block_spec()), 256 << 20, 1 << 30)
     eng = LLMEngine(lm.model, cfg, lm.model_id, lm.eos_token_ids,
                     tier_config=TierConfig(host_bytes=128 << 20), spill=store)
-    params = SamplingParams(max_tokens=12)
-    prompts = [corpus_prompt(lm, 700, offset=5), corpus_prompt(lm, 333, offset=90)]
+    params = SamplingParams(max_tokens=6)  # each decode step attends over the restored blocks
+    prompts = [corpus_prompt(lm, 350, offset=5), corpus_prompt(lm, 170, offset=90)]  # 21 and 10 full blocks
     cold = [o.output_token_ids for o in ref.generate(prompts, params)]
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == cold
     for tier in ("device", "host", "spill_ram", "spill_disk"):
