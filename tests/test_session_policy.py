@@ -196,8 +196,9 @@ def test_quota_charge_of_a_continued_turn_is_exact(tiny) -> None:
 
 @pytest.mark.slow
 def test_sentencekv_session_over_a_wikipedia_document(real_model) -> None:
-    """Acceptance (issue 22, 1a): a 5-turn session under sentencekv-0.25 over a ~1k-token real
-    Wikipedia context (with a pass key) on SmolLM2, its demoted sentences in the host tier:
+    """Acceptance (issue 22, 1a): a 5-turn session under sentencekv-0.25 over a 512-token real
+    Wikipedia context (with a pass key; its first turn prefilled in three chunks) on SmolLM2,
+    its demoted sentences in the host tier:
     after turn 1 each turn computes only its new tokens, the greedy answers equal one
     never-freed sequence's (``one_sequence_turns``), and closing frees every block and host
     slot."""
@@ -206,12 +207,12 @@ def test_sentencekv_session_over_a_wikipedia_document(real_model) -> None:
     from cache_node.tiers.manager import TierConfig
 
     tok = real_model.tokenizer
-    item = build_items(tok, [1024], [0.5])[0]
+    item = build_items(tok, [512], [0.5])[0]
     questions = [q for _, q, _ in item["questions"]] * 3
     turns = [item["context"] + questions[0]] + questions[1:5]
 
     def engine() -> LLMEngine:
-        cfg = EngineConfig(block_size=16, kv_pool_bytes=256 << 20, max_num_batched_tokens=512, max_num_seqs=4)
+        cfg = EngineConfig(block_size=16, kv_pool_bytes=256 << 20, max_num_batched_tokens=256, max_num_seqs=4)
         eng = LLMEngine(real_model.model, cfg, real_model.model_id, real_model.eos_token_ids,
                         tier_config=TierConfig(host_bytes=128 << 20))
         eng.policy_env = PolicyEnv.from_tokenizer(tok)
