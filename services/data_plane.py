@@ -51,7 +51,9 @@ from services.data_plane_replies import (  # noqa: F401 - re-exported
     check_event,
     check_logprobs_asked,
     checked_event_items,
+    event_item_pairs,
     event_items,
+    looks_like_event,
     status_names,
 )
 from services.data_plane_wire import (  # noqa: F401 - re-exported

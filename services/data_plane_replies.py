@@ -229,6 +229,35 @@ def checked_event_items(data: Any) -> list[tuple[str, dict[str, Any] | TypeError
     return items
 
 
+def event_item_pairs(data: Any) -> list[tuple[str, Any]]:
+    """The non-empty ``[[request_id, event], ...]`` of a node's event message, in order, with
+    only its shape checked (each item a pair, each request id a str): the events themselves
+    are not (``check_event``, or ``looks_like_event`` for one no stream waits for). A reader
+    looks each id up first and checks only the events of streams open there, so events for
+    ids it does not have cost no checks (review s34 B F6: ~40 us each, 1.1 s of the
+    gateway's loop for one node's two ~1.15 MB messages of unknown ids).
+
+    Raises:
+        TypeError, ValueError: ``data`` is not such a list (the whole message is bad).
+    """
+    _check_type("events", data, list)
+    if not data:
+        raise ValueError("an event message holds at least one event")
+    for item in data:
+        if not isinstance(item, list) or len(item) != 2:
+            raise TypeError("an event item must be [request_id, event]")
+        if type(item[0]) is not str:
+            _check_type("request_id", item[0], str)
+    return [(item[0], item[1]) for item in data]
+
+
+def looks_like_event(event: Any) -> bool:
+    """Whether ``event`` is a dict of a known event ``type`` (O(1): none of its fields are
+    checked): what a reader asks of an event it drops unchecked, for a request it does not
+    have (``event_item_pairs``); anything else counts as a malformed message, as before."""
+    return type(event) is dict and type(event.get("type")) is str and event["type"] in _EVENT_FIELDS
+
+
 def event_items(data: Any) -> list[tuple[str, dict[str, Any]]]:
     """``checked_event_items`` of a message whose every event is good.
 
