@@ -8,8 +8,8 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 import ray
@@ -38,12 +38,18 @@ from services.openai_api.logprobs import TokenTexts
 from services.tls import ServerTls, warn_cleartext
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_CONCURRENT_STREAMS = 256
 """HTTP/2 streams (calls) one client connection may have open at once (the server's
 ``SETTINGS_MAX_CONCURRENT_STREAMS``; a gRPC client queues calls past it). Regression (security
 review B): it was unbounded, so one connection could hold any number of unread streams
 (each tenant's are bounded again by ``StreamLimits.max_streams_per_tenant``)."""
+
+DESCRIBE_TIMEOUT_S = 30.0
+"""The most ``Gateway.start`` waits for a cache node's ``describe``: a node silent past it is
+down from the start (the ``NodeMonitor`` rejoins it when it answers), not a start that waits
+for it for ever (review s34 B F4)."""
 
 SERVICE_NAMES = ("", "kvstrata.v1.InferenceService", "kvstrata.v1.TenantService", "kvstrata.v1.AdminService")
 """gRPC health names: the server overall and each service; all SERVING while a node is healthy.
@@ -67,7 +73,7 @@ async def create_server(
     security: Security | None = None, metrics: GatewayMetrics | None = None,
     stream_limits: StreamLimits | None = None, grpc_limits: GrpcLimits | None = None,
     credentials: grpc.ServerCredentials | None = None, scheduler_timeout_s: float = SCHEDULER_CALL_TIMEOUT_S,
-    tool_call_parser: str = "",
+    tool_call_parser: str = "", down_nodes: dict[str, str] | None = None,
 ) -> tuple[grpc.aio.Server, int, BoundedHealthServicer, InferenceServicer, NodeMonitor]:
     """Build the server with every service registered, the data plane connected and the
     nodes watched (on the running loop). Returns (server, bound port, health, the inference
@@ -75,7 +81,8 @@ async def create_server(
     ``health`` SERVING while a node is healthy and NOT_SERVING while none is).
 
     Args:
-        node_info: node id -> ``CacheNode.describe()``.
+        node_info: node id -> ``CacheNode.describe()``, for the nodes that answered it (at
+            least one); the others are in ``down_nodes``.
         scheduler_address: the GlobalScheduler's admission socket (``open_data_plane``).
         security: the gateway's data-plane identity (``services.data_plane_auth``).
         metrics: the request metrics ``Generate`` observes (``services.metrics.requests``).
@@ -90,6 +97,9 @@ async def create_server(
             (``services.actor_calls.BoundedActor``; past it UNAVAILABLE with a retry hint).
         tool_call_parser: how ``Generate`` reads tool_choice "auto"'s calls ("": off, "auto"
             refused; ``InferenceServicer``).
+        down_nodes: node id -> why it is down from the start (its ``describe`` did not answer
+            in time or failed: ``Gateway.start``); the ``NodeMonitor`` holds it down, its
+            streams UNAVAILABLE, until its health poll rejoins it.
     """
     grpc_limits = grpc_limits or GrpcLimits()
     scheduler = BoundedActor(scheduler, scheduler_timeout_s)  # every awaited call within it (review 29a F2)
@@ -104,7 +114,8 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     # the monitor bounds each of its calls itself, and must reach a scheduler it holds silent
     monitor = NodeMonitor(nodes, node_info, inference.streams, scheduler.handle,
-                          on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)))
+                          on_change=lambda healthy: asyncio.ensure_future(set_health(health, healthy > 0)),
+                          down=down_nodes)
     scheduler.silent = monitor.scheduler_silence  # known silent: calls fail at once (trial 29k P5)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(
         TenantServicer(scheduler, auth, nodes, monitor, metrics=inference.metrics), server)
@@ -162,6 +173,9 @@ class Gateway:
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
         self._grpc_started = False
+        # the gateway's own awaited calls to the scheduler, each within its deadline (review s34 B F4)
+        self.scheduler_calls = BoundedActor(scheduler)
+        self.describe_timeout_s = DESCRIBE_TIMEOUT_S
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, http_port: int | None = None,
                     metrics_port: int | None = None) -> int:
@@ -174,10 +188,22 @@ class Gateway:
         (gRPC server, ``NodeStreams``, ``NodeMonitor``, HTTP and metrics servers) is stopped
         and its ports freed before the error is raised, so that a retry can bind them again.
 
+        Not every node is needed: one whose ``describe`` does not answer within
+        ``describe_timeout_s`` (alive but silent, or being restarted by Ray, which queues calls
+        to it meanwhile) or fails is down from the start (``_describe_nodes``): its streams
+        UNAVAILABLE, and the ``NodeMonitor`` rejoins it when its health poll answers, as a node
+        that went down while serving. The scheduler's ``open_data_plane`` is bounded too
+        (``scheduler_calls``: ``ActorSilent`` past ``SCHEDULER_CALL_TIMEOUT_S``).
+
         Raises:
-            OSError: a port is taken. RuntimeError: the HTTP server did not come up.
-                ValueError: a TLS file cannot be read or is not what it should be (before
-                anything is bound). Any failure of the nodes' or the scheduler's calls.
+            OSError: a port is taken. RuntimeError: the HTTP server did not come up, or no
+                node answered ``describe``. ValueError: a TLS file cannot be read or is not
+                what it should be (before anything is bound). ActorSilent: the scheduler did
+                not answer in time. Any failure of the scheduler's calls.
+
+        Regression (review s34 B F4): ``describe`` and ``open_data_plane`` were awaited with no
+        deadline, so one silent cache node (or a silent scheduler) kept a restarting gateway
+        from ever serving, and from exiting for Ray to restart it (``_serve_again``).
 
         Regression (review 23b F3): a failed HTTP start left the gRPC port bound (and a
         NodeMonitor polling and NodeStreams reading), so every retry of a restarted gateway
@@ -185,23 +211,24 @@ class Gateway:
         credentials = self.tls.grpc_credentials() if self.tls is not None else None
         if self.tls is None:
             warn_cleartext(host, "the gateway's gRPC and OpenAI-compatible APIs")
-        infos = await asyncio.gather(*(node.describe.remote() for node in self.nodes.values()))
-        scheduler_address = await self.scheduler.open_data_plane.remote()
+        infos, down = await self._describe_nodes()
+        scheduler_address = await self.scheduler_calls.open_data_plane.remote()
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
         if templater is not None:  # computed once, here, not on the event loop of a first call
             _ = templater.max_token_chars, templater.conversation_overhead
         self.server, bound, health, inference, self.monitor = await create_server(
-            self.scheduler, self.nodes, dict(zip(self.nodes, infos)), templater, scheduler_address,
+            self.scheduler, self.nodes, infos, templater, scheduler_address,
             f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits, credentials,
-            tool_call_parser=self.tool_call_parser,
+            tool_call_parser=self.tool_call_parser, down_nodes=down,
         )
         self.streams, self._grpc_started = inference.streams, False
         try:
             if self.http_port is not None:
                 await self._start_http(host, self.http_port if http_port is None else http_port, inference,
-                                       self.monitor.num_healthy, infos[0], tokenizer, templater)
+                                       self.monitor.num_healthy, next(iter(infos.values())), tokenizer,
+                                       templater)
             if self.metrics_endpoint is not None and self.metrics_server is None:
                 endpoint = self.metrics_endpoint
                 if metrics_port is not None:
@@ -214,6 +241,38 @@ class Gateway:
             await self._unwind(health)
             raise
         return bound
+
+    async def _describe_nodes(self) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Each node's ``describe()``, asked at once, each within ``describe_timeout_s``.
+        Returns (node id -> its answer, for those that answered; node id -> why it is down,
+        for the others: no answer in time, or the call failed).
+
+        Raises:
+            RuntimeError: no node answered (naming why, for each).
+        """
+        async def ask(node: Any) -> Any:
+            return await node.describe.remote()
+
+        answers = await asyncio.gather(*(asyncio.wait_for(ask(node), self.describe_timeout_s)
+                                         for node in self.nodes.values()), return_exceptions=True)
+        infos: dict[str, dict[str, Any]] = {}
+        down: dict[str, str] = {}
+        for node_id, answer in zip(self.nodes, answers):
+            if isinstance(answer, asyncio.TimeoutError):
+                down[node_id] = (f"cache node {node_id} did not answer describe within {self.describe_timeout_s:g} s "
+                                 "when the gateway started")
+            elif isinstance(answer, BaseException):
+                if not isinstance(answer, Exception):
+                    raise answer  # a cancel (``_serve_again``'s deadline): not the node's fault
+                down[node_id] = (f"cache node {node_id}: describe failed when the gateway started: "
+                                 f"{type(answer).__name__}: {str(answer).strip()[:200]}")
+            else:
+                infos[node_id] = answer
+        if not infos:
+            raise RuntimeError(f"no cache node answered describe: {'; '.join(down.values())}")
+        for reason in down.values():
+            log.warning("gateway: starting without it: %s", reason)
+        return infos, down
 
     async def _start_http(self, host: str, port: int, inference: InferenceServicer, num_healthy: Callable[[], int],
                           info: dict[str, Any], tokenizer: Any, templater: ChatTemplater | None) -> None:
@@ -284,6 +343,10 @@ RESTART_BIND_TRIES = 20
 """Tries to serve again after a restart (``RESTART_RETRY_S`` apart), while the OS frees the ports."""
 RESTART_RETRY_S = 0.25
 """Pause between two of those tries."""
+RESTART_TRY_TIMEOUT_S = 150.0
+"""The most one of those tries may take (past it, it is a failed try): each call in it has its
+own deadline (``DESCRIBE_TIMEOUT_S``, ``SCHEDULER_CALL_TIMEOUT_S``), this bounds the whole, so
+a silent dependency counts as a failed try and, finally, as the exit Ray restarts."""
 
 
 class RayGateway(Gateway):
@@ -303,6 +366,10 @@ class RayGateway(Gateway):
                          http_limits, stream_limits, grpc_limits, body_limits, tls, tool_call_parser)
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
+        # every awaited call of its own within SCHEDULER_CALL_TIMEOUT_S (ActorSilent past it): a
+        # silent scheduler fails start, _start_again, _attach_again, never holds them for ever
+        # (review s34 B F4). Not ``silent``-wired: _scheduler_back must reach one held silent.
+        self.scheduler_calls = BoundedActor(self.scheduler)
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}
         context = ray.get_runtime_context()
         self.gateway_id = context.get_actor_id()
@@ -321,9 +388,9 @@ class RayGateway(Gateway):
         try:
             self.served_address = f"{host}:{bound}"
             subscriber = self.streams.subscriber if self.streams is not None else ""
-            await self.scheduler.attach_gateway.remote(
+            await self.scheduler_calls.attach_gateway.remote(
                 self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
-            await self.scheduler.attach_gateway_apis.remote(self.gateway_id, self.http_address(),
+            await self.scheduler_calls.attach_gateway_apis.remote(self.gateway_id, self.http_address(),
                                                             self.metrics_address())
         except BaseException:
             await self.stop(0)
@@ -340,11 +407,11 @@ class RayGateway(Gateway):
         ``attach_gateway_apis``), and tell it which requests this gateway still waits for
         (``reconcile_gateway``: it releases the others it rebuilt, ended while it was down)."""
         subscriber = self.streams.subscriber if self.streams is not None else ""
-        await self.scheduler.attach_gateway.remote(
+        await self.scheduler_calls.attach_gateway.remote(
             self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
-        await self.scheduler.attach_gateway_apis.remote(self.gateway_id, self.http_address(), self.metrics_address())
+        await self.scheduler_calls.attach_gateway_apis.remote(self.gateway_id, self.http_address(), self.metrics_address())
         open_requests = self.streams.open_request_ids() if self.streams is not None else []
-        await self.scheduler.reconcile_gateway.remote(subscriber, open_requests)
+        await self.scheduler_calls.reconcile_gateway.remote(subscriber, open_requests)
 
     async def reattach(self) -> bool:
         """Attach to the scheduler again with this gateway's inbox, after it refused one of its
@@ -373,7 +440,7 @@ class RayGateway(Gateway):
     async def _attach_again(self) -> bool:
         subscriber = self.streams.subscriber if self.streams is not None else ""
         try:
-            await self.scheduler.attach_gateway.remote(
+            await self.scheduler_calls.attach_gateway.remote(
                 self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
         except Exception as exc:  # noqa: BLE001 - the refusal stands; the next one tries again
             log.warning("gateway %s: attaching again failed: %s: %.200s", self.gateway_id, type(exc).__name__, exc)
@@ -393,10 +460,15 @@ class RayGateway(Gateway):
         Regression (review 23b F3): only OSError was retried, and a try that failed after the
         gRPC bind kept that port, so every later one failed on it; the restart task then ended
         and the live actor never served again. Regression (review 23b F4): with port 0 the
-        HTTP API and /metrics came back on new ports (the saved addresses went dead)."""
+        HTTP API and /metrics came back on new ports (the saved addresses went dead).
+        Regression (review s34 B F4): only an exception ended a try; a call that never
+        answered (a silent cache node's ``describe``, a silent scheduler) kept the first try
+        waiting for ever. Each try now ends within ``RESTART_TRY_TIMEOUT_S`` (and each call in
+        it within its own deadline; a silent node is left down, not waited for)."""
         for tries in range(1, RESTART_BIND_TRIES + 1):
             try:
-                return await self._start_again(old_api_ports=tries < RESTART_BIND_TRIES)
+                return await _within(self._start_again(old_api_ports=tries < RESTART_BIND_TRIES),
+                                     RESTART_TRY_TIMEOUT_S, "the try")
             except Exception as exc:  # noqa: BLE001 - any failure: retried, then exit
                 log.warning("restarted gateway %s: start %d of %d failed: %s: %.300s", self.gateway_id, tries,
                             RESTART_BIND_TRIES, type(exc).__name__, exc)
@@ -409,7 +481,7 @@ class RayGateway(Gateway):
     async def _start_again(self, old_api_ports: bool) -> int:
         """One try of ``_serve_again``: ``start`` on the scheduler's record of this gateway
         (its HTTP and metrics ports too with ``old_api_ports``; else the configured ones)."""
-        addresses = await self.scheduler.gateway_addresses.remote(self.gateway_id)
+        addresses = await self.scheduler_calls.gateway_addresses.remote(self.gateway_id)
         if not addresses["grpc"]:
             raise RuntimeError("the scheduler knows no address this gateway served on")
         host, port = addresses["grpc"].rsplit(":", 1)
@@ -417,6 +489,18 @@ class RayGateway(Gateway):
             log.warning("restarted gateway %s: last try, on the configured HTTP and metrics ports", self.gateway_id)
             return await self.start(host, int(port))
         return await self.start(host, int(port), _port_of(addresses["http"]), _port_of(addresses["metrics"]))
+
+
+async def _within(call: Awaitable[T], timeout_s: float, what: str) -> T:
+    """``call``'s result within ``timeout_s`` (it is cancelled past it).
+
+    Raises:
+        TimeoutError: naming ``what`` and ``timeout_s``.
+    """
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} did not end within {timeout_s:g} s") from None
 
 
 def _port_of(address: str) -> int | None:

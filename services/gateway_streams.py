@@ -568,13 +568,16 @@ class NodeStreams:
         return ended
 
     def reconnect(self, node_id: str, address: str) -> None:
-        """``node_id`` is up again with its command inbox at ``address`` (new after a restart)."""
+        """``node_id`` is up again with its command inbox at ``address`` (new after a restart),
+        or up for the first time: a node down since the gateway started (its ``describe`` did
+        not answer: ``NodeMonitor``'s ``down``) is connected now."""
         if address != self.node_inboxes.get(node_id):
-            old = self._commands.pop(node_id)
-            with contextlib.suppress(zmq.ZMQError):
-                old.disable_monitor()  # closing it is no news
-            self._connections.pop(node_id).cancel()
-            old.close(linger=0)
+            old = self._commands.pop(node_id, None)  # None: down since the start, never connected
+            if old is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    old.disable_monitor()  # closing it is no news
+                self._connections.pop(node_id).cancel()
+                old.close(linger=0)
             self._connect_node(node_id, address)
             self.node_inboxes[node_id] = address
         self.down.pop(node_id, None)

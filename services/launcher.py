@@ -83,11 +83,12 @@ def _admin_key(config: ServiceConfig, scheduler: Any) -> str:
     """
     path = admin_key_path(config)
     key = read_key_file(path)
-    if key is not None and ray.get(scheduler.verify_admin_key.remote(key)):
+    if key is not None and _answer(scheduler.verify_admin_key.remote(key), config,
+                                   "the global scheduler's verify_admin_key"):
         return key
     key = new_api_key()
     write_key_file(path, key)
-    if ray.get(scheduler.set_admin_key.remote(key)):
+    if _answer(scheduler.set_admin_key.remote(key), config, "the global scheduler's set_admin_key"):
         log.warning("admin key file %s was missing or stale: rotated the admin key; the new one is in it", path)
     return key
 
@@ -158,9 +159,10 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     # wait until models are loaded
     _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource, "cache node")
     # the data plane (services.data_plane): node command inboxes, the scheduler's admissions
-    inboxes = ray.get([node.open_data_plane.remote() for node in nodes.values()])
-    ray.get(scheduler.attach_nodes.remote(dict(zip(nodes, inboxes))))
-    ray.get(scheduler.open_data_plane.remote())
+    inboxes = _answer([node.open_data_plane.remote() for node in nodes.values()], config,
+                      "the cache nodes' open_data_plane")
+    _answer(scheduler.attach_nodes.remote(dict(zip(nodes, inboxes))), config, "the global scheduler's attach_nodes")
+    _answer(scheduler.open_data_plane.remote(), config, "the global scheduler's open_data_plane")
     gateway = GatewayActor.options(
         name=GATEWAY_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
         max_restarts=config.gateway_max_restarts,  # serves again on its port (RayGateway)
@@ -170,10 +172,11 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         config.http_forwarded_allow_ips, ConnectionLimits.of(config), StreamLimits.of(config),
         GrpcLimits.of(config), BodyLimits.of(config), ServerTls.of(config), config.tool_call_parser,
     )
-    port = ray.get(gateway.start.remote(config.gateway_host, config.gateway_port))
-    gateway_ip = ray.get(gateway.node_ip.remote())
+    port = _answer(gateway.start.remote(config.gateway_host, config.gateway_port), config, "the gateway's start")
+    gateway_ip = _answer(gateway.node_ip.remote(), config, "the gateway's node_ip")
     return Services(scheduler, nodes, gateway, port, _admin_key(config, scheduler), config, spill_nodes, keys,
-                    metrics_addresses(gateway, nodes, spill_nodes), ray.get(gateway.http_address.remote()),
+                    metrics_addresses(gateway, nodes, spill_nodes, config.start_timeout_s),
+                    _answer(gateway.http_address.remote(), config, "the gateway's http_address"),
                     gateway_ip if gateway_ip != ray.util.get_node_ip_address() else "")
 
 
@@ -194,13 +197,20 @@ def metrics_endpoint(config: ServiceConfig, port: int) -> MetricsEndpoint | None
             if config.metrics_enabled else None)
 
 
-def metrics_addresses(gateway: Any, nodes: dict[str, Any], spill_nodes: list[Any]) -> dict[str, str]:
+def metrics_addresses(gateway: Any, nodes: dict[str, Any], spill_nodes: list[Any],
+                      timeout_s: float | None = None) -> dict[str, str]:
     """Actor name -> ``host:port`` of its ``/metrics``, for those serving one (``kvstrata up``
-    prints them; deploy/prometheus.yml scrapes them)."""
+    prints them; deploy/prometheus.yml scrapes them); within ``timeout_s`` (None: no bound).
+
+    Raises:
+        RuntimeError: an actor did not answer within ``timeout_s``."""
     refs = {GATEWAY_NAME: gateway.metrics_address.remote()}
     refs |= {nid: node.describe.remote() for nid, node in nodes.items()}
     refs |= {f"spill_node_{i}": h.metrics_address.remote() for i, h in enumerate(spill_nodes)}
-    answers = dict(zip(refs, ray.get(list(refs.values()))))
+    try:
+        answers = dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s)))
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(_silent_message("the actors' metrics_address / describe", timeout_s or 0)) from None
     out = {name: a["metrics_address"] if isinstance(a, dict) else a for name, a in answers.items()}
     return {name: address for name, address in out.items() if address}
 
@@ -271,6 +281,25 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
     ]
     _wait_placed([h.ready.remote() for h in handles], config, config.spill_node_resource, "spill node")
     return handles
+
+
+def _answer(refs: Any, config: ServiceConfig, what: str) -> Any:
+    """``ray.get(refs)`` within ``config.start_timeout_s``: a clear error, not a start that
+    waits for ever on an actor alive but silent (review s34 B F4: these calls had no timeout).
+
+    Raises:
+        RuntimeError: no answer in time, naming ``what``.
+    """
+    try:
+        return ray.get(refs, timeout=config.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(_silent_message(what, config.start_timeout_s)) from None
+
+
+def _silent_message(what: str, timeout_s: float) -> str:
+    return (f"{what} did not answer within {timeout_s:g} s (the actor is alive but silent: stopped, "
+            "deadlocked or overloaded); the deployment did not start. See its log (`ray logs`), stop what "
+            "started (`kvstrata down`) and start again (`start_timeout_s` sets this bound)")
 
 
 def _wait_placed(refs: list[Any], config: ServiceConfig, resource: str, what: str) -> None:

@@ -101,17 +101,28 @@ class NodeMonitor:
         silent_polls: the scheduler's health polls (each ``poll_s + timeout_s``) unanswered in a
             row, a poll across a stall of this gateway's own loop left out, before the scheduler
             counts as unreachable (``SCHEDULER_SILENT``: about 30 s with the defaults).
+        down: node id -> why it is down from the start (in ``nodes``, not in ``node_info``: its
+            ``describe`` did not answer when the gateway started, ``Gateway.start``). Held as a
+            node that went down while serving: ``start`` ends its streams UNAVAILABLE
+            (``fail_node``), its watch tells the scheduler (``node_down``) and polls it every
+            ``retry_s`` plus ``timeout_s``, and its first healthy answer rejoins it (``_rejoin``;
+            its process unknown here: pid 0, restarts -1, so the scheduler goes by its own
+            record of it, or takes it for a new process). Regression (review s34 B F4): a
+            gateway could not start without every node's answer.
     """
 
     def __init__(self, nodes: dict[str, Any], node_info: dict[str, dict[str, Any]], streams: Any,
                  scheduler: Any, on_change: Callable[[int], Any] | None = None,
                  poll_s: float = 5.0, timeout_s: float = 10.0, retry_s: float = 0.5,
-                 notify_s: float = 1.0, silent_polls: int = 2) -> None:
+                 notify_s: float = 1.0, silent_polls: int = 2, down: dict[str, str] | None = None) -> None:
         self.nodes, self.streams, self.scheduler = nodes, streams, scheduler
         self.on_change = on_change
         self.poll_s, self.timeout_s, self.retry_s, self.notify_s = poll_s, timeout_s, retry_s, notify_s
         self.state = {nid: NodeHealth(pid=int_field(info, "pid", 0), restarts=int_field(info, "restarts", 0))
                       for nid, info in node_info.items()}
+        self.down_at_start = dict(down or {})  # node id -> why (``down``)
+        for nid, reason in self.down_at_start.items():
+            self.state[nid] = NodeHealth(healthy=False, failure=reason, pid=0, restarts=-1)
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
         self.scheduler_failure = ""  # why the scheduler is unreachable or down ("": it serves)
@@ -129,6 +140,8 @@ class NodeMonitor:
         self._silent_since: float | None = None  # when the first of them was sent (monotonic)
 
     def start(self) -> None:
+        for nid, reason in self.down_at_start.items():
+            self.streams.fail_node(nid, reason)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch(nid)) for nid in self.nodes]
         self._tasks.append(loop.create_task(self._watch_scheduler()))
@@ -311,6 +324,12 @@ class NodeMonitor:
 
     async def _watch(self, node_id: str) -> None:
         """Poll ``node_id`` until ``stop()``; see the module docstring."""
+        if node_id in self.down_at_start:  # stop routing there first (``down``), as ``_down`` does
+            try:
+                await asyncio.wait_for(self.scheduler.node_down.remote(node_id, self.state[node_id].failure),
+                                       self.notify_s)
+            except Exception:
+                log.warning("could not tell the scheduler that %s is down", node_id, exc_info=True)
         try:
             await self._learn_down(node_id)
         except Exception:  # the first poll decides
