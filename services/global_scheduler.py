@@ -48,6 +48,7 @@ from services.data_plane_auth import Security
 from services.global_scheduler_checks import Admission, AdmissionChecks, NodeLoad, prompt_key
 from services.global_scheduler_members import GatewayRecord, Membership
 from services.global_scheduler_pending import PendingRows
+from services.global_scheduler_released import EarlyReleases
 from services.global_scheduler_routing import Routing, RoutingKeys, prompt_size, tools_digest
 from services.global_scheduler_sessions import Sessions
 from services.global_scheduler_tenants import Tenants
@@ -216,6 +217,9 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         # sent on at its ``node_up``
         self.closed_while_down: dict[str, dict[str, tuple[str, list[str]]]] = {}
         self.commands: Any = None  # sends submit commands to node inboxes
+        # request ids released before their admission arrived: it is refused (``admit_and_submit``)
+        self.released_early = EarlyReleases(clock)
+        self.refused_released_early = 0  # admissions refused so
 
     # ---- admission and routing ------------------------------------------------------------
     def admit(
@@ -343,9 +347,25 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         ``continues_session`` and ``opens_session`` (``NodeRequest``) are set here from the
         admission, whatever the gateway sent.
 
+        A request released before its admission arrived (``release``: its gateway gave up on
+        it) is refused CANCELLED (reason ``released_early``) and sent to no node. Regression
+        (review s34 B F7): after a scheduler stall past the gateway's ``admit_timeout_s``, the
+        gateway's ``release`` (a Ray call, run first when the loop resumes) overtook the
+        admission still unread in the socket; the admission was then admitted and held a place
+        in its node's ``in_flight`` and its tenant's share for as long as the scheduler ran.
+
         Raises:
             KeyError: the chosen node was never attached (``attach_nodes``).
         """
+        if self.released_early.take(req.request_id):
+            self.refused_released_early += 1
+            n = self.refused_released_early
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...
+                log.warning("refused an admission its gateway had released before it arrived (%d so far): %.200s",
+                            n, req.request_id)
+            return Admission(code="CANCELLED", reason="released_early",
+                             message="the gateway released this request before its admission arrived (it had "
+                             "given up waiting for the scheduler)")
         if subscriber in self.gone_gateways:
             # no retry hint: this gateway's requests are refused while it runs (review of 4bf5623,
             # L2: a client honouring the hint retried it for ever)
@@ -397,7 +417,13 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             usage: the node's ``finished`` event, or for a request that ended without one
                 (cancelled, past its deadline, failed) the gateway's count of what it ran:
                 ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``; None: nothing ran.
+
+        A release of a request not admitted here is remembered (``released_early``): its
+        admission may still arrive (its gateway gave up waiting for it, and the release,
+        a Ray call, can overtake the admission on the data plane), and is then refused.
         """
+        if request_id not in self.requests:
+            self.released_early.note(request_id)
         tenant_id, node_id, opened, session = self.requests.pop(request_id, ("", "", "", ""))
         self.request_gateways.pop(request_id, None)
         tools = self.turn_tools.pop(request_id, None)
@@ -528,7 +554,9 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         """Queue and load per node, sessions, and the index: ``indexed_blocks`` distinct
         hashes, ``indexed_blocks_by_tier`` block copies per tier (summed over holders).
         ``ignored_speeds``: speeds nodes reported out of range, by name (``release``);
-        ``refused_block_reports``: batches of block events refused, by why (``report_events``)."""
+        ``refused_block_reports``: batches of block events refused, by why (``report_events``);
+        ``refused_released_early``: admissions refused as released before they arrived
+        (``admit_and_submit``)."""
         return {
             "queued": self._queued(),
             "in_flight": {nid: len(n.in_flight) for nid, n in self.nodes.items()},
@@ -536,6 +564,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             "prefill_tokens_per_s": {nid: n.prefill.tokens_per_s for nid, n in self.nodes.items()},
             "sessions": len(self.session_nodes),
             "bad_messages": self.bad_messages,
+            "refused_released_early": self.refused_released_early,
             "ignored_speeds": dict(self.ignored_speeds),
             "down": dict(self.down),
             "indexed_blocks": len(self.index),
