@@ -384,6 +384,7 @@ class NodeStreams:
     async def _read_admissions(self, sock: Any) -> None:
         while True:
             payload = await sock.recv()
+            await asyncio.sleep(0)  # a queued message's recv does not yield (review s34 B F3)
             try:
                 corr, body = data_plane.admission_reply(data_plane.unpack(payload, data_plane.REPLY_LIMITS),
                                                         self.node_inboxes)
@@ -591,6 +592,7 @@ class NodeStreams:
     async def _read_events(self, inbox: Any) -> None:
         while True:
             frame = await inbox.recv(copy=False)
+            await asyncio.sleep(0)  # a queued message's recv does not yield (review s34 B F3)
             try:
                 items = data_plane.event_item_pairs(data_plane.unpack(frame.bytes, data_plane.EVENT_LIMITS))
             except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count

@@ -307,6 +307,73 @@ def test_gateway_readers_drop_and_count_bad_messages(plane: Plane, payloads: lis
     assert other.bad_messages == before + len(payloads)
 
 
+def test_every_reader_yields_between_queued_messages(plane: Plane) -> None:
+    """Regression (review s34 B F3): pyzmq's ``recv`` of a message already queued returns a
+    done future, and no reader yielded otherwise, so a backlog was read in one loop turn: the
+    scheduler's Ray calls (``health``, ``release``) waited behind a burst of admissions (15 s
+    for 256 of 131,072 token ids), a node's behind its commands, a gateway's behind a node's
+    events. Each reader (scheduler admissions, node commands, gateway events and admission
+    replies) gets a backlog queued while its loop is blocked; a task run as a Ray call is
+    (ready before the socket is read) must see some of it read, not none then all."""
+    count = 60
+
+    async def backlog(send: Any, done: Any) -> list[int]:
+        """``send`` the backlog, block the loop until it sits in the socket, then see how much
+        of it ``done()`` counts at each turn a concurrent task gets."""
+        before = done()
+        send()
+        time.sleep(0.5)  # noqa: ASYNC251 - the loop blocked: every message is queued in the socket
+        seen: list[int] = []
+
+        async def turns() -> None:
+            while done() - before < count:
+                seen.append(done() - before)
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(turns(), 30)
+        return seen
+
+    def check(seen: list[int], reader: str) -> None:
+        assert any(0 < n < count for n in seen), f"{reader}: the loop ran nothing else while it read {count} " \
+            f"queued messages (a concurrent task saw {sorted(set(seen))} of them done)"
+
+    junk = b"\xc1"  # never msgpack: dropped and counted
+    sched = plane.sender("gateway", zmq.DEALER, "scheduler", plane.scheduler.data_address)
+    node = plane.sender("gateway", address=plane.node.data_address)
+    events = plane.sender("node", server_role="gateway", address=plane.streams.subscriber)
+    time.sleep(0.2)  # connected (CURVE handshakes) before the loop is blocked
+    try:
+        check(plane.run(backlog(lambda: [sched.send(junk) for _ in range(count)],
+                                lambda: plane.scheduler.bad_messages)), "the scheduler's admissions")
+        check(plane.run(backlog(lambda: [node.send(data_plane.pack({"op": "abort", "id": f"yield-{i}"}))
+                                         for i in range(count)],
+                                lambda: plane.node.commands_received)), "the node's commands")
+        check(plane.run(backlog(lambda: [events.send(junk) for _ in range(count)],
+                                lambda: plane.streams.bad_messages)), "the gateway's events")
+    finally:
+        for sock in (sched, node, events):
+            sock.close()
+
+    other = plane.replies_to
+
+    async def replies() -> list[int]:  # the fake scheduler learns the gateway's peer id first
+        admission = asyncio.ensure_future(other.admit(request("yield-reply"), []))
+        peer, _ = await plane.fake_scheduler.recv_multipart()
+
+        def send() -> None:
+            for _ in range(count):
+                plane.fake_scheduler.send_multipart([peer, junk])  # (sent at once: room in its queue)
+
+        seen = await backlog(send, lambda: other.bad_messages)
+        await plane.fake_scheduler.send_multipart([peer, data_plane.pack({"id": other._next_id, "adm": {
+            "node_id": "n0", "code": "OK", "message": "", "retry_after_s": 0.0, "spill_blocks": 0,
+            "reason": "", "continues_session": False}})])
+        assert (await admission).code == "OK"
+        return seen
+
+    check(plane.run(replies()), "the gateway's admission replies")
+
+
 def test_everything_serves_after_the_fuzz(plane: Plane) -> None:
     """After every reader has had its bad messages, a request still goes end to end."""
     events = plane.generate("after-fuzz", max_tokens=2)
