@@ -183,11 +183,11 @@ def missed_mass(state, store, layer: int, q: torch.Tensor, q_pos: torch.Tensor) 
 @pytest.fixture(scope="module")
 def wiki(real_model):  # type: ignore[no-untyped-def]
     """(probe, full-cache prefilled base, question prompt, forced tokens, full-cache logits)."""
-    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=1024),
+    engine = LLMEngine(real_model.model, EngineConfig(kv_pool_bytes=1 << 28, max_num_batched_tokens=768),
                        tier_config=TierConfig(host_bytes=1 << 28))
     engine.policy_env = PolicyEnv.from_tokenizer(real_model.tokenizer)
-    probe = Probe(engine, chunk_tokens=1024)
-    ctx, prompt, forced = wiki_context(real_model.tokenizer, 1024)
+    probe = Probe(engine, chunk_tokens=768)
+    ctx, prompt, forced = wiki_context(real_model.tokenizer, 768)
     base, _ = probe.prefill(ctx)
     ref_seq = probe.fork(base)
     ref = probe.teacher_force(ref_seq, prompt, forced)
@@ -214,7 +214,7 @@ def wiki_context(tok, tokens: int) -> tuple[list[int], list[int], list[int]]:  #
     ("sentencekv-0.125-recall_eps_0.01", 6),
 ])
 def test_reported_bound_holds_on_smollm2_and_exact_recall_keeps_kl_under_eps(wiki, real_model, spec, steps) -> None:  # type: ignore[no-untyped-def]
-    """SmolLM2-135M, a 1k-token Wikipedia context compressed to 25% (12.5%: the compact
+    """SmolLM2-135M, a 768-token Wikipedia context compressed to 25% (12.5%: the compact
     preset, whose decode steps reuse the last selection every other step), a question prompt and
     teacher-forced decode steps (2-3 under the budgeted recall, 6 in exact-recall mode): in every
     step, layer, query and query head the reported bound is >= the missed mass measured from
