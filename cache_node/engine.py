@@ -106,7 +106,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config,
                                   (num_blocks - 1) * config.block_size if scratch else None)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
-        self.sessions = SessionTable(self.kv_manager)
+        self.sessions = SessionTable(self.kv_manager, self._copy_block)
         self.scheduler.session_tenants = self.sessions.tenants
         self.prefixes = CompressedPrefixCache(self.pool, self.kv_manager)
         self.scheduler.prefixes = self.prefixes
@@ -405,6 +405,13 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             seq.kv.after_step()
         if seq.prefix_stop and seq.num_computed_tokens == seq.prefix_stop:
             self._store_prefix(seq)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy pool block ``src``'s KV (every layer, K and V: ``block_size`` slots) into block
+        ``dst``, on the compute stream (a freshly allocated ``dst`` whose demotion is still in
+        flight is ordered by ``BlockPool.evict_hook``). ``SessionTable._seal``'s copy of a
+        history's partial block."""
+        self.pool.write_blocks([dst], self.pool.read_blocks([src]))
 
     def _store_prefix(self, seq: Sequence) -> None:
         """``seq`` reached its prefix boundary: compress the prefix and store it (the requests

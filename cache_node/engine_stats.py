@@ -32,9 +32,11 @@ class EngineStatsMixin:
     num_settle_fallbacks: int
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError when pool bookkeeping is inconsistent (see BlockPool)."""
+        """Raise RuntimeError when pool bookkeeping is inconsistent (see BlockPool), or an idle
+        session counts KV it holds no blocks for (``SessionTable.check_integrity``)."""
         with self._lock:
             self.kv_manager.check_integrity()
+            self.sessions.check_integrity()
 
     def held_by_tenant(self) -> dict[str, dict[str, int]]:
         """Per tenant with live requests: ``blocks`` (pool blocks its requests hold, charge

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -152,8 +153,11 @@ def client_session_id(session_id: str, tenant: str) -> str:
 class SessionTable:
     """Per-node session registry; the engine calls it when turns start and end."""
 
-    def __init__(self, kv_manager: KVCacheManager) -> None:
+    def __init__(self, kv_manager: KVCacheManager, copy_block: Callable[[int, int], None] | None = None) -> None:
+        """``copy_block(src, dst)``: copy one pool block's KV (all layers, K and V) to another
+        (``_seal`` keeps a history's partial block so; without it the block is dropped)."""
         self.kv_manager = kv_manager
+        self.copy_block = copy_block
         self.sessions: dict[str, Session] = {}
         self._parked: set[str] = set()  # sessions holding a ``previous`` history (``drop_previous``)
         self.num_policy_continuations = 0  # turns that continued from a compacted policy state
@@ -200,9 +204,14 @@ class SessionTable:
             if seq.kv is not None:  # a compressing policy: its turn must restart from it
                 self._keep_for(sess, seq)
                 return
-            seq.block_table, sess.blocks = sess.blocks, []
-            seq.num_computed_tokens = sess.num_computed_tokens
-            seq.num_cached_tokens = sess.num_computed_tokens
+            # a full-cache turn is lent the history's blocks too (one more reference each): an
+            # aborted or cut-short turn leaves the history its KV, and a preempted one
+            # continues from it. Regression (review s34 A L1): the turn took the blocks over, so
+            # cancelling it freed the history's KV while the session kept counting it (no
+            # blocks, no ``lost``): its next turn prefilled the whole history again and, under
+            # a statistics-reading policy, decoded other tokens, unmarked
+            sess.kept_for, seq.kept = seq, SessionKept(self, sess)
+            self.lend(sess, seq)  # (no policy state to fork: it cannot fail)
             return
         self._release(sess)
 
@@ -304,6 +313,13 @@ class SessionTable:
         # others)
         marked = seq.policy_stats.get("session_state_dropped") and sess.kv is not None
         sess.lost = LostState(sess.policy, sess.compacted) if marked else None
+        if not sess.blocks and sess.num_computed_tokens:
+            # a turn cut short (its policy's codes outgrew the pool: ``Preemption``) freed its
+            # blocks and kept its count: the history holds no KV, and records the loss (review
+            # s34 A L1: it counted tokens it had no blocks for, unrecorded)
+            self._drop_kv(sess)
+            sess.num_computed_tokens = sess.num_evicted_tokens = 0
+            sess.lost = LostState(sess.policy, False)
         if cut is not None and cut[0] == seq.request_id:
             self.cut(sess, cut[1], cut[2])
         return True
@@ -468,6 +484,18 @@ class SessionTable:
             sess.lost = LostState(sess.policy, sess.compacted)
         self._release(sess)
 
+    def check_integrity(self) -> None:
+        """Raise RuntimeError when an idle session counts history KV it holds no blocks for
+        (``num_computed_tokens - num_evicted_tokens`` past its blocks' slots): every path that
+        drops its blocks resets the count (``_release``) or records the loss (review s34 A L1:
+        a cancelled full-cache turn and a turn cut short left the count with no blocks)."""
+        bs = self.kv_manager.block_size
+        for sess in self.sessions.values():
+            if sess.active_request is None and \
+                    sess.num_computed_tokens - sess.num_evicted_tokens > len(sess.blocks) * bs:
+                raise RuntimeError(f"session {sess.session_id[:100]!r} counts {sess.num_computed_tokens} computed "
+                                   f"tokens ({sess.num_evicted_tokens} evicted) in {len(sess.blocks)} blocks")
+
     def close(self, session_id: str) -> int:
         """Free a session. Returns the number of history tokens it held (0 when unknown)."""
         sess = self.sessions.pop(session_id, None)
@@ -531,9 +559,10 @@ class SessionTable:
         prefix-cache hash: the cache says that block holds the KV of the tokens it was hashed
         with, and a write of other tokens' KV into its free slots would hand that KV to every
         later hit on those tokens (another tenant's, where a namespace is shared). The history's
-        computed tokens in a dropped partial block are computed again by the next turn (at most
-        ``block_size - 1``); the block itself goes back to the pool, still matchable, its KV as
-        cached. An uncompacted policy state is plain KV (a next turn drops it: ``attach``) and
+        partial block is copied into a fresh block of its own (``copy_block``: the history keeps
+        every token's KV) and the hashed one goes back to the pool, still matchable, its KV as
+        cached; without ``copy_block`` or a free block, the partial block is dropped and its
+        computed tokens (at most ``block_size - 1``) are computed again by the next turn. An uncompacted policy state is plain KV (a next turn drops it: ``attach``) and
         goes with the block; a compacted layout is never cached (``LLMEngine._after_forward``),
         and if it were the history would lose its KV (``lose``). ``cut`` keeps the same rule
         for a cut history.
@@ -559,8 +588,20 @@ class SessionTable:
             self.lose(sess)
             return
         self._drop_kv(sess)
+        pool = self.kv_manager.pool
+        if self.copy_block is not None and len(sess.blocks) == first + 1 and pool.can_allocate(1):
+            # the history's partial block copied into a block of its own: the history keeps
+            # all its KV, the hashed block stays matchable as cached (review s34 A L1: dropped,
+            # its up to block_size - 1 tokens were computed again by the next turn, which under
+            # a statistics-reading policy then decoded other tokens than had the cancelled turn
+            # never run, unmarked)
+            [copy] = pool.allocate(1)  # type: ignore[misc]  # (can_allocate: not None)
+            self.copy_block(sess.blocks[first].block_id, copy.block_id)
+            pool.free([sess.blocks[first]])
+            sess.blocks[first] = copy
+            return
         past, sess.blocks = sess.blocks[first:], sess.blocks[:first]
-        self.kv_manager.pool.free(past[::-1])
+        pool.free(past[::-1])
         sess.num_computed_tokens = first * bs
 
     def _park(self, sess: Session) -> None:

@@ -11,9 +11,12 @@ slots. A later prefix hit on the cancelled turn's tokens (any request of the nam
 tenant's where one is shared) read the next turn's KV and decoded other tokens than on an idle
 node; demoted, the block carried that KV to the host tier.
 
-Now ``SessionTable._seal`` drops such a block from a history before a turn writes past it (its
-tokens are computed again, at most ``block_size - 1``), and ``KVCacheManager._guard_writes``
-counts a write that would still reach a hashed block (``check_integrity`` fails on it).
+Now ``SessionTable._seal`` copies such a block into a fresh block of the history's own before a
+turn writes past it (the hashed block stays cached with its KV; review s34 A L1: it was dropped
+and its up to ``block_size - 1`` tokens computed again, which under a statistics-reading policy
+made the next turn decode other tokens than had the cancelled turn never run), and
+``KVCacheManager._guard_writes`` counts a write that would still reach a hashed block
+(``check_integrity`` fails on it).
 """
 
 from __future__ import annotations
@@ -93,11 +96,12 @@ def test_a_prefix_hit_on_a_cancelled_turns_tokens_reads_their_kv(tiny: LoadedMod
     history, p2 = cancelled_turn(eng, first, policy, end)
     assert history_is_sealed(eng)
     sess = eng.sessions.sessions["s"]
-    assert sess.num_computed_tokens == 2 * BS and len(sess.blocks) == 2  # the hashed partial block went
+    # the hashed partial block was copied: the history keeps every computed token, in a block of its own
+    assert sess.num_computed_tokens == HISTORY and len(sess.blocks) == 3 and sess.blocks[-1].block_hash is None
     eng.add_request(history + prompt_of(24, 3), SamplingParams(max_tokens=4, ignore_eos=True), request_id="t3",
                     session_id="s", policy=policy)
     t3 = drain(eng)["t3"]
-    assert t3.num_cached_tokens == 2 * BS  # it reused the history's full blocks, computed the partial one's 12
+    assert t3.num_cached_tokens == HISTORY  # it reused every computed history token
     probe = p2 + prompt_of(8, 4)
     warm = greedy(eng, probe)
     assert warm == greedy(engine(tiny), probe)
@@ -140,8 +144,8 @@ def test_a_finished_turns_next_turn_reuses_the_whole_history(tiny: LoadedModel) 
 def test_a_restarted_turn_writes_nothing_into_the_block_it_filled(tiny: LoadedModel) -> None:
     """A turn lent a plain history (snapkv-0.5 after a full-cache turn) fills and caches the
     history's partial block, then is preempted: it restarts from the history (``lend`` again)
-    without that block, computes its 12 tokens again (not into the cached block) and decodes
-    exactly as never preempted."""
+    with a copy of that block (its 12 history tokens' KV kept; the cached block itself never
+    written again) and decodes exactly as never preempted."""
     def second(preempt: bool) -> tuple[int, ...]:
         eng = engine(tiny)
         eng.add_request(prompt_of(37, 1), SamplingParams(max_tokens=8, ignore_eos=True), request_id="t1",
@@ -158,7 +162,7 @@ def test_a_restarted_turn_writes_nothing_into_the_block_it_filled(tiny: LoadedMo
             assert partial.block_hash is not None
             seq = eng.requests["t2"]
             eng.scheduler.preempt(seq)
-            assert seq.num_computed_tokens == sess.num_computed_tokens == 2 * BS
+            assert seq.num_computed_tokens == sess.num_computed_tokens == HISTORY
             assert partial not in seq.block_table and partial not in sess.blocks
         out = drain(eng)["t2"]
         assert out.num_preemptions == int(preempt)
