@@ -12,7 +12,7 @@ import pytest
 
 from cache_node.model_loader import LoadedModel
 from tests.conftest import make_engine
-from workloads.deepresearch.config import TenantProfile, WorkloadConfig
+from workloads.deepresearch.config import CallMaxTokens, TenantProfile, WorkloadConfig
 from workloads.deepresearch.engine_client import EngineClient
 from workloads.deepresearch.generator import generate_plan
 from workloads.deepresearch.parsing import clean_query
@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 CONFIG = WorkloadConfig(
     seed=3, duration_s=5.0, max_sessions_per_tenant=1, min_subagents=2, max_subagents=2,
     max_reads=2, tenants=(TenantProfile("t", "standard", 5000.0, 500.0, 1.0, sessions_per_s=1.0),),
+    # the plan and the queries as long as the demo's (the checks parse them); the replies only
+    # carried forward (reads, answers) or not read at all (the report) shorter
+    max_tokens=CallMaxTokens(plan=48, search=12, read=8, answer=16, report=8),
 )  # fmt: skip
 
 
