@@ -213,6 +213,12 @@ class Gateway:
             warn_cleartext(host, "the gateway's gRPC and OpenAI-compatible APIs")
         infos, down = await self._describe_nodes()
         scheduler_address = await self.scheduler_calls.open_data_plane.remote()
+        for node_id, reason in down.items():
+            # the scheduler stops routing there before this gateway serves: a request of its
+            # admitted to a node it holds no command socket for could be neither watched nor
+            # aborted, and would run unseen (diff review s34 F5: the monitor's one 1-s try, sent
+            # after serving began, left the scheduler routing there)
+            await self.scheduler_calls.node_down.remote(node_id, reason)
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None

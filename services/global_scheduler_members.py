@@ -171,7 +171,11 @@ class Membership:
         the socket to the old one is closed).
         The process is told by ``pid`` (0: unknown, taken as a new process) and Ray's count of
         the actor's ``restarts`` (-1: unknown); ``previous_pid``/``previous_restarts``: those
-        the caller knew it by, for a node no ``node_up`` reported yet. From a new process (its
+        the caller knew it by, for a node no ``node_up`` reported yet (0 and -1: the caller
+        never knew it, a gateway that started while the node was silent: with no record here
+        either, nothing says it restarted, and its sessions go on; a turn of one it no longer
+        holds is refused by the node itself. Regression, diff review s34 F1: such a node was
+        taken for a new process and every session routed there marked lost). From a new process (its
         KV, sessions included, is gone) each session routed there is lost: its next turns are
         refused ABORTED until it is closed or the nodes' session TTL passed (``admit``,
         ``lost_of``); it keeps its place in its tenant's ``max_sessions_per_tenant``. When the same process is back (it
@@ -185,11 +189,12 @@ class Membership:
         """
         if node_id not in self.nodes:
             raise KeyError(f"unknown cache node {node_id!r}")
-        known = self.node_pids.get(node_id, (previous_pid, previous_restarts))
-        if 0 <= restarts < known[1]:
+        known = self.node_pids.get(node_id) or ((previous_pid, previous_restarts) if previous_pid else None)
+        if known is not None and 0 <= restarts < known[1]:
             log.warning("ignored a stale report of cache node %s (restarts %d < %d)", node_id, restarts, known[1])
             return
-        restarted = not pid or known != (pid, restarts)  # a pid may repeat in a new process
+        # a pid may repeat in a new process; no record of the old one: no sign of a restart
+        restarted = not pid or (known is not None and known != (pid, restarts))
         self.node_pids[node_id] = (pid, restarts)
         if restarted:
             # the old process's blocks went with it; kept, they would count against the new

@@ -107,7 +107,8 @@ class NodeMonitor:
             (``fail_node``), its watch tells the scheduler (``node_down``) and polls it every
             ``retry_s`` plus ``timeout_s``, and its first healthy answer rejoins it (``_rejoin``;
             its process unknown here: pid 0, restarts -1, so the scheduler goes by its own
-            record of it, or takes it for a new process). Regression (review s34 B F4): a
+            record of it, or with none keeps its sessions: ``node_up``). ``Gateway.start`` has
+            told the scheduler before serving. Regression (review s34 B F4): a
             gateway could not start without every node's answer.
     """
 

@@ -113,6 +113,54 @@ def test_a_gateway_starts_without_a_silent_node_holds_it_down_and_rejoins_it_whe
     asyncio.run(go())
 
 
+def test_a_node_left_out_at_start_is_down_before_serving_and_keeps_its_sessions_when_it_rejoins(
+        tmp_path: Path) -> None:
+    """Diff review s34: (F5) the scheduler was told of a node left out at start only by the
+    monitor's one 1-s try after the gateway served, so it could admit this gateway's requests
+    to a node the gateway holds no command socket for (unwatched, never aborted); now it is down
+    at the scheduler before the gRPC server starts. (F1) rejoining, the node was reported with
+    its process unknown (pid 0, restarts -1) and the scheduler, with no record of it either,
+    took it for a new process and marked every session routed there lost; the same process
+    back keeps them now."""
+    from tests.known_tenants import know_tenants
+
+    fin = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+
+    async def go() -> None:
+        sched = know_tenants(GlobalSchedulerService(str(tmp_path), {"n0": 1, "n1": 1}), "a")
+        sched.node_down("n0", "test: route the session to n1")
+        assert sched.admit("a", "a/r0", session_id="a/s1").code == "OK"
+        assert sched.requests["a/r0"][1] == "n1"
+        sched.release("a/r0", fin)
+        sched.down.pop("n0")  # (no node_up record of either node: a fresh deployment)
+        silent = SilentNode()  # n1: the same process (pid 2, restarts 0) all along, only slow
+        gw = gateway_server.Gateway(LocalActor(sched), {"n0": LocalActor(FakeNode()), "n1": LocalActor(silent)},
+                                    str(tiny_checkpoint()))
+        gw.describe_timeout_s = 0.5
+        serving_with: list[dict[str, str]] = []
+        create_server = gateway_server.create_server
+
+        async def recording(*args: Any, **kwargs: Any) -> Any:
+            serving_with.append(sched.down_nodes())  # what the scheduler holds down as serving begins
+            return await create_server(*args, **kwargs)
+
+        gateway_server.create_server = recording  # type: ignore[assignment]
+        try:
+            await asyncio.wait_for(gw.start("127.0.0.1", free_port()), 15)
+            assert serving_with and "n1" in serving_with[0], serving_with
+            silent.answering.set()
+            await until(lambda: gw.monitor.state["n1"].healthy and "n1" not in sched.down_nodes())
+            adm = sched.admit("a", "a/r1", session_id="a/s1")
+            assert (adm.code, adm.node_id) == ("OK", "n1"), adm
+        finally:
+            gateway_server.create_server = create_server  # type: ignore[assignment]
+            await gw.stop(0)
+            sched.close_data_plane()
+            sched.store.close()
+
+    asyncio.run(go())
+
+
 class Exited(Exception):
     """``os._exit`` was called (it never returns)."""
 
