@@ -75,6 +75,11 @@ class EngineReclaimMixin:
                 return
             if seq.kept is None:
                 continue
+            if seq.status is not SequenceStatus.WAITING and seq.kept.num_blocks_beside(seq) == 0:
+                # a running turn shares every block of its kept history (a full-cache turn's,
+                # lent: ``SessionTable.attach``): dropping it frees nothing and only loses what
+                # a cancel of the turn would fall back on (diff review s34 F7)
+                continue
             seq.kept.drop()
             if seq.status is SequenceStatus.WAITING and seq.block_table:
                 self.kv_manager.free(seq)

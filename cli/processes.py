@@ -40,8 +40,7 @@ def stop_processes(matches: Callable[[list[str]], bool], timeout_s: float = 10.0
             if proc.pid != os.getpid() and proc.info["uids"] is not None and proc.info["uids"].real == uid \
                     and matches(list(proc.info["cmdline"] or ())):
                 found[proc.pid] = proc
-                found.update((child.pid, child) for child in proc.children(recursive=True)
-                             if child.uids().real == uid)
+                found.update((child.pid, child) for child in proc.children(recursive=True) if _owned_by(child, uid))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     found.pop(os.getpid(), None)
@@ -50,6 +49,15 @@ def stop_processes(matches: Callable[[list[str]], bool], timeout_s: float = 10.0
     _terminate([proc for proc in procs if proc not in later], timeout_s)
     _terminate(later, timeout_s)
     return len(procs)
+
+
+def _owned_by(proc: psutil.Process, uid: int) -> bool:
+    """Whether ``proc`` runs as ``uid`` (False once it has vanished or cannot be read: one child
+    exiting during the scan skips that child alone, not its siblings; diff review s34 F4)."""
+    try:
+        return proc.uids().real == uid
+    except psutil.Error:
+        return False
 
 
 def _cmdline_matches(proc: psutil.Process, accept: Callable[[list[str]], bool]) -> bool:

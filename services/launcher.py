@@ -49,7 +49,7 @@ class Services:
     nodes: dict[str, Any]
     gateway: Any
     port: int
-    admin_key: str
+    admin_key: str = field(repr=False)  # (no secret in a log line or a traceback's locals)
     config: ServiceConfig
     spill_nodes: list[Any] = field(default_factory=list)
     data_plane_keys: DataPlaneKeys | None = None  # every role's keys (fault tests, bench.chaos)

@@ -540,3 +540,10 @@ def test_reprs_of_data_plane_identities_leave_the_secret_keys_out() -> None:
     secrets = [pair.secret for pair in [*keys.pairs.values(), *keys.node_clients.values()]]
     assert all(pair.public.decode() in shown for pair in keys.pairs.values())  # (the reprs are there)
     assert not [s for s in secrets if s.decode() in shown]
+    # nor a running deployment's handles (``launcher.Services``) its admin key (diff review s34 F3)
+    from services.config import ServiceConfig
+    from services.launcher import Services
+
+    services = Services(scheduler=None, nodes={}, gateway=None, port=1, admin_key="sk-admin-secret",
+                        config=ServiceConfig(), data_plane_keys=keys)
+    assert "sk-admin-secret" not in repr(services) and not [s for s in secrets if s.decode() in repr(services)]

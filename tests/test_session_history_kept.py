@@ -105,3 +105,25 @@ def test_check_integrity_fails_on_a_session_counting_kv_it_has_no_blocks_for(tin
         eng.check_integrity()
     sess.blocks = blocks
     eng.check_integrity()
+
+
+def test_reclaim_keeps_a_running_full_cache_turns_history_that_frees_nothing(tiny: LoadedModel) -> None:
+    """The engine's last resort for blocks (``_reclaim``) drops the histories sessions keep for
+    their turns; a running full-cache turn shares every block of its history, so dropping it
+    frees nothing and would only lose what a cancel falls back on (diff review s34 F7): it is
+    skipped, and a cancel after it still leaves the history its KV."""
+    eng = engine(tiny)
+    history = first_turn(eng)
+    eng.add_request(history + prompt_of(60, 2), SamplingParams(max_tokens=20, ignore_eos=True), request_id="t2",
+                    session_id="s", tenant="t")
+    eng.step()
+    seq = eng.requests["t2"]
+    assert seq.kept is not None and seq.kept.num_blocks_beside(seq) == 0
+    with eng._lock:
+        eng._reclaim(eng.kv_manager.pool.num_blocks)  # more than can ever be free: every candidate tried
+    assert seq.kept is not None
+    sess = eng.sessions.sessions["s"]
+    assert eng.abort_request("t2")
+    drain(eng)
+    assert (sess.num_computed_tokens, len(sess.blocks), sess.lost) == (len(history) - 1, 3, None)
+    eng.check_integrity()
