@@ -351,7 +351,7 @@ def check_wire_shape(data: bytes, descriptor: Descriptor) -> None:
 
     Raises:
         ValueError: naming the field: ``"chat.messages holds more than 1024 elements; at
-            most 1024 are allowed"``, ``"tools holds more than 448 fields; ..."``, or "the
+            most 1024 are allowed"``, ``"tools holds more than 576 fields; ..."``, or "the
             request is not a valid <type> message" when the bytes are not wire format.
     """
     plan, types = _plan(descriptor)

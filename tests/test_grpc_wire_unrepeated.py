@@ -70,7 +70,7 @@ def _fill(element: bytes, room: int = EIGHT_MIB) -> bytes:
     return element * (room // len(element))
 
 
-TOOLS_FIELDS = MAX_TOOLS * 3 + FIELD_SLACK  # Tool: name, description, parameters
+TOOLS_FIELDS = MAX_TOOLS * 4 + FIELD_SLACK  # Tool: name, description, parameters, strict
 SAMPLING = _delimited(3, pb.SamplingParams(max_tokens=4).SerializeToString())
 USER = _delimited(1, pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]).SerializeToString())
 GENERATE_SHAPES = {  # a GenerateRequest of one field sent ~4.19M times, and its refusal
@@ -169,9 +169,9 @@ def test_every_message_type_a_served_request_reaches_is_bounded(
 
 
 def test_each_types_bound_is_its_valid_occurrences_fields_plus_slack() -> None:
-    """``GenerateRequest.tools``: 128 tools of 3 fields each and 64 more fields (a name sent 65
+    """``GenerateRequest.tools``: 128 tools of 4 fields each and 64 more fields (a name sent 65
     times) pass, one more field is refused; a 129th tool is refused for its count."""
-    tool = _delimited(1, b"t") + _delimited(2, b"d") + _delimited(3, b"{}")
+    tool = _delimited(1, b"t") + _delimited(2, b"d") + _delimited(3, b"{}") + _key(4, 0) + b"\x01"
 
     def request(extra: int, tools: int = MAX_TOOLS) -> bytes:
         first = _delimited(10, tool + _delimited(1, b"t") * extra)
