@@ -8,8 +8,10 @@ with its real admission ROUTER, a gateway's DEALER and a node's command PULL, wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -36,9 +38,10 @@ def admission(corr: int, rid: str) -> bytes:
                             "hashes": []})
 
 
-async def scheduler_with_sockets(clock: Any = time.monotonic) -> tuple[GlobalSchedulerService, Any, Any]:
+@contextlib.asynccontextmanager
+async def scheduler_with_sockets(clock: Any = time.monotonic) -> AsyncIterator[tuple[GlobalSchedulerService, Any, Any]]:
     """The scheduler (node "n0", 4 slots) serving on this loop; a node's command PULL and a
-    gateway's DEALER, both plain sockets."""
+    gateway's DEALER, both plain sockets; all closed at the end."""
     sched = GlobalSchedulerService(tempfile.mkdtemp(prefix="kvstrata-early-"), {"n0": 4}, clock=clock)
     know_tenants(sched, "t")
     ctx = zmq.Context.instance()
@@ -49,7 +52,13 @@ async def scheduler_with_sockets(clock: Any = time.monotonic) -> tuple[GlobalSch
     gateway = ctx.socket(zmq.DEALER)
     gateway.setsockopt(zmq.LINGER, 0)
     gateway.connect(await sched.open_data_plane())
-    return sched, node, gateway
+    try:
+        yield sched, node, gateway
+    finally:
+        sched.close_data_plane()
+        node.close()
+        gateway.close()
+        sched.store.close()
 
 
 async def reply_to(gateway: Any) -> dict[str, Any]:
@@ -67,8 +76,7 @@ def test_a_release_that_overtakes_its_admission_still_wins() -> None:
     share for as long as the scheduler ran. Now it is refused CANCELLED and never submitted;
     the next admission is admitted and released as before, and leaves nothing remembered."""
     async def go() -> None:
-        sched, node, gateway = await scheduler_with_sockets()
-        try:
+        async with scheduler_with_sockets() as (sched, node, gateway):
             for i in range(4):  # capacity 4: each leaked place would be one of them
                 rid = f"t/r{i}#attempt"
                 gateway.send(admission(i, rid))
@@ -87,11 +95,6 @@ def test_a_release_that_overtakes_its_admission_still_wins() -> None:
             assert data_plane.unpack(node.recv())["op"] == "submit"
             sched.release("t/next#a", None)
             assert sched.stats()["in_flight"] == {"n0": 0} and not sched.released_early
-        finally:
-            sched.close_data_plane()
-            node.close()
-            gateway.close()
-            sched.store.close()
 
     asyncio.run(go())
 
@@ -104,8 +107,7 @@ def test_ids_released_early_are_bounded_in_count_and_time() -> None:
 
     async def go() -> None:
         clock = Clock()
-        sched, node, gateway = await scheduler_with_sockets(clock)
-        try:
+        async with scheduler_with_sockets(clock) as (sched, _node, _gateway):
             sched.release("t/old#a", None)
             flood = [f"t/flood-{i}#{'x' * (i % 900)}" for i in range(RELEASED_EARLY_MAX + 100)]
             for rid in flood:
@@ -123,10 +125,5 @@ def test_ids_released_early_are_bounded_in_count_and_time() -> None:
             assert len(sched.released_early) == 1
             sched.release(12345, None)  # type: ignore[arg-type]  # no admission has such an id: ignored
             assert len(sched.released_early) == 1
-        finally:
-            sched.close_data_plane()
-            node.close()
-            gateway.close()
-            sched.store.close()
 
     asyncio.run(go())
