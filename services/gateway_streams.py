@@ -363,7 +363,6 @@ class NodeStreams:
         holding its call and request body, and ``scheduler_failed`` did not end it."""
         sending = self._admission.send(payload)
         if not sending.done():
-            waited_out = True
             try:
                 await asyncio.wait({sending, fut}, timeout=self.admit_timeout_s,
                                    return_when=asyncio.FIRST_COMPLETED)
