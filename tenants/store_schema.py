@@ -8,10 +8,11 @@ Tables (schema version 2, in ``PRAGMA user_version``)::
              salt, iterations, digest, created_at_s)
     deleted_tenants(seq PK, tenant_id UNIQUE, deleted_at_s)   -- the newest MAX_DELETED_TENANTS
     usage(tenant_id PK -> tenants ON DELETE CASCADE, counters_json, updated_at_s)
+    usage_unread(seq PK, tenant_id -> tenants ON DELETE CASCADE, counters_json, moved_at_s)
     lost_sessions(tenant_id -> tenants ON DELETE CASCADE, session_id, lost_at_s; PK both)
     open_sessions(tenant_id -> tenants ON DELETE CASCADE, session_id, used_at_s; PK both)
 
-``deleted_tenants``, ``usage``, ``lost_sessions`` and ``open_sessions`` were added within version
+``deleted_tenants``, ``usage``, ``usage_unread``, ``lost_sessions`` and ``open_sessions`` were added within version
 2: opening a file without them creates them (an earlier version reading a file with them ignores
 them).
 
@@ -65,6 +66,12 @@ CREATE TABLE IF NOT EXISTS usage (
     tenant_id TEXT PRIMARY KEY REFERENCES tenants(tenant_id) ON DELETE CASCADE,
     counters_json TEXT NOT NULL,
     updated_at_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS usage_unread (
+    seq INTEGER PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(tenant_id) ON DELETE CASCADE,
+    counters_json TEXT NOT NULL,
+    moved_at_s REAL NOT NULL
 );
 """
 _TENANT_COLUMNS = "t.tenant_id, t.spec_json, t.created_at_s"

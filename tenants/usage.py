@@ -131,7 +131,8 @@ class UsageLedger:
     def restore(self, rows: Mapping[str, Mapping[str, int]]) -> int:
         """Set the counters of each tenant in ``rows`` (tenant id -> ``counters``, as stored),
         keeping its gauges; returns the tenants restored. A row naming an unknown counter or a
-        bad count is skipped whole (logged by the caller's count), never half applied."""
+        bad count is skipped whole, never half applied (``TenantStore.load_usage`` hands over
+        only ``COUNTERS`` of rows it could read: it keeps the rest out of this ledger's reach)."""
         restored = 0
         for tenant_id, row in rows.items():
             try:

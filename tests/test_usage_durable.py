@@ -9,6 +9,7 @@ Real parts: ``GlobalScheduler`` over its SQLite store in a state dir, reopened a
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -80,15 +81,57 @@ def test_a_failed_write_is_retried_at_the_next_flush(tmp_path: Path, monkeypatch
 
 def test_bad_stored_rows_are_skipped_whole(tmp_path: Path) -> None:
     """The store's file is ours, but a row that is not counters (edited, or from a later
-    version) is left out, never half applied."""
+    version) is never half applied: unreadable rows are set aside, unknown keys left out."""
     sched = _scheduler(tmp_path)
     ids = [sched.register_tenant(TenantSpec(n))[0].tenant_id for n in ("a", "b", "c", "d")]
     sched.store.save_usage({ids[0]: {"requests": 3}, ids[1]: {"requests": -1}, ids[2]: {"bogus": 1}})
     with sched.store._conn:
         sched.store._conn.execute("INSERT INTO usage VALUES (?, ?, 0)", (ids[3], "[1, 2]"))
     ledger = UsageLedger()
-    assert ledger.restore(sched.store.load_usage()) == 1
+    assert ledger.restore(sched.store.load_usage()) == 2  # ids[2]: its known counters (none) are 0
     assert ledger.snapshot(ids[0]).requests == 3 and ledger.snapshot(ids[1]).requests == 0
+    assert sorted(t for t, _, _ in sched.store.unread_usage()) == sorted([ids[1], ids[3]])
+
+
+ROWS = {
+    "later_counter": json.dumps({"requests": 1000, "prompt_tokens": 50000, "cached_tokens_remote": 7}),
+    "float_count": json.dumps({"requests": 1000, "prompt_tokens": 50000.0}),
+    "negative_count": json.dumps({"requests": 1000, "prompt_tokens": -1}),
+    "bad_json": '{"requests": 1000, "prompt_tokens": 50000',
+    "not_an_object": "[1000, 50000]",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROWS))
+def test_a_row_the_restart_could_not_read_is_not_overwritten_by_counts_from_zero(tmp_path: Path, kind: str) -> None:
+    """Regression (review s35 D C1): a stored row the restarted scheduler skipped (a later
+    version's counter, a count that is not a non-negative int, JSON it cannot parse) was
+    replaced at the tenant's next flush by counts from zero: 1,000 stored requests became 1.
+    Now a later version's keys are carried through (its known counters restored), and a row
+    this code cannot read is moved whole to ``usage_unread``."""
+    first = _scheduler(tmp_path)
+    ann, _ = first.register_tenant(TenantSpec("ann"))
+    with first.store._conn:
+        first.store._conn.execute("INSERT INTO usage VALUES (?, ?, 0)", (ann.tenant_id, ROWS[kind]))
+    first.store.close()
+
+    second = _scheduler(tmp_path)  # the restart
+    second.usage.record_request(ann.tenant_id)  # one more request, then the periodic flush
+    assert second.flush_usage() == 1
+    stored = json.loads(second.store._conn.execute("SELECT counters_json FROM usage WHERE tenant_id = ?",
+                                                   (ann.tenant_id,)).fetchone()[0])
+    if kind == "later_counter":
+        assert stored["requests"] == 1001 and stored["prompt_tokens"] == 50000
+        assert stored["cached_tokens_remote"] == 7 and second.store.unread_usage() == []
+    else:
+        assert stored["requests"] == 1 and stored["prompt_tokens"] == 0
+        assert [(t, text) for t, text, _ in second.store.unread_usage()] == [(ann.tenant_id, ROWS[kind])]
+    second.store.close()
+    third = _scheduler(tmp_path)  # restarted again: the same, nothing moved twice
+    assert third.usage.snapshot(ann.tenant_id).requests == (1001 if kind == "later_counter" else 1)
+    assert len(third.store.unread_usage()) == (0 if kind == "later_counter" else 1)
+    third.delete_tenant("ann")  # the set-aside row goes with its tenant
+    assert third.store.unread_usage() == []
 
 
 def test_counters_round_trip() -> None:
