@@ -7,9 +7,17 @@
   up to ``_CACHE_TTL_S`` (until the key directory's next refresh, below, forgets it sooner).
   The calls that change state or reach a tenant by name (``services.gateway_admin``) therefore
   confirm their key at the scheduler past the cache (``recheck``), by tenant id, never by name;
-  an inference request's admission carries its key's id, and the scheduler refuses one rotated
-  away or removed through it (UNAUTHENTICATED ``key_revoked``: ``TenantStore.key_removed``),
-  this gateway then forgetting the tenant's cached keys.
+  an inference request's admission, and a session's close, carry its key's id, and the
+  scheduler refuses one rotated away or removed through it (UNAUTHENTICATED ``key_revoked``,
+  or ``StaleKeyError`` on a close: ``TenantStore.key_removed``), this gateway then forgetting
+  the tenant's cached keys.
+- A cached key holds its ``Tenant``, spec included, so a spec changed through another gateway
+  is also up to ``_CACHE_TTL_S`` old here. An admission carries the digest of the spec the
+  request was prepared with (``tenants.model.spec_digest``); the scheduler refuses a stale one
+  (``tenant_changed``), and ``services.gateway`` forgets the tenant's cached keys
+  (``forget_tenant_id`` without ``keys_gone``), authenticates the key again and prepares the
+  request anew. What the HTTP API reads of the spec before admission (``OpenAIEdge.model_card``:
+  ``max_model_len``) may stay that old (docs/architecture.md, "API keys").
 - A key that failed is remembered for ``_CACHE_TTL_S`` and refused with UNAUTHENTICATED
   without asking the scheduler.
 - A key that does not match ``tenants.keys.KEY_PATTERN`` (a missing one included) is refused

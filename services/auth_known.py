@@ -58,9 +58,12 @@ class KnownKeys:
             for key_id in list(self._known_by_owner.get(name, ())):
                 self._unknow(key_id)
 
-    def forget_tenant_id(self, tenant_id: str) -> None:
-        """Drop the cached keys of the tenant whose id is ``tenant_id``, and its known key ids:
-        admission answered that no such tenant exists (``tenant_deleted``, ``unknown_tenant``).
+    def forget_tenant_id(self, tenant_id: str, keys_gone: bool = True) -> None:
+        """Drop the cached keys of the tenant whose id is ``tenant_id``, and (``keys_gone``) its
+        known key ids: admission answered that no such tenant exists (``tenant_deleted``,
+        ``unknown_tenant``) or that the key was removed (``key_revoked``). Without
+        ``keys_gone`` (admission answered ``tenant_changed``: the spec cached with its keys is
+        stale, the keys still work) the known ids stay, as in ``forget_tenant``.
 
         Regression (secrev18 E residue): a key of a tenant deleted through another gateway (or
         before the scheduler restarted) stayed cached here for its TTL, each call refused at
@@ -69,7 +72,7 @@ class KnownKeys:
         gone = [(fp, tenant.spec.name) for fp, (tenant, _, _) in self._tenants.items() if tenant.tenant_id == tenant_id]
         for fp, _ in gone:
             del self._tenants[fp]
-        for name in {name for _, name in gone}:
+        for name in {name for _, name in gone} if keys_gone else ():
             for key_id in list(self._known_by_owner.get(name, ())):
                 self._unknow(key_id)
 

@@ -38,6 +38,7 @@ from services.auth import Authenticator, bearer_key
 from services.chat import ChatTemplater
 from services.chat_tools import check_tool_output
 from services.data_plane_auth import Security
+from services.gateway_admin import error_message
 from services.gateway_inputs import (
     MAX_ID_CHARS,
     GenerateInput,
@@ -57,7 +58,9 @@ from services.ray_errors import SchedulerRestarting
 from services.tenant_call_slots import TenantCallSlots
 from services.tool_calls import ToolOutput
 from services.tool_requests import TOOL_PARSERS
+from tenants.errors import StaleKeyError
 from tenants.keys import parse_key_id
+from tenants.model import spec_digest
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +123,12 @@ def _read_tool_calls(tool_output: str, texts: list[str], event: dict[str, Any]) 
             return {**event, "finish_reason": reason, "tool_calls": fields["tool_calls"],
                     "content": fields.get("content") or ""}
     return event
+
+
+class _TenantChanged(Exception):
+    """An attempt's admission was refused ``tenant_changed`` (``_attempt``, before any event):
+    the tenant spec it was prepared with, cached here with the call's key, is no longer the
+    tenant's (changed through another gateway). ``_generate`` prepares it anew, once."""
 
 
 class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceServicer):
@@ -272,7 +281,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             req, hashes = await self._prepare(call, tenant, context)
-            own = req.request_id
+            own = req.request_id  # (a retry's ``_prepare`` may draw another id: this one stays)
             client_id = own.split("/", 1)[1]
             if call.call_id:  # one of a call's requests (an n>1 body's choice): the call holds its id
                 if scoped_id(tenant_id, call.call_id) not in self._in_flight:
@@ -287,11 +296,17 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         # Regression: a client id reused right after a cancel got the cancelled attempt's
         # "abort" ending while its own attempt ran on, unseen and unabortable, on the node;
         # and a late abort of a finished attempt refused the id's next use (CANCELLED)
-            req = dataclasses.replace(req, request_id=f"{own}#{uuid.uuid4().hex[:16]}")
-            # closed here, at once: its ``finally`` releases and aborts the attempt
-            async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track, writer)) as events:
-                async for event in events:
-                    yield event
+            for retried in (False, True):
+                req = dataclasses.replace(req, request_id=f"{own}#{uuid.uuid4().hex[:16]}")
+                try:  # closed here, at once: its ``finally`` releases and aborts the attempt
+                    async with contextlib.aclosing(self._attempt(context, req, hashes, client_id, track, writer,
+                                                                 spec_digest(tenant.spec), retried)) as events:
+                        async for event in events:
+                            yield event
+                    break
+                except _TenantChanged:  # (raised before any event): the spec cached here is stale
+                    tenant = await self._fresh_tenant(context, tenant_id)
+                    req, hashes = await self._prepare(call, tenant, context)
         finally:
             self._in_flight.discard(scoped)
             left = self.open_streams[tenant_id] - 1
@@ -300,10 +315,31 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             else:
                 del self.open_streams[tenant_id]
 
+    async def _fresh_tenant(self, context: Any, tenant_id: str) -> Any:
+        """The call's tenant as the scheduler has it now, after an admission refused
+        ``tenant_changed``: its cached keys here are forgotten (not its known key ids: the key
+        still works) and the call's key authenticated again (``Authenticator.tenant``, which
+        aborts the call UNAUTHENTICATED if the key stopped working meanwhile). A key that now
+        names another tenant id (never, key ids being unique) is UNAUTHENTICATED too."""
+        self.auth.forget_tenant_id(tenant_id, keys_gone=False)
+        tenant = await self.auth.tenant(context)
+        if tenant.tenant_id != tenant_id:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this key is no longer this call's tenant's")
+        return tenant
+
     async def _attempt(self, context: Any, req: NodeRequest, hashes: list[bytes], client_id: str,
-                       track: RequestTracker, writer: StreamWriter | None = None) -> AsyncIterator[dict[str, Any]]:
+                       track: RequestTracker, writer: StreamWriter | None = None, spec: str = "",
+                       retried: bool = False) -> AsyncIterator[dict[str, Any]]:
         """One admitted attempt of a request: admit, stream its node's events, and on any end
         release it at the scheduler (aborting it on its node when it did not finish).
+
+        ``spec`` is the digest of the tenant spec ``req`` was prepared with
+        (``tenants.model.spec_digest``), sent with the admission: a stale one is refused
+        ``tenant_changed``, raised here as ``_TenantChanged`` (before any event, nothing to
+        undo) unless ``retried`` (the call's second attempt, whose initial metadata the first
+        sent: then the refusal goes to the client, UNAVAILABLE with a retry hint).
+        Regression (review s35 C C2): a spec changed through another gateway was used here
+        from the key cache for up to 10 s (the namespace a tenant had left included).
 
         The release of a request that ended on its node (its ``finished`` or error event) is
         sent as that event arrives, not when the client has read up to it. Regression
@@ -344,10 +380,11 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         # the key's id goes with it: one rotated away since this gateway cached it is refused
-        admission = asyncio.ensure_future(self.streams.admit(req, hashes, parse_key_id(bearer_key(context)) or ""))
+        admission = asyncio.ensure_future(self.streams.admit(req, hashes, parse_key_id(bearer_key(context)) or "",
+                                                             spec=spec))
         try:
-            # headers now, while admission and prefill run, not with the first token
-            await context.send_initial_metadata(())
+            if not retried:  # headers now, while admission and prefill run, not with the first token
+                await context.send_initial_metadata(())
             try:  # shielded: a cancelled call still learns where its request went, to abort it
                 adm = await asyncio.shield(admission)
             except (RuntimeError, asyncio.TimeoutError) as exc:  # a scheduler fault (a malformed
@@ -360,8 +397,12 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             if adm.code != "OK":
                 usage = {}
                 track.rejected(adm.reason)
+                if adm.reason == "tenant_changed" and not retried:
+                    raise _TenantChanged
                 if adm.reason in ("tenant_deleted", "unknown_tenant", "key_revoked"):  # a stale cached key
                     self.auth.forget_tenant_id(req.tenant)
+                elif adm.reason == "tenant_changed":  # changed again meanwhile: the client retries
+                    self.auth.forget_tenant_id(req.tenant, keys_gone=False)
                 if adm.retry_after_s:
                     set_retry_after(context, adm.retry_after_s)
                 await context.abort(_CODES[adm.code], adm.message)
@@ -460,7 +501,12 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
 
     async def _close_session(self, context: Any, tenant: Any, session_id: str) -> int:
         scoped = scoped_id(tenant.tenant_id, session_id)
-        closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id)
+        try:  # the key's id goes with it: one rotated away since it was cached here closes nothing
+            closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id,
+                                                                parse_key_id(bearer_key(context)) or "")
+        except StaleKeyError as exc:  # (review s35 C, C1: it closed the tenant's sessions for 10 s)
+            self.auth.forget_tenant_id(tenant.tenant_id)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error_message(exc))
         if closing is None:
             freed = -1
         elif not closing[0]:  # its node is down or restarted: nothing to free there now

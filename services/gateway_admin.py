@@ -33,7 +33,7 @@ from tenants.errors import (
 from tenants.model import Tenant
 
 
-def _message(exc: BaseException) -> str:
+def error_message(exc: BaseException) -> str:
     """The error's own message: an exception raised inside an actor reaches the gateway as
     Ray's task error (``cause`` holds the original), whose ``str`` is a whole remote traceback."""
     cause = getattr(exc, "cause", None)
@@ -49,20 +49,20 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None) 
     except StaleKeyError as exc:
         if stale is not None:
             stale()
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _message(exc))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, error_message(exc))
     except NotOwnTenantError as exc:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, _message(exc))
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, error_message(exc))
     except TooManyRotationsError as exc:
         cause = getattr(exc, "cause", None)
         retry_after_ms = (cause if isinstance(cause, TooManyRotationsError) else exc).retry_after_ms
         context.set_trailing_metadata((("retry-after-ms", str(retry_after_ms)),))
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _message(exc))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, error_message(exc))
     except TenantExistsError as exc:
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, _message(exc))
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, error_message(exc))
     except TenantNotFoundError as exc:
-        await context.abort(grpc.StatusCode.NOT_FOUND, _message(exc))
+        await context.abort(grpc.StatusCode.NOT_FOUND, error_message(exc))
     except ValueError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(exc))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
 
 async def ask_live(nodes: dict[str, Any], monitor: Any, call: Any, timeout_s: float) -> dict[str, Any]:
     """node id -> ``call(node)`` awaited, for every node the ``monitor`` knows healthy (every
@@ -288,7 +288,7 @@ def _not_done(answers: dict[str, Any], read: Any, waited_s: float) -> list[str]:
         if isinstance(answer, asyncio.TimeoutError):
             why = f"did not answer within {waited_s:g} s"
         elif isinstance(answer, BaseException):
-            why = f"failed: {_line(_message(answer), 200) or type(answer).__name__}"
+            why = f"failed: {_line(error_message(answer), 200) or type(answer).__name__}"
         elif read(answer) is None:
             why = "sent a malformed answer"
         else:
@@ -398,7 +398,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if isinstance(answer, dict):
                 node_stats.append(answer)
             else:
-                why = self.monitor.state[nid].failure if answer is None else f"no answer: {_message(answer)}"
+                why = self.monitor.state[nid].failure if answer is None else f"no answer: {error_message(answer)}"
                 node_stats.append({"node_id": nid, "healthy": False, "failure": why})
         sched = await self.scheduler.stats.remote()
         health = self.monitor.snapshot() if self.monitor is not None else {}

@@ -290,19 +290,22 @@ class NodeStreams:
             self._authenticator.stop()
         self._context.destroy(linger=0)
 
-    async def admit(self, req: NodeRequest, hashes: list[bytes], key_id: str = "") -> Admission:
+    async def admit(self, req: NodeRequest, hashes: list[bytes], key_id: str = "", spec: str = "") -> Admission:
         """The scheduler's ``Admission`` for ``req`` (which it has handed on to the node when
         admitted); ``hashes`` are the prompt's block hashes for routing, ``key_id`` the id of
-        the API key ``req`` was authenticated with (the scheduler refuses a removed one). Refused
+        the API key ``req`` was authenticated with (the scheduler refuses a removed one),
+        ``spec`` the digest of the tenant spec ``req`` was prepared with
+        (``tenants.model.spec_digest``; the scheduler refuses a stale one, ``tenant_changed``;
+        "" = not said). Refused
         ``gateway_gone`` while this gateway runs, it is sent once more after ``on_gone``.
 
         Raises:
             RuntimeError: the scheduler failed on it, or is down (``scheduler_failed``);
                 TimeoutError: no answer in time.
         """
-        adm = await self._admit_once(req, hashes, key_id)
+        adm = await self._admit_once(req, hashes, key_id, spec)
         if adm.reason == "gateway_gone" and self.on_gone is not None and await self.on_gone():
-            adm = await self._admit_once(req, hashes, key_id)  # refused before it ran: nothing to undo
+            adm = await self._admit_once(req, hashes, key_id, spec)  # refused before it ran: nothing to undo
         return adm
 
     def scheduler_failed(self, reason: str, restarting: bool = False) -> None:
@@ -316,7 +319,7 @@ class NodeStreams:
             if not fut.done():
                 fut.set_exception(self._scheduler_error(reason))
 
-    async def _admit_once(self, req: NodeRequest, hashes: list[bytes], key_id: str) -> Admission:
+    async def _admit_once(self, req: NodeRequest, hashes: list[bytes], key_id: str, spec: str) -> Admission:
         if self.scheduler_failure:
             raise self._scheduler_error(self.scheduler_failure)
         self._next_id += 1
@@ -327,7 +330,7 @@ class NodeStreams:
             started = time.monotonic()
             await self._send_admission(fut, data_plane.pack({
                 "id": corr, "req": data_plane.request_to_wire(req), "sub": self.subscriber,
-                "hashes": hashes, "key": key_id}))
+                "hashes": hashes, "key": key_id, "spec": spec}))
             # Regression (helper 29h): a gateway paused past ``admit_timeout_s`` refused, on
             # resume, the admissions whose OK replies were waiting unread in its socket (the
             # deadline's timer ran first); the scheduler had admitted them (they were aborted

@@ -224,7 +224,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
     # ---- admission and routing ------------------------------------------------------------
     def admit(
         self, tenant_id: str, request_id: str, session_id: str = "", block_hashes: list[bytes] | None = None,
-        prompt_tokens: int = 0, routing_key: str = "", key_id: str = "",
+        prompt_tokens: int = 0, routing_key: str = "", key_id: str = "", spec: str = "",
     ) -> Admission:
         """Pick a node for a request or reject it (RESOURCE_EXHAUSTED with a retry hint).
 
@@ -236,6 +236,9 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             routing_key: a routing hint (``_keyed_route``); "" = none.
             key_id: the id of the API key the gateway authenticated the request with ("" =
                 not said): one removed since (``TenantStore.key_removed``) is refused.
+            spec: the digest of the tenant spec the gateway prepared the request with
+                (``tenants.model.spec_digest``; "" = not said): one other than the tenant's
+                current spec's is refused, ``tenant_changed`` (``_changed_spec``).
 
         Returns:
             An ``Admission``: the node and ``spill_blocks`` (the prefetch hint), or a code
@@ -243,10 +246,11 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             or the session's node is down) / "ABORTED" (the session's history was lost with
             its node's process: ``node_up``) / "UNAUTHENTICATED" (the tenant was deleted:
             ``delete_tenant``; or it is no tenant of the store at all: ``knows_tenant``; or
-            its key was rotated away: ``key_revoked``) with a
+            its key was rotated away: ``key_revoked``) / "UNAVAILABLE" ``tenant_changed``
+            (the gateway's spec is stale: it prepares the request anew) with a
             message. A refusal that passes with time has a ``retry_after_s`` > 0: ``queue_full``
             and ``ttft_estimate`` (how long the backlog needs), and every UNAVAILABLE
-            (``NODE_RETRY_S``). ``too_many_sessions`` has none: it stands until the tenant
+            (``NODE_RETRY_S``; ``tenant_changed``: ``TENANT_CHANGED_RETRY_S``). ``too_many_sessions`` has none: it stands until the tenant
             closes a session or one expires; nor do the others, which no wait undoes.
 
         Regression: when a node was marked down (a missed health poll was enough) its
@@ -265,7 +269,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         or never a tenant) was admitted with the default class. Only tenants of the store are
         admitted now (``_unknown_tenant``), and deletions are kept by the store.
         """
-        refused = self._unknown_tenant(tenant_id) or self._removed_key(key_id)
+        refused = self._unknown_tenant(tenant_id) or self._removed_key(key_id) or self._changed_spec(tenant_id, spec)
         if refused is not None:
             return refused
         self.expire_unconfirmed(tenant_id)
@@ -337,7 +341,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
                          continues_session=sticky is not None and session_id in self.kept_sessions)
 
     def admit_and_submit(self, req: NodeRequest, subscriber: str, block_hashes: list[bytes],
-                         key_id: str = "") -> Admission:
+                         key_id: str = "", spec: str = "") -> Admission:
         """``admit`` ``req``, and when admitted start it on the chosen node, whose events for it
         go to ``subscriber`` (a gateway's event inbox, ``services.data_plane``).
 
@@ -377,7 +381,7 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         new_tools = (not req.session_id or req.session_id not in self.session_nodes
                      or self.session_tools.get(req.session_id) != tools)
         adm = self.admit(req.tenant, req.request_id, req.session_id, block_hashes, prompt_size(req, new_tools),
-                         req.extra.get("routing_key", ""), key_id)
+                         req.extra.get("routing_key", ""), key_id, spec)
         if adm.code == "OK":
             if req.session_id:
                 self.turn_tools[req.request_id] = tools

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 from typing import Any
 
 import ray
@@ -20,7 +21,7 @@ from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, Rec
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
 from tenants.keys import is_key_id
-from tenants.model import Tenant, TenantSpec
+from tenants.model import SPEC_DIGEST_CHARS, Tenant, TenantSpec
 from tenants.store import DELETED_PAGE
 from tenants.store_key_ids import KeyIdsDelta
 
@@ -307,12 +308,12 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         if type(corr) is not int:
             return None
         try:
-            req, subscriber, hashes, key_id = _admission_request(msg)
+            req, subscriber, hashes, key_id, spec = _admission_request(msg)
         except (TypeError, ValueError) as exc:
             self.bad_messages += 1
             return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
         try:
-            adm = self.admit_and_submit(req, subscriber, hashes, key_id)
+            adm = self.admit_and_submit(req, subscriber, hashes, key_id, spec)
         except Exception as exc:
             log.exception("admission failed")
             # cut to what the gateway reads: a longer reply is refused whole by its decode
@@ -321,26 +322,32 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         return {"id": corr, "adm": dataclasses.asdict(adm)}
 
 
-def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes], str]:
-    """``(request, subscriber, block hashes, key id)`` of an admission message, every field
-    checked; the key id (``"key"``: that of the API key the gateway authenticated the request
-    with) is "" when the message has none.
+def _admission_request(msg: dict[str, Any]) -> tuple[NodeRequest, str, list[bytes], str, str]:
+    """``(request, subscriber, block hashes, key id, spec digest)`` of an admission message,
+    every field checked; the key id (``"key"``: that of the API key the gateway authenticated
+    the request with) and the spec digest (``"spec"``: ``tenants.model.spec_digest`` of the
+    tenant spec the gateway prepared it with) are "" when the message has none.
 
     Raises:
         TypeError, ValueError: a missing or mistyped field.
     """
     hashes, subscriber, key_id = msg.get("hashes"), msg.get("sub"), msg.get("key", "")
+    spec = msg.get("spec", "")
     if not isinstance(hashes, list) or not set(map(type, hashes)) <= {bytes}:  # (a C-speed scan)
         raise TypeError("hashes must be a list of bytes")
     if not isinstance(subscriber, str) or not subscriber.startswith("tcp://"):
         raise TypeError("sub must be a tcp:// address")
     if key_id != "" and not is_key_id(key_id):
         raise ValueError("key must be a key id")
+    if spec != "" and not (isinstance(spec, str) and _SPEC_DIGEST.fullmatch(spec)):
+        raise ValueError(f"spec must be a spec digest ({SPEC_DIGEST_CHARS} lowercase hex characters)")
     # routed, not rendered: the tools' and tool calls' JSON is bounded, parsed by the node
     # only, and the token ids counted, checked by the node only (review s34 B F3)
     req = data_plane.request_from_wire(msg.get("req"), parse_tools=False, check_tokens=False)
-    return req, subscriber, hashes, key_id
+    return req, subscriber, hashes, key_id, spec
 
+
+_SPEC_DIGEST = re.compile(f"[0-9a-f]{{{SPEC_DIGEST_CHARS}}}")
 
 GlobalSchedulerActor = ray.remote(GlobalSchedulerService)
 """The actor: the launcher gives it ``peers`` and ``max_restarts`` (``scheduler_max_restarts``)."""

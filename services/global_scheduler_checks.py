@@ -151,7 +151,7 @@ class Admission:
 
 REJECT_REASONS = ("no_healthy_node", "session_of_another_tenant", "queue_full", "ttft_estimate", "gateway_gone",
                   "node_not_reading", "too_many_sessions", "session_node_down", "session_lost", "tenant_deleted",
-                  "unknown_tenant", "key_revoked", "released_early")
+                  "unknown_tenant", "key_revoked", "released_early", "tenant_changed")
 """``Admission.reason`` of a refusal (the ``reason`` label of ``kvstrata:admission_rejections``)."""
 
 

@@ -18,6 +18,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from services.global_scheduler_pending import PendingRows
+from tenants.errors import StaleKeyError
 
 STORE_LAG_S = 5.0
 """How much older than a session's last use its stored last use may be: the scheduler stores a
@@ -42,6 +43,7 @@ class Sessions:
     stored_sessions: dict[str, tuple[str, float]]
     usage_flush_lock: threading.Lock
     store: Any
+    specs: dict[str, Any]
     sessions_per_tenant: Counter[str]
     unconfirmed_sessions: dict[str, dict[str, float]]
     session_ttl_s: float
@@ -68,12 +70,22 @@ class Sessions:
             if entry is not None and entry[1] == node_id and sid not in opening:
                 self.drop_session_route(sid)
 
-    def close_session(self, session_id: str, tenant_id: str) -> tuple[str, list[str]] | None:
+    def close_session(self, session_id: str, tenant_id: str, key_id: str = "") -> tuple[str, list[str]] | None:
         """Forget a session's routing; returns ``(node, turns)``: the node holding it ("" when
         none can be asked: the node is down, or the history was lost: ``node_up``) and the ids
         of its turns admitted and not yet released, which the node must refuse should they
         reach it after the close (``CacheNode.close_session``). None when the session is
         unknown or another tenant's, or ``tenant_id`` is no tenant's (``knows_tenant``).
+        ``key_id``: the id of the API key the gateway authenticated the close with ("" = not
+        said); one removed since (rotated away: ``TenantStore.key_removed``) closes nothing.
+
+        Raises:
+            StaleKeyError: ``key_id`` was removed (the gateway answers UNAUTHENTICATED and
+                forgets the key), as admission refuses it (``key_revoked``).
+
+        Regression (review s35 C, C1): a key rotated away through one gateway still closed
+        its tenant's sessions from another gateway's key cache for up to 10 s (a leaked key
+        its owner had revoked could end the owner's conversations).
 
         Regression: a first turn still on the data plane when the close reached its node
         opened the session there after the close, with no route to it (no turn could reach
@@ -84,6 +96,8 @@ class Sessions:
         lost-session marks touched) as a tenant's."""
         if not self.knows_tenant(tenant_id):
             return None
+        if key_id and self.store.key_removed(key_id):
+            raise StaleKeyError(self.specs[tenant_id].name)
         entry = self.session_nodes.get(session_id)
         if entry is None or entry[0] != tenant_id:
             return ("", []) if self.forget_lost(tenant_id, session_id) else None

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from services.block_index import CommonPrefix
+from services.global_scheduler_checks import Admission
 from services.global_scheduler_routing import RoutingKeys
 from tenants.errors import (
     NotOwnTenantError,
@@ -22,7 +23,7 @@ from tenants.errors import (
     TooManyRotationsError,
 )
 from tenants.keys import parse_key_id
-from tenants.model import Tenant, TenantSpec
+from tenants.model import Tenant, TenantSpec, spec_digest
 from tenants.ratelimit import WindowLimiter
 from tenants.store import DELETED_PAGE, MAX_DELETED_TENANTS, TenantStore
 from tenants.store_key_ids import KeyIdsDelta
@@ -31,6 +32,9 @@ from tenants.usage import UsageLedger
 OWN_ROTATIONS_PER_WINDOW = 6
 """Rotations a tenant may make of its own key (with its own key) per ``OWN_ROTATION_WINDOW_S``."""
 OWN_ROTATION_WINDOW_S = 60.0
+TENANT_CHANGED_RETRY_S = 0.1
+"""The retry hint of a ``tenant_changed`` refusal (``Tenants._changed_spec``), which reaches a
+client only when its spec changed again while its gateway prepared the request anew."""
 
 
 class Tenants:
@@ -149,6 +153,27 @@ class Tenants:
         Regression (secrev18 E residue): an id not in ``specs`` was admitted with the default
         class, and after a restart a deleted tenant's late request was admitted so."""
         return tenant_id in self.specs
+
+    def _changed_spec(self, tenant_id: str, digest: str) -> Admission | None:
+        """The refusal of a request a gateway prepared with a spec of ``tenant_id`` other than
+        its current one here (``digest``: ``tenants.model.spec_digest`` of the spec it used;
+        "" = not said, never refused): UNAVAILABLE, "tenant_changed", with a
+        ``TENANT_CHANGED_RETRY_S`` hint. The gateway then forgets the tenant's cached keys,
+        authenticates the call's key again (which brings the current spec) and prepares and
+        sends it once more, unseen by its client. None when the digest is current, or the
+        tenant unknown here (``_unknown_tenant`` refuses that first).
+
+        Regression (review s35 C C2): a spec changed through one gateway (``UpdateTenant``:
+        moved out of a shared ``cache_namespace``, fewer ``allowed_policies``, a lower
+        ``max_context_tokens``, another SLO class, weight or KV quota) was not seen by the other
+        gateways' key caches for up to 10 s: the tenant's requests there were still hashed into
+        the namespace it had left (reading and writing its prefix KV), under policies and bounds
+        it no longer had."""
+        spec = self.specs.get(tenant_id)
+        if not digest or spec is None or spec_digest(spec) == digest:
+            return None
+        return Admission(code="UNAVAILABLE", reason="tenant_changed", retry_after_s=TENANT_CHANGED_RETRY_S,
+                         message="this tenant's settings changed while the request was on its way; retry")
 
     def register_tenant(self, spec: TenantSpec) -> tuple[Tenant, str]:
         tenant, key = self.store.register(spec)

@@ -9,6 +9,9 @@ namespace, and a tenant registered under a deleted tenant's name never reaches i
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -214,6 +217,21 @@ class Tenant:
         registered later under the same name (regression: the default was the name, so a new
         tenant "alice" saw the cached prompts of a deleted "alice" in its ``cached_tokens``)."""
         return self.spec.cache_namespace or own_namespace(self.tenant_id)
+
+
+SPEC_DIGEST_CHARS = 16
+"""Length of ``spec_digest``'s answer (hex characters)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_digest(spec: TenantSpec) -> str:
+    """A short digest of every field of ``spec`` (``SPEC_DIGEST_CHARS`` lowercase hex
+    characters of the SHA-256 of its ``to_dict`` as canonical JSON): equal specs have equal
+    digests, and any change of a field (a namespace, a policy, a bound, an SLO value) changes
+    it. A gateway sends the digest of the spec it prepared a request with; the scheduler,
+    which holds each tenant's current spec, refuses a stale one (``tenant_changed``)."""
+    text = json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:SPEC_DIGEST_CHARS]
 
 
 def own_namespace(tenant_id: str) -> str:

@@ -29,9 +29,12 @@ class Context:
     async def abort(self, code: Any, details: str) -> None:
         raise Aborted(code, details)
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:  # the key's id goes with the close
+        return ()
+
 
 class Scheduler:
-    def close_session(self, scoped: str, tenant_id: str) -> tuple[str, list[str]]:
+    def close_session(self, scoped: str, tenant_id: str, key_id: str = "") -> tuple[str, list[str]]:
         return "n0", []
 
 
