@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 from services.data_plane_wire import _cut
@@ -102,9 +103,18 @@ class Health:
         then end every stream (open or arriving later) with UNAVAILABLE until ``shutdown``;
         ``_after_failure`` runs once the first streams are failed. ``reason`` (an exception's
         text) is cut to ``MAX_TEXT_CHARS``: past ``EVENT_LIMITS.max_str_len`` it made every
-        UNAVAILABLE message undecodable at its gateway (review 25c 1)."""
-        reason = _cut(reason)
-        self.failure = reason
+        UNAVAILABLE message undecodable at its gateway (review 25c 1).
+
+        The failure gets an error id. ``failure`` (``health``, ``stats``: operators, the
+        gateways' monitors and admin ``Stats``) and the log hold the id with ``reason``; the
+        streams' UNAVAILABLE message, which goes to every tenant with a request here, names the
+        node and the id only. Regression (review s35 C S1): the step loop's exception text went
+        verbatim to every tenant, and such a text may name another tenant's request or session.
+        """
+        error_id = uuid.uuid4().hex[:12]
+        self.failure = _cut(f"error id {error_id}: {reason}")
+        log.error("cache node %s failed (error id %s): %s", self.node_id, error_id, _cut(reason))
+        for_tenants = f"cache node {self.node_id} failed (error id {error_id}); retry the request"
         for waiter in list(self._health_waiters):
             waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
         first = True
@@ -112,8 +122,8 @@ class Health:
             self._incoming.clear()  # their streams are in ``_streams`` too
             self._aborts.clear()
             while self._admin:
-                self._admin.popleft()[1].set_exception(RuntimeError(reason))
-            error = {"type": "error", "code": "UNAVAILABLE", "message": reason}
+                self._admin.popleft()[1].set_exception(RuntimeError(self.failure))
+            error = {"type": "error", "code": "UNAVAILABLE", "message": for_tenants}
             self._dispatch([(stream, dict(error)) for stream in list(self._streams.values())])
             self._send_outbox()
             if first:

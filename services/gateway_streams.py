@@ -545,18 +545,21 @@ class NodeStreams:
                         f"before it knows the request's node ({self.max_undelivered_bytes} bytes a request, "
                         f"{self.max_unbound_bytes} a node); the ones past it were lost"))
             if node_id in self.down:
-                self._put(request_id, entry, _unavailable(self.down[node_id]))
+                self._put(request_id, entry, _unavailable(f"cache node {node_id} is down"))
             elif self._failed_at.get(node_id, -1) >= self._opened_at.get(request_id, 0):
                 self._put(request_id, entry, _unavailable(f"cache node {node_id} failed while the request was on its way"))
 
     def fail_node(self, node_id: str, reason: str) -> None:
-        """``node_id`` is down: end every stream bound to it with UNAVAILABLE (``reason``)."""
+        """``node_id`` is down (``reason``, kept in ``down`` for operators): end every stream
+        bound to it with UNAVAILABLE, naming the node, not ``reason``. Regression (review s35
+        C S1): ``reason`` (a node's health failure: its step loop's exception text, a Ray
+        error) went to every tenant with a stream there."""
         self.down[node_id] = reason
         self._failed_at[node_id] = self._failures
         self._failures += 1
         for request_id, entry in list(self._queues.items()):
             if entry.node_id == node_id:
-                self._put(request_id, entry, _unavailable(reason))
+                self._put(request_id, entry, _unavailable(f"cache node {node_id} is down"))
 
     def fail_requests(self, request_ids: list[str], reason: str) -> int:
         """End the streams of ``request_ids`` with UNAVAILABLE (``reason``): the scheduler

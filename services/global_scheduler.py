@@ -274,7 +274,9 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
             return refused
         self.expire_unconfirmed(tenant_id)
         if len(self.down) == len(self.nodes):
-            return Admission(code="UNAVAILABLE", message=f"no cache node is healthy: {'; '.join(self.down.values())}",
+            # why each is down stays with operators (``down``: Stats, the logs), never in a
+            # tenant's refusal (review s35 C S1: a step loop's exception text reached every tenant)
+            return Admission(code="UNAVAILABLE", message="no cache node is healthy; retry",
                              reason="no_healthy_node", retry_after_s=NODE_RETRY_S)
         sticky = self.session_nodes.get(session_id) if session_id else None
         if sticky is not None and sticky[0] != tenant_id:
@@ -283,8 +285,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         if sticky is not None and sticky[1] in self.down:
             self.usage.record_rejected(tenant_id)
             return Admission(code="UNAVAILABLE", reason="session_node_down", retry_after_s=NODE_RETRY_S,
-                             message=f"the cache node holding this session's history is down "
-                             f"({self.down[sticky[1]]}): retry once it is back")
+                             message="the cache node holding this session's history is down: "
+                             "retry once it is back")
         lost = self.lost_of(tenant_id)
         if sticky is None and session_id in lost:
             self.usage.record_rejected(tenant_id)

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import re
+import uuid
 from typing import Any
 
 import ray
@@ -314,11 +315,13 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
             return {"id": corr, "error": f"malformed admission: {type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
         try:
             adm = self.admit_and_submit(req, subscriber, hashes, key_id, spec)
-        except Exception as exc:
-            log.exception("admission failed")
-            # cut to what the gateway reads: a longer reply is refused whole by its decode
-            # limits (``REPLY_LIMITS``), and the admission would wait out its timeout instead
-            return {"id": corr, "error": f"{type(exc).__name__}: {exc}"[:data_plane.MAX_TEXT_CHARS]}
+        except Exception:
+            # the exception's text stays in the log, under an error id the reply names: the
+            # gateway hands the reply's text to the tenant (regression, review s35 C S1: the
+            # scheduler's exception text did). It fits what the gateway reads (``REPLY_LIMITS``)
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("admission failed (error id %s)", error_id)
+            return {"id": corr, "error": f"the global scheduler failed on this admission (error id {error_id})"}
         return {"id": corr, "adm": dataclasses.asdict(adm)}
 
 
