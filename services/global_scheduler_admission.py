@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import re
+import time
 import uuid
 from typing import Any
 
@@ -202,11 +203,25 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         """``GlobalScheduler.deleted_tenants_after`` in a worker thread (a SQLite read)."""
         return await asyncio.to_thread(super().deleted_tenants_after, seq, limit)
 
-    async def flush_durable(self) -> int:
+    async def flush_durable(self, drain_s: float = 0.0) -> int:
         """Store what a restarted scheduler must find again, in a worker thread (SQLite commits):
         the usage counters (``flush_usage``), the session routes and the lost-session marks
         (``flush_sessions``) changed since the last flush; returns the rows stored. A failed
-        write is logged and left for the next flush."""
+        write is logged and left for the next flush.
+
+        Args:
+            drain_s: first wait, at most this many seconds, until no request is in flight on
+                any node (each released, with its usage): ``stop_services`` passes it after
+                the gateway stopped, whose cancelled calls' ``release`` calls are still on
+                their way (Ray orders no calls of two callers: a release applied after this
+                flush was lost with the process, its tokens never stored; review s35 D S1).
+        """
+        deadline = time.monotonic() + max(0.0, drain_s)
+        while any(node.in_flight for node in self.nodes.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if drain_s > 0 and any(node.in_flight for node in self.nodes.values()):
+            log.warning("%d requests still in flight after %.1f s at stop: their usage since the "
+                        "last flush is not stored", sum(len(n.in_flight) for n in self.nodes.values()), drain_s)
         stored = 0
         for flush, what in ((self.flush_usage, "usage counters"), (self.flush_sessions, "sessions")):
             try:

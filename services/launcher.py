@@ -320,6 +320,11 @@ def _wait_placed(refs: list[Any], config: ServiceConfig, resource: str, what: st
         ) from None
 
 
+STOP_DRAIN_S = 5.0
+"""At ``stop_services``, how long the scheduler waits for the releases of the calls the
+gateway's stop ended before it stores usage (``GlobalSchedulerService.flush_durable``)."""
+
+
 def stop_services(services: Services) -> None:
     """Stop the gateway, store the scheduler's usage counters and sessions (the next start
     refuses the turns of the sessions open now: their histories go with the nodes), and kill
@@ -329,7 +334,8 @@ def stop_services(services: Services) -> None:
     except Exception as exc:  # noqa: BLE001 - best effort: the actor may already be gone
         log.debug("gateway stop: %s", exc)
     try:
-        ray.get(services.scheduler.flush_durable.remote(), timeout=10)
+        # the gateway's cancelled calls' releases may still be on their way: waited for first
+        ray.get(services.scheduler.flush_durable.remote(drain_s=STOP_DRAIN_S), timeout=10 + STOP_DRAIN_S)
     except Exception as exc:  # noqa: BLE001 - best effort: a crash loses at most USAGE_FLUSH_S of it
         log.warning("usage counters and session routes of the last seconds not stored at stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:

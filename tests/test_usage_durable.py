@@ -178,3 +178,34 @@ def test_overlapping_flushes_store_the_newest_counts(tmp_path: Path) -> None:
     periodic.join(10)
     stopping.join(10)
     assert sched.store.load_usage()[ann.tenant_id]["requests"] == 5
+
+
+def test_stops_flush_waits_for_the_releases_still_on_their_way(tmp_path: Path) -> None:
+    """Review s35 D S1: ``stop_services`` stops the gateway (its calls in flight are cancelled,
+    each sending ``release`` with its usage, fire-and-forget) and then has the scheduler flush;
+    Ray orders no calls of two callers, so a release applied after the flush was killed with
+    the process and the request's tokens were never stored. ``flush_durable(drain_s)`` waits
+    (bounded) until nothing is in flight. Here the release lands 0.3 s after the flush began."""
+    import asyncio
+
+    from services.global_scheduler_admission import GlobalSchedulerService
+
+    sched = GlobalSchedulerService(str(tmp_path), {"n0": 4})
+
+    async def stop() -> tuple[str, float, float]:
+        ann, _ = await sched.register_tenant(TenantSpec("ann"))
+        adm = sched.admit(ann.tenant_id, "r1", prompt_tokens=10)
+        assert adm.code == "OK" and sched.nodes["n0"].in_flight == {"r1"}
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, sched.release, "r1", {"prompt_tokens": 10, "completion_tokens": 7})
+        started = loop.time()
+        await sched.flush_durable(drain_s=5.0)
+        waited = loop.time() - started
+        started = loop.time()
+        await sched.flush_durable(drain_s=5.0)  # nothing in flight: no wait
+        return ann.tenant_id, waited, loop.time() - started
+
+    tenant_id, waited, again = asyncio.run(stop())
+    assert 0.25 < waited < 4.0 and again < 1.0
+    stored = sched.store.load_usage()[tenant_id]
+    assert (stored["requests"], stored["completion_tokens"], stored["prompt_tokens"]) == (1, 7, 10)
