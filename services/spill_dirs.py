@@ -18,9 +18,12 @@ Only what a spill node made is deleted, and no link is followed:
   makes it 0700);
 - it holds only what a spill node writes: group files (``*.kvs``) and temp files of unfinished
   writes (links among them are unlinked, never followed), ``metrics_port``, the store's list
-  of dropped holders (``TOMBSTONE_FILE``) and flush record (``FLUSH_FILE``), and a
-  ``quarantine`` folder of this user's holding group files. A directory holding anything else
-  is left whole, and logged.
+  of dropped holders (``TOMBSTONE_FILE``), flush record (``FLUSH_FILE``) and lock file
+  (``LOCK_FILE``), and a ``quarantine`` folder of this user's holding group files. A directory
+  holding anything else is left whole, and logged;
+- no store holds it: its lock (``cache_node.tiers.spill_lock``) is taken for the deletion, and
+  a directory a live spill store holds (an old deployment's node still running, say) is left
+  whole, and logged.
 
 Everything is deleted through directory descriptors (``unlink``/``rmdir`` with ``dir_fd``), so a
 name swapped for a link meanwhile is never followed.
@@ -40,6 +43,7 @@ from cache_node.tiers.spill_format import (
     TEMP_PREFIX,
     TOMBSTONE_FILE,
 )
+from cache_node.tiers.spill_lock import LOCK_FILE, SpillDirLocked, lock_spill_dir
 from services.private_dir import is_private
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ METRICS_PORT_FILE = "metrics_port"
 """The port a spill node served ``/metrics`` on, in its directory (``SpillNode._serve_metrics``)."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_OWN_FILES = (METRICS_PORT_FILE, TOMBSTONE_FILE, FLUSH_FILE, LOCK_FILE)
 
 
 def remove_retired_spill_dirs(root: str | Path, num_spill_nodes: int) -> list[str]:
@@ -94,23 +99,47 @@ def _remove_node_dir(root_fd: int, name: str, path: Path) -> bool:
     except OSError as exc:  # a link (ELOOP), not a directory (ENOTDIR)
         log.warning("kept %s: not a spill node's directory (%s)", path, exc)
         return False
+    lock_fd = -1
     try:
         if not is_private(os.fstat(fd)):
             log.warning("kept %s: another user's or writable by its group or others, not a spill node's", path)
             return False
+        if not _only_spill_files(fd):  # before the lock, which would make a lock file in it
+            log.warning("kept %s: it holds files a spill node does not write", path)
+            return False
+        lock_fd = lock_spill_dir(fd, path)  # a live store's directory is never emptied under it
         if not _empty_spill_dir(fd, top=True):
             log.warning("kept %s: it holds files a spill node does not write", path)
             return False
         os.rmdir(name, dir_fd=root_fd)
     except FileNotFoundError:
         return False  # deleted meanwhile by another start
+    except SpillDirLocked as exc:
+        log.warning("kept %s: a spill store runs on it: %s", path, exc)
+        return False
     except OSError as exc:
         log.warning("retired spill node directory %s not deleted: %s", path, exc)
         return False
     finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
         os.close(fd)
     log.warning("deleted %s: the directory of a spill node this deployment no longer runs (num_spill_nodes)", path)
     return True
+
+
+def _only_spill_files(dir_fd: int, top: bool = True) -> bool:
+    """Whether every entry of ``dir_fd`` (``top``: a spill node's directory; else its quarantine
+    folder) is one a spill node writes there. Raises OSError."""
+    for name in os.listdir(dir_fd):
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        file = stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+        group = (name.endswith(FILE_SUFFIX) or (top and name.startswith(TEMP_PREFIX))) and file
+        own = top and ((name in _OWN_FILES and stat.S_ISREG(mode)) or (name == QUARANTINE_DIR and stat.S_ISDIR(mode)))
+        if not (group or own):
+            return False
+    return True
+
 
 
 def _empty_spill_dir(dir_fd: int, top: bool) -> bool:
@@ -122,14 +151,8 @@ def _empty_spill_dir(dir_fd: int, top: bool) -> bool:
     if top and QUARANTINE_DIR in names:
         quarantine = os.open(QUARANTINE_DIR, _DIR_FLAGS, dir_fd=dir_fd)
     try:
-        for name in names:
-            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-            file = stat.S_ISREG(mode) or stat.S_ISLNK(mode)
-            group = (name.endswith(FILE_SUFFIX) or (top and name.startswith(TEMP_PREFIX))) and file
-            own = top and ((name in (METRICS_PORT_FILE, TOMBSTONE_FILE, FLUSH_FILE) and stat.S_ISREG(mode))
-                           or (name == QUARANTINE_DIR and stat.S_ISDIR(mode)))
-            if not (group or own):
-                return False
+        if not _only_spill_files(dir_fd, top):
+            return False
         if quarantine >= 0 and (os.fstat(quarantine).st_uid != os.geteuid()
                                 or not _empty_spill_dir(quarantine, top=False)):
             return False

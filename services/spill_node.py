@@ -9,6 +9,14 @@ An actor restart loses the RAM tier; the disk tier is rebuilt from the group
 files in ``root_dir`` when the restarted actor constructs its store, which is
 why ``create_spill_node`` sets ``max_restarts``.
 
+One store per directory (``cache_node.tiers.spill_lock``; review s35 D S2): the store locks
+``root_dir`` for its life. A node Ray restarts after a crash takes the lock at once (the dead
+process's lock went with it). A node started while another process still holds the directory
+(an old worker not yet dead, a second deployment on the same ``spill_dir``) waits for it at most
+``LOCK_WAIT_S``, then its constructor raises ``SpillDirLocked`` naming the directory and the
+holder's pid: a node never runs on a directory another store uses, which would delete that
+store's files and forget its deleted tenants.
+
 With an ``event_sink`` (``create_spill_node(..., scheduler=...)``) the node pushes
 its stored/removed events to the global scheduler's block index after every call
 that changed the store, in order (``services.block_reports``: one call at a time,
@@ -46,6 +54,10 @@ FIRST_SWEEP_WAIT_S = 10.0
 (review 30e F5: a restarted node served a deleted tenant's files that could not be deleted, and
 that its store's list of dropped holders could not record, until that sweep's answer came)."""
 
+LOCK_WAIT_S = 15.0
+"""How long a starting node waits for its directory's lock while another process holds it (an
+old worker of this node that Ray has not finished killing lets go within it), before it fails."""
+
 # (node_id, [(event, block_hash, tier), ...], reset) -> None; GlobalScheduler.report_events
 EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
 
@@ -68,9 +80,13 @@ class SpillNode:
             directories of retired nodes, ``<spill root>/<j>`` for j >= it, on its own machine
             (``services.spill_dirs``; None: none).
 
+        lock_wait_s: how long to wait while another store holds ``root_dir`` (``LOCK_WAIT_S``).
+
     Raises:
         UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
             (``services.private_dir``).
+        SpillDirLocked: another store (another process's, or one not closed in this one) still
+            holds ``root_dir`` after ``lock_wait_s``.
     """
 
     def __init__(
@@ -82,6 +98,7 @@ class SpillNode:
         deleted_tenants: DeletedTenants | None = None,
         sweep_interval_s: float = SWEEP_INTERVAL_S,
         num_spill_nodes: int | None = None,
+        lock_wait_s: float = LOCK_WAIT_S,
         **store_options: Any,
     ) -> None:
         if event_sink is not None and not node_id:
@@ -89,22 +106,29 @@ class SpillNode:
         ensure_private_dir(root_dir)  # prompts' KV and token ids: another user's or a writable one is refused
         if num_spill_nodes is not None:
             remove_retired_spill_dirs(Path(root_dir).parent, num_spill_nodes)
-        self._store = SpillStore(root_dir, block_format, ram_bytes, disk_bytes, **store_options)
+        self._store = SpillStore(root_dir, block_format, ram_bytes, disk_bytes, lock_wait_s=lock_wait_s,
+                                 **store_options)
         self.node_id = node_id
         self._sink = event_sink
         self._sink_lock = threading.Lock()  # events leave in order even from a threaded actor
-        self._sweep = None
-        if deleted_tenants is not None:
-            self._sweep = DeletedTenantSweep(self._store, deleted_tenants, self._push, node_id, sweep_interval_s)
-            self._sweep.start()
-            # serve nothing a deleted tenant left on disk: the first sweep's end is awaited, within
-            # a bound (a scheduler that does not answer delays the start by FIRST_SWEEP_WAIT_S)
-            if not self._sweep.first_done.wait(FIRST_SWEEP_WAIT_S):
-                logger.warning("spill node %s: the first sweep of deleted tenants has not ended within %g s; "
-                               "serving meanwhile", node_id, FIRST_SWEEP_WAIT_S)
-        self._push(reset=True)
-        self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
-        self.metrics_server = self._serve_metrics(Path(root_dir), metrics) if metrics is not None else None
+        self._sweep: DeletedTenantSweep | None = None
+        self.metrics_server: MetricsServer | None = None
+        try:
+            if deleted_tenants is not None:
+                self._sweep = DeletedTenantSweep(self._store, deleted_tenants, self._push, node_id, sweep_interval_s)
+                self._sweep.start()
+                # serve nothing a deleted tenant left on disk: the first sweep's end is awaited, within
+                # a bound (a scheduler that does not answer delays the start by FIRST_SWEEP_WAIT_S)
+                if not self._sweep.first_done.wait(FIRST_SWEEP_WAIT_S):
+                    logger.warning("spill node %s: the first sweep of deleted tenants has not ended within %g s; "
+                                   "serving meanwhile", node_id, FIRST_SWEEP_WAIT_S)
+            self._push(reset=True)
+            self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
+            if metrics is not None:
+                self.metrics_server = self._serve_metrics(Path(root_dir), metrics)
+        except BaseException:
+            self.close()  # the directory's lock goes now (a port taken, say), not at garbage collection
+            raise
 
     def _serve_metrics(self, root_dir: Path, endpoint: MetricsEndpoint) -> MetricsServer:
         """``/metrics`` at ``endpoint``; with port 0, on the port this node served on before a
@@ -126,6 +150,15 @@ class SpillNode:
     def metrics_address(self) -> str:
         """``host:port`` of this node's ``/metrics`` ("" when it serves none)."""
         return self.metrics_server.address if self.metrics_server is not None else ""
+
+    def close(self) -> None:
+        """Stop the deleted tenants' sweep and ``/metrics``, and close the store (its directory's
+        lock released: another node may open it). Idempotent; the node serves nothing after."""
+        if self._sweep is not None:
+            self._sweep.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        self._store.close()
 
     def ready(self) -> bool:
         """True once the store is built (its disk index rebuilt); await it after creation."""
@@ -197,7 +230,9 @@ class SpillNode:
             return
         with self._sink_lock:
             events = [(e.event, e.block_hash, e.tier) for e in self._store.take_events()]
-            if reset or getattr(self._sink, "needs_resync", False):  # a reset, or a report was lost:
+            due = getattr(self._sink, "resync_due", None)  # a BlockReporter's back-off after refusals
+            resync = due() if due is not None else getattr(self._sink, "needs_resync", False)
+            if reset or resync:  # a reset, or a report was lost (and its resync is due):
                 # all it holds, taken after the drain (an event between both is in it and follows it
                 # again). Regression (review 30m F1): the constructor's reset came after its first
                 # sweep's push, which had carried the rebuild's events, so it went out empty and the

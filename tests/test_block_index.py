@@ -309,6 +309,7 @@ def test_spill_node_pushes_its_events_and_a_restart_resets_them(tmp_path) -> Non
     node.put(hashes_of(range(6)), make_blocks(range(6)), "ns")  # over 4 blocks: 4 LRU to disk
     assert gs.stats()["indexed_blocks_by_tier"] == by_tier(spill_ram=2, spill_disk=4)
     assert node.take_events() == []  # the sink took them
+    node.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillNode(tmp_path / "spill", FMT, 4 * BLOCK, DISK, node_id="s0", event_sink=sink)
     assert gs.stats()["indexed_blocks_by_tier"] == by_tier(spill_disk=4)  # RAM died with it
     assert restarted.flush() == 4

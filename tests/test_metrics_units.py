@@ -145,6 +145,7 @@ def test_a_restarted_node_serves_its_metrics_on_its_port_of_before(tmp_path) -> 
                       metrics=MetricsEndpoint("127.0.0.1", 0))
     address = first.metrics_address()
     first.metrics_server.close()  # the process died
+    first.close()  # a restart: the old process is gone, its lock with it
     again = SpillNode(tmp_path / "spill", FMT, 4 * BLOCK, DISK, node_id="spill_node_0",
                       metrics=MetricsEndpoint("127.0.0.1", 0))
     try:

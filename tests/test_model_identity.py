@@ -47,6 +47,7 @@ def test_model_swap_over_a_shared_spill_dir_serves_no_stale_kv(tmp_path: Path) -
     assert store_a.stats()["blocks_spill_disk"] == 12
 
     cold_b = run(tiered(lm_b), P)
+    store_a.close()  # a restart: the old process is gone, its lock with it
     store_b = SpillStore(spill_dir, block_format, 0, 1 << 30, max_blocks_per_file=4)  # restart
     assert store_b.stats()["blocks_spill_disk"] == 12  # A's blocks are all there to be misused
     out = run(tiered(lm_b, spill=store_b), P)
@@ -136,6 +137,7 @@ def test_kv_of_another_kv_code_version_is_never_served(tmp_path: Path, monkeypat
     eng.wait_for_transfers()
     assert store.stats()["blocks_spill_disk"] == 12
 
+    store.close()  # a restart: the old process is gone, its lock with it
     same = SpillStore(spill_dir, block_format, 0, 1 << 30, max_blocks_per_file=4)  # a restart
     assert run(tiered(lm, spill=same), P).num_cached_tokens_by_tier == by_tier(spill_disk=192)
 
@@ -143,6 +145,7 @@ def test_kv_of_another_kv_code_version_is_never_served(tmp_path: Path, monkeypat
     newer = tiered(lm)
     new_format = BlockFormat(*newer.spill_block_spec())
     assert new_format.kv_format != block_format.kv_format
+    same.close()  # a restart: the old process is gone, its lock with it
     upgraded = SpillStore(spill_dir, new_format, 0, 1 << 30, max_blocks_per_file=4)
     assert upgraded.stats()["blocks_spill_disk"] == 0  # the old files are another format
     out = run(tiered(lm, spill=upgraded), P)

@@ -34,6 +34,7 @@ def spill_node_dir(root: Path, index: int, namespace: str = "tenant:a") -> Path:
     assert node.get(hashes_of([200 + index])).hashes == []  # quarantined
     (path / (spill_format.TEMP_PREFIX + "x.part")).write_bytes(b"half")
     (path / METRICS_PORT_FILE).write_text("9100\n")
+    node.close()  # its process is gone: the directory's lock with it
     return path
 
 

@@ -55,6 +55,7 @@ def test_a_flush_whose_unlinks_failed_is_not_served_after_a_restart(tmp_path: Pa
         failing_unlinks(m, err)
         assert store.flush() == 4
         assert store.contains(hashes_of(range(4))) == [None] * 4 and store.stats()["undeleted_bytes"] > 0
+        store.close()  # a restart: the old process is gone, its lock with it
         restarted = store_at(tmp_path)  # before any sweep retried the unlink; it still fails
         assert restarted.contains(hashes_of(range(4))) == [None] * 4
         assert restarted.get(hashes_of(range(4)), tokens(range(4))).hashes == []
@@ -72,6 +73,7 @@ def test_a_flush_that_could_not_dup_its_dir_fd_is_not_served_after_a_restart(tmp
         m.setattr(spill_format.SpillDir, "dup", no_fd)
         assert store.flush() == 4
     assert len(files_in(tmp_path)) == 1  # nothing deleted yet: the sweep would retry it
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = store_at(tmp_path)
     assert restarted.contains(hashes_of(range(4))) == [None] * 4
     assert files_in(tmp_path) == []  # the restart deleted it
@@ -106,6 +108,7 @@ def test_a_flush_that_can_neither_delete_nor_record_is_not_acknowledged(tmp_path
     with monkeypatch.context() as m:  # the record can be written again, the unlink still fails
         failing_unlinks(m, errno.EIO)
         assert store.flush() == 0
+        store.close()  # a restart: the old process is gone, its lock with it
         assert store_at(tmp_path).contains(hashes_of(range(4))) == [None] * 4
 
 
@@ -126,6 +129,7 @@ def test_a_flush_that_deleted_everything_needs_no_record(tmp_path: Path, monkeyp
         store.flush()
     assert (tmp_path / FLUSH_FILE).is_file()
     store.put(hashes_of([5]), make_blocks([5]), "tenant:a", tokens([5]))  # after the flush: kept
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = store_at(tmp_path)
     assert restarted.contains(hashes_of([0, 1, 5])) == [None, None, "spill_disk"]
     assert restarted.stats()["flushed_files"] == 1
@@ -143,8 +147,10 @@ def test_writes_after_a_flush_survive_restarts_with_the_clock_stepped_back(tmp_p
         failing_unlinks(m, errno.EIO)
         store.flush()
     monkeypatch.setattr(time, "time_ns", lambda: 1)
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = store_at(tmp_path)
     restarted.put(hashes_of([7]), make_blocks([7]), "tenant:a", tokens([7]))
+    restarted.close()  # a restart: the old process is gone, its lock with it
     again = store_at(tmp_path)
     assert again.contains(hashes_of([0, 1, 7])) == [None, None, "spill_disk"]
     assert again.get(hashes_of([7]), tokens([7])).blocks.tobytes() == make_blocks([7]).tobytes()
@@ -172,6 +178,7 @@ def test_an_unreadable_flush_record_serves_nothing_that_might_be_flushed(tmp_pat
         assert isinstance(record, bytes)
         path.write_bytes(record)
     try:
+        store.close()  # a restart: the old process is gone, its lock with it
         restarted = within(5, lambda: store_at(tmp_path))
     finally:
         if record == "fifo" and path.exists() and not path.is_file():
@@ -179,6 +186,7 @@ def test_an_unreadable_flush_record_serves_nothing_that_might_be_flushed(tmp_pat
     assert restarted.contains(hashes_of(range(2))) == [None, None] and files_in(tmp_path) == []
     assert restarted.stats()["io_errors"] >= 1 and restarted.stats()["flushed_files"] == 1
     restarted.put(hashes_of([7]), make_blocks([7]), "tenant:a", tokens([7]))
+    restarted.close()  # a restart: the old process is gone, its lock with it
     again = store_at(tmp_path)
     assert again.contains(hashes_of([7])) == [None if record == "dir" else "spill_disk"]
 
@@ -201,6 +209,7 @@ def test_an_unreadable_list_of_dropped_holders_serves_nothing_that_might_be_drop
         assert isinstance(record, bytes)
         path.write_bytes(record)
     try:
+        store.close()  # a restart: the old process is gone, its lock with it
         restarted = within(5, lambda: store_at(tmp_path))
     finally:
         if record == "fifo" and path.exists() and not path.is_file():
@@ -209,6 +218,7 @@ def test_an_unreadable_list_of_dropped_holders_serves_nothing_that_might_be_drop
     assert restarted.stats()["io_errors"] >= 1
     assert msgpack.unpackb(path.read_bytes()) == [] and (tmp_path / FLUSH_FILE).is_file()
     restarted.put(hashes_of([7]), make_blocks([7]), own_namespace("ann"), tokens([7]))
+    restarted.close()  # a restart: the old process is gone, its lock with it
     assert store_at(tmp_path).contains(hashes_of([7])) == ["spill_disk"]
 
 
@@ -272,6 +282,7 @@ def test_a_drop_that_can_neither_delete_nor_record_is_swept_again(tmp_path: Path
         failing_unlinks(m, errno.EIO)
         sweep.sweep()
         assert sweep.cursor == 1
+        store.close()  # a restart: the old process is gone, its lock with it
         restarted = store_at(tmp_path)
         assert restarted.contains(hashes_of([0, 1, 2, 5])) == [None, None, None, "spill_disk"]
     restarted.expire_quarantine()
@@ -309,6 +320,8 @@ def test_a_retired_spill_dir_with_a_flush_record_is_still_deleted(tmp_path: Path
         failing_unlinks(m, errno.EIO)
         store.flush()
     assert (root / "1" / FLUSH_FILE).is_file()
+    assert remove_retired_spill_dirs(root, 1) == []  # its store runs still: kept (spill_lock)
+    store.close()  # its process ended
     assert remove_retired_spill_dirs(root, 1) == ["1"]
     assert os.listdir(root) == []
 
@@ -348,11 +361,13 @@ def test_a_transient_read_error_of_a_record_at_startup_keeps_the_spill_tier(
     assert (tmp_path / name).is_file() and (tmp_path / spill_format.TOMBSTONE_FILE).is_file()
     with monkeypatch.context() as m:
         failed = failing_first_reads(m, name, errno.EIO, times=READ_ATTEMPTS - 1)
+        store.close()  # a restart: the old process is gone, its lock with it
         restarted = store_at(tmp_path)
     assert failed == [name] * (READ_ATTEMPTS - 1)
     assert restarted.contains(hashes_of([0, 1, 5, 2, 3, 6])) == [None] * 4 + ["spill_disk"] * 2
     assert restarted.stats()["io_errors"] == 0 and restarted.stats()["io_retries"] == READ_ATTEMPTS - 1
     with monkeypatch.context() as m:  # an error that persists: nothing that might be covered is served
         failing_first_reads(m, name, errno.EIO, times=READ_ATTEMPTS)
+        restarted.close()  # a restart: the old process is gone, its lock with it
         again = store_at(tmp_path)
     assert again.contains(hashes_of([3, 6])) == [None] * 2 and again.stats()["io_errors"] >= 1

@@ -58,6 +58,7 @@ def test_a_flush_that_cannot_dup_its_dir_fd_is_not_undone_by_a_restart(tmp_path:
     store.expire_quarantine()  # a sweep: retries the deletions that failed
     assert not files_in(tmp_path) and store.stats()["undeleted_bytes"] == 0
     store.put(hashes_of([9]), make_blocks([9]), "tenant:a", tokens([9]))  # a budget pass
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(4))) == [None] * 4  # flushed: never served again
 
@@ -89,6 +90,7 @@ def test_a_flush_whose_listing_fails_still_deletes_every_file_it_knows(tmp_path:
         m.setattr(spill_format, "list_group_names", unlistable)
         assert store.flush() == 4
     assert not files_in(tmp_path)
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(4))) == [None] * 4
 

@@ -28,7 +28,7 @@ def test_the_index_knows_every_block_after_a_restart_whose_first_sweep_dropped_s
     store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=10**9)
     store.put(hashes_of(range(3)), make_blocks(range(3)), own_namespace("bob"), _tokens(range(3)))
     store.put(hashes_of(range(10, 20)), make_blocks(range(10, 20)), own_namespace("ann"), _tokens(range(10, 20)))
-    del store  # the node goes down; bob is deleted meanwhile
+    store.close()  # the node goes down (its lock with its process); bob is deleted meanwhile
 
     index: dict[bytes, str] = {}
     pushes: list[tuple[int, bool]] = []

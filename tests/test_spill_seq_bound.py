@@ -27,6 +27,7 @@ def test_writes_after_a_max_seq_header_survive_a_restart(tmp_path: Path) -> None
     store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
     assert store.put(hashes_of(range(4)), make_blocks(range(4)), "tenant:bob", tokens(range(4))) == 4
     assert None not in store.contains(hashes_of(range(4)))  # on disk now
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(4))) == ["spill_disk"] * 4, restarted.stats()
     assert restarted.contains(hashes_of([100])) == ["spill_disk"]
@@ -40,6 +41,7 @@ def test_writes_under_a_clock_past_max_seq_survive_a_restart(tmp_path: Path, mon
     monkeypatch.setattr(time, "time_ns", lambda: spill_format.MAX_SEQ + 10**9)
     assert store.put(hashes_of(range(4)), make_blocks(range(4)), "tenant:bob", tokens(range(4))) == 4
     monkeypatch.undo()
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(4))) == ["spill_disk"] * 4, restarted.stats()
 
@@ -63,6 +65,7 @@ def test_after_a_clock_past_the_bound_a_block_written_again_still_wins_at_a_rest
     assert spill_format.read_header(old).seq < spill_format.read_header(new).seq <= spill_format.MAX_SEQ
     back = old.stat().st_mtime_ns - 3600 * 10**9
     os.utime(new, ns=(back, back))  # mtime would pick the corrupt copy
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     hits = restarted.get(hashes_of([0, 1]), tokens([0, 1]))
     assert hits.blocks.tobytes() == make_blocks([0, 1]).tobytes()

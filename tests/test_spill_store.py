@@ -12,6 +12,7 @@ import pytest
 
 from cache_node.tiers import spill_format
 from cache_node.tiers.spill_format import BlockFormat, read_header
+from cache_node.tiers.spill_lock import LOCK_FILE
 from cache_node.tiers.spill_store import SpillEvent, SpillStore
 
 FMT = BlockFormat(shape=(2, 2, 4, 1, 2), dtype="float32", kv_format="fp32")
@@ -35,6 +36,11 @@ def make_blocks(indices: range | list[int]) -> np.ndarray:
 
 def files_in(root: Path) -> list[Path]:
     return sorted(root.glob("*.kvs"))
+
+
+def listed(root: Path) -> list[str]:
+    """``os.listdir(root)`` but the store's lock file (``spill_lock.LOCK_FILE``), sorted."""
+    return sorted(name for name in os.listdir(root) if name != LOCK_FILE)
 
 
 def test_ram_round_trip_is_byte_exact(tmp_path: Path) -> None:
@@ -163,7 +169,7 @@ def test_flush_then_get_is_all_miss(tmp_path: Path) -> None:
     assert store.flush() == 6
     hits = store.get(hashes_of(range(6)))
     assert (hits.hashes, hits.tiers, hits.blocks.shape) == ([], [], (0, *FMT.shape))
-    assert os.listdir(tmp_path) == []
+    assert listed(tmp_path) == []
     stats = store.stats()
     assert (stats["ram_bytes"], stats["disk_bytes"], stats["files"]) == (0, 0, 0)
 
@@ -193,7 +199,7 @@ def test_zero_disk_budget_drops_demoted_blocks(tmp_path: Path) -> None:
     store = SpillStore(tmp_path, FMT, ram_bytes=BLOCK, disk_bytes=0, demote_low_watermark=0)
     store.put(hashes_of([0, 1]), make_blocks([0, 1]), "ns")
     assert store.contains(hashes_of([0, 1])) == [None, None]
-    assert os.listdir(tmp_path) == []
+    assert listed(tmp_path) == []
 
 
 def tokens_of(indices: range | list[int]) -> list[list[int]]:
@@ -219,6 +225,7 @@ def test_block_whose_stored_tokens_differ_is_not_served(tmp_path: Path) -> None:
     right = store.get(hashes_of(range(4)), token_ids=tokens_of(range(4)))
     assert right.blocks.tobytes() == make_blocks(range(4)).tobytes()
     store.demote_to_disk()
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.get(hashes_of([3]), token_ids=[[9, 9, 9, 9]]).hashes == []
     assert restarted.get(hashes_of([3]), token_ids=tokens_of([3])).hashes == hashes_of([3])
@@ -242,9 +249,9 @@ def test_files_of_an_older_format_version_are_ignored_not_deleted(
     its directory; a restarted store must not index them, nor quarantine them, nor delete them
     while its disk budget has room (past it they go first: tests/test_spill_unserved.py)."""
     monkeypatch.setattr(spill_format, "FORMAT_VERSION", 1)
-    SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK).put(
-        hashes_of(range(2)), make_blocks(range(2)), "ns"
-    )
+    first = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
+    first.put(hashes_of(range(2)), make_blocks(range(2)), "ns")
+    first.close()  # a restart: the old process is gone, its lock with it
     monkeypatch.undo()
     (old,) = files_in(tmp_path)
     before = old.read_bytes()
@@ -252,7 +259,7 @@ def test_files_of_an_older_format_version_are_ignored_not_deleted(
     assert restarted.contains(hashes_of(range(2))) == [None, None]
     stats = restarted.stats()
     assert (stats["skipped_files"], stats["quarantined_files"], stats["files"]) == (1, 0, 0)
-    assert os.listdir(tmp_path) == [old.name] and old.read_bytes() == before
+    assert listed(tmp_path) == [old.name] and old.read_bytes() == before
 
 
 @pytest.mark.parametrize("per_file", [4, 64])
@@ -310,6 +317,7 @@ def test_drop_namespace_deletes_its_ram_blocks_and_group_files(tmp_path: Path) -
     stats = store.stats()
     assert (stats["blocks_spill_ram"], stats["blocks_spill_disk"], stats["files"]) == (1, 2, 1)
     assert stats["disk_bytes"] == sum(f.stat().st_size for f in files_in(tmp_path))
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=4 * BLOCK, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(6))) == [None] * 4 + ["spill_disk"] * 2
 

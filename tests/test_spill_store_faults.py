@@ -19,7 +19,7 @@ import pytest
 from cache_node.tiers import spill_disk_faults, spill_format
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_store import SpillEvent, SpillStore
-from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, make_blocks
+from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, listed, make_blocks
 
 
 def disk_store(root: Path, num_blocks: int = 4) -> tuple[SpillStore, Path]:
@@ -139,6 +139,7 @@ def test_a_block_written_again_after_failing_is_served_from_its_new_file_after_a
     (new,) = [p for p in files_in(tmp_path) if p != path]
     os.utime(path, ns=(10**18, 10**18))  # write order, whatever the clock's resolution
     os.utime(new, ns=(10**18 + 1, 10**18 + 1))
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     hits = restarted.get(hashes_of(range(4)))
     assert hits.hashes == hashes_of(range(4))
@@ -220,9 +221,10 @@ def test_transient_error_during_restart_reindex_keeps_the_file(
     """issue 18 fault 5: an OSError while a restarted store re-reads a file's header deleted
     the file. It must stay on disk untouched (counted) while the disk budget has room, and be
     indexed by a later restart."""
-    _, path = disk_store(tmp_path)
+    old, path = disk_store(tmp_path)
     before = path.read_bytes()
     failed = fail_opens_of(monkeypatch, path, err, times=10**6)
+    old.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert len(failed) == spill_disk_faults.READ_ATTEMPTS
     assert restarted.contains(hashes_of(range(4))) == [None] * 4
@@ -230,6 +232,7 @@ def test_transient_error_during_restart_reindex_keeps_the_file(
     assert (stats["io_errors"], stats["corrupt_reads"], stats["files"]) == (1, 0, 0)
     assert path.read_bytes() == before
     monkeypatch.undo()
+    restarted.close()  # a restart: the old process is gone, its lock with it
     again = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert again.get(hashes_of(range(4))).blocks.tobytes() == make_blocks(range(4)).tobytes()
 
@@ -250,7 +253,7 @@ def test_failed_write_keeps_the_index_and_other_files(
     monkeypatch.setattr(spill_format.os, "fsync", failing_fsync)
     store.put(hashes_of(range(4, 8)), make_blocks(range(4, 8)), "ns")
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == [path.name]
+    assert listed(tmp_path) == [path.name]
     assert path.read_bytes() == before
     assert store.contains(hashes_of(range(8))) == ["spill_disk"] * 4 + [None] * 4
     assert store.stats()["io_errors"] == 1
@@ -276,6 +279,7 @@ def test_restart_rebuilds_index_without_rewriting_files(tmp_path: Path) -> None:
         f.name: (f.stat().st_ino, f.stat().st_mtime_ns, f.stat().st_size)
         for f in files_in(tmp_path)
     }
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.contains(hashes_of(range(128))) == ["spill_disk"] * 128
     hits = restarted.get(hashes_of(range(128)))
@@ -294,18 +298,18 @@ def test_restart_rebuilds_index_without_rewriting_files(tmp_path: Path) -> None:
 
 def test_restart_quarantines_corrupt_and_drops_temp_files(tmp_path: Path) -> None:
     """Fault: a crash mid-write leaves a temp file; garbage under a group name."""
-    disk_store(tmp_path)
+    disk_store(tmp_path)[0].close()  # a restart: the old process is gone, its lock with it
     (tmp_path / (spill_format.TEMP_PREFIX + "x.part")).write_bytes(b"half a file")
     (tmp_path / ("junk" + spill_format.FILE_SUFFIX)).write_bytes(b"garbage")
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.match_prefix(hashes_of(range(4))) == 4
-    assert sorted(os.listdir(tmp_path)) == sorted([files_in(tmp_path)[0].name, "quarantine"])
+    assert listed(tmp_path) == sorted([files_in(tmp_path)[0].name, "quarantine"])
     assert os.listdir(tmp_path / "quarantine") == ["junk" + spill_format.FILE_SUFFIX]
     assert (restarted.stats()["corrupt_reads"], restarted.stats()["quarantined_files"]) == (1, 1)
 
 
 def test_restart_skips_files_of_another_block_format(tmp_path: Path) -> None:
-    disk_store(tmp_path)
+    disk_store(tmp_path)[0].close()  # a restart: the old process is gone, its lock with it
     other = BlockFormat(shape=FMT.shape, dtype="float16", kv_format="fp16")
     restarted = SpillStore(tmp_path, other, ram_bytes=0, disk_bytes=DISK)
     assert restarted.contains(hashes_of([0])) == [None]
@@ -321,6 +325,7 @@ def test_restart_with_smaller_disk_budget_evicts_oldest_files(tmp_path: Path) ->
         age = write_order[spill_format.read_header(path).block_hashes[0]]
         os.utime(path, ns=(10**18 + age, 10**18 + age))
     pair_bytes = store.stats()["disk_bytes"] // 3
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=2 * pair_bytes)
     assert restarted.contains(hashes_of(range(6))) == [None, None] + ["spill_disk"] * 4
 
@@ -361,7 +366,7 @@ def test_restart_quarantines_a_crafted_header_at_the_cost_of_its_bytes(tmp_path:
     import msgpack
     import xxhash
 
-    disk_store(tmp_path)
+    disk_store(tmp_path)[0].close()  # a restart: the old process is gone, its lock with it
     n = (16 << 20) - 5
     width = spill_format.MAX_BLOCKS_PER_FILE
     for name, header in (("big", b"\xdd" + struct.pack(">I", n) + b"\x80" * n),

@@ -34,6 +34,7 @@ def _fill(root: Path, namespaces: dict[str, range]) -> None:
     for namespace, indices in namespaces.items():
         store.put(hashes_of(indices), make_blocks(indices), namespace, [[i] * 4 for i in indices])
     store.demote_to_disk()
+    store.close()  # the node goes down: its lock with its process
 
 
 def _wait(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]

@@ -11,17 +11,20 @@ import pytest
 
 from cache_node.tiers import spill_format, spill_unserved
 from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_lock import LOCK_FILE
 from cache_node.tiers.spill_store import SpillStore
 from services.metrics.spill import SpillMetrics
-from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, make_blocks
+from tests.test_spill_store import BLOCK, DISK, FMT, files_in, hashes_of, listed, make_blocks
 from tests.test_spill_store_faults import fail_opens_of
 
 OTHER = BlockFormat(shape=FMT.shape, dtype="float32", kv_format="fq32")  # a kv_format change
 
 
 def du(root: Path) -> int:
-    """Bytes of everything under ``root``, links counted as themselves, never followed."""
-    return sum((Path(d) / f).lstat().st_size for d, _, names in os.walk(root) for f in names)
+    """Bytes of everything under ``root``, links counted as themselves, never followed, but the
+    store's lock file (``spill_lock.LOCK_FILE``: a few bytes, outside the budget)."""
+    return sum((Path(d) / f).lstat().st_size for d, _, names in os.walk(root) for f in names
+               if (Path(d), f) != (root, LOCK_FILE))
 
 
 def write_pairs(root: Path, fmt: BlockFormat, budget: int, first: int, pairs: int) -> SpillStore:
@@ -50,7 +53,7 @@ def test_files_of_another_block_format_count_against_the_disk_budget(tmp_path: P
     now count and go first, oldest first, before any file the store serves."""
     budget = 4 * pair_bytes(tmp_path)
     root = tmp_path / "spill"
-    write_pairs(root, FMT, budget, 0, 4)
+    write_pairs(root, FMT, budget, 0, 4).close()  # its process ended: the lock with it
     old = [p.name for p in sorted(files_in(root), key=lambda p: p.stat().st_mtime_ns)]
     store = SpillStore(root, OTHER, ram_bytes=0, disk_bytes=budget, max_blocks_per_file=2)
     assert du(root) == budget
@@ -76,7 +79,7 @@ def test_a_file_unreadable_at_restart_counts_and_goes_first(
     """A file whose header cannot be read at a restart stays unindexed (issue 18 fault 5) but
     counts against the budget, and is the first file deleted when the budget needs room."""
     budget = 2 * pair_bytes(tmp_path)
-    write_pairs(tmp_path / "spill", FMT, budget, 0, 1)
+    write_pairs(tmp_path / "spill", FMT, budget, 0, 1).close()  # its process ended: the lock with it
     (path,) = files_in(tmp_path / "spill")
     fail_opens_of(monkeypatch, path, 5, times=10**6)  # EIO
     store = SpillStore(tmp_path / "spill", FMT, ram_bytes=0, disk_bytes=budget, max_blocks_per_file=2)
@@ -111,6 +114,7 @@ def test_the_quarantine_keeps_its_newest_files_within_a_share_of_the_budget(tmp_
     stats = store.stats()
     assert (stats["quarantined_files"], stats["removed_quarantined_files"], stats["quarantined_bytes"]) == (
         20, 4, 1600)
+    store.close()  # a restart: the old process is gone, its lock with it
     small = SpillStore(root, FMT, ram_bytes=0, disk_bytes=int(500 / spill_unserved.QUARANTINE_BUDGET_SHARE))
     assert sorted(os.listdir(quarantine)) == names[15:]  # 5 x 100 B
     assert (small.stats()["removed_quarantined_files"], small.stats()["quarantined_bytes"]) == (11, 500)
@@ -121,7 +125,7 @@ def test_nothing_outside_the_spill_directory_is_deleted(tmp_path: Path) -> None:
     read a header: review 30e F1, they count as unindexed names); a quarantine folder that is
     a link is not used; a directory under a group file's name is neither counted nor touched."""
     outside = tmp_path / "outside"
-    write_pairs(outside, OTHER, DISK, 0, 1)
+    write_pairs(outside, OTHER, DISK, 0, 1).close()  # its process ended: the lock with it
     (target,) = files_in(outside)
     garbage = outside / ("garbage" + spill_format.FILE_SUFFIX)
     garbage.write_bytes(b"y" * 100)
@@ -135,12 +139,13 @@ def test_nothing_outside_the_spill_directory_is_deleted(tmp_path: Path) -> None:
     store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=1)  # room for nothing
     stats = store.stats()
     assert (stats["removed_unindexed_files"], stats["removed_quarantined_files"]) == (2, 0)
-    assert sorted(os.listdir(root)) == ["dir" + spill_format.FILE_SUFFIX]
+    assert listed(root) == ["dir" + spill_format.FILE_SUFFIX]
     assert (root / ("dir" + spill_format.FILE_SUFFIX) / "kept").read_bytes() == b"z"
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     # a quarantine folder that links elsewhere is neither moved into nor emptied
     (root / spill_format.QUARANTINE_DIR).symlink_to(outside)
     (root / ("bad" + spill_format.FILE_SUFFIX)).symlink_to(garbage)
+    store.close()  # a restart: the old process is gone, its lock with it
     store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=1)
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     assert (store.stats()["quarantined_files"], store.stats()["removed_unindexed_files"]) == (0, 1)
@@ -195,6 +200,7 @@ def test_a_dropped_namespace_takes_its_unserved_files_with_it(tmp_path: Path) ->
     old = SpillStore(root, OTHER, ram_bytes=0, disk_bytes=DISK)  # the block format before a change
     old.put(hashes_of([50]), make_blocks([50]), "tenant:a#salt=s")
     old.put(hashes_of([51]), make_blocks([51]), "tenant:b")
+    old.close()  # a restart: the old process is gone, its lock with it
     store = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
     assert store.stats()["skipped_files"] == 2
     a_bad = corrupt_file_of(store, root, "tenant:a", [0, 1])
@@ -226,6 +232,7 @@ def test_quarantined_files_are_kept_at_most_their_age_limit(tmp_path: Path) -> N
     assert before <= moved_at <= time.time_ns()
     limit = int(spill_unserved.QUARANTINE_MAX_AGE_S * 1e9)
     assert store.expire_quarantine(moved_at + limit) == 0
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK)
     assert restarted.stats()["quarantined_bytes"] > 0
     assert restarted.expire_quarantine(moved_at + limit - 1) == 0

@@ -52,6 +52,7 @@ def test_spill_disk_evicts_files_by_bytes_per_weight(tmp_path: Path) -> None:
     store = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=1 << 30, max_blocks_per_file=4)
     store.put(*blocks_of("a", 0, 4), "tenant:a", weight=3.0)
     file_bytes = store.stats()["disk_bytes"]
+    store.close()  # a restart: the old process is gone, its lock with it
     store = SpillStore(tmp_path, FMT, ram_bytes=0, disk_bytes=8 * file_bytes, max_blocks_per_file=4)
     assert store.weights.known() == {}  # rebuilt from disk: weight 1 until the next put
     for k in range(1, 12):

@@ -214,6 +214,7 @@ def test_disk_eviction_keeps_each_tenants_share_across_a_restart(tmp_path: Path)
     for batch in range(5):
         store.put([bytes([2, batch * 4 + k]) * 16 for k in range(4)], spill_blocks(4, 2), "tenant:a")
     file_bytes = store.stats()["disk_bytes"] // 6
+    store.close()  # a restart: the old process is gone, its lock with it
     again = SpillStore(tmp_path, fmt, ram_bytes=0, disk_bytes=4 * file_bytes, max_blocks_per_file=4)
     # the rebuilt index knows each file's tenant from its header: A's files went
     assert again.match_prefix([bytes([1, i]) * 16 for i in range(4)]) == 4

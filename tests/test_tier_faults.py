@@ -240,6 +240,7 @@ def test_restarted_spill_store_serves_disk_hits_without_rewriting(tiny, tmp_path
     """Fault: the spill node restarts (RAM lost); disk hits survive, files are not rewritten."""
     eng, store, cold = disk_engine(tiny, tmp_path)
     before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in files(tmp_path)}
+    store.close()  # a restart: the old process is gone, its lock with it
     restarted = SpillStore(tmp_path, store.block_format, 0, 1 << 30, max_blocks_per_file=4)
     eng.tiers.spill = eng.tiers.worker.spill = restarted  # type: ignore[union-attr]
     assert_recomputed(eng, cold, 192)

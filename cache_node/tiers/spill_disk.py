@@ -196,7 +196,11 @@ class DiskTier:
             ``removed_quarantined_files``, ``disk_full_writes``, ``disk_full_evicted_files``,
             ``unlink_errors``, ``dir_recreated``, ``tombstoned_files``).
 
-    Raises ``spill_format.UnsafeSpillDir`` when ``root_dir`` is a link or not a directory.
+        lock_wait_s: how long to wait for the directory's lock while another store holds it
+            (``spill_format.SpillDir``; 0: fail at once).
+
+    Raises ``spill_format.UnsafeSpillDir`` when ``root_dir`` is a link or not a directory, and
+    ``spill_lock.SpillDirLocked`` when another store holds it (review s35 D S2).
     """
 
     def __init__(
@@ -208,6 +212,7 @@ class DiskTier:
         emit: Emit,
         counters: Counter[str],
         weights: HolderWeights | None = None,
+        lock_wait_s: float = 0.0,
     ) -> None:
         self.root_dir = root_dir
         self.block_format = block_format
@@ -221,7 +226,7 @@ class DiskTier:
         # one tenant's writes delete every other tenant's files)
         self._files: FairLRU[str, _SpillFile] = FairLRU(weights)
         self.bytes_used = 0  # bytes of the files in the index
-        self.dir = SpillDir(root_dir)
+        self.dir = SpillDir(root_dir, lock_wait_s)
         self.unserved = UnservedFiles(self.dir, budget_bytes, counters)
         self._faults = DiskFaults(block_format, self.unserved, counters)
         self._seq = 0  # the last write sequence written or found (``_next_seq``)
@@ -230,7 +235,15 @@ class DiskTier:
         self._tombstones: OrderedDict[bytes, None] = OrderedDict()
         self._tombstone_dirty = False  # a ``save_dropped`` failed: tried again by expire_quarantine
         self._flushed_seq: int | None = None  # what ``FLUSH_FILE`` records (None: no such file)
-        self._rebuild()
+        try:
+            self._rebuild()
+        except BaseException:
+            self.dir.close()  # the lock goes now, not when the collector finds this object
+            raise
+
+    def close(self) -> None:
+        """Release the directory and its lock (idempotent); later reads miss and writes fail."""
+        self.dir.close()
 
     def __del__(self) -> None:
         if hasattr(self, "dir"):

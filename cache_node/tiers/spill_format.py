@@ -64,6 +64,7 @@ import xxhash
 
 from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
 from cache_node.tiers.runs import runs
+from cache_node.tiers.spill_lock import lock_spill_dir
 
 FORMAT_VERSION = 2
 FILE_SUFFIX = ".kvs"
@@ -639,14 +640,31 @@ class SpillDir:
     until a restart, and one swapped for a link had the writes land in the link's target and
     ``flush`` delete every ``*.kvs`` there.
 
-    Raises (construction): UnsafeSpillDir when ``path`` is a link or not a directory; OSError
-    when it cannot be made or opened.
+    The directory is locked (``spill_lock``: an exclusive ``flock`` on its ``LOCK_FILE``) from
+    construction until ``close``, so no two stores use one directory at once (review s35 D
+    S2); ``reopen`` locks the new directory. After ``close`` the directory is neither used nor
+    made again (``reopen`` raises).
+
+    Args:
+        path: the directory (made with mode 0700, and its missing parents, when missing).
+        lock_wait_s: how long construction waits while another store holds the lock (0: it
+            fails at once).
+
+    Raises (construction): UnsafeSpillDir when ``path`` is a link or not a directory;
+    ``spill_lock.SpillDirLocked`` when another store holds its lock past ``lock_wait_s``;
+    OSError when it cannot be made or opened, or its lock file is not a regular file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lock_wait_s: float = 0.0) -> None:
         self.path = Path(path)
+        self.closed = False
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.fd = self._open(check_private=False)  # the node checked it (services.private_dir)
+        try:
+            self.lock_fd = lock_spill_dir(self.fd, self.path, lock_wait_s)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def gone(self) -> bool:
         """Whether the directory held was deleted (no name links to it any more)."""
@@ -659,7 +677,10 @@ class SpillDir:
         """Make ``path`` again (mode 0700, its missing parents too) if missing and hold the
         directory there now; the old descriptor is closed (a caller outside the owner's lock holds its own ``dup``). Raises
         UnsafeSpillDir or OSError as construction does, and for a directory another user could
-        change; the old descriptor is kept then."""
+        change, or when another store holds the new directory's lock (``SpillDirLocked``) or
+        this one was closed; the old descriptor is kept then."""
+        if self.closed:
+            raise OSError(errno.EBADF, f"spill directory {self.path}: its store was closed")
         missing = []  # the spill root above it may have gone too (rm -rf <state_dir>/spill): review 30m F3
         for parent in (self.path, *self.path.parents):
             if os.path.lexists(parent):
@@ -669,8 +690,14 @@ class SpillDir:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
         fd = self._open(check_private=True)
+        try:
+            lock_fd = lock_spill_dir(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(self.fd)
-        self.fd = fd
+        os.close(self.lock_fd)  # the deleted directory's lock: nobody can open that file any more
+        self.fd, self.lock_fd = fd, lock_fd
 
     def dup(self) -> int:
         """A descriptor of the same directory that the caller closes."""
@@ -693,5 +720,11 @@ class SpillDir:
         return fd
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        """Release the lock and the directory (idempotent); a later use fails (EBADF)."""
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self.lock_fd, self.fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fd = self.lock_fd = -1  # never a number reused by a later open

@@ -117,8 +117,15 @@ class SpillStore:
         max_blocks_per_file: most blocks per group file.
         demote_low_watermark: past the RAM budget, demote down to this fraction of it.
         max_events: events kept for ``take_events``; older ones count as ``events_dropped``.
+        lock_wait_s: how long to wait while another store holds ``root_dir`` (0: fail at once).
 
-    Raises ValueError for a negative budget or an option out of its range.
+    One store per directory: the store locks ``root_dir`` (``spill_lock``) until ``close`` (or
+    its process ends). Regression (review s35 D S2): two stores on one directory deleted each
+    other's files and each rewrote the dropped holders' list with only its own.
+
+    Raises ValueError for a negative budget or an option out of its range;
+    ``spill_lock.SpillDirLocked`` (an OSError naming the directory and the holder's pid) when
+    another store, in this process or another, holds ``root_dir`` past ``lock_wait_s``.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class SpillStore:
         max_blocks_per_file: int = 64,
         demote_low_watermark: float = 0.75,
         max_events: int = 1_000_000,
+        lock_wait_s: float = 0.0,
     ) -> None:
         if min(ram_bytes, disk_bytes) < 0 or min(max_blocks_per_file, max_events) < 1:
             raise ValueError("budgets must be >= 0, max_blocks_per_file and max_events >= 1")
@@ -152,7 +160,7 @@ class SpillStore:
         with self._lock:
             self._disk = DiskTier(
                 self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters,
-                self.weights,
+                self.weights, lock_wait_s,
             )
 
     def put(
@@ -394,6 +402,13 @@ class SpillStore:
                 "files": self._disk.num_files,
             }
             return sizes | {name: self._counters[name] for name in STAT_COUNTERS}
+
+    def close(self) -> None:
+        """Release the directory and its lock (idempotent): another store may open it then. RAM
+        blocks are dropped with the store (``demote_to_disk`` first to keep them); a later
+        call misses or fails (EBADF), never touching the directory."""
+        with self._lock:
+            self._disk.close()
 
     def take_events(self) -> list[SpillEvent]:
         """Return and clear the changes since the last call, oldest first."""
