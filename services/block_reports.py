@@ -18,12 +18,20 @@ loss, or a batch the scheduler refused (``report_events`` applied none of it; re
 it counted as sent), sets ``needs_resync``: the holder's next report is everything it holds, with ``reset``
 (``CacheNode``'s ``Streams._flush_events``, ``SpillNode._push``), and the index is whole again.
 A failed call never fails the store or the step that made the events.
+
+Resyncs back off (``resync_due``): after consecutive failed or refused calls the next full
+report is due ``RESYNC_BACKOFF_S`` later, doubling up to ``RESYNC_BACKOFF_MAX_S``, and the
+holder sends its plain events until then (counted, ``resyncs_deferred``). Regression: a holder
+the scheduler kept refusing (over its capacity bound, say) re-sent everything it held with each
+later batch, for ever: N events per batch from a holder of N blocks. Only an applied ``reset``
+ends the back-off (a plain batch applied does not: the index still lacks the lost events).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -40,6 +48,12 @@ MAX_PENDING_EVENTS = 1 << 20
 """Events waiting to be sent at most; past it the oldest batches are dropped (counted; a
 holder's only batch too, unless it is a reset alone)."""
 
+RESYNC_BACKOFF_S = 1.0
+"""Wait before a full report after the first failed or refused call; doubles with each next one."""
+
+RESYNC_BACKOFF_MAX_S = 60.0
+"""Longest wait before a full report after failed or refused calls."""
+
 Event = tuple[str, bytes, str]
 
 
@@ -55,12 +69,14 @@ class BlockReporter:
 
     Attributes:
         needs_resync: events were lost since the last report with ``reset``: the holder should
-            next report everything it holds, with ``reset=True``.
-        counters: ``sent_calls``, ``sent_events``, ``failed_calls``, ``dropped_events``.
+            report everything it holds, with ``reset=True``, once ``resync_due``.
+        counters: ``sent_calls``, ``sent_events``, ``failed_calls`` (refused ones included),
+            ``dropped_events``, ``resyncs_deferred`` (``resync_due`` answered False for a
+            back-off).
     """
 
     def __init__(self, scheduler: Any, timeout_s: float = REPORT_TIMEOUT_S,
-                 max_pending: int = MAX_PENDING_EVENTS) -> None:
+                 max_pending: int = MAX_PENDING_EVENTS, clock: Any = time.monotonic) -> None:
         self.scheduler, self.timeout_s, self.max_pending = scheduler, timeout_s, max_pending
         self._handle: Any = None
         # batches to send, oldest first: (holder, events, reset); a batch is extended in place
@@ -72,7 +88,11 @@ class BlockReporter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.needs_resync = False
-        self.counters = {"sent_calls": 0, "sent_events": 0, "failed_calls": 0, "dropped_events": 0}
+        self._clock = clock
+        self._failures = 0  # calls failed or refused in a row since the last applied reset
+        self._resync_at = 0.0  # ``clock()`` from which a full report is due
+        self.counters = {"sent_calls": 0, "sent_events": 0, "failed_calls": 0, "dropped_events": 0,
+                         "resyncs_deferred": 0}
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (to an actor's constructor) as a new reporter of the same scheduler."""
@@ -106,6 +126,25 @@ class BlockReporter:
                     break
                 self._lose(self._pending.popleft()[1])
             self._cond.notify()
+
+    def resync_due(self) -> bool:
+        """Whether the holder should now report everything it holds with ``reset``: events were
+        lost (``needs_resync``) and the back-off after failed or refused calls has passed
+        (``RESYNC_BACKOFF_S`` after the first, doubling to ``RESYNC_BACKOFF_MAX_S``). While
+        False for a back-off, the holder sends its plain events (counted in
+        ``resyncs_deferred``)."""
+        with self._cond:
+            if not self.needs_resync:
+                return False
+            if self._clock() >= self._resync_at:
+                return True
+            self.counters["resyncs_deferred"] += 1
+            return False
+
+    def backoff_s(self) -> float:
+        """How long after the last failed or refused call a full report is due (0: none)."""
+        with self._cond:
+            return _backoff(self._failures)
 
     def flush(self, timeout_s: float = REPORT_TIMEOUT_S) -> bool:
         """Wait until everything queued was sent (or failed); False at ``timeout_s``."""
@@ -147,6 +186,8 @@ class BlockReporter:
                     self._lose(events)
                     self.counters["failed_calls"] += 1
                     failed = self.counters["failed_calls"]
+                    self._failures += 1
+                    self._resync_at = self._clock() + _backoff(self._failures)
                 if failed & (failed - 1) == 0:  # the 1st, 2nd, 4th, ... (a dead scheduler)
                     logger.warning("%s: %d block events not reported (%d failed calls so far; the "
                                    "next report resends all it holds): %s: %.200s",
@@ -156,12 +197,23 @@ class BlockReporter:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _call(self, holder: str, events: list[Event], reset: bool) -> int:
+        """One ``report_events`` call; returns how many events it applied. Raises on failure."""
+        return ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
+
     def _send(self, holder: str, events: list[Event], reset: bool) -> None:
         if self._handle is None:
             self._handle = resolve(self.scheduler)
-        applied = ray.get(self._handle.report_events.remote(holder, events, reset), timeout=self.timeout_s)
+        applied = self._call(holder, events, reset)
         if events and applied == 0:  # refused whole (malformed, over capacity: logged there)
             raise RuntimeError(f"the scheduler refused the batch of {len(events)} events")
         with self._cond:
             self.counters["sent_calls"] += 1
             self.counters["sent_events"] += len(events)
+            if reset:  # the index is whole again: the next loss resyncs at once
+                self._failures, self._resync_at = 0, 0.0
+
+
+def _backoff(failures: int) -> float:
+    """The wait before a full report after ``failures`` failed or refused calls in a row."""
+    return 0.0 if failures <= 0 else min(RESYNC_BACKOFF_MAX_S, RESYNC_BACKOFF_S * 2.0 ** min(failures - 1, 30))

@@ -362,10 +362,11 @@ class CacheNodeActor(CacheNode):
     def _report_blocks(self, node_id: str, events: list[tuple[str, bytes, str]]) -> None:
         """The step thread's block events, to the scheduler's index in order; after a lost
         report (``BlockReporter.needs_resync``) every block the device and host tiers hold,
-        with ``reset``, instead (events after that snapshot still follow it)."""
+        with ``reset``, instead (events after that snapshot still follow it), once due: after
+        failed or refused calls it backs off (``BlockReporter.resync_due``)."""
         reporter = self._reporter
         assert reporter is not None
-        if reporter.needs_resync:
+        if reporter.resync_due():
             reporter(node_id, [("stored", h, tier) for h, tier in self.engine.tier_block_hashes()], True)
         else:
             reporter(node_id, events)

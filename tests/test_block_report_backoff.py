@@ -1,0 +1,109 @@
+"""A holder whose block reports the scheduler keeps refusing backs off its full reports.
+
+Regression: a refused batch (``GlobalScheduler.report_events`` over the holder's capacity bound)
+sets ``BlockReporter.needs_resync``, and the holder answered with everything it held, with
+``reset``, in each later batch: a refused holder of N blocks sent N events per batch for ever.
+Now a resync after failed or refused calls is due ``RESYNC_BACKOFF_S`` later, doubling to
+``RESYNC_BACKOFF_MAX_S``; the holder sends its plain events meanwhile (``resyncs_deferred``),
+and an applied reset ends the back-off.
+
+Real parts: a ``GlobalScheduler`` (its index and capacity bound) over a tmp state dir, a
+``SpillNode`` over a ``SpillStore`` in tmp_path, and the reporter's own thread and queue; only
+the Ray hop is left out (``_call`` calls ``report_events`` directly).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from services.block_reports import RESYNC_BACKOFF_MAX_S, BlockReporter
+from services.global_scheduler import GlobalScheduler, IndexHolders
+from services.spill_node import SpillNode
+from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
+
+CAPACITY = 3
+
+
+class Direct(BlockReporter):
+    """A reporter whose calls reach the scheduler object itself (no Ray), counting what it offers."""
+
+    def __init__(self, scheduler: GlobalScheduler, **kwargs: Any) -> None:
+        super().__init__(None, **kwargs)
+        self.gs, self.offered, self.calls = scheduler, 0, []
+
+    def _send(self, holder, events, reset):  # type: ignore[no-untyped-def]
+        self._handle = self.gs  # resolved (no ActorRef to look up)
+        super()._send(holder, events, reset)
+
+    def _call(self, holder: str, events: list, reset: bool) -> int:
+        self.offered += len(events)
+        self.calls.append((len(events), reset))
+        return self.gs.report_events(holder, events, reset)
+
+
+def setup(tmp_path: Path, **kwargs: Any) -> tuple[GlobalScheduler, Direct, SpillNode]:
+    gs = GlobalScheduler(str(tmp_path / "state"), {"n0": 1}, holders=IndexHolders(spill_blocks={"s0": CAPACITY}))
+    report = Direct(gs, **kwargs)
+    node = SpillNode(tmp_path / "spill", FMT, 1 << 30, DISK, node_id="s0", event_sink=report, lock_wait_s=0)
+    return gs, report, node
+
+
+def put(node: SpillNode, report: Direct, i: int, n: int = 1) -> None:
+    node.put(hashes_of(range(i, i + n)), make_blocks(range(i, i + n)), "tenant:a")
+    assert report.flush(30.0)
+
+
+def test_a_refused_holder_does_not_resend_all_it_holds_with_every_batch(tmp_path: Path) -> None:
+    """5 blocks over a capacity of 3 are refused; 20 single-block puts followed. Before: each
+    sent the whole store with ``reset`` (6, 7, ..., 25 events: 310 offered, every one refused).
+    Now the plain events go (1 each) within the first back-off."""
+    gs, report, node = setup(tmp_path)
+    try:
+        put(node, report, 0, 5)
+        assert report.needs_resync and gs.refused_reports["over_capacity"] == 1
+        offered = report.offered
+        for i in range(5, 25):
+            put(node, report, i)
+        assert report.offered - offered < 60, report.calls
+        assert report.counters["resyncs_deferred"] >= 10
+    finally:
+        report.close()
+        node.close()
+
+
+def test_resyncs_back_off_exponentially_to_a_cap_and_an_applied_reset_ends_it(tmp_path: Path) -> None:
+    now = [0.0]
+    gs, report, node = setup(tmp_path, clock=lambda: now[0])
+    try:
+        put(node, report, 0, 5)  # refused: 1 failure
+        assert report.backoff_s() == 1.0 and not report.resync_due()
+        put(node, report, 5)  # a plain batch meanwhile (1 event, within capacity: applied)
+        assert report.calls[-1] == (1, False) and report.needs_resync
+        waits = []
+        for k in range(10):  # each due resync (the whole store, over capacity) is refused again
+            now[0] += report.backoff_s()
+            assert report.resync_due()
+            put(node, report, 100 + k)
+            assert report.calls[-1] == (7 + k, True)
+            waits.append(report.backoff_s())
+        assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0, 60.0, 60.0]
+        assert RESYNC_BACKOFF_MAX_S == 60.0
+        before = len(report.calls)
+        now[0] += 59.0
+        for k in range(5):  # not yet due: plain batches only
+            put(node, report, 200 + k)
+        assert all(not reset for _, reset in report.calls[before:])
+
+        node.drop_namespace("tenant:a")  # the holder shrinks within capacity
+        node.put(hashes_of([300]), make_blocks([300]), "tenant:b")
+        assert report.flush(30.0)
+        now[0] += report.backoff_s()  # (a plain batch past capacity, refused, armed it again)
+        node.put(hashes_of([301]), make_blocks([301]), "tenant:b")  # due: the whole store, applied
+        assert report.flush(30.0)
+        assert report.calls[-1] == (2, True)
+        assert not report.needs_resync and report.backoff_s() == 0.0
+        assert gs.index.pairs_after("s0", [], False) == 2
+    finally:
+        report.close()
+        node.close()
