@@ -21,7 +21,13 @@ from pydantic import ValidationError
 
 from cache_node.sampling_params import MAX_STOP_STRINGS
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
-from services.openai_api.app import MAX_BODY_STRINGS, body_shape, check_body_shape, invalid
+from services.openai_api.app import (
+    MAX_BODY_STRINGS,
+    BodyShape,
+    body_shape,
+    check_body_shape,
+    invalid,
+)
 from services.openai_api.context import CallAborted
 from services.openai_api.schemas import MAX_CONTENT_PARTS, ChatCompletionRequest, CompletionRequest
 
@@ -105,11 +111,20 @@ def _shape(value: Any) -> tuple[int, int]:
     return 0, 0
 
 
+def _containers(value: Any) -> tuple[int, int]:
+    """(containers, depth) counted on the parsed value: a container is one level deeper than
+    its deepest item."""
+    if not isinstance(value, (list, dict)):
+        return 0, 0
+    parts = [_containers(v) for v in (value.values() if isinstance(value, dict) else value)]
+    return 1 + sum(p[0] for p in parts), 1 + max((p[1] for p in parts), default=0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(_JSON, st.booleans(), st.booleans())
 def test_body_shape_counts_what_json_parses(value: Any, ascii_only: bool, compact: bool) -> None:
     text = json.dumps(value, ensure_ascii=ascii_only, separators=(",", ":") if compact else None)
-    assert body_shape(text.encode(), 1 << 20) == _shape(json.loads(text))
+    assert body_shape(text.encode(), 1 << 20) == BodyShape(*_shape(json.loads(text)), *_containers(json.loads(text)))
 
 
 def test_a_body_of_millions_of_values_is_refused_before_it_is_parsed() -> None:

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from cache_node.stop_strings import StopMatcher
-from services.openai_api.app import MAX_BODY_BYTES, OpenAIEdge, create_app, invalid
+from services.openai_api.app import MAX_BODY_BYTES, MAX_BODY_DEPTH, OpenAIEdge, create_app, invalid
 from services.openai_api.context import CallAborted, HttpCallContext
 from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
@@ -349,13 +349,16 @@ def test_a_body_over_the_limit_is_413_before_it_is_buffered() -> None:
     assert status == 404  # under the limit, chunks and all: parsed
 
 
-@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"model": "m\xff"}',
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b"[" * 100_000, b'{"model": "m\xff"}',
                                  b"\xef\xbb\xbf{}"])
 def test_nesting_and_bytes_that_are_no_json_text_are_400(raw: bytes) -> None:
     """Regression: 100k nested arrays raised RecursionError (a 500); bytes that are not UTF-8
-    are no JSON text either."""
+    are no JSON text either. Balanced nesting that deep is refused before it is parsed, naming
+    ``MAX_BODY_DEPTH`` (review s35 E F1)."""
     status, _, body = _call("POST", "/v1/chat/completions", (raw,))
-    assert status == 400 and body["error"]["message"].startswith("body: not valid JSON")
+    deep = raw.endswith(b"]")
+    assert status == 400 and body["error"]["message"].startswith(
+        f"body: nests arrays and objects more than {MAX_BODY_DEPTH} levels deep" if deep else "body: not valid JSON")
 
 
 @pytest.mark.parametrize("field", ["session_id", "cache_salt", "prompt_cache_key", "stop", "content", "model"])

@@ -32,11 +32,13 @@ n requests, started all or none, in one response), ``tokenize`` (``/tokenize`` a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -50,9 +52,12 @@ from services.actor_calls import ActorSilent
 from services.gateway import InferenceServicer, StreamWriter
 from services.openai_api.bodies import (
     MAX_BODY_BYTES,
+    MAX_BODY_DEPTH,  # noqa: F401 - re-exported
     MAX_BODY_STRINGS,  # noqa: F401 - re-exported
     MAX_BODY_VALUES,  # noqa: F401 - re-exported
     OFF_LOOP_BYTES,
+    OFF_LOOP_VALUES,
+    BodyShape,  # noqa: F401 - re-exported
     body_shape,  # noqa: F401 - re-exported
     check_body_shape,
     load_json,
@@ -121,7 +126,8 @@ class OpenAIEdge:
             (``tools.TOOL_PARSERS``: "hermes"); "" (off): "auto" is refused, a 400 naming
             ``tool_choice`` (``check_tools``).
 
-    ``created`` (the model card's) is when this edge was made: the gateway's start.
+    ``created`` (the model card's) is when this edge was made: the gateway's start. ``turns``:
+    each tenant's turn at parsing a body and building a whole response (``turn``).
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
@@ -137,6 +143,44 @@ class OpenAIEdge:
         self.responses = ResponseBudget(self.bodies.limits.response_bytes_per_tenant,
                                         self.bodies.limits.retry_after_ms)
         self.created = int(time.time())
+        self.turns: dict[str, asyncio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant_id: str) -> AsyncIterator[None]:
+        """Hold ``tenant_id``'s one turn here while the block runs: its bodies are parsed (and
+        its whole responses built) one at a time, in the order they came, whether on the event
+        loop or on a worker thread (``InferenceServicer.off_loop``, whose own per-tenant turn
+        the block then waits for as well). A tenant's burst of requests queues behind itself,
+        not in front of other tenants' requests: each waits for at most one parse or build of
+        every other tenant's. A block cancelled while its work runs on a thread gives the turn
+        back then (the thread's work keeps the servicer's turn until it ends).
+
+        Regression (review s35 E F2): bodies of at most ``OFF_LOOP_BYTES`` were parsed on the
+        event loop with no per-tenant bound; one tenant's 64 connections of 255 KiB bodies of
+        ``[[]]`` (~100 ms each) took another tenant's ``GET /v1/models`` from 1 ms to 9.8 s."""
+        lock = self.turns.setdefault(tenant_id, asyncio.Lock())
+        async with lock:
+            yield
+
+    async def parsed(self, tenant_id: str, data: bytes, kind: type[BaseModel]) -> Any:
+        """``data`` (a body read whole) checked (``check_body_shape``: 400 past its bounds)
+        and parsed as ``kind`` (400 for bad JSON; ``ValidationError``), on ``tenant_id``'s turn
+        (``turn``): on the event loop when it holds at most ``OFF_LOOP_BYTES`` bytes and
+        ``OFF_LOOP_VALUES`` JSON values and containers (a few ms at most), else on a worker
+        thread (a body past ``OFF_LOOP_BYTES`` is checked there too)."""
+        def parse() -> Any:
+            return kind.model_validate(load_json(data))
+
+        def check_and_parse() -> Any:
+            check_body_shape(data)
+            return parse()
+
+        async with self.turn(tenant_id):
+            if len(data) > OFF_LOOP_BYTES:
+                return await self.servicer.off_loop(tenant_id, check_and_parse)
+            if check_body_shape(data) > OFF_LOOP_VALUES:
+                return await self.servicer.off_loop(tenant_id, parse)
+            return parse()
 
     def serves(self, model: str) -> bool:
         """``model`` names this server's model (its served name or its full identity)."""
@@ -162,8 +206,9 @@ class OpenAIEdge:
         as ``kind`` (400), then its model (404), then the log probabilities a whole response
         would hold (400: ``check_whole``) and, for a whole response, room in its tenant's
         ``ResponseBudget`` (429). Raises ``CallAborted``, ``HTTPException`` (413),
-        ``ValidationError`` for a bad body, or ``ClientGone`` (a big body's parse on a thread
-        is not waited for once the client has gone).
+        ``ValidationError`` for a bad body, or ``ClientGone`` (a parse is not waited for, nor
+        its tenant's turn, once the client has gone). Every body is parsed on its tenant's turn,
+        on the event loop only when it is small in bytes and in JSON values (``parsed``).
 
         Regression (secrev19 H1): the body was read and waited for its parse with nothing
         counting its bytes (``BodyBudget``); they are held from the key's check until the parse
@@ -175,12 +220,7 @@ class OpenAIEdge:
         hold = self.bodies.hold(tenant.tenant_id)
         try:
             data = await read_body(request, MAX_BODY_BYTES, hold)
-            check_body_shape(data)
-            if len(data) > OFF_LOOP_BYTES:  # on a thread, one at a time per tenant
-                body = await unless_gone(request, self.servicer.off_loop(
-                    tenant.tenant_id, lambda: kind.model_validate(load_json(data))))
-            else:
-                body = kind.model_validate(load_json(data))
+            body = await unless_gone(request, self.parsed(tenant.tenant_id, data, kind))
         finally:
             hold.release()
         model = body.model  # type: ignore[attr-defined]
@@ -253,13 +293,14 @@ class OpenAIEdge:
 
     async def render(self, request: Request, held: Held, build: Callable[[], dict[str, Any]]) -> Response:
         """A whole response's JSON body of ``build()``, which will hold ``held`` (its log
-        probabilities and characters): on a worker thread, one at a time per tenant
-        (``InferenceServicer.off_loop``), when they are many (``Held.off_loop``: past
-        ``OFF_LOOP_LOGPROBS`` or ``OFF_LOOP_CHARS``), else here. Its bytes are held in its
+        probabilities and characters), on its tenant's turn (``turn``, one at a time per
+        tenant): on a worker thread (``InferenceServicer.off_loop``) when they are many
+        (``Held.off_loop``: past ``OFF_LOOP_LOGPROBS`` or ``OFF_LOOP_CHARS``), else here. Its bytes are held in its
         tenant's ``ResponseBudget`` until its connection has written them out (``HeldResponse``).
         Regressions: a body of 192 MiB was built on the event loop every tenant's calls share,
         for 7.9 s (review 26c F2); an echo's text was not counted, so n 16 copies of an echoed
-        prompt (25 MB) were built there too (review s33 F1).
+        prompt (25 MB) were built there too (review s33 F1); one tenant's many responses under
+        those thresholds were built on the loop with no per-tenant bound (review s35 E F2).
 
         When the tenant's unwritten responses leave no room for it, the response is that
         refusal instead, a 429 with ``Retry-After``: before it is built when they leave none for
@@ -271,10 +312,11 @@ class OpenAIEdge:
             self.responses.check_fits(tenant_id, held.least_bytes())
         except CallAborted as exc:
             return exc.response()
-        if not held.off_loop():
-            response = JSONResponse(build())
-        else:
-            response = await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
+        async with self.turn(tenant_id):
+            if not held.off_loop():
+                response = JSONResponse(build())
+            else:
+                response = await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
         try:
             hold = self.responses.hold(tenant_id, len(response.body))
         except CallAborted as exc:
