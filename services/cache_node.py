@@ -182,6 +182,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         # per tenant: streams waiting for the renderer, taken round-robin (``Streams._render_next``)
         self._render_queue: dict[str, deque[_Stream]] = {}
         self._render_lock = threading.Lock()
+        self._start_render_child()  # renders run in a child process (``Streams._render_templater``)
         self._aborts: deque[str] = deque()
         self._purges: set[str] = set()  # deleted tenants whose own namespace is still to drop
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
@@ -315,7 +316,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._renderer.shutdown(wait=False, cancel_futures=True)
+        self._stop_renderer()  # (and its render child)
         self._thread.join(timeout=5.0)
         self.close_data_plane()
         if self.metrics_server is not None:

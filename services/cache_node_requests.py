@@ -266,9 +266,10 @@ class Requests:
             return None
         return self._prompt(req, history)
 
-    def _prompt(self, req: NodeRequest, history: list[int] | None) -> list[int]:
+    def _prompt(self, req: NodeRequest, history: list[int] | None, templater: Any = None) -> list[int]:
         """``req``'s prompt token ids after its session's ``history`` (None: none), its messages
-        rendered with its tools (``NodeRequest.tools``). A session turn continues its history
+        rendered with its tools (``NodeRequest.tools``), by ``templater`` (None: the node's; the
+        renderer thread's is its render child's, ``Streams._render_templater``). A session turn continues its history
         when the template renders the history as its tokens hold it
         (``ChatTemplater.continue_session``), else the whole conversation is rendered anew, as a
         first turn with this turn's tools (counted: ``session_rerenders`` in the node's stats):
@@ -287,7 +288,7 @@ class Requests:
         """
         if req.token_ids:
             return (history or []) + list(req.token_ids)
-        templater = self.templater
+        templater = templater or self.templater
         if templater is None:
             raise ValueError("this node's model has no tokenizer; send token ids")
         room = min(self.engine.max_model_len, self.engine.scheduler.pool_tokens)

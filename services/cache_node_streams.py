@@ -46,9 +46,10 @@ from typing import Any
 from cache_node.detokenizer import IncrementalDetokenizer
 from cache_node.outputs import RequestOutput
 from cache_node.stop_strings import StopMatcher
-from services.chat import Messages, content_chars, encode_text
+from services.chat import ChatTemplater, Messages, content_chars, encode_text
 from services.chat_tools import check_tool_output, template_call
 from services.node_request import NodeRequest, logprobs_entry, prompt_logprobs_entry
+from services.render_process import RemoteTemplater, RenderProcess
 from services.tool_calls import ToolOutput  # (the edge's reader: no web stack, review 29i F6)
 
 Event = dict[str, Any]
@@ -212,8 +213,10 @@ class Streams:
 
     def _render(self, stream: _Stream) -> None:
         """Renderer thread: render and tokenize a chat request's prompt ahead of the step
-        thread (``CacheNode._prompt_of`` uses it if its session has not changed since), then
-        hand it to the step thread.
+        thread (``CacheNode._prompt_of`` uses it if its session has not changed since), in the
+        render child (``_render_templater``; this thread waits for it without the GIL), then
+        hand it to the step thread. A render the child failed (``render_process.RenderFailed``:
+        it ended, hung or answered out of protocol) fails this request alone, INTERNAL.
 
         Regression (diff review): a session turn's messages were rendered and tokenized on
         the step thread (``_start_incoming``): a 640K-character turn of 7,900 tokens, which
@@ -225,8 +228,8 @@ class Streams:
                 session = req.session_id if not req.opens_session else ""
                 count = len(self._session_messages.get(session, ())) if session else 0  # before the history: a
                 history = self.engine.session_history(session) if session else None
-                try:
-                    stream.rendered = (history, count, self._prompt(req, history))  # turn ending now misses
+                try:  # (in the render child: ``_render_templater``)
+                    stream.rendered = (history, count, self._prompt(req, history, self._render_templater()))
                 except Exception as exc:  # noqa: BLE001 - the step thread reports it (``_prompt_of``)
                     stream.rendered = (history, count, exc)
         except Exception:  # noqa: BLE001 - the step thread renders it again
@@ -236,6 +239,65 @@ class Streams:
             self._incoming.append(stream)
             self._rendering.discard(stream)
             self._wake.set()
+
+    # ---- the render child -------------------------------------------------------------------
+    def _start_render_child(self) -> None:
+        """At the node's start: the renderer thread starts the render child ahead of the first
+        chat request (``_render_templater``; a chat arriving meanwhile waits for it there)."""
+        self._render_child: RemoteTemplater | None = None
+        self._render_unsaved: Any = None  # a templater whose tokenizer could not be saved for a child
+        self._render_closed = False
+        if self.templater is not None:
+            self._renderer.submit(self._warm_render_child)
+
+    def _warm_render_child(self) -> None:
+        templater = self._render_templater()
+        if isinstance(templater, RemoteTemplater):
+            try:
+                templater.process.start()
+            except Exception as exc:  # noqa: BLE001 - the first render starts it again
+                log.warning("cache node %s: %s: %s", self.node_id, type(exc).__name__, exc)
+
+    def _render_templater(self) -> Any:
+        """Renderer thread: the templater ``_prompt`` renders chat requests with: a
+        ``RemoteTemplater`` for the node's ``templater``, whose renders run in a child process
+        (``services.render_process``), made on first use and made again when ``templater`` was
+        replaced; the node's own templater (rendering on this thread) where no child can render
+        for it: a templater of another class than ``ChatTemplater``, or a tokenizer that cannot
+        be saved for the child to load (logged once).
+
+        Regression (review s35 E F3): renders ran on this thread and took the GIL from the step
+        thread: one tenant sending 1000-message chats back to back slowed every other tenant's
+        decoding ~3-4x (inter-token median 5.3 -> 21.8 ms, tiny model, CPU), though the render
+        queue takes tenants in turn."""
+        templater, child = self.templater, self._render_child
+        if child is not None and child.local is templater:
+            return child
+        if child is not None:
+            child.process.close()
+            self._render_child = None
+        if type(templater) is not ChatTemplater or templater is self._render_unsaved or self._render_closed:
+            return templater
+        try:
+            process = RenderProcess(templater.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - renders go on in this thread, as before
+            log.warning("cache node %s: chat requests render in the node's process (its tokenizer could not be "
+                        "saved for a render process: %s: %s)", self.node_id, type(exc).__name__, exc)
+            self._render_unsaved = templater
+            return templater
+        self._render_child = RemoteTemplater(templater, process)
+        if self._render_closed:  # (``_stop_renderer`` ran meanwhile)
+            process.close()
+        return self._render_child
+
+    def _stop_renderer(self) -> None:
+        """The node's shutdown: no more renders; the render child is killed (a render under way
+        fails)."""
+        self._render_closed = True
+        self._renderer.shutdown(wait=False, cancel_futures=True)
+        child = self._render_child
+        if child is not None:
+            child.process.close()
 
     async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
         """Run one request; yields event dicts (see services.node_request). Closing the

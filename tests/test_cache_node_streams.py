@@ -440,19 +440,11 @@ def test_tpot_is_measured_on_the_nodes_own_clock(node) -> None:
 def test_chat_turns_render_off_the_step_thread_as_the_step_thread_would(node, monkeypatch) -> None:
     """Regression (diff review): a session turn's messages were rendered and tokenized on the
     step thread (a 640K-character turn that fits stopped every stream for ~1 s). Now the
-    node's renderer thread makes the prompt ahead; the step thread uses it only if the
+    node's renderer thread makes the prompt ahead, in its render child (review s35 E F3: not
+    in the node's process, ``services.render_process``); the step thread uses it only if the
     session is as it was then, and makes it again otherwise."""
     from services.cache_node_streams import _Stream
-
-    threads: list[str] = []
-    for name in ("first_turn", "continue_session"):
-        real = getattr(node.templater, name)
-
-        def spy(*a, _real=real, **kw):  # type: ignore[no-untyped-def]
-            threads.append(threading.current_thread().name)
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(node.templater, name, spy)
+    from services.render_process import RenderProcess
 
     def turn(rid: str, text: str) -> NodeRequest:
         return request(rid, max_tokens=3, tokens=(), tenant="chat", session_id="chat/s",
@@ -465,8 +457,21 @@ def test_chat_turns_render_off_the_step_thread_as_the_step_thread_would(node, mo
     history = node.engine.session_history("chat/s")
     second = turn("c2", "And another one?")
     expected = node._prompt(second, history)  # what the step thread would make
+
+    threads: list[str] = []  # the threads asking the render child
+    for name in ("first_turn", "continue_session"):
+        real = getattr(RenderProcess, name)
+
+        def spy(*a, _real=real, **kw):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return _real(*a, **kw)
+
+        def here(*a, **kw):  # type: ignore[no-untyped-def]
+            raise AssertionError("rendered in the node's process")
+
+        monkeypatch.setattr(RenderProcess, name, spy)
+        monkeypatch.setattr(node.templater, name, here)
     assert len(expected) > len(history)
-    threads.clear()
     got = asyncio.run(run(second))
     assert got[-1]["type"] == "finished" and got[-1]["prompt_tokens"] == len(expected)
     assert threads and all(t.startswith("kvstrata-render") for t in threads), threads
@@ -658,11 +663,11 @@ def test_chat_turns_render_round_robin_over_tenants(node, monkeypatch) -> None:
     gate = threading.Event()
     real = node._prompt
 
-    def slow(req, history):  # type: ignore[no-untyped-def]
+    def slow(req, history, *templater):  # type: ignore[no-untyped-def]
         order.append(req.tenant)
         if len(order) == 1:
             assert gate.wait(30)
-        return real(req, history)
+        return real(req, history, *templater)
 
     monkeypatch.setattr(node, "_prompt", slow)
     reqs = [request(f"rr-a{i}", 2, (), tenant="A", session_id=f"A/rr{i}",

@@ -40,12 +40,12 @@ def test_a_stale_render_is_redone_off_the_step_thread(node, monkeypatch) -> None
     short_done = threading.Event()
     real = CacheNode._prompt
 
-    def prompt(self, req, history):  # type: ignore[no-untyped-def]
+    def prompt(self, req, history, *templater):  # type: ignore[no-untyped-def]
         thread = threading.current_thread().name
         calls.append((thread, req.request_id))
         if req.request_id == "long" and thread.startswith("kvstrata-render") and not short_done.is_set():
             short_done.wait(60)  # the short turn ends meanwhile: this render is stale
-        return real(self, req, history)
+        return real(self, req, history, *templater)
 
     monkeypatch.setattr(CacheNode, "_prompt", prompt)
 
@@ -84,9 +84,9 @@ def test_a_turn_whose_render_never_matches_is_rendered_again_a_bounded_number_of
     renders: list[str] = []
     real = CacheNode._prompt
 
-    def prompt(self, req, history):  # type: ignore[no-untyped-def]
+    def prompt(self, req, history, *templater):  # type: ignore[no-untyped-def]
         renders.append(req.request_id)
-        return real(self, req, history)
+        return real(self, req, history, *templater)
 
     monkeypatch.setattr(CacheNode, "_prompt", prompt)
 

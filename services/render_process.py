@@ -1,0 +1,373 @@
+"""The chat renderer process, seen from the cache node (``services.render_worker`` is the child's
+side and the wire).
+
+The node's renderer thread (``services.cache_node_streams.Streams._render``, which takes
+tenants in turn) hands each chat request's render and tokenization to one child process
+(``RenderProcess``) and waits for the reply without holding the GIL, so the node's step thread
+decodes on while a tenant's chats render. Regression (review s35 E F3): renders ran on the
+renderer thread, in the node's process, and took the GIL from the step thread: one tenant's
+1000-message chats slowed every tenant's decoding ~3-4x.
+
+``RemoteTemplater`` is the ``services.chat.ChatTemplater`` the renderer thread renders with
+(``Requests._prompt``): its bounds (``check_fits``, ...) are the node's templater's own, run
+here; ``first_turn`` and ``continue_session`` run in the child. Replies are untrusted bytes: a
+frame over ``MAX_REPLY_BYTES``, of another shape, with token ids out of the vocabulary's range,
+more ids than its input can render to (``MAX_TOKENS_PER_CHAR``), a continuation that does not
+start with its history, or an error of an unknown kind kills the child. A child that ends, or
+does not answer within ``render_timeout_s`` (wall time: it is killed), or cannot start,
+fails the request it was rendering with ``RenderFailed`` (the node's INTERNAL error, naming
+it); the next render starts a fresh child (~1-3 s, paid by that render).
+
+The child is started as ``cache_node.grammar_process`` starts a grammar compiler: with
+``subprocess`` (fork and exec: nothing of the node's threads or CUDA state), from the renderer
+thread (it ends with that thread's node: ``PR_SET_PDEATHSIG``), with the few environment
+variables of ``grammar_process.child_env`` (no credential), in a private directory (its
+``TMPDIR`` too), its stderr a pipe the node logs (bounded), and it confines itself
+(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from array import array
+from typing import Any
+
+from cache_node.grammar_process import child_env
+from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
+from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
+from services.chat import ChatTemplater, Messages, TemplateRefusal
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0
+"""Longest wait for a new child to load the tokenizer and say it is ready (~1-3 s on a busy
+2-core host)."""
+
+RENDER_TIMEOUT_S = 60.0
+"""Longest wait (wall time) for one render's reply; past it the child is killed and the request
+fails. A render of the largest chat a node takes (~1M characters) takes ~1-4 s."""
+
+MAX_REPLY_BYTES = 64 << 20
+"""Largest reply frame read (16M token ids)."""
+
+MAX_TOKENS_PER_CHAR = 8
+"""Most token ids one character of a render's input may come to, plus ``TEMPLATE_TOKENS``: a
+reply with more is out of protocol (a byte fallback gives at most one per UTF-8 byte, 4; twice
+that for a template that writes a value out twice or indents tools' JSON)."""
+
+TEMPLATE_TOKENS = 1 << 16
+"""Token ids a chat template may add to its messages' (roles, headers, a default system prompt)."""
+
+_REPLY_BOUNDS = UnpackBounds(max_array_len=3, max_map_len=0, max_str_len=1 << 16, max_bin_len=MAX_REPLY_BYTES,
+                             max_containers=1, max_elements=3)
+_ERRORS: dict[str, type[Exception]] = {"TemplateRefusal": TemplateRefusal, "ValueError": ValueError,
+                                       "TypeError": TypeError, "KeyError": KeyError}
+
+STDERR_LINES = 50
+"""Most lines of the child's stderr the node logs; the rest are read and dropped."""
+
+
+class RenderFailed(Exception):
+    """The node's chat renderer process failed a request: it ended, did not answer in time,
+    answered out of protocol or could not start (the node's fault, not the request's)."""
+
+
+def _forward_stderr(pipe: Any, pid: int) -> None:
+    """Log the first ``STDERR_LINES`` lines of the child's stderr (each ``repr``'d, cut) and
+    drain the rest (``grammar_process._forward_stderr``'s way)."""
+    logged = 0
+    try:
+        while logged < STDERR_LINES and (line := pipe.readline(8192)):
+            log.warning("chat renderer process %d wrote: %r", pid, line.decode("utf-8", "replace").rstrip("\n")[:300])
+            logged += 1
+        while pipe.read1(1 << 20):
+            pass
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+class RenderProcess:
+    """One chat renderer child for ``tokenizer`` (started by ``start``, or by the first render).
+
+    Args:
+        tokenizer: the node's tokenizer (with its chat template); saved once to a private
+            directory the child loads it from (``save_pretrained``: raises what it raises).
+        argv: the child's command, to which the node's pid is appended (tests give another).
+        start_timeout_s: longest wait for a new child's ``ready``.
+        render_timeout_s: longest wait for one render's reply.
+    """
+
+    def __init__(self, tokenizer: Any, argv: tuple[str, ...] = (sys.executable, "-m", "services.render_worker"),
+                 start_timeout_s: float = START_TIMEOUT_S, render_timeout_s: float = RENDER_TIMEOUT_S) -> None:
+        self.vocab_size = len(tokenizer)  # (the node's own count: a reply's ids are checked against it)
+        self.argv = argv
+        self.start_timeout_s = start_timeout_s
+        self.render_timeout_s = render_timeout_s
+        self._tokenizer_dir = tempfile.mkdtemp(prefix="kvstrata-render-tokenizer-")
+        self._remove_tokenizer = weakref.finalize(self, shutil.rmtree, self._tokenizer_dir, True)
+        try:
+            tokenizer.save_pretrained(self._tokenizer_dir)
+        except BaseException:
+            self._remove_tokenizer()
+            raise
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.workdir: str | None = None
+        self._remove_workdir: weakref.finalize | None = None
+        self.sandbox = ""  # the running child's ``cache_node.sandbox.confine`` report
+        self.num_starts = 0
+        self.renders = 0  # replies read
+        self.busy = False  # a render (or a start) is under way
+        self.closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    # ---- the renders (the renderer thread's) ------------------------------------------------
+    def first_turn(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``ChatTemplater.first_turn`` in the child (raises what it raised there, or ``RenderFailed``)."""
+        return self._render(["first_turn", list(messages), tools], _chars(messages, tools), None)[0]
+
+    def continue_session(self, history_messages: Messages, history_tokens: list[int], new_messages: Messages,
+                         tools: list[dict[str, Any]] | None = None, same_tools: bool = True,
+                         tool_reply: str | None = None) -> tuple[list[int], bool]:
+        """``ChatTemplater.continue_session`` in the child (raises what it raised there, or ``RenderFailed``)."""
+        request = ["continue_session", list(history_messages), array("i", history_tokens).tobytes(),
+                   list(new_messages), tools, same_tools, tool_reply]
+        chars = _chars([*history_messages, *new_messages], tools) + len(tool_reply or "")
+        return self._render(request, chars, history_tokens)
+
+    def _render(self, request: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
+        with self._lock:
+            if self.closed:
+                raise RenderFailed("the node is shutting down")
+            self.busy = True
+        try:
+            if self.pid is None:
+                self.start()
+            deadline = time.monotonic() + self.render_timeout_s
+            self._write(frame(request), deadline)
+            reply = self._reply(deadline)
+            self.renders += 1
+            if reply[0] == "error":
+                kind, message = reply[1], reply[2]
+                if not isinstance(kind, str) or not isinstance(message, str) or kind not in (*_ERRORS, "internal"):
+                    raise self._out_of_protocol("an error of an unknown kind")
+                if kind == "internal":
+                    raise RenderFailed(f"the chat template failed on the node: {message}")
+                raise _ERRORS[kind](message)
+            return self._checked(reply, chars, history)
+        finally:
+            with self._lock:
+                self.busy = False
+                if self.closed:  # (``close`` left the reaping to this thread)
+                    self.kill()
+                    self._remove_tokenizer()
+
+    def _checked(self, reply: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
+        """An ``ok`` reply's token ids and whether it continued ``history``, checked: ids within
+        the vocabulary, at most ``MAX_TOKENS_PER_CHAR`` per character of the input (its history
+        aside) plus ``TEMPLATE_TOKENS``, a continuation starting with its history."""
+        kind, data, continued = reply
+        if kind != "ok" or not isinstance(data, bytes) or not isinstance(continued, bool) or len(data) % 4:
+            raise self._out_of_protocol("a malformed reply")
+        ids = array("i")
+        ids.frombytes(data)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise self._out_of_protocol(f"token ids outside the vocabulary (0..{self.vocab_size - 1})")
+        most = (len(history) if history else 0) + 1 + MAX_TOKENS_PER_CHAR * chars + TEMPLATE_TOKENS
+        if len(ids) > most:
+            raise self._out_of_protocol(f"{len(ids)} token ids for {chars} characters")
+        if continued and (history is None or ids[: len(history)] != array("i", history)):
+            raise self._out_of_protocol("a continuation that does not start with its history")
+        return ids.tolist(), continued
+
+    def _out_of_protocol(self, what: str) -> RenderFailed:
+        self.kill()
+        return RenderFailed(f"the node's chat renderer process answered out of protocol ({what}); it was "
+                            "restarted: send the request again")
+
+    # ---- the process ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the child (reaping one that ended), send its ``init`` frame and wait for its
+        ``ready``, within ``start_timeout_s`` (else ``RenderFailed``)."""
+        self.kill()
+        self.workdir = tempfile.mkdtemp(prefix="kvstrata-render-")
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)
+        env = child_env(os.environ)
+        env.update(TMPDIR=self.workdir, HF_HOME=self.workdir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")  # (no "PyTorch was not found")
+        started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env, close_fds=True, cwd=self.workdir,
+        )
+        self.num_starts += 1
+        try:
+            threading.Thread(target=_forward_stderr, args=(self.proc.stderr, self.proc.pid),
+                             name=f"chat-renderer-stderr-{self.proc.pid}", daemon=True).start()
+            os.set_blocking(self.proc.stdin.fileno(), False)  # type: ignore[union-attr]
+            deadline = started + self.start_timeout_s
+            self._write(frame(["init", self._tokenizer_dir]), deadline)
+            reply = self._reply(deadline)
+            if reply[0] != "ready" or not isinstance(reply[1], str):
+                raise self._out_of_protocol("its start")
+        except RenderFailed as exc:
+            self.kill()
+            raise RenderFailed(f"the node's chat renderer process could not start: {exc}") from None
+        except BaseException:
+            self.kill()
+            raise
+        self.sandbox = "".join(c if c.isprintable() else "?" for c in reply[1][:500])
+        log.info("chat renderer process %d ready in %.1f s (%s)", self.proc.pid, time.monotonic() - started,
+                 self.sandbox)
+
+    def close(self) -> None:
+        """Stop the child (the node's shutdown; any thread): a render under way fails
+        (``RenderFailed``), and no other starts."""
+        with self._lock:
+            self.closed = True
+            if self.busy:  # the rendering thread reaps it (``_render``)
+                proc = self.proc
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                return
+        self.kill()
+        self._remove_tokenizer()
+
+    def kill(self) -> None:
+        """End the child (SIGKILL) and reap it; a no-op when there is none."""
+        proc, self.proc = self.proc, None
+        remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
+        self.sandbox = ""
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
+        if remove_workdir is not None:
+            remove_workdir()
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        """Write ``data`` to the child's non-blocking stdin by ``deadline`` (monotonic)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        fd = self.proc.stdin.fileno()
+        view = memoryview(data)
+        while view:
+            self._wait(fd, select.POLLOUT, deadline)
+            try:
+                written = os.write(fd, view[:1 << 20])
+            except BlockingIOError:
+                continue
+            except OSError:  # EPIPE: it ended
+                raise self._ended("before it read its request") from None
+            view = view[written:]
+
+    def _reply(self, deadline: float) -> list[Any]:
+        """The next reply frame by ``deadline``: a list of two or three values."""
+        size = header_size(self._read(HEADER_BYTES, deadline))
+        if size > MAX_REPLY_BYTES:
+            raise self._out_of_protocol(f"a reply of {size} bytes; at most {MAX_REPLY_BYTES}")
+        body = self._read(size, deadline)
+        try:
+            reply = unpackb_within(body, _REPLY_BOUNDS, "a chat renderer's reply")
+        except Exception:  # noqa: BLE001 - msgpack raises several kinds; all mean a bad reply
+            reply = None
+        if not (isinstance(reply, list) and len(reply) in (2, 3) and isinstance(reply[0], str)):
+            raise self._out_of_protocol("a malformed reply")
+        return reply
+
+    def _read(self, size: int, deadline: float) -> bytes:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        chunks = bytearray()
+        while len(chunks) < size:
+            self._wait(fd, select.POLLIN, deadline)
+            chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+            if not chunk:
+                raise self._ended("mid-reply" if chunks else "before replying")
+            chunks += chunk
+        return bytes(chunks)
+
+    def _wait(self, fd: int, event: int, deadline: float) -> None:
+        """Until ``fd`` is ready for ``event`` (or hung up), by ``deadline``; past it the child
+        is killed (``RenderFailed``)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise RenderFailed(f"the node's chat renderer process did not answer within "
+                                   f"{self.render_timeout_s:g} s; it was killed and is restarted for the next "
+                                   "request")
+            poller = select.poll()
+            poller.register(fd, event | select.POLLHUP | select.POLLERR)
+            if poller.poll(min(left, 1.0) * 1000):
+                return
+
+    def _ended(self, when: str) -> RenderFailed:
+        proc = self.proc
+        code = None
+        if proc is not None:
+            try:
+                code = proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return RenderFailed(f"the node's chat renderer process ended {when} ({how}); it is restarted for the "
+                            "next request: send this one again")
+
+
+def _chars(messages: Messages, tools: list[dict[str, Any]] | None) -> int:
+    """Characters of a render's input: its messages' string values and its tools' JSON, bounded
+    from above (what its token ids are checked against)."""
+    chars = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+    return chars + (len(repr(tools)) if tools else 0)
+
+
+class RemoteTemplater:
+    """The ``ChatTemplater`` the node's renderer thread renders with: ``local``'s bounds, and
+    ``process``'s renders (``first_turn``, ``continue_session``)."""
+
+    def __init__(self, local: ChatTemplater, process: RenderProcess) -> None:
+        self.local = local
+        self.process = process
+
+    def check_fits(self, num_chars: int, max_tokens: int, what: str = "prompt") -> None:
+        self.local.check_fits(num_chars, max_tokens, what)
+
+    def check_messages_fit(self, messages: Messages, max_tokens: int) -> None:
+        self.local.check_messages_fit(messages, max_tokens)
+
+    def check_tokens_cover(self, num_chars: int, num_tokens: int, what: str = "messages") -> None:
+        self.local.check_tokens_cover(num_chars, num_tokens, what)
+
+    def first_turn(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.process.first_turn(messages, tools)
+
+    def continue_session(self, history_messages: Messages, history_tokens: list[int], new_messages: Messages,
+                         tools: list[dict[str, Any]] | None = None, same_tools: bool = True,
+                         tool_reply: str | None = None) -> tuple[list[int], bool]:
+        return self.process.continue_session(history_messages, history_tokens, new_messages, tools, same_tools,
+                                             tool_reply)
+

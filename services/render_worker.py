@@ -1,0 +1,143 @@
+"""A cache node's chat renderer process (``python -m services.render_worker``), and its wire.
+
+A cache node renders chat requests' messages with the model's chat template and tokenizes
+them here, not in its own process: a render is pure-Python work (jinja) that holds the GIL,
+and in the node's process it took the GIL from the step thread. Regression (review s35 E F3):
+one tenant sending 1000-message chats back to back (each render ~40-240 ms) slowed every
+other tenant's decoding ~3-4x (inter-token median 5.3 -> 21.8 ms on the tiny model, CPU),
+although the node's render queue takes tenants in turn. ``services.render_process`` is the
+node's side.
+
+The process loads the tokenizer and its chat template alone (from a directory the node saved
+them to: ``PreTrainedTokenizerBase.save_pretrained``), never the model, and not torch
+(``NOT_IMPORTED``): ~1-2 s of CPU time to start.
+
+The wire is ``cache_node.grammar_worker``'s: frames of a 4-byte big-endian length and a
+msgpack array, requests on the child's stdin, replies on a copy of its stdout (fd 1 itself is
+pointed at stderr). Token ids cross as ``array('i')`` bytes (native int32).
+
+- first, parent -> child: ``["init", tokenizer_dir]``; child -> parent
+  ``["ready", sandbox_report]`` once the tokenizer is loaded and its template has rendered once
+  (the report: ``cache_node.sandbox.confine``'s; the process confines itself then).
+- then per render, parent -> child: ``["first_turn", messages, tools]`` or
+  ``["continue_session", history_messages, history_ids, messages, tools, same_tools,
+  tool_reply]`` (``ChatTemplater.first_turn`` / ``continue_session``; ``tools`` None or a
+  list of OpenAI tool dicts, ``tool_reply`` None or a string); child -> parent
+  ``["ok", ids, continued]`` or ``["error", kind, message]``, ``kind`` one of ``ERROR_KINDS``.
+
+The child runs at niceness ``WORKER_NICENESS`` once loaded; it ends when its stdin closes and
+when its parent dies (``grammar_worker._die_with_parent``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from typing import Any, BinaryIO
+
+import msgpack
+
+from cache_node.grammar_worker import _cap_files, _die_with_parent, frame, read_frame_blocking
+from cache_node.sandbox import confine
+
+MAX_REQUEST_BYTES = 256 << 20
+"""Largest request frame the child reads (a session turn carries its kept messages and its
+history's token ids; the node bounds both)."""
+
+ERROR_KINDS = ("TemplateRefusal", "ValueError", "TypeError", "KeyError", "internal")
+"""How a render failed: the request's fault (the first four, raised again as such by the node,
+``services.render_process``) or the node's (``internal``: the template itself is broken, the
+process ran out of memory, ...)."""
+
+MAX_ERROR_CHARS = 2048
+"""Longest error message sent (longer ones are cut)."""
+
+NOT_IMPORTED = ("torch",)
+"""Not imported by the child (transformers' tokenizers go on without it): ~6 s of a loaded
+host's start, and ~400 MiB."""
+
+WORKER_NICENESS = 5
+"""The child's CPU priority once loaded: a render yields the CPU to the node's step thread when
+both want the same core, without being starved by it (renders are bounded work, and a chat
+request's first token waits for its render)."""
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICENESS)
+    except (AttributeError, OSError):  # not here, or not permitted: at the node's priority
+        pass
+
+
+def load_templater(tokenizer_dir: str) -> Any:
+    """A ``services.chat.ChatTemplater`` of the tokenizer saved in ``tokenizer_dir``, torch not
+    imported (``NOT_IMPORTED``)."""
+    for name in NOT_IMPORTED:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # (its import raises ImportError)
+    from transformers import AutoTokenizer
+
+    from services.chat import ChatTemplater
+
+    return ChatTemplater(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True))
+
+
+def _ids(data: bytes) -> list[int]:
+    ids = array("i")
+    ids.frombytes(data)
+    return ids.tolist()
+
+
+def render(templater: Any, request: list[Any]) -> list[Any]:
+    """The reply to one render ``request`` (see the module docstring)."""
+    try:
+        if request[0] == "first_turn" and len(request) == 3:
+            ids, continued = templater.first_turn(request[1], request[2]), False
+        elif request[0] == "continue_session" and len(request) == 7:
+            _, kept, history, messages, tools, same_tools, tool_reply = request
+            ids, continued = templater.continue_session(kept, _ids(history), messages, tools, bool(same_tools),
+                                                        tool_reply)
+        else:
+            return ["error", "internal", f"unknown render request {str(request[0])[:64]!r}"]
+        return ["ok", array("i", ids).tobytes(), bool(continued)]
+    except MemoryError:
+        return ["error", "internal", "the chat renderer ran out of memory"]
+    except Exception as exc:  # noqa: BLE001 - each is the request's or the template's, said so
+        kind = type(exc).__name__
+        if kind not in ERROR_KINDS or not isinstance(exc, (ValueError, TypeError, KeyError)):
+            return ["error", "internal", f"{kind}: {exc}"[:MAX_ERROR_CHARS]]
+        return ["error", kind, str(exc)[:MAX_ERROR_CHARS]]
+
+
+def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    """Answer render requests until ``requests`` ends (see the module docstring)."""
+    body = read_frame_blocking(requests, MAX_REQUEST_BYTES)
+    if body is None:
+        return
+    kind, tokenizer_dir = msgpack.unpackb(body, raw=False)
+    if kind != "init":
+        raise ValueError(f"expected an init frame, got {kind!r}")
+    templater = load_templater(tokenizer_dir)
+    templater.first_turn([{"role": "user", "content": "x"}])  # the template compiled, lazy imports done
+    _cap_files()
+    _lower_priority()
+    sandbox = confine(os.getcwd())  # from here on, tenants' messages
+    replies.write(frame(["ready", sandbox]))
+    replies.flush()
+    while (body := read_frame_blocking(requests, MAX_REQUEST_BYTES)) is not None:
+        replies.write(frame(render(templater, msgpack.unpackb(body, raw=False))))
+        replies.flush()
+
+
+def main() -> None:
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no Rust thread pool (``cache_node.sandbox``: one thread)
+    _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a library's prints go to stderr, never into the replies
+    sys.stdout = sys.stderr
+    serve(sys.stdin.buffer, replies)
+
+
+if __name__ == "__main__":
+    main()
