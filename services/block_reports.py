@@ -19,12 +19,17 @@ it counted as sent), sets ``needs_resync``: the holder's next report is everythi
 (``CacheNode``'s ``Streams._flush_events``, ``SpillNode._push``), and the index is whole again.
 A failed call never fails the store or the step that made the events.
 
-Resyncs back off (``resync_due``): after consecutive failed or refused calls the next full
-report is due ``RESYNC_BACKOFF_S`` later, doubling up to ``RESYNC_BACKOFF_MAX_S``, and the
-holder sends its plain events until then (counted, ``resyncs_deferred``). Regression: a holder
-the scheduler kept refusing (over its capacity bound, say) re-sent everything it held with each
+Resyncs back off (``resync_due``): after consecutive failed or refused full reports the next
+one is due ``RESYNC_BACKOFF_S`` later, doubling up to ``RESYNC_BACKOFF_MAX_S``, and the holder
+sends its plain events until then (counted, ``resyncs_deferred``). Regression: a holder the
+scheduler kept refusing (over its capacity bound, say) re-sent everything it held with each
 later batch, for ever: N events per batch from a holder of N blocks. Only an applied ``reset``
-ends the back-off (a plain batch applied does not: the index still lacks the lost events).
+ends the back-off (a plain batch applied does not: the index still lacks the lost events), and
+only a failed or refused ``reset`` lengthens it: a lost plain batch makes the next full report
+due at once when none failed before it. Regression (diff review s35 F1): every refused plain
+batch pushed the deadline out again, so a holder whose index over-counted after one lost batch
+(every later batch refused ``over_capacity``) and that reported more often than the back-off
+was never due a resync: its index stayed wrong and its events were refused for ever.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ MAX_PENDING_EVENTS = 1 << 20
 holder's only batch too, unless it is a reset alone)."""
 
 RESYNC_BACKOFF_S = 1.0
-"""Wait before a full report after the first failed or refused call; doubles with each next one."""
+"""Wait before a full report after the first failed or refused one; doubles with each next one."""
 
 RESYNC_BACKOFF_MAX_S = 60.0
 """Longest wait before a full report after failed or refused calls."""
@@ -186,8 +191,9 @@ class BlockReporter:
                     self._lose(events)
                     self.counters["failed_calls"] += 1
                     failed = self.counters["failed_calls"]
-                    self._failures += 1
-                    self._resync_at = self._clock() + _backoff(self._failures)
+                    if reset:  # only a full report's failure backs off (diff review s35 F1)
+                        self._failures += 1
+                        self._resync_at = self._clock() + _backoff(self._failures)
                 if failed & (failed - 1) == 0:  # the 1st, 2nd, 4th, ... (a dead scheduler)
                     logger.warning("%s: %d block events not reported (%d failed calls so far; the "
                                    "next report resends all it holds): %s: %.200s",

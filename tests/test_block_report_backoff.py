@@ -3,9 +3,10 @@
 Regression: a refused batch (``GlobalScheduler.report_events`` over the holder's capacity bound)
 sets ``BlockReporter.needs_resync``, and the holder answered with everything it held, with
 ``reset``, in each later batch: a refused holder of N blocks sent N events per batch for ever.
-Now a resync after failed or refused calls is due ``RESYNC_BACKOFF_S`` later, doubling to
-``RESYNC_BACKOFF_MAX_S``; the holder sends its plain events meanwhile (``resyncs_deferred``),
-and an applied reset ends the back-off.
+Now a resync after failed or refused full reports is due ``RESYNC_BACKOFF_S`` later, doubling
+to ``RESYNC_BACKOFF_MAX_S``; the holder sends its plain events meanwhile (``resyncs_deferred``),
+and an applied reset ends the back-off. Refused plain batches never lengthen it (diff review
+s35 F1: they did, and a holder reporting more often than the back-off was never due a resync).
 
 Real parts: a ``GlobalScheduler`` (its index and capacity bound) over a tmp state dir, a
 ``SpillNode`` over a ``SpillStore`` in tmp_path, and the reporter's own thread and queue; only
@@ -76,7 +77,7 @@ def test_resyncs_back_off_exponentially_to_a_cap_and_an_applied_reset_ends_it(tm
     now = [0.0]
     gs, report, node = setup(tmp_path, clock=lambda: now[0])
     try:
-        put(node, report, 0, 5)  # refused: 1 failure
+        put(node, report, 0, 5)  # the start-up report (a reset), refused: 1 failure
         assert report.backoff_s() == 1.0 and not report.resync_due()
         put(node, report, 5)  # a plain batch meanwhile (1 event, within capacity: applied)
         assert report.calls[-1] == (1, False) and report.needs_resync
@@ -98,12 +99,54 @@ def test_resyncs_back_off_exponentially_to_a_cap_and_an_applied_reset_ends_it(tm
         node.drop_namespace("tenant:a")  # the holder shrinks within capacity
         node.put(hashes_of([300]), make_blocks([300]), "tenant:b")
         assert report.flush(30.0)
-        now[0] += report.backoff_s()  # (a plain batch past capacity, refused, armed it again)
+        now[0] += report.backoff_s()
         node.put(hashes_of([301]), make_blocks([301]), "tenant:b")  # due: the whole store, applied
         assert report.flush(30.0)
         assert report.calls[-1] == (2, True)
         assert not report.needs_resync and report.backoff_s() == 0.0
         assert gs.index.pairs_after("s0", [], False) == 2
+    finally:
+        report.close()
+        node.close()
+
+
+def test_refused_plain_batches_do_not_put_off_the_resync_for_ever(tmp_path: Path) -> None:
+    """Diff review s35 F1: one lost batch left the index over-counting a holder at its bound
+    (4 of 4); each later plain batch was refused ``over_capacity``, and each refusal pushed the
+    resync out again, so a holder reporting every 0.5 s never sent one in 10 minutes: its index
+    stayed wrong and every event was refused (1,200 refusals). Before the back-off, the next
+    batch was the reset; now too."""
+    now = [0.0]
+    gs = GlobalScheduler(str(tmp_path / "state"), {"n0": 1}, holders=IndexHolders(spill_blocks={"s0": 4}))
+
+    class Flaky(Direct):
+        fail_next = False
+
+        def _call(self, holder: str, events: list, reset: bool) -> int:
+            if self.fail_next:
+                self.fail_next = False
+                self.calls.append((len(events), reset))
+                raise TimeoutError("transient: the scheduler call timed out")
+            return super()._call(holder, events, reset)
+
+    report = Flaky(gs, clock=lambda: now[0])
+    node = SpillNode(tmp_path / "spill", FMT, 1 << 30, DISK, node_id="s0", event_sink=report, lock_wait_s=0)
+    try:
+        put(node, report, 0, 4)
+        assert gs.index.pairs_after("s0", [], False) == 4
+        report.fail_next = True
+        node.drop_namespace("tenant:a")  # its 4 "removed" lost
+        assert report.flush(30.0) and report.needs_resync
+        first = len(report.calls)
+        for k in range(240):  # 2 minutes of a holder of 0-1 blocks
+            now[0] += 0.5
+            node.put(hashes_of([100 + k]), make_blocks([100 + k]), f"tenant:b{k}")
+            assert report.flush(30.0)
+            node.drop_namespace(f"tenant:b{k}")
+            assert report.flush(30.0)
+        assert report.calls[first][1], report.calls[first:first + 3]  # the next call was the reset
+        assert gs.index.pairs_after("s0", [], False) == 0 and not report.needs_resync
+        assert gs.refused_reports["over_capacity"] == 0
     finally:
         report.close()
         node.close()
