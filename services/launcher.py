@@ -329,13 +329,15 @@ def stop_services(services: Services) -> None:
     """Stop the gateway, store the scheduler's usage counters and sessions (the next start
     refuses the turns of the sessions open now: their histories go with the nodes), and kill
     every actor of the deployment."""
+    drain_s = STOP_DRAIN_S
     try:
         ray.get(services.gateway.stop.remote(), timeout=10)
     except Exception as exc:  # noqa: BLE001 - best effort: the actor may already be gone
         log.debug("gateway stop: %s", exc)
+        drain_s = 0.0  # no release is coming from a gateway that did not stop its calls
     try:
         # the gateway's cancelled calls' releases may still be on their way: waited for first
-        ray.get(services.scheduler.flush_durable.remote(drain_s=STOP_DRAIN_S), timeout=10 + STOP_DRAIN_S)
+        ray.get(services.scheduler.flush_durable.remote(drain_s=drain_s), timeout=10 + drain_s)
     except Exception as exc:  # noqa: BLE001 - best effort: a crash loses at most USAGE_FLUSH_S of it
         log.warning("usage counters and session routes of the last seconds not stored at stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:

@@ -209,3 +209,26 @@ def test_stops_flush_waits_for_the_releases_still_on_their_way(tmp_path: Path) -
     assert 0.25 < waited < 4.0 and again < 1.0
     stored = sched.store.load_usage()[tenant_id]
     assert (stored["requests"], stored["completion_tokens"], stored["prompt_tokens"]) == (1, 7, 10)
+
+
+def test_stops_drain_ends_soon_for_a_request_no_release_is_coming_for(tmp_path: Path) -> None:
+    """Diff review s35 S2: a request whose release never comes (its gateway gone) held every
+    stop's flush for the whole ``drain_s``; the drain ends ``DRAIN_IDLE_S`` after the last release."""
+    import asyncio
+
+    from services.global_scheduler_admission import DRAIN_IDLE_S, GlobalSchedulerService
+
+    sched = GlobalSchedulerService(str(tmp_path), {"n0": 4})
+
+    async def stop() -> float:
+        ann, _ = await sched.register_tenant(TenantSpec("ann"))
+        for rid in ("orphan", "r1"):
+            assert sched.admit(ann.tenant_id, rid, prompt_tokens=10).code == "OK"
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, sched.release, "r1", {"prompt_tokens": 10, "completion_tokens": 7})
+        started = loop.time()
+        await sched.flush_durable(drain_s=30.0)
+        return loop.time() - started
+
+    waited = asyncio.run(stop())
+    assert 0.3 + DRAIN_IDLE_S - 0.1 < waited < 0.3 + DRAIN_IDLE_S + 3.0
