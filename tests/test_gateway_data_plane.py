@@ -70,7 +70,8 @@ async def _node_down_then_rejoins(streams: NodeStreams, ctx, a, b) -> None:
     streams.close("b")
     streams.fail_node("n0", "cache node n0 died")
     event = a.get_nowait()
-    assert (event["type"], event["code"]) == ("error", "UNAVAILABLE") and "n0 died" in event["message"]
+    assert (event["type"], event["code"]) == ("error", "UNAVAILABLE") and "cache node n0 is down" in event["message"]
+    assert "died" not in event["message"] and streams.down["n0"] == "cache node n0 died"  # the reason: operators
     assert b.empty()
     c = streams.open("c")
     streams.bind("c", "n0")  # bound to a node down already: ends at once
