@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from services.cache_node_streams import _Stream
 from services.chat import content_chars, covered_chars
 from services.chat_tools import check_session_tool_answers, check_tool_answers, check_wire_tools
 from services.node_request import NodeRequest
+from services.render_process import RenderFailed
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +146,16 @@ class Requests:
                 text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
                 error = {"type": "error", "code": "INVALID_ARGUMENT", "message": text}
             except Exception as exc:  # one request's fault never stops the step loop
-                log.exception("cache node %s: request %s could not start", self.node_id, req.request_id)
+                # an unexpected exception's text stays in this node's log, under an error id the
+                # tenant gets (review s35 C S1's kind: internal text, which may name other
+                # requests, reached a tenant); a RenderFailed's text is this node's own words
+                error_id = uuid.uuid4().hex[:12]
+                log.exception("cache node %s: request %s could not start (error id %s)", self.node_id,
+                              req.request_id, error_id)
                 self.engine.abort_request(req.request_id)  # whatever it took, if it got that far
-                error = {"type": "error", "code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}
+                text = (str(exc) if isinstance(exc, RenderFailed)
+                        else f"cache node {self.node_id} failed to start this request (error id {error_id})")
+                error = {"type": "error", "code": "INTERNAL", "message": text}
             if error is not None:
                 self._dispatch([(stream, error)])
 
