@@ -172,7 +172,6 @@ class Gateway:
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
-        self._close_render_child: Callable[[], None] | None = None  # the servicer's chat render child
         self._grpc_started = False
         # the gateway's own awaited calls to the scheduler, each within its deadline (review s34 B F4)
         self.scheduler_calls = BoundedActor(scheduler)
@@ -231,7 +230,6 @@ class Gateway:
             tool_call_parser=self.tool_call_parser, down_nodes=down,
         )
         self.streams, self._grpc_started = inference.streams, False
-        self._close_render_child = inference.close_render_child
         try:
             if self.http_port is not None:
                 await self._start_http(host, self.http_port if http_port is None else http_port, inference,
@@ -344,10 +342,7 @@ class Gateway:
             await self.server.stop(grace_s)
         if self.streams is not None:
             self.streams.shutdown()
-        if self._close_render_child is not None:  # killed now, not when the servicer is collected
-            await asyncio.to_thread(self._close_render_child)
         self.http, self.metrics_server, self.monitor, self.server, self.streams = None, None, None, None, None
-        self._close_render_child = None
 
 
 RESTART_BIND_TRIES = 20

@@ -123,15 +123,10 @@ def test_a_spec_changed_through_another_gateway_is_used_at_once(tmp_path: Path) 
                 assert sched_rejections(gw, "tenant_changed") == rejected_before + 1
                 assert [r["cache_namespace"] for r in node.submitted][2:] == [f"tenant:{eve.tenant_id}"]
                 assert not sched.requests  # each admitted attempt released, the refused one never held
-                servicer = gw._close_render_child.__self__
-                child = servicer._render_child.process  # the chats rendered in the gateway's render child
-                proc = child.proc
-                assert proc is not None and proc.poll() is None
         finally:
             await gw.stop(0)
             sched.close_data_plane()
             sched.store.close()
-        assert servicer._render_child is None and proc.wait(10) is not None  # killed at the gateway's stop
 
     asyncio.run(asyncio.wait_for(go(), 120))
 
