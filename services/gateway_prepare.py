@@ -2,9 +2,7 @@
 ``RequestPreparation.off_loop`` (parsing, rendering and tokenizing a prompt on a worker thread,
 one at a time per tenant) and ``_prepare`` (the KV policy, ids, priority, prompt and context
 bounds, prefix, block hashes -> a ``NodeRequest``), with ``_check_turn_fits`` for a session
-turn's size. A chat's renders (its ``first_turn``, a session turn's size estimates, a
-``prefix_messages`` prefix) run in the gateway's chat renderer process (``chat_renderer``,
-``services.render_process``), not in this process.
+turn's size.
 
 ``RequestPreparation`` is a part of ``services.gateway.InferenceServicer`` (which provides its
 attributes).
@@ -16,11 +14,8 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
-import logging
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,28 +27,6 @@ from services.chat import ChatTemplater, TemplateRefusal, covered_chars, estimat
 from services.chat_tools import estimate_tools_tokens, wire_messages
 from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
-from services.render_process import RemoteTemplater, RenderFailed, RenderProcess
-
-log = logging.getLogger(__name__)
-
-_CHILD_LOCK = threading.Lock()
-"""Held while a worker thread makes a gateway's render child (``chat_renderer``)."""
-
-
-class _PrefixRender:
-    """``resolve_prefix_tokens``' templater at the gateway: its ``encode(render(prefix, False,
-    tools))`` is one render in the render child (``RemoteTemplater.prefix_ids``)."""
-
-    def __init__(self, remote: RemoteTemplater) -> None:
-        self.remote = remote
-
-    def render(self, messages: Any, add_generation_prompt: bool = True, tools: Any = None) -> list[int]:
-        if add_generation_prompt:
-            raise TypeError("a prefix renders without a generation prompt")
-        return self.remote.prefix_ids(messages, tools)
-
-    def encode(self, ids: list[int]) -> list[int]:
-        return ids
 
 
 class RequestPreparation:
@@ -63,53 +36,6 @@ class RequestPreparation:
     templater: ChatTemplater | None
     _tokenizing: dict[str, asyncio.Lock]
     _tokenizer_pool: concurrent.futures.ThreadPoolExecutor
-    _render_child: RemoteTemplater | None = None  # (``chat_renderer``)
-    _render_unsaved: Any = None  # a templater whose tokenizer could not be saved for a child
-
-    def chat_renderer(self, templater: Any) -> Any:
-        """Worker thread: the templater this gateway renders chats with: a ``RemoteTemplater``
-        for ``templater`` (the gateway's), whose renders run in a child process of the
-        gateway's (``services.render_process``, ``owner="gateway"``; the worker threads take it
-        in turn), made on the first chat render (its start, ~1-3 s, paid by that render: not by
-        every gateway start) and made again when ``templater`` was replaced; ``templater``
-        itself (rendering on this thread) where no child can render for it: a templater of
-        another class than ``ChatTemplater``, or a tokenizer that cannot be saved for the
-        child (logged once). A child that ends or hangs fails only the render under way
-        (``RenderFailed``: INTERNAL) and the next render starts another; it ends with this
-        gateway (``close_render_child``, or when this servicer is collected, or with the worker
-        thread that started it: ``PR_SET_PDEATHSIG``).
-
-        Regression (review s35 E F3, "other places"): chats were rendered and tokenized on
-        these worker threads, in the process whose event loop serves every tenant's streams:
-        one tenant's 1000-message chats (~236 ms each, pure-Python jinja) took the GIL from
-        every other tenant's streaming."""
-        with _CHILD_LOCK:
-            child = self._render_child
-            if child is not None and child.local is templater:
-                return child
-            if child is not None:
-                child.process.close()
-                self._render_child = None
-            if type(templater) is not ChatTemplater or templater is self._render_unsaved:
-                return templater
-            try:
-                process = RenderProcess(templater.tokenizer, owner="gateway")
-            except Exception as exc:  # noqa: BLE001 - renders go on in this thread, as before
-                log.warning("gateway: chats render in the gateway's process (its tokenizer could not be saved for "
-                            "a render process: %s: %s)", type(exc).__name__, exc)
-                self._render_unsaved = templater
-                return templater
-            weakref.finalize(self, process.close)
-            self._render_child = RemoteTemplater(templater, process)
-            return self._render_child
-
-    def close_render_child(self) -> None:
-        """Kill the gateway's render child, if any (a render under way fails); the next chat
-        render starts another."""
-        with _CHILD_LOCK:
-            child, self._render_child = self._render_child, None
-        if child is not None:
-            child.process.close()
 
     async def off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
         """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, one at a
@@ -185,13 +111,11 @@ class RequestPreparation:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             messages = wire_messages(messages)  # as a node takes them: tool calls as JSON text (``chat_tools``)
             if not call.session_id and templater is not None:
-                try:  # (in the render child: ``chat_renderer``)
-                    tokens = tuple(await self.off_loop(tenant.tenant_id, lambda: self.chat_renderer(
-                        templater).first_turn(prompt, call.tools)))
+                try:
+                    tokens = tuple(await self.off_loop(tenant.tenant_id,
+                                                       lambda: templater.first_turn(prompt, call.tools)))
                 except TemplateRefusal as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except RenderFailed as exc:
-                    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
                 messages = ()
         else:
             tokens = tuple(prompt)
@@ -238,20 +162,13 @@ class RequestPreparation:
             )
         try:
             def prefix() -> int:
-                renderer = templater
-                if call.prefix_messages and templater is not None:  # (in the render child)
-                    renderer = self.chat_renderer(templater)
-                    if isinstance(renderer, RemoteTemplater):
-                        renderer = _PrefixRender(renderer)
-                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, renderer,
+                return resolve_prefix_tokens(call.prefix_tokens, call.prefix_messages, prompt, tokens, templater,
                                              call.tools)
 
             # only a chat prefix renders (the hot path of a token prompt takes no thread hop)
             prefix_tokens = await self.off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RenderFailed as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
         # a request asking for prompt logprobs reads no prefix cache on its node (every prompt
         # position's logits are computed): no hashes, so admission counts its whole prompt as
@@ -266,17 +183,12 @@ class RequestPreparation:
         if call.routing_key:
             extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
         if messages:  # the node renders them: admission still needs their size
-            def estimates() -> tuple[int, int, int]:  # (their renders in the render child)
-                renderer = self.chat_renderer(templater) if templater is not None else None
-                return (estimate_message_tokens(renderer, messages), templater.conversation_overhead if templater
-                        else 0, estimate_tools_tokens(renderer, messages, call.tools))
-
             try:
-                estimate, overhead, tools_tokens = await self.off_loop(tenant.tenant_id, estimates)
+                estimate, overhead, tools_tokens = await self.off_loop(tenant.tenant_id, lambda: (
+                    estimate_message_tokens(templater, messages), templater.conversation_overhead if templater else 0,
+                    estimate_tools_tokens(templater, messages, call.tools)))
             except TemplateRefusal as exc:  # (the template refusing even one empty user message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except RenderFailed as exc:
-                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             # the tools are in every turn's prompt that carries them (rendered anew with the
             # conversation, or in the history that holds them): its size counts them, first turn or
             # later (regression F3: a later turn's were counted as 0)

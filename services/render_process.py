@@ -18,13 +18,6 @@ does not answer within ``render_timeout_s`` (wall time: it is killed), or cannot
 fails the request it was rendering with ``RenderFailed`` (the node's INTERNAL error, naming
 it); the next render starts a fresh child (~1-3 s, paid by that render).
 
-The gateway renders the chats it tokenizes itself (a whole chat's ``first_turn``, a session
-turn's size estimates, a ``prefix_messages`` prefix: ``services.gateway_prepare``) through a
-``RemoteTemplater`` and ``RenderProcess(owner="gateway")`` of its own too, from its worker
-threads, which take the child in turn (``RenderProcess._turn``). Regression (review s35 E F3,
-its "other places"): they rendered on those threads, in the process whose event loop serves
-every tenant's streams, and took the GIL from it.
-
 The child is started as ``cache_node.grammar_process`` starts a grammar compiler: with
 ``subprocess`` (fork and exec: nothing of the node's threads or CUDA state), from the renderer
 thread (it ends with that thread's node: ``PR_SET_PDEATHSIG``), with the few environment
@@ -84,9 +77,8 @@ STDERR_LINES = 50
 
 
 class RenderFailed(Exception):
-    """A node's (or the gateway's) chat renderer process failed a request: it ended, did not
-    answer in time, answered out of protocol or could not start (the server's fault, not the
-    request's)."""
+    """The node's chat renderer process failed a request: it ended, did not answer in time,
+    answered out of protocol or could not start (the node's fault, not the request's)."""
 
 
 def _forward_stderr(pipe: Any, pid: int) -> None:
@@ -117,15 +109,10 @@ class RenderProcess:
         argv: the child's command, to which the node's pid is appended (tests give another).
         start_timeout_s: longest wait for a new child's ``ready``.
         render_timeout_s: longest wait for one render's reply.
-        owner: whose child it is, as ``RenderFailed``'s messages name it ("node", "gateway").
-
-    Renders from several threads take the child in turn (``_turn``: one render at a time).
     """
 
     def __init__(self, tokenizer: Any, argv: tuple[str, ...] = (sys.executable, "-m", "services.render_worker"),
-                 start_timeout_s: float = START_TIMEOUT_S, render_timeout_s: float = RENDER_TIMEOUT_S,
-                 owner: str = "node") -> None:
-        self.owner = owner
+                 start_timeout_s: float = START_TIMEOUT_S, render_timeout_s: float = RENDER_TIMEOUT_S) -> None:
         self.vocab_size = len(tokenizer)  # (the node's own count: a reply's ids are checked against it)
         self.argv = argv
         self.start_timeout_s = start_timeout_s
@@ -146,7 +133,6 @@ class RenderProcess:
         self.busy = False  # a render (or a start) is under way
         self.closed = False
         self._lock = threading.Lock()
-        self._turn = threading.Lock()  # held by the thread whose render is under way (waited for without the GIL)
 
     @property
     def pid(self) -> int | None:
@@ -167,21 +153,10 @@ class RenderProcess:
         chars = _chars([*history_messages, *new_messages], tools) + len(tool_reply or "")
         return self._render(request, chars, history_tokens)
 
-    def prefix_ids(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of ``messages`` rendered without a generation prompt (with ``tools``), in
-        the child: ``templater.encode(templater.render(messages, add_generation_prompt=False,
-        tools=tools))`` (the gateway's ``prefix_messages``; raises what it raised there, or
-        ``RenderFailed``)."""
-        return self._render(["prefix", list(messages), tools], _chars(messages, tools), None)[0]
-
     def _render(self, request: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
-        with self._turn:
-            return self._render_turn(request, chars, history)
-
-    def _render_turn(self, request: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
         with self._lock:
             if self.closed:
-                raise RenderFailed(f"the {self.owner} is shutting down")
+                raise RenderFailed("the node is shutting down")
             self.busy = True
         try:
             if self.pid is None:
@@ -195,7 +170,7 @@ class RenderProcess:
                 if not isinstance(kind, str) or not isinstance(message, str) or kind not in (*_ERRORS, "internal"):
                     raise self._out_of_protocol("an error of an unknown kind")
                 if kind == "internal":
-                    raise RenderFailed(f"the chat template failed on the {self.owner}: {message}")
+                    raise RenderFailed(f"the chat template failed on the node: {message}")
                 raise _ERRORS[kind](message)
             return self._checked(reply, chars, history)
         finally:
@@ -225,7 +200,7 @@ class RenderProcess:
 
     def _out_of_protocol(self, what: str) -> RenderFailed:
         self.kill()
-        return RenderFailed(f"the {self.owner}'s chat renderer process answered out of protocol ({what}); it was "
+        return RenderFailed(f"the node's chat renderer process answered out of protocol ({what}); it was "
                             "restarted: send the request again")
 
     # ---- the process ------------------------------------------------------------------------
@@ -255,7 +230,7 @@ class RenderProcess:
                 raise self._out_of_protocol("its start")
         except RenderFailed as exc:
             self.kill()
-            raise RenderFailed(f"the {self.owner}'s chat renderer process could not start: {exc}") from None
+            raise RenderFailed(f"the node's chat renderer process could not start: {exc}") from None
         except BaseException:
             self.kill()
             raise
@@ -341,7 +316,7 @@ class RenderProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise RenderFailed(f"the {self.owner}'s chat renderer process did not answer within "
+                raise RenderFailed(f"the node's chat renderer process did not answer within "
                                    f"{self.render_timeout_s:g} s; it was killed and is restarted for the next "
                                    "request")
             poller = select.poll()
@@ -359,7 +334,7 @@ class RenderProcess:
                 pass
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        return RenderFailed(f"the {self.owner}'s chat renderer process ended {when} ({how}); it is restarted for the "
+        return RenderFailed(f"the node's chat renderer process ended {when} ({how}); it is restarted for the "
                             "next request: send this one again")
 
 
@@ -371,10 +346,8 @@ def _chars(messages: Messages, tools: list[dict[str, Any]] | None) -> int:
 
 
 class RemoteTemplater:
-    """The ``ChatTemplater`` the node's renderer thread (and the gateway's worker threads)
-    render with: ``local``'s bounds and ``encode`` (a fast tokenizer's releases the GIL:
-    ``services.chat.encode_text``), and ``process``'s renders (``first_turn``,
-    ``continue_session``, ``prefix_ids``, and ``estimate_tokens``' render)."""
+    """The ``ChatTemplater`` the node's renderer thread renders with: ``local``'s bounds, and
+    ``process``'s renders (``first_turn``, ``continue_session``)."""
 
     def __init__(self, local: ChatTemplater, process: RenderProcess) -> None:
         self.local = local
@@ -389,22 +362,8 @@ class RemoteTemplater:
     def check_tokens_cover(self, num_chars: int, num_tokens: int, what: str = "messages") -> None:
         self.local.check_tokens_cover(num_chars, num_tokens, what)
 
-    @property
-    def conversation_overhead(self) -> int:
-        return self.local.conversation_overhead
-
-    def encode(self, text: str) -> list[int]:
-        return self.local.encode(text)
-
-    def estimate_tokens(self, messages: Messages) -> int:
-        """``ChatTemplater.estimate_tokens``, its render in the child."""
-        return ChatTemplater.estimate_tokens(self, messages)  # type: ignore[arg-type]
-
     def first_turn(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self.process.first_turn(messages, tools)
-
-    def prefix_ids(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.process.prefix_ids(messages, tools)
 
     def continue_session(self, history_messages: Messages, history_tokens: list[int], new_messages: Messages,
                          tools: list[dict[str, Any]] | None = None, same_tools: bool = True,

@@ -22,9 +22,7 @@ pointed at stderr). Token ids cross as ``array('i')`` bytes (native int32).
 - then per render, parent -> child: ``["first_turn", messages, tools]`` or
   ``["continue_session", history_messages, history_ids, messages, tools, same_tools,
   tool_reply]`` (``ChatTemplater.first_turn`` / ``continue_session``; ``tools`` None or a
-  list of OpenAI tool dicts, ``tool_reply`` None or a string) or ``["prefix", messages,
-  tools]`` (the messages rendered without a generation prompt, encoded: the gateway's
-  ``prefix_messages``); child -> parent
+  list of OpenAI tool dicts, ``tool_reply`` None or a string); child -> parent
   ``["ok", ids, continued]`` or ``["error", kind, message]``, ``kind`` one of ``ERROR_KINDS``.
 
 The child runs at niceness ``WORKER_NICENESS`` once loaded; it ends when its stdin closes and
@@ -99,9 +97,6 @@ def render(templater: Any, request: list[Any]) -> list[Any]:
             _, kept, history, messages, tools, same_tools, tool_reply = request
             ids, continued = templater.continue_session(kept, _ids(history), messages, tools, bool(same_tools),
                                                         tool_reply)
-        elif request[0] == "prefix" and len(request) == 3:
-            ids = templater.encode(templater.render(request[1], add_generation_prompt=False, tools=request[2]))
-            continued = False
         else:
             return ["error", "internal", f"unknown render request {str(request[0])[:64]!r}"]
         return ["ok", array("i", ids).tobytes(), bool(continued)]

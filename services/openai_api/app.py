@@ -400,11 +400,9 @@ class OpenAIEdge:
         choice; each node gets the same ``token_ids`` as before (a chat the gateway renders
         reaches its node as tokens). A chat the gateway does not render (a session turn, a
         ``prefix_messages`` prefix, no templater) is left as it is. Runs on the tenant's
-        worker-thread turn (``InferenceServicer.generate``'s parse), its render in the gateway's
-        render child (``RequestPreparation.chat_renderer``: ``RenderFailed``, INTERNAL, where that
-        failed); raises ValueError naming ``messages`` (the gateway answers INVALID_ARGUMENT). A
-        size refusal of the token prompt says "prompt" where the chat's said "messages":
-        ``errors.refusal_about`` words it back.
+        worker-thread turn (``InferenceServicer.generate``'s parse); raises ValueError naming
+        ``messages`` (the gateway answers INVALID_ARGUMENT). A size refusal of the token prompt
+        says "prompt" where the chat's said "messages": ``errors.refusal_about`` words it back.
 
         Regression: a body with ``n`` 16 rendered and tokenized its chat 16 times, one after
         another on its tenant's one worker-thread turn."""
@@ -415,8 +413,6 @@ class OpenAIEdge:
         room = self.model_card(tenant).get("max_model_len")
         if room:
             templater.check_messages_fit(call.prompt, room)
-        renderer = getattr(self.servicer, "chat_renderer", None)  # (in the gateway's render child)
-        templater = renderer(templater) if renderer is not None else templater
         return dataclasses.replace(call, prompt=templater.first_turn(call.prompt, call.tools), tools=None)
 
     def no_such_model(self, model: str) -> CallAborted:
