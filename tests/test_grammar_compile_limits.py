@@ -340,7 +340,9 @@ def test_a_pathological_spec_is_killed_at_the_limit_while_another_tenant_compile
         assert all(matcher.accept_token(t) for t in tokenizer.encode('{"n": 7}', add_special_tokens=False))
         exc = evil.exception(timeout=10)
         evil_s = time.monotonic() - t0
-        assert isinstance(exc, ValueError) and 1.0 <= evil_s < 6.0, evil_s  # 1 s of CPU, within the wall bound
+        # 1 s of CPU, or (a starved host) the wall bound, WALL_LIMIT_FACTOR x 1 s: refused as too
+        # busy, seen at the next poll after it (a loaded CI host saw 6.2 s)
+        assert isinstance(exc, ValueError) and 1.0 <= evil_s < 6.0 + 2.0, evil_s
         assert str(exc).startswith("structured_output json_schema: its grammar did not compile within the cache "
                                    "node's limit of 1 s (grammar_compile_timeout_s)")
         t1 = time.monotonic()
