@@ -47,6 +47,8 @@ def setup(tmp_path: Path, **kwargs: Any) -> tuple[GlobalScheduler, Direct, Spill
     gs = GlobalScheduler(str(tmp_path / "state"), {"n0": 1}, holders=IndexHolders(spill_blocks={"s0": CAPACITY}))
     report = Direct(gs, **kwargs)
     node = SpillNode(tmp_path / "spill", FMT, 1 << 30, DISK, node_id="s0", event_sink=report, lock_wait_s=0)
+    assert report.flush(30.0)  # its start-up report (an empty reset) applied: the next batch is plain
+    assert report.calls == [(0, True)]
     return gs, report, node
 
 
@@ -77,16 +79,18 @@ def test_resyncs_back_off_exponentially_to_a_cap_and_an_applied_reset_ends_it(tm
     now = [0.0]
     gs, report, node = setup(tmp_path, clock=lambda: now[0])
     try:
-        put(node, report, 0, 5)  # the start-up report (a reset), refused: 1 failure
-        assert report.backoff_s() == 1.0 and not report.resync_due()
-        put(node, report, 5)  # a plain batch meanwhile (1 event, within capacity: applied)
+        put(node, report, 0, 5)  # a plain batch refused: the next report is the reset, at once
+        assert report.backoff_s() == 0.0 and report.resync_due()
+        put(node, report, 5)  # all it holds (6, over capacity), refused: 1 failure
+        assert report.calls[-1] == (6, True) and report.backoff_s() == 1.0 and not report.resync_due()
+        put(node, report, 6)  # a plain batch meanwhile (1 event, within capacity: applied)
         assert report.calls[-1] == (1, False) and report.needs_resync
         waits = []
         for k in range(10):  # each due resync (the whole store, over capacity) is refused again
             now[0] += report.backoff_s()
             assert report.resync_due()
             put(node, report, 100 + k)
-            assert report.calls[-1] == (7 + k, True)
+            assert report.calls[-1] == (8 + k, True)
             waits.append(report.backoff_s())
         assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0, 60.0, 60.0]
         assert RESYNC_BACKOFF_MAX_S == 60.0
