@@ -28,6 +28,7 @@ variables of ``grammar_process.child_env`` (no credential), in a private directo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -142,14 +143,14 @@ class RenderProcess:
     # ---- the renders (the renderer thread's) ------------------------------------------------
     def first_turn(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """``ChatTemplater.first_turn`` in the child (raises what it raised there, or ``RenderFailed``)."""
-        return self._render(["first_turn", list(messages), tools], _chars(messages, tools), None)[0]
+        return self._render(["first_turn", list(messages), _tools_text(tools)], _chars(messages, tools), None)[0]
 
     def continue_session(self, history_messages: Messages, history_tokens: list[int], new_messages: Messages,
                          tools: list[dict[str, Any]] | None = None, same_tools: bool = True,
                          tool_reply: str | None = None) -> tuple[list[int], bool]:
         """``ChatTemplater.continue_session`` in the child (raises what it raised there, or ``RenderFailed``)."""
         request = ["continue_session", list(history_messages), array("i", history_tokens).tobytes(),
-                   list(new_messages), tools, same_tools, tool_reply]
+                   list(new_messages), _tools_text(tools), same_tools, tool_reply]
         chars = _chars([*history_messages, *new_messages], tools) + len(tool_reply or "")
         return self._render(request, chars, history_tokens)
 
@@ -162,7 +163,11 @@ class RenderProcess:
             if self.pid is None:
                 self.start()
             deadline = time.monotonic() + self.render_timeout_s
-            self._write(frame(request), deadline)
+            try:
+                packed = frame(request)
+            except (OverflowError, TypeError, ValueError) as exc:  # nothing sent: the request's values
+                raise ValueError(f"the chat's messages cannot be handed to the renderer: {exc}") from None
+            self._write(packed, deadline)
             reply = self._reply(deadline)
             self.renders += 1
             if reply[0] == "error":
@@ -339,10 +344,34 @@ class RenderProcess:
 
 
 def _chars(messages: Messages, tools: list[dict[str, Any]] | None) -> int:
-    """Characters of a render's input: its messages' string values and its tools' JSON, bounded
-    from above (what its token ids are checked against)."""
-    chars = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
-    return chars + (len(repr(tools)) if tools else 0)
+    """Characters of a render's input, bounded from above (what its token ids are checked
+    against): every string in its messages, nested ones too (content parts, ``tool_calls``'
+    names and arguments), 32 for each other value, and its tools' JSON. Regression (diff review
+    s35 R2): only a message's top-level strings counted, so a chat whose tool-call arguments
+    came to more than ~65K tokens was refused "out of protocol" (and the shared child killed)."""
+    return _value_chars(list(messages)) + (len(_tools_text(tools) or "") if tools else 0)
+
+
+def _value_chars(value: Any) -> int:
+    stack, chars = [value], 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            chars += 32
+    return chars
+
+
+def _tools_text(tools: list[dict[str, Any]] | None) -> str | None:
+    """``tools`` as JSON text for the child (msgpack packs no integer past 64 bits, which a
+    tool's JSON schema may hold: diff review s35 R1, the turn failed INTERNAL)."""
+    return None if tools is None else json.dumps(tools)
 
 
 class RemoteTemplater:

@@ -31,6 +31,7 @@ when its parent dies (``grammar_worker._die_with_parent``).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from array import array
@@ -88,15 +89,20 @@ def _ids(data: bytes) -> list[int]:
     return ids.tolist()
 
 
+def _tools(text: Any) -> Any:
+    """A request's tools: JSON text (``render_process._tools_text``) or None."""
+    return json.loads(text) if isinstance(text, str) else text
+
+
 def render(templater: Any, request: list[Any]) -> list[Any]:
     """The reply to one render ``request`` (see the module docstring)."""
     try:
         if request[0] == "first_turn" and len(request) == 3:
-            ids, continued = templater.first_turn(request[1], request[2]), False
+            ids, continued = templater.first_turn(request[1], _tools(request[2])), False
         elif request[0] == "continue_session" and len(request) == 7:
             _, kept, history, messages, tools, same_tools, tool_reply = request
-            ids, continued = templater.continue_session(kept, _ids(history), messages, tools, bool(same_tools),
-                                                        tool_reply)
+            ids, continued = templater.continue_session(kept, _ids(history), messages, _tools(tools),
+                                                        bool(same_tools), tool_reply)
         else:
             return ["error", "internal", f"unknown render request {str(request[0])[:64]!r}"]
         return ["ok", array("i", ids).tobytes(), bool(continued)]
@@ -118,7 +124,11 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     if kind != "init":
         raise ValueError(f"expected an init frame, got {kind!r}")
     templater = load_templater(tokenizer_dir)
-    templater.first_turn([{"role": "user", "content": "x"}])  # the template compiled, lazy imports done
+    try:  # the template compiled, lazy imports done
+        templater.first_turn([{"role": "user", "content": "x"}])
+    except Exception as exc:  # noqa: BLE001 - a template that refuses a lone user message (one asking
+        # for a system message first) still renders the chats it takes (diff review s35 R4)
+        print(f"chat renderer: the warm-up render was refused ({type(exc).__name__}); going on", file=sys.stderr)
     _cap_files()
     _lower_priority()
     sandbox = confine(os.getcwd())  # from here on, tenants' messages
