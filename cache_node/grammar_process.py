@@ -40,7 +40,6 @@ import select
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -49,6 +48,7 @@ from typing import Any
 
 from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
 from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
+from cache_node.process_temp import process_temp_dir
 
 MAX_REPLY_BYTES = 64 << 20
 """Largest reply frame read (a compiled grammar's JSON: 25 KB for a small schema, 2.2 MB for
@@ -207,7 +207,7 @@ class CompilerProcess:
         """Start the child (reaping one that ended), send its ``init`` frame and wait for its
         ``ready``, all within ``start_timeout_s`` (raises ``CompilerDied``)."""
         self.kill()
-        self.workdir = tempfile.mkdtemp(prefix="kvstrata-grammar-")  # 0700, ours; kill removes it
+        self.workdir = process_temp_dir("grammar")  # 0700, ours; kill removes it
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # or exit, or GC
         env = child_env(os.environ)
         env["TMPDIR"] = self.workdir

@@ -35,7 +35,6 @@ import select
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -45,6 +44,7 @@ from typing import Any
 from cache_node.grammar_process import child_env
 from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
 from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
+from cache_node.process_temp import process_temp_dir
 from services.chat import ChatTemplater, Messages, TemplateRefusal
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class RenderProcess:
         self.argv = argv
         self.start_timeout_s = start_timeout_s
         self.render_timeout_s = render_timeout_s
-        self._tokenizer_dir = tempfile.mkdtemp(prefix="kvstrata-render-tokenizer-")
+        self._tokenizer_dir = process_temp_dir("render-tokenizer")
         self._remove_tokenizer = weakref.finalize(self, shutil.rmtree, self._tokenizer_dir, True)
         try:
             tokenizer.save_pretrained(self._tokenizer_dir)
@@ -213,7 +213,7 @@ class RenderProcess:
         """Start the child (reaping one that ended), send its ``init`` frame and wait for its
         ``ready``, within ``start_timeout_s`` (else ``RenderFailed``)."""
         self.kill()
-        self.workdir = tempfile.mkdtemp(prefix="kvstrata-render-")
+        self.workdir = process_temp_dir("render")
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)
         env = child_env(os.environ)
         env.update(TMPDIR=self.workdir, HF_HOME=self.workdir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
