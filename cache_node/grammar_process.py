@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -299,17 +300,7 @@ class CompilerProcess:
         Regression (review 29a F1): a blocking write, before any deadline, held the compile
         thread for as long as the child was stopped."""
         assert self.proc is not None and self.proc.stdin is not None
-        fd = self.proc.stdin.fileno()
-        view = memoryview(data)
-        while view:
-            self._wait(fd, select.POLLOUT, deadline)
-            try:
-                written = os.write(fd, view[:1 << 20])
-            except BlockingIOError:
-                continue
-            except OSError:  # EPIPE: it ended
-                raise self._ended("before it read its request") from None
-            view = view[written:]
+        write_all(self.proc.stdin.fileno(), data, lambda fd, event: self._wait(fd, event, deadline), self._ended)
 
     def _reply(self, deadline: _Deadline) -> list[str]:
         """The next reply frame within ``deadline``, decoded and checked: a list of two strings."""
@@ -331,15 +322,8 @@ class CompilerProcess:
     def _read(self, size: int, deadline: _Deadline) -> bytes:
         """``size`` bytes of the child's stdout within ``deadline``, else kill it (``CompileTimeout``)."""
         assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        chunks = bytearray()
-        while len(chunks) < size:
-            self._wait(fd, select.POLLIN, deadline)
-            chunk = os.read(fd, min(size - len(chunks), 1 << 20))
-            if not chunk:
-                raise self._ended("mid-reply" if chunks else "before replying")
-            chunks += chunk
-        return bytes(chunks)
+        return read_exact(self.proc.stdout.fileno(), size, lambda fd, event: self._wait(fd, event, deadline),
+                          self._ended)
 
     def _wait(self, fd: int, event: int, deadline: _Deadline) -> None:
         """Until ``fd`` is ready for ``event`` (or has hung up: the read or write then says
@@ -389,6 +373,35 @@ CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
                              "PYTHONHOME", "OMP_NUM_THREADS"})
 """What of the node's environment a compiler process gets, with ``CHILD_ENV_PREFIXES``' names."""
 CHILD_ENV_PREFIXES = ("LC_", "XGRAMMAR_", "TVM_FFI_")
+
+
+def write_all(fd: int, data: bytes, wait: Callable[[int, int], None], ended: Callable[[str], Exception]) -> None:
+    """Write ``data`` to a child's non-blocking stdin ``fd``, calling ``wait(fd, POLLOUT)`` (which
+    raises past its deadline) before each write; a pipe the child closed raises
+    ``ended("before it read its request")`` (the grammar compiler's and the chat renderer's)."""
+    view = memoryview(data)
+    while view:
+        wait(fd, select.POLLOUT)
+        try:
+            written = os.write(fd, view[:1 << 20])
+        except BlockingIOError:
+            continue
+        except OSError:  # EPIPE: it ended
+            raise ended("before it read its request") from None
+        view = view[written:]
+
+
+def read_exact(fd: int, size: int, wait: Callable[[int, int], None], ended: Callable[[str], Exception]) -> bytes:
+    """``size`` bytes of a child's stdout ``fd``, calling ``wait(fd, POLLIN)`` (which raises past
+    its deadline) before each read; the child's end raises ``ended("mid-reply" | "before replying")``."""
+    chunks = bytearray()
+    while len(chunks) < size:
+        wait(fd, select.POLLIN)
+        chunk = os.read(fd, min(size - len(chunks), 1 << 20))
+        if not chunk:
+            raise ended("mid-reply" if chunks else "before replying")
+        chunks += chunk
+    return bytes(chunks)
 
 
 def child_env(environ: Any) -> dict[str, str]:

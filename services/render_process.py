@@ -41,7 +41,7 @@ import weakref
 from array import array
 from typing import Any
 
-from cache_node.grammar_process import child_env
+from cache_node.grammar_process import child_env, read_exact, write_all
 from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
 from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
 from cache_node.process_temp import process_temp_dir
@@ -276,17 +276,7 @@ class RenderProcess:
     def _write(self, data: bytes, deadline: float) -> None:
         """Write ``data`` to the child's non-blocking stdin by ``deadline`` (monotonic)."""
         assert self.proc is not None and self.proc.stdin is not None
-        fd = self.proc.stdin.fileno()
-        view = memoryview(data)
-        while view:
-            self._wait(fd, select.POLLOUT, deadline)
-            try:
-                written = os.write(fd, view[:1 << 20])
-            except BlockingIOError:
-                continue
-            except OSError:  # EPIPE: it ended
-                raise self._ended("before it read its request") from None
-            view = view[written:]
+        write_all(self.proc.stdin.fileno(), data, lambda fd, event: self._wait(fd, event, deadline), self._ended)
 
     def _reply(self, deadline: float) -> list[Any]:
         """The next reply frame by ``deadline``: a list of two or three values."""
@@ -304,15 +294,8 @@ class RenderProcess:
 
     def _read(self, size: int, deadline: float) -> bytes:
         assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        chunks = bytearray()
-        while len(chunks) < size:
-            self._wait(fd, select.POLLIN, deadline)
-            chunk = os.read(fd, min(size - len(chunks), 1 << 20))
-            if not chunk:
-                raise self._ended("mid-reply" if chunks else "before replying")
-            chunks += chunk
-        return bytes(chunks)
+        return read_exact(self.proc.stdout.fileno(), size, lambda fd, event: self._wait(fd, event, deadline),
+                          self._ended)
 
     def _wait(self, fd: int, event: int, deadline: float) -> None:
         """Until ``fd`` is ready for ``event`` (or hung up), by ``deadline``; past it the child
