@@ -280,14 +280,7 @@ class CompilerProcess:
         self.ready = False
         self.sandbox = ""
         if proc is not None:
-            proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    try:
-                        pipe.close()
-                    except OSError:
-                        pass
+            reap(proc)
         if remove_workdir is not None:
             remove_workdir()
 
@@ -373,6 +366,19 @@ CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
                              "PYTHONHOME", "OMP_NUM_THREADS"})
 """What of the node's environment a compiler process gets, with ``CHILD_ENV_PREFIXES``' names."""
 CHILD_ENV_PREFIXES = ("LC_", "XGRAMMAR_", "TVM_FFI_")
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a child, wait for it and close its pipes (the grammar compiler's and the chat
+    renderer's ``kill``)."""
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 def write_all(fd: int, data: bytes, wait: Callable[[int, int], None], ended: Callable[[str], Exception]) -> None:

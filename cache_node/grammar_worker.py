@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import msgpack
@@ -284,13 +285,20 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
         replies.flush()
 
 
-def main() -> None:
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS (xgrammar's import loads it) starts no threads (sandbox)
+def run_child(serve: Callable[[BinaryIO, BinaryIO], None]) -> None:
+    """A child's entry (this module's, ``services.render_worker``'s): end with the parent named
+    in ``argv[1]``, then ``serve(stdin, replies)`` with the replies on the original stdout, and
+    stdout pointed at stderr (a library's prints never reach the replies)."""
     _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
     replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a library's prints go to stderr, never into the replies
+    os.dup2(2, 1)
     sys.stdout = sys.stderr
     serve(sys.stdin.buffer, replies)
+
+
+def main() -> None:
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS (xgrammar's import loads it) starts no threads (sandbox)
+    run_child(serve)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import weakref
 from array import array
 from typing import Any
 
-from cache_node.grammar_process import child_env, read_exact, write_all
+from cache_node.grammar_process import child_env, read_exact, reap, write_all
 from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
 from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
 from cache_node.process_temp import process_temp_dir
@@ -262,14 +262,7 @@ class RenderProcess:
         remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
         self.sandbox = ""
         if proc is not None:
-            proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    try:
-                        pipe.close()
-                    except OSError:
-                        pass
+            reap(proc)
         if remove_workdir is not None:
             remove_workdir()
 

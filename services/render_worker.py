@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from cache_node.grammar_worker import _cap_files, _die_with_parent, frame, read_frame_blocking
+from cache_node.grammar_worker import _cap_files, frame, read_frame_blocking, run_child
 from cache_node.sandbox import confine
 
 MAX_REQUEST_BYTES = 256 << 20
@@ -142,11 +142,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
 def main() -> None:
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no Rust thread pool (``cache_node.sandbox``: one thread)
-    _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a library's prints go to stderr, never into the replies
-    sys.stdout = sys.stderr
-    serve(sys.stdin.buffer, replies)
+    run_child(serve)
 
 
 if __name__ == "__main__":
