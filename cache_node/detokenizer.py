@@ -16,13 +16,16 @@ decode (a lossy UTF-8 decode of the tokens' bytes: SmolLM2's, GPT-2's) in step w
 the whole output: every step's text so far is the whole output's decode without its trailing
 U+FFFD characters, and the last step's (``final``) is the whole decode, exactly.
 
-A long run of steps whose text all ends in U+FFFD (invalid bytes, one per token) does not grow
-the window: once ``MAX_UNSETTLED`` tokens are unsettled the window moves to a token boundary
-that is a character boundary of the whole output and is followed by at least 3 characters
-(so at least 3 bytes: no UTF-8 character spans more than 4, so nothing that comes later can
-join the bytes before it to the bytes after it). The U+FFFD characters before that boundary
-are final; they are still held back (counted, not decoded again) until a whole character
-follows them or the output ends, so the text sent is the same as without the move.
+A long run of steps whose text all ends in U+FFFD (invalid bytes, a character's first bytes
+never completed) does not grow the window: once ``MAX_UNSETTLED`` tokens are unsettled the
+window moves to a token boundary followed by at least 3 characters (so at least 3 bytes: no
+UTF-8 character spans more than 4, so the character the boundary may be inside is decided by
+then, and the decodes before and after it resynchronise). The U+FFFD characters before that
+boundary are final; they are still held back (counted, not decoded again nor built as a string)
+until a whole character follows them or the output ends, so the text sent is the same as
+without the move. Only a window that cannot move (a character's first bytes followed by
+``MAX_WINDOW`` special tokens, which decode to nothing) is given up: its U+FFFD go out as final
+and a new window starts, as vLLM's and Hugging Face's incremental detokenizers do.
 """
 
 from __future__ import annotations
@@ -36,8 +39,12 @@ MAX_UNSETTLED = 8
 """Unsettled tokens (their text ends in U+FFFD) at which the window looks for a boundary to
 move to; a failed look waits for twice as many before the next."""
 
-BOUNDARY_TAIL = (3, 4, 5, 6)
-"""How many of the window's last tokens a moved window keeps (first that fits wins)."""
+MAX_KEEP = 12
+"""The most of the window's last tokens a moved window keeps (the fewest that decode to 3
+characters win): 12 tokens of at least one byte each hold at least 3 characters."""
+
+MAX_WINDOW = 64
+"""Unsettled tokens at which a window ``_move_window`` cannot move is given up (``_give_up``)."""
 
 
 class IncrementalDetokenizer:
@@ -49,14 +56,15 @@ class IncrementalDetokenizer:
     A step's cost is two decodes of the tokens since the last step whose text ended in a whole
     character (a few tokens), not of the whole output; a run of tokens that all leave the text
     ending in U+FFFD (invalid or unfinished UTF-8) is decoded as one window of at most about
-    ``2 * MAX_UNSETTLED`` tokens while it has character boundaries (``_move_window``).
+    ``MAX_UNSETTLED + MAX_KEEP`` tokens (``_move_window``), ``MAX_WINDOW`` at worst (``_give_up``).
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
         self._decode = decode
         self._ids: list[int] = []  # the window: the output's tokens from prefix_offset on
         self._read = 0  # read_offset - prefix_offset: the window's settled tokens
-        self._settled = ""  # what the window's settled tokens decode to
+        self._settled = ""  # the window's decode's start that is accounted for: its settled tokens'
+        # text (after a move to a boundary inside a character: that character's last bytes' U+FFFD)
         self._held = 0  # final U+FFFD characters before the window, not returned yet
         self._sent = 0  # characters of the held ones and the window's text past ``_settled`` returned
         self._try_at = MAX_UNSETTLED  # unsettled tokens at which ``_move_window`` is tried next
@@ -70,40 +78,78 @@ class IncrementalDetokenizer:
         new text: 0.76 ms per step per request at 512 output tokens, 18.4 ms at 8,000, on the
         step thread that every request on the node waits for. Regression (security review
         F7): while the text kept ending in U+FFFD the window was never settled, so each step
-        decoded the whole run again (9.96 ms per step after 8,000 invalid-byte tokens)."""
+        decoded the whole run again (9.96 ms per step after 8,000 invalid-byte tokens).
+        Regression (s36): a run whose token boundaries fell inside characters (single-byte
+        tokens F0 9F 98 repeated: a 4-byte character's first 3 bytes, never completed) or a
+        character's first byte followed by special tokens still grew the window: 0.45 s for
+        1,000 such tokens, 72 s for 16,000; and the held U+FFFD were built as a string each
+        step (a run of 16,000 continuation bytes: 4.1 s)."""
         self._ids.extend(token_ids)
         text = self._decode(self._ids)
-        # the held U+FFFD characters, then the new tokens' text (and any held back)
-        pending = INCOMPLETE * self._held + text[len(self._settled):]
-        ready = pending if final else pending.rstrip(INCOMPLETE)
-        delta = ready[self._sent:]
-        self._sent = max(self._sent, len(ready))
-        if not pending.endswith(INCOMPLETE):  # a whole character last: settled up to here
+        new = text[len(self._settled):]  # the window's text past its settled part
+        body = new if final else new.rstrip(INCOMPLETE)
+        delta = ""
+        if body or final:  # else all that is pending (held ones included) is U+FFFD: held back
+            delta = INCOMPLETE * (self._held - self._sent) + body[max(self._sent - self._held, 0):]
+            self._sent = max(self._sent, self._held + len(body))
+        if not (new.endswith(INCOMPLETE) if new else self._held):  # a whole character last: settled
             del self._ids[:self._read]  # the window now starts at the old read offset
             self._read, self._sent, self._held = len(self._ids), 0, 0
             self._settled = self._decode(self._ids)
             self._try_at = MAX_UNSETTLED
-        elif not final and len(self._ids) - self._read >= self._try_at:
-            self._move_window(text)
+        elif (not final and len(self._ids) - self._read >= self._try_at and not self._move_window(text)
+              and len(self._ids) - self._read >= MAX_WINDOW):
+            delta += self._give_up(new)
         return delta
 
-    def _move_window(self, text: str) -> None:
-        """Start the window at one of its last tokens' boundaries (``BOUNDARY_TAIL``) where the
-        whole output's text splits (its decode is the decode of the tokens before it followed
-        by the decode of those after it) and at least 3 characters follow; the U+FFFD
-        characters before it not returned yet become held ones. ``text``: the window's
-        decode. Nothing changes when no boundary fits
-        (tokens that each end inside a character): the next try waits for twice as many
-        unsettled tokens."""
-        for keep in BOUNDARY_TAIL:
+    def _move_window(self, text: str) -> bool:
+        """Start the window at a boundary of one of its last tokens (``MAX_KEEP`` at most)
+        after which the window's tokens decode to at least 3 characters (so at least 3 bytes:
+        the character the boundary may be inside is decided by then, no UTF-8 character
+        spanning more than 4 bytes). ``text``: the window's decode. True when moved.
+
+        The boundary may be inside a character: the tokens after it then decode to up to 3
+        U+FFFD for that character's last bytes (lone continuation bytes) where the whole
+        output has the character, and from the next byte that is not a continuation byte on
+        both decodes are the same (UTF-8 resynchronises there; a lossy decode replaces each
+        maximal invalid part by one U+FFFD, as Python's and the tokenizers' Rust decoder do).
+        So the moved window's decode is ``text[j:]`` after its first ``t`` characters, for the
+        smallest ``t`` (at most 3, all U+FFFD) that makes it so: a smaller ``t`` than the true
+        one only counts U+FFFD of that character's bytes as the whole output's U+FFFD before
+        ``j``, which are the same characters. Those first ``t`` characters become the window's
+        settled text; the U+FFFD before ``j`` not returned yet become held ones. Nothing
+        changes when no boundary fits (tokens that decode to nothing, special tokens; a
+        decode that is not a lossy UTF-8 decode of the tokens' bytes): the next try waits
+        for twice as many unsettled tokens, and ``add`` gives up at ``MAX_WINDOW``."""
+        for keep in range(3, MAX_KEEP + 1):
             cut = len(self._ids) - keep
             if cut <= self._read:
                 break
-            head, tail = self._decode(self._ids[:cut]), self._decode(self._ids[cut:])
-            if len(tail) >= 3 and head + tail == text and head.startswith(self._settled):
-                unsent = self._held + len(head) - len(self._settled) - self._sent  # all U+FFFD
-                self._held, self._sent = max(unsent, 0), max(-unsent, 0)
-                del self._ids[:cut]
-                self._read, self._settled, self._try_at = 0, "", MAX_UNSETTLED
-                return
-        self._try_at = 2 * (len(self._ids) - self._read)
+            tail = self._decode(self._ids[cut:])
+            if len(tail) < 3:
+                continue
+            for t in range(4):
+                j = len(text) - len(tail) + t
+                if t and tail[t - 1] != INCOMPLETE or j < len(self._settled):
+                    break
+                if text.endswith(tail[t:]):
+                    unsent = self._held + j - len(self._settled) - self._sent  # all U+FFFD
+                    self._held, self._sent = max(unsent, 0), max(-unsent, 0)
+                    del self._ids[:cut]
+                    self._read, self._settled, self._try_at = 0, tail[:t], MAX_UNSETTLED
+                    return True
+        self._try_at = min(2 * (len(self._ids) - self._read), MAX_WINDOW)
+        return False
+
+    def _give_up(self, new: str) -> str:
+        """Settle a window whose last ``MAX_WINDOW`` tokens left the text ending in U+FFFD and
+        that ``_move_window`` could not move (special tokens after a character's first bytes;
+        a decode that is not a lossy UTF-8 decode): its U+FFFD not returned yet are returned
+        now, as final, and the next window starts empty, as vLLM's and Hugging Face's
+        incremental detokenizers do. This is the one case where the text differs from the
+        whole output's decode: bytes that come later no longer complete that character (its
+        bytes are U+FFFD). ``new``: the window's text past its settled part."""
+        rest = INCOMPLETE * (self._held - self._sent) + new[max(self._sent - self._held, 0):]
+        self._ids, self._read, self._settled, self._held, self._sent = [], 0, "", 0, 0
+        self._try_at = MAX_UNSETTLED
+        return rest
