@@ -10,9 +10,9 @@ attributes).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -27,6 +27,7 @@ from services.chat import ChatTemplater, TemplateRefusal, covered_chars, estimat
 from services.chat_tools import estimate_tools_tokens, wire_messages
 from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
+from services.tenant_turns import TenantTurns
 
 
 class RequestPreparation:
@@ -34,30 +35,26 @@ class RequestPreparation:
 
     info: dict[str, Any]
     templater: ChatTemplater | None
-    _tokenizing: dict[str, asyncio.Lock]
     _tokenizer_pool: concurrent.futures.ThreadPoolExecutor
 
+    @functools.cached_property
+    def turns(self) -> TenantTurns:
+        """Each tenant's one turn at this gateway's costly work (``services.tenant_turns``),
+        this servicer's ``off_loop`` and the HTTP edge's (``OpenAIEdge.turn``) alike; made on
+        first use, one per servicer."""
+        return TenantTurns()
+
     async def off_loop(self, tenant_id: str, work: Callable[[], Any]) -> Any:
-        """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, one at a
-        time per tenant; returns its result, raises what it raised.
+        """Run ``work`` (parsing, rendering, tokenizing a prompt) on a worker thread, on
+        ``tenant_id``'s one turn at this gateway (``turns``, ``TenantTurns.off_loop``: the HTTP
+        edge's turn too), held until ``work`` ends even when the caller stops waiting; returns
+        its result, raises what it raised.
 
         Regression (security review): a prompt's text was rendered and tokenized on the event
         loop that serves every tenant's calls and streams (1 Mi characters: ~3.6 s); three
         such calls froze every other tenant's streams for ~14 s. One at a time per tenant: a
         tenant's burst of them holds one worker thread, not every one."""
-        lock = self._tokenizing.setdefault(tenant_id, asyncio.Lock())
-        await lock.acquire()
-        loop = asyncio.get_running_loop()
-        try:
-            done = self._tokenizer_pool.submit(work)
-        except BaseException:
-            lock.release()
-            raise
-        # released when the work is done, not when a cancelled caller stops waiting for it
-        # (regression, diff review: a tenant that sent big prompts and hung up ran one thread
-        # per call at once and filled the pool every tenant's parses share)
-        done.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(lock.release))
-        return await asyncio.wrap_future(done)
+        return await self.turns.off_loop(tenant_id, self._tokenizer_pool, work)
 
     async def _prepare(self, call: GenerateInput, tenant: Any, context: Any) -> tuple[NodeRequest, list[bytes]]:
         spec = tenant.spec

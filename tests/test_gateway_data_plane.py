@@ -272,7 +272,6 @@ def test_a_tenants_cancelled_parses_still_take_one_worker_at_a_time() -> None:
 
     async def run() -> float:
         servicer = InferenceServicer.__new__(InferenceServicer)
-        servicer._tokenizing = {}
         servicer._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS)
         for _ in range(2 * TOKENIZER_THREADS):  # tenant A: send, hang up, send again
             call = asyncio.ensure_future(servicer.off_loop("A", slow))

@@ -181,7 +181,6 @@ class _Preparation(RequestPreparation):
     def __init__(self) -> None:
         self.info = {**NODE_INFO, "vocab_size": 1000}
         self.templater = None
-        self._tokenizing = {}
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1)
 
 

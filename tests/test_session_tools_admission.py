@@ -46,7 +46,6 @@ class _Preparation(RequestPreparation):
     def __init__(self, templater: ChatTemplater) -> None:
         self.info = {**NODE_INFO, "vocab_size": len(templater.tokenizer)}
         self.templater = templater
-        self._tokenizing = {}
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1)
 
 

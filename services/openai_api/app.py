@@ -32,7 +32,6 @@ n requests, started all or none, in one response), ``tokenize`` (``/tokenize`` a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -103,6 +102,7 @@ from services.openai_api.streaming import (
 from services.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, tokenize_answer
 from services.openai_api.tools import TOOL_PARSERS
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
+from services.tenant_turns import TenantTurns
 from services.tool_requests import auto_refusal
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,9 @@ class OpenAIEdge:
             ``tool_choice`` (``check_tools``).
 
     ``created`` (the model card's) is when this edge was made: the gateway's start. ``turns``:
-    each tenant's turn at parsing a body and building a whole response (``turn``).
+    each tenant's turn at parsing a body and building a whole response (``turn``): the
+    servicer's (``InferenceServicer.turns``), so the gRPC API's work and this edge's take one
+    turn per tenant; a servicer without them (a test's stand-in) gets the edge's own.
     """
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
@@ -143,31 +145,35 @@ class OpenAIEdge:
         self.responses = ResponseBudget(self.bodies.limits.response_bytes_per_tenant,
                                         self.bodies.limits.retry_after_ms)
         self.created = int(time.time())
-        self.turns: dict[str, asyncio.Lock] = {}
+        turns = getattr(servicer, "turns", None)
+        self.turns = turns if isinstance(turns, TenantTurns) else TenantTurns()
 
     @contextlib.asynccontextmanager
     async def turn(self, tenant_id: str) -> AsyncIterator[None]:
-        """Hold ``tenant_id``'s one turn here while the block runs: its bodies are parsed (and
-        its whole responses built) one at a time, in the order they came, whether on the event
-        loop or on a worker thread (``InferenceServicer.off_loop``, whose own per-tenant turn
-        the block then waits for as well). A tenant's burst of requests queues behind itself,
-        not in front of other tenants' requests: each waits for at most one parse or build of
-        every other tenant's. A block cancelled while its work runs on a thread gives the turn
-        back then (the thread's work keeps the servicer's turn until it ends).
+        """Hold ``tenant_id``'s one turn here (``turns``: the gRPC API's too) while the block
+        runs on the event loop: its bodies are parsed (and its whole responses built) one at a
+        time, in the order they came; work too costly for the loop goes to a worker thread
+        through ``InferenceServicer.off_loop`` instead, which takes the same turn (never both:
+        the turn is not re-entrant). A tenant's burst of requests queues behind itself, not in
+        front of other tenants' requests: each waits for at most one parse or build of every
+        other tenant's. ``tenant_id``: the authenticated tenant's.
 
-        Regression (review s35 E F2): bodies of at most ``OFF_LOOP_BYTES`` were parsed on the
-        event loop with no per-tenant bound; one tenant's 64 connections of 255 KiB bodies of
-        ``[[]]`` (~100 ms each) took another tenant's ``GET /v1/models`` from 1 ms to 9.8 s."""
-        lock = self.turns.setdefault(tenant_id, asyncio.Lock())
-        async with lock:
+        Regressions: bodies of at most ``OFF_LOOP_BYTES`` were parsed on the event loop with
+        no per-tenant bound; one tenant's 64 connections of 255 KiB bodies of ``[[]]`` (~100 ms
+        each) took another tenant's ``GET /v1/models`` from 1 ms to 9.8 s (review s35 E F2).
+        This turn and the servicer's were two locks, so a tenant using both APIs held two at
+        once, and their tables kept a lock for every tenant id ever seen (s36:
+        ``services.tenant_turns``)."""
+        async with self.turns.hold(tenant_id):
             yield
 
     async def parsed(self, tenant_id: str, data: bytes, kind: type[BaseModel]) -> Any:
         """``data`` (a body read whole) checked (``check_body_shape``: 400 past its bounds)
-        and parsed as ``kind`` (400 for bad JSON; ``ValidationError``), on ``tenant_id``'s turn
-        (``turn``): on the event loop when it holds at most ``OFF_LOOP_BYTES`` bytes and
+        and parsed as ``kind`` (400 for bad JSON; ``ValidationError``), on ``tenant_id``'s turn:
+        on the event loop (``turn``) when it holds at most ``OFF_LOOP_BYTES`` bytes and
         ``OFF_LOOP_VALUES`` JSON values and containers (a few ms at most), else on a worker
-        thread (a body past ``OFF_LOOP_BYTES`` is checked there too)."""
+        thread (``InferenceServicer.off_loop``; a body past ``OFF_LOOP_BYTES`` is checked there
+        too, a smaller one's check on the loop first)."""
         def parse() -> Any:
             return kind.model_validate(load_json(data))
 
@@ -175,12 +181,12 @@ class OpenAIEdge:
             check_body_shape(data)
             return parse()
 
+        if len(data) > OFF_LOOP_BYTES:
+            return await self.servicer.off_loop(tenant_id, check_and_parse)
         async with self.turn(tenant_id):
-            if len(data) > OFF_LOOP_BYTES:
-                return await self.servicer.off_loop(tenant_id, check_and_parse)
-            if check_body_shape(data) > OFF_LOOP_VALUES:
-                return await self.servicer.off_loop(tenant_id, parse)
-            return parse()
+            if check_body_shape(data) <= OFF_LOOP_VALUES:
+                return parse()
+        return await self.servicer.off_loop(tenant_id, parse)
 
     def serves(self, model: str) -> bool:
         """``model`` names this server's model (its served name or its full identity)."""
@@ -305,18 +311,24 @@ class OpenAIEdge:
         When the tenant's unwritten responses leave no room for it, the response is that
         refusal instead, a 429 with ``Retry-After``: before it is built when they leave none for
         its least size (``Held.least_bytes``, ``ResponseBudget.check_fits``), else once built
-        (``ResponseBudget.hold``).
+        (``ResponseBudget.hold``). A client gone while it waits for its tenant's turn (or the
+        build) gets nothing built: the wait is given up (499, ``unless_gone``).
         """
         tenant_id = getattr(request.state, "tenant_id", "")
         try:
             self.responses.check_fits(tenant_id, held.least_bytes())
         except CallAborted as exc:
             return exc.response()
-        async with self.turn(tenant_id):
-            if not held.off_loop():
-                response = JSONResponse(build())
-            else:
-                response = await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
+        async def built() -> Response:
+            if held.off_loop():
+                return await self.servicer.off_loop(tenant_id, lambda: JSONResponse(build()))
+            async with self.turn(tenant_id):
+                return JSONResponse(build())
+
+        try:  # (a client gone while this waits for its tenant's turn leaves no waiter behind)
+            response = await unless_gone(request, built())
+        except ClientGone:
+            return _gone()
         try:
             hold = self.responses.hold(tenant_id, len(response.body))
         except CallAborted as exc:
