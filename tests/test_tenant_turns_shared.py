@@ -23,6 +23,7 @@ from typing import Any
 from unittest import mock
 
 import grpc
+from starlette.requests import Request
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import gateway
@@ -31,6 +32,7 @@ from services.gateway import InferenceServicer
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.openai_api import app
 from services.openai_api.app import OFF_LOOP_VALUES, OpenAIEdge, create_app
+from services.openai_api.response_budget import Held
 from services.openai_api.server import HttpServer
 from tenants.model import TenantSpec
 from tests.gateway_harness import NODE_INFO, LocalActor
@@ -244,3 +246,45 @@ def test_the_turn_table_empties_once_many_tenants_requests_end_cancelled_waiters
     held_input, counted_load = gate.patches()
     with held_input, counted_load:
         asyncio.run(_serving(tmp_path, names, run))
+
+
+def test_a_whole_response_waiting_for_its_turn_is_given_up_when_its_client_goes(tmp_path: Path) -> None:
+    """A whole response waits for its tenant's turn (held by the tenant's other work); its
+    client disconnects: the response is a 499 at once, never built, and no waiter is left.
+    Before: it waited on, then built the body for a client long gone."""
+    built: list[int] = []
+
+    async def run() -> None:
+        handle = LocalActor(GlobalSchedulerService(str(tmp_path), {"n0": 1}))
+        servicer = InferenceServicer(handle, Authenticator(handle), {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9")
+        edge = OpenAIEdge(servicer, NODE_INFO["model_id"], list, lambda: 1)
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""},
+                          receive)
+        request.state.tenant_id = "t"
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with edge.turn("t"):
+                await release.wait()
+
+        holder = asyncio.ensure_future(hold())
+        await asyncio.sleep(0)
+        rendering = asyncio.ensure_future(edge.render(request, Held(0, 10), lambda: built.append(1) or {"a": 1}))
+        await asyncio.sleep(0.1)
+        assert not rendering.done()
+        gone.set()
+        response = await asyncio.wait_for(asyncio.shield(rendering), 2)
+        assert response.status_code == 499 and servicer.turns.users("t") == 1
+        release.set()
+        await holder
+        assert len(servicer.turns) == 0
+        servicer._tokenizer_pool.shutdown()
+
+    asyncio.run(run())
+    assert built == []
