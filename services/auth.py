@@ -164,6 +164,7 @@ class Authenticator(KnownKeys, CheckLimits):
         self._pending: dict[bytes, asyncio.Future[Tenant | None]] = {}  # fingerprint -> its check
         self._forgets = 0  # forgettings so far: a check that saw one begin after it caches nothing
         self.directory = KeyDirectory(scheduler, directory_refreshes_per_s, self._forget_key_ids)
+        self.on_keys_gone = None  # the gateway's key watch, once it has one (``KnownKeys._keys_gone``)
 
     async def tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The calling tenant; aborts the call with UNAUTHENTICATED (RESOURCE_EXHAUSTED for a

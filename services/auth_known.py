@@ -9,6 +9,7 @@ known ids when they change. ``KnownKeys`` is a part of ``services.auth.Authentic
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from services.key_ids import SuspectKeyIds
@@ -37,6 +38,17 @@ class KnownKeys:
     _known_by_owner: dict[str, OrderedDict[str, None]]
     _suspects: SuspectKeyIds
     _forgets: int
+    on_keys_gone: Callable[[set[str] | None], None] | None
+    """Told of keys found gone (``_keys_gone``): the gateway's key watch
+    (``services.gateway_key_watch.KeyWatch``) ends the open streams they authorized."""
+
+    def _keys_gone(self, key_ids: set[str] | None) -> None:
+        """Tell ``on_keys_gone`` (if set) that keys stopped working: ``key_ids`` when the key
+        directory names them (removed from the store: never valid again), None when a tenant's
+        keys or one key were found gone otherwise (rotated away or deleted through this gateway,
+        refused at admission or at a recheck): the watch then asks the directory which."""
+        if self.on_keys_gone is not None:
+            self.on_keys_gone(key_ids)
 
     def forget_tenant(self, name: str, keys_gone: bool = False) -> None:
         """Drop the cached keys of tenant ``name`` (after its spec or keys changed, or it was
@@ -57,6 +69,7 @@ class KnownKeys:
         if keys_gone:
             for key_id in list(self._known_by_owner.get(name, ())):
                 self._unknow(key_id)
+            self._keys_gone(None)
 
     def forget_tenant_id(self, tenant_id: str, keys_gone: bool = True) -> None:
         """Drop the cached keys of the tenant whose id is ``tenant_id``, and (``keys_gone``) its
@@ -75,6 +88,8 @@ class KnownKeys:
         for name in {name for _, name in gone} if keys_gone else ():
             for key_id in list(self._known_by_owner.get(name, ())):
                 self._unknow(key_id)
+        if keys_gone:
+            self._keys_gone(None)
 
     def forget_key(self, key: str) -> None:
         """Forget ``key`` alone (the scheduler answered that it is no longer valid: rotated
@@ -87,6 +102,7 @@ class KnownKeys:
         self._admins.pop(fp, None)
         if key_id is not None:
             self._unknow(key_id)
+        self._keys_gone(None)
 
     def forget_admin(self) -> None:
         """Drop the cached admin key (after the admin key changed); tenants' keys stay."""
@@ -104,6 +120,7 @@ class KnownKeys:
             del self._tenants[fp]
         for fp in [fp for fp, (_, key_id) in self._admins.items() if key_id in key_ids]:
             del self._admins[fp]
+        self._keys_gone(set(key_ids))
 
     def _know(self, key: str, owner: str) -> None:
         """Remember ``key``'s id as known here, with ``key``'s fingerprint (it just passed), as

@@ -47,6 +47,7 @@ from services.gateway_inputs import (
     salted_namespace,  # noqa: F401 - re-exported
     scoped_id,
 )
+from services.gateway_key_watch import KeyWatch
 from services.gateway_prepare import RequestPreparation
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
@@ -164,7 +165,6 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         self.open_streams: dict[str, int] = {}  # tenant id -> its Generate calls open here
         self.close_slots = TenantCallSlots()  # a tenant's CloseSession calls in flight here
         self.streams_refused = 0  # calls refused for ``max_streams_per_tenant``
-        self._tokenizing: dict[str, asyncio.Lock] = {}  # tenant id -> its turn on a worker thread
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "kvstrata-tokenize")
         self.info, self.templater = next(iter(node_info.values())), templater
         self.metrics = metrics or GatewayMetrics()  # the Gateway serves its registry (gateway_server)
@@ -174,6 +174,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             stream_idle_timeout_s=limits.idle_timeout_s,
         )
         self.metrics.watch_streams(lambda: self.streams)  # streams ended unread
+        self.key_watch = KeyWatch(self.streams, auth)  # streams end when their key is removed
 
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that
@@ -207,7 +208,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         except asyncio.CancelledError:
             if not writer.withdraw():
                 raise
-            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_code(writer.code)  # RESOURCE_EXHAUSTED; UNAUTHENTICATED for a removed key
             context.set_details(writer.stopped)
 
     async def generate(self, context: Any, parse: Callable[[], GenerateInput],
@@ -221,7 +222,14 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         ``writer``: the task handing these events to the client (None: the one calling this),
         stopped when its client takes none of the stream's waiting events for
         ``limits.idle_timeout_s`` (``NodeStreams.expire_idle``): the stream is then ended
-        RESOURCE_EXHAUSTED, its request aborted on its node, and the call counted so."""
+        RESOURCE_EXHAUSTED, its request aborted on its node, and the call counted so.
+
+        A stream whose API key is removed meanwhile (rotated away, its tenant deleted, through
+        this gateway or another) ends UNAUTHENTICATED within ``gateway_key_watch.KEY_CHECK_S``
+        (``KeyWatch``, started here): its request aborted on its node and released with its
+        usage, as a cancelled one. Regression (security hardening, session 36): such a stream
+        ran on to its end (``max_tokens``), a stolen key rotated away still generating."""
+        self.key_watch.start()
         tenant = await self.auth.tenant(context)
         track, status = self.metrics.track(tenant), "OK"  # services.metrics.requests
         refusal = _RecordedAbort(context, track)
@@ -371,17 +379,18 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             elif event["type"] == "error":
                 release(seen.usage())
 
-        def on_idle(message: str) -> None:  # ``NodeStreams.expire_idle``: counted, then stopped
-            context.record(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            writer.stop(message)
+        def on_idle(message: str, code: str = "RESOURCE_EXHAUSTED") -> None:  # ``NodeStreams.expire_idle``:
+            context.record(_CODES[code])  # counted, then stopped (UNAUTHENTICATED: its key was removed)
+            writer.stop(message, _CODES[code])
 
+        key_id = parse_key_id(bearer_key(context)) or ""  # its stream ends when the key is removed (``KeyWatch``)
         queue = self.streams.open(req.request_id, on_event, on_idle, req.sampling.logprobs, req.sampling.prompt_logprobs,
-                                  () if req.session_id else req.token_ids)  # (a session's turn: its history's too)
+                                  () if req.session_id else req.token_ids,  # (a session's turn: its history's too)
+                                  key_id=key_id)
         # the scheduler hands an admitted request straight to its node; every answer from the
         # node, a refusal included, comes back on this gateway's event inbox
         # the key's id goes with it: one rotated away since this gateway cached it is refused
-        admission = asyncio.ensure_future(self.streams.admit(req, hashes, parse_key_id(bearer_key(context)) or "",
-                                                             spec=spec))
+        admission = asyncio.ensure_future(self.streams.admit(req, hashes, key_id, spec=spec))
         try:
             if not retried:  # headers now, while admission and prefill run, not with the first token
                 await context.send_initial_metadata(())

@@ -42,6 +42,12 @@ IDLE_SWEEP_S = 1.0
 """How often ``NodeStreams`` looks for idle streams (``expire_idle``), at most; a quarter of
 the idle timeout when that is shorter."""
 
+REVOKED_READ_S = 2.0
+"""How long the reader of a stream ended for its key (``end_revoked``) may go on without taking
+its error (stuck writing an earlier event to a client that does not read) before ``expire_idle``
+stops it (``on_idle`` with UNAUTHENTICATED): its call then ends at once, not at
+``stream_idle_timeout_s``, and stops counting against its tenant's ``max_streams_per_tenant``."""
+
 
 @dataclass
 class _Entry:
@@ -51,9 +57,12 @@ class _Entry:
     node_id: str
     buffer: StreamBuffer
     on_event: OnEvent | None
-    on_idle: Callable[[str], None] | None = None
-    ended_unread: bool = False  # ended RESOURCE_EXHAUSTED: aborted on its node (at ``bind`` if not bound)
+    on_idle: Callable[..., None] | None = None  # (message) idle; (message, "UNAUTHENTICATED") revoked
+    ended_unread: bool = False  # ended here (``_end``): aborted on its node (at ``bind`` if not bound)
     idle: bool = False  # ended by ``expire_idle`` (once)
+    key_id: str = ""  # the id of the API key that opened it ("": none watched; ``end_revoked``)
+    revoked: dict[str, Any] | None = None  # its ``end_revoked`` error (its key was removed)
+    revoked_at: float | None = None  # when that error was put (``clock``; at ``bind`` when not bound then)
     finished: bool = False  # its ``finished`` event came: nothing runs on its node
     warned: bool = False  # a second ``started`` was logged (each one is counted)
     logprobs: int | None = None  # what its request's sampling asked (each delta is checked for it)
@@ -282,6 +291,10 @@ class NodeStreams:
                 sock.disable_monitor()
             events.close(linger=0)
 
+    def cancel_at_shutdown(self, task: asyncio.Task[Any]) -> None:
+        """``shutdown`` cancels ``task`` (a helper of these streams': the key watch) with its own."""
+        self._tasks = [t for t in self._tasks if not t.done()] + [task]
+
     def shutdown(self) -> None:
         """Stop reading and close every socket."""
         for task in [*self._tasks, *self._scheduler_tasks, *self._connections.values()]:
@@ -410,8 +423,8 @@ class NodeStreams:
         sock.send(data_plane.pack({"op": "abort", "id": request_id}))
 
     def open(self, request_id: str, on_event: OnEvent | None = None,
-             on_idle: Callable[[str], None] | None = None, logprobs: int | None = None,
-             prompt_logprobs: int | None = None, prompt: tuple[int, ...] = ()) -> StreamBuffer:
+             on_idle: Callable[..., None] | None = None, logprobs: int | None = None,
+             prompt_logprobs: int | None = None, prompt: tuple[int, ...] = (), key_id: str = "") -> StreamBuffer:
         """A buffer for ``request_id``'s events; open it before the request reaches a node.
         ``on_event(event)`` sees each event as it arrives, whether or not the buffer's reader
         keeps up (a client that stops reading), and the RESOURCE_EXHAUSTED error that ends a
@@ -421,7 +434,9 @@ class NodeStreams:
         ``logprobs``: the request's ``SamplingParams.logprobs``; a delta whose log probabilities
         are not what it asked is a bad event (``data_plane.check_logprobs_asked``); likewise
         ``prompt_logprobs`` (and their count and tokens, against ``prompt``, its prompt's token
-        ids when the gateway knows them: ``_Entry.check_prompt_count``).
+        ids when the gateway knows them: ``_Entry.check_prompt_count``). ``key_id``: the id of the
+        API key the request was authenticated with (``key_streams``, ``end_revoked``: the stream
+        ends when that key is removed); "" for none.
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
@@ -430,7 +445,7 @@ class NodeStreams:
             raise KeyError(request_id)
         buffer = StreamBuffer(self.clock)
         self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs, prompt=prompt)
+                                          prompt_logprobs=prompt_logprobs, prompt=prompt, key_id=key_id)
         self._opened_at[request_id] = self._failures
         return buffer
 
@@ -453,19 +468,49 @@ class NodeStreams:
                                                 f"(at most {self.max_undelivered_bytes})")
 
     def _end_unread(self, request_id: str, entry: _Entry, why: str) -> str:
-        """End a stream its client does not read: drop what it holds undelivered, end it with
-        RESOURCE_EXHAUSTED (``on_event`` sees it: the request is released) and abort its
-        request on its node (at ``bind`` if not bound yet; once; not after it finished). The one path of both of its
-        bounds, ``max_undelivered_bytes`` and ``stream_idle_timeout_s``; returns the message."""
-        aborted, entry.ended_unread = entry.ended_unread, True
+        """End a stream its client does not read with RESOURCE_EXHAUSTED (``_end``). The one
+        path of both of its bounds, ``max_undelivered_bytes`` and ``stream_idle_timeout_s``;
+        returns the message."""
         message = f"the client did not read this stream: {why}"
-        error = {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": message}
+        self._end(request_id, entry, {"type": "error", "code": "RESOURCE_EXHAUSTED", "message": message})
+        return message
+
+    def _end(self, request_id: str, entry: _Entry, error: dict[str, Any]) -> None:
+        """End a stream here: drop what it holds undelivered, end it with ``error``
+        (``on_event`` sees it: the request is released) and abort its request on its node (at
+        ``bind`` if not bound yet; once; not after it finished)."""
+        aborted, entry.ended_unread = entry.ended_unread, True
         if entry.on_event is not None:
             entry.on_event(error)
         entry.buffer.end(error)
         if entry.node_id and not (entry.finished or aborted):
             self.abort(entry.node_id, request_id)
-        return message
+
+    def key_streams(self) -> list[tuple[str, str, object]]:
+        """``(request id, key id, the opening)`` of each open stream that an API key opened
+        (``open``'s ``key_id``) and that is not ended for it yet; ``the opening`` tells
+        ``end_revoked`` this stream from a later one of the same id."""
+        return [(rid, entry.key_id, entry) for rid, entry in self._queues.items()
+                if entry.key_id and entry.revoked is None]
+
+    def end_revoked(self, request_id: str, opening: object, message: str) -> bool:
+        """End ``request_id``'s stream, if it is still ``opening`` (``key_streams``), with
+        UNAUTHENTICATED ``message``: the key that opened it was removed (rotated away, its
+        tenant deleted). What it holds undelivered is dropped, the error is its last event
+        (``on_event`` sees it: the request is released with the usage its events showed), and
+        its request is aborted on its node, so its blocks go free there (``_end``). A stream
+        whose admission is not answered yet ends so at ``bind``: a release sent before then
+        could reach the scheduler before the admission (``InferenceServicer._abort_admitted``).
+        A reader that does not take the error within ``REVOKED_READ_S`` is stopped
+        (``expire_idle``). Returns whether it was ended now (False: closed, or ended already)."""
+        entry = self._queues.get(request_id)
+        if entry is not opening or entry is None or entry.revoked is not None:
+            return False
+        entry.revoked = {"type": "error", "code": "UNAUTHENTICATED", "message": message}
+        if entry.node_id:
+            entry.revoked_at = self.clock()
+            self._end(request_id, entry, entry.revoked)
+        return True
 
     def expire_idle(self) -> list[str]:
         """End each bound stream whose reader has taken nothing for ``stream_idle_timeout_s``
@@ -475,6 +520,10 @@ class NodeStreams:
         stalls of this gateway's own event loop during that time (``LoopLag``) are not counted:
         they are not the client's (a write its reader was stuck in may have been taken by the
         client meanwhile, its flow-control window update waiting unread in the socket).
+
+        A stream ended for its key (``end_revoked``) whose reader has taken nothing, its error
+        included, for ``REVOKED_READ_S`` since it was put has its ``on_idle(message,
+        "UNAUTHENTICATED")`` called (once; not counted in ``idle_ends``, not returned).
 
         This covers every way a stream sits unread: its reader stuck writing an event, the
         stream's last included, with events pending here or none; events still coming (the
@@ -489,6 +538,13 @@ class NodeStreams:
         ended = []
         for request_id, entry in list(self._queues.items()):
             waited = entry.buffer.idle_s()
+            if entry.revoked_at is not None:  # ended for its key: a reader that leaves its error is stopped sooner
+                waited = min(waited, self.clock() - entry.revoked_at)
+                if not (entry.idle or entry.buffer.empty()) and waited >= REVOKED_READ_S:
+                    entry.idle = True
+                    if entry.on_idle is not None and entry.revoked is not None:
+                        entry.on_idle(entry.revoked["message"], "UNAUTHENTICATED")
+                continue
             if entry.idle or not entry.node_id or waited < self.stream_idle_timeout_s:
                 continue
             # Regression (helper 29h): a gateway paused past the timeout ended, on resume, the
@@ -548,6 +604,9 @@ class NodeStreams:
                 self._put(request_id, entry, _unavailable(f"cache node {node_id} is down"))
             elif self._failed_at.get(node_id, -1) >= self._opened_at.get(request_id, 0):
                 self._put(request_id, entry, _unavailable(f"cache node {node_id} failed while the request was on its way"))
+            if entry.revoked is not None and entry.revoked_at is None:  # its key went while it was admitted
+                entry.revoked_at = self.clock()  # its reader's time to take the error starts now
+                self._end(request_id, entry, entry.revoked)
 
     def fail_node(self, node_id: str, reason: str) -> None:
         """``node_id`` is down (``reason``, kept in ``down`` for operators): end every stream

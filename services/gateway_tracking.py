@@ -47,19 +47,21 @@ class StreamWriter:
     which the idle-reader deadline stops (``NodeStreams.expire_idle``): it is stuck in a write
     its client does not take, so it would never take the error that ends its stream.
 
-    ``stop(message)`` cancels ``task``; the writer, catching that ``CancelledError``, calls
-    ``withdraw()``: True when the cancellation was this stop (it is then withdrawn,
-    ``Task.uncancel``, and ``stopped`` holds the client's RESOURCE_EXHAUSTED message), False
-    for any other (re-raise it).
+    ``stop(message, code)`` cancels ``task``; the writer, catching that ``CancelledError``,
+    calls ``withdraw()``: True when the cancellation was this stop (it is then withdrawn,
+    ``Task.uncancel``, and ``stopped`` holds the client's message, ``code`` its status:
+    RESOURCE_EXHAUSTED for an idle reader, UNAUTHENTICATED for a stream whose key was removed),
+    False for any other (re-raise it).
     """
 
     def __init__(self, task: asyncio.Task[Any] | None = None) -> None:
         self.task = task if task is not None else asyncio.current_task()
         self.stopped: str | None = None
+        self.code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def stop(self, message: str) -> None:
+    def stop(self, message: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
         if self.stopped is None and self.task is not None:
-            self.stopped = message
+            self.stopped, self.code = message, code
             self.task.cancel()
 
     def withdraw(self) -> bool:

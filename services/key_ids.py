@@ -75,6 +75,14 @@ class KeyDirectory:
         can be made."""
         if key_id in self.ids:
             return True
+        return (key_id in self.ids) if await self.refresh() else None
+
+    async def refresh(self) -> bool:
+        """Await one refresh started after this call (shared with every concurrent caller, at
+        most ``refreshes_per_s`` a second); True when its reply was applied (``ids`` is then
+        the store's as of a read made after this call), False when it failed or none can be
+        made (no ``key_ids_since``). The gateway's key watch
+        (``services.gateway_key_watch.KeyWatch``) checks its open streams' keys so."""
         needed = self.refreshes + 1
         while self._supported:
             loop = asyncio.get_running_loop()
@@ -82,8 +90,8 @@ class KeyDirectory:
                 self._task = loop.create_task(self._refresh())
             number, ok = await asyncio.shield(self._task)
             if number >= needed:
-                return (key_id in self.ids) if ok else None
-        return None
+                return ok
+        return False
 
     async def _refresh(self) -> tuple[int, bool]:
         """Wait for the rate's next slot, then ask the scheduler; ``(the refresh's number,

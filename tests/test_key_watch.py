@@ -1,0 +1,131 @@
+"""The parts of ending a stream whose API key was removed (``services.gateway_key_watch``,
+``NodeStreams.end_revoked``), over real ZeroMQ sockets and a real scheduler's tenant store: a
+stream still being admitted ends at its ``bind`` (never released before its admission is
+answered), a reader that does not take its error is stopped after ``REVOKED_READ_S``, and the
+watch ends the streams of the removed key alone. tests/test_stream_key_revoked.py runs the
+whole path (real node, gRPC and HTTP clients)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from services import data_plane
+from services.auth import Authenticator
+from services.gateway_key_watch import REVOKED_MESSAGE, KeyWatch
+from services.gateway_streams import REVOKED_READ_S, NodeStreams
+from services.global_scheduler_admission import GlobalSchedulerService
+from tenants.keys import parse_key_id
+from tenants.model import TenantSpec
+from tests.gateway_harness import LocalActor
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _streams(clock: Any = None) -> tuple[NodeStreams, Any, Any]:
+    """Started ``NodeStreams`` for node "n0", whose command inbox (a PULL socket) is returned
+    with its context; the scheduler's socket is bound and never answers (nothing is admitted)."""
+    ctx = zmq.asyncio.Context()
+    inbox, sched = ctx.socket(zmq.PULL), ctx.socket(zmq.ROUTER)
+    node_port, sched_port = inbox.bind_to_random_port("tcp://127.0.0.1"), sched.bind_to_random_port("tcp://127.0.0.1")
+    kwargs = {} if clock is None else {"clock": clock}
+    streams = NodeStreams({"n0": None}, {"n0": f"tcp://127.0.0.1:{node_port}"}, f"tcp://127.0.0.1:{sched_port}",
+                          **kwargs)
+    await streams.start()
+    return streams, inbox, ctx
+
+
+def test_a_revoked_streams_end_waits_for_its_admission_and_its_reader_is_stopped() -> None:
+    """A stream ended for its key while its admission is on its way: nothing is seen (no
+    release, which could reach the scheduler before the admission) until ``bind``, which ends
+    it UNAUTHENTICATED and aborts it on its node. A bound one ends at once; its reader, taking
+    nothing for ``REVOKED_READ_S`` (stuck writing to its client), is stopped through
+    ``on_idle(message, "UNAUTHENTICATED")``, once, not counted as an idle end. A stream of the
+    same id opened again is not the one ended."""
+    clock = _Clock()
+
+    async def run() -> None:
+        streams, inbox, ctx = await _streams(clock)
+        seen: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+        stopped: list[tuple[str, str]] = []
+        queues = {rid: streams.open(rid, seen[rid].append, lambda m, c="RESOURCE_EXHAUSTED": stopped.append((m, c)),
+                                    key_id="0123456789ab") for rid in ("a", "b")}
+        opened = {rid: opening for rid, _, opening in streams.key_streams()}
+
+        assert streams.end_revoked("a", opened["a"], REVOKED_MESSAGE)  # being admitted
+        assert not streams.end_revoked("a", opened["a"], REVOKED_MESSAGE)  # once
+        assert seen["a"] == [] and queues["a"].empty()
+        assert [rid for rid, _, _ in streams.key_streams()] == ["b"]
+        streams.bind("a", "n0")  # its admission came: ended now
+        assert [e["code"] for e in seen["a"]] == ["UNAUTHENTICATED"]
+        assert queues["a"].get_nowait()["message"] == REVOKED_MESSAGE
+        assert data_plane.unpack(await asyncio.wait_for(inbox.recv(), 5)) == {"op": "abort", "id": "a"}
+
+        streams.bind("b", "n0")
+        assert streams.end_revoked("b", opened["b"], REVOKED_MESSAGE)
+        assert [e["code"] for e in seen["b"]] == ["UNAUTHENTICATED"]
+        assert data_plane.unpack(await asyncio.wait_for(inbox.recv(), 5)) == {"op": "abort", "id": "b"}
+        clock.now += REVOKED_READ_S - 0.1
+        streams.expire_idle()
+        assert stopped == []
+        clock.now += 0.2  # b's reader took nothing since
+        assert streams.expire_idle() == [] and streams.idle_ends == 0
+        assert stopped == [(REVOKED_MESSAGE, "UNAUTHENTICATED")]
+        streams.expire_idle()
+        assert len(stopped) == 1
+
+        streams.close("a")
+        streams.open("a", key_id="0123456789ab")  # the id again: another stream
+        assert not streams.end_revoked("a", opened["a"], REVOKED_MESSAGE)
+        streams.shutdown()
+        ctx.destroy(linger=0)
+
+    asyncio.run(run())
+
+
+def test_the_watch_ends_the_streams_of_removed_keys_alone(tmp_path: Path) -> None:
+    """ann's and bob's streams are open; ann's key is rotated away at the scheduler (another
+    gateway). A check (a directory refresh) ends ann's stream alone; ann's stream under her new
+    key and bob's stay. Ids the directory reports removed (``on_keys_gone``) end theirs at once."""
+    sched = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+
+    async def run() -> None:
+        streams, _, ctx = await _streams()
+        auth = Authenticator(LocalActor(sched))
+        watch = KeyWatch(streams, auth, interval_s=60.0)
+        assert auth.on_keys_gone == watch.keys_gone
+        _, ann_key = await sched.register_tenant(TenantSpec("ann"))
+        _, bob_key = await sched.register_tenant(TenantSpec("bob"))
+        assert await auth.directory.refresh()
+        for rid, key in (("ann-1", ann_key), ("bob-1", bob_key)):
+            streams.open(rid, key_id=parse_key_id(key) or "")
+            streams.bind(rid, "n0")
+        new_key = await sched.rotate_tenant_key("ann")
+        streams.open("ann-2", key_id=parse_key_id(new_key) or "")
+        streams.bind("ann-2", "n0")
+
+        assert await watch.check() == 1
+        assert sorted(rid for rid, _, _ in streams.key_streams()) == ["ann-2", "bob-1"]
+        assert await watch.check() == 0
+
+        await sched.delete_tenant("bob")
+        watch.keys_gone({parse_key_id(bob_key) or ""})  # as a refresh reports it
+        assert [rid for rid, _, _ in streams.key_streams()] == ["ann-2"]
+        assert watch.ended == 2
+        streams.shutdown()
+        ctx.destroy(linger=0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        sched.store.close()
