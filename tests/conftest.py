@@ -18,6 +18,13 @@ import tests.triton_interpreter  # noqa: F401  (before triton is imported: sets 
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel, load_model, tiny_llama
+from tests.xdist_order import (  # noqa: F401 (the xdist hooks: tests/xdist_order.py)
+    pytest_configure,
+    pytest_configure_node,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+    write_ray_files,
+)
 
 # One torch thread for every test, from the first: on the 2-core test machine, shared with the
 # session's Ray actors (and other jobs), two OpenMP threads wait on each other's descheduled
@@ -71,7 +78,9 @@ def _is_missing(name: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu`` tests without CUDA, and tests using the Ray fixtures without Ray."""
+    """Skip ``gpu`` tests without CUDA, and tests using the Ray fixtures without Ray; in an
+    xdist worker, tell the controller which files use them (``tests.xdist_order``)."""
+    write_ray_files(config, items)
     if _is_missing("ray"):
         no_ray = pytest.mark.skip(reason="needs ray, not installed here")
         for item in items:

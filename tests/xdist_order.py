@@ -1,0 +1,200 @@
+"""How ``make test`` deals the test files out to its pytest-xdist workers (``--dist loadfile``,
+with ``FileOrRayScheduling`` in place of xdist's scheduler: ``tests/conftest.py``).
+
+Each test file is one work unit, whole in one worker (its module fixtures built once), as with
+xdist's loadfile, except the files that use the session's Ray fixtures (``ray_cluster``,
+``stack``): together they are one unit, ``RAY_GROUP``, so that one worker alone starts the
+two-node Ray cluster and the kvstrata services (~40-50 s on the loaded 2-core host; each worker
+started its own before). The units go out longest first (``KNOWN_SECONDS``): xdist's own order
+(most tests first) left single heavy files such as test_deepresearch_e2e for the end, one
+worker busy with them while the other idled.
+
+The workers know which files use the Ray fixtures (their collection), the controller does not:
+each worker writes them (``write_ray_files``) to the directory the controller gave it
+(``UNITS_DIR_KEY`` in its ``workerinput``), which the controller reads once every worker has
+collected (``FileOrRayScheduling.schedule``). Without it (no file), every file is its own unit.
+xdist's ``loadgroup`` cannot carry this: it tags nodeids through ``Item._nodeid``, which pytest
+9.2 no longer reads (its nodeids came back untagged: one unit per test).
+
+``tests/conftest.py`` imports the hooks at the end of this module (``pytest_configure`` ...
+``pytest_xdist_make_scheduler``); a synthetic suite's conftest can import them alone
+(tests/test_xdist_order.py). Only the order and the grouping change: every test runs, each file whole in one worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RAY_GROUP = "ray-session"
+"""The work unit of every file using the session's Ray cluster (``ray_cluster``, ``stack``)."""
+
+RAY_FIXTURES = frozenset({"ray_cluster", "stack"})
+
+UNITS_DIR_KEY = "kvstrata_units_dir"
+"""``workerinput`` key: where a worker writes its ``ray_files`` (``<worker id>.json``)."""
+
+DEFAULT_SECONDS_PER_TEST = 0.5
+"""What a file missing from ``KNOWN_SECONDS`` counts per test (most files under 4 s took
+0.1-0.5 s a test)."""
+
+KNOWN_SECONDS: dict[str, float] = {
+    # seconds per file (setup + calls + teardown), serial run of 2026-12-07 on the shared 2-core
+    # host (`pytest -m 'not chaos' --durations=0`, 2,120 s); files of at least 4 s. Only the
+    # order of the work units depends on them: a stale figure costs balance, never a test.
+    "test_kernels_paged_attention": 88, "test_services_integration": 67, "test_node_failure": 60,
+    "test_openai_api": 51, "test_deepresearch_e2e": 49, "test_services_restart": 45,
+    "test_quality_served": 45, "test_fuzz_rpc": 45, "test_gpu_check": 44, "test_node_admin": 43,
+    "test_workload_agents_engine": 39, "test_cli_ray_auth": 38, "test_grammar_child_replies": 37,
+    "test_admin_flush_spill_silent": 37, "test_session_retokenize": 36,
+    "test_gateway_streams_pause": 34, "test_scheduler_restart": 30, "test_grammar_child_stalls": 30,
+    "test_recall_bound": 29, "test_engine_real_model": 28, "test_tier_ray": 27,
+    "test_structured_output_engine": 27, "test_grammar_compile_limits": 26,
+    "test_session_stop_cut": 25, "test_engine_soak": 25, "test_data_plane_security": 25,
+    "test_cache_node_streams": 25, "test_session_policy": 22, "test_compressed_prefix": 22,
+    "test_lazy_imports": 20, "test_prompt_logprobs": 19, "test_session_turn_cancel": 18,
+    "test_gateway_pause": 18, "test_engine_progress": 18, "test_cli_down": 18,
+    "test_structured_output_step_limits": 17, "test_session_stop_race": 17,
+    "test_grammar_compile_cpu_limit": 17, "test_data_plane_limits": 17, "test_tier_real_model": 16,
+    "test_openai_api_send_bounds": 16, "test_services_tenancy": 15, "test_preemption_liveness": 15,
+    "test_policy_chunking": 15, "test_node_waiting_steps": 15, "test_openai_api_slow_reader": 14,
+    "test_openai_api_connections": 14, "test_metrics_server_bounds": 14, "test_engine_device": 14,
+    "test_bench_engine": 13, "test_spill_node": 12, "test_auto_undeclared_calls": 12,
+    "test_auto_tool_constraint": 12, "test_tool_calls_served": 11, "test_structured_output_served": 11,
+    "test_node_stop_strings": 11, "test_grpc_connection_bounds": 11, "test_session_lost_markers": 10,
+    "test_node_step_stall": 10, "test_kernels_fused_ops": 10, "test_fused_layers": 10,
+    "test_auth_key_directory": 10, "test_session_reopen": 9, "test_session_map": 9,
+    "test_scheduler_silent_health": 9, "test_policies": 9, "test_node_stale_render": 9,
+    "test_stale_key_other_gateway": 8, "test_openai_api_extensions": 8,
+    "test_gateway_restart_start": 8, "test_spill_disk_faults": 7, "test_spill_backlog": 7,
+    "test_session_tool_calls": 7, "test_scheduler_poll_errors": 7, "test_prompt_logprobs_api": 7,
+    "test_openai_api_lingering": 7, "test_openai_api_choices": 7, "test_metrics": 7,
+    "test_grammar_namespaces": 7, "test_gateway_gone": 7, "test_deleted_tenant_cache": 7,
+    "test_compressed_prefix_admission": 7, "test_cli_up": 7, "test_cli_imports": 7,
+    "test_session_state_dropped": 6, "test_routing_keys": 6, "test_openai_api_https_connections": 6,
+    "test_kv_oracle_fuzz": 6, "test_grpc_tool_calls": 6, "test_cli_tool_results": 6,
+    "test_admin_key_recovery": 6, "test_session_tool_turns": 5, "test_sampler_logit_bias": 5,
+    "test_policy_windows": 5, "test_policy_specs": 5, "test_node_shutdown_grammars": 5,
+    "test_grammar_child_sandbox": 5, "test_gateway_stream_config": 5, "test_gateway_restart_ports": 5,
+    "test_compaction_pool_pressure": 5, "test_workload_job": 4, "test_tier_faults": 4,
+    "test_scheduler_call_deadlines": 4, "test_openai_tokenize": 4, "test_openai_api_disconnect": 4,
+    "test_metrics_scrape_cache": 4, "test_idle_reclaim_fair": 4, "test_detokenizer": 4,
+    "test_cli_constraints": 4,
+}
+
+
+def file_of(nodeid: str) -> str:
+    """The test file of a nodeid (``tests/test_x.py::test_y[p]`` -> ``tests/test_x.py``)."""
+    return nodeid.split("::", 1)[0]
+
+
+def ray_files(items: Iterable[pytest.Item]) -> list[str]:
+    """The files (as nodeids start) with an item using ``RAY_FIXTURES``, sorted."""
+    return sorted({file_of(i.nodeid) for i in items if RAY_FIXTURES & set(getattr(i, "fixturenames", ()))})
+
+
+def write_ray_files(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
+    """In an xdist worker the controller gave ``UNITS_DIR_KEY``: write ``ray_files`` there."""
+    units_dir = getattr(config, "workerinput", {}).get(UNITS_DIR_KEY)
+    if units_dir:
+        target = Path(units_dir) / f"{config.workerinput['workerid']}.json"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ray_files(items)))
+        os.replace(tmp, target)
+
+
+def read_ray_files(units_dir: str) -> set[str]:
+    """The files every worker wrote (each the same, from the same collection)."""
+    files: set[str] = set()
+    for path in Path(units_dir).glob("*.json"):
+        files.update(json.loads(path.read_text()))
+    return files
+
+
+def unit_of_ray(nodeid: str, ray_files: set[str]) -> str:
+    """A nodeid's work unit: ``RAY_GROUP`` for a test of one of ``ray_files``, else its file."""
+    path = file_of(nodeid)
+    return RAY_GROUP if path in ray_files else path
+
+
+def unit_seconds(nodeids: Iterable[str]) -> float:
+    """A work unit's expected seconds: ``KNOWN_SECONDS`` of each of its files, else
+    ``DEFAULT_SECONDS_PER_TEST`` for each of its tests there."""
+    tests: dict[str, int] = {}
+    for nodeid in nodeids:
+        tests[file_of(nodeid)] = tests.get(file_of(nodeid), 0) + 1
+    return sum(KNOWN_SECONDS.get(os.path.splitext(os.path.basename(path))[0], DEFAULT_SECONDS_PER_TEST * count)
+               for path, count in tests.items())
+
+
+def longest_first(units: Mapping[str, Iterable[str]]) -> list[str]:
+    """The units (name -> their nodeids) longest first (``unit_seconds``), ties in their order."""
+    return sorted(units, key=lambda unit: -unit_seconds(units[unit]))
+
+
+def make_scheduler(config: pytest.Config, log: Any, units_dir: str) -> Any:
+    """A ``FileOrRayScheduling`` reading the workers' ``ray_files`` from ``units_dir`` (xdist
+    imported here: the GPU machine's image has no xdist)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrRayScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling (a unit whole in one worker; more sent to a worker with at
+        most 2 tests left) with units of a file each, or ``RAY_GROUP``, dealt ``longest_first``."""
+
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            super().__init__(config, log)
+            self.ray_files: set[str] = set()
+            self.dealt_in_order = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_ray(nodeid, self.ray_files)
+
+        def schedule(self) -> None:
+            if self.collection is None:  # the first call: every worker has collected
+                self.ray_files = read_ray_files(units_dir)
+                self.config.option.loadscopereorder = False  # dealt below, not most tests first
+            super().schedule()
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.dealt_in_order:  # the first one: the queue is whole
+                self.dealt_in_order = True
+                for unit in longest_first(self.workqueue):
+                    self.workqueue.move_to_end(unit)
+            super()._assign_work_unit(node)
+
+    return FileOrRayScheduling(config, log)
+
+
+_UNITS_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller of a ``--dist loadfile`` run (``make test``) makes the directory
+    its workers report their Ray files in (``tests.xdist_order``)."""
+    if config.getoption("dist", "no") == "loadfile" and not hasattr(config, "workerinput"):
+        config.stash[_UNITS_DIR] = tempfile.mkdtemp(prefix="kvstrata-xdist-units-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _UNITS_DIR in config.stash:
+        shutil.rmtree(config.stash[_UNITS_DIR], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Each xdist worker of a ``--dist loadfile`` run learns where to write its Ray files."""
+    if _UNITS_DIR in node.config.stash:
+        node.workerinput[UNITS_DIR_KEY] = node.config.stash[_UNITS_DIR]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (``make test``): each file whole in one worker, the files using the
+    session's Ray cluster together in one, longest first (``tests.xdist_order``)."""
+    return make_scheduler(config, log, config.stash[_UNITS_DIR]) if _UNITS_DIR in config.stash else None
