@@ -6,6 +6,13 @@ the ``gpu``-marked tests at the end check fp32/bf16 on the device and time kerne
 Every batch stores its blocks shuffled, fills unused slots and the block tables' padding
 entries' block with NaN (a stray read shows as NaN), and uses lengths that are not multiples
 of the block size unless a case says otherwise.
+
+In the interpreter (no CUDA) a few parametrizations that repeat the same kernel logic run a
+covering subset (``on_device_all``): the GQA x block size x head_dim grid pairwise (each pair of
+values once), the split counts with one padded and one exact power of two fewer, the bf16
+prefix hit not again (its split and merge run in fp32 whatever the dtype; bf16 splits are
+``test_bf16_within_stated_tolerance``'s). On CUDA every case runs. The interpreter spent
+~88 s of a ~2,100-s serial suite here, ~30 s of it on those repeats.
 """
 
 from __future__ import annotations
@@ -45,6 +52,19 @@ BF16_ATOL, BF16_RTOL = 2e-2, 2e-2
 MIXED = [(37, 1), (23, 23), (69, 19), (1, 1), (32, 1), (48, 16)]
 
 
+def on_device_all(every: list, interpreted: list) -> list:
+    """``every`` case on CUDA; in Triton's interpreter the covering subset ``interpreted``."""
+    assert all(case in every for case in interpreted)
+    return every if CUDA else interpreted
+
+
+# GQA ratio x block size x head_dim: every combination on CUDA; pairwise in the interpreter
+# (each ratio with both block sizes and both head dims, each block size with each head dim)
+MIXED_GRID = [(g, b, d) for g in (1, 2, 3, 4, 8) for b in (16, 32) for d in (64, 128)]
+MIXED_PAIRWISE = [(1, 16, 64), (1, 32, 128), (2, 16, 128), (2, 32, 64), (3, 16, 64), (3, 32, 128),
+                  (4, 16, 128), (4, 32, 64), (8, 16, 64), (8, 32, 128)]
+
+
 def _check(batch, out: torch.Tensor, atol: float = FP32_ATOL, rtol: float = 0.0) -> None:
     ref = paged_attention_reference(*batch.args())
     dense = dense_sdpa(batch)
@@ -54,9 +74,7 @@ def _check(batch, out: torch.Tensor, atol: float = FP32_ATOL, rtol: float = 0.0)
     torch.testing.assert_close(ref.float(), dense, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("group,block_size,head_dim", on_device_all(MIXED_GRID, MIXED_PAIRWISE))
 def test_mixed_batch_matches_reference_and_sdpa(group: int, block_size: int,
                                                 head_dim: int) -> None:
     """Decodes, prefills and chunked prefills in one launch; GQA ratio 3 is SmolLM2-135M's."""
@@ -71,9 +89,10 @@ def test_prefill_only_batch() -> None:
     _check(batch, pa.paged_attention(*batch.args()))
 
 
-@pytest.mark.parametrize("num_kv_splits", [1, 3, 4, None])
+@pytest.mark.parametrize("num_kv_splits", on_device_all([1, 3, 4, None], [1, 3, None]))
 def test_decode_batch_split_kv_matches(num_kv_splits: int | None) -> None:
-    """Decode only, one 1500-token context: unified kernel (1) and split-KV (3, 4, chosen)."""
+    """Decode only, one 1500-token context: unified kernel (1) and split-KV (3, 4, chosen: 5).
+    (4 splits of a decode, unpadded: ``test_bf16_within_stated_tolerance`` in the interpreter.)"""
     batch = make_batch([(1500, 1), (37, 1), (1, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, device=DEVICE, seed=2)
     _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=num_kv_splits))
@@ -86,17 +105,17 @@ def test_more_splits_than_context_tiles() -> None:
     _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=8))
 
 
-@pytest.mark.parametrize("num_kv_splits", [1, 5, None])
+@pytest.mark.parametrize("num_kv_splits", on_device_all([1, 5, None], [1, None]))
 def test_chunked_prefill_over_1500_token_context(num_kv_splits: int | None) -> None:
     """A 12-token chunk after 1488 cached tokens, next to a 1500-token decode, one launch;
-    unsplit, cut into 5 context ranges per query tile, and as chosen (split: 3 sequences' tiles
-    on 2 KV heads do not fill 132 SMs)."""
+    unsplit, cut into 5 context ranges per query tile, and as chosen (6 here: 3 sequences'
+    tiles on 2 KV heads do not fill 132 SMs; padded to 8 as 5 is)."""
     batch = make_batch([(1500, 12), (1500, 1), (40, 5)], num_heads=8, num_kv_heads=2,
                        head_dim=128, block_size=32, device=DEVICE, seed=4)
     _check(batch, pa.paged_attention(*batch.args(), num_kv_splits=num_kv_splits))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", on_device_all([torch.float32, torch.bfloat16], [torch.float32]))
 def test_prefix_hit_chunk_split_kv(dtype: torch.dtype) -> None:
     """A prefix-cache hit: a 53-token chunk (four query tiles) after 2064 cached tokens, one
     sequence. Its few programs are split over the context; a split holding only positions past
