@@ -17,6 +17,7 @@ from cache_node.kv_pool import kv_format_name
 from cache_node.model_files import resolve_model_dir
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
 from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_lock import SpillDirLocked
 from services.actor_refs import ActorRef
 from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
@@ -32,7 +33,7 @@ from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.ray_auth import new_token_file, use_token
 from services.spill_dirs import remove_retired_spill_dirs
-from services.spill_node import create_spill_node
+from services.spill_node import await_serving, create_spill_node
 from services.tls import ServerTls, dial_address
 from tenants.keys import new_api_key, read_key_file, write_key_file
 
@@ -263,7 +264,12 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
     The directories of spill nodes this start does not run (``<root>/<j>``, j >=
     ``num_spill_nodes``: a start with fewer than the last) are deleted first, here and by each
     spill node on its own machine (``services.spill_dirs``). Regression (review 26b F4): they
-    were kept for good, never swept nor budgeted, with tenants' prompt token ids."""
+    were kept for good, never swept nor budgeted, with tenants' prompt token ids.
+
+    A node whose directory another process holds lives on and keeps trying
+    (``services.spill_node``): its own previous process (a start right after a stop) is waited
+    for within ``start_timeout_s``; another store (another deployment on this ``spill_dir``)
+    fails the start with a message naming it (``await_serving``)."""
     root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
     remove_retired_spill_dirs(root, config.num_spill_nodes)
     handles = [
@@ -279,7 +285,10 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
         )
         for i in range(config.num_spill_nodes)
     ]
-    _wait_placed([h.ready.remote() for h in handles], config, config.spill_node_resource, "spill node")
+    try:
+        _wait_placed([h.ready.remote() for h in handles], config, config.spill_node_resource, "spill node")
+    except SpillDirLocked:  # ray.get raises a task's error as its cause's class too
+        await_serving(handles, config.start_timeout_s)
     return handles
 
 

@@ -12,10 +12,19 @@ why ``create_spill_node`` sets ``max_restarts``.
 One store per directory (``cache_node.tiers.spill_lock``; review s35 D S2): the store locks
 ``root_dir`` for its life. A node Ray restarts after a crash takes the lock at once (the dead
 process's lock went with it). A node started while another process still holds the directory
-(an old worker not yet dead, a second deployment on the same ``spill_dir``) waits for it at most
-``LOCK_WAIT_S``, then its constructor raises ``SpillDirLocked`` naming the directory and the
-holder's pid: a node never runs on a directory another store uses, which would delete that
-store's files and forget its deleted tenants.
+waits for it up to ``LOCK_WAIT_S`` in its constructor; past that the constructor still returns
+and the node keeps trying in the background (``LOCK_RETRY_S`` doubling to
+``LOCK_RETRY_MAX_S``), serving nothing meanwhile (``status``): a node never runs on a directory
+another store uses, which would delete that store's files and forget its deleted tenants.
+Regression (s36): the constructor raised ``SpillDirLocked`` after 15 s, and Ray's
+``max_restarts`` does not cover a constructor's failure, so a restart that raced its old
+worker's exit (or any wait past 15 s) left the deployment without that spill node for good,
+with nothing but a log line to tell. Now, while the holder is this node's own previous process
+(the lock file names the same owner: Ray namespace and actor name) the node waits for it,
+logging a warning now and then; while it is another store (another deployment on the same
+``spill_dir``) the node logs an error naming it, ``ready`` raises ``SpillDirLocked`` (a start
+fails with that message) and ``status``/``stats`` say so, and the node still opens the directory
+once that store lets it go.
 
 With an ``event_sink`` (``create_spill_node(..., scheduler=...)``) the node pushes
 its stored/removed events to the global scheduler's block index after every call
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +47,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cache_node.tiers.spill_format import BlockFormat, open_regular, write_small_file
+from cache_node.tiers.spill_lock import SpillDirLocked
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 from services.actor_refs import ActorRef
 from services.block_reports import BlockReporter
@@ -55,8 +66,18 @@ FIRST_SWEEP_WAIT_S = 10.0
 that its store's list of dropped holders could not record, until that sweep's answer came)."""
 
 LOCK_WAIT_S = 15.0
-"""How long a starting node waits for its directory's lock while another process holds it (an
-old worker of this node that Ray has not finished killing lets go within it), before it fails."""
+"""How long a starting node's constructor waits for its directory's lock while another process
+holds it (an old worker of this node that Ray has not finished killing lets go within it); past
+it the node waits in the background (``LOCK_RETRY_S``)."""
+
+LOCK_RETRY_S = 0.5
+"""First pause between a waiting node's tries to take its directory's lock; it doubles per try."""
+
+LOCK_RETRY_MAX_S = 10.0
+"""Longest pause between a waiting node's tries."""
+
+LOCK_LOG_EVERY_S = 60.0
+"""How often a waiting node logs that it still waits (and for whom)."""
 
 # (node_id, [(event, block_hash, tier), ...], reset) -> None; GlobalScheduler.report_events
 EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
@@ -80,13 +101,18 @@ class SpillNode:
             directories of retired nodes, ``<spill root>/<j>`` for j >= it, on its own machine
             (``services.spill_dirs``; None: none).
 
-        lock_wait_s: how long to wait while another store holds ``root_dir`` (``LOCK_WAIT_S``).
+        lock_wait_s: how long the constructor waits while another store holds ``root_dir``
+            (``LOCK_WAIT_S``); then the node waits in the background (see the module).
+        lock_owner: this node's owner in its directory's lock file (``"<ray namespace>/<actor
+            name>"``: ``create_spill_node`` passes it); a holder naming the same owner is this
+            node's previous process, waited for; "" (the default): ``node_id``.
 
     Raises:
         UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
             (``services.private_dir``).
-        SpillDirLocked: another store (another process's, or one not closed in this one) still
-            holds ``root_dir`` after ``lock_wait_s``.
+        OSError: the store or ``/metrics`` could not start once the directory was locked (a
+            port taken, a bad directory). Another store holding ``root_dir`` raises nothing
+            (``ready`` does).
     """
 
     def __init__(
@@ -99,6 +125,7 @@ class SpillNode:
         sweep_interval_s: float = SWEEP_INTERVAL_S,
         num_spill_nodes: int | None = None,
         lock_wait_s: float = LOCK_WAIT_S,
+        lock_owner: str = "",
         **store_options: Any,
     ) -> None:
         if event_sink is not None and not node_id:
@@ -106,29 +133,136 @@ class SpillNode:
         ensure_private_dir(root_dir)  # prompts' KV and token ids: another user's or a writable one is refused
         if num_spill_nodes is not None:
             remove_retired_spill_dirs(Path(root_dir).parent, num_spill_nodes)
-        self._store = SpillStore(root_dir, block_format, ram_bytes, disk_bytes, lock_wait_s=lock_wait_s,
-                                 **store_options)
         self.node_id = node_id
+        self.root_dir = Path(root_dir)
+        self.block_format = block_format
+        self.owner = lock_owner or node_id
+        self._open_store = lambda wait_s: SpillStore(root_dir, block_format, ram_bytes, disk_bytes,
+                                                     lock_wait_s=wait_s, lock_owner=self.owner, **store_options)
         self._sink = event_sink
         self._sink_lock = threading.Lock()  # events leave in order even from a threaded actor
+        self._deleted_tenants, self._sweep_interval_s, self._metrics_endpoint = \
+            deleted_tenants, sweep_interval_s, metrics
         self._sweep: DeletedTenantSweep | None = None
         self.metrics_server: MetricsServer | None = None
+        self.metrics = SpillMetrics(node_id, self._store_stats, block_format.block_nbytes)
+        self._store: SpillStore | None = None  # set once it serves
+        self._state = threading.Lock()  # the waiter's open against close
+        self._closed = threading.Event()
+        self._waiting: dict[str, Any] = {}  # while it waits for its directory: for whom (``status``)
         try:
-            if deleted_tenants is not None:
-                self._sweep = DeletedTenantSweep(self._store, deleted_tenants, self._push, node_id, sweep_interval_s)
+            store = self._open_store(lock_wait_s)
+        except SpillDirLocked as exc:
+            self._note_locked(exc, tries=1, since=time.monotonic())
+            threading.Thread(target=self._open_when_free, name=f"spill-lock-{node_id}", daemon=True).start()
+            return
+        self._serve(store)
+
+    def _serve(self, store: SpillStore) -> None:
+        """Serve ``store`` (its directory locked): the deleted tenants' first sweep, the reset
+        push, ``/metrics``. On failure everything started is stopped, the store closed (its
+        directory's lock goes now, not at garbage collection), and the exception raised."""
+        self._store = store
+        try:
+            if self._deleted_tenants is not None:
+                self._sweep = DeletedTenantSweep(store, self._deleted_tenants, self._push, self.node_id,
+                                                 self._sweep_interval_s)
                 self._sweep.start()
                 # serve nothing a deleted tenant left on disk: the first sweep's end is awaited, within
                 # a bound (a scheduler that does not answer delays the start by FIRST_SWEEP_WAIT_S)
                 if not self._sweep.first_done.wait(FIRST_SWEEP_WAIT_S):
                     logger.warning("spill node %s: the first sweep of deleted tenants has not ended within %g s; "
-                                   "serving meanwhile", node_id, FIRST_SWEEP_WAIT_S)
+                                   "serving meanwhile", self.node_id, FIRST_SWEEP_WAIT_S)
             self._push(reset=True)
-            self.metrics = SpillMetrics(node_id, self._store.stats, block_format.block_nbytes)
-            if metrics is not None:
-                self.metrics_server = self._serve_metrics(Path(root_dir), metrics)
+            if self._metrics_endpoint is not None:
+                self.metrics_server = self._serve_metrics(self.root_dir, self._metrics_endpoint)
         except BaseException:
-            self.close()  # the directory's lock goes now (a port taken, say), not at garbage collection
+            self._stop()
+            self._store, self._sweep, self.metrics_server = None, None, None
             raise
+        self._waiting = {}
+
+    def _note_locked(self, exc: SpillDirLocked, tries: int, since: float) -> None:
+        """Record (``status``) and log who holds the directory: this node's previous process
+        (warning) or another store (error, which an operator must resolve)."""
+        previous = bool(exc.owner) and exc.owner == self.owner
+        last = self._waiting.get("logged_at", -LOCK_LOG_EVERY_S)
+        now = time.monotonic()
+        self._waiting = {"error": str(exc), "holder_pid": exc.pid, "holder_host": exc.host,
+                         "holder_owner": exc.owner, "previous_process": previous, "tries": tries,
+                         "since": since, "logged_at": last}
+        if now - last < LOCK_LOG_EVERY_S and tries > 1:
+            return
+        self._waiting["logged_at"] = now
+        if previous:
+            logger.warning("spill node %s: its previous process (pid %d on %s) still holds %s; serving once it "
+                           "has exited (waiting %.0f s so far)", self.node_id, exc.pid, exc.host, self.root_dir,
+                           now - since)
+        else:
+            logger.error("spill node %s does not serve: %s. It opens the directory as soon as that store lets "
+                         "it go (waiting %.0f s so far)", self.node_id, exc, now - since)
+
+    def _open_when_free(self) -> None:
+        """Background: try to take the directory every ``LOCK_RETRY_S`` (doubling, at most
+        ``LOCK_RETRY_MAX_S``) until it opens and serves, or the node is closed. A failure to
+        serve once it opened (a ``/metrics`` port the old process still holds) is logged and
+        tried again the same way."""
+        since, tries, pause = self._waiting.get("since", time.monotonic()), 1, LOCK_RETRY_S
+        while not self._closed.wait(pause):
+            pause = min(2 * pause, LOCK_RETRY_MAX_S)
+            tries += 1
+            try:
+                store = self._open_store(0.0)
+            except SpillDirLocked as exc:
+                self._note_locked(exc, tries, since)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bad directory: said, and tried again
+                logger.error("spill node %s could not open %s: %s", self.node_id, self.root_dir, exc)
+                self._waiting = {**self._waiting, "error": f"could not open {self.root_dir}: {exc}", "tries": tries}
+                continue
+            with self._state:
+                if self._closed.is_set():
+                    store.close()
+                    return
+                try:
+                    self._serve(store)
+                except Exception as exc:  # noqa: BLE001 - logged, tried again
+                    logger.error("spill node %s could not start serving %s: %s", self.node_id, self.root_dir, exc)
+                    self._waiting = {**self._waiting, "error": f"could not start serving: {exc}", "tries": tries}
+                    continue
+            logger.warning("spill node %s serves %s after waiting %.1f s for it (%d tries)", self.node_id,
+                           self.root_dir, time.monotonic() - since, tries)
+            return
+
+    def status(self) -> dict[str, Any]:
+        """Whether the node serves (``serving``) and, while it does not, why: ``error`` (the
+        refusal's text), ``holder_pid``/``holder_host``/``holder_owner`` of the store holding
+        its directory, ``previous_process`` (that holder is this node's own previous process,
+        waited for; else another store, for the operator to stop), ``tries`` and
+        ``waiting_s``."""
+        store, waiting = self._store, dict(self._waiting)
+        if store is not None and not waiting:
+            return {"serving": True, "root_dir": str(self.root_dir)}
+        out = {"serving": False, "root_dir": str(self.root_dir)}
+        if waiting:
+            out |= {k: waiting[k] for k in ("error", "holder_pid", "holder_host", "holder_owner", "previous_process",
+                                            "tries") if k in waiting}
+            out["waiting_s"] = round(time.monotonic() - waiting.get("since", time.monotonic()), 3)
+        return out
+
+    def _serving(self) -> SpillStore | None:
+        """The store once the node serves, else None."""
+        store = self._store
+        return store if store is not None and not self._waiting else None
+
+    def _not_serving(self, what: str) -> SpillDirLocked:
+        """The error of a call (``what``) that needs the store while the node does not serve."""
+        status = self.status()
+        exc = SpillDirLocked(f"spill node {self.node_id or self.root_dir} cannot {what}: it does not serve yet "
+                             f"({status.get('error', 'starting')})")
+        exc.pid, exc.host, exc.owner = (status.get("holder_pid", 0), status.get("holder_host", ""),
+                                        status.get("holder_owner", ""))
+        return exc
 
     def _serve_metrics(self, root_dir: Path, endpoint: MetricsEndpoint) -> MetricsServer:
         """``/metrics`` at ``endpoint``; with port 0, on the port this node served on before a
@@ -153,15 +287,30 @@ class SpillNode:
 
     def close(self) -> None:
         """Stop the deleted tenants' sweep and ``/metrics``, and close the store (its directory's
-        lock released: another node may open it). Idempotent; the node serves nothing after."""
+        lock released: another node may open it); a node still waiting for its directory stops
+        waiting. Idempotent; the node serves nothing after."""
+        self._closed.set()
+        with self._state:
+            self._stop()
+
+    def _stop(self) -> None:
         if self._sweep is not None:
             self._sweep.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        self._store.close()
+        if self._store is not None:
+            self._store.close()
 
     def ready(self) -> bool:
-        """True once the store is built (its disk index rebuilt); await it after creation."""
+        """True once the store is built (its disk index rebuilt); await it after creation.
+
+        Raises:
+            SpillDirLocked: the node does not serve: another store holds its directory (its
+                text names the holder, and whether it is this node's own previous process);
+                the node keeps trying (``status``).
+        """
+        if self._serving() is None:
+            raise self._not_serving("serve")
         return True
 
     def put(
@@ -170,8 +319,12 @@ class SpillNode:
     ) -> int:
         """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block,
         ``weight`` the namespace's tenant's (a positive finite number, else ValueError and
-        nothing stored); returns blocks newly stored."""
-        stored = self._store.put(hashes, blocks, namespace, token_ids, weight)
+        nothing stored); returns blocks newly stored (0 while the node does not serve:
+        ``status``)."""
+        store = self._serving()
+        if store is None:
+            return 0
+        stored = store.put(hashes, blocks, namespace, token_ids, weight)
         self._push()
         return stored
 
@@ -179,57 +332,85 @@ class SpillNode:
         self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
     ) -> SpillHits:
         """``SpillStore.get``: the hits (token-checked when ``token_ids`` is given), their
-        blocks ``(hits, *shape)`` and tiers."""
-        hits = self._store.get(hashes, token_ids)
+        blocks ``(hits, *shape)`` and tiers; none while the node does not serve."""
+        store = self._serving()
+        if store is None:
+            return SpillHits([], np.empty((0, *self.block_format.shape), self.block_format.np_dtype), [])
+        hits = store.get(hashes, token_ids)
         self._push()  # a corrupt or missing file dropped its blocks
         return hits
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
-        """``SpillStore.contains``: the tier of each hash, or None."""
-        return self._store.contains(hashes)
+        """``SpillStore.contains``: the tier of each hash, or None (all None while the node does
+        not serve)."""
+        store = self._serving()
+        return store.contains(hashes) if store is not None else [None] * len(hashes)
 
     def match_prefix(self, hashes: Sequence[bytes]) -> int:
-        """``SpillStore.match_prefix``: number of leading hashes held."""
-        return self._store.match_prefix(hashes)
+        """``SpillStore.match_prefix``: number of leading hashes held (0 while the node does not
+        serve)."""
+        store = self._serving()
+        return store.match_prefix(hashes) if store is not None else 0
 
     def flush(self) -> int:
         """``SpillStore.flush``: drop every block; returns how many. Raises
         ``SpillDeletionNotDurable`` when a restart might serve some of them (the caller's flush
-        is then incomplete); the blocks' "removed" events are pushed either way."""
+        is then incomplete); the blocks' "removed" events are pushed either way.
+        ``SpillDirLocked`` while the node does not serve (its directory untouched)."""
+        store = self._serving()
+        if store is None:
+            raise self._not_serving("flush")
         try:
-            return self._store.flush()
+            return store.flush()
         finally:
             self._push()
 
     def drop_namespace(self, namespace: str) -> int:
         """``SpillStore.drop_namespace``: drop ``namespace``'s blocks (its salted variants
         too) from RAM and delete its group files; returns how many (a deleted tenant's own
-        namespace). Raises ``SpillDeletionNotDurable`` as ``flush`` does."""
+        namespace). Raises ``SpillDeletionNotDurable`` as ``flush`` does, ``SpillDirLocked``
+        while the node does not serve (the first sweep once it serves drops it)."""
+        store = self._serving()
+        if store is None:
+            raise self._not_serving("drop a namespace")
         try:
-            return self._store.drop_namespace(namespace)
+            return store.drop_namespace(namespace)
         finally:
             self._push()
 
     def stats(self) -> dict[str, int]:
         """``SpillStore.stats``, and the deleted tenants' sweep's counters (``sweeps``,
-        ``sweep_failures``, ``sweep_bad_answers``, ``swept_blocks``) when it runs."""
-        return self._store.stats() | (dict(self._sweep.counters) if self._sweep is not None else {})
+        ``sweep_failures``, ``sweep_bad_answers``, ``swept_blocks``) when it runs; while the node
+        does not serve, ``serving`` 0 and ``dir_lock_tries`` (``status`` says why)."""
+        store = self._serving()
+        if store is None:
+            return {"serving": 0, "dir_lock_tries": int(self._waiting.get("tries", 0))}
+        return store.stats() | (dict(self._sweep.counters) if self._sweep is not None else {})
+
+    def _store_stats(self) -> dict[str, int]:
+        """``SpillStore.stats`` for ``/metrics`` (served only once the store serves)."""
+        store = self._store
+        return store.stats() if store is not None else {}
 
     def held_blocks(self) -> list[tuple[bytes, str]]:
         """``SpillStore.held``: every block held now and its tier (a restarted global scheduler
-        rebuilds its index from it: ``services.global_scheduler_recovery``)."""
-        return self._store.held()
+        rebuilds its index from it: ``services.global_scheduler_recovery``); none while the node
+        does not serve (its reset push tells the index once it does)."""
+        store = self._serving()
+        return store.held() if store is not None else []
 
     def take_events(self) -> list[SpillEvent]:
         """``SpillStore.take_events``: changes since the last call, oldest first (always
         empty with an ``event_sink``, which receives them instead)."""
-        return self._store.take_events()
+        store = self._store
+        return store.take_events() if store is not None else []
 
     def _push(self, reset: bool = False) -> None:
-        if self._sink is None:
+        store = self._store
+        if self._sink is None or store is None:
             return
         with self._sink_lock:
-            events = [(e.event, e.block_hash, e.tier) for e in self._store.take_events()]
+            events = [(e.event, e.block_hash, e.tier) for e in store.take_events()]
             due = getattr(self._sink, "resync_due", None)  # a BlockReporter's back-off after refusals
             resync = due() if due is not None else getattr(self._sink, "needs_resync", False)
             if reset or resync:  # a reset, or a report was lost (and its resync is due):
@@ -237,7 +418,7 @@ class SpillNode:
                 # again). Regression (review 30m F1): the constructor's reset came after its first
                 # sweep's push, which had carried the rebuild's events, so it went out empty and the
                 # scheduler forgot every block the node held
-                events, reset = [("stored", h, tier) for h, tier in self._store.held()], True
+                events, reset = [("stored", h, tier) for h, tier in store.held()], True
             if events or reset:
                 self._sink(self.node_id, events, reset)
 
@@ -306,8 +487,43 @@ def create_spill_node(
         **({"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}),
     )
     sink = BlockReporter(scheduler) if scheduler is not None else None
-    handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name,
+    owner = f"{namespace if namespace is not None else ray.get_runtime_context().namespace}/{name}"
+    handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name, lock_owner=owner,
                             event_sink=sink, metrics=metrics,
                             deleted_tenants=AskScheduler(scheduler) if scheduler is not None else None,
                             num_spill_nodes=num_spill_nodes, **store_options)
     return cast("ActorHandle[SpillNode]", handle)
+
+
+def await_serving(handles: Sequence[ActorHandle[SpillNode]], timeout_s: float, poll_s: float = 0.5) -> None:
+    """Wait until every spill node in ``handles`` serves (``ready``), within ``timeout_s``.
+
+    A node whose directory its own previous process still holds (``status``'s
+    ``previous_process``: a deployment started again while its old spill worker was still
+    exiting) is waited for; one whose directory another store holds fails the wait at once.
+
+    Raises:
+        RuntimeError: a node's directory is held by another store (the message names it and
+            says that the node keeps trying), or a previous process still held one at
+            ``timeout_s``.
+        ray.exceptions.GetTimeoutError: a node did not answer within ``timeout_s`` (not placed).
+    """
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        while True:
+            try:
+                ray.get(handle.ready.remote(), timeout=max(deadline - time.monotonic(), 0.001))
+                break
+            except SpillDirLocked as exc:  # ray.get raises the task's error as its cause's class too
+                status = ray.get(handle.status.remote(), timeout=max(deadline - time.monotonic(), 1.0))
+                if not status.get("previous_process"):
+                    raise RuntimeError(
+                        f"a spill node does not serve: {status.get('error', exc)}. It keeps trying, and serves "
+                        "once that store lets the directory go; stop it, or stop this deployment (`kvstrata "
+                        "down`) and give it another spill_dir") from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"a spill node's previous process (pid {status.get('holder_pid')} on "
+                        f"{status.get('holder_host')}) still holds {status.get('root_dir')} after "
+                        f"{timeout_s:g} s; the node serves once it exits") from None
+                time.sleep(poll_s)

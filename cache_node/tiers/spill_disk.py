@@ -198,6 +198,7 @@ class DiskTier:
 
         lock_wait_s: how long to wait for the directory's lock while another store holds it
             (``spill_format.SpillDir``; 0: fail at once).
+        lock_owner: who holds the lock (``spill_lock.lock_spill_dir``'s ``owner``).
 
     Raises ``spill_format.UnsafeSpillDir`` when ``root_dir`` is a link or not a directory, and
     ``spill_lock.SpillDirLocked`` when another store holds it (review s35 D S2).
@@ -213,6 +214,7 @@ class DiskTier:
         counters: Counter[str],
         weights: HolderWeights | None = None,
         lock_wait_s: float = 0.0,
+        lock_owner: str = "",
     ) -> None:
         self.root_dir = root_dir
         self.block_format = block_format
@@ -226,7 +228,7 @@ class DiskTier:
         # one tenant's writes delete every other tenant's files)
         self._files: FairLRU[str, _SpillFile] = FairLRU(weights)
         self.bytes_used = 0  # bytes of the files in the index
-        self.dir = SpillDir(root_dir, lock_wait_s)
+        self.dir = SpillDir(root_dir, lock_wait_s, lock_owner)
         self.unserved = UnservedFiles(self.dir, budget_bytes, counters)
         self._faults = DiskFaults(block_format, self.unserved, counters)
         self._seq = 0  # the last write sequence written or found (``_next_seq``)

@@ -649,19 +649,22 @@ class SpillDir:
         path: the directory (made with mode 0700, and its missing parents, when missing).
         lock_wait_s: how long construction waits while another store holds the lock (0: it
             fails at once).
+        lock_owner: who holds the lock, written into its file for the next opener
+            (``spill_lock.lock_spill_dir``'s ``owner``).
 
     Raises (construction): UnsafeSpillDir when ``path`` is a link or not a directory;
     ``spill_lock.SpillDirLocked`` when another store holds its lock past ``lock_wait_s``;
     OSError when it cannot be made or opened, or its lock file is not a regular file.
     """
 
-    def __init__(self, path: Path, lock_wait_s: float = 0.0) -> None:
+    def __init__(self, path: Path, lock_wait_s: float = 0.0, lock_owner: str = "") -> None:
         self.path = Path(path)
+        self.lock_owner = lock_owner
         self.closed = False
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.fd = self._open(check_private=False)  # the node checked it (services.private_dir)
         try:
-            self.lock_fd = lock_spill_dir(self.fd, self.path, lock_wait_s)
+            self.lock_fd = lock_spill_dir(self.fd, self.path, lock_wait_s, lock_owner)
         except BaseException:
             os.close(self.fd)
             raise
@@ -691,7 +694,7 @@ class SpillDir:
                 os.mkdir(path, 0o700)
         fd = self._open(check_private=True)
         try:
-            lock_fd = lock_spill_dir(fd, self.path)
+            lock_fd = lock_spill_dir(fd, self.path, owner=self.lock_owner)
         except BaseException:
             os.close(fd)
             raise

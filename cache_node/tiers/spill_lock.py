@@ -14,6 +14,11 @@ directory and the holder's pid and host (written into the file by the holder). T
 however it ends, so a spill node Ray restarts after a crash (a new process) takes it at once,
 and no stale lock file ever needs deleting (the file is never deleted: an unlink would let two
 openers lock two different files of that name).
+
+The holder also writes its ``owner`` (a spill node's Ray namespace and actor name), so a refused
+opener can tell this node's own previous process (Ray restarted the actor while the old worker
+was still exiting: wait for it) from another deployment's store on the same directory (a
+misconfiguration for the operator to fix): ``SpillDirLocked.owner``.
 """
 
 from __future__ import annotations
@@ -27,22 +32,39 @@ import stat
 import time
 
 LOCK_FILE = "spill.lock"
-"""File in a spill directory whose ``flock`` its store holds; holds ``"<pid> <host>\\n"``."""
+"""File in a spill directory whose ``flock`` its store holds; holds ``"<pid> <host> [<owner>]\\n"``."""
+
+MAX_OWNER_CHARS = 200
+"""Longest owner written into the lock file (longer ones are cut)."""
 
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _POLL_S = 0.05
 
 
 class SpillDirLocked(OSError):
-    """A spill directory whose lock another store holds (``errno`` EWOULDBLOCK)."""
+    """A spill directory whose lock another store holds (``errno`` EWOULDBLOCK).
+
+    Attributes (as the holder wrote them into the lock file; what it did not write is 0 or ""):
+        pid: the holder's process id.
+        host: the holder's host name.
+        owner: the holder's owner (``lock_spill_dir``'s ``owner``: a spill node's
+            ``"<ray namespace>/<actor name>"``).
+    """
+
+    pid: int = 0
+    host: str = ""
+    owner: str = ""
 
 
-def lock_spill_dir(dir_fd: int, path: os.PathLike[str] | str, wait_s: float = 0.0) -> int:
+def lock_spill_dir(dir_fd: int, path: os.PathLike[str] | str, wait_s: float = 0.0, owner: str = "") -> int:
     """Take the exclusive lock of the spill directory open at ``dir_fd`` (``path``: its name, for
     messages): returns the lock file's descriptor, which holds it until closed.
 
-    ``wait_s``: how long to retry while another holds it (0: fail at once). The lock file is
-    created (0600) if missing, never through a link, and must be a regular file.
+    ``wait_s``: how long to retry while another holds it (0: fail at once). ``owner``: who
+    holds it, written into the lock file after the pid and host for the next opener (a spill
+    node's ``"<ray namespace>/<actor name>"``; whitespace and control characters become "_", cut
+    at ``MAX_OWNER_CHARS``). The lock file is created (0600) if missing, never through a link,
+    and must be a regular file.
 
     Raises:
         SpillDirLocked: another store holds it still after ``wait_s``.
@@ -66,28 +88,41 @@ def lock_spill_dir(dir_fd: int, path: os.PathLike[str] | str, wait_s: float = 0.
             except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise SpillDirLocked(
+                    pid, host, holder_owner = _holder(fd)
+                    who = f"pid {pid}" if pid else "holder's pid unknown"
+                    who += (f" on {host}" if host else "") + (f", {holder_owner}" if holder_owner else "")
+                    exc = SpillDirLocked(
                         errno.EWOULDBLOCK,
-                        f"spill directory {path} is in use by another spill store ({_holder(fd)}; waited "
+                        f"spill directory {path} is in use by another spill store ({who}; waited "
                         f"{wait_s:g} s): two stores on one directory delete each other's files. Stop the "
                         "other one, or give each deployment and spill node a directory of its own "
-                        "(spill_dir)") from None
+                        "(spill_dir)")
+                    exc.pid, exc.host, exc.owner = pid, host, holder_owner
+                    raise exc from None
                 time.sleep(min(_POLL_S, left))
         with contextlib.suppress(OSError):  # who holds it, for the next opener's message; best effort
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {_clean(owner)}".rstrip().encode() + b"\n", 0)
         return fd
     except BaseException:
         os.close(fd)
         raise
 
 
-def _holder(fd: int) -> str:
-    """The holder as its lock file names it: ``"pid <pid> on <host>"``, or what is unknown."""
+def _clean(owner: str) -> str:
+    """``owner`` as one word of the lock file: whitespace and control characters as "_", cut."""
+    return "".join("_" if ch.isspace() or not ch.isprintable() else ch for ch in owner[:MAX_OWNER_CHARS])
+
+
+def _holder(fd: int) -> tuple[int, str, str]:
+    """The holder as its lock file names it: (pid, host, owner); 0 or "" for what it does not
+    say (an unreadable or foreign file: its words are checked, never trusted further)."""
     try:
-        words = os.pread(fd, 256, 0).decode("utf-8", "replace").split()
+        words = os.pread(fd, 512, 0).decode("utf-8", "replace").split()
     except OSError:
         words = []
-    if len(words) >= 1 and words[0].isdigit():
-        return f"pid {words[0]}" + (f" on {words[1]}" if len(words) > 1 else "")
-    return "holder's pid unknown"
+    if not words or not words[0].isdigit() or len(words[0]) > 10:
+        return 0, "", ""
+    host = words[1][:255] if len(words) > 1 else ""
+    owner = words[2][:MAX_OWNER_CHARS] if len(words) > 2 else ""
+    return int(words[0]), host, owner

@@ -118,6 +118,8 @@ class SpillStore:
         demote_low_watermark: past the RAM budget, demote down to this fraction of it.
         max_events: events kept for ``take_events``; older ones count as ``events_dropped``.
         lock_wait_s: how long to wait while another store holds ``root_dir`` (0: fail at once).
+        lock_owner: who holds ``root_dir``'s lock, for the next opener's ``SpillDirLocked``
+            (a spill node's ``"<ray namespace>/<actor name>"``; "": unnamed).
 
     One store per directory: the store locks ``root_dir`` (``spill_lock``) until ``close`` (or
     its process ends). Regression (review s35 D S2): two stores on one directory deleted each
@@ -135,6 +137,7 @@ class SpillStore:
         demote_low_watermark: float = 0.75,
         max_events: int = 1_000_000,
         lock_wait_s: float = 0.0,
+        lock_owner: str = "",
     ) -> None:
         if min(ram_bytes, disk_bytes) < 0 or min(max_blocks_per_file, max_events) < 1:
             raise ValueError("budgets must be >= 0, max_blocks_per_file and max_events >= 1")
@@ -160,7 +163,7 @@ class SpillStore:
         with self._lock:
             self._disk = DiskTier(
                 self.root_dir, block_format, disk_bytes, max_blocks_per_file, self._emit, self._counters,
-                self.weights, lock_wait_s,
+                self.weights, lock_wait_s, lock_owner,
             )
 
     def put(
