@@ -210,7 +210,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         with self._lock:
             share = self.scheduler.policy.tenants.get(tenant)
             if share is not None:  # the tiers' fair shares weigh its holder as its tenant
-                self.tiers.note_weight(seq.cache_namespace, share.weight)
+                self.tiers.note_weight(seq.cache_namespace, share.weight, tenant)
             if seq.session_id:
                 try:
                     self.sessions.attach(seq)

@@ -315,12 +315,12 @@ class SpillNode:
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float | dict[str, float] = 1.0,
     ) -> int:
         """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block,
-        ``weight`` the namespace's tenant's (a positive finite number, else ValueError and
-        nothing stored); returns blocks newly stored (0 while the node does not serve:
-        ``status``)."""
+        ``weight`` the weights of the namespace's tenants (tenant id -> weight) or the
+        namespace's as a whole (``fair_lru.check_put_weight``, else ValueError and nothing
+        stored); returns blocks newly stored (0 while the node does not serve: ``status``)."""
         store = self._serving()
         if store is None:
             return 0

@@ -22,9 +22,9 @@ tenant extra shares.
 
 A holder's weight is its tenant's ``weight`` (``tenants.model.TenantSpec``), the latest one known
 where the tier runs (``HolderWeights``): a cache node learns it from the requests it runs, a spill
-node from the puts it is sent (``check_weight``); a shared namespace takes the weight of the
-latest request naming it. A holder with no known weight counts as weight 1, the default
-tenant's. A changed weight applies from the next eviction on: nothing is evicted when it
+node from the puts it is sent (``check_put_weight``); a shared namespace weighs the sum of its
+tenants' weights (each the latest known; one not heard of for ``TENANT_WEIGHT_TTL_S`` lapses).
+A holder with no known weight counts as weight 1, the default tenant's. A changed weight applies from the next eviction on: nothing is evicted when it
 changes, but a holder whose weight fell gives way to the others' inserts until it is back at
 its share.
 """
@@ -32,8 +32,10 @@ its share.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -45,8 +47,18 @@ SALT_SEPARATOR = "#"  # ``salted_namespace``: "<namespace>#salt=<salt>"; namespa
 
 
 MAX_HOLDER_WEIGHTS = 65536
-"""Holders whose weight one ``HolderWeights`` remembers (the least recently set forgotten first:
-such a holder counts as weight 1 again until its weight is set anew)."""
+"""Weights one ``HolderWeights`` remembers, of holders and tenants (the least recently set
+forgotten first: such a holder counts as weight 1 again until its weight is set anew)."""
+
+TENANT_WEIGHT_TTL_S = 600.0
+"""How long a tenant's weight counts for its namespace's holder after it was last set (a request
+of the tenant's on a cache node, a spill put carrying it)."""
+
+MAX_PUT_TENANTS = 1024
+"""Most tenants' weights one spill put may carry for its holder (``check_put_weight``)."""
+
+MAX_TENANT_CHARS = 256
+"""Longest tenant id a spill put's weights may name."""
 
 
 def holder_of(namespace: str) -> str:
@@ -67,42 +79,169 @@ def check_weight(weight: object) -> float:
     return float(weight)
 
 
-class HolderWeights:
-    """The latest known weight of each holder; a holder never set (or forgotten) weighs 1.
+def check_put_weight(weight: object) -> float | dict[str, float]:
+    """A spill put's ``weight`` (it comes off the network): a holder's weight as a whole
+    (``check_weight``), or each of its tenants' (``HolderWeights.tenants``): a dict of at most
+    ``MAX_PUT_TENANTS`` tenant ids (non-empty text of at most ``MAX_TENANT_CHARS`` characters)
+    to weights ``check_weight`` accepts.
 
-    Bounded: at most ``max_holders`` weights, the least recently set forgotten first. Setting
-    and reading are O(1); a ``FairLRU`` reads it at each eviction, so a change applies from the
-    next one. Reads may run on another thread than writes (single dict operations).
+    Raises:
+        ValueError: anything else, naming ``weight``.
+    """
+    if not isinstance(weight, dict):
+        return check_weight(weight)
+    if not 0 < len(weight) <= MAX_PUT_TENANTS:
+        raise ValueError(f"weight: a put's tenants' weights must name 1 to {MAX_PUT_TENANTS} tenants, "
+                         f"got {len(weight)}")
+    out: dict[str, float] = {}
+    for tenant, w in weight.items():
+        if type(tenant) is not str or not 0 < len(tenant) <= MAX_TENANT_CHARS:
+            raise ValueError(f"weight: a tenant id must be text of 1 to {MAX_TENANT_CHARS} characters, "
+                             f"got {type(tenant).__name__} {str(tenant)[:40]!r}")
+        out[tenant] = check_weight(w)
+    return out
+
+
+class HolderWeights:
+    """The weight of each holder: the sum of the latest known weights of the tenants naming it
+    (``set`` with a ``tenant``), or the latest weight set for it as a whole (``set`` without
+    one); a holder never set (or forgotten) weighs 1.
+
+    A shared namespace is one holder for every tenant naming it, so it weighs what its tenants
+    weigh together: they share their shares, as each would hold its own in a namespace of its
+    own. Regression (s36 fault 3): the holder took the weight of the latest request or spill
+    put naming it, so the share of a weight-3 tenant sharing a namespace with a weight-1 one
+    flipped with whoever sent last: after a put of the weight-1 tenant's, a third tenant of
+    weight 1 took half of a full tier instead of a fifth. A tenant's entry follows it: set for
+    another holder (its spec names another namespace) it leaves the old one; it lapses after
+    ``ttl_s`` without a ``set`` while another tenant's entry for the holder is newer (a deleted
+    or idle tenant no longer weighs for a shared namespace others use; the most recently set
+    entry always counts, so a tenant's own namespace keeps its weight however idle).
+
+    Bounded: at most ``max_holders`` entries (holders set as a whole, and tenants), the least
+    recently set forgotten first. Setting is O(1); reading O(1), but O(tenants of the holder)
+    once one of them may have lapsed; a ``FairLRU`` reads it at each eviction, so a change applies
+    from the next one. Reads may run on another thread than writes (``_lock``).
+
+    Args:
+        max_holders: most entries kept.
+        ttl_s: how long a tenant's entry counts after its last ``set``.
+        clock: seconds, monotonic (``time.monotonic``).
     """
 
-    def __init__(self, max_holders: int = MAX_HOLDER_WEIGHTS) -> None:
+    def __init__(self, max_holders: int = MAX_HOLDER_WEIGHTS, ttl_s: float = TENANT_WEIGHT_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_holders < 1:
             raise ValueError(f"max_holders must be >= 1, got {max_holders}")
-        self.max_holders = max_holders
-        self._weights: OrderedDict[str, float] = OrderedDict()
+        self.max_holders, self.ttl_s, self._clock = max_holders, ttl_s, clock
+        self._lock = threading.Lock()
+        # (holder, tenant) -> (weight, when set); tenant "": the holder set as a whole. Oldest first
+        self._entries: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
+        self._tenants: dict[str, dict[str, None]] = {}  # holder -> its entries' tenants
+        self._holder_of: dict[str, str] = {}  # tenant -> the holder its entry is for
+        self._sums: dict[str, tuple[float, float]] = {}  # holder -> (weight, until when it holds)
 
-    def set(self, holder: str, weight: object) -> None:
-        """Record ``holder``'s weight. Raises ValueError for a weight ``check_weight`` refuses."""
+    def set(self, holder: str, weight: object, tenant: str = "") -> None:
+        """Record ``tenant``'s weight for ``holder`` (it leaves the holder it was set for
+        before), or without a ``tenant`` ``holder``'s weight as a whole (its tenants' entries
+        dropped; weight 1 is then remembered as nothing). Raises ValueError for a weight
+        ``check_weight`` refuses."""
         value = check_weight(weight)
-        if value == 1.0:  # what an unknown holder weighs: nothing to remember
-            self._weights.pop(holder, None)
-            return
-        self._weights[holder] = value  # replaced in place: a reader never sees it missing
-        self._weights.move_to_end(holder)
-        while len(self._weights) > self.max_holders:
-            self._weights.popitem(last=False)
+        now = self._clock()
+        with self._lock:
+            if not tenant:
+                for name in list(self._tenants.get(holder, ())):
+                    self._drop(holder, name)
+                self._drop(holder, "")
+                if value != 1.0:  # what an unknown holder weighs: nothing to remember
+                    self._add(holder, "", value, now)
+                return
+            old = self._holder_of.get(tenant)
+            if old is not None:
+                self._drop(old, tenant)
+            self._drop(holder, "")
+            self._add(holder, tenant, value, now)
+
+    def merge(self, holder: str, weights: Mapping[str, object]) -> None:
+        """``set(holder, weight, tenant)`` for each tenant's weight in ``weights`` (what a spill
+        put carries: ``tenants``). Raises ValueError, nothing set, for a weight refused."""
+        checked = {tenant: check_weight(w) for tenant, w in weights.items()}
+        for tenant, w in checked.items():
+            self.set(holder, w, tenant)
 
     def of(self, holder: str) -> float:
         """``holder``'s weight (1.0 when unknown)."""
-        return self._weights.get(holder, 1.0)
+        now = self._clock()
+        cached = self._sums.get(holder)
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        if cached is None and holder not in self._tenants:
+            return 1.0
+        with self._lock:
+            return self._sum(holder, now)
+
+    def tenants(self, holder: str) -> dict[str, float]:
+        """The weights of ``holder``'s tenants whose entries have not lapsed ({} when it was set
+        as a whole or is unknown)."""
+        now = self._clock()
+        with self._lock:
+            self._sum(holder, now)  # drops the lapsed ones
+            return {t: self._entries[(holder, t)][0] for t in self._tenants.get(holder, ()) if t}
 
     def forget(self, holder: str) -> None:
-        """Drop ``holder``'s weight (a deleted tenant's namespace)."""
-        self._weights.pop(holder, None)
+        """Drop ``holder``'s weight and its tenants' entries (a deleted tenant's namespace)."""
+        with self._lock:
+            for name in list(self._tenants.get(holder, ())):
+                self._drop(holder, name)
 
     def known(self) -> dict[str, float]:
-        """The weights other than 1 that are remembered, per holder."""
-        return dict(self._weights)
+        """The weights other than 1 that are remembered, per holder (its tenants' sum)."""
+        now = self._clock()
+        with self._lock:
+            sums = {holder: self._sum(holder, now) for holder in list(self._tenants)}
+        return {holder: weight for holder, weight in sums.items() if weight != 1.0}
+
+    def _add(self, holder: str, tenant: str, value: float, now: float) -> None:
+        self._entries[(holder, tenant)] = (value, now)
+        self._entries.move_to_end((holder, tenant))
+        self._tenants.setdefault(holder, {})[tenant] = None
+        if tenant:
+            self._holder_of[tenant] = holder
+        self._sums.pop(holder, None)
+        while len(self._entries) > self.max_holders:
+            (old_holder, old_tenant), _ = next(iter(self._entries.items()))
+            self._drop(old_holder, old_tenant)
+
+    def _drop(self, holder: str, tenant: str) -> None:
+        if self._entries.pop((holder, tenant), None) is None:
+            return
+        names = self._tenants.get(holder)
+        if names is not None:
+            names.pop(tenant, None)
+            if not names:
+                del self._tenants[holder]
+        if tenant and self._holder_of.get(tenant) == holder:
+            del self._holder_of[tenant]
+        self._sums.pop(holder, None)
+
+    def _sum(self, holder: str, now: float) -> float:
+        """``holder``'s weight now, its lapsed tenants' entries dropped (all but the most
+        recently set one, which always counts); cached until the next one lapses. Under
+        ``_lock``."""
+        names = list(self._tenants.get(holder, ()))
+        newest = max((self._entries[(holder, name)][1] for name in names), default=now)
+        total, until = 0.0, math.inf
+        for name in names:
+            value, at = self._entries[(holder, name)]
+            if name and at < newest:
+                if now - at >= self.ttl_s:
+                    self._drop(holder, name)
+                    continue
+                until = min(until, at + self.ttl_s)
+            total += value
+        weight = total if total > 0 else 1.0
+        self._sums[holder] = (weight, until)
+        return weight
 
 
 class Eviction(NamedTuple, Generic[K]):

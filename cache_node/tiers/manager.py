@@ -166,12 +166,14 @@ class TierManager:
             self.blocks.evict_hook = self.demote_blocks
             kv_manager.promote_hook = self.promote
 
-    def note_weight(self, namespace: str, weight: float) -> None:
-        """``weight`` is now the weight of ``namespace``'s holder (its tenant's, from a request
-        it runs): the host tier, the spill-put backlog and the spill puts of its blocks count
-        its holding per unit of it from the next eviction on (``fair_lru``). Raises ValueError
-        for a weight ``fair_lru.check_weight`` refuses."""
-        self.weights.set(holder_of(namespace), weight)
+    def note_weight(self, namespace: str, weight: float, tenant: str = "") -> None:
+        """``weight`` is now ``tenant``'s (from a request of its that the node runs) for
+        ``namespace``'s holder, which weighs the sum of its tenants' weights (a shared namespace;
+        ``fair_lru.HolderWeights``); without a ``tenant``, the holder's weight as a whole. The
+        host tier, the spill-put backlog and the spill puts of its blocks count its holding per
+        unit of it from the next eviction on (``fair_lru``). Raises ValueError for a weight
+        ``fair_lru.check_weight`` refuses."""
+        self.weights.set(holder_of(namespace), weight, tenant)
 
     # ---- demotion ---------------------------------------------------------------------------
     def demote_blocks(self, blocks: Seq[KVBlock]) -> None:

@@ -213,7 +213,9 @@ class TransferWorker:
             if epoch != self.epoch:
                 return
             try:
-                stored = self.spill.put(hashes, rows, namespace, tokens, self.tiers.weights.of(holder_of(namespace)))
+                holder = holder_of(namespace)  # its tenants' weights (a spill node sums them), else its own
+                weight = self.tiers.weights.tenants(holder) or self.tiers.weights.of(holder)
+                stored = self.spill.put(hashes, rows, namespace, tokens, weight)
             except Exception as exc:  # noqa: BLE001 - any client fault drops the write
                 logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)
                 self._count("spill_put_errors", len(hashes))

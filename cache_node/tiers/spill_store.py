@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cache_node.tiers import spill_format as fmt
-from cache_node.tiers.fair_lru import FairLRU, HolderWeights, check_weight, holder_of
+from cache_node.tiers.fair_lru import FairLRU, HolderWeights, check_put_weight, holder_of
 from cache_node.tiers.spill_disk import TIER_DISK, DiskTier, PendingRemoval, SpillDeletionNotDurable
 from cache_node.tiers.spill_format import BlockFormat
 
@@ -168,7 +168,7 @@ class SpillStore:
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float | Mapping[str, float] = 1.0,
     ) -> int:
         """Store ``blocks[i]`` under ``hashes[i]`` in RAM; returns how many were new.
 
@@ -177,17 +177,20 @@ class SpillStore:
         ``get``); ``namespace`` is recorded in file headers. A hash already held (either
         tier) is touched, not rewritten. May demote to disk and evict files. Nothing is
         stored for a namespace dropped for good (``drop_namespaces``: a deleted tenant's; its
-        blocks counted in ``put_refused_dropped``). ``weight``: the namespace's tenant's weight
-        (the sender's latest known), from now on its holder's in both tiers' fair shares.
+        blocks counted in ``put_refused_dropped``). ``weight``: the weights of the tenants naming
+        the namespace (tenant id -> weight, the sender's latest known: ``HolderWeights.tenants``),
+        merged into what this store knows of them (its holder weighs their sum in both tiers'
+        fair shares); or one weight for the holder as a whole, used only while the store knows
+        none of its tenants' (a sender that knows none).
         Raises ValueError for more than ``MAX_CALL_BLOCKS`` hashes, a hash that is not 32 bytes,
         a wrong shape/dtype, a ``token_ids`` of another length than ``hashes`` or with a bad block
         (``_token_bytes``), a ``namespace`` that is not text of at most ``MAX_LABEL_BYTES`` UTF-8 bytes (what a file
         header records) or a ``weight`` that is not a positive finite number (a tenant spec's
-        bounds: ``fair_lru.check_weight``); nothing is stored then, and the holder's weight is
-        unchanged.
+        bounds) nor such a mapping (``fair_lru.check_put_weight``); nothing is stored then, and
+        the holder's weight is unchanged.
         """
         self._check_hashes(hashes)
-        weight = check_weight(weight)
+        weight = check_put_weight(weight)
         _check_namespace(namespace)
         want = ((len(hashes), *self.block_format.shape), self.block_format.np_dtype)
         if not isinstance(blocks, np.ndarray) or (blocks.shape, blocks.dtype) != want:
@@ -200,7 +203,10 @@ class SpillStore:
                 self._counters["put_refused_dropped"] += len(hashes)
                 return 0
             holder = holder_of(namespace)
-            self.weights.set(holder, weight)  # before the room is made
+            if isinstance(weight, dict):  # before the room is made
+                self.weights.merge(holder, weight)
+            elif not self.weights.tenants(holder):  # a sender's guess never replaces its tenants' own
+                self.weights.set(holder, weight)
             new: dict[bytes, int] = {}  # each hash held in neither tier -> its first row
             for i, block_hash in enumerate(hashes):
                 if not self._touch(block_hash):
