@@ -92,20 +92,21 @@ STDERR_LINE_CHARS = 300
 """Longest line logged (longer ones are cut)."""
 
 
-def _forward_stderr(pipe: Any, pid: int) -> None:
-    """Log the first ``STDERR_LINES`` lines the child writes to its stderr, each as one line
-    prefixed with its pid (its ``repr``: no forged log line, no control characters), and read
-    the rest to its end (the child never blocks on a full pipe). The pipe is the child's own:
-    it inherited the node's, and once confined a compile that took it over truncated the
-    node's log and wrote forged lines to it (review 29i F5)."""
+def _forward_stderr(pipe: Any, pid: int, what: str = "grammar compiler", logger: logging.Logger = log) -> None:
+    """Log, on ``logger``, the first ``STDERR_LINES`` lines the child (a ``what`` process: the
+    grammar compiler's, the chat renderer's) writes to its stderr, each as one line prefixed
+    with its pid (its ``repr``: no forged log line, no control characters), and read the rest
+    to its end (the child never blocks on a full pipe). The pipe is the child's own: it
+    inherited the node's, and once confined a compile that took it over truncated the node's
+    log and wrote forged lines to it (review 29i F5)."""
     logged = 0
     try:
         while logged < STDERR_LINES and (line := pipe.readline(8192)):
             text = line.decode("utf-8", "replace").rstrip("\n")[:STDERR_LINE_CHARS]
-            log.warning("grammar compiler process %d wrote: %r", pid, text)
+            logger.warning("%s process %d wrote: %r", what, pid, text)
             logged += 1
             if logged == STDERR_LINES:
-                log.warning("grammar compiler process %d: its further output is not logged", pid)
+                logger.warning("%s process %d: its further output is not logged", what, pid)
         while pipe.read1(1 << 20):  # the rest drained in large reads: a child flooding its stderr
             pass  # costs the node one read per MiB, not one per 8 KiB line (review 29o F5)
     except (OSError, ValueError):  # closed under us
@@ -115,6 +116,43 @@ def _forward_stderr(pipe: Any, pid: int) -> None:
             pipe.close()
         except OSError:
             pass
+
+
+def start_child(argv: tuple[str, ...], workdir: str, env: dict[str, str], what: str,
+                logger: logging.Logger = log) -> subprocess.Popen[bytes]:
+    """Start a child process (the grammar compiler's, the chat renderer's: a ``what`` process)
+    the one way both are started: ``subprocess`` (fork and exec: nothing of the parent's
+    threads or CUDA state), ``argv`` with this process's pid appended (the child ends with it:
+    ``grammar_worker.run_child``), ``env`` (``child_env``'s, with the caller's additions),
+    in ``workdir`` (private, ``process_temp.process_temp_dir``), its stdin and stdout pipes
+    (stdin non-blocking: every write is under a deadline, ``write_all``) and its stderr a pipe
+    a daemon thread logs on ``logger`` (``_forward_stderr``). A failure past the fork kills
+    and reaps the child before it is raised (review 29o F5: none is left behind).
+
+    Raises:
+        OSError: the fork or exec failed (``subprocess.Popen``'s).
+    """
+    proc = subprocess.Popen(
+        [*argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=env, close_fds=True, cwd=workdir,
+    )
+    try:
+        threading.Thread(target=_forward_stderr, args=(proc.stderr, proc.pid, what, logger),
+                         name=f"{what.replace(' ', '-')}-stderr-{proc.pid}", daemon=True).start()
+        os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]
+    except BaseException:
+        reap(proc)
+        raise
+    return proc
+
+
+def ready_report(reply: list[Any]) -> str | None:
+    """A child's ``ready`` reply to its ``init`` frame (``["ready", sandbox_report]``, the
+    second frame of the handshake both children share): the report made printable and cut to
+    500 characters, or None for any other reply (out of protocol: the caller kills the child)."""
+    if len(reply) < 2 or reply[0] != "ready" or not isinstance(reply[1], str):
+        return None
+    return "".join(c if c.isprintable() else "?" for c in reply[1][:500])
 
 
 class CompileTimeout(Exception):
@@ -212,18 +250,8 @@ class CompilerProcess:
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # or exit, or GC
         env = child_env(os.environ)
         env["TMPDIR"] = self.workdir
-        self.proc = subprocess.Popen(
-            [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=env, close_fds=True, cwd=self.workdir,
-        )
+        self.proc = start_child(self.argv, self.workdir, env, "grammar compiler")
         self.num_starts += 1
-        try:
-            threading.Thread(target=_forward_stderr, args=(self.proc.stderr, self.proc.pid),
-                             name=f"grammar-compiler-stderr-{self.proc.pid}", daemon=True).start()
-            os.set_blocking(self.proc.stdin.fileno(), False)  # type: ignore[union-attr]  # ``_write``: within it
-        except BaseException:  # no thread to start (review 29o F5): the child is not left behind
-            self.kill()
-            raise
         try:
             deadline = _deadline(self.start_timeout_s)
             self._write(frame(["init", self._info, self.memory_bytes]), deadline)
@@ -231,10 +259,11 @@ class CompilerProcess:
         except CompileTimeout:
             self.kill()
             raise CompilerDied(f"the grammar compiler did not start within {self.start_timeout_s:g} s") from None
-        if reply[0] != "ready":
+        sandbox = ready_report(reply)
+        if sandbox is None:
             self.kill()
             raise CompilerDied("the grammar compiler answered its start out of protocol")
-        self.sandbox = "".join(c if c.isprintable() else "?" for c in reply[1][:500])
+        self.sandbox = sandbox
         _report_sandbox(self.sandbox)
         self.ready = True
 

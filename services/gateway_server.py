@@ -25,6 +25,7 @@ from services.chat import ChatTemplater, encode_text
 from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
+from services.gateway_render import GatewayTemplater
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
 from services.grpc_bounds import GrpcLimits
@@ -172,6 +173,7 @@ class Gateway:
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
         self.monitor: NodeMonitor | None = None
+        self.templater: GatewayTemplater | None = None  # (its render children end with ``stop``)
         self._grpc_started = False
         # the gateway's own awaited calls to the scheduler, each within its deadline (review s34 B F4)
         self.scheduler_calls = BoundedActor(scheduler)
@@ -221,7 +223,8 @@ class Gateway:
             await self.scheduler_calls.node_down.remote(node_id, reason)
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
-        templater = ChatTemplater(tokenizer) if tokenizer.chat_template else None
+        # large chats render in its children, small ones here (``services.gateway_render``)
+        templater = self.templater = GatewayTemplater(tokenizer) if tokenizer.chat_template else None
         if templater is not None:  # computed once, here, not on the event loop of a first call
             _ = templater.max_token_chars, templater.conversation_overhead
         self.server, bound, health, inference, self.monitor = await create_server(
@@ -342,7 +345,10 @@ class Gateway:
             await self.server.stop(grace_s)
         if self.streams is not None:
             self.streams.shutdown()
+        if self.templater is not None:  # no render starts a child from now on (diff review s35 R5)
+            self.templater.close()
         self.http, self.metrics_server, self.monitor, self.server, self.streams = None, None, None, None, None
+        self.templater = None
 
 
 RESTART_BIND_TRIES = 20

@@ -23,7 +23,15 @@ The child is started as ``cache_node.grammar_process`` starts a grammar compiler
 thread (it ends with that thread's node: ``PR_SET_PDEATHSIG``), with the few environment
 variables of ``grammar_process.child_env`` (no credential), in a private directory (its
 ``TMPDIR`` too), its stderr a pipe the node logs (bounded), and it confines itself
-(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it.
+(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it. The start
+(``grammar_process.start_child``, ``ready_report``) is the grammar compiler's own code.
+
+The gateway renders its large chats in children of this class too (``owner="gateway"``, one
+per worker thread: ``services.gateway_render``), through ``render_text``: the chat template's
+text, which the gateway tokenizes itself. Every child caps its memory (``memory_bytes``,
+``render_worker.MEMORY_BYTES``, before it loads the tokenizer): a render past it fails alone
+(``RenderTooLarge``, a ``TemplateRefusal``) and the child is killed, the next render starting
+a fresh one.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import logging
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -41,11 +50,19 @@ import weakref
 from array import array
 from typing import Any
 
-from cache_node.grammar_process import child_env, read_exact, reap, write_all
+from cache_node.grammar_process import (
+    child_env,
+    read_exact,
+    ready_report,
+    reap,
+    start_child,
+    write_all,
+)
 from cache_node.grammar_worker import HEADER_BYTES, frame, header_size
 from cache_node.msgpack_bounds import UnpackBounds, unpackb_within
 from cache_node.process_temp import process_temp_dir
 from services.chat import ChatTemplater, Messages, TemplateRefusal
+from services.render_worker import MEMORY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -72,33 +89,18 @@ _REPLY_BOUNDS = UnpackBounds(max_array_len=3, max_map_len=0, max_str_len=1 << 16
                              max_containers=1, max_elements=3)
 _ERRORS: dict[str, type[Exception]] = {"TemplateRefusal": TemplateRefusal, "ValueError": ValueError,
                                        "TypeError": TypeError, "KeyError": KeyError}
-
-STDERR_LINES = 50
-"""Most lines of the child's stderr the node logs; the rest are read and dropped."""
-
+_KINDS = (*_ERRORS, "memory", "internal")
 
 class RenderFailed(Exception):
-    """The node's chat renderer process failed a request: it ended, did not answer in time,
-    answered out of protocol or could not start (the node's fault, not the request's)."""
+    """The node's (or gateway's) chat renderer process failed a request: it ended, did not
+    answer in time, answered out of protocol or could not start (the server's fault, not the
+    request's)."""
 
 
-def _forward_stderr(pipe: Any, pid: int) -> None:
-    """Log the first ``STDERR_LINES`` lines of the child's stderr (each ``repr``'d, cut) and
-    drain the rest (``grammar_process._forward_stderr``'s way)."""
-    logged = 0
-    try:
-        while logged < STDERR_LINES and (line := pipe.readline(8192)):
-            log.warning("chat renderer process %d wrote: %r", pid, line.decode("utf-8", "replace").rstrip("\n")[:300])
-            logged += 1
-        while pipe.read1(1 << 20):
-            pass
-    except (OSError, ValueError):
-        pass
-    finally:
-        try:
-            pipe.close()
-        except OSError:
-            pass
+class RenderTooLarge(TemplateRefusal):
+    """A render needed more memory than its child may use (``render_worker.MEMORY_BYTES``): the
+    request's fault (INVALID_ARGUMENT / HTTP 400 naming ``messages``, wherever a template's
+    refusal is answered so), its child restarted for the next render."""
 
 
 class RenderProcess:
@@ -110,14 +112,19 @@ class RenderProcess:
         argv: the child's command, to which the node's pid is appended (tests give another).
         start_timeout_s: longest wait for a new child's ``ready``.
         render_timeout_s: longest wait for one render's reply.
+        owner: whose renderer it is, in its errors' words ("node", "gateway").
+        memory_bytes: the child's data segment cap (``render_worker.MEMORY_BYTES``; 0: none).
     """
 
     def __init__(self, tokenizer: Any, argv: tuple[str, ...] = (sys.executable, "-m", "services.render_worker"),
-                 start_timeout_s: float = START_TIMEOUT_S, render_timeout_s: float = RENDER_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, render_timeout_s: float = RENDER_TIMEOUT_S,
+                 owner: str = "node", memory_bytes: int = MEMORY_BYTES) -> None:
         self.vocab_size = len(tokenizer)  # (the node's own count: a reply's ids are checked against it)
         self.argv = argv
         self.start_timeout_s = start_timeout_s
         self.render_timeout_s = render_timeout_s
+        self.owner = owner
+        self.memory_bytes = memory_bytes
         self._tokenizer_dir = process_temp_dir("render-tokenizer")
         self._remove_tokenizer = weakref.finalize(self, shutil.rmtree, self._tokenizer_dir, True)
         try:
@@ -154,10 +161,28 @@ class RenderProcess:
         chars = _chars([*history_messages, *new_messages], tools) + len(tool_reply or "")
         return self._render(request, chars, history_tokens)
 
+    def render_text(self, payload: str) -> str:
+        """``ChatTemplater.render`` in the child, of ``payload``: the JSON text of ``[messages,
+        add_generation_prompt, tools]`` (raises what the render raised there, ``RenderTooLarge``
+        or ``RenderFailed``). The reply is the child's word: text within ``MAX_REPLY_BYTES``."""
+        reply = self._exchange(["render", payload])
+        if reply[0] != "text" or len(reply) != 2 or not isinstance(reply[1], bytes):
+            raise self._out_of_protocol("a malformed reply")
+        try:
+            return reply[1].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            raise self._out_of_protocol("a rendering that is not UTF-8") from None
+
     def _render(self, request: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
+        reply = self._exchange(request)
+        return self._checked(reply, chars, history)
+
+    def _exchange(self, request: list[Any]) -> list[Any]:
+        """Send ``request`` to the child (started first where none runs) and read its reply:
+        an ``error`` reply raised as its kind's exception, any other returned."""
         with self._lock:
             if self.closed:
-                raise RenderFailed("the node is shutting down")
+                raise RenderFailed(f"the {self.owner} is shutting down")
             self.busy = True
         try:
             if self.pid is None:
@@ -172,12 +197,16 @@ class RenderProcess:
             self.renders += 1
             if reply[0] == "error":
                 kind, message = reply[1], reply[2]
-                if not isinstance(kind, str) or not isinstance(message, str) or kind not in (*_ERRORS, "internal"):
+                if not isinstance(kind, str) or not isinstance(message, str) or kind not in _KINDS:
                     raise self._out_of_protocol("an error of an unknown kind")
                 if kind == "internal":
-                    raise RenderFailed(f"the chat template failed on the node: {message}")
+                    raise RenderFailed(f"the chat template failed on the {self.owner}: {message}")
+                if kind == "memory":  # (its heap may be in pieces: the next render gets a fresh child)
+                    self.kill()
+                    raise RenderTooLarge(f"messages: {message[:200]} ({self.memory_bytes >> 20} MiB); send fewer "
+                                         "or shorter messages, or fewer tools")
                 raise _ERRORS[kind](message)
-            return self._checked(reply, chars, history)
+            return reply
         finally:
             with self._lock:
                 self.busy = False
@@ -205,7 +234,7 @@ class RenderProcess:
 
     def _out_of_protocol(self, what: str) -> RenderFailed:
         self.kill()
-        return RenderFailed(f"the node's chat renderer process answered out of protocol ({what}); it was "
+        return RenderFailed(f"the {self.owner}'s chat renderer process answered out of protocol ({what}); it was "
                             "restarted: send the request again")
 
     # ---- the process ------------------------------------------------------------------------
@@ -219,27 +248,21 @@ class RenderProcess:
         env.update(TMPDIR=self.workdir, HF_HOME=self.workdir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")  # (no "PyTorch was not found")
         started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [*self.argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=env, close_fds=True, cwd=self.workdir,
-        )
+        self.proc = start_child(self.argv, self.workdir, env, "chat renderer", log)
         self.num_starts += 1
         try:
-            threading.Thread(target=_forward_stderr, args=(self.proc.stderr, self.proc.pid),
-                             name=f"chat-renderer-stderr-{self.proc.pid}", daemon=True).start()
-            os.set_blocking(self.proc.stdin.fileno(), False)  # type: ignore[union-attr]
             deadline = started + self.start_timeout_s
-            self._write(frame(["init", self._tokenizer_dir]), deadline)
-            reply = self._reply(deadline)
-            if reply[0] != "ready" or not isinstance(reply[1], str):
+            self._write(frame(["init", self._tokenizer_dir, self.memory_bytes]), deadline)
+            sandbox = ready_report(self._reply(deadline))
+            if sandbox is None:
                 raise self._out_of_protocol("its start")
         except RenderFailed as exc:
             self.kill()
-            raise RenderFailed(f"the node's chat renderer process could not start: {exc}") from None
+            raise RenderFailed(f"the {self.owner}'s chat renderer process could not start: {exc}") from None
         except BaseException:
             self.kill()
             raise
-        self.sandbox = "".join(c if c.isprintable() else "?" for c in reply[1][:500])
+        self.sandbox = sandbox
         log.info("chat renderer process %d ready in %.1f s (%s)", self.proc.pid, time.monotonic() - started,
                  self.sandbox)
 
@@ -297,7 +320,7 @@ class RenderProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise RenderFailed(f"the node's chat renderer process did not answer within "
+                raise RenderFailed(f"the {self.owner}'s chat renderer process did not answer within "
                                    f"{self.render_timeout_s:g} s; it was killed and is restarted for the next "
                                    "request")
             poller = select.poll()
@@ -315,7 +338,9 @@ class RenderProcess:
                 pass
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-        return RenderFailed(f"the node's chat renderer process ended {when} ({how}); it is restarted for the "
+        if code == -signal.SIGABRT and self.memory_bytes:  # (an allocation of the tokenizer's past the cap)
+            how += f"; most likely past its memory cap of {self.memory_bytes >> 20} MiB"
+        return RenderFailed(f"the {self.owner}'s chat renderer process ended {when} ({how}); it is restarted for the "
                             "next request: send this one again")
 
 

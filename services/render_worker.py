@@ -16,14 +16,21 @@ The wire is ``cache_node.grammar_worker``'s: frames of a 4-byte big-endian lengt
 msgpack array, requests on the child's stdin, replies on a copy of its stdout (fd 1 itself is
 pointed at stderr). Token ids cross as ``array('i')`` bytes (native int32).
 
-- first, parent -> child: ``["init", tokenizer_dir]``; child -> parent
-  ``["ready", sandbox_report]`` once the tokenizer is loaded and its template has rendered once
-  (the report: ``cache_node.sandbox.confine``'s; the process confines itself then).
+- first, parent -> child: ``["init", tokenizer_dir, memory_bytes]``; the child caps its data
+  segment (``RLIMIT_DATA``) at ``memory_bytes`` (0: no cap) before it loads anything (``MEMORY_BYTES``
+  is the parents' bound), then answers ``["ready", sandbox_report]`` once the tokenizer is
+  loaded and its template has rendered once (the report: ``cache_node.sandbox.confine``'s; the
+  process confines itself then).
 - then per render, parent -> child: ``["first_turn", messages, tools]`` or
   ``["continue_session", history_messages, history_ids, messages, tools, same_tools,
-  tool_reply]`` (``ChatTemplater.first_turn`` / ``continue_session``; ``tools`` None or a
-  list of OpenAI tool dicts, ``tool_reply`` None or a string); child -> parent
+  tool_reply]`` (``ChatTemplater.first_turn`` / ``continue_session``; ``tools`` None or the
+  JSON text of a list of OpenAI tool dicts, ``tool_reply`` None or a string); child -> parent
   ``["ok", ids, continued]`` or ``["error", kind, message]``, ``kind`` one of ``ERROR_KINDS``.
+- or parent -> child ``["render", json_text]``, the JSON text of ``[messages,
+  add_generation_prompt, tools]`` (``ChatTemplater.render``'s arguments: JSON, as they came
+  off the wire, so an integer past 64 bits or a float crosses exactly); child -> parent
+  ``["text", utf8]`` (the rendering, UTF-8 with lone surrogates passed: ``surrogatepass``) or
+  ``["error", kind, message]`` (the gateway's renders: ``services.gateway_render``).
 
 The child runs at niceness ``WORKER_NICENESS`` once loaded; it ends when its stdin closes and
 when its parent dies (``grammar_worker._die_with_parent``).
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 from array import array
 from typing import Any, BinaryIO
@@ -46,10 +54,29 @@ MAX_REQUEST_BYTES = 256 << 20
 """Largest request frame the child reads (a session turn carries its kept messages and its
 history's token ids; the node bounds both)."""
 
-ERROR_KINDS = ("TemplateRefusal", "ValueError", "TypeError", "KeyError", "internal")
-"""How a render failed: the request's fault (the first four, raised again as such by the node,
-``services.render_process``) or the node's (``internal``: the template itself is broken, the
-process ran out of memory, ...)."""
+ERROR_KINDS = ("TemplateRefusal", "ValueError", "TypeError", "KeyError", "memory", "internal")
+"""How a render failed: the request's fault (the first four, raised again as such by the
+parent, ``services.render_process``; ``memory``: it needed more than the child's memory cap,
+``MEMORY_BYTES``: the parent refuses the request and starts a fresh child) or the parent's
+(``internal``: the template itself is broken, ...)."""
+
+MEMORY_BYTES = 1 << 30
+"""The child's data segment cap (``RLIMIT_DATA``, bytes), set before the tokenizer loads, so it
+covers it. Measured (SmolLM2, this host): ready, VmData is 124 MiB (the interpreter,
+transformers' import, the tokenizer; a cap of 128 MiB aborts the load); the gateway's largest
+renders (``render``: 1,024 messages or one message of 1 Mi characters, 1.3 MB of tools' JSON,
+1 MB of tool-call arguments) add ~1 MiB, and a node's ``first_turn`` of 1 Mi characters, which
+tokenizes too, comes to 213 MiB. 1 GiB leaves ~4.5 times that, for a larger vocabulary (a
+128K-token tokenizer's ~10 MB ``tokenizer.json``) and a heavier template. Past it a render
+fails alone: ``MemoryError`` in Python (a ``memory`` reply), an allocation of the tokenizer's
+(Rust) aborts the child (SIGABRT); either way the parent starts a fresh child for the next
+render. Without it, one tenant's render (a template that multiplies its input) could take the
+host's memory."""
+
+MAX_TEXT_BYTES = 48 << 20
+"""Longest rendering a ``render`` reply carries (UTF-8 bytes): past it the request is refused
+(``ValueError``; such a prompt comes to millions of tokens, past every context), its reply
+staying within the parent's ``MAX_REPLY_BYTES``."""
 
 MAX_ERROR_CHARS = 2048
 """Longest error message sent (longer ones are cut)."""
@@ -94,9 +121,23 @@ def _tools(text: Any) -> Any:
     return json.loads(text) if isinstance(text, str) else text
 
 
+def _render_text(templater: Any, payload: Any) -> list[Any]:
+    """A ``render`` request's reply: the rendering of ``payload`` (JSON text of ``[messages,
+    add_generation_prompt, tools]``) as UTF-8, within ``MAX_TEXT_BYTES``."""
+    messages, add_generation_prompt, tools = json.loads(payload)
+    text = templater.render(messages, bool(add_generation_prompt), tools)
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) > MAX_TEXT_BYTES:
+        raise ValueError(f"messages: they render to {len(data)} bytes of text; at most {MAX_TEXT_BYTES} are "
+                         "rendered (a prompt of millions of tokens)")
+    return ["text", data]
+
+
 def render(templater: Any, request: list[Any]) -> list[Any]:
     """The reply to one render ``request`` (see the module docstring)."""
     try:
+        if request[0] == "render" and len(request) == 2 and isinstance(request[1], str):
+            return _render_text(templater, request[1])
         if request[0] == "first_turn" and len(request) == 3:
             ids, continued = templater.first_turn(request[1], _tools(request[2])), False
         elif request[0] == "continue_session" and len(request) == 7:
@@ -107,7 +148,7 @@ def render(templater: Any, request: list[Any]) -> list[Any]:
             return ["error", "internal", f"unknown render request {str(request[0])[:64]!r}"]
         return ["ok", array("i", ids).tobytes(), bool(continued)]
     except MemoryError:
-        return ["error", "internal", "the chat renderer ran out of memory"]
+        return ["error", "memory", "rendering them needs more memory than the chat renderer may use"]
     except Exception as exc:  # noqa: BLE001 - each is the request's or the template's, said so
         kind = type(exc).__name__
         if kind not in ERROR_KINDS or not isinstance(exc, (ValueError, TypeError, KeyError)):
@@ -120,9 +161,10 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     body = read_frame_blocking(requests, MAX_REQUEST_BYTES)
     if body is None:
         return
-    kind, tokenizer_dir = msgpack.unpackb(body, raw=False)
+    kind, tokenizer_dir, memory_bytes = msgpack.unpackb(body, raw=False)
     if kind != "init":
         raise ValueError(f"expected an init frame, got {kind!r}")
+    cap_memory(int(memory_bytes))  # before the tokenizer loads: the cap covers it
     templater = load_templater(tokenizer_dir)
     try:  # the template compiled, lazy imports done
         templater.first_turn([{"role": "user", "content": "x"}])
@@ -135,8 +177,23 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     replies.write(frame(["ready", sandbox]))
     replies.flush()
     while (body := read_frame_blocking(requests, MAX_REQUEST_BYTES)) is not None:
-        replies.write(frame(render(templater, msgpack.unpackb(body, raw=False))))
+        try:
+            reply = frame(render(templater, msgpack.unpackb(body, raw=False)))
+        except MemoryError:  # its frame (the request's, the reply's) past the cap
+            reply = frame(["error", "memory", "rendering them needs more memory than the chat renderer may use"])
+        del body
+        replies.write(reply)
         replies.flush()
+
+
+def cap_memory(memory_bytes: int) -> None:
+    """``RLIMIT_DATA`` (soft) at ``memory_bytes`` (``MEMORY_BYTES``), within the hard limit; 0: no
+    cap. Past it an allocation fails: Python raises ``MemoryError`` (a ``memory`` reply)."""
+    if memory_bytes <= 0:
+        return
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes if hard == resource.RLIM_INFINITY
+                                              else min(memory_bytes, hard), hard))
 
 
 def main() -> None:

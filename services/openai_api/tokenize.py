@@ -9,7 +9,8 @@ tokenizes a chat for ``/v1/chat/completions``): no node is asked.
 ``return_token_strs`` true adds ``token_strs``, each id's vocabulary piece
 (``convert_ids_to_tokens``, as vLLM). A chat goes through the conversion and bounds of a chat
 completion's messages (``schemas.template_messages``: the same ``ChatMessage`` checks, a tool
-message's ``tool_call_id`` included) and the gateway's ``ChatTemplater.render`` and ``encode``:
+message's ``tool_call_id`` included) and the gateway's ``ChatTemplater.render`` (a large chat's
+in a render child of the gateway's, the same text: ``services.gateway_render``) and ``encode``:
 with ``add_generation_prompt`` true and ``add_special_tokens`` false its ``count`` is the
 ``usage.prompt_tokens`` a chat completion of the same messages and tools reports. A text
 prompt without special tokens is tokenized as ``/v1/completions`` tokenizes one
@@ -95,7 +96,9 @@ class TokenizeRequest(Strict):
 
         Raises ValueError naming the field: the chat's bounds (``template_messages``), no chat
         template, text that can never come to ``MAX_PROMPT_TOKEN_IDS`` tokens (refused before
-        it is tokenized: ``ChatTemplater.check_fits``), more tokens than that."""
+        it is tokenized: ``ChatTemplater.check_fits``), more tokens than that, a render past its
+        child's memory cap (``render_process.RenderTooLarge``); ``RenderFailed`` where the
+        gateway's render child failed (a 500)."""
         if self.messages is not None:
             messages = template_messages(self.messages, self.tools)
             if templater is None:
