@@ -83,6 +83,16 @@ LOCK_LOG_EVERY_S = 60.0
 EventSink = Callable[[str, list[tuple[str, bytes, str]], bool], None]
 
 
+def _restarted() -> bool:
+    """Whether this process runs a Ray actor that Ray restarted (False outside an actor)."""
+    try:
+        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+            return False
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - another Ray's API: taken for a first start
+        return False
+
+
 class SpillNode:
     """Actor body: owns one ``SpillStore``; see its methods for the contracts.
 
@@ -111,8 +121,8 @@ class SpillNode:
         UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
             (``services.private_dir``).
         OSError: the store or ``/metrics`` could not start once the directory was locked (a
-            port taken, a bad directory). Another store holding ``root_dir`` raises nothing
-            (``ready`` does).
+            port taken, a bad directory), unless ``retry_start``. Another store holding
+            ``root_dir`` raises nothing (``ready`` does).
     """
 
     def __init__(
@@ -126,6 +136,7 @@ class SpillNode:
         num_spill_nodes: int | None = None,
         lock_wait_s: float = LOCK_WAIT_S,
         lock_owner: str = "",
+        retry_start: bool | None = None,
         **store_options: Any,
     ) -> None:
         if event_sink is not None and not node_id:
@@ -156,7 +167,15 @@ class SpillNode:
             self._note_locked(exc, tries=1, since=time.monotonic())
             threading.Thread(target=self._open_when_free, name=f"spill-lock-{node_id}", daemon=True).start()
             return
-        self._serve(store)
+        try:
+            self._serve(store)
+        except OSError as exc:  # a /metrics port taken
+            if not (retry_start if retry_start is not None else _restarted()):
+                raise  # a first start: the operator's to fix, said at once
+            # a restart: the old process may hold it still (review s36: dead for good otherwise)
+            self._waiting = {"since": time.monotonic()}
+            self._note_failed(f"could not start serving {self.root_dir}: {exc}", tries=1)
+            threading.Thread(target=self._open_when_free, name=f"spill-lock-{node_id}", daemon=True).start()
 
     def _serve(self, store: SpillStore) -> None:
         """Serve ``store`` (its directory locked): the deleted tenants' first sweep, the reset
@@ -202,6 +221,17 @@ class SpillNode:
             logger.error("spill node %s does not serve: %s. It opens the directory as soon as that store lets "
                          "it go (waiting %.0f s so far)", self.node_id, exc, now - since)
 
+    def _note_failed(self, error: str, tries: int) -> None:
+        """Record (``status``) and log, at most every ``LOCK_LOG_EVERY_S``, a try that took the
+        directory but could not serve (or could not open it for another reason than its lock)."""
+        now = time.monotonic()
+        last = self._waiting.get("failure_logged_at", -LOCK_LOG_EVERY_S)
+        self._waiting = {**self._waiting, "error": error, "tries": tries, "previous_process": False,
+                         "failure_logged_at": last}
+        if now - last >= LOCK_LOG_EVERY_S:
+            self._waiting["failure_logged_at"] = now
+            logger.error("spill node %s does not serve: %s; trying again", self.node_id, error)
+
     def _open_when_free(self) -> None:
         """Background: try to take the directory every ``LOCK_RETRY_S`` (doubling, at most
         ``LOCK_RETRY_MAX_S``) until it opens and serves, or the node is closed. A failure to
@@ -217,8 +247,7 @@ class SpillNode:
                 self._note_locked(exc, tries, since)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bad directory: said, and tried again
-                logger.error("spill node %s could not open %s: %s", self.node_id, self.root_dir, exc)
-                self._waiting = {**self._waiting, "error": f"could not open {self.root_dir}: {exc}", "tries": tries}
+                self._note_failed(f"could not open {self.root_dir}: {exc}", tries)
                 continue
             with self._state:
                 if self._closed.is_set():
@@ -227,8 +256,7 @@ class SpillNode:
                 try:
                     self._serve(store)
                 except Exception as exc:  # noqa: BLE001 - logged, tried again
-                    logger.error("spill node %s could not start serving %s: %s", self.node_id, self.root_dir, exc)
-                    self._waiting = {**self._waiting, "error": f"could not start serving: {exc}", "tries": tries}
+                    self._note_failed(f"could not start serving {self.root_dir}: {exc}", tries)
                     continue
             logger.warning("spill node %s serves %s after waiting %.1f s for it (%d tries)", self.node_id,
                            self.root_dir, time.monotonic() - since, tries)

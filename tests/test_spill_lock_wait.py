@@ -58,6 +58,8 @@ def holder(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
     for proc in procs:
         proc.kill()
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def wait_serving(node: SpillNode, within_s: float = 15.0) -> float:
@@ -195,3 +197,33 @@ def test_a_start_waits_for_the_previous_process_and_fails_clearly_for_another_st
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
+
+
+def test_a_restarted_node_whose_metrics_port_is_still_taken_serves_once_it_is_free(tmp_path: Path) -> None:
+    """The same race for ``/metrics`` on a fixed port: a restarted node (``retry_start``; Ray's
+    restart sets it) whose old process still holds the port lives, says why it does not serve,
+    and serves once the port is free; a first start still fails at once."""
+    import socket
+
+    from services.metrics import MetricsEndpoint
+
+    root = tmp_path / "spill"
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    endpoint = MetricsEndpoint("127.0.0.1", taken.getsockname()[1])
+    with pytest.raises(OSError):
+        SpillNode(root, FMT, 0, DISK, metrics=endpoint)
+    node = SpillNode(root, FMT, 0, DISK, metrics=endpoint, retry_start=True)
+    try:
+        status = node.status()
+        assert status["serving"] is False and "could not start serving" in status["error"]
+        with pytest.raises(SpillDirLocked, match="could not start serving"):
+            node.ready()
+        taken.close()
+        wait_serving(node)
+        assert node.metrics_address() == f"127.0.0.1:{endpoint.port}"
+    finally:
+        taken.close()
+        node.close()
