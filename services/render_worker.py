@@ -49,6 +49,7 @@ import msgpack
 
 from cache_node.grammar_worker import _cap_files, frame, read_frame_blocking, run_child
 from cache_node.sandbox import confine
+from services.chat import TemplateRefusal
 
 MAX_REQUEST_BYTES = 256 << 20
 """Largest request frame the child reads (a session turn carries its kept messages and its
@@ -75,8 +76,9 @@ host's memory."""
 
 MAX_TEXT_BYTES = 48 << 20
 """Longest rendering a ``render`` reply carries (UTF-8 bytes): past it the request is refused
-(``ValueError``; such a prompt comes to millions of tokens, past every context), its reply
-staying within the parent's ``MAX_REPLY_BYTES``."""
+(``TemplateRefusal``, as a template's own refusal: such a prompt comes to millions of tokens,
+past every context, and in process it was tokenized first), its reply staying within the
+parent's ``MAX_REPLY_BYTES``."""
 
 MAX_ERROR_CHARS = 2048
 """Longest error message sent (longer ones are cut)."""
@@ -128,8 +130,8 @@ def _render_text(templater: Any, payload: Any) -> list[Any]:
     text = templater.render(messages, bool(add_generation_prompt), tools)
     data = text.encode("utf-8", "surrogatepass")
     if len(data) > MAX_TEXT_BYTES:
-        raise ValueError(f"messages: they render to {len(data)} bytes of text; at most {MAX_TEXT_BYTES} are "
-                         "rendered (a prompt of millions of tokens)")
+        raise TemplateRefusal(f"messages: they render to {len(data)} bytes of text; at most {MAX_TEXT_BYTES} are "
+                              "rendered (a prompt of millions of tokens)")
     return ["text", data]
 
 

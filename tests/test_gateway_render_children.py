@@ -45,7 +45,7 @@ from services.gateway_render import (
 from services.node_request import resolve_prefix_tokens
 from services.openai_api.tokenize import TokenizeRequest
 from services.render_process import RenderFailed, RenderTooLarge
-from services.render_worker import MEMORY_BYTES
+from services.render_worker import MAX_TEXT_BYTES, MEMORY_BYTES
 from tests.gateway_harness import NODE_INFO, LocalActor
 from tests.test_gateway_restart_start import nodes, scheduler
 from tests.test_tool_calls_served import TOOL_TEMPLATE
@@ -258,6 +258,23 @@ def test_a_render_past_the_memory_cap_fails_alone_and_the_child_restarts(local: 
         assert process.pid is None and process.num_starts == 1  # (killed: its heap may be in pieces)
         assert templater.render(HUGE[:100]) == ChatTemplater(tokenizer).render(HUGE[:100])
         assert process.pid is not None and process.num_starts == 2
+    finally:
+        templater.close()
+
+
+def test_a_rendering_past_max_text_bytes_is_refused(local: ChatTemplater) -> None:
+    """A template that writes its message 600 times (100K characters: 60 MB) is refused as the
+    template's refusal (INVALID_ARGUMENT / 400 naming ``messages``) within the child, not sent
+    back to be tokenized (in process: ~60 MB of text tokenized before the context bound); the
+    child serves on."""
+    tokenizer = _tokenizer("{% for i in range(600) %}{{ messages[0]['content'] }}{% endfor %}")
+    templater = GatewayTemplater(tokenizer, RenderPool(tokenizer, 1), -1, -1)
+    try:
+        with pytest.raises(TemplateRefusal, match=f"at most {MAX_TEXT_BYTES} are rendered"):
+            templater.render([{"role": "user", "content": "y" * 100_000}])
+        pid = templater.pool.processes[0].pid
+        assert templater.render(SMALL) == ChatTemplater(tokenizer).render(SMALL) and pid is not None
+        assert templater.pool.processes[0].pid == pid
     finally:
         templater.close()
 
