@@ -13,12 +13,13 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from cache_node.compressed_prefix import CompressedPrefixCache
+from cache_node.config import EngineConfig
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.kv_pool import KVPool
 from cache_node.outputs import SessionBusy
 from cache_node.scheduler import Scheduler
 from cache_node.sequence import Sequence
-from cache_node.sessions import SessionTable, client_session_id
+from cache_node.sessions import SessionTable, check_turn, client_session_id
 from cache_node.tiers.fair_lru import holder_of
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class EngineSessionsMixin:
     """Session calls of ``LLMEngine`` (which provides these attributes)."""
 
     _lock: threading.RLock
+    config: EngineConfig
     pool: KVPool
     kv_manager: KVCacheManager
     scheduler: Scheduler
@@ -66,20 +68,29 @@ class EngineSessionsMixin:
             running = next((s for s in self._settling if s.request_id == request_id), None)
             return self.sessions.cut_turn(session_id, request_id, prompt_len, output, keep, tail, lead, running)
 
-    def check_session_free(self, session_id: str, tenant: str) -> None:
+    def check_session_free(self, session_id: str, tenant: str, namespace: str | None = None) -> None:
         """Refuse a turn of ``tenant``'s ``session_id`` while the session runs a turn, or one that
         ended whose end the engine has yet to report (``Session.ending``: its history is cut to
         the reply its client got when the cache node delivers it), before the cache node renders
-        the turn against a history and kept messages that are about to change. Another tenant's
-        session, or none, is left to ``add_request``.
+        the turn against a history and kept messages that are about to change. With
+        ``namespace`` (the turn's cache namespace), a turn the session's ``add_request`` would
+        refuse (``sessions.check_turn``: another tenant's session, or one opened under another
+        namespace) is refused here first, before the cache node renders it against that
+        session's kept messages; without it, another tenant's session is left to
+        ``add_request``. No session: nothing to refuse.
 
         Raises:
-            SessionBusy: it does.
+            PermissionError: the session is another tenant's or another namespace's (with
+                ``namespace``); checked before it being busy, which such a turn is not told.
+            SessionBusy: it runs a turn.
         """
         with self._lock:
             sess = self.sessions.sessions.get(session_id)
-            if (sess is not None and sess.tenant == tenant
-                    and (sess.active_request is not None or sess.ending is not None)):
+            if sess is None:
+                return
+            if namespace is not None:  # ("": the engine's default, as ``add_request`` takes it)
+                check_turn(sess, session_id, tenant, namespace or self.config.cache_namespace_default)
+            if sess.tenant == tenant and (sess.active_request is not None or sess.ending is not None):
                 raise SessionBusy(client_session_id(session_id, tenant))
 
     def session_history(self, session_id: str) -> list[int] | None:

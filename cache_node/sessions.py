@@ -30,6 +30,11 @@ kept history went) goes through ``SessionTable.lose``, which records it on the s
 ``policy_stats["session_state_dropped"]``, as a restarted turn does (``Sequence.restart``).
 docs/architecture.md, 'Cache node step loop' says which turns are marked and why.
 
+A session belongs to the tenant and the cache namespace of the turn that opened it
+(``Session.namespace``; the gateway's namespace carries the request's ``cache_salt``): a turn of
+another tenant or another namespace is refused PermissionError, the session untouched
+(``check_turn``; review s36 E1).
+
 A turn's history holds the tokens of the reply its client got, no others: when the cache node
 cut the reply's text (a stop string, whose tokens and the text after it the client never got)
 or a trailing token renders as nothing in the kept reply, it cuts the history to the output's
@@ -124,7 +129,7 @@ class Session:
     policy: str = ""
     num_evicted_tokens: int = 0
     kept_for: Sequence | None = None
-    namespace: str = ""  # the cache namespace of the turn whose KV ``blocks`` hold
+    namespace: str = ""  # the cache namespace it was opened under, which every turn of it keeps (``check_turn``)
     previous: History | None = None  # the history before the turn that just ended (``detach``)
     lost: LostState | None = None
     previous_lost: LostState | None = None
@@ -143,11 +148,46 @@ class Session:
         return self.kv is not None and self.kv.compacted
 
 
+SALT_TAG_CHARS = 32
+"""Hex digits of a salted session's tag (``services.gateway_inputs.session_scope``)."""
+
+
 def client_session_id(session_id: str, tenant: str) -> str:
-    """``session_id`` as its client named it: without the ``<tenant>/`` scope the gateway adds
-    (``services.gateway_inputs.scoped_id``); unchanged when it has none."""
+    """``session_id`` as its client named it: without the ``<tenant>/<salt tag>/`` scope the
+    gateway adds (``services.gateway_inputs.session_scope``: the tag is empty for no
+    ``cache_salt``, else ``SALT_TAG_CHARS`` hex digits), or the ``<tenant>/`` of a plain
+    ``scoped_id``; unchanged when it has neither."""
     scope = f"{tenant}/"
-    return session_id[len(scope):] if tenant and session_id.startswith(scope) else session_id
+    if not tenant or not session_id.startswith(scope):
+        return session_id
+    rest = session_id[len(scope):]
+    tag, slash, client = rest.partition("/")
+    if slash and (not tag or (len(tag) == SALT_TAG_CHARS and all(c in "0123456789abcdef" for c in tag))):
+        return client
+    return rest
+
+
+def check_turn(sess: Session, session_id: str, tenant: str, namespace: str) -> None:
+    """Refuse a turn of ``tenant`` under cache ``namespace`` on ``sess`` when the session is
+    another tenant's, or was opened under another namespace (``Session.namespace``). The
+    message names neither the other tenant nor the other namespace.
+
+    Regression (review s36 E1): only the tenant was compared, so a turn under another
+    ``cache_salt`` of the tenant continued a session of the same id opened under the first
+    salt: it was answered over that salt's private conversation (its pinned history KV), and
+    could extend or rewrite it, which the salt's promise (requests share cached blocks only
+    within one namespace and salt) rules out.
+
+    Raises:
+        PermissionError: it is.
+    """
+    if sess.tenant != tenant:
+        raise PermissionError(f"session {session_id!r} belongs to another tenant")
+    if sess.namespace != namespace:
+        raise PermissionError(
+            f"session {client_session_id(session_id, tenant)!r} was opened under another cache namespace "
+            "(another cache_salt, or the tenant's cache namespace changed since): its turns must keep the "
+            "namespace they opened it under; close it and start a new session")
 
 
 class SessionTable:
@@ -167,17 +207,22 @@ class SessionTable:
     def attach(self, seq: Sequence) -> None:
         """Give ``seq`` its session's pinned blocks when its prompt extends the history.
 
+        A session is bound to the tenant and the cache namespace of the turn that opened it
+        (``Session.namespace``: the tenant's namespace under the turn's ``cache_salt``): a turn
+        of another tenant, or of another namespace (another salt; its tenant moved to another
+        namespace since), never reads, extends or ends its history (``check_turn``).
+
         Raises:
-            PermissionError: the session belongs to another tenant.
+            PermissionError: the session belongs to another tenant or another cache namespace;
+                the session is left as it was.
             SessionBusy: the session already has a turn running.
         """
         sess = self.sessions.get(seq.session_id or "")
         if sess is None:
             self.sessions[seq.session_id] = Session(seq.session_id, seq.tenant, active_request=seq.request_id,
-                                                    opened_by=seq.request_id)
+                                                    namespace=seq.cache_namespace, opened_by=seq.request_id)
             return
-        if sess.tenant != seq.tenant:
-            raise PermissionError(f"session {seq.session_id!r} belongs to another tenant")
+        check_turn(sess, seq.session_id, seq.tenant, seq.cache_namespace)
         if sess.active_request is not None or sess.ending is not None:
             raise SessionBusy(client_session_id(seq.session_id, seq.tenant))
         sess.active_request = seq.request_id

@@ -107,7 +107,7 @@ class Requests:
                     raise SessionGone("the session ended (closed, expired or its first turn failed) before "
                                       "this turn started; its history is gone: send the turn again to start it anew")
                 if req.session_id:  # (before its render: a turn whose end is still to come changes both)
-                    self.engine.check_session_free(req.session_id, req.tenant)
+                    self.engine.check_session_free(req.session_id, req.tenant, req.cache_namespace)
                 self._check_session_text_budget(req)
                 prompt = self._prompt_of(stream)
                 if prompt is None:

@@ -46,6 +46,7 @@ from services.gateway_inputs import (
     input_from_pb,
     salted_namespace,  # noqa: F401 - re-exported
     scoped_id,
+    session_scope,
 )
 from services.gateway_key_watch import KeyWatch
 from services.gateway_prepare import RequestPreparation
@@ -474,8 +475,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             self.scheduler.release.remote(request_id, seen.usage())
 
     async def CloseSession(self, request, context):
-        """Close the caller's session ``session_id`` (``close_session``)."""
-        freed = await self.close_session(context, request.session_id)
+        """Close the caller's session ``session_id`` under ``cache_salt`` (``close_session``)."""
+        freed = await self.close_session(context, request.session_id, request.cache_salt)
         return inference_pb2.CloseSessionResponse(freed_tokens=freed)
 
     async def _close_on_node(self, node_id: str, scoped: str, tenant_id: str, turns: list[str]) -> int:
@@ -497,19 +498,27 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                         type(exc).__name__, exc)
             return 0
 
-    async def close_session(self, context: Any, session_id: str) -> int:
-        """Close the caller's session ``session_id`` (another tenant's equal id is another
-        session); returns the tokens freed. NOT_FOUND (``context.abort``) when the caller has
-        none by that id, INVALID_ARGUMENT for an empty id or one over ``MAX_ID_CHARS``."""
+    async def close_session(self, context: Any, session_id: str, cache_salt: str = "") -> int:
+        """Close the caller's session ``session_id`` opened under ``cache_salt`` ("" = none;
+        ``session_scope``: another tenant's equal id, or the same id under another salt, is
+        another session); returns the tokens freed. NOT_FOUND (``context.abort``) when the
+        caller has none by that id and salt, INVALID_ARGUMENT for an empty id or one over
+        ``MAX_ID_CHARS``, or a salt over ``MAX_ID_CHARS``.
+
+        Regression (review s36 E1): the salt was not part of a session's id, so a close under
+        any salt, or none, closed the session opened under another (and answered its size)."""
         tenant = await self.auth.tenant(context)
         if not session_id or len(session_id) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"session_id must have 1 to {MAX_ID_CHARS} characters, got {len(session_id)}")
+        if len(cache_salt) > MAX_ID_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"cache_salt is longer than {MAX_ID_CHARS} characters")
         async with self.close_slots.hold(context, tenant.tenant_id):  # (``services.tenant_call_slots``)
-            return await self._close_session(context, tenant, session_id)
+            return await self._close_session(context, tenant, session_id, cache_salt)
 
-    async def _close_session(self, context: Any, tenant: Any, session_id: str) -> int:
-        scoped = scoped_id(tenant.tenant_id, session_id)
+    async def _close_session(self, context: Any, tenant: Any, session_id: str, cache_salt: str) -> int:
+        scoped = session_scope(tenant.tenant_id, cache_salt, session_id)
         try:  # the key's id goes with it: one rotated away since it was cached here closes nothing
             closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id,
                                                                 parse_key_id(bearer_key(context)) or "")
@@ -524,5 +533,6 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             node_id, turns = closing
             freed = await self._close_on_node(node_id, scoped, tenant.tenant_id, turns)
         if freed < 0:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} for this tenant")
+            under = " under this cache_salt" if cache_salt else " without a cache_salt"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} for this tenant{under}")
         return freed

@@ -1,6 +1,7 @@
 """What one Generate call carries into the gateway, whichever API it came through, and the ids
 it is known by: ``GenerateInput`` (and ``input_from_pb`` for a gRPC ``GenerateRequest``),
-``MAX_ID_CHARS``, ``scoped_id`` (a client's request or session id scoped to its tenant) and
+``MAX_ID_CHARS``, ``scoped_id`` (a client's request id scoped to its tenant), ``session_scope``
+(a client's session id scoped to its tenant and its ``cache_salt``) and
 ``salted_namespace`` (a request's cache namespace under its ``cache_salt``).
 
 Part of the gateway's inference servicer (``services.gateway``, which re-exports these names).
@@ -9,12 +10,14 @@ Part of the gateway's inference servicer (``services.gateway``, which re-exports
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
+from cache_node.sessions import SALT_TAG_CHARS
 from kvstrata.v1 import inference_pb2
 from services import convert, tool_requests
 from services.chat import content_chars
@@ -25,10 +28,28 @@ MAX_ID_CHARS = 256
 
 
 def scoped_id(tenant_id: str, client_id: str) -> str:
-    """The id the scheduler and the nodes know a client's request or session by: scoped to its
-    tenant (``tenant_id`` is hex, so the first ``/`` separates the two), so that tenants never
-    reach each other's requests or sessions by reusing an id."""
+    """The id the scheduler and the nodes know a client's request by: scoped to its tenant
+    (``tenant_id`` is hex, so the first ``/`` separates the two), so that tenants never reach
+    each other's requests by reusing an id. A session's id is ``session_scope``'s."""
     return f"{tenant_id}/{client_id}"
+
+
+def session_scope(tenant_id: str, cache_salt: str, session_id: str) -> str:
+    """The id the scheduler and the nodes know a client's session by: scoped to its tenant and
+    to the ``cache_salt`` its turns are sent with, ``<tenant>/<salt tag>/<session_id>``: the tag
+    is empty without a salt, else the first ``SALT_TAG_CHARS`` (32) hex digits of the salt's
+    SHA-256 (its UTF-8 bytes; a lone surrogate of a JSON body passed as it is). The tag holds no
+    ``/``, so the id is one (tenant, salt, session id) alone for any characters of the two
+    (``cache_node.sessions.client_session_id`` reads the client's id back): under another salt,
+    or none, the same ``session_id`` names another session, as the salt gives the requests
+    another cache namespace (``salted_namespace``), and the node refuses a turn whose namespace
+    is not its session's (``cache_node.sessions.check_turn``).
+
+    Regression (review s36 E1): the session id was scoped by the tenant alone, so a caller under
+    another salt (or none) naming the same id continued, rewrote or closed the first salt's
+    session, its pinned history answering the other caller's turns."""
+    tag = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:SALT_TAG_CHARS] if cache_salt else ""
+    return scoped_id(tenant_id, f"{tag}/{session_id}")
 
 
 @dataclass(frozen=True)
@@ -41,7 +62,8 @@ class GenerateInput:
             where given: ``convert.chat_message``) or prompt token ids.
         policy: the KV policy override ("" = the tenant's policy).
         cache_salt: partitions the tenant's prefix cache further ("" = none): requests share
-            cached blocks only with requests of the same tenant namespace and salt.
+            cached blocks only with requests of the same tenant namespace and salt, and a
+            ``session_id`` names a session of that salt alone (``session_scope``).
         routing_key: a routing hint (OpenAI's ``prompt_cache_key``): requests with the same key
             go to the same cache node while it has room ("" = none).
         fill_context: no max_tokens was given: generate up to what the context limit and the

@@ -25,7 +25,13 @@ from cache_node.hashing import hash_prompt_blocks
 from services import convert
 from services.chat import ChatTemplater, TemplateRefusal, covered_chars, estimate_message_tokens
 from services.chat_tools import estimate_tools_tokens, wire_messages
-from services.gateway_inputs import MAX_ID_CHARS, GenerateInput, salted_namespace, scoped_id
+from services.gateway_inputs import (
+    MAX_ID_CHARS,
+    GenerateInput,
+    salted_namespace,
+    scoped_id,
+    session_scope,
+)
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
 from services.tenant_turns import TenantTurns
 
@@ -212,7 +218,7 @@ class RequestPreparation:
         req = NodeRequest(
             request_id=scoped_id(tenant.tenant_id, call.request_id or uuid.uuid4().hex), tenant=tenant.tenant_id,
             cache_namespace=namespace, sampling=sampling, messages=messages, token_ids=tokens,
-            session_id=scoped_id(tenant.tenant_id, call.session_id) if call.session_id else "",
+            session_id=session_scope(tenant.tenant_id, call.cache_salt, call.session_id) if call.session_id else "",
             policy=policy, max_context_tokens=limit, arrival_time_s=time.monotonic(), extra=extra,
             priority=call.priority, prefix_tokens=prefix_tokens,
             tools=json.dumps(call.tools, ensure_ascii=False, separators=(",", ":")) if messages and call.tools else "",

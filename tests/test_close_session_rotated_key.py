@@ -24,7 +24,7 @@ from kvstrata.v1 import tenant_pb2
 from services.auth import Authenticator
 from services.gateway import InferenceServicer
 from services.gateway_admin import TenantServicer
-from services.gateway_inputs import scoped_id
+from services.gateway_inputs import session_scope
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.tenant_call_slots import TenantCallSlots
 from tenants.keys import fingerprint
@@ -87,7 +87,7 @@ def test_a_rotated_away_key_cached_at_another_gateway_closes_no_session(tmp_path
         reg = await g1.RegisterTenant(
             tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name="bob")), _Ctx(admin))
         leaked, tenant_id = reg.api_key, reg.tenant.tenant_id
-        sched.route_unconfirmed(tenant_id, scoped_id(tenant_id, "chat-1"), "n0")  # bob's session on n0
+        sched.route_unconfirmed(tenant_id, session_scope(tenant_id, "", "chat-1"), "n0")  # bob's session on n0
         results = [await _close(g2, leaked, "nope")]  # the attacker's first use at gateway 2: cached there
         cached = g2.auth._cached_tenant(fingerprint(leaked)) is not None
         owners = (await g1.RotateKey(tenant_pb2.RotateKeyRequest(name="bob"), _Ctx(leaked))).api_key

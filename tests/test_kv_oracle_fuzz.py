@@ -251,6 +251,15 @@ class Fuzz:
             prefix_tokens = len(doc)  # a compressed prefix, stored and forked by policy spec
         rid = f"r{self.n}"
         self.n += 1
+        held = eng.sessions.sessions.get(sid) if sid else None
+        if held is not None and held.namespace != ns:  # a session keeps its namespace (review s36 E1):
+            before = eng.session_history(sid)  # refused, unchanged, then sent again under its own
+            with pytest.raises(PermissionError):
+                eng.add_request(prompt, SamplingParams(max_tokens=1), request_id=rid, cache_namespace=ns,
+                                session_id=sid, tenant="t", policy=policy)
+            assert eng.session_history(sid) == before and rid not in eng.requests
+            self.counts["turns refused for their namespace"] += 1
+            ns = held.namespace
         prefetch = rng.random() < 0.2
         eng.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 14), ignore_eos=True), request_id=rid,
                         cache_namespace=ns, session_id=sid, tenant="t", policy=policy, prefix_tokens=prefix_tokens,

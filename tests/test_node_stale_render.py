@@ -73,14 +73,25 @@ def test_a_stale_render_is_redone_off_the_step_thread(node, monkeypatch) -> None
     asyncio.run(node.close_session(SESSION, "t"))
 
 
-def test_a_turn_whose_render_never_matches_is_rendered_again_a_bounded_number_of_times(node, monkeypatch) -> None:
+@pytest.mark.parametrize("early", [True, False])
+def test_a_turn_whose_render_never_matches_is_rendered_again_a_bounded_number_of_times(node, monkeypatch,
+                                                                                       early: bool) -> None:
     """Review 28l F1: an opening turn whose session id another tenant's session holds never
     matched its render (rendered without history, compared with the held session's), and was
     queued to the renderer again ~8,500 times a second, never answered. Now at most
     ``MAX_RERENDERS`` times; then the step thread renders it and the engine refuses it
-    PERMISSION_DENIED, as before the requeue."""
+    PERMISSION_DENIED, as before the requeue.
+
+    Since review s36 E1 the step thread refuses such a turn before it compares a render
+    (``LLMEngine.check_session_free`` with the turn's namespace: the session is another
+    tenant's): the renderer's one render is all (``early``). Without that check (its
+    ``namespace`` left out, as before) the requeue's bound holds as it did."""
     from services.cache_node_requests import MAX_RERENDERS
 
+    if not early:
+        check = type(node.engine).check_session_free
+        monkeypatch.setattr(type(node.engine), "check_session_free",
+                            lambda self, session_id, tenant, namespace=None: check(self, session_id, tenant))
     renders: list[str] = []
     real = CacheNode._prompt
 
@@ -104,5 +115,6 @@ def test_a_turn_whose_render_never_matches_is_rendered_again_a_bounded_number_of
 
     events = asyncio.run(scenario())
     assert events[-1]["type"] == "error" and events[-1]["code"] == "PERMISSION_DENIED", events[-1]
-    assert renders.count("b1") == 1 + MAX_RERENDERS + 1, renders  # first, again twice, then on the step thread
+    # first, again twice, then on the step thread; or refused before any render is compared
+    assert renders.count("b1") == (1 if early else 1 + MAX_RERENDERS + 1), renders
     asyncio.run(node.close_session("shared", "a"))

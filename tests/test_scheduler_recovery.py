@@ -65,7 +65,8 @@ def first_turn_sessions(*session_ids: str) -> list[tuple[str, str, bool]]:
     (``CacheNode._held_now`` over a ``SessionTable`` whose ``attach`` created the session)."""
     table = SessionTable(kv_manager=None)
     for sid in session_ids:
-        table.attach(SimpleNamespace(session_id=sid, tenant=sid.partition("/")[0], request_id=f"{sid}#first"))
+        table.attach(SimpleNamespace(session_id=sid, tenant=sid.partition("/")[0], request_id=f"{sid}#first",
+                                     cache_namespace="default"))
     return [(s.session_id, s.tenant, bool(s.token_ids)) for s in table.sessions.values()]
 
 

@@ -259,10 +259,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., delta: _Optional[_Union[GenerateDelta, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
     __slots__ = ("freed_tokens",)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health``,
 vLLM's ``POST /tokenize`` and ``POST /detokenize`` (``tokenize``) and the extension
-``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``).
+``DELETE /v1/sessions/{session_id}`` (the id URL-encoded; it may hold ``/``; ``?cache_salt=``
+the salt the session's turns were sent with).
 Every response carries its request's id in ``X-Request-Id`` (the client's, when it sent a
 valid one: ``request_ids``).
 
@@ -90,7 +91,7 @@ from services.openai_api.protocol import authenticated
 from services.openai_api.request_ids import RequestIds, request_id
 from services.openai_api.response_budget import Held, HeldResponse, ResponseBudget
 from services.openai_api.responses import Generation
-from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest, close_session_salt
 from services.openai_api.streaming import (
     ClientGone,
     _ClosingStream,
@@ -576,7 +577,15 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
 
     @app.delete("/v1/sessions/{session_id:path}")
     async def close_session(session_id: str, request: Request) -> Response:
-        freed = await edge.servicer.close_session(HttpCallContext(request), session_id)
+        """Close the caller's session opened under ``?cache_salt=`` (none without it:
+        ``close_session_salt``); the key is checked first (401), then the query (400)."""
+        context = HttpCallContext(request)
+        await edge.servicer.auth.tenant(context)
+        try:
+            salt = close_session_salt(request.query_params.multi_items())
+        except ValueError as exc:
+            raise field_refusal(exc) from None
+        freed = await edge.servicer.close_session(context, session_id, salt)
         authenticated(request.scope)
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True,
                              "freed_tokens": freed})

@@ -14,7 +14,9 @@ prompt, started all or none, choice ``i`` seeded ``(seed + i) mod 2**64`` when a
 ``session_id`` (one history, one continuation) only 1 is taken (400 naming ``n``).
 kvstrata's extension fields ride in the body, as vLLM's extra parameters do: ``session_id``
 (append the messages to that session's history, whose KV the node keeps), ``policy`` (the KV
-policy override), ``cache_salt`` (partitions the tenant's prefix cache further), ``priority``
+policy override), ``cache_salt`` (partitions the tenant's prefix cache further, and its
+sessions: under another salt, or none, a ``session_id`` names another session; a salted one is
+closed by ``DELETE /v1/sessions/{id}?cache_salt=``: ``close_session_salt``), ``priority``
 (vLLM's: an integer in [-1000, 1000], lower is served earlier, default 0; it reorders only the
 caller's own waiting requests on the node,
 never ahead of another tenant's), ``prefix_tokens`` (``/v1/completions``) and
@@ -50,6 +52,8 @@ float (``"temperature": 1``). Errors name their field; ``app`` turns them into 4
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
@@ -58,7 +62,7 @@ from cache_node.sampling_params import MAX_LOGPROBS
 from services.chat import content_chars
 from services.chat_tools import check_arguments, check_arguments_values
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
-from services.gateway import GenerateInput
+from services.gateway import MAX_ID_CHARS, GenerateInput
 from services.openai_api.messages import MAX_CONTENT_PARTS, ChatMessage, TextPart  # noqa: F401 - re-exported
 from services.openai_api.prompt_logprobs import check_prompt_logprobs
 from services.openai_api.sampling_fields import (  # noqa: F401 - MAX_N, StreamOptions re-exported
@@ -217,3 +221,34 @@ class CompletionRequest(SamplingFields):
             check_prompt_logprobs(self.n, len(prompt), max_tokens or 1, self.prompt_logprobs,
                                   self.logprobs if self.echo else None, stream=self.stream)
         return self.generate_input(list(prompt), max_tokens, prefix_tokens=self.prefix_tokens)
+
+
+CLOSE_SESSION_PARAMS = ("cache_salt",)
+"""The query parameters ``DELETE /v1/sessions/{session_id}`` takes."""
+
+
+def close_session_salt(query: Sequence[tuple[str, str]]) -> str:
+    """The ``cache_salt`` the session to close was opened under ("" = none), from the
+    ``(name, value)`` pairs of ``DELETE /v1/sessions/{session_id}``'s query string
+    (``?cache_salt=...``, URL-encoded): a session is one (``session_id``, ``cache_salt``) of its
+    tenant (``gateway_inputs.session_scope``), so the close names the salt its turns were sent
+    with, as the body of each turn did. A parameter it does not take is refused, as a body's
+    unknown field is: a misspelt ``cache_salt`` would otherwise close the session opened without
+    a salt.
+
+    Raises:
+        ValueError: worded ``<name>: ...``: a parameter other than ``cache_salt``, ``cache_salt``
+            given twice or over ``MAX_ID_CHARS`` characters.
+    """
+    salt: str | None = None
+    for name, value in query:
+        if name not in CLOSE_SESSION_PARAMS:  # (a name as the client sent it, when it reads as one)
+            shown = name if re.fullmatch(r"[A-Za-z0-9_.]{1,64}", name) else f"query parameter {name[:64]!r}"
+            raise ValueError(f"{shown}: unsupported query parameter (DELETE /v1/sessions/{{session_id}} takes "
+                             f"only {', '.join(CLOSE_SESSION_PARAMS)})")
+        if salt is not None:
+            raise ValueError(f"{name}: given more than once")
+        if len(value) > MAX_ID_CHARS:
+            raise ValueError(f"{name}: is longer than {MAX_ID_CHARS} characters")
+        salt = value
+    return salt or ""

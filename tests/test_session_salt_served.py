@@ -1,0 +1,157 @@
+"""A session belongs to the ``cache_salt`` its turns were sent under, end to end (review s36 E1;
+the fault and the fix: tests/test_session_salt.py).
+
+On the real stack of ``test_logprobs_served`` (a real CacheNode with a tiny random Llama, the
+scheduler's admission server, the gateway's gRPC server and its OpenAI app, the real data
+plane; no Ray): a session opened with ``POST /v1/completions`` under salt "u1" is neither
+continued nor closed by a turn or a close under salt "u2" or under no salt naming the same
+``session_id``; those open, and close, sessions of their own; the u1 session's own next turn
+continues from its whole history, and its close (``DELETE /v1/sessions/{id}?cache_salt=u1``, or
+gRPC ``CloseSession`` with ``cache_salt``) frees it.
+
+On fa49863 the u2 turn's prompt was u1's history with its own 3 tokens after it (the node puts
+the history in front of a token-id turn), and a close under any salt closed u1's session.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstrata.v1 import inference_pb2
+from tenants.model import TenantSpec
+from tests.loop_plane import call
+from tests.test_logprobs_served import Served
+
+FIRST = [504, 3451, 314, 260, 2644, 282, 4649, 47, 1000, 2035, 30]  # u1's private first turn
+PROBE = [7, 8, 9]
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    s = Served()
+    yield s
+    s.close()
+
+
+def turn(s: Served, session: str, prompt: list[int], salt: str | None) -> dict[str, Any]:
+    """One session turn (greedy, ``MAX_TOKENS``); its usage."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                            "session_id": session}
+    if salt is not None:
+        body["cache_salt"] = salt
+    status, got = s.post("/completions", body)
+    assert status == 200, got
+    return got["usage"]
+
+
+def delete(s: Served, session: str, query: str = "") -> tuple[int, Any]:
+    """``DELETE /v1/sessions/{session}`` (the id URL-encoded) with ``query``: status, JSON body."""
+    url = f"{s.base}/sessions/{urllib.parse.quote(session, safe='')}{query}"
+    req = urllib.request.Request(url, method="DELETE", headers={"Authorization": f"Bearer {s.key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def grpc_close(s: Served, session: str, salt: str) -> int:
+    resp = s.stub.CloseSession(inference_pb2.CloseSessionRequest(session_id=session, cache_salt=salt),
+                               metadata=(("authorization", f"Bearer {s.key}"),), timeout=60)
+    return resp.freed_tokens
+
+
+def test_a_turn_under_another_salt_or_none_never_reaches_the_session(served: Served) -> None:
+    """u1 opens "chat-1"; a u2 turn and an unsalted turn naming "chat-1" are each a first turn
+    of a session of their own (their prompt their own 3 tokens, nothing cached), and u1's next
+    turn still continues from its whole history (its 11 + 4 tokens, all but the last cached).
+    Each of the three sessions closes under its own salt, freeing its own history."""
+    s = served
+    u1 = turn(s, "chat-1", FIRST, "u1")
+    assert u1["prompt_tokens"] == len(FIRST)
+    for salt in ("u2", None):
+        other = turn(s, "chat-1", PROBE, salt)
+        assert other["prompt_tokens"] == len(PROBE), f"salt {salt}: its turn was put after u1's history"
+        assert other["prompt_tokens_details"]["cached_tokens"] == 0
+    again = turn(s, "chat-1", PROBE, "u1")
+    history = len(FIRST) + MAX_TOKENS
+    assert again["prompt_tokens"] == history + len(PROBE)
+    assert again["prompt_tokens_details"]["cached_tokens"] == history - 1
+    assert delete(s, "chat-1", "?cache_salt=u2") == (200, {"id": "chat-1", "object": "session.deleted",
+                                                           "deleted": True, "freed_tokens": len(PROBE) + MAX_TOKENS})
+    assert delete(s, "chat-1")[1]["freed_tokens"] == len(PROBE) + MAX_TOKENS
+    assert delete(s, "chat-1", "?cache_salt=u1")[1]["freed_tokens"] == history + len(PROBE) + MAX_TOKENS
+    assert delete(s, "chat-1", "?cache_salt=u1")[0] == 404
+
+
+def test_a_close_under_another_salt_or_none_leaves_the_session(served: Served) -> None:
+    """u1 opens "chat-2" (its id holding a "/"); a close naming it under u2, under no salt, or
+    under a salt whose bytes merely look alike, by HTTP or gRPC, is NOT_FOUND and frees nothing:
+    u1's next turn continues from its whole history. gRPC ``CloseSession`` with u1's salt
+    closes it (a session is the tenant's, whichever API opened it)."""
+    s = served
+    sid = "chat/2"
+    turn(s, sid, FIRST, "u1")
+    for query in ("?cache_salt=u2", "", "?cache_salt=", "?cache_salt=u1%00", "?cache_salt=U1"):
+        status, body = delete(s, sid, query)
+        assert status == 404, (query, body)
+        assert body["error"]["code"] == "not_found"
+    for salt in ("u2", ""):
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_close(s, sid, salt)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    again = turn(s, sid, PROBE, "u1")
+    history = len(FIRST) + MAX_TOKENS
+    assert again["prompt_tokens_details"]["cached_tokens"] == history - 1
+    assert grpc_close(s, sid, "u1") == history + len(PROBE) + MAX_TOKENS
+
+
+def test_a_close_names_only_cache_salt_in_its_query(served: Served) -> None:
+    """A query parameter other than ``cache_salt`` (a misspelt salt would close the unsalted
+    session), a repeated one or an over-long salt is a 400 naming it, and closes nothing; a bad
+    key is a 401 first."""
+    s = served
+    turn(s, "chat-3", FIRST, None)
+    for query, param in [("?salt=u1", "salt"), ("?cache_salt=a&cache_salt=b", "cache_salt"),
+                         (f"?cache_salt={'x' * 257}", "cache_salt"), ("?cache%20salt=u1", None)]:
+        status, body = delete(s, "chat-3", query)
+        assert (status, body["error"]["code"], body["error"]["param"]) == (400, "invalid_argument", param), query
+    key, s.key = s.key, "sk-nonsense"
+    try:
+        assert delete(s, "chat-3", "?salt=u1")[0] == 401
+    finally:
+        s.key = key
+    assert delete(s, "chat-3")[1]["freed_tokens"] == len(FIRST) + MAX_TOKENS
+
+
+def test_a_tenant_moved_to_another_namespace_has_its_open_sessions_refused(served: Served) -> None:
+    """The node's own guard (``cache_node.sessions.check_turn``), end to end: a tenant sharing
+    the namespace "team" opens a session; the admin moves it to its own namespace. The session's
+    next turn would run in the namespace the tenant left (its history's KV is "team"'s): it is
+    refused PERMISSION_DENIED (403) for that request alone, its history kept, and the close frees
+    it; the same id then opens a new session in the tenant's own namespace. On fa49863 the turn
+    ran on, continuing the history computed in "team"."""
+    s = served
+    key = s.key
+    _, s.key = s.run(call(s.scheduler.register_tenant, TenantSpec(name="mover", cache_namespace="team")))
+    try:
+        turn(s, "chat-4", FIRST, None)
+        s.run(call(s.scheduler.update_tenant, "mover", TenantSpec(name="mover")))
+        status, body = s.post("/completions", {"prompt": PROBE, "max_tokens": MAX_TOKENS, "session_id": "chat-4"})
+        assert (status, body["error"]["code"]) == (403, "permission_denied"), body
+        assert "team" not in body["error"]["message"] and "close it" in body["error"]["message"]
+        assert delete(s, "chat-4")[1]["freed_tokens"] == len(FIRST) + MAX_TOKENS
+        fresh = turn(s, "chat-4", PROBE, None)
+        assert fresh["prompt_tokens"] == len(PROBE)
+        assert delete(s, "chat-4")[1]["freed_tokens"] == len(PROBE) + MAX_TOKENS
+    finally:
+        s.key = key
