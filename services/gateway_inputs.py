@@ -38,9 +38,10 @@ def session_scope(tenant_id: str, cache_salt: str, session_id: str) -> str:
     """The id the scheduler and the nodes know a client's session by: scoped to its tenant and
     to the ``cache_salt`` its turns are sent with, ``<tenant>/<salt tag>/<session_id>``: the tag
     is empty without a salt, else the first ``SALT_TAG_CHARS`` (32) hex digits of the salt's
-    SHA-256 (its UTF-8 bytes; a lone surrogate of a JSON body passed as it is). The tag holds no
-    ``/``, so the id is one (tenant, salt, session id) alone for any characters of the two
-    (``cache_node.sessions.client_session_id`` reads the client's id back): under another salt,
+    SHA-256 (its UTF-8 bytes; a lone surrogate, which the edges refuse, hashed rather than
+    raising). The tag holds no ``/``, so the id is one (tenant, salt, session id) alone for any
+    characters of the two (``cache_node.sessions.client_session_id`` reads the client's id
+    back; a 128-bit tag: two salts meet by chance only): under another salt,
     or none, the same ``session_id`` names another session, as the salt gives the requests
     another cache namespace (``salted_namespace``), and the node refuses a turn whose namespace
     is not its session's (``cache_node.sessions.check_turn``).
