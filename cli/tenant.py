@@ -236,7 +236,8 @@ def tenant_rotate_key(
     api_key: str | None = OwnKeyOpt,
     gateway: str | None = GatewayOpt,
 ) -> None:
-    """Replace a tenant's API key; prints the new key once (old keys stop at once)."""
+    """Replace a tenant's API key; prints the new key once. The old key stops at once, and its
+    in-flight requests end (UNAUTHENTICATED / HTTP 401) on every gateway within about 5 s."""
     md = key_metadata(api_key, gateway)
     with gateway_channel(gateway) as ch:
         try:

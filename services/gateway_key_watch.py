@@ -10,12 +10,20 @@ blocks up to ``max_tokens``, a session's turn included, and its place in the ten
 (``NodeStreams.open``), and a gateway with such streams open checks, every ``KEY_CHECK_S``,
 that their keys still exist: it refreshes its key directory (``KeyDirectory.refresh``: one
 ``key_ids_since`` delta, shared with the key checks' refreshes) and ends each stream whose key
-id the store no longer holds (``NodeStreams.end_revoked``: UNAUTHENTICATED, its request aborted
-on its node and released with its usage). A change made through this gateway (its own
-``RotateKey``, ``DeleteTenant``, a key refused at admission or at a recheck:
+id the store no longer holds (``NodeStreams.end_revoked``: its request aborted on its node and
+released with its usage): UNAUTHENTICATED, or ABORTED when its tenant was deleted (the
+scheduler no longer knows the tenant id: ``knows_tenant``, asked once per tenant whose streams
+end so), the code its nodes' ``end_tenant`` ends a deleted tenant's streams with (whichever
+comes first ends the stream; the other finds it ended). A change made through this gateway
+(its own ``RotateKey``, ``DeleteTenant``, a key refused at admission or at a recheck:
 ``KnownKeys._keys_gone``) starts that check at once, and ids a refresh found removed (any
 refresh, a key check's included) end their streams at once; a change made through another
 gateway is seen here within ``KEY_CHECK_S`` (plus a refresh's round trip).
+
+Regression (review R1 F2, session 36): every stream of a removed key ended UNAUTHENTICATED,
+so a tenant deleted through a gateway (whose ``DeleteTenant`` starts a check at once, racing
+its nodes' ``end_tenant``) had its streams there end UNAUTHENTICATED, not ABORTED as
+documented and as before the watch.
 
 Ids never come back (every key gets a fresh random id), so an id absent from the store is gone
 for good; a stream is checked only against a refresh started after it was opened (its key was
@@ -29,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -43,6 +50,17 @@ REVOKED_MESSAGE = ("the API key that opened this stream is no longer valid (rota
                    "the request was cancelled")
 """What a stream ended for its key tells its client (UNAUTHENTICATED)."""
 
+DELETED_MESSAGE = "this tenant was deleted; the request was cancelled"
+"""What a stream ended for its tenant's deletion tells its client (ABORTED)."""
+
+TENANT_CHECK_S = 2.0
+"""How long the watch waits for the scheduler to say whether a tenant still exists
+(``knows_tenant``) before ending its removed key's streams UNAUTHENTICATED all the same."""
+
+MAX_PENDING_IDS = 1 << 18
+"""Removed key ids (``keys_gone``) held for the next check at most (past it, the rest wait for
+the check's own refresh: they are absent from the directory)."""
+
 
 class KeyWatch:
     """Ends the open streams of ``streams`` whose API key was removed from the tenant store.
@@ -51,11 +69,14 @@ class KeyWatch:
         streams: the gateway's ``NodeStreams`` (``key_streams``, ``end_revoked``,
             ``cancel_at_shutdown``).
         auth: the gateway's ``Authenticator``: its ``directory`` (``KeyDirectory``) is
-            refreshed for each check, and its ``on_keys_gone`` is set to ``keys_gone``.
+            refreshed for each check, its ``scheduler`` asked whether the tenants of removed
+            keys still exist (``knows_tenant``), and its ``on_keys_gone`` is set to ``keys_gone``.
         interval_s: seconds between checks while streams are open (> 0).
 
     ``start`` (idempotent, on the running loop; ``InferenceServicer.generate`` calls it) runs
-    the checks until ``streams`` shuts down. ``ended`` counts the streams ended so.
+    the checks until ``streams`` shuts down; once it has (``NodeStreams.closed``) ``start``
+    starts nothing. ``ended`` counts the streams ended so, ``aborted`` those of them ended
+    ABORTED (their tenant deleted).
 
     Raises:
         ValueError: ``interval_s`` <= 0.
@@ -65,13 +86,18 @@ class KeyWatch:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.streams, self.auth, self.interval_s = streams, auth, interval_s
-        self.ended = 0
+        self.ended = self.aborted = 0
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._gone_ids: set[str] = set()  # removed ids told by ``keys_gone``, for the next check
         auth.on_keys_gone = self.keys_gone
 
     def start(self) -> None:
-        """Run the checks on the running loop, unless they run already."""
+        """Run the checks on the running loop, unless they run already or ``streams`` has shut
+        down (``NodeStreams.closed``: nothing would cancel the task). Regression (review R1,
+        session 36): a start after the shutdown ran a task for good."""
+        if getattr(self.streams, "closed", False):
+            return
         loop = asyncio.get_running_loop()
         if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
             return
@@ -81,36 +107,72 @@ class KeyWatch:
 
     def keys_gone(self, key_ids: set[str] | None) -> None:
         """``Authenticator.on_keys_gone``: the streams of ``key_ids`` (removed from the store,
-        as a directory refresh found) end now; None (some keys went, which is not known here)
-        starts a check now."""
-        if key_ids:
-            self._end(self.streams.key_streams(), lambda key_id: key_id in key_ids)
-        elif self._wake is not None:
-            self._wake.set()
+        as a directory refresh found) end at the check this starts now (without a refresh of
+        its own for them); None (some keys went, which is not known here) starts a check now.
+        Nothing while the checks do not run (no stream was opened here: ``start``)."""
+        if self._wake is None or self._task is None or self._task.done():
+            return
+        if key_ids and len(self._gone_ids) < MAX_PENDING_IDS:
+            self._gone_ids |= set(list(key_ids)[:MAX_PENDING_IDS - len(self._gone_ids)])
+        self._wake.set()
 
     async def check(self) -> int:
-        """One check: the streams open now whose key id is absent from the store as of a key
-        directory refresh started after this call are ended (those of ids the refresh found
-        removed at once, through ``keys_gone``); returns the streams ended while it ran (0
-        when none is open with a key, or the refresh failed)."""
+        """One check: the streams open now of the ids ``keys_gone`` was told, and then those
+        whose key id is absent from the store as of a key directory refresh started after
+        this call, are ended (``_end``); returns the streams ended while it ran (0 when none
+        is open with a key; those told alone when the refresh failed)."""
+        gone_ids, self._gone_ids = self._gone_ids, set()
+        before = self.ended
+        if gone_ids:
+            await self._end([s for s in self.streams.key_streams() if s[1] in gone_ids])
         opened = self.streams.key_streams()
         if not opened:
-            return 0
-        before, directory = self.ended, self.auth.directory
+            return self.ended - before
+        directory = self.auth.directory
         if await directory.refresh():
             ids = directory.ids
-            self._end(opened, lambda key_id: key_id not in ids)
+            await self._end([s for s in opened if s[1] not in ids])
         return self.ended - before
 
-    def _end(self, opened: list[tuple[str, str, object]], gone: Callable[[str], bool]) -> int:
-        ended = 0
-        for request_id, key_id, opening in opened:
-            if gone(key_id) and self.streams.end_revoked(request_id, opening, REVOKED_MESSAGE):
+    async def _end(self, opened: list[tuple[str, str, str, object]]) -> int:
+        """End the streams ``opened`` (``NodeStreams.key_streams``' entries, their keys removed):
+        ABORTED those of a tenant the scheduler no longer knows (deleted: ``_deleted``),
+        UNAUTHENTICATED the others. Returns how many ended (not closed or ended meanwhile)."""
+        if not opened:
+            return 0
+        deleted = await self._deleted({tenant_id for _, _, tenant_id, _ in opened if tenant_id})
+        ended = aborted = 0
+        for request_id, _, tenant_id, opening in opened:
+            code, message = (("ABORTED", DELETED_MESSAGE) if tenant_id in deleted
+                             else ("UNAUTHENTICATED", REVOKED_MESSAGE))
+            if self.streams.end_revoked(request_id, opening, message, code):
                 ended += 1
+                aborted += code == "ABORTED"
         if ended:
             self.ended += ended
-            log.info("gateway: ended %d stream(s) whose API key was removed", ended)
+            self.aborted += aborted
+            log.info("gateway: ended %d stream(s) whose API key was removed (%d of deleted tenants)", ended, aborted)
         return ended
+
+    async def _deleted(self, tenant_ids: set[str]) -> set[str]:
+        """The ids of ``tenant_ids`` the scheduler no longer knows (``knows_tenant`` answered
+        False: deleted; it forgets a tenant id as it ends the tenant's requests on its nodes).
+        An answer that is not a bool, an error or no answer within ``TENANT_CHECK_S`` counts as
+        known (its streams end UNAUTHENTICATED: their key is gone either way)."""
+        if not tenant_ids:
+            return set()
+        ordered = sorted(tenant_ids)
+
+        async def known(tenant_id: str) -> Any:
+            return await self.auth.scheduler.knows_tenant.remote(tenant_id)
+
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*(known(t) for t in ordered), return_exceptions=True),
+                                             TENANT_CHECK_S)
+        except Exception as exc:  # noqa: BLE001 - a timeout, a scheduler without it: not known
+            log.warning("gateway: asking which tenants were deleted failed: %s: %.200s", type(exc).__name__, exc)
+            return set()
+        return {tenant_id for tenant_id, reply in zip(ordered, replies) if reply is False}
 
     async def _run(self) -> None:
         wake = self._wake

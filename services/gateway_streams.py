@@ -45,8 +45,14 @@ the idle timeout when that is shorter."""
 REVOKED_READ_S = 2.0
 """How long the reader of a stream ended for its key (``end_revoked``) may go on without taking
 its error (stuck writing an earlier event to a client that does not read) before ``expire_idle``
-stops it (``on_idle`` with UNAUTHENTICATED): its call then ends at once, not at
-``stream_idle_timeout_s``, and stops counting against its tenant's ``max_streams_per_tenant``."""
+stops it (``on_idle`` with the error's code, UNAUTHENTICATED or ABORTED): its call then ends at
+once, not at ``stream_idle_timeout_s``, and stops counting against its tenant's
+``max_streams_per_tenant``. The stalls of the gateway's own event loop meanwhile are not
+counted (``LoopLag``), as for ``stream_idle_timeout_s``."""
+
+REVOKED_CODES = ("UNAUTHENTICATED", "ABORTED")
+"""The codes ``end_revoked`` ends a stream with: its key was removed (rotated away), or its
+tenant was deleted (as its nodes' ``end_tenant`` ends it)."""
 
 
 @dataclass
@@ -57,10 +63,11 @@ class _Entry:
     node_id: str
     buffer: StreamBuffer
     on_event: OnEvent | None
-    on_idle: Callable[..., None] | None = None  # (message) idle; (message, "UNAUTHENTICATED") revoked
+    on_idle: Callable[..., None] | None = None  # (message) idle; (message, code) revoked: ``REVOKED_CODES``
     ended_unread: bool = False  # ended here (``_end``): aborted on its node (at ``bind`` if not bound)
     idle: bool = False  # ended by ``expire_idle`` (once)
     key_id: str = ""  # the id of the API key that opened it ("": none watched; ``end_revoked``)
+    tenant_id: str = ""  # its tenant's id: its request id's scope (``scoped_id``), "" for an unscoped id
     revoked: dict[str, Any] | None = None  # its ``end_revoked`` error (its key was removed)
     revoked_at: float | None = None  # when that error was put (``clock``; at ``bind`` when not bound then)
     finished: bool = False  # its ``finished`` event came: nothing runs on its node
@@ -205,9 +212,11 @@ class NodeStreams:
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[str, asyncio.Task[None]] = {}  # node id -> its connection watch
+        self.closed = False  # ``shutdown`` ran (and no ``start`` since): helpers must not start
 
     async def start(self) -> None:
         """Bind the event inbox and connect to the scheduler and the nodes (on the running loop)."""
+        self.closed = False
         self._context = ctx = data_plane.context(asyncio_=True)
         self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
         inbox, self.subscriber = data_plane.serving_socket(ctx, zmq.PULL, self.security)
@@ -292,11 +301,16 @@ class NodeStreams:
             events.close(linger=0)
 
     def cancel_at_shutdown(self, task: asyncio.Task[Any]) -> None:
-        """``shutdown`` cancels ``task`` (a helper of these streams': the key watch) with its own."""
+        """``shutdown`` cancels ``task`` (a helper of these streams': the key watch) with its own;
+        after ``shutdown`` (``closed``) it is cancelled now."""
+        if self.closed:
+            task.cancel()
+            return
         self._tasks = [t for t in self._tasks if not t.done()] + [task]
 
     def shutdown(self) -> None:
-        """Stop reading and close every socket."""
+        """Stop reading and close every socket (``closed``)."""
+        self.closed = True
         for task in [*self._tasks, *self._scheduler_tasks, *self._connections.values()]:
             task.cancel()
         if self._authenticator is not None:
@@ -436,7 +450,8 @@ class NodeStreams:
         ``prompt_logprobs`` (and their count and tokens, against ``prompt``, its prompt's token
         ids when the gateway knows them: ``_Entry.check_prompt_count``). ``key_id``: the id of the
         API key the request was authenticated with (``key_streams``, ``end_revoked``: the stream
-        ends when that key is removed); "" for none.
+        ends when that key is removed); "" for none. Its tenant's id is read from
+        ``request_id`` (``scoped_id``: ``<tenant id>/<client id>``; none without a ``/``).
 
         Raises:
             KeyError: ``request_id`` is open already (in flight on this gateway).
@@ -444,8 +459,10 @@ class NodeStreams:
         if request_id in self._queues:
             raise KeyError(request_id)
         buffer = StreamBuffer(self.clock)
+        tenant_id = request_id.partition("/")[0] if "/" in request_id else ""
         self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs, prompt=prompt, key_id=key_id)
+                                          prompt_logprobs=prompt_logprobs, prompt=prompt, key_id=key_id,
+                                          tenant_id=tenant_id)
         self._opened_at[request_id] = self._failures
         return buffer
 
@@ -486,27 +503,43 @@ class NodeStreams:
         if entry.node_id and not (entry.finished or aborted):
             self.abort(entry.node_id, request_id)
 
-    def key_streams(self) -> list[tuple[str, str, object]]:
-        """``(request id, key id, the opening)`` of each open stream that an API key opened
-        (``open``'s ``key_id``) and that is not ended for it yet; ``the opening`` tells
-        ``end_revoked`` this stream from a later one of the same id."""
-        return [(rid, entry.key_id, entry) for rid, entry in self._queues.items()
-                if entry.key_id and entry.revoked is None]
+    def key_streams(self) -> list[tuple[str, str, str, object]]:
+        """``(request id, key id, tenant id, the opening)`` of each open stream that an API key
+        opened (``open``'s ``key_id``) and that has not ended: not ended for its key yet, and
+        its end (``finished``, or an error: its node's ABORTED, UNAVAILABLE, RESOURCE_EXHAUSTED
+        for an unread stream) not come yet (``_ended``). ``the opening`` tells ``end_revoked``
+        this stream from a later one of the same id.
 
-    def end_revoked(self, request_id: str, opening: object, message: str) -> bool:
-        """End ``request_id``'s stream, if it is still ``opening`` (``key_streams``), with
-        UNAUTHENTICATED ``message``: the key that opened it was removed (rotated away, its
-        tenant deleted). What it holds undelivered is dropped, the error is its last event
-        (``on_event`` sees it: the request is released with the usage its events showed), and
-        its request is aborted on its node, so its blocks go free there (``_end``). A stream
-        whose admission is not answered yet ends so at ``bind``: a release sent before then
-        could reach the scheduler before the admission (``InferenceServicer._abort_admitted``).
-        A reader that does not take the error within ``REVOKED_READ_S`` is stopped
-        (``expire_idle``). Returns whether it was ended now (False: closed, or ended already)."""
+        Regression (review R1 F1, session 36): ended streams were listed too, and
+        ``end_revoked`` dropped a finished stream's unread output and its ``finished`` event
+        (its usage already released in full) or replaced its node's ABORTED with
+        UNAUTHENTICATED."""
+        return [(rid, entry.key_id, entry.tenant_id, entry) for rid, entry in self._queues.items()
+                if entry.key_id and entry.revoked is None and not _ended(entry)]
+
+    def end_revoked(self, request_id: str, opening: object, message: str, code: str = "UNAUTHENTICATED") -> bool:
+        """End ``request_id``'s stream, if it is still ``opening`` (``key_streams``) and has not
+        ended, with ``code`` (``REVOKED_CODES``) and ``message``: UNAUTHENTICATED when the key
+        that opened it was removed (rotated away), ABORTED when its tenant was deleted (as its
+        nodes' ``end_tenant`` ends it). What it holds undelivered is dropped, the error is its
+        last event (``on_event`` sees it: the request is released with the usage its events
+        showed), and its request is aborted on its node, so its blocks go free there
+        (``_end``). A stream whose admission is not answered yet ends so at ``bind`` (unless
+        its end came first): a release sent before then could reach the scheduler before the
+        admission (``InferenceServicer._abort_admitted``). A reader that does not take the
+        error within ``REVOKED_READ_S`` is stopped (``expire_idle``). Returns whether it was
+        ended now (False: closed, ended for its key already, or its end came already:
+        ``finished`` or an error, which stays its last event).
+
+        Raises:
+            ValueError: ``code`` is not one of ``REVOKED_CODES``.
+        """
+        if code not in REVOKED_CODES:
+            raise ValueError(f"code must be one of {REVOKED_CODES}, got {code!r}")
         entry = self._queues.get(request_id)
-        if entry is not opening or entry is None or entry.revoked is not None:
+        if entry is not opening or entry is None or entry.revoked is not None or _ended(entry):
             return False
-        entry.revoked = {"type": "error", "code": "UNAUTHENTICATED", "message": message}
+        entry.revoked = {"type": "error", "code": code, "message": message}
         if entry.node_id:
             entry.revoked_at = self.clock()
             self._end(request_id, entry, entry.revoked)
@@ -522,8 +555,11 @@ class NodeStreams:
         client meanwhile, its flow-control window update waiting unread in the socket).
 
         A stream ended for its key (``end_revoked``) whose reader has taken nothing, its error
-        included, for ``REVOKED_READ_S`` since it was put has its ``on_idle(message,
-        "UNAUTHENTICATED")`` called (once; not counted in ``idle_ends``, not returned).
+        included, for ``REVOKED_READ_S`` since it was put (this gateway's loop stalls not
+        counted, as above) has its ``on_idle(message, code)`` called with its error's (once;
+        not counted in ``idle_ends``, not returned). Regression (review R1 F3, session 36):
+        that wait counted the gateway's own stalls, so a reader that could not run during one
+        was stopped as a client that does not read (an HTTP stream cut without its error).
 
         This covers every way a stream sits unread: its reader stuck writing an event, the
         stream's last included, with events pending here or none; events still coming (the
@@ -540,16 +576,16 @@ class NodeStreams:
             waited = entry.buffer.idle_s()
             if entry.revoked_at is not None:  # ended for its key: a reader that leaves its error is stopped sooner
                 waited = min(waited, self.clock() - entry.revoked_at)
-                if not (entry.idle or entry.buffer.empty()) and waited >= REVOKED_READ_S:
+                if entry.idle or entry.buffer.empty() or waited < REVOKED_READ_S:
+                    continue
+                if self._lag_discounted(waited) >= REVOKED_READ_S:
                     entry.idle = True
                     if entry.on_idle is not None and entry.revoked is not None:
-                        entry.on_idle(entry.revoked["message"], "UNAUTHENTICATED")
+                        entry.on_idle(entry.revoked["message"], entry.revoked["code"])
                 continue
             if entry.idle or not entry.node_id or waited < self.stream_idle_timeout_s:
                 continue
-            # Regression (helper 29h): a gateway paused past the timeout ended, on resume, the
-            # streams whose readers were mid-write to clients that were reading
-            waited -= self.loop_lag.since(time.monotonic() - waited) if self.clock is time.monotonic else 0.0
+            waited = self._lag_discounted(waited)
             if waited < self.stream_idle_timeout_s:
                 continue
             entry.idle = True
@@ -560,6 +596,13 @@ class NodeStreams:
                 entry.on_idle(message)
             ended.append(request_id)
         return ended
+
+    def _lag_discounted(self, waited: float) -> float:
+        """``waited`` (seconds up to now) less this gateway's own loop stalls within them
+        (``LoopLag``; with the real clock alone). Regression (helper 29h): a gateway paused
+        past the timeout ended, on resume, the streams whose readers were mid-write to clients
+        that were reading."""
+        return waited - (self.loop_lag.since(time.monotonic() - waited) if self.clock is time.monotonic else 0.0)
 
     async def _sweep_idle(self) -> None:
         while True:
@@ -604,7 +647,8 @@ class NodeStreams:
                 self._put(request_id, entry, _unavailable(f"cache node {node_id} is down"))
             elif self._failed_at.get(node_id, -1) >= self._opened_at.get(request_id, 0):
                 self._put(request_id, entry, _unavailable(f"cache node {node_id} failed while the request was on its way"))
-            if entry.revoked is not None and entry.revoked_at is None:  # its key went while it was admitted
+            if entry.revoked is not None and entry.revoked_at is None and not _ended(entry):
+                # its key went while it was admitted (an end that came with it stays: F1)
                 entry.revoked_at = self.clock()  # its reader's time to take the error starts now
                 self._end(request_id, entry, entry.revoked)
 
@@ -787,6 +831,12 @@ class NodeStreams:
         self.bad_messages += count
         if log_it:
             log.warning("gateway data plane: dropped a bad %s message: %s: %.200s", what, type(exc).__name__, exc)
+
+
+def _ended(entry: _Entry) -> bool:
+    """Whether ``entry``'s stream has its end: its ``finished`` event (nothing runs on its node,
+    its usage released in full) or an error (its node's, or one put here), taken or not."""
+    return entry.finished or entry.buffer.ended
 
 
 def _unavailable(reason: str) -> dict[str, Any]:

@@ -60,12 +60,12 @@ def test_a_revoked_streams_end_waits_for_its_admission_and_its_reader_is_stopped
         stopped: list[tuple[str, str]] = []
         queues = {rid: streams.open(rid, seen[rid].append, lambda m, c="RESOURCE_EXHAUSTED": stopped.append((m, c)),
                                     key_id="0123456789ab") for rid in ("a", "b")}
-        opened = {rid: opening for rid, _, opening in streams.key_streams()}
+        opened = {rid: opening for rid, _, _, opening in streams.key_streams()}
 
         assert streams.end_revoked("a", opened["a"], REVOKED_MESSAGE)  # being admitted
         assert not streams.end_revoked("a", opened["a"], REVOKED_MESSAGE)  # once
         assert seen["a"] == [] and queues["a"].empty()
-        assert [rid for rid, _, _ in streams.key_streams()] == ["b"]
+        assert [rid for rid, *_ in streams.key_streams()] == ["b"]
         streams.bind("a", "n0")  # its admission came: ended now
         assert [e["code"] for e in seen["a"]] == ["UNAUTHENTICATED"]
         assert queues["a"].get_nowait()["message"] == REVOKED_MESSAGE
@@ -104,6 +104,7 @@ def test_the_watch_ends_the_streams_of_removed_keys_alone(tmp_path: Path) -> Non
         auth = Authenticator(LocalActor(sched))
         watch = KeyWatch(streams, auth, interval_s=60.0)
         assert auth.on_keys_gone == watch.keys_gone
+        watch.start()  # (its first check finds no stream open)
         _, ann_key = await sched.register_tenant(TenantSpec("ann"))
         _, bob_key = await sched.register_tenant(TenantSpec("bob"))
         assert await auth.directory.refresh()
@@ -115,12 +116,16 @@ def test_the_watch_ends_the_streams_of_removed_keys_alone(tmp_path: Path) -> Non
         streams.bind("ann-2", "n0")
 
         assert await watch.check() == 1
-        assert sorted(rid for rid, _, _ in streams.key_streams()) == ["ann-2", "bob-1"]
+        assert sorted(rid for rid, *_ in streams.key_streams()) == ["ann-2", "bob-1"]
         assert await watch.check() == 0
 
         await sched.delete_tenant("bob")
-        watch.keys_gone({parse_key_id(bob_key) or ""})  # as a refresh reports it
-        assert [rid for rid, _, _ in streams.key_streams()] == ["ann-2"]
+        watch.keys_gone({parse_key_id(bob_key) or ""})  # as a refresh reports it: a check at once
+        for _ in range(200):
+            if watch.ended == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [rid for rid, *_ in streams.key_streams()] == ["ann-2"]
         assert watch.ended == 2
         streams.shutdown()
         ctx.destroy(linger=0)

@@ -281,11 +281,16 @@ class Choices:
         except ClientGone:
             return _gone()
         except asyncio.CancelledError:
-            # a started choice's events waited unread past ``stream_idle_timeout_s`` while the
-            # others waited to start (their nodes' queues): its stream was ended and the writer
-            # stopped; ``_start``, cancelled, closes every choice
+            # a started choice's events waited unread while the others waited to start (their
+            # nodes' queues): past ``stream_idle_timeout_s`` its stream was ended and the writer
+            # stopped RESOURCE_EXHAUSTED; past ``REVOKED_READ_S`` after its key was removed (or
+            # its tenant deleted), with that code (``NodeStreams.expire_idle``). ``_start``,
+            # cancelled, closes every choice. Regression (review R1 F4, session 36): the stop's
+            # code was not read, so a key rotated away got a retryable 429, not 401.
             if not self.writer.withdraw():
                 raise
+            if self.writer.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return CallAborted(self.writer.code, self.writer.stopped or "").response()
             return CallAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"n: the {self.body.n} choices did not all start in time: {self.writer.stopped}",
                                int(RETRY_S * 1000)).response()
