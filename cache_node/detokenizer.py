@@ -23,9 +23,10 @@ UTF-8 character spans more than 4, so the character the boundary may be inside i
 then, and the decodes before and after it resynchronise). The U+FFFD characters before that
 boundary are final; they are still held back (counted, not decoded again nor built as a string)
 until a whole character follows them or the output ends, so the text sent is the same as
-without the move. Only a window that cannot move (a character's first bytes followed by
-``MAX_WINDOW`` special tokens, which decode to nothing) is given up: its U+FFFD go out as final
-and a new window starts, as vLLM's and Hugging Face's incremental detokenizers do.
+without the move. Tokens that decode to nothing (special tokens) are dropped from a window that
+cannot move. Only a window that still cannot (a decode that is not a lossy UTF-8 decode) is given
+up after ``MAX_WINDOW`` tokens: its U+FFFD go out as final and a new window starts, as vLLM's and
+Hugging Face's incremental detokenizers do.
 """
 
 from __future__ import annotations
@@ -39,12 +40,9 @@ MAX_UNSETTLED = 8
 """Unsettled tokens (their text ends in U+FFFD) at which the window looks for a boundary to
 move to; a failed look waits for twice as many before the next."""
 
-MAX_KEEP = 12
-"""The most of the window's last tokens a moved window keeps (the fewest that decode to 3
-characters win): 12 tokens of at least one byte each hold at least 3 characters."""
-
 MAX_WINDOW = 64
-"""Unsettled tokens at which a window ``_move_window`` cannot move is given up (``_give_up``)."""
+"""Unsettled tokens at which a window that ``_move_window`` cannot move nor ``_drop_empty``
+shorten is given up (``_give_up``); the most tokens a moved window keeps."""
 
 
 class IncrementalDetokenizer:
@@ -55,8 +53,9 @@ class IncrementalDetokenizer:
 
     A step's cost is two decodes of the tokens since the last step whose text ended in a whole
     character (a few tokens), not of the whole output; a run of tokens that all leave the text
-    ending in U+FFFD (invalid or unfinished UTF-8) is decoded as one window of at most about
-    ``MAX_UNSETTLED + MAX_KEEP`` tokens (``_move_window``), ``MAX_WINDOW`` at worst (``_give_up``).
+    ending in U+FFFD (invalid or unfinished UTF-8) is decoded as one window of a few tokens more
+    than ``MAX_UNSETTLED`` (``_move_window``, ``_drop_empty``), ``MAX_WINDOW`` at worst
+    (``_give_up``).
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
@@ -68,6 +67,7 @@ class IncrementalDetokenizer:
         self._held = 0  # final U+FFFD characters before the window, not returned yet
         self._sent = 0  # characters of the held ones and the window's text past ``_settled`` returned
         self._try_at = MAX_UNSETTLED  # unsettled tokens at which ``_move_window`` is tried next
+        self._empty: dict[int, bool] = {}  # token id -> whether it decodes to nothing alone
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """The text ``token_ids`` (the output's next tokens) add, held-back characters
@@ -97,14 +97,16 @@ class IncrementalDetokenizer:
             self._read, self._sent, self._held = len(self._ids), 0, 0
             self._settled = self._decode(self._ids)
             self._try_at = MAX_UNSETTLED
-        elif (not final and len(self._ids) - self._read >= self._try_at and not self._move_window(text)
-              and len(self._ids) - self._read >= MAX_WINDOW):
-            delta += self._give_up(new)
+        elif not final and len(self._ids) - self._read >= self._try_at and not self._move_window(text):
+            if self._drop_empty(text):
+                self._try_at = len(self._ids) - self._read + MAX_UNSETTLED
+            elif len(self._ids) - self._read >= MAX_WINDOW:
+                delta += self._give_up(new)
         return delta
 
     def _move_window(self, text: str) -> bool:
-        """Start the window at a boundary of one of its last tokens (``MAX_KEEP`` at most)
-        after which the window's tokens decode to at least 3 characters (so at least 3 bytes:
+        """Start the window at the last boundary of its unsettled tokens (``MAX_WINDOW`` tokens
+        back at most) after which the window's tokens decode to at least 3 characters (so at least 3 bytes:
         the character the boundary may be inside is decided by then, no UTF-8 character
         spanning more than 4 bytes). ``text``: the window's decode. True when moved.
 
@@ -118,13 +120,12 @@ class IncrementalDetokenizer:
         one only counts U+FFFD of that character's bytes as the whole output's U+FFFD before
         ``j``, which are the same characters. Those first ``t`` characters become the window's
         settled text; the U+FFFD before ``j`` not returned yet become held ones. Nothing
-        changes when no boundary fits (tokens that decode to nothing, special tokens; a
-        decode that is not a lossy UTF-8 decode of the tokens' bytes): the next try waits
-        for twice as many unsettled tokens, and ``add`` gives up at ``MAX_WINDOW``."""
-        for keep in range(3, MAX_KEEP + 1):
+        changes when no boundary fits (a character's first bytes followed by tokens that decode
+        to nothing, special tokens: ``_drop_empty``; a decode that is not a lossy UTF-8 decode
+        of the tokens' bytes): the next try waits for twice as many unsettled tokens, and
+        ``add`` gives up at ``MAX_WINDOW``."""
+        for keep in range(3, min(len(self._ids) - self._read, MAX_WINDOW + 1)):
             cut = len(self._ids) - keep
-            if cut <= self._read:
-                break
             tail = self._decode(self._ids[cut:])
             if len(tail) < 3:
                 continue
@@ -141,14 +142,32 @@ class IncrementalDetokenizer:
         self._try_at = min(2 * (len(self._ids) - self._read), MAX_WINDOW)
         return False
 
+    def _drop_empty(self, text: str) -> bool:
+        """Drop the unsettled tokens that decode to nothing alone (special tokens) when the
+        window decodes to the same ``text`` without them (a byte-level decode: they have no
+        bytes); whether any went. Regression (s36): a character's first byte followed by 64
+        special tokens left no boundary to move to, and its U+FFFD was sent before its last
+        bytes came."""
+        kept = self._ids[:self._read]
+        for token in self._ids[self._read:]:
+            empty = self._empty.get(token)
+            if empty is None:
+                empty = self._empty[token] = self._decode([token]) == ""
+            if not empty:
+                kept.append(token)
+        if len(kept) == len(self._ids) or self._decode(kept) != text:
+            return False
+        self._ids = kept
+        return True
+
     def _give_up(self, new: str) -> str:
         """Settle a window whose last ``MAX_WINDOW`` tokens left the text ending in U+FFFD and
-        that ``_move_window`` could not move (special tokens after a character's first bytes;
-        a decode that is not a lossy UTF-8 decode): its U+FFFD not returned yet are returned
-        now, as final, and the next window starts empty, as vLLM's and Hugging Face's
-        incremental detokenizers do. This is the one case where the text differs from the
-        whole output's decode: bytes that come later no longer complete that character (its
-        bytes are U+FFFD). ``new``: the window's text past its settled part."""
+        that ``_move_window`` could not move nor ``_drop_empty`` shorten (a decode that is not a
+        lossy UTF-8 decode of the tokens' bytes, such as a byte-fallback decoder's that turns
+        every byte of an invalid run into U+FFFD): its U+FFFD not returned yet are returned now,
+        as final, and the next window starts empty, as vLLM's and Hugging Face's incremental
+        detokenizers do. This is the one case where the text may differ from the whole
+        output's decode. ``new``: the window's text past its settled part."""
         rest = INCOMPLETE * (self._held - self._sent) + new[max(self._sent - self._held, 0):]
         self._ids, self._read, self._settled, self._held, self._sent = [], 0, "", 0, 0
         self._try_at = MAX_UNSETTLED

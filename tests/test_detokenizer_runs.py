@@ -120,11 +120,56 @@ def test_runs_of_bytes_split_inside_characters_give_the_whole_decode(tokenizer, 
         start = end
 
 
-def test_a_window_that_cannot_move_is_given_up(tokenizer, byte_token: dict[int, int]) -> None:
-    """A character's first byte, then more special tokens than ``MAX_WINDOW``, then its last
-    bytes: the first byte goes out as U+FFFD once the window is given up (the one case the text
-    is not the whole decode, as in vLLM), and a step never decodes more than the bound."""
-    ids = [byte_token[0xE4]] + [tokenizer.all_special_ids[0]] * (MAX_WINDOW + 5) + [byte_token[0xB8], byte_token[0xAD]]
+def test_special_tokens_inside_a_character_are_dropped_from_the_window(tokenizer, byte_token: dict[int, int]) -> None:
+    """A character's first byte, then many more special tokens than ``MAX_WINDOW`` (they
+    decode to nothing), then its last bytes: the window drops them (no boundary is left to
+    move to) and the character is whole, as in the whole decode; no step decodes more than a
+    few tokens."""
+    special = tokenizer.all_special_ids
+    ids = [byte_token[0xE4]] + [special[k % len(special)] for k in range(500)] + [byte_token[0xB8], byte_token[0xAD]]
     text, lengths, _ = run(tokenizer, ids)
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "中"
-    assert text == INCOMPLETE * 3 and max(lengths) <= MAX_WINDOW + 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text == "中"
+    assert max(lengths) <= 2 * 8 + 2, max(lengths)
+
+
+def test_a_byte_fallback_decode_keeps_the_window_bounded(tokenizer, byte_token: dict[int, int]) -> None:
+    """A decode that is not a lossy UTF-8 decode of the tokens' bytes, as a byte-fallback
+    decoder's (Llama's, Mistral's: every byte of a run that is not valid UTF-8 becomes U+FFFD):
+    the never-completed run still costs a bounded window per step, and the text is its decode."""
+    alphabet = _byte_alphabet()
+
+    def byte_fallback(window: Sequence[int]) -> str:
+        data = bytes(alphabet[ch] for token in tokenizer.convert_ids_to_tokens(list(window)) for ch in token)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return INCOMPLETE * len(data)
+
+    lengths: list[int] = []
+
+    def decode(window: Sequence[int]) -> str:
+        lengths.append(len(window))
+        return byte_fallback(window)
+
+    ids = [byte_token[b] for b in b"\xf0\x9f\x98" * 1000]
+    detok = IncrementalDetokenizer(decode)
+    text = "".join(detok.add([t]) for t in ids) + detok.add([], final=True)
+    assert text == INCOMPLETE * len(ids) == byte_fallback(ids)
+    assert max(lengths) <= MAX_WINDOW + 1, max(lengths)
+
+
+def test_a_window_no_boundary_splits_is_given_up() -> None:
+    """Whatever the decode (here one whose text ends in U+FFFD and depends on the window's
+    length, so no boundary splits it and no token decodes to nothing), a step never decodes
+    more than ``MAX_WINDOW`` + 1 tokens: past that the window is given up, its text sent as
+    final (as vLLM's and Hugging Face's incremental detokenizers do)."""
+    lengths: list[int] = []
+
+    def decode(window: Sequence[int]) -> str:
+        lengths.append(len(window))
+        return f"<{len(window)}>{INCOMPLETE}" if window else ""
+
+    detok = IncrementalDetokenizer(decode)
+    text = "".join(detok.add([7]) for _ in range(1000))
+    assert max(lengths) <= MAX_WINDOW + 1, max(lengths)
+    assert text.count(INCOMPLETE) == 1000 // MAX_WINDOW  # each given-up window's, sent as final
