@@ -119,6 +119,14 @@ def test_streams_already_ended_are_not_ended_for_their_key() -> None:
         assert streams.end_revoked("t/run", openings["t/run"], REVOKED_MESSAGE)
         assert _drain(queues["t/run"])[-1] == ("error", "UNAUTHENTICATED")
 
+        # revoked while being admitted (ended at ``bind``), its whole output and end came first
+        late = streams.open("t/late", key_id=KEY_ID)
+        assert streams.end_revoked("t/late", streams.key_streams()[0][-1], REVOKED_MESSAGE)
+        send([["t/late", started("t/late")], ["t/late", delta(0)], ["t/late", FINISHED]])
+        await until(lambda: late.qsize() == 3)
+        streams.bind("t/late", "n0")
+        assert _drain(late) == [("started", None), ("delta", None), ("finished", None)]
+
     with_streams(body)
 
 
