@@ -26,6 +26,9 @@ Regression (diff review s35 of 2adbb9d, R3): all of a gateway's renders went to 
 child, so a 1-message chat waited 2,787 ms behind another tenant's 3000-message chat (1 ms
 before).
 
+A tokenizer that cannot be saved for a child (``save_pretrained`` fails: a tokenizer class of
+its own) leaves every render in the gateway's process, as before (logged once).
+
 Children start on the first large render that finds none free (~1-3 s, paid by that render;
 no gateway start pays it) and live until ``close`` (the gateway's ``stop``), after which a
 large render fails (``RenderFailed``) and none starts (R5 of that review: a render after stop
@@ -88,6 +91,7 @@ class RenderPool:
         self.processes: list[RenderProcess] = []  # every child made (``close`` stops them)
         self.waits = 0  # renders that found every child busy and waited for one
         self.closed = False
+        self.unsaved: Exception | None = None  # why the tokenizer could not be saved for a child (none is made)
         self._idle: list[RenderProcess] = []
         self._making = 0  # children being made (counted against ``size``)
         self._queue: collections.deque[object] = collections.deque()  # tickets of waiting renders, FIFO
@@ -126,10 +130,14 @@ class RenderPool:
             self._making += 1
         try:
             process = RenderProcess(self.tokenizer, owner="gateway", **self.process_args)
-        except BaseException:
+        except BaseException as exc:
             with self._cond:
                 self._making -= 1
                 self._cond.notify_all()
+            if isinstance(exc, Exception) and self.unsaved is None:  # (``save_pretrained``'s: it stays so)
+                self.unsaved = exc
+                log.warning("gateway: chats render in the gateway's process (its tokenizer could not be saved for "
+                            "a render child: %s: %s)", type(exc).__name__, exc)
             raise
         with self._cond:
             self._making -= 1
@@ -166,7 +174,7 @@ class GatewayTemplater(ChatTemplater):
         self.pool = pool if pool is not None else RenderPool(tokenizer)
         self.in_process_messages = in_process_messages
         self.in_process_chars = in_process_chars
-        self.child_renders = 0  # renders a child made
+        self.child_renders = 0  # renders sent to a child
 
     def render(self, messages: Messages, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:
@@ -178,10 +186,17 @@ class GatewayTemplater(ChatTemplater):
         except (TypeError, ValueError):  # not JSON (never from an edge: they take JSON and protobuf)
             log.warning("gateway: a chat whose values are not JSON renders in the gateway's process", exc_info=True)
             return super().render(messages, add_generation_prompt, tools)
-        if len(messages) <= self.in_process_messages and len(payload) <= self.in_process_chars:
+        if (len(messages) <= self.in_process_messages and len(payload) <= self.in_process_chars) \
+                or self.pool.unsaved is not None:  # (no child can load this tokenizer: here, as before)
             return super().render(messages, add_generation_prompt, tools)
         self.child_renders += 1
-        return self.pool.render(payload)
+        try:
+            return self.pool.render(payload)
+        except Exception:
+            if self.pool.unsaved is None:
+                raise
+        self.child_renders -= 1
+        return super().render(messages, add_generation_prompt, tools)
 
     def close(self) -> None:
         """Stop the render children (the gateway's ``stop``); a later large render fails."""

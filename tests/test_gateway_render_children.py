@@ -279,6 +279,26 @@ def test_a_rendering_past_max_text_bytes_is_refused(local: ChatTemplater) -> Non
         templater.close()
 
 
+def test_a_tokenizer_no_child_can_load_renders_in_the_gateways_process(local: ChatTemplater,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer whose ``save_pretrained`` fails leaves renders in process (logged once), as
+    before the children: not every large chat failing."""
+    tokenizer = _tokenizer()
+    templater = GatewayTemplater(tokenizer, RenderPool(tokenizer, 2))
+
+    def unsavable(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("this tokenizer saves nowhere")
+
+    monkeypatch.setattr(tokenizer, "save_pretrained", unsavable)
+    try:
+        for _ in range(2):
+            assert templater.first_turn(HUGE[:100], TOOLS) == local.first_turn(HUGE[:100], TOOLS)
+        assert templater.child_renders == 0 and templater.pool.processes == []
+        assert isinstance(templater.pool.unsaved, NotImplementedError)
+    finally:
+        templater.close()
+
+
 def test_a_stopped_gateway_starts_no_child(local: ChatTemplater) -> None:
     """R5: after ``close`` (the gateway's ``stop``) a large render fails ``RenderFailed`` and
     starts no child; a render under way at the stop fails too, its child reaped."""
