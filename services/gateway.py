@@ -57,6 +57,7 @@ from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics, RequestTracker, status_of
 from services.node_request import NodeRequest
 from services.ray_errors import SchedulerRestarting
+from services.render_process import RenderFailed
 from services.tenant_call_slots import TenantCallSlots
 from services.tool_calls import ToolOutput
 from services.tool_requests import TOOL_PARSERS
@@ -289,6 +290,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
                 call = await self.off_loop(tenant_id, parse)  # a completion's prompt is tokenized here
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RenderFailed as exc:  # (an HTTP body's n choices render their chat here: ``rendered``)
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             req, hashes = await self._prepare(call, tenant, context)
             own = req.request_id  # (a retry's ``_prepare`` may draw another id: this one stays)
             client_id = own.split("/", 1)[1]

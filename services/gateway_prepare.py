@@ -33,6 +33,7 @@ from services.gateway_inputs import (
     session_scope,
 )
 from services.node_request import NodeRequest, check_priority, resolve_prefix_tokens
+from services.render_process import RenderFailed
 from services.tenant_turns import TenantTurns
 
 
@@ -119,6 +120,8 @@ class RequestPreparation:
                                                        lambda: templater.first_turn(prompt, call.tools)))
                 except TemplateRefusal as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except RenderFailed as exc:  # the gateway's render child (``services.gateway_render``)
+                    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
                 messages = ()
         else:
             tokens = tuple(prompt)
@@ -172,6 +175,8 @@ class RequestPreparation:
             prefix_tokens = await self.off_loop(tenant.tenant_id, prefix) if call.prefix_messages else prefix()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RenderFailed as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         namespace = salted_namespace(tenant.kv_namespace, call.cache_salt)
         # a request asking for prompt logprobs reads no prefix cache on its node (every prompt
         # position's logits are computed): no hashes, so admission counts its whole prompt as
@@ -192,6 +197,8 @@ class RequestPreparation:
                     estimate_tools_tokens(templater, messages, call.tools)))
             except TemplateRefusal as exc:  # (the template refusing even one empty user message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RenderFailed as exc:
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             # the tools are in every turn's prompt that carries them (rendered anew with the
             # conversation, or in the history that holds them): its size counts them, first turn or
             # later (regression F3: a later turn's were counted as 0)

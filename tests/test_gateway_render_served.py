@@ -45,10 +45,10 @@ def served() -> Iterator[Served]:
     s.close()
 
 
-def _grpc_chat(s: Served, messages: list[dict[str, str]]) -> list[inference_pb2.GenerateResponse]:
+def _grpc_chat(s: Served, messages: list[dict[str, str]], **fields: Any) -> list[inference_pb2.GenerateResponse]:
     request = inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(**m) for m in messages]),
-        sampling=inference_pb2.SamplingParams(max_tokens=2))
+        sampling=inference_pb2.SamplingParams(max_tokens=2), **fields)
     return list(s.stub.Generate(request, metadata=(("authorization", f"Bearer {s.key}"),), timeout=60))
 
 
@@ -87,3 +87,24 @@ def test_a_render_past_the_memory_cap_is_the_requests_refusal_on_every_path(serv
     assert status == 400 and cap in body["error"]["message"], body
     status, answer = _tokenize(served, {"messages": CHAT})  # the next render: a fresh child
     assert status == 200 and answer["tokens"] == served.local.first_turn(CHAT), answer  # type: ignore[attr-defined]
+
+
+def test_a_render_child_failure_is_internal_on_grpc(served: Served) -> None:
+    """A render the gateway's child could not do (``RenderFailed``: it ended, hung, answered
+    out of protocol, or the gateway is stopping) is the gateway's fault: INTERNAL with its
+    words, for a whole chat and for a session turn's size estimates; an HTTP chat completion's
+    is a 500. Before: the exception left the gRPC handler, UNKNOWN (R1's kind)."""
+    templater = served.servicer.templater
+    stopped = GatewayTemplater(templater.tokenizer, RenderPool(templater.tokenizer, 1), -1, -1)
+    stopped.close()
+    served.servicer.templater = stopped
+    try:
+        for fields in ({}, {"session_id": "render-child-failure"}):
+            with pytest.raises(grpc.RpcError) as err:
+                _grpc_chat(served, CHAT, **fields)
+            assert err.value.code() == grpc.StatusCode.INTERNAL and "stopping" in err.value.details(), err.value
+        status, body = served.post("/chat/completions", {"messages": CHAT, "max_tokens": 2, "n": 2})
+        assert status == 500, body
+    finally:
+        served.servicer.templater = templater
+    assert _grpc_chat(served, CHAT)[-1].finished.prompt_tokens == len(served.local.first_turn(CHAT))  # type: ignore[attr-defined]
