@@ -210,7 +210,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         except asyncio.CancelledError:
             if not writer.withdraw():
                 raise
-            context.set_code(writer.code)  # RESOURCE_EXHAUSTED; UNAUTHENTICATED for a removed key
+            context.set_code(writer.code)  # RESOURCE_EXHAUSTED; UNAUTHENTICATED / ABORTED: key removed
             context.set_details(writer.stopped)
 
     async def generate(self, context: Any, parse: Callable[[], GenerateInput],
@@ -227,7 +227,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         RESOURCE_EXHAUSTED, its request aborted on its node, and the call counted so.
 
         A stream whose API key is removed meanwhile (rotated away, its tenant deleted, through
-        this gateway or another) ends UNAUTHENTICATED within ``gateway_key_watch.KEY_CHECK_S``
+        this gateway or another) ends UNAUTHENTICATED (ABORTED when its tenant was deleted)
+        within ``gateway_key_watch.KEY_CHECK_S``
         (``KeyWatch``, started here): its request aborted on its node and released with its
         usage, as a cancelled one. Regression (security hardening, session 36): such a stream
         ran on to its end (``max_tokens``), a stolen key rotated away still generating."""

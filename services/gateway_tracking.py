@@ -50,7 +50,8 @@ class StreamWriter:
     ``stop(message, code)`` cancels ``task``; the writer, catching that ``CancelledError``,
     calls ``withdraw()``: True when the cancellation was this stop (it is then withdrawn,
     ``Task.uncancel``, and ``stopped`` holds the client's message, ``code`` its status:
-    RESOURCE_EXHAUSTED for an idle reader, UNAUTHENTICATED for a stream whose key was removed),
+    RESOURCE_EXHAUSTED for an idle reader, UNAUTHENTICATED for a stream whose key was removed,
+    ABORTED for one whose tenant was deleted),
     False for any other (re-raise it).
     """
 
