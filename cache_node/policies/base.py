@@ -168,9 +168,21 @@ class PolicyEnv:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> PolicyEnv:
+        """The facts of ``tokenizer`` (a transformers tokenizer): each vocabulary id's text as
+        ``tokenizer.decode([id])`` gives it, a sentence end when it ends in ``. ! ? \\n`` or
+        ``."``. A fast tokenizer without ``clean_up_tokenization_spaces`` (the only step its
+        ``decode`` adds to the Rust decoder's) is decoded in one Rust ``decode_batch`` call:
+        the same texts, 0.37 s against 0.83-1.7 s one id at a time for SmolLM2's 49,152 ids
+        (paid at every cache node start)."""
+        ids = [[tid] for tid in range(len(tokenizer))]
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            texts = backend.decode_batch(ids, skip_special_tokens=False)
+        else:
+            texts = [tokenizer.decode(one) for one in ids]
         ends = set()
-        for tid in range(len(tokenizer)):
-            text = tokenizer.decode([tid]).rstrip(" ")
+        for tid, full in enumerate(texts):
+            text = full.rstrip(" ")
             if text and (text[-1] in ".!?\n" or text.endswith(".\"")):
                 ends.add(tid)
         return cls(frozenset(ends))
