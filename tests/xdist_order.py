@@ -48,7 +48,7 @@ KNOWN_SECONDS: dict[str, float] = {
     # seconds per file (setup + calls + teardown), serial run of 2026-12-07 on the shared 2-core
     # host (`pytest -m 'not chaos' --durations=0`, 2,120 s); files of at least 4 s. Only the
     # order of the work units depends on them: a stale figure costs balance, never a test.
-    "test_kernels_paged_attention": 88, "test_services_integration": 67, "test_node_failure": 60,
+    "test_kernels_paged_attention": 45, "test_services_integration": 67, "test_node_failure": 60,
     "test_openai_api": 51, "test_deepresearch_e2e": 49, "test_services_restart": 45,
     "test_quality_served": 45, "test_fuzz_rpc": 45, "test_gpu_check": 44, "test_node_admin": 43,
     "test_workload_agents_engine": 39, "test_cli_ray_auth": 38, "test_grammar_child_replies": 37,
