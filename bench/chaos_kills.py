@@ -197,8 +197,14 @@ def spill_faults(stack: ChaosStack, prompts: int = 40) -> dict[str, Any]:
 
 
 def _try_stats(stack: ChaosStack) -> dict[str, int] | None:
+    """The spill node's stats once it serves again; None while it restarts, or lives but does not
+    serve yet (``SpillNode.status``: it waits for its directory or its ``/metrics`` port, and its
+    ``stats`` answer then too, with ``serving`` 0: not "back after restart")."""
     try:
-        return ray.get(_spill(stack).stats.remote(), timeout=5)
+        node = _spill(stack)
+        if ray.get(node.status.remote(), timeout=5).get("serving") is not True:
+            return None
+        return ray.get(node.stats.remote(), timeout=5)
     except Exception:  # noqa: BLE001 - still restarting
         return None
 

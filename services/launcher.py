@@ -33,7 +33,7 @@ from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.ray_auth import new_token_file, use_token
 from services.spill_dirs import remove_retired_spill_dirs
-from services.spill_node import await_serving, create_spill_node
+from services.spill_node import await_serving, create_spill_node, deployment_id
 from services.tls import ServerTls, dial_address
 from tenants.keys import new_api_key, read_key_file, write_key_file
 
@@ -282,6 +282,7 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec) -> list[Any]
             namespace=config.namespace, metrics=metrics_endpoint(config, config.spill_metrics_port),
             env_vars=config.control_env_vars,  # restores wait on it: normal priority
             num_spill_nodes=config.num_spill_nodes,
+            deployment=deployment_id(config.state_path),  # another deployment's store is not its own
         )
         for i in range(config.num_spill_nodes)
     ]

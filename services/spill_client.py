@@ -7,7 +7,8 @@ to the same spill node; one call per node per batch (each Ray message costs ~1 m
 travel as numpy arrays through the object store.
 
 Faults never raise into the engine's transfer worker as wrong data: a call that times out,
-or whose actor is dead or restarting, is a miss for every hash of that node (``get``,
+or whose actor is dead, restarting or not serving yet (``SpillDirLocked``: it waits for its
+directory or its ``/metrics`` port), is a miss for every hash of that node (``get``,
 ``contains``) or a dropped write (``put``), counted in ``stats()``. This is a synchronous
 client for the engine's transfer thread; do not call it from an async method.
 
@@ -81,11 +82,12 @@ class RaySpillClient:
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float | dict[str, float] = 1.0,
     ) -> int:
         """Store ``blocks[i]`` (token ids ``token_ids[i]``) under ``hashes[i]``, ``weight``
-        being the namespace's tenant's (the nodes' fair shares); returns blocks newly stored
-        (failures, a node refusing the weight among them: 0)."""
+        being the namespace's tenants' (``SpillNode.put``: the nodes' fair shares); returns
+        blocks newly stored (failures, a node refusing the weight or not serving among them: 0,
+        counted in ``put_failures`` and logged, as a dead node's)."""
         shards = {i: rows for i, rows in self._split(hashes).items() if not self._busy(i)}
         refs: dict[int, Any] = {
             i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace,
@@ -223,8 +225,9 @@ class RaySpillClient:
                 continue
             try:
                 out[i] = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - dead actor, crash, task error: a miss
-                self._fail(kind, i, repr(exc))
+            except Exception as exc:  # noqa: BLE001 - dead actor, crash, task error (a node that
+                # does not serve yet: SpillDirLocked): a miss; its first line, not a remote traceback
+                self._fail(kind, i, _first_line(exc))
                 if errors is not None:
                     errors[i] = f"failed: {_first_line(exc)}"
         return out

@@ -20,11 +20,16 @@ Regression (s36): the constructor raised ``SpillDirLocked`` after 15 s, and Ray'
 ``max_restarts`` does not cover a constructor's failure, so a restart that raced its old
 worker's exit (or any wait past 15 s) left the deployment without that spill node for good,
 with nothing but a log line to tell. Now, while the holder is this node's own previous process
-(the lock file names the same owner: Ray namespace and actor name) the node waits for it,
+(the lock file names the same owner: Ray namespace, actor name and deployment, the state
+directory's ``deployment_id``; and the same host) the node waits for it,
 logging a warning now and then; while it is another store (another deployment on the same
 ``spill_dir``) the node logs an error naming it, ``ready`` raises ``SpillDirLocked`` (a start
 fails with that message) and ``status``/``stats`` say so, and the node still opens the directory
-once that store lets it go.
+once that store lets it go. Until the node serves, every data call (``put``, ``get``,
+``contains``, ``match_prefix``, ``held_blocks``, ``flush``, ``drop_namespace``) raises
+``SpillDirLocked``: its clients count and log a failed node as a dead one's. A node whose
+``/metrics`` port is still held keeps its store open and retries only the bind; its reset push
+goes out once it serves.
 
 With an ``event_sink`` (``create_spill_node(..., scheduler=...)``) the node pushes
 its stored/removed events to the global scheduler's block index after every call
@@ -35,7 +40,9 @@ node replaces what the index believed it held by its rebuilt disk tier.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -114,8 +121,9 @@ class SpillNode:
         lock_wait_s: how long the constructor waits while another store holds ``root_dir``
             (``LOCK_WAIT_S``); then the node waits in the background (see the module).
         lock_owner: this node's owner in its directory's lock file (``"<ray namespace>/<actor
-            name>"``: ``create_spill_node`` passes it); a holder naming the same owner is this
-            node's previous process, waited for; "" (the default): ``node_id``.
+            name>@<deployment>"``: ``create_spill_node`` passes it); a holder on this host naming
+            the same owner is this node's previous process, waited for; "" (the default):
+            ``node_id``.
 
     Raises:
         UnsafeDirectoryError: ``root_dir`` is another user's or writable by its group or others
@@ -161,26 +169,32 @@ class SpillNode:
         self._state = threading.Lock()  # the waiter's open against close
         self._closed = threading.Event()
         self._waiting: dict[str, Any] = {}  # while it waits for its directory: for whom (``status``)
+        self._serves = False  # set once the reset push went out and /metrics serves
         try:
             store = self._open_store(lock_wait_s)
         except SpillDirLocked as exc:
             self._note_locked(exc, tries=1, since=time.monotonic())
             threading.Thread(target=self._open_when_free, name=f"spill-lock-{node_id}", daemon=True).start()
             return
+        self._take(store)
         try:
-            self._serve(store)
+            self._start_serving()
         except OSError as exc:  # a /metrics port taken
             if not (retry_start if retry_start is not None else _restarted()):
+                self.close()  # the directory's lock goes now, not at garbage collection
                 raise  # a first start: the operator's to fix, said at once
-            # a restart: the old process may hold it still (review s36: dead for good otherwise)
+            # a restart: the old process may hold it still (review s36: dead for good otherwise);
+            # the store stays open (its directory locked), only the bind is tried again
             self._waiting = {"since": time.monotonic()}
             self._note_failed(f"could not start serving {self.root_dir}: {exc}", tries=1)
             threading.Thread(target=self._open_when_free, name=f"spill-lock-{node_id}", daemon=True).start()
+        except BaseException:
+            self.close()
+            raise
 
-    def _serve(self, store: SpillStore) -> None:
-        """Serve ``store`` (its directory locked): the deleted tenants' first sweep, the reset
-        push, ``/metrics``. On failure everything started is stopped, the store closed (its
-        directory's lock goes now, not at garbage collection), and the exception raised."""
+    def _take(self, store: SpillStore) -> None:
+        """Keep ``store`` (its directory locked) and run the deleted tenants' first sweep. On
+        failure the store is closed and the exception raised."""
         self._store = store
         try:
             if self._deleted_tenants is not None:
@@ -192,19 +206,31 @@ class SpillNode:
                 if not self._sweep.first_done.wait(FIRST_SWEEP_WAIT_S):
                     logger.warning("spill node %s: the first sweep of deleted tenants has not ended within %g s; "
                                    "serving meanwhile", self.node_id, FIRST_SWEEP_WAIT_S)
-            self._push(reset=True)
-            if self._metrics_endpoint is not None:
-                self.metrics_server = self._serve_metrics(self.root_dir, self._metrics_endpoint)
         except BaseException:
             self._stop()
-            self._store, self._sweep, self.metrics_server = None, None, None
+            self._store, self._sweep = None, None
             raise
+
+    def _start_serving(self) -> None:
+        """Bind ``/metrics`` (unless bound), then push the reset of every block held and serve.
+        Raises OSError when the port is taken: the store stays open and nothing was pushed.
+
+        Regression (review R3 F2, s36): the reset push of every held block went out before the
+        bind; a bind that failed then closed the store without an empty reset, so the global
+        scheduler's index listed blocks this node answered as misses, and each retry reopened
+        the store (its disk index rebuilt, swept again) and pushed them all again."""
+        if self._metrics_endpoint is not None and self.metrics_server is None:
+            self.metrics_server = self._serve_metrics(self.root_dir, self._metrics_endpoint)
+        self._push(reset=True)
         self._waiting = {}
+        self._serves = True
 
     def _note_locked(self, exc: SpillDirLocked, tries: int, since: float) -> None:
         """Record (``status``) and log who holds the directory: this node's previous process
         (warning) or another store (error, which an operator must resolve)."""
-        previous = bool(exc.owner) and exc.owner == self.owner
+        # the same owner (Ray namespace, actor name and deployment) on this host: another host's
+        # holder (a spill_dir over NFS) is never this node's previous process (review R3 F3)
+        previous = bool(exc.owner) and exc.owner == self.owner and exc.host == socket.gethostname()[:255]
         last = self._waiting.get("logged_at", -LOCK_LOG_EVERY_S)
         now = time.monotonic()
         self._waiting = {"error": str(exc), "holder_pid": exc.pid, "holder_host": exc.host,
@@ -241,20 +267,29 @@ class SpillNode:
         while not self._closed.wait(pause):
             pause = min(2 * pause, LOCK_RETRY_MAX_S)
             tries += 1
-            try:
-                store = self._open_store(0.0)
-            except SpillDirLocked as exc:
-                self._note_locked(exc, tries, since)
-                continue
-            except Exception as exc:  # noqa: BLE001 - a bad directory: said, and tried again
-                self._note_failed(f"could not open {self.root_dir}: {exc}", tries)
-                continue
+            if self._store is None:
+                try:
+                    store = self._open_store(0.0)
+                except SpillDirLocked as exc:
+                    self._note_locked(exc, tries, since)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a bad directory: said, and tried again
+                    self._note_failed(f"could not open {self.root_dir}: {exc}", tries)
+                    continue
+                with self._state:
+                    if self._closed.is_set():
+                        store.close()
+                        return
+                    try:
+                        self._take(store)
+                    except Exception as exc:  # noqa: BLE001 - logged, tried again
+                        self._note_failed(f"could not start serving {self.root_dir}: {exc}", tries)
+                        continue
             with self._state:
                 if self._closed.is_set():
-                    store.close()
                     return
-                try:
-                    self._serve(store)
+                try:  # the store stays open: only /metrics' bind is tried again
+                    self._start_serving()
                 except Exception as exc:  # noqa: BLE001 - logged, tried again
                     self._note_failed(f"could not start serving {self.root_dir}: {exc}", tries)
                     continue
@@ -268,8 +303,8 @@ class SpillNode:
         its directory, ``previous_process`` (that holder is this node's own previous process,
         waited for; else another store, for the operator to stop), ``tries`` and
         ``waiting_s``."""
-        store, waiting = self._store, dict(self._waiting)
-        if store is not None and not waiting:
+        serves, waiting = self._serves, dict(self._waiting)
+        if serves:
             return {"serving": True, "root_dir": str(self.root_dir)}
         out = {"serving": False, "root_dir": str(self.root_dir)}
         if waiting:
@@ -281,7 +316,14 @@ class SpillNode:
     def _serving(self) -> SpillStore | None:
         """The store once the node serves, else None."""
         store = self._store
-        return store if store is not None and not self._waiting else None
+        return store if store is not None and self._serves else None
+
+    def _serving_or_raise(self, what: str) -> SpillStore:
+        """The store once the node serves. Raises ``SpillDirLocked`` (``_not_serving``) before."""
+        store = self._serving()
+        if store is None:
+            raise self._not_serving(what)
+        return store
 
     def _not_serving(self, what: str) -> SpillDirLocked:
         """The error of a call (``what``) that needs the store while the node does not serve."""
@@ -319,6 +361,7 @@ class SpillNode:
         waiting. Idempotent; the node serves nothing after."""
         self._closed.set()
         with self._state:
+            self._serves = False
             self._stop()
 
     def _stop(self) -> None:
@@ -348,10 +391,14 @@ class SpillNode:
         """``SpillStore.put``: ``blocks`` ``(len(hashes), *shape)``, ``token_ids`` per block,
         ``weight`` the weights of the namespace's tenants (tenant id -> weight) or the
         namespace's as a whole (``fair_lru.check_put_weight``, else ValueError and nothing
-        stored); returns blocks newly stored (0 while the node does not serve: ``status``)."""
-        store = self._serving()
-        if store is None:
-            return 0
+        stored); returns blocks newly stored.
+
+        Raises:
+            SpillDirLocked: the node does not serve (``status``): a failed call for its client,
+                as a dead node's (review R3 F1, s36: it answered 0 and its clients counted no
+                failure); ``get``, ``contains``, ``match_prefix`` and ``held_blocks`` too.
+        """
+        store = self._serving_or_raise("put")
         stored = store.put(hashes, blocks, namespace, token_ids, weight)
         self._push()
         return stored
@@ -360,25 +407,21 @@ class SpillNode:
         self, hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]] | None = None
     ) -> SpillHits:
         """``SpillStore.get``: the hits (token-checked when ``token_ids`` is given), their
-        blocks ``(hits, *shape)`` and tiers; none while the node does not serve."""
-        store = self._serving()
-        if store is None:
-            return SpillHits([], np.empty((0, *self.block_format.shape), self.block_format.np_dtype), [])
+        blocks ``(hits, *shape)`` and tiers. ``SpillDirLocked`` while the node does not serve."""
+        store = self._serving_or_raise("get")
         hits = store.get(hashes, token_ids)
         self._push()  # a corrupt or missing file dropped its blocks
         return hits
 
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
-        """``SpillStore.contains``: the tier of each hash, or None (all None while the node does
-        not serve)."""
-        store = self._serving()
-        return store.contains(hashes) if store is not None else [None] * len(hashes)
+        """``SpillStore.contains``: the tier of each hash, or None. ``SpillDirLocked`` while
+        the node does not serve."""
+        return self._serving_or_raise("look up blocks").contains(hashes)
 
     def match_prefix(self, hashes: Sequence[bytes]) -> int:
-        """``SpillStore.match_prefix``: number of leading hashes held (0 while the node does not
-        serve)."""
-        store = self._serving()
-        return store.match_prefix(hashes) if store is not None else 0
+        """``SpillStore.match_prefix``: number of leading hashes held. ``SpillDirLocked`` while
+        the node does not serve."""
+        return self._serving_or_raise("look up blocks").match_prefix(hashes)
 
     def flush(self) -> int:
         """``SpillStore.flush``: drop every block; returns how many. Raises
@@ -422,10 +465,10 @@ class SpillNode:
 
     def held_blocks(self) -> list[tuple[bytes, str]]:
         """``SpillStore.held``: every block held now and its tier (a restarted global scheduler
-        rebuilds its index from it: ``services.global_scheduler_recovery``); none while the node
-        does not serve (its reset push tells the index once it does)."""
-        store = self._serving()
-        return store.held() if store is not None else []
+        rebuilds its index from it: ``services.global_scheduler_recovery``). ``SpillDirLocked``
+        while the node does not serve: the recovery takes it as not reported (its blocks unknown)
+        and the node's reset push tells the index once it serves."""
+        return self._serving_or_raise("list its blocks").held()
 
     def take_events(self) -> list[SpillEvent]:
         """``SpillStore.take_events``: changes since the last call, oldest first (always
@@ -434,8 +477,11 @@ class SpillNode:
         return store.take_events() if store is not None else []
 
     def _push(self, reset: bool = False) -> None:
+        """Send the store's events to the sink; nothing before the node serves but the reset
+        that starts serving (its events stay in the store: that reset replaces them by every
+        block held)."""
         store = self._store
-        if self._sink is None or store is None:
+        if self._sink is None or store is None or not (reset or self._serves):
             return
         with self._sink_lock:
             events = [(e.event, e.block_hash, e.tier) for e in store.take_events()]
@@ -471,6 +517,7 @@ def create_spill_node(
     metrics: MetricsEndpoint | None = None,
     env_vars: dict[str, str] | None = None,
     num_spill_nodes: int | None = None,
+    deployment: str = "",
     **store_options: Any,
 ) -> ActorHandle[SpillNode]:
     """Start a named spill node actor that restarts (rebuilding from disk) when it dies.
@@ -500,6 +547,13 @@ def create_spill_node(
             ``ServiceConfig.control_env_vars``: normal priority, not Ray's nice 15).
         num_spill_nodes: see ``SpillNode`` (the launcher passes its count: the node deletes
             retired nodes' directories next to ``root_dir`` on its machine).
+        deployment: this deployment's identity in the node's lock owner (the launcher passes
+            ``deployment_id``: its state directory's); a store on ``root_dir`` whose owner
+            differs in it is another deployment's, not this node's previous process. Regression
+            (review R3 F3, s36): the owner was ``<namespace>/<name>`` alone, and the namespace
+            defaults to "kvstrata", so another deployment's node on the same ``spill_dir`` was
+            waited for as this node's previous process (``start_timeout_s``, then a misleading
+            error).
 
     Returns:
         The actor handle; ``ray.get(handle.ready.remote())`` waits for the index rebuild.
@@ -516,11 +570,18 @@ def create_spill_node(
     )
     sink = BlockReporter(scheduler) if scheduler is not None else None
     owner = f"{namespace if namespace is not None else ray.get_runtime_context().namespace}/{name}"
+    owner += f"@{deployment}" if deployment else ""
     handle = options.remote(str(root_dir), block_format, ram_bytes, disk_bytes, node_id=name, lock_owner=owner,
                             event_sink=sink, metrics=metrics,
                             deleted_tenants=AskScheduler(scheduler) if scheduler is not None else None,
                             num_spill_nodes=num_spill_nodes, **store_options)
     return cast("ActorHandle[SpillNode]", handle)
+
+
+def deployment_id(state_dir: str | Path) -> str:
+    """A deployment's identity in its spill nodes' lock owners: 16 hex digits of the SHA-256 of
+    its resolved state directory (two deployments never share one)."""
+    return hashlib.sha256(str(Path(state_dir).expanduser().resolve()).encode()).hexdigest()[:16]
 
 
 def await_serving(handles: Sequence[ActorHandle[SpillNode]], timeout_s: float, poll_s: float = 0.5) -> None:

@@ -8,7 +8,7 @@ another deployment's store on the same ``spill_dir``, left the deployment withou
 node for good (every later call ``ActorDiedError``), with one log line to tell. Now the node
 lives: it waits for its own previous process (the lock file names the same owner), says that
 another store holds the directory (``ready`` raises ``SpillDirLocked`` naming it, ``status``,
-an error in its log), serves nothing meanwhile, and opens the directory once it is free.
+an error in its log), refuses every data call meanwhile (``SpillDirLocked``), and opens the directory once it is free.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def test_a_node_outlives_its_previous_process_and_serves_once_it_exits(tmp_path:
     try:
         status = node.status()
         assert status["serving"] is False and status["previous_process"] is True and status["holder_pid"] == old.pid
-        assert node.contains(hashes_of([50])) == [None] and node.stats()["serving"] == 0
+        assert node.stats()["serving"] == 0
+        with pytest.raises(SpillDirLocked, match="cannot look up blocks"):
+            node.contains(hashes_of([50]))  # a failed call, not a miss (review R3 F1)
         with pytest.raises(SpillDirLocked, match=rf"pid {old.pid} on .*ns/spill_node_0"):
             node.ready()
         old.send_signal(signal.SIGKILL)
@@ -95,8 +97,8 @@ def test_a_node_outlives_its_previous_process_and_serves_once_it_exits(tmp_path:
 def test_another_store_on_the_directory_is_named_and_the_node_opens_it_once_free(
         tmp_path: Path, holder, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     """Another deployment's store holds the directory: the node's start is refused clearly
-    (``ready`` names the holder; an error in its log; ``status``), its calls store and serve
-    nothing and a flush fails rather than touch the directory; it is never dead: once the other
+    (``ready`` names the holder; an error in its log; ``status``), its data calls raise
+    ``SpillDirLocked`` and a flush fails rather than touch the directory; it is never dead: once the other
     store is stopped the node opens the directory."""
     root = tmp_path / "spill"
     other = holder(root, "other-deployment/spill_node_0")
@@ -109,8 +111,12 @@ def test_another_store_on_the_directory_is_named_and_the_node_opens_it_once_free
         assert status["holder_owner"] == "other-deployment/spill_node_0"
         with pytest.raises(SpillDirLocked, match=rf"in use by another spill store \(pid {other.pid} on .*other-deployment"):
             node.ready()
-        assert node.put(hashes_of([1]), make_blocks([1]), "tenant:a", tokens([1])) == 0
-        assert node.get(hashes_of([50])).hashes == [] and node.held_blocks() == []
+        with pytest.raises(SpillDirLocked, match="cannot put"):  # a failed call (review R3 F1)
+            node.put(hashes_of([1]), make_blocks([1]), "tenant:a", tokens([1]))
+        with pytest.raises(SpillDirLocked, match="cannot get"):
+            node.get(hashes_of([50]))
+        with pytest.raises(SpillDirLocked, match="cannot list its blocks"):
+            node.held_blocks()
         with pytest.raises(SpillDirLocked):
             node.flush()
         assert len(list(root.glob("*.kvs"))) == 1  # the other store's file stays
