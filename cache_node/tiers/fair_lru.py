@@ -24,7 +24,10 @@ A holder's weight is its tenant's ``weight`` (``tenants.model.TenantSpec``), the
 where the tier runs (``HolderWeights``): a cache node learns it from the requests it runs, a spill
 node from the puts it is sent (``check_put_weight``); a shared namespace weighs the sum of its
 tenants' weights (each the latest known; one not heard of for ``TENANT_WEIGHT_TTL_S`` lapses).
-A holder with no known weight counts as weight 1, the default tenant's. A changed weight applies from the next eviction on: nothing is evicted when it
+A holder with no known weight counts as weight 1, the default tenant's; a holder weighs at most
+``MAX_HOLDER_WEIGHT``. A cache node's spill put carries at most ``PUT_TENANTS`` of a holder's
+tenants' weights, in turns (``HolderWeights.put_weight``), so a spill node weighs a holder of
+more tenants by those whose turn came within ``TENANT_WEIGHT_TTL_S``. A changed weight applies from the next eviction on: nothing is evicted when it
 changes, but a holder whose weight fell gives way to the others' inserts until it is back at
 its share.
 """
@@ -56,6 +59,17 @@ of the tenant's on a cache node, a spill put carrying it)."""
 
 MAX_PUT_TENANTS = 1024
 """Most tenants' weights one spill put may carry for its holder (``check_put_weight``)."""
+
+PUT_TENANTS = 32
+"""Most tenants' weights a cache node's spill put carries (``HolderWeights.put_weight``): a
+holder of more tenants sends them in turns, this many per put. Regression (review R3 F4, s36):
+every put carried all of them, so a shared namespace of more than ``MAX_PUT_TENANTS`` tenants
+could never spill (every put refused), and a put of 1024 weights cost ~22 ms instead of ~0.5."""
+
+MAX_HOLDER_WEIGHT = 1e9
+"""Most a holder weighs: its tenants' summed weights are capped here (review R3 F6, s36: two
+finite weights near the largest float summed to inf, and the fair shares' ``held / weight`` to 0
+whatever the holder held)."""
 
 MAX_TENANT_CHARS = 256
 """Longest tenant id a spill put's weights may name."""
@@ -140,6 +154,7 @@ class HolderWeights:
         self._tenants: dict[str, dict[str, None]] = {}  # holder -> its entries' tenants
         self._holder_of: dict[str, str] = {}  # tenant -> the holder its entry is for
         self._sums: dict[str, tuple[float, float]] = {}  # holder -> (weight, until when it holds)
+        self._put_turns: dict[str, int] = {}  # holder -> its next put's first tenant (put_weight)
 
     def set(self, holder: str, weight: object, tenant: str = "") -> None:
         """Record ``tenant``'s weight for ``holder`` (it leaves the holder it was set for
@@ -170,7 +185,7 @@ class HolderWeights:
             self.set(holder, w, tenant)
 
     def of(self, holder: str) -> float:
-        """``holder``'s weight (1.0 when unknown)."""
+        """``holder``'s weight (1.0 when unknown; at most ``MAX_HOLDER_WEIGHT``)."""
         now = self._clock()
         cached = self._sums.get(holder)
         if cached is not None and now < cached[1]:
@@ -188,11 +203,31 @@ class HolderWeights:
             self._sum(holder, now)  # drops the lapsed ones
             return {t: self._entries[(holder, t)][0] for t in self._tenants.get(holder, ()) if t}
 
+    def put_weight(self, holder: str) -> float | dict[str, float]:
+        """What a spill put of ``holder``'s blocks carries (``check_put_weight`` accepts it): its
+        tenants' weights (``tenants``), at most ``PUT_TENANTS`` of them, the next ones in turn at
+        each call while it has more; ``of(holder)`` when none is known (set as a whole, or
+        unknown). O(tenants of the holder)."""
+        now = self._clock()
+        with self._lock:
+            weight = self._sum(holder, now)  # drops the lapsed ones
+            names = [t for t in self._tenants.get(holder, ()) if t]
+            if not names:
+                return weight
+            if len(names) > PUT_TENANTS:
+                start = self._put_turns.pop(holder, 0) % len(names)
+                self._put_turns[holder] = (start + PUT_TENANTS) % len(names)  # least recently put first: trimmed first
+                names = (names[start:] + names[:start])[:PUT_TENANTS]
+                while len(self._put_turns) > self.max_holders:
+                    del self._put_turns[next(iter(self._put_turns))]
+            return {t: self._entries[(holder, t)][0] for t in names}
+
     def forget(self, holder: str) -> None:
         """Drop ``holder``'s weight and its tenants' entries (a deleted tenant's namespace)."""
         with self._lock:
             for name in list(self._tenants.get(holder, ())):
                 self._drop(holder, name)
+            self._put_turns.pop(holder, None)
 
     def known(self) -> dict[str, float]:
         """The weights other than 1 that are remembered, per holder (its tenants' sum)."""
@@ -239,7 +274,7 @@ class HolderWeights:
                     continue
                 until = min(until, at + self.ttl_s)
             total += value
-        weight = total if total > 0 else 1.0
+        weight = min(total, MAX_HOLDER_WEIGHT) if total > 0 else 1.0
         self._sums[holder] = (weight, until)
         return weight
 

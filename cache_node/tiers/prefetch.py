@@ -213,8 +213,8 @@ class TransferWorker:
             if epoch != self.epoch:
                 return
             try:
-                holder = holder_of(namespace)  # its tenants' weights (a spill node sums them), else its own
-                weight = self.tiers.weights.tenants(holder) or self.tiers.weights.of(holder)
+                # its tenants' weights (a spill node sums them; PUT_TENANTS a put, in turns), else its own
+                weight = self.tiers.weights.put_weight(holder_of(namespace))
                 stored = self.spill.put(hashes, rows, namespace, tokens, weight)
             except Exception as exc:  # noqa: BLE001 - any client fault drops the write
                 logger.warning("spill put of %d blocks failed: %s", len(hashes), exc)

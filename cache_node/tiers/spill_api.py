@@ -39,16 +39,17 @@ class SpillClient(Protocol):
     """Batched, content-addressed block store (see ``SpillStore`` for the full contract).
 
     Faults are the client's to absorb or raise: the engine turns any exception from a call
-    into a miss (``get``) or a dropped write (``put``). A ``put``'s ``weight`` is the weight of
-    ``namespace``'s tenant (``fair_lru``: the spill tiers' weighted fair shares); a store
-    refuses (ValueError) one that is not a positive finite number. ``flush`` raises
+    into a miss (``get``) or a dropped write (``put``). A ``put``'s ``weight`` is the weights of
+    ``namespace``'s tenants (tenant id -> weight, ``HolderWeights.put_weight``) or of the
+    namespace as a whole (``fair_lru``: the spill tiers' weighted fair shares); a store refuses
+    (ValueError) one ``fair_lru.check_put_weight`` refuses. ``flush`` raises
     ``SpillFlushIncomplete`` when a node did not confirm it within ``timeout_s`` (None: the
     client's own timeout; an in-process store answers or raises at once).
     """
 
     def put(
         self, hashes: Sequence[bytes], blocks: np.ndarray, namespace: str,
-        token_ids: Sequence[Sequence[int]] | None = None, weight: float = 1.0,
+        token_ids: Sequence[Sequence[int]] | None = None, weight: float | dict[str, float] = 1.0,
     ) -> int: ...
 
     def get(
