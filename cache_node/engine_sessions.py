@@ -81,7 +81,9 @@ class EngineSessionsMixin:
 
         Raises:
             PermissionError: the session is another tenant's or another namespace's (with
-                ``namespace``); checked before it being busy, which such a turn is not told.
+                ``namespace``; the tenant's own under another namespace:
+                ``sessions.SessionNamespaceChanged``, the node's FAILED_PRECONDITION); checked
+                before it being busy, which such a turn is not told.
             SessionBusy: it runs a turn.
         """
         with self._lock:

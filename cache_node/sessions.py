@@ -151,20 +151,44 @@ class Session:
 SALT_TAG_CHARS = 32
 """Hex digits of a salted session's tag (``services.gateway_inputs.session_scope``)."""
 
+SALTED_MARK = ":"
+"""What follows the tenant id in a salted session's id, ``<tenant>:<tag>/<id>``, where an
+unsalted one's has ``/`` (``services.gateway_inputs.session_scope``)."""
+
+
+def session_scope_chars(session_id: str, tenant: str) -> int:
+    """How many leading characters of ``session_id`` are the scope the gateway adds to a client's
+    session id (``services.gateway_inputs.session_scope``): ``<tenant>/`` (no ``cache_salt``,
+    the form of every session id before salts scoped them) or ``<tenant>:<tag>/`` (a salt's
+    ``SALT_TAG_CHARS`` lowercase hex digits); 0 when it has neither, or when nothing follows."""
+    if not tenant:
+        return 0
+    scope = len(tenant) + 1
+    if session_id.startswith(f"{tenant}/"):
+        return scope if len(session_id) > scope else 0
+    if session_id.startswith(f"{tenant}{SALTED_MARK}"):
+        tag = session_id[scope:scope + SALT_TAG_CHARS]
+        end = scope + SALT_TAG_CHARS + 1
+        if (len(tag) == SALT_TAG_CHARS and all(c in "0123456789abcdef" for c in tag)
+                and session_id[end - 1:end] == "/" and len(session_id) > end):
+            return end
+    return 0
+
 
 def client_session_id(session_id: str, tenant: str) -> str:
-    """``session_id`` as its client named it: without the ``<tenant>/<salt tag>/`` scope the
-    gateway adds (``services.gateway_inputs.session_scope``: the tag is empty for no
-    ``cache_salt``, else ``SALT_TAG_CHARS`` hex digits), or the ``<tenant>/`` of a plain
-    ``scoped_id``; unchanged when it has neither."""
-    scope = f"{tenant}/"
-    if not tenant or not session_id.startswith(scope):
-        return session_id
-    rest = session_id[len(scope):]
-    tag, slash, client = rest.partition("/")
-    if slash and (not tag or (len(tag) == SALT_TAG_CHARS and all(c in "0123456789abcdef" for c in tag))):
-        return client
-    return rest
+    """``session_id`` as its client named it: without the ``<tenant>/`` (no ``cache_salt``) or
+    ``<tenant>:<salt tag>/`` scope the gateway adds (``session_scope_chars``); unchanged when it
+    has neither."""
+    return session_id[session_scope_chars(session_id, tenant):]
+
+
+class SessionNamespaceChanged(PermissionError):
+    """A turn of the session's own tenant under another cache namespace than the one the session
+    was opened under (``check_turn``): its tenant was moved to another namespace since (or the
+    turn names another ``cache_salt`` under the session's id). Not the caller's to fix by
+    retrying: the cache node answers FAILED_PRECONDITION (the HTTP edge's 400), where another
+    tenant's session is PERMISSION_DENIED. The message says to close the session and open a new
+    one."""
 
 
 def check_turn(sess: Session, session_id: str, tenant: str, namespace: str) -> None:
@@ -179,15 +203,17 @@ def check_turn(sess: Session, session_id: str, tenant: str, namespace: str) -> N
     within one namespace and salt) rules out.
 
     Raises:
-        PermissionError: it is.
+        PermissionError: the session is another tenant's.
+        SessionNamespaceChanged (a PermissionError): it was opened under another namespace.
     """
     if sess.tenant != tenant:
         raise PermissionError(f"session {session_id!r} belongs to another tenant")
     if sess.namespace != namespace:
-        raise PermissionError(
+        raise SessionNamespaceChanged(
             f"session {client_session_id(session_id, tenant)!r} was opened under another cache namespace "
             "(another cache_salt, or the tenant's cache namespace changed since): its turns must keep the "
-            "namespace they opened it under; close it and start a new session")
+            "namespace they opened it under; close it (gRPC CloseSession, HTTP DELETE "
+            "/v1/sessions/{session_id}) and start a new session")
 
 
 class SessionTable:

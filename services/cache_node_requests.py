@@ -34,6 +34,7 @@ from typing import Any
 from cache_node.outputs import GrammarQueueFull, SessionBusy
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
+from cache_node.sessions import SessionNamespaceChanged
 from services import convert
 from services.cache_node_streams import _Stream
 from services.chat import content_chars, covered_chars
@@ -131,6 +132,8 @@ class Requests:
                 )
                 if req.session_id:
                     self._session_turns[req.request_id] = stream
+            except SessionNamespaceChanged as exc:  # the tenant's own session, its namespace moved
+                error = {"type": "error", "code": "FAILED_PRECONDITION", "message": str(exc)}
             except PermissionError as exc:
                 error = {"type": "error", "code": "PERMISSION_DENIED", "message": str(exc)}
             except (SessionGone, SessionBusy) as exc:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
-from cache_node.sessions import SALT_TAG_CHARS
+from cache_node.sessions import SALT_TAG_CHARS, SALTED_MARK
 from kvstrata.v1 import inference_pb2
 from services import convert, tool_requests
 from services.chat import content_chars
@@ -36,21 +36,35 @@ def scoped_id(tenant_id: str, client_id: str) -> str:
 
 def session_scope(tenant_id: str, cache_salt: str, session_id: str) -> str:
     """The id the scheduler and the nodes know a client's session by: scoped to its tenant and
-    to the ``cache_salt`` its turns are sent with, ``<tenant>/<salt tag>/<session_id>``: the tag
-    is empty without a salt, else the first ``SALT_TAG_CHARS`` (32) hex digits of the salt's
-    SHA-256 (its UTF-8 bytes; a lone surrogate, which the edges refuse, hashed rather than
-    raising). The tag holds no ``/``, so the id is one (tenant, salt, session id) alone for any
-    characters of the two (``cache_node.sessions.client_session_id`` reads the client's id
-    back; a 128-bit tag: two salts meet by chance only): under another salt,
-    or none, the same ``session_id`` names another session, as the salt gives the requests
-    another cache namespace (``salted_namespace``), and the node refuses a turn whose namespace
-    is not its session's (``cache_node.sessions.check_turn``).
+    to the ``cache_salt`` its turns are sent with. Without a salt it is ``scoped_id``'s
+    ``<tenant>/<session_id>``, the id every session had before salts scoped them (so the routes,
+    lost-session marks and node sessions of an earlier version's unsalted sessions keep
+    their ids across an upgrade); with one it is ``<tenant>:<tag>/<session_id>``
+    (``cache_node.sessions.SALTED_MARK``), the tag the first ``SALT_TAG_CHARS`` (32) hex digits
+    of the salt's SHA-256 (its UTF-8 bytes; a lone surrogate, which the edges refuse, hashed
+    rather than raising).
 
-    Regression (review s36 E1): the session id was scoped by the tenant alone, so a caller under
-    another salt (or none) naming the same id continued, rewrote or closed the first salt's
-    session, its pinned history answering the other caller's turns."""
-    tag = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:SALT_TAG_CHARS] if cache_salt else ""
-    return scoped_id(tenant_id, f"{tag}/{session_id}")
+    One id is one (tenant, salt, session id) alone, for any characters of the session id: a
+    tenant id is hex (no ``/`` nor ``:``), so the text before an id's first ``/`` is the bare
+    tenant id for an unsalted session and ``<tenant>:<tag>`` for a salted one (never equal,
+    whatever follows), and the tag holds no ``/``, so the client's id is all after it
+    (``cache_node.sessions.client_session_id`` reads it back). Two salts meet by chance only
+    (a 128-bit tag). Under another salt, or none, the same ``session_id`` names another session,
+    as the salt gives the requests another cache namespace (``salted_namespace``), and the node
+    refuses a turn whose namespace is not its session's (``cache_node.sessions.check_turn``).
+
+    Regressions: (review s36 E1) the session id was scoped by the tenant alone, so a caller
+    under another salt (or none) naming the same id continued, rewrote or closed the first
+    salt's session, its pinned history answering the other caller's turns. (review s36 R2 F1)
+    cfcfb59 named an unsalted session ``<tenant>//<session_id>``: after an upgrade the sessions
+    stored and held under the old ``<tenant>/<session_id>`` were lost without a word (a lost
+    session's next turn opened a new, empty one instead of ABORTED ``session_lost``; routes to
+    nodes that kept running counted against the tenant's session limit until their TTL, and
+    the client could not close them)."""
+    if not cache_salt:
+        return scoped_id(tenant_id, session_id)
+    tag = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:SALT_TAG_CHARS]
+    return f"{tenant_id}{SALTED_MARK}{tag}/{session_id}"
 
 
 @dataclass(frozen=True)

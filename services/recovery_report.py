@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cache_node.sessions import session_scope_chars
 from services.block_index import EVENTS, TIER_DEVICE
 from services.data_plane_wire import MAX_ID_CHARS
 
@@ -93,11 +94,17 @@ def rows(value: Any, width: int, key: str, check: Any) -> list[tuple[Any, ...]]:
 
 
 def _scoped(value: Any, tenant_id: str, key: str) -> str:
-    """A request or session id of ``tenant_id`` (``gateway_inputs.scoped_id``)."""
-    if (not isinstance(value, str) or len(value) > MAX_SCOPED_ID_CHARS
-            or not value.startswith(f"{tenant_id}/") or len(value) == len(tenant_id) + 1):
-        raise BadReport(f"{key} must be an id of its tenant ('<tenant>/<id>', at most {MAX_SCOPED_ID_CHARS} characters)")
-    return value
+    """A request id of ``tenant_id`` (``gateway_inputs.scoped_id``: ``<tenant>/<id>``), or a
+    session id of it (``gateway_inputs.session_scope``: that, or a salted ``<tenant>:<tag>/<id>``;
+    ``key`` "session_id")."""
+    if isinstance(value, str) and len(value) <= MAX_SCOPED_ID_CHARS:
+        if key == "session_id":
+            if session_scope_chars(value, tenant_id):
+                return value
+        elif value.startswith(f"{tenant_id}/") and len(value) > len(tenant_id) + 1:
+            return value
+    forms = "'<tenant>/<id>' or '<tenant>:<salt tag>/<id>'" if key == "session_id" else "'<tenant>/<id>'"
+    raise BadReport(f"{key} must be an id of its tenant ({forms}, at most {MAX_SCOPED_ID_CHARS} characters)")
 
 
 def _tenant(value: Any) -> str:

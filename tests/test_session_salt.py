@@ -37,12 +37,13 @@ from cache_node.kv_pool import KVPool
 from cache_node.model_loader import LoadedModel
 from cache_node.outputs import SessionBusy
 from cache_node.sampling_params import SamplingParams
-from cache_node.sessions import client_session_id
+from cache_node.sessions import SessionNamespaceChanged, client_session_id
 from services import global_scheduler_admission as admission
 from services.gateway_inputs import salted_namespace, scoped_id
 from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.global_scheduler_recovery import RecoveryPeers
+from services.recovery_report import BadReport, session_row
 from tenants.model import TenantSpec
 from tests.test_session_rewind_state import drain
 from tests.test_tier_engine import prompt_of
@@ -74,11 +75,22 @@ def test_a_session_id_is_scoped_by_tenant_and_salt() -> None:
     for tenant, salt, sid in itertools.product([TENANT, "ab12cd34ef56ab79"], salts, ids):
         scoped = session_scope(tenant, salt, sid)
         assert seen.setdefault(scoped, (tenant, salt, sid)) == (tenant, salt, sid)
-        assert scoped.startswith(f"{tenant}/")  # (what a node's recovery report is checked for)
+        assert session_row(scoped, tenant, True) == (scoped, tenant, True)  # a node's report takes it
         assert client_session_id(scoped, tenant) == sid
-    # the unsalted id of a session named after a salted one's tag is still another session
+    # the unsalted id of a session named after a salted one's scope is still another session
     tagged = session_scope(TENANT, "u1", "chat-1")
-    assert session_scope(TENANT, "", tagged.split("/", 1)[1]) != tagged
+    for client in (tagged.split("/", 1)[1], tagged.partition(":")[2], tagged, tagged.split(TENANT, 1)[1]):
+        assert session_scope(TENANT, "", client) != tagged
+        assert client_session_id(session_scope(TENANT, "", client), TENANT) == client
+    # a report's session id must be one of the two forms, with a whole tag and a client id
+    tag = tagged[len(TENANT) + 1:len(TENANT) + 33]
+    for bad in (f"{TENANT}:", f"{TENANT}:{tag}/", f"{TENANT}:{tag}x", f"{TENANT}:{tag[:-1]}/x",
+                f"{TENANT}:{tag.upper()}/x", f"{TENANT}/", f"{TENANT}x:{tag}/x", f"ab:{tag}/x"):
+        with pytest.raises(BadReport):
+            session_row(bad, TENANT, True)
+    # an unsalted session keeps the id every session had before salts (review s36 R2 F1)
+    for sid in ids:
+        assert session_scope(TENANT, "", sid) == scoped_id(TENANT, sid)
 
 
 def test_a_turn_under_another_namespace_is_refused_and_changes_nothing(tiny: LoadedModel) -> None:
@@ -104,6 +116,8 @@ def test_a_turn_under_another_namespace_is_refused_and_changes_nothing(tiny: Loa
             eng.add_request(history + [7, 8, 9], PARAMS, request_id=f"x-{namespace}-{tenant}",
                             cache_namespace=namespace, session_id=sid, tenant=tenant)
         assert "u1" not in str(refused.value)  # (the other salt is never named)
+        # the tenant's own: FAILED_PRECONDITION (close and reopen); another tenant's: PERMISSION_DENIED
+        assert (type(refused.value) is SessionNamespaceChanged) == (tenant == TENANT)
         with pytest.raises(PermissionError):
             eng.check_session_free(sid, tenant, namespace)
     assert not eng.has_unfinished_requests()
@@ -152,7 +166,7 @@ def test_a_session_of_a_tenant_moved_to_another_namespace_is_refused(tiny: Loade
     drain(eng)
     history = eng.session_history(sid)
     assert history is not None
-    with pytest.raises(PermissionError) as refused:
+    with pytest.raises(SessionNamespaceChanged) as refused:  # (the node's FAILED_PRECONDITION)
         eng.add_request(history + [5], PARAMS, request_id="t2", cache_namespace=OWN, session_id=sid, tenant=TENANT)
     assert "close it" in str(refused.value) and "team" not in str(refused.value)
     assert eng.session_history(sid) == history
@@ -211,3 +225,61 @@ def test_salted_session_routes_survive_a_scheduler_restart(tmp_path: Path, monke
             second.store.close()
 
     asyncio.run(restarted())
+
+
+def test_an_unsalted_session_of_the_version_before_salts_survives_the_upgrade(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review s36 R2 F1: sessions opened before the upgrade are stored (the scheduler's routes
+    and lost-session marks) and held on nodes under fa49863's ``scoped_id(tenant, id)``. After
+    the upgrade, an unsalted turn names them by the same id (``session_scope``): two sessions
+    ("s1" on the node that restarts with the upgrade, "/b" -- a client id with "/" -- on the one
+    that keeps running), stored by the old scheduler; the upgraded scheduler restarts and takes
+    the nodes' reports. "s1"'s next turn is refused ABORTED ``session_lost`` (its history is
+    gone, and the client is told), "/b" continues on its node, and both close by the client's
+    id. On cfcfb59 both were named ``<tenant>//<id>``: "s1" opened a new, empty session (no
+    ``session_lost``), "/b" a second one beside the held route, which stayed pinned."""
+    from services.gateway_inputs import session_scope  # (not in fa49863)
+
+    finished = {"prompt_tokens": 30, "completion_tokens": 8, "cached_tokens": {}, "prefill_tokens_per_s": 900.0}
+    first = GlobalSchedulerService(str(tmp_path), {"n0": 8, "n1": 8}, session_ttl_s=900.0)
+    ann = GlobalScheduler.register_tenant(first, TenantSpec("ann", "standard"))[0].tenant_id
+    before = {client: scoped_id(ann, client) for client in ("s1", "/b")}  # what fa49863's gateway sent
+    for rid, sid in zip(("r1", "r2"), before.values()):  # (both running at once: one on each node)
+        assert first.admit(ann, rid, session_id=sid).code == "OK"
+    first.release("r1", finished)
+    first.release("r2", finished)
+    nodes = {client: first.session_nodes[sid][1] for client, sid in before.items()}
+    assert set(nodes.values()) == {"n0", "n1"}
+    first.flush_sessions()
+    first.store.close()  # stopped for the upgrade
+
+    def node_report(pid: int, sessions: list[tuple[str, str, bool]]) -> dict[str, Any]:
+        return {"healthy": True, "failure": "", "pid": pid, "restarts": 0, "data_address": f"tcp://127.0.0.1:{9100 + pid}",
+                "blocks": [], "sessions": sessions, "requests": []}
+
+    monkeypatch.setattr(admission, "actor_restarts", lambda: 1)
+    monkeypatch.setattr(GlobalSchedulerService, "recover", lambda self, peers: (
+        self.apply_node_report(nodes["s1"], node_report(9, [])),  # restarted: s1's history is gone
+        self.apply_node_report(nodes["/b"], node_report(41, [(before["/b"], ann, True)]))))
+
+    async def upgraded() -> None:
+        second = GlobalSchedulerService(str(tmp_path), {"n0": 8, "n1": 8}, session_ttl_s=900.0,
+                                        peers=RecoveryPeers("kvstrata-test"))
+        try:
+            lost, kept = session_scope(ann, "", "s1"), session_scope(ann, "", "/b")
+            refused = second.admit(ann, "r3", session_id=lost)
+            assert (refused.code, refused.reason) == ("ABORTED", "session_lost")
+            assert set(second.lost_of(ann)) == {lost}
+            adm = second.admit(ann, "r4", session_id=kept)
+            assert (adm.code, adm.node_id, adm.continues_session) == ("OK", nodes["/b"], True)
+            assert second.session_nodes == {kept: (ann, nodes["/b"])}  # no second route of "/b"
+            # a salted turn naming the same client ids is another session, opened anew
+            salted = second.admit(ann, "r5", session_id=session_scope(ann, "u1", "s1"))
+            assert (salted.code, salted.continues_session) == ("OK", False)
+            assert client_session_id(lost, ann) == "s1" and client_session_id(kept, ann) == "/b"
+            assert (lost, kept) == (before["s1"], before["/b"])  # the ids are the old ones
+        finally:
+            second.close_data_plane()
+            second.store.close()
+
+    asyncio.run(upgraded())

@@ -137,9 +137,11 @@ def test_a_tenant_moved_to_another_namespace_has_its_open_sessions_refused(serve
     """The node's own guard (``cache_node.sessions.check_turn``), end to end: a tenant sharing
     the namespace "team" opens a session; the admin moves it to its own namespace. The session's
     next turn would run in the namespace the tenant left (its history's KV is "team"'s): it is
-    refused PERMISSION_DENIED (403) for that request alone, its history kept, and the close frees
-    it; the same id then opens a new session in the tenant's own namespace. On fa49863 the turn
-    ran on, continuing the history computed in "team"."""
+    refused FAILED_PRECONDITION (400 ``failed_precondition``: the client's own session, which it
+    must close and open anew; cfcfb59 answered PERMISSION_DENIED, 403) for that request alone,
+    its history kept, and the close frees it; the same id then opens a new session in the
+    tenant's own namespace. On fa49863 the turn ran on, continuing the history computed in
+    "team"."""
     s = served
     key = s.key
     _, s.key = s.run(call(s.scheduler.register_tenant, TenantSpec(name="mover", cache_namespace="team")))
@@ -147,8 +149,15 @@ def test_a_tenant_moved_to_another_namespace_has_its_open_sessions_refused(serve
         turn(s, "chat-4", FIRST, None)
         s.run(call(s.scheduler.update_tenant, "mover", TenantSpec(name="mover")))
         status, body = s.post("/completions", {"prompt": PROBE, "max_tokens": MAX_TOKENS, "session_id": "chat-4"})
-        assert (status, body["error"]["code"]) == (403, "permission_denied"), body
+        assert (status, body["error"]["code"]) == (400, "failed_precondition"), body
         assert "team" not in body["error"]["message"] and "close it" in body["error"]["message"]
+        assert "DELETE /v1/sessions/" in body["error"]["message"]
+        request = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=PROBE), session_id="chat-4",
+                                                sampling=inference_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(s.stub.Generate(request, metadata=(("authorization", f"Bearer {s.key}"),), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "CloseSession" in (refused.value.details() or "")
         assert delete(s, "chat-4")[1]["freed_tokens"] == len(FIRST) + MAX_TOKENS
         fresh = turn(s, "chat-4", PROBE, None)
         assert fresh["prompt_tokens"] == len(PROBE)

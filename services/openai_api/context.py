@@ -14,6 +14,7 @@ a 400 is about, ``CallAborted.param``):
 gRPC status            HTTP  OpenAI ``error.type``
 =====================  ====  ==========================
 INVALID_ARGUMENT       400   invalid_request_error
+FAILED_PRECONDITION    400   invalid_request_error (a session turn after its tenant moved to another namespace)
 ALREADY_EXISTS         409   invalid_request_error
 UNAUTHENTICATED        401   authentication_error
 PERMISSION_DENIED      403   permission_error
@@ -51,6 +52,7 @@ from services.peers import grpc_peer
 
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
