@@ -99,3 +99,25 @@ def test_a_holders_weight_stays_finite_and_its_fair_share_holds(tmp_path: Path) 
     weights.set("ns:x", 1.7e308, "b")
     assert weights.of("ns:x") == MAX_HOLDER_WEIGHT
     store.close()
+
+
+def test_a_refreshed_weight_keeps_the_cached_sum_and_lapses_still_count() -> None:
+    """A put's or request's weight equal to the one known refreshes the entry without summing
+    the holder anew (what makes a put of a many-tenant holder cheap), and every lapse still
+    counts at its time: the refreshed entry is newest, the entry that was newest lapses after
+    its own TTL."""
+    now = [0.0]
+    weights = HolderWeights(ttl_s=10, clock=lambda: now[0])
+    weights.set(TEAM, 5, "A")
+    now[0] = 1.0
+    weights.set(TEAM, 1, "B")
+    assert weights.of(TEAM) == 6.0
+    now[0] = 9.0
+    weights.set(TEAM, 5, "A")  # a refresh: A newest now, B (set at 1) lapses at 11
+    assert weights.of(TEAM) == 6.0
+    now[0] = 10.5
+    assert weights.of(TEAM) == 6.0 and weights.put_weight(TEAM) == {"A": 5.0, "B": 1.0}
+    now[0] = 11.5
+    assert weights.of(TEAM) == 5.0 and weights.put_weight(TEAM) == {"A": 5.0}
+    weights.set(TEAM, 2, "A")  # a changed weight counts at once
+    assert weights.of(TEAM) == 2.0

@@ -40,6 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import Generic, NamedTuple, TypeVar
 
 K = TypeVar("K")
@@ -171,6 +172,15 @@ class HolderWeights:
                 if value != 1.0:  # what an unknown holder weighs: nothing to remember
                     self._add(holder, "", value, now)
                 return
+            key = (holder, tenant)
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == value:
+                # a refresh (a request, a spill put's weights): the sum stays, its entries only lapse
+                # later, so the cached sum holds until its own end (review R3 F4: every put's weights
+                # summed the holder's tenants anew)
+                self._entries[key] = (value, now)
+                self._entries.move_to_end(key)
+                return
             old = self._holder_of.get(tenant)
             if old is not None:
                 self._drop(old, tenant)
@@ -207,17 +217,23 @@ class HolderWeights:
         """What a spill put of ``holder``'s blocks carries (``check_put_weight`` accepts it): its
         tenants' weights (``tenants``), at most ``PUT_TENANTS`` of them, the next ones in turn at
         each call while it has more; ``of(holder)`` when none is known (set as a whole, or
-        unknown). O(tenants of the holder)."""
+        unknown). O(``PUT_TENANTS``) but for skipping to its turn (C speed) and a sum whose
+        cache ended."""
         now = self._clock()
         with self._lock:
-            weight = self._sum(holder, now)  # drops the lapsed ones
-            names = [t for t in self._tenants.get(holder, ()) if t]
-            if not names:
+            cached = self._sums.get(holder)  # none lapsed before its end: no sum to redo
+            weight = cached[0] if cached is not None and now < cached[1] else self._sum(holder, now)
+            tenants = self._tenants.get(holder, {})
+            if not tenants or "" in tenants:  # unknown, or set as a whole (then it has no tenants)
                 return weight
-            if len(names) > PUT_TENANTS:
-                start = self._put_turns.pop(holder, 0) % len(names)
-                self._put_turns[holder] = (start + PUT_TENANTS) % len(names)  # least recently put first: trimmed first
-                names = (names[start:] + names[:start])[:PUT_TENANTS]
+            if len(tenants) <= PUT_TENANTS:
+                names = list(tenants)
+            else:
+                start = self._put_turns.pop(holder, 0) % len(tenants)
+                # the least recently put first: trimmed first
+                self._put_turns[holder] = (start + PUT_TENANTS) % len(tenants)
+                names = list(islice(tenants, start, start + PUT_TENANTS))
+                names += list(islice(tenants, 0, PUT_TENANTS - len(names)))
                 while len(self._put_turns) > self.max_holders:
                     del self._put_turns[next(iter(self._put_turns))]
             return {t: self._entries[(holder, t)][0] for t in names}
