@@ -10,8 +10,9 @@ one tenant's 1000-message chats took the GIL from every other tenant's requests 
 gateway (renders in its process).
 
 ``GatewayTemplater.render`` renders a chat in this process when it is small
-(``IN_PROCESS_MESSAGES`` messages and ``IN_PROCESS_CHARS`` characters of JSON at most: a
-render of ~1 ms, less than handing it to a child costs), else in a child of ``RenderPool``
+(``IN_PROCESS_MESSAGES`` messages and ``IN_PROCESS_CHARS`` characters of JSON less its
+strings' contents at most, ``structure_chars``: a render of ~1-5 ms, less than handing it to a
+child costs), else in a child of ``RenderPool``
 (``services.render_process.RenderProcess``, ``owner="gateway"``: the cache node's renderer
 child, ``render`` requests); its text is tokenized here as before (``ChatTemplater.encode``:
 the tokenizer's Rust code runs without the GIL). Renders through a child give the same text
@@ -26,8 +27,12 @@ Regression (diff review s35 of 2adbb9d, R3): all of a gateway's renders went to 
 child, so a 1-message chat waited 2,787 ms behind another tenant's 3000-message chat (1 ms
 before).
 
-A tokenizer that cannot be saved for a child (``save_pretrained`` fails: a tokenizer class of
-its own) leaves every render in the gateway's process, as before (logged once).
+A tokenizer that cannot be saved for a child (``save_pretrained`` raises other than
+``OSError``: a tokenizer class of its own; ``render_process.TokenizerUnsaved``) leaves every
+render in the gateway's process, as before (logged once); nothing else does (diff review s36
+R2 F4: any failure to make a child, a full ``/tmp`` or no descriptor left, disabled children
+for the gateway's life, and once so any render's error, a ``RenderTooLarge`` included, re-ran
+it in the gateway's process). A child that cannot be made fails that render (``RenderFailed``).
 
 Children start on the first large render that finds none free (~1-3 s, paid by that render;
 no gateway start pays it) and live until ``close`` (the gateway's ``stop``), after which a
@@ -36,7 +41,11 @@ started a new child). A child that ends, hangs past its timeout or answers out o
 fails only the render under way (``RenderFailed``: the gateway's fault, INTERNAL) and is
 started again by the next render it takes; one past its memory cap
 (``render_worker.MEMORY_BYTES``) fails it with ``RenderTooLarge`` (a ``TemplateRefusal``:
-INVALID_ARGUMENT / HTTP 400 naming ``messages``), and restarts.
+INVALID_ARGUMENT / HTTP 400 naming ``messages``), and restarts; one past ``RENDER_TIMEOUT_S``
+(10 s) fails it with ``RenderTooSlow`` (a ``TemplateRefusal`` too), and restarts. After
+``render_process.START_FAILURES`` failed starts in a row (a tokenizer that does not load under
+the cap: the error names it) no child starts for ``START_BACKOFF_S``; large renders fail at
+once meanwhile (``RenderFailed``).
 """
 
 from __future__ import annotations
@@ -47,9 +56,15 @@ import logging
 import threading
 from typing import Any
 
-from services.chat import ChatTemplater, Messages
+from services.chat import ChatTemplater, Messages, TemplateRefusal
 from services.gateway import TOKENIZER_THREADS
-from services.render_process import RenderFailed, RenderProcess
+from services.render_process import (
+    RenderFailed,
+    RenderProcess,
+    RenderTimedOut,
+    StartGuard,
+    TokenizerUnsaved,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +74,60 @@ template, this 2-core host, best of 5): 32 messages of 100 characters render in 
 1.05 ms, 1,000 in 15.8 ms (a template's cost grows with the messages it loops over)."""
 
 IN_PROCESS_CHARS = 16 << 10
-"""Most characters of JSON (the messages, tools included: ``json.dumps`` of the render's
-arguments) a chat rendered in the gateway's own process may have. Measured as above: 64 tools
+"""Most characters of JSON less its strings' contents (``structure_chars``: the messages and
+tools) a chat rendered in the gateway's own process may have. Measured as above: 64 tools
 (27.5K characters of JSON) render in 3.4 ms, 16 (6.9K) in 0.9 ms, through a template that
 writes them with ``tojson`` (its cost grows with the tools' values); a message's plain text is
-cheaper (1 Mi characters in one message: 0.3 ms) but is bounded so too: its JSON is what is
-sent to a child otherwise."""
+cheap here (1 Mi characters in one message: 0.9-4.6 ms of this thread's CPU, ASCII to emoji)
+and dear through a child (5.9-24.7 ms: its JSON, and the UTF-8 both ways; 39.6 ms for emoji
+with ``\\u`` escapes), so it is not counted. Such a chat renders without the child's memory cap,
+as every chat did before the children: a template that writes a message out many times is
+bounded by the children only for the chats sent to them."""
+
+RENDER_TIMEOUT_S = 10.0
+"""Longest wait (wall time) for one render in a gateway's child (the node's is
+``render_process.RENDER_TIMEOUT_S``, 60 s, for a render that tokenizes too); past it the child
+is killed (and started again by the next large render, ~2-9 s) and the request refused as too
+large for its template (``RenderTooSlow``). Measured in a child on this loaded 2-core host (best
+and worst of 3): 1,024 messages of 1 KiB with 32 tools (SmolLM2's template) 85-121 ms, one
+message of 1 Mi characters 20-26 ms, 1,024 tool-call messages of ~1 KiB with 32 tools (a
+Hermes-style template) 0.3-1.9 s: 10 s is ~5x the slowest seen, and holds a tenant's turn and a
+worker thread at most that long (diff review s36 R2 F3: 60 s, then "send this one again")."""
 
 RENDER_CHILDREN = TOKENIZER_THREADS
 """Most render children a gateway runs: one per worker thread (``InferenceServicer.off_loop``),
 each of which runs one tenant's turn at a time. Each child holds ~125 MiB (its tokenizer and
 transformers' import: ``render_worker.MEMORY_BYTES``)."""
+
+
+def structure_chars(value: Any, most: int) -> int:
+    """About the characters of ``value``'s JSON less its strings' contents (what a template's
+    cost grows with: the values it loops over and writes out with ``tojson``, not the length of
+    a message's text, which it copies), counted up to just past ``most``: a string 2 (its
+    quotes), a dict key its length + 3, any other value 8. Regression (diff review s36 R2 F2):
+    a chat of one 1 Mi-emoji message went to a child (its JSON's length), which cost the
+    gateway's thread 39.6 ms of this thread's CPU (GIL) (24.7 ms with UTF-8 JSON) against 4.6 ms
+    rendered here."""
+    stack, chars = [value], 0
+    while stack and chars <= most:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += 2
+        elif isinstance(item, dict):
+            chars += 8 + sum(len(k) + 3 if isinstance(k, str) else 8 for k in item)
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            chars += 8
+            stack.extend(item)
+        else:
+            chars += 8
+    return chars
+
+
+class RenderTooSlow(TemplateRefusal):
+    """A chat's render in a gateway's child ran past ``RENDER_TIMEOUT_S``: the request's size
+    for its template (INVALID_ARGUMENT / HTTP 400 naming ``messages``, as ``RenderTooLarge``),
+    not a failure to send again."""
 
 
 class RenderPool:
@@ -79,7 +137,10 @@ class RenderPool:
     Args:
         tokenizer: the gateway's tokenizer (saved by each child's ``RenderProcess``).
         size: the most children (``RENDER_CHILDREN``).
-        process_args: more arguments for each ``RenderProcess`` (tests: timeouts, ``memory_bytes``).
+        process_args: more arguments for each ``RenderProcess`` (tests: ``memory_bytes``,
+            ``start_guard``; ``render_timeout_s`` is ``RENDER_TIMEOUT_S`` unless given). Its
+            children share one ``StartGuard``: after ``render_process.START_FAILURES`` failed
+            starts in a row none starts for ``START_BACKOFF_S`` (renders fail at once).
     """
 
     def __init__(self, tokenizer: Any, size: int = RENDER_CHILDREN, **process_args: Any) -> None:
@@ -87,22 +148,28 @@ class RenderPool:
             raise ValueError(f"a render pool needs at least one child; got {size}")
         self.tokenizer = tokenizer
         self.size = size
-        self.process_args = process_args
+        self.process_args = {"render_timeout_s": RENDER_TIMEOUT_S, "start_guard": StartGuard()} | process_args
         self.processes: list[RenderProcess] = []  # every child made (``close`` stops them)
         self.waits = 0  # renders that found every child busy and waited for one
         self.closed = False
-        self.unsaved: Exception | None = None  # why the tokenizer could not be saved for a child (none is made)
+        self.unsaved: TokenizerUnsaved | None = None  # why the tokenizer could not be saved for a child (none is made)
         self._idle: list[RenderProcess] = []
         self._making = 0  # children being made (counted against ``size``)
         self._queue: collections.deque[object] = collections.deque()  # tickets of waiting renders, FIFO
         self._cond = threading.Condition()
 
-    def render(self, payload: str) -> str:
+    def render(self, payload: bytes) -> str:
         """``RenderProcess.render_text(payload)`` in a free child (waiting for one, in turn, when
-        all ``size`` are busy). Raises what that raises; ``RenderFailed`` once ``close``d."""
+        all ``size`` are busy). Raises what that raises, ``RenderTooSlow`` for its
+        ``RenderTimedOut``; ``RenderFailed`` once ``close``d or where no child could be made;
+        ``TokenizerUnsaved`` where the tokenizer cannot be saved for one (``unsaved``: for good)."""
         process = self._take()
         try:
             return process.render_text(payload)
+        except RenderTimedOut:
+            raise RenderTooSlow(f"messages: the chat template did not render them within "
+                                f"{process.render_timeout_s:g} s; send fewer or shorter messages, or fewer "
+                                "tools") from None
         finally:
             with self._cond:
                 if not self.closed:
@@ -134,10 +201,15 @@ class RenderPool:
             with self._cond:
                 self._making -= 1
                 self._cond.notify_all()
-            if isinstance(exc, Exception) and self.unsaved is None:  # (``save_pretrained``'s: it stays so)
-                self.unsaved = exc
-                log.warning("gateway: chats render in the gateway's process (its tokenizer could not be saved for "
-                            "a render child: %s: %s)", type(exc).__name__, exc)
+            if isinstance(exc, TokenizerUnsaved):  # (``save_pretrained``'s: it stays so)
+                if self.unsaved is None:
+                    self.unsaved = exc
+                    log.warning("gateway: chats render in the gateway's process (its tokenizer could not be saved "
+                                "for a render child: %s)", exc)
+                raise
+            if isinstance(exc, Exception) and not isinstance(exc, RenderFailed):  # (passing: this render fails)
+                raise RenderFailed(f"the gateway's chat renderer process could not be made: {type(exc).__name__}: "
+                                   f"{exc}") from exc
             raise
         with self._cond:
             self._making -= 1
@@ -181,21 +253,22 @@ class GatewayTemplater(ChatTemplater):
         """``ChatTemplater.render``, in a child when the chat is not small (raises what it
         raises, ``RenderTooLarge``, and ``RenderFailed`` where the child failed or the gateway
         stopped)."""
-        try:
-            payload = json.dumps([list(messages), bool(add_generation_prompt), tools or None])
+        if (len(messages) <= self.in_process_messages
+                and structure_chars([messages, tools], self.in_process_chars) <= self.in_process_chars) \
+                or self.pool.unsaved is not None:  # (no child can load this tokenizer: here, as before)
+            return super().render(messages, add_generation_prompt, tools)
+        try:  # (non-ASCII as itself: ``\\u`` escapes cost ~9x a plain chat's in-process render; R2 F2)
+            text = json.dumps([list(messages), bool(add_generation_prompt), tools or None], ensure_ascii=False)
         except (TypeError, ValueError):  # not JSON (never from an edge: they take JSON and protobuf)
             log.warning("gateway: a chat whose values are not JSON renders in the gateway's process", exc_info=True)
             return super().render(messages, add_generation_prompt, tools)
-        if (len(messages) <= self.in_process_messages and len(payload) <= self.in_process_chars) \
-                or self.pool.unsaved is not None:  # (no child can load this tokenizer: here, as before)
-            return super().render(messages, add_generation_prompt, tools)
+        payload = text.encode("utf-8", "surrogatepass")  # (a lone surrogate crosses exactly)
+        del text
         self.child_renders += 1
         try:
             return self.pool.render(payload)
-        except Exception:
-            if self.pool.unsaved is None:
-                raise
-        self.child_renders -= 1
+        except TokenizerUnsaved:  # (only this: any other error is the render's own, answered so)
+            self.child_renders -= 1
         return super().render(messages, add_generation_prompt, tools)
 
     def close(self) -> None:

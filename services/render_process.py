@@ -74,6 +74,14 @@ RENDER_TIMEOUT_S = 60.0
 """Longest wait (wall time) for one render's reply; past it the child is killed and the request
 fails. A render of the largest chat a node takes (~1M characters) takes ~1-4 s."""
 
+START_FAILURES = 3
+"""Consecutive failed starts after which no child is started for ``START_BACKOFF_S`` (``StartGuard``)."""
+
+START_BACKOFF_S = 60.0
+"""How long no child starts after ``START_FAILURES`` failed starts in a row: renders fail at once
+meanwhile (``RenderFailed`` naming the last failure), instead of ~9 s each starting a child that
+cannot start (a tokenizer that does not load under the memory cap)."""
+
 MAX_REPLY_BYTES = 64 << 20
 """Largest reply frame read (16M token ids)."""
 
@@ -97,6 +105,54 @@ class RenderFailed(Exception):
     request's)."""
 
 
+class RenderTimedOut(RenderFailed):
+    """A render's reply did not come within the child's ``render_timeout_s`` (the child was
+    killed). The node answers it as its ``RenderFailed``; the gateway as the request's size
+    (``services.gateway_render``: ``RenderTooSlow``)."""
+
+
+class TokenizerUnsaved(Exception):
+    """The tokenizer could not be saved for a child (its ``save_pretrained`` raised other than
+    ``OSError``: a tokenizer class of its own): no child can render for it, ever. An ``OSError``
+    there (a full or unwritable temporary directory, no file descriptor left) is passing:
+    ``RenderFailed`` instead."""
+
+
+class StartGuard:
+    """Consecutive failed starts of the children sharing it (one ``RenderProcess``, or every
+    child of a gateway's pool): after ``START_FAILURES`` in a row no child starts for
+    ``START_BACKOFF_S`` (a render fails at once, ``RenderFailed`` naming the last failure);
+    a start that succeeds clears them. Regression (diff review s36 R2 F6): a tokenizer that
+    cannot load under the memory cap started a child, ~9 s, for every large chat, each failing."""
+
+    def __init__(self, failures: int = 0, backoff_s: float = 0.0) -> None:
+        self.failures_allowed = failures or START_FAILURES
+        self.backoff_s = backoff_s or START_BACKOFF_S
+        self.failures = 0
+        self.last = ""
+        self.until = 0.0  # monotonic time before which no child starts
+        self._lock = threading.Lock()
+
+    def check(self, owner: str) -> None:
+        """``RenderFailed`` while backing off."""
+        with self._lock:
+            left = self.until - time.monotonic()
+            if left > 0:
+                raise RenderFailed(f"the {owner}'s chat renderer process failed to start {self.failures} times in a "
+                                   f"row (last: {self.last}); none is started for another {left:.0f} s")
+
+    def failed(self, why: str) -> None:
+        with self._lock:
+            self.failures += 1
+            self.last = why[:500]
+            if self.failures >= self.failures_allowed:
+                self.until = time.monotonic() + self.backoff_s
+
+    def started(self) -> None:
+        with self._lock:
+            self.failures, self.until = 0, 0.0
+
+
 class RenderTooLarge(TemplateRefusal):
     """A render needed more memory than its child may use (``render_worker.MEMORY_BYTES``): the
     request's fault (INVALID_ARGUMENT / HTTP 400 naming ``messages``, wherever a template's
@@ -114,21 +170,37 @@ class RenderProcess:
         render_timeout_s: longest wait for one render's reply.
         owner: whose renderer it is, in its errors' words ("node", "gateway").
         memory_bytes: the child's data segment cap (``render_worker.MEMORY_BYTES``; 0: none).
+        start_guard: the back-off after failed starts (``StartGuard``; None: its own).
+
+    Raises:
+        TokenizerUnsaved: ``save_pretrained`` raised other than ``OSError``.
+        RenderFailed: the tokenizer's directory could not be made or written (``OSError``).
     """
 
     def __init__(self, tokenizer: Any, argv: tuple[str, ...] = (sys.executable, "-m", "services.render_worker"),
                  start_timeout_s: float = START_TIMEOUT_S, render_timeout_s: float = RENDER_TIMEOUT_S,
-                 owner: str = "node", memory_bytes: int = MEMORY_BYTES) -> None:
+                 owner: str = "node", memory_bytes: int = MEMORY_BYTES, start_guard: StartGuard | None = None) -> None:
         self.vocab_size = len(tokenizer)  # (the node's own count: a reply's ids are checked against it)
         self.argv = argv
         self.start_timeout_s = start_timeout_s
         self.render_timeout_s = render_timeout_s
         self.owner = owner
         self.memory_bytes = memory_bytes
-        self._tokenizer_dir = process_temp_dir("render-tokenizer")
+        self.start_guard = start_guard if start_guard is not None else StartGuard()
+        try:
+            self._tokenizer_dir = process_temp_dir("render-tokenizer")
+        except OSError as exc:
+            raise RenderFailed(f"the {owner}'s chat renderer process could not start: {exc}") from None
         self._remove_tokenizer = weakref.finalize(self, shutil.rmtree, self._tokenizer_dir, True)
         try:
             tokenizer.save_pretrained(self._tokenizer_dir)
+        except OSError as exc:  # (passing: a full disk, no descriptor left)
+            self._remove_tokenizer()
+            raise RenderFailed(f"the {owner}'s chat renderer process could not start: its tokenizer could not be "
+                               f"saved for it: {exc}") from None
+        except Exception as exc:
+            self._remove_tokenizer()
+            raise TokenizerUnsaved(f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             self._remove_tokenizer()
             raise
@@ -140,6 +212,7 @@ class RenderProcess:
         self.renders = 0  # replies read
         self.busy = False  # a render (or a start) is under way
         self.closed = False
+        self._starting = False  # (``_ended``'s words: during a start, a memory failure is the cap's)
         self._lock = threading.Lock()
 
     @property
@@ -161,10 +234,12 @@ class RenderProcess:
         chars = _chars([*history_messages, *new_messages], tools) + len(tool_reply or "")
         return self._render(request, chars, history_tokens)
 
-    def render_text(self, payload: str) -> str:
+    def render_text(self, payload: bytes) -> str:
         """``ChatTemplater.render`` in the child, of ``payload``: the JSON text of ``[messages,
-        add_generation_prompt, tools]`` (raises what the render raised there, ``RenderTooLarge``
-        or ``RenderFailed``). The reply is the child's word: text within ``MAX_REPLY_BYTES``."""
+        add_generation_prompt, tools]``, UTF-8 (``surrogatepass``; non-ASCII characters as
+        themselves, not ``\\u`` escapes: ``services.gateway_render``) (raises what the render
+        raised there, ``RenderTooLarge``, ``RenderTimedOut`` or ``RenderFailed``). The reply is
+        the child's word: text within ``MAX_REPLY_BYTES``."""
         reply = self._exchange(["render", payload])
         if reply[0] != "text" or len(reply) != 2 or not isinstance(reply[1], bytes):
             raise self._out_of_protocol("a malformed reply")
@@ -240,28 +315,41 @@ class RenderProcess:
     # ---- the process ------------------------------------------------------------------------
     def start(self) -> None:
         """Start the child (reaping one that ended), send its ``init`` frame and wait for its
-        ``ready``, within ``start_timeout_s`` (else ``RenderFailed``)."""
+        ``ready``, within ``start_timeout_s`` (else ``RenderFailed``; at once while its
+        ``start_guard`` backs off). A child whose tokenizer did not load under its memory cap
+        says so (``["failed", "memory", ...]``), and the error names the cap."""
         self.kill()
-        self.workdir = process_temp_dir("render")
-        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)
-        env = child_env(os.environ)
-        env.update(TMPDIR=self.workdir, HF_HOME=self.workdir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")  # (no "PyTorch was not found")
+        self.start_guard.check(self.owner)
         started = time.monotonic()
-        self.proc = start_child(self.argv, self.workdir, env, "chat renderer", log)
-        self.num_starts += 1
         try:
+            self.workdir = process_temp_dir("render")
+            self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)
+            env = child_env(os.environ)
+            env.update(TMPDIR=self.workdir, HF_HOME=self.workdir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                       TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")  # (no "PyTorch was not found")
+            self.proc = start_child(self.argv, self.workdir, env, "chat renderer", log)
+            self.num_starts += 1
+            self._starting = True
             deadline = started + self.start_timeout_s
             self._write(frame(["init", self._tokenizer_dir, self.memory_bytes]), deadline)
-            sandbox = ready_report(self._reply(deadline))
+            reply = self._reply(deadline)
+            if reply[0] == "failed" and len(reply) == 3 and reply[1] == "memory" and isinstance(reply[2], str):
+                raise RenderFailed(f"its tokenizer did not load under its memory cap of {self.memory_bytes >> 20} MiB "
+                                   f"(render_worker.MEMORY_BYTES): {reply[2][:200]}")
+            sandbox = ready_report(reply)
             if sandbox is None:
                 raise self._out_of_protocol("its start")
-        except RenderFailed as exc:
+        except (RenderFailed, OSError) as exc:
             self.kill()
-            raise RenderFailed(f"the {self.owner}'s chat renderer process could not start: {exc}") from None
+            failure = RenderFailed(f"the {self.owner}'s chat renderer process could not start: {exc}")
+            self.start_guard.failed(str(failure))
+            raise failure from None
         except BaseException:
             self.kill()
             raise
+        finally:
+            self._starting = False
+        self.start_guard.started()
         self.sandbox = sandbox
         log.info("chat renderer process %d ready in %.1f s (%s)", self.proc.pid, time.monotonic() - started,
                  self.sandbox)
@@ -320,7 +408,7 @@ class RenderProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise RenderFailed(f"the {self.owner}'s chat renderer process did not answer within "
+                raise RenderTimedOut(f"the {self.owner}'s chat renderer process did not answer within "
                                    f"{self.render_timeout_s:g} s; it was killed and is restarted for the next "
                                    "request")
             poller = select.poll()
@@ -340,6 +428,8 @@ class RenderProcess:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         if code == -signal.SIGABRT and self.memory_bytes:  # (an allocation of the tokenizer's past the cap)
             how += f"; most likely past its memory cap of {self.memory_bytes >> 20} MiB"
+            if self._starting:
+                how += " while its tokenizer loaded (render_worker.MEMORY_BYTES)"
         return RenderFailed(f"the {self.owner}'s chat renderer process ended {when} ({how}); it is restarted for the "
                             "next request: send this one again")
 

@@ -20,15 +20,19 @@ pointed at stderr). Token ids cross as ``array('i')`` bytes (native int32).
   segment (``RLIMIT_DATA``) at ``memory_bytes`` (0: no cap) before it loads anything (``MEMORY_BYTES``
   is the parents' bound), then answers ``["ready", sandbox_report]`` once the tokenizer is
   loaded and its template has rendered once (the report: ``cache_node.sandbox.confine``'s; the
-  process confines itself then).
+  process confines itself then), or ``["failed", "memory", message]`` (and ends) when loading
+  them ran past the cap.
 - then per render, parent -> child: ``["first_turn", messages, tools]`` or
   ``["continue_session", history_messages, history_ids, messages, tools, same_tools,
   tool_reply]`` (``ChatTemplater.first_turn`` / ``continue_session``; ``tools`` None or the
   JSON text of a list of OpenAI tool dicts, ``tool_reply`` None or a string); child -> parent
   ``["ok", ids, continued]`` or ``["error", kind, message]``, ``kind`` one of ``ERROR_KINDS``.
-- or parent -> child ``["render", json_text]``, the JSON text of ``[messages,
+- or parent -> child ``["render", json_utf8]``, the JSON text of ``[messages,
   add_generation_prompt, tools]`` (``ChatTemplater.render``'s arguments: JSON, as they came
-  off the wire, so an integer past 64 bits or a float crosses exactly); child -> parent
+  off the wire, so an integer past 64 bits or a float crosses exactly) as msgpack bin, UTF-8
+  with lone surrogates passed (``surrogatepass``) and non-ASCII characters unescaped (diff
+  review s36 R2 F2: ``\\u`` escapes cost the gateway's thread ~9x the GIL time of an
+  in-process render of a 1 Mi-emoji chat); child -> parent
   ``["text", utf8]`` (the rendering, UTF-8 with lone surrogates passed: ``surrogatepass``) or
   ``["error", kind, message]`` (the gateway's renders: ``services.gateway_render``).
 
@@ -123,10 +127,11 @@ def _tools(text: Any) -> Any:
     return json.loads(text) if isinstance(text, str) else text
 
 
-def _render_text(templater: Any, payload: Any) -> list[Any]:
+def _render_text(templater: Any, payload: bytes) -> list[Any]:
     """A ``render`` request's reply: the rendering of ``payload`` (JSON text of ``[messages,
-    add_generation_prompt, tools]``) as UTF-8, within ``MAX_TEXT_BYTES``."""
-    messages, add_generation_prompt, tools = json.loads(payload)
+    add_generation_prompt, tools]``, UTF-8 with lone surrogates passed) as UTF-8, within
+    ``MAX_TEXT_BYTES``."""
+    messages, add_generation_prompt, tools = json.loads(payload.decode("utf-8", "surrogatepass"))
     text = templater.render(messages, bool(add_generation_prompt), tools)
     data = text.encode("utf-8", "surrogatepass")
     if len(data) > MAX_TEXT_BYTES:
@@ -138,7 +143,7 @@ def _render_text(templater: Any, payload: Any) -> list[Any]:
 def render(templater: Any, request: list[Any]) -> list[Any]:
     """The reply to one render ``request`` (see the module docstring)."""
     try:
-        if request[0] == "render" and len(request) == 2 and isinstance(request[1], str):
+        if request[0] == "render" and len(request) == 2 and isinstance(request[1], bytes):
             return _render_text(templater, request[1])
         if request[0] == "first_turn" and len(request) == 3:
             ids, continued = templater.first_turn(request[1], _tools(request[2])), False
@@ -167,12 +172,21 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     if kind != "init":
         raise ValueError(f"expected an init frame, got {kind!r}")
     cap_memory(int(memory_bytes))  # before the tokenizer loads: the cap covers it
-    templater = load_templater(tokenizer_dir)
-    try:  # the template compiled, lazy imports done
-        templater.first_turn([{"role": "user", "content": "x"}])
-    except Exception as exc:  # noqa: BLE001 - a template that refuses a lone user message (one asking
-        # for a system message first) still renders the chats it takes (diff review s35 R4)
-        print(f"chat renderer: the warm-up render was refused ({type(exc).__name__}); going on", file=sys.stderr)
+    try:
+        templater = load_templater(tokenizer_dir)
+        try:  # the template compiled, lazy imports done
+            templater.first_turn([{"role": "user", "content": "x"}])
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template that refuses a lone user message (one asking
+            # for a system message first) still renders the chats it takes (diff review s35 R4)
+            print(f"chat renderer: the warm-up render was refused ({type(exc).__name__}); going on", file=sys.stderr)
+    except MemoryError as exc:  # (the parent names the cap, and backs off: ``render_process.StartGuard``)
+        templater, why = None, f"MemoryError: {exc}"[:MAX_ERROR_CHARS]
+    if templater is None:  # (what the load held is freed now)
+        replies.write(frame(["failed", "memory", why]))
+        replies.flush()
+        return
     _cap_files()
     _lower_priority()
     sandbox = confine(os.getcwd())  # from here on, tenants' messages

@@ -44,7 +44,7 @@ from services.gateway_render import (
 )
 from services.node_request import resolve_prefix_tokens
 from services.openai_api.tokenize import TokenizeRequest
-from services.render_process import RenderFailed, RenderTooLarge
+from services.render_process import RenderFailed, RenderTooLarge, TokenizerUnsaved
 from services.render_worker import MAX_TEXT_BYTES, MEMORY_BYTES
 from tests.gateway_harness import NODE_INFO, LocalActor
 from tests.test_gateway_restart_start import nodes, scheduler
@@ -250,7 +250,9 @@ def test_a_render_past_the_memory_cap_fails_alone_and_the_child_restarts(local: 
     templater = GatewayTemplater(tokenizer, RenderPool(tokenizer, 1))
     try:
         with pytest.raises(RenderTooLarge) as refused:
-            templater.render([{"role": "user", "content": "x" * (1 << 20)}])
+            # (33 messages: a child's render; a chat of <= 32 messages of plain text renders in the gateway's
+            # process, whatever its text's length: ``structure_chars``)
+            templater.render([{"role": "user", "content": "x" * (1 << 20)}, *SMALL * IN_PROCESS_MESSAGES])
         assert isinstance(refused.value, TemplateRefusal) and str(refused.value).startswith("messages: ")
         assert "more memory than the chat renderer may use" in str(refused.value)
         assert f"({MEMORY_BYTES >> 20} MiB)" in str(refused.value)
@@ -294,7 +296,7 @@ def test_a_tokenizer_no_child_can_load_renders_in_the_gateways_process(local: Ch
         for _ in range(2):
             assert templater.first_turn(HUGE[:100], TOOLS) == local.first_turn(HUGE[:100], TOOLS)
         assert templater.child_renders == 0 and templater.pool.processes == []
-        assert isinstance(templater.pool.unsaved, NotImplementedError)
+        assert isinstance(templater.pool.unsaved, TokenizerUnsaved) and "NotImplementedError" in str(templater.pool.unsaved)
     finally:
         templater.close()
 

@@ -105,6 +105,9 @@ def test_a_render_child_failure_is_internal_on_grpc(served: Served) -> None:
             assert err.value.code() == grpc.StatusCode.INTERNAL and "stopping" in err.value.details(), err.value
         status, body = served.post("/chat/completions", {"messages": CHAT, "max_tokens": 2, "n": 2})
         assert status == 500, body
+        # /tokenize too, in the error's words (diff review s36 R2 F5: "internal error (incident ...)")
+        status, body = _tokenize(served, {"messages": CHAT})
+        assert status == 500 and "stopping" in json.dumps(body) and "incident" not in json.dumps(body), body
     finally:
         served.servicer.templater = templater
     assert _grpc_chat(served, CHAT)[-1].finished.prompt_tokens == len(served.local.first_turn(CHAT))  # type: ignore[attr-defined]

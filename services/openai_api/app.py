@@ -103,6 +103,7 @@ from services.openai_api.streaming import (
 from services.openai_api.tokenize import DetokenizeRequest, TokenizeRequest, tokenize_answer
 from services.openai_api.tools import TOOL_PARSERS
 from services.ray_errors import PROCESS_UNREACHABLE, RayActorError, retry_after_ms
+from services.render_process import RenderFailed
 from services.tenant_turns import TenantTurns
 from services.tool_requests import auto_refusal
 
@@ -384,6 +385,9 @@ class OpenAIEdge:
                 body.token_ids(tokenizer, templater), max_model_len, tokenizer, body.return_token_strs)))
         except ValueError as exc:
             raise field_refusal(exc) from None
+        except RenderFailed as exc:  # the gateway's render child (as the chat sites: 026b1a8); before, a 500
+            # "internal error (incident ...)" that hid what failed (diff review s36 R2 F5)
+            raise CallAborted(grpc.StatusCode.INTERNAL, str(exc)) from None
         return await self.render(request, Held(answer["count"] * (2 if body.return_token_strs else 1)), lambda: answer)
 
     async def detokenize(self, request: Request, body: DetokenizeRequest) -> Response:

@@ -97,8 +97,9 @@ class TokenizeRequest(Strict):
         Raises ValueError naming the field: the chat's bounds (``template_messages``), no chat
         template, text that can never come to ``MAX_PROMPT_TOKEN_IDS`` tokens (refused before
         it is tokenized: ``ChatTemplater.check_fits``), more tokens than that, a render past its
-        child's memory cap (``render_process.RenderTooLarge``); ``RenderFailed`` where the
-        gateway's render child failed (a 500)."""
+        child's memory cap (``render_process.RenderTooLarge``) or its time
+        (``gateway_render.RenderTooSlow``); ``RenderFailed`` where the gateway's render child
+        failed (a 500 in its words: ``OpenAIEdge.tokenize``)."""
         if self.messages is not None:
             messages = template_messages(self.messages, self.tools)
             if templater is None:
