@@ -49,7 +49,7 @@ from cache_node.stop_strings import StopMatcher
 from services.chat import ChatTemplater, Messages, content_chars, encode_text
 from services.chat_tools import check_tool_output, template_call
 from services.node_request import NodeRequest, logprobs_entry, prompt_logprobs_entry
-from services.render_process import RemoteTemplater, RenderProcess
+from services.render_process import RemoteTemplater, RenderFailed, RenderProcess, TokenizerUnsaved
 from services.tool_calls import ToolOutput  # (the edge's reader: no web stack, review 29i F6)
 
 Event = dict[str, Any]
@@ -251,12 +251,12 @@ class Streams:
             self._renderer.submit(self._warm_render_child)
 
     def _warm_render_child(self) -> None:
-        templater = self._render_templater()
-        if isinstance(templater, RemoteTemplater):
-            try:
+        try:
+            templater = self._render_templater()
+            if isinstance(templater, RemoteTemplater):
                 templater.process.start()
-            except Exception as exc:  # noqa: BLE001 - the first render starts it again
-                log.warning("cache node %s: %s: %s", self.node_id, type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - the first render starts it again
+            log.warning("cache node %s: %s: %s", self.node_id, type(exc).__name__, exc)
 
     def _render_templater(self) -> Any:
         """Renderer thread: the templater ``_prompt`` renders chat requests with: a
@@ -280,11 +280,15 @@ class Streams:
             return templater
         try:
             process = RenderProcess(templater.tokenizer)
-        except Exception as exc:  # noqa: BLE001 - renders go on in this thread, as before
+        except TokenizerUnsaved as exc:  # renders go on in this thread, as before
             log.warning("cache node %s: chat requests render in the node's process (its tokenizer could not be "
                         "saved for a render process: %s: %s)", self.node_id, type(exc).__name__, exc)
             self._render_unsaved = templater
             return templater
+        except RenderFailed:  # passing (a full temp dir, no file descriptor left): this render fails
+            raise
+        except Exception as exc:  # any other failure to make one fails this render alone
+            raise RenderFailed(f"the chat renderer could not be made ({type(exc).__name__}: {exc})") from exc
         self._render_child = RemoteTemplater(templater, process)
         if self._render_closed:  # (``_stop_renderer`` ran meanwhile)
             process.close()

@@ -215,3 +215,23 @@ def test_a_render_childs_out_of_protocol_replies_are_refused(node: CacheNode, tm
         assert process.num_starts == len(LIES) + 1
     finally:
         process.close()
+
+
+def test_a_passing_failure_to_make_the_render_child_fails_that_chat_alone(node: CacheNode, monkeypatch) -> None:
+    """A render child that cannot be made for a passing reason (here: the temporary directory
+    gone, ``OSError`` saving the tokenizer) fails that chat alone (INTERNAL, naming it); the
+    next chat gets a child again. Regression (review s36 R2 F4, the node's kind): any failure
+    to make one sent every later chat of the node's life to its own process (the GIL shared
+    with the step thread again), as for a tokenizer that can never be saved."""
+    started_child(node)
+    old = node._render_child
+    old.process.close()
+    node._render_child = None
+    monkeypatch.setattr("tempfile.tempdir", "/nonexistent/kvstrata-render-test")
+    failed = asyncio.run(events(node, chat("unmade", "a", BIG_CHAT[:1])))
+    assert failed[-1]["type"] == "error" and failed[-1]["code"] == "INTERNAL", failed
+    assert node._render_child is None and node._render_unsaved is None
+    monkeypatch.undo()
+    after = asyncio.run(events(node, chat("made-again", "a", BIG_CHAT[:1])))
+    assert after[-1]["type"] == "finished", after
+    assert node._render_child is not None and node._render_child.process.pid is not None
