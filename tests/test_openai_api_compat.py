@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from cache_node.outputs import SessionBusy
+from services.gateway_key_watch import DELETED_MESSAGE
 from services.openai_api.app import OpenAIEdge, create_app
 from services.openai_api.context import CallAborted
 from services.openai_api.server import HttpServer
@@ -216,6 +217,9 @@ STEP_FAILED = "this request's step failed on the cache node (see its log); the n
 SESSION_GONE = ("the session ended (closed, expired or its first turn failed) before this turn started; its "
                 "history is gone: send the turn again to start it anew")
 SESSION_BUSY = str(SessionBusy("conc-1"))
+MOVED_SESSION = ("session 's1' was opened under another cache namespace (another cache_salt, or the tenant's cache "
+                 "namespace changed since): ... close it (gRPC CloseSession, HTTP DELETE /v1/sessions/{session_id}) "
+                 "and start a new session")  # (cache_node.sessions.check_turn's)
 
 
 @pytest.mark.parametrize(("code", "message", "retry_after_ms", "status", "retry"), [
@@ -229,6 +233,10 @@ SESSION_BUSY = str(SessionBusy("conc-1"))
     (grpc.StatusCode.UNAVAILABLE, "no cache node is healthy: n0: marked down", None, 503, None),
     (grpc.StatusCode.ABORTED, SESSION_GONE, None, 409, None),  # sending the turn again starts it anew
     (grpc.StatusCode.ABORTED, SESSION_BUSY, None, 409, None),  # sent again after the running turn, it runs
+    # (review s36 R4 F2, N2: both were retried, the first's message saying to close the session)
+    (grpc.StatusCode.FAILED_PRECONDITION, MOVED_SESSION, None, 400, "false"),
+    (grpc.StatusCode.ABORTED, DELETED_MESSAGE, None, 409, "false"),
+    (grpc.StatusCode.ABORTED, "the tenant was deleted", None, 409, "false"),
 ])
 def test_refusals_a_retry_cannot_fix_say_so(code: grpc.StatusCode, message: str, retry_after_ms: int | None,
                                             status: int, retry: str | None) -> None:

@@ -14,7 +14,7 @@ a 400 is about, ``CallAborted.param``):
 gRPC status            HTTP  OpenAI ``error.type``
 =====================  ====  ==========================
 INVALID_ARGUMENT       400   invalid_request_error
-FAILED_PRECONDITION    400   invalid_request_error (a session turn after its tenant moved to another namespace)
+FAILED_PRECONDITION    400   invalid_request_error (a session turn under another namespace than its session's)
 ALREADY_EXISTS         409   invalid_request_error
 UNAUTHENTICATED        401   authentication_error
 PERMISSION_DENIED      403   permission_error
@@ -27,7 +27,8 @@ others                 500   internal_error
 =====================  ====  ==========================
 
 A refusal that retrying cannot fix (``CallAborted.retryable`` false: a session cap, a lost
-session's history, a failed step) carries ``x-should-retry: false``, which the official
+session's history, a session turn under another namespace, a deleted tenant's request, a failed
+step) carries ``x-should-retry: false``, which the official
 ``openai`` client obeys instead of retrying its 409s, 429s and 5xx; a 429 or 503 with
 ``Retry-After`` stays retryable.
 
@@ -82,10 +83,12 @@ session id) never reads as one (review of 6b09071, L1: a policy named "KV pool" 
 _ABOUT_COMPLETION = re.compile(r"max_tokens|max_completion_tokens|completion", re.IGNORECASE)
 """A size refusal that counts the tokens asked for (not the prompt's alone)."""
 
-_PERMANENT = re.compile(r"CloseSession|max_sessions_per_tenant|max_session_text_chars_per_tenant|history was lost")
+_PERMANENT = re.compile(r"CloseSession|max_sessions_per_tenant|max_session_text_chars_per_tenant|history was lost"
+                        r"|tenant was deleted")
 """Refusals (429, 409) only closing sessions can end: the tenant's session cap
 (``too_many_sessions``), its kept session text on a node, a session whose history was lost
-with its node (``session_lost``)."""
+with its node (``session_lost``); and a request ended because its tenant was deleted (409,
+ABORTED: a retry gets 401)."""
 
 _GATEWAY_GONE = "the gateway that sent this request is gone"
 """The scheduler's ``gateway_gone`` refusal (503): it stands while this gateway runs."""
@@ -119,13 +122,15 @@ class CallAborted(Exception):
     @property
     def retryable(self) -> bool:
         """A retry of the same request may succeed: false for a session cap or a lost session's
-        history (only a CloseSession helps), for a step that failed on the node (INTERNAL: a
-        retry runs it again) and for a gateway the scheduler counts as gone (``gateway_gone``);
-        true for any refusal with ``retry_after_ms``."""
+        history (only a CloseSession helps), for a session turn after its tenant moved to another
+        namespace (FAILED_PRECONDITION: the same), for a request its tenant's deletion ended,
+        for a step that failed on the node (INTERNAL: a retry runs it again) and for a gateway
+        the scheduler counts as gone (``gateway_gone``); true for any refusal with
+        ``retry_after_ms``."""
         if self.retry_after_ms is not None:
             return True
-        if self.code == grpc.StatusCode.INTERNAL or (self.code == grpc.StatusCode.UNAVAILABLE
-                                                     and self.message.startswith(_GATEWAY_GONE)):
+        if self.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION) or (
+                self.code == grpc.StatusCode.UNAVAILABLE and self.message.startswith(_GATEWAY_GONE)):
             return False
         return not (self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
                     and _PERMANENT.search(self.message))
