@@ -54,7 +54,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cache_node.tiers.spill_format import BlockFormat, open_regular, write_small_file
-from cache_node.tiers.spill_lock import SpillDirLocked
+from cache_node.tiers.spill_lock import SpillDirLocked, stored_owner
 from cache_node.tiers.spill_store import SpillEvent, SpillHits, SpillStore
 from services.actor_refs import ActorRef
 from services.block_reports import BlockReporter
@@ -225,12 +225,27 @@ class SpillNode:
         self._waiting = {}
         self._serves = True
 
+    def _is_previous(self, exc: SpillDirLocked) -> bool:
+        """Whether the holder ``exc`` names is this node's previous process: the same owner (Ray
+        namespace, actor name and deployment), as the lock file stores it (``stored_owner``:
+        cleaned, cut), on this host; another host's holder (a spill_dir over NFS) never is
+        (review R3 F3). A holder of the version before de8b111 wrote its owner without
+        ``@<deployment>``: that owner, ``<ns>/<name>``, is taken as the previous process too.
+
+        Regression (review s36 R4 F1): the first restart after the upgrade took the old worker
+        still exiting for another store and failed the start, advising another spill_dir; and
+        an owner longer than ``MAX_OWNER_CHARS`` or holding whitespace never matched itself."""
+        if not exc.owner or exc.host != socket.gethostname()[:255]:
+            return False
+        if exc.owner == stored_owner(self.owner):
+            return True
+        before, at, _ = self.owner.rpartition("@")
+        return bool(at) and "@" not in exc.owner and exc.owner == stored_owner(before)
+
     def _note_locked(self, exc: SpillDirLocked, tries: int, since: float) -> None:
         """Record (``status``) and log who holds the directory: this node's previous process
         (warning) or another store (error, which an operator must resolve)."""
-        # the same owner (Ray namespace, actor name and deployment) on this host: another host's
-        # holder (a spill_dir over NFS) is never this node's previous process (review R3 F3)
-        previous = bool(exc.owner) and exc.owner == self.owner and exc.host == socket.gethostname()[:255]
+        previous = self._is_previous(exc)
         last = self._waiting.get("logged_at", -LOCK_LOG_EVERY_S)
         now = time.monotonic()
         self._waiting = {"error": str(exc), "holder_pid": exc.pid, "holder_host": exc.host,

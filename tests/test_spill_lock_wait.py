@@ -233,3 +233,37 @@ def test_a_restarted_node_whose_metrics_port_is_still_taken_serves_once_it_is_fr
     finally:
         taken.close()
         node.close()
+
+
+@pytest.mark.parametrize(("held_by", "mine", "previous"), [
+    # the version before de8b111 wrote '<ns>/<name>', without '@<deployment>'
+    ("kvstrata/spill_node_0", "kvstrata/spill_node_0@0123456789abcdef", True),
+    # an owner the lock file cleans (whitespace) and cuts (MAX_OWNER_CHARS) is still its own
+    ("ns x/" + "n" * 300 + "@0123456789abcdef", "ns x/" + "n" * 300 + "@0123456789abcdef", True),
+    ("ns x/" + "n" * 300, "ns x/" + "n" * 300 + "@0123456789abcdef", True),
+    # 200 four-byte characters: more than the 512 bytes the holder's line was read from
+    ("ns/" + "\U0001f642" * 250, "ns/" + "\U0001f642" * 250 + "@0123456789abcdef", True),
+    # another deployment, another node, another namespace: another store
+    ("kvstrata/spill_node_0@fedcba9876543210", "kvstrata/spill_node_0@0123456789abcdef", False),
+    ("kvstrata/spill_node_1", "kvstrata/spill_node_0@0123456789abcdef", False),
+    ("other/spill_node_0", "kvstrata/spill_node_0@0123456789abcdef", False),
+])
+def test_an_upgraded_or_long_owner_knows_its_previous_process(
+        tmp_path: Path, held_by: str, mine: str, previous: bool) -> None:
+    """Regression (review s36 R4 F1): the holder of the version before de8b111 ('<ns>/<name>')
+    was taken for another store on the first restart after the upgrade, and an owner the lock
+    file cleans or cuts never matched itself."""
+    from cache_node.tiers.spill_store import SpillStore
+
+    root = tmp_path / "0"
+    root.mkdir(mode=0o700)
+    old = SpillStore(root, FMT, ram_bytes=0, disk_bytes=DISK, lock_owner=held_by)
+    try:
+        node = SpillNode(str(root), FMT, 0, DISK, node_id="spill_node_0", lock_owner=mine, lock_wait_s=0.1)
+        try:
+            status = node.status()
+            assert status["serving"] is False and status["previous_process"] is previous, status
+        finally:
+            node.close()
+    finally:
+        old.close()

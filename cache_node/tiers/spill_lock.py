@@ -37,6 +37,7 @@ LOCK_FILE = "spill.lock"
 MAX_OWNER_CHARS = 200
 """Longest owner written into the lock file (longer ones are cut)."""
 
+_READ_BYTES = 4096  # the longest line written: a pid, a 255-char host and a 200-char owner, UTF-8
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _POLL_S = 0.05
 
@@ -114,11 +115,17 @@ def _clean(owner: str) -> str:
     return "".join("_" if ch.isspace() or not ch.isprintable() else ch for ch in owner[:MAX_OWNER_CHARS])
 
 
+def stored_owner(owner: str) -> str:
+    """``owner`` as the lock file stores it and ``SpillDirLocked.owner`` reads it back (cleaned,
+    cut at ``MAX_OWNER_CHARS``): what a holder's owner is compared with."""
+    return _clean(owner)
+
+
 def _holder(fd: int) -> tuple[int, str, str]:
     """The holder as its lock file names it: (pid, host, owner); 0 or "" for what it does not
     say (an unreadable or foreign file: its words are checked, never trusted further)."""
     try:
-        words = os.pread(fd, 512, 0).decode("utf-8", "replace").split()
+        words = os.pread(fd, _READ_BYTES, 0).decode("utf-8", "replace").split()
     except OSError:
         words = []
     if not words or not words[0].isdigit() or len(words[0]) > 10:
