@@ -22,6 +22,8 @@ the late put ends, and a stalled spill node holds at most one put from each cach
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +36,10 @@ from cache_node.tiers.spill_api import SpillFlushIncomplete, well_formed
 from cache_node.tiers.spill_store import SpillEvent, SpillHits
 
 logger = logging.getLogger(__name__)
+
+FAIL_LOG_EVERY_S = 60.0
+"""How often a node's failures of one kind (put, get, contains, ...) are logged at most (seconds);
+the ones not logged meanwhile are counted all the same and their number said with the next."""
 
 
 class RaySpillClient:
@@ -75,6 +81,9 @@ class RaySpillClient:
         self.put_timeout_s = put_timeout_s
         self.counters: Counter[str] = Counter()
         self._late_puts: dict[int, Any] = {}  # node -> a put that timed out and may still run
+        self._fail_lock = threading.Lock()
+        # (node, kind) -> (when its failure was last logged, failures not logged since)
+        self._fail_logs: dict[tuple[int, str], tuple[float, int]] = {}
 
     def shard_of(self, block_hash: bytes) -> int:
         """Index of the node that holds ``block_hash``."""
@@ -233,8 +242,23 @@ class RaySpillClient:
         return out
 
     def _fail(self, kind: str, node: int, why: str, counter: str = "") -> None:
-        logger.warning("spill %s on node %d failed (%s): treated as a miss", kind, node, why)
-        self.counters[counter or f"{kind}_failures"] += 1
+        """Count a failed ``kind`` call of ``node`` (``counter``, else ``<kind>_failures``) and
+        log it, at most once per ``FAIL_LOG_EVERY_S`` per (node, kind), saying how many were
+        not logged since.
+
+        Regression (review s36 R4 F3): a node that does not serve (SpillDirLocked, for as long as
+        another store holds its directory) logged a WARNING for every put/get batch of every
+        cache node."""
+        now = time.monotonic()
+        with self._fail_lock:
+            self.counters[counter or f"{kind}_failures"] += 1
+            last, quiet = self._fail_logs.get((node, kind), (-FAIL_LOG_EVERY_S, 0))
+            if now - last < FAIL_LOG_EVERY_S:
+                self._fail_logs[(node, kind)] = (last, quiet + 1)
+                return
+            self._fail_logs[(node, kind)] = (now, 0)
+        more = f"; {quiet} more {kind} failures of it in the last {now - last:.0f} s not logged" if quiet else ""
+        logger.warning("spill %s on node %d failed (%s): treated as a miss%s", kind, node, why, more)
 
 
 def _first_line(exc: BaseException) -> str:
