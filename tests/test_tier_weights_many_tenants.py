@@ -121,3 +121,18 @@ def test_a_refreshed_weight_keeps_the_cached_sum_and_lapses_still_count() -> Non
     assert weights.of(TEAM) == 5.0 and weights.put_weight(TEAM) == {"A": 5.0}
     weights.set(TEAM, 2, "A")  # a changed weight counts at once
     assert weights.of(TEAM) == 2.0
+
+
+def test_tenants_set_at_one_clock_value_still_lapse() -> None:
+    """Regression (review s36 R4 N1): every entry whose set time tied the newest counted as
+    newest, so with a coarse clock the cached sum never ended and a silent tenant never lapsed
+    (nor left the puts' weights)."""
+    t = [0.0]
+    weights = HolderWeights(ttl_s=600.0, clock=lambda: t[0])
+    weights.merge("ns", {"a": 3.0, "b": 1.0, "c": 2.0})  # one spill put's merge, one clock value
+    assert weights.of("ns") == 6.0
+    for k in range(1, 8):  # only b keeps sending (refreshes: the same weight)
+        t[0] = 200.0 * k
+        weights.merge("ns", {"b": 1.0})
+        assert weights.of("ns") == (6.0 if t[0] < 600.0 else 1.0), t[0]
+    assert weights.put_weight("ns") == {"b": 1.0} and weights.tenants("ns") == {"b": 1.0}

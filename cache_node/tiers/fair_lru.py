@@ -276,15 +276,18 @@ class HolderWeights:
         self._sums.pop(holder, None)
 
     def _sum(self, holder: str, now: float) -> float:
-        """``holder``'s weight now, its lapsed tenants' entries dropped (all but the most
-        recently set one, which always counts); cached until the next one lapses. Under
-        ``_lock``."""
+        """``holder``'s weight now, its lapsed tenants' entries dropped (all but one most
+        recently set, which always counts, even when others were set at the same clock value);
+        cached until the next one lapses. Under ``_lock``."""
         names = list(self._tenants.get(holder, ()))
-        newest = max((self._entries[(holder, name)][1] for name in names), default=now)
+        # one entry, not every one set at the newest time: with a coarse clock several share it,
+        # and counting them all as newest cached the sum for good, so none of them ever lapsed
+        # (review s36 R4 N1)
+        newest = max(names, key=lambda name: self._entries[(holder, name)][1], default=None)
         total, until = 0.0, math.inf
         for name in names:
             value, at = self._entries[(holder, name)]
-            if name and at < newest:
+            if name and name != newest:
                 if now - at >= self.ttl_s:
                     self._drop(holder, name)
                     continue
