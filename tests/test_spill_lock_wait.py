@@ -42,13 +42,13 @@ time.sleep(600)
 """
 
 
-@pytest.fixture
-def holder(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
-    """Starts another process whose store holds a directory under ``owner``; killed at the end."""
+def holder_processes(script: str) -> Iterator[callable]:  # type: ignore[valid-type]
+    """Yields ``start(root, owner)``: a process running ``script`` (``HOLDER`` or one like it),
+    whose store holds ``root`` under ``owner`` once it printed "ready"; all killed at the end."""
     procs: list[subprocess.Popen[str]] = []
 
     def start(root: Path, owner: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), owner], cwd=Path(__file__).parents[1],
+        proc = subprocess.Popen([sys.executable, "-c", script, str(root), owner], cwd=Path(__file__).parents[1],
                                 stdout=subprocess.PIPE, text=True)
         procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -60,6 +60,12 @@ def holder(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.fixture
+def holder() -> Iterator[callable]:  # type: ignore[valid-type]
+    """Starts another process whose store holds a directory under ``owner``; killed at the end."""
+    yield from holder_processes(HOLDER)
 
 
 def wait_serving(node: SpillNode, within_s: float = 15.0) -> float:

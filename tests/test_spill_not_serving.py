@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +31,7 @@ from services import spill_client, spill_node
 from services.metrics import MetricsEndpoint
 from services.spill_client import RaySpillClient
 from services.spill_node import SpillNode, SpillNodeActor, create_spill_node
+from tests.test_spill_lock_wait import holder_processes, wait_serving
 from tests.test_spill_store import BLOCK, DISK, FMT, hashes_of, make_blocks
 
 OTHER_HOST = """
@@ -53,31 +52,10 @@ time.sleep(600)
 
 
 @pytest.fixture
-def other_host(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
+def other_host() -> Iterator[callable]:  # type: ignore[valid-type]
     """Starts a process whose store holds a directory under ``owner``, as a holder on another
     host names itself; killed at the end."""
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(root: Path, owner: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-c", OTHER_HOST, str(root), owner],
-                                cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        return proc
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def wait_serving(node: SpillNode, within_s: float = 15.0) -> None:
-    start = time.monotonic()
-    while not node.status()["serving"]:
-        assert time.monotonic() - start < within_s, node.status()
-        time.sleep(0.05)
+    yield from holder_processes(OTHER_HOST)
 
 
 def test_every_data_call_of_a_waiting_node_fails(tmp_path: Path) -> None:
