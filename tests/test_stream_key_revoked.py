@@ -133,13 +133,14 @@ class Plane(LoopPlane):
         future.call = call_  # type: ignore[attr-defined]
         return future
 
-    def http_completion(self, key: str, stream: bool) -> concurrent.futures.Future[tuple[int, str]]:
-        """A long /v1/completions, read to its end: (its HTTP status, its body)."""
+    def http_completion(self, key: str, stream: bool, **extra: Any) -> concurrent.futures.Future[tuple[int, str]]:
+        """A long /v1/completions (``extra``: more body fields), read to its end: (its HTTP
+        status, its body)."""
 
         def post() -> tuple[int, str]:
             conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=90)
             body = {"model": self.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                    "stream": stream}
+                    "stream": stream, **extra}
             conn.request("POST", "/v1/completions", json.dumps(body),
                          {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
             reply = conn.getresponse()
@@ -287,19 +288,7 @@ def test_an_n2_completion_whose_key_goes_while_a_choice_waits_to_start_is_401(pl
 
     streams.admit = slow_admit  # type: ignore[method-assign]
     try:
-        def post() -> tuple[int, str]:
-            conn = http.client.HTTPConnection("127.0.0.1", plane.http_port, timeout=60)
-            conn.request("POST", "/v1/completions", json.dumps({"model": plane.model, "prompt": PROMPT,
-                                                                 "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                                                                 "n": 2}),
-                         {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-            reply = conn.getresponse()
-            try:
-                return reply.status, reply.read().decode()
-            finally:
-                conn.close()
-
-        answer = plane.pool.submit(post)
+        answer = plane.http_completion(key, False, n=2)
         wait_for(lambda: plane.node_streams().get(tenant_id, 0) == 1, 30)
         time.sleep(0.3)
         t0 = time.monotonic()
