@@ -620,6 +620,13 @@ def await_serving(handles: Sequence[ActorHandle[SpillNode]], timeout_s: float, p
                 break
             except SpillDirLocked as exc:  # ray.get raises the task's error as its cause's class too
                 status = ray.get(handle.status.remote(), timeout=max(deadline - time.monotonic(), 1.0))
+                if status.get("serving") or "error" not in status:
+                    # it began serving between the two calls (its waiting state already cleared): no
+                    # verdict, ask again (regression: s36 CI, a start failed as "another store" here)
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(f"a spill node does not serve after {timeout_s:g} s: {exc}") from None
+                    time.sleep(min(poll_s, 0.05))
+                    continue
                 if not status.get("previous_process"):
                     raise RuntimeError(
                         f"a spill node does not serve: {status.get('error', exc)}. It keeps trying, and serves "
