@@ -203,6 +203,13 @@ class ServiceConfig(BaseModel):
     max_streams_per_tenant: int = Field(256, ge=1, le=1 << 16)
     max_undelivered_bytes: int = Field(1 << 20, ge=1 << 12, le=1 << 30)
     stream_idle_timeout_s: float = Field(300.0, ge=1.0, le=86400.0)
+    # The longest a gateway goes on with API keys it cannot confirm at the scheduler
+    # (services.gateway_key_watch.KeyWatch): an open stream whose key was last confirmed longer
+    # ago (its opening, or the last key-directory refresh that answered) ends UNAVAILABLE (HTTP
+    # 503, retryable) at a failed check that follows another, as its key may have been removed meanwhile. Not
+    # below 10 s: the gateway's key cache (10 s; new calls past it ask the scheduler, UNAVAILABLE
+    # when it does not answer) stays within it, and one failed refresh (KEY_CHECK_S, 5 s) ends nothing.
+    key_staleness_max_s: float = Field(30.0, ge=10.0, le=3600.0)
     # Bounds on the gateway's gRPC connections (services.grpc_bounds.GrpcLimits; grpc core's
     # server options). A connection must finish its HTTP/2 handshake within
     # grpc_handshake_timeout_s of its accept; one with no call open for grpc_max_connection_idle_s

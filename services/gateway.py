@@ -176,7 +176,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             stream_idle_timeout_s=limits.idle_timeout_s,
         )
         self.metrics.watch_streams(lambda: self.streams)  # streams ended unread
-        self.key_watch = KeyWatch(self.streams, auth)  # streams end when their key is removed
+        self.key_watch = KeyWatch(self.streams, auth,  # streams end when their key is removed
+                                  staleness_max_s=limits.key_staleness_max_s)
 
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that

@@ -28,8 +28,29 @@ documented and as before the watch.
 Ids never come back (every key gets a fresh random id), so an id absent from the store is gone
 for good; a stream is checked only against a refresh started after it was opened (its key was
 checked before it opened), so a key made after that refresh's read is never taken for removed.
-A refresh that fails (``KeyDirectory``: error, timeout, malformed reply) ends nothing; the next
-check tries again.
+A refresh that fails (``KeyDirectory``: error, timeout, malformed reply) ends no stream for its
+key; the next check tries again. But a gateway that cannot reach the scheduler's key directory
+cannot see a key removed meanwhile, so the watch does not go on with unconfirmed keys for
+longer than ``staleness_max_s`` (``ServiceConfig.key_staleness_max_s``, 30 s by default): a
+check whose refresh fails, after the check before it failed too, ends UNAVAILABLE (retryable:
+HTTP 503 with ``Retry-After``) each stream whose key was last confirmed longer ago than that
+(when it was opened: its key was checked then, and its admission checked its key id; or the
+start of the last of this watch's refreshes that answered). So such a stream ends within
+``staleness_max_s + interval_s`` plus one refresh's timeout (``_DIRECTORY_TIMEOUT_S``, 5 s) of
+its key's last confirmation: ~40 s by default. Ended, not left to run: a removed key's stream
+would otherwise run for as long as the directory fails (up to ``max_tokens``), and its
+retry asks the scheduler anew (admission checks its key), so a valid client loses the tokens
+of one outage and a stolen key gains nothing. One failed refresh (a scheduler restart, a
+timeout) ends nothing: two failures in a row are needed, and the bound counts from the last
+answer. (A gateway's own stall, which may time its refresh out, is one failure: the next
+check, ``interval_s`` later, answers.) New calls never authenticate on older knowledge than
+the key cache's ``services.auth._CACHE_TTL_S`` (10 s, within every allowed
+``key_staleness_max_s``): past it a key is checked at the scheduler, and a scheduler that does
+not answer fails the call UNAVAILABLE (``services.actor_calls``).
+
+Regression (gap left by session 36, fixed in session 37): a failed refresh ended nothing, ever,
+so while the directory did not answer (the scheduler unreachable from this gateway, or its
+replies malformed) the streams of keys removed meanwhile ran on to their end.
 """
 
 from __future__ import annotations
@@ -37,6 +58,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -49,6 +72,16 @@ Within the gateway's key cache's own window (``services.auth._CACHE_TTL_S``, 10 
 REVOKED_MESSAGE = ("the API key that opened this stream is no longer valid (rotated away, or its tenant deleted); "
                    "the request was cancelled")
 """What a stream ended for its key tells its client (UNAUTHENTICATED)."""
+
+KEY_STALENESS_MAX_S = 30.0
+"""The longest an open stream runs on with its API key unconfirmed while the key directory does
+not answer (``ServiceConfig.key_staleness_max_s``'s default): six checks, so a refresh or two
+that fail (a scheduler restart, a timeout under load) end nothing, while a key removed during
+an outage stops working within ~40 s (see the module docstring)."""
+
+STALE_MESSAGE = ("this gateway could not confirm that the API key of this stream is still valid for {max_s:g} s "
+                 "(the scheduler's key directory does not answer); the request was cancelled; retry")
+"""What a stream ended for an unconfirmed key tells its client (UNAVAILABLE)."""
 
 DELETED_MESSAGE = "this tenant was deleted; the request was cancelled"
 """What a stream ended for its tenant's deletion tells its client (ABORTED)."""
@@ -72,21 +105,30 @@ class KeyWatch:
             refreshed for each check, its ``scheduler`` asked whether the tenants of removed
             keys still exist (``knows_tenant``), and its ``on_keys_gone`` is set to ``keys_gone``.
         interval_s: seconds between checks while streams are open (> 0).
+        staleness_max_s: how long a stream may go on with its key unconfirmed while the
+            directory's refreshes fail (> 0; see the module docstring).
 
     ``start`` (idempotent, on the running loop; ``InferenceServicer.generate`` calls it) runs
     the checks until ``streams`` shuts down; once it has (``NodeStreams.closed``) ``start``
     starts nothing. ``ended`` counts the streams ended so, ``aborted`` those of them ended
-    ABORTED (their tenant deleted).
+    ABORTED (their tenant deleted), ``unconfirmed`` those ended UNAVAILABLE for
+    ``staleness_max_s`` (not in ``ended``). Times are the clock of ``streams`` (``clock``,
+    monotonic seconds), which stamps each stream's ``opened_at``.
 
     Raises:
-        ValueError: ``interval_s`` <= 0.
+        ValueError: ``interval_s`` or ``staleness_max_s`` <= 0.
     """
 
-    def __init__(self, streams: Any, auth: Any, interval_s: float = KEY_CHECK_S) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    def __init__(self, streams: Any, auth: Any, interval_s: float = KEY_CHECK_S,
+                 staleness_max_s: float = KEY_STALENESS_MAX_S) -> None:
+        if not interval_s > 0 or not staleness_max_s > 0:
+            raise ValueError(f"interval_s and staleness_max_s must be > 0, got {interval_s}, {staleness_max_s}")
         self.streams, self.auth, self.interval_s = streams, auth, interval_s
-        self.ended = self.aborted = 0
+        self.staleness_max_s = staleness_max_s
+        self.clock = getattr(streams, "clock", time.monotonic)
+        self.ended = self.aborted = self.unconfirmed = 0
+        self._confirmed_at = -math.inf  # when the last of this watch's refreshes that answered started
+        self._failed_checks = 0  # checks in a row whose refresh failed
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._gone_ids: set[str] = set()  # removed ids told by ``keys_gone``, for the next check
@@ -119,8 +161,10 @@ class KeyWatch:
     async def check(self) -> int:
         """One check: the streams open now of the ids ``keys_gone`` was told, and then those
         whose key id is absent from the store as of a key directory refresh started after
-        this call, are ended (``_end``); returns the streams ended while it ran (0 when none
-        is open with a key; those told alone when the refresh failed)."""
+        this call, are ended (``_end``); when the refresh fails, after the check before failed
+        too, the streams whose key is unconfirmed for longer than ``staleness_max_s`` end
+        UNAVAILABLE (``_end_unconfirmed``). Returns the streams ended for their keys while it
+        ran (0 when none is open with a key; those told alone when the refresh failed)."""
         gone_ids, self._gone_ids = self._gone_ids, set()
         before = self.ended
         if gone_ids:
@@ -128,11 +172,30 @@ class KeyWatch:
         opened = self.streams.key_streams()
         if not opened:
             return self.ended - before
-        directory = self.auth.directory
+        directory, started = self.auth.directory, self.clock()
         if await directory.refresh():
+            self._confirmed_at, self._failed_checks = max(self._confirmed_at, started), 0
             ids = directory.ids
             await self._end([s for s in opened if s[1] not in ids])
+        else:
+            self._failed_checks += 1
+            if self._failed_checks >= 2:
+                self._end_unconfirmed(opened)
         return self.ended - before
+
+    def _end_unconfirmed(self, opened: list[tuple[str, str, str, Any]]) -> int:
+        """End UNAVAILABLE each stream of ``opened`` whose key was last confirmed (its opening,
+        or ``_confirmed_at``) more than ``staleness_max_s`` ago; returns how many ended."""
+        now, message = self.clock(), STALE_MESSAGE.format(max_s=self.staleness_max_s)
+        ended = 0
+        for request_id, _, _, opening in opened:
+            if now - max(opening.opened_at, self._confirmed_at) > self.staleness_max_s:
+                ended += self.streams.end_revoked(request_id, opening, message, "UNAVAILABLE")
+        if ended:
+            self.unconfirmed += ended
+            log.warning("gateway: ended %d stream(s) whose API key could not be confirmed for %g s (the key "
+                        "directory does not answer)", ended, self.staleness_max_s)
+        return ended
 
     async def _end(self, opened: list[tuple[str, str, str, object]]) -> int:
         """End the streams ``opened`` (``NodeStreams.key_streams``' entries, their keys removed):

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway_key_watch import KEY_STALENESS_MAX_S
+
 MAX_STREAMS_PER_TENANT = 256
 """Generate calls one tenant may have open at one gateway (``StreamLimits``)."""
 
@@ -83,6 +85,10 @@ class StreamLimits:
             the same way, and the task writing it to its client stopped, so
             its tenant's stream is released (``NodeStreams.expire_idle``). A client that takes
             something within each such period, however slowly, is never ended.
+        key_staleness_max_s: a stream whose API key was last confirmed longer ago than this
+            (its opening, or the key watch's last key-directory refresh that answered) ends
+            UNAVAILABLE at the watch's next check that fails (``KeyWatch``): its key may have
+            been removed meanwhile.
 
     Regression (secrev18 B residue): the first two were constructor arguments alone (a
     deployment could not set them), and nothing ended a stream whose client stopped reading:
@@ -93,16 +99,18 @@ class StreamLimits:
     max_streams_per_tenant: int = MAX_STREAMS_PER_TENANT
     max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES
     idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S
+    key_staleness_max_s: float = KEY_STALENESS_MAX_S
 
     def __post_init__(self) -> None:
-        for name in ("max_streams_per_tenant", "max_undelivered_bytes", "idle_timeout_s"):
+        for name in ("max_streams_per_tenant", "max_undelivered_bytes", "idle_timeout_s", "key_staleness_max_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StreamLimits.{name} must be > 0, got {getattr(self, name)!r}")
 
     @classmethod
     def of(cls, config: Any) -> StreamLimits:
         """The limits a ``ServiceConfig`` sets."""
-        return cls(config.max_streams_per_tenant, config.max_undelivered_bytes, config.stream_idle_timeout_s)
+        return cls(config.max_streams_per_tenant, config.max_undelivered_bytes, config.stream_idle_timeout_s,
+                   config.key_staleness_max_s)
 
 TEXT_PIECES_JOINED = 64
 """A pending delta joins its text pieces into one string each time it holds this many."""

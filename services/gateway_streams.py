@@ -50,9 +50,11 @@ once, not at ``stream_idle_timeout_s``, and stops counting against its tenant's
 ``max_streams_per_tenant``. The stalls of the gateway's own event loop meanwhile are not
 counted (``LoopLag``), as for ``stream_idle_timeout_s``."""
 
-REVOKED_CODES = ("UNAUTHENTICATED", "ABORTED")
-"""The codes ``end_revoked`` ends a stream with: its key was removed (rotated away), or its
-tenant was deleted (as its nodes' ``end_tenant`` ends it)."""
+REVOKED_CODES = ("UNAUTHENTICATED", "ABORTED", "UNAVAILABLE")
+"""The codes ``end_revoked`` ends a stream with: its key was removed (rotated away), its
+tenant was deleted (as its nodes' ``end_tenant`` ends it), or its key could not be confirmed
+for ``StreamLimits.key_staleness_max_s`` (the scheduler's key directory unreachable:
+``services.gateway_key_watch.KeyWatch``; retryable)."""
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Entry:
     prompt_left: int = -1  # prompt entries still due: its first ``started`` event's prompt tokens - 1
     tokens_seen: bool = False  # a delta with token ids came (no prompt entry may follow)
     prompt: tuple[int, ...] = ()  # its prompt's token ids when the gateway knows them (else empty)
+    opened_at: float = 0.0  # when ``open`` made it (``clock``): its key was checked before then
 
     def check_prompt_count(self, event: dict[str, Any]) -> None:
         """A request asking for prompt logprobs gets at most one entry per prompt token after
@@ -462,7 +465,7 @@ class NodeStreams:
         tenant_id = request_id.partition("/")[0] if "/" in request_id else ""
         self._queues[request_id] = _Entry("", buffer, on_event, on_idle, logprobs=logprobs,
                                           prompt_logprobs=prompt_logprobs, prompt=prompt, key_id=key_id,
-                                          tenant_id=tenant_id)
+                                          tenant_id=tenant_id, opened_at=self.clock())
         self._opened_at[request_id] = self._failures
         return buffer
 
@@ -508,7 +511,7 @@ class NodeStreams:
         opened (``open``'s ``key_id``) and that has not ended: not ended for its key yet, and
         its end (``finished``, or an error: its node's ABORTED, UNAVAILABLE, RESOURCE_EXHAUSTED
         for an unread stream) not come yet (``_ended``). ``the opening`` tells ``end_revoked``
-        this stream from a later one of the same id.
+        this stream from a later one of the same id; its ``opened_at`` is when ``open`` made it.
 
         Regression (review R1 F1, session 36): ended streams were listed too, and
         ``end_revoked`` dropped a finished stream's unread output and its ``finished`` event
