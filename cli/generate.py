@@ -17,7 +17,7 @@ from cache_node.sampling_params import (
 )
 from cli.constraints import NO_CONSTRAINTS, Constraints, constraints
 from cli.messages import chat, messages_from_text, tool_results
-from cli.options import MAX_UINT32, GatewayOpt, finite
+from cli.options import MAX_UINT32, GatewayOpt, finite, id_chars
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import RPC_TIMEOUT_S, gateway_channel
 from cli.tools import apply_tools, tool_call_lines
@@ -234,16 +234,26 @@ def close_session(
     session: str = typer.Argument(..., metavar="SESSION", help="the session id given to `generate --session`"),
     api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
                                 help="the tenant's API key (the session's own tenant)"),
+    cache_salt: str = typer.Option("", "--cache-salt", metavar="SALT", callback=id_chars("--cache-salt"),
+                                   help="the cache_salt the session's turns were sent with (the HTTP API's "
+                                   "`cache_salt`; default: none): under another salt, or none, the same "
+                                   "SESSION is another session"),
     gateway: str | None = GatewayOpt,
 ) -> None:
     """Close one of your sessions: its KV is freed now, not when it expires (the server's
     `session_ttl_s` after its last turn); prints the tokens of history freed. Exit 1 with
-    NOT_FOUND when you have no session by that id."""
+    NOT_FOUND when you have no session by that id under that `--cache-salt`.
+
+    A session is one (SESSION, cache_salt) of its tenant: one opened through the HTTP API with
+    a `cache_salt` is closed with `--cache-salt` naming it (as `DELETE
+    /v1/sessions/{id}?cache_salt=` does); without it the unsalted session of that id is
+    closed, never a salted one."""
     with gateway_channel(gateway) as ch:
         try:
             resp = inference_pb2_grpc.InferenceServiceStub(ch).CloseSession(
-                inference_pb2.CloseSessionRequest(session_id=session),
+                inference_pb2.CloseSessionRequest(session_id=session, cache_salt=cache_salt),
                 metadata=(("authorization", f"Bearer {api_key}"),), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             fail(err)
-    say(f"closed session {escape(session)}: {resp.freed_tokens} tokens of history freed")
+    under = f" (cache_salt {escape(cache_salt)!r})" if cache_salt else ""
+    say(f"closed session {escape(session)}{under}: {resp.freed_tokens} tokens of history freed")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import typer
 
 MAX_UINT32, MAX_UINT64 = 2**32 - 1, 2**64 - 1
+MAX_ID_CHARS = 256
+"""The longest session id or ``cache_salt`` the gateway takes (``services.gateway_inputs.MAX_ID_CHARS``;
+the CLI does not import the gateway's modules: tests/test_cli_imports.py)."""
 
 
 def validation_message(error: dict[str, Any]) -> str:
@@ -32,6 +36,18 @@ def finite(value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
+
+
+def id_chars(option: str) -> Callable[[str], str]:
+    """Typer callback for an id the server takes up to ``MAX_ID_CHARS`` (256) characters of
+    (``services.gateway_inputs.MAX_ID_CHARS``: a session id, a ``cache_salt``), refused here
+    as a usage error naming ``option`` rather than as the server's INVALID_ARGUMENT."""
+    def check(value: str) -> str:
+        if len(value) > MAX_ID_CHARS:
+            raise typer.BadParameter(f"{option} has {len(value)} characters; at most {MAX_ID_CHARS}")
+        return value
+
+    return check
 
 
 def positive(value: float) -> float:

@@ -44,8 +44,9 @@ from services.gateway_inputs import (
     GenerateInput,
     grpc_refusal,
     input_from_pb,
+    request_scope,
     salted_namespace,  # noqa: F401 - re-exported
-    scoped_id,
+    scoped_id,  # noqa: F401 - re-exported
     session_scope,
 )
 from services.gateway_key_watch import KeyWatch
@@ -161,7 +162,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} or \"\" (off), got {tool_call_parser!r}")
         self.tool_call_parser = tool_call_parser
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
-        self._in_flight: set[str] = set()  # scoped client ids of this gateway's calls in flight
+        self._in_flight: set[str] = set()  # client ids of this gateway's calls in flight (``request_scope``)
         self.limits = limits = limits or StreamLimits()
         self.max_streams_per_tenant = limits.max_streams_per_tenant
         self.open_streams: dict[str, int] = {}  # tenant id -> its Generate calls open here
@@ -220,7 +221,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         ``parse`` (ValueError -> INVALID_ARGUMENT), check and bound, admit, stream; a consumer
         that stops early aborts it on its node. Refusals are ``context.abort`` with the gRPC
         status (RESOURCE_EXHAUSTED sets a ``retry-after-ms`` trailer first). Request and session
-        ids are the tenant's own (``scoped_id``); one in flight already is ALREADY_EXISTS.
+        ids are the tenant's own, and a ``cache_salt``'s (``request_scope``, ``session_scope``):
+        one in flight already under the same salt (or none) is ALREADY_EXISTS.
 
         ``writer``: the task handing these events to the client (None: the one calling this),
         stopped when its client takes none of the stream's waiting events for
@@ -249,18 +251,18 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             if not refusal.recorded:
                 track.finish(status)
 
-    async def hold_call(self, context: Any, client_id: str) -> Callable[[], None]:
+    async def hold_call(self, context: Any, client_id: str, cache_salt: str = "") -> Callable[[], None]:
         """Hold ``client_id``, the id of a call of ``context``'s tenant served as several
         requests (an HTTP body with ``n`` > 1: ``services.openai_api.choices``), in flight as a
-        call's own id is held; its requests name it in ``GenerateInput.call_id`` and hold
-        nothing. The function returned releases it. One in flight already (any call's, of
-        either API, whatever its ``n``) is ALREADY_EXISTS naming ``client_id``, counted as a
-        refused request.
+        call's own id is held, under the call's ``cache_salt`` (``request_scope``); its requests
+        name it in ``GenerateInput.call_id`` and hold nothing. The function returned releases
+        it. One in flight already under that salt (any call's, of either API, whatever its
+        ``n``) is ALREADY_EXISTS naming ``client_id``, counted as a refused request.
 
         Regression (review 26d P1, P2): each choice held only its own ``<i>_<id>``, so a call
         with the same id and another ``n`` ran beside it, and a duplicate's 409 named ``0_<id>``."""
         tenant = await self.auth.tenant(context)
-        scoped = scoped_id(tenant.tenant_id, client_id)
+        scoped = request_scope(tenant.tenant_id, cache_salt, client_id)
         if scoped in self._in_flight:
             await _RecordedAbort(context, self.metrics.track(tenant)).abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
@@ -297,14 +299,15 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             req, hashes = await self._prepare(call, tenant, context)
             own = req.request_id  # (a retry's ``_prepare`` may draw another id: this one stays)
             client_id = own.split("/", 1)[1]
+            held = request_scope(tenant_id, call.cache_salt, call.call_id or client_id)
             if call.call_id:  # one of a call's requests (an n>1 body's choice): the call holds its id
-                if scoped_id(tenant_id, call.call_id) not in self._in_flight:
+                if held not in self._in_flight:
                     raise RuntimeError(f"request {client_id!r} is a part of call {call.call_id!r}, whose id "
                                        "is not held in flight (hold_call)")
-            elif own in self._in_flight:
+            elif held in self._in_flight:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {client_id!r} is in flight already")
             else:
-                scoped = own
+                scoped = held
                 self._in_flight.add(scoped)
         # each attempt has its own id past this gateway (scheduler, node, events, aborts).
         # Regression: a client id reused right after a cancel got the cancelled attempt's

@@ -1,7 +1,8 @@
 """What one Generate call carries into the gateway, whichever API it came through, and the ids
 it is known by: ``GenerateInput`` (and ``input_from_pb`` for a gRPC ``GenerateRequest``),
 ``MAX_ID_CHARS``, ``scoped_id`` (a client's request id scoped to its tenant), ``session_scope``
-(a client's session id scoped to its tenant and its ``cache_salt``) and
+(a client's session id scoped to its tenant and its ``cache_salt``), ``request_scope`` (a
+request id held in flight, scoped as a session id) and
 ``salted_namespace`` (a request's cache namespace under its ``cache_salt``).
 
 Part of the gateway's inference servicer (``services.gateway``, which re-exports these names).
@@ -65,6 +66,20 @@ def session_scope(tenant_id: str, cache_salt: str, session_id: str) -> str:
         return scoped_id(tenant_id, session_id)
     tag = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:SALT_TAG_CHARS]
     return f"{tenant_id}{SALTED_MARK}{tag}/{session_id}"
+
+
+def request_scope(tenant_id: str, cache_salt: str, client_id: str) -> str:
+    """The key a gateway holds a client's request id in flight under (``InferenceServicer``'s
+    ALREADY_EXISTS check): scoped to its tenant and to its ``cache_salt``, in
+    ``session_scope``'s form, so a request id is one (tenant, salt, id) as a session id is.
+    The id the scheduler and the nodes know the request by stays ``scoped_id``'s (each attempt
+    with a random suffix of its own: ``InferenceServicer._generate``), reachable by no client.
+
+    Regression (s37): the in-flight ids were scoped by the tenant alone, so a caller under
+    another salt (or none) reusing an id in flight under a salt was refused ALREADY_EXISTS: an
+    oracle telling it which ids the other namespace's callers had in flight, and when, and a
+    way to keep them from using an id (hold it first, and theirs is refused)."""
+    return session_scope(tenant_id, cache_salt, client_id)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import pytest
 
 from kvstrata.v1 import inference_pb2
 from tenants.model import TenantSpec
-from tests.loop_plane import call
+from tests.loop_plane import call, wait_for
 from tests.test_logprobs_served import Served
 
 FIRST = [504, 3451, 314, 260, 2644, 282, 4649, 47, 1000, 2035, 30]  # u1's private first turn
@@ -164,3 +164,78 @@ def test_a_tenant_moved_to_another_namespace_has_its_open_sessions_refused(serve
         assert delete(s, "chat-4")[1]["freed_tokens"] == len(PROBE) + MAX_TOKENS
     finally:
         s.key = key
+
+
+def cli_close(s: Served, session: str, *options: str) -> Any:
+    """``kvstrata close-session`` (the real CLI app, in process) at the gateway's gRPC address."""
+    from typer.testing import CliRunner
+
+    from cli import main as cli
+    return CliRunner().invoke(cli.app, ["close-session", "--gateway", s.address, *options, session],
+                              env={"KVSTRATA_API_KEY": s.key, "COLUMNS": "200"})
+
+
+def test_the_cli_closes_a_session_under_its_cache_salt(served: Served) -> None:
+    """A session opened through the HTTP API with a cache_salt is closed by ``kvstrata
+    close-session --cache-salt`` naming that salt, and by no other salt nor none (NOT_FOUND,
+    exit 1, its history kept). Before s37 the CLI sent no salt (no such option, exit 2): a user
+    could close only unsalted sessions from it."""
+    s = served
+    turn(s, "chat-5", FIRST, "u1")
+    for options in ((), ("--cache-salt", "u2")):
+        missing = cli_close(s, "chat-5", *options)
+        assert missing.exit_code == 1 and "NOT_FOUND" in missing.output, (options, missing.output)
+    too_long = cli_close(s, "chat-5", "--cache-salt", "x" * 257)
+    assert too_long.exit_code == 2 and "at most 256" in too_long.output, too_long.output
+    closed = cli_close(s, "chat-5", "--cache-salt", "u1")
+    assert closed.exit_code == 0, closed.output
+    freed = len(FIRST) + MAX_TOKENS
+    assert f"closed session chat-5 (cache_salt 'u1'): {freed} tokens of history freed" in closed.output
+    assert delete(s, "chat-5", "?cache_salt=u1")[0] == 404
+
+
+def completion(s: Served, request_id: str, salt: str | None, max_tokens: int = 2, stream: bool = False) -> Any:
+    """``POST /v1/completions`` of ``PROBE`` with ``X-Request-Id: request_id`` under ``salt``:
+    the open response (a stream: read it, or close it to cancel), or the ``HTTPError``."""
+    body: dict[str, Any] = {"model": s.model, "prompt": PROBE, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": stream}
+    if salt is not None:
+        body["cache_salt"] = salt
+    req = urllib.request.Request(f"{s.base}/completions", json.dumps(body).encode(),
+                                 {"Authorization": f"Bearer {s.key}", "Content-Type": "application/json",
+                                  "X-Request-Id": request_id})
+    try:
+        return urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as err:
+        return err
+
+
+def test_a_request_id_in_flight_under_one_salt_is_free_under_another(served: Served) -> None:
+    """A request id is one (tenant, cache_salt, id), as a session id is: while "rid-1" streams
+    under salt u1, the same id under u2, under no salt (HTTP, and gRPC, which sends none) runs,
+    and only a reuse under u1 is 409 ALREADY_EXISTS. Before s37 every reuse was refused: a
+    caller under u2 learnt which ids u1's callers had in flight (ALREADY_EXISTS as an oracle)
+    and could keep them from an id by holding it first."""
+    s = served
+    held = completion(s, "rid-1", "u1", max_tokens=1400, stream=True)
+    try:
+        assert held.status == 200 and held.readline().startswith(b"data: ")  # in flight: it streams
+
+        def refused_under_u1() -> None:
+            again = completion(s, "rid-1", "u1")
+            assert again.code == 409, again.read()
+            assert json.loads(again.read())["error"]["message"] == "request 'rid-1' is in flight already"
+
+        refused_under_u1()
+        for salt in ("u2", None):
+            other = completion(s, "rid-1", salt)
+            assert other.status == 200, (salt, other.read())
+            assert json.loads(other.read())["usage"]["completion_tokens"] == 2
+        request = inference_pb2.GenerateRequest(tokens=inference_pb2.TokenIds(ids=PROBE), request_id="rid-1",
+                                                sampling=inference_pb2.SamplingParams(max_tokens=2))
+        events = list(s.stub.Generate(request, metadata=(("authorization", f"Bearer {s.key}"),), timeout=60))
+        assert events[-1].finished.completion_tokens == 2
+        refused_under_u1()  # (the held request was in flight all along)
+    finally:
+        held.close()  # the client hangs up: the gateway aborts it
+    wait_for(lambda: not s.servicer._in_flight)

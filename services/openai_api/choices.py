@@ -6,9 +6,9 @@ Each choice is a request of its own through ``InferenceServicer.generate``: auth
 bounded, admitted, counted and streamed as any request is, with the body's prompt and sampling
 and its own id, ``<i>_<request id>`` (as vLLM names a parallel-sampling child; the response's
 ``id`` is still ``chatcmpl-<request id>``). The body holds its request id in flight for its
-tenant from before choice 0 starts until every choice has ended
+tenant and ``cache_salt`` from before choice 0 starts until every choice has ended
 (``InferenceServicer.hold_call``), as a call with ``n`` 1 holds its own: another call with that
-id, of either API and any ``n``, is refused 409 naming it. The choices' ids are held by nobody
+id under the same salt (or none), of either API and any ``n``, is refused 409 naming it. The choices' ids are held by nobody
 (``GenerateInput.call_id``), so a client's own id (a gRPC client may send ``0_<id>``) never
 collides with one, and a duplicate never names one (past the gateway each attempt's id is
 unique). With a ``seed``, choice ``i`` samples with ``(seed + i) mod 2**64`` (vLLM's ``seed +
@@ -201,7 +201,8 @@ class Choices:
         first refusal (the lowest index among those failed by then) is raised as soon as one
         fails, after ``close``; so is a cancellation."""
         try:
-            self._release = await self.servicer.hold_call(HttpCallContext(self.request), self.request_id)
+            self._release = await self.servicer.hold_call(HttpCallContext(self.request), self.request_id,
+                                                          self.body.cache_salt)
             started = [await self._read(0, self._open(0))]
             tasks = [self._read(i, self._open(i)) for i in range(1, self.body.n)]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

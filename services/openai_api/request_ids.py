@@ -8,7 +8,9 @@ in ``X-Request-Id`` (errors included), as OpenAI's and vLLM's
 A valid id has 1 to ``MAX_REQUEST_ID_CHARS`` characters of ``[A-Za-z0-9._:-]`` (what trace
 and proxy ids use; nothing that could end a header line or read as an id's separator, ``/``
 or ``#``); another value is ignored and an id made. A request whose id is in flight already for
-its tenant is refused 409 (the gateway's ALREADY_EXISTS), as a gRPC call reusing one is.
+its tenant under the same ``cache_salt`` (or none) is refused 409 (the gateway's ALREADY_EXISTS),
+as a gRPC call reusing one is; under another salt the id is another request's
+(``services.gateway_inputs.request_scope``).
 
 Regression (oairev20 O3): the header was neither read nor sent, and the response's ``id`` was a
 fresh uuid that no log, metric or node ever saw.
