@@ -434,6 +434,9 @@ def status(gateway: str | None = GatewayOpt, integrity: bool = typer.Option(
         except grpc.RpcError as err:
             fail(err)
     console.print(status_table(resp, integrity))
+    spill = spill_table(resp)
+    if spill is not None:
+        console.print(spill)
     console.print(f"queued: {resp.queued}  sessions: {resp.sessions}")
 
 
@@ -462,4 +465,23 @@ def status_table(resp: admin_pb2.StatsResponse, integrity: bool) -> Table:
         table.add_row(n.node_id, _health(health.get(n.node_id, {})), str(n.num_blocks), str(n.used_blocks),
                       str(n.session_blocks), str(n.prefix_blocks), str(n.cached_blocks), str(n.free_blocks),
                       str(n.running), str(n.waiting), check)
+    return table
+
+
+def spill_table(resp: admin_pb2.StatsResponse) -> Table | None:
+    """One row per spill node of a ``Stats`` answer (the scheduler's ``spill_nodes``, their
+    ``text``: ``services.spill_watch.describe``): "serving", "waiting for its directory: held by its previous
+    process / another store, pid P on H (owner)", "dead: why", "restarting", "not answering" or
+    "unknown"; None when the answer names no spill node (none deployed, or an older scheduler)."""
+    try:
+        nodes = json.loads(resp.stats_json or "{}").get("scheduler", {}).get("spill_nodes") or {}
+        rows = sorted((str(name), str(state.get("text") or state.get("state") or "unknown"))
+                      for name, state in nodes.items() if isinstance(state, dict))
+    except (ValueError, AttributeError, TypeError):
+        return None
+    if not rows:
+        return None
+    table = Table("spill node", "state")
+    for name, text in rows:
+        table.add_row(escape(name), text if text == "serving" else f"[red]{escape(text)}[/red]")
     return table

@@ -294,7 +294,8 @@ class Gateway:
             return encode_text(tokenizer, text)
         self.http = HttpServer(create_app(OpenAIEdge(inference, info["model_id"], encode,
                                                      num_healthy, self.body_limits, TokenTexts(tokenizer),
-                                                     self.tool_call_parser)),
+                                                     self.tool_call_parser,
+                                                     lambda: self.monitor.spill_down if self.monitor else {})),
                                self.http_forwarded_allow_ips, self.http_limits, self.tls)
         await self.http.start(host, port)
         self.metrics.watch_http(lambda: self.http.guard if self.http is not None else None)

@@ -6,6 +6,7 @@ plane (``services.data_plane``, step 1) and watches the gateways attached to it;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,6 +23,7 @@ from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
+from services.spill_watch import SpillWatch
 from tenants.keys import is_key_id
 from tenants.model import SPEC_DIGEST_CHARS, Tenant, TenantSpec
 from tenants.store import DELETED_PAGE
@@ -83,6 +85,12 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
         self.recovered_requests, self.contested_sessions, self.released_unattached = {}, set(), {}
         self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
+        self.spill_watch = SpillWatch(peers.namespace, peers.spill_nodes, on_dead=self._forget_spill_holder) \
+            if peers is not None else None
+        self._spill_watching: asyncio.Task[None] | None = None
+        if self.spill_watch is not None and peers is not None and peers.spill_nodes:
+            with contextlib.suppress(RuntimeError):  # no loop (the plain class in a test): not watched
+                self._spill_watching = asyncio.get_running_loop().create_task(self.spill_watch.run())
         if peers is not None and recovering:  # (the constructor runs on its loop)
             self.attach_nodes({})
             self.recover(peers)
@@ -95,9 +103,23 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
     def health(self) -> dict[str, Any]:
         """Who answers, for a gateway's ``NodeMonitor``: ``pid`` and ``restarts`` (Ray's count
         of this actor's restarts: a new value means a new process, whose state was rebuilt),
-        ``data_address`` (the admission socket, "" until open) and ``down`` (``down_nodes``)."""
+        ``data_address`` (the admission socket, "" until open), ``down`` (``down_nodes``) and
+        ``spill_down``: spill node name -> why it does not serve (``SpillWatch.not_serving``: the
+        gateways' HTTP ``/health`` says "degraded" naming them)."""
         return {"pid": os.getpid(), "restarts": self.restarts, "data_address": self.data_address,
-                "down": self.down_nodes()}
+                "down": self.down_nodes(),
+                "spill_down": self.spill_watch.not_serving() if self.spill_watch is not None else {}}
+
+    def _forget_spill_holder(self, name: str) -> None:
+        """A spill node died for good (``SpillWatch``): its blocks leave the index (a reset with
+        none); a node of that name that serves again reports what it holds (its reset push)."""
+        log.warning("spill node %s is dead: its blocks leave the global block index", name)
+        self.report_events(name, [], reset=True)
+
+    def stats(self) -> dict[str, Any]:
+        """``GlobalScheduler.stats`` and ``spill_nodes``: each spill node's state
+        (``services.spill_watch``: serving, waiting and for whom, dead, ...; ``kvstrata status``)."""
+        return super().stats() | {"spill_nodes": self.spill_watch.snapshot() if self.spill_watch is not None else {}}
 
     async def attach_gateway(self, gateway_id: str, address: str, subscriber: str, handle: Any = None) -> str:
         """``GlobalScheduler.attach_gateway``, and with the gateway's actor ``handle``, watch

@@ -129,6 +129,8 @@ class NodeMonitor:
         self.scheduler_failure = ""  # why the scheduler is unreachable or down ("": it serves)
         self.scheduler_identity: tuple[int, int] | None = None  # its (pid, restarts) as last seen
         self.scheduler_bad_answers = 0  # malformed answers of the scheduler (each asked again)
+        # spill node name -> why it does not serve, from the scheduler's latest health answer (HTTP /health)
+        self.spill_down: dict[str, str] = {}
         self.scheduler_error_answers = 0  # health polls that failed with an error, not a timeout
         # awaited when the scheduler answers again (the gateway attaches again: ``RayGateway``)
         self.on_scheduler_back: Callable[[], Awaitable[Any]] | None = None
@@ -220,6 +222,7 @@ class NodeMonitor:
             await asyncio.sleep(self.retry_s)
             return True
         self._silent_polls, self._silent_since = 0, None
+        self.spill_down = answer["spill_down"]
         identity = (answer["pid"], answer["restarts"])
         if self.scheduler_identity is None and not self.scheduler_failure:
             self.scheduler_identity = identity
@@ -473,15 +476,17 @@ def node_answer(answer: Any) -> dict[str, Any]:
 
 def scheduler_answer(answer: Any) -> dict[str, Any]:
     """The GlobalScheduler's ``health`` answer, checked: a dict with ``pid`` and ``restarts``
-    ints >= 0, ``data_address`` "" or a ``tcp://`` address and ``down`` a ``down_map``.
-    Returns those fields alone.
+    ints >= 0, ``data_address`` "" or a ``tcp://`` address and ``down`` a ``down_map``;
+    ``spill_down`` (the spill nodes not serving, ``services.spill_watch``) a ``down_map`` too,
+    ``{}`` when absent (a scheduler of the version before it). Returns those fields alone.
 
     Raises:
         BadReport: naming the bad field.
     """
     _check_dict(answer, ("pid", "restarts", "data_address", "down"), "the scheduler's health answer")
     return {"pid": int_field(answer, "pid", 0), "restarts": int_field(answer, "restarts", 0),
-            "data_address": _inbox(answer["data_address"]), "down": down_map(answer["down"], "down")}
+            "data_address": _inbox(answer["data_address"]), "down": down_map(answer["down"], "down"),
+            "spill_down": down_map(answer.get("spill_down", {}), "spill_down")}
 
 
 def down_map(value: Any, key: str) -> dict[str, str]:

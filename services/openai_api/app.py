@@ -119,6 +119,9 @@ class OpenAIEdge:
             name it or its served name, the directory name (what ``/v1/models`` lists).
         encode: text -> token ids with the model's tokenizer (``/v1/completions`` prompts).
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
+        spill_down: spill node name -> why it does not serve (``NodeMonitor.spill_down``, from
+            the scheduler's ``services.spill_watch``); None: none known. ``/health`` says
+            "degraded" naming them.
         body_limits: the request-body bytes being read and parsed that one tenant, and all of
             them, may hold (``BodyBudget``), and the whole-response bytes not yet written out
             that one tenant may hold (``ResponseBudget``); None: ``BodyLimits``' defaults.
@@ -136,11 +139,13 @@ class OpenAIEdge:
 
     def __init__(self, servicer: InferenceServicer, model_id: str, encode: Callable[[str], list[int]],
                  num_healthy: Callable[[], int], body_limits: BodyLimits | None = None,
-                 tokens: TokenTexts | None = None, tool_call_parser: str = "") -> None:
+                 tokens: TokenTexts | None = None, tool_call_parser: str = "",
+                 spill_down: Callable[[], dict[str, str]] | None = None) -> None:
         if tool_call_parser not in ("", *TOOL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {TOOL_PARSERS} or \"\" (off), got {tool_call_parser!r}")
         self.servicer, self.model_id, self.encode, self.num_healthy = servicer, model_id, encode, num_healthy
         self.tool_call_parser = tool_call_parser
+        self.spill_down = spill_down or dict
         self.tokens = tokens or TokenTexts()
         self.model_name = model_id.split("@", 1)[0]
         self.bodies = BodyBudget(body_limits)
@@ -600,6 +605,10 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
         if healthy == 0:
             return error_response(503, "no cache node can be routed to (none is healthy, or the global scheduler "
                                   "is down or not answering)", "service_unavailable", "unavailable")
+        spill_down = edge.spill_down()
+        if spill_down:  # served, without those nodes' part of the spill tier (200: routable)
+            return JSONResponse({"status": "degraded", "healthy_nodes": healthy,
+                                 "spill_nodes_not_serving": spill_down})
         return JSONResponse({"status": "ok", "healthy_nodes": healthy})
 
     return app

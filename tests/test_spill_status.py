@@ -1,0 +1,158 @@
+"""Spill node states where operators look: the global scheduler's ``stats``/``health``
+(``services.spill_watch``), ``kvstrata status`` and the gateway's HTTP ``/health``.
+
+Regression (s37): a spill node alive but not serving (its directory held by another store,
+its ``/metrics`` port taken) or dead for good (a constructor that raised) was visible only in
+its own log, its ``status()`` and its cache nodes' failure counters: ``kvstrata status`` listed
+cache nodes alone and ``/health`` said "ok". Real parts: SpillNode actors, a directory held by
+another process (``holder_processes``), the GlobalScheduler actor, the CLI's table, the
+gateway's HTTP app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from rich.console import Console
+
+from cli.lifecycle import spill_table
+from kvstrata.v1 import admin_pb2
+from services.global_scheduler import IndexHolders
+from services.global_scheduler_admission import GlobalSchedulerActor
+from services.global_scheduler_recovery import RecoveryPeers
+from services.node_monitor import scheduler_answer
+from services.openai_api.app import OpenAIEdge, create_app
+from services.spill_node import SpillNodeActor, create_spill_node
+from tests.test_spill_lock_wait import HOLDER, holder_processes
+from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
+
+NAMESPACE = "kvstrata-test"  # the session cluster's (tests.service_fixtures.start_cluster)
+
+
+@pytest.fixture
+def holder() -> Iterator[Any]:
+    yield from holder_processes(HOLDER)
+
+
+def _states(scheduler: Any, names: list[str], within_s: float = 60.0) -> dict[str, dict[str, Any]]:
+    """The scheduler's ``stats()["spill_nodes"]`` once every node in ``names`` was asked."""
+    deadline = time.monotonic() + within_s
+    while True:
+        states = ray.get(scheduler.stats.remote(), timeout=30)["spill_nodes"]
+        if all(states[n]["state"] != "unknown" for n in names) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.2)
+
+
+def _health_over_http(spill_down: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    """``GET /health`` of the gateway's HTTP app, straight through ASGI, one healthy cache node."""
+    edge = OpenAIEdge(servicer=None, model_id="m@0:f16", encode=list, num_healthy=lambda: 1,  # type: ignore[arg-type]
+                      spill_down=lambda: spill_down)
+    sent: list[dict[str, Any]] = []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "path": "/health",
+             "raw_path": b"/health", "query_string": b"", "scheme": "http", "headers": [],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "root_path": ""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(create_app(edge)(scope, receive, send))
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_status_and_health_name_a_waiting_and_a_dead_spill_node(
+        tmp_path: Path, holder, ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    root = tmp_path / "spill"
+    root.mkdir(mode=0o700)
+    other = holder(root / "1", "another-deployment/spill_node_1")
+    (root / "2").mkdir(mode=0o777)
+    os.chmod(root / "2", 0o777)  # writable by others: the node's constructor raises UnsafeDirectoryError
+    names = [f"spill-status-{tmp_path.name}-{i}"[-60:] for i in range(3)]
+    actors = [SpillNodeActor.options(name=name, namespace=NAMESPACE, max_restarts=-1, resources={}, num_cpus=0)
+              .remote(str(root / str(i)), FMT, 0, DISK, node_id=name, lock_owner=f"{NAMESPACE}/{name}", lock_wait_s=0.1)
+              for i, name in enumerate(names)]
+    scheduler = GlobalSchedulerActor.options(num_cpus=0).remote(
+        str(tmp_path / "state"), {"n0": 1}, peers=RecoveryPeers(NAMESPACE, tuple(names)))
+    try:
+        states = _states(scheduler, names)
+        assert [states[n]["state"] for n in names] == ["serving", "waiting", "dead"], states
+        held = states[names[1]]
+        assert held["holder"] == f"pid {other.pid} on {socket.gethostname()} (another-deployment/spill_node_1)"
+        assert held["previous_process"] is False and "in use by another spill store" in held["detail"]
+        assert held["text"] == f"waiting for its directory: held by another store, {held['holder']}"
+        assert states[names[2]]["detail"].startswith("its constructor raised "), states[names[2]]
+        assert "writable" in states[names[2]]["detail"], states[names[2]]
+
+        health = scheduler_answer(ray.get(scheduler.health.remote(), timeout=30))  # as a gateway reads it
+        assert sorted(health["spill_down"]) == names[1:]
+        assert health["spill_down"][names[1]] == held["text"]
+        assert health["spill_down"][names[2]].startswith("dead: ")
+
+        console = Console(record=True, width=300)
+        console.print(spill_table(admin_pb2.StatsResponse(stats_json=json.dumps({"scheduler": {"spill_nodes": states}}))))
+        lines = {line.split("│")[1].strip(): line.split("│")[2].strip()
+                 for line in console.export_text().splitlines() if line.count("│") == 3}
+        assert lines[names[0]] == "serving"
+        assert lines[names[1]] == held["text"] and lines[names[2]].startswith("dead: ")
+
+        assert _health_over_http(health["spill_down"]) == (
+            200, {"status": "degraded", "healthy_nodes": 1, "spill_nodes_not_serving": health["spill_down"]})
+        assert _health_over_http({}) == (200, {"status": "ok", "healthy_nodes": 1})
+
+        other.kill()  # the other store lets the directory go: the node serves, and says so
+        other.wait(10)
+        deadline = time.monotonic() + 60
+        while ray.get(scheduler.stats.remote(), timeout=30)["spill_nodes"][names[1]]["state"] != "serving":
+            assert time.monotonic() < deadline, ray.get(scheduler.stats.remote(), timeout=30)["spill_nodes"]
+            time.sleep(0.2)
+        assert sorted(ray.get(scheduler.health.remote(), timeout=30)["spill_down"]) == names[2:]
+    finally:
+        for actor in (*actors, scheduler):
+            ray.kill(actor, no_restart=True)
+
+
+def _indexed(scheduler: Any, want: int, within_s: float = 60.0) -> int:
+    """The index's spill-RAM block count once it is ``want`` (events and the watch are
+    asynchronous), or at the deadline."""
+    deadline = time.monotonic() + within_s
+    while True:
+        got = ray.get(scheduler.stats.remote(), timeout=30)["indexed_blocks_by_tier"]["spill_ram"]
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def test_a_dead_spill_nodes_blocks_leave_the_global_index(tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Regression (s37): a spill node dead for good (here: killed past its restarts) kept its
+    blocks in the global scheduler's index for good (admission counted their tokens as cached,
+    routing steered by them; every get was a miss). The scheduler's spill watch sees it dead and
+    drops them. Before: the index still listed its 3 blocks."""
+    name = f"spill-dead-{tmp_path.name}"[-60:]
+    scheduler = GlobalSchedulerActor.options(num_cpus=0).remote(
+        str(tmp_path / "state"), {"n0": 1}, holders=IndexHolders(spill_blocks={name: 1 << 12}),
+        peers=RecoveryPeers(NAMESPACE, (name,)))
+    node = create_spill_node(name, tmp_path / "spill", FMT, 1 << 20, DISK, resources={}, namespace=NAMESPACE,
+                             scheduler=scheduler, max_restarts=0)
+    try:
+        ray.get(node.ready.remote(), timeout=60)
+        assert ray.get(node.put.remote(hashes_of([1, 2, 3]), make_blocks([1, 2, 3]), "tenant:a"), timeout=30) == 3
+        assert _indexed(scheduler, 3) == 3
+        assert _states(scheduler, [name])[name]["state"] == "serving"
+        ray.kill(node, no_restart=True)
+        assert _indexed(scheduler, 0) == 0
+        assert ray.get(scheduler.stats.remote(), timeout=30)["spill_nodes"][name]["state"] == "dead"
+    finally:
+        ray.kill(node, no_restart=True)
+        ray.kill(scheduler, no_restart=True)
