@@ -158,6 +158,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self.session_sink: Callable[[str, list[str]], Any] | None = None
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
+        self._drains: dict[str, asyncio.Event] = {}  # drain id -> set to cancel it (``Admin.cancel_drain``)
         self.security = security
         self._pusher = data_plane.PushSockets(secure_push(security, "gateway"))  # the step thread's
         self.commands_received = 0  # data-plane commands run

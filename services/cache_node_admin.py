@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 import os
 import time
@@ -104,10 +105,12 @@ class Admin:
         except SpillFlushIncomplete as exc:
             return dropped | {"spill": exc.dropped, "spill_unflushed": exc.unflushed}
 
-    async def drain(self, timeout_s: float = 0.0) -> int:
+    async def drain(self, timeout_s: float = 0.0, drain_id: str = "") -> int:
         """Let the requests running now finish for up to ``timeout_s`` seconds, then abort
         those still running (they end with finish reason ``abort``); returns how many. Those
         that reached the node but had not started end with UNAVAILABLE (retry elsewhere).
+        ``drain_id`` (its gateway's, "" for none) names the drain for ``cancel_drain``: one
+        cancelled while it waits aborts nothing and returns 0.
 
         Regression (hangs review): a request still queued for the step thread at the timeout
         was not aborted (the engine did not know it yet) and then ran to its end.
@@ -119,10 +122,17 @@ class Admin:
             raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s}")
         ids = list(self._streams)
         deadline = time.monotonic() + timeout_s
-        while any(rid in self._streams for rid in ids) and time.monotonic() < deadline:
-            await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+        cancelled = self._drains.setdefault(drain_id, asyncio.Event()) if drain_id else asyncio.Event()
+        try:
+            while (any(rid in self._streams for rid in ids) and time.monotonic() < deadline
+                   and not cancelled.is_set()):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(cancelled.wait(), min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+        finally:
+            if drain_id:
+                self._drains.pop(drain_id, None)
         left = [rid for rid in ids if rid in self._streams]
-        if not left:
+        if not left or cancelled.is_set():
             return 0
         def abort_left() -> int:
             ended = 0
@@ -136,6 +146,16 @@ class Admin:
             return ended
 
         return await self._between_steps(abort_left)
+
+    def cancel_drain(self, drain_id: str) -> bool:
+        """Cancel the drain ``drain_id`` while it waits (its gateway's call ended: the admin key
+        that started it was rotated away, or could not be confirmed): it aborts nothing.
+        Returns whether one was waiting (False: none by that id, or it aborted already)."""
+        cancelled = self._drains.get(drain_id)
+        if cancelled is None:
+            return False
+        cancelled.set()
+        return True
 
     async def recovery_report(self) -> dict[str, Any]:
         """What a restarted global scheduler re-learns from this node

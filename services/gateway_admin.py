@@ -11,6 +11,8 @@ import asyncio
 import functools
 import json
 import math
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -20,6 +22,7 @@ import grpc
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import convert
 from services.auth import Authenticator, bearer_key
+from services.gateway_key_watch import KEY_CHECK_S, KEY_STALENESS_MAX_S
 from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics
 from services.tenant_call_slots import TenantCallSlots
@@ -30,6 +33,7 @@ from tenants.errors import (
     TenantNotFoundError,
     TooManyRotationsError,
 )
+from tenants.keys import parse_key_id
 from tenants.model import Tenant
 
 
@@ -367,12 +371,22 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     Flush, Drain and RotateAdminKey confirm the admin key at the scheduler past this gateway's
     key cache (``fresh_admin``; RotateAdminKey by the scheduler's compare-and-swap on the key
     presented), so an admin key rotated away through another gateway makes none of them here;
-    Stats takes the cached check."""
+    Stats takes the cached check. A Drain waits (its ``timeout_s``, any length) before it
+    aborts, so it also goes on only while its admin key does (``_while_admin``): the key
+    rotated away (through any gateway) ends it UNAUTHENTICATED within ``key_check_s`` (plus a
+    directory refresh), and a key not confirmed for ``key_staleness_max_s`` (the key
+    directory does not answer) ends it UNAVAILABLE; either way its nodes' drains are cancelled
+    (``CacheNode.cancel_drain``) and abort nothing. Regression (session 37): a drain started
+    with an admin key later rotated away (a leaked one, say) still aborted every running
+    request at its end. The other admin calls act at once (Flush within ``node_timeout_s``):
+    nothing of theirs waits to be done after their key goes."""
 
     def __init__(self, scheduler: Any, auth: Authenticator, nodes: dict[str, Any],
-                 monitor: Any = None, node_timeout_s: float = 30.0) -> None:
+                 monitor: Any = None, node_timeout_s: float = 30.0, key_check_s: float = KEY_CHECK_S,
+                 key_staleness_max_s: float = KEY_STALENESS_MAX_S) -> None:
         self.scheduler, self.auth, self.nodes = scheduler, auth, nodes
         self.monitor, self.node_timeout_s = monitor, node_timeout_s
+        self.key_check_s, self.key_staleness_max_s = key_check_s, key_staleness_max_s
 
     async def _ask_live(self, call: Any, extra_s: float = 0.0) -> dict[str, Any]:
         """``ask_live`` of this servicer's nodes, within ``node_timeout_s + extra_s``."""
@@ -438,13 +452,46 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0 seconds, got {timeout_s}")
         # running requests get timeout_s to finish, then the rest are aborted (CacheNode.drain)
         skipped = self._held_down()
-        answers = await self._ask_live(lambda n: n.drain.remote(timeout_s), extra_s=timeout_s)
+        drain_id = uuid.uuid4().hex
+        asking = asyncio.ensure_future(self._ask_live(lambda n: n.drain.remote(timeout_s, drain_id),
+                                                      extra_s=timeout_s))
+        try:
+            answers = await self._while_admin(context, asking)
+        finally:
+            if not asking.done():  # the key went, or the call ended: the nodes abort nothing
+                asking.cancel()
+                for node in self.nodes.values():
+                    node.cancel_drain.remote(drain_id)  # not awaited: a node that does not answer aborts at its end
         aborted = sum(n for a in answers.values() if (n := _drain_count(a)) is not None)
         if failed := _not_done(answers, _drain_count, self.node_timeout_s + timeout_s):
             await context.abort(grpc.StatusCode.UNAVAILABLE, (
                 f"drain incomplete: {_nodes_text(failed)} did not drain, so requests may still run there; the nodes that answered aborted {aborted} requests; run the "
                 "drain again once every node answers (kvstrata status shows their health)"))
         return admin_pb2.DrainResponse(aborted=aborted, skipped_nodes=skipped)
+
+    async def _while_admin(self, context: Any, task: asyncio.Future[Any]) -> Any:
+        """``task``'s answer, awaited while the call's admin key still exists: every
+        ``key_check_s`` the key directory is refreshed (``KeyDirectory.refresh``), and the call
+        aborted UNAUTHENTICATED once the key's id is gone from it (rotated away), or
+        UNAVAILABLE once no refresh answered for ``key_staleness_max_s`` (as the key watch ends
+        data streams: ``services.gateway_key_watch``). ``task`` is left running either way."""
+        confirmed = time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.key_check_s)
+            if done:
+                return task.result()
+            directory, started = self.auth.directory, time.monotonic()
+            if await directory.refresh():
+                confirmed = started
+                if (parse_key_id(bearer_key(context)) or "") not in directory.ids:
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, (
+                        "the admin key that started this drain was rotated away; the drain was cancelled: nothing "
+                        "more is aborted"))
+            elif started - confirmed > self.key_staleness_max_s:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                    f"this gateway could not confirm the admin key for {self.key_staleness_max_s:g} s (the "
+                    "scheduler's key directory does not answer); the drain was cancelled: nothing more is aborted; "
+                    "run it again"))
 
     async def RotateAdminKey(self, request, context):
         """Replace the admin key. The scheduler is given the key presented, checks it and

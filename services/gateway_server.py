@@ -120,7 +120,8 @@ async def create_server(
     scheduler.silent = monitor.scheduler_silence  # known silent: calls fail at once (trial 29k P5)
     tenant_pb2_grpc.add_TenantServiceServicer_to_server(
         TenantServicer(scheduler, auth, nodes, monitor, metrics=inference.metrics), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(scheduler, auth, nodes, monitor), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(
+        scheduler, auth, nodes, monitor, key_staleness_max_s=inference.limits.key_staleness_max_s), server)
     try:
         port = (server.add_insecure_port(address) if credentials is None
                 else server.add_secure_port(address, credentials))
