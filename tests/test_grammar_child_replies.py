@@ -25,6 +25,7 @@ import pytest
 from cache_node.grammar_process import CompilerProcess
 from cache_node.sampling_params import SamplingParams
 from cache_node.structured_output import StructuredOutputSpec
+from tests.conftest import make_grammars
 
 TAMPER_CHILD = """
 import cache_node.grammar_worker as w
@@ -40,6 +41,10 @@ w.main()
 """The real compiler child, each "ok" reply's grammar JSON with ``"optimized": false``."""
 
 PROMPT = (1, 504, 3575, 28, 614, 1242, 314, 216, 1241, 2406, 30, 2)
+GOOD_TOKENS = 300
+"""What the unconstrained request decodes while the bad grammar reaches the node: evil ended
+~0.15 s after its compile was let go, good's 300 tokens take seconds (1,500 took ~68 s of a
+~100-s test on the loaded 2-core host, with evil long done)."""
 
 
 class _TamperedProcess(CompilerProcess):
@@ -65,16 +70,9 @@ def tampered(monkeypatch: pytest.MonkeyPatch) -> type[_TamperedProcess]:
     return _TamperedProcess
 
 
-def test_a_loadable_grammar_that_makes_no_matcher_is_refused_on_the_compile_thread(tampered) -> None:
+def test_a_loadable_grammar_that_makes_no_matcher_is_refused_on_the_compile_thread(tampered, grammar_tokenizer) -> None:
     """The tampered grammar is refused "could not be loaded", not cached, its process replaced."""
-    from transformers import AutoTokenizer
-
-    from cache_node.grammars import CompileLimits, Grammars
-    from cache_node.model_loader import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
-    g = Grammars.create(tokenizer, 49152, [2], 4, CompileLimits(workers=1))
-    assert isinstance(g, Grammars), g
+    g = make_grammars(grammar_tokenizer, workers=1)
     tampered.gate.set()
     try:
         spec = StructuredOutputSpec("regex", "[a-c]{3}")
@@ -148,7 +146,7 @@ def _request(rid: str, tenant: str, max_tokens: int, structured: StructuredOutpu
 def test_a_bad_compiled_grammar_refuses_its_request_alone(tampered, monkeypatch: pytest.MonkeyPatch,
                                                           stage: str) -> None:
     """A ``CacheNode`` (the tiny Llama, SmolLM2's tokenizer) whose compiler child sends the tampered
-    grammar. Tenant "good" streams 1,500 unconstrained tokens; meanwhile tenant "evil"'s regex
+    grammar. Tenant "good" streams ``GOOD_TOKENS`` unconstrained tokens; meanwhile tenant "evil"'s regex
     request gets the grammar and ends with an error naming structured_output (``probe``: refused
     at the compile, UNAVAILABLE, the node's fault as every compile failure that is not the
     spec's; ``matcher``: the probe skipped, so the matcher fails in ``GrammarState.poll``,
@@ -191,7 +189,7 @@ def test_a_bad_compiled_grammar_refuses_its_request_alone(tampered, monkeypatch:
         while not (grammars.processes[0] is not None and grammars.processes[0].ready):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
-        good = node.generate(_request("r2", "good", 1500))
+        good = node.generate(_request("r2", "good", GOOD_TOKENS))
         good_events = [await asyncio.wait_for(good.__anext__(), 60)]
         assert good_events[0]["type"] not in ("error", "finished"), good_events
         tampered.gate.set()  # evil's compile runs while good decodes
@@ -214,7 +212,7 @@ def test_a_bad_compiled_grammar_refuses_its_request_alone(tampered, monkeypatch:
             assert message == ("structured_output: the compiled grammar could not be loaded" if stage == "probe" else
                                "structured_output: the compiled grammar could not be used (see the cache node's log)")
         assert good_events[-1]["type"] == "finished" and good_events[-1]["finish_reason"] == "length"
-        assert sum(len(e.get("token_ids", ())) for e in good_events) == 1500
+        assert sum(len(e.get("token_ids", ())) for e in good_events) == GOOD_TOKENS
         assert node.ping() and not node.failure
         assert not node.engine.requests and not node.engine._compiling
     finally:
