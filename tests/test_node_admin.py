@@ -14,7 +14,10 @@ from services.cache_node import CacheNode
 from services.config import NodeConfig
 from services.node_request import NodeRequest
 
-LONG_PROMPT_TOKENS = 1500  # one prefill step of this many tokens takes seconds on one thread
+LONG_PROMPT_TOKENS = 750
+"""One prefill step of this many tokens takes seconds on one thread (SmolLM2, fp32: ~3.5 s of
+CPU on the 2-core test host, against ~8 s for the 1,500 it was; the tests need the step to
+outlast a 50-ms sleep and a call, and the first one a step of over 1 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +138,8 @@ def test_a_flush_behind_a_stalled_spill_node_never_holds_the_streams() -> None:
     from cache_node.tiers.prefetch import TransferWorker
     from cache_node.tiers.spill_store import SpillHits
 
-    slow_s = 3.0
+    slow_s = 2.0  # the stream's largest gap stays under it (decode steps ~0.05 s); before the fix
+    # it froze for a put and a flush: 2 x slow_s
 
     class StalledSpill:  # each call takes slow_s, as a stalled spill node up to its timeouts
         def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
