@@ -113,8 +113,9 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
     def _forget_spill_holder(self, name: str) -> None:
         """A spill node died for good (``SpillWatch``): its blocks leave the index (a reset with
         none); a node of that name that serves again reports what it holds (its reset push)."""
-        log.warning("spill node %s is dead: its blocks leave the global block index", name)
-        self.report_events(name, [], reset=True)
+        if name in self.holders.spill_blocks:  # else the index holds none of it (a refusal counted)
+            log.warning("spill node %s is dead: its blocks leave the global block index", name)
+            self.report_events(name, [], reset=True)
 
     def stats(self) -> dict[str, Any]:
         """``GlobalScheduler.stats`` and ``spill_nodes``: each spill node's state

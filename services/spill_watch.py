@@ -1,5 +1,5 @@
 """The global scheduler's watch over its spill nodes: which serve, which wait (and for whom),
-which are dead (docs/architecture.md, 'Spill node states'; docs/operations.md).
+which are dead (docs/architecture.md, 'Failure handling').
 
 Every ``poll_s`` the watch asks each spill node, by name (``services.actor_refs``), for its
 ``SpillNode.status`` within ``timeout_s`` and keeps one state per node:
