@@ -7,7 +7,7 @@ unreachable from it), the key watch (``services.gateway_key_watch.KeyWatch``) co
 key removed meanwhile, and the streams that key had opened ran on to ``max_tokens``.
 
 Now a stream whose key was last confirmed (its opening, or the watch's last refresh that
-answered) longer ago than ``key_staleness_max_s`` ends UNAVAILABLE (gRPC, with a retry hint;
+answered) longer ago than ``key_staleness_max_s`` ends UNAVAILABLE (gRPC, with a retry hint (``retry-after-ms``);
 HTTP 503, retryable) at a check whose refresh fails after the check before it failed too;
 fewer failures end nothing. New calls were bounded already: a key passes from the gateway's
 key cache for ``_CACHE_TTL_S`` after its check at the scheduler, then needs the scheduler, and
@@ -88,6 +88,7 @@ def test_streams_end_unavailable_once_their_keys_go_unconfirmed_past_the_bound(p
     finally:
         directory.scheduler = reachable
     assert code == grpc.StatusCode.UNAVAILABLE and tokens > 0, (code, tokens)
+    assert ("retry-after-ms", "1000") in anns.call.trailing_metadata()  # type: ignore[attr-defined]
     assert STALENESS_MAX_S - 1.5 < took < STALENESS_MAX_S + CHECK_S + 2.0, took
     error = json.loads(body)["error"]
     assert status == 503 and error["type"] == "service_unavailable", (status, body[:300])
