@@ -304,6 +304,16 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
                 self.sessions.hold_until_reported(seq)
             return True
 
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop what the scheduling policy and the tiers' holder weights keep of ``tenant``
+        (``SchedulingPolicy.forget_tenant``, ``HolderWeights.forget_tenant``): its tenant was
+        deleted and none of its requests is left here (``services.cache_node_commands``), so a
+        churn of tenants registered and deleted leaves nothing behind. Regression (s37): its
+        share, VTC counter, rate window and weight entries stayed for good."""
+        with self._lock:
+            self.scheduler.policy.forget_tenant(tenant)
+        self.tiers.weights.forget_tenant(tenant)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 

@@ -266,5 +266,7 @@ class Scheduler(WaitingAdmission, StepSizing):
             self.waiting.remove(seq)
         if seq.status is not SequenceStatus.FINISHED and self.active_tenants[seq.tenant] > 0:
             self.active_tenants[seq.tenant] -= 1
+            if not self.active_tenants[seq.tenant]:  # (regression s37: every tenant ever seen stayed)
+                del self.active_tenants[seq.tenant]
         seq.status = SequenceStatus.FINISHED
         self.policy.on_finished(seq)

@@ -198,7 +198,8 @@ class Commands:
         tier: device, host, stored compressed prefixes here, and the spill nodes' RAM and group
         files (``LLMEngine.drop_namespace``; the spill part on a thread of its own, off the step
         thread); so are the compiled grammars of that namespace, the tenant's claims on the
-        others and its failed specs (``LLMEngine.forget_tenant_grammars``). Regression (review
+        others and its failed specs (``LLMEngine.forget_tenant_grammars``), and what the node's
+        scheduling policy and tiers keep of the tenant (``LLMEngine.forget_tenant``). Regression (review
         23d, E): the deleted tenant's blocks stayed cached, and its prompts' token ids stayed
         in the spill files across restarts; (review 30b F1) its grammars stayed, and told which
         specs it had used to any tenant timing a request. A tenant whose spec names
@@ -237,6 +238,7 @@ class Commands:
         namespace = own_namespace(tenant)
         dropped = self.engine.drop_namespace(namespace, spill=False)
         grammars = self.engine.forget_tenant_grammars(tenant, namespace)
+        self.engine.forget_tenant(tenant)  # its share, fair-share counters and weights (s37)
         threading.Thread(target=self.engine.drop_spill_namespace, args=(namespace,),
                          name=f"drop-{namespace}", daemon=True).start()
         log.info("cache node %s: dropped %s cached blocks and %d grammars of deleted tenant %s", self.node_id, dropped,

@@ -20,8 +20,11 @@ from services.global_scheduler_admission import GlobalSchedulerService
 
 
 class LoopPlane:
-    """Node "n0" (``max_num_seqs`` running slots) and the scheduler: ``node_address``,
-    ``sched_address``, ``keys`` (for the gateways' identities); ``run`` a coroutine on the loop."""
+    """Node "n0" (``max_num_seqs`` running slots, scheduling policy ``SCHEDULING_POLICY``) and
+    the scheduler: ``node_address``, ``sched_address``, ``keys`` (for the gateways' identities);
+    ``run`` a coroutine on the loop."""
+
+    SCHEDULING_POLICY = "fcfs"
 
     def __init__(self, max_num_seqs: int, state_prefix: str) -> None:
         self.keys = DataPlaneKeys.generate()
@@ -30,7 +33,8 @@ class LoopPlane:
         self.thread.start()
         config = NodeConfig(model_path=str(tiny_checkpoint()), block_size=BLOCK_SIZE,
                             kv_pool_bytes=POOL_BLOCKS * block_bytes(), host_bytes=0, max_num_seqs=max_num_seqs)
-        self.node = CacheNode("n0", config, num_threads=1, security=self.keys.security("node"))
+        self.node = CacheNode("n0", config, num_threads=1, scheduler=self.SCHEDULING_POLICY,
+                              security=self.keys.security("node"))
         self.scheduler = GlobalSchedulerService(tempfile.mkdtemp(prefix=state_prefix), {"n0": max_num_seqs},
                                                 security=self.keys.security("scheduler"))
         self.node_address = self.run(self.node.open_data_plane())

@@ -123,6 +123,13 @@ class SchedulingPolicy(ABC):
     def set_tenant(self, tenant: str, share: TenantShare) -> None:
         self.tenants[tenant] = share
 
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop what this policy keeps of ``tenant`` (its tenant was deleted and none of its
+        requests is left on the node): its share and, in subclasses, its counters. A request
+        of it arriving later is scheduled as an unknown tenant's (``DEFAULT_SHARE``) until its
+        share is set again. Regression (s37): a node kept every deleted tenant's entries."""
+        self.tenants.pop(tenant, None)
+
     def share(self, seq: Sequence) -> TenantShare:
         return self.tenants.get(seq.tenant, DEFAULT_SHARE)
 

@@ -30,6 +30,11 @@ class VirtualTokenCounters:
     def charge(self, tenant: str, num_tokens: int, weight: float) -> None:
         self.counters[tenant] += num_tokens / weight
 
+    def forget(self, tenant: str) -> None:
+        """Drop ``tenant``'s counter (its tenant was deleted): one that comes back starts at 0,
+        lifted as any newly backlogged tenant is."""
+        self.counters.pop(tenant, None)
+
     def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
         """``tenant`` just became backlogged: raise its counter to the smallest counter among
         the other ``backlogged`` tenants (no change when there is none or it is already higher)."""
@@ -78,6 +83,11 @@ class RateMeter:
     def add(self, tenant: str, num_tokens: int, now_s: float) -> None:
         self._events[tenant].append((now_s, num_tokens))
         self._totals[tenant] += num_tokens
+
+    def forget(self, tenant: str) -> None:
+        """Drop ``tenant``'s window (its tenant was deleted)."""
+        self._events.pop(tenant, None)
+        self._totals.pop(tenant, None)
 
     def rate(self, tenant: str, now_s: float) -> float:
         """Tokens/s of ``tenant`` over the last ``window_s`` (0.0 for an unknown tenant)."""

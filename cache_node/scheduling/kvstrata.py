@@ -106,6 +106,13 @@ class KvstrataPolicy(SchedulingPolicy):
         # that run first sampled a token or None)
         self._runs: dict[str, tuple[int, float, float | None]] = {}
 
+    def forget_tenant(self, tenant: str) -> None:
+        super().forget_tenant(tenant)
+        self.vtc.forget(tenant)
+        self.rates.forget(tenant)
+        self._interactive_seen.pop(tenant, None)
+        self._floor_preempted_s.pop(tenant, None)
+
     def order(self, waiting: Iterable[Sequence], now_s: float) -> list[Sequence]:
         self._now_s = now_s
         groups: dict[tuple[bool, int], list[Sequence]] = {}

@@ -32,6 +32,10 @@ class VtcPolicy(SchedulingPolicy):
     def order(self, waiting: Iterable[Sequence], now_s: float) -> list[Sequence]:
         return self.vtc.interleave(waiting, remaining_prefill, self.weight_of)
 
+    def forget_tenant(self, tenant: str) -> None:
+        super().forget_tenant(tenant)
+        self.vtc.forget(tenant)
+
     def on_arrival(self, seq: Sequence, now_s: float, active: Mapping[str, int]) -> None:
         if not active.get(seq.tenant):
             self.vtc.lift(seq.tenant, [t for t, n in active.items() if n > 0])

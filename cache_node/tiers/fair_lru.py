@@ -245,6 +245,14 @@ class HolderWeights:
                 self._drop(holder, name)
             self._put_turns.pop(holder, None)
 
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop ``tenant``'s entry, whichever holder it is for (its tenant was deleted): a
+        shared namespace's holder weighs its other tenants alone from now on."""
+        with self._lock:
+            holder = self._holder_of.get(tenant)
+            if holder is not None:
+                self._drop(holder, tenant)
+
     def known(self) -> dict[str, float]:
         """The weights other than 1 that are remembered, per holder (its tenants' sum)."""
         now = self._clock()
