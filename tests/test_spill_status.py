@@ -29,9 +29,11 @@ from kvstrata.v1 import admin_pb2
 from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.global_scheduler_recovery import RecoveryPeers
+from services.metrics import GatewayMetrics
 from services.node_monitor import scheduler_answer
 from services.openai_api.app import OpenAIEdge, create_app
 from services.spill_node import SpillNodeActor, create_spill_node
+from tests.test_http_metrics import samples
 from tests.test_spill_lock_wait import HOLDER, holder_processes
 from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
 
@@ -156,3 +158,22 @@ def test_a_dead_spill_nodes_blocks_leave_the_global_index(tmp_path: Path, ray_cl
     finally:
         ray.kill(node, no_restart=True)
         ray.kill(scheduler, no_restart=True)
+
+
+def test_the_gateways_metrics_export_the_spill_nodes_not_serving() -> None:
+    """A spill node that does not serve exports no ``/metrics`` of its own: the gateway's say
+    which do not (``NodeMonitor.spill_down``, here as the scheduler's health gave it), read at
+    each scrape."""
+    metrics = GatewayMetrics()
+    down = {"spill_node_1": "waiting for its directory: held by another store, pid 7 on h (o)",
+            "spill_node_2": "dead: its constructor raised ..."}
+    metrics.watch_spill(lambda: down)
+    seen = samples(metrics)
+    assert seen[("kvstrata:spill_nodes_not_serving", ())] == 2
+    assert {k: v for k, v in seen.items() if k[0] == "kvstrata:spill_node_not_serving"} == {
+        ("kvstrata:spill_node_not_serving", (("spill_node", "spill_node_1"),)): 1,
+        ("kvstrata:spill_node_not_serving", (("spill_node", "spill_node_2"),)): 1}
+    down.clear()  # both serve again
+    seen = samples(metrics)
+    assert seen[("kvstrata:spill_nodes_not_serving", ())] == 0
+    assert not [k for k in seen if k[0] == "kvstrata:spill_node_not_serving"]

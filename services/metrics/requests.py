@@ -108,6 +108,7 @@ class GatewayMetrics:
         self._forgotten_ids: OrderedDict[str, None] = OrderedDict()  # the newest FORGOTTEN_IDS_KEPT
         self._http: HttpConnectionsCollector | None = None  # ``watch_http``
         self._streams: UnreadStreamsCollector | None = None  # ``watch_streams``
+        self._spill: Any = None  # ``watch_spill``: a ``SpillNodesCollector``
 
     def watch_http(self, guard_of: Callable[[], Any]) -> None:
         """Export the HTTP API's connection guard (``guard_of()``, None while it serves none)
@@ -129,6 +130,17 @@ class GatewayMetrics:
             self._streams = UnreadStreamsCollector(streams_of)
             self.registry.register(self._streams)
         self._streams.streams_of = streams_of
+
+    def watch_spill(self, spill_down_of: Callable[[], dict[str, str]]) -> None:
+        """Export the spill nodes that do not serve (``spill_down_of()``: ``NodeMonitor.spill_down``)
+        at each scrape (``services.metrics.spill_nodes``); a later call replaces the earlier source."""
+        if self._spill is None:
+            # (a local import: services.metrics.spill_nodes imports PREFIX from here)
+            from services.metrics.spill_nodes import SpillNodesCollector
+
+            self._spill = SpillNodesCollector(spill_down_of)
+            self.registry.register(self._spill)
+        self._spill.spill_down_of = spill_down_of
 
     def refused_at_edge(self, tenant: Any | None, status: str) -> None:
         """A request the HTTP edge refused before it reached the gateway's request path (whose
