@@ -45,7 +45,7 @@ from tests.test_admin_flush_partial import _Aborted, _Auth, _Context, _Scheduler
 
 pytestmark = pytest.mark.slow
 
-NODE_TIMEOUT_S = 4.0  # the gateway's wait on a cache node (30 s in production)
+NODE_TIMEOUT_S = 3.0  # the gateway's wait on a cache node (30 s in production); its flush waits 2.4 s
 SPILL_NAME = "flush-silent-spill"
 
 
@@ -81,10 +81,13 @@ def node() -> Iterator[CacheNode]:
     n.shutdown()
 
 
-@pytest.fixture
-def spill(node: CacheNode, tmp_path) -> Iterator[tuple[Any, int]]:
-    handle = ray.remote(PidSpillNode).options(name=f"{SPILL_NAME}-{tmp_path.name}", resources={}, max_restarts=0, num_cpus=0).remote(
-        str(tmp_path / "spill"), BlockFormat(*node.engine.spill_block_spec()), 1 << 24, 1 << 26)
+@pytest.fixture(scope="module")
+def spill(node: CacheNode, tmp_path_factory) -> Iterator[tuple[Any, int]]:
+    """One SpillNode actor for every case (an actor start took 2-5 s of each): each case leaves
+    it answering again (SIGCONT) and flushed empty (the case's last check)."""
+    handle = ray.remote(PidSpillNode).options(name=SPILL_NAME, resources={}, max_restarts=0, num_cpus=0).remote(
+        str(tmp_path_factory.mktemp("flush-silent") / "spill"), BlockFormat(*node.engine.spill_block_spec()),
+        1 << 24, 1 << 26)
     pid = ray.get(handle.pid.remote(), timeout=60)
     try:
         yield handle, pid
