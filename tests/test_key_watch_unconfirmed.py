@@ -33,7 +33,7 @@ from services.actor_calls import BoundedActor
 from services.auth import _CACHE_TTL_S
 from services.gateway_key_watch import STALE_MESSAGE
 from tests.loop_plane import Actor, call, wait_for
-from tests.test_stream_key_revoked import Plane, plane  # noqa: F401 - the fixture
+from tests.test_stream_key_revoked import Plane, _sse_error, plane  # noqa: F401 - the fixture
 
 CHECK_S = 0.5
 """The key watch's interval here (``KEY_CHECK_S`` is 5 s)."""
@@ -60,11 +60,11 @@ def _get_models(p: Plane, key: str) -> tuple[int, dict[str, str], dict[str, Any]
 
 
 def test_streams_end_unavailable_once_their_keys_go_unconfirmed_past_the_bound(plane: Plane) -> None:  # noqa: F811
-    """ann (gRPC) and bob (a whole HTTP completion) stream; the directory stops answering, and
+    """ann (gRPC) and bob (a whole and a streamed HTTP completion) stream; the directory stops answering, and
     ann's key is rotated away at another gateway, which this one cannot see. Before the bound
-    (several failed refreshes) both streams run on; past it both end UNAVAILABLE (HTTP 503
-    ``service_unavailable``), leave the node and are released. Once the directory answers
-    again, ann's stream under her new key runs on. Old code: both ran on to ``max_tokens``
+    (several failed refreshes) the streams run on; past it all end UNAVAILABLE (HTTP 503
+    ``service_unavailable``, an SSE error event of that type), leave the node and are released. Once the directory answers
+    again, ann's stream under her new key runs on. Old code: all ran on to ``max_tokens``
     (ann's, ~20 s here, not ended within 10 s)."""
     watch = plane.watch
     watch.interval_s, watch.staleness_max_s = CHECK_S, STALENESS_MAX_S
@@ -72,8 +72,9 @@ def test_streams_end_unavailable_once_their_keys_go_unconfirmed_past_the_bound(p
     ann, ann_key = plane.register("ann")
     bob, bob_key = plane.register("bob")
     anns, bobs = plane.grpc_stream(ann_key), plane.http_completion(bob_key, False)
-    wait_for(lambda: plane.node_streams() == {ann: 1, bob: 1}, 30)
-    time.sleep(CHECK_S + 0.2)  # a refresh answered with both open
+    bobs_sse = plane.http_completion(bob_key, True)
+    wait_for(lambda: plane.node_streams() == {ann: 1, bob: 2}, 30)
+    time.sleep(CHECK_S + 0.2)  # a refresh answered with all open
     directory, reachable = plane.auth.directory, plane.auth.directory.scheduler
     ended_before = watch.ended
     try:
@@ -81,10 +82,11 @@ def test_streams_end_unavailable_once_their_keys_go_unconfirmed_past_the_bound(p
         t0 = time.monotonic()
         new_key = plane.run(call(plane.scheduler.rotate_tenant_key, "ann"))  # at another gateway
         time.sleep(STALENESS_MAX_S - 1.5)  # ~3 failed refreshes: nothing ended
-        assert not anns.done() and not bobs.done()
+        assert not anns.done() and not bobs.done() and not bobs_sse.done()
         code, tokens = anns.result(10)
         took = time.monotonic() - t0
         status, body = bobs.result(10)
+        sse_status, sse_body = bobs_sse.result(10)
     finally:
         directory.scheduler = reachable
     assert code == grpc.StatusCode.UNAVAILABLE and tokens > 0, (code, tokens)
@@ -93,13 +95,14 @@ def test_streams_end_unavailable_once_their_keys_go_unconfirmed_past_the_bound(p
     error = json.loads(body)["error"]
     assert status == 503 and error["type"] == "service_unavailable", (status, body[:300])
     assert error["message"] == STALE_MESSAGE.format(max_s=STALENESS_MAX_S)
+    assert sse_status == 200 and _sse_error(sse_body)["type"] == "service_unavailable", sse_body[-300:]
     wait_for(lambda: plane.node_streams() == {} and plane.in_flight() == 0, 10)  # aborted, released
-    assert watch.unconfirmed == 2 and watch.ended == ended_before
+    assert watch.unconfirmed == 3 and watch.ended == ended_before
 
     anns_new = plane.grpc_stream(new_key)  # the directory answers again
     wait_for(lambda: plane.node_streams() == {ann: 1}, 30)
     time.sleep(STALENESS_MAX_S + CHECK_S)
-    assert not anns_new.done() and watch.unconfirmed == 2
+    assert not anns_new.done() and watch.unconfirmed == 3
     anns_new.call.cancel()  # type: ignore[attr-defined]
     assert anns_new.result(30)[0] == grpc.StatusCode.CANCELLED
     wait_for(lambda: plane.node_streams() == {} and plane.in_flight() == 0, 10)
