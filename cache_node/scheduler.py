@@ -268,5 +268,6 @@ class Scheduler(WaitingAdmission, StepSizing):
             self.active_tenants[seq.tenant] -= 1
             if not self.active_tenants[seq.tenant]:  # (regression s37: every tenant ever seen stayed)
                 del self.active_tenants[seq.tenant]
+                self.policy.on_idle(seq.tenant)
         seq.status = SequenceStatus.FINISHED
         self.policy.on_finished(seq)

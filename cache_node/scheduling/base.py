@@ -172,6 +172,10 @@ class SchedulingPolicy(ABC):
     def on_finished(self, seq: Sequence) -> None:
         self._passed_over.pop(seq.request_id, None)
 
+    def on_idle(self, tenant: str) -> None:
+        """``tenant``'s last waiting or running request left the node (finished, aborted or
+        given up): it is no longer backlogged. Called before that request's ``on_finished``."""
+
     def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
         """The running sequence to preempt so that ``incoming`` can proceed.
 

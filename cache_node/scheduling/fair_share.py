@@ -1,10 +1,13 @@
 """Fair-share counters: virtual token counters (VTC) and per-tenant token-rate meters.
 
-VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24, §4): each tenant has
-a counter of the service it received, divided by its weight; the backlogged tenant with the
-smallest counter is served next; a tenant that becomes backlogged is lifted to the smallest
-counter among the backlogged ones (so idle time is not banked as credit). Here the charge is
-uncached prefill tokens + output tokens (both weight 1), i.e. the tokens a step computes.
+VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24, §4, Algorithm 2):
+each tenant has a counter of the service it received, divided by its weight; the backlogged
+tenant (a request of it waiting or running) with the smallest counter is served next. A tenant
+that becomes backlogged is lifted, never lowered: to the smallest counter among the other
+backlogged tenants, or, when there is none, to the counter of the last tenant to leave the
+backlog (the virtual time the node had reached), so idle time is not banked as credit. Here
+the charge is uncached prefill tokens + output tokens (both weight 1), i.e. the tokens a step
+computes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class VirtualTokenCounters:
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = defaultdict(float)
+        self.last_left = 0.0  # counter of the last tenant to leave the backlog (VTC's c_l)
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -37,10 +41,23 @@ class VirtualTokenCounters:
 
     def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
         """``tenant`` just became backlogged: raise its counter to the smallest counter among
-        the other ``backlogged`` tenants (no change when there is none or it is already higher)."""
+        the other ``backlogged`` tenants, or to ``last_left`` when there is none (VTC,
+        Algorithm 2); no change when it is already higher.
+
+        Regression (s37 review, F1): with no other tenant backlogged it was left as it was, so
+        a tenant arriving at an idle node (a new one at 0) was then served alone, once others
+        came, until its counter caught up with all they had been served since the node
+        started (and under block pressure ``kvstrata`` preempted their running requests first,
+        the largest counters)."""
         others = [self.counter(t) for t in set(backlogged) if t != tenant]
-        if others:
-            self.counters[tenant] = max(self.counter(tenant), min(others))
+        floor = min(others) if others else self.last_left
+        if floor > self.counter(tenant):
+            self.counters[tenant] = floor
+
+    def leave(self, tenant: str) -> None:
+        """``tenant``'s last waiting or running request left: its counter is the virtual time
+        a tenant arriving while none is backlogged is lifted to (VTC's ``c_l``)."""
+        self.last_left = self.counter(tenant)
 
     def interleave(
         self,

@@ -160,6 +160,9 @@ class KvstrataPolicy(SchedulingPolicy):
         super().on_finished(seq)
         self._runs.pop(seq.request_id, None)
 
+    def on_idle(self, tenant: str) -> None:
+        self.vtc.leave(tenant)
+
     def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
         """Lowest class, then most over its tenant's device quota, then largest VTC counter,
         then newest. For a running ``incoming`` (it needs blocks for its next chunk, token or

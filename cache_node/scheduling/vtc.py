@@ -42,3 +42,6 @@ class VtcPolicy(SchedulingPolicy):
 
     def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
         self.vtc.charge(seq.tenant, num_tokens, self.share(seq).weight)
+
+    def on_idle(self, tenant: str) -> None:
+        self.vtc.leave(tenant)

@@ -1,0 +1,80 @@
+"""Fair share after an idle gap: a tenant arriving at an idle node banks no credit (s37 F1).
+
+Regression (s37 review, F1): ``VirtualTokenCounters.lift`` raised a newly backlogged tenant's
+counter only to the other backlogged tenants' counters, so a tenant arriving while no other
+tenant was waiting or running kept its old counter (0 for a new tenant). Once a second tenant
+arrived, the first was served alone until its counter caught up with all the service the
+second had had since the node started: its requests' first tokens came AAABBB instead of
+interleaved (and under block pressure the second's running requests were the victims, the
+largest counters). VTC (Sheng et al., OSDI'24, Algorithm 2) lifts such a tenant to the counter
+of the last tenant to leave the queue.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.model_loader import LoadedModel
+from cache_node.sampling_params import SamplingParams
+from cache_node.scheduling.fair_share import VirtualTokenCounters
+
+PROMPT, OUT, N = 16, 2, 3
+
+
+def prompt(tag: int, i: int) -> list[int]:
+    return [(11 * i + j + tag) % 500 + 1 for j in range(PROMPT)]
+
+
+def first_token_order(lm: LoadedModel, policy: str) -> tuple[str, dict[str, float]]:
+    """Tenant ``b`` runs ``N`` requests alone until the node is idle; then ``a`` (never seen)
+    queues ``N`` requests, ``b`` ``N`` more. Returns the tenants of phase 2's requests in the
+    order of their first tokens, and the counters right after the arrivals."""
+    engine = LLMEngine(
+        lm.model,
+        EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64,
+                     max_num_seqs=2, scheduling_policy=policy),
+        lm.model_id, lm.eos_token_ids,
+    )
+    params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
+    for i in range(N):
+        engine.add_request(prompt(5, i), params, request_id=f"warm{i}", tenant="b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not any(engine.scheduler.active_tenants.values())  # the node is idle
+    for tenant, tag in (("a", 3), ("b", 7)):
+        for i in range(N):
+            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+    vtc = engine.scheduler.policy.vtc  # type: ignore[attr-defined]
+    counters = {t: vtc.counter(t) for t in "ab"}
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+    return "".join(r[0] for r in order), counters
+
+
+@pytest.mark.parametrize("policy", ["kvstrata", "vtc"])
+def test_a_tenant_arriving_at_an_idle_node_is_lifted_to_the_last_leavers_counter(
+    tiny: LoadedModel, policy: str
+) -> None:
+    order, counters = first_token_order(tiny, policy)
+    served_b = N * (PROMPT + OUT - 1)  # uncached prefill + the decode steps (the last token's too)
+    assert order == "ab" * N, order  # before: "aaabbb"
+    assert counters == {"a": served_b, "b": served_b}  # before: a 0.0, b's service its credit
+
+
+def test_lift_takes_the_last_leaver_when_no_other_tenant_is_backlogged() -> None:
+    vtc = VirtualTokenCounters()
+    vtc.charge("x", 30, weight=2.0)  # 15
+    vtc.charge("y", 40, weight=1.0)  # 40
+    vtc.leave("y")
+    vtc.leave("x")  # the last to leave: the virtual time is 15, not the largest counter
+    vtc.lift("new", [])
+    assert vtc.counter("new") == 15.0
+    vtc.lift("y", [])  # a counter ahead of the virtual time keeps its lead
+    assert vtc.counter("y") == 40.0
+    vtc.lift("z", ["new", "y"])  # others backlogged: their smallest counter, as before
+    assert vtc.counter("z") == 15.0
