@@ -302,3 +302,27 @@ def test_a_live_gateway_counted_gone_serves_on(stack, keys) -> None:
     assert ray.get(gateway.counted_gone.remote("tcp://not-its-inbox", [])) is False
     r = collect(stack.inference.Generate(chat("Name a large planet.", 4), metadata=md(keys["alice"])))
     assert r["finished"] is not None
+
+
+def test_status_shows_each_spill_nodes_state(stack: Stack) -> None:
+    """``kvstrata status``'s spill table, from the gateway's ``Stats`` (the scheduler's spill
+    watch, ``services.spill_watch``): the stack's spill nodes serve, and say so. Regression
+    (s37): ``kvstrata status`` showed no spill node, serving or not."""
+    from rich.console import Console
+
+    from cli.lifecycle import spill_table
+
+    names = {f"spill_node_{i}" for i in range(stack.config.num_spill_nodes)}
+    deadline = time.monotonic() + 60
+    while True:
+        stats = stack.admin.Stats(admin_pb2.StatsRequest(), metadata=stack.admin_md())
+        nodes = json.loads(stats.stats_json)["scheduler"]["spill_nodes"]
+        if all(nodes.get(n, {}).get("state", "unknown") != "unknown" for n in names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert names and {n: s["state"] for n, s in nodes.items()} == dict.fromkeys(names, "serving")
+    console = Console(record=True, width=200)
+    console.print(spill_table(stats))
+    rows = [line for line in console.export_text().splitlines() if line.count("│") == 3]
+    assert sorted(row.split("│")[1].strip() for row in rows) == sorted(names)
+    assert all(row.split("│")[2].strip() == "serving" for row in rows)
