@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Iterable, Sequence
 from typing import TextIO
@@ -123,10 +124,11 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
     return finished
 
 
-def results_hint(session: str) -> str:
+def results_hint(session: str, cache_salt: str = "") -> str:
     """The line after a reply's tool calls: how to send their results back (``--tool-result``)."""
     if session:
-        return (f"send each result back with: kvstrata generate --session {session} --tools ... "
+        salt = f" --cache-salt {shlex.quote(cache_salt)}" if cache_salt else ""
+        return (f"send each result back with: kvstrata generate --session {session}{salt} --tools ... "
                 "--tool-result ID=RESULT (ID=@FILE: the file's text)")
     return ("send each result back with --tool-result ID=RESULT and --messages holding the conversation so far "
             "with this reply as an assistant message's tool_calls (or continue in a --session)")
@@ -134,16 +136,17 @@ def results_hint(session: str) -> str:
 
 def generate_request(prompt: str | inference_pb2.ChatMessages, max_tokens: int, temperature: float, session: str,
                      policy: str, priority: int = 0, stop: list[str] | None = None,
-                     constrained: Constraints = NO_CONSTRAINTS) -> inference_pb2.GenerateRequest:
+                     constrained: Constraints = NO_CONSTRAINTS, cache_salt: str = "") -> inference_pb2.GenerateRequest:
     """The ``Generate`` request of one ``kvstrata generate`` call: its chat (``prompt``: one
     user message's text, or the messages ``cli.messages.chat`` built), its sampling (``stop``
-    in ``SamplingParams.stop``, ``constrained``'s fields) and ``GenerateRequest.priority``."""
+    in ``SamplingParams.stop``, ``constrained``'s fields), ``GenerateRequest.priority`` and
+    ``GenerateRequest.cache_salt``."""
     if isinstance(prompt, str):
         prompt = inference_pb2.ChatMessages(messages=[inference_pb2.ChatMessage(role="user", content=prompt)])
     req = inference_pb2.GenerateRequest(
         chat=prompt,
         sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or []),
-        session_id=session, policy=policy, priority=priority,
+        session_id=session, policy=policy, priority=priority, cache_salt=cache_salt,
     )
     constrained.apply(req.sampling)
     return req
@@ -161,6 +164,10 @@ def generate(
                                       help="sampling temperature; 0: greedy (deterministic)"),
     session: str = typer.Option("", help="a session id of your choice: turns of one session reuse the "
                                 "previous turns' KV cache (default: no session)"),
+    cache_salt: str = typer.Option("", "--cache-salt", metavar="SALT", callback=id_chars("--cache-salt"),
+                                   help="partitions your prefix cache further (the HTTP API's `cache_salt`): "
+                                   "requests share cached KV only with requests of the same salt, and a "
+                                   "--session is one of this salt alone (default: none)"),
     policy: str = typer.Option("", help="KV policy spec for this request, e.g. sentencekv-0.25 "
                                "(default: the tenant's)"),
     priority: int = typer.Option(0, min=MIN_PRIORITY, max=MAX_PRIORITY,
@@ -214,11 +221,15 @@ def generate(
     without one, `--tool-result` with `--messages` holding the conversation so far, the
     assistant message with its `tool_calls` included. The messages sent are `--messages`',
     then one tool message per `--tool-result`, then PROMPT as a user message.
+
+    With `--cache-salt` the request shares cached KV only with requests of the same salt (as
+    the HTTP API's `cache_salt`), and a `--session` is the session of that salt: its turns, and
+    `kvstrata close-session --cache-salt`, name the same salt.
     """
     constrained = constraints(json_object, json_schema, regex, choice, grammar, logit_bias, allowed_token_ids)
     sent, sources = chat(prompt, [] if messages is None else messages_from_text(messages),
                          tool_results(tool_result or []), session)
-    req = generate_request(sent, max_tokens, temperature, session, policy, priority, stop, constrained)
+    req = generate_request(sent, max_tokens, temperature, session, policy, priority, stop, constrained, cache_salt)
     apply_tools(req, tools, tool_choice)
     with gateway_channel(gateway) as ch:
         try:
@@ -227,7 +238,7 @@ def generate(
         except grpc.RpcError as err:
             fail(err, lambda line: sources.reword(line)[0])
     if finished is not None and finished.tool_calls:
-        console.print(f"[dim]{escape(results_hint(session))}[/dim]", soft_wrap=True)
+        console.print(f"[dim]{escape(results_hint(session, cache_salt))}[/dim]", soft_wrap=True)
 
 
 def close_session(

@@ -154,6 +154,7 @@ def input_from_pb(request: inference_pb2.GenerateRequest, tool_call_parser: str 
     return GenerateInput(
         prompt=prompt, sampling=sampling,
         session_id=request.session_id, request_id=request.request_id, policy=convert.policy_from_pb(request.policy, ""),
+        cache_salt=request.cache_salt,
         priority=request.priority, prefix_tokens=request.prefix_tokens,
         prefix_messages=request.prefix_messages, tools=tools, tool_output=tool_output,
         constraint_field=constrained,

@@ -16,6 +16,7 @@ the history in front of a token-id turn), and a close under any salt closed u1's
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -239,3 +240,31 @@ def test_a_request_id_in_flight_under_one_salt_is_free_under_another(served: Ser
     finally:
         held.close()  # the client hangs up: the gateway aborts it
     wait_for(lambda: not s.servicer._in_flight)
+
+
+def cli_generate(s: Served, prompt: str, *options: str) -> Any:
+    """``kvstrata generate`` (the real CLI app, in process; greedy, 4 tokens) at the gateway."""
+    from typer.testing import CliRunner
+
+    from cli import main as cli
+    return CliRunner().invoke(cli.app, ["generate", "--gateway", s.address, "--max-tokens", str(MAX_TOKENS),
+                                        *options, prompt], env={"KVSTRATA_API_KEY": s.key, "COLUMNS": "300"})
+
+
+def test_the_cli_opens_and_continues_a_session_under_its_cache_salt(served: Served) -> None:
+    """``kvstrata generate --session S --cache-salt u1`` (gRPC ``GenerateRequest.cache_salt``)
+    opens u1's session S: no unsalted close finds it, the next u1 turn continues its history
+    (cached on the device), and the HTTP API's close under u1 frees it. Before s37 gRPC had no
+    salt and the CLI no option (exit 2): a salted session could not be opened or continued."""
+    s = served
+    first = cli_generate(s, "Name a colour.", "--session", "chat-6", "--cache-salt", "u1")
+    assert first.exit_code == 0, first.output
+    assert delete(s, "chat-6")[0] == 404  # (not the unsalted session of that id)
+    again = cli_generate(s, "Another one.", "--session", "chat-6", "--cache-salt", "u1")
+    assert again.exit_code == 0, again.output
+    line = re.search(r"(\d+) prompt tokens \((\d+) cached on the device\), (\d+) generated", again.output)
+    assert line is not None, again.output
+    prompt, cached, generated = map(int, line.groups())
+    assert 0 < cached < prompt, again.output
+    status, body = delete(s, "chat-6", "?cache_salt=u1")
+    assert status == 200 and body["freed_tokens"] == prompt + generated, body

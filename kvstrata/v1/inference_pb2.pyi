@@ -143,7 +143,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("chat", "tokens", "sampling", "session_id", "request_id", "policy", "priority", "prefix_tokens", "prefix_messages", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("chat", "tokens", "sampling", "session_id", "request_id", "policy", "priority", "prefix_tokens", "prefix_messages", "tools", "tool_choice", "parallel_tool_calls", "cache_salt")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     chat: ChatMessages
     tokens: TokenIds
     sampling: SamplingParams
@@ -168,7 +169,8 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., policy: _Optional[str] = ..., priority: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., prefix_messages: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., policy: _Optional[str] = ..., priority: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., prefix_messages: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("request_id", "node_id", "prompt_tokens", "cached_tokens", "queue_ms", "priority")
