@@ -117,15 +117,19 @@ def test_chunked_prefill_over_1500_token_context(num_kv_splits: int | None) -> N
 
 @pytest.mark.parametrize("dtype", on_device_all([torch.float32, torch.bfloat16], [torch.float32]))
 def test_prefix_hit_chunk_split_kv(dtype: torch.dtype) -> None:
-    """A prefix-cache hit: a 53-token chunk (four query tiles) after 2064 cached tokens, one
-    sequence. Its few programs are split over the context; a split holding only positions past
-    a query's own (the tile's last range, for its first rows) gives that row lse -inf, which
-    the merge must skip."""
-    batch = make_batch([(2117, 53)], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+    """A prefix-cache hit: a 53-token chunk (four query tiles) after 2257 cached tokens, one
+    sequence. Its few programs are split over the context (9 ranges); a split holding only
+    positions past a query's own (the third tile's last range of 288, from 2304, for its first
+    15 rows) gives that row lse -inf, which the merge must skip. One KV head of GQA 4:
+    with two (and 2064 cached tokens, where no row's range was empty) the interpreter spent
+    ~9 s of CPU here, ~5 s now (2 KV heads split: ``test_decode_batch_split_kv_matches``,
+    ``test_chunked_prefill_over_1500_token_context``; 8 on the GPU:
+    ``test_gpu_matches_reference_on_model_shapes``)."""
+    batch = make_batch([(2310, 53)], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
                        dtype=dtype, device=DEVICE, seed=9)
-    config = pa.unified_config(53, 1, 8, 2, 64, 16, dtype)
+    config = pa.unified_config(53, 1, 4, 1, 64, 16, dtype)
     tiles = pa.num_query_tiles(53, 1, config["BLOCK_Q"])
-    assert pa.choose_num_kv_splits(tiles, 2, batch.block_tables.shape[1] * 16, 132) > 1
+    assert tiles == 4 and pa.choose_num_kv_splits(tiles, 1, batch.block_tables.shape[1] * 16, 132) == 9
     atol, rtol = (FP32_ATOL, 0.0) if dtype == torch.float32 else (BF16_ATOL, BF16_RTOL)
     _check(batch, pa.paged_attention(*batch.args()), atol, rtol)
 
