@@ -28,6 +28,7 @@ from services.chat_tools import estimate_tools_tokens, wire_messages
 from services.gateway_inputs import (
     MAX_ID_CHARS,
     GenerateInput,
+    request_scope,
     salted_namespace,
     scoped_id,
     session_scope,
@@ -188,8 +189,10 @@ class RequestPreparation:
         extra = {"slo_class": spec.slo_class.value, "ttft_slo_ms": str(spec.ttft_slo_ms),
                  "min_tokens_per_s": str(spec.min_tokens_per_s), "weight": str(spec.weight),
                  "kv_quota_bytes": str(spec.kv_quota_bytes)} | fill
-        if call.routing_key:
-            extra["routing_key"] = scoped_id(tenant.tenant_id, call.routing_key)
+        if call.routing_key:  # one salt's key is not another's (as request and session ids: s37; a
+            # key shared across salts sent a caller under one to the node another salt's key last
+            # served, which its started event names, and cache affinity never crosses salts)
+            extra["routing_key"] = request_scope(tenant.tenant_id, call.cache_salt, call.routing_key)
         if messages:  # the node renders them: admission still needs their size
             try:
                 estimate, overhead, tools_tokens = await self.off_loop(tenant.tenant_id, lambda: (

@@ -268,3 +268,20 @@ def test_the_cli_opens_and_continues_a_session_under_its_cache_salt(served: Serv
     assert 0 < cached < prompt, again.output
     status, body = delete(s, "chat-6", "?cache_salt=u1")
     assert status == 200 and body["freed_tokens"] == prompt + generated, body
+
+
+def test_a_routing_key_is_one_salts_alone(served: Served) -> None:
+    """``prompt_cache_key`` "rk" under salts u1 and u2 and under none is three routing keys at
+    the scheduler (each remembers its own node), as request and session ids are one salt's:
+    before s37 the three were one key, so a caller under u2 was sent to the node u1's "rk" last
+    went to (its started event names it), though no cached block is shared across salts."""
+    s = served
+    tenant_id = s.run(call(s.scheduler.get_tenant, "logprobs")).tenant_id
+    for salt in ("u1", "u2", None):
+        body: dict[str, Any] = {"prompt": PROBE, "max_tokens": 1, "prompt_cache_key": "rk"}
+        if salt is not None:
+            body["cache_salt"] = salt
+        status, got = s.post("/completions", body)
+        assert status == 200, got
+    keys = [k for k in s.scheduler.routing_keys.by_tenant[tenant_id] if k.endswith("/rk")]
+    assert len(keys) == 3, keys
