@@ -162,7 +162,8 @@ def generate(
                                    help="most tokens to generate (finish reason `length` when reached)"),
     temperature: float = typer.Option(0.0, min=0, max=MAX_REQUEST_TEMPERATURE, callback=finite,
                                       help="sampling temperature; 0: greedy (deterministic)"),
-    session: str = typer.Option("", help="a session id of your choice: turns of one session reuse the "
+    session: str = typer.Option("", callback=id_chars("--session"),
+                                help="a session id of your choice: turns of one session reuse the "
                                 "previous turns' KV cache (default: no session)"),
     cache_salt: str = typer.Option("", "--cache-salt", metavar="SALT", callback=id_chars("--cache-salt"),
                                    help="partitions your prefix cache further (the HTTP API's `cache_salt`): "
@@ -242,7 +243,8 @@ def generate(
 
 
 def close_session(
-    session: str = typer.Argument(..., metavar="SESSION", help="the session id given to `generate --session`"),
+    session: str = typer.Argument(..., metavar="SESSION", callback=id_chars("SESSION"),
+                                  help="the session id given to `generate --session`"),
     api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
                                 help="the tenant's API key (the session's own tenant)"),
     cache_salt: str = typer.Option("", "--cache-salt", metavar="SALT", callback=id_chars("--cache-salt"),

@@ -41,10 +41,18 @@ def finite(value: float | None) -> float | None:
 def id_chars(option: str) -> Callable[[str], str]:
     """Typer callback for an id the server takes up to ``MAX_ID_CHARS`` (256) characters of
     (``services.gateway_inputs.MAX_ID_CHARS``: a session id, a ``cache_salt``), refused here
-    as a usage error naming ``option`` rather than as the server's INVALID_ARGUMENT."""
+    as a usage error naming ``option`` rather than as the server's INVALID_ARGUMENT; so is one
+    that is not text (bytes the locale could not decode, kept as lone surrogates: ``$'a\\xffb'``),
+    which no request can carry. Regression (review r1 F5, session 37): such a ``--cache-salt``
+    or SESSION raised UnicodeEncodeError, a traceback with exit 1."""
     def check(value: str) -> str:
         if len(value) > MAX_ID_CHARS:
             raise typer.BadParameter(f"{option} has {len(value)} characters; at most {MAX_ID_CHARS}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise typer.BadParameter(f"{option} is not valid UTF-8 text (character {err.start + 1} is an "
+                                     "undecodable byte)") from None
         return value
 
     return check

@@ -11,6 +11,9 @@ Through typer's CliRunner; the gateway, where one is needed, is real (tests.gate
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from cli.options import MAX_UINT64
 from tenants.model import TenantSpec
 from tests.gateway_harness import NODE_INFO, serve
 
+ROOT = Path(__file__).resolve().parent.parent
 NOWHERE = "127.0.0.1:1"  # nothing listens: a call that got past validation fails UNAVAILABLE
 
 
@@ -190,3 +194,22 @@ def test_a_tenants_own_key_may_come_from_the_environment() -> None:
     from cli.tenant import OwnKeyOpt
 
     assert OwnKeyOpt.envvar == "KVSTRATA_API_KEY"
+
+
+def test_an_id_that_is_not_text_is_a_usage_error() -> None:
+    """A session id or ``--cache-salt`` of bytes the locale cannot decode (``$'a\\xffb'`` in a
+    shell: Python keeps them as lone surrogates) is a usage error naming it, exit 2, before
+    anything is called. Regression (review r1 F5, session 37): UnicodeEncodeError, a
+    traceback with exit 1. Through the real CLI process, given the bytes as a shell gives them."""
+    env = {**os.environ, "KVSTRATA_API_KEY": KEY, "LC_ALL": "C.UTF-8", "COLUMNS": "1000"}
+    base = [sys.executable.encode(), b"-m", b"cli.main"]
+    for args, option in [([b"close-session", b"s1", b"--cache-salt", b"a\xffb"], "--cache-salt"),
+                         ([b"close-session", b"a\xffb"], "SESSION"),
+                         ([b"generate", b"hi", b"--session", b"a\xffb"], "--session"),
+                         ([b"generate", b"hi", b"--cache-salt", b"a\xffb"], "--cache-salt")]:
+        done = subprocess.run([*base, *args, b"--gateway", NOWHERE.encode()], cwd=ROOT, env=env, check=False,
+                              capture_output=True, timeout=60)
+        output = _words((done.stdout + done.stderr).decode("utf-8", "replace"))
+        assert done.returncode == 2 and "Traceback" not in output, (args, done.returncode, output[-600:])
+        assert f"Invalid value for '{option}'" in output or f"Invalid value for {option}" in output, (args, output)
+        assert "not valid UTF-8 text" in output, output
