@@ -8,6 +8,12 @@ second had had since the node started: its requests' first tokens came AAABBB in
 interleaved (and under block pressure the second's running requests were the victims, the
 largest counters). VTC (Sheng et al., OSDI'24, Algorithm 2) lifts such a tenant to the counter
 of the last tenant to leave the queue.
+
+Regression (s37 review r3): kvstrata serves SLO classes in order and VTC only within a class,
+so a batch tenant's counter stays low while interactive work runs; with one ``last_left`` for
+the node, a batch tenant leaving last set the virtual time a new interactive tenant was lifted
+to, below its interactive peer's counter: the new one was served alone again (CCCAAA). Each
+class now keeps its own virtual time.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
 from cache_node.model_loader import LoadedModel
 from cache_node.sampling_params import SamplingParams
+from cache_node.scheduling.base import TenantShare
 from cache_node.scheduling.fair_share import VirtualTokenCounters
 
 PROMPT, OUT, N = 16, 2, 3
@@ -78,3 +85,54 @@ def test_lift_takes_the_last_leaver_when_no_other_tenant_is_backlogged() -> None
     assert vtc.counter("y") == 40.0
     vtc.lift("z", ["new", "y"])  # others backlogged: their smallest counter, as before
     assert vtc.counter("z") == 15.0
+
+
+def test_kvstrata_lifts_a_new_tenant_to_its_own_classs_virtual_time(tiny: LoadedModel) -> None:
+    """Interactive ``a`` (6 requests) and batch ``b`` (1 request, 8 tokens out) share an idle
+    node; class order serves ``a`` first, so ``a``'s counter ends far above ``b``'s, and ``b``
+    leaves last. Then a new interactive tenant ``c`` queues 3 requests and ``a`` 3 more: ``c``
+    is lifted to the interactive class's virtual time (``a``'s counter), and the two take
+    turns. Before: lifted to ``b``'s batch counter, ``c`` was served alone ("cccaaa")."""
+    engine = LLMEngine(
+        tiny.model,
+        EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64,
+                     max_num_seqs=2, scheduling_policy="kvstrata"),
+        tiny.model_id, tiny.eos_token_ids,
+    )
+    policy = engine.scheduler.policy
+    for tenant, slo_class in (("a", "interactive"), ("b", "batch"), ("c", "interactive")):
+        policy.set_tenant(tenant, TenantShare(slo_class))
+    params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
+    for i in range(6):
+        engine.add_request(prompt(5, i), params, request_id=f"warm-a{i}", tenant="a")
+    engine.add_request(prompt(9, 0), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                       request_id="warm-b", tenant="b")
+    left: list[str] = []
+    while engine.has_unfinished_requests():
+        left += [out.request_id for out in engine.step() if out.finished]
+    vtc = policy.vtc  # type: ignore[attr-defined]
+    served_a = 6 * (PROMPT + OUT - 1)
+    assert left[-1] == "warm-b" and (vtc.counter("a"), vtc.counter("b")) == (served_a, PROMPT + 8 - 1)
+    for tenant, tag in (("c", 3), ("a", 7)):
+        for i in range(N):
+            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+    lifted_c = vtc.counter("c")
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+    assert "".join(r[0] for r in order) == "ca" * N  # before: "cccaaa"
+    assert lifted_c == served_a  # before: 23.0, b's counter
+
+
+def test_each_group_keeps_its_own_virtual_time() -> None:
+    vtc = VirtualTokenCounters()
+    vtc.charge("i", 100, weight=1.0)
+    vtc.charge("b", 20, weight=1.0)
+    vtc.leave("i", group=0)
+    vtc.leave("b", group=2)  # the last to leave, but of another group
+    vtc.lift("new-i", [], group=0)
+    vtc.lift("new-b", [], group=2)
+    vtc.lift("new-s", [], group=1)  # a group none has left yet: 0
+    assert [vtc.counter(t) for t in ("new-i", "new-b", "new-s")] == [100.0, 20.0, 0.0]

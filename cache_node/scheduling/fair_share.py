@@ -8,6 +8,12 @@ backlogged tenants, or, when there is none, to the counter of the last tenant to
 backlog (the virtual time the node had reached), so idle time is not banked as credit. Here
 the charge is uncached prefill tokens + output tokens (both weight 1), i.e. the tokens a step
 computes.
+
+Per-class adaptation (kvstrata): a policy that serves SLO classes in strict order and VTC only
+within a class lets the classes' counters drift apart (a batch tenant is charged little while
+interactive work runs), so one virtual time is kept per group (``group``: the class rank), and
+a tenant is lifted only against its own group (the caller passes the group's backlogged
+tenants; the group's last leaver when none is). The plain ``vtc`` policy uses one group (0).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ class VirtualTokenCounters:
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = defaultdict(float)
-        self.last_left = 0.0  # counter of the last tenant to leave the backlog (VTC's c_l)
+        # group -> counter of its last tenant to leave the backlog (VTC's c_l, one per group)
+        self.last_left: dict[int, float] = {}
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -39,25 +46,29 @@ class VirtualTokenCounters:
         lifted as any newly backlogged tenant is."""
         self.counters.pop(tenant, None)
 
-    def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
+    def lift(self, tenant: str, backlogged: Iterable[str], group: int = 0) -> None:
         """``tenant`` just became backlogged: raise its counter to the smallest counter among
-        the other ``backlogged`` tenants, or to ``last_left`` when there is none (VTC,
-        Algorithm 2); no change when it is already higher.
+        the other ``backlogged`` tenants (those of its ``group`` only: the caller filters), or
+        to ``group``'s ``last_left`` when there is none (0.0 for a group none has left yet)
+        (VTC, Algorithm 2, one virtual time per group); no change when it is already higher.
 
         Regression (s37 review, F1): with no other tenant backlogged it was left as it was, so
         a tenant arriving at an idle node (a new one at 0) was then served alone, once others
         came, until its counter caught up with all they had been served since the node
         started (and under block pressure ``kvstrata`` preempted their running requests first,
-        the largest counters)."""
+        the largest counters). Regression (s37 review r3): one ``last_left`` for all classes
+        lifted a new interactive tenant to a batch tenant's lower counter (the batch tenant
+        left last), so it was again served alone within its class until caught up."""
         others = [self.counter(t) for t in set(backlogged) if t != tenant]
-        floor = min(others) if others else self.last_left
+        floor = min(others) if others else self.last_left.get(group, 0.0)
         if floor > self.counter(tenant):
             self.counters[tenant] = floor
 
-    def leave(self, tenant: str) -> None:
-        """``tenant``'s last waiting or running request left: its counter is the virtual time
-        a tenant arriving while none is backlogged is lifted to (VTC's ``c_l``)."""
-        self.last_left = self.counter(tenant)
+    def leave(self, tenant: str, group: int = 0) -> None:
+        """``tenant``'s last waiting or running request left: its counter is ``group``'s
+        virtual time, the one a tenant of ``group`` arriving while none of it is backlogged
+        is lifted to (VTC's ``c_l``)."""
+        self.last_left[group] = self.counter(tenant)
 
     def interleave(
         self,

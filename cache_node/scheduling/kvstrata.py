@@ -10,13 +10,14 @@ Waiting order, as nested groups:
 3. preempted requests before newer work of the same class (they keep their place), oldest
    first;
 4. the rest interleaved across tenants by VTC (weighted, charged on uncached prefill and
-   output tokens), each tenant's requests by scheduling value, highest first: pending time
-   over memory cost (Apt-Serve, arXiv 2504.07494, its value-based request scheduling over a
-   hybrid cache), where the cost is the prompt tokens still to compute beyond the device
-   prefix hit. A request whose KV is on the device runs before an equal one that misses; one
-   whose KV sits below the device is prefetched first (the scheduler skips it meanwhile, but
-   no longer than recomputing its uncached prompt would take: ``bounds_prefetch_wait``); a
-   long request gains value while it waits, so it is not starved.
+   output tokens; one virtual time per class, ``on_arrival``), each tenant's requests by
+   scheduling value, highest first: pending time over memory cost (Apt-Serve, arXiv
+   2504.07494, its value-based request scheduling over a hybrid cache), where the cost is the
+   prompt tokens still to compute beyond the device prefix hit. A request whose KV is on the
+   device runs before an equal one that misses; one whose KV sits below the device is
+   prefetched first (the scheduler skips it meanwhile, but no longer than recomputing its
+   uncached prompt would take: ``bounds_prefetch_wait``); a long request gains value while it
+   waits, so it is not starved.
 
 While a tenant with a floor has requests decoding, the step is sized so it lasts at most
 ``k / (floor * headroom)`` seconds for its ``k`` decodes (``step_target_s``; the scheduler's
@@ -57,7 +58,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from cache_node.scheduling.base import SchedulingPolicy
+from cache_node.scheduling.base import DEFAULT_SHARE, SchedulingPolicy
 from cache_node.scheduling.fair_share import RateMeter, VirtualTokenCounters
 from cache_node.scheduling.vtc import remaining_prefill
 
@@ -143,8 +144,10 @@ class KvstrataPolicy(SchedulingPolicy):
     def on_arrival(self, seq: Sequence, now_s: float, active: Mapping[str, int]) -> None:
         if self.rank(seq) == 0:
             self._interactive_seen[seq.tenant] = now_s
-        if not active.get(seq.tenant):
-            self.vtc.lift(seq.tenant, [t for t, n in active.items() if n > 0])
+        if not active.get(seq.tenant):  # VTC within its class: lifted against its class only
+            rank = self.rank(seq)
+            peers = [t for t, n in active.items() if n > 0 and self._rank_of(t) == rank]
+            self.vtc.lift(seq.tenant, peers, group=rank)
 
     def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
         self.vtc.charge(seq.tenant, num_tokens, self.share(seq).weight)
@@ -161,7 +164,12 @@ class KvstrataPolicy(SchedulingPolicy):
         self._runs.pop(seq.request_id, None)
 
     def on_idle(self, tenant: str) -> None:
-        self.vtc.leave(tenant)
+        self.vtc.leave(tenant, group=self._rank_of(tenant))
+
+    def _rank_of(self, tenant: str) -> int:
+        """``tenant``'s SLO class rank (its VTC group: classes are served in order, VTC within
+        each, so each class keeps its own virtual time)."""
+        return self.tenants.get(tenant, DEFAULT_SHARE).rank
 
     def victim(self, running: list[Sequence], incoming: Sequence | None) -> Sequence | None:
         """Lowest class, then most over its tenant's device quota, then largest VTC counter,
