@@ -23,6 +23,7 @@ from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import convert
 from services.auth import Authenticator, bearer_key
 from services.gateway_key_watch import KEY_CHECK_S, KEY_STALENESS_MAX_S
+from services.key_ids import APPLIED, UNREACHABLE
 from services.loop_lag import running_lag, wait_past_stall
 from services.metrics.requests import GatewayMetrics
 from services.tenant_call_slots import TenantCallSlots
@@ -471,23 +472,32 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
     async def _while_admin(self, context: Any, task: asyncio.Future[Any]) -> Any:
         """``task``'s answer, awaited while the call's admin key still exists: every
-        ``key_check_s`` the key directory is refreshed (``KeyDirectory.refresh``), and the call
-        aborted UNAUTHENTICATED once the key's id is gone from it (rotated away), or
-        UNAVAILABLE once no refresh answered for ``key_staleness_max_s`` (as the key watch ends
-        data streams: ``services.gateway_key_watch``). ``task`` is left running either way."""
-        confirmed = time.monotonic()
+        ``key_check_s`` the key's id is looked up (``KeyDirectory.which_exist``: a directory
+        refresh, or the scheduler asked about that id when the directory is unusable), and
+        the call aborted UNAUTHENTICATED once it is gone (rotated away), or UNAVAILABLE when
+        the scheduler did not answer two checks in a row and none answered for
+        ``key_staleness_max_s`` (as the key watch ends data streams:
+        ``services.gateway_key_watch``). A scheduler that answers but cannot tell counts as
+        answering. ``task`` is left running either way. Regression (review r1 F1/F4, session
+        37): an unusable directory (more than 2**18 key ids) counted as no answer, and one
+        failed refresh past the bound ended the drain."""
+        key_id = parse_key_id(bearer_key(context)) or ""
+        confirmed, failed = time.monotonic(), 0
         while True:
             done, _ = await asyncio.wait({task}, timeout=self.key_check_s)
             if done:
                 return task.result()
-            directory, started = self.auth.directory, time.monotonic()
-            if await directory.refresh():
-                confirmed = started
-                if (parse_key_id(bearer_key(context)) or "") not in directory.ids:
+            started = time.monotonic()
+            outcome, existing = await self.auth.directory.which_exist({key_id})
+            if outcome != UNREACHABLE:
+                confirmed, failed = started, 0
+                if outcome == APPLIED and key_id not in existing:
                     await context.abort(grpc.StatusCode.UNAUTHENTICATED, (
                         "the admin key that started this drain was rotated away; the drain was cancelled: nothing "
                         "more is aborted"))
-            elif started - confirmed > self.key_staleness_max_s:
+                continue
+            failed += 1
+            if failed >= 2 and started - confirmed > self.key_staleness_max_s:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, (
                     f"this gateway could not confirm the admin key for {self.key_staleness_max_s:g} s (the "
                     "scheduler's key directory does not answer); the drain was cancelled: nothing more is aborted; "

@@ -29,7 +29,13 @@ Ids never come back (every key gets a fresh random id), so an id absent from the
 for good; a stream is checked only against a refresh started after it was opened (its key was
 checked before it opened), so a key made after that refresh's read is never taken for removed.
 A refresh that fails (``KeyDirectory``: error, timeout, malformed reply) ends no stream for its
-key; the next check tries again. But a gateway that cannot reach the scheduler's key directory
+key; the next check tries again. A directory the scheduler answers but that cannot be used (more
+key ids than ``_MAX_DIRECTORY_IDS``, malformed, a scheduler without ``key_ids_since``) is not a
+failure to reach it: the open streams' key ids are then asked about alone (``key_ids_exist``,
+``KeyDirectory.which_exist``), and if that cannot tell either, they are left alone (logged once).
+Regression (review r1 F1, session 37): such a directory counted as unreachable, so on a healthy
+cluster of more than 2**18 keys every stream ended UNAVAILABLE after ``staleness_max_s``.
+But a gateway that cannot reach the scheduler's key directory
 cannot see a key removed meanwhile, so the watch does not go on with unconfirmed keys for
 longer than ``staleness_max_s`` (``ServiceConfig.key_staleness_max_s``, 30 s by default): a
 check whose refresh fails, after the check before it failed too, ends UNAVAILABLE (retryable:
@@ -61,6 +67,8 @@ import logging
 import math
 import time
 from typing import Any
+
+from services.key_ids import APPLIED, UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +137,7 @@ class KeyWatch:
         self.ended = self.aborted = self.unconfirmed = 0
         self._confirmed_at = -math.inf  # when the last of this watch's refreshes that answered started
         self._failed_checks = 0  # checks in a row whose refresh failed
+        self._unusable_logged = False  # the scheduler answered but could not tell which keys exist
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._gone_ids: set[str] = set()  # removed ids told by ``keys_gone``, for the next check
@@ -160,11 +169,15 @@ class KeyWatch:
 
     async def check(self) -> int:
         """One check: the streams open now of the ids ``keys_gone`` was told, and then those
-        whose key id is absent from the store as of a key directory refresh started after
-        this call, are ended (``_end``); when the refresh fails, after the check before failed
-        too, the streams whose key is unconfirmed for longer than ``staleness_max_s`` end
-        UNAVAILABLE (``_end_unconfirmed``). Returns the streams ended for their keys while it
-        ran (0 when none is open with a key; those told alone when the refresh failed)."""
+        whose key id is absent from the store as of a read started after this call
+        (``KeyDirectory.which_exist``: a directory refresh, or, when the directory is
+        unusable, the scheduler asked about just these ids), are ended (``_end``). When the
+        scheduler does not answer (``UNREACHABLE``), after the check before did not either,
+        the streams whose key is unconfirmed for longer than ``staleness_max_s`` end
+        UNAVAILABLE (``_end_unconfirmed``); a scheduler that answers but cannot tell
+        (``UNUSABLE``) ends nothing and counts as confirming (logged once). Returns the
+        streams ended for their keys while it ran (0 when none is open with a key; those told
+        alone when the check could not tell)."""
         gone_ids, self._gone_ids = self._gone_ids, set()
         before = self.ended
         if gone_ids:
@@ -172,15 +185,20 @@ class KeyWatch:
         opened = self.streams.key_streams()
         if not opened:
             return self.ended - before
-        directory, started = self.auth.directory, self.clock()
-        if await directory.refresh():
-            self._confirmed_at, self._failed_checks = max(self._confirmed_at, started), 0
-            ids = directory.ids
-            await self._end([s for s in opened if s[1] not in ids])
-        else:
+        started = self.clock()
+        outcome, existing = await self.auth.directory.which_exist({key_id for _, key_id, _, _ in opened})
+        if outcome == UNREACHABLE:
             self._failed_checks += 1
             if self._failed_checks >= 2:
                 self._end_unconfirmed(opened)
+            return self.ended - before
+        self._confirmed_at, self._failed_checks = max(self._confirmed_at, started), 0  # the scheduler answered
+        if outcome == APPLIED:
+            await self._end([s for s in opened if s[1] not in existing])
+        elif not self._unusable_logged:
+            self._unusable_logged = True
+            log.warning("gateway: the scheduler answers but cannot tell which API keys exist (no usable key "
+                        "directory, no key_ids_exist): open streams' keys are not rechecked")
         return self.ended - before
 
     def _end_unconfirmed(self, opened: list[tuple[str, str, str, Any]]) -> int:

@@ -22,11 +22,11 @@ from tenants.errors import (
     TenantNotFoundError,
     TooManyRotationsError,
 )
-from tenants.keys import parse_key_id
+from tenants.keys import is_key_id, parse_key_id
 from tenants.model import Tenant, TenantSpec, spec_digest
 from tenants.ratelimit import WindowLimiter
 from tenants.store import DELETED_PAGE, MAX_DELETED_TENANTS, TenantStore
-from tenants.store_key_ids import KeyIdsDelta
+from tenants.store_key_ids import MAX_KEY_IDS_ASKED, KeyIdsDelta
 from tenants.usage import UsageLedger
 
 OWN_ROTATIONS_PER_WINDOW = 6
@@ -316,6 +316,21 @@ class Tenants:
         """``TenantStore.key_ids_since``: the key ids that exist, for a gateway's key directory
         (``services.auth``), as a delta since ``(epoch, version)`` or all of them."""
         return self.store.key_ids_since(epoch, version)
+
+    def key_ids_exist(self, key_ids: list[str]) -> tuple[str, ...]:
+        """The ids of ``key_ids`` that exist in the tenant store (``TenantStore.existing_key_ids``),
+        sorted: a gateway confirms the keys of its open streams so when its key directory is
+        unusable (the store holds more ids than a directory may: ``services.key_ids``). Indexed
+        reads of at most ``MAX_KEY_IDS_ASKED`` ids, on the caller's thread (milliseconds).
+
+        Raises:
+            ValueError: ``key_ids`` is not a list of at most ``MAX_KEY_IDS_ASKED`` strings.
+        """
+        if not isinstance(key_ids, (list, tuple)) or len(key_ids) > MAX_KEY_IDS_ASKED:
+            raise ValueError(f"key_ids must be a list of at most {MAX_KEY_IDS_ASKED} key ids")
+        if not all(type(k) is str for k in key_ids):
+            raise ValueError("key_ids must be strings")
+        return self.store.existing_key_ids([k for k in key_ids if is_key_id(k)])
 
     def usage_of(self, tenant_id: str) -> Any:
         """``tenant_id``'s usage counters.

@@ -15,6 +15,7 @@ from typing import Any
 
 from tenants.keys import is_key_id
 from tenants.ratelimit import ExpiringSet, WindowLimiter
+from tenants.store_key_ids import MAX_KEY_IDS_ASKED
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,9 @@ _DIRECTORY_TIMEOUT_S = 5.0
 _MAX_DIRECTORY_IDS = 1 << 18
 """Key ids one directory reply may name and the directory may hold (past that a reply is refused
 as malformed: the gateway falls back to the budgeted checks)."""
+APPLIED, UNREACHABLE, UNUSABLE = "applied", "unreachable", "unusable"
+"""A refresh's outcomes (``KeyDirectory.refresh_outcome``): its reply applied; no answer (an
+error, a timeout); an answer that cannot be applied (no ``key_ids_since``, malformed, too many ids)."""
 _EPOCH_PATTERN = re.compile(r"[0-9a-f]{16}")
 SUSPECT_TTL_S = 3600.0
 """How long a key id not known here stays suspect after its last failed check here (``SuspectKeyIds``)."""
@@ -67,7 +71,7 @@ class KeyDirectory:
         self._epoch, self._version = "", -1
         self._supported = True
         self._next_start_s = 0.0  # time.monotonic() before which no refresh starts
-        self._task: asyncio.Task[tuple[int, bool]] | None = None
+        self._task: asyncio.Task[tuple[int, str]] | None = None
 
     async def exists(self, key_id: str) -> bool | None:
         """Whether a key of ``key_id`` exists: True from memory when held, else as of a refresh
@@ -81,21 +85,66 @@ class KeyDirectory:
         """Await one refresh started after this call (shared with every concurrent caller, at
         most ``refreshes_per_s`` a second); True when its reply was applied (``ids`` is then
         the store's as of a read made after this call), False when it failed or none can be
-        made (no ``key_ids_since``). The gateway's key watch
-        (``services.gateway_key_watch.KeyWatch``) checks its open streams' keys so."""
+        made (no ``key_ids_since``). ``refresh_outcome`` says which failure."""
+        return await self.refresh_outcome() == APPLIED
+
+    async def refresh_outcome(self) -> str:
+        """``refresh``, telling why it failed: ``APPLIED``; ``UNREACHABLE`` (an error, a timeout:
+        the scheduler did not answer); or ``UNUSABLE`` (it answered, but no reply can be
+        applied: a scheduler without ``key_ids_since``, a malformed reply, or more ids than
+        ``_MAX_DIRECTORY_IDS``)."""
         needed = self.refreshes + 1
         while self._supported:
             loop = asyncio.get_running_loop()
             if self._task is None or self._task.get_loop() is not loop:  # none, or a closed loop's
                 self._task = loop.create_task(self._refresh())
-            number, ok = await asyncio.shield(self._task)
+            number, outcome = await asyncio.shield(self._task)
             if number >= needed:
-                return ok
-        return False
+                return outcome
+        return UNUSABLE
 
-    async def _refresh(self) -> tuple[int, bool]:
+    async def which_exist(self, key_ids: set[str]) -> tuple[str, set[str]]:
+        """Which of ``key_ids`` exist as of a read started after this call: ``(APPLIED, the
+        ids that exist)`` from a refresh (``refresh_outcome``), or, when the directory is
+        unusable, from the scheduler's ``key_ids_exist`` asked about just these ids (batches
+        of ``MAX_KEY_IDS_ASKED``); ``(UNREACHABLE, set())`` when the scheduler did not answer;
+        ``(UNUSABLE, set())`` when it answered but neither way can tell (no ``key_ids_exist``,
+        or a malformed reply). The key watch and a Drain's admin key check confirm keys so.
+        Regression (review r1 F1, session 37): a store of more than ``_MAX_DIRECTORY_IDS`` ids
+        (or a scheduler without ``key_ids_since``) failed every refresh, which the key watch
+        took for an unreachable scheduler: every stream ended UNAVAILABLE past
+        ``key_staleness_max_s``."""
+        outcome = await self.refresh_outcome()
+        if outcome == APPLIED:
+            return APPLIED, key_ids & self.ids
+        if outcome == UNREACHABLE or not key_ids:
+            return outcome, set()
+        return await self._ask_exist(sorted(key_ids))
+
+    async def _ask_exist(self, asked: list[str]) -> tuple[str, set[str]]:
+        """``which_exist``'s question to the scheduler's ``key_ids_exist``, in batches."""
+        try:
+            method = self.scheduler.key_ids_exist
+        except AttributeError:
+            return UNUSABLE, set()
+        found: set[str] = set()
+        for start in range(0, len(asked), MAX_KEY_IDS_ASKED):
+            batch = asked[start:start + MAX_KEY_IDS_ASKED]
+            try:
+                reply = await asyncio.wait_for(method.remote(batch), _DIRECTORY_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - any failure means: not known
+                log.warning("asking which key ids exist failed: %s: %.200s", type(exc).__name__, exc)
+                return UNREACHABLE, set()
+            if not isinstance(reply, (tuple, list)) or not all(type(k) is str for k in reply) or \
+                    not set(reply) <= set(batch):
+                log.warning("ignoring a malformed key_ids_exist reply (a %s)", type(reply).__name__)
+                return UNUSABLE, set()
+            found |= set(reply)
+        return APPLIED, found
+
+    async def _refresh(self) -> tuple[int, str]:
         """Wait for the rate's next slot, then ask the scheduler; ``(the refresh's number,
-        whether its reply was applied)``."""
+        its outcome)``."""
         try:
             wait_s = self._next_start_s - time.monotonic()
             if wait_s > 0:
@@ -107,31 +156,31 @@ class KeyDirectory:
             if self._task is asyncio.current_task():
                 self._task = None
 
-    async def _fetch(self) -> bool:
+    async def _fetch(self) -> str:
         try:
             method = self.scheduler.key_ids_since
         except AttributeError:  # a scheduler (or a test's stand-in) without a directory
             self._supported = False
-            return False
+            return UNUSABLE
         try:
             reply = await asyncio.wait_for(method.remote(self._epoch, self._version), _DIRECTORY_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure means: not known, fall back
             log.warning("key directory refresh failed: %s: %.200s", type(exc).__name__, exc)
-            return False
+            return UNREACHABLE
         parsed = _parse_key_ids(reply, self._epoch, self._version)
         if parsed is None:
             log.warning("ignoring a malformed key directory reply (a %s)", type(reply).__name__)
-            return False
+            return UNUSABLE
         epoch, version, full, added, removed = parsed
         ids = added if full else (self.ids - removed) | added
         if len(ids) > _MAX_DIRECTORY_IDS:
             log.warning("ignoring a key directory of %d ids (at most %d)", len(ids), _MAX_DIRECTORY_IDS)
-            return False
+            return UNUSABLE
         gone = self.ids - ids
         self.ids, self._epoch, self._version, self.loaded = ids, epoch, version, True
         if gone:
             self.on_removed(gone)
-        return True
+        return APPLIED
 
 
 def _parse_key_ids(reply: Any, epoch: str, version: int) -> tuple[str, int, bool, set[str], set[str]] | None:

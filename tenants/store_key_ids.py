@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 KEY_LOG_LENGTH = 4096  # key ids added or removed lately, for ``key_ids_since``'s deltas
+MAX_KEY_IDS_ASKED = 4096
+"""Key ids one ``key_ids_exist`` call may ask about (a gateway asks in batches of at most this)."""
+_EXISTING_PER_QUERY = 500  # ids per SQL query of ``existing_key_ids`` (under SQLite's 999 host parameters)
 
 
 class KeyIdsDelta(NamedTuple):
@@ -90,6 +93,21 @@ class KeyIdLog:
                                    tuple(sorted(k for k, exists in changes.items() if not exists)))
             rows = self._conn.execute("SELECT key_id FROM api_keys ORDER BY key_id").fetchall()
             return KeyIdsDelta(self._key_epoch, self._key_version, True, tuple(k for (k,) in rows), ())
+
+    def existing_key_ids(self, key_ids: Sequence[str]) -> tuple[str, ...]:
+        """Which of ``key_ids`` exist (tenants' and the admin key's), sorted: a gateway confirms
+        its open streams' keys so when its key directory cannot hold the store's every id
+        (``services.key_ids.KeyDirectory.which_exist``). One indexed read per
+        ``_EXISTING_PER_QUERY`` ids; the caller bounds how many it asks about."""
+        found: list[str] = []
+        asked = sorted(set(key_ids))
+        with self._lock:
+            for start in range(0, len(asked), _EXISTING_PER_QUERY):
+                chunk = asked[start:start + _EXISTING_PER_QUERY]
+                marks = ",".join("?" * len(chunk))
+                rows = self._conn.execute(f"SELECT key_id FROM api_keys WHERE key_id IN ({marks})", chunk).fetchall()
+                found += (k for (k,) in rows)
+        return tuple(sorted(found))
 
     def _log_keys(self, added: Sequence[str] = (), removed: Sequence[str] = ()) -> None:
         """Count committed key changes for ``key_ids_since`` (under ``_lock``, after the commit,

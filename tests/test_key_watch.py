@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from services import data_plane
+from services import data_plane, key_ids
+from services.actor_calls import BoundedActor
 from services.auth import Authenticator
 from services.gateway_key_watch import REVOKED_MESSAGE, KeyWatch
 from services.gateway_streams import REVOKED_READ_S, NodeStreams
@@ -127,6 +129,89 @@ def test_the_watch_ends_the_streams_of_removed_keys_alone(tmp_path: Path) -> Non
             await asyncio.sleep(0.01)
         assert [rid for rid, *_ in streams.key_streams()] == ["ann-2"]
         assert watch.ended == 2
+        streams.shutdown()
+        ctx.destroy(linger=0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        sched.store.close()
+
+
+def _silent(sched: GlobalSchedulerService) -> BoundedActor:
+    """The scheduler's handle as a gateway holds it once its monitor found it silent: calls
+    fail ``ActorSilent`` unsent (the key directory's refresh: ``UNREACHABLE``)."""
+    handle = BoundedActor(LocalActor(sched), 30.0)
+    handle.silent = lambda: "the global scheduler has not answered its health checks for 10 s"
+    return handle
+
+
+def test_one_failed_refresh_past_the_bound_ends_nothing_two_end_the_stream(tmp_path: Path) -> None:
+    """ann's stream was opened (its key confirmed) 100 s ago, past ``staleness_max_s`` (30 s),
+    and the scheduler does not answer. One check (one failed refresh: a restart, a timeout)
+    ends nothing; the second in a row ends the stream UNAVAILABLE. Regression (review r1 F4,
+    session 37): the two-failures rule was untested (``>= 1`` passed every test)."""
+    sched, clock = GlobalSchedulerService(str(tmp_path), {"n0": 1}), _Clock()
+
+    async def run() -> None:
+        streams, _, ctx = await _streams(clock)
+        auth = Authenticator(LocalActor(sched))
+        watch = KeyWatch(streams, auth, interval_s=60.0, staleness_max_s=30.0)
+        _, ann_key = await sched.register_tenant(TenantSpec("ann"))
+        streams.open("ann-1", key_id=parse_key_id(ann_key) or "")
+        streams.bind("ann-1", "n0")
+        clock.now += 100.0
+        auth.directory.scheduler = _silent(sched)
+        assert await watch.check() == 0
+        assert watch.unconfirmed == 0 and [rid for rid, *_ in streams.key_streams()] == ["ann-1"]
+        assert await watch.check() == 0  # (UNAVAILABLE ends are counted in ``unconfirmed``)
+        assert watch.unconfirmed == 1 and streams.key_streams() == []
+        streams.shutdown()
+        ctx.destroy(linger=0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        sched.store.close()
+
+
+def test_an_unusable_directory_is_no_outage_and_keys_are_asked_about_alone(tmp_path: Path, monkeypatch) -> None:
+    """The store holds more key ids than a directory may (``_MAX_DIRECTORY_IDS``, 2**18; 3 here)
+    and the scheduler answers. ann's stream, opened 100 s ago, runs on through checks past
+    ``staleness_max_s``: its key id is confirmed by ``key_ids_exist``; once ann's key is rotated
+    away the next check ends it UNAUTHENTICATED. Before that, bob's stream under a scheduler
+    without ``key_ids_exist`` (nor a usable directory) is left alone. Regression (review r1 F1,
+    session 37): every refresh was refused as too large, counted as the scheduler not
+    answering, and every stream ended UNAVAILABLE after ``staleness_max_s`` (here the
+    second check)."""
+    sched, clock = GlobalSchedulerService(str(tmp_path), {"n0": 1}), _Clock()
+    monkeypatch.setattr(key_ids, "_MAX_DIRECTORY_IDS", 3)
+
+    async def run() -> None:
+        streams, _, ctx = await _streams(clock)
+        auth = Authenticator(LocalActor(sched))
+        watch = KeyWatch(streams, auth, interval_s=60.0, staleness_max_s=30.0)
+        _, ann_key = await sched.register_tenant(TenantSpec("ann"))
+        for i in range(4):
+            await sched.register_tenant(TenantSpec(f"t{i}"))
+        streams.open("ann-1", key_id=parse_key_id(ann_key) or "")
+        streams.bind("ann-1", "n0")
+        for _ in range(3):
+            clock.now += 100.0
+            assert await watch.check() == 0
+        assert watch.unconfirmed == 0 and not auth.directory.loaded
+        assert [rid for rid, *_ in streams.key_streams()] == ["ann-1"]
+
+        auth.directory.scheduler = SimpleNamespace(key_ids_since=auth.directory.scheduler.key_ids_since)
+        for _ in range(3):  # it answers, but cannot tell: left alone
+            clock.now += 100.0
+            assert await watch.check() == 0
+        assert watch.unconfirmed == 0 and [rid for rid, *_ in streams.key_streams()] == ["ann-1"]
+
+        auth.directory.scheduler = LocalActor(sched)
+        await sched.rotate_tenant_key("ann")
+        assert await watch.check() == 1 and watch.unconfirmed == 0
+        assert streams.key_streams() == []
         streams.shutdown()
         ctx.destroy(linger=0)
 
