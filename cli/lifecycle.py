@@ -468,11 +468,19 @@ def status_table(resp: admin_pb2.StatsResponse, integrity: bool) -> Table:
     return table
 
 
+def _printable(text: str) -> str:
+    """``text`` with each control (non-printable) character as "?"."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
 def spill_table(resp: admin_pb2.StatsResponse) -> Table | None:
     """One row per spill node of a ``Stats`` answer (the scheduler's ``spill_nodes``, their
     ``text``: ``services.spill_watch.describe``): "serving", "waiting for its directory: held by its previous
     process / another store, pid P on H (owner)", "dead: why", "restarting", "not answering" or
-    "unknown"; None when the answer names no spill node (none deployed, or an older scheduler)."""
+    "unknown"; None when the answer names no spill node (none deployed, or an older scheduler).
+    Names and texts are printed with their control characters as "?" and rich markup escaped:
+    they come from lock files, nodes and Ray errors (regression, s37: ESC sequences reached the
+    terminal)."""
     try:
         nodes = json.loads(resp.stats_json or "{}").get("scheduler", {}).get("spill_nodes") or {}
         rows = sorted((str(name), str(state.get("text") or state.get("state") or "unknown"))
@@ -483,5 +491,6 @@ def spill_table(resp: admin_pb2.StatsResponse) -> Table | None:
         return None
     table = Table("spill node", "state")
     for name, text in rows:
+        name, text = _printable(name), _printable(text)
         table.add_row(escape(name), text if text == "serving" else f"[red]{escape(text)}[/red]")
     return table

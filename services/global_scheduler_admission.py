@@ -23,7 +23,7 @@ from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
-from services.spill_watch import SpillWatch
+from services.spill_watch import SPILL_POLL_S, START_GRACE_S, SpillWatch
 from tenants.keys import is_key_id
 from tenants.model import SPEC_DIGEST_CHARS, Tenant, TenantSpec
 from tenants.store import DELETED_PAGE
@@ -72,21 +72,25 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
             (``services.global_scheduler_recovery``): it attaches the nodes, reopens its
             admission socket (same keys) and asks every node to report again. None (tests of
             the plain class, a first start): nothing to rebuild; the launcher attaches.
+        spill_poll_s: the pause between two rounds of its spill nodes' watch
+            (``services.spill_watch``; tests set it small). A restarted actor's watch takes a
+            name with no live actor for a dead node at once (no start grace).
         Other arguments: ``GlobalScheduler``'s.
     """
 
     data_address = ""  # the admission socket, once open
     _sessions_due: asyncio.Event | None = None  # set: store the session changes (``_store_sessions``)
 
-    def __init__(self, *args: Any, peers: RecoveryPeers | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, peers: RecoveryPeers | None = None, spill_poll_s: float = SPILL_POLL_S,
+                 **kwargs: Any) -> None:
         self.restarts = actor_restarts() if peers is not None else 0
         recovering = peers is not None and self.restarts > 0  # Ray restarted this actor
         super().__init__(*args, recovering=recovering, **kwargs)
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
         self.recovered_requests, self.contested_sessions, self.released_unattached = {}, set(), {}
         self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
-        self.spill_watch = SpillWatch(peers.namespace, peers.spill_nodes, on_dead=self._forget_spill_holder) \
-            if peers is not None else None
+        self.spill_watch = SpillWatch(peers.namespace, peers.spill_nodes, spill_poll_s, on_dead=self._forget_spill_holder,
+                                      grace_s=0.0 if recovering else START_GRACE_S) if peers is not None else None
         self._spill_watching: asyncio.Task[None] | None = None
         if self.spill_watch is not None and peers is not None and peers.spill_nodes:
             with contextlib.suppress(RuntimeError):  # no loop (the plain class in a test): not watched

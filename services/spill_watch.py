@@ -20,7 +20,9 @@ Every ``poll_s`` the watch asks each spill node, by name (``services.actor_refs`
 
 ``snapshot`` is the scheduler's ``stats()["spill_nodes"]`` (``kvstrata status`` prints it) and
 ``not_serving`` its ``health()["spill_down"]``, which the gateways' ``NodeMonitor`` reads: the
-HTTP ``/health`` then answers ``"status": "degraded"`` naming them. Regression (s37): a spill
+HTTP ``/health`` then answers ``"status": "degraded"`` naming them (names only: the reasons name
+hosts, pids, paths and errors, for ``kvstrata status`` alone). Every text a node or Ray sent is
+cut and its control characters replaced (``printable``): it reaches terminals. Regression (s37): a spill
 node alive but not serving was visible only in its own log, its ``status()`` and its cache
 nodes' failure counters; ``kvstrata status`` and the gateway's health said nothing.
 """
@@ -32,6 +34,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from services.actor_refs import ActorRef
@@ -49,10 +52,19 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray's colours in an error's text
 
 START_GRACE_S = 120.0
 """How long after the watch starts a name with no actor yet is taken for a node not created yet
-(``unknown``), not a dead one: the launcher starts the scheduler before its spill nodes."""
+(``unknown``), not a dead one: the launcher starts the scheduler before its spill nodes. Only on a
+first start: a scheduler that Ray restarted watches nodes that exist already (``grace_s`` 0)."""
 
 MAX_DETAIL_CHARS = 300
 """Longest ``detail`` kept per node (a refusal's text names a path and an owner)."""
+
+
+def printable(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut at ``limit`` characters, each control (non-printable) character as "?": a
+    node's answer, a lock file's words and Ray's error text reach terminals (``kvstrata
+    status``), where an escape sequence would act. Regression (s37): ESC sequences written in a
+    spill lock file's owner reached the terminal."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
 
 
 def state_of(answer: Any) -> dict[str, Any]:
@@ -60,13 +72,13 @@ def state_of(answer: Any) -> dict[str, Any]:
     ``unknown``). Returns ``{"state", "detail"}`` and, for a held directory, ``holder``
     (``"pid <pid> on <host> (<owner>)"``) and ``previous_process``."""
     if not isinstance(answer, dict) or not isinstance(answer.get("serving"), bool):
-        return {"state": "unknown", "detail": f"malformed status answer: {str(answer)[:100]}"}
+        return {"state": "unknown", "detail": f"malformed status answer: {printable(str(answer), 100)}"}
     if answer["serving"]:
         return {"state": "serving", "detail": ""}
-    out: dict[str, Any] = {"state": "waiting", "detail": str(answer.get("error", "starting"))[:MAX_DETAIL_CHARS]}
+    out: dict[str, Any] = {"state": "waiting", "detail": printable(str(answer.get("error", "starting")))}
     if answer.get("holder_pid"):
-        out["holder"] = (f"pid {answer['holder_pid']} on {answer.get('holder_host', '?')} "
-                         f"({answer.get('holder_owner') or 'no owner'})")[:MAX_DETAIL_CHARS]
+        out["holder"] = printable(f"pid {answer['holder_pid']} on {answer.get('holder_host', '?')} "
+                                  f"({answer.get('holder_owner') or 'no owner'})")
         out["previous_process"] = bool(answer.get("previous_process"))
     return out
 
@@ -74,9 +86,9 @@ def state_of(answer: Any) -> dict[str, Any]:
 def failed_state(exc: BaseException) -> dict[str, Any]:
     """A node's state from a ``status`` call (or name look-up) that failed with ``exc``."""
     lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
-    text = (lines or [type(exc).__name__])[0][:MAX_DETAIL_CHARS]
+    text = printable((lines or [type(exc).__name__])[0])
     if isinstance(exc, RayActorError) and "creation task" in text and len(lines) > 1:
-        text = f"its constructor raised {lines[-1]}"[:MAX_DETAIL_CHARS]  # the error, not Ray's preamble
+        text = printable(f"its constructor raised {lines[-1]}")  # the error, not Ray's preamble
     if isinstance(exc, ValueError):  # ray.get_actor: no live actor has the name
         return {"state": "dead", "detail": f"no live actor of that name: {text}", "missing": True}
     if isinstance(exc, RayActorError):
@@ -103,7 +115,12 @@ class SpillWatch:
 
     Args:
         namespace, names: the spill nodes' actor names (``RecoveryPeers.spill_nodes``).
-        poll_s: pause between rounds (``SPILL_POLL_S``); timeout_s: one call's limit.
+        poll_s: pause between rounds (``SPILL_POLL_S``); timeout_s: one call's limit (a name
+            look-up's too: ``ray.get_actor``, on the watch's own two threads).
+        grace_s: how long after the start a name with no live actor stays ``unknown``
+            (``START_GRACE_S``; 0 for a scheduler Ray restarted). Regression (s37): a node dead
+            before a restarted scheduler's watch began read "unknown" for 120 s (``/health``
+            "ok").
         on_dead: called with a node's name when it is first seen ``dead`` (the scheduler drops
             the blocks its index lists for that holder: a reset with none). Regression (s37):
             a dead spill node's blocks stayed in the global index for good, so admission
@@ -112,16 +129,19 @@ class SpillWatch:
     """
 
     def __init__(self, namespace: str, names: Sequence[str], poll_s: float = SPILL_POLL_S,
-                 timeout_s: float = SPILL_TIMEOUT_S, on_dead: Callable[[str], Any] | None = None) -> None:
-        if poll_s <= 0 or timeout_s <= 0:
-            raise ValueError(f"poll_s and timeout_s must be > 0, got {poll_s}, {timeout_s}")
+                 timeout_s: float = SPILL_TIMEOUT_S, on_dead: Callable[[str], Any] | None = None,
+                 grace_s: float = START_GRACE_S) -> None:
+        if poll_s <= 0 or timeout_s <= 0 or grace_s < 0:
+            raise ValueError(f"poll_s and timeout_s must be > 0 and grace_s >= 0, got {poll_s}, {timeout_s}, {grace_s}")
         self.refs = {name: ActorRef(name, namespace) for name in names}
         self.poll_s, self.timeout_s = poll_s, timeout_s
         self.states: dict[str, dict[str, Any]] = {name: {"state": "unknown", "detail": "not asked yet"}
                                                   for name in names}
         self._handles: dict[str, Any] = {}
+        self._pending: dict[str, asyncio.Future[Any]] = {}  # a look-up or status call still running
+        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="spill-watch")  # not the loop's default pool
         self.on_dead = on_dead
-        self.started = time.monotonic()
+        self.grace_s, self.started = grace_s, time.monotonic()
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """node name -> its state (``state_of``/``failed_state``), ``text`` (``describe``) and
@@ -145,20 +165,40 @@ class SpillWatch:
         """One round: every node asked at once; a state that changes is logged."""
         await asyncio.gather(*(self._ask(name) for name in self.refs))
 
+    async def _answer(self, name: str, start: Callable[[], Any]) -> Any:
+        """The answer of ``name``'s pending call, else of ``start()``'s, within ``timeout_s``.
+        A call that times out stays pending and is awaited again next round, never sent again:
+        Regression (s37): each round sent a new ``status`` to a hung node, and the calls piled
+        up in its queue (a hung ``ray.get_actor`` held a thread of the loop's shared pool).
+
+        Raises:
+            asyncio.TimeoutError: no answer yet; whatever the call raised."""
+        pending = self._pending.get(name)
+        if pending is None:
+            pending = self._pending[name] = asyncio.ensure_future(start())
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), self.timeout_s)
+        finally:
+            if pending.done():  # answered or failed: the next round sends a new call
+                self._pending.pop(name, None)
+
     async def _ask(self, name: str) -> None:
         try:
             handle = self._handles.get(name)
             if handle is None:
-                handle = self._handles[name] = await asyncio.to_thread(self.refs[name].resolve)
-            state = state_of(await asyncio.wait_for(handle.status.remote(), self.timeout_s))
+                loop = asyncio.get_running_loop()
+                handle = self._handles[name] = await self._answer(
+                    name, lambda: loop.run_in_executor(self._lookups, self.refs[name].resolve))
+            state = state_of(await self._answer(name, lambda: _awaited(handle.status.remote())))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is a state
-            self._handles.pop(name, None)  # looked up again: a recreated node has a new handle
+            if not isinstance(exc, asyncio.TimeoutError):
+                self._handles.pop(name, None)  # looked up again: a recreated node has a new handle
             state = failed_state(exc)
         before = self.states[name]["state"]
         if state.get("missing") and before == "unknown" and \
-                time.monotonic() - self.started < START_GRACE_S:
+                time.monotonic() - self.started < self.grace_s:
             return  # not created yet (the launcher starts the scheduler first): not dead yet
         if state["state"] != before:
             (log.info if state["state"] == "serving" else log.warning)(
@@ -166,3 +206,8 @@ class SpillWatch:
         self.states[name] = state | {"checked_s": round(time.time(), 3)}
         if state["state"] == "dead" and before != "dead" and self.on_dead is not None:
             self.on_dead(name)
+
+
+async def _awaited(ref: Any) -> Any:
+    """``ref`` (a Ray ``ObjectRef``) awaited, as a coroutine ``asyncio.ensure_future`` takes."""
+    return await ref

@@ -306,8 +306,12 @@ def test_a_live_gateway_counted_gone_serves_on(stack, keys) -> None:
 
 def test_status_shows_each_spill_nodes_state(stack: Stack) -> None:
     """``kvstrata status``'s spill table, from the gateway's ``Stats`` (the scheduler's spill
-    watch, ``services.spill_watch``): the stack's spill nodes serve, and say so. Regression
-    (s37): ``kvstrata status`` showed no spill node, serving or not."""
+    watch, ``services.spill_watch``): the stack's spill nodes serve, and say so; so do the
+    gateway's HTTP ``/health`` and ``/metrics`` (the scheduler's ``spill_down`` through each
+    gateway's ``NodeMonitor``). Regression (s37): ``kvstrata status`` showed no spill node,
+    serving or not."""
+    import urllib.request
+
     from rich.console import Console
 
     from cli.lifecycle import spill_table
@@ -326,3 +330,7 @@ def test_status_shows_each_spill_nodes_state(stack: Stack) -> None:
     rows = [line for line in console.export_text().splitlines() if line.count("│") == 3]
     assert sorted(row.split("│")[1].strip() for row in rows) == sorted(names)
     assert all(row.split("│")[2].strip() == "serving" for row in rows)
+    with urllib.request.urlopen(f"http://{stack.services.http_address}/health", timeout=10) as reply:
+        assert (reply.status, json.loads(reply.read())["status"]) == (200, "ok")
+    with urllib.request.urlopen(f"http://{stack.services.metrics['gateway']}/metrics", timeout=10) as reply:
+        assert re.search(r"^kvstrata:spill_nodes_not_serving 0\.0$", reply.read().decode(), re.MULTILINE)

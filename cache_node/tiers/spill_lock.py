@@ -110,9 +110,10 @@ def lock_spill_dir(dir_fd: int, path: os.PathLike[str] | str, wait_s: float = 0.
         raise
 
 
-def _clean(owner: str) -> str:
-    """``owner`` as one word of the lock file: whitespace and control characters as "_", cut."""
-    return "".join("_" if ch.isspace() or not ch.isprintable() else ch for ch in owner[:MAX_OWNER_CHARS])
+def _clean(owner: str, limit: int = MAX_OWNER_CHARS) -> str:
+    """``owner`` as one word of the lock file: whitespace and control characters as "_", cut at
+    ``limit`` characters."""
+    return "".join("_" if ch.isspace() or not ch.isprintable() else ch for ch in owner[:limit])
 
 
 def stored_owner(owner: str) -> str:
@@ -123,13 +124,15 @@ def stored_owner(owner: str) -> str:
 
 def _holder(fd: int) -> tuple[int, str, str]:
     """The holder as its lock file names it: (pid, host, owner); 0 or "" for what it does not
-    say (an unreadable or foreign file: its words are checked, never trusted further)."""
+    say (an unreadable or foreign file: its words are checked, never trusted further; host and
+    owner ``_clean``ed, as written). Regression (s37): a file written by another program carried
+    ESC sequences in its host and owner to ``kvstrata status``'s terminal."""
     try:
         words = os.pread(fd, _READ_BYTES, 0).decode("utf-8", "replace").split()
     except OSError:
         words = []
     if not words or not words[0].isdigit() or len(words[0]) > 10:
         return 0, "", ""
-    host = words[1][:255] if len(words) > 1 else ""
-    owner = words[2][:MAX_OWNER_CHARS] if len(words) > 2 else ""
+    host = _clean(words[1], 255) if len(words) > 1 else ""
+    owner = _clean(words[2]) if len(words) > 2 else ""
     return int(words[0]), host, owner

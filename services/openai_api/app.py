@@ -121,7 +121,8 @@ class OpenAIEdge:
         num_healthy: healthy cache nodes now (``NodeMonitor.num_healthy``).
         spill_down: spill node name -> why it does not serve (``NodeMonitor.spill_down``, from
             the scheduler's ``services.spill_watch``); None: none known. ``/health`` says
-            "degraded" naming them.
+            "degraded" and lists their names, never why: it is unauthenticated, and the reasons
+            name hosts, pids, paths and errors (``kvstrata status`` shows them, admin key).
         body_limits: the request-body bytes being read and parsed that one tenant, and all of
             them, may hold (``BodyBudget``), and the whole-response bytes not yet written out
             that one tenant may hold (``ResponseBudget``); None: ``BodyLimits``' defaults.
@@ -607,8 +608,8 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
                                   "is down or not answering)", "service_unavailable", "unavailable")
         spill_down = edge.spill_down()
         if spill_down:  # served, without those nodes' part of the spill tier (200: routable)
-            return JSONResponse({"status": "degraded", "healthy_nodes": healthy,
-                                 "spill_nodes_not_serving": spill_down})
+            return JSONResponse({"status": "degraded", "healthy_nodes": healthy,  # names only (s37)
+                                 "spill_nodes_not_serving": sorted(spill_down)})
         return JSONResponse({"status": "ok", "healthy_nodes": healthy})
 
     return app
