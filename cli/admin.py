@@ -118,7 +118,9 @@ def admin_drain(
     abort the rest (their clients see finish reason `abort`). Prints how many were aborted. New
     requests are not stopped: they are admitted as before (stop the clients first). The drain
     goes on only while the admin key it was started with does: rotated away meanwhile (through
-    any gateway), the command fails (unauthenticated) and the nodes abort nothing."""
+    any gateway), the command fails (unauthenticated) and the nodes abort nothing. It also goes
+    on only while this command waits: stopped before it ends (Ctrl-C, a dropped connection),
+    the drain is called off and the nodes abort nothing."""
     with gateway_channel(gateway) as ch:
         try:
             resp = admin_pb2_grpc.AdminServiceStub(ch).Drain(admin_pb2.DrainRequest(timeout_s=timeout_s),
