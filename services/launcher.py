@@ -297,8 +297,8 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, placed: list
     for within ``start_timeout_s``; another store (another deployment on this ``spill_dir``)
     fails the start with a message naming it (``await_serving``). Each node is appended to
     ``placed`` once created: ``start_services`` kills it when the start fails (``_kill_placed``),
-    so it does not go on trying then, whatever ``await_serving``'s message says (``kvstrata up``
-    stopped it after such a failure before too: its Ray cluster, or its actors by name).
+    so it does not go on trying then (``kvstrata up`` stopped it after such a failure before
+    too: its Ray cluster, or its actors by name).
 
     Measured (``start_services`` on a loaded 2-core host): created beside the cache nodes and
     the gateway instead of before them, the spill nodes were up after 11-16 s instead of 3-6 s,

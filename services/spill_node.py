@@ -607,9 +607,9 @@ def await_serving(handles: Sequence[ActorHandle[SpillNode]], timeout_s: float, p
     exiting) is waited for; one whose directory another store holds fails the wait at once.
 
     Raises:
-        RuntimeError: a node's directory is held by another store (the message names it and
-            says that the node keeps trying), or a previous process still held one at
-            ``timeout_s``.
+        RuntimeError: a node's directory is held by another store (the message names it; the
+            node itself keeps trying until it is killed, as a failed ``start_services`` does),
+            or a previous process still held one at ``timeout_s``.
         ray.exceptions.GetTimeoutError: a node did not answer within ``timeout_s`` (not placed).
     """
     deadline = time.monotonic() + timeout_s
@@ -629,9 +629,8 @@ def await_serving(handles: Sequence[ActorHandle[SpillNode]], timeout_s: float, p
                     continue
                 if not status.get("previous_process"):
                     raise RuntimeError(
-                        f"a spill node does not serve: {status.get('error', exc)}. It keeps trying, and serves "
-                        "once that store lets the directory go; stop it, or stop this deployment (`kvstrata "
-                        "down`) and give it another spill_dir") from None
+                        f"a spill node does not serve: {status.get('error', exc)}. Stop that store, or give "
+                        "this deployment another spill_dir") from None
                 if time.monotonic() >= deadline:
                     raise RuntimeError(
                         f"a spill node's previous process (pid {status.get('holder_pid')} on "

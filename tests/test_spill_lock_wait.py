@@ -203,7 +203,7 @@ def test_a_start_waits_for_the_previous_process_and_fails_clearly_for_another_st
         assert ray.get(actors[0].contains.remote(hashes_of([50])), timeout=30) == ["spill_disk"]
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"in use by another spill store \(pid {other.pid} on "
-                                               r".*another-deployment/spill_node_1.*It keeps trying"):
+                                               r".*another-deployment/spill_node_1.*Stop that store"):
             await_serving(actors[1:], timeout_s=60, poll_s=0.1)
         assert time.monotonic() - start < 20
     finally:
