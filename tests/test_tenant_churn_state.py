@@ -18,10 +18,12 @@ the tenants ever registered. On 94cc53d each grew by the churned tenants.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from kvstrata.v1 import inference_pb2, tenant_pb2, tenant_pb2_grpc
@@ -35,6 +37,11 @@ DELETED_MEMORIES = ("deleted_tenants", "_forgotten_ids")
 request of one: ``MAX_DELETED_TENANTS``) and the gateway metrics' (exporting no series for one
 again)."""
 
+ABORTED_EARLY = ("node._aborted_early",)
+"""The node's memory of aborts that found no request running (``ABORTED_EARLY_MAX`` ids, oldest
+dropped first): the gateway's aborts of a deleted tenant's streams that the node had already
+ended leave their ids there."""
+
 
 class KvstrataServed(Served):
     SCHEDULING_POLICY = "kvstrata"
@@ -45,6 +52,14 @@ def served() -> Iterator[Served]:
     s = KvstrataServed()
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def admin(served: Served) -> str:
+    """The admin key (the store gives its plaintext once, when it creates it)."""
+    key = served.scheduler.store.ensure_admin_key()
+    assert key is not None
+    return key
 
 
 def sizes(s: Served) -> dict[str, int]:
@@ -127,10 +142,8 @@ def keyed_by(tenant_ids: set[str], roots: dict[str, object]) -> list[str]:
     return found
 
 
-def test_deleted_tenants_leave_no_per_tenant_state(served: Served) -> None:
+def test_deleted_tenants_leave_no_per_tenant_state(served: Served, admin: str) -> None:
     s = served
-    admin = s.scheduler.store.ensure_admin_key()
-    assert admin is not None
     tenants = tenant_pb2_grpc.TenantServiceStub(s.channel)
     serve_one(s, s.key)  # the resident tenant's entries are part of the baseline
     before = sizes(s)
@@ -166,3 +179,60 @@ def test_deleted_tenants_leave_no_per_tenant_state(served: Served) -> None:
         wait_for(lambda: not kept(), timeout_s=10.0)
     except AssertionError:
         assert kept() == [], "structures keep deleted tenants"
+
+
+def test_a_tenant_deleted_mid_decode_leaves_no_state_and_the_node_serves_on(served: Served, admin: str) -> None:
+    """A tenant deleted while four of its requests stream (decoding or waiting, each 400 tokens
+    long): every stream ends ABORTED or UNAUTHENTICATED (none runs to its end), every
+    per-tenant structure returns to its baseline with no entry keyed by the tenant's id or name,
+    and the node keeps serving (no step fails on the dropped entries, e.g. a ``KeyError`` on
+    its VTC counter or rate window). A guard, not a regression test (s37 review r3's probe):
+    it passes on cd1a4a5 too; the purge runs only once none of the tenant's requests is left
+    (``LLMEngine.forget_tenant``)."""
+    s = served
+    serve_one(s, s.key)
+    before = sizes(s)
+    spec = TenantSpec(name="inflight", slo_class="interactive", min_tokens_per_s=5.0, weight=2.0)
+    tenant, key = s.run(call(s.scheduler.register_tenant, spec))
+    ends: dict[int, tuple[str, int]] = {}
+    decoding = threading.Event()
+
+    def stream(i: int) -> None:
+        request = inference_pb2.GenerateRequest(
+            tokens=inference_pb2.TokenIds(ids=PROMPT), cache_salt=f"s{i}", session_id=f"g{i}",
+            sampling=inference_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+        n = 0
+        try:
+            for _ in s.stub.Generate(request, metadata=(("authorization", f"Bearer {key}"),), timeout=120):
+                n += 1
+                if n == 2:  # past its first event: decoding
+                    decoding.set()
+            ends[i] = ("OK", n)
+        except grpc.RpcError as e:
+            ends[i] = (e.code().name, n)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    assert decoding.wait(60), "no stream of the tenant is decoding"
+    tenant_pb2_grpc.TenantServiceStub(s.channel).DeleteTenant(
+        tenant_pb2.DeleteTenantRequest(name="inflight"), metadata=(("authorization", f"Bearer {admin}"),), timeout=60)
+    for thread in threads:
+        thread.join(60)
+    assert sorted(ends) == [0, 1, 2, 3], ends
+    assert all(code in ("ABORTED", "UNAUTHENTICATED") and n < 400 for code, n in ends.values()), ends
+    try:
+        wait_for(lambda: sizes(s) == before, timeout_s=10.0)
+    except AssertionError:
+        assert sizes(s) == before  # (the structures that kept the deleted tenant)
+    roots = {"node": s.node, "scheduler": s.scheduler, "gateway": s.servicer}
+
+    def kept() -> list[str]:  # (``ABORTED_EARLY``: bounded, and no id of it is submitted again)
+        return [where for where in keyed_by({tenant.tenant_id, "inflight"}, roots)
+                if not where.endswith(DELETED_MEMORIES + ABORTED_EARLY)]
+
+    try:  # (its requests' entries may still be on their way out)
+        wait_for(lambda: not kept(), timeout_s=10.0)
+    except AssertionError:
+        assert kept() == [], "structures keep the deleted tenant"
+    serve_one(s, s.key)  # the node still serves
