@@ -125,10 +125,13 @@ def stream_to(call: Iterable[inference_pb2.GenerateResponse], out: TextIO, stop:
 
 
 def results_hint(session: str, cache_salt: str = "") -> str:
-    """The line after a reply's tool calls: how to send their results back (``--tool-result``)."""
+    """The line after a reply's tool calls: how to send their results back (``--tool-result``).
+    The session id and salt are shell-quoted, so the command runs as printed (with ``--tools``
+    and ``--tool-result`` filled in). Regression (s37 review r3): the session id was not, so one
+    with a space or a shell character split or changed the command."""
     if session:
         salt = f" --cache-salt {shlex.quote(cache_salt)}" if cache_salt else ""
-        return (f"send each result back with: kvstrata generate --session {session}{salt} --tools ... "
+        return (f"send each result back with: kvstrata generate --session {shlex.quote(session)}{salt} --tools ... "
                 "--tool-result ID=RESULT (ID=@FILE: the file's text)")
     return ("send each result back with --tool-result ID=RESULT and --messages holding the conversation so far "
             "with this reply as an assistant message's tool_calls (or continue in a --session)")

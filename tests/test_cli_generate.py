@@ -5,7 +5,9 @@ printed raw protobuf text)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -127,6 +129,50 @@ class RecordingInference(inference_pb2_grpc.InferenceServiceServicer):
         yield inference_pb2.GenerateResponse(delta=inference_pb2.GenerateDelta(text="ok"))
         yield inference_pb2.GenerateResponse(finished=inference_pb2.GenerateFinished(finish_reason="stop"))
 
+
+
+class ToolCallingInference(RecordingInference):
+    """Keeps the request it gets and answers with one tool call (finish reason tool_calls)."""
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        call = inference_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+        yield inference_pb2.GenerateResponse(finished=inference_pb2.GenerateFinished(
+            finish_reason="tool_calls", tool_calls=[call]))
+
+
+def test_the_tool_results_hint_runs_as_printed_for_any_session_id(tmp_path: Path) -> None:
+    """After a reply's tool calls, ``generate`` prints the command that sends the results
+    back. Run as printed (its ``--tools ...`` given a file), it continues the same session under
+    the same salt, for a session id and a salt with a space and a quote. Regression (s37 review
+    r3): the salt was shell-quoted, the session id not: ``--session my s'1`` split into two
+    words, so the command sent another session id (or a shell refused the quote)."""
+    session, salt = "my s'1", "u 1"
+    (tmp_path / "tools.json").write_text(json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]))
+    server, servicer = grpc.server(futures.ThreadPoolExecutor(max_workers=2)), ToolCallingInference()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {"KVSTRATA_API_KEY": "k", "COLUMNS": "1000"}
+    gateway = ["--gateway", f"127.0.0.1:{port}"]
+    try:
+        first = CliRunner().invoke(cli.app, ["generate", "Weather in Paris?", "--session", session, "--cache-salt",
+                                             salt, "--tools", f"@{tmp_path / 'tools.json'}", *gateway], env=env)
+        assert first.exit_code == 0, first.output
+        [hint] = [line for line in first.output.splitlines() if line.startswith("send each result back with: ")]
+        command, _, note = hint.removeprefix("send each result back with: ").partition(" (ID=@FILE")
+        assert note, hint  # (the command, then a note on --tool-result's form)
+        argv = shlex.split(command)
+        assert argv[:2] == ["kvstrata", "generate"], argv
+        argv[argv.index("...")] = f"@{tmp_path / 'tools.json'}"
+        second = CliRunner().invoke(cli.app, [*argv[1:], *gateway], env=env)
+    finally:
+        server.stop(grace=None)
+    assert second.exit_code == 0, second.output
+    [_, sent] = servicer.requests
+    assert (sent.session_id, sent.cache_salt) == (session, salt)
+    assert [(m.role, m.tool_call_id, m.content) for m in sent.chat.messages] == [("tool", "ID", "RESULT")]
 
 def test_generate_sends_priority_and_stop_strings() -> None:
     """H11 trial: `generate` had no --priority or --stop although the gRPC API takes both; they
