@@ -78,23 +78,16 @@ def wait_for(predicate: Any, timeout_s: float = 10.0) -> float:
 
 class Actor:
     """``obj`` as a Ray actor handle: ``h.m.remote(...)`` runs the call on the loop whether or
-    not it is awaited (the gateway's ``release`` is fire-and-forget).
+    not it is awaited (the gateway's ``release`` is fire-and-forget), and cancelling what it
+    returned (a caller's ``wait_for`` timing out, its task cancelled) leaves the call running
+    (``asyncio.shield``), as Ray does with an actor task whose caller stops awaiting its ref.
+    Regression (review r1 F2, session 37): the call was cancelled with its awaiter, so a
+    Drain's cancellation stopped the node's drain itself and a no-op ``CacheNode.cancel_drain``
+    passed tests/test_admin_drain_key.py."""
 
-    ``shielded``: cancelling what ``remote`` returned (a caller's ``wait_for`` timing out, its
-    task cancelled) leaves the call running, as Ray does with an actor task whose caller stops
-    awaiting its ref. Off by default (the call is cancelled with its awaiter), which the tests
-    written before it may rely on. Regression (review r1 F2, session 37): with the call cancelled
-    through, a Drain's cancellation stopped the node's drain itself, so a no-op
-    ``CacheNode.cancel_drain`` passed tests/test_admin_drain_key.py."""
-
-    def __init__(self, obj: Any, shielded: bool = False) -> None:
-        self.obj, self.shielded = obj, shielded
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.obj, name)
-
-        def remote(*args: Any, **kw: Any) -> asyncio.Future[Any]:
-            task = asyncio.ensure_future(call(fn, *args, **kw))
-            return asyncio.shield(task) if self.shielded else task
-
-        return SimpleNamespace(remote=remote)
+        return SimpleNamespace(remote=lambda *args, **kw: asyncio.shield(asyncio.ensure_future(call(fn, *args, **kw))))

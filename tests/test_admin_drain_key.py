@@ -10,7 +10,7 @@ the key's id is gone from the key directory the call ends UNAUTHENTICATED and ea
 is cancelled (``CacheNode.cancel_drain``), aborting nothing. A drain whose key stays valid
 aborts what is still running at its end, as before.
 
-The node's handle is shielded (``tests.loop_plane.Actor``): the gateway stopping its wait on
+The node's handle behaves as Ray's (``tests.loop_plane.Actor``): the gateway stopping its wait on
 the node's drain does not stop that drain, as with Ray, so only ``cancel_drain`` does
 (regression, review r1 F2: the harness cancelled the drain itself and a no-op
 ``cancel_drain`` passed).
@@ -46,7 +46,7 @@ STALENESS_MAX_S = 2.0
 @pytest.fixture(scope="module")
 def admin(plane: Plane) -> Iterator[admin_pb2_grpc.AdminServiceStub]:  # noqa: F811
     """The gateway's AdminService on a gRPC server of its own, over ``plane``'s node and scheduler."""
-    servicer = AdminServicer(Actor(plane.scheduler, shielded=True), plane.auth, {"n0": Actor(plane.node, shielded=True)},
+    servicer = AdminServicer(Actor(plane.scheduler), plane.auth, {"n0": Actor(plane.node)},
                              key_check_s=CHECK_S, key_staleness_max_s=STALENESS_MAX_S)
 
     async def serve() -> tuple[grpc.aio.Server, int]:
@@ -109,7 +109,7 @@ def test_a_drain_ends_unavailable_when_its_key_cannot_be_confirmed_and_aborts_no
     """bea streams; a Drain with 60 s to wait is running when the scheduler goes silent to this
     gateway (its key directory does not answer). Past ``key_staleness_max_s`` (two failed
     checks in a row) the call ends UNAVAILABLE, the node's drain is cancelled (it would go on
-    60 s otherwise: the node's handle is shielded, as Ray's), and bea's stream runs on (the key
+    60 s otherwise: the node's handle behaves as Ray's), and bea's stream runs on (the key
     watch's own bound is 30 s here). Review r1 F2: this branch was untested."""
     key = plane.run(call(plane.scheduler.rotate_admin_key))
     bea, bea_key = plane.register("dbea")
@@ -226,7 +226,7 @@ def test_a_drain_whose_client_stops_waiting_is_called_off(
     """A Drain of 3 s whose client's deadline is 1 s (as a Ctrl-C or a dropped connection ends
     the call): the call ends DEADLINE_EXCEEDED, the node's drain is cancelled, and cid's
     request still runs after the 3 s (nothing aborted). The behaviour documented since 72f3ceb
-    (review r1 F3: it was undocumented); the node's handle is shielded, so only
+    (review r1 F3: it was undocumented); the node's handle behaves as Ray's, so only
     ``cancel_drain`` stops the node's drain."""
     key = plane.run(call(plane.scheduler.rotate_admin_key))
     cid, cid_key = plane.register("dcid")
