@@ -23,7 +23,7 @@ from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
-from services.spill_watch import SPILL_POLL_S, START_GRACE_S, SpillWatch
+from services.spill_watch import SPILL_POLL_S, SPILL_TIMEOUT_S, START_GRACE_S, SpillWatch
 from tenants.keys import is_key_id
 from tenants.model import SPEC_DIGEST_CHARS, Tenant, TenantSpec
 from tenants.store import DELETED_PAGE
@@ -90,7 +90,8 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self.recovered_requests, self.contested_sessions, self.released_unattached = {}, set(), {}
         self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
         self.spill_watch = SpillWatch(peers.namespace, peers.spill_nodes, spill_poll_s, on_dead=self._forget_spill_holder,
-                                      grace_s=0.0 if recovering else START_GRACE_S) if peers is not None else None
+                                      grace_s=0.0 if recovering else START_GRACE_S,
+                                      on_back=self._index_spill_holder) if peers is not None else None
         self._spill_watching: asyncio.Task[None] | None = None
         if self.spill_watch is not None and peers is not None and peers.spill_nodes:
             with contextlib.suppress(RuntimeError):  # no loop (the plain class in a test): not watched
@@ -120,6 +121,16 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         if name in self.holders.spill_blocks:  # else the index holds none of it (a refusal counted)
             log.warning("spill node %s is dead: its blocks leave the global block index", name)
             self.report_events(name, [], reset=True)
+
+    async def _index_spill_holder(self, name: str, handle: Any) -> None:
+        """A spill node marked dead (``_forget_spill_holder``) serves again: the blocks it holds
+        (``SpillNode.held_blocks``) replace what the index holds for it, as ``recover`` does.
+
+        Raises:
+            asyncio.TimeoutError: no answer within ``SPILL_TIMEOUT_S``; the call's error;
+            ``BadReport``: a malformed list (the watch retries next round)."""
+        self.apply_spill_report(name, await asyncio.wait_for(handle.held_blocks.remote(), SPILL_TIMEOUT_S))
+        log.info("spill node %s serves again: its blocks are back in the global block index", name)
 
     def stats(self) -> dict[str, Any]:
         """``GlobalScheduler.stats`` and ``spill_nodes``: each spill node's state

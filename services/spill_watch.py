@@ -13,8 +13,9 @@ Every ``poll_s`` the watch asks each spill node, by name (``services.actor_refs`
 - ``dead``: Ray says it died for good (``ActorDiedError``: a constructor that raised, an actor
   past its ``max_restarts``) or no live actor has its name; nothing recreates it (``kvstrata
   down`` / ``up`` does: the new node reopens its directory's store). Its blocks leave the
-  global index (``on_dead``); its cache nodes count each put to it as failed (the host tier's
-  victims are then dropped: recomputed from tokens when needed) and each get as a miss;
+  global index (``on_dead``), and come back once it serves again (``on_back``); its cache
+  nodes count each put to it as failed (the host tier's victims are then dropped: recomputed
+  from tokens when needed) and each get as a miss;
 - ``not answering``: no answer within ``timeout_s`` (hung, or not placed);
 - ``unknown``: not asked yet.
 
@@ -33,7 +34,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -126,11 +127,17 @@ class SpillWatch:
             a dead spill node's blocks stayed in the global index for good, so admission
             counted their tokens as cached in the spill tier and routing steered by them,
             while every get of them was a miss.
+        on_back: awaited with a node's name and handle when a node ``on_dead`` was called for
+            serves again, until it returns (a failure is logged and retried next round): the
+            scheduler puts the blocks it holds back in the index (``held_blocks``). Regression
+            (s37 review F6): once marked dead, a node that served again (no reset push of its
+            own: not recreated) never had its blocks indexed again.
     """
 
     def __init__(self, namespace: str, names: Sequence[str], poll_s: float = SPILL_POLL_S,
                  timeout_s: float = SPILL_TIMEOUT_S, on_dead: Callable[[str], Any] | None = None,
-                 grace_s: float = START_GRACE_S) -> None:
+                 grace_s: float = START_GRACE_S,
+                 on_back: Callable[[str, Any], Awaitable[Any]] | None = None) -> None:
         if poll_s <= 0 or timeout_s <= 0 or grace_s < 0:
             raise ValueError(f"poll_s and timeout_s must be > 0 and grace_s >= 0, got {poll_s}, {timeout_s}, {grace_s}")
         self.refs = {name: ActorRef(name, namespace) for name in names}
@@ -140,7 +147,8 @@ class SpillWatch:
         self._handles: dict[str, Any] = {}
         self._pending: dict[str, asyncio.Future[Any]] = {}  # a look-up or status call still running
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="spill-watch")  # not the loop's default pool
-        self.on_dead = on_dead
+        self.on_dead, self.on_back = on_dead, on_back
+        self._forgotten: set[str] = set()  # nodes on_dead was called for, not back yet
         self.grace_s, self.started = grace_s, time.monotonic()
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
@@ -205,7 +213,20 @@ class SpillWatch:
                 "spill node %s: %s (was %s)", name, describe(state), before)
         self.states[name] = state | {"checked_s": round(time.time(), 3)}
         if state["state"] == "dead" and before != "dead" and self.on_dead is not None:
+            self._forgotten.add(name)
             self.on_dead(name)
+        if state["state"] == "serving" and name in self._forgotten:
+            await self._back(name, handle)
+
+    async def _back(self, name: str, handle: Any) -> None:
+        """``on_back(name, handle)``; ``name`` is forgotten no more once it returned."""
+        try:
+            if self.on_back is not None:
+                await self.on_back(name, handle)
+            self._forgotten.discard(name)
+        except Exception:  # retried next round
+            log.warning("spill node %s serves again but its blocks could not be indexed again; retried",
+                        name, exc_info=True)
 
 
 async def _awaited(ref: Any) -> Any:

@@ -131,12 +131,12 @@ def test_status_and_health_name_a_waiting_and_a_dead_spill_node(
             ray.kill(actor, no_restart=True)
 
 
-def _indexed(scheduler: Any, want: int, within_s: float = 60.0) -> int:
-    """The index's spill-RAM block count once it is ``want`` (events and the watch are
+def _indexed(scheduler: Any, want: int, within_s: float = 60.0, tier: str = "spill_ram") -> int:
+    """The index's block count in ``tier`` once it is ``want`` (events and the watch are
     asynchronous), or at the deadline."""
     deadline = time.monotonic() + within_s
     while True:
-        got = ray.get(scheduler.stats.remote(), timeout=30)["indexed_blocks_by_tier"]["spill_ram"]
+        got = ray.get(scheduler.stats.remote(), timeout=30)["indexed_blocks_by_tier"][tier]
         if got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.1)
@@ -164,6 +164,37 @@ def test_a_dead_spill_nodes_blocks_leave_the_global_index(tmp_path: Path, ray_cl
     finally:
         ray.kill(node, no_restart=True)
         ray.kill(scheduler, no_restart=True)
+
+
+def test_a_spill_node_serving_again_has_its_blocks_indexed_again(tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Regression (s37 review F6): once the watch marked a spill node dead (its blocks left the
+    index), nothing put them back when a node of that name served again without a reset push
+    of its own (here: one created with no scheduler to push to, over the same directory, whose
+    disk tier it reopens). The watch asks it for ``held_blocks``, as a restarted scheduler's
+    recovery does. Before: 0 blocks indexed 20 s after it served."""
+    name = f"spill-back-{tmp_path.name}"[-60:]
+    scheduler = GlobalSchedulerActor.options(num_cpus=0).remote(
+        str(tmp_path / "state"), {"n0": 1}, holders=IndexHolders(spill_blocks={name: 1 << 12}),
+        peers=RecoveryPeers(NAMESPACE, (name,)), spill_poll_s=POLL_S)
+    node = create_spill_node(name, tmp_path / "spill", FMT, 0, DISK, resources={}, namespace=NAMESPACE,
+                             scheduler=scheduler, max_restarts=0)  # RAM 0: every block on disk
+    again = None
+    try:
+        ray.get(node.ready.remote(), timeout=60)
+        assert ray.get(node.put.remote(hashes_of([1, 2, 3]), make_blocks([1, 2, 3]), "tenant:a"), timeout=30) == 3
+        assert _indexed(scheduler, 3, tier="spill_disk") == 3
+        ray.kill(node, no_restart=True)
+        assert _states(scheduler, {name: "dead"})[name]["state"] == "dead"
+        assert _indexed(scheduler, 0, tier="spill_disk") == 0
+        again = create_spill_node(name, tmp_path / "spill", FMT, 0, DISK, resources={}, namespace=NAMESPACE,
+                                  max_restarts=0)
+        ray.get(again.ready.remote(), timeout=60)
+        assert _states(scheduler, {name: "serving"})[name]["state"] == "serving"
+        assert _indexed(scheduler, 3, within_s=20, tier="spill_disk") == 3
+    finally:
+        for actor in (node, again, scheduler):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
 
 
 def test_the_gateways_metrics_export_the_spill_nodes_not_serving() -> None:
@@ -239,7 +270,7 @@ def test_a_restarted_scheduler_sees_a_spill_node_gone_before_it_at_once(tmp_path
         ray.kill(scheduler, no_restart=False)
         deadline = time.monotonic() + 30
         while not (health := _health_after_restart(scheduler))["spill_down"]:
-            assert time.monotonic() < deadline, health
+            assert time.monotonic() < deadline, (health, ray.get(scheduler.stats.remote(), timeout=30)["spill_nodes"])
             time.sleep(0.1)
         assert health["restarts"] == 1 and list(health["spill_down"]) == [name]
         assert health["spill_down"][name].startswith("dead: no live actor of that name")
