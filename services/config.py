@@ -209,7 +209,7 @@ class ServiceConfig(BaseModel):
     # 503, retryable) at a failed check that follows another, as its key may have been removed meanwhile. Not
     # below 10 s: the gateway's key cache (10 s; new calls past it ask the scheduler, UNAVAILABLE
     # when it does not answer) stays within it, and one failed refresh (KEY_CHECK_S, 5 s) ends nothing.
-    key_staleness_max_s: float = Field(30.0, ge=10.0, le=3600.0)
+    key_staleness_max_s: float = Field(120.0, ge=10.0, le=3600.0)
     # Bounds on the gateway's gRPC connections (services.grpc_bounds.GrpcLimits; grpc core's
     # server options). A connection must finish its HTTP/2 handshake within
     # grpc_handshake_timeout_s of its accept; one with no call open for grpc_max_connection_idle_s

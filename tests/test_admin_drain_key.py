@@ -40,7 +40,7 @@ from tests.test_stream_key_revoked import Plane, plane  # noqa: F401 - the fixtu
 CHECK_S = 0.5
 """How often the drain's admin key is checked here (``KEY_CHECK_S``, 5 s, by default)."""
 STALENESS_MAX_S = 2.0
-"""``key_staleness_max_s`` here (30 s by default)."""
+"""``key_staleness_max_s`` here (120 s by default)."""
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from tests.test_stream_key_revoked import Plane, _sse_error, plane  # noqa: F401
 CHECK_S = 0.5
 """The key watch's interval here (``KEY_CHECK_S`` is 5 s)."""
 STALENESS_MAX_S = 3.0
-"""``key_staleness_max_s`` here (30 s by default)."""
+"""``key_staleness_max_s`` here (120 s by default)."""
 
 
 def _silent_scheduler(p: Plane) -> BoundedActor:
