@@ -136,3 +136,62 @@ def test_each_group_keeps_its_own_virtual_time() -> None:
     vtc.lift("new-b", [], group=2)
     vtc.lift("new-s", [], group=1)  # a group none has left yet: 0
     assert [vtc.counter(t) for t in ("new-i", "new-b", "new-s")] == [100.0, 20.0, 0.0]
+
+
+def test_a_tenant_promoted_while_backlogged_joins_its_new_classs_virtual_time(tiny: LoadedModel) -> None:
+    """Regression (s37 review r4, F5): batch ``b`` (one request, 8 tokens out) is promoted to
+    interactive while queued, after interactive ``a``'s 6 requests left (interactive virtual
+    time: ``a``'s counter). ``b`` must be moved to that virtual time, not keep its batch counter
+    and then, leaving, make it the interactive class's: a new interactive ``c`` and ``a`` then
+    take turns. Before: ``b`` kept 23.0 (its batch counter), ``c`` was lifted to it and served
+    alone ("cccaaa")."""
+    engine = LLMEngine(
+        tiny.model,
+        EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64,
+                     max_num_seqs=2, scheduling_policy="kvstrata"),
+        tiny.model_id, tiny.eos_token_ids,
+    )
+    policy = engine.scheduler.policy
+    for tenant, slo_class in (("a", "interactive"), ("b", "batch"), ("c", "interactive")):
+        policy.set_tenant(tenant, TenantShare(slo_class))
+    params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
+    for i in range(6):
+        engine.add_request(prompt(5, i), params, request_id=f"warm-a{i}", tenant="a")
+    engine.add_request(prompt(9, 0), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                       request_id="warm-b", tenant="b")
+    left: list[str] = []
+    while not all(f"warm-a{i}" in left for i in range(6)):
+        left += [out.request_id for out in engine.step() if out.finished]
+    assert "warm-b" not in left
+    vtc = policy.vtc  # type: ignore[attr-defined]
+    served_a = 6 * (PROMPT + OUT - 1)
+    assert vtc.counter("a") == served_a and vtc.counter("b") < served_a
+    policy.set_tenant("b", TenantShare("interactive"))  # b's class changes while b is backlogged
+    assert vtc.counter("b") == served_a  # a left last: the interactive virtual time
+    while engine.has_unfinished_requests():
+        left += [out.request_id for out in engine.step() if out.finished]
+    for tenant, tag in (("c", 3), ("a", 7)):
+        for i in range(N):
+            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+    lifted_c = vtc.counter("c")
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+    assert "".join(r[0] for r in order) == "ca" * N  # before: "cccaaa"
+    assert lifted_c >= served_a  # before: 23.0, b's batch counter
+
+
+def test_move_lowers_a_demoted_counter_to_its_new_groups_virtual_time() -> None:
+    """A demoted tenant's counter from a faster class is lowered to the new class's floor, or
+    it would wait behind every batch tenant until they caught up with its interactive service."""
+    vtc = VirtualTokenCounters()
+    vtc.charge("i", 500, weight=1.0)
+    vtc.charge("b", 20, weight=1.0)
+    vtc.charge("b2", 30, weight=1.0)
+    vtc.move("i", ["b", "b2"], group=2)
+    assert vtc.counter("i") == 20.0
+    vtc.leave("b", group=2)
+    vtc.move("b2", [], group=0)  # none of group 0 backlogged, none left it yet: 0.0
+    assert vtc.counter("b2") == 0.0

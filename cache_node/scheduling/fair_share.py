@@ -14,6 +14,8 @@ within a class lets the classes' counters drift apart (a batch tenant is charged
 interactive work runs), so one virtual time is kept per group (``group``: the class rank), and
 a tenant is lifted only against its own group (the caller passes the group's backlogged
 tenants; the group's last leaver when none is). The plain ``vtc`` policy uses one group (0).
+A tenant whose group changes is moved to the new group's virtual time (``move``), up or down:
+a counter of one group means nothing in another, so it carries neither credit nor debt.
 """
 
 from __future__ import annotations
@@ -59,10 +61,30 @@ class VirtualTokenCounters:
         the largest counters). Regression (s37 review r3): one ``last_left`` for all classes
         lifted a new interactive tenant to a batch tenant's lower counter (the batch tenant
         left last), so it was again served alone within its class until caught up."""
-        others = [self.counter(t) for t in set(backlogged) if t != tenant]
-        floor = min(others) if others else self.last_left.get(group, 0.0)
+        floor = self._floor(tenant, backlogged, group)
         if floor > self.counter(tenant):
             self.counters[tenant] = floor
+
+    def move(self, tenant: str, backlogged: Iterable[str], group: int) -> None:
+        """``tenant`` joined ``group`` from another group (its SLO class changed): set its
+        counter to ``group``'s floor, the smallest counter among the other ``backlogged``
+        tenants of ``group`` (the caller filters), else ``group``'s ``last_left``: raised or
+        lowered, since its old group's virtual time says nothing of this one's (a promoted
+        batch tenant's low counter would be served alone until caught up; a demoted
+        interactive tenant's high counter would starve among batch tenants). The caller
+        records the old group's ``leave`` first when ``tenant`` was backlogged.
+
+        Regression (s37 review r4, F5): ``lift`` ran only on arrival, so a batch tenant
+        promoted to interactive while backlogged kept its batch counter (23), and leaving set
+        the interactive ``last_left`` to it: a new interactive tenant was lifted to 23 instead
+        of the interactive virtual time (102) and served alone ("cccaaa")."""
+        self.counters[tenant] = self._floor(tenant, backlogged, group)
+
+    def _floor(self, tenant: str, backlogged: Iterable[str], group: int) -> float:
+        """VTC's lift target for ``tenant`` in ``group``: the smallest counter among the other
+        ``backlogged`` tenants, else ``group``'s ``last_left`` (0.0 when none has left it)."""
+        others = [self.counter(t) for t in set(backlogged) if t != tenant]
+        return min(others) if others else self.last_left.get(group, 0.0)
 
     def leave(self, tenant: str, group: int = 0) -> None:
         """``tenant``'s last waiting or running request left: its counter is ``group``'s

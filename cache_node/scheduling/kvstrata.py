@@ -58,7 +58,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from cache_node.scheduling.base import DEFAULT_SHARE, SchedulingPolicy
+from cache_node.scheduling.base import DEFAULT_SHARE, SchedulingPolicy, TenantShare
 from cache_node.scheduling.fair_share import RateMeter, VirtualTokenCounters
 from cache_node.scheduling.vtc import remaining_prefill
 
@@ -96,6 +96,7 @@ class KvstrataPolicy(SchedulingPolicy):
             raise ValueError(f"interactive_step_share must be in [0, 1], got {interactive_step_share}")
         self.interactive_step_share = interactive_step_share
         self._interactive_seen: dict[str, float] = {}  # interactive tenant -> latest arrival or run (s)
+        self._backlogged: set[str] = set()  # tenants with a request waiting or running
         self.vtc = VirtualTokenCounters()
         self.rates = RateMeter(floor_window_s)
         self.floor_headroom = (
@@ -107,9 +108,26 @@ class KvstrataPolicy(SchedulingPolicy):
         # that run first sampled a token or None)
         self._runs: dict[str, tuple[int, float, float | None]] = {}
 
+    def set_tenant(self, tenant: str, share: TenantShare) -> None:
+        """Set ``tenant``'s share; when its SLO class (its VTC group) changes, move its counter
+        to the new class's virtual time (``VirtualTokenCounters.move``: the smallest counter of
+        the class's other backlogged tenants, else the class's last leaver's), recording it as
+        the old class's last leaver first when it was backlogged, as ``on_idle`` would (VTC,
+        OSDI'24, Algorithm 2, kept per class). Regression (s37 review r4, F5): a tenant promoted
+        while backlogged carried its batch counter into the interactive class."""
+        old_rank = self._rank_of(tenant)
+        super().set_tenant(tenant, share)
+        if share.rank == old_rank:
+            return
+        if tenant in self._backlogged:
+            self.vtc.leave(tenant, group=old_rank)
+        peers = [t for t in self._backlogged if t != tenant and self._rank_of(t) == share.rank]
+        self.vtc.move(tenant, peers, group=share.rank)
+
     def forget_tenant(self, tenant: str) -> None:
         super().forget_tenant(tenant)
         self.vtc.forget(tenant)
+        self._backlogged.discard(tenant)
         self.rates.forget(tenant)
         self._interactive_seen.pop(tenant, None)
         self._floor_preempted_s.pop(tenant, None)
@@ -148,6 +166,7 @@ class KvstrataPolicy(SchedulingPolicy):
             rank = self.rank(seq)
             peers = [t for t, n in active.items() if n > 0 and self._rank_of(t) == rank]
             self.vtc.lift(seq.tenant, peers, group=rank)
+        self._backlogged.add(seq.tenant)
 
     def on_scheduled(self, seq: Sequence, num_tokens: int, now_s: float) -> None:
         self.vtc.charge(seq.tenant, num_tokens, self.share(seq).weight)
@@ -164,6 +183,7 @@ class KvstrataPolicy(SchedulingPolicy):
         self._runs.pop(seq.request_id, None)
 
     def on_idle(self, tenant: str) -> None:
+        self._backlogged.discard(tenant)
         self.vtc.leave(tenant, group=self._rank_of(tenant))
 
     def _rank_of(self, tenant: str) -> int:
