@@ -313,6 +313,17 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         id of the store), as ``authenticate``."""
         return await asyncio.to_thread(super().key_ids_since, epoch, version)
 
+    async def key_ids_exist(self, key_ids: list[str]) -> tuple[str, ...]:
+        """``GlobalScheduler.key_ids_exist`` in a worker thread: its read takes the store's lock,
+        which a full ``key_ids_since`` read holds for up to hundreds of ms, so on this loop it
+        would stall every admission meanwhile. Regression (s37 review r4, F4): it ran on the
+        loop, blocked 114-146 ms behind another gateway's full directory read.
+
+        Raises:
+            ValueError: ``key_ids`` is not a list of at most ``MAX_KEY_IDS_ASKED`` strings.
+        """
+        return await asyncio.to_thread(super().key_ids_exist, key_ids)
+
     async def open_data_plane(self) -> str:
         """Bind the admission socket (``services.data_plane``, step 1; CURVE, admitting
         gateways only, with ``security``) and serve it; returns its address (idempotent)."""

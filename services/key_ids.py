@@ -24,6 +24,10 @@ _DIRECTORY_TIMEOUT_S = 5.0
 _MAX_DIRECTORY_IDS = 1 << 18
 """Key ids one directory reply may name and the directory may hold (past that a reply is refused
 as malformed: the gateway falls back to the budgeted checks)."""
+_TOO_MANY_RETRY_S = 300.0
+"""After a reply of more than ``_MAX_DIRECTORY_IDS`` ids, the directory is not asked again for
+this long (seconds): each such reply is a full read of the store, so meanwhile every refresh is
+``UNUSABLE`` at once and ``which_exist`` asks ``key_ids_exist`` about the ids it needs."""
 APPLIED, UNREACHABLE, UNUSABLE = "applied", "unreachable", "unusable"
 """A refresh's outcomes (``KeyDirectory.refresh_outcome``): its reply applied; no answer (an
 error, a timeout); an answer that cannot be applied (no ``key_ids_since``, malformed, too many ids)."""
@@ -70,6 +74,7 @@ class KeyDirectory:
         self.refreshes = 0  # refreshes started
         self._epoch, self._version = "", -1
         self._supported = True
+        self._too_many_until = 0.0  # time.monotonic() before which the store is known too large
         self._next_start_s = 0.0  # time.monotonic() before which no refresh starts
         self._task: asyncio.Task[tuple[int, str]] | None = None
 
@@ -92,9 +97,10 @@ class KeyDirectory:
         """``refresh``, telling why it failed: ``APPLIED``; ``UNREACHABLE`` (an error, a timeout:
         the scheduler did not answer); or ``UNUSABLE`` (it answered, but no reply can be
         applied: a scheduler without ``key_ids_since``, a malformed reply, or more ids than
-        ``_MAX_DIRECTORY_IDS``)."""
+        ``_MAX_DIRECTORY_IDS``: then for ``_TOO_MANY_RETRY_S`` every refresh is ``UNUSABLE`` at
+        once, with no call to the scheduler)."""
         needed = self.refreshes + 1
-        while self._supported:
+        while self._supported and time.monotonic() >= self._too_many_until:
             loop = asyncio.get_running_loop()
             if self._task is None or self._task.get_loop() is not loop:  # none, or a closed loop's
                 self._task = loop.create_task(self._refresh())
@@ -167,6 +173,9 @@ class KeyDirectory:
         except Exception as exc:  # noqa: BLE001 - any failure means: not known, fall back
             log.warning("key directory refresh failed: %s: %.200s", type(exc).__name__, exc)
             return UNREACHABLE
+        if isinstance(reply, (tuple, list)) and len(reply) == 5 and \
+                isinstance(reply[3], (tuple, list, set, frozenset)) and len(reply[3]) > _MAX_DIRECTORY_IDS:
+            return self._too_many(len(reply[3]))
         parsed = _parse_key_ids(reply, self._epoch, self._version)
         if parsed is None:
             log.warning("ignoring a malformed key directory reply (a %s)", type(reply).__name__)
@@ -174,13 +183,25 @@ class KeyDirectory:
         epoch, version, full, added, removed = parsed
         ids = added if full else (self.ids - removed) | added
         if len(ids) > _MAX_DIRECTORY_IDS:
-            log.warning("ignoring a key directory of %d ids (at most %d)", len(ids), _MAX_DIRECTORY_IDS)
-            return UNUSABLE
+            return self._too_many(len(ids))
         gone = self.ids - ids
         self.ids, self._epoch, self._version, self.loaded = ids, epoch, version, True
         if gone:
             self.on_removed(gone)
         return APPLIED
+
+
+    def _too_many(self, count: int) -> str:
+        """The store holds ``count`` key ids, more than ``_MAX_DIRECTORY_IDS``: no directory try
+        for ``_TOO_MANY_RETRY_S`` (logged once per such pause); ``UNUSABLE``. Regression (s37
+        review r4, F4): such a reply was taken for a malformed one and nothing was remembered,
+        so every refresh (every key watch check, every unknown key's check) read the whole
+        store again (~272k ids, 117-248 ms under its lock) and logged a warning."""
+        self._too_many_until = time.monotonic() + _TOO_MANY_RETRY_S
+        log.warning("the tenant store holds %d key ids, more than a key directory may (%d): keys are "
+                    "asked about by id (key_ids_exist); the directory is tried again in %.0f s",
+                    count, _MAX_DIRECTORY_IDS, _TOO_MANY_RETRY_S)
+        return UNUSABLE
 
 
 def _parse_key_ids(reply: Any, epoch: str, version: int) -> tuple[str, int, bool, set[str], set[str]] | None:

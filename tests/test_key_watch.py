@@ -219,3 +219,71 @@ def test_an_unusable_directory_is_no_outage_and_keys_are_asked_about_alone(tmp_p
         asyncio.run(run())
     finally:
         sched.store.close()
+
+
+def test_a_too_large_directory_is_read_once_then_keys_are_asked_about_alone(
+    tmp_path: Path, monkeypatch: Any, caplog: Any
+) -> None:
+    """The store holds more key ids than a directory may (3 here): the first refresh's full read
+    finds that, and for ``_TOO_MANY_RETRY_S`` no refresh asks ``key_ids_since`` again, while
+    ``which_exist`` still answers through ``key_ids_exist``; one warning, which does not call
+    the reply malformed. Regression (s37 review r4, F4): every refresh read the whole store again
+    (~272k ids, 117-248 ms under the store's lock) and logged "malformed key directory reply"."""
+    sched = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+    monkeypatch.setattr(key_ids, "_MAX_DIRECTORY_IDS", 3)
+    full_reads: list[tuple[str, int]] = []
+
+    async def key_ids_since(epoch: str, version: int) -> Any:
+        full_reads.append((epoch, version))
+        return await sched.key_ids_since(epoch, version)
+
+    async def run() -> None:
+        _, ann_key = await sched.register_tenant(TenantSpec("ann"))
+        for i in range(4):
+            await sched.register_tenant(TenantSpec(f"t{i}"))
+        ann = parse_key_id(ann_key) or ""
+        directory = key_ids.KeyDirectory(
+            LocalActor(SimpleNamespace(key_ids_since=key_ids_since, key_ids_exist=sched.key_ids_exist)),
+            refreshes_per_s=1000.0)
+        for _ in range(5):
+            assert await directory.which_exist({ann, "0" * 12}) == (key_ids.APPLIED, {ann})
+            assert await directory.exists("1" * 12) is None
+        assert full_reads == [("", -1)]  # before: 10, each a full read
+        assert not directory.loaded
+        warnings = [r.getMessage() for r in caplog.records if r.name == "services.key_ids"]
+        assert len(warnings) == 1 and "malformed" not in warnings[0], warnings
+
+    try:
+        asyncio.run(run())
+    finally:
+        sched.store.close()
+
+
+def test_key_ids_exist_reads_the_store_off_the_schedulers_loop(tmp_path: Path) -> None:
+    """``key_ids_exist`` takes the store's lock, held by a full ``key_ids_since`` read for up to
+    hundreds of ms: it must run in a worker thread, as ``key_ids_since`` does, not on the
+    scheduler's event loop. Regression (s37 review r4, F4): a sync method, it blocked the loop
+    114-146 ms behind another gateway's full read."""
+    import inspect
+    import threading
+
+    sched = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+    threads: list[threading.Thread] = []
+    existing = sched.store.existing_key_ids
+
+    def spy(ids: list[str]) -> Any:
+        threads.append(threading.current_thread())
+        return existing(ids)
+
+    sched.store.existing_key_ids = spy  # type: ignore[method-assign]
+
+    async def run() -> tuple[str, ...]:
+        _, key = await sched.register_tenant(TenantSpec("ann"))
+        return await sched.key_ids_exist([parse_key_id(key) or ""])
+
+    try:
+        assert inspect.iscoroutinefunction(sched.key_ids_exist)
+        assert len(asyncio.run(run())) == 1
+        assert threads and threads[0] is not threading.main_thread()
+    finally:
+        sched.store.close()
