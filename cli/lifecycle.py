@@ -264,9 +264,8 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         if temp_dir:
             _stop_local_ray(temp_dir, ray_port)
             shutil.rmtree(temp_dir, ignore_errors=True)
-        elif ray.is_initialized():  # a joined cluster: the detached actors placed so far (review 23d, H)
-            with contextlib.suppress(Exception):
-                _kill_services(cfg.namespace, "")
+        # a joined cluster: start_services killed what it created, by handle (_kill_placed). Not
+        # by name here: that killed another deployment's actors in this namespace (review s37 r4 F1)
         console.print(f"[red]kvstrata up failed:[/red] {escape(failure_text(exc))}", soft_wrap=True)
         raise typer.Exit(1) from None
     if not started_ray and "://" not in address:  # `auto` -> the cluster's GCS address, for `down`

@@ -148,8 +148,9 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
         # (re)start (services.actor_refs: a handle in their arguments made Ray log an error)
         scheduler_ref = ActorRef(SCHEDULER_NAME, config.namespace)
         spill_refs = [ActorRef(f"spill_node_{i}", config.namespace) for i in range(len(spill_nodes))]
-        nodes = {
-            nid: CacheNodeRemote.options(
+        nodes: dict[str, Any] = {}
+        for nid in node_ids:  # each in ``placed`` once created: a later one's failure kills it too
+            nodes[nid] = CacheNodeRemote.options(
                 name=nid, namespace=config.namespace, num_cpus=0, max_concurrency=1000,
                 max_restarts=config.cache_node_max_restarts,  # a failed or killed node comes back
                 resources={config.cache_node_resource: 1}, num_gpus=1 if node.device == "cuda" else 0, **life,
@@ -157,9 +158,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
             ).remote(nid, config.node, threads, scheduler_ref, config.session_ttl_s, config.scheduler,
                      spill_refs, spec if spill_nodes else None, keys.security("node", host, nid),
                      metrics=metrics_endpoint(config, config.node_metrics_port))
-            for nid in node_ids
-        }
-        placed += nodes.values()
+            placed.append(nodes[nid])
         # created now, while the nodes load their models: its process start and imports (~9 s of
         # a loaded 2-core host, torch and transformers among them) overlap their load; it serves
         # (``start``) only once their data planes are attached. Its constructor looks the nodes
@@ -305,8 +304,9 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, placed: list
     and the whole start took no less; they start alone, first."""
     root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
     remove_retired_spill_dirs(root, config.num_spill_nodes)
-    handles = [
-        create_spill_node(
+    handles: list[Any] = []
+    for i in range(config.num_spill_nodes):  # each in ``placed`` once created (review s37 r4 F2)
+        handles.append(create_spill_node(
             f"spill_node_{i}", root / str(i), BlockFormat(spec.shape, spec.dtype, spec.kv_format),
             config.spill_ram_bytes, config.spill_disk_bytes,
             resources={config.spill_node_resource: 1},
@@ -316,11 +316,9 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, placed: list
             env_vars=config.control_env_vars,  # restores wait on it: normal priority
             num_spill_nodes=config.num_spill_nodes,
             deployment=deployment_id(config.state_path),  # another deployment's store is not its own
-        )
-        for i in range(config.num_spill_nodes)
-    ]
-    if placed is not None:
-        placed += handles
+        ))
+        if placed is not None:
+            placed.append(handles[-1])
     try:
         _wait_placed([h.ready.remote() for h in handles], config, config.spill_node_resource, "spill node")
     except SpillDirLocked:  # ray.get raises a task's error as its cause's class too

@@ -132,3 +132,34 @@ def test_a_failed_up_on_an_existing_cluster_leaves_no_actor_behind(ray_cluster, 
     left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
     assert left == [], left  # ['global_scheduler', 'cache_node_0'] before
     assert not (tmp_path / "cli" / "gateway.json").exists()
+
+
+def test_a_failed_up_on_an_existing_cluster_leaves_another_deployment_alone(ray_cluster, tmp_path: Path) -> None:
+    """Regression (review s37 r4 F1): `up --address` into a namespace where another deployment
+    (one this CLI's gateway.json does not know) serves failed on Ray's name check for
+    `global_scheduler`, then killed every actor named like ours in the namespace, that
+    deployment's, and asked its scheduler to flush first. Now only what it created is killed."""
+    namespace = "kvstrata-failed-up-bystander-test"
+    scheduler = _Scheduler.options(name="global_scheduler", namespace=namespace, lifetime="detached").remote(
+        str(tmp_path / "flushed"))
+    node = _PortHolder.options(name="cache_node_0", namespace=namespace, lifetime="detached").remote()
+    ray.get([scheduler.__ray_ready__.remote(), node.port.remote()])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "namespace": namespace, "state_dir": str(tmp_path / "state"), "num_spill_nodes": 0,
+        "start_timeout_s": 3, "gateway_port": 0, "http_port": 0, "metrics_enabled": False}))
+    env = dict(os.environ, KVSTRATA_STATE_DIR=str(tmp_path / "cli"), RAY_ADDRESS=ray_cluster.address)
+
+    done = subprocess.run([sys.executable, "-m", "cli.main", "up", "--config", str(config), "--address",
+                           ray_cluster.address], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+    try:
+        assert done.returncode == 1 and "global_scheduler" in done.stdout, done.stdout + done.stderr
+        assert ray.get(node.port.remote(), timeout=30) > 0  # ActorDiedError before
+        assert ray.get(scheduler.__ray_ready__.remote(), timeout=30)  # alive
+        assert not (tmp_path / "flushed").exists()  # flushed by the failed up before
+        assert not (tmp_path / "cli" / "gateway.json").exists()
+    finally:
+        for actor in (scheduler, node):
+            ray.kill(actor)

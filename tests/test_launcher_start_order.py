@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from services.config import ServiceConfig
@@ -53,3 +54,38 @@ def test_the_gateway_is_created_while_the_nodes_load_and_a_failed_start_kills_ev
     while _names(namespace) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _names(namespace) == set()  # {'global_scheduler', 'cache_node_0'} left before
+
+
+@ray.remote(num_cpus=0)
+class _Other:
+    """Another actor holding a name a start is about to take."""
+
+    def ping(self) -> str:
+        return "other"
+
+
+@pytest.mark.parametrize(("taken", "cache_nodes", "spill_nodes"), [("cache_node_1", 2, 0), ("spill_node_1", 1, 2)])
+def test_a_start_failing_on_its_second_node_kills_the_first(
+    ray_cluster, tmp_path: Path, taken: str, cache_nodes: int, spill_nodes: int
+) -> None:
+    """Regression (review s37 r4 F2): the cache nodes (and the spill nodes) were added to what a
+    failed start kills only once all of them were created; when creating the second raised
+    (its name taken, Ctrl-C), the first, detached, was left holding its name for good, and
+    every later start failed on it."""
+    namespace = f"kvstrata-partial-create-test-{taken}"
+    other = _Other.options(name=taken, namespace=namespace, lifetime="detached").remote()
+    ray.get(other.ping.remote())
+    config = ServiceConfig(namespace=namespace, state_dir=str(tmp_path / "state"), num_cache_nodes=cache_nodes,
+                           num_spill_nodes=spill_nodes, cache_node_resource="kvstrata_test_no_such_resource",
+                           spill_node_resource="kvstrata_test_no_such_resource", start_timeout_s=3, detached=True,
+                           gateway_port=0, http_port=0, metrics_enabled=False)
+    try:
+        with pytest.raises(ValueError, match=f"{taken} .* is already taken"):
+            start_services(config)
+        deadline = time.monotonic() + 10
+        while _names(namespace) != {taken} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _names(namespace) == {taken}  # {taken, 'cache_node_0' or 'spill_node_0'} before
+        assert ray.get(other.ping.remote()) == "other"
+    finally:
+        ray.kill(other)
