@@ -398,7 +398,18 @@ class RayGateway(Gateway):
                     metrics_port: int | None = None) -> int:
         """``Gateway.start``, then tell the scheduler where it serves (``attach_gateway``,
         ``attach_gateway_apis``); returns the gRPC port. All or nothing, as ``Gateway.start``:
-        when the scheduler's calls fail, the gateway stops."""
+        when the scheduler's calls fail, the gateway stops.
+
+        The launcher's call: a restart task still trying (``_serve_again``: Ray restarted this
+        gateway before it served, while the nodes loaded) is cancelled first, so the two do
+        not race for the ports (review s37 r4 F3)."""
+        if self.restarted is not None and not self.restarted.done():
+            self.restarted.cancel()
+            await asyncio.wait([self.restarted])  # its try stopped what it made (all or nothing)
+        return await self._serve(host, port, http_port, metrics_port)
+
+    async def _serve(self, host: str, port: int, http_port: int | None, metrics_port: int | None) -> int:
+        """``start`` without cancelling the restart task (whose try this may be)."""
         bound = await super().start(host, port, http_port, metrics_port)
         try:
             self.served_address = f"{host}:{bound}"
@@ -479,11 +490,18 @@ class RayGateway(Gateway):
         Regression (review s34 B F4): only an exception ended a try; a call that never
         answered (a silent cache node's ``describe``, a silent scheduler) kept the first try
         waiting for ever. Each try now ends within ``RESTART_TRY_TIMEOUT_S`` (and each call in
-        it within its own deadline; a silent node is left down, not waited for)."""
+        it within its own deadline; a silent node is left down, not waited for).
+        Regression (review s37 r4 F3): a gateway restarted before its first ``start`` (the
+        launcher creates it while the nodes load) failed every try on the scheduler's empty
+        record and exited, over and over; now the task ends (0, serving nothing) and the
+        launcher's ``start`` serves it."""
         for tries in range(1, RESTART_BIND_TRIES + 1):
             try:
                 return await _within(self._start_again(old_api_ports=tries < RESTART_BIND_TRIES),
                                      RESTART_TRY_TIMEOUT_S, "the try")
+            except NeverServed:
+                log.warning("restarted gateway %s had not served yet: left to the launcher's start", self.gateway_id)
+                return 0
             except Exception as exc:  # noqa: BLE001 - any failure: retried, then exit
                 log.warning("restarted gateway %s: start %d of %d failed: %s: %.300s", self.gateway_id, tries,
                             RESTART_BIND_TRIES, type(exc).__name__, exc)
@@ -498,12 +516,17 @@ class RayGateway(Gateway):
         (its HTTP and metrics ports too with ``old_api_ports``; else the configured ones)."""
         addresses = await self.scheduler_calls.gateway_addresses.remote(self.gateway_id)
         if not addresses["grpc"]:
-            raise RuntimeError("the scheduler knows no address this gateway served on")
+            raise NeverServed("the scheduler knows no address this gateway served on")
         host, port = addresses["grpc"].rsplit(":", 1)
         if not old_api_ports:
             log.warning("restarted gateway %s: last try, on the configured HTTP and metrics ports", self.gateway_id)
-            return await self.start(host, int(port))
-        return await self.start(host, int(port), _port_of(addresses["http"]), _port_of(addresses["metrics"]))
+            return await self._serve(host, int(port), None, None)
+        return await self._serve(host, int(port), _port_of(addresses["http"]), _port_of(addresses["metrics"]))
+
+
+class NeverServed(RuntimeError):
+    """A restarted gateway's scheduler records no address it served on: it was restarted
+    before its first ``start`` (``_serve_again`` leaves that to the launcher)."""
 
 
 async def _within(call: Awaitable[T], timeout_s: float, what: str) -> T:

@@ -258,3 +258,64 @@ def test_a_restarted_gateway_that_cannot_start_exits_for_ray_to_restart_it(
             assert is_free(grpc_port)
 
     asyncio.run(go())
+
+
+def test_a_gateway_restarted_before_its_first_start_waits_for_the_launchers_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review s37 r4 F3): a gateway Ray restarted before its first ``start`` (the
+    launcher creates it while the nodes load their models) found no address of its own at the
+    scheduler, failed every try and exited, and again after each restart (max_restarts -1).
+    Now its restart task ends at once, serving nothing, and the launcher's start serves it."""
+    monkeypatch.setattr(gateway_server, "RESTART_BIND_TRIES", 3)
+    monkeypatch.setattr(gateway_server, "RESTART_RETRY_S", 0.01)
+    exits: list[int] = []
+
+    def exit_(status: int) -> None:
+        exits.append(status)
+        raise Exited
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    grpc_port, http_port = free_port(), free_port()
+    made = Made(monkeypatch)
+
+    async def go() -> None:
+        async with scheduler(tmp_path) as sched:  # no attach_gateway: it never served
+            gw = restarted_gateway(sched, http_port, monkeypatch)
+            assert await asyncio.wait_for(gw.restarted, 30) == 0  # Exited (os._exit(1)) before
+            assert exits == [] and made.monitors == []
+            try:
+                assert await gw.start("127.0.0.1", grpc_port) == grpc_port
+                assert await grpc_serving(grpc_port)
+                assert sched.gateway_addresses(GATEWAY_ID)["grpc"] == f"127.0.0.1:{grpc_port}"
+            finally:
+                await gw.stop(0)
+
+    asyncio.run(go())
+
+
+def test_the_launchers_start_cancels_a_restart_still_trying(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review s37 r4 F3): the launcher's ``start`` and a restart task still trying
+    (here: its old HTTP port held) both served, racing for the ports; ``start`` now cancels
+    the task first, and serves alone."""
+    monkeypatch.setattr(gateway_server, "RESTART_RETRY_S", 0.05)
+    monkeypatch.setattr(os, "_exit", lambda status: (_ for _ in ()).throw(Exited()))
+    old_grpc, http_port, grpc_port = free_port(), free_port(), free_port()
+    made = Made(monkeypatch)
+
+    async def go() -> None:
+        async with scheduler(tmp_path) as sched:
+            await sched.attach_gateway(GATEWAY_ID, f"127.0.0.1:{old_grpc}", "tcp://127.0.0.1:1")
+            with hold(http_port):
+                gw = restarted_gateway(sched, http_port, monkeypatch)
+                while len(made.monitors) < 2:  # it has failed a try, and goes on
+                    await asyncio.sleep(0.01)
+                try:
+                    assert await gw.start("127.0.0.1", grpc_port, 0) == grpc_port
+                    assert gw.restarted.cancelled()  # still trying before
+                    assert await grpc_serving(grpc_port)
+                    assert is_free(old_grpc)
+                    assert sched.gateway_addresses(GATEWAY_ID)["grpc"] == f"127.0.0.1:{grpc_port}"
+                finally:
+                    await gw.stop(0)
+
+    asyncio.run(go())
