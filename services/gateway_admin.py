@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import math
 import time
 import uuid
@@ -36,6 +37,8 @@ from tenants.errors import (
 )
 from tenants.keys import parse_key_id
 from tenants.model import Tenant
+
+log = logging.getLogger(__name__)
 
 
 def error_message(exc: BaseException) -> str:
@@ -461,8 +464,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         finally:
             if not asking.done():  # the key went, or the call ended: the nodes abort nothing
                 asking.cancel()
-                for node in self.nodes.values():
-                    node.cancel_drain.remote(drain_id)  # not awaited: a node that does not answer aborts at its end
+                for name, node in self.nodes.items():
+                    try:  # not awaited: a node that does not answer aborts at its end
+                        node.cancel_drain.remote(drain_id)
+                    except AttributeError:  # a node without cancel_drain (an older one): its drain runs to
+                        # its end, and the call's own error is not masked by this one (s37 CI)
+                        log.warning("cache node %s has no cancel_drain (an older version): its drain runs to its "
+                                    "end", name)
         aborted = sum(n for a in answers.values() if (n := _drain_count(a)) is not None)
         if failed := _not_done(answers, _drain_count, self.node_timeout_s + timeout_s):
             await context.abort(grpc.StatusCode.UNAVAILABLE, (

@@ -69,6 +69,9 @@ class _Context:
         self.code, self.details = code, details
         raise _Aborted(details)
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:  # the Drain reads its admin key's id
+        return ()
+
 
 def _servicer(*nodes: _Node) -> tuple[AdminServicer, _Scheduler]:
     scheduler = _Scheduler()
