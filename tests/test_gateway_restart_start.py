@@ -228,11 +228,9 @@ class Exited(Exception):
     """``os._exit`` was called (it never returns)."""
 
 
-def test_a_restarted_gateway_that_cannot_start_exits_for_ray_to_restart_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression (review 23b F3): after its last failed try the restart task ended, and Ray
-    kept a live actor that served nothing, for good. Now the process exits (status 1), with
-    nothing of its tries left bound."""
+def quick_tries_recording_exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Three restart tries 10 ms apart; ``os._exit`` records its status and raises ``Exited``.
+    Returns the recorded statuses."""
     monkeypatch.setattr(gateway_server, "RESTART_BIND_TRIES", 3)
     monkeypatch.setattr(gateway_server, "RESTART_RETRY_S", 0.01)
     exits: list[int] = []
@@ -242,6 +240,15 @@ def test_a_restarted_gateway_that_cannot_start_exits_for_ray_to_restart_it(
         raise Exited
 
     monkeypatch.setattr(os, "_exit", exit_)
+    return exits
+
+
+def test_a_restarted_gateway_that_cannot_start_exits_for_ray_to_restart_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review 23b F3): after its last failed try the restart task ended, and Ray
+    kept a live actor that served nothing, for good. Now the process exits (status 1), with
+    nothing of its tries left bound."""
+    exits = quick_tries_recording_exits(monkeypatch)
     grpc_port, http_port = free_port(), free_port()
     made = Made(monkeypatch)
 
@@ -266,15 +273,7 @@ def test_a_gateway_restarted_before_its_first_start_waits_for_the_launchers_star
     launcher creates it while the nodes load their models) found no address of its own at the
     scheduler, failed every try and exited, and again after each restart (max_restarts -1).
     Now its restart task ends at once, serving nothing, and the launcher's start serves it."""
-    monkeypatch.setattr(gateway_server, "RESTART_BIND_TRIES", 3)
-    monkeypatch.setattr(gateway_server, "RESTART_RETRY_S", 0.01)
-    exits: list[int] = []
-
-    def exit_(status: int) -> None:
-        exits.append(status)
-        raise Exited
-
-    monkeypatch.setattr(os, "_exit", exit_)
+    exits = quick_tries_recording_exits(monkeypatch)
     grpc_port, http_port = free_port(), free_port()
     made = Made(monkeypatch)
 

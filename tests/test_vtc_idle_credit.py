@@ -34,33 +34,66 @@ def prompt(tag: int, i: int) -> list[int]:
     return [(11 * i + j + tag) % 500 + 1 for j in range(PROMPT)]
 
 
-def first_token_order(lm: LoadedModel, policy: str) -> tuple[str, dict[str, float]]:
-    """Tenant ``b`` runs ``N`` requests alone until the node is idle; then ``a`` (never seen)
-    queues ``N`` requests, ``b`` ``N`` more. Returns the tenants of phase 2's requests in the
-    order of their first tokens, and the counters right after the arrivals."""
-    engine = LLMEngine(
+def engine_of(lm: LoadedModel, policy: str) -> LLMEngine:
+    return LLMEngine(
         lm.model,
         EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64,
                      max_num_seqs=2, scheduling_policy=policy),
         lm.model_id, lm.eos_token_ids,
     )
+
+
+def queue_phase_two(engine: LLMEngine, params: SamplingParams, tenants: tuple[tuple[str, int], ...]) -> None:
+    """``N`` requests of each ``(tenant, prompt tag)``, the tenants in that order."""
+    for tenant, tag in tenants:
+        for i in range(N):
+            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+
+
+def first_tokens(engine: LLMEngine) -> str:
+    """Runs the engine dry; the tenants (a request id's first letter) in the order of their
+    requests' first tokens."""
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in order:
+                order.append(out.request_id)
+    return "".join(r[0] for r in order)
+
+
+def classes_engine(lm: LoadedModel) -> tuple[LLMEngine, SamplingParams, list[str]]:
+    """A ``kvstrata`` engine with interactive ``a`` and ``c`` and batch ``b``: ``a``'s 6
+    requests and ``b``'s one (8 tokens out) queued, stepped until ``a``'s have all left.
+    Returns the engine, the requests' parameters and the ids that left, in order."""
+    engine = engine_of(lm, "kvstrata")
+    for tenant, slo_class in (("a", "interactive"), ("b", "batch"), ("c", "interactive")):
+        engine.scheduler.policy.set_tenant(tenant, TenantShare(slo_class))
+    params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
+    for i in range(6):
+        engine.add_request(prompt(5, i), params, request_id=f"warm-a{i}", tenant="a")
+    engine.add_request(prompt(9, 0), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                       request_id="warm-b", tenant="b")
+    left: list[str] = []
+    while not all(f"warm-a{i}" in left for i in range(6)):
+        left += [out.request_id for out in engine.step() if out.finished]
+    return engine, params, left
+
+
+def first_token_order(lm: LoadedModel, policy: str) -> tuple[str, dict[str, float]]:
+    """Tenant ``b`` runs ``N`` requests alone until the node is idle; then ``a`` (never seen)
+    queues ``N`` requests, ``b`` ``N`` more. Returns the tenants of phase 2's requests in the
+    order of their first tokens, and the counters right after the arrivals."""
+    engine = engine_of(lm, policy)
     params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
     for i in range(N):
         engine.add_request(prompt(5, i), params, request_id=f"warm{i}", tenant="b")
     while engine.has_unfinished_requests():
         engine.step()
     assert not any(engine.scheduler.active_tenants.values())  # the node is idle
-    for tenant, tag in (("a", 3), ("b", 7)):
-        for i in range(N):
-            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+    queue_phase_two(engine, params, (("a", 3), ("b", 7)))
     vtc = engine.scheduler.policy.vtc  # type: ignore[attr-defined]
     counters = {t: vtc.counter(t) for t in "ab"}
-    order: list[str] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.new_token_ids and out.request_id not in order:
-                order.append(out.request_id)
-    return "".join(r[0] for r in order), counters
+    return first_tokens(engine), counters
 
 
 @pytest.mark.parametrize("policy", ["kvstrata", "vtc"])
@@ -93,36 +126,15 @@ def test_kvstrata_lifts_a_new_tenant_to_its_own_classs_virtual_time(tiny: Loaded
     leaves last. Then a new interactive tenant ``c`` queues 3 requests and ``a`` 3 more: ``c``
     is lifted to the interactive class's virtual time (``a``'s counter), and the two take
     turns. Before: lifted to ``b``'s batch counter, ``c`` was served alone ("cccaaa")."""
-    engine = LLMEngine(
-        tiny.model,
-        EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64,
-                     max_num_seqs=2, scheduling_policy="kvstrata"),
-        tiny.model_id, tiny.eos_token_ids,
-    )
-    policy = engine.scheduler.policy
-    for tenant, slo_class in (("a", "interactive"), ("b", "batch"), ("c", "interactive")):
-        policy.set_tenant(tenant, TenantShare(slo_class))
-    params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
-    for i in range(6):
-        engine.add_request(prompt(5, i), params, request_id=f"warm-a{i}", tenant="a")
-    engine.add_request(prompt(9, 0), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
-                       request_id="warm-b", tenant="b")
-    left: list[str] = []
+    engine, params, left = classes_engine(tiny)
     while engine.has_unfinished_requests():
         left += [out.request_id for out in engine.step() if out.finished]
-    vtc = policy.vtc  # type: ignore[attr-defined]
+    vtc = engine.scheduler.policy.vtc  # type: ignore[attr-defined]
     served_a = 6 * (PROMPT + OUT - 1)
     assert left[-1] == "warm-b" and (vtc.counter("a"), vtc.counter("b")) == (served_a, PROMPT + 8 - 1)
-    for tenant, tag in (("c", 3), ("a", 7)):
-        for i in range(N):
-            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+    queue_phase_two(engine, params, (("c", 3), ("a", 7)))
     lifted_c = vtc.counter("c")
-    order: list[str] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.new_token_ids and out.request_id not in order:
-                order.append(out.request_id)
-    assert "".join(r[0] for r in order) == "ca" * N  # before: "cccaaa"
+    assert first_tokens(engine) == "ca" * N  # before: "cccaaa"
     assert lifted_c == served_a  # before: 23.0, b's counter
 
 
@@ -145,23 +157,8 @@ def test_a_tenant_promoted_while_backlogged_joins_its_new_classs_virtual_time(ti
     and then, leaving, make it the interactive class's: a new interactive ``c`` and ``a`` then
     take turns. Before: ``b`` kept 23.0 (its batch counter), ``c`` was lifted to it and served
     alone ("cccaaa")."""
-    engine = LLMEngine(
-        tiny.model,
-        EngineConfig(block_size=16, kv_pool_bytes=1 << 20, max_num_batched_tokens=64,
-                     max_num_seqs=2, scheduling_policy="kvstrata"),
-        tiny.model_id, tiny.eos_token_ids,
-    )
+    engine, params, left = classes_engine(tiny)
     policy = engine.scheduler.policy
-    for tenant, slo_class in (("a", "interactive"), ("b", "batch"), ("c", "interactive")):
-        policy.set_tenant(tenant, TenantShare(slo_class))
-    params = SamplingParams(max_tokens=OUT, ignore_eos=True, temperature=0.0)
-    for i in range(6):
-        engine.add_request(prompt(5, i), params, request_id=f"warm-a{i}", tenant="a")
-    engine.add_request(prompt(9, 0), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
-                       request_id="warm-b", tenant="b")
-    left: list[str] = []
-    while not all(f"warm-a{i}" in left for i in range(6)):
-        left += [out.request_id for out in engine.step() if out.finished]
     assert "warm-b" not in left
     vtc = policy.vtc  # type: ignore[attr-defined]
     served_a = 6 * (PROMPT + OUT - 1)
@@ -170,16 +167,9 @@ def test_a_tenant_promoted_while_backlogged_joins_its_new_classs_virtual_time(ti
     assert vtc.counter("b") == served_a  # a left last: the interactive virtual time
     while engine.has_unfinished_requests():
         left += [out.request_id for out in engine.step() if out.finished]
-    for tenant, tag in (("c", 3), ("a", 7)):
-        for i in range(N):
-            engine.add_request(prompt(tag, i), params, request_id=f"{tenant}{i}", tenant=tenant)
+    queue_phase_two(engine, params, (("c", 3), ("a", 7)))
     lifted_c = vtc.counter("c")
-    order: list[str] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.new_token_ids and out.request_id not in order:
-                order.append(out.request_id)
-    assert "".join(r[0] for r in order) == "ca" * N  # before: "cccaaa"
+    assert first_tokens(engine) == "ca" * N  # before: "cccaaa"
     assert lifted_c >= served_a  # before: 23.0, b's batch counter
 
 
