@@ -271,6 +271,8 @@ class RenderProcess:
             reply = self._reply(deadline)
             self.renders += 1
             if reply[0] == "error":
+                if len(reply) != 3:
+                    raise self._out_of_protocol("a malformed reply")
                 kind, message = reply[1], reply[2]
                 if not isinstance(kind, str) or not isinstance(message, str) or kind not in _KINDS:
                     raise self._out_of_protocol("an error of an unknown kind")
@@ -292,7 +294,14 @@ class RenderProcess:
     def _checked(self, reply: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
         """An ``ok`` reply's token ids and whether it continued ``history``, checked: ids within
         the vocabulary, at most ``MAX_TOKENS_PER_CHAR`` per character of the input (its history
-        aside) plus ``TEMPLATE_TOKENS``, a continuation starting with its history."""
+        aside) plus ``TEMPLATE_TOKENS``, a continuation starting with its history.
+
+        Regression (s38): a reply of two values (``["ok", ids]``) raised ``ValueError`` from the
+        unpacking here: the request was refused as the client's bad input (its message "not
+        enough values to unpack"), and the child, left running, answered every later render
+        so; an ``["error", kind]`` reply raised ``IndexError``."""
+        if len(reply) != 3:
+            raise self._out_of_protocol("a malformed reply")
         kind, data, continued = reply
         if kind != "ok" or not isinstance(data, bytes) or not isinstance(continued, bool) or len(data) % 4:
             raise self._out_of_protocol("a malformed reply")

@@ -184,19 +184,25 @@ LIAR = """
     replies = [["ok", array("i", [5, %(vocab)d]).tobytes(), False], ["ok", array("i", [-1]).tobytes(), False],
                ["ok", array("i", [1] * 200000).tobytes(), False], ["ok", array("i", [7, 7]).tobytes(), True],
                ["error", "SystemExit", "x"], ["ok", b"abc", False], ["ok", 5, False], ["ok", b"", "yes"],
+               ["ok", array("i", [5, 6]).tobytes()], ["error", "ValueError"],
                ["ok", array("i", [5, 6]).tobytes(), False]]
     read(); send(["ready", "liar"])
     while True:
         read(); send(replies[int(sys.argv[1])])
 """
 LIES = ("outside the vocabulary", "outside the vocabulary", "200000 token ids for", "does not start with its history",
-        "an error of an unknown kind", "a malformed reply", "a malformed reply", "a malformed reply")
+        "an error of an unknown kind", "a malformed reply", "a malformed reply", "a malformed reply",
+        "a malformed reply", "a malformed reply")
 
 
 def test_a_render_childs_out_of_protocol_replies_are_refused(node: CacheNode, tmp_path) -> None:
     """Token ids outside the vocabulary, more ids than the input can render to, a continuation
     not starting with its history, an unknown error kind, malformed replies: each kills the
-    child and fails its render (``RenderFailed``); a fresh child serves the next."""
+    child and fails its render (``RenderFailed``); a fresh child serves the next.
+
+    Regression (s38): a reply of two values, ``["ok", ids]`` or ``["error", "ValueError"]``,
+    raised ``ValueError`` ("not enough values to unpack": the chat refused as the client's bad
+    input) or ``IndexError``, and the child was left running."""
     script = tmp_path / "liar.py"
     script.write_text(textwrap.dedent(LIAR % {"vocab": len(node.tokenizer)}))
     process = RenderProcess(node.tokenizer, start_timeout_s=30)
