@@ -26,6 +26,7 @@ from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_render import GatewayTemplater
+from services.gateway_served import ServedRecord
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
 from services.grpc_bounds import GrpcLimits
@@ -388,6 +389,8 @@ class RayGateway(Gateway):
         self.nodes = {nid: resolve(node) for nid, node in self.nodes.items()}
         context = ray.get_runtime_context()
         self.gateway_id = context.get_actor_id()
+        # where it served, kept by itself (Ray's GCS): for a restart the scheduler's record misses
+        self.served_record = ServedRecord(self.gateway_id)
         self.restarted: asyncio.Task[int] | None = None
         self.served_address = ""  # host:port, once started
         self._reattaching: asyncio.Task[bool] | None = None
@@ -418,6 +421,9 @@ class RayGateway(Gateway):
                 self.gateway_id, self.served_address, subscriber, ray.get_runtime_context().current_actor)
             await self.scheduler_calls.attach_gateway_apis.remote(self.gateway_id, self.http_address(),
                                                             self.metrics_address())
+            await _within(self.served_record.save(
+                {"grpc": self.served_address, "http": self.http_address(), "metrics": self.metrics_address()}),
+                SCHEDULER_CALL_TIMEOUT_S, "keeping the served addresses")
         except BaseException:
             await self.stop(0)
             raise
@@ -494,7 +500,13 @@ class RayGateway(Gateway):
         Regression (review s37 r4 F3): a gateway restarted before its first ``start`` (the
         launcher creates it while the nodes load) failed every try on the scheduler's empty
         record and exited, over and over; now the task ends (0, serving nothing) and the
-        launcher's ``start`` serves it."""
+        launcher's ``start`` serves it. Regression (s38 fault 1): a gateway that had served, Ray
+        restarted after the scheduler lost its record (the scheduler Ray restarted rebuilds no
+        gateway record; the old gateway's ``_scheduler_back`` attach never came) was taken for
+        that case: it stayed up serving nothing, for good, its clients' calls refused at
+        connect and ``kvstrata status`` / ``/health`` unreachable. Now it serves again on its
+        own record (``ServedRecord``, kept in Ray's GCS at each start) and attaches, which
+        gives the scheduler its record back; only a gateway with neither record waits."""
         for tries in range(1, RESTART_BIND_TRIES + 1):
             try:
                 return await _within(self._start_again(old_api_ports=tries < RESTART_BIND_TRIES),
@@ -515,8 +527,13 @@ class RayGateway(Gateway):
         """One try of ``_serve_again``: ``start`` on the scheduler's record of this gateway
         (its HTTP and metrics ports too with ``old_api_ports``; else the configured ones)."""
         addresses = await self.scheduler_calls.gateway_addresses.remote(self.gateway_id)
-        if not addresses["grpc"]:
-            raise NeverServed("the scheduler knows no address this gateway served on")
+        if not addresses["grpc"]:  # the scheduler lost it (restarted without it), or it never served
+            addresses = await self.served_record.load()
+            if not addresses["grpc"]:
+                raise NeverServed("neither the scheduler nor this gateway's own record knows an address it "
+                                  "served on")
+            log.warning("restarted gateway %s: the scheduler has no record of it (restarted since?): serving "
+                        "again on its own record, gRPC on %s", self.gateway_id, addresses["grpc"])
         host, port = addresses["grpc"].rsplit(":", 1)
         if not old_api_ports:
             log.warning("restarted gateway %s: last try, on the configured HTTP and metrics ports", self.gateway_id)
@@ -525,8 +542,9 @@ class RayGateway(Gateway):
 
 
 class NeverServed(RuntimeError):
-    """A restarted gateway's scheduler records no address it served on: it was restarted
-    before its first ``start`` (``_serve_again`` leaves that to the launcher)."""
+    """A restarted gateway's scheduler and its own ``ServedRecord`` record no address it served
+    on: it was restarted before its first ``start`` (``_serve_again`` leaves that to the
+    launcher)."""
 
 
 async def _within(call: Awaitable[T], timeout_s: float, what: str) -> T:

@@ -30,6 +30,26 @@ from services.gateway_admin import AdminServicer, TenantServicer
 from services.global_scheduler_admission import GlobalSchedulerService
 
 
+class ClusterKeyValues(dict):
+    """Ray's GCS key-value store as a gateway's ``services.gateway_served.ServedRecord`` uses it
+    (``put``, ``get``), for the ``RayGateway`` tests that run without Ray: one per test
+    (``cluster_key_values``), outliving each gateway "process" of the test as the GCS outlives
+    an actor's restarts."""
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self[key] = value
+
+
+def cluster_key_values(monkeypatch: Any) -> ClusterKeyValues:
+    """The test's ``ClusterKeyValues``, which every ``ServedRecord`` made from now on in the test
+    keeps its record in (``monkeypatch``: the test's ``pytest.MonkeyPatch``)."""
+    from services import gateway_served
+
+    store = ClusterKeyValues()
+    monkeypatch.setattr(gateway_served, "GcsKeyValues", lambda: store)
+    return store
+
+
 class _Method:
     def __init__(self, fn: Any) -> None:
         self.fn = fn

@@ -23,6 +23,7 @@ from tests.gateway_harness import LocalActor
 from tests.test_gateway_restart_start import (
     GATEWAY_ID,
     FakeContext,
+    gcs,  # noqa: F401 - autouse: each test's GCS key-value store
     grpc_serving,
     hold,
     http_health,
@@ -113,6 +114,34 @@ def test_old_api_ports_held_for_good_fall_back_to_the_configured_ones(
                 assert await grpc_serving(port_of(served["grpc"]))
                 assert sched.gateway_addresses(GATEWAY_ID) == {"grpc": served["grpc"], "http": moved,
                                                                "metrics": again.metrics_address()}
+            finally:
+                await again.stop(0)
+
+    asyncio.run(go())
+
+
+def test_a_restarted_gateway_the_scheduler_lost_serves_again_on_its_own_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (s38 fault 1): the scheduler lost its record of a gateway that had served (it
+    was restarted and rebuilt its state without it: no gateway's ``_scheduler_back`` attach
+    came before the gateway died too), and the gateway Ray restarted took itself for one
+    restarted before its first start: its restart task ended (0) and it stayed up serving
+    nothing, for good. Now it serves gRPC, HTTP and /metrics again on the addresses it kept
+    itself (``ServedRecord``, in Ray's GCS) and attaches, giving the scheduler its record back."""
+    async def go() -> None:
+        async with scheduler(tmp_path / "first") as sched:
+            served = await first_life(sched, monkeypatch)
+        async with scheduler(tmp_path / "again") as restarted_sched:  # nothing of the first one's
+            assert restarted_sched.gateway_addresses(GATEWAY_ID)["grpc"] == ""
+            again = gateway(restarted_sched, FakeContext, monkeypatch)
+            assert await asyncio.wait_for(again.restarted, 30) == port_of(served["grpc"])  # 0 before
+            try:
+                assert await grpc_serving(port_of(served["grpc"]))
+                assert (await http_health(port_of(served["http"])))["status"] == "ok"
+                assert await metrics_served(served["metrics"])
+                assert restarted_sched.gateway_addresses(GATEWAY_ID) == served
+                assert again.streams is not None
+                assert restarted_sched.gateways[GATEWAY_ID].subscriber == again.streams.subscriber
             finally:
                 await again.stop(0)
 

@@ -29,11 +29,17 @@ from services import gateway_server
 from services.global_scheduler_admission import GlobalSchedulerService
 from services.metrics import MetricsEndpoint
 from services.openai_api import HttpServer
-from tests.gateway_harness import NODE_INFO, LocalActor
+from tests.gateway_harness import NODE_INFO, ClusterKeyValues, LocalActor, cluster_key_values
 
 GATEWAY_ID = "gw-1"
 
 pytestmark = pytest.mark.timeout(60)  # before the fix, a failed test could hang at its loop's end
+
+
+@pytest.fixture(autouse=True)
+def gcs(monkeypatch: pytest.MonkeyPatch) -> ClusterKeyValues:
+    """Ray's GCS key-value store, where each gateway keeps where it served (``ServedRecord``)."""
+    return cluster_key_values(monkeypatch)
 
 
 class FakeNode:
