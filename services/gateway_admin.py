@@ -222,15 +222,20 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
         Regression (new-user report): ``blocks_held`` was a ledger gauge nothing ever set, so
         ``kvstrata tenant show`` said 0 blocks held while ``kvstrata status`` counted the
-        tenant's idle sessions' blocks."""
+        tenant's idle sessions' blocks.
+
+        Regression (s38): a node's answer was taken as it came (``int(...)`` of each count): a
+        negative count took blocks off the others' sum, and a count ``int`` refused (``inf``, a
+        string, 5,000 digits) failed the call UNKNOWN; a malformed answer now adds nothing, as a
+        node that does not answer (``_blocks_held``)."""
         caller = await self._own_or_admin(context, request.name)
         tenant = await self._tenant_of(context, request.name, caller)
         usage = await _call(context, self.scheduler.usage_of.remote(tenant.tenant_id))
         answers = await ask_live(self.nodes, self.monitor, lambda n: n.tenant_blocks.remote(tenant.tenant_id),
                                  self.node_timeout_s)
-        held = [a for a in answers.values() if isinstance(a, dict)]
-        requests = sum(int(a.get("requests", 0)) for a in held)
-        sessions = sum(int(a.get("idle_sessions", 0)) for a in held)
+        held = [counts for a in answers.values() if (counts := _blocks_held(a)) is not None]
+        requests = sum(r for r, _ in held)
+        sessions = sum(s for _, s in held)
         usage = replace(usage, blocks_held=requests + sessions, session_blocks_held=sessions)
         return tenant_pb2.GetUsageResponse(usage=convert.usage_to_pb(usage))
 
@@ -265,6 +270,50 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         return tenant_pb2.RotateKeyResponse(api_key=new_key)
 
 
+MAX_NODE_COUNT = (1 << 32) - 1
+"""Largest count (blocks, requests) a cache node's answer may give: the replies' ``uint32``
+fields (``FlushResponse``, ``DrainResponse``); past it the answer is malformed. Their sums over
+the nodes are capped at it (``_capped``)."""
+
+
+def _capped(total: int) -> int:
+    """A sum of node counts as a ``uint32`` reply field holds it (at most ``MAX_NODE_COUNT``)."""
+    return min(total, MAX_NODE_COUNT)
+
+
+def _is_count(n: Any) -> bool:
+    """Whether a node's ``n`` is a count: an int (not a bool) in ``[0, MAX_NODE_COUNT]``."""
+    return type(n) is int and 0 <= n <= MAX_NODE_COUNT
+
+
+def _blocks_held(answer: Any) -> tuple[int, int] | None:
+    """A cache node's ``tenant_blocks`` answer as ``(requests, idle_sessions)`` (0 where not
+    given); None for an answer that is not a map of such counts (``_is_count``: the answer is
+    untrusted)."""
+    if not isinstance(answer, dict):
+        return None
+    requests, sessions = answer.get("requests", 0), answer.get("idle_sessions", 0)
+    return (requests, sessions) if _is_count(requests) and _is_count(sessions) else None
+
+
+def node_stats_entry(node_id: str, answer: Any, failure: str) -> tuple[dict[str, Any], admin_pb2.NodeStats]:
+    """A cache node's ``stats`` answer as ``Stats`` reports it: the answer and its
+    ``NodeStats`` when it is a map naming ``node_id`` that converts (``convert.node_stats_to_pb``)
+    and is JSON; else the node as unhealthy, ``failure`` (no answer) or "sent a malformed
+    answer" its failure (the answer is untrusted: one node's must not fail the call, nor name
+    another node)."""
+    if isinstance(answer, dict) and answer.get("node_id") == node_id:
+        try:
+            json.dumps(answer)
+            return answer, convert.node_stats_to_pb(answer)
+        except (TypeError, ValueError, OverflowError):
+            failure = "sent a malformed answer"
+    elif isinstance(answer, dict):
+        failure = "sent a malformed answer"
+    entry = {"node_id": node_id, "healthy": False, "failure": failure}
+    return entry, convert.node_stats_to_pb(entry)
+
+
 FLUSH_KINDS = ("device", "prefixes", "host", "spill")
 """The tiers a cache node's ``flush_by_tier`` answer counts freed KV blocks of."""
 
@@ -276,12 +325,12 @@ def _flush_counts(answer: Any) -> dict[str, int] | None:
     if not isinstance(answer, dict):
         return None
     counts = {kind: answer.get(kind, 0) for kind in FLUSH_KINDS}
-    return counts if all(type(n) is int and n >= 0 for n in counts.values()) else None
+    return counts if all(_is_count(n) for n in counts.values()) else None
 
 
 def _drain_count(answer: Any) -> int | None:
     """A cache node's ``drain`` answer (requests aborted), None when it is not a count."""
-    return answer if type(answer) is int and answer >= 0 else None
+    return answer if _is_count(answer) else None
 
 
 def _not_done(answers: dict[str, Any], read: Any, waited_s: float) -> list[str]:
@@ -410,18 +459,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         await self.auth.admin(context)
         answers = await self._ask_live(
             lambda n: n.integrity_stats.remote() if request.check_integrity else n.stats.remote())
-        node_stats = []
+        node_stats, node_pbs = [], []
         for nid in self.nodes:
             answer = answers.get(nid)
-            if isinstance(answer, dict):
-                node_stats.append(answer)
-            else:
-                why = self.monitor.state[nid].failure if answer is None else f"no answer: {error_message(answer)}"
-                node_stats.append({"node_id": nid, "healthy": False, "failure": why})
+            why = ("" if isinstance(answer, dict) else self.monitor.state[nid].failure if answer is None
+                   else f"no answer: {error_message(answer)}")
+            entry, pb = node_stats_entry(nid, answer, why)
+            node_stats.append(entry)
+            node_pbs.append(pb)
         sched = await self.scheduler.stats.remote()
         health = self.monitor.snapshot() if self.monitor is not None else {}
         return admin_pb2.StatsResponse(
-            nodes=[convert.node_stats_to_pb(s) for s in node_stats], queued=sched["queued"],
+            nodes=node_pbs, queued=sched["queued"],
             sessions=sched["sessions"],
             stats_json=json.dumps({"scheduler": sched, "nodes": node_stats, "health": health}),
         )
@@ -432,7 +481,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         spill_s = spill_timeout_s(self.node_timeout_s)  # ends before ours on the node: it names the spill node
         answers = await self._ask_live(lambda n: n.flush_by_tier.remote(spill_s))
         counts = [c for a in answers.values() if (c := _flush_counts(a)) is not None]
-        freed = {kind: sum(c[kind] for c in counts) for kind in FLUSH_KINDS}
+        freed = {kind: _capped(sum(c[kind] for c in counts)) for kind in FLUSH_KINDS}
         await self.scheduler.flush_index.remote()
         failed, unflushed = _not_done(answers, _flush_counts, self.node_timeout_s), spill_unflushed(answers)
         if failed or unflushed:
@@ -445,7 +494,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 f"blocks (device {freed['device']}, compressed prefixes {freed['prefixes']}, host {freed['host']}, "
                 f"spill {freed['spill']}); run the flush again once every node answers (kvstrata status shows the "
                 "cache nodes' health)"))
-        return admin_pb2.FlushResponse(freed_blocks=sum(freed.values()), device_blocks=freed["device"],
+        return admin_pb2.FlushResponse(freed_blocks=_capped(sum(freed.values())), device_blocks=freed["device"],
                                        prefix_blocks=freed["prefixes"], host_blocks=freed["host"],
                                        spill_blocks=freed["spill"], skipped_nodes=skipped)
 
@@ -471,7 +520,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                         # its end, and the call's own error is not masked by this one (s37 CI)
                         log.warning("cache node %s has no cancel_drain (an older version): its drain runs to its "
                                     "end", name)
-        aborted = sum(n for a in answers.values() if (n := _drain_count(a)) is not None)
+        aborted = _capped(sum(n for a in answers.values() if (n := _drain_count(a)) is not None))
         if failed := _not_done(answers, _drain_count, self.node_timeout_s + timeout_s):
             await context.abort(grpc.StatusCode.UNAVAILABLE, (
                 f"drain incomplete: {_nodes_text(failed)} did not drain, so requests may still run there; the nodes that answered aborted {aborted} requests; run the "
