@@ -33,7 +33,7 @@ from kvstrata.v1 import (
     tenant_pb2_grpc,
 )
 from services.config import NodeConfig, ServiceConfig
-from services.grpc_messages import channel_options
+from services.grpc_messages import client_channel_options
 from services.launcher import Services, start_services, stop_services
 from services.ray_auth import init_local_cluster
 
@@ -104,7 +104,7 @@ class ChaosStack:
     @classmethod
     def start(cls, config: ServiceConfig, tenants: tuple[str, ...] = ("chaos-a", "chaos-b")) -> ChaosStack:
         services = start_services(config)
-        stack = cls(services, grpc.insecure_channel(services.address, options=channel_options()))
+        stack = cls(services, grpc.insecure_channel(services.address, options=client_channel_options()))
         for name in tenants:
             stack.keys[name] = stack.register(name)
         return stack
@@ -142,7 +142,7 @@ class ChaosStack:
 
     def reconnect(self) -> None:
         self.channel.close()
-        self.channel = grpc.insecure_channel(self.services.address, options=channel_options())
+        self.channel = grpc.insecure_channel(self.services.address, options=client_channel_options())
 
     def stats(self, check_integrity: bool = True, timeout_s: float = 30.0) -> admin_pb2.StatsResponse:
         return self.admin.Stats(admin_pb2.StatsRequest(check_integrity=check_integrity),

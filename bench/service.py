@@ -63,7 +63,7 @@ from cache_node.sampling_params import SamplingParams
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services.cache_node import CacheNode
 from services.config import NodeConfig, ServiceConfig
-from services.grpc_messages import channel_options
+from services.grpc_messages import client_channel_options
 from services.launcher import start_services, stop_services
 from services.node_request import NodeRequest
 from services.ray_auth import init_local_cluster
@@ -176,7 +176,7 @@ async def _rounds(
     }
     http = openai.AsyncOpenAI(base_url=f"{http_scheme(tls)}://{http_address}/v1", api_key="-", max_retries=0,
                               http_client=openai_http_client(tls))
-    async with open_aio_channel(address, tls, channel_options()) as ch:
+    async with open_aio_channel(address, tls, client_channel_options()) as ch:
         admin = (("authorization", f"Bearer {admin_key}"),)
         tenants = tenant_pb2_grpc.TenantServiceStub(ch)
         stub = inference_pb2_grpc.InferenceServiceStub(ch)

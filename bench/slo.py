@@ -46,7 +46,7 @@ import ray
 from bench.common import wiki_chat_requests
 from cache_node.model_loader import load_model
 from services.config import NodeConfig, ServiceConfig
-from services.grpc_messages import channel_options
+from services.grpc_messages import client_channel_options
 from services.launcher import Services, start_services, stop_services
 from services.ray_auth import init_local_cluster
 from tenants.model import SLO_CLASS_DEFAULTS, SloClass
@@ -139,7 +139,7 @@ async def register(services: Services, tenants: list[TenantProfile], calib: bool
     if calib:
         specs.append(tenant_pb2.TenantSpec(name="calib", slo_class=slo_class_to_pb(SloClass.BATCH)))
     keys = {}
-    async with grpc.aio.insecure_channel(services.address, options=channel_options()) as ch:
+    async with grpc.aio.insecure_channel(services.address, options=client_channel_options()) as ch:
         stub = tenant_pb2_grpc.TenantServiceStub(ch)
         admin = (("authorization", f"Bearer {services.admin_key}"),)
         for pb in specs:

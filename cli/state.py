@@ -15,7 +15,7 @@ import grpc
 
 from cli.output import EXIT_USAGE, die
 from services.actor_calls import SCHEDULER_CALL_TIMEOUT_S
-from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
 from services.private_dir import UnsafeDirectoryError, check_private_dir
 from services.tls import ClientTls, open_aio_channel, open_channel
 from tenants.keys import read_key_file
@@ -137,7 +137,7 @@ def gateway_channel(address: str | None) -> grpc.Channel:
     may be as large as ``_message_cap()``. Exits 1 when a TLS file cannot be read."""
     target = gateway_address(address)
     try:
-        return open_channel(target, client_tls(target), channel_options(_message_cap()))
+        return open_channel(target, client_tls(target), client_channel_options(_message_cap()))
     except ValueError as exc:
         die(str(exc))
 
@@ -146,7 +146,7 @@ def gateway_aio_channel(address: str | None) -> grpc.aio.Channel:
     """``gateway_channel`` for ``grpc.aio`` (run on a running event loop)."""
     target = gateway_address(address)
     try:
-        return open_aio_channel(target, client_tls(target), channel_options(_message_cap()))
+        return open_aio_channel(target, client_tls(target), client_channel_options(_message_cap()))
     except ValueError as exc:
         die(str(exc))
 

@@ -126,3 +126,36 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
                          f"request), got {max_message_bytes}")
     return [("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes)]
+
+
+CLIENT_KEEPALIVE_S = 30.0
+"""A channel of our clients (``client_channel_options``) with a call open pings the gateway
+once it has heard nothing from it this long: at least the gateway's ``grpc_min_ping_interval_s``
+(10 s by default; a gateway set above it answers the faster pings with GOAWAY too_many_pings,
+after which grpc core doubles the client's interval)."""
+
+CLIENT_KEEPALIVE_TIMEOUT_S = 20.0
+"""How long such a ping waits for its answer before the channel's calls end UNAVAILABLE."""
+
+
+def client_channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """``channel_options`` for a channel of our clients (``cli/``, ``workloads/``, ``bench/``)
+    to the gateway, with keepalive pings while a call is open (``CLIENT_KEEPALIVE_S``,
+    ``CLIENT_KEEPALIVE_TIMEOUT_S``; none on an idle channel): a gateway that stops answering
+    (its host gone without a word, its process stopped, a network path dropped) ends the call
+    UNAVAILABLE within their sum.
+
+    Regression (s38): our channels sent no pings, so a stream without a deadline (``kvstrata
+    generate``, the workload's and the benchmarks' Generate calls) waited forever on a gateway
+    that had stopped answering: nothing but the gateway's own bytes could end it.
+
+    Raises:
+        ValueError: as ``channel_options``.
+    """
+    return [*channel_options(max_message_bytes),
+            ("grpc.keepalive_time_ms", round(CLIENT_KEEPALIVE_S * 1000)),
+            ("grpc.keepalive_timeout_ms", round(CLIENT_KEEPALIVE_TIMEOUT_S * 1000)),
+            # grpc core (1.85) waits for a keepalive ping's ack this long, not keepalive_timeout_ms (60 s default)
+            ("grpc.http2.ping_timeout_ms", round(CLIENT_KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 0)]  # a server-streaming call sends no data after its request

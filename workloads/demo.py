@@ -26,7 +26,7 @@ from rich.console import Console
 
 from cache_node.scheduling import SCHEDULING_POLICIES
 from services.config import NodeConfig, ServiceConfig
-from services.grpc_messages import channel_options
+from services.grpc_messages import client_channel_options
 from services.launcher import Services, start_services, stop_services
 from services.tls import ClientTls, http_scheme, open_aio_channel
 from workloads.deepresearch.compare import append_comparison, print_comparison
@@ -77,7 +77,7 @@ async def _run(args: argparse.Namespace, services: Services, console: Console, r
                reports: str) -> JobOutcome:
     config = workload_config(args)
     address, admin_key, tls = services.address, services.admin_key, ClientTls.of_config(services.config)
-    async with open_aio_channel(address, tls, channel_options(services.config.grpc_max_message_bytes)) as channel:
+    async with open_aio_channel(address, tls, client_channel_options(services.config.grpc_max_message_bytes)) as channel:
         keys = await register_tenants(channel, admin_key, config.tenants, policy=args.policy,
                                       replace_any=True)  # a deployment of its own (_serve_and_run)
     console.print(f"registered tenants over gRPC: {', '.join(keys)}")

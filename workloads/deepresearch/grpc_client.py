@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
-from services.grpc_messages import channel_options
+from services.grpc_messages import client_channel_options
 from services.tls import ClientTls, open_aio_channel
 from workloads.deepresearch.client import OK, CallResult, StreamAccumulator, retry_after_from
 
@@ -82,7 +82,7 @@ class GrpcInferenceClient:
         if (target is None) == (channel is None):
             raise ValueError("give exactly one of target and channel")
         self._owns_channel = channel is None
-        self._channel = channel if channel is not None else open_aio_channel(target, tls, channel_options())
+        self._channel = channel if channel is not None else open_aio_channel(target, tls, client_channel_options())
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._timeout_s = timeout_s
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from services.grpc_messages import channel_options
+from services.grpc_messages import client_channel_options
 from services.tls import ClientTls, open_aio_channel
 from workloads.deepresearch.client import InferenceClient, StatsProbe
 from workloads.deepresearch.config import WorkloadConfig
@@ -120,7 +120,7 @@ async def run_deepresearch_grpc(
     (``OpenAIInferenceClient``) instead of gRPC; the admin calls stay on gRPC. With ``tls``
     both APIs are reached over TLS (``services.tls.ClientTls``; ``openai_url`` then https).
     """
-    async with open_aio_channel(target, tls, channel_options()) as channel:
+    async with open_aio_channel(target, tls, client_channel_options()) as channel:
         client: InferenceClient = (OpenAIInferenceClient(openai_url, timeout_s=timeout_s, tls=tls) if openai_url
                                    else GrpcInferenceClient(channel=channel, timeout_s=timeout_s))
         probe = grpc_stats_probe(channel, admin_key) if admin_key else None
