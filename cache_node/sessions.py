@@ -59,6 +59,7 @@ from cache_node.block import KVBlock
 from cache_node.kv_cache_manager import KVCacheManager
 from cache_node.outputs import SessionBusy
 from cache_node.sequence import Sequence
+from cache_node.session_ids import client_session_id
 
 if TYPE_CHECKING:
     from cache_node.kv_state import SequenceKV
@@ -146,40 +147,6 @@ class Session:
     def compacted(self) -> bool:
         """The blocks hold a policy's compacted layout (usable only with its ``kv``)."""
         return self.kv is not None and self.kv.compacted
-
-
-SALT_TAG_CHARS = 32
-"""Hex digits of a salted session's tag (``services.gateway_inputs.session_scope``)."""
-
-SALTED_MARK = ":"
-"""What follows the tenant id in a salted session's id, ``<tenant>:<tag>/<id>``, where an
-unsalted one's has ``/`` (``services.gateway_inputs.session_scope``)."""
-
-
-def session_scope_chars(session_id: str, tenant: str) -> int:
-    """How many leading characters of ``session_id`` are the scope the gateway adds to a client's
-    session id (``services.gateway_inputs.session_scope``): ``<tenant>/`` (no ``cache_salt``,
-    the form of every session id before salts scoped them) or ``<tenant>:<tag>/`` (a salt's
-    ``SALT_TAG_CHARS`` lowercase hex digits); 0 when it has neither, or when nothing follows."""
-    if not tenant:
-        return 0
-    scope = len(tenant) + 1
-    if session_id.startswith(f"{tenant}/"):
-        return scope if len(session_id) > scope else 0
-    if session_id.startswith(f"{tenant}{SALTED_MARK}"):
-        tag = session_id[scope:scope + SALT_TAG_CHARS]
-        end = scope + SALT_TAG_CHARS + 1
-        if (len(tag) == SALT_TAG_CHARS and all(c in "0123456789abcdef" for c in tag)
-                and session_id[end - 1:end] == "/" and len(session_id) > end):
-            return end
-    return 0
-
-
-def client_session_id(session_id: str, tenant: str) -> str:
-    """``session_id`` as its client named it: without the ``<tenant>/`` (no ``cache_salt``) or
-    ``<tenant>:<salt tag>/`` scope the gateway adds (``session_scope_chars``); unchanged when it
-    has neither."""
-    return session_id[session_scope_chars(session_id, tenant):]
 
 
 class SessionNamespaceChanged(PermissionError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_node.sampling_params import SamplingParams
-from cache_node.sessions import SALT_TAG_CHARS, SALTED_MARK
+from cache_node.session_ids import SALT_TAG_CHARS, SALTED_MARK
 from kvstrata.v1 import inference_pb2
 from services import convert, tool_requests
 from services.chat import content_chars
@@ -41,7 +41,7 @@ def session_scope(tenant_id: str, cache_salt: str, session_id: str) -> str:
     ``<tenant>/<session_id>``, the id every session had before salts scoped them (so the routes,
     lost-session marks and node sessions of an earlier version's unsalted sessions keep
     their ids across an upgrade); with one it is ``<tenant>:<tag>/<session_id>``
-    (``cache_node.sessions.SALTED_MARK``), the tag the first ``SALT_TAG_CHARS`` (32) hex digits
+    (``cache_node.session_ids.SALTED_MARK``), the tag the first ``SALT_TAG_CHARS`` (32) hex digits
     of the salt's SHA-256 (its UTF-8 bytes; a lone surrogate, which the edges refuse, hashed
     rather than raising).
 
@@ -49,7 +49,7 @@ def session_scope(tenant_id: str, cache_salt: str, session_id: str) -> str:
     tenant id is hex (no ``/`` nor ``:``), so the text before an id's first ``/`` is the bare
     tenant id for an unsalted session and ``<tenant>:<tag>`` for a salted one (never equal,
     whatever follows), and the tag holds no ``/``, so the client's id is all after it
-    (``cache_node.sessions.client_session_id`` reads it back). Two salts meet by chance only
+    (``cache_node.session_ids.client_session_id`` reads it back). Two salts meet by chance only
     (a 128-bit tag). Under another salt, or none, the same ``session_id`` names another session,
     as the salt gives the requests another cache namespace (``salted_namespace``), and the node
     refuses a turn whose namespace is not its session's (``cache_node.sessions.check_turn``).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cache_node.sessions import session_scope_chars
+from cache_node.session_ids import session_scope_chars
 from services.block_index import EVENTS, TIER_DEVICE
 from services.data_plane_wire import MAX_ID_CHARS
 

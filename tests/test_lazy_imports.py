@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-IMPORT_ORDER = ("cache_node.model_files", "services.spill_node", "services.cache_node", "services.gateway_server",
-                "services.launcher")
+IMPORT_ORDER = ("cache_node.model_files", "services.spill_node", "services.global_scheduler_admission",
+                "services.cache_node", "services.gateway_server", "services.launcher")
 """The modules checked, as one fresh interpreter imports them one after another: the cache node
 service before the gateway, which imports transformers (its tokenizer), a name the cache node's
 test forbids."""
@@ -49,6 +49,14 @@ def test_importing_the_spill_node_service_imports_no_torch(loaded_after) -> None
     """Regression: a spill node imported torch (~5 s on a loaded machine) for the names of the
     tiers in the cache node's metrics, which it never builds."""
     assert loaded_after["services.spill_node"]["torch"] is False
+
+
+def test_importing_the_global_scheduler_imports_no_torch(loaded_after) -> None:
+    """Regression: the global scheduler's actor module imported torch (~6 s of a 10 s import on
+    a loaded machine, on every stack start and every scheduler restart) for
+    ``session_scope_chars``, a string function it reads node reports' session ids with
+    (``services.recovery_report``), through ``cache_node.sessions`` and its KV cache manager."""
+    assert loaded_after["services.global_scheduler_admission"]["torch"] is False
 
 
 def test_importing_the_gateway_leaves_transformers_modeling_to_the_cache_nodes(loaded_after) -> None:
