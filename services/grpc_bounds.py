@@ -116,6 +116,10 @@ class GrpcLimits:
             ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
             ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            # what grpc core (1.85) waits for a ping's ack, its keepalive pings' too (60 s by
+            # default). Regression (s38): without it, a vanished client's calls ran on for
+            # keepalive_time_s + 60 s, whatever keepalive_timeout_s said
+            ("grpc.http2.ping_timeout_ms", ms(self.keepalive_timeout_s)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
             ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
