@@ -87,6 +87,10 @@ def set_retry_after(context: Any, retry_after_s: float) -> None:
     API's ``Retry-After``, ``services.openai_api.context``)."""
     context.set_trailing_metadata((("retry-after-ms", str(int(retry_after_s * 1000))),))
 
+MAX_FREED_TOKENS = (1 << 32) - 1
+"""The most tokens a node's ``close_session`` answer may say it freed (``CloseSessionResponse``'s
+``uint32``)."""
+
 NODE_CLOSE_TIMEOUT_S = 30.0
 """How long ``CloseSession`` waits for the session's node (``InferenceServicer._close_on_node``)."""
 
@@ -496,15 +500,26 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
 
         Regression (review 22d): a close reaching a node whose step loop had failed before the
         monitor marked it down raised here: HTTP 500 in plain text (gRPC UNKNOWN), and the
-        client's retry got NOT_FOUND."""
+        client's retry got NOT_FOUND.
+
+        The answer is untrusted: one that is not an int in [-1, ``MAX_FREED_TOKENS``] counts as
+        0, as a failed call. Regression (s38): it was ``int()``-ed, so a count past
+        ``CloseSessionResponse.freed_tokens``' uint32 failed the gRPC call UNKNOWN after the
+        scheduler had dropped the session (the client's retry: NOT_FOUND), one below -1 was
+        NOT_FOUND for a session that was closed, and ``"5"`` or ``5.9`` counted as 5."""
         try:
             closing = asyncio.ensure_future(self.nodes[node_id].close_session.remote(scoped, tenant_id, turns))
             # (once more when this gateway's own loop stalled meanwhile: ``services.loop_lag``)
-            return int((await wait_past_stall(closing, NODE_CLOSE_TIMEOUT_S, running_lag(), NODE_CLOSE_TIMEOUT_S))[0])
+            answer = (await wait_past_stall(closing, NODE_CLOSE_TIMEOUT_S, running_lag(), NODE_CLOSE_TIMEOUT_S))[0]
         except Exception as exc:  # noqa: BLE001 - a failed, dead or slow node frees nothing now
             log.warning("closing session %s on node %s: %s: %s; answered as freed 0", scoped, node_id,
                         type(exc).__name__, exc)
             return 0
+        if type(answer) is not int or not -1 <= answer <= MAX_FREED_TOKENS:  # (untrusted)
+            log.warning("closing session %s on node %s: a malformed answer %.80r; answered as freed 0", scoped,
+                        node_id, answer)
+            return 0
+        return answer
 
     async def close_session(self, context: Any, session_id: str, cache_salt: str = "") -> int:
         """Close the caller's session ``session_id`` opened under ``cache_salt`` ("" = none;
