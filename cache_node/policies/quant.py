@@ -196,8 +196,14 @@ class QuantLayerKV:
         self.codes = unpack_bits_float(codes, bits).unflatten(-1, (self.scale.shape[-1], -1))
 
     def logits(self, qh: torch.Tensor, scaling: float, dequant_min_rows: int = DEQUANT_MIN_ROWS) -> torch.Tensor:
-        """(H_kv, g, n, N) ``scaling * q . k`` of ``qh`` (H_kv, g, n, d) on the codes; on the
-        keys dequantized once from ``dequant_min_rows`` query rows (g n) with several groups."""
+        """(H_kv, g, n, N) float32 ``scaling * q . k`` of ``qh`` (H_kv, g, n, d, any float
+        dtype: taken as float32, as the codes' scales) on the codes; on the keys dequantized once
+        from ``dequant_min_rows`` query rows (g n) with several groups.
+
+        Regression: a query in the pool's bfloat16/float16 met the float32 codes in one bmm or
+        einsum, which raised, so every ``quant`` and ``cold_bits`` request failed at its first
+        step over the codes in those dtypes."""
+        qh = qh.float()
         qg = qh.unflatten(-1, (self.codes.shape[-2], -1))  # (h, g, n, k, G)
         h, g, n, d = qh.shape
         if qg.shape[3] > 1 and g * n >= dequant_min_rows:  # a long chunk: dequantize once
@@ -220,8 +226,10 @@ class QuantLayerKV:
         return x.flatten(-2).transpose(0, 1)
 
     def output(self, probs: torch.Tensor, dequant_min_rows: int = DEQUANT_MIN_ROWS) -> torch.Tensor:
-        """(H_kv, g, n, d) ``sum_N probs v`` of ``probs`` (H_kv, g, n, N) on the codes (on the
-        values dequantized once from ``dequant_min_rows`` rows, as ``logits``)."""
+        """(H_kv, g, n, d) float32 ``sum_N probs v`` of ``probs`` (H_kv, g, n, N, any float
+        dtype: taken as float32, as ``logits`` takes its query) on the codes (on the values
+        dequantized once from ``dequant_min_rows`` rows, as ``logits``)."""
+        probs = probs.float()
         h, g, n, num = probs.shape
         if self.codes.shape[-2] > 1 and g * n >= dequant_min_rows:  # a long chunk: dequantize once
             return torch.bmm(probs.reshape(h, g * n, num), self.dequantized(1)).view(h, g, n, -1)

@@ -182,7 +182,9 @@ class QuantSentenceRegion:
         return self._kv
 
     def logits(self, qh: torch.Tensor, scaling: float) -> torch.Tensor:
-        """(H_kv, g, n, R) logits of ``qh`` (H_kv, g, n, d) on the region's codes."""
+        """(H_kv, g, n, R) float32 logits of ``qh`` (H_kv, g, n, d, any float dtype: taken as
+        float32, key affine included) on the region's codes."""
+        qh = qh.float()
         if self.key_scale is None or self.key_shift is None:
             out = self.kv.logits(qh, scaling, SPAN_DEQUANT_MIN_ROWS)
         else:
