@@ -78,11 +78,11 @@ def two_turns_of(node: CacheNode, convs: dict[str, tuple[str, int, tuple[str, ..
     users = {sid: {"role": "user", "content": question} for sid, (question, _, _) in convs.items()}
     firsts = run_together(node, [chat(f"{sid}/1", [users[sid]], sid=sid, stop=stop, max_tokens=max_tokens)
                                  for sid, (_, max_tokens, stop) in convs.items()])
-    reqs = []
+    reqs = []  # (turn 2's prompt is checked token for token; 8 tokens of its answer compared)
     for sid, (reply, _, _) in zip(convs, firsts):
-        reqs.append(chat(f"{sid}/2", [FOLLOW], sid=sid, max_tokens=24))
+        reqs.append(chat(f"{sid}/2", [FOLLOW], sid=sid, max_tokens=8))
         reqs.append(chat(f"{sid}/alone", [users[sid], {"role": "assistant", "content": reply}, FOLLOW],
-                         max_tokens=24))
+                         max_tokens=8))
     seconds = run_together(node, reqs)
     return {sid: (*firsts[i], *seconds[2 * i][:2], *seconds[2 * i + 1][:2], node.engine.session_history(sid))
             for i, sid in enumerate(convs)}
