@@ -2,7 +2,8 @@
 
 It sends admissions to the global scheduler's admission socket and aborts to the nodes'
 command inboxes, and routes the events nodes push to its event inbox to per-request queues
-(``StreamBuffer``, bounded by ``StreamLimits``: ``services.gateway_stream_bounds``).
+(``StreamBuffer``, bounded by ``StreamLimits``: ``services.gateway_stream_bounds``), each node's
+in turn (``services.gateway_event_turns``: one node's flood cannot starve another's streams).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from services import data_plane
 from services.data_plane_auth import Security
+from services.gateway_event_turns import MAX_QUEUED_BYTES_PER_NODE, SenderTurns
 from services.gateway_stream_bounds import (
     MAX_UNDELIVERED_BYTES,
     STREAM_IDLE_TIMEOUT_S,
@@ -41,6 +43,11 @@ OnEvent = Callable[[dict[str, Any]], None]
 IDLE_SWEEP_S = 1.0
 """How often ``NodeStreams`` looks for idle streams (``expire_idle``), at most; a quarter of
 the idle timeout when that is shorter."""
+
+READ_BATCH = 256
+"""Event messages ``NodeStreams`` reads off its inbox at most before the other tasks run (those
+already there): its reading keeps up with the messages' arrival, so a flooding node's pile up
+in its own queue (``SenderTurns``, bounded), not in ZeroMQ's, ahead of other nodes' messages."""
 
 REVOKED_READ_S = 2.0
 """How long the reader of a stream ended for its key (``end_revoked``) may go on without taking
@@ -118,10 +125,12 @@ class _Entry:
 class _Held:
     """The events of a stream whose node is not known yet, held for ``bind`` per sender (each a
     ``StreamBuffer``: deltas coalesced, one ``started``, nothing after an end), and the senders
-    some of whose events were dropped past the bounds (``NodeStreams._hold``)."""
+    some of whose events were dropped past the bounds (``NodeStreams._hold``), or may have been
+    (a message of theirs dropped unread: ``NodeStreams._sender_behind``)."""
 
     buffers: dict[str | None, StreamBuffer] = field(default_factory=dict)
     lost: set[str | None] = field(default_factory=set)
+    behind: set[str | None] = field(default_factory=set)
 
 
 class NodeStreams:
@@ -177,7 +186,8 @@ class NodeStreams:
                  admit_timeout_s: float = 30.0, security: Security | None = None,
                  max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES,
                  stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_queued_bytes_per_node: int = MAX_QUEUED_BYTES_PER_NODE) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
         self._key_names = security.key_names() if security is not None else {}
@@ -192,6 +202,10 @@ class NodeStreams:
         self.admit_lag_waits = 0  # admissions answered in their second wait (this loop stalled in the first)
         self.max_undelivered_bytes = max_undelivered_bytes
         self.max_unbound_bytes = UNBOUND_STREAMS_HELD * max_undelivered_bytes
+        self.max_queued_bytes_per_node = max_queued_bytes_per_node
+        self.behind_drops: Counter[str | None] = Counter()  # sender -> its messages dropped (``_sender_behind``)
+        self._behind_scans: dict[str | None, int] = {}  # sender -> ``_opens`` at its last ``_sender_behind``
+        self._opens = 0  # ``open`` and ``bind`` calls so far
         self.stream_idle_timeout_s, self.clock = stream_idle_timeout_s, clock
         self.nodes, self.node_inboxes = nodes, dict(node_inboxes)
         self.scheduler_address = scheduler_address
@@ -227,8 +241,9 @@ class NodeStreams:
         for node_id, address in self.node_inboxes.items():
             self._connect_node(node_id, address)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._sweep_idle()),
-                       loop.create_task(self.loop_lag.run())]
+        self._turns = SenderTurns(_event_items, self.max_queued_bytes_per_node)
+        self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._route_events()),
+                       loop.create_task(self._sweep_idle()), loop.create_task(self.loop_lag.run())]
         self._connect_scheduler(self.scheduler_address)
 
     def _connect_scheduler(self, address: str) -> None:
@@ -467,6 +482,7 @@ class NodeStreams:
                                           prompt_logprobs=prompt_logprobs, prompt=prompt, key_id=key_id,
                                           tenant_id=tenant_id, opened_at=self.clock())
         self._opened_at[request_id] = self._failures
+        self._opens += 1
         return buffer
 
     def _put(self, request_id: str, entry: _Entry, event: dict[str, Any]) -> None:
@@ -630,6 +646,7 @@ class NodeStreams:
         entry = self._queues.get(request_id)
         if entry is not None:
             entry.node_id = node_id
+            self._opens += 1
             if entry.ended_unread and not entry.finished:  # ended before its node was known
                 self.abort(node_id, request_id)
             held = self._pop_unbound(request_id)
@@ -641,7 +658,9 @@ class NodeStreams:
                     else:
                         self._drop("event", PermissionError(f"{sender} sent {buffer.qsize()} events for a "
                                                             f"request on {node_id}"), count=buffer.qsize())
-                if node_id in held.lost:
+                if node_id in held.behind:
+                    self._put(request_id, entry, self._behind_error(node_id))
+                elif node_id in held.lost:
                     self._put(request_id, entry, _unavailable(
                         f"cache node {node_id} sent more of this request's events than the gateway holds "
                         f"before it knows the request's node ({self.max_undelivered_bytes} bytes a request, "
@@ -701,47 +720,112 @@ class NodeStreams:
         self._opened_at.pop(request_id, None)
 
     async def _read_events(self, inbox: Any) -> None:
+        """Read the event inbox as fast as messages come, each into its sender's queue
+        (``SenderTurns``; ``_route_events`` routes them); one past its sender's bound is dropped
+        unread (``_sender_behind``)."""
         while True:
-            frame = await inbox.recv(copy=False)
+            frames = [await inbox.recv(copy=False)]
+            with contextlib.suppress(zmq.Again):  # and those already here, up to READ_BATCH
+                while len(frames) < READ_BATCH:
+                    frames.append(await inbox.recv(flags=zmq.NOBLOCK, copy=False))
+            for frame in frames:
+                # with per-node keys, each event must come from the node serving its request
+                # (regression: any node could write into any other node's tenants' streams)
+                sender = self._key_names.get(frame.get("User-Id")) if self._per_node_keys else None
+                if not self._turns.add(sender, frame.bytes):
+                    self._sender_behind(sender)
             await asyncio.sleep(0)  # a queued message's recv does not yield (review s34 B F3)
-            try:
-                items = data_plane.event_item_pairs(data_plane.unpack(frame.bytes, data_plane.EVENT_LIMITS))
-            except Exception as exc:  # noqa: BLE001 - any bytes at all: drop and count
-                self._drop("event", exc)
+
+    def _sender_behind(self, sender: str | None) -> None:
+        """A message of ``sender`` (a node id; None without per-node keys: any node) was dropped
+        unread, past ``max_queued_bytes_per_node``: any stream of its may have lost events. Each
+        stream bound to it ends UNAVAILABLE (its request is aborted on the node and retried:
+        ``InferenceServicer``), and each not bound yet ends so at ``bind`` if bound to it (the
+        path of events lost before ``bind``). Counted in ``behind_drops``; logged at the first
+        drop of a sender. Streams opened or bound since its last drop are scanned once.
+
+        Regression (s38 fault 2): one node's flood of events for its own streams (a faulty
+        node, or anything holding its key) was routed a whole message (up to
+        ``MAX_EVENTS_PER_MESSAGE`` events) at a time as read, ZeroMQ reading the nodes a message
+        each in turn: another node had one message routed per flooding one, and fell seconds
+        behind (``tests/test_gateway_event_turns``: 2.16 s at worst; now 0.04-0.11 s), its
+        messages and the flood's piling up in ZeroMQ's queues (1,000 messages a peer, up to
+        64 MiB each) with no bound of the gateway's own."""
+        self.behind_drops[sender] += 1
+        self.bad_messages += 1
+        if self.behind_drops[sender] == 1:
+            log.warning("gateway data plane: %s sends events faster than this gateway routes them (%d bytes "
+                        "waiting, at most %d): its messages past that are dropped and its streams end UNAVAILABLE "
+                        "(retried); counted in behind_drops", sender or "a cache node",
+                        self._turns.queued_bytes(sender), self.max_queued_bytes_per_node)
+        if self._behind_scans.get(sender) == self._opens:
+            return  # every stream it could have is ended or marked already
+        self._behind_scans[sender] = self._opens
+        error = self._behind_error(sender)
+        for request_id, entry in list(self._queues.items()):
+            if _ended(entry):
                 continue
-            # with per-node keys, each event must come from the node serving its request
-            # (regression: any node could write into any other node's tenants' streams)
-            sender = self._key_names.get(frame.get("User-Id")) if self._per_node_keys else None
-            checked_items, bad = self._open_items(items, sender)
-            if bad is not None:
-                self._drop("event", bad)
-            for request_id, entry, checked in checked_items:
-                if self._queues.get(request_id) is not entry:  # closed while this message was routed
-                    continue
-                if isinstance(checked, dict):
-                    try:
-                        data_plane.check_logprobs_asked(checked, entry.logprobs, entry.prompt_logprobs)
-                    except ValueError as exc:
-                        self._drop("event", exc)
-                        checked = exc
-                event = checked if isinstance(checked, dict) else _malformed(checked)
-                if self._per_node_keys and not entry.node_id:  # its node is not known yet: held
-                    self._hold(request_id, sender, event)  # for ``bind``
-                    continue
-                if self._per_node_keys and sender != entry.node_id:
-                    self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
-                                                        f"for a request on {entry.node_id}"))
-                    continue
-                event = self._counted(entry, event)
-                self._put(request_id, entry, event)
-                if event.get("prompt_logprobs"):
-                    # one step's prompt entries come as several deltas in one frame (~134 KB
-                    # each at 20 alternatives): let a waiting reader take each before the next,
-                    # so a reader that keeps up never holds the step's whole output at once.
-                    # Regression (review 28c F7): a 4,000-token chunk's ~1.07 MB passed the
-                    # stream's 1 MiB bound before the HTTP edge's reader ran, and the request
-                    # failed 429 "the client did not read this stream" after its prefill.
-                    await asyncio.sleep(0)
+            if sender is None or entry.node_id == sender:  # (without per-node keys: any stream)
+                self._put(request_id, entry, error)
+            elif not entry.node_id:
+                self._unbound.setdefault(request_id, _Held()).behind.add(sender)
+
+    def _behind_error(self, sender: str | None) -> dict[str, Any]:
+        """The UNAVAILABLE error of a stream ``sender``'s dropped message may have had events of."""
+        who = f"cache node {sender}" if sender else "a cache node"
+        return _unavailable(f"{who} sent events faster than the gateway routes them (more "
+                            f"than {self.max_queued_bytes_per_node} bytes waiting); events of this request were "
+                            "lost")
+
+    async def _route_events(self) -> None:
+        """Route the queued event messages (``_read_events``), ``SenderTurns``' turns: each
+        sender's events in the order sent, the senders in turn; the other tasks run between."""
+        counted: set[str | None] = set()  # senders whose message being routed was counted bad
+        while True:
+            sender, items, first = await self._turns.take()
+            if first:
+                counted.discard(sender)
+            if isinstance(items, BaseException):
+                self._drop("event", items)
+            elif await self._route(sender, items, sender in counted):
+                counted.add(sender)
+            await asyncio.sleep(0)
+
+    async def _route(self, sender: str | None, items: list[tuple[str, Any]], counted: bool) -> bool:
+        """Route ``items`` (``event_item_pairs``) from ``sender`` to their streams; a bad one
+        counts its message in ``bad_messages`` unless ``counted`` (an earlier turn of it did).
+        Returns whether the message is counted bad now."""
+        checked_items, bad = self._open_items(items, sender)
+        if bad is not None and not counted:
+            self._drop("event", bad)
+        for request_id, entry, checked in checked_items:
+            if self._queues.get(request_id) is not entry:  # closed while this message was routed
+                continue
+            if isinstance(checked, dict):
+                try:
+                    data_plane.check_logprobs_asked(checked, entry.logprobs, entry.prompt_logprobs)
+                except ValueError as exc:
+                    self._drop("event", exc)
+                    checked = exc
+            event = checked if isinstance(checked, dict) else _malformed(checked)
+            if self._per_node_keys and not entry.node_id:  # its node is not known yet: held
+                self._hold(request_id, sender, event)  # for ``bind``
+                continue
+            if self._per_node_keys and sender != entry.node_id:
+                self._drop("event", PermissionError(f"{sender or 'an unknown node'} sent an event "
+                                                    f"for a request on {entry.node_id}"))
+                continue
+            event = self._counted(entry, event)
+            self._put(request_id, entry, event)
+            if event.get("prompt_logprobs"):
+                # one step's prompt entries come as several deltas in one frame (~134 KB
+                # each at 20 alternatives): let a waiting reader take each before the next,
+                # so a reader that keeps up never holds the step's whole output at once.
+                # Regression (review 28c F7): a 4,000-token chunk's ~1.07 MB passed the
+                # stream's 1 MiB bound before the HTTP edge's reader ran, and the request
+                # failed 429 "the client did not read this stream" after its prefill.
+                await asyncio.sleep(0)
+        return counted or bad is not None
 
     def _open_items(self, items: list[tuple[str, Any]], sender: str | None) -> tuple[
             list[tuple[str, _Entry, dict[str, Any] | TypeError | ValueError]], BaseException | None]:
@@ -840,6 +924,12 @@ def _ended(entry: _Entry) -> bool:
     """Whether ``entry``'s stream has its end: its ``finished`` event (nothing runs on its node,
     its usage released in full) or an error (its node's, or one put here), taken or not."""
     return entry.finished or entry.buffer.ended
+
+
+def _event_items(message: bytes) -> list[tuple[str, Any]]:
+    """A node's event message's ``(request id, event)`` items, shape-checked
+    (``data_plane.event_item_pairs``), decoded within ``EVENT_LIMITS``. Raises on a bad one."""
+    return data_plane.event_item_pairs(data_plane.unpack(message, data_plane.EVENT_LIMITS))
 
 
 def _unavailable(reason: str) -> dict[str, Any]:
