@@ -40,18 +40,13 @@ from services.config import NodeConfig
 from services.gateway_admin import AdminServicer
 from services.node_request import NodeRequest
 from services.spill_client import RaySpillClient
-from services.spill_node import SpillNode
+from tests.ray_actors import PidSpillNode
 from tests.test_admin_flush_partial import _Aborted, _Auth, _Context, _Scheduler
 
 pytestmark = pytest.mark.slow
 
 NODE_TIMEOUT_S = 3.0  # the gateway's wait on a cache node (30 s in production); its flush waits 2.4 s
 SPILL_NAME = "flush-silent-spill"
-
-
-class PidSpillNode(SpillNode):
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class _Remote:

@@ -16,6 +16,7 @@ import ray
 
 from services.config import ServiceConfig
 from services.launcher import start_services
+from tests.ray_actors import NameHolder
 
 
 def _names(namespace: str) -> set[str]:
@@ -56,14 +57,6 @@ def test_the_gateway_is_created_while_the_nodes_load_and_a_failed_start_kills_ev
     assert _names(namespace) == set()  # {'global_scheduler', 'cache_node_0'} left before
 
 
-@ray.remote(num_cpus=0)
-class _Other:
-    """Another actor holding a name a start is about to take."""
-
-    def ping(self) -> str:
-        return "other"
-
-
 @pytest.mark.parametrize(("taken", "cache_nodes", "spill_nodes"), [("cache_node_1", 2, 0), ("spill_node_1", 1, 2)])
 def test_a_start_failing_on_its_second_node_kills_the_first(
     ray_cluster, tmp_path: Path, taken: str, cache_nodes: int, spill_nodes: int
@@ -73,7 +66,7 @@ def test_a_start_failing_on_its_second_node_kills_the_first(
     (its name taken, Ctrl-C), the first, detached, was left holding its name for good, and
     every later start failed on it."""
     namespace = f"kvstrata-partial-create-test-{taken}"
-    other = _Other.options(name=taken, namespace=namespace, lifetime="detached").remote()
+    other = NameHolder.options(name=taken, namespace=namespace, lifetime="detached").remote()
     ray.get(other.ping.remote())
     config = ServiceConfig(namespace=namespace, state_dir=str(tmp_path / "state"), num_cache_nodes=cache_nodes,
                            num_spill_nodes=spill_nodes, cache_node_resource="kvstrata_test_no_such_resource",

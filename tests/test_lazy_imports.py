@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-IMPORT_ORDER = ("cache_node.model_files", "services.spill_node", "services.global_scheduler_admission",
+IMPORT_ORDER = ("cache_node.model_files", "services.spill_node", "tests.ray_actors", "services.global_scheduler_admission",
                 "services.cache_node", "services.gateway_server", "services.launcher")
 """The modules checked, as one fresh interpreter imports them one after another: the cache node
 service before the gateway, which imports transformers (its tokenizer), a name the cache node's
@@ -49,6 +49,15 @@ def test_importing_the_spill_node_service_imports_no_torch(loaded_after) -> None
     """Regression: a spill node imported torch (~5 s on a loaded machine) for the names of the
     tiers in the cache node's metrics, which it never builds."""
     assert loaded_after["services.spill_node"]["torch"] is False
+
+
+def test_the_ray_tests_actor_classes_import_no_torch(loaded_after) -> None:
+    """Regression: the fake actors of the Ray tests (spill node subclasses, stand-in nodes)
+    were defined in their test modules, so each actor's worker process imported the whole test
+    module (cloudpickle pickles an importable class by reference): torch, and for
+    tests/test_tier_ray.py transformers' modeling code, 4.5-7.5 s of CPU per actor start."""
+    assert {n: loaded_after["tests.ray_actors"][n] for n in ("torch", "transformers")} == {
+        "torch": False, "transformers": False}
 
 
 def test_importing_the_global_scheduler_imports_no_torch(loaded_after) -> None:

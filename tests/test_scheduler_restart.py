@@ -5,7 +5,6 @@ reports (``services.global_scheduler_recovery``), and the gateway serves again
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -16,6 +15,7 @@ import ray
 from grpc_health.v1 import health_pb2
 
 from kvstrata.v1 import tenant_pb2
+from tests.ray_actors import AnsweringNode, OneBlockSpill, SilentNode
 from tests.service_fixtures import chat, collect
 from tests.test_node_failure import SERVICES, Stream, health_of, md, stats_json, wait_for
 
@@ -103,26 +103,6 @@ def test_kill9_scheduler_comes_back_with_sessions_and_tenants(stack) -> None:
     assert stats_json(stack)["scheduler"]["indexed_blocks"] > 0  # the block index was rebuilt
 
 
-@ray.remote(num_cpus=0)
-class _Answering:
-    def recovery_report(self) -> dict:
-        return {"healthy": True, "failure": "", "pid": 5, "restarts": 0, "data_address": "tcp://127.0.0.1:9100",
-                "metrics_address": "", "blocks": [(b"\x01" * 32, "device")], "sessions": [], "requests": []}
-
-
-@ray.remote(num_cpus=0)
-class _Silent:
-    async def recovery_report(self) -> dict:
-        await asyncio.sleep(3600)  # a hung node: its report never comes
-        return {}
-
-
-@ray.remote(num_cpus=0)
-class _Spill:
-    def held_blocks(self) -> list:
-        return [(b"\x03" * 32, "spill_ram")]
-
-
 def test_a_node_that_never_reports_does_not_hold_up_the_restart(ray_cluster, tmp_path) -> None:
     """A restarted scheduler waits at most ``report_timeout_s`` for the reports: a node that
     never answers is down (it rejoins through a gateway's monitor, as any down node), a spill
@@ -132,9 +112,9 @@ def test_a_node_that_never_reports_does_not_hold_up_the_restart(ray_cluster, tmp
     from services.global_scheduler_recovery import RecoveryPeers
 
     namespace = "kvstrata-recovery-test"
-    actors = [_Answering.options(name="n0", namespace=namespace).remote(),
-              _Silent.options(name="n1", namespace=namespace).remote(),
-              _Spill.options(name="spill_node_0", namespace=namespace).remote()]
+    actors = [AnsweringNode.options(name="n0", namespace=namespace).remote(),
+              SilentNode.options(name="n1", namespace=namespace).remote(),
+              OneBlockSpill.options(name="spill_node_0", namespace=namespace).remote()]
     try:
         # up before the clock starts: a worker process's start under load (seconds on 2 shared
         # cores) is not the report window under test (it made n0 miss the 1 s window at times)

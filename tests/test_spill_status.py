@@ -34,8 +34,9 @@ from services.global_scheduler_recovery import RecoveryPeers
 from services.metrics import GatewayMetrics
 from services.node_monitor import scheduler_answer
 from services.openai_api.app import OpenAIEdge, create_app
-from services.spill_node import SpillNode, SpillNodeActor, create_spill_node
+from services.spill_node import SpillNodeActor, create_spill_node
 from services.spill_watch import SpillWatch, failed_state, state_of
+from tests.ray_actors import CountingSpillNode
 from tests.test_http_metrics import samples
 from tests.test_spill_lock_wait import HOLDER, holder_processes
 from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
@@ -286,32 +287,13 @@ def _health_after_restart(scheduler: Any) -> dict[str, Any]:
         return {"spill_down": {}}
 
 
-class _CountingSpillNode(SpillNode):
-    """A real spill node that counts its ``status`` calls and can hang (stuck disk I/O)."""
-
-    status_calls = 0
-
-    def status(self) -> dict[str, Any]:
-        _CountingSpillNode.status_calls += 1
-        return super().status()
-
-    def calls(self) -> int:
-        return _CountingSpillNode.status_calls
-
-    def hang(self, time_s: float) -> int:
-        """Hangs ``time_s``; returns the ``status`` calls run before it."""
-        ran = _CountingSpillNode.status_calls
-        time.sleep(time_s)
-        return ran
-
-
 def test_a_hung_spill_node_gets_one_status_call_not_one_per_round(tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """Regression (s37 review F5): each round of the watch sent a new ``status`` to a node that
     had not answered the last; on a hung node they piled up in its queue. The call that timed
     out is awaited again instead. Before: 5 calls queued behind a 2 s hang (poll 0.1 s,
     timeout 0.2 s); after: 1."""
     name = f"spill-hung-{tmp_path.name}"[-60:]
-    node = ray.remote(_CountingSpillNode).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
+    node = ray.remote(CountingSpillNode).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
         str(tmp_path / "spill"), FMT, 0, DISK, node_id=name)
     watch = SpillWatch(NAMESPACE, [name], poll_s=0.1, timeout_s=0.2)
 

@@ -18,7 +18,8 @@ from cache_node.tiers.spill_format import BlockFormat
 from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.spill_client import RaySpillClient
-from services.spill_node import SpillNode, create_spill_node
+from services.spill_node import create_spill_node
+from tests.ray_actors import SlowSpillNode, StalledPutNode
 from tests.test_tier_engine import PARAMS, by_tier, prompt_of, run, tiered
 
 pytestmark = pytest.mark.slow
@@ -28,14 +29,6 @@ pytestmark = pytest.mark.slow
 def local_ray(ray_cluster) -> Iterator[None]:
     """The session's Ray cluster (one per test session: ray.init costs ~5 s and ~620 MiB)."""
     yield
-
-
-class SlowSpillNode(SpillNode):
-    """A spill node whose reads take 2 s, so a test can kill it mid-read."""
-
-    def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
-        time.sleep(2.0)
-        return super().get(hashes, token_ids)
 
 
 def spill_blocks_indexed(scheduler, want: int, timeout_s: float = 30.0) -> dict[str, int]:
@@ -103,23 +96,6 @@ def test_spill_node_killed_mid_read_is_a_miss(tiny, tmp_path) -> None:
     assert out.num_cached_tokens_by_tier == by_tier()
     assert client.stats()["get_failures"] == 1
     eng.check_integrity()
-
-
-class StalledPutNode(SpillNode):
-    """A spill node whose first put takes 3 s (a disk stall); counts the puts it runs."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.puts = 0
-
-    def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
-        self.puts += 1
-        if self.puts == 1:
-            time.sleep(3.0)
-        return super().put(hashes, blocks, namespace, token_ids, weight)
-
-    def num_puts(self) -> int:
-        return self.puts
 
 
 def test_a_stalled_spill_node_gets_no_put_behind_one_that_timed_out(tiny, tmp_path) -> None:

@@ -1,0 +1,105 @@
+"""Actor classes the Ray tests place, in a module that imports only what they run.
+
+A Ray worker imports the module of the class it runs (cloudpickle pickles an importable class
+by reference): a class defined in a test module made each actor's process import that whole
+test module, torch and transformers' modeling code among it, for a fake that needs none of
+them. Measured (one-node local cluster, the shared 2-core host): a ``SpillNode`` subclass from
+tests/test_admin_flush_spill_silent.py was ready 5.5-8.7 s after its creation, the same class
+from here 1.3-3.5 s; importing tests.test_tier_ray costs 7.5 s of CPU, this module ~0.7 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import ray
+
+from services.spill_node import SpillNode
+
+
+class PidSpillNode(SpillNode):
+    """A real spill node that names its worker process (a test stops it with SIGSTOP)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class SlowSpillNode(SpillNode):
+    """A spill node whose reads take 2 s, so a test can kill it mid-read."""
+
+    def get(self, hashes, token_ids=None):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return super().get(hashes, token_ids)
+
+
+class StalledPutNode(SpillNode):
+    """A spill node whose first put takes 3 s (a disk stall); counts the puts it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.puts = 0
+
+    def put(self, hashes, blocks, namespace, token_ids=None, weight=1.0):  # type: ignore[no-untyped-def]
+        self.puts += 1
+        if self.puts == 1:
+            time.sleep(3.0)
+        return super().put(hashes, blocks, namespace, token_ids, weight)
+
+    def num_puts(self) -> int:
+        return self.puts
+
+
+class CountingSpillNode(SpillNode):
+    """A real spill node that counts its ``status`` calls and can hang (stuck disk I/O)."""
+
+    status_calls = 0
+
+    def status(self) -> dict[str, Any]:
+        CountingSpillNode.status_calls += 1
+        return super().status()
+
+    def calls(self) -> int:
+        return CountingSpillNode.status_calls
+
+    def hang(self, time_s: float) -> int:
+        """Hangs ``time_s``; returns the ``status`` calls run before it."""
+        ran = CountingSpillNode.status_calls
+        time.sleep(time_s)
+        return ran
+
+
+@ray.remote(num_cpus=0)
+class AnsweringNode:
+    """A cache node whose recovery report holds one device block (data plane on port 9100)."""
+
+    def recovery_report(self) -> dict:
+        return {"healthy": True, "failure": "", "pid": 5, "restarts": 0, "data_address": "tcp://127.0.0.1:9100",
+                "metrics_address": "", "blocks": [(b"\x01" * 32, "device")], "sessions": [], "requests": []}
+
+
+@ray.remote(num_cpus=0)
+class SilentNode:
+    """A hung cache node: its recovery report never comes."""
+
+    async def recovery_report(self) -> dict:
+        await asyncio.sleep(3600)
+        return {}
+
+
+@ray.remote(num_cpus=0)
+class OneBlockSpill:
+    """A spill node holding one block in its RAM tier."""
+
+    def held_blocks(self) -> list:
+        return [(b"\x03" * 32, "spill_ram")]
+
+
+@ray.remote(num_cpus=0)
+class NameHolder:
+    """Another actor holding a name a start is about to take."""
+
+    def ping(self) -> str:
+        return "other"
