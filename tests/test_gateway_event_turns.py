@@ -24,6 +24,8 @@ from services import data_plane
 from services.data_plane_auth import DataPlaneKeys
 from services.gateway_event_turns import SenderTurns
 from services.gateway_streams import NodeStreams
+from services.metrics import GatewayMetrics
+from tests.test_http_metrics import samples
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,11 +193,15 @@ def test_a_flooding_node_does_not_hold_another_nodes_events_back() -> None:
 
 def test_a_node_past_its_bound_loses_its_streams_not_another_nodes() -> None:
     """n1 sends ~2.8 MB of events past a 200 KB bound: its messages past the bound are dropped
-    unread and counted (``behind_drops``); its stream ends UNAVAILABLE (retried, its request
-    aborted on the node) and so does one of its not bound yet, at ``bind`` (events of them may
-    be among the dropped ones); n0's stream is routed on, not ended."""
+    unread and counted (``behind_drops``, exported as ``node_event_messages_dropped_total``);
+    its stream ends UNAVAILABLE (retried, its request aborted on the node) and so does one of
+    its not bound yet, at ``bind`` (events of them may be among the dropped ones); n0's stream
+    is routed on, not ended."""
+    metrics = GatewayMetrics()
+
     async def go() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], int]:
         async with gateway(max_queued_bytes_per_node=200_000) as (streams, _, n0, n1):
+            metrics.watch_streams(lambda: streams)
             a, b, u = streams.open("a"), streams.open("b"), streams.open("u")
             streams.bind("a", "n0")
             streams.bind("b", "n1")
@@ -211,6 +217,10 @@ def test_a_node_past_its_bound_loses_its_streams_not_another_nodes() -> None:
             while b_end["type"] != "error":
                 b_end = await asyncio.wait_for(b.get(), 20)
             streams.bind("u", "n1")
+            scraped = samples(metrics)
+            assert scraped[("kvstrata:node_event_messages_dropped_total", (("node", "n1"),))] \
+                == streams.behind_drops["n1"] > 0
+            assert ("kvstrata:node_event_messages_dropped_total", (("node", "n0"),)) not in scraped
             return b_end, await asyncio.wait_for(u.get(), 20), got_a, streams.behind_drops["n0"]
 
     b_end, u_end, got_a, n0_drops = asyncio.run(go())

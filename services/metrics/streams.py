@@ -6,6 +6,11 @@ read at scrape time (``services.gateway_streams.NodeStreams``' counts).
 events for ``stream_idle_timeout_s``). Each such stream ends RESOURCE_EXHAUSTED and its request
 is aborted on its node; gRPC and HTTP alike. Both reasons are exported from 0.
 
+``node_event_messages_dropped_total{node}``: a cache node's event messages the gateway dropped
+unread because it sent them faster than they are routed (``NodeStreams.behind_drops``, past
+``max_queued_bytes_per_node``: ``services.gateway_event_turns``); that node's streams ended
+UNAVAILABLE. A node appears once it has a drop ("" without per-node keys: any node).
+
 Regression: these were counted (``NodeStreams.overflows``, ``idle_ends``) but exported nowhere,
 so an operator could not tell that clients were being cut for not reading.
 """
@@ -38,3 +43,10 @@ class UnreadStreamsCollector(Collector):
         ended.add_metric(["undelivered_bytes"], streams.overflows)
         ended.add_metric(["idle"], streams.idle_ends)
         yield ended
+        dropped = CounterMetricFamily(f"{PREFIX}node_event_messages_dropped",
+                                      "Event messages of a cache node dropped unread at this gateway: the node sent "
+                                      "them faster than they are routed (its streams ended UNAVAILABLE).",
+                                      labels=["node"])
+        for node, count in sorted(streams.behind_drops.items(), key=lambda kv: kv[0] or ""):
+            dropped.add_metric([node or ""], count)
+        yield dropped
