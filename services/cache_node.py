@@ -340,14 +340,16 @@ class CacheNodeActor(CacheNode):
         scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
         spill_names = [node.name if isinstance(node, ActorRef) else f"spill node {i}"
                        for i, node in enumerate(spill_nodes or [])]
-        spill_nodes = [resolve(node) for node in spill_nodes or []]
+        spill_refs = list(spill_nodes or [])
+        spill_nodes = [resolve(node) for node in spill_refs]
         self._reporter = BlockReporter(scheduler) if scheduler else None
         sink = self._report_blocks if self._reporter is not None else None
         spill = None
         if spill_nodes and spill_spec is not None:
             from services.spill_client import RaySpillClient
 
-            spill = RaySpillClient(spill_nodes, spill_spec.shape, spill_spec.dtype, names=spill_names)
+            spill = RaySpillClient(spill_nodes, spill_spec.shape, spill_spec.dtype, names=spill_names,
+                                   refs=[ref if isinstance(ref, ActorRef) else None for ref in spill_refs])
         super().__init__(node_id, config, num_threads, sink, session_ttl_s, scheduling_policy, spill, security)
         if spill_spec is not None and spill_spec != self.engine.spill_block_spec():
             raise RuntimeError(

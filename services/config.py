@@ -281,6 +281,14 @@ class ServiceConfig(BaseModel):
     spill_disk_bytes: int = Field(4 * 1024 * 1024 * 1024, ge=0)
     spill_dir: str = ""  # default: <state_dir>/spill
     spill_node_resource: str = "spill_node"
+    # A spill node dead for good (past its restarts, killed with no_restart, its constructor
+    # raised) is created again by the global scheduler's spill watch on the same directory
+    # (services.spill_recreate): the first try spill_recreate_backoff_s after it was seen dead,
+    # each next one twice as long after the last, at most spill_recreate_max per node within
+    # spill_recreate_window_s (0: never recreated).
+    spill_recreate_max: int = Field(3, ge=0)
+    spill_recreate_window_s: float = Field(3600.0, gt=0)
+    spill_recreate_backoff_s: float = Field(5.0, ge=0, le=3600.0)
     detached: bool = False
     start_timeout_s: float = Field(600.0, gt=0)  # actors not placed by then: a clear error, not a hang
     # scheduling policy of every node: kvstrata (SLO classes, floors, early rejection; the

@@ -23,7 +23,8 @@ from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
-from services.spill_watch import SPILL_POLL_S, SPILL_TIMEOUT_S, START_GRACE_S, SpillWatch
+from services.spill_recreate import SpillRecreator
+from services.spill_watch import SPILL_POLL_S, SPILL_TIMEOUT_S, SpillWatch
 from tenants.keys import is_key_id
 from tenants.model import SPEC_DIGEST_CHARS, Tenant, TenantSpec
 from tenants.store import DELETED_PAGE
@@ -89,9 +90,14 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._gateway_watches: dict[str, asyncio.Task[None]] = {}  # by event inbox
         self.recovered_requests, self.contested_sessions, self.released_unattached = {}, set(), {}
         self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
+        self._report_timeout_s = peers.report_timeout_s if peers is not None else SPILL_TIMEOUT_S
+        self._reindexing: dict[str, asyncio.Future[Any]] = {}  # a spill node's report_held still running
+        recreator = (SpillRecreator(peers.spill_recipe, peers.spill_recreate)
+                     if peers is not None and peers.spill_recipe is not None and peers.spill_recreate is not None
+                     else None)
         self.spill_watch = SpillWatch(peers.namespace, peers.spill_nodes, spill_poll_s, on_dead=self._forget_spill_holder,
-                                      grace_s=0.0 if recovering else START_GRACE_S,
-                                      on_back=self._index_spill_holder) if peers is not None else None
+                                      grace_s=0.0 if recovering else peers.start_grace_s,
+                                      on_back=self._index_spill_holder, recreator=recreator) if peers is not None else None
         self._spill_watching: asyncio.Task[None] | None = None
         if self.spill_watch is not None and peers is not None and peers.spill_nodes:
             with contextlib.suppress(RuntimeError):  # no loop (the plain class in a test): not watched
@@ -122,14 +128,42 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
             log.warning("spill node %s is dead: its blocks leave the global block index", name)
             self.report_events(name, [], reset=True)
 
+    def attach_nodes(self, inboxes: dict[str, str], sender: Any = None) -> None:
+        """``GlobalScheduler.attach_nodes``; the launcher calls it once its spill nodes serve, so
+        the spill watch's start grace ends: a spill node with no live actor from now on is dead
+        (``SpillWatch.end_grace``). Regression (s38): one that died right after ``kvstrata up``
+        read "unknown" (``/health`` "ok") for the 120 s grace."""
+        super().attach_nodes(inboxes, sender)
+        if self.spill_watch is not None:
+            self.spill_watch.end_grace()
+
     async def _index_spill_holder(self, name: str, handle: Any) -> None:
-        """A spill node marked dead (``_forget_spill_holder``) serves again: the blocks it holds
-        (``SpillNode.held_blocks``) replace what the index holds for it, as ``recover`` does.
+        """A spill node marked dead (``_forget_spill_holder``) serves again: it reports every
+        block it holds (``SpillNode.report_held``): through its own ordered event push, a reset
+        that replaces what the index holds for it after the events it pushed before, never
+        after later ones; a node with no event push answers the list, applied here as
+        ``recover`` does. The call is awaited at most ``RecoveryPeers.report_timeout_s``
+        (``scheduler_report_timeout_s``); one that timed out is awaited again next round, never
+        sent again, and its late answer applied once.
+
+        Regression (s38): the wait was a hard-coded 10 s whatever the config; each round after a
+        timeout sent a new ``held_blocks`` (they piled up on a slow node), and an answer applied
+        after events the node pushed meanwhile left the index stale (a block stored since gone
+        from it, one removed since back).
 
         Raises:
-            asyncio.TimeoutError: no answer within ``SPILL_TIMEOUT_S``; the call's error;
+            asyncio.TimeoutError: no answer within ``report_timeout_s``; the call's error;
             ``BadReport``: a malformed list (the watch retries next round)."""
-        self.apply_spill_report(name, await asyncio.wait_for(handle.held_blocks.remote(), SPILL_TIMEOUT_S))
+        pending = self._reindexing.get(name)
+        if pending is None:
+            pending = self._reindexing[name] = asyncio.ensure_future(_awaited(handle.report_held.remote()))
+        try:
+            held = await asyncio.wait_for(asyncio.shield(pending), self._report_timeout_s)
+        finally:
+            if pending.done():
+                self._reindexing.pop(name, None)
+        if held is not None:
+            self.apply_spill_report(name, held)
         log.info("spill node %s serves again: its blocks are back in the global block index", name)
 
     def stats(self) -> dict[str, Any]:
@@ -430,3 +464,8 @@ _SPEC_DIGEST = re.compile(f"[0-9a-f]{{{SPEC_DIGEST_CHARS}}}")
 
 GlobalSchedulerActor = ray.remote(GlobalSchedulerService)
 """The actor: the launcher gives it ``peers`` and ``max_restarts`` (``scheduler_max_restarts``)."""
+
+
+async def _awaited(ref: Any) -> Any:
+    """``ref`` (a Ray ``ObjectRef``) awaited, as a coroutine ``asyncio.ensure_future`` takes."""
+    return await ref

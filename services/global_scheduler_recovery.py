@@ -39,11 +39,13 @@ from services.recovery_report import (
     rows,
     session_row,
 )
+from services.spill_watch import START_GRACE_S
 
 if TYPE_CHECKING:
     from collections import Counter
 
     from services.global_scheduler_checks import NodeLoad
+    from services.spill_recreate import RecreatePolicy, SpillRecipe
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,26 @@ class RecoveryPeers:
     ``namespace``: the Ray namespace of the deployment (its cache nodes are named by their
     ids); ``spill_nodes``: the spill nodes' actor names; ``report_timeout_s``: how long the
     restarted scheduler waits for their reports before a cache node that has not answered
-    counts as down (it rejoins through a gateway's ``NodeMonitor``, as any down node)."""
+    counts as down (it rejoins through a gateway's ``NodeMonitor``, as any down node), and how
+    long the spill watch waits for a node's ``report_held``; ``spill_recipe`` and
+    ``spill_recreate``: how the launcher created the spill nodes and how often a dead one is
+    created again (``services.spill_recreate``; None: never); ``start_grace_s``: on a first
+    start, how long a spill node name with no actor yet is not taken for a dead node, unless the
+    launcher's ``attach_nodes`` ends it sooner (``SpillWatch.grace_s``; the launcher passes its
+    ``start_timeout_s``)."""
 
     namespace: str
     spill_nodes: tuple[str, ...] = ()
     report_timeout_s: float = 10.0
+    spill_recipe: SpillRecipe | None = None
+    spill_recreate: RecreatePolicy | None = None
+    start_grace_s: float = START_GRACE_S
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.report_timeout_s) or self.report_timeout_s <= 0:
             raise ValueError(f"report_timeout_s must be a finite number > 0, got {self.report_timeout_s}")
+        if not self.start_grace_s >= 0:
+            raise ValueError(f"start_grace_s must be >= 0, got {self.start_grace_s}")
 
 
 class Recovery:

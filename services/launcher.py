@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from services.openai_api.connections import ConnectionLimits
 from services.openai_api.context import BodyLimits
 from services.ray_auth import new_token_file, use_token
 from services.spill_dirs import remove_retired_spill_dirs
-from services.spill_node import await_serving, create_spill_node, deployment_id
+from services.spill_node import await_serving, deployment_id
+from services.spill_recreate import RecreatePolicy, SpillRecipe
 from services.tls import ServerTls, dial_address
 from tenants.keys import new_api_key, read_key_file, write_key_file
 
@@ -130,9 +132,13 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     # restarted actor gets the same ones); CURVE on every socket (services.data_plane_auth)
     keys, host = DataPlaneKeys.generate(tuple(node_ids)), data_plane_host(config, joined=address is not None)
     # a restarted scheduler (max_restarts) rebuilds its state from these peers, found by name
-    peers = RecoveryPeers(config.namespace, tuple(f"spill_node_{i}" for i in range(config.num_spill_nodes)),
-                          config.scheduler_report_timeout_s)
     spec = spill_block_spec(config)
+    recipe = spill_recipe(config, spec)
+    peers = RecoveryPeers(config.namespace, tuple(name for name, _ in recipe.root_dirs),
+                          config.scheduler_report_timeout_s, spill_recipe=recipe,
+                          spill_recreate=RecreatePolicy(config.spill_recreate_max, config.spill_recreate_window_s,
+                                                        config.spill_recreate_backoff_s),
+                          start_grace_s=config.start_timeout_s)  # attach_nodes ends it sooner
     scheduler = GlobalSchedulerActor.options(
         name=SCHEDULER_NAME, namespace=config.namespace, num_cpus=0, **life, **control,
         max_restarts=config.scheduler_max_restarts,
@@ -143,7 +149,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
     placed = [scheduler]  # killed again when this start fails (_kill_placed)
     try:
-        spill_nodes = _start_spill_nodes(config, spec, placed)
+        spill_nodes = _start_spill_nodes(config, recipe, placed)
         # peers by name, not by handle: the restartable actors look them up themselves on each
         # (re)start (services.actor_refs: a handle in their arguments made Ray log an error)
         scheduler_ref = ActorRef(SCHEDULER_NAME, config.namespace)
@@ -281,8 +287,28 @@ def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:
     return SpillBlockSpec(shape, numpy_dtype_of(dtype).name, kv_format)
 
 
-def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, placed: list[Any] | None = None) -> list[Any]:
-    """Spill node actors (``spill_node`` resource), each with its own directory, reporting
+def spill_root(config: ServiceConfig) -> Path:
+    """The spill nodes' root directory (``spill_dir``, else ``<state_dir>/spill``): node i's is ``<root>/<i>``."""
+    return Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
+
+
+def spill_recipe(config: ServiceConfig, spec: SpillBlockSpec) -> SpillRecipe:
+    """How this start creates its spill nodes (``spill_node_<i>`` on ``<spill root>/<i>``), and
+    how the scheduler creates a dead one again (``services.spill_recreate``): the same actor
+    options and arguments."""
+    root = spill_root(config)
+    return SpillRecipe(
+        tuple((f"spill_node_{i}", str(root / str(i))) for i in range(config.num_spill_nodes)),
+        BlockFormat(spec.shape, spec.dtype, spec.kv_format), config.spill_ram_bytes, config.spill_disk_bytes,
+        config.namespace, SCHEDULER_NAME, resources={config.spill_node_resource: 1},
+        lifetime="detached" if config.detached else None,
+        metrics=metrics_endpoint(config, config.spill_metrics_port),
+        env_vars=dict(config.control_env_vars),  # restores wait on it: normal priority
+        deployment=deployment_id(config.state_path))  # another deployment's store is not its own
+
+
+def _start_spill_nodes(config: ServiceConfig, recipe: SpillRecipe, placed: list[Any] | None = None) -> list[Any]:
+    """Spill node actors (``recipe``: ``spill_node`` resource), each with its own directory, reporting
     their block events to the GlobalScheduler's index (``SCHEDULER_NAME``, looked up by the
     node) under their names (``spill_node_<i>``).
 
@@ -302,21 +328,10 @@ def _start_spill_nodes(config: ServiceConfig, spec: SpillBlockSpec, placed: list
     Measured (``start_services`` on a loaded 2-core host): created beside the cache nodes and
     the gateway instead of before them, the spill nodes were up after 11-16 s instead of 3-6 s,
     and the whole start took no less; they start alone, first."""
-    root = Path(config.spill_dir).expanduser() if config.spill_dir else config.state_path / "spill"
-    remove_retired_spill_dirs(root, config.num_spill_nodes)
+    remove_retired_spill_dirs(spill_root(config), config.num_spill_nodes)
     handles: list[Any] = []
-    for i in range(config.num_spill_nodes):  # each in ``placed`` once created (review s37 r4 F2)
-        handles.append(create_spill_node(
-            f"spill_node_{i}", root / str(i), BlockFormat(spec.shape, spec.dtype, spec.kv_format),
-            config.spill_ram_bytes, config.spill_disk_bytes,
-            resources={config.spill_node_resource: 1},
-            lifetime="detached" if config.detached else None,
-            scheduler=ActorRef(SCHEDULER_NAME, config.namespace),
-            namespace=config.namespace, metrics=metrics_endpoint(config, config.spill_metrics_port),
-            env_vars=config.control_env_vars,  # restores wait on it: normal priority
-            num_spill_nodes=config.num_spill_nodes,
-            deployment=deployment_id(config.state_path),  # another deployment's store is not its own
-        ))
+    for name, _ in recipe.root_dirs:  # each in ``placed`` once created (review s37 r4 F2)
+        handles.append(recipe.create(name))
         if placed is not None:
             placed.append(handles[-1])
     try:
@@ -385,3 +400,6 @@ def stop_services(services: Services) -> None:
         log.warning("usage counters and session routes of the last seconds not stored at stop: %s", exc)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:
         ray.kill(handle)
+    for i in range(len(services.spill_nodes)):  # one the scheduler created again has another handle
+        with contextlib.suppress(ValueError):  # none alive by that name
+            ray.kill(ray.get_actor(f"spill_node_{i}", namespace=services.config.namespace))

@@ -34,8 +34,14 @@ from ray.actor import ActorHandle
 
 from cache_node.tiers.spill_api import SpillFlushIncomplete, well_formed
 from cache_node.tiers.spill_store import SpillEvent, SpillHits
+from services.actor_refs import ActorRef
+from services.ray_errors import actor_died
 
 logger = logging.getLogger(__name__)
+
+RELOOKUP_S = 5.0
+"""How long after a node's actor was seen dead for good it is looked up again by name (and between
+two look-ups that found no live actor)."""
 
 FAIL_LOG_EVERY_S = 60.0
 """How often a node's failures of one kind (put, get, contains, ...) are logged at most (seconds);
@@ -53,6 +59,10 @@ class RaySpillClient:
         put_timeout_s: longest wait for a ``put``, and for ``flush`` unless it is given its own
             (seconds).
         names: each node's name, as errors name it (its actor name; None: ``spill node <i>``).
+        refs: each node's ``ActorRef`` (None: none): a node whose actor died for good is looked
+            up again by name (at most every ``RELOOKUP_S``), so a spill node the global scheduler
+            created again (``services.spill_recreate``) gets this client's calls. Regression
+            (s38): the handles were resolved once, at the cache node's start.
 
     Raises ValueError for no nodes, a non-positive timeout or not one name per node.
     """
@@ -65,6 +75,7 @@ class RaySpillClient:
         get_timeout_s: float = 5.0,
         put_timeout_s: float = 30.0,
         names: Sequence[str] | None = None,
+        refs: Sequence[ActorRef | None] | None = None,
     ) -> None:
         if not nodes:
             raise ValueError("RaySpillClient needs at least one spill node")
@@ -73,6 +84,10 @@ class RaySpillClient:
         if names is not None and len(names) != len(nodes):
             raise ValueError(f"{len(names)} names for {len(nodes)} spill nodes")
         self.nodes = list(nodes)
+        self.refs = list(refs) if refs is not None else [None] * len(self.nodes)
+        if len(self.refs) != len(self.nodes):
+            raise ValueError(f"{len(self.refs)} refs for {len(self.nodes)} spill nodes")
+        self._died: dict[int, float] = {}  # node -> when its actor was last seen dead for good (monotonic)
         self.names = list(names) if names is not None else [f"spill node {i}" for i in range(len(nodes))]
         self._waiting: dict[int, Any] = {}  # node -> the call of a gather in progress
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -84,6 +99,20 @@ class RaySpillClient:
         self._fail_lock = threading.Lock()
         # (node, kind) -> (when its failure was last logged, failures not logged since)
         self._fail_logs: dict[tuple[int, str], tuple[float, int]] = {}
+
+    def _node(self, i: int) -> ActorHandle:
+        """Node ``i``'s handle; one seen dead for good is looked up again by name (``refs``) once
+        ``RELOOKUP_S`` passed since (no live actor yet: the old handle, whose calls fail at once)."""
+        died, ref = self._died.get(i), self.refs[i]
+        if died is None or ref is None or time.monotonic() - died < RELOOKUP_S:
+            return self.nodes[i]
+        try:
+            self.nodes[i] = ref.resolve()
+            del self._died[i]
+            logger.info("spill node %s looked up again by name: a new actor", self.names[i])
+        except Exception:  # noqa: BLE001 - no live actor of that name yet
+            self._died[i] = time.monotonic()
+        return self.nodes[i]
 
     def shard_of(self, block_hash: bytes) -> int:
         """Index of the node that holds ``block_hash``."""
@@ -99,7 +128,7 @@ class RaySpillClient:
         counted in ``put_failures`` and logged, as a dead node's)."""
         shards = {i: rows for i, rows in self._split(hashes).items() if not self._busy(i)}
         refs: dict[int, Any] = {
-            i: self.nodes[i].put.remote([hashes[r] for r in rows], blocks[rows], namespace,
+            i: self._node(i).put.remote([hashes[r] for r in rows], blocks[rows], namespace,
                                         _pick(token_ids, rows), weight)
             for i, rows in shards.items()}
         replies = self._gather(refs, self.put_timeout_s, "put")
@@ -124,7 +153,7 @@ class RaySpillClient:
         """Hits among ``hashes`` in request order (token-checked by the nodes when
         ``token_ids`` is given); a failed node's hashes are misses."""
         shards = self._split(hashes)
-        refs = {i: self.nodes[i].get.remote([hashes[r] for r in rows], _pick(token_ids, rows))
+        refs = {i: self._node(i).get.remote([hashes[r] for r in rows], _pick(token_ids, rows))
                 for i, rows in shards.items()}
         rows_of: dict[bytes, tuple[np.ndarray, str]] = {}
         for i, reply in self._gather(refs, self.get_timeout_s, "get").items():
@@ -145,7 +174,7 @@ class RaySpillClient:
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
         """Tier of each hash on its node; None for a miss or a failed node."""
         shards = self._split(hashes)
-        refs = {i: self.nodes[i].contains.remote([hashes[r] for r in rows])
+        refs = {i: self._node(i).contains.remote([hashes[r] for r in rows])
                 for i, rows in shards.items()}
         replies = self._gather(refs, self.get_timeout_s, "contains")
         out: list[str | None] = [None] * len(hashes)
@@ -165,7 +194,7 @@ class RaySpillClient:
                 counted as 0 blocks dropped and the flush as done.
         """
         wait_s = self.put_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
-        refs = {i: node.flush.remote() for i, node in enumerate(self.nodes)}
+        refs = {i: self._node(i).flush.remote() for i in range(len(self.nodes))}
         errors: dict[int, str] = {}
         replies = self._gather(refs, wait_s, "flush", errors)
         dropped = 0
@@ -193,12 +222,12 @@ class RaySpillClient:
         """Drop ``namespace``'s blocks (salted variants too) on every node (a block's node
         follows its hash, not its namespace); returns blocks dropped by the nodes that
         answered (a failed node is logged and counted in ``drop_namespace_failures``)."""
-        refs = {i: node.drop_namespace.remote(namespace) for i, node in enumerate(self.nodes)}
+        refs = {i: self._node(i).drop_namespace.remote(namespace) for i in range(len(self.nodes))}
         return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "drop_namespace").values())
 
     def take_events(self) -> list[SpillEvent]:
         """Every node's events since the last call (a failed node contributes none)."""
-        refs = {i: node.take_events.remote() for i, node in enumerate(self.nodes)}
+        refs = {i: self._node(i).take_events.remote() for i in range(len(self.nodes))}
         replies = self._gather(refs, self.get_timeout_s, "take_events")
         return [event for i in sorted(replies) for event in replies[i]]
 
@@ -237,6 +266,8 @@ class RaySpillClient:
             except Exception as exc:  # noqa: BLE001 - dead actor, crash, task error (a node that
                 # does not serve yet: SpillDirLocked): a miss; its first line, not a remote traceback
                 self._fail(kind, i, _first_line(exc))
+                if actor_died(exc):
+                    self._died.setdefault(i, time.monotonic())
                 if errors is not None:
                     errors[i] = f"failed: {_first_line(exc)}"
         return out

@@ -485,6 +485,22 @@ class SpillNode:
         and the node's reset push tells the index once it serves."""
         return self._serving_or_raise("list its blocks").held()
 
+    def report_held(self) -> list[tuple[bytes, str]] | None:
+        """Tell the global block index every block held now, for the scheduler's spill watch once
+        a node it marked dead serves again. With an event sink: a reset of every held block goes
+        out through it, in order with this node's other events, and None is returned; without
+        one: ``held_blocks()``, for the caller to apply. Sending it twice is harmless (a reset
+        replaces). ``SpillDirLocked`` while the node does not serve.
+
+        Regression (s38): the watch applied a ``held_blocks`` answer itself, after the events the
+        node pushed meanwhile: a block stored after the list was taken left the index, one
+        removed came back; and each round that timed out asked again."""
+        store = self._serving_or_raise("list its blocks")
+        if self._sink is None:
+            return store.held()
+        self._push(reset=True)
+        return None
+
     def take_events(self) -> list[SpillEvent]:
         """``SpillStore.take_events``: changes since the last call, oldest first (always
         empty with an ``event_sink``, which receives them instead)."""

@@ -11,11 +11,13 @@ Every ``poll_s`` the watch asks each spill node, by name (``services.actor_refs`
   ``SpillDirLocked`` meanwhile, so its cache nodes' spill tier lacks it;
 - ``restarting``: Ray is restarting it (a call failed with ``RayActorError``);
 - ``dead``: Ray says it died for good (``ActorDiedError``: a constructor that raised, an actor
-  past its ``max_restarts``) or no live actor has its name; nothing recreates it (``kvstrata
-  down`` / ``up`` does: the new node reopens its directory's store). Its blocks leave the
-  global index (``on_dead``), and come back once it serves again (``on_back``); its cache
-  nodes count each put to it as failed (the host tier's victims are then dropped: recomputed
-  from tokens when needed) and each get as a miss;
+  past its ``max_restarts``, one killed with ``no_restart``) or no live actor has its name. Its
+  blocks leave the global index (``on_dead``), and come back once it serves again (``on_back``);
+  its cache nodes count each put to it as failed (the host tier's victims are then dropped:
+  recomputed from tokens when needed) and each get as a miss. With a ``recreator``
+  (``services.spill_recreate``) the watch creates it again, bounded, as the launcher did: the
+  new node reopens its directory's store;
+- ``recreated``: the watch created it again this round (its next answer says how it is);
 - ``not answering``: no answer within ``timeout_s`` (hung, or not placed);
 - ``unknown``: not asked yet.
 
@@ -40,6 +42,7 @@ from typing import Any
 
 from services.actor_refs import ActorRef
 from services.ray_errors import RayActorError, actor_died
+from services.spill_recreate import SpillRecreator
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +56,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray's colours in an error's text
 
 START_GRACE_S = 120.0
 """How long after the watch starts a name with no actor yet is taken for a node not created yet
-(``unknown``), not a dead one: the launcher starts the scheduler before its spill nodes. Only on a
-first start: a scheduler that Ray restarted watches nodes that exist already (``grace_s`` 0)."""
+(``unknown``), not a dead one, unless ``end_grace`` ends it sooner: the launcher starts the
+scheduler before its spill nodes, and ends the grace once they serve (``attach_nodes``; its
+bound is then ``start_timeout_s``, ``RecoveryPeers.start_grace_s``). Only on a first start: a
+scheduler that Ray restarted watches nodes that exist already (``grace_s`` 0)."""
 
 MAX_DETAIL_CHARS = 300
 """Longest ``detail`` kept per node (a refusal's text names a path and an owner)."""
@@ -129,15 +134,18 @@ class SpillWatch:
             while every get of them was a miss.
         on_back: awaited with a node's name and handle when a node ``on_dead`` was called for
             serves again, until it returns (a failure is logged and retried next round): the
-            scheduler puts the blocks it holds back in the index (``held_blocks``). Regression
+            scheduler puts the blocks it holds back in the index (``report_held``). Regression
             (s37 review F6): once marked dead, a node that served again (no reset push of its
             own: not recreated) never had its blocks indexed again.
+        recreator: creates a node seen ``dead`` again when its policy says it is due (None:
+            never; ``services.spill_recreate``). Regression (s38): nothing did.
     """
 
     def __init__(self, namespace: str, names: Sequence[str], poll_s: float = SPILL_POLL_S,
                  timeout_s: float = SPILL_TIMEOUT_S, on_dead: Callable[[str], Any] | None = None,
                  grace_s: float = START_GRACE_S,
-                 on_back: Callable[[str, Any], Awaitable[Any]] | None = None) -> None:
+                 on_back: Callable[[str, Any], Awaitable[Any]] | None = None,
+                 recreator: SpillRecreator | None = None) -> None:
         if poll_s <= 0 or timeout_s <= 0 or grace_s < 0:
             raise ValueError(f"poll_s and timeout_s must be > 0 and grace_s >= 0, got {poll_s}, {timeout_s}, {grace_s}")
         self.refs = {name: ActorRef(name, namespace) for name in names}
@@ -150,15 +158,28 @@ class SpillWatch:
         self.on_dead, self.on_back = on_dead, on_back
         self._forgotten: set[str] = set()  # nodes on_dead was called for, not back yet
         self.grace_s, self.started = grace_s, time.monotonic()
+        self.recreator = recreator
+
+    def end_grace(self) -> None:
+        """From now on a name with no live actor is ``dead`` (the launcher's spill nodes serve)."""
+        self.grace_s = 0.0
+
+    def _text(self, name: str, state: dict[str, Any]) -> str:
+        """``describe(state)`` and, with a recreator, its recreations of ``name``."""
+        return describe(state) + (self.recreator.describe(name) if self.recreator is not None else "")
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """node name -> its state (``state_of``/``failed_state``), ``text`` (``describe``) and
-        ``checked_s`` (wall time of the answer; absent before the first)."""
-        return {name: state | {"text": describe(state)} for name, state in self.states.items()}
+        """node name -> its state (``state_of``/``failed_state``), ``text`` (``describe``, with the
+        recreations), ``checked_s`` (wall time of the answer; absent before the first) and, with
+        a recreator, ``recreations`` and ``next_recreation_s`` (``SpillRecreator.info``)."""
+        recreator = self.recreator
+        return {name: state | (recreator.info(name) if recreator is not None else {}) | {"text": self._text(name, state)}
+                for name, state in self.states.items()}
 
     def not_serving(self) -> dict[str, str]:
         """node name -> ``describe`` of each node that is known not to serve (not ``unknown``)."""
-        return {name: describe(s) for name, s in self.states.items() if s["state"] not in ("serving", "unknown")}
+        return {name: self._text(name, s) for name, s in self.states.items()
+                if s["state"] not in ("serving", "unknown")}
 
     async def run(self) -> None:
         """Poll until cancelled; a failed round is logged and the watch goes on."""
@@ -217,6 +238,28 @@ class SpillWatch:
             self.on_dead(name)
         if state["state"] == "serving" and name in self._forgotten:
             await self._back(name, handle)
+        if self.recreator is not None:
+            self.recreator.seen(name, state["state"])
+            if state["state"] == "dead" and self.recreator.due(name):
+                await self._recreate(name, state)
+
+    async def _recreate(self, name: str, state: dict[str, Any]) -> None:
+        """Create dead node ``name`` again (``SpillRecreator.recreate``, on the watch's threads
+        within ``timeout_s``); its state is ``recreated`` until its next answer. A failure is
+        logged and its state says so; the next try backs off."""
+        why = describe(state)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                self._lookups, self.recreator.recreate, name, why), self.timeout_s)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - a name still taken, Ray unreachable: tried again later
+            log.error("spill node %s could not be created again: %s: %s", name, type(exc).__name__,
+                      printable(str(exc)))
+            self.states[name] = state | {"detail": printable(f"{state.get('detail', '')}; its recreation "
+                                                              f"failed: {type(exc).__name__}: {exc}")}
+            return
+        self._handles.pop(name, None)
+        self.states[name] = {"state": "recreated", "detail": f"created again after: {why}",
+                             "checked_s": round(time.time(), 3)}
 
     async def _back(self, name: str, handle: Any) -> None:
         """``on_back(name, handle)``; ``name`` is forgotten no more once it returned."""

@@ -19,6 +19,7 @@ from services import launcher, spill_dirs
 from services.config import ServiceConfig
 from services.spill_dirs import METRICS_PORT_FILE, remove_retired_spill_dirs
 from services.spill_node import SpillNode
+from services.spill_recreate import SpillRecipe
 from tests.test_spill_store import DISK, FMT, files_in, hashes_of, make_blocks
 
 
@@ -79,12 +80,13 @@ def test_the_launcher_deletes_them_whatever_the_count(tmp_path: Path, monkeypatc
     monkeypatch.setattr(launcher, "_wait_placed", lambda *args: None)
     state = tmp_path / "state"
     spill_node_dir(state / "spill", 0, "tenant:secret")
-    assert launcher._start_spill_nodes(ServiceConfig(state_dir=str(state), num_spill_nodes=0), None) == []
+    none = SpillRecipe((), FMT, 0, DISK, "kvstrata", launcher.SCHEDULER_NAME)  # no node to create
+    assert launcher._start_spill_nodes(ServiceConfig(state_dir=str(state), num_spill_nodes=0), none) == []
     assert os.listdir(state / "spill") == []
     other = tmp_path / "elsewhere"
     spill_node_dir(other, 0)
     config = ServiceConfig(state_dir=str(state), spill_dir=str(other), num_spill_nodes=0)
-    launcher._start_spill_nodes(config, None)
+    launcher._start_spill_nodes(config, none)
     assert os.listdir(other) == []
 
 

@@ -1,0 +1,184 @@
+"""The global scheduler creates a spill node dead for good again (docs/architecture.md, 'Failure
+handling': Spill node states).
+
+Ray restarts a spill node that crashed (``create_spill_node``'s ``max_restarts``) but not one past
+its restarts, one killed with ``no_restart``, nor one whose constructor raised: its actor is dead
+for good and its shard of the spill tier lost until ``kvstrata down`` / ``up``. The spill watch
+(``services.spill_watch``) sees it ``dead`` and, with a ``SpillRecreator``, creates it again from
+the launcher's own ``SpillRecipe`` (same name, directory, budgets, resources, lifetime, metrics
+endpoint, environment, lock owner), so the new node reopens its directory's store: the group
+files whose checks pass are served again (their hashes go back to the index through its reset
+push), the others are dropped as at any start.
+
+Never two live stores on one directory: Ray refuses a second live actor of one name, and the new
+node's store takes its directory's lock (``cache_node.tiers.spill_lock``) or waits for its holder
+without serving (``waiting``). The scheduler owns the node it created: with ``detached`` off (the
+node's lifetime as the launcher gave it) the node dies with the scheduler's process, and the
+restarted scheduler's watch creates it again. Bounded: the first recreation is due ``backoff_s`` after the node was
+first seen dead, each later one within ``window_s`` waits twice as long as the one before (at most
+``BACKOFF_MAX_S``), and at most ``max_per_window`` happen per node within ``window_s`` (a node whose
+constructor raises every time is not created for ever). Each one is logged; ``info`` is in
+``kvstrata status``.
+
+Regression (s38): nothing recreated a spill node dead for good; its capacity was lost until a
+manual ``kvstrata down`` / ``up``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_node.tiers.spill_format import BlockFormat
+from services.actor_refs import ActorRef
+from services.metrics import MetricsEndpoint
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MAX_S = 600.0
+"""Longest wait between two recreations of one node."""
+
+
+@dataclass(frozen=True)
+class RecreatePolicy:
+    """How often a dead spill node is created again: at most ``max_per_window`` times within
+    ``window_s`` per node (0: never), the first ``backoff_s`` after it was seen dead, each next one
+    twice as long after the one before (``ServiceConfig.spill_recreate_*``).
+
+    Raises:
+        ValueError: a negative count or wait, or a window that is not > 0."""
+
+    max_per_window: int = 3
+    window_s: float = 3600.0
+    backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_per_window < 0 or self.backoff_s < 0 or not self.window_s > 0:
+            raise ValueError(f"max_per_window and backoff_s must be >= 0 and window_s > 0, got "
+                             f"{self.max_per_window}, {self.backoff_s}, {self.window_s}")
+
+
+@dataclass(frozen=True)
+class SpillRecipe:
+    """How the launcher creates each spill node (``services.launcher._start_spill_nodes`` creates
+    them with ``create``), so that a recreation is the same node: ``root_dirs`` maps each node's
+    name to its directory; the other fields are ``create_spill_node``'s arguments."""
+
+    root_dirs: tuple[tuple[str, str], ...]
+    block_format: BlockFormat
+    ram_bytes: int
+    disk_bytes: int
+    namespace: str
+    scheduler: str
+    resources: dict[str, float] = field(default_factory=dict)
+    lifetime: str | None = None
+    metrics: MetricsEndpoint | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    deployment: str = ""
+
+    def create(self, name: str) -> Any:
+        """Create spill node ``name`` (an actor handle; its constructor runs on its own).
+
+        Raises:
+            KeyError: ``name`` is no node of this recipe; ValueError: a live actor has the name."""
+        from services.spill_node import create_spill_node  # imports the actor class (Ray)
+
+        return create_spill_node(
+            name, dict(self.root_dirs)[name], self.block_format, self.ram_bytes, self.disk_bytes,
+            resources=dict(self.resources), lifetime=self.lifetime, namespace=self.namespace,
+            scheduler=ActorRef(self.scheduler, self.namespace), metrics=self.metrics,
+            env_vars=dict(self.env_vars) or None, num_spill_nodes=len(self.root_dirs), deployment=self.deployment)
+
+
+class SpillRecreator:
+    """When each dead spill node is due to be created again (``RecreatePolicy``), and does it.
+
+    Args:
+        recipe: how the nodes are created; policy: how often.
+        clock: monotonic seconds (tests)."""
+
+    def __init__(self, recipe: SpillRecipe, policy: RecreatePolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.recipe, self.policy, self.clock = recipe, policy, clock
+        self.totals: dict[str, int] = {}  # recreations per node since the scheduler started
+        # the handle of each node created: Ray ends a named actor that is not detached once no
+        # handle to it is left (its owner, this scheduler, holds it)
+        self.handles: dict[str, Any] = {}
+        self._recent: dict[str, deque[float]] = {}  # their times within the window
+        self._dead_since: dict[str, float] = {}
+        self._capped_logged: set[str] = set()
+
+    def seen(self, name: str, state: str) -> None:
+        """The watch saw ``name`` in ``state``: a node that serves ends its dead spell."""
+        if state == "dead":
+            self._dead_since.setdefault(name, self.clock())
+        elif state == "serving":
+            self._dead_since.pop(name, None)
+            self._capped_logged.discard(name)
+
+    def _window(self, name: str) -> deque[float]:
+        recent = self._recent.setdefault(name, deque())
+        while recent and recent[0] <= self.clock() - self.policy.window_s:
+            recent.popleft()
+        return recent
+
+    def next_at(self, name: str) -> float | None:
+        """When ``name`` is next due (monotonic seconds), or None: not dead, or never (``max_per_window``
+        0)."""
+        if name not in self._dead_since or self.policy.max_per_window == 0:
+            return None
+        recent = self._window(name)
+        if len(recent) >= self.policy.max_per_window:
+            return recent[0] + self.policy.window_s
+        since = max(self._dead_since[name], recent[-1] if recent else 0.0)
+        return since + min(self.policy.backoff_s * 2 ** len(recent), BACKOFF_MAX_S)
+
+    def due(self, name: str) -> bool:
+        """Whether dead node ``name`` is to be created again now; a node past its cap is logged once
+        per dead spell."""
+        at = self.next_at(name)
+        if at is None:
+            return False
+        if len(self._window(name)) >= self.policy.max_per_window and name not in self._capped_logged:
+            self._capped_logged.add(name)
+            log.error("spill node %s died again after %d recreations within %g s: not created again for "
+                      "%.0f s (its log says why; `kvstrata down` and `up` start it now)", name,
+                      self.policy.max_per_window, self.policy.window_s, at - self.clock())
+        return self.clock() >= at
+
+    def recreate(self, name: str, why: str) -> Any:
+        """Create ``name`` again (counted, logged); returns its handle. Blocks on Ray's name
+        registration: the watch runs it on its own threads.
+
+        Raises:
+            whatever ``SpillRecipe.create`` raised (counted as a recreation all the same: the next
+            try backs off)."""
+        self._window(name).append(self.clock())
+        self.totals[name] = self.totals.get(name, 0) + 1
+        log.warning("spill node %s is dead (%s): creating it again on its directory (%d of at most %d within %g s)",
+                    name, why, len(self._window(name)), self.policy.max_per_window, self.policy.window_s)
+        self.handles[name] = self.recipe.create(name)
+        return self.handles[name]
+
+    def info(self, name: str) -> dict[str, Any]:
+        """``recreations`` (since the scheduler started) and, while ``name`` is dead and another
+        recreation is due, ``next_recreation_s`` (seconds from now)."""
+        out: dict[str, Any] = {"recreations": self.totals.get(name, 0)}
+        at = self.next_at(name)
+        if at is not None:
+            out["next_recreation_s"] = round(max(at - self.clock(), 0.0), 1)
+        return out
+
+    def describe(self, name: str) -> str:
+        """"" or "; recreated N times, next try in S s" for ``kvstrata status``."""
+        info = self.info(name)
+        if not info["recreations"] and "next_recreation_s" not in info:
+            return ""
+        text = f"; recreated {info['recreations']} times" if info["recreations"] else ";"
+        if "next_recreation_s" in info:
+            text += f"{',' if info['recreations'] else ''} next try in {info['next_recreation_s']:g} s"
+        return text
