@@ -32,6 +32,7 @@ from cache_node.kv_pool import KVPool, kv_format_name
 from cache_node.model_runner import ModelRunner, ScheduledBatch
 from cache_node.outputs import InvalidRequestError, PromptLogprob, RequestOutput, TokenLogprobs
 from cache_node.policies import PolicyEnv, attach_policy
+from cache_node.rope_pin import pin_rope
 from cache_node.sampler import draw
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduler import Scheduler
@@ -60,7 +61,8 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             ``config.resolved()`` (``self.config``: no "auto" left in it).
         model_id: identity of the weights, part of every block hash's extra keys; pass
             ``LoadedModel.model_id`` (a digest of config and weights) so that two different
-            models never share cached KV (a name alone is not an identity).
+            models never share cached KV (a name alone is not an identity). The engine's
+            ``model_id`` adds the RoPE it fixes for ``max_model_len`` (``rope_pin``), if any.
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
         hash_fn: block-hash digest (tests inject weak ones).
         tier_config: host tier and movement settings (None: no host tier).
@@ -79,9 +81,11 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
     ) -> None:
         mc = model.config
         self.config = config = config.resolved()
-        self.model_id = model_id
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # RoPE whose frequencies follow each forward's longest sequence is fixed for the whole
+        # context, and the identity says so (``rope_pin``): a token's KV never depends on its step
+        self.model_id = model_id + pin_rope(model, self.max_model_len)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         dtype, device = config.torch_dtype, config.torch_device
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
