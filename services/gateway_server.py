@@ -301,7 +301,8 @@ class Gateway:
                                self.http_forwarded_allow_ips, self.http_limits, self.tls)
         await self.http.start(host, port)
         self.metrics.watch_http(lambda: self.http.guard if self.http is not None else None)
-        self.metrics.watch_spill(lambda: self.monitor.spill_down if self.monitor is not None else {})
+        self.metrics.watch_spill(lambda: self.monitor.spill_down if self.monitor is not None else {},
+                                 lambda: self.monitor.spill_recreations if self.monitor is not None else {})
 
     async def _unwind(self, health: BoundedHealthServicer) -> None:
         """Stop what a failed ``start`` made and free its ports. grpc.aio frees the port of a

@@ -116,10 +116,14 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         of this actor's restarts: a new value means a new process, whose state was rebuilt),
         ``data_address`` (the admission socket, "" until open), ``down`` (``down_nodes``) and
         ``spill_down``: spill node name -> why it does not serve (``SpillWatch.not_serving``: the
-        gateways' HTTP ``/health`` says "degraded" naming them)."""
+        gateways' HTTP ``/health`` says "degraded" naming them) and ``spill_recreations``: spill node
+        name -> how often the watch created it again since this process started (those it did;
+        the gateways' ``spill_node_recreations_total``)."""
+        recreator = self.spill_watch.recreator if self.spill_watch is not None else None
         return {"pid": os.getpid(), "restarts": self.restarts, "data_address": self.data_address,
                 "down": self.down_nodes(),
-                "spill_down": self.spill_watch.not_serving() if self.spill_watch is not None else {}}
+                "spill_down": self.spill_watch.not_serving() if self.spill_watch is not None else {},
+                "spill_recreations": dict(recreator.totals) if recreator is not None else {}}
 
     def _forget_spill_holder(self, name: str) -> None:
         """A spill node died for good (``SpillWatch``): its blocks leave the index (a reset with

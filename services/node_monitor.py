@@ -131,6 +131,7 @@ class NodeMonitor:
         self.scheduler_bad_answers = 0  # malformed answers of the scheduler (each asked again)
         # spill node name -> why it does not serve, from the scheduler's latest health answer (HTTP /health)
         self.spill_down: dict[str, str] = {}
+        self.spill_recreations: dict[str, int] = {}  # spill node name -> times the scheduler created it again
         self.scheduler_error_answers = 0  # health polls that failed with an error, not a timeout
         # awaited when the scheduler answers again (the gateway attaches again: ``RayGateway``)
         self.on_scheduler_back: Callable[[], Awaitable[Any]] | None = None
@@ -222,7 +223,7 @@ class NodeMonitor:
             await asyncio.sleep(self.retry_s)
             return True
         self._silent_polls, self._silent_since = 0, None
-        self.spill_down = answer["spill_down"]
+        self.spill_down, self.spill_recreations = answer["spill_down"], answer["spill_recreations"]
         identity = (answer["pid"], answer["restarts"])
         if self.scheduler_identity is None and not self.scheduler_failure:
             self.scheduler_identity = identity
@@ -478,7 +479,8 @@ def scheduler_answer(answer: Any) -> dict[str, Any]:
     """The GlobalScheduler's ``health`` answer, checked: a dict with ``pid`` and ``restarts``
     ints >= 0, ``data_address`` "" or a ``tcp://`` address and ``down`` a ``down_map``;
     ``spill_down`` (the spill nodes not serving, ``services.spill_watch``) a ``down_map`` too,
-    ``{}`` when absent (a scheduler of the version before it). Returns those fields alone.
+    ``{}`` when absent (a scheduler of the version before it), and ``spill_recreations`` a
+    ``count_map`` (``{}`` when absent). Returns those fields alone.
 
     Raises:
         BadReport: naming the bad field.
@@ -486,7 +488,22 @@ def scheduler_answer(answer: Any) -> dict[str, Any]:
     _check_dict(answer, ("pid", "restarts", "data_address", "down"), "the scheduler's health answer")
     return {"pid": int_field(answer, "pid", 0), "restarts": int_field(answer, "restarts", 0),
             "data_address": _inbox(answer["data_address"]), "down": down_map(answer["down"], "down"),
-            "spill_down": down_map(answer.get("spill_down", {}), "spill_down")}
+            "spill_down": down_map(answer.get("spill_down", {}), "spill_down"),
+            "spill_recreations": count_map(answer.get("spill_recreations", {}), "spill_recreations")}
+
+
+def count_map(value: Any, key: str) -> dict[str, int]:
+    """``value``, the scheduler's spill node name -> a count: a dict of at most ``MAX_DOWN_NODES``
+    names of at most ``MAX_ID_CHARS`` characters, each to an int >= 0.
+
+    Raises:
+        BadReport: naming ``key``.
+    """
+    if not isinstance(value, dict) or len(value) > MAX_DOWN_NODES:
+        raise BadReport(f"{key} must be a dict of at most {MAX_DOWN_NODES} entries")
+    if not all(isinstance(k, str) and len(k) <= MAX_ID_CHARS and type(v) is int and v >= 0 for k, v in value.items()):
+        raise BadReport(f"{key} must map node names of at most {MAX_ID_CHARS} characters to counts (int >= 0)")
+    return dict(value)
 
 
 def down_map(value: Any, key: str) -> dict[str, str]:

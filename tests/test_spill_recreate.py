@@ -28,9 +28,13 @@ from services.block_reports import BlockReporter
 from services.global_scheduler import IndexHolders
 from services.global_scheduler_admission import GlobalSchedulerActor
 from services.global_scheduler_recovery import RecoveryPeers
+from services.metrics import GatewayMetrics
+from services.node_monitor import scheduler_answer
+from services.recovery_report import BadReport
 from services.spill_client import RaySpillClient
 from services.spill_node import SpillNode
 from services.spill_recreate import RecreatePolicy, SpillRecipe, SpillRecreator
+from tests.test_http_metrics import samples
 from tests.test_spill_status import NAMESPACE, POLL_S, _indexed
 from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
 
@@ -81,6 +85,8 @@ def test_a_killed_spill_node_is_created_again_and_serves_its_disk_blocks(tmp_pat
         hits = ray.get(again.get.remote(hashes_of([1, 2, 3])), timeout=30)
         assert hits.hashes == hashes_of([1, 2, 3]) and (hits.blocks == make_blocks([1, 2, 3])).all()
         assert _indexed(scheduler, 3, tier="spill_disk") == 3
+        health = scheduler_answer(ray.get(scheduler.health.remote(), timeout=30))  # as a gateway reads it
+        assert health["spill_recreations"] == {name: 1} and health["spill_down"] == {}
     finally:
         ray.kill(scheduler, no_restart=True)  # first: it recreates no more
         _kill_by_name(name)
@@ -113,6 +119,23 @@ def test_recreations_are_capped_per_window(tmp_path: Path, ray_cluster) -> None:
         ray.kill(scheduler, no_restart=True)
         _kill_by_name(name)
         del first
+
+
+def test_the_gateways_metrics_count_the_recreations() -> None:
+    """Each spill node's recreations, as the scheduler's health answer gave them to the
+    gateway's ``NodeMonitor``, are the counter ``spill_node_recreations_total{spill_node}``;
+    a malformed count in that answer is refused (``BadReport``)."""
+    metrics = GatewayMetrics()
+    counts = {"spill_node_1": 2}
+    metrics.watch_spill(dict, lambda: counts)
+    seen = samples(metrics)
+    assert {k: v for k, v in seen.items() if k[0].startswith("kvstrata:spill_node_recreations")} == {
+        ("kvstrata:spill_node_recreations_total", (("spill_node", "spill_node_1"),)): 2}
+    sound = {"pid": 1, "restarts": 0, "data_address": "", "down": {}}
+    assert scheduler_answer(sound)["spill_recreations"] == {}  # a scheduler of the version before
+    for bad in ({"spill_node_1": -1}, {"spill_node_1": "2"}, {"spill_node_1": True}, ["spill_node_1"]):
+        with pytest.raises(BadReport, match="spill_recreations"):
+            scheduler_answer(sound | {"spill_recreations": bad})
 
 
 def test_the_recreation_policy_backs_off_and_caps() -> None:

@@ -131,9 +131,11 @@ class GatewayMetrics:
             self.registry.register(self._streams)
         self._streams.streams_of = streams_of
 
-    def watch_spill(self, spill_down_of: Callable[[], dict[str, str]]) -> None:
+    def watch_spill(self, spill_down_of: Callable[[], dict[str, str]],
+                    recreations_of: Callable[[], dict[str, int]] | None = None) -> None:
         """Export the spill nodes that do not serve (``spill_down_of()``: ``NodeMonitor.spill_down``)
-        at each scrape (``services.metrics.spill_nodes``); a later call replaces the earlier source."""
+        and how often each was created again (``recreations_of()``: ``NodeMonitor.spill_recreations``)
+        at each scrape (``services.metrics.spill_nodes``); a later call replaces the earlier sources."""
         if self._spill is None:
             # (a local import: services.metrics.spill_nodes imports PREFIX from here)
             from services.metrics.spill_nodes import SpillNodesCollector
@@ -141,6 +143,7 @@ class GatewayMetrics:
             self._spill = SpillNodesCollector(spill_down_of)
             self.registry.register(self._spill)
         self._spill.spill_down_of = spill_down_of
+        self._spill.recreations_of = recreations_of or dict
 
     def refused_at_edge(self, tenant: Any | None, status: str) -> None:
         """A request the HTTP edge refused before it reached the gateway's request path (whose
