@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cache_node import prompt_logprobs
+from cache_node.attention_limits import context_limit
 from cache_node.compressed_prefix import CompressedPrefixCache, check_prefix_tokens
 from cache_node.config import EngineConfig
 from cache_node.engine_grammars import NO_TOKENIZER, EngineGrammarsMixin
@@ -82,7 +83,9 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         mc = model.config
         self.config = config = config.resolved()
         self.vocab_size = mc.vocab_size
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # a sliding window is kept out of reach (the paged attention attends every earlier token)
+        self.max_model_len = context_limit(model, config.max_model_len or mc.max_position_embeddings,
+                                           config.max_model_len)
         # RoPE whose frequencies follow each forward's longest sequence is fixed for the whole
         # context, and the identity says so (``rope_pin``): a token's KV never depends on its step
         self.model_id = model_id + pin_rope(model, self.max_model_len)
