@@ -92,6 +92,7 @@ from typing import Any
 
 import grpc
 
+from services import scheduler_replies as replies
 from services.auth_known import _ADMIN_OWNER, KnownKeys
 from services.auth_limits import CheckLimits
 from services.key_ids import SUSPECT_TTL_S, KeyDirectory, SuspectKeyIds
@@ -191,7 +192,7 @@ class Authenticator(KnownKeys, CheckLimits):
         tenant, since = None, self._forgets
         try:
             async with self._check_slot(context, "tenant", key, wait_s) as unknown:
-                tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
+                tenant = await self._authenticate(context, key, allow_pbkdf2=wait_s == 0)
             if tenant is not None:
                 self._remember_tenant(key, tenant, since)
         finally:
@@ -216,17 +217,32 @@ class Authenticator(KnownKeys, CheckLimits):
         is_tenant, unknown = self._cached_tenant(fp) is not None, False
         if not is_tenant:
             async with self._check_slot(context, "admin", key, wait_s) as unknown:
-                if await self._is_admin(key, allow_pbkdf2=wait_s == 0):
+                if await self._is_admin(context, key, allow_pbkdf2=wait_s == 0):
                     return
-                is_tenant = await self._is_tenant_key(key, allow_pbkdf2=wait_s == 0)
+                is_tenant = await self._is_tenant_key(context, key, allow_pbkdf2=wait_s == 0)
         if is_tenant:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "this call needs the admin key; a tenant's key may not make it")
         await self._refuse(context, "admin", key, wait_s, unknown)
 
-    async def _is_tenant_key(self, key: str, allow_pbkdf2: bool) -> bool:
+    async def _authenticate(self, context: grpc.aio.ServicerContext, key: str, **kwargs: Any) -> Tenant | None:
+        """The scheduler's ``authenticate(key, **kwargs)``: ``key``'s tenant, None for no
+        tenant's key; a malformed reply aborts the call INTERNAL (``scheduler_replies``).
+        Regression (s38): a reply that was not a tenant record was cached as one, and the call
+        (and every call with the key for ``_CACHE_TTL_S``) failed UNKNOWN."""
+        reply = await self.scheduler.authenticate.remote(key, **kwargs)
+        return await replies.answer(context, "authenticate", reply, replies.tenant_or_none)
+
+    async def _verify_admin_key(self, context: grpc.aio.ServicerContext, key: str, **kwargs: Any) -> bool:
+        """The scheduler's ``verify_admin_key(key, **kwargs)``, a bool; any other reply aborts the
+        call INTERNAL. Regression (s38): its truth was taken, so a reply of ``"False"`` or ``1``
+        (a version skew, a bug) passed any key as the admin key."""
+        reply = await self.scheduler.verify_admin_key.remote(key, **kwargs)
+        return await replies.answer(context, "verify_admin_key", reply, replies.verdict)
+
+    async def _is_tenant_key(self, context: grpc.aio.ServicerContext, key: str, allow_pbkdf2: bool) -> bool:
         since = self._forgets
-        tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=allow_pbkdf2)
+        tenant = await self._authenticate(context, key, allow_pbkdf2=allow_pbkdf2)
         if tenant is not None:
             self._remember_tenant(key, tenant, since)
         return tenant is not None
@@ -256,10 +272,10 @@ class Authenticator(KnownKeys, CheckLimits):
         tenant: Any = None  # a Tenant once one passed
         since = self._forgets
         async with self._check_slot(context, "tenant", key, wait_s) as unknown:
-            if try_admin and await self._is_admin(key, allow_pbkdf2=not over):
+            if try_admin and await self._is_admin(context, key, allow_pbkdf2=not over):
                 return None
             if try_tenant:
-                tenant = await self.scheduler.authenticate.remote(key, allow_pbkdf2=wait_s == 0)
+                tenant = await self._authenticate(context, key, allow_pbkdf2=wait_s == 0)
         if tenant is None:
             if unknown:  # a failed check of an unknown key id, whichever refusal follows
                 self._count_unknown_failure(context, key)
@@ -288,9 +304,9 @@ class Authenticator(KnownKeys, CheckLimits):
         """
         key = bearer_key(context)
         if caller is None:
-            fresh, ok = None, await self.scheduler.verify_admin_key.remote(key)
+            fresh, ok = None, await self._verify_admin_key(context, key)
         else:
-            fresh = await self.scheduler.authenticate.remote(key)
+            fresh = await self._authenticate(context, key)
             ok = fresh is not None and fresh.tenant_id == caller.tenant_id
         if not ok:
             self.forget_key(key)
@@ -339,11 +355,11 @@ class Authenticator(KnownKeys, CheckLimits):
         self._tenants[fingerprint(key)] = (tenant, self.clock() + _CACHE_TTL_S, parse_key_id(key) or "")
         self._know(key, tenant.spec.name)
 
-    async def _is_admin(self, key: str, allow_pbkdf2: bool) -> bool:
+    async def _is_admin(self, context: grpc.aio.ServicerContext, key: str, allow_pbkdf2: bool) -> bool:
         """Ask the scheduler whether ``key`` is the admin key (cached when it is, unless a key
         was forgotten meanwhile: ``_remember_tenant``)."""
         since = self._forgets
-        if not await self.scheduler.verify_admin_key.remote(key, allow_pbkdf2=allow_pbkdf2):
+        if not await self._verify_admin_key(context, key, allow_pbkdf2=allow_pbkdf2):
             return False
         if since != self._forgets:
             return True

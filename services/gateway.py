@@ -34,6 +34,7 @@ import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
 from services import convert
+from services import scheduler_replies as replies
 from services.auth import Authenticator, bearer_key
 from services.chat import ChatTemplater
 from services.chat_tools import check_tool_output
@@ -541,6 +542,10 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
             return await self._close_session(context, tenant, session_id, cache_salt)
 
     async def _close_session(self, context: Any, tenant: Any, session_id: str, cache_salt: str) -> int:
+        """``close_session`` past its checks. The scheduler's reply is untrusted
+        (``scheduler_replies.closing``): a malformed one is INTERNAL. Regression (s38): it was
+        unpacked as it came, so a reply of another shape failed the call UNKNOWN (``TypeError``,
+        ``ValueError``) and a non-list of turns went on to the node."""
         scoped = session_scope(tenant.tenant_id, cache_salt, session_id)
         try:  # the key's id goes with it: one rotated away since it was cached here closes nothing
             closing = await self.scheduler.close_session.remote(scoped, tenant.tenant_id,
@@ -548,6 +553,7 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         except StaleKeyError as exc:  # (review s35 C, C1: it closed the tenant's sessions for 10 s)
             self.auth.forget_tenant_id(tenant.tenant_id)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, error_message(exc))
+        closing = await replies.answer(context, "close_session", closing, replies.closing)  # (untrusted)
         if closing is None:
             freed = -1
         elif not closing[0]:  # its node is down or restarted: nothing to free there now

@@ -22,6 +22,7 @@ import grpc
 
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
 from services import convert
+from services import scheduler_replies as replies
 from services.auth import Authenticator, bearer_key
 from services.gateway_key_watch import KEY_CHECK_S, KEY_STALENESS_MAX_S
 from services.key_ids import APPLIED, UNREACHABLE
@@ -48,12 +49,15 @@ def error_message(exc: BaseException) -> str:
     return str(cause if isinstance(cause, BaseException) else exc)
 
 
-async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None) -> Any:
+async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None, check: Any = None,
+                method: str = "") -> Any:
     """Await an actor call, mapping tenant errors and bad input to statuses. ``stale``: called
     (no arguments) before the call is aborted UNAUTHENTICATED because the scheduler found the
-    caller's key no longer valid (``StaleKeyError``), to forget it here."""
+    caller's key no longer valid (``StaleKeyError``), to forget it here. ``check``: one of
+    ``services.scheduler_replies``' checks of the scheduler's reply to ``method`` (a malformed
+    one: INTERNAL, logged)."""
     try:
-        return await ref
+        reply = await ref
     except StaleKeyError as exc:
         if stale is not None:
             stale()
@@ -71,6 +75,8 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None) 
         await context.abort(grpc.StatusCode.NOT_FOUND, error_message(exc))
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
+    return reply if check is None else await replies.answer(context, method, reply, check)
+
 
 async def ask_live(nodes: dict[str, Any], monitor: Any, call: Any, timeout_s: float) -> dict[str, Any]:
     """node id -> ``call(node)`` awaited, for every node the ``monitor`` knows healthy (every
@@ -140,7 +146,8 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
     async def RegisterTenant(self, request, context):
         await fresh_admin(self.auth, context)
         spec = await self._spec(request.spec, context)
-        tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec))
+        tenant, key = await _call(context, self.scheduler.register_tenant.remote(spec), check=replies.registered,
+                                  method="register_tenant")
         return tenant_pb2.RegisterTenantResponse(tenant=convert.tenant_to_pb(tenant), api_key=key)
 
     async def UpdateTenant(self, request, context):
@@ -153,7 +160,8 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
             wire.CopyFrom(request.spec)
             wire.name = request.name
         spec = await self._spec(wire, context)
-        tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec))
+        tenant = await _call(context, self.scheduler.update_tenant.remote(request.name, spec), check=replies.tenant,
+                             method="update_tenant")
         self.auth.forget_tenant(request.name)
         return tenant_pb2.UpdateTenantResponse(tenant=convert.tenant_to_pb(tenant))
 
@@ -168,7 +176,8 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         between (another admin call) had the new tenant deleted and the old one's id forgotten:
         the new tenant's series stayed exported."""
         await fresh_admin(self.auth, context)
-        tenant_id = await _call(context, self.scheduler.delete_tenant.remote(request.name))
+        tenant_id = await _call(context, self.scheduler.delete_tenant.remote(request.name), check=replies.text,
+                                method="delete_tenant")
         self.auth.forget_tenant(request.name, keys_gone=True)
         if self.metrics is not None:
             self.metrics.forget_tenant(request.name, tenant_id)
@@ -195,9 +204,11 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         (else UNAUTHENTICATED: the caller's tenant was deleted meanwhile, and its key goes from
         this gateway's cache)."""
         if caller is None:
-            return await _call(context, self.scheduler.get_tenant.remote(name))
+            return await _call(context, self.scheduler.get_tenant.remote(name), check=replies.tenant,
+                               method="get_tenant")
         return await _call(context, self.scheduler.get_tenant.remote(name, tenant_id=caller.tenant_id),
-                           stale=lambda: self.auth.forget_tenant_id(caller.tenant_id))
+                           stale=lambda: self.auth.forget_tenant_id(caller.tenant_id), check=replies.tenant,
+                           method="get_tenant")
 
     @_one_tenant_call
     async def GetTenant(self, request, context):
@@ -209,7 +220,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
     async def ListTenants(self, request, context):
         await fresh_admin(self.auth, context)
-        tenants = await self.scheduler.list_tenants.remote()
+        tenants = await _call(context, self.scheduler.list_tenants.remote(), check=replies.tenants, method="list_tenants")
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
     @_one_tenant_call
@@ -230,7 +241,8 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         node that does not answer (``_blocks_held``)."""
         caller = await self._own_or_admin(context, request.name)
         tenant = await self._tenant_of(context, request.name, caller)
-        usage = await _call(context, self.scheduler.usage_of.remote(tenant.tenant_id))
+        usage = await _call(context, self.scheduler.usage_of.remote(tenant.tenant_id), check=replies.usage,
+                            method="usage_of")
         answers = await ask_live(self.nodes, self.monitor, lambda n: n.tenant_blocks.remote(tenant.tenant_id),
                                  self.node_timeout_s)
         held = [counts for a in answers.values() if (counts := _blocks_held(a)) is not None]
@@ -265,7 +277,8 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         caller = await self._own_or_admin(context, request.name)
         key = bearer_key(context) if caller is not None else None
         stale = (lambda: self.auth.forget_key(key)) if key is not None else None
-        new_key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, api_key=key), stale)
+        new_key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, api_key=key), stale,
+                              check=replies.text, method="rotate_tenant_key")
         self.auth.forget_tenant(request.name, keys_gone=True)
         return tenant_pb2.RotateKeyResponse(api_key=new_key)
 
@@ -467,7 +480,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             entry, pb = node_stats_entry(nid, answer, why)
             node_stats.append(entry)
             node_pbs.append(pb)
-        sched = await self.scheduler.stats.remote()
+        sched = await _call(context, self.scheduler.stats.remote(), check=replies.stats, method="stats")
         health = self.monitor.snapshot() if self.monitor is not None else {}
         return admin_pb2.StatsResponse(
             nodes=node_pbs, queued=sched["queued"],
@@ -568,6 +581,6 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         await self.auth.admin(context)
         presented = bearer_key(context)
         key = await _call(context, self.scheduler.rotate_admin_key.remote(api_key=presented),
-                          stale=lambda: self.auth.forget_key(presented))
+                          stale=lambda: self.auth.forget_key(presented), check=replies.text, method="rotate_admin_key")
         self.auth.forget_admin()
         return admin_pb2.RotateAdminKeyResponse(api_key=key)

@@ -30,7 +30,7 @@ from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
 from services.auth import Authenticator
 from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.keys import new_api_key, parse_key_id
-from tenants.model import TenantSpec
+from tenants.model import Tenant, TenantSpec
 from tenants.store import TenantStore
 from tests.gateway_harness import serve
 
@@ -340,8 +340,9 @@ _PEER_CHECKS, _GATEWAY_CHECKS_PER_S, _IN_FLIGHT = 50, 100, 16
 checks per second at the gateway, at once at the gateway."""
 
 
-def _tenant(name: str) -> object:
-    return types.SimpleNamespace(spec=types.SimpleNamespace(name=name))
+def _tenant(name: str) -> Tenant:
+    """A tenant record as the scheduler's ``authenticate`` answers it (the gateway checks its type)."""
+    return Tenant(f"id-{name}", TenantSpec(name), 0.0)
 
 
 async def _code(call, context: _Ctx) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
