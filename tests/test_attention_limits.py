@@ -54,3 +54,16 @@ def test_full_attention_checkpoints_keep_their_context() -> None:
     assert LLMEngine(mistral(None), CFG, "mistral").max_model_len == 2048
     torch.manual_seed(0)
     assert LLMEngine(LlamaForCausalLM(LlamaConfig(**SMALL)).eval(), CFG, "llama").max_model_len == 2048
+
+
+def test_soft_capped_attention_is_refused() -> None:
+    """Gemma2 soft-caps its attention logits (``attn_logit_softcapping``), which the paged
+    attention does not: the engine refuses the checkpoint instead of serving other tokens."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
+                          attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="soft-caps its attention logits"):
+        LLMEngine(Gemma2ForCausalLM(config).eval(), CFG, "gemma2")
