@@ -220,7 +220,7 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
 
     async def ListTenants(self, request, context):
         await fresh_admin(self.auth, context)
-        tenants = await _call(context, self.scheduler.list_tenants.remote(), check=replies.tenants, method="list_tenants")
+        tenants = await replies.answer(context, "list_tenants", await self.scheduler.list_tenants.remote(), replies.tenants)
         return tenant_pb2.ListTenantsResponse(tenants=[convert.tenant_to_pb(t) for t in tenants])
 
     @_one_tenant_call
@@ -480,7 +480,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             entry, pb = node_stats_entry(nid, answer, why)
             node_stats.append(entry)
             node_pbs.append(pb)
-        sched = await _call(context, self.scheduler.stats.remote(), check=replies.stats, method="stats")
+        sched = await replies.answer(context, "stats", await self.scheduler.stats.remote(), replies.stats)
         health = self.monitor.snapshot() if self.monitor is not None else {}
         return admin_pb2.StatsResponse(
             nodes=node_pbs, queued=sched["queued"],
