@@ -79,6 +79,7 @@ def test_served_and_probe_keep_their_answers_once_earlier_sessions_fill_the_host
     engine.policy_env = PolicyEnv.from_tokenizer(tok)
     probe, asker = Probe(engine, chunk_tokens=CHUNK), ServedAsker(engine)
     item = build_items(tok, [DOC], [0.5])[0]
+    item["questions"] = item["questions"][:1]  # (the one asked: the reference answers no other)
     ref = reference(probe, tok, item, served=True)
     _kind, q, gen, _need, _ref_logits, _ok = ref.answers[0]
     prompt = q[len(item["reply"]):]
