@@ -89,7 +89,7 @@ def stop_turns(node: CacheNode) -> dict[tuple[str, str], dict[str, Any]]:
     session's history and computed tokens after it), turn 2 (text and end) and, without a
     policy, the same conversation sent without the session (text). Each stage's requests run
     together (``run_all``)."""
-    # (the reference needs its first 18 words: 30 tokens hold 21; a turn 1 stops by word 18)
+    # (the reference needs its first 18 words: its 30 tokens hold 29; a turn 1 stops by word 18)
     refs = dict(zip(POLICIES, run_all(node, [chat(f"ref-{policy}", [USER], policy=policy, max_tokens=30)
                                              for policy in POLICIES])))
     cases = {(how, policy): {"reply": refs[policy][0], "stop": stops(refs[policy][0])[how], "sid": f"s-{how}-{policy}"}
