@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from cache_node.model_files import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
+from services import scheduler_replies as replies
 from services.actor_calls import SCHEDULER_CALL_TIMEOUT_S, BoundedActor
 from services.actor_refs import resolve
 from services.auth import Authenticator
@@ -26,7 +27,7 @@ from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_render import GatewayTemplater
-from services.gateway_served import ServedRecord
+from services.gateway_served import API_NAMES, ServedRecord
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
 from services.grpc_bounds import GrpcLimits
@@ -526,8 +527,17 @@ class RayGateway(Gateway):
 
     async def _start_again(self, old_api_ports: bool) -> int:
         """One try of ``_serve_again``: ``start`` on the scheduler's record of this gateway
-        (its HTTP and metrics ports too with ``old_api_ports``; else the configured ones)."""
-        addresses = await self.scheduler_calls.gateway_addresses.remote(self.gateway_id)
+        (its HTTP and metrics ports too with ``old_api_ports``; else the configured ones).
+
+        A malformed record from the scheduler (``scheduler_replies.addresses``) is taken for none:
+        the gateway serves again on its own. Regression (s38): it raised in every try (KeyError,
+        ValueError from ``int``), and the gateway exited for Ray to restart it, over and over."""
+        reply = await self.scheduler_calls.gateway_addresses.remote(self.gateway_id)
+        try:
+            addresses = replies.addresses("gateway_addresses", reply, API_NAMES)
+        except replies.MalformedReply as exc:
+            log.warning("restarted gateway %s: %s; taken for no record", self.gateway_id, exc)
+            addresses = dict.fromkeys(API_NAMES, "")
         if not addresses["grpc"]:  # the scheduler lost it (restarted without it), or it never served
             addresses = await self.served_record.load()
             if not addresses["grpc"]:

@@ -144,3 +144,15 @@ def verdict(method: str, reply: Any) -> bool:
 def tenant_or_none(method: str, reply: Any) -> Tenant | None:
     """``authenticate``: the key's tenant record (``tenant``), None for no tenant's key."""
     return None if reply is None else tenant(method, reply)
+
+
+def addresses(method: str, reply: Any, names: tuple[str, ...]) -> dict[str, str]:
+    """``gateway_addresses``: ``names`` -> ``host:port`` (an int port) or "" (not served)."""
+    if not isinstance(reply, dict):
+        raise MalformedReply(method, f"a {type(reply).__name__}, not a map")
+    for name in names:
+        value = reply.get(name)
+        host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+        if not isinstance(value, str) or value and not (host and port.isdigit() and int(port) < 65536):
+            raise MalformedReply(method, f"{name} {value!r:.60} is neither host:port nor empty")
+    return {name: reply[name] for name in names}

@@ -224,3 +224,36 @@ def test_a_well_formed_reply_passes_the_checks() -> None:
     assert replies.closing("close_session", (None, [])) == ("", [])
     assert replies.closing("close_session", None) is None
     assert replies.verdict("verify_admin_key", False) is False
+
+
+ADDRESS_LIES = ({"grpc": "127.0.0.1:50051"}, {"grpc": "127.0.0.1:x", "http": "", "metrics": ""},
+                {"grpc": 50051, "http": "", "metrics": ""}, ["127.0.0.1:50051"])
+
+
+def test_a_restarted_gateway_takes_a_malformed_scheduler_record_for_none(monkeypatch: Any) -> None:
+    """``RayGateway._start_again`` with the scheduler's ``gateway_addresses`` answering each lie:
+    the gateway serves again on its own record (``ServedRecord``). Before: every try raised
+    (KeyError 'http', ValueError from ``int('x')``, AttributeError, TypeError), and after its
+    tries the gateway exited for Ray to restart it into the same lie."""
+    from services.gateway_served import ServedRecord
+    from services.gateway_server import RayGateway
+    from tests.gateway_harness import ClusterKeyValues
+
+    own = {"grpc": "127.0.0.1:7001", "http": "127.0.0.1:7002", "metrics": ""}
+    store = ClusterKeyValues()
+    asyncio.run(ServedRecord("gw", store).save(own))
+    served: list[Any] = []
+
+    async def serve(host: str, port: int, http_port: int | None, metrics_port: int | None) -> int:
+        served.append((host, port, http_port, metrics_port))
+        return port
+
+    async def start_again(lie: Any) -> tuple[str, str]:
+        gateway = RayGateway.__new__(RayGateway)
+        gateway.gateway_id, gateway.served_record, gateway._serve = "gw", ServedRecord("gw", store), serve
+        gateway.scheduler_calls = LocalActor(type("_", (), {"gateway_addresses": staticmethod(lambda _gid: lie)}))
+        return await _outcome(gateway._start_again(old_api_ports=True))
+
+    outcomes = [asyncio.run(start_again(lie)) for lie in ADDRESS_LIES]
+    assert outcomes == [("OK", "")] * len(ADDRESS_LIES), outcomes
+    assert served == [("127.0.0.1", 7001, 7002, None)] * len(ADDRESS_LIES)
