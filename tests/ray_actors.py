@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from typing import Any
 
@@ -103,3 +104,34 @@ class NameHolder:
 
     def ping(self) -> str:
         return "other"
+
+
+class GatedSpillNode(SpillNode):
+    """A real spill node whose block report (``report_held``, or ``held_blocks`` on the code
+    before s38) takes its answer, then waits for ``release`` (a slow answer) and counts calls."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reports, self.taken, self.gate = 0, threading.Event(), threading.Event()
+
+    def _gated(self, answer: Any) -> Any:
+        self.reports += 1
+        self.taken.set()
+        self.gate.wait(30)
+        return answer
+
+    def report_held(self) -> Any:
+        return self._gated(super().report_held())
+
+    def held_blocks(self) -> Any:
+        return self._gated(super().held_blocks())
+
+    def state(self) -> tuple[int, bool]:
+        return self.reports, self.taken.is_set()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def hold(self) -> None:
+        self.gate.clear()
+        self.taken.clear()

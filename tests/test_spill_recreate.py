@@ -15,7 +15,6 @@ and GlobalScheduler actors on the session's Ray cluster, the node's ``BlockRepor
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from services.recovery_report import BadReport
 from services.spill_client import RaySpillClient
 from services.spill_node import SpillNode
 from services.spill_recreate import RecreatePolicy, SpillRecipe, SpillRecreator
+from tests.ray_actors import GatedSpillNode
 from tests.test_http_metrics import samples
 from tests.test_spill_status import NAMESPACE, POLL_S, _indexed
 from tests.test_spill_store import DISK, FMT, hashes_of, make_blocks
@@ -198,37 +198,6 @@ def test_a_cache_nodes_client_finds_the_recreated_node_by_name(tmp_path: Path, r
         _kill_by_name(name)
 
 
-class _GatedSpillNode(SpillNode):
-    """A real spill node whose block report (``report_held``, or ``held_blocks`` on the code
-    before s38) takes its answer, then waits for ``release`` (a slow answer) and counts calls."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reports, self.taken, self.gate = 0, threading.Event(), threading.Event()
-
-    def _gated(self, answer: Any) -> Any:
-        self.reports += 1
-        self.taken.set()
-        self.gate.wait(30)
-        return answer
-
-    def report_held(self) -> Any:
-        return self._gated(super().report_held())
-
-    def held_blocks(self) -> Any:
-        return self._gated(super().held_blocks())
-
-    def state(self) -> tuple[int, bool]:
-        return self.reports, self.taken.is_set()
-
-    def release(self) -> None:
-        self.gate.set()
-
-    def hold(self) -> None:
-        self.gate.clear()
-        self.taken.clear()
-
-
 def test_the_reindex_waits_the_configured_bound_asks_once_and_keeps_newer_events(
         tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
     """Fault 2: ``_index_spill_holder`` gives up after ``report_timeout_s`` (0.3 s here); the
@@ -239,7 +208,7 @@ def test_the_reindex_waits_the_configured_bound_asks_once_and_keeps_newer_events
     round sent a new ``held_blocks``, and the list, applied last as a reset, lost block 4."""
     name = f"spill-reindex-{tmp_path.name}"[-60:]
     scheduler = _scheduler(tmp_path, name, RecoveryPeers(NAMESPACE, (), report_timeout_s=0.3))
-    node = ray.remote(_GatedSpillNode).options(num_cpus=0, max_concurrency=2).remote(
+    node = ray.remote(GatedSpillNode).options(num_cpus=0, max_concurrency=2).remote(
         str(tmp_path / "spill"), FMT, 0, DISK, node_id=name, event_sink=BlockReporter(scheduler))
     try:
         ray.get([node.ready.remote(), scheduler.stats.remote()], timeout=60)  # both started
