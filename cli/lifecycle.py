@@ -369,6 +369,12 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
         except Exception as exc:  # noqa: BLE001 - a dead or stuck scheduler: kill it anyway
             console.print(f"usage counters and session routes of the last seconds not stored: "
                           f"{escape(type(exc).__name__)}")
+    if SCHEDULER_ACTOR in names:  # first, and gone before the others are listed again: its spill
+        # watch creates a dead spill node again (services.spill_recreate). Regression (s38 review):
+        # one it created after the list above outlived down (detached), its name and directory taken
+        _kill_gone(SCHEDULER_ACTOR, namespace, timeout_s)
+        names += [name for name in _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
+                  if name not in names]
     for name in names:
         with contextlib.suppress(ValueError):  # gone meanwhile
             ray.kill(ray.get_actor(name, namespace=namespace))
@@ -376,6 +382,19 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     while gateway_address and reachable(gateway_address, 0.2) and time.monotonic() < deadline:
         time.sleep(0.1)
     return len(names)
+
+
+def _kill_gone(name: str, namespace: str, timeout_s: float) -> None:
+    """Kill actor ``name`` of ``namespace`` and wait (up to ``timeout_s``) until Ray no longer
+    lists it alive (``ray.kill`` returns before the actor is dead)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(ValueError):  # gone meanwhile
+        ray.kill(ray.get_actor(name, namespace=namespace))
+        while time.monotonic() < deadline:
+            ray.get_actor(name, namespace=namespace)  # ValueError once it is dead
+            time.sleep(0.05)
 
 
 def down() -> None:

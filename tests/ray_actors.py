@@ -135,3 +135,16 @@ class GatedSpillNode(SpillNode):
     def hold(self) -> None:
         self.gate.clear()
         self.taken.clear()
+
+
+@ray.remote(num_cpus=0)
+class RecreatingScheduler:
+    """A global scheduler whose spill watch creates spill node ``name`` again (detached, as
+    ``kvstrata up``'s are) while ``kvstrata down`` asks it to store its counters."""
+
+    def __init__(self, namespace: str, name: str) -> None:
+        self.namespace, self.name = namespace, name
+
+    def flush_durable(self) -> None:
+        holder = NameHolder.options(name=self.name, namespace=self.namespace, lifetime="detached").remote()
+        ray.get(holder.ping.remote())

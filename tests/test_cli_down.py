@@ -9,6 +9,7 @@ the cluster itself stays up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -163,3 +164,27 @@ def test_a_failed_up_on_an_existing_cluster_leaves_another_deployment_alone(ray_
     finally:
         for actor in (scheduler, node):
             ray.kill(actor)
+
+
+def test_down_kills_a_spill_node_the_scheduler_created_again_meanwhile(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """A spill node dead for good is created again by the scheduler's spill watch
+    (``services.spill_recreate``; detached, as ``up``'s nodes). One it creates while ``down``
+    runs (here: during ``flush_durable``, after ``down`` listed the actors) is killed too: the
+    scheduler goes first, then the actors are listed again. Regression (s38 review): ``down``
+    killed only the names it listed before, so that node outlived it, holding its directory's
+    lock and its name (the next ``up`` on that cluster failed)."""
+    from cli.lifecycle import _kill_services
+    from tests.ray_actors import RecreatingScheduler
+
+    namespace = "kvstrata-down-recreated"
+    scheduler = RecreatingScheduler.options(name="global_scheduler", namespace=namespace,
+                                            lifetime="detached").remote(namespace, "spill_node_0")
+    ray.get(scheduler.__ray_ready__.remote(), timeout=60)
+    try:
+        _kill_services(namespace, "")
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace}
+        assert names == set()
+    finally:
+        for name in ("global_scheduler", "spill_node_0"):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=namespace))
