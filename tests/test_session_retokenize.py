@@ -105,16 +105,20 @@ def two_turns(node: CacheNode, turns: Turns, sid: str, question: str) -> tuple[s
 
 
 SLEEP = "Give two tips for sleeping well."
-ENDS = {"eos": (400, ()), "length": (40, ()), "length_at_the_newlines": (32, ()), "stop_string": (48, (" Restful",))}
-"""``test_every_end_of_a_turn_continues_as_the_stateless_conversation``'s turn 1 (``SLEEP``):
-max_tokens and stop strings. (Its 32nd token is "\\n\\n".)"""
+BRIEFLY = "Give two tips for sleeping well, briefly."
+ENDS = {"eos": (BRIEFLY, 400, ()), "length": (SLEEP, 40, ()), "length_at_the_newlines": (SLEEP, 32, ()),
+        "stop_string": (SLEEP, 48, (" Restful",))}
+"""``test_every_end_of_a_turn_continues_as_the_stateless_conversation``'s turn 1: question,
+max_tokens and stop strings. (``SLEEP``'s 32nd token is "\\n\\n"; ``BRIEFLY``'s reply holds
+"\\n\\n" and ends by EOS at 61 tokens, ``SLEEP``'s at 76: the conversations' turns 1 run
+together, as many steps as the longest.)"""
 
 
 @pytest.fixture(scope="module")
 def conversations(node: CacheNode) -> Turns:
     """Both tests' two-turn conversations, run together (``two_turns_of``)."""
     convs = {f"rt-{i}": (question, 48, ()) for i, question in enumerate(QUESTIONS)}
-    convs.update({f"end-{how}": (SLEEP, max_tokens, stop) for how, (max_tokens, stop) in ENDS.items()})
+    convs.update({f"end-{how}": end for how, end in ENDS.items()})
     return two_turns_of(node, convs)
 
 
@@ -136,7 +140,7 @@ def test_every_end_of_a_turn_continues_as_the_stateless_conversation(
         node: CacheNode, conversations: Turns, how: str) -> None:
     """A reply holding "\\n\\n" (as the model generated it) ended by EOS, by max_tokens (past the
     "\\n\\n", or right at it), or by a stop string past it ("2. **Creating a" kept)."""
-    reply, first, retokenized = two_turns(node, conversations, f"end-{how}", SLEEP)
+    reply, first, retokenized = two_turns(node, conversations, f"end-{how}", ENDS[how][0])
     if how == "eos":
         assert first["finish_reason"] == "stop" and not reply.endswith("\ufffd")
     elif how.startswith("length"):
