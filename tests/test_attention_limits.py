@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+)
 
 from cache_node.config import EngineConfig
 from cache_node.engine import LLMEngine
@@ -54,6 +61,26 @@ def test_full_attention_checkpoints_keep_their_context() -> None:
     assert LLMEngine(mistral(None), CFG, "mistral").max_model_len == 2048
     torch.manual_seed(0)
     assert LLMEngine(LlamaForCausalLM(LlamaConfig(**SMALL)).eval(), CFG, "llama").max_model_len == 2048
+
+
+def test_a_window_is_what_a_layer_hands_the_attention_not_an_attribute_name() -> None:
+    """Regression (s38 review r4): the window was read from attention modules with a ``q_proj``,
+    else from the config's ``sliding_window``. Phi-3's attention has a ``qkv_proj`` and slides on
+    its config's window (Phi-3-mini-4k: 2047 of 4096 positions): it was served its whole
+    ``max_position_embeddings``, attending past the window; a Llama whose config carries a stray
+    ``sliding_window`` (Llama never slides) was cut to it. Now the window is the one each layer
+    hands the attention function in a 1-token forward."""
+    torch.manual_seed(0)
+    phi3 = Phi3ForCausalLM(Phi3Config(sliding_window=16, pad_token_id=0, **SMALL)).eval()
+    prompt = [(7 * i) % 500 + 1 for i in range(12)]
+    with torch.no_grad():
+        want = int(phi3(torch.tensor([prompt])).logits[0, -1].argmax())  # the model's own attention
+    eng = LLMEngine(phi3, CFG, "phi3")
+    assert eng.max_model_len == 16
+    assert list(eng.generate([prompt], SamplingParams(max_tokens=1))[0].output_token_ids) == [want]
+    torch.manual_seed(0)
+    stray = LlamaForCausalLM(LlamaConfig(sliding_window=16, **SMALL)).eval()
+    assert LLMEngine(stray, CFG, "llama").max_model_len == 2048
 
 
 def test_soft_capped_attention_is_refused() -> None:
