@@ -128,11 +128,18 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
             ("grpc.max_send_message_length", max_message_bytes)]
 
 
-CLIENT_KEEPALIVE_S = 30.0
+CLIENT_KEEPALIVE_S = 310.0
 """A channel of our clients (``client_channel_options``) with a call open pings the gateway
-once it has heard nothing from it this long: at least the gateway's ``grpc_min_ping_interval_s``
-(10 s by default; a gateway set above it answers the faster pings with GOAWAY too_many_pings,
-after which grpc core doubles the client's interval)."""
+once it has heard nothing from it this long (any byte resets it: the gateway's own keepalive
+pings every ``grpc_keepalive_time_s``, 60 s, so a live gateway is seldom pinged at all). Over
+the 5 min grpc core's and grpc-go's servers allow by default between a client's pings without
+data (a proxy in front of the gateway; the gateway allows ``grpc_min_ping_interval_s``, 10 s):
+past 2 faster pings such a server answers GOAWAY ``too_many_pings``, ending the connection's
+calls UNAVAILABLE.
+
+Regression (s38 review): 30 s. A grpc server with its defaults ended a healthy stream silent
+90 s (a slow tool call after a token) or 150 s (a queued request, a long prefill) UNAVAILABLE
+"Too many pings"."""
 
 CLIENT_KEEPALIVE_TIMEOUT_S = 20.0
 """How long such a ping waits for its answer before the channel's calls end UNAVAILABLE."""
@@ -143,7 +150,7 @@ def client_channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
     to the gateway, with keepalive pings while a call is open (``CLIENT_KEEPALIVE_S``,
     ``CLIENT_KEEPALIVE_TIMEOUT_S``; none on an idle channel): a gateway that stops answering
     (its host gone without a word, its process stopped, a network path dropped) ends the call
-    UNAVAILABLE within their sum.
+    UNAVAILABLE within their sum (5.5 min).
 
     Regression (s38): our channels sent no pings, so a stream without a deadline (``kvstrata
     generate``, the workload's and the benchmarks' Generate calls) waited forever on a gateway
