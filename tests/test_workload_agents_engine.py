@@ -27,11 +27,12 @@ CONFIG = WorkloadConfig(
     seed=3, duration_s=5.0, max_sessions_per_tenant=1, min_subagents=2, max_subagents=2,
     max_reads=2, max_article_words=50,
     tenants=(TenantProfile("t", "standard", 5000.0, 500.0, 1.0, sessions_per_s=1.0),),
-    # the plan and the queries as long as the demo's (the checks parse them); the replies only
+    # the queries as long as the demo's (the checks parse them), the plan 32 tokens (its first two
+    # lines hold the two sub-agents' questions); the replies only
     # carried forward (reads, answers) or not read at all (the report) a few tokens: the run is
     # a chain of dependent calls, each token of its longest path one engine step; the articles
     # read cut to 50 words (150 by default): each is prefilled in the run and in its replay
-    max_tokens=CallMaxTokens(plan=48, search=12, read=2, answer=4, report=1),
+    max_tokens=CallMaxTokens(plan=32, search=12, read=2, answer=4, report=1),
 )  # fmt: skip
 
 
