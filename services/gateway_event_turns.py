@@ -27,10 +27,22 @@ MAX_QUEUED_BYTES_PER_NODE = MAX_MESSAGE_BYTES
 of the largest size always fits in an empty queue; a message past the bound is dropped. A node
 that keeps more waiting sends faster than the gateway routes, with its fair share of turns."""
 
+MESSAGE_OVERHEAD_BYTES = 64
+"""What one queued message takes of the gateway's memory beyond its bytes, counted against its
+sender's bound: its ``bytes`` object's header (33 bytes in CPython) and its queue slot, rounded up.
+Regression (review s38 r1): only its bytes counted, so a sender of tiny messages (2 bytes each)
+had ~20 times the bound held (64 MiB counted, ~1.4 GB held)."""
+
 EVENTS_PER_TURN = 128
-"""Events of one sender routed in one turn before the next sender with messages waiting (and
-the gateway's other tasks) runs: ~5-20 ms of routing on a loaded 2-core host (40-130 us an
-event), the most a normal node's message waits for each flooding one."""
+"""Events of one sender routed in one turn, over as many of its messages as they take, before
+the next sender with messages waiting (the gateway's other tasks run between its messages):
+~5-20 ms of routing on a loaded 2-core host (40-130 us an event), the most a normal node's
+message waits for each flooding one."""
+
+BYTES_PER_TURN = 1 << 20
+"""Bytes of one sender's messages unpacked in one turn, at most after its first message (1 MiB):
+a turn of many messages of few events each (``EVENTS_PER_TURN`` counts them) is bounded in
+decoding work too."""
 
 
 @dataclass
@@ -42,6 +54,8 @@ class _Queue:
     next_item: int = 0
     head_bytes: int = 0  # the unpacked head message's size, counted until its last item is routed
     queued_bytes: int = 0  # ``messages``' and the head's
+    turn_events: int = 0  # what is left of its turn (none: its next ``take`` starts one)
+    turn_bytes: int = 0
 
 
 class SenderTurns:
@@ -51,17 +65,20 @@ class SenderTurns:
         unpack: a message's bytes -> its ``[(request id, event), ...]`` items (raises on a bad
             message: ``take`` hands the error on).
         max_queued_bytes: each sender's bound (bytes of messages not fully routed).
-        events_per_turn: the events of one sender a ``take`` returns at most.
+        events_per_turn: the events of one sender's turn, at most.
+        bytes_per_turn: the bytes of the messages one sender's turn unpacks, at most after its
+            first.
     """
 
     def __init__(self, unpack: Callable[[bytes], list[tuple[str, Any]]],
                  max_queued_bytes: int = MAX_QUEUED_BYTES_PER_NODE,
-                 events_per_turn: int = EVENTS_PER_TURN) -> None:
-        if max_queued_bytes <= 0 or events_per_turn <= 0:
-            raise ValueError(f"max_queued_bytes ({max_queued_bytes}) and events_per_turn ({events_per_turn}) "
-                             "must be positive")
+                 events_per_turn: int = EVENTS_PER_TURN, bytes_per_turn: int = BYTES_PER_TURN) -> None:
+        if min(max_queued_bytes, events_per_turn, bytes_per_turn) <= 0:
+            raise ValueError(f"max_queued_bytes ({max_queued_bytes}), events_per_turn ({events_per_turn}) and "
+                             f"bytes_per_turn ({bytes_per_turn}) must be positive")
         self.unpack = unpack
         self.max_queued_bytes, self.events_per_turn = max_queued_bytes, events_per_turn
+        self.bytes_per_turn = bytes_per_turn
         self._queues: dict[str | None, _Queue] = {}
         self._ring: deque[str | None] = deque()  # senders with work, in turn order
         self._ready = asyncio.Event()
@@ -87,28 +104,41 @@ class SenderTurns:
         return queue.queued_bytes if queue is not None else 0
 
     async def take(self) -> tuple[str | None, list[tuple[str, Any]] | BaseException, bool]:
-        """The next turn, waiting for one: (sender, up to ``events_per_turn`` of its items, in
-        the order sent, whether they are the first of their message), or (sender, the error
-        ``unpack`` raised for its next message, which is dropped, True). The sender goes to the
-        back of the turns when it has more waiting."""
+        """The next part of the current turn, waiting for one: (sender, up to the rest of its
+        turn of its items, in the order sent, whether they are the first of their message), or
+        (sender, the error ``unpack`` raised for its next message, which is dropped, True). A
+        sender's turn goes on over its messages (one a ``take``) until it has had
+        ``events_per_turn`` events (a message of none, or refused, counts one) or unpacked
+        ``bytes_per_turn`` bytes of messages (its first message always), or has none waiting;
+        then the next sender's starts, and it goes to the back of the turns if it has more.
+
+        Regression (review s38 r1): a turn ended with its message, so a sender of small
+        messages (a node's step events are one message a step) had one message routed per
+        turn beside a flood's ``events_per_turn`` events, and fell behind for good once it
+        sent more messages a second than the turns went round: not deficit round robin."""
         while not self._ring:
             self._ready.clear()
             await self._ready.wait()
         sender = self._ring.popleft()
         queue = self._queues[sender]
+        if queue.turn_events <= 0 or queue.turn_bytes <= 0:  # its turn starts
+            queue.turn_events, queue.turn_bytes = self.events_per_turn, self.bytes_per_turn
         turn: list[tuple[str, Any]] | BaseException
         first = queue.next_item >= len(queue.items)
         if first:  # the head message is next: unpack it
             message = queue.messages.popleft()
+            queue.turn_bytes -= len(message)
             try:
                 queue.items, queue.next_item, queue.head_bytes = self.unpack(message), 0, _size(message)
             except Exception as exc:  # noqa: BLE001 - any bytes at all: the caller drops and counts
                 queue.items, queue.next_item, queue.head_bytes = [], 0, 0
                 queue.queued_bytes -= _size(message)
+                queue.turn_events -= 1
                 self._requeue(sender, queue)
                 return sender, exc, True
-        end = queue.next_item + self.events_per_turn
+        end = queue.next_item + queue.turn_events
         turn, queue.next_item = queue.items[queue.next_item:end], min(end, len(queue.items))
+        queue.turn_events -= max(len(turn), 1)
         if queue.next_item >= len(queue.items):  # its last items: the message is routed
             queue.queued_bytes -= queue.head_bytes
             queue.items, queue.next_item, queue.head_bytes = [], 0, 0
@@ -116,13 +146,16 @@ class SenderTurns:
         return sender, turn, first
 
     def _requeue(self, sender: str | None, queue: _Queue) -> None:
-        if queue.queued_bytes:
-            self._ring.append(sender)
-        else:
+        if not queue.queued_bytes:
             del self._queues[sender]
+        elif queue.turn_events > 0 and queue.turn_bytes > 0:
+            self._ring.appendleft(sender)  # its turn goes on
+        else:
+            self._ring.append(sender)
 
 
 def _size(message: bytes) -> int:
-    """What ``message`` counts against its sender's bound: its bytes, and 1 for an empty one
-    (every queued message counts, so a sender with any waiting has a turn)."""
-    return len(message) or 1
+    """What ``message`` counts against its sender's bound: its bytes and ``MESSAGE_OVERHEAD_BYTES``
+    (every queued message counts, an empty one included, so a sender with any waiting has a
+    turn)."""
+    return len(message) + MESSAGE_OVERHEAD_BYTES

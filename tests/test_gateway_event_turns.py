@@ -11,6 +11,7 @@ The real ``NodeStreams`` on the real data plane (CURVE, a key per node), its sen
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ import zmq
 
 from services import data_plane
 from services.data_plane_auth import DataPlaneKeys
-from services.gateway_event_turns import SenderTurns
+from services.gateway_event_turns import EVENTS_PER_TURN, MESSAGE_OVERHEAD_BYTES, SenderTurns
 from services.gateway_streams import NodeStreams
 from services.metrics import GatewayMetrics
 from tests.test_http_metrics import samples
@@ -54,6 +55,14 @@ class Node:
         await asyncio.wait_for(self.sock.send(message), 30)  # (the first waits for the handshake)
 
 
+def blocking_node(context: Any, keys: DataPlaneKeys, node_id: str, address: str) -> Any:
+    """A node's event socket whose sends never run the gateway's loop (a blocking one)."""
+    sock = context.socket(zmq.PUSH)
+    keys.security("node", node_id=node_id).connect_to(sock, "gateway")
+    sock.connect(address)
+    return sock
+
+
 @asynccontextmanager
 async def gateway(**kwargs: Any) -> AsyncIterator[tuple[NodeStreams, DataPlaneKeys, Node, Node]]:
     """A gateway's ``NodeStreams``, the keys, and nodes n0 and n1 connected to its event inbox."""
@@ -78,45 +87,101 @@ async def until(predicate: Any, timeout_s: float = 20.0) -> None:
 
 def test_turns_alternate_senders_within_messages_in_order() -> None:
     """``SenderTurns`` gives each sender with messages waiting a turn of at most
-    ``events_per_turn`` events in turn, each sender's events in the order sent; a bad message is
-    handed on as its error and its bytes no longer count. An empty message counts 1 byte (it
-    counted 0: a sender with two queued was dropped from the turns with one still queued, and
-    the next turn raised KeyError, ending the gateway's routing for good)."""
+    ``events_per_turn`` events in turn, over as many of its messages as they take (one split
+    where the turn ends), each sender's events in the order sent; a bad message is handed on as
+    its error (it counts one event) and its bytes no longer count. An empty message counts
+    (it counted 0: a sender with two queued was dropped from the turns with one still queued,
+    and the next turn raised KeyError, ending the gateway's routing for good)."""
     def unpack(message: bytes) -> list[tuple[str, Any]]:
         if message in (b"bad", b""):
             raise ValueError(message.decode() or "empty")
         return [(message.decode(), i) for i in range(int(message[1:]))]
 
     async def go() -> list[Any]:
-        turns = SenderTurns(unpack, max_queued_bytes=100, events_per_turn=2)
+        turns = SenderTurns(unpack, max_queued_bytes=1000, events_per_turn=2)
         assert turns.add("n1", b"a5") and turns.add("n1", b"bad") and turns.add("n0", b"c1")
         assert turns.add("n0", b"d3")
-        assert turns.queued_bytes("n1") == 5 and turns.queued_bytes("n0") == 4
+        assert turns.queued_bytes("n1") == 5 + 2 * MESSAGE_OVERHEAD_BYTES
+        assert turns.queued_bytes("n0") == 4 + 2 * MESSAGE_OVERHEAD_BYTES
         got = []
-        assert turns.add("n2", b"") and turns.add("n2", b"") and turns.queued_bytes("n2") == 2
+        assert turns.add("n2", b"") and turns.add("n2", b"")
+        assert turns.queued_bytes("n2") == 2 * MESSAGE_OVERHEAD_BYTES
         while any(turns.queued_bytes(n) for n in ("n0", "n1", "n2")):
             sender, items, first = await turns.take()
             got.append((sender, items if isinstance(items, list) else repr(items), first))
         return got
 
-    bad = "ValueError('bad')"
+    bad, empty = "ValueError('bad')", "ValueError('empty')"
     assert asyncio.run(go()) == [
-        ("n1", [("a5", 0), ("a5", 1)], True), ("n0", [("c1", 0)], True), ("n2", "ValueError('empty')", True),
-        ("n1", [("a5", 2), ("a5", 3)], False), ("n0", [("d3", 0), ("d3", 1)], True),
-        ("n2", "ValueError('empty')", True), ("n1", [("a5", 4)], False), ("n0", [("d3", 2)], False),
-        ("n1", bad, True)]
+        ("n1", [("a5", 0), ("a5", 1)], True),
+        ("n0", [("c1", 0)], True), ("n0", [("d3", 0)], True),  # one turn, over two messages
+        ("n2", empty, True), ("n2", empty, True),
+        ("n1", [("a5", 2), ("a5", 3)], False),
+        ("n0", [("d3", 1), ("d3", 2)], False),
+        ("n1", [("a5", 4)], False), ("n1", bad, True)]
 
 
-def test_turns_refuse_a_message_past_the_senders_bound() -> None:
-    """A sender's messages past ``max_queued_bytes`` are refused (one alone always fits);
-    another sender's are not."""
-    turns = SenderTurns(lambda m: [], max_queued_bytes=10, events_per_turn=1)
-    assert turns.add("n1", b"x" * 50)  # alone: fits
-    assert not turns.add("n1", b"x")
-    assert turns.add("n0", b"y" * 10) and not turns.add("n0", b"y")
-    assert turns.queued_bytes("n1") == 50 and turns.queued_bytes("n0") == 10
-    with pytest.raises(ValueError):
-        SenderTurns(lambda m: [], max_queued_bytes=0)
+def test_a_turn_ends_past_its_bytes() -> None:
+    """A turn of messages of few events each ends once it has unpacked ``bytes_per_turn`` bytes
+    (its first message always): its decoding work is bounded, not only its events."""
+    async def go() -> list[str | None]:
+        turns = SenderTurns(lambda m: [("r", 0)], events_per_turn=100, bytes_per_turn=25)
+        for _ in range(4):
+            assert turns.add("n1", b"x" * 10)
+        assert turns.add("n0", b"y" * 40) and turns.add("n0", b"y")
+        return [(await turns.take())[0] for _ in range(6)]
+
+    # n1's turn ends at its third message (30 bytes), n0's at its first (40)
+    assert asyncio.run(go()) == ["n1", "n1", "n1", "n0", "n1", "n0"]
+
+
+def test_a_senders_bound_holds_its_messages_memory() -> None:
+    """Regression (review s38 r1): a message counted its bytes alone against its sender's bound,
+    so a node sending 2-byte messages had 5,000 held under a 10,000-byte bound, taking ~215 KB
+    (a ``bytes`` object's header and its queue slot each: ~1.4 GB under the real 64 MiB bound).
+    Now what the messages held take (``sys.getsizeof`` and a queue slot each) stays within the
+    bound."""
+    turns = SenderTurns(lambda m: [], max_queued_bytes=10_000)
+    held = []
+    while turns.add("n1", message := len(held).to_bytes(2, "big")):
+        held.append(message)
+    taken = sum(sys.getsizeof(m) + 8 for m in held)
+    assert taken <= 10_000, f"{len(held)} messages held, taking {taken} bytes"
+
+
+def test_a_node_of_small_messages_keeps_up_beside_a_flood() -> None:
+    """Regression (review s38 r1): a turn ended with its sender's message, so beside a node
+    flooding 2,000-event messages a node sending one-event messages (a node's step events
+    are a message a step) had one message routed per flood turn of ``EVENTS_PER_TURN`` events:
+    with 10 flood messages and 200 of n0's waiting, n0's last event came after every flood event
+    (20,000). Now n0's turn takes ``EVENTS_PER_TURN`` of its events over its messages: its last
+    comes within the flood's first few turns."""
+    async def go() -> tuple[int, int]:
+        async with gateway() as (streams, keys, _, _):
+            flood_routed, n0_routed = [0], []
+            streams.open("a", on_event=lambda e: n0_routed.append(flood_routed[0]))
+            streams.bind("a", "n0")
+            streams.open("b", on_event=lambda e: flood_routed.__setitem__(0, flood_routed[0] + 1))
+            streams.bind("b", "n1")
+            context = zmq.Context()
+            n0, n1 = (blocking_node(context, keys, node_id, streams.subscriber) for node_id in ("n0", "n1"))
+            try:
+                n0.send(data_plane.pack([["a", delta("hello")]]))  # both keys' handshakes done
+                n1.send(data_plane.pack([["b", delta("hello")]]))
+                await until(lambda: n0_routed and flood_routed[0])
+                n0_routed.clear()
+                for _ in range(10):  # (sent without the gateway's loop running meanwhile)
+                    n1.send(flood_message("b"))
+                for i in range(200):
+                    n0.send(data_plane.pack([["a", delta(f"t{i}")]]))
+                await asyncio.to_thread(time.sleep, 0.3)  # all of them at the gateway's inbox
+                await until(lambda: len(n0_routed) == 200 and flood_routed[0] == 1 + 10 * FLOOD_EVENTS)
+            finally:
+                context.destroy(linger=0)
+            return n0_routed[-1] - 1, n0_routed[0] - 1
+
+    last, first = asyncio.run(go())
+    assert last <= 3 * EVENTS_PER_TURN, f"n0's last event came after {last} flood events (its first after {first})"
 
 
 class Sender(threading.Thread):
