@@ -362,6 +362,8 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     ``timeout_s``) until the gateway's port no longer answers. Returns the number killed."""
     import ray
 
+    from services.actor_refs import kill_gone
+
     names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
     if SCHEDULER_ACTOR in names:  # its usage counters and session routes since its last periodic store
         try:
@@ -372,7 +374,7 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     if SCHEDULER_ACTOR in names:  # first, and gone before the others are listed again: its spill
         # watch creates a dead spill node again (services.spill_recreate). Regression (s38 review):
         # one it created after the list above outlived down (detached), its name and directory taken
-        _kill_gone(SCHEDULER_ACTOR, namespace, timeout_s)
+        kill_gone(SCHEDULER_ACTOR, namespace, timeout_s)
         names += [name for name in _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
                   if name not in names]
     for name in names:
@@ -382,19 +384,6 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
     while gateway_address and reachable(gateway_address, 0.2) and time.monotonic() < deadline:
         time.sleep(0.1)
     return len(names)
-
-
-def _kill_gone(name: str, namespace: str, timeout_s: float) -> None:
-    """Kill actor ``name`` of ``namespace`` and wait (up to ``timeout_s``) until Ray no longer
-    lists it alive (``ray.kill`` returns before the actor is dead)."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    with contextlib.suppress(ValueError):  # gone meanwhile
-        ray.kill(ray.get_actor(name, namespace=namespace))
-        while time.monotonic() < deadline:
-            ray.get_actor(name, namespace=namespace)  # ValueError once it is dead
-            time.sleep(0.05)
 
 
 def down() -> None:

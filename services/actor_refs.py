@@ -15,6 +15,8 @@ so a restart never depends on references the creating driver owned.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,3 +58,16 @@ def actor_restarts() -> int:
         return max(1, int(state.actors(actor_id).get("NumRestarts", 1)))
     except Exception:  # noqa: BLE001 - an internal API: fall back to the public flag
         return 1
+
+
+def kill_gone(name: str, namespace: str, timeout_s: float) -> None:
+    """Kill actor ``name`` of ``namespace`` and wait (up to ``timeout_s``) until Ray no longer
+    lists it alive (``ray.kill`` returns before the actor is dead); nothing when no actor has
+    that name. ``kvstrata down`` and the launcher kill the global scheduler so before the spill
+    nodes, which its spill watch creates again (``services.spill_recreate``)."""
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(ValueError):  # gone meanwhile
+        ray.kill(ray.get_actor(name, namespace=namespace))
+        while time.monotonic() < deadline:
+            ray.get_actor(name, namespace=namespace)  # ValueError once it is dead
+            time.sleep(0.05)

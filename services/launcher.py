@@ -19,7 +19,7 @@ from cache_node.model_files import resolve_model_dir
 from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_lock import SpillDirLocked
-from services.actor_refs import ActorRef
+from services.actor_refs import ActorRef, kill_gone
 from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
@@ -147,7 +147,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
              security=keys.security("scheduler", host), peers=peers, holders=index_holders(config, spec),
              **session_limits(config))
     threads = config.node.torch_threads or max(1, (os.cpu_count() or 2) // n)
-    placed = [scheduler]  # killed again when this start fails (_kill_placed)
+    placed = {SCHEDULER_NAME: scheduler}  # name -> handle: killed again when this start fails (_kill_placed)
     try:
         spill_nodes = _start_spill_nodes(config, recipe, placed)
         # peers by name, not by handle: the restartable actors look them up themselves on each
@@ -164,7 +164,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
             ).remote(nid, config.node, threads, scheduler_ref, config.session_ttl_s, config.scheduler,
                      spill_refs, spec if spill_nodes else None, keys.security("node", host, nid),
                      metrics=metrics_endpoint(config, config.node_metrics_port))
-            placed.append(nodes[nid])
+            placed[nid] = nodes[nid]
         # created now, while the nodes load their models: its process start and imports (~9 s of
         # a loaded 2-core host, torch and transformers among them) overlap their load; it serves
         # (``start``) only once their data planes are attached. Its constructor looks the nodes
@@ -178,7 +178,7 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
             config.http_forwarded_allow_ips, ConnectionLimits.of(config), StreamLimits.of(config),
             GrpcLimits.of(config), BodyLimits.of(config), ServerTls.of(config), config.tool_call_parser,
         )
-        placed.append(gateway)
+        placed[GATEWAY_NAME] = gateway
         # wait until models are loaded
         _wait_placed([node.describe.remote() for node in nodes.values()], config, config.cache_node_resource,
                      "cache node")
@@ -195,21 +195,42 @@ def start_services(config: ServiceConfig, address: str | None = None) -> Service
                         _answer(gateway.http_address.remote(), config, "the gateway's http_address"),
                         gateway_ip if gateway_ip != ray.util.get_node_ip_address() else "")
     except BaseException:
-        _kill_placed(placed)
+        _kill_placed(placed, config.namespace)
         raise
 
 
-def _kill_placed(handles: list[Any]) -> None:
-    """Kill the actors a failed ``start_services`` created (detached ones outlive their
-    driver; the others held their names, and the gateway its port, until it exits), so that a
-    start again does not fail on their names. Regression: a failed start left the scheduler
-    and the nodes placed so far (``kvstrata up`` on a joined cluster killed them by name
-    after it, review 23d H; a library caller had none killed)."""
-    for handle in handles:
+KILL_WAIT_S = 10.0
+"""How long stopping a deployment waits for the global scheduler to be dead before it kills the
+spill nodes (``services.actor_refs.kill_gone``)."""
+
+
+def _kill_placed(placed: dict[str, Any], namespace: str) -> None:
+    """Kill the actors a failed ``start_services`` created (``placed``: name -> handle, the
+    scheduler's first; detached ones outlive their driver; the others held their names, and the
+    gateway its port, until it exits), so that a start again does not fail on their names.
+    Regression: a failed start left the scheduler and the nodes placed so far (``kvstrata up`` on
+    a joined cluster killed them by name after it, review 23d H; a library caller had none killed).
+
+    The scheduler goes first and is dead before the others are killed: its spill watch creates a
+    spill node that died during the start again (``services.spill_recreate``), under a name this
+    start created, so those names are killed again (another deployment's actors keep theirs).
+    Regression (s38): one it created meanwhile outlived the failed start."""
+    with contextlib.suppress(Exception):  # the cluster unreachable: nothing to kill
+        kill_gone(SCHEDULER_NAME, namespace, KILL_WAIT_S)
+    for handle in placed.values():
         try:
             ray.kill(handle)
         except Exception as exc:  # noqa: BLE001 - gone already, or the cluster unreachable: nothing to kill
             log.debug("failed start: could not kill %s: %s", handle, exc)
+    _kill_spill_names([name for name in placed if name.startswith("spill_node_")], namespace)
+
+
+def _kill_spill_names(names: list[str], namespace: str) -> None:
+    """Kill the actors now holding ``names`` (spill nodes the scheduler created again hold them
+    with other handles than the launcher's)."""
+    for name in names:
+        with contextlib.suppress(Exception):  # none alive by that name, or the cluster unreachable
+            ray.kill(ray.get_actor(name, namespace=namespace))
 
 
 def index_holders(config: ServiceConfig, spec: SpillBlockSpec) -> IndexHolders:
@@ -307,7 +328,7 @@ def spill_recipe(config: ServiceConfig, spec: SpillBlockSpec) -> SpillRecipe:
         deployment=deployment_id(config.state_path))  # another deployment's store is not its own
 
 
-def _start_spill_nodes(config: ServiceConfig, recipe: SpillRecipe, placed: list[Any] | None = None) -> list[Any]:
+def _start_spill_nodes(config: ServiceConfig, recipe: SpillRecipe, placed: dict[str, Any] | None = None) -> list[Any]:
     """Spill node actors (``recipe``: ``spill_node`` resource), each with its own directory, reporting
     their block events to the GlobalScheduler's index (``SCHEDULER_NAME``, looked up by the
     node) under their names (``spill_node_<i>``).
@@ -321,7 +342,7 @@ def _start_spill_nodes(config: ServiceConfig, recipe: SpillRecipe, placed: list[
     (``services.spill_node``): its own previous process (a start right after a stop) is waited
     for within ``start_timeout_s``; another store (another deployment on this ``spill_dir``)
     fails the start with a message naming it (``await_serving``). Each node is appended to
-    ``placed`` once created: ``start_services`` kills it when the start fails (``_kill_placed``),
+    ``placed`` (by name) once created: ``start_services`` kills it when the start fails (``_kill_placed``),
     so it does not go on trying then (``kvstrata up`` stopped it after such a failure before
     too: its Ray cluster, or its actors by name).
 
@@ -333,7 +354,7 @@ def _start_spill_nodes(config: ServiceConfig, recipe: SpillRecipe, placed: list[
     for name, _ in recipe.root_dirs:  # each in ``placed`` once created (review s37 r4 F2)
         handles.append(recipe.create(name))
         if placed is not None:
-            placed.append(handles[-1])
+            placed[name] = handles[-1]
     try:
         _wait_placed([h.ready.remote() for h in handles], config, config.spill_node_resource, "spill node")
     except SpillDirLocked:  # ray.get raises a task's error as its cause's class too
@@ -386,7 +407,9 @@ gateway's stop ended before it stores usage (``GlobalSchedulerService.flush_dura
 def stop_services(services: Services) -> None:
     """Stop the gateway, store the scheduler's usage counters and sessions (the next start
     refuses the turns of the sessions open now: their histories go with the nodes), and kill
-    every actor of the deployment."""
+    every actor of the deployment: the scheduler first, dead before the others are killed (its
+    spill watch creates a dead spill node again, ``services.spill_recreate``; regression (s38):
+    one it created after the spill nodes' kills outlived the stop, its name and directory taken)."""
     drain_s = STOP_DRAIN_S
     try:
         ray.get(services.gateway.stop.remote(), timeout=10)
@@ -398,8 +421,8 @@ def stop_services(services: Services) -> None:
         ray.get(services.scheduler.flush_durable.remote(drain_s=drain_s), timeout=10 + drain_s)
     except Exception as exc:  # noqa: BLE001 - best effort: a crash loses at most USAGE_FLUSH_S of it
         log.warning("usage counters and session routes of the last seconds not stored at stop: %s", exc)
+    kill_gone(SCHEDULER_NAME, services.config.namespace, KILL_WAIT_S)
     for handle in [services.gateway, *services.nodes.values(), services.scheduler, *services.spill_nodes]:
         ray.kill(handle)
-    for i in range(len(services.spill_nodes)):  # one the scheduler created again has another handle
-        with contextlib.suppress(ValueError):  # none alive by that name
-            ray.kill(ray.get_actor(f"spill_node_{i}", namespace=services.config.namespace))
+    # one the scheduler created again has another handle
+    _kill_spill_names([f"spill_node_{i}" for i in range(len(services.spill_nodes))], services.config.namespace)

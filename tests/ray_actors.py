@@ -11,6 +11,7 @@ from here 1.3-3.5 s; importing tests.test_tier_ray costs 7.5 s of CPU, this modu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -148,3 +149,32 @@ class RecreatingScheduler:
     def flush_durable(self) -> None:
         holder = NameHolder.options(name=self.name, namespace=self.namespace, lifetime="detached").remote()
         ray.get(holder.ping.remote())
+
+
+@ray.remote(num_cpus=0)
+class WatchingScheduler:
+    """A global scheduler whose spill watch creates spill node ``name`` again (detached, as
+    ``services.spill_recreate`` does) whenever no actor holds that name, polling every 10 ms
+    from ``watch`` (or ``flush_durable``, which a stop calls) until its process dies."""
+
+    def __init__(self, namespace: str, name: str) -> None:
+        self.namespace, self.name, self.created = namespace, name, 0
+
+    def watch(self) -> None:
+        threading.Thread(target=self._recreate, daemon=True).start()
+
+    def flush_durable(self, drain_s: float = 0.0) -> None:
+        self.watch()
+
+    def recreated(self) -> int:
+        return self.created
+
+    def _recreate(self) -> None:
+        while True:
+            try:
+                ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError:  # none alive: created again
+                with contextlib.suppress(ValueError):  # the name not released yet
+                    NameHolder.options(name=self.name, namespace=self.namespace, lifetime="detached").remote()
+                    self.created += 1
+            time.sleep(0.01)
