@@ -45,10 +45,11 @@ POOL_BLOCKS = 96
 def tiny_checkpoint() -> Path:
     """A random tiny Llama checkpoint (2 layers, hidden 64, SmolLM2's 49,152-token vocabulary
     and tokenizer), created on first use in ``cache_dir()``; returns its directory."""
+    from cache_node.model_files import incomplete_reason, save_checkpoint
     from cache_node.model_loader import _GGUF_FILE, _gguf_dir, cache_dir
 
     target = cache_dir() / TINY_NAME
-    if (target / "config.json").exists():
+    if incomplete_reason(target) is None:
         return target
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -61,15 +62,9 @@ def tiny_checkpoint() -> Path:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, target)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    shutil.rmtree(target, ignore_errors=True)  # not whole (a build cut short): built again
+    return save_checkpoint(target, model, tok)  # crash-safe; another process's first build is kept
 
 
 def block_bytes() -> int:

