@@ -45,6 +45,16 @@ def resolve(peer: Any) -> Any:
     return peer.resolve() if isinstance(peer, ActorRef) else peer
 
 
+def resolve_or_none(peer: Any) -> Any:
+    """``resolve(peer)``, but None when ``peer`` is an :class:`ActorRef` with no live actor of
+    its name (a spill node dead for good that the global scheduler has not created again yet:
+    ``services.spill_recreate``)."""
+    try:
+        return resolve(peer)
+    except ValueError:
+        return None
+
+
 def actor_restarts() -> int:
     """How often Ray restarted the current actor: 0 for a first start and outside an actor;
     its GCS record's count after a restart (1 when that record is unreadable)."""

@@ -42,7 +42,7 @@ from cache_node.policies.base import PolicyEnv
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
-from services.actor_refs import ActorRef, actor_restarts, resolve
+from services.actor_refs import ActorRef, actor_restarts, resolve, resolve_or_none
 from services.block_reports import BlockReporter
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
@@ -341,7 +341,14 @@ class CacheNodeActor(CacheNode):
         spill_names = [node.name if isinstance(node, ActorRef) else f"spill node {i}"
                        for i, node in enumerate(spill_nodes or [])]
         spill_refs = list(spill_nodes or [])
-        spill_nodes = [resolve(node) for node in spill_refs]
+        # a spill node with no live actor (dead for good, not yet created again: services.spill_recreate)
+        # is None: its calls fail as a dead node's until its client finds it by name. Regression (s38):
+        # ray.get_actor's ValueError here left a cache node (re)started meanwhile dead for good
+        spill_nodes = [resolve_or_none(node) for node in spill_refs]
+        for name, handle in zip(spill_names, spill_nodes):
+            if handle is None:
+                log.warning("cache node %s: no live actor named %s yet: its shard misses until it appears",
+                            node_id, name)
         self._reporter = BlockReporter(scheduler) if scheduler else None
         sink = self._report_blocks if self._reporter is not None else None
         spill = None

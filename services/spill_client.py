@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,12 @@ class RaySpillClient:
     """Batched put/get over one or more SpillNode actor handles, with per-call timeouts.
 
     Args:
-        nodes: SpillNode actor handles (``services.spill_node.create_spill_node``).
+        nodes: SpillNode actor handles (``services.spill_node.create_spill_node``); None for a
+            node with no live actor when the client is made (its ``refs`` entry names it): its
+            calls fail as a dead node's (misses, dropped writes, a flush error) and it is looked
+            up by name as one seen dead now. Regression (s38): the cache node's constructor
+            raised on such a node (``ray.get_actor``'s ValueError), so a cache node (re)started
+            while a spill node was missing stayed dead for good.
         block_shape: one block's shape ``(num_layers, 2, block_size, num_kv_heads, head_dim)``.
         dtype: numpy dtype name of the blocks.
         get_timeout_s: longest wait for ``get``/``contains``/``flush`` replies (seconds).
@@ -64,12 +69,13 @@ class RaySpillClient:
             created again (``services.spill_recreate``) gets this client's calls. Regression
             (s38): the handles were resolved once, at the cache node's start.
 
-    Raises ValueError for no nodes, a non-positive timeout or not one name per node.
+    Raises ValueError for no nodes, a non-positive timeout, not one name (ref) per node or a
+    missing node (None) without a ref.
     """
 
     def __init__(
         self,
-        nodes: Sequence[ActorHandle],
+        nodes: Sequence[ActorHandle | None],
         block_shape: Sequence[int],
         dtype: str,
         get_timeout_s: float = 5.0,
@@ -87,7 +93,10 @@ class RaySpillClient:
         self.refs = list(refs) if refs is not None else [None] * len(self.nodes)
         if len(self.refs) != len(self.nodes):
             raise ValueError(f"{len(self.refs)} refs for {len(self.nodes)} spill nodes")
-        self._died: dict[int, float] = {}  # node -> when its actor was last seen dead for good (monotonic)
+        if any(node is None and ref is None for node, ref in zip(self.nodes, self.refs)):
+            raise ValueError("a spill node with no handle needs a ref to look it up by")
+        # node -> when its actor was last seen dead for good (monotonic); a missing one: now
+        self._died: dict[int, float] = {i: time.monotonic() for i, node in enumerate(self.nodes) if node is None}
         self.names = list(names) if names is not None else [f"spill node {i}" for i in range(len(nodes))]
         self._waiting: dict[int, Any] = {}  # node -> the call of a gather in progress
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -100,9 +109,10 @@ class RaySpillClient:
         # (node, kind) -> (when its failure was last logged, failures not logged since)
         self._fail_logs: dict[tuple[int, str], tuple[float, int]] = {}
 
-    def _node(self, i: int) -> ActorHandle:
+    def _node(self, i: int) -> ActorHandle | None:
         """Node ``i``'s handle; one seen dead for good is looked up again by name (``refs``) once
-        ``RELOOKUP_S`` passed since (no live actor yet: the old handle, whose calls fail at once)."""
+        ``RELOOKUP_S`` passed since (no live actor yet: the old handle, whose calls fail at once,
+        or None for a node never found: ``_send`` fails its calls)."""
         died, ref = self._died.get(i), self.refs[i]
         if died is None or ref is None or time.monotonic() - died < RELOOKUP_S:
             return self.nodes[i]
@@ -113,6 +123,22 @@ class RaySpillClient:
         except Exception:  # noqa: BLE001 - no live actor of that name yet
             self._died[i] = time.monotonic()
         return self.nodes[i]
+
+    def _send(self, nodes: Iterable[int], call: Callable[[int, ActorHandle], Any], kind: str,
+              errors: dict[int, str] | None = None) -> dict[int, Any]:
+        """``call(i, handle)`` (an actor call's ObjectRef) for each node ``i`` of ``nodes``; one
+        with no handle (no live actor of its name found yet) is a failed ``kind`` call at once,
+        counted, logged and in ``errors`` as a dead node's."""
+        refs: dict[int, Any] = {}
+        for i in nodes:
+            handle = self._node(i)
+            if handle is None:
+                self._fail(kind, i, f"no live actor named {self.names[i]}")
+                if errors is not None:
+                    errors[i] = f"failed: no live actor named {self.names[i]}"
+            else:
+                refs[i] = call(i, handle)
+        return refs
 
     def shard_of(self, block_hash: bytes) -> int:
         """Index of the node that holds ``block_hash``."""
@@ -127,10 +153,8 @@ class RaySpillClient:
         blocks newly stored (failures, a node refusing the weight or not serving among them: 0,
         counted in ``put_failures`` and logged, as a dead node's)."""
         shards = {i: rows for i, rows in self._split(hashes).items() if not self._busy(i)}
-        refs: dict[int, Any] = {
-            i: self._node(i).put.remote([hashes[r] for r in rows], blocks[rows], namespace,
-                                        _pick(token_ids, rows), weight)
-            for i, rows in shards.items()}
+        refs = self._send(shards, lambda i, node: node.put.remote(
+            [hashes[r] for r in shards[i]], blocks[shards[i]], namespace, _pick(token_ids, shards[i]), weight), "put")
         replies = self._gather(refs, self.put_timeout_s, "put")
         self._late_puts.update({i: ref for i, ref in refs.items() if i not in replies})
         return sum(int(v) for v in replies.values())
@@ -153,8 +177,8 @@ class RaySpillClient:
         """Hits among ``hashes`` in request order (token-checked by the nodes when
         ``token_ids`` is given); a failed node's hashes are misses."""
         shards = self._split(hashes)
-        refs = {i: self._node(i).get.remote([hashes[r] for r in rows], _pick(token_ids, rows))
-                for i, rows in shards.items()}
+        refs = self._send(shards, lambda i, node: node.get.remote(
+            [hashes[r] for r in shards[i]], _pick(token_ids, shards[i])), "get")
         rows_of: dict[bytes, tuple[np.ndarray, str]] = {}
         for i, reply in self._gather(refs, self.get_timeout_s, "get").items():
             # regression: rows of another shape or dtype were broadcast or cast into the
@@ -174,8 +198,7 @@ class RaySpillClient:
     def contains(self, hashes: Sequence[bytes]) -> list[str | None]:
         """Tier of each hash on its node; None for a miss or a failed node."""
         shards = self._split(hashes)
-        refs = {i: self._node(i).contains.remote([hashes[r] for r in rows])
-                for i, rows in shards.items()}
+        refs = self._send(shards, lambda i, node: node.contains.remote([hashes[r] for r in shards[i]]), "contains")
         replies = self._gather(refs, self.get_timeout_s, "contains")
         out: list[str | None] = [None] * len(hashes)
         for i, tiers in replies.items():
@@ -194,8 +217,8 @@ class RaySpillClient:
                 counted as 0 blocks dropped and the flush as done.
         """
         wait_s = self.put_timeout_s if timeout_s is None else max(0.0, float(timeout_s))
-        refs = {i: self._node(i).flush.remote() for i in range(len(self.nodes))}
         errors: dict[int, str] = {}
+        refs = self._send(range(len(self.nodes)), lambda i, node: node.flush.remote(), "flush", errors)
         replies = self._gather(refs, wait_s, "flush", errors)
         dropped = 0
         for i, reply in replies.items():
@@ -222,12 +245,13 @@ class RaySpillClient:
         """Drop ``namespace``'s blocks (salted variants too) on every node (a block's node
         follows its hash, not its namespace); returns blocks dropped by the nodes that
         answered (a failed node is logged and counted in ``drop_namespace_failures``)."""
-        refs = {i: self._node(i).drop_namespace.remote(namespace) for i in range(len(self.nodes))}
+        refs = self._send(range(len(self.nodes)), lambda i, node: node.drop_namespace.remote(namespace),
+                          "drop_namespace")
         return sum(int(v) for v in self._gather(refs, self.put_timeout_s, "drop_namespace").values())
 
     def take_events(self) -> list[SpillEvent]:
         """Every node's events since the last call (a failed node contributes none)."""
-        refs = {i: self._node(i).take_events.remote() for i in range(len(self.nodes))}
+        refs = self._send(range(len(self.nodes)), lambda i, node: node.take_events.remote(), "take_events")
         replies = self._gather(refs, self.get_timeout_s, "take_events")
         return [event for i in sorted(replies) for event in replies[i]]
 
