@@ -100,7 +100,9 @@ def save_checkpoint(target: Path, model: Any, tokenizer: Any) -> Path:
     and renamed to ``target``, and the parent is fsynced. A crash at any point leaves no
     ``target`` or a temp directory without ``COMPLETE_FILE`` (``incomplete_reason`` says so),
     never a ``target`` that passes for complete. When ``target`` appeared meanwhile (another
-    process saved it first) the temp directory is removed and ``target`` kept.
+    process saved it first) the temp directory is removed and ``target`` kept if
+    ``incomplete_reason`` finds it whole, else replaced (one written without a record: a
+    kvstrata from before the record, or a crash).
 
     Raises:
         OSError: the directory cannot be written; what ``save_pretrained`` raises.
@@ -121,9 +123,12 @@ def save_checkpoint(target: Path, model: Any, tokenizer: Any) -> Path:
     _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.replace(tmp, target)
-    except OSError:  # another process saved it first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return target
+    except OSError:  # ``target`` appeared meanwhile: kept when whole, else replaced
+        if incomplete_reason(target) is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return target
+        _discard(target)
+        os.replace(tmp, target)
     _fsync(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     return target
 
@@ -170,10 +175,12 @@ def _conversion_lock(target: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _discard(path: Path) -> None:
+def _discard(path: Path, temps: bool = False) -> None:
     """Remove ``path`` (a directory, a file or a link) and leftovers of conversions cut short
-    beside it (``<name>.tmp<pid>``, ``<name>.bad<pid>``). Called under ``_conversion_lock``."""
-    for stale in [path, *path.parent.glob(f"{path.name}.tmp*"), *path.parent.glob(f"{path.name}.bad*")]:
+    beside it (``<name>.bad<pid>``; with ``temps``, ``<name>.tmp<pid>`` too: only under
+    ``_conversion_lock``, when no other process is writing one)."""
+    leftovers = [*path.parent.glob(f"{path.name}.bad*"), *(path.parent.glob(f"{path.name}.tmp*") if temps else ())]
+    for stale in [*leftovers, path]:
         if stale.is_dir() and not stale.is_symlink():
             if stale == path:  # renamed first: a crash mid-removal leaves no half directory at ``path``
                 stale = stale.rename(path.with_name(f"{path.name}.bad{os.getpid()}"))
@@ -206,7 +213,7 @@ def resolve_model_dir(path: str | Path | None = None) -> Path:
             if why is not None:
                 if target.exists() or target.is_symlink():
                     logger.warning("converted model cache %s is not whole (%s): converting it again", target, why)
-                _discard(target)
+                _discard(target, temps=True)
                 convert_default_model(target)
         return target
     path = Path(path)

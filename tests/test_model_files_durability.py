@@ -116,3 +116,23 @@ def test_concurrent_starts_convert_once(conversions, monkeypatch: pytest.MonkeyP
     target = model_files.cache_dir() / model_files.DEFAULT_MODEL
     assert dirs == [target] * 3 and len(conversions) == 1
     assert _same(_weights(target), conversions[0])
+
+
+def test_a_cache_written_meanwhile_without_a_record_is_replaced(conversions, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (seen converting the shared cache in this audit): a kvstrata from before the
+    record, which takes no lock, wrote the directory while this one converted; the rename
+    failed, "another process saved it first" kept theirs, and the start returned a cache
+    without a record, which every later start converted again. Now one that is not whole is
+    replaced by ours."""
+    target = model_files.cache_dir() / model_files.DEFAULT_MODEL
+    dequantize = model_files._dequantize_default
+
+    def racing() -> tuple[object, object]:
+        _seed_cut_short(target)  # the other kvstrata's, unsynced, its weights lost to a crash
+        return dequantize()
+
+    monkeypatch.setattr(model_files, "_dequantize_default", racing)
+    assert model_files.resolve_model_dir() == target
+    assert model_files.incomplete_reason(target) is None
+    assert len(conversions) == 1 and _same(_weights(target), conversions[0])
+    assert sorted(p.name for p in target.parent.iterdir()) == [f".{target.name}.lock", target.name]
