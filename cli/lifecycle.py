@@ -272,11 +272,11 @@ def up(config: Path | None = ConfigOpt, address: str | None = typer.Option(
         address = ray.get_runtime_context().gcs_address
     cfg.state_path.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants, keys: the owner's alone
     state.state_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
-    (state.state_dir() / "gateway.json").write_text(json.dumps({
+    state.write_state({
         "ray_address": address, "started_ray": started_ray, "ray_temp_dir": temp_dir, "namespace": cfg.namespace,
         "state_dir": str(cfg.state_path), "ray_token_path": str(token) if token is not None else "",
         **gateway_state(cfg, services.address, services.http_address),
-    }))
+    })
     targets = None
     if services.metrics:  # Prometheus file_sd targets (deploy/prometheus.yml)
         from services.metrics.targets import TARGETS_FILE, write_targets
@@ -395,6 +395,7 @@ def down() -> None:
 
     saved = read_state()
     if not saved:
+        (state.state_dir() / state.STATE_FILE).unlink(missing_ok=True)  # one that was no state (read_state)
         console.print("nothing to stop")
         return
     try:
@@ -422,7 +423,7 @@ def down() -> None:
         elif saved.get("started_ray"):
             console.print("[yellow]state from an older kvstrata: its local Ray cluster was not stopped "
                           "(`ray stop` stops it, and every other Ray cluster of this user)[/yellow]")
-        (state.state_dir() / "gateway.json").unlink(missing_ok=True)
+        (state.state_dir() / state.STATE_FILE).unlink(missing_ok=True)
         if saved.get("state_dir"):  # its addresses are gone with the services
             from services.metrics.targets import TARGETS_FILE
 

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from rich.markup import escape
 
-from cli.output import EXIT_USAGE, die
+from cli.output import EXIT_USAGE, console, die
 from services.actor_calls import SCHEDULER_CALL_TIMEOUT_S
 from services.grpc_messages import DEFAULT_MAX_MESSAGE_BYTES, client_channel_options
 from services.private_dir import UnsafeDirectoryError, check_private_dir
 from services.tls import ClientTls, open_aio_channel, open_channel
-from tenants.keys import read_key_file
+from tenants.keys import read_key_file, write_private_file
 
 RPC_TIMEOUT_S = SCHEDULER_CALL_TIMEOUT_S + 15.0
 """Deadline of the CLI's unary calls to the gateway (a gateway that never answers ends them):
@@ -54,18 +55,46 @@ def state_dir() -> Path:
     return STATE_DIR or Path(os.environ.get("KVSTRATA_STATE_DIR") or "~/.kvstrata").expanduser()
 
 
+STATE_FILE = "gateway.json"
+_MAX_STATE_BYTES = 1 << 20  # a few hundred bytes are written; more is no state of ours
+
+
 def read_state() -> dict:
     """What ``kvstrata up`` saved (``STATE_DIR/gateway.json``); {} when nothing is up. Exits 1
     when another user could have written it (``services.private_dir``): it names the gateway
-    the admin key is sent to."""
-    path = state_dir() / "gateway.json"
+    the admin key is sent to. A file that is no saved state (cut short, not a JSON object, past
+    ``_MAX_STATE_BYTES``) is {} too, with a warning naming it: ``up`` writes it again.
+
+    Regression (s38 durability audit): ``up`` wrote it in place, unsynced, and this parsed it
+    unchecked, so a file cut short by a crash made ``down``, ``up`` and every client command
+    end in a JSONDecodeError traceback until someone deleted it."""
+    path = state_dir() / STATE_FILE
     if not path.exists():
         return {}
     try:
         check_private_dir(path.parent)
     except UnsafeDirectoryError as exc:
         die(str(exc))
-    return json.loads(path.read_text())
+    with open(path, "rb") as f:
+        text = f.read(_MAX_STATE_BYTES + 1)
+    try:
+        saved = json.loads(text) if len(text) <= _MAX_STATE_BYTES else None
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict):
+        console.print(f"[yellow]{escape(str(path))} is no state kvstrata saved (cut short by a crash?): "
+                      "ignored; `kvstrata up` writes it again[/yellow]", soft_wrap=True)
+        return {}
+    return saved
+
+
+def write_state(saved: dict) -> None:
+    """Save ``saved`` (JSON) as what ``read_state`` reads: atomic and durable (a crash leaves
+    the old file or the new one, whole), readable by the owner only (``write_private_file``).
+
+    Raises:
+        OSError: the state directory cannot be written."""
+    write_private_file(state_dir() / STATE_FILE, json.dumps(saved))
 
 
 def gateway_address(address: str | None) -> str:
