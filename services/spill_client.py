@@ -118,7 +118,9 @@ class RaySpillClient:
             return self.nodes[i]
         try:
             self.nodes[i] = ref.resolve()
-            del self._died[i]
+            # another thread's look-up may have found it too and cleared it (regression: the
+            # second's ``del`` raised KeyError, taken below for no actor: the node marked dead again)
+            self._died.pop(i, None)
             logger.info("spill node %s looked up again by name: a new actor", self.names[i])
         except Exception:  # noqa: BLE001 - no live actor of that name yet
             self._died[i] = time.monotonic()
