@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -132,11 +134,21 @@ def load_keys(path: Path, deployment: str) -> dict[str, str]:
 
 def save_keys(path: Path, deployment: str, keys: Mapping[str, str]) -> None:
     """Merge ``keys`` (tenant name -> key) into ``deployment``'s at ``path``: the file written
-    whole to a 0600 temp file in its directory (made 0700 when absent), then renamed over it."""
+    whole to a 0600 temp file in its directory (made 0700 when absent), fsynced and renamed
+    over it (``write_private_file``), the read-merge-write under an ``flock`` of
+    ``.<name>.lock`` beside it.
+
+    Regression (s38 durability audit): without the lock two workloads saving at once lost one's
+    keys (its tenants then counted as someone else's: its next run stopped, exit 1)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    every = _load_all(path)
-    every[deployment] = {**load_keys(path, deployment), **keys}
-    write_private_file(path, json.dumps(every))
+    lock = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        every = _load_all(path)
+        every[deployment] = {**load_keys(path, deployment), **keys}
+        write_private_file(path, json.dumps(every))
+    finally:
+        os.close(lock)
 
 
 def _load_all(path: Path) -> dict:
