@@ -202,6 +202,8 @@ def resolve_model_dir(path: str | Path | None = None) -> Path:
 
     Raises:
         FileNotFoundError: the directory or the default model package is missing.
+        OSError: the cache directory cannot be written (its lock, a conversion), when the
+            cache is not whole: a read-only cache must hold a whole conversion.
     """
     if path is None:
         target = cache_dir() / DEFAULT_MODEL
