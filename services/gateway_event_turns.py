@@ -8,8 +8,9 @@ it routes them in turns, ``EVENTS_PER_TURN`` events of each sender with messages
 (deficit round robin with a quantum of events: Shreedhar and Varghese, "Efficient fair queuing
 using deficit round robin", SIGCOMM 1995). A normal node's message thus waits behind at most one
 turn of each other sender, however many a flooding one sent; a message past its sender's bound
-is dropped unread, and ``NodeStreams`` ends that sender's streams UNAVAILABLE (events of theirs
-were lost: their requests are aborted on the node and retried).
+is dropped unread, a ``BEHIND`` mark queued in its place, and ``NodeStreams`` ends that sender's
+streams UNAVAILABLE when routing reaches the mark (events of theirs were lost: their requests are
+aborted on the node and retried); a stream ended by events queued before the drop ends as sent.
 """
 
 from __future__ import annotations
@@ -45,11 +46,24 @@ a turn of many messages of few events each (``EVENTS_PER_TURN`` counts them) is 
 decoding work too."""
 
 
+class Behind:
+    """The place in a sender's queue where messages of it were dropped past its bound (one mark
+    for drops with no message queued between them)."""
+
+    def __repr__(self) -> str:
+        return "BEHIND"
+
+
+BEHIND = Behind()
+"""The one ``Behind`` mark: ``SenderTurns.take`` hands it on in place of items."""
+
+
 @dataclass
 class _Queue:
-    """One sender's messages not routed yet: raw ones, and the items of the one being routed."""
+    """One sender's messages not routed yet: raw ones (and ``BEHIND`` marks), and the items of
+    the one being routed."""
 
-    messages: deque[bytes] = field(default_factory=deque)
+    messages: deque[bytes | Behind] = field(default_factory=deque)
     items: list[tuple[str, Any]] = field(default_factory=list)  # of the head message, unpacked
     next_item: int = 0
     head_bytes: int = 0  # the unpacked head message's size, counted until its last item is routed
@@ -85,11 +99,20 @@ class SenderTurns:
 
     def add(self, sender: str | None, message: bytes) -> bool:
         """Queue ``message`` from ``sender``; False (dropped) when it would take the sender past
-        ``max_queued_bytes`` (a message alone in an empty queue always fits)."""
+        ``max_queued_bytes`` (a message alone in an empty queue always fits): a ``BEHIND`` mark
+        is queued in its place instead, unless the last thing queued is one (a mark counts
+        ``MESSAGE_OVERHEAD_BYTES``, the one thing queued past the bound).
+
+        Regression (s38): a drop was known only where it happened, so ``NodeStreams`` ended the
+        sender's streams then, before routing the messages queued ahead of the dropped one: a
+        stream whose ``finished`` event was among them failed UNAVAILABLE anyway."""
         queue = self._queues.get(sender)
         if queue is None:
             queue = self._queues[sender] = _Queue()
         if queue.queued_bytes and queue.queued_bytes + _size(message) > self.max_queued_bytes:
+            if not queue.messages or queue.messages[-1] is not BEHIND:
+                queue.messages.append(BEHIND)
+                queue.queued_bytes += MESSAGE_OVERHEAD_BYTES
             return False
         if not queue.queued_bytes:
             self._ring.append(sender)
@@ -103,12 +126,13 @@ class SenderTurns:
         queue = self._queues.get(sender)
         return queue.queued_bytes if queue is not None else 0
 
-    async def take(self) -> tuple[str | None, list[tuple[str, Any]] | BaseException, bool]:
+    async def take(self) -> tuple[str | None, list[tuple[str, Any]] | BaseException | Behind, bool]:
         """The next part of the current turn, waiting for one: (sender, up to the rest of its
-        turn of its items, in the order sent, whether they are the first of their message), or
-        (sender, the error ``unpack`` raised for its next message, which is dropped, True). A
+        turn of its items, in the order sent, whether they are the first of their message),
+        (sender, the error ``unpack`` raised for its next message, which is dropped, True), or
+        (sender, ``BEHIND``, True) where messages of its were dropped (``add``). A
         sender's turn goes on over its messages (one a ``take``) until it has had
-        ``events_per_turn`` events (a message of none, or refused, counts one) or unpacked
+        ``events_per_turn`` events (a message of none, refused, or a mark counts one) or unpacked
         ``bytes_per_turn`` bytes of messages (its first message always), or has none waiting;
         then the next sender's starts, and it goes to the back of the turns if it has more.
 
@@ -127,6 +151,11 @@ class SenderTurns:
         first = queue.next_item >= len(queue.items)
         if first:  # the head message is next: unpack it
             message = queue.messages.popleft()
+            if isinstance(message, Behind):
+                queue.queued_bytes -= MESSAGE_OVERHEAD_BYTES
+                queue.turn_events -= 1
+                self._requeue(sender, queue)
+                return sender, message, True
             queue.turn_bytes -= len(message)
             try:
                 queue.items, queue.next_item, queue.head_bytes = self.unpack(message), 0, _size(message)

@@ -22,7 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from services import data_plane
 from services.data_plane_auth import Security
-from services.gateway_event_turns import MAX_QUEUED_BYTES_PER_NODE, SenderTurns
+from services.gateway_event_turns import MAX_QUEUED_BYTES_PER_NODE, Behind, SenderTurns
 from services.gateway_stream_bounds import (
     MAX_UNDELIVERED_BYTES,
     STREAM_IDLE_TIMEOUT_S,
@@ -732,17 +732,15 @@ class NodeStreams:
                 # with per-node keys, each event must come from the node serving its request
                 # (regression: any node could write into any other node's tenants' streams)
                 sender = self._key_names.get(frame.get("User-Id")) if self._per_node_keys else None
-                if not self._turns.add(sender, frame.bytes):
+                if not self._turns.add(sender, frame.bytes):  # a ``BEHIND`` mark queued in its place
                     self._sender_behind(sender)
             await asyncio.sleep(0)  # a queued message's recv does not yield (review s34 B F3)
 
     def _sender_behind(self, sender: str | None) -> None:
         """A message of ``sender`` (a node id; None without per-node keys: any node) was dropped
-        unread, past ``max_queued_bytes_per_node``: any stream of its may have lost events. Each
-        stream bound to it ends UNAVAILABLE (its request is aborted on the node and retried:
-        ``InferenceServicer``), and each not bound yet ends so at ``bind`` if bound to it (the
-        path of events lost before ``bind``). Counted in ``behind_drops``; logged at the first
-        drop of a sender. Streams opened or bound since its last drop are scanned once.
+        unread, past ``max_queued_bytes_per_node``: counted in ``behind_drops``, logged at the
+        first drop of a sender. Its streams end when routing reaches the drop's ``BEHIND`` mark
+        (``_fail_behind``), after the messages queued before it.
 
         Regression (s38 fault 2): one node's flood of events for its own streams (a faulty
         node, or anything holding its key) was routed a whole message (up to
@@ -758,6 +756,17 @@ class NodeStreams:
                         "waiting, at most %d): its messages past that are dropped and its streams end UNAVAILABLE "
                         "(retried); counted in behind_drops", sender or "a cache node",
                         self._turns.queued_bytes(sender), self.max_queued_bytes_per_node)
+
+    def _fail_behind(self, sender: str | None) -> None:
+        """Routing reached the place of ``sender``'s dropped messages (a ``BEHIND`` mark): any
+        stream of its not ended by then may have lost events. Each stream bound to it ends
+        UNAVAILABLE (its request is aborted on the node and retried: ``InferenceServicer``), and
+        each not bound yet ends so at ``bind`` if bound to it (the path of events lost before
+        ``bind``). Streams opened or bound since its last mark are scanned once.
+
+        Regression (s38): the streams were ended at the drop, before the sender's messages
+        queued ahead of it were routed, so one whose ``finished`` event was among them failed
+        UNAVAILABLE (retried, its answer complete)."""
         if self._behind_scans.get(sender) == self._opens:
             return  # every stream it could have is ended or marked already
         self._behind_scans[sender] = self._opens
@@ -785,7 +794,9 @@ class NodeStreams:
             sender, items, first = await self._turns.take()
             if first:
                 counted.discard(sender)
-            if isinstance(items, BaseException):
+            if isinstance(items, Behind):
+                self._fail_behind(sender)
+            elif isinstance(items, BaseException):
                 self._drop("event", items)
             elif await self._route(sender, items, sender in counted):
                 counted.add(sender)

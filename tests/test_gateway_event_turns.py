@@ -23,7 +23,12 @@ import zmq
 
 from services import data_plane
 from services.data_plane_auth import DataPlaneKeys
-from services.gateway_event_turns import EVENTS_PER_TURN, MESSAGE_OVERHEAD_BYTES, SenderTurns
+from services.gateway_event_turns import (
+    BEHIND,
+    EVENTS_PER_TURN,
+    MESSAGE_OVERHEAD_BYTES,
+    SenderTurns,
+)
 from services.gateway_streams import NodeStreams
 from services.metrics import GatewayMetrics
 from tests.test_http_metrics import samples
@@ -119,6 +124,30 @@ def test_turns_alternate_senders_within_messages_in_order() -> None:
         ("n1", [("a5", 2), ("a5", 3)], False),
         ("n0", [("d3", 1), ("d3", 2)], False),
         ("n1", [("a5", 4)], False), ("n1", bad, True)]
+
+
+def test_a_dropped_message_leaves_one_mark_at_its_place() -> None:
+    """A message past its sender's bound is dropped and a ``BEHIND`` mark takes its place in the
+    sender's queue (one for drops with nothing queued between them; it counts
+    ``MESSAGE_OVERHEAD_BYTES``): ``take`` hands it on after the messages queued before the drop
+    and before those queued after it. Regression (s38): nothing marked the drop's place."""
+    def unpack(message: bytes) -> list[tuple[str, Any]]:
+        return [(message.decode(), 0)]
+
+    async def go() -> list[Any]:
+        size = 2 + MESSAGE_OVERHEAD_BYTES
+        turns = SenderTurns(unpack, max_queued_bytes=2 * size + MESSAGE_OVERHEAD_BYTES, events_per_turn=100)
+        assert turns.add("n1", b"a1") and turns.add("n1", b"b1")
+        assert not turns.add("n1", b"c1") and not turns.add("n1", b"d1")
+        assert turns.queued_bytes("n1") == 2 * size + MESSAGE_OVERHEAD_BYTES
+        got = [await turns.take()]
+        assert turns.add("n1", b"e1")  # (room again)
+        while turns.queued_bytes("n1"):
+            got.append(await turns.take())
+        return got
+
+    assert asyncio.run(go()) == [("n1", [("a1", 0)], True), ("n1", [("b1", 0)], True),
+                                 ("n1", BEHIND, True), ("n1", [("e1", 0)], True)]
 
 
 def test_a_turn_ends_past_its_bytes() -> None:
@@ -295,3 +324,48 @@ def test_a_node_past_its_bound_loses_its_streams_not_another_nodes() -> None:
         assert end["message"].endswith("retry the request")
     assert all(e["type"] == "delta" for e in got_a) and n0_drops == 0
     assert "".join(e["text"] for e in got_a) == "beforeafter"
+
+
+FINISHED = {"type": "finished", "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 1,
+            "cached_tokens": {}, "ttft_ms": 1.0, "tpot_ms": 1.0, "preempted": False,
+            "prefill_tokens_per_s": 1.0, "step_s": 0.1}
+
+
+def test_a_drop_fails_the_streams_at_its_place_in_the_senders_queue() -> None:
+    """Regression (s38): a message of n1 dropped past its bound ended n1's streams at the drop,
+    before n1's messages queued ahead of it were routed, so stream "done", whose ``finished``
+    came in n1's first message (queued, not routed yet), failed UNAVAILABLE anyway (retried,
+    its answer complete). Now the drop's ``BEHIND`` mark ends them where it sits: "done" ends
+    as sent; "late", whose events come after the drop, ends UNAVAILABLE.
+
+    n1's messages are sent while the gateway's loop is blocked, so that they all wait in its
+    inbox and are read in one batch (``READ_BATCH``) before any is routed."""
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        async with gateway(max_queued_bytes_per_node=200_000) as (streams, keys, _, _):
+            done, flood, late = streams.open("done"), streams.open("flood"), streams.open("late")
+            for request_id in ("done", "flood", "late"):
+                streams.bind(request_id, "n1")
+            context = zmq.Context()
+            n1 = blocking_node(context, keys, "n1", streams.subscriber)
+            try:
+                n1.send(data_plane.pack([["flood", delta("hello")]]))  # its key's handshake done
+                await until(lambda: flood.qsize() == 1)
+                n1.send(data_plane.pack([["done", delta("all")], ["done", FINISHED]]))
+                for _ in range(8):  # ~560 KB past the 200 KB bound: some dropped
+                    n1.send(flood_message("flood"))
+                n1.send(data_plane.pack([["late", delta("after")]]))
+                time.sleep(0.5)  # noqa: ASYNC251 - the loop blocked: all of them wait in the gateway's inbox
+                got = {"done": [await asyncio.wait_for(done.get(), 20)],
+                       "late": [await asyncio.wait_for(late.get(), 20)]}
+                for request_id, buffer in (("done", done), ("late", late)):
+                    while got[request_id][-1]["type"] not in ("finished", "error"):
+                        got[request_id].append(await asyncio.wait_for(buffer.get(), 20))
+            finally:
+                context.destroy(linger=0)
+            return got["done"], got["late"], streams.behind_drops["n1"]
+
+    done, late, drops = asyncio.run(go())
+    assert drops > 0
+    assert [e["type"] for e in done] == ["delta", "finished"], done
+    assert late[-1]["type"] == "error" and late[-1]["code"] == "UNAVAILABLE", late
+    assert "cache node n1 sent events faster than the gateway routes them" in late[-1]["message"]
