@@ -333,6 +333,9 @@ def up_summary(cfg: ServiceConfig, address: str, http_address: str, metrics: dic
 SCHEDULER_ACTOR = "global_scheduler"
 """``services.launcher.SCHEDULER_NAME`` (not imported: the launcher imports torch)."""
 
+GATEWAY_ACTOR = "gateway"
+"""``services.launcher.GATEWAY_NAME``."""
+
 SERVICE_ACTOR_NAME = re.compile(r"gateway|global_scheduler|(cache|spill)_node_\d+")
 """Names of the actors ``start_services`` places (``services.launcher``)."""
 
@@ -359,10 +362,13 @@ def _service_actor_names(named: list[dict], namespace: str) -> list[str]:
 
 def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0) -> int:
     """Kill kvstrata's actors in ``namespace`` on the connected cluster and wait (up to
-    ``timeout_s``) until the gateway's port no longer answers. Returns the number killed."""
+    ``timeout_s``) until the gateway's port no longer answers; the gateway's served-address
+    record is deleted (``services.gateway_served.forget``: regression (s38), each one stayed in
+    the cluster's GCS). Returns the number killed."""
     import ray
 
     from services.actor_refs import kill_gone
+    from services.gateway_served import forget
 
     names = _service_actor_names(ray.util.list_named_actors(all_namespaces=True), namespace)
     if SCHEDULER_ACTOR in names:  # its usage counters and session routes since its last periodic store
@@ -379,7 +385,13 @@ def _kill_services(namespace: str, gateway_address: str, timeout_s: float = 10.0
                   if name not in names]
     for name in names:
         with contextlib.suppress(ValueError):  # gone meanwhile
-            ray.kill(ray.get_actor(name, namespace=namespace))
+            handle = ray.get_actor(name, namespace=namespace)
+            ray.kill(handle)
+            if name == GATEWAY_ACTOR:
+                try:
+                    forget(handle)
+                except Exception as exc:  # noqa: BLE001 - the GCS not answering: its record stays
+                    console.print(f"the gateway's served-address record was not deleted: {escape(type(exc).__name__)}")
     deadline = time.monotonic() + timeout_s
     while gateway_address and reachable(gateway_address, 0.2) and time.monotonic() < deadline:
         time.sleep(0.1)

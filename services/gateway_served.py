@@ -3,6 +3,8 @@ store (the GCS): ``ServedRecord``. A restarted ``RayGateway`` serves again on th
 record of it (``GlobalScheduler.gateway_addresses``); this one answers when the scheduler has
 none (it was restarted and rebuilt its state without this gateway, or lost it otherwise), and
 tells that case apart from a gateway that never served (restarted before its first ``start``).
+A gateway stopped for good (``stop_services``, a failed start's ``_kill_placed``, ``kvstrata down``)
+has its record deleted (``forget``), by its actor id: other gateways' records on the cluster stay.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class KeyValues(Protocol):
 
     def get(self, key: bytes) -> bytes | None: ...
 
+    def delete(self, key: bytes) -> None: ...
+
 
 class GcsKeyValues:
     """Ray's GCS key-value store (``ray.experimental.internal_kv``), in ``NAMESPACE``: it lives as
@@ -38,13 +42,31 @@ class GcsKeyValues:
     def get(self, key: bytes) -> bytes | None:
         return internal_kv._internal_kv_get(key, namespace=NAMESPACE)
 
+    def delete(self, key: bytes) -> None:
+        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def record_key(gateway_id: str) -> bytes:
+    """The key of the record of the gateway actor ``gateway_id`` (its Ray actor id, hex)."""
+    return f"gateway_served/{gateway_id}".encode()
+
+
+def forget(gateway: Any, store: KeyValues | None = None) -> None:
+    """Delete the record of ``gateway`` (its actor handle), stopped for good: that key alone,
+    never a prefix (another deployment's gateways on the cluster keep theirs). Blocking (one GCS
+    round trip); nothing when it has none. Raises the store's error.
+
+    Regression (s38): no path deleted a record, so each stopped gateway's stayed in the GCS for
+    the cluster's life (a joined cluster's ``up``/``down`` cycles added one each)."""
+    (store if store is not None else GcsKeyValues()).delete(record_key(gateway._actor_id.hex()))
+
 
 class ServedRecord:
     """The gRPC, HTTP and ``/metrics`` addresses of the gateway actor ``gateway_id``, as it last
     served them (``save`` after each start that attached to the scheduler)."""
 
     def __init__(self, gateway_id: str, store: KeyValues | None = None) -> None:
-        self.key = f"gateway_served/{gateway_id}".encode()
+        self.key = record_key(gateway_id)
         self.store = store if store is not None else GcsKeyValues()
 
     async def save(self, addresses: dict[str, str]) -> None:

@@ -23,6 +23,7 @@ from services.actor_refs import ActorRef, kill_gone
 from services.cache_node import CacheNodeRemote
 from services.config import NodeConfig, ServiceConfig
 from services.data_plane_auth import LOOPBACK, DataPlaneKeys
+from services.gateway_served import forget as forget_served
 from services.gateway_server import GatewayActor
 from services.gateway_stream_bounds import StreamLimits
 from services.global_scheduler import IndexHolders
@@ -214,7 +215,8 @@ def _kill_placed(placed: dict[str, Any], namespace: str) -> None:
     The scheduler goes first and is dead before the others are killed: its spill watch creates a
     spill node that died during the start again (``services.spill_recreate``), under a name this
     start created, so those names are killed again (another deployment's actors keep theirs).
-    Regression (s38): one it created meanwhile outlived the failed start."""
+    Regression (s38): one it created meanwhile outlived the failed start. A gateway placed has
+    its served-address record deleted (``services.gateway_served.forget``)."""
     with contextlib.suppress(Exception):  # the cluster unreachable: nothing to kill
         kill_gone(SCHEDULER_NAME, namespace, KILL_WAIT_S)
     for handle in placed.values():
@@ -223,6 +225,17 @@ def _kill_placed(placed: dict[str, Any], namespace: str) -> None:
         except Exception as exc:  # noqa: BLE001 - gone already, or the cluster unreachable: nothing to kill
             log.debug("failed start: could not kill %s: %s", handle, exc)
     _kill_spill_names([name for name in placed if name.startswith("spill_node_")], namespace)
+    if GATEWAY_NAME in placed:
+        _forget_gateway(placed[GATEWAY_NAME])
+
+
+def _forget_gateway(gateway: Any) -> None:
+    """Delete the served-address record of ``gateway``, stopped for good
+    (``services.gateway_served.forget``); logged when the cluster's store does not answer."""
+    try:
+        forget_served(gateway)
+    except Exception as exc:  # noqa: BLE001 - the cluster unreachable: its record goes with it
+        log.warning("the served-address record of gateway %s was not deleted: %s", gateway, exc)
 
 
 def _kill_spill_names(names: list[str], namespace: str) -> None:
@@ -409,7 +422,8 @@ def stop_services(services: Services) -> None:
     refuses the turns of the sessions open now: their histories go with the nodes), and kill
     every actor of the deployment: the scheduler first, dead before the others are killed (its
     spill watch creates a dead spill node again, ``services.spill_recreate``; regression (s38):
-    one it created after the spill nodes' kills outlived the stop, its name and directory taken)."""
+    one it created after the spill nodes' kills outlived the stop, its name and directory taken).
+    The gateway's served-address record is deleted (``services.gateway_served.forget``)."""
     drain_s = STOP_DRAIN_S
     try:
         ray.get(services.gateway.stop.remote(), timeout=10)
@@ -426,3 +440,4 @@ def stop_services(services: Services) -> None:
         ray.kill(handle)
     # one the scheduler created again has another handle
     _kill_spill_names([f"spill_node_{i}" for i in range(len(services.spill_nodes))], services.config.namespace)
+    _forget_gateway(services.gateway)

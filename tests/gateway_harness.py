@@ -32,12 +32,15 @@ from services.global_scheduler_admission import GlobalSchedulerService
 
 class ClusterKeyValues(dict):
     """Ray's GCS key-value store as a gateway's ``services.gateway_served.ServedRecord`` uses it
-    (``put``, ``get``), for the ``RayGateway`` tests that run without Ray: one per test
+    (``put``, ``get``, ``delete``), for the ``RayGateway`` tests that run without Ray: one per test
     (``cluster_key_values``), outliving each gateway "process" of the test as the GCS outlives
     an actor's restarts."""
 
     def put(self, key: bytes, value: bytes) -> None:
         self[key] = value
+
+    def delete(self, key: bytes) -> None:
+        self.pop(key, None)
 
 
 def cluster_key_values(monkeypatch: Any) -> ClusterKeyValues:

@@ -178,3 +178,19 @@ class WatchingScheduler:
                     NameHolder.options(name=self.name, namespace=self.namespace, lifetime="detached").remote()
                     self.created += 1
             time.sleep(0.01)
+
+
+@ray.remote(num_cpus=0)
+class ServedGateway:
+    """A gateway's served-address record, kept as ``RayGateway.start`` keeps it: a real
+    ``ServedRecord`` under this actor's own id, in the cluster's GCS."""
+
+    async def serve(self, grpc_address: str) -> str:
+        from services.gateway_served import ServedRecord
+
+        gateway_id = ray.get_runtime_context().get_actor_id()
+        await ServedRecord(gateway_id).save({"grpc": grpc_address})
+        return gateway_id
+
+    def stop(self) -> None:
+        pass
