@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -45,14 +44,18 @@ POOL_BLOCKS = 96
 def tiny_checkpoint() -> Path:
     """A random tiny Llama checkpoint (2 layers, hidden 64, SmolLM2's 49,152-token vocabulary
     and tokenizer), created on first use in ``cache_dir()``; returns its directory."""
-    from cache_node.model_files import incomplete_reason, save_checkpoint
-    from cache_node.model_loader import _GGUF_FILE, _gguf_dir, cache_dir
+    from cache_node.model_files import cache_dir, ensure_checkpoint
 
-    target = cache_dir() / TINY_NAME
-    if incomplete_reason(target) is None:
-        return target
+    return ensure_checkpoint(cache_dir() / TINY_NAME, _build_tiny)  # built once, under a lock
+
+
+def _build_tiny(target: Path) -> Path:
+    """Build the tiny checkpoint and save it as ``target`` (absent; ``save_checkpoint``)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from cache_node.model_files import save_checkpoint
+    from cache_node.model_loader import _GGUF_FILE, _gguf_dir
 
     tok = AutoTokenizer.from_pretrained(str(_gguf_dir()), gguf_file=_GGUF_FILE)
     config = LlamaConfig(
@@ -62,9 +65,7 @@ def tiny_checkpoint() -> Path:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(target, ignore_errors=True)  # not whole (a build cut short): built again
-    return save_checkpoint(target, model, tok)  # crash-safe; another process's first build is kept
+    return save_checkpoint(target, model, tok)
 
 
 def block_bytes() -> int:

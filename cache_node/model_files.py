@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +189,34 @@ def _discard(path: Path, temps: bool = False) -> None:
             stale.unlink()
 
 
+def ensure_checkpoint(target: Path, build: Callable[[Path], Any]) -> Path:
+    """``target``, a cached checkpoint directory kvstrata owns, whole (``incomplete_reason``):
+    used as is when it is; otherwise logged, removed with leftovers of builds cut short and
+    built again by ``build(target)`` (which saves with ``save_checkpoint``), all under
+    ``_conversion_lock``, so concurrent first uses build once and none removes a checkpoint
+    another was handed.
+
+    Regression (s38 review r6 of 7a86e0a): bench.chaos_stack.tiny_checkpoint removed one that
+    was not whole without the lock after its build; a concurrent caller's build had finished
+    meanwhile and was removed while that caller loaded it.
+
+    Raises:
+        OSError: ``target``'s directory cannot be written (its lock, the build); what ``build``
+            raises.
+    """
+    if incomplete_reason(target) is None:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target):
+        why = incomplete_reason(target)
+        if why is not None:
+            if target.exists() or target.is_symlink():
+                logger.warning("cached checkpoint %s is not whole (%s): building it again", target, why)
+            _discard(target, temps=True)
+            build(target)
+    return target
+
+
 def resolve_model_dir(path: str | Path | None = None) -> Path:
     """The checkpoint directory for ``path``; None converts the default model once and caches it.
 
@@ -206,18 +234,7 @@ def resolve_model_dir(path: str | Path | None = None) -> Path:
             cache is not whole: a read-only cache must hold a whole conversion.
     """
     if path is None:
-        target = cache_dir() / DEFAULT_MODEL
-        if incomplete_reason(target) is None:
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with _conversion_lock(target):
-            why = incomplete_reason(target)
-            if why is not None:
-                if target.exists() or target.is_symlink():
-                    logger.warning("converted model cache %s is not whole (%s): converting it again", target, why)
-                _discard(target, temps=True)
-                convert_default_model(target)
-        return target
+        return ensure_checkpoint(cache_dir() / DEFAULT_MODEL, convert_default_model)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {path}")
