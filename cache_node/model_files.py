@@ -148,7 +148,7 @@ def incomplete_reason(path: Path) -> str | None:
         return f"{COMPLETE_FILE} unreadable: {exc}"
     try:
         sizes = json.loads(text)["files"] if len(text) <= _MAX_COMPLETE_BYTES else None
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: nested past the parser's depth
         sizes = None
     if not isinstance(sizes, dict) or "config.json" not in sizes:
         return f"{COMPLETE_FILE} malformed"

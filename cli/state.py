@@ -79,7 +79,7 @@ def read_state() -> dict:
         text = f.read(_MAX_STATE_BYTES + 1)
     try:
         saved = json.loads(text) if len(text) <= _MAX_STATE_BYTES else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         saved = None
     if not isinstance(saved, dict):
         console.print(f"[yellow]{escape(str(path))} is no state kvstrata saved (cut short by a crash?): "

@@ -16,8 +16,9 @@ from cli import main as cli
 from cli import state
 
 
-@pytest.mark.parametrize("text", [b"", b'{"ray_address": "127.0.0.1:6', b"\x00" * 64, b"[1, 2]", b"{" + b" " * (1 << 20) + b"}"],
-                         ids=["empty", "cut_short", "zeros", "no_object", "past_bound"])
+@pytest.mark.parametrize("text", [b"", b'{"ray_address": "127.0.0.1:6', b"\x00" * 64, b"[1, 2]", b"{" + b" " * (1 << 20) + b"}",
+                                  b"[" * 60_000],
+                         ids=["empty", "cut_short", "zeros", "no_object", "past_bound", "nested_past_recursion"])
 def test_a_state_file_cut_short_is_ignored_not_a_traceback(tmp_path: Path, text: bytes) -> None:
     """Regression (s38 durability audit): ``up`` wrote gateway.json in place and every command
     parsed it unchecked, so a file a crash cut short made ``down`` (and ``up``, and every

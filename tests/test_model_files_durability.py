@@ -89,7 +89,7 @@ def test_a_cached_file_truncated_later_is_converted_again(conversions, caplog) -
     assert _same(_weights(target), conversions[1])
 
 
-@pytest.mark.parametrize("record", [b"", b"\x00" * 100, b'{"files": {"model.safetensors": 1}}', b"[" * 70_000])
+@pytest.mark.parametrize("record", [b"", b"\x00" * 100, b'{"files": {"model.safetensors": 1}}', b"[" * 70_000, b"[" * 60_000])
 def test_a_torn_or_foreign_completion_record_is_converted_again(conversions, record: bytes) -> None:
     """A completion record that is empty, zeros (a torn write), lacks config.json, or is
     past its bound is not taken for whole: the cache is converted again, no error."""
