@@ -200,14 +200,26 @@ def ensure_checkpoint(target: Path, build: Callable[[Path], Any]) -> Path:
     was not whole without the lock after its build; a concurrent caller's build had finished
     meanwhile and was removed while that caller loaded it.
 
+    A checkpoint an older kvstrata wrote (config.json, no ``COMPLETE_FILE``) in a directory
+    that cannot be written (a read-only file system, another user's cache) is used unchecked,
+    with a warning, as before the record: it cannot be built again there.
+
     Raises:
-        OSError: ``target``'s directory cannot be written (its lock, the build); what ``build``
-            raises.
+        OSError: ``target``'s directory cannot be written (its lock, the build) and ``target``
+            is neither whole nor an older kvstrata's; what ``build`` raises.
     """
     if incomplete_reason(target) is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _conversion_lock(target):
+    with contextlib.ExitStack() as locked:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            locked.enter_context(_conversion_lock(target))
+        except OSError as exc:  # a read-only cache or another user's: nothing can be built here
+            if (target / "config.json").is_file() and not (target / COMPLETE_FILE).exists():
+                logger.warning("cached checkpoint %s has no %s (an older kvstrata's) and its directory cannot "
+                               "be written (%s): used unchecked", target, COMPLETE_FILE, exc)
+                return target
+            raise
         why = incomplete_reason(target)
         if why is not None:
             if target.exists() or target.is_symlink():
@@ -231,7 +243,8 @@ def resolve_model_dir(path: str | Path | None = None) -> Path:
     Raises:
         FileNotFoundError: the directory or the default model package is missing.
         OSError: the cache directory cannot be written (its lock, a conversion), when the
-            cache is not whole: a read-only cache must hold a whole conversion.
+            cache is not whole: a read-only cache must hold a whole conversion or an older
+            kvstrata's (no record: used unchecked, ``ensure_checkpoint``).
     """
     if path is None:
         return ensure_checkpoint(cache_dir() / DEFAULT_MODEL, convert_default_model)

@@ -7,8 +7,13 @@ save, the completion record, the check at load and the rebuild are the product's
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -136,3 +141,44 @@ def test_a_cache_written_meanwhile_without_a_record_is_replaced(conversions, mon
     assert model_files.incomplete_reason(target) is None
     assert len(conversions) == 1 and _same(_weights(target), conversions[0])
     assert sorted(p.name for p in target.parent.iterdir()) == [f".{target.name}.lock", target.name]
+
+
+def _unwritable(directory: Path) -> contextlib.AbstractContextManager[None]:
+    """``directory`` cannot be written while inside, as a read-only file system or another
+    user's cache (root ignores modes: ``chattr +i`` then; skipped where neither works)."""
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
+        if os.geteuid() != 0:
+            directory.chmod(0o555)
+            try:
+                yield
+            finally:
+                directory.chmod(0o755)
+            return
+        chattr = shutil.which("chattr")
+        if chattr is None or subprocess.run([chattr, "+i", str(directory)], check=False, capture_output=True).returncode:
+            pytest.skip("root without chattr +i: no unwritable directory to test with")
+        try:
+            yield
+        finally:
+            subprocess.run([chattr, "-i", str(directory)], check=True)
+
+    return held()
+
+
+def test_an_older_cache_in_an_unwritable_directory_is_used(conversions, caplog) -> None:
+    """Regression (s38 review r6 of 7a86e0a): a conversion an older kvstrata left (no record)
+    in a cache that cannot be written (read-only file system, another user's) failed every
+    start with the lock file's OSError, where it had loaded before. Now it is used, with a
+    warning; a cache with a record that is not whole still raises there (nothing to use)."""
+    target = model_files.cache_dir() / model_files.DEFAULT_MODEL
+    tiny_llama(seed=7).model.save_pretrained(target)
+    _tokenizer().save_pretrained(target)
+    with _unwritable(target.parent), caplog.at_level(logging.WARNING, logger=model_files.__name__):
+        assert model_files.resolve_model_dir() == target
+    assert len(conversions) == 0 and "used unchecked" in caplog.text
+    assert model_files.resolve_model_dir() == target and len(conversions) == 1  # writable again: converted
+    (target / "model.safetensors").write_bytes(b"")
+    with _unwritable(target.parent), pytest.raises(OSError):
+        model_files.resolve_model_dir()
