@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -95,11 +96,7 @@ def tenant(method: str, reply: Any) -> Tenant:
     non-empty string and that the wire's ``Tenant`` holds (``convert.tenant_to_pb``)."""
     if not isinstance(reply, Tenant) or not isinstance(getattr(reply, "tenant_id", None), str) or not reply.tenant_id:
         raise MalformedReply(method, f"{reply!r:.60} is not a tenant record")
-    try:
-        convert.tenant_to_pb(reply)
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise MalformedReply(method, f"a tenant record the wire cannot hold: {exc}") from exc
-    return reply
+    return _wire_holds(method, reply, convert.tenant_to_pb, "a tenant record")
 
 
 def tenants(method: str, reply: Any) -> list[Tenant]:
@@ -127,10 +124,16 @@ def usage(method: str, reply: Any) -> TenantUsage:
     """``usage_of``: a ``TenantUsage`` that the wire's ``Usage`` holds."""
     if not isinstance(reply, TenantUsage):
         raise MalformedReply(method, f"a {type(reply).__name__}, not a tenant's usage")
+    return _wire_holds(method, reply, convert.usage_to_pb, "a usage")
+
+
+def _wire_holds(method: str, reply: Any, to_pb: Callable[[Any], Any], what: str) -> Any:
+    """``reply`` when ``to_pb`` (its ``convert`` function) turns it into the wire's message;
+    MalformedReply naming ``what`` when the conversion raises."""
     try:
-        convert.usage_to_pb(reply)
+        to_pb(reply)
     except (TypeError, ValueError, AttributeError) as exc:
-        raise MalformedReply(method, f"a usage the wire cannot hold: {exc}") from exc
+        raise MalformedReply(method, f"{what} the wire cannot hold: {exc}") from exc
     return reply
 
 
