@@ -166,10 +166,16 @@ def incomplete_reason(path: Path) -> str | None:
 def _conversion_lock(target: Path) -> Iterator[None]:
     """Held (``flock``, blocking) while one process checks and converts ``target``: the
     others wait for it instead of converting too, and none removes a directory another is
-    writing."""
-    fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    writing. A process that has to wait says so first (a WARNING naming the lock file), so a
+    start stuck behind a converter that hangs is not silent (s38 review r6)."""
+    lock = target.with_name(f".{target.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process converting %s (it holds %s)", target, lock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)

@@ -8,6 +8,7 @@ save, the completion record, the check at load and the rebuild are the product's
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -121,6 +122,31 @@ def test_concurrent_starts_convert_once(conversions, monkeypatch: pytest.MonkeyP
     target = model_files.cache_dir() / model_files.DEFAULT_MODEL
     assert dirs == [target] * 3 and len(conversions) == 1
     assert _same(_weights(target), conversions[0])
+
+
+def test_a_start_waiting_for_another_conversion_says_so(conversions, caplog) -> None:
+    """Regression (s38 review r6): a start behind another process's conversion waited on the
+    lock without a word, so one stuck behind a converter that hangs looked hung itself. Now it
+    logs the wait, naming the lock file, then goes on once the lock is free."""
+    target = model_files.cache_dir() / model_files.DEFAULT_MODEL
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_name(f".{target.name}.lock")
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # another open file: flock conflicts
+    fcntl.flock(held, fcntl.LOCK_EX)
+    with caplog.at_level(logging.WARNING, logger=model_files.__name__), ThreadPoolExecutor(1) as pool:
+        start = pool.submit(model_files.resolve_model_dir)
+        try:
+            deadline = time.monotonic() + 10
+            while "waiting for another process" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            said = caplog.text
+            waited = not start.done() and not conversions  # it waits: nothing converted meanwhile
+        finally:
+            os.close(held)  # (the start goes on whatever was asserted)
+        assert "waiting for another process" in said and str(lock) in said, said
+        assert waited
+        assert start.result(timeout=60) == target
+    assert len(conversions) == 1
 
 
 def test_a_cache_written_meanwhile_without_a_record_is_replaced(conversions, monkeypatch: pytest.MonkeyPatch) -> None:
