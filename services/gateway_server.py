@@ -204,7 +204,9 @@ class Gateway:
             OSError: a port is taken. RuntimeError: the HTTP server did not come up, or no
                 node answered ``describe``. ValueError: a TLS file cannot be read or is not
                 what it should be (before anything is bound). ActorSilent: the scheduler did
-                not answer in time. Any failure of the scheduler's calls.
+                not answer in time. scheduler_replies.MalformedReply: its ``open_data_plane``
+                reply is no ``tcp://host:port`` (logged by the caller; a restarted gateway's
+                ``_serve_again`` retries, then exits). Any failure of the scheduler's calls.
 
         Regression (review s34 B F4): ``describe`` and ``open_data_plane`` were awaited with no
         deadline, so one silent cache node (or a silent scheduler) kept a restarting gateway
@@ -217,7 +219,8 @@ class Gateway:
         if self.tls is None:
             warn_cleartext(host, "the gateway's gRPC and OpenAI-compatible APIs")
         infos, down = await self._describe_nodes()
-        scheduler_address = await self.scheduler_calls.open_data_plane.remote()
+        scheduler_address = replies.data_address(  # (untrusted: a malformed reply fails this start)
+            "open_data_plane", await self.scheduler_calls.open_data_plane.remote())
         for node_id, reason in down.items():
             # the scheduler stops routing there before this gateway serves: a request of its
             # admitted to a node it holds no command socket for could be neither watched nor

@@ -12,6 +12,11 @@ Regression (s38): every other reply was used as it came: ``Stats`` read ``sched[
 ``close_session``'s reply (a wrong shape: UNKNOWN after the scheduler had dropped the
 session), tenant records were converted as they came (UNKNOWN), and ``verify_admin_key``'s
 reply was taken by its truth (any non-empty string passed a key as the admin key).
+
+Regression (s39): ``open_data_plane``'s reply at a gateway's start was used as it came: a
+``None`` or a number failed deep in ``NodeStreams`` (TypeError from ZeroMQ's ``connect``), and
+bytes or a ``tcp://`` string with no host or a port out of range was connected to, the gateway
+serving with an admission socket that never answers. Now the start fails naming the reply (``data_address``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, NoReturn
 import grpc
 
 from services import convert
+from services.recovery_report import MAX_ADDRESS_CHARS
 from tenants.model import Tenant
 from tenants.usage import TenantUsage
 
@@ -159,3 +165,14 @@ def addresses(method: str, reply: Any, names: tuple[str, ...]) -> dict[str, str]
         if not isinstance(value, str) or value and not (host and port.isdigit() and int(port) < 65536):
             raise MalformedReply(method, f"{name} {value!r:.60} is neither host:port nor empty")
     return {name: reply[name] for name in names}
+
+
+def data_address(method: str, reply: Any) -> str:
+    """``open_data_plane``: the admission socket's ``tcp://host:port`` (a port in [1, 65535]),
+    at most ``MAX_ADDRESS_CHARS`` characters."""
+    if not isinstance(reply, str) or len(reply) > MAX_ADDRESS_CHARS or not reply.startswith("tcp://"):
+        raise MalformedReply(method, f"{reply!r:.60} is not a tcp:// address of at most {MAX_ADDRESS_CHARS} characters")
+    host, _, port = reply[len("tcp://"):].rpartition(":")
+    if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise MalformedReply(method, f"{reply!r:.60} is not tcp://host:port")
+    return reply
