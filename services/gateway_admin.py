@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from kvstrata.v1 import admin_pb2, admin_pb2_grpc, tenant_pb2, tenant_pb2_grpc
-from services import convert
+from services import convert, rotation_replies
 from services import scheduler_replies as replies
 from services.auth import Authenticator, bearer_key
 from services.gateway_key_watch import KEY_CHECK_S, KEY_STALENESS_MAX_S
@@ -273,13 +273,19 @@ class TenantServicer(tenant_pb2_grpc.TenantServiceServicer):
         against this gateway's cached key and named the tenant alone; a deleted tenant's key
         cached at a second gateway rotated (took) the key of a new tenant registered under its
         name, and a leaked key its owner had rotated away at one gateway rotated again at
-        another."""
+        another.
+
+        A malformed reply (after the rotation) aborts INTERNAL saying whether the key presented
+        was rotated away and how the tenant gets a key back (``services.rotation_replies``)."""
         caller = await self._own_or_admin(context, request.name)
         key = bearer_key(context) if caller is not None else None
         stale = (lambda: self.auth.forget_key(key)) if key is not None else None
-        new_key = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, api_key=key), stale,
-                              check=replies.text, method="rotate_tenant_key")
-        self.auth.forget_tenant(request.name, keys_gone=True)
+        reply = await _call(context, self.scheduler.rotate_tenant_key.remote(request.name, api_key=key), stale)
+        try:  # a malformed reply came after the rotation: it says whether, and how to recover
+            new_key = await rotation_replies.new_key(context, self.scheduler, "rotate_tenant_key", reply, key,
+                                                     rotation_replies.TENANT_RECOVERY.format(name=request.name))
+        finally:
+            self.auth.forget_tenant(request.name, keys_gone=True)
         return tenant_pb2.RotateKeyResponse(api_key=new_key)
 
 
@@ -577,10 +583,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         """Replace the admin key. The scheduler is given the key presented, checks it and
         rotates only while it is still the admin key (a compare-and-swap), so an admin key
         rotated away through another gateway, still in this one's key cache, rotates nothing
-        (UNAUTHENTICATED): it cannot take the admin key back."""
+        (UNAUTHENTICATED): it cannot take the admin key back. A malformed reply (after the
+        rotation) says whether the key was rotated and how to recover (``rotation_replies``)."""
         await self.auth.admin(context)
         presented = bearer_key(context)
-        key = await _call(context, self.scheduler.rotate_admin_key.remote(api_key=presented),
-                          stale=lambda: self.auth.forget_key(presented), check=replies.text, method="rotate_admin_key")
-        self.auth.forget_admin()
+        reply = await _call(context, self.scheduler.rotate_admin_key.remote(api_key=presented),
+                            stale=lambda: self.auth.forget_key(presented))
+        try:  # a malformed reply came after the rotation: it says whether, and how to recover
+            key = await rotation_replies.new_key(context, self.scheduler, "rotate_admin_key", reply, presented,
+                                                 rotation_replies.ADMIN_RECOVERY)
+        finally:
+            self.auth.forget_admin()
         return admin_pb2.RotateAdminKeyResponse(api_key=key)
