@@ -134,8 +134,11 @@ class RequestPreparation:
             # from the whole prompt, session history included: regression, every chat call
             # without max_tokens was refused, asking for more than the pool holds)
             room = min(limit, self.info["pool_tokens"]) - len(tokens)
-            if sampling.min_tokens > room:  # regression (fresh-user trial 26d): this was refused as
-                # the messages' context overflow ("100000 in the completion"), naming messages
+            # a prompt that leaves no room for one token is refused below as the prompt's context
+            # overflow (regression, s39 fresh-user trial: a 6,031-token chat without max_tokens
+            # was refused "min_tokens: asks for at least 0 generated tokens", naming min_tokens)
+            if room > 0 and sampling.min_tokens > room:  # regression (fresh-user trial 26d): this
+                # was refused as the messages' context overflow ("100000 in the completion")
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"min_tokens: asks for at least {sampling.min_tokens} generated tokens, but the context "

@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from transformers import AutoTokenizer
 
+from cache_node.model_loader import resolve_model_dir
+from services.chat import ChatTemplater
 from services.gateway import MAX_ID_CHARS, InferenceServicer
 from services.openai_api.app import OpenAIEdge, create_app, invalid
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
@@ -102,10 +105,12 @@ class _Auth:
         return self.tenant_
 
 
-def _post(path: str, body: dict) -> tuple[int, dict]:
+def _post(path: str, body: dict, templater: ChatTemplater | None = None) -> tuple[int, dict]:
     """``body`` through the app and the gateway's real ``InferenceServicer`` (no node: a body
-    past every check is refused at the context limit)."""
-    servicer = InferenceServicer(None, _Auth(), {}, {"n0": NODE_INFO}, None, "tcp://127.0.0.1:9")  # type: ignore[arg-type]
+    past every check is refused at the context limit); with ``templater`` a chat is rendered
+    and its prompt counted, as a gateway with the model's tokenizer does."""
+    servicer = InferenceServicer(None, _Auth(), {}, {"n0": NODE_INFO}, templater,  # type: ignore[arg-type]
+                                 "tcp://127.0.0.1:9")
     app, sent = create_app(OpenAIEdge(servicer, "m@0:f16", list, lambda: 1)), []
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
              "raw_path": path.encode(), "query_string": b"", "scheme": "http", "headers": [],
@@ -207,3 +212,20 @@ def test_the_gateways_context_limit_is_context_length_exceeded(path: str, body: 
     error = out["error"]
     assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", param), error
     assert "maximum context length" in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("pool_tokens", "bound"), [(4096, 2048), (1024, 1024)])
+def test_a_chat_without_max_tokens_past_the_context_is_the_messages_overflow(
+        pool_tokens: int, bound: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (s39 fresh-user trial): a chat without ``max_tokens`` whose prompt alone is past
+    the context (the model's, 2048 here, or a node's smaller KV pool) was refused "min_tokens:
+    asks for at least 0 generated tokens, but the context leaves room for 0 after the prompt's
+    N tokens; lower min_tokens", ``param`` min_tokens, code ``invalid_argument``: a field the
+    client never sent. It is OpenAI's ``context_length_exceeded`` naming ``messages``."""
+    monkeypatch.setitem(NODE_INFO, "pool_tokens", pool_tokens)
+    templater = ChatTemplater(AutoTokenizer.from_pretrained(resolve_model_dir(None)))
+    body = {**CHAT, "messages": [{"role": "user", "content": "word " * 3000}]}
+    status, out = _post("/v1/chat/completions", body, templater)
+    error = out["error"]
+    assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
+    assert error["message"].startswith(f"This model's maximum context length is {bound} tokens"), error
