@@ -3,7 +3,9 @@ sessions and compressing policies."""
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -243,9 +245,26 @@ def run_session(eng: LLMEngine, policy: str, turns: list[list[int]], sp: Samplin
     return outs
 
 
+def _session_turns() -> list[list[int]]:
+    """The new tokens of a session's three turns (90, 70 and 10)."""
+    rng = random.Random(3)
+    return [[rng.randrange(1, 400) for _ in range(n)] for n in (90, 70, 10)]
+
+
+SESSION_TURNS = _session_turns()
+SESSION_SP = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def never_preempted(tiny) -> Callable[[str], list[tuple[int, ...]]]:
+    """Policy -> ``run_session``'s outputs of ``SESSION_TURNS`` on a fresh engine, never
+    preempted; each policy's run once, for all three of its preemption points (each ran it)."""
+    return functools.cache(lambda policy: run_session(make_engine(tiny), policy, SESSION_TURNS, SESSION_SP))
+
+
 @pytest.mark.parametrize("policy", SESSION_PREEMPT_POLICIES)
 @pytest.mark.parametrize("preempt", [(1, 40), (1, 75), (2, 12)])
-def test_preempted_session_turn_decodes_as_never_preempted(tiny, policy, preempt) -> None:
+def test_preempted_session_turn_decodes_as_never_preempted(tiny, never_preempted, policy, preempt) -> None:
     """Regression: a later turn of a session under a compressing policy, continuing from the
     history's kept (compressed) KV, lost that history with its blocks when preempted, and
     recomputed its whole prompt (history and new tokens) at once, compressing it at the
@@ -254,12 +273,8 @@ def test_preempted_session_turn_decodes_as_never_preempted(tiny, policy, preempt
     while a turn runs, and a preempted turn restarts from it: only the new turn's part
     recomputes. ``preempt``: (turn, n) as in ``run_session`` (turn 1 mid-prefill, after its first
     chunk, turn 1 after 5 output tokens, turn 2 after 2)."""
-    rng = random.Random(3)
-    turns = [[rng.randrange(1, 400) for _ in range(n)] for n in (90, 70, 10)]
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    ref = run_session(make_engine(tiny), policy, turns, sp)
     eng = make_engine(tiny)
-    assert run_session(eng, policy, turns, sp, preempt) == ref
+    assert run_session(eng, policy, SESSION_TURNS, SESSION_SP, preempt) == never_preempted(policy)
     eng.check_integrity()
     eng.close_session("s")
     eng.check_integrity()
