@@ -16,11 +16,15 @@ so a restart never depends on references the creating driver owned.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,48 @@ def resolve_or_none(peer: Any) -> Any:
         return resolve(peer)
     except ValueError:
         return None
+
+
+class NamedPeer:
+    """A peer actor held by name (``ActorRef``), its handle looked up on use, for a restartable
+    actor that must start while the peer has no live actor (the global scheduler dead for good
+    and not created again yet: its constructor must not raise, or Ray never restarts it).
+
+    ``handle()`` is the last look-up's handle, looked up again once ``relookup_s`` passed since
+    it (a peer created again under its name is a new actor: a fire-and-forget call to the old
+    handle would fail unseen), None while no live actor has the name; ``missing`` says why
+    ("" once found). A handle (not an ``ActorRef``) is used as it is. Thread-safe.
+    """
+
+    def __init__(self, peer: Any, relookup_s: float = 5.0, clock: Any = time.monotonic) -> None:
+        self.peer, self.relookup_s, self._clock = peer, relookup_s, clock
+        self._lock = threading.Lock()
+        self._handle: Any = None
+        self._looked_at: float | None = None
+        self.missing = ""
+
+    def handle(self) -> Any:
+        """The peer's handle, or None while no live actor has its name."""
+        if not isinstance(self.peer, ActorRef):
+            return self.peer
+        with self._lock:
+            now = self._clock()
+            if self._looked_at is not None and now - self._looked_at < self.relookup_s:
+                return self._handle
+            self._looked_at = now
+            try:
+                self._handle = self.peer.resolve()
+                if self.missing:
+                    log.warning("actor %s is back: its calls go to it again", self.peer.name)
+                self.missing = ""
+            except ValueError as exc:  # (Ray's: no live actor of that name)
+                if not self.missing:
+                    log.warning("no live actor named %s in namespace %s: its calls are skipped until it is "
+                                "back (looked up every %g s)", self.peer.name, self.peer.namespace, self.relookup_s)
+                self._handle = None
+                self.missing = (f"no live actor named {self.peer.name} (looked up again every {self.relookup_s:g} "
+                                f"s): {str(exc).strip()[:200]}")
+            return self._handle
 
 
 def actor_restarts() -> int:

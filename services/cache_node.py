@@ -42,7 +42,7 @@ from cache_node.policies.base import PolicyEnv
 from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
-from services.actor_refs import ActorRef, actor_restarts, resolve, resolve_or_none
+from services.actor_refs import ActorRef, NamedPeer, actor_restarts, resolve_or_none
 from services.block_reports import BlockReporter
 from services.cache_node_admin import Admin
 from services.cache_node_commands import Commands
@@ -249,6 +249,10 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         """How often this node was restarted (0 outside Ray)."""
         return 0
 
+    def scheduler_unreachable(self) -> str:
+        """Why the global scheduler cannot be called ("": it can, or none is named)."""
+        return ""
+
     # ---- the step thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -328,6 +332,11 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
 
 
 
+SCHEDULER_RELOOKUP_S = 5.0
+"""Seconds between two look-ups of the global scheduler's name by a cache node (while it has no
+live actor, and to find one created again under it)."""
+
+
 class CacheNodeActor(CacheNode):
     """Ray actor: a CacheNode whose block events flow to the named GlobalScheduler."""
 
@@ -337,7 +346,11 @@ class CacheNodeActor(CacheNode):
         spill_nodes: list[Any] | None = None, spill_spec: SpillBlockSpec | None = None,
         security: Security | None = None, metrics: MetricsEndpoint | None = None,
     ) -> None:
-        scheduler = resolve(scheduler)  # ActorRefs (the launcher's): looked up on each (re)start
+        # the scheduler's ActorRef (the launcher's) is looked up on use, not here: one with no live
+        # actor (dead for good, not created again yet) leaves this node serving, its calls to the
+        # scheduler skipped until it is back. Regression (s39): ray.get_actor's ValueError here left
+        # a cache node (re)started meanwhile dead for good (Ray restarts no actor whose constructor raised)
+        self._scheduler = NamedPeer(scheduler, SCHEDULER_RELOOKUP_S) if scheduler else None
         spill_names = [node.name if isinstance(node, ActorRef) else f"spill node {i}"
                        for i, node in enumerate(spill_nodes or [])]
         spill_refs = list(spill_nodes or [])
@@ -349,7 +362,7 @@ class CacheNodeActor(CacheNode):
             if handle is None:
                 log.warning("cache node %s: no live actor named %s yet: its shard misses until it appears",
                             node_id, name)
-        self._reporter = BlockReporter(scheduler) if scheduler else None
+        self._reporter = BlockReporter(scheduler) if scheduler else None  # (looks it up itself, again after a failure)
         sink = self._report_blocks if self._reporter is not None else None
         spill = None
         if spill_nodes and spill_spec is not None:
@@ -363,12 +376,32 @@ class CacheNodeActor(CacheNode):
                 f"spill block format {spill_spec} differs from this node's {self.engine.spill_block_spec()}"
             )
         self._restarts = actor_restarts()
+        handle = self._scheduler.handle() if self._scheduler is not None else None
         if metrics is not None:  # a restarted node serves its metrics again, on its port of before
-            self.serve_metrics(metrics, _previous_metrics_port(scheduler, node_id) if self._restarts else 0)
-            if scheduler and metrics.port == 0 and self.metrics_server is not None:
-                scheduler.record_metrics_port.remote(node_id, self.metrics_server.port)
-        if scheduler:
-            self.session_sink = lambda node_id, ids: scheduler.sessions_ended.remote(node_id, ids)
+            self.serve_metrics(metrics, _previous_metrics_port(handle, node_id) if self._restarts else 0)
+            # (a scheduler missing now learns the port from this node's recovery report when it is back)
+            if handle is not None and metrics.port == 0 and self.metrics_server is not None:
+                handle.record_metrics_port.remote(node_id, self.metrics_server.port)
+        if self._scheduler is not None:
+            self.session_sink = self._sessions_ended
+
+    def _sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
+        """Tell the scheduler of the sessions this node expired; skipped (logged) while it has
+        no live actor (its recovery finds them gone from this node's report)."""
+        handle = self._scheduler.handle() if self._scheduler is not None else None
+        if handle is None:
+            log.warning("cache node %s: %d expired sessions not told to the global scheduler: %s", node_id,
+                        len(session_ids), self.scheduler_unreachable())
+            return
+        handle.sessions_ended.remote(node_id, session_ids)
+
+    def scheduler_unreachable(self) -> str:
+        """Why the global scheduler cannot be called ("" when it can: found by name, or no name
+        given): its name has no live actor (looked up again at most every
+        ``SCHEDULER_RELOOKUP_S``)."""
+        if self._scheduler is None or self._scheduler.handle() is not None:
+            return ""
+        return self._scheduler.missing
 
     def _report_blocks(self, node_id: str, events: list[tuple[str, bytes, str]]) -> None:
         """The step thread's block events, to the scheduler's index in order; after a lost

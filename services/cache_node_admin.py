@@ -58,6 +58,7 @@ class Admin:
     def _node_stats(self, engine: dict[str, Any]) -> dict[str, Any]:
         return {"node_id": self.node_id, "healthy": not self.failure, "failure": self.failure,
                 "pid": os.getpid(), "restarts": self.restarts(), "metrics_address": self.metrics_address,
+                "scheduler_unreachable": self.scheduler_unreachable(),
                 **{k: v for k, v in engine.items() if k != "time_s"},
                 "stats_age_s": time.monotonic() - engine["time_s"], "session_rerenders": self.session_rerenders,
                 "data_plane": {"commands": self.commands_received, "bad_messages": self.bad_messages}}
