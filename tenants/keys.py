@@ -138,12 +138,23 @@ def write_key_file(path: str | Path, api_key: str) -> None:
 
 def write_private_file(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically, readable by the owner only (mode 0600): a secret
-    (an API key, a token, keys a workload keeps).
+    (an API key, a token, keys a workload keeps). ``write_file_atomic`` with mode 0600.
 
-    The text goes to a temp file in the same directory (created 0600), is fsynced, and
-    replaces ``path`` with ``os.replace``; the directory is fsynced after. A crash at any
-    point leaves either the old file whole or the new one whole (plus, at worst, a stray
-    ``.<name>.*`` temp file), never a partial one.
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    write_file_atomic(path, text, 0o600)
+
+
+def write_file_atomic(path: str | Path, data: str | bytes, mode: int) -> None:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically and durably, with
+    permission bits ``mode`` (0600 for a secret, 0644 for a file another user's process reads,
+    such as Prometheus's targets).
+
+    The data goes to a temp file in the same directory (created 0600, then ``mode``), is
+    fsynced, and replaces ``path`` with ``os.replace``; the directory is fsynced after. A crash
+    at any point leaves either the old file whole or the new one whole (plus, at worst, a stray
+    ``.<name>.*`` temp file), never a partial one; a write that fails leaves no temp file.
 
     Raises:
         OSError: the directory cannot be written.
@@ -152,8 +163,10 @@ def write_private_file(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            if mode != 0o600:
+                os.fchmod(f.fileno(), mode)
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

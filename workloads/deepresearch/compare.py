@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tenants.keys import write_file_atomic
 from workloads.deepresearch.findings import pct
 
 COMPARE_COLUMNS = ("tenant", "class", "scheduler", "ok/sent", "TTFT p50/p95 ms", "TTFT SLO", "floor",
@@ -87,12 +88,17 @@ def comparison_markdown(first: Report, second: Report, second_dir: str | Path) -
 
 def append_comparison(run_dir: Path, first: Report, second: Report, second_dir: Path) -> None:
     """Append :func:`comparison_markdown` to ``run_dir/report.md`` and write
-    ``run_dir/comparison.json`` (both schedulers' per-tenant and overall groups)."""
-    with (run_dir / "report.md").open("a", encoding="utf-8") as out:
-        out.write("\n" + comparison_markdown(first, second, second_dir))
+    ``run_dir/comparison.json`` (both schedulers' per-tenant and overall groups). Each file is
+    replaced whole (``write_file_atomic``): a crash leaves ``report.md`` as it was or with the
+    whole section, never cut short.
+
+    Raises:
+        OSError: ``run_dir/report.md`` cannot be read, or ``run_dir`` cannot be written."""
+    report_md = (run_dir / "report.md").read_text(encoding="utf-8")
+    write_file_atomic(run_dir / "report.md", report_md + "\n" + comparison_markdown(first, second, second_dir), 0o644)
     both = {r.get("scheduler") or str(i): {"report_dir": str(d), "tenants": r["tenants"], "overall": r["overall"]}
             for i, (r, d) in enumerate(((first, run_dir), (second, second_dir)))}  # fmt: skip
-    (run_dir / "comparison.json").write_text(json.dumps(both, indent=2, sort_keys=True) + "\n")
+    write_file_atomic(run_dir / "comparison.json", json.dumps(both, indent=2, sort_keys=True) + "\n", 0o644)
 
 
 def print_comparison(first: Report, second: Report, console: Console | None = None) -> None:

@@ -8,6 +8,7 @@ and exit with ``outcome.exit_code``.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,9 +62,10 @@ async def run_deepresearch(
         client: any :class:`InferenceClient`.
         api_keys: tenant name -> API key, for every tenant of ``config``.
         options: runner options (time scale, progress, ...); by default real time with
-            session ids prefixed ``run<unix time>:`` so runs never share a session.
+            session ids prefixed ``run<unix time>-<8 random hex>:`` so runs never share a session.
         stats_probe: optional server-stats sampler for the time series.
-        root: reports root; the run goes to ``root/deepresearch/<timestamp>``.
+        root: reports root; the run goes to ``root/deepresearch/<timestamp>`` (``<timestamp>-<n>``
+            when another run took that second).
         console: where progress and the summary print.
         replay: a ``trace.jsonl`` of an earlier run: its calls are sent again with their
             recorded messages, arrivals and pauses (:func:`workloads.deepresearch.trace.load_replay`);
@@ -75,7 +77,8 @@ async def run_deepresearch(
         ValueError: a tenant has no API key; the replay trace is malformed.
         FileNotFoundError: no replay trace at ``replay``.
     """
-    options = options or RunOptions(session_prefix=f"run{int(time.time())}:")
+    # the unix second alone is shared by two runs started in it (s39): their sessions would mix
+    options = options or RunOptions(session_prefix=f"run{int(time.time())}-{secrets.token_hex(4)}:")
     console = console or Console()
     plan = load_replay(replay, config.seed) if replay else generate_plan(config)
     source = f"replay of {replay}" if replay else "plan"

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,15 +18,19 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from tenants.keys import write_file_atomic
 from workloads.deepresearch.config import TenantProfile
 
 Record = Mapping[str, Any]
 
 
 def _save(figure: Figure, path: Path) -> Path:
+    """Render ``figure`` as PNG and write it atomically (``write_file_atomic``, mode 0644)."""
     FigureCanvasAgg(figure)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    write_file_atomic(path, png.getvalue(), 0o644)
     return path
 
 

@@ -9,26 +9,33 @@ and ``run.json`` (the config and run totals).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tenants.keys import write_file_atomic
 from workloads.deepresearch.config import TenantProfile, WorkloadConfig
 from workloads.deepresearch.metrics import compute_report, exit_code
 from workloads.deepresearch.plots import plot_memory, plot_throughput, plot_ttft_cdf
 from workloads.deepresearch.summary import report_markdown
 from workloads.deepresearch.trace import write_trace
 
-__all__ = ["exit_code", "load_jsonl", "write_jsonl", "write_report"]
+__all__ = ["REPORT_FILE_MODE", "exit_code", "load_jsonl", "write_jsonl", "write_report"]
+
+REPORT_FILE_MODE = 0o644
+"""Every report file is written atomically and durably with these bits (``write_file_atomic``):
+a crash leaves a file whole or absent, never cut short."""
 
 
 def write_jsonl(rows: Iterable[Mapping[str, Any]], path: Path) -> None:
-    """One JSON object per line (keys sorted, UTF-8)."""
-    with path.open("w", encoding="utf-8") as out:
-        out.writelines(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in rows)
+    """One JSON object per line (keys sorted, UTF-8), written atomically (``write_file_atomic``)."""
+    write_file_atomic(path, "".join(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in rows),
+                      REPORT_FILE_MODE)
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -38,22 +45,39 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _new_run_dir(root: Path, now: datetime) -> Path:
-    base = root / "deepresearch" / now.strftime("%Y%m%d-%H%M%S")
-    path, n = base, 0
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    path.mkdir(parents=True)
-    return path
+    """A new, empty ``root/deepresearch/<YYYYmmdd-HHMMSS>`` folder, or ``<timestamp>-<n>`` (the
+    smallest n >= 1 free) when another run took that second: each name is taken with an
+    exclusive ``mkdir``, so two runs (processes or threads) never get the same folder.
+
+    Regression (s39): the name was checked (``exists``) and then created, so two runs started
+    in the same second could both find it free; the second's ``mkdir`` raised FileExistsError
+    after its whole run and its report was lost.
+
+    Raises:
+        OSError: ``root`` cannot be written."""
+    parent = root / "deepresearch"
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count():
+        path = parent / (f"{stamp}-{n}" if n else stamp)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")  # itertools.count never ends
 
 
 def _point_latest(root: Path, run_dir: Path) -> None:
-    """Atomically make ``root/latest`` a relative symlink to ``run_dir``."""
-    tmp = root / f".latest-{os.getpid()}"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
+    """Atomically make ``root/latest`` a relative symlink to ``run_dir`` (through a temp link of
+    a name no other run, process or thread, uses)."""
+    tmp = root / f".latest-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.symlink_to(run_dir.relative_to(root))
-    os.replace(tmp, root / "latest")
+    try:
+        os.replace(tmp, root / "latest")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_report(
@@ -97,14 +121,14 @@ def write_report(
         policy=policy,
     )
     span_s = (report["start_s"], report["end_s"]) if report["span_s"] > 0 else None  # the one time base
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_file_atomic(run_dir / "report.json", json.dumps(report, indent=2, sort_keys=True) + "\n", REPORT_FILE_MODE)
     plots = (
         plot_ttft_cdf(records, tenants, run_dir / "ttft_cdf.png"),
         plot_memory(timeseries, run_dir / "memory.png", span_s),
         plot_throughput(records, tenants, run_dir / "throughput.png", span_s=span_s),
     )
     markdown = report_markdown(report, tuple(p.name for p in plots))
-    (run_dir / "report.md").write_text(markdown, encoding="utf-8")
+    write_file_atomic(run_dir / "report.md", markdown, REPORT_FILE_MODE)
     if trace is not None:
         write_trace(trace, run_dir / "trace.jsonl")
     info: dict[str, Any] = {"tenants": [dataclasses.asdict(t) for t in tenants], "scheduler": scheduler,
@@ -112,6 +136,6 @@ def write_report(
     if config is not None:
         info["config"] = dataclasses.asdict(config)
     info.update(run_info or {})
-    (run_dir / "run.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    write_file_atomic(run_dir / "run.json", json.dumps(info, indent=2, sort_keys=True) + "\n", REPORT_FILE_MODE)
     _point_latest(root, run_dir)
     return run_dir, report

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tenants.keys import write_file_atomic
 from workloads.deepresearch.plan import (
     CALL_KINDS,
     AgentScript,
@@ -37,10 +38,10 @@ _FIELDS = ("call_id", "research_id", "session_id", "tenant", "agent", "kind", "t
 
 
 def write_trace(rows: Iterable[Mapping[str, Any]], path: str | Path) -> int:
-    """Write trace rows as JSONL (keys sorted, UTF-8); returns the line count."""
+    """Write trace rows as JSONL (keys sorted, UTF-8), atomically (``write_file_atomic``, mode
+    0644); returns the line count."""
     lines = [json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in rows]
-    with Path(path).open("w", encoding="utf-8") as out:
-        out.writelines(lines)
+    write_file_atomic(path, "".join(lines), 0o644)
     return len(lines)
 
 
