@@ -256,7 +256,8 @@ class Streams:
             if isinstance(templater, RemoteTemplater):
                 templater.process.start()
         except Exception as exc:  # noqa: BLE001 - the first render starts it again
-            log.warning("cache node %s: %s: %s", self.node_id, type(exc).__name__, exc)
+            if not self._render_closed:  # (a shutdown during the start: nothing to say)
+                log.warning("cache node %s: %s: %s", self.node_id, type(exc).__name__, exc)
 
     def _render_templater(self) -> Any:
         """Renderer thread: the templater ``_prompt`` renders chat requests with: a

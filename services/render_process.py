@@ -326,8 +326,15 @@ class RenderProcess:
         """Start the child (reaping one that ended), send its ``init`` frame and wait for its
         ``ready``, within ``start_timeout_s`` (else ``RenderFailed``; at once while its
         ``start_guard`` backs off). A child whose tokenizer did not load under its memory cap
-        says so (``["failed", "memory", ...]``), and the error names the cap."""
+        says so (``["failed", "memory", ...]``), and the error names the cap. Once ``close``
+        ran, none starts (``RenderFailed``, "shutting down"), and one ``close`` met while it was
+        spawned is killed at once.
+
+        Regression (s39, a node shut down during its render child's warm start): the renderer
+        thread started the child after ``close`` (which had found none to kill), and it ran on,
+        importing for ~10 s of CPU, to fail on the tokenizer ``close`` had removed."""
         self.kill()
+        self._refuse_closed()
         self.start_guard.check(self.owner)
         started = time.monotonic()
         try:
@@ -337,6 +344,7 @@ class RenderProcess:
             env.update(TMPDIR=self.workdir, HF_HOME=self.workdir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                        TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error")  # (no "PyTorch was not found")
             self.proc = start_child(self.argv, self.workdir, env, "chat renderer", log)
+            self._refuse_closed()  # (a ``close`` while it was spawned found no child to kill)
             self.num_starts += 1
             self._starting = True
             deadline = started + self.start_timeout_s
@@ -362,6 +370,12 @@ class RenderProcess:
         self.sandbox = sandbox
         log.info("chat renderer process %d ready in %.1f s (%s)", self.proc.pid, time.monotonic() - started,
                  self.sandbox)
+
+    def _refuse_closed(self) -> None:
+        """Raises ``RenderFailed`` once ``close`` ran."""
+        with self._lock:
+            if self.closed:
+                raise RenderFailed(f"the {self.owner} is shutting down")
 
     def close(self) -> None:
         """Stop the child (the node's shutdown; any thread): a render under way fails

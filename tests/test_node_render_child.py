@@ -241,3 +241,44 @@ def test_a_passing_failure_to_make_the_render_child_fails_that_chat_alone(node: 
     after = asyncio.run(events(node, chat("made-again", "a", BIG_CHAT[:1])))
     assert after[-1]["type"] == "finished", after
     assert node._render_child is not None and node._render_child.process.pid is not None
+
+
+def test_a_closed_render_process_starts_no_child(node: CacheNode) -> None:
+    """Regression (s39, found by listing the child processes left after each test file: one
+    of tests/test_node_health's nodes, shut down 0.2 s after its start, left its render child
+    running ~12 s): the renderer thread's warm start ran after the node's shutdown had closed
+    the ``RenderProcess`` (finding no child to kill), so a child started anyway and imported,
+    a core's worth of CPU, until it failed on the tokenizer ``close`` had removed. Now a start
+    after ``close`` is refused at once and starts no process."""
+    process = RenderProcess(node.tokenizer, start_timeout_s=30)
+    process.close()
+    t0 = time.monotonic()
+    with pytest.raises(RenderFailed, match="shutting down"):
+        process.start()
+    assert process.num_starts == 0 and process.pid is None
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_render_child_spawned_as_its_process_closes_is_killed(node: CacheNode, monkeypatch) -> None:
+    """The other side of that race: ``close`` runs while ``start`` spawns the child (after the
+    check at its beginning, before ``proc`` is set: ``close`` finds no child to kill). The
+    start kills the child it spawned and fails at once ("shutting down"); before, it sent the
+    child its tokenizer (removed by ``close``) and waited on it for seconds."""
+    from services import render_process
+
+    process = RenderProcess(node.tokenizer, start_timeout_s=30)
+    spawned = []
+
+    def spawn_then_close(*args: Any, **kwargs: Any) -> Any:
+        spawned.append(real_start_child(*args, **kwargs))
+        process.close()  # (as the node's shutdown on its own thread, at this moment)
+        return spawned[-1]
+
+    real_start_child = render_process.start_child
+    monkeypatch.setattr(render_process, "start_child", spawn_then_close)
+    t0 = time.monotonic()
+    with pytest.raises(RenderFailed, match="shutting down"):
+        process.start()
+    took = time.monotonic() - t0
+    assert len(spawned) == 1 and spawned[0].poll() is not None and process.pid is None
+    assert took < 2.0, took
