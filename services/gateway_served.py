@@ -5,18 +5,36 @@ none (it was restarted and rebuilt its state without this gateway, or lost it ot
 tells that case apart from a gateway that never served (restarted before its first ``start``).
 A gateway stopped for good (``stop_services``, a failed start's ``_kill_placed``, ``kvstrata down``)
 has its record deleted (``forget``), by its actor id: other gateways' records on the cluster stay.
+One that died on its own for good (its restarts used up, its node lost) is pruned at the next
+start of any gateway on the cluster (``prune_dead``: records whose actor Ray lists DEAD).
+
+Regression (s39): such a gateway's record stayed until the Ray cluster stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ray.experimental import internal_kv
 
 NAMESPACE = "kvstrata"
 """The GCS key-value namespace of the records (each key is ``gateway_served/<actor id>``)."""
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = b"gateway_served/"
+
+MAX_PRUNE_CHECKS = 1024
+"""Records ``prune_dead`` looks at per call at most (one GCS read each); the rest wait for the
+next gateway start."""
+
+_ACTOR_ID = re.compile(rb"[0-9a-f]{32}")
+"""A Ray actor id as ``record_key`` writes it (16 bytes, lower-case hex)."""
 
 API_NAMES = ("grpc", "http", "metrics")
 """The addresses a record holds, each ``host:port`` or "" (not served)."""
@@ -30,6 +48,8 @@ class KeyValues(Protocol):
     def get(self, key: bytes) -> bytes | None: ...
 
     def delete(self, key: bytes) -> None: ...
+
+    def list_keys(self, prefix: bytes) -> list[bytes]: ...
 
 
 class GcsKeyValues:
@@ -45,10 +65,13 @@ class GcsKeyValues:
     def delete(self, key: bytes) -> None:
         internal_kv._internal_kv_del(key, namespace=NAMESPACE)
 
+    def list_keys(self, prefix: bytes) -> list[bytes]:
+        return list(internal_kv._internal_kv_list(prefix, namespace=NAMESPACE))
+
 
 def record_key(gateway_id: str) -> bytes:
     """The key of the record of the gateway actor ``gateway_id`` (its Ray actor id, hex)."""
-    return f"gateway_served/{gateway_id}".encode()
+    return KEY_PREFIX + gateway_id.encode()
 
 
 def forget(gateway: Any, store: KeyValues | None = None) -> None:
@@ -59,6 +82,43 @@ def forget(gateway: Any, store: KeyValues | None = None) -> None:
     Regression (s38): no path deleted a record, so each stopped gateway's stayed in the GCS for
     the cluster's life (a joined cluster's ``up``/``down`` cycles added one each)."""
     (store if store is not None else GcsKeyValues()).delete(record_key(gateway._actor_id.hex()))
+
+
+def actor_state(actor_id: str) -> str:
+    """Ray's state of actor ``actor_id`` (hex): "ALIVE", "RESTARTING", "DEAD", ... or "" when
+    Ray has no record of it (another cluster's, or evicted). One GCS read; raises its error."""
+    from ray._private import state  # no public API reads one actor's state without the dashboard
+
+    return str(state.actors(actor_id).get("State", ""))
+
+
+def prune_dead(store: KeyValues | None = None, state_of: Callable[[str], str] | None = None) -> list[str]:
+    """Delete the records of gateway actors Ray lists DEAD (dead for good: no restart of theirs
+    will read it); returns their ids. A record stays whose actor is alive or restarting, that
+    Ray has no record of (unknown is not dead: another cluster's actor, or an entry evicted),
+    whose state could not be read (logged), or whose key is no ``gateway_served/<actor id>``
+    (not ours to judge). Blocking: one GCS list, then one read per record, at most
+    ``MAX_PRUNE_CHECKS`` of them (``state_of``: None for ``actor_state``). Raises the store's
+    error (the list or a delete)."""
+    store = store if store is not None else GcsKeyValues()
+    state_of = state_of if state_of is not None else actor_state
+    pruned: list[str] = []
+    for key in store.list_keys(KEY_PREFIX)[:MAX_PRUNE_CHECKS]:
+        actor_id = key[len(KEY_PREFIX):] if isinstance(key, bytes) and key.startswith(KEY_PREFIX) else b""
+        if not _ACTOR_ID.fullmatch(actor_id):
+            continue
+        try:
+            dead = state_of(actor_id.decode()) == "DEAD"
+        except Exception as exc:  # noqa: BLE001 - unknown: kept, tried again at the next start
+            log.warning("gateway record %r: its actor's state is unknown (kept): %s", key, exc)
+            continue
+        if dead:
+            store.delete(key)
+            pruned.append(actor_id.decode())
+    if pruned:
+        log.info("deleted the served-address records of %d gateways Ray lists dead: %s", len(pruned),
+                 ", ".join(pruned[:10]))
+    return pruned
 
 
 class ServedRecord:

@@ -27,7 +27,7 @@ from services.data_plane_auth import Security
 from services.gateway import InferenceServicer
 from services.gateway_admin import AdminServicer, TenantServicer
 from services.gateway_render import GatewayTemplater
-from services.gateway_served import API_NAMES, ServedRecord
+from services.gateway_served import API_NAMES, ServedRecord, prune_dead
 from services.gateway_stream_bounds import StreamLimits
 from services.gateway_streams import NodeStreams
 from services.grpc_bounds import GrpcLimits
@@ -399,6 +399,7 @@ class RayGateway(Gateway):
         self.restarted: asyncio.Task[int] | None = None
         self.served_address = ""  # host:port, once started
         self._reattaching: asyncio.Task[bool] | None = None
+        self._pruning: asyncio.Task[None] | None = None  # (held: a task none holds may be collected)
         if context.was_current_actor_reconstructed:  # the constructor runs on the actor's loop
             self.restarted = asyncio.get_running_loop().create_task(self._serve_again())
 
@@ -436,7 +437,18 @@ class RayGateway(Gateway):
             self.streams.on_gone = self.reattach
         if self.monitor is not None:  # the scheduler Ray restarted rebuilt its state: attach to it
             self.monitor.on_scheduler_back = self._scheduler_back
+        # records of gateways that died for good on their own (no down/stop deleted them): off
+        # the start's path, in a worker thread (GCS round trips)
+        self._pruning = asyncio.get_running_loop().create_task(self._prune_dead_records())
         return bound
+
+    async def _prune_dead_records(self) -> None:
+        """``gateway_served.prune_dead``; a failure is logged (what it left is tried again at
+        the next gateway start)."""
+        try:
+            await asyncio.to_thread(prune_dead)
+        except Exception as exc:  # noqa: BLE001 - housekeeping: never the start's failure
+            log.warning("gateway %s: pruning dead gateways' records failed: %s", self.gateway_id, exc)
 
     async def _scheduler_back(self) -> None:
         """The scheduler answers again after it was unreachable (Ray restarted it, or the link

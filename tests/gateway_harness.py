@@ -42,6 +42,9 @@ class ClusterKeyValues(dict):
     def delete(self, key: bytes) -> None:
         self.pop(key, None)
 
+    def list_keys(self, prefix: bytes) -> list[bytes]:
+        return [key for key in self if key.startswith(prefix)]
+
 
 def cluster_key_values(monkeypatch: Any) -> ClusterKeyValues:
     """The test's ``ClusterKeyValues``, which every ``ServedRecord`` made from now on in the test

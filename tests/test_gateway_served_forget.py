@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,3 +81,28 @@ def test_a_failed_start_deletes_the_gateways_record(other_record: bytes) -> None
 def test_down_deletes_the_gateways_record(other_record: bytes) -> None:
     namespace = "kvstrata-served-down"
     _stopped(namespace, lambda gateway: _kill_services(namespace, ""), other_record)
+
+
+def test_records_of_gateways_ray_lists_dead_are_pruned_and_no_others(other_record: bytes) -> None:
+    """Regression (s39): a gateway that died for good on its own (killed, no restart left: no
+    stop path ran) kept its record for the cluster's life. ``prune_dead`` (every gateway start
+    runs it) deletes it, keeps a live gateway's and the unknown other deployment's."""
+    from services.gateway_served import actor_state, prune_dead
+
+    dead, dead_key = _serving_gateway("kvstrata-served-dead")
+    live, live_key = _serving_gateway("kvstrata-served-live")
+    try:
+        ray.kill(dead, no_restart=True)
+        deadline = time.monotonic() + 30
+        while actor_state(dead._actor_id.hex()) != "DEAD":
+            assert time.monotonic() < deadline, "Ray did not list the killed gateway dead"
+            time.sleep(0.05)
+        assert GcsKeyValues().get(dead_key) is not None  # what was left before
+        assert dead._actor_id.hex() in prune_dead()
+        assert GcsKeyValues().get(dead_key) is None
+        assert GcsKeyValues().get(live_key) is not None and GcsKeyValues().get(other_record) is not None
+    finally:
+        with contextlib.suppress(Exception):
+            ray.kill(live)
+        _delete(dead_key)
+        _delete(live_key)
