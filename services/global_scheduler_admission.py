@@ -23,7 +23,7 @@ from services.global_scheduler import GlobalScheduler
 from services.global_scheduler_recovery import GATEWAY_REATTACH_S, Recovery, RecoveryPeers
 from services.node_request import NodeRequest
 from services.ray_errors import actor_died
-from services.spill_recreate import SpillRecreator
+from services.spill_recreate import RecreatePolicy, SpillRecipe, SpillRecreator
 from services.spill_watch import SPILL_POLL_S, SPILL_TIMEOUT_S, SpillWatch
 from tenants.keys import is_key_id
 from tenants.model import SPEC_DIGEST_CHARS, Tenant, TenantSpec
@@ -92,7 +92,7 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._tells: set[asyncio.Task[None]] = set()  # ``_tell_counted_gone`` calls running
         self._report_timeout_s = peers.report_timeout_s if peers is not None else SPILL_TIMEOUT_S
         self._reindexing: dict[str, asyncio.Future[Any]] = {}  # a spill node's report_held still running
-        recreator = (SpillRecreator(peers.spill_recipe, peers.spill_recreate)
+        recreator = (self._spill_recreator(peers.spill_recipe, peers.spill_recreate)
                      if peers is not None and peers.spill_recipe is not None and peers.spill_recreate is not None
                      else None)
         self.spill_watch = SpillWatch(peers.namespace, peers.spill_nodes, spill_poll_s, on_dead=self._forget_spill_holder,
@@ -110,6 +110,13 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
             loop = asyncio.get_running_loop()
             loop.call_later(GATEWAY_REATTACH_S, lambda: self.forget_unattached(
                 {g.subscriber for g in self.gateways.values()}))
+
+    def _spill_recreator(self, recipe: SpillRecipe, policy: RecreatePolicy) -> SpillRecreator:
+        """The spill watch's recreator, its recreations kept in the tenant store: a restarted
+        scheduler goes on from those within ``policy.window_s`` (regression, s39: they were in
+        memory only, so a spill node crashing with the scheduler was created again for ever)."""
+        history = self.store.load_spill_recreations(time.time() - policy.window_s)
+        return SpillRecreator(recipe, policy, history=history, on_recreate=self.store.add_spill_recreation)
 
     def health(self) -> dict[str, Any]:
         """Who answers, for a gateway's ``NodeMonitor``: ``pid`` and ``restarts`` (Ray's count

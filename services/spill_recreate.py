@@ -18,10 +18,14 @@ restarted scheduler's watch creates it again. Bounded: the first recreation is d
 first seen dead, each later one within ``window_s`` waits twice as long as the one before (at most
 ``BACKOFF_MAX_S``), and at most ``max_per_window`` happen per node within ``window_s`` (a node whose
 constructor raises every time is not created for ever). Each one is logged; ``info`` is in
-``kvstrata status``.
+``kvstrata status``. When each recreation happened is kept in the tenant store
+(``tenants.store_spill``) and a restarted scheduler starts from it: a spill node that crashes
+in a loop together with the scheduler is still created at most ``max_per_window`` times per
+window, with the backoff grown by the recreations before the restart.
 
 Regression (s38): nothing recreated a spill node dead for good; its capacity was lost until a
-manual ``kvstrata down`` / ``up``.
+manual ``kvstrata down`` / ``up``. Regression (s39): the recreations within the window lived in
+the scheduler's memory only, so each scheduler restart reset the cap and the backoff.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,16 +103,28 @@ class SpillRecreator:
 
     Args:
         recipe: how the nodes are created; policy: how often.
-        clock: monotonic seconds (tests)."""
+        history: node name -> when it was created again before (wall-clock seconds, oldest
+            first: ``TenantStore.load_spill_recreations``); those within the window count
+            against its cap and backoff as this process's own do.
+        on_recreate: called with (node name, wall-clock seconds) at each recreation, before the
+            node is created (``TenantStore.add_spill_recreation``); an error it raises is logged
+            and the recreation goes on.
+        clock / wall_clock: monotonic and wall-clock seconds (tests)."""
 
     def __init__(self, recipe: SpillRecipe, policy: RecreatePolicy,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.recipe, self.policy, self.clock = recipe, policy, clock
+                 history: Mapping[str, Sequence[float]] | None = None,
+                 on_recreate: Callable[[str, float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        self.recipe, self.policy, self.clock, self.wall_clock = recipe, policy, clock, wall_clock
+        self.on_recreate = on_recreate
         self.totals: dict[str, int] = {}  # recreations per node since the scheduler started
         # the handle of each node created: Ray ends a named actor that is not detached once no
         # handle to it is left (its owner, this scheduler, holds it)
         self.handles: dict[str, Any] = {}
-        self._recent: dict[str, deque[float]] = {}  # their times within the window
+        # their times within the window (monotonic), the stored ones' moved onto this clock
+        to_monotonic = self.clock() - self.wall_clock()
+        self._recent: dict[str, deque[float]] = {
+            name: deque(sorted(at_s + to_monotonic for at_s in times)) for name, times in (history or {}).items()}
         self._dead_since: dict[str, float] = {}
         self._capped_logged: set[str] = set()
 
@@ -159,6 +175,12 @@ class SpillRecreator:
             try backs off)."""
         self._window(name).append(self.clock())
         self.totals[name] = self.totals.get(name, 0) + 1
+        if self.on_recreate is not None:
+            try:
+                self.on_recreate(name, self.wall_clock())
+            except Exception as exc:  # noqa: BLE001 - not kept: a restart counts it not, the node is still due
+                log.warning("recreation of spill node %s not stored (%s: %s): a restarted scheduler will not "
+                            "count it", name, type(exc).__name__, exc)
         log.warning("spill node %s is dead (%s): creating it again on its directory (%d of at most %d within %g s)",
                     name, why, len(self._window(name)), self.policy.max_per_window, self.policy.window_s)
         self.handles[name] = self.recipe.create(name)

@@ -30,6 +30,7 @@ from tenants.store_key_ids import KEY_LOG_LENGTH, KeyIdLog
 from tenants.store_keys import _CHECK_LOCK_STRIPES, FAILED_KEY_TTL_S, PBKDF2_CONCURRENCY, ApiKeys
 from tenants.store_schema import _TENANT_COLUMNS, _spec_json, _tenant, migrate
 from tenants.store_sessions import LostSessionRows
+from tenants.store_spill import SpillRecreationRows
 from tenants.store_usage import UsageRows
 
 MAX_DELETED_TENANTS = 65536
@@ -38,7 +39,7 @@ DELETED_PAGE = 4096
 """Deleted tenants per ``deleted_tenants_after`` answer at most (the scheduler's clamp)."""
 
 
-class TenantStore(ApiKeys, KeyIdLog, UsageRows, LostSessionRows):
+class TenantStore(ApiKeys, KeyIdLog, UsageRows, LostSessionRows, SpillRecreationRows):
     """Persistent tenant registry and key verifier.
 
     Args:

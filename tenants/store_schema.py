@@ -11,8 +11,10 @@ Tables (schema version 2, in ``PRAGMA user_version``)::
     usage_unread(seq PK, tenant_id -> tenants ON DELETE CASCADE, counters_json, moved_at_s)
     lost_sessions(tenant_id -> tenants ON DELETE CASCADE, session_id, lost_at_s; PK both)
     open_sessions(tenant_id -> tenants ON DELETE CASCADE, session_id, used_at_s; PK both)
+    spill_recreations(seq PK, node, at_s)   -- tenants.store_spill
 
-``deleted_tenants``, ``usage``, ``usage_unread``, ``lost_sessions`` and ``open_sessions`` were added within version
+``deleted_tenants``, ``usage``, ``usage_unread``, ``lost_sessions``, ``open_sessions`` and
+``spill_recreations`` were added within version
 2: opening a file without them creates them (an earlier version reading a file with them ignores
 them).
 
@@ -66,6 +68,11 @@ CREATE TABLE IF NOT EXISTS usage (
     tenant_id TEXT PRIMARY KEY REFERENCES tenants(tenant_id) ON DELETE CASCADE,
     counters_json TEXT NOT NULL,
     updated_at_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS spill_recreations (
+    seq INTEGER PRIMARY KEY,
+    node TEXT NOT NULL,
+    at_s REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS usage_unread (
     seq INTEGER PRIMARY KEY,
