@@ -111,7 +111,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.scheduler.max_seq_tokens = self.max_model_len
         self.scheduler.reclaim = self._reclaim
         self.runner = ModelRunner(model.to(device=device, dtype=dtype), self.pool, config,
-                                  (num_blocks - 1) * config.block_size if scratch else None)
+                                  (num_blocks - 1) * config.block_size if scratch else None, self.max_model_len)
         self.policy_env = PolicyEnv()  # set from the tokenizer by whoever holds it (SentenceKV)
         self.sessions = SessionTable(self.kv_manager, self._copy_block)
         self.scheduler.session_tenants = self.sessions.tenants

@@ -78,11 +78,19 @@ class ModelRunner:
         scratch_slot: a pool slot no sequence owns, where padded rows of CUDA-graph steps
             write their K/V (``cuda_graphs.DecodeGraphs``, ``cuda_graphs.PrefillGraphs``); None
             disables graphs.
+        max_model_len: the context the node serves (tokens: ``LLMEngine.max_model_len``, the
+            config's or the model's capped at its narrowest sliding window); 0: the config's,
+            else the model's ``max_position_embeddings``. Sizes ``graph_max_blocks``.
     """
 
     def __init__(self, model: PreTrainedModel, pool: KVPool, config: EngineConfig | None = None,
-                 scratch_slot: int | None = None) -> None:
+                 scratch_slot: int | None = None, max_model_len: int = 0) -> None:
         self.config = (config or EngineConfig(device=str(pool.kv.device))).resolved()
+        max_len = max_model_len or self.config.max_model_len or model.config.max_position_embeddings
+        # block-table width of the CUDA graphs: blocks of the longest sequence the node serves.
+        # Regression (s39): sized from the config's/model's length, not the window-capped one
+        # (a 4k-window model of 128k positions: 32x wider tables, each graph's buffers with them)
+        self.graph_max_blocks = min(pool.num_blocks, -(-max_len // pool.block_size))
         self.model = model
         self.pool = pool
         self.device = pool.kv.device
@@ -106,9 +114,7 @@ class ModelRunner:
         step budget) is >= 2; every bucket captured now, not inside the first steps."""
         from cache_node import cuda_graphs as cg
 
-        cfg, pool = self.config, self.pool
-        max_len = cfg.max_model_len or self.model.config.max_position_embeddings
-        max_blocks = min(pool.num_blocks, -(-max_len // pool.block_size))
+        cfg, max_blocks = self.config, self.graph_max_blocks
         graph_pool = cg.GraphPool()
         self.graphs = cg.DecodeGraphs(self, cfg.max_num_seqs, max_blocks, scratch_slot, graph_pool)
         largest = min(cfg.prefill_graph_max_tokens, cfg.max_num_batched_tokens)
