@@ -406,7 +406,7 @@ def test_no_compiler_process_outlives_close_or_a_killed_node_process(tokenizer) 
     script = textwrap.dedent(f"""
         import sys, time, json
         from transformers import AutoTokenizer
-        from cache_node.model_loader import resolve_model_dir
+        from cache_node.model_files import resolve_model_dir  # (model_loader: +3 s of modeling imports)
         from cache_node.grammars import CompileLimits, Grammars
         from cache_node.structured_output import StructuredOutputSpec
         g = Grammars.create(AutoTokenizer.from_pretrained(str(resolve_model_dir(None))), 49152, [2], 4,
