@@ -61,10 +61,10 @@ class Stack:
 def start_cluster() -> Iterator[Cluster]:
     """Head (cache_node 1, spill_node 8) + worker (cache_node 1), connected as the driver.
 
-    Without Ray's dashboard: no test reads it (``ray._private.state`` asks the GCS), and its
-    head and nine module processes (``ray-dashboard-*Head``) cost CPU at the start and
-    ~0.7-0.9 s of CPU every 30 s after, on the 2-core test machine (bench.chaos_stack's
-    ``ray_local`` starts none either)."""
+    Without Ray's dashboard UI: no test reads it (``ray._private.state`` asks the GCS), and its
+    nine module processes (``ray-dashboard-*Head``; the dashboard's head process runs either
+    way) cost CPU at the start and ~0.7-0.9 s of CPU every 30 s after, on the 2-core test
+    machine (bench.chaos_stack's ``ray_local`` starts none either)."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"cache_node": 1, "spill_node": 8}, "include_dashboard": False},
