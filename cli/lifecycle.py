@@ -118,7 +118,9 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
         cfg = load_config(config)
     except pydantic.ValidationError as exc:
         raise typer.BadParameter(f"{config}: {validation_message(exc.errors()[0])}", param_hint="'--config'") from None
-    except (OSError, yaml.YAMLError) as exc:
+    except yaml.YAMLError as exc:
+        raise typer.BadParameter(f"{config}: {_yaml_message(exc)}", param_hint="'--config'") from None
+    except OSError as exc:
         raise typer.BadParameter(f"{config}: {str(exc).splitlines()[0]}", param_hint="'--config'") from None
     if scheduler:
         try:
@@ -134,6 +136,20 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
             raise typer.BadParameter(validation_message({**exc.errors()[0], "loc": ()}),
                                      param_hint="'--device'") from None
     return cfg.model_copy(update={"detached": True})
+
+
+def _yaml_message(exc: Exception) -> str:
+    """One line telling what is wrong with a config file's YAML and where (1-based line and
+    column), e.g. "not valid YAML: expected the node content, but found '<stream end>' (line 2,
+    column 1)". Regression (s39 fresh-user trial): only the first line of PyYAML's message was
+    kept, its context ("while parsing a flow node"), which says neither what is wrong nor where.
+    """
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None)
+    if not problem:
+        return f"not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"not valid YAML: {problem}{where}"
 
 
 def _start_local_ray(cfg: ServiceConfig, token: Path) -> tuple[int, str]:

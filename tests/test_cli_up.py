@@ -237,3 +237,21 @@ def test_an_actor_error_is_told_by_its_cause() -> None:
     assert lifecycle.failure_text(remote) == "OSError: [Errno 98] Address already in use"
     assert lifecycle.failure_text(RuntimeError("boom\nmore")) == "RuntimeError: boom"
     assert lifecycle.failure_text(ValueError()) == "ValueError()"
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("gateway_port: [\n", "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)"),
+    ("node:\n  kv_pool_bytes: 1\n    block_size: 16\n",
+     "not valid YAML: mapping values are not allowed here (line 3, column 15)"),
+])
+def test_a_config_that_is_not_yaml_says_what_and_where(tmp_path: Path, text: str, said: str) -> None:
+    """Regression (s39 fresh-user trial): `up --config` with a YAML syntax error said only
+    PyYAML's first line, its context: "Invalid value for '--config': my.yaml: while parsing a
+    flow node", neither what is wrong nor on which line. Exit 2 (a usage error), nothing started."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    result = CliRunner().invoke(cli.app, ["up", "--config", str(config)],
+                                env={"KVSTRATA_STATE_DIR": str(tmp_path / "cli"), "COLUMNS": "1000"})
+    assert result.exit_code == 2, result.output
+    assert f"{config}: {said}" in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "cli" / "gateway.json").exists()
