@@ -123,7 +123,7 @@ def test_unreachable_gateway_is_one_line_and_exit_1() -> None:
 
 @pytest.mark.parametrize("text,message", [
     ("num_cache_nodes: -1\n", "num_cache_nodes: Input should be greater than or equal to 1"),
-    ("num_cache_nodes: [\n", "while parsing a flow"),
+    ("num_cache_nodes: [\n", "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)"),
     ("no_such_key: 1\n", "no_such_key: Extra inputs are not permitted"),
     ("scheduler: edf\n", "scheduler: unknown"),
 ])
