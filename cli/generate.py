@@ -19,6 +19,7 @@ from cache_node.sampling_params import (
 from cli.constraints import NO_CONSTRAINTS, Constraints, constraints
 from cli.messages import chat, messages_from_text, tool_results
 from cli.options import MAX_UINT32, GatewayOpt, finite, id_chars
+from cli.options import api_key as api_key_value
 from cli.output import CANCELLED_EXIT_CODE, console, fail, say
 from cli.state import RPC_TIMEOUT_S, gateway_channel
 from cli.tools import apply_tools, tool_call_lines
@@ -159,7 +160,7 @@ def generate(
     prompt: str | None = typer.Argument(None, metavar="PROMPT", show_default=False,
                                         help="the user message (one chat turn); may be left out with "
                                         "--messages or --tool-result"),
-    api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
+    api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY", callback=api_key_value,
                                 help="the tenant's API key (from `kvstrata tenant add`)"),
     max_tokens: int = typer.Option(128, min=1, max=MAX_UINT32,
                                    help="most tokens to generate (finish reason `length` when reached)"),
@@ -248,7 +249,7 @@ def generate(
 def close_session(
     session: str = typer.Argument(..., metavar="SESSION", callback=id_chars("SESSION"),
                                   help="the session id given to `generate --session`"),
-    api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY",
+    api_key: str = typer.Option(..., envvar="KVSTRATA_API_KEY", callback=api_key_value,
                                 help="the tenant's API key (the session's own tenant)"),
     cache_salt: str = typer.Option("", "--cache-salt", metavar="SALT", callback=id_chars("--cache-salt"),
                                    help="the cache_salt the session's turns were sent with (the HTTP API's "

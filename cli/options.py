@@ -58,6 +58,24 @@ def id_chars(option: str) -> Callable[[str], str]:
     return check
 
 
+def api_key(value: str | None) -> str | None:
+    """Typer callback for ``--api-key`` / ``KVSTRATA_API_KEY``: the key without surrounding
+    whitespace (a key is ``kvs_<12 hex>_<43 url-safe characters>``: a copied line's newline is
+    no part of it); one that still holds whitespace or a control character, which no gRPC
+    header can carry, is a usage error. None (not given) passes.
+
+    Regression (s39 fresh-user trial): a key with a trailing newline (a pasted line) ended
+    ``generate`` and ``tenant show`` with "INTERNAL: Invalid metadata" (as if the server had
+    failed) after gRPC's C core logged "Metadata value for key authorization is invalid"."""
+    if value is None:
+        return None
+    key = value.strip()
+    if not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise typer.BadParameter("the API key is empty or holds whitespace or a control character; a key "
+                                 "reads kvs_<key id>_<secret>, as `kvstrata tenant add` printed it")
+    return key
+
+
 def positive(value: float) -> float:
     """Typer callback: a finite number > 0."""
     if not (math.isfinite(value) and value > 0):

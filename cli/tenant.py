@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from cli.options import MAX_UINT32, GatewayOpt, TenantNameArg, finite, uint64
+from cli.options import api_key as api_key_value
 from cli.output import console, fail
 from cli.state import RPC_TIMEOUT_S, admin_metadata, gateway_channel
 from kvstrata.v1 import tenant_pb2, tenant_pb2_grpc
@@ -20,7 +21,7 @@ from tenants.model import SLO_CLASS_DEFAULTS
 tenant_app = typer.Typer(help="Manage tenants: add, list, show, update, rm, rotate-key.",
                          no_args_is_help=True)
 SLO_CLASSES = {"interactive": 1, "standard": 2, "batch": 3}  # TenantSpec.slo_class wire numbers
-OwnKeyOpt = typer.Option(None, "--api-key", envvar="KVSTRATA_API_KEY",
+OwnKeyOpt = typer.Option(None, "--api-key", envvar="KVSTRATA_API_KEY", callback=api_key_value,
                          help="authorize with the tenant's own key (it reaches only its own tenant; default: the "
                          "admin key); prefer KVSTRATA_API_KEY: a command line is visible to every local user")
 
