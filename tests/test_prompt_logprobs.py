@@ -7,6 +7,7 @@ field; asking changes no generated token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,6 +34,20 @@ def _want(reference: Any, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = reference(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)[:-1]  # row i: prompt token i + 1
+
+
+@pytest.fixture(scope="module")
+def want(reference: Any) -> Callable[[list[int]], torch.Tensor]:
+    """``prompt`` -> ``_want(reference, prompt)``, each prompt's forward once (~0.6 s of CPU;
+    seven checks ask for ``TEXT``'s). Callers only read the rows."""
+    rows: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def get(prompt: list[int]) -> torch.Tensor:
+        if tuple(prompt) not in rows:
+            rows[tuple(prompt)] = _want(reference, prompt)
+        return rows[tuple(prompt)]
+
+    return get
 
 
 def _run(engine: Any, prompt: list[int], k: int | None, request_id: str = "r", **kw: Any) -> tuple[list, list[int], Any]:
@@ -63,22 +78,22 @@ def _check(entries: list[PromptLogprob], prompt: list[int], want: torch.Tensor, 
 
 
 @pytest.mark.slow
-def test_prompt_logprobs_equal_transformers_in_one_chunk_and_in_many(real_model, reference) -> None:
+def test_prompt_logprobs_equal_transformers_in_one_chunk_and_in_many(real_model, want) -> None:
     prompt = real_model.tokenizer(TEXT).input_ids
     assert len(prompt) > 30
-    want = _want(reference, prompt)
+    rows = want(prompt)
     one, tokens, _ = _run(make_engine(real_model, kv_pool_bytes=32 << 20, max_num_batched_tokens=256), prompt, 5)
-    _check(one, prompt, want, 5)
+    _check(one, prompt, rows, 5)
     chunked, chunked_tokens, _ = _run(make_engine(real_model, kv_pool_bytes=32 << 20, max_num_batched_tokens=7),
                                       prompt, 5)
-    _check(chunked, prompt, want, 5)
+    _check(chunked, prompt, rows, 5)
     assert chunked_tokens == tokens
     plain, plain_tokens, _ = _run(make_engine(real_model, kv_pool_bytes=32 << 20), prompt, None)
     assert plain == [] and plain_tokens == tokens  # asking changes no generated token
 
 
 @pytest.mark.slow
-def test_a_warm_prefix_cache_is_not_read_and_the_values_are_the_same(real_model, reference) -> None:
+def test_a_warm_prefix_cache_is_not_read_and_the_values_are_the_same(real_model, want) -> None:
     """The second identical request computes its whole prompt (no cached tokens) and gets the
     same values; one not asking reuses the cache as before."""
     prompt = real_model.tokenizer(TEXT).input_ids
@@ -86,13 +101,13 @@ def test_a_warm_prefix_cache_is_not_read_and_the_values_are_the_same(real_model,
     first, _, _ = _run(engine, prompt, 0, "a")
     second, _, last = _run(engine, prompt, 0, "b")
     assert last.num_cached_tokens == 0
-    _check(second, prompt, _want(reference, prompt), 0)
+    _check(second, prompt, want(prompt), 0)
     assert [(e.token_id, e.logprob, e.rank) for e in second] == [(e.token_id, e.logprob, e.rank) for e in first]
     assert _run(engine, prompt, None, "c")[2].num_cached_tokens > 0
 
 
 @pytest.mark.slow
-def test_a_preempted_request_sends_each_prompt_logprob_once(real_model, reference) -> None:
+def test_a_preempted_request_sends_each_prompt_logprob_once(real_model, want) -> None:
     """Preempted mid-prompt (and again after its prompt), it recomputes from the prefix cache
     only the positions it took already, and sends no entry twice."""
     prompt = real_model.tokenizer(TEXT).input_ids
@@ -109,26 +124,26 @@ def test_a_preempted_request_sends_each_prompt_logprob_once(real_model, referenc
             assert (seq.num_computed_tokens < len(prompt)) == (steps == 1)
             engine.scheduler.preempt(seq)
     assert engine.scheduler.num_preemptions == 2
-    _check(entries, prompt, _want(reference, prompt), 2)
+    _check(entries, prompt, want(prompt), 2)
 
 
 @pytest.mark.slow
-def test_a_session_turn_computes_its_history_again(real_model, reference) -> None:
+def test_a_session_turn_computes_its_history_again(real_model, want) -> None:
     prompt = real_model.tokenizer(TEXT).input_ids
     engine = make_engine(real_model, kv_pool_bytes=32 << 20, max_num_batched_tokens=64)
     _, tokens, _ = _run(engine, prompt, None, "t1", session_id="s")
     turn = prompt + tokens + real_model.tokenizer(" and more").input_ids
     entries, _, last = _run(engine, turn, 1, "t2", session_id="s")
     assert last.num_cached_tokens == 0
-    _check(entries, turn, _want(reference, turn), 1)
+    _check(entries, turn, want(turn), 1)
 
 
 @pytest.mark.slow
-def test_lm_head_slices_smaller_than_the_chunk_give_the_same(real_model, reference, monkeypatch) -> None:
+def test_lm_head_slices_smaller_than_the_chunk_give_the_same(real_model, want, monkeypatch) -> None:
     monkeypatch.setattr(prompt_logprobs, "LOGIT_ROWS", 3)
     prompt = real_model.tokenizer(TEXT).input_ids
     entries, _, _ = _run(make_engine(real_model, kv_pool_bytes=32 << 20, max_num_batched_tokens=64), prompt, 20)
-    _check(entries, prompt, _want(reference, prompt), 20)
+    _check(entries, prompt, want(prompt), 20)
 
 
 @pytest.mark.parametrize("bad", [-1, 21, True, 2.0, "3"])
@@ -151,19 +166,19 @@ def test_a_one_token_prompt_has_no_prompt_logprobs(tiny) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["snapkv-0.5", "quant-bits_4", "streaming-16"])
-def test_under_a_kv_policy_they_are_those_of_the_forward_it_ran(real_model, reference, policy: str) -> None:
+def test_under_a_kv_policy_they_are_those_of_the_forward_it_ran(real_model, want, policy: str) -> None:
     """Under these compressing and quantizing policies a prompt's KV stays full precision until
     its prefill ends (they compress then): its prompt logprobs are the full-precision forward's,
     in one chunk and in chunks of 8 (docs: a policy compacting mid-prompt would give those of
     the forward it ran)."""
     prompt = real_model.tokenizer(TEXT).input_ids
-    want = _want(reference, prompt)
+    rows = want(prompt)
     for chunk in (256, 8):
         entries, _, _ = _run(make_engine(real_model, kv_pool_bytes=32 << 20, max_num_batched_tokens=chunk),
                              prompt, 1, policy=policy)
         assert [e.token_id for e in entries] == prompt[1:]
         got = torch.tensor([e.logprob for e in entries])
-        ref = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        ref = rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         assert torch.isfinite(got).all()
         assert float((got - ref).abs().max()) <= 1e-4, (policy, chunk)
 
