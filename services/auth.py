@@ -93,6 +93,7 @@ from typing import Any
 import grpc
 
 from services import scheduler_replies as replies
+from services.auth_header import bearer_key
 from services.auth_known import _ADMIN_OWNER, KnownKeys
 from services.auth_limits import CheckLimits
 from services.key_ids import SUSPECT_TTL_S, KeyDirectory, SuspectKeyIds
@@ -103,13 +104,6 @@ from tenants.ratelimit import ExpiringSet, WindowLimiter
 log = logging.getLogger(__name__)
 
 _CACHE_TTL_S = 10.0
-
-
-def bearer_key(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and value.startswith("Bearer "):
-            return value[len("Bearer "):].strip()
-    return ""
 
 
 class Authenticator(KnownKeys, CheckLimits):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.auth_header import other_scheme
 from services.key_ids import KeyDirectory, SuspectKeyIds
 from services.peers import peer_network
 from tenants.keys import fingerprint, parse_key_id
@@ -38,6 +39,8 @@ def _peer_host(context: grpc.aio.ServicerContext) -> str:
 
 _REFUSALS = {"tenant": "missing or unknown API key", "admin": "this call needs the admin key"}
 """UNAUTHENTICATED's message per role: the same for a key's first refusal and its cached ones."""
+_NOT_BEARER = ": the authorization scheme must be Bearer (send 'Authorization: Bearer <key>')"
+"""Added to a refusal when the call's ``authorization`` names another scheme (Basic, Token...)."""
 
 
 class CheckLimits:
@@ -71,7 +74,7 @@ class CheckLimits:
         budgets.
         """
         if parse_key_id(key) is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role])
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSALS[role] + (_NOT_BEARER if other_scheme(context) else ""))
 
     async def _refuse_absent(self, context: grpc.aio.ServicerContext, role: str, key: str) -> None:
         """Abort with UNAUTHENTICATED when no key of the well-formed ``key``'s id exists (the
