@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import re
+import sqlite3
 import time
 import uuid
 from typing import Any
@@ -112,10 +113,22 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
                 {g.subscriber for g in self.gateways.values()}))
 
     def _spill_recreator(self, recipe: SpillRecipe, policy: RecreatePolicy) -> SpillRecreator:
-        """The spill watch's recreator, its recreations kept in the tenant store: a restarted
-        scheduler goes on from those within ``policy.window_s`` (regression, s39: they were in
-        memory only, so a spill node crashing with the scheduler was created again for ever)."""
-        history = self.store.load_spill_recreations(time.time() - policy.window_s)
+        """The spill watch's recreator, its recreations kept in the tenant store: a scheduler
+        Ray restarted (``self.restarts`` > 0) goes on from those within ``policy.window_s``
+        (regression, s39: they were in memory only, so a spill node crashing with the scheduler
+        was created again for ever); a first start (``kvstrata up``) deletes them and counts
+        from none, so ``kvstrata down`` and ``up`` reset a capped node's count (regression,
+        s39 review: the previous deployment's recreations capped it for the rest of the window;
+        a store that cannot delete them is logged and the count starts from none all the same)."""
+        if self.restarts > 0:
+            history = self.store.load_spill_recreations(time.time() - policy.window_s)
+        else:
+            history = {}
+            try:
+                self.store.forget_spill_recreations()
+            except sqlite3.Error as exc:
+                log.warning("stored spill node recreations not deleted (%s: %s): a restart of this scheduler "
+                            "will count them", type(exc).__name__, exc)
         return SpillRecreator(recipe, policy, history=history, on_recreate=self.store.add_spill_recreation)
 
     def health(self) -> dict[str, Any]:

@@ -44,3 +44,11 @@ class SpillRecreationRows:
         for node, at_s in rows:
             history.setdefault(str(node), []).append(float(at_s))
         return history
+
+    def forget_spill_recreations(self) -> None:
+        """Delete every recreation row (a first start of the scheduler: ``kvstrata up``).
+
+        Raises:
+            sqlite3.Error: the write failed."""
+        with self._lock, self._conn:
+            self._conn.execute("DELETE FROM spill_recreations")

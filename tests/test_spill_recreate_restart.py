@@ -32,12 +32,16 @@ class _Recipe:
 
 
 def _started(state_dir: Path, recipe: _Recipe, policy: RecreatePolicy,
-             before: GlobalSchedulerService | None = None) -> tuple[GlobalSchedulerService, SpillRecreator]:
+             before: GlobalSchedulerService | None = None,
+             restarts: int | None = None) -> tuple[GlobalSchedulerService, SpillRecreator]:
     """A scheduler (re)started on ``state_dir`` and its recreator; ``before``, the process it
-    replaces, is gone first (its store closed)."""
+    replaces, is gone first (its store closed). ``restarts``: Ray's count of the actor's
+    restarts (``actor_restarts``, which the actor's constructor reads; None: 0 at a first start,
+    1 after ``before``); 0 is a first start, ``kvstrata up``."""
     if before is not None:
         before.store.close()
     scheduler = GlobalSchedulerService(str(state_dir), {"n0": 1})
+    scheduler.restarts = (0 if before is None else 1) if restarts is None else restarts
     return scheduler, scheduler._spill_recreator(recipe, policy)  # type: ignore[arg-type]
 
 
@@ -62,6 +66,30 @@ def test_a_restarted_scheduler_keeps_the_cap_and_the_backoff(tmp_path: Path) -> 
     assert third.info("spill_node_0")["recreations"] == 0  # ``recreations``: this process's own
     assert recipe.made == ["spill_node_0"] * 3
     assert third.next_at("spill_node_1") is None  # another node: nothing kept for it
+    process.store.close()
+
+
+def test_kvstrata_down_and_up_start_the_count_afresh(tmp_path: Path) -> None:
+    """A node capped in one deployment, then ``kvstrata down`` and ``up`` (a first start, no
+    restart by Ray): its next death is met with the first backoff, not the previous
+    deployment's cap; a later restart of that scheduler does not bring the old rows back.
+
+    Regression (s39 review): every scheduler start loaded the stored recreations, so after a
+    human's ``down``/``up`` (README: the way to start a capped node now) one more crash left
+    the node dead for the rest of the hour."""
+    recipe, policy = _Recipe(), RecreatePolicy(1, 3600.0, 5.0)
+    process, first = _started(tmp_path, recipe, policy)
+    first.seen("spill_node_0", "dead")
+    first.recreate("spill_node_0", "dead: test")
+    assert first.info("spill_node_0")["next_recreation_s"] == pytest.approx(3600.0, abs=5.0)  # capped
+
+    process, up = _started(tmp_path, recipe, policy, process, restarts=0)
+    up.seen("spill_node_0", "dead")
+    assert up.next_at("spill_node_0") == pytest.approx(time.monotonic() + 5.0, abs=2.0)
+
+    process, restarted = _started(tmp_path, recipe, policy, process)
+    restarted.seen("spill_node_0", "dead")
+    assert restarted.next_at("spill_node_0") == pytest.approx(time.monotonic() + 5.0, abs=2.0)
     process.store.close()
 
 
