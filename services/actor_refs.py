@@ -67,7 +67,15 @@ class NamedPeer:
     ``handle()`` is the last look-up's handle, looked up again once ``relookup_s`` passed since
     it (a peer created again under its name is a new actor: a fire-and-forget call to the old
     handle would fail unseen), None while no live actor has the name; ``missing`` says why
-    ("" once found). A handle (not an ``ActorRef``) is used as it is. Thread-safe.
+    ("" once found). A look-up that fails otherwise (the GCS slow or unreachable: Ray's
+    ``GetTimeoutError``, ``RpcError``, ...) is no answer: the last handle stays (None, with
+    ``missing`` naming the failure, when none was found yet) and ``handle()`` never raises. A
+    handle (not an ``ActorRef``) is used as it is. Thread-safe.
+
+    Regression (s39 review r1): only "no such actor" (ValueError) was caught, so any other
+    failed look-up raised out of ``handle()`` into its callers: a cache node's step thread,
+    telling the scheduler of expired sessions, failed the node for it (its step loop ended),
+    and the node's constructor raised (Ray restarts no such actor).
     """
 
     def __init__(self, peer: Any, relookup_s: float = 5.0, clock: Any = time.monotonic) -> None:
@@ -78,7 +86,9 @@ class NamedPeer:
         self.missing = ""
 
     def handle(self) -> Any:
-        """The peer's handle, or None while no live actor has its name."""
+        """The peer's handle, or None while no live actor has its name (or none was found yet
+        and the look-up fails). Never raises; blocks for a look-up (one GCS call) at most once
+        per ``relookup_s``."""
         if not isinstance(self.peer, ActorRef):
             return self.peer
         with self._lock:
@@ -98,6 +108,13 @@ class NamedPeer:
                 self._handle = None
                 self.missing = (f"no live actor named {self.peer.name} (looked up again every {self.relookup_s:g} "
                                 f"s): {str(exc).strip()[:200]}")
+            except Exception as exc:  # noqa: BLE001 - the look-up failed: no answer, the last handle kept
+                log.warning("looking up actor %s in namespace %s failed (%s; %s): %s: %.200s", self.peer.name,
+                            self.peer.namespace, "its last handle kept" if self._handle is not None else "none found yet",
+                            f"tried again in {self.relookup_s:g} s", type(exc).__name__, exc)
+                if self._handle is None:
+                    self.missing = (f"looking up {self.peer.name} failed (tried again every {self.relookup_s:g} s): "
+                                    f"{type(exc).__name__}: {str(exc).strip()[:200]}")
             return self._handle
 
 
