@@ -143,7 +143,9 @@ class RequestPreparation:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"min_tokens: asks for at least {sampling.min_tokens} generated tokens, but the context "
                     f"leaves room for {max(room, 0)} after the prompt's {len(tokens)} tokens; lower min_tokens")
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, room))
+            # a prompt that fills the context asks for min_tokens (at least one): refused below for
+            # size (regression, s39 review r3: max_tokens 1 under a min_tokens of 2+ was a 500)
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, room, sampling.min_tokens))
             fill = {"fill_context": "1"}
         # a refusal for size reads as OpenAI's and vLLM's ("This model's maximum context length is
         # N tokens. However, you requested M tokens (P in the messages, K in the completion)"), which

@@ -229,3 +229,25 @@ def test_a_chat_without_max_tokens_past_the_context_is_the_messages_overflow(
     error = out["error"]
     assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
     assert error["message"].startswith(f"This model's maximum context length is {bound} tokens"), error
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2, 5])
+@pytest.mark.parametrize("past", [0, 1])
+def test_a_chat_without_max_tokens_past_the_context_with_min_tokens_is_the_messages_overflow(
+        min_tokens: int, past: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (s39 review r3 of 3c9b308): a chat without ``max_tokens``, with ``min_tokens``
+    of 2 or more, whose prompt alone fills the context (``past`` tokens beyond it) was a 500
+    (``SamplingParams`` refused the max_tokens of 1 the gateway gave it: "min_tokens must be an
+    integer in [0, max_tokens (1)]"); before 3c9b308 it was the min_tokens refusal. Lowering
+    min_tokens cannot make such a prompt fit: it is the messages' context overflow."""
+    templater = ChatTemplater(AutoTokenizer.from_pretrained(resolve_model_dir(None)))
+    messages = [{"role": "user", "content": "word " * 300}]
+    prompt_tokens = len(templater.first_turn(messages, None))
+    monkeypatch.setitem(NODE_INFO, "max_model_len", prompt_tokens - past)
+    monkeypatch.setitem(NODE_INFO, "pool_tokens", 4 * prompt_tokens)
+    status, out = _post("/v1/chat/completions", {**CHAT, "messages": messages, "min_tokens": min_tokens}, templater)
+    error = out["error"]
+    assert status == 400 and (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
+    assert error["message"].startswith(f"This model's maximum context length is {prompt_tokens - past} tokens. "
+                                       f"However, you requested {prompt_tokens + min_tokens} tokens "
+                                       f"({prompt_tokens} in the messages, {min_tokens} in the completion)"), error
