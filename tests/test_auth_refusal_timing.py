@@ -18,6 +18,8 @@ import asyncio
 import secrets
 import time
 import types
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -75,6 +77,51 @@ def test_only_wrong_secrets_past_the_limit_wait_and_keyless_or_malformed_keys_ne
                                      (new_api_key(), None), (key, None)]:
                 status, took_s = await list_models(api_key, headers)
                 assert (status, took_s < 0.5) == (200 if api_key == key else 401, True), api_key
+        finally:
+            await server.stop()
+            scheduler.store.close()
+
+    asyncio.run(run())
+
+
+def test_the_limit_counts_ten_different_wrong_keys_not_attempts(tmp_path: Path) -> None:
+    """README.md ('Keys') and docs/architecture.md ('Rate limits'), at the gateway's defaults:
+    the failed-key limit counts different wrong keys of one key id from one address (10 in
+    10 s), not attempts. One wrong key sent 15 times is 401 each time (answered from the
+    gateway's cache of failed keys, counted once); 9 more different ones are 401 too; the 11th
+    different one is 429 with ``Retry-After``, and the tenant's valid key is still 200."""
+
+    async def run() -> None:
+        scheduler = GlobalSchedulerService(str(tmp_path), {"n0": 1})
+        _tenant, key = await scheduler.register_tenant(TenantSpec("t"))
+        auth = Authenticator(LocalActor(scheduler))  # the gateway's (``gateway_server.create_server``)
+        assert auth.failures_per_peer_key == 10
+        server = HttpServer(create_app(OpenAIEdge(types.SimpleNamespace(auth=auth), "m@0:f16", list,  # type: ignore[arg-type]
+                                                  lambda: 1)))
+        port = await server.start("127.0.0.1", 0)
+        key_id = key.split("_")[1]
+
+        async def status_of(api_key: str) -> tuple[int, str | None]:
+            def get() -> tuple[int, str | None]:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
+                                                 headers={"Authorization": f"Bearer {api_key}"})
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as reply:
+                        return reply.status, None
+                except urllib.error.HTTPError as err:
+                    return err.code, err.headers.get("Retry-After")
+            return await asyncio.to_thread(get)
+
+        def wrong_secret() -> str:
+            return f"kvs_{key_id}_" + secrets.token_urlsafe(32)[:43]
+
+        try:
+            same = wrong_secret()
+            assert [(await status_of(same))[0] for _ in range(15)] == [401] * 15
+            assert [(await status_of(wrong_secret()))[0] for _ in range(9)] == [401] * 9
+            status, retry_after = await status_of(wrong_secret())
+            assert status == 429 and retry_after is not None and 1 <= int(retry_after) <= 10
+            assert (await status_of(key))[0] == 200
         finally:
             await server.stop()
             scheduler.store.close()
