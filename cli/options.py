@@ -61,8 +61,9 @@ def id_chars(option: str) -> Callable[[str], str]:
 def api_key(value: str | None) -> str | None:
     """Typer callback for ``--api-key`` / ``KVSTRATA_API_KEY``: the key without surrounding
     whitespace (a key is ``kvs_<12 hex>_<43 url-safe characters>``: a copied line's newline is
-    no part of it); one that still holds whitespace or a control character, which no gRPC
-    header can carry, is a usage error. None (not given) passes.
+    no part of it); one that still holds whitespace, a control character or one past ASCII
+    (typographic quotes pasted with it), which no gRPC header carries, is a usage error. None
+    (not given) passes.
 
     Regression (s39 fresh-user trial): a key with a trailing newline (a pasted line) ended
     ``generate`` and ``tenant show`` with "INTERNAL: Invalid metadata" (as if the server had
@@ -70,9 +71,11 @@ def api_key(value: str | None) -> str | None:
     if value is None:
         return None
     key = value.strip()
-    if not key or any(c.isspace() or not c.isprintable() for c in key):
-        raise typer.BadParameter("the API key is empty or holds whitespace or a control character; a key "
-                                 "reads kvs_<key id>_<secret>, as `kvstrata tenant add` printed it")
+    # only ASCII's visible characters (regression, s39 review r3: a key pasted in typographic
+    # quotes, or holding an "é", was sent: "INTERNAL: Invalid metadata", exit 1)
+    if not key or any(not "!" <= c <= "~" for c in key):
+        raise typer.BadParameter("the API key is empty or holds whitespace, a control character or one past "
+                                 "ASCII; a key reads kvs_<key id>_<secret>, as `kvstrata tenant add` printed it")
     return key
 
 

@@ -1,5 +1,5 @@
 """``KVSTRATA_API_KEY`` / ``--api-key`` as a user pastes it: a line's newline or surrounding
-spaces are no part of the key; whitespace or a control character inside it is a usage error
+spaces are no part of the key; whitespace, a control character or one past ASCII inside it is a usage error
 (exit 2) said in words, before any call (a real gRPC server listens, serving nothing)."""
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ def test_a_pasted_lines_newline_and_spaces_are_no_part_of_the_key(gateway: str, 
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("key", [f"{KEY[:20]}\n{KEY[20:]}", f"{KEY[:20]} {KEY[20:]}", f"{KEY}\x1b", " \n"])
+@pytest.mark.parametrize("key", [f"{KEY[:20]}\n{KEY[20:]}", f"{KEY[:20]} {KEY[20:]}", f"{KEY}\x1b", " \n",
+                                 # regression (s39 review r3): characters past ASCII (a key pasted
+                                 # with typographic quotes) were sent: "INTERNAL: Invalid metadata"
+                                 f"\u201c{KEY}\u201d", f"{KEY[:-1]}\u00e9"])
 def test_a_key_holding_whitespace_or_control_characters_is_a_usage_error(gateway: str, key: str,
                                                                           command: tuple) -> None:
     code, out = _run(gateway, key, *command)
     assert code == 2, out
-    assert "the API key is empty or holds whitespace or a control character" in out and "Traceback" not in out, out
+    assert "the API key is empty or holds whitespace, a control character or one past ASCII" in out and "Traceback" not in out, out
