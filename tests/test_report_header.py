@@ -113,7 +113,12 @@ def test_what_to_look_at_is_written_from_the_numbers() -> None:
     assert lines[1] == ("Floors missed (under 95%): A 66% of 3 backlogged windows at 2.5 tok/s; "
                         "B 0% of 3 backlogged windows at 0.5 tok/s.")
     assert lines[2] == ("The noisy neighbour B offered 1.0x the others' lowest session rate at weight 1 "
-                        "(50% of the total weight) and got 6% of all output tokens.")  # 1 of 15 tokens
+                        "(50% of the total weight) and got 6% of all output tokens. "  # 1 of 15 tokens
+                        # B's 51 tokens: 0.05 of them (its output token, spread over [1, 4] s) while
+                        # A's second call waited [1, 1.15) s
+                        "99% of its tokens (uncached prefill + output) were computed while no other "
+                        "tenant had a call waiting on its node: capacity the weights do not divide "
+                        "(they share a node among the tenants waiting for it).")
     assert lines[3].startswith("Of 6 planned calls, 1 rejected at admission")
     assert "1 failed otherwise (UNAVAILABLE); 1 not sent (SKIPPED" in lines[3]
     assert lines[4] == ("28% of ok calls' prompt tokens came from the KV cache (device 16%, host 4%, spill 8%). "

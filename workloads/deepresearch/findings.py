@@ -60,11 +60,19 @@ def _noisy_sentences(report: Mapping[str, Any]) -> list[str]:
     for name, g in tenants.items():
         if not g.get("noisy") or not total_out or not total_weight or not quiet:
             continue
-        out.append(
+        sentence = (
             f"The noisy neighbour {name} offered {g['sessions_per_s'] / min(quiet):.1f}x the others' lowest "
             f"session rate at weight {g['weight']:g} ({pct(g['weight'] / total_weight)} of the total weight) "
             f"and got {pct(g['output_tokens'] / total_out)} of all output tokens."
         )
+        if g.get("tokens"):  # (a report of schema 3 has none)
+            idle = 1.0 - g["tokens_while_others_waited"] / g["tokens"]
+            sentence += (
+                f" {pct(idle)} of its tokens (uncached prefill + output) were computed while no other "
+                "tenant had a call waiting on its node: capacity the weights do not divide (they share "
+                "a node among the tenants waiting for it)."
+            )
+        out.append(sentence)
     return out
 
 

@@ -31,14 +31,15 @@ from workloads.deepresearch.records import SKIPPED
 _COVER_TOLERANCE = 1e-9
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` (start, end), sorted, with overlapping or touching ones joined."""
+    out: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
-            merged.append((start, end))
-    return merged
+            out.append((start, end))
+    return out
 
 
 def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -53,7 +54,9 @@ def _spread(n: float, t0: float, t1: float, w0: float, w1: float) -> float:
     return n * _overlap(t0, t1, w0, w1) / (t1 - t0)
 
 
-def _tokens_in(record: Mapping[str, Any], w0: float, w1: float) -> float:
+def tokens_in(record: Mapping[str, Any], w0: float, w1: float) -> float:
+    """Of an ok ``record``'s delivered tokens (step 4 of the module's definition), those in
+    ``[w0, w1)`` (seconds since the run started)."""
     start_s = float(record["start_s"])
     first_s = start_s + float(record.get("ttft_ms") or 0.0) / 1000.0
     prefill_s = min(first_s, start_s + float(record.get("queue_ms") or 0.0) / 1000.0)
@@ -75,7 +78,7 @@ def floor_windows(
     if window_s <= 0:
         raise ValueError(f"window_s must be positive, got {window_s}")
     sent = [r for r in records if r["status"] != SKIPPED]
-    busy = _merged([(r["start_s"], r["end_s"]) for r in sent if r["end_s"] > r["start_s"]])
+    busy = merged([(r["start_s"], r["end_s"]) for r in sent if r["end_s"] > r["start_s"]])
     ok = [r for r in sent if r["status"] == "ok"]
     backlogged = met = 0
     for k in range(math.ceil(horizon_s / window_s)):
@@ -84,6 +87,6 @@ def floor_windows(
         if covered < window_s * (1.0 - _COVER_TOLERANCE):
             continue
         backlogged += 1
-        delivered = sum(_tokens_in(r, w0, w1) for r in ok)
+        delivered = sum(tokens_in(r, w0, w1) for r in ok)
         met += delivered / window_s >= min_tokens_per_s
     return backlogged, met

@@ -12,6 +12,10 @@ Per group (each tenant, and ``overall``):
   (each call against its own tenant's target); ``tpot_slo_attainment`` likewise
   over ok calls with a ``tpot_ms``.
 - ``floor``: see :mod:`workloads.deepresearch.floor`; overall sums the windows.
+- ``tokens`` / ``tokens_while_others_waited``: delivered tokens (uncached prefill + output
+  of ok calls), and those computed while a call of another tenant waited on the same node:
+  see :mod:`workloads.deepresearch.contention` (weights divide a node among the tenants
+  waiting for it; the rest is capacity no other tenant asked for). Overall sums the tenants.
 - ``output_tokens_per_s``: completion tokens of ok calls over the run span
   (first ``start_s`` to last ``end_s`` of all records).
 - ``accuracy``: correct / graded answers (ok ``answer`` calls).
@@ -43,11 +47,12 @@ import numpy as np
 
 from workloads.deepresearch.client import OK, TIERS
 from workloads.deepresearch.config import TenantProfile
+from workloads.deepresearch.contention import tokens_while_others_waited
 from workloads.deepresearch.floor import floor_windows
 from workloads.deepresearch.records import SKIPPED, agent_counts
 
-REPORT_SCHEMA = 3  # 2: scheduler, policy, start_s, end_s; tenants' weight and sessions_per_s
-# 3: percentiles by nearest rank (were linearly interpolated)
+REPORT_SCHEMA = 4  # 2: scheduler, policy, start_s, end_s; tenants' weight and sessions_per_s
+# 3: percentiles by nearest rank (were linearly interpolated); 4: tokens, tokens_while_others_waited
 PERCENTILES = (50, 95, 99)
 
 Record = Mapping[str, Any]
@@ -100,6 +105,7 @@ def _group(
     slo: Mapping[str, TenantProfile],
     span_s: float,
     floor: tuple[int, int],
+    contention: tuple[float, float],
 ) -> dict[str, Any]:
     ok = [r for r in records if r["status"] == OK]
     with_ttft = [r for r in ok if r["ttft_ms"] is not None]
@@ -131,6 +137,8 @@ def _group(
         "prompt_tokens": prompt,
         "output_tokens": output,
         "output_tokens_per_s": _ratio(output, span_s),
+        "tokens": contention[0],
+        "tokens_while_others_waited": contention[1],
         "accuracy": {
             "graded": len(graded),
             "correct": sum(bool(r["correct"]) for r in graded),
@@ -198,6 +206,7 @@ def compute_report(
     span_s = horizon_s - start_s
     per_tenant: dict[str, Any] = {}
     total_floor = [0, 0]
+    contention = tokens_while_others_waited(records)
     for tenant in tenants:
         mine = [r for r in records if r["tenant"] == tenant.name]
         floor = floor_windows(mine, tenant.min_tokens_per_s, horizon_s, window_s)
@@ -210,7 +219,7 @@ def compute_report(
             "weight": tenant.weight,
             "sessions_per_s": tenant.sessions_per_s,
             "noisy": tenant.noisy,
-            **_group(mine, slo, span_s, floor),
+            **_group(mine, slo, span_s, floor, contention.get(tenant.name, (0.0, 0.0))),
         }
     return {
         "schema": REPORT_SCHEMA,
@@ -221,7 +230,8 @@ def compute_report(
         "end_s": horizon_s,
         "span_s": span_s,
         "tenants": per_tenant,
-        "overall": _group(records, slo, span_s, (total_floor[0], total_floor[1])),
+        "overall": _group(records, slo, span_s, (total_floor[0], total_floor[1]),
+                          (sum(t for t, _ in contention.values()), sum(c for _, c in contention.values()))),
         "timeseries": _timeseries_summary(timeseries),
         "agents": agent_counts(records),
     }
