@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is made: the launcher (``kvstrata up``)
+    import torch  # and the cache node actor's module import this one and no torch
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -31,6 +33,8 @@ def resolve_device(device: str) -> torch.device:
         ValueError: a malformed name, CUDA asked for where ``torch.cuda.is_available()`` is
             False, or an index at or past ``torch.cuda.device_count()``.
     """
+    import torch
+
     check_device_name(device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,7 +52,12 @@ def resolve_device(device: str) -> torch.device:
 
 def default_dtype_name(device: torch.device) -> str:
     """The dtype a device runs when the user chose none: bfloat16 on CUDA, float32 on CPU."""
-    return "bfloat16" if device.type == "cuda" else "float32"
+    return default_dtype_for(device.type)
+
+
+def default_dtype_for(device_type: str) -> str:
+    """``default_dtype_name`` of a device type ("cuda", "cpu"), without torch."""
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,8 @@ class EngineConfig:
         """``torch.device(device)``; call on a ``resolved()`` config ("auto" is no device)."""
         if self.device == "auto":
             raise ValueError("device 'auto' is not resolved: call EngineConfig.resolved() first")
+        import torch
+
         return torch.device(self.device)
 
     @property
@@ -202,4 +213,6 @@ class EngineConfig:
         """The torch dtype of ``dtype``; call on a ``resolved()`` config."""
         if self.dtype == "auto":
             raise ValueError("dtype 'auto' is not resolved: call EngineConfig.resolved() first")
+        import torch
+
         return getattr(torch, self.dtype)

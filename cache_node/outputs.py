@@ -149,6 +149,15 @@ class SessionBusy(Exception):
         self.client_session_id = client_session_id
 
 
+class SessionNamespaceChanged(PermissionError):
+    """A turn of the session's own tenant under another cache namespace than the one the session
+    was opened under (``check_turn``): its tenant was moved to another namespace since (or the
+    turn names another ``cache_salt`` under the session's id). Not the caller's to fix by
+    retrying: the cache node answers FAILED_PRECONDITION (the HTTP edge's 400), where another
+    tenant's session is PERMISSION_DENIED. The message says to close the session and open a new
+    one."""
+
+
 class SequenceFault(RuntimeError):
     """An exception raised while computing one sequence's part of a step (its KV policy's
     ``begin_step``, ``attend``, ``after_step`` or prefix store, or its sampling), tagged with

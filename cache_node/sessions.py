@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 from cache_node.block import KVBlock
 from cache_node.kv_cache_manager import KVCacheManager
-from cache_node.outputs import SessionBusy
+from cache_node.outputs import SessionBusy, SessionNamespaceChanged
 from cache_node.sequence import Sequence
 from cache_node.session_ids import client_session_id
 
@@ -147,15 +147,6 @@ class Session:
     def compacted(self) -> bool:
         """The blocks hold a policy's compacted layout (usable only with its ``kv``)."""
         return self.kv is not None and self.kv.compacted
-
-
-class SessionNamespaceChanged(PermissionError):
-    """A turn of the session's own tenant under another cache namespace than the one the session
-    was opened under (``check_turn``): its tenant was moved to another namespace since (or the
-    turn names another ``cache_salt`` under the session's id). Not the caller's to fix by
-    retrying: the cache node answers FAILED_PRECONDITION (the HTTP edge's 400), where another
-    tenant's session is PERMISSION_DENIED. The message says to close the session and open a new
-    one."""
 
 
 def check_turn(sess: Session, session_id: str, tenant: str, namespace: str) -> None:

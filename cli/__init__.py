@@ -11,7 +11,8 @@ Modules: ``main`` (the ``kvstrata`` app), ``lifecycle`` (up, down, status), ``te
 ``constraints`` (structured outputs).
 
 Importing ``cli.main`` imports no torch, transformers or Ray (``tests/test_cli_imports.py``):
-``up`` and ``down`` import what they need when they run (``services.config`` imports torch).
+``up`` and ``down`` import what they need when they run (Ray, ``services.config``, and for ``up``
+``services.launcher``); no command imports torch or transformers (the actors ``up`` starts do).
 """
 
 import os

@@ -347,7 +347,7 @@ def up_summary(cfg: ServiceConfig, address: str, http_address: str, metrics: dic
 
 
 SCHEDULER_ACTOR = "global_scheduler"
-"""``services.launcher.SCHEDULER_NAME`` (not imported: the launcher imports torch)."""
+"""``services.launcher.SCHEDULER_NAME`` (not imported: the launcher imports every actor's module)."""
 
 GATEWAY_ACTOR = "gateway"
 """``services.launcher.GATEWAY_NAME``."""

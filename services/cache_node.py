@@ -35,11 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-import torch
 
 from cache_node.config import EngineConfig
-from cache_node.policies.base import PolicyEnv
-from cache_node.tiers.manager import TierConfig
 from cache_node.tiers.spill_api import SpillBlockSpec, SpillClient
 from services import data_plane
 from services.actor_refs import ActorRef, NamedPeer, actor_restarts, resolve_or_none
@@ -107,9 +104,14 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
     ) -> None:
         # Regression: imported with this module, transformers' modeling (and torch._dynamo,
         # ~10 s of a 17-20 s import on a loaded machine) was paid by every process importing
-        # it, the launcher included; only a node building its engine needs it
+        # it, the launcher included; only a node building its engine needs it. Likewise torch
+        # and the engine's parts that import it (the launcher, ``kvstrata up``, imports no torch)
+        import torch
+
         from cache_node.engine import LLMEngine
         from cache_node.model_loader import load_model
+        from cache_node.policies.base import PolicyEnv
+        from cache_node.tiers.manager import TierConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)

@@ -31,10 +31,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from cache_node.outputs import GrammarQueueFull, SessionBusy
+from cache_node.outputs import GrammarQueueFull, SessionBusy, SessionNamespaceChanged
 from cache_node.sampling_params import SamplingParams
 from cache_node.scheduling import TenantShare
-from cache_node.sessions import SessionNamespaceChanged
 from services import convert
 from services.cache_node_streams import _Stream
 from services.chat import content_chars, covered_chars

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import AutoTokenizer
 
 from cache_node.model_files import DEFAULT_MODEL, cache_dir
 from kvstrata.v1 import admin_pb2_grpc, inference_pb2_grpc, tenant_pb2_grpc
@@ -227,6 +226,8 @@ class Gateway:
             # aborted, and would run unseen (diff review s34 F5: the monitor's one 1-s try, sent
             # after serving began, left the scheduler routing there)
             await self.scheduler_calls.node_down.remote(node_id, reason)
+        from transformers import AutoTokenizer  # (see RayGateway.__init__)
+
         path = self.model_path or str(cache_dir() / DEFAULT_MODEL)  # nodes converted it already
         tokenizer = AutoTokenizer.from_pretrained(path)
         # large chats render in its children, small ones here (``services.gateway_render``)
@@ -385,6 +386,10 @@ class RayGateway(Gateway):
                  tls: ServerTls | None = None, tool_call_parser: str = "") -> None:
         super().__init__(scheduler, nodes, model_path, security, metrics, http_port, http_forwarded_allow_ips,
                          http_limits, stream_limits, grpc_limits, body_limits, tls, tool_call_parser)
+        # its tokenizer's module (transformers and torch: seconds on a loaded host) imported now,
+        # while the cache nodes load their models, not in ``start``: this module imports neither,
+        # for the launcher (``kvstrata up``) imports it for ``GatewayActor``
+        from transformers import AutoTokenizer  # noqa: F401
         # ActorRefs (the launcher's): looked up on each (re)start, before _serve_again needs them
         self.scheduler = resolve(self.scheduler)
         # every awaited call of its own within SCHEDULER_CALL_TIMEOUT_S (ActorSilent past it): a

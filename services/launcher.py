@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
-from transformers import AutoConfig
 
-from cache_node.config import default_dtype_name
-from cache_node.kv_pool import kv_format_name
+from cache_node.config import default_dtype_for
+from cache_node.kv_format import kv_format_name
 from cache_node.model_files import resolve_model_dir
-from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_of
+from cache_node.model_geometry import kv_geometry
+from cache_node.tiers.spill_api import SpillBlockSpec, numpy_dtype_name
 from cache_node.tiers.spill_format import BlockFormat
 from cache_node.tiers.spill_lock import SpillDirLocked
 from services.actor_refs import ActorRef, kill_gone
@@ -292,7 +291,7 @@ def resolve_node_config(node: NodeConfig, cluster_gpus: float) -> NodeConfig:
     device = node.device
     if device == "auto":
         device = "cuda" if cluster_gpus >= 1 else "cpu"
-    dtype = node.dtype if node.dtype != "auto" else default_dtype_name(torch.device(device))
+    dtype = node.dtype if node.dtype != "auto" else default_dtype_for(device)
     return node.model_copy(update={"device": device, "dtype": dtype})
 
 
@@ -312,13 +311,12 @@ def data_plane_host(config: ServiceConfig, joined: bool) -> str:
 
 
 def spill_block_spec(config: ServiceConfig) -> SpillBlockSpec:
-    """One KV block's shape/dtype/format in the spill tier, from the model's config.json."""
-    mc = AutoConfig.from_pretrained(str(resolve_model_dir(config.node.model_path)))
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    dtype = getattr(torch, config.node.dtype)
-    shape = (mc.num_hidden_layers, 2, config.node.block_size, mc.num_key_value_heads, head_dim)
-    kv_format = kv_format_name(config.node.dtype, mc.num_hidden_layers, mc.num_key_value_heads, head_dim)
-    return SpillBlockSpec(shape, numpy_dtype_of(dtype).name, kv_format)
+    """One KV block's shape/dtype/format in the spill tier, from the model's config.json
+    (``kv_geometry``: without torch or transformers, which this process does not import)."""
+    layers, kv_heads, head_dim = kv_geometry(resolve_model_dir(config.node.model_path))
+    shape = (layers, 2, config.node.block_size, kv_heads, head_dim)
+    kv_format = kv_format_name(config.node.dtype, layers, kv_heads, head_dim)
+    return SpillBlockSpec(shape, numpy_dtype_name(config.node.dtype), kv_format)
 
 
 def spill_root(config: ServiceConfig) -> Path:

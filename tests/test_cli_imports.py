@@ -1,8 +1,9 @@
-"""What a ``kvstrata`` command imports: torch, transformers and Ray only where the command
-needs them (``up`` and ``down``), not for ``--help``, the gRPC client commands (``generate``,
-``close-session``, ``status``) or the admin and tenant commands (trial P10: every command paid
-~1.1 s of ``import torch``, ~3 s on a loaded machine, because ``cli.lifecycle`` imported
-``services.config``, which imports ``cache_node.config`` and torch, at module level).
+"""What a ``kvstrata`` command imports: Ray and ``services.config`` only where the command
+needs them (``up`` and ``down``), torch and transformers in none (the actors ``up`` starts
+import them in their own processes). ``--help``, the gRPC client commands (``generate``,
+``close-session``, ``status``) and the admin and tenant commands import none of them (trial
+P10: every command paid ~1.1 s of ``import torch``, ~3 s on a loaded machine, because
+``cli.lifecycle`` imported ``services.config``, which then imported torch, at module level).
 
 Each command runs in a fresh interpreter (``cli.main``'s app called as the ``kvstrata`` script
 calls it), which then reports what ``sys.modules`` holds."""
@@ -90,10 +91,18 @@ def test_a_command_that_builds_no_model_imports_no_torch(gateway: str, tmp_path:
 
 def test_up_still_reads_its_config(tmp_path: Path) -> None:
     """``up`` imports ``services.config`` when it runs: a bad config is still the usage error
-    naming ``--config`` and the field (exit 2), before Ray or any service is started."""
+    naming ``--config`` and the field (exit 2), before Ray or any service is started.
+
+    It has imported ``services.launcher`` by then, and with it neither torch nor transformers
+    (the actors it starts import them in their own processes). Regression (s39): the launcher
+    imported both (``AutoConfig`` for the spill tier's block format; the cache node and
+    gateway actor modules for ``CacheNodeRemote`` and ``GatewayActor``): ~5 s of CPU, 25.7 s
+    on a loaded 2-core host, on every ``kvstrata up``."""
     config = tmp_path / "bad.yaml"
     config.write_text("gateway_port: -5\n")
     [report], output = run_cli([["up", "--config", str(config)]], tmp_path)
     assert report["code"] == 2, output
     assert "--config" in output and "gateway_port" in output, output
     assert "services.config" in report["loaded"]
+    assert "ray" in report["loaded"]  # (``up`` imports Ray and the launcher before reading the config)
+    assert [m for m in report["loaded"] if m in ("torch", "transformers")] == []

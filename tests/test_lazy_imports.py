@@ -12,9 +12,8 @@ import pytest
 
 IMPORT_ORDER = ("cache_node.model_files", "services.spill_node", "tests.ray_actors", "services.global_scheduler_admission",
                 "services.cache_node", "services.gateway_server", "services.launcher")
-"""The modules checked, as one fresh interpreter imports them one after another: the cache node
-service before the gateway, which imports transformers (its tokenizer), a name the cache node's
-test forbids."""
+"""The modules checked, as one fresh interpreter imports them one after another (none of them
+imports torch or transformers: the launcher's test checks that after all of them)."""
 
 WATCHED = ("torch", "transformers", "transformers.modeling_utils", "torch._dynamo", "cache_node.engine",
            "cache_node.model_loader")
@@ -84,6 +83,18 @@ def test_importing_the_launcher_leaves_transformers_modeling_to_the_cache_nodes(
     loaded = {n: loaded_after["services.launcher"][n]
               for n in ("transformers.modeling_utils", "torch._dynamo", "cache_node.model_loader")}
     assert loaded == dict.fromkeys(loaded, False)
+
+
+def test_importing_the_launcher_imports_no_torch_or_transformers(loaded_after) -> None:
+    """Regression (s39): ``import services.launcher`` (``kvstrata up``, library callers) took
+    ~5 s of CPU, 25.7 s on a loaded 2-core host, for torch and transformers, which only the
+    actors it starts use, each in its own process: the launcher read the model's KV geometry
+    with ``AutoConfig`` and a dtype with ``torch``, and imported the cache node's and the
+    gateway's actor modules (``CacheNodeRemote``, ``GatewayActor``), which imported torch (the
+    KV cache manager, tiers, policies, spill API) and transformers (the gateway's tokenizer)
+    at module level."""
+    assert {n: loaded_after["services.launcher"][n] for n in ("torch", "transformers")} == {
+        "torch": False, "transformers": False}
 
 
 def test_model_files_imports_no_torch_and_model_loader_re_exports_it(loaded_after) -> None:

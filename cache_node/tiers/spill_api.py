@@ -14,10 +14,12 @@ Whatever a client returns is untrusted: a reply that does not answer the questio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are converted: the launcher (``kvstrata up``), a spill
+    import torch  # node and the cache node actor's module import this one and no torch
 
 SPILL_HASH_BYTES = 32
 
@@ -93,13 +95,23 @@ SPILL_TIERS = ("spill_ram", "spill_disk")
 
 def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
     """Numpy dtype a torch KV dtype travels as (bfloat16 has none: its bits as int16)."""
+    import torch
+
     if dtype == torch.bfloat16:
         return np.dtype(np.int16)
     return torch.empty((), dtype=dtype).numpy().dtype
 
 
+def numpy_dtype_name(dtype_name: str) -> str:
+    """``numpy_dtype_of(getattr(torch, dtype_name)).name`` without torch, for a KV dtype name
+    (``cache_node.config.DTYPE_NAMES`` less "auto"): "bfloat16" travels as "int16"."""
+    return "int16" if dtype_name == "bfloat16" else np.dtype(dtype_name).name
+
+
 def to_numpy(stack: torch.Tensor) -> np.ndarray:
     """CPU stack ``(n, *block_shape)`` as a numpy array sharing its memory."""
+    import torch
+
     stack = stack.detach().cpu().contiguous()
     if stack.dtype == torch.bfloat16:
         stack = stack.view(torch.int16)
@@ -108,6 +120,8 @@ def to_numpy(stack: torch.Tensor) -> np.ndarray:
 
 def from_numpy(rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """Rows from the spill tier as a torch tensor of the pool's ``dtype`` (no copy when it can)."""
+    import torch
+
     if not rows.flags.writeable:  # Ray hands out read-only zero-copy views
         rows = rows.copy()
     tensor = torch.from_numpy(rows)
