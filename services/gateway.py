@@ -185,6 +185,15 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         self.key_watch = KeyWatch(self.streams, auth,  # streams end when their key is removed
                                   staleness_max_s=limits.key_staleness_max_s)
 
+    def close(self) -> None:
+        """Stop the tokenizer threads (``kvstrata-tokenize``): work queued is dropped, work
+        running ends on its thread, which then exits; ``off_loop`` raises RuntimeError from now
+        on. Call once its calls have ended (``Gateway.stop``, after the gRPC and HTTP servers).
+
+        Regression (s39): nothing stopped them, so every stopped gateway (and every start a
+        restarted one retried) left its threads, holding the servicer and the tokenizer."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
     async def Generate(self, request, context) -> None:
         """Stream one request's events (``generate``), written here (``context.write``) so that
         a stream its client stopped reading ends RESOURCE_EXHAUSTED (``StreamWriter``).

@@ -174,6 +174,7 @@ class Gateway:
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.streams: NodeStreams | None = None
+        self.inference: InferenceServicer | None = None  # each start's own (its tokenizer threads)
         self.monitor: NodeMonitor | None = None
         self.templater: GatewayTemplater | None = None  # (its render children end with ``stop``)
         self._grpc_started = False
@@ -239,7 +240,7 @@ class Gateway:
             f"{host}:{port}", self.security, self.metrics, self.stream_limits, self.grpc_limits, credentials,
             tool_call_parser=self.tool_call_parser, down_nodes=down,
         )
-        self.streams, self._grpc_started = inference.streams, False
+        self.streams, self.inference, self._grpc_started = inference.streams, inference, False
         try:
             if self.http_port is not None:
                 await self._start_http(host, self.http_port if http_port is None else http_port, inference,
@@ -355,9 +356,12 @@ class Gateway:
             await self.server.stop(grace_s)
         if self.streams is not None:
             self.streams.shutdown()
+        if self.inference is not None:  # its tokenizer threads (a later start makes its own)
+            self.inference.close()
         if self.templater is not None:  # no render starts a child from now on (diff review s35 R5)
             self.templater.close()
         self.http, self.metrics_server, self.monitor, self.server, self.streams = None, None, None, None, None
+        self.inference = None
         self.templater = None
 
 

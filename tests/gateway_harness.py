@@ -113,8 +113,9 @@ def serve(state_dir: Path, templater: Any = None,
         auth = Authenticator(handle)
         tenant_pb2_grpc.add_TenantServiceServicer_to_server(TenantServicer(handle, auth), server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(handle, auth, {}), server)
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(handle, auth, {}, {"n0": NODE_INFO}, templater, "tcp://127.0.0.1:9"), server)
+        inference = box["inference"] = InferenceServicer(handle, auth, {}, {"n0": NODE_INFO}, templater,
+                                                         "tcp://127.0.0.1:9")
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(inference, server)
         box["port"] = (server.add_insecure_port("127.0.0.1:0") if credentials is None
                        else server.add_secure_port("127.0.0.1:0", credentials))
         await server.start()
@@ -129,6 +130,7 @@ def serve(state_dir: Path, templater: Any = None,
         yield Gateway(f"127.0.0.1:{box['port']}", scheduler, admin_key, box["auth"], loop)
     finally:
         asyncio.run_coroutine_threadsafe(box["server"].stop(0), loop).result(10)
+        box["inference"].close()  # its tokenizer threads (as ``Gateway.stop``)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         scheduler.store.close()

@@ -126,7 +126,10 @@ def _post(path: str, body: dict, templater: ChatTemplater | None = None) -> tupl
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(app(scope, receive, send))
+    try:
+        asyncio.run(app(scope, receive, send))
+    finally:  # as ``Gateway.stop``: its tokenizer threads end
+        servicer.close()
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
 
