@@ -83,7 +83,28 @@ class NamedPeer:
         self._lock = threading.Lock()
         self._handle: Any = None
         self._looked_at: float | None = None
+        self._looking = False
         self.missing = ""
+
+    def missing_now(self) -> str:
+        """``missing`` as of the last look-up, without blocking (for an event loop: a node's
+        ``stats``); when a look-up is due (``relookup_s`` passed), one runs on a background
+        thread, its answer read by a later call.
+
+        Regression (s39 review r1): a cache node's ``stats`` asked ``handle()`` on its event
+        loop, which blocks for a GCS call (up to Ray's GCS timeout when the GCS hangs), and
+        behind the step thread's own look-up (the same lock)."""
+        if isinstance(self.peer, ActorRef) and not self._looking and (
+                self._looked_at is None or self._clock() - self._looked_at >= self.relookup_s):
+            self._looking = True
+            threading.Thread(target=self._look_up, name=f"kvstrata-lookup-{self.peer.name}", daemon=True).start()
+        return self.missing
+
+    def _look_up(self) -> None:
+        try:
+            self.handle()
+        finally:
+            self._looking = False
 
     def handle(self) -> Any:
         """The peer's handle, or None while no live actor has its name (or none was found yet

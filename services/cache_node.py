@@ -330,7 +330,11 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             self.metrics_server.close()
         if not self._thread.is_alive():  # its sockets and its engine's grammars are the step thread's alone
             self._pusher.close()
-            self.engine.close_structured_output()  # its compiler processes end now, not when it is collected
+            # its transfer thread (queued spill puts written first) and its compiler processes
+            # end now, not never and when it is collected: its tiers' memory is freed with it
+            self.engine.close()
+        else:  # a step still runs: the transfer thread ends all the same (later transfers are dropped)
+            self.engine.tiers.close()
 
 
 
@@ -399,11 +403,10 @@ class CacheNodeActor(CacheNode):
 
     def scheduler_unreachable(self) -> str:
         """Why the global scheduler cannot be called ("" when it can: found by name, or no name
-        given): its name has no live actor (looked up again at most every
-        ``SCHEDULER_RELOOKUP_S``)."""
-        if self._scheduler is None or self._scheduler.handle() is not None:
-            return ""
-        return self._scheduler.missing
+        given): its name has no live actor, as of the last look-up (never blocks: run on the
+        event loop by ``stats``; a look-up due, every ``SCHEDULER_RELOOKUP_S``, runs on a
+        background thread: ``NamedPeer.missing_now``)."""
+        return "" if self._scheduler is None else self._scheduler.missing_now()
 
     def _report_blocks(self, node_id: str, events: list[tuple[str, bytes, str]]) -> None:
         """The step thread's block events, to the scheduler's index in order; after a lost

@@ -72,3 +72,31 @@ def test_a_failed_look_up_before_any_handle_is_none_saying_why(monkeypatch: pyte
     assert peer.handle() is None and peer.missing.startswith("no live actor named scheduler"), peer.missing
     clock.now += 5.0
     assert peer.handle() is handle and peer.missing == ""
+
+
+def test_missing_now_never_waits_for_a_look_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's ``stats`` (on its event loop) reads ``missing_now``: a look-up hung on the GCS
+    runs on a background thread, the answer shows in a later call (s39 review r1: ``stats``
+    called ``handle()`` and waited for the GCS)."""
+    import threading
+    import time
+
+    release, entered = threading.Event(), threading.Event()
+
+    def hung_gcs(name: str, namespace: str | None = None) -> Any:
+        entered.set()
+        release.wait(10)
+        raise ValueError("Failed to look up actor with name 'scheduler'")
+
+    monkeypatch.setattr(ray, "get_actor", hung_gcs)
+    peer = NamedPeer(ActorRef("scheduler", "ns"), relookup_s=5.0)
+    started = time.monotonic()
+    assert peer.missing_now() == ""  # (nothing looked up yet: no answer to give)
+    assert entered.wait(5)
+    assert peer.missing_now() == ""  # (the look-up still hangs: one at a time, none waited for)
+    assert time.monotonic() - started < 1.0
+    release.set()
+    deadline = time.monotonic() + 5
+    while not peer.missing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert peer.missing_now().startswith("no live actor named scheduler"), peer.missing

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,9 @@ def test_a_cache_node_started_while_the_scheduler_is_missing_serves_and_reports_
         scheduler = GlobalSchedulerActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
             str(tmp_path / "state"), {"n0": 1})
         assert ray.get(scheduler.stats.remote(), timeout=60)["indexed_blocks"] == 0
+        deadline = time.monotonic() + 10  # (stats never wait for a look-up: a later call reads it)
+        while node.stats()["scheduler_unreachable"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert node.stats()["scheduler_unreachable"] == ""
         _serve(node, "r2", 500)
         assert reporter.flush(30.0)
