@@ -154,6 +154,23 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
             self.tiers.worker.on_ready = self._ready
         self.scheduled_nothing = False  # the last step ran no batch while requests waited
 
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop what runs beside the steps, so the engine's memory (KV pool, host tier) is freed
+        once it is dropped: the demotion copies in flight land first (CUDA: waited for, their
+        blocks released), then the transfer worker's thread ends (``TierManager.close``: queued
+        spill puts written within ``timeout_s`` seconds and counted, prefetches dropped), then
+        the grammar compiler processes (``close_structured_output``). Returns whether the
+        worker's thread ended in time. Call it with no step running and no engine lock held
+        (``CacheNode.shutdown`` calls it once its step thread has ended). Idempotent.
+
+        Regression (s39): nothing ended the transfer thread (``kv-transfer``), which waited for
+        jobs forever and kept every closed engine's tiers alive."""
+        with self._lock:
+            self.tiers.release_held(wait=True)
+        ended = self.tiers.close(timeout_s)
+        self.close_structured_output()
+        return ended
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self,

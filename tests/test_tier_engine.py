@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,11 +25,27 @@ def prompt_of(n: int, offset: int = 0) -> list[int]:
     return [(7 * i + offset) % 500 + 1 for i in range(n)]
 
 
+MADE: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+"""Every engine ``tiered`` made and not collected yet (``_closed`` closes this module's)."""
+
+
 def tiered(lm: LoadedModel, spill: object = None, pool_blocks: int = 128, **tier: object) -> LLMEngine:
     cfg = EngineConfig(block_size=16, kv_pool_bytes=pool_blocks * BLOCK_BYTES,
                        max_num_batched_tokens=64, max_num_seqs=8)
     tc = TierConfig(**{"host_bytes": 64 * BLOCK_BYTES, **tier})  # type: ignore[arg-type]
-    return LLMEngine(lm.model, cfg, lm.model_id, lm.eos_token_ids, tier_config=tc, spill=spill)  # type: ignore[arg-type]
+    eng = LLMEngine(lm.model, cfg, lm.model_id, lm.eos_token_ids, tier_config=tc, spill=spill)  # type: ignore[arg-type]
+    MADE.add(eng)
+    return eng
+
+
+@pytest.fixture(autouse=True)
+def _closed() -> Iterator[None]:
+    """Each test's engines are closed after it: their transfer threads end and their tiers are
+    freed (before, each engine with a spill tier left its ``kv-transfer`` thread waiting)."""
+    before = set(MADE)
+    yield
+    for eng in set(MADE) - before:
+        eng.close()
 
 
 def store_for(eng: LLMEngine, root: Path, ram_blocks: int = 256) -> SpillStore:

@@ -443,6 +443,12 @@ class TierManager:
         hold blocks."""
         return self.worker.flush_spill(timeout_s) if self.worker is not None else 0
 
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """End the transfer worker's thread (``TransferWorker.close``: queued puts written
+        within ``timeout_s``, prefetches dropped); True when it ended in time (or there is
+        none). Call without the engine lock, after ``release_held(wait=True)`` under it."""
+        return self.worker.close(timeout_s) if self.worker is not None else True
+
     def stats(self) -> dict[str, int]:
         """Host tier sizes, the ``COUNTERS``, ``held_demoted_blocks`` (device blocks waiting
         for their demotion copy, CUDA only) and ``spill_put_backlog_blocks``/``_bytes`` (host

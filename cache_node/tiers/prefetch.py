@@ -15,6 +15,12 @@ while its last one timed out and still runs). ``flush`` bumps an epoch: jobs sub
 before it are dropped, and the spill flush waits for a call in progress. No device block is
 held while a transfer is in flight, so cancelling a request mid-prefetch leaves nothing to
 release: its rows are discarded when the copy ends.
+
+``close`` ends the thread (an engine's ``close``): queued prefetches are dropped, and a running
+one installs nothing more (its device blocks are freed with the engine); queued puts and the
+one being written go out first, within the close's bound (the spill tier outlives the engine),
+each counted as it lands; those left at the bound are dropped, counted in
+``spill_put_dropped_blocks``.
 """
 
 from __future__ import annotations
@@ -67,19 +73,63 @@ class TransferWorker:
         self._cond = threading.Condition()  # guards the backlog, the prefetches and ``_busy``
         self._io_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._close_by_s: float | None = None  # monotonic bound of ``close``'s drain (None: open)
         self.on_ready: Callable[[], None] = _nothing  # a prefetch ended: the engine's waiter
 
     def submit_put(self, victims: Victims) -> int:
         """Queue victims for a spill put; returns blocks dropped to keep the backlog bounded."""
         with self._cond:
+            if self.closed:  # the engine is closing: nothing is written any more
+                return sum(len(m.block_hash) == SPILL_HASH_BYTES for m in victims.metas)
             dropped = self.backlog.add(victims)
             self._wake()
         return dropped
 
     def submit_prefetch(self, seq: Sequence) -> None:
         with self._cond:
+            if self.closed:
+                seq.prefetch_until_s = 0.0
+                return
             self._prefetches.append((seq, self.epoch))
             self._wake()
+
+    @property
+    def closed(self) -> bool:
+        """``close`` was called: no job is taken any more but the puts it drains."""
+        return self._close_by_s is not None
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """End the worker thread, waiting ``timeout_s`` seconds at most; returns whether it
+        ended (False: a spill call still runs past the bound; the thread ends when it returns).
+
+        Queued prefetches are dropped (their requests are schedulable again) and a running one
+        installs no more batches: its device blocks are freed with the engine. The put being
+        written and the queued ones are written first, until ``timeout_s`` has passed, each
+        counted in ``spill_put_blocks`` as it lands (the spill tier outlives this engine, and
+        serves other nodes); the blocks still queued then are dropped, counted in
+        ``spill_put_dropped_blocks``. Later submits are dropped too. Call it without the
+        engine lock (a landing put takes it to count its blocks). Idempotent.
+
+        Regression (s39): the thread waited for jobs forever, holding the tier manager (the
+        host tier's memory, the KV pool) of an engine whose node had shut down."""
+        with self._cond:
+            if self._close_by_s is None:
+                self._close_by_s = time.monotonic() + max(0.0, timeout_s)
+            prefetches = [seq for seq, _ in self._prefetches]
+            self._prefetches.clear()
+            self._cond.notify_all()
+        for seq in prefetches:
+            seq.prefetch_until_s = 0.0
+        if prefetches:
+            self.on_ready()
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, timeout_s))
+        return thread is None or not thread.is_alive()
+
+    def _past_close(self) -> bool:
+        """``close`` was called and its bound has passed (call under ``_cond`` or the io lock)."""
+        return self._close_by_s is not None and time.monotonic() >= self._close_by_s
 
     def _wake(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -160,6 +210,12 @@ class TransferWorker:
     def _run(self) -> None:
         while True:
             kind, payload, epoch = self._next_job()
+            if kind == "closed":  # no put left to write, or the close's bound passed
+                if payload:
+                    logger.warning("closing: %d queued spill put blocks dropped, not written within the "
+                                   "close's bound", payload)
+                    self._count("spill_put_dropped_blocks", payload)
+                return
             try:
                 if kind == "put":
                     self._put(payload, epoch)
@@ -177,9 +233,15 @@ class TransferWorker:
                     self.on_ready()
 
     def _next_job(self) -> tuple[str, Any, int]:
-        """(kind, payload, epoch) of the next job, waiting for one: prefetches first."""
+        """(kind, payload, epoch) of the next job, waiting for one: prefetches first; ("closed",
+        blocks dropped, 0) once closed and no put is left, or the close's bound has passed (the
+        queued puts dropped, uncounted yet: ``_count`` takes the engine lock, never under this one)."""
         with self._cond:
             while True:
+                if self._past_close():
+                    dropped = self.backlog.clear()
+                    self._cond.notify_all()
+                    return "closed", dropped, 0
                 if self._prefetches:
                     seq, epoch = self._prefetches.popleft()
                     self._busy = True
@@ -188,6 +250,8 @@ class TransferWorker:
                 if victims is not None:
                     self._busy = True
                     return "put", victims, self.epoch
+                if self.closed:
+                    return "closed", 0, 0
                 self._cond.wait()
 
     def _put(self, victims: Victims, epoch: int) -> None:
@@ -212,6 +276,9 @@ class TransferWorker:
         with self._io_lock:
             if epoch != self.epoch:
                 return
+            if self._past_close():  # closing, its bound passed: dropped, as the queued ones
+                self._count("spill_put_dropped_blocks", len(hashes))
+                return
             try:
                 # its tenants' weights (a spill node sums them; PUT_TENANTS a put, in turns), else its own
                 weight = self.tiers.weights.put_weight(holder_of(namespace))
@@ -228,7 +295,7 @@ class TransferWorker:
     def _prefetch(self, seq: Sequence, epoch: int) -> None:
         try:
             with self.tiers.lock:
-                if seq.is_finished or epoch != self.epoch:
+                if seq.is_finished or epoch != self.epoch or self.closed:
                     return
                 start, hashes = self.tiers.spill_candidates(seq)
                 bs, prompt = self.tiers.kv.block_size, seq.all_token_ids
@@ -239,7 +306,7 @@ class TransferWorker:
                 if not tiers:
                     return
                 with self.tiers.lock:
-                    if seq.is_finished or epoch != self.epoch:
+                    if seq.is_finished or epoch != self.epoch or self.closed:  # closed: its blocks are freed
                         return
                     self.tiers.install(seq, start + k, from_numpy(rows, self.tiers.pool.kv.dtype), tiers)
                     if not self.tiers.blocks.num_free_blocks():  # the pool is full: the rest would not stay
@@ -255,7 +322,7 @@ class TransferWorker:
     ) -> tuple[np.ndarray, list[str]]:
         shape, dtype = self.tiers.block_shape, self.tiers.spill_np_dtype
         with self._io_lock:
-            if epoch != self.epoch:
+            if epoch != self.epoch or self.closed:
                 return np.empty((0, *shape), dtype), []
             try:
                 reply = self.spill.get(hashes, tokens)
