@@ -229,12 +229,17 @@ class Requests:
     def _sampling(self, req: NodeRequest, num_prompt_tokens: int) -> SamplingParams:
         """``req.sampling``; a request without max_tokens (``extra["fill_context"]``) gets what
         the context limit, the model and this node's pool leave after its whole prompt
-        (session history included)."""
+        (session history included). A prompt that leaves no room gets its ``min_tokens`` (at
+        least 1), then is refused for its size, as the gateway does (regression, s39 review r3:
+        max_tokens 1 under a min_tokens of 2+ was refused "min_tokens must be an integer in [0,
+        max_tokens (1)]", a max_tokens the client never sent); one that leaves less room than
+        min_tokens is still refused naming min_tokens."""
         if req.extra.get("fill_context") != "1":
             return req.sampling
         limit = min(req.max_context_tokens or self.engine.max_model_len, self.engine.max_model_len,
                     self.engine.scheduler.pool_tokens)
-        return dataclasses.replace(req.sampling, max_tokens=max(1, limit - num_prompt_tokens))
+        room = limit - num_prompt_tokens
+        return dataclasses.replace(req.sampling, max_tokens=room if room > 0 else max(1, req.sampling.min_tokens))
 
     def _set_tenant_share(self, req: NodeRequest) -> None:
         extra = req.extra

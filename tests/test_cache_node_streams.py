@@ -10,6 +10,7 @@ it carries the same events as ``generate``, posts refusals like any other event,
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -689,3 +690,26 @@ def test_chat_turns_render_round_robin_over_tenants(node, monkeypatch) -> None:
     assert asyncio.run(run()) == ["finished"] * 6
     assert order.index("B") <= 2, order  # first come first served: 5
     assert not node.engine.check_integrity()
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2, 5])
+def test_a_turn_without_max_tokens_past_the_context_is_refused_for_size_whatever_min_tokens(node, min_tokens) -> None:
+    """Regression (s39 review r3 of 3c9b308): a chat session turn without ``max_tokens``
+    (``fill_context``) whose prompt, rendered here with its history, fills the context was
+    given max_tokens 1, which ``SamplingParams`` refused under a ``min_tokens`` of 2 or more:
+    "min_tokens must be an integer in [0, max_tokens (1)], got 5", naming a max_tokens the
+    client never sent. Lowering min_tokens cannot make it fit: it is refused for its size, in
+    the words the gateway reads as the context overflow (``context_length_exceeded``)."""
+    messages = ({"role": "user", "content": "Name a colour."},)
+    req = NodeRequest(request_id=f"fill{min_tokens}", tenant="fill", cache_namespace="ns", token_ids=(),
+                      session_id=f"fill/s{min_tokens}", messages=messages, max_context_tokens=8,
+                      sampling=SamplingParams(max_tokens=max(1, min_tokens), min_tokens=min_tokens, ignore_eos=True),
+                      extra={"fill_context": "1"})
+
+    async def run() -> list[dict]:
+        return [e async for e in node.generate(req)]
+
+    error = asyncio.run(run())[-1]
+    assert (error["type"], error["code"]) == ("error", "INVALID_ARGUMENT"), error
+    assert re.match(rf"prompt \(\d+\) \+ max_tokens \({max(1, min_tokens)}\) exceeds the tenant's "
+                    r"max_context_tokens \(8\)", error["message"]), error
