@@ -120,6 +120,8 @@ def _up_config(config: Path | None, scheduler: str, device: str = "") -> Service
         raise typer.BadParameter(f"{config}: {validation_message(exc.errors()[0])}", param_hint="'--config'") from None
     except yaml.YAMLError as exc:
         raise typer.BadParameter(f"{config}: {_yaml_message(exc)}", param_hint="'--config'") from None
+    except UnicodeDecodeError as exc:  # regression (s39 review r3): a Latin-1 file was a traceback
+        raise typer.BadParameter(f"{config}: {_encoding_message(exc)}", param_hint="'--config'") from None
     except OSError as exc:
         raise typer.BadParameter(f"{config}: {str(exc).splitlines()[0]}", param_hint="'--config'") from None
     if scheduler:
@@ -150,6 +152,14 @@ def _yaml_message(exc: Exception) -> str:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
     return f"not valid YAML: {problem}{where}"
+
+
+def _encoding_message(exc: UnicodeDecodeError) -> str:
+    """Where a config file stops being UTF-8, e.g. "not UTF-8 text: byte 0xe9 (line 2, column
+    6)" (1-based; the column counts bytes)."""
+    data, at = exc.object, exc.start
+    line, line_start = data.count(b"\n", 0, at) + 1, data.rfind(b"\n", 0, at) + 1
+    return f"not UTF-8 text: byte 0x{data[at]:02x} (line {line}, column {at - line_start + 1})"
 
 
 def _start_local_ray(cfg: ServiceConfig, token: Path) -> tuple[int, str]:

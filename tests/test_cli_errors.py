@@ -138,6 +138,20 @@ def test_up_with_a_bad_config_is_a_usage_error(tmp_path: Path, text: str, messag
 
     assert code == 2, output
     assert f"Invalid value for '--config': {path}: " in _words(output) and message in _words(output), output
+
+
+def test_up_with_a_config_that_is_not_utf8_is_a_usage_error(tmp_path: Path) -> None:
+    """Regression (s39 review r3 of 3baa6c6): a config saved in Latin-1 (an "é" in a comment)
+    ended ``kvstrata up`` with a UnicodeDecodeError, exit 1; it is a bad ``--config`` value
+    saying what and where, as a YAML error is."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("num_cache_nodes: 1\n# caf\u00e9\n".encode("latin-1"))
+
+    code, output = _run("up", "--config", str(path))
+
+    assert code == 2, output
+    assert (f"Invalid value for '--config': {path}: not UTF-8 text: byte 0xe9 (line 2, column 6)"
+            in _words(output)), output
     assert "Value error" not in output
 
 
