@@ -23,7 +23,8 @@ The child is started as ``cache_node.grammar_process`` starts a grammar compiler
 thread (it ends with that thread's node: ``PR_SET_PDEATHSIG``), with the few environment
 variables of ``grammar_process.child_env`` (no credential), in a private directory (its
 ``TMPDIR`` too), its stderr a pipe the node logs (bounded), and it confines itself
-(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it. The start
+(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it; the thread using its pipes
+(a render's, a start's) reaps it and closes them, never ``close`` from another thread. The start
 (``grammar_process.start_child``, ``ready_report``) is the grammar compiler's own code.
 
 The gateway renders its large chats in children of this class too (``owner="gateway"``, one
@@ -255,13 +256,10 @@ class RenderProcess:
     def _exchange(self, request: list[Any]) -> list[Any]:
         """Send ``request`` to the child (started first where none runs) and read its reply:
         an ``error`` reply raised as its kind's exception, any other returned."""
-        with self._lock:
-            if self.closed:
-                raise RenderFailed(f"the {self.owner} is shutting down")
-            self.busy = True
+        self._take()
         try:
             if self.pid is None:
-                self.start()
+                self._start()
             deadline = time.monotonic() + self.render_timeout_s
             try:
                 packed = frame(request)
@@ -285,11 +283,7 @@ class RenderProcess:
                 raise _ERRORS[kind](message)
             return reply
         finally:
-            with self._lock:
-                self.busy = False
-                if self.closed:  # (``close`` left the reaping to this thread)
-                    self.kill()
-                    self._remove_tokenizer()
+            self._release()
 
     def _checked(self, reply: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
         """An ``ok`` reply's token ids and whether it continued ``history``, checked: ids within
@@ -325,14 +319,32 @@ class RenderProcess:
     def start(self) -> None:
         """Start the child (reaping one that ended), send its ``init`` frame and wait for its
         ``ready``, within ``start_timeout_s`` (else ``RenderFailed``; at once while its
-        ``start_guard`` backs off). A child whose tokenizer did not load under its memory cap
-        says so (``["failed", "memory", ...]``), and the error names the cap. Once ``close``
-        ran, none starts (``RenderFailed``, "shutting down"), and one ``close`` met while it was
-        spawned is killed at once.
+        ``start_guard`` backs off): the node's warm start, ahead of its first render. A child
+        whose tokenizer did not load under its memory cap says so (``["failed", "memory",
+        ...]``), and the error names the cap. Once ``close`` ran, none starts (``RenderFailed``,
+        "shutting down"), and one ``close`` met while it was spawned is killed at once; a
+        ``close`` met while it waits for the ``ready`` kills the child, and this thread reaps it
+        and closes its pipes, failing "shutting down" too.
 
-        Regression (s39, a node shut down during its render child's warm start): the renderer
+        It follows the renders' rules (``busy``: one thread uses the child's pipes, and only
+        that thread closes them). Raises ``RuntimeError`` while another thread uses this
+        process (a bug: each ``RenderProcess`` has one user thread at a time).
+
+        Regressions (s39, a node shut down during its render child's warm start): the renderer
         thread started the child after ``close`` (which had found none to kill), and it ran on,
-        importing for ~10 s of CPU, to fail on the tokenizer ``close`` had removed."""
+        importing for ~10 s of CPU, to fail on the tokenizer ``close`` had removed. And a
+        ``close`` during the wait for ``ready`` found the process not busy: it reaped the child
+        and closed its pipes on the shutdown thread while the renderer thread polled and read
+        them (``EBADF``, or, had a descriptor number been reused meanwhile, a read of another
+        file: a socket, a spill file)."""
+        self._take()
+        try:
+            self._start()
+        finally:
+            self._release()
+
+    def _start(self) -> None:
+        """``start``, by the thread using this process (``busy``)."""
         self.kill()
         self._refuse_closed()
         self.start_guard.check(self.owner)
@@ -358,6 +370,8 @@ class RenderProcess:
                 raise self._out_of_protocol("its start")
         except (RenderFailed, OSError) as exc:
             self.kill()
+            if self.closed:  # (``close`` killed it: the shutdown's doing, no failure to start)
+                raise RenderFailed(f"the {self.owner} is shutting down") from None
             failure = RenderFailed(f"the {self.owner}'s chat renderer process could not start: {exc}")
             self.start_guard.failed(str(failure))
             raise failure from None
@@ -377,12 +391,34 @@ class RenderProcess:
             if self.closed:
                 raise RenderFailed(f"the {self.owner} is shutting down")
 
+    def _take(self) -> None:
+        """Mark this process used by the calling thread (``busy``) for a render or a start;
+        ``RenderFailed`` ("shutting down") once ``close`` ran."""
+        with self._lock:
+            if self.closed:
+                raise RenderFailed(f"the {self.owner} is shutting down")
+            if self.busy:
+                raise RuntimeError(f"the {self.owner}'s chat renderer process is in use by another thread")
+            self.busy = True
+
+    def _release(self) -> None:
+        """The end of ``_take``'s use: after a ``close`` met meanwhile (which only killed the
+        child), this thread reaps the child, closes its pipes and removes the tokenizer."""
+        with self._lock:
+            self.busy = False
+            closed = self.closed
+        if closed:
+            self.kill()
+            self._remove_tokenizer()
+
     def close(self) -> None:
-        """Stop the child (the node's shutdown; any thread): a render under way fails
-        (``RenderFailed``), and no other starts."""
+        """Stop the child (the node's shutdown; any thread; returns at once where the child is
+        in use): a render or start under way fails (``RenderFailed``), and no other starts.
+        The child's pipes are closed by the thread using them: a busy process's child is only
+        killed here (SIGKILL), and that thread reaps it once its poll or read sees the end."""
         with self._lock:
             self.closed = True
-            if self.busy:  # the rendering thread reaps it (``_render``)
+            if self.busy:
                 proc = self.proc
                 if proc is not None and proc.poll() is None:
                     proc.kill()
@@ -391,9 +427,12 @@ class RenderProcess:
         self._remove_tokenizer()
 
     def kill(self) -> None:
-        """End the child (SIGKILL) and reap it; a no-op when there is none."""
-        proc, self.proc = self.proc, None
-        remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
+        """End the child (SIGKILL), reap it and close its pipes; a no-op when there is none.
+        The using thread's (or any thread's while none is busy): never while another thread
+        polls the pipes. Not with ``_lock`` held."""
+        with self._lock:  # (``close`` signals ``proc`` under it: never after its ``reap`` here)
+            proc, self.proc = self.proc, None
+            remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
         self.sandbox = ""
         if proc is not None:
             reap(proc)

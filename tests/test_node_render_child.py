@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import select
 import signal
 import statistics
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -285,3 +287,57 @@ def test_a_render_child_spawned_as_its_process_closes_is_killed(node: CacheNode,
     took = time.monotonic() - t0
     assert len(spawned) == 1 and spawned[0].poll() is not None and process.pid is None
     assert took < 2.0, took
+
+
+def test_a_close_during_the_start_leaves_the_pipes_to_the_starting_thread(node: CacheNode) -> None:
+    """Regression (s39 review: the node's warm start, ``Streams._warm_render_child``): ``start``
+    did not mark the process busy, so a ``close`` (the node's shutdown thread) while the
+    renderer thread waited for the child's ``ready`` (seconds, as it imports) reaped the child
+    and closed its pipes under that thread, which then polled and read closed descriptors
+    (``EBADF``; had the number been reused meanwhile, another file: a socket, a spill file).
+    Now ``close`` only kills the child and returns; the starting thread, held here between its
+    polls of the child's stdout, finds the pipes open, reads the end, reaps the child, closes
+    the pipes and fails "shutting down" (no failed start counted); nothing is left."""
+    process = RenderProcess(node.tokenizer, start_timeout_s=30)
+    tokenizer_dir = process._tokenizer_dir
+    waiting, go = threading.Event(), threading.Event()
+    real_wait = process._wait
+
+    def held_wait(fd: int, event: int, deadline: float) -> None:
+        if event == select.POLLIN and not go.is_set():  # (the wait for ``ready``, past the ``init`` write)
+            waiting.set()
+            go.wait(30)
+        real_wait(fd, event, deadline)
+
+    process._wait = held_wait  # type: ignore[method-assign]
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            process.start()
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=start, name="test-render-start")
+    thread.start()
+    try:
+        assert waiting.wait(30), "the start never waited for its ready"
+        proc, workdir = process.proc, process.workdir
+        assert proc is not None and workdir is not None
+        t0 = time.monotonic()
+        process.close()  # (as the node's shutdown, on its own thread)
+        took = time.monotonic() - t0
+        pipes_open = not proc.stdin.closed and not proc.stdout.closed
+        still_its = process.proc is proc
+    finally:
+        go.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert pipes_open and still_its, "close() closed the child's pipes while the starting thread polled them"
+    assert took < 1.0, took
+    assert len(outcome) == 1 and isinstance(outcome[0], RenderFailed), outcome
+    assert "shutting down" in str(outcome[0]), outcome[0]
+    assert proc.poll() == -signal.SIGKILL and proc.stdin.closed and proc.stdout.closed
+    assert process.proc is None and process.pid is None and process.workdir is None
+    assert not os.path.exists(workdir) and not os.path.exists(tokenizer_dir)
+    assert process.start_guard.failures == 0
