@@ -186,7 +186,13 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self._render_queue: dict[str, deque[_Stream]] = {}
         self._render_lock = threading.Lock()
         self._start_render_child()  # renders run in a child process (``Streams._render_templater``)
-        self._aborts: deque[str] = deque()
+        # (request id, the stream an abort claimed) for the step thread (``Commands._run_aborts``)
+        self._aborts: deque[tuple[str, _Stream]] = deque()
+        # the step thread's: the stream whose request the engine holds under each id, from its
+        # ``add_request`` until its last output (``Requests._start_incoming``): an id reused once
+        # its request was aborted starts when the engine is done with the old one, and the old
+        # one's outputs never reach the new stream (``Streams._owner``)
+        self._engine_streams: dict[str, _Stream] = {}
         self._purges: set[str] = set()  # deleted tenants whose own namespace is still to drop
         self._gone_subscribers: deque[str] = deque()  # for the step thread: close sockets to them
         self._admin: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
@@ -277,8 +283,7 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             self.step_progress_s = time.monotonic()  # a turn (and the step before it) completed
             if self._fault_injected:
                 raise RuntimeError("injected step fault (NodeConfig.fault_injection)")
-            while self._aborts:  # before new requests, which may reuse an aborted one's id
-                self.engine.abort_request(self._aborts.popleft())
+            self._run_aborts()  # before new requests, which may reuse an aborted one's id
             while self._gone_subscribers:
                 self._forget_subscriber(self._gone_subscribers.popleft())
             self._run_admin()

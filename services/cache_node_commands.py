@@ -151,9 +151,19 @@ class Commands:
         if stream is None:
             self._refuse_on_arrival(request_id, "CANCELLED", "the request was cancelled before it reached the node")
             return False
-        self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
+        self._aborts.append((request_id, stream))  # for the step thread (a no-op if it never started)
         self._wake.set()
         return True
+
+    def _run_aborts(self) -> None:
+        """Step thread: abort in the engine the request of each stream an abort claimed
+        (``abort``, ``_end_stream``), if the engine holds that stream's request: one claimed
+        before it started never starts (``_start_incoming``), and a later request of its id is
+        not its to abort."""
+        while self._aborts:
+            request_id, stream = self._aborts.popleft()
+            if self._engine_streams.get(request_id) is stream:
+                self.engine.abort_request(request_id)
 
     def _refuse_on_arrival(self, request_id: str, code: str, message: str) -> None:
         """Event loop: a ``submit`` of ``request_id`` arriving later gets an error ``code``
@@ -229,8 +239,7 @@ class Commands:
         put off to the next turn of the step loop (``_purges``), so that no block it frees
         later stays cached. Regression: a request ending after the drop left its 29 blocks
         cached (seen once in three clean-clone CI runs)."""
-        while self._aborts:  # its requests' aborts may have come after this step's: their
-            self.engine.abort_request(self._aborts.popleft())  # blocks go free, then dropped
+        self._run_aborts()  # its requests' aborts may have come after this step's: their blocks go free, then dropped
         if any(seq.tenant == tenant for seq in list(self.engine.requests.values())):
             self._purges.add(tenant)
             return
@@ -258,7 +267,7 @@ class Commands:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        self._aborts.append(request_id)  # for the step thread (a no-op if it never started)
+        self._aborts.append((request_id, stream))  # for the step thread (a no-op if it never started)
         self._wake.set()
         event = {"type": "error", "code": code, "message": message}
         if stream.subscriber:

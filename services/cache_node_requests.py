@@ -93,12 +93,23 @@ class Requests:
     """The requests part of ``CacheNode``: starting opened streams' requests (step thread)."""
 
     def _start_incoming(self) -> None:
-        """Step thread: queue every newly opened stream's request in the engine."""
+        """Step thread: queue every newly opened stream's request in the engine.
+
+        One whose id the engine still holds for an earlier stream (aborted, its last output not
+        delivered yet: the next step's) waits for the next turn. Regression (seen in a loaded
+        clean-clone CI, tests/test_gateway_gone.py): a request reusing the id of one aborted
+        just before was added to the engine beside it (INVALID_ARGUMENT, duplicate id), or
+        after it and the old one's abort output ended the new stream (``finished``, "abort")
+        while the new request ran unseen: its client waited for ever."""
+        later: list[_Stream] = []
         while self._incoming:
             stream = self._incoming.popleft()
             req = stream.request
             if self._streams.get(req.request_id) is not stream:
                 continue  # aborted before it started
+            if req.request_id in self._engine_streams:  # an earlier request of this id is not done
+                later.append(stream)
+                continue
             error = None
             try:
                 if req.opens_session:
@@ -129,6 +140,7 @@ class Requests:
                     session_id=req.session_id or None, tenant=req.tenant, policy=req.policy,
                     prefetch=req.prefetch, priority=req.priority, prefix_tokens=req.prefix_tokens,
                 )
+                self._engine_streams[req.request_id] = stream
                 if req.session_id:
                     self._session_turns[req.request_id] = stream
             except SessionNamespaceChanged as exc:  # the tenant's own session, its namespace moved
@@ -160,6 +172,7 @@ class Requests:
                 error = {"type": "error", "code": "INTERNAL", "message": text}
             if error is not None:
                 self._dispatch([(stream, error)])
+        self._incoming.extendleft(reversed(later))  # first in the next turn, in their order
 
     def _drop_stale_session(self, req: NodeRequest) -> None:
         """Step thread, between steps: ``req`` opens its session (``NodeRequest.opens_session``:

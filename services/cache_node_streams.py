@@ -312,7 +312,8 @@ class Streams:
             yield {"type": "error", "code": refused[0], "message": refused[1]}
             return
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._open(_Stream(asyncio.get_running_loop(), queue.put_nowait, req, 0))
+        stream = _Stream(asyncio.get_running_loop(), queue.put_nowait, req, 0)
+        self._open(stream)
         done = False
         try:
             while not done:
@@ -320,7 +321,8 @@ class Streams:
                 done = event["type"] in ("finished", "error")
                 yield event
         finally:
-            self._streams.pop(req.request_id, None)
+            if self._streams.get(req.request_id) is stream:
+                self._streams.pop(req.request_id, None)
             if not done:
                 self.engine.abort_request(req.request_id)
 
@@ -367,7 +369,7 @@ class Streams:
         now = time.monotonic()
         events = []
         for seq, _ in batch:
-            stream = self._streams.get(seq.request_id)
+            stream = self._owner(seq.request_id)
             if stream is None or stream.started:
                 continue
             stream.started = True
@@ -397,18 +399,26 @@ class Streams:
         messages that did not match the session's KV."""
         events = []
         for out in outputs:
-            if not out.finished:
-                stream = self._streams.get(out.request_id)
-            else:
+            stream = self._owner(out.request_id)
+            if out.finished:
                 if out.phase_s:  # it drew a token: its phases, whoever claims its stream (vLLM's histograms)
                     self.metrics.request_finished(out.phase_s, out.num_prompt_tokens, out.num_output_tokens)
-                stream = self._streams.pop(out.request_id, None)  # the claim: this or an abort
+                self._engine_streams.pop(out.request_id, None)  # the engine is done with the id
+                if stream is not None:  # the claim: this or an abort
+                    stream = self._streams.pop(out.request_id, None)
                 turn = self._session_turns.pop(out.request_id, None)
                 if stream is None and turn is not None:
                     self._rewind_cancelled_turn(turn, out)
             if stream is not None:
                 events.extend((stream, event) for event in self._events(out, stream))
         self._dispatch(events)
+
+    def _owner(self, request_id: str) -> _Stream | None:
+        """Step thread: the stream of the request the engine holds under ``request_id``, while
+        it is still in ``_streams`` (None once an abort claimed it, whatever stream of the same
+        id opened since: an output of the old request is not the new one's)."""
+        stream = self._engine_streams.get(request_id)
+        return stream if stream is not None and self._streams.get(request_id) is stream else None
 
     def _rewind_cancelled_turn(self, turn: _Stream, out: RequestOutput) -> None:
         """Step thread: ``out`` ended session turn ``turn``, cancelled before its end reached
@@ -429,7 +439,7 @@ class Streams:
             if not stream.subscriber:
                 batches.setdefault(stream.loop, []).append((stream, event))
                 continue
-            if event["type"] in ("finished", "error"):
+            if event["type"] in ("finished", "error") and self._streams.get(stream.request.request_id) is stream:
                 self._streams.pop(stream.request.request_id, None)
             pushed.setdefault(stream.subscriber, []).append([stream.request.request_id, event])
         for subscriber, items in pushed.items():  # split to what its inbox decodes (EVENT_LIMITS)
@@ -439,7 +449,7 @@ class Streams:
 
     def _deliver(self, batch: list[tuple[_Stream, Event]]) -> None:
         for stream, event in batch:
-            if event["type"] in ("finished", "error"):
+            if event["type"] in ("finished", "error") and self._streams.get(stream.request.request_id) is stream:
                 self._streams.pop(stream.request.request_id, None)
             stream.deliver(event)
 

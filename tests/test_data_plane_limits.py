@@ -210,14 +210,14 @@ class _Node(Streams, Health):
         scheduler = types.SimpleNamespace(prefill_speed=SpeedMeter(), step_s=Ewma(0.05))
         self.engine = types.SimpleNamespace(scheduler=scheduler)
         self.config = types.SimpleNamespace(step_idle_wait_s=0.0)
-        self._streams, self._session_turns, self._outbox = {}, {}, deque()
+        self._streams, self._session_turns, self._outbox, self._engine_streams = {}, {}, deque(), {}
         self._incoming, self._aborts, self._admin, self._health_waiters = deque(), deque(), deque(), []
         self._wake, self._stopped = threading.Event(), False
         self._pusher = data_plane.PushSockets()
 
     def open_stream(self, rid: str, subscriber: str) -> None:
         req = NodeRequest(request_id=rid, tenant="t", cache_namespace="ns", sampling=SamplingParams(max_tokens=8))
-        self._streams[rid] = _Stream(None, None, req, 5, subscriber)
+        self._streams[rid] = self._engine_streams[rid] = _Stream(None, None, req, 5, subscriber)  # as started
 
     def _after_failure(self) -> None:
         self._stopped = True  # one round of ``_fail`` (the actor would exit here)

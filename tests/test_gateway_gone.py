@@ -6,6 +6,8 @@ gateway actor calls) and must release its slots and have the nodes abort its str
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +101,70 @@ def test_a_dead_gateways_requests_are_released_once_and_aborted_on_the_node(plan
     stats = plane.run(plane.node.integrity_stats())
     assert stats["integrity_ok"], stats
     assert stats["num_blocks"] - stats["free_blocks"] - stats["cached_blocks"] == 0, stats
+
+
+class StepGate:
+    """Holds the node's step thread at one point of its loop (``where``: "turn_end", its
+    ``_publish_stats`` after a step; "admin", its between-steps calls, after it took the
+    aborts queued so far) until ``release``: what the loop does meanwhile lands in one turn."""
+
+    def __init__(self, plane: Plane, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        node = plane.node
+        if where == "admin":
+            node._admin.append((self._hold, concurrent.futures.Future()))
+            node._wake.set()
+        else:
+            publish = node._publish_stats
+
+            def held() -> None:
+                publish()
+                if not self.released.is_set():
+                    self._hold()
+
+            monkeypatch.setattr(node, "_publish_stats", held)
+        assert self.entered.wait(30), "the step thread never reached the gate"
+
+    def _hold(self) -> None:
+        self.entered.set()
+        self.released.wait(30)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@pytest.mark.parametrize("where", ["turn_end", "admin"])
+def test_an_id_reused_as_its_aborted_request_leaves_the_engine_gets_its_own_stream(
+        plane: Plane, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in a loaded clean-clone CI (the test above, 60 s without a first token): a request
+    whose id is that of a request the node aborted (its gateway gone) reached the node before
+    the step thread was done with the old one. "turn_end": the old one's abort output (the next
+    step's) took the new stream out of ``_streams`` and ended it with ``finished``/abort, and
+    the new request ran unseen; "admin": the new one was added to the engine while the old one
+    was still there (INVALID_ARGUMENT, a duplicate id). Now the new request starts once the
+    engine is done with the old one, and only its own outputs reach its stream."""
+    plane.start(plane.a, "t/a0", max_tokens=600)
+    gate = StepGate(plane, where, monkeypatch)
+    try:
+        plane.run(call(plane.scheduler.gateway_gone, plane.a.subscriber))
+        wait_for(lambda: "t/a0" not in plane.node._streams, 10.0)  # the abort ran on the node's loop
+        queue = plane.b.open("t/a0")
+        adm = plane.run(plane.b.admit(request("t/a0", 600), []))
+        assert adm.code == "OK", adm
+        wait_for(lambda: "t/a0" in plane.node._streams, 10.0)  # the new stream is registered
+    finally:
+        gate.release()
+
+    async def first_events() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] not in ("delta", "finished", "error"):
+            events.append(await asyncio.wait_for(queue.get(), 20))
+        return events
+
+    events = plane.run(first_events())
+    assert [e["type"] for e in events] == ["started", "delta"], events
+    assert plane.run(asyncio.wait_for(queue.get(), 10))["type"] == "delta"  # and it runs on
+    assert set(plane.node._streams) == {"t/a0"}
 
 
 def test_a_live_gateway_counted_gone_attaches_again_and_its_requests_run(plane: Plane) -> None:

@@ -152,7 +152,7 @@ def test_a_node_streams_logprobs_and_a_malformed_event_ends_its_own_stream_alone
             streams.bind("t/d#1", "n1")
             req = NodeRequest(request_id="t/a#1", tenant="t", cache_namespace="ns",
                               sampling=SamplingParams(max_tokens=8, logprobs=2))
-            node._streams["t/a#1"] = _Stream(None, None, req, 5, streams.subscriber)
+            node._streams["t/a#1"] = node._engine_streams["t/a#1"] = _Stream(None, None, req, 5, streams.subscriber)
             lp = TokenLogprobs(-0.1, ((9, -0.1), (4, -2.5)))
             node._deliver_step([RequestOutput("t/a#1", (9,), False, None, 5, 1, 0, 0, 0.01, logprobs=(lp,))])
             event = await asyncio.wait_for(buffers["t/a#1"].get(), 30)
