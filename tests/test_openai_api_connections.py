@@ -78,8 +78,16 @@ async def _status(port: int) -> bytes:
 
 
 async def _closed_after(reader: asyncio.StreamReader, start: float) -> float:
-    """Seconds from ``start`` until the server closed the connection (what it sent is read)."""
-    while await reader.read(4096):
+    """Seconds from ``start`` until the server closed the connection (what it sent is read).
+
+    A reset is a close too: the server closes a connection with a 408 (``_close``), which the
+    kernel sends as a reset when bytes the client sent are still unread there, or aborts it when
+    its reply is still unsent (``transport.abort``); either way the connection ended then (seen
+    in a loaded clean-clone CI: ConnectionResetError from this read failed the test)."""
+    try:
+        while await reader.read(4096):
+            pass
+    except ConnectionResetError:
         pass
     return time.monotonic() - start
 
