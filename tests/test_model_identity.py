@@ -124,12 +124,12 @@ def test_kv_of_another_kv_code_version_is_never_served(tmp_path: Path, monkeypat
     changed, say, the RoPE convention. ``KV_CODE_VERSION`` is in ``kv_format``: a node of
     another version gets no hit from the old files (they are skipped as another format), while
     a restart at the same version is served all 12 blocks."""
-    from cache_node import kv_pool
+    from cache_node import kv_format  # (where KV_CODE_VERSION lives: kv_pool re-exports it)
 
     lm = tiny_llama(seed=3)
     spill_dir = tmp_path / "spill"
     block_format = BlockFormat(*tiered(lm).spill_block_spec())
-    assert block_format.kv_format.startswith(f"kv{kv_pool.KV_CODE_VERSION}/")
+    assert block_format.kv_format.startswith(f"kv{kv_format.KV_CODE_VERSION}/")
     store = SpillStore(spill_dir, block_format, 0, 1 << 30, max_blocks_per_file=4)
     eng = tiered(lm, spill=store)
     cold = run(eng, P)
@@ -141,7 +141,7 @@ def test_kv_of_another_kv_code_version_is_never_served(tmp_path: Path, monkeypat
     same = SpillStore(spill_dir, block_format, 0, 1 << 30, max_blocks_per_file=4)  # a restart
     assert run(tiered(lm, spill=same), P).num_cached_tokens_by_tier == by_tier(spill_disk=192)
 
-    monkeypatch.setattr(kv_pool, "KV_CODE_VERSION", kv_pool.KV_CODE_VERSION + 1)
+    monkeypatch.setattr(kv_format, "KV_CODE_VERSION", kv_format.KV_CODE_VERSION + 1)
     newer = tiered(lm)
     new_format = BlockFormat(*newer.spill_block_spec())
     assert new_format.kv_format != block_format.kv_format
