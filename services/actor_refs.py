@@ -106,6 +106,18 @@ class NamedPeer:
         finally:
             self._looking = False
 
+    def forget(self, handle: Any) -> None:
+        """A call to ``handle`` failed as its actor died (or Ray is restarting it): the next
+        ``handle()`` looks the name up again at once, not ``relookup_s`` after the last look-up
+        (a new actor of the name gets the calls that follow). Nothing when a later look-up
+        found another handle meanwhile, or for a handle given as it is. ``PeerOutbox`` calls it.
+
+        Regression (s40): calls to a peer that died after it was found went to the dead actor,
+        lost unseen, until the next look-up (up to ``relookup_s``)."""
+        with self._lock:
+            if isinstance(self.peer, ActorRef) and handle is self._handle:
+                self._looked_at = None
+
     def handle(self) -> Any:
         """The peer's handle, or None while no live actor has its name (or none was found yet
         and the look-up fails). Never raises; blocks for a look-up (one GCS call) at most once

@@ -55,6 +55,7 @@ from services.config import NodeConfig
 from services.data_plane_auth import Security, secure_push
 from services.metrics import MetricsEndpoint, MetricsServer, NodeMetrics
 from services.metrics.server import serve_again
+from services.peer_outbox import PeerOutbox
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +363,9 @@ class CacheNodeActor(CacheNode):
         # scheduler skipped until it is back. Regression (s39): ray.get_actor's ValueError here left
         # a cache node (re)started meanwhile dead for good (Ray restarts no actor whose constructor raised)
         self._scheduler = NamedPeer(scheduler, SCHEDULER_RELOOKUP_S) if scheduler else None
+        # what this node tells it (expired sessions, its /metrics port) is sent until a scheduler
+        # answers it: regression (s40), fire-and-forget calls to one that had died were lost
+        self._tells = PeerOutbox(self._scheduler) if self._scheduler is not None else None
         spill_names = [node.name if isinstance(node, ActorRef) else f"spill node {i}"
                        for i, node in enumerate(spill_nodes or [])]
         spill_refs = list(spill_nodes or [])
@@ -390,21 +394,38 @@ class CacheNodeActor(CacheNode):
         handle = self._scheduler.handle() if self._scheduler is not None else None
         if metrics is not None:  # a restarted node serves its metrics again, on its port of before
             self.serve_metrics(metrics, _previous_metrics_port(handle, node_id) if self._restarts else 0)
-            # (a scheduler missing now learns the port from this node's recovery report when it is back)
-            if handle is not None and metrics.port == 0 and self.metrics_server is not None:
-                handle.record_metrics_port.remote(node_id, self.metrics_server.port)
+            # (sent until a scheduler of the name answers: one missing now learns it once it is back)
+            if self._tells is not None and metrics.port == 0 and self.metrics_server is not None:
+                self._tells.tell("record_metrics_port", node_id, self.metrics_server.port)
         if self._scheduler is not None:
             self.session_sink = self._sessions_ended
 
     def _sessions_ended(self, node_id: str, session_ids: list[str]) -> None:
-        """Tell the scheduler of the sessions this node expired; skipped (logged) while it has
-        no live actor (its recovery finds them gone from this node's report)."""
-        handle = self._scheduler.handle() if self._scheduler is not None else None
-        if handle is None:
-            log.warning("cache node %s: %d expired sessions not told to the global scheduler: %s", node_id,
-                        len(session_ids), self.scheduler_unreachable())
-            return
-        handle.sessions_ended.remote(node_id, session_ids)
+        """Tell the scheduler of the sessions this node expired, until a scheduler of its name
+        answers (``PeerOutbox``: while it has no live actor, or after a call to one that died,
+        they are sent again; those still untold join the next expiry's). Each send leaves out
+        the sessions this node holds again by then (a turn opened one anew under its id: its
+        route is the new session's).
+
+        Regression (s40): the call was fire-and-forget through a handle looked up every
+        ``SCHEDULER_RELOOKUP_S``: to a scheduler that died after it was found it was lost, and
+        while none had the name it was skipped (logged); a route the restarted scheduler had
+        rebuilt for such a session stayed until ``session_ttl_s``, its next turn sent here, to
+        a node without it."""
+        assert self._tells is not None
+        self._tells.tell("sessions_ended", node_id, list(session_ids), merge=_join_sessions, check=self._not_held)
+
+    def _not_held(self, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """``sessions_ended``'s arguments less the sessions this node holds now (None: none left)."""
+        node_id, session_ids = args
+        with self.engine._lock:  # (the step thread opens and ends sessions under it)
+            left = [sid for sid in session_ids if sid not in self.engine.sessions.sessions]
+        return (node_id, left) if left else None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._tells is not None:
+            self._tells.close()
 
     def scheduler_unreachable(self) -> str:
         """Why the global scheduler cannot be called ("" when it can: found by name, or no name
@@ -434,6 +455,22 @@ class CacheNodeActor(CacheNode):
         time.sleep(FAILED_EXIT_DELAY_S)
         self._pusher.close(linger_s=FAILED_EXIT_DELAY_S)
         os._exit(1)
+
+
+MAX_UNTOLD_SESSIONS = 1 << 16
+"""Expired sessions waiting to be told to the scheduler at most; past it the oldest are
+dropped (logged): their routes, if any, last ``session_ttl_s`` at most (``expire_unconfirmed``)."""
+
+
+def _join_sessions(older: tuple[Any, ...], newer: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Two ``sessions_ended`` messages as one: the sessions of both, oldest first, at most
+    ``MAX_UNTOLD_SESSIONS`` (the newest)."""
+    joined = list(dict.fromkeys([*older[1], *newer[1]]))
+    if len(joined) > MAX_UNTOLD_SESSIONS:
+        log.warning("cache node %s: %d expired sessions never told to the global scheduler (dropped)",
+                    newer[0], len(joined) - MAX_UNTOLD_SESSIONS)
+        joined = joined[-MAX_UNTOLD_SESSIONS:]
+    return newer[0], joined
 
 
 def _previous_metrics_port(scheduler: Any, node_id: str) -> int:
