@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = b"gateway_served/"
 
-MAX_PRUNE_CHECKS = 1024
-"""Records ``prune_dead`` looks at per call at most (one GCS read each); the rest wait for the
-next gateway start."""
+PRUNE_PAGE = 1024
+"""Records ``prune_dead`` reads the actor states of (one GCS read each) before it deletes the
+dead ones among them and goes on with the next page."""
 
 _ACTOR_ID = re.compile(rb"[0-9a-f]{32}")
 """A Ray actor id as ``record_key`` writes it (16 bytes, lower-case hex)."""
@@ -92,33 +92,45 @@ def actor_state(actor_id: str) -> str:
     return str(state.actors(actor_id).get("State", ""))
 
 
-def prune_dead(store: KeyValues | None = None, state_of: Callable[[str], str] | None = None) -> list[str]:
+def prune_dead(store: KeyValues | None = None, state_of: Callable[[str], str] | None = None,
+               page_size: int = PRUNE_PAGE) -> list[str]:
     """Delete the records of gateway actors Ray lists DEAD (dead for good: no restart of theirs
     will read it); returns their ids. A record stays whose actor is alive or restarting, that
     Ray has no record of (unknown is not dead: another cluster's actor, or an entry evicted),
     whose state could not be read (logged), or whose key is no ``gateway_served/<actor id>``
-    (not ours to judge). Blocking: one GCS list, then one read per record, at most
-    ``MAX_PRUNE_CHECKS`` of them (``state_of``: None for ``actor_state``). Raises the store's
-    error (the list or a delete)."""
+    (not ours to judge). Blocking: one GCS list, then every record, ``page_size`` at a time: one
+    read each (``state_of``: None for ``actor_state``), then the page's dead ones deleted.
+    Raises the store's error (the list or a delete: the pages before it stay pruned).
+
+    Regression (s40): only the first 1024 records listed were looked at, so with that many
+    alive, unknown or unreadable ones listed first, a dead gateway's record behind them was
+    never pruned."""
     store = store if store is not None else GcsKeyValues()
     state_of = state_of if state_of is not None else actor_state
+    keys = store.list_keys(KEY_PREFIX)
     pruned: list[str] = []
-    for key in store.list_keys(KEY_PREFIX)[:MAX_PRUNE_CHECKS]:
-        actor_id = key[len(KEY_PREFIX):] if isinstance(key, bytes) and key.startswith(KEY_PREFIX) else b""
-        if not _ACTOR_ID.fullmatch(actor_id):
-            continue
-        try:
-            dead = state_of(actor_id.decode()) == "DEAD"
-        except Exception as exc:  # noqa: BLE001 - unknown: kept, tried again at the next start
-            log.warning("gateway record %r: its actor's state is unknown (kept): %s", key, exc)
-            continue
-        if dead:
+    for start in range(0, len(keys), page_size):
+        dead = [key for key in keys[start:start + page_size] if _is_dead(key, state_of)]
+        for key in dead:
             store.delete(key)
-            pruned.append(actor_id.decode())
+            pruned.append(key[len(KEY_PREFIX):].decode())
     if pruned:
         log.info("deleted the served-address records of %d gateways Ray lists dead: %s", len(pruned),
                  ", ".join(pruned[:10]))
     return pruned
+
+
+def _is_dead(key: bytes, state_of: Callable[[str], str]) -> bool:
+    """Whether ``key`` is a ``gateway_served/<actor id>`` record whose actor Ray lists DEAD
+    (a state that cannot be read is unknown: False, logged)."""
+    actor_id = key[len(KEY_PREFIX):] if isinstance(key, bytes) and key.startswith(KEY_PREFIX) else b""
+    if not _ACTOR_ID.fullmatch(actor_id):
+        return False
+    try:
+        return state_of(actor_id.decode()) == "DEAD"
+    except Exception as exc:  # noqa: BLE001 - unknown: kept, tried again at the next start
+        log.warning("gateway record %r: its actor's state is unknown (kept): %s", key, exc)
+        return False
 
 
 class ServedRecord:

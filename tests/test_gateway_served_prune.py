@@ -73,3 +73,48 @@ def test_a_gateway_start_prunes_the_records_of_gateways_ray_lists_dead(
     asyncio.run(go())
     own = gateway_served.record_key(GATEWAY_ID)
     assert sorted(store) == sorted([*kept, own]), sorted(store)
+
+
+def test_every_record_is_looked_at_past_the_first_page() -> None:
+    """1,500 records, the first 1,100 of live gateways: the 400 behind them whose actors Ray
+    lists DEAD are pruned too, and each record's state is read once. Regression
+    (s40): only the first 1,024 records listed were looked at: the dead ones behind the live
+    ones stayed for good."""
+    from tests.gateway_harness import ClusterKeyValues
+
+    store = ClusterKeyValues()
+    states = {f"{i:032x}": "ALIVE" if i < 1100 else "DEAD" for i in range(1500)}
+    for actor_id in states:
+        store.put(gateway_served.record_key(actor_id), b"{}")
+    read: list[str] = []
+
+    def state_of(actor_id: str) -> str:
+        read.append(actor_id)
+        return states[actor_id]
+
+    pruned = gateway_served.prune_dead(store, state_of)
+    assert sorted(pruned) == sorted(i for i, s in states.items() if s == "DEAD")
+    assert sorted(store) == sorted(gateway_served.record_key(i) for i, s in states.items() if s == "ALIVE")
+    assert sorted(read) == sorted(states)
+
+
+def test_pages_smaller_than_the_records_keep_the_same_rules() -> None:
+    """``page_size`` 2 over the rules' cases (dead, alive, restarting, unknown, unreadable, not
+    an actor id), the dead ones on either side of a page's end: only they go."""
+    from tests.gateway_harness import ClusterKeyValues
+
+    store = ClusterKeyValues()
+    order = ["a" * 32, "b" * 32, "c" * 32, "f" * 32, "d" * 32, "e" * 32, "0" * 32]
+    states = {**STATES, "f" * 32: "DEAD", "0" * 32: "DEAD"}
+    for actor_id in order:
+        store.put(gateway_served.record_key(actor_id), b"{}")
+    store.put(b"gateway_served/not-an-actor-id", b"{}")
+
+    def state_of(actor_id: str) -> str:
+        if actor_id not in states:
+            raise RuntimeError("the GCS did not answer")
+        return states[actor_id]
+
+    assert gateway_served.prune_dead(store, state_of, page_size=2) == ["a" * 32, "f" * 32, "0" * 32]
+    assert sorted(store) == sorted([*(gateway_served.record_key(i) for i in ("b" * 32, "c" * 32, "d" * 32, "e" * 32)),
+                                    b"gateway_served/not-an-actor-id"])
