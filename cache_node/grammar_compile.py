@@ -227,13 +227,14 @@ def serve(ref: weakref.ref[Grammars], queue: FairCompileQueue[_Job], processes: 
 
 def stop(lock: threading.Lock, queue: FairCompileQueue[_Job], processes: list[CompilerProcess | None],
          threads: list[threading.Thread]) -> None:
-    """``Grammars.close``: fail the queued compiles, kill the running ones, reap every process."""
+    """``Grammars.close``: fail the queued compiles, kill the running ones and those being
+    started, reap every process (each compile thread its own, joined within ``STOP_TIMEOUT_S``)."""
     with lock:  # ``compile`` adds a tenant's future to a job under it, and joins none once closed
         futures = [f for job in queue.close() for f in job.futures.values()]
     settle(futures, error=GrammarUnavailable(SHUTTING_DOWN))
-    for process in processes:
+    for process in processes:  # (one ``Grammars._process`` makes after this closes itself)
         if process is not None:
-            process.signal_kill()
+            process.close()
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for thread in threads:
         if thread is not threading.current_thread():

@@ -38,6 +38,7 @@ import logging
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -118,8 +119,99 @@ def _forward_stderr(pipe: Any, pid: int, what: str = "grammar compiler", logger:
             pass
 
 
+class Child:
+    """A child process ``start_child`` started (the grammar compiler's, the chat renderer's): its
+    pipes (``stdin``, ``stdout``), ``pid``, and the one way it is signalled and reaped, so that no
+    signal of the node's reaches another process that got its pid.
+
+    Once a child is reaped its pid is free, and a SIGKILL by pid from another thread (the node's
+    shutdown: ``CompilerProcess.close``, ``RenderProcess.close``) could reach whatever process the
+    kernel gives that pid next. ``kill`` signals through a pidfd (``os.pidfd_open``, Linux 5.3+),
+    which names this process and no other whatever becomes of its pid (even had something else
+    in the node reaped it); where there is none, by pid under ``_lock``, which every reap here
+    holds (``poll``, ``wait``: never ``Popen``'s own, unlocked), and only while it is not reaped.
+    After ``reap`` (which closes the pidfd under that lock) ``kill`` does nothing.
+
+    Regression (s39): ``close`` called ``Popen.kill`` from its thread while the using thread
+    reaped the child in ``Popen.wait``; ``Popen.send_signal`` skips a reaped child only when it
+    can take the ``Popen``'s wait lock, which the waiting thread holds from its ``waitpid``'s
+    return to its ``returncode``: a SIGKILL by pid in that window went to a pid already free."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self.stdin = proc.stdin
+        self.stdout = proc.stdout
+        self._lock = threading.Lock()
+        self._pidfd = _pidfd_open(proc.pid)  # (the child cannot be reaped yet: only ``poll`` reaps it)
+        self._reaped = False  # ``reap`` ran: never signalled again
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once ``poll`` or ``wait`` saw it end (negative: the signal), else None."""
+        return self._proc.returncode
+
+    def poll(self) -> int | None:
+        """Its exit status, reaping it if it ended (under ``_lock``); None while it runs."""
+        with self._lock:
+            return self._proc.poll()
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """Its exit status once it ended (reaped), waiting ``timeout_s`` seconds at most (None:
+        no bound); None when it still runs then."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 0.001
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, 0.02)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL it, from any thread; nothing once it was seen to end (``poll``) or reaped."""
+        with self._lock:
+            if self._reaped or self._proc.returncode is not None:
+                return
+            try:
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                else:
+                    os.kill(self.pid, signal.SIGKILL)  # not reaped: every reap of ours holds the lock
+            except ProcessLookupError:  # (reaped by another of the process's waits: the pidfd's ESRCH)
+                pass
+
+    def reap(self) -> None:
+        """SIGKILL it, wait for it, close its pipes and its pidfd: the using thread's (never while
+        another thread reads or writes the pipes)."""
+        self.kill()
+        self.wait()
+        with self._lock:
+            self._reaped = True
+            pidfd, self._pidfd = self._pidfd, None
+        if pidfd is not None:
+            os.close(pidfd)
+        for pipe in (self.stdin, self.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+def _pidfd_open(pid: int) -> int | None:
+    """A pidfd of child ``pid`` (close-on-exec), or None where the platform has none."""
+    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # ENOSYS (an older kernel), a seccomp filter, EMFILE: signalled by pid under the lock
+        return None
+
+
 def start_child(argv: tuple[str, ...], workdir: str, env: dict[str, str], what: str,
-                logger: logging.Logger = log) -> subprocess.Popen[bytes]:
+                logger: logging.Logger = log) -> Child:
     """Start a child process (the grammar compiler's, the chat renderer's: a ``what`` process)
     the one way both are started: ``subprocess`` (fork and exec: nothing of the parent's
     threads or CUDA state), ``argv`` with this process's pid appended (the child ends with it:
@@ -132,16 +224,17 @@ def start_child(argv: tuple[str, ...], workdir: str, env: dict[str, str], what: 
     Raises:
         OSError: the fork or exec failed (``subprocess.Popen``'s).
     """
-    proc = subprocess.Popen(
+    popen = subprocess.Popen(
         [*argv, str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env=env, close_fds=True, cwd=workdir,
     )
+    proc = Child(popen)
     try:
-        threading.Thread(target=_forward_stderr, args=(proc.stderr, proc.pid, what, logger),
+        threading.Thread(target=_forward_stderr, args=(popen.stderr, proc.pid, what, logger),
                          name=f"{what.replace(' ', '-')}-stderr-{proc.pid}", daemon=True).start()
         os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]
     except BaseException:
-        reap(proc)
+        proc.reap()
         raise
     return proc
 
@@ -216,7 +309,9 @@ class CompilerProcess:
         self.argv = argv
         self.start_timeout_s = start_timeout_s
         self.memory_bytes = memory_bytes
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Child | None = None
+        self.closed = False  # ``close`` ran: no child starts any more
+        self._lock = threading.Lock()  # (``close`` reads ``proc`` under it; ``start`` and ``kill`` set it)
         self.ready = False  # the running child said ``ready`` (its compiler exists)
         self.num_starts = 0
         self.workdir: str | None = None  # the child's private working directory (and TMPDIR)
@@ -240,25 +335,41 @@ class CompilerProcess:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+        proc = self.proc
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     def start(self) -> None:
         """Start the child (reaping one that ended), send its ``init`` frame and wait for its
-        ``ready``, all within ``start_timeout_s`` (raises ``CompilerDied``)."""
+        ``ready``, all within ``start_timeout_s`` (raises ``CompilerDied``). Once ``close`` ran
+        none starts (``CompilerDied``, "shutting down", ``signal`` SIGKILL: the node's doing), and
+        a child spawned as ``close`` ran is killed at once, as is one ``close`` meets while it
+        waits for the ``ready`` (this thread then reaps it).
+
+        Regression (s39): ``close`` (``grammar_compile.stop``, the node's shutdown) during the
+        spawn found no child to kill, and the child ran on, importing xgrammar, until it said
+        ready (seconds), holding the shutdown in its join of the compile thread."""
         self.kill()
+        self._refuse_closed()
         self.workdir = process_temp_dir("grammar")  # 0700, ours; kill removes it
         self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # or exit, or GC
         env = child_env(os.environ)
         env["TMPDIR"] = self.workdir
-        self.proc = start_child(self.argv, self.workdir, env, "grammar compiler")
+        proc = start_child(self.argv, self.workdir, env, "grammar compiler")
+        with self._lock:
+            self.proc = proc
         self.num_starts += 1
         try:
+            self._refuse_closed()  # (a ``close`` during the spawn found no child to kill)
             deadline = _deadline(self.start_timeout_s)
             self._write(frame(["init", self._info, self.memory_bytes]), deadline)
             reply = self._reply(deadline)
         except CompileTimeout:
             self.kill()
             raise CompilerDied(f"the grammar compiler did not start within {self.start_timeout_s:g} s") from None
+        except CompilerDied:
+            self.kill()
+            self._refuse_closed()  # (``close`` killed it: say so)
+            raise
         sandbox = ready_report(reply)
         if sandbox is None:
             self.kill()
@@ -294,22 +405,35 @@ class CompilerProcess:
             raise CompilerDied("the grammar compiler replied out of protocol")
         return kind == "ok", value
 
-    def signal_kill(self) -> None:
-        """SIGKILL the child from another thread (``Grammars.close``): the thread using this
+    def close(self) -> None:
+        """From any thread (``grammar_compile.stop``: the node's shutdown): no child starts from
+        now on (``start`` refuses), and the running child, or the one being started, is
+        SIGKILLed (``Child.kill``: never another process that got its pid). The thread using this
         process then reads the end of its stdout (``CompilerDied``) and reaps it."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
+        with self._lock:
+            self.closed = True
+            proc = self.proc
+        if proc is not None:
             proc.kill()
+
+    def _refuse_closed(self) -> None:
+        """``CompilerDied`` (killed by the node: SIGKILL) once ``close`` ran, the child killed."""
+        with self._lock:
+            closed = self.closed
+        if closed:
+            self.kill()
+            raise CompilerDied("the grammar compiler was stopped: the cache node is shutting down", signal.SIGKILL)
 
     def kill(self) -> None:
         """End the child (SIGKILL) and reap it; a no-op when there is none. The using
         thread's call (its pipes are closed here)."""
-        proc, self.proc = self.proc, None
+        with self._lock:  # (``close`` reads ``proc`` under it)
+            proc, self.proc = self.proc, None
         remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
         self.ready = False
         self.sandbox = ""
         if proc is not None:
-            reap(proc)
+            proc.reap()
         if remove_workdir is not None:
             remove_workdir()
 
@@ -379,12 +503,7 @@ class CompilerProcess:
         """The child is gone (it is reaped): a ``CompilerDied`` saying how (its exit status, and
         the signal that ended it)."""
         proc = self.proc
-        code = None
-        if proc is not None:
-            try:
-                code = proc.wait(timeout=1.0)  # its stdout ended: it is ending
-            except subprocess.TimeoutExpired:
-                pass
+        code = None if proc is None else proc.wait(1.0)  # its stdout ended: it is ending
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return CompilerDied(f"the grammar compiler process ended {when} ({how})",
@@ -395,19 +514,6 @@ CHILD_ENV_NAMES = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
                              "PYTHONHOME", "OMP_NUM_THREADS"})
 """What of the node's environment a compiler process gets, with ``CHILD_ENV_PREFIXES``' names."""
 CHILD_ENV_PREFIXES = ("LC_", "XGRAMMAR_", "TVM_FFI_")
-
-
-def reap(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a child, wait for it and close its pipes (the grammar compiler's and the chat
-    renderer's ``kill``)."""
-    proc.kill()
-    proc.wait()
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            try:
-                pipe.close()
-            except OSError:
-                pass
 
 
 def write_all(fd: int, data: bytes, wait: Callable[[int, int], None], ended: Callable[[str], Exception]) -> None:

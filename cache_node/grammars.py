@@ -297,6 +297,9 @@ class Grammars:
             if process.pid is None:
                 process.start()
         except CompilerDied as exc:
+            if self._queue.closed:  # (``close`` stopped it)
+                self._finish(job, error=SHUTTING_DOWN, result="shutdown")
+                return False
             log.error("grammar compiler %d could not start: %s", slot, exc)
             self._finish(job, error=f"structured_output: this cache node's grammar compiler could not start ({exc})",
                          result="failed")
@@ -331,6 +334,8 @@ class Grammars:
         process = self.processes[slot]
         if process is None:
             process = self.processes[slot] = CompilerProcess(self._info_json, self.limits.worker_memory_bytes)
+            if self._queue.closed:  # (``stop`` closed the queue before it read ``processes``: it may have
+                process.close()  # missed this one, which then never starts)
         return process
 
     def _warm(self, slot: int) -> None:

@@ -23,8 +23,9 @@ The child is started as ``cache_node.grammar_process`` starts a grammar compiler
 thread (it ends with that thread's node: ``PR_SET_PDEATHSIG``), with the few environment
 variables of ``grammar_process.child_env`` (no credential), in a private directory (its
 ``TMPDIR`` too), its stderr a pipe the node logs (bounded), and it confines itself
-(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it; the thread using its pipes
-(a render's, a start's) reaps it and closes them, never ``close`` from another thread. The start
+(``cache_node.sandbox``) once loaded. ``close`` (the node's shutdown) kills it (``grammar_process.Child``:
+never by a pid once reaped); the thread using its pipes (a render's, a start's) reaps it and closes them,
+never ``close`` from another thread. The start
 (``grammar_process.start_child``, ``ready_report``) is the grammar compiler's own code.
 
 The gateway renders its large chats in children of this class too (``owner="gateway"``, one
@@ -43,7 +44,6 @@ import os
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -52,10 +52,10 @@ from array import array
 from typing import Any
 
 from cache_node.grammar_process import (
+    Child,
     child_env,
     read_exact,
     ready_report,
-    reap,
     start_child,
     write_all,
 )
@@ -205,7 +205,7 @@ class RenderProcess:
         except BaseException:
             self._remove_tokenizer()
             raise
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Child | None = None
         self.workdir: str | None = None
         self._remove_workdir: weakref.finalize | None = None
         self.sandbox = ""  # the running child's ``cache_node.sandbox.confine`` report
@@ -419,9 +419,8 @@ class RenderProcess:
         with self._lock:
             self.closed = True
             if self.busy:
-                proc = self.proc
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
+                if self.proc is not None:
+                    self.proc.kill()  # (``Child.kill``: never a process that got its pid once reaped)
                 return
         self.kill()
         self._remove_tokenizer()
@@ -435,7 +434,7 @@ class RenderProcess:
             remove_workdir, self._remove_workdir, self.workdir = self._remove_workdir, None, None
         self.sandbox = ""
         if proc is not None:
-            reap(proc)
+            proc.reap()
         if remove_workdir is not None:
             remove_workdir()
 
@@ -480,12 +479,7 @@ class RenderProcess:
 
     def _ended(self, when: str) -> RenderFailed:
         proc = self.proc
-        code = None
-        if proc is not None:
-            try:
-                code = proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
+        code = None if proc is None else proc.wait(1.0)
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         if code == -signal.SIGABRT and self.memory_bytes:  # (an allocation of the tokenizer's past the cap)
