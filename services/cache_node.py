@@ -161,6 +161,11 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
         self.session_sink: Callable[[str, list[str]], Any] | None = None
         self.session_ttl_s = session_ttl_s
         self._streams: dict[str, _Stream] = {}
+        # taken by every change of ``_streams`` (the event loops' opens, aborts and consumers,
+        # the step thread's last outputs and errors), so a compare-and-pop (``Streams._claim``)
+        # is one step: a stream of the same id opened between its check and its pop is never
+        # the one popped
+        self._streams_lock = threading.Lock()
         self._drains: dict[str, asyncio.Event] = {}  # drain id -> set to cancel it (``Admin.cancel_drain``)
         self.security = security
         self._pusher = data_plane.PushSockets(secure_push(security, "gateway"))  # the step thread's

@@ -121,29 +121,32 @@ class Admin:
         """
         if not math.isfinite(timeout_s) or timeout_s < 0:
             raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s}")
-        ids = list(self._streams)
+        streams = list(self._streams.values())  # these streams, not later ones of their ids
+
+        def running() -> list[Any]:
+            return [s for s in streams if self._streams.get(s.request.request_id) is s]
+
         deadline = time.monotonic() + timeout_s
         cancelled = self._drains.setdefault(drain_id, asyncio.Event()) if drain_id else asyncio.Event()
         try:
-            while (any(rid in self._streams for rid in ids) and time.monotonic() < deadline
-                   and not cancelled.is_set()):
+            while running() and time.monotonic() < deadline and not cancelled.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(cancelled.wait(), min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
         finally:
             if drain_id:
                 self._drains.pop(drain_id, None)
-        left = [rid for rid in ids if rid in self._streams]
+        left = running()
         if not left or cancelled.is_set():
             return 0
         def abort_left() -> int:
             ended = 0
-            for rid in left:
-                if self.engine.abort_request(rid):
-                    ended += 1
-                elif rid in self._streams:  # reached the node, not started: it never will
-                    self._end_stream(rid, "UNAVAILABLE", f"cache node {self.node_id} was drained before "
-                                     "the request started; retry")
-                    ended += 1
+            for stream in left:
+                rid = stream.request.request_id
+                if self._engine_streams.get(rid) is stream and self.engine.abort_request(rid):
+                    ended += 1  # the engine's request of this stream (its ``finished``/abort follows)
+                elif self._end_stream(stream, "UNAVAILABLE", f"cache node {self.node_id} was drained "
+                                      "before the request started; retry"):
+                    ended += 1  # reached the node, not started: it never will
             return ended
 
         return await self._between_steps(abort_left)

@@ -16,10 +16,13 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services import data_plane
 from tenants.model import own_namespace
+
+if TYPE_CHECKING:
+    from services.cache_node_streams import _Stream
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +150,18 @@ class Commands:
         messages both leave it out, as a turn aborted a step earlier. Regression (hangs review
         N1): the engine's history kept that turn and the node's kept messages did not.
         """
-        stream = self._streams.pop(request_id, None)
+        stream = self._claim_id(request_id)
         if stream is None:
             self._refuse_on_arrival(request_id, "CANCELLED", "the request was cancelled before it reached the node")
             return False
-        self._aborts.append((request_id, stream))  # for the step thread (a no-op if it never started)
-        self._wake.set()
+        self._queue_abort(stream)
         return True
+
+    def _queue_abort(self, stream: _Stream) -> None:
+        """``stream`` was claimed (``Streams._claim``) by an abort: its request is aborted on
+        the step thread at its next turn (``_run_aborts``; a no-op if it never started)."""
+        self._aborts.append((stream.request.request_id, stream))
+        self._wake.set()
 
     def _run_aborts(self) -> None:
         """Step thread: abort in the engine the request of each stream an abort claimed
@@ -215,9 +223,8 @@ class Commands:
         specs it had used to any tenant timing a request. A tenant whose spec names
         a shared ``cache_namespace`` never hashed a block under its own namespace: the shared
         namespace's blocks are the other tenants' too and stay. Returns the streams ended."""
-        ids = [rid for rid, stream in list(self._streams.items()) if stream.request.tenant == tenant]
-        for rid in ids:
-            self._end_stream(rid, "ABORTED", "the tenant was deleted")
+        streams = [stream for stream in list(self._streams.values()) if stream.request.tenant == tenant]
+        ended = sum(self._end_stream(stream, "ABORTED", "the tenant was deleted") for stream in streams)
 
         def close_sessions() -> int:
             ids = [sid for sid, sess in self.engine.sessions.sessions.items() if sess.tenant == tenant]
@@ -228,9 +235,9 @@ class Commands:
 
         self._admin.append((close_sessions, concurrent.futures.Future()))
         self._wake.set()
-        if ids:
-            log.warning("cache node %s: ended %d requests of deleted tenant %s", self.node_id, len(ids), tenant)
-        return len(ids)
+        if ended:
+            log.warning("cache node %s: ended %d requests of deleted tenant %s", self.node_id, ended, tenant)
+        return ended
 
     def _drop_own_namespace(self, tenant: str) -> None:
         """Step thread, between steps: drop ``tenant``'s own namespace's cached KV here, then
@@ -253,9 +260,11 @@ class Commands:
         log.info("cache node %s: dropped %s cached blocks and %d grammars of deleted tenant %s", self.node_id, dropped,
                  grammars, tenant)
 
-    def _end_stream(self, request_id: str, code: str, message: str) -> None:
-        """Abort ``request_id`` (its blocks are freed at the next step boundary) and send its
-        stream its last event, an error ``code``.
+    def _end_stream(self, stream: _Stream, code: str, message: str) -> bool:
+        """Abort ``stream``'s request (its blocks are freed at the next step boundary) and send
+        the stream its last event, an error ``code``; False (nothing done) when another claimed
+        the stream first (``Streams._claim``: its last output, an abort), whatever stream of
+        its id opened since.
 
         The stream is claimed (taken out of ``_streams``) and its abort queued before the
         event is sent: a local consumer (``generate``) that sees its last event takes the
@@ -264,16 +273,15 @@ class Commands:
         the consumer's loop ran first, ``abort`` found no stream, and the request of a deleted
         tenant (or of a drained node, a closed session) computed on to its ``max_tokens``,
         its blocks cached, the tenant's purge put off until then."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        self._aborts.append((request_id, stream))  # for the step thread (a no-op if it never started)
-        self._wake.set()
+        if not self._claim(stream):
+            return False
+        self._queue_abort(stream)
         event = {"type": "error", "code": code, "message": message}
         if stream.subscriber:
-            self._outbox.append((stream.subscriber, request_id, event))
+            self._outbox.append((stream.subscriber, stream.request.request_id, event))
         elif stream.loop is not None and stream.deliver is not None:
             stream.loop.call_soon_threadsafe(stream.deliver, event)
+        return True
 
     def _end_pending_turns(self, session_id: str, tenant: str, before: str = "",
                            why: str = "the session was closed") -> int:
@@ -282,13 +290,13 @@ class Commands:
         request id) only those that reached it before that request; returns how many."""
         arrived = list(self._streams)  # (a C copy) in the order the streams opened
         earlier = set(arrived[: arrived.index(before)]) if before in arrived else None
-        ids = {s.request.request_id: None for s in [*self._incoming, *list(self._rendering)]  # (C copies)
-               if s.request.session_id == session_id and s.request.tenant == tenant
-               and self._streams.get(s.request.request_id) is s  # one a stream (in both for a moment)
-               and (not before or (earlier is not None and s.request.request_id in earlier))}
-        for rid in ids:
-            self._end_stream(rid, "ABORTED", why)
-        return len(ids)
+        pending = {s.request.request_id: s for s in [*self._incoming, *list(self._rendering)]  # (C copies)
+                   if s.request.session_id == session_id and s.request.tenant == tenant
+                   and self._streams.get(s.request.request_id) is s  # one a stream (in both for a moment)
+                   and (not before or (earlier is not None and s.request.request_id in earlier))}
+        for stream in pending.values():  # each that stream alone (another of its id may open meanwhile)
+            self._end_stream(stream, "ABORTED", why)
+        return len(pending)
 
     def _close_session(self, session_id: str, before: str = "", why: str = "the session was closed") -> int:
         """Step thread, between steps: close a session. A turn running in it ends first with
@@ -307,7 +315,9 @@ class Commands:
         if turn is not None:
             seq = self.engine.requests.get(turn)
             tokens = seq.num_tokens if seq is not None else 0
-            self._end_stream(turn, "ABORTED", why)
+            stream = self._engine_streams.get(turn)  # the turn's own (not a later request's of its id)
+            if stream is not None:
+                self._end_stream(stream, "ABORTED", why)
             self.engine.abort_request(turn)
         return max(tokens, self.engine.close_session(session_id))
 
@@ -315,11 +325,13 @@ class Commands:
         """The gateway whose event inbox is ``subscriber`` is gone: abort every stream whose
         events went to it (their blocks are freed at the next step boundary) and close the
         step thread's socket to it. Returns how many streams were aborted."""
-        ids = [rid for rid, stream in list(self._streams.items()) if stream.subscriber == subscriber]
-        for rid in ids:
-            self.abort(rid)
+        aborted = 0
+        for stream in [stream for stream in list(self._streams.values()) if stream.subscriber == subscriber]:
+            if self._claim(stream):  # (one whose last output claimed it meanwhile has ended)
+                self._queue_abort(stream)
+                aborted += 1
         self._gone_subscribers.append(subscriber)
         self._wake.set()
-        if ids:
-            log.warning("cache node %s: aborted %d streams of gone gateway %s", self.node_id, len(ids), subscriber)
-        return len(ids)
+        if aborted:
+            log.warning("cache node %s: aborted %d streams of gone gateway %s", self.node_id, aborted, subscriber)
+        return aborted

@@ -170,15 +170,47 @@ class Streams:
     """The stream part of ``CacheNode``: opening streams and delivering their events."""
 
     # ---- streaming generation -------------------------------------------------------------
-    def _open(self, stream: _Stream) -> None:
+    def _open(self, stream: _Stream) -> _Stream | None:
         """Register a stream and hand it to the step thread, which queues its request in the
         engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
-        PERMISSION_DENIED) arrives as an error event on the stream."""
-        self._streams[stream.request.request_id] = stream
+        PERMISSION_DENIED) arrives as an error event on the stream. Returns None, or, when a
+        stream of its request id is open already, that stream (``stream`` is not opened: the
+        check and the registering are one step under ``_streams_lock``)."""
+        with self._streams_lock:
+            running = self._streams.get(stream.request.request_id)
+            if running is not None:
+                return running
+            self._streams[stream.request.request_id] = stream
         if stream.request.messages and self.templater is not None and self._queue_render(stream):
-            return
+            return None
         self._incoming.append(stream)
         self._wake.set()
+        return None
+
+    def _claim(self, stream: _Stream) -> bool:
+        """Take ``stream`` out of ``_streams`` if it is still there: the claim on its request's
+        end, which exactly one gets of its last output (``_deliver_step``), an abort
+        (``Commands.abort``, ``_end_stream``), an error event (``_dispatch``, ``_deliver``)
+        and its in-process consumer leaving (``generate``). False: another claimed it first,
+        whatever stream of its id opened since (that one stays).
+
+        The check and the pop are one step under ``_streams_lock``. Regression (s40): they
+        were two, on different threads: an abort and a new request of the same id landing
+        between them (on the event loop) had the step thread pop the new stream as the old
+        request's last output was handed over: the new stream got the old request's
+        ``finished`` and its own request never started."""
+        request_id = stream.request.request_id
+        with self._streams_lock:
+            if self._streams.get(request_id) is not stream:
+                return False
+            del self._streams[request_id]
+            return True
+
+    def _claim_id(self, request_id: str) -> _Stream | None:
+        """The stream open under ``request_id``, taken out of ``_streams`` (``_claim``); None
+        when none is."""
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
 
     def _queue_render(self, stream: _Stream) -> bool:
         """Queue a chat request for the renderer thread (``_render_next``), which hands it to
@@ -306,25 +338,33 @@ class Streams:
 
     async def generate(self, req: NodeRequest) -> AsyncIterator[Event]:
         """Run one request; yields event dicts (see services.node_request). Closing the
-        generator before its last event aborts the request."""
+        generator before its last event aborts the request (at the next step boundary, on the
+        step thread). A request whose id a request open here runs under already gets one
+        error event, ALREADY_EXISTS, and that request is not touched.
+
+        Regression (s40): a second ``generate`` of a running id replaced the first's stream
+        (the first got no more events: its caller waited for ever), and closing a generator
+        aborted whatever request the engine held under its id, from the event loop: once its
+        stream was aborted and the id reused, the new request ended ``finished``/"abort"."""
         refused = self._aborted_early.pop(req.request_id, None)
         if refused is not None:  # as ``submit``'s
             yield {"type": "error", "code": refused[0], "message": refused[1]}
             return
         queue: asyncio.Queue[Event] = asyncio.Queue()
         stream = _Stream(asyncio.get_running_loop(), queue.put_nowait, req, 0)
-        self._open(stream)
-        done = False
+        if self._open(stream) is not None:
+            yield {"type": "error", "code": "ALREADY_EXISTS", "message": "a request with this id is running already"}
+            return
         try:
-            while not done:
+            while True:
                 event = await queue.get()
-                done = event["type"] in ("finished", "error")
                 yield event
-        finally:
-            if self._streams.get(req.request_id) is stream:
-                self._streams.pop(req.request_id, None)
-            if not done:
-                self.engine.abort_request(req.request_id)
+                if event["type"] in ("finished", "error"):
+                    break
+        finally:  # left before its last event (claimed it, with its end): its own request is aborted
+            if self._claim(stream):
+                self._aborts.append((req.request_id, stream))  # (``Commands._run_aborts``)
+                self._wake.set()
 
     def submit(self, req: NodeRequest, subscriber: str) -> None:
         """Start ``req``; its events go to ``subscriber`` (a gateway's event inbox address).
@@ -344,16 +384,16 @@ class Streams:
                 ``max_tokens``, unseen and unbilled.
         """
         error = self._aborted_early.pop(req.request_id, None)  # cancelled, or its session closed
-        running = self._streams.get(req.request_id) if error is None else None
-        if running is not None:
+        if error is None:
+            running = self._open(_Stream(None, None, req, 0, subscriber))
+            if running is None:
+                return
             if running.subscriber == subscriber:
                 raise ValueError(f"a repeated submit of running request {req.request_id!r}")
             error = ("ALREADY_EXISTS", "a request with this id is running already")
-        if error is not None:  # the running stream of that id is not touched
-            self._outbox.append((subscriber, req.request_id, {"type": "error", "code": error[0], "message": error[1]}))
-            self._wake.set()
-            return
-        self._open(_Stream(None, None, req, 0, subscriber))
+        # the running stream of that id is not touched
+        self._outbox.append((subscriber, req.request_id, {"type": "error", "code": error[0], "message": error[1]}))
+        self._wake.set()
 
     def _send_outbox(self) -> None:
         pushed: dict[str, list[list[Any]]] = {}  # each gateway's in their order
@@ -399,13 +439,14 @@ class Streams:
         messages that did not match the session's KV."""
         events = []
         for out in outputs:
-            stream = self._owner(out.request_id)
-            if out.finished:
+            if not out.finished:
+                stream = self._owner(out.request_id)
+            else:
                 if out.phase_s:  # it drew a token: its phases, whoever claims its stream (vLLM's histograms)
                     self.metrics.request_finished(out.phase_s, out.num_prompt_tokens, out.num_output_tokens)
-                self._engine_streams.pop(out.request_id, None)  # the engine is done with the id
-                if stream is not None:  # the claim: this or an abort
-                    stream = self._streams.pop(out.request_id, None)
+                owner = self._engine_streams.pop(out.request_id, None)  # the engine is done with the id
+                # the claim, this or an abort's, on the stream of this request alone (``_claim``)
+                stream = owner if owner is not None and self._claim(owner) else None
                 turn = self._session_turns.pop(out.request_id, None)
                 if stream is None and turn is not None:
                     self._rewind_cancelled_turn(turn, out)
@@ -439,8 +480,8 @@ class Streams:
             if not stream.subscriber:
                 batches.setdefault(stream.loop, []).append((stream, event))
                 continue
-            if event["type"] in ("finished", "error") and self._streams.get(stream.request.request_id) is stream:
-                self._streams.pop(stream.request.request_id, None)
+            if event["type"] in ("finished", "error"):
+                self._claim(stream)
             pushed.setdefault(stream.subscriber, []).append([stream.request.request_id, event])
         for subscriber, items in pushed.items():  # split to what its inbox decodes (EVENT_LIMITS)
             self._pusher.send_events(subscriber, items)
@@ -449,8 +490,8 @@ class Streams:
 
     def _deliver(self, batch: list[tuple[_Stream, Event]]) -> None:
         for stream, event in batch:
-            if event["type"] in ("finished", "error") and self._streams.get(stream.request.request_id) is stream:
-                self._streams.pop(stream.request.request_id, None)
+            if event["type"] in ("finished", "error"):
+                self._claim(stream)
             stream.deliver(event)
 
     def _events(self, out: RequestOutput, stream: _Stream) -> list[Event]:

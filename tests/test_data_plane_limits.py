@@ -212,7 +212,7 @@ class _Node(Streams, Health):
         self.config = types.SimpleNamespace(step_idle_wait_s=0.0)
         self._streams, self._session_turns, self._outbox, self._engine_streams = {}, {}, deque(), {}
         self._incoming, self._aborts, self._admin, self._health_waiters = deque(), deque(), deque(), []
-        self._wake, self._stopped = threading.Event(), False
+        self._wake, self._stopped, self._streams_lock = threading.Event(), False, threading.Lock()
         self._pusher = data_plane.PushSockets()
 
     def open_stream(self, rid: str, subscriber: str) -> None:
