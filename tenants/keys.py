@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
 import secrets
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvstrata.durable_files import write_file_atomic
 
 KEY_PREFIX = "kvs"
 SHA256_SCHEME = 0  # ``KeyHash.iterations`` of a SHA-256 (HMAC) digest
@@ -144,40 +144,6 @@ def write_private_file(path: str | Path, text: str) -> None:
         OSError: the directory cannot be written.
     """
     write_file_atomic(path, text, 0o600)
-
-
-def write_file_atomic(path: str | Path, data: str | bytes, mode: int) -> None:
-    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically and durably, with
-    permission bits ``mode`` (0600 for a secret, 0644 for a file another user's process reads,
-    such as Prometheus's targets).
-
-    The data goes to a temp file in the same directory (created 0600, then ``mode``), is
-    fsynced, and replaces ``path`` with ``os.replace``; the directory is fsynced after. A crash
-    at any point leaves either the old file whole or the new one whole (plus, at worst, a stray
-    ``.<name>.*`` temp file), never a partial one; a write that fails leaves no temp file.
-
-    Raises:
-        OSError: the directory cannot be written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if mode != 0o600:
-                os.fchmod(f.fileno(), mode)
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def read_key_file(path: str | Path) -> str | None:

@@ -108,7 +108,7 @@ def test_write_key_file_killed_mid_write_keeps_the_old_file(tmp_path: Path) -> N
             def stall(src, dst):
                 print("ready", flush=True)
                 time.sleep(60)
-            keys.os.replace = stall
+            os.replace = stall  # (kvstrata.durable_files, which keys writes through, calls it)
             keys.write_key_file({str(path)!r}, "kvs_ba9876543210_" + "B" * 43)
         """)],
         stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent, text=True,

@@ -1,6 +1,6 @@
 """Every file the product writes for a reader to find later is written atomically and durably:
 to a temp file in its directory, fsynced, renamed over its name, the directory fsynced after
-(``tenants.keys.write_file_atomic``). A crash (power loss) at any point leaves the old file or
+(``kvstrata.durable_files.write_file_atomic``). A crash (power loss) at any point leaves the old file or
 the new one whole, never an empty or cut-short one.
 
 Regression (s39): Prometheus's targets file (``services.metrics.targets``) was renamed into
@@ -68,6 +68,31 @@ def test_every_file_written_is_fsynced_renamed_into_place_and_its_directory_fsyn
     WRITERS[writer](tmp_path)
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink())
     assert files, "the writer wrote nothing"
+    assert _unsafe(calls, files) == []
+    assert not [p.name for p in files if p.name.startswith(".") or p.suffix == ".tmp"]
+
+
+def test_the_cached_model_identity_is_fsynced_renamed_into_place_and_its_directory_fsynced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model_identity`` caches its digest beside the checkpoint (``IDENTITY_FILE``), durably;
+    nothing else is left there. Regression (s40): it was written to a ``.tmp<pid>`` file and
+    renamed into place unsynced (its own temp+replace, not ``write_file_atomic``)."""
+    from cache_node.model_files import IDENTITY_FILE, model_identity
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"model_type": "llama"}')
+    (checkpoint / "model.safetensors").write_bytes(b"\0" * 64)
+    calls = _Syscalls(monkeypatch)
+    identity = model_identity(checkpoint)
+    assert identity.startswith("ckpt@")
+    assert _unsafe(calls, [checkpoint / IDENTITY_FILE]) == []
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted([IDENTITY_FILE, "config.json", "model.safetensors"])
+    assert model_identity(checkpoint) == identity
+
+
+def _unsafe(calls: _Syscalls, files: list[Path]) -> list[str]:
+    """The ``files`` not written atomically and durably, each with what was missing."""
     unsafe = []
     for path in files:
         final = str(path.resolve())
@@ -79,8 +104,7 @@ def test_every_file_written_is_fsynced_renamed_into_place_and_its_directory_fsyn
             unsafe.append(f"{path.name}: renamed into place unsynced")
         if ("fsync", str(path.parent.resolve())) not in calls.events[at + 1:]:
             unsafe.append(f"{path.name}: its directory not fsynced after the rename")
-    assert unsafe == []
-    assert not [p.name for p in files if p.name.startswith(".") or p.suffix == ".tmp"]
+    return unsafe
 
 
 def test_targets_file_is_world_readable_and_replaced_whole(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@
 in Prometheus's ``file_sd_configs`` format (a list of ``{"targets": [...], "labels": {...}}``
 groups); ``deploy/prometheus.yml`` reads it, and Prometheus rereads it when it changes.
 
-The file is written atomically and durably (``tenants.keys.write_file_atomic``: temp file,
+The file is written atomically and durably (``kvstrata.durable_files.write_file_atomic``: temp file,
 fsync, rename, directory fsync), mode 0644 so that a Prometheus of another user may read it.
 Regression (s39): it was written to a fixed ``.tmp`` name and renamed without fsync, so a crash
 (power loss) after ``up`` could leave an empty or cut-short file, a Prometheus (re)started on
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tenants.keys import write_file_atomic
+from kvstrata.durable_files import write_file_atomic
 
 TARGETS_FILE = "prometheus_targets.json"
 

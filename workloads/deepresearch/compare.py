@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tenants.keys import write_file_atomic
+from kvstrata.durable_files import write_file_atomic
 from workloads.deepresearch.findings import pct
 
 COMPARE_COLUMNS = ("tenant", "class", "scheduler", "ok/sent", "TTFT p50/p95 ms", "TTFT SLO", "floor",

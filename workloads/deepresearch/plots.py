@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from tenants.keys import write_file_atomic
+from kvstrata.durable_files import write_file_atomic
 from workloads.deepresearch.config import TenantProfile
 
 Record = Mapping[str, Any]

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tenants.keys import write_file_atomic
+from kvstrata.durable_files import write_file_atomic
 from workloads.deepresearch.config import TenantProfile, WorkloadConfig
 from workloads.deepresearch.metrics import compute_report, exit_code
 from workloads.deepresearch.plots import plot_memory, plot_throughput, plot_ttft_cdf

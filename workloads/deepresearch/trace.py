@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tenants.keys import write_file_atomic
+from kvstrata.durable_files import write_file_atomic
 from workloads.deepresearch.plan import (
     CALL_KINDS,
     AgentScript,
