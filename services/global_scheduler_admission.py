@@ -228,11 +228,23 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         for as long as it ran. A poll not answered within ``GATEWAY_POLL_S`` +
         ``GATEWAY_ANSWER_SLACK_S`` fails: regression (review 29a F3), a stopped or deadlocked
         gateway's poll never returned, so it was never counted gone and its admitted requests
-        kept their slots and queue share (and their nodes decoding them) for as long as it hung."""
+        kept their slots and queue share (and their nodes decoding them) for as long as it hung.
+
+        The gateway's methods are called with keyword arguments (here and in
+        ``_tell_counted_gone``): Ray checks a call's arguments in the caller against the
+        callee's class as this process loaded it, and when that load failed once (the
+        gateway's module would not import here: its files changed on disk under the running
+        scheduler, say) Ray keeps for the process's life a stand-in whose methods take keywords
+        only, so a positional call failed here, before it left, every time. Regression (s40
+        security hunt, a live ``kvstrata up`` while another checkout's commit landed):
+        ``TypeError: too many positional arguments`` on every poll, so the live gateway was
+        counted gone every few seconds after each attach, its requests in flight were released
+        (stopped on their nodes without an event), and the ``counted_gone`` telling it failed
+        the same way: an HTTP client of it waited with no answer for over 10 minutes."""
         failures, died = 0, False
         while subscriber not in self.gone_gateways:
             try:
-                serves = await asyncio.wait_for(handle.serves.remote(subscriber, GATEWAY_POLL_S),
+                serves = await asyncio.wait_for(handle.serves.remote(subscriber=subscriber, wait_s=GATEWAY_POLL_S),
                                                 GATEWAY_POLL_S + GATEWAY_ANSWER_SLACK_S)
                 failures = 0
             except Exception as exc:  # noqa: BLE001 - a dead, restarting or slow gateway's call fails
@@ -255,7 +267,8 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         streams of the ``released`` requests (the nodes stopped them without an event) and
         attaches again; a dead one's call fails (ignored)."""
         try:
-            await asyncio.wait_for(handle.counted_gone.remote(subscriber, released), GATEWAY_POLL_S)
+            await asyncio.wait_for(handle.counted_gone.remote(subscriber=subscriber, request_ids=released),
+                                   GATEWAY_POLL_S)
         except Exception as exc:  # noqa: BLE001 - a dead or unreachable gateway
             log.info("gateway %s not told it was counted gone: %s", subscriber, type(exc).__name__)
 

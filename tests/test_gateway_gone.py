@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -200,9 +202,9 @@ class _Told:
     def __init__(self, told: list[tuple[str, list[str]]]) -> None:
         self.told = told
 
-    def remote(self, subscriber: str, released: list[str]) -> Any:
+    def remote(self, subscriber: str, request_ids: list[str]) -> Any:
         async def record() -> bool:
-            self.told.append((subscriber, released))
+            self.told.append((subscriber, request_ids))
             return True
         return record()
 
@@ -259,6 +261,60 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
     plane.run(watch(dead, "tcp://gw-dead"))
     assert dead.answers == [True] and "tcp://gw-dead" in plane.scheduler.gone_gateways
     assert dead.told == []
+
+
+class _StandInMethod:
+    """A method of a Ray actor handle in a process that could not load the actor's class: Ray
+    checks a call's arguments in the caller (``ActorMethod._remote``: ``signature.flatten_args``)
+    against the stand-in class it then keeps (``FunctionActorManager._create_fake_actor_class``)
+    before the call leaves; a call that passes reaches the real gateway, whose method
+    (``RayGateway``'s) must take those arguments too, and answers with ``answer``."""
+
+    def __init__(self, name: str, answer: Any) -> None:
+        from ray._common import signature
+        from ray._private.function_manager import FunctionActorManager
+
+        from services.gateway_server import RayGateway
+
+        stand_in = FunctionActorManager._create_fake_actor_class(None, "RayGateway", [name], "import failed")
+        self.flatten = signature.flatten_args
+        self.stand_in = signature.extract_signature(getattr(stand_in, name), ignore_first=True)
+        self.real = inspect.signature(getattr(RayGateway, name))
+        self.answer = answer
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        self.flatten(self.stand_in, args, kwargs)  # TypeError, as Ray's, before the call leaves
+        bound = self.real.bind(None, *args, **kwargs)  # (None: self)
+        return self.answer(*list(bound.arguments.values())[1:])
+
+
+def test_the_watch_reaches_a_gateway_whose_class_this_process_could_not_load(plane: Plane) -> None:
+    """Regression (s40 security hunt, a live ``kvstrata up``): the scheduler's process had
+    failed once to import the gateway's module (its files changed on disk under it), so Ray
+    checked each call on the gateway's handle against a stand-in whose methods take keywords
+    only: every positional ``serves`` poll failed in the scheduler (``TypeError: too many
+    positional arguments``), the live gateway was counted gone a few seconds after each attach
+    with its requests in flight released, and the ``counted_gone`` telling it failed the same
+    way, so their clients waited with no answer (one HTTP call over 10 minutes). The watch
+    calls with keywords: its polls reach the gateway, which stays until its own "no"."""
+    answers = [True, True, False]
+    told: list[tuple[str, list[str]]] = []
+
+    async def serves(subscriber: str, wait_s: float) -> bool:
+        return answers.pop(0)
+
+    async def counted_gone(subscriber: str, request_ids: list[str]) -> bool:
+        told.append((subscriber, request_ids))
+        return True
+
+    handle = SimpleNamespace(serves=_StandInMethod("serves", serves),
+                             counted_gone=_StandInMethod("counted_gone", counted_gone))
+    plane.run(asyncio.wait_for(plane.scheduler._watch_gateway(handle, "tcp://gw-stand-in"), 30))
+    assert answers == []  # every poll reached the gateway (before: none did)
+    assert "tcp://gw-stand-in" in plane.scheduler.gone_gateways  # at its own "no" only
+    # and a tell reaches it (``_tell_counted_gone``, after polls that failed)
+    plane.run(plane.scheduler._tell_counted_gone(handle, "tcp://gw-stand-in", ["t/x"]))
+    assert told == [("tcp://gw-stand-in", ["t/x"])]
 
 
 def test_a_gone_inbox_in_use_again_keeps_its_socket(plane: Plane) -> None:
