@@ -118,6 +118,7 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self.prefixes = CompressedPrefixCache(self.pool, self.kv_manager)
         self.scheduler.prefixes = self.prefixes
         self.requests: dict[str, Sequence] = {}
+        self._generating = False  # a ``generate`` call steps this engine (one at a time)
         self._lock = threading.RLock()
         self.tiers = TierManager(self.pool, self.kv_manager, tier_config or TierConfig(), spill, self._lock)
         if self.tiers.enabled:  # preemption may swap a victim's blocks down instead of dropping them
@@ -514,15 +515,41 @@ class LLMEngine(EngineSessionsMixin, EngineReclaimMixin, EngineRecoveryMixin, En
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
         **kw: Any,
     ) -> list[RequestOutput]:
-        """Run prompts to completion as one continuous batch; final outputs in prompt order."""
+        """Run prompts to completion as one continuous batch, stepping this engine on the
+        calling thread; final outputs in prompt order. Requests added otherwise run along and
+        their outputs are dropped (``step`` is theirs to call). When it raises (a prompt refused
+        after others were added, a failed step, an interrupt), its requests not finished are
+        aborted: none runs on unseen.
+
+        Raises:
+            RuntimeError: another ``generate`` steps this engine (the two would take each
+                other's outputs: one waited for ever for an output the other dropped).
+            InvalidRequestError: a prompt or its params are refused (``add_request``).
+
+        Regression (s40): each step's finished outputs were all taken as this call's, so one of
+        another request (a concurrent call's, or one a failed call left running) ended the call
+        early with a KeyError, and a failed call's requests ran on in the engine."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, **kw) for p, sp in zip(prompts, plist)]
+        with self._lock:
+            if self._generating:
+                raise RuntimeError("another generate call steps this engine: one at a time")
+            self._generating = True
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        try:
+            for prompt, sp in zip(prompts, plist):
+                ids.append(self.add_request(prompt, sp, **kw))
+            mine = set(ids)
+            while len(final) < len(ids):
+                final.update((out.request_id, out) for out in self.step() if out.finished and out.request_id in mine)
+            return [final[i] for i in ids]
+        except BaseException:
+            for rid in ids:
+                if rid not in final:
+                    self.abort_request(rid)
+            raise
+        finally:
+            self._generating = False
 
 
 def _nothing() -> None:
