@@ -141,3 +141,33 @@ def test_an_expiry_while_no_scheduler_lives_is_told_once_one_is_back_less_sessio
         node.shutdown()
         if scheduler is not None:
             ray.kill(scheduler, no_restart=True)
+
+
+def test_a_tell_reaches_a_scheduler_ray_restarted_and_one_it_refuses_is_dropped(
+        tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """``PeerOutbox`` against a real scheduler: killed with a restart to come (Ray restarts it,
+    its memory new), a ``record_metrics_port`` told as it goes down is applied by the restarted
+    actor, whether Ray queued the call for it or failed it (sent again); a call the scheduler
+    raises on (``sessions_ended`` with an int for its list) is dropped at once, not sent for
+    ever."""
+    from services.actor_refs import NamedPeer
+    from services.peer_outbox import PeerOutbox
+
+    name = f"sched-restart-{tmp_path.name}"[-60:]
+    scheduler = GlobalSchedulerActor.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=1).remote(
+        str(tmp_path / "state"), {"n0": 1})
+    ray.get(scheduler.stats.remote(), timeout=60)
+    outbox = PeerOutbox(NamedPeer(ActorRef(name, NAMESPACE), relookup_s=0.0), retry_s=0.2)
+    try:
+        outbox.tell("sessions_ended", "n0", 5)
+        assert outbox.flush(30.0) and outbox.counters["refused_calls"] == 1
+        ray.kill(scheduler, no_restart=False)
+        outbox.tell("record_metrics_port", "n0", 9100)
+        assert outbox.flush(60.0), outbox.counters
+        assert ray.get(scheduler.metrics_port_of.remote("n0"), timeout=30) == 9100
+        from ray._private import state  # (no public API reads an actor's restart count)
+
+        assert state.actors(scheduler._actor_id.hex())["NumRestarts"] == 1
+    finally:
+        outbox.close()
+        ray.kill(scheduler, no_restart=True)
