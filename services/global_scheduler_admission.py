@@ -45,6 +45,12 @@ GATEWAY_POLL_FAILURES = 3
 GATEWAY_RETRY_S = 1.0
 """Wait before polling again after a failed poll."""
 
+GATEWAY_TELL_TRIES = 60
+"""Tries of telling a gateway counted gone which of its requests were released
+(``_tell_counted_gone``), ``GATEWAY_RETRY_S`` apart, each bounded by ``GATEWAY_POLL_S``: about
+6 minutes in all for a gateway whose loop stalls (a stop, a pause) past its watch's polls.
+A gateway Ray reports dead is not tried again."""
+
 GATEWAY_ANSWER_SLACK_S = 5.0
 """How much later than its ``GATEWAY_POLL_S`` long poll a gateway's answer may come before the
 poll counts as failed (``_watch_gateway``)."""
@@ -258,19 +264,36 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
                 serves = False
             if not serves:
                 released = self.gateway_gone(subscriber)
-                if failures and not died:  # it may still run: tell it (a dead one's call fails)
-                    await self._tell_counted_gone(handle, subscriber, released)
+                if failures and not died:  # it may still run: tell it (a dead one's call fails),
+                    # on a task of its own, so a re-attach meanwhile starts its new watch at once
+                    tell = asyncio.get_running_loop().create_task(self._tell_counted_gone(handle, subscriber, released))
+                    self._tells.add(tell)  # held until done (the loop keeps weak references)
+                    tell.add_done_callback(self._tells.discard)
 
     @staticmethod
     async def _tell_counted_gone(handle: Any, subscriber: str, released: list[str]) -> None:
         """``handle.counted_gone(subscriber, released)``: a gateway that still runs ends the
         streams of the ``released`` requests (the nodes stopped them without an event) and
-        attaches again; a dead one's call fails (ignored)."""
-        try:
-            await asyncio.wait_for(handle.counted_gone.remote(subscriber=subscriber, request_ids=released),
-                                   GATEWAY_POLL_S)
-        except Exception as exc:  # noqa: BLE001 - a dead or unreachable gateway
-            log.info("gateway %s not told it was counted gone: %s", subscriber, type(exc).__name__)
+        attaches again; a dead one's call fails (ignored). A failed call is tried again,
+        ``GATEWAY_RETRY_S`` apart, ``GATEWAY_TELL_TRIES`` times in all, until Ray reports the
+        gateway dead.
+
+        Regression (s40 security hunt): one try, bounded by ``GATEWAY_POLL_S``: a gateway whose
+        watch failed because its loop stalled (past ``GATEWAY_POLL_FAILURES`` polls) and that
+        had not resumed within that try was never told, so the streams of its released
+        requests, which no event would end any more, waited for ever once it ran again."""
+        for attempt in range(1, GATEWAY_TELL_TRIES + 1):
+            try:
+                await asyncio.wait_for(handle.counted_gone.remote(subscriber=subscriber, request_ids=released),
+                                       GATEWAY_POLL_S)
+                return
+            except Exception as exc:  # noqa: BLE001 - a dead, stalled or unreachable gateway
+                if actor_died(exc) or attempt == GATEWAY_TELL_TRIES:
+                    (log.info if actor_died(exc) else log.warning)(
+                        "gateway %s not told it was counted gone (%d tries): %s", subscriber, attempt,
+                        type(exc).__name__)
+                    return
+            await asyncio.sleep(GATEWAY_RETRY_S)
 
     async def authenticate(self, api_key: str, allow_pbkdf2: bool = True) -> Tenant | None:
         """``GlobalScheduler.authenticate`` in a worker thread (an earlier version's PBKDF2

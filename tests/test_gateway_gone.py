@@ -199,25 +199,38 @@ def test_a_live_gateway_counted_gone_attaches_again_and_its_requests_run(plane: 
 
 
 class _Told:
-    def __init__(self, told: list[tuple[str, list[str]]]) -> None:
-        self.told = told
+    """``counted_gone`` of a gateway whose first ``fail`` calls fail (its loop still stalled)."""
+
+    def __init__(self, told: list[tuple[str, list[str]]], fail: int = 0) -> None:
+        self.told, self.fail = told, fail
 
     def remote(self, subscriber: str, request_ids: list[str]) -> Any:
         async def record() -> bool:
+            if self.fail:
+                self.fail -= 1
+                raise TimeoutError
             self.told.append((subscriber, request_ids))
             return True
         return record()
+
+
+def told_all(plane: Plane) -> None:
+    """Wait for the scheduler's ``counted_gone`` tells (tasks of their own) to end."""
+    async def wait() -> None:
+        while plane.scheduler._tells:
+            await asyncio.gather(*list(plane.scheduler._tells))
+    plane.run(asyncio.wait_for(wait(), 30))
 
 
 class FlakyGateway:
     """A gateway actor handle whose ``serves.remote`` answers from a script: True/False, or an
     exception to raise."""
 
-    def __init__(self, answers: list[Any]) -> None:
+    def __init__(self, answers: list[Any], tell_fails: int = 0) -> None:
         self.answers = answers
         self.serves = self
         self.told: list[tuple[str, list[str]]] = []  # counted_gone calls
-        self.counted_gone = _Told(self.told)
+        self.counted_gone = _Told(self.told, tell_fails)
 
     def remote(self, subscriber: str, wait_s: float) -> Any:
         async def answer() -> bool:
@@ -246,6 +259,7 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
 
     down = FlakyGateway([RuntimeError("x")] * admission.GATEWAY_POLL_FAILURES + [True])
     plane.run(watch(down, "tcp://gw-down"))
+    told_all(plane)
     assert down.answers == [True] and "tcp://gw-down" in plane.scheduler.gone_gateways
     assert down.told == [("tcp://gw-down", [])]  # it may still run: told, with what was released
 
@@ -254,6 +268,7 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
     monkeypatch.setattr(admission, "GATEWAY_ANSWER_SLACK_S", 0.05)
     stopped = FlakyGateway(["silent"] * admission.GATEWAY_POLL_FAILURES + [True])
     plane.run(asyncio.wait_for(watch(stopped, "tcp://gw-stopped"), 10))
+    told_all(plane)
     assert stopped.answers == [True] and "tcp://gw-stopped" in plane.scheduler.gone_gateways
     assert len(stopped.told) == 1  # it may run again: told (within its own bound)
 
@@ -261,6 +276,32 @@ def test_the_watch_counts_a_gateway_gone_only_when_it_is(plane: Plane, monkeypat
     plane.run(watch(dead, "tcp://gw-dead"))
     assert dead.answers == [True] and "tcp://gw-dead" in plane.scheduler.gone_gateways
     assert dead.told == []
+
+
+def test_a_gateway_still_stalled_at_the_first_tell_is_told_once_it_answers(
+        plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (s40 security hunt): a gateway counted gone because its loop stalled past its
+    watch's polls was told which requests were released once, within ``GATEWAY_POLL_S``; one
+    still stalled then was never told, and the streams of its released requests (stopped on
+    their nodes without an event) waited for ever once it ran again. The tell is tried again
+    until the gateway answers (``GATEWAY_TELL_TRIES``), on a task of its own."""
+    from services import global_scheduler_admission as admission
+
+    monkeypatch.setattr(admission, "GATEWAY_RETRY_S", 0.0)
+    queue = plane.start(plane.a, "t/a0", max_tokens=600)
+    stalled = FlakyGateway([RuntimeError("stalled")] * admission.GATEWAY_POLL_FAILURES, tell_fails=2)
+    plane.run(plane.scheduler._watch_gateway(stalled, plane.a.subscriber))
+    told_all(plane)
+    assert stalled.told == [(plane.a.subscriber, ["t/a0"])]  # at its third try (before: never)
+    # what the gateway then does with it (``RayGateway.counted_gone``): the stream ends
+    assert plane.a.fail_requests(stalled.told[0][1], "stopped: send it again") == 1
+
+    async def end_event() -> dict[str, Any]:
+        while (event := await asyncio.wait_for(queue.get(), 10))["type"] == "delta":
+            pass
+        return event
+
+    assert plane.run(end_event())["code"] == "UNAVAILABLE"
 
 
 class _StandInMethod:

@@ -263,7 +263,7 @@ class GatewayHandle:
         self.serves = SimpleNamespace(remote=self._serves)
         self.counted_gone = SimpleNamespace(remote=self._counted_gone)
 
-    async def _serves(self, subscriber: str, timeout_s: float) -> bool:
+    async def _serves(self, subscriber: str, wait_s: float) -> bool:
         await asyncio.Event().wait()
         return True
 
