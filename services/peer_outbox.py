@@ -76,17 +76,12 @@ class PeerOutbox:
             if self._closed:
                 return
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"kvstrata-tell-{method}", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="kvstrata-tells", daemon=True)
                 self._thread.start()
             older = self._pending.pop(method, None)
             self._pending[method] = (merge(older[0], args) if older is not None and merge is not None else args,
                                      merge, check)
             self._cond.notify_all()
-
-    def waiting(self) -> int:
-        """Messages not yet answered (in flight included)."""
-        with self._cond:
-            return len(self._pending) + self._busy
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every message was answered or dropped; False at ``timeout_s``."""
