@@ -32,7 +32,8 @@ The gateway renders its large chats in children of this class too (``owner="gate
 per worker thread: ``services.gateway_render``), through ``render_text``: the chat template's
 text, which the gateway tokenizes itself. Every child caps its memory (``memory_bytes``,
 ``render_worker.MEMORY_BYTES``, before it loads the tokenizer): a render past it fails alone
-(``RenderTooLarge``, a ``TemplateRefusal``) and the child is killed, the next render starting
+(``RenderTooLarge``, a ``TemplateRefusal``: a ``MemoryError`` in its Python, or its abort on a
+tokenizer allocation, SIGABRT) and the child is killed, the next render starting
 a fresh one.
 """
 
@@ -278,12 +279,15 @@ class RenderProcess:
                     raise RenderFailed(f"the chat template failed on the {self.owner}: {message}")
                 if kind == "memory":  # (its heap may be in pieces: the next render gets a fresh child)
                     self.kill()
-                    raise RenderTooLarge(f"messages: {message[:200]} ({self.memory_bytes >> 20} MiB); send fewer "
-                                         "or shorter messages, or fewer tools")
+                    raise self._too_large(message)
                 raise _ERRORS[kind](message)
             return reply
         finally:
             self._release()
+
+    def _too_large(self, what: str) -> RenderTooLarge:
+        return RenderTooLarge(f"messages: {what[:200]} ({self.memory_bytes >> 20} MiB); send fewer or shorter "
+                              "messages, or fewer tools")
 
     def _checked(self, reply: list[Any], chars: int, history: list[int] | None) -> tuple[list[int], bool]:
         """An ``ok`` reply's token ids and whether it continued ``history``, checked: ids within
@@ -477,15 +481,23 @@ class RenderProcess:
             if poller.poll(min(left, 1.0) * 1000):
                 return
 
-    def _ended(self, when: str) -> RenderFailed:
+    def _ended(self, when: str) -> RenderFailed | RenderTooLarge:
+        """The child is gone (reaped here): why, as the error of the request it was serving. A
+        death by SIGABRT under a memory cap is an allocation past it (the tokenizer's Rust
+        aborts on one: "memory allocation of N bytes failed"): during a start the cap's
+        (``RenderFailed``), during a render the request's size (``RenderTooLarge``, as a
+        ``MemoryError`` in its Python is). Regression (s40): that render failed INTERNAL, "send this
+        one again" (the server's fault: retried, a fresh child each time), not as its size."""
         proc = self.proc
         code = None if proc is None else proc.wait(1.0)
         self.kill()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         if code == -signal.SIGABRT and self.memory_bytes:  # (an allocation of the tokenizer's past the cap)
-            how += f"; most likely past its memory cap of {self.memory_bytes >> 20} MiB"
-            if self._starting:
-                how += " while its tokenizer loaded (render_worker.MEMORY_BYTES)"
+            if not self._starting:
+                return self._too_large("rendering them needs more memory than the chat renderer may use (its "
+                                       "process ended: killed by signal 6)")
+            how += f"; most likely past its memory cap of {self.memory_bytes >> 20} MiB while its tokenizer loaded " \
+                   "(render_worker.MEMORY_BYTES)"
         return RenderFailed(f"the {self.owner}'s chat renderer process ended {when} ({how}); it is restarted for the "
                             "next request: send this one again")
 
