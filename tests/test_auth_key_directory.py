@@ -10,9 +10,13 @@ records every call, or over a stand-in whose directory replies are malformed.
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sqlite3
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -290,11 +294,27 @@ def test_directory_refreshes_per_s_must_be_positive() -> None:
 # The store's side: ``TenantStore.key_ids_since``.
 
 
-def test_store_key_ids_since_answers_deltas_then_everything_when_too_far_behind(tmp_path: Path) -> None:
+@pytest.fixture
+def memory_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory in memory (``/dev/shm``, where it is a writable tmpfs; else ``tmp_path``):
+    the store's commits there skip the disk's fsync (~11 ms each here, ~20 s of the 2,000-odd
+    rotations below on the shared host's disk; ~0.5 ms in memory). The store's code is the same."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="kvstrata-test-", dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_store_key_ids_since_answers_deltas_then_everything_when_too_far_behind(memory_dir: Path) -> None:
     """A caller that heard ``(epoch, version)`` gets what changed since (a rotation: the new id
     added, the old removed; an id added then removed: removed); another epoch, a version
     ahead, or one over ``KEY_LOG_LENGTH`` changes behind gets every key id."""
-    store = TenantStore(tmp_path / "t.sqlite")
+    store = TenantStore(memory_dir / "t.sqlite")
     admin_id = parse_key_id(store.ensure_admin_key() or "")
     first = store.key_ids_since("", -1)
     assert (first.full, first.added, first.removed) == (True, (admin_id,), ())
