@@ -145,6 +145,8 @@ class Child:
         self._lock = threading.Lock()
         self._pidfd = _pidfd_open(proc.pid)  # (the child cannot be reaped yet: only ``poll`` reaps it)
         self._reaped = False  # ``reap`` ran: never signalled again
+        # (a ``Child`` dropped unreaped, or at exit, leaves no descriptor open)
+        self._close_pidfd = None if self._pidfd is None else weakref.finalize(self, os.close, self._pidfd)
 
     @property
     def returncode(self) -> int | None:
@@ -189,9 +191,9 @@ class Child:
         self.wait()
         with self._lock:
             self._reaped = True
-            pidfd, self._pidfd = self._pidfd, None
-        if pidfd is not None:
-            os.close(pidfd)
+            self._pidfd = None
+        if self._close_pidfd is not None:
+            self._close_pidfd()  # (once: a finalizer runs at most once)
         for pipe in (self.stdin, self.stdout):
             if pipe is not None:
                 try:
