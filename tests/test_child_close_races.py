@@ -16,6 +16,7 @@ once its child is reaped (s39's open items 1 and 2).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -185,3 +186,34 @@ def test_a_render_child_close_never_signals_a_reaped_pid(tokenizer: Any, monkeyp
     assert len(raised) == 1 and isinstance(raised[0], RenderFailed), raised
     assert log.kills_after_reap == [], f"close() sent {log.kills_after_reap} to pid {log.child_pid} after its reap"
     assert process.proc is None
+
+
+def test_a_child_dropped_unreaped_leaves_no_descriptor_open(tmp_path) -> None:
+    """A ``Child`` killed and waited for but never reaped (``reap`` closes its pipes and pidfd),
+    then dropped: its pidfd is closed with it (a finalizer), as ``Popen`` closes its pipes.
+    Regression (a7a7181): the pidfd stayed open for the node process's life."""
+    from cache_node.grammar_process import child_env, start_child
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    child = start_child(NEVER_READY, str(tmp_path), child_env(os.environ), "test")
+    child.kill()
+    assert child.wait(10) == -signal.SIGKILL
+    del child
+    gc.collect()
+    deadline = time.monotonic() + 5  # (its stderr thread closes the stderr pipe as it ends)
+    while open_fds() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_fds() == before, f"{open_fds() - before} descriptor(s) left open: {_fd_targets()}"
+
+
+def _fd_targets() -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own)
+            pass
+    return sorted(targets)
