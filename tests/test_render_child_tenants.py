@@ -10,12 +10,15 @@ process ended ... send this one again" (the server's fault, which a client retri
 fresh child's start on the renderer every tenant shares); now INVALID_ARGUMENT naming its
 messages and the cap, as a ``MemoryError`` in the child's Python already was. The other tenant's
 chat, sent while the bomb renders, waits for it and is served on a fresh child: the same tokens
-as alone (greedy).
+as alone (greedy). Likewise a render that hangs (its child stopped) fails at the render
+timeout alone, and a chat sent meanwhile is served on a fresh child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from typing import Any
 
@@ -88,3 +91,29 @@ def test_a_chat_past_the_render_childs_memory_cap_fails_alone_as_its_size(node: 
     assert output(good) == alone, good
     assert process.num_starts == starts + 1  # (the bomb's child ended; the good chat's is fresh)
     assert not node.engine.check_integrity()
+
+
+def test_a_chat_whose_render_hangs_fails_alone_and_a_chat_sent_meanwhile_is_served(node: CacheNode) -> None:
+    """The child stops (SIGSTOP: as a render that never ends would hold it) while tenant
+    evil's chat renders, and tenant good's chat is sent meanwhile: evil's fails at the render
+    timeout (1 s here), naming it; good's waits for it and is served on a fresh child, its
+    tokens those it gets alone."""
+    process, alone = capped_child(node)
+    pid, timeout = process.pid, process.render_timeout_s
+    assert pid is not None
+
+    async def together() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        os.kill(pid, signal.SIGSTOP)
+        hung = asyncio.create_task(events(node, chat("hung", "evil", QUESTION)))
+        await asyncio.sleep(0.05)
+        good = asyncio.create_task(events(node, chat("good-with-hung", "good", QUESTION)))
+        return await hung, await good
+
+    process.render_timeout_s = 1.0
+    try:
+        hung, good = asyncio.run(together())
+    finally:
+        process.render_timeout_s = timeout
+    assert hung[-1]["type"] == "error" and "did not answer within 1 s" in hung[-1]["message"], hung[-1]
+    assert output(good) == alone, good[-1]
+    assert process.pid not in (None, pid)
