@@ -444,6 +444,7 @@ class RayGateway(Gateway):
             raise
         if self.streams is not None:
             self.streams.on_gone = self.reattach
+            self.streams.ask_admitted = self._admitted  # its streams the scheduler released end (``reconcile``)
         if self.monitor is not None:  # the scheduler Ray restarted rebuilt its state: attach to it
             self.monitor.on_scheduler_back = self._scheduler_back
         # records of gateways that died for good on their own (no down/stop deleted them): off
@@ -494,6 +495,14 @@ class RayGateway(Gateway):
                                                         "stopped the request: send it again")
         log.warning("gateway %s was counted as gone while serving: %d streams ended", self.gateway_id, ended)
         return await self.reattach()
+
+    async def _admitted(self, request_ids: list[str]) -> list[str]:
+        """The scheduler's ``admitted_from`` for this gateway's inbox (``NodeStreams.reconcile``),
+        answered within ``SCHEDULER_CALL_TIMEOUT_S`` (``ActorSilent`` past it). Called with
+        keyword arguments, as the scheduler calls the gateway (a class one process could not
+        load takes keywords only)."""
+        subscriber = self.streams.subscriber if self.streams is not None else ""
+        return await self.scheduler_calls.admitted_from.remote(subscriber=subscriber, request_ids=request_ids)
 
     async def _attach_again(self) -> bool:
         subscriber = self.streams.subscriber if self.streams is not None else ""

@@ -49,6 +49,15 @@ READ_BATCH = 256
 already there): its reading keeps up with the messages' arrival, so a flooding node's pile up
 in its own queue (``SenderTurns``, bounded), not in ZeroMQ's, ahead of other nodes' messages."""
 
+RECONCILE_S = 10.0
+"""How often ``NodeStreams`` asks the global scheduler which of its bound streams' requests it
+still counts as admitted from this gateway (``reconcile``): one it released without this gateway
+hearing of it ends UNAVAILABLE within about this (plus the query's answer), never waits for
+ever."""
+
+RECONCILE_BATCH = 4096
+"""Request ids one query of ``reconcile`` asks about (the scheduler's ``ADMITTED_QUERY_MAX``)."""
+
 REVOKED_READ_S = 2.0
 """How long the reader of a stream ended for its key (``end_revoked``) may go on without taking
 its error (stuck writing an earlier event to a client that does not read) before ``expire_idle``
@@ -171,6 +180,8 @@ class NodeStreams:
             count: the client's reads waiting unread in the socket meanwhile could not be seen.
         clock: seconds, monotonic (``time.monotonic``; tests pass their own: then no stall of
             this loop is taken off a stream's idle time, the test's clock being all there is).
+        reconcile_s: seconds between two ``reconcile`` runs (``ask_admitted`` set: the
+            gateway's scheduler query; none while it is None).
 
     Every message read is checked, values included (``data_plane.checked_event_items``,
     ``admission_reply``), and a bad one counted in ``bad_messages``: a bad event ends its own
@@ -187,7 +198,8 @@ class NodeStreams:
                  max_undelivered_bytes: int = MAX_UNDELIVERED_BYTES,
                  stream_idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
-                 max_queued_bytes_per_node: int = MAX_QUEUED_BYTES_PER_NODE) -> None:
+                 max_queued_bytes_per_node: int = MAX_QUEUED_BYTES_PER_NODE,
+                 reconcile_s: float = RECONCILE_S) -> None:
         self.security = security
         self._per_node_keys = security is not None and bool(security.node_clients)
         self._key_names = security.key_names() if security is not None else {}
@@ -215,6 +227,12 @@ class NodeStreams:
         # gateway as gone): True once this gateway is attached again, then the admission is sent
         # once more (``RayGateway`` re-attaches); None: the refusal stands
         self.on_gone: Callable[[], Awaitable[bool]] | None = None
+        # the scheduler's ``admitted_from`` for this gateway's inbox: which of the request ids
+        # given (at most ``RECONCILE_BATCH``) it counts as admitted from here (``reconcile``)
+        self.ask_admitted: Callable[[list[str]], Awaitable[Any]] | None = None
+        self.reconcile_s = reconcile_s
+        self.reconciled_ends = 0  # streams ended by ``reconcile``
+        self._reconcile_failures = 0  # ``reconcile`` runs failed in a row (logged at the first)
         self.down: dict[str, str] = {}  # node id -> why it is down (``fail_node``)
         self.on_disconnect: Callable[[str], Any] | None = None  # node id (``_connect_node``)
         self.on_scheduler_disconnect: Callable[[], Any] | None = None  # (``_connect_scheduler``)
@@ -243,7 +261,8 @@ class NodeStreams:
         loop = asyncio.get_running_loop()
         self._turns = SenderTurns(_event_items, self.max_queued_bytes_per_node)
         self._tasks = [loop.create_task(self._read_events(inbox)), loop.create_task(self._route_events()),
-                       loop.create_task(self._sweep_idle()), loop.create_task(self.loop_lag.run())]
+                       loop.create_task(self._sweep_idle()), loop.create_task(self.loop_lag.run()),
+                       loop.create_task(self._reconcile_every())]
         self._connect_scheduler(self.scheduler_address)
 
     def _connect_scheduler(self, address: str) -> None:
@@ -630,6 +649,62 @@ class NodeStreams:
                 self.expire_idle()
             except Exception:  # a callback's bug must not end the sweep
                 log.exception("gateway data plane: ending idle streams failed")
+
+    async def reconcile(self) -> list[str]:
+        """End with UNAVAILABLE each stream bound to a node (admitted), not ended, whose request
+        the scheduler no longer counts as admitted from this gateway (``ask_admitted``, asked
+        about them all, ``RECONCILE_BATCH`` ids a query); returns their request ids, counted in
+        ``reconciled_ends``. The scheduler releases a request of a live gateway only with its
+        stop on its node, no event sent (it counted the gateway gone, or rebuilt after a restart
+        without it), and tells the gateway (``RayGateway.counted_gone``) when it can; this ends
+        the ones it could not tell. A stream bound was admitted before the question left (its
+        admission's answer came first), and the gateway releases a request only once its
+        stream ended or closed, so none still running is ended here. Its ``_attempt`` aborts
+        it on its node and the client may retry (a retry hint). A stream closed, ended or
+        opened anew meanwhile is left as it is.
+
+        Raises whatever ``ask_admitted`` raises (the scheduler unreachable: nothing is ended),
+        and TypeError for an answer that is not a list of ids.
+
+        Regression (s40): nothing bounded such a stream's wait but the scheduler's tells,
+        tried for up to ~6 minutes: a gateway stalled longer, or one the scheduler could not
+        reach, kept the streams of its released requests waiting for ever (the client hung).
+        """
+        if self.ask_admitted is None:
+            return []
+        asked = {rid: entry for rid, entry in self._queues.items() if entry.node_id and not _ended(entry)}
+        ids, admitted = list(asked), set()
+        for i in range(0, len(ids), RECONCILE_BATCH):
+            answer = await self.ask_admitted(ids[i:i + RECONCILE_BATCH])
+            if not isinstance(answer, (list, tuple)):
+                raise TypeError(f"the scheduler's admitted_from answered a {type(answer).__name__}, not a list")
+            admitted.update(rid for rid in answer if isinstance(rid, str))
+        ended = []
+        for rid, entry in asked.items():
+            if rid in admitted or self._queues.get(rid) is not entry or _ended(entry):
+                continue
+            self._put(rid, entry, _unavailable(
+                f"the global scheduler no longer runs this request for this gateway (it released it, and "
+                f"stopped it on cache node {entry.node_id}, while this gateway could not be told)"))
+            ended.append(rid)
+        if ended:
+            self.reconciled_ends += len(ended)
+            log.warning("gateway data plane: %d streams whose requests the scheduler released ended UNAVAILABLE "
+                        "(reconcile)", len(ended))
+        return ended
+
+    async def _reconcile_every(self) -> None:
+        """``reconcile`` every ``reconcile_s``; a failed run is logged at the first of a row."""
+        while True:
+            await asyncio.sleep(self.reconcile_s)
+            try:
+                await self.reconcile()
+                self._reconcile_failures = 0
+            except Exception as exc:  # noqa: BLE001 - the scheduler unreachable: the next run asks again
+                self._reconcile_failures += 1
+                if self._reconcile_failures == 1:
+                    log.warning("gateway data plane: asking the scheduler which streams it still runs failed "
+                                "(tried again every %g s): %s: %.200s", self.reconcile_s, type(exc).__name__, exc)
 
     def undelivered(self) -> tuple[int, int, int]:
         """(open streams, messages and bytes they hold undelivered)."""

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 GONE_GATEWAYS_MAX = 1024
 """Event inboxes of dead gateways remembered (oldest forgotten first)."""
 
+ADMITTED_QUERY_MAX = 4096
+"""Request ids one ``admitted_from`` call may ask about (a gateway asks in batches of this)."""
+
 @dataclass(frozen=True)
 class GatewayRecord:
     """A gateway as the scheduler knows it: its gRPC ``host:port``, its event inbox, and the
@@ -150,6 +153,25 @@ class Membership:
         if ids:
             log.warning("gateway %s is gone: released its %d requests in flight", subscriber, len(ids))
         return ids
+
+    def admitted_from(self, subscriber: str, request_ids: list[str]) -> list[str]:
+        """Which of ``request_ids`` this scheduler counts as admitted from the gateway whose
+        event inbox is ``subscriber`` (in flight on their nodes for it), for the gateway's
+        periodic ``NodeStreams.reconcile``: a stream of its whose request is not among them was
+        released here (``gateway_gone``, ``reconcile_gateway``, or lost with a scheduler
+        restart) and stopped on its node without an event, so the gateway ends it UNAVAILABLE.
+        A query: nothing changes. At most ``ADMITTED_QUERY_MAX`` ids a call.
+
+        Raises:
+            ValueError: ``subscriber`` is not a str, or ``request_ids`` not a list of at most
+                ``ADMITTED_QUERY_MAX`` strs (counted in ``bad_messages``).
+        """
+        if (not isinstance(subscriber, str) or not isinstance(request_ids, (list, tuple))
+                or len(request_ids) > ADMITTED_QUERY_MAX or not all(isinstance(r, str) for r in request_ids)):
+            self.bad_messages += 1
+            raise ValueError(f"admitted_from takes an inbox (str) and at most {ADMITTED_QUERY_MAX} request ids (str)")
+        gateways = self.request_gateways
+        return [rid for rid in request_ids if gateways.get(rid) == subscriber]
 
     # ---- node membership (a gateway's ``services.node_monitor``) ----------------------------
     def node_down(self, node_id: str, reason: str) -> None:
