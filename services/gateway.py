@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from kvstrata.v1 import inference_pb2, inference_pb2_grpc
-from services import convert
+from services import client_ids, convert
 from services import scheduler_replies as replies
 from services.auth import Authenticator, bearer_key
 from services.chat import ChatTemplater
@@ -536,7 +536,8 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         ``session_scope``: another tenant's equal id, or the same id under another salt, is
         another session); returns the tokens freed. NOT_FOUND (``context.abort``) when the
         caller has none by that id and salt, INVALID_ARGUMENT for an empty id or one over
-        ``MAX_ID_CHARS``, or a salt over ``MAX_ID_CHARS``.
+        ``MAX_ID_CHARS``, or a salt over ``MAX_ID_CHARS``, or either holding a character
+        ``services.client_ids`` refuses (``<name>: holds U+...``).
 
         Regression (review s36 E1): the salt was not part of a session's id, so a close under
         any salt, or none, closed the session opened under another (and answered its size)."""
@@ -547,6 +548,10 @@ class InferenceServicer(RequestPreparation, inference_pb2_grpc.InferenceServiceS
         if len(cache_salt) > MAX_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"cache_salt is longer than {MAX_ID_CHARS} characters")
+        for name, value in (("session_id", session_id), ("cache_salt", cache_salt)):
+            why = client_ids.refusal(value)  # (no control characters: ``services.client_ids``)
+            if why is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}")
         async with self.close_slots.hold(context, tenant.tenant_id):  # (``services.tenant_call_slots``)
             return await self._close_session(context, tenant, session_id, cache_salt)
 

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from cache_node.hashing import hash_prompt_blocks
-from services import convert
+from services import client_ids, convert
 from services.chat import ChatTemplater, TemplateRefusal, covered_chars, estimate_message_tokens
 from services.chat_tools import estimate_tools_tokens, wire_messages
 from services.gateway_inputs import (
@@ -77,6 +77,9 @@ class RequestPreparation:
         for name in ("request_id", "session_id", "cache_salt", "routing_key"):
             if len(getattr(call, name)) > MAX_ID_CHARS:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is longer than {MAX_ID_CHARS} characters")
+            why = client_ids.refusal(getattr(call, name))  # (no control characters: ``services.client_ids``)
+            if why is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {why}")
         try:
             check_priority(call.priority)
         except (TypeError, ValueError) as exc:

@@ -102,7 +102,7 @@ def test_a_close_under_another_salt_or_none_leaves_the_session(served: Served) -
     s = served
     sid = "chat/2"
     turn(s, sid, FIRST, "u1")
-    for query in ("?cache_salt=u2", "", "?cache_salt=", "?cache_salt=u1%00", "?cache_salt=U1"):
+    for query in ("?cache_salt=u2", "", "?cache_salt=", "?cache_salt=U1"):  # (u1%00: 400, test_client_ids)
         status, body = delete(s, sid, query)
         assert status == 404, (query, body)
         assert body["error"]["code"] == "not_found"

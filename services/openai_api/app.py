@@ -48,6 +48,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from services import client_ids
 from services.actor_calls import ActorSilent
 from services.gateway import InferenceServicer, StreamWriter
 from services.openai_api.bodies import (
@@ -592,6 +593,7 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
         context = HttpCallContext(request)
         await edge.servicer.auth.tenant(context)
         try:
+            client_ids.check("session_id", session_id)
             salt = close_session_salt(request.query_params.multi_items())
         except ValueError as exc:
             raise field_refusal(exc) from None

@@ -25,6 +25,7 @@ from cache_node.sampling_params import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
+from services import client_ids
 from services.convert import check_policy_spec
 from services.gateway import MAX_ID_CHARS, GenerateInput
 from services.openai_api.strict import Strict, bounded_list, json_brief, json_text, same_json
@@ -91,6 +92,16 @@ class SamplingFields(StructuredFields):
     cache_salt: str = Field("", max_length=MAX_ID_CHARS)
     prompt_cache_key: str = Field("", max_length=MAX_ID_CHARS)
     priority: int = 0  # bounded by the gateway (INVALID_ARGUMENT: 400)
+
+    @field_validator("session_id", "cache_salt", "prompt_cache_key", "user")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        """The ids, salt and key a client names things by hold no control, line break or
+        bidirectional formatting character (``services.client_ids``: 400 naming the field)."""
+        why = client_ids.refusal(value) if value else None
+        if why is not None:
+            raise ValueError(why)
+        return value
 
     @field_validator("n")
     @classmethod

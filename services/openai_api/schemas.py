@@ -59,6 +59,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from cache_node.sampling_params import MAX_LOGPROBS
+from services import client_ids
 from services.chat import content_chars
 from services.chat_tools import check_arguments, check_arguments_values
 from services.convert import MAX_CHAT_MESSAGES, MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS
@@ -238,7 +239,8 @@ def close_session_salt(query: Sequence[tuple[str, str]]) -> str:
 
     Raises:
         ValueError: worded ``<name>: ...``: a parameter other than ``cache_salt``, ``cache_salt``
-            given twice or over ``MAX_ID_CHARS`` characters.
+            given twice, over ``MAX_ID_CHARS`` characters or holding a character
+            ``services.client_ids`` refuses.
     """
     salt: str | None = None
     for name, value in query:
@@ -250,5 +252,6 @@ def close_session_salt(query: Sequence[tuple[str, str]]) -> str:
             raise ValueError(f"{name}: given more than once")
         if len(value) > MAX_ID_CHARS:
             raise ValueError(f"{name}: is longer than {MAX_ID_CHARS} characters")
+        client_ids.check(name, value)
         salt = value
     return salt or ""
