@@ -64,6 +64,38 @@ def test_installed_over_rays_record_factory_in_a_fresh_process() -> None:
     assert out.stdout.split() == ["EscapedRecord", "'id", "a\\\\nb'", "True"], out.stdout
 
 
+def test_a_bidi_override_and_a_surrogate_are_escaped(captured: io.StringIO) -> None:
+    """s40: U+202E (right-to-left override) reordered the rest of its line on a terminal."""
+    logging.getLogger("services.gateway").warning("session %s closed", "a\u202eb\u2066c\ud800d\u061c")
+    assert captured.getvalue() == "session a\\u202eb\\u2066c\\ud800d\\u061c closed\n"
+
+
+def test_a_tracebacks_exception_messages_are_escaped_its_lines_kept(captured: io.StringIO) -> None:
+    """s40: an exception's message in a traceback was written raw: its newline forged a line,
+    its ESC sequence reached the terminal. Now every message of the chain (and its notes) is
+    escaped as the record's message is, the traceback's own lines unchanged."""
+    forged = "r1\nWARNING:services.auth:tenant=bob admin key accepted\x1b[2J"
+    try:
+        try:
+            raise KeyError(forged)
+        except KeyError as inner:
+            outer = ValueError(f"request {forged} could not start")
+            outer.add_note("note\x1b]0;t\x07")
+            raise outer from inner
+    except ValueError:
+        logging.getLogger("cache_node.engine").exception("request %s failed", forged)
+    text = captured.getvalue()
+    assert "\x1b" not in text and "\nWARNING:services.auth" not in text
+    lines = text.splitlines()
+    assert lines[0] == "request r1\\nWARNING:services.auth:tenant=bob admin key accepted\\x1b[2J failed"
+    assert lines[1] == "Traceback (most recent call last):"
+    assert "KeyError: 'r1\\nWARNING:services.auth:tenant=bob admin key accepted\\x1b[2J'" in lines
+    assert "The above exception was the direct cause of the following exception:" in lines
+    message = "ValueError: request r1\\nWARNING:services.auth:tenant=bob admin key accepted\\x1b[2J could not start"
+    assert lines[-2:] == [message, "note\\x1b]0;t\\x07"]
+    assert not any(line.startswith("WARNING:services.auth") for line in lines)
+
+
 def test_escape_controls_writes_them_as_repr_does() -> None:
     assert log_records.escape_controls("a\tb\x1bc\x7f") == "a\\tb\\x1bc\\x7f"
     assert log_records.escape_controls("plain ünïcode") == "plain ünïcode"
