@@ -1,0 +1,279 @@
+"""Differential fuzz on the real SmolLM2-135M: with an exact KV configuration (the full cache, no
+quantized tier) every request's greedy output equals the output of the same request run alone
+on a fresh engine with a big pool, whatever else the engine does meanwhile.
+
+A seeded random workload per example draws an engine (block size 1, 2, 4 or 16: powers of two only, a step
+budget from 7 to 512 tokens, a pool from tiny, so that preemption and LRU eviction happen, to
+big, with or without a host tier and a spill store) and runs events on it: new requests whose
+prompts are prefixes of real Wikipedia "documents" cut at and off block boundaries (so prompts
+are often prefixes of each other and hit the prefix cache at every boundary and partial block),
+in two cache namespaces (``cache_salt``); session turns that continue a session's history;
+aborts of other requests (often mid-prefill, sharing a prefix); ``demote_all`` to the host tier
+and to spill; a step whose forward pass raises after writing its KV (``_recover``). After every
+step ``check_integrity()`` must pass. Each request that finished ``length`` must have decoded
+the reference's tokens; a divergence is forgiven only where the reference's top two logprobs
+there are within ``TIE`` (a float near-tie that another batch shape may flip).
+
+``EXAMPLES`` examples run here (~30 s); ``KV_FUZZ_EXAMPLES=N KV_FUZZ_SEED=S`` runs others.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+
+from bench.tiers import corpus_prompt
+from cache_node.config import EngineConfig
+from cache_node.engine import LLMEngine
+from cache_node.hashing import hash_prompt_blocks
+from cache_node.model_loader import LoadedModel
+from cache_node.outputs import InvalidRequestError, SessionBusy
+from cache_node.sampling_params import SamplingParams
+from cache_node.tiers.manager import TierConfig
+from cache_node.tiers.spill_format import BlockFormat
+from cache_node.tiers.spill_store import SpillStore
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(os.environ.get("KV_FUZZ_EXAMPLES", "2"))
+SEED = int(os.environ.get("KV_FUZZ_SEED", "0"))
+MAX_TOKENS = 6
+TIE = 2e-3  # logprob gap under which a greedy pick may flip with the batch's shape (fp32)
+BLOCK_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: L=30, K/V, H_kv=3, d=64
+
+
+class Reference:
+    """Each prompt's greedy output alone on a fresh engine (big pool, one chunk), with the gap
+    between the top two logprobs at each output position."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        cfg = EngineConfig(block_size=16, kv_pool_bytes=64 << 20, max_num_batched_tokens=1024, max_num_seqs=1)
+        self.eng = LLMEngine(lm.model, cfg, lm.model_id, lm.eos_token_ids)
+        self.memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+
+    def __call__(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """(the first ``max_tokens`` greedy tokens, their top-two logprob gaps)."""
+        key = tuple(prompt)
+        if key not in self.memo:  # (MAX_TOKENS tokens: with ignore_eos a shorter request decodes their prefix)
+            self.eng.flush()
+            self.eng.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2))
+            tokens, gaps = [], []
+            while self.eng.has_unfinished_requests():
+                for out in self.eng.step():
+                    assert out.num_cached_tokens == 0
+                    tokens += out.new_token_ids
+                    gaps += [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs]
+            self.memo[key] = (tokens, gaps)
+        tokens, gaps = self.memo[key]
+        return tokens[:max_tokens], gaps[:max_tokens]
+
+
+def sharing_problems(eng: LLMEngine) -> list[str]:
+    """Blocks held across cache namespaces, and plain-layout blocks carrying another chain's
+    hash: every block a running request or a session holds is held from one namespace only,
+    and block ``i`` of a layout no policy compacted, when hashed, carries its holder's own
+    hash of its first ``i + 1`` blocks (the tokens it holds KV of)."""
+    bs, out = eng.config.block_size, []
+    held: dict[int, set[str]] = {}
+    holders = [(seq.request_id, seq.cache_namespace, seq.block_table, seq.all_token_ids, seq.extra_keys, seq.kv)
+               for seq in eng.requests.values()]
+    holders += [(f"session {s.session_id}", s.namespace, s.blocks, s.token_ids, None, s.kv)
+                for s in eng.sessions.sessions.values()]
+    for name, ns, blocks, tokens, keys, kv in holders:
+        for i, block in enumerate(blocks):
+            held.setdefault(block.block_id, set()).add(ns)
+            if block.block_hash is None or keys is None or (kv is not None and kv.compacted):
+                continue
+            if (i + 1) * bs <= len(tokens) and block.block_hash != hash_prompt_blocks(tokens[: (i + 1) * bs], bs, keys)[i]:
+                out.append(f"{name}: its block {i} (pool block {block.block_id}) carries another chain's hash")
+    out += [f"pool block {b} held from namespaces {sorted(ns)}" for b, ns in held.items() if len(ns) > 1]
+    return out
+
+
+@dataclass
+class Live:
+    prompt: list[int]
+    max_tokens: int
+    namespace: str
+    session: str | None = None
+    policy: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+
+def _engine(lm: LoadedModel, rng: random.Random, tmp: str) -> tuple[LLMEngine, str]:
+    bs = rng.choice([1, 2, 4, 16, 16])
+    pool_tokens = rng.choice([112, 160, 240, 4096])
+    cfg = EngineConfig(block_size=bs, kv_pool_bytes=pool_tokens * BLOCK_BYTES_PER_TOKEN,
+                       max_num_batched_tokens=rng.choice([7, 16, 33, 64, 512]), max_num_seqs=rng.choice([2, 4, 6]))
+    host = rng.choice([0, 64 * 16, 512 * 16]) * BLOCK_BYTES_PER_TOKEN
+    spill = rng.random() < 0.5
+    store = None
+    if spill:
+        spec = LLMEngine(lm.model, EngineConfig(block_size=bs, kv_pool_bytes=2 * bs * BLOCK_BYTES_PER_TOKEN),
+                         lm.model_id, lm.eos_token_ids).spill_block_spec()
+        store = SpillStore(tmp, BlockFormat(*spec), 4 << 20, 64 << 20)
+    tiers = TierConfig(host_bytes=host, auto_prefetch=spill) if host or spill else None
+    eng = LLMEngine(lm.model, cfg, lm.model_id, lm.eos_token_ids, tier_config=tiers, spill=store)
+    desc = f"bs={bs} pool={pool_tokens} budget={cfg.max_num_batched_tokens} seqs={cfg.max_num_seqs} host={host > 0} spill={spill}"
+    return eng, desc
+
+
+def _run_example(lm: LoadedModel, ref: Reference | None, docs: list[list[int]], seed: int, tmp: str,
+                 seen: Counter[str], policies: tuple[str, ...] = ("",)) -> list[str]:
+    """One random workload; returns its problems (empty: all good); counts what it exercised in
+    ``seen``. Each request runs under a policy drawn from ``policies`` ("": the full cache). With
+    ``ref`` None (lossy policies) outputs are not compared with the reference: once the
+    workload is done, some of its requests run twice more on the idle engine, one after the
+    other, and must decode the same tokens both times."""
+    rng = random.Random(seed)
+    eng, desc = _engine(lm, rng, tmp)
+    live: dict[str, Live] = {}
+    history: dict[str, tuple[str, list[int]]] = {}  # session -> (namespace, its tokens)
+    problems: list[str] = []
+    fail_next = False
+    execute = eng.runner.execute
+
+    def faulty(*args, **kw):  # type: ignore[no-untyped-def]
+        nonlocal fail_next
+        logits = execute(*args, **kw)  # its KV written, as a step that fails late leaves it
+        if fail_next:
+            fail_next = False
+            raise RuntimeError("injected step failure")
+        return logits
+
+    eng.runner.execute = faulty  # type: ignore[method-assign]
+    done: list[Live] = []  # the requests that finished "length"
+    n = 0
+    for step in range(rng.randrange(30, 70)):
+        for _ in range(rng.choice([0, 0, 1, 1, 2])):
+            if n >= 18:
+                break
+            max_tokens = rng.randrange(1, MAX_TOKENS + 1)
+            ns = rng.choice(["A", "A", "B"])
+            session = None
+            if rng.random() < 0.25:
+                session = rng.choice(["s1", "s2"])
+                sess_ns, hist = history.get(session, (ns, []))
+                ns = sess_ns
+                extra = docs[rng.randrange(len(docs))][: rng.randrange(1, 12)]
+                prompt = hist + extra
+            else:
+                doc = docs[rng.randrange(len(docs))]
+                cut = rng.choice([rng.randrange(1, 90), eng.config.block_size * rng.randrange(1, 6),
+                                  eng.config.block_size * rng.randrange(1, 6) + 1])
+                prompt = doc[: max(1, min(cut, len(doc)))]
+                if rng.random() < 0.3:  # a shared prefix with another ending
+                    prompt = prompt + docs[rng.randrange(len(docs))][5: 5 + rng.randrange(1, 20)]
+            policy = rng.choice(policies) if len(policies) > 1 else policies[0]
+            try:
+                rid = eng.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      request_id=f"r{n}", cache_namespace=ns, session_id=session, policy=policy)
+            except (InvalidRequestError, SessionBusy, PermissionError):
+                continue
+            live[rid] = Live(prompt, max_tokens, ns, session, policy)
+            n += 1
+        roll = rng.random()
+        if roll < 0.08 and live:
+            seen["aborts"] += eng.abort_request(rng.choice(sorted(live)))
+        elif roll < 0.2 and eng.tiers.enabled:
+            seen["demotions"] += eng.demote_all(to_spill=eng.tiers.spill is not None and rng.random() < 0.5) > 0
+        elif roll < 0.23:
+            fail_next = True
+            seen["failed steps"] += 1
+        try:
+            outs = eng.step()
+        except RuntimeError as exc:
+            problems.append(f"step {step}: {exc!r}")
+            break
+        for out in outs:
+            req = live.get(out.request_id)
+            if req is None:
+                continue
+            req.tokens.extend(out.new_token_ids)
+            if not out.finished:
+                continue
+            del live[out.request_id]
+            if out.finish_reason == "length" and req.session:
+                history[req.session] = (req.namespace, req.prompt + req.tokens)
+            if out.finish_reason != "length":
+                continue
+            done.append(req)
+            if ref is None:
+                continue
+            seen["compared"] += 1
+            seen["prefix hits"] += out.num_cached_tokens > 0
+            seen["preempted"] += out.num_preemptions > 0
+            seen["session turns"] += req.session is not None
+            seen["restored from host/spill"] += any(out.num_cached_tokens_by_tier.get(t, 0)
+                                                    for t in ("host", "spill_ram", "spill_disk"))
+            want, gaps = ref(req.prompt, req.max_tokens)
+            got = req.tokens
+            if got != want:
+                i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else -1
+                if i >= 0 and gaps[i] < TIE:
+                    seen["near-ties"] += 1
+                    continue
+                problems.append(f"{out.request_id} ({len(req.prompt)} prompt tokens, ns {req.namespace}, session "
+                                f"{req.session}, cached {out.num_cached_tokens} {out.num_cached_tokens_by_tier}, "
+                                f"preempted {out.num_preemptions}): {got} != reference {want} (gaps {gaps})")
+        try:
+            eng.check_integrity()
+        except (AssertionError, RuntimeError) as exc:
+            problems.append(f"step {step}: integrity: {exc}")
+            break
+        shared = sharing_problems(eng)
+        if shared:
+            problems += [f"step {step}: {p}" for p in shared]
+            break
+    if ref is None and not problems:
+        while eng.has_unfinished_requests():
+            eng.step()
+        fail_next = False
+        for req in rng.sample(done, min(3, len(done))):
+            params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
+            twice = [eng.generate([req.prompt], params, cache_namespace=req.namespace, policy=req.policy)[0]
+                     for _ in range(2)]
+            seen["run twice"] += 1
+            if twice[0].output_token_ids != twice[1].output_token_ids:
+                problems.append(f"{len(req.prompt)} prompt tokens under {req.policy!r}, run twice on the idle engine: "
+                                f"{twice[0].output_token_ids} then {twice[1].output_token_ids}")
+            eng.check_integrity()
+    eng.close()
+    return [f"seed {seed} [{desc}] {p}" for p in problems]
+
+
+@pytest.fixture(scope="module")
+def docs(real_model: LoadedModel) -> list[list[int]]:
+    whole = corpus_prompt(real_model, 400, offset=3)
+    return [whole[:100], whole[:60] + whole[200:240], whole[100:200], whole[300:400]]
+
+
+def test_greedy_outputs_under_random_workloads_equal_each_request_run_alone(real_model, docs, tmp_path) -> None:
+    ref = Reference(real_model)
+    problems: list[str] = []
+    seen = Counter[str]()
+    for k in range(EXAMPLES):
+        problems += _run_example(real_model, ref, docs, SEED + k, str(tmp_path / f"spill{k}"), seen)
+    print(dict(seen))
+    assert not problems, "\n".join(problems)
+
+
+LOSSY = ("h2o-0.25", "snapkv-0.5", "gkv-0.25", "spindlekv-0.25", "sentencekv-0.25", "streaming-0.25", "quant-bits_4", "")
+
+
+def test_under_lossy_policies_integrity_holds_each_step_and_a_request_repeats_its_output(real_model, docs,
+                                                                                       tmp_path) -> None:
+    """The same random workloads with each request under a random policy (compressing ones
+    included, and the full cache): ``check_integrity`` and ``sharing_problems`` clean after
+    every step, and afterwards a request run twice on the idle engine decodes the same tokens."""
+    problems: list[str] = []
+    seen = Counter[str]()
+    for k in range(max(1, EXAMPLES // 2)):
+        problems += _run_example(real_model, None, docs, SEED + 1000 + k, str(tmp_path / f"spill{k}"), seen, LOSSY)
+    print(dict(seen))
+    assert seen["run twice"] > 0
+    assert not problems, "\n".join(problems)
