@@ -221,15 +221,22 @@ def failure_text(exc: BaseException) -> str:
     """One line saying why ``exc`` happened: for an error raised in a Ray actor, its cause's
     type and message (Ray's own text starts with a ``ray::Actor.method() (pid=...)`` header and
     the remote traceback). Regression (trial 30n P1): ``kvstrata up failed: ray::RayGateway.start()
-    (pid=..., repr=...)`` was all a taken HTTP port printed; the OSError was dropped."""
+    (pid=..., repr=...)`` was all a taken HTTP port printed; the OSError was dropped. An actor
+    whose constructor raised (or whose class failed to import on its worker) ends in an
+    ``ActorDiedError`` that keeps no ``cause``, only the text "The actor died because of an error
+    raised in its creation task, ray::Actor.__init__() (pid=...)" and the remote traceback after
+    it: that header anywhere in the first line counts too, ANSI colours removed. Regression
+    (session 40 new user): ``kvstrata up failed: The actor died because of an error raised in its
+    creation task, ray::global_scheduler:GlobalSchedulerService.__init__() (pid=...)`` was all a
+    worker importing another checkout's code printed; its AttributeError was dropped."""
     seen: set[int] = set()
     while isinstance(getattr(exc, "cause", None), BaseException) and id(exc) not in seen:
         seen.add(id(exc))
         exc = exc.cause  # type: ignore[attr-defined]
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [ANSI.sub("", line).strip() for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return repr(exc)
-    if lines[0].startswith("ray::") and len(lines) > 1:  # a remote traceback: its last line is the error
+    if "ray::" in lines[0] and len(lines) > 1:  # a remote traceback: its last line is the error
         return lines[-1]
     text = lines[0]
     return text if type(exc).__module__.startswith("ray") else f"{type(exc).__name__}: {text}"

@@ -239,6 +239,28 @@ def test_an_actor_error_is_told_by_its_cause() -> None:
     assert lifecycle.failure_text(ValueError()) == "ValueError()"
 
 
+def test_an_actor_whose_constructor_raised_is_told_by_its_cause() -> None:
+    """Session 40 new user: an actor whose class failed to import on its worker (or whose
+    ``__init__`` raised) ends in Ray's ActorDiedError, which keeps no ``cause``; ``kvstrata up``
+    printed only its first line, 'The actor died because of an error raised in its creation
+    task, ray::global_scheduler:GlobalSchedulerService.__init__() (pid=..., repr=...)', and the
+    AttributeError that said why was dropped. The error is built as Ray builds it from the
+    creation task's RayTaskError (coloured header, remote traceback)."""
+    import ray.exceptions
+
+    said = "AttributeError: Can't get attribute 'Membership.admitted_from' on <module 'services.global_scheduler_members'>"
+    init_error = ray.exceptions.RayTaskError(
+        "global_scheduler:GlobalSchedulerService.__init__",
+        f'Traceback (most recent call last):\n  File "worker.py", line 1, in load\n    load()\n{said}',
+        AttributeError(said), proctitle="ray::global_scheduler:GlobalSchedulerService.__init__()",
+        pid=21129, ip="192.0.2.2", actor_repr="<TemporaryActor object at 0x7f0c00670890>")
+    died = ray.exceptions.ActorDiedError(init_error)
+    assert str(died).startswith("The actor died because of an error raised in its creation task")
+    assert lifecycle.failure_text(died) == said
+    plain = ray.exceptions.ActorDiedError()  # no cause known: Ray's one sentence, as it is
+    assert lifecycle.failure_text(plain) == ray.exceptions.ActorDiedError.BASE_ERROR_MSG
+
+
 @pytest.mark.parametrize(("text", "said"), [
     ("gateway_port: [\n", "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)"),
     ("node:\n  kv_pool_bytes: 1\n    block_size: 16\n",
