@@ -332,10 +332,15 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             self.session_sink(self.node_id, expired)
 
     def shutdown(self) -> None:
-        self._stopped = True
+        """Stop the step thread, the renderer and the data plane. Each in-process stream still
+        open once the step thread stopped, or opened after (``Streams._open``), gets its last
+        event, UNAVAILABLE. A gateway's stream gets none (no step thread sends it)."""
+        with self._streams_lock:  # (``_open`` reads it there: none opens unseen by the sweep below)
+            self._stopped = True
         self._wake.set()
         self._stop_renderer()  # (and its render child)
         self._thread.join(timeout=5.0)
+        self._end_open_streams()
         self.close_data_plane()
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -346,6 +351,15 @@ class CacheNode(Streams, Commands, Health, Admin, Requests):
             self.engine.close()
         else:  # a step still runs: the transfer thread ends all the same (later transfers are dropped)
             self.engine.tiers.close()
+
+    def _end_open_streams(self) -> None:
+        """``shutdown``, once the step thread stopped (or was waited for): claim each in-process
+        stream still open and send it UNAVAILABLE (``Streams._end_shut_down``). Regression (s40):
+        they got no event at all, and their ``generate`` callers (``bench.service``) waited for
+        ever; so did a ``generate`` called after the shutdown."""
+        for stream in [s for s in list(self._streams.values()) if not s.subscriber]:
+            if self._claim(stream):  # (its last output, or its consumer leaving, may claim it first)
+                self._end_shut_down(stream)
 
 
 

@@ -34,6 +34,7 @@ a session's token history and its kept messages always hold the same turns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -175,12 +176,19 @@ class Streams:
         engine before its next step (``_start_incoming``); a refusal (INVALID_ARGUMENT,
         PERMISSION_DENIED) arrives as an error event on the stream. Returns None, or, when a
         stream of its request id is open already, that stream (``stream`` is not opened: the
-        check and the registering are one step under ``_streams_lock``)."""
+        check and the registering are one step under ``_streams_lock``). Once the node shut
+        down (``CacheNode.shutdown``), ``stream`` gets its last event at once, UNAVAILABLE
+        (``_end_shut_down``), and is not opened."""
         with self._streams_lock:
             running = self._streams.get(stream.request.request_id)
             if running is not None:
                 return running
-            self._streams[stream.request.request_id] = stream
+            stopped = self._stopped  # (``shutdown`` sets it under this lock)
+            if not stopped:
+                self._streams[stream.request.request_id] = stream
+        if stopped:
+            self._end_shut_down(stream)
+            return None
         if stream.request.messages and self.templater is not None and self._queue_render(stream):
             return None
         self._incoming.append(stream)
@@ -205,6 +213,18 @@ class Streams:
                 return False
             del self._streams[request_id]
             return True
+
+    def _end_shut_down(self, stream: _Stream) -> None:
+        """The node shut down: ``stream``, claimed or never opened, gets its last event,
+        UNAVAILABLE (an in-process one on its loop, if that still runs; a gateway's is queued
+        in the outbox, which no step thread sends any more)."""
+        event = {"type": "error", "code": "UNAVAILABLE",
+                 "message": f"cache node {self.node_id} is shut down; retry the request"}
+        if stream.subscriber:
+            self._outbox.append((stream.subscriber, stream.request.request_id, event))
+        elif stream.loop is not None and stream.deliver is not None:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: no one waits
+                stream.loop.call_soon_threadsafe(stream.deliver, event)
 
     def _claim_id(self, request_id: str) -> _Stream | None:
         """The stream open under ``request_id``, taken out of ``_streams`` (``_claim``); None
