@@ -171,6 +171,21 @@ class Child:
             pause = min(pause * 2, 0.02)
         return code
 
+    def cpu_seconds(self) -> float | None:
+        """``cpu_seconds`` of this child (user and system seconds), read under ``_lock`` while it
+        is not reaped (every reap here holds that lock, and an ended child not yet reaped keeps
+        its pid): never another process's that got its pid. None once it was reaped, or where it
+        cannot be read.
+
+        Regression (diff review s40 r2): ``CompilerProcess`` read ``/proc/<pid>/stat`` by pid
+        while another thread (``Grammars.stats``' ``pid``) could reap the child that had ended:
+        a read after that reap was of whatever process the kernel gave the pid next, its CPU
+        time taken as the compile's (past the limit: the spec refused as too slow)."""
+        with self._lock:
+            if self._reaped or self._proc.returncode is not None:
+                return None
+            return cpu_seconds(self.pid)
+
     def kill(self) -> None:
         """SIGKILL it, from any thread; nothing once it was seen to end (``poll``) or reaped."""
         with self._lock:
@@ -273,12 +288,12 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-_Deadline = tuple[float, float, tuple[int, float, float] | None]
-"""A request's bound: its start and wall deadline (monotonic), and its CPU-time bound (pid, its
-CPU seconds at the start, limit) or None."""
+_Deadline = tuple[float, float, tuple[Child, float, float] | None]
+"""A request's bound: its start and wall deadline (monotonic), and its CPU-time bound (the
+child, its CPU seconds at the start, limit) or None."""
 
 
-def _deadline(wall_s: float, cpu: tuple[int, float, float] | None = None) -> _Deadline:
+def _deadline(wall_s: float, cpu: tuple[Child, float, float] | None = None) -> _Deadline:
     now = time.monotonic()
     return now, now + wall_s, cpu
 
@@ -392,14 +407,15 @@ class CompilerProcess:
         """
         if self.pid is None:
             self.start()
-        pid = self.proc.pid  # type: ignore[union-attr]
-        cpu_start = cpu_seconds(pid)
+        proc = self.proc
+        assert proc is not None
+        cpu_start = proc.cpu_seconds()  # (``Child.cpu_seconds``: never a pid another process got)
         # one deadline for the request's write and the reply's read: a request frame larger
         # than the pipe's buffer is written only as fast as the child reads it
         if cpu_start is None:
             deadline = _deadline(timeout_s)
         else:
-            deadline = _deadline(timeout_s * WALL_LIMIT_FACTOR, (pid, cpu_start, timeout_s))
+            deadline = _deadline(timeout_s * WALL_LIMIT_FACTOR, (proc, cpu_start, timeout_s))
         self._write(frame([method, text]), deadline)
         kind, value = self._reply(deadline)
         if kind not in ("ok", "error"):
@@ -476,7 +492,7 @@ class CompilerProcess:
     def _wait(self, fd: int, event: int, deadline: _Deadline) -> None:
         """Until ``fd`` is ready for ``event`` (or has hung up: the read or write then says
         so), within ``deadline`` (its start and wall deadline, monotonic, and its CPU-time
-        bound: (pid, its CPU seconds at the start, limit)); past it kill the child
+        bound: (the child, its CPU seconds at the start, limit)); past it kill the child
         (``CompileTimeout``; ``starved`` when the wall bound of a CPU-bounded deadline)."""
         started, wall_deadline, cpu = deadline
         while True:
@@ -484,8 +500,8 @@ class CompilerProcess:
             left = wall_deadline - now
             used = None
             if cpu is not None:
-                pid, cpu_start, cpu_limit = cpu
-                now_cpu = cpu_seconds(pid)
+                child, cpu_start, cpu_limit = cpu
+                now_cpu = child.cpu_seconds()  # (None once another thread reaped it: its stdout says so)
                 used = None if now_cpu is None else now_cpu - cpu_start
                 if used is not None and used > cpu_limit:
                     self.kill()

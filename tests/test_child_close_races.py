@@ -152,7 +152,20 @@ def _close_while_reaped(log: _SignalLog, start: Any, close: Any) -> list[BaseExc
     return raised
 
 
-def test_a_grammar_compiler_close_never_signals_a_reaped_pid(monkeypatch) -> None:
+@pytest.fixture(params=["pidfd", "by pid"])
+def signalled(request: pytest.FixtureRequest, monkeypatch) -> str:
+    """How ``Child.kill`` signals: through a pidfd where the platform has one, else (a kernel
+    before 5.3, a seccomp filter: patched here) by pid under the ``Child``'s lock. Regression
+    (diff review s40 r2): on a host with pidfds the tests below took only the pidfd's way, and
+    a fallback that signalled a reaped pid (``poll`` not under the lock) passed them."""
+    if request.param == "by pid":
+        monkeypatch.setattr(grammar_process, "_pidfd_open", lambda pid: None)
+    elif not hasattr(os, "pidfd_open"):
+        pytest.skip("no os.pidfd_open here")
+    return request.param
+
+
+def test_a_grammar_compiler_close_never_signals_a_reaped_pid(signalled: str, monkeypatch) -> None:
     process = CompilerProcess("{}", 0, argv=EXITS_AT_ONCE, start_timeout_s=30)
     log = _SignalLog(monkeypatch)
     real_start_child = grammar_process.start_child
@@ -169,7 +182,7 @@ def test_a_grammar_compiler_close_never_signals_a_reaped_pid(monkeypatch) -> Non
     assert process.proc is None
 
 
-def test_a_render_child_close_never_signals_a_reaped_pid(tokenizer: Any, monkeypatch) -> None:
+def test_a_render_child_close_never_signals_a_reaped_pid(signalled: str, tokenizer: Any, monkeypatch) -> None:
     from services import render_process
 
     process = RenderProcess(tokenizer, argv=EXITS_AT_ONCE, start_timeout_s=30)
@@ -217,3 +230,60 @@ def _fd_targets() -> list[str]:
         except OSError:  # (the listing's own)
             pass
     return sorted(targets)
+
+
+READY_THEN_EXITS = (sys.executable, "-c", """
+import os, sys, time
+from cache_node.grammar_worker import frame, read_frame_blocking
+read_frame_blocking(sys.stdin.buffer, 1 << 30)  # its init frame
+sys.stdout.buffer.write(frame(["ready", "none"]))
+sys.stdout.buffer.flush()
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+os._exit(0)
+""")
+"""A compiler child that says ready, then ends (unasked, as one past its memory cap does) once
+the file named by its first argument exists."""
+
+
+def test_a_compile_never_reads_the_cpu_time_of_its_childs_pid_once_another_thread_reaped_it(
+        tmp_path, monkeypatch) -> None:
+    """A compile's CPU-time reads (``/proc/<pid>/stat``) are of its child alone: its child ends
+    as the compile reads it, another thread (``Grammars.stats``: ``CompilerProcess.pid``) polls
+    it meanwhile, and the read still finds the child not reaped (its pid its own), the reap
+    waiting for the read's end. Regression (diff review s40 r2): the read was by pid and
+    unguarded, so the other thread's reap ran first and the compile read a free pid (with the
+    pid reused, another process's CPU time taken as its compile's: past the limit, the spec
+    refused as too slow). The compile then fails as its child's end (``CompilerDied``)."""
+    go = tmp_path / "exit-now"
+    process = CompilerProcess("{}", 0, argv=(*READY_THEN_EXITS, str(go)), start_timeout_s=60)
+    reads: list[tuple[int, bool]] = []  # (pid read, its child reaped then)
+    real_cpu_seconds = grammar_process.cpu_seconds
+
+    def cpu_seconds(pid: int) -> float | None:
+        child = process.proc
+        if child is not None and pid == child.pid and not reads:  # the compile's first read
+            go.touch()
+            deadline = time.monotonic() + 30
+            while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                assert time.monotonic() < deadline, "the child did not end"
+                time.sleep(0.01)
+            stats = threading.Thread(target=lambda: process.pid, name="test-stats")  # (it reaps the ended child)
+            stats.start()
+            stats.join(1.0)  # (the old code: reaped here; the new one waits for this read's end)
+            reads.append((pid, child.returncode is not None))
+        elif child is not None and pid == child.pid:
+            reads.append((pid, child.returncode is not None))
+        return real_cpu_seconds(pid)
+
+    try:
+        process.start()
+        monkeypatch.setattr(grammar_process, "cpu_seconds", cpu_seconds)
+        with pytest.raises(CompilerDied, match="ended"):
+            process.compile("regex", "[ab]+", 5.0)
+    finally:
+        process.kill()
+    assert reads, "the compile read no CPU time of its child"
+    reaped_reads = [pid for pid, reaped in reads if reaped]
+    assert not reaped_reads, f"the compile read /proc/{reaped_reads[0]}/stat after that pid's child was reaped"
+    assert process.proc is None
