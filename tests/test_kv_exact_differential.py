@@ -160,7 +160,8 @@ def _run_example(lm: LoadedModel, ref: Reference | None, docs: list[list[int]], 
                 sess_ns, hist = history.get(session, (ns, []))
                 ns = sess_ns
                 extra = docs[rng.randrange(len(docs))][: rng.randrange(1, 12)]
-                prompt = hist + extra
+                keep = len(hist) if rng.random() < 0.8 else rng.randrange(len(hist) + 1)  # else: rewrites its end
+                prompt = hist[:keep] + extra
             else:
                 doc = docs[rng.randrange(len(docs))]
                 cut = rng.choice([rng.randrange(1, 90), eng.config.block_size * rng.randrange(1, 6),
