@@ -321,7 +321,8 @@ class GlobalScheduler(Sessions, AdmissionChecks, Tenants, Membership, Routing):
         prompt = prompt_key(tenant_id, block_hashes or []) if sticky is None else None
         cached = self._sibling_cached(self.nodes[node_id], prompt, len(block_hashes or []),
                                       self._cached_tokens(prefix, prompt_tokens))
-        rejected = self._slo_admission(tenant_id, node_id, cached, request_id)
+        siblings = [rid for rid, key in self.nodes[node_id].prompt_of.items() if prompt is not None and key == prompt]
+        rejected = self._slo_admission(tenant_id, node_id, cached, request_id, siblings)
         if rejected is not None:
             self.usage.record_rejected(tenant_id)
             return rejected

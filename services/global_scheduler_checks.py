@@ -232,11 +232,22 @@ class AdmissionChecks:
         return CachedTokens(device=device, miss=total - device)
 
     def _slo_admission(self, tenant_id: str, node_id: str, cached: CachedTokens,
-                       request_id: str = "") -> Admission | None:
+                       request_id: str = "", siblings: list[str] | None = None) -> Admission | None:
         """Queue the request's uncached tokens on the node's backlog (under its tenant and
         weight, as ``request_id``'s part: ``release`` takes out what is left of it), or reject
         it (kvstrata only) when its estimated TTFT misses what its class allows. None =
-        admitted."""
+        admitted.
+
+        ``siblings``: the tenant's requests in flight on the node with this request's prompt
+        (``_sibling_cached``: the earlier choices of its ``n`` > 1 body). Their parts of the
+        backlog stay in the estimate but are no work *ahead* for ``decide``: no wait takes them
+        away, as every retry of the body starts its choice 0 again. Regression (session 40 new
+        user): on an idle node whose meter ran slow (a 2-core host: short prompts' prefill is
+        mostly per-step cost) an interactive tenant's single request was admitted as the one
+        missing its target with nothing ahead, but choice 1 of any ``n`` >= 2 body saw choice 0's
+        prompt ahead and was refused with a ``Retry-After`` that never helped: 429 "estimated
+        TTFT 2409 ms exceeds the interactive limit 800 ms" for a 31-token chat at ``n`` = 2, at
+        every retry, while choice 0 alone answered in 230 ms."""
         spec = self._spec_by_id(tenant_id)
         node = self.nodes[node_id]
         rank = SLO_CLASS_RANK[spec.slo_class.value] if spec else 1
@@ -254,7 +265,8 @@ class AdmissionChecks:
             # waits for the step in progress, half of one on average, not for a whole one
             wait_s = node.step_s.value * (0.5 if rank == 0 else 1.0)
             est_ms = 1000.0 * estimate_ttft_s(ahead, cached, speed, wait_s)
-            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms, 1000.0 * ahead / speed)
+            own_body = sum(node.backlog.part(rid) for rid in siblings or ())
+            decision = decide(spec.slo_class.value, spec.ttft_slo_ms, est_ms, 1000.0 * max(0.0, ahead - own_body) / speed)
             own = None if decision.admit else node.pace.probe(tenant_id, now, len(node.in_flight))
             if own is not None:
                 # regression (review 29i F3): a tenant with no pace of its own was refused on the
@@ -265,7 +277,8 @@ class AdmissionChecks:
                 # any), and admitted if that meets its target: its first token is its sample
                 probe_speed = node.prefill.tokens_per_s / own
                 probe_ms = 1000.0 * estimate_ttft_s(ahead, cached, probe_speed, wait_s)
-                probe = decide(spec.slo_class.value, spec.ttft_slo_ms, probe_ms, 1000.0 * ahead / probe_speed)
+                probe = decide(spec.slo_class.value, spec.ttft_slo_ms, probe_ms,
+                               1000.0 * max(0.0, ahead - own_body) / probe_speed)
                 if probe.admit:
                     node.pace.probed(tenant_id, request_id, now)
                     decision, est_ms, speed = probe, probe_ms, probe_speed

@@ -101,3 +101,26 @@ def test_only_the_same_tenants_same_prompt_in_flight_on_the_node_counts(tmp_path
     clock.t += 0.001
     assert part("t", "after") == 160.0
     assert set(node.prompt_of) == {"other-tenant", "other-prompt", "after"}
+
+
+def test_a_bodys_own_choices_are_no_work_ahead_on_a_slow_idle_node(tmp_path) -> None:
+    """Session 40 new user: on an idle node whose meter runs slow (a 2-core host, where a short
+    prompt's prefill is mostly per-step cost: here 20 tokens/s) a single 37-token request of an
+    interactive tenant (1 s target) misses its target on its own and is admitted, nothing being
+    ahead; but choice 1 of an ``n`` = 2 body saw choice 0's 37 tokens ahead (est. ~2.1 s) and
+    was refused with a retry hint, and so was every retry: the body was never served. Now a
+    body's own earlier choices are no work ahead (a wait cannot take them away), while another
+    tenant's backlog still is: behind it a choice is refused, with a hint."""
+    gs, ids, clock = _scheduler(tmp_path)
+    gs.nodes["n0"].prefill.set(20.0)
+    for attempt in range(3):  # every retry of the body, as the client sends it again
+        assert _body(gs, clock, ids["t"], f"b{attempt}", 4, 37) == ["OK"] * 4, attempt
+        for c in range(4):
+            gs.release(f"b{attempt}-{c}", None)
+        clock.t += 30.0
+    # another tenant's prompt queued ahead on the node: real work ahead, refused with a hint
+    assert gs.admit(ids["u"], "other", block_hashes=_hashes(400, salt=9), prompt_tokens=400,
+                    routing_key="ok").code == "OK"
+    clock.t += 0.002
+    refused = gs.admit(ids["t"], "late-0", block_hashes=_hashes(37), prompt_tokens=37, routing_key="late-key")
+    assert refused.code == "RESOURCE_EXHAUSTED" and refused.retry_after_s > 0

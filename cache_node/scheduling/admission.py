@@ -358,6 +358,11 @@ class FluidBacklog:
         if request_id:
             self.holder[request_id] = key
 
+    def part(self, request_id: str) -> float:
+        """Request ``request_id``'s tokens not yet drained (0 for an id holding none)."""
+        key = self.holder.get(request_id)
+        return 0.0 if key is None else self.parts.get(key, {}).get(request_id, 0.0)
+
     def release(self, request_id: str) -> float:
         """Request ``request_id`` ended: take its tokens not yet drained out of the backlog
         (it will not be prefilled, or its prefill is done); returns them (0 for an id holding
