@@ -210,6 +210,7 @@ def test_a_child_dropped_unreaped_leaves_no_descriptor_open(tmp_path) -> None:
     def open_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
+    _wait_for_stderr_threads()  # (an earlier test's child's: each closes its pipe as it ends)
     before = open_fds()
     child = start_child(NEVER_READY, str(tmp_path), child_env(os.environ), "test")
     child.kill()
@@ -220,6 +221,14 @@ def test_a_child_dropped_unreaped_leaves_no_descriptor_open(tmp_path) -> None:
     while open_fds() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert open_fds() == before, f"{open_fds() - before} descriptor(s) left open: {_fd_targets()}"
+
+
+def _wait_for_stderr_threads(timeout_s: float = 5.0) -> None:
+    """Until no child's stderr thread (``grammar_process._forward_stderr``) runs: each closes a
+    pipe when it ends, which counted against this test's descriptors as it ran."""
+    deadline = time.monotonic() + timeout_s
+    while any("-stderr-" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _fd_targets() -> list[str]:
