@@ -52,8 +52,8 @@ in its own queue (``SenderTurns``, bounded), not in ZeroMQ's, ahead of other nod
 RECONCILE_S = 10.0
 """How often ``NodeStreams`` asks the global scheduler which of its bound streams' requests it
 still counts as admitted from this gateway (``reconcile``): one it released without this gateway
-hearing of it ends UNAVAILABLE within about this (plus the query's answer), never waits for
-ever."""
+hearing of it ends UNAVAILABLE within about two of these (two answers in a row missed it; plus
+the queries' answers), never waits for ever."""
 
 RECONCILE_BATCH = 4096
 """Request ids one query of ``reconcile`` asks about (the scheduler's ``ADMITTED_QUERY_MAX``)."""
@@ -96,6 +96,7 @@ class _Entry:
     tokens_seen: bool = False  # a delta with token ids came (no prompt entry may follow)
     prompt: tuple[int, ...] = ()  # its prompt's token ids when the gateway knows them (else empty)
     opened_at: float = 0.0  # when ``open`` made it (``clock``): its key was checked before then
+    unadmitted: bool = False  # the scheduler's last ``reconcile`` answer did not count it admitted
 
     def check_prompt_count(self, event: dict[str, Any]) -> None:
         """A request asking for prompt logprobs gets at most one entry per prompt token after
@@ -653,8 +654,11 @@ class NodeStreams:
     async def reconcile(self) -> list[str]:
         """End with UNAVAILABLE each stream bound to a node (admitted), not ended, whose request
         the scheduler no longer counts as admitted from this gateway (``ask_admitted``, asked
-        about them all, ``RECONCILE_BATCH`` ids a query); returns their request ids, counted in
-        ``reconciled_ends``. The scheduler releases a request of a live gateway only with its
+        about them all, ``RECONCILE_BATCH`` ids a query) in two runs in a row; returns their
+        request ids, counted in ``reconciled_ends``. Two: a scheduler Ray restarted rebuilds
+        only the requests its nodes still ran, and one that finished just before its node's
+        report may have its ``finished`` event still on its way here; by the next run it has
+        come (its answer is kept; a turn its session's history took is not retried). The scheduler releases a request of a live gateway only with its
         stop on its node, no event sent (it counted the gateway gone, or rebuilt after a restart
         without it), and tells the gateway (``RayGateway.counted_gone``) when it can; this ends
         the ones it could not tell. A stream bound was admitted before the question left (its
@@ -681,7 +685,13 @@ class NodeStreams:
             admitted.update(rid for rid in answer if isinstance(rid, str))
         ended = []
         for rid, entry in asked.items():
-            if rid in admitted or self._queues.get(rid) is not entry or _ended(entry):
+            if rid in admitted:
+                entry.unadmitted = False
+                continue
+            if self._queues.get(rid) is not entry or _ended(entry):
+                continue
+            if not entry.unadmitted:  # the first run that misses it: ended at the next
+                entry.unadmitted = True
                 continue
             self._put(rid, entry, _unavailable(
                 f"the global scheduler no longer runs this request for this gateway (it released it, and "
