@@ -11,7 +11,7 @@ Now the calls go through ``peer_outbox.PeerOutbox``: sent until a scheduler of t
 
 Real parts: a ``CacheNodeActor`` in this process (a tiny Llama checkpoint, its step thread), as
 ``test_scheduler_missing_at_start`` does, and real ``GlobalSchedulerActor``s created, killed
-and created again under the name on the session's Ray cluster. The route a restarted
+and created again under the name (the last one restarted by Ray) on the session's Ray cluster. The route a restarted
 scheduler's recovery rebuilds is made with the call recovery makes (``route_unconfirmed``).
 """
 
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import ray
 
@@ -46,10 +47,29 @@ def _node(name: str) -> Any:
     return CacheNodeActor("n0", config, 1, scheduler=ActorRef(name, NAMESPACE))
 
 
-def _scheduler(name: str, state: Path) -> Any:
-    scheduler = GlobalSchedulerActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(str(state), {"n0": 1})
+def _create(name: str, state: Path, max_restarts: int = 0) -> Any:
+    """A ``GlobalSchedulerActor`` under ``name``, not waited for: its name is taken at once (a
+    look-up finds it), while its process starts (the caller's own work overlaps that start)."""
+    return GlobalSchedulerActor.options(name=name, namespace=NAMESPACE, num_cpus=0,
+                                        max_restarts=max_restarts).remote(str(state), {"n0": 1})
+
+
+def _serving(scheduler: Any) -> Any:
     ray.get(scheduler.stats.remote(), timeout=60)
     return scheduler
+
+
+def _scheduler(name: str, state: Path, max_restarts: int = 0) -> Any:
+    return _serving(_create(name, state, max_restarts))
+
+
+def _quick_retries(node: Any) -> None:
+    """The node's outbox retries a failed tell 0.05 s later, not ``peer_outbox.RETRY_S`` (1 s):
+    the test waits for the retry that reaches the new scheduler. (A node with no outbox, the
+    code before it, is left as it is: the test's asserts then show what it lost.)"""
+    tells = getattr(node, "_tells", None)
+    if tells is not None:
+        tells.retry_s = 0.05
 
 
 def _routes(scheduler: Any) -> int:
@@ -75,27 +95,58 @@ def _kill(scheduler: Any, name: str) -> None:
     raise AssertionError(f"{name} still listed alive 30 s after ray.kill")
 
 
+def _kill_to_restart(scheduler: Any) -> None:
+    """Kill ``scheduler``'s process with a restart to come, and wait until that process is gone
+    (``ray.kill`` returns before it is: a call made at once could still be answered by the
+    process that dies, and whatever it applied die with it)."""
+    pid = ray.get(scheduler.health.remote(), timeout=30)["pid"]
+    ray.kill(scheduler, no_restart=False)
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid):
+        assert time.monotonic() < deadline, f"the scheduler's process {pid} still runs 30 s after ray.kill"
+        time.sleep(0.05)
+
+
 def test_an_expiry_told_to_a_scheduler_that_died_after_it_was_found_reaches_its_successor(
         tmp_path: Path, ray_cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The node found scheduler A (its constructor looks it up); A is killed for good and B
     created under the name, holding a route to the node for session ``t/s-expired`` (as a
     restarted scheduler's recovery rebuilds it); the node expires that session: B drops the
     route. Before: the call went to dead A (the next look-up was ``SCHEDULER_RELOOKUP_S``
-    away, 60 s here) and B kept the route (1 session routed after 15 s)."""
+    away, 60 s here) and B kept the route (1 session routed after 15 s).
+
+    Then the node's ``PeerOutbox`` against B (one scheduler start fewer than a test of its
+    own): a call B raises on (``sessions_ended`` with an int for its list) is dropped at once,
+    not sent for ever; B killed with a restart to come (Ray restarts it, its memory new), a
+    ``record_metrics_port`` told as it goes down is applied by the restarted actor, whether Ray
+    queued the call for it or failed it (sent again)."""
     monkeypatch.setattr(cache_node, "SCHEDULER_RELOOKUP_S", 60.0)
     name = f"sched-dead-{tmp_path.name}"[-60:]
-    first = _scheduler(name, tmp_path / "a")
-    node = _node(name)
+    first = _create(name, tmp_path / "a")
+    node = _node(name)  # (its model loads while the scheduler's process starts)
     second = None
     try:
+        _serving(first)
+        _quick_retries(node)
         assert node.stats()["scheduler_unreachable"] == ""
         _kill(first, name)
-        second = _scheduler(name, tmp_path / "b")
+        second = _scheduler(name, tmp_path / "b", max_restarts=1)
         ray.get(second.route_unconfirmed.remote("t", "t/s-expired", "n0"), timeout=30)
         assert _routes(second) == 1
         node.session_sink("n0", ["t/s-expired"])
         assert _wait_routes(second, 0) == 0
-        assert node._tells.flush(10.0) and node._tells.counters["failed_calls"] >= 1
+        tells = node._tells
+        assert tells.flush(10.0) and tells.counters["failed_calls"] >= 1
+
+        tells.tell("sessions_ended", "n0", 5)  # (B raises: not a list)
+        assert tells.flush(10.0) and tells.counters["refused_calls"] == 1
+        _kill_to_restart(second)
+        tells.tell("record_metrics_port", "n0", 9100)
+        assert tells.flush(60.0), tells.counters
+        assert ray.get(second.metrics_port_of.remote("n0"), timeout=30) == 9100
+        from ray._private import state  # (no public API reads an actor's restart count)
+
+        assert state.actors(second._actor_id.hex())["NumRestarts"] == 1
     finally:
         node.shutdown()
         if second is not None:
@@ -127,9 +178,10 @@ def test_an_expiry_while_no_scheduler_lives_is_told_once_one_is_back_less_sessio
         async def serve() -> list[dict]:  # type: ignore[type-arg]
             return [event async for event in node.generate(request)]
 
+        scheduler = _create(name, tmp_path / "state")  # (its process starts while the turn runs)
         assert asyncio.run(serve())[-1]["type"] == "finished"
         assert "t/s-held" in node.engine.sessions.sessions
-        scheduler = _scheduler(name, tmp_path / "state")
+        _serving(scheduler)
         for sid in ("t/s-expired", "t/s-held"):
             ray.get(scheduler.route_unconfirmed.remote("t", sid, "n0"), timeout=30)
         routed.set()
@@ -142,32 +194,3 @@ def test_an_expiry_while_no_scheduler_lives_is_told_once_one_is_back_less_sessio
         if scheduler is not None:
             ray.kill(scheduler, no_restart=True)
 
-
-def test_a_tell_reaches_a_scheduler_ray_restarted_and_one_it_refuses_is_dropped(
-        tmp_path: Path, ray_cluster) -> None:  # type: ignore[no-untyped-def]
-    """``PeerOutbox`` against a real scheduler: killed with a restart to come (Ray restarts it,
-    its memory new), a ``record_metrics_port`` told as it goes down is applied by the restarted
-    actor, whether Ray queued the call for it or failed it (sent again); a call the scheduler
-    raises on (``sessions_ended`` with an int for its list) is dropped at once, not sent for
-    ever."""
-    from services.actor_refs import NamedPeer
-    from services.peer_outbox import PeerOutbox
-
-    name = f"sched-restart-{tmp_path.name}"[-60:]
-    scheduler = GlobalSchedulerActor.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=1).remote(
-        str(tmp_path / "state"), {"n0": 1})
-    ray.get(scheduler.stats.remote(), timeout=60)
-    outbox = PeerOutbox(NamedPeer(ActorRef(name, NAMESPACE), relookup_s=0.0), retry_s=0.2)
-    try:
-        outbox.tell("sessions_ended", "n0", 5)
-        assert outbox.flush(30.0) and outbox.counters["refused_calls"] == 1
-        ray.kill(scheduler, no_restart=False)
-        outbox.tell("record_metrics_port", "n0", 9100)
-        assert outbox.flush(60.0), outbox.counters
-        assert ray.get(scheduler.metrics_port_of.remote("n0"), timeout=30) == 9100
-        from ray._private import state  # (no public API reads an actor's restart count)
-
-        assert state.actors(scheduler._actor_id.hex())["NumRestarts"] == 1
-    finally:
-        outbox.close()
-        ray.kill(scheduler, no_restart=True)
