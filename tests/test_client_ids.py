@@ -122,3 +122,18 @@ def test_http_close_session_refuses_the_field(served: Served, path_id: str, quer
     assert status == 400, body
     assert (body["error"]["param"], body["error"]["code"]) == (field, "invalid_argument")
     assert body["error"]["message"].startswith(f"{field}: holds U+")
+
+
+@pytest.mark.parametrize(("path_id", "query", "field"), [
+    ("s" * 257, "", "session_id"), ("s1", "?cache_salt=" + "c" * 257, "cache_salt"),
+    ("s1", "?cache_salt=a&cache_salt=b", "cache_salt")])
+def test_http_close_session_names_the_field_of_every_400(served: Served, path_id: str, query: str,
+                                                         field: str) -> None:
+    """Every 400 of ``DELETE /v1/sessions/{id}`` names its field in ``param``, the gateway's own
+    checks' (an id over ``MAX_ID_CHARS`` characters) as the edge's (the query's). Regression
+    (s40 new-user trial): a 257-character id was a 400 with ``param`` null."""
+    status, body = _delete(served, path_id, query)
+    assert status == 400, body
+    assert (body["error"]["type"], body["error"]["code"], body["error"]["param"]) == (
+        "invalid_request_error", "invalid_argument", field), body
+    assert body["error"]["message"].startswith(field), body

@@ -589,7 +589,10 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
     @app.delete("/v1/sessions/{session_id:path}")
     async def close_session(session_id: str, request: Request) -> Response:
         """Close the caller's session opened under ``?cache_salt=`` (none without it:
-        ``close_session_salt``); the key is checked first (401), then the query (400)."""
+        ``close_session_salt``); the key is checked first (401), then the query (400). Every
+        400 names the field at fault in ``param`` (``session_id``, ``cache_salt``). Regression
+        (s40 new-user trial): an id over ``MAX_ID_CHARS`` characters, refused by the gateway's
+        own check, was a 400 whose ``param`` was null."""
         context = HttpCallContext(request)
         await edge.servicer.auth.tenant(context)
         try:
@@ -597,7 +600,10 @@ def create_app(edge: OpenAIEdge) -> FastAPI:
             salt = close_session_salt(request.query_params.multi_items())
         except ValueError as exc:
             raise field_refusal(exc) from None
-        freed = await edge.servicer.close_session(context, session_id, salt)
+        try:
+            freed = await edge.servicer.close_session(context, session_id, salt)
+        except CallAborted as exc:  # the gateway's own checks of the id and salt name their field
+            raise exc.naming(("session_id", "cache_salt")) from None
         authenticated(request.scope)
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True,
                              "freed_tokens": freed})
