@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import re
 import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 OWN_LOGGERS = frozenset({"cache_node", "services", "tenants", "cli", "workloads", "bench", "kvstrata"})
@@ -54,27 +55,62 @@ class EscapedRecord(logging.LogRecord):
     def escape_traceback(self) -> None:
         """Set ``exc_text`` (the traceback a ``Formatter`` writes instead of formatting
         ``exc_info``) to ``exc_info``'s traceback as ``Formatter.formatException`` writes it,
-        each exception's message and notes escaped; nothing when no exception is attached."""
+        each exception's message and notes escaped; nothing when no exception is attached.
+
+        Never raises: it runs in the log call itself (the record factory), where an error would
+        reach the caller, not the handler's ``handleError``. When the traceback cannot be
+        rendered here (an exception whose ``__notes__`` raises, which ``traceback`` itself
+        cannot render on 3.11), ``exc_text`` stays unset and the handler's formatter writes it,
+        unescaped, as before (its error, if any, to ``handleError``).
+
+        Regression (diff review s40 r5 of 8a627a5): a note whose ``str`` raised, or an exception
+        chained to 1,000 others (``_escape_messages`` recursed), raised out of
+        ``log.exception`` (RuntimeError, RecursionError) and ended the calling thread's work;
+        a ``SyntaxError``'s message and text were written raw."""
         if not self.exc_info or self.exc_info[1] is None or self.exc_text:
             return
-        shown = traceback.TracebackException(*self.exc_info)
-        _escape_messages(shown, set())
-        self.exc_text = "".join(shown.format()).removesuffix("\n")
+        try:
+            shown = traceback.TracebackException(*self.exc_info)
+            _escape_messages(shown)
+            self.exc_text = "".join(shown.format()).removesuffix("\n")
+        except Exception:  # noqa: BLE001 - a log call never raises (the formatter's way then, as before)
+            self.exc_text = None
 
 
-def _escape_messages(shown: traceback.TracebackException, seen: set[int]) -> None:
+def _text(value: object, what: str, show: Callable[[object], str] = str) -> str:
+    """``show(value)``, or ``traceback``'s own stand-in (``"<note str() failed>"``) when it raises."""
+    try:
+        return show(value)
+    except Exception:  # noqa: BLE001 - any object's str may raise (as ``traceback._safe_string``)
+        return f"<{what} {show.__name__}() failed>"
+
+
+def _escape_messages(shown: traceback.TracebackException) -> None:
     """Escape the message (``_str``: what ``format_exception_only`` writes after the type's
-    name) and the notes of ``shown`` and of the exceptions it chains or groups, once each."""
-    if id(shown) in seen:
-        return
-    seen.add(id(shown))
-    shown._str = escape_controls(str(shown._str))  # type: ignore[attr-defined]  # (3.10 to 3.13)
-    notes = getattr(shown, "__notes__", None)
-    if isinstance(notes, list | tuple):
-        shown.__notes__ = [escape_controls(str(note)) for note in notes]  # type: ignore[attr-defined]
-    for other in (shown.__cause__, shown.__context__, *(getattr(shown, "exceptions", None) or ())):
-        if other is not None:
-            _escape_messages(other, seen)
+    name; a ``SyntaxError``'s ``msg``, ``filename`` and ``text``) and the notes of ``shown`` and
+    of every exception it chains or groups, once each, without recursion (a chain may be
+    thousands long: ``TracebackException`` walks it with a queue too)."""
+    pending, seen = [shown], set()
+    while pending:
+        one = pending.pop()
+        if id(one) in seen:
+            continue
+        seen.add(id(one))
+        one._str = escape_controls(_text(one._str, "exception"))  # type: ignore[attr-defined]  # (3.10 to 3.15)
+        if hasattr(one, "msg"):  # a SyntaxError (set for those alone), written by its fields
+            for name in ("msg", "filename"):
+                if isinstance(getattr(one, name), str):
+                    setattr(one, name, escape_controls(getattr(one, name)))
+            if isinstance(one.text, str):  # (its end of line kept: ``_format_syntax_error`` strips it)
+                text = one.text.rstrip("\n")
+                one.text = escape_controls(text) + one.text[len(text):]
+        notes = getattr(one, "__notes__", None)
+        if isinstance(notes, Sequence) and not isinstance(notes, str | bytes):
+            one.__notes__ = [escape_controls(_text(note, "note")) for note in notes]  # type: ignore[attr-defined]
+        elif notes is not None:  # (written by ``repr``, as 3.13 writes it; 3.11 split a str into lines)
+            one.__notes__ = [escape_controls(_text(notes, "__notes__", repr))]  # type: ignore[attr-defined]
+        pending.extend(other for other in (one.__cause__, one.__context__, *(getattr(one, "exceptions", None) or ()))
+                       if other is not None)
 
 
 def install() -> None:

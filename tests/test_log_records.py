@@ -99,3 +99,54 @@ def test_a_tracebacks_exception_messages_are_escaped_its_lines_kept(captured: io
 def test_escape_controls_writes_them_as_repr_does() -> None:
     assert log_records.escape_controls("a\tb\x1bc\x7f") == "a\\tb\\x1bc\\x7f"
     assert log_records.escape_controls("plain ünïcode") == "plain ünïcode"
+
+
+class _Unprintable:
+    """A note no ``str`` can write (``traceback`` writes ``<note str() failed>`` for it)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_a_traceback_it_cannot_escape_never_raises_out_of_the_log_call(captured: io.StringIO) -> None:
+    """Diff review s40 r5 of 8a627a5: the traceback is escaped in the record factory, inside the
+    log call, so its errors reached the caller instead of the handler: a note whose ``str``
+    raised (RuntimeError) and an exception chained to 3,000 others (RecursionError in the
+    escaping's recursion; ``traceback`` walks chains with a queue) raised out of
+    ``log.exception`` and ended the calling thread's work."""
+    log = logging.getLogger("cache_node.engine")
+    try:
+        failure = ValueError("step failed\x1b[2J")
+        failure.__notes__ = ["ok note", _Unprintable()]
+        raise failure
+    except ValueError:
+        log.exception("request %s failed", "r1")
+    chained = None
+    for i in range(3000):
+        link = KeyError(f"k{i}\n")
+        link.__context__ = chained
+        chained = link
+    try:
+        raise ValueError("last\nWARNING:forged") from chained
+    except ValueError:
+        log.exception("request %s failed", "r2")
+    lines = captured.getvalue().splitlines()
+    assert lines[:1] == ["request r1 failed"] and "ValueError: step failed\\x1b[2J" in lines
+    assert lines[lines.index("ValueError: step failed\\x1b[2J") + 1:][:2] == ["ok note", "<note str() failed>"]
+    assert "request r2 failed" in lines and lines[-1] == "ValueError: last\\nWARNING:forged"
+    assert "KeyError: 'k0\\n'" in lines and "KeyError: 'k2999\\n'" in lines
+    assert not any(line.startswith("WARNING:forged") for line in lines)
+
+
+def test_a_syntax_errors_message_and_text_are_escaped(captured: io.StringIO) -> None:
+    """Diff review s40 r5 of 8a627a5: ``traceback`` writes a SyntaxError from its ``msg``, ``text``
+    and ``filename``, not its ``str``: they were written raw (a forged line, an ESC)."""
+    try:
+        raise SyntaxError("bad\nWARNING:forged\x1b[2J", ("f\x1b.py", 1, 2, "x\x1b]0;t\x07y\n"))
+    except SyntaxError:
+        logging.getLogger("services.chat").exception("template %s", "t")
+    text = captured.getvalue()
+    assert "\x1b" not in text and "\x07" not in text
+    lines = text.splitlines()
+    assert lines[-4:] == ['  File "f\\x1b.py", line 1', "    x\\x1b]0;t\\x07y", "     ^",
+                          "SyntaxError: bad\\nWARNING:forged\\x1b[2J"]
