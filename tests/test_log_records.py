@@ -148,5 +148,6 @@ def test_a_syntax_errors_message_and_text_are_escaped(captured: io.StringIO) -> 
     text = captured.getvalue()
     assert "\x1b" not in text and "\x07" not in text
     lines = text.splitlines()
-    assert lines[-4:] == ['  File "f\\x1b.py", line 1', "    x\\x1b]0;t\\x07y", "     ^",
-                          "SyntaxError: bad\\nWARNING:forged\\x1b[2J"]
+    assert lines[-4:-2] == ['  File "f\\x1b.py", line 1', "    x\\x1b]0;t\\x07y"]
+    assert lines[-2].strip().startswith("^")  # (the caret's width is the Python version's: 3.13 underlines more)
+    assert lines[-1] == "SyntaxError: bad\\nWARNING:forged\\x1b[2J"
