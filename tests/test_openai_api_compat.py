@@ -249,6 +249,20 @@ def test_refusals_a_retry_cannot_fix_say_so(code: grpc.StatusCode, message: str,
     assert ("retry-after" in headers) == (retry_after_ms is not None)
 
 
+@pytest.mark.parametrize(("code", "message", "error_code"), [
+    (grpc.StatusCode.ALREADY_EXISTS, "request 'r1' is in flight already", "already_exists"),
+    (grpc.StatusCode.ABORTED, SESSION_BUSY, "aborted"), (grpc.StatusCode.ABORTED, SESSION_LOST, "aborted"),
+    (grpc.StatusCode.ABORTED, DELETED_MESSAGE, "aborted")])
+def test_every_409_has_one_type(code: grpc.StatusCode, message: str, error_code: str) -> None:
+    """Every 409 is OpenAI's ``invalid_request_error`` (OpenAI has no error type of its own for a
+    conflict; its client tells them by status, ``ConflictError``), its ``code`` saying which
+    conflict. Regression (s40 new-user trial): a request id in flight was
+    ``invalid_request_error`` / ``already_exists``, a busy session ``conflict_error`` / ``aborted``."""
+    got, _, body = _call(_Servicer((code, message, None)), "POST", "/v1/chat/completions", _chat())
+    assert got == 409 and body["error"] == {"message": message, "type": "invalid_request_error", "param": None,
+                                            "code": error_code}, body
+
+
 def test_the_openai_client_does_not_retry_a_session_cap() -> None:
     """The official client, at its default ``max_retries=2``: one request reaches the server
     (three before), and the refusal is raised at once."""

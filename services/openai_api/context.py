@@ -8,7 +8,10 @@ API makes, in OpenAI's error shape ``{"error": {"message", "type", "param", "cod
 ``code`` OpenAI's where OpenAI has one (``invalid_api_key`` for UNAUTHENTICATED,
 ``model_not_found``, ``context_length_exceeded``: ``CallAborted.about_context``), else the
 gRPC status in lower case (other 400s are ``invalid_argument``; ``param`` names the body field
-a 400 is about, ``CallAborted.param``):
+a 400 is about, ``CallAborted.param``). Every 409 is ``invalid_request_error``, OpenAI's type for
+a client's error (it has none for a conflict: its client tells a 409 by status), its code saying
+which conflict (``already_exists``: a request id in flight; ``aborted``: a session busy or its
+history gone, a deleted tenant's request):
 
 =====================  ====  ==========================
 gRPC status            HTTP  OpenAI ``error.type``
@@ -19,7 +22,7 @@ ALREADY_EXISTS         409   invalid_request_error
 UNAUTHENTICATED        401   authentication_error
 PERMISSION_DENIED      403   permission_error
 NOT_FOUND              404   not_found_error
-ABORTED                409   conflict_error (a session turn whose history is gone, or whose session is busy)
+ABORTED                409   invalid_request_error (a session turn whose history is gone, or whose session is busy)
 RESOURCE_EXHAUSTED     429   rate_limit_error (+ ``Retry-After`` seconds, rounded up)
 UNAVAILABLE            503   service_unavailable
 DEADLINE_EXCEEDED      504   timeout
@@ -58,7 +61,7 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "invalid_request_error"),  # as ALREADY_EXISTS's: OpenAI has no conflict type
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
