@@ -88,6 +88,8 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
 
     data_address = ""  # the admission socket, once open
     _sessions_due: asyncio.Event | None = None  # set: store the session changes (``_store_sessions``)
+    _usage_flushes: asyncio.Task[None] | None = None  # ``_flush_durable_every``, while serving
+    _session_stores: asyncio.Task[None] | None = None  # ``_store_sessions``, while serving
 
     def __init__(self, *args: Any, peers: RecoveryPeers | None = None, spill_poll_s: float = SPILL_POLL_S,
                  **kwargs: Any) -> None:
@@ -431,7 +433,7 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         self._authenticator = self.security.start_authenticator(ctx) if self.security is not None else None
         sock, self.data_address = data_plane.serving_socket(ctx, data_plane.zmq.ROUTER, self.security)
         self._admissions = asyncio.get_running_loop().create_task(self._serve_admissions(sock))
-        if getattr(self, "_usage_flushes", None) is None:  # serving: usage counts from now on
+        if self._usage_flushes is None:  # serving: usage counts from now on
             self._usage_flushes = asyncio.get_running_loop().create_task(self._flush_durable_every(USAGE_FLUSH_S))
             self._sessions_due = due = asyncio.Event()
             self._session_stores = asyncio.get_running_loop().create_task(self._store_sessions(due))
@@ -439,7 +441,17 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         return self.data_address
 
     def close_data_plane(self) -> None:
-        """Stop serving admissions and close every data-plane socket (on the serving loop)."""
+        """Stop serving admissions, and the periodic flushes serving started
+        (``_flush_durable_every``, ``_store_sessions``: ``open_data_plane`` starts them again),
+        and close every data-plane socket (on the serving loop).
+
+        Regression (s40 diff review r4): only the admission server was cancelled; the flushes
+        ran on against a store the caller closes next, and a loop stopped after the close
+        destroyed them pending ("Task was destroyed but it is pending!")."""
+        for task in (self._usage_flushes, self._session_stores):
+            if task is not None:
+                task.cancel()
+        self._usage_flushes = self._session_stores = self._sessions_due = None
         if self.data_address:
             self._admissions.cancel()
             if self._authenticator is not None:
