@@ -11,12 +11,19 @@ or one the dead actor's successor loaded) until ``session_ttl_s``: the session's
 went to the node that no longer held it.
 
 ``PeerOutbox`` sends each message from its own daemon thread and waits for the call's answer;
-a call that fails as its actor died, or is not answered within ``timeout_s``, or finds no live
-actor of the name, is sent again (``retry_s`` later, the name looked up again at once after a
-death: ``NamedPeer.forget``) until an actor of the name answers it. The messages are
-idempotent (a repeat applies nothing more), so a call that timed out and still ran does no
-harm. One message per method waits at most: a later one replaces it, or joins it (``merge``).
-A call the peer itself refused (it raised: a bug or a bad argument) is dropped, logged.
+a call that fails as its actor died (or Ray is restarting it), or finds no live actor of the
+name, is sent again (``retry_s`` later, the name looked up again at once after a death:
+``NamedPeer.forget``) until an actor of the name answers it. The messages are idempotent (a
+repeat applies nothing more). A call not answered within ``timeout_s`` is logged and waited on,
+not sent again: it is still queued or running at the peer, and Ray resolves it once the peer
+answers or dies (then it is sent again). One call is in flight at a time and one message per
+method waits at most: a later one replaces it, or joins it (``merge``). A call the peer itself
+refused (it raised: a bug or a bad argument) is dropped, logged.
+
+Regression (s40 review r3): a call not answered within ``timeout_s`` was sent again, a new
+task queued at the peer each time while the one before still waited there: a scheduler alive
+but silent (stopped, deadlocked) for an hour was queued ~120 ``sessions_ended`` calls by each
+node, each with every expiry untold so far, all run (stale) once it answered again.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from services.actor_refs import NamedPeer
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
-"""How long one call may take before it is sent again (a restarting peer answers once it is back)."""
+"""How long one call may take before it is logged as not answered (and waited on further)."""
 
 RETRY_S = 1.0
 """Wait before a message is sent again after a failed call, or while its peer has no live actor."""
@@ -52,8 +59,9 @@ class PeerOutbox:
 
     Attributes:
         counters: ``sent_calls`` (answered), ``failed_calls`` (the actor died or was
-            unavailable, no answer within ``timeout_s``, or no live actor of the name: each sent
-            again), ``refused_calls`` (the peer raised: dropped).
+            unavailable, or no live actor of the name: each sent again), ``slow_calls`` (no
+            answer within ``timeout_s``: waited on further, not sent again), ``refused_calls``
+            (the peer raised: dropped).
     """
 
     def __init__(self, peer: NamedPeer, timeout_s: float = CALL_TIMEOUT_S, retry_s: float = RETRY_S) -> None:
@@ -64,7 +72,7 @@ class PeerOutbox:
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self.counters = {"sent_calls": 0, "failed_calls": 0, "refused_calls": 0}
+        self.counters = {"sent_calls": 0, "failed_calls": 0, "slow_calls": 0, "refused_calls": 0}
 
     def tell(self, method: str, *args: Any, merge: Callable[[Args, Args], Args] | None = None,
              check: Callable[[Args], Args | None] | None = None) -> None:
@@ -132,10 +140,10 @@ class PeerOutbox:
             self._failed(method, self.peer.missing)
             return False
         try:
-            ray.get(getattr(handle, method).remote(*sending), timeout=self.timeout_s)
-        except (RayActorError, GetTimeoutError) as exc:  # dead, restarting, or silent: sent again
-            if isinstance(exc, RayActorError):
-                self.peer.forget(handle)  # (a new actor of the name is looked up at once)
+            if not self._answer(method, getattr(handle, method).remote(*sending)):
+                return True  # (closed meanwhile: dropped)
+        except RayActorError as exc:  # dead or restarting: sent again
+            self.peer.forget(handle)  # (a new actor of the name is looked up at once)
             self._failed(method, f"{type(exc).__name__}: {str(exc).strip()[:200]}")
             return False
         except Exception as exc:  # noqa: BLE001 - the peer raised: its answer, not sent again
@@ -144,6 +152,25 @@ class PeerOutbox:
             return True
         self.counters["sent_calls"] += 1
         return True
+
+    def _answer(self, method: str, ref: Any) -> bool:
+        """Wait for call ``ref``'s answer, logging each ``timeout_s`` without one (a silent
+        peer: the call still waits there, so it is not sent again); whether it was answered
+        (False: the outbox was closed meanwhile). Raises what ``ray.get`` raises for the call,
+        but ``GetTimeoutError``."""
+        while True:
+            try:
+                ray.get(ref, timeout=self.timeout_s)
+                return True
+            except GetTimeoutError:
+                self.counters["slow_calls"] += 1
+                slow = self.counters["slow_calls"]
+                if slow & (slow - 1) == 0:  # the 1st, 2nd, 4th, ... (a peer silent for long)
+                    log.warning("call %s to %s not answered for %g s (waited on, not sent again; %d such waits "
+                                "so far)", method, self.peer.peer, self.timeout_s, slow)
+                with self._cond:
+                    if self._closed:
+                        return False
 
     def _failed(self, method: str, why: str) -> None:
         self.counters["failed_calls"] += 1

@@ -194,3 +194,22 @@ class ServedGateway:
 
     def stop(self) -> None:
         pass
+
+
+@ray.remote(num_cpus=0)
+class CountingPeer:
+    """A peer that notes every call of ``note`` it runs, and names its worker process (a test
+    stops it with SIGSTOP: a peer alive but silent)."""
+
+    def __init__(self) -> None:
+        self.notes: list[tuple[Any, ...]] = []
+
+    def note(self, *args: Any) -> bool:
+        self.notes.append(args)
+        return True
+
+    def noted(self) -> list[tuple[Any, ...]]:
+        return self.notes
+
+    def pid(self) -> int:
+        return os.getpid()

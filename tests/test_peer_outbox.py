@@ -1,0 +1,58 @@
+"""``peer_outbox.PeerOutbox`` against a peer that is alive but silent (its process stopped):
+one call of a message is in flight at a time, however long the peer stays silent.
+
+Regression (s40 review r3 of fc11c98): a call not answered within ``timeout_s`` (30 s) was sent
+again, each time a new actor task queued at the peer while the one before still waited there.
+A global scheduler stopped or deadlocked for an hour got ~120 ``sessions_ended`` calls from
+each cache node, each holding every expiry untold so far (up to ``MAX_UNTOLD_SESSIONS`` ids, a
+few MB), kept by Ray until the scheduler ran them all, stale, once it answered again (the
+gateway sends a silent scheduler no such call for that reason: docs/architecture.md 'Scheduler
+alive but silent'). Ray resolves a call's ref once its actor answers or dies, so the call
+in flight is waited on, and only a failure sends it again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import ray
+
+from services.actor_refs import ActorRef, NamedPeer
+from services.peer_outbox import PeerOutbox
+
+NAMESPACE = "kvstrata-peer-outbox"
+
+
+def _join(older: tuple, newer: tuple) -> tuple:  # type: ignore[type-arg]
+    return newer[0], [*older[1], *newer[1]]
+
+
+def test_a_silent_peer_gets_one_call_of_a_message_not_one_per_timeout(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The peer's process is stopped while ``note`` is told (0.2-s call timeout): about 1.5 s
+    later a second message of the method is told (joined with the first, were it still
+    untold). Once the process runs again, the peer ran the first call once and then the
+    second: ``[("n0", ["s1"]), ("n0", ["s2"])]``. Before: the first call was sent again at
+    each timeout (~6 times) and then joined with the second (``["s1", "s2"]``)."""
+    from tests.ray_actors import CountingPeer
+
+    name = f"silent-peer-{os.getpid()}"
+    peer = CountingPeer.options(name=name, namespace=NAMESPACE).remote()
+    pid = ray.get(peer.pid.remote(), timeout=60)
+    outbox = PeerOutbox(NamedPeer(ActorRef(name, NAMESPACE), relookup_s=0.0), timeout_s=0.2, retry_s=0.05)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            outbox.tell("note", "n0", ["s1"], merge=_join)
+            time.sleep(1.5)
+            outbox.tell("note", "n0", ["s2"], merge=_join)
+            assert not outbox.flush(0.5)  # (silent: nothing answered yet)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert outbox.flush(30.0), outbox.counters
+        assert ray.get(peer.noted.remote(), timeout=30) == [("n0", ["s1"]), ("n0", ["s2"])]
+        assert outbox.counters["sent_calls"] == 2 and outbox.counters["slow_calls"] >= 1, outbox.counters
+    finally:
+        outbox.close()
+        ray.kill(peer, no_restart=True)
