@@ -283,17 +283,30 @@ class GlobalSchedulerService(Recovery, GlobalScheduler):
         Regression (s40 security hunt): one try, bounded by ``GATEWAY_POLL_S``: a gateway whose
         watch failed because its loop stalled (past ``GATEWAY_POLL_FAILURES`` polls) and that
         had not resumed within that try was never told, so the streams of its released
-        requests, which no event would end any more, waited for ever once it ran again."""
+        requests, which no event would end any more, waited for ever once it ran again.
+
+        A call not answered within its bound is awaited again at the next try, never sent
+        again (only one that failed is): Ray runs a call the caller stopped waiting for once
+        the gateway's loop runs again. Regression (s40 diff review r4): each try sent a new
+        call, so a gateway stalled for minutes ran up to ``GATEWAY_TELL_TRIES`` of them at once
+        when it resumed (each ending the same streams, attaching again and logging)."""
+        sent: asyncio.Future[Any] | None = None  # the call in flight
         for attempt in range(1, GATEWAY_TELL_TRIES + 1):
+            if sent is None:
+                sent = asyncio.ensure_future(_awaited(
+                    handle.counted_gone.remote(subscriber=subscriber, request_ids=released)))
             try:
-                await asyncio.wait_for(handle.counted_gone.remote(subscriber=subscriber, request_ids=released),
-                                       GATEWAY_POLL_S)
+                await asyncio.wait_for(asyncio.shield(sent), GATEWAY_POLL_S)
                 return
             except Exception as exc:  # noqa: BLE001 - a dead, stalled or unreachable gateway
+                if sent.done():  # the call failed (not only unanswered): sent again
+                    sent = None
                 if actor_died(exc) or attempt == GATEWAY_TELL_TRIES:
                     (log.info if actor_died(exc) else log.warning)(
                         "gateway %s not told it was counted gone (%d tries): %s", subscriber, attempt,
                         type(exc).__name__)
+                    if sent is not None:  # stop waiting (Ray still runs the call should the gateway resume)
+                        sent.cancel()
                     return
             await asyncio.sleep(GATEWAY_RETRY_S)
 
