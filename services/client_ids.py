@@ -1,6 +1,7 @@
 """The characters a client-named string may hold: the rule every API edge applies to the ids and
 keys a client names things by (``request_id``, ``session_id``, ``cache_salt``, ``routing_key`` /
-``prompt_cache_key``, OpenAI's ``user``), before any of them is held, hashed, routed or logged.
+``prompt_cache_key``), before any of them is held, hashed, routed or logged. (OpenAI's ``user``
+is none of these: kvstrata ignores it, so it takes any text.)
 
 Such a string is any Unicode text within its length limit (``MAX_ID_CHARS``, checked beside
 this) except for the characters that end or reorder a line where it is shown (``UNPRINTABLE``):

@@ -69,7 +69,9 @@ class SamplingFields(StructuredFields):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # negative: as seed % 2**64
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's own records; not used
+    # an end-user id for the caller's own records; not used, kept or logged, so any text, as
+    # OpenAI takes it (diff review s40 r5 of 57d8f6a: a user with a tab or an RLM was a 400)
+    user: str | None = None
     n: int = 1  # in [1, MAX_N]; more than 1: ``choices``
     # OpenAI's penalties, and vLLM's extra sampling parameters as vLLM names them (review 25b N4)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
@@ -93,7 +95,7 @@ class SamplingFields(StructuredFields):
     prompt_cache_key: str = Field("", max_length=MAX_ID_CHARS)
     priority: int = 0  # bounded by the gateway (INVALID_ARGUMENT: 400)
 
-    @field_validator("session_id", "cache_salt", "prompt_cache_key", "user")
+    @field_validator("session_id", "cache_salt", "prompt_cache_key")  # (not ``user``: see its line)
     @classmethod
     def _printable(cls, value: str | None) -> str | None:
         """The ids, salt and key a client names things by hold no control, line break or
