@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from services import client_ids
+
 MAX_UINT32, MAX_UINT64 = 2**32 - 1, 2**64 - 1
 MAX_ID_CHARS = 256
 """The longest session id or ``cache_salt`` the gateway takes (``services.gateway_inputs.MAX_ID_CHARS``;
@@ -43,8 +45,11 @@ def id_chars(option: str) -> Callable[[str], str]:
     (``services.gateway_inputs.MAX_ID_CHARS``: a session id, a ``cache_salt``), refused here
     as a usage error naming ``option`` rather than as the server's INVALID_ARGUMENT; so is one
     that is not text (bytes the locale could not decode, kept as lone surrogates: ``$'a\\xffb'``),
-    which no request can carry. Regression (review r1 F5, session 37): such a ``--cache-salt``
-    or SESSION raised UnicodeEncodeError, a traceback with exit 1."""
+    which no request can carry, and one holding a character no client-named id may
+    (``services.client_ids``: a control, line break or bidirectional formatting character).
+    Regression (review r1 F5, session 37): such a ``--cache-salt`` or SESSION raised
+    UnicodeEncodeError, a traceback with exit 1; (review r5, session 40) ``--session $'s\\nx'``
+    was the server's INVALID_ARGUMENT with exit 1, not a usage error naming the option."""
     def check(value: str) -> str:
         if len(value) > MAX_ID_CHARS:
             raise typer.BadParameter(f"{option} has {len(value)} characters; at most {MAX_ID_CHARS}")
@@ -53,6 +58,9 @@ def id_chars(option: str) -> Callable[[str], str]:
         except UnicodeEncodeError as err:
             raise typer.BadParameter(f"{option} is not valid UTF-8 text (character {err.start + 1} is an "
                                      "undecodable byte)") from None
+        why = client_ids.refusal(value)
+        if why is not None:
+            raise typer.BadParameter(f"{option} {why}")
         return value
 
     return check

@@ -21,7 +21,7 @@ Regression (s40 security hunt): only the length of these strings was checked, so
 ``request_id`` of ``"r1\\n... tenant=bob ..."`` or one holding ESC sequences went into the
 nodes' and gateways' logs and every reply and error naming it (log injection, CWE-117: lines
 forged about another tenant; an escape sequence reaching an operator's terminal through
-``kvstrata logs``). The logs escape such characters too (``cache_node.log_records``), whatever
+a worker's log file or stderr). The logs escape such characters too (``cache_node.log_records``), whatever
 text reaches them.
 """
 

@@ -227,3 +227,22 @@ def test_an_id_that_is_not_text_is_a_usage_error() -> None:
         assert done.returncode == 2 and "Traceback" not in output, (args, done.returncode, output[-600:])
         assert f"Invalid value for '{option}'" in output or f"Invalid value for {option}" in output, (args, output)
         assert "not valid UTF-8 text" in output, output
+
+
+@pytest.mark.parametrize("args,option", [
+    (["generate", "hi", "--session", "s\nx"], "--session"),
+    (["generate", "hi", "--cache-salt", "a\x1b[2Jb"], "--cache-salt"),
+    (["close-session", "s\u202ex"], "SESSION"),
+    (["close-session", "s1", "--cache-salt", "a\tb"], "--cache-salt"),
+])
+def test_an_id_holding_a_character_no_client_id_may_is_a_usage_error(args: list[str], option: str) -> None:
+    """A session id or ``--cache-salt`` holding a control, line-break or bidirectional formatting
+    character (``services.client_ids``, the gateway's rule) is a usage error naming the option,
+    exit 2, before anything is called. Regression (review r5, session 40): it went to the
+    gateway and came back as its INVALID_ARGUMENT with exit 1 (here: UNAVAILABLE, nothing
+    listens)."""
+    code, output = _run(*args, "--gateway", NOWHERE)
+    words = _words(output)
+    assert code == 2, (code, words)
+    assert f"Invalid value for '{option}'" in words or f"Invalid value for {option}" in words, words
+    assert "bidirectional formatting character" in words, words
