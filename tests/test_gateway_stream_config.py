@@ -34,6 +34,7 @@ from services.gateway_stream_bounds import StreamLimits
 from services.openai_api import HttpServer, OpenAIEdge, create_app
 from services.openai_api.app import _ClosingStream, _stream
 from services.openai_api.responses import Generation
+from services.openai_api.stream_shape import StreamShape
 from tenants.model import Tenant, TenantSpec
 from tests.gateway_harness import NODE_INFO
 from tests.grpc_context import GrpcContext
@@ -368,7 +369,7 @@ def test_an_http_stream_whose_client_stops_reading_is_ended_and_frees_its_slot()
             events = gw.servicer.generate(gw.context(GrpcContext()), lambda: input_from_pb(PB), writer)
             started = await anext(events)
             # a chat: its first chunk (the role) goes out before any delta
-            response = _ClosingStream(_stream(Generation(events, started, True, "m"), False),
+            response = _ClosingStream(_stream(Generation(events, started, True, "m"), StreamShape()),
                                       media_type="text/event-stream", writer=writer)
             await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
 

@@ -338,6 +338,7 @@ def test_a_size_refusal_after_the_first_chunk_reads_the_same_in_a_stream() -> No
     from services.openai_api.context import CallAborted
     from services.openai_api.responses import Generation
     from services.openai_api.schemas import ChatCompletionRequest
+    from services.openai_api.stream_shape import StreamShape
 
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 9, "stream": True})
@@ -349,7 +350,7 @@ def test_a_size_refusal_after_the_first_chunk_reads_the_same_in_a_stream() -> No
 
     async def run() -> dict:  # type: ignore[type-arg]
         generation = Generation(events(), {"type": "started", "prompt_tokens": 5, "cached_tokens": {}}, True, "m", "r")
-        chunks = [c async for c in _stream(generation, False, lambda exc: refusal_about(exc, body))]
+        chunks = [c async for c in _stream(generation, StreamShape(), lambda exc: refusal_about(exc, body))]
         return next(json.loads(c.decode()[6:]) for c in chunks if b'"error"' in c)["error"]
 
     error = asyncio.run(run())

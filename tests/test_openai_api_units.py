@@ -20,6 +20,7 @@ from services.openai_api.context import CallAborted, HttpCallContext
 from services.openai_api.responses import Generation
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from services.openai_api.server import HttpServer
+from services.openai_api.stream_shape import StreamShape
 from services.openai_api.streaming import _stream
 
 
@@ -152,7 +153,7 @@ def _streamed(chat: bool) -> list[dict]:
 
     async def run() -> list[bytes]:
         started = {"type": "started", "prompt_tokens": 3}
-        return [b async for b in _stream(Generation(events(), started, chat, "m", "r1"), True)]
+        return [b async for b in _stream(Generation(events(), started, chat, "m", "r1"), StreamShape(usage=True))]
 
     raw = b"".join(asyncio.run(run())).decode()
     assert raw.endswith("data: [DONE]\n\n")

@@ -491,7 +491,7 @@ class OpenAIEdge:
         generation = Generation(events, started, chat, self.model_name, rid, self.logprobs(body),
                                 body.tool_output(seed) if chat else None, prompt())  # type: ignore[union-attr]
         if body.stream:
-            return _ClosingStream(_stream(generation, body.include_usage(), lambda exc: refusal_about(exc, body)),
+            return _ClosingStream(_stream(generation, body.stream_shape(), lambda exc: refusal_about(exc, body)),
                                   media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"}, writer=writer)
         return await _whole(generation, request, lambda exc: refusal_about(exc, body), self.render)

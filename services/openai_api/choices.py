@@ -75,6 +75,7 @@ from services.openai_api.prompt_logprobs import PromptExtras
 from services.openai_api.response_budget import Held
 from services.openai_api.responses import Generation, says_nothing, sse, usage_dict
 from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from services.openai_api.stream_shape import StreamShape
 from services.openai_api.streaming import (
     ClientGone,
     Render,
@@ -302,27 +303,28 @@ class Choices:
         for g in gens[1:]:
             g.created = gens[0].created
         if self.body.stream:
-            body = _Body(self._stream(gens, self.body.include_usage()), self.close)
+            body = _Body(self._stream(gens, self.body.stream_shape()), self.close)
             return _ClosingStream(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                   writer=self.writer)
         return await self._whole(gens)
 
-    async def _stream(self, gens: list[ChoiceGeneration], include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE body (``streaming._stream``'s, for n choices: see the module docstring)."""
+    async def _stream(self, gens: list[ChoiceGeneration], shape: StreamShape) -> AsyncIterator[bytes]:
+        """The SSE body (``streaming._stream``'s, for n choices: see the module docstring); a
+        chunk's continuous usage is its own choice's counts so far, as vLLM's."""
         merged = self._merged(gens)
         try:
             if self.chat:
                 for g in gens:
-                    yield sse(g.chunk("", first=True, include_usage=include_usage))
+                    yield shape.event(g.chunk("", first=True, include_usage=shape.usage), g.usage)
             async for i, text in merged:
                 g = gens[i]
-                chunk = g.chunk(None, g.finish_reason, include_usage=include_usage) if text is None else (
-                    g.chunk(text, include_usage=include_usage))
+                chunk = g.chunk(None, g.finish_reason, include_usage=shape.usage) if text is None else (
+                    g.chunk(text, include_usage=shape.usage))
                 if not says_nothing(chunk):
-                    yield sse(chunk)
-            if include_usage:
+                    yield shape.event(chunk, g.usage)
+            if shape.usage:
                 body = gens[0]._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-                yield sse({**body, **_usage(gens)})
+                yield shape.event({**body, **_usage(gens)})
         except CallAborted as exc:
             yield sse(self._about(exc).response().body.decode())
             return

@@ -28,6 +28,7 @@ from cache_node.sampling_params import (
 from services import client_ids
 from services.convert import check_policy_spec
 from services.gateway import MAX_ID_CHARS, GenerateInput
+from services.openai_api.stream_shape import StreamShape
 from services.openai_api.strict import Strict, bounded_list, json_brief, json_text, same_json
 from services.openai_api.structured import StructuredFields
 
@@ -48,7 +49,12 @@ spaces, underscores and other scripts' digits); its range is ``SamplingParams``'
 gateway's (the vocabulary)."""
 
 class StreamOptions(Strict):
+    """OpenAI's ``stream_options`` (and vLLM's ``continuous_usage_stats``): what a stream's
+    chunks carry besides their choices (``stream_shape.StreamShape``)."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk, with include_usage
+    include_obfuscation: bool = True  # OpenAI's (and its default): chunk events padded
 
 
 class SamplingFields(StructuredFields):
@@ -179,6 +185,14 @@ class SamplingFields(StructuredFields):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def stream_shape(self) -> StreamShape:
+        """What this body's streamed chunks carry (``stream_options``; obfuscated when it is
+        left out, as at OpenAI; continuous usage only with ``include_usage``, as at vLLM)."""
+        options = self.stream_options or StreamOptions()
+        return StreamShape(usage=options.include_usage,
+                           continuous_usage=options.include_usage and options.continuous_usage_stats,
+                           obfuscate=options.include_obfuscation)
 
     def check_supported(self) -> None:
         """Raise ValueError naming the first field set to a value this server cannot honour,

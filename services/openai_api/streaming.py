@@ -22,6 +22,7 @@ from services.openai_api.errors import ClientGone, _gone
 from services.openai_api.response_budget import Held
 from services.openai_api.responses import Generation, says_nothing, sse
 from services.openai_api.scope_hooks import end_unfinished
+from services.openai_api.stream_shape import StreamShape
 
 T = TypeVar("T")
 
@@ -90,10 +91,11 @@ class _ClosingStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-async def _stream(generation: Generation, include_usage: bool,
+async def _stream(generation: Generation, shape: StreamShape,
                   about: Callable[[CallAborted], CallAborted] = lambda exc: exc) -> AsyncIterator[bytes]:
     """The SSE body: for a chat, a first chunk with the role (``content`` ""); text chunks; a
-    chunk with the finish reason; the usage chunk when asked for; ``[DONE]``. A failure after
+    chunk with the finish reason; the usage chunk when asked for; ``[DONE]``; each chunk with
+    what ``shape`` adds (usage so far, padding: ``stream_shape``). A failure after
     the status line went out is an ``{"error": ...}`` event, worded by ``about`` as a whole
     response's refusal is (review of 6b09071, L4: a size refusal was
     ``context_length_exceeded`` in a whole response, ``invalid_argument`` in a stream).
@@ -108,14 +110,15 @@ async def _stream(generation: Generation, include_usage: bool,
     pieces = generation.pieces()
     try:
         if generation.chat:
-            yield sse(generation.chunk("", first=True, include_usage=include_usage))
+            yield shape.event(generation.chunk("", first=True, include_usage=shape.usage), generation.usage)
         async for text in pieces:
-            chunk = generation.chunk(text, include_usage=include_usage)
+            chunk = generation.chunk(text, include_usage=shape.usage)
             if not says_nothing(chunk):
-                yield sse(chunk)
-        yield sse(generation.chunk(None, generation.finish_reason, include_usage=include_usage))
-        if include_usage:
-            yield sse(generation.usage_chunk())
+                yield shape.event(chunk, generation.usage)
+        yield shape.event(generation.chunk(None, generation.finish_reason, include_usage=shape.usage),
+                          generation.usage)
+        if shape.usage:
+            yield shape.event(generation.usage_chunk())
     except CallAborted as exc:
         yield sse(about(exc).response().body.decode())
         return
