@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import math
+import sqlite3
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -55,7 +56,11 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None, 
     (no arguments) before the call is aborted UNAUTHENTICATED because the scheduler found the
     caller's key no longer valid (``StaleKeyError``), to forget it here. ``check``: one of
     ``services.scheduler_replies``' checks of the scheduler's reply to ``method`` (a malformed
-    one: INTERNAL, logged)."""
+    one: INTERNAL, logged). The store's own failure (``sqlite3.Error``: its disk full or
+    failing) is UNAVAILABLE saying so, logged: the store's transaction was rolled back.
+
+    Regression (s40 diskfull): it reached gRPC uncaught, failing the call UNKNOWN with the
+    exception's class and a whole remote traceback."""
     try:
         reply = await ref
     except StaleKeyError as exc:
@@ -75,6 +80,12 @@ async def _call(context: grpc.aio.ServicerContext, ref: Any, stale: Any = None, 
         await context.abort(grpc.StatusCode.NOT_FOUND, error_message(exc))
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
+    except sqlite3.Error as exc:
+        log.warning("%s: the scheduler's tenant store failed (%s), the call failed UNAVAILABLE",
+                    method or "admin call", error_message(exc))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, (
+            f"the scheduler's tenant store failed ({error_message(exc)}): nothing changed; "
+            "retry once its disk has room"))
     return reply if check is None else await replies.answer(context, method, reply, check)
 
 

@@ -1,0 +1,162 @@
+"""The tenant store's disk full during an admin or tenant call: the call fails UNAVAILABLE saying
+the store failed and that nothing changed, the store keeps every tenant and key as they were,
+and every call works again once the disk has room.
+
+Regression (s40 diskfull): the store's ``sqlite3.OperationalError`` ("database or disk is
+full") reached the gateway's servicer uncaught, so gRPC failed the call UNKNOWN with the
+exception's class and a whole remote traceback in place of a status a client can act on.
+
+Real ``GlobalSchedulerService`` and tenant store on disk, the gateway's real ``TenantServicer``
+and ``AdminServicer``. The disk fills two ways: the store's own bound (``PRAGMA
+max_page_count``: the file cannot grow, which SQLite reports as it reports ENOSPC, SQLITE_FULL;
+runs anywhere), and, where this process may mount one (root), a real 256 KiB tmpfs filled to
+its last byte, which fails every write (the rollback journal cannot be made).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstrata.v1 import admin_pb2, tenant_pb2
+from services.global_scheduler_admission import GlobalSchedulerService
+from tenants.model import TenantSpec
+from tests.test_auth_flood import _Aborted, _Ctx
+from tests.test_stale_key_other_gateway import _Gateway
+
+
+class _Full(_Ctx):
+    """A call's context keeping the abort's details too."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.details = details
+        raise _Aborted(code, self.retry_after_ms)
+
+
+async def _status(call: Any, ctx: _Full) -> tuple[grpc.StatusCode, str]:
+    try:
+        await call
+    except _Aborted as err:
+        return err.code, ctx.details
+    return grpc.StatusCode.OK, ""
+
+
+Call = Callable[[_Full], Any]
+
+
+def _statuses(calls: list[tuple[str, str, Call]]) -> list[tuple[str, grpc.StatusCode, str]]:
+    async def run() -> list[tuple[str, grpc.StatusCode, str]]:
+        out = []
+        for label, key, call in calls:
+            ctx = _Full(key)
+            out.append((label, *await _status(call(ctx), ctx)))
+        return out
+
+    return asyncio.run(run())
+
+
+def _assert_unavailable(failed: list[tuple[str, grpc.StatusCode, str]]) -> None:
+    for label, code, details in failed:
+        assert code == grpc.StatusCode.UNAVAILABLE, (label, code, details)
+        assert "tenant store" in details and "full" in details and "nothing changed" in details, (label, details)
+        assert "Traceback" not in details
+
+
+def _setup(state_dir: Path) -> tuple[GlobalSchedulerService, str, str, _Gateway]:
+    scheduler = GlobalSchedulerService(str(state_dir), {"n0": 1})
+    admin_key = scheduler.store.ensure_admin_key()
+    assert admin_key is not None
+    _, ann_key = scheduler.store.register(TenantSpec("ann"))
+    return scheduler, admin_key, ann_key, _Gateway(scheduler)
+
+
+def _register(gw: _Gateway, name: str) -> Call:
+    return lambda c: gw.tenants.RegisterTenant(tenant_pb2.RegisterTenantRequest(spec=tenant_pb2.TenantSpec(name=name)), c)
+
+
+def test_a_full_tenant_store_fails_register_unavailable_and_registers_once_it_has_room(tmp_path: Path) -> None:
+    scheduler, admin_key, _, gw = _setup(tmp_path)
+    conn = scheduler.store._conn
+    conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+    registered = 0
+    while _statuses([("register", admin_key, _register(gw, f"t{registered}"))])[0][1] == grpc.StatusCode.OK:
+        registered += 1  # the store's pages fill up
+        assert registered < 1000
+
+    failed = _statuses([("register", admin_key, _register(gw, "dan"))] * 2)
+
+    _assert_unavailable(failed)
+    names = {t.spec.name for t in scheduler.store.list()}
+    assert "dan" not in names and f"t{registered}" not in names and len(names) == registered + 1
+    conn.execute("PRAGMA max_page_count = 1073741823")
+    assert _statuses([("register", admin_key, _register(gw, "dan"))])[0][1] == grpc.StatusCode.OK
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs of its own (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=700", "tmpfs", str(mount)],
+                      check=False, capture_output=True).returncode != 0:
+        pytest.skip("this host refuses a tmpfs mount")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(root: Path) -> Path:
+    filler = root / "filler"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 512)
+    except OSError as exc:
+        assert exc.errno == 28  # ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tiny_disk: Path) -> None:
+    """On a real full disk: register, update, delete, the admin's and a tenant's own key
+    rotation, and the admin key's rotation each fail UNAVAILABLE; every key and tenant stays as
+    it was; with room again, each works."""
+    scheduler, admin_key, ann_key, gw = _setup(tiny_disk)
+    scheduler.store.register(TenantSpec("bob"))
+    tenant = tenant_pb2.TenantSpec(name="ann", max_context_tokens=1024)
+    calls: list[tuple[str, str, Call]] = [
+        ("register", admin_key, _register(gw, "dan")),
+        ("update", admin_key, lambda c: gw.tenants.UpdateTenant(
+            tenant_pb2.UpdateTenantRequest(name="ann", spec=tenant), c)),
+        ("delete", admin_key, lambda c: gw.tenants.DeleteTenant(tenant_pb2.DeleteTenantRequest(name="bob"), c)),
+        ("rotate_own", ann_key, lambda c: gw.tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), c)),
+        ("rotate_admin", admin_key, lambda c: gw.admin.RotateAdminKey(admin_pb2.RotateAdminKeyRequest(), c)),
+    ]
+    filler = _fill(tiny_disk)
+
+    _assert_unavailable(_statuses(calls))
+
+    assert scheduler.store.verify_admin_key(admin_key)
+    ann = scheduler.store.authenticate(ann_key)
+    assert ann is not None and ann.spec.max_context_tokens != 1024
+    assert {t.spec.name for t in scheduler.store.list()} == {"ann", "bob"}
+    filler.unlink()
+    assert [code for _, code, _ in _statuses(calls)] == [grpc.StatusCode.OK] * len(calls)
+    assert {t.spec.name for t in scheduler.store.list()} == {"ann", "dan"}
+    assert scheduler.store.authenticate(ann_key) is None  # rotated away now
+    scheduler.store.close()
