@@ -75,10 +75,11 @@ def run_deepresearch(
     from workloads.deepresearch.job import run_deepresearch_grpc
     from workloads.deepresearch.register import (
         KEYS_FILE,
+        KeysNotSaved,
         TenantNameTaken,
         load_keys,
         register_tenants,
-        save_keys,
+        save_or_unregister,
     )
 
     profiles = demo_tenants(sessions_per_s)[:tenants]
@@ -107,9 +108,15 @@ def run_deepresearch(
                 keys = await register_tenants(ch, admin_key, cfg.tenants, policy=policy,
                                               earlier_keys=load_keys(keys_file, address))
             except TenantNameTaken as err:
-                save_keys(keys_file, address, err.registered)
+                try:
+                    await save_or_unregister(ch, admin_key, keys_file, address, err.registered)
+                except KeysNotSaved as lost:
+                    die(f"{err}\n{lost}")
                 die(str(err))
-        save_keys(keys_file, address, keys)  # profile names are the tenants' (no suffix)
+            try:  # profile names are the tenants' (no suffix)
+                await save_or_unregister(ch, admin_key, keys_file, address, keys)
+            except KeysNotSaved as err:
+                die(str(err))
         out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
                                           policy=policy, replay=replay or None, openai_url=url,
                                           tls=client_tls(address))

@@ -151,6 +151,46 @@ def save_keys(path: Path, deployment: str, keys: Mapping[str, str]) -> None:
         os.close(lock)
 
 
+class KeysNotSaved(RuntimeError):
+    """The keys of the tenants a run registered could not be saved (``save_or_unregister``)."""
+
+
+async def save_or_unregister(channel: grpc.aio.Channel, admin_key: str, path: Path, deployment: str,
+                             keys: Mapping[str, str]) -> None:
+    """``save_keys(path, deployment, keys)`` (tenant name -> key); when the file cannot be
+    written (its disk full, a read-only or missing state dir: ``OSError``) the tenants of
+    ``keys`` are deleted again over ``channel``, so that the next run registers them anew.
+
+    Regression (s40 diskfull): a save failing after the registrations raised ``OSError`` out of
+    ``kvstrata run`` with a traceback, the new keys only in memory: the next run found the
+    tenants it had replaced under keys nobody had, so it refused every name as another's
+    (``TenantNameTaken``) until the operator removed them by hand.
+
+    Raises:
+        KeysNotSaved: naming the file, the error, and any tenant that could not be deleted
+            (to remove by hand); the tenants deleted hold nothing a next run would not replace.
+    """
+    try:
+        save_keys(path, deployment, keys)
+        return
+    except OSError as exc:
+        error = exc
+    stub = tenant_pb2_grpc.TenantServiceStub(channel)
+    md = (("authorization", f"Bearer {admin_key}"),)
+    left = []
+    for name in keys:
+        try:
+            await stub.DeleteTenant(tenant_pb2.DeleteTenantRequest(name=name), metadata=md, timeout=30)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                left.append(f"{name} ({err.code().name}: {err.details()})")
+    said = f"the keys of the tenants this run registered could not be saved to {path} ({error}): "
+    if left:
+        raise KeysNotSaved(said + "these could not be removed again, remove them yourself (`kvstrata tenant rm "
+                           f"NAME`) before the next run: {'; '.join(left)}") from error
+    raise KeysNotSaved(said + f"they were removed again ({', '.join(keys)}); make room there and run again") from error
+
+
 def _load_all(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())

@@ -1,0 +1,96 @@
+"""``kvstrata run deepresearch``'s keys file cannot be written after the run registered its
+tenants (its disk full, or its state dir unusable): the tenants just registered are removed
+again, the error names the file and why, and the next run registers them anew.
+
+Regression (s40 diskfull): ``save_keys`` raised ``OSError`` out of the command (a traceback),
+the new keys only in memory; the next run, with the keys file's older keys, found each demo
+tenant held by a key nobody had and refused it as another's (``TenantNameTaken``) until the
+operator removed them by hand.
+
+Over a real gRPC TenantService (``tests.gateway_harness``); the disk fills for real (a 256 KiB
+tmpfs of its own, filled to its last byte) where this process may mount one (root), and the
+save's lock file is a folder (EISDIR) anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.gateway_harness import serve
+from tests.test_tenant_store_full import tiny_disk  # noqa: F401 - the fixture
+from tests.test_workload_register import PROFILES
+from workloads.deepresearch.register import (
+    KeysNotSaved,
+    load_keys,
+    register_tenants,
+    save_or_unregister,
+)
+
+DEPLOYMENT = "127.0.0.1:1"
+
+
+def _run(address: str, admin_key: str, keys_file: Path) -> dict[str, str]:
+    """One run's registration and keys saved, as ``kvstrata run deepresearch`` does them."""
+    async def go() -> dict[str, str]:
+        async with grpc.aio.insecure_channel(address) as ch:
+            keys = await register_tenants(ch, admin_key, PROFILES, earlier_keys=load_keys(keys_file, DEPLOYMENT))
+            await save_or_unregister(ch, admin_key, keys_file, DEPLOYMENT, keys)
+            return keys
+    return asyncio.run(go())
+
+
+@pytest.fixture(params=["full_disk", "lock_unopenable"])
+def broken(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, object]]:
+    """(keys file, a call that breaks its disk and returns one that mends it)."""
+    if request.param == "full_disk":
+        root = request.getfixturevalue("tiny_disk")
+
+        def fill() -> object:
+            filler = root / "filler"
+            fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                while True:
+                    os.write(fd, b"\0" * 512)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+            finally:
+                os.close(fd)
+            return filler.unlink
+        yield root / "cli" / "workload_keys.json", fill
+    else:
+        keys_file = tmp_path / "cli" / "workload_keys.json"
+        lock = keys_file.with_name(f".{keys_file.name}.lock")
+
+        def spoil() -> object:
+            lock.unlink()
+            lock.mkdir()  # the save's lock cannot be opened (EISDIR); the keys file still reads
+            return lock.rmdir
+        yield keys_file, spoil
+
+
+def test_keys_that_cannot_be_saved_unregister_their_tenants_and_the_next_run_goes_on(
+    tmp_path: Path, broken: tuple[Path, object]
+) -> None:
+    keys_file, breaker = broken
+    with serve(tmp_path / "gw") as gw:
+        first = _run(gw.address, gw.admin_key, keys_file)
+        assert load_keys(keys_file, DEPLOYMENT) == first
+        mend = breaker()  # type: ignore[operator]
+
+        with pytest.raises(KeysNotSaved) as err:
+            _run(gw.address, gw.admin_key, keys_file)
+
+        message = str(err.value)
+        assert str(keys_file) in message and "removed again" in message and "run again" in message
+        assert [t.spec.name for t in gw.scheduler.store.list()] == []  # no tenant under keys nobody holds
+        mend()
+        third = _run(gw.address, gw.admin_key, keys_file)  # before: TenantNameTaken for 'chat'
+        assert load_keys(keys_file, DEPLOYMENT) == third
+        assert {gw.scheduler.store.authenticate(k).spec.name for k in third.values()} == set(third)
