@@ -72,7 +72,7 @@ def run_deepresearch(
     from workloads.deepresearch.config import WorkloadConfig
     from workloads.deepresearch.demo_config import demo_tenants
     from workloads.deepresearch.generator import generate_plan, no_session_message
-    from workloads.deepresearch.job import run_deepresearch_grpc
+    from workloads.deepresearch.job import ReportNotWritten, run_deepresearch_grpc
     from workloads.deepresearch.register import (
         KEYS_FILE,
         KeysNotSaved,
@@ -117,9 +117,12 @@ def run_deepresearch(
                 await save_or_unregister(ch, admin_key, keys_file, address, keys)
             except KeysNotSaved as err:
                 die(str(err))
-        out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports, console=console,
-                                          policy=policy, replay=replay or None, openai_url=url,
-                                          tls=client_tls(address))
+        try:
+            out = await run_deepresearch_grpc(cfg, address, keys, admin_key=admin_key, root=reports,
+                                              console=console, policy=policy, replay=replay or None,
+                                              openai_url=url, tls=client_tls(address))
+        except ReportNotWritten as err:
+            die(str(err))
         return out.exit_code
 
     try:

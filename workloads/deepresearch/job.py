@@ -23,13 +23,19 @@ from workloads.deepresearch.client import InferenceClient, StatsProbe
 from workloads.deepresearch.config import WorkloadConfig
 from workloads.deepresearch.generator import generate_plan
 from workloads.deepresearch.grpc_client import GrpcInferenceClient
-from workloads.deepresearch.metrics import exit_code
+from workloads.deepresearch.metrics import compute_report, exit_code
 from workloads.deepresearch.openai_client import OpenAIInferenceClient
 from workloads.deepresearch.report import write_report
 from workloads.deepresearch.runner import RunOptions, RunResult, run_workload
 from workloads.deepresearch.stats_probe import gateway_scheduler, grpc_stats_probe
 from workloads.deepresearch.summary import print_summary
 from workloads.deepresearch.trace import load_replay
+
+
+class ReportNotWritten(RuntimeError):
+    """A run's report folder could not be written (its disk full, ``root`` unusable); the
+    run's summary was printed first. Regression (s40 diskfull): the ``OSError`` left the
+    command with a traceback, the outcome of a run of minutes never shown."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ async def run_deepresearch(
     Raises:
         ValueError: a tenant has no API key; the replay trace is malformed.
         FileNotFoundError: no replay trace at ``replay``.
+        ReportNotWritten: the run's report could not be written (its summary printed first).
     """
     # the unix second alone is shared by two runs started in it (s39): their sessions would mix
     options = options or RunOptions(session_prefix=f"run{int(time.time())}-{secrets.token_hex(4)}:")
@@ -92,9 +99,15 @@ async def run_deepresearch(
         "options": dataclasses.asdict(options),
         "replay": str(replay) if replay else None,
     }
-    run_dir, report = write_report(result.records, result.timeseries, config.tenants, root=root,
-                                   config=config, trace=result.trace, run_info=run_info,
-                                   scheduler=scheduler, policy=policy)  # fmt: skip
+    try:
+        run_dir, report = write_report(result.records, result.timeseries, config.tenants, root=root,
+                                       config=config, trace=result.trace, run_info=run_info,
+                                       scheduler=scheduler, policy=policy)  # fmt: skip
+    except OSError as exc:  # the run's outcome is printed all the same: the summary is its record
+        print_summary(compute_report(result.records, result.timeseries, config.tenants, scheduler=scheduler,
+                                     policy=policy), console)
+        raise ReportNotWritten(f"the run's report could not be written under {root} ({exc}): its summary is "
+                               f"above; {Path(root) / 'latest'} still points to the previous report") from exc
     print_summary(report, console)
     console.print(f"report: {run_dir} (also {Path(root) / 'latest'})")
     return JobOutcome(run_dir, report, exit_code(report), result)
