@@ -106,23 +106,31 @@ def save_checkpoint(target: Path, model: Any, tokenizer: Any) -> Path:
     ``incomplete_reason`` finds it whole, else replaced (one written without a record: a
     kvstrata from before the record, or a crash).
 
+    A save that fails (its disk full: ``save_pretrained`` raises safetensors' own error, not
+    an ``OSError``) removes its temp directory before raising. Regression (s40 diskfull): the
+    partial weights stayed on the full disk until the next conversion of that checkpoint.
+
     Raises:
         OSError: the directory cannot be written; what ``save_pretrained`` raises.
     """
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process that had our pid
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    sizes = {}
-    for f in sorted(tmp.iterdir()):
-        if f.is_file():
-            _fsync(f)
-            sizes[f.name] = f.stat().st_size
-    with open(tmp / COMPLETE_FILE, "w") as out:
-        out.write(json.dumps({"files": sizes}))
-        out.flush()
-        os.fsync(out.fileno())
-    _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        sizes = {}
+        for f in sorted(tmp.iterdir()):
+            if f.is_file():
+                _fsync(f)
+                sizes[f.name] = f.stat().st_size
+        with open(tmp / COMPLETE_FILE, "w") as out:
+            out.write(json.dumps({"files": sizes}))
+            out.flush()
+            os.fsync(out.fileno())
+        _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except BaseException:  # a full disk (safetensors' SafetensorError, OSError): its room back now
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, target)
     except OSError:  # ``target`` appeared meanwhile: kept when whole, else replaced

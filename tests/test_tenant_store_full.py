@@ -16,20 +16,18 @@ its last byte, which fails every write (the rollback journal cannot be made).
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
 from kvstrata.v1 import admin_pb2, tenant_pb2
 from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.model import TenantSpec
 from tests.test_auth_flood import _Aborted, _Ctx
 from tests.test_stale_key_other_gateway import _Gateway
+from tests.tiny_disk import fill_disk, tiny_disk  # noqa: F401 - the fixture
 
 
 class _Full(_Ctx):
@@ -103,36 +101,7 @@ def test_a_full_tenant_store_fails_register_unavailable_and_registers_once_it_ha
     assert _statuses([("register", admin_key, _register(gw, "dan"))])[0][1] == grpc.StatusCode.OK
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 256 KiB tmpfs of its own (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=700", "tmpfs", str(mount)],
-                      check=False, capture_output=True).returncode != 0:
-        pytest.skip("this host refuses a tmpfs mount")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
-def _fill(root: Path) -> Path:
-    filler = root / "filler"
-    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 512)
-    except OSError as exc:
-        assert exc.errno == 28  # ENOSPC
-    finally:
-        os.close(fd)
-    return filler
-
-
-def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tiny_disk: Path) -> None:
+def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tiny_disk: Path) -> None:  # noqa: F811
     """On a real full disk: register, update, delete, the admin's and a tenant's own key
     rotation, and the admin key's rotation each fail UNAVAILABLE; every key and tenant stays as
     it was; with room again, each works."""
@@ -147,7 +116,7 @@ def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tin
         ("rotate_own", ann_key, lambda c: gw.tenants.RotateKey(tenant_pb2.RotateKeyRequest(name="ann"), c)),
         ("rotate_admin", admin_key, lambda c: gw.admin.RotateAdminKey(admin_pb2.RotateAdminKeyRequest(), c)),
     ]
-    filler = _fill(tiny_disk)
+    filler = fill_disk(tiny_disk)
 
     _assert_unavailable(_statuses(calls))
 

@@ -15,8 +15,6 @@ save's lock file is a folder (EISDIR) anywhere.
 from __future__ import annotations
 
 import asyncio
-import errno
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +22,8 @@ import grpc
 import pytest
 
 from tests.gateway_harness import serve
-from tests.test_tenant_store_full import tiny_disk  # noqa: F401 - the fixture
 from tests.test_workload_register import PROFILES
+from tests.tiny_disk import fill_disk, tiny_disk  # noqa: F401 - the fixture
 from workloads.deepresearch.register import (
     KeysNotSaved,
     load_keys,
@@ -53,16 +51,7 @@ def broken(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Pat
         root = request.getfixturevalue("tiny_disk")
 
         def fill() -> object:
-            filler = root / "filler"
-            fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
-            try:
-                while True:
-                    os.write(fd, b"\0" * 512)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-            finally:
-                os.close(fd)
-            return filler.unlink
+            return fill_disk(root).unlink
         yield root / "cli" / "workload_keys.json", fill
     else:
         keys_file = tmp_path / "cli" / "workload_keys.json"

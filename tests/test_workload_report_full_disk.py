@@ -13,7 +13,6 @@ file anywhere.
 from __future__ import annotations
 
 import asyncio
-import errno
 import io
 import os
 from pathlib import Path
@@ -23,9 +22,9 @@ import pytest
 from rich.console import Console
 
 from kvstrata.v1 import inference_pb2_grpc
-from tests.test_tenant_store_full import tiny_disk  # noqa: F401 - the fixture
 from tests.test_workload_grpc_client import StandIn
 from tests.test_workload_job import CONFIG
+from tests.tiny_disk import fill_disk, tiny_disk  # noqa: F401 - the fixture
 from workloads.deepresearch.job import ReportNotWritten, run_deepresearch_grpc
 from workloads.deepresearch.runner import RunOptions
 
@@ -46,17 +45,6 @@ def _job(root: Path, out: io.StringIO) -> None:
     asyncio.run(main())
 
 
-def _fill(root: Path) -> None:
-    fd = os.open(root / "filler", os.O_CREAT | os.O_WRONLY, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 512)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("how", ["full_disk", "root_a_file"])
 def test_a_report_that_cannot_be_written_still_prints_the_runs_summary(
     request: pytest.FixtureRequest, tmp_path: Path, how: str
@@ -65,7 +53,7 @@ def test_a_report_that_cannot_be_written_still_prints_the_runs_summary(
         root = request.getfixturevalue("tiny_disk")
         (root / "latest").symlink_to("deepresearch/20260101-000000")  # an earlier run's report
         before = os.readlink(root / "latest")
-        _fill(root)
+        fill_disk(root)
     else:
         root, before = tmp_path / "reports", None
         root.write_text("not a folder")
