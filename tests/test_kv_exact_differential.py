@@ -18,7 +18,10 @@ entry too small to flip a greedy pick still moves them); a divergence is forgive
 the reference's top two logprobs there are within ``TIE`` (a float near-tie that another batch
 shape may flip).
 
-``EXAMPLES`` examples run here (~30 s); ``KV_FUZZ_EXAMPLES=N KV_FUZZ_SEED=S`` runs others.
+``EXAMPLES`` examples run here (one full-cache workload, seed 10: a tiny pool with host and spill
+tiers, block size 16; and one under lossy policies, seed 1010; ~15 + ~5 s of CPU);
+``KV_FUZZ_EXAMPLES=N KV_FUZZ_SEED=S`` runs others (N full-cache, N // 2 lossy from S + 1000). Workloads are
+not exactly repeatable: the scheduler's choices read clocks (measured prefill speed, waits).
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from cache_node.tiers.spill_store import SpillStore
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("KV_FUZZ_EXAMPLES", "2"))
-SEED = int(os.environ.get("KV_FUZZ_SEED", "0"))
+EXAMPLES = int(os.environ.get("KV_FUZZ_EXAMPLES", "1"))
+SEED = int(os.environ.get("KV_FUZZ_SEED", "10"))
 MAX_TOKENS = 6
 TIE = 2e-3  # logprob gap under which a greedy pick may flip with the batch's shape (fp32)
 LOGPROB_TOL = 1e-3  # a decoded token's logprob off the reference's by more: other KV (fp32 batch noise ~1e-5)
@@ -130,9 +133,9 @@ def _engine(lm: LoadedModel, rng: random.Random, tmp: str) -> tuple[LLMEngine, s
 
 
 def _run_example(lm: LoadedModel, ref: Reference | None, docs: list[list[int]], seed: int, tmp: str,
-                 seen: Counter[str], policies: tuple[str, ...] = ("",)) -> list[str]:
+                 seen: Counter[str], policies: tuple[str, ...] = ("",), steps: tuple[int, int] = (30, 70)) -> list[str]:
     """One random workload; returns its problems (empty: all good); counts what it exercised in
-    ``seen``. Each request runs under a policy drawn from ``policies`` ("": the full cache). With
+    ``seen``. Its step count is drawn from ``range(*steps)``. Each request runs under a policy drawn from ``policies`` ("": the full cache). With
     ``ref`` None (lossy policies) outputs are not compared with the reference: once the
     workload is done, some of its requests run twice more on the idle engine, one after the
     other, and must decode the same tokens both times."""
@@ -155,7 +158,7 @@ def _run_example(lm: LoadedModel, ref: Reference | None, docs: list[list[int]], 
     eng.runner.execute = faulty  # type: ignore[method-assign]
     done: list[Live] = []  # the requests that finished "length"
     n, demoted = 0, False
-    for step in range(rng.randrange(30, 70)):
+    for step in range(rng.randrange(*steps)):
         for _ in range(rng.choice([0, 0, 1, 1, 2])):
             if n >= 18:
                 break
@@ -297,13 +300,14 @@ LOSSY = ("h2o-0.25", "snapkv-0.5", "gkv-0.25", "spindlekv-0.25", "sentencekv-0.2
 
 def test_under_lossy_policies_integrity_holds_each_step_and_a_request_repeats_its_output(real_model, docs,
                                                                                        tmp_path) -> None:
-    """The same random workloads with each request under a random policy (compressing ones
+    """The same random workloads, shorter (15 to 34 steps), with each request under a random policy (compressing ones
     included, and the full cache): ``check_integrity`` and ``sharing_problems`` clean after
     every step, and afterwards a request run twice on the idle engine decodes the same tokens."""
     problems: list[str] = []
     seen = Counter[str]()
     for k in range(max(1, EXAMPLES // 2)):
-        problems += _run_example(real_model, None, docs, SEED + 1000 + k, str(tmp_path / f"spill{k}"), seen, LOSSY)
+        problems += _run_example(real_model, None, docs, SEED + 1000 + k, str(tmp_path / f"spill{k}"), seen, LOSSY,
+                                 (15, 35))
     print(dict(seen))
     assert seen["run twice"] > 0
     assert not problems, "\n".join(problems)
