@@ -52,9 +52,17 @@ def test_one_tenants_memory_and_cpu_bombs_fail_alone_on_a_shared_compiler(tokeni
         assert _accepts(g, compiled[0], tokenizer, '{"n": 7}') and not _accepts(g, compiled[0], tokenizer, '{"n": 70}')
         assert g.matcher(compiled[1]).accept_string("123-be") and not g.matcher(compiled[1]).accept_string("12-be")
         memory, cpu = (f.exception(timeout=60) for f in bombs)
-        assert isinstance(memory, ValueError) and str(memory) == (
-            "structured_output json_schema: its grammar needs more memory to compile than the cache node allows "
-            f"({24 << 20} bytes, grammar_worker_memory_bytes)"), memory
+        # the cap is met either as a bad_alloc the compiler replies (the usual case), or as the
+        # process's death when what ran out was a thread's allocation (glibc: "cannot allocate
+        # memory for thread-local data: ABORT", exit status 127: seen once in the s40 candidate
+        # CI under load); both refuse the spec alone, naming the cap, never as the node's fault
+        cap = f"{24 << 20}"
+        by_reply = ("structured_output json_schema: its grammar needs more memory to compile than the cache node "
+                    f"allows ({cap} bytes, grammar_worker_memory_bytes)")
+        by_death = ("structured_output json_schema: its grammar compiler failed on it (the grammar compiler process "
+                    f"ended before replying (exit status 127)); a compile may use at most {cap} bytes of memory "
+                    "(grammar_worker_memory_bytes)")
+        assert isinstance(memory, ValueError) and str(memory) in (by_reply, by_death), memory
         assert isinstance(cpu, ValueError) and str(cpu).startswith(
             "structured_output json_schema: its grammar did not compile within the cache node's limit of 1 s "
             "(grammar_compile_timeout_s)"), cpu
