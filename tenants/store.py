@@ -97,11 +97,17 @@ class TenantStore(ApiKeys, KeyIdLog, UsageRows, LostSessionRows, SpillRecreation
         return tenant, api_key
 
     def update(self, name: str, spec: TenantSpec) -> Tenant:
-        """Replace a tenant's spec; its id, creation time and keys stay.
+        """Replace a tenant's spec; its id, creation time and keys stay. The row is read back in
+        the same transaction, so an error raised here (``sqlite3.Error``) changed nothing.
+
+        Regression (s40 diff review r7): it was read back after the commit, a failed read
+        ('database is locked': another connection's write) raising with the new spec stored,
+        the gateway answering UNAVAILABLE 'nothing changed' and the scheduler keeping the old.
 
         Raises:
             ValueError: ``spec.name`` differs from ``name`` (tenants cannot be renamed).
             TenantNotFoundError: no tenant ``name``.
+            sqlite3.Error: the store failed (its disk full, locked); nothing changed.
         """
         if spec.name != name:
             raise ValueError(f"spec.name {spec.name!r} differs from {name!r}; cannot rename")
@@ -111,7 +117,10 @@ class TenantStore(ApiKeys, KeyIdLog, UsageRows, LostSessionRows, SpillRecreation
             )
             if cursor.rowcount == 0:
                 raise TenantNotFoundError(name)
-        return self.get(name)
+            row = self._conn.execute(
+                f"SELECT {_TENANT_COLUMNS} FROM tenants AS t WHERE t.name = ?", (name,)
+            ).fetchone()
+        return _tenant(row)
 
     def delete(self, name: str) -> str:
         """Remove a tenant and all its keys, and note its id among the deleted ones

@@ -16,6 +16,7 @@ its last byte, which fails every write (the rollback journal cannot be made).
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import grpc
 from kvstrata.v1 import admin_pb2, tenant_pb2
 from services.global_scheduler_admission import GlobalSchedulerService
 from tenants.model import TenantSpec
+from tenants.store import TenantStore
 from tests.test_auth_flood import _Aborted, _Ctx
 from tests.test_stale_key_other_gateway import _Gateway
 from tests.tiny_disk import fill_disk, tiny_disk  # noqa: F401 - the fixture
@@ -129,3 +131,51 @@ def test_a_full_disk_fails_every_store_write_unavailable_and_changes_nothing(tin
     assert {t.spec.name for t in scheduler.store.list()} == {"ann", "dan"}
     assert scheduler.store.authenticate(ann_key) is None  # rotated away now
     scheduler.store.close()
+
+
+def test_an_update_that_fails_changed_nothing_even_when_its_read_back_fails(tmp_path: Path) -> None:
+    """``TenantStore.update`` reads the updated row back inside its transaction: a store error
+    raised out of it (which the gateway answers UNAVAILABLE, 'nothing changed') means the spec
+    was not changed. Another connection (``kvstrata admin rotate-key --local``) takes the file's
+    exclusive lock at the first statement after the UPDATE at which it can.
+
+    Regression (s40 diff review r7 of 01ed7ce): the spec was committed and then read back
+    outside the transaction; that read failing ('database is locked') raised out of the update
+    with the new spec stored, so the caller was told nothing changed while the scheduler kept
+    the old spec in memory and the gateway its cached keys' old spec."""
+    path = tmp_path / "tenants.sqlite"
+    store = TenantStore(path)
+    store.register(TenantSpec("ann"))
+    store._conn.execute("PRAGMA busy_timeout = 0")  # (5 s by default: the lock is held to the end)
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    steps: list[str] = []
+
+    def lock_when_free(sql: str) -> None:
+        if not steps:  # (the UPDATE's own trace comes before it locks anything)
+            if sql.lstrip().upper().startswith("UPDATE TENANTS"):
+                steps.append("updating")
+            return
+        if steps[-1] != "locked":
+            try:
+                other.execute("BEGIN EXCLUSIVE")
+            except sqlite3.OperationalError:  # the update's transaction holds the file
+                steps.append(f"busy at {sql.split()[0]}")
+            else:
+                steps.append("locked")
+
+    store._conn.set_trace_callback(lock_when_free)
+    try:
+        tenant = store.update("ann", TenantSpec("ann", max_context_tokens=1024))
+    except sqlite3.Error:
+        store._conn.set_trace_callback(None)
+        other.execute("ROLLBACK")
+        assert store.get("ann").spec.max_context_tokens != 1024, steps  # nothing changed, as told
+    else:
+        assert tenant.spec.max_context_tokens == 1024, steps
+    finally:
+        store._conn.set_trace_callback(None)
+        if other.in_transaction:
+            other.execute("ROLLBACK")
+        other.close()
+    assert steps, "the other connection never tried the lock"
+    store.close()
